@@ -1,0 +1,49 @@
+"""Shared benchmark plumbing: timing with median/p20/p80, markdown tables, JSON records."""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import time
+
+
+def time_ms(fn, *, reps: int, warmup: int = 2) -> dict:
+    """Median and p20/p80 of `reps` timed calls, in milliseconds (noisy machines: never a mean)."""
+    for _ in range(warmup):
+        fn()
+    samples = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        samples.append((time.perf_counter() - t0) * 1e3)
+    samples.sort()
+    q = statistics.quantiles(samples, n=10, method="inclusive") if len(samples) > 1 else samples * 9
+    return {"median_ms": statistics.median(samples), "p20_ms": q[1], "p80_ms": q[7]}
+
+
+def markdown_table(rows: list[dict], columns: list[tuple[str, str, str]]) -> str:
+    """columns: (key, header, format spec); a missing value prints as '-'."""
+    head = "| " + " | ".join(h for _, h, _ in columns) + " |"
+    sep = "|" + "|".join("---" for _ in columns) + "|"
+    lines = [head, sep]
+    for r in rows:
+        cells = []
+        for key, _, fmt in columns:
+            v = r.get(key)
+            cells.append("-" if v is None else format(v, fmt))
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def write_json(path: str | None, records: list[dict]) -> None:
+    if not path:
+        return
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(records, f, indent=1)
+    print(f"wrote {path}")
+
+
+def host_description() -> str:
+    return f"{platform.processor() or platform.machine()}, {os.cpu_count()} cpus"

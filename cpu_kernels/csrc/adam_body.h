@@ -1,0 +1,121 @@
+/* The Adam and grad-statistics loops, written once and compiled once per SIMD level.
+ *
+ * A level file defines LEVEL and the block primitives (load_block, store_block,
+ * chunk_sumsq, finish_stores) with its own intrinsics, then includes this body. Work goes
+ * in blocks of BLK elements: grads (and bf16 moments) are widened into L1-resident fp32
+ * buffers, one vectorised loop does the math, results are narrowed on the way out. fp32
+ * state updated in place is read and written straight from memory; in bank mode (outputs
+ * elsewhere) results go through L1 and leave with non-temporal stores, so writing a spare
+ * bank costs no read-for-ownership: bank mode moves the same bytes as in place.
+ */
+#define BLK 2048
+#define CAT_(a, b) a##_##b
+#define CAT(a, b) CAT_(a, b)
+#define FN(name) CAT(name, LEVEL)
+
+static inline __attribute__((always_inline)) void adam_math(
+    const float *pin, const float *g, const float *m, const float *v, const float *vmax,
+    float *pout, float *mout, float *vout, float *vmaxout, int len, const adam_consts_t *c,
+    const int amsgrad, const int l2)
+{
+    const float w1 = c->one_minus_beta1, b2 = c->beta2, w2 = c->one_minus_beta2;
+    const float eps = c->eps, nss = c->neg_step_size, ib = c->inv_bias_correction2_sqrt;
+    const float decay = c->decay, wd = c->l2, gscale = c->grad_scale;
+#pragma omp simd
+    for (int i = 0; i < len; i++) {
+        float p = pin[i];
+        float gi = g[i] * gscale;
+        if (l2) gi = gi + wd * p;            /* Adam: L2 penalty folded into the grad */
+        float mi = m[i] + w1 * (gi - m[i]);  /* torch's lerp(m, g, 1 - beta1) */
+        float vi = v[i] * b2 + w2 * (gi * gi);
+        float vv = vi;
+        if (amsgrad) {
+            vv = vmax[i] > vi ? vmax[i] : vi;
+            vmaxout[i] = vv;
+        }
+        float denom = __builtin_sqrtf(vv) * ib + eps;
+        pout[i] = p * decay + nss * (mi / denom);  /* AdamW: decay = 1 - lr * wd; Adam: 1 */
+        mout[i] = mi;
+        vout[i] = vi;
+    }
+}
+
+void FN(adam_range)(const adam_args_t *a, const adam_consts_t *c, int64_t begin, int64_t end)
+{
+    float gb[BLK] __attribute__((aligned(64)));
+    float mb[BLK] __attribute__((aligned(64))), vb[BLK] __attribute__((aligned(64)));
+    float xb[BLK] __attribute__((aligned(64)));
+    float pob[BLK] __attribute__((aligned(64))), mob[BLK] __attribute__((aligned(64)));
+    float vob[BLK] __attribute__((aligned(64))), xob[BLK] __attribute__((aligned(64)));
+    const int mdt = a->moment_dtype, oop = c->out_of_place, ams = c->amsgrad, l2 = c->l2_mode;
+    const int direct = (mdt == DT_F32) && !oop;  /* moments read and written in memory */
+
+    for (int64_t off = begin; off < end; off += BLK) {
+        const int len = (int)((end - off) < BLK ? (end - off) : BLK);
+        const float *gi = (const float *)a->grad + off;  /* fp32 grads: read in place */
+        if (a->grad_dtype != DT_F32) {
+            load_block(gb, a->grad, a->grad_dtype, off, len, 1.0f);
+            gi = gb;
+        }
+        const float *pin = a->param + off;
+        const float *mi, *vi, *xi = NULL;
+        if (mdt == DT_F32) {
+            mi = (const float *)a->exp_avg + off;
+            vi = (const float *)a->exp_avg_sq + off;
+            if (ams) xi = (const float *)a->max_exp_avg_sq + off;
+        } else {
+            load_block(mb, a->exp_avg, mdt, off, len, 1.0f);
+            load_block(vb, a->exp_avg_sq, mdt, off, len, 1.0f);
+            if (ams) load_block(xb, a->max_exp_avg_sq, mdt, off, len, 1.0f);
+            mi = mb; vi = vb; xi = xb;
+        }
+        float *po = oop ? pob : a->param_out + off;
+        float *mo = direct ? (float *)a->exp_avg_out + off : mob;
+        float *vo = direct ? (float *)a->exp_avg_sq_out + off : vob;
+        float *xo = (direct && ams) ? (float *)a->max_exp_avg_sq_out + off : xob;
+
+        if (ams) {
+            if (l2) adam_math(pin, gi, mi, vi, xi, po, mo, vo, xo, len, c, 1, 1);
+            else adam_math(pin, gi, mi, vi, xi, po, mo, vo, xo, len, c, 1, 0);
+        } else {
+            if (l2) adam_math(pin, gi, mi, vi, xi, po, mo, vo, xo, len, c, 0, 1);
+            else adam_math(pin, gi, mi, vi, xi, po, mo, vo, xo, len, c, 0, 0);
+        }
+
+        if (po == pob) store_block(a->param_out, DT_F32, off, pob, len, 1);
+        if (mo == mob) store_block(a->exp_avg_out, mdt, off, mob, len, oop);
+        if (vo == vob) store_block(a->exp_avg_sq_out, mdt, off, vob, len, oop);
+        if (ams && xo == xob) store_block(a->max_exp_avg_sq_out, mdt, off, xob, len, oop);
+        if (a->param_copy) store_block(a->param_copy, a->copy_dtype, off, po, len, 1);
+    }
+    finish_stores();
+}
+
+/* Sums of squares of chunks [chunk0, chunk1) into partials[chunk]; see kernels.h. */
+void FN(grad_chunk_sums)(const void *g, int dt, int64_t n, int64_t chunk0, int64_t chunk1,
+                         double *partials)
+{
+    for (int64_t k = chunk0; k < chunk1; k++) {
+        const int64_t off = k * GRAD_STATS_CHUNK;
+        const int64_t len = (n - off) < GRAD_STATS_CHUNK ? (n - off) : GRAD_STATS_CHUNK;
+        double lanes[GRAD_STATS_LANES];
+        chunk_sumsq(g, dt, off, len, lanes);
+        double s8[8], s4[4];
+        for (int i = 0; i < 8; i++) s8[i] = lanes[i] + lanes[i + 8];
+        for (int i = 0; i < 4; i++) s4[i] = s8[i] + s8[i + 4];
+        partials[k] = (s4[0] + s4[2]) + (s4[1] + s4[3]);
+    }
+}
+
+/* The roofline probe: Adam's access pattern (read p, g, m, v; write p, m, v in place) with
+ * none of its arithmetic, so it moves the same 28 bytes per element at memory speed. */
+void FN(bw_inplace)(float *p, const float *g, float *m, float *v, int64_t begin, int64_t end)
+{
+#pragma omp simd
+    for (int64_t i = begin; i < end; i++) {
+        const float gi = g[i];
+        p[i] = p[i] * 0.999f + gi;
+        m[i] = m[i] * 0.999f + gi;
+        v[i] = v[i] * 0.999f + gi;
+    }
+}

@@ -1,0 +1,195 @@
+/* cpu_kernels: run-time SIMD dispatch, OpenMP work split, and the exported C API.
+ *
+ * The level is detected once (CPUID plus OS register-state support, through gcc's
+ * __builtin_cpu_supports) and can be lowered, never raised, by the caller. Threads split
+ * work by element ranges for Adam (elementwise: any split gives the same bits) and by
+ * fixed chunks for grad_stats (see kernels.h), so results never depend on thread count.
+ */
+#include <math.h>
+#include <stdlib.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+#include "kernels.h"
+
+enum { LEVEL_PORTABLE = 0, LEVEL_AVX2 = 1, LEVEL_AVX512 = 2 };
+
+static int detected_level(void)
+{
+#if defined(__x86_64__) && defined(__GNUC__)
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+        __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq"))
+        return LEVEL_AVX512;
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+        __builtin_cpu_supports("f16c"))
+        return LEVEL_AVX2;
+#endif
+    return LEVEL_PORTABLE;
+}
+
+static int g_level = -1;
+
+int hybrid_max_level(void) { return detected_level(); }
+
+int hybrid_get_level(void)
+{
+    if (g_level < 0) g_level = detected_level();
+    return g_level;
+}
+
+/* Returns 0, or -1 when the CPU cannot run the requested level. */
+int hybrid_set_level(int level)
+{
+    if (level < LEVEL_PORTABLE || level > detected_level()) return -1;
+    g_level = level;
+    return 0;
+}
+
+void hybrid_set_num_threads(int n)
+{
+#ifdef _OPENMP
+    if (n > 0) omp_set_num_threads(n);
+#else
+    (void)n;
+#endif
+}
+
+int hybrid_get_num_threads(void)
+{
+#ifdef _OPENMP
+    return omp_get_max_threads();
+#else
+    return 1;
+#endif
+}
+
+/* Below this many elements a fork/join costs more than it saves. */
+#define PARALLEL_MIN 65536
+/* Thread ranges start on multiples of this (a 64-byte line of fp32 and of bf16 pairs). */
+#define SPLIT_ALIGN 64
+
+static void thread_range(int64_t n, int64_t *b, int64_t *e)
+{
+#ifdef _OPENMP
+    const int64_t nt = omp_get_num_threads(), t = omp_get_thread_num();
+#else
+    const int64_t nt = 1, t = 0;
+#endif
+    const int64_t units = (n + SPLIT_ALIGN - 1) / SPLIT_ALIGN;
+    const int64_t u0 = units * t / nt, u1 = units * (t + 1) / nt;
+    *b = u0 * SPLIT_ALIGN;
+    *e = u1 * SPLIT_ALIGN < n ? u1 * SPLIT_ALIGN : n;
+}
+
+void hybrid_adam_step(const adam_args_t *a)
+{
+    adam_consts_t c;
+    /* Bias corrections in double, as torch.optim computes them in Python floats. */
+    const double bc1 = 1.0 - pow(a->beta1, (double)a->step);
+    const double bc2 = 1.0 - pow(a->beta2, (double)a->step);
+    c.grad_scale = (float)a->grad_scale;
+    c.beta1 = (float)a->beta1;
+    c.one_minus_beta1 = (float)(1.0 - a->beta1);
+    c.beta2 = (float)a->beta2;
+    c.one_minus_beta2 = (float)(1.0 - a->beta2);
+    c.eps = (float)a->eps;
+    c.neg_step_size = (float)(-(a->lr / bc1));
+    c.inv_bias_correction2_sqrt = (float)(1.0 / sqrt(bc2));
+    c.decay = a->decoupled ? (float)(1.0 - a->lr * a->weight_decay) : 1.0f;
+    c.l2 = a->decoupled ? 0.0f : (float)a->weight_decay;
+    c.l2_mode = !a->decoupled && a->weight_decay != 0.0;
+    c.amsgrad = a->max_exp_avg_sq != NULL;
+    c.out_of_place = a->param_out != a->param;
+
+    const int level = hybrid_get_level();
+    const int64_t n = a->n;
+#pragma omp parallel if (n >= PARALLEL_MIN)
+    {
+        int64_t b, e;
+        thread_range(n, &b, &e);
+        if (b < e) {
+            if (level == LEVEL_AVX512) adam_range_avx512(a, &c, b, e);
+            else if (level == LEVEL_AVX2) adam_range_avx2(a, &c, b, e);
+            else adam_range_portable(a, &c, b, e);
+        }
+    }
+}
+
+/* Returns 0 and the sum of squares in *out, or -1 when out of memory. */
+int hybrid_grad_stats(const void *g, int dt, int64_t n, double *out)
+{
+    const int64_t chunks = (n + GRAD_STATS_CHUNK - 1) / GRAD_STATS_CHUNK;
+    double stack_partials[64];
+    double *partials = chunks <= 64 ? stack_partials : (double *)malloc((size_t)chunks * sizeof(double));
+    if (!partials) return -1;
+    const int level = hybrid_get_level();
+#pragma omp parallel if (n >= 2 * GRAD_STATS_CHUNK)
+    {
+#ifdef _OPENMP
+        const int64_t nt = omp_get_num_threads(), t = omp_get_thread_num();
+#else
+        const int64_t nt = 1, t = 0;
+#endif
+        const int64_t c0 = chunks * t / nt, c1 = chunks * (t + 1) / nt;
+        if (c0 < c1) {
+            if (level == LEVEL_AVX512) grad_chunk_sums_avx512(g, dt, n, c0, c1, partials);
+            else if (level == LEVEL_AVX2) grad_chunk_sums_avx2(g, dt, n, c0, c1, partials);
+            else grad_chunk_sums_portable(g, dt, n, c0, c1, partials);
+        }
+    }
+    double s = 0.0;
+    for (int64_t k = 0; k < chunks; k++) s += partials[k];  /* fixed order */
+    if (partials != stack_partials) free(partials);
+    *out = s;
+    return 0;
+}
+
+void hybrid_bw_inplace(float *p, const float *g, float *m, float *v, int64_t n)
+{
+    const int level = hybrid_get_level();
+#pragma omp parallel if (n >= PARALLEL_MIN)
+    {
+        int64_t b, e;
+        thread_range(n, &b, &e);
+        if (b < e) {
+            if (level == LEVEL_AVX512) bw_inplace_avx512(p, g, m, v, b, e);
+            else if (level == LEVEL_AVX2) bw_inplace_avx2(p, g, m, v, b, e);
+            else bw_inplace_portable(p, g, m, v, b, e);
+        }
+    }
+}
+
+/* Undo one Adam/AdamW step in place, in fp64, from the post-step state and the same grads
+ * and hyperparameters. Forward (fp32): g = grad*scale [+ wd*p0 for Adam];
+ * m1 = m0 + (1-b1)(g-m0); v1 = b2 v0 + (1-b2) g^2; p1 = p0*decay - ss*m1/(sqrt(v1)/bc2s + eps).
+ * Element-wise guards: an element whose grad or recovered values are not finite is left
+ * as it is (never NaN, never zeroed), and v is clamped at 0. */
+void hybrid_adam_inverse(const adam_inverse_args_t *a)
+{
+    const double b1 = a->beta1, b2 = a->beta2;
+    const double bc1 = 1.0 - pow(b1, (double)a->step), bc2 = 1.0 - pow(b2, (double)a->step);
+    const double ss = a->lr / bc1, ib = (double)(float)(1.0 / sqrt(bc2));
+    const double decay = a->decoupled ? (double)(float)(1.0 - a->lr * a->weight_decay) : 1.0;
+    const double wd = a->decoupled ? 0.0 : (double)(float)a->weight_decay;
+    const double scale = (double)(float)a->grad_scale, eps = (double)(float)a->eps;
+    const double w1 = (double)(float)(1.0 - b1), w2 = (double)(float)(1.0 - b2);
+    const double fb1 = 1.0 - w1, fb2 = (double)(float)b2;
+    const int64_t n = a->n;
+#pragma omp parallel for schedule(static) if (n >= PARALLEL_MIN)
+    for (int64_t i = 0; i < n; i++) {
+        const double g0 = (double)(float)((double)load_scalar(a->grad, a->grad_dtype, i) * scale);
+        const double p1 = a->param[i], m1 = a->exp_avg[i], v1 = a->exp_avg_sq[i];
+        if (!isfinite(g0) || !isfinite(p1) || !isfinite(m1) || !isfinite(v1)) continue;
+        const double denom = sqrt(v1) * ib + eps;
+        const double p0 = (p1 + ss * m1 / denom) / decay;
+        const double g = g0 + wd * p0;
+        const double m0 = (m1 - w1 * g) / fb1;
+        double v0 = (v1 - w2 * g * g) / fb2;
+        if (v0 < 0.0) v0 = 0.0;
+        if (!isfinite(p0) || !isfinite(m0) || !isfinite(v0)) continue;
+        a->param[i] = (float)p0;
+        a->exp_avg[i] = (float)m0;
+        a->exp_avg_sq[i] = (float)v0;
+    }
+}

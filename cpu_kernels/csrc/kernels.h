@@ -1,0 +1,121 @@
+/* cpu_kernels: shared declarations of the C kernels and their scalar helpers.
+ *
+ * Every kernel exists once per SIMD level (avx512, avx2, portable); dispatch.c picks one
+ * at run time. Scalar helpers here are the reference for the tails of the SIMD loops, so
+ * a value rounds the same way whichever level stepped it.
+ */
+#ifndef HYBRID_OPT_KERNELS_H
+#define HYBRID_OPT_KERNELS_H
+
+#include <stdint.h>
+#include <string.h>
+
+enum { DT_F32 = 0, DT_BF16 = 1, DT_F16 = 2 };
+
+/* One Adam call, as filled in by the Python binding (ctypes mirrors this layout). */
+typedef struct {
+    int64_t n;
+    float *param;                  /* fp32 master, read */
+    const void *grad;              /* grad_dtype */
+    const void *exp_avg;           /* moment_dtype */
+    const void *exp_avg_sq;        /* moment_dtype */
+    const void *max_exp_avg_sq;    /* moment_dtype, NULL unless amsgrad */
+    float *param_out;              /* == param in place; another buffer in bank mode */
+    void *exp_avg_out;
+    void *exp_avg_sq_out;
+    void *max_exp_avg_sq_out;
+    void *param_copy;              /* copy_dtype (bf16/fp16), NULL when absent */
+    int32_t grad_dtype, moment_dtype, copy_dtype, decoupled;
+    int64_t step;
+    double lr, beta1, beta2, eps, weight_decay, grad_scale;
+} adam_args_t;
+
+/* Per-call constants in the precision the kernel uses, computed once in dispatch.c. */
+typedef struct {
+    float grad_scale, beta1, one_minus_beta1, beta2, one_minus_beta2, eps;
+    float neg_step_size, inv_bias_correction2_sqrt, decay, l2;
+    int amsgrad, l2_mode, out_of_place;
+} adam_consts_t;
+
+typedef struct {
+    int64_t n;
+    float *param;                  /* post-step fp32 master, restored in place */
+    const void *grad;
+    float *exp_avg, *exp_avg_sq;   /* post-step fp32 moments, restored in place */
+    int32_t grad_dtype, decoupled;
+    int64_t step;
+    double lr, beta1, beta2, eps, weight_decay, grad_scale;
+} adam_inverse_args_t;
+
+/* grad_stats reduces fixed chunks of this many elements, 16 fp64 lanes each (element i of
+ * a chunk goes to lane i % 16), lanes combined by a fixed tree, chunk partials summed in
+ * chunk order: the same bits for every thread count and SIMD level. Squares of fp32 values
+ * are exact in fp64, so only the additions round, and always in this one order. */
+#define GRAD_STATS_CHUNK 16384
+#define GRAD_STATS_LANES 16
+
+/* ---- scalar conversions (bit-exact with torch's casts) ---- */
+static inline uint32_t f32_bits(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
+static inline float bits_f32(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
+
+static inline float bf16_to_f32(uint16_t h) { return bits_f32((uint32_t)h << 16); }
+
+/* torch's float -> bfloat16: round to nearest even, NaN -> 0x7FC0 */
+static inline uint16_t f32_to_bf16(float f) {
+    uint32_t u = f32_bits(f);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
+    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+/* IEEE half -> float, exact for every input (normal, subnormal, inf, NaN). */
+static inline float f16_to_f32(uint16_t h) {
+    const uint32_t w = (uint32_t)h << 16;
+    const uint32_t sign = w & 0x80000000u;
+    const uint32_t two_w = w + w;
+    const float normalized = bits_f32((two_w >> 4) + (0xE0u << 23)) * 0x1.0p-112f;
+    const float denormalized = bits_f32((two_w >> 17) | (126u << 23)) - 0.5f;
+    const uint32_t r = sign | (two_w < (1u << 27) ? f32_bits(denormalized) : f32_bits(normalized));
+    return bits_f32(r);
+}
+
+/* float -> IEEE half, round to nearest even (the hardware's and torch's rounding). */
+static inline uint16_t f32_to_f16(float f) {
+    float base = (__builtin_fabsf(f) * 0x1.0p+112f) * 0x1.0p-110f;
+    const uint32_t w = f32_bits(f);
+    const uint32_t shl1_w = w + w;
+    const uint32_t sign = w & 0x80000000u;
+    uint32_t bias = shl1_w & 0xFF000000u;
+    if (bias < 0x71000000u) bias = 0x71000000u;
+    base = bits_f32((bias >> 1) + 0x07800000u) + base;
+    const uint32_t bits = f32_bits(base);
+    const uint32_t nonsign = ((bits >> 13) & 0x7C00u) + (bits & 0x0FFFu);
+    return (uint16_t)((sign >> 16) | (shl1_w > 0xFF000000u ? 0x7E00u : nonsign));
+}
+
+static inline float load_scalar(const void *p, int dt, int64_t i) {
+    switch (dt) {
+    case DT_BF16: return bf16_to_f32(((const uint16_t *)p)[i]);
+    case DT_F16: return f16_to_f32(((const uint16_t *)p)[i]);
+    default: return ((const float *)p)[i];
+    }
+}
+
+static inline void store_scalar(void *p, int dt, int64_t i, float v) {
+    switch (dt) {
+    case DT_BF16: ((uint16_t *)p)[i] = f32_to_bf16(v); break;
+    case DT_F16: ((uint16_t *)p)[i] = f32_to_f16(v); break;
+    default: ((float *)p)[i] = v;
+    }
+}
+
+/* ---- per-level entry points (kernels_<level>.c) ---- */
+#define DECLARE_LEVEL(L)                                                                  \
+    void adam_range_##L(const adam_args_t *a, const adam_consts_t *c, int64_t b, int64_t e); \
+    void grad_chunk_sums_##L(const void *g, int dt, int64_t n, int64_t chunk0, int64_t chunk1, \
+                             double *partials);                                           \
+    void bw_inplace_##L(float *p, const float *g, float *m, float *v, int64_t b, int64_t e);
+DECLARE_LEVEL(avx512)
+DECLARE_LEVEL(avx2)
+DECLARE_LEVEL(portable)
+
+#endif
