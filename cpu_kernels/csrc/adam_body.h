@@ -8,7 +8,7 @@
  * elsewhere) results go through L1 and leave with non-temporal stores, so writing a spare
  * bank costs no read-for-ownership: bank mode moves the same bytes as in place.
  */
-#define BLK 2048
+#define BLK 128
 #define CAT_(a, b) a##_##b
 #define CAT(a, b) CAT_(a, b)
 #define FN(name) CAT(name, LEVEL)

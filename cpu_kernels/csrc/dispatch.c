@@ -187,9 +187,11 @@ void hybrid_adam_inverse(const adam_inverse_args_t *a)
         const double m0 = (m1 - w1 * g) / fb1;
         double v0 = (v1 - w2 * g * g) / fb2;
         if (v0 < 0.0) v0 = 0.0;
-        if (!isfinite(p0) || !isfinite(m0) || !isfinite(v0)) continue;
-        a->param[i] = (float)p0;
-        a->exp_avg[i] = (float)m0;
-        a->exp_avg_sq[i] = (float)v0;
+        /* judged after the cast: a finite double can still round to an fp32 inf */
+        const float p0f = (float)p0, m0f = (float)m0, v0f = (float)v0;
+        if (!isfinite(p0f) || !isfinite(m0f) || !isfinite(v0f)) continue;
+        a->param[i] = p0f;
+        a->exp_avg[i] = m0f;
+        a->exp_avg_sq[i] = v0f;
     }
 }

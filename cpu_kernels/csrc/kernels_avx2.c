@@ -41,9 +41,9 @@ static inline void store_block(void *dst, int dt, int64_t off, const float *src,
         float *d = (float *)dst + off;
         if (nt) {
             for (; i < len && ((uintptr_t)(d + i) & 31); i++) d[i] = src[i];
-            for (; i + 8 <= len; i += 8) _mm256_stream_ps(d + i, _mm256_load_ps(src + i));
+            for (; i + 8 <= len; i += 8) _mm256_stream_ps(d + i, _mm256_loadu_ps(src + i));
         } else {
-            for (; i + 8 <= len; i += 8) _mm256_storeu_ps(d + i, _mm256_load_ps(src + i));
+            for (; i + 8 <= len; i += 8) _mm256_storeu_ps(d + i, _mm256_loadu_ps(src + i));
         }
         for (; i < len; i++) d[i] = src[i];
         return;

@@ -40,9 +40,9 @@ static inline void store_block(void *dst, int dt, int64_t off, const float *src,
         float *d = (float *)dst + off;
         if (nt) {
             for (; i < len && ((uintptr_t)(d + i) & 63); i++) d[i] = src[i];
-            for (; i + 16 <= len; i += 16) _mm512_stream_ps(d + i, _mm512_load_ps(src + i));
+            for (; i + 16 <= len; i += 16) _mm512_stream_ps(d + i, _mm512_loadu_ps(src + i));
         } else {
-            for (; i + 16 <= len; i += 16) _mm512_storeu_ps(d + i, _mm512_load_ps(src + i));
+            for (; i + 16 <= len; i += 16) _mm512_storeu_ps(d + i, _mm512_loadu_ps(src + i));
         }
         for (; i < len; i++) d[i] = src[i];
         return;

@@ -1,0 +1,194 @@
+"""The tensor API of cpu_kernels: argument checks, then one call into the C library."""
+from __future__ import annotations
+
+import ctypes
+import math
+
+import torch
+
+from ._lib import DT_BF16, DT_F16, DT_F32, AdamArgs, InverseArgs, lib
+
+_DTYPE_CODES = {torch.float32: DT_F32, torch.bfloat16: DT_BF16, torch.float16: DT_F16}
+
+
+def _check_tensor(t, name, dtypes, numel=None):
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.device.type != "cpu":
+        raise ValueError(f"{name} must be a CPU tensor, got a tensor on {t.device}; the host "
+                         f"tier's kernels read host memory (use gpu_kernels for device tensors)")
+    if t.dtype not in dtypes:
+        raise TypeError(f"{name} must have dtype in {[str(d) for d in dtypes]}, got {t.dtype}")
+    if t.is_sparse or t.layout != torch.strided:
+        raise TypeError(f"{name} must be a dense strided tensor, got layout {t.layout}")
+    if not t.is_contiguous():
+        raise ValueError(f"{name} must be contiguous (call .contiguous() first)")
+    if numel is not None and t.numel() != numel:
+        raise ValueError(f"{name} has {t.numel()} elements, expected {numel} (the param's)")
+    return t
+
+
+def _span(t):
+    start = t.data_ptr()
+    return start, start + t.numel() * t.element_size()
+
+
+def _check_no_overlap(outs, ins):
+    for oname, o in outs:
+        ob, oe = _span(o)
+        for iname, i in ins:
+            ib, ie = _span(i)
+            if ob < ie and ib < oe:
+                raise ValueError(f"{oname} overlaps {iname}: bank mode writes new state "
+                                 f"elsewhere and must leave the inputs untouched")
+
+
+def _check_hyper(lr, beta1, beta2, eps, weight_decay, step, grad_scale):
+    for name, v in (("lr", lr), ("beta1", beta1), ("beta2", beta2), ("eps", eps),
+                    ("weight_decay", weight_decay), ("grad_scale", grad_scale)):
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            raise TypeError(f"{name} must be a float, got {type(v).__name__}")
+        if not math.isfinite(v):
+            raise ValueError(f"{name} must be finite, got {v}")
+    if lr < 0:
+        raise ValueError(f"Invalid learning rate: {lr}")
+    if eps < 0:
+        raise ValueError(f"Invalid epsilon value: {eps}")
+    if not 0.0 <= beta1 < 1.0:
+        raise ValueError(f"Invalid beta parameter at index 0: {beta1}")
+    if not 0.0 <= beta2 < 1.0:
+        raise ValueError(f"Invalid beta parameter at index 1: {beta2}")
+    if weight_decay < 0:
+        raise ValueError(f"Invalid weight_decay value: {weight_decay}")
+    if isinstance(step, bool) or not isinstance(step, int) or step < 1:
+        raise ValueError(f"step must be an int >= 1 (the step count after this update), got {step!r}")
+
+
+_STATE_DTYPES = (torch.float32, torch.bfloat16)
+_GRAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_COPY_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def adam_step_(param, grad, exp_avg, exp_avg_sq, *, step, lr, beta1, beta2, eps, weight_decay,
+               decoupled=True, grad_scale=1.0, max_exp_avg_sq=None, param_copy=None, out=None):
+    """One Adam (decoupled=False, L2) or AdamW step over contiguous CPU tensors.
+
+    param: fp32 master; grad: fp32/bf16/fp16, multiplied by `grad_scale` in the same pass
+    (1/loss_scale x clip coefficient; negative for maximize); exp_avg/exp_avg_sq (and
+    max_exp_avg_sq for amsgrad): fp32 or bf16 (rounded to nearest even). `param_copy`:
+    a bf16/fp16 tensor receiving the updated param, rounded exactly as torch's cast.
+    `out=(param_out, exp_avg_out, exp_avg_sq_out[, max_exp_avg_sq_out])`: bank mode, the
+    new state is written there (non-temporal stores) and the inputs stay bitwise unchanged.
+    `step` is the step count after this update (1 on the first).
+    """
+    _check_hyper(lr, beta1, beta2, eps, weight_decay, step, grad_scale)
+    _check_tensor(param, "param", (torch.float32,))
+    n = param.numel()
+    _check_tensor(grad, "grad", _GRAD_DTYPES, n)
+    _check_tensor(exp_avg, "exp_avg", _STATE_DTYPES, n)
+    _check_tensor(exp_avg_sq, "exp_avg_sq", _STATE_DTYPES, n)
+    if exp_avg_sq.dtype != exp_avg.dtype:
+        raise TypeError(f"exp_avg_sq dtype {exp_avg_sq.dtype} differs from exp_avg dtype {exp_avg.dtype}")
+    if max_exp_avg_sq is not None:
+        _check_tensor(max_exp_avg_sq, "max_exp_avg_sq", (exp_avg.dtype,), n)
+    if param_copy is not None:
+        _check_tensor(param_copy, "param_copy", _COPY_DTYPES, n)
+    ins = [("param", param), ("grad", grad), ("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)]
+    if max_exp_avg_sq is not None:
+        ins.append(("max_exp_avg_sq", max_exp_avg_sq))
+    if out is None:
+        outs = [param, exp_avg, exp_avg_sq, max_exp_avg_sq]
+    else:
+        want = 4 if max_exp_avg_sq is not None else 3
+        if not isinstance(out, (tuple, list)) or len(out) != want:
+            raise ValueError(f"out must be a tuple of {want} tensors (param_out, exp_avg_out, "
+                             f"exp_avg_sq_out{', max_exp_avg_sq_out' if want == 4 else ''})")
+        names = ("out[0] (param_out)", "out[1] (exp_avg_out)", "out[2] (exp_avg_sq_out)",
+                 "out[3] (max_exp_avg_sq_out)")
+        for k, t in enumerate(out):
+            _check_tensor(t, names[k], (torch.float32,) if k == 0 else (exp_avg.dtype,), n)
+        _check_no_overlap([(names[k], t) for k, t in enumerate(out)], ins)
+        outs = list(out) + [None] * (4 - len(out))
+    if param_copy is not None:
+        _check_no_overlap([("param_copy", param_copy)], ins)
+    if n == 0:
+        return param if out is None else out[0]
+
+    a = AdamArgs()
+    a.n = n
+    a.param, a.grad, a.exp_avg, a.exp_avg_sq = (param.data_ptr(), grad.data_ptr(),
+                                                exp_avg.data_ptr(), exp_avg_sq.data_ptr())
+    a.max_exp_avg_sq = max_exp_avg_sq.data_ptr() if max_exp_avg_sq is not None else None
+    a.param_out, a.exp_avg_out, a.exp_avg_sq_out = (t.data_ptr() for t in outs[:3])
+    a.max_exp_avg_sq_out = outs[3].data_ptr() if outs[3] is not None else None
+    a.param_copy = param_copy.data_ptr() if param_copy is not None else None
+    a.grad_dtype = _DTYPE_CODES[grad.dtype]
+    a.moment_dtype = _DTYPE_CODES[exp_avg.dtype]
+    a.copy_dtype = _DTYPE_CODES[param_copy.dtype] if param_copy is not None else 0
+    a.decoupled = 1 if decoupled else 0
+    a.step = step
+    a.lr, a.beta1, a.beta2, a.eps, a.weight_decay, a.grad_scale = (
+        float(lr), float(beta1), float(beta2), float(eps), float(weight_decay), float(grad_scale))
+    lib.hybrid_adam_step(ctypes.byref(a))
+    return param if out is None else out[0]
+
+
+def grad_stats(grad):
+    """(sum of squares as a Python float accumulated in fp64, all_finite) in one pass.
+
+    Bitwise the same for any thread count and SIMD level: fixed 16384-element chunks with
+    16 fp64 lanes each, combined in a fixed order. all_finite is exact: squares of finite
+    fp32 values cannot overflow fp64, so the sum is finite exactly when every element is.
+    """
+    _check_tensor(grad, "grad", _GRAD_DTYPES)
+    out = ctypes.c_double(0.0)
+    if grad.numel() and lib.hybrid_grad_stats(grad.data_ptr(), _DTYPE_CODES[grad.dtype],
+                                               grad.numel(), ctypes.byref(out)) != 0:
+        raise MemoryError("grad_stats: could not allocate the per-chunk partial sums")
+    return out.value, math.isfinite(out.value)
+
+
+def adam_inverse_(param, grad, exp_avg, exp_avg_sq, *, step, lr, beta1, beta2, eps,
+                  weight_decay, decoupled=True, grad_scale=1.0):
+    """Undo, in place, the adam_step_ that was taken with these same arguments.
+
+    Computed in fp64 from the post-step state (fp32 param and moments). An element whose
+    grad or recovered state is not finite is left as it is (never NaN, never zeroed); v is
+    clamped at 0. Needs beta1 > 0, beta2 > 0 and lr * weight_decay != 1 (AdamW) to be
+    invertible; amsgrad's running max cannot be inverted and has no inverse here.
+    """
+    _check_hyper(lr, beta1, beta2, eps, weight_decay, step, grad_scale)
+    if beta1 == 0.0 or beta2 == 0.0:
+        raise ValueError("the inverse step needs beta1 > 0 and beta2 > 0 (with a zero beta the "
+                         "previous moment is not recoverable); use rollback='exact'")
+    if decoupled and lr * weight_decay == 1.0:
+        raise ValueError("the inverse step needs lr * weight_decay != 1 (the decay zeroed the "
+                         "param); use rollback='exact'")
+    _check_tensor(param, "param", (torch.float32,))
+    n = param.numel()
+    _check_tensor(grad, "grad", _GRAD_DTYPES, n)
+    _check_tensor(exp_avg, "exp_avg", (torch.float32,), n)
+    _check_tensor(exp_avg_sq, "exp_avg_sq", (torch.float32,), n)
+    if n == 0:
+        return param
+    a = InverseArgs()
+    a.n = n
+    a.param, a.grad, a.exp_avg, a.exp_avg_sq = (param.data_ptr(), grad.data_ptr(),
+                                                exp_avg.data_ptr(), exp_avg_sq.data_ptr())
+    a.grad_dtype = _DTYPE_CODES[grad.dtype]
+    a.decoupled = 1 if decoupled else 0
+    a.step = step
+    a.lr, a.beta1, a.beta2, a.eps, a.weight_decay, a.grad_scale = (
+        float(lr), float(beta1), float(beta2), float(eps), float(weight_decay), float(grad_scale))
+    lib.hybrid_adam_inverse(ctypes.byref(a))
+    return param
+
+
+def bandwidth_probe_(param, grad, exp_avg, exp_avg_sq):
+    """The roofline: Adam's memory traffic (read 4 fp32 arrays, write 3 in place, 28 bytes
+    per element) with trivial arithmetic, on the same threads as the kernels."""
+    n = _check_tensor(param, "param", (torch.float32,)).numel()
+    for name, t in (("grad", grad), ("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)):
+        _check_tensor(t, name, (torch.float32,), n)
+    lib.hybrid_bw_inplace(param.data_ptr(), grad.data_ptr(), exp_avg.data_ptr(),
+                           exp_avg_sq.data_ptr(), n)

@@ -1,0 +1,105 @@
+"""The C library through ctypes, with no torch import: the worker process uses this alone.
+
+Struct layouts mirror cpu_kernels/csrc/kernels.h.
+"""
+from __future__ import annotations
+
+import ctypes
+import importlib.util
+import os
+import warnings
+
+
+LEVELS = ("portable", "avx2", "avx512")
+DT_F32, DT_BF16, DT_F16 = 0, 1, 2  # dtype codes of kernels.h
+
+
+class AdamArgs(ctypes.Structure):
+    _fields_ = [("n", ctypes.c_int64)] + [(name, ctypes.c_void_p) for name in (
+        "param", "grad", "exp_avg", "exp_avg_sq", "max_exp_avg_sq", "param_out", "exp_avg_out",
+        "exp_avg_sq_out", "max_exp_avg_sq_out", "param_copy")] + [
+        ("grad_dtype", ctypes.c_int32), ("moment_dtype", ctypes.c_int32),
+        ("copy_dtype", ctypes.c_int32), ("decoupled", ctypes.c_int32), ("step", ctypes.c_int64)] + [
+        (name, ctypes.c_double) for name in ("lr", "beta1", "beta2", "eps", "weight_decay", "grad_scale")]
+
+
+class InverseArgs(ctypes.Structure):
+    _fields_ = [("n", ctypes.c_int64)] + [(name, ctypes.c_void_p) for name in (
+        "param", "grad", "exp_avg", "exp_avg_sq")] + [
+        ("grad_dtype", ctypes.c_int32), ("decoupled", ctypes.c_int32), ("step", ctypes.c_int64)] + [
+        (name, ctypes.c_double) for name in ("lr", "beta1", "beta2", "eps", "weight_decay", "grad_scale")]
+
+
+def _load_library():
+    spec = importlib.util.find_spec("cpu_kernels._native")
+    if spec is None or spec.origin is None:
+        raise ImportError("cpu_kernels' C library is not built: install the package with "
+                          "`pip install -e .` (or `python setup.py build_ext --inplace`)")
+    lib = ctypes.CDLL(spec.origin)
+    lib.hybrid_adam_step.argtypes = [ctypes.POINTER(AdamArgs)]
+    lib.hybrid_adam_step.restype = None
+    lib.hybrid_adam_inverse.argtypes = [ctypes.POINTER(InverseArgs)]
+    lib.hybrid_adam_inverse.restype = None
+    lib.hybrid_grad_stats.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int64,
+                                      ctypes.POINTER(ctypes.c_double)]
+    lib.hybrid_grad_stats.restype = ctypes.c_int
+    lib.hybrid_bw_inplace.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64]
+    lib.hybrid_bw_inplace.restype = None
+    for name in ("hybrid_max_level", "hybrid_get_level", "hybrid_get_num_threads"):
+        getattr(lib, name).restype = ctypes.c_int
+        getattr(lib, name).argtypes = []
+    lib.hybrid_set_level.argtypes = [ctypes.c_int]
+    lib.hybrid_set_level.restype = ctypes.c_int
+    lib.hybrid_set_num_threads.argtypes = [ctypes.c_int]
+    lib.hybrid_set_num_threads.restype = None
+    return lib
+
+
+lib = _load_library()
+
+
+def available_simd_levels() -> list[str]:
+    """Every level this CPU can run, lowest first."""
+    return list(LEVELS[: lib.hybrid_max_level() + 1])
+
+
+def simd_level() -> str:
+    """The level the dispatcher uses now: "avx512", "avx2" or "portable"."""
+    return LEVELS[lib.hybrid_get_level()]
+
+
+def set_simd_level(level: str) -> None:
+    """Use `level` (at most what the CPU supports) for every following call."""
+    if level not in LEVELS:
+        raise ValueError(f"unknown SIMD level {level!r}; expected one of {LEVELS}")
+    if lib.hybrid_set_level(LEVELS.index(level)) != 0:
+        raise ValueError(f"this CPU cannot run SIMD level {level!r}; it supports "
+                         f"{available_simd_levels()}")
+
+
+def set_num_threads(n: int) -> None:
+    """OpenMP threads used by every kernel call from now on (results do not depend on it)."""
+    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+        raise ValueError(f"set_num_threads: n must be a positive int, got {n!r}")
+    lib.hybrid_set_num_threads(n)
+
+
+def get_num_threads() -> int:
+    return lib.hybrid_get_num_threads()
+
+
+def _apply_env_level():
+    forced = os.environ.get("HYBRID_OPT_SIMD")
+    if not forced:
+        return
+    forced = forced.strip().lower()
+    if forced not in LEVELS:
+        warnings.warn(f"HYBRID_OPT_SIMD={forced!r} is not one of {LEVELS}; ignored")
+    elif LEVELS.index(forced) > lib.hybrid_max_level():
+        warnings.warn(f"HYBRID_OPT_SIMD={forced!r} is above what this CPU supports; using "
+                      f"{simd_level()!r}")
+    else:
+        set_simd_level(forced)
+
+
+_apply_env_level()
