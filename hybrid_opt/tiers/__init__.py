@@ -1,0 +1,1 @@
+"""The tiers that hold and step subgroups' optimizer state: `host` (worker process)."""

@@ -1,0 +1,1 @@
+"""The host tier's worker process: `protocol` (messages), `client` (trainer side), `main` (worker side)."""

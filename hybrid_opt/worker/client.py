@@ -1,0 +1,284 @@
+"""The trainer's side of the worker: start it, send tasks, wait for results, notice its death.
+
+Every wait is bounded: a worker that dies is seen within ~0.1 s (its end of the result
+pipe closes, so the read side reports EOF), one that hangs past `timeout_s` raises
+WorkerTimeout naming the subgroups still outstanding.
+"""
+from __future__ import annotations
+
+import json
+import os
+import select
+import signal
+import subprocess
+import sys
+import time
+
+from hybrid_opt.worker import protocol as P
+
+_POLL_S = 0.1
+
+
+class WorkerError(RuntimeError):
+    """The worker raised while stepping a subgroup; the message names it and the cause."""
+
+
+class WorkerDied(RuntimeError):
+    """The worker process is gone (killed, crashed, or exited)."""
+
+    def __init__(self, message: str, pending: list[P.Task]):
+        super().__init__(message)
+        self.pending = pending
+
+
+class WorkerTimeout(RuntimeError):
+    pass
+
+
+def _package_root() -> str:
+    import hybrid_opt
+    return os.path.dirname(os.path.dirname(os.path.abspath(hybrid_opt.__file__)))
+
+
+class CoreSplit:
+    """Splits this process's CPUs between the trainer and the worker, and restores them.
+
+    On Linux affinity is per thread: the trainer's mask is applied to every thread it has
+    (torch's pools included) and torch's thread count is sized to it; the worker sets its
+    own mask before its OpenMP pool starts. `restore()` puts back each thread's old mask
+    and torch's old thread count.
+    """
+
+    def __init__(self, worker_share: float = 0.5, worker_cores: list[int] | None = None):
+        if not 0.0 < worker_share <= 1.0:
+            raise ValueError(f"worker_share must be in (0, 1], got {worker_share}")
+        self.saved_masks: dict[int, set[int]] = {}
+        self.saved_torch_threads = None
+        cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+        if worker_cores is not None:
+            self.worker, self.trainer = list(worker_cores), [c for c in cpus if c not in worker_cores] or cpus
+        elif len(cpus) < 2:
+            self.worker, self.trainer = cpus, cpus  # one core: both share it
+        else:
+            k = min(len(cpus) - 1, max(1, round(len(cpus) * worker_share)))
+            self.worker, self.trainer = cpus[-k:], cpus[:-k]
+
+    @staticmethod
+    def _threads() -> list[int]:
+        try:
+            return [int(t) for t in os.listdir("/proc/self/task")]
+        except OSError:
+            return [0]
+
+    def apply(self) -> None:
+        if not hasattr(os, "sched_setaffinity") or not self.trainer or self.trainer == self.worker:
+            return
+        for tid in self._threads():
+            try:
+                self.saved_masks[tid] = os.sched_getaffinity(tid)
+                os.sched_setaffinity(tid, self.trainer)
+            except OSError:
+                pass  # the thread ended meanwhile
+        try:
+            import torch
+            self.saved_torch_threads = torch.get_num_threads()
+            torch.set_num_threads(len(self.trainer))
+        except ImportError:
+            pass
+
+    def restore(self) -> None:
+        for tid, mask in self.saved_masks.items():
+            try:
+                os.sched_setaffinity(tid, mask)
+            except OSError:
+                pass
+        if self.saved_masks:
+            # threads started after apply() inherited the trainer mask: widen them back too
+            main = self.saved_masks.get(os.getpid())
+            for tid in self._threads():
+                if tid not in self.saved_masks and main:
+                    try:
+                        os.sched_setaffinity(tid, main)
+                    except OSError:
+                        pass
+        self.saved_masks = {}
+        if self.saved_torch_threads is not None:
+            import torch
+            torch.set_num_threads(self.saved_torch_threads)
+            self.saved_torch_threads = None
+
+
+class WorkerClient:
+    """One worker process over one shared arena. Not thread-safe (the trainer's one thread)."""
+
+    def __init__(self, arena, layout: dict, *, cores: list[int] | None = None,
+                 timeout_s: float = 120.0, start_timeout_s: float = 30.0):
+        self.arena = arena
+        self.layout = dict(layout)
+        self.cores = cores
+        self.timeout_s = timeout_s
+        self.start_timeout_s = start_timeout_s
+        self.proc = None
+        self.next_id = 1
+        self.pending: dict[int, P.Task] = {}
+        self.results: dict[int, P.Result] = {}
+        self.restarts = 0
+        self._req = self._resp = None
+        self._stderr_fd = None
+
+    # ------------------------------------------------------------------ lifecycle
+    @property
+    def pid(self):
+        return self.proc.pid if self.proc is not None else None
+
+    def start(self) -> None:
+        req_r, req_w = os.pipe()
+        resp_r, resp_w = os.pipe()
+        self._stderr_fd = os.memfd_create("hybrid_opt-worker-stderr") if hasattr(os, "memfd_create") else None
+        cfg = dict(self.layout, arena_fd=self.arena.fd, arena_nbytes=self.arena.nbytes,
+                   req_fd=req_r, resp_fd=resp_w, cores=self.cores,
+                   threads=len(self.cores) if self.cores else None)
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join([_package_root()] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+        if self.cores:
+            env["OMP_NUM_THREADS"] = str(len(self.cores))
+        if self.restarts:
+            env.pop("HYBRID_OPT_WORKER_FAULT", None)  # an injected fault kills one worker, once
+        try:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "hybrid_opt.worker.main", json.dumps(cfg)],
+                pass_fds=(self.arena.fd, req_r, resp_w), env=env, stdin=subprocess.DEVNULL,
+                stderr=self._stderr_fd if self._stderr_fd is not None else None,
+                start_new_session=True)  # the terminal's Ctrl-C goes to the trainer alone
+        finally:
+            os.close(req_r)
+            os.close(resp_w)
+        self._req, self._resp = req_w, resp_r
+        self._reader = P.FrameReader(resp_r)
+        self.ping(timeout_s=self.start_timeout_s)
+
+    def _stderr_tail(self) -> str:
+        if self._stderr_fd is None:
+            return ""
+        try:
+            size = os.fstat(self._stderr_fd).st_size
+            data = os.pread(self._stderr_fd, 2000, max(0, size - 2000))
+            return data.decode(errors="replace").strip()
+        except OSError:
+            return ""
+
+    def _dead(self) -> WorkerDied:
+        code = self.proc.poll() if self.proc is not None else None
+        if code is None and self.proc is not None:
+            try:
+                code = self.proc.wait(timeout=1.0)
+            except subprocess.TimeoutExpired:
+                code = None
+        how = (f"killed by signal {signal.Signals(-code).name}" if code is not None and code < 0
+               else f"exited with code {code}" if code is not None else "stopped answering")
+        tail = self._stderr_tail()
+        pending = list(self.pending.values())
+        subgroups = sorted({t.subgroup for t in pending if t.op in (P.OP_STEP, P.OP_INVERSE)})
+        msg = (f"hybrid_opt worker (pid {self.pid}) {how}"
+               + (f" with subgroups {subgroups} in flight" if subgroups else "")
+               + (f"; its last output:\n{tail}" if tail else ""))
+        self._reap()
+        return WorkerDied(msg, pending)
+
+    def _reap(self) -> None:
+        for fd in (self._req, self._resp, self._stderr_fd):
+            if fd is not None:
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
+        self._req = self._resp = self._stderr_fd = None
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(timeout=5.0)
+
+    def restart(self) -> list[P.Task]:
+        """Start a fresh worker; returns the tasks the dead one left unfinished (not resent)."""
+        pending = list(self.pending.values())
+        self._reap()
+        self.pending.clear()
+        self.restarts += 1
+        self.start()
+        return pending
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        if self.proc is None:
+            return
+        if self.proc.poll() is None and self._req is not None:
+            try:
+                P.write_frame(self._req, P.Task(P.OP_EXIT, 0).pack())
+                self.proc.wait(timeout=timeout_s)
+            except (OSError, subprocess.TimeoutExpired):
+                pass
+        self._reap()
+        self.proc = None
+
+    # ------------------------------------------------------------------ tasks
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None and self._req is not None
+
+    def send(self, task: P.Task) -> int:
+        if not self.alive():
+            raise self._dead()
+        task.task_id = self.next_id
+        self.next_id += 1
+        self.pending[task.task_id] = task
+        try:
+            P.write_frame(self._req, task.pack())
+        except BrokenPipeError:
+            raise self._dead() from None
+        return task.task_id
+
+    def _drain(self, timeout: float) -> None:
+        ready, _, _ = select.select([self._resp], [], [], timeout)
+        if not ready:
+            if self.proc.poll() is not None:
+                raise self._dead()
+            return
+        self._reader.feed()
+        for payload in self._reader.frames():
+            r = P.Result.unpack(payload)
+            self.pending.pop(r.task_id, None)
+            self.results[r.task_id] = r
+        if self._reader.eof:
+            raise self._dead()
+
+    def poll(self) -> None:
+        """Collect whatever results have arrived, without waiting."""
+        if self._resp is not None:
+            while select.select([self._resp], [], [], 0)[0]:
+                self._drain(0)
+                if self._resp is None:
+                    break
+
+    def wait(self, task_ids, timeout_s: float | None = None) -> list[P.Result]:
+        """Results of `task_ids` (in that order); raises on error, death or timeout."""
+        task_ids = list(task_ids)
+        deadline = time.monotonic() + (self.timeout_s if timeout_s is None else timeout_s)
+        while any(t not in self.results for t in task_ids):
+            if self._resp is None:
+                raise self._dead()
+            left = deadline - time.monotonic()
+            if left <= 0:
+                outstanding = sorted({self.pending[t].subgroup for t in task_ids if t in self.pending})
+                raise WorkerTimeout(f"hybrid_opt worker (pid {self.pid}) did not finish subgroups "
+                                    f"{outstanding} within {self.timeout_s:.0f} s; it may be "
+                                    f"starved of CPU or stuck — raise timeout_s or check the machine")
+            self._drain(min(_POLL_S, left))
+        out = [self.results.pop(t) for t in task_ids]
+        for r in out:
+            if r.status == P.STATUS_ERROR:
+                raise WorkerError(f"hybrid_opt worker failed on subgroup {r.subgroup}: {r.message}")
+        return out
+
+    def ping(self, timeout_s: float | None = None) -> float:
+        """One empty round trip; returns its duration in seconds."""
+        t0 = time.perf_counter()
+        tid = self.send(P.Task(P.OP_PING, 0))
+        self.wait([tid], timeout_s)
+        return time.perf_counter() - t0

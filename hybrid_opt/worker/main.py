@@ -1,0 +1,171 @@
+"""The worker process: steps host-tier subgroups on shared memory it is handed by descriptor.
+
+Started by WorkerClient as a fresh interpreter (`python -m hybrid_opt.worker.main CONFIG`),
+never through multiprocessing, so a user's unguarded training script is not re-imported.
+It imports no torch: it maps the trainer's arena and calls the C kernels on raw addresses.
+It owns nothing that must survive it — every byte of state is the trainer's — and exits
+when its request pipe reports EOF, i.e. when the trainer has gone.
+
+CONFIG (JSON): arena_fd, arena_nbytes, req_fd, resp_fd, cores, and the layout: bank_offset,
+bank_stride, bank_regions {p, m, v, vmax, copy: byte offsets inside a bank}, slot_offset,
+slot_stride, moment_dtype.
+
+Test-only fault injection: HYBRID_OPT_WORKER_FAULT="STAGE:K" kills the worker with SIGKILL at
+STAGE (before_step | mid_step | after_step) of its K-th step task; STAGE "raise" makes that
+task raise instead (an error that must come back to the trainer naming the subgroup).
+"""
+from __future__ import annotations
+
+import ctypes
+import json
+import mmap
+import os
+import signal
+import sys
+import time
+
+from hybrid_opt.worker import protocol as P
+
+_DTYPE_SIZE = {0: 4, 1: 2, 2: 2}
+
+
+class _Fault:
+    def __init__(self, spec: str | None):
+        self.stage, self.at = None, 0
+        if spec:
+            stage, _, k = spec.partition(":")
+            self.stage, self.at = stage, int(k or 1)
+        self.steps = 0
+
+    def count(self) -> None:
+        self.steps += 1
+
+    def maybe_die(self, stage: str) -> None:
+        if self.stage == stage and self.steps == self.at:
+            if stage == "raise":
+                raise RuntimeError("fault injected by HYBRID_OPT_WORKER_FAULT")
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+class Worker:
+    def __init__(self, cfg: dict):
+        cores = cfg.get("cores")
+        if cores and hasattr(os, "sched_setaffinity"):
+            # before the C library loads: OpenMP's threads inherit this thread's affinity
+            os.sched_setaffinity(0, cores)
+        from cpu_kernels import _lib  # noqa: PLC0415  (after the affinity is set)
+        self.lib = _lib.lib
+        self.AdamArgs, self.InverseArgs = _lib.AdamArgs, _lib.InverseArgs
+        if cfg.get("threads"):
+            _lib.set_num_threads(int(cfg["threads"]))
+        self.mm = mmap.mmap(cfg["arena_fd"], cfg["arena_nbytes"], mmap.MAP_SHARED,
+                            mmap.PROT_READ | mmap.PROT_WRITE)
+        self.base = ctypes.addressof(ctypes.c_char.from_buffer(self.mm))
+        self.bank_offset, self.bank_stride = cfg["bank_offset"], cfg["bank_stride"]
+        self.regions = cfg["bank_regions"]
+        self.slot_offset, self.slot_stride = cfg["slot_offset"], cfg["slot_stride"]
+        self.moment_size = _DTYPE_SIZE[cfg["moment_dtype"]]
+        self.moment_dtype = cfg["moment_dtype"]
+        self.req, self.resp = cfg["req_fd"], cfg["resp_fd"]
+        self.fault = _Fault(os.environ.get("HYBRID_OPT_WORKER_FAULT"))
+
+    def _bank(self, bank: int, region: str, elem_offset: int, elem_size: int) -> int:
+        return (self.base + self.bank_offset + bank * self.bank_stride + self.regions[region]
+                + elem_offset * elem_size)
+
+    def _grad_stats(self, t: P.Task, grad: int) -> tuple[float, bool]:
+        out = ctypes.c_double(0.0)
+        if t.numel and self.lib.hybrid_grad_stats(grad, t.grad_dtype, t.numel, ctypes.byref(out)) != 0:
+            raise MemoryError("grad_stats could not allocate its partial sums")
+        s = out.value
+        return s, s == s and s not in (float("inf"), float("-inf"))
+
+    def step(self, t: P.Task) -> P.Result:
+        self.fault.count()
+        self.fault.maybe_die("before_step")
+        self.fault.maybe_die("raise")
+        grad = self.base + self.slot_offset + t.slot * self.slot_stride
+        sum_sq, finite = self._grad_stats(t, grad)
+        if not finite and t.skip_nonfinite:
+            return P.Result(t.op, t.task_id, P.STATUS_NONFINITE, t.subgroup, sum_sq, 0)
+        ms, off = self.moment_size, t.elem_offset
+        out_bank = t.in_bank if t.out_bank == P.NO_BANK else t.out_bank
+        a = self.AdamArgs()
+        a.param = self._bank(t.in_bank, "p", off, 4)
+        a.grad = grad
+        a.exp_avg = self._bank(t.in_bank, "m", off, ms)
+        a.exp_avg_sq = self._bank(t.in_bank, "v", off, ms)
+        a.max_exp_avg_sq = self._bank(t.in_bank, "vmax", off, ms) if t.amsgrad else None
+        a.param_out = self._bank(out_bank, "p", off, 4)
+        a.exp_avg_out = self._bank(out_bank, "m", off, ms)
+        a.exp_avg_sq_out = self._bank(out_bank, "v", off, ms)
+        a.max_exp_avg_sq_out = self._bank(out_bank, "vmax", off, ms) if t.amsgrad else None
+        if t.copy_dtype != P.NO_COPY:
+            a.param_copy = self._bank(out_bank, "copy", off, 2)
+            a.copy_dtype = t.copy_dtype
+        a.grad_dtype, a.moment_dtype, a.decoupled, a.step = (t.grad_dtype, self.moment_dtype,
+                                                             t.decoupled, t.step)
+        a.lr, a.beta1, a.beta2, a.eps, a.weight_decay, a.grad_scale = (
+            t.lr, t.beta1, t.beta2, t.eps, t.weight_decay, t.grad_scale)
+        if self.fault.stage == "mid_step" and self.fault.steps == self.fault.at:
+            a.n = t.numel // 2  # half the piece written, then killed: a torn write
+            self.lib.hybrid_adam_step(ctypes.byref(a))
+            self.fault.maybe_die("mid_step")
+        a.n = t.numel
+        self.lib.hybrid_adam_step(ctypes.byref(a))
+        self.fault.maybe_die("after_step")
+        return P.Result(t.op, t.task_id, P.STATUS_OK, t.subgroup, sum_sq, int(finite))
+
+    def inverse(self, t: P.Task) -> P.Result:
+        if self.moment_dtype != 0:
+            raise ValueError("the inverse step needs fp32 moments")
+        a = self.InverseArgs()
+        off = t.elem_offset
+        a.n = t.numel
+        a.param = self._bank(t.in_bank, "p", off, 4)
+        a.exp_avg = self._bank(t.in_bank, "m", off, 4)
+        a.exp_avg_sq = self._bank(t.in_bank, "v", off, 4)
+        a.grad = self.base + self.slot_offset + t.slot * self.slot_stride
+        a.grad_dtype, a.decoupled, a.step = t.grad_dtype, t.decoupled, t.step
+        a.lr, a.beta1, a.beta2, a.eps, a.weight_decay, a.grad_scale = (
+            t.lr, t.beta1, t.beta2, t.eps, t.weight_decay, t.grad_scale)
+        self.lib.hybrid_adam_inverse(ctypes.byref(a))
+        return P.Result(t.op, t.task_id, P.STATUS_OK, t.subgroup)
+
+    def serve(self) -> int:
+        reader = P.FrameReader(self.req)
+        while True:
+            reader.feed()
+            for payload in reader.frames():
+                t = P.Task.unpack(payload)
+                if t.op == P.OP_EXIT:
+                    return 0
+                t0 = time.perf_counter_ns()
+                try:
+                    if t.op == P.OP_STEP:
+                        r = self.step(t)
+                    elif t.op == P.OP_INVERSE:
+                        r = self.inverse(t)
+                    else:
+                        r = P.Result(t.op, t.task_id, P.STATUS_OK, t.subgroup)
+                except Exception as e:  # comes back to the trainer as an exception there
+                    r = P.Result(t.op, t.task_id, P.STATUS_ERROR, t.subgroup,
+                                 message=f"{type(e).__name__}: {e}")
+                r.elapsed_ns = time.perf_counter_ns() - t0
+                P.write_frame(self.resp, r.pack())
+            if reader.eof:
+                return 0  # the trainer is gone: exit, leave nothing behind
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    cfg = json.loads(argv[0])
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the trainer's to handle
+    try:
+        return Worker(cfg).serve()
+    except BrokenPipeError:
+        return 0  # the trainer closed its end while we answered
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,108 @@
+"""Messages between trainer and worker: length-prefixed binary frames over two pipes.
+
+A pipe of fixed-layout structs, not a pickling queue: an empty round trip costs tens of
+microseconds, and the pipe doubles as the liveness signal — the trainer reads EOF when the
+worker dies, the worker reads EOF when the trainer dies and then exits (no orphans).
+The payload of a request is a Task; of a reply a Result, plus a UTF-8 message on error.
+Task and result name the subgroup, so every error can say which one failed.
+"""
+from __future__ import annotations
+
+import os
+import struct
+from dataclasses import astuple, dataclass
+
+OP_STEP, OP_INVERSE, OP_PING, OP_EXIT = 1, 2, 3, 4
+STATUS_OK, STATUS_NONFINITE, STATUS_ERROR = 0, 1, 2
+NO_BANK = -1   # out_bank for an in-place step
+NO_COPY = -1   # copy_dtype when no param copy is written
+
+_HEADER = struct.Struct("<I")
+
+
+@dataclass
+class Task:
+    op: int
+    task_id: int
+    subgroup: int = 0
+    numel: int = 0           # elements of this piece
+    in_bank: int = 0
+    out_bank: int = NO_BANK  # spare bank (exact mode) or NO_BANK (in place)
+    elem_offset: int = 0     # first element of this piece inside the subgroup's bank
+    slot: int = 0            # staging slot holding this piece's grads (from its start)
+    grad_dtype: int = 0
+    copy_dtype: int = NO_COPY
+    amsgrad: int = 0
+    decoupled: int = 1
+    skip_nonfinite: int = 1  # check grads first; a non-finite piece is not stepped
+    step: int = 1
+    lr: float = 0.0
+    beta1: float = 0.0
+    beta2: float = 0.0
+    eps: float = 0.0
+    weight_decay: float = 0.0
+    grad_scale: float = 1.0
+
+    _STRUCT = struct.Struct("<B" + "q" * 7 + "i" * 5 + "q" + "d" * 6)
+
+    def pack(self) -> bytes:
+        return self._STRUCT.pack(*astuple(self))
+
+    @classmethod
+    def unpack(cls, payload: bytes) -> "Task":
+        return cls(*cls._STRUCT.unpack(payload))
+
+
+@dataclass
+class Result:
+    op: int
+    task_id: int
+    status: int
+    subgroup: int = 0
+    sum_sq: float = 0.0      # grad_stats of this piece's grads (scaled by nothing)
+    finite: int = 1
+    elapsed_ns: int = 0
+    message: str = ""
+
+    _STRUCT = struct.Struct("<Bqbqdbq")
+
+    def pack(self) -> bytes:
+        return self._STRUCT.pack(self.op, self.task_id, self.status, self.subgroup, self.sum_sq,
+                                 self.finite, self.elapsed_ns) + self.message.encode()
+
+    @classmethod
+    def unpack(cls, payload: bytes) -> "Result":
+        head = cls._STRUCT.size
+        return cls(*cls._STRUCT.unpack(payload[:head]), message=payload[head:].decode(errors="replace"))
+
+
+def write_frame(fd: int, payload: bytes) -> None:
+    data = _HEADER.pack(len(payload)) + payload
+    while data:
+        n = os.write(fd, data)
+        data = data[n:]
+
+
+class FrameReader:
+    """Reassembles frames from a non-blocking or blocking descriptor."""
+
+    def __init__(self, fd: int):
+        self.fd = fd
+        self.buf = bytearray()
+        self.eof = False
+
+    def feed(self) -> None:
+        """One read; sets eof when the other side has closed."""
+        chunk = os.read(self.fd, 1 << 16)
+        if not chunk:
+            self.eof = True
+        self.buf += chunk
+
+    def frames(self):
+        while len(self.buf) >= _HEADER.size:
+            (n,) = _HEADER.unpack_from(self.buf)
+            if len(self.buf) < _HEADER.size + n:
+                break
+            payload = bytes(self.buf[_HEADER.size:_HEADER.size + n])
+            del self.buf[:_HEADER.size + n]
+            yield payload
