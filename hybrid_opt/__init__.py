@@ -1,9 +1,18 @@
 """hybrid_opt: a drop-in PyTorch Adam/AdamW whose optimizer state is divided by subgroup
 between the device, host and NVMe tiers.
 
-This package will hold the public optimizer classes (HybridAdamW, HybridAdam), the subgroup
-layout, the scheduler, the tiers and the worker. Its kernels live in the sibling packages
-`cpu_kernels` (AVX CPU Adam, grad statistics) and `gpu_kernels` (Triton fused Adam).
+    from hybrid_opt import HybridAdamW
+    opt = HybridAdamW(model.parameters(), lr=1e-3, offload_fraction=0.5)
+
+The public classes import torch on first use, so the worker process (which runs
+`hybrid_opt.worker.main` and needs only the C kernels) starts without it.
 """
 __version__ = "0.1.0"
-__all__ = ["__version__"]
+__all__ = ["HybridAdamW", "HybridAdam", "__version__"]
+
+
+def __getattr__(name):
+    if name in ("HybridAdamW", "HybridAdam"):
+        from hybrid_opt import optimizer
+        return getattr(optimizer, name)
+    raise AttributeError(f"module 'hybrid_opt' has no attribute {name!r}")

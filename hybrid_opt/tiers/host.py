@@ -19,7 +19,7 @@ mid-write may have torn its subgroup: the error names those subgroups.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -48,6 +48,18 @@ class StepInputs:
     decoupled: bool = True
     grad_scale: float = 1.0
     grad_version: tuple = ()
+    amsgrad: bool = False
+    # (offset, numel, step) ranges to step, each with its own step count; empty = the whole
+    # subgroup at `step`. Elements outside every range keep their state (params that got no
+    # grad this iteration are not touched, as in torch).
+    runs: tuple = ()
+
+    def ranges(self, numel: int) -> tuple:
+        return self.runs or ((0, numel, self.step),)
+
+
+def _with_step(inputs: StepInputs, step: int) -> StepInputs:
+    return replace(inputs, step=step, runs=())
 
 
 @dataclass
@@ -79,6 +91,8 @@ class HostTier:
                  worker_cores: list[int] | None = None, timeout_s: float = 120.0):
         if rollback not in ("exact", "inverse"):
             raise ValueError(f"rollback must be 'exact' or 'inverse', got {rollback!r}")
+        # amsgrad=True lays out the running max of v; each step's StepInputs.amsgrad says
+        # whether it is used (param groups may differ)
         if rollback == "inverse" and amsgrad:
             raise ValueError("rollback='inverse' cannot undo amsgrad (its running max of v is not "
                              "invertible); use rollback='exact' with amsgrad=True")
@@ -187,7 +201,7 @@ class HostTier:
         return P.Task(op, 0, sg, numel, in_bank, P.NO_BANK if out_bank is None else out_bank,
                       offset, slot, _DT_CODE[self.grad_dtype],
                       _DT_CODE[self.copy_dtype] if self.copy_dtype is not None else P.NO_COPY,
-                      int(self.amsgrad), int(inputs.decoupled), int(skip_nonfinite), inputs.step,
+                      int(inputs.amsgrad), int(inputs.decoupled), int(skip_nonfinite), inputs.step,
                       float(inputs.lr), float(inputs.beta1), float(inputs.beta2), float(inputs.eps),
                       float(inputs.weight_decay), float(inputs.grad_scale))
 
@@ -199,9 +213,12 @@ class HostTier:
             self._wait(lambda: bool(self._free_slots))
         return self._free_slots.pop()
 
-    def _stage(self, slot: int, grad: torch.Tensor, offset: int, numel: int) -> None:
-        src = grad.reshape(-1)[offset:offset + numel]
+    def _stage(self, slot: int, grad, offset: int, numel: int) -> None:
         dst = self._slots[slot][:numel]
+        if callable(grad):  # a provider that gathers the subgroup's grads itself
+            grad(dst, offset, numel)
+            return
+        src = grad.reshape(-1)[offset:offset + numel]
         if src.is_cuda:
             dst.copy_(src, non_blocking=True)
             torch.cuda.current_stream(src.device).synchronize()  # the worker reads it next
@@ -291,19 +308,39 @@ class HostTier:
             self._inflight[self.client.send(piece.task)] = piece
 
     # ------------------------------------------------------------------ stepping
-    def _launch(self, sg: int, grad: torch.Tensor, inputs: StepInputs, out_bank, skip_nonfinite,
-                pieces: list) -> None:
+    def _carry_over(self, sg: int, out_bank: int, runs: tuple) -> None:
+        """Exact mode: elements no run steps keep their committed state in the new bank."""
+        n, src = self.numels[sg], self.pool.committed[sg]
+        regions = [("p", torch.float32), ("m", self.moment_dtype), ("v", self.moment_dtype)]
+        if self.amsgrad:
+            regions.append(("vmax", self.moment_dtype))
+        pos = 0
+        for off, k, _ in sorted(runs) + [(n, 0, 0)]:
+            if off > pos:
+                for region, dt in regions:
+                    self._view(out_bank, region, n, dt)[pos:off].copy_(self._view(src, region, n, dt)[pos:off])
+            pos = max(pos, off + k)
+
+    def _launch(self, sg: int, grad, inputs: StepInputs, out_bank, skip_nonfinite, pieces: list) -> None:
         n = self.numels[sg]
-        if grad.numel() != n:
+        if not callable(grad) and grad.numel() != n:
             raise ValueError(f"subgroup {sg} has {n} elements, its grad {grad.numel()}")
-        for off in range(0, n, self.slot_numel):
-            k = min(self.slot_numel, n - off)
-            slot = self._acquire_slot()
-            self._stage(slot, grad, off, k)
-            piece = _Piece(sg, off, k, slot, self._task(P.OP_STEP, sg, inputs, self.pool.committed[sg],
-                                                        out_bank, off, k, slot, skip_nonfinite))
-            pieces.append(piece)
-            self._send(piece)
+        runs = inputs.ranges(n)
+        if inputs.runs and out_bank is not None:
+            self._carry_over(sg, out_bank, runs)
+        for run_off, run_n, step in runs:
+            if run_off < 0 or run_n < 0 or run_off + run_n > n:
+                raise ValueError(f"run ({run_off}, {run_n}) is outside subgroup {sg} of {n} elements")
+            run_inputs = inputs if step == inputs.step else _with_step(inputs, step)
+            for off in range(run_off, run_off + run_n, self.slot_numel):
+                k = min(self.slot_numel, run_off + run_n - off)
+                slot = self._acquire_slot()
+                self._stage(slot, grad, off, k)
+                piece = _Piece(sg, off, k, slot, self._task(P.OP_STEP, sg, run_inputs,
+                                                            self.pool.committed[sg], out_bank, off,
+                                                            k, slot, skip_nonfinite))
+                pieces.append(piece)
+                self._send(piece)
 
     def speculate(self, sg: int, grad: torch.Tensor, inputs: StepInputs) -> bool:
         """Step `sg` now, into a spare bank (exact) or in place (inverse), to be validated by
@@ -345,8 +382,7 @@ class HostTier:
         ids = []
         for p in spec.pieces:
             if p.result.status == P.STATUS_OK:
-                t = self._task(P.OP_INVERSE, sg, spec.inputs, self.pool.committed[sg], None,
-                               p.offset, p.numel, p.slot, False)
+                t = P.Task(**{**p.task.__dict__, "op": P.OP_INVERSE, "task_id": 0})
                 ids.append(self._send_task(t))
         self._wait(lambda: all(i in self.client.results for i in ids))
         self.client.wait(ids)

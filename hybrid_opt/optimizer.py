@@ -1,0 +1,513 @@
+"""HybridAdamW / HybridAdam: drop-in torch.optim optimizers whose state is divided by subgroup
+between the device, host and (later) nvme tiers.
+
+The classes are real torch.optim.Optimizer subclasses: param groups, named parameters,
+lr schedulers and GradScaler work through torch's own protocols, and the numerics follow
+torch.optim.AdamW(foreach=False) / Adam within fp32 rounding whatever the placement.
+Per-parameter state lives in the tiers, not in `self.state`; `state_dict()` gathers it in
+torch's format and `load_state_dict()` scatters it back.
+"""
+from __future__ import annotations
+
+import math
+import warnings
+
+import torch
+
+from hybrid_opt import layout as L
+from hybrid_opt.plan import DEVICE, HOST, NVME, fraction_plan
+from hybrid_opt.tiers.device import DeviceTier
+from hybrid_opt.tiers.host import HostTier, StepInputs
+
+DEFAULT_SUBGROUP_NUMEL = 1 << 22  # 4Mi elements: 16 MB of fp32 master, 48 MB of state
+_MODEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _float_hyper(value, name: str) -> float:
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1:
+            raise ValueError(f"Tensor {name} must be 1-element")
+        return float(value.item())
+    return float(value)
+
+
+class _HybridBase(torch.optim.Optimizer):
+    _decoupled: bool = True
+    # GradScaler hands us grad_scale / found_inf and lets step() skip on overflow itself
+    _step_supports_amp_scaling = True
+
+    def __init__(self, params, lr, betas, eps, weight_decay, amsgrad, *, maximize, foreach,
+                 capturable, differentiable, fused, max_grad_norm, offload_fraction, nvme_fraction,
+                 nvme_path, subgroup_numel, speculative, rollback, device_memory_budget,
+                 host_memory_budget, process_group, worker_share=0.5, spare_banks=None):
+        if isinstance(lr, torch.Tensor) and lr.numel() != 1:
+            raise ValueError("Tensor lr must be 1-element")
+        if not 0.0 <= lr:
+            raise ValueError(f"Invalid learning rate: {lr}")
+        if not 0.0 <= eps:
+            raise ValueError(f"Invalid epsilon value: {eps}")
+        if not 0.0 <= betas[0] < 1.0:
+            raise ValueError(f"Invalid beta parameter at index 0: {betas[0]}")
+        if not 0.0 <= betas[1] < 1.0:
+            raise ValueError(f"Invalid beta parameter at index 1: {betas[1]}")
+        if not 0.0 <= weight_decay:
+            raise ValueError(f"Invalid weight_decay value: {weight_decay}")
+        if capturable:
+            raise ValueError(f"{type(self).__name__} does not support capturable=True (CUDA graph "
+                             f"capture): its host tier steps in another process")
+        if differentiable:
+            raise ValueError(f"{type(self).__name__} does not support differentiable=True")
+        if fused is False or foreach is True:
+            pass  # accepted: every path of ours is fused already; the flag changes nothing
+        if process_group is not None:
+            raise NotImplementedError("process_group: distributed support is not built yet; "
+                                      "use one process per optimizer (process_group=None)")
+        if max_grad_norm is not None and not (isinstance(max_grad_norm, (int, float))
+                                              and not isinstance(max_grad_norm, bool)
+                                              and max_grad_norm > 0 and math.isfinite(max_grad_norm)):
+            raise ValueError(f"max_grad_norm must be a positive finite number or None, got {max_grad_norm!r}")
+        if rollback not in ("exact", "inverse"):
+            raise ValueError(f"rollback must be 'exact' or 'inverse', got {rollback!r}")
+        if rollback == "inverse" and amsgrad:
+            raise ValueError("rollback='inverse' cannot undo amsgrad (its running max of v is not "
+                             "invertible); use rollback='exact' with amsgrad=True")
+        if not isinstance(subgroup_numel, int) or isinstance(subgroup_numel, bool) or subgroup_numel < 1:
+            raise ValueError(f"subgroup_numel must be a positive int, got {subgroup_numel!r}")
+        for name, budget in (("device_memory_budget", device_memory_budget),
+                             ("host_memory_budget", host_memory_budget)):
+            if budget is not None and (not isinstance(budget, int) or budget <= 0):
+                raise ValueError(f"{name} must be a positive number of bytes or None, got {budget!r}")
+        if not isinstance(nvme_fraction, str) and nvme_fraction not in (0, 0.0):
+            if nvme_path is None:
+                raise ValueError("nvme_fraction > 0 needs nvme_path (a directory on a local disk)")
+            raise NotImplementedError("the nvme tier is not built yet (nvme_fraction must be 0)")
+        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
+                        maximize=maximize, foreach=foreach, capturable=capturable,
+                        differentiable=differentiable, fused=fused,
+                        decoupled_weight_decay=self._decoupled)
+        self._closed = True  # until the tiers exist
+        self._built = False
+        self._host = None
+        super().__init__(params, defaults)
+        self.max_grad_norm = max_grad_norm
+        self.offload_fraction, self.nvme_fraction, self.nvme_path = offload_fraction, nvme_fraction, nvme_path
+        self.subgroup_numel = subgroup_numel
+        self.speculative, self.rollback = speculative, rollback
+        self.device_memory_budget, self.host_memory_budget = device_memory_budget, host_memory_budget
+        self.worker_share, self.spare_banks = worker_share, spare_banks
+        self.step_was_skipped = False
+        self.last_grad_norm = None
+        self.stats: dict = {}
+        self._build()
+
+    # ------------------------------------------------------------------ param groups
+    def add_param_group(self, param_group: dict) -> None:
+        params = param_group["params"]
+        if isinstance(params, torch.Tensor):
+            params = [params]
+        elif isinstance(params, set):
+            raise TypeError("optimizer parameters need to be organized in ordered collections, but "
+                            "the ordering of tensors in sets will change between runs. Please use a list instead.")
+        else:
+            params = list(params)
+        # de-duplicate (torch only warns): a parameter stepped twice per step is never wanted
+        seen, unique = set(), []
+        for item in params:
+            t = item[1] if isinstance(item, tuple) else item
+            if isinstance(t, torch.Tensor) and t in seen:
+                continue
+            if isinstance(t, torch.Tensor):
+                seen.add(t)
+            unique.append(item)
+        if len(unique) != len(params):
+            warnings.warn("optimizer contains a parameter group with duplicate parameters; "
+                          "the duplicates are ignored", stacklevel=3)
+        param_group = dict(param_group, params=unique)
+        for item in unique:
+            t = item[1] if isinstance(item, tuple) else item
+            if isinstance(t, torch.Tensor):
+                if t.is_complex():
+                    raise ValueError(f"{type(self).__name__} does not support complex parameters; "
+                                     f"optimize torch.view_as_real(param) instead")
+                if t.dtype not in _MODEL_DTYPES:
+                    raise TypeError(f"{type(self).__name__} supports float32, bfloat16 and float16 "
+                                    f"parameters, got {t.dtype}")
+        lr = param_group.get("lr", self.defaults["lr"])
+        if isinstance(lr, torch.Tensor) and lr.numel() != 1:
+            raise ValueError("Tensor lr must be 1-element")
+        for key, check in (("lr", lambda v: 0.0 <= v), ("eps", lambda v: 0.0 <= v),
+                           ("weight_decay", lambda v: 0.0 <= v)):
+            if key in param_group and not check(param_group[key]):
+                raise ValueError({"lr": "Invalid learning rate", "eps": "Invalid epsilon value",
+                                  "weight_decay": "Invalid weight_decay value"}[key] + f": {param_group[key]}")
+        if "betas" in param_group:
+            for i, b in enumerate(param_group["betas"]):
+                if not 0.0 <= b < 1.0:
+                    raise ValueError(f"Invalid beta parameter at index {i}: {b}")
+        if self._built:
+            if param_group.get("amsgrad", self.defaults["amsgrad"]) and not self._amsgrad_layout:
+                raise ValueError("add_param_group: an amsgrad group cannot join an optimizer built "
+                                 "without amsgrad; construct it with amsgrad=True")
+        super().add_param_group(param_group)
+        if self._built:
+            self._extend(len(self.param_groups) - 1)
+
+    # ------------------------------------------------------------------ layout and tiers
+    def _all_params(self):
+        for g in self.param_groups:
+            yield from g["params"]
+
+    def _build(self) -> None:
+        params = list(self._all_params())
+        devices = {p.device for p in params}
+        if len(devices) > 1:
+            raise ValueError(f"all parameters must be on one device, got {sorted(map(str, devices))}")
+        self._amsgrad_layout = any(g["amsgrad"] for g in self.param_groups)
+        self._subgroups: list = []
+        self._index = {}            # param -> index
+        self._steps: list = []      # per-parameter step counts (torch's state['step'])
+        self._host_local: dict = {}
+        for gi in range(len(self.param_groups)):
+            self._add_group_layout(gi)
+        L.assign_ready_ranks(self._subgroups)
+        self._place()
+        self._built = True
+        self._closed = False
+
+    def _add_group_layout(self, gi: int) -> list:
+        params = self.param_groups[gi]["params"]
+        first = len(self._steps)
+        for k, p in enumerate(params):
+            self._index[p] = first + k
+        self._steps.extend([0] * len(params))
+        sgs, _ = L.flatten_group(params, gi, first, self.subgroup_numel, len(self._subgroups))
+        self._subgroups.extend(sgs)
+        return sgs
+
+    def _place(self) -> None:
+        sgs = self._subgroups
+        self.plan = fraction_plan([s.numel for s in sgs], [s.ready_rank for s in sgs],
+                                  self.offload_fraction, self.nvme_fraction, self.spare_banks)
+        self._device = DeviceTier([s for s in sgs if self.plan.tiers[s.index] == DEVICE],
+                                  self._amsgrad_layout)
+        host = [s for s in sgs if self.plan.tiers[s.index] in (HOST, NVME)]
+        self._host_local = {s.index: k for k, s in enumerate(host)}
+        if host:
+            dtypes = {s.dtype for s in host}
+            copy_dtype = next(iter(dtypes)) if dtypes != {torch.float32} else None
+            if len(dtypes - {torch.float32}) > 1:
+                raise TypeError("host-tier parameters must share one low-precision dtype")
+            grad_dtype = torch.float32 if len(dtypes) > 1 else next(iter(dtypes))
+            self._host = HostTier([s.numel for s in host], grad_dtype=grad_dtype,
+                                  copy_dtype=copy_dtype, amsgrad=self._amsgrad_layout,
+                                  rollback=self.rollback, spare_banks=self.plan.spare_banks or None,
+                                  worker_share=self.worker_share)
+            for s in host:
+                self._host.load_state(self._host_local[s.index], s.flat.detach().float())
+            import cpu_kernels
+            self._saved_kernel_threads = cpu_kernels.get_num_threads()
+            cpu_kernels.set_num_threads(max(1, len(self._host.cores.trainer)))
+
+    def _extend(self, gi: int) -> None:
+        """add_param_group after construction: the new group's subgroups join the device tier
+        if the host tier is already running (the plan is not refitted)."""
+        sgs = self._add_group_layout(gi)
+        for s in sgs:
+            self.plan.tiers.append(DEVICE)
+            self.plan.numels.append(s.numel)
+        extra = DeviceTier(sgs, self._amsgrad_layout)
+        self._device.subgroups.update(extra.subgroups)
+        self._device.master.update(extra.master)
+        self._device.state.update(extra.state)
+
+    # ------------------------------------------------------------------ properties
+    @property
+    def worker_pid(self):
+        return self._host.worker_pid if self._host is not None and not self._closed else None
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError(f"{type(self).__name__} is closed; create a new optimizer")
+
+    # ------------------------------------------------------------------ the step
+    def _hyper(self, group: dict, grad_sign: float) -> StepInputs:
+        b1, b2 = group["betas"]
+        return StepInputs(0, _float_hyper(group["lr"], "lr"), _float_hyper(b1, "betas[0]"),
+                          _float_hyper(b2, "betas[1]"), float(group["eps"]), float(group["weight_decay"]),
+                          self._decoupled, grad_sign, (), bool(group["amsgrad"]))
+
+    def _grad_norm_sq(self) -> float:
+        total = 0.0
+        params = [p for p in self._all_params() if p.grad is not None]
+        if not params:
+            return 0.0
+        if params[0].is_cuda:
+            import gpu_kernels
+            s, _ = gpu_kernels.grad_stats([p.grad.contiguous() for p in params])
+            return float(s)
+        import cpu_kernels
+        for p in params:
+            s, _ = cpu_kernels.grad_stats(p.grad.contiguous())
+            total += s
+        return total
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self._check_open()
+        for p in self._all_params():
+            if p.grad is not None and p.grad.is_sparse:
+                raise RuntimeError(f"{type(self).__name__} does not support sparse gradients")
+        scale_t = getattr(self, "grad_scale", None)
+        found_t = getattr(self, "found_inf", None)
+        if found_t is not None and float(found_t) != 0.0:
+            # GradScaler saw inf/nan: the whole step is skipped, exactly as torch does
+            self.step_was_skipped = True
+            if self._host is not None and self._host.speculated():
+                self._host.finish({}, overflow=True)
+            return loss
+        self.step_was_skipped = False
+        inv_scale = 1.0 / float(scale_t) if scale_t is not None else 1.0
+        norm = math.sqrt(self._grad_norm_sq()) * inv_scale
+        self.last_grad_norm = norm
+        clip = 1.0
+        if self.max_grad_norm is not None:
+            coef = self.max_grad_norm / (norm + 1e-6)
+            clip = coef if (coef < 1.0 or coef != coef) else 1.0  # torch clamps at 1; NaN stays
+        scale = inv_scale * clip
+
+        # per-parameter step counts: only params with a grad advance (torch's rule)
+        for p in self._all_params():
+            if p.grad is not None:
+                self._steps[self._index[p]] += 1
+        groups = [self._hyper(g, -1.0 if g["maximize"] else 1.0) for g in self.param_groups]
+
+        device_work, host_steps = [], {}
+        for sg in self._subgroups:
+            hp = groups[sg.group]
+            live = [sl for sl in sg.slices if sl.param.grad is not None]
+            if not live:
+                continue
+            if self.plan.tiers[sg.index] == DEVICE:
+                device_work.extend((sg.index, sl, hp, self._steps[sl.param_index]) for sl in live)
+            else:
+                host_steps[sg.index] = (sg, live, hp)
+        self._device.step(device_work, scale)
+        if host_steps:
+            self._step_host(host_steps, scale)
+        self.stats = {"host": dict(self._host.stats) if self._host is not None else {},
+                      "grad_norm": norm, "clip_coef": clip}
+        return loss
+
+    def _runs(self, sg, live: list) -> tuple:
+        """(offset, numel, step) ranges of a subgroup's live slices, merged where contiguous."""
+        runs = []
+        for sl in live:
+            step = self._steps[sl.param_index]
+            if runs and runs[-1][0] + runs[-1][1] == sl.sub_offset and runs[-1][2] == step:
+                runs[-1] = (runs[-1][0], runs[-1][1] + sl.numel, step)
+            else:
+                runs.append((sl.sub_offset, sl.numel, step))
+        if len(runs) == 1 and runs[0][:2] == (0, sg.numel):
+            return ()
+        return tuple(runs)
+
+    def _step_host(self, host_steps: dict, scale: float) -> None:
+        work = {}
+        for index, (sg, live, hp) in host_steps.items():
+            runs = self._runs(sg, live)
+            step = runs[0][2] if runs else self._steps[live[0].param_index]
+            inputs = StepInputs(step, hp.lr, hp.beta1, hp.beta2, hp.eps, hp.weight_decay, hp.decoupled,
+                                scale * hp.grad_scale, (), hp.amsgrad, runs)
+            work[self._host_local[index]] = (_GradGatherer(sg), inputs)
+        self._host.finish(work)
+        for index, (sg, live, _) in host_steps.items():
+            local = self._host_local[index]
+            src = self._host.param_copy(local) if self._host.copy_dtype is not None else self._host.master(local)
+            for sl in live:
+                a, b = sl.sub_offset, sl.sub_offset + sl.numel
+                sg.flat[a:b].copy_(src[a:b].to(sg.dtype), non_blocking=True)
+
+    # ------------------------------------------------------------------ state dict
+    def _slice_state(self, sg, sl) -> dict:
+        """Views of one slice's fp32 master and moments, wherever its subgroup lives."""
+        a, b = sl.sub_offset, sl.sub_offset + sl.numel
+        if self.plan.tiers[sg.index] == DEVICE:
+            st = {"master": self._device.master[sg.index]}
+            st.update(self._device.state[sg.index])
+        else:
+            local = self._host_local[sg.index]
+            st = {"master": self._host.master(local)}
+            st.update(self._host.moments(local))
+        return {k: v[a:b] for k, v in st.items()}
+
+    def state_dict(self) -> dict:
+        self._check_open()
+        base = super().state_dict()  # param_groups in torch's format (params as indices)
+        state = {}
+        buffers: dict = {}
+        for sg in self._subgroups:
+            for sl in sg.slices:
+                buffers.setdefault(sl.param_index, []).append((sg, sl))
+        params = list(self._all_params())
+        for idx, p in enumerate(params):
+            if self._steps[idx] == 0:
+                continue  # never stepped: torch has no state for it either
+            entry = {"step": torch.tensor(float(self._steps[idx]), dtype=torch.float32)}
+            keys = ["exp_avg", "exp_avg_sq"] + (["max_exp_avg_sq"] if self._group_of(idx)["amsgrad"] else [])
+            if p.dtype != torch.float32:
+                keys.append("master")
+            flat = {k: torch.empty(p.numel(), dtype=torch.float32, device=p.device) for k in keys}
+            for sg, sl in buffers.get(idx, []):
+                views = self._slice_state(sg, sl)
+                for k in keys:
+                    flat[k][sl.param_offset:sl.param_offset + sl.numel].copy_(views[k])
+            for k in keys:
+                entry["master_param" if k == "master" else k] = flat[k].view(p.shape)
+            state[idx] = entry
+        base["state"] = state
+        return base
+
+    def _group_of(self, idx: int) -> dict:
+        for g in self.param_groups:
+            n = len(g["params"])
+            if idx < n:
+                return g
+            idx -= n
+        raise IndexError(idx)
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self._check_open()
+        if self._host is not None and self._host.speculated():
+            self._host.finish({}, overflow=True)
+        groups, saved_groups = self.param_groups, state_dict["param_groups"]
+        if len(groups) != len(saved_groups):
+            raise ValueError("loaded state dict has a different number of parameter groups")
+        if any(len(g["params"]) != len(s["params"]) for g, s in zip(groups, saved_groups)):
+            raise ValueError("loaded state dict contains a parameter group that doesn't match "
+                             "the size of optimizer's group")
+        for g, s in zip(groups, saved_groups):
+            for k, v in s.items():
+                if k not in ("params", "param_names", "decoupled_weight_decay"):
+                    g[k] = v
+        # saved ids map to our positions in order (as torch does)
+        id_map = {}
+        for s in saved_groups:
+            for pid in s["params"]:
+                id_map[pid] = len(id_map)
+        saved_state = {id_map[k]: v for k, v in state_dict["state"].items() if k in id_map}
+        params = list(self._all_params())
+        with torch.no_grad():
+            for sg in self._subgroups:
+                for sl in sg.slices:
+                    entry = saved_state.get(sl.param_index, {})
+                    views = self._slice_state(sg, sl)
+                    p = params[sl.param_index]
+                    for k, view in views.items():
+                        src_key = "master_param" if k == "master" else k
+                        if src_key in entry:
+                            src = entry[src_key]
+                        elif k == "master":
+                            src = p.detach()
+                        else:
+                            view.zero_()
+                            continue
+                        view.copy_(src.reshape(-1)[sl.param_offset:sl.param_offset + sl.numel])
+                    if sg.dtype != torch.float32 and "master_param" in entry:
+                        # the model param follows its master, rounded as torch casts
+                        sg.flat[sl.sub_offset:sl.sub_offset + sl.numel].copy_(views["master"])
+        for idx in range(len(self._steps)):
+            st = saved_state.get(idx)
+            self._steps[idx] = int(float(st["step"])) if st is not None and "step" in st else 0
+
+    # ------------------------------------------------------------------ lifecycle
+    def close(self) -> None:
+        """Idempotent. Stops the worker, frees shared memory, restores the trainer's cores and
+        thread counts; parameters keep ordinary memory of their own."""
+        if getattr(self, "_closed", True):
+            return
+        self._closed = True
+        if self._host is not None:
+            try:
+                self._host.close()
+            finally:
+                import cpu_kernels
+                cpu_kernels.set_num_threads(self._saved_kernel_threads)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass
+
+    def __repr__(self) -> str:
+        return super().__repr__() + f"\n{self.plan}" if getattr(self, "_built", False) else super().__repr__()
+
+
+class _GradGatherer:
+    """Writes a subgroup's grads [offset, offset + numel) into a staging buffer; params without
+    a grad contribute zeros (their elements are outside every run, so never stepped)."""
+
+    def __init__(self, sg):
+        self.sg = sg
+
+    def __call__(self, dst: torch.Tensor, offset: int, numel: int) -> None:
+        end = offset + numel
+        for sl in self.sg.slices:
+            a, b = max(offset, sl.sub_offset), min(end, sl.sub_offset + sl.numel)
+            if a >= b:
+                continue
+            g = sl.grad_view()
+            if g is None:
+                dst[a - offset:b - offset].zero_()
+                continue
+            dst[a - offset:b - offset].copy_(g[a - sl.sub_offset:b - sl.sub_offset], non_blocking=False)
+
+
+class HybridAdamW(_HybridBase):
+    """torch.optim.AdamW's signature and defaults (decoupled weight decay), plus placement.
+
+    See the README for the hybrid arguments (offload_fraction, nvme_fraction, ...)."""
+    _decoupled = True
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2,
+                 amsgrad=False, *, maximize=False, foreach=None, capturable=False,
+                 differentiable=False, fused=None, max_grad_norm=None, offload_fraction=1.0,
+                 nvme_fraction=0.0, nvme_path=None, subgroup_numel=DEFAULT_SUBGROUP_NUMEL,
+                 speculative=True, rollback="exact", device_memory_budget=None,
+                 host_memory_budget=None, process_group=None, **hybrid):
+        super().__init__(params, lr, betas, eps, weight_decay, amsgrad, maximize=maximize,
+                         foreach=foreach, capturable=capturable, differentiable=differentiable,
+                         fused=fused, max_grad_norm=max_grad_norm, offload_fraction=offload_fraction,
+                         nvme_fraction=nvme_fraction, nvme_path=nvme_path,
+                         subgroup_numel=subgroup_numel, speculative=speculative, rollback=rollback,
+                         device_memory_budget=device_memory_budget,
+                         host_memory_budget=host_memory_budget, process_group=process_group, **hybrid)
+
+
+class HybridAdam(_HybridBase):
+    """torch.optim.Adam's signature and defaults (weight_decay=0, L2 decay), plus placement."""
+    _decoupled = False
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
+                 amsgrad=False, *, maximize=False, foreach=None, capturable=False,
+                 differentiable=False, fused=None, max_grad_norm=None, offload_fraction=1.0,
+                 nvme_fraction=0.0, nvme_path=None, subgroup_numel=DEFAULT_SUBGROUP_NUMEL,
+                 speculative=True, rollback="exact", device_memory_budget=None,
+                 host_memory_budget=None, process_group=None, **hybrid):
+        super().__init__(params, lr, betas, eps, weight_decay, amsgrad, maximize=maximize,
+                         foreach=foreach, capturable=capturable, differentiable=differentiable,
+                         fused=fused, max_grad_norm=max_grad_norm, offload_fraction=offload_fraction,
+                         nvme_fraction=nvme_fraction, nvme_path=nvme_path,
+                         subgroup_numel=subgroup_numel, speculative=speculative, rollback=rollback,
+                         device_memory_budget=device_memory_budget,
+                         host_memory_budget=host_memory_budget, process_group=process_group, **hybrid)
