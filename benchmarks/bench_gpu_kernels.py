@@ -32,13 +32,12 @@ Without CUDA it says so and exits 0 (`--dry-run` instead runs every code path on
 through Triton's interpreter at toy sizes, timed with a wall clock — a check, not a figure).
 """
 import argparse
+import gc
 import importlib
 import itertools
 import json
-import math
 import os
 import random
-import statistics
 import sys
 import time
 
@@ -97,6 +96,7 @@ def random_sizes(total, count, seed=0):
 
 
 def free_memory():
+    gc.collect()  # an optimizer and its closures can hold a size's tensors in a cycle
     if torch.cuda.is_available():
         torch.cuda.synchronize()
         torch.cuda.empty_cache()

@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# GPU check, for a machine lent for a few minutes: the `gpu`-marked tests, the Triton kernel
+# tests on CUDA tensors, and the kernel benchmark at reduced sizes — under 5 minutes on one
+# H200. The machine has no package registry: install with --no-deps into its own torch/triton.
+#
+#   bash benchmarks/gpu_check.sh            # log in bench_out/gpu_check.log
+#   OUT=/some/dir bash benchmarks/gpu_check.sh   # log and JSON under $OUT (the device tool's folder)
+#
+# Every step runs even when an earlier one fails; the exit status is non-zero if any failed.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+OUT_DIR="${OUT:-bench_out}"
+mkdir -p "$OUT_DIR"
+LOG="$OUT_DIR/gpu_check.log"
+exec > >(tee "$LOG") 2>&1
+
+failed=()
+step() {  # step NAME SECONDS COMMAND...: run with a time limit, remember a failure, go on
+    local name=$1 limit=$2
+    shift 2
+    echo
+    echo "=== $name ($(date -u +%H:%M:%S), limit ${limit}s): $*"
+    local start=$SECONDS
+    if timeout --kill-after=10 "$limit" "$@"; then
+        echo "=== $name: ok in $((SECONDS - start))s"
+    else
+        echo "=== $name: FAILED (exit $?) after $((SECONDS - start))s"
+        failed+=("$name")
+    fi
+}
+
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv || true
+step versions 30 python -c "import sys, torch, triton; print(sys.version.split()[0], 'torch', torch.__version__, 'triton', triton.__version__, 'cuda', torch.cuda.is_available())"
+step install 60 python -m pip install --no-deps --no-build-isolation -e .
+step gpu-tests 60 python -m pytest -m gpu -q tests
+step kernel-tests 100 python -m pytest -q -m "not gpu" tests/test_gpu_kernels.py
+step benchmark 120 python benchmarks/bench_gpu_kernels.py --quick --sweep --json "$OUT_DIR/bench_gpu_kernels.json"
+
+echo
+if ((${#failed[@]})); then
+    echo "gpu_check: FAILED: ${failed[*]} (log: $LOG)"
+    exit 1
+fi
+echo "gpu_check: all steps passed (log: $LOG)"

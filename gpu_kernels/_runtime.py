@@ -1,0 +1,233 @@
+"""Owns what every Triton kernel here shares: loading triton lazily, choosing the compiled
+or the interpreted kernel for a device, and the multi-tensor chunk tables.
+
+Importing this module never needs triton or a GPU. A kernel is compiled (or wrapped for
+Triton's interpreter) on its first launch, so `TRITON_INTERPRET` is read when a CPU tensor
+is first stepped, not when `gpu_kernels` is imported.
+
+Multi-tensor launches (as apex's `multi_tensor_apply`): the launcher writes one int64 row
+per tensor (`numel` and the tensors' addresses) and one row per program (`tensor index`,
+`chunk index within that tensor`); a program loads its row, casts the addresses to typed
+pointers and steps `CHUNK` elements. A list of 1,000 small tensors is then one launch, and
+every offset is int64 (tensors past 2**31 elements).
+"""
+import collections
+import os
+import threading
+import types
+
+import torch
+
+_triton = None
+_triton_error = None
+
+
+def _import_triton():
+    global _triton, _triton_error
+    if _triton is None and _triton_error is None:
+        try:
+            import triton
+            import triton.language  # noqa: F401  (the kernels' `tl`)
+            _triton = triton
+        except Exception as exc:  # ImportError, or a broken install that fails on import
+            _triton_error = exc
+    return _triton
+
+
+def language():
+    """`triton.language` when triton imports, else a stand-in that only carries `constexpr`,
+    so kernel signatures (`BLOCK: tl.constexpr`) can be defined without triton."""
+    triton = _import_triton()
+    if triton is not None:
+        return triton.language
+    return types.SimpleNamespace(constexpr=_Constexpr)
+
+
+class _Constexpr:
+    def __init__(self, value=None):
+        self.value = value
+
+
+_MIN_INTERPRETER_VERSION = (3, 2)
+
+
+def _version(text):
+    parts = []
+    for piece in text.split(".")[:2]:
+        digits = "".join(ch for ch in piece if ch.isdigit())
+        parts.append(int(digits or 0))
+    return tuple(parts)
+
+
+def interpreting():
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def unavailable_reason(device):
+    """Why a Triton kernel cannot run on `device` now, or None when it can."""
+    device = torch.device(device)
+    if _import_triton() is None:
+        return (f"gpu_kernels needs triton, which failed to import ({_triton_error!r}); "
+                "install triton>=3.0 (Linux x86_64)")
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            return "gpu_kernels got CUDA tensors but torch.cuda.is_available() is False"
+        return None
+    if device.type == "cpu":
+        if interpreting():
+            if _version(_triton.__version__) < _MIN_INTERPRETER_VERSION:
+                # measured: triton 3.0's interpreter drops stores through pointers loaded from
+                # a table and 3.1's cannot unroll static_range; 3.2 onwards run these kernels
+                return (f"Triton's interpreter needs triton>=3.2 for these kernels (found "
+                        f"{_triton.__version__}); the compiled kernels on CUDA need triton>=3.0")
+            return None
+        return ("gpu_kernels got CPU tensors: there is no CUDA device in use and TRITON_INTERPRET "
+                "is not set to 1; move the tensors to a CUDA device, or set TRITON_INTERPRET=1 to "
+                "run the kernels (slowly) through Triton's interpreter")
+    return f"gpu_kernels runs on CUDA devices (or on CPU through TRITON_INTERPRET=1), not on {device.type!r}"
+
+
+def require_runtime(device):
+    reason = unavailable_reason(device)
+    if reason is not None:
+        raise RuntimeError(reason)
+
+
+class LazyKernel:
+    """A Triton function built on first use: compiled (`JITFunction`) for CUDA tensors,
+    interpreted (`InterpretedFunction`) for CPU tensors under TRITON_INTERPRET=1.
+
+    `triton.jit` picks one of the two from the environment once, at decoration. Here each
+    mode gets its own copy of the defining module's namespace in which every `lazy_jit`
+    function is replaced by its variant for that mode, so a kernel calling jit helpers
+    resolves the helpers of its own mode. (Triton's interpreter patches `triton.language`
+    while it runs, so compiling in a process that has interpreted is not supported: the
+    tests compile in a subprocess.) `launches` counts kernel launches (tests check one per
+    list).
+    """
+
+    def __init__(self, fn):
+        self.fn = fn
+        self.__name__ = fn.__name__
+        self.__doc__ = fn.__doc__
+        self.launches = 0
+
+    def for_device(self, device):
+        device = torch.device(device)
+        require_runtime(device)
+        return _namespace(self.fn.__globals__, interpret=device.type == "cpu")[self.__name__]
+
+    def launch(self, device, grid, *args, **kwargs):
+        kernel = self.for_device(device)
+        self.launches += 1
+        return kernel[grid](*args, **kwargs)
+
+
+_namespaces = {}
+_namespaces_lock = threading.Lock()
+
+
+def _namespace(module_globals, interpret):
+    key = (module_globals["__name__"], interpret)
+    with _namespaces_lock:
+        namespace = _namespaces.get(key)
+        if namespace is None:
+            if interpret:
+                from triton.runtime.interpreter import InterpretedFunction as wrap
+            else:
+                from triton.runtime.jit import JITFunction as wrap
+            namespace = dict(module_globals)
+            for name, obj in module_globals.items():
+                if isinstance(obj, LazyKernel):
+                    fn = obj.fn
+                    copy = types.FunctionType(fn.__code__, namespace, fn.__name__, fn.__defaults__,
+                                              fn.__closure__)
+                    copy.__qualname__, copy.__module__ = fn.__qualname__, fn.__module__
+                    copy.__kwdefaults__ = fn.__kwdefaults__
+                    namespace[name] = wrap(copy)
+            _namespaces[key] = namespace
+    return namespace
+
+
+def lazy_jit(fn):
+    """Decorator: a Triton kernel or jit helper compiled on first launch (see `LazyKernel`)."""
+    return LazyKernel(fn)
+
+
+def chunk_rows(numels, chunk):
+    """int64 [n_chunks, 2]: (tensor index, chunk index within the tensor) for each program.
+    Empty tensors get no row."""
+    numels = torch.as_tensor(numels, dtype=torch.int64)
+    per_tensor = (numels + (chunk - 1)) // chunk
+    total = int(per_tensor.sum())
+    tensor_index = torch.repeat_interleave(torch.arange(len(numels), dtype=torch.int64), per_tensor)
+    first = torch.cumsum(per_tensor, 0) - per_tensor
+    chunk_index = torch.arange(total, dtype=torch.int64) - torch.repeat_interleave(first, per_tensor)
+    return torch.stack([tensor_index, chunk_index], dim=1)
+
+
+class TableCache:
+    """Device-resident int64 tables keyed by everything they encode (addresses, sizes,
+    chunking), so a repeated step reuses them with no host-to-device copy at all; a key that
+    matches is exactly the table that would be built, so an entry is never stale. LRU,
+    bounded in entries and bytes (a 1G-element tensor needs a ~4 MB table)."""
+
+    def __init__(self, max_entries=256, max_bytes=64 << 20):
+        self.max_entries, self.max_bytes = max_entries, max_bytes
+        self._entries = collections.OrderedDict()  # key -> (table, event, stream)
+        self._bytes = 0
+        self._lock = threading.Lock()
+
+    def get(self, key, build, device):
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is not None:
+                self._entries.move_to_end(key)
+        if entry is not None:
+            table, event, stream = entry
+            if event is not None:
+                current = torch.cuda.current_stream(device)
+                if current != stream:
+                    # built on another stream: order its copy before this use, and tell the
+                    # allocator this stream uses the table too (no host sync either way)
+                    current.wait_event(event)
+                    table.record_stream(current)
+            return table
+        table, event, stream = build(), None, None
+        if device.type == "cuda":
+            # pinned + non_blocking: the copy is queued on the stream without a host sync,
+            # and torch's host allocator keeps the pinned buffer alive until it completes
+            table = table.pin_memory().to(device, non_blocking=True)
+            stream = torch.cuda.current_stream(device)
+            event = torch.cuda.Event()
+            event.record(stream)
+        nbytes = table.numel() * table.element_size()
+        with self._lock:
+            if key not in self._entries:
+                self._entries[key] = (table, event, stream)
+                self._bytes += nbytes
+            while self._entries and (len(self._entries) > self.max_entries or self._bytes > self.max_bytes):
+                old, _, _ = self._entries.popitem(last=False)[1]
+                self._bytes -= old.numel() * old.element_size()
+        return table
+
+    def clear(self):
+        with self._lock:
+            self._entries.clear()
+            self._bytes = 0
+
+
+def scalar_tensor_arg(value, name, device, dtypes=None):
+    """Checks a 1-element device tensor argument (grad_scale, found_inf, lr)."""
+    if value.numel() != 1:
+        raise ValueError(f"{name} must have exactly one element, got shape {tuple(value.shape)}")
+    if value.device != device:
+        raise ValueError(f"{name} is on {value.device} but the tensors are on {device}; "
+                         "pass it on the same device (reading it on the host would sync)")
+    if dtypes is not None and value.dtype not in dtypes:
+        raise TypeError(f"{name} must be one of {sorted(str(d) for d in dtypes)}, got {value.dtype}")
+    return value
+
+
+def is_aligned(ptr, nbytes=16):
+    return ptr % nbytes == 0

@@ -1,0 +1,373 @@
+"""Fused multi-tensor Adam / AdamW: the Triton kernel, its launcher and a pure-torch reference.
+
+One launch steps a whole list of tensors (see `_runtime` for the chunk table). Per element,
+with g the gradient read in its own dtype and widened to fp32, and `s` the grad scale
+(1/loss_scale × clip coefficient, negative for maximize):
+
+    g  = s·g
+    p  = p·(1 − lr·wd)                       AdamW (decoupled=True), when wd != 0
+    g  = g + wd·p                            Adam (decoupled=False, L2), when wd != 0
+    m  = m + (1 − β1)·(g − m)                torch's lerp_
+    v  = β2·v + (1 − β2)·g²
+    v̂  = max(v̂, v)                           amsgrad only; v̂ is max_exp_avg_sq
+    p  = p − lr/(1 − β1^t) · m / (√v̂ / √(1 − β2^t) + ε)      (v̂ = v without amsgrad)
+    param_copy = bf16/fp16(p)                round to nearest even, as torch's `.to()`
+
+which is `torch.optim.AdamW(foreach=False)` / `torch.optim.Adam` with bias correction,
+computed in fp32. `grad_scale`, `found_inf` and a tensor `lr` are read inside the kernel, so
+a step queues no host synchronisation; `found_inf != 0` masks every store off.
+"""
+import math
+import numbers
+
+import torch
+
+from . import _runtime
+from ._runtime import lazy_jit
+
+tl = _runtime.language()
+
+_GRAD_DTYPES = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 3}
+_COPY_DTYPES = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 3}
+_SCALE_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
+_FOUND_INF_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int32, torch.int64)
+
+# one int64 row per tensor: numel, then the addresses of param, grad, exp_avg, exp_avg_sq,
+# max_exp_avg_sq, param_copy (0 when absent), padded to 8 fields
+_META = 8
+
+# BLOCK elements per inner step, ITERS steps per program (CHUNK = BLOCK·ITERS elements per
+# chunk-table row). CUDA: 8 streams per element keep enough bytes in flight at 4 warps per
+# 1,024 elements; the benchmark's --sweep re-checks this on the machine at hand. The
+# interpreter costs ~0.7 ms per program whatever its size, hence one large block there.
+LAUNCH_CONFIG = {
+    "cuda": dict(BLOCK=1024, ITERS=4, num_warps=4),
+    "cpu": dict(BLOCK=4096, ITERS=1, num_warps=4),
+}
+
+_tables = _runtime.TableCache()
+
+
+@lazy_jit
+def _adam_chunk(p_ptr, g_ptr, m_ptr, v_ptr, vmax_ptr, c_ptr, start, limit, ok, scale, step_size, decay,
+                one_minus_beta1, beta2, one_minus_beta2, eps, weight_decay, bias_correction2_sqrt,
+                MASKED: tl.constexpr, SCALE_MODE: tl.constexpr,
+                WEIGHT_DECAY: tl.constexpr, DECOUPLED: tl.constexpr, AMSGRAD: tl.constexpr,
+                COPY_CODE: tl.constexpr, BLOCK: tl.constexpr, ITERS: tl.constexpr):
+    for i in tl.static_range(ITERS):
+        offs = start + i * BLOCK + tl.arange(0, BLOCK)
+        if MASKED:
+            mask = offs < limit
+        else:
+            # a uniform mask keeps the 16-byte vector accesses that `offs < limit` would
+            # break (numel, loaded from the table, has no known divisibility)
+            mask = (tl.zeros([BLOCK], dtype=tl.int32) + ok.to(tl.int32)) != 0
+        p = tl.load(p_ptr + offs, mask=mask, other=0.0)
+        g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        m = tl.load(m_ptr + offs, mask=mask, other=0.0)
+        v = tl.load(v_ptr + offs, mask=mask, other=0.0)
+        if SCALE_MODE != 0:
+            g = g * scale
+        if WEIGHT_DECAY:
+            if DECOUPLED:
+                p = p * decay
+            else:
+                g = g + weight_decay * p
+        m = m + one_minus_beta1 * (g - m)
+        v = v * beta2 + one_minus_beta2 * (g * g)
+        if AMSGRAD:
+            v_hat = tl.maximum(tl.load(vmax_ptr + offs, mask=mask, other=0.0), v)
+            tl.store(vmax_ptr + offs, v_hat, mask=mask)
+        else:
+            v_hat = v
+        # IEEE sqrt and division (Triton's defaults are approximate), as torch computes them
+        denom = tl.div_rn(tl.sqrt_rn(v_hat), bias_correction2_sqrt) + eps
+        p = p - tl.div_rn(step_size * m, denom)
+        tl.store(p_ptr + offs, p, mask=mask)
+        tl.store(m_ptr + offs, m, mask=mask)
+        tl.store(v_ptr + offs, v, mask=mask)
+        if COPY_CODE == 2:
+            # round to nearest even on the bits, as torch's cast does: Triton's interpreter
+            # truncates fp32 -> bf16; this way every backend writes torch's bits
+            bits = p.to(tl.uint32, bitcast=True)
+            bits = (bits + (((bits >> 16) & 1) + 0x7FFF)) >> 16
+            bits = tl.where(p != p, 0x7FC0, bits)  # NaN stays a quiet NaN
+            tl.store(c_ptr + offs, bits.to(tl.uint16), mask=mask)
+        elif COPY_CODE != 0:
+            tl.store(c_ptr + offs, p.to(c_ptr.dtype.element_ty), mask=mask)
+
+
+@lazy_jit
+def _fused_adam_kernel(
+        meta_ptr, chunk_ptr, lr_ptr, grad_scale_ptr, found_inf_ptr,
+        step_size, decay, bias_correction1, grad_scale,
+        one_minus_beta1, beta2, one_minus_beta2, eps, weight_decay, bias_correction2_sqrt,
+        META: tl.constexpr, GRAD_CODE: tl.constexpr, COPY_CODE: tl.constexpr,
+        LR_ON_DEVICE: tl.constexpr, SCALE_MODE: tl.constexpr, HAS_FOUND_INF: tl.constexpr,
+        WEIGHT_DECAY: tl.constexpr, DECOUPLED: tl.constexpr, AMSGRAD: tl.constexpr,
+        ALIGNED: tl.constexpr, BLOCK: tl.constexpr, ITERS: tl.constexpr):
+    # program_id is int32: widen before it scales anything
+    pid = tl.program_id(0).to(tl.int64)
+    tensor = tl.load(chunk_ptr + 2 * pid)
+    chunk = tl.load(chunk_ptr + 2 * pid + 1)
+    row = meta_ptr + tensor * META
+    numel = tl.load(row)
+    p_ptr = tl.load(row + 1).to(tl.pointer_type(tl.float32))
+    m_ptr = tl.load(row + 3).to(tl.pointer_type(tl.float32))
+    v_ptr = tl.load(row + 4).to(tl.pointer_type(tl.float32))
+    if GRAD_CODE == 1:
+        g_ptr = tl.load(row + 2).to(tl.pointer_type(tl.float32))
+    elif GRAD_CODE == 2:
+        g_ptr = tl.load(row + 2).to(tl.pointer_type(tl.bfloat16))
+    else:
+        g_ptr = tl.load(row + 2).to(tl.pointer_type(tl.float16))
+    vmax_ptr = p_ptr  # unused unless AMSGRAD
+    if AMSGRAD:
+        vmax_ptr = tl.load(row + 5).to(tl.pointer_type(tl.float32))
+    c_ptr = p_ptr  # unused unless COPY_CODE
+    if COPY_CODE == 1:
+        c_ptr = tl.load(row + 6).to(tl.pointer_type(tl.float32))
+    elif COPY_CODE == 2:  # bf16, written as its bits (see _adam_chunk)
+        c_ptr = tl.load(row + 6).to(tl.pointer_type(tl.uint16))
+    elif COPY_CODE == 3:
+        c_ptr = tl.load(row + 6).to(tl.pointer_type(tl.float16))
+    if ALIGNED:
+        # addresses loaded from memory carry no alignment facts; without these hints the
+        # compiler emits one scalar access per element instead of 16-byte vectors
+        p_ptr = tl.multiple_of(p_ptr, 16)
+        g_ptr = tl.multiple_of(g_ptr, 16)
+        m_ptr = tl.multiple_of(m_ptr, 16)
+        v_ptr = tl.multiple_of(v_ptr, 16)
+        vmax_ptr = tl.multiple_of(vmax_ptr, 16)
+        c_ptr = tl.multiple_of(c_ptr, 16)
+
+    ok = numel == numel  # true; a tensor, so both variants of _adam_chunk take one type
+    limit = numel
+    if HAS_FOUND_INF:
+        # read on the device, no host sync; an overflow step masks every access off
+        ok = tl.load(found_inf_ptr) == 0
+        limit = numel * ok.to(tl.int64)
+    scale = grad_scale
+    if SCALE_MODE == 2:
+        scale = tl.load(grad_scale_ptr).to(tl.float32)
+    lr_step_size = step_size
+    lr_decay = decay
+    if LR_ON_DEVICE:
+        lr = tl.load(lr_ptr).to(tl.float32)
+        lr_step_size = tl.div_rn(lr, bias_correction1)
+        lr_decay = 1.0 - lr * weight_decay
+
+    start = chunk * (BLOCK * ITERS)
+    # whole chunks (all but a tensor's last) run unmasked, so accesses stay vectorised
+    if start + BLOCK * ITERS <= numel:
+        _adam_chunk(p_ptr, g_ptr, m_ptr, v_ptr, vmax_ptr, c_ptr, start, limit, ok, scale,
+                    lr_step_size, lr_decay, one_minus_beta1, beta2, one_minus_beta2, eps,
+                    weight_decay, bias_correction2_sqrt, False, SCALE_MODE,
+                    WEIGHT_DECAY, DECOUPLED, AMSGRAD, COPY_CODE, BLOCK, ITERS)
+    else:
+        _adam_chunk(p_ptr, g_ptr, m_ptr, v_ptr, vmax_ptr, c_ptr, start, limit, ok, scale,
+                    lr_step_size, lr_decay, one_minus_beta1, beta2, one_minus_beta2, eps,
+                    weight_decay, bias_correction2_sqrt, True, SCALE_MODE,
+                    WEIGHT_DECAY, DECOUPLED, AMSGRAD, COPY_CODE, BLOCK, ITERS)
+
+
+def _as_list(value, name, *, optional=False):
+    if value is None and optional:
+        return None
+    if isinstance(value, (list, tuple)):
+        return value
+    raise TypeError(f"{name} must be a list or tuple of tensors, got {type(value).__name__}")
+
+
+def _check_tensor(t, name, i, device, dtypes, numel):
+    where = f"{name}[{i}]"
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{where} must be a tensor, got {type(t).__name__}")
+    if t.dtype not in dtypes:
+        allowed = ", ".join(str(d).replace("torch.", "") for d in dtypes)
+        raise TypeError(f"{where} has dtype {t.dtype}; expected one of: {allowed}")
+    if t.device != device:
+        raise ValueError(f"{where} is on {t.device} but params[0] is on {device}; "
+                         "one launch needs every tensor on the same device")
+    if numel is not None and t.numel() != numel:
+        raise ValueError(f"{where} has {t.numel()} elements but params[{i}] has {numel}")
+    if not t.is_contiguous():
+        raise ValueError(f"{where} is not contiguous; the kernel reads memory linearly "
+                         "(pass .contiguous() or a flat buffer)")
+
+
+def _check_hyperparameters(step, lr, beta1, beta2, eps, weight_decay):
+    if isinstance(step, bool) or not isinstance(step, numbers.Integral):
+        raise TypeError(f"step must be an int (the step count after this update, >= 1), got {step!r}")
+    if step < 1:
+        raise ValueError(f"step must be >= 1 (bias correction divides by 1 - beta1**step), got {step}")
+    if not isinstance(lr, torch.Tensor) and not 0.0 <= lr:
+        raise ValueError(f"Invalid learning rate: {lr}")
+    if not 0.0 <= beta1 < 1.0:
+        raise ValueError(f"Invalid beta parameter at index 0: {beta1}")
+    if not 0.0 <= beta2 < 1.0:
+        raise ValueError(f"Invalid beta parameter at index 1: {beta2}")
+    if not 0.0 <= eps:
+        raise ValueError(f"Invalid epsilon value: {eps}")
+    if not 0.0 <= weight_decay:
+        raise ValueError(f"Invalid weight_decay value: {weight_decay}")
+
+
+def fused_adam_(params, grads, exp_avgs, exp_avg_sqs, *, step, lr, beta1, beta2, eps,
+                weight_decay, decoupled=True, grad_scale=None, found_inf=None,
+                max_exp_avg_sqs=None, param_copies=None):
+    """Adam/AdamW step over lists of tensors, in place, in one launch (see the module doc).
+
+    params, exp_avgs, exp_avg_sqs, max_exp_avg_sqs (amsgrad): fp32. grads: fp32, bf16 or
+    fp16. param_copies: bf16/fp16/fp32 tensors (or None entries) that receive the updated
+    param. Index i of every list must hold the same number of elements; all contiguous, all on
+    one CUDA device (or CPU under TRITON_INTERPRET=1). `step` is the step count after this
+    update (1 on the first step). `lr`: float or 1-element tensor. `grad_scale`: None, float
+    or 1-element tensor on the device. `found_inf`: None or a 1-element tensor on the device;
+    non-zero → nothing is written. Tensors are grouped by (grad dtype, copy dtype, 16-byte
+    alignment): one launch per group, a single launch in the usual case.
+    """
+    params = _as_list(params, "params")
+    grads = _as_list(grads, "grads")
+    exp_avgs = _as_list(exp_avgs, "exp_avgs")
+    exp_avg_sqs = _as_list(exp_avg_sqs, "exp_avg_sqs")
+    max_exp_avg_sqs = _as_list(max_exp_avg_sqs, "max_exp_avg_sqs", optional=True)
+    param_copies = _as_list(param_copies, "param_copies", optional=True)
+    n = len(params)
+    for name, lst in (("grads", grads), ("exp_avgs", exp_avgs), ("exp_avg_sqs", exp_avg_sqs),
+                      ("max_exp_avg_sqs", max_exp_avg_sqs), ("param_copies", param_copies)):
+        if lst is not None and len(lst) != n:
+            raise ValueError(f"{name} has {len(lst)} tensors but params has {n}")
+    _check_hyperparameters(step, lr, beta1, beta2, eps, weight_decay)
+    if n == 0:
+        return
+    if not isinstance(params[0], torch.Tensor):
+        raise TypeError(f"params[0] must be a tensor, got {type(params[0]).__name__}")
+    device = params[0].device
+    amsgrad = max_exp_avg_sqs is not None
+
+    fp32 = (torch.float32,)
+    rows = []
+    for i in range(n):
+        p, g, m, v = params[i], grads[i], exp_avgs[i], exp_avg_sqs[i]
+        _check_tensor(p, "params", i, device, fp32, None)
+        numel = p.numel()
+        _check_tensor(g, "grads", i, device, _GRAD_DTYPES, numel)
+        _check_tensor(m, "exp_avgs", i, device, fp32, numel)
+        _check_tensor(v, "exp_avg_sqs", i, device, fp32, numel)
+        vmax_ptr = 0
+        if amsgrad:
+            _check_tensor(max_exp_avg_sqs[i], "max_exp_avg_sqs", i, device, fp32, numel)
+            vmax_ptr = max_exp_avg_sqs[i].data_ptr()
+        copy_ptr, copy_code = 0, 0
+        if param_copies is not None and param_copies[i] is not None:
+            c = param_copies[i]
+            _check_tensor(c, "param_copies", i, device, _COPY_DTYPES, numel)
+            copy_ptr, copy_code = c.data_ptr(), _COPY_DTYPES[c.dtype]
+        rows.append((numel, p.data_ptr(), g.data_ptr(), m.data_ptr(), v.data_ptr(), vmax_ptr,
+                     copy_ptr, _GRAD_DTYPES[g.dtype], copy_code))
+
+    scale_mode, scale_value, scale_tensor = 0, 1.0, None
+    if isinstance(grad_scale, torch.Tensor):
+        scale_tensor = _runtime.scalar_tensor_arg(grad_scale, "grad_scale", device, _SCALE_DTYPES)
+        scale_mode = 2
+    elif grad_scale is not None:
+        scale_value = float(grad_scale)
+        scale_mode = 0 if scale_value == 1.0 else 1
+    if found_inf is not None:
+        if not isinstance(found_inf, torch.Tensor):
+            raise TypeError("found_inf must be a 1-element tensor on the device (or None), "
+                            f"got {type(found_inf).__name__}")
+        _runtime.scalar_tensor_arg(found_inf, "found_inf", device, _FOUND_INF_DTYPES)
+
+    lr_tensor = None
+    if isinstance(lr, torch.Tensor):
+        if lr.numel() != 1:
+            raise ValueError(f"lr must be a float or a 1-element tensor, got shape {tuple(lr.shape)}")
+        if lr.device == device:
+            lr_tensor = lr
+        elif lr.device.type == "cpu":
+            lr = float(lr)  # a CPU value is read without waiting on the device
+        else:
+            raise ValueError(f"lr is on {lr.device} but the tensors are on {device}")
+    bias_correction1 = 1.0 - beta1 ** step
+    bias_correction2_sqrt = math.sqrt(1.0 - beta2 ** step)
+    if lr_tensor is None:
+        step_size, decay = float(lr) / bias_correction1, 1.0 - float(lr) * weight_decay
+    else:
+        step_size, decay = 0.0, 1.0
+
+    _runtime.require_runtime(device)
+    config = LAUNCH_CONFIG["cuda" if device.type == "cuda" else "cpu"]
+    block, iters = config["BLOCK"], config["ITERS"]
+
+    # a launch needs uniform pointer types and alignment facts: group rows by them (one
+    # group in the usual case); the updates are independent, so grouping changes no bits
+    groups = {}
+    for r in rows:
+        aligned = all(_runtime.is_aligned(ptr) for ptr in r[1:7])
+        groups.setdefault((r[7], r[8], aligned), []).append(r[:7])
+    for (grad_code, copy_code, aligned), group in groups.items():
+        key = (device, block * iters, tuple(group))
+        table = _tables.get(key, lambda: _build_table(group, block * iters), device)
+        meta, chunks = table[: len(group) * _META], table[len(group) * _META:]
+        n_chunks = chunks.numel() // 2
+        if n_chunks == 0:
+            continue
+        dummy = table
+        _fused_adam_kernel.launch(
+            device, (n_chunks,),
+            meta, chunks,
+            lr_tensor if lr_tensor is not None else dummy,
+            scale_tensor if scale_tensor is not None else dummy,
+            found_inf if found_inf is not None else dummy,
+            float(step_size), float(decay), float(bias_correction1), float(scale_value),
+            float(1.0 - beta1), float(beta2), float(1.0 - beta2), float(eps), float(weight_decay),
+            float(bias_correction2_sqrt),
+            META=_META, GRAD_CODE=grad_code, COPY_CODE=copy_code,
+            LR_ON_DEVICE=lr_tensor is not None, SCALE_MODE=scale_mode,
+            HAS_FOUND_INF=found_inf is not None, WEIGHT_DECAY=weight_decay != 0,
+            DECOUPLED=bool(decoupled), AMSGRAD=amsgrad, ALIGNED=aligned,
+            BLOCK=block, ITERS=iters, num_warps=config["num_warps"])
+
+
+def _build_table(group, chunk):
+    meta = torch.zeros((len(group), _META), dtype=torch.int64)
+    meta[:, :7] = torch.tensor(group, dtype=torch.int64)
+    chunks = _runtime.chunk_rows([r[0] for r in group], chunk)
+    return torch.cat([meta.flatten(), chunks.flatten()])
+
+
+@torch.no_grad()
+def fused_adam_reference_(params, grads, exp_avgs, exp_avg_sqs, *, step, lr, beta1, beta2, eps,
+                          weight_decay, decoupled=True, grad_scale=None, found_inf=None,
+                          max_exp_avg_sqs=None, param_copies=None):
+    """`fused_adam_`'s contract in plain torch, one tensor at a time in fp64 (a test oracle:
+    it reads found_inf, lr and grad_scale on the host)."""
+    if found_inf is not None and float(found_inf) != 0:
+        return
+    lr = float(lr)
+    scale = 1.0 if grad_scale is None else float(grad_scale)
+    bias_correction1 = 1.0 - beta1 ** step
+    bias_correction2_sqrt = math.sqrt(1.0 - beta2 ** step)
+    for i, param in enumerate(params):
+        p = param.double()
+        g = grads[i].double() * scale
+        m, v = exp_avgs[i].double(), exp_avg_sqs[i].double()
+        if weight_decay != 0:
+            if decoupled:
+                p = p * (1.0 - lr * weight_decay)
+            else:
+                g = g + weight_decay * p
+        m = m + (1.0 - beta1) * (g - m)
+        v = v * beta2 + (1.0 - beta2) * g * g
+        v_hat = v
+        if max_exp_avg_sqs is not None:
+            v_hat = torch.maximum(max_exp_avg_sqs[i].double(), v)
+            max_exp_avg_sqs[i].copy_(v_hat)
+        p = p - (lr / bias_correction1) * m / (v_hat.sqrt() / bias_correction2_sqrt + eps)
+        param.copy_(p)
+        exp_avgs[i].copy_(m)
+        exp_avg_sqs[i].copy_(v)
+        if param_copies is not None and param_copies[i] is not None:
+            param_copies[i].copy_(param)  # the cast of the fp32 result, as the kernel writes it
