@@ -77,6 +77,9 @@ class _HybridBase(torch.optim.Optimizer):
                              ("host_memory_budget", host_memory_budget)):
             if budget is not None and (not isinstance(budget, int) or budget <= 0):
                 raise ValueError(f"{name} must be a positive number of bytes or None, got {budget!r}")
+        # the fractions' own errors (out of range, nvme above offload) come before "nvme needs a
+        # path" / "nvme not built": an empty plan runs exactly the checks the real one will
+        fraction_plan([], [], offload_fraction, nvme_fraction)
         if not isinstance(nvme_fraction, str) and nvme_fraction not in (0, 0.0):
             if nvme_path is None:
                 raise ValueError("nvme_fraction > 0 needs nvme_path (a directory on a local disk)")

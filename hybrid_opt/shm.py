@@ -79,7 +79,9 @@ class SharedArena:
         itemsize = torch.empty((), dtype=dtype).element_size()
         if offset % itemsize or offset + numel * itemsize > self.nbytes:
             raise ValueError(f"region [{offset}, +{numel * itemsize}) does not fit the arena")
-        return torch.frombuffer(self.mm, dtype=dtype, count=numel, offset=offset)
+        # through a memoryview: each view holds a buffer export, so close() cannot unmap
+        # memory a live tensor still points at (the mapping then goes with the last view)
+        return torch.frombuffer(memoryview(self.mm), dtype=dtype, count=numel, offset=offset)
 
     def pin(self) -> bool:
         """Page-lock the arena for async H2D/D2H copies; True when it was pinned."""

@@ -70,6 +70,7 @@ class _Piece:
     slot: int
     task: P.Task
     result: P.Result | None = None
+    freed: bool = False           # its staging slot is back in the ring
 
 
 @dataclass
@@ -236,12 +237,18 @@ class HostTier:
             self._recover(e)
             return self.client.send(task)
 
+    def _free_slot(self, piece: _Piece) -> None:
+        """Returns a piece's staging slot to the ring, once (every path may call it)."""
+        if not piece.freed:
+            piece.freed = True
+            self._free_slots.append(piece.slot)
+
     def _release_piece(self, piece: _Piece) -> None:
         # in inverse mode a speculated piece keeps its grads until validation (the undo needs them)
         spec = self._spec.get(piece.subgroup)
         if self.rollback == "inverse" and spec is not None and piece in spec.pieces:
             return
-        self._free_slots.append(piece.slot)
+        self._free_slot(piece)
 
     def _collect(self) -> None:
         for tid in [t for t in self._inflight if t in self.client.results]:
@@ -293,9 +300,11 @@ class HostTier:
             torn = sorted({p.subgroup for p in lost.values() if p.task.op == P.OP_STEP})
             self._inflight = {t: p for t, p in self._inflight.items() if t not in lost}
             for p in lost.values():
-                self._free_slots.append(p.slot)
+                self._free_slot(p)
             for sg in torn:
-                self._spec.pop(sg, None)
+                spec = self._spec.pop(sg, None)
+                for p in spec.pieces if spec is not None else ():
+                    self._free_slot(p)
             self.client.restart()
             self.stats["worker_restarts"] += 1
             raise RuntimeError(f"{err}. rollback='inverse' steps in place, so the state of "
@@ -321,31 +330,57 @@ class HostTier:
                     self._view(out_bank, region, n, dt)[pos:off].copy_(self._view(src, region, n, dt)[pos:off])
             pos = max(pos, off + k)
 
-    def _launch(self, sg: int, grad, inputs: StepInputs, out_bank, skip_nonfinite, pieces: list) -> None:
+    def _launch(self, sg: int, grad, inputs: StepInputs, out_bank, skip_nonfinite, pieces: list,
+                whole_subgroup_check: bool = False) -> None:
         n = self.numels[sg]
-        if not callable(grad) and grad.numel() != n:
-            raise ValueError(f"subgroup {sg} has {n} elements, its grad {grad.numel()}")
         runs = inputs.ranges(n)
         if inputs.runs and out_bank is not None:
             self._carry_over(sg, out_bank, runs)
         for run_off, run_n, step in runs:
-            if run_off < 0 or run_n < 0 or run_off + run_n > n:
-                raise ValueError(f"run ({run_off}, {run_n}) is outside subgroup {sg} of {n} elements")
             run_inputs = inputs if step == inputs.step else _with_step(inputs, step)
             for off in range(run_off, run_off + run_n, self.slot_numel):
                 k = min(self.slot_numel, run_off + run_n - off)
                 slot = self._acquire_slot()
-                self._stage(slot, grad, off, k)
                 piece = _Piece(sg, off, k, slot, self._task(P.OP_STEP, sg, run_inputs,
                                                             self.pool.committed[sg], out_bank, off,
                                                             k, slot, skip_nonfinite))
-                pieces.append(piece)
-                self._send(piece)
+                pieces.append(piece)  # owns the slot from here: every failure path frees it
+                self._stage(slot, grad, off, k)
+                if not whole_subgroup_check:
+                    self._send(piece)
+        if whole_subgroup_check:
+            # inverse mode: a subgroup whose grads are not all finite is not stepped at all (an
+            # in-place step and its undo would cost a few ulps); every piece is staged, so check
+            # them all before sending any
+            import cpu_kernels
+            if all(cpu_kernels.grad_stats(self._slots[p.slot][:p.numel])[1] for p in pieces):
+                for p in pieces:
+                    self._send(p)
+            else:
+                for p in pieces:
+                    p.result = P.Result(P.OP_STEP, 0, P.STATUS_NONFINITE, sg, float("inf"), 0)
+
+    def _check(self, sg: int, grad, inputs: StepInputs) -> None:
+        """Rejects a bad step before any bank, slot or task is taken: a step that failed half
+        launched would leave a spare bank partly written, and a speculation finish() could commit."""
+        if not 0 <= sg < len(self.numels):
+            raise IndexError(f"subgroup {sg} does not exist: this host tier has "
+                             f"{len(self.numels)} subgroups")
+        n = self.numels[sg]
+        if not callable(grad) and grad.numel() != n:
+            raise ValueError(f"subgroup {sg} has {n} elements, its grad {grad.numel()}")
+        if inputs.amsgrad and not self.amsgrad:
+            raise ValueError("StepInputs.amsgrad=True on a host tier built with amsgrad=False, which "
+                             "lays out no running max of v; build the tier with amsgrad=True")
+        for run_off, run_n, _ in inputs.ranges(n):
+            if run_off < 0 or run_n < 0 or run_off + run_n > n:
+                raise ValueError(f"run ({run_off}, {run_n}) is outside subgroup {sg} of {n} elements")
 
     def speculate(self, sg: int, grad: torch.Tensor, inputs: StepInputs) -> bool:
         """Step `sg` now, into a spare bank (exact) or in place (inverse), to be validated by
         finish(). Returns False, doing nothing, when no spare bank (or, in inverse mode, no
         staging slot) is free: the subgroup is then stepped at finish()."""
+        self._check(sg, grad, inputs)
         self._require_idle(sg)
         if self.rollback == "exact":
             bank = self.pool.acquire()
@@ -358,8 +393,31 @@ class HostTier:
             bank = None
         spec = _Speculation(inputs, bank)
         self._spec[sg] = spec
-        self._launch(sg, grad, inputs, bank, True, spec.pieces)
+        try:
+            self._launch(sg, grad, inputs, bank, True, spec.pieces,
+                         whole_subgroup_check=self.rollback == "inverse")
+        except BaseException:
+            self._abandon(sg)  # a half-launched speculation must never be committed
+            raise
         return True
+
+    def _abandon(self, sg: int) -> None:
+        """Forget a speculation that failed while launching: its finished in-place pieces are
+        undone (inverse), its spare bank and slots go back once nothing writes them."""
+        spec = self._spec.pop(sg, None)
+        if spec is None:
+            return
+        self._quiesce()
+        if self.rollback == "inverse" and any(p.result is not None and p.result.status == P.STATUS_OK
+                                              for p in spec.pieces):
+            try:
+                self._undo(sg, spec)
+            except Exception:
+                pass  # the error being raised already names this subgroup's trouble
+        for p in spec.pieces:
+            self._free_slot(p)
+        if spec.bank is not None:
+            self.pool.release(spec.bank)
 
     def speculated(self) -> list[int]:
         return sorted(self._spec)
@@ -381,13 +439,15 @@ class HostTier:
         """Inverse mode: undo a speculated in-place step with the grads it used."""
         ids = []
         for p in spec.pieces:
-            if p.result.status == P.STATUS_OK:
+            if p.result is not None and p.result.status == P.STATUS_OK:
                 t = P.Task(**{**p.task.__dict__, "op": P.OP_INVERSE, "task_id": 0})
                 ids.append(self._send_task(t))
-        self._wait(lambda: all(i in self.client.results for i in ids))
-        self.client.wait(ids)
-        for p in spec.pieces:
-            self._free_slots.append(p.slot)
+        try:
+            self._wait(lambda: all(i in self.client.results for i in ids))
+            self.client.wait(ids)
+        finally:
+            for p in spec.pieces:
+                self._free_slot(p)
 
     def _drop(self, sg: int) -> None:
         spec = self._spec.pop(sg)
@@ -403,6 +463,8 @@ class HostTier:
         overflow: the step is skipped — every speculated step is dropped, nothing changes.
         Returns {sg: "committed" | "redone" | "stepped" | "dropped"}.
         """
+        for sg, (grad, final) in steps.items():
+            self._check(sg, grad, final)
         self._wait(lambda: all(s.done() for s in self._spec.values()))
         outcome = {}
         if overflow:
@@ -440,7 +502,9 @@ class HostTier:
         except BaseException:
             # the committed state stands: let in-flight work end, then return its spare banks
             self._quiesce()
-            for bank, _ in waiting.values():
+            for bank, pieces in waiting.values():
+                for p in pieces:
+                    self._free_slot(p)
                 if bank is not None:
                     self.pool.release(bank)
             raise
@@ -466,7 +530,7 @@ class HostTier:
 
     def _free_pieces(self, spec: _Speculation) -> None:
         for p in spec.pieces:
-            self._free_slots.append(p.slot)
+            self._free_slot(p)
 
     def _commit_finished(self, waiting: dict) -> None:
         for sg in [s for s, (b, ps) in waiting.items() if all(p.result is not None for p in ps)]:

@@ -49,12 +49,21 @@ class CoreSplit:
     and torch's old thread count.
     """
 
+    # while any split is applied, later splits divide the process's original CPUs, not the
+    # trainer's share of them (a second optimizer in the same process gets its own worker core)
+    _active = 0
+    _original: set | None = None
+
     def __init__(self, worker_share: float = 0.5, worker_cores: list[int] | None = None):
         if not 0.0 < worker_share <= 1.0:
             raise ValueError(f"worker_share must be in (0, 1], got {worker_share}")
         self.saved_masks: dict[int, set[int]] = {}
         self.saved_torch_threads = None
-        cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+        self.applied = False
+        if not hasattr(os, "sched_getaffinity"):
+            cpus = []
+        else:
+            cpus = sorted(CoreSplit._original or os.sched_getaffinity(0))
         if worker_cores is not None:
             self.worker, self.trainer = list(worker_cores), [c for c in cpus if c not in worker_cores] or cpus
         elif len(cpus) < 2:
@@ -73,6 +82,10 @@ class CoreSplit:
     def apply(self) -> None:
         if not hasattr(os, "sched_setaffinity") or not self.trainer or self.trainer == self.worker:
             return
+        if CoreSplit._active == 0:
+            CoreSplit._original = os.sched_getaffinity(0)
+        CoreSplit._active += 1
+        self.applied = True
         for tid in self._threads():
             try:
                 self.saved_masks[tid] = os.sched_getaffinity(tid)
@@ -87,6 +100,11 @@ class CoreSplit:
             pass
 
     def restore(self) -> None:
+        if self.applied:
+            self.applied = False
+            CoreSplit._active -= 1
+            if CoreSplit._active == 0:
+                CoreSplit._original = None
         for tid, mask in self.saved_masks.items():
             try:
                 os.sched_setaffinity(tid, mask)
