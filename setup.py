@@ -10,7 +10,7 @@ from setuptools import Extension, setup
 
 SOURCES = ["cpu_kernels/csrc/module.c", "cpu_kernels/csrc/dispatch.c",
            "cpu_kernels/csrc/kernels_avx512.c", "cpu_kernels/csrc/kernels_avx2.c",
-           "cpu_kernels/csrc/kernels_portable.c"]
+           "cpu_kernels/csrc/kernels_portable.c", "cpu_kernels/csrc/aio.c"]
 
 compile_args = ["-O3", "-std=gnu11", "-fno-math-errno", "-fno-trapping-math", "-fopenmp",
                 "-Wall", "-Wno-unknown-pragmas"]
@@ -21,5 +21,5 @@ if sys.platform == "darwin":  # Apple clang has no -fopenmp; the kernels then ru
 
 setup(ext_modules=[Extension("cpu_kernels._native", sources=SOURCES,
                              depends=[os.path.join("cpu_kernels/csrc", f) for f in
-                                      ("kernels.h", "adam_body.h", "simd.h")],
+                                      ("kernels.h", "adam_body.h", "aio.h")],
                              extra_compile_args=compile_args, extra_link_args=link_args)])
