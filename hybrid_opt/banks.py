@@ -9,16 +9,25 @@ from __future__ import annotations
 
 
 class BankPool:
-    def __init__(self, n_subgroups: int, n_spares: int):
-        self.committed = list(range(n_subgroups))
-        self.free = list(range(n_subgroups, n_subgroups + n_spares))
-        self.n_banks = n_subgroups + n_spares
+    """Banks 0..n_banks-1: one committed bank per resident subgroup, the rest free.
 
-    def acquire(self) -> int | None:
-        return self.free.pop() if self.free else None
+    nvme subgroups have no committed bank (their state is in files): they borrow free banks
+    for the duration of a step.
+    """
+
+    def __init__(self, resident: list[int], n_spares: int):
+        self.committed = {sg: k for k, sg in enumerate(resident)}
+        self.free = list(range(len(resident), len(resident) + n_spares))[::-1]
+        self.n_banks = len(resident) + n_spares
+
+    def acquire(self, k: int = 1) -> list[int] | None:
+        """k free banks, or None (taking nothing) when fewer are free."""
+        if len(self.free) < k:
+            return None
+        return [self.free.pop() for _ in range(k)]
 
     def release(self, bank: int) -> None:
-        assert bank not in self.free and bank not in self.committed, f"bank {bank} released twice"
+        assert bank not in self.free and bank not in self.committed.values(), f"bank {bank} released twice"
         self.free.append(bank)
 
     def commit(self, subgroup: int, bank: int) -> None:

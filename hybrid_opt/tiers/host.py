@@ -11,6 +11,12 @@ speculated step, a redo and a plain step are the same kernel on the same inputs:
 bits whichever path ran. In inverse mode steps run in place and are undone with the fp64
 inverse kernel (no spare memory; not bitwise, and not available with amsgrad).
 
+NVMe subgroups (nvme=[...]) keep no state in memory: a step borrows two banks, swaps the
+committed file slot into one (OP_SWAP_IN, CRC32C verified), steps it into the other and
+writes that to the other file slot (OP_SWAP_OUT); commit flips the slot map, rollback
+forgets the written slot. The worker starts each read as soon as the task arrives, so
+reads, compute and writes of consecutive subgroups overlap.
+
 Faults: a worker that dies is replaced; in exact mode its unfinished tasks are sent again
 (their grads are still in the trainer's staging slots and the committed banks were never
 written), so training continues on the same trajectory. In inverse mode a step that died
@@ -25,6 +31,7 @@ import torch
 
 from hybrid_opt.banks import BankPool
 from hybrid_opt.shm import PAGE, ArenaLayout, SharedArena, align_up
+from hybrid_opt.swap import SwapDir
 from hybrid_opt.worker import protocol as P
 from hybrid_opt.worker.client import CoreSplit, WorkerClient, WorkerDied, WorkerError
 
@@ -75,13 +82,19 @@ class _Piece:
 
 @dataclass
 class _Speculation:
+    """One launched step of one subgroup (speculative, or after validation)."""
     inputs: StepInputs
-    bank: int | None                 # spare bank (exact); None in inverse mode
+    bank: int | None                 # output bank: a spare (exact, nvme); None in place (inverse)
     pieces: list = field(default_factory=list)
-    stepped: bool = True             # False when its grads were non-finite (nothing written)
+    aux_bank: int | None = None      # nvme: the bank the committed slot is read into
+    swap_out: _Piece | None = None   # nvme: the write of the new state (its result has the CRC)
+    file_slot: int = 0               # nvme: the slot it writes
 
     def done(self) -> bool:
         return all(p.result is not None for p in self.pieces)
+
+    def ok(self) -> bool:
+        return all(p.result is not None and p.result.status == P.STATUS_OK for p in self.pieces)
 
 
 class HostTier:
@@ -89,7 +102,9 @@ class HostTier:
                  copy_dtype=None, amsgrad: bool = False, rollback: str = "exact",
                  spare_banks: int | None = None, staging_slots: int = 4,
                  slot_numel: int | None = None, worker_share: float = 0.5,
-                 worker_cores: list[int] | None = None, timeout_s: float = 120.0):
+                 worker_cores: list[int] | None = None, timeout_s: float = 120.0,
+                 nvme: list | None = None, nvme_path=None, io_banks: int = 4,
+                 nvme_threads: int = 4):
         if rollback not in ("exact", "inverse"):
             raise ValueError(f"rollback must be 'exact' or 'inverse', got {rollback!r}")
         # amsgrad=True lays out the running max of v; each step's StepInputs.amsgrad says
@@ -115,8 +130,18 @@ class HostTier:
         self.grad_dtype, self.moment_dtype, self.copy_dtype = grad_dtype, moment_dtype, copy_dtype
         self.amsgrad, self.rollback = amsgrad, rollback
         n = len(numels)
-        spares = (n if spare_banks is None else spare_banks) if rollback == "exact" else 0
-        self.pool = BankPool(n, spares)
+        self.nvme = [bool(x) for x in nvme] if nvme is not None else [False] * n
+        if len(self.nvme) != n:
+            raise ValueError(f"nvme has {len(self.nvme)} flags for {n} subgroups")
+        has_nvme = any(self.nvme)
+        if has_nvme and io_banks < 1:
+            raise ValueError(f"the nvme tier needs io_banks >= 1, got {io_banks}")
+        self.swap = SwapDir(nvme_path) if has_nvme else None  # path errors before any work
+        resident = [i for i in range(n) if not self.nvme[i]]
+        spares = (len(resident) if spare_banks is None else spare_banks) if rollback == "exact" else 0
+        # an nvme step holds two banks (read, result) until it is committed or dropped
+        self.io_banks = io_banks if has_nvme else 0
+        self.pool = BankPool(resident, spares + 2 * self.io_banks)
         self.capacity = align_up(max(numels), _ALIGN_ELEMS)
         self.slot_numel = align_up(min(slot_numel or self.capacity, self.capacity), _ALIGN_ELEMS)
 
@@ -125,6 +150,9 @@ class HostTier:
         regions = {"p": bank.add("p", self.capacity * 4), "m": bank.add("m", self.capacity * ms),
                    "v": bank.add("v", self.capacity * ms)}
         regions["vmax"] = bank.add("vmax", self.capacity * ms) if amsgrad else 0
+        # the state block (p..vmax) is what a swap moves: page-aligned for O_DIRECT
+        self.io_bytes = align_up(bank.nbytes, PAGE)
+        bank.nbytes = self.io_bytes
         regions["copy"] = bank.add("copy", self.capacity * 2) if copy_dtype is not None else 0
         bank_stride = align_up(bank.nbytes, PAGE)
         gs = torch.empty((), dtype=grad_dtype).element_size()
@@ -132,8 +160,9 @@ class HostTier:
         arena = ArenaLayout()
         bank_offset = arena.add("banks", bank_stride * self.pool.n_banks, PAGE)
         slot_offset = arena.add("slots", slot_stride * staging_slots, PAGE)
-        self.bank_bytes = bank_stride * n
-        self.spare_bytes = bank_stride * spares
+        self.bank_bytes = bank_stride * len(resident)
+        self.spare_bytes = bank_stride * (spares + 2 * self.io_banks)
+        self.nvme_bytes = 2 * self.io_bytes * sum(self.nvme)
         self.staging_bytes = slot_stride * staging_slots
 
         self.arena = SharedArena(arena.nbytes, "hybrid_opt-host")
@@ -143,55 +172,139 @@ class HostTier:
                        for k in range(staging_slots)]
         self._free_slots = list(range(staging_slots))[::-1]
         self.cores = CoreSplit(worker_share, worker_cores)
-        self.client = WorkerClient(self.arena, dict(
-            bank_offset=bank_offset, bank_stride=bank_stride, bank_regions=regions,
-            slot_offset=slot_offset, slot_stride=slot_stride, moment_dtype=_DT_CODE[moment_dtype]),
-            cores=self.cores.worker or None, timeout_s=timeout_s)
+        layout = dict(bank_offset=bank_offset, bank_stride=bank_stride, bank_regions=regions,
+                      slot_offset=slot_offset, slot_stride=slot_stride,
+                      moment_dtype=_DT_CODE[moment_dtype])
+        self._file_slot = [0] * n           # nvme: the committed slot of each subgroup's file
+        self._crc = [[0, 0] for _ in range(n)]
+        self._aio = None                    # the trainer's own engine (load_state / state)
+        if has_nvme:
+            layout["nvme"] = dict(dir=self.swap.path, io_bytes=self.io_bytes, threads=nvme_threads)
+            for sg in range(n):
+                if self.nvme[sg]:
+                    self.swap.create(sg, 2 * self.io_bytes)
+        self.client = WorkerClient(self.arena, layout, cores=self.cores.worker or None,
+                                   timeout_s=timeout_s)
         self._inflight: dict[int, _Piece] = {}
         self._spec: dict[int, _Speculation] = {}
         self._error: WorkerError | None = None
         self.closed = False
+        self.stats = {"committed": 0, "redone": 0, "dropped": 0, "stepped": 0,
+                      "worker_restarts": 0, "worker_seconds": 0.0}
         try:
             self.client.start()
             self.cores.apply()
+            for sg in range(n):
+                if self.nvme[sg]:
+                    self.load_state(sg, torch.zeros(self.numels[sg]))  # a valid slot 0 from the start
         except BaseException:
             self.close()
             raise
-        self.stats = {"committed": 0, "redone": 0, "dropped": 0, "stepped": 0,
-                      "worker_restarts": 0, "worker_seconds": 0.0}
 
     # ------------------------------------------------------------------ state views
     def _view(self, bank: int, region: str, numel: int, dtype) -> torch.Tensor:
         return self.arena.tensor(self._bank_offset + bank * self._bank_stride + self._regions[region],
                                  numel, dtype)
 
+    def _bank_state(self, bank: int, n: int) -> dict:
+        dt = self.moment_dtype
+        out = {"param": self._view(bank, "p", n, torch.float32), "exp_avg": self._view(bank, "m", n, dt),
+               "exp_avg_sq": self._view(bank, "v", n, dt)}
+        if self.amsgrad:
+            out["max_exp_avg_sq"] = self._view(bank, "vmax", n, dt)
+        return out
+
+    def _resident(self, sg: int) -> int:
+        if self.nvme[sg]:
+            raise RuntimeError(f"subgroup {sg} lives on nvme: its state is in files, read it with "
+                               f"state({sg}) and set it with load_state({sg}, ...)")
+        return self.pool.committed[sg]
+
     def master(self, sg: int) -> torch.Tensor:
-        """The committed fp32 master of subgroup `sg` (a view: valid until the next commit)."""
-        return self._view(self.pool.committed[sg], "p", self.numels[sg], torch.float32)
+        """The committed fp32 master of a resident subgroup (a view: valid until the next commit)."""
+        return self._view(self._resident(sg), "p", self.numels[sg], torch.float32)
 
     def moments(self, sg: int) -> dict:
-        b, n, dt = self.pool.committed[sg], self.numels[sg], self.moment_dtype
-        out = {"exp_avg": self._view(b, "m", n, dt), "exp_avg_sq": self._view(b, "v", n, dt)}
-        if self.amsgrad:
-            out["max_exp_avg_sq"] = self._view(b, "vmax", n, dt)
-        return out
+        st = self._bank_state(self._resident(sg), self.numels[sg])
+        del st["param"]
+        return st
 
     def param_copy(self, sg: int) -> torch.Tensor:
         """The committed step's model-dtype copy of the master (written by the last step)."""
         if self.copy_dtype is None:
             raise RuntimeError("this tier writes no param copy (copy_dtype=None)")
-        return self._view(self.pool.committed[sg], "copy", self.numels[sg], self.copy_dtype)
+        return self._view(self._resident(sg), "copy", self.numels[sg], self.copy_dtype)
+
+    def _engine(self):
+        if self._aio is None:
+            from cpu_kernels.aio import AioEngine
+            self._aio = AioEngine(threads=2, queue_depth=8)
+        return self._aio
+
+    def _borrow_bank(self) -> int:
+        banks = self.pool.acquire(1)
+        if banks is None:
+            raise RuntimeError("no free bank to move nvme state through: every one is held by a "
+                               "step awaiting validation; call finish() first")
+        return banks[0]
+
+    def _swap_file(self, sg: int, bank: int, slot: int, write: bool) -> int:
+        """Trainer-side swap of one slot (load_state, state, checkpoints); returns its CRC32C."""
+        from cpu_kernels.aio import AioError
+        eng = self._engine()
+        fd = eng.open(self.swap.file(sg), "r+")
+        addr = self._view(bank, "p", 1, torch.float32).data_ptr()
+        try:
+            rid = (eng.submit_write if write else eng.submit_read)(fd, addr, self.io_bytes,
+                                                                   slot * self.io_bytes, checksum=True)
+            (res,) = eng.wait([rid], timeout_s=self.client.timeout_s)
+        except AioError as e:
+            raise OSError(e.errno, f"nvme subgroup {sg}: {e}") from e
+        finally:
+            eng.close_fd(fd)
+        return res.crc
+
+    def state(self, sg: int) -> dict:
+        """The committed state of `sg`: views for a resident subgroup, copies read (and
+        checksum-verified) from its file for an nvme one. Keys: param, exp_avg, exp_avg_sq
+        [, max_exp_avg_sq]."""
+        self._require_idle(sg)
+        if not self.nvme[sg]:
+            return self._bank_state(self._resident(sg), self.numels[sg])
+        bank = self._borrow_bank()
+        try:
+            slot = self._file_slot[sg]
+            crc = self._swap_file(sg, bank, slot, write=False)
+            if crc != self._crc[sg][slot]:
+                raise OSError(f"checksum mismatch in {self.swap.file(sg)} slot {slot}: expected "
+                              f"CRC32C {self._crc[sg][slot]:08x}, read {crc:08x}; the file is "
+                              f"corrupt — restore from a checkpoint")
+            return {k: v.clone() for k, v in self._bank_state(bank, self.numels[sg]).items()}
+        finally:
+            self.pool.release(bank)
 
     def load_state(self, sg: int, param, exp_avg=None, exp_avg_sq=None, max_exp_avg_sq=None) -> None:
         """Sets subgroup `sg`'s committed state (moments default to zero)."""
         self._require_idle(sg)
-        self.master(sg).copy_(param.reshape(-1))
-        for name, src in self.moments(sg).items():
-            given = {"exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq, "max_exp_avg_sq": max_exp_avg_sq}[name]
-            if given is None:
-                src.zero_()
-            else:
-                src.copy_(given.reshape(-1))
+        given = {"param": param, "exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq,
+                 "max_exp_avg_sq": max_exp_avg_sq}
+        bank = self._borrow_bank() if self.nvme[sg] else self._resident(sg)
+        try:
+            if self.nvme[sg]:  # the whole block is written: no stale bytes in the checksum
+                self._view(bank, "p", self.io_bytes // 4, torch.float32).zero_()
+            for name, dst in self._bank_state(bank, self.numels[sg]).items():
+                src = given[name]
+                if src is None:
+                    dst.zero_()
+                else:
+                    dst.copy_(src.reshape(-1))
+            if self.nvme[sg]:
+                slot = 1 - self._file_slot[sg]  # the committed slot stays valid until this lands
+                self._crc[sg][slot] = self._swap_file(sg, bank, slot, write=True)
+                self._file_slot[sg] = slot
+        finally:
+            if self.nvme[sg]:
+                self.pool.release(bank)
 
     def _require_idle(self, sg: int) -> None:
         if sg in self._spec:
@@ -239,14 +352,14 @@ class HostTier:
 
     def _free_slot(self, piece: _Piece) -> None:
         """Returns a piece's staging slot to the ring, once (every path may call it)."""
-        if not piece.freed:
+        if not piece.freed and piece.slot >= 0:
             piece.freed = True
             self._free_slots.append(piece.slot)
 
     def _release_piece(self, piece: _Piece) -> None:
-        # in inverse mode a speculated piece keeps its grads until validation (the undo needs them)
+        # a speculated in-place piece keeps its grads until validation (the undo needs them)
         spec = self._spec.get(piece.subgroup)
-        if self.rollback == "inverse" and spec is not None and piece in spec.pieces:
+        if spec is not None and spec.bank is None and piece in spec.pieces:
             return
         self._free_slot(piece)
 
@@ -297,7 +410,8 @@ class HostTier:
         """A new worker; exact mode resends the unfinished tasks, inverse mode cannot."""
         lost = {tid: p for tid, p in self._inflight.items() if tid not in self.client.results}
         if self.rollback == "inverse":
-            torn = sorted({p.subgroup for p in lost.values() if p.task.op == P.OP_STEP})
+            torn = sorted({p.subgroup for p in lost.values()
+                           if p.task.op == P.OP_STEP and not self.nvme[p.subgroup]})
             self._inflight = {t: p for t, p in self._inflight.items() if t not in lost}
             for p in lost.values():
                 self._free_slot(p)
@@ -312,38 +426,55 @@ class HostTier:
                                f"(rollback='exact' survives this)") from err
         self.client.restart()
         self.stats["worker_restarts"] += 1
+        # every task reads state nobody writes until commit (a committed bank, a committed file
+        # slot, a read bank) and writes a buffer only it writes: sending it again is exact
         for tid, piece in lost.items():
             del self._inflight[tid]
             self._inflight[self.client.send(piece.task)] = piece
 
     # ------------------------------------------------------------------ stepping
-    def _carry_over(self, sg: int, out_bank: int, runs: tuple) -> None:
-        """Exact mode: elements no run steps keep their committed state in the new bank."""
-        n, src = self.numels[sg], self.pool.committed[sg]
-        regions = [("p", torch.float32), ("m", self.moment_dtype), ("v", self.moment_dtype)]
-        if self.amsgrad:
-            regions.append(("vmax", self.moment_dtype))
+    def _carry_over(self, sg: int, src: int, out_bank: int, runs: tuple) -> None:
+        """Elements no run steps keep their committed state in the new bank."""
+        n = self.numels[sg]
+        src_state, dst_state = self._bank_state(src, n), self._bank_state(out_bank, n)
         pos = 0
         for off, k, _ in sorted(runs) + [(n, 0, 0)]:
             if off > pos:
-                for region, dt in regions:
-                    self._view(out_bank, region, n, dt)[pos:off].copy_(self._view(src, region, n, dt)[pos:off])
+                for name, dst in dst_state.items():
+                    dst[pos:off].copy_(src_state[name][pos:off])
             pos = max(pos, off + k)
 
-    def _launch(self, sg: int, grad, inputs: StepInputs, out_bank, skip_nonfinite, pieces: list,
+    def _swap_piece(self, op: int, sg: int, bank: int, file_slot: int, crc: int = 0) -> _Piece:
+        task = P.Task(op, 0, sg, in_bank=bank, file_slot=file_slot, crc=crc)
+        return _Piece(sg, 0, 0, -1, task, freed=True)  # no staging slot
+
+    def _launch(self, sg: int, grad, inputs: StepInputs, spec: _Speculation, skip_nonfinite: bool,
                 whole_subgroup_check: bool = False) -> None:
+        """Stage and send every task of one subgroup's step; spec.bank (and, for nvme,
+        spec.aux_bank) are already taken."""
         n = self.numels[sg]
         runs = inputs.ranges(n)
-        if inputs.runs and out_bank is not None:
-            self._carry_over(sg, out_bank, runs)
+        pieces = spec.pieces
+        swap_in = None
+        if self.nvme[sg]:
+            in_bank = spec.aux_bank
+            slot = self._file_slot[sg]
+            swap_in = self._swap_piece(P.OP_SWAP_IN, sg, in_bank, slot, self._crc[sg][slot])
+            pieces.append(swap_in)
+            self._send(swap_in)  # the worker starts reading now
+        else:
+            in_bank = self.pool.committed[sg]
+        if inputs.runs and spec.bank is not None:
+            if swap_in is not None:
+                self._wait(lambda: swap_in.result is not None)
+            self._carry_over(sg, in_bank, spec.bank, runs)
         for run_off, run_n, step in runs:
             run_inputs = inputs if step == inputs.step else _with_step(inputs, step)
             for off in range(run_off, run_off + run_n, self.slot_numel):
                 k = min(self.slot_numel, run_off + run_n - off)
                 slot = self._acquire_slot()
-                piece = _Piece(sg, off, k, slot, self._task(P.OP_STEP, sg, run_inputs,
-                                                            self.pool.committed[sg], out_bank, off,
-                                                            k, slot, skip_nonfinite))
+                piece = _Piece(sg, off, k, slot, self._task(P.OP_STEP, sg, run_inputs, in_bank,
+                                                            spec.bank, off, k, slot, skip_nonfinite))
                 pieces.append(piece)  # owns the slot from here: every failure path frees it
                 self._stage(slot, grad, off, k)
                 if not whole_subgroup_check:
@@ -359,6 +490,11 @@ class HostTier:
             else:
                 for p in pieces:
                     p.result = P.Result(P.OP_STEP, 0, P.STATUS_NONFINITE, sg, float("inf"), 0)
+        if self.nvme[sg]:
+            spec.file_slot = 1 - self._file_slot[sg]
+            spec.swap_out = self._swap_piece(P.OP_SWAP_OUT, sg, spec.bank, spec.file_slot)
+            pieces.append(spec.swap_out)
+            self._send(spec.swap_out)
 
     def _check(self, sg: int, grad, inputs: StepInputs) -> None:
         """Rejects a bad step before any bank, slot or task is taken: a step that failed half
@@ -376,26 +512,40 @@ class HostTier:
             if run_off < 0 or run_n < 0 or run_off + run_n > n:
                 raise ValueError(f"run ({run_off}, {run_n}) is outside subgroup {sg} of {n} elements")
 
-    def speculate(self, sg: int, grad: torch.Tensor, inputs: StepInputs) -> bool:
-        """Step `sg` now, into a spare bank (exact) or in place (inverse), to be validated by
-        finish(). Returns False, doing nothing, when no spare bank (or, in inverse mode, no
+    def _take_banks(self, sg: int) -> _Speculation | None:
+        """The banks one step of `sg` needs, or None when the pool cannot give them now:
+        nvme two (read, result), exact one (result), inverse none (in place)."""
+        if self.nvme[sg]:
+            banks = self.pool.acquire(2)
+            return None if banks is None else _Speculation(None, banks[1], aux_bank=banks[0])
+        if self.rollback == "exact":
+            banks = self.pool.acquire(1)
+            return None if banks is None else _Speculation(None, banks[0])
+        return _Speculation(None, None)
+
+    def _release_banks(self, spec: _Speculation) -> None:
+        for b in (spec.bank, spec.aux_bank):
+            if b is not None:
+                self.pool.release(b)
+        spec.bank = spec.aux_bank = None
+
+    def speculate(self, sg: int, grad, inputs: StepInputs) -> bool:
+        """Step `sg` now, into spare banks (exact, nvme) or in place (inverse), to be validated
+        by finish(). Returns False, doing nothing, when no bank (or, in inverse mode, no
         staging slot) is free: the subgroup is then stepped at finish()."""
         self._check(sg, grad, inputs)
         self._require_idle(sg)
-        if self.rollback == "exact":
-            bank = self.pool.acquire()
-            if bank is None:
-                return False
-        else:
-            # its slots stay held until validation (the undo needs the grads): all at once
-            if len(self._free_slots) < -(-self.numels[sg] // self.slot_numel):
-                return False
-            bank = None
-        spec = _Speculation(inputs, bank)
+        in_place = self.rollback == "inverse" and not self.nvme[sg]
+        # in place, its slots stay held until validation (the undo needs the grads): all at once
+        if in_place and len(self._free_slots) < -(-self.numels[sg] // self.slot_numel):
+            return False
+        spec = self._take_banks(sg)
+        if spec is None:
+            return False
+        spec.inputs = inputs
         self._spec[sg] = spec
         try:
-            self._launch(sg, grad, inputs, bank, True, spec.pieces,
-                         whole_subgroup_check=self.rollback == "inverse")
+            self._launch(sg, grad, inputs, spec, True, whole_subgroup_check=in_place)
         except BaseException:
             self._abandon(sg)  # a half-launched speculation must never be committed
             raise
@@ -403,21 +553,20 @@ class HostTier:
 
     def _abandon(self, sg: int) -> None:
         """Forget a speculation that failed while launching: its finished in-place pieces are
-        undone (inverse), its spare bank and slots go back once nothing writes them."""
+        undone (inverse), its banks and slots go back once nothing writes them."""
         spec = self._spec.pop(sg, None)
         if spec is None:
             return
         self._quiesce()
-        if self.rollback == "inverse" and any(p.result is not None and p.result.status == P.STATUS_OK
-                                              for p in spec.pieces):
+        if spec.bank is None and any(p.result is not None and p.result.status == P.STATUS_OK
+                                     for p in spec.pieces):
             try:
                 self._undo(sg, spec)
             except Exception:
                 pass  # the error being raised already names this subgroup's trouble
         for p in spec.pieces:
             self._free_slot(p)
-        if spec.bank is not None:
-            self.pool.release(spec.bank)
+        self._release_banks(spec)
 
     def speculated(self) -> list[int]:
         return sorted(self._spec)
@@ -431,15 +580,16 @@ class HostTier:
         self._wait(spec.done)
         total, finite = 0.0, True
         for p in spec.pieces:
-            total += p.result.sum_sq
-            finite = finite and bool(p.result.finite)
+            if p.task.op == P.OP_STEP:
+                total += p.result.sum_sq
+                finite = finite and bool(p.result.finite)
         return total, finite
 
     def _undo(self, sg: int, spec: _Speculation) -> None:
         """Inverse mode: undo a speculated in-place step with the grads it used."""
         ids = []
         for p in spec.pieces:
-            if p.result is not None and p.result.status == P.STATUS_OK:
+            if p.task.op == P.OP_STEP and p.result is not None and p.result.status == P.STATUS_OK:
                 t = P.Task(**{**p.task.__dict__, "op": P.OP_INVERSE, "task_id": 0})
                 ids.append(self._send_task(t))
         try:
@@ -449,18 +599,48 @@ class HostTier:
             for p in spec.pieces:
                 self._free_slot(p)
 
-    def _drop(self, sg: int) -> None:
-        spec = self._spec.pop(sg)
-        if self.rollback == "exact":
-            self.pool.release(spec.bank)
-        else:
+    def _drop(self, spec: _Speculation, sg: int) -> None:
+        """The step does not stand: spare banks go back (the committed state was never
+        written); an in-place step is undone."""
+        if spec.bank is None and not self.nvme[sg]:
             self._undo(sg, spec)
+        for p in spec.pieces:
+            self._free_slot(p)
+        self._release_banks(spec)
 
-    def finish(self, steps: dict, overflow: bool = False) -> dict[int, str]:
+    def _commit(self, sg: int, spec: _Speculation, on_commit) -> None:
+        """The step stands: flip the subgroup's bank (exact) or file slot (nvme), let the
+        caller read the new state, and return what the step borrowed."""
+        for p in spec.pieces:
+            self._free_slot(p)
+        if self.nvme[sg]:
+            self._crc[sg][spec.file_slot] = spec.swap_out.result.crc
+            self._file_slot[sg] = spec.file_slot
+            if on_commit is not None:
+                on_commit(sg, self._bank_views(spec.bank, sg))
+            self._release_banks(spec)
+            return
+        if spec.bank is not None:
+            self.pool.commit(sg, spec.bank)
+            spec.bank = None
+        if on_commit is not None:
+            on_commit(sg, self._bank_views(self.pool.committed[sg], sg))
+
+    def _bank_views(self, bank: int, sg: int) -> dict:
+        """What on_commit sees: the new fp32 master, and the model-dtype copy when written."""
+        out = {"param": self._view(bank, "p", self.numels[sg], torch.float32)}
+        if self.copy_dtype is not None:
+            out["param_copy"] = self._view(bank, "copy", self.numels[sg], self.copy_dtype)
+        return out
+
+    def finish(self, steps: dict, overflow: bool = False, on_commit=None) -> dict[int, str]:
         """Validate and complete this iteration's host steps.
 
         steps: {sg: (grad, final StepInputs)} for every subgroup to be stepped now.
         overflow: the step is skipped — every speculated step is dropped, nothing changes.
+        on_commit(sg, {"param": fp32 view[, "param_copy": model-dtype view]}): called as each
+        subgroup's new state is committed, while its views are valid (an nvme subgroup's
+        buffers are reused right after).
         Returns {sg: "committed" | "redone" | "stepped" | "dropped"}.
         """
         for sg, (grad, final) in steps.items():
@@ -469,78 +649,67 @@ class HostTier:
         outcome = {}
         if overflow:
             for sg in list(self._spec):
-                self._drop(sg)
+                self._drop(self._spec.pop(sg), sg)
                 outcome[sg] = "dropped"
             self.stats["dropped"] += len(outcome)
             return outcome
         for sg in [s for s in self._spec if s not in steps]:
-            self._drop(sg)
+            self._drop(self._spec.pop(sg), sg)
             outcome[sg] = "dropped"
         todo = []
         for sg in sorted(steps):
-            grad, final = steps[sg]
-            spec = self._spec.get(sg)
-            if spec is not None and spec.inputs == final and all(
-                    p.result.status == P.STATUS_OK for p in spec.pieces):
-                del self._spec[sg]
-                if spec.bank is not None:
-                    self.pool.commit(sg, spec.bank)
-                else:
-                    self._free_pieces(spec)
+            spec = self._spec.pop(sg, None)
+            if spec is not None and spec.inputs == steps[sg][1] and spec.ok():
+                self._commit(sg, spec, on_commit)
                 outcome[sg] = "committed"
             else:
                 if spec is not None:
-                    self._drop(sg)
-                    outcome[sg] = "redone"
-                else:
-                    outcome[sg] = "stepped"
+                    self._drop(spec, sg)
+                outcome[sg] = "redone" if spec is not None else "stepped"
                 todo.append(sg)
-        # steps after validation: each into a spare bank (exact) or in place, then committed
-        waiting: dict[int, tuple[int | None, list]] = {}
+        # steps after validation, pipelined within the bank pool, each committed when done
+        waiting: dict[int, _Speculation] = {}
         try:
-            self._step_all(todo, steps, waiting)
+            self._step_all(todo, steps, waiting, on_commit)
         except BaseException:
-            # the committed state stands: let in-flight work end, then return its spare banks
+            # every committed state stands: let in-flight work end, then return what it held
             self._quiesce()
-            for bank, pieces in waiting.values():
-                for p in pieces:
+            for spec in waiting.values():
+                for p in spec.pieces:
                     self._free_slot(p)
-                if bank is not None:
-                    self.pool.release(bank)
+                self._release_banks(spec)
             raise
         for v in outcome.values():
             self.stats[v] += 1
         return outcome
 
-    def _step_all(self, todo: list, steps: dict, waiting: dict) -> None:
+    def _step_all(self, todo: list, steps: dict, waiting: dict, on_commit) -> None:
         for sg in todo:
             grad, final = steps[sg]
-            bank = None
-            if self.rollback == "exact":
-                bank = self.pool.acquire()
-                while bank is None:  # every spare is in flight: commit what has finished
-                    self._wait(lambda: any(all(p.result is not None for p in w[1]) for w in waiting.values()))
-                    self._commit_finished(waiting)
-                    bank = self.pool.acquire()
-            pieces: list = []
-            waiting[sg] = (bank, pieces)
-            self._launch(sg, grad, final, bank, False, pieces)
-        self._wait(lambda: all(all(p.result is not None for p in w[1]) for w in waiting.values()))
-        self._commit_finished(waiting)
+            spec = self._take_banks(sg)
+            while spec is None:  # the pool is spent: commit what has finished, then go on
+                if not waiting:
+                    raise RuntimeError(f"subgroup {sg} needs more banks than the pool has "
+                                       f"({self.pool.n_banks}); raise spare_banks/io_banks")
+                self._wait(lambda: any(w.done() for w in waiting.values()))
+                self._commit_finished(waiting, on_commit)
+                spec = self._take_banks(sg)
+            spec.inputs = final
+            waiting[sg] = spec
+            self._launch(sg, grad, final, spec, False)
+        self._wait(lambda: all(w.done() for w in waiting.values()))
+        self._commit_finished(waiting, on_commit)
 
-    def _free_pieces(self, spec: _Speculation) -> None:
-        for p in spec.pieces:
-            self._free_slot(p)
+    def _commit_finished(self, waiting: dict, on_commit) -> None:
+        for sg in [s for s, w in waiting.items() if w.done()]:
+            if not waiting[sg].ok():
+                self._raise_error()  # the worker's own error names the subgroup and cause
+                raise RuntimeError(f"hybrid_opt host tier: subgroup {sg}'s step did not complete")
+            self._commit(sg, waiting.pop(sg), on_commit)
 
-    def _commit_finished(self, waiting: dict) -> None:
-        for sg in [s for s, (b, ps) in waiting.items() if all(p.result is not None for p in ps)]:
-            bank, _ = waiting.pop(sg)
-            if bank is not None:
-                self.pool.commit(sg, bank)
-
-    def step(self, sg: int, grad: torch.Tensor, inputs: StepInputs) -> str:
+    def step(self, sg: int, grad, inputs: StepInputs, on_commit=None) -> str:
         """A plain (non-speculative) step of one subgroup."""
-        return self.finish({sg: (grad, inputs)})[sg]
+        return self.finish({sg: (grad, inputs)}, on_commit=on_commit)[sg]
 
     # ------------------------------------------------------------------ lifecycle
     @property
@@ -548,7 +717,8 @@ class HostTier:
         return self.client.pid
 
     def close(self) -> None:
-        """Idempotent: stops the worker, restores the trainer's cores, frees shared memory."""
+        """Idempotent: stops the worker, restores the trainer's cores, frees shared memory,
+        removes the nvme swap directory."""
         if self.closed:
             return
         self.closed = True
@@ -558,6 +728,10 @@ class HostTier:
             self.client.close()
         finally:
             self.cores.restore()
+            if self._aio is not None:
+                self._aio.close()
+            if self.swap is not None:
+                self.swap.remove()
             self._slots = []
             self.arena.close()
 

@@ -8,7 +8,13 @@ when its request pipe reports EOF, i.e. when the trainer has gone.
 
 CONFIG (JSON): arena_fd, arena_nbytes, req_fd, resp_fd, cores, and the layout: bank_offset,
 bank_stride, bank_regions {p, m, v, vmax, copy: byte offsets inside a bank}, slot_offset,
-slot_stride, moment_dtype.
+slot_stride, moment_dtype; for the nvme tier also nvme {dir, io_bytes, threads}.
+
+NVMe subgroups: OP_SWAP_IN reads a file slot into a bank asynchronously (verifying its
+CRC32C), OP_STEP then reads that bank and writes another, OP_SWAP_OUT writes the result to
+the other file slot asynchronously. Tasks run in arrival order except that a task waits
+only for earlier work on its own banks, so reads of later subgroups and the write of the
+previous one proceed while this one computes: the I/O pipeline.
 
 Test-only fault injection: HYBRID_OPT_WORKER_FAULT="STAGE:K" kills the worker with SIGKILL at
 STAGE (before_step | mid_step | after_step) of its K-th step task; STAGE "raise" makes that
@@ -16,10 +22,13 @@ task raise instead (an error that must come back to the trainer naming the subgr
 """
 from __future__ import annotations
 
+import collections
 import ctypes
 import json
 import mmap
 import os
+import select
+import shutil
 import signal
 import sys
 import time
@@ -68,6 +77,39 @@ class Worker:
         self.moment_dtype = cfg["moment_dtype"]
         self.req, self.resp = cfg["req_fd"], cfg["resp_fd"]
         self.fault = _Fault(os.environ.get("HYBRID_OPT_WORKER_FAULT"))
+        self.nvme = cfg.get("nvme")
+        self.aio, self.fds = None, {}
+        if self.nvme:
+            from cpu_kernels.aio import AioEngine  # noqa: PLC0415
+            self.aio = AioEngine(threads=int(self.nvme.get("threads", 4)), queue_depth=256)
+
+    # ------------------------------------------------------------------ nvme swap
+    def _file(self, sg: int) -> int:
+        fd = self.fds.get(sg)
+        if fd is None:
+            fd = self.fds[sg] = self.aio.open(os.path.join(self.nvme["dir"], f"sg{sg}.state"), "r+")
+        return fd
+
+    def _submit_swap(self, t: P.Task) -> int:
+        io = self.nvme["io_bytes"]
+        addr = self.base + self.bank_offset + t.in_bank * self.bank_stride
+        fd = self._file(t.subgroup)
+        if t.op == P.OP_SWAP_IN:
+            return self.aio.submit_read(fd, addr, io, t.file_slot * io, checksum=True)
+        return self.aio.submit_write(fd, addr, io, t.file_slot * io, checksum=True)
+
+    def _finish_swap(self, t: P.Task, rid: int) -> P.Result:
+        from cpu_kernels.aio import AioError  # noqa: PLC0415
+        try:
+            (res,) = self.aio.wait([rid], timeout_s=60.0)
+        except AioError as e:
+            return P.Result(t.op, t.task_id, P.STATUS_ERROR, t.subgroup, message=f"AioError: {e}")
+        if t.op == P.OP_SWAP_IN and res.crc != t.crc:
+            return P.Result(t.op, t.task_id, P.STATUS_ERROR, t.subgroup, message=(
+                f"checksum mismatch in {res.path} slot {t.file_slot}: expected CRC32C "
+                f"{t.crc:08x}, read {res.crc:08x}; the file is corrupt (disk fault or outside "
+                f"write) — restore from a checkpoint"))
+        return P.Result(t.op, t.task_id, P.STATUS_OK, t.subgroup, crc=res.crc or 0)
 
     def _bank(self, bank: int, region: str, elem_offset: int, elem_size: int) -> int:
         return (self.base + self.bank_offset + bank * self.bank_stride + self.regions[region]
@@ -132,29 +174,77 @@ class Worker:
         self.lib.hybrid_adam_inverse(ctypes.byref(a))
         return P.Result(t.op, t.task_id, P.STATUS_OK, t.subgroup)
 
+    def _run(self, t: P.Task) -> P.Result:
+        t0 = time.perf_counter_ns()
+        try:
+            if t.op == P.OP_STEP:
+                r = self.step(t)
+            elif t.op == P.OP_INVERSE:
+                r = self.inverse(t)
+            else:
+                r = P.Result(t.op, t.task_id, P.STATUS_OK, t.subgroup)
+        except Exception as e:  # comes back to the trainer as an exception there
+            r = P.Result(t.op, t.task_id, P.STATUS_ERROR, t.subgroup,
+                         message=f"{type(e).__name__}: {e}")
+        r.elapsed_ns = time.perf_counter_ns() - t0
+        return r
+
     def serve(self) -> int:
         reader = P.FrameReader(self.req)
+        queue: collections.deque = collections.deque()  # tasks not yet run, arrival order
+        io: dict = {}            # task_id -> (task, aio request id, start ns)
+        reading: set = set()     # banks whose swap-in has not been verified yet
         while True:
-            reader.feed()
-            for payload in reader.frames():
-                t = P.Task.unpack(payload)
-                if t.op == P.OP_EXIT:
-                    return 0
-                t0 = time.perf_counter_ns()
-                try:
-                    if t.op == P.OP_STEP:
-                        r = self.step(t)
-                    elif t.op == P.OP_INVERSE:
-                        r = self.inverse(t)
-                    else:
-                        r = P.Result(t.op, t.task_id, P.STATUS_OK, t.subgroup)
-                except Exception as e:  # comes back to the trainer as an exception there
-                    r = P.Result(t.op, t.task_id, P.STATUS_ERROR, t.subgroup,
-                                 message=f"{type(e).__name__}: {e}")
-                r.elapsed_ns = time.perf_counter_ns() - t0
-                P.write_frame(self.resp, r.pack())
+            if not reader.eof:
+                wait_s = None if not (queue or io) else (0.0005 if io else 0.0)
+                if select.select([self.req], [], [], wait_s)[0]:
+                    reader.feed()
+                    for payload in reader.frames():
+                        t = P.Task.unpack(payload)
+                        if t.op == P.OP_EXIT:
+                            return 0
+                        if t.op == P.OP_SWAP_IN:  # start reading at once: the prefetch
+                            try:
+                                io[t.task_id] = (t, self._submit_swap(t), time.perf_counter_ns())
+                                reading.add(t.in_bank)
+                            except Exception as e:
+                                self._reply(P.Result(t.op, t.task_id, P.STATUS_ERROR, t.subgroup,
+                                                     message=f"{type(e).__name__}: {e}"))
+                        else:
+                            queue.append(t)
             if reader.eof:
-                return 0  # the trainer is gone: exit, leave nothing behind
+                # the trainer is gone: exit, leave nothing behind
+                if self.nvme:
+                    shutil.rmtree(self.nvme["dir"], ignore_errors=True)
+                return 0
+            for tid in [k for k, (t, rid, _) in io.items() if self.aio.done(rid)]:
+                t, rid, t0 = io.pop(tid)
+                r = self._finish_swap(t, rid)
+                r.elapsed_ns = time.perf_counter_ns() - t0
+                reading.discard(t.in_bank)
+                self._reply(r)
+            # run what is runnable, in order; a task waits only for earlier work on its banks
+            blocked: set = set()
+            for t in list(queue):
+                banks = {t.in_bank} if t.op != P.OP_STEP or t.out_bank == P.NO_BANK else {t.in_bank, t.out_bank}
+                if t.op in (P.OP_PING, P.OP_EXIT):
+                    banks = set()
+                if banks & (blocked | reading):
+                    blocked |= banks
+                    continue
+                queue.remove(t)
+                if t.op == P.OP_SWAP_OUT:
+                    try:
+                        io[t.task_id] = (t, self._submit_swap(t), time.perf_counter_ns())
+                    except Exception as e:
+                        self._reply(P.Result(t.op, t.task_id, P.STATUS_ERROR, t.subgroup,
+                                             message=f"{type(e).__name__}: {e}"))
+                else:
+                    self._reply(self._run(t))
+                break  # one compute task per turn: new requests and finished I/O come first
+
+    def _reply(self, r: P.Result) -> None:
+        P.write_frame(self.resp, r.pack())
 
 
 def main(argv=None) -> int:

@@ -12,7 +12,7 @@ import os
 import struct
 from dataclasses import astuple, dataclass
 
-OP_STEP, OP_INVERSE, OP_PING, OP_EXIT = 1, 2, 3, 4
+OP_STEP, OP_INVERSE, OP_PING, OP_EXIT, OP_SWAP_IN, OP_SWAP_OUT = 1, 2, 3, 4, 5, 6
 STATUS_OK, STATUS_NONFINITE, STATUS_ERROR = 0, 1, 2
 NO_BANK = -1   # out_bank for an in-place step
 NO_COPY = -1   # copy_dtype when no param copy is written
@@ -42,8 +42,10 @@ class Task:
     eps: float = 0.0
     weight_decay: float = 0.0
     grad_scale: float = 1.0
+    file_slot: int = 0       # swap ops: which of the subgroup's two file slots
+    crc: int = 0             # OP_SWAP_IN: the CRC32C the slot must have
 
-    _STRUCT = struct.Struct("<B" + "q" * 7 + "i" * 5 + "q" + "d" * 6)
+    _STRUCT = struct.Struct("<B" + "q" * 7 + "i" * 5 + "q" + "d" * 6 + "iI")
 
     def pack(self) -> bytes:
         return self._STRUCT.pack(*astuple(self))
@@ -62,13 +64,14 @@ class Result:
     sum_sq: float = 0.0      # grad_stats of this piece's grads (scaled by nothing)
     finite: int = 1
     elapsed_ns: int = 0
+    crc: int = 0             # OP_SWAP_OUT: the CRC32C of the slot just written
     message: str = ""
 
-    _STRUCT = struct.Struct("<Bqbqdbq")
+    _STRUCT = struct.Struct("<BqbqdbqI")
 
     def pack(self) -> bytes:
         return self._STRUCT.pack(self.op, self.task_id, self.status, self.subgroup, self.sum_sq,
-                                 self.finite, self.elapsed_ns) + self.message.encode()
+                                 self.finite, self.elapsed_ns, self.crc) + self.message.encode()
 
     @classmethod
     def unpack(cls, payload: bytes) -> "Result":

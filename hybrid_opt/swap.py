@@ -1,0 +1,93 @@
+"""NVMe swap files: a private directory of ours under nvme_path, two slots per subgroup.
+
+Each nvme subgroup's state (fp32 master, m, v, [max v]) is one page-aligned block, stored in
+a file with two slots. A step reads the committed slot and writes the other; the slot map
+flips only on commit, so rollback and a crash mid-write cost no extra I/O and never tear
+committed state. Every slot carries a CRC32C, verified on read.
+
+The directory is ours alone (0700, files 0600), removed at close() and at interpreter exit;
+the worker removes it when the trainer dies; a directory left by a process that died
+without either is swept at the next start.
+"""
+from __future__ import annotations
+
+import atexit
+import errno
+import os
+import re
+import shutil
+import tempfile
+import weakref
+
+PREFIX = "hybrid_opt-"
+_STALE = re.compile(r"^hybrid_opt-(\d+)-")
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def sweep_stale(nvme_path: str) -> list[str]:
+    """Removes directories of ours whose owning process is gone; returns what it removed."""
+    removed = []
+    try:
+        entries = os.listdir(nvme_path)
+    except OSError:
+        return removed
+    for name in entries:
+        m = _STALE.match(name)
+        path = os.path.join(nvme_path, name)
+        if not m or int(m.group(1)) == os.getpid() or _pid_alive(int(m.group(1))):
+            continue
+        try:
+            if os.stat(path).st_uid != os.getuid():
+                continue  # not ours to remove
+        except OSError:
+            continue
+        shutil.rmtree(path, ignore_errors=True)
+        removed.append(path)
+    return removed
+
+
+def check_nvme_path(nvme_path) -> str:
+    """A clear error, before any training work, for a path that cannot hold swap files."""
+    if nvme_path is None:
+        raise ValueError("nvme_fraction > 0 needs nvme_path: a directory on a local disk")
+    path = os.path.abspath(os.fspath(nvme_path))
+    if not os.path.exists(path):
+        raise FileNotFoundError(errno.ENOENT, f"nvme_path {path} does not exist; create it (a "
+                                              f"directory on a local NVMe disk) or pass another", path)
+    if not os.path.isdir(path):
+        raise NotADirectoryError(errno.ENOTDIR, f"nvme_path {path} is not a directory", path)
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise PermissionError(errno.EACCES, f"nvme_path {path} is not writable by this user; "
+                                            f"pick a directory you can write", path)
+    return path
+
+
+class SwapDir:
+    def __init__(self, nvme_path):
+        root = check_nvme_path(nvme_path)
+        self.swept = sweep_stale(root)
+        self.path = tempfile.mkdtemp(prefix=f"{PREFIX}{os.getpid()}-", dir=root)  # mode 0700
+        self._finalizer = weakref.finalize(self, shutil.rmtree, self.path, True)
+        atexit.register(self._finalizer)
+
+    def file(self, sg: int) -> str:
+        return os.path.join(self.path, f"sg{sg}.state")
+
+    def create(self, sg: int, nbytes: int) -> None:
+        fd = os.open(self.file(sg), os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        try:
+            os.ftruncate(fd, nbytes)
+        finally:
+            os.close(fd)
+
+    def remove(self) -> None:
+        self._finalizer()
