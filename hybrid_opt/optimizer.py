@@ -16,6 +16,7 @@ import torch
 
 from hybrid_opt import layout as L
 from hybrid_opt.plan import DEVICE, HOST, NVME, fraction_plan
+from hybrid_opt.swap import check_nvme_path
 from hybrid_opt.tiers.device import DeviceTier
 from hybrid_opt.tiers.host import HostTier, StepInputs
 
@@ -39,7 +40,8 @@ class _HybridBase(torch.optim.Optimizer):
     def __init__(self, params, lr, betas, eps, weight_decay, amsgrad, *, maximize, foreach,
                  capturable, differentiable, fused, max_grad_norm, offload_fraction, nvme_fraction,
                  nvme_path, subgroup_numel, speculative, rollback, device_memory_budget,
-                 host_memory_budget, process_group, worker_share=0.5, spare_banks=None):
+                 host_memory_budget, process_group, worker_share=0.5, spare_banks=None,
+                 io_banks=4):
         if isinstance(lr, torch.Tensor) and lr.numel() != 1:
             raise ValueError("Tensor lr must be 1-element")
         if not 0.0 <= lr:
@@ -81,9 +83,7 @@ class _HybridBase(torch.optim.Optimizer):
         # path" / "nvme not built": an empty plan runs exactly the checks the real one will
         fraction_plan([], [], offload_fraction, nvme_fraction)
         if not isinstance(nvme_fraction, str) and nvme_fraction not in (0, 0.0):
-            if nvme_path is None:
-                raise ValueError("nvme_fraction > 0 needs nvme_path (a directory on a local disk)")
-            raise NotImplementedError("the nvme tier is not built yet (nvme_fraction must be 0)")
+            check_nvme_path(nvme_path)  # a clear error before any training work
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
                         maximize=maximize, foreach=foreach, capturable=capturable,
                         differentiable=differentiable, fused=fused,
@@ -97,7 +97,7 @@ class _HybridBase(torch.optim.Optimizer):
         self.subgroup_numel = subgroup_numel
         self.speculative, self.rollback = speculative, rollback
         self.device_memory_budget, self.host_memory_budget = device_memory_budget, host_memory_budget
-        self.worker_share, self.spare_banks = worker_share, spare_banks
+        self.worker_share, self.spare_banks, self.io_banks = worker_share, spare_banks, io_banks
         self.step_was_skipped = False
         self.last_grad_norm = None
         self.stats: dict = {}
@@ -201,15 +201,27 @@ class _HybridBase(torch.optim.Optimizer):
             if len(dtypes - {torch.float32}) > 1:
                 raise TypeError("host-tier parameters must share one low-precision dtype")
             grad_dtype = torch.float32 if len(dtypes) > 1 else next(iter(dtypes))
+            nvme = [self.plan.tiers[s.index] == NVME for s in host]
             self._host = HostTier([s.numel for s in host], grad_dtype=grad_dtype,
                                   copy_dtype=copy_dtype, amsgrad=self._amsgrad_layout,
                                   rollback=self.rollback, spare_banks=self.plan.spare_banks or None,
-                                  worker_share=self.worker_share)
+                                  worker_share=self.worker_share, nvme=nvme,
+                                  nvme_path=self.nvme_path if any(nvme) else None,
+                                  io_banks=self.io_banks)
             for s in host:
                 self._host.load_state(self._host_local[s.index], s.flat.detach().float())
             import cpu_kernels
             self._saved_kernel_threads = cpu_kernels.get_num_threads()
             cpu_kernels.set_num_threads(max(1, len(self._host.cores.trainer)))
+
+    def _rebuild_tiers(self) -> None:
+        """Lays the tiers out again (same plan); the caller loads their state afterwards."""
+        if self._host is not None:
+            self._host.close()
+            import cpu_kernels
+            cpu_kernels.set_num_threads(self._saved_kernel_threads)
+            self._host = None
+        self._place()
 
     def _extend(self, gi: int) -> None:
         """add_param_group after construction: the new group's subgroups join the device tier
@@ -326,26 +338,29 @@ class _HybridBase(torch.optim.Optimizer):
             inputs = StepInputs(step, hp.lr, hp.beta1, hp.beta2, hp.eps, hp.weight_decay, hp.decoupled,
                                 scale * hp.grad_scale, (), hp.amsgrad, runs)
             work[self._host_local[index]] = (_GradGatherer(sg), inputs)
-        self._host.finish(work)
-        for index, (sg, live, _) in host_steps.items():
-            local = self._host_local[index]
-            src = self._host.param_copy(local) if self._host.copy_dtype is not None else self._host.master(local)
+        by_local = {self._host_local[index]: (sg, live) for index, (sg, live, _) in host_steps.items()}
+
+        def copy_params(local: int, views: dict) -> None:
+            # the new params reach the model only once their step is committed
+            sg, live = by_local[local]
+            src = views["param_copy"] if (sg.dtype != torch.float32 and "param_copy" in views) else views["param"]
             for sl in live:
                 a, b = sl.sub_offset, sl.sub_offset + sl.numel
                 sg.flat[a:b].copy_(src[a:b].to(sg.dtype), non_blocking=True)
 
+        self._host.finish(work, on_commit=copy_params)
+
     # ------------------------------------------------------------------ state dict
-    def _slice_state(self, sg, sl) -> dict:
-        """Views of one slice's fp32 master and moments, wherever its subgroup lives."""
-        a, b = sl.sub_offset, sl.sub_offset + sl.numel
+    def _subgroup_state(self, sg) -> dict:
+        """A subgroup's fp32 master and moments, wherever it lives: views on the device and
+        host tiers, copies read from its file on nvme."""
         if self.plan.tiers[sg.index] == DEVICE:
             st = {"master": self._device.master[sg.index]}
             st.update(self._device.state[sg.index])
-        else:
-            local = self._host_local[sg.index]
-            st = {"master": self._host.master(local)}
-            st.update(self._host.moments(local))
-        return {k: v[a:b] for k, v in st.items()}
+            return st
+        st = self._host.state(self._host_local[sg.index])
+        st["master"] = st.pop("param")
+        return st
 
     def state_dict(self) -> dict:
         self._check_open()
@@ -356,6 +371,7 @@ class _HybridBase(torch.optim.Optimizer):
             for sl in sg.slices:
                 buffers.setdefault(sl.param_index, []).append((sg, sl))
         params = list(self._all_params())
+        sub_state = {}  # each subgroup's state read once (an nvme read is a whole file slot)
         for idx, p in enumerate(params):
             if self._steps[idx] == 0:
                 continue  # never stepped: torch has no state for it either
@@ -365,9 +381,11 @@ class _HybridBase(torch.optim.Optimizer):
                 keys.append("master")
             flat = {k: torch.empty(p.numel(), dtype=torch.float32, device=p.device) for k in keys}
             for sg, sl in buffers.get(idx, []):
-                views = self._slice_state(sg, sl)
+                if sg.index not in sub_state:
+                    sub_state[sg.index] = self._subgroup_state(sg)
+                a, b = sl.sub_offset, sl.sub_offset + sl.numel
                 for k in keys:
-                    flat[k][sl.param_offset:sl.param_offset + sl.numel].copy_(views[k])
+                    flat[k][sl.param_offset:sl.param_offset + sl.numel].copy_(sub_state[sg.index][k][a:b])
             for k in keys:
                 entry["master_param" if k == "master" else k] = flat[k].view(p.shape)
             state[idx] = entry
@@ -392,6 +410,11 @@ class _HybridBase(torch.optim.Optimizer):
         if any(len(g["params"]) != len(s["params"]) for g, s in zip(groups, saved_groups)):
             raise ValueError("loaded state dict contains a parameter group that doesn't match "
                              "the size of optimizer's group")
+        if any(s.get("amsgrad", False) for s in saved_groups) and not self._amsgrad_layout:
+            # the checkpoint needs a running max of v that this optimizer never laid out: lay
+            # the tiers out again with it (the state is loaded into them right below)
+            self._amsgrad_layout = True
+            self._rebuild_tiers()
         for g, s in zip(groups, saved_groups):
             for k, v in s.items():
                 if k not in ("params", "param_names", "decoupled_weight_decay"):
@@ -405,23 +428,30 @@ class _HybridBase(torch.optim.Optimizer):
         params = list(self._all_params())
         with torch.no_grad():
             for sg in self._subgroups:
+                st = self._subgroup_state(sg)
                 for sl in sg.slices:
                     entry = saved_state.get(sl.param_index, {})
-                    views = self._slice_state(sg, sl)
                     p = params[sl.param_index]
-                    for k, view in views.items():
-                        src_key = "master_param" if k == "master" else k
-                        if src_key in entry:
-                            src = entry[src_key]
-                        elif k == "master":
+                    a, b = sl.sub_offset, sl.sub_offset + sl.numel
+                    for k, view in st.items():
+                        if k == "master":
                             src = p.detach()
+                            saved = entry.get("master_param")
+                            # a master stands only while the param is still its rounding: torch
+                            # carries our extra key along without updating it, so after training
+                            # elsewhere the param itself is the truth (and a load never writes params)
+                            if saved is not None and torch.equal(saved.to(p.dtype), p.detach()):
+                                src = saved
+                        elif k in entry:
+                            src = entry[k]
                         else:
-                            view.zero_()
+                            view[a:b].zero_()
                             continue
-                        view.copy_(src.reshape(-1)[sl.param_offset:sl.param_offset + sl.numel])
-                    if sg.dtype != torch.float32 and "master_param" in entry:
-                        # the model param follows its master, rounded as torch casts
-                        sg.flat[sl.sub_offset:sl.sub_offset + sl.numel].copy_(views["master"])
+                        view[a:b].copy_(src.reshape(-1)[sl.param_offset:sl.param_offset + sl.numel])
+                if self.plan.tiers[sg.index] != DEVICE:
+                    local = self._host_local[sg.index]
+                    self._host.load_state(local, st["master"], st["exp_avg"], st["exp_avg_sq"],
+                                          st.get("max_exp_avg_sq"))
         for idx in range(len(self._steps)):
             st = saved_state.get(idx)
             self._steps[idx] = int(float(st["step"])) if st is not None and "step" in st else 0

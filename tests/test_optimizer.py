@@ -64,7 +64,7 @@ PLACEMENTS = [
     Placement("device", offload=0.0),
     Placement("mixed", offload=0.5),
     Placement("host", offload=1.0),
-    # Placement("nvme", offload=1.0, nvme=0.25),  # add when the nvme tier lands
+    Placement("nvme", offload=1.0, nvme=0.25),
 ]
 MIXED = PLACEMENTS[1]
 
@@ -422,10 +422,6 @@ def test_checkpoint_loads_across_classes(src, dst):
     assert_params_close(model2, ref_model)
 
 
-@pytest.mark.xfail(strict=True, reason="bug: the layout is fixed at construction; an amsgrad "
-                   "checkpoint loaded into an optimizer built with amsgrad=False drops max_exp_avg_sq, "
-                   "then the device tier steps plain Adam, the host tier raises at step() and "
-                   "state_dict() raises KeyError")
 @pytest.mark.parametrize("placement", PLACEMENTS, ids=lambda p: p.name)
 def test_amsgrad_checkpoint_loads_into_optimizer_built_without(placement):
     """torch takes amsgrad (and max_exp_avg_sq) from the checkpoint, whatever the constructor said."""
@@ -441,9 +437,6 @@ def test_amsgrad_checkpoint_loads_into_optimizer_built_without(placement):
     assert_params_close(model, ref_model)
 
 
-@pytest.mark.xfail(strict=True, reason="bug: torch keeps our extra master_param key (cast to bf16) "
-                   "and never updates it; loading torch's later checkpoint back restores that stale "
-                   "master and writes it into the model params, undoing torch's steps")
 def test_bf16_checkpoint_through_torch_and_back_keeps_torch_progress():
     """ours (bf16) -> torch.optim.AdamW -> 5 more steps in torch -> ours: torch's load never
     touches params, so after loading the params must still be what torch trained."""
