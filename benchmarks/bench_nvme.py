@@ -13,8 +13,9 @@ in the repository, which is git-ignored). GB/s are 1e9 bytes per second of the m
 
 JSON records: {"impl", "bytes", "threads", "op", "median_s", "p20_s", "p80_s", "gb_per_s"}.
 
-The tier rows (swap-in/out through hybrid_opt's NVMe tier, and the pipelined run) are
-not here yet: see `tier_rows`.
+Then the tier rows (`tier_rows`): the same bytes as subgroup state swapped out and in
+through hybrid_opt's NVMe tier (target >= 90% of the raw engine), and a pipelined step
+over N subgroups against max(I/O time, compute time) (target <= 1.15x).
 """
 from __future__ import annotations
 
@@ -92,15 +93,79 @@ def dd_rows(path: str, nbytes: int, reps: int) -> list[dict]:
     return [record("dd bs=8M", nbytes, 1, "write", tw), record("dd bs=8M", nbytes, 1, "read", tr)]
 
 
-def tier_rows(args, workdir: str) -> list[dict]:
-    """TODO(issue 5, swapper/tier part): add here, with the same record schema,
-      - "tier swap_out" / "tier swap_in": the same bytes as subgroup state (master, m, v)
-        written to and read from their slots through hybrid_opt's NVMe tier (checksums
-        included); target >= 90% of the best raw engine row of the same op in this run;
-      - "pipelined": a step over N subgroups (prefetch next, step current, write back
-        previous) vs max(I/O time, compute time); target <= 1.15x.
-    Returns no rows until the tier exists."""
-    return []
+def tier_rows(args, workdir: str, nbytes: int) -> list[dict]:
+    """The same bytes as subgroup state (fp32 master, m, v) through hybrid_opt's NVMe tier:
+      - "tier swap_out" / "tier swap_in": every subgroup's state block written to / read from
+        its file slot by the worker (CRC32C computed on write, verified on read);
+      - "tier pipelined step": one step over the N subgroups (the worker reads each committed
+        slot as its task arrives, steps it, writes the other slot), with --io-banks read
+        buffers in flight; "host step (no I/O)": the same step on the resident host tier;
+        "io (swap_in + swap_out)": the I/O alone. The pipelined step should take about
+        max(I/O, compute)."""
+    import torch
+
+    from hybrid_opt.tiers.host import HostTier, StepInputs
+    from hybrid_opt.worker import protocol as P
+
+    n_sub = args.subgroups
+    numel = max(4096, nbytes // (12 * n_sub) // 4096 * 4096)
+    sizes = [numel] * n_sub
+    gen = torch.Generator().manual_seed(0)
+    grads = [torch.randn(numel, generator=gen) for _ in range(n_sub)]
+    rows: list = []
+    tier = HostTier(sizes, nvme=[True] * n_sub, nvme_path=workdir, io_banks=max(args.io_banks, n_sub),
+                    slot_numel=1 << 20, staging_slots=4, nvme_threads=4)
+    try:
+        io_bytes = tier.io_bytes * n_sub
+        banks = tier.pool.acquire(n_sub)
+        for b in banks:  # incompressible state, every page touched before timing
+            tier._view(b, "p", tier.io_bytes // 4, torch.float32).normal_(generator=gen)
+        crcs = {}
+
+        def run(op):
+            ids = []
+            for sg, b in enumerate(banks):
+                ids.append(tier.client.send(P.Task(op, 0, sg, in_bank=b, file_slot=1,
+                                                   crc=crcs.get(sg, 0))))
+            for r in tier.client.wait(ids):
+                if op == P.OP_SWAP_OUT:
+                    crcs[r.subgroup] = r.crc
+
+        t_out = time_ms(lambda: run(P.OP_SWAP_OUT), reps=args.reps, warmup=1)
+        t_in = time_ms(lambda: run(P.OP_SWAP_IN), reps=args.reps, warmup=1)
+        rows += [record("tier swap_out", io_bytes, 4, "write", t_out),
+                 record("tier swap_in", io_bytes, 4, "read", t_in)]
+        for b in banks:
+            tier.pool.release(b)
+        tier.close()
+        # the pipelined step, with --io-banks reads in flight
+        tier = HostTier(sizes, nvme=[True] * n_sub, nvme_path=workdir, io_banks=args.io_banks,
+                        slot_numel=1 << 20, staging_slots=4, nvme_threads=4)
+        step = [0]
+
+        def one_step(t):
+            step[0] += 1
+            t.finish({sg: (grads[sg], StepInputs(step[0], 1e-3, 0.9, 0.999, 1e-8, 0.01))
+                      for sg in range(n_sub)})
+
+        t_pipe = time_ms(lambda: one_step(tier), reps=args.reps, warmup=1)
+        tier.close()
+        resident = HostTier(sizes, spare_banks=2, slot_numel=1 << 20, staging_slots=4)
+        try:
+            t_comp = time_ms(lambda: one_step(resident), reps=args.reps, warmup=1)
+        finally:
+            resident.close()
+        t_io = {k: t_in[k] + t_out[k] for k in t_in}
+        rows += [record("tier pipelined step", 2 * io_bytes, 4, "step", t_pipe),
+                 record("host step (no I/O)", 2 * io_bytes, None, "step", t_comp),
+                 record("io (swap_in + swap_out)", 2 * io_bytes, 4, "step", t_io)]
+        bound = max(t_io["median_ms"], t_comp["median_ms"])
+        print(f"pipelined step over {n_sub} subgroups of {numel} elements ({args.io_banks} read "
+              f"buffers): {t_pipe['median_ms']:.0f} ms = {t_pipe['median_ms'] / bound:.2f}x "
+              f"max(I/O {t_io['median_ms']:.0f} ms, compute {t_comp['median_ms']:.0f} ms)")
+    finally:
+        tier.close()
+    return rows
 
 
 def main():
@@ -112,6 +177,8 @@ def main():
     ap.add_argument("--dir", default=os.path.join(REPO, "bench_out", "nvme"),
                     help="directory on the disk to measure (not tmpfs)")
     ap.add_argument("--no-dd", action="store_true", help="skip the dd baseline")
+    ap.add_argument("--subgroups", type=int, default=8, help="nvme subgroups for the tier rows")
+    ap.add_argument("--io-banks", type=int, default=4, help="read buffers in flight (pipelined row)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
 
@@ -124,9 +191,9 @@ def main():
         sys.exit(f"--dir {args.dir} is on {kind}: that measures memory, not a disk; "
                  f"pass a directory on the disk (see `df`)")
     free = shutil.disk_usage(args.dir).free
-    if free < 2 * nbytes:
+    if free < 4 * nbytes:
         sys.exit(f"--dir {args.dir} has {free / 2**30:.1f} GiB free; this run needs "
-                 f"{2 * nbytes / 2**30:.1f} GiB")
+                 f"{4 * nbytes / 2**30:.1f} GiB")
 
     workdir = tempfile.mkdtemp(prefix="bench_nvme_", dir=args.dir)
     path = os.path.join(workdir, "raw.bin")
@@ -149,7 +216,7 @@ def main():
             print("--bytes is not a multiple of 8 MiB: no dd rows")
         else:
             rows += dd_rows(path, nbytes, args.reps)
-        rows += tier_rows(args, workdir)
+        rows += tier_rows(args, workdir, nbytes)
         buf.close()
     finally:
         shutil.rmtree(workdir, ignore_errors=True)

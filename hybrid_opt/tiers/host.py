@@ -87,6 +87,7 @@ class _Speculation:
     bank: int | None                 # output bank: a spare (exact, nvme); None in place (inverse)
     pieces: list = field(default_factory=list)
     aux_bank: int | None = None      # nvme: the bank the committed slot is read into
+    swap_in: _Piece | None = None    # nvme: the read of the committed slot (sent ahead: prefetch)
     swap_out: _Piece | None = None   # nvme: the write of the new state (its result has the CRC)
     file_slot: int = 0               # nvme: the slot it writes
 
@@ -458,10 +459,7 @@ class HostTier:
         swap_in = None
         if self.nvme[sg]:
             in_bank = spec.aux_bank
-            slot = self._file_slot[sg]
-            swap_in = self._swap_piece(P.OP_SWAP_IN, sg, in_bank, slot, self._crc[sg][slot])
-            pieces.append(swap_in)
-            self._send(swap_in)  # the worker starts reading now
+            swap_in = spec.swap_in or self._send_swap_in(sg, spec)
         else:
             in_bank = self.pool.committed[sg]
         if inputs.runs and spec.bank is not None:
@@ -511,6 +509,14 @@ class HostTier:
         for run_off, run_n, _ in inputs.ranges(n):
             if run_off < 0 or run_n < 0 or run_off + run_n > n:
                 raise ValueError(f"run ({run_off}, {run_n}) is outside subgroup {sg} of {n} elements")
+
+    def _send_swap_in(self, sg: int, spec: _Speculation) -> _Piece:
+        """The worker starts reading the committed slot into spec.aux_bank at once."""
+        slot = self._file_slot[sg]
+        spec.swap_in = self._swap_piece(P.OP_SWAP_IN, sg, spec.aux_bank, slot, self._crc[sg][slot])
+        spec.pieces.append(spec.swap_in)
+        self._send(spec.swap_in)
+        return spec.swap_in
 
     def _take_banks(self, sg: int) -> _Speculation | None:
         """The banks one step of `sg` needs, or None when the pool cannot give them now:
@@ -684,9 +690,13 @@ class HostTier:
         return outcome
 
     def _step_all(self, todo: list, steps: dict, waiting: dict, on_commit) -> None:
-        for sg in todo:
+        # resident subgroups first (no I/O): their compute hides the first nvme reads; the
+        # nvme reads are sent ahead of their steps as far as the bank pool allows (prefetch)
+        todo = [sg for sg in todo if not self.nvme[sg]] + [sg for sg in todo if self.nvme[sg]]
+        prefetched: dict = {}
+        for k, sg in enumerate(todo):
             grad, final = steps[sg]
-            spec = self._take_banks(sg)
+            spec = prefetched.pop(sg, None) or self._take_banks(sg)
             while spec is None:  # the pool is spent: commit what has finished, then go on
                 if not waiting:
                     raise RuntimeError(f"subgroup {sg} needs more banks than the pool has "
@@ -696,7 +706,25 @@ class HostTier:
                 spec = self._take_banks(sg)
             spec.inputs = final
             waiting[sg] = spec
-            self._launch(sg, grad, final, spec, False)
+            if self.nvme[sg] and spec.swap_in is None:
+                self._send_swap_in(sg, spec)  # its own read goes ahead of any prefetch
+            # keep one bank for the next resident step; the rest may start nvme reads
+            reserve = 1 if self.rollback == "exact" and k + 1 < len(todo) and not self.nvme[todo[k + 1]] else 0
+            for nxt in todo[k + 1:]:
+                if not self.nvme[nxt] or nxt in prefetched:
+                    continue
+                if len(self.pool.free) < 2 + reserve:
+                    break
+                ahead = self._take_banks(nxt)
+                waiting[nxt] = ahead  # tracked with the in-flight work, for the error path
+                self._send_swap_in(nxt, ahead)
+                prefetched[nxt] = waiting.pop(nxt)
+            try:
+                self._launch(sg, grad, final, spec, False)
+            except BaseException:
+                for sgp, sp in prefetched.items():
+                    waiting.setdefault(sgp, sp)  # the handler waits for their reads, frees banks
+                raise
         self._wait(lambda: all(w.done() for w in waiting.values()))
         self._commit_finished(waiting, on_commit)
 
