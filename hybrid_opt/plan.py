@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 DEVICE, HOST, NVME = "device", "host", "nvme"
+DEFAULT_SPARE_BANKS = 4
 
 
 @dataclass
@@ -70,4 +71,8 @@ def fraction_plan(numels: list, ready_ranks: list, offload_fraction, nvme_fracti
         tiers = [NVME if t == NVME else HOST for t in tiers]
     spec = [i for i in order if tiers[i] != DEVICE]
     n_host = sum(1 for t in tiers if t != DEVICE)
-    return Plan(tiers, list(numels), spec, n_host if spare_banks is None else min(spare_banks, max(n_host, 1)))
+    if spare_banks is None:
+        # a few spares keep the worker busy after backward; each costs a subgroup's state,
+        # so the default stays small (the scheduler sizes it from the memory budget)
+        spare_banks = DEFAULT_SPARE_BANKS
+    return Plan(tiers, list(numels), spec, max(1, min(spare_banks, n_host)))

@@ -31,12 +31,13 @@ import torch
 
 from hybrid_opt.banks import BankPool
 from hybrid_opt.shm import PAGE, ArenaLayout, SharedArena, align_up
-from hybrid_opt.swap import SwapDir
+from hybrid_opt.swap import SwapDir, check_nvme_path
 from hybrid_opt.worker import protocol as P
 from hybrid_opt.worker.client import CoreSplit, WorkerClient, WorkerDied, WorkerError
 
 _DT_CODE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _ALIGN_ELEMS = 64  # bank capacity and slot sizes in whole cache lines of fp32
+DEFAULT_SLOT_NUMEL = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -137,14 +138,20 @@ class HostTier:
         has_nvme = any(self.nvme)
         if has_nvme and io_banks < 1:
             raise ValueError(f"the nvme tier needs io_banks >= 1, got {io_banks}")
-        self.swap = SwapDir(nvme_path) if has_nvme else None  # path errors before any work
+        if has_nvme:
+            check_nvme_path(nvme_path)  # path errors before any work
+        # argument errors before anything is made (shared memory, swap directory)
+        self.cores = CoreSplit(worker_share, worker_cores)
+        self.swap = None
         resident = [i for i in range(n) if not self.nvme[i]]
         spares = (len(resident) if spare_banks is None else spare_banks) if rollback == "exact" else 0
         # an nvme step holds two banks (read, result) until it is committed or dropped
         self.io_banks = io_banks if has_nvme else 0
         self.pool = BankPool(resident, spares + 2 * self.io_banks)
         self.capacity = align_up(max(numels), _ALIGN_ELEMS)
-        self.slot_numel = align_up(min(slot_numel or self.capacity, self.capacity), _ALIGN_ELEMS)
+        # staging slots: 1Mi elements by default (4 MB of fp32 grads) — a task that long costs
+        # the worker ~1 ms, its messaging overhead ~50 us; larger only costs memory
+        self.slot_numel = align_up(min(slot_numel or DEFAULT_SLOT_NUMEL, self.capacity), _ALIGN_ELEMS)
 
         ms = torch.empty((), dtype=moment_dtype).element_size()
         bank = ArenaLayout()
@@ -172,7 +179,6 @@ class HostTier:
         self._slots = [self.arena.tensor(slot_offset + k * slot_stride, self.slot_numel, grad_dtype)
                        for k in range(staging_slots)]
         self._free_slots = list(range(staging_slots))[::-1]
-        self.cores = CoreSplit(worker_share, worker_cores)
         layout = dict(bank_offset=bank_offset, bank_stride=bank_stride, bank_regions=regions,
                       slot_offset=slot_offset, slot_stride=slot_stride,
                       moment_dtype=_DT_CODE[moment_dtype])
@@ -180,10 +186,10 @@ class HostTier:
         self._crc = [[0, 0] for _ in range(n)]
         self._aio = None                    # the trainer's own engine (load_state / state)
         if has_nvme:
+            # made after the shared memory (sizing it can fail: RLIMIT_FSIZE, a full /dev/shm)
+            # and filled inside the try below, so a failed constructor leaves no directory behind
+            self.swap = SwapDir(nvme_path)
             layout["nvme"] = dict(dir=self.swap.path, io_bytes=self.io_bytes, threads=nvme_threads)
-            for sg in range(n):
-                if self.nvme[sg]:
-                    self.swap.create(sg, 2 * self.io_bytes)
         self.client = WorkerClient(self.arena, layout, cores=self.cores.worker or None,
                                    timeout_s=timeout_s)
         self._inflight: dict[int, _Piece] = {}
@@ -193,6 +199,9 @@ class HostTier:
         self.stats = {"committed": 0, "redone": 0, "dropped": 0, "stepped": 0,
                       "worker_restarts": 0, "worker_seconds": 0.0}
         try:
+            for sg in range(n):
+                if self.nvme[sg]:
+                    self.swap.create(sg, 2 * self.io_bytes)
             self.client.start()
             self.cores.apply()
             for sg in range(n):
