@@ -310,9 +310,32 @@ class _HybridBase(torch.optim.Optimizer):
                 device_work.extend((sg.index, sl, hp, self._steps[sl.param_index]) for sl in live)
             else:
                 host_steps[sg.index] = (sg, live, hp)
-        self._device.step(device_work, scale)
+        # host tiers first: a failure there (a full disk, a worker error) then leaves the device
+        # tier unstepped, and the step counts of every parameter no committed subgroup holds
+        # are rolled back, so a checkpoint taken afterwards is the previous step for them
         if host_steps:
-            self._step_host(host_steps, scale)
+            committed: set = set()
+            try:
+                self._step_host(host_steps, scale, committed)
+            except Exception as e:
+                touched = {sl.param_index for sg, live, _ in host_steps.values() if sg.index in committed
+                           for sl in live}
+                rolled = []
+                for p in self._all_params():
+                    idx = self._index[p]
+                    if p.grad is not None and idx not in touched:
+                        self._steps[idx] -= 1
+                        rolled.append(idx)
+                done = sorted(committed)
+                what = (f"Nothing was stepped (state and step counts are the previous step's): fix "
+                        f"the cause and call step() again." if not done else
+                        f"The step was partly applied: subgroups {done} committed it, the others "
+                        f"and the device tier did not (their state and step counts are the "
+                        f"previous step's). Reload a checkpoint: stepping again would step "
+                        f"subgroups {done} twice.")
+                raise RuntimeError(f"{type(self).__name__}.step() failed in the host/nvme tier: "
+                                   f"{e}\n{what}") from e
+        self._device.step(device_work, scale)
         self.stats = {"host": dict(self._host.stats) if self._host is not None else {},
                       "grad_norm": norm, "clip_coef": clip}
         return loss
@@ -330,7 +353,7 @@ class _HybridBase(torch.optim.Optimizer):
             return ()
         return tuple(runs)
 
-    def _step_host(self, host_steps: dict, scale: float) -> None:
+    def _step_host(self, host_steps: dict, scale: float, committed: set) -> None:
         work = {}
         for index, (sg, live, hp) in host_steps.items():
             runs = self._runs(sg, live)
@@ -347,6 +370,7 @@ class _HybridBase(torch.optim.Optimizer):
             for sl in live:
                 a, b = sl.sub_offset, sl.sub_offset + sl.numel
                 sg.flat[a:b].copy_(src[a:b].to(sg.dtype), non_blocking=True)
+            committed.add(sg.index)
 
         self._host.finish(work, on_commit=copy_params)
 

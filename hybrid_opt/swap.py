@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import atexit
 import errno
+import fcntl
 import os
 import re
 import shutil
@@ -20,6 +21,7 @@ import tempfile
 import weakref
 
 PREFIX = "hybrid_opt-"
+LOCK = ".owner.lock"  # held (flock) by the owning process for the directory's lifetime
 _STALE = re.compile(r"^hybrid_opt-(\d+)-")
 
 
@@ -33,6 +35,22 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
+def _owner_alive(path: str, pid: int) -> bool:
+    """The owner holds an flock on the lock file while it lives; the lock goes with it, even
+    in another pid namespace (a container sharing the disk), where its pid means nothing here."""
+    try:
+        fd = os.open(os.path.join(path, LOCK), os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return _pid_alive(pid)  # no lock file: fall back to the pid
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
+    return False
+
+
 def sweep_stale(nvme_path: str) -> list[str]:
     """Removes directories of ours whose owning process is gone; returns what it removed."""
     removed = []
@@ -43,7 +61,7 @@ def sweep_stale(nvme_path: str) -> list[str]:
     for name in entries:
         m = _STALE.match(name)
         path = os.path.join(nvme_path, name)
-        if not m or int(m.group(1)) == os.getpid() or _pid_alive(int(m.group(1))):
+        if not m or int(m.group(1)) == os.getpid() or _owner_alive(path, int(m.group(1))):
             continue
         try:
             if os.stat(path).st_uid != os.getuid():
@@ -76,7 +94,9 @@ class SwapDir:
         root = check_nvme_path(nvme_path)
         self.swept = sweep_stale(root)
         self.path = tempfile.mkdtemp(prefix=f"{PREFIX}{os.getpid()}-", dir=root)  # mode 0700
-        self._finalizer = weakref.finalize(self, shutil.rmtree, self.path, True)
+        self._lock_fd = os.open(os.path.join(self.path, LOCK), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        fcntl.flock(self._lock_fd, fcntl.LOCK_EX)
+        self._finalizer = weakref.finalize(self, _remove, self.path, self._lock_fd)
         atexit.register(self._finalizer)
 
     def file(self, sg: int) -> str:
@@ -91,3 +111,11 @@ class SwapDir:
 
     def remove(self) -> None:
         self._finalizer()
+
+
+def _remove(path: str, lock_fd: int) -> None:
+    shutil.rmtree(path, ignore_errors=True)
+    try:
+        os.close(lock_fd)  # releases the lock
+    except OSError:
+        pass

@@ -204,6 +204,11 @@ class WorkerClient:
         return WorkerDied(msg, pending)
 
     def _reap(self) -> None:
+        # kill before closing the pipes: a live worker reads EOF as "the trainer died" and
+        # would remove the nvme swap files the trainer still uses
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(timeout=5.0)
         for fd in (self._req, self._resp, self._stderr_fd):
             if fd is not None:
                 try:
@@ -211,9 +216,6 @@ class WorkerClient:
                 except OSError:
                     pass
         self._req = self._resp = self._stderr_fd = None
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(timeout=5.0)
 
     def restart(self) -> list[P.Task]:
         """Start a fresh worker; returns the tasks the dead one left unfinished (not resent)."""

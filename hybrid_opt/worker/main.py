@@ -78,6 +78,7 @@ class Worker:
         self.req, self.resp = cfg["req_fd"], cfg["resp_fd"]
         self.fault = _Fault(os.environ.get("HYBRID_OPT_WORKER_FAULT"))
         self.nvme = cfg.get("nvme")
+        self.parent = os.getppid()
         self.aio, self.fds = None, {}
         if self.nvme:
             from cpu_kernels.aio import AioEngine  # noqa: PLC0415
@@ -213,8 +214,8 @@ class Worker:
                         else:
                             queue.append(t)
             if reader.eof:
-                # the trainer is gone: exit, leave nothing behind
-                if self.nvme:
+                # the trainer is gone (reparented: not merely a closed pipe): leave nothing behind
+                if self.nvme and self._parent_gone():
                     shutil.rmtree(self.nvme["dir"], ignore_errors=True)
                 return 0
             for tid in [k for k, (t, rid, _) in io.items() if self.aio.done(rid)]:
@@ -242,6 +243,15 @@ class Worker:
                 else:
                     self._reply(self._run(t))
                 break  # one compute task per turn: new requests and finished I/O come first
+
+    def _parent_gone(self, within_s: float = 1.0) -> bool:
+        # the pipe closes while the trainer exits, a moment before we are reparented
+        deadline = time.monotonic() + within_s
+        while os.getppid() == self.parent:
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.02)
+        return True
 
     def _reply(self, r: P.Result) -> None:
         P.write_frame(self.resp, r.pack())

@@ -1,0 +1,940 @@
+"""The nvme tier: subgroups whose state lives in two-slot swap files (HostTier(nvme=[...])).
+
+What is exact is asserted bitwise (integer views, so -0.0 vs +0.0 would show): an nvme
+subgroup is stepped by the same kernel from the same inputs as a resident one, only its
+state travels through a file, so its trajectory must be the host tier's and the direct
+`cpu_kernels.adam_step_` on clones, bit for bit, through speculation, commit, redo, rollback
+and worker restarts. Faults are real: a byte flipped in a swap file, a file-size limit
+(RLIMIT_FSIZE, in a child process: EFBIG, never a signal — Python ignores SIGXFSZ), bad
+nvme_paths, a trainer killed with SIGKILL. Swap files go to a real disk (O_DIRECT), never tmpfs.
+"""
+import errno
+import io
+import json
+import fcntl
+import os
+import shutil
+import signal
+import stat
+import subprocess
+import sys
+import tempfile
+import time
+from contextlib import ExitStack
+
+import psutil
+import pytest
+import torch
+from torch import nn
+
+import cpu_kernels as ck
+from hybrid_opt import HybridAdamW
+from hybrid_opt.plan import NVME
+from hybrid_opt.swap import PREFIX
+from hybrid_opt.tiers.host import HostTier, StepInputs
+from hybrid_opt.worker.client import WorkerError
+from tolerances import assert_close
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SLOT = 4096
+# one element, a few, exactly one slot, one slot + 1, and three pieces with a ragged tail;
+# nvme and resident subgroups side by side in one tier
+NUMELS = [1, 100, SLOT, SLOT + 1, 10_000 + 17]
+NVME_FLAGS = [True, False, True, False, True]
+BIG = 4  # the subgroup larger than a staging slot, stepped in runs
+FAULT_ENV = "HYBRID_OPT_WORKER_FAULT"
+TIMEOUT_S = 20.0  # a hung worker fails the test in seconds, not the default two minutes
+
+
+def _id(v):
+    return str(v).replace("torch.", "") if isinstance(v, torch.dtype) else None
+
+
+# ----------------------------------------------------------------------------- fixtures
+def _fs_type(path: str) -> str:
+    """Filesystem type of the mount holding path (longest mount-point prefix)."""
+    path, best, kind = os.path.realpath(path), "", "?"
+    with open("/proc/mounts") as f:
+        for line in f:
+            mnt, typ = line.split()[1], line.split()[2]
+            if (path == mnt or path.startswith(mnt.rstrip("/") + "/")) and len(mnt) >= len(best):
+                best, kind = mnt, typ
+    return kind
+
+
+@pytest.fixture
+def nvme_dir(tmp_path):
+    """An empty directory on a real disk filesystem (tmp_path unless /tmp is tmpfs)."""
+    if _fs_type(str(tmp_path)) not in ("tmpfs", "ramfs"):
+        path = tmp_path / "nvme"
+        path.mkdir()
+        yield str(path)
+        return
+    root = os.path.join(REPO, "bench_out")  # git-ignored
+    os.makedirs(root, exist_ok=True)
+    path = tempfile.mkdtemp(prefix="test_nvme_", dir=root)
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+# ----------------------------------------------------------------------------- helpers
+def inputs(step=1, **over):
+    kw = dict(step=step, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01)
+    kw.update(over)
+    return StepInputs(**kw)
+
+
+def make_states(numels, *, amsgrad=False, moment_dtype=torch.float32, seed=0):
+    """Mid-training states: non-zero moments, max_exp_avg_sq above v for about half the elements."""
+    gen = torch.Generator().manual_seed(seed)
+    states = []
+    for n in numels:
+        s = dict(p=torch.randn(n, generator=gen),
+                 m=(torch.randn(n, generator=gen) * 0.1).to(moment_dtype),
+                 v=(torch.rand(n, generator=gen) * 1e-2).to(moment_dtype))
+        if amsgrad:
+            s["vmax"] = (s["v"].float() * 2 * torch.rand(n, generator=gen)).to(moment_dtype)
+        states.append(s)
+    return states
+
+
+def make_grads(numels, dtype=torch.float32, *, seed=0, scale=1.0):
+    gen = torch.Generator().manual_seed(1000 + seed)
+    return [(torch.randn(n, generator=gen) * scale).to(dtype) for n in numels]
+
+
+def clone_states(states):
+    return [{k: t.clone() for k, t in s.items()} for s in states]
+
+
+def load(tier, states):
+    for sg, s in enumerate(states):
+        tier.load_state(sg, s["p"], s["m"], s["v"], s.get("vmax"))
+
+
+_KEYS = {"param": "p", "exp_avg": "m", "exp_avg_sq": "v", "max_exp_avg_sq": "vmax"}
+
+
+def read_state(tier, sg):
+    """The committed state through the public reader: a file read for an nvme subgroup."""
+    return {_KEYS[k]: t.clone() for k, t in tier.state(sg).items()}
+
+
+def ref_step(state, grad, inp: StepInputs, copy_dtype=None):
+    """The direct step of each run (the whole subgroup without runs), in place on `state`;
+    returns the param copy of the stepped elements (others zero) when asked for one."""
+    n = state["p"].numel()
+    copy = torch.zeros(n, dtype=copy_dtype) if copy_dtype else None
+    for off, k, step in inp.ranges(n):
+        part = {key: t[off:off + k].clone() for key, t in state.items()}
+        c = torch.empty(k, dtype=copy_dtype) if copy_dtype else None
+        ck.adam_step_(part["p"], grad[off:off + k], part["m"], part["v"],
+                      max_exp_avg_sq=part["vmax"] if inp.amsgrad else None, param_copy=c,
+                      step=step, lr=inp.lr, beta1=inp.beta1, beta2=inp.beta2, eps=inp.eps,
+                      weight_decay=inp.weight_decay, decoupled=inp.decoupled,
+                      grad_scale=inp.grad_scale)
+        for key, t in part.items():
+            state[key][off:off + k] = t
+        if copy is not None:
+            copy[off:off + k] = c
+    return copy
+
+
+def assert_bitwise_equal(a, b, what):
+    assert a.dtype == b.dtype and a.shape == b.shape, \
+        f"{what}: {a.dtype}{tuple(a.shape)} vs {b.dtype}{tuple(b.shape)}"
+    ints = {4: torch.int32, 2: torch.int16}[a.element_size()]
+    if not torch.equal(a.view(ints), b.view(ints)):
+        bad = (a.view(ints) != b.view(ints)).nonzero().flatten()
+        raise AssertionError(f"{what}: {bad.numel()} of {a.numel()} elements differ, first at "
+                             f"{bad[0].item()}: {a[bad[0]].item()!r} vs {b[bad[0]].item()!r}")
+
+
+def assert_state_equal(got, want, what):
+    assert set(got) == set(want), f"{what}: state keys {set(got)} vs {set(want)}"
+    for k in want:
+        assert_bitwise_equal(got[k], want[k], f"{what} {k}")
+
+
+def states_equal(got, want) -> bool:
+    try:
+        assert_state_equal(got, want, "")
+        return True
+    except AssertionError:
+        return False
+
+
+def assert_tier_equals(tier, states, what=""):
+    for sg, want in enumerate(states):
+        assert_state_equal(read_state(tier, sg), want, f"{what} subgroup {sg}")
+
+
+def new_tier(numels, nvme, nvme_path, **kw):
+    base = dict(slot_numel=SLOT, staging_slots=3, timeout_s=TIMEOUT_S)
+    base.update(kw)
+    return HostTier(list(numels), nvme=nvme, nvme_path=nvme_path, **base)
+
+
+def slot_bytes(tier, sg, slot) -> bytes:
+    with open(tier.swap.file(sg), "rb") as f:
+        f.seek(slot * tier.io_bytes)
+        return f.read(tier.io_bytes)
+
+
+def flip_byte(path, offset):
+    fd = os.open(path, os.O_RDWR)
+    try:
+        (b,) = os.pread(fd, 1, offset)
+        os.pwrite(fd, bytes([b ^ 0xFF]), offset)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def child_pids():
+    return {c.pid for c in psutil.Process().children(recursive=True)}
+
+
+def wait_gone(pid, timeout_s):
+    """True once `pid` no longer runs (gone, or a zombie awaiting its reaper)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
+                return True
+        except psutil.NoSuchProcess:
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.01)
+
+
+def wait_until(cond, timeout_s):
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
+def child_env():
+    env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env.pop(FAULT_ENV, None)
+    return env
+
+
+# ------------------------------------------------------------------ 1. the host tier's trajectory
+def _trajectory_plan():
+    """(speculated subgroups, their inputs, stepped subgroups, final inputs, overflow) per
+    iteration; inputs are per subgroup. Every outcome occurs, and the big nvme subgroup is
+    stepped in runs (a run across a slot boundary, a one-element run, gaps, own step counts)
+    through each of commit, redo and plain step."""
+    all_sg = range(len(NUMELS))
+
+    def each(inp, big=None):
+        return {sg: (big if sg == BIG and big is not None else inp) for sg in all_sg}
+
+    runs3 = ((0, 5000, 3), (6000, 1, 7), (7000, 3017, 3))
+    runs4 = ((0, SLOT, 4), (8000, 2017, 2))
+    runs5 = ((100, 9917, 5),)
+    return [
+        (all_sg, each(inputs(1)), all_sg, each(inputs(1)), False),                     # committed
+        (all_sg, each(inputs(2)), all_sg, each(inputs(2)), True),                      # skipped
+        (all_sg, each(inputs(2)), all_sg, each(inputs(2, grad_scale=0.5)), False),     # clipped: redone
+        ([0, 2, 4], each(inputs(3), inputs(3, runs=runs3)),                            # mixed: 0 dropped,
+         [1, 2, 3, 4], each(inputs(3), inputs(3, runs=runs3)), False),                # 1, 3 stepped
+        ([1, 3, 4], each(inputs(4, grad_version=(5,)), inputs(4, grad_version=(5,), runs=runs4)),
+         all_sg, each(inputs(4, grad_version=(6,)), inputs(4, grad_version=(6,), runs=runs4)), False),
+        ([], {}, all_sg, each(inputs(5, lr=3e-3), inputs(5, lr=3e-3, runs=runs5)), False),  # plain
+    ]
+
+
+TRAJECTORY_CONFIGS = [
+    pytest.param(dict(), id="fp32"),
+    pytest.param(dict(amsgrad=True), id="amsgrad"),
+    pytest.param(dict(copy_dtype=torch.bfloat16), id="bf16_copy"),
+    pytest.param(dict(amsgrad=True, copy_dtype=torch.float16, moment_dtype=torch.bfloat16,
+                      grad_dtype=torch.bfloat16), id="amsgrad_fp16_copy_bf16_moments_grads"),
+]
+
+
+@pytest.mark.parametrize("config", TRAJECTORY_CONFIGS)
+def test_nvme_trajectory_is_bitwise_the_host_tiers_and_the_direct_steps(nvme_dir, config):
+    amsgrad = config.get("amsgrad", False)
+    copy_dtype = config.get("copy_dtype")
+    grad_dtype = config.get("grad_dtype", torch.float32)
+    with ExitStack() as stack:
+        nv = new_tier(NUMELS, NVME_FLAGS, nvme_dir, io_banks=3, **config)  # room for all
+        stack.callback(nv.close)
+        host = new_tier(NUMELS, None, None, **config)
+        stack.callback(host.close)
+        assert nv.nvme == NVME_FLAGS and nv.swap is not None and host.swap is None
+        states = make_states(NUMELS, amsgrad=amsgrad,
+                             moment_dtype=config.get("moment_dtype", torch.float32), seed=1)
+        load(nv, states)
+        load(host, states)
+        assert_tier_equals(nv, states, "loaded")
+        outcomes = []
+        for k, (spec_sgs, spec_inp, step_sgs, final, overflow) in enumerate(_trajectory_plan()):
+            grads = make_grads(NUMELS, grad_dtype, seed=10 + k, scale=4.0)
+            if amsgrad:
+                spec_inp = {sg: StepInputs(**{**i.__dict__, "amsgrad": True}) for sg, i in spec_inp.items()}
+                final = {sg: StepInputs(**{**i.__dict__, "amsgrad": True}) for sg, i in final.items()}
+            for sg in spec_sgs:
+                assert nv.speculate(sg, grads[sg], spec_inp[sg]), f"iteration {k}: nvme subgroup {sg}"
+                assert host.speculate(sg, grads[sg], spec_inp[sg])
+            commits = {"nvme": {}, "host": {}}
+
+            def recorder(name):
+                def on_commit(sg, views):
+                    assert sg not in commits[name], f"subgroup {sg} committed twice"
+                    commits[name][sg] = {key: v.clone() for key, v in views.items()}
+                return on_commit
+
+            steps = {sg: (grads[sg], final[sg]) for sg in step_sgs}
+            out = nv.finish(steps, overflow=overflow, on_commit=recorder("nvme"))
+            assert out == host.finish(steps, overflow=overflow, on_commit=recorder("host")), k
+            outcomes.append(out)
+            copies = {}
+            if not overflow:
+                for sg in step_sgs:
+                    copies[sg] = ref_step(states[sg], grads[sg], final[sg], copy_dtype)
+            assert set(commits["nvme"]) == set(commits["host"]) == (set() if overflow else set(step_sgs))
+            for sg, views in commits["nvme"].items():
+                what = f"iteration {k} subgroup {sg} on_commit"
+                assert_bitwise_equal(views["param"], states[sg]["p"], f"{what} param")
+                assert_bitwise_equal(views["param"], commits["host"][sg]["param"], f"{what} param vs host")
+                assert ("param_copy" in views) == (copy_dtype is not None)
+                if copy_dtype is not None:
+                    # elements outside every run were not stepped: their copy slot is not written
+                    for off, n, _ in final[sg].ranges(NUMELS[sg]):
+                        got = views["param_copy"][off:off + n]
+                        assert_bitwise_equal(got, views["param"][off:off + n].to(copy_dtype),
+                                             f"{what} param_copy vs master cast")
+                        assert_bitwise_equal(got, copies[sg][off:off + n], f"{what} param_copy vs kernel")
+                        assert_bitwise_equal(got, commits["host"][sg]["param_copy"][off:off + n],
+                                             f"{what} param_copy vs host")
+            for sg in range(len(NUMELS)):
+                got = read_state(nv, sg)
+                assert_state_equal(got, read_state(host, sg), f"iteration {k} subgroup {sg} nvme vs host")
+                assert_state_equal(got, states[sg], f"iteration {k} subgroup {sg} vs direct steps")
+        seen = {o for out in outcomes for o in out.values()}
+        assert seen == {"committed", "redone", "stepped", "dropped"}, outcomes
+        assert nv.stats["worker_restarts"] == 0
+
+
+# ------------------------------------------------------------------ 2. rollback through slots
+def test_a_dropped_step_leaves_the_committed_slot_and_state_bitwise_unchanged(nvme_dir):
+    numels, nvme = [SLOT + 1, 10_000 + 17], [True, True]
+    with ExitStack() as stack:
+        tier = new_tier(numels, nvme, nvme_dir, amsgrad=True, io_banks=2)
+        stack.callback(tier.close)
+        states = make_states(numels, amsgrad=True, seed=2)
+        load(tier, states)
+        inp = inputs(7, amsgrad=True, grad_scale=1 / 1024)
+        for r, how in enumerate(("overflow", "not_in_steps")):
+            grads = make_grads(numels, seed=2 + r, scale=1024.0)
+            slots = list(tier._file_slot)
+            committed = [slot_bytes(tier, sg, slots[sg]) for sg in range(len(numels))]
+            other = [slot_bytes(tier, sg, 1 - slots[sg]) for sg in range(len(numels))]
+            for sg, g in enumerate(grads):
+                assert tier.speculate(sg, g, inp)
+            if how == "overflow":
+                assert tier.finish({}, overflow=True) == {0: "dropped", 1: "dropped"}
+            else:
+                assert tier.finish({}) == {0: "dropped", 1: "dropped"}
+            assert tier.speculated() == []
+            assert tier._file_slot == slots, f"{how}: the slot map flipped for a dropped step"
+            for sg in range(len(numels)):
+                assert slot_bytes(tier, sg, slots[sg]) == committed[sg], \
+                    f"{how}: subgroup {sg}'s committed slot was written"
+                # the dropped step did write the other slot: the rollback is the slot map alone
+                assert slot_bytes(tier, sg, 1 - slots[sg]) != other[sg]
+            assert_tier_equals(tier, states, f"after the step dropped by {how}")
+        # the step after the dropped ones starts from the original state
+        grads = make_grads(numels, seed=9, scale=1024.0)
+        assert set(tier.finish({sg: (g, inp) for sg, g in enumerate(grads)}).values()) == {"stepped"}
+        for s, g in zip(states, grads):
+            ref_step(s, g, inp)
+        assert_tier_equals(tier, states, "the step after the dropped ones")
+
+
+@pytest.mark.parametrize("change", [
+    dict(lr=5e-4), dict(grad_scale=0.5), dict(grad_version=(1, 2)), dict(step=8),
+    dict(weight_decay=0.0), dict(decoupled=False),
+    dict(runs=((0, 3000, 8), (5000, 5017, 2))),
+], ids=lambda c: next(iter(c)))
+def test_redo_with_changed_inputs_is_bitwise_a_direct_step(nvme_dir, change):
+    numels, nvme = [SLOT + 1, 10_000 + 17], [True, True]
+    with ExitStack() as stack:
+        tier = new_tier(numels, nvme, nvme_dir, amsgrad=True)
+        stack.callback(tier.close)
+        states = make_states(numels, amsgrad=True, seed=3)
+        load(tier, states)
+        grads = make_grads(numels, seed=3)
+        a = inputs(7, grad_version=(1, 1), amsgrad=True)
+        b = StepInputs(**{**a.__dict__, **change})
+        slots = list(tier._file_slot)
+        for sg, g in enumerate(grads):
+            assert tier.speculate(sg, g, a)
+        final = {sg: (g, b if "runs" not in change or sg == 1 else a) for sg, g in enumerate(grads)}
+        expect = {sg: "redone" if final[sg][1] != a else "committed" for sg in final}
+        assert tier.finish(final) == expect
+        assert tier._file_slot == [1 - s for s in slots], "commit and redo both flip the slot map"
+        for sg, (g, inp) in final.items():
+            ref_step(states[sg], g, inp)
+        assert_tier_equals(tier, states, f"redone with {change}")
+
+
+# ------------------------------------------------------------------ 3. checksums
+@pytest.mark.parametrize("where,speculated", [("first_byte", False), ("last_byte", True)])
+def test_a_flipped_byte_in_a_committed_slot_fails_its_checksum_and_names_the_file(nvme_dir, where,
+                                                                                 speculated):
+    numels, nvme = [3000, 9000, 500], [True, True, False]
+    bad = 1
+    with ExitStack() as stack:
+        tier = new_tier(numels, nvme, nvme_dir)
+        stack.callback(tier.close)
+        states = make_states(numels, seed=4)
+        load(tier, states)
+        g1, g2 = make_grads(numels, seed=4), make_grads(numels, seed=5)
+        for sg, g in enumerate(g1):
+            assert tier.speculate(sg, g, inputs(1))
+        assert set(tier.finish({sg: (g, inputs(1)) for sg, g in enumerate(g1)}).values()) == {"committed"}
+        for s, g in zip(states, g1):
+            ref_step(s, g, inputs(1))
+        after1 = clone_states(states)
+        after2 = clone_states(states)
+        for s, g in zip(after2, g2):
+            ref_step(s, g, inputs(2))
+
+        path, slot = tier.swap.file(bad), tier._file_slot[bad]
+        k = 0 if where == "first_byte" else tier.io_bytes - 1  # the CRC covers the padding too
+        flip_byte(path, slot * tier.io_bytes + k)
+        # the control: a flipped byte in the slot nobody reads (the next step overwrites it)
+        flip_byte(tier.swap.file(0), (1 - tier._file_slot[0]) * tier.io_bytes + 7)
+
+        with pytest.raises(WorkerError) as info:
+            if speculated:  # the swap-in starts at once: its error may surface in speculate()
+                for sg, g in enumerate(g2):
+                    assert tier.speculate(sg, g, inputs(2))
+            tier.finish({sg: (g, inputs(2)) for sg, g in enumerate(g2)})
+        msg = str(info.value)
+        assert "checksum mismatch" in msg and path in msg and f"slot {slot}" in msg, msg
+        assert f"subgroup {bad}" in msg, msg
+        if tier.speculated():
+            # a failed speculate()/finish() keeps the other speculations for a retry; the
+            # state is read once they are dropped
+            with pytest.raises(RuntimeError, match="speculative step pending"):
+                tier.state(tier.speculated()[0])
+            tier.finish({}, overflow=True)
+        assert tier.speculated() == []
+        with pytest.raises(OSError, match="checksum mismatch") as info:
+            tier.state(bad)
+        assert path in str(info.value)
+        # every other subgroup is intact: at step 1, or at step 2 if it committed first
+        for sg in range(len(numels)):
+            if sg != bad:
+                got = read_state(tier, sg)
+                assert states_equal(got, after1[sg]) or states_equal(got, after2[sg]), \
+                    f"subgroup {sg} is neither its step-1 nor its step-2 state"
+        # restored from a checkpoint, the subgroup steps on bitwise
+        tier.load_state(bad, after1[bad]["p"], after1[bad]["m"], after1[bad]["v"])
+        assert_state_equal(read_state(tier, bad), after1[bad], "restored")
+        assert tier.finish({bad: (g2[bad], inputs(2))}) == {bad: "stepped"}
+        assert_state_equal(read_state(tier, bad), after2[bad], "restored, then stepped")
+
+
+# ------------------------------------------------------------------ 4. disk full
+DISK_FULL_CHILD = r"""
+import json, os, resource, signal, sys
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # as the Python that starts the worker does
+import torch
+import cpu_kernels as ck
+from hybrid_opt.tiers.host import HostTier, StepInputs
+
+nvme_path = sys.argv[1]
+PAGE = 4096
+numels = [3000, 9000]
+out = {}
+def ref_step(s, g, step):
+    ck.adam_step_(s[0], g, s[1], s[2], step=step, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8,
+                  weight_decay=0.01)
+def same(tier, refs):
+    return all(all(torch.equal(a, b) for a, b in zip(
+        (st["param"], st["exp_avg"], st["exp_avg_sq"]), ref))
+        for st, ref in ((tier.state(sg), refs[sg]) for sg in range(len(numels))))
+
+gen = torch.Generator().manual_seed(0)
+tier = HostTier(numels, nvme=[True, True], nvme_path=nvme_path, slot_numel=4096, timeout_s=20)
+io = out["io_bytes"] = tier.io_bytes
+refs = [[torch.randn(n, generator=gen), torch.randn(n, generator=gen) * 0.1,
+         torch.rand(n, generator=gen) * 1e-2] for n in numels]
+for sg, r in enumerate(refs):
+    tier.load_state(sg, *r)
+grads = {s: [torch.randn(n, generator=gen) for n in numels] for s in range(1, 5)}
+def step(s):
+    return tier.finish({sg: (grads[s][sg], StepInputs(s, 1e-3, 0.9, 0.999, 1e-8, 0.01))
+                        for sg in range(len(numels))})
+step(1)
+for sg in range(len(numels)):
+    ref_step(refs[sg], grads[1][sg], 1)
+out["step1_ok"] = same(tier, refs)
+
+# the disk fills: a write may reach 2 pages into slot 1 (slot 0 still fits). The worker was
+# started before the limit, so it gets it by prlimit; the trainer (and any worker it
+# restarts) by setrlimit.
+limit = io + 2 * PAGE
+hard = resource.getrlimit(resource.RLIMIT_FSIZE)[1]
+resource.setrlimit(resource.RLIMIT_FSIZE, (limit, hard))
+resource.prlimit(tier.worker_pid, resource.RLIMIT_FSIZE, (limit, hard))
+out["limit"] = limit
+
+# a tier built now cannot size its memory or files
+dirs = sorted(os.listdir(nvme_path))
+try:
+    HostTier(numels, nvme=[True, True], nvme_path=nvme_path, slot_numel=4096, timeout_s=20)
+    out["ctor_error"] = None
+except Exception as e:
+    out["ctor_error"] = dict(type=type(e).__name__, errno=getattr(e, "errno", None), message=str(e))
+    out["ctor_left_nothing"] = sorted(os.listdir(nvme_path)) == dirs  # e (and its frames) alive
+
+out["failed_at"] = None
+for s in (2, 3, 4):
+    slots = list(tier._file_slot)
+    try:
+        step(s)
+    except Exception as e:
+        out["failed_at"], out["failed_slots"] = s, slots
+        out["error"] = dict(type=type(e).__name__, message=str(e))
+        break
+    for sg in range(len(numels)):
+        ref_step(refs[sg], grads[s][sg], s)
+out["slot_map_kept"] = tier._file_slot == out.get("failed_slots")
+out["files"] = [tier.swap.file(sg) for sg in range(len(numels))]
+out["intact_after_failure"] = same(tier, refs)
+
+# the trainer's own write into the full slot fails the same way; the committed slot stands
+try:
+    tier.load_state(0, torch.zeros(numels[0]))
+    out["load_error"] = None
+except OSError as e:
+    out["load_error"] = dict(type=type(e).__name__, errno=e.errno, message=str(e))
+out["intact_after_load_error"] = same(tier, refs)
+
+# space again: the failed step is taken again and lands bitwise
+resource.setrlimit(resource.RLIMIT_FSIZE, (hard, hard))
+resource.prlimit(tier.worker_pid, resource.RLIMIT_FSIZE, (hard, hard))
+s = out["failed_at"]
+if s is not None:
+    out["retry"] = sorted(set(step(s).values()))
+    for sg in range(len(numels)):
+        ref_step(refs[sg], grads[s][sg], s)
+    out["retry_bitwise"] = same(tier, refs)
+out["restarts"] = tier.stats["worker_restarts"]
+tier.close()
+out["left"] = os.listdir(nvme_path)
+print(json.dumps(out))
+"""
+
+
+def test_disk_full_names_the_file_and_bytes_and_keeps_the_committed_state(nvme_dir):
+    proc = subprocess.run([sys.executable, "-c", DISK_FULL_CHILD, nvme_dir], cwd=REPO,
+                          env=child_env(), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, f"child failed ({proc.returncode}):\n{proc.stderr[-3000:]}"
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    io_bytes, limit = out["io_bytes"], out["limit"]
+    assert out["step1_ok"]
+
+    # a tier built under the limit fails (its shared memory, a file too, is sized first) and
+    # leaves nothing in nvme_path
+    ctor = out["ctor_error"]
+    assert ctor is not None, "a tier was built though its memory and files cannot be sized"
+    assert ctor["errno"] == errno.EFBIG and "File too large" in ctor["message"], ctor
+    assert out["ctor_left_nothing"], "the failed constructor left its swap directory behind"
+
+    # slot 0 still fits under the limit, slot 1 does not: the first write into slot 1 fails
+    assert out["failed_at"] is not None, "no write failed under the file-size limit"
+    assert out["failed_slots"] == [0, 0], out
+    err = out["error"]
+    assert err["type"] == "WorkerError", err
+    msg = err["message"]
+    assert any(f in msg for f in out["files"]), msg
+    assert "File too large" in msg and "EFBIG" in msg, msg
+    assert f"write of {io_bytes} bytes at offset {io_bytes}" in msg, msg
+    assert f"{limit - io_bytes} bytes written" in msg, msg
+    assert out["slot_map_kept"]
+    assert out["intact_after_failure"], "the committed state changed after the failed step"
+
+    load_err = out["load_error"]
+    assert load_err is not None and load_err["errno"] == errno.EFBIG, load_err
+    assert out["files"][0] in load_err["message"] and f"{io_bytes} bytes" in load_err["message"]
+    assert out["intact_after_load_error"]
+
+    assert out["retry"] == ["stepped"] and out["retry_bitwise"]
+    assert out["restarts"] == 0, "the worker died instead of reporting EFBIG"
+    assert out["left"] == []
+
+
+# ------------------------------------------------------------------ 5. permissions and bad paths
+def test_the_swap_directory_is_private_and_its_files_owner_only(nvme_dir):
+    tier = new_tier([1000, 3000, 200], [True, True, False], nvme_dir)
+    try:
+        d = tier.swap.path
+        assert os.path.dirname(d) == os.path.realpath(nvme_dir)
+        assert os.path.basename(d).startswith(f"{PREFIX}{os.getpid()}-")
+        st = os.stat(d)
+        assert stat.S_IMODE(st.st_mode) == 0o700 and st.st_uid == os.getuid()
+        assert sorted(os.listdir(d)) == [".owner.lock", "sg0.state", "sg1.state"]
+        for sg in (0, 1):
+            st = os.stat(tier.swap.file(sg))
+            assert stat.S_IMODE(st.st_mode) == 0o600 and st.st_uid == os.getuid()
+            assert st.st_size == 2 * tier.io_bytes and tier.io_bytes % 4096 == 0
+        assert os.listdir(nvme_dir) == [os.path.basename(d)]
+    finally:
+        tier.close()
+    assert os.listdir(nvme_dir) == []
+
+
+def _unwritable_dir(nvme_dir):
+    """A directory this process cannot write: mode 0500 where permission bits bind; as root
+    (which they do not bind) a read-only mount, else None."""
+    os.chmod(nvme_dir, 0o500)
+    if not os.access(nvme_dir, os.W_OK):
+        return nvme_dir
+    os.chmod(nvme_dir, 0o700)
+    for cand in ("/proc/sys",):  # read-only for root too in a container
+        if os.path.isdir(cand) and not os.access(cand, os.W_OK):
+            return cand
+    return None
+
+
+BAD_PATHS = [
+    ("missing", FileNotFoundError, r"does not exist"),
+    ("a_file", NotADirectoryError, r"is not a directory"),
+    ("unwritable", PermissionError, r"not writable"),
+    ("none", ValueError, r"needs nvme_path"),
+]
+
+
+@pytest.mark.parametrize("kind,exc,match", BAD_PATHS, ids=[b[0] for b in BAD_PATHS])
+@pytest.mark.parametrize("who", ["HostTier", "HybridAdamW"])
+def test_a_bad_nvme_path_fails_at_construction_before_any_worker_starts(nvme_dir, who, kind, exc,
+                                                                        match):
+    if kind == "missing":
+        path = os.path.join(nvme_dir, "no", "such")
+    elif kind == "a_file":
+        path = os.path.join(nvme_dir, "file")
+        open(path, "w").close()
+    elif kind == "unwritable":
+        path = _unwritable_dir(nvme_dir)
+        if path is None:
+            pytest.skip("running as root with no read-only directory: permission bits do not "
+                        "stop root's writes, so there is no unwritable nvme_path to try")
+    else:
+        path = None
+    before, listing = child_pids(), sorted(os.listdir(nvme_dir))
+    try:
+        with pytest.raises(exc, match=match) as info:
+            if who == "HostTier":
+                new_tier([1000, 3000], [True, False], path)
+            else:
+                HybridAdamW(nn.Linear(8, 8).parameters(), offload_fraction=1.0, nvme_fraction=0.25,
+                            nvme_path=path, subgroup_numel=16)
+    finally:
+        os.chmod(nvme_dir, 0o700)
+    if path is not None:
+        assert os.path.abspath(path) in str(info.value)
+    assert child_pids() == before, "a worker was started before the path was checked"
+    assert sorted(os.listdir(nvme_dir)) == listing
+
+
+# ------------------------------------------------------------------ 6. nothing left behind
+def test_close_leaves_nothing_in_nvme_path_and_is_idempotent(nvme_dir):
+    tier = new_tier([1000, 9000], [True, True], nvme_dir, amsgrad=True)
+    pid, d = tier.worker_pid, tier.swap.path
+    grads = make_grads(tier.numels, seed=6)
+    for sg, g in enumerate(grads):
+        tier.speculate(sg, g, inputs(1, amsgrad=True))  # left pending: close() must cope
+    tier.close()
+    tier.close()
+    assert os.listdir(nvme_dir) == [] and not os.path.exists(d)
+    assert wait_gone(pid, 5.0)
+
+
+@pytest.mark.parametrize("bad", [dict(worker_cores=[10_000]), dict(worker_share=0.0)],
+                         ids=["worker_fails_to_start", "bad_worker_share"])
+def test_a_constructor_that_fails_leaves_nothing_in_nvme_path(nvme_dir, bad):
+    before = child_pids()
+    with pytest.raises((ValueError, RuntimeError)) as info:
+        new_tier([1000, 3000], [True, True], nvme_dir, **bad)
+    # while the exception (and its traceback, holding the half-built tier) is still alive:
+    # the clean-up must not wait for the garbage collector
+    assert info.value is not None and os.listdir(nvme_dir) == []
+    assert wait_until(lambda: child_pids() <= before, 5.0)
+
+
+KILLED_TRAINER = """
+import sys, time
+from hybrid_opt.tiers.host import HostTier
+# two tiers: the test kills b's worker first, so only a's worker is left to clean up
+a = HostTier([1000, 3000], nvme=[True, True], nvme_path=sys.argv[1], slot_numel=4096)
+b = HostTier([1000, 3000], nvme=[True, False], nvme_path=sys.argv[1], slot_numel=4096)
+print(a.swap.path, a.worker_pid, b.swap.path, b.worker_pid, flush=True)
+time.sleep(120)  # killed long before this ends
+"""
+
+
+def _dead_pid():
+    p = subprocess.Popen([sys.executable, "-c", "pass"])
+    p.wait()
+    return p.pid
+
+
+def test_a_killed_trainers_directory_is_removed_by_its_worker_or_swept_at_the_next_start(nvme_dir):
+    trainer = subprocess.Popen([sys.executable, "-c", KILLED_TRAINER, nvme_dir], cwd=REPO,
+                               env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               text=True)
+    workers, tiers = [], []
+    try:
+        line = trainer.stdout.readline().split()
+        assert len(line) == 4, f"no tiers from the trainer: {line!r} {trainer.stderr.read()[-2000:]}"
+        dir_a, dir_b = line[0], line[2]
+        workers = [int(line[1]), int(line[3])]
+        assert os.path.isdir(dir_a) and os.path.isdir(dir_b)
+        # while their trainer lives, its directories are not stale
+        tiers.append(new_tier([100], [True], nvme_dir))
+        assert tiers[0].swap.swept == [] and os.path.isdir(dir_a) and os.path.isdir(dir_b)
+
+        os.kill(workers[1], signal.SIGKILL)  # b's worker cannot clean up for its trainer
+        assert wait_gone(workers[1], 5.0)
+        trainer.kill()  # SIGKILL: no close(), no atexit, no finalizer runs
+        trainer.wait(timeout=10)
+        assert wait_until(lambda: not os.path.exists(dir_a), 5.0), \
+            "the worker did not remove its dead trainer's swap directory"
+        assert wait_gone(workers[0], 5.0), "the worker outlived its trainer"
+        assert os.path.isdir(dir_b) and os.listdir(dir_b), "the stale directory to sweep is gone"
+
+        dead = _dead_pid()
+        fake = os.path.join(nvme_dir, f"{PREFIX}{dead}-xyz")
+        os.mkdir(fake)
+        with open(os.path.join(fake, "sg0.state"), "wb") as f:
+            f.write(b"\0" * 4096)
+        alive = os.path.join(nvme_dir, f"{PREFIX}{tiers[0].worker_pid}-abc")  # a live process
+        keep = [alive, os.path.join(nvme_dir, f"{PREFIX}notapid"), os.path.join(nvme_dir, "keep-me")]
+        for d in keep:
+            os.mkdir(d)
+        tiers.append(new_tier([100], [True], nvme_dir))
+        assert sorted(tiers[1].swap.swept) == sorted([os.path.abspath(dir_b), os.path.abspath(fake)])
+        assert not os.path.exists(dir_b) and not os.path.exists(fake)
+        assert all(os.path.isdir(d) for d in keep), "a directory that is not stale was removed"
+        assert os.path.isdir(tiers[0].swap.path), "a live tier's directory in this process was swept"
+    finally:
+        for t in tiers:
+            t.close()
+        if trainer.poll() is None:
+            trainer.kill()
+            trainer.wait()
+        trainer.stdout.close()
+        trainer.stderr.close()
+        for pid in workers:
+            if not wait_gone(pid, 0):
+                os.kill(pid, signal.SIGKILL)
+    assert sorted(os.listdir(nvme_dir)) == sorted(os.path.basename(d) for d in keep)
+
+
+# ------------------------------------------------------------------ 7. worker faults
+FAULT_NUMELS, FAULT_NVME = [3000, 9000, 500], [True, True, False]
+
+
+@pytest.mark.parametrize("fault,io_banks", [
+    ("before_step:2", 4), ("after_step:3", 4), ("mid_step:2", 4),
+    ("after_step:9", 1),  # one io bank pair: finish() waits for banks while the worker dies
+])
+def test_a_killed_worker_is_replaced_and_the_nvme_trajectory_is_bitwise_unchanged(
+        monkeypatch, nvme_dir, fault, io_banks):
+    monkeypatch.setenv(FAULT_ENV, fault)
+    tier = new_tier(FAULT_NUMELS, FAULT_NVME, nvme_dir, amsgrad=True, staging_slots=2,
+                    io_banks=io_banks)
+    try:
+        first_pid, swap_dir = tier.worker_pid, tier.swap.path
+        states = make_states(FAULT_NUMELS, amsgrad=True, seed=7)
+        load(tier, states)
+        outcomes = []
+        # committed, redone (lr changed after speculation), plain
+        for step, change, spec in ((1, {}, True), (2, dict(lr=5e-4), True), (3, {}, False)):
+            grads = make_grads(FAULT_NUMELS, seed=30 + step)
+            inp = inputs(step, amsgrad=True)
+            if spec:
+                for sg, g in enumerate(grads):
+                    tier.speculate(sg, g, inp)  # False when the bank pool is spent
+            final = StepInputs(**{**inp.__dict__, **change})
+            outcomes.append(tier.finish({sg: (g, final) for sg, g in enumerate(grads)}))
+            for s, g in zip(states, grads):
+                ref_step(s, g, final)
+            assert_tier_equals(tier, states, f"{fault}: step {step}")
+        if io_banks == 4:
+            assert [set(o.values()) for o in outcomes] == [{"committed"}, {"redone"}, {"stepped"}]
+        assert tier.stats["worker_restarts"] == 1
+        assert tier.worker_pid != first_pid and wait_gone(first_pid, 5.0)
+        assert sorted(os.listdir(swap_dir)) == [".owner.lock", "sg0.state", "sg1.state"]
+    finally:
+        tier.close()
+    assert os.listdir(nvme_dir) == []
+
+
+# ------------------------------------------------------------------ 8. the optimizer
+class Net(nn.Module):
+    """Linear(16,32)-ReLU-Linear(32,4) plus tiny params: 692 elements, 11 subgroups of 64."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1 = nn.Linear(16, 32)
+        self.fc2 = nn.Linear(32, 4)
+        self.tiny = nn.ParameterList(nn.Parameter(0.1 * torch.randn(4 if k % 2 else 1)) for k in range(6))
+
+    def forward(self, x):
+        out = self.fc2(torch.relu(self.fc1(x)))
+        for k, t in enumerate(self.tiny):
+            out = out + t * (k + 1) / 6
+        return out
+
+
+def make_net(seed=0):
+    torch.manual_seed(seed)
+    return Net()
+
+
+def make_batches(n, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(32, 16, generator=g), torch.randn(32, 4, generator=g)) for _ in range(n)]
+
+
+def loss_fn(model, batch):
+    x, y = batch
+    return ((model(x) - y) ** 2).mean()
+
+
+def train(model, opt, batches):
+    for batch in batches:
+        opt.zero_grad()
+        loss_fn(model, batch).backward()
+        opt.step()
+
+
+def nvme_adamw(params, nvme_dir, nvme_fraction=0.5, **kw):
+    opt = HybridAdamW(params, offload_fraction=1.0, nvme_fraction=nvme_fraction, nvme_path=nvme_dir,
+                      subgroup_numel=64, **kw)
+    tiers = opt.plan.tiers
+    assert 0 < tiers.count(NVME) < len(tiers), f"not a mixed host/nvme placement: {opt.plan}"
+    return opt
+
+
+@pytest.mark.parametrize("amsgrad", [False, True], ids=["plain", "amsgrad"])
+def test_hybrid_adamw_with_half_the_state_on_nvme_matches_torch_adamw(nvme_dir, amsgrad):
+    kw = dict(lr=1e-2, weight_decay=0.1, amsgrad=amsgrad)
+    ours_model, ref_model = make_net(), make_net()
+    ref = torch.optim.AdamW(ref_model.parameters(), foreach=False, **kw)
+    with nvme_adamw(ours_model.parameters(), nvme_dir, **kw) as ours:
+        for i, batch in enumerate(make_batches(20)):
+            for model, opt in ((ours_model, ours), (ref_model, ref)):
+                opt.zero_grad()
+                loss_fn(model, batch).backward()
+                opt.step()
+            for (name, a), b in zip(ours_model.named_parameters(), ref_model.parameters()):
+                assert_close(a, b, msg=f"step {i} {name}")
+        sd, ref_sd = ours.state_dict(), ref.state_dict()
+        assert set(sd["state"]) == set(ref_sd["state"])
+        for i, ref_st in ref_sd["state"].items():
+            assert set(sd["state"][i]) == set(ref_st)
+            assert float(sd["state"][i]["step"]) == float(ref_st["step"]) == 20
+            for k, v in ref_st.items():
+                if k != "step":
+                    assert_close(sd["state"][i][k], v, msg=f"state[{i}][{k}]")
+    assert os.listdir(nvme_dir) == []
+
+
+def _save_load(sd):
+    buf = io.BytesIO()
+    torch.save(sd, buf)
+    buf.seek(0)
+    return torch.load(buf, weights_only=True)
+
+
+def test_state_dict_round_trip_with_nvme_continues_bitwise(nvme_dir):
+    kw = dict(lr=1e-2, weight_decay=0.1, amsgrad=True, max_grad_norm=0.5)
+    batches = make_batches(12)
+    model = make_net()
+    with ExitStack() as stack:
+        opt = stack.enter_context(nvme_adamw(model.parameters(), nvme_dir, **kw))
+        train(model, opt, batches[:6])
+        sd = _save_load(opt.state_dict())
+        weights = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        train(model, opt, batches[6:])
+        end_sd = opt.state_dict()
+
+        model2 = make_net(seed=123)  # another init: everything must come from the checkpoint
+        model2.load_state_dict(weights)
+        opt2 = stack.enter_context(nvme_adamw(model2.parameters(), nvme_dir, **kw))
+        assert opt2.plan.tiers == opt.plan.tiers
+        opt2.load_state_dict(sd)
+        train(model2, opt2, batches[6:])
+        for (name, a), b in zip(model.named_parameters(), model2.parameters()):
+            assert_bitwise_equal(b.detach(), a.detach(), f"resumed {name}")
+        sd2 = opt2.state_dict()
+        assert set(sd2["state"]) == set(end_sd["state"])
+        for i, st in end_sd["state"].items():
+            assert set(sd2["state"][i]) == set(st)
+            for k, v in st.items():
+                assert torch.equal(sd2["state"][i][k], v), (i, k)
+    assert os.listdir(nvme_dir) == []
+
+
+def test_a_directory_whose_owner_holds_its_lock_is_not_swept_whatever_its_pid(tmp_path):
+    """Another container sharing the disk has its own pid namespace: its owner's pid may be
+    "dead" here, but the owner's flock on the lock file says it lives."""
+    from hybrid_opt.swap import LOCK, sweep_stale
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    live = tmp_path / f"hybrid_opt-{proc.pid}-other"
+    live.mkdir()
+    fd = os.open(live / LOCK, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        assert sweep_stale(str(tmp_path)) == [] and live.exists()
+    finally:
+        os.close(fd)  # the owner is gone: now it is stale
+    assert sweep_stale(str(tmp_path)) == [str(live)] and not live.exists()
+
+
+def test_a_full_disk_during_step_rolls_back_the_step_counts_of_what_was_not_stepped(nvme_dir):
+    """The worker's writes hit a file-size limit: step() raises naming the cause and what was
+    applied; parameters no committed subgroup holds keep their previous state and step count."""
+    import resource
+    torch.manual_seed(0)
+    params = [nn.Parameter(torch.randn(4096)) for _ in range(4)]
+    with HybridAdamW(params, lr=1e-3, offload_fraction=1.0, nvme_fraction=1.0, nvme_path=nvme_dir,
+                     subgroup_numel=4096) as opt:
+        for _ in range(2):
+            for p in params:
+                p.grad = torch.randn_like(p)
+            opt.step()
+        before = opt.state_dict()
+        limit = opt._host.io_bytes + 4096  # slot 0 writable, slot 1 not
+        old = resource.prlimit(opt.worker_pid, resource.RLIMIT_FSIZE)
+        resource.prlimit(opt.worker_pid, resource.RLIMIT_FSIZE, (limit, old[1]))  # soft only
+        try:
+            for p in params:
+                p.grad = torch.randn_like(p)
+            with pytest.raises(RuntimeError, match=r"(?s)failed in the host/nvme tier.*File too large"):
+                opt.step()
+        finally:
+            resource.prlimit(opt.worker_pid, resource.RLIMIT_FSIZE, old)
+        after = opt.state_dict()
+        for idx, st in before["state"].items():
+            written = int(after["state"][idx]["step"]) == 3
+            # a parameter is either wholly stepped (its subgroup committed) or wholly not
+            same = all(torch.equal(st[k], after["state"][idx][k]) for k in ("exp_avg", "exp_avg_sq"))
+            assert written != same, idx
+        assert any(int(s["step"]) == 2 for s in after["state"].values())
