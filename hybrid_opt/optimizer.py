@@ -101,6 +101,10 @@ class _HybridBase(torch.optim.Optimizer):
         self.step_was_skipped = False
         self.last_grad_norm = None
         self.stats: dict = {}
+        self._grad_scaler = None
+        self._last_inv_scale = 1.0
+        self._accumulation_boundary = True
+        self._speculation_error = None
         self._build()
 
     # ------------------------------------------------------------------ param groups
@@ -213,6 +217,94 @@ class _HybridBase(torch.optim.Optimizer):
             import cpu_kernels
             self._saved_kernel_threads = cpu_kernels.get_num_threads()
             cpu_kernels.set_num_threads(max(1, len(self._host.cores.trainer)))
+        self._install_hooks(host)
+
+    # ------------------------------------------------------------------ speculation
+    def _install_hooks(self, host: list) -> None:
+        """Grad hooks mark host/nvme subgroups ready during backward; a subgroup whose every
+        trainable parameter has its grad accumulated is stepped speculatively at once."""
+        for h in getattr(self, "_hook_handles", []):
+            h.remove()
+        self._hook_handles = []
+        self._members: dict = {}   # host subgroup index -> trainable param indices in it
+        self._param_sgs: dict = {}  # param index -> host subgroup indices it spans
+        self._ready: dict = {}
+        if not self.speculative or not host:
+            return
+        for sg in host:
+            members = {sl.param_index for sl in sg.slices if sl.param.requires_grad}
+            if not members:
+                continue
+            self._members[sg.index] = members
+            self._ready[sg.index] = set()
+            for idx in members:
+                self._param_sgs.setdefault(idx, []).append(sg.index)
+        hooked = set()
+        for sg in host:
+            for sl in sg.slices:
+                p = sl.param
+                if p.requires_grad and p not in hooked:
+                    hooked.add(p)
+                    self._hook_handles.append(p.register_post_accumulate_grad_hook(self._on_grad_ready))
+
+    def _on_grad_ready(self, p) -> None:
+        if self._closed or not self._accumulation_boundary:
+            return
+        idx = self._index.get(p)
+        for sgi in self._param_sgs.get(idx, ()):
+            ready = self._ready[sgi]
+            ready.add(idx)
+            if len(ready) == len(self._members[sgi]):
+                ready.clear()  # a further backward before step() makes it ready again
+                try:
+                    self._speculate(sgi)
+                except Exception as e:  # never break the user's backward: step() reports it
+                    self._speculation_error = self._speculation_error or e
+
+    def _predicted_inv_scale(self) -> float:
+        scaler = self._grad_scaler
+        if scaler is not None and scaler.is_enabled():
+            return 1.0 / float(scaler.get_scale())
+        return self._last_inv_scale
+
+    def _host_inputs(self, sg, live: list, hp: StepInputs, scale: float, ahead: int) -> StepInputs:
+        """The inputs a host subgroup's step depends on (ahead=1 during backward: the step
+        counts it will have), including which grads, so a changed grad makes it stale."""
+        runs = self._runs(sg, live, ahead)
+        step = runs[0][2] if runs else self._steps[live[0].param_index] + ahead
+        versions = tuple((sl.param.grad.data_ptr(), sl.param.grad._version) for sl in live)
+        return StepInputs(step, hp.lr, hp.beta1, hp.beta2, hp.eps, hp.weight_decay, hp.decoupled,
+                          scale * hp.grad_scale, versions, hp.amsgrad, runs)
+
+    def _speculate(self, sgi: int) -> None:
+        sg = self._subgroups[sgi]
+        live = [sl for sl in sg.slices if sl.param.grad is not None]
+        if not live:
+            return
+        group = self.param_groups[sg.group]
+        hp = self._hyper(group, -1.0 if group["maximize"] else 1.0)
+        # clipping is assumed not to bite (coefficient 1): validation redoes it when it does
+        inputs = self._host_inputs(sg, live, hp, self._predicted_inv_scale(), 1)
+        local = self._host_local[sgi]
+        self._host.cancel(local)
+        self._host.speculate(local, _GradGatherer(sg), inputs)
+
+    def attach_grad_scaler(self, scaler) -> None:
+        """Lets speculation read the loss scale that will apply (torch.amp.GradScaler);
+        without it, speculation assumes the last step's scale and validation redoes what
+        does not match."""
+        self._grad_scaler = scaler
+
+    def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
+        """DeepSpeed's vocabulary: False on micro-batches that are not the last before step()
+        suppresses speculation on them (their grads are not final). Unannotated accumulation
+        stays correct — a grad changed after speculation makes it stale — only slower."""
+        self._accumulation_boundary = bool(is_boundary)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        super().zero_grad(set_to_none)
+        for ready in getattr(self, "_ready", {}).values():
+            ready.clear()
 
     def _rebuild_tiers(self) -> None:
         """Lays the tiers out again (same plan); the caller loads their state afterwards."""
@@ -273,6 +365,11 @@ class _HybridBase(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         self._check_open()
+        if self._speculation_error is not None:
+            err, self._speculation_error = self._speculation_error, None
+            if self._host is not None and self._host.speculated():
+                self._host.finish({}, overflow=True)
+            raise RuntimeError(f"a speculative host step during backward failed: {err}") from err
         for p in self._all_params():
             if p.grad is not None and p.grad.is_sparse:
                 raise RuntimeError(f"{type(self).__name__} does not support sparse gradients")
@@ -286,6 +383,8 @@ class _HybridBase(torch.optim.Optimizer):
             return loss
         self.step_was_skipped = False
         inv_scale = 1.0 / float(scale_t) if scale_t is not None else 1.0
+        if scale_t is not None:
+            self._last_inv_scale = inv_scale
         norm = math.sqrt(self._grad_norm_sq()) * inv_scale
         self.last_grad_norm = norm
         clip = 1.0
@@ -327,8 +426,8 @@ class _HybridBase(torch.optim.Optimizer):
                         self._steps[idx] -= 1
                         rolled.append(idx)
                 done = sorted(committed)
-                what = (f"Nothing was stepped (state and step counts are the previous step's): fix "
-                        f"the cause and call step() again." if not done else
+                what = ("Nothing was stepped (state and step counts are the previous step's): fix "
+                        "the cause and call step() again." if not done else
                         f"The step was partly applied: subgroups {done} committed it, the others "
                         f"and the device tier did not (their state and step counts are the "
                         f"previous step's). Reload a checkpoint: stepping again would step "
@@ -337,14 +436,15 @@ class _HybridBase(torch.optim.Optimizer):
                                    f"{e}\n{what}") from e
         self._device.step(device_work, scale)
         self.stats = {"host": dict(self._host.stats) if self._host is not None else {},
+                      "speculation": getattr(self, "_last_outcome", None) if host_steps else None,
                       "grad_norm": norm, "clip_coef": clip}
         return loss
 
-    def _runs(self, sg, live: list) -> tuple:
+    def _runs(self, sg, live: list, ahead: int = 0) -> tuple:
         """(offset, numel, step) ranges of a subgroup's live slices, merged where contiguous."""
         runs = []
         for sl in live:
-            step = self._steps[sl.param_index]
+            step = self._steps[sl.param_index] + ahead
             if runs and runs[-1][0] + runs[-1][1] == sl.sub_offset and runs[-1][2] == step:
                 runs[-1] = (runs[-1][0], runs[-1][1] + sl.numel, step)
             else:
@@ -356,11 +456,7 @@ class _HybridBase(torch.optim.Optimizer):
     def _step_host(self, host_steps: dict, scale: float, committed: set) -> None:
         work = {}
         for index, (sg, live, hp) in host_steps.items():
-            runs = self._runs(sg, live)
-            step = runs[0][2] if runs else self._steps[live[0].param_index]
-            inputs = StepInputs(step, hp.lr, hp.beta1, hp.beta2, hp.eps, hp.weight_decay, hp.decoupled,
-                                scale * hp.grad_scale, (), hp.amsgrad, runs)
-            work[self._host_local[index]] = (_GradGatherer(sg), inputs)
+            work[self._host_local[index]] = (_GradGatherer(sg), self._host_inputs(sg, live, hp, scale, 0))
         by_local = {self._host_local[index]: (sg, live) for index, (sg, live, _) in host_steps.items()}
 
         def copy_params(local: int, views: dict) -> None:
@@ -372,7 +468,13 @@ class _HybridBase(torch.optim.Optimizer):
                 sg.flat[a:b].copy_(src[a:b].to(sg.dtype), non_blocking=True)
             committed.add(sg.index)
 
-        self._host.finish(work, on_commit=copy_params)
+        outcome = self._host.finish(work, on_commit=copy_params)
+        for ready in self._ready.values():
+            ready.clear()
+        counts = {k: 0 for k in ("committed", "redone", "stepped", "dropped")}
+        for v in outcome.values():
+            counts[v] += 1
+        self._last_outcome = counts
 
     # ------------------------------------------------------------------ state dict
     def _subgroup_state(self, sg) -> dict:
@@ -487,6 +589,9 @@ class _HybridBase(torch.optim.Optimizer):
         if getattr(self, "_closed", True):
             return
         self._closed = True
+        for h in getattr(self, "_hook_handles", []):
+            h.remove()
+        self._hook_handles = []
         if self._host is not None:
             try:
                 self._host.close()

@@ -195,6 +195,7 @@ class HostTier:
         self._inflight: dict[int, _Piece] = {}
         self._spec: dict[int, _Speculation] = {}
         self._error: WorkerError | None = None
+        self._on_progress = None
         self.closed = False
         self.stats = {"committed": 0, "redone": 0, "dropped": 0, "stepped": 0,
                       "worker_restarts": 0, "worker_seconds": 0.0}
@@ -334,8 +335,13 @@ class HostTier:
             if not self._inflight:
                 raise RuntimeError("every staging slot is held by a speculated step awaiting "
                                    "validation; call finish() (or use more staging_slots)")
-            self._wait(lambda: bool(self._free_slots))
+            self._wait(lambda: self._progress() or bool(self._free_slots))
         return self._free_slots.pop()
+
+    def _progress(self) -> None:
+        """Work the trainer does while it waits for a staging slot (set by finish())."""
+        if self._on_progress is not None:
+            self._on_progress()
 
     def _stage(self, slot: int, grad, offset: int, numel: int) -> None:
         dst = self._slots[slot][:numel]
@@ -586,6 +592,14 @@ class HostTier:
     def speculated(self) -> list[int]:
         return sorted(self._spec)
 
+    def cancel(self, sg: int) -> None:
+        """Drop a pending speculation of `sg` (its grads changed: a new one follows)."""
+        spec = self._spec.get(sg)
+        if spec is None:
+            return
+        self._wait(spec.done)
+        self._drop(self._spec.pop(sg), sg)
+
     def grad_stats(self, sg: int):
         """(sum of squares, all finite) of the grads `sg` was speculated with, in piece order;
         None when it was not speculated. Waits for its pieces."""
@@ -703,7 +717,40 @@ class HostTier:
         # nvme reads are sent ahead of their steps as far as the bank pool allows (prefetch)
         todo = [sg for sg in todo if not self.nvme[sg]] + [sg for sg in todo if self.nvme[sg]]
         prefetched: dict = {}
+        position = [0]
+
+        def prefetch(k: int) -> None:
+            # keep one bank for the next resident step; the rest may start nvme reads
+            reserve = 1 if self.rollback == "exact" and k + 1 < len(todo) and not self.nvme[todo[k + 1]] else 0
+            for nxt in todo[k + 1:]:
+                if not self.nvme[nxt] or nxt in prefetched:
+                    continue
+                if len(self.pool.free) < 2 + reserve:
+                    break
+                ahead = self._take_banks(nxt)
+                waiting[nxt] = ahead  # tracked with the in-flight work, for the error path
+                self._send_swap_in(nxt, ahead)
+                prefetched[nxt] = waiting.pop(nxt)
+
+        def progress() -> None:
+            # while staging waits for a slot: commit what has finished and read further ahead,
+            # so the disk never idles for want of a free buffer
+            current = todo[position[0]]
+            finished = [s for s, w in waiting.items() if s != current and w.ok()]
+            for s in finished:
+                self._commit(s, waiting.pop(s), on_commit)
+            if finished:
+                prefetch(position[0])
+
+        self._on_progress = progress
+        try:
+            self._step_loop(todo, steps, waiting, on_commit, prefetched, prefetch, position)
+        finally:
+            self._on_progress = None
+
+    def _step_loop(self, todo, steps, waiting, on_commit, prefetched, prefetch, position) -> None:
         for k, sg in enumerate(todo):
+            position[0] = k
             grad, final = steps[sg]
             spec = prefetched.pop(sg, None) or self._take_banks(sg)
             while spec is None:  # the pool is spent: commit what has finished, then go on
@@ -717,17 +764,7 @@ class HostTier:
             waiting[sg] = spec
             if self.nvme[sg] and spec.swap_in is None:
                 self._send_swap_in(sg, spec)  # its own read goes ahead of any prefetch
-            # keep one bank for the next resident step; the rest may start nvme reads
-            reserve = 1 if self.rollback == "exact" and k + 1 < len(todo) and not self.nvme[todo[k + 1]] else 0
-            for nxt in todo[k + 1:]:
-                if not self.nvme[nxt] or nxt in prefetched:
-                    continue
-                if len(self.pool.free) < 2 + reserve:
-                    break
-                ahead = self._take_banks(nxt)
-                waiting[nxt] = ahead  # tracked with the in-flight work, for the error path
-                self._send_swap_in(nxt, ahead)
-                prefetched[nxt] = waiting.pop(nxt)
+            prefetch(k)
             try:
                 self._launch(sg, grad, final, spec, False)
             except BaseException:
