@@ -10,6 +10,7 @@ torch's format and `load_state_dict()` scatters it back.
 from __future__ import annotations
 
 import math
+import time
 import warnings
 
 import torch
@@ -412,6 +413,7 @@ class _HybridBase(torch.optim.Optimizer):
         # host tiers first: a failure there (a full disk, a worker error) then leaves the device
         # tier unstepped, and the step counts of every parameter no committed subgroup holds
         # are rolled back, so a checkpoint taken afterwards is the previous step for them
+        t_host = time.perf_counter()
         if host_steps:
             committed: set = set()
             try:
@@ -434,11 +436,41 @@ class _HybridBase(torch.optim.Optimizer):
                         f"subgroups {done} twice.")
                 raise RuntimeError(f"{type(self).__name__}.step() failed in the host/nvme tier: "
                                    f"{e}\n{what}") from e
+        t_device = time.perf_counter()
         self._device.step(device_work, scale)
-        self.stats = {"host": dict(self._host.stats) if self._host is not None else {},
+        t_end = time.perf_counter()
+        self._record_stats(host_steps, device_work, t_device - t_host, t_end - t_device, norm, clip)
+        return loss
+
+    def _record_stats(self, host_steps, device_work, host_wait_s, device_s, norm, clip) -> None:
+        """Per-tier figures of this step: subgroups, state bytes, the trainer's time in it,
+        the worker's time on it, and how much of the worker's time hid under backward."""
+        tiers = {t: {"subgroups": 0, "elements": 0, "state_bytes": 0, "worker_s": 0.0,
+                     "committed": 0, "redone": 0, "stepped": 0, "dropped": 0}
+                 for t in (DEVICE, HOST, NVME)}
+        for sg in self._subgroups:
+            t = tiers[self.plan.tiers[sg.index]]
+            t["subgroups"] += 1
+            t["elements"] += sg.numel
+            t["state_bytes"] += sg.numel * (16 if self._amsgrad_layout else 12)
+        if self._host is not None:
+            prev = getattr(self, "_prev_worker_s", [0.0] * len(self._host.worker_seconds))
+            now = list(self._host.worker_seconds)
+            for index, local in self._host_local.items():
+                tiers[self.plan.tiers[index]]["worker_s"] += now[local] - prev[local]
+            self._prev_worker_s = now
+            for index, outcome in getattr(self, "_last_outcome_by_sg", {}).items():
+                tiers[self.plan.tiers[index]][outcome] += 1
+        tiers[DEVICE]["trainer_s"] = device_s
+        off = tiers[HOST]["worker_s"] + tiers[NVME]["worker_s"]
+        for name in (HOST, NVME):
+            tiers[name]["trainer_wait_s"] = host_wait_s * (tiers[name]["worker_s"] / off if off else 0.0)
+        # the worker's time that did not make step() wait was hidden under backward
+        hidden = max(0.0, off - host_wait_s)
+        self.stats = {"tiers": tiers, "host_wait_s": host_wait_s, "device_s": device_s,
+                      "hidden_s": hidden, "worker_s": off,
                       "speculation": getattr(self, "_last_outcome", None) if host_steps else None,
                       "grad_norm": norm, "clip_coef": clip}
-        return loss
 
     def _runs(self, sg, live: list, ahead: int = 0) -> tuple:
         """(offset, numel, step) ranges of a subgroup's live slices, merged where contiguous."""
@@ -475,6 +507,8 @@ class _HybridBase(torch.optim.Optimizer):
         for v in outcome.values():
             counts[v] += 1
         self._last_outcome = counts
+        index_of = {local: index for index, local in self._host_local.items()}
+        self._last_outcome_by_sg = {index_of[local]: v for local, v in outcome.items()}
 
     # ------------------------------------------------------------------ state dict
     def _subgroup_state(self, sg) -> dict:

@@ -196,6 +196,7 @@ class HostTier:
         self._spec: dict[int, _Speculation] = {}
         self._error: WorkerError | None = None
         self._on_progress = None
+        self.worker_seconds = [0.0] * n  # per subgroup, cumulative: compute and I/O in the worker
         self.closed = False
         self.stats = {"committed": 0, "redone": 0, "dropped": 0, "stepped": 0,
                       "worker_restarts": 0, "worker_seconds": 0.0}
@@ -384,6 +385,7 @@ class HostTier:
             piece = self._inflight.pop(tid)
             piece.result = r = self.client.results.pop(tid)
             self.stats["worker_seconds"] += r.elapsed_ns * 1e-9
+            self.worker_seconds[piece.subgroup] += r.elapsed_ns * 1e-9
             self._release_piece(piece)
             if r.status == P.STATUS_ERROR and self._error is None:
                 self._error = WorkerError(f"hybrid_opt worker failed on subgroup {r.subgroup}: "
