@@ -22,6 +22,26 @@ def time_ms(fn, *, reps: int, warmup: int = 2) -> dict:
     return {"median_ms": statistics.median(samples), "p20_ms": q[1], "p80_ms": q[7]}
 
 
+def time_ms_interleaved(fns: dict, *, reps: int, warmup: int = 2) -> dict:
+    """Like time_ms for several callables, timed in rounds (each once per round, in turn), so
+    drift on a noisy machine hits them all alike; returns {name: median/p20/p80}."""
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn()
+    samples = {name: [] for name in fns}
+    for _ in range(reps):
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            samples[name].append((time.perf_counter() - t0) * 1e3)
+    out = {}
+    for name, xs in samples.items():
+        xs.sort()
+        q = statistics.quantiles(xs, n=10, method="inclusive") if len(xs) > 1 else xs * 9
+        out[name] = {"median_ms": statistics.median(xs), "p20_ms": q[1], "p80_ms": q[7]}
+    return out
+
+
 def markdown_table(rows: list[dict], columns: list[tuple[str, str, str]]) -> str:
     """columns: (key, header, format spec); a missing value prints as '-'."""
     head = "| " + " | ".join(h for _, h, _ in columns) + " |"

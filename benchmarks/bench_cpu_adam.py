@@ -3,7 +3,9 @@ DeepSpeedCPUAdam when importable, against Adam's own memory roofline measured in
 
     python benchmarks/bench_cpu_adam.py [--sizes 16Mi 64Mi] [--reps 15] [--json out.json]
 
-Each row steps the same tensors in the same process. bytes_per_elem is what an impl must
+Each row steps the same tensors in the same process; the impls and the roofline probe are
+timed in interleaved rounds, and each row's % of roofline is against the probe of its own
+size and thread count. bytes_per_elem is what an impl must
 move per element (reads + writes, no read-for-ownership): ours 28 for every path; the
 composite 48 (grad widen 2+4, unscale 4+4, fused AdamW 28, model copy 4+2).
 """
@@ -17,7 +19,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import cpu_kernels  # noqa: E402
-from _common import markdown_table, time_ms, write_json  # noqa: E402
+from _common import markdown_table, time_ms_interleaved, write_json  # noqa: E402
 
 HP = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=1e-2)
 SCALE = 1.0 / 1024.0  # a loss scale's inverse times a clip coefficient: exact in fp32
@@ -48,14 +50,6 @@ class Job:
     def bump(self) -> int:
         self.step += 1
         return self.step
-
-
-def roofline_gb_per_s(n: int, reps: int) -> float:
-    """Adam's 28 bytes/element moved in place with no arithmetic, on the kernels' threads."""
-    job = Job(n)
-    t = time_ms(lambda: cpu_kernels.bandwidth_probe_(job.param, job.grad, job.exp_avg,
-                                                     job.exp_avg_sq), reps=reps)
-    return 28 * n / (t["median_ms"] * 1e6)
 
 
 def impls(job: Job, bank: tuple):
@@ -123,24 +117,30 @@ def main(argv=None) -> int:
         roof = 0.0
         for size in args.sizes:
             n = parse_size(size)
-            roof = max(roof, roofline_gb_per_s(n, args.reps))
             job = Job(n)
+            probe = Job(n)  # the roofline probe scribbles on its own tensors
             bank = (torch.empty(n), torch.empty(n), torch.empty(n))
-            for name, gdt, bpe, fn in impls(job, bank):
-                t = time_ms(fn, reps=args.reps)
+            table = {name: (gdt, bpe, fn) for name, gdt, bpe, fn in impls(job, bank)}
+            fns = {name: fn for name, (_, _, fn) in table.items()}
+            # the roofline: Adam's 28 bytes/element in place, no arithmetic, timed in the same
+            # rounds as the impls so drift on this shared machine hits them alike
+            fns["roofline"] = lambda pr=probe: cpu_kernels.bandwidth_probe_(pr.param, pr.grad,
+                                                                            pr.exp_avg, pr.exp_avg_sq)
+            times = time_ms_interleaved(fns, reps=args.reps)
+            size_roof = 28 * n / (times["roofline"]["median_ms"] * 1e6)
+            roof = max(roof, size_roof)
+            for name, (gdt, bpe, _) in table.items():
+                t = times[name]
                 rec = {"impl": name, "numel": n, "threads": threads, "grad_dtype": gdt, **t,
                        "gelem_per_s": n / (t["median_ms"] * 1e6),
-                       "gb_per_s": bpe * n / (t["median_ms"] * 1e6), "bytes_per_elem": bpe}
+                       "gb_per_s": bpe * n / (t["median_ms"] * 1e6), "bytes_per_elem": bpe,
+                       "roofline_gb_per_s": size_roof}
                 records.append(rec)
-                rows.append(dict(rec, size=size))
-            # measured again after the impls: the best of both runs is the machine's roof
-            roof = max(roof, roofline_gb_per_s(n, args.reps))
-            del job, bank
+                rows.append(dict(rec, size=size, roof_pct=100.0 * rec["gb_per_s"] / size_roof))
+            rows.append({"impl": "roofline", "size": size, "threads": threads, "gb_per_s": size_roof,
+                         "roof_pct": 100.0, **times["roofline"]})
+            del job, probe, bank, table, fns
         records.append({"impl": "roofline", "threads": threads, "gb_per_s": roof})
-        for r in rows:
-            if r["threads"] == threads:
-                r["roof_pct"] = 100.0 * r["gb_per_s"] / roof
-        rows.append({"impl": "roofline", "threads": threads, "gb_per_s": roof, "roof_pct": 100.0})
 
     print(markdown_table(rows, [("impl", "impl", "s"), ("size", "numel", "s"), ("threads", "threads", "d"),
                                 ("grad_dtype", "grad", "s"), ("median_ms", "median ms", ".2f"),
