@@ -102,7 +102,7 @@ class _Speculation:
 class HostTier:
     def __init__(self, numels: list[int], *, grad_dtype=torch.float32, moment_dtype=torch.float32,
                  copy_dtype=None, amsgrad: bool = False, rollback: str = "exact",
-                 spare_banks: int | None = None, staging_slots: int = 4,
+                 spare_banks: int | None = None, staging_slots: int = 8,
                  slot_numel: int | None = None, worker_share: float = 0.5,
                  worker_cores: list[int] | None = None, timeout_s: float = 120.0,
                  nvme: list | None = None, nvme_path=None, io_banks: int = 4,
@@ -559,8 +559,11 @@ class HostTier:
         self._check(sg, grad, inputs)
         self._require_idle(sg)
         in_place = self.rollback == "inverse" and not self.nvme[sg]
-        # in place, its slots stay held until validation (the undo needs the grads): all at once
-        if in_place and len(self._free_slots) < -(-self.numels[sg] // self.slot_numel):
+        # never wait for the worker here (this runs inside backward): every slot the step
+        # needs must be free now; in place, they also stay held until validation (the undo
+        # needs the grads)
+        pieces = sum(-(-k // self.slot_numel) for _, k, _ in inputs.ranges(self.numels[sg]))
+        if len(self._free_slots) < pieces:
             return False
         spec = self._take_banks(sg)
         if spec is None:
@@ -590,6 +593,15 @@ class HostTier:
         for p in spec.pieces:
             self._free_slot(p)
         self._release_banks(spec)
+
+    def poll(self) -> None:
+        """Collect the results that have arrived, without waiting (frees slots and banks)."""
+        if self.client._resp is not None:
+            try:
+                self.client.poll()
+            except WorkerDied as e:
+                self._recover(e)
+        self._collect()
 
     def speculated(self) -> list[int]:
         return sorted(self._spec)
