@@ -106,6 +106,7 @@ class _HybridBase(torch.optim.Optimizer):
         self._last_inv_scale = 1.0
         self._accumulation_boundary = True
         self._speculation_error = None
+        self._deferred: list = []
         self._build()
 
     # ------------------------------------------------------------------ param groups
@@ -230,6 +231,7 @@ class _HybridBase(torch.optim.Optimizer):
         self._members: dict = {}   # host subgroup index -> trainable param indices in it
         self._param_sgs: dict = {}  # param index -> host subgroup indices it spans
         self._ready: dict = {}
+        self._staged: dict = {}     # host subgroup index -> the grad tensors its pending speculation read
         if not self.speculative or not host:
             return
         for sg in host:
@@ -258,7 +260,11 @@ class _HybridBase(torch.optim.Optimizer):
             if len(ready) == len(self._members[sgi]):
                 ready.clear()  # a further backward before step() makes it ready again
                 try:
-                    self._speculate(sgi)
+                    if sgi in self._deferred:
+                        self._deferred.remove(sgi)
+                    self._retry_deferred()
+                    if not self._speculate(sgi):
+                        self._deferred.append(sgi)
                 except Exception as e:  # never break the user's backward: step() reports it
                     self._speculation_error = self._speculation_error or e
 
@@ -277,18 +283,50 @@ class _HybridBase(torch.optim.Optimizer):
         return StepInputs(step, hp.lr, hp.beta1, hp.beta2, hp.eps, hp.weight_decay, hp.decoupled,
                           scale * hp.grad_scale, versions, hp.amsgrad, runs)
 
-    def _speculate(self, sgi: int) -> None:
+    def _speculate(self, sgi: int) -> bool:
         sg = self._subgroups[sgi]
         live = [sl for sl in sg.slices if sl.param.grad is not None]
         if not live:
-            return
+            return True
         group = self.param_groups[sg.group]
         hp = self._hyper(group, -1.0 if group["maximize"] else 1.0)
         # clipping is assumed not to bite (coefficient 1): validation redoes it when it does
         inputs = self._host_inputs(sg, live, hp, self._predicted_inv_scale(), 1)
         local = self._host_local[sgi]
         self._host.cancel(local)
-        self._host.speculate(local, _GradGatherer(sg), inputs)
+        self._staged.pop(sgi, None)
+        if self._host.speculate(local, _GradGatherer(sg), inputs, wait=False):
+            # the grads it read stay referenced until it is validated: a grad tensor made after
+            # one was discarded (zero_grad, `p.grad = None`) can then never take its address, so
+            # (data_ptr, _version) names the same grad for as long as the speculation is pending
+            self._staged[sgi] = [sl.param.grad for sl in live]
+            return True
+        return False
+
+    def _retry_deferred(self) -> None:
+        """Subgroups that found no free bank or staging slot when they became ready are tried
+        again as the worker frees them (backward never waits for the worker); those still
+        waiting at step() are stepped there."""
+        self._host.poll()
+        while self._deferred:
+            if not self._speculate(self._deferred[0]):
+                return
+            self._deferred.pop(0)
+
+    def _drop_speculation(self) -> dict:
+        """Drops every pending speculation (the committed state is untouched); returns finish()'s
+        outcome."""
+        outcome = {}
+        if self._host is not None and self._host.speculated():
+            outcome = self._host.finish({}, overflow=True)
+        self._forget_staged()
+        self._deferred.clear()
+        return outcome
+
+    def _forget_staged(self) -> None:
+        pending = set(self._host.speculated()) if self._host is not None else set()
+        self._staged = {k: v for k, v in getattr(self, "_staged", {}).items()
+                        if self._host_local[k] in pending}
 
     def attach_grad_scaler(self, scaler) -> None:
         """Lets speculation read the loss scale that will apply (torch.amp.GradScaler);
@@ -368,8 +406,7 @@ class _HybridBase(torch.optim.Optimizer):
         self._check_open()
         if self._speculation_error is not None:
             err, self._speculation_error = self._speculation_error, None
-            if self._host is not None and self._host.speculated():
-                self._host.finish({}, overflow=True)
+            self._drop_speculation()
             raise RuntimeError(f"a speculative host step during backward failed: {err}") from err
         for p in self._all_params():
             if p.grad is not None and p.grad.is_sparse:
@@ -379,8 +416,14 @@ class _HybridBase(torch.optim.Optimizer):
         if found_t is not None and float(found_t) != 0.0:
             # GradScaler saw inf/nan: the whole step is skipped, exactly as torch does
             self.step_was_skipped = True
-            if self._host is not None and self._host.speculated():
-                self._host.finish({}, overflow=True)
+            dropped = self._drop_speculation()
+            for ready in self._ready.values():
+                ready.clear()
+            # stats describe this (skipped) step, not the last one that was taken
+            self.stats = {"host": dict(self._host.stats) if self._host is not None else {},
+                          "speculation": dict(committed=0, redone=0, stepped=0, dropped=len(dropped))
+                          if self._host is not None else None,
+                          "grad_norm": None, "clip_coef": None}
             return loss
         self.step_was_skipped = False
         inv_scale = 1.0 / float(scale_t) if scale_t is not None else 1.0
@@ -500,9 +543,13 @@ class _HybridBase(torch.optim.Optimizer):
                 sg.flat[a:b].copy_(src[a:b].to(sg.dtype), non_blocking=True)
             committed.add(sg.index)
 
-        outcome = self._host.finish(work, on_commit=copy_params)
+        try:
+            outcome = self._host.finish(work, on_commit=copy_params)
+        finally:
+            self._forget_staged()
         for ready in self._ready.values():
             ready.clear()
+        self._deferred.clear()
         counts = {k: 0 for k in ("committed", "redone", "stepped", "dropped")}
         for v in outcome.values():
             counts[v] += 1
@@ -524,6 +571,9 @@ class _HybridBase(torch.optim.Optimizer):
 
     def state_dict(self) -> dict:
         self._check_open()
+        # called between backward and step(): the committed state is what a checkpoint holds;
+        # pending speculations are dropped (step() then steps those subgroups itself)
+        self._drop_speculation()
         base = super().state_dict()  # param_groups in torch's format (params as indices)
         state = {}
         buffers: dict = {}
@@ -562,8 +612,7 @@ class _HybridBase(torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict: dict) -> None:
         self._check_open()
-        if self._host is not None and self._host.speculated():
-            self._host.finish({}, overflow=True)
+        self._drop_speculation()
         groups, saved_groups = self.param_groups, state_dict["param_groups"]
         if len(groups) != len(saved_groups):
             raise ValueError("loaded state dict has a different number of parameter groups")

@@ -552,18 +552,19 @@ class HostTier:
                 self.pool.release(b)
         spec.bank = spec.aux_bank = None
 
-    def speculate(self, sg: int, grad, inputs: StepInputs) -> bool:
+    def speculate(self, sg: int, grad, inputs: StepInputs, wait: bool = True) -> bool:
         """Step `sg` now, into spare banks (exact, nvme) or in place (inverse), to be validated
-        by finish(). Returns False, doing nothing, when no bank (or, in inverse mode, no
-        staging slot) is free: the subgroup is then stepped at finish()."""
+        by finish(). Returns False, doing nothing, when no bank is free (or, in inverse mode
+        or with wait=False, not every staging slot it needs): the subgroup is then stepped at
+        finish(). With wait=True it may wait for the worker to free staging slots."""
         self._check(sg, grad, inputs)
         self._require_idle(sg)
         in_place = self.rollback == "inverse" and not self.nvme[sg]
-        # never wait for the worker here (this runs inside backward): every slot the step
-        # needs must be free now; in place, they also stay held until validation (the undo
-        # needs the grads)
+        # wait=False (inside backward) never waits for the worker: every slot the step needs
+        # must be free now; in place, they also stay held until validation (the undo needs
+        # the grads), so they must all be free at once anyway
         pieces = sum(-(-k // self.slot_numel) for _, k, _ in inputs.ranges(self.numels[sg]))
-        if len(self._free_slots) < pieces:
+        if (in_place or not wait) and len(self._free_slots) < pieces:
             return False
         spec = self._take_banks(sg)
         if spec is None:
