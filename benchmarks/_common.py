@@ -67,3 +67,23 @@ def write_json(path: str | None, records: list[dict]) -> None:
 
 def host_description() -> str:
     return f"{platform.processor() or platform.machine()}, {os.cpu_count()} cpus"
+
+
+def parse_size(s: str) -> int:
+    units = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "K": 10**3, "M": 10**6, "G": 10**9}
+    for u in sorted(units, key=len, reverse=True):
+        if s.endswith(u):
+            return int(float(s[: -len(u)]) * units[u])
+    return int(s)
+
+
+def fs_type(path: str) -> str:
+    """Filesystem type of the mount holding path (longest mount-point prefix)."""
+    path, best, kind = os.path.realpath(path), "", "?"
+    with open("/proc/mounts") as f:
+        for line in f:
+            fields = line.split()
+            mnt, typ = fields[1], fields[2]
+            if (path == mnt or path.startswith(mnt.rstrip("/") + "/")) and len(mnt) >= len(best):
+                best, kind = mnt, typ
+    return kind

@@ -19,18 +19,10 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import cpu_kernels  # noqa: E402
-from _common import markdown_table, time_ms_interleaved, write_json  # noqa: E402
+from _common import markdown_table, parse_size, time_ms_interleaved, write_json  # noqa: E402
 
 HP = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=1e-2)
 SCALE = 1.0 / 1024.0  # a loss scale's inverse times a clip coefficient: exact in fp32
-
-
-def parse_size(s: str) -> int:
-    units = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "K": 10**3, "M": 10**6, "G": 10**9}
-    for u in sorted(units, key=len, reverse=True):
-        if s.endswith(u):
-            return int(float(s[: -len(u)]) * units[u])
-    return int(s)
 
 
 class Job:

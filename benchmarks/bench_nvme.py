@@ -29,31 +29,11 @@ import tempfile
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from cpu_kernels.aio import AioEngine, aligned_buffer  # noqa: E402
-from _common import host_description, markdown_table, time_ms, write_json  # noqa: E402
+from _common import fs_type, host_description, markdown_table, parse_size, time_ms, write_json  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MiB = 1 << 20
 DD_BLOCK = 8 * MiB
-
-
-def parse_size(s: str) -> int:
-    units = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "K": 10**3, "M": 10**6, "G": 10**9}
-    for u in sorted(units, key=len, reverse=True):
-        if s.endswith(u):
-            return int(float(s[: -len(u)]) * units[u])
-    return int(s)
-
-
-def fs_type(path: str) -> str:
-    """Filesystem type of the mount holding path (longest mount-point prefix)."""
-    path, best, kind = os.path.realpath(path), "", "?"
-    with open("/proc/mounts") as f:
-        for line in f:
-            fields = line.split()
-            mnt, typ = fields[1], fields[2]
-            if (path == mnt or path.startswith(mnt.rstrip("/") + "/")) and len(mnt) >= len(best):
-                best, kind = mnt, typ
-    return kind
 
 
 def record(impl: str, nbytes: int, threads: int | None, op: str, t_ms: dict) -> dict:

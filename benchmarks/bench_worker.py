@@ -26,8 +26,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import cpu_kernels  # noqa: E402
-from _common import markdown_table, time_ms, write_json  # noqa: E402
-from bench_cpu_adam import parse_size  # noqa: E402
+from _common import markdown_table, parse_size, time_ms, write_json  # noqa: E402
 
 from hybrid_opt.tiers.host import HostTier, StepInputs  # noqa: E402
 
