@@ -107,6 +107,8 @@ class _HybridBase(torch.optim.Optimizer):
         self._accumulation_boundary = True
         self._speculation_error = None
         self._deferred: list = []
+        self._steps_taken = 0
+        self._amp_seen = False
         self._build()
 
     # ------------------------------------------------------------------ param groups
@@ -250,8 +252,20 @@ class _HybridBase(torch.optim.Optimizer):
                     hooked.add(p)
                     self._hook_handles.append(p.register_post_accumulate_grad_hook(self._on_grad_ready))
 
+    def _may_speculate(self) -> bool:
+        """In exact mode always. rollback="inverse" undoes a wrong guess algebraically, and
+        that undo is ill-conditioned when the guess was far off (grads still scaled by 2**16,
+        or clipped hard: the step's g**2 swamps v): speculate there only when the guess is
+        safe — not before the first step shows whether a GradScaler is in play, not with
+        clipping, not with a GradScaler whose scale speculation cannot read."""
+        if self.rollback != "inverse":
+            return True
+        if self._steps_taken == 0 or self.max_grad_norm is not None:
+            return False
+        return not self._amp_seen or self._grad_scaler is not None
+
     def _on_grad_ready(self, p) -> None:
-        if self._closed or not self._accumulation_boundary:
+        if self._closed or not self._accumulation_boundary or not self._may_speculate():
             return
         idx = self._index.get(p)
         for sgi in self._param_sgs.get(idx, ()):
@@ -413,6 +427,7 @@ class _HybridBase(torch.optim.Optimizer):
                 raise RuntimeError(f"{type(self).__name__} does not support sparse gradients")
         scale_t = getattr(self, "grad_scale", None)
         found_t = getattr(self, "found_inf", None)
+        self._amp_seen = self._amp_seen or found_t is not None  # GradScaler.step sets found_inf
         if found_t is not None and float(found_t) != 0.0:
             # GradScaler saw inf/nan: the whole step is skipped, exactly as torch does
             self.step_was_skipped = True
@@ -426,6 +441,7 @@ class _HybridBase(torch.optim.Optimizer):
                           "grad_norm": None, "clip_coef": None}
             return loss
         self.step_was_skipped = False
+        self._steps_taken += 1
         inv_scale = 1.0 / float(scale_t) if scale_t is not None else 1.0
         if scale_t is not None:
             self._last_inv_scale = inv_scale
@@ -540,7 +556,8 @@ class _HybridBase(torch.optim.Optimizer):
             src = views["param_copy"] if (sg.dtype != torch.float32 and "param_copy" in views) else views["param"]
             for sl in live:
                 a, b = sl.sub_offset, sl.sub_offset + sl.numel
-                sg.flat[a:b].copy_(src[a:b].to(sg.dtype), non_blocking=True)
+                # a blocking copy: an nvme subgroup's buffer is reused as soon as this returns
+                sg.flat[a:b].copy_(src[a:b].to(sg.dtype))
             committed.add(sg.index)
 
         try:
