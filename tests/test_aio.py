@@ -25,27 +25,17 @@ import pytest
 from cpu_kernels import aio
 from cpu_kernels.aio import (ALIGNMENT, AioAlignmentError, AioEngine, AioError, align_up,
                              aligned_buffer, checksum, checksum_combine)
+from helpers import fs_type
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PAGE = ALIGNMENT
 MiB = 1 << 20
 
 
-def _fs_type(path: str) -> str:
-    """Filesystem type of the mount holding path (longest mount-point prefix)."""
-    path, best, kind = os.path.realpath(path), "", "?"
-    with open("/proc/mounts") as f:
-        for line in f:
-            mnt, typ = line.split()[1], line.split()[2]
-            if (path == mnt or path.startswith(mnt.rstrip("/") + "/")) and len(mnt) >= len(best):
-                best, kind = mnt, typ
-    return kind
-
-
 @pytest.fixture
 def disk_dir(tmp_path):
     """A directory on a real disk filesystem (tmp_path unless /tmp is tmpfs)."""
-    if _fs_type(str(tmp_path)) not in ("tmpfs", "ramfs"):
+    if fs_type(str(tmp_path)) not in ("tmpfs", "ramfs"):
         yield tmp_path
         return
     os.makedirs(os.path.join(REPO, "bench_out"), exist_ok=True)  # git-ignored

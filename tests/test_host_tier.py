@@ -22,6 +22,7 @@ import torch
 import cpu_kernels as ck
 from hybrid_opt.tiers.host import HostTier, StepInputs
 from hybrid_opt.worker.client import WorkerError
+from helpers import make_grads, make_states
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SLOT = 4096
@@ -40,26 +41,6 @@ def inputs(step=1, **over):
     kw = dict(step=step, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01)
     kw.update(over)
     return StepInputs(**kw)
-
-
-def make_states(numels, *, amsgrad=False, moment_dtype=torch.float32, seed=0):
-    """Mid-training states: non-zero moments, and max_exp_avg_sq above v for about half the
-    elements (so both branches of amsgrad's max are taken)."""
-    gen = torch.Generator().manual_seed(seed)
-    states = []
-    for n in numels:
-        s = dict(p=torch.randn(n, generator=gen),
-                 m=(torch.randn(n, generator=gen) * 0.1).to(moment_dtype),
-                 v=(torch.rand(n, generator=gen) * 1e-2).to(moment_dtype))
-        if amsgrad:
-            s["vmax"] = (s["v"].float() * 2 * torch.rand(n, generator=gen)).to(moment_dtype)
-        states.append(s)
-    return states
-
-
-def make_grads(numels, dtype=torch.float32, *, seed=0, scale=1.0):
-    gen = torch.Generator().manual_seed(1000 + seed)
-    return [(torch.randn(n, generator=gen) * scale).to(dtype) for n in numels]
 
 
 def load(tier, states):

@@ -31,6 +31,8 @@ import cpu_kernels as ck
 from hybrid_opt import HybridAdamW
 from hybrid_opt.plan import NVME
 from hybrid_opt.swap import PREFIX
+
+from helpers import fs_type, make_grads, make_states
 from hybrid_opt.tiers.host import HostTier, StepInputs
 from hybrid_opt.worker.client import WorkerError
 from tolerances import assert_close
@@ -51,21 +53,10 @@ def _id(v):
 
 
 # ----------------------------------------------------------------------------- fixtures
-def _fs_type(path: str) -> str:
-    """Filesystem type of the mount holding path (longest mount-point prefix)."""
-    path, best, kind = os.path.realpath(path), "", "?"
-    with open("/proc/mounts") as f:
-        for line in f:
-            mnt, typ = line.split()[1], line.split()[2]
-            if (path == mnt or path.startswith(mnt.rstrip("/") + "/")) and len(mnt) >= len(best):
-                best, kind = mnt, typ
-    return kind
-
-
 @pytest.fixture
 def nvme_dir(tmp_path):
     """An empty directory on a real disk filesystem (tmp_path unless /tmp is tmpfs)."""
-    if _fs_type(str(tmp_path)) not in ("tmpfs", "ramfs"):
+    if fs_type(str(tmp_path)) not in ("tmpfs", "ramfs"):
         path = tmp_path / "nvme"
         path.mkdir()
         yield str(path)
@@ -83,24 +74,6 @@ def inputs(step=1, **over):
     kw.update(over)
     return StepInputs(**kw)
 
-
-def make_states(numels, *, amsgrad=False, moment_dtype=torch.float32, seed=0):
-    """Mid-training states: non-zero moments, max_exp_avg_sq above v for about half the elements."""
-    gen = torch.Generator().manual_seed(seed)
-    states = []
-    for n in numels:
-        s = dict(p=torch.randn(n, generator=gen),
-                 m=(torch.randn(n, generator=gen) * 0.1).to(moment_dtype),
-                 v=(torch.rand(n, generator=gen) * 1e-2).to(moment_dtype))
-        if amsgrad:
-            s["vmax"] = (s["v"].float() * 2 * torch.rand(n, generator=gen)).to(moment_dtype)
-        states.append(s)
-    return states
-
-
-def make_grads(numels, dtype=torch.float32, *, seed=0, scale=1.0):
-    gen = torch.Generator().manual_seed(1000 + seed)
-    return [(torch.randn(n, generator=gen) * scale).to(dtype) for n in numels]
 
 
 def clone_states(states):
