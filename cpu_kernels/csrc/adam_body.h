@@ -5,10 +5,19 @@
  * in blocks of BLK elements: grads (and bf16 moments) are widened into L1-resident fp32
  * buffers, one vectorised loop does the math, results are narrowed on the way out. fp32
  * state updated in place is read and written straight from memory; in bank mode (outputs
- * elsewhere) results go through L1 and leave with non-temporal stores, so writing a spare
- * bank costs no read-for-ownership: bank mode moves the same bytes as in place.
+ * elsewhere) results leave with non-temporal stores — from registers where the level has a
+ * register loop (AVX-512), else through L1 — so writing a spare bank costs no
+ * read-for-ownership: bank mode moves the same bytes as in place.
  */
 #define BLK 128
+/* Explicit fused multiply-adds where the level has them, so the rounding is fixed by the
+ * source (not by the compiler's contraction choices) and the level's register loop for bank
+ * mode can repeat it exactly. */
+#ifdef LEVEL_HAS_FMA
+#define FMA(a, b, c) __builtin_fmaf((a), (b), (c))
+#else
+#define FMA(a, b, c) ((a) * (b) + (c))
+#endif
 #define CAT_(a, b) a##_##b
 #define CAT(a, b) CAT_(a, b)
 #define FN(name) CAT(name, LEVEL)
@@ -23,18 +32,18 @@ static inline __attribute__((always_inline)) void adam_math(
     const float decay = c->decay, wd = c->l2, gscale = c->grad_scale;
 #pragma omp simd
     for (int i = 0; i < len; i++) {
-        float p = pin[i];
+        const float p = pin[i];
         float gi = g[i] * gscale;
-        if (l2) gi = gi + wd * p;            /* Adam: L2 penalty folded into the grad */
-        float mi = m[i] + w1 * (gi - m[i]);  /* torch's lerp(m, g, 1 - beta1) */
-        float vi = v[i] * b2 + w2 * (gi * gi);
+        if (l2) gi = FMA(wd, p, gi);                /* Adam: L2 penalty folded into the grad */
+        const float mi = FMA(w1, gi - m[i], m[i]);  /* torch's lerp(m, g, 1 - beta1) */
+        const float vi = FMA(w2, gi * gi, v[i] * b2);
         float vv = vi;
         if (amsgrad) {
             vv = vmax[i] > vi ? vmax[i] : vi;
             vmaxout[i] = vv;
         }
-        float denom = __builtin_sqrtf(vv) * ib + eps;
-        pout[i] = p * decay + nss * (mi / denom);  /* AdamW: decay = 1 - lr * wd; Adam: 1 */
+        const float denom = FMA(__builtin_sqrtf(vv), ib, eps);
+        pout[i] = FMA(p, decay, nss * (mi / denom));  /* AdamW: decay = 1 - lr * wd; Adam: 1 */
         mout[i] = mi;
         vout[i] = vi;
     }
@@ -69,6 +78,25 @@ void FN(adam_range)(const adam_args_t *a, const adam_consts_t *c, int64_t begin,
             if (ams) load_block(xb, a->max_exp_avg_sq, mdt, off, len, 1.0f);
             mi = mb; vi = vb; xi = xb;
         }
+#ifdef HAVE_ADAM_F32_REGS
+        if (oop) {
+            /* bank mode: the level's register loop (adam_math's arithmetic, FMA for FMA) stores
+             * fp32 outputs straight from registers, non-temporal — no L1 round trip — and bf16
+             * moments through L1 to be rounded */
+            const int f32 = mdt == DT_F32;
+            float *mo = f32 ? (float *)a->exp_avg_out + off : mob;
+            float *vo = f32 ? (float *)a->exp_avg_sq_out + off : vob;
+            float *xo = ams ? (f32 ? (float *)a->max_exp_avg_sq_out + off : xob) : NULL;
+            adam_f32_regs(pin, gi, mi, vi, ams ? xi : NULL, a->param_out + off, mo, vo, xo,
+                          a->param_copy, a->copy_dtype, off, len, c, oop, oop && f32);
+            if (!f32) {
+                store_block(a->exp_avg_out, mdt, off, mob, len, oop);
+                store_block(a->exp_avg_sq_out, mdt, off, vob, len, oop);
+                if (ams) store_block(a->max_exp_avg_sq_out, mdt, off, xob, len, oop);
+            }
+            continue;
+        }
+#endif
         float *po = oop ? pob : a->param_out + off;
         float *mo = direct ? (float *)a->exp_avg_out + off : mob;
         float *vo = direct ? (float *)a->exp_avg_sq_out + off : vob;

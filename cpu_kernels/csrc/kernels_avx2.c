@@ -1,6 +1,7 @@
 /* cpu_kernels, AVX2 level (with FMA and F16C). */
 #include "kernels.h"
 #define LEVEL avx2
+#define LEVEL_HAS_FMA 1
 
 #if defined(__x86_64__) || defined(__i386__)
 #pragma GCC target("avx2,fma,f16c")

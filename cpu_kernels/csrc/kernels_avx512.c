@@ -1,6 +1,7 @@
 /* cpu_kernels, AVX-512 level (F, BW, VL, DQ). */
 #include "kernels.h"
 #define LEVEL avx512
+#define LEVEL_HAS_FMA 1
 
 #if defined(__x86_64__)
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")
@@ -60,6 +61,107 @@ static inline void store_block(void *dst, int dt, int64_t off, const float *src,
 }
 
 static inline void finish_stores(void) { _mm_sfence(); }
+
+/* fp32 state, AVX-512: the Adam math in registers, every output stored from them —
+ * non-temporal in bank mode where aligned, so a spare bank is written without being read
+ * first and without an L1 round trip. Full vectors unmasked; the tail runs the same
+ * arithmetic under a mask. */
+#define HAVE_ADAM_F32_REGS 1
+typedef struct {
+    __m512 w1, b2, w2, eps, nss, ib, decay, wd, gs;
+    int l2, ams;
+} regs_consts_t;
+
+static inline __attribute__((always_inline)) void adam16(
+    const regs_consts_t *k, __m512 p, __m512 g, __m512 m0, __m512 v0, __m512 x0,
+    __m512 *pn, __m512 *mi, __m512 *vi, __m512 *vv)
+{
+    __m512 gi = _mm512_mul_ps(g, k->gs);
+    if (k->l2) gi = _mm512_fmadd_ps(k->wd, p, gi);
+    *mi = _mm512_fmadd_ps(k->w1, _mm512_sub_ps(gi, m0), m0);
+    *vi = _mm512_fmadd_ps(k->w2, _mm512_mul_ps(gi, gi), _mm512_mul_ps(v0, k->b2));
+    *vv = k->ams ? _mm512_max_ps(x0, *vi) : *vi;  /* (vmax > v) ? vmax : v */
+    const __m512 denom = _mm512_fmadd_ps(_mm512_sqrt_ps(*vv), k->ib, k->eps);
+    *pn = _mm512_fmadd_ps(p, k->decay, _mm512_mul_ps(k->nss, _mm512_div_ps(*mi, denom)));
+}
+
+static inline __m256i to_copy16(__m512 x, int dt)
+{
+    return dt == DT_BF16 ? to_bf16_16(x) : _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+}
+
+static inline void adam_f32_regs(const float *pin, const float *g, const float *m, const float *v,
+                                 const float *vmax, float *po, float *mo, float *vo, float *xo,
+                                 void *copy, int copy_dt, int64_t off, int len,
+                                 const adam_consts_t *c, int nt_p, int nt_m)
+{
+    regs_consts_t k = {_mm512_set1_ps(c->one_minus_beta1), _mm512_set1_ps(c->beta2),
+                       _mm512_set1_ps(c->one_minus_beta2), _mm512_set1_ps(c->eps),
+                       _mm512_set1_ps(c->neg_step_size), _mm512_set1_ps(c->inv_bias_correction2_sqrt),
+                       _mm512_set1_ps(c->decay), _mm512_set1_ps(c->l2), _mm512_set1_ps(c->grad_scale),
+                       c->l2_mode, vmax != NULL};
+    const int ams = vmax != NULL;
+    const int ntp = nt_p && !((uintptr_t)po & 63);
+    const int ntm = nt_m && !((uintptr_t)mo & 63) && !((uintptr_t)vo & 63) && (!ams || !((uintptr_t)xo & 63));
+    uint16_t *cp = copy ? (uint16_t *)copy + off : NULL;
+    const int ntc = cp && !((uintptr_t)cp & 63);
+    const __m512 zero = _mm512_setzero_ps();
+    int i = 0;
+    /* 32 at a time: two copies' halves make one full 64-byte line, so its non-temporal
+     * store fills a whole write-combining buffer (half lines stall the other streams) */
+    for (; i + 32 <= len; i += 32) {
+        __m512 pn[2], mi, vi, vv;
+        for (int h = 0; h < 2; h++) {
+            const int j = i + 16 * h;
+            adam16(&k, _mm512_loadu_ps(pin + j), _mm512_loadu_ps(g + j), _mm512_loadu_ps(m + j),
+                   _mm512_loadu_ps(v + j), ams ? _mm512_loadu_ps(vmax + j) : zero, &pn[h], &mi, &vi, &vv);
+            if (ntp) _mm512_stream_ps(po + j, pn[h]); else _mm512_storeu_ps(po + j, pn[h]);
+            if (ntm) {
+                _mm512_stream_ps(mo + j, mi);
+                _mm512_stream_ps(vo + j, vi);
+                if (ams) _mm512_stream_ps(xo + j, vv);
+            } else {
+                _mm512_storeu_ps(mo + j, mi);
+                _mm512_storeu_ps(vo + j, vi);
+                if (ams) _mm512_storeu_ps(xo + j, vv);
+            }
+        }
+        if (cp) {
+            const __m512i line = _mm512_inserti64x4(_mm512_castsi256_si512(to_copy16(pn[0], copy_dt)),
+                                                    to_copy16(pn[1], copy_dt), 1);
+            if (ntc) _mm512_stream_si512((__m512i *)(cp + i), line);
+            else _mm512_storeu_si512(cp + i, line);
+        }
+    }
+    for (; i + 16 <= len; i += 16) {
+        __m512 pn, mi, vi, vv;
+        adam16(&k, _mm512_loadu_ps(pin + i), _mm512_loadu_ps(g + i), _mm512_loadu_ps(m + i),
+               _mm512_loadu_ps(v + i), ams ? _mm512_loadu_ps(vmax + i) : zero, &pn, &mi, &vi, &vv);
+        if (ntp) _mm512_stream_ps(po + i, pn); else _mm512_storeu_ps(po + i, pn);
+        if (ntm) {
+            _mm512_stream_ps(mo + i, mi);
+            _mm512_stream_ps(vo + i, vi);
+            if (ams) _mm512_stream_ps(xo + i, vv);
+        } else {
+            _mm512_storeu_ps(mo + i, mi);
+            _mm512_storeu_ps(vo + i, vi);
+            if (ams) _mm512_storeu_ps(xo + i, vv);
+        }
+        if (cp) _mm256_storeu_si256((__m256i *)(cp + i), to_copy16(pn, copy_dt));
+    }
+    if (i < len) {
+        const __mmask16 km = (__mmask16)((1u << (len - i)) - 1);
+        __m512 pn, mi, vi, vv;
+        adam16(&k, _mm512_maskz_loadu_ps(km, pin + i), _mm512_maskz_loadu_ps(km, g + i),
+               _mm512_maskz_loadu_ps(km, m + i), _mm512_maskz_loadu_ps(km, v + i),
+               ams ? _mm512_maskz_loadu_ps(km, vmax + i) : zero, &pn, &mi, &vi, &vv);
+        _mm512_mask_storeu_ps(po + i, km, pn);
+        _mm512_mask_storeu_ps(mo + i, km, mi);
+        _mm512_mask_storeu_ps(vo + i, km, vi);
+        if (ams) _mm512_mask_storeu_ps(xo + i, km, vv);
+        if (cp) _mm256_mask_storeu_epi16(cp + i, km, to_copy16(pn, copy_dt));
+    }
+}
 
 static inline void chunk_sumsq(const void *g, int dt, int64_t off, int64_t len, double *lanes)
 {
