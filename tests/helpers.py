@@ -1,6 +1,8 @@
 """Helpers shared by several test modules (the tests directory is on sys.path)."""
 import os
+import time
 
+import psutil
 import torch
 
 
@@ -33,3 +35,17 @@ def make_states(numels, *, amsgrad=False, moment_dtype=torch.float32, seed=0):
 def make_grads(numels, dtype=torch.float32, *, seed=0, scale=1.0):
     gen = torch.Generator().manual_seed(1000 + seed)
     return [(torch.randn(n, generator=gen) * scale).to(dtype) for n in numels]
+
+
+def wait_gone(pid, timeout_s):
+    """True once `pid` no longer runs (gone, or a zombie awaiting its reaper)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
+                return True
+        except psutil.NoSuchProcess:
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.01)

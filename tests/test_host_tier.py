@@ -22,7 +22,7 @@ import torch
 import cpu_kernels as ck
 from hybrid_opt.tiers.host import HostTier, StepInputs
 from hybrid_opt.worker.client import WorkerError
-from helpers import make_grads, make_states
+from helpers import make_grads, make_states, wait_gone
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SLOT = 4096
@@ -126,20 +126,6 @@ def close_shared_tiers():
 def _close_shared_tiers_at_module_end():
     yield
     close_shared_tiers()
-
-
-def wait_gone(pid, timeout_s):
-    """True once `pid` no longer runs (gone, or a zombie awaiting its reaper)."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
-                return True
-        except psutil.NoSuchProcess:
-            return True
-        if time.monotonic() >= deadline:
-            return False
-        time.sleep(0.01)
 
 
 def run_script(tmp_path, name, source, timeout=60, **kw):

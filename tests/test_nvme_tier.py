@@ -32,7 +32,7 @@ from hybrid_opt import HybridAdamW
 from hybrid_opt.plan import NVME
 from hybrid_opt.swap import PREFIX
 
-from helpers import fs_type, make_grads, make_states
+from helpers import fs_type, make_grads, make_states, wait_gone
 from hybrid_opt.tiers.host import HostTier, StepInputs
 from hybrid_opt.worker.client import WorkerError
 from tolerances import assert_close
@@ -166,20 +166,6 @@ def flip_byte(path, offset):
 
 def child_pids():
     return {c.pid for c in psutil.Process().children(recursive=True)}
-
-
-def wait_gone(pid, timeout_s):
-    """True once `pid` no longer runs (gone, or a zombie awaiting its reaper)."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
-                return True
-        except psutil.NoSuchProcess:
-            return True
-        if time.monotonic() >= deadline:
-            return False
-        time.sleep(0.01)
 
 
 def wait_until(cond, timeout_s):

@@ -85,6 +85,21 @@ static inline __attribute__((always_inline)) void adam16(
     *pn = _mm512_fmadd_ps(p, k->decay, _mm512_mul_ps(k->nss, _mm512_div_ps(*mi, denom)));
 }
 
+static inline __attribute__((always_inline)) void store_state16(
+    float *po, float *mo, float *vo, float *xo, __m512 p, __m512 m, __m512 v, __m512 x, int ntp, int ntm)
+{
+    if (ntp) _mm512_stream_ps(po, p); else _mm512_storeu_ps(po, p);
+    if (ntm) {
+        _mm512_stream_ps(mo, m);
+        _mm512_stream_ps(vo, v);
+        if (xo) _mm512_stream_ps(xo, x);
+    } else {
+        _mm512_storeu_ps(mo, m);
+        _mm512_storeu_ps(vo, v);
+        if (xo) _mm512_storeu_ps(xo, x);
+    }
+}
+
 static inline __m256i to_copy16(__m512 x, int dt)
 {
     return dt == DT_BF16 ? to_bf16_16(x) : _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
@@ -115,16 +130,7 @@ static inline void adam_f32_regs(const float *pin, const float *g, const float *
             const int j = i + 16 * h;
             adam16(&k, _mm512_loadu_ps(pin + j), _mm512_loadu_ps(g + j), _mm512_loadu_ps(m + j),
                    _mm512_loadu_ps(v + j), ams ? _mm512_loadu_ps(vmax + j) : zero, &pn[h], &mi, &vi, &vv);
-            if (ntp) _mm512_stream_ps(po + j, pn[h]); else _mm512_storeu_ps(po + j, pn[h]);
-            if (ntm) {
-                _mm512_stream_ps(mo + j, mi);
-                _mm512_stream_ps(vo + j, vi);
-                if (ams) _mm512_stream_ps(xo + j, vv);
-            } else {
-                _mm512_storeu_ps(mo + j, mi);
-                _mm512_storeu_ps(vo + j, vi);
-                if (ams) _mm512_storeu_ps(xo + j, vv);
-            }
+            store_state16(po + j, mo + j, vo + j, ams ? xo + j : NULL, pn[h], mi, vi, vv, ntp, ntm);
         }
         if (cp) {
             const __m512i line = _mm512_inserti64x4(_mm512_castsi256_si512(to_copy16(pn[0], copy_dt)),
@@ -137,16 +143,7 @@ static inline void adam_f32_regs(const float *pin, const float *g, const float *
         __m512 pn, mi, vi, vv;
         adam16(&k, _mm512_loadu_ps(pin + i), _mm512_loadu_ps(g + i), _mm512_loadu_ps(m + i),
                _mm512_loadu_ps(v + i), ams ? _mm512_loadu_ps(vmax + i) : zero, &pn, &mi, &vi, &vv);
-        if (ntp) _mm512_stream_ps(po + i, pn); else _mm512_storeu_ps(po + i, pn);
-        if (ntm) {
-            _mm512_stream_ps(mo + i, mi);
-            _mm512_stream_ps(vo + i, vi);
-            if (ams) _mm512_stream_ps(xo + i, vv);
-        } else {
-            _mm512_storeu_ps(mo + i, mi);
-            _mm512_storeu_ps(vo + i, vi);
-            if (ams) _mm512_storeu_ps(xo + i, vv);
-        }
+        store_state16(po + i, mo + i, vo + i, ams ? xo + i : NULL, pn, mi, vi, vv, ntp, ntm);
         if (cp) _mm256_storeu_si256((__m256i *)(cp + i), to_copy16(pn, copy_dt));
     }
     if (i < len) {
