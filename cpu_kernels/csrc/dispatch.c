@@ -68,6 +68,8 @@ int hybrid_get_num_threads(void)
 #define PARALLEL_MIN 65536
 /* Thread ranges start on multiples of this (a 64-byte line of fp32 and of bf16 pairs). */
 #define SPLIT_ALIGN 64
+/* Adam's unit of work per thread: 16K elements (64 KB of each fp32 stream) */
+#define ADAM_CHUNK 16384
 
 static void thread_range(int64_t n, int64_t *b, int64_t *e)
 {
@@ -106,9 +108,12 @@ void hybrid_adam_step(const adam_args_t *a)
     const int64_t n = a->n;
 #pragma omp parallel if (n >= PARALLEL_MIN)
     {
-        int64_t b, e;
-        thread_range(n, &b, &e);
-        if (b < e) {
+        /* threads take interleaved chunks (not one half each): their streams then stay in
+         * nearby pages, which the memory controller serves with fewer row switches */
+        const int64_t chunks = (n + ADAM_CHUNK - 1) / ADAM_CHUNK;
+#pragma omp for schedule(static, 1)
+        for (int64_t k = 0; k < chunks; k++) {
+            const int64_t b = k * ADAM_CHUNK, e = b + ADAM_CHUNK < n ? b + ADAM_CHUNK : n;
             if (level == LEVEL_AVX512) adam_range_avx512(a, &c, b, e);
             else if (level == LEVEL_AVX2) adam_range_avx2(a, &c, b, e);
             else adam_range_portable(a, &c, b, e);
