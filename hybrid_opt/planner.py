@@ -1,0 +1,233 @@
+"""`hybrid-opt plan`: the cost model's best placement for a model on a machine we may not have.
+
+Presets are real machines; their figures are from vendor datasheets where one exists and
+otherwise stated as assumptions (see `PRESETS` and `--help`). Every figure can be
+overridden by an option.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+
+from hybrid_opt.cost_model import GB, Machine, Workload, best_plan
+
+GiB = 2 ** 30
+
+# nvme figures are per drive; the machine's aggregate is drives x per-drive rate.
+PRESETS = {
+    "h100-pcie5": dict(
+        about="one H100 PCIe 80GB on PCIe 5.0 x16, 32-core Xeon host",
+        sources="datasheet: 80 GB HBM2e at 2.0 TB/s, 756 bf16 dense TFLOPS. Assumed: 50 GB/s "
+                "practical H2D/D2H (64 GB/s theoretical per direction); device Adam at 80%% of "
+                "HBM bandwidth; 40%% MFU (300 TFLOPS); 512 GB host memory; CPU Adam 2e9 "
+                "elem/s (conservative: the DRAM-bound rate of our 2-core dev machine; 8 DDR5 "
+                "channels may allow several times more); one PCIe 4 NVMe drive at 7 GB/s read / 5 GB/s write, 3.84 TB",
+        machine=dict(gpus=1, gpu_mem_bytes=80 * GB, host_mem_bytes=512 * GB,
+                     device_adam_gbps=1600, host_adam_gelems_per_s=2.0, h2d_gbps=50, d2h_gbps=50,
+                     gpu_tflops=300),
+        nvme=dict(drives=1, read=7.0, write=5.0, drive_bytes=3.84e12)),
+    "gh200": dict(
+        about="one GH200 superchip: H100 with 96 GB HBM3, 72-core Grace, 480 GB LPDDR5X, NVLink-C2C",
+        sources="datasheet: 96 GB HBM3 at 4 TB/s, 480 GB LPDDR5X up to 500 GB/s, NVLink-C2C "
+                "900 GB/s total (450 GB/s each way, used as is: practical rates are lower), "
+                "989 bf16 dense TFLOPS. Assumed: device Adam at 80%% of HBM; 40%% MFU (400 "
+                "TFLOPS); Grace CPU Adam 1e10 elem/s on 72 cores (~280 GB/s, ~55%% of LPDDR5X "
+                "peak); one NVMe drive at 7 / 5 GB/s, 3.84 TB",
+        machine=dict(gpus=1, gpu_mem_bytes=96 * GB, host_mem_bytes=480 * GB,
+                     device_adam_gbps=3200, host_adam_gelems_per_s=10.0, h2d_gbps=450,
+                     d2h_gbps=450, gpu_tflops=400),
+        nvme=dict(drives=1, read=7.0, write=5.0, drive_bytes=3.84e12)),
+    "8xh100-node": dict(
+        about="a DGX H100-class node: 8 H100 SXM 80GB, 2 Xeon 8480C (112 cores), 2 TB, 8 NVMe",
+        sources="datasheet (DGX H100): 8x H100 SXM5 80 GB (HBM3 3.35 TB/s, 989 bf16 dense "
+                "TFLOPS), 2 TB system memory, 8x 3.84 TB NVMe U.2. Assumed: 50 GB/s practical "
+                "PCIe 5 per GPU; device Adam at 80%% of HBM; 40%% MFU; CPU Adam 8e9 elem/s for "
+                "the node (~224 GB/s of 16 DDR5 channels); per drive 7 GB/s read / 4 GB/s "
+                "write. Host memory, CPU and NVMe are shared evenly by the 8 GPUs",
+        machine=dict(gpus=8, gpu_mem_bytes=80 * GB, host_mem_bytes=2048 * GB,
+                     device_adam_gbps=2700, host_adam_gelems_per_s=8.0, h2d_gbps=50, d2h_gbps=50,
+                     gpu_tflops=400),
+        nvme=dict(drives=8, read=7.0, write=4.0, drive_bytes=3.84e12)),
+    "this-machine": dict(
+        about="the dev/CI machine: 2 cores, 24 GiB, no GPU (DESIGN.md, 'Facts about our machines')",
+        sources="measured: CPU Adam ~2.3e9 elem/s; disk O_DIRECT write 2.5 GB/s, read 1.4 GB/s; "
+                "backward 1.56x slower while Adam runs on the other core (153 vs 98 ms); "
+                "fwd+bwd ~33 GFLOP/s on the trainer's core (8 x Linear(2048), batch 16, 98 ms)",
+        machine=dict(gpus=0, gpu_mem_bytes=0, host_mem_bytes=24 * GiB, device_adam_gbps=1.0,
+                     host_adam_gelems_per_s=2.3, h2d_gbps=1.0, d2h_gbps=1.0, gpu_tflops=0.033,
+                     backward_slowdown_with_host_adam=1.56),
+        nvme=dict(drives=1, read=1.4, write=2.5, drive_bytes=None)),
+}
+DEFAULT_PRESET = "h100-pcie5"
+
+_SUFFIX = {"k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9, "t": 1e12}
+
+
+def parse_count(text: str) -> float:
+    """'70e9', '7B', '1.3e9', '350M' -> a positive number."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([kKmMbBgGtT]?)\s*", text)
+    if not m:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a parameter count: use e.g. 70e9, 7B, 1.3e9, 350M")
+    value = float(m.group(1)) * _SUFFIX.get(m.group(2).lower(), 1.0)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"parameter count must be at least 1, got {text!r}")
+    return value
+
+
+def _positive(kind):
+    def conv(text):
+        try:
+            v = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+        if v <= 0:
+            raise argparse.ArgumentTypeError(f"must be > 0, got {text!r}")
+        return v
+    return conv
+
+
+def _parser() -> argparse.ArgumentParser:
+    presets = "\n".join(f"  {name}: {p['about']}.\n    {p['sources'].replace('%%', '%')}."
+                        for name, p in PRESETS.items())
+    ap = argparse.ArgumentParser(
+        prog="hybrid-opt plan", formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Predict the best device/host/nvme placement of AdamW state, its memory per "
+                    "tier and its step time, from the cost model (hybrid_opt/cost_model.py).",
+        epilog="presets (figures from vendor datasheets where stated, otherwise assumptions; "
+               "override any of them with the options above):\n" + presets)
+    pos = _positive(float)
+    ap.add_argument("--params", type=parse_count, required=True,
+                    help="parameter count, e.g. 70e9, 7B, 1.3e9")
+    ap.add_argument("--preset", choices=sorted(PRESETS), default=DEFAULT_PRESET,
+                    help=f"machine to start from (default {DEFAULT_PRESET})")
+    ap.add_argument("--gpus", type=int, help="GPUs (0 = CPU only)")
+    ap.add_argument("--gpu-mem", type=pos, metavar="GB", help="memory per GPU, GB")
+    ap.add_argument("--host-mem", type=pos, metavar="GB", help="host memory of the machine, GB")
+    ap.add_argument("--host-adam", type=pos, metavar="GELEM/S",
+                    help="CPU Adam rate of the machine, G elements/s")
+    ap.add_argument("--device-adam", type=pos, metavar="GB/S",
+                    help="achieved memory bandwidth of the device Adam step, GB/s")
+    ap.add_argument("--pcie", type=pos, metavar="GB/S", help="H2D and D2H rate per GPU, each way")
+    ap.add_argument("--nvme-read", type=pos, metavar="GB/S", help="read rate per drive")
+    ap.add_argument("--nvme-write", type=pos, metavar="GB/S", help="write rate per drive")
+    ap.add_argument("--nvme-drives", type=int, help="drives (0 = no nvme tier)")
+    ap.add_argument("--backward-seconds", type=pos, help="measured backward time per iteration")
+    ap.add_argument("--model-flops", type=pos,
+                    help="FLOPs per iteration, all GPUs (default 6 x params x --tokens)")
+    ap.add_argument("--tokens", type=pos, default=8192,
+                    help="tokens per iteration, all GPUs, for the default FLOPs (default 8192)")
+    ap.add_argument("--gpu-tflops", type=pos, help="achieved fwd+bwd TFLOPS per GPU")
+    ap.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16", help="model dtype")
+    ap.add_argument("--amsgrad", action="store_true", help="one more fp32 state (16 B/param)")
+    ap.add_argument("--spare-banks", type=int, default=4, help="spare state banks (default 4)")
+    ap.add_argument("--headroom", type=float, default=0.1,
+                    help="share of GPU and host memory kept free for activations, buffers, the "
+                         "OS (default 0.1)")
+    ap.add_argument("--tolerance", type=float, default=0.02,
+                    help="prefer less offload among plans within this relative share of the "
+                         "fastest (default 0.02)")
+    ap.add_argument("--grid-step", type=float, default=0.05,
+                    help="fraction grid of the search (default 0.05)")
+    ap.add_argument("--json", action="store_true", help="print one JSON object")
+    return ap
+
+
+def build(args) -> tuple[Machine, Workload]:
+    preset = PRESETS[args.preset]
+    kw = dict(preset["machine"], name=args.preset)
+    nv = dict(preset["nvme"])
+    for opt, key in (("gpus", "gpus"), ("host_adam", "host_adam_gelems_per_s"),
+                     ("device_adam", "device_adam_gbps"), ("gpu_tflops", "gpu_tflops")):
+        if getattr(args, opt) is not None:
+            kw[key] = getattr(args, opt)
+    if args.gpu_mem is not None:
+        kw["gpu_mem_bytes"] = args.gpu_mem * GB
+    if args.host_mem is not None:
+        kw["host_mem_bytes"] = args.host_mem * GB
+    if args.pcie is not None:
+        kw["h2d_gbps"] = kw["d2h_gbps"] = args.pcie
+    for opt, key in (("nvme_read", "read"), ("nvme_write", "write"), ("nvme_drives", "drives")):
+        if getattr(args, opt) is not None:
+            nv[key] = getattr(args, opt)
+    kw["nvme_read_gbps"] = nv["read"] * nv["drives"]
+    kw["nvme_write_gbps"] = nv["write"] * nv["drives"]
+    kw["nvme_bytes"] = None if nv["drive_bytes"] is None else nv["drive_bytes"] * nv["drives"]
+    machine = Machine(**kw)
+    fp32 = args.dtype == "fp32"
+    workload = Workload(params=args.params, model_bytes=4 if fp32 else 2,
+                        grad_bytes=4 if fp32 else 2, state_bytes=16 if args.amsgrad else 12,
+                        backward_seconds=args.backward_seconds, model_flops=args.model_flops,
+                        tokens_per_iteration=args.tokens)
+    return machine, workload
+
+
+def _gb(x: float) -> str:
+    return f"{x / GB:,.1f} GB"
+
+
+def _summary(machine: Machine, workload: Workload, p, headroom: float) -> str:
+    ranks = max(1, machine.gpus)
+    per = "per GPU" if machine.gpus else "(no GPU: one trainer)"
+    d = p.to_dict()
+    b = p.breakdown
+    off, nv = p.offload_fraction, p.nvme_fraction
+    lines = [
+        f"hybrid-opt plan: {workload.params:.3g} parameters on {machine.name} "
+        f"({machine.gpus} GPU{'s' if machine.gpus != 1 else ''})",
+        f"plan: offload_fraction={off:.2f}, nvme_fraction={nv:.2f} "
+        f"(device {1 - off:.0%}, host {off - nv:.0%}, nvme {nv:.0%} of the elements)",
+        f"memory {per}:",
+        f"  device {_gb(d['memory_bytes']['device'])} of {_gb(machine.gpu_mem_bytes)}",
+        f"  host   {_gb(d['memory_bytes']['host'])} of {_gb(machine.host_mem_bytes / ranks)}",
+        f"  nvme   {_gb(d['memory_bytes']['nvme'])}",
+        f"  ({headroom:.0%} of GPU and host memory kept as headroom)",
+        f"predicted: forward+backward {b['forward_backward']:.3f} s, step after backward "
+        f"{p.step_seconds:.3f} s, iteration {p.iteration_seconds:.3f} s",
+        "where the time goes (seconds):",
+        f"  {'device Adam step (after backward)':44s}{b['device_step']:8.3f}",
+        f"  {'host Adam compute':44s}{b['host_compute']:8.3f}",
+        f"  {'nvme read + write (pipelined with compute)':44s}{b['nvme_io']:8.3f}",
+        f"  {'D2H grads + H2D params':44s}{b['d2h'] + b['h2d']:8.3f}",
+        f"  {'host work hidden under backward':44s}{b['host_hidden']:8.3f}",
+        f"  {'host work exposed after backward':44s}{b['host_exposed']:8.3f}",
+    ]
+    if b["backward_contention"] > 0:
+        lines.append(f"  {'backward slowed by host Adam (shared DRAM)':44s}"
+                     f"{b['backward_contention']:8.3f}")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = _parser()
+    args = ap.parse_args(sys.argv[1:] if argv is None else list(argv))
+    if not 0 <= args.headroom < 1:
+        ap.error(f"--headroom must be in [0, 1), got {args.headroom}")
+    if args.tolerance < 0:
+        ap.error(f"--tolerance must be >= 0, got {args.tolerance}")
+    if not 0 < args.grid_step <= 1:
+        ap.error(f"--grid-step must be in (0, 1], got {args.grid_step}")
+    for name in ("gpus", "nvme_drives", "spare_banks"):
+        if getattr(args, name) is not None and getattr(args, name) < 0:
+            ap.error(f"--{name.replace('_', '-')} must be >= 0")
+    machine, workload = build(args)
+    try:
+        p = best_plan(machine, workload, spare_banks=args.spare_banks, step=args.grid_step,
+                      headroom=args.headroom, tolerance=args.tolerance)
+    except ValueError as e:
+        print(f"hybrid-opt plan: no placement fits: {e}", file=sys.stderr)
+        return 1
+    if args.json:
+        out = p.to_dict()
+        out["machine"] = {k: v for k, v in vars(machine).items()}
+        out["workload"] = {k: v for k, v in vars(workload).items()}
+        print(json.dumps(out, indent=2))
+    else:
+        print(_summary(machine, workload, p, args.headroom))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
