@@ -5,6 +5,9 @@ import time
 import psutil
 import torch
 
+import cpu_kernels as ck
+from hybrid_opt.tiers.host import StepInputs
+
 
 def fs_type(path: str) -> str:
     """Filesystem type of the mount holding path (longest mount-point prefix)."""
@@ -49,3 +52,48 @@ def wait_gone(pid, timeout_s):
         if time.monotonic() >= deadline:
             return False
         time.sleep(0.01)
+
+
+def _id(v):
+    return str(v).replace("torch.", "") if isinstance(v, torch.dtype) else None
+
+
+def inputs(step=1, **over):
+    kw = dict(step=step, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01)
+    kw.update(over)
+    return StepInputs(**kw)
+
+
+def load(tier, states):
+    for sg, s in enumerate(states):
+        tier.load_state(sg, s["p"], s["m"], s["v"], s.get("vmax"))
+
+
+def ref_step(state, grad, inp: StepInputs, copy_dtype=None):
+    """The direct step of each run (the whole subgroup without runs), in place on `state`;
+    returns the param copy of the stepped elements (others zero) when asked for one."""
+    n = state["p"].numel()
+    copy = torch.zeros(n, dtype=copy_dtype) if copy_dtype else None
+    for off, k, step in inp.ranges(n):
+        part = {key: t[off:off + k].clone() for key, t in state.items()}
+        c = torch.empty(k, dtype=copy_dtype) if copy_dtype else None
+        ck.adam_step_(part["p"], grad[off:off + k], part["m"], part["v"],
+                      max_exp_avg_sq=part["vmax"] if inp.amsgrad else None, param_copy=c,
+                      step=step, lr=inp.lr, beta1=inp.beta1, beta2=inp.beta2, eps=inp.eps,
+                      weight_decay=inp.weight_decay, decoupled=inp.decoupled,
+                      grad_scale=inp.grad_scale)
+        for key, t in part.items():
+            state[key][off:off + k] = t
+        if copy is not None:
+            copy[off:off + k] = c
+    return copy
+
+
+def assert_bitwise_equal(a, b, what):
+    assert a.dtype == b.dtype and a.shape == b.shape, \
+        f"{what}: {a.dtype}{tuple(a.shape)} vs {b.dtype}{tuple(b.shape)}"
+    ints = {4: torch.int32, 2: torch.int16}[a.element_size()]
+    if not torch.equal(a.view(ints), b.view(ints)):
+        bad = (a.view(ints) != b.view(ints)).nonzero().flatten()
+        raise AssertionError(f"{what}: {bad.numel()} of {a.numel()} elements differ, first at "
+                             f"{bad[0].item()}: {a[bad[0]].item()!r} vs {b[bad[0]].item()!r}")

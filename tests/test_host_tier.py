@@ -22,7 +22,8 @@ import torch
 import cpu_kernels as ck
 from hybrid_opt.tiers.host import HostTier, StepInputs
 from hybrid_opt.worker.client import WorkerError
-from helpers import make_grads, make_states, wait_gone
+from helpers import (_id, assert_bitwise_equal, inputs, load, make_grads, make_states, ref_step,
+                     wait_gone)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SLOT = 4096
@@ -32,22 +33,7 @@ FAULT_ENV = "HYBRID_OPT_WORKER_FAULT"
 TIMEOUT_S = 20.0  # a hung worker fails the test in seconds, not the default two minutes
 
 
-def _id(v):
-    return str(v).replace("torch.", "") if isinstance(v, torch.dtype) else None
-
-
 # ----------------------------------------------------------------------------- helpers
-def inputs(step=1, **over):
-    kw = dict(step=step, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01)
-    kw.update(over)
-    return StepInputs(**kw)
-
-
-def load(tier, states):
-    for sg, s in enumerate(states):
-        tier.load_state(sg, s["p"], s["m"], s["v"], s.get("vmax"))
-
-
 def snapshot(tier):
     out = []
     for sg in range(len(tier.numels)):
@@ -57,27 +43,6 @@ def snapshot(tier):
             s["vmax"] = mo["max_exp_avg_sq"].clone()
         out.append(s)
     return out
-
-
-def ref_step(state, grad, inp: StepInputs, copy_dtype=None):
-    """The direct step, in place on `state`; returns the param copy when asked for one."""
-    copy = torch.empty(state["p"].numel(), dtype=copy_dtype) if copy_dtype else None
-    ck.adam_step_(state["p"], grad, state["m"], state["v"],
-                  max_exp_avg_sq=state["vmax"] if inp.amsgrad else None,
-                  param_copy=copy, step=inp.step, lr=inp.lr, beta1=inp.beta1, beta2=inp.beta2,
-                  eps=inp.eps, weight_decay=inp.weight_decay, decoupled=inp.decoupled,
-                  grad_scale=inp.grad_scale)
-    return copy
-
-
-def assert_bitwise_equal(a, b, what):
-    assert a.dtype == b.dtype and a.shape == b.shape, \
-        f"{what}: {a.dtype}{tuple(a.shape)} vs {b.dtype}{tuple(b.shape)}"
-    ints = {4: torch.int32, 2: torch.int16}[a.element_size()]
-    if not torch.equal(a.view(ints), b.view(ints)):
-        bad = (a.view(ints) != b.view(ints)).nonzero().flatten()
-        raise AssertionError(f"{what}: {bad.numel()} of {a.numel()} elements differ, first at "
-                             f"{bad[0].item()}: {a[bad[0]].item()!r} vs {b[bad[0]].item()!r}")
 
 
 def assert_tier_equals(tier, states, what=""):

@@ -27,12 +27,12 @@ import pytest
 import torch
 from torch import nn
 
-import cpu_kernels as ck
 from hybrid_opt import HybridAdamW
 from hybrid_opt.plan import NVME
 from hybrid_opt.swap import PREFIX
 
-from helpers import fs_type, make_grads, make_states, wait_gone
+from helpers import (assert_bitwise_equal, fs_type, inputs, load, make_grads, make_states,
+                     ref_step, wait_gone)
 from hybrid_opt.tiers.host import HostTier, StepInputs
 from hybrid_opt.worker.client import WorkerError
 from tolerances import assert_close
@@ -46,10 +46,6 @@ NVME_FLAGS = [True, False, True, False, True]
 BIG = 4  # the subgroup larger than a staging slot, stepped in runs
 FAULT_ENV = "HYBRID_OPT_WORKER_FAULT"
 TIMEOUT_S = 20.0  # a hung worker fails the test in seconds, not the default two minutes
-
-
-def _id(v):
-    return str(v).replace("torch.", "") if isinstance(v, torch.dtype) else None
 
 
 # ----------------------------------------------------------------------------- fixtures
@@ -69,20 +65,8 @@ def nvme_dir(tmp_path):
 
 
 # ----------------------------------------------------------------------------- helpers
-def inputs(step=1, **over):
-    kw = dict(step=step, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01)
-    kw.update(over)
-    return StepInputs(**kw)
-
-
-
 def clone_states(states):
     return [{k: t.clone() for k, t in s.items()} for s in states]
-
-
-def load(tier, states):
-    for sg, s in enumerate(states):
-        tier.load_state(sg, s["p"], s["m"], s["v"], s.get("vmax"))
 
 
 _KEYS = {"param": "p", "exp_avg": "m", "exp_avg_sq": "v", "max_exp_avg_sq": "vmax"}
@@ -91,36 +75,6 @@ _KEYS = {"param": "p", "exp_avg": "m", "exp_avg_sq": "v", "max_exp_avg_sq": "vma
 def read_state(tier, sg):
     """The committed state through the public reader: a file read for an nvme subgroup."""
     return {_KEYS[k]: t.clone() for k, t in tier.state(sg).items()}
-
-
-def ref_step(state, grad, inp: StepInputs, copy_dtype=None):
-    """The direct step of each run (the whole subgroup without runs), in place on `state`;
-    returns the param copy of the stepped elements (others zero) when asked for one."""
-    n = state["p"].numel()
-    copy = torch.zeros(n, dtype=copy_dtype) if copy_dtype else None
-    for off, k, step in inp.ranges(n):
-        part = {key: t[off:off + k].clone() for key, t in state.items()}
-        c = torch.empty(k, dtype=copy_dtype) if copy_dtype else None
-        ck.adam_step_(part["p"], grad[off:off + k], part["m"], part["v"],
-                      max_exp_avg_sq=part["vmax"] if inp.amsgrad else None, param_copy=c,
-                      step=step, lr=inp.lr, beta1=inp.beta1, beta2=inp.beta2, eps=inp.eps,
-                      weight_decay=inp.weight_decay, decoupled=inp.decoupled,
-                      grad_scale=inp.grad_scale)
-        for key, t in part.items():
-            state[key][off:off + k] = t
-        if copy is not None:
-            copy[off:off + k] = c
-    return copy
-
-
-def assert_bitwise_equal(a, b, what):
-    assert a.dtype == b.dtype and a.shape == b.shape, \
-        f"{what}: {a.dtype}{tuple(a.shape)} vs {b.dtype}{tuple(b.shape)}"
-    ints = {4: torch.int32, 2: torch.int16}[a.element_size()]
-    if not torch.equal(a.view(ints), b.view(ints)):
-        bad = (a.view(ints) != b.view(ints)).nonzero().flatten()
-        raise AssertionError(f"{what}: {bad.numel()} of {a.numel()} elements differ, first at "
-                             f"{bad[0].item()}: {a[bad[0]].item()!r} vs {b[bad[0]].item()!r}")
 
 
 def assert_state_equal(got, want, what):
