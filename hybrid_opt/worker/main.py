@@ -79,16 +79,23 @@ class Worker:
         self.fault = _Fault(os.environ.get("HYBRID_OPT_WORKER_FAULT"))
         self.nvme = cfg.get("nvme")
         self.parent = os.getppid()
-        self.aio, self.fds = None, {}
+        self.aio = self.aio_write = None
+        self.fds = {}
         if self.nvme:
             from cpu_kernels.aio import AioEngine  # noqa: PLC0415
-            self.aio = AioEngine(threads=int(self.nvme.get("threads", 4)), queue_depth=256)
+            # reads and writes on engines of their own: a swap-out does not queue behind the
+            # prefetched swap-ins (nor they behind it), so the disk sees both streams at once
+            threads = int(self.nvme.get("threads", 4))
+            self.aio = AioEngine(threads=threads, queue_depth=256)
+            self.aio_write = AioEngine(threads=threads, queue_depth=256)
 
     # ------------------------------------------------------------------ nvme swap
     def _file(self, sg: int) -> int:
         fd = self.fds.get(sg)
         if fd is None:
-            fd = self.fds[sg] = self.aio.open(os.path.join(self.nvme["dir"], f"sg{sg}.state"), "r+")
+            path = os.path.join(self.nvme["dir"], f"sg{sg}.state")
+            fd = self.fds[sg] = self.aio.open(path, "r+")
+            self.aio_write.register(fd, path)
         return fd
 
     def _submit_swap(self, t: P.Task) -> int:
@@ -96,13 +103,14 @@ class Worker:
         addr = self.base + self.bank_offset + t.in_bank * self.bank_stride
         fd = self._file(t.subgroup)
         if t.op == P.OP_SWAP_IN:
-            return self.aio.submit_read(fd, addr, io, t.file_slot * io, checksum=True)
-        return self.aio.submit_write(fd, addr, io, t.file_slot * io, checksum=True)
+            return self.aio, self.aio.submit_read(fd, addr, io, t.file_slot * io, checksum=True)
+        return self.aio_write, self.aio_write.submit_write(fd, addr, io, t.file_slot * io, checksum=True)
 
-    def _finish_swap(self, t: P.Task, rid: int) -> P.Result:
+    def _finish_swap(self, t: P.Task, req) -> P.Result:
         from cpu_kernels.aio import AioError  # noqa: PLC0415
+        engine, rid = req
         try:
-            (res,) = self.aio.wait([rid], timeout_s=60.0)
+            (res,) = engine.wait([rid], timeout_s=60.0)
         except AioError as e:
             return P.Result(t.op, t.task_id, P.STATUS_ERROR, t.subgroup, message=f"AioError: {e}")
         if t.op == P.OP_SWAP_IN and res.crc != t.crc:
@@ -218,9 +226,9 @@ class Worker:
                 if self.nvme and self._parent_gone():
                     shutil.rmtree(self.nvme["dir"], ignore_errors=True)
                 return 0
-            for tid in [k for k, (t, rid, _) in io.items() if self.aio.done(rid)]:
-                t, rid, t0 = io.pop(tid)
-                r = self._finish_swap(t, rid)
+            for tid in [k for k, (t, (eng, rid), _) in io.items() if eng.done(rid)]:
+                t, req, t0 = io.pop(tid)
+                r = self._finish_swap(t, req)
                 r.elapsed_ns = time.perf_counter_ns() - t0
                 reading.discard(t.in_bank)
                 self._reply(r)
