@@ -19,9 +19,10 @@ from ._lib import (available_simd_levels, get_num_threads, set_num_threads, set_
 
 __all__ = ["simd_level", "available_simd_levels", "set_simd_level", "set_num_threads",
            "get_num_threads", "adam_step_", "grad_stats", "adam_inverse_", "bandwidth_probe_",
+           "bandwidth_probe_bank_",
            "adam_step_reference", "grad_stats_reference", "adam_inverse_reference"]
 
-_API = {"adam_step_", "grad_stats", "adam_inverse_", "bandwidth_probe_"}
+_API = {"adam_step_", "grad_stats", "adam_inverse_", "bandwidth_probe_", "bandwidth_probe_bank_"}
 _REFERENCES = {"adam_step_reference", "grad_stats_reference", "adam_inverse_reference"}
 
 

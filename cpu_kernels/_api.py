@@ -192,3 +192,17 @@ def bandwidth_probe_(param, grad, exp_avg, exp_avg_sq):
         _check_tensor(t, name, (torch.float32,), n)
     lib.hybrid_bw_inplace(param.data_ptr(), grad.data_ptr(), exp_avg.data_ptr(),
                            exp_avg_sq.data_ptr(), n)
+
+
+def bandwidth_probe_bank_(param, grad, exp_avg, exp_avg_sq, out):
+    """The bank-mode roofline: read 4 fp32 arrays, write the 3 of `out` (non-temporal stores
+    on AVX-512, as bank mode writes a spare bank), 28 bytes per element, trivial arithmetic."""
+    n = _check_tensor(param, "param", (torch.float32,)).numel()
+    for name, t in (("grad", grad), ("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)):
+        _check_tensor(t, name, (torch.float32,), n)
+    if not isinstance(out, (tuple, list)) or len(out) != 3:
+        raise ValueError("out must be a tuple of 3 tensors (param_out, exp_avg_out, exp_avg_sq_out)")
+    for k, t in enumerate(out):
+        _check_tensor(t, f"out[{k}]", (torch.float32,), n)
+    lib.hybrid_bw_bank(param.data_ptr(), grad.data_ptr(), exp_avg.data_ptr(), exp_avg_sq.data_ptr(),
+                       out[0].data_ptr(), out[1].data_ptr(), out[2].data_ptr(), n)

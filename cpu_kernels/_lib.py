@@ -45,6 +45,8 @@ def _load_library():
     lib.hybrid_grad_stats.restype = ctypes.c_int
     lib.hybrid_bw_inplace.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64]
     lib.hybrid_bw_inplace.restype = None
+    lib.hybrid_bw_bank.argtypes = [ctypes.c_void_p] * 7 + [ctypes.c_int64]
+    lib.hybrid_bw_bank.restype = None
     for name in ("hybrid_max_level", "hybrid_get_level", "hybrid_get_num_threads"):
         getattr(lib, name).restype = ctypes.c_int
         getattr(lib, name).argtypes = []

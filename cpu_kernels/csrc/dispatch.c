@@ -165,6 +165,31 @@ void hybrid_bw_inplace(float *p, const float *g, float *m, float *v, int64_t n)
     }
 }
 
+/* The bank-mode roofline: read p, g, m, v, write three other arrays (non-temporal on
+ * AVX-512, as bank mode writes them), split over threads as hybrid_adam_step splits. */
+void hybrid_bw_bank(const float *p, const float *g, const float *m, const float *v,
+                    float *po, float *mo, float *vo, int64_t n)
+{
+    const int level = hybrid_get_level();
+#pragma omp parallel if (n >= PARALLEL_MIN)
+    {
+        const int64_t chunks = (n + ADAM_CHUNK - 1) / ADAM_CHUNK;
+#pragma omp for schedule(static, 1)
+        for (int64_t k = 0; k < chunks; k++) {
+            const int64_t b = k * ADAM_CHUNK, e = b + ADAM_CHUNK < n ? b + ADAM_CHUNK : n;
+            if (level == LEVEL_AVX512) {
+                bw_bank_avx512(p, g, m, v, po, mo, vo, b, e);
+            } else {
+                for (int64_t i = b; i < e; i++) {
+                    po[i] = p[i] * 0.999f + g[i];
+                    mo[i] = m[i] * 0.999f + g[i];
+                    vo[i] = v[i] * 0.999f + g[i];
+                }
+            }
+        }
+    }
+}
+
 /* Undo one Adam/AdamW step in place, in fp64, from the post-step state and the same grads
  * and hyperparameters. Forward (fp32): g = grad*scale [+ wd*p0 for Adam];
  * m1 = m0 + (1-b1)(g-m0); v1 = b2 v0 + (1-b2) g^2; p1 = p0*decay - ss*m1/(sqrt(v1)/bc2s + eps).

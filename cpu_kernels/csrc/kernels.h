@@ -115,6 +115,8 @@ static inline void store_scalar(void *p, int dt, int64_t i, float v) {
                              double *partials);                                           \
     void bw_inplace_##L(float *p, const float *g, float *m, float *v, int64_t b, int64_t e);
 DECLARE_LEVEL(avx512)
+void bw_bank_avx512(const float *p, const float *g, const float *m, const float *v,
+                    float *po, float *mo, float *vo, int64_t b, int64_t e);
 DECLARE_LEVEL(avx2)
 DECLARE_LEVEL(portable)
 

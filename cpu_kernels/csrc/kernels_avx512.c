@@ -181,7 +181,41 @@ static inline void chunk_sumsq(const void *g, int dt, int64_t off, int64_t len, 
 
 #include "adam_body.h"
 
+/* The bank-mode roofline probe: Adam's bank-mode access pattern (read p, g, m, v; write
+ * three other arrays with non-temporal stores) with none of its arithmetic. */
+void bw_bank_avx512(const float *p, const float *g, const float *m, const float *v,
+                    float *po, float *mo, float *vo, int64_t b, int64_t e)
+{
+    const __m512 s = _mm512_set1_ps(0.999f);
+    const int nt = !((uintptr_t)(po + b) & 63) && !((uintptr_t)(mo + b) & 63) && !((uintptr_t)(vo + b) & 63);
+    int64_t i = b;
+    for (; i + 16 <= e; i += 16) {
+        const __m512 gi = _mm512_loadu_ps(g + i);
+        const __m512 x = _mm512_fmadd_ps(_mm512_loadu_ps(p + i), s, gi);
+        const __m512 y = _mm512_fmadd_ps(_mm512_loadu_ps(m + i), s, gi);
+        const __m512 z = _mm512_fmadd_ps(_mm512_loadu_ps(v + i), s, gi);
+        if (nt) {
+            _mm512_stream_ps(po + i, x);
+            _mm512_stream_ps(mo + i, y);
+            _mm512_stream_ps(vo + i, z);
+        } else {
+            _mm512_storeu_ps(po + i, x);
+            _mm512_storeu_ps(mo + i, y);
+            _mm512_storeu_ps(vo + i, z);
+        }
+    }
+    for (; i < e; i++) {
+        po[i] = p[i] * 0.999f + g[i];
+        mo[i] = m[i] * 0.999f + g[i];
+        vo[i] = v[i] * 0.999f + g[i];
+    }
+    _mm_sfence();
+}
+
 #else  /* not x86-64: never dispatched to */
+void bw_bank_avx512(const float *p, const float *g, const float *m, const float *v,
+                    float *po, float *mo, float *vo, int64_t b, int64_t e)
+{ (void)p; (void)g; (void)m; (void)v; (void)po; (void)mo; (void)vo; (void)b; (void)e; }
 void adam_range_avx512(const adam_args_t *a, const adam_consts_t *c, int64_t b, int64_t e) { (void)a; (void)c; (void)b; (void)e; }
 void grad_chunk_sums_avx512(const void *g, int dt, int64_t n, int64_t c0, int64_t c1, double *p) { (void)g; (void)dt; (void)n; (void)c0; (void)c1; (void)p; }
 void bw_inplace_avx512(float *p, const float *g, float *m, float *v, int64_t b, int64_t e) { (void)p; (void)g; (void)m; (void)v; (void)b; (void)e; }
