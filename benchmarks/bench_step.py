@@ -1,104 +1,361 @@
-"""End to end: full training iterations (forward + backward + step) with HybridAdamW,
-speculation on and off, against torch's fused AdamW in process.
+"""End to end: full training iterations (forward + backward + step).
+
+Two studies, one script:
 
     python benchmarks/bench_step.py [--layers 8] [--width 2048] [--batch 16] [--iters 10]
                                     [--offload 1.0] [--json out.json] [--png out.png]
 
-The model (8 x Linear(2048, 2048) at batch 16 by default, 33.6M parameters) is one where
-backward takes about as long as the host step on this machine, the case speculation is
-for: each host subgroup is stepped by the worker as soon as its grads are complete, while
-backward goes on. Reports iteration time (median, p20, p80), the worker's time and how
-much of it was hidden under backward, and the committed/redone counts.
+  Speculation (issue 7): HybridAdamW at one placement with speculation on and off, next to
+  torch's fused AdamW in process. The default model, 8 x Linear(2048, 2048) at batch 16
+  (33.6M parameters), is one where backward takes about as long as the host step here.
+
+    python benchmarks/bench_step.py --peers [--layers 12] [--width 4096] [--batch 16] ...
+
+  Peers and the scheduler (issue 8), default model 12 x Linear(4096, 4096) (201M parameters):
+  device-only (torch AdamW(fused=True) in process), HybridAdamW "auto", HybridAdamW at fixed
+  offload fractions (a sweep, speculation on; the ends also with it off), DeepSpeed's CPU Adam
+  (DeepSpeedCPUAdam stepping in process after backward, ZeRO-Offload's optimizer) when
+  importable, torchao's CPUOffloadOptimizer when CUDA is present. For each hybrid row the
+  cost model's prediction (calibrated rates + the forward/backward measured here without an
+  optimizer) stands next to the measured times.
+
+Both print a markdown table (median, p20, p80 over --iters iterations after warm-up) and
+write `--json` records and a `--png` bar chart when asked.
 """
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import sys
+import time
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import markdown_table, time_ms, write_json  # noqa: E402
+from _common import markdown_table, write_json  # noqa: E402
 
 from hybrid_opt import HybridAdamW  # noqa: E402
 
 
-def make_model(layers: int, width: int):
+def make_model(layers: int, width: int, device):
     torch.manual_seed(0)
-    return torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(layers)])
+    return torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(layers)]).to(device)
+
+
+def _quantiles(xs: list) -> dict:
+    xs = sorted(xs)
+    pick = lambda q: xs[min(len(xs) - 1, int(q * (len(xs) - 1) + 0.5))]  # noqa: E731
+    return {"median_ms": pick(0.5), "p20_ms": pick(0.2), "p80_ms": pick(0.8)}
+
+
+def summarize(samples: dict) -> dict:
+    out = _quantiles(samples["it"])
+    out["fwd_bwd_ms"] = _quantiles(samples["fb"])["median_ms"]
+    out["step_ms"] = _quantiles(samples["st"])["median_ms"]
+    return out
+
+
+class Runner:
+    """Times iterations split into forward+backward and step."""
+
+    def __init__(self, args, device):
+        self.args, self.device = args, device
+        self.x = torch.randn(args.batch, args.width, device=device)
+
+    def _sync(self):
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+
+    def run(self, model, opt, warmup: int, on_step=None) -> dict:
+        return summarize(self.samples(model, opt, warmup, on_step))
+
+    def samples(self, model, opt, warmup: int, on_step=None) -> dict:
+        fb, st, it = [], [], []
+        for k in range(warmup + self.args.iters):
+            self._sync()
+            t0 = time.perf_counter()
+            opt.zero_grad(set_to_none=True)
+            model(self.x).square().mean().backward()
+            self._sync()
+            t1 = time.perf_counter()
+            opt.step()
+            self._sync()
+            t2 = time.perf_counter()
+            if k >= warmup:
+                fb.append((t1 - t0) * 1e3)
+                st.append((t2 - t1) * 1e3)
+                it.append((t2 - t0) * 1e3)
+                if on_step:
+                    on_step()
+        return {"it": it, "fb": fb, "st": st}
+
+    def fwd_bwd_alone(self, model) -> dict:
+        ts = []
+        for k in range(2 + self.args.iters):
+            self._sync()
+            t0 = time.perf_counter()
+            model.zero_grad(set_to_none=True)
+            model(self.x).square().mean().backward()
+            self._sync()
+            if k >= 2:
+                ts.append((time.perf_counter() - t0) * 1e3)
+        return _quantiles(ts)
+
+
+def _peak_device_mb(device):
+    if device.type != "cuda":
+        return None
+    return torch.cuda.max_memory_allocated() / 2 ** 20
+
+
+def _reset_peak(device):
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+
+
+def _hybrid_samples(runner, args, device, n_params, warmup=3, **kw) -> tuple[dict, dict]:
+    """Raw samples of one HybridAdamW configuration, and what describes it."""
+    model = make_model(args.layers, args.width, device)
+    _reset_peak(device)
+    with HybridAdamW(model.parameters(), lr=1e-4, subgroup_numel=args.subgroup_numel, **kw) as opt:
+        worker, hidden = [], []
+
+        def record():
+            worker.append(opt.stats.get("worker_s", 0.0) * 1e3)
+            hidden.append(opt.stats.get("hidden_s", 0.0) * 1e3)
+        samples = runner.samples(model, opt, warmup, record)
+        samples.update(worker=worker, hidden=hidden)
+        spec = opt.stats.get("speculation") or {}
+        host_bytes = opt._host.arena.nbytes if opt._host is not None else 0
+        if device.type != "cuda":
+            host_bytes += opt._device.nbytes()
+        info = {"committed": spec.get("committed", 0), "redone": spec.get("redone", 0),
+                "host_bytes_per_param": host_bytes / n_params, "peak_device_mb": _peak_device_mb(device),
+                "plan": repr(opt.plan), "fractions": list(opt._fractions),
+                "spare_banks": opt.plan.spare_banks}
+        if opt._auto is not None:
+            info["refit_moves"] = opt._auto.moves
+    del model
+    return samples, info
+
+
+def _row(label: str, samples: dict, info: dict) -> dict:
+    row = {"impl": label, **summarize(samples), **info}
+    if samples.get("worker"):
+        w, h = _quantiles(samples["worker"])["median_ms"], _quantiles(samples["hidden"])["median_ms"]
+        row.update(worker_ms=w, hidden_pct=100 * h / w if w else None)
+    return row
+
+
+def _hybrid_row(runner, args, device, n_params, label, warmup=3, **kw) -> dict:
+    return _row(label, *_hybrid_samples(runner, args, device, n_params, warmup, **kw))
+
+
+def speculation_study(args, device) -> list:
+    runner = Runner(args, device)
+    rows = []
+    model = make_model(args.layers, args.width, device)
+    ref = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    rows.append({"impl": "torch AdamW(fused=True), in process", **runner.run(model, ref, 2)})
+    rows.append({"impl": "forward+backward alone, all cores", **runner.fwd_bwd_alone(model)})
+    del model, ref
+    n = args.layers * (args.width * args.width + args.width)
+    for speculative in (False, True):
+        rows.append(_hybrid_row(runner, args, device, n, f"HybridAdamW offload {args.offload}, "
+                                f"speculative={speculative}", offload_fraction=args.offload,
+                                speculative=speculative, spare_banks=64))
+    seq = next(r for r in rows if "speculative=False" in r["impl"])
+    spec = next(r for r in rows if "speculative=True" in r["impl"])
+    spec["vs_sequential"] = spec["median_ms"] / seq["median_ms"]
+    return rows
+
+
+def _plain_samples(runner, args, device, make_opt, warmup=2) -> tuple[dict, dict]:
+    model = make_model(args.layers, args.width, device)
+    _reset_peak(device)
+    opt = make_opt(model.parameters())
+    samples = runner.samples(model, opt, warmup)
+    info = {"peak_device_mb": _peak_device_mb(device)}
+    del model, opt
+    return samples, info
+
+
+def _peer_configs(args, device) -> tuple[list, list]:
+    """[(label, make_opt or None, info, hybrid kwargs)] of the peers that can run here, and
+    notes on those that cannot."""
+    configs, notes = [], []
+    configs.append(("device only: torch AdamW(fused=True)",
+                    lambda ps: torch.optim.AdamW(ps, lr=1e-4, fused=True),
+                    {"host_bytes_per_param": 8.0 if device.type != "cuda" else 0.0}, None))
+    try:
+        from deepspeed.ops.adam import DeepSpeedCPUAdam
+        if device.type == "cuda":
+            notes.append("DeepSpeedCPUAdam skipped on a GPU host: it needs ZeRO-Offload's engine "
+                         "around it to move grads and params")
+        else:
+            configs.append(("DeepSpeedCPUAdam (ZeRO-Offload's CPU Adam), in process",
+                            lambda ps: DeepSpeedCPUAdam(ps, lr=1e-4, adamw_mode=True),
+                            {"host_bytes_per_param": 8.0}, None))
+    except Exception as e:  # not installed, or its extension cannot build here
+        notes.append(f"DeepSpeedCPUAdam skipped: {type(e).__name__}: {e}")
+    if device.type != "cuda":
+        notes.append("torchao CPUOffloadOptimizer skipped: it needs CUDA")
+    else:
+        try:
+            from torchao.optim import CPUOffloadOptimizer
+            configs.append(("torchao CPUOffloadOptimizer(AdamW fused)",
+                            lambda ps: CPUOffloadOptimizer(ps, torch.optim.AdamW, lr=1e-4, fused=True),
+                            {"host_bytes_per_param": 16.0}, None))
+        except Exception as e:
+            notes.append(f"torchao CPUOffloadOptimizer skipped: {type(e).__name__}: {e}")
+    # "auto" first refits after 5 steps: warm up past it so the rows time the refitted plan
+    configs.append(('HybridAdamW "auto"', None, {}, dict(offload_fraction="auto", warmup=7)))
+    for off in args.sweep:
+        configs.append((f"HybridAdamW offload {off:g}", None, {}, dict(offload_fraction=off)))
+    for off in sorted({min(args.sweep, key=lambda f: abs(f - 0.5)), max(args.sweep)}):
+        if off > 0:
+            configs.append((f"HybridAdamW offload {off:g}, no speculation", None, {},
+                            dict(offload_fraction=off, speculative=False)))
+    return configs, notes
+
+
+def _predictions(rows, args, device, n_params, fwd_bwd_ms):
+    """The cost model's figures for each hybrid row's laid-out placement, from calibrated rates
+    and the forward+backward measured without an optimizer."""
+    from hybrid_opt import calibrate
+    from hybrid_opt import cost_model as cm
+    from hybrid_opt.scheduler import machine_from_rates
+    machine = machine_from_rates(calibrate.rates(device), device)
+    wl = cm.Workload(params=float(n_params), model_bytes=4, grad_bytes=4,
+                     backward_seconds=fwd_bwd_ms / 1e3 * cm.BACKWARD_SHARE,
+                     subgroup_numel=args.subgroup_numel)
+    for r in rows:
+        if "fractions" not in r:
+            continue
+        p = cm.predict(machine, wl, *r["fractions"], r.get("spare_banks"))
+        r["pred_iteration_ms"] = p.iteration_seconds * 1e3
+        r["pred_step_ms"] = p.step_seconds * 1e3
+        r["pred_vs_measured"] = p.iteration_seconds * 1e3 / r["median_ms"]
+        r["pred_step_vs_measured"] = p.step_seconds * 1e3 / r["step_ms"] if r["step_ms"] else None
+
+
+def peer_study(args, device) -> tuple[list, list]:
+    """Every configuration once per round, `--rounds` rounds (drift on a noisy machine hits them
+    all alike); each row pools its samples over the rounds."""
+    runner = Runner(args, device)
+    n = args.layers * (args.width * args.width + args.width)
+    configs, notes = _peer_configs(args, device)
+    pooled = {label: {} for label, *_ in configs}
+    infos = {label: dict(info) for label, _, info, _ in configs}
+    alone = []
+    for r in range(args.rounds):
+        for label, make_opt, _, hybrid in configs:
+            if make_opt is not None:
+                samples, info = _plain_samples(runner, args, device, make_opt)
+                if r == 0 and label.startswith("device only"):
+                    model = make_model(args.layers, args.width, device)
+                    alone += runner.samples(model, _NoOpt(model), 2)["fb"]
+                    del model
+            else:
+                kw = dict(hybrid)
+                samples, info = _hybrid_samples(runner, args, device, n, kw.pop("warmup", 3), **kw)
+            infos[label].update(info)
+            for k, xs in samples.items():
+                pooled[label].setdefault(k, []).extend(xs)
+            print(f"  round {r + 1}/{args.rounds}: {label}: {summarize(samples)['median_ms']:.1f} ms",
+                  file=sys.stderr)
+    rows = [_row(label, pooled[label], infos[label]) for label, *_ in configs]
+    fwd_bwd = _quantiles(alone)
+    _predictions(rows, args, device, n, fwd_bwd["median_ms"])
+    auto = next(r for r in rows if '"auto"' in r["impl"])
+    sweep = [r for r in rows if r["impl"].startswith("HybridAdamW offload") and "no speculation" not in r["impl"]]
+    best = min(sweep, key=lambda r: r["median_ms"])
+    auto["vs_best_fixed"] = auto["median_ms"] / best["median_ms"]
+    ds = next((r for r in rows if r["impl"].startswith("DeepSpeed")), None)
+    if ds:
+        auto["vs_deepspeed"] = auto["median_ms"] / ds["median_ms"]
+    notes.append(f"forward+backward alone (all cores, no optimizer): {fwd_bwd['median_ms']:.1f} ms "
+                 f"(p20 {fwd_bwd['p20_ms']:.1f}, p80 {fwd_bwd['p80_ms']:.1f})")
+    notes.append(f'"auto" chose {auto["plan"]}; best fixed fraction of the sweep: {best["impl"]} '
+                 f'({best["median_ms"]:.1f} ms); auto / best = {auto["vs_best_fixed"]:.3f}'
+                 + (f'; auto / DeepSpeedCPUAdam = {auto["vs_deepspeed"]:.3f}' if ds else ""))
+    return rows, notes
+
+
+class _NoOpt:
+    """zero_grad/step of nothing: forward+backward alone through Runner.samples."""
+
+    def __init__(self, model):
+        self.model = model
+
+    def zero_grad(self, set_to_none=True):
+        self.model.zero_grad(set_to_none=set_to_none)
+
+    def step(self):
+        pass
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--layers", type=int, default=8)
-    ap.add_argument("--width", type=int, default=2048)
+    ap.add_argument("--peers", action="store_true", help="the peer/scheduler study (issue 8)")
+    ap.add_argument("--layers", type=int, default=None, help="default 8, or 12 with --peers")
+    ap.add_argument("--width", type=int, default=None, help="default 2048, or 4096 with --peers")
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--iters", type=int, default=10)
-    ap.add_argument("--offload", type=float, default=1.0)
-    ap.add_argument("--subgroup-numel", type=int, default=1 << 21)
+    ap.add_argument("--rounds", type=int, default=3, help="peer study: rounds over every configuration")
+    ap.add_argument("--offload", type=float, default=1.0, help="placement of the speculation study")
+    ap.add_argument("--sweep", type=float, nargs="+", default=[0.0, 0.25, 0.5, 0.75, 1.0],
+                    help="fixed offload fractions of the peer study")
+    ap.add_argument("--subgroup-numel", type=int, default=None,
+                    help="default 2Mi, or 4Mi with --peers")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--json", default=None)
     ap.add_argument("--png", default=None)
     args = ap.parse_args(argv)
-    x = torch.randn(args.batch, args.width)
-    rows, records = [], []
-
-    def iteration(model, opt):
-        opt.zero_grad(set_to_none=True)
-        model(x).square().mean().backward()
-        opt.step()
-
-    # torch fused AdamW, in process, all cores
-    model = make_model(args.layers, args.width)
-    n_params = sum(p.numel() for p in model.parameters())
-    ref = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
-    t = time_ms(lambda: iteration(model, ref), reps=args.iters)
-    fwd_bwd = time_ms(lambda: (model.zero_grad(), model(x).square().mean().backward()), reps=args.iters)
-    rows.append({"impl": "torch AdamW(fused=True), in process", **t})
-    rows.append({"impl": "forward+backward alone, all cores", **fwd_bwd})
-
-    for speculative in (False, True):
-        model = make_model(args.layers, args.width)
-        with HybridAdamW(model.parameters(), lr=1e-4, offload_fraction=args.offload,
-                         subgroup_numel=args.subgroup_numel, speculative=speculative,
-                         spare_banks=64) as opt:
-            stats = []
-
-            def it():
-                iteration(model, opt)
-                stats.append(opt.stats)
-
-            t = time_ms(it, reps=args.iters)
-            tail = stats[-args.iters:]
-            worker = sorted(s["worker_s"] for s in tail)[len(tail) // 2] * 1e3
-            hidden = sorted(s["hidden_s"] for s in tail)[len(tail) // 2] * 1e3
-            spec = tail[-1]["speculation"] or {}
-            rows.append({"impl": f"HybridAdamW offload {args.offload}, speculative={speculative}", **t,
-                         "worker_ms": worker, "hidden_ms": hidden, "hidden_pct": 100 * hidden / worker if worker else 0,
-                         "committed": spec.get("committed", 0), "redone": spec.get("redone", 0),
-                         "stepped": spec.get("stepped", 0), "plan": repr(opt.plan)})
-    seq = next(r for r in rows if "speculative=False" in r["impl"])
-    specr = next(r for r in rows if "speculative=True" in r["impl"])
-    specr["vs_sequential"] = specr["median_ms"] / seq["median_ms"]
-    print(f"{args.layers} x Linear({args.width}, {args.width}), batch {args.batch}: "
-          f"{n_params / 1e6:.1f}M parameters; torch {torch.__version__}")
-    print(markdown_table(rows, [("impl", "impl", "s"), ("median_ms", "iteration ms", ".1f"),
-                                ("p20_ms", "p20", ".1f"), ("p80_ms", "p80", ".1f"),
-                                ("worker_ms", "worker ms", ".1f"), ("hidden_pct", "% hidden", ".0f"),
-                                ("committed", "committed", "d"), ("redone", "redone", "d"),
-                                ("stepped", "stepped", "d"), ("vs_sequential", "vs sequential", ".3f")]))
-    for r in rows:
-        records.append(dict(r, numel=n_params, layers=args.layers, width=args.width, batch=args.batch))
-    write_json(args.json, records)
+    args.layers = args.layers or (12 if args.peers else 8)
+    args.width = args.width or (4096 if args.peers else 2048)
+    args.subgroup_numel = args.subgroup_numel or (1 << 22 if args.peers else 1 << 21)
+    device = torch.device(args.device)
+    n = args.layers * (args.width * args.width + args.width)
+    print(f"{args.layers} x Linear({args.width}, {args.width}), batch {args.batch}: {n / 1e6:.1f}M "
+          f"parameters; torch {torch.__version__}; {device}; {os.cpu_count()} cpus")
+    if args.peers:
+        rows, notes = peer_study(args, device)
+        cols = [("impl", "impl", "s"), ("median_ms", "iteration ms", ".1f"), ("p20_ms", "p20", ".1f"),
+                ("p80_ms", "p80", ".1f"), ("fwd_bwd_ms", "fwd+bwd ms", ".1f"), ("step_ms", "step ms", ".1f"),
+                ("pred_iteration_ms", "predicted it. ms", ".1f"), ("pred_step_ms", "predicted step ms", ".1f"),
+                ("pred_vs_measured", "pred/meas it.", ".2f"), ("hidden_pct", "% hidden", ".0f"),
+                ("host_bytes_per_param", "host B/param", ".1f"), ("peak_device_mb", "peak device MB", ".0f")]
+    else:
+        rows, notes = speculation_study(args, device), []
+        cols = [("impl", "impl", "s"), ("median_ms", "iteration ms", ".1f"), ("p20_ms", "p20", ".1f"),
+                ("p80_ms", "p80", ".1f"), ("step_ms", "step ms", ".1f"), ("worker_ms", "worker ms", ".1f"),
+                ("hidden_pct", "% hidden", ".0f"), ("committed", "committed", "d"),
+                ("redone", "redone", "d"), ("vs_sequential", "vs sequential", ".3f")]
+    print(markdown_table(rows, cols))
+    for note in notes:
+        print(f"- {note}")
+    write_json(args.json, [dict(r, numel=n, layers=args.layers, width=args.width, batch=args.batch)
+                           for r in rows])
     if args.png:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
-        fig, ax = plt.subplots(figsize=(7, 3.2))
+        fig, ax = plt.subplots(figsize=(8, 0.45 * len(rows) + 1.2))
         names = [r["impl"] for r in rows]
         ax.barh(names, [r["median_ms"] for r in rows],
                 xerr=[[r["median_ms"] - r["p20_ms"] for r in rows], [r["p80_ms"] - r["median_ms"] for r in rows]])
+        if args.peers:
+            ys = [k for k, r in enumerate(rows) if "pred_iteration_ms" in r]
+            ax.scatter([rows[k]["pred_iteration_ms"] for k in ys], ys, marker="x", color="k", zorder=3,
+                       label="cost model's prediction")
+            ax.legend(loc="lower right")
+        ax.invert_yaxis()
         ax.set_xlabel("ms per iteration (median, p20-p80)")
+        ax.set_title(f"{args.layers} x Linear({args.width}), batch {args.batch}, {n / 1e6:.0f}M params, {device}")
         fig.tight_layout()
         fig.savefig(args.png, dpi=110)
         print(f"wrote {args.png}")

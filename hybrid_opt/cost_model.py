@@ -25,10 +25,15 @@ backward ends:
   backward = `max(0, finish - T_b)`: the whole of backward is the window when the host is
   the bottleneck, because it is busy from the first subgroup on;
 - device and host tiers run on different hardware after backward: step = max(device step,
-  exposed host time);
+  exposed host time) + a fixed per-step overhead (measured by the optimizer);
 - contention (CPU-only hosts, DESIGN "Facts"): backward itself runs on the same memory
   system, and is `backward_slowdown_with_host_adam` times slower while host Adam runs, so
   each second of host work hidden under backward lengthens backward by `(1 - 1/c)` s.
+- CPU-only hosts (`gpus=0`): the "device" tier is the trainer's own cores, stepping in
+  process after backward; host tiers are a worker process on cores taken from the trainer.
+  So any offload makes forward+backward `trainer_slowdown_with_worker` times longer and the
+  in-process step run at `device_adam_gbps_with_worker`; D2H/H2D are the trainer's copies
+  into and out of the worker's shared memory.
 
 Memory per GPU: device = state of the device share + model copy + grads (activations are
 not counted: budgets keep `headroom`); host = state of the host share + spare banks +
@@ -37,8 +42,6 @@ staging slots (+ nvme I/O buffers); nvme = two slots x state of the nvme share.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-
-from hybrid_opt.plan import DEFAULT_SPARE_BANKS
 
 GB = 1e9
 DEFAULT_SUBGROUP_NUMEL = 4 * 2 ** 20     # HybridAdamW's default unit of placement
@@ -49,9 +52,10 @@ BACKWARD_SHARE = 2.0 / 3.0               # backward ~ 2x forward FLOPs
 
 @dataclass
 class Machine:
-    """Rates and capacities. `gpus=0` means no accelerator: every element is stepped on the
-    host and the model copy and grads live in host memory. Host-side figures (memory, Adam
-    rate, nvme rates and capacity) are for the whole machine; GPU and link figures per GPU."""
+    """Rates and capacities. `gpus=0` means no accelerator: the model, its grads and every
+    tier live in host memory, and the "device" tier is the trainer's own cores. Host-side
+    figures (memory, Adam rate, nvme rates and capacity) are for the whole machine; GPU and
+    link figures per GPU."""
     name: str = "custom"
     gpus: int = 1
     gpu_mem_bytes: float = 80 * GB
@@ -65,6 +69,9 @@ class Machine:
     nvme_bytes: float | None = None          # aggregate capacity; None = not limiting
     gpu_tflops: float = 300.0                # achieved fwd+bwd rate per GPU (or the CPU's)
     backward_slowdown_with_host_adam: float = 1.0
+    # CPU-only hosts: what the trainer loses to a worker process (see the module docstring)
+    trainer_slowdown_with_worker: float = 1.0
+    device_adam_gbps_with_worker: float | None = None
 
 
 @dataclass
@@ -80,6 +87,8 @@ class Workload:
     model_flops: float | None = None
     tokens_per_iteration: float = 8192
     subgroup_numel: int = DEFAULT_SUBGROUP_NUMEL
+    step_overhead_seconds: float = 0.0       # fixed per step: norms, launches, bookkeeping
+    exact_rollback: bool = True              # spare banks hold speculated steps until validated
 
     @property
     def master_is_model(self) -> bool:
@@ -96,6 +105,7 @@ class Prediction:
     forward_backward_seconds: float
     memory_bytes: dict
     breakdown: dict = field(default_factory=dict)
+    spare_banks: int = 0
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -123,9 +133,32 @@ def forward_backward_seconds(machine: Machine, workload: Workload) -> tuple[floa
     return t_fb, t_fb * BACKWARD_SHARE
 
 
+def device_bytes_per_element(workload: Workload) -> int:
+    """Bytes a device Adam step reads and writes per element: state and grad in, state and
+    (unless the fp32 param is its own master) the model copy out."""
+    written = workload.state_bytes + (0 if workload.master_is_model else workload.model_bytes)
+    return workload.state_bytes + workload.grad_bytes + written
+
+
+def offloaded_subgroups(machine: Machine, workload: Workload, offload_fraction: float) -> int:
+    e = workload.params / _ranks(machine)
+    s = min(workload.subgroup_numel, e)
+    return max(1, round(offload_fraction * e / s)) if offload_fraction > 0 else 0
+
+
+def _spares(machine, workload, offload_fraction, spare_banks) -> int:
+    """Spare banks in use: one per offloaded subgroup at most; None = that many; none
+    without exact rollback."""
+    n_off = offloaded_subgroups(machine, workload, offload_fraction)
+    if not workload.exact_rollback:
+        return 0
+    return n_off if spare_banks is None else min(spare_banks, n_off)
+
+
 def memory_bytes(machine: Machine, workload: Workload, offload_fraction: float,
-                 nvme_fraction: float, spare_banks: int = DEFAULT_SPARE_BANKS) -> dict:
-    """Bytes per GPU on each tier for this placement."""
+                 nvme_fraction: float, spare_banks: int | None = None) -> dict:
+    """Bytes per GPU on each tier for this placement (`spare_banks=None`: one per offloaded
+    subgroup)."""
     e = workload.params / _ranks(machine)
     off, nv = offload_fraction, nvme_fraction
     s = min(workload.subgroup_numel, e)
@@ -134,8 +167,7 @@ def memory_bytes(machine: Machine, workload: Workload, offload_fraction: float,
     device = (1 - off) * e * device_state + model_and_grads
     host = (off - nv) * e * workload.state_bytes
     if off > 0:
-        n_off = max(1, round(off * e / s))
-        host += min(spare_banks, n_off) * s * workload.state_bytes
+        host += _spares(machine, workload, off, spare_banks) * s * workload.state_bytes
         host += STAGING_SLOTS * s * (workload.grad_bytes + workload.model_bytes)
     if nv > 0:
         host += IO_BANKS * 2 * s * workload.state_bytes
@@ -147,15 +179,12 @@ def memory_bytes(machine: Machine, workload: Workload, offload_fraction: float,
 
 
 def predict(machine: Machine, workload: Workload, offload_fraction: float,
-            nvme_fraction: float = 0.0, spare_banks: int = DEFAULT_SPARE_BANKS) -> Prediction:
+            nvme_fraction: float = 0.0, spare_banks: int | None = None) -> Prediction:
     """Predicted times and memory of one placement (see the module docstring for the model)."""
     off, nv = float(offload_fraction), float(nvme_fraction)
     if not (0.0 <= nv <= off <= 1.0):
         raise ValueError(f"need 0 <= nvme_fraction <= offload_fraction <= 1, got "
                          f"offload_fraction={off}, nvme_fraction={nv}")
-    if machine.gpus == 0 and off < 1.0:
-        raise ValueError("a machine without GPUs steps every element on the host: "
-                         "offload_fraction must be 1")
     if nv > 0 and (machine.nvme_read_gbps <= 0 or machine.nvme_write_gbps <= 0):
         raise ValueError(f"machine {machine.name!r} has no nvme rates: nvme_fraction must be 0")
     ranks = _ranks(machine)
@@ -163,11 +192,15 @@ def predict(machine: Machine, workload: Workload, offload_fraction: float,
     e = wl.params / ranks
     s = min(wl.subgroup_numel, e)
     t_fb, t_b = forward_backward_seconds(machine, wl)
+    device_gbps = machine.device_adam_gbps
+    if machine.gpus == 0 and off > 0:
+        # a worker process takes cores from the trainer
+        t_fb, t_b = t_fb * machine.trainer_slowdown_with_worker, t_b * machine.trainer_slowdown_with_worker
+        device_gbps = machine.device_adam_gbps_with_worker or device_gbps
 
     # device tier
     e_dev = (1 - off) * e
-    written = wl.state_bytes + (0 if wl.master_is_model else wl.model_bytes)
-    device_step = e_dev * (wl.state_bytes + wl.grad_bytes + written) / (machine.device_adam_gbps * GB)
+    device_step = e_dev * device_bytes_per_element(wl) / (device_gbps * GB)
 
     # host tiers, per offloaded element (host rate and nvme bandwidth are shared by the GPUs)
     e_off = off * e
@@ -179,33 +212,36 @@ def predict(machine: Machine, workload: Workload, offload_fraction: float,
     else:
         nvme_io = 0.0
     host_compute = e_off * compute_per_elem
-    if machine.gpus == 0:
-        d2h = h2d = 0.0
-    else:
-        d2h = e_off * wl.grad_bytes / (machine.d2h_gbps * GB)
-        h2d = e_off * wl.model_bytes / (machine.h2d_gbps * GB)
+    d2h = e_off * wl.grad_bytes / (machine.d2h_gbps * GB) if machine.d2h_gbps > 0 else 0.0
+    h2d = e_off * wl.model_bytes / (machine.h2d_gbps * GB) if machine.h2d_gbps > 0 else 0.0
     host_work = max(host_compute, nvme_io) + d2h + h2d
     w = host_work / e_off if e_off > 0 else 0.0
     if e_off > 0:
         finish = max(off * t_b + s * w, s * t_b / e + host_work)
         exposed_host = max(0.0, finish - t_b)
+        spares = _spares(machine, wl, off, spare_banks)
+        if wl.exact_rollback and spares < offloaded_subgroups(machine, wl, off):
+            # each speculated step holds a spare bank until step() validates it: at most
+            # `spares` subgroups' work can be done under backward
+            exposed_host = max(exposed_host, host_work - spares * s * w)
     else:
         exposed_host = 0.0
     hidden_host = host_work - exposed_host
     c = machine.backward_slowdown_with_host_adam
     contention = hidden_host * (1.0 - 1.0 / c) if c > 1.0 else 0.0
 
-    step = max(device_step, exposed_host)
+    step = max(device_step, exposed_host) + wl.step_overhead_seconds
     iteration = t_fb + contention + step
     breakdown = {
         "forward_backward": t_fb, "backward": t_b,
         "device_step": device_step,
         "host_compute": host_compute, "nvme_io": nvme_io, "d2h": d2h, "h2d": h2d,
         "host_work": host_work, "host_hidden": hidden_host, "host_exposed": exposed_host,
-        "backward_contention": contention,
+        "backward_contention": contention, "step_overhead": wl.step_overhead_seconds,
     }
     return Prediction(off, nv, step, iteration, t_fb,
-                      memory_bytes(machine, wl, off, nv, spare_banks), breakdown)
+                      memory_bytes(machine, wl, off, nv, spare_banks), breakdown,
+                      _spares(machine, wl, off, spare_banks))
 
 
 def _grid(step: float) -> list:
@@ -213,36 +249,58 @@ def _grid(step: float) -> list:
     return [i / n for i in range(n + 1)]
 
 
-def best_plan(machine: Machine, workload: Workload, spare_banks: int = DEFAULT_SPARE_BANKS,
-              step: float = 0.05, headroom: float = 0.1, tolerance: float = 0.02) -> Prediction:
-    """The placement on a grid of `step` with the least predicted iteration time whose memory
-    fits `(1 - headroom)` of the GPU's and of the host's per-GPU share (and the nvme capacity).
+def best_plan(machine: Machine, workload: Workload, spare_banks: int | None = None,
+              step: float = 0.05, headroom: float = 0.1, tolerance: float = 0.02,
+              offload_choices=None, nvme_choices=None, device_budget: float | None = None,
+              host_budget: float | None = None) -> Prediction:
+    """The placement with the least predicted iteration time whose memory fits `(1 - headroom)`
+    of the GPU's and of the host's per-GPU share (and the nvme capacity).
 
-    Among plans within `tolerance` (relative) of the fastest, the one with the least
-    offloaded, then least nvme, share wins: moving state off the device costs host memory,
-    link bandwidth and a worker, for a gain below what this model can resolve. Raises
-    ValueError saying how much memory is needed when no plan fits."""
+    Candidates: `offload_choices` x `nvme_choices` (fractions; e.g. a model's subgroup
+    boundaries), by default a grid of `step`; `spare_banks=None` also picks the spare-bank
+    pool: one per offloaded subgroup (every host step can hide under backward) when memory
+    allows, else the most that fit (halving). `device_budget` / `host_budget` (bytes, per
+    GPU) replace the headroom-reduced machine figures when given. Among plans within
+    `tolerance` (relative) of the fastest, the one with the least offloaded, then least nvme,
+    share wins: moving state off the device costs host memory, link bandwidth and a worker,
+    for a gain below what this model can resolve. Raises ValueError saying how much memory
+    is needed when no plan fits."""
     ranks = _ranks(machine)
-    device_budget = machine.gpu_mem_bytes * (1 - headroom) if machine.gpus else 0.0
-    host_budget = machine.host_mem_bytes / ranks * (1 - headroom)
+    if device_budget is None:
+        device_budget = machine.gpu_mem_bytes * (1 - headroom) if machine.gpus else 0.0
+    if host_budget is None:
+        host_budget = machine.host_mem_bytes / ranks * (1 - headroom)
     nvme_budget = None if machine.nvme_bytes is None else machine.nvme_bytes / ranks
     has_nvme = machine.nvme_read_gbps > 0 and machine.nvme_write_gbps > 0
-    offs = [1.0] if machine.gpus == 0 else _grid(step)
+    offs = sorted(set(offload_choices)) if offload_choices is not None else _grid(step)
+    nvs = sorted(set(nvme_choices)) if nvme_choices is not None else _grid(step)
+    if not has_nvme:
+        nvs = [0.0]
     fits, need_device, need_host = [], None, None
     for off in offs:
-        for nv in (_grid(step) if has_nvme else [0.0]):
+        for nv in nvs:
             if nv > off:
                 continue
-            mem = memory_bytes(machine, workload, off, nv, spare_banks)
-            need_device = mem["device"] if need_device is None else min(need_device, mem["device"])
-            if mem["device"] > device_budget:
-                continue
-            if nvme_budget is not None and mem["nvme"] > nvme_budget:
-                continue
-            need_host = mem["host"] if need_host is None else min(need_host, mem["host"])
-            if mem["host"] > host_budget:
-                continue
-            fits.append(predict(machine, workload, off, nv, spare_banks))
+            n_off = offloaded_subgroups(machine, workload, off)
+            if spare_banks is not None:
+                pools = [spare_banks]
+            else:
+                pools, k = [None], n_off // 2
+                while k >= 1:
+                    pools.append(k)
+                    k //= 2
+            for pool in pools:
+                mem = memory_bytes(machine, workload, off, nv, pool)
+                need_device = mem["device"] if need_device is None else min(need_device, mem["device"])
+                if machine.gpus and mem["device"] > device_budget:
+                    break
+                if nvme_budget is not None and mem["nvme"] > nvme_budget:
+                    break
+                need_host = mem["host"] if need_host is None else min(need_host, mem["host"])
+                if mem["host"] > host_budget:
+                    continue  # fewer spares may fit
+                fits.append(predict(machine, workload, off, nv, pool))
+                break  # the largest pool that fits: more spares never cost time
     if fits:
         fastest = min(p.iteration_seconds for p in fits)
         return min((p for p in fits if p.iteration_seconds <= fastest * (1 + tolerance)),
@@ -252,12 +310,13 @@ def best_plan(machine: Machine, workload: Workload, spare_banks: int = DEFAULT_S
         raise ValueError(
             f"needs at least {need_device / GB / (1 - headroom):.1f} GB of GPU memory {per}for "
             f"the model copy and grads of {workload.params:.3g} parameters (incl. "
-            f"{headroom:.0%} headroom); have {machine.gpu_mem_bytes / GB:.1f} GB: add GPUs or "
-            f"use a smaller model")
+            f"{headroom:.0%} headroom); have {device_budget / (1 - headroom) / GB:.1f} GB: add "
+            f"GPUs, raise the device memory budget, or use a smaller model")
     where = ("model copy, grads and optimizer state" if machine.gpus == 0
              else "offloaded optimizer state") + ("" if has_nvme else " (no nvme tier given)")
     raise ValueError(
         f"needs at least {need_host / GB / (1 - headroom):.1f} GB of host memory {per}for the "
         f"{where} of {workload.params:.3g} parameters (incl. {headroom:.0%} headroom); have "
-        f"{machine.host_mem_bytes / ranks / GB:.1f} GB{' per GPU' if ranks > 1 else ''}"
-        + ("" if has_nvme else "; an nvme tier (--nvme-read/--nvme-write) would need less"))
+        f"{host_budget / (1 - headroom) / GB:.1f} GB{' per GPU' if ranks > 1 else ''}"
+        + ("" if has_nvme else "; an nvme tier (nvme_path, or --nvme-read/--nvme-write) "
+                               "would need less"))

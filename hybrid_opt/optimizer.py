@@ -12,11 +12,12 @@ from __future__ import annotations
 import math
 import time
 import warnings
+from typing import NamedTuple
 
 import torch
 
 from hybrid_opt import layout as L
-from hybrid_opt.plan import DEVICE, HOST, NVME, fraction_plan
+from hybrid_opt.plan import DEVICE, HOST, NVME, check_fractions, fraction_plan
 from hybrid_opt.swap import check_nvme_path
 from hybrid_opt.tiers.device import DeviceTier
 from hybrid_opt.tiers.host import HostTier, StepInputs
@@ -42,7 +43,7 @@ class _HybridBase(torch.optim.Optimizer):
                  capturable, differentiable, fused, max_grad_norm, offload_fraction, nvme_fraction,
                  nvme_path, subgroup_numel, speculative, rollback, device_memory_budget,
                  host_memory_budget, process_group, worker_share=0.5, spare_banks=None,
-                 io_banks=4):
+                 io_banks=4, refit_every=50, calibration=None):
         if isinstance(lr, torch.Tensor) and lr.numel() != 1:
             raise ValueError("Tensor lr must be 1-element")
         if not 0.0 <= lr:
@@ -81,10 +82,14 @@ class _HybridBase(torch.optim.Optimizer):
             if budget is not None and (not isinstance(budget, int) or budget <= 0):
                 raise ValueError(f"{name} must be a positive number of bytes or None, got {budget!r}")
         # the fractions' own errors (out of range, nvme above offload) come before "nvme needs a
-        # path" / "nvme not built": an empty plan runs exactly the checks the real one will
-        fraction_plan([], [], offload_fraction, nvme_fraction)
-        if not isinstance(nvme_fraction, str) and nvme_fraction not in (0, 0.0):
-            check_nvme_path(nvme_path)  # a clear error before any training work
+        # path": a clear error before any training work
+        check_fractions(offload_fraction, nvme_fraction)
+        if nvme_fraction != "auto" and nvme_fraction not in (0, 0.0):
+            check_nvme_path(nvme_path)
+        elif nvme_fraction == "auto" and nvme_path is not None:
+            check_nvme_path(nvme_path)
+        if isinstance(refit_every, bool) or not isinstance(refit_every, int) or refit_every < 0:
+            raise ValueError(f"refit_every must be an int >= 0 (0: never refit), got {refit_every!r}")
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
                         maximize=maximize, foreach=foreach, capturable=capturable,
                         differentiable=differentiable, fused=fused,
@@ -99,6 +104,9 @@ class _HybridBase(torch.optim.Optimizer):
         self.speculative, self.rollback = speculative, rollback
         self.device_memory_budget, self.host_memory_budget = device_memory_budget, host_memory_budget
         self.worker_share, self.spare_banks, self.io_banks = worker_share, spare_banks, io_banks
+        self.refit_every, self._calibration = refit_every, calibration
+        self._auto = None           # the scheduler, when a fraction is "auto"
+        self._bwd_first = self._bwd_last = None
         self.step_was_skipped = False
         self.last_grad_norm = None
         self.stats: dict = {}
@@ -195,10 +203,70 @@ class _HybridBase(torch.optim.Optimizer):
         self._subgroups.extend(sgs)
         return sgs
 
-    def _place(self) -> None:
+    def _fractions_now(self) -> tuple:
+        """(offload, nvme) fractions to lay out: the user's numbers, or the scheduler's choice."""
         sgs = self._subgroups
+        if "auto" not in (self.offload_fraction, self.nvme_fraction):
+            off, nv = float(self.offload_fraction), float(self.nvme_fraction)
+            if self.device_memory_budget is not None or self.host_memory_budget is not None:
+                self._check_budgets(off, nv)
+            return off, nv, None
+        if self._auto is None:
+            from hybrid_opt.scheduler import AutoPlanner, default_budgets
+            params = list(self._all_params())
+            device = params[0].device if params else torch.device("cpu")
+            dtype = sgs[0].dtype if sgs else torch.float32
+            budgets = default_budgets(params, device, self.device_memory_budget, self.host_memory_budget)
+            self._auto = AutoPlanner(
+                [s.numel for s in sgs], [s.ready_rank for s in sgs], device,
+                model_bytes=torch.tensor([], dtype=dtype).element_size(),
+                state_bytes=16 if self._amsgrad_layout else 12,
+                subgroup_numel=self.subgroup_numel,
+                fixed_offload=None if self.offload_fraction == "auto" else float(self.offload_fraction),
+                fixed_nvme=None if self.nvme_fraction == "auto" else float(self.nvme_fraction),
+                nvme_path=self.nvme_path, worker_share=self.worker_share,
+                spare_banks=self.spare_banks, exact_rollback=self.rollback == "exact",
+                device_budget=budgets[0], host_budget=budgets[1], refit_every=self.refit_every,
+                calibration=self._calibration)
+        d = self._auto.choose()
+        return d.offload_fraction, d.nvme_fraction, d
+
+    def _check_budgets(self, off: float, nv: float) -> None:
+        from hybrid_opt import cost_model as cm
+        from hybrid_opt.scheduler import check_fixed_plan
+        params = list(self._all_params())
+        cuda = bool(params) and params[0].is_cuda
+        size = params[0].element_size() if params else 4
+        wl = cm.Workload(params=float(sum(s.numel for s in self._subgroups)), model_bytes=size,
+                         grad_bytes=size, state_bytes=16 if self._amsgrad_layout else 12,
+                         subgroup_numel=self.subgroup_numel)
+        mem = cm.memory_bytes(cm.Machine(gpus=1 if cuda else 0), wl, off, nv,
+                              self.spare_banks if self.spare_banks is not None else 4)
+        check_fixed_plan((self.device_memory_budget, self.host_memory_budget), mem, cuda)
+
+    def _place(self, decision=None) -> None:
+        sgs = self._subgroups
+        if decision is None:
+            off, nv, decision = self._fractions_now()
+        else:
+            off, nv = decision.offload_fraction, decision.nvme_fraction
+        spares = self.spare_banks
+        if spares is None and decision is not None and decision.prediction is not None:
+            spares = decision.prediction.spare_banks
         self.plan = fraction_plan([s.numel for s in sgs], [s.ready_rank for s in sgs],
-                                  self.offload_fraction, self.nvme_fraction, self.spare_banks)
+                                  off, nv, spares)
+        if spares is None:
+            from hybrid_opt.scheduler import default_spare_banks
+            host = [s for s in sgs if self.plan.tiers[s.index] != DEVICE]
+            biggest = max((s.numel for s in host), default=0)
+            self.plan.spare_banks = default_spare_banks(
+                len(host), biggest * (16 if self._amsgrad_layout else 12), self.host_memory_budget)
+        # the shares actually laid out (subgroup boundaries)
+        total = sum(self.plan.numels) or 1
+        self._fractions = ((self.plan.elements(HOST) + self.plan.elements(NVME)) / total,
+                           self.plan.elements(NVME) / total)
+        if decision is not None:
+            self.plan.prediction, self.plan.reason = decision.prediction, decision.reason
         self._device = DeviceTier([s for s in sgs if self.plan.tiers[s.index] == DEVICE],
                                   self._amsgrad_layout)
         host = [s for s in sgs if self.plan.tiers[s.index] in (HOST, NVME)]
@@ -234,6 +302,11 @@ class _HybridBase(torch.optim.Optimizer):
         self._param_sgs: dict = {}  # param index -> host subgroup indices it spans
         self._ready: dict = {}
         self._staged: dict = {}     # host subgroup index -> the grad tensors its pending speculation read
+        if self._auto is not None:
+            # the scheduler times backward: from the first grad accumulated to the last
+            for p in self._all_params():
+                if p.requires_grad:
+                    self._hook_handles.append(p.register_post_accumulate_grad_hook(self._on_grad_timed))
         if not self.speculative or not host:
             return
         for sg in host:
@@ -251,6 +324,12 @@ class _HybridBase(torch.optim.Optimizer):
                 if p.requires_grad and p not in hooked:
                     hooked.add(p)
                     self._hook_handles.append(p.register_post_accumulate_grad_hook(self._on_grad_ready))
+
+    def _on_grad_timed(self, p) -> None:
+        now = time.perf_counter()
+        if self._bwd_first is None:
+            self._bwd_first = now
+        self._bwd_last = now
 
     def _may_speculate(self) -> bool:
         """In exact mode always. rollback="inverse" undoes a wrong guess algebraically, and
@@ -359,14 +438,51 @@ class _HybridBase(torch.optim.Optimizer):
         for ready in getattr(self, "_ready", {}).values():
             ready.clear()
 
-    def _rebuild_tiers(self) -> None:
-        """Lays the tiers out again (same plan); the caller loads their state afterwards."""
+    def _rebuild_tiers(self, decision=None) -> None:
+        """Lays the tiers out again (the same plan, or `decision`'s); the caller loads their
+        state afterwards."""
         if self._host is not None:
             self._host.close()
             import cpu_kernels
             cpu_kernels.set_num_threads(self._saved_kernel_threads)
             self._host = None
-        self._place()
+        self._place(decision if decision is not None else
+                    _Fixed(*self._fractions, self.plan.prediction, self.plan.reason))
+
+    def _move(self, decision) -> None:
+        """Moves subgroups between tiers to `decision`'s plan: every subgroup's committed state
+        is copied out, the tiers are laid out anew, and the state is copied back in (bitwise:
+        every tier steps with the same arithmetic)."""
+        t0 = time.perf_counter()
+        self._drop_speculation()
+        saved = {}
+        for sg in self._subgroups:
+            saved[sg.index] = {k: v.detach().clone() for k, v in self._subgroup_state(sg).items()}
+        self._rebuild_tiers(decision)
+        for sg in self._subgroups:
+            st = self._subgroup_state(sg)
+            for k, view in st.items():
+                view.copy_(saved[sg.index][k])
+            if self.plan.tiers[sg.index] != DEVICE:
+                self._host.load_state(self._host_local[sg.index], st["master"], st["exp_avg"],
+                                      st["exp_avg_sq"], st.get("max_exp_avg_sq"))
+        if self._auto is not None:
+            self._auto.move_cost_s = time.perf_counter() - t0
+            self._auto.moves += 1
+
+    def replan(self, offload_fraction: float, nvme_fraction: float = 0.0) -> None:
+        """Moves state to another placement now (what a refit of "auto" does); numerics are
+        unchanged. Call between steps."""
+        self._check_open()
+        check_fractions(offload_fraction, nvme_fraction)
+        if "auto" in (offload_fraction, nvme_fraction):
+            raise ValueError('replan() takes numbers; "auto" is chosen at construction')
+        if float(nvme_fraction) > 0:
+            check_nvme_path(self.nvme_path)
+        prediction = None
+        if self._auto is not None:
+            prediction = self._auto.predict(float(offload_fraction), float(nvme_fraction))
+        self._move(_Fixed(float(offload_fraction), float(nvme_fraction), prediction, "replan()"))
 
     def _extend(self, gi: int) -> None:
         """add_param_group after construction: the new group's subgroups join the device tier
@@ -417,6 +533,7 @@ class _HybridBase(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        t_step = time.perf_counter()
         self._check_open()
         if self._speculation_error is not None:
             err, self._speculation_error = self._speculation_error, None
@@ -445,12 +562,14 @@ class _HybridBase(torch.optim.Optimizer):
         inv_scale = 1.0 / float(scale_t) if scale_t is not None else 1.0
         if scale_t is not None:
             self._last_inv_scale = inv_scale
-        norm = math.sqrt(self._grad_norm_sq()) * inv_scale
-        self.last_grad_norm = norm
+        # the global norm costs a pass over every grad: only clipping needs it
+        norm = None
         clip = 1.0
         if self.max_grad_norm is not None:
+            norm = math.sqrt(self._grad_norm_sq()) * inv_scale
             coef = self.max_grad_norm / (norm + 1e-6)
             clip = coef if (coef < 1.0 or coef != coef) else 1.0  # torch clamps at 1; NaN stays
+        self.last_grad_norm = norm
         scale = inv_scale * clip
 
         # per-parameter step counts: only params with a grad advance (torch's rule)
@@ -499,7 +618,46 @@ class _HybridBase(torch.optim.Optimizer):
         self._device.step(device_work, scale)
         t_end = time.perf_counter()
         self._record_stats(host_steps, device_work, t_device - t_host, t_end - t_device, norm, clip)
+        if self._auto is not None:
+            self._schedule(device_work, t_end - t_step)
         return loss
+
+    def _schedule(self, device_work: list, step_s: float) -> None:
+        """Feeds the scheduler this step's measured times, puts its prediction next to them in
+        `stats`, and moves subgroups between tiers when a refit says it pays."""
+        from hybrid_opt.scheduler import Sample
+        tiers = self.stats["tiers"]
+        backward_s = None if self._bwd_first is None else self._bwd_last - self._bwd_first
+        self._bwd_first = self._bwd_last = None
+        self._auto.observe(Sample(
+            backward_s=backward_s, step_s=step_s, device_s=self.stats["device_s"],
+            host_wait_s=self.stats["host_wait_s"],
+            device_elements=sum(sl.numel for _, sl, _, _ in device_work),
+            host_worker_s=tiers[HOST]["worker_s"], host_elements=tiers[HOST]["elements"],
+            hidden_s=self.stats["hidden_s"]))
+        if self._auto.due(self._steps_taken):
+            decision = self._auto.refit(*self._fractions, self.plan.spare_banks)
+            if decision is not None:
+                self._move(decision)
+            elif self._auto.backward_s is not None:
+                self.plan.prediction = self._auto.predict(*self._fractions, self.plan.spare_banks)
+                self.plan.reason = "refit: kept"
+        p = self.plan.prediction
+        if p is not None:
+            b = p.breakdown
+            off = b["host_work"]
+            e_off = tiers[HOST]["elements"] + tiers[NVME]["elements"]
+            for name in (HOST, NVME):
+                tiers[name]["predicted_worker_s"] = off * tiers[name]["elements"] / e_off if e_off else 0.0
+            tiers[DEVICE]["predicted_s"] = b["device_step"]
+            self.stats["predicted"] = {"step_s": p.step_seconds,
+                                       "backward_s": b["backward"] + b["backward_contention"],
+                                       "device_s": b["device_step"], "worker_s": off,
+                                       "host_exposed_s": b["host_exposed"]}
+            self.stats["measured"] = {"step_s": step_s, "backward_s": backward_s,
+                                      "device_s": self.stats["device_s"],
+                                      "worker_s": self.stats["worker_s"],
+                                      "host_wait_s": self.stats["host_wait_s"]}
 
     def _record_stats(self, host_steps, device_work, host_wait_s, device_s, norm, clip) -> None:
         """Per-tier figures of this step: subgroups, state bytes, the trainer's time in it,
@@ -713,6 +871,14 @@ class _HybridBase(torch.optim.Optimizer):
 
     def __repr__(self) -> str:
         return super().__repr__() + f"\n{self.plan}" if getattr(self, "_built", False) else super().__repr__()
+
+
+class _Fixed(NamedTuple):
+    """A placement to lay out as it is (no scheduler decision)."""
+    offload_fraction: float
+    nvme_fraction: float
+    prediction: object = None
+    reason: str = ""
 
 
 class _GradGatherer:

@@ -19,6 +19,8 @@ class Plan:
     numels: list
     speculation_order: list = field(default_factory=list)  # host/nvme subgroups, ready order
     spare_banks: int = 0
+    prediction: object = None        # cost_model.Prediction when the scheduler chose the plan
+    reason: str = ""                 # why the scheduler chose it
 
     def subgroups(self, tier: str) -> list:
         return [i for i, t in enumerate(self.tiers) if t == tier]
@@ -33,18 +35,29 @@ class Plan:
 
     def __repr__(self) -> str:
         parts = [f"{t}: {v['subgroups']} subgroups, {v['share']:.0%}" for t, v in self.summary().items()]
+        if self.prediction is not None:
+            p = self.prediction
+            parts.append(f"predicted step {p.step_seconds * 1e3:.1f} ms, iteration "
+                         f"{p.iteration_seconds * 1e3:.1f} ms ({self.reason})")
         return f"Plan({'; '.join(parts)})"
 
 
-def _check_fraction(name: str, value) -> float:
-    if isinstance(value, str):
-        if value == "auto":
-            raise NotImplementedError(f'{name}="auto" needs the scheduler (cost model), which is not '
-                                      f"built yet; pass a number in [0, 1]")
-        raise ValueError(f'{name} must be a number in [0, 1] or "auto", got {value!r}')
+def _check_fraction(name: str, value, auto: bool = False):
+    if auto and value == "auto":
+        return "auto"
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value <= 1.0:
         raise ValueError(f'{name} must be a number in [0, 1] or "auto", got {value!r}')
     return float(value)
+
+
+def check_fractions(offload_fraction, nvme_fraction) -> tuple:
+    """The constructor's check: numbers in [0, 1] or "auto", nvme not above offload."""
+    off = _check_fraction("offload_fraction", offload_fraction, auto=True)
+    nv = _check_fraction("nvme_fraction", nvme_fraction, auto=True)
+    if "auto" not in (off, nv) and nv > off:
+        raise ValueError(f"nvme_fraction ({nv}) must not exceed offload_fraction ({off}): nvme "
+                         f"subgroups are part of the offloaded share")
+    return off, nv
 
 
 def fraction_plan(numels: list, ready_ranks: list, offload_fraction, nvme_fraction,

@@ -51,14 +51,13 @@ PRESETS = {
                      gpu_tflops=400),
         nvme=dict(drives=8, read=7.0, write=4.0, drive_bytes=3.84e12)),
     "this-machine": dict(
-        about="the dev/CI machine: 2 cores, 24 GiB, no GPU (DESIGN.md, 'Facts about our machines')",
-        sources="measured: CPU Adam ~2.3e9 elem/s; disk O_DIRECT write 2.5 GB/s, read 1.4 GB/s; "
-                "backward 1.56x slower while Adam runs on the other core (153 vs 98 ms); "
-                "fwd+bwd ~33 GFLOP/s on the trainer's core (8 x Linear(2048), batch 16, 98 ms)",
-        machine=dict(gpus=0, gpu_mem_bytes=0, host_mem_bytes=24 * GiB, device_adam_gbps=1.0,
-                     host_adam_gelems_per_s=2.3, h2d_gbps=1.0, d2h_gbps=1.0, gpu_tflops=0.033,
-                     backward_slowdown_with_host_adam=1.56),
-        nvme=dict(drives=1, read=1.4, write=2.5, drive_bytes=None)),
+        about="the machine this command runs on, calibrated (cached; hybrid_opt/calibrate.py)",
+        sources="measured here: CPU Adam (bank mode, the worker's cores), device Adam (the GPU's "
+                "fused kernel, or in-process CPU Adam on a CPU-only host), H2D/D2H (pinned "
+                "copies, or the trainer's copies into shared memory), the trainer's slowdown "
+                "when a worker takes cores and under its memory traffic, nvme O_DIRECT rates in "
+                "--nvme-path (default: the system temp dir); memory as the machine reports it",
+        machine=None, nvme=None),
 }
 DEFAULT_PRESET = "h100-pcie5"
 
@@ -114,6 +113,8 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--nvme-read", type=pos, metavar="GB/S", help="read rate per drive")
     ap.add_argument("--nvme-write", type=pos, metavar="GB/S", help="write rate per drive")
     ap.add_argument("--nvme-drives", type=int, help="drives (0 = no nvme tier)")
+    ap.add_argument("--nvme-path", help="with --preset this-machine: the directory whose disk to "
+                                        "calibrate (default: the system temp dir)")
     ap.add_argument("--backward-seconds", type=pos, help="measured backward time per iteration")
     ap.add_argument("--model-flops", type=pos,
                     help="FLOPs per iteration, all GPUs (default 6 x params x --tokens)")
@@ -122,7 +123,9 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--gpu-tflops", type=pos, help="achieved fwd+bwd TFLOPS per GPU")
     ap.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16", help="model dtype")
     ap.add_argument("--amsgrad", action="store_true", help="one more fp32 state (16 B/param)")
-    ap.add_argument("--spare-banks", type=int, default=4, help="spare state banks (default 4)")
+    ap.add_argument("--spare-banks", type=int, default=None,
+                    help="spare state banks of exact rollback (default: one per offloaded "
+                         "subgroup if host memory allows, else the most that fit)")
     ap.add_argument("--headroom", type=float, default=0.1,
                     help="share of GPU and host memory kept free for activations, buffers, the "
                          "OS (default 0.1)")
@@ -135,10 +138,33 @@ def _parser() -> argparse.ArgumentParser:
     return ap
 
 
+def _this_machine(nvme_path: str | None) -> tuple[dict, dict]:
+    """(Machine kwargs, nvme figures) of the running machine, from calibration (cached)."""
+    import tempfile
+
+    import psutil
+    import torch
+
+    from hybrid_opt import calibrate
+    from hybrid_opt.scheduler import machine_from_rates
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda" if cuda else "cpu")
+    r = calibrate.rates(device, nvme_path or tempfile.gettempdir())
+    kw = vars(machine_from_rates(r, device, torch.cuda.get_device_properties(device).total_memory
+                                 if cuda else 0.0, psutil.virtual_memory().total, nvme=False))
+    kw.pop("name")
+    kw["gpu_tflops"] = 300.0 if cuda else 0.033  # override with --gpu-tflops or --backward-seconds
+    return kw, dict(drives=1, read=r["nvme_read_gbps"], write=r["nvme_write_gbps"], drive_bytes=None)
+
+
 def build(args) -> tuple[Machine, Workload]:
     preset = PRESETS[args.preset]
-    kw = dict(preset["machine"], name=args.preset)
-    nv = dict(preset["nvme"])
+    if preset["machine"] is None:
+        base, nvme = _this_machine(args.nvme_path)
+    else:
+        base, nvme = preset["machine"], preset["nvme"]
+    kw = dict(base, name=args.preset)
+    nv = dict(nvme)
     for opt, key in (("gpus", "gpus"), ("host_adam", "host_adam_gelems_per_s"),
                      ("device_adam", "device_adam_gbps"), ("gpu_tflops", "gpu_tflops")):
         if getattr(args, opt) is not None:
@@ -179,8 +205,11 @@ def _summary(machine: Machine, workload: Workload, p, headroom: float) -> str:
         f"({machine.gpus} GPU{'s' if machine.gpus != 1 else ''})",
         f"plan: offload_fraction={off:.2f}, nvme_fraction={nv:.2f} "
         f"(device {1 - off:.0%}, host {off - nv:.0%}, nvme {nv:.0%} of the elements)",
+        f"spare banks: {p.spare_banks} (each holds one speculated subgroup step until step() "
+        f"validates it)",
         f"memory {per}:",
-        f"  device {_gb(d['memory_bytes']['device'])} of {_gb(machine.gpu_mem_bytes)}",
+        (f"  device {_gb(d['memory_bytes']['device'])} of {_gb(machine.gpu_mem_bytes)}" if machine.gpus
+         else "  (no GPU: the 'device' share is stepped by the trainer's own cores; all in host memory)"),
         f"  host   {_gb(d['memory_bytes']['host'])} of {_gb(machine.host_mem_bytes / ranks)}",
         f"  nvme   {_gb(d['memory_bytes']['nvme'])}",
         f"  ({headroom:.0%} of GPU and host memory kept as headroom)",

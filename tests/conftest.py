@@ -5,6 +5,7 @@ gpu_kernels is first imported: without a CUDA device the Triton kernels run on C
 through the interpreter.
 """
 import os
+import tempfile
 
 import pytest
 
@@ -19,6 +20,9 @@ def _cuda_available():
 
 if not _cuda_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+# the scheduler's calibration cache: one fresh measurement per test session, never the user's
+os.environ.setdefault("HYBRID_OPT_CACHE_DIR", tempfile.mkdtemp(prefix="hybrid_opt-test-cache-"))
 
 
 def pytest_collection_modifyitems(config, items):

@@ -740,7 +740,6 @@ ERROR_INPUTS = [
     ErrorInput("rollback_inverse_amsgrad", dict(rollback="inverse", amsgrad=True), ValueError, "amsgrad"),
     ErrorInput("offload_fraction_1.5", dict(offload_fraction=1.5), ValueError, "offload_fraction"),
     ErrorInput("offload_fraction_negative", dict(offload_fraction=-0.1), ValueError, "offload_fraction"),
-    ErrorInput("offload_fraction_auto", dict(offload_fraction="auto"), NotImplementedError, "scheduler"),
     ErrorInput("nvme_above_offload_without_path", dict(offload_fraction=0.2, nvme_fraction=0.5),
                ValueError, r"nvme_fraction.*must not exceed offload_fraction"),
     ErrorInput("nvme_above_offload", dict(offload_fraction=0.2, nvme_fraction=0.5,

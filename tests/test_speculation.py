@@ -223,10 +223,17 @@ def test_speculative_equals_plain_bitwise_with_and_without_clipping(offload, cli
         assert_all(spec, committed=n, redone=0, stepped=0, dropped=0)
 
 
-def test_default_spare_pool_speculates_four_and_steps_the_rest():
-    """The default pool (4 spare banks): the 5th-7th ready subgroups wait for step()."""
-    spec = compare(plain_loop(3), spare_banks=None)
+def test_a_pool_of_four_speculates_four_and_steps_the_rest():
+    """4 spare banks: the 5th-7th ready subgroups wait for step()."""
+    spec = compare(plain_loop(3), spare_banks=4)
     assert_all(spec, committed=4, redone=0, stepped=3, dropped=0)
+
+
+def test_default_spare_pool_fits_every_host_subgroup_when_memory_allows():
+    """By default a spare bank per host subgroup (they fit in a quarter of free memory here),
+    so every host step can be speculated."""
+    spec = compare(plain_loop(3), spare_banks=None)
+    assert_all(spec, committed=7, redone=0, stepped=0, dropped=0)
 
 
 @pytest.mark.parametrize("clip", [None, CLIP_BITES], ids=["noclip", "clip_bites"])

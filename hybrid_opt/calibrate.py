@@ -1,0 +1,342 @@
+"""Calibration: the rates the cost model needs, measured on the running machine and cached.
+
+`rates()` measures, once per machine, what `offload_fraction="auto"` plans from:
+
+- host Adam: a real host tier (worker process, shared memory, staging) stepping two
+  subgroups; the rate is elements over the worker's busy time, G elements/s (the trainer's
+  copies into and out of shared memory are the D2H/H2D figures below);
+- device Adam: on a GPU the Triton fused kernel, on a CPU-only host the CPU kernel in place
+  on all cores and on the cores a worker would leave the trainer, GB/s at 28 B/element;
+- D2H / H2D: pinned copies on a GPU; on a CPU-only host the trainer's copies into and out
+  of the worker's shared memory (single-threaded memcpy-like copies);
+- CPU-only hosts: how much slower a small fwd+bwd gets on the trainer's cores alone
+  (`trainer_slowdown_with_worker`) and while the worker's Adam streams on the other cores
+  (`backward_slowdown_with_host_adam`, the shared-memory-bandwidth contention);
+- nvme: O_DIRECT write and read of a scratch file in `nvme_path` (per filesystem).
+
+Each figure is the best of a few repetitions (the least disturbed); the whole calibration takes a second or
+two. Results are cached in `$HYBRID_OPT_CACHE_DIR` (default `~/.cache/hybrid_opt`),
+`calibration.json`, keyed by what makes the figures stale: host name, CPU model, the CPUs
+this process may use, SIMD level, torch version, GPU name; nvme figures by the device the
+path lives on. A cache that cannot be read or written is re-measured (with a warning), never
+an error. The optimizer then refits the rates from its own measured steps.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import tempfile
+import threading
+import time
+import warnings
+
+import torch
+
+CACHE_VERSION = 2
+MEASURE_NUMEL = 4 << 20          # Adam rates: 4Mi elements (16 MB per fp32 tensor)
+COPY_BYTES = 64 << 20            # copy rates
+NVME_BYTES = 128 << 20           # nvme scratch file
+NVME_CHUNK = 16 << 20
+REPS = 5
+
+
+def cache_path() -> str:
+    root = os.environ.get("HYBRID_OPT_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "hybrid_opt")
+    return os.path.join(root, "calibration.json")
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def machine_key(device: torch.device) -> str:
+    import cpu_kernels
+    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else [os.cpu_count()]
+    parts = [str(CACHE_VERSION), platform.node(), _cpu_model(), ",".join(map(str, cpus)),
+             cpu_kernels.simd_level(), torch.__version__, device.type]
+    if device.type == "cuda":
+        parts.append(torch.cuda.get_device_name(device))
+    return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
+
+
+def _nvme_key(nvme_path: str) -> str:
+    st = os.stat(nvme_path)
+    return f"nvme-{CACHE_VERSION}-{platform.node()}-{st.st_dev}"
+
+
+def _load_cache(path: str) -> dict:
+    try:
+        with open(path) as f:
+            data = json.load(f)
+        return data if isinstance(data, dict) else {}
+    except (FileNotFoundError, NotADirectoryError):
+        return {}
+    except (OSError, ValueError) as e:
+        warnings.warn(f"hybrid_opt: calibration cache {path} is unreadable ({e}); measuring again",
+                      stacklevel=3)
+        return {}
+
+
+def _store_cache(path: str, key: str, entry: dict) -> None:
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        data = _load_cache(path)
+        data[key] = entry
+        fd, tmp = tempfile.mkstemp(prefix=".calibration-", dir=os.path.dirname(path))
+        with os.fdopen(fd, "w") as f:
+            json.dump(data, f, indent=1, sort_keys=True)
+        os.replace(tmp, path)  # atomic: a concurrent reader sees the old or the new file
+    except OSError as e:
+        warnings.warn(f"hybrid_opt: cannot write the calibration cache {path} ({e}); the next "
+                      f"run measures again (set HYBRID_OPT_CACHE_DIR to a writable directory)",
+                      stacklevel=3)
+
+
+def _best_time(fn, reps: int = REPS) -> float:
+    """The fastest of `reps` timed calls after a warm-up: the least disturbed by whatever else
+    runs on the machine (timeit's rule), so a cached figure does not record a busy moment."""
+    fn()  # warm-up: page faults, first-touch, lazy init
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return min(times)
+
+
+def _adam_kwargs():
+    return dict(step=1, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01, decoupled=True)
+
+
+class _Threads:
+    """Sets cpu_kernels' and torch's thread counts (and optionally this thread's CPU mask) for
+    a measurement and restores them."""
+
+    def __init__(self, n: int, cpus=None):
+        self.n, self.cpus = n, cpus
+
+    def __enter__(self):
+        import cpu_kernels
+        self.saved = (cpu_kernels.get_num_threads(), torch.get_num_threads(),
+                      os.sched_getaffinity(0) if self.cpus and hasattr(os, "sched_setaffinity") else None)
+        cpu_kernels.set_num_threads(self.n)
+        torch.set_num_threads(self.n)
+        if self.saved[2] is not None:
+            os.sched_setaffinity(0, self.cpus)
+        return self
+
+    def __exit__(self, *exc):
+        import cpu_kernels
+        cpu_kernels.set_num_threads(self.saved[0])
+        torch.set_num_threads(self.saved[1])
+        if self.saved[2] is not None:
+            os.sched_setaffinity(0, self.saved[2])
+
+
+def _cpu_adam_gbps(threads: int, bank: bool) -> float:
+    """CPU Adam at `threads`, GB/s at 28 B/element (fp32 param, grad, m, v)."""
+    import cpu_kernels
+    n = MEASURE_NUMEL
+    p, g, m, v = (torch.rand(n) for _ in range(4))
+    out = tuple(torch.empty(n) for _ in range(3)) if bank else None
+    with _Threads(threads):
+        t = _best_time(lambda: cpu_kernels.adam_step_(p, g, m, v, out=out, **_adam_kwargs()))
+    return n * 28 / t / 1e9
+
+
+def _host_tier_gelems(worker_share: float) -> float:
+    """G elements/s of a real host tier's worker: two subgroups stepped a few times."""
+    from hybrid_opt.tiers.host import HostTier, StepInputs
+    n = MEASURE_NUMEL
+    grads = [torch.rand(n), torch.rand(n)]
+    tier = HostTier([n, n], worker_share=worker_share, spare_banks=2)
+    try:
+        for k in range(2):
+            tier.load_state(k, torch.rand(n))
+        rates = []
+        for step in range(1, REPS + 2):
+            before = sum(tier.worker_seconds)
+            tier.finish({k: (grads[k], StepInputs(step, 1e-3, 0.9, 0.999, 1e-8, 0.01)) for k in range(2)})
+            rates.append(2 * n / max(1e-9, sum(tier.worker_seconds) - before))
+    finally:
+        tier.close()
+    return max(rates[1:]) / 1e9  # the first step touches fresh pages
+
+
+def _copy_gbps(threads: int) -> float:
+    src = torch.rand(COPY_BYTES // 4)
+    dst = torch.empty_like(src)
+    with _Threads(threads):
+        t = _best_time(lambda: dst.copy_(src))
+    return COPY_BYTES / t / 1e9
+
+
+def _fwd_bwd_probe():
+    """A small memory-bound training step: 4 x Linear(2048) at batch 16, as an MLP block's
+    fwd+bwd runs on a CPU."""
+    gen = torch.Generator().manual_seed(0)
+    ws = [torch.randn(2048, 2048, generator=gen).mul_(0.02).requires_grad_() for _ in range(4)]
+    x = torch.randn(16, 2048, generator=gen)
+
+    def run():
+        h = x
+        for w in ws:
+            h = torch.nn.functional.linear(h, w)
+        h.square().mean().backward()
+        for w in ws:
+            w.grad = None
+    return run
+
+
+def _trainer_factors(trainer: list, worker: list) -> tuple[float, float]:
+    """(fwd+bwd slowdown on the trainer's cores alone, further slowdown while Adam streams on
+    the worker's cores) of a small fwd+bwd, both >= 1."""
+    import cpu_kernels
+    run = _fwd_bwd_probe()
+    all_cpus = sorted(os.sched_getaffinity(0))
+    with _Threads(len(all_cpus)):
+        t_all = _best_time(run)
+    with _Threads(len(trainer), trainer):
+        t_trainer = _best_time(run)
+    n = 4 * MEASURE_NUMEL
+    p, g, m, v = (torch.rand(n) for _ in range(4))
+    stop = threading.Event()
+
+    def adam_loop():
+        # ctypes releases the GIL for the kernel: this streams on the worker's cores while
+        # the main thread runs fwd+bwd on the trainer's
+        if hasattr(os, "sched_setaffinity"):
+            os.sched_setaffinity(0, worker)
+        while not stop.is_set():
+            cpu_kernels.adam_step_(p, g, m, v, **_adam_kwargs())
+
+    with _Threads(len(trainer), trainer):
+        # the Adam loop's kernel runs on one thread: cpu_kernels' count is per process, and
+        # the trainer's setting (len(trainer)) would oversubscribe a one-core worker share
+        cpu_kernels.set_num_threads(max(1, len(worker)))
+        th = threading.Thread(target=adam_loop, daemon=True)
+        th.start()
+        try:
+            time.sleep(0.02)
+            torch.set_num_threads(len(trainer))
+            t_contended = _best_time(run)
+        finally:
+            stop.set()
+            th.join(timeout=30)
+    return max(1.0, t_trainer / t_all), max(1.0, t_contended / t_trainer)
+
+
+def _cuda_rates(device: torch.device) -> dict:
+    import gpu_kernels
+    n = 16 * MEASURE_NUMEL
+    p, g, m, v = (torch.rand(n, device=device) for _ in range(4))
+    scale = torch.ones(1, device=device)
+
+    def adam():
+        gpu_kernels.fused_adam_([p], [g], [m], [v], grad_scale=scale, **_adam_kwargs())
+        torch.cuda.synchronize(device)
+    t_adam = _best_time(adam)
+    host = torch.empty(COPY_BYTES * 4 // 4, pin_memory=True)
+    dev = torch.empty(host.numel(), device=device)
+
+    def h2d():
+        dev.copy_(host, non_blocking=True)
+        torch.cuda.synchronize(device)
+
+    def d2h():
+        host.copy_(dev, non_blocking=True)
+        torch.cuda.synchronize(device)
+    return {"device_adam_gbps": n * 28 / t_adam / 1e9,
+            "h2d_gbps": host.numel() * 4 / _best_time(h2d) / 1e9,
+            "d2h_gbps": host.numel() * 4 / _best_time(d2h) / 1e9,
+            "trainer_slowdown_with_worker": 1.0, "backward_slowdown_with_host_adam": 1.0}
+
+
+def measure(device, worker_share: float = 0.5) -> dict:
+    """Measures the machine's rates (no cache): see the module docstring."""
+    from hybrid_opt.worker.client import CoreSplit
+    device = torch.device(device)
+    split = CoreSplit(worker_share)
+    trainer, worker = split.trainer or [0], split.worker or [0]
+    t0 = time.perf_counter()
+    out = {"host_adam_gelems_per_s": _host_tier_gelems(worker_share),
+           "host_kernel_gelems_per_s": _cpu_adam_gbps(len(worker), bank=True) / 28,
+           "worker_cores": len(worker), "trainer_cores": len(trainer)}
+    if device.type == "cuda":
+        out.update(_cuda_rates(device))
+    else:
+        all_cores = len(set(trainer) | set(worker))
+        out["device_adam_gbps"] = _cpu_adam_gbps(all_cores, bank=False)
+        out["device_adam_gbps_with_worker"] = _cpu_adam_gbps(len(trainer), bank=False)
+        out["h2d_gbps"] = out["d2h_gbps"] = _copy_gbps(len(trainer))
+        if set(trainer) != set(worker):
+            slow, contention = _trainer_factors(trainer, worker)
+        else:
+            slow, contention = 1.0, 1.0
+        out["trainer_slowdown_with_worker"] = slow
+        out["backward_slowdown_with_host_adam"] = contention
+    out["seconds"] = time.perf_counter() - t0
+    out["measured_at"] = time.strftime("%Y-%m-%dT%H:%M:%S")
+    return out
+
+
+def measure_nvme(nvme_path: str) -> dict:
+    """O_DIRECT write then read of a scratch file in `nvme_path`, GB/s."""
+    from cpu_kernels.aio import AioEngine, aligned_buffer
+    fd_path = None
+    eng = AioEngine(threads=4, queue_depth=32)
+    buf = aligned_buffer(NVME_CHUNK)
+    buf.write(os.urandom(4096) * (NVME_CHUNK // 4096))
+    try:
+        fd_h, fd_path = tempfile.mkstemp(prefix=".hybrid_opt-calibrate-", dir=nvme_path)
+        os.close(fd_h)
+        res = {}
+        for op in ("write", "read"):
+            fd = eng.open(fd_path, "w" if op == "write" else "r")
+            t0 = time.perf_counter()
+            ids = [(eng.submit_write if op == "write" else eng.submit_read)(fd, buf, NVME_CHUNK, off)
+                   for off in range(0, NVME_BYTES, NVME_CHUNK)]
+            if op == "write":
+                ids.append(eng.submit_sync(fd))
+            eng.wait(ids)
+            res[f"nvme_{op}_gbps"] = NVME_BYTES / (time.perf_counter() - t0) / 1e9
+            eng.close_fd(fd)
+        return res
+    finally:
+        eng.close()
+        if fd_path is not None:
+            try:
+                os.unlink(fd_path)
+            except OSError:
+                pass
+
+
+def rates(device="cpu", nvme_path=None, worker_share: float = 0.5, *, refresh: bool = False) -> dict:
+    """The machine's rates, from the cache when it has them (see the module docstring)."""
+    device = torch.device(device)
+    path = cache_path()
+    key = machine_key(device) + f"-w{worker_share:g}"
+    cache = {} if refresh else _load_cache(path)
+    out = cache.get(key)
+    if not isinstance(out, dict) or "host_adam_gelems_per_s" not in out:
+        out = measure(device, worker_share)
+        _store_cache(path, key, out)
+    out = dict(out)
+    if nvme_path is not None:
+        nkey = _nvme_key(nvme_path)
+        nv = cache.get(nkey)
+        if not isinstance(nv, dict) or "nvme_read_gbps" not in nv:
+            nv = measure_nvme(nvme_path)
+            _store_cache(path, nkey, nv)
+        out.update(nv)
+    return out

@@ -1,0 +1,269 @@
+"""`offload_fraction="auto"` / `nvme_fraction="auto"`: the placement the cost model predicts
+fastest within the memory budgets, from calibrated rates (hybrid_opt/calibrate.py) and, once
+steps have run, from their measured times; refitted every `refit_every` steps.
+
+Candidates are the optimizer's own subgroup boundaries in ready order (host tiers take the
+earliest-ready subgroups, nvme the earliest of those), so a predicted plan is exactly a plan
+the optimizer can lay out. A refit moves subgroups between tiers only when the predicted
+gain over the next `refit_every` steps outweighs the measured (or estimated) cost of the
+move, and the gain is above `min_gain` of the step: noise never makes the plan flap.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from hybrid_opt import cost_model as cm
+from hybrid_opt.plan import DEFAULT_SPARE_BANKS
+
+MAX_CANDIDATES = 48
+HEADROOM = 0.1
+MIN_GAIN = 0.05
+SPARE_SHARE = 0.25        # default spare pool of fixed fractions: at most this share of free memory
+MOVE_FIXED_S = 0.3        # a new worker process, its shared memory; replaced by the measured cost
+
+
+def _free_host_bytes() -> float:
+    try:
+        import psutil
+        return float(psutil.virtual_memory().available)
+    except Exception:  # pragma: no cover - psutil is a dependency; /proc is the fallback
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return float(line.split()[1]) * 1024
+    return 0.0
+
+
+@dataclass
+class Sample:
+    """One step's measured times (seconds) and what was stepped where."""
+    backward_s: float | None
+    step_s: float
+    device_s: float
+    host_wait_s: float
+    device_elements: int
+    host_worker_s: float      # worker time on host-tier (not nvme) subgroups
+    host_elements: int
+    hidden_s: float
+
+
+@dataclass
+class Decision:
+    offload_fraction: float
+    nvme_fraction: float
+    prediction: cm.Prediction
+    reason: str
+    current: cm.Prediction | None = None
+
+
+@dataclass
+class AutoPlanner:
+    numels: list                      # per subgroup
+    ready_ranks: list
+    device: torch.device
+    model_bytes: int
+    state_bytes: int
+    subgroup_numel: int
+    fixed_offload: float | None = None   # a number when only nvme_fraction is "auto"
+    fixed_nvme: float | None = None      # a number when only offload_fraction is "auto"
+    nvme_path: str | None = None
+    worker_share: float = 0.5
+    spare_banks: int | None = None       # None: sized from the host budget (cost_model.best_plan)
+    exact_rollback: bool = True
+    device_budget: float | None = None
+    host_budget: float | None = None
+    refit_every: int = 50
+    calibration: dict | None = None
+    samples: list = field(default_factory=list)
+    move_cost_s: float | None = None
+    backward_s: float | None = None       # measured, normalised to "all cores, no host work"
+    overhead_s: float = 0.0               # measured step time outside the tiers' work
+    refits: int = 0
+    moves: int = 0
+
+    def __post_init__(self):
+        if self.calibration is None:
+            from hybrid_opt import calibrate
+            self.calibration = calibrate.rates(self.device, self.nvme_path if self._nvme_allowed() else None,
+                                               self.worker_share)
+        self.rates = dict(self.calibration)
+        self.total = sum(self.numels)
+
+    # ------------------------------------------------------------------ the model's inputs
+    def _nvme_allowed(self) -> bool:
+        return self.nvme_path is not None and self.fixed_nvme != 0.0
+
+    def machine(self) -> cm.Machine:
+        return machine_from_rates(self.rates, self.device, self.device_budget, self.host_budget,
+                                  nvme=self._nvme_allowed())
+
+    def workload(self) -> cm.Workload:
+        return cm.Workload(params=float(self.total), model_bytes=self.model_bytes, grad_bytes=self.model_bytes,
+                           state_bytes=self.state_bytes, backward_seconds=self.backward_s or 0.0,
+                           subgroup_numel=min(self.subgroup_numel, max(self.numels or [1])),
+                           step_overhead_seconds=self.overhead_s, exact_rollback=self.exact_rollback)
+
+    def _boundaries(self) -> list:
+        """Offloaded shares at subgroup boundaries, earliest-ready first (at most
+        MAX_CANDIDATES + 1 of them, evenly spread)."""
+        order = sorted(range(len(self.numels)), key=lambda i: self.ready_ranks[i])
+        cum, acc = [0.0], 0
+        for i in order:
+            acc += self.numels[i]
+            cum.append(acc / self.total if self.total else 0.0)
+        if len(cum) > MAX_CANDIDATES + 1:
+            step = (len(cum) - 1) / MAX_CANDIDATES
+            cum = [cum[round(k * step)] for k in range(MAX_CANDIDATES + 1)]
+        cum[-1] = 1.0
+        return cum
+
+    def _snap(self, value: float) -> float:
+        return min(self._boundaries(), key=lambda b: abs(b - value))
+
+    # ------------------------------------------------------------------ decisions
+    def choose(self) -> Decision:
+        bounds = self._boundaries()
+        offs = [self._snap(self.fixed_offload)] if self.fixed_offload is not None else bounds
+        nvs = [self._snap(self.fixed_nvme)] if self.fixed_nvme is not None else bounds
+        machine = self.machine()
+        try:
+            p = cm.best_plan(machine, self.workload(), spare_banks=self.spare_banks, headroom=HEADROOM,
+                             offload_choices=offs, nvme_choices=nvs, device_budget=self.device_budget,
+                             host_budget=self.host_budget)
+        except ValueError as e:
+            hint = "" if self.nvme_path is not None else (
+                '; or give nvme_path (with nvme_fraction="auto") so state can go to disk')
+            raise ValueError(f'offload_fraction="auto": no placement fits the memory budgets: {e}. '
+                             f"Pass device_memory_budget= / host_memory_budget= (bytes) if more "
+                             f"is free than was measured{hint}") from None
+        why = ("from calibrated rates" if self.backward_s is None else
+               f"from rates and backward ({self.backward_s * 1e3:.1f} ms) measured over "
+               f"{len(self.samples)} steps")
+        return Decision(p.offload_fraction, p.nvme_fraction, p, why)
+
+    def predict(self, offload_fraction: float, nvme_fraction: float, spare_banks=None) -> cm.Prediction:
+        spares = spare_banks if spare_banks is not None else self.spare_banks
+        return cm.predict(self.machine(), self.workload(), offload_fraction, nvme_fraction, spares)
+
+    def observe(self, sample: Sample) -> None:
+        self.samples.append(sample)
+
+    def due(self, steps_taken: int) -> bool:
+        """First refit after 4 measured steps (the first step's page faults excluded), then
+        every `refit_every`."""
+        if self.refit_every <= 0:
+            return False
+        first = min(5, self.refit_every)
+        return steps_taken == first or (steps_taken > first and (steps_taken - first) % self.refit_every == 0)
+
+    def refit(self, current_off: float, current_nv: float, current_spares=None) -> Decision | None:
+        """Updates the rates from the samples since the last refit; returns the plan to move
+        to, or None to stay."""
+        samples = self.samples[1:] if self.refits == 0 else self.samples
+        self.samples = []
+        self.refits += 1
+        if not samples:
+            return None
+        med = lambda xs: sorted(xs)[len(xs) // 2]  # noqa: E731
+        r = self.rates
+        cpu_only = self.device.type != "cuda"
+        bwd = [s.backward_s for s in samples if s.backward_s]
+        if bwd:
+            hidden = med([s.hidden_s for s in samples])
+            c = r.get("backward_slowdown_with_host_adam", 1.0)
+            b = med(bwd) - (hidden * (1 - 1 / c) if c > 1 else 0.0)
+            if cpu_only and current_off > 0:
+                b /= r.get("trainer_slowdown_with_worker", 1.0)
+            self.backward_s = max(0.0, b)
+        # the device tier's own time (not on CUDA: its launches are asynchronous)
+        dev = [s for s in samples if s.device_elements and s.device_s > 0]
+        if dev and cpu_only:
+            gbps = med([s.device_elements * cm.device_bytes_per_element(self.workload()) / s.device_s / 1e9
+                        for s in dev])
+            alone, shared = r["device_adam_gbps"], r.get("device_adam_gbps_with_worker") or r["device_adam_gbps"]
+            if current_off > 0:
+                r["device_adam_gbps_with_worker"], r["device_adam_gbps"] = gbps, gbps * alone / shared
+            else:
+                r["device_adam_gbps"], r["device_adam_gbps_with_worker"] = gbps, gbps * shared / alone
+        self.overhead_s = max(0.0, med([s.step_s - s.device_s - s.host_wait_s for s in samples]))
+        host = [s for s in samples if s.host_elements and s.host_worker_s > 0]
+        if host:
+            r["host_adam_gelems_per_s"] = med([s.host_elements / s.host_worker_s / 1e9 for s in host])
+        best = self.choose()
+        now = self.predict(current_off, current_nv, current_spares)
+        best.current = now
+        if (best.offload_fraction, best.nvme_fraction) == (current_off, current_nv) and (
+                current_spares is None or best.prediction.spare_banks <= current_spares):
+            return None
+        gain = now.iteration_seconds - best.prediction.iteration_seconds
+        moved = abs(best.offload_fraction - current_off) + abs(best.nvme_fraction - current_nv)
+        copy_gbps = r.get("d2h_gbps") or 1.0
+        cost = (self.move_cost_s if self.move_cost_s is not None else MOVE_FIXED_S) \
+            + moved * self.total * self.state_bytes / (copy_gbps * 1e9)
+        if gain < MIN_GAIN * now.iteration_seconds or gain * self.refit_every < cost:
+            return None
+        best.reason = (f"refit: predicted {now.iteration_seconds * 1e3:.1f} -> "
+                       f"{best.prediction.iteration_seconds * 1e3:.1f} ms per iteration, move "
+                       f"~{cost:.2f} s")
+        return best
+
+
+def machine_from_rates(rates: dict, device, device_budget=None, host_budget=None,
+                       nvme: bool = True) -> cm.Machine:
+    """The cost model's Machine for the running machine, from calibrate.rates() (or rates
+    refitted from measured steps). Memory figures are the budgets (0 when not given)."""
+    r = rates
+    kw = dict(name="this machine", gpus=1 if torch.device(device).type == "cuda" else 0,
+              gpu_mem_bytes=float(device_budget or 0.0), host_mem_bytes=float(host_budget or 0.0),
+              device_adam_gbps=r["device_adam_gbps"], host_adam_gelems_per_s=r["host_adam_gelems_per_s"],
+              h2d_gbps=r.get("h2d_gbps", 0.0), d2h_gbps=r.get("d2h_gbps", 0.0),
+              backward_slowdown_with_host_adam=r.get("backward_slowdown_with_host_adam", 1.0),
+              trainer_slowdown_with_worker=r.get("trainer_slowdown_with_worker", 1.0),
+              device_adam_gbps_with_worker=r.get("device_adam_gbps_with_worker"))
+    if nvme and r.get("nvme_read_gbps") and r.get("nvme_write_gbps"):
+        kw.update(nvme_read_gbps=r["nvme_read_gbps"], nvme_write_gbps=r["nvme_write_gbps"])
+    return cm.Machine(**kw)
+
+
+def default_spare_banks(n_host: int, subgroup_state_bytes: int, host_budget=None) -> int:
+    """Fixed fractions without `spare_banks=`: a spare bank for every host subgroup (every
+    host step can then hide under backward) if they fit in SPARE_SHARE of the host budget
+    (default: the free memory), else as many as fit, never fewer than DEFAULT_SPARE_BANKS."""
+    avail = host_budget if host_budget is not None else _free_host_bytes()
+    fit = int(avail * SPARE_SHARE // max(1, subgroup_state_bytes))
+    return max(1, min(n_host, max(DEFAULT_SPARE_BANKS, fit)))
+
+
+def default_budgets(params: list, device: torch.device, device_budget, host_budget) -> tuple:
+    """(device, host) budgets in bytes for the cost model, which counts the model copy and
+    grads itself: what is free now plus what the model's parameters already hold, less
+    HEADROOM (the user's explicit budgets are taken as they are)."""
+    param_bytes = sum(p.numel() * p.element_size() for p in params)
+    grad_bytes = sum(p.grad.numel() * p.grad.element_size() for p in params if p.grad is not None)
+    if host_budget is None:
+        host_budget = (_free_host_bytes() + (param_bytes + grad_bytes if device.type != "cuda" else 0)) * (1 - HEADROOM)
+    if device.type == "cuda":
+        if device_budget is None:
+            free, _ = torch.cuda.mem_get_info(device)
+            device_budget = (free + param_bytes + grad_bytes) * (1 - HEADROOM)
+    else:
+        # CPU only: one memory holds every tier; the host budget governs
+        device_budget = device_budget if device_budget is not None else host_budget
+        if device_budget is not None and host_budget is not None:
+            host_budget = min(host_budget, device_budget)
+    return float(device_budget), float(host_budget)
+
+
+def check_fixed_plan(machine_budgets: tuple, mem: dict, cuda: bool) -> None:
+    """Fixed fractions with explicit budgets: a clear error when the plan needs more."""
+    device_budget, host_budget = machine_budgets
+    if cuda and device_budget is not None and mem["device"] > device_budget:
+        raise ValueError(f"this placement needs {mem['device'] / 1e9:.2f} GB of device memory and "
+                         f"device_memory_budget is {device_budget / 1e9:.2f} GB: raise "
+                         f'offload_fraction or use offload_fraction="auto"')
+    if host_budget is not None and mem["host"] > host_budget:
+        raise ValueError(f"this placement needs {mem['host'] / 1e9:.2f} GB of host memory and "
+                         f"host_memory_budget is {host_budget / 1e9:.2f} GB: raise nvme_fraction "
+                         f'(with nvme_path) or use nvme_fraction="auto"')

@@ -1,0 +1,265 @@
+"""The scheduler: calibration and its cache, offload_fraction / nvme_fraction = "auto",
+budgets, refits that move state between tiers without changing a bit."""
+import json
+import os
+import warnings
+
+import pytest
+import torch
+
+from hybrid_opt import HybridAdamW, calibrate
+from hybrid_opt import cost_model as cm
+from hybrid_opt.scheduler import AutoPlanner, Decision, Sample
+from test_optimizer import assert_state_close, make_batches, make_net, train
+
+SUBGROUP = 64
+
+# synthetic rates (the shape of calibrate.rates()): deterministic plans whatever the machine
+SLOW_HOST = dict(host_adam_gelems_per_s=0.001, device_adam_gbps=40.0, device_adam_gbps_with_worker=20.0,
+                 h2d_gbps=5.0, d2h_gbps=5.0, trainer_slowdown_with_worker=1.6,
+                 backward_slowdown_with_host_adam=1.1)
+# a device tier so slow that the plan offloads everything it can
+SLOW_DEVICE = dict(SLOW_HOST, host_adam_gelems_per_s=10.0, device_adam_gbps=1e-6,
+                   device_adam_gbps_with_worker=1e-6, trainer_slowdown_with_worker=1.0,
+                   backward_slowdown_with_host_adam=1.0, h2d_gbps=0.0, d2h_gbps=0.0)
+WITH_NVME = dict(SLOW_DEVICE, nvme_read_gbps=1.0, nvme_write_gbps=1.0)
+
+
+def _auto(model, calibration, **kw):
+    kw.setdefault("lr", 1e-2)
+    kw.setdefault("weight_decay", 0.1)
+    return HybridAdamW(model.parameters(), offload_fraction=kw.pop("offload_fraction", "auto"),
+                       subgroup_numel=SUBGROUP, calibration=calibration, **kw)
+
+
+# ============================================================================= calibration
+def test_calibration_measures_once_and_caches(tmp_path, monkeypatch):
+    monkeypatch.setenv("HYBRID_OPT_CACHE_DIR", str(tmp_path))
+    first = calibrate.rates("cpu")
+    for key in ("host_adam_gelems_per_s", "device_adam_gbps", "device_adam_gbps_with_worker",
+                "h2d_gbps", "trainer_slowdown_with_worker", "backward_slowdown_with_host_adam"):
+        assert first[key] > 0, key
+    assert first["trainer_slowdown_with_worker"] >= 1 and first["backward_slowdown_with_host_adam"] >= 1
+    assert os.path.exists(tmp_path / "calibration.json")
+
+    def fail(*a, **k):
+        raise AssertionError("measured again despite the cache")
+    monkeypatch.setattr(calibrate, "measure", fail)
+    assert calibrate.rates("cpu") == first
+    monkeypatch.setattr(calibrate, "measure", lambda *a, **k: dict(SLOW_HOST))
+    assert calibrate.rates("cpu", refresh=True)["host_adam_gelems_per_s"] == SLOW_HOST["host_adam_gelems_per_s"]
+
+
+def test_unreadable_cache_is_measured_again(tmp_path, monkeypatch):
+    monkeypatch.setenv("HYBRID_OPT_CACHE_DIR", str(tmp_path))
+    (tmp_path / "calibration.json").write_text("{not json")
+    monkeypatch.setattr(calibrate, "measure", lambda *a, **k: dict(SLOW_HOST))
+    with pytest.warns(UserWarning, match="unreadable"):
+        r = calibrate.rates("cpu")
+    assert r["host_adam_gelems_per_s"] == SLOW_HOST["host_adam_gelems_per_s"]
+    assert len(json.loads((tmp_path / "calibration.json").read_text())) == 1  # rewritten whole
+
+
+def test_unwritable_cache_warns_and_still_answers(tmp_path, monkeypatch):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    monkeypatch.setenv("HYBRID_OPT_CACHE_DIR", str(blocker / "sub"))  # a dir under a file
+    monkeypatch.setattr(calibrate, "measure", lambda *a, **k: dict(SLOW_HOST))
+    with pytest.warns(UserWarning, match="cannot write the calibration cache"):
+        assert calibrate.rates("cpu")["device_adam_gbps"] == SLOW_HOST["device_adam_gbps"]
+
+
+def test_nvme_calibration_measures_the_disk_and_leaves_nothing(tmp_path):
+    r = calibrate.measure_nvme(str(tmp_path))
+    assert r["nvme_read_gbps"] > 0 and r["nvme_write_gbps"] > 0
+    assert os.listdir(tmp_path) == []
+
+
+# ============================================================================= "auto" plans
+@pytest.mark.parametrize("calibration,expect", [(SLOW_HOST, "device"), (SLOW_DEVICE, "host")])
+def test_auto_places_by_rates_and_matches_torch(calibration, expect):
+    model, ref_model = make_net(), make_net()
+    ref = torch.optim.AdamW(ref_model.parameters(), lr=1e-2, weight_decay=0.1, foreach=False)
+    batches = make_batches(12)
+    with _auto(model, calibration) as opt:
+        share = opt.plan.summary()
+        assert share[expect]["share"] == 1.0, opt.plan
+        assert "predicted step" in repr(opt.plan)
+        train(model, opt, batches)
+        train(ref_model, ref, batches)
+        assert_state_close(opt.state_dict(), ref.state_dict())
+        for a, b in zip(model.parameters(), ref_model.parameters()):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+        assert set(opt.stats["predicted"]) >= {"step_s", "backward_s", "device_s", "worker_s"}
+        assert set(opt.stats["measured"]) >= {"step_s", "backward_s", "device_s", "worker_s"}
+        assert opt.stats["measured"]["backward_s"] > 0
+
+
+def test_auto_on_the_real_calibration_runs():
+    model = make_net()
+    with HybridAdamW(model.parameters(), offload_fraction="auto", subgroup_numel=SUBGROUP) as opt:
+        train(model, opt, make_batches(6))
+        assert opt.plan.prediction is not None and opt.stats["predicted"]["step_s"] > 0
+
+
+def test_auto_nvme_takes_what_the_host_budget_cannot_hold(tmp_path):
+    def mlp():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(4)])
+    model, ref_model = mlp(), mlp()
+    n = sum(p.numel() for p in model.parameters())
+    wl = cm.Workload(params=float(n), model_bytes=4, grad_bytes=4, subgroup_numel=1024)
+    budget = cm.memory_bytes(cm.Machine(gpus=0), wl, 1.0, 0.75, spare_banks=1)["host"] * 1.01
+    assert cm.memory_bytes(cm.Machine(gpus=0), wl, 1.0, 0.0, spare_banks=1)["host"] > budget
+    ref = torch.optim.AdamW(ref_model.parameters(), lr=1e-2, weight_decay=0.1, foreach=False)
+    g = torch.Generator().manual_seed(3)
+    xs = [torch.randn(8, 64, generator=g) for _ in range(6)]
+    with HybridAdamW(model.parameters(), lr=1e-2, weight_decay=0.1, offload_fraction="auto",
+                     nvme_fraction="auto", nvme_path=str(tmp_path), spare_banks=1, subgroup_numel=1024,
+                     host_memory_budget=int(budget), calibration=WITH_NVME) as opt:
+        assert opt.plan.summary()["nvme"]["share"] >= 0.7, opt.plan
+        assert opt.plan.prediction.memory_bytes["host"] <= budget
+        for m, o in ((model, opt), (ref_model, ref)):
+            for x in xs:
+                o.zero_grad()
+                m(x).square().mean().backward()
+                o.step()
+        assert_state_close(opt.state_dict(), ref.state_dict())
+
+
+def test_auto_without_nvme_path_keeps_nvme_at_zero():
+    with _auto(make_net(), WITH_NVME, nvme_fraction="auto") as opt:
+        assert opt.plan.summary()["nvme"]["subgroups"] == 0
+
+
+def test_a_budget_too_small_says_how_much_is_needed():
+    with pytest.raises(ValueError, match=r'"auto": no placement fits.*needs at least \d+\.\d GB of host memory'):
+        _auto(make_net(), SLOW_HOST, host_memory_budget=1000)
+
+
+def test_fixed_fractions_with_a_budget_too_small_fail_clearly():
+    with pytest.raises(ValueError, match="needs .* GB of host memory and host_memory_budget"):
+        HybridAdamW(make_net().parameters(), offload_fraction=1.0, subgroup_numel=SUBGROUP,
+                    host_memory_budget=1000)
+
+
+@pytest.mark.parametrize("bad", [-1, 1.5, "often", True])
+def test_refit_every_is_checked(bad):
+    with pytest.raises(ValueError, match="refit_every"):
+        _auto(make_net(), SLOW_HOST, refit_every=bad)
+
+
+# ============================================================================= refits
+def test_replan_moves_state_without_changing_a_bit():
+    """Moving every subgroup device -> host -> mixed -> device mid-training gives bitwise the
+    same params and state as never moving (the same CPU kernel steps every tier)."""
+    batches = make_batches(12)
+    fixed_model, moved_model = make_net(), make_net()
+    with HybridAdamW(fixed_model.parameters(), lr=1e-2, weight_decay=0.1, max_grad_norm=0.5,
+                     offload_fraction=0.0, subgroup_numel=SUBGROUP) as fixed, \
+            _auto(moved_model, SLOW_HOST, max_grad_norm=0.5) as moved:
+        assert moved.plan.summary()["device"]["share"] == 1.0
+        for k, batch in enumerate(batches):
+            if k in (3, 6, 9):
+                moved.replan({3: 1.0, 6: 0.5, 9: 0.0}[k])
+            train(fixed_model, fixed, [batch])
+            train(moved_model, moved, [batch])
+        assert moved._auto.moves == 3
+        for a, b in zip(fixed_model.parameters(), moved_model.parameters()):
+            assert torch.equal(a, b)
+        assert_state_close(moved.state_dict(), fixed.state_dict(), exact=True)
+
+
+def test_a_refit_that_pays_moves_and_numerics_stay_bitwise(monkeypatch):
+    batches = make_batches(10)
+    fixed_model, auto_model = make_net(), make_net()
+    with HybridAdamW(fixed_model.parameters(), lr=1e-2, weight_decay=0.1,
+                     offload_fraction=0.0, subgroup_numel=SUBGROUP) as fixed, \
+            _auto(auto_model, SLOW_HOST, refit_every=2) as opt:
+        to_host = opt._auto.predict(1.0, 0.0)
+        monkeypatch.setattr(opt._auto, "refit", lambda *a: Decision(1.0, 0.0, to_host, "test"))
+        train(fixed_model, fixed, batches)
+        train(auto_model, opt, batches)
+        assert opt._auto.moves >= 1 and opt.plan.summary()["host"]["share"] == 1.0
+        assert opt.worker_pid is not None
+        for a, b in zip(fixed_model.parameters(), auto_model.parameters()):
+            assert torch.equal(a, b)
+        assert_state_close(opt.state_dict(), fixed.state_dict(), exact=True)
+
+
+def _planner(**kw):
+    numels = [100] * 10
+    base = dict(numels=numels, ready_ranks=list(range(9, -1, -1)), device=torch.device("cpu"),
+                model_bytes=4, state_bytes=12, subgroup_numel=100, device_budget=1e12, host_budget=1e12,
+                refit_every=10, calibration=dict(SLOW_DEVICE, device_adam_gbps=1e-5,
+                                                 device_adam_gbps_with_worker=1e-5,
+                                                 host_adam_gelems_per_s=1e-6))
+    base.update(kw)
+    return AutoPlanner(**base)
+
+
+def _sample(backward_s, **kw):
+    s = dict(backward_s=backward_s, step_s=0.0, device_s=0.0, host_wait_s=0.0, device_elements=0,
+             host_worker_s=0.0, host_elements=0, hidden_s=0.0)
+    s.update(kw)
+    return Sample(**s)
+
+
+def test_refit_uses_measured_backward_to_hide_host_work():
+    """With no backward measured, nothing hides and the plan splits by rates; a long measured
+    backward lets the host take everything, and the refit says to move."""
+    ap = _planner()
+    first = ap.choose()
+    assert 0 < first.offload_fraction < 1
+    for _ in range(6):
+        ap.observe(_sample(backward_s=2.0))
+    d = ap.refit(first.offload_fraction, first.nvme_fraction)
+    assert d is not None and d.offload_fraction == 1.0
+    assert ap.backward_s == pytest.approx(2.0)
+    assert d.prediction.iteration_seconds < d.current.iteration_seconds
+
+
+def test_refit_does_not_move_for_a_gain_below_the_move_cost():
+    ap = _planner(refit_every=1)
+    first = ap.choose()
+    ap.move_cost_s = 1e9
+    for _ in range(6):
+        ap.observe(_sample(backward_s=2.0))
+    assert ap.refit(first.offload_fraction, first.nvme_fraction) is None
+
+
+def test_refit_takes_the_host_rate_from_measured_worker_time():
+    ap = _planner()
+    ap.observe(_sample(0.1))  # the first sample (page faults) is dropped
+    for _ in range(3):
+        ap.observe(_sample(0.1, host_worker_s=2.0, host_elements=1000))
+    ap.refit(0.5, 0.0)
+    assert ap.rates["host_adam_gelems_per_s"] == pytest.approx(1000 / 2.0 / 1e9)
+    assert ap.calibration["host_adam_gelems_per_s"] == 1e-6  # the calibration itself stays
+
+
+def test_refit_schedule():
+    ap = _planner(refit_every=50)
+    assert [k for k in range(1, 200) if ap.due(k)] == [5, 55, 105, 155]
+    assert not any(_planner(refit_every=0).due(k) for k in range(1, 100))
+
+
+def test_candidates_are_subgroup_boundaries():
+    ap = _planner(numels=[10, 30, 60], ready_ranks=[2, 1, 0])
+    assert ap._boundaries() == [0.0, 0.6, 0.9, 1.0]
+    many = _planner(numels=[1] * 1000, ready_ranks=list(range(1000)))
+    b = many._boundaries()
+    assert len(b) <= 49 and b[0] == 0.0 and b[-1] == 1.0 and b == sorted(b)
+
+
+def test_cpu_only_offload_costs_the_trainer_cores():
+    m = cm.Machine(gpus=0, device_adam_gbps=40, device_adam_gbps_with_worker=20, host_adam_gelems_per_s=1,
+                   h2d_gbps=0, d2h_gbps=0, trainer_slowdown_with_worker=1.5)
+    wl = cm.Workload(params=1e8, backward_seconds=1.0)
+    none, some = cm.predict(m, wl, 0.0), cm.predict(m, wl, 0.5)
+    assert none.forward_backward_seconds == pytest.approx(1.5)
+    assert some.forward_backward_seconds == pytest.approx(1.5 * 1.5)
+    assert some.breakdown["device_step"] == pytest.approx(0.5e8 * 28 / 20e9)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert cm.best_plan(m, wl).offload_fraction == 0.0
