@@ -194,6 +194,15 @@ def _gb(x: float) -> str:
     return f"{x / GB:,.1f} GB"
 
 
+def model_tflops_per_gpu(machine: Machine, workload: Workload, p) -> float | None:
+    """Model FLOPs (6 x params x tokens unless --model-flops) per GPU per second of the
+    predicted iteration: the figure papers publish."""
+    if workload.backward_seconds is not None and workload.model_flops is None:
+        return None  # the iteration's FLOPs are not known
+    flops = workload.model_flops or 6.0 * workload.params * workload.tokens_per_iteration
+    return flops / max(1, machine.gpus) / p.iteration_seconds / 1e12
+
+
 def _summary(machine: Machine, workload: Workload, p, headroom: float) -> str:
     ranks = max(1, machine.gpus)
     per = "per GPU" if machine.gpus else "(no GPU: one trainer)"
@@ -214,7 +223,9 @@ def _summary(machine: Machine, workload: Workload, p, headroom: float) -> str:
         f"  nvme   {_gb(d['memory_bytes']['nvme'])}",
         f"  ({headroom:.0%} of GPU and host memory kept as headroom)",
         f"predicted: forward+backward {b['forward_backward']:.3f} s, step after backward "
-        f"{p.step_seconds:.3f} s, iteration {p.iteration_seconds:.3f} s",
+        f"{p.step_seconds:.3f} s, iteration {p.iteration_seconds:.3f} s"
+        + ("" if model_tflops_per_gpu(machine, workload, p) is None else
+           f" ({model_tflops_per_gpu(machine, workload, p):.0f} model TFLOPS per GPU)"),
         "where the time goes (seconds):",
         f"  {'device Adam step (after backward)':44s}{b['device_step']:8.3f}",
         f"  {'host Adam compute':44s}{b['host_compute']:8.3f}",
@@ -252,6 +263,7 @@ def main(argv=None) -> int:
         out = p.to_dict()
         out["machine"] = {k: v for k, v in vars(machine).items()}
         out["workload"] = {k: v for k, v in vars(workload).items()}
+        out["model_tflops_per_gpu"] = model_tflops_per_gpu(machine, workload, p)
         print(json.dumps(out, indent=2))
     else:
         print(_summary(machine, workload, p, args.headroom))

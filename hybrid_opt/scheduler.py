@@ -100,8 +100,15 @@ class AutoPlanner:
                                   nvme=self._nvme_allowed())
 
     def workload(self) -> cm.Workload:
+        wl = cm.Workload(params=float(self.total), model_bytes=self.model_bytes, grad_bytes=self.model_bytes,
+                         state_bytes=self.state_bytes)
+        backward = self.backward_s
+        if backward is None:
+            # nothing measured yet: assume backward takes as long as a device-only Adam step
+            # (the case hybrid placement is for); the first refit replaces it with the measure
+            backward = self.total * cm.device_bytes_per_element(wl) / (self.rates["device_adam_gbps"] * 1e9)
         return cm.Workload(params=float(self.total), model_bytes=self.model_bytes, grad_bytes=self.model_bytes,
-                           state_bytes=self.state_bytes, backward_seconds=self.backward_s or 0.0,
+                           state_bytes=self.state_bytes, backward_seconds=backward,
                            subgroup_numel=min(self.subgroup_numel, max(self.numels or [1])),
                            step_overhead_seconds=self.overhead_s, exact_rollback=self.exact_rollback)
 
@@ -138,7 +145,8 @@ class AutoPlanner:
             raise ValueError(f'offload_fraction="auto": no placement fits the memory budgets: {e}. '
                              f"Pass device_memory_budget= / host_memory_budget= (bytes) if more "
                              f"is free than was measured{hint}") from None
-        why = ("from calibrated rates" if self.backward_s is None else
+        why = ("from calibrated rates, backward assumed as long as a device-only step"
+               if self.backward_s is None else
                f"from rates and backward ({self.backward_s * 1e3:.1f} ms) measured over "
                f"{len(self.samples)} steps")
         return Decision(p.offload_fraction, p.nvme_fraction, p, why)

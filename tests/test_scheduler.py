@@ -205,17 +205,18 @@ def _sample(backward_s, **kw):
     return Sample(**s)
 
 
-def test_refit_uses_measured_backward_to_hide_host_work():
-    """With no backward measured, nothing hides and the plan splits by rates; a long measured
-    backward lets the host take everything, and the refit says to move."""
+def test_refit_uses_measured_backward():
+    """Before any step, backward is assumed as long as a device-only step (2.8 s here): the
+    host's 1 s hides under it and takes everything. A measured backward of 1 ms hides
+    nothing: the refit splits the work between the tiers by their rates and says to move."""
     ap = _planner()
     first = ap.choose()
-    assert 0 < first.offload_fraction < 1
+    assert first.offload_fraction == 1.0
     for _ in range(6):
-        ap.observe(_sample(backward_s=2.0))
+        ap.observe(_sample(backward_s=0.001))
     d = ap.refit(first.offload_fraction, first.nvme_fraction)
-    assert d is not None and d.offload_fraction == 1.0
-    assert ap.backward_s == pytest.approx(2.0)
+    assert d is not None and 0.5 < d.offload_fraction < 1.0
+    assert ap.backward_s == pytest.approx(0.001)
     assert d.prediction.iteration_seconds < d.current.iteration_seconds
 
 
@@ -224,7 +225,7 @@ def test_refit_does_not_move_for_a_gain_below_the_move_cost():
     first = ap.choose()
     ap.move_cost_s = 1e9
     for _ in range(6):
-        ap.observe(_sample(backward_s=2.0))
+        ap.observe(_sample(backward_s=0.001))
     assert ap.refit(first.offload_fraction, first.nvme_fraction) is None
 
 
