@@ -114,8 +114,9 @@ def main(argv=None) -> int:
     ap.add_argument("--nvme-path", default=None, help="default: a temporary directory")
     ap.add_argument("--subgroup-numel", type=int, default=1 << 16)
     ap.add_argument("--lr", type=float, default=3e-3)
-    ap.add_argument("--spare-banks", type=int, default=16,
-                    help="spare state banks: how many host subgroups can be speculated at once")
+    ap.add_argument("--spare-banks", type=int, default=None,
+                    help="spare state banks: how many host subgroups can be speculated at once "
+                         "(default: one per host subgroup, as memory allows)")
     ap.add_argument("--out", default=os.path.join("bench_out", "demo"), help="where the PNG goes")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--no-baseline", action="store_true", help="skip the torch.optim.AdamW run")

@@ -900,6 +900,26 @@ class _GradGatherer:
                 continue
             dst[a - offset:b - offset].copy_(g[a - sl.sub_offset:b - sl.sub_offset], non_blocking=False)
 
+    def segments(self, offset: int, numel: int, dtype):
+        """Remote gather: [(element offset in the piece, address, elements)] (address 0: zeros)
+        and the grad tensors to keep alive, for the worker to read itself; None when a grad
+        is on a GPU, non-contiguous or of another dtype (then __call__ stages it here)."""
+        end, entries, keep = offset + numel, [], []
+        for sl in self.sg.slices:
+            a, b = max(offset, sl.sub_offset), min(end, sl.sub_offset + sl.numel)
+            if a >= b:
+                continue
+            g = sl.param.grad
+            if g is None:
+                entries.append((a - offset, 0, b - a))
+                continue
+            if g.is_cuda or g.dtype != dtype or not g.is_contiguous():
+                return None
+            start = sl.param_offset + (a - sl.sub_offset)
+            entries.append((a - offset, g.data_ptr() + start * g.element_size(), b - a))
+            keep.append(g)
+        return entries, keep
+
 
 class HybridAdamW(_HybridBase):
     """torch.optim.AdamW's signature and defaults (decoupled weight decay), plus placement.

@@ -134,6 +134,9 @@ def run(train, speculative, *, model=make_mlp, params=None, **kw) -> Run:
     with hybrid(params(net) if params else net.parameters(), speculative, **kw) as opt:
         log: list = []
         extra = train(net, opt, log) or {}
+        if opt._host is not None:
+            extra.setdefault("remote_gathered", opt._host.stats["remote_gathered"])
+            extra.setdefault("remote_gather", opt._host.remote_gather)
         state = opt.state_dict()
         n_host = sum(1 for t in opt.plan.tiers if t != "device")
         plan = opt.plan
@@ -221,6 +224,21 @@ def test_speculative_equals_plain_bitwise_with_and_without_clipping(offload, cli
     else:
         assert all(s.clip_coef == 1.0 for s in spec.steps)
         assert_all(spec, committed=n, redone=0, stepped=0, dropped=0)
+
+
+def test_the_worker_reads_grads_itself_and_the_fallback_matches_bitwise(monkeypatch):
+    """Remote gather (the worker reads grads from the trainer with process_vm_readv) and the
+    trainer staging them itself give bitwise the same run; the plain run never gathers
+    remotely (at step() the trainer stages while the worker computes)."""
+    remote = compare(plain_loop(3))
+    if not remote.extra["remote_gather"]:
+        pytest.skip("this kernel forbids process_vm_readv from the worker: staging is the trainer's")
+    assert remote.extra["remote_gathered"] > 0
+    assert run(plain_loop(3), False).extra["remote_gathered"] == 0
+    monkeypatch.setenv("HYBRID_OPT_REMOTE_GATHER", "0")
+    local = compare(plain_loop(3))
+    assert local.extra["remote_gather"] is False and local.extra["remote_gathered"] == 0
+    assert_bitwise(remote, local)
 
 
 def test_a_pool_of_four_speculates_four_and_steps_the_rest():

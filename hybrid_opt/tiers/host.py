@@ -24,6 +24,7 @@ mid-write may have torn its subgroup: the error names those subgroups.
 """
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass, field, replace
 
@@ -79,6 +80,7 @@ class _Piece:
     task: P.Task
     result: P.Result | None = None
     freed: bool = False           # its staging slot is back in the ring
+    keep: list | None = None      # remote gather: the grads the worker reads, alive until it has
 
 
 @dataclass
@@ -198,14 +200,16 @@ class HostTier:
         self._on_progress = None
         self.worker_seconds = [0.0] * n  # per subgroup, cumulative: compute and I/O in the worker
         self.closed = False
+        self.remote_gather = False
         self.stats = {"committed": 0, "redone": 0, "dropped": 0, "stepped": 0,
-                      "worker_restarts": 0, "worker_seconds": 0.0}
+                      "worker_restarts": 0, "worker_seconds": 0.0, "remote_gathered": 0}
         try:
             for sg in range(n):
                 if self.nvme[sg]:
                     self.swap.create(sg, 2 * self.io_bytes)
             self.client.start()
             self.cores.apply()
+            self.remote_gather = self._probe_remote_gather()
             if has_nvme:
                 # a new file reads back as zeros: slot 0 already holds the all-zero state, so
                 # only its CRC is needed (nothing is written before load_state sets real state)
@@ -329,6 +333,42 @@ class HostTier:
         if sg in self._spec:
             raise RuntimeError(f"subgroup {sg} has a speculative step pending; call finish() first")
 
+    # ------------------------------------------------------------------ remote gather
+    def _probe_remote_gather(self) -> bool:
+        """Whether the worker can read grads straight from this process's memory
+        (process_vm_readv): speculation then costs backward no copy. HYBRID_OPT_REMOTE_GATHER=0
+        turns it off; a kernel that forbids it (Yama ptrace scope 2-3, seccomp) is detected
+        here and the trainer stages grads itself, as before."""
+        if os.environ.get("HYBRID_OPT_REMOTE_GATHER", "1") == "0" or not self._free_slots:
+            return False
+        probe = torch.arange(1, 65, dtype=torch.float32)
+        slot = self._free_slots[-1]
+        dst = self._slots[slot].view(torch.uint8)[:probe.numel() * 4]
+        dst.zero_()
+        task = P.Task(P.OP_PING, 0, slot=slot, gather=P.pack_gather([(0, probe.data_ptr(), probe.numel() * 4)]))
+        try:
+            r = self.client.wait([self._send_task(task)])[0]
+        except Exception:
+            return False
+        ok = r.status == P.STATUS_OK and torch.equal(dst.view(torch.float32), probe)
+        dst.zero_()
+        return ok
+
+    def _remote_segments(self, grad, offset: int, numel: int):
+        """(gather list, tensors to keep alive) for the worker to read a piece of grads itself;
+        None when it cannot (CUDA or non-contiguous grads, another dtype): stage it here."""
+        es = self._slots[0].element_size()
+        if callable(grad):
+            seg = getattr(grad, "segments", None)
+            got = seg(offset, numel, self.grad_dtype) if seg is not None else None
+            if got is None:
+                return None
+            entries, keep = got
+            return P.pack_gather((o * es, a, n * es) for o, a, n in entries), keep
+        if grad.is_cuda or grad.dtype != self.grad_dtype or not grad.is_contiguous():
+            return None
+        return P.pack_gather([(0, grad.data_ptr() + offset * es, numel * es)]), [grad]
+
     # ------------------------------------------------------------------ tasks and slots
     def _task(self, op, sg, inputs: StepInputs, in_bank, out_bank, offset, numel, slot, skip_nonfinite):
         return P.Task(op, 0, sg, numel, in_bank, P.NO_BANK if out_bank is None else out_bank,
@@ -393,6 +433,7 @@ class HostTier:
             piece.result = r = self.client.results.pop(tid)
             self.stats["worker_seconds"] += r.elapsed_ns * 1e-9
             self.worker_seconds[piece.subgroup] += r.elapsed_ns * 1e-9
+            piece.keep = None  # the worker has read its grads
             self._release_piece(piece)
             if r.status == P.STATUS_ERROR and self._error is None:
                 self._error = WorkerError(f"hybrid_opt worker failed on subgroup {r.subgroup}: "
@@ -474,9 +515,11 @@ class HostTier:
         return _Piece(sg, 0, 0, -1, task, freed=True)  # no staging slot
 
     def _launch(self, sg: int, grad, inputs: StepInputs, spec: _Speculation, skip_nonfinite: bool,
-                whole_subgroup_check: bool = False) -> None:
+                whole_subgroup_check: bool = False, remote: bool = False) -> None:
         """Stage and send every task of one subgroup's step; spec.bank (and, for nvme,
-        spec.aux_bank) are already taken."""
+        spec.aux_bank) are already taken. remote: the worker reads the grads itself where it
+        can (during backward, the trainer's core is busy)."""
+        remote = remote and self.remote_gather and not whole_subgroup_check
         n = self.numels[sg]
         runs = inputs.ranges(n)
         pieces = spec.pieces
@@ -498,7 +541,12 @@ class HostTier:
                 piece = _Piece(sg, off, k, slot, self._task(P.OP_STEP, sg, run_inputs, in_bank,
                                                             spec.bank, off, k, slot, skip_nonfinite))
                 pieces.append(piece)  # owns the slot from here: every failure path frees it
-                self._stage(slot, grad, off, k)
+                seg = self._remote_segments(grad, off, k) if remote else None
+                if seg is not None:
+                    piece.task.gather, piece.keep = seg
+                    self.stats["remote_gathered"] += 1
+                else:
+                    self._stage(slot, grad, off, k)
                 if not whole_subgroup_check:
                     self._send(piece)
         if whole_subgroup_check:
@@ -579,7 +627,7 @@ class HostTier:
         spec.inputs = inputs
         self._spec[sg] = spec
         try:
-            self._launch(sg, grad, inputs, spec, True, whole_subgroup_check=in_place)
+            self._launch(sg, grad, inputs, spec, True, whole_subgroup_check=in_place, remote=True)
         except BaseException:
             self._abandon(sg)  # a half-launched speculation must never be committed
             raise
@@ -641,7 +689,8 @@ class HostTier:
         ids = []
         for p in spec.pieces:
             if p.task.op == P.OP_STEP and p.result is not None and p.result.status == P.STATUS_OK:
-                t = P.Task(**{**p.task.__dict__, "op": P.OP_INVERSE, "task_id": 0})
+                # the grads are in the slot already (held until validation): no gather
+                t = P.Task(**{**p.task.__dict__, "op": P.OP_INVERSE, "task_id": 0, "gather": b""})
                 ids.append(self._send_task(t))
         try:
             self._wait(lambda: all(i in self.client.results for i in ids))

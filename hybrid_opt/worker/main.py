@@ -36,6 +36,20 @@ import time
 from hybrid_opt.worker import protocol as P
 
 _DTYPE_SIZE = {0: 4, 1: 2, 2: 2}
+IOV_BATCH = 512  # iovecs per process_vm_readv call (the kernel's limit is 1024)
+
+
+class _IoVec(ctypes.Structure):
+    _fields_ = [("base", ctypes.c_void_p), ("len", ctypes.c_size_t)]
+
+
+def _libc():
+    libc = ctypes.CDLL(None, use_errno=True)
+    fn = libc.process_vm_readv
+    fn.argtypes = [ctypes.c_int, ctypes.POINTER(_IoVec), ctypes.c_ulong, ctypes.POINTER(_IoVec),
+                   ctypes.c_ulong, ctypes.c_ulong]
+    fn.restype = ctypes.c_ssize_t
+    return libc
 
 
 class _Fault:
@@ -79,6 +93,8 @@ class Worker:
         self.fault = _Fault(os.environ.get("HYBRID_OPT_WORKER_FAULT"))
         self.nvme = cfg.get("nvme")
         self.parent = os.getppid()
+        self.trainer = int(cfg.get("trainer_pid") or self.parent)
+        self.libc = _libc()
         self.aio = self.aio_write = None
         self.fds = {}
         if self.nvme:
@@ -130,6 +146,29 @@ class Worker:
             raise MemoryError("grad_stats could not allocate its partial sums")
         s = out.value
         return s, s == s and s not in (float("inf"), float("-inf"))
+
+    def gather(self, t: P.Task) -> None:
+        """Reads a piece's grads from the trainer's memory into its staging slot (remote
+        gather: the trainer's backward does not spend its own core copying them)."""
+        dst = self.base + self.slot_offset + t.slot * self.slot_stride
+        reads = []
+        for off, addr, nbytes in P.GATHER.iter_unpack(t.gather):
+            if off < 0 or nbytes < 0 or off + nbytes > self.slot_stride:
+                raise ValueError(f"gather entry ({off}, {nbytes}) outside the staging slot")
+            if addr == 0:
+                ctypes.memset(dst + off, 0, nbytes)
+            elif nbytes:
+                reads.append((dst + off, addr, nbytes))
+        for k in range(0, len(reads), IOV_BATCH):
+            batch = reads[k:k + IOV_BATCH]
+            local = (_IoVec * len(batch))(*[_IoVec(d, n) for d, _, n in batch])
+            remote = (_IoVec * len(batch))(*[_IoVec(a, n) for _, a, n in batch])
+            want = sum(n for _, _, n in batch)
+            got = self.libc.process_vm_readv(self.trainer, local, len(batch), remote, len(batch), 0)
+            if got != want:
+                err = ctypes.get_errno()
+                raise OSError(err, f"process_vm_readv from the trainer (pid {self.trainer}) read "
+                                   f"{got} of {want} bytes: {os.strerror(err) if got < 0 else 'short read'}")
 
     def step(self, t: P.Task) -> P.Result:
         self.fault.count()
@@ -186,6 +225,8 @@ class Worker:
     def _run(self, t: P.Task) -> P.Result:
         t0 = time.perf_counter_ns()
         try:
+            if t.gather:
+                self.gather(t)
             if t.op == P.OP_STEP:
                 r = self.step(t)
             elif t.op == P.OP_INVERSE:

@@ -3,7 +3,8 @@
 A pipe of fixed-layout structs, not a pickling queue: an empty round trip costs tens of
 microseconds, and the pipe doubles as the liveness signal — the trainer reads EOF when the
 worker dies, the worker reads EOF when the trainer dies and then exits (no orphans).
-The payload of a request is a Task; of a reply a Result, plus a UTF-8 message on error.
+The payload of a request is a Task, plus its gather list; of a reply a Result, plus a
+UTF-8 message on error.
 Task and result name the subgroup, so every error can say which one failed.
 """
 from __future__ import annotations
@@ -44,15 +45,27 @@ class Task:
     grad_scale: float = 1.0
     file_slot: int = 0       # swap ops: which of the subgroup's two file slots
     crc: int = 0             # OP_SWAP_IN: the CRC32C the slot must have
+    # remote gather: GATHER entries (byte offset in the slot, trainer address, bytes) the
+    # worker reads from the trainer's memory into the slot first (address 0: zeros)
+    gather: bytes = b""
 
     _STRUCT = struct.Struct("<B" + "q" * 7 + "i" * 5 + "q" + "d" * 6 + "iI")
 
     def pack(self) -> bytes:
-        return self._STRUCT.pack(*astuple(self))
+        return self._STRUCT.pack(*astuple(self)[:-1]) + self.gather
 
     @classmethod
     def unpack(cls, payload: bytes) -> "Task":
-        return cls(*cls._STRUCT.unpack(payload))
+        head = cls._STRUCT.size
+        return cls(*cls._STRUCT.unpack(payload[:head]), gather=payload[head:])
+
+
+GATHER = struct.Struct("<qQq")
+
+
+def pack_gather(entries) -> bytes:
+    """[(slot byte offset, trainer address or 0 for zeros, bytes)] -> a Task's gather list."""
+    return b"".join(GATHER.pack(*e) for e in entries)
 
 
 @dataclass
