@@ -255,7 +255,8 @@ def peer_study(args, device) -> tuple[list, list]:
         for label, make_opt, _, hybrid in configs:
             if make_opt is not None:
                 samples, info = _plain_samples(runner, args, device, make_opt)
-                if r == 0 and label.startswith("device only"):
+                if label.startswith("device only"):
+                    # every round: the predictions compare with rows measured under the same drift
                     model = make_model(args.layers, args.width, device)
                     alone += runner.samples(model, _NoOpt(model), 2)["fb"]
                     del model

@@ -264,3 +264,26 @@ def test_cpu_only_offload_costs_the_trainer_cores():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert cm.best_plan(m, wl).offload_fraction == 0.0
+
+
+# ============================================================================= on a GPU
+@pytest.mark.gpu
+def test_cuda_calibration_and_auto_match_torch(tmp_path, monkeypatch):
+    monkeypatch.setenv("HYBRID_OPT_CACHE_DIR", str(tmp_path))
+    r = calibrate.rates("cuda")
+    assert r["device_adam_gbps"] > 0 and r["h2d_gbps"] > 0 and r["d2h_gbps"] > 0
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.Linear(256, 8)).cuda()
+    ref_model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.Linear(256, 8)).cuda()
+    ref_model.load_state_dict(model.state_dict())
+    ref = torch.optim.AdamW(ref_model.parameters(), lr=1e-3, foreach=False)
+    with HybridAdamW(model.parameters(), lr=1e-3, offload_fraction="auto", subgroup_numel=4096) as opt:
+        assert opt.plan.prediction is not None
+        x = torch.randn(32, 256, device="cuda")
+        for _ in range(8):
+            for m, o in ((model, opt), (ref_model, ref)):
+                o.zero_grad()
+                m(x).square().mean().backward()
+                o.step()
+        for a, b in zip(model.parameters(), ref_model.parameters()):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)

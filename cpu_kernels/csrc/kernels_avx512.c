@@ -105,6 +105,8 @@ static inline __m256i to_copy16(__m512 x, int dt)
     return dt == DT_BF16 ? to_bf16_16(x) : _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
 }
 
+#define HYBRID_PF 256  /* floats ahead */
+
 static inline void adam_f32_regs(const float *pin, const float *g, const float *m, const float *v,
                                  const float *vmax, float *po, float *mo, float *vo, float *xo,
                                  void *copy, int copy_dt, int64_t off, int len,
@@ -126,6 +128,18 @@ static inline void adam_f32_regs(const float *pin, const float *g, const float *
      * store fills a whole write-combining buffer (half lines stall the other streams) */
     for (; i + 32 <= len; i += 32) {
         __m512 pn[2], mi, vi, vv;
+        /* software prefetch 1 KiB ahead on the four read streams: with three non-temporal
+         * write streams beside them the hardware prefetcher alone leaves bank mode ~10 %
+         * below the pattern's own bandwidth here (A/B on the same run: 0.82-0.89 -> 0.91-0.98
+         * of the bank-pattern probe); prefetches past the end never fault */
+        _mm_prefetch((const char *)(pin + i + HYBRID_PF), _MM_HINT_T0);
+        _mm_prefetch((const char *)(pin + i + HYBRID_PF + 16), _MM_HINT_T0);
+        _mm_prefetch((const char *)(g + i + HYBRID_PF), _MM_HINT_T0);
+        _mm_prefetch((const char *)(g + i + HYBRID_PF + 16), _MM_HINT_T0);
+        _mm_prefetch((const char *)(m + i + HYBRID_PF), _MM_HINT_T0);
+        _mm_prefetch((const char *)(m + i + HYBRID_PF + 16), _MM_HINT_T0);
+        _mm_prefetch((const char *)(v + i + HYBRID_PF), _MM_HINT_T0);
+        _mm_prefetch((const char *)(v + i + HYBRID_PF + 16), _MM_HINT_T0);
         for (int h = 0; h < 2; h++) {
             const int j = i + 16 * h;
             adam16(&k, _mm512_loadu_ps(pin + j), _mm512_loadu_ps(g + j), _mm512_loadu_ps(m + j),
