@@ -249,6 +249,7 @@ def peer_study(args, device) -> tuple[list, list]:
     n = args.layers * (args.width * args.width + args.width)
     configs, notes = _peer_configs(args, device)
     pooled = {label: {} for label, *_ in configs}
+    per_round = []   # {label: median iteration ms} of each round: ratios paired within a round
     infos = {label: dict(info) for label, _, info, _ in configs}
     alone = []
     for r in range(args.rounds):
@@ -264,6 +265,9 @@ def peer_study(args, device) -> tuple[list, list]:
                 kw = dict(hybrid)
                 samples, info = _hybrid_samples(runner, args, device, n, kw.pop("warmup", 3), **kw)
             infos[label].update(info)
+            if r == len(per_round):
+                per_round.append({})
+            per_round[r][label] = summarize(samples)["median_ms"]
             for k, xs in samples.items():
                 pooled[label].setdefault(k, []).extend(xs)
             print(f"  round {r + 1}/{args.rounds}: {label}: {summarize(samples)['median_ms']:.1f} ms",
@@ -278,6 +282,15 @@ def peer_study(args, device) -> tuple[list, list]:
     ds = next((r for r in rows if r["impl"].startswith("DeepSpeed")), None)
     if ds:
         auto["vs_deepspeed"] = auto["median_ms"] / ds["median_ms"]
+    # the same ratios within each round (drift between rounds cancels), median over rounds
+    fixed = [r["impl"] for r in sweep]
+    paired = sorted(m[auto["impl"]] / min(m[f] for f in fixed) for m in per_round)
+    auto["vs_best_fixed_paired"] = paired[len(paired) // 2]
+    notes.append("auto / best fixed fraction, per round: " + ", ".join(f"{x:.3f}" for x in paired))
+    if ds:
+        pds = sorted(m[auto["impl"]] / m[ds["impl"]] for m in per_round)
+        auto["vs_deepspeed_paired"] = pds[len(pds) // 2]
+        notes.append("auto / DeepSpeedCPUAdam, per round: " + ", ".join(f"{x:.3f}" for x in pds))
     notes.append(f"forward+backward alone (all cores, no optimizer): {fwd_bwd['median_ms']:.1f} ms "
                  f"(p20 {fwd_bwd['p20_ms']:.1f}, p80 {fwd_bwd['p80_ms']:.1f})")
     notes.append(f'"auto" chose {auto["plan"]}; best fixed fraction of the sweep: {best["impl"]} '

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # GPU check, for a machine lent for a few minutes: the `gpu`-marked tests, the Triton kernel
-# tests on CUDA tensors, and the kernel benchmark at reduced sizes — under 5 minutes on one
-# H200. The machine has no package registry: install with --no-deps into its own torch/triton.
+# tests on CUDA tensors, the kernel benchmark at reduced sizes, and the end-to-end speculation
+# benchmark (host step hidden under backward on a GPU host) — under 6 minutes on one H200.
+# The machine has no package registry: install with --no-deps into its own torch/triton.
 #
 #   bash benchmarks/gpu_check.sh            # log in bench_out/gpu_check.log
 #   OUT=/some/dir bash benchmarks/gpu_check.sh   # log and JSON under $OUT (the device tool's folder)
@@ -36,6 +37,7 @@ step install 60 python -m pip install --no-deps --no-build-isolation -e .
 step gpu-tests 60 python -m pytest -m gpu -q tests
 step kernel-tests 100 python -m pytest -q -m "not gpu" tests/test_gpu_kernels.py
 step benchmark 120 python benchmarks/bench_gpu_kernels.py --quick --sweep --json "$OUT_DIR/bench_gpu_kernels.json"
+step end-to-end 150 python benchmarks/bench_step.py --iters 10 --json "$OUT_DIR/bench_step.json"
 
 echo
 if ((${#failed[@]})); then

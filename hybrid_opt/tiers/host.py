@@ -71,6 +71,9 @@ def _with_step(inputs: StepInputs, step: int) -> StepInputs:
     return replace(inputs, step=step, runs=())
 
 
+REMOTE_GATHER_QUEUE = 2   # pieces in flight below which the worker gathers grads itself
+
+
 @dataclass
 class _Piece:
     subgroup: int
@@ -541,7 +544,11 @@ class HostTier:
                 piece = _Piece(sg, off, k, slot, self._task(P.OP_STEP, sg, run_inputs, in_bank,
                                                             spec.bank, off, k, slot, skip_nonfinite))
                 pieces.append(piece)  # owns the slot from here: every failure path frees it
-                seg = self._remote_segments(grad, off, k) if remote else None
+                # the worker reads the grads itself only while it has little else queued: a
+                # busy worker would finish later, so then the trainer copies them (its copy
+                # overlaps the worker's compute) — the copying is shared by whichever core is free
+                seg = (self._remote_segments(grad, off, k)
+                       if remote and len(self._inflight) < REMOTE_GATHER_QUEUE else None)
                 if seg is not None:
                     piece.task.gather, piece.keep = seg
                     self.stats["remote_gathered"] += 1
