@@ -222,13 +222,12 @@ def _peer_configs(args, device) -> tuple[list, list]:
     return configs, notes
 
 
-def _predictions(rows, args, device, n_params, fwd_bwd_ms):
-    """The cost model's figures for each hybrid row's laid-out placement, from calibrated rates
-    and the forward+backward measured without an optimizer."""
-    from hybrid_opt import calibrate
+def _predictions(rows, args, device, n_params, fwd_bwd_ms, rates):
+    """The cost model's figures for each hybrid row's laid-out placement, from rates
+    calibrated in this run and the forward+backward measured without an optimizer."""
     from hybrid_opt import cost_model as cm
     from hybrid_opt.scheduler import machine_from_rates
-    machine = machine_from_rates(calibrate.rates(device), device)
+    machine = machine_from_rates(rates, device)
     wl = cm.Workload(params=float(n_params), model_bytes=4, grad_bytes=4,
                      backward_seconds=fwd_bwd_ms / 1e3 * cm.BACKWARD_SHARE,
                      subgroup_numel=args.subgroup_numel)
@@ -245,9 +244,14 @@ def _predictions(rows, args, device, n_params, fwd_bwd_ms):
 def peer_study(args, device) -> tuple[list, list]:
     """Every configuration once per round, `--rounds` rounds (drift on a noisy machine hits them
     all alike); each row pools its samples over the rounds."""
+    from hybrid_opt import calibrate
     runner = Runner(args, device)
     n = args.layers * (args.width * args.width + args.width)
     configs, notes = _peer_configs(args, device)
+    # the machine's rates now, not a cached calibration from another moment of a noisy host
+    rates = calibrate.measure(device)
+    notes.append("calibrated in this run: " + ", ".join(
+        f"{k} {v:.3g}" for k, v in rates.items() if isinstance(v, float) and k != "seconds"))
     pooled = {label: {} for label, *_ in configs}
     per_round = []   # {label: median iteration ms} of each round: ratios paired within a round
     infos = {label: dict(info) for label, _, info, _ in configs}
@@ -273,8 +277,17 @@ def peer_study(args, device) -> tuple[list, list]:
             print(f"  round {r + 1}/{args.rounds}: {label}: {summarize(samples)['median_ms']:.1f} ms",
                   file=sys.stderr)
     rows = [_row(label, pooled[label], infos[label]) for label, *_ in configs]
+    paired = _paired(runner, args, device, configs, n)
+    for r in rows:
+        if r["impl"] in paired:
+            r["paired_ms"] = paired[r["impl"]]
+    if 'HybridAdamW "auto"' in paired:
+        base = paired['HybridAdamW "auto"']
+        notes.append("in-process configurations interleaved iteration by iteration: " + ", ".join(
+            f"{k} {v:.1f} ms" for k, v in paired.items()) + "; auto / " + ", auto / ".join(
+            f"{k.split(' (')[0].split(':')[0]} {base / v:.3f}" for k, v in paired.items() if "auto" not in k))
     fwd_bwd = _quantiles(alone)
-    _predictions(rows, args, device, n, fwd_bwd["median_ms"])
+    _predictions(rows, args, device, n, fwd_bwd["median_ms"], rates)
     auto = next(r for r in rows if '"auto"' in r["impl"])
     sweep = [r for r in rows if r["impl"].startswith("HybridAdamW offload") and "no speculation" not in r["impl"]]
     best = min(sweep, key=lambda r: r["median_ms"])
@@ -297,6 +310,51 @@ def peer_study(args, device) -> tuple[list, list]:
                  f'({best["median_ms"]:.1f} ms); auto / best = {auto["vs_best_fixed"]:.3f}'
                  + (f'; auto / DeepSpeedCPUAdam = {auto["vs_deepspeed"]:.3f}' if ds else ""))
     return rows, notes
+
+
+def _paired(runner, args, device, configs, n) -> dict:
+    """The in-process configurations (no worker: torch, DeepSpeed, "auto" when it keeps
+    everything on the device, offload 0) alive at once, one iteration each in turn, so
+    they share every moment of a noisy machine: {label: median ms}. A worker would take a
+    core from all of them, so configurations with one are not paired."""
+    live = []
+    try:
+        for label, make_opt, _, hybrid in configs:
+            if make_opt is None and hybrid.get("offload_fraction") not in ("auto", 0.0):
+                continue
+            model = make_model(args.layers, args.width, device)
+            if make_opt is not None:
+                opt = make_opt(model.parameters())
+            else:
+                kw = {k: v for k, v in hybrid.items() if k != "warmup"}
+                opt = HybridAdamW(model.parameters(), lr=1e-4, subgroup_numel=args.subgroup_numel, **kw)
+                if opt._host is not None:  # "auto" chose a worker here: not an in-process row
+                    opt.close()
+                    continue
+            live.append((label, model, opt))
+        times = {label: [] for label, *_ in live}
+        for _ in range(6):  # warm-up rounds ("auto" refits after 5 steps)
+            for label, model, opt in live:
+                _one(runner, model, opt)
+        for k in range(args.iters * args.rounds):
+            order = live[k % len(live):] + live[:k % len(live)]
+            for label, model, opt in order:
+                times[label].append(_one(runner, model, opt))
+        return {label: _quantiles(xs)["median_ms"] for label, xs in times.items()}
+    finally:
+        for _, _, opt in live:
+            if hasattr(opt, "close"):
+                opt.close()
+
+
+def _one(runner, model, opt) -> float:
+    runner._sync()
+    t0 = time.perf_counter()
+    opt.zero_grad(set_to_none=True)
+    model(runner.x).square().mean().backward()
+    opt.step()
+    runner._sync()
+    return (time.perf_counter() - t0) * 1e3
 
 
 class _NoOpt:
@@ -339,7 +397,8 @@ def main(argv=None) -> int:
     if args.peers:
         rows, notes = peer_study(args, device)
         cols = [("impl", "impl", "s"), ("median_ms", "iteration ms", ".1f"), ("p20_ms", "p20", ".1f"),
-                ("p80_ms", "p80", ".1f"), ("fwd_bwd_ms", "fwd+bwd ms", ".1f"), ("step_ms", "step ms", ".1f"),
+                ("p80_ms", "p80", ".1f"), ("paired_ms", "interleaved ms", ".1f"),
+                ("fwd_bwd_ms", "fwd+bwd ms", ".1f"), ("step_ms", "step ms", ".1f"),
                 ("pred_iteration_ms", "predicted it. ms", ".1f"), ("pred_step_ms", "predicted step ms", ".1f"),
                 ("pred_vs_measured", "pred/meas it.", ".2f"), ("hidden_pct", "% hidden", ".0f"),
                 ("host_bytes_per_param", "host B/param", ".1f"), ("peak_device_mb", "peak device MB", ".0f")]

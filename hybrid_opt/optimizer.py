@@ -303,10 +303,12 @@ class _HybridBase(torch.optim.Optimizer):
         self._ready: dict = {}
         self._staged: dict = {}     # host subgroup index -> the grad tensors its pending speculation read
         if self._auto is not None:
-            # the scheduler times backward: from the first grad accumulated to the last
-            for p in self._all_params():
-                if p.requires_grad:
-                    self._hook_handles.append(p.register_post_accumulate_grad_hook(self._on_grad_timed))
+            # the scheduler times backward from the first grad accumulated to the last: hooks on
+            # the first and last trainable params only (grads complete in about reverse
+            # parameter order; a Python hook on every param would itself slow backward)
+            trainable = [p for p in self._all_params() if p.requires_grad]
+            for p in {id(q): q for q in trainable[:1] + trainable[-1:]}.values():
+                self._hook_handles.append(p.register_post_accumulate_grad_hook(self._on_grad_timed))
         if not self.speculative or not host:
             return
         for sg in host:
