@@ -472,6 +472,13 @@ class _HybridBase(torch.optim.Optimizer):
             self._auto.move_cost_s = time.perf_counter() - t0
             self._auto.moves += 1
 
+    def _room_to_move(self) -> bool:
+        """A move copies every subgroup's state out first: only when that copy fits in half of
+        the free host memory."""
+        from hybrid_opt.scheduler import _free_host_bytes
+        need = sum(s.numel for s in self._subgroups) * (16 if self._amsgrad_layout else 12)
+        return need <= 0.5 * _free_host_bytes()
+
     def replan(self, offload_fraction: float, nvme_fraction: float = 0.0) -> None:
         """Moves state to another placement now (what a refit of "auto" does); numerics are
         unchanged. Call between steps."""
@@ -639,6 +646,9 @@ class _HybridBase(torch.optim.Optimizer):
             hidden_s=self.stats["hidden_s"]))
         if self._auto.due(self._steps_taken):
             decision = self._auto.refit(*self._fractions, self.plan.spare_banks)
+            if decision is not None and not self._room_to_move():
+                self.plan.reason = "refit: a move would pay, but a copy of the state does not fit in free memory"
+                decision = None
             if decision is not None:
                 self._move(decision)
             elif self._auto.backward_s is not None:

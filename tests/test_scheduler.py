@@ -187,6 +187,18 @@ def test_a_refit_that_pays_moves_and_numerics_stay_bitwise(monkeypatch):
         assert_state_close(opt.state_dict(), fixed.state_dict(), exact=True)
 
 
+def test_a_move_that_would_not_fit_in_memory_is_skipped(monkeypatch):
+    from hybrid_opt import scheduler
+    model = make_net()
+    with _auto(model, SLOW_HOST, refit_every=2) as opt:
+        to_host = opt._auto.predict(1.0, 0.0)
+        monkeypatch.setattr(opt._auto, "refit", lambda *a: Decision(1.0, 0.0, to_host, "test"))
+        monkeypatch.setattr(scheduler, "_free_host_bytes", lambda: 0.0)
+        train(model, opt, make_batches(6))
+        assert opt._auto.moves == 0 and opt.plan.summary()["device"]["share"] == 1.0
+        assert "does not fit in free memory" in opt.plan.reason
+
+
 def _planner(**kw):
     numels = [100] * 10
     base = dict(numels=numels, ready_ranks=list(range(9, -1, -1)), device=torch.device("cpu"),
