@@ -231,17 +231,23 @@ class _HybridBase(torch.optim.Optimizer):
         d = self._auto.choose()
         return d.offload_fraction, d.nvme_fraction, d
 
-    def _check_budgets(self, off: float, nv: float) -> None:
+    def _memory(self, off: float, nv: float, spare_banks) -> dict:
+        """The cost model's bytes per tier for this optimizer's model at a placement."""
         from hybrid_opt import cost_model as cm
-        from hybrid_opt.scheduler import check_fixed_plan
         params = list(self._all_params())
         cuda = bool(params) and params[0].is_cuda
         size = params[0].element_size() if params else 4
         wl = cm.Workload(params=float(sum(s.numel for s in self._subgroups)), model_bytes=size,
                          grad_bytes=size, state_bytes=16 if self._amsgrad_layout else 12,
                          subgroup_numel=self.subgroup_numel)
-        mem = cm.memory_bytes(cm.Machine(gpus=1 if cuda else 0), wl, off, nv,
-                              self.spare_banks if self.spare_banks is not None else 4)
+        return cm.memory_bytes(cm.Machine(gpus=1 if cuda else 0), wl, off, nv, spare_banks)
+
+    def _check_budgets(self, off: float, nv: float) -> None:
+        from hybrid_opt.scheduler import check_fixed_plan
+        params = list(self._all_params())
+        cuda = bool(params) and params[0].is_cuda
+        # the spare pool is sized afterwards from what the budget leaves (at least one bank)
+        mem = self._memory(off, nv, self.spare_banks if self.spare_banks is not None else 1)
         check_fixed_plan((self.device_memory_budget, self.host_memory_budget), mem, cuda)
 
     def _place(self, decision=None) -> None:
@@ -259,8 +265,11 @@ class _HybridBase(torch.optim.Optimizer):
             from hybrid_opt.scheduler import default_spare_banks
             host = [s for s in sgs if self.plan.tiers[s.index] != DEVICE]
             biggest = max((s.numel for s in host), default=0)
+            budget = self.host_memory_budget
+            if budget is not None:  # what the placement leaves of it
+                budget = max(0, budget - self._memory(off, nv, spare_banks=0)["host"])
             self.plan.spare_banks = default_spare_banks(
-                len(host), biggest * (16 if self._amsgrad_layout else 12), self.host_memory_budget)
+                len(host), biggest * (16 if self._amsgrad_layout else 12), budget)
         # the shares actually laid out (subgroup boundaries)
         total = sum(self.plan.numels) or 1
         self._fractions = ((self.plan.elements(HOST) + self.plan.elements(NVME)) / total,
@@ -448,6 +457,7 @@ class _HybridBase(torch.optim.Optimizer):
             import cpu_kernels
             cpu_kernels.set_num_threads(self._saved_kernel_threads)
             self._host = None
+        self.__dict__.pop("_prev_worker_s", None)  # per-subgroup worker times of the old tier
         self._place(decision if decision is not None else
                     _Fixed(*self._fractions, self.plan.prediction, self.plan.reason))
 

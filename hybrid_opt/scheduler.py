@@ -235,12 +235,15 @@ def machine_from_rates(rates: dict, device, device_budget=None, host_budget=None
     return cm.Machine(**kw)
 
 
-def default_spare_banks(n_host: int, subgroup_state_bytes: int, host_budget=None) -> int:
-    """Fixed fractions without `spare_banks=`: a spare bank for every host subgroup (every
-    host step can then hide under backward) if they fit in SPARE_SHARE of the host budget
-    (default: the free memory), else as many as fit, never fewer than DEFAULT_SPARE_BANKS."""
-    avail = host_budget if host_budget is not None else _free_host_bytes()
-    fit = int(avail * SPARE_SHARE // max(1, subgroup_state_bytes))
+def default_spare_banks(n_host: int, subgroup_state_bytes: int, leftover=None) -> int:
+    """Fixed fractions without `spare_banks=`: a spare bank for every host subgroup (every host
+    step can then hide under backward) if they fit in SPARE_SHARE of the free memory, else as
+    many as fit, never fewer than DEFAULT_SPARE_BANKS. With an explicit host budget, `leftover`
+    is what the placement leaves of it: as many as fit there (at least one)."""
+    size = max(1, subgroup_state_bytes)
+    if leftover is not None:
+        return max(1, min(n_host, int(leftover // size)))
+    fit = int(_free_host_bytes() * SPARE_SHARE // size)
     return max(1, min(n_host, max(DEFAULT_SPARE_BANKS, fit)))
 
 

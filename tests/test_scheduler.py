@@ -143,6 +143,17 @@ def test_fixed_fractions_with_a_budget_too_small_fail_clearly():
                     host_memory_budget=1000)
 
 
+def test_fixed_fractions_size_the_spare_pool_from_memory():
+    with HybridAdamW(make_net().parameters(), offload_fraction=1.0, subgroup_numel=SUBGROUP) as opt:
+        n_host = len(opt.plan.subgroups("host"))
+        assert opt.plan.spare_banks == n_host  # they fit in a quarter of the free memory
+        base = opt._memory(1.0, 0.0, spare_banks=0)["host"]
+    bank = SUBGROUP * 12
+    with HybridAdamW(make_net().parameters(), offload_fraction=1.0, subgroup_numel=SUBGROUP,
+                     host_memory_budget=int(base + 3.5 * bank)) as opt:
+        assert opt.plan.spare_banks == 3  # what the explicit budget leaves
+
+
 @pytest.mark.parametrize("bad", [-1, 1.5, "often", True])
 def test_refit_every_is_checked(bad):
     with pytest.raises(ValueError, match="refit_every"):
@@ -159,12 +170,15 @@ def test_replan_moves_state_without_changing_a_bit():
                      offload_fraction=0.0, subgroup_numel=SUBGROUP) as fixed, \
             _auto(moved_model, SLOW_HOST, max_grad_norm=0.5) as moved:
         assert moved.plan.summary()["device"]["share"] == 1.0
+        worker_s = []
         for k, batch in enumerate(batches):
             if k in (3, 6, 9):
                 moved.replan({3: 1.0, 6: 0.5, 9: 0.0}[k])
             train(fixed_model, fixed, [batch])
             train(moved_model, moved, [batch])
+            worker_s += [t["worker_s"] for t in moved.stats["tiers"].values()]
         assert moved._auto.moves == 3
+        assert min(worker_s) >= 0 and max(worker_s) > 0  # per-tier stats survive the moves
         for a, b in zip(fixed_model.parameters(), moved_model.parameters()):
             assert torch.equal(a, b)
         assert_state_close(moved.state_dict(), fixed.state_dict(), exact=True)
