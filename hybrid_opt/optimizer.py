@@ -910,12 +910,17 @@ class _GradGatherer:
     def __init__(self, sg):
         self.sg = sg
 
-    def __call__(self, dst: torch.Tensor, offset: int, numel: int) -> None:
+    def _overlaps(self, offset: int, numel: int):
+        """(slice, a, b) for each slice overlapping [offset, offset + numel), [a, b) in
+        subgroup elements."""
         end = offset + numel
         for sl in self.sg.slices:
             a, b = max(offset, sl.sub_offset), min(end, sl.sub_offset + sl.numel)
-            if a >= b:
-                continue
+            if a < b:
+                yield sl, a, b
+
+    def __call__(self, dst: torch.Tensor, offset: int, numel: int) -> None:
+        for sl, a, b in self._overlaps(offset, numel):
             g = sl.grad_view()
             if g is None:
                 dst[a - offset:b - offset].zero_()
@@ -926,11 +931,8 @@ class _GradGatherer:
         """Remote gather: [(element offset in the piece, address, elements)] (address 0: zeros)
         and the grad tensors to keep alive, for the worker to read itself; None when a grad
         is on a GPU, non-contiguous or of another dtype (then __call__ stages it here)."""
-        end, entries, keep = offset + numel, [], []
-        for sl in self.sg.slices:
-            a, b = max(offset, sl.sub_offset), min(end, sl.sub_offset + sl.numel)
-            if a >= b:
-                continue
+        entries, keep = [], []
+        for sl, a, b in self._overlaps(offset, numel):
             g = sl.param.grad
             if g is None:
                 entries.append((a - offset, 0, b - a))

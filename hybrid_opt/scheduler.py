@@ -101,16 +101,16 @@ class AutoPlanner:
 
     def workload(self) -> cm.Workload:
         wl = cm.Workload(params=float(self.total), model_bytes=self.model_bytes, grad_bytes=self.model_bytes,
-                         state_bytes=self.state_bytes)
-        backward = self.backward_s
-        if backward is None:
+                         state_bytes=self.state_bytes,
+                         subgroup_numel=min(self.subgroup_numel, max(self.numels or [1])),
+                         step_overhead_seconds=self.overhead_s, exact_rollback=self.exact_rollback)
+        if self.backward_s is not None:
+            wl.backward_seconds = self.backward_s
+        else:
             # nothing measured yet: assume backward takes as long as a device-only Adam step
             # (the case hybrid placement is for); the first refit replaces it with the measure
-            backward = self.total * cm.device_bytes_per_element(wl) / (self.rates["device_adam_gbps"] * 1e9)
-        return cm.Workload(params=float(self.total), model_bytes=self.model_bytes, grad_bytes=self.model_bytes,
-                           state_bytes=self.state_bytes, backward_seconds=backward,
-                           subgroup_numel=min(self.subgroup_numel, max(self.numels or [1])),
-                           step_overhead_seconds=self.overhead_s, exact_rollback=self.exact_rollback)
+            wl.backward_seconds = self.total * cm.device_bytes_per_element(wl) / (self.rates["device_adam_gbps"] * 1e9)
+        return wl
 
     def _boundaries(self) -> list:
         """Offloaded shares at subgroup boundaries, earliest-ready first (at most
