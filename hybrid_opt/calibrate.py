@@ -198,11 +198,13 @@ def _fwd_bwd_probe():
     return run
 
 
-def _trainer_factors(trainer: list, worker: list) -> tuple[float, float]:
+def trainer_factors(trainer: list, worker: list, run=None) -> tuple[float, float]:
     """(fwd+bwd slowdown on the trainer's cores alone, further slowdown while Adam streams on
-    the worker's cores) of a small fwd+bwd, both >= 1."""
+    the worker's cores), both >= 1, of `run()` — one training iteration without an optimizer
+    step; by default a small fwd+bwd probe. A benchmark passes its own model's iteration to
+    get the factors of that model rather than of the probe."""
     import cpu_kernels
-    run = _fwd_bwd_probe()
+    run = run or _fwd_bwd_probe()
     all_cpus = sorted(os.sched_getaffinity(0))
     with _Threads(len(all_cpus)):
         t_all = _best_time(run)
@@ -280,7 +282,7 @@ def measure(device, worker_share: float = 0.5) -> dict:
         out["device_adam_gbps_with_worker"] = _cpu_adam_gbps(len(trainer), bank=False)
         out["h2d_gbps"] = out["d2h_gbps"] = _copy_gbps(len(trainer))
         if set(trainer) != set(worker):
-            slow, contention = _trainer_factors(trainer, worker)
+            slow, contention = trainer_factors(trainer, worker)
         else:
             slow, contention = 1.0, 1.0
         out["trainer_slowdown_with_worker"] = slow

@@ -24,6 +24,8 @@ backward ends:
   before its grads are ready, the first one not before it is whole). Host time exposed after
   backward = `max(0, finish - T_b)`: the whole of backward is the window when the host is
   the bottleneck, because it is busy from the first subgroup on;
+  Without speculation (`Workload.speculative=False`) nothing hides: host steps start in
+  step(), after backward;
 - device and host tiers run on different hardware after backward: step = max(device step,
   exposed host time) + a fixed per-step overhead (measured by the optimizer);
 - contention (CPU-only hosts, DESIGN "Facts"): backward itself runs on the same memory
@@ -89,6 +91,7 @@ class Workload:
     subgroup_numel: int = DEFAULT_SUBGROUP_NUMEL
     step_overhead_seconds: float = 0.0       # fixed per step: norms, launches, bookkeeping
     exact_rollback: bool = True              # spare banks hold speculated steps until validated
+    speculative: bool = True                 # host steps start during backward; False: after it
 
     @property
     def master_is_model(self) -> bool:
@@ -216,7 +219,9 @@ def predict(machine: Machine, workload: Workload, offload_fraction: float,
     h2d = e_off * wl.model_bytes / (machine.h2d_gbps * GB) if machine.h2d_gbps > 0 else 0.0
     host_work = max(host_compute, nvme_io) + d2h + h2d
     w = host_work / e_off if e_off > 0 else 0.0
-    if e_off > 0:
+    if e_off > 0 and not wl.speculative:
+        exposed_host = host_work  # every host step waits for step(): nothing hides
+    elif e_off > 0:
         finish = max(off * t_b + s * w, s * t_b / e + host_work)
         exposed_host = max(0.0, finish - t_b)
         spares = _spares(machine, wl, off, spare_banks)

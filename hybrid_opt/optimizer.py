@@ -226,6 +226,7 @@ class _HybridBase(torch.optim.Optimizer):
                 fixed_nvme=None if self.nvme_fraction == "auto" else float(self.nvme_fraction),
                 nvme_path=self.nvme_path, worker_share=self.worker_share,
                 spare_banks=self.spare_banks, exact_rollback=self.rollback == "exact",
+                speculative=bool(self.speculative),
                 device_budget=budgets[0], host_budget=budgets[1], refit_every=self.refit_every,
                 calibration=self._calibration)
         d = self._auto.choose()

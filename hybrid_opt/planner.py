@@ -123,6 +123,8 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--gpu-tflops", type=pos, help="achieved fwd+bwd TFLOPS per GPU")
     ap.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16", help="model dtype")
     ap.add_argument("--amsgrad", action="store_true", help="one more fp32 state (16 B/param)")
+    ap.add_argument("--no-speculation", action="store_true",
+                    help="host steps start after backward (HybridAdamW(speculative=False)): none hide")
     ap.add_argument("--spare-banks", type=int, default=None,
                     help="spare state banks of exact rollback (default: one per offloaded "
                          "subgroup if host memory allows, else the most that fit)")
@@ -186,7 +188,7 @@ def build(args) -> tuple[Machine, Workload]:
     workload = Workload(params=args.params, model_bytes=4 if fp32 else 2,
                         grad_bytes=4 if fp32 else 2, state_bytes=16 if args.amsgrad else 12,
                         backward_seconds=args.backward_seconds, model_flops=args.model_flops,
-                        tokens_per_iteration=args.tokens)
+                        tokens_per_iteration=args.tokens, speculative=not args.no_speculation)
     return machine, workload
 
 

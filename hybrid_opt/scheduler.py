@@ -72,6 +72,7 @@ class AutoPlanner:
     worker_share: float = 0.5
     spare_banks: int | None = None       # None: sized from the host budget (cost_model.best_plan)
     exact_rollback: bool = True
+    speculative: bool = True
     device_budget: float | None = None
     host_budget: float | None = None
     refit_every: int = 50
@@ -103,7 +104,8 @@ class AutoPlanner:
         wl = cm.Workload(params=float(self.total), model_bytes=self.model_bytes, grad_bytes=self.model_bytes,
                          state_bytes=self.state_bytes,
                          subgroup_numel=min(self.subgroup_numel, max(self.numels or [1])),
-                         step_overhead_seconds=self.overhead_s, exact_rollback=self.exact_rollback)
+                         step_overhead_seconds=self.overhead_s, exact_rollback=self.exact_rollback,
+                         speculative=self.speculative)
         if self.backward_s is not None:
             wl.backward_seconds = self.backward_s
         else:

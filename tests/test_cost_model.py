@@ -93,6 +93,30 @@ def test_a_small_spare_pool_caps_the_work_hidden_under_backward():
     assert 250 <= p.spare_banks < 1000 and p.memory_bytes["host"] <= budget.host_mem_bytes
 
 
+def test_without_speculation_nothing_hides_and_backward_is_not_contended():
+    cpu = _machine(gpus=0, backward_slowdown_with_host_adam=1.5, host_adam_gelems_per_s=100.0)
+    wl = _workload(backward_seconds=100.0)
+    spec, seq = predict(cpu, wl, 0.5), predict(cpu, _workload(backward_seconds=100.0, speculative=False), 0.5)
+    assert spec.breakdown["host_exposed"] < 1e-3 and spec.breakdown["backward_contention"] > 0
+    assert seq.breakdown["host_exposed"] == pytest.approx(seq.breakdown["host_work"])
+    assert seq.breakdown["host_hidden"] == 0 and seq.breakdown["backward_contention"] == 0
+    assert seq.step_seconds == pytest.approx(max(seq.breakdown["device_step"], seq.breakdown["host_work"]))
+    # the planner's flag: the same machine plans with no hiding
+    args = ["--params", "7B", "--preset", "h100-pcie5", "--json"]
+    hidden = json.loads(_plan_json(args))
+    plain = json.loads(_plan_json(args + ["--no-speculation"]))
+    assert hidden["breakdown"]["host_hidden"] > 0 and plain["breakdown"]["host_hidden"] == 0
+
+
+def _plan_json(argv) -> str:
+    import contextlib
+    import io
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        assert planner.main(argv) == 0
+    return buf.getvalue()
+
+
 def test_contention_lengthens_backward_on_shared_memory_hosts():
     cpu = _machine(gpus=0, backward_slowdown_with_host_adam=1.5)
     p = predict(cpu, WORKLOAD, 1.0)

@@ -95,6 +95,20 @@ def test_auto_places_by_rates_and_matches_torch(calibration, expect):
         assert opt.stats["measured"]["backward_s"] > 0
 
 
+def test_auto_without_speculation_offloads_only_what_pays_after_backward():
+    # a host tier as fast as the device's share of the cores: worth more while it can run
+    # during backward (speculation) than when it starts at step()
+    rates = dict(SLOW_HOST, host_adam_gelems_per_s=1.0, device_adam_gbps_with_worker=40.0,
+                 trainer_slowdown_with_worker=1.0, backward_slowdown_with_host_adam=1.0,
+                 h2d_gbps=0.0, d2h_gbps=0.0)
+    shares = {}
+    for speculative in (True, False):
+        with _auto(make_net(), rates, speculative=speculative) as opt:
+            shares[speculative] = opt.plan.summary()["host"]["share"]
+            assert opt._auto.workload().speculative is speculative
+    assert 0 < shares[False] < shares[True], shares
+
+
 def test_auto_on_the_real_calibration_runs():
     model = make_net()
     with HybridAdamW(model.parameters(), offload_fraction="auto", subgroup_numel=SUBGROUP) as opt:
