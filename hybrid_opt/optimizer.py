@@ -20,7 +20,7 @@ from hybrid_opt import layout as L
 from hybrid_opt.plan import DEVICE, HOST, NVME, check_fractions, fraction_plan
 from hybrid_opt.swap import check_nvme_path
 from hybrid_opt.tiers.device import DeviceTier
-from hybrid_opt.tiers.host import HostTier, StepInputs
+from hybrid_opt.tiers.host import HostTier, StepInputs, staging_slots_for
 
 DEFAULT_SUBGROUP_NUMEL = 1 << 22  # 4Mi elements: 16 MB of fp32 master, 48 MB of state
 _MODEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -288,7 +288,15 @@ class _HybridBase(torch.optim.Optimizer):
                 raise TypeError("host-tier parameters must share one low-precision dtype")
             grad_dtype = torch.float32 if len(dtypes) > 1 else next(iter(dtypes))
             nvme = [self.plan.tiers[s.index] == NVME for s in host]
+            # grads arrive about in reverse parameter order: a subgroup is complete when its
+            # first parameter's grad is, and every subgroup that parameter completes is ready
+            # in the same hook
+            bursts: dict = {}
+            for k, s in enumerate(host):
+                bursts.setdefault(min(sl.param_index for sl in s.slices), []).append(k)
             self._host = HostTier([s.numel for s in host], grad_dtype=grad_dtype,
+                                  staging_slots=staging_slots_for(list(bursts.values()),
+                                                                  [s.numel for s in host]),
                                   copy_dtype=copy_dtype, amsgrad=self._amsgrad_layout,
                                   rollback=self.rollback, spare_banks=self.plan.spare_banks or None,
                                   worker_share=self.worker_share, nvme=nvme,

@@ -254,6 +254,43 @@ def test_default_spare_pool_fits_every_host_subgroup_when_memory_allows():
     assert_all(spec, committed=7, redone=0, stepped=0, dropped=0)
 
 
+class Wide(nn.Module):
+    """One Linear(64, 1024) whose outputs are averaged in 16 blocks of 64: its weight spans
+    16 subgroups, all complete in one grad hook; its bias is a 17th subgroup."""
+
+    def __init__(self):
+        super().__init__()
+        self.l0 = nn.Linear(WIDTH, 16 * WIDTH)
+
+    def forward(self, x):
+        return torch.tanh(self.l0(x)).view(-1, 16, WIDTH).mean(1)
+
+
+def make_wide(seed=0):
+    torch.manual_seed(seed)
+    return Wide()
+
+
+def test_a_parameter_spanning_many_subgroups_has_them_all_speculated():
+    """The weight's 16 subgroups become ready in one hook: more than the default 8 staging
+    slots. The tier gets slots for the largest such burst, so none waits for step() (with 8,
+    the half of the burst that found no slot was stepped at step(), after backward)."""
+    spec = compare(plain_loop(3), model=make_wide, spare_banks=64)
+    assert spec.n_host == 17
+    assert_all(spec, committed=17, redone=0, stepped=0, dropped=0)
+    with hybrid(make_wide().parameters(), True, spare_banks=64) as opt:
+        assert len(opt._host._slots) >= 16
+
+
+def test_staging_slots_cover_the_largest_burst_within_bounds():
+    from hybrid_opt.tiers.host import MAX_STAGING_SLOTS, STAGING_SLOTS, staging_slots_for
+    assert staging_slots_for([[0], [1]], [100, 100]) == STAGING_SLOTS
+    # 4Mi subgroups in 1Mi slots: a burst of 5 subgroups needs 20 slots
+    assert staging_slots_for([[0, 1, 2, 3, 4], [5]], [4 << 20] * 6) == 20
+    assert staging_slots_for([list(range(40))], [4 << 20] * 40) == MAX_STAGING_SLOTS
+    assert staging_slots_for([], [64]) == STAGING_SLOTS
+
+
 @pytest.mark.parametrize("clip", [None, CLIP_BITES], ids=["noclip", "clip_bites"])
 def test_speculative_matches_torch_adamw(clip):
     spec = run(plain_loop(), True, max_grad_norm=clip)

@@ -72,6 +72,20 @@ def _with_step(inputs: StepInputs, step: int) -> StepInputs:
 
 
 REMOTE_GATHER_QUEUE = 2   # pieces in flight below which the worker gathers grads itself
+STAGING_SLOTS = 8         # default staging slots (two 4Mi subgroups of 1Mi pieces)
+MAX_STAGING_SLOTS = 32    # staging_slots_for(): at most 128 MB of fp32 grads
+
+
+def staging_slots_for(bursts: list, numels: list, slot_numel: int | None = None) -> int:
+    """Staging slots for a host tier whose subgroups become ready in `bursts` (lists of
+    subgroup indices into `numels` that one grad hook completes together: a parameter that
+    spans several subgroups completes them all at once). A speculated step takes all its
+    slots when it is launched, and backward never waits for the worker, so a burst larger
+    than the free slots is deferred to the next hook — the worker idles meanwhile. Enough
+    slots for the largest burst, within [STAGING_SLOTS, MAX_STAGING_SLOTS]."""
+    slot = align_up(min(slot_numel or DEFAULT_SLOT_NUMEL, align_up(max(numels), _ALIGN_ELEMS)), _ALIGN_ELEMS)
+    need = max((sum(-(-numels[i] // slot) for i in b) for b in bursts), default=0)
+    return max(STAGING_SLOTS, min(MAX_STAGING_SLOTS, need))
 
 
 @dataclass
@@ -107,7 +121,7 @@ class _Speculation:
 class HostTier:
     def __init__(self, numels: list[int], *, grad_dtype=torch.float32, moment_dtype=torch.float32,
                  copy_dtype=None, amsgrad: bool = False, rollback: str = "exact",
-                 spare_banks: int | None = None, staging_slots: int = 8,
+                 spare_banks: int | None = None, staging_slots: int = STAGING_SLOTS,
                  slot_numel: int | None = None, worker_share: float = 0.5,
                  worker_cores: list[int] | None = None, timeout_s: float = 120.0,
                  nvme: list | None = None, nvme_path=None, io_banks: int = 4,

@@ -33,6 +33,7 @@ import signal
 import sys
 import time
 
+from hybrid_opt.shm import populate
 from hybrid_opt.worker import protocol as P
 
 _DTYPE_SIZE = {0: 4, 1: 2, 2: 2}
@@ -83,6 +84,9 @@ class Worker:
             _lib.set_num_threads(int(cfg["threads"]))
         self.mm = mmap.mmap(cfg["arena_fd"], cfg["arena_nbytes"], mmap.MAP_SHARED,
                             mmap.PROT_READ | mmap.PROT_WRITE)
+        # the trainer allocated the pages; map them all now rather than a fault per 4 KB in
+        # the first steps on each bank
+        populate(self.mm)
         self.base = ctypes.addressof(ctypes.c_char.from_buffer(self.mm))
         self.bank_offset, self.bank_stride = cfg["bank_offset"], cfg["bank_stride"]
         self.regions = cfg["bank_regions"]
