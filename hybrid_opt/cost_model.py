@@ -13,10 +13,10 @@ backward ends:
   read = state + grad bytes and written = state + model-copy bytes per element
   (fp32 master+m+v = 12, bf16 grad 2, bf16 copy 2: 28 B/element);
 - host tiers, per offloaded element: `w = max(1 / host rate, nvme I/O per element)
-  + grad bytes / d2h + model bytes / h2d`. The nvme read and write of a subgroup pipeline
-  with the CPU step of its neighbours (max, not sum); the PCIe/C2C copies are counted in
-  series with the step (conservative: our worker copies a subgroup's grads in and its
-  params out around its step). Host work in all: `H = Eo * w`;
+  + grad bytes / d2h`. The nvme read and write of a subgroup pipeline with the CPU step of
+  its neighbours (max, not sum); the grads' copy in is counted in series with the step.
+  Host work that can run during backward: `H = Eo * w`. The new params' copy back
+  (`Eo * model bytes / h2d`) waits for step()'s validation: it is always exposed;
 - hiding under backward: grads become ready uniformly over backward (`T_b`), in reverse
   parameter order, and host tiers take the earliest-ready share `f` of the elements. That
   share arrives over `[0, f*T_b]`; a queue fed at that rate and served at `1/w` per element
@@ -26,8 +26,9 @@ backward ends:
   the bottleneck, because it is busy from the first subgroup on;
   Without speculation (`Workload.speculative=False`) nothing hides: host steps start in
   step(), after backward;
-- device and host tiers run on different hardware after backward: step = max(device step,
-  exposed host time) + a fixed per-step overhead (measured by the optimizer);
+- step() = exposed host time + the params' copy back + device step + a fixed per-step
+  overhead (measured by the optimizer), in series: HybridAdamW finishes the host tiers
+  before it steps the device tier, so a host failure leaves the device tier unstepped;
 - contention (CPU-only hosts, DESIGN "Facts"): backward itself runs on the same memory
   system, and is `backward_slowdown_with_host_adam` times slower while host Adam runs, so
   each second of host work hidden under backward lengthens backward by `(1 - 1/c)` s.
@@ -217,7 +218,9 @@ def predict(machine: Machine, workload: Workload, offload_fraction: float,
     host_compute = e_off * compute_per_elem
     d2h = e_off * wl.grad_bytes / (machine.d2h_gbps * GB) if machine.d2h_gbps > 0 else 0.0
     h2d = e_off * wl.model_bytes / (machine.h2d_gbps * GB) if machine.h2d_gbps > 0 else 0.0
-    host_work = max(host_compute, nvme_io) + d2h + h2d
+    # what can run during backward: the step and the grads' way in; the new params go out
+    # only once step() has validated the step (h2d below is always exposed)
+    host_work = max(host_compute, nvme_io) + d2h
     w = host_work / e_off if e_off > 0 else 0.0
     if e_off > 0 and not wl.speculative:
         exposed_host = host_work  # every host step waits for step(): nothing hides
@@ -235,13 +238,14 @@ def predict(machine: Machine, workload: Workload, offload_fraction: float,
     c = machine.backward_slowdown_with_host_adam
     contention = hidden_host * (1.0 - 1.0 / c) if c > 1.0 else 0.0
 
-    step = max(device_step, exposed_host) + wl.step_overhead_seconds
+    # step(): the host tiers' remaining work and the params' copy back, then the device tier
+    step = exposed_host + h2d + device_step + wl.step_overhead_seconds
     iteration = t_fb + contention + step
     breakdown = {
         "forward_backward": t_fb, "backward": t_b,
         "device_step": device_step,
         "host_compute": host_compute, "nvme_io": nvme_io, "d2h": d2h, "h2d": h2d,
-        "host_work": host_work, "host_hidden": hidden_host, "host_exposed": exposed_host,
+        "host_work": host_work + h2d, "host_hidden": hidden_host, "host_exposed": exposed_host + h2d,
         "backward_contention": contention, "step_overhead": wl.step_overhead_seconds,
     }
     return Prediction(off, nv, step, iteration, t_fb,

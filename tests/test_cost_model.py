@@ -58,9 +58,11 @@ def test_nvme_io_is_pipelined_with_host_compute_max_not_sum():
 
 
 def test_host_work_hides_under_backward_and_never_goes_negative():
-    # fast host, long backward: all but the last subgroup's work hides
+    # fast host, long backward: all but the last subgroup's work hides; the params' copy back
+    # waits for step()
     fast = predict(_machine(host_adam_gelems_per_s=100.0), _workload(backward_seconds=10.0), 1.0)
-    assert fast.breakdown["host_exposed"] < 1e-3
+    assert fast.breakdown["host_exposed"] - fast.breakdown["h2d"] < 1e-3
+    assert fast.step_seconds == pytest.approx(fast.breakdown["host_exposed"] + fast.breakdown["device_step"])
     assert fast.step_seconds >= 0 and fast.breakdown["host_hidden"] <= fast.breakdown["host_work"]
     # slow host: what exceeds backward is exposed, and never more than the host work
     slow = predict(_machine(host_adam_gelems_per_s=0.1), WORKLOAD, 1.0)
@@ -80,12 +82,13 @@ def test_a_small_spare_pool_caps_the_work_hidden_under_backward():
     full = predict(fast, wl, 1.0)
     four = predict(fast, wl, 1.0, spare_banks=4)
     assert full.spare_banks == 1000 and four.spare_banks == 4
-    assert full.breakdown["host_exposed"] < 1e-3
-    assert four.breakdown["host_exposed"] == pytest.approx(four.breakdown["host_work"] * (1 - 4 / 1000))
+    h2d = full.breakdown["h2d"]
+    assert full.breakdown["host_exposed"] - h2d < 1e-3
+    assert four.breakdown["host_exposed"] - h2d == pytest.approx((four.breakdown["host_work"] - h2d) * (1 - 4 / 1000))
     assert four.memory_bytes["host"] < full.memory_bytes["host"]
     # rollback="inverse" needs no spares and hides it all
     inverse = predict(fast, _workload(backward_seconds=100.0, exact_rollback=False), 1.0, spare_banks=4)
-    assert inverse.spare_banks == 0 and inverse.breakdown["host_exposed"] < 1e-3
+    assert inverse.spare_banks == 0 and inverse.breakdown["host_exposed"] - h2d < 1e-3
     # best_plan takes the largest pool that fits the host budget
     budget = _machine(host_adam_gelems_per_s=100.0, gpu_mem_bytes=5 * GB,
                       host_mem_bytes=12e9 + 600 * 1e6 * 12 + 1e8)
@@ -97,10 +100,11 @@ def test_without_speculation_nothing_hides_and_backward_is_not_contended():
     cpu = _machine(gpus=0, backward_slowdown_with_host_adam=1.5, host_adam_gelems_per_s=100.0)
     wl = _workload(backward_seconds=100.0)
     spec, seq = predict(cpu, wl, 0.5), predict(cpu, _workload(backward_seconds=100.0, speculative=False), 0.5)
-    assert spec.breakdown["host_exposed"] < 1e-3 and spec.breakdown["backward_contention"] > 0
+    assert spec.breakdown["host_exposed"] == pytest.approx(spec.breakdown["h2d"], abs=1e-3)
+    assert spec.breakdown["backward_contention"] > 0
     assert seq.breakdown["host_exposed"] == pytest.approx(seq.breakdown["host_work"])
     assert seq.breakdown["host_hidden"] == 0 and seq.breakdown["backward_contention"] == 0
-    assert seq.step_seconds == pytest.approx(max(seq.breakdown["device_step"], seq.breakdown["host_work"]))
+    assert seq.step_seconds == pytest.approx(seq.breakdown["device_step"] + seq.breakdown["host_work"])
     # the planner's flag: the same machine plans with no hiding
     args = ["--params", "7B", "--preset", "h100-pcie5", "--json"]
     hidden = json.loads(_plan_json(args))

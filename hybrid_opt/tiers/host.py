@@ -82,10 +82,11 @@ def staging_slots_for(bursts: list, numels: list, slot_numel: int | None = None)
     spans several subgroups completes them all at once). A speculated step takes all its
     slots when it is launched, and backward never waits for the worker, so a burst larger
     than the free slots is deferred to the next hook — the worker idles meanwhile. Enough
-    slots for the largest burst, within [STAGING_SLOTS, MAX_STAGING_SLOTS]."""
+    slots for the two largest bursts (one may arrive while the worker still holds the slots
+    of the one before), within [STAGING_SLOTS, MAX_STAGING_SLOTS]."""
     slot = align_up(min(slot_numel or DEFAULT_SLOT_NUMEL, align_up(max(numels), _ALIGN_ELEMS)), _ALIGN_ELEMS)
-    need = max((sum(-(-numels[i] // slot) for i in b) for b in bursts), default=0)
-    return max(STAGING_SLOTS, min(MAX_STAGING_SLOTS, need))
+    sizes = sorted(sum(-(-numels[i] // slot) for i in b) for b in bursts)
+    return max(STAGING_SLOTS, min(MAX_STAGING_SLOTS, sum(sizes[-2:])))
 
 
 @dataclass
