@@ -840,3 +840,40 @@ def test_the_arena_is_mapped_in_both_processes_before_the_first_step():
             assert _rss_kb_of_mapping(pid, tier.arena.nbytes) * 1024 == tier.arena.nbytes, pid
     finally:
         tier.close()
+
+
+def test_memory_the_arena_cannot_get_is_an_error_at_construction(monkeypatch):
+    """MADV_POPULATE_WRITE failing for want of memory (ENOMEM, or EFAULT from a full tmpfs)
+    raises a MemoryError naming the size and what to do, and leaks no descriptor."""
+    import errno
+    import mmap
+    import types
+
+    from hybrid_opt import shm
+
+    class NoMemory:
+        def __init__(self, real):
+            self.real = real
+
+        def madvise(self, *a):
+            raise OSError(errno.ENOMEM, os.strerror(errno.ENOMEM))
+
+        def __len__(self):
+            return len(self.real)
+
+        def close(self):
+            self.real.close()
+
+    fake = types.SimpleNamespace(**{k: getattr(mmap, k) for k in ("MAP_SHARED", "PROT_READ", "PROT_WRITE")},
+                                 mmap=lambda *a: NoMemory(mmap.mmap(*a)))
+    fds = psutil.Process().num_fds()
+    monkeypatch.setattr(shm, "mmap", fake)
+    with pytest.raises(MemoryError, match=r"cannot allocate 0\.01 GB of shared memory .*offload_fraction"):
+        shm.SharedArena(8 << 20, "hybrid_opt-test")
+    assert psutil.Process().num_fds() == fds
+    # a kernel without MADV_POPULATE_WRITE answers EINVAL: pages then come on first touch
+    monkeypatch.setattr(shm, "mmap", mmap)
+    monkeypatch.setattr(shm, "MADV_POPULATE_WRITE", 4242)
+    arena = shm.SharedArena(8 << 20, "hybrid_opt-test")
+    assert arena.populated is False
+    arena.close()
