@@ -76,6 +76,13 @@ STAGING_SLOTS = 8         # default staging slots (two 4Mi subgroups of 1Mi piec
 MAX_STAGING_SLOTS = 32    # staging_slots_for(): at most 128 MB of fp32 grads
 
 
+def _slot_numel(numels: list, slot_numel: int | None) -> int:
+    """Elements per staging slot: `slot_numel` (default 1Mi: 4 MB of fp32 grads — a task that
+    long costs the worker ~1 ms, its messaging overhead ~50 us; larger only costs memory),
+    at most the largest subgroup, in whole cache lines."""
+    return align_up(min(slot_numel or DEFAULT_SLOT_NUMEL, align_up(max(numels), _ALIGN_ELEMS)), _ALIGN_ELEMS)
+
+
 def staging_slots_for(bursts: list, numels: list, slot_numel: int | None = None) -> int:
     """Staging slots for a host tier whose subgroups become ready in `bursts` (lists of
     subgroup indices into `numels` that one grad hook completes together: a parameter that
@@ -84,7 +91,7 @@ def staging_slots_for(bursts: list, numels: list, slot_numel: int | None = None)
     than the free slots is deferred to the next hook — the worker idles meanwhile. Enough
     slots for the two largest bursts (one may arrive while the worker still holds the slots
     of the one before), within [STAGING_SLOTS, MAX_STAGING_SLOTS]."""
-    slot = align_up(min(slot_numel or DEFAULT_SLOT_NUMEL, align_up(max(numels), _ALIGN_ELEMS)), _ALIGN_ELEMS)
+    slot = _slot_numel(numels, slot_numel)
     sizes = sorted(sum(-(-numels[i] // slot) for i in b) for b in bursts)
     return max(STAGING_SLOTS, min(MAX_STAGING_SLOTS, sum(sizes[-2:])))
 
@@ -169,9 +176,7 @@ class HostTier:
         self.io_banks = io_banks if has_nvme else 0
         self.pool = BankPool(resident, spares + 2 * self.io_banks)
         self.capacity = align_up(max(numels), _ALIGN_ELEMS)
-        # staging slots: 1Mi elements by default (4 MB of fp32 grads) — a task that long costs
-        # the worker ~1 ms, its messaging overhead ~50 us; larger only costs memory
-        self.slot_numel = align_up(min(slot_numel or DEFAULT_SLOT_NUMEL, self.capacity), _ALIGN_ELEMS)
+        self.slot_numel = _slot_numel(numels, slot_numel)
 
         ms = torch.empty((), dtype=moment_dtype).element_size()
         bank = ArenaLayout()
