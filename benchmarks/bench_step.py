@@ -76,37 +76,51 @@ class Runner:
     def run(self, model, opt, warmup: int, on_step=None) -> dict:
         return summarize(self.samples(model, opt, warmup, on_step))
 
+    def iteration(self, model, opt) -> tuple[float, float]:
+        """One training iteration: (forward+backward ms, step ms)."""
+        self._sync()
+        t0 = time.perf_counter()
+        opt.zero_grad(set_to_none=True)
+        model(self.x).square().mean().backward()
+        self._sync()
+        t1 = time.perf_counter()
+        opt.step()
+        self._sync()
+        return (t1 - t0) * 1e3, (time.perf_counter() - t1) * 1e3
+
     def samples(self, model, opt, warmup: int, on_step=None) -> dict:
         fb, st, it = [], [], []
         for k in range(warmup + self.args.iters):
-            self._sync()
-            t0 = time.perf_counter()
-            opt.zero_grad(set_to_none=True)
-            model(self.x).square().mean().backward()
-            self._sync()
-            t1 = time.perf_counter()
-            opt.step()
-            self._sync()
-            t2 = time.perf_counter()
+            f, s = self.iteration(model, opt)
             if k >= warmup:
-                fb.append((t1 - t0) * 1e3)
-                st.append((t2 - t1) * 1e3)
-                it.append((t2 - t0) * 1e3)
+                fb.append(f)
+                st.append(s)
+                it.append(f + s)
                 if on_step:
                     on_step()
         return {"it": it, "fb": fb, "st": st}
 
-    def fwd_bwd_alone(self, model) -> dict:
+    def call_samples(self, fn, warmup: int = 2) -> list:
+        """ms of each of `--iters` calls of `fn` after `warmup`."""
         ts = []
-        for k in range(2 + self.args.iters):
+        for k in range(warmup + self.args.iters):
             self._sync()
             t0 = time.perf_counter()
+            fn()
+            self._sync()
+            if k >= warmup:
+                ts.append((time.perf_counter() - t0) * 1e3)
+        return ts
+
+    def fwd_bwd(self, model):
+        """One forward+backward of `model` without an optimizer, as a callable."""
+        def run():
             model.zero_grad(set_to_none=True)
             model(self.x).square().mean().backward()
-            self._sync()
-            if k >= 2:
-                ts.append((time.perf_counter() - t0) * 1e3)
-        return _quantiles(ts)
+        return run
+
+    def fwd_bwd_alone(self, model) -> dict:
+        return _quantiles(self.call_samples(self.fwd_bwd(model)))
 
 
 def _peak_device_mb(device):
@@ -211,7 +225,10 @@ def _peer_configs(args, device) -> tuple[list, list]:
         notes.append("torchao CPUOffloadOptimizer skipped: it needs CUDA")
     else:
         try:
-            from torchao.optim import CPUOffloadOptimizer
+            try:
+                from torchao.optim import CPUOffloadOptimizer
+            except ImportError:  # older torchao keeps it in its prototype namespace
+                from torchao.prototype.low_bit_optim import CPUOffloadOptimizer
             configs.append(("torchao CPUOffloadOptimizer(AdamW fused)",
                             lambda ps: CPUOffloadOptimizer(ps, torch.optim.AdamW, lr=1e-4, fused=True),
                             {"host_bytes_per_param": 16.0}, None))
@@ -249,26 +266,48 @@ def _predictions(rows, args, device, n_params, fwd_bwd_ms, rates, suffix=""):
             r["pred_step_vs_measured"] = p.step_seconds * 1e3 / r["step_ms"] if r["step_ms"] else None
 
 
-def _model_factors(runner, args, device, rates, notes) -> dict:
-    """CPU-only: the rates with the trainer's slowdown factors measured on this model's own
-    forward+backward (on the cores a worker leaves it, and while Adam streams on the
-    worker's) instead of the calibration's small probe: the cost model given the right
-    inputs, next to what "auto" planned from."""
-    from hybrid_opt import calibrate
+def _trainer_split(device):
+    """The worker's CoreSplit where a worker takes cores from the trainer (CPU-only, two or
+    more cores), else None."""
     from hybrid_opt.worker.client import CoreSplit
     split = CoreSplit(0.5)
     if device.type == "cuda" or not split.trainer or split.trainer == split.worker:
-        return rates
-    model = make_model(args.layers, args.width, device)
+        return None
+    return split
 
-    def run():
-        model.zero_grad(set_to_none=True)
-        model(runner.x).square().mean().backward()
-    slow, contention = calibrate.trainer_factors(split.trainer, split.worker, run)
-    notes.append(f"this model's fwd+bwd: {slow:.2f}x slower on the trainer's cores, {contention:.2f}x more "
-                 f"while Adam streams on the worker's (the calibration's probe: "
-                 f"{rates['trainer_slowdown_with_worker']:.2f}x, {rates['backward_slowdown_with_host_adam']:.2f}x); "
-                 f"predictions use this model's, \"pred/meas (probe)\" the probe's")
+
+def _time_alone(runner, args, device, split, alone: dict) -> None:
+    """This model's forward+backward without an optimizer, at this moment of the run, appended
+    to `alone`: on every core, and where a worker takes cores (`split`) also on the trainer's
+    alone and there while Adam streams on the worker's — the cost model's inputs measured
+    with the same statistic and at the same moments as the rows they predict (the
+    calibration's best-of-a-few times of a small probe, against medians that a noisy VM
+    inflates most on all cores, overpredicted the rows without speculation by 1.3-1.5x)."""
+    from hybrid_opt import calibrate
+    model = make_model(args.layers, args.width, device)
+    run = runner.fwd_bwd(model)
+    if split is None:
+        alone["all"] += runner.call_samples(run)
+    else:
+        for k, ts in calibrate.trainer_times(split.trainer, split.worker, run, runner.call_samples).items():
+            alone[k] += ts
+    del model
+
+
+def _model_rates(rates: dict, alone: dict, notes: list) -> dict:
+    """The rates with the trainer's slowdown factors of this model's own forward+backward
+    (medians over the rounds) in place of the calibration's probe."""
+    from hybrid_opt import calibrate
+    if not alone.get("trainer"):
+        return rates
+    med = {k: _quantiles(v)["median_ms"] for k, v in alone.items()}
+    slow, contention = calibrate.factors_of(med["all"], med["trainer"], med["contended"])
+    notes.append(f"this model's fwd+bwd without an optimizer (medians over the rounds): all cores "
+                 f"{med['all']:.1f} ms, the trainer's {med['trainer']:.1f} ms ({slow:.2f}x), there while Adam "
+                 f"streams on the worker's {med['contended']:.1f} ms ({contention:.2f}x more); the "
+                 f"calibration's probe (best times): {rates['trainer_slowdown_with_worker']:.2f}x, "
+                 f"{rates['backward_slowdown_with_host_adam']:.2f}x. Predictions use this model's, "
+                 f"\"pred/meas (probe)\" the probe's")
     return dict(rates, trainer_slowdown_with_worker=slow, backward_slowdown_with_host_adam=contention)
 
 
@@ -283,20 +322,21 @@ def peer_study(args, device) -> tuple[list, list]:
     rates = calibrate.measure(device)
     notes.append("calibrated in this run: " + ", ".join(
         f"{k} {v:.3g}" for k, v in rates.items() if isinstance(v, float) and k != "seconds"))
-    model_rates = _model_factors(runner, args, device, rates, notes)
+    split = _trainer_split(device)
     pooled = {label: {} for label, *_ in configs}
     per_round = []   # {label: median iteration ms} of each round: ratios paired within a round
     infos = {label: dict(info) for label, _, info, _ in configs}
-    alone = []
+    alone = {"all": [], "trainer": [], "contended": []}
     for r in range(args.rounds):
-        for label, make_opt, _, hybrid in configs:
+        # every round: the predictions compare with rows measured under the same drift
+        _time_alone(runner, args, device, split, alone)
+        # each round starts one configuration later, every other one in reverse order, so no
+        # configuration always follows the same one (in a fixed order "auto" ran 11-17 %
+        # slower than the same placement one row later)
+        order = configs[r % len(configs):] + configs[:r % len(configs)]
+        for label, make_opt, _, hybrid in (order[::-1] if r % 2 else order):
             if make_opt is not None:
                 samples, info = _plain_samples(runner, args, device, make_opt)
-                if label.startswith("device only"):
-                    # every round: the predictions compare with rows measured under the same drift
-                    model = make_model(args.layers, args.width, device)
-                    alone += runner.samples(model, _NoOpt(model), 2)["fb"]
-                    del model
             else:
                 kw = dict(hybrid)
                 samples, info = _hybrid_samples(runner, args, device, n, kw.pop("warmup", 3), **kw)
@@ -312,13 +352,16 @@ def peer_study(args, device) -> tuple[list, list]:
     paired = _paired(runner, args, device, configs, n)
     for r in rows:
         if r["impl"] in paired:
-            r["paired_ms"] = paired[r["impl"]]
+            r["paired_ms"], r["paired_step_ms"] = paired[r["impl"]]
     if 'HybridAdamW "auto"' in paired:
         base = paired['HybridAdamW "auto"']
-        notes.append("in-process configurations interleaved iteration by iteration: " + ", ".join(
-            f"{k} {v:.1f} ms" for k, v in paired.items()) + "; auto / " + ", auto / ".join(
-            f"{k.split(' (')[0].split(':')[0]} {base / v:.3f}" for k, v in paired.items() if "auto" not in k))
-    fwd_bwd = _quantiles(alone)
+        short = {k: k.split(' (')[0].split(':')[0] for k in paired}
+        notes.append("in-process configurations interleaved iteration by iteration, iteration (step) ms: " + ", ".join(
+            f"{k} {it:.1f} ({st:.1f})" for k, (it, st) in paired.items()) + "; auto / " + ", auto / ".join(
+            f"{short[k]} {base[0] / it:.3f} (step {base[1] / st:.3f})"
+            for k, (it, st) in paired.items() if "auto" not in k))
+    fwd_bwd = _quantiles(alone["all"])
+    model_rates = _model_rates(rates, alone, notes)
     _predictions(rows, args, device, n, fwd_bwd["median_ms"], model_rates)
     if model_rates is not rates:
         _predictions(rows, args, device, n, fwd_bwd["median_ms"], rates, suffix="_probe")
@@ -350,8 +393,9 @@ def peer_study(args, device) -> tuple[list, list]:
 def _paired(runner, args, device, configs, n) -> dict:
     """The in-process configurations (no worker: torch, DeepSpeed, "auto" when it keeps
     everything on the device, offload 0) alive at once, one iteration each in turn, so
-    they share every moment of a noisy machine: {label: median ms}. A worker would take a
-    core from all of them, so configurations with one are not paired."""
+    they share every moment of a noisy machine: {label: (median iteration ms, median step
+    ms)}. A worker would take a core from all of them, so configurations with one are not
+    paired."""
     live = []
     try:
         for label, make_opt, _, hybrid in configs:
@@ -367,42 +411,22 @@ def _paired(runner, args, device, configs, n) -> dict:
                     opt.close()
                     continue
             live.append((label, model, opt))
-        times = {label: [] for label, *_ in live}
+        times = {label: ([], []) for label, *_ in live}
         for _ in range(6):  # warm-up rounds ("auto" refits after 5 steps)
             for label, model, opt in live:
-                _one(runner, model, opt)
+                runner.iteration(model, opt)
         for k in range(args.iters * args.rounds):
             order = live[k % len(live):] + live[:k % len(live)]
             for label, model, opt in order:
-                times[label].append(_one(runner, model, opt))
-        return {label: _quantiles(xs)["median_ms"] for label, xs in times.items()}
+                fb, st = runner.iteration(model, opt)
+                times[label][0].append(fb + st)
+                times[label][1].append(st)
+        return {label: (_quantiles(it)["median_ms"], _quantiles(st)["median_ms"])
+                for label, (it, st) in times.items()}
     finally:
         for _, _, opt in live:
             if hasattr(opt, "close"):
                 opt.close()
-
-
-def _one(runner, model, opt) -> float:
-    runner._sync()
-    t0 = time.perf_counter()
-    opt.zero_grad(set_to_none=True)
-    model(runner.x).square().mean().backward()
-    opt.step()
-    runner._sync()
-    return (time.perf_counter() - t0) * 1e3
-
-
-class _NoOpt:
-    """zero_grad/step of nothing: forward+backward alone through Runner.samples."""
-
-    def __init__(self, model):
-        self.model = model
-
-    def zero_grad(self, set_to_none=True):
-        self.model.zero_grad(set_to_none=set_to_none)
-
-    def step(self):
-        pass
 
 
 def main(argv=None) -> int:
@@ -433,6 +457,7 @@ def main(argv=None) -> int:
         rows, notes = peer_study(args, device)
         cols = [("impl", "impl", "s"), ("median_ms", "iteration ms", ".1f"), ("p20_ms", "p20", ".1f"),
                 ("p80_ms", "p80", ".1f"), ("paired_ms", "interleaved ms", ".1f"),
+                ("paired_step_ms", "interleaved step ms", ".1f"),
                 ("fwd_bwd_ms", "fwd+bwd ms", ".1f"), ("step_ms", "step ms", ".1f"),
                 ("pred_iteration_ms", "predicted it. ms", ".1f"), ("pred_step_ms", "predicted step ms", ".1f"),
                 ("pred_vs_measured", "pred/meas it.", ".2f"),

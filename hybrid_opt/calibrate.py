@@ -198,18 +198,19 @@ def _fwd_bwd_probe():
     return run
 
 
-def trainer_factors(trainer: list, worker: list, run=None) -> tuple[float, float]:
-    """(fwd+bwd slowdown on the trainer's cores alone, further slowdown while Adam streams on
-    the worker's cores), both >= 1, of `run()` — one training iteration without an optimizer
-    step; by default a small fwd+bwd probe. A benchmark passes its own model's iteration to
-    get the factors of that model rather than of the probe."""
+def trainer_times(trainer: list, worker: list, run=None, timer=None) -> dict:
+    """`timer(run)` of one training iteration without an optimizer step (by default a small
+    fwd+bwd probe) under the three conditions the cost model tells apart: {"all": on every
+    core, "trainer": on the trainer's cores alone, "contended": there while Adam streams on
+    the worker's cores}. `timer` defaults to the best of a few calls; a benchmark passes one
+    that keeps every sample, to time its own model at the same moments as its rows."""
     import cpu_kernels
-    run = run or _fwd_bwd_probe()
-    all_cpus = sorted(os.sched_getaffinity(0))
-    with _Threads(len(all_cpus)):
-        t_all = _best_time(run)
+    run, timer = run or _fwd_bwd_probe(), timer or _best_time
+    out = {}
+    with _Threads(len(os.sched_getaffinity(0))):
+        out["all"] = timer(run)
     with _Threads(len(trainer), trainer):
-        t_trainer = _best_time(run)
+        out["trainer"] = timer(run)
     n = 4 * MEASURE_NUMEL
     p, g, m, v = (torch.rand(n) for _ in range(4))
     stop = threading.Event()
@@ -231,10 +232,22 @@ def trainer_factors(trainer: list, worker: list, run=None) -> tuple[float, float
         try:
             time.sleep(0.02)
             torch.set_num_threads(len(trainer))
-            t_contended = _best_time(run)
+            out["contended"] = timer(run)
         finally:
             stop.set()
             th.join(timeout=30)
+    return out
+
+
+def trainer_factors(trainer: list, worker: list, run=None) -> tuple[float, float]:
+    """(fwd+bwd slowdown on the trainer's cores alone, further slowdown while Adam streams on
+    the worker's cores), both >= 1, from the best times of `trainer_times`."""
+    t = trainer_times(trainer, worker, run)
+    return factors_of(t["all"], t["trainer"], t["contended"])
+
+
+def factors_of(t_all: float, t_trainer: float, t_contended: float) -> tuple[float, float]:
+    """The two slowdown factors from times of the three conditions."""
     return max(1.0, t_trainer / t_all), max(1.0, t_contended / t_trainer)
 
 

@@ -2,6 +2,7 @@
 budgets, refits that move state between tiers without changing a bit."""
 import json
 import os
+import threading
 import warnings
 
 import pytest
@@ -73,6 +74,27 @@ def test_nvme_calibration_measures_the_disk_and_leaves_nothing(tmp_path):
     r = calibrate.measure_nvme(str(tmp_path))
     assert r["nvme_read_gbps"] > 0 and r["nvme_write_gbps"] > 0
     assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two cores to split")
+def test_trainer_times_runs_each_condition_on_its_cores():
+    """The three conditions of the trainer's slowdown factors, each timed by the caller's
+    timer: every core; the trainer's cores alone; there with an Adam thread streaming."""
+    split = [sorted(os.sched_getaffinity(0))[:1], sorted(os.sched_getaffinity(0))[1:]]
+    before = (os.sched_getaffinity(0), torch.get_num_threads(), threading.active_count())
+    seen = []
+
+    def timer(run):
+        run()
+        seen.append((sorted(os.sched_getaffinity(0)), torch.get_num_threads(), threading.active_count()))
+        return len(seen)
+    assert calibrate.trainer_times(*split, timer=timer) == {"all": 1, "trainer": 2, "contended": 3}
+    assert seen[0][:2] == (sorted(before[0]), len(before[0]))
+    assert seen[1][:2] == (split[0], 1) and seen[1][2] == before[2]
+    assert seen[2][:2] == (split[0], 1) and seen[2][2] == before[2] + 1  # Adam streams meanwhile
+    assert (os.sched_getaffinity(0), torch.get_num_threads(), threading.active_count()) == before
+    assert calibrate.factors_of(1.0, 1.5, 1.8) == pytest.approx((1.5, 1.2))
+    assert calibrate.factors_of(1.0, 0.9, 0.8) == (1.0, 1.0)  # never a speed-up from losing cores
 
 
 # ============================================================================= "auto" plans
