@@ -478,7 +478,7 @@ def main(argv=None) -> int:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
-        fig, ax = plt.subplots(figsize=(8, 0.45 * len(rows) + 1.2))
+        fig, ax = plt.subplots(figsize=(10, 0.45 * len(rows) + 1.2))
         names = [r["impl"] for r in rows]
         ax.barh(names, [r["median_ms"] for r in rows],
                 xerr=[[r["median_ms"] - r["p20_ms"] for r in rows], [r["p80_ms"] - r["median_ms"] for r in rows]])
@@ -489,7 +489,7 @@ def main(argv=None) -> int:
             ax.legend(loc="lower right")
         ax.invert_yaxis()
         ax.set_xlabel("ms per iteration (median, p20-p80)")
-        ax.set_title(f"{args.layers} x Linear({args.width}), batch {args.batch}, {n / 1e6:.0f}M params, {device}")
+        ax.set_title(f"{args.layers} x Linear({args.width}), batch {args.batch}, {n / 1e6:.0f}M params, {device}", fontsize=10)
         fig.tight_layout()
         fig.savefig(args.png, dpi=110)
         print(f"wrote {args.png}")

@@ -213,15 +213,18 @@ def trainer_times(trainer: list, worker: list, run=None, timer=None) -> dict:
         out["trainer"] = timer(run)
     n = 4 * MEASURE_NUMEL
     p, g, m, v = (torch.rand(n) for _ in range(4))
-    stop = threading.Event()
+    stop, failed = threading.Event(), []
 
     def adam_loop():
         # ctypes releases the GIL for the kernel: this streams on the worker's cores while
         # the main thread runs fwd+bwd on the trainer's
-        if hasattr(os, "sched_setaffinity"):
-            os.sched_setaffinity(0, worker)
-        while not stop.is_set():
-            cpu_kernels.adam_step_(p, g, m, v, **_adam_kwargs())
+        try:
+            if hasattr(os, "sched_setaffinity"):
+                os.sched_setaffinity(0, worker)
+            while not stop.is_set():
+                cpu_kernels.adam_step_(p, g, m, v, **_adam_kwargs())
+        except BaseException as e:  # handed to the measuring thread below
+            failed.append(e)
 
     with _Threads(len(trainer), trainer):
         # the Adam loop's kernel runs on one thread: cpu_kernels' count is per process, and
@@ -236,6 +239,9 @@ def trainer_times(trainer: list, worker: list, run=None, timer=None) -> dict:
         finally:
             stop.set()
             th.join(timeout=30)
+    if failed:  # the contended time would be an uncontended one: not a figure to keep
+        raise RuntimeError(f"calibration: the Adam stream on cores {worker} failed: "
+                           f"{type(failed[0]).__name__}: {failed[0]}") from failed[0]
     return out
 
 

@@ -579,6 +579,27 @@ def test_close_is_idempotent_and_leaves_no_process_fd_shm_or_core_change_behind(
     assert_bitwise_equal(kept, states[0]["p"], "a clone taken before close")
 
 
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two cores to split")
+@pytest.mark.parametrize("order", ["first_opened_first", "last_opened_first"])
+def test_two_tiers_closed_in_either_order_give_the_process_its_cores_back(order):
+    """Two optimizers in one process (a GAN's pair): whichever closes first, the process
+    ends with its own masks and thread count (closing in opening order used to leave it
+    pinned to the trainer's share)."""
+    close_shared_tiers()
+    masks, threads = _thread_masks(), torch.get_num_threads()
+    a = new_tier()
+    b = new_tier()
+    assert os.sched_getaffinity(0) == set(b.cores.trainer) != masks[os.getpid()]
+    first, second = (a, b) if order == "first_opened_first" else (b, a)
+    first.close()
+    assert os.sched_getaffinity(0) == set(second.cores.trainer)  # the other one still runs split
+    assert torch.get_num_threads() == len(second.cores.trainer)
+    second.close()
+    after = _thread_masks()
+    assert {t: m for t, m in after.items() if t in masks} == {t: m for t, m in masks.items() if t in after}
+    assert torch.get_num_threads() == threads
+
+
 def test_a_raw_view_taken_before_close_stays_readable(tmp_path):
     # in a child process: if the view dangles, reading it kills the reader
     r = run_script(tmp_path, "raw_view.py", """

@@ -93,6 +93,10 @@ def test_trainer_times_runs_each_condition_on_its_cores():
     assert seen[1][:2] == (split[0], 1) and seen[1][2] == before[2]
     assert seen[2][:2] == (split[0], 1) and seen[2][2] == before[2] + 1  # Adam streams meanwhile
     assert (os.sched_getaffinity(0), torch.get_num_threads(), threading.active_count()) == before
+    # an Adam stream that cannot run would make the contended time an uncontended one
+    with pytest.raises(RuntimeError, match=r"Adam stream on cores \[4096\] failed"):
+        calibrate.trainer_times(split[0], [4096], timer=timer)
+    assert (os.sched_getaffinity(0), torch.get_num_threads(), threading.active_count()) == before
     assert calibrate.factors_of(1.0, 1.5, 1.8) == pytest.approx((1.5, 1.2))
     assert calibrate.factors_of(1.0, 0.9, 0.8) == (1.0, 1.0)  # never a speed-up from losing cores
 

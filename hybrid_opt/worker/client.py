@@ -58,12 +58,15 @@ class CoreSplit:
     On Linux affinity is per thread: the trainer's mask is applied to every thread it has
     (torch's pools included) and torch's thread count is sized to it; the worker sets its
     own mask before its OpenMP pool starts. `restore()` puts back each thread's old mask
-    and torch's old thread count.
+    and torch's old thread count. Splits may be restored in any order: one restored while a
+    later one is still applied hands what it saved to that later one, so the process gets
+    its own masks back when the last one goes (restored out of order, the process used to
+    stay pinned to the trainer's share).
     """
 
     # while any split is applied, later splits divide the process's original CPUs, not the
     # trainer's share of them (a second optimizer in the same process gets its own worker core)
-    _active = 0
+    _applied: list = []   # the applied splits, oldest first
     _original: set | None = None
 
     def __init__(self, worker_share: float = 0.5, worker_cores: list[int] | None = None):
@@ -94,9 +97,9 @@ class CoreSplit:
     def apply(self) -> None:
         if not hasattr(os, "sched_setaffinity") or not self.trainer or self.trainer == self.worker:
             return
-        if CoreSplit._active == 0:
+        if not CoreSplit._applied:
             CoreSplit._original = os.sched_getaffinity(0)
-        CoreSplit._active += 1
+        CoreSplit._applied.append(self)
         self.applied = True
         for tid in self._threads():
             try:
@@ -114,8 +117,17 @@ class CoreSplit:
     def restore(self) -> None:
         if self.applied:
             self.applied = False
-            CoreSplit._active -= 1
-            if CoreSplit._active == 0:
+            stack = CoreSplit._applied
+            k = stack.index(self)
+            stack.pop(k)
+            if k < len(stack):
+                # a later split is applied over this one: the masks now are its own, and what
+                # it saved (this split's trainer masks) is stale; it restores what this saved
+                later = stack[k]
+                later.saved_masks, later.saved_torch_threads = self.saved_masks, self.saved_torch_threads
+                self.saved_masks, self.saved_torch_threads = {}, None
+                return
+            if not stack:
                 CoreSplit._original = None
         for tid, mask in self.saved_masks.items():
             try:
