@@ -513,8 +513,11 @@ class _HybridBase(torch.optim.Optimizer):
         self._move(_Fixed(float(offload_fraction), float(nvme_fraction), prediction, "replan()"))
 
     def _extend(self, gi: int) -> None:
-        """add_param_group after construction: the new group's subgroups join the device tier
-        if the host tier is already running (the plan is not refitted)."""
+        """add_param_group after construction (a layer unfrozen in fine-tuning): the new
+        group's subgroups start on the device tier with fresh state; where the placement
+        offloads — a fraction above 0, or "auto"'s choice for the grown model — every subgroup
+        is then laid out again at that placement, the committed state moved bitwise as a
+        refit moves it. The new state does not all land on the device."""
         sgs = self._add_group_layout(gi)
         for s in sgs:
             self.plan.tiers.append(DEVICE)
@@ -523,6 +526,24 @@ class _HybridBase(torch.optim.Optimizer):
         self._device.subgroups.update(extra.subgroups)
         self._device.master.update(extra.master)
         self._device.state.update(extra.state)
+        L.assign_ready_ranks(self._subgroups)
+        if self._auto is not None:
+            self._auto.regrow([s.numel for s in self._subgroups], [s.ready_rank for s in self._subgroups])
+        stay = f"add_param_group: the new group's {sum(s.numel for s in sgs)} elements stay on the device tier"
+        try:
+            off, nv, decision = self._fractions_now()
+        except ValueError as e:  # the grown model fits no placement within the budgets
+            warnings.warn(f"{stay}: {e}", stacklevel=3)
+            return
+        if off == 0 and nv == 0 and self._host is None:
+            return  # everything on the device tier: where the new group already is
+        if not self._room_to_move():
+            warnings.warn(f"{stay}: laying the tiers out again copies all state first, and that copy "
+                          f"does not fit in half the free host memory", stacklevel=3)
+            return
+        if decision is not None:
+            decision.reason = "add_param_group: " + decision.reason
+        self._move(decision or _Fixed(off, nv, self.plan.prediction, "add_param_group: laid out again"))
 
     # ------------------------------------------------------------------ properties
     @property

@@ -92,6 +92,12 @@ class AutoPlanner:
         self.rates = dict(self.calibration)
         self.total = sum(self.numels)
 
+    def regrow(self, numels: list, ready_ranks: list) -> None:
+        """The model's subgroups changed (add_param_group): their sizes and readiness now;
+        the backward measured before no longer holds (the refitted rates still do)."""
+        self.numels, self.ready_ranks, self.total = list(numels), list(ready_ranks), sum(numels)
+        self.backward_s, self.samples = None, []
+
     # ------------------------------------------------------------------ the model's inputs
     def _nvme_allowed(self) -> bool:
         return self.nvme_path is not None and self.fixed_nvme != 0.0

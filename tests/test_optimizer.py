@@ -539,6 +539,11 @@ def test_add_param_group_after_construction(placement):
         for model, opt in ((ours_model, ours), (ref_model, ref)):
             opt.add_param_group(dict(params=groups[1](model), lr=5e-3, weight_decay=0.2))
             model.zero_grad()  # the new params' grads accumulated while no optimizer owned them
+        # the grown model is laid out as an optimizer built with both groups would be: the new
+        # group's state does not all land on the device tier
+        twin = copy.deepcopy(ours_model)
+        with hybrid(ADAMW, [dict(params=g(twin)) for g in groups], placement) as fresh:
+            assert ours.plan.tiers == fresh.plan.tiers, (ours.plan, fresh.plan)
         lockstep(ours_model, ours, ref_model, ref, batches[4:])
         assert_state_close(ours.state_dict(), ref.state_dict())
     assert_params_close(ours_model, ref_model)

@@ -26,10 +26,10 @@ SLOW_DEVICE = dict(SLOW_HOST, host_adam_gelems_per_s=10.0, device_adam_gbps=1e-6
 WITH_NVME = dict(SLOW_DEVICE, nvme_read_gbps=1.0, nvme_write_gbps=1.0)
 
 
-def _auto(model, calibration, **kw):
+def _auto(model, calibration, params=None, **kw):
     kw.setdefault("lr", 1e-2)
     kw.setdefault("weight_decay", 0.1)
-    return HybridAdamW(model.parameters(), offload_fraction=kw.pop("offload_fraction", "auto"),
+    return HybridAdamW(params or model.parameters(), offload_fraction=kw.pop("offload_fraction", "auto"),
                        subgroup_numel=SUBGROUP, calibration=calibration, **kw)
 
 
@@ -119,6 +119,63 @@ def test_auto_places_by_rates_and_matches_torch(calibration, expect):
         assert set(opt.stats["predicted"]) >= {"step_s", "backward_s", "device_s", "worker_s"}
         assert set(opt.stats["measured"]) >= {"step_s", "backward_s", "device_s", "worker_s"}
         assert opt.stats["measured"]["backward_s"] > 0
+
+
+def _add_unfrozen(model, opt):
+    """Fine-tuning's unfreezing: fc2 joins the optimizer after a few steps."""
+    opt.add_param_group(dict(params=list(model.fc2.parameters()), lr=5e-3))
+    model.zero_grad()  # its grads accumulated while no optimizer owned it
+
+
+def test_add_param_group_under_auto_lays_out_the_grown_model_and_matches_torch():
+    model, ref_model = make_net(), make_net()
+    first = lambda m: list(m.fc1.parameters()) + list(m.tiny)  # noqa: E731
+    ref = torch.optim.AdamW(first(ref_model), lr=1e-2, weight_decay=0.1, foreach=False)
+    batches = make_batches(10)
+    with _auto(model, SLOW_DEVICE, params=first(model)) as opt:
+        assert opt.plan.summary()["host"]["share"] == 1.0
+        train(model, opt, batches[:4])
+        train(ref_model, ref, batches[:4])
+        for m, o in ((model, opt), (ref_model, ref)):
+            _add_unfrozen(m, o)
+        # the whole grown model on the host, as "auto" would place it from the start
+        assert opt.plan.summary()["host"]["share"] == 1.0, opt.plan
+        assert opt.plan.reason.startswith("add_param_group: "), opt.plan.reason
+        assert opt._auto.total == sum(p.numel() for p in model.parameters())
+        train(model, opt, batches[4:])
+        train(ref_model, ref, batches[4:])
+        assert_state_close(opt.state_dict(), ref.state_dict())
+
+
+def test_add_param_group_without_room_to_lay_out_again_stays_on_the_device(monkeypatch):
+    model, ref_model = make_net(), make_net()
+    first = lambda m: list(m.fc1.parameters()) + list(m.tiny)  # noqa: E731
+    ref = torch.optim.AdamW(first(ref_model), lr=1e-2, weight_decay=0.1, foreach=False)
+    batches = make_batches(8)
+    with _auto(model, SLOW_DEVICE, params=first(model)) as opt:
+        train(model, opt, batches[:3])
+        train(ref_model, ref, batches[:3])
+        monkeypatch.setattr(opt, "_room_to_move", lambda: False)
+        with pytest.warns(UserWarning, match="stay on the device tier.*half the free host memory"):
+            _add_unfrozen(model, opt)
+        _add_unfrozen(ref_model, ref)
+        n_new = sum(p.numel() for p in model.fc2.parameters())
+        assert opt.plan.summary()["device"]["elements"] == n_new, opt.plan
+        train(model, opt, batches[3:])
+        train(ref_model, ref, batches[3:])
+        assert_state_close(opt.state_dict(), ref.state_dict())
+
+
+def test_add_param_group_past_the_host_budget_stays_on_the_device_and_says_why():
+    model = make_net()
+    first = list(model.fc1.parameters()) + list(model.tiny)
+    with HybridAdamW(first, offload_fraction=1.0, subgroup_numel=SUBGROUP) as probe:
+        need = int(probe._memory(1.0, 0.0, 1)["host"])
+    with HybridAdamW(first, offload_fraction=1.0, subgroup_numel=SUBGROUP, host_memory_budget=need) as opt:
+        with pytest.warns(UserWarning, match="stay on the device tier: .*host_memory_budget"):
+            _add_unfrozen(model, opt)
+        assert opt.plan.summary()["device"]["elements"] == sum(p.numel() for p in model.fc2.parameters())
+        train(model, opt, make_batches(2))
 
 
 def test_auto_without_speculation_offloads_only_what_pays_after_backward():
