@@ -9,6 +9,7 @@ torch's format and `load_state_dict()` scatters it back.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 import warnings
@@ -164,6 +165,7 @@ class _HybridBase(torch.optim.Optimizer):
                 if not 0.0 <= b < 1.0:
                     raise ValueError(f"Invalid beta parameter at index {i}: {b}")
         if self._built:
+            self._check_open()
             if param_group.get("amsgrad", self.defaults["amsgrad"]) and not self._amsgrad_layout:
                 raise ValueError("add_param_group: an amsgrad group cannot join an optimizer built "
                                  "without amsgrad; construct it with amsgrad=True")
@@ -251,39 +253,23 @@ class _HybridBase(torch.optim.Optimizer):
         mem = self._memory(off, nv, self.spare_banks if self.spare_banks is not None else 1)
         check_fixed_plan((self.device_memory_budget, self.host_memory_budget), mem, cuda)
 
-    def _place(self, decision=None) -> None:
+    def _place(self, decision=None, plan=None) -> None:
+        """Lays the tiers out: at `decision`'s placement, as `plan` exactly (a layout that ran
+        before), or else at the fractions asked for."""
         sgs = self._subgroups
-        if decision is None:
-            off, nv, decision = self._fractions_now()
+        if plan is not None:
+            self.plan = dataclasses.replace(plan, tiers=list(plan.tiers), numels=list(plan.numels),
+                                            speculation_order=list(plan.speculation_order))
         else:
-            off, nv = decision.offload_fraction, decision.nvme_fraction
-        spares = self.spare_banks
-        if spares is None and decision is not None and decision.prediction is not None:
-            spares = decision.prediction.spare_banks
-        self.plan = fraction_plan([s.numel for s in sgs], [s.ready_rank for s in sgs],
-                                  off, nv, spares)
-        if spares is None:
-            from hybrid_opt.scheduler import default_spare_banks
-            host = [s for s in sgs if self.plan.tiers[s.index] != DEVICE]
-            biggest = max((s.numel for s in host), default=0)
-            budget = self.host_memory_budget
-            if budget is not None:  # what the placement leaves of it
-                budget = max(0, budget - self._memory(off, nv, spare_banks=0)["host"])
-            self.plan.spare_banks = default_spare_banks(
-                len(host), biggest * (16 if self._amsgrad_layout else 12), budget)
-        # the shares actually laid out (subgroup boundaries)
-        total = sum(self.plan.numels) or 1
-        self._fractions = ((self.plan.elements(HOST) + self.plan.elements(NVME)) / total,
-                           self.plan.elements(NVME) / total)
-        if decision is not None:
-            self.plan.prediction, self.plan.reason = decision.prediction, decision.reason
+            self.plan = self._fraction_plan(decision)
+        self._refresh_fractions()
         self._device = DeviceTier([s for s in sgs if self.plan.tiers[s.index] == DEVICE],
                                   self._amsgrad_layout)
         host = [s for s in sgs if self.plan.tiers[s.index] in (HOST, NVME)]
         self._host_local = {s.index: k for k, s in enumerate(host)}
         if host:
             dtypes = {s.dtype for s in host}
-            copy_dtype = next(iter(dtypes)) if dtypes != {torch.float32} else None
+            copy_dtype = next(iter(dtypes - {torch.float32}), None)
             if len(dtypes - {torch.float32}) > 1:
                 raise TypeError("host-tier parameters must share one low-precision dtype")
             grad_dtype = torch.float32 if len(dtypes) > 1 else next(iter(dtypes))
@@ -458,28 +444,74 @@ class _HybridBase(torch.optim.Optimizer):
         for ready in getattr(self, "_ready", {}).values():
             ready.clear()
 
-    def _rebuild_tiers(self, decision=None) -> None:
-        """Lays the tiers out again (the same plan, or `decision`'s); the caller loads their
-        state afterwards."""
+    def _fraction_plan(self, decision):
+        """The plan at `decision`'s fractions (or those asked for), its spare pool sized."""
+        sgs = self._subgroups
+        if decision is None:
+            off, nv, decision = self._fractions_now()
+        else:
+            off, nv = decision.offload_fraction, decision.nvme_fraction
+        spares = self.spare_banks
+        if spares is None and decision is not None and decision.prediction is not None:
+            spares = decision.prediction.spare_banks
+        plan = fraction_plan([s.numel for s in sgs], [s.ready_rank for s in sgs], off, nv, spares)
+        if spares is None:
+            from hybrid_opt.scheduler import default_spare_banks
+            host = [s for s in sgs if plan.tiers[s.index] != DEVICE]
+            biggest = max((s.numel for s in host), default=0)
+            budget = self.host_memory_budget
+            if budget is not None:  # what the placement leaves of it
+                budget = max(0, budget - self._memory(off, nv, spare_banks=0)["host"])
+            plan.spare_banks = default_spare_banks(len(host), biggest * (16 if self._amsgrad_layout else 12), budget)
+        if decision is not None:
+            plan.prediction, plan.reason = decision.prediction, decision.reason
+        return plan
+
+    def _refresh_fractions(self) -> None:
+        """The shares actually laid out (at subgroup boundaries)."""
+        total = sum(self.plan.numels) or 1
+        self._fractions = ((self.plan.elements(HOST) + self.plan.elements(NVME)) / total,
+                           self.plan.elements(NVME) / total)
+
+    def _rebuild_tiers(self, decision=None, plan=None) -> None:
+        """Lays the tiers out again: at `decision`'s placement, or as `plan` (by default the
+        plan now); the caller loads their state afterwards."""
         if self._host is not None:
             self._host.close()
             import cpu_kernels
             cpu_kernels.set_num_threads(self._saved_kernel_threads)
             self._host = None
         self.__dict__.pop("_prev_worker_s", None)  # per-subgroup worker times of the old tier
-        self._place(decision if decision is not None else
-                    _Fixed(*self._fractions, self.plan.prediction, self.plan.reason))
+        if decision is not None:
+            self._place(decision)
+        else:
+            self._place(plan=plan or self.plan)
 
     def _move(self, decision) -> None:
         """Moves subgroups between tiers to `decision`'s plan: every subgroup's committed state
         is copied out, the tiers are laid out anew, and the state is copied back in (bitwise:
-        every tier steps with the same arithmetic)."""
+        every tier steps with the same arithmetic). If the new layout fails (a worker or an
+        arena that cannot start), the old one is laid out again with the same state and the
+        error raised: a failed move loses nothing."""
         t0 = time.perf_counter()
         self._drop_speculation()
         saved = {}
         for sg in self._subgroups:
             saved[sg.index] = {k: v.detach().clone() for k, v in self._subgroup_state(sg).items()}
-        self._rebuild_tiers(decision)
+        before = self.plan
+        try:
+            self._rebuild_tiers(decision)
+            self._load_states(saved)
+        except Exception:
+            self._rebuild_tiers(plan=before)
+            self._load_states(saved)
+            raise
+        if self._auto is not None:
+            self._auto.move_cost_s = time.perf_counter() - t0
+            self._auto.moves += 1
+
+    def _load_states(self, saved: dict) -> None:
+        """Every subgroup's state from `saved` ({index: {name: tensor}}) into the tiers now."""
         for sg in self._subgroups:
             st = self._subgroup_state(sg)
             for k, view in st.items():
@@ -487,9 +519,6 @@ class _HybridBase(torch.optim.Optimizer):
             if self.plan.tiers[sg.index] != DEVICE:
                 self._host.load_state(self._host_local[sg.index], st["master"], st["exp_avg"],
                                       st["exp_avg_sq"], st.get("max_exp_avg_sq"))
-        if self._auto is not None:
-            self._auto.move_cost_s = time.perf_counter() - t0
-            self._auto.moves += 1
 
     def _room_to_move(self) -> bool:
         """A move copies every subgroup's state out first: only when that copy fits in half of
@@ -527,6 +556,10 @@ class _HybridBase(torch.optim.Optimizer):
         self._device.master.update(extra.master)
         self._device.state.update(extra.state)
         L.assign_ready_ranks(self._subgroups)
+        self._refresh_fractions()
+        # the timing hooks sit on the first and last trainable params: the new group's may be
+        # either (a move below installs them again anyway)
+        self._install_hooks([s for s in self._subgroups if self.plan.tiers[s.index] != DEVICE])
         if self._auto is not None:
             self._auto.regrow([s.numel for s in self._subgroups], [s.ready_rank for s in self._subgroups])
         stay = f"add_param_group: the new group's {sum(s.numel for s in sgs)} elements stay on the device tier"
@@ -543,7 +576,10 @@ class _HybridBase(torch.optim.Optimizer):
             return
         if decision is not None:
             decision.reason = "add_param_group: " + decision.reason
-        self._move(decision or _Fixed(off, nv, self.plan.prediction, "add_param_group: laid out again"))
+        try:
+            self._move(decision or _Fixed(off, nv, self.plan.prediction, "add_param_group: laid out again"))
+        except Exception as e:  # the layout before is back, state and all (see _move)
+            warnings.warn(f"{stay}: laying the tiers out again failed: {type(e).__name__}: {e}", stacklevel=3)
 
     # ------------------------------------------------------------------ properties
     @property

@@ -93,10 +93,13 @@ class AutoPlanner:
         self.total = sum(self.numels)
 
     def regrow(self, numels: list, ready_ranks: list) -> None:
-        """The model's subgroups changed (add_param_group): their sizes and readiness now;
-        the backward measured before no longer holds (the refitted rates still do)."""
+        """The model's subgroups changed (add_param_group): their sizes and readiness now. The
+        refitted rates still hold; the backward measured before is scaled by the growth (more
+        trainable params, proportionally more backward) until the next refit measures it."""
+        if self.backward_s is not None and self.total:
+            self.backward_s *= sum(numels) / self.total
         self.numels, self.ready_ranks, self.total = list(numels), list(ready_ranks), sum(numels)
-        self.backward_s, self.samples = None, []
+        self.samples = []
 
     # ------------------------------------------------------------------ the model's inputs
     def _nvme_allowed(self) -> bool:

@@ -791,6 +791,10 @@ def test_error_inputs_in_add_param_group():
                 opt.add_param_group(dict(params=[nn.Parameter(torch.randn(3))], **group))
         with pytest.raises(ValueError, match="amsgrad"):
             opt.add_param_group(dict(params=[nn.Parameter(torch.randn(3))], amsgrad=True))
+        n_groups = len(opt.param_groups)
+    with pytest.raises(RuntimeError, match="is closed; create a new optimizer"):
+        opt.add_param_group(dict(params=[nn.Parameter(torch.randn(3))]))
+    assert len(opt.param_groups) == n_groups
 
 
 def test_step_after_close_raises_and_close_is_idempotent():

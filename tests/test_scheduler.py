@@ -1,5 +1,6 @@
 """The scheduler: calibration and its cache, offload_fraction / nvme_fraction = "auto",
 budgets, refits that move state between tiers without changing a bit."""
+import copy
 import json
 import os
 import threading
@@ -161,6 +162,7 @@ def test_add_param_group_without_room_to_lay_out_again_stays_on_the_device(monke
         _add_unfrozen(ref_model, ref)
         n_new = sum(p.numel() for p in model.fc2.parameters())
         assert opt.plan.summary()["device"]["elements"] == n_new, opt.plan
+        assert opt._fractions[0] == pytest.approx(1 - n_new / sum(opt.plan.numels))  # what a refit reads
         train(model, opt, batches[3:])
         train(ref_model, ref, batches[3:])
         assert_state_close(opt.state_dict(), ref.state_dict())
@@ -176,6 +178,28 @@ def test_add_param_group_past_the_host_budget_stays_on_the_device_and_says_why()
             _add_unfrozen(model, opt)
         assert opt.plan.summary()["device"]["elements"] == sum(p.numel() for p in model.fc2.parameters())
         train(model, opt, make_batches(2))
+
+
+def test_a_failed_layout_on_add_param_group_loses_nothing():
+    """A bf16 model gets an fp16 group: one host tier cannot copy params back in both, so
+    laying the grown model out fails — the old layout comes back with its state bitwise,
+    the new group stays on the device tier, and training goes on."""
+    model = make_net(torch.bfloat16)
+    with HybridAdamW(model.parameters(), lr=1e-2, offload_fraction=1.0, subgroup_numel=SUBGROUP) as opt:
+        train(model, opt, make_batches(3))
+        before = copy.deepcopy(opt.state_dict())
+        worker = opt.worker_pid
+        extra = torch.nn.Parameter(torch.randn(8, dtype=torch.float16))
+        with pytest.warns(UserWarning, match="stay on the device tier: laying the tiers out again failed: "
+                                             "TypeError: host-tier parameters must share one low-precision dtype"):
+            opt.add_param_group(dict(params=[extra]))
+        after = opt.state_dict()
+        for i, st in before["state"].items():
+            for k, v in st.items():
+                assert torch.equal(after["state"][i][k], v), (i, k)
+        assert opt.plan.tiers.count("device") == 1 and opt.worker_pid not in (None, worker)
+        train(model, opt, make_batches(2))
+        assert opt.stats["tiers"]["host"]["stepped"] + opt.stats["tiers"]["host"]["committed"] > 0
 
 
 def test_auto_without_speculation_offloads_only_what_pays_after_backward():
