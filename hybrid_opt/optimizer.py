@@ -726,7 +726,13 @@ class _HybridBase(torch.optim.Optimizer):
                 self.plan.reason = "refit: a move would pay, but a copy of the state does not fit in free memory"
                 decision = None
             if decision is not None:
-                self._move(decision)
+                try:
+                    self._move(decision)
+                except Exception as e:  # the plan before is back, state and all (see _move)
+                    warnings.warn(f"refit: moving to offload_fraction={decision.offload_fraction:g}, "
+                                  f"nvme_fraction={decision.nvme_fraction:g} failed; the plan stays as it "
+                                  f"was: {type(e).__name__}: {e}", stacklevel=3)
+                    self.plan.reason = f"refit: a move failed ({type(e).__name__})"
             elif self._auto.backward_s is not None:
                 self.plan.prediction = self._auto.predict(*self._fractions, self.plan.spare_banks)
                 self.plan.reason = "refit: kept"

@@ -322,6 +322,34 @@ def test_a_refit_that_pays_moves_and_numerics_stay_bitwise(monkeypatch):
         assert_state_close(opt.state_dict(), fixed.state_dict(), exact=True)
 
 
+def test_a_refit_whose_move_fails_keeps_the_plan_and_the_state(monkeypatch, tmp_path):
+    """The refit's new layout cannot start (its swap directory does not exist: the path is
+    under a file): the step warns, the old tiers come back with their state, and training
+    goes on bitwise as if no refit had happened."""
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    batches = make_batches(8)
+    fixed_model, auto_model = make_net(), make_net()
+    with HybridAdamW(fixed_model.parameters(), lr=1e-2, weight_decay=0.1,
+                     offload_fraction=0.0, subgroup_numel=SUBGROUP) as fixed, \
+            _auto(auto_model, SLOW_HOST, refit_every=2) as opt:
+        opt.nvme_path = str(blocker / "swap")
+        to_disk = opt._auto.predict(1.0, 0.0)  # a prediction to carry; the layout is 1.0 / 1.0
+        monkeypatch.setattr(opt._auto, "refit", lambda *a: Decision(1.0, 1.0, to_disk, "test"))
+        train(fixed_model, fixed, batches[:5])
+        with pytest.warns(UserWarning, match="refit: moving to offload_fraction=1, nvme_fraction=1 failed; "
+                                             "the plan stays as it was"):
+            train(auto_model, opt, batches[:5])
+        assert opt.plan.summary()["device"]["share"] == 1.0 and opt._host is None, opt.plan
+        assert opt.plan.reason.startswith("refit: a move failed")
+        monkeypatch.undo()
+        train(fixed_model, fixed, batches[5:])
+        train(auto_model, opt, batches[5:])
+        for a, b in zip(fixed_model.parameters(), auto_model.parameters()):
+            assert torch.equal(a, b)
+        assert_state_close(opt.state_dict(), fixed.state_dict(), exact=True)
+
+
 def test_a_move_that_would_not_fit_in_memory_is_skipped(monkeypatch):
     from hybrid_opt import scheduler
     model = make_net()
