@@ -489,7 +489,8 @@ def main(argv=None) -> int:
             ax.legend(loc="lower right")
         ax.invert_yaxis()
         ax.set_xlabel("ms per iteration (median, p20-p80)")
-        ax.set_title(f"{args.layers} x Linear({args.width}), batch {args.batch}, {n / 1e6:.0f}M params, {device}", fontsize=10)
+        ax.set_title(f"{args.layers} x Linear({args.width}), batch {args.batch}, {n / 1e6:.0f}M params, "
+                     f"{device}", fontsize=10)
         fig.tight_layout()
         fig.savefig(args.png, dpi=110)
         print(f"wrote {args.png}")

@@ -546,7 +546,7 @@ class _HybridBase(torch.optim.Optimizer):
         group's subgroups start on the device tier with fresh state; where the placement
         offloads — a fraction above 0, or "auto"'s choice for the grown model — every subgroup
         is then laid out again at that placement, the committed state moved bitwise as a
-        refit moves it. The new state does not all land on the device."""
+        refit moves it, so the new group's state need not fit on the device."""
         sgs = self._add_group_layout(gi)
         for s in sgs:
             self.plan.tiers.append(DEVICE)
