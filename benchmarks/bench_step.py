@@ -271,9 +271,7 @@ def _trainer_split(device):
     more cores), else None."""
     from hybrid_opt.worker.client import CoreSplit
     split = CoreSplit(0.5)
-    if device.type == "cuda" or not split.trainer or split.trainer == split.worker:
-        return None
-    return split
+    return split if device.type != "cuda" and split.separate else None
 
 
 def _time_alone(runner, args, device, split, alone: dict) -> None:

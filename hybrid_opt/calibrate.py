@@ -300,7 +300,7 @@ def measure(device, worker_share: float = 0.5) -> dict:
         out["device_adam_gbps"] = _cpu_adam_gbps(all_cores, bank=False)
         out["device_adam_gbps_with_worker"] = _cpu_adam_gbps(len(trainer), bank=False)
         out["h2d_gbps"] = out["d2h_gbps"] = _copy_gbps(len(trainer))
-        if set(trainer) != set(worker):
+        if split.separate:
             slow, contention = trainer_factors(trainer, worker)
         else:
             slow, contention = 1.0, 1.0

@@ -94,8 +94,14 @@ class CoreSplit:
         except OSError:
             return [0]
 
+    @property
+    def separate(self) -> bool:
+        """Whether the trainer and the worker get cores of their own (two or more cores and a
+        settable affinity); if not, they share every core and `apply()` does nothing."""
+        return hasattr(os, "sched_setaffinity") and bool(self.trainer) and self.trainer != self.worker
+
     def apply(self) -> None:
-        if not hasattr(os, "sched_setaffinity") or not self.trainer or self.trainer == self.worker:
+        if not self.separate:
             return
         if not CoreSplit._applied:
             CoreSplit._original = os.sched_getaffinity(0)
