@@ -1,0 +1,241 @@
+"""Staging slots, pieces and the traffic with the worker: how a host step's grads reach the
+worker's shared memory (staged by the trainer, or gathered by the worker itself) and how its
+results come back, within a bounded wait.
+
+Faults: a worker that dies is replaced; in exact mode its unfinished tasks are sent again
+(their grads are still in the trainer's staging slots and the committed banks were never
+written), so training continues on the same trajectory. In inverse mode a step that died
+mid-write may have torn its subgroup: the error names those subgroups.
+"""
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+
+import torch
+
+from hybrid_opt.shm import align_up
+from hybrid_opt.tiers.inputs import StepInputs
+from hybrid_opt.worker import protocol as P
+from hybrid_opt.worker.client import WorkerDied, WorkerError
+
+_DT_CODE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+_ALIGN_ELEMS = 64  # bank capacity and slot sizes in whole cache lines of fp32
+DEFAULT_SLOT_NUMEL = 1 << 20
+REMOTE_GATHER_QUEUE = 2   # pieces in flight below which the worker gathers grads itself
+STAGING_SLOTS = 8         # default staging slots (two 4Mi subgroups of 1Mi pieces)
+MAX_STAGING_SLOTS = 32    # staging_slots_for(): at most 128 MB of fp32 grads
+
+
+def _slot_numel(numels: list, slot_numel: int | None) -> int:
+    """Elements per staging slot: `slot_numel` (default 1Mi: 4 MB of fp32 grads — a task that
+    long costs the worker ~1 ms, its messaging overhead ~50 us; larger only costs memory),
+    at most the largest subgroup, in whole cache lines."""
+    return align_up(min(slot_numel or DEFAULT_SLOT_NUMEL, align_up(max(numels), _ALIGN_ELEMS)), _ALIGN_ELEMS)
+
+
+def staging_slots_for(bursts: list, numels: list, slot_numel: int | None = None) -> int:
+    """Staging slots for a host tier whose subgroups become ready in `bursts` (lists of
+    subgroup indices into `numels` that one grad hook completes together: a parameter that
+    spans several subgroups completes them all at once). A speculated step takes all its
+    slots when it is launched, and backward never waits for the worker, so a burst larger
+    than the free slots is deferred to the next hook — the worker idles meanwhile. Enough
+    slots for the two largest bursts (one may arrive while the worker still holds the slots
+    of the one before), within [STAGING_SLOTS, MAX_STAGING_SLOTS]."""
+    slot = _slot_numel(numels, slot_numel)
+    sizes = sorted(sum(-(-numels[i] // slot) for i in b) for b in bursts)
+    return max(STAGING_SLOTS, min(MAX_STAGING_SLOTS, sum(sizes[-2:])))
+
+
+@dataclass
+class _Piece:
+    subgroup: int
+    offset: int
+    numel: int
+    slot: int
+    task: P.Task
+    result: P.Result | None = None
+    freed: bool = False           # its staging slot is back in the ring
+    keep: list | None = None      # remote gather: the grads the worker reads, alive until it has
+
+
+
+class HostIO:
+    """Staging slots and worker traffic of a HostTier (a mixin: HostTier.__init__ makes the
+    slots, the worker client and the map of in-flight pieces this works on)."""
+
+    # ------------------------------------------------------------------ remote gather
+    def _probe_remote_gather(self) -> bool:
+        """Whether the worker can read grads straight from this process's memory
+        (process_vm_readv): speculation then costs backward no copy. HYBRID_OPT_REMOTE_GATHER=0
+        turns it off; a kernel that forbids it (Yama ptrace scope 2-3, seccomp) is detected
+        here and the trainer stages grads itself, as before."""
+        if os.environ.get("HYBRID_OPT_REMOTE_GATHER", "1") == "0" or not self._free_slots:
+            return False
+        probe = torch.arange(1, 65, dtype=torch.float32)
+        slot = self._free_slots[-1]
+        dst = self._slots[slot].view(torch.uint8)[:probe.numel() * 4]
+        dst.zero_()
+        task = P.Task(P.OP_PING, 0, slot=slot, gather=P.pack_gather([(0, probe.data_ptr(), probe.numel() * 4)]))
+        try:
+            r = self.client.wait([self._send_task(task)])[0]
+        except Exception:
+            return False
+        ok = r.status == P.STATUS_OK and torch.equal(dst.view(torch.float32), probe)
+        dst.zero_()
+        return ok
+
+    def _remote_segments(self, grad, offset: int, numel: int):
+        """(gather list, tensors to keep alive) for the worker to read a piece of grads itself;
+        None when it cannot (CUDA or non-contiguous grads, another dtype): stage it here."""
+        es = self._slots[0].element_size()
+        if callable(grad):
+            seg = getattr(grad, "segments", None)
+            got = seg(offset, numel, self.grad_dtype) if seg is not None else None
+            if got is None:
+                return None
+            entries, keep = got
+            return P.pack_gather((o * es, a, n * es) for o, a, n in entries), keep
+        if grad.is_cuda or grad.dtype != self.grad_dtype or not grad.is_contiguous():
+            return None
+        return P.pack_gather([(0, grad.data_ptr() + offset * es, numel * es)]), [grad]
+
+    # ------------------------------------------------------------------ tasks and slots
+    def _task(self, op, sg, inputs: StepInputs, in_bank, out_bank, offset, numel, slot, skip_nonfinite):
+        return P.Task(op, 0, sg, numel, in_bank, P.NO_BANK if out_bank is None else out_bank,
+                      offset, slot, _DT_CODE[self.grad_dtype],
+                      _DT_CODE[self.copy_dtype] if self.copy_dtype is not None else P.NO_COPY,
+                      int(inputs.amsgrad), int(inputs.decoupled), int(skip_nonfinite), inputs.step,
+                      float(inputs.lr), float(inputs.beta1), float(inputs.beta2), float(inputs.eps),
+                      float(inputs.weight_decay), float(inputs.grad_scale))
+
+    def _acquire_slot(self) -> int:
+        while not self._free_slots:
+            if not self._inflight:
+                raise RuntimeError("every staging slot is held by a speculated step awaiting "
+                                   "validation; call finish() (or use more staging_slots)")
+            self._wait(lambda: self._progress() or bool(self._free_slots))
+        return self._free_slots.pop()
+
+    def _progress(self) -> None:
+        """Work the trainer does while it waits for a staging slot (set by finish())."""
+        if self._on_progress is not None:
+            self._on_progress()
+
+    def _stage(self, slot: int, grad, offset: int, numel: int) -> None:
+        dst = self._slots[slot][:numel]
+        if callable(grad):  # a provider that gathers the subgroup's grads itself
+            grad(dst, offset, numel)
+            return
+        src = grad.reshape(-1)[offset:offset + numel]
+        if src.is_cuda:
+            dst.copy_(src, non_blocking=True)
+            torch.cuda.current_stream(src.device).synchronize()  # the worker reads it next
+        else:
+            dst.copy_(src)
+
+    def _send(self, piece: _Piece) -> None:
+        tid = self._send_task(piece.task)
+        self._inflight[tid] = piece
+
+    def _send_task(self, task: P.Task) -> int:
+        try:
+            return self.client.send(task)
+        except WorkerDied as e:
+            self._recover(e)
+            return self.client.send(task)
+
+    def _free_slot(self, piece: _Piece) -> None:
+        """Returns a piece's staging slot to the ring, once (every path may call it)."""
+        if not piece.freed and piece.slot >= 0:
+            piece.freed = True
+            self._free_slots.append(piece.slot)
+
+    def _release_piece(self, piece: _Piece) -> None:
+        # a speculated in-place piece keeps its grads until validation (the undo needs them)
+        spec = self._spec.get(piece.subgroup)
+        if spec is not None and spec.bank is None and piece in spec.pieces:
+            return
+        self._free_slot(piece)
+
+    def _collect(self) -> None:
+        for tid in [t for t in self._inflight if t in self.client.results]:
+            piece = self._inflight.pop(tid)
+            piece.result = r = self.client.results.pop(tid)
+            self.stats["worker_seconds"] += r.elapsed_ns * 1e-9
+            self.worker_seconds[piece.subgroup] += r.elapsed_ns * 1e-9
+            piece.keep = None  # the worker has read its grads
+            self._release_piece(piece)
+            if r.status == P.STATUS_ERROR and self._error is None:
+                self._error = WorkerError(f"hybrid_opt worker failed on subgroup {r.subgroup}: "
+                                          f"{r.message}")
+
+    def _raise_error(self) -> None:
+        if self._error is not None:
+            err, self._error = self._error, None
+            raise err
+
+    def _quiesce(self) -> None:
+        """After a failure: let every in-flight task end before its buffers are reused."""
+        try:
+            self._wait(lambda: not self._inflight, raise_errors=False)
+        except Exception:
+            pass
+        self._error = None
+
+    def _wait(self, done, raise_errors: bool = True) -> None:
+        """Wait (bounded) until done() holds, collecting results and surviving worker deaths."""
+        deadline = time.monotonic() + self.client.timeout_s
+        while True:
+            self._collect()
+            if raise_errors:
+                self._raise_error()
+            if done():
+                return
+            if time.monotonic() > deadline:
+                subgroups = sorted({p.subgroup for p in self._inflight.values()})
+                raise TimeoutError(f"hybrid_opt host tier: subgroups {subgroups} not stepped within "
+                                   f"{self.client.timeout_s:.0f} s")
+            try:
+                if self.client._resp is None:
+                    raise self.client._dead()
+                self.client._drain(0.1)
+            except WorkerDied as e:
+                self._recover(e)
+
+    def _recover(self, err: WorkerDied) -> None:
+        """A new worker; exact mode resends the unfinished tasks, inverse mode cannot."""
+        lost = {tid: p for tid, p in self._inflight.items() if tid not in self.client.results}
+        if self.rollback == "inverse":
+            torn = sorted({p.subgroup for p in lost.values()
+                           if p.task.op == P.OP_STEP and not self.nvme[p.subgroup]})
+            self._inflight = {t: p for t, p in self._inflight.items() if t not in lost}
+            for p in lost.values():
+                self._free_slot(p)
+            for sg in torn:
+                spec = self._spec.pop(sg, None)
+                for p in spec.pieces if spec is not None else ():
+                    self._free_slot(p)
+            self.client.restart()
+            self.stats["worker_restarts"] += 1
+            raise RuntimeError(f"{err}. rollback='inverse' steps in place, so the state of "
+                               f"subgroups {torn} may be torn; restore them from a checkpoint "
+                               f"(rollback='exact' survives this)") from err
+        self.client.restart()
+        self.stats["worker_restarts"] += 1
+        # every task reads state nobody writes until commit (a committed bank, a committed file
+        # slot, a read bank) and writes a buffer only it writes: sending it again is exact
+        for tid, piece in lost.items():
+            del self._inflight[tid]
+            self._inflight[self.client.send(piece.task)] = piece
+
+    def poll(self) -> None:
+        """Collect the results that have arrived, without waiting (frees slots and banks)."""
+        if self.client._resp is not None:
+            try:
+                self.client.poll()
+            except WorkerDied as e:
+                self._recover(e)
+        self._collect()
+

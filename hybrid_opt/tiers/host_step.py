@@ -1,0 +1,412 @@
+"""Speculation, validation, commit and rollback of host steps: how speculate() and finish()
+launch a subgroup's step into the banks, check it against the final inputs and make it stand
+or undo it.
+
+Speculation protocol (used by the optimizer):
+    tier.speculate(sg, grad, inputs)   # when sg's grads are complete; False if no room now
+    outcome = tier.finish({sg: (grad, final_inputs)}, overflow=...)
+finish() drops every speculated step on overflow; otherwise it commits a speculated step
+whose recorded inputs equal the final ones and redoes the rest from the committed bank.
+In exact mode a step always reads the committed bank and writes a spare one, so a
+speculated step, a redo and a plain step are the same kernel on the same inputs: the same
+bits whichever path ran. In inverse mode steps run in place and are undone with the fp64
+inverse kernel (no spare memory; not bitwise, and not available with amsgrad).
+
+NVMe subgroups (nvme=[...]) keep no state in memory: a step borrows two banks, swaps the
+committed file slot into one (OP_SWAP_IN, CRC32C verified), steps it into the other and
+writes that to the other file slot (OP_SWAP_OUT); commit flips the slot map, rollback
+forgets the written slot. The worker starts each read as soon as the task arrives, so
+reads, compute and writes of consecutive subgroups overlap.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from hybrid_opt.tiers.host_io import REMOTE_GATHER_QUEUE, _Piece
+from hybrid_opt.tiers.inputs import StepInputs, _with_step
+from hybrid_opt.worker import protocol as P
+
+
+@dataclass
+class _Speculation:
+    """One launched step of one subgroup (speculative, or after validation)."""
+    inputs: StepInputs
+    bank: int | None                 # output bank: a spare (exact, nvme); None in place (inverse)
+    pieces: list = field(default_factory=list)
+    aux_bank: int | None = None      # nvme: the bank the committed slot is read into
+    swap_in: _Piece | None = None    # nvme: the read of the committed slot (sent ahead: prefetch)
+    swap_out: _Piece | None = None   # nvme: the write of the new state (its result has the CRC)
+    file_slot: int = 0               # nvme: the slot it writes
+
+    def done(self) -> bool:
+        return all(p.result is not None for p in self.pieces)
+
+    def ok(self) -> bool:
+        return all(p.result is not None and p.result.status == P.STATUS_OK for p in self.pieces)
+
+
+
+class HostStepping:
+    """Speculation, validation, commit and rollback of a HostTier's steps (a mixin: it works on
+    the tier's bank pool, its speculations and, through HostIO, the staging slots and worker)."""
+
+    # ------------------------------------------------------------------ launching
+    def _carry_over(self, sg: int, src: int, out_bank: int, runs: tuple) -> None:
+        """Elements no run steps keep their committed state in the new bank."""
+        n = self.numels[sg]
+        src_state, dst_state = self._bank_state(src, n), self._bank_state(out_bank, n)
+        pos = 0
+        for off, k, _ in sorted(runs) + [(n, 0, 0)]:
+            if off > pos:
+                for name, dst in dst_state.items():
+                    dst[pos:off].copy_(src_state[name][pos:off])
+            pos = max(pos, off + k)
+
+    def _swap_piece(self, op: int, sg: int, bank: int, file_slot: int, crc: int = 0) -> _Piece:
+        task = P.Task(op, 0, sg, in_bank=bank, file_slot=file_slot, crc=crc)
+        return _Piece(sg, 0, 0, -1, task, freed=True)  # no staging slot
+
+    def _launch(self, sg: int, grad, inputs: StepInputs, spec: _Speculation, skip_nonfinite: bool,
+                whole_subgroup_check: bool = False, remote: bool = False) -> None:
+        """Stage and send every task of one subgroup's step; spec.bank (and, for nvme,
+        spec.aux_bank) are already taken. remote: the worker reads the grads itself where it
+        can (during backward, the trainer's core is busy)."""
+        remote = remote and self.remote_gather and not whole_subgroup_check
+        n = self.numels[sg]
+        runs = inputs.ranges(n)
+        pieces = spec.pieces
+        swap_in = None
+        if self.nvme[sg]:
+            in_bank = spec.aux_bank
+            swap_in = spec.swap_in or self._send_swap_in(sg, spec)
+        else:
+            in_bank = self.pool.committed[sg]
+        if inputs.runs and spec.bank is not None:
+            if swap_in is not None:
+                self._wait(lambda: swap_in.result is not None)
+            self._carry_over(sg, in_bank, spec.bank, runs)
+        for run_off, run_n, step in runs:
+            run_inputs = inputs if step == inputs.step else _with_step(inputs, step)
+            for off in range(run_off, run_off + run_n, self.slot_numel):
+                k = min(self.slot_numel, run_off + run_n - off)
+                slot = self._acquire_slot()
+                piece = _Piece(sg, off, k, slot, self._task(P.OP_STEP, sg, run_inputs, in_bank,
+                                                            spec.bank, off, k, slot, skip_nonfinite))
+                pieces.append(piece)  # owns the slot from here: every failure path frees it
+                # the worker reads the grads itself only while it has little else queued: a
+                # busy worker would finish later, so then the trainer copies them (its copy
+                # overlaps the worker's compute) — the copying is shared by whichever core is free
+                seg = (self._remote_segments(grad, off, k)
+                       if remote and len(self._inflight) < REMOTE_GATHER_QUEUE else None)
+                if seg is not None:
+                    piece.task.gather, piece.keep = seg
+                    self.stats["remote_gathered"] += 1
+                else:
+                    self._stage(slot, grad, off, k)
+                if not whole_subgroup_check:
+                    self._send(piece)
+        if whole_subgroup_check:
+            # inverse mode: a subgroup whose grads are not all finite is not stepped at all (an
+            # in-place step and its undo would cost a few ulps); every piece is staged, so check
+            # them all before sending any
+            import cpu_kernels
+            if all(cpu_kernels.grad_stats(self._slots[p.slot][:p.numel])[1] for p in pieces):
+                for p in pieces:
+                    self._send(p)
+            else:
+                for p in pieces:
+                    p.result = P.Result(P.OP_STEP, 0, P.STATUS_NONFINITE, sg, float("inf"), 0)
+        if self.nvme[sg]:
+            spec.file_slot = 1 - self._file_slot[sg]
+            spec.swap_out = self._swap_piece(P.OP_SWAP_OUT, sg, spec.bank, spec.file_slot)
+            pieces.append(spec.swap_out)
+            self._send(spec.swap_out)
+
+    def _check(self, sg: int, grad, inputs: StepInputs) -> None:
+        """Rejects a bad step before any bank, slot or task is taken: a step that failed half
+        launched would leave a spare bank partly written, and a speculation finish() could commit."""
+        if not 0 <= sg < len(self.numels):
+            raise IndexError(f"subgroup {sg} does not exist: this host tier has "
+                             f"{len(self.numels)} subgroups")
+        n = self.numels[sg]
+        if not callable(grad) and grad.numel() != n:
+            raise ValueError(f"subgroup {sg} has {n} elements, its grad {grad.numel()}")
+        if inputs.amsgrad and not self.amsgrad:
+            raise ValueError("StepInputs.amsgrad=True on a host tier built with amsgrad=False, which "
+                             "lays out no running max of v; build the tier with amsgrad=True")
+        for run_off, run_n, _ in inputs.ranges(n):
+            if run_off < 0 or run_n < 0 or run_off + run_n > n:
+                raise ValueError(f"run ({run_off}, {run_n}) is outside subgroup {sg} of {n} elements")
+
+    def _send_swap_in(self, sg: int, spec: _Speculation) -> _Piece:
+        """The worker starts reading the committed slot into spec.aux_bank at once."""
+        slot = self._file_slot[sg]
+        spec.swap_in = self._swap_piece(P.OP_SWAP_IN, sg, spec.aux_bank, slot, self._crc[sg][slot])
+        spec.pieces.append(spec.swap_in)
+        self._send(spec.swap_in)
+        return spec.swap_in
+
+    def _take_banks(self, sg: int) -> _Speculation | None:
+        """The banks one step of `sg` needs, or None when the pool cannot give them now:
+        nvme two (read, result), exact one (result), inverse none (in place)."""
+        if self.nvme[sg]:
+            banks = self.pool.acquire(2)
+            return None if banks is None else _Speculation(None, banks[1], aux_bank=banks[0])
+        if self.rollback == "exact":
+            banks = self.pool.acquire(1)
+            return None if banks is None else _Speculation(None, banks[0])
+        return _Speculation(None, None)
+
+    def _release_banks(self, spec: _Speculation) -> None:
+        for b in (spec.bank, spec.aux_bank):
+            if b is not None:
+                self.pool.release(b)
+        spec.bank = spec.aux_bank = None
+
+    # ------------------------------------------------------------------ speculation
+    def speculate(self, sg: int, grad, inputs: StepInputs, wait: bool = True) -> bool:
+        """Step `sg` now, into spare banks (exact, nvme) or in place (inverse), to be validated
+        by finish(). Returns False, doing nothing, when no bank is free (or, in inverse mode
+        or with wait=False, not every staging slot it needs): the subgroup is then stepped at
+        finish(). With wait=True it may wait for the worker to free staging slots."""
+        self._check(sg, grad, inputs)
+        self._require_idle(sg)
+        in_place = self.rollback == "inverse" and not self.nvme[sg]
+        # wait=False (inside backward) never waits for the worker: every slot the step needs
+        # must be free now; in place, they also stay held until validation (the undo needs
+        # the grads), so they must all be free at once anyway
+        pieces = sum(-(-k // self.slot_numel) for _, k, _ in inputs.ranges(self.numels[sg]))
+        if (in_place or not wait) and len(self._free_slots) < pieces:
+            return False
+        spec = self._take_banks(sg)
+        if spec is None:
+            return False
+        spec.inputs = inputs
+        self._spec[sg] = spec
+        try:
+            self._launch(sg, grad, inputs, spec, True, whole_subgroup_check=in_place, remote=True)
+        except BaseException:
+            self._abandon(sg)  # a half-launched speculation must never be committed
+            raise
+        return True
+
+    def _abandon(self, sg: int) -> None:
+        """Forget a speculation that failed while launching: its finished in-place pieces are
+        undone (inverse), its banks and slots go back once nothing writes them."""
+        spec = self._spec.pop(sg, None)
+        if spec is None:
+            return
+        self._quiesce()
+        if spec.bank is None and any(p.result is not None and p.result.status == P.STATUS_OK
+                                     for p in spec.pieces):
+            try:
+                self._undo(sg, spec)
+            except Exception:
+                pass  # the error being raised already names this subgroup's trouble
+        for p in spec.pieces:
+            self._free_slot(p)
+        self._release_banks(spec)
+
+    def speculated(self) -> list[int]:
+        return sorted(self._spec)
+
+    def cancel(self, sg: int) -> None:
+        """Drop a pending speculation of `sg` (its grads changed: a new one follows)."""
+        spec = self._spec.get(sg)
+        if spec is None:
+            return
+        self._wait(spec.done)
+        self._drop(self._spec.pop(sg), sg)
+
+    def grad_stats(self, sg: int):
+        """(sum of squares, all finite) of the grads `sg` was speculated with, in piece order;
+        None when it was not speculated. Waits for its pieces."""
+        spec = self._spec.get(sg)
+        if spec is None:
+            return None
+        self._wait(spec.done)
+        total, finite = 0.0, True
+        for p in spec.pieces:
+            if p.task.op == P.OP_STEP:
+                total += p.result.sum_sq
+                finite = finite and bool(p.result.finite)
+        return total, finite
+
+    def _require_idle(self, sg: int) -> None:
+        if sg in self._spec:
+            raise RuntimeError(f"subgroup {sg} has a speculative step pending; call finish() first")
+
+    # ------------------------------------------------------------------ validation
+    def _undo(self, sg: int, spec: _Speculation) -> None:
+        """Inverse mode: undo a speculated in-place step with the grads it used."""
+        ids = []
+        for p in spec.pieces:
+            if p.task.op == P.OP_STEP and p.result is not None and p.result.status == P.STATUS_OK:
+                # the grads are in the slot already (held until validation): no gather
+                t = P.Task(**{**p.task.__dict__, "op": P.OP_INVERSE, "task_id": 0, "gather": b""})
+                ids.append(self._send_task(t))
+        try:
+            self._wait(lambda: all(i in self.client.results for i in ids))
+            self.client.wait(ids)
+        finally:
+            for p in spec.pieces:
+                self._free_slot(p)
+
+    def _drop(self, spec: _Speculation, sg: int) -> None:
+        """The step does not stand: spare banks go back (the committed state was never
+        written); an in-place step is undone."""
+        if spec.bank is None and not self.nvme[sg]:
+            self._undo(sg, spec)
+        for p in spec.pieces:
+            self._free_slot(p)
+        self._release_banks(spec)
+
+    def _commit(self, sg: int, spec: _Speculation, on_commit) -> None:
+        """The step stands: flip the subgroup's bank (exact) or file slot (nvme), let the
+        caller read the new state, and return what the step borrowed."""
+        for p in spec.pieces:
+            self._free_slot(p)
+        if self.nvme[sg]:
+            self._crc[sg][spec.file_slot] = spec.swap_out.result.crc
+            self._file_slot[sg] = spec.file_slot
+            if on_commit is not None:
+                on_commit(sg, self._bank_views(spec.bank, sg))
+            self._release_banks(spec)
+            return
+        if spec.bank is not None:
+            self.pool.commit(sg, spec.bank)
+            spec.bank = None
+        if on_commit is not None:
+            on_commit(sg, self._bank_views(self.pool.committed[sg], sg))
+
+    def _bank_views(self, bank: int, sg: int) -> dict:
+        """What on_commit sees: the new fp32 master, and the model-dtype copy when written."""
+        out = {"param": self._view(bank, "p", self.numels[sg], torch.float32)}
+        if self.copy_dtype is not None:
+            out["param_copy"] = self._view(bank, "copy", self.numels[sg], self.copy_dtype)
+        return out
+
+    def finish(self, steps: dict, overflow: bool = False, on_commit=None) -> dict[int, str]:
+        """Validate and complete this iteration's host steps.
+
+        steps: {sg: (grad, final StepInputs)} for every subgroup to be stepped now.
+        overflow: the step is skipped — every speculated step is dropped, nothing changes.
+        on_commit(sg, {"param": fp32 view[, "param_copy": model-dtype view]}): called as each
+        subgroup's new state is committed, while its views are valid (an nvme subgroup's
+        buffers are reused right after).
+        Returns {sg: "committed" | "redone" | "stepped" | "dropped"}.
+        """
+        for sg, (grad, final) in steps.items():
+            self._check(sg, grad, final)
+        self._wait(lambda: all(s.done() for s in self._spec.values()))
+        outcome = {}
+        if overflow:
+            for sg in list(self._spec):
+                self._drop(self._spec.pop(sg), sg)
+                outcome[sg] = "dropped"
+            self.stats["dropped"] += len(outcome)
+            return outcome
+        for sg in [s for s in self._spec if s not in steps]:
+            self._drop(self._spec.pop(sg), sg)
+            outcome[sg] = "dropped"
+        todo = []
+        for sg in sorted(steps):
+            spec = self._spec.pop(sg, None)
+            if spec is not None and spec.inputs == steps[sg][1] and spec.ok():
+                self._commit(sg, spec, on_commit)
+                outcome[sg] = "committed"
+            else:
+                if spec is not None:
+                    self._drop(spec, sg)
+                outcome[sg] = "redone" if spec is not None else "stepped"
+                todo.append(sg)
+        # steps after validation, pipelined within the bank pool, each committed when done
+        waiting: dict[int, _Speculation] = {}
+        try:
+            self._step_all(todo, steps, waiting, on_commit)
+        except BaseException:
+            # every committed state stands: let in-flight work end, then return what it held
+            self._quiesce()
+            for spec in waiting.values():
+                for p in spec.pieces:
+                    self._free_slot(p)
+                self._release_banks(spec)
+            raise
+        for v in outcome.values():
+            self.stats[v] += 1
+        return outcome
+
+    def _step_all(self, todo: list, steps: dict, waiting: dict, on_commit) -> None:
+        # resident subgroups first (no I/O): their compute hides the first nvme reads; the
+        # nvme reads are sent ahead of their steps as far as the bank pool allows (prefetch)
+        todo = [sg for sg in todo if not self.nvme[sg]] + [sg for sg in todo if self.nvme[sg]]
+        prefetched: dict = {}
+        position = [0]
+
+        def prefetch(k: int) -> None:
+            # keep one bank for the next resident step; the rest may start nvme reads
+            reserve = 1 if self.rollback == "exact" and k + 1 < len(todo) and not self.nvme[todo[k + 1]] else 0
+            for nxt in todo[k + 1:]:
+                if not self.nvme[nxt] or nxt in prefetched:
+                    continue
+                if len(self.pool.free) < 2 + reserve:
+                    break
+                ahead = self._take_banks(nxt)
+                waiting[nxt] = ahead  # tracked with the in-flight work, for the error path
+                self._send_swap_in(nxt, ahead)
+                prefetched[nxt] = waiting.pop(nxt)
+
+        def progress() -> None:
+            # while staging waits for a slot: commit what has finished and read further ahead,
+            # so the disk never idles for want of a free buffer
+            current = todo[position[0]]
+            finished = [s for s, w in waiting.items() if s != current and w.ok()]
+            for s in finished:
+                self._commit(s, waiting.pop(s), on_commit)
+            if finished:
+                prefetch(position[0])
+
+        self._on_progress = progress
+        try:
+            self._step_loop(todo, steps, waiting, on_commit, prefetched, prefetch, position)
+        finally:
+            self._on_progress = None
+
+    def _step_loop(self, todo, steps, waiting, on_commit, prefetched, prefetch, position) -> None:
+        for k, sg in enumerate(todo):
+            position[0] = k
+            grad, final = steps[sg]
+            spec = prefetched.pop(sg, None) or self._take_banks(sg)
+            while spec is None:  # the pool is spent: commit what has finished, then go on
+                if not waiting:
+                    raise RuntimeError(f"subgroup {sg} needs more banks than the pool has "
+                                       f"({self.pool.n_banks}); raise spare_banks/io_banks")
+                self._wait(lambda: any(w.done() for w in waiting.values()))
+                self._commit_finished(waiting, on_commit)
+                spec = self._take_banks(sg)
+            spec.inputs = final
+            waiting[sg] = spec
+            if self.nvme[sg] and spec.swap_in is None:
+                self._send_swap_in(sg, spec)  # its own read goes ahead of any prefetch
+            prefetch(k)
+            try:
+                self._launch(sg, grad, final, spec, False)
+            except BaseException:
+                for sgp, sp in prefetched.items():
+                    waiting.setdefault(sgp, sp)  # the handler waits for their reads, frees banks
+                raise
+        self._wait(lambda: all(w.done() for w in waiting.values()))
+        self._commit_finished(waiting, on_commit)
+
+    def _commit_finished(self, waiting: dict, on_commit) -> None:
+        for sg in [s for s, w in waiting.items() if w.done()]:
+            if not waiting[sg].ok():
+                self._raise_error()  # the worker's own error names the subgroup and cause
+                raise RuntimeError(f"hybrid_opt host tier: subgroup {sg}'s step did not complete")
+            self._commit(sg, waiting.pop(sg), on_commit)
+
+    def step(self, sg: int, grad, inputs: StepInputs, on_commit=None) -> str:
+        """A plain (non-speculative) step of one subgroup."""
+        return self.finish({sg: (grad, inputs)}, on_commit=on_commit)[sg]
