@@ -76,6 +76,24 @@ def parse_count(text: str) -> float:
     return value
 
 
+_SIZE_UNITS = {"": GB, "b": 1, "kb": 1e3, "mb": 1e6, "gb": GB, "tb": 1e12,
+               "kib": 2 ** 10, "mib": 2 ** 20, "gib": GiB, "tib": 2 ** 40}
+
+
+def parse_size(text: str) -> float:
+    """'80GB', '80GiB', '2TB', '512MiB', '80' (a bare number is GB, 1e9 bytes) -> bytes > 0."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s*", text)
+    unit = _SIZE_UNITS.get(m.group(2).lower()) if m else None
+    if unit is None:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a size; use e.g. 80GB, 80GiB, 2TB "
+            "(decimal GB/TB, binary GiB/TiB; a bare number is GB)")
+    value = float(m.group(1)) * unit
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text!r}")
+    return value
+
+
 def _positive(kind):
     def conv(text):
         try:
@@ -103,8 +121,10 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--preset", choices=sorted(PRESETS), default=DEFAULT_PRESET,
                     help=f"machine to start from (default {DEFAULT_PRESET})")
     ap.add_argument("--gpus", type=int, help="GPUs (0 = CPU only)")
-    ap.add_argument("--gpu-mem", type=pos, metavar="GB", help="memory per GPU, GB")
-    ap.add_argument("--host-mem", type=pos, metavar="GB", help="host memory of the machine, GB")
+    ap.add_argument("--gpu-mem", type=parse_size, metavar="SIZE",
+                    help="memory per GPU: 80GB, 80GiB, 0.5TB (a bare number is GB)")
+    ap.add_argument("--host-mem", type=parse_size, metavar="SIZE",
+                    help="host memory of the machine: 2TB, 2TiB, 512GB (a bare number is GB)")
     ap.add_argument("--host-adam", type=pos, metavar="GELEM/S",
                     help="CPU Adam rate of the machine, G elements/s")
     ap.add_argument("--device-adam", type=pos, metavar="GB/S",
@@ -172,9 +192,9 @@ def build(args) -> tuple[Machine, Workload]:
         if getattr(args, opt) is not None:
             kw[key] = getattr(args, opt)
     if args.gpu_mem is not None:
-        kw["gpu_mem_bytes"] = args.gpu_mem * GB
+        kw["gpu_mem_bytes"] = args.gpu_mem
     if args.host_mem is not None:
-        kw["host_mem_bytes"] = args.host_mem * GB
+        kw["host_mem_bytes"] = args.host_mem
     if args.pcie is not None:
         kw["h2d_gbps"] = kw["d2h_gbps"] = args.pcie
     for opt, key in (("nvme_read", "read"), ("nvme_write", "write"), ("nvme_drives", "drives")):

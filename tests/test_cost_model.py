@@ -1,6 +1,7 @@
 """The cost model on synthetic rates, `best_plan`'s budgets and errors, and `hybrid-opt plan`."""
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -236,6 +237,40 @@ def test_planner_rejects_a_bad_parameter_count(capsys):
         planner.main(["--params", "seventy", "--json"])
     assert e.value.code == 2
     assert "not a parameter count" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("text,value", [("80", 80e9), ("80GB", 80e9), ("80gb", 80e9),
+                                        ("80 GB", 80e9), ("80GiB", 80 * 2 ** 30),
+                                        ("2TB", 2e12), ("2tib", 2 * 2 ** 40), ("1.5TB", 1.5e12),
+                                        ("512MB", 512e6), ("512MiB", 512 * 2 ** 20),
+                                        ("64KB", 64e3), ("64KiB", 65536), ("4096B", 4096)])
+def test_parse_size_takes_units_and_a_bare_number_is_gb(text, value):
+    assert planner.parse_size(text) == pytest.approx(value)
+
+
+def test_planner_memory_options_take_units(capsys):
+    assert planner.main(["--params", "7B", "--preset", "h100-pcie5", "--gpu-mem", "80GiB",
+                         "--host-mem", "2TB", "--json"]) == 0
+    machine = json.loads(capsys.readouterr().out)["machine"]
+    assert machine["gpu_mem_bytes"] == 80 * 2 ** 30
+    assert machine["host_mem_bytes"] == 2e12
+    # a bare number keeps its old meaning: GB
+    assert planner.main(["--params", "7B", "--preset", "h100-pcie5", "--gpu-mem", "32",
+                         "--host-mem", "1500", "--json"]) == 0
+    machine = json.loads(capsys.readouterr().out)["machine"]
+    assert machine["gpu_mem_bytes"] == 32 * GB and machine["host_mem_bytes"] == 1500 * GB
+
+
+@pytest.mark.parametrize("option,text,message", [
+    ("--gpu-mem", "8XB", r"--gpu-mem: '8XB' is not a size; use e\.g\. 80GB, 80GiB, 2TB"),
+    ("--host-mem", "lots", r"--host-mem: 'lots' is not a size"),
+    ("--gpu-mem", "80G B", r"--gpu-mem: '80G B' is not a size"),
+    ("--host-mem", "0TB", r"--host-mem: must be > 0, got '0TB'")])
+def test_planner_rejects_a_bad_size(option, text, message, capsys):
+    with pytest.raises(SystemExit) as e:
+        planner.main(["--params", "7B", option, text, "--json"])
+    assert e.value.code == 2
+    assert re.search(message, capsys.readouterr().err)
 
 
 def test_python_m_hybrid_opt_plan_prints_a_summary(tmp_path):
