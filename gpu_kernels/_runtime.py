@@ -5,6 +5,11 @@ Importing this module never needs triton or a GPU. A kernel is compiled (or wrap
 Triton's interpreter) on its first launch, so `TRITON_INTERPRET` is read when a CPU tensor
 is first stepped, not when `gpu_kernels` is imported.
 
+Triton launches on the *current* CUDA device and that device's current stream, not on the
+tensors' device: every launch and every table copy here runs under `device_guard(tensors'
+device)`, so a list on cuda:1 stepped while cuda:0 is current runs on cuda:1, on cuda:1's
+current stream (the stream the caller queued its work on).
+
 Multi-tensor launches (as apex's `multi_tensor_apply`): the launcher writes one int64 row
 per tensor (`numel` and the tensors' addresses) and one row per program (`tensor index`,
 `chunk index within that tensor`); a program loads its row, casts the addresses to typed
@@ -12,6 +17,7 @@ pointers and steps `CHUNK` elements. A list of 1,000 small tensors is then one l
 every offset is int64 (tensors past 2**31 elements).
 """
 import collections
+import contextlib
 import os
 import threading
 import types
@@ -93,6 +99,17 @@ def require_runtime(device):
         raise RuntimeError(reason)
 
 
+def device_guard(device):
+    """`torch.cuda.device(device)` for a CUDA device, a no-op context otherwise (CPU tensors
+    under the interpreter). Without it a launch for tensors on cuda:1 while cuda:0 is current
+    runs in cuda:0's context (an illegal address, or a slow peer access) on cuda:0's stream,
+    unordered with the caller's work on cuda:1."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.device(device)
+    return contextlib.nullcontext()
+
+
 class LazyKernel:
     """A Triton function built on first use: compiled (`JITFunction`) for CUDA tensors,
     interpreted (`InterpretedFunction`) for CPU tensors under TRITON_INTERPRET=1.
@@ -118,9 +135,11 @@ class LazyKernel:
         return _namespace(self.fn.__globals__, interpret=device.type == "cpu")[self.__name__]
 
     def launch(self, device, grid, *args, **kwargs):
+        """Launches on `device` (the tensors' device), whatever device is current."""
         kernel = self.for_device(device)
         self.launches += 1
-        return kernel[grid](*args, **kwargs)
+        with device_guard(device):
+            return kernel[grid](*args, **kwargs)
 
 
 _namespaces = {}
@@ -179,6 +198,13 @@ class TableCache:
         self._lock = threading.Lock()
 
     def get(self, key, build, device):
+        """The table for `key` on `device`, built by `build()` (on the host) and copied there
+        on a miss; the copy and the event are queued on `device`'s current stream."""
+        device = torch.device(device)
+        with device_guard(device):
+            return self._get(key, build, device)
+
+    def _get(self, key, build, device):
         with self._lock:
             entry = self._entries.get(key)
             if entry is not None:

@@ -307,28 +307,30 @@ def fused_adam_(params, grads, exp_avgs, exp_avg_sqs, *, step, lr, beta1, beta2,
     for r in rows:
         aligned = all(_runtime.is_aligned(ptr) for ptr in r[1:7])
         groups.setdefault((r[7], r[8], aligned), []).append(r[:7])
-    for (grad_code, copy_code, aligned), group in groups.items():
-        key = (device, block * iters, tuple(group))
-        table = _tables.get(key, lambda: _build_table(group, block * iters), device)
-        meta, chunks = table[: len(group) * _META], table[len(group) * _META:]
-        n_chunks = chunks.numel() // 2
-        if n_chunks == 0:
-            continue
-        dummy = table
-        _fused_adam_kernel.launch(
-            device, (n_chunks,),
-            meta, chunks,
-            lr_tensor if lr_tensor is not None else dummy,
-            scale_tensor if scale_tensor is not None else dummy,
-            found_inf if found_inf is not None else dummy,
-            float(step_size), float(decay), float(bias_correction1), float(scale_value),
-            float(1.0 - beta1), float(beta2), float(1.0 - beta2), float(eps), float(weight_decay),
-            float(bias_correction2_sqrt),
-            META=_META, GRAD_CODE=grad_code, COPY_CODE=copy_code,
-            LR_ON_DEVICE=lr_tensor is not None, SCALE_MODE=scale_mode,
-            HAS_FOUND_INF=found_inf is not None, WEIGHT_DECAY=weight_decay != 0,
-            DECOUPLED=bool(decoupled), AMSGRAD=amsgrad, ALIGNED=aligned,
-            BLOCK=block, ITERS=iters, num_warps=config["num_warps"])
+    # tables and launches on the tensors' device and its current stream, not the current one's
+    with _runtime.device_guard(device):
+        for (grad_code, copy_code, aligned), group in groups.items():
+            key = (device, block * iters, tuple(group))
+            table = _tables.get(key, lambda: _build_table(group, block * iters), device)
+            meta, chunks = table[: len(group) * _META], table[len(group) * _META:]
+            n_chunks = chunks.numel() // 2
+            if n_chunks == 0:
+                continue
+            dummy = table
+            _fused_adam_kernel.launch(
+                device, (n_chunks,),
+                meta, chunks,
+                lr_tensor if lr_tensor is not None else dummy,
+                scale_tensor if scale_tensor is not None else dummy,
+                found_inf if found_inf is not None else dummy,
+                float(step_size), float(decay), float(bias_correction1), float(scale_value),
+                float(1.0 - beta1), float(beta2), float(1.0 - beta2), float(eps), float(weight_decay),
+                float(bias_correction2_sqrt),
+                META=_META, GRAD_CODE=grad_code, COPY_CODE=copy_code,
+                LR_ON_DEVICE=lr_tensor is not None, SCALE_MODE=scale_mode,
+                HAS_FOUND_INF=found_inf is not None, WEIGHT_DECAY=weight_decay != 0,
+                DECOUPLED=bool(decoupled), AMSGRAD=amsgrad, ALIGNED=aligned,
+                BLOCK=block, ITERS=iters, num_warps=config["num_warps"])
 
 
 def _build_table(group, chunk):

@@ -139,33 +139,36 @@ def grad_stats(grads, *, sum_dtype=torch.float32):
     for g in grads:
         ptr = g.data_ptr()
         groups.setdefault((_GRAD_DTYPES[g.dtype], _runtime.is_aligned(ptr)), []).append((g.numel(), ptr))
-    launches = []
-    n_partials = 0
-    for (grad_code, aligned), group in groups.items():
-        key = (device, chunk, tuple(group))
-        table = _tables.get(key, lambda: _build_table(group, chunk), device)
-        meta, chunks = table[: len(group) * _META], table[len(group) * _META:]
-        n_chunks = chunks.numel() // 2
-        if n_chunks:
-            launches.append((grad_code, aligned, meta, chunks, n_chunks, n_partials))
-            n_partials += n_chunks
+    # tables, buffers and launches on the grads' device and its current stream, not the
+    # current device's
+    with _runtime.device_guard(device):
+        launches = []
+        n_partials = 0
+        for (grad_code, aligned), group in groups.items():
+            key = (device, chunk, tuple(group))
+            table = _tables.get(key, lambda: _build_table(group, chunk), device)
+            meta, chunks = table[: len(group) * _META], table[len(group) * _META:]
+            n_chunks = chunks.numel() // 2
+            if n_chunks:
+                launches.append((grad_code, aligned, meta, chunks, n_chunks, n_partials))
+                n_partials += n_chunks
 
-    sum_sq = torch.empty((), dtype=sum_dtype, device=device)
-    found_inf = torch.empty((), dtype=torch.float32, device=device)
-    # every slot is written by exactly one program before stage 2 reads it
-    partial_sq = torch.empty(max(n_partials, 1), dtype=torch.float64, device=device)
-    partial_flag = torch.empty(max(n_partials, 1), dtype=torch.int32, device=device)
-    if n_partials == 0:
-        partial_sq.zero_()
-        partial_flag.zero_()
-    for grad_code, aligned, meta, chunks, n_chunks, slot_offset in launches:
-        _grad_stats_partials_kernel.launch(
-            device, (n_chunks,), meta, chunks, partial_sq, partial_flag, slot_offset,
-            META=_META, GRAD_CODE=grad_code, ALIGNED=aligned,
-            BLOCK=config["BLOCK"], ITERS=config["ITERS"], num_warps=config["num_warps"])
-    _grad_stats_combine_kernel.launch(
-        device, (1,), partial_sq, partial_flag, max(n_partials, 1), sum_sq, found_inf,
-        BLOCK=config["REDUCE_BLOCK"], num_warps=config["reduce_warps"])
+        sum_sq = torch.empty((), dtype=sum_dtype, device=device)
+        found_inf = torch.empty((), dtype=torch.float32, device=device)
+        # every slot is written by exactly one program before stage 2 reads it
+        partial_sq = torch.empty(max(n_partials, 1), dtype=torch.float64, device=device)
+        partial_flag = torch.empty(max(n_partials, 1), dtype=torch.int32, device=device)
+        if n_partials == 0:
+            partial_sq.zero_()
+            partial_flag.zero_()
+        for grad_code, aligned, meta, chunks, n_chunks, slot_offset in launches:
+            _grad_stats_partials_kernel.launch(
+                device, (n_chunks,), meta, chunks, partial_sq, partial_flag, slot_offset,
+                META=_META, GRAD_CODE=grad_code, ALIGNED=aligned,
+                BLOCK=config["BLOCK"], ITERS=config["ITERS"], num_warps=config["num_warps"])
+        _grad_stats_combine_kernel.launch(
+            device, (1,), partial_sq, partial_flag, max(n_partials, 1), sum_sq, found_inf,
+            BLOCK=config["REDUCE_BLOCK"], num_warps=config["reduce_warps"])
     return sum_sq, found_inf
 
 

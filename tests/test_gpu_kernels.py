@@ -6,6 +6,7 @@ The same tests run on CUDA tensors when a GPU is present, else on CPU tensors th
 Triton's interpreter (conftest sets TRITON_INTERPRET=1). The interpreter costs ~0.7 ms per
 program, so sizes stay small; `gpu` tests need sizes or properties only a GPU has.
 """
+import contextlib
 import importlib
 import importlib.util
 import os
@@ -24,12 +25,14 @@ from gpu_kernels import (clip_coef, fused_adam_, fused_adam_reference_, grad_sta
 
 adam_module = importlib.import_module("gpu_kernels.adam")
 stats_module = importlib.import_module("gpu_kernels.grad_stats")
+runtime = importlib.import_module("gpu_kernels._runtime")
 
 CUDA = torch.cuda.is_available()
 DEVICES = ["cuda"] if CUDA else ["cpu"]
 # why the kernels cannot run here (no triton, an interpreter too old, ...), or None
 UNAVAILABLE = gpu_kernels.unavailable_reason(DEVICES[0])
 needs_triton = pytest.mark.skipif(UNAVAILABLE is not None, reason=str(UNAVAILABLE))
+needs_two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
 # the interpreter computes in numpy, which warns where fp32 -> fp16 casts or squares overflow;
 # those overflows are the point of the tests that make them
 pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
@@ -288,6 +291,13 @@ def _bad_adam_inputs(device):
          r"exp_avg_sqs\[0\] has dtype torch.bfloat16"),
         ("not a tensor", set_list("grads", 0, [0.0] * 4), TypeError, r"grads\[0\] must be a tensor"),
         ("other device", set_list("grads", 0, torch.zeros(4, device="meta")), ValueError, r"grads\[0\] is on meta"),
+        ("params across devices", set_list("params", 1, torch.zeros(4, device="meta")), ValueError,
+         r"params\[1\] is on meta but params\[0\] is on \w+(:\d+)?; one launch needs every tensor "
+         r"on the same device"),
+        ("lr elsewhere", set_kw(lr=torch.tensor(1e-3, device="meta")), ValueError,
+         r"lr is on meta but the tensors are on"),
+        ("grad_scale elsewhere", set_kw(grad_scale=torch.ones(1, device="meta")), ValueError,
+         r"grad_scale is on meta but the tensors are on"),
         ("copy dtype", set_kw(param_copies=[t(4, dtype=torch.int8), None]), TypeError, r"param_copies\[0\] has dtype"),
         ("short copies", set_kw(param_copies=[t(4, dtype=torch.bfloat16)]), ValueError, r"param_copies has 1 tensors"),
         ("short max_exp_avg_sqs", set_kw(max_exp_avg_sqs=[t(4)]), ValueError, r"max_exp_avg_sqs has 1 tensors"),
@@ -463,6 +473,98 @@ def test_grad_stats_rejects_bad_inputs(call, error, message):
 
 
 # --------------------------------------------------------------------------------------------
+# the tensors' device, not the current one (Triton launches on the current CUDA device and its
+# current stream)
+# --------------------------------------------------------------------------------------------
+
+def test_device_guard_selects_a_cuda_device_and_is_a_noop_on_cpu():
+    guard = runtime.device_guard(torch.device("cuda", 1))
+    assert isinstance(guard, torch.cuda.device) and guard.idx == 1
+    assert runtime.device_guard("cuda:1").idx == 1
+    for device in ("cpu", torch.device("cpu")):
+        guard = runtime.device_guard(device)
+        assert isinstance(guard, contextlib.nullcontext)
+        with guard:
+            pass
+
+
+@needs_triton
+@pytest.mark.parametrize("device", DEVICES)
+def test_every_table_build_and_launch_runs_under_the_tensors_device(device, monkeypatch):
+    """Records the guard open at each table build and each kernel launch (through the real
+    launch path): on CUDA that guard makes the tensors' device current."""
+    real_guard = runtime.device_guard
+    open_guards = []
+    events = []
+
+    @contextlib.contextmanager
+    def recording_guard(d):
+        open_guards.append(torch.device(d))
+        try:
+            with real_guard(d):
+                yield
+        finally:
+            open_guards.pop()
+
+    def watch_launches(lazy):
+        real_for_device = lazy.for_device
+
+        def for_device(d):
+            kernel = real_for_device(d)
+
+            class Grid:
+                def __getitem__(self, grid):
+                    def launch(*args, **kwargs):
+                        events.append((lazy.__name__, list(open_guards)))
+                        return kernel[grid](*args, **kwargs)
+                    return launch
+            return Grid()
+        monkeypatch.setattr(lazy, "for_device", for_device)
+
+    def watch_builds(module):
+        real_build = module._build_table
+
+        def build(*args):
+            events.append((module.__name__ + "._build_table", list(open_guards)))
+            return real_build(*args)
+        monkeypatch.setattr(module, "_build_table", build)
+
+    monkeypatch.setattr(runtime, "device_guard", recording_guard)
+    for lazy in (adam_module._fused_adam_kernel, stats_module._grad_stats_partials_kernel,
+                 stats_module._grad_stats_combine_kernel):
+        watch_launches(lazy)
+    for module in (adam_module, stats_module):
+        watch_builds(module)
+        module._tables.clear()  # so the tables are built, not found
+    state = make_state([15, 4099], device, torch.bfloat16)
+    run(fused_adam_, state, step=1, **HYPER)
+    grad_stats(state["grads"])
+    expected = state["params"][0].device
+    names = [name for name, _ in events]
+    assert names == ["gpu_kernels.adam._build_table", "_fused_adam_kernel",
+                     "gpu_kernels.grad_stats._build_table", "_grad_stats_partials_kernel",
+                     "_grad_stats_combine_kernel"]
+    for name, guards in events:
+        assert guards and guards[-1] == expected, f"{name} ran under {guards}, not {expected}"
+
+
+@needs_triton
+@pytest.mark.parametrize("device", DEVICES)
+def test_tables_and_outputs_land_on_the_inputs_device(device):
+    adam_module._tables.clear()
+    stats_module._tables.clear()
+    state = make_state([15, 4099], device, torch.float16)
+    expected = state["params"][0].device
+    run(fused_adam_, state, step=1, found_inf=torch.zeros(1, device=device), **HYPER)
+    sum_sq, found_inf = grad_stats(state["grads"], sum_dtype=torch.float64)
+    assert sum_sq.device == expected and found_inf.device == expected
+    assert clip_coef(sum_sq, 1.0).device == expected
+    for module in (adam_module, stats_module):
+        tables = [table for table, _, _ in module._tables._entries.values()]
+        assert tables and all(t.device == expected for t in tables), module.__name__
+
+
+# --------------------------------------------------------------------------------------------
 # compiled code (checked without a GPU: Triton compiles for a named target on the CPU)
 # --------------------------------------------------------------------------------------------
 
@@ -597,3 +699,76 @@ def test_tensors_past_2_pow_31_elements():
     assert_close(sum_sq, ref.float())
     g[-1] = float("nan")
     assert grad_stats([g])[1].item() == 1.0
+
+
+@contextlib.contextmanager
+def _on_cuda1_while_cuda0_is_current():
+    """cuda:1 with a side stream as its current stream, cuda:0 as the current device: a
+    launch that follows the current device lands on cuda:0 (an illegal address, or peer
+    access), and one on cuda:1's default stream races with the work queued on the side one."""
+    dev = torch.device("cuda", 1)
+    side = torch.cuda.Stream(device=dev)
+    side.wait_stream(torch.cuda.current_stream(dev))
+    with torch.cuda.stream(side), torch.cuda.device(0):
+        assert torch.cuda.current_device() == 0 and torch.cuda.current_stream(dev) == side
+        yield dev
+        assert torch.cuda.current_device() == 0, "a launcher left another device current"
+    side.synchronize()
+
+
+@pytest.mark.gpu
+@needs_two_gpus
+def test_fused_adam_steps_tensors_on_cuda1_while_cuda0_is_current():
+    with _on_cuda1_while_cuda0_is_current() as dev:
+        state = make_state(ODD_SIZES + [100000], dev, torch.bfloat16, amsgrad=True,
+                           copy_dtype=torch.bfloat16)
+        expected = clone_state(state)
+        scale = torch.tensor([0.5], device=dev)
+        found_inf = torch.zeros(1, device=dev)
+        lr = torch.tensor(HYPER["lr"], device=dev)
+        for step in (1, 2, 3):
+            # grads rewritten on the side stream just before each step (the second step
+            # reuses the cached tables)
+            for g in state["grads"]:
+                g.neg_()
+            run(fused_adam_, state, step=step, grad_scale=scale, found_inf=found_inf,
+                **{**HYPER, "lr": lr})
+    for step in (1, 2, 3):
+        for g in expected["grads"]:
+            g.neg_()
+        run(fused_adam_reference_, expected, step=step, grad_scale=0.5, **HYPER)
+    copies = state.pop("param_copies")
+    expected.pop("param_copies")
+    assert all(t.device == dev for ts in state.values() for t in ts)
+    assert_state_close(state, expected)
+    for c, p in zip(copies, state["params"]):
+        assert torch.equal(c, p.to(c.dtype))
+    mixed = make_state([4, 4], dev)
+    mixed["params"][1] = mixed["params"][1].to("cuda:0")
+    with pytest.raises(ValueError, match=r"params\[1\] is on cuda:0 but params\[0\] is on cuda:1"):
+        run(fused_adam_, mixed, step=1, **HYPER)
+
+
+@pytest.mark.gpu
+@needs_two_gpus
+def test_grad_stats_reads_grads_on_cuda1_while_cuda0_is_current():
+    gen = torch.Generator().manual_seed(3)
+    with _on_cuda1_while_cuda0_is_current() as dev:
+        grads = [(torch.randn(n, generator=gen) * 3).to(dev, dtype) for n, dtype in
+                 zip(ODD_SIZES + [300000], [torch.float32, torch.bfloat16, torch.float16] * 2)]
+        results = []
+        for _ in range(2):  # the second call reuses the cached tables
+            for g in grads:
+                g.mul_(2)  # queued on the side stream just before the kernels read it
+            sum_sq, found_inf = grad_stats(grads)
+            results.append((sum_sq.clone(), found_inf.clone(), [g.clone() for g in grads]))
+        grads[-1][-1] = float("nan")
+        nan_flag = grad_stats(grads)[1]
+    for sum_sq, found_inf, snapshot in results:
+        assert sum_sq.device == dev and found_inf.device == dev
+        ref_sum, ref_flag = grad_stats_reference(snapshot)
+        assert_close(sum_sq, ref_sum)
+        assert found_inf.item() == ref_flag.item() == 0.0
+    assert nan_flag.item() == 1.0
+    with pytest.raises(ValueError, match=r"grads\[1\] is on cuda:0 but grads\[0\] is on cuda:1"):
+        grad_stats([grads[0], grads[1].to("cuda:0")])
