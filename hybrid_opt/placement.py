@@ -1,0 +1,290 @@
+"""Placement: the subgroup layout, which tier holds each subgroup, and moving state between
+tiers (a refit of "auto", replan(), add_param_group after construction).
+
+A mixin of the optimizer class: it owns `plan`, `_subgroups`, `_device`, `_host` and
+`_host_local`; a failed move lays the old plan out again with its state, so it loses nothing.
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+import warnings
+from typing import NamedTuple
+
+import torch
+
+from hybrid_opt import layout as L
+from hybrid_opt.plan import DEVICE, HOST, NVME, check_fractions, fraction_plan
+from hybrid_opt.swap import check_nvme_path
+from hybrid_opt.tiers.device import DeviceTier
+from hybrid_opt.tiers.host import HostTier, staging_slots_for
+
+
+class _Fixed(NamedTuple):
+    """A placement to lay out as it is (no scheduler decision)."""
+    offload_fraction: float
+    nvme_fraction: float
+    prediction: object = None
+    reason: str = ""
+
+
+class PlacementMixin:
+    """Lays the tiers out and moves subgroups between them."""
+
+    def _all_params(self):
+        for g in self.param_groups:
+            yield from g["params"]
+
+    def _build(self) -> None:
+        params = list(self._all_params())
+        devices = {p.device for p in params}
+        if len(devices) > 1:
+            raise ValueError(f"all parameters must be on one device, got {sorted(map(str, devices))}")
+        self._amsgrad_layout = any(g["amsgrad"] for g in self.param_groups)
+        self._subgroups: list = []
+        self._index = {}            # param -> index
+        self._steps: list = []      # per-parameter step counts (torch's state['step'])
+        self._host_local: dict = {}
+        for gi in range(len(self.param_groups)):
+            self._add_group_layout(gi)
+        L.assign_ready_ranks(self._subgroups)
+        self._place()
+        self._built = True
+        self._closed = False
+
+    def _add_group_layout(self, gi: int) -> list:
+        params = self.param_groups[gi]["params"]
+        first = len(self._steps)
+        for k, p in enumerate(params):
+            self._index[p] = first + k
+        self._steps.extend([0] * len(params))
+        sgs, _ = L.flatten_group(params, gi, first, self.subgroup_numel, len(self._subgroups))
+        self._subgroups.extend(sgs)
+        return sgs
+
+    def _fractions_now(self) -> tuple:
+        """(offload, nvme) fractions to lay out: the user's numbers, or the scheduler's choice."""
+        sgs = self._subgroups
+        if "auto" not in (self.offload_fraction, self.nvme_fraction):
+            off, nv = float(self.offload_fraction), float(self.nvme_fraction)
+            if self.device_memory_budget is not None or self.host_memory_budget is not None:
+                self._check_budgets(off, nv)
+            return off, nv, None
+        if self._auto is None:
+            from hybrid_opt.scheduler import AutoPlanner, default_budgets
+            params = list(self._all_params())
+            device = params[0].device if params else torch.device("cpu")
+            dtype = sgs[0].dtype if sgs else torch.float32
+            budgets = default_budgets(params, device, self.device_memory_budget, self.host_memory_budget)
+            self._auto = AutoPlanner(
+                [s.numel for s in sgs], [s.ready_rank for s in sgs], device,
+                model_bytes=torch.tensor([], dtype=dtype).element_size(),
+                state_bytes=16 if self._amsgrad_layout else 12,
+                subgroup_numel=self.subgroup_numel,
+                fixed_offload=None if self.offload_fraction == "auto" else float(self.offload_fraction),
+                fixed_nvme=None if self.nvme_fraction == "auto" else float(self.nvme_fraction),
+                nvme_path=self.nvme_path, worker_share=self.worker_share,
+                spare_banks=self.spare_banks, exact_rollback=self.rollback == "exact",
+                speculative=bool(self.speculative),
+                device_budget=budgets[0], host_budget=budgets[1], refit_every=self.refit_every,
+                calibration=self._calibration)
+        d = self._auto.choose()
+        return d.offload_fraction, d.nvme_fraction, d
+
+    def _memory(self, off: float, nv: float, spare_banks) -> dict:
+        """The cost model's bytes per tier for this optimizer's model at a placement."""
+        from hybrid_opt import cost_model as cm
+        params = list(self._all_params())
+        cuda = bool(params) and params[0].is_cuda
+        size = params[0].element_size() if params else 4
+        wl = cm.Workload(params=float(sum(s.numel for s in self._subgroups)), model_bytes=size,
+                         grad_bytes=size, state_bytes=16 if self._amsgrad_layout else 12,
+                         subgroup_numel=self.subgroup_numel)
+        return cm.memory_bytes(cm.Machine(gpus=1 if cuda else 0), wl, off, nv, spare_banks)
+
+    def _check_budgets(self, off: float, nv: float) -> None:
+        from hybrid_opt.scheduler import check_fixed_plan
+        params = list(self._all_params())
+        cuda = bool(params) and params[0].is_cuda
+        # the spare pool is sized afterwards from what the budget leaves (at least one bank)
+        mem = self._memory(off, nv, self.spare_banks if self.spare_banks is not None else 1)
+        check_fixed_plan((self.device_memory_budget, self.host_memory_budget), mem, cuda)
+
+    def _place(self, decision=None, plan=None) -> None:
+        """Lays the tiers out: at `decision`'s placement, as `plan` exactly (a layout that ran
+        before), or else at the fractions asked for."""
+        sgs = self._subgroups
+        if plan is not None:
+            self.plan = dataclasses.replace(plan, tiers=list(plan.tiers), numels=list(plan.numels),
+                                            speculation_order=list(plan.speculation_order))
+        else:
+            self.plan = self._fraction_plan(decision)
+        self._refresh_fractions()
+        self._device = DeviceTier([s for s in sgs if self.plan.tiers[s.index] == DEVICE],
+                                  self._amsgrad_layout)
+        host = [s for s in sgs if self.plan.tiers[s.index] in (HOST, NVME)]
+        self._host_local = {s.index: k for k, s in enumerate(host)}
+        if host:
+            dtypes = {s.dtype for s in host}
+            copy_dtype = next(iter(dtypes - {torch.float32}), None)
+            if len(dtypes - {torch.float32}) > 1:
+                raise TypeError("host-tier parameters must share one low-precision dtype")
+            grad_dtype = torch.float32 if len(dtypes) > 1 else next(iter(dtypes))
+            nvme = [self.plan.tiers[s.index] == NVME for s in host]
+            # grads arrive about in reverse parameter order: a subgroup is complete when its
+            # first parameter's grad is, and every subgroup that parameter completes is ready
+            # in the same hook
+            bursts: dict = {}
+            for k, s in enumerate(host):
+                bursts.setdefault(min(sl.param_index for sl in s.slices), []).append(k)
+            self._host = HostTier([s.numel for s in host], grad_dtype=grad_dtype,
+                                  staging_slots=staging_slots_for(list(bursts.values()),
+                                                                  [s.numel for s in host]),
+                                  copy_dtype=copy_dtype, amsgrad=self._amsgrad_layout,
+                                  rollback=self.rollback, spare_banks=self.plan.spare_banks or None,
+                                  worker_share=self.worker_share, nvme=nvme,
+                                  nvme_path=self.nvme_path if any(nvme) else None,
+                                  io_banks=self.io_banks)
+            for s in host:
+                self._host.load_state(self._host_local[s.index], s.flat.detach().float())
+            import cpu_kernels
+            self._saved_kernel_threads = cpu_kernels.get_num_threads()
+            cpu_kernels.set_num_threads(max(1, len(self._host.cores.trainer)))
+        self._install_hooks(host)
+
+    def _fraction_plan(self, decision):
+        """The plan at `decision`'s fractions (or those asked for), its spare pool sized."""
+        sgs = self._subgroups
+        if decision is None:
+            off, nv, decision = self._fractions_now()
+        else:
+            off, nv = decision.offload_fraction, decision.nvme_fraction
+        spares = self.spare_banks
+        if spares is None and decision is not None and decision.prediction is not None:
+            spares = decision.prediction.spare_banks
+        plan = fraction_plan([s.numel for s in sgs], [s.ready_rank for s in sgs], off, nv, spares)
+        if spares is None:
+            from hybrid_opt.scheduler import default_spare_banks
+            host = [s for s in sgs if plan.tiers[s.index] != DEVICE]
+            biggest = max((s.numel for s in host), default=0)
+            budget = self.host_memory_budget
+            if budget is not None:  # what the placement leaves of it
+                budget = max(0, budget - self._memory(off, nv, spare_banks=0)["host"])
+            plan.spare_banks = default_spare_banks(len(host), biggest * (16 if self._amsgrad_layout else 12), budget)
+        if decision is not None:
+            plan.prediction, plan.reason = decision.prediction, decision.reason
+        return plan
+
+    def _refresh_fractions(self) -> None:
+        """The shares actually laid out (at subgroup boundaries)."""
+        total = sum(self.plan.numels) or 1
+        self._fractions = ((self.plan.elements(HOST) + self.plan.elements(NVME)) / total,
+                           self.plan.elements(NVME) / total)
+
+    def _rebuild_tiers(self, decision=None, plan=None) -> None:
+        """Lays the tiers out again: at `decision`'s placement, or as `plan` (by default the
+        plan now); the caller loads their state afterwards."""
+        if self._host is not None:
+            self._host.close()
+            import cpu_kernels
+            cpu_kernels.set_num_threads(self._saved_kernel_threads)
+            self._host = None
+        self.__dict__.pop("_prev_worker_s", None)  # per-subgroup worker times of the old tier
+        if decision is not None:
+            self._place(decision)
+        else:
+            self._place(plan=plan or self.plan)
+
+    def _move(self, decision) -> None:
+        """Moves subgroups between tiers to `decision`'s plan: every subgroup's committed state
+        is copied out, the tiers are laid out anew, and the state is copied back in (bitwise:
+        every tier steps with the same arithmetic). If the new layout fails (a worker or an
+        arena that cannot start), the old one is laid out again with the same state and the
+        error raised: a failed move loses nothing."""
+        t0 = time.perf_counter()
+        self._drop_speculation()
+        saved = {}
+        for sg in self._subgroups:
+            saved[sg.index] = {k: v.detach().clone() for k, v in self._subgroup_state(sg).items()}
+        before = self.plan
+        try:
+            self._rebuild_tiers(decision)
+            self._load_states(saved)
+        except Exception:
+            self._rebuild_tiers(plan=before)
+            self._load_states(saved)
+            raise
+        if self._auto is not None:
+            self._auto.move_cost_s = time.perf_counter() - t0
+            self._auto.moves += 1
+
+    def _load_states(self, saved: dict) -> None:
+        """Every subgroup's state from `saved` ({index: {name: tensor}}) into the tiers now."""
+        for sg in self._subgroups:
+            st = self._subgroup_state(sg)
+            for k, view in st.items():
+                view.copy_(saved[sg.index][k])
+            if self.plan.tiers[sg.index] != DEVICE:
+                self._host.load_state(self._host_local[sg.index], st["master"], st["exp_avg"],
+                                      st["exp_avg_sq"], st.get("max_exp_avg_sq"))
+
+    def _room_to_move(self) -> bool:
+        """A move copies every subgroup's state out first: only when that copy fits in half of
+        the free host memory."""
+        from hybrid_opt.scheduler import _free_host_bytes
+        need = sum(s.numel for s in self._subgroups) * (16 if self._amsgrad_layout else 12)
+        return need <= 0.5 * _free_host_bytes()
+
+    def replan(self, offload_fraction: float, nvme_fraction: float = 0.0) -> None:
+        """Moves state to another placement now (what a refit of "auto" does); numerics are
+        unchanged. Call between steps."""
+        self._check_open()
+        check_fractions(offload_fraction, nvme_fraction)
+        if "auto" in (offload_fraction, nvme_fraction):
+            raise ValueError('replan() takes numbers; "auto" is chosen at construction')
+        if float(nvme_fraction) > 0:
+            check_nvme_path(self.nvme_path)
+        prediction = None
+        if self._auto is not None:
+            prediction = self._auto.predict(float(offload_fraction), float(nvme_fraction))
+        self._move(_Fixed(float(offload_fraction), float(nvme_fraction), prediction, "replan()"))
+
+    def _extend(self, gi: int) -> None:
+        """add_param_group after construction (a layer unfrozen in fine-tuning): the new
+        group's subgroups start on the device tier with fresh state; where the placement
+        offloads — a fraction above 0, or "auto"'s choice for the grown model — every subgroup
+        is then laid out again at that placement, the committed state moved bitwise as a
+        refit moves it, so the new group's state need not fit on the device."""
+        sgs = self._add_group_layout(gi)
+        for s in sgs:
+            self.plan.tiers.append(DEVICE)
+            self.plan.numels.append(s.numel)
+        extra = DeviceTier(sgs, self._amsgrad_layout)
+        self._device.subgroups.update(extra.subgroups)
+        self._device.master.update(extra.master)
+        self._device.state.update(extra.state)
+        L.assign_ready_ranks(self._subgroups)
+        self._refresh_fractions()
+        # the timing hooks sit on the first and last trainable params: the new group's may be
+        # either (a move below installs them again anyway)
+        self._install_hooks([s for s in self._subgroups if self.plan.tiers[s.index] != DEVICE])
+        if self._auto is not None:
+            self._auto.regrow([s.numel for s in self._subgroups], [s.ready_rank for s in self._subgroups])
+        stay = f"add_param_group: the new group's {sum(s.numel for s in sgs)} elements stay on the device tier"
+        try:
+            off, nv, decision = self._fractions_now()
+        except ValueError as e:  # the grown model fits no placement within the budgets
+            warnings.warn(f"{stay}: {e}", stacklevel=3)
+            return
+        if off == 0 and nv == 0 and self._host is None:
+            return  # everything on the device tier: where the new group already is
+        if not self._room_to_move():
+            warnings.warn(f"{stay}: laying the tiers out again copies all state first, and that copy "
+                          f"does not fit in half the free host memory", stacklevel=3)
+            return
+        if decision is not None:
+            decision.reason = "add_param_group: " + decision.reason
+        try:
+            self._move(decision or _Fixed(off, nv, self.plan.prediction, "add_param_group: laid out again"))
+        except Exception as e:  # the layout before is back, state and all (see _move)
+            warnings.warn(f"{stay}: laying the tiers out again failed: {type(e).__name__}: {e}", stacklevel=3)

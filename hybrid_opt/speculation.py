@@ -1,0 +1,221 @@
+"""Speculation: grad hooks that step a host/nvme subgroup in the worker as soon as its grads
+are complete during backward, and the inputs such a step records so that validation can
+commit, redo or drop it.
+
+A mixin of the optimizer class; `GradGatherer` writes a subgroup's grads into a staging
+buffer (or names their memory for the worker to read itself).
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from hybrid_opt.tiers.host import StepInputs
+
+
+class SpeculationMixin:
+    """Grad hooks, speculative host steps during backward, and the inputs they record."""
+
+    def _install_hooks(self, host: list) -> None:
+        """Grad hooks mark host/nvme subgroups ready during backward; a subgroup whose every
+        trainable parameter has its grad accumulated is stepped speculatively at once."""
+        for h in getattr(self, "_hook_handles", []):
+            h.remove()
+        self._hook_handles = []
+        self._members: dict = {}   # host subgroup index -> trainable param indices in it
+        self._param_sgs: dict = {}  # param index -> host subgroup indices it spans
+        self._ready: dict = {}
+        self._staged: dict = {}     # host subgroup index -> the grad tensors its pending speculation read
+        if self._auto is not None:
+            # the scheduler times backward from the first grad accumulated to the last: hooks on
+            # the first and last trainable params only (grads complete in about reverse
+            # parameter order; a Python hook on every param would itself slow backward)
+            trainable = [p for p in self._all_params() if p.requires_grad]
+            for p in {id(q): q for q in trainable[:1] + trainable[-1:]}.values():
+                self._hook_handles.append(p.register_post_accumulate_grad_hook(self._on_grad_timed))
+        if not self.speculative or not host:
+            return
+        for sg in host:
+            members = {sl.param_index for sl in sg.slices if sl.param.requires_grad}
+            if not members:
+                continue
+            self._members[sg.index] = members
+            self._ready[sg.index] = set()
+            for idx in members:
+                self._param_sgs.setdefault(idx, []).append(sg.index)
+        hooked = set()
+        for sg in host:
+            for sl in sg.slices:
+                p = sl.param
+                if p.requires_grad and p not in hooked:
+                    hooked.add(p)
+                    self._hook_handles.append(p.register_post_accumulate_grad_hook(self._on_grad_ready))
+
+    def _on_grad_timed(self, p) -> None:
+        now = time.perf_counter()
+        if self._bwd_first is None:
+            self._bwd_first = now
+        self._bwd_last = now
+
+    def _may_speculate(self) -> bool:
+        """In exact mode always. rollback="inverse" undoes a wrong guess algebraically, and
+        that undo is ill-conditioned when the guess was far off (grads still scaled by 2**16,
+        or clipped hard: the step's g**2 swamps v): speculate there only when the guess is
+        safe — not before the first step shows whether a GradScaler is in play, not with
+        clipping, not with a GradScaler whose scale speculation cannot read."""
+        if self.rollback != "inverse":
+            return True
+        if self._steps_taken == 0 or self.max_grad_norm is not None:
+            return False
+        return not self._amp_seen or self._grad_scaler is not None
+
+    def _on_grad_ready(self, p) -> None:
+        if self._closed or not self._accumulation_boundary or not self._may_speculate():
+            return
+        idx = self._index.get(p)
+        for sgi in self._param_sgs.get(idx, ()):
+            ready = self._ready[sgi]
+            ready.add(idx)
+            if len(ready) == len(self._members[sgi]):
+                ready.clear()  # a further backward before step() makes it ready again
+                try:
+                    if sgi in self._deferred:
+                        self._deferred.remove(sgi)
+                    self._retry_deferred()
+                    if not self._speculate(sgi):
+                        self._deferred.append(sgi)
+                except Exception as e:  # never break the user's backward: step() reports it
+                    self._speculation_error = self._speculation_error or e
+
+    def _predicted_inv_scale(self) -> float:
+        scaler = self._grad_scaler
+        if scaler is not None and scaler.is_enabled():
+            return 1.0 / float(scaler.get_scale())
+        return self._last_inv_scale
+
+    def _host_inputs(self, sg, live: list, hp: StepInputs, scale: float, ahead: int) -> StepInputs:
+        """The inputs a host subgroup's step depends on (ahead=1 during backward: the step
+        counts it will have), including which grads, so a changed grad makes it stale."""
+        runs = self._runs(sg, live, ahead)
+        step = runs[0][2] if runs else self._steps[live[0].param_index] + ahead
+        versions = tuple((sl.param.grad.data_ptr(), sl.param.grad._version) for sl in live)
+        return StepInputs(step, hp.lr, hp.beta1, hp.beta2, hp.eps, hp.weight_decay, hp.decoupled,
+                          scale * hp.grad_scale, versions, hp.amsgrad, runs)
+
+    def _speculate(self, sgi: int) -> bool:
+        sg = self._subgroups[sgi]
+        live = [sl for sl in sg.slices if sl.param.grad is not None]
+        if not live:
+            return True
+        group = self.param_groups[sg.group]
+        hp = self._hyper(group, -1.0 if group["maximize"] else 1.0)
+        # clipping is assumed not to bite (coefficient 1): validation redoes it when it does
+        inputs = self._host_inputs(sg, live, hp, self._predicted_inv_scale(), 1)
+        local = self._host_local[sgi]
+        self._host.cancel(local)
+        self._staged.pop(sgi, None)
+        if self._host.speculate(local, GradGatherer(sg), inputs, wait=False):
+            # the grads it read stay referenced until it is validated: a grad tensor made after
+            # one was discarded (zero_grad, `p.grad = None`) can then never take its address, so
+            # (data_ptr, _version) names the same grad for as long as the speculation is pending
+            self._staged[sgi] = [sl.param.grad for sl in live]
+            return True
+        return False
+
+    def _retry_deferred(self) -> None:
+        """Subgroups that found no free bank or staging slot when they became ready are tried
+        again as the worker frees them (backward never waits for the worker); those still
+        waiting at step() are stepped there."""
+        self._host.poll()
+        while self._deferred:
+            if not self._speculate(self._deferred[0]):
+                return
+            self._deferred.pop(0)
+
+    def _drop_speculation(self) -> dict:
+        """Drops every pending speculation (the committed state is untouched); returns finish()'s
+        outcome."""
+        outcome = {}
+        if self._host is not None and self._host.speculated():
+            outcome = self._host.finish({}, overflow=True)
+        self._forget_staged()
+        self._deferred.clear()
+        return outcome
+
+    def _forget_staged(self) -> None:
+        pending = set(self._host.speculated()) if self._host is not None else set()
+        self._staged = {k: v for k, v in getattr(self, "_staged", {}).items()
+                        if self._host_local[k] in pending}
+
+    def attach_grad_scaler(self, scaler) -> None:
+        """Lets speculation read the loss scale that will apply (torch.amp.GradScaler);
+        without it, speculation assumes the last step's scale and validation redoes what
+        does not match."""
+        self._grad_scaler = scaler
+
+    def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
+        """DeepSpeed's vocabulary: False on micro-batches that are not the last before step()
+        suppresses speculation on them (their grads are not final). Unannotated accumulation
+        stays correct — a grad changed after speculation makes it stale — only slower."""
+        self._accumulation_boundary = bool(is_boundary)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        super().zero_grad(set_to_none)
+        for ready in getattr(self, "_ready", {}).values():
+            ready.clear()
+
+    def _runs(self, sg, live: list, ahead: int = 0) -> tuple:
+        """(offset, numel, step) ranges of a subgroup's live slices, merged where contiguous."""
+        runs = []
+        for sl in live:
+            step = self._steps[sl.param_index] + ahead
+            if runs and runs[-1][0] + runs[-1][1] == sl.sub_offset and runs[-1][2] == step:
+                runs[-1] = (runs[-1][0], runs[-1][1] + sl.numel, step)
+            else:
+                runs.append((sl.sub_offset, sl.numel, step))
+        if len(runs) == 1 and runs[0][:2] == (0, sg.numel):
+            return ()
+        return tuple(runs)
+
+
+class GradGatherer:
+    """Writes a subgroup's grads [offset, offset + numel) into a staging buffer; params without
+    a grad contribute zeros (their elements are outside every run, so never stepped)."""
+
+    def __init__(self, sg):
+        self.sg = sg
+
+    def _overlaps(self, offset: int, numel: int):
+        """(slice, a, b) for each slice overlapping [offset, offset + numel), [a, b) in
+        subgroup elements."""
+        end = offset + numel
+        for sl in self.sg.slices:
+            a, b = max(offset, sl.sub_offset), min(end, sl.sub_offset + sl.numel)
+            if a < b:
+                yield sl, a, b
+
+    def __call__(self, dst: torch.Tensor, offset: int, numel: int) -> None:
+        for sl, a, b in self._overlaps(offset, numel):
+            g = sl.grad_view()
+            if g is None:
+                dst[a - offset:b - offset].zero_()
+                continue
+            dst[a - offset:b - offset].copy_(g[a - sl.sub_offset:b - sl.sub_offset], non_blocking=False)
+
+    def segments(self, offset: int, numel: int, dtype):
+        """Remote gather: [(element offset in the piece, address, elements)] (address 0: zeros)
+        and the grad tensors to keep alive, for the worker to read itself; None when a grad
+        is on a GPU, non-contiguous or of another dtype (then __call__ stages it here)."""
+        entries, keep = [], []
+        for sl, a, b in self._overlaps(offset, numel):
+            g = sl.param.grad
+            if g is None:
+                entries.append((a - offset, 0, b - a))
+                continue
+            if g.is_cuda or g.dtype != dtype or not g.is_contiguous():
+                return None
+            start = sl.param_offset + (a - sl.sub_offset)
+            entries.append((a - offset, g.data_ptr() + start * g.element_size(), b - a))
+            keep.append(g)
+        return entries, keep
