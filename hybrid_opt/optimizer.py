@@ -35,6 +35,38 @@ def _float_hyper(value, name: str) -> float:
     return float(value)
 
 
+def _check_hyperparameters(lr, betas, eps, weight_decay, *, foreach, capturable) -> tuple:
+    """torch.optim.Adam's own checks, in its order, with its error types and messages (its
+    optimizer database holds them as error inputs: tests/test_optim_db.py). Returns betas as
+    torch keeps them (a 1-element Tensor beta squeezed to 0-dim)."""
+    if isinstance(lr, torch.Tensor):
+        if foreach and not capturable:
+            raise ValueError("lr as a Tensor is not supported for capturable=False and foreach=True")
+        if lr.numel() != 1:
+            raise ValueError("Tensor lr must be 1-element")
+    if not 0.0 <= lr:
+        raise ValueError(f"Invalid learning rate: {lr}")
+    if not 0.0 <= eps:
+        raise ValueError(f"Invalid epsilon value: {eps}")
+    if not 0.0 <= betas[0] < 1.0:
+        raise ValueError(f"Invalid beta parameter at index 0: {betas[0]}")
+    if not 0.0 <= betas[1] < 1.0:
+        raise ValueError(f"Invalid beta parameter at index 1: {betas[1]}")
+    if not 0.0 <= weight_decay:
+        raise ValueError(f"Invalid weight_decay value: {weight_decay}")
+    if not ((isinstance(betas[0], float) and isinstance(betas[1], float))
+            or (isinstance(betas[0], torch.Tensor) and isinstance(betas[1], torch.Tensor))):
+        raise ValueError("betas must be either both floats or both Tensors")
+    for i, b in enumerate(betas):
+        if isinstance(b, torch.Tensor):
+            if foreach and not capturable:
+                raise ValueError(f"betas[{i}] as a Tensor is not supported for capturable=False "
+                                 f"and foreach=True")
+            if b.numel() != 1:
+                raise ValueError(f"Tensor betas[{i}] must be 1-element")
+    return tuple(b.squeeze() if isinstance(b, torch.Tensor) and b.dim() != 0 else b for b in betas)
+
+
 class _HybridBase(SpeculationMixin, PlacementMixin, CheckpointMixin, StepStatsMixin,
                   torch.optim.Optimizer):
     """The torch.optim facade: arguments, param groups, the step and the lifecycle. Layout,
@@ -48,25 +80,24 @@ class _HybridBase(SpeculationMixin, PlacementMixin, CheckpointMixin, StepStatsMi
                  nvme_path, subgroup_numel, speculative, rollback, device_memory_budget,
                  host_memory_budget, process_group, worker_share=0.5, spare_banks=None,
                  io_banks=4, refit_every=50, calibration=None):
-        if isinstance(lr, torch.Tensor) and lr.numel() != 1:
-            raise ValueError("Tensor lr must be 1-element")
-        if not 0.0 <= lr:
-            raise ValueError(f"Invalid learning rate: {lr}")
-        if not 0.0 <= eps:
-            raise ValueError(f"Invalid epsilon value: {eps}")
-        if not 0.0 <= betas[0] < 1.0:
-            raise ValueError(f"Invalid beta parameter at index 0: {betas[0]}")
-        if not 0.0 <= betas[1] < 1.0:
-            raise ValueError(f"Invalid beta parameter at index 1: {betas[1]}")
-        if not 0.0 <= weight_decay:
-            raise ValueError(f"Invalid weight_decay value: {weight_decay}")
+        betas = _check_hyperparameters(lr, betas, eps, weight_decay, foreach=foreach,
+                                       capturable=capturable)
         if capturable:
             raise ValueError(f"{type(self).__name__} does not support capturable=True (CUDA graph "
-                             f"capture): its host tier steps in another process")
+                             f"capture): its host tier steps in another process, which a graph "
+                             f"cannot record; capture the model alone, or use torch.optim."
+                             f"{type(self).__name__[len('Hybrid'):]}(capturable=True)")
+        # torch's fused-flag errors (it raises them after building its groups): the same, sooner
+        if fused and differentiable:
+            raise RuntimeError("`fused` does not support `differentiable`")
+        if fused and foreach:
+            raise RuntimeError("`fused` and `foreach` cannot be `True` together.")
         if differentiable:
-            raise ValueError(f"{type(self).__name__} does not support differentiable=True")
-        if fused is False or foreach is True:
-            pass  # accepted: every path of ours is fused already; the flag changes nothing
+            raise ValueError(f"{type(self).__name__} does not support differentiable=True: no "
+                             f"autograd graph runs through its in-place tier kernels; use "
+                             f"torch.optim.{type(self).__name__[len('Hybrid'):]} to differentiate "
+                             f"through the step")
+        # otherwise foreach / fused are accepted: every path of ours is fused already; they change nothing
         if process_group is not None:
             raise NotImplementedError("process_group: distributed support is not built yet; "
                                       "use one process per optimizer (process_group=None)")
@@ -155,18 +186,13 @@ class _HybridBase(SpeculationMixin, PlacementMixin, CheckpointMixin, StepStatsMi
                 if t.dtype not in _MODEL_DTYPES:
                     raise TypeError(f"{type(self).__name__} supports float32, bfloat16 and float16 "
                                     f"parameters, got {t.dtype}")
-        lr = param_group.get("lr", self.defaults["lr"])
-        if isinstance(lr, torch.Tensor) and lr.numel() != 1:
-            raise ValueError("Tensor lr must be 1-element")
-        for key, check in (("lr", lambda v: 0.0 <= v), ("eps", lambda v: 0.0 <= v),
-                           ("weight_decay", lambda v: 0.0 <= v)):
-            if key in param_group and not check(param_group[key]):
-                raise ValueError({"lr": "Invalid learning rate", "eps": "Invalid epsilon value",
-                                  "weight_decay": "Invalid weight_decay value"}[key] + f": {param_group[key]}")
-        if "betas" in param_group:
-            for i, b in enumerate(param_group["betas"]):
-                if not 0.0 <= b < 1.0:
-                    raise ValueError(f"Invalid beta parameter at index {i}: {b}")
+        # a group's own values get the constructor's checks (torch checks only the defaults)
+        if any(k in param_group for k in ("lr", "betas", "eps", "weight_decay")):
+            get = lambda k: param_group.get(k, self.defaults[k])  # noqa: E731
+            betas = _check_hyperparameters(get("lr"), get("betas"), get("eps"), get("weight_decay"),
+                                           foreach=get("foreach"), capturable=get("capturable"))
+            if "betas" in param_group:
+                param_group["betas"] = betas
         if self._built:
             self._check_open()
             if param_group.get("amsgrad", self.defaults["amsgrad"]) and not self._amsgrad_layout:
