@@ -4,7 +4,9 @@ between the device, host and nvme tiers.
 The classes are real torch.optim.Optimizer subclasses: param groups, named parameters,
 lr schedulers and GradScaler work through torch's own protocols, and the numerics follow
 torch.optim.AdamW(foreach=False) / Adam within fp32 rounding whatever the placement.
-Per-parameter state lives in the tiers, not in `self.state`; `state_dict()` gathers it in
+Per-parameter moments and masters live in the tiers; `self.state` holds, as torch's does,
+each stepped param's `step` count (a 0-dim float32 tensor), so tools that read it (torch.
+distributed.checkpoint) see a trained optimizer. `state_dict()` gathers the full state in
 torch's format and `load_state_dict()` scatters it back.
 """
 from __future__ import annotations
@@ -20,7 +22,9 @@ from hybrid_opt.placement import PlacementMixin
 from hybrid_opt.plan import DEVICE, check_fractions
 from hybrid_opt.speculation import GradGatherer, SpeculationMixin
 from hybrid_opt.step_stats import StepStatsMixin
+from hybrid_opt.storage import StorageMixin
 from hybrid_opt.swap import check_nvme_path
+from hybrid_opt.tiers.device import read_scalars
 from hybrid_opt.tiers.host import StepInputs
 
 DEFAULT_SUBGROUP_NUMEL = 1 << 22  # 4Mi elements: 16 MB of fp32 master, 48 MB of state
@@ -67,7 +71,7 @@ def _check_hyperparameters(lr, betas, eps, weight_decay, *, foreach, capturable)
     return tuple(b.squeeze() if isinstance(b, torch.Tensor) and b.dim() != 0 else b for b in betas)
 
 
-class _HybridBase(SpeculationMixin, PlacementMixin, CheckpointMixin, StepStatsMixin,
+class _HybridBase(SpeculationMixin, PlacementMixin, CheckpointMixin, StepStatsMixin, StorageMixin,
                   torch.optim.Optimizer):
     """The torch.optim facade: arguments, param groups, the step and the lifecycle. Layout,
     speculation, checkpoints and stats are mixins, each in a module of its own."""
@@ -218,15 +222,17 @@ class _HybridBase(SpeculationMixin, PlacementMixin, CheckpointMixin, StepStatsMi
                           _float_hyper(b2, "betas[1]"), float(group["eps"]), float(group["weight_decay"]),
                           self._decoupled, grad_sign, (), bool(group["amsgrad"]))
 
-    def _grad_norm_sq(self) -> float:
+    def _grad_norm_sq(self):
+        """The grads' squared global norm: a float summed here on a CPU host; on CUDA a 0-dim
+        fp64 device tensor, queued and not read (step() reads it with found_inf and the scale)."""
         total = 0.0
         params = [p for p in self._all_params() if p.grad is not None]
         if not params:
             return 0.0
         if params[0].is_cuda:
             import gpu_kernels
-            s, _ = gpu_kernels.grad_stats([p.grad.contiguous() for p in params])
-            return float(s)
+            s, _ = gpu_kernels.grad_stats([p.grad.contiguous() for p in params], sum_dtype=torch.float64)
+            return s
         import cpu_kernels
         for p in params:
             s, _ = cpu_kernels.grad_stats(p.grad.contiguous())
@@ -245,13 +251,22 @@ class _HybridBase(SpeculationMixin, PlacementMixin, CheckpointMixin, StepStatsMi
             err, self._speculation_error = self._speculation_error, None
             self._drop_speculation()
             raise RuntimeError(f"a speculative host step during backward failed: {err}") from err
+        self._check_storage()  # a param whose memory was replaced is re-adopted (storage.py)
         for p in self._all_params():
             if p.grad is not None and p.grad.is_sparse:
                 raise RuntimeError(f"{type(self).__name__} does not support sparse gradients")
+        if self._is_state_init_step():  # torch.distributed.checkpoint's lr-0 step on a fresh optimizer
+            return loss
         scale_t = getattr(self, "grad_scale", None)
         found_t = getattr(self, "found_inf", None)
         self._amp_seen = self._amp_seen or found_t is not None  # GradScaler.step sets found_inf
-        if found_t is not None and float(found_t) != 0.0:
+        # on a GPU, clipping's norm² is queued first so that it, found_inf and the loss scale
+        # reach the host in one small copy: at most one sync per step (README: host syncs)
+        norm_sq = None
+        if self.max_grad_norm is not None and self._subgroups and self._subgroups[0].flat.is_cuda:
+            norm_sq = self._grad_norm_sq()
+        found, scale_v, norm_sq = read_scalars((found_t, scale_t, norm_sq))
+        if found is not None and found != 0.0:
             # GradScaler saw inf/nan: the whole step is skipped, exactly as torch does
             self.step_was_skipped = True
             dropped = self._drop_speculation()
@@ -265,14 +280,16 @@ class _HybridBase(SpeculationMixin, PlacementMixin, CheckpointMixin, StepStatsMi
             return loss
         self.step_was_skipped = False
         self._steps_taken += 1
-        inv_scale = 1.0 / float(scale_t) if scale_t is not None else 1.0
+        inv_scale = 1.0 / scale_v if scale_t is not None else 1.0
         if scale_t is not None:
             self._last_inv_scale = inv_scale
         # the global norm costs a pass over every grad: only clipping needs it
         norm = None
         clip = 1.0
         if self.max_grad_norm is not None:
-            norm = math.sqrt(self._grad_norm_sq()) * inv_scale
+            if norm_sq is None:  # a CPU host sums it here, once the step is known not skipped
+                norm_sq = self._grad_norm_sq()
+            norm = math.sqrt(norm_sq) * inv_scale
             coef = self.max_grad_norm / (norm + 1e-6)
             clip = coef if (coef < 1.0 or coef != coef) else 1.0  # torch clamps at 1; NaN stays
         self.last_grad_norm = norm
@@ -282,6 +299,7 @@ class _HybridBase(SpeculationMixin, PlacementMixin, CheckpointMixin, StepStatsMi
         for p in self._all_params():
             if p.grad is not None:
                 self._steps[self._index[p]] += 1
+        self._sync_torch_state()
         groups = [self._hyper(g, -1.0 if g["maximize"] else 1.0) for g in self.param_groups]
 
         device_work, host_steps = [], {}
@@ -311,6 +329,7 @@ class _HybridBase(SpeculationMixin, PlacementMixin, CheckpointMixin, StepStatsMi
                     if p.grad is not None and idx not in touched:
                         self._steps[idx] -= 1
                         rolled.append(idx)
+                self._sync_torch_state()
                 done = sorted(committed)
                 what = ("Nothing was stepped (state and step counts are the previous step's): fix "
                         "the cause and call step() again." if not done else
@@ -321,11 +340,14 @@ class _HybridBase(SpeculationMixin, PlacementMixin, CheckpointMixin, StepStatsMi
                 raise RuntimeError(f"{type(self).__name__}.step() failed in the host/nvme tier: "
                                    f"{e}\n{what}") from e
         t_device = time.perf_counter()
+        # "auto" times the device step on the device's clock (GPU time on CUDA: clocks.py)
+        d0 = self._mark() if self._auto is not None else None
         self._device.step(device_work, scale)
+        d1 = self._mark() if self._auto is not None else None
         t_end = time.perf_counter()
         self._record_stats(host_steps, device_work, t_device - t_host, t_end - t_device, norm, clip)
         if self._auto is not None:
-            self._schedule(device_work, t_end - t_step)
+            self._schedule(device_work, t_end - t_step, (d0, d1))
         return loss
 
     def _step_host(self, host_steps: dict, scale: float, committed: set) -> None:
@@ -368,11 +390,7 @@ class _HybridBase(SpeculationMixin, PlacementMixin, CheckpointMixin, StepStatsMi
             h.remove()
         self._hook_handles = []
         if self._host is not None:
-            try:
-                self._host.close()
-            finally:
-                import cpu_kernels
-                cpu_kernels.set_num_threads(self._saved_kernel_threads)
+            self._host.close()  # restores the cores and both thread counts (CoreSplit)
 
     def __enter__(self):
         return self

@@ -60,6 +60,7 @@ class PlacementMixin:
         self._steps.extend([0] * len(params))
         sgs, _ = L.flatten_group(params, gi, first, self.subgroup_numel, len(self._subgroups))
         self._subgroups.extend(sgs)
+        self._remember_storage(first, params)  # step() checks the params still view it (storage.py)
         return sgs
 
     def _fractions_now(self) -> tuple:
@@ -144,12 +145,17 @@ class PlacementMixin:
                                   rollback=self.rollback, spare_banks=self.plan.spare_banks or None,
                                   worker_share=self.worker_share, nvme=nvme,
                                   nvme_path=self.nvme_path if any(nvme) else None,
-                                  io_banks=self.io_banks)
-            for s in host:
-                self._host.load_state(self._host_local[s.index], s.flat.detach().float())
-            import cpu_kernels
-            self._saved_kernel_threads = cpu_kernels.get_num_threads()
-            cpu_kernels.set_num_threads(max(1, len(self._host.cores.trainer)))
+                                  io_banks=self.io_banks, pin=host[0].flat.is_cuda)
+            # the tier's CoreSplit sized torch's and cpu_kernels' thread counts to the trainer's
+            # cores, and its close() restores both
+            try:
+                for s in host:
+                    self._host.load_state(self._host_local[s.index], s.flat.detach().float())
+            except BaseException:
+                # the optimizer is not built yet, so its close() would not reach this tier
+                self._host.close()
+                self._host = None
+                raise
         self._install_hooks(host)
 
     def _fraction_plan(self, decision):
@@ -186,8 +192,6 @@ class PlacementMixin:
         plan now); the caller loads their state afterwards."""
         if self._host is not None:
             self._host.close()
-            import cpu_kernels
-            cpu_kernels.set_num_threads(self._saved_kernel_threads)
             self._host = None
         self.__dict__.pop("_prev_worker_s", None)  # per-subgroup worker times of the old tier
         if decision is not None:

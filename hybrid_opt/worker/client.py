@@ -52,13 +52,32 @@ def _allow_reads_by(pid: int) -> None:
         pass
 
 
+def _thread_counts() -> tuple:
+    """(torch's, cpu_kernels') intra-op thread counts, read together before either changes."""
+    import cpu_kernels
+    import torch
+    return torch.get_num_threads(), cpu_kernels.get_num_threads()
+
+
+def _set_thread_counts(counts: tuple) -> None:
+    # cpu_kernels first, torch last: where both share one OpenMP runtime, the last call sets
+    # both, and torch's own bookkeeping must hold its count
+    import cpu_kernels
+    import torch
+    cpu_kernels.set_num_threads(max(1, int(counts[1])))
+    torch.set_num_threads(max(1, int(counts[0])))
+
+
 class CoreSplit:
     """Splits this process's CPUs between the trainer and the worker, and restores them.
 
     On Linux affinity is per thread: the trainer's mask is applied to every thread it has
-    (torch's pools included) and torch's thread count is sized to it; the worker sets its
-    own mask before its OpenMP pool starts. `restore()` puts back each thread's old mask
-    and torch's old thread count. Splits may be restored in any order: one restored while a
+    (torch's pools included) and torch's and cpu_kernels' thread counts are sized to it; the
+    worker sets its own mask before its OpenMP pool starts. `restore()` puts back each
+    thread's old mask and both old thread counts. The two counts are saved and restored as
+    one: torch's CPU wheel and cpu_kernels load the same libgomp, so setting either sets both
+    (reading cpu_kernels' count after the split and restoring it last left torch at one
+    thread). Splits may be restored in any order: one restored while a
     later one is still applied hands what it saved to that later one, so the process gets
     its own masks back when the last one goes (restored out of order, the process used to
     stay pinned to the trainer's share).
@@ -73,7 +92,7 @@ class CoreSplit:
         if not 0.0 < worker_share <= 1.0:
             raise ValueError(f"worker_share must be in (0, 1], got {worker_share}")
         self.saved_masks: dict[int, set[int]] = {}
-        self.saved_torch_threads = None
+        self.saved_thread_counts = None
         self.applied = False
         if not hasattr(os, "sched_getaffinity"):
             cpus = []
@@ -113,12 +132,8 @@ class CoreSplit:
                 os.sched_setaffinity(tid, self.trainer)
             except OSError:
                 pass  # the thread ended meanwhile
-        try:
-            import torch
-            self.saved_torch_threads = torch.get_num_threads()
-            torch.set_num_threads(len(self.trainer))
-        except ImportError:
-            pass
+        self.saved_thread_counts = _thread_counts()
+        _set_thread_counts((len(self.trainer), len(self.trainer)))
 
     def restore(self) -> None:
         if self.applied:
@@ -130,8 +145,8 @@ class CoreSplit:
                 # a later split is applied over this one: the masks now are its own, and what
                 # it saved (this split's trainer masks) is stale; it restores what this saved
                 later = stack[k]
-                later.saved_masks, later.saved_torch_threads = self.saved_masks, self.saved_torch_threads
-                self.saved_masks, self.saved_torch_threads = {}, None
+                later.saved_masks, later.saved_thread_counts = self.saved_masks, self.saved_thread_counts
+                self.saved_masks, self.saved_thread_counts = {}, None
                 return
             if not stack:
                 CoreSplit._original = None
@@ -150,10 +165,9 @@ class CoreSplit:
                     except OSError:
                         pass
         self.saved_masks = {}
-        if self.saved_torch_threads is not None:
-            import torch
-            torch.set_num_threads(self.saved_torch_threads)
-            self.saved_torch_threads = None
+        if self.saved_thread_counts is not None:
+            _set_thread_counts(self.saved_thread_counts)
+            self.saved_thread_counts = None
 
 
 class WorkerClient:

@@ -1,0 +1,127 @@
+"""What constructing and closing an optimizer costs and gives back (issue #14).
+
+- close() gives the trainer its cores and thread counts back: torch's and cpu_kernels' counts
+  (one OpenMP runtime: setting either sets both) and every thread's affinity, whatever the
+  order several optimizers close in, and after a construction that failed half way.
+- the spare-bank pool exists only where speculation can use it.
+- the arena's memory is reserved at construction (missing memory is a MemoryError there), and
+  its pages are populated with every core, the spare banks in the background; a step that
+  needs a bank not populated yet waits for it.
+"""
+import os
+
+import pytest
+import torch
+from torch import nn
+
+import cpu_kernels
+from hybrid_opt import HybridAdamW
+from hybrid_opt.tiers import host as host_mod
+
+SUBGROUP = 1 << 12
+TWO_CORES = pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two cores to split")
+
+
+def _model(seed=0, dtype=torch.float32):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 64), nn.Linear(64, 8)).to(dtype)
+
+
+def _snapshot():
+    masks = {}
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            masks[int(tid)] = os.sched_getaffinity(int(tid))
+        except OSError:
+            pass
+    return torch.get_num_threads(), cpu_kernels.get_num_threads(), masks
+
+
+def _assert_restored(before):
+    threads, kernel_threads, masks = before
+    assert torch.get_num_threads() == threads
+    assert cpu_kernels.get_num_threads() == kernel_threads
+    main = masks[os.getpid()]
+    _, _, now = _snapshot()
+    # a thread that existed before has its own mask back; one started since, the process's
+    wrong = {tid: m for tid, m in now.items() if m != masks.get(tid, main)}
+    assert not wrong, f"threads left with another affinity: {wrong} (was {main})"
+
+
+@pytest.fixture(autouse=True)
+def _all_cores_threads():
+    """Each test starts from one thread per core, so a split (and a restore that misses)
+    is visible whatever an earlier test left behind."""
+    saved = torch.get_num_threads(), cpu_kernels.get_num_threads()
+    n = len(os.sched_getaffinity(0))
+    cpu_kernels.set_num_threads(n)
+    torch.set_num_threads(n)
+    yield
+    cpu_kernels.set_num_threads(saved[1])
+    torch.set_num_threads(saved[0])
+
+
+def _opt(model, **kw):
+    return HybridAdamW(model.parameters(), lr=1e-2, offload_fraction=1.0, subgroup_numel=SUBGROUP, **kw)
+
+
+# ----------------------------------------------------------------- 1. close() gives back
+@TWO_CORES
+def test_close_restores_torch_threads_and_every_affinity():
+    """One optimizer: torch's thread count used to stay at the trainer's share (1 here)
+    after close(), because cpu_kernels' count was read after the split and restored last
+    through the same libgomp."""
+    before = _snapshot()
+    opt = _opt(_model())
+    assert torch.get_num_threads() == len(opt._host.cores.trainer) < before[0]
+    assert os.sched_getaffinity(0) == set(opt._host.cores.trainer)
+    opt.close()
+    _assert_restored(before)
+    opt.close()  # idempotent: nothing changes the second time
+    _assert_restored(before)
+
+
+@TWO_CORES
+@pytest.mark.parametrize("order", ["opening_order", "reverse_order"])
+def test_two_optimizers_closed_in_either_order_restore_threads_and_affinity(order):
+    before = _snapshot()
+    a, b = _opt(_model(0)), _opt(_model(1))
+    first, second = (a, b) if order == "opening_order" else (b, a)
+    first.close()
+    assert torch.get_num_threads() == len(second._host.cores.trainer)  # the other still runs split
+    assert os.sched_getaffinity(0) == set(second._host.cores.trainer)
+    second.close()
+    _assert_restored(before)
+
+
+class _Injected(RuntimeError):
+    pass
+
+
+@TWO_CORES
+@pytest.mark.parametrize("where", ["host_tier", "loading_state"])
+@pytest.mark.parametrize("order", ["opening_order", "reverse_order"])
+def test_a_failed_construction_in_between_leaves_nothing_applied(monkeypatch, where, order):
+    """A construction that fails after its CoreSplit was applied (inside the host tier, or
+    while the optimizer loads the params into it) restores it before raising: the others
+    still close back to the original threads and masks, and its worker is gone."""
+    before = _snapshot()
+    a = _opt(_model(0))
+    children = {p.pid for p in __import__("psutil").Process().children()}
+
+    def boom(*args, **kw):
+        raise _Injected("injected")
+    with monkeypatch.context() as m:
+        if where == "host_tier":
+            m.setattr(host_mod.HostTier, "_probe_remote_gather", boom)
+        else:
+            m.setattr(host_mod.HostTier, "load_state", boom)
+        with pytest.raises(_Injected):
+            _opt(_model(2))
+    assert {p.pid for p in __import__("psutil").Process().children()} <= children
+    assert os.sched_getaffinity(0) == set(a._host.cores.trainer)
+    b = _opt(_model(1))
+    first, second = (a, b) if order == "opening_order" else (b, a)
+    first.close()
+    second.close()
+    _assert_restored(before)
