@@ -1,19 +1,21 @@
 """Placement: the subgroup layout, which tier holds each subgroup, and moving state between
-tiers (a refit of "auto", replan(), add_param_group after construction).
+tiers (a refit of "auto", replan(), add_param_group after construction; the move itself in
+moves.py).
 
 A mixin of the optimizer class: it owns `plan`, `_subgroups`, `_device`, `_host` and
-`_host_local`; a failed move lays the old plan out again with its state, so it loses nothing.
+`_host_local`; a failed move leaves the old plan and its state as they were, so it loses nothing.
 """
 from __future__ import annotations
 
 import dataclasses
-import time
 import warnings
 from typing import NamedTuple
 
 import torch
 
 from hybrid_opt import layout as L
+from hybrid_opt.moves import MoveMixin
+from hybrid_opt.cost_model import NON_SPECULATIVE_SPARE_BANKS
 from hybrid_opt.plan import DEVICE, HOST, NVME, check_fractions, fraction_plan
 from hybrid_opt.swap import check_nvme_path
 from hybrid_opt.tiers.device import DeviceTier
@@ -28,7 +30,7 @@ class _Fixed(NamedTuple):
     reason: str = ""
 
 
-class PlacementMixin:
+class PlacementMixin(MoveMixin):
     """Lays the tiers out and moves subgroups between them."""
 
     def _all_params(self):
@@ -88,9 +90,27 @@ class PlacementMixin:
                 spare_banks=self.spare_banks, exact_rollback=self.rollback == "exact",
                 speculative=bool(self.speculative),
                 device_budget=budgets[0], host_budget=budgets[1], refit_every=self.refit_every,
-                calibration=self._calibration)
+                calibration=self._calibration,
+                device_from_peak=(device.type == "cuda" and self.device_memory_budget is None
+                                  and self.offload_fraction == "auto"))
+            if self._auto.device_from_peak:
+                # the peak from here on is training's (activations), not flattening's or calibration's
+                torch.cuda.reset_peak_memory_stats(device)
         d = self._auto.choose()
         return d.offload_fraction, d.nvme_fraction, d
+
+    def _observe_device_memory(self) -> None:
+        """"auto" on CUDA without device_memory_budget: the device budget from the memory free
+        now and the peak of the iterations so far (activations included), so a refit puts
+        state on the device only where the next iterations will not need the memory
+        (scheduler.measured_device_budget)."""
+        if self._auto is None or not self._auto.device_from_peak or not self._subgroups:
+            return
+        from hybrid_opt.scheduler import cuda_memory
+        spares = self.plan.spare_banks
+        self._auto.observe_device_memory(cuda_memory(self._subgroups[0].device),
+                                         counted=self._memory(*self._fractions, spares)["device"],
+                                         floor=self._memory(1.0, 0.0, spares)["device"])
 
     def _memory(self, off: float, nv: float, spare_banks) -> dict:
         """The cost model's bytes per tier for this optimizer's model at a placement."""
@@ -126,26 +146,7 @@ class PlacementMixin:
         host = [s for s in sgs if self.plan.tiers[s.index] in (HOST, NVME)]
         self._host_local = {s.index: k for k, s in enumerate(host)}
         if host:
-            dtypes = {s.dtype for s in host}
-            copy_dtype = next(iter(dtypes - {torch.float32}), None)
-            if len(dtypes - {torch.float32}) > 1:
-                raise TypeError("host-tier parameters must share one low-precision dtype")
-            grad_dtype = torch.float32 if len(dtypes) > 1 else next(iter(dtypes))
-            nvme = [self.plan.tiers[s.index] == NVME for s in host]
-            # grads arrive about in reverse parameter order: a subgroup is complete when its
-            # first parameter's grad is, and every subgroup that parameter completes is ready
-            # in the same hook
-            bursts: dict = {}
-            for k, s in enumerate(host):
-                bursts.setdefault(min(sl.param_index for sl in s.slices), []).append(k)
-            self._host = HostTier([s.numel for s in host], grad_dtype=grad_dtype,
-                                  staging_slots=staging_slots_for(list(bursts.values()),
-                                                                  [s.numel for s in host]),
-                                  copy_dtype=copy_dtype, amsgrad=self._amsgrad_layout,
-                                  rollback=self.rollback, spare_banks=self.plan.spare_banks or None,
-                                  worker_share=self.worker_share, nvme=nvme,
-                                  nvme_path=self.nvme_path if any(nvme) else None,
-                                  io_banks=self.io_banks, pin=host[0].flat.is_cuda)
+            self._host = self._make_host_tier(host, self.plan)
             # the tier's CoreSplit sized torch's and cpu_kernels' thread counts to the trainer's
             # cores, and its close() restores both
             try:
@@ -158,6 +159,30 @@ class PlacementMixin:
                 raise
         self._install_hooks(host)
 
+    def _make_host_tier(self, host: list, plan) -> HostTier:
+        """A host tier (worker, arena, swap files) for the subgroups `host` of `plan`, empty:
+        the caller loads their state."""
+        dtypes = {s.dtype for s in host}
+        copy_dtype = next(iter(dtypes - {torch.float32}), None)
+        if len(dtypes - {torch.float32}) > 1:
+            raise TypeError("host-tier parameters must share one low-precision dtype")
+        grad_dtype = torch.float32 if len(dtypes) > 1 else next(iter(dtypes))
+        nvme = [plan.tiers[s.index] == NVME for s in host]
+        # grads arrive about in reverse parameter order: a subgroup is complete when its
+        # first parameter's grad is, and every subgroup that parameter completes is ready
+        # in the same hook
+        bursts: dict = {}
+        for k, s in enumerate(host):
+            bursts.setdefault(min(sl.param_index for sl in s.slices), []).append(k)
+        return HostTier([s.numel for s in host], grad_dtype=grad_dtype,
+                        staging_slots=staging_slots_for(list(bursts.values()),
+                                                        [s.numel for s in host]),
+                        copy_dtype=copy_dtype, amsgrad=self._amsgrad_layout,
+                        rollback=self.rollback, spare_banks=plan.spare_banks,
+                        worker_share=self.worker_share, nvme=nvme,
+                        nvme_path=self.nvme_path if any(nvme) else None,
+                        io_banks=self.io_banks, pin=host[0].flat.is_cuda)
+
     def _fraction_plan(self, decision):
         """The plan at `decision`'s fractions (or those asked for), its spare pool sized."""
         sgs = self._subgroups
@@ -169,7 +194,16 @@ class PlacementMixin:
         if spares is None and decision is not None and decision.prediction is not None:
             spares = decision.prediction.spare_banks
         plan = fraction_plan([s.numel for s in sgs], [s.ready_rank for s in sgs], off, nv, spares)
-        if spares is None:
+        resident = sum(1 for t in plan.tiers if t == HOST)
+        if self.rollback != "exact" or not resident:
+            # inverse steps in place; an nvme step borrows the io banks: no spare would be used
+            plan.spare_banks = 0
+        elif spares is None and not self.speculative:
+            # no step waits for validation, so the pool needs no bank per subgroup: a step
+            # writes one spare (a step failing mid-way must not tear committed state) and a
+            # second lets the next subgroup stage while the worker steps this one
+            plan.spare_banks = min(NON_SPECULATIVE_SPARE_BANKS, resident)
+        elif spares is None:
             from hybrid_opt.scheduler import default_spare_banks
             host = [s for s in sgs if plan.tiers[s.index] != DEVICE]
             biggest = max((s.numel for s in host), default=0)
@@ -189,55 +223,9 @@ class PlacementMixin:
 
     def _rebuild_tiers(self, decision=None, plan=None) -> None:
         """Lays the tiers out again: at `decision`'s placement, or as `plan` (by default the
-        plan now); the caller loads their state afterwards."""
-        if self._host is not None:
-            self._host.close()
-            self._host = None
-        self.__dict__.pop("_prev_worker_s", None)  # per-subgroup worker times of the old tier
-        if decision is not None:
-            self._place(decision)
-        else:
-            self._place(plan=plan or self.plan)
-
-    def _move(self, decision) -> None:
-        """Moves subgroups between tiers to `decision`'s plan: every subgroup's committed state
-        is copied out, the tiers are laid out anew, and the state is copied back in (bitwise:
-        every tier steps with the same arithmetic). If the new layout fails (a worker or an
-        arena that cannot start), the old one is laid out again with the same state and the
-        error raised: a failed move loses nothing."""
-        t0 = time.perf_counter()
+        plan now), with the committed state (moves.py: a failure leaves the tiers as they were)."""
         self._drop_speculation()
-        saved = {}
-        for sg in self._subgroups:
-            saved[sg.index] = {k: v.detach().clone() for k, v in self._subgroup_state(sg).items()}
-        before = self.plan
-        try:
-            self._rebuild_tiers(decision)
-            self._load_states(saved)
-        except Exception:
-            self._rebuild_tiers(plan=before)
-            self._load_states(saved)
-            raise
-        if self._auto is not None:
-            self._auto.move_cost_s = time.perf_counter() - t0
-            self._auto.moves += 1
-
-    def _load_states(self, saved: dict) -> None:
-        """Every subgroup's state from `saved` ({index: {name: tensor}}) into the tiers now."""
-        for sg in self._subgroups:
-            st = self._subgroup_state(sg)
-            for k, view in st.items():
-                view.copy_(saved[sg.index][k])
-            if self.plan.tiers[sg.index] != DEVICE:
-                self._host.load_state(self._host_local[sg.index], st["master"], st["exp_avg"],
-                                      st["exp_avg_sq"], st.get("max_exp_avg_sq"))
-
-    def _room_to_move(self) -> bool:
-        """A move copies every subgroup's state out first: only when that copy fits in half of
-        the free host memory."""
-        from hybrid_opt.scheduler import _free_host_bytes
-        need = sum(s.numel for s in self._subgroups) * (16 if self._amsgrad_layout else 12)
-        return need <= 0.5 * _free_host_bytes()
+        self._relayout(self._fraction_plan(decision) if decision is not None else (plan or self.plan))
 
     def replan(self, offload_fraction: float, nvme_fraction: float = 0.0) -> None:
         """Moves state to another placement now (what a refit of "auto" does); numerics are
@@ -282,13 +270,14 @@ class PlacementMixin:
             return
         if off == 0 and nv == 0 and self._host is None:
             return  # everything on the device tier: where the new group already is
-        if not self._room_to_move():
-            warnings.warn(f"{stay}: laying the tiers out again copies all state first, and that copy "
-                          f"does not fit in half the free host memory", stacklevel=3)
+        target = decision or _Fixed(off, nv, self.plan.prediction, "add_param_group: laid out again")
+        if not self._room_to_move(target):
+            warnings.warn(f"{stay}: laying the tiers out again does not fit in free memory: "
+                          f"{self._room_shortfall(self._fraction_plan(target))}", stacklevel=3)
             return
         if decision is not None:
             decision.reason = "add_param_group: " + decision.reason
         try:
-            self._move(decision or _Fixed(off, nv, self.plan.prediction, "add_param_group: laid out again"))
+            self._move(target)
         except Exception as e:  # the layout before is back, state and all (see _move)
             warnings.warn(f"{stay}: laying the tiers out again failed: {type(e).__name__}: {e}", stacklevel=3)

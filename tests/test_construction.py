@@ -125,3 +125,78 @@ def test_a_failed_construction_in_between_leaves_nothing_applied(monkeypatch, wh
     first.close()
     second.close()
     _assert_restored(before)
+
+
+# ----------------------------------------------------------------- 2. spare pool
+def _train(opt, model, steps=4, seed=7):
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        x = torch.randn(16, 64, generator=g)
+        model(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def _bigger_model(seed=0):
+    torch.manual_seed(seed)
+    return nn.Sequential(*[nn.Linear(64, 64) for _ in range(6)], nn.Linear(64, 64))  # ~7 subgroups
+
+
+def test_no_spare_pool_per_subgroup_without_speculation_and_the_same_bits():
+    """speculative=False needs no bank per subgroup (no step waits for validation): its pool
+    is two banks, so the arena is smaller per parameter; the results are the same bits as
+    speculative=True's and match torch within fp32 rounding."""
+    from tolerances import assert_close
+    models = [_bigger_model() for _ in range(3)]
+    ref = torch.optim.AdamW(models[2].parameters(), lr=1e-2, foreach=False)
+    n = sum(p.numel() for p in models[0].parameters())
+    with _opt(models[0], speculative=True) as spec, _opt(models[1], speculative=False) as plain:
+        resident = len(spec._host.numels)
+        assert resident >= 5
+        assert spec.plan.spare_banks == resident
+        assert plain.plan.spare_banks == 2
+        stride = plain._host._bank_stride
+        assert plain._host.spare_bytes == 2 * stride
+        assert spec._host.arena.nbytes - plain._host.arena.nbytes == (resident - 2) * stride
+        assert plain._host.arena.nbytes / n < spec._host.arena.nbytes / n
+        _train(spec, models[0])
+        _train(plain, models[1])
+        _train(ref, models[2])
+        assert spec._host.stats["committed"] > 0  # speculation did run on one side
+        for a, b, c in zip(models[0].parameters(), models[1].parameters(), models[2].parameters()):
+            assert torch.equal(a, b)
+            assert_close(a, c, dtype=torch.float32)
+        sa, sb = spec.state_dict()["state"], plain.state_dict()["state"]
+        for i in sa:
+            for k in sa[i]:
+                assert torch.equal(torch.as_tensor(sa[i][k]), torch.as_tensor(sb[i][k])), (i, k)
+
+
+def test_a_non_speculative_exact_step_writes_a_spare_bank_and_flips():
+    """Without speculation an exact step still writes a spare bank and commits by flipping
+    the subgroup's bank (a step failing mid-way must not tear committed state): the pool's
+    two banks are what it needs."""
+    model = _bigger_model()
+    with _opt(model, speculative=False) as opt:
+        host = opt._host
+        banks = dict(host.pool.committed)
+        _train(opt, model, steps=1)
+        assert host.stats["stepped"] == len(banks) and host.stats["committed"] == 0
+        for sg, bank in banks.items():
+            assert host.pool.committed[sg] != bank, sg
+
+
+@pytest.mark.parametrize("case", ["inverse", "nvme_only", "explicit"])
+def test_spare_pool_only_where_it_can_be_used(case, tmp_path):
+    """rollback="inverse" steps in place and an nvme step borrows the io banks: neither gets a
+    spare pool; an explicit spare_banks is kept as asked, speculation or not."""
+    model = _bigger_model()
+    kw = {"inverse": dict(rollback="inverse"),
+          "nvme_only": dict(nvme_fraction=1.0, nvme_path=str(tmp_path)),
+          "explicit": dict(speculative=False, spare_banks=3)}[case]
+    with _opt(model, **kw) as opt:
+        want = 3 if case == "explicit" else 0
+        assert opt.plan.spare_banks == want
+        io = 2 * opt._host.io_banks
+        assert opt._host.spare_bytes == (want + io) * opt._host._bank_stride
+        _train(opt, model, steps=2)

@@ -20,6 +20,7 @@ from hybrid_opt.tiers.host_io import (DEFAULT_SLOT_NUMEL, MAX_STAGING_SLOTS,  # 
                                       REMOTE_GATHER_QUEUE, STAGING_SLOTS, _ALIGN_ELEMS, _DT_CODE,
                                       HostIO, _Piece, _slot_numel, staging_slots_for)
 from hybrid_opt.tiers.host_step import HostStepping, _Speculation  # noqa: F401
+from hybrid_opt.tiers.staging import CopyQueue
 from hybrid_opt.tiers.inputs import StepInputs, _with_step  # noqa: F401
 from hybrid_opt.worker.client import CoreSplit, WorkerClient, WorkerError
 
@@ -34,7 +35,7 @@ class HostTier(HostStepping, HostIO):
                  slot_numel: int | None = None, worker_share: float = 0.5,
                  worker_cores: list[int] | None = None, timeout_s: float = 120.0,
                  nvme: list | None = None, nvme_path=None, io_banks: int = 4,
-                 nvme_threads: int = 4):
+                 nvme_threads: int = 4, pin: bool = False):
         if rollback not in ("exact", "inverse"):
             raise ValueError(f"rollback must be 'exact' or 'inverse', got {rollback!r}")
         # amsgrad=True lays out the running max of v; each step's StepInputs.amsgrad says
@@ -52,7 +53,8 @@ class HostTier(HostStepping, HostIO):
             raise TypeError(f"copy_dtype must be None, torch.bfloat16 or torch.float16, got {copy_dtype}")
         if not numels or min(numels) < 1:
             raise ValueError("the host tier needs at least one subgroup of at least one element")
-        if rollback == "exact" and spare_banks is not None and spare_banks < 1:
+        if (rollback == "exact" and spare_banks is not None and spare_banks < 1
+                and not all(nvme or [False])):  # an nvme step borrows the io banks instead
             raise ValueError(f"rollback='exact' needs at least one spare bank, got spare_banks={spare_banks}")
         if staging_slots < 1:
             raise ValueError(f"staging_slots must be >= 1, got {staging_slots}")
@@ -72,7 +74,7 @@ class HostTier(HostStepping, HostIO):
         self.cores = CoreSplit(worker_share, worker_cores)
         self.swap = None
         resident = [i for i in range(n) if not self.nvme[i]]
-        spares = (len(resident) if spare_banks is None else spare_banks) if rollback == "exact" else 0
+        spares = (len(resident) if spare_banks is None else spare_banks) if rollback == "exact" and resident else 0
         # an nvme step holds two banks (read, result) until it is committed or dropped
         self.io_banks = io_banks if has_nvme else 0
         self.pool = BankPool(resident, spares + 2 * self.io_banks)
@@ -100,7 +102,8 @@ class HostTier(HostStepping, HostIO):
         self.staging_bytes = slot_stride * staging_slots
 
         self.arena = SharedArena(arena.nbytes, "hybrid_opt-host")
-        self.arena.pin()
+        if pin:  # CUDA params: async D2H grads and H2D params need page-locked memory
+            self.arena.pin()
         self._regions, self._bank_offset, self._bank_stride = regions, bank_offset, bank_stride
         self._slots = [self.arena.tensor(slot_offset + k * slot_stride, self.slot_numel, grad_dtype)
                        for k in range(staging_slots)]
@@ -119,6 +122,10 @@ class HostTier(HostStepping, HostIO):
         self.client = WorkerClient(self.arena, layout, cores=self.cores.worker or None,
                                    timeout_s=timeout_s)
         self._inflight: dict[int, _Piece] = {}
+        self._copies = CopyQueue()          # pieces whose staging copies are still landing (CUDA)
+        self._block_copies = False          # True inside finish(): step() may wait for them
+        self._stagers: dict = {}            # CUDA device -> its side-stream stager
+        self.copy_stager = None             # replaces the CUDA stagers (tests: events they complete)
         self._spec: dict[int, _Speculation] = {}
         self._error: WorkerError | None = None
         self._on_progress = None
@@ -264,6 +271,7 @@ class HostTier(HostStepping, HostIO):
         if self.closed:
             return
         self.closed = True
+        self._settle_copies()
         self._spec.clear()
         self._inflight.clear()
         try:
