@@ -7,8 +7,6 @@ buffer (or names their memory for the worker to read itself).
 """
 from __future__ import annotations
 
-import time
-
 import torch
 
 from hybrid_opt.tiers.host import StepInputs
@@ -53,7 +51,8 @@ class SpeculationMixin:
                     self._hook_handles.append(p.register_post_accumulate_grad_hook(self._on_grad_ready))
 
     def _on_grad_timed(self, p) -> None:
-        now = time.perf_counter()
+        # a CUDA event on a GPU: backward's GPU time, not its launch (clocks.py)
+        now = self._mark()
         if self._bwd_first is None:
             self._bwd_first = now
         self._bwd_last = now

@@ -1,31 +1,69 @@
 """Step statistics: per-tier figures of the last step (`stats`), and the measured times fed
 back to the scheduler of "auto", which may refit the placement.
 
+Backward and the device step are timed with the clock of the params' device (clocks.py):
+perf_counter on a CPU host; CUDA events on a GPU, read once the GPU has passed them, so a
+step's sample reaches the scheduler a step or two late instead of the step waiting for it.
+
 A mixin of the optimizer class.
 """
 from __future__ import annotations
 
+import collections
 import warnings
 
 from hybrid_opt.plan import DEVICE, HOST, NVME
+
+# steps whose CUDA-event marks may wait to be read; past that the oldest sample is dropped
+# (the GPU is that far behind the trainer: a sample lost, never an unbounded queue)
+MAX_UNREAD_SAMPLES = 4
 
 
 class StepStatsMixin:
     """`stats` of each step, and the scheduler's feedback loop."""
 
-    def _schedule(self, device_work: list, step_s: float) -> None:
-        """Feeds the scheduler this step's measured times, puts its prediction next to them in
-        `stats`, and moves subgroups between tiers when a refit says it pays."""
+    def _mark(self):
+        """A mark of the clock that times work on the params' device: a perf_counter reading
+        on a CPU host, a CUDA event recorded on the current stream on a GPU."""
+        clock = self.__dict__.get("_clock")
+        if clock is None:
+            from hybrid_opt.clocks import clock_for
+            first = next(iter(self._all_params()), None)
+            clock = self._clock = clock_for(first.device if first is not None else "cpu")
+        return clock.mark()
+
+    def _observe_measured(self) -> None:
+        """Feeds the scheduler every unread step whose marks the clock can read now, oldest
+        first (it never waits on the GPU: a step it cannot read yet is read at a later one)."""
         from hybrid_opt.scheduler import Sample
+        unread = self._unread_samples
+        while unread:
+            step, (b0, b1), (d0, d1), fields, report = unread[0]
+            device_s = self._clock.seconds(d0, d1)
+            backward_s = None if b0 is None else self._clock.seconds(b0, b1)
+            if device_s is None or (b0 is not None and backward_s is None):
+                break
+            unread.popleft()
+            self._auto.observe(Sample(backward_s=backward_s, device_s=device_s, **fields))
+            self._measured = dict(report, step=step, backward_s=backward_s, device_s=device_s)
+        while len(unread) > MAX_UNREAD_SAMPLES:
+            unread.popleft()
+
+    def _schedule(self, device_work: list, step_s: float, device_marks: tuple) -> None:
+        """Feeds the scheduler the measured times of the steps it can read now, puts its
+        prediction next to the latest of them in `stats`, and moves subgroups between tiers
+        when a refit says it pays. device_marks: the clock's marks around the device step."""
         tiers = self.stats["tiers"]
-        backward_s = None if self._bwd_first is None else self._bwd_last - self._bwd_first
+        unread = self.__dict__.setdefault("_unread_samples", collections.deque())
+        fields = dict(step_s=step_s, host_wait_s=self.stats["host_wait_s"],
+                      device_elements=sum(sl.numel for _, sl, _, _ in device_work),
+                      host_worker_s=tiers[HOST]["worker_s"], host_elements=tiers[HOST]["elements"],
+                      hidden_s=self.stats["hidden_s"])
+        report = {"step_s": step_s, "worker_s": self.stats["worker_s"],
+                  "host_wait_s": self.stats["host_wait_s"]}
+        unread.append((self._steps_taken, (self._bwd_first, self._bwd_last), device_marks, fields, report))
         self._bwd_first = self._bwd_last = None
-        self._auto.observe(Sample(
-            backward_s=backward_s, step_s=step_s, device_s=self.stats["device_s"],
-            host_wait_s=self.stats["host_wait_s"],
-            device_elements=sum(sl.numel for _, sl, _, _ in device_work),
-            host_worker_s=tiers[HOST]["worker_s"], host_elements=tiers[HOST]["elements"],
-            hidden_s=self.stats["hidden_s"]))
+        self._observe_measured()
         if self._auto.due(self._steps_taken):
             decision = self._auto.refit(*self._fractions, self.plan.spare_banks)
             if decision is not None and not self._room_to_move():
@@ -54,10 +92,11 @@ class StepStatsMixin:
                                        "backward_s": b["backward"] + b["backward_contention"],
                                        "device_s": b["device_step"], "worker_s": off,
                                        "host_exposed_s": b["host_exposed"]}
-            self.stats["measured"] = {"step_s": step_s, "backward_s": backward_s,
-                                      "device_s": self.stats["device_s"],
-                                      "worker_s": self.stats["worker_s"],
-                                      "host_wait_s": self.stats["host_wait_s"]}
+        measured = self.__dict__.get("_measured")
+        if p is not None and measured is not None:
+            # the latest step the clock could read: this one on a CPU host, on a GPU usually
+            # the one before (its "step" says which)
+            self.stats["measured"] = dict(measured)
 
     def _record_stats(self, host_steps, device_work, host_wait_s, device_s, norm, clip) -> None:
         """Per-tier figures of this step: subgroups, state bytes, the trainer's time in it,

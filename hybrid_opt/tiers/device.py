@@ -1,14 +1,36 @@
 """The device tier: subgroups whose fp32 master and moments stay where the model is.
 
-On CUDA one gpu_kernels.fused_adam_ launch per step count steps every device subgroup,
-reading the combined grad scale and found_inf as device tensors (no host sync). On a
-CPU-only host the same subgroups are stepped in the trainer by the CPU kernel. An fp32
-model's params are their own master (stepped in place, nothing copied); a bf16/fp16
-model keeps an fp32 master here and gets its params written in the same pass.
+On CUDA one gpu_kernels.fused_adam_ launch per step count steps every device subgroup; the
+combined grad scale is a kernel argument (or a device tensor) and nothing here reads the
+device back (no host sync). On a CPU-only host the same subgroups are stepped in the
+trainer by the CPU kernel. An fp32 model's params are their own master (stepped in place,
+nothing copied); a bf16/fp16 model keeps an fp32 master here and gets its params written in
+the same pass. `read_scalars` reads what a step must know on the host in one copy.
 """
 from __future__ import annotations
 
 import torch
+
+
+def read_scalars(values) -> list:
+    """Python floats of `values` (1-element tensors, numbers or None, passed through as
+    float / None), the tensors of each device read in one small device-to-host copy: the
+    values a step must know on the host (found_inf, the loss scale, the grads' norm²) cost
+    one host synchronisation together instead of one each."""
+    out = [None] * len(values)
+    by_device: dict = {}
+    for i, v in enumerate(values):
+        if isinstance(v, torch.Tensor):
+            if v.numel() != 1:
+                raise ValueError(f"read_scalars: value {i} has {v.numel()} elements, expected 1")
+            by_device.setdefault(v.device, []).append(i)
+        elif v is not None:
+            out[i] = float(v)
+    for indices in by_device.values():
+        packed = torch.stack([values[i].detach().reshape(()).to(torch.float64) for i in indices])
+        for i, x in zip(indices, packed.tolist()):
+            out[i] = x
+    return out
 
 
 class DeviceTier:
@@ -81,9 +103,11 @@ class DeviceTier:
                 xs.append(vmax)
                 if sg.dtype != torch.float32:
                     cs.append(sg.flat[sl.sub_offset:sl.sub_offset + sl.numel])
-            scale = grad_scale * sign if isinstance(grad_scale, torch.Tensor) else torch.tensor(
-                [grad_scale * sign], dtype=torch.float32, device=ps[0].device)
+            # a float scale is a kernel argument (fp32 inside the kernel, as a 1-element fp32
+            # tensor would be): no per-step tensor, no host-to-device copy
+            scale = (grad_scale * sign).reshape(1) if isinstance(grad_scale, torch.Tensor) \
+                else float(grad_scale) * sign
             gpu_kernels.fused_adam_(ps, gs, ms, vs, step=step, lr=lr, beta1=b1, beta2=b2, eps=eps,
-                                    weight_decay=wd, decoupled=decoupled, grad_scale=scale.reshape(1),
+                                    weight_decay=wd, decoupled=decoupled, grad_scale=scale,
                                     found_inf=found_inf, max_exp_avg_sqs=xs if amsgrad else None,
                                     param_copies=cs if len(cs) == len(ps) else None)

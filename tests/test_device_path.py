@@ -1,0 +1,305 @@
+"""The device path's host traffic: what step() must read from the device (one combined read,
+at most one sync per step), the device tier's per-step constants (no per-step tensors), and
+the clocks "auto" times backward and the device step with (GPU time on CUDA, read lazily).
+
+CPU tests check every piece of this that runs without CUDA (the combined read, the float
+grad scale and its bits, the clock chosen by device, the lazy reading of marks through an
+injected clock); `gpu` tests count the syncs with torch.cuda.set_sync_debug_mode and check
+that "auto" measures GPU time.
+"""
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import gpu_kernels
+import hybrid_opt.optimizer as optimizer_module
+from hybrid_opt import HybridAdamW
+from hybrid_opt import layout as L
+from hybrid_opt.clocks import CudaClock, HostClock, clock_for
+from hybrid_opt.step_stats import MAX_UNREAD_SAMPLES
+from hybrid_opt.tiers.device import DeviceTier, read_scalars
+from hybrid_opt.tiers.inputs import StepInputs
+from tolerances import assert_close
+
+# the scheduler's synthetic rates (as tests/test_scheduler.py): "auto" keeps everything on
+# the device tier and never measures the machine
+SLOW_HOST = dict(host_adam_gelems_per_s=0.001, device_adam_gbps=40.0, device_adam_gbps_with_worker=20.0,
+                 h2d_gbps=5.0, d2h_gbps=5.0, trainer_slowdown_with_worker=1.6,
+                 backward_slowdown_with_host_adam=1.1)
+
+
+def _net(device="cpu", width=16):
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, width), nn.ReLU(), nn.Linear(width, 2)).to(device)
+
+
+def _backward(model, device="cpu", seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(4, model[0].in_features, generator=g).to(device)
+    model(x).square().mean().backward()
+
+
+# ============================================================================= the combined read
+def test_read_scalars_reads_every_kind_exactly_in_one_copy_per_device(monkeypatch):
+    stacks = []
+    real_stack = torch.stack
+    monkeypatch.setattr(torch, "stack", lambda ts, *a, **k: stacks.append(len(ts)) or real_stack(ts, *a, **k))
+    norm_sq = torch.tensor(1234.5678901234567, dtype=torch.float64)  # fp64 kept to the last bit
+    found = torch.ones(1)
+    scale = torch.tensor([65536.0], dtype=torch.bfloat16)
+    out = read_scalars((found, None, scale, 2.5, norm_sq))
+    assert out == [1.0, None, 65536.0, 2.5, 1234.5678901234567]
+    assert all(isinstance(v, float) for v in out if v is not None)
+    assert stacks == [3], "the tensors of one device must be read in one copy"
+    assert read_scalars((None, None)) == [None, None] and stacks == [3]  # nothing to read: no copy
+    with pytest.raises(ValueError, match="value 0 has 2 elements"):
+        read_scalars((torch.zeros(2),))
+
+
+@pytest.mark.parametrize("clip", [None, 0.5], ids=["noclip", "clip"])
+@pytest.mark.parametrize("scaler", [False, True], ids=["noscaler", "scaler"])
+def test_step_reads_the_device_once_per_step(monkeypatch, clip, scaler):
+    """found_inf, the loss scale and clipping's norm² go through one read_scalars call per step
+    (the one sync on a GPU), and the step still follows torch."""
+    calls = []
+    real = optimizer_module.read_scalars
+    monkeypatch.setattr(optimizer_module, "read_scalars", lambda vs: calls.append(vs) or real(vs))
+    model, ref_model = _net(), _net()
+    ref = torch.optim.AdamW(ref_model.parameters(), lr=1e-2, foreach=False)
+    gs = torch.amp.GradScaler("cpu", init_scale=1024.0) if scaler else None
+    gs_ref = torch.amp.GradScaler("cpu", init_scale=1024.0) if scaler else None
+    with HybridAdamW(model.parameters(), lr=1e-2, offload_fraction=0.0, max_grad_norm=clip) as opt:
+        for i in range(3):
+            for m, o, s in ((model, opt, gs), (ref_model, ref, gs_ref)):
+                o.zero_grad()
+                g = torch.Generator().manual_seed(i)
+                loss = m(torch.randn(4, 8, generator=g)).square().mean()
+                (s.scale(loss) if s else loss).backward()
+            if clip:
+                if gs_ref:
+                    gs_ref.unscale_(ref)
+                torch.nn.utils.clip_grad_norm_(ref_model.parameters(), clip)
+            for o, s in ((ref, gs_ref), (opt, gs)):
+                if s:
+                    s.step(o)
+                    s.update()
+                else:
+                    o.step()
+        assert len(calls) == 3
+        if scaler:
+            assert all(isinstance(c[0], torch.Tensor) and isinstance(c[1], torch.Tensor) for c in calls)
+        assert (opt.last_grad_norm is not None) == bool(clip)
+        for a, b in zip(model.parameters(), ref_model.parameters()):
+            assert_close(a, b)
+
+
+# ============================================================================= the device tier
+def _device_tier(numels=(300, 77)):
+    params = [torch.randn(n) for n in numels]
+    sgs, _ = L.flatten_group(params, 0, 0, 1 << 20, 0)
+    for p in params:
+        p.grad = torch.randn_like(p)
+    return DeviceTier(sgs, amsgrad=False), sgs, params
+
+
+def test_device_tier_passes_the_grad_scale_as_a_float(monkeypatch):
+    """No per-step tensor for the combined grad scale: the launcher gets a Python float (a
+    Triton fp32 argument), the sign of maximize folded in; once the launch table is cached a
+    step builds no tensor from Python values at all."""
+    seen = []
+    real = gpu_kernels.fused_adam_
+    monkeypatch.setattr(gpu_kernels, "fused_adam_", lambda *a, **k: seen.append(k["grad_scale"]) or real(*a, **k))
+    tier, sgs, params = _device_tier()
+    hp = StepInputs(0, 1e-2, 0.9, 0.999, 1e-8, 0.1, True, -1.0)
+    work = [(sgs[0].index, sl, hp, 1) for sl in sgs[0].slices]
+    tier._step_cuda(work, 0.25, None)  # the first launch builds (and caches) its table
+    before = [p.clone() for p in params]
+
+    def no_tensor(*a, **k):
+        raise AssertionError("torch.tensor called during a device step")
+    monkeypatch.setattr(torch, "tensor", no_tensor)
+    tier._step_cuda([(i, sl, hp, 2) for i, sl, _, _ in work], 0.25, None)
+    assert seen == [-0.25, -0.25] and all(type(s) is float for s in seen)
+    assert all(not torch.equal(a, b) for a, b in zip(params, before))
+
+
+def test_float_grad_scale_gives_the_bits_of_a_tensor_scale():
+    """The float argument is rounded to fp32 in the kernel exactly as the 1-element fp32
+    tensor it replaces was: the same bits."""
+    torch.manual_seed(3)
+    n = 1000
+    state = (torch.randn(n), torch.randn(n) * 0.1, torch.rand(n) * 1e-2)
+    g = torch.randn(n)
+    results = []
+    for scale in (0.1 * -1, torch.tensor([0.1 * -1], dtype=torch.float32)):
+        p, m, v = (t.clone() for t in state)
+        gpu_kernels.fused_adam_([p], [g], [m], [v], step=3, lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8,
+                                weight_decay=0.1, grad_scale=scale)
+        results.append((p, m, v))
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
+
+
+# ============================================================================= clocks
+def test_clock_is_chosen_by_device():
+    assert isinstance(clock_for("cpu"), HostClock)
+    cuda = clock_for("cuda:1")  # building one touches no GPU
+    assert isinstance(cuda, CudaClock) and cuda.device == torch.device("cuda:1")
+    h = HostClock()
+    a = h.mark()
+    assert h.seconds(a, h.mark()) >= 0
+
+
+class FakeClock:
+    """Marks are counters; a mark completes only once `done` reaches it, as a CUDA event the
+    GPU has not reached yet. seconds() never waits: None until both marks completed."""
+
+    def __init__(self):
+        self.n = self.done = 0
+
+    def mark(self):
+        self.n += 1
+        return self.n
+
+    def seconds(self, start, end):
+        return None if end > self.done else (end - start) * 1e-3
+
+
+def test_auto_on_cpu_times_with_the_host_clock():
+    model = _net()
+    with HybridAdamW(model.parameters(), lr=1e-2, offload_fraction="auto", subgroup_numel=64,
+                     calibration=SLOW_HOST) as opt:
+        for i in range(3):
+            opt.zero_grad()
+            _backward(model, seed=i)
+            opt.step()
+        assert isinstance(opt._clock, HostClock)
+        measured = opt.stats["measured"]
+        assert measured["step"] == 3  # read at once on a CPU host
+        assert measured["device_s"] > 0 and measured["backward_s"] > 0
+        assert opt.stats["device_s"] > 0 and opt.stats["tiers"]["device"]["trainer_s"] > 0
+        assert len(opt._auto.samples) == 3
+
+
+def test_auto_reads_marks_only_once_complete_and_a_step_late():
+    """An injected clock whose marks complete late (a GPU behind the trainer): nothing is
+    observed until they complete, then that step's sample is, exactly; the queue of unread
+    steps stays bounded."""
+    model = _net()
+    with HybridAdamW(model.parameters(), lr=1e-2, offload_fraction="auto", subgroup_numel=64,
+                     calibration=SLOW_HOST, refit_every=0) as opt:
+        clock = opt._clock = FakeClock()
+        opt.zero_grad()
+        _backward(model)  # marks 1, 2: the hooks on the first and last params
+        opt.step()        # marks 3, 4 around the device step
+        assert clock.n == 4
+        assert opt._auto.samples == [] and "measured" not in opt.stats
+        clock.done = 4
+        opt.zero_grad()
+        _backward(model, seed=1)
+        opt.step()  # reads step 1 now; step 2's marks (5..8) are not complete
+        (sample,) = opt._auto.samples
+        assert sample.device_s == pytest.approx(1e-3) and sample.backward_s == pytest.approx(1e-3)
+        assert opt.stats["measured"]["step"] == 1
+        assert opt.stats["measured"]["device_s"] == pytest.approx(1e-3)
+        for i in range(MAX_UNREAD_SAMPLES + 3):
+            opt.zero_grad()
+            _backward(model, seed=2 + i)
+            opt.step()
+        assert len(opt._unread_samples) == MAX_UNREAD_SAMPLES
+        clock.done = clock.n  # the GPU caught up with every step so far, not the next one
+        opt.zero_grad()
+        _backward(model, seed=99)
+        opt.step()
+        assert [entry[0] for entry in opt._unread_samples] == [opt._steps_taken]
+        assert opt.stats["measured"]["step"] == opt._steps_taken - 1
+
+
+# ============================================================================= on a GPU
+def _cuda_model(width=256):
+    return _net("cuda", width)
+
+
+def _syncs_during(fn):
+    """How many synchronizing CUDA calls fn makes (torch's sync debug mode, warning each time)."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return sum("synchroniz" in str(w.message) for w in caught)
+
+
+@pytest.mark.gpu
+def test_device_step_without_clipping_or_scaler_never_syncs():
+    model = _cuda_model()
+    with HybridAdamW(model.parameters(), lr=1e-2, offload_fraction=0.0) as opt:
+        for i in range(2):  # compiles the kernel and fills the table cache
+            opt.zero_grad()
+            _backward(model, "cuda", seed=i)
+            opt.step()
+        opt.zero_grad()
+        _backward(model, "cuda", seed=5)
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            opt.step()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("clip,scaler", [(1e-3, False), (None, True), (1e-3, True)],
+                         ids=["clip", "scaler", "clip+scaler"])
+def test_device_step_syncs_once_with_clipping_or_a_scaler(clip, scaler):
+    model, ref_model = _cuda_model(), _cuda_model()
+    ref = torch.optim.AdamW(ref_model.parameters(), lr=1e-2, foreach=False)
+    gs = torch.amp.GradScaler("cuda", init_scale=256.0) if scaler else None
+    with HybridAdamW(model.parameters(), lr=1e-2, offload_fraction=0.0, max_grad_norm=clip) as opt:
+        counts = []
+        for i in range(3):
+            opt.zero_grad()
+            ref.zero_grad()
+            x = torch.randn(4, 8, generator=torch.Generator().manual_seed(i)).cuda()
+            loss = model(x).square().mean()
+            (gs.scale(loss) if gs else loss).backward()
+            ref_model(x).square().mean().backward()
+            if clip:
+                torch.nn.utils.clip_grad_norm_(ref_model.parameters(), clip)
+            ref.step()
+            torch.cuda.synchronize()
+            counts.append(_syncs_during(lambda: gs.step(opt) if gs else opt.step()))
+            if gs:
+                gs.update()
+        assert counts[1:] == [1, 1], counts
+        if clip:
+            assert isinstance(opt.last_grad_norm, float)
+        for a, b in zip(model.parameters(), ref_model.parameters()):
+            assert_close(a, b)
+
+
+@pytest.mark.gpu
+def test_auto_on_cuda_measures_gpu_time_not_launch_time():
+    """64M fp32 elements on the device tier: one step moves ≥ 28 bytes each through HBM
+    (~0.4 ms at 4.8 TB/s on an H200), while launching it takes tens of microseconds."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8192, 8192, bias=False)).cuda()
+    elements = sum(p.numel() for p in model.parameters())
+    with HybridAdamW(model.parameters(), lr=1e-4, offload_fraction="auto", calibration=SLOW_HOST,
+                     refit_every=0) as opt:
+        assert opt.plan.summary()["device"]["share"] == 1.0
+        for i in range(4):
+            opt.zero_grad()
+            model(torch.randn(16, 8192, device="cuda")).square().mean().backward()
+            opt.step()
+            torch.cuda.synchronize()
+        assert isinstance(opt._clock, CudaClock)
+        measured = opt.stats["measured"]
+        assert measured["step"] in (3, 4)
+        floor = elements * 28 / 5e12
+        assert measured["device_s"] >= floor, (measured, floor, opt.stats["device_s"])
+        assert measured["backward_s"] is None or measured["backward_s"] >= 0
