@@ -1,0 +1,137 @@
+"""benchmarks/gpu_table.py's table, from sample JSONs shaped like what gpu_check.sh's steps
+write (bench_gpu_kernels.py --json, bench_step.py --json, gpu_table.py memory --json): every
+figure where its JSON has it, "missing" with the reason where a step failed, never an
+exception. And gpu_check.sh itself: step limits within the 8 minutes, the peer study opt-in."""
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+import gpu_table  # noqa: E402
+
+KERNELS = [
+    {"impl": "copy_bandwidth", "gb_per_s": 4000.0, "device": "H200"},
+    {"impl": "gpu_kernels.fused_adam_", "numel": 16 << 20, "gb_per_s": 3400.0},
+    {"impl": "torch.AdamW(fused=True)", "numel": 16 << 20, "gb_per_s": 1700.0},
+    {"impl": "gpu_kernels.fused_adam_", "numel": 128 << 20, "gb_per_s": 3600.0},
+    {"impl": "torch.AdamW(fused=True)", "numel": 128 << 20, "gb_per_s": 2400.0},
+    {"impl": "gpu_kernels.fused_adam_ [1000 tensors]", "numel": 64 << 20, "gb_per_s": 3000.0},
+    {"impl": "torch.AdamW(fused=True) [1000 tensors]", "numel": 64 << 20, "gb_per_s": 1000.0},
+    {"impl": "gpu_kernels.fused_adam_ BLOCK=1024 ITERS=1 warps=4", "numel": 128 << 20, "gb_per_s": 1.0},
+    {"impl": "gpu_kernels.grad_stats", "numel": 16 << 20, "gb_per_s": 2000.0},
+]
+STEP = [
+    {"impl": "torch AdamW(fused=True), in process", "median_ms": 10.0},
+    {"impl": "HybridAdamW offload 1.0, speculative=False", "median_ms": 30.0, "hidden_pct": 0.0, "worker_ms": 20.0},
+    {"impl": "HybridAdamW offload 1.0, speculative=True", "median_ms": 20.0, "hidden_pct": 61.4,
+     "worker_ms": 20.0, "committed": 16, "redone": 0},
+]
+MEMORY = [{"impl": "HybridAdamW", "offload": off, "peak_device_mb": mb, "params_mb": 128.0}
+          for off, mb in ((0.0, 900.0), (0.5, 600.0), (1.0, 300.0))] + \
+         [{"impl": "torch.AdamW(fused=True)", "offload": None, "peak_device_mb": 1000.0}]
+
+
+def write(tmp_path, **files):
+    for name, records in files.items():
+        path = tmp_path / name
+        path.write_text(records if isinstance(records, str) else json.dumps(records))
+
+
+def rows(table: str) -> dict:
+    out = {}
+    for line in table.splitlines()[2:]:
+        measure, value, source = [c.strip() for c in line.strip("|").split("|")]
+        out[measure] = (value, source)
+    return out
+
+
+def test_full_table_has_every_figure(tmp_path):
+    write(tmp_path, **{gpu_table.KERNELS_JSON: KERNELS, gpu_table.STEP_JSON: STEP, gpu_table.MEMORY_JSON: MEMORY})
+    table = gpu_table.assemble(str(tmp_path))
+    assert table.splitlines()[0] == "| measure | value | from |"
+    got = rows(table)
+    assert got["fused_adam_ GB/s, 128M elements"][0] == (
+        "3600 GB/s; 1.50x torch AdamW(fused=True) (2400 GB/s); 90% of D2D copy (4000 GB/s)")
+    assert got["fused_adam_ GB/s, 16M elements"][0].startswith("3400 GB/s; 2.00x")
+    assert got["fused_adam_ GB/s, 64M elements [1000 tensors]"][0].startswith("3000 GB/s; 3.00x")
+    assert not any("BLOCK" in k or "grad_stats" in k for k in got), "sweep / stats rows leaked in"
+    hidden = [v for k, v in got.items() if k.startswith("host step hidden")]
+    assert hidden == [("61% of a 20.0 ms host step (committed 16, redone 0)", "bench_step.json")]
+    assert got["peak device memory, HybridAdamW offload 0"][0] == "900 MB (params 128 MB)"
+    assert got["peak device memory, HybridAdamW offload 0.5"][0] == "600 MB (params 128 MB)"
+    assert got["peak device memory, HybridAdamW offload 1"][0] == "300 MB (params 128 MB)"
+    assert got["peak device memory, torch.AdamW(fused=True)"][0] == "1000 MB"
+    assert "missing" not in table
+
+
+@pytest.mark.parametrize("absent", [gpu_table.KERNELS_JSON, gpu_table.STEP_JSON, gpu_table.MEMORY_JSON])
+def test_a_missing_json_leaves_a_missing_row_and_the_rest(tmp_path, absent):
+    files = {gpu_table.KERNELS_JSON: KERNELS, gpu_table.STEP_JSON: STEP, gpu_table.MEMORY_JSON: MEMORY}
+    del files[absent]
+    write(tmp_path, **files)
+    got = rows(gpu_table.assemble(str(tmp_path)))
+    missing = {k: v for k, v in got.items() if v[0].startswith("missing")}
+    assert len(missing) == 1, got
+    (value, source), = missing.values()
+    assert source == absent and f"no {absent}" in value and "gpu_check.log" in value
+    others = {gpu_table.KERNELS_JSON: "fused_adam_ GB/s, 128M elements",
+              gpu_table.STEP_JSON: "host step hidden under backward, HybridAdamW offload 1.0, speculative=True",
+              gpu_table.MEMORY_JSON: "peak device memory, HybridAdamW offload 0.5"}
+    for name, key in others.items():
+        assert (key in got) == (name != absent), key
+
+
+def test_unreadable_and_partial_jsons_say_why(tmp_path):
+    write(tmp_path, **{gpu_table.KERNELS_JSON: '[{"impl": "copy_b',  # cut short by a killed step
+                       gpu_table.STEP_JSON: [{"impl": "HybridAdamW offload 1.0, speculative=False"}],
+                       gpu_table.MEMORY_JSON: MEMORY[:1]})
+    got = rows(gpu_table.assemble(str(tmp_path)))
+    assert got["fused_adam_ GB/s vs torch and D2D copy"][0].startswith(
+        "missing: bench_gpu_kernels.json unreadable (JSONDecodeError")
+    assert got["host step hidden under backward"][0] == "missing: no speculative=True row in bench_step.json"
+    assert got["peak device memory, HybridAdamW offload 0"][0] == "900 MB (params 128 MB)"
+    assert got["peak device memory, HybridAdamW offload 0.5"][0] == "missing: no offload 0.5 record"
+
+
+def test_kernel_rows_without_a_baseline_still_show_ours(tmp_path):
+    write(tmp_path, **{gpu_table.KERNELS_JSON: [r for r in KERNELS if r["impl"] not in
+                                                 ("copy_bandwidth", "torch.AdamW(fused=True)")]})
+    got = rows(gpu_table.assemble(str(tmp_path)))
+    assert got["fused_adam_ GB/s, 128M elements"][0] == (
+        "3600 GB/s; torch AdamW(fused=True): missing; D2D copy: missing")
+
+
+def test_table_command_prints_it_and_exits_0_with_nothing_there(tmp_path):
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "gpu_table.py"), "table", str(tmp_path)],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.count("missing: no ") == 3
+
+
+def test_memory_command_without_cuda_says_so(tmp_path):
+    import torch
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is here: the memory run is gpu_check.sh's")
+    assert gpu_table.main(["memory", "--json", str(tmp_path / "m.json")]) == 0
+    assert not (tmp_path / "m.json").exists()
+
+
+def _steps(script: str) -> dict:
+    """gpu_check.sh's `step NAME LIMIT ...` lines: name -> limit (s)."""
+    return {m.group(1): int(m.group(2)) for m in re.finditer(r"^\s*step (\S+) (\d+) ", script, re.M)}
+
+
+def test_gpu_check_fits_eight_minutes_and_makes_the_peer_study_opt_in():
+    script = open(os.path.join(ROOT, "benchmarks", "gpu_check.sh")).read()
+    steps = _steps(script)
+    assert {"gpu-tests", "benchmark", "end-to-end", "memory", "table"} <= set(steps), steps
+    grace = int(re.search(r"--kill-after=(\d+)", script).group(1))
+    default = {k: v for k, v in steps.items() if k not in ("peers", "torchao", "sweep")}
+    assert sum(default.values()) + grace * len(default) <= 8 * 60, default
+    assert re.search(r'if \[\[ "\$\{PEERS:-0\}" == 1 \]\]', script), "the peer study must be opt-in (PEERS=1)"
+    assert "gpu_table.py table" in script and "gpu_table.py memory" in script
