@@ -26,32 +26,54 @@ class CheckpointMixin:
         return st
 
     def state_dict(self) -> dict:
+        """torch's format. Where each param's state lands: a param wholly on the device tier
+        gets views of the tier's buffers when its elements lie in one subgroup (references,
+        as torch returns its own state tensors: copy them to keep a snapshot), else copies on
+        its device; a param with any element on the host or nvme tier gets CPU tensors of its
+        own (they outlive close()). Gathered one param at a time: an nvme subgroup's file is
+        read once, and its copy dropped after the last param that needs it."""
         self._check_open()
         # called between backward and step(): the committed state is what a checkpoint holds;
         # pending speculations are dropped (step() then steps those subgroups itself)
         self._drop_speculation()
         base = super().state_dict()  # param_groups in torch's format (params as indices)
-        state = {}
-        buffers: dict = {}
+        params = list(self._all_params())
+        pieces: dict = {}  # param index -> [(subgroup, slice)]
         for sg in self._subgroups:
             for sl in sg.slices:
-                buffers.setdefault(sl.param_index, []).append((sg, sl))
-        params = list(self._all_params())
-        sub_state = {}  # each subgroup's state read once (an nvme read is a whole file slot)
-        for idx, p in enumerate(params):
-            if self._steps[idx] == 0:
-                continue  # never stepped: torch has no state for it either
-            entry = {"step": torch.tensor(float(self._steps[idx]), dtype=torch.float32)}
+                pieces.setdefault(sl.param_index, []).append((sg, sl))
+        # never stepped: torch has no state for it either
+        stepped = [idx for idx in range(len(params)) if self._steps[idx]]
+        last_use = {}  # subgroup index -> the last stepped param that reads its state
+        for idx in stepped:
+            for sg, _ in pieces.get(idx, ()):
+                last_use[sg.index] = idx
+        sub_state: dict = {}  # subgroup states in use (an nvme one is a copy read from its file)
+        state = {}
+        for idx in stepped:
+            p = params[idx]
             keys = ["exp_avg", "exp_avg_sq"] + (["max_exp_avg_sq"] if self._group_of(idx)["amsgrad"] else [])
             if p.dtype != torch.float32:
                 keys.append("master")
-            flat = {k: torch.empty(p.numel(), dtype=torch.float32, device=p.device) for k in keys}
-            for sg, sl in buffers.get(idx, []):
-                if sg.index not in sub_state:
-                    sub_state[sg.index] = self._subgroup_state(sg)
+            parts = pieces.get(idx, [])
+            on_device = all(self.plan.tiers[sg.index] == DEVICE for sg, _ in parts)
+            if on_device and len(parts) == 1:
+                sg, sl = parts[0]
+                st = self._subgroup_state(sg)
                 a, b = sl.sub_offset, sl.sub_offset + sl.numel
-                for k in keys:
-                    flat[k][sl.param_offset:sl.param_offset + sl.numel].copy_(sub_state[sg.index][k][a:b])
+                flat = {k: st[k][a:b] for k in keys}
+            else:
+                where = p.device if on_device else torch.device("cpu")
+                flat = {k: torch.empty(p.numel(), dtype=torch.float32, device=where) for k in keys}
+                for sg, sl in parts:
+                    if sg.index not in sub_state:
+                        sub_state[sg.index] = self._subgroup_state(sg)
+                    a, b = sl.sub_offset, sl.sub_offset + sl.numel
+                    for k in keys:
+                        flat[k][sl.param_offset:sl.param_offset + sl.numel].copy_(sub_state[sg.index][k][a:b])
+                    if last_use[sg.index] == idx:
+                        del sub_state[sg.index]
+            entry = {"step": torch.tensor(float(self._steps[idx]), dtype=torch.float32)}
             for k in keys:
                 entry["master_param" if k == "master" else k] = flat[k].view(p.shape)
             state[idx] = entry
@@ -91,28 +113,46 @@ class CheckpointMixin:
                 id_map[pid] = len(id_map)
         saved_state = {id_map[k]: v for k, v in state_dict["state"].items() if k in id_map}
         params = list(self._all_params())
+        last_sg = {}  # param index -> the last subgroup holding part of it
+        for sg in self._subgroups:
+            for sl in sg.slices:
+                last_sg[sl.param_index] = sg.index
+        # each param's saved tensors as 1-D, made once (a copy only for a strided tensor) and
+        # kept until its last subgroup is loaded; any device and float dtype: copy_ converts
+        sources: dict = {}
+
+        def source(idx: int, key: str):
+            if (idx, key) not in sources:
+                p, entry = params[idx], saved_state.get(idx, {})
+                if key == "master":
+                    src = p.detach()
+                    saved = entry.get("master_param")
+                    # a master stands only while the param is still its rounding: torch carries
+                    # our extra key along without updating it, so after training elsewhere the
+                    # param itself is the truth (and a load never writes params). Compared on
+                    # the param's device: a map_location="cpu" file may load into a CUDA model
+                    if saved is not None and torch.equal(saved.to(device=p.device, dtype=p.dtype), src):
+                        src = saved
+                else:
+                    src = entry.get(key)
+                sources[(idx, key)] = None if src is None else src.reshape(-1)
+            return sources[(idx, key)]
+
         with torch.no_grad():
             for sg in self._subgroups:
                 st = self._subgroup_state(sg)
                 for sl in sg.slices:
-                    entry = saved_state.get(sl.param_index, {})
-                    p = params[sl.param_index]
                     a, b = sl.sub_offset, sl.sub_offset + sl.numel
                     for k, view in st.items():
-                        if k == "master":
-                            src = p.detach()
-                            saved = entry.get("master_param")
-                            # a master stands only while the param is still its rounding: torch
-                            # carries our extra key along without updating it, so after training
-                            # elsewhere the param itself is the truth (and a load never writes params)
-                            if saved is not None and torch.equal(saved.to(p.dtype), p.detach()):
-                                src = saved
-                        elif k in entry:
-                            src = entry[k]
-                        else:
+                        src = source(sl.param_index, k)
+                        if src is None:
                             view[a:b].zero_()
-                            continue
-                        view[a:b].copy_(src.reshape(-1)[sl.param_offset:sl.param_offset + sl.numel])
+                        else:
+                            view[a:b].copy_(src[sl.param_offset:sl.param_offset + sl.numel])
+                for sl in sg.slices:
+                    if last_sg[sl.param_index] == sg.index:
+                        for k in st:
+                            sources.pop((sl.param_index, k), None)
                 if self.plan.tiers[sg.index] != DEVICE:
                     local = self._host_local[sg.index]
                     self._host.load_state(local, st["master"], st["exp_avg"], st["exp_avg_sq"],
@@ -120,3 +160,63 @@ class CheckpointMixin:
         for idx in range(len(self._steps)):
             st = saved_state.get(idx)
             self._steps[idx] = int(float(st["step"])) if st is not None and "step" in st else 0
+        self._sync_torch_state(rebuild=True)
+
+    # ------------------------------------------------------------------ torch's self.state
+    def _sync_torch_state(self, rebuild: bool = False) -> None:
+        """torch's per-param `self.state` holds {"step": 0-dim float32 tensor} for each param
+        that has stepped, as torch's own does, so tools that read `optimizer.state` (torch.
+        distributed.checkpoint decides by it whether an optimizer is fresh) see a trained one;
+        the moments and masters stay in the tiers and state_dict() gathers them. The step
+        tensors are views of one buffer: a step costs one copy, not one op per param."""
+        n = len(self._steps)
+        counts = self.__dict__.get("_step_counts")
+        if counts is None or counts.numel() != n:  # add_param_group grew the model
+            counts = self._step_counts = torch.zeros(n, dtype=torch.float32)
+            rebuild = True
+        counts.copy_(torch.tensor(self._steps, dtype=torch.float32))
+        stepped = n - self._steps.count(0)
+        # between two calls counts only rise (a step) or only fall (its rollback): the same
+        # number of stepped params means the same params
+        if not rebuild and stepped == self.__dict__.get("_stepped_params"):
+            return
+        self._stepped_params = stepped
+        for idx, p in enumerate(self._all_params()):
+            if self._steps[idx]:
+                entry = self.state[p]
+                if rebuild or "step" not in entry:
+                    entry["step"] = counts[idx]
+            else:
+                self.state.pop(p, None)
+
+    def _is_state_init_step(self) -> bool:
+        """torch.distributed.checkpoint's `_init_optim_state`: on an optimizer whose `state` is
+        empty it sets every grad to zeros and steps once with lr 0. On a fresh optimizer that
+        step leaves what torch.optim.AdamW's leaves — step 1, zero moments, params unchanged —
+        so it is taken here without any host work: the step counts advance, the tiers (all
+        zeros, masters equal to the params) stay as they are. True when it was taken. Adam's
+        L2 decay would put weight_decay * param into the moments: that case takes a real step."""
+        if any(self._steps):
+            return False
+        for g in self.param_groups:
+            lr = g["lr"]
+            if float(lr.item() if isinstance(lr, torch.Tensor) else lr) != 0.0:
+                return False
+            if not self._decoupled and g["weight_decay"] != 0:
+                return False
+        grads = [p.grad for p in self._all_params() if p.grad is not None]
+        if not grads or any(g.is_sparse for g in grads):
+            return False
+        if bool(torch.stack([g.any() for g in grads]).any()):  # one host sync on a GPU
+            return False
+        self._drop_speculation()
+        for ready in self._ready.values():
+            ready.clear()
+        for p in self._all_params():
+            if p.grad is not None:
+                self._steps[self._index[p]] += 1
+        self._sync_torch_state()
+        # not counted as a training step (_steps_taken: speculation's warm-up, refits): nothing ran
+        self.step_was_skipped = False
+        self.last_grad_norm = 0.0 if self.max_grad_norm is not None else None
+        return True

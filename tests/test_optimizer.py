@@ -322,7 +322,8 @@ def test_checkpoint_round_trip_continues_bitwise(placement, dtype):
     with ExitStack() as stack:
         opt = stack.enter_context(make_opt(model))
         train(model, opt, batches[:5])
-        sd, weights = opt.state_dict(), _snapshot(model)
+        # a snapshot, as with torch: device-tier state comes as references to the live state
+        sd, weights = save_load(opt.state_dict()), _snapshot(model)
         train(model, opt, batches[5:])
         end_sd = opt.state_dict()
 
@@ -349,7 +350,7 @@ def test_checkpoint_across_placements_continues_bitwise(saved_at, loaded_at):
     with ExitStack() as stack:
         opt = stack.enter_context(hybrid(ADAMW, model.parameters(), saved_at, **kw))
         train(model, opt, batches[:5])
-        sd, weights = opt.state_dict(), _snapshot(model)
+        sd, weights = save_load(opt.state_dict()), _snapshot(model)  # a snapshot (see above)
         train(model, opt, batches[5:])
         model2, opt2 = _resume(FP32, weights, lambda m: hybrid(ADAMW, m.parameters(), loaded_at, **kw), sd)
         stack.enter_context(opt2)

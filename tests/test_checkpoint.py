@@ -1,0 +1,388 @@
+"""Checkpoints: where state_dict() puts each tier's state, what load_state_dict() accepts, and
+torch.distributed.checkpoint (DCP) on a hybrid optimizer.
+
+- A param wholly on the device tier gets views of the tier's buffers when it lies in one
+  subgroup (references, as torch returns its own state tensors), else a copy on its device.
+- A param with any element on the host or nvme tier gets CPU tensors of its own, gathered one
+  param at a time; an nvme subgroup's file is read once and its copy dropped when done.
+- load_state_dict() takes any float dtype and any strides (and any device: the CUDA half of
+  that is in test_gpu_checkpoint.py).
+- `self.state` holds torch's per-param step counts, so DCP's get/set_optimizer_state_dict see
+  a trained optimizer as trained (no lr-0 "initialisation" step over real state), and on a
+  fresh one its dummy step leaves what torch.optim.AdamW's leaves, with no host work.
+
+Exact state is compared with torch.equal; numerics against torch.optim with the shared
+tolerances.
+"""
+import collections
+import copy
+import weakref
+from contextlib import ExitStack
+
+import pytest
+import torch
+from torch import nn
+from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+
+from hybrid_opt import HybridAdam, HybridAdamW
+from hybrid_opt.plan import DEVICE
+from test_optimizer import (BF16, FP32, assert_state_close, lockstep, loss_fn, make_batches,
+                            make_net, save_load, train)
+
+SUBGROUP = 64  # Net (724 elements): 12 subgroups; fc1.weight spans 8, fc1.bias shares one
+HYPER = dict(lr=1e-2, weight_decay=0.1)
+
+
+@pytest.fixture(scope="module")
+def nvme_dir(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("nvme"))
+
+
+PLACEMENTS = {"device": dict(offload_fraction=0.0), "mixed": dict(offload_fraction=0.5),
+              "host": dict(offload_fraction=1.0),
+              "nvme": dict(offload_fraction=1.0, nvme_fraction=0.5)}
+
+
+def hybrid(params, placement, nvme_dir, cls=HybridAdamW, **kw):
+    kw = {**HYPER, "subgroup_numel": SUBGROUP, **PLACEMENTS[placement], **kw}
+    if kw.get("nvme_fraction"):
+        kw["nvme_path"] = nvme_dir
+    return cls(params, **kw)
+
+
+def parts_of(opt, idx):
+    return [(sg, sl) for sg in opt._subgroups for sl in sg.slices if sl.param_index == idx]
+
+
+def within(t, buf) -> bool:
+    """t's elements lie inside buf's memory."""
+    lo, hi = buf.data_ptr(), buf.data_ptr() + buf.numel() * buf.element_size()
+    return lo <= t.data_ptr() and t.data_ptr() + t.numel() * t.element_size() <= hi
+
+
+def arena_range(opt):
+    arena = opt._host.arena
+    base = arena.tensor(0, 1, torch.uint8).data_ptr()
+    return base, base + arena.nbytes
+
+
+# ============================================================================= 1. where state lands
+@pytest.mark.parametrize("dtype", [FP32, BF16], ids=["float32", "bfloat16"])
+def test_device_tier_state_is_views_of_its_buffers(dtype, nvme_dir):
+    """offload 0: a param in one subgroup gets views of the tier's buffers (exp_avg,
+    exp_avg_sq, and the fp32 master of a bf16 param), equal to torch's state and following the
+    live state like torch's references; a param spanning subgroups gets a copy of its own."""
+    model = make_net(dtype)
+    ref_model = make_net(FP32)
+    ref_model.load_state_dict({k: v.float() for k, v in model.state_dict().items()})
+    ref = torch.optim.AdamW(ref_model.parameters(), foreach=False, **HYPER)
+    with hybrid(model.parameters(), "device", nvme_dir) as opt:
+        lockstep(model, opt, ref_model, ref, make_batches(5), share_grads=dtype != FP32)
+        sd = opt.state_dict()
+        assert_state_close(sd, ref.state_dict())
+        views, copies = [], []
+        shapes = [p.shape for p in model.parameters()]
+        for idx, st in sd["state"].items():
+            parts = parts_of(opt, idx)
+            assert {opt.plan.tiers[sg.index] for sg, _ in parts} == {DEVICE}
+            assert set(st) == {"step", "exp_avg", "exp_avg_sq"} | ({"master_param"} if dtype != FP32 else set())
+            bufs = [opt._device.master[sg.index] for sg in opt._device.subgroups.values()]
+            bufs += [t for s in opt._device.state.values() for t in s.values()]
+            for k, t in st.items():
+                if k == "step":
+                    continue
+                assert t.shape == shapes[idx]
+                if len(parts) == 1:
+                    sg, sl = parts[0]
+                    buf = (opt._device.master if k == "master_param" else
+                           {i: s[k] for i, s in opt._device.state.items()})[sg.index]
+                    assert t.data_ptr() == buf[sl.sub_offset:].data_ptr() and within(t, buf), (idx, k)
+                    views.append((idx, k))
+                else:
+                    assert not any(within(t, b) for b in bufs), (idx, k)
+                    copies.append((idx, k))
+        assert views and copies  # both cases are exercised
+        before = {(i, k): sd["state"][i][k].clone() for i, k in views + copies}
+        train(model, opt, make_batches(1, seed=7))
+        now = opt.state_dict()["state"]
+        for i, k in views:  # references: they show the live state
+            assert torch.equal(sd["state"][i][k], now[i][k]), (i, k)
+        for i, k in copies:  # copies: the state when state_dict() was called
+            assert torch.equal(sd["state"][i][k], before[(i, k)]), (i, k)
+            if k != "master_param" or dtype != FP32:
+                assert not torch.equal(now[i][k], before[(i, k)]), (i, k)
+
+
+@pytest.mark.parametrize("placement", ["mixed", "host", "nvme"])
+def test_offloaded_state_is_cpu_tensors_of_its_own(placement, nvme_dir):
+    """A param with any element off the device: CPU tensors that alias neither the shared
+    arena nor the device tier, equal to torch's and unchanged after close()."""
+    model = make_net()
+    ref_model = copy.deepcopy(model)
+    ref = torch.optim.AdamW(ref_model.parameters(), foreach=False, amsgrad=True, **HYPER)
+    opt = hybrid(model.parameters(), placement, nvme_dir, amsgrad=True)
+    try:
+        lockstep(model, opt, ref_model, ref, make_batches(5))
+        sd = opt.state_dict()
+        assert_state_close(sd, ref.state_dict())
+        lo, hi = arena_range(opt)
+        dev_bufs = [t for s in opt._device.state.values() for t in s.values()]
+        offloaded = 0
+        for idx, st in sd["state"].items():
+            if {opt.plan.tiers[sg.index] for sg, _ in parts_of(opt, idx)} == {DEVICE}:
+                continue
+            offloaded += 1
+            for k, t in st.items():
+                assert t.device.type == "cpu", (idx, k)
+                ptr = t.untyped_storage().data_ptr()
+                assert not lo <= ptr < hi, f"state[{idx}][{k}] aliases the shared arena"
+                assert t.untyped_storage().nbytes() == t.numel() * t.element_size(), (idx, k)
+                assert not any(within(t, b) for b in dev_bufs), (idx, k)
+        assert offloaded > 0
+        kept = {i: {k: v.clone() for k, v in st.items()} for i, st in sd["state"].items()}
+    finally:
+        opt.close()
+    for i, st in kept.items():
+        for k, v in st.items():
+            assert torch.equal(sd["state"][i][k], v), (i, k)
+
+
+def test_nvme_subgroups_are_read_once_and_dropped_when_done(nvme_dir):
+    """Every nvme subgroup's file is read once per state_dict() (not once per param), and at
+    most two subgroups' copies are alive at any read: one shared with the param before, one
+    new."""
+    model = make_net()
+    with hybrid(model.parameters(), "nvme", nvme_dir, nvme_fraction=1.0) as opt:
+        train(model, opt, make_batches(3))
+        want = opt.state_dict()
+        host = opt._host
+        reads, alive, most = collections.Counter(), [], [0]
+        real = host.state
+
+        def counting(local):
+            st = real(local)
+            reads[local] += 1
+            alive.append(weakref.ref(st["exp_avg"]))
+            most[0] = max(most[0], sum(r() is not None for r in alive))
+            return st
+
+        host.state = counting
+        try:
+            got = opt.state_dict()
+        finally:
+            del host.state
+        assert all(host.nvme) and sorted(reads) == list(range(len(host.nvme)))
+        assert set(reads.values()) == {1}, reads
+        assert most[0] <= 2, most[0]
+        assert got["state"].keys() == want["state"].keys()
+        for i, st in got["state"].items():
+            for k, v in st.items():
+                assert torch.equal(v, want["state"][i][k]), (i, k)
+
+
+@pytest.mark.parametrize("dtype", [FP32, BF16], ids=["float32", "bfloat16"])
+@pytest.mark.parametrize("placement", ["device", "mixed", "nvme"])
+def test_state_dict_round_trip_at_every_placement(placement, dtype, nvme_dir):
+    """Saved through a file, loaded into a fresh optimizer: the same state bitwise, and the
+    same next steps."""
+    model = make_net(dtype)
+    batches = make_batches(8)
+    with ExitStack() as stack:
+        opt = stack.enter_context(hybrid(model.parameters(), placement, nvme_dir))
+        train(model, opt, batches[:4])
+        sd = save_load(opt.state_dict())
+        weights = {k: v.clone() for k, v in model.state_dict().items()}
+        train(model, opt, batches[4:])
+        model2 = make_net(dtype, seed=5)
+        model2.load_state_dict(weights)
+        opt2 = stack.enter_context(hybrid(model2.parameters(), placement, nvme_dir))
+        opt2.load_state_dict(sd)
+        _assert_state_equal(opt2.state_dict(), sd)
+        train(model2, opt2, batches[4:])
+        for a, b in zip(model.parameters(), model2.parameters()):
+            assert torch.equal(a, b)
+        _assert_state_equal(opt2.state_dict(), opt.state_dict())
+
+
+def _assert_state_equal(got, want):
+    assert got["state"].keys() == want["state"].keys()
+    for i, st in want["state"].items():
+        assert got["state"][i].keys() == st.keys(), i
+        for k, v in st.items():
+            assert torch.equal(got["state"][i][k], v), (i, k)
+
+
+# ============================================================================= 2. what loads
+def _strided_fp64(t: torch.Tensor) -> torch.Tensor:
+    """Same shape and values, fp64, not contiguous (where the shape allows it)."""
+    t = t.double()
+    if t.dim() >= 2:
+        return t.t().contiguous().t()
+    if t.dim() == 1:
+        return torch.stack([t, torch.zeros_like(t)], -1)[:, 0]
+    return t
+
+
+@pytest.mark.parametrize("dtype", [FP32, BF16], ids=["float32", "bfloat16"])
+@pytest.mark.parametrize("placement", ["device", "mixed", "nvme"])
+def test_state_dict_of_another_dtype_and_strides_loads(placement, dtype, nvme_dir):
+    """fp64, non-contiguous moments (and master_param) load as the fp32 state they round to
+    exactly, and training continues bitwise like the original."""
+    model = make_net(dtype)
+    batches = make_batches(8)
+    with ExitStack() as stack:
+        opt = stack.enter_context(hybrid(model.parameters(), placement, nvme_dir, amsgrad=True))
+        train(model, opt, batches[:4])
+        sd = save_load(opt.state_dict())
+        odd = copy.deepcopy(sd)
+        strided = 0
+        for st in odd["state"].values():
+            for k in list(st):
+                if k != "step":
+                    st[k] = _strided_fp64(st[k])
+                    strided += not st[k].is_contiguous()
+        assert strided > 0
+        weights = {k: v.clone() for k, v in model.state_dict().items()}
+        train(model, opt, batches[4:])
+        model2 = make_net(dtype, seed=5)
+        model2.load_state_dict(weights)
+        opt2 = stack.enter_context(hybrid(model2.parameters(), placement, nvme_dir, amsgrad=True))
+        opt2.load_state_dict(odd)
+        _assert_state_equal(opt2.state_dict(), sd)
+        train(model2, opt2, batches[4:])
+        for a, b in zip(model.parameters(), model2.parameters()):
+            assert torch.equal(a, b)
+
+
+# ============================================================================= 3. torch's self.state and DCP
+def test_self_state_holds_step_counts(nvme_dir):
+    """`self.state[p]` is {"step": 0-dim float32 tensor} for each param that has stepped (as in
+    torch), absent for one that never got a grad; it follows steps, load_state_dict and a
+    param group added later."""
+    model = make_net()
+    frozen = model.tiny[0]
+    params = list(model.parameters())
+    with hybrid(params, "mixed", nvme_dir) as opt:
+        for batch in make_batches(3):
+            opt.zero_grad()
+            loss_fn(model, batch).backward()
+            frozen.grad = None
+            opt.step()
+        assert frozen not in opt.state
+        assert set(opt.state) == set(params) - {frozen}
+        for p, st in opt.state.items():
+            assert set(st) == {"step"} and st["step"].dtype == torch.float32 and st["step"].dim() == 0
+            assert float(st["step"]) == 3
+        step_tensor = opt.state[params[0]]["step"]
+        train(model, opt, make_batches(1))
+        assert float(step_tensor) == 4  # updated in place, as torch's step tensor is
+        assert float(opt.state[frozen]["step"]) == 1
+
+        # a checkpoint in which two params have no state: their entries go
+        ref = torch.optim.AdamW(copy.deepcopy(model).parameters(), foreach=False, **HYPER)
+        ref_params = list(ref.param_groups[0]["params"])
+        for p in ref_params:
+            p.grad = None if p is ref_params[1] or p is ref_params[3] else torch.ones_like(p)
+        ref.step()
+        opt.load_state_dict(save_load(ref.state_dict()))
+        assert set(opt.state) == set(params) - {params[1], params[3]}
+        assert all(float(st["step"]) == 1 for st in opt.state.values())
+
+        extra = nn.Parameter(torch.randn(10))
+        opt.add_param_group(dict(params=[extra]))
+        loss = loss_fn(model, make_batches(1)[0]) + extra.sum()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        assert float(opt.state[extra]["step"]) == 1
+        assert float(opt.state[params[0]]["step"]) == 2 and float(opt.state[params[1]]["step"]) == 1
+        sd = opt.state_dict()
+        for i, p in enumerate(params + [extra]):
+            assert float(opt.state[p]["step"]) == float(sd["state"][i]["step"])
+
+
+def _fqns(model):
+    return [n for n, _ in model.named_parameters()]
+
+
+@pytest.mark.parametrize("placement", ["device", "host", "nvme"])
+def test_dcp_get_optimizer_state_dict_leaves_a_trained_optimizer_unchanged(placement, nvme_dir):
+    """get_optimizer_state_dict after zero_grad() reads `optimizer.state` to decide whether to
+    run its lr-0 initialisation step: with the step counts there it does not, so every state
+    tensor and param stays bitwise, and its dict is state_dict()'s content under FQNs."""
+    model = make_net()
+    with hybrid(model.parameters(), placement, nvme_dir, amsgrad=True) as opt:
+        train(model, opt, make_batches(4))
+        opt.zero_grad()
+        before = save_load(opt.state_dict())
+        params = [p.detach().clone() for p in model.parameters()]
+        osd = get_optimizer_state_dict(model, opt)
+        _assert_state_equal(opt.state_dict(), before)
+        assert all(torch.equal(a, b) for a, b in zip(params, model.parameters()))
+        names = _fqns(model)
+        assert set(osd["state"]) == {names[i] for i in before["state"]}
+        for i, st in before["state"].items():
+            assert osd["state"][names[i]].keys() == st.keys()
+            for k, v in st.items():
+                assert torch.equal(osd["state"][names[i]][k], v), (i, k)
+        (group,), (saved,) = osd["param_groups"], before["param_groups"]
+        assert group["params"] == [names[i] for i in saved["params"]]
+        assert {k: v for k, v in group.items() if k != "params"} == \
+               {k: v for k, v in saved.items() if k != "params"}
+
+
+@pytest.mark.parametrize("cls,reference,kw", [
+    (HybridAdamW, torch.optim.AdamW, dict(amsgrad=True)),
+    (HybridAdam, torch.optim.Adam, dict(weight_decay=0.1)),  # L2 decay: the dummy step moves the moments
+], ids=["AdamW", "Adam_l2"])
+@pytest.mark.parametrize("placement", ["device", "host"])
+def test_dcp_on_a_fresh_optimizer_matches_torch(placement, cls, reference, kw, nvme_dir):
+    """On a fresh optimizer DCP's dummy step (zero grads, lr 0) leaves what torch's leaves:
+    step 1, zero moments (AdamW), params unchanged, no grads; AdamW's takes no host step."""
+    model = make_net()
+    ref_model = copy.deepcopy(model)
+    kw = {**HYPER, **kw}
+    ref = reference(ref_model.parameters(), foreach=False, **kw)
+    want = get_optimizer_state_dict(ref_model, ref)
+    with hybrid(model.parameters(), placement, nvme_dir, cls=cls, **kw) as opt:
+        got = get_optimizer_state_dict(model, opt)
+        assert got["state"].keys() == want["state"].keys() and got["state"]
+        for name, st in want["state"].items():
+            assert got["state"][name].keys() == st.keys()
+            assert float(got["state"][name]["step"]) == 1.0
+        assert_state_close(dict(state={i: got["state"][n] for i, n in enumerate(_fqns(model))}),
+                           dict(state={i: want["state"][n] for i, n in enumerate(_fqns(model))}))
+        if cls is HybridAdamW:
+            assert all(not t.any() for st in got["state"].values() for k, t in st.items() if k != "step")
+            if opt._host is not None:
+                assert opt._host.stats["stepped"] == opt._host.stats["committed"] == 0
+        assert all(torch.equal(a, b) for a, b in zip(model.parameters(), ref_model.parameters()))
+        assert all(p.grad is None for p in model.parameters())
+        assert opt.param_groups[0]["lr"] == HYPER["lr"]  # DCP restores it
+
+
+@pytest.mark.parametrize("dst", ["device", "mixed", "nvme"])
+def test_dcp_set_optimizer_state_dict_round_trip_trains_like_the_original(dst, nvme_dir):
+    """get_optimizer_state_dict from a trained optimizer (host tier), through a file, then
+    set_optimizer_state_dict into a fresh one (its dummy step first): same state bitwise, and
+    the same next steps bitwise."""
+    model = make_net()
+    batches = make_batches(8)
+    with ExitStack() as stack:
+        opt = stack.enter_context(hybrid(model.parameters(), "host", nvme_dir))
+        train(model, opt, batches[:4])
+        opt.zero_grad()
+        osd = save_load(get_optimizer_state_dict(model, opt))
+        sd = save_load(opt.state_dict())
+        weights = {k: v.clone() for k, v in model.state_dict().items()}
+        train(model, opt, batches[4:])
+        model2 = make_net(seed=5)
+        model2.load_state_dict(weights)
+        opt2 = stack.enter_context(hybrid(model2.parameters(), dst, nvme_dir, lr=1e-3))
+        set_optimizer_state_dict(model2, opt2, osd)
+        assert opt2.param_groups[0]["lr"] == HYPER["lr"]
+        _assert_state_equal(opt2.state_dict(), sd)
+        train(model2, opt2, batches[4:])
+        for a, b in zip(model.parameters(), model2.parameters()):
+            assert torch.equal(a, b)
+        _assert_state_equal(opt2.state_dict(), opt.state_dict())

@@ -1,0 +1,125 @@
+"""Checkpoints of a CUDA model (skipped without a CUDA device; benchmarks/gpu_check.sh runs them):
+
+- state_dict() puts host/nvme state on the CPU and leaves device-only params' state on the
+  GPU (views of the tier's buffers, or a copy for a param spanning subgroups), so GPU memory
+  grows by at most one param's state while it runs;
+- a bf16 checkpoint loaded with map_location="cpu" resumes a CUDA model bitwise (the CPU
+  master_param is compared with the CUDA param on the param's device).
+"""
+import io
+
+import pytest
+import torch
+from torch import nn
+
+from hybrid_opt import HybridAdamW
+from hybrid_opt.plan import DEVICE
+
+pytestmark = pytest.mark.gpu
+
+SUBGROUP = 1 << 16
+HYPER = dict(lr=1e-2, weight_decay=0.1, subgroup_numel=SUBGROUP)
+
+
+@pytest.fixture(scope="module")
+def nvme_dir(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("nvme"))
+
+
+PLACEMENTS = {"device": dict(offload_fraction=0.0), "host": dict(offload_fraction=1.0),
+              "mixed_nvme": dict(offload_fraction=0.5, nvme_fraction=0.25)}
+
+
+def placement_kwargs(name, nvme_dir):
+    kw = dict(PLACEMENTS[name])
+    if kw.get("nvme_fraction"):
+        kw["nvme_path"] = nvme_dir
+    return kw
+
+
+def make_params(dtype, seed=0):
+    """A param spanning two subgroups, then six of one subgroup each, then a small one."""
+    g = torch.Generator().manual_seed(seed)
+    sizes = [2 * SUBGROUP] + [SUBGROUP] * 6 + [1000]
+    return [nn.Parameter((torch.randn(n, generator=g) * 0.1).to(dtype).cuda()) for n in sizes]
+
+
+def train(params, opt, steps, seed):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    for _ in range(steps):
+        opt.zero_grad()
+        loss = sum(((p.float() - torch.randn(p.shape, generator=g, device="cuda")) ** 2).mean()
+                   for p in params)
+        loss.backward()  # post-accumulate hooks: host subgroups are speculated during it
+        opt.step()
+    torch.cuda.synchronize()
+
+
+def parts_of(opt, idx):
+    return [(sg, sl) for sg in opt._subgroups for sl in sg.slices if sl.param_index == idx]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+@pytest.mark.parametrize("placement", ["host", "mixed_nvme"])
+def test_state_dict_keeps_offloaded_state_off_the_gpu(placement, dtype, nvme_dir):
+    params = make_params(dtype)
+    with HybridAdamW(params, **HYPER, **placement_kwargs(placement, nvme_dir)) as opt:
+        train(params, opt, 3, seed=1)
+        n_keys = 2 + (dtype != torch.float32)  # exp_avg, exp_avg_sq [, master_param]
+        one_param = max(p.numel() for p in params) * 4 * n_keys
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        sd = opt.state_dict()
+        torch.cuda.synchronize()
+        grown = torch.cuda.max_memory_allocated() - before
+        assert grown <= one_param, f"state_dict() took {grown} B of GPU memory (one param's state: {one_param} B)"
+        kinds = set()
+        for idx, st in sd["state"].items():
+            tiers = {opt.plan.tiers[sg.index] for sg, _ in parts_of(opt, idx)}
+            want = "cuda" if tiers == {DEVICE} else "cpu"
+            kinds.add(want)
+            for k, t in st.items():
+                if k != "step":
+                    assert t.device.type == want, (idx, k, tiers)
+                    assert t.dtype == torch.float32 and t.shape == params[idx].shape
+        assert "cpu" in kinds and (placement == "host" or "cuda" in kinds)
+        if placement != "host":
+            # a device-only param in one subgroup: views of the tier's buffers
+            views = [idx for idx in sd["state"] if len(parts_of(opt, idx)) == 1
+                     and opt.plan.tiers[parts_of(opt, idx)[0][0].index] == DEVICE]
+            assert views
+            for idx in views:
+                sg, sl = parts_of(opt, idx)[0]
+                buf = opt._device.state[sg.index]["exp_avg"]
+                assert sd["state"][idx]["exp_avg"].data_ptr() == buf[sl.sub_offset:].data_ptr()
+
+
+@pytest.mark.parametrize("placement", ["device", "host", "mixed_nvme"])
+def test_bf16_checkpoint_loaded_to_cpu_resumes_bitwise(placement, nvme_dir):
+    """Trained, saved, torch.load(map_location="cpu"), loaded into a fresh optimizer over the
+    CUDA model: the continuation is bitwise the uninterrupted run's."""
+    kw = dict(**HYPER, **placement_kwargs(placement, nvme_dir))
+    params = make_params(torch.bfloat16)
+    with HybridAdamW(params, **kw) as opt:
+        train(params, opt, 3, seed=1)
+        buf = io.BytesIO()
+        torch.save(opt.state_dict(), buf)
+        weights = [p.detach().clone() for p in params]
+        train(params, opt, 3, seed=2)
+        end_state = opt.state_dict()
+        end = {i: {k: v.cpu() for k, v in st.items()} for i, st in end_state["state"].items()}
+    buf.seek(0)
+    sd = torch.load(buf, map_location="cpu", weights_only=True)
+    assert all(t.device.type == "cpu" for st in sd["state"].values() for t in st.values())
+    params2 = [nn.Parameter(w.clone()) for w in weights]
+    with HybridAdamW(params2, **kw) as opt2:
+        opt2.load_state_dict(sd)
+        train(params2, opt2, 3, seed=2)
+        for a, b in zip(params, params2):
+            assert torch.equal(a, b)
+        got = opt2.state_dict()["state"]
+        assert got.keys() == end.keys()
+        for i, st in end.items():
+            for k, v in st.items():
+                assert torch.equal(got[i][k].cpu(), v), (i, k)
