@@ -3,15 +3,17 @@
 The trainer creates every arena and keeps its descriptor, so a worker that dies loses no
 state: a new worker maps the same memory. `memfd_create` avoids Docker's 64 MB /dev/shm
 and leaves no names behind; where it is missing, an unlinked file in /dev/shm (or the temp
-directory) stands in. Arenas are pinned (cudaHostRegister) when CUDA is present, for
-asynchronous copies, and unpinned at close.
+directory) stands in. An arena is pinned (cudaHostRegister) when its owner asks — the host
+tier does for CUDA params, for asynchronous copies — and unpinned at close.
 """
 from __future__ import annotations
 
+import ctypes
 import errno
 import mmap
 import os
 import tempfile
+import warnings
 
 PAGE = mmap.PAGESIZE
 CACHE_LINE = 64
@@ -36,6 +38,76 @@ def populate(mm: mmap.mmap, what: str = "shared memory") -> bool:
         raise MemoryError(f"cannot allocate {len(mm) / 1e9:.2f} GB of {what} "
                           f"({os.strerror(e.errno)}): free host memory, or place less on the "
                           f"host tier (offload_fraction, nvme_fraction, spare_banks)") from e
+
+
+CUDA_HOST_REGISTER_PORTABLE = 1  # pinned for every CUDA context; flags 0 pins for the current one only
+_pin_warned = False
+
+
+class CudaRuntime:
+    """The CUDA runtime library this process loaded (torch's), called through ctypes. A failed
+    call leaves its error for the next cudaGetLastError — which torch's next kernel launch
+    check reads and reports as its own failure — so the error is cleared here, and that must
+    be done in the same runtime instance that set it."""
+
+    def __init__(self, lib):
+        self.lib = lib
+        for name, args in (("cudaHostRegister", [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint]),
+                           ("cudaHostUnregister", [ctypes.c_void_p]), ("cudaGetLastError", [])):
+            fn = getattr(lib, name)
+            fn.argtypes, fn.restype = args, ctypes.c_int
+        lib.cudaGetErrorString.argtypes, lib.cudaGetErrorString.restype = [ctypes.c_int], ctypes.c_char_p
+
+    def register(self, ptr: int, nbytes: int) -> int:
+        return self.lib.cudaHostRegister(ptr, nbytes, CUDA_HOST_REGISTER_PORTABLE)
+
+    def unregister(self, ptr: int) -> int:
+        return self.lib.cudaHostUnregister(ptr)
+
+    def clear_error(self) -> int:
+        return self.lib.cudaGetLastError()
+
+    def error_string(self, code: int) -> str:
+        text = self.lib.cudaGetErrorString(code)
+        return text.decode(errors="replace") if text else f"CUDA error {code}"
+
+
+def _loaded_cudart() -> str | None:
+    """The path of the libcudart mapped into this process (torch links it dynamically)."""
+    try:
+        with open("/proc/self/maps") as f:
+            for line in f:
+                fields = line.split(None, 5)  # address perms offset dev inode [path]
+                if len(fields) == 6 and os.path.basename(fields[5].strip()).startswith("libcudart"):
+                    return fields[5].strip()
+    except OSError:
+        pass
+    return None
+
+
+def cuda_runtime() -> CudaRuntime | None:
+    """The CUDA runtime to pin with, or None when CUDA is unavailable or its runtime library
+    cannot be found in this process."""
+    import torch
+    if not torch.cuda.is_available():
+        return None
+    torch.cuda.init()
+    for path in (_loaded_cudart(), None):  # None: the symbols the process exports globally
+        try:
+            return CudaRuntime(ctypes.CDLL(path))
+        except (OSError, AttributeError, TypeError):
+            continue
+    return None
+
+
+def _warn_unpinned(why: str) -> None:
+    global _pin_warned
+    if not _pin_warned:
+        _pin_warned = True
+        warnings.warn(f"hybrid_opt: the host tier's shared memory could not be pinned ({why}); it "
+                      f"runs unpinned: results are unchanged, but grad and param copies between "
+                      f"the GPU and the host are slower. Raise the locked-memory limit "
+                      f"(ulimit -l) or free host memory to pin it.", RuntimeWarning, stacklevel=3)
 
 
 def align_up(x: int, a: int) -> int:
@@ -99,7 +171,7 @@ class SharedArena:
             self.mm.close()
             os.close(self.fd)
             raise
-        self._pinned_ptr = None
+        self._pinned_ptr = self._runtime = None
         self.closed = False
 
     def tensor(self, offset: int, numel: int, dtype):
@@ -111,16 +183,30 @@ class SharedArena:
         # memory a live tensor still points at (the mapping then goes with the last view)
         return torch.frombuffer(memoryview(self.mm), dtype=dtype, count=numel, offset=offset)
 
+    @property
+    def pinned(self) -> bool:
+        return self._pinned_ptr is not None
+
     def pin(self) -> bool:
-        """Page-lock the arena for async H2D/D2H copies; True when it was pinned."""
+        """Page-lock the arena for every CUDA context (async H2D/D2H copies); True when it is
+        pinned. A failure clears the CUDA error it set, warns once per process and leaves the
+        arena unpinned (slower copies, same results)."""
+        if self._pinned_ptr is not None:
+            return True
         import torch
-        if not torch.cuda.is_available() or self._pinned_ptr is not None:
+        runtime = cuda_runtime()
+        if runtime is None:
+            if torch.cuda.is_available():
+                _warn_unpinned("the CUDA runtime library this process uses was not found")
             return False
         ptr = self.tensor(0, self.nbytes, torch.uint8).data_ptr()
-        err = torch.cuda.cudart().cudaHostRegister(ptr, self.nbytes, 0)
-        if int(err) != 0:
+        err = runtime.register(ptr, self.nbytes)
+        if err != 0:
+            runtime.clear_error()
+            _warn_unpinned(f"cudaHostRegister of {self.nbytes} bytes failed: "
+                           f"{runtime.error_string(err)} (error {err})")
             return False
-        self._pinned_ptr = ptr
+        self._pinned_ptr, self._runtime = ptr, runtime
         return True
 
     def close(self) -> None:
@@ -128,9 +214,9 @@ class SharedArena:
             return
         self.closed = True
         if self._pinned_ptr is not None:
-            import torch
-            torch.cuda.cudart().cudaHostUnregister(self._pinned_ptr)
-            self._pinned_ptr = None
+            if self._runtime.unregister(self._pinned_ptr) != 0:
+                self._runtime.clear_error()  # the memory goes with the mapping anyway
+            self._pinned_ptr = self._runtime = None
         try:
             self.mm.close()
         except BufferError:

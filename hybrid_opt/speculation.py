@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from hybrid_opt.tiers.host import StepInputs
+from hybrid_opt.tiers.staging import copy_async
 
 
 class SpeculationMixin:
@@ -72,6 +73,11 @@ class SpeculationMixin:
     def _on_grad_ready(self, p) -> None:
         if self._closed or not self._accumulation_boundary or not self._may_speculate():
             return
+        if self._host.copies_in_flight():
+            try:
+                self._host.poll()  # hands the worker the pieces whose CUDA copies have landed
+            except Exception as e:  # never break the user's backward: step() reports it
+                self._speculation_error = self._speculation_error or e
         idx = self._index.get(p)
         for sgi in self._param_sgs.get(idx, ()):
             ready = self._ready[sgi]
@@ -88,10 +94,21 @@ class SpeculationMixin:
                     self._speculation_error = self._speculation_error or e
 
     def _predicted_inv_scale(self) -> float:
+        """The loss scale speculation assumes. An attached GradScaler's is read once per step:
+        get_scale() copies a CUDA scale to the host (a sync), so the first hook of a backward
+        reads it and later hooks reuse it until the scaler updates its scale (the scale
+        tensor's version moves; where the scaler has no scale tensor yet it is a plain float)."""
         scaler = self._grad_scaler
-        if scaler is not None and scaler.is_enabled():
-            return 1.0 / float(scaler.get_scale())
-        return self._last_inv_scale
+        if scaler is None or not scaler.is_enabled():
+            return self._last_inv_scale
+        scale_t = getattr(scaler, "_scale", None)
+        key = (id(scaler), id(scale_t), scale_t._version) if isinstance(scale_t, torch.Tensor) else None
+        cached = getattr(self, "_inv_scale_cache", None)
+        if key is not None and cached is not None and cached[0] == key:
+            return cached[1]
+        inv = 1.0 / float(scaler.get_scale())
+        self._inv_scale_cache = (key, inv)
+        return inv
 
     def _host_inputs(self, sg, live: list, hp: StepInputs, scale: float, ahead: int) -> StepInputs:
         """The inputs a host subgroup's step depends on (ahead=1 during backward: the step
@@ -180,7 +197,8 @@ class SpeculationMixin:
 
 class GradGatherer:
     """Writes a subgroup's grads [offset, offset + numel) into a staging buffer; params without
-    a grad contribute zeros (their elements are outside every run, so never stepped)."""
+    a grad contribute zeros (their elements are outside every run, so never stepped). CUDA
+    grads are copied non-blocking, on the host tier's side stream (tiers/staging.py)."""
 
     def __init__(self, sg):
         self.sg = sg
@@ -194,13 +212,25 @@ class GradGatherer:
             if a < b:
                 yield sl, a, b
 
-    def __call__(self, dst: torch.Tensor, offset: int, numel: int) -> None:
+    def cuda_device(self):
+        """The CUDA device of this subgroup's grads, or None (CPU grads: staged synchronously)."""
+        for sl in self.sg.slices:
+            g = sl.param.grad
+            if g is not None and g.is_cuda:
+                return g.device
+        return None
+
+    def __call__(self, dst: torch.Tensor, offset: int, numel: int, non_blocking: bool = False) -> None:
         for sl, a, b in self._overlaps(offset, numel):
             g = sl.grad_view()
             if g is None:
                 dst[a - offset:b - offset].zero_()
                 continue
-            dst[a - offset:b - offset].copy_(g[a - sl.sub_offset:b - sl.sub_offset], non_blocking=False)
+            src = g[a - sl.sub_offset:b - sl.sub_offset]
+            if non_blocking:  # on the side stream; the grad's memory is kept until the copy ran
+                copy_async(dst[a - offset:b - offset], src)
+            else:
+                dst[a - offset:b - offset].copy_(src, non_blocking=False)
 
     def segments(self, offset: int, numel: int, dtype):
         """Remote gather: [(element offset in the piece, address, elements)] (address 0: zeros)

@@ -17,6 +17,7 @@ import torch
 
 from hybrid_opt.shm import align_up
 from hybrid_opt.tiers.inputs import StepInputs
+from hybrid_opt.tiers.staging import CopyQueue, CudaStager, copy_async, staging_device
 from hybrid_opt.worker import protocol as P
 from hybrid_opt.worker.client import WorkerDied, WorkerError
 
@@ -58,6 +59,9 @@ class _Piece:
     result: P.Result | None = None
     freed: bool = False           # its staging slot is back in the ring
     keep: list | None = None      # remote gather: the grads the worker reads, alive until it has
+    copy_done: object = None      # the event of its staging copy while that is in flight (CUDA)
+    queued: bool = False          # waits in the CopyQueue to be sent
+    cancelled: bool = False       # its step was discarded while queued: never sent
 
 
 
@@ -112,7 +116,7 @@ class HostIO:
 
     def _acquire_slot(self) -> int:
         while not self._free_slots:
-            if not self._inflight:
+            if not self._inflight and not len(self._copies):
                 raise RuntimeError("every staging slot is held by a speculated step awaiting "
                                    "validation; call finish() (or use more staging_slots)")
             self._wait(lambda: self._progress() or bool(self._free_slots))
@@ -123,21 +127,99 @@ class HostIO:
         if self._on_progress is not None:
             self._on_progress()
 
-    def _stage(self, slot: int, grad, offset: int, numel: int) -> None:
+    def _stage(self, slot: int, grad, offset: int, numel: int):
+        """Copies a piece of grads into its staging slot. Returns None once the copy is done
+        (CPU grads), or the event of a copy still in flight (CUDA grads: on the tier's side
+        stream, never blocking the caller); _send then holds the piece until it completes."""
         dst = self._slots[slot][:numel]
+        stager = self._stager(grad)
+        if stager is not None:
+            if callable(grad):
+                return stager.copy(lambda: grad(dst, offset, numel, non_blocking=True))
+            src = grad.reshape(-1)[offset:offset + numel]
+            return stager.copy(lambda: copy_async(dst, src))
         if callable(grad):  # a provider that gathers the subgroup's grads itself
             grad(dst, offset, numel)
-            return
-        src = grad.reshape(-1)[offset:offset + numel]
-        if src.is_cuda:
-            dst.copy_(src, non_blocking=True)
-            torch.cuda.current_stream(src.device).synchronize()  # the worker reads it next
         else:
-            dst.copy_(src)
+            dst.copy_(grad.reshape(-1)[offset:offset + numel])
+        return None
+
+    def _stager(self, grad):
+        """The asynchronous stager for these grads (one side stream per device, made on first
+        use), or None: CPU grads are copied synchronously. `copy_stager`, when set, replaces
+        the CUDA one (tests drive the queue with events they complete themselves)."""
+        if self.copy_stager is not None:
+            return self.copy_stager
+        device = staging_device(grad)
+        if device is None:
+            return None
+        stager = self._stagers.get(device)
+        if stager is None:
+            stager = self._stagers[device] = CudaStager(device)
+        return stager
 
     def _send(self, piece: _Piece) -> None:
+        if piece.copy_done is not None or len(self._copies):
+            # its copy is still landing, or pieces ahead of it wait for theirs: order is kept
+            self._copies.push([piece])
+            self._send_copied()
+            return
+        self._send_now(piece)
+
+    def _send_now(self, piece: _Piece) -> None:
         tid = self._send_task(piece.task)
         self._inflight[tid] = piece
+
+    def _send_checked(self, pieces: list) -> None:
+        """Inverse mode: a subgroup whose grads are not all finite is not stepped at all (an
+        in-place step and its undo would cost a few ulps); every piece is staged, so all are
+        checked — once their copies have landed — before any is sent."""
+        if len(self._copies) or any(p.copy_done is not None for p in pieces):
+            self._copies.push(pieces, whole=True)
+            self._send_copied()
+            return
+        self._send_if_finite(pieces)
+
+    def _send_if_finite(self, pieces: list) -> None:
+        import cpu_kernels
+        if all(cpu_kernels.grad_stats(self._slots[p.slot][:p.numel])[1] for p in pieces):
+            for p in pieces:
+                self._send_now(p)
+        else:
+            for p in pieces:
+                p.result = P.Result(P.OP_STEP, 0, P.STATUS_NONFINITE, p.subgroup, float("inf"), 0)
+
+    def _send_copied(self, block: bool = False) -> None:
+        """Sends the queued pieces whose staging copies have landed, in launch order. block:
+        wait for every copy still in flight (step() only; a grad hook never blocks on one)."""
+        while True:
+            got = self._copies.pop_ready(block)
+            if got is None:
+                return
+            pieces, whole = got
+            if any(p.cancelled for p in pieces):
+                for p in pieces:  # their step was discarded: the slots are free now the copies landed
+                    self._free_slot(p)
+            elif whole:
+                self._send_if_finite(pieces)
+            else:
+                for p in pieces:
+                    self._send_now(p)
+
+    def copies_in_flight(self) -> int:
+        """Pieces still waiting for their staging copies (poll() sends those that landed)."""
+        return len(self._copies)
+
+    def _settle_copies(self) -> None:
+        """close(): every staging copy still in flight lands before the arena is unpinned and
+        unmapped under it."""
+        for piece in self._copies.pieces():
+            try:
+                if piece.copy_done is not None:
+                    piece.copy_done.synchronize()
+            except Exception:
+                pass  # a failed device: nothing more is copied into the arena
+        self._copies = CopyQueue()
 
     def _send_task(self, task: P.Task) -> int:
         try:
@@ -148,6 +230,11 @@ class HostIO:
 
     def _free_slot(self, piece: _Piece) -> None:
         """Returns a piece's staging slot to the ring, once (every path may call it)."""
+        if piece.queued:
+            # never sent: its step is being discarded. A copy may still be writing the slot:
+            # _send_copied frees it once that copy has landed
+            piece.cancelled = True
+            return
         if not piece.freed and piece.slot >= 0:
             piece.freed = True
             self._free_slots.append(piece.slot)
@@ -188,19 +275,24 @@ class HostIO:
         """Wait (bounded) until done() holds, collecting results and surviving worker deaths."""
         deadline = time.monotonic() + self.client.timeout_s
         while True:
+            self._send_copied(block=self._block_copies)
             self._collect()
             if raise_errors:
                 self._raise_error()
             if done():
                 return
             if time.monotonic() > deadline:
-                subgroups = sorted({p.subgroup for p in self._inflight.values()})
+                copying = sorted({p.subgroup for p in self._copies.pieces()})
+                subgroups = sorted({p.subgroup for p in self._inflight.values()} | set(copying))
                 raise TimeoutError(f"hybrid_opt host tier: subgroups {subgroups} not stepped within "
-                                   f"{self.client.timeout_s:.0f} s")
+                                   f"{self.client.timeout_s:.0f} s" + (
+                                       f" (the GPU never finished copying the grads of {copying}: "
+                                       f"check the device)" if copying else ""))
             try:
                 if self.client._resp is None:
                     raise self.client._dead()
-                self.client._drain(0.1)
+                # staging copies still landing: look again soon (only step() blocks on them)
+                self.client._drain(0.0005 if len(self._copies) else 0.1)
             except WorkerDied as e:
                 self._recover(e)
 
@@ -238,4 +330,5 @@ class HostIO:
             except WorkerDied as e:
                 self._recover(e)
         self._collect()
+        self._send_copied()
 

@@ -104,20 +104,11 @@ class HostStepping:
                     piece.task.gather, piece.keep = seg
                     self.stats["remote_gathered"] += 1
                 else:
-                    self._stage(slot, grad, off, k)
+                    piece.copy_done = self._stage(slot, grad, off, k)  # an event: sent once it lands
                 if not whole_subgroup_check:
                     self._send(piece)
         if whole_subgroup_check:
-            # inverse mode: a subgroup whose grads are not all finite is not stepped at all (an
-            # in-place step and its undo would cost a few ulps); every piece is staged, so check
-            # them all before sending any
-            import cpu_kernels
-            if all(cpu_kernels.grad_stats(self._slots[p.slot][:p.numel])[1] for p in pieces):
-                for p in pieces:
-                    self._send(p)
-            else:
-                for p in pieces:
-                    p.result = P.Result(P.OP_STEP, 0, P.STATUS_NONFINITE, sg, float("inf"), 0)
+            self._send_checked(pieces)  # inverse mode: stepped only if every grad is finite
         if self.nvme[sg]:
             spec.file_slot = 1 - self._file_slot[sg]
             spec.swap_out = self._swap_piece(P.OP_SWAP_OUT, sg, spec.bank, spec.file_slot)
@@ -298,6 +289,13 @@ class HostStepping:
         buffers are reused right after).
         Returns {sg: "committed" | "redone" | "stepped" | "dropped"}.
         """
+        self._block_copies = True  # step(): the staging copies still landing may be waited for
+        try:
+            return self._finish(steps, overflow, on_commit)
+        finally:
+            self._block_copies = False
+
+    def _finish(self, steps: dict, overflow: bool, on_commit) -> dict[int, str]:
         for sg, (grad, final) in steps.items():
             self._check(sg, grad, final)
         self._wait(lambda: all(s.done() for s in self._spec.values()))

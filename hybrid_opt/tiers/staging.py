@@ -1,0 +1,103 @@
+"""Asynchronous grad staging: CUDA grads copied D2H on a side stream into the host tier's
+staging slots, and the in-order queue of pieces that wait for their copies to land before the
+worker may read them.
+
+A grad hook must not synchronize: a blocking D2H copy on the compute stream drains the GPU
+pipeline once per host subgroup, and no copy then overlaps backward. So the copy runs on a
+side stream of the grads' device (one per host tier and device) that waits on the work queued
+so far on the stream the hook runs on, and its completion is an event. The piece goes to the
+worker only once that event has completed — polled with `query()` from later hooks, waited
+for at `step()`. Everything the queue does depends only on an event's `query()` and
+`synchronize()`, so its logic is tested on the CPU with a stager whose events the test
+completes (the fake stands in for CUDA, not for this code).
+"""
+from __future__ import annotations
+
+from collections import deque
+
+import torch
+
+
+class CudaStager:
+    """Copies into pinned host memory on a side stream of one CUDA device."""
+
+    def __init__(self, device):
+        self.device = torch.device(device)
+        self.stream = torch.cuda.Stream(self.device)
+
+    def copy(self, fill):
+        """Runs `fill()` — which queues non-blocking copies and calls `keep_alive` on their
+        sources — on the side stream, after everything already queued on the current stream
+        (the grads were produced there); returns the event of the copies' completion."""
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.stream):
+            try:
+                fill()
+            except BaseException:
+                # copies it queued before failing must land before the slot is reused (a
+                # failure path: waiting is fine there)
+                self.stream.synchronize()
+                raise
+        done = torch.cuda.Event()
+        done.record(self.stream)
+        return done
+
+
+def keep_alive(src: torch.Tensor) -> None:
+    """A CUDA tensor read by a copy queued on the current (side) stream: its memory is not
+    reused before that copy has run, even when the grad is freed first (`p.grad = None`)."""
+    if src.is_cuda:
+        src.record_stream(torch.cuda.current_stream(src.device))
+
+
+def copy_async(dst: torch.Tensor, src: torch.Tensor) -> None:
+    dst.copy_(src, non_blocking=True)
+    keep_alive(src)
+
+
+def staging_device(grad):
+    """The CUDA device of a grad (a tensor, or a provider with `cuda_device()`), or None when
+    it is staged synchronously (CPU grads: today's path, unchanged)."""
+    if callable(grad):
+        probe = getattr(grad, "cuda_device", None)
+        return probe() if probe is not None else None
+    return grad.device if grad.is_cuda else None
+
+
+class CopyQueue:
+    """Pieces waiting to be sent to the worker, in launch order: a piece whose staging copy is
+    in flight holds back every piece behind it (the worker runs tasks in arrival order, and an
+    nvme write-back must follow its subgroup's steps). Each entry is (pieces, whole): `whole`
+    marks one subgroup's pieces that are sent together once all are finite (inverse mode)."""
+
+    def __init__(self):
+        self._entries: deque = deque()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def push(self, pieces: list, whole: bool = False) -> None:
+        for p in pieces:
+            p.queued = True
+        self._entries.append((pieces, whole))
+
+    def pop_ready(self, block: bool):
+        """The head entry once every copy in it has landed, else None; block: wait for them
+        (event.synchronize — only where waiting is allowed, never in a grad hook)."""
+        if not self._entries:
+            return None
+        pieces, whole = self._entries[0]
+        for p in pieces:
+            if p.copy_done is not None:
+                if not p.copy_done.query():
+                    if not block:
+                        return None
+                    p.copy_done.synchronize()
+                p.copy_done = None
+        self._entries.popleft()
+        for p in pieces:
+            p.queued = False
+        return pieces, whole
+
+    def pieces(self) -> list:
+        return [p for pieces, _ in self._entries for p in pieces]

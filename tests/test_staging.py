@@ -1,0 +1,392 @@
+"""Asynchronous grad staging (CUDA grads) and arena pinning, tested on the CPU.
+
+On a GPU the host tier copies grads D2H on a side stream and hands a piece to the worker only
+once its copy event has completed (tiers/staging.py). That hand-off logic depends only on an
+event's query()/synchronize(), so here a stager stands in for CUDA: its "copy" runs only when
+the test completes the event (until then the staging slot holds stale bytes, so a piece sent
+early would step on the wrong grads and break the bitwise comparisons). CUDA itself is
+exercised by tests/test_gpu_staging.py.
+
+Pinning: a CPU model never pins; a failed cudaHostRegister (a fake runtime standing in for
+CUDA) clears the error it set, warns once, and leaves the arena unpinned.
+"""
+import types
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import hybrid_opt.shm as shm
+from hybrid_opt import HybridAdamW
+from hybrid_opt.shm import SharedArena
+from hybrid_opt.tiers.host import HostTier
+from hybrid_opt.worker import protocol as P
+from helpers import assert_bitwise_equal, inputs, load, make_grads, make_states, ref_step
+
+SLOT = 4096
+TIMEOUT_S = 20.0
+
+
+class FakeEvent:
+    """A copy in flight: it happens when the test (or synchronize()) completes the event."""
+
+    def __init__(self, fill):
+        self.fill, self.done, self.synchronized = fill, False, False
+
+    def complete(self):
+        if not self.done:
+            self.done = True
+            self.fill()
+
+    def query(self):
+        return self.done
+
+    def synchronize(self):
+        self.synchronized = True
+        self.complete()
+
+
+class FakeStager:
+    def __init__(self, fail_at=None):
+        self.events, self.fail_at = [], fail_at
+
+    def copy(self, fill):
+        if self.fail_at is not None and len(self.events) == self.fail_at:
+            raise RuntimeError("injected copy failure")
+        ev = FakeEvent(fill)
+        self.events.append(ev)
+        return ev
+
+
+def spy_sends(tier):
+    """[(op, subgroup, offset)] of every task the tier sends to its worker, in order."""
+    sent, send = [], tier.client.send
+
+    def logged(task):
+        sent.append((task.op, task.subgroup, task.elem_offset))
+        return send(task)
+    tier.client.send = logged
+    return sent
+
+
+def steps_sent(sent):
+    return [(sg, off) for op, sg, off in sent if op == P.OP_STEP]
+
+
+def async_tier(numels, **kw):
+    tier = HostTier(list(numels), slot_numel=SLOT, staging_slots=8, timeout_s=TIMEOUT_S, **kw)
+    tier.remote_gather = False  # the worker would read CPU grads itself, bypassing staging
+    tier.copy_stager = FakeStager()
+    return tier
+
+
+# ============================================================================= the tier's queue
+def test_pieces_go_to_the_worker_only_once_their_copies_landed_and_in_order():
+    numels = [2 * SLOT + 5, SLOT + 3]  # 3 + 2 pieces
+    states, grads = make_states(numels), make_grads(numels)
+    tier = async_tier(numels, spare_banks=2)
+    try:
+        load(tier, states)
+        sent = spy_sends(tier)
+        free_before = len(tier._free_slots)
+        assert tier.speculate(0, grads[0], inputs(), wait=False)
+        assert tier.speculate(1, grads[1], inputs(), wait=False)
+        events = tier.copy_stager.events
+        order = [(0, 0), (0, SLOT), (0, 2 * SLOT), (1, 0), (1, SLOT)]
+        assert len(events) == len(order) and tier.copies_in_flight() == len(order)
+        tier.poll()
+        assert steps_sent(sent) == [] and not tier._inflight, "sent before any copy landed"
+        # every queued piece holds its slot: none can be reused before the worker is done
+        assert len(tier._free_slots) == free_before - len(order)
+
+        events[1].complete()  # out of order: the first piece still blocks the rest
+        tier.poll()
+        assert steps_sent(sent) == []
+        events[0].complete()
+        tier.poll()
+        assert steps_sent(sent) == order[:2]
+        events[4].complete()
+        events[2].complete()
+        tier.poll()
+        assert steps_sent(sent) == order[:3]  # piece 3 has not landed: 4 waits behind it
+
+        # finish() (step()) waits for the rest itself
+        outcome = tier.finish({sg: (grads[sg], inputs()) for sg in range(2)})
+        assert outcome == {0: "committed", 1: "committed"}
+        assert steps_sent(sent) == order
+        assert events[3].synchronized and all(e.done for e in events)
+        assert tier.copies_in_flight() == 0 and len(tier._free_slots) == free_before
+        for sg in range(2):
+            ref_step(states[sg], grads[sg], inputs())
+            for k, name in (("p", "param"), ("m", "exp_avg"), ("v", "exp_avg_sq")):
+                assert_bitwise_equal(tier.state(sg)[name], states[sg][k], f"subgroup {sg} {name}")
+    finally:
+        tier.close()
+
+
+def test_a_failed_launch_never_sends_its_queued_pieces_and_frees_their_slots_once_copied():
+    numels = [3 * SLOT]
+    states, grads = make_states(numels), make_grads(numels)
+    tier = async_tier(numels, spare_banks=1)
+    tier.copy_stager = FakeStager(fail_at=1)  # the second piece's copy fails
+    try:
+        load(tier, states)
+        sent = spy_sends(tier)
+        free_before = len(tier._free_slots)
+        with pytest.raises(RuntimeError, match="injected copy failure"):
+            tier.speculate(0, grads[0], inputs(), wait=False)
+        assert tier.speculated() == []
+        first = tier.copy_stager.events[0]
+        # the first piece's copy may still be writing its slot: the slot stays out of the ring
+        assert len(tier._free_slots) == free_before - 1
+        first.complete()
+        tier.poll()
+        assert len(tier._free_slots) == free_before and tier.copies_in_flight() == 0
+        assert steps_sent(sent) == [], "a piece of an abandoned step reached the worker"
+        # the committed state is untouched and the tier still steps (synchronously now)
+        tier.copy_stager = None
+        assert tier.step(0, grads[0], inputs()) == "stepped"
+        ref_step(states[0], grads[0], inputs())
+        assert_bitwise_equal(tier.master(0), states[0]["p"], "param after the abandoned launch")
+    finally:
+        tier.close()
+
+
+def test_inverse_mode_checks_finiteness_once_the_copies_landed():
+    numels = [2 * SLOT, SLOT]
+    states, grads = make_states(numels), make_grads(numels)
+    grads[1][7] = float("inf")
+    tier = async_tier(numels, rollback="inverse")
+    try:
+        load(tier, states)
+        sent = spy_sends(tier)
+        assert tier.speculate(0, grads[0], inputs(), wait=False)
+        assert tier.speculate(1, grads[1], inputs(), wait=False)
+        assert steps_sent(sent) == []  # checked as a whole subgroup: nothing before all landed
+        for ev in tier.copy_stager.events[:2]:
+            ev.complete()
+        tier.poll()
+        assert steps_sent(sent) == [(0, 0), (0, SLOT)]
+        tier.copy_stager.events[2].complete()
+        tier.poll()
+        assert steps_sent(sent) == [(0, 0), (0, SLOT)]  # subgroup 1's grads are not finite
+        outcome = tier.finish({0: (grads[0], inputs())}, overflow=False)
+        assert outcome[0] == "committed"
+        ref_step(states[0], grads[0], inputs())
+        assert_bitwise_equal(tier.master(0), states[0]["p"], "inverse-mode speculated param")
+    finally:
+        tier.close()
+
+
+def test_close_lets_copies_in_flight_land_before_the_arena_goes():
+    numels = [SLOT]
+    tier = async_tier(numels, spare_banks=1)
+    load(tier, make_states(numels))
+    assert tier.speculate(0, make_grads(numels)[0], inputs(), wait=False)
+    (event,) = tier.copy_stager.events
+    tier.close()
+    assert event.synchronized and event.done
+
+
+# ============================================================================= the optimizer
+WIDTH, DEPTH, SUBGROUP = 64, 4, 4096
+
+
+def make_mlp():
+    torch.manual_seed(0)
+    return nn.Sequential(*[nn.Linear(WIDTH, WIDTH) for _ in range(DEPTH)])
+
+
+def batches(n):
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randn(16, WIDTH, generator=g), torch.randn(16, WIDTH, generator=g)) for _ in range(n)]
+
+
+def train(speculative, rollback="exact", steps=4, complete_in_hooks=False):
+    """offload 1.0; with speculation, grads are staged through copy events this completes
+    only from later grad hooks (complete_in_hooks) or never (step() waits for them)."""
+    net = make_mlp()
+    log = []
+    with HybridAdamW(net.parameters(), lr=1e-2, offload_fraction=1.0, speculative=speculative,
+                     rollback=rollback, subgroup_numel=SUBGROUP, spare_banks=16) as opt:
+        tier = opt._host
+        stager = None
+        if speculative:
+            tier.remote_gather = False
+            stager = tier.copy_stager = FakeStager()
+            sent, send = [], tier.client.send
+
+            def checked_send(task):
+                if task.op == P.OP_STEP:  # one event per piece, handed over in order
+                    sent.append(task)
+                    assert len(sent) <= sum(e.done for e in stager.events), \
+                        "a piece went to the worker before its copy landed"
+                return send(task)
+            tier.client.send = checked_send
+            if complete_in_hooks:
+                def land_all(p):
+                    for e in stager.events:
+                        e.complete()
+                for p in net.parameters():
+                    p.register_post_accumulate_grad_hook(land_all)  # runs after the optimizer's
+        for x, y in batches(steps):
+            opt.zero_grad()
+            ((net(x) - y) ** 2).mean().backward()
+            if speculative:
+                before = len(sent)
+                log.append(dict(in_flight=tier.copies_in_flight(), sent_in_backward=before))
+                sent.clear()
+            opt.step()
+            if speculative:
+                log[-1].update(opt.stats["speculation"], sent_in_step=len(sent))
+                sent.clear()
+        n_host = sum(1 for t in opt.plan.tiers if t != "device")
+        state = opt.state_dict()
+    return [p.detach().clone() for p in net.parameters()], state, log, n_host
+
+
+def assert_same_run(a, b):
+    for i, (p, q) in enumerate(zip(a[0], b[0])):
+        assert torch.equal(p, q), f"param {i} differs"
+    for i, st in a[1]["state"].items():
+        for k, v in st.items():
+            assert torch.equal(v, b[1]["state"][i][k]), f"state[{i}][{k}] differs"
+
+
+@pytest.mark.parametrize("rollback", ["exact", "inverse"])
+def test_step_waits_for_the_copies_and_matches_plain_bitwise(rollback):
+    spec, plain = train(True, rollback), train(False, rollback)
+    assert_same_run(spec, plain)
+    log, n_host = spec[2], spec[3]
+    assert n_host >= 3
+    first = 1 if rollback == "inverse" else 0  # inverse mode speculates from the second step
+    for entry in log[first:]:
+        assert entry["in_flight"] > 0 and entry["sent_in_backward"] == 0, entry
+        assert entry["sent_in_step"] > 0 and entry["committed"] == n_host, entry
+
+
+def test_later_hooks_hand_over_the_pieces_whose_copies_landed():
+    spec, plain = train(True, complete_in_hooks=True), train(False)
+    assert_same_run(spec, plain)
+    for entry in spec[2]:
+        # the last hook's pieces land after it: step() sends those
+        assert entry["sent_in_backward"] > 0 and entry["committed"] == spec[3], entry
+
+
+def test_an_attached_grad_scaler_is_read_once_per_backward():
+    net = make_mlp()
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8, growth_interval=1)
+    reads = []
+    get_scale = scaler.get_scale
+    scaler.get_scale = lambda: reads.append(1) or get_scale()
+    with HybridAdamW(net.parameters(), lr=1e-2, offload_fraction=1.0, subgroup_numel=SUBGROUP,
+                     spare_banks=16) as opt:
+        opt.attach_grad_scaler(scaler)
+        n_host = sum(1 for t in opt.plan.tiers if t != "device")
+        scales = []
+        for x, y in batches(4):
+            opt.zero_grad()
+            reads.clear()
+            scaler.scale(((net(x) - y) ** 2).mean()).backward()
+            assert len(reads) == 1, f"{len(reads)} scale reads in one backward"
+            scales.append(get_scale())
+            scaler.step(opt)
+            scaler.update()
+            # the cached scale followed every update: each speculation committed
+            assert opt.stats["speculation"]["committed"] == n_host, opt.stats["speculation"]
+    assert len(set(scales)) == len(scales), scales  # growth_interval=1: it changed every step
+
+
+# ============================================================================= pinning
+class FakeRuntime:
+    """Stands in for libcudart: register returns `code`; records what was called."""
+
+    def __init__(self, code):
+        self.code, self.calls = code, []
+
+    def register(self, ptr, nbytes):
+        self.calls.append(("register", ptr, nbytes))
+        return self.code
+
+    def unregister(self, ptr):
+        self.calls.append(("unregister", ptr))
+        return 0
+
+    def clear_error(self):
+        self.calls.append(("clear",))
+        return self.code
+
+    def error_string(self, code):
+        return "invalid argument"
+
+
+def spy_pin(monkeypatch):
+    calls, pin = [], SharedArena.pin
+
+    def logged(arena):
+        calls.append(arena)
+        return pin(arena)
+    monkeypatch.setattr(SharedArena, "pin", logged)
+    return calls
+
+
+def test_a_cpu_model_never_pins(monkeypatch):
+    calls = spy_pin(monkeypatch)
+    tier = HostTier([100], pin=False, timeout_s=TIMEOUT_S)
+    try:
+        assert calls == [] and tier.arena.pinned is False
+    finally:
+        tier.close()
+    tier = HostTier([100], pin=True, timeout_s=TIMEOUT_S)  # the flag reaches the arena
+    try:
+        assert calls == [tier.arena]
+        assert tier.arena.pinned is False  # no CUDA here
+    finally:
+        tier.close()
+    calls.clear()
+    with HybridAdamW(make_mlp().parameters(), offload_fraction=1.0, subgroup_numel=SUBGROUP) as opt:
+        assert opt._host is not None and calls == [] and not opt._host.arena.pinned
+
+
+def test_a_failed_pin_clears_the_error_warns_once_and_runs_unpinned(monkeypatch):
+    runtime = FakeRuntime(code=1)
+    monkeypatch.setattr(shm, "cuda_runtime", lambda: runtime)
+    monkeypatch.setattr(shm, "_pin_warned", False)
+    arenas = [SharedArena(1 << 16), SharedArena(1 << 16)]
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            assert [a.pin() for a in arenas] == [False, False]
+        msgs = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+        assert len(msgs) == 1 and "could not be pinned" in msgs[0] and "invalid argument" in msgs[0], msgs
+        assert [c[0] for c in runtime.calls] == ["register", "clear"] * 2
+        assert not any(a.pinned for a in arenas)
+        arenas[0].tensor(0, 16, torch.float32).fill_(1.0)  # still ordinary shared memory
+    finally:
+        for a in arenas:
+            a.close()
+    assert ("unregister",) not in [c[:1] for c in runtime.calls]
+
+
+def test_a_pinned_arena_is_registered_once_and_unregistered_at_close(monkeypatch):
+    runtime = FakeRuntime(code=0)
+    monkeypatch.setattr(shm, "cuda_runtime", lambda: runtime)
+    arena = SharedArena(1 << 16)
+    assert arena.pin() and arena.pin() and arena.pinned
+    ptr = arena.tensor(0, 1, torch.uint8).data_ptr()
+    assert runtime.calls == [("register", ptr, arena.nbytes)]
+    arena.close()
+    assert runtime.calls[-1] == ("unregister", ptr) and not arena.pinned
+
+
+def test_register_asks_for_portable_pinning():
+    """flags 0 would pin the arena for the current CUDA context only."""
+    seen = []
+
+    def register(ptr, nbytes, flags):
+        seen.append(flags)
+        return 0
+    lib = types.SimpleNamespace(cudaHostRegister=register, cudaHostUnregister=lambda ptr: 0,
+                                cudaGetLastError=lambda: 0, cudaGetErrorString=lambda code: b"")
+    assert shm.CudaRuntime(lib).register(4096, 4096) == 0 and seen == [1]
