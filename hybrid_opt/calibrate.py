@@ -6,7 +6,9 @@
   subgroups; the rate is elements over the worker's busy time, G elements/s (the trainer's
   copies into and out of shared memory are the D2H/H2D figures below);
 - device Adam: on a GPU the Triton fused kernel, on a CPU-only host the CPU kernel in place
-  on all cores and on the cores a worker would leave the trainer, GB/s at 28 B/element;
+  on all cores and on the cores a worker would leave the trainer, GB/s at 28 B/element; on a
+  GPU its buffers (at most 1 GiB, then 256 MiB for the copies) stay within what the caller
+  allows: at most 10 % of the device budget and what the budget leaves beside the model;
 - D2H / H2D: pinned copies on a GPU; on a CPU-only host the trainer's copies into and out
   of the worker's shared memory (single-threaded memcpy-like copies);
 - CPU-only hosts: how much slower a small fwd+bwd gets on the trainer's cores alone
@@ -40,6 +42,12 @@ COPY_BYTES = 64 << 20            # copy rates
 NVME_BYTES = 128 << 20           # nvme scratch file
 NVME_CHUNK = 16 << 20
 REPS = 5
+# CUDA: Adam over four fp32 tensors of CUDA_ADAM_NUMEL (1 GiB) and copies of CUDA_COPY_NUMEL
+# fp32 (256 MiB; the device buffer of the copies is allocated after the Adam tensors are
+# freed) — at most these, and within the device memory the caller allows
+CUDA_ADAM_NUMEL = 16 * MEASURE_NUMEL
+CUDA_COPY_NUMEL = COPY_BYTES
+CALIBRATION_BUDGET_SHARE = 0.1
 
 
 def cache_path() -> str:
@@ -257,17 +265,41 @@ def factors_of(t_all: float, t_trainer: float, t_contended: float) -> tuple[floa
     return max(1.0, t_trainer / t_all), max(1.0, t_contended / t_trainer)
 
 
-def _cuda_rates(device: torch.device) -> dict:
+def device_bytes_allowed(device_budget: float, model_and_grads: float) -> int:
+    """The device memory calibration may take while the optimizer is built: at most
+    CALIBRATION_BUDGET_SHARE of the device budget, and never more than the budget leaves
+    beside the model copy and its grads (the measurement runs before any state exists)."""
+    return int(max(0.0, min(CALIBRATION_BUDGET_SHARE * device_budget, device_budget - model_and_grads)))
+
+
+def cuda_measure_sizes(device_bytes=None) -> tuple[int, int]:
+    """(elements of each of the four fp32 Adam tensors, elements of the fp32 copy buffer) of
+    the CUDA measurements, within `device_bytes` (None: the full sizes). The two measurements
+    never hold memory at once; at least one element each (a budget that leaves nothing has
+    no room for device state, and its rate then decides nothing)."""
+    if device_bytes is None:
+        return CUDA_ADAM_NUMEL, CUDA_COPY_NUMEL
+    b = max(0, int(device_bytes))
+    return max(1, min(CUDA_ADAM_NUMEL, b // 16)), max(1, min(CUDA_COPY_NUMEL, b // 4))
+
+
+def _cuda_adam_gbps(device: torch.device, n: int) -> float:
+    """The Triton fused Adam over four fp32 tensors of `n` elements, GB/s at 28 B/element (its
+    tensors are freed on return)."""
     import gpu_kernels
-    n = 16 * MEASURE_NUMEL
     p, g, m, v = (torch.rand(n, device=device) for _ in range(4))
     scale = torch.ones(1, device=device)
 
     def adam():
         gpu_kernels.fused_adam_([p], [g], [m], [v], grad_scale=scale, **_adam_kwargs())
         torch.cuda.synchronize(device)
-    t_adam = _best_time(adam)
-    host = torch.empty(COPY_BYTES * 4 // 4, pin_memory=True)
+    return n * 28 / _best_time(adam) / 1e9
+
+
+def _cuda_rates(device: torch.device, device_bytes=None) -> dict:
+    n, n_copy = cuda_measure_sizes(device_bytes)
+    adam_gbps = _cuda_adam_gbps(device, n)  # its memory is freed before the copies allocate theirs
+    host = torch.empty(n_copy, pin_memory=True)
     dev = torch.empty(host.numel(), device=device)
 
     def h2d():
@@ -277,14 +309,15 @@ def _cuda_rates(device: torch.device) -> dict:
     def d2h():
         host.copy_(dev, non_blocking=True)
         torch.cuda.synchronize(device)
-    return {"device_adam_gbps": n * 28 / t_adam / 1e9,
+    return {"device_adam_gbps": adam_gbps, "device_measure_numel": n,
             "h2d_gbps": host.numel() * 4 / _best_time(h2d) / 1e9,
             "d2h_gbps": host.numel() * 4 / _best_time(d2h) / 1e9,
             "trainer_slowdown_with_worker": 1.0, "backward_slowdown_with_host_adam": 1.0}
 
 
-def measure(device, worker_share: float = 0.5) -> dict:
-    """Measures the machine's rates (no cache): see the module docstring."""
+def measure(device, worker_share: float = 0.5, device_bytes=None) -> dict:
+    """Measures the machine's rates (no cache): see the module docstring. `device_bytes`: the
+    most device memory the CUDA measurements may take (None: their full sizes)."""
     from hybrid_opt.worker.client import CoreSplit
     device = torch.device(device)
     split = CoreSplit(worker_share)
@@ -294,7 +327,7 @@ def measure(device, worker_share: float = 0.5) -> dict:
            "host_kernel_gelems_per_s": _cpu_adam_gbps(len(worker), bank=True) / 28,
            "worker_cores": len(worker), "trainer_cores": len(trainer)}
     if device.type == "cuda":
-        out.update(_cuda_rates(device))
+        out.update(_cuda_rates(device, device_bytes))
     else:
         all_cores = len(set(trainer) | set(worker))
         out["device_adam_gbps"] = _cpu_adam_gbps(all_cores, bank=False)
@@ -342,15 +375,23 @@ def measure_nvme(nvme_path: str) -> dict:
                 pass
 
 
-def rates(device="cpu", nvme_path=None, worker_share: float = 0.5, *, refresh: bool = False) -> dict:
-    """The machine's rates, from the cache when it has them (see the module docstring)."""
+def rates(device="cpu", nvme_path=None, worker_share: float = 0.5, *, refresh: bool = False,
+          device_bytes=None) -> dict:
+    """The machine's rates, from the cache when it has them (see the module docstring).
+    `device_bytes`: the most device memory the CUDA measurements may take (None: their full
+    sizes); a cached device Adam rate measured smaller than this allows (a tight budget
+    before) is measured again at the larger size."""
     device = torch.device(device)
     path = cache_path()
     key = machine_key(device) + f"-w{worker_share:g}"
     cache = {} if refresh else _load_cache(path)
     out = cache.get(key)
     if not isinstance(out, dict) or "host_adam_gelems_per_s" not in out:
-        out = measure(device, worker_share)
+        out = measure(device, worker_share, device_bytes)
+        _store_cache(path, key, out)
+    elif device.type == "cuda" and out.get("device_measure_numel", CUDA_ADAM_NUMEL) < \
+            cuda_measure_sizes(device_bytes)[0]:
+        out = dict(out, **_cuda_rates(device, device_bytes))
         _store_cache(path, key, out)
     out = dict(out)
     if nvme_path is not None:

@@ -24,6 +24,40 @@ SPARE_SHARE = 0.25        # default spare pool of fixed fractions: at most this 
 MOVE_FIXED_S = 0.3        # a new worker process, its shared memory; replaced by the measured cost
 
 
+def available_device_bytes(free: float, reserved: float, allocated: float) -> float:
+    """Device memory a new allocation can get: what the driver has free (cudaMemGetInfo) plus
+    the blocks torch's caching allocator holds but no tensor uses (reserved - allocated) —
+    torch reuses those before it asks the driver, so the driver's figure alone undercounts."""
+    return float(free) + max(0.0, float(reserved) - float(allocated))
+
+
+def cuda_memory(device) -> dict:
+    """The CUDA memory figures of `device` the budgets are computed from (bytes): the driver's
+    free and total, and torch's reserved, allocated and peak allocated."""
+    free, total = torch.cuda.mem_get_info(device)
+    return {"free": float(free), "total": float(total),
+            "reserved": float(torch.cuda.memory_reserved(device)),
+            "allocated": float(torch.cuda.memory_allocated(device)),
+            "peak": float(torch.cuda.max_memory_allocated(device))}
+
+
+def measured_device_budget(free: float, reserved: float, allocated: float, peak: float,
+                           counted: float, floor: float) -> float:
+    """The device budget of "auto" on CUDA once an iteration ran: what the cost model may plan
+    with (it counts the model copy, grads and device-tier state itself) beside everything else
+    that iteration needed at its peak — activations, temporaries, other tensors.
+
+    free + reserved - peak is what could still have been allocated at the peak (the driver's
+    free memory plus torch's cached blocks no tensor used even then); `counted` (the model
+    copy, grads and device state now, as the cost model counts them) is already inside the
+    peak and is planned again; HEADROOM of the memory the placement could use is kept free
+    for iterations that peak higher and for fragmentation. Never below `floor` (the model copy
+    and grads alone, every state off the device): the plan that just ran stays choosable."""
+    usable = available_device_bytes(free, reserved, allocated) + counted
+    room = float(free) + float(reserved) - float(peak)
+    return max(float(floor), room + counted - HEADROOM * usable)
+
+
 def _free_host_bytes() -> float:
     try:
         import psutil
@@ -83,12 +117,22 @@ class AutoPlanner:
     overhead_s: float = 0.0               # measured step time outside the tiers' work
     refits: int = 0
     moves: int = 0
+    # CUDA without an explicit device budget: state stays off the device until the peak of
+    # the iterations (activations included) is measured; observe_device_memory() then sets
+    # the budget, at every refit
+    device_from_peak: bool = False
 
     def __post_init__(self):
+        self.device_peak_pending = self.device_from_peak
         if self.calibration is None:
             from hybrid_opt import calibrate
+            device_bytes = None
+            if torch.device(self.device).type == "cuda" and self.device_budget is not None:
+                # the measurement's buffers within the budget, beside the model and its grads
+                device_bytes = calibrate.device_bytes_allowed(
+                    self.device_budget, sum(self.numels) * 2 * self.model_bytes)
             self.calibration = calibrate.rates(self.device, self.nvme_path if self._nvme_allowed() else None,
-                                               self.worker_share)
+                                               self.worker_share, device_bytes=device_bytes)
         self.rates = dict(self.calibration)
         self.total = sum(self.numels)
 
@@ -141,9 +185,19 @@ class AutoPlanner:
         return min(self._boundaries(), key=lambda b: abs(b - value))
 
     # ------------------------------------------------------------------ decisions
+    def observe_device_memory(self, mem: dict, counted: float, floor: float) -> None:
+        """The device budget from memory measured after iterations ran (`mem`: cuda_memory()
+        figures; `counted`, `floor`: see measured_device_budget); the next choice may put
+        state on the device within it."""
+        self.device_budget = measured_device_budget(mem["free"], mem["reserved"], mem["allocated"],
+                                                    mem["peak"], counted, floor)
+        self.device_peak_pending = False
+
     def choose(self) -> Decision:
         bounds = self._boundaries()
         offs = [self._snap(self.fixed_offload)] if self.fixed_offload is not None else bounds
+        if self.device_peak_pending:
+            offs = [1.0]  # nothing on the device before the activations are measured
         nvs = [self._snap(self.fixed_nvme)] if self.fixed_nvme is not None else bounds
         machine = self.machine()
         try:
@@ -160,6 +214,9 @@ class AutoPlanner:
                if self.backward_s is None else
                f"from rates and backward ({self.backward_s * 1e3:.1f} ms) measured over "
                f"{len(self.samples)} steps")
+        if self.device_peak_pending:
+            why = ("all state off the device until the first iterations' peak device memory "
+                   "(activations included) is measured; " + why)
         return Decision(p.offload_fraction, p.nvme_fraction, p, why)
 
     def predict(self, offload_fraction: float, nvme_fraction: float, spare_banks=None) -> cm.Prediction:
@@ -260,15 +317,17 @@ def default_spare_banks(n_host: int, subgroup_state_bytes: int, leftover=None) -
 
 def default_budgets(params: list, device: torch.device, device_budget, host_budget) -> tuple:
     """(device, host) budgets in bytes for the cost model, which counts the model copy and
-    grads itself: what is free now plus what the model's parameters already hold, less
-    HEADROOM (the user's explicit budgets are taken as they are)."""
+    grads itself: what is free now (on CUDA: available_device_bytes, torch's cached blocks
+    included) plus what the model's parameters already hold, less HEADROOM (the user's
+    explicit budgets are taken as they are)."""
     param_bytes = sum(p.numel() * p.element_size() for p in params)
     grad_bytes = sum(p.grad.numel() * p.grad.element_size() for p in params if p.grad is not None)
     if host_budget is None:
         host_budget = (_free_host_bytes() + (param_bytes + grad_bytes if device.type != "cuda" else 0)) * (1 - HEADROOM)
     if device.type == "cuda":
         if device_budget is None:
-            free, _ = torch.cuda.mem_get_info(device)
+            m = cuda_memory(device)
+            free = available_device_bytes(m["free"], m["reserved"], m["allocated"])
             device_budget = (free + param_bytes + grad_bytes) * (1 - HEADROOM)
     else:
         # CPU only: one memory holds every tier; the host budget governs

@@ -65,9 +65,11 @@ class StepStatsMixin:
         self._bwd_first = self._bwd_last = None
         self._observe_measured()
         if self._auto.due(self._steps_taken):
+            self._observe_device_memory()  # "auto" on CUDA: the device budget beside the activations
             decision = self._auto.refit(*self._fractions, self.plan.spare_banks)
-            if decision is not None and not self._room_to_move():
-                self.plan.reason = "refit: a move would pay, but a copy of the state does not fit in free memory"
+            if decision is not None and not self._room_to_move(decision):
+                self.plan.reason = ("refit: a move would pay, but it does not fit in free memory: "
+                                    f"{self._room_shortfall(self._fraction_plan(decision))}")
                 decision = None
             if decision is not None:
                 try:

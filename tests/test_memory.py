@@ -82,3 +82,388 @@ def test_an_optimizer_over_many_pieces_matches_one_flat_buffer_bitwise(monkeypat
             for x, y in zip(one.parameters(), many.parameters()):
                 assert torch.equal(x, y)
             assert_state_close(b.state_dict(), a.state_dict(), exact=True)
+
+
+# ============================================================================= moves
+SUBGROUP = 64
+
+
+def _pair(dtype=torch.float32, offload=0.5, **kw):
+    """(model, optimizer) to move, and a reference that never moves: every tier steps with the
+    same CPU kernel, so the two stay bitwise equal whatever the moves."""
+    ref_model, model = make_net(dtype), make_net(dtype)
+    ref = HybridAdamW(ref_model.parameters(), lr=1e-2, weight_decay=0.1, offload_fraction=offload,
+                      subgroup_numel=SUBGROUP)
+    opt = HybridAdamW(model.parameters(), lr=1e-2, weight_decay=0.1, offload_fraction=offload,
+                      subgroup_numel=SUBGROUP, **kw)
+    return ref_model, ref, model, opt
+
+
+def _snapshot(opt):
+    return {i: {k: v.clone() for k, v in st.items()} for i, st in opt.state_dict()["state"].items()}
+
+
+def _assert_same(opt, snap):
+    now = opt.state_dict()["state"]
+    assert set(now) == set(snap)
+    for i, st in snap.items():
+        for k, v in st.items():
+            assert torch.equal(now[i][k], v), (i, k)
+
+
+def _fail_host_tier(monkeypatch):
+    from hybrid_opt import placement
+
+    def boom(*a, **k):
+        raise RuntimeError("injected: the worker process did not start")
+    monkeypatch.setattr(placement, "HostTier", boom)
+
+
+def _fail_host_load(monkeypatch):
+    from hybrid_opt.tiers.host import HostTier
+    real, calls = HostTier.load_state, []
+
+    def flaky(self, *a, **k):
+        calls.append(1)
+        if len(calls) == 2:  # mid-way through filling the new tier
+            raise OSError("injected: the swap file could not be written")
+        return real(self, *a, **k)
+    monkeypatch.setattr(HostTier, "load_state", flaky)
+
+
+def _fail_device_tier(monkeypatch):
+    from hybrid_opt import moves
+
+    real = moves.DeviceTier
+
+    def oom(sgs, *a, **k):
+        if sgs:
+            raise torch.OutOfMemoryError("injected: CUDA out of memory allocating the device tier")
+        return real(sgs, *a, **k)
+    monkeypatch.setattr(moves, "DeviceTier", oom)
+
+
+def _fail_after_device_alloc(monkeypatch):
+    """The device tier allocated, then the copy into it fails: what it allocated must go."""
+    from hybrid_opt import moves
+    real = moves.DeviceTier
+
+    def late(sgs, *a, **k):
+        tier = real(sgs, *a, **k)
+        if sgs:
+            raise RuntimeError("injected: device-side copy failed")
+        return tier
+    monkeypatch.setattr(moves, "DeviceTier", late)
+
+
+def _no_host_room(monkeypatch):
+    from hybrid_opt import scheduler
+    monkeypatch.setattr(scheduler, "_free_host_bytes", lambda: 0.0)
+
+
+FAILURES = {"host_tier": (_fail_host_tier, RuntimeError), "host_load": (_fail_host_load, OSError),
+            "device_tier": (_fail_device_tier, torch.OutOfMemoryError),
+            "device_alloc_then_copy": (_fail_after_device_alloc, RuntimeError),
+            "no_host_room": (_no_host_room, MemoryError)}
+
+
+@pytest.mark.parametrize("target", [0.25, 1.0], ids=["more_on_device", "all_on_host"])
+@pytest.mark.parametrize("failure", list(FAILURES))
+def test_a_move_that_fails_at_any_point_leaves_the_optimizer_as_it_was(monkeypatch, failure, target):
+    """replan() from a mixed placement fails at each point of the move in turn (a worker that
+    does not start, a host tier that fails mid-fill, the device out of memory before or after
+    allocating, no host room): the error is raised, the plan, the worker and every state
+    tensor are as before (torch.equal), and training goes on bitwise with the reference that
+    never moved; the same move then succeeds and still changes no bit."""
+    inject, error = FAILURES[failure]
+    if target == 1.0 and failure.startswith("device"):
+        pytest.skip("nothing arrives on the device in this move")
+    batches = make_batches(9)
+    ref_model, ref, model, opt = _pair(offload=0.5)
+    with ref, opt:
+        train(ref_model, ref, batches[:3])
+        train(model, opt, batches[:3])
+        snap, tiers, worker = _snapshot(opt), list(opt.plan.tiers), opt.worker_pid
+        with monkeypatch.context() as m:
+            inject(m)
+            with pytest.raises(error, match="injected|does not fit|needs"):
+                opt.replan(target)
+        assert opt.plan.tiers == tiers and opt.worker_pid == worker
+        assert opt._host is not None and opt._host.client is not None
+        _assert_same(opt, snap)
+        train(ref_model, ref, batches[3:6])
+        train(model, opt, batches[3:6])
+        opt.replan(target)
+        assert opt._fractions[0] == pytest.approx(target, abs=0.15) and opt.plan.tiers != tiers
+        train(ref_model, ref, batches[6:])
+        train(model, opt, batches[6:])
+        for a, b in zip(ref_model.parameters(), model.parameters()):
+            assert torch.equal(a, b)
+        assert_state_close(opt.state_dict(), ref.state_dict(), exact=True)
+
+
+def _swapped(plan):
+    """The plan with its device and host subgroups swapped: a move where some subgroups leave
+    the device while others arrive (add_param_group's can)."""
+    import dataclasses
+    from hybrid_opt.plan import DEVICE, HOST
+    tiers = [HOST if t == DEVICE else DEVICE for t in plan.tiers]
+    order = [i for i, t in enumerate(tiers) if t != DEVICE]
+    return dataclasses.replace(plan, tiers=tiers, numels=list(plan.numels), speculation_order=order)
+
+
+def _fake_cuda(monkeypatch, opt, free):
+    """The CUDA paths of a move on CPU tensors, with `free` bytes available on the "device"."""
+    from hybrid_opt import scheduler
+    monkeypatch.setattr(type(opt), "_cuda", lambda self: True)
+    monkeypatch.setattr(scheduler, "cuda_memory", lambda device: {
+        "free": float(free), "total": 1e12, "reserved": 0.0, "allocated": 0.0, "peak": 0.0})
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("fail", [False, True], ids=["succeeds", "arrivals_fail"])
+def test_a_move_that_needs_the_leaving_memory_frees_it_first_and_puts_it_back_on_failure(
+        monkeypatch, dtype, fail):
+    """Subgroups leave the device while others arrive, and the arriving fit only in what the
+    leaving free: the leaving are let go first. If the arriving then fail to allocate, the
+    leaving come back from their host copies: every state tensor as before, training bitwise."""
+    from hybrid_opt import moves
+    batches = make_batches(8)
+    ref_model, ref, model, opt = _pair(dtype, offload=0.5)
+    with ref, opt:
+        train(ref_model, ref, batches[:3])
+        train(model, opt, batches[:3])
+        snap, before = _snapshot(opt), opt.plan
+        plan = _swapped(before)
+        m = opt._move_memory(plan)
+        assert m["leaving"] > 0 and m["arriving"] > 0
+        _fake_cuda(monkeypatch, opt, free=m["arriving"] // 2)  # fits only with the leaving gone
+        released = []
+        real = moves.DeviceTier
+
+        def device_tier(sgs, amsgrad):
+            if not released:  # the arrivals: the leaving were let go just before
+                released.extend(i for i in opt._device.subgroups if i not in opt._device.state)
+                if fail:
+                    raise torch.OutOfMemoryError("injected: CUDA out of memory")
+            return real(sgs, amsgrad)
+        monkeypatch.setattr(moves, "DeviceTier", device_tier)
+        assert opt._room_shortfall(plan) is None
+        if fail:
+            with pytest.raises(torch.OutOfMemoryError):
+                opt._relayout(plan)
+            assert opt.plan is before
+        else:
+            opt._relayout(plan)
+            assert opt.plan.tiers == plan.tiers
+        assert sorted(released) == sorted(i for i, t in enumerate(before.tiers) if t == "device")
+        monkeypatch.undo()
+        _assert_same(opt, snap)
+        train(ref_model, ref, batches[3:])
+        train(model, opt, batches[3:])
+        for a, b in zip(ref_model.parameters(), model.parameters()):
+            assert torch.equal(a, b)
+        assert_state_close(opt.state_dict(), ref.state_dict(), exact=True)
+
+
+def test_a_move_the_device_cannot_hold_is_refused_before_anything_changes(monkeypatch):
+    """The device room check: the subgroups arriving on the device must fit in what is free
+    there (torch's cached blocks included) plus what the leaving ones free."""
+    ref_model, ref, model, opt = _pair(offload=1.0)
+    with ref, opt:
+        train(model, opt, make_batches(2))
+        snap, worker = _snapshot(opt), opt.worker_pid
+        plan = opt._fraction_plan(_fixed(0.0))
+        need = opt._move_memory(plan)["arriving"]
+        assert need == sum(p.numel() for p in model.parameters()) * 8  # fp32: m and v; the param is the master
+        _fake_cuda(monkeypatch, opt, free=need - 1)
+        with pytest.raises(MemoryError, match="need .* GB of device memory"):
+            opt.replan(0.0)
+        assert opt.worker_pid == worker and opt.plan.summary()["host"]["share"] == 1.0
+        _assert_same(opt, snap)
+        _fake_cuda(monkeypatch, opt, free=need)
+        assert opt._room_to_move(_fixed(0.0))
+
+
+def _fixed(off, nv=0.0):
+    from hybrid_opt.placement import _Fixed
+    return _Fixed(off, nv)
+
+
+def test_room_to_move_counts_the_state_copied_out_and_the_new_host_tier(monkeypatch):
+    """Host memory a move needs: the state leaving the device (copied out, 12 B/element) and
+    the new host tier beside the old; on a CPU-only host also the device tier's arrivals."""
+    from hybrid_opt import scheduler
+    ref_model, ref, model, opt = _pair(offload=0.0)
+    with ref, opt:
+        n = sum(p.numel() for p in model.parameters())
+        to_host = opt._fraction_plan(_fixed(1.0))
+        m = opt._move_memory(to_host)
+        tier = opt._memory_on_host_tier(1.0, 0.0, to_host.spare_banks)
+        assert m["host_need"] == pytest.approx(tier + 12 * n) and m["arriving"] == 0
+        # (the plan held fixed: its spare pool is sized from the free memory too)
+        monkeypatch.setattr(scheduler, "_free_host_bytes", lambda: m["host_need"] / 0.9 * 1.001)
+        assert opt._room_shortfall(to_host) is None
+        monkeypatch.setattr(scheduler, "_free_host_bytes", lambda: m["host_need"] / 0.9 * 0.999)
+        assert "needs" in opt._room_shortfall(to_host)
+        monkeypatch.undo()
+        opt.replan(1.0)
+        back = opt._move_memory(opt._fraction_plan(_fixed(0.0)))
+        assert back["host_need"] == 8 * n and back["leaving"] == 0  # the device tier is host memory here
+
+
+# ============================================================================= device budget
+GiB = 1 << 30
+
+
+def test_available_device_memory_counts_torchs_cached_blocks():
+    from hybrid_opt.scheduler import available_device_bytes
+    # the driver has 10 GiB free; torch reserved 8 GiB of which tensors use 5: 13 GiB can be had
+    assert available_device_bytes(10 * GiB, 8 * GiB, 5 * GiB) == 13 * GiB
+    assert available_device_bytes(10 * GiB, 5 * GiB, 5 * GiB) == 10 * GiB
+    assert available_device_bytes(0, 0, 0) == 0
+
+
+def test_default_device_budget_on_cuda_includes_the_cached_blocks(monkeypatch):
+    from hybrid_opt import scheduler
+    params = [torch.zeros(1 << 20)]  # 4 MiB of params, no grads
+    monkeypatch.setattr(scheduler, "cuda_memory", lambda device: {
+        "free": 10.0 * GiB, "total": 80.0 * GiB, "reserved": 8.0 * GiB, "allocated": 5.0 * GiB,
+        "peak": 6.0 * GiB})
+    device, _ = scheduler.default_budgets(params, torch.device("cuda"), None, 1 << 30)
+    assert device == pytest.approx((13 * GiB + 4 * (1 << 20)) * (1 - scheduler.HEADROOM))
+    assert scheduler.default_budgets(params, torch.device("cuda"), 123, 1 << 30)[0] == 123  # explicit: as given
+
+
+def test_measured_device_budget_leaves_the_iterations_peak_free():
+    """After iterations with everything off the device: the driver has 20 GiB free, torch holds
+    30 GiB (24 GiB allocated now), the peak was 28 GiB (activations) and the model copy and
+    grads (4 GiB) are inside it. At the peak 20 + 30 - 28 = 22 GiB were still free; 10 % of
+    what the placement could use (20 + 6 + 4 = 30 GiB) is kept: state may take 19 GiB."""
+    from hybrid_opt.scheduler import measured_device_budget
+    budget = measured_device_budget(free=20 * GiB, reserved=30 * GiB, allocated=24 * GiB,
+                                    peak=28 * GiB, counted=4 * GiB, floor=4 * GiB)
+    assert budget == pytest.approx(4 * GiB + 22 * GiB - 3 * GiB)
+    # a peak that left no room: the budget is the model copy and grads alone (all state off)
+    assert measured_device_budget(free=0, reserved=30 * GiB, allocated=24 * GiB, peak=30 * GiB,
+                                  counted=4 * GiB, floor=4 * GiB) == 4 * GiB
+    # state already on the device (counted) is inside the peak and planned again
+    assert measured_device_budget(free=10 * GiB, reserved=30 * GiB, allocated=30 * GiB, peak=30 * GiB,
+                                  counted=16 * GiB, floor=4 * GiB) == pytest.approx(16 * GiB + 10 * GiB - 2.6 * GiB)
+
+
+FAST_DEVICE = dict(host_adam_gelems_per_s=0.5, device_adam_gbps=4000.0, h2d_gbps=50.0, d2h_gbps=50.0,
+                   trainer_slowdown_with_worker=1.0, backward_slowdown_with_host_adam=1.0)
+
+
+def _cuda_planner(**kw):
+    from hybrid_opt.scheduler import AutoPlanner
+    base = dict(numels=[1 << 20] * 8, ready_ranks=list(range(7, -1, -1)), device=torch.device("cuda"),
+                model_bytes=2, state_bytes=12, subgroup_numel=1 << 20, device_budget=64.0 * GiB,
+                host_budget=64.0 * GiB, calibration=dict(FAST_DEVICE))
+    base.update(kw)
+    return AutoPlanner(**base)
+
+
+def test_auto_on_cuda_keeps_state_off_the_device_until_the_peak_is_measured():
+    """A GPU Adam 8000x faster than the host's: with room, every state belongs on the device.
+    Measured from the peak, it stays on the host until an iteration's peak is known, then goes
+    to the device only within what that peak leaves."""
+    assert _cuda_planner().choose().offload_fraction == 0.0  # an explicit budget: planned at once
+    ap = _cuda_planner(device_from_peak=True)
+    first = ap.choose()
+    assert first.offload_fraction == 1.0 and "until the first iterations' peak" in first.reason
+    counted = 8 * (1 << 20) * 4  # bf16 model copy and grads
+    state = 8 * (1 << 20) * 12
+    # the peak left room for half the state, with 10 % of what the placement could use kept
+    # free: 0.9 (free + counted) >= state / 2 + counted
+    free = (state / 2 + counted) / 0.9 - counted + 1
+    ap.observe_device_memory({"free": free, "reserved": 40.0 * GiB, "allocated": 40.0 * GiB,
+                              "peak": 40.0 * GiB, "total": 80.0 * GiB}, counted=counted, floor=counted)
+    assert not ap.device_peak_pending
+    assert ap.choose().offload_fraction == 0.5
+    # no room beside the activations: everything stays on the host
+    ap.observe_device_memory({"free": 0.0, "reserved": 40.0 * GiB, "allocated": 40.0 * GiB,
+                              "peak": 40.0 * GiB, "total": 80.0 * GiB}, counted=counted, floor=counted)
+    assert ap.choose().offload_fraction == 1.0
+
+
+def test_refits_feed_the_measured_device_memory_to_auto(monkeypatch):
+    """The optimizer's side (CUDA figures injected on a CPU host): at each refit the planner
+    gets the memory now, the cost model's device bytes of the plan that ran and of the model
+    copy and grads alone; on a CPU-only host nothing of this runs."""
+    from hybrid_opt import scheduler
+    model = make_net()
+    with HybridAdamW(model.parameters(), offload_fraction="auto", subgroup_numel=SUBGROUP,
+                     refit_every=3, calibration=dict(FAST_DEVICE)) as opt:
+        assert not opt._auto.device_from_peak  # CPU: behaviour unchanged
+        seen = []
+        monkeypatch.setattr(scheduler, "cuda_memory", lambda device: {
+            "free": 1.0 * GiB, "total": 8.0 * GiB, "reserved": 2.0 * GiB, "allocated": 1.0 * GiB,
+            "peak": 1.5 * GiB})
+        real = opt._auto.observe_device_memory
+        monkeypatch.setattr(opt._auto, "observe_device_memory",
+                            lambda mem, counted, floor: seen.append((counted, floor)) or real(mem, counted, floor))
+        train(model, opt, make_batches(4))
+        assert seen == []
+        opt._auto.device_from_peak = opt._auto.device_peak_pending = True
+        train(model, opt, make_batches(4))
+        assert len(seen) == 1 and not opt._auto.device_peak_pending  # the refit at step 6
+        counted, floor = seen[0]
+        assert counted == opt._memory(*opt._fractions, opt.plan.spare_banks)["device"]
+        assert floor == opt._memory(1.0, 0.0, opt.plan.spare_banks)["device"]
+        assert opt._auto.device_budget == pytest.approx(scheduler.measured_device_budget(
+            1.0 * GiB, 2.0 * GiB, 1.0 * GiB, 1.5 * GiB, counted, floor))
+
+
+# ============================================================================= calibration
+def test_calibration_takes_at_most_a_tenth_of_the_device_budget_and_what_it_leaves():
+    from hybrid_opt import calibrate
+    assert calibrate.device_bytes_allowed(80 * GiB, 10 * GiB) == 8 * GiB   # 10 % of the budget
+    assert calibrate.device_bytes_allowed(10 * GiB, 9.5 * GiB) == GiB // 2  # what it leaves
+    assert calibrate.device_bytes_allowed(10 * GiB, 11 * GiB) == 0
+    full = calibrate.cuda_measure_sizes(None)
+    assert full == (calibrate.CUDA_ADAM_NUMEL, calibrate.CUDA_COPY_NUMEL)
+    assert full[0] * 16 == GiB and full[1] * 4 == GiB // 4  # the old fixed sizes: 1 GiB, then 256 MiB
+    assert calibrate.cuda_measure_sizes(8 * GiB) == full
+    adam, copy = calibrate.cuda_measure_sizes(64 << 20)
+    assert adam * 16 <= 64 << 20 and copy * 4 <= 64 << 20 and adam == (64 << 20) // 16
+    assert calibrate.cuda_measure_sizes(0) == (1, 1)
+
+
+def test_cuda_calibration_is_sized_by_the_budget_and_measured_again_when_more_is_allowed(tmp_path, monkeypatch):
+    from hybrid_opt import calibrate
+    monkeypatch.setenv("HYBRID_OPT_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(calibrate, "machine_key", lambda device: "gpu-box")
+    asked = []
+
+    def cuda_rates(device, device_bytes=None):
+        asked.append(device_bytes)
+        n = calibrate.cuda_measure_sizes(device_bytes)[0]
+        return dict(device_adam_gbps=float(n), device_measure_numel=n, h2d_gbps=1.0, d2h_gbps=1.0)
+    monkeypatch.setattr(calibrate, "_cuda_rates", cuda_rates)
+    monkeypatch.setattr(calibrate, "measure", lambda device, share, device_bytes=None: dict(
+        host_adam_gelems_per_s=1.0, **cuda_rates(device, device_bytes)))
+    small = calibrate.rates("cuda", device_bytes=16 << 20)
+    assert asked == [16 << 20] and small["device_measure_numel"] == 1 << 20
+    assert calibrate.rates("cuda", device_bytes=16 << 20) == small and len(asked) == 1  # cached
+    bigger = calibrate.rates("cuda", device_bytes=GiB)  # a larger budget now: measured again
+    assert asked[-1] == GiB and bigger["device_measure_numel"] == calibrate.CUDA_ADAM_NUMEL
+    assert calibrate.rates("cuda", device_bytes=16 << 20)["device_measure_numel"] == calibrate.CUDA_ADAM_NUMEL
+    assert len(asked) == 2
+
+
+def test_auto_on_cuda_calibrates_within_its_device_budget(monkeypatch):
+    from hybrid_opt import calibrate
+    got = {}
+
+    def rates(device, nvme_path=None, worker_share=0.5, *, refresh=False, device_bytes=None):
+        got["device_bytes"] = device_bytes
+        return dict(FAST_DEVICE)
+    monkeypatch.setattr(calibrate, "rates", rates)
+    _cuda_planner(calibration=None, device_budget=10.0 * GiB)
+    assert got["device_bytes"] == GiB  # 10 % of it (the bf16 model copy and grads are 32 MiB)
+    _cuda_planner(calibration=None, device_budget=34.0 * (1 << 20))
+    assert got["device_bytes"] == 2 << 20  # what 34 MiB leaves beside 32 MiB (less than 10 %)
+    _cuda_planner(calibration=None, device=torch.device("cpu"))
+    assert got["device_bytes"] is None

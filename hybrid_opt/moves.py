@@ -1,0 +1,218 @@
+"""Moves: laying the tiers out again at another plan (a refit of "auto", replan(),
+add_param_group after construction, a checkpoint that needs amsgrad's running max) without
+ever leaving the optimizer half-built.
+
+Order of a move, so that a failure at any point leaves the old tiers and their state as they
+were (the error is raised after that):
+1. room: the device must fit the subgroups arriving there (in what is free on it, torch's
+   cached blocks included, plus what the subgroups leaving it free), and host memory the
+   state leaving the device (copied out to host memory, never cloned on the device) plus the
+   new host tier beside the old one; else MemoryError before anything is touched;
+2. the new host tier is built beside the old one and filled from it and from the copies: a
+   worker or an arena that cannot start closes the new tier, the old one was never touched;
+3. the device tier keeps the subgroups staying on it (their tensors are not copied) and
+   allocates only the arriving ones; it lets the leaving ones go first only when the arriving
+   would not fit beside them. A failure here (device out of memory) frees what was allocated,
+   puts the leaving subgroups back from their copies (torch's allocator still caches the
+   blocks they just freed) and closes the new host tier;
+4. the switch: plan, host tier, hooks — nothing that allocates; then the old host tier closes.
+
+A mixin of the optimizer class (PlacementMixin builds on it).
+"""
+from __future__ import annotations
+
+import time
+import traceback
+import warnings
+
+import torch
+
+from hybrid_opt.plan import DEVICE
+from hybrid_opt.tiers.device import DeviceTier
+
+GB = 1e9
+
+
+class MoveMixin:
+    """Moves the committed state between tiers; needs PlacementMixin's `_fraction_plan`,
+    `_make_host_tier`, `_memory` and CheckpointMixin's `_subgroup_state`."""
+
+    # ------------------------------------------------------------------ room
+    def _state_bytes_per_element(self) -> int:
+        return 16 if self._amsgrad_layout else 12
+
+    def _device_tier_bytes(self, sgs) -> int:
+        """What DeviceTier allocates for `sgs`: the moments, and an fp32 master for a
+        bf16/fp16 subgroup (an fp32 model's params are their own master)."""
+        moments = self._state_bytes_per_element() - 4
+        return sum(s.numel * (moments + (4 if s.dtype != torch.float32 else 0)) for s in sgs)
+
+    def _move_memory(self, plan) -> dict:
+        """Bytes a move to `plan` needs and has, on the device and on the host (module
+        docstring, step 1). On a CPU-only host the device tier is host memory: it counts there."""
+        from hybrid_opt import scheduler
+        sgs, before = self._subgroups, self.plan.tiers
+        leaving = [s for s in sgs if before[s.index] == DEVICE and plan.tiers[s.index] != DEVICE]
+        arriving = [s for s in sgs if before[s.index] != DEVICE and plan.tiers[s.index] == DEVICE]
+        off, nv = self._plan_fractions(plan)
+        new_host = self._memory_on_host_tier(off, nv, plan.spare_banks) if off > 0 else 0.0
+        copies = sum(s.numel for s in leaving) * self._state_bytes_per_element()
+        out = {"leaving": self._device_tier_bytes(leaving), "arriving": self._device_tier_bytes(arriving),
+               "host_need": float(new_host + copies), "host_free": scheduler._free_host_bytes()}
+        if self._cuda():
+            m = scheduler.cuda_memory(self._subgroups[0].device)
+            out["device_free"] = scheduler.available_device_bytes(m["free"], m["reserved"], m["allocated"])
+        else:
+            out["host_need"] += out["arriving"]
+            out["device_free"] = None
+        return out
+
+    def _memory_on_host_tier(self, off: float, nv: float, spare_banks) -> float:
+        """The host tier's bytes at a placement (the cost model's, without the device part
+        it adds on a CPU-only host)."""
+        from hybrid_opt import cost_model as cm
+        size = self._subgroups[0].flat.element_size() if self._subgroups else 4
+        wl = cm.Workload(params=float(sum(s.numel for s in self._subgroups)), model_bytes=size,
+                         grad_bytes=size, state_bytes=self._state_bytes_per_element(),
+                         subgroup_numel=self.subgroup_numel)
+        return cm.memory_bytes(cm.Machine(gpus=1), wl, off, nv, spare_banks)["host"]
+
+    def _plan_fractions(self, plan) -> tuple:
+        from hybrid_opt.plan import HOST, NVME
+        total = sum(plan.numels) or 1
+        return (plan.elements(HOST) + plan.elements(NVME)) / total, plan.elements(NVME) / total
+
+    def _cuda(self) -> bool:
+        return bool(self._subgroups) and self._subgroups[0].device.type == "cuda"
+
+    def _room_shortfall(self, plan) -> str | None:
+        """None when a move to `plan` fits (module docstring, step 1), else what does not."""
+        from hybrid_opt.scheduler import HEADROOM
+        m = self._move_memory(plan)
+        if m["device_free"] is not None and m["arriving"] > m["device_free"] + m["leaving"]:
+            return (f"the subgroups moving to the device need {m['arriving'] / GB:.2f} GB of device "
+                    f"memory and {m['device_free'] / GB:.2f} GB is free (torch's cached blocks "
+                    f"included) plus {m['leaving'] / GB:.2f} GB the subgroups leaving it free")
+        if m["host_need"] > (1 - HEADROOM) * m["host_free"]:
+            return (f"laying the tiers out again needs {m['host_need'] / GB:.2f} GB of host memory (the "
+                    f"state leaving the device copied out, the new host tier beside the old one) "
+                    f"and {m['host_free'] / GB:.2f} GB is free (less 10 %)")
+        return None
+
+    def _room_to_move(self, decision) -> bool:
+        """Whether a move to `decision`'s placement fits in the memory free now."""
+        return self._room_shortfall(self._fraction_plan(decision)) is None
+
+    # ------------------------------------------------------------------ the move
+    def _move(self, decision) -> None:
+        """Moves subgroups between tiers to `decision`'s plan, bitwise (every tier steps with
+        the same arithmetic). Raises MemoryError when it does not fit, or the error of a new
+        tier that cannot be built; either way the old plan stays, state and all."""
+        t0 = time.perf_counter()
+        self._drop_speculation()
+        plan = self._fraction_plan(decision)
+        short = self._room_shortfall(plan)
+        if short is not None:
+            raise MemoryError(f"moving to offload_fraction={decision.offload_fraction:g}, "
+                              f"nvme_fraction={decision.nvme_fraction:g}: {short}; the placement "
+                              f"stays as it is")
+        self._relayout(plan)
+        if self._auto is not None:
+            self._auto.move_cost_s = time.perf_counter() - t0
+            self._auto.moves += 1
+
+    def _relayout(self, plan) -> None:
+        """Lays the tiers out as `plan` with the committed state now (module docstring: steps
+        2-4). Also lays out state the layout now needs and the old tiers lack (amsgrad's
+        running max after load_state_dict turned it on): zeros."""
+        sgs, before = self._subgroups, self.plan.tiers
+        leaving = [s for s in sgs if before[s.index] == DEVICE and plan.tiers[s.index] != DEVICE]
+        arriving = [s for s in sgs if before[s.index] != DEVICE and plan.tiers[s.index] == DEVICE]
+        # 1. the leaving state copied out to host memory (a device tier's tensors are views
+        # the tier owns; a copy on the device would need the room the move is making)
+        saved = {s.index: {k: v.detach().to("cpu", copy=True) for k, v in self._subgroup_state(s).items()}
+                 for s in leaving}
+        # 2. the new host tier beside the old one
+        host = [s for s in sgs if plan.tiers[s.index] != DEVICE]
+        local = {s.index: k for k, s in enumerate(host)}
+        new_host = self._make_host_tier(host, plan) if host else None
+        try:
+            for s in host:
+                st = saved[s.index] if s.index in saved else self._subgroup_state(s)
+                new_host.load_state(local[s.index], st["master"], st["exp_avg"], st["exp_avg_sq"],
+                                    st.get("max_exp_avg_sq"))
+        except BaseException:
+            new_host.close()
+            raise
+        # 3. the device tier: staying subgroups kept, arriving ones allocated
+        try:
+            extra = self._device_arrivals(arriving, leaving, saved)
+        except BaseException as e:
+            # the frames of the failed allocation hold what it allocated: let it go first
+            traceback.clear_frames(e.__traceback__)
+            if new_host is not None:
+                new_host.close()
+            raise
+        # 4. the switch: nothing below allocates device or host memory
+        dev = self._device
+        for s in leaving:
+            for d in (dev.subgroups, dev.master, dev.state):
+                d.pop(s.index, None)
+        dev.subgroups.update(extra.subgroups)
+        dev.master.update(extra.master)
+        dev.state.update(extra.state)
+        old_host, self._host = self._host, new_host
+        self.plan, self._host_local = plan, local
+        self._refresh_fractions()
+        self.__dict__.pop("_prev_worker_s", None)  # per-subgroup worker times of the old tier
+        self._install_hooks(host)
+        if old_host is not None:
+            try:
+                old_host.close()
+            except Exception as e:  # the new tiers hold every subgroup: nothing is lost
+                warnings.warn(f"closing the host tier of the previous placement failed: "
+                              f"{type(e).__name__}: {e}", stacklevel=3)
+
+    def _device_arrivals(self, arriving: list, leaving: list, saved: dict) -> DeviceTier:
+        """The device tier of the arriving subgroups, filled from the old host tier (and the
+        running max added where the layout now needs one). The leaving subgroups are let go
+        first only when the arriving would not fit beside them; if the allocation fails after
+        that, they are put back from `saved` before the error is raised."""
+        from hybrid_opt import scheduler
+        dev = self._device
+        gone = {s.index for s in leaving}
+        released = []
+        if self._cuda() and arriving and leaving:
+            m = scheduler.cuda_memory(arriving[0].device)
+            if self._device_tier_bytes(arriving) > scheduler.available_device_bytes(
+                    m["free"], m["reserved"], m["allocated"]):
+                for s in leaving:
+                    dev.master.pop(s.index)
+                    dev.state.pop(s.index)
+                    released.append(s)
+        extra = None
+        try:
+            extra = DeviceTier(arriving, self._amsgrad_layout)
+            for s in arriving:
+                st = self._subgroup_state(s)  # the old plan's host tier
+                extra.master[s.index].copy_(st["master"])
+                for k, t in extra.state[s.index].items():
+                    if k in st:
+                        t.copy_(st[k])
+            if self._amsgrad_layout:
+                for i, st in dev.state.items():
+                    if i not in gone and "max_exp_avg_sq" not in st:
+                        extra.state[i] = dict(st, max_exp_avg_sq=torch.zeros_like(st["exp_avg_sq"]))
+            return extra
+        except BaseException as e:
+            extra = None  # noqa: F841 - what it allocated goes before the leaving state comes back
+            if released:
+                traceback.clear_frames(e.__traceback__)
+                back = DeviceTier(released, self._amsgrad_layout)
+                for s in released:
+                    back.master[s.index].copy_(saved[s.index]["master"])
+                    for k, t in back.state[s.index].items():
+                        t.copy_(saved[s.index][k])
+                dev.master.update(back.master)
+                dev.state.update(back.state)
+            raise
