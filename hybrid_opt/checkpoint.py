@@ -101,7 +101,11 @@ class CheckpointMixin:
             # the checkpoint needs a running max of v that this optimizer never laid out: lay
             # the tiers out again with it (the state is loaded into them right below)
             self._amsgrad_layout = True
-            self._rebuild_tiers()
+            try:
+                self._rebuild_tiers()
+            except BaseException:
+                self._amsgrad_layout = False  # the tiers are as they were (moves.py): so is the layout
+                raise
         for g, s in zip(groups, saved_groups):
             for k, v in s.items():
                 if k not in ("params", "param_names", "decoupled_weight_decay"):

@@ -178,8 +178,9 @@ def test_auto_trains_a_model_whose_activations_need_more_than_the_headroom_at_co
         assert budget_then >= 4 * n + state, \
             "the test's premise: construction-time auto would put all state on the device"
         # ...where it would not leave the iteration its transient (headroom = transient + state / 2)
+        # two spare banks: a small pinned arena (this test is about device memory)
         with HybridAdamW(model.parameters(), lr=1e-4, offload_fraction="auto", refit_every=3,
-                         calibration=dict(RATES), subgroup_numel=1 << 22) as opt:
+                         calibration=dict(RATES), subgroup_numel=1 << 22, spare_banks=2) as opt:
             assert opt.plan.summary()["host"]["share"] == 1.0, opt.plan
             assert opt._auto.device_peak_pending
             for _ in range(7):

@@ -467,3 +467,32 @@ def test_auto_on_cuda_calibrates_within_its_device_budget(monkeypatch):
     assert got["device_bytes"] == 2 << 20  # what 34 MiB leaves beside 32 MiB (less than 10 %)
     _cuda_planner(calibration=None, device=torch.device("cpu"))
     assert got["device_bytes"] is None
+
+
+def test_a_checkpoint_that_needs_amsgrad_and_a_host_tier_that_cannot_start_changes_nothing(monkeypatch):
+    """load_state_dict of an amsgrad checkpoint lays the tiers out again with the running max;
+    when the new host tier cannot start, it raises and the optimizer is as it was, without the
+    amsgrad layout, and trains on; loaded again, the checkpoint takes."""
+    batches = make_batches(6)
+    ref_model, ref, model, opt = _pair(offload=0.5)
+    donor_model = make_net()
+    donor = torch.optim.AdamW(donor_model.parameters(), lr=1e-2, amsgrad=True, foreach=False)
+    train(donor_model, donor, batches[:2])
+    with ref, opt:
+        train(ref_model, ref, batches[:3])
+        train(model, opt, batches[:3])
+        snap, worker = _snapshot(opt), opt.worker_pid
+        with monkeypatch.context() as m:
+            _fail_host_tier(m)
+            with pytest.raises(RuntimeError, match="injected"):
+                opt.load_state_dict(donor.state_dict())
+        assert not opt._amsgrad_layout and opt.worker_pid == worker
+        assert all("max_exp_avg_sq" not in st for st in opt._device.state.values())
+        _assert_same(opt, snap)
+        train(ref_model, ref, batches[3:])
+        train(model, opt, batches[3:])
+        for a, b in zip(ref_model.parameters(), model.parameters()):
+            assert torch.equal(a, b)
+        opt.load_state_dict(donor.state_dict())
+        assert opt._amsgrad_layout and opt.worker_pid != worker
+        assert_state_close(opt.state_dict(), donor.state_dict())
