@@ -81,6 +81,7 @@ def memory_child(what: str, n: int) -> dict:
                         staging_slots=2, slot_numel=1 << 18)
         for step in (1, 2):
             tier.finish({sg: (g, StepInputs(step, **hp)) for sg in range(S)})
+        tier.arena.wait_populated()  # the spare banks are populated in the background
         total = pss_bytes(os.getpid()) - base + pss_bytes(tier.worker_pid)
         spare = tier.spare_bytes
         tier.close()
@@ -101,6 +102,7 @@ def memory_child(what: str, n: int) -> dict:
         for _ in range(2):
             opt.step()
         gc.collect()
+        opt._host.arena.wait_populated()  # the spare banks are populated in the background
         total = pss_bytes(os.getpid()) - base + pss_bytes(opt.worker_pid)
         spare = opt._host.spare_bytes
         opt.close()

@@ -15,29 +15,47 @@ import os
 import tempfile
 import warnings
 
+from hybrid_opt.populate import BackgroundPopulate, memory_error, populate_now, reserve
+
 PAGE = mmap.PAGESIZE
 CACHE_LINE = 64
 MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)  # Linux 5.14+
 
 
-def populate(mm: mmap.mmap, what: str = "shared memory") -> bool:
-    """Fault in every page of a shared mapping now, writable (allocating the pages the
-    first time): a first touch costs a page fault per 4 KB — several microseconds each in a
-    VM — and the worker would otherwise pay them in its first steps on every bank, slowing
-    exactly the steps the scheduler measures. Allocating up front also turns memory that is
-    not there into an error here, not a SIGBUS mid-training. Returns False where the kernel
-    cannot (before 5.14): pages then come on first touch."""
+def address(mm: mmap.mmap) -> int:
+    """The address a mapping starts at (valid while it is mapped)."""
+    buf = ctypes.c_char.from_buffer(mm)
     try:
-        mm.madvise(MADV_POPULATE_WRITE)
-        return True
-    except (AttributeError, ValueError):
+        return ctypes.addressof(buf)
+    finally:
+        del buf  # the buffer export would keep close() from unmapping
+
+
+def populate(mm: mmap.mmap, what: str = "shared memory", skip=(), threads: int | None = None) -> bool:
+    """Fault in every page of a shared mapping now (but the page-aligned (offset, nbytes)
+    ranges in `skip`), writable, allocating the pages the first time, with one thread per
+    core (hybrid_opt/populate.py has the measurements): a first touch costs a page fault per
+    4 KB — several microseconds each in a VM — and the worker would otherwise pay them in its
+    first steps on every bank, slowing exactly the steps the scheduler measures. Allocating
+    up front also turns memory that is not there into an error here, not a SIGBUS
+    mid-training. Returns False where the kernel cannot (before 5.14): pages then come on
+    first touch."""
+    ranges, at = [], 0
+    for off, n in sorted(skip):
+        if off > at:
+            ranges.append((at, off - at))
+        at = max(at, off + n)
+    if at < len(mm):
+        ranges.append((at, len(mm) - at))
+    try:
+        err = populate_now(address(mm), ranges, threads, MADV_POPULATE_WRITE)
+    except (AttributeError, TypeError, OSError):  # no libc madvise to call
         return False
-    except OSError as e:
-        if e.errno in (errno.EINVAL, errno.ENOSYS, errno.EPERM):
-            return False
-        raise MemoryError(f"cannot allocate {len(mm) / 1e9:.2f} GB of {what} "
-                          f"({os.strerror(e.errno)}): free host memory, or place less on the "
-                          f"host tier (offload_fraction, nvme_fraction, spare_banks)") from e
+    if err in (errno.EINVAL, errno.ENOSYS, errno.EPERM):
+        return False
+    if err:
+        raise memory_error(len(mm), what, err)
+    return True
 
 
 CUDA_HOST_REGISTER_PORTABLE = 1  # pinned for every CUDA context; flags 0 pins for the current one only
@@ -154,9 +172,14 @@ def _open_anonymous_fd(name: str, nbytes: int) -> int:
 
 
 class SharedArena:
-    """One shared mapping; `tensor()` gives torch views of its regions (trainer side)."""
+    """One shared mapping; `tensor()` gives torch views of its regions (trainer side).
 
-    def __init__(self, nbytes: int, name: str = "hybrid_opt", prefault: bool = True):
+    prefault: populate the pages at construction (see populate()). `later`: page-aligned
+    (offset, nbytes) ranges no step needs at once (spare banks): their memory is reserved now
+    (fallocate: missing memory is still a MemoryError here) and populated by a background
+    thread, in order; `wait_populated()` waits for a region (bounded)."""
+
+    def __init__(self, nbytes: int, name: str = "hybrid_opt", prefault: bool = True, later=()):
         self.nbytes = align_up(max(nbytes, 1), PAGE)
         self.fd = _open_anonymous_fd(name, self.nbytes)
         try:
@@ -165,8 +188,17 @@ class SharedArena:
         except OSError:
             os.close(self.fd)
             raise
+        what = f"shared memory ({name})"
+        self._background = None
         try:
-            self.populated = prefault and populate(self.mm, f"shared memory ({name})")
+            later = [(off, n) for off, n in later if n > 0] if prefault else []
+            if any(off % PAGE or n % PAGE for off, n in later):
+                raise ValueError(f"later: ranges must be page-aligned, got {later}")
+            if later and not reserve(self.fd, later, what):
+                later = []  # nothing reserves the memory: populate it all now (the error promise)
+            self.populated = prefault and populate(self.mm, what, skip=later)
+            if self.populated and later:
+                self._background = BackgroundPopulate(address(self.mm), later, what)
         except MemoryError:
             self.mm.close()
             os.close(self.fd)
@@ -182,6 +214,17 @@ class SharedArena:
         # through a memoryview: each view holds a buffer export, so close() cannot unmap
         # memory a live tensor still points at (the mapping then goes with the last view)
         return torch.frombuffer(memoryview(self.mm), dtype=dtype, count=numel, offset=offset)
+
+    def wait_populated(self, offset: int = 0, nbytes: int | None = None, timeout_s: float = 120.0) -> None:
+        """Returns once [offset, offset + nbytes) (everything when None) is populated; raises
+        TimeoutError past `timeout_s`, MemoryError if the background population failed."""
+        if self._background is not None:
+            self._background.wait(offset, nbytes, timeout_s)
+
+    @property
+    def populating(self) -> bool:
+        """Whether the background population is still running."""
+        return self._background is not None and not self._background.done
 
     @property
     def pinned(self) -> bool:
@@ -213,6 +256,8 @@ class SharedArena:
         if self.closed:
             return
         self.closed = True
+        if self._background is not None:
+            self._background.stop()  # it holds no buffer export: unmapping below is safe after
         if self._pinned_ptr is not None:
             if self._runtime.unregister(self._pinned_ptr) != 0:
                 self._runtime.clear_error()  # the memory goes with the mapping anyway

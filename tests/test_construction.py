@@ -9,7 +9,10 @@
   needs a bank not populated yet waits for it.
 """
 import os
+import threading
+import time
 
+import psutil
 import pytest
 import torch
 from torch import nn
@@ -107,7 +110,7 @@ def test_a_failed_construction_in_between_leaves_nothing_applied(monkeypatch, wh
     still close back to the original threads and masks, and its worker is gone."""
     before = _snapshot()
     a = _opt(_model(0))
-    children = {p.pid for p in __import__("psutil").Process().children()}
+    children = {p.pid for p in psutil.Process().children()}
 
     def boom(*args, **kw):
         raise _Injected("injected")
@@ -118,7 +121,7 @@ def test_a_failed_construction_in_between_leaves_nothing_applied(monkeypatch, wh
             m.setattr(host_mod.HostTier, "load_state", boom)
         with pytest.raises(_Injected):
             _opt(_model(2))
-    assert {p.pid for p in __import__("psutil").Process().children()} <= children
+    assert {p.pid for p in psutil.Process().children()} <= children
     assert os.sched_getaffinity(0) == set(a._host.cores.trainer)
     b = _opt(_model(1))
     first, second = (a, b) if order == "opening_order" else (b, a)
@@ -200,3 +203,147 @@ def test_spare_pool_only_where_it_can_be_used(case, tmp_path):
         io = 2 * opt._host.io_banks
         assert opt._host.spare_bytes == (want + io) * opt._host._bank_stride
         _train(opt, model, steps=2)
+
+
+# ----------------------------------------------------------------- 3. populating the arena
+def _rss_of(addr_lo, nbytes, pid="self") -> int:
+    """Rss bytes of the mapping starting at addr_lo in /proc/PID/smaps."""
+    found = False
+    with open(f"/proc/{pid}/smaps") as f:
+        for line in f:
+            head = line.split()
+            if "-" in head[0] and len(head) >= 5 and all(c in "0123456789abcdef-" for c in head[0]):
+                lo, hi = (int(x, 16) for x in head[0].split("-"))
+                found = lo == addr_lo and hi - lo == nbytes
+            elif found and head[0] == "Rss:":
+                return int(head[1]) * 1024
+    raise AssertionError(f"no mapping at {addr_lo:#x} of {nbytes} bytes")
+
+
+def test_background_population_finishes_and_is_waited_for():
+    """The `later` ranges are reserved at once and populated by a thread; wait_populated()
+    returns only once the region asked for is in memory, and the whole arena ends populated."""
+    from hybrid_opt import shm
+    arena = shm.SharedArena(256 << 20, "hybrid_opt-test", later=[(64 << 20, 192 << 20)])
+    try:
+        if not arena.populated:
+            pytest.skip("this kernel has no MADV_POPULATE_WRITE (Linux < 5.14)")
+        base = shm.address(arena.mm)
+        assert _rss_of(base, arena.nbytes) >= 64 << 20  # the part populated now
+        arena.wait_populated(128 << 20, 64 << 20, timeout_s=30)
+        assert _rss_of(base, arena.nbytes) >= 192 << 20  # in order: everything up to there
+        arena.wait_populated(timeout_s=30)
+        assert not arena.populating
+        assert _rss_of(base, arena.nbytes) == arena.nbytes
+    finally:
+        arena.close()
+
+
+def _gate_background(monkeypatch):
+    """Holds every background population thread (not the ones populating now) at its first
+    chunk until the returned event is set (bounded)."""
+    from hybrid_opt import populate as pop
+    gate, real = threading.Event(), pop.madvise
+
+    def held(addr, nbytes, advice=pop.MADV_POPULATE_WRITE):
+        if threading.current_thread().name == "hybrid_opt-populate":
+            gate.wait(30)
+        return real(addr, nbytes, advice)
+    monkeypatch.setattr(pop, "madvise", held)
+    return gate
+
+
+def test_a_step_that_needs_a_bank_not_yet_populated_waits_for_it(monkeypatch):
+    """A bank handed out before the background population reached it is waited for: the
+    step blocks until it is populated, and past the tier's timeout it raises, naming the
+    cause, with the bank back in the pool."""
+    from helpers import inputs
+    gate = _gate_background(monkeypatch)
+    tier = host_mod.HostTier([1 << 20] * 3, spare_banks=2, timeout_s=30.0)
+    try:
+        if not tier.arena.populated:
+            pytest.skip("this kernel has no MADV_POPULATE_WRITE (Linux < 5.14)")
+        assert tier.arena.populating
+        grad = torch.ones(1 << 20)
+        free = list(tier.pool.free)
+        tier.client.timeout_s = 0.3
+        with pytest.raises(TimeoutError, match=r"GB of shared memory .* still not populated after"):
+            tier.step(0, grad, inputs(1))
+        assert sorted(tier.pool.free) == sorted(free)
+        tier.client.timeout_s = 30.0
+        done = []
+        t = threading.Thread(target=lambda: done.append(tier.step(0, grad, inputs(1))))
+        t.start()
+        t.join(0.5)
+        assert not done and t.is_alive()  # waiting for its bank
+        gate.set()
+        t.join(30)
+        assert done == ["stepped"]
+        assert not tier.arena.populating
+    finally:
+        gate.set()
+        tier.close()
+
+
+def test_close_during_background_population_stops_it():
+    """close() right after construction ends the population thread (no thread is left
+    running over unmapped memory, none keeps a trainer-only affinity)."""
+    model = nn.Sequential(*[nn.Linear(512, 512) for _ in range(8)])  # 2.1M params, spare banks ~25 MB
+    opt = HybridAdamW(model.parameters(), offload_fraction=1.0, subgroup_numel=1 << 18)
+    t0 = time.perf_counter()
+    opt.close()
+    assert time.perf_counter() - t0 < 10.0
+    assert not [t for t in threading.enumerate() if t.name.startswith("hybrid_opt-populate")]
+
+
+def test_missing_memory_is_a_memory_error_at_construction(monkeypatch):
+    """Memory the arena cannot reserve is a MemoryError from the constructor (the background
+    part included: it is reserved up front), naming the size and what to do."""
+    import ctypes
+    import errno
+
+    from hybrid_opt import populate as pop
+
+    class NoSpace:
+        def __init__(self):
+            self.real = pop._lib()
+
+        def __getattr__(self, name):
+            if name != "fallocate":
+                return getattr(self.real, name)
+
+            def fail(*a):
+                ctypes.set_errno(errno.ENOSPC)
+                return -1
+            return fail
+    monkeypatch.setattr(pop, "_libc", NoSpace())
+    with pytest.raises(MemoryError, match=r"cannot allocate .* GB of shared memory \(hybrid_opt-host\) .*spare_banks"):
+        HybridAdamW(_bigger_model().parameters(), offload_fraction=1.0, subgroup_numel=SUBGROUP)
+
+
+def test_populating_now_uses_one_thread_per_core_over_page_aligned_chunks(monkeypatch):
+    """populate() splits the mapping into page-aligned chunks that every thread takes from
+    (Python's mmap.madvise holds the GIL: the calls go through ctypes, which releases it)."""
+    import mmap
+
+    from hybrid_opt import populate as pop
+    from hybrid_opt import shm
+    seen, real = [], pop.madvise
+
+    def recording(addr, nbytes, advice=pop.MADV_POPULATE_WRITE):
+        seen.append((threading.current_thread().name, addr, nbytes))
+        time.sleep(0.01)  # long enough that one thread cannot take every chunk alone
+        return real(addr, nbytes, advice)
+    monkeypatch.setattr(pop, "madvise", recording)
+    arena = shm.SharedArena(pop.CHUNK * 4 + mmap.PAGESIZE, "hybrid_opt-test", prefault=False)
+    try:
+        base = shm.address(arena.mm)
+        if not shm.populate(arena.mm, threads=2):
+            pytest.skip("this kernel has no MADV_POPULATE_WRITE (Linux < 5.14)")
+        assert len({name for name, _, _ in seen}) == 2
+        assert all((a - base) % mmap.PAGESIZE == 0 and n % mmap.PAGESIZE == 0 for _, a, n in seen)
+        assert sorted((a - base, n) for _, a, n in seen)[-1] == (pop.CHUNK * 4, mmap.PAGESIZE)
+        assert sum(n for _, _, n in seen) == arena.nbytes
+        assert _rss_of(base, arena.nbytes) == arena.nbytes
+    finally:
+        arena.close()

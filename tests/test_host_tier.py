@@ -857,8 +857,19 @@ def test_the_arena_is_mapped_in_both_processes_before_the_first_step():
         if not tier.arena.populated:
             pytest.skip("this kernel has no MADV_POPULATE_WRITE (Linux < 5.14)")
         tier.client.ping()  # the worker maps and populates before it serves
+        # the committed banks and the staging slots at once, in both processes
+        spare_at = tier._bank_offset + 2 * tier._bank_stride
         for pid in (os.getpid(), tier.worker_pid):
-            assert _rss_kb_of_mapping(pid, tier.arena.nbytes) * 1024 == tier.arena.nbytes, pid
+            assert _rss_kb_of_mapping(pid, tier.arena.nbytes) * 1024 >= tier.arena.nbytes - (
+                tier._bank_stride * 2), pid
+        # the spare banks behind: the trainer's thread is waited for, the worker's polled
+        tier.arena.wait_populated(timeout_s=TIMEOUT_S)
+        assert not tier.arena.populating and spare_at > 0
+        assert _rss_kb_of_mapping(os.getpid(), tier.arena.nbytes) * 1024 == tier.arena.nbytes
+        deadline = time.monotonic() + TIMEOUT_S
+        while _rss_kb_of_mapping(tier.worker_pid, tier.arena.nbytes) * 1024 < tier.arena.nbytes:
+            assert time.monotonic() < deadline, "the worker did not map its spare banks"
+            time.sleep(0.05)
     finally:
         tier.close()
 
@@ -866,34 +877,40 @@ def test_the_arena_is_mapped_in_both_processes_before_the_first_step():
 def test_memory_the_arena_cannot_get_is_an_error_at_construction(monkeypatch):
     """MADV_POPULATE_WRITE failing for want of memory (ENOMEM, or EFAULT from a full tmpfs)
     raises a MemoryError naming the size and what to do, and leaks no descriptor."""
+    import ctypes
     import errno
-    import mmap
-    import types
 
+    from hybrid_opt import populate as pop
     from hybrid_opt import shm
 
-    class NoMemory:
-        def __init__(self, real):
-            self.real = real
+    class Libc:
+        """libc as the populate module calls it, with one call failing for want of memory."""
+        def __init__(self, failing):
+            self.real, self.failing = pop._lib(), failing
 
-        def madvise(self, *a):
-            raise OSError(errno.ENOMEM, os.strerror(errno.ENOMEM))
+        def __getattr__(self, name):
+            fn = getattr(self.real, name)
+            if name != self.failing:
+                return fn
 
-        def __len__(self):
-            return len(self.real)
+            def fail(*a):
+                ctypes.set_errno(errno.ENOMEM if name == "madvise" else errno.ENOSPC)
+                return -1
+            return fail
 
-        def close(self):
-            self.real.close()
-
-    fake = types.SimpleNamespace(**{k: getattr(mmap, k) for k in ("MAP_SHARED", "PROT_READ", "PROT_WRITE")},
-                                 mmap=lambda *a: NoMemory(mmap.mmap(*a)))
     fds = psutil.Process().num_fds()
-    monkeypatch.setattr(shm, "mmap", fake)
+    # populating: ENOMEM (or EFAULT from a full tmpfs)
+    monkeypatch.setattr(pop, "_libc", Libc("madvise"))
     with pytest.raises(MemoryError, match=r"cannot allocate 0\.01 GB of shared memory .*offload_fraction"):
         shm.SharedArena(8 << 20, "hybrid_opt-test")
     assert psutil.Process().num_fds() == fds
+    # reserving the part populated in the background: ENOSPC
+    monkeypatch.setattr(pop, "_libc", Libc("fallocate"))
+    with pytest.raises(MemoryError, match=r"cannot allocate 0\.00 GB of shared memory .*No space left"):
+        shm.SharedArena(8 << 20, "hybrid_opt-test", later=[(4 << 20, 4 << 20)])
+    assert psutil.Process().num_fds() == fds
+    monkeypatch.setattr(pop, "_libc", None)
     # a kernel without MADV_POPULATE_WRITE answers EINVAL: pages then come on first touch
-    monkeypatch.setattr(shm, "mmap", mmap)
     monkeypatch.setattr(shm, "MADV_POPULATE_WRITE", 4242)
     arena = shm.SharedArena(8 << 20, "hybrid_opt-test")
     assert arena.populated is False

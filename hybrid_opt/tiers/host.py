@@ -101,7 +101,20 @@ class HostTier(HostStepping, HostIO):
         self.nvme_bytes = 2 * self.io_bytes * sum(self.nvme)
         self.staging_bytes = slot_stride * staging_slots
 
-        self.arena = SharedArena(arena.nbytes, "hybrid_opt-host")
+        # populated now: what construction writes (the committed masters: load_state) and the
+        # staging slots; behind the first forward/backward, in this order: the committed banks'
+        # moments (zero: nothing writes them before a step), then the spare and io banks, in
+        # the order the pool hands them out. A step waits for the banks it uses (_take_banks).
+        # A pinned arena is populated whole: cudaHostRegister locks every page anyway.
+        later = [] if pin else [
+            (align_up(bank_offset + k * bank_stride + regions["m"], PAGE),
+             bank_offset + (k + 1) * bank_stride - align_up(bank_offset + k * bank_stride + regions["m"], PAGE))
+            for k in range(len(resident))]
+        if not pin and self.pool.n_banks > len(resident):
+            later.append((bank_offset + bank_stride * len(resident), bank_stride * (self.pool.n_banks - len(resident))))
+        self.arena = SharedArena(arena.nbytes, "hybrid_opt-host", later=later)
+        # banks no one has written yet: the arena's pages are zero, load_state need not zero them
+        self._fresh_banks = set(range(self.pool.n_banks))
         if pin:  # CUDA params: async D2H grads and H2D params need page-locked memory
             self.arena.pin()
         self._regions, self._bank_offset, self._bank_stride = regions, bank_offset, bank_stride
@@ -110,7 +123,8 @@ class HostTier(HostStepping, HostIO):
         self._free_slots = list(range(staging_slots))[::-1]
         layout = dict(bank_offset=bank_offset, bank_stride=bank_stride, bank_regions=regions,
                       slot_offset=slot_offset, slot_stride=slot_stride,
-                      moment_dtype=_DT_CODE[moment_dtype])
+                      moment_dtype=_DT_CODE[moment_dtype],
+                      populate_later=later if self.arena.populating else [])
         self._file_slot = [0] * n           # nvme: the committed slot of each subgroup's file
         self._crc = [[0, 0] for _ in range(n)]
         self._aio = None                    # the trainer's own engine (load_state / state)
@@ -154,6 +168,26 @@ class HostTier(HostStepping, HostIO):
         except BaseException:
             self.close()
             raise
+
+    def _wait_populated(self, banks) -> None:
+        """Banks the background population has not reached yet are waited for, so no step
+        pays first-touch faults (bounded by the worker timeout); they are written from now on."""
+        for b in banks:
+            self.arena.wait_populated(self._bank_offset + b * self._bank_stride, self._bank_stride,
+                                      self.client.timeout_s)
+            self._fresh_banks.discard(b)
+
+    def _take_banks(self, sg: int):
+        """HostStepping's, once the banks the step reads and writes are populated."""
+        spec = super()._take_banks(sg)
+        if spec is not None:
+            used = [b for b in (spec.bank, spec.aux_bank) if b is not None]
+            try:
+                self._wait_populated(used if self.nvme[sg] else [self.pool.committed[sg]] + used)
+            except BaseException:
+                self._release_banks(spec)
+                raise
+        return spec
 
     # ------------------------------------------------------------------ state views
     def _view(self, bank: int, region: str, numel: int, dtype) -> torch.Tensor:
@@ -200,6 +234,11 @@ class HostTier(HostStepping, HostIO):
         if banks is None:
             raise RuntimeError("no free bank to move nvme state through: every one is held by a "
                                "step awaiting validation; call finish() first")
+        try:
+            self._wait_populated(banks)
+        except BaseException:
+            self.pool.release(banks[0])
+            raise
         return banks[0]
 
     def _swap_file(self, sg: int, bank: int, slot: int, write: bool) -> int:
@@ -246,10 +285,13 @@ class HostTier(HostStepping, HostIO):
         try:
             if self.nvme[sg]:  # the whole block is written: no stale bytes in the checksum
                 self._view(bank, "p", self.io_bytes // 4, torch.float32).zero_()
+            fresh = bank in self._fresh_banks
+            self._fresh_banks.discard(bank)
             for name, dst in self._bank_state(bank, self.numels[sg]).items():
                 src = given[name]
                 if src is None:
-                    dst.zero_()
+                    if not fresh:  # a fresh bank is zero already (and maybe not populated yet)
+                        dst.zero_()
                 else:
                     dst.copy_(src.reshape(-1))
             if self.nvme[sg]:

@@ -33,7 +33,8 @@ import signal
 import sys
 import time
 
-from hybrid_opt.shm import populate
+from hybrid_opt.populate import BackgroundPopulate
+from hybrid_opt.shm import address, populate
 from hybrid_opt.worker import protocol as P
 
 _DTYPE_SIZE = {0: 4, 1: 2, 2: 2}
@@ -85,8 +86,12 @@ class Worker:
         self.mm = mmap.mmap(cfg["arena_fd"], cfg["arena_nbytes"], mmap.MAP_SHARED,
                             mmap.PROT_READ | mmap.PROT_WRITE)
         # the trainer allocated the pages; map them all now rather than a fault per 4 KB in
-        # the first steps on each bank
-        populate(self.mm)
+        # the first steps on each bank; the ranges it populates in the background (spare
+        # banks) are mapped here in the background too, in the same order, so the two threads
+        # share the pages' first touch
+        later = [tuple(r) for r in cfg.get("populate_later") or ()]
+        populate(self.mm, skip=later)
+        self._populating = BackgroundPopulate(address(self.mm), later, "the worker's arena") if later else None
         self.base = ctypes.addressof(ctypes.c_char.from_buffer(self.mm))
         self.bank_offset, self.bank_stride = cfg["bank_offset"], cfg["bank_stride"]
         self.regions = cfg["bank_regions"]

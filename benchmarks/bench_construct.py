@@ -1,0 +1,90 @@
+"""Construction time: HybridAdamW(model.parameters(), offload_fraction=...) until it returns,
+and how long the arena's background population runs after that.
+
+The model is GPT-2 124M-shaped (an embedding of 50257 x 768 and 12 blocks of plain Linear
+layers, fp32, no transformers needed). torch.optim's one-time lazy imports (~3 s on a cold
+process, paid by torch.optim.AdamW too) are done before timing: a torch.optim.AdamW is
+constructed first. Each run builds a fresh model (untimed), times the constructor, waits for
+the background population (timed separately), and closes.
+
+    python benchmarks/bench_construct.py [--runs 3] [--offload 1.0] [--json out.json]
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import statistics
+import sys
+import time
+
+import torch
+from torch import nn
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _common import host_description, markdown_table, write_json  # noqa: E402
+
+
+def gpt2_shaped(width: int = 768, layers: int = 12, vocab: int = 50257) -> nn.Module:
+    mods = [nn.Embedding(vocab, width)]
+    for _ in range(layers):
+        mods += [nn.Linear(width, 3 * width), nn.Linear(width, width),
+                 nn.Linear(width, 4 * width), nn.Linear(4 * width, width)]
+    return nn.Sequential(*mods)
+
+
+def _quantiles(xs: list) -> dict:
+    xs = sorted(xs)
+    q = statistics.quantiles(xs, n=10, method="inclusive") if len(xs) > 1 else xs * 9
+    return {"median_s": statistics.median(xs), "p20_s": q[1], "p80_s": q[7]}
+
+
+def run(offload: float, runs: int, **kw) -> dict:
+    from hybrid_opt import HybridAdamW
+    times, background, arena_gb, params = [], [], 0.0, 0
+    for _ in range(runs):
+        torch.manual_seed(0)
+        model = gpt2_shaped()
+        params = sum(p.numel() for p in model.parameters())
+        gc.collect()
+        t0 = time.perf_counter()
+        opt = HybridAdamW(model.parameters(), offload_fraction=offload, **kw)
+        times.append(time.perf_counter() - t0)
+        if opt._host is not None:
+            t1 = time.perf_counter()
+            opt._host.arena.wait_populated(timeout_s=600)
+            background.append(time.perf_counter() - t1)
+            arena_gb = opt._host.arena.nbytes / 1e9
+        opt.close()
+        del opt, model
+        gc.collect()
+    row = dict(impl="HybridAdamW", model="gpt2-124M-shaped fp32", params=params, offload=offload,
+               **{k: v for k, v in kw.items()}, **_quantiles(times), arena_gb=arena_gb,
+               background_s=statistics.median(background) if background else 0.0)
+    row["gb_per_s"] = arena_gb / row["median_s"] if row["median_s"] else None
+    return row
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--offload", type=float, nargs="+", default=[1.0])
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    torch.optim.AdamW([torch.zeros(1, requires_grad=True)])  # torch.optim's one-time imports
+    rows = []
+    for off in args.offload:
+        r = run(off, args.runs)
+        r.update(device=host_description(), torch=torch.__version__, timestamp=time.time())
+        rows.append(r)
+    print(markdown_table(rows, [("model", "model", "s"), ("params", "params", ",d"),
+                                ("offload", "offload", ".2f"), ("median_s", "construct s (median)", ".2f"),
+                                ("p20_s", "p20", ".2f"), ("p80_s", "p80", ".2f"),
+                                ("arena_gb", "arena GB", ".2f"), ("gb_per_s", "arena GB/s", ".2f"),
+                                ("background_s", "background population after, s", ".2f")]))
+    write_json(args.json, rows)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
