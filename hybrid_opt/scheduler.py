@@ -81,6 +81,9 @@ class Sample:
     host_worker_s: float      # worker time on host-tier (not nvme) subgroups
     host_elements: int
     hidden_s: float
+    # the trainer's own (host) time in the device step; on CUDA device_s is GPU time from
+    # events, and step_s - device_s would subtract GPU time from host time
+    device_host_s: float | None = None
 
 
 @dataclass
@@ -253,17 +256,23 @@ class AutoPlanner:
             if cpu_only and current_off > 0:
                 b /= r.get("trainer_slowdown_with_worker", 1.0)
             self.backward_s = max(0.0, b)
-        # the device tier's own time (not on CUDA: its launches are asynchronous)
+        # the device tier's own time: perf_counter on a CPU host, CUDA events (GPU time) on a GPU
         dev = [s for s in samples if s.device_elements and s.device_s > 0]
-        if dev and cpu_only:
+        if dev:
             gbps = med([s.device_elements * cm.device_bytes_per_element(self.workload()) / s.device_s / 1e9
                         for s in dev])
-            alone, shared = r["device_adam_gbps"], r.get("device_adam_gbps_with_worker") or r["device_adam_gbps"]
-            if current_off > 0:
-                r["device_adam_gbps_with_worker"], r["device_adam_gbps"] = gbps, gbps * alone / shared
+            if not cpu_only:  # the worker shares no memory system with the GPU's kernels
+                r["device_adam_gbps"] = r["device_adam_gbps_with_worker"] = gbps
             else:
-                r["device_adam_gbps"], r["device_adam_gbps_with_worker"] = gbps, gbps * shared / alone
-        self.overhead_s = max(0.0, med([s.step_s - s.device_s - s.host_wait_s for s in samples]))
+                alone = r["device_adam_gbps"]
+                shared = r.get("device_adam_gbps_with_worker") or r["device_adam_gbps"]
+                if current_off > 0:
+                    r["device_adam_gbps_with_worker"], r["device_adam_gbps"] = gbps, gbps * alone / shared
+                else:
+                    r["device_adam_gbps"], r["device_adam_gbps_with_worker"] = gbps, gbps * shared / alone
+        self.overhead_s = max(0.0, med([
+            s.step_s - (s.device_s if s.device_host_s is None else s.device_host_s) - s.host_wait_s
+            for s in samples]))
         host = [s for s in samples if s.host_elements and s.host_worker_s > 0]
         if host:
             r["host_adam_gelems_per_s"] = med([s.host_elements / s.host_worker_s / 1e9 for s in host])

@@ -421,6 +421,20 @@ def test_refit_takes_the_host_rate_from_measured_worker_time():
     assert ap.calibration["host_adam_gelems_per_s"] == 1e-6  # the calibration itself stays
 
 
+def test_refit_on_cuda_takes_the_device_rate_from_gpu_time_and_overhead_from_host_time():
+    """On CUDA device_s is GPU time (events) and the trainer only launches: the device rate
+    comes from GPU time, and the step's overhead subtracts the trainer's own time in the
+    device step, not the GPU's (which would clamp the overhead to 0)."""
+    ap = _planner(device=torch.device("cuda"))
+    ap.observe(_sample(0.1))  # the first sample is dropped
+    for _ in range(3):
+        ap.observe(_sample(0.1, step_s=0.05, device_s=0.2, device_host_s=0.01, device_elements=1000))
+    ap.refit(0.0, 0.0)
+    per_elem = cm.device_bytes_per_element(ap.workload())
+    assert ap.rates["device_adam_gbps"] == pytest.approx(1000 * per_elem / 0.2 / 1e9)
+    assert ap.overhead_s == pytest.approx(0.04)
+
+
 def test_refit_schedule():
     ap = _planner(refit_every=50)
     assert [k for k in range(1, 200) if ap.due(k)] == [5, 55, 105, 155]
