@@ -347,3 +347,17 @@ def test_populating_now_uses_one_thread_per_core_over_page_aligned_chunks(monkey
         assert _rss_of(base, arena.nbytes) == arena.nbytes
     finally:
         arena.close()
+
+
+@pytest.mark.gpu
+def test_a_pinned_arena_is_populated_whole_before_it_is_pinned():
+    """cudaHostRegister locks every page: a pinned arena leaves nothing to the background
+    (written against CUDA's documented semantics; runs only where CUDA is present)."""
+    from hybrid_opt import shm
+    tier = host_mod.HostTier([1 << 20] * 3, spare_banks=2, pin=True)
+    try:
+        assert tier.arena.pinned and not tier.arena.populating
+        assert _rss_of(shm.address(tier.arena.mm), tier.arena.nbytes) == tier.arena.nbytes
+        tier.arena.wait_populated(timeout_s=1.0)  # returns at once: nothing in the background
+    finally:
+        tier.close()
