@@ -199,7 +199,7 @@ class SharedArena:
             self.populated = prefault and populate(self.mm, what, skip=later)
             if self.populated and later:
                 self._background = BackgroundPopulate(address(self.mm), later, what)
-        except MemoryError:
+        except BaseException:  # MemoryError, a bad range: no descriptor left behind
             self.mm.close()
             os.close(self.fd)
             raise
