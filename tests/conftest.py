@@ -4,10 +4,18 @@ TRITON_INTERPRET is read when `@triton.jit` decorates a kernel, so it must be se
 gpu_kernels is first imported: without a CUDA device the Triton kernels run on CPU tensors
 through the interpreter.
 """
+import faulthandler
 import os
+import signal
 import tempfile
 
 import pytest
+
+# every `gpu` test runs under this limit: pytest-timeout is not a dependency and the GPU
+# machine installs nothing, so SIGALRM fails a test that overruns, and faulthandler ends the
+# process with every thread's traceback if it is stuck inside a CUDA call, where no Python
+# signal handler can run
+GPU_TEST_LIMIT_S = 90
 
 
 def _cuda_available():
@@ -32,3 +40,25 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _gpu_time_limit(request):
+    if "gpu" not in request.node.keywords:
+        yield
+        return
+    name = request.node.nodeid
+
+    def overran(signum, frame):
+        raise TimeoutError(f"{name} ran past its {GPU_TEST_LIMIT_S} s limit (tests/conftest.py "
+                           f"GPU_TEST_LIMIT_S): a wait that never ended, or a far too slow GPU path")
+
+    previous = signal.signal(signal.SIGALRM, overran)
+    signal.alarm(GPU_TEST_LIMIT_S)
+    faulthandler.dump_traceback_later(GPU_TEST_LIMIT_S + 30, exit=True)
+    try:
+        yield
+    finally:
+        faulthandler.cancel_dump_traceback_later()
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)

@@ -9,6 +9,17 @@ import cpu_kernels as ck
 from hybrid_opt.tiers.host import StepInputs
 
 
+def thread_masks() -> dict:
+    """Every thread's CPU affinity in this process (affinity is per thread on Linux)."""
+    masks = {}
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            masks[int(tid)] = os.sched_getaffinity(int(tid))
+        except OSError:  # the thread ended meanwhile
+            pass
+    return masks
+
+
 def fs_type(path: str) -> str:
     """Filesystem type of the mount holding path (longest mount-point prefix)."""
     path, best, kind = os.path.realpath(path), "", "?"

@@ -20,6 +20,7 @@ from torch import nn
 import cpu_kernels
 from hybrid_opt import HybridAdamW
 from hybrid_opt.tiers import host as host_mod
+from helpers import thread_masks
 
 SUBGROUP = 1 << 12
 TWO_CORES = pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two cores to split")
@@ -31,13 +32,7 @@ def _model(seed=0, dtype=torch.float32):
 
 
 def _snapshot():
-    masks = {}
-    for tid in os.listdir("/proc/self/task"):
-        try:
-            masks[int(tid)] = os.sched_getaffinity(int(tid))
-        except OSError:
-            pass
-    return torch.get_num_threads(), cpu_kernels.get_num_threads(), masks
+    return torch.get_num_threads(), cpu_kernels.get_num_threads(), thread_masks()
 
 
 def _assert_restored(before):

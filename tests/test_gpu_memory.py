@@ -4,12 +4,9 @@ planning the device tier beside the activations.
 Every test is marked `gpu` (skipped without CUDA; tests/conftest.py); the CPU side of the
 same logic, with injected memory figures, is tests/test_memory.py. Figures come from torch's
 allocator (memory_allocated / max_memory_allocated after reset_peak_memory_stats), so they
-count this process's tensors only. Each test runs under a time limit, as in
-test_gpu_optimizer.py.
+count this process's tensors only. Each test runs under the time limit tests/conftest.py
+sets for every `gpu` test.
 """
-import faulthandler
-import signal
-
 import pytest
 import torch
 from torch import nn
@@ -19,7 +16,6 @@ from hybrid_opt import layout as L
 
 pytestmark = pytest.mark.gpu
 
-TIME_LIMIT_S = 90
 MiB, GiB = 1 << 20, 1 << 30
 # "auto" plans from these instead of measuring: a GPU Adam far faster than the host's, so any
 # state that fits goes to the device
@@ -28,23 +24,10 @@ RATES = dict(host_adam_gelems_per_s=1.0, device_adam_gbps=3000.0, h2d_gbps=20.0,
 
 
 @pytest.fixture(autouse=True)
-def _time_limit(request):
-    name = request.node.nodeid
-
-    def overran(signum, frame):
-        raise TimeoutError(f"{name} ran past its {TIME_LIMIT_S} s limit (tests/test_gpu_memory.py)")
-
-    previous = signal.signal(signal.SIGALRM, overran)
-    signal.alarm(TIME_LIMIT_S)
-    faulthandler.dump_traceback_later(TIME_LIMIT_S + 30, exit=True)
-    try:
-        yield
-    finally:
-        faulthandler.cancel_dump_traceback_later()
-        signal.alarm(0)
-        signal.signal(signal.SIGALRM, previous)
-        torch.cuda.synchronize()
-        torch.cuda.empty_cache()
+def _release_cached_blocks():
+    yield
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
 
 
 def _peak_since(fn):

@@ -12,14 +12,10 @@ Not here (written beside): state_dict round trips on CUDA (test_gpu_checkpoint.p
 pinning failure and the staging streams (test_gpu_staging.py), device memory
 (test_gpu_memory.py).
 
-Each test runs under a time limit (`_time_limit`): pytest-timeout is not a dependency and the
-GPU machine installs nothing, so SIGALRM fails a test that overruns, and faulthandler ends the
-process with every thread's traceback if the test is stuck inside a CUDA call where no Python
-signal handler can run. The models are small: each test takes seconds on an H200.
+Each test runs under the time limit tests/conftest.py sets for every `gpu` test. The models
+are small: each test takes seconds on an H200.
 """
 import copy
-import faulthandler
-import signal
 
 import pytest
 import torch
@@ -31,32 +27,11 @@ from tolerances import ATOL, RTOL, assert_close
 pytestmark = pytest.mark.gpu
 
 FP32, BF16, FP16 = torch.float32, torch.bfloat16, torch.float16
-TIME_LIMIT_S = 90
 SUBGROUP = 1 << 16  # the small MLP's 427k elements: 7 subgroups
 # synthetic rates in calibrate.rates()'s shape: "auto" plans without measuring this machine
 RATES = dict(host_adam_gelems_per_s=1.0, device_adam_gbps=1000.0, device_adam_gbps_with_worker=900.0,
              h2d_gbps=20.0, d2h_gbps=20.0, trainer_slowdown_with_worker=1.05,
              backward_slowdown_with_host_adam=1.05)
-
-
-@pytest.fixture(autouse=True)
-def _time_limit(request):
-    name = request.node.nodeid
-
-    def overran(signum, frame):
-        raise TimeoutError(f"{name} ran past its {TIME_LIMIT_S} s limit (tests/test_gpu_optimizer.py "
-                           f"TIME_LIMIT_S): a wait that never ended, or a far too slow GPU path")
-
-    previous = signal.signal(signal.SIGALRM, overran)
-    signal.alarm(TIME_LIMIT_S)
-    # the backstop for a hang inside C (a CUDA sync), where the handler above never runs
-    faulthandler.dump_traceback_later(TIME_LIMIT_S + 30, exit=True)
-    try:
-        yield
-    finally:
-        faulthandler.cancel_dump_traceback_later()
-        signal.alarm(0)
-        signal.signal(signal.SIGALRM, previous)
 
 
 # ============================================================================= helpers

@@ -22,7 +22,7 @@ import torch
 import cpu_kernels as ck
 from hybrid_opt.tiers.host import HostTier, StepInputs
 from hybrid_opt.worker.client import WorkerError
-from helpers import (_id, assert_bitwise_equal, inputs, load, make_grads, make_states, ref_step,
+from helpers import (_id, thread_masks, assert_bitwise_equal, inputs, load, make_grads, make_states, ref_step,
                      wait_gone)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -525,14 +525,6 @@ def test_worker_exception_names_the_subgroup_and_leaves_committed_state_intact(m
 
 
 # ------------------------------------------------------------------ 9. no leaks
-def _thread_masks():
-    masks = {}
-    for tid in os.listdir("/proc/self/task"):
-        try:
-            masks[int(tid)] = os.sched_getaffinity(int(tid))
-        except OSError:
-            pass
-    return masks
 
 
 def test_close_is_idempotent_and_leaves_no_process_fd_shm_or_core_change_behind():
@@ -542,7 +534,7 @@ def test_close_is_idempotent_and_leaves_no_process_fd_shm_or_core_change_behind(
     children = {c.pid for c in me.children(recursive=True)}
     fds = me.num_fds()
     shm = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
-    masks, threads = _thread_masks(), torch.get_num_threads()
+    masks, threads = thread_masks(), torch.get_num_threads()
 
     tier = new_tier(amsgrad=True, copy_dtype=torch.bfloat16)
     pid = tier.worker_pid
@@ -573,7 +565,7 @@ def test_close_is_idempotent_and_leaves_no_process_fd_shm_or_core_change_behind(
     assert me.num_fds() == fds
     if os.path.isdir("/dev/shm"):
         assert set(os.listdir("/dev/shm")) - shm == set()
-    after = _thread_masks()
+    after = thread_masks()
     assert {t: m for t, m in after.items() if t in masks} == {t: m for t, m in masks.items() if t in after}
     assert torch.get_num_threads() == threads
     assert_bitwise_equal(kept, states[0]["p"], "a clone taken before close")
@@ -586,7 +578,7 @@ def test_two_tiers_closed_in_either_order_give_the_process_its_cores_back(order)
     ends with its own masks and thread count (closing in opening order used to leave it
     pinned to the trainer's share)."""
     close_shared_tiers()
-    masks, threads = _thread_masks(), torch.get_num_threads()
+    masks, threads = thread_masks(), torch.get_num_threads()
     a = new_tier()
     b = new_tier()
     assert os.sched_getaffinity(0) == set(b.cores.trainer) != masks[os.getpid()]
@@ -595,7 +587,7 @@ def test_two_tiers_closed_in_either_order_give_the_process_its_cores_back(order)
     assert os.sched_getaffinity(0) == set(second.cores.trainer)  # the other one still runs split
     assert torch.get_num_threads() == len(second.cores.trainer)
     second.close()
-    after = _thread_masks()
+    after = thread_masks()
     assert {t: m for t, m in after.items() if t in masks} == {t: m for t, m in masks.items() if t in after}
     assert torch.get_num_threads() == threads
 
