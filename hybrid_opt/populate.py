@@ -13,6 +13,7 @@ Python's mmap.madvise holds the GIL: the calls go through ctypes, which releases
 """
 from __future__ import annotations
 
+import bisect
 import ctypes
 import errno
 import mmap
@@ -118,6 +119,10 @@ class BackgroundPopulate:
     def __init__(self, addr: int, ranges, what: str = "shared memory", name: str = "hybrid_opt-populate"):
         self.what = what
         self._chunks = _chunks(ranges)
+        # wait() runs for every bank of every step: the chunk a region ends in is found by
+        # bisection where the chunks are in address order (the host tier's are)
+        self._starts = [a for a, _ in self._chunks]
+        self._ordered = all(a + n <= b for (a, n), b in zip(self._chunks, self._starts[1:]))
         self._next = 0                 # chunks before this one are populated
         self._err = 0
         self._stop = False
@@ -153,6 +158,9 @@ class BackgroundPopulate:
 
     def _last_chunk(self, offset: int, nbytes: int) -> int:
         """Index of the last chunk overlapping [offset, offset + nbytes), or -1."""
+        if self._ordered:
+            k = bisect.bisect_left(self._starts, offset + nbytes) - 1
+            return k if k >= 0 and offset < self._starts[k] + self._chunks[k][1] else -1
         last = -1
         for k, (a, n) in enumerate(self._chunks):
             if a < offset + nbytes and offset < a + n:
@@ -160,17 +168,25 @@ class BackgroundPopulate:
         return last
 
     def wait(self, offset: int = 0, nbytes: int | None = None, timeout_s: float = 120.0) -> None:
-        """Until [offset, offset + nbytes) is populated (everything when nbytes is None)."""
+        """Until [offset, offset + nbytes) is populated (everything when nbytes is None).
+        `timeout_s` bounds a stall, not the whole wait: a big arena takes minutes to populate
+        in one thread, and a region late in the order is waited for as long as chunks keep
+        being populated; TimeoutError once none was for `timeout_s`."""
+        if self._next >= len(self._chunks) and not self._err:
+            return  # finished: the per-step case, no search
         last = len(self._chunks) - 1 if nbytes is None else self._last_chunk(offset, nbytes)
-        deadline = time.monotonic() + timeout_s
         with self._cond:
+            seen, deadline = self._next, time.monotonic() + timeout_s
             while self._next <= last and not self._err and self._thread.is_alive():
+                if self._next != seen:  # progress: the bound starts again
+                    seen, deadline = self._next, time.monotonic() + timeout_s
                 left = deadline - time.monotonic()
                 if left <= 0:
                     todo = sum(n for _, n in self._chunks[self._next:])
                     raise TimeoutError(f"hybrid_opt: {todo / 1e9:.2f} GB of {self.what} still not "
-                                       f"populated after {timeout_s:.0f} s: the machine is short of "
-                                       f"memory or CPU; free some, or place less on the host tier")
+                                       f"populated, none of it for {timeout_s:.0f} s: the machine is "
+                                       f"short of memory or CPU; free some, or place less on the "
+                                       f"host tier")
                 self._cond.wait(min(left, 0.1))
             if self._err:
                 raise memory_error(sum(n for _, n in self._chunks), self.what, self._err)

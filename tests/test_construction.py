@@ -262,7 +262,7 @@ def test_a_step_that_needs_a_bank_not_yet_populated_waits_for_it(monkeypatch):
         grad = torch.ones(1 << 20)
         free = list(tier.pool.free)
         tier.client.timeout_s = 0.3
-        with pytest.raises(TimeoutError, match=r"GB of shared memory .* still not populated after"):
+        with pytest.raises(TimeoutError, match=r"GB of shared memory .* still not populated, none of it for"):
             tier.step(0, grad, inputs(1))
         assert sorted(tier.pool.free) == sorted(free)
         tier.client.timeout_s = 30.0
@@ -278,6 +278,58 @@ def test_a_step_that_needs_a_bank_not_yet_populated_waits_for_it(monkeypatch):
     finally:
         gate.set()
         tier.close()
+
+
+def test_a_slow_population_that_makes_progress_is_waited_for_not_an_error(monkeypatch):
+    """The bound on waiting for a bank is on the population's progress, not on its total time:
+    a big arena populated by one thread takes minutes (8 B of moments per param at ~1 GB/s),
+    and a step must not fail because the bank it needs comes late in the order."""
+    from hybrid_opt import populate as pop
+    from hybrid_opt import shm
+    real = pop.madvise
+
+    def slow(addr, nbytes, advice=pop.MADV_POPULATE_WRITE):
+        if threading.current_thread().name == "hybrid_opt-populate":
+            time.sleep(0.1)
+        return real(addr, nbytes, advice)
+    monkeypatch.setattr(pop, "madvise", slow)
+    page = shm.PAGE
+    arena = shm.SharedArena(17 * page, "hybrid_opt-test", later=[(k * page, page) for k in range(1, 17)])
+    try:
+        if not arena.populated:
+            pytest.skip("this kernel has no MADV_POPULATE_WRITE (Linux < 5.14)")
+        arena.wait_populated(16 * page, page, timeout_s=0.5)  # ~1.6 s in all, a chunk every 0.1 s
+        assert not arena.populating
+    finally:
+        arena.close()
+
+
+def test_waiting_for_a_populated_region_does_not_scan_every_chunk():
+    """step() waits for each host subgroup's banks: once the population is done that costs
+    nothing per chunk (it was a scan of every chunk per bank, O(subgroups²) per step), and
+    while it runs the chunk a region ends in is found by bisection, as the scan found it."""
+    from hybrid_opt import populate as pop
+    from hybrid_opt import shm
+    page = shm.PAGE
+    ranges = [(k * 3 * page + page, 2 * page) for k in range(40)]
+    arena = shm.SharedArena(120 * page, "hybrid_opt-test", prefault=False)
+    try:
+        bp = pop.BackgroundPopulate(shm.address(arena.mm), ranges, name="hybrid_opt-populate-test")
+        for off in range(0, 121 * page, page // 2):
+            for n in (1, page, 3 * page, 7 * page):
+                linear = max([k for k, (a, m) in enumerate(bp._chunks) if a < off + n and off < a + m],
+                             default=-1)
+                assert bp._last_chunk(off, n) == linear, (off, n)
+        bp.wait(timeout_s=30)
+
+        def scan(*a):
+            raise AssertionError("wait() looked for a chunk after the population had finished")
+        bp._last_chunk = scan
+        for k in range(40):
+            bp.wait(k * 3 * page, 3 * page, timeout_s=1)
+        bp.stop()
+    finally:
+        arena.close()
 
 
 def test_close_during_background_population_stops_it():
