@@ -332,11 +332,24 @@ def test_waiting_for_a_populated_region_does_not_scan_every_chunk():
         arena.close()
 
 
-def test_close_during_background_population_stops_it():
-    """close() right after construction ends the population thread (no thread is left
-    running over unmapped memory, none keeps a trainer-only affinity)."""
+def test_close_during_background_population_stops_it(monkeypatch):
+    """close() while the population runs ends its thread (no thread is left running over
+    unmapped memory, none keeps a trainer-only affinity). The population is slowed so that it
+    is still running at close(): unslowed it ends before a small optimizer is built."""
+    from hybrid_opt import populate as pop
+    real = pop.madvise
+
+    def slow(addr, nbytes, advice=pop.MADV_POPULATE_WRITE):
+        if threading.current_thread().name == "hybrid_opt-populate":
+            time.sleep(0.2)
+        return real(addr, nbytes, advice)
+    monkeypatch.setattr(pop, "madvise", slow)
     model = nn.Sequential(*[nn.Linear(512, 512) for _ in range(8)])  # 2.1M params, spare banks ~25 MB
     opt = HybridAdamW(model.parameters(), offload_fraction=1.0, subgroup_numel=1 << 18)
+    if not opt._host.arena.populated:
+        opt.close()
+        pytest.skip("this kernel has no MADV_POPULATE_WRITE (Linux < 5.14)")
+    assert opt._host.arena.populating  # close() below runs mid-population
     t0 = time.perf_counter()
     opt.close()
     assert time.perf_counter() - t0 < 10.0
