@@ -90,6 +90,9 @@ class CheckpointMixin:
 
     def load_state_dict(self, state_dict: dict) -> None:
         self._check_open()
+        # params given new memory since the last step are re-adopted first (storage.py): done
+        # at the next step() instead, it would restart the masters this load sets
+        self._check_storage()
         self._drop_speculation()
         groups, saved_groups = self.param_groups, state_dict["param_groups"]
         if len(groups) != len(saved_groups):

@@ -190,3 +190,36 @@ def test_model_cuda_after_construction_raises():
         with pytest.raises(RuntimeError, match=r"from torch.float32 \(24, 8\) on cpu to torch.float32 "
                                                r"\(24, 8\) on cuda:0.*Build the optimizer after moving"):
             opt.step()
+
+
+@pytest.mark.parametrize("placement", ["device", "host"])
+def test_a_checkpoint_loaded_after_params_were_replaced_keeps_its_masters(placement, tmp_path):
+    """Resuming: params given new memory (`p.data = t`, a swap-style load of the model), then
+    the optimizer's checkpoint loaded, then step(): the checkpoint's fp32 masters stand (the
+    params are their rounding), as with params never replaced; re-adopting the new memory
+    only at step() restarted the masters from the bf16 params, discarding the loaded ones."""
+    def run(replace):
+        model = _net(torch.bfloat16)
+        with HybridAdamW(model.parameters(), lr=1e-2, subgroup_numel=SUBGROUP,
+                         **_placement(placement, tmp_path)) as opt:
+            for i in range(3):
+                _iteration(model, opt, i)
+            sd = {k: v for k, v in opt.state_dict().items()}
+            sd["state"] = {k: {n: t.clone() for n, t in st.items()} for k, st in sd["state"].items()}
+            weights = {k: v.clone() for k, v in model.state_dict().items()}
+            for i in range(3, 5):  # training goes on, then resumes from the checkpoint
+                _iteration(model, opt, i)
+            if replace:
+                with torch.no_grad():
+                    for name, p in model.named_parameters():
+                        p.data = weights[name].clone()
+            else:
+                model.load_state_dict(weights)
+            opt.load_state_dict(sd)
+            _iteration(model, opt, 3)
+            return [p.detach().clone() for p in model.parameters()], opt.state_dict()
+    (want, want_sd), (got, got_sd) = run(False), run(True)
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+    for k, st in want_sd["state"].items():
+        assert torch.equal(got_sd["state"][k]["master_param"], st["master_param"]), k
