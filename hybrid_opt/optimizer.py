@@ -39,6 +39,18 @@ def _float_hyper(value, name: str) -> float:
     return float(value)
 
 
+def _contiguous_runs(slices: list) -> list:
+    """[(a, b)] subgroup ranges covered by `slices` (in subgroup order), adjacent ones merged."""
+    runs: list = []
+    for sl in slices:
+        a, b = sl.sub_offset, sl.sub_offset + sl.numel
+        if runs and runs[-1][1] == a:
+            runs[-1][1] = b
+        else:
+            runs.append([a, b])
+    return [tuple(r) for r in runs]
+
+
 def _check_hyperparameters(lr, betas, eps, weight_decay, *, foreach, capturable) -> tuple:
     """torch.optim.Adam's own checks, in its order, with its error types and messages (its
     optimizer database holds them as error inputs: tests/test_optim_db.py). Returns betas as
@@ -360,9 +372,9 @@ class _HybridBase(SpeculationMixin, PlacementMixin, CheckpointMixin, StepStatsMi
             # the new params reach the model only once their step is committed
             sg, live = by_local[local]
             src = views["param_copy"] if (sg.dtype != torch.float32 and "param_copy" in views) else views["param"]
-            for sl in live:
-                a, b = sl.sub_offset, sl.sub_offset + sl.numel
-                # a blocking copy: an nvme subgroup's buffer is reused as soon as this returns
+            # a blocking copy (an nvme subgroup's buffer is reused as soon as this returns) per
+            # contiguous run of live slices, not per slice: on CUDA each one is a host sync
+            for a, b in _contiguous_runs(live):
                 sg.flat[a:b].copy_(src[a:b].to(sg.dtype))
             committed.add(sg.index)
 

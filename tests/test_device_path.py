@@ -143,6 +143,37 @@ def test_float_grad_scale_gives_the_bits_of_a_tensor_scale():
 
 
 # ============================================================================= clocks
+def test_committed_host_params_reach_the_model_in_one_copy_per_contiguous_run():
+    """A committed host subgroup's new params are copied into the model once per contiguous
+    run of params that had grads, not once per param: on CUDA each copy is a blocking H2D
+    copy (a host sync). Counted on the CPU with a dispatch mode on the flat buffer."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class CopiesInto(TorchDispatchMode):
+        def __init__(self, storage_ptr):
+            super().__init__()
+            self.ptr, self.count = storage_ptr, 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.aten.copy_.default and \
+                    args[0].untyped_storage().data_ptr() == self.ptr:
+                self.count += 1
+            return func(*args, **(kwargs or {}))
+
+    model = nn.Sequential(nn.Linear(8, 16), nn.Linear(16, 16), nn.Linear(16, 4))  # 6 params
+    with HybridAdamW(model.parameters(), lr=1e-2, offload_fraction=1.0, speculative=False) as opt:
+        assert len(opt._subgroups) == 1 and len(opt._subgroups[0].slices) == 6
+        ptr = opt._subgroups[0].flat.untyped_storage().data_ptr()
+        for frozen, runs in ((None, 1), (model[1].bias, 2)):
+            opt.zero_grad()
+            model(torch.randn(4, 8)).square().mean().backward()
+            if frozen is not None:
+                frozen.grad = None  # a gap: two runs
+            with CopiesInto(ptr) as mode:
+                opt.step()
+            assert mode.count == runs, (frozen is not None, mode.count)
+
+
 def test_clock_is_chosen_by_device():
     assert isinstance(clock_for("cpu"), HostClock)
     cuda = clock_for("cuda:1")  # building one touches no GPU
