@@ -181,7 +181,8 @@ class PlacementMixin(MoveMixin):
                         rollback=self.rollback, spare_banks=plan.spare_banks,
                         worker_share=self.worker_share, nvme=nvme,
                         nvme_path=self.nvme_path if any(nvme) else None,
-                        io_banks=self.io_banks, pin=host[0].flat.is_cuda)
+                        io_banks=self.io_banks,
+                        pin=host[0].flat.device if host[0].flat.is_cuda else False)
 
     def _fraction_plan(self, decision):
         """The plan at `decision`'s fractions (or those asked for), its spare pool sized."""

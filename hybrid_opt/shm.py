@@ -8,6 +8,7 @@ tier does for CUDA params, for asynchronous copies — and unpinned at close.
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import mmap
@@ -118,6 +119,16 @@ def cuda_runtime() -> CudaRuntime | None:
     return None
 
 
+def _in_context_of(device):
+    """cudaHostRegister/Unregister act in the current device's CUDA context and create it when
+    it does not exist yet: they run on the params' device (None: the current one), so a model
+    on cuda:1 does not get a context — hundreds of MB — made on cuda:0 for it."""
+    if device is None:
+        return contextlib.nullcontext()
+    import torch
+    return torch.cuda.device(device)
+
+
 def _warn_unpinned(why: str) -> None:
     global _pin_warned
     if not _pin_warned:
@@ -203,7 +214,7 @@ class SharedArena:
             self.mm.close()
             os.close(self.fd)
             raise
-        self._pinned_ptr = self._runtime = None
+        self._pinned_ptr = self._runtime = self._pin_device = None
         self.closed = False
 
     def tensor(self, offset: int, numel: int, dtype):
@@ -230,10 +241,11 @@ class SharedArena:
     def pinned(self) -> bool:
         return self._pinned_ptr is not None
 
-    def pin(self) -> bool:
+    def pin(self, device=None) -> bool:
         """Page-lock the arena for every CUDA context (async H2D/D2H copies); True when it is
-        pinned. A failure clears the CUDA error it set, warns once per process and leaves the
-        arena unpinned (slower copies, same results)."""
+        pinned. `device`: the CUDA device whose context registers it (the params'; None: the
+        current one). A failure clears the CUDA error it set, warns once per process and leaves
+        the arena unpinned (slower copies, same results)."""
         if self._pinned_ptr is not None:
             return True
         import torch
@@ -243,13 +255,15 @@ class SharedArena:
                 _warn_unpinned("the CUDA runtime library this process uses was not found")
             return False
         ptr = self.tensor(0, self.nbytes, torch.uint8).data_ptr()
-        err = runtime.register(ptr, self.nbytes)
+        with _in_context_of(device):
+            err = runtime.register(ptr, self.nbytes)
+            if err != 0:
+                runtime.clear_error()
         if err != 0:
-            runtime.clear_error()
             _warn_unpinned(f"cudaHostRegister of {self.nbytes} bytes failed: "
                            f"{runtime.error_string(err)} (error {err})")
             return False
-        self._pinned_ptr, self._runtime = ptr, runtime
+        self._pinned_ptr, self._runtime, self._pin_device = ptr, runtime, device
         return True
 
     def close(self) -> None:
@@ -259,9 +273,13 @@ class SharedArena:
         if self._background is not None:
             self._background.stop()  # it holds no buffer export: unmapping below is safe after
         if self._pinned_ptr is not None:
-            if self._runtime.unregister(self._pinned_ptr) != 0:
-                self._runtime.clear_error()  # the memory goes with the mapping anyway
-            self._pinned_ptr = self._runtime = None
+            try:
+                with _in_context_of(self._pin_device):
+                    if self._runtime.unregister(self._pinned_ptr) != 0:
+                        self._runtime.clear_error()  # the memory goes with the mapping anyway
+            except Exception:
+                pass  # a device gone (interpreter shutdown): the mapping is closed below all the same
+            self._pinned_ptr = self._runtime = self._pin_device = None
         try:
             self.mm.close()
         except BufferError:

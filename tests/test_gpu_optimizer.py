@@ -324,6 +324,8 @@ def test_params_on_a_non_current_device(offload):
         lockstep(model, opt, ref_model, ref, 6)
         assert torch.cuda.current_device() == 0
         assert all(p.device == torch.device("cuda:1") for p in model.parameters())
+        # pinned in cuda:1's context (cudaHostRegister would make a context on cuda:0)
+        assert opt._host.arena.pinned and opt._host.arena._pin_device == torch.device("cuda:1")
         if offload < 1.0:
             assert opt.plan.summary()["device"]["subgroups"] > 0
         assert_matches_torch(model, opt, ref_model, msg=f"cuda:1 offload {offload}")

@@ -10,6 +10,7 @@ exercised by tests/test_gpu_staging.py.
 Pinning: a CPU model never pins; a failed cudaHostRegister (a fake runtime standing in for
 CUDA) clears the error it set, warns once, and leaves the arena unpinned.
 """
+import contextlib
 import types
 import warnings
 
@@ -324,9 +325,9 @@ class FakeRuntime:
 def spy_pin(monkeypatch):
     calls, pin = [], SharedArena.pin
 
-    def logged(arena):
+    def logged(arena, *args, **kwargs):
         calls.append(arena)
-        return pin(arena)
+        return pin(arena, *args, **kwargs)
     monkeypatch.setattr(SharedArena, "pin", logged)
     return calls
 
@@ -378,6 +379,44 @@ def test_a_pinned_arena_is_registered_once_and_unregistered_at_close(monkeypatch
     assert runtime.calls == [("register", ptr, arena.nbytes)]
     arena.close()
     assert runtime.calls[-1] == ("unregister", ptr) and not arena.pinned
+
+
+def test_the_arena_is_registered_and_unregistered_in_the_params_device_context(monkeypatch):
+    """cudaHostRegister/Unregister act in the current device's context (and create one there):
+    a model on cuda:1 while cuda:0 is current pins under cuda:1. The device context is faked
+    here; the same path runs for real on two GPUs (tests/test_gpu_optimizer.py)."""
+    current = [None]
+
+    @contextlib.contextmanager
+    def on(device):
+        before, current[0] = current[0], device
+        try:
+            yield
+        finally:
+            current[0] = before
+
+    class Recording(FakeRuntime):
+        def register(self, ptr, nbytes):
+            self.calls.append(("register", current[0]))
+            return self.code
+
+        def unregister(self, ptr):
+            self.calls.append(("unregister", current[0]))
+            return 0
+    runtime = Recording(code=0)
+    monkeypatch.setattr(shm, "cuda_runtime", lambda: runtime)
+    monkeypatch.setattr(shm, "_in_context_of", lambda d: on(d) if d is not None else contextlib.nullcontext())
+    cuda1 = torch.device("cuda", 1)
+    tier = HostTier([100], pin=cuda1, timeout_s=TIMEOUT_S)
+    try:
+        assert tier.arena.pinned and runtime.calls == [("register", cuda1)]
+    finally:
+        tier.close()
+    assert runtime.calls == [("register", cuda1), ("unregister", cuda1)]
+    arena = SharedArena(1 << 16)  # no device given: the current one, as before
+    assert arena.pin()
+    arena.close()
+    assert runtime.calls[2:] == [("register", None), ("unregister", None)]
 
 
 def test_register_asks_for_portable_pinning():

@@ -35,7 +35,7 @@ class HostTier(HostStepping, HostIO):
                  slot_numel: int | None = None, worker_share: float = 0.5,
                  worker_cores: list[int] | None = None, timeout_s: float = 120.0,
                  nvme: list | None = None, nvme_path=None, io_banks: int = 4,
-                 nvme_threads: int = 4, pin: bool = False):
+                 nvme_threads: int = 4, pin: bool | torch.device = False):
         if rollback not in ("exact", "inverse"):
             raise ValueError(f"rollback must be 'exact' or 'inverse', got {rollback!r}")
         # amsgrad=True lays out the running max of v; each step's StepInputs.amsgrad says
@@ -116,7 +116,8 @@ class HostTier(HostStepping, HostIO):
         # banks no one has written yet: the arena's pages are zero, load_state need not zero them
         self._fresh_banks = set(range(self.pool.n_banks))
         if pin:  # CUDA params: async D2H grads and H2D params need page-locked memory
-            self.arena.pin()
+            # registered in the params' device's context (pin: their device, or True)
+            self.arena.pin(pin if isinstance(pin, torch.device) else None)
         self._regions, self._bank_offset, self._bank_stride = regions, bank_offset, bank_stride
         self._slots = [self.arena.tensor(slot_offset + k * slot_stride, self.slot_numel, grad_dtype)
                        for k in range(staging_slots)]
@@ -171,7 +172,8 @@ class HostTier(HostStepping, HostIO):
 
     def _wait_populated(self, banks) -> None:
         """Banks the background population has not reached yet are waited for, so no step
-        pays first-touch faults (bounded by the worker timeout); they are written from now on."""
+        pays first-touch faults (for as long as the population progresses: a stall past the worker
+        timeout raises); they are written from now on."""
         for b in banks:
             self.arena.wait_populated(self._bank_offset + b * self._bank_stride, self._bank_stride,
                                       self.client.timeout_s)
