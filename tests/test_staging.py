@@ -154,6 +154,32 @@ def test_a_failed_launch_never_sends_its_queued_pieces_and_frees_their_slots_onc
         tier.close()
 
 
+def test_an_inverse_mode_launch_failing_mid_subgroup_frees_no_slot_a_copy_still_writes():
+    """Inverse mode hands a subgroup's pieces on only once all are staged: a copy failing on
+    the second piece leaves the first one staged but not queued. Its slot goes back to the
+    ring only after its copy has landed."""
+    numels = [3 * SLOT]
+    states, grads = make_states(numels), make_grads(numels)
+    tier = async_tier(numels, rollback="inverse")
+    tier.copy_stager = FakeStager(fail_at=1)
+    try:
+        load(tier, states)
+        sent = spy_sends(tier)
+        free_before = len(tier._free_slots)
+        with pytest.raises(RuntimeError, match="injected copy failure"):
+            tier.speculate(0, grads[0], inputs(), wait=False)
+        first = tier.copy_stager.events[0]
+        assert first.synchronized and first.done, "the slot was freed while its copy was in flight"
+        assert len(tier._free_slots) == free_before and tier.copies_in_flight() == 0
+        assert steps_sent(sent) == [] and tier.speculated() == []
+        tier.copy_stager = None
+        assert tier.step(0, grads[0], inputs()) == "stepped"
+        ref_step(states[0], grads[0], inputs())
+        assert_bitwise_equal(tier.master(0), states[0]["p"], "param after the abandoned launch")
+    finally:
+        tier.close()
+
+
 def test_inverse_mode_checks_finiteness_once_the_copies_landed():
     numels = [2 * SLOT, SLOT]
     states, grads = make_states(numels), make_grads(numels)

@@ -236,6 +236,15 @@ class HostIO:
             piece.cancelled = True
             return
         if not piece.freed and piece.slot >= 0:
+            if piece.copy_done is not None:
+                # staged but never queued (a launch that failed before its pieces were handed
+                # on, inverse mode): its copy may still be writing the slot. A failure path:
+                # waiting is fine there
+                try:
+                    piece.copy_done.synchronize()
+                except Exception:
+                    pass  # a failed device: nothing more lands in the slot
+                piece.copy_done = None
             piece.freed = True
             self._free_slots.append(piece.slot)
 
