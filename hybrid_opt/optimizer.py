@@ -214,6 +214,13 @@ class _HybridBase(SpeculationMixin, PlacementMixin, CheckpointMixin, StepStatsMi
             if param_group.get("amsgrad", self.defaults["amsgrad"]) and not self._amsgrad_layout:
                 raise ValueError("add_param_group: an amsgrad group cannot join an optimizer built "
                                  "without amsgrad; construct it with amsgrad=True")
+            have = {p.device for p in self._all_params()}
+            new = {t.device for t in (i[1] if isinstance(i, tuple) else i for i in param_group["params"])
+                   if isinstance(t, torch.Tensor)}
+            if have and new - have:
+                raise ValueError(f"add_param_group: all parameters must be on one device; the "
+                                 f"optimizer's are on {sorted(map(str, have))}, the new group's on "
+                                 f"{sorted(map(str, new))}: move the group to that device first")
         super().add_param_group(param_group)
         if self._built:
             self._extend(len(self.param_groups) - 1)

@@ -856,3 +856,14 @@ def test_attributes(placement):
         assert isinstance(opt.stats, dict) and opt.stats
         assert opt.last_grad_norm == pytest.approx(float(ref_norm), rel=RTOL[FP32])
         assert opt.step_was_skipped is False
+
+
+def test_add_param_group_on_another_device_is_refused_and_changes_nothing():
+    model = nn.Linear(8, 8)
+    with HybridAdamW(model.parameters(), offload_fraction=0.0) as opt:
+        other = nn.Parameter(torch.empty(4, device="meta"))
+        with pytest.raises(ValueError, match=r"one device.*\['cpu'\].*\['meta'\]"):
+            opt.add_param_group({"params": [other]})
+        assert len(opt.param_groups) == 1
+        model(torch.randn(2, 8)).sum().backward()
+        opt.step()  # still trains
