@@ -45,13 +45,13 @@ step() {  # step NAME SECONDS COMMAND...: run with a time limit, remember a fail
 }
 
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv || true
-step versions 15 python -c "import sys, torch, triton; print(sys.version.split()[0], 'torch', torch.__version__, 'triton', triton.__version__, 'cuda', torch.cuda.is_available())"
-step install 45 python -m pip install --no-deps --no-build-isolation -e .
-step gpu-tests 130 python -m pytest -m gpu -q -p no:cacheprovider tests
-step kernel-tests 65 python -m pytest -q -p no:cacheprovider -m "not gpu" tests/test_gpu_kernels.py
-step benchmark 75 python benchmarks/bench_gpu_kernels.py --quick --json "$OUT_DIR/bench_gpu_kernels.json"
-step end-to-end 55 python benchmarks/bench_step.py --iters 10 --json "$OUT_DIR/bench_step.json"
-step memory 35 python benchmarks/gpu_table.py memory --json "$OUT_DIR/gpu_memory.json"
+step versions 10 python -c "import sys, torch, triton; print(sys.version.split()[0], 'torch', torch.__version__, 'triton', triton.__version__, 'cuda', torch.cuda.is_available())"
+step install 35 python -m pip install --no-deps --no-build-isolation -e .
+step gpu-tests 190 python -m pytest -m gpu -v -p no:cacheprovider tests
+step kernel-tests 50 python -m pytest -q -p no:cacheprovider -m "not gpu" tests/test_gpu_kernels.py
+step benchmark 60 python benchmarks/bench_gpu_kernels.py --quick --json "$OUT_DIR/bench_gpu_kernels.json"
+step end-to-end 50 python benchmarks/bench_step.py --iters 10 --json "$OUT_DIR/bench_step.json"
+step memory 30 python benchmarks/gpu_table.py memory --json "$OUT_DIR/gpu_memory.json"
 if [[ "${SWEEP:-0}" == 1 ]]; then
     step sweep 120 python benchmarks/bench_gpu_kernels.py --quick --sweep --json "$OUT_DIR/bench_gpu_kernels_sweep.json"
 fi
