@@ -4,6 +4,8 @@ The C library is built by `pip install` (a plain compiler call, no torch headers
 loaded through ctypes. The SIMD level (avx512 / avx2 / portable) is picked at run time;
 `HYBRID_OPT_SIMD=avx2|portable` or `set_simd_level()` forces a lower one. Threads are
 OpenMP's, sized by `set_num_threads()`; results are bitwise the same for any thread count.
+Moments may be bf16, and a bf16 param may carry its fp32 master's low halves
+(`remainder=`, `encode_remainder` / `decode_remainder`): 2 + 2 bytes instead of 4 + 4.
 
 Formulas (torch.optim.AdamW / Adam, with bias correction, t = step):
     g  = grad * grad_scale            (+ weight_decay * p for Adam's L2 decay)
@@ -19,11 +21,16 @@ from ._lib import (available_simd_levels, get_num_threads, set_num_threads, set_
 
 __all__ = ["simd_level", "available_simd_levels", "set_simd_level", "set_num_threads",
            "get_num_threads", "adam_step_", "grad_stats", "adam_inverse_", "bandwidth_probe_",
-           "bandwidth_probe_bank_",
-           "adam_step_reference", "grad_stats_reference", "adam_inverse_reference"]
+           "bandwidth_probe_bank_", "encode_remainder", "decode_remainder",
+           "adam_step_reference", "grad_stats_reference", "adam_inverse_reference",
+           "adam_step_bitwise_reference", "encode_remainder_reference",
+           "decode_remainder_reference", "bf16_round_reference"]
 
-_API = {"adam_step_", "grad_stats", "adam_inverse_", "bandwidth_probe_", "bandwidth_probe_bank_"}
-_REFERENCES = {"adam_step_reference", "grad_stats_reference", "adam_inverse_reference"}
+_API = {"adam_step_", "grad_stats", "adam_inverse_", "bandwidth_probe_", "bandwidth_probe_bank_",
+        "encode_remainder", "decode_remainder"}
+_REFERENCES = {"adam_step_reference", "grad_stats_reference", "adam_inverse_reference",
+               "adam_step_bitwise_reference", "encode_remainder_reference",
+               "decode_remainder_reference", "bf16_round_reference"}
 
 
 def __getattr__(name):

@@ -70,19 +70,45 @@ _COPY_DTYPES = (torch.bfloat16, torch.float16)
 
 
 def adam_step_(param, grad, exp_avg, exp_avg_sq, *, step, lr, beta1, beta2, eps, weight_decay,
-               decoupled=True, grad_scale=1.0, max_exp_avg_sq=None, param_copy=None, out=None):
+               decoupled=True, grad_scale=1.0, max_exp_avg_sq=None, param_copy=None, out=None,
+               remainder=None, remainder_out=None):
     """One Adam (decoupled=False, L2) or AdamW step over contiguous CPU tensors.
 
     param: fp32 master; grad: fp32/bf16/fp16, multiplied by `grad_scale` in the same pass
     (1/loss_scale x clip coefficient; negative for maximize); exp_avg/exp_avg_sq (and
-    max_exp_avg_sq for amsgrad): fp32 or bf16 (rounded to nearest even). `param_copy`:
-    a bf16/fp16 tensor receiving the updated param, rounded exactly as torch's cast.
+    max_exp_avg_sq for amsgrad): fp32 or bf16 (rounded to nearest even; the fp32 value
+    before rounding feeds the param update). `param_copy`: a bf16/fp16 tensor receiving the
+    updated param, rounded exactly as torch's cast.
     `out=(param_out, exp_avg_out, exp_avg_sq_out[, max_exp_avg_sq_out])`: bank mode, the
     new state is written there (non-temporal stores) and the inputs stay bitwise unchanged.
+    `remainder`: int16 low halves of the fp32 master; `param` is then the bf16 model param
+    (the master's high half, see `encode_remainder`): the master is decoded, stepped and
+    encoded back into param and remainder — or, in bank mode, into out[0] (bf16) and
+    `remainder_out` (int16). `param_copy` has no meaning then (param already is the copy).
     `step` is the step count after this update (1 on the first).
     """
     _check_hyper(lr, beta1, beta2, eps, weight_decay, step, grad_scale)
-    _check_tensor(param, "param", (torch.float32,))
+    rem = remainder is not None
+    if rem:
+        _check_tensor(param, "param", (torch.bfloat16,))
+        if param_copy is not None:
+            raise ValueError("param_copy cannot be combined with remainder: with remainders "
+                             "`param` already is the bf16 model param the step writes; drop "
+                             "param_copy")
+        _check_tensor(remainder, "remainder", (torch.int16,), param.numel())
+        if out is None and remainder_out is not None:
+            raise ValueError("remainder_out is for bank mode only: pass out= as well, or drop "
+                             "remainder_out to update remainder in place")
+        if out is not None and remainder_out is None:
+            raise ValueError("bank mode with remainders needs remainder_out= (an int16 tensor "
+                             "for the new remainders): the inputs must stay unchanged")
+    else:
+        if remainder_out is not None:
+            raise ValueError("remainder_out needs remainder= (the int16 low halves the step reads)")
+        if isinstance(param, torch.Tensor) and param.dtype == torch.bfloat16:
+            raise TypeError("param must have dtype in ['torch.float32'], got torch.bfloat16: a "
+                            "bf16 param needs remainder= (its fp32 master's low halves)")
+        _check_tensor(param, "param", (torch.float32,))
     n = param.numel()
     _check_tensor(grad, "grad", _GRAD_DTYPES, n)
     _check_tensor(exp_avg, "exp_avg", _STATE_DTYPES, n)
@@ -96,6 +122,9 @@ def adam_step_(param, grad, exp_avg, exp_avg_sq, *, step, lr, beta1, beta2, eps,
     ins = [("param", param), ("grad", grad), ("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)]
     if max_exp_avg_sq is not None:
         ins.append(("max_exp_avg_sq", max_exp_avg_sq))
+    if rem:  # in place too: remainder is written, so it must not alias anything it reads
+        _check_no_overlap([("remainder", remainder)], ins)
+        ins.append(("remainder", remainder))
     if out is None:
         outs = [param, exp_avg, exp_avg_sq, max_exp_avg_sq]
     else:
@@ -106,8 +135,13 @@ def adam_step_(param, grad, exp_avg, exp_avg_sq, *, step, lr, beta1, beta2, eps,
         names = ("out[0] (param_out)", "out[1] (exp_avg_out)", "out[2] (exp_avg_sq_out)",
                  "out[3] (max_exp_avg_sq_out)")
         for k, t in enumerate(out):
-            _check_tensor(t, names[k], (torch.float32,) if k == 0 else (exp_avg.dtype,), n)
-        _check_no_overlap([(names[k], t) for k, t in enumerate(out)], ins)
+            _check_tensor(t, names[k], (param.dtype,) if k == 0 else (exp_avg.dtype,), n)
+        written = [(names[k], t) for k, t in enumerate(out)]
+        if rem:
+            _check_tensor(remainder_out, "remainder_out", (torch.int16,), n)
+            _check_no_overlap([("remainder_out", remainder_out)], written)
+            written.append(("remainder_out", remainder_out))
+        _check_no_overlap(written, ins)
         outs = list(out) + [None] * (4 - len(out))
     if param_copy is not None:
         _check_no_overlap([("param_copy", param_copy)], ins)
@@ -129,8 +163,38 @@ def adam_step_(param, grad, exp_avg, exp_avg_sq, *, step, lr, beta1, beta2, eps,
     a.step = step
     a.lr, a.beta1, a.beta2, a.eps, a.weight_decay, a.grad_scale = (
         float(lr), float(beta1), float(beta2), float(eps), float(weight_decay), float(grad_scale))
+    if rem:
+        a.remainder = remainder.data_ptr()
+        a.remainder_out = (remainder if out is None else remainder_out).data_ptr()
     lib.hybrid_adam_step(ctypes.byref(a))
     return param if out is None else out[0]
+
+
+def encode_remainder(master):
+    """fp32 master -> (bf16 param, int16 remainder), losslessly (Transformer Engine's
+    `store_param_remainders` encoding): the param is the master's high 16 bits rounded to
+    nearest with ties away from zero (high half + 1 when the low half's top bit is set), the
+    remainder its low 16 bits. 16-bit wrap-around: a finite master >= 0x7F7F8000 in magnitude
+    gives an inf param; a NaN with high half 0x7FFF / 0xFFFF and that carry gives -0.0 / +0.0;
+    `decode_remainder` restores every one of the 2^32 bit patterns exactly."""
+    _check_tensor(master, "master", (torch.float32,))
+    param = torch.empty(master.shape, dtype=torch.bfloat16)
+    rem = torch.empty(master.shape, dtype=torch.int16)
+    if master.numel():
+        lib.hybrid_remainder_encode(master.data_ptr(), param.data_ptr(), rem.data_ptr(), master.numel())
+    return param, rem
+
+
+def decode_remainder(param, remainder):
+    """(bf16 param, int16 remainder) -> the fp32 master: subtract the encoding's carry (the
+    remainder's top bit) from the param's bits in 16-bit wrap-around, join the halves."""
+    _check_tensor(param, "param", (torch.bfloat16,))
+    _check_tensor(remainder, "remainder", (torch.int16,), param.numel())
+    master = torch.empty(param.shape, dtype=torch.float32)
+    if param.numel():
+        lib.hybrid_remainder_decode(param.data_ptr(), remainder.data_ptr(), master.data_ptr(),
+                                    param.numel())
+    return master
 
 
 def grad_stats(grad):

@@ -20,7 +20,8 @@ class AdamArgs(ctypes.Structure):
         "exp_avg_sq_out", "max_exp_avg_sq_out", "param_copy")] + [
         ("grad_dtype", ctypes.c_int32), ("moment_dtype", ctypes.c_int32),
         ("copy_dtype", ctypes.c_int32), ("decoupled", ctypes.c_int32), ("step", ctypes.c_int64)] + [
-        (name, ctypes.c_double) for name in ("lr", "beta1", "beta2", "eps", "weight_decay", "grad_scale")]
+        (name, ctypes.c_double) for name in ("lr", "beta1", "beta2", "eps", "weight_decay", "grad_scale")] + [
+        ("remainder", ctypes.c_void_p), ("remainder_out", ctypes.c_void_p)]
 
 
 class InverseArgs(ctypes.Structure):
@@ -47,6 +48,9 @@ def _load_library():
     lib.hybrid_bw_inplace.restype = None
     lib.hybrid_bw_bank.argtypes = [ctypes.c_void_p] * 7 + [ctypes.c_int64]
     lib.hybrid_bw_bank.restype = None
+    for name in ("hybrid_remainder_encode", "hybrid_remainder_decode"):
+        getattr(lib, name).argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64]
+        getattr(lib, name).restype = None
     for name in ("hybrid_max_level", "hybrid_get_level", "hybrid_get_num_threads"):
         getattr(lib, name).restype = ctypes.c_int
         getattr(lib, name).argtypes = []

@@ -1,13 +1,15 @@
 /* The Adam and grad-statistics loops, written once and compiled once per SIMD level.
  *
  * A level file defines LEVEL and the block primitives (load_block, store_block,
- * chunk_sumsq, finish_stores) with its own intrinsics, then includes this body. Work goes
+ * decode_block, encode_block, chunk_sumsq, finish_stores) with its own intrinsics, then
+ * includes this body. Work goes
  * in blocks of BLK elements: grads (and bf16 moments) are widened into L1-resident fp32
  * buffers, one vectorised loop does the math, results are narrowed on the way out. fp32
  * state updated in place is read and written straight from memory; in bank mode (outputs
  * elsewhere) results leave with non-temporal stores — from registers where the level has a
  * register loop (AVX-512), else through L1 — so writing a spare bank costs no
- * read-for-ownership: bank mode moves the same bytes as in place.
+ * read-for-ownership: bank mode moves the same bytes as in place. With remainders the fp32
+ * master is decoded (bf16 param + int16 low half) into L1 and encoded on the way out.
  */
 #define BLK 128
 /* Explicit fused multiply-adds where the level has them, so the rounding is fixed by the
@@ -57,7 +59,16 @@ void FN(adam_range)(const adam_args_t *a, const adam_consts_t *c, int64_t begin,
     float pob[BLK] __attribute__((aligned(64))), mob[BLK] __attribute__((aligned(64)));
     float vob[BLK] __attribute__((aligned(64))), xob[BLK] __attribute__((aligned(64)));
     const int mdt = a->moment_dtype, oop = c->out_of_place, ams = c->amsgrad, l2 = c->l2_mode;
+#ifdef HAVE_ADAM_C16_REGS
+    if (a->remainder || mdt != DT_F32) {  /* the level's register loop; the tail below */
+        const int64_t vec_end = begin + ((end - begin) & ~(int64_t)31);
+        adam_c16_regs(a, c, begin, vec_end);
+        begin = vec_end;
+    }
+#endif
     const int direct = (mdt == DT_F32) && !oop;  /* moments read and written in memory */
+    const int rem = a->remainder != NULL;       /* param: bf16 high half + int16 remainder */
+    float rb[BLK] __attribute__((aligned(64)));
 
     for (int64_t off = begin; off < end; off += BLK) {
         const int len = (int)((end - off) < BLK ? (end - off) : BLK);
@@ -67,6 +78,10 @@ void FN(adam_range)(const adam_args_t *a, const adam_consts_t *c, int64_t begin,
             gi = gb;
         }
         const float *pin = a->param + off;
+        if (rem) {  /* the fp32 master, decoded into L1 */
+            decode_block(rb, (const uint16_t *)(const void *)a->param, a->remainder, off, len);
+            pin = rb;
+        }
         const float *mi, *vi, *xi = NULL;
         if (mdt == DT_F32) {
             mi = (const float *)a->exp_avg + off;
@@ -79,7 +94,7 @@ void FN(adam_range)(const adam_args_t *a, const adam_consts_t *c, int64_t begin,
             mi = mb; vi = vb; xi = xb;
         }
 #ifdef HAVE_ADAM_F32_REGS
-        if (oop) {
+        if (oop && !rem) {
             /* bank mode: the level's register loop (adam_math's arithmetic, FMA for FMA) stores
              * fp32 outputs straight from registers, non-temporal — no L1 round trip — and bf16
              * moments through L1 to be rounded */
@@ -97,7 +112,7 @@ void FN(adam_range)(const adam_args_t *a, const adam_consts_t *c, int64_t begin,
             continue;
         }
 #endif
-        float *po = oop ? pob : a->param_out + off;
+        float *po = (oop || rem) ? pob : a->param_out + off;
         float *mo = direct ? (float *)a->exp_avg_out + off : mob;
         float *vo = direct ? (float *)a->exp_avg_sq_out + off : vob;
         float *xo = (direct && ams) ? (float *)a->max_exp_avg_sq_out + off : xob;
@@ -110,13 +125,31 @@ void FN(adam_range)(const adam_args_t *a, const adam_consts_t *c, int64_t begin,
             else adam_math(pin, gi, mi, vi, xi, po, mo, vo, xo, len, c, 0, 0);
         }
 
-        if (po == pob) store_block(a->param_out, DT_F32, off, pob, len, 1);
+        if (rem) encode_block((uint16_t *)(void *)a->param_out, a->remainder_out, off, pob, len, oop);
+        else if (po == pob) store_block(a->param_out, DT_F32, off, pob, len, 1);
         if (mo == mob) store_block(a->exp_avg_out, mdt, off, mob, len, oop);
         if (vo == vob) store_block(a->exp_avg_sq_out, mdt, off, vob, len, oop);
         if (ams && xo == xob) store_block(a->max_exp_avg_sq_out, mdt, off, xob, len, oop);
         if (a->param_copy) store_block(a->param_copy, a->copy_dtype, off, po, len, 1);
     }
     finish_stores();
+}
+
+/* Remainder encoding of an fp32 master over [begin, end), and back (see kernels.h). */
+void FN(remainder_encode)(const float *m, uint16_t *p, int16_t *r, int64_t begin, int64_t end)
+{
+    for (int64_t off = begin; off < end; off += BLK) {
+        const int len = (int)((end - off) < BLK ? (end - off) : BLK);
+        encode_block(p, r, off, m + off, len, 0);
+    }
+}
+
+void FN(remainder_decode)(const uint16_t *p, const int16_t *r, float *m, int64_t begin, int64_t end)
+{
+    for (int64_t off = begin; off < end; off += BLK) {
+        const int len = (int)((end - off) < BLK ? (end - off) : BLK);
+        decode_block(m + off, p, r, off, len);
+    }
 }
 
 /* Sums of squares of chunks [chunk0, chunk1) into partials[chunk]; see kernels.h. */

@@ -102,7 +102,7 @@ void hybrid_adam_step(const adam_args_t *a)
     c.l2 = a->decoupled ? 0.0f : (float)a->weight_decay;
     c.l2_mode = !a->decoupled && a->weight_decay != 0.0;
     c.amsgrad = a->max_exp_avg_sq != NULL;
-    c.out_of_place = a->param_out != a->param;
+    c.out_of_place = a->param_out != a->param;  /* with remainders: param and param_out bf16 */
 
     const int level = hybrid_get_level();
     const int64_t n = a->n;
@@ -117,6 +117,37 @@ void hybrid_adam_step(const adam_args_t *a)
             if (level == LEVEL_AVX512) adam_range_avx512(a, &c, b, e);
             else if (level == LEVEL_AVX2) adam_range_avx2(a, &c, b, e);
             else adam_range_portable(a, &c, b, e);
+        }
+    }
+}
+
+/* Remainder encoding (kernels.h) of n fp32 values into bf16 bits + int16, and back. */
+void hybrid_remainder_encode(const float *m, uint16_t *p, int16_t *r, int64_t n)
+{
+    const int level = hybrid_get_level();
+#pragma omp parallel if (n >= PARALLEL_MIN)
+    {
+        int64_t b, e;
+        thread_range(n, &b, &e);
+        if (b < e) {
+            if (level == LEVEL_AVX512) remainder_encode_avx512(m, p, r, b, e);
+            else if (level == LEVEL_AVX2) remainder_encode_avx2(m, p, r, b, e);
+            else remainder_encode_portable(m, p, r, b, e);
+        }
+    }
+}
+
+void hybrid_remainder_decode(const uint16_t *p, const int16_t *r, float *m, int64_t n)
+{
+    const int level = hybrid_get_level();
+#pragma omp parallel if (n >= PARALLEL_MIN)
+    {
+        int64_t b, e;
+        thread_range(n, &b, &e);
+        if (b < e) {
+            if (level == LEVEL_AVX512) remainder_decode_avx512(p, r, m, b, e);
+            else if (level == LEVEL_AVX2) remainder_decode_avx2(p, r, m, b, e);
+            else remainder_decode_portable(p, r, m, b, e);
         }
     }
 }

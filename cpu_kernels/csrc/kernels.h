@@ -15,12 +15,13 @@ enum { DT_F32 = 0, DT_BF16 = 1, DT_F16 = 2 };
 /* One Adam call, as filled in by the Python binding (ctypes mirrors this layout). */
 typedef struct {
     int64_t n;
-    float *param;                  /* fp32 master, read */
+    float *param;                  /* fp32 master; with remainders the bf16 param (high half) */
     const void *grad;              /* grad_dtype */
     const void *exp_avg;           /* moment_dtype */
     const void *exp_avg_sq;        /* moment_dtype */
     const void *max_exp_avg_sq;    /* moment_dtype, NULL unless amsgrad */
-    float *param_out;              /* == param in place; another buffer in bank mode */
+    float *param_out;              /* == param in place; another buffer in bank mode (bf16
+                                    * with remainders) */
     void *exp_avg_out;
     void *exp_avg_sq_out;
     void *max_exp_avg_sq_out;
@@ -28,6 +29,10 @@ typedef struct {
     int32_t grad_dtype, moment_dtype, copy_dtype, decoupled;
     int64_t step;
     double lr, beta1, beta2, eps, weight_decay, grad_scale;
+    /* Remainders (NULL when off): the fp32 master is param (bf16 bits) joined with these
+     * int16 low halves, see remainder_decode; remainder_out == remainder in place. */
+    const int16_t *remainder;
+    int16_t *remainder_out;
 } adam_args_t;
 
 /* Per-call constants in the precision the kernel uses, computed once in dispatch.c. */
@@ -65,6 +70,20 @@ static inline uint16_t f32_to_bf16(float f) {
     uint32_t u = f32_bits(f);
     if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
     return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+/* ---- remainders: an fp32 master as a bf16 param plus its low 16 bits (Transformer
+ * Engine's store_param_remainders encoding) ----
+ * encode: param = high half + 1 when the low half's top bit is set (nearest, ties away from
+ * zero), remainder = low half; decode subtracts that carry again. Both in 16-bit wrap-around
+ * arithmetic, so every one of the 2^32 patterns round-trips: a carry out of 0x7F7F (finite,
+ * >= 0x7F7F8000) gives the param +inf, out of 0x7FFF (a NaN) -0.0, out of 0xFFFF (a NaN) +0.0,
+ * and decode undoes each. */
+static inline uint16_t remainder_param_bits(uint32_t m) { return (uint16_t)((m >> 16) + ((m >> 15) & 1u)); }
+
+static inline float remainder_decode(uint16_t p, uint16_t r)
+{
+    return bits_f32(((uint32_t)(uint16_t)(p - (r >> 15)) << 16) | r);
 }
 
 /* IEEE half -> float, exact for every input (normal, subnormal, inf, NaN). */
@@ -113,7 +132,9 @@ static inline void store_scalar(void *p, int dt, int64_t i, float v) {
     void adam_range_##L(const adam_args_t *a, const adam_consts_t *c, int64_t b, int64_t e); \
     void grad_chunk_sums_##L(const void *g, int dt, int64_t n, int64_t chunk0, int64_t chunk1, \
                              double *partials);                                           \
-    void bw_inplace_##L(float *p, const float *g, float *m, float *v, int64_t b, int64_t e);
+    void bw_inplace_##L(float *p, const float *g, float *m, float *v, int64_t b, int64_t e); \
+    void remainder_encode_##L(const float *m, uint16_t *p, int16_t *r, int64_t b, int64_t e); \
+    void remainder_decode_##L(const uint16_t *p, const int16_t *r, float *m, int64_t b, int64_t e);
 DECLARE_LEVEL(avx512)
 void bw_bank_avx512(const float *p, const float *g, const float *m, const float *v,
                     float *po, float *mo, float *vo, int64_t b, int64_t e);

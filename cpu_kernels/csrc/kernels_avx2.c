@@ -63,6 +63,56 @@ static inline void store_block(void *dst, int dt, int64_t off, const float *src,
 
 static inline void finish_stores(void) { _mm_sfence(); }
 
+/* remainders, 8 at a time (see kernels_avx512.c) */
+static inline __m256 decode8(const uint16_t *p, const int16_t *r, int64_t i)
+{
+    const __m256i pp = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(p + i)));
+    const __m256i rr = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(r + i)));
+    const __m256i hi = _mm256_sub_epi32(pp, _mm256_srli_epi32(rr, 15));
+    return _mm256_castsi256_ps(_mm256_or_si256(_mm256_slli_epi32(hi, 16), rr));
+}
+
+static inline void decode_block(float *dst, const uint16_t *p, const int16_t *r, int64_t off, int len)
+{
+    int i = 0;
+    for (; i + 8 <= len; i += 8) _mm256_storeu_ps(dst + i, decode8(p, r, off + i));
+    for (; i < len; i++) dst[i] = remainder_decode(p[off + i], (uint16_t)r[off + i]);
+}
+
+/* the low 16 bits of 8 int32 lanes, in order (packus cannot saturate once masked) */
+static inline __m128i low_halves_8(__m256i x)
+{
+    const __m256i lo = _mm256_and_si256(x, _mm256_set1_epi32(0xffff));
+    return _mm256_castsi256_si128(_mm256_permute4x64_epi64(_mm256_packus_epi32(lo, lo), 0x08));
+}
+
+static inline void encode_block(uint16_t *p, int16_t *r, int64_t off, const float *src, int len, int nt)
+{
+    int i = 0;
+    uint16_t *dp = p + off;
+    int16_t *dr = r + off;
+    for (; i < len && nt && ((uintptr_t)(dp + i) & 15); i++) {
+        const uint32_t u = f32_bits(src[i]);
+        dp[i] = remainder_param_bits(u);
+        dr[i] = (int16_t)(uint16_t)u;
+    }
+    const int ntp = nt && !((uintptr_t)(dp + i) & 15), ntr = nt && !((uintptr_t)(dr + i) & 15);
+    const __m256i one = _mm256_set1_epi32(1);
+    for (; i + 8 <= len; i += 8) {
+        const __m256i u = _mm256_castps_si256(_mm256_loadu_ps(src + i));
+        const __m256i hi = _mm256_add_epi32(_mm256_srli_epi32(u, 16),
+                                            _mm256_and_si256(_mm256_srli_epi32(u, 15), one));
+        const __m128i ph = low_halves_8(hi), rh = low_halves_8(u);
+        if (ntp) _mm_stream_si128((__m128i *)(dp + i), ph); else _mm_storeu_si128((__m128i *)(dp + i), ph);
+        if (ntr) _mm_stream_si128((__m128i *)(dr + i), rh); else _mm_storeu_si128((__m128i *)(dr + i), rh);
+    }
+    for (; i < len; i++) {
+        const uint32_t u = f32_bits(src[i]);
+        dp[i] = remainder_param_bits(u);
+        dr[i] = (int16_t)(uint16_t)u;
+    }
+}
+
 static inline void chunk_sumsq(const void *g, int dt, int64_t off, int64_t len, double *lanes)
 {
     __m256d acc[4] = {_mm256_setzero_pd(), _mm256_setzero_pd(), _mm256_setzero_pd(), _mm256_setzero_pd()};
@@ -91,4 +141,6 @@ static inline void chunk_sumsq(const void *g, int dt, int64_t off, int64_t len, 
 void adam_range_avx2(const adam_args_t *a, const adam_consts_t *c, int64_t b, int64_t e) { (void)a; (void)c; (void)b; (void)e; }
 void grad_chunk_sums_avx2(const void *g, int dt, int64_t n, int64_t c0, int64_t c1, double *p) { (void)g; (void)dt; (void)n; (void)c0; (void)c1; (void)p; }
 void bw_inplace_avx2(float *p, const float *g, float *m, float *v, int64_t b, int64_t e) { (void)p; (void)g; (void)m; (void)v; (void)b; (void)e; }
+void remainder_encode_avx2(const float *m, uint16_t *p, int16_t *r, int64_t b, int64_t e) { (void)m; (void)p; (void)r; (void)b; (void)e; }
+void remainder_decode_avx2(const uint16_t *p, const int16_t *r, float *m, int64_t b, int64_t e) { (void)p; (void)r; (void)m; (void)b; (void)e; }
 #endif

@@ -1,0 +1,403 @@
+"""cpu_kernels' compressed state: bf16 moments and 16-bit master remainders, bit for bit.
+
+Every SIMD level is compared with the pure-torch bit-exact reference
+(`adam_step_bitwise_reference`: the kernels' fp32 arithmetic op for op, fused multiply-adds
+emulated exactly) with torch.equal on the bits — never a tolerance. The remainder encoding
+is checked on every low half over a spread of high halves, and a bf16 param + remainder is
+stepped 50 times beside an fp32 master: the masters stay bitwise equal.
+"""
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import cpu_kernels as ck
+from cpu_kernels.reference import (FUSED_MULTIPLY_ADD_LEVELS, adam_step_bitwise_reference,
+                                   bf16_round_reference, decode_remainder_reference,
+                                   encode_remainder_reference)
+
+LEVELS = ck.available_simd_levels()
+GRAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+GRAD_SCALE = 0.7 / 1024
+HYPER = dict(step=7, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01)
+BIG = 1_000_003                      # many 16384-element chunks: every thread takes some
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+STATE_NAMES = ("param", "exp_avg", "exp_avg_sq", "max_exp_avg_sq", "remainder")
+
+
+def _id(v):
+    return str(v).replace("torch.", "") if isinstance(v, torch.dtype) else None
+
+
+@pytest.fixture(params=LEVELS)
+def simd(request):
+    saved = ck.simd_level()
+    ck.set_simd_level(request.param)
+    yield request.param
+    ck.set_simd_level(saved)
+
+
+@pytest.fixture(autouse=True)
+def _restore_num_threads():
+    saved = ck.get_num_threads()
+    yield
+    ck.set_num_threads(saved)
+
+
+def bits(t):
+    return t.view({4: torch.int32, 2: torch.int16}[t.element_size()])
+
+
+def assert_bitwise_equal(a, b, what):
+    assert a.dtype == b.dtype and a.shape == b.shape, f"{what}: {a.dtype}{tuple(a.shape)} vs {b.dtype}{tuple(b.shape)}"
+    if not torch.equal(bits(a), bits(b)):
+        bad = (bits(a) != bits(b)).nonzero().flatten()
+        raise AssertionError(f"{what}: {bad.numel()} elements differ, first at {bad[:5].tolist()}: "
+                             f"{a[bad[:5]].tolist()} vs {b[bad[:5]].tolist()}")
+
+
+def make_state(n, grad_dtype, *, amsgrad, moment_dtype, remainders, seed=0):
+    """A mid-training state (non-zero moments, loss-scaled grads, max_exp_avg_sq above v
+    for about half the elements); with remainders the master is held as (bf16, int16)."""
+    gen = torch.Generator().manual_seed(seed)
+    master = torch.randn(n, generator=gen)
+    grad = (torch.randn(n, generator=gen) * 1024).to(grad_dtype)
+    exp_avg = (torch.randn(n, generator=gen) * 0.1).to(moment_dtype)
+    v = torch.rand(n, generator=gen) * 1e-2
+    vmax = (v * 2 * torch.rand(n, generator=gen)).to(moment_dtype) if amsgrad else None
+    state = dict(param=master, grad=grad, exp_avg=exp_avg, exp_avg_sq=v.to(moment_dtype),
+                 max_exp_avg_sq=vmax, remainder=None)
+    if remainders:
+        state["param"], state["remainder"] = ck.encode_remainder(master)
+    return state
+
+
+def _clone(state):
+    return {k: (t.clone() if t is not None else None) for k, t in state.items()}
+
+
+def _poisoned(like, offset=0):
+    """An output buffer of NaN / 0x7FFF bits (an unwritten element shows) starting `offset`
+    elements into its storage (not 64-byte aligned when offset > 0)."""
+    buf = torch.empty(like.numel() + offset, dtype=like.dtype)
+    bits(buf).fill_(0x7FFF if like.element_size() == 2 else 0x7FC00001)
+    return buf[offset:]
+
+
+def run_kernel(state, *, bank, out_offset=0, **hyper):
+    """One adam_step_ on a clone; returns (new state tuple in STATE_NAMES order, inputs after)."""
+    s = _clone(state)
+    ams, rem = s["max_exp_avg_sq"] is not None, s["remainder"] is not None
+    kw = dict(max_exp_avg_sq=s["max_exp_avg_sq"], remainder=s["remainder"])
+    if bank:
+        out = tuple(_poisoned(s[k], out_offset) for k in ("param", "exp_avg", "exp_avg_sq") +
+                    (("max_exp_avg_sq",) if ams else ()))
+        kw.update(out=out, remainder_out=_poisoned(s["remainder"], out_offset) if rem else None)
+        ret = ck.adam_step_(s["param"], s["grad"], s["exp_avg"], s["exp_avg_sq"], **kw, **hyper)
+        assert ret is out[0]
+        new = out + (None,) * (4 - len(out)) + (kw["remainder_out"],)
+    else:
+        ret = ck.adam_step_(s["param"], s["grad"], s["exp_avg"], s["exp_avg_sq"], **kw, **hyper)
+        assert ret is s["param"]
+        new = tuple(s[k] for k in STATE_NAMES)
+    return new, s
+
+
+def reference(state, level, **hyper):
+    return adam_step_bitwise_reference(state["param"], state["grad"], state["exp_avg"],
+                                       state["exp_avg_sq"], max_exp_avg_sq=state["max_exp_avg_sq"],
+                                       remainder=state["remainder"],
+                                       fma=level in FUSED_MULTIPLY_ADD_LEVELS, **hyper)
+
+
+def check_matches_reference(state, level, *, bank, out_offset=0, **hyper):
+    new, inputs_after = run_kernel(state, bank=bank, out_offset=out_offset, **hyper)
+    want = reference(state, level, **hyper)
+    for name, got, exp in zip(STATE_NAMES, new, want):
+        assert (got is None) == (exp is None), name
+        if exp is not None:
+            assert_bitwise_equal(got, exp, f"{name} at {level} vs the bitwise reference")
+    if bank:
+        for name, t in state.items():
+            if t is not None:
+                assert_bitwise_equal(inputs_after[name], t, f"bank mode changed input {name}")
+
+
+# ------------------------------------------------------------- the kernel matrix, bitwise
+@pytest.mark.parametrize("remainders", [False, True], ids=["fp32_master", "remainders"])
+@pytest.mark.parametrize("moment_dtype", [torch.float32, torch.bfloat16], ids=_id)
+@pytest.mark.parametrize("amsgrad", [False, True], ids=["adam", "amsgrad"])
+@pytest.mark.parametrize("bank", [False, True], ids=["in_place", "bank"])
+@pytest.mark.parametrize("decoupled", [True, False], ids=["adamw", "l2"])
+@pytest.mark.parametrize("grad_dtype", GRAD_DTYPES, ids=_id)
+def test_adam_step_is_bitwise_the_reference(simd, grad_dtype, decoupled, bank, amsgrad,
+                                            moment_dtype, remainders):
+    # 4099 = vector body + a 3-element tail at every level
+    state = make_state(4099, grad_dtype, amsgrad=amsgrad, moment_dtype=moment_dtype,
+                       remainders=remainders, seed=4099)
+    hyper = dict(HYPER, decoupled=decoupled, grad_scale=GRAD_SCALE if decoupled else -GRAD_SCALE)
+    check_matches_reference(state, simd, bank=bank, **hyper)
+
+
+@pytest.mark.parametrize("n", [1, 15, 17, 33])
+@pytest.mark.parametrize("bank", [False, True], ids=["in_place", "bank"])
+def test_adam_step_with_remainders_and_bf16_moments_short_tails(simd, bank, n):
+    state = make_state(n, torch.bfloat16, amsgrad=True, moment_dtype=torch.bfloat16,
+                       remainders=True, seed=n)
+    check_matches_reference(state, simd, bank=bank, **dict(HYPER, grad_scale=GRAD_SCALE))
+
+
+@pytest.mark.parametrize("moment_dtype", [torch.float32, torch.bfloat16], ids=_id)
+def test_adam_step_with_remainders_on_a_million_elements_any_thread_count(simd, moment_dtype):
+    state = make_state(BIG, torch.bfloat16, amsgrad=False, moment_dtype=moment_dtype,
+                       remainders=True, seed=1)
+    hyper = dict(HYPER, grad_scale=GRAD_SCALE)
+    want = reference(state, simd, **hyper)
+    for threads in (1, 2, 3):
+        ck.set_num_threads(threads)
+        for bank in (False, True):
+            new, _ = run_kernel(state, bank=bank, **hyper)
+            for name, got, exp in zip(STATE_NAMES, new, want):
+                if exp is not None:
+                    assert_bitwise_equal(got, exp, f"{name}, {threads} threads, bank={bank}")
+
+
+def test_the_reference_tells_fused_from_unfused_multiply_adds():
+    """The matrix can tell the levels' arithmetic apart: on its data, fused and unfused
+    multiply-adds give different params (so a level rounding the other way would fail)."""
+    state = make_state(4099, torch.float32, amsgrad=False, moment_dtype=torch.float32,
+                       remainders=False, seed=4099)
+    args = (state["param"], state["grad"], state["exp_avg"], state["exp_avg_sq"])
+    fused = adam_step_bitwise_reference(*args, **HYPER, fma=True)
+    unfused = adam_step_bitwise_reference(*args, **HYPER, fma=False)
+    assert not torch.equal(bits(fused[0]), bits(unfused[0]))
+
+
+def test_bank_mode_with_remainders_into_misaligned_views_matches_the_reference():
+    """bf16/int16 outputs at odd offsets (non-temporal stores peel to alignment). In a child
+    process: a crash there fails this test instead of the run."""
+    code = (f"import sys; sys.path.insert(0, {os.path.dirname(os.path.abspath(__file__))!r})\n"
+            "import torch, cpu_kernels as ck, test_cpu_remainders as t\n"
+            f"for level in {LEVELS!r}:\n"
+            "    ck.set_simd_level(level)\n"
+            "    for n in (17, 4099):\n"
+            "        for md in (torch.float32, torch.bfloat16):\n"
+            "            for off in (1, 3, 8, 15):\n"
+            "                s = t.make_state(n, torch.bfloat16, amsgrad=off % 2 == 1, moment_dtype=md,\n"
+            "                                 remainders=True, seed=off)\n"
+            "                t.check_matches_reference(s, level, bank=True, out_offset=off, **t.HYPER)\n")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, f"exit status {proc.returncode}\n{proc.stderr[-3000:]}"
+
+
+# ------------------------------------------------------------------ the remainder encoding
+HIGH_HALVES = [0x0000, 0x0001, 0x0002, 0x007F, 0x0080, 0x0081, 0x3F7F, 0x3F80, 0x3F81, 0x4049,
+               0x7F7E, 0x7F7F,           # largest finite: its carry makes the param inf
+               0x7F80,                   # +inf (low 0) or a NaN whose payload is in the low half
+               0x7F81, 0x7FBF, 0x7FC0, 0x7FC1, 0x7FFE, 0x7FFF,  # NaNs; 0x7FFF's carry wraps
+               0x1234, 0x5555, 0x2AAA]
+HIGH_HALVES += [h | 0x8000 for h in HIGH_HALVES]  # the same with the sign bit: -0, -inf, ...
+
+
+def every_low_half():
+    """fp32 values: each of HIGH_HALVES joined with each of the 65536 low halves."""
+    high = torch.tensor(HIGH_HALVES, dtype=torch.int64)[:, None] << 16
+    u = (high | torch.arange(65536, dtype=torch.int64)[None, :]).flatten()
+    return torch.where(u >= 2 ** 31, u - 2 ** 32, u).to(torch.int32).view(torch.float32)
+
+
+def test_encode_decode_round_trips_every_low_half_at_every_level(simd):
+    x = every_low_half()
+    p_ref, r_ref = encode_remainder_reference(x)
+    p, r = ck.encode_remainder(x)
+    assert p.dtype == torch.bfloat16 and r.dtype == torch.int16
+    assert_bitwise_equal(p, p_ref, "encode_remainder param vs the reference")
+    assert_bitwise_equal(r, r_ref, "encode_remainder remainder vs the reference")
+    # lossless for every pattern: +-0, subnormals, the largest finite, inf, and NaN payloads
+    assert_bitwise_equal(ck.decode_remainder(p, r), x, "decode(encode(x)) vs x")
+    assert_bitwise_equal(decode_remainder_reference(p_ref, r_ref), x, "reference decode(encode(x))")
+    # decode of arbitrary (param, remainder) pairs agrees with the reference as well
+    pr = torch.randint(-2 ** 15, 2 ** 15, (2, 1 << 16), generator=torch.Generator().manual_seed(3),
+                       dtype=torch.int16)
+    assert_bitwise_equal(ck.decode_remainder(pr[0].view(torch.bfloat16), pr[1]),
+                         decode_remainder_reference(pr[0].view(torch.bfloat16), pr[1]), "decode")
+
+
+def test_encoded_param_is_the_high_half_rounded_ties_away_and_differs_from_rne_only_on_ties():
+    x = every_low_half()
+    u = bits(x).to(torch.int64) & 0xFFFFFFFF
+    p, r = ck.encode_remainder(x)
+    p_bits = bits(p).to(torch.int64) & 0xFFFF
+    assert torch.equal(p_bits, ((u >> 16) + ((u >> 15) & 1)) & 0xFFFF)
+    assert torch.equal(r.to(torch.int64) & 0xFFFF, u & 0xFFFF)
+    not_nan = ~torch.isnan(x)
+    rne = bits(bf16_round_reference(x)).to(torch.int64) & 0xFFFF
+    tie = (u & 0xFFFF) == 0x8000
+    assert torch.equal(p_bits[not_nan & ~tie], rne[not_nan & ~tie])
+    # on a tie the two agree exactly when the high half is odd (RNE then rounds up too)
+    odd = (u >> 16) & 1 == 1
+    assert torch.equal(p_bits[not_nan & tie] == rne[not_nan & tie], odd[not_nan & tie])
+    # and torch's own cast agrees wherever RNE does (finite, non-NaN values)
+    finite = torch.isfinite(x) & ~tie
+    assert torch.equal(bits(x[finite].to(torch.bfloat16)), bits(p[finite]))
+
+
+@pytest.mark.parametrize("master,param", [
+    (0x7F7F8000, 0x7F80), (0xFF7FFFFF, 0xFF80),   # largest finite magnitudes -> +-inf
+    (0x7F7F7FFF, 0x7F7F),                          # just below: the param stays finite
+    (0x7F800000, 0x7F80), (0x7F800001, 0x7F80),    # inf; a NaN with a low payload -> inf
+    (0x7F808000, 0x7F81),                          # ... whose carry keeps it a NaN
+    (0x7FFF8000, 0x8000), (0xFFFF8000, 0x0000),    # the carry wraps: a NaN master, a +-0 param
+    (0x7FC00000, 0x7FC0), (0x00008000, 0x0001),    # the default NaN; a subnormal tie -> away
+    (0x80000000, 0x8000), (0x00000001, 0x0000),    # -0; the smallest subnormal
+], ids=lambda v: f"{v:08x}")
+def test_documented_carry_cases(master, param):
+    x = torch.tensor([master - 2 ** 32 if master >= 2 ** 31 else master], dtype=torch.int32).view(torch.float32)
+    p, r = ck.encode_remainder(x)
+    assert bits(p).item() & 0xFFFF == param
+    assert bits(ck.decode_remainder(p, r)).item() & 0xFFFFFFFF == master
+
+
+def test_encode_decode_keep_shape_and_handle_empty_tensors():
+    x = torch.randn(3, 5)
+    p, r = ck.encode_remainder(x)
+    assert p.shape == r.shape == (3, 5)
+    assert ck.decode_remainder(p, r).shape == (3, 5)
+    p0, r0 = ck.encode_remainder(torch.empty(0))
+    assert p0.numel() == r0.numel() == ck.decode_remainder(p0, r0).numel() == 0
+
+
+# --------------------------------------------- remainders are the fp32 master, step after step
+@pytest.mark.parametrize("moment_dtype", [torch.float32, torch.bfloat16], ids=_id)
+@pytest.mark.parametrize("mode", ["in_place", "bank-amsgrad-l2"])
+def test_fifty_steps_with_remainders_keep_the_fp32_masters_bits(simd, moment_dtype, mode):
+    """The same kernel steps an fp32 master and a (bf16 param, remainder) pair with grads from
+    one fixed random stream: after every step the decoded master is bitwise the fp32 one and
+    the param is its high half rounded ties-away (torch's cast of it but for ties)."""
+    n, bank = 4099, mode != "in_place"
+    hyper = dict(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.05, decoupled=not bank)
+    gen = torch.Generator().manual_seed(50)
+    master = torch.randn(n, generator=gen)
+    param, rem = ck.encode_remainder(master)
+    m32, v32 = torch.zeros(n, dtype=moment_dtype), torch.zeros(n, dtype=moment_dtype)
+    m16, v16 = m32.clone(), v32.clone()
+    x32 = torch.zeros(n, dtype=moment_dtype) if bank else None
+    x16 = x32.clone() if bank else None
+    for t in range(1, 51):
+        grad = (torch.randn(n, generator=gen) * (1 + t % 3)).bfloat16()
+        kw = dict(hyper, step=t, grad_scale=0.5)
+        if bank:
+            o32 = (torch.empty(n), torch.empty_like(m32), torch.empty_like(v32), torch.empty_like(x32))
+            o16 = (torch.empty_like(param),) + tuple(torch.empty_like(b) for b in o32[1:])
+            r_out = torch.empty_like(rem)
+            ck.adam_step_(master, grad, m32, v32, max_exp_avg_sq=x32, out=o32, **kw)
+            ck.adam_step_(param, grad, m16, v16, max_exp_avg_sq=x16, out=o16, remainder=rem,
+                          remainder_out=r_out, **kw)
+            master, m32, v32, x32 = o32
+            param, m16, v16, x16 = o16
+            rem = r_out
+        else:
+            ck.adam_step_(master, grad, m32, v32, **kw)
+            ck.adam_step_(param, grad, m16, v16, remainder=rem, **kw)
+        assert_bitwise_equal(ck.decode_remainder(param, rem), master, f"master after step {t}")
+        for name, a, b in (("exp_avg", m16, m32), ("exp_avg_sq", v16, v32), ("max_exp_avg_sq", x16, x32)):
+            if b is not None:
+                assert_bitwise_equal(a, b, f"{name} after step {t}")
+    assert_bitwise_equal(param, encode_remainder_reference(master)[0], "param vs the master rounded away")
+    not_tie = (bits(master) & 0xFFFF) != 0x8000
+    assert_bitwise_equal(param[not_tie], master[not_tie].to(torch.bfloat16), "param vs torch's cast")
+    assert not torch.equal(master, torch.randn(n, generator=torch.Generator().manual_seed(50)))
+
+
+# ---------------------------------------------------------------------------- bad input
+def _args(n=8, *, remainders=True, amsgrad=False):
+    s = make_state(n, torch.bfloat16, amsgrad=amsgrad, moment_dtype=torch.bfloat16,
+                   remainders=remainders)
+    kw = dict(HYPER, max_exp_avg_sq=s["max_exp_avg_sq"], remainder=s["remainder"])
+    return [s["param"], s["grad"], s["exp_avg"], s["exp_avg_sq"]], kw
+
+
+def _bank(args, kw, **over):
+    n = args[0].numel()
+    out = (torch.empty(n, dtype=torch.bfloat16), torch.empty(n, dtype=torch.bfloat16),
+           torch.empty(n, dtype=torch.bfloat16))
+    kw.update(out=out, remainder_out=torch.empty(n, dtype=torch.int16))
+    kw.update({k: (v(args, kw) if callable(v) else v) for k, v in over.items()})
+
+
+I16, BF16 = torch.int16, torch.bfloat16
+# (id, edit of a valid remainder call, exception, message regex)
+REMAINDER_ERROR_INPUTS = [
+    ("remainder fp32", lambda a, k: k.update(remainder=torch.zeros(8)), TypeError,
+     "remainder must have dtype"),
+    ("remainder uint16-sized int32", lambda a, k: k.update(remainder=torch.zeros(8, dtype=torch.int32)),
+     TypeError, "remainder must have dtype"),
+    ("remainder size", lambda a, k: k.update(remainder=torch.zeros(9, dtype=I16)), ValueError,
+     "remainder has 9 elements, expected 8"),
+    ("remainder non-contiguous", lambda a, k: k.update(remainder=torch.zeros(16, dtype=I16)[::2]),
+     ValueError, "remainder must be contiguous"),
+    ("remainder a list", lambda a, k: k.update(remainder=[0] * 8), TypeError,
+     "remainder must be a torch.Tensor"),
+    ("fp32 param with remainder", lambda a, k: a.__setitem__(0, torch.zeros(8)), TypeError,
+     "param must have dtype"),
+    ("bf16 param without remainder", lambda a, k: k.update(remainder=None), TypeError,
+     "a bf16 param needs remainder="),
+    ("param_copy with remainder", lambda a, k: k.update(param_copy=torch.empty(8, dtype=BF16)),
+     ValueError, "param_copy cannot be combined with remainder"),
+    ("remainder overlaps param", lambda a, k: k.update(remainder=a[0].view(I16)), ValueError,
+     "remainder overlaps param"),
+    ("remainder overlaps exp_avg", lambda a, k: k.update(remainder=a[2].view(I16)), ValueError,
+     "remainder overlaps exp_avg"),
+    ("remainder_out without out", lambda a, k: k.update(remainder_out=torch.empty(8, dtype=I16)),
+     ValueError, "remainder_out is for bank mode only"),
+    ("out without remainder_out", lambda a, k: (_bank(a, k), k.update(remainder_out=None)), ValueError,
+     "bank mode with remainders needs remainder_out="),
+    ("remainder_out without remainder",
+     lambda a, k: (a.__setitem__(0, torch.zeros(8)), _bank(a, k, remainder=None,
+                                                           out=lambda a, k: (torch.empty(8),) + k["out"][1:])),
+     ValueError, "remainder_out needs remainder="),
+    ("out[0] fp32 with remainders", lambda a, k: _bank(a, k, out=lambda a, k: (torch.empty(8),) + k["out"][1:]),
+     TypeError, r"out\[0\] \(param_out\) must have dtype"),
+    ("remainder_out fp32", lambda a, k: _bank(a, k, remainder_out=torch.empty(8)), TypeError,
+     "remainder_out must have dtype"),
+    ("remainder_out size", lambda a, k: _bank(a, k, remainder_out=torch.empty(7, dtype=I16)), ValueError,
+     "remainder_out has 7 elements"),
+    ("remainder_out is remainder", lambda a, k: _bank(a, k, remainder_out=lambda a, k: k["remainder"]),
+     ValueError, "remainder_out overlaps remainder"),
+    ("remainder_out overlaps out[0]",
+     lambda a, k: _bank(a, k, remainder_out=lambda a, k: k["out"][0].view(I16)), ValueError,
+     r"remainder_out overlaps out\[0\]"),
+    ("remainder_out overlaps grad", lambda a, k: _bank(a, k, remainder_out=lambda a, k: a[1].view(I16)),
+     ValueError, "remainder_out overlaps grad"),
+]
+
+
+@pytest.mark.parametrize("edit,exc,match", [c[1:] for c in REMAINDER_ERROR_INPUTS],
+                         ids=[c[0] for c in REMAINDER_ERROR_INPUTS])
+def test_adam_step_rejects_bad_remainder_input_naming_the_argument(edit, exc, match):
+    args, kw = _args()
+    edit(args, kw)
+    before = [t.clone() for t in args] + ([kw["remainder"].clone()] if isinstance(kw.get("remainder"), torch.Tensor) else [])
+    with pytest.raises(exc, match=match):
+        ck.adam_step_(*args, **kw)
+    after = args + ([kw["remainder"]] if isinstance(kw.get("remainder"), torch.Tensor) else [])
+    for t, b in zip(after, before):  # a rejected call writes nothing
+        assert torch.equal(bits(t), bits(b))
+
+
+@pytest.mark.parametrize("call,exc,match", [
+    (lambda: ck.encode_remainder(torch.zeros(4, dtype=BF16)), TypeError, "master must have dtype"),
+    (lambda: ck.encode_remainder(torch.zeros(8)[::2]), ValueError, "master must be contiguous"),
+    (lambda: ck.decode_remainder(torch.zeros(4), torch.zeros(4, dtype=I16)), TypeError,
+     "param must have dtype"),
+    (lambda: ck.decode_remainder(torch.zeros(4, dtype=BF16), torch.zeros(4)), TypeError,
+     "remainder must have dtype"),
+    (lambda: ck.decode_remainder(torch.zeros(4, dtype=BF16), torch.zeros(5, dtype=I16)), ValueError,
+     "remainder has 5 elements, expected 4"),
+], ids=["encode bf16", "encode strided", "decode fp32 param", "decode fp32 remainder", "decode size"])
+def test_encode_and_decode_reject_bad_input_naming_the_argument(call, exc, match):
+    with pytest.raises(exc, match=match):
+        call()
