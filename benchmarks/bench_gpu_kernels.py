@@ -13,6 +13,14 @@ ratios, and "% BW" compares with the device-to-device copy bandwidth measured in
                                GradScaler drives it), params copied into the bf16 copy
   torch.AdamW(foreach=True)    the same with the unscale as _foreach_mul_ on the fp32 grads
 
+The same job with compressed state (gpu_kernels.fused_adam_ only; "vs torch" is still torch's
+fp32-state fused AdamW), each row's GB/s at its own bytes per element:
+
+  ... bf16 m,v                 bf16 moments: p 4+4, grad 2, m 2+2, v 2+2, bf16 copy 2 = 20 B
+  ... remainders               the master as the bf16 param + int16 remainder (the param is the
+                               bf16 copy): p 2+2, remainder 2+2, grad 2, m 4+4, v 4+4 = 26 B
+  ... bf16 m,v + remainders    both: 18 B
+
 The grad-statistics job: the global sum of squares and a non-finite flag over bf16 grads
 (2 B/element read):
 
@@ -169,6 +177,65 @@ ADAM_IMPLS = {
 }
 
 
+# name -> (compressed_state's arguments, bytes per element); see the module doc
+COMPRESSED = {
+    "bf16 m,v": (dict(bf16_moments=True, remainders=False), 20),
+    "remainders": (dict(bf16_moments=False, remainders=True), 26),
+    "bf16 m,v + remainders": (dict(bf16_moments=True, remainders=True), 18),
+}
+
+
+def compressed_state(sizes, device, *, bf16_moments, remainders):
+    import gpu_kernels
+    state = adam_state(sizes, device)
+    if bf16_moments:
+        for key in ("exp_avgs", "exp_avg_sqs"):
+            state[key] = [t.to(torch.bfloat16) for t in state[key]]
+    state["remainders"] = None
+    if remainders:
+        halves = [gpu_kernels.encode_remainder(p) for p in state["params"]]
+        state["params"], state["remainders"] = [h for h, _ in halves], [r for _, r in halves]
+        state["copies"] = None  # the bf16 param is the model's copy
+    return state
+
+
+def ours_compressed(state, device, reference=False):
+    import gpu_kernels
+    inv_scale = torch.full((1,), 1.0 / LOSS_SCALE, device=device)
+    found_inf = torch.zeros(1, device=device)
+    fn = gpu_kernels.fused_adam_reference_ if reference else gpu_kernels.fused_adam_
+
+    def step():
+        fn(state["params"], state["grads"], state["exp_avgs"], state["exp_avg_sqs"], step=STEP,
+           grad_scale=inv_scale, found_inf=found_inf, param_copies=state["copies"],
+           remainders=state["remainders"], **HYPER)
+    return step
+
+
+def check_compressed(device, sizes):
+    """One step of each compressed variant against the fp64 reference on the same state: the
+    master within fp32 rounding, bf16 moments within bf16 rounding."""
+    import gpu_kernels
+    failures = []
+    for name, (kwargs, _) in COMPRESSED.items():
+        ours, ref = compressed_state(sizes, device, **kwargs), compressed_state(sizes, device, **kwargs)
+        ours_compressed(ours, device)()
+        ours_compressed(ref, device, reference=True)()
+
+        def master(state):
+            if state["remainders"] is None:
+                return torch.cat(state["params"])
+            return torch.cat([gpu_kernels.decode_remainder(p, r) for p, r in zip(state["params"], state["remainders"])])
+        ok = torch.allclose(master(ours), master(ref), rtol=1e-5, atol=1e-6)
+        for key in ("exp_avgs", "exp_avg_sqs"):
+            a, b = torch.cat(ours[key]).double(), torch.cat(ref[key]).double()
+            ok &= torch.allclose(a, b, rtol=2 ** -8, atol=1e-6)  # one bf16 ulp
+        print(f"check gpu_kernels.fused_adam_ {name}: master and moments vs the fp64 reference: {ok}")
+        if not ok:
+            failures.append(f"gpu_kernels.fused_adam_ {name}")
+    return failures
+
+
 def check_adam(device, sizes):
     """One step of every implementation from the same state must agree (fp32 rounding)."""
     results = {}
@@ -300,7 +367,7 @@ def sweep(device, device_name, timer, numel):
 def markdown(records, copy_gbs):
     """One table; "vs torch" is the torch baseline's time over this row's, same job and size."""
     def job(r):
-        family = "adam" if r["bytes_per_elem"] == ADAM_BYTES else "stats"
+        family = "stats" if r["bytes_per_elem"] == STATS_BYTES else "adam"
         return family, r["numel"], " tensors]" in r["impl"]
 
     baselines = {job(r): r for r in records
@@ -347,6 +414,7 @@ def main(argv=None):
     print(f"# gpu_kernels benchmark on {device_name}: torch {torch.__version__}, triton {triton.__version__}")
 
     failures = check_adam(device, [1000, 4099, 2 ** 14 if args.dry_run else 2 ** 20])
+    failures += check_compressed(device, [1000, 4099, 2 ** 14 if args.dry_run else 2 ** 20])
     failures += check_stats(device, [1000, 4099, 2 ** 14 if args.dry_run else 2 ** 20])
 
     copy_gbs = copy_bandwidth(device, timer, args.dry_run)
@@ -356,6 +424,12 @@ def main(argv=None):
     jobs = [(n, [n]) for n in sizes] + [(list_numel, random_sizes(list_numel, n_tensors))]
     records += run_jobs(jobs, ADAM_IMPLS, lambda s, d: adam_state(s, d), ADAM_BYTES, device, device_name,
                         timer, "adam")
+    # --quick (gpu_check.sh's time limit): compressed state at the largest size only
+    compressed_jobs = [max(jobs[:-1])] if args.quick else jobs
+    for name, (kwargs, nbytes) in COMPRESSED.items():
+        records += run_jobs(compressed_jobs, {f"gpu_kernels.fused_adam_ {name}": ours_compressed},
+                            lambda s, d, kwargs=kwargs: compressed_state(s, d, **kwargs), nbytes, device,
+                            device_name, timer, "adam")
 
     def make_grads(s, d):
         gen = torch.Generator(device=d).manual_seed(2)

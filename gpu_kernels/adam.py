@@ -16,6 +16,14 @@ with g the gradient read in its own dtype and widened to fp32, and `s` the grad 
 which is `torch.optim.AdamW(foreach=False)` / `torch.optim.Adam` with bias correction,
 computed in fp32. `grad_scale`, `found_inf` and a tensor `lr` are read inside the kernel, so
 a step queues no host synchronisation; `found_inf != 0` masks every store off.
+
+Compressed state (off by default; the fp32 path compiles exactly as without it):
+- bf16 moments (`exp_avg`, `exp_avg_sq`, `max_exp_avg_sq` each bf16 or fp32, per tensor): read
+  and widened to fp32; the fp32 value before rounding feeds the update; stored rounded to
+  nearest even.
+- remainders (Transformer Engine's `store_param_remainders`, see `remainders.py`): the fp32
+  master is decoded from a bf16 param (its high half, rounded to nearest, ties away) and an
+  int16 remainder (its low half), stepped, and encoded back; lossless.
 """
 import math
 import numbers
@@ -24,16 +32,18 @@ import torch
 
 from . import _runtime
 from ._runtime import lazy_jit
+from .remainders import decode_remainder, encode_remainder, round_to_bf16
 
 tl = _runtime.language()
 
 _GRAD_DTYPES = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 3}
 _COPY_DTYPES = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 3}
+_MOMENT_DTYPES = {torch.float32: 1, torch.bfloat16: 2}
 _SCALE_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 _FOUND_INF_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int32, torch.int64)
 
 # one int64 row per tensor: numel, then the addresses of param, grad, exp_avg, exp_avg_sq,
-# max_exp_avg_sq, param_copy (0 when absent), padded to 8 fields
+# max_exp_avg_sq, param_copy, remainder (0 when absent)
 _META = 8
 
 # BLOCK elements per inner step, ITERS steps per program (CHUNK = BLOCK·ITERS elements per
@@ -49,11 +59,40 @@ _tables = _runtime.TableCache()
 
 
 @lazy_jit
-def _adam_chunk(p_ptr, g_ptr, m_ptr, v_ptr, vmax_ptr, c_ptr, start, limit, ok, scale, step_size, decay,
-                one_minus_beta1, beta2, one_minus_beta2, eps, weight_decay, bias_correction2_sqrt,
+def _bf16_bits(x):
+    """fp32 -> bf16 bits (uint32 holding 16), rounded to nearest even on the bits as torch's
+    cast does: Triton's interpreter truncates fp32 -> bf16; this way every backend writes
+    torch's bits. NaN stays a quiet NaN."""
+    bits = x.to(tl.uint32, bitcast=True)
+    bits = (bits + (((bits >> 16) & 1) + 0x7FFF)) >> 16
+    return tl.where(x != x, 0x7FC0, bits)
+
+
+@lazy_jit
+def _load_widened(ptr, offs, mask, CODE: tl.constexpr):
+    """A moment as fp32: fp32 as it is (CODE 1), bf16 bits shifted into the high half (CODE 2)."""
+    if CODE == 2:
+        bits = tl.load(ptr + offs, mask=mask, other=0).to(tl.uint32)
+        return (bits << 16).to(tl.float32, bitcast=True)
+    else:
+        return tl.load(ptr + offs, mask=mask, other=0.0)
+
+
+@lazy_jit
+def _store_narrowed(ptr, offs, x, mask, CODE: tl.constexpr):
+    if CODE == 2:
+        tl.store(ptr + offs, _bf16_bits(x).to(tl.uint16), mask=mask)
+    else:
+        tl.store(ptr + offs, x, mask=mask)
+
+
+@lazy_jit
+def _adam_chunk(p_ptr, g_ptr, m_ptr, v_ptr, vmax_ptr, c_ptr, r_ptr, start, limit, ok, scale, step_size,
+                decay, one_minus_beta1, beta2, one_minus_beta2, eps, weight_decay, bias_correction2_sqrt,
                 MASKED: tl.constexpr, SCALE_MODE: tl.constexpr,
                 WEIGHT_DECAY: tl.constexpr, DECOUPLED: tl.constexpr, AMSGRAD: tl.constexpr,
-                COPY_CODE: tl.constexpr, BLOCK: tl.constexpr, ITERS: tl.constexpr):
+                COPY_CODE: tl.constexpr, EXP_AVG_CODE: tl.constexpr, EXP_AVG_SQ_CODE: tl.constexpr,
+                REMAINDER: tl.constexpr, BLOCK: tl.constexpr, ITERS: tl.constexpr):
     for i in tl.static_range(ITERS):
         offs = start + i * BLOCK + tl.arange(0, BLOCK)
         if MASKED:
@@ -62,10 +101,17 @@ def _adam_chunk(p_ptr, g_ptr, m_ptr, v_ptr, vmax_ptr, c_ptr, start, limit, ok, s
             # a uniform mask keeps the 16-byte vector accesses that `offs < limit` would
             # break (numel, loaded from the table, has no known divisibility)
             mask = (tl.zeros([BLOCK], dtype=tl.int32) + ok.to(tl.int32)) != 0
-        p = tl.load(p_ptr + offs, mask=mask, other=0.0)
+        if REMAINDER:
+            # decode: undo the encoder's carry (mod 2**16: the shift drops the borrow) and
+            # join the halves; p_ptr and r_ptr are both read as uint16 bits
+            hi = tl.load(p_ptr + offs, mask=mask, other=0).to(tl.uint32)
+            lo = tl.load(r_ptr + offs, mask=mask, other=0).to(tl.uint32)
+            p = (((hi - (lo >> 15)) << 16) | lo).to(tl.float32, bitcast=True)
+        else:
+            p = tl.load(p_ptr + offs, mask=mask, other=0.0)
         g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        m = tl.load(m_ptr + offs, mask=mask, other=0.0)
-        v = tl.load(v_ptr + offs, mask=mask, other=0.0)
+        m = _load_widened(m_ptr, offs, mask, EXP_AVG_CODE)
+        v = _load_widened(v_ptr, offs, mask, EXP_AVG_SQ_CODE)
         if SCALE_MODE != 0:
             g = g * scale
         if WEIGHT_DECAY:
@@ -76,19 +122,29 @@ def _adam_chunk(p_ptr, g_ptr, m_ptr, v_ptr, vmax_ptr, c_ptr, start, limit, ok, s
         m = m + one_minus_beta1 * (g - m)
         v = v * beta2 + one_minus_beta2 * (g * g)
         if AMSGRAD:
-            v_hat = tl.maximum(tl.load(vmax_ptr + offs, mask=mask, other=0.0), v)
-            tl.store(vmax_ptr + offs, v_hat, mask=mask)
+            # max_exp_avg_sq has exp_avg_sq's dtype (the launcher checks)
+            v_hat = tl.maximum(_load_widened(vmax_ptr, offs, mask, EXP_AVG_SQ_CODE), v)
+            _store_narrowed(vmax_ptr, offs, v_hat, mask, EXP_AVG_SQ_CODE)
         else:
             v_hat = v
         # IEEE sqrt and division (Triton's defaults are approximate), as torch computes them
         denom = tl.div_rn(tl.sqrt_rn(v_hat), bias_correction2_sqrt) + eps
         p = p - tl.div_rn(step_size * m, denom)
-        tl.store(p_ptr + offs, p, mask=mask)
-        tl.store(m_ptr + offs, m, mask=mask)
-        tl.store(v_ptr + offs, v, mask=mask)
+        if REMAINDER:
+            # encode: the low half as it is; the high half rounded to nearest, ties away
+            # (+1 when the low half's top bit is set), mod 2**16 as decode expects
+            bits = p.to(tl.uint32, bitcast=True)
+            lo = bits & 0xFFFF
+            hi = ((bits >> 16) + (lo >> 15)) & 0xFFFF
+            tl.store(p_ptr + offs, hi.to(tl.uint16), mask=mask)
+            tl.store(r_ptr + offs, lo.to(tl.uint16), mask=mask)
+        else:
+            tl.store(p_ptr + offs, p, mask=mask)
+        _store_narrowed(m_ptr, offs, m, mask, EXP_AVG_CODE)
+        _store_narrowed(v_ptr, offs, v, mask, EXP_AVG_SQ_CODE)
         if COPY_CODE == 2:
-            # round to nearest even on the bits, as torch's cast does: Triton's interpreter
-            # truncates fp32 -> bf16; this way every backend writes torch's bits
+            # _bf16_bits written out: the call changes the instruction order of today's
+            # compiled code (measured on sm_90 PTX), inline it stays identical
             bits = p.to(tl.uint32, bitcast=True)
             bits = (bits + (((bits >> 16) & 1) + 0x7FFF)) >> 16
             bits = tl.where(p != p, 0x7FC0, bits)  # NaN stays a quiet NaN
@@ -105,6 +161,7 @@ def _fused_adam_kernel(
         META: tl.constexpr, GRAD_CODE: tl.constexpr, COPY_CODE: tl.constexpr,
         LR_ON_DEVICE: tl.constexpr, SCALE_MODE: tl.constexpr, HAS_FOUND_INF: tl.constexpr,
         WEIGHT_DECAY: tl.constexpr, DECOUPLED: tl.constexpr, AMSGRAD: tl.constexpr,
+        EXP_AVG_CODE: tl.constexpr, EXP_AVG_SQ_CODE: tl.constexpr, REMAINDER: tl.constexpr,
         ALIGNED: tl.constexpr, BLOCK: tl.constexpr, ITERS: tl.constexpr):
     # program_id is int32: widen before it scales anything
     pid = tl.program_id(0).to(tl.int64)
@@ -112,9 +169,19 @@ def _fused_adam_kernel(
     chunk = tl.load(chunk_ptr + 2 * pid + 1)
     row = meta_ptr + tensor * META
     numel = tl.load(row)
-    p_ptr = tl.load(row + 1).to(tl.pointer_type(tl.float32))
-    m_ptr = tl.load(row + 3).to(tl.pointer_type(tl.float32))
-    v_ptr = tl.load(row + 4).to(tl.pointer_type(tl.float32))
+    # bf16 state (params with remainders, bf16 moments) is read and written as its bits
+    if REMAINDER:
+        p_ptr = tl.load(row + 1).to(tl.pointer_type(tl.uint16))
+    else:
+        p_ptr = tl.load(row + 1).to(tl.pointer_type(tl.float32))
+    if EXP_AVG_CODE == 2:
+        m_ptr = tl.load(row + 3).to(tl.pointer_type(tl.uint16))
+    else:
+        m_ptr = tl.load(row + 3).to(tl.pointer_type(tl.float32))
+    if EXP_AVG_SQ_CODE == 2:
+        v_ptr = tl.load(row + 4).to(tl.pointer_type(tl.uint16))
+    else:
+        v_ptr = tl.load(row + 4).to(tl.pointer_type(tl.float32))
     if GRAD_CODE == 1:
         g_ptr = tl.load(row + 2).to(tl.pointer_type(tl.float32))
     elif GRAD_CODE == 2:
@@ -122,8 +189,14 @@ def _fused_adam_kernel(
     else:
         g_ptr = tl.load(row + 2).to(tl.pointer_type(tl.float16))
     vmax_ptr = p_ptr  # unused unless AMSGRAD
-    if AMSGRAD:
-        vmax_ptr = tl.load(row + 5).to(tl.pointer_type(tl.float32))
+    if AMSGRAD:  # max_exp_avg_sq has exp_avg_sq's dtype
+        if EXP_AVG_SQ_CODE == 2:
+            vmax_ptr = tl.load(row + 5).to(tl.pointer_type(tl.uint16))
+        else:
+            vmax_ptr = tl.load(row + 5).to(tl.pointer_type(tl.float32))
+    r_ptr = p_ptr  # unused unless REMAINDER
+    if REMAINDER:
+        r_ptr = tl.load(row + 7).to(tl.pointer_type(tl.uint16))
     c_ptr = p_ptr  # unused unless COPY_CODE
     if COPY_CODE == 1:
         c_ptr = tl.load(row + 6).to(tl.pointer_type(tl.float32))
@@ -140,6 +213,7 @@ def _fused_adam_kernel(
         v_ptr = tl.multiple_of(v_ptr, 16)
         vmax_ptr = tl.multiple_of(vmax_ptr, 16)
         c_ptr = tl.multiple_of(c_ptr, 16)
+        r_ptr = tl.multiple_of(r_ptr, 16)
 
     ok = numel == numel  # true; a tensor, so both variants of _adam_chunk take one type
     limit = numel
@@ -160,15 +234,17 @@ def _fused_adam_kernel(
     start = chunk * (BLOCK * ITERS)
     # whole chunks (all but a tensor's last) run unmasked, so accesses stay vectorised
     if start + BLOCK * ITERS <= numel:
-        _adam_chunk(p_ptr, g_ptr, m_ptr, v_ptr, vmax_ptr, c_ptr, start, limit, ok, scale,
+        _adam_chunk(p_ptr, g_ptr, m_ptr, v_ptr, vmax_ptr, c_ptr, r_ptr, start, limit, ok, scale,
                     lr_step_size, lr_decay, one_minus_beta1, beta2, one_minus_beta2, eps,
                     weight_decay, bias_correction2_sqrt, False, SCALE_MODE,
-                    WEIGHT_DECAY, DECOUPLED, AMSGRAD, COPY_CODE, BLOCK, ITERS)
+                    WEIGHT_DECAY, DECOUPLED, AMSGRAD, COPY_CODE, EXP_AVG_CODE, EXP_AVG_SQ_CODE,
+                    REMAINDER, BLOCK, ITERS)
     else:
-        _adam_chunk(p_ptr, g_ptr, m_ptr, v_ptr, vmax_ptr, c_ptr, start, limit, ok, scale,
+        _adam_chunk(p_ptr, g_ptr, m_ptr, v_ptr, vmax_ptr, c_ptr, r_ptr, start, limit, ok, scale,
                     lr_step_size, lr_decay, one_minus_beta1, beta2, one_minus_beta2, eps,
                     weight_decay, bias_correction2_sqrt, True, SCALE_MODE,
-                    WEIGHT_DECAY, DECOUPLED, AMSGRAD, COPY_CODE, BLOCK, ITERS)
+                    WEIGHT_DECAY, DECOUPLED, AMSGRAD, COPY_CODE, EXP_AVG_CODE, EXP_AVG_SQ_CODE,
+                    REMAINDER, BLOCK, ITERS)
 
 
 def _as_list(value, name, *, optional=False):
@@ -179,13 +255,13 @@ def _as_list(value, name, *, optional=False):
     raise TypeError(f"{name} must be a list or tuple of tensors, got {type(value).__name__}")
 
 
-def _check_tensor(t, name, i, device, dtypes, numel):
+def _check_tensor(t, name, i, device, dtypes, numel, hint=""):
     where = f"{name}[{i}]"
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{where} must be a tensor, got {type(t).__name__}")
     if t.dtype not in dtypes:
         allowed = ", ".join(str(d).replace("torch.", "") for d in dtypes)
-        raise TypeError(f"{where} has dtype {t.dtype}; expected one of: {allowed}")
+        raise TypeError(f"{where} has dtype {t.dtype}; expected one of: {allowed}{hint}")
     if t.device != device:
         raise ValueError(f"{where} is on {t.device} but params[0] is on {device}; "
                          "one launch needs every tensor on the same device")
@@ -215,16 +291,20 @@ def _check_hyperparameters(step, lr, beta1, beta2, eps, weight_decay):
 
 def fused_adam_(params, grads, exp_avgs, exp_avg_sqs, *, step, lr, beta1, beta2, eps,
                 weight_decay, decoupled=True, grad_scale=None, found_inf=None,
-                max_exp_avg_sqs=None, param_copies=None):
+                max_exp_avg_sqs=None, param_copies=None, remainders=None):
     """Adam/AdamW step over lists of tensors, in place, in one launch (see the module doc).
 
-    params, exp_avgs, exp_avg_sqs, max_exp_avg_sqs (amsgrad): fp32. grads: fp32, bf16 or
-    fp16. param_copies: bf16/fp16/fp32 tensors (or None entries) that receive the updated
-    param. Index i of every list must hold the same number of elements; all contiguous, all on
-    one CUDA device (or CPU under TRITON_INTERPRET=1). `step` is the step count after this
-    update (1 on the first step). `lr`: float or 1-element tensor. `grad_scale`: None, float
-    or 1-element tensor on the device. `found_inf`: None or a 1-element tensor on the device;
-    non-zero → nothing is written. Tensors are grouped by (grad dtype, copy dtype, 16-byte
+    params: fp32 (bf16 with `remainders`). grads: fp32, bf16 or fp16. exp_avgs, exp_avg_sqs:
+    fp32 or bf16, each tensor its own (bf16: the fp32 value feeds the update, stored rounded to
+    nearest even); max_exp_avg_sqs (amsgrad): each of its exp_avg_sq's dtype. param_copies:
+    bf16/fp16/fp32 tensors (or None entries) that receive the updated param. remainders: None,
+    or one int16 tensor per param: params are then bf16 and hold the fp32 master's high half
+    (see the module doc), and param_copies must be None (the param is the bf16 copy). Index i
+    of every list must hold the same number of elements; all contiguous, all on one CUDA
+    device (or CPU under TRITON_INTERPRET=1). `step` is the step count after this update (1 on
+    the first step). `lr`: float or 1-element tensor. `grad_scale`: None, float or 1-element
+    tensor on the device. `found_inf`: None or a 1-element tensor on the device; non-zero →
+    nothing is written. Tensors are grouped by (grad, copy and moment dtypes, 16-byte
     alignment): one launch per group, a single launch in the usual case.
     """
     params = _as_list(params, "params")
@@ -233,11 +313,17 @@ def fused_adam_(params, grads, exp_avgs, exp_avg_sqs, *, step, lr, beta1, beta2,
     exp_avg_sqs = _as_list(exp_avg_sqs, "exp_avg_sqs")
     max_exp_avg_sqs = _as_list(max_exp_avg_sqs, "max_exp_avg_sqs", optional=True)
     param_copies = _as_list(param_copies, "param_copies", optional=True)
+    remainders = _as_list(remainders, "remainders", optional=True)
     n = len(params)
     for name, lst in (("grads", grads), ("exp_avgs", exp_avgs), ("exp_avg_sqs", exp_avg_sqs),
-                      ("max_exp_avg_sqs", max_exp_avg_sqs), ("param_copies", param_copies)):
+                      ("max_exp_avg_sqs", max_exp_avg_sqs), ("param_copies", param_copies),
+                      ("remainders", remainders)):
         if lst is not None and len(lst) != n:
             raise ValueError(f"{name} has {len(lst)} tensors but params has {n}")
+    if remainders is not None and param_copies is not None:
+        raise ValueError("param_copies must be None when remainders are given: each bf16 param is "
+                         "already the model's copy (the master's high half, rounded); pass the bf16 "
+                         "model params as params and drop param_copies")
     _check_hyperparameters(step, lr, beta1, beta2, eps, weight_decay)
     if n == 0:
         return
@@ -246,26 +332,36 @@ def fused_adam_(params, grads, exp_avgs, exp_avg_sqs, *, step, lr, beta1, beta2,
     device = params[0].device
     amsgrad = max_exp_avg_sqs is not None
 
-    fp32 = (torch.float32,)
+    if remainders is None:
+        param_dtypes, param_hint = (torch.float32,), " (bf16 params need remainders=, their masters' low halves)"
+    else:
+        param_dtypes, param_hint = (torch.bfloat16,), " (with remainders, params hold the fp32 masters' high halves)"
     rows = []
     for i in range(n):
         p, g, m, v = params[i], grads[i], exp_avgs[i], exp_avg_sqs[i]
-        _check_tensor(p, "params", i, device, fp32, None)
+        _check_tensor(p, "params", i, device, param_dtypes, None, param_hint)
         numel = p.numel()
         _check_tensor(g, "grads", i, device, _GRAD_DTYPES, numel)
-        _check_tensor(m, "exp_avgs", i, device, fp32, numel)
-        _check_tensor(v, "exp_avg_sqs", i, device, fp32, numel)
+        _check_tensor(m, "exp_avgs", i, device, _MOMENT_DTYPES, numel)
+        _check_tensor(v, "exp_avg_sqs", i, device, _MOMENT_DTYPES, numel)
         vmax_ptr = 0
         if amsgrad:
-            _check_tensor(max_exp_avg_sqs[i], "max_exp_avg_sqs", i, device, fp32, numel)
+            _check_tensor(max_exp_avg_sqs[i], "max_exp_avg_sqs", i, device, (v.dtype,), numel,
+                          f" (exp_avg_sqs[{i}]'s dtype)")
             vmax_ptr = max_exp_avg_sqs[i].data_ptr()
+        rem_ptr = 0
+        if remainders is not None:
+            _check_tensor(remainders[i], "remainders", i, device, (torch.int16,), numel,
+                          " (the masters' low 16 bits)")
+            rem_ptr = remainders[i].data_ptr()
         copy_ptr, copy_code = 0, 0
         if param_copies is not None and param_copies[i] is not None:
             c = param_copies[i]
             _check_tensor(c, "param_copies", i, device, _COPY_DTYPES, numel)
             copy_ptr, copy_code = c.data_ptr(), _COPY_DTYPES[c.dtype]
         rows.append((numel, p.data_ptr(), g.data_ptr(), m.data_ptr(), v.data_ptr(), vmax_ptr,
-                     copy_ptr, _GRAD_DTYPES[g.dtype], copy_code))
+                     copy_ptr, rem_ptr, (_GRAD_DTYPES[g.dtype], copy_code, _MOMENT_DTYPES[m.dtype],
+                                         _MOMENT_DTYPES[v.dtype])))
 
     scale_mode, scale_value, scale_tensor = 0, 1.0, None
     if isinstance(grad_scale, torch.Tensor):
@@ -305,11 +401,11 @@ def fused_adam_(params, grads, exp_avgs, exp_avg_sqs, *, step, lr, beta1, beta2,
     # group in the usual case); the updates are independent, so grouping changes no bits
     groups = {}
     for r in rows:
-        aligned = all(_runtime.is_aligned(ptr) for ptr in r[1:7])
-        groups.setdefault((r[7], r[8], aligned), []).append(r[:7])
+        aligned = all(_runtime.is_aligned(ptr) for ptr in r[1:8])
+        groups.setdefault((*r[8], aligned), []).append(r[:8])
     # tables and launches on the tensors' device and its current stream, not the current one's
     with _runtime.device_guard(device):
-        for (grad_code, copy_code, aligned), group in groups.items():
+        for (grad_code, copy_code, exp_avg_code, exp_avg_sq_code, aligned), group in groups.items():
             key = (device, block * iters, tuple(group))
             table = _tables.get(key, lambda: _build_table(group, block * iters), device)
             meta, chunks = table[: len(group) * _META], table[len(group) * _META:]
@@ -329,13 +425,14 @@ def fused_adam_(params, grads, exp_avgs, exp_avg_sqs, *, step, lr, beta1, beta2,
                 META=_META, GRAD_CODE=grad_code, COPY_CODE=copy_code,
                 LR_ON_DEVICE=lr_tensor is not None, SCALE_MODE=scale_mode,
                 HAS_FOUND_INF=found_inf is not None, WEIGHT_DECAY=weight_decay != 0,
-                DECOUPLED=bool(decoupled), AMSGRAD=amsgrad, ALIGNED=aligned,
+                DECOUPLED=bool(decoupled), AMSGRAD=amsgrad, EXP_AVG_CODE=exp_avg_code,
+                EXP_AVG_SQ_CODE=exp_avg_sq_code, REMAINDER=remainders is not None, ALIGNED=aligned,
                 BLOCK=block, ITERS=iters, num_warps=config["num_warps"])
 
 
 def _build_table(group, chunk):
     meta = torch.zeros((len(group), _META), dtype=torch.int64)
-    meta[:, :7] = torch.tensor(group, dtype=torch.int64)
+    meta[:, :8] = torch.tensor(group, dtype=torch.int64)
     chunks = _runtime.chunk_rows([r[0] for r in group], chunk)
     return torch.cat([meta.flatten(), chunks.flatten()])
 
@@ -343,33 +440,63 @@ def _build_table(group, chunk):
 @torch.no_grad()
 def fused_adam_reference_(params, grads, exp_avgs, exp_avg_sqs, *, step, lr, beta1, beta2, eps,
                           weight_decay, decoupled=True, grad_scale=None, found_inf=None,
-                          max_exp_avg_sqs=None, param_copies=None):
-    """`fused_adam_`'s contract in plain torch, one tensor at a time in fp64 (a test oracle:
-    it reads found_inf, lr and grad_scale on the host)."""
+                          max_exp_avg_sqs=None, param_copies=None, remainders=None, arithmetic="fp64"):
+    """`fused_adam_`'s contract in plain torch, one tensor at a time (a test oracle: it reads
+    found_inf, lr and grad_scale on the host). arithmetic="fp64": computed in fp64, each result
+    rounded to fp32 once (and from there to a bf16 moment or encoded with its remainder, as the
+    kernel stores them). "fp32": the kernel's fp32 operations in its order on its fp32 scalars,
+    one rounding each — bitwise what Triton's interpreter (numpy) computes; compiled code may
+    contract multiply-adds, so on a GPU compare within rounding."""
     if found_inf is not None and float(found_inf) != 0:
         return
-    lr = float(lr)
-    scale = 1.0 if grad_scale is None else float(grad_scale)
+    if arithmetic not in ("fp64", "fp32"):
+        raise ValueError(f'arithmetic must be "fp64" or "fp32", got {arithmetic!r}')
     bias_correction1 = 1.0 - beta1 ** step
     bias_correction2_sqrt = math.sqrt(1.0 - beta2 ** step)
+    scale = 1.0 if grad_scale is None else float(grad_scale)
+    dtype = torch.float64 if arithmetic == "fp64" else torch.float32
+    if arithmetic == "fp64":
+        def k(x):
+            return x
+        lr = float(lr)
+        step_size, decay = lr / bias_correction1, 1.0 - lr * weight_decay
+    else:
+        def k(x):  # a float argument as the kernel sees it
+            return torch.tensor(float(x), dtype=torch.float32)
+        if isinstance(lr, torch.Tensor) and lr.device == params[0].device:  # read in the kernel
+            lr32 = lr.detach().to(torch.float32).reshape(())
+            step_size, decay = lr32 / k(bias_correction1), 1.0 - lr32 * k(weight_decay)
+        else:
+            step_size, decay = k(float(lr) / bias_correction1), k(1.0 - float(lr) * weight_decay)
+    scale, wd, beta2_, eps_ = k(scale), k(weight_decay), k(beta2), k(eps)
+    one_minus_beta1, one_minus_beta2, bc2_sqrt = k(1.0 - beta1), k(1.0 - beta2), k(bias_correction2_sqrt)
     for i, param in enumerate(params):
-        p = param.double()
-        g = grads[i].double() * scale
-        m, v = exp_avgs[i].double(), exp_avg_sqs[i].double()
+        p = param if remainders is None else decode_remainder(param, remainders[i])
+        p = p.to(dtype)
+        g = grads[i].to(dtype) * scale
+        m, v = exp_avgs[i].to(dtype), exp_avg_sqs[i].to(dtype)
         if weight_decay != 0:
             if decoupled:
-                p = p * (1.0 - lr * weight_decay)
+                p = p * decay
             else:
-                g = g + weight_decay * p
-        m = m + (1.0 - beta1) * (g - m)
-        v = v * beta2 + (1.0 - beta2) * g * g
+                g = g + wd * p
+        m = m + one_minus_beta1 * (g - m)
+        v = v * beta2_ + one_minus_beta2 * (g * g)
         v_hat = v
         if max_exp_avg_sqs is not None:
-            v_hat = torch.maximum(max_exp_avg_sqs[i].double(), v)
-            max_exp_avg_sqs[i].copy_(v_hat)
-        p = p - (lr / bias_correction1) * m / (v_hat.sqrt() / bias_correction2_sqrt + eps)
-        param.copy_(p)
-        exp_avgs[i].copy_(m)
-        exp_avg_sqs[i].copy_(v)
+            v_hat = torch.maximum(max_exp_avg_sqs[i].to(dtype), v)
+            vmax = max_exp_avg_sqs[i]
+            vmax.copy_(round_to_bf16(v_hat.float()) if vmax.dtype == torch.bfloat16 else v_hat)
+        # fp32: the correctly rounded sqrt (sqrt_rn) through fp64 (rounding twice is exact for
+        # sqrt); torch's CPU fp32 sqrt is not (measured: ~0.7 % of values one ulp off, 2.13 AVX-512)
+        p = (p - step_size * m / (v_hat.double().sqrt().to(dtype) / bc2_sqrt + eps_)).float()
+        if remainders is None:
+            param.copy_(p)
+        else:
+            hi, lo = encode_remainder(p)
+            param.copy_(hi)
+            remainders[i].copy_(lo)
+        for dst, value in ((exp_avgs[i], m), (exp_avg_sqs[i], v)):
+            dst.copy_(round_to_bf16(value.float()) if dst.dtype == torch.bfloat16 else value)
         if param_copies is not None and param_copies[i] is not None:
             param_copies[i].copy_(param)  # the cast of the fp32 result, as the kernel writes it

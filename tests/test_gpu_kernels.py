@@ -287,8 +287,8 @@ def _bad_adam_inputs(device):
         ("fp16 param", set_list("params", 0, t(4, dtype=torch.float16)), TypeError,
          r"params\[0\] has dtype torch.float16"),
         ("int grad", set_list("grads", 1, t(4, dtype=torch.int32)), TypeError, r"grads\[1\] has dtype torch.int32"),
-        ("bf16 moment", set_list("exp_avg_sqs", 0, t(4, dtype=torch.bfloat16)), TypeError,
-         r"exp_avg_sqs\[0\] has dtype torch.bfloat16"),
+        ("fp16 moment", set_list("exp_avg_sqs", 0, t(4, dtype=torch.float16)), TypeError,
+         r"exp_avg_sqs\[0\] has dtype torch.float16; expected one of: float32, bfloat16"),
         ("not a tensor", set_list("grads", 0, [0.0] * 4), TypeError, r"grads\[0\] must be a tensor"),
         ("other device", set_list("grads", 0, torch.zeros(4, device="meta")), ValueError, r"grads\[0\] is on meta"),
         ("params across devices", set_list("params", 1, torch.zeros(4, device="meta")), ValueError,
@@ -610,7 +610,8 @@ signature = dict(meta_ptr="*i64", chunk_ptr="*i64", lr_ptr="*fp32", grad_scale_p
 for grad_code, copy_code, amsgrad, found_inf in [(2, 2, False, True), (1, 3, True, False)]:
     constexprs = dict(META=adam._META, GRAD_CODE=grad_code, COPY_CODE=copy_code, LR_ON_DEVICE=True,
                       SCALE_MODE=2, HAS_FOUND_INF=found_inf, WEIGHT_DECAY=True, DECOUPLED=True,
-                      AMSGRAD=amsgrad, ALIGNED=True, BLOCK=cfg["BLOCK"], ITERS=cfg["ITERS"])
+                      AMSGRAD=amsgrad, EXP_AVG_CODE=1, EXP_AVG_SQ_CODE=1, REMAINDER=False, ALIGNED=True,
+                      BLOCK=cfg["BLOCK"], ITERS=cfg["ITERS"])
     ptx = ptx_for_sm90(adam._fused_adam_kernel, signature, constexprs, ["meta_ptr", "chunk_ptr"],
                        cfg["num_warps"])
     print("adam", grad_code, copy_code, "ld.v4", vectors("ld", ptx), "st.v4", vectors("st", ptx))
