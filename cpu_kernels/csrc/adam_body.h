@@ -10,6 +10,9 @@
  * register loop (AVX-512), else through L1 — so writing a spare bank costs no
  * read-for-ownership: bank mode moves the same bytes as in place. With remainders the fp32
  * master is decoded (bf16 param + int16 low half) into L1 and encoded on the way out.
+ * Compressed state (bf16 moments, remainders) runs in the level's register loop
+ * (adam_c16_regs, HAVE_ADAM_C16_REGS: AVX-512, AVX2) over whole 32-element steps and in the
+ * blocks below for the tail: the same arithmetic and rounding, so the same bits.
  */
 #define BLK 128
 /* Explicit fused multiply-adds where the level has them, so the rounding is fixed by the
