@@ -36,6 +36,8 @@ import warnings
 
 import torch
 
+from hybrid_opt import node
+
 CACHE_VERSION = 2
 MEASURE_NUMEL = 4 << 20          # Adam rates: 4Mi elements (16 MB per fp32 tensor)
 COPY_BYTES = 64 << 20            # copy rates
@@ -384,6 +386,10 @@ def rates(device="cpu", nvme_path=None, worker_share: float = 0.5, *, refresh: b
     device = torch.device(device)
     path = cache_path()
     key = machine_key(device) + f"-w{worker_share:g}"
+    here = node.info()
+    if here.local_world_size > 1:
+        # the host rates are measured on this rank's slice of the node's cores (CoreSplit)
+        key += f"-r{here.local_rank}of{here.local_world_size}"
     cache = {} if refresh else _load_cache(path)
     out = cache.get(key)
     if not isinstance(out, dict) or "host_adam_gelems_per_s" not in out:

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from hybrid_opt import cost_model as cm
+from hybrid_opt import node
 from hybrid_opt.plan import DEFAULT_SPARE_BANKS
 
 MAX_CANDIDATES = 48
@@ -68,6 +69,12 @@ def _free_host_bytes() -> float:
                 if line.startswith("MemAvailable:"):
                     return float(line.split()[1]) * 1024
     return 0.0
+
+
+def _free_host_share() -> float:
+    """This rank's share of the node's free host memory: ranks on one node split it evenly
+    (node.py; all of it for a single rank)."""
+    return node.share(_free_host_bytes())
 
 
 @dataclass
@@ -298,7 +305,8 @@ class AutoPlanner:
 def machine_from_rates(rates: dict, device, device_budget=None, host_budget=None,
                        nvme: bool = True) -> cm.Machine:
     """The cost model's Machine for the running machine, from calibrate.rates() (or rates
-    refitted from measured steps). Memory figures are the budgets (0 when not given)."""
+    refitted from measured steps). Memory figures are the budgets (0 when not given). The
+    node's nvme bandwidth is shared by its ranks: each plans with its share (node.py)."""
     r = rates
     kw = dict(name="this machine", gpus=1 if torch.device(device).type == "cuda" else 0,
               gpu_mem_bytes=float(device_budget or 0.0), host_mem_bytes=float(host_budget or 0.0),
@@ -308,7 +316,8 @@ def machine_from_rates(rates: dict, device, device_budget=None, host_budget=None
               trainer_slowdown_with_worker=r.get("trainer_slowdown_with_worker", 1.0),
               device_adam_gbps_with_worker=r.get("device_adam_gbps_with_worker"))
     if nvme and r.get("nvme_read_gbps") and r.get("nvme_write_gbps"):
-        kw.update(nvme_read_gbps=r["nvme_read_gbps"], nvme_write_gbps=r["nvme_write_gbps"])
+        kw.update(nvme_read_gbps=node.share(r["nvme_read_gbps"]),
+                  nvme_write_gbps=node.share(r["nvme_write_gbps"]))
     return cm.Machine(**kw)
 
 
@@ -320,19 +329,20 @@ def default_spare_banks(n_host: int, subgroup_state_bytes: int, leftover=None) -
     size = max(1, subgroup_state_bytes)
     if leftover is not None:
         return max(1, min(n_host, int(leftover // size)))
-    fit = int(_free_host_bytes() * SPARE_SHARE // size)
+    fit = int(_free_host_share() * SPARE_SHARE // size)
     return max(1, min(n_host, max(DEFAULT_SPARE_BANKS, fit)))
 
 
 def default_budgets(params: list, device: torch.device, device_budget, host_budget) -> tuple:
     """(device, host) budgets in bytes for the cost model, which counts the model copy and
     grads itself: what is free now (on CUDA: available_device_bytes, torch's cached blocks
-    included) plus what the model's parameters already hold, less HEADROOM (the user's
-    explicit budgets are taken as they are)."""
+    included; host memory: this rank's share of the node's, _free_host_share) plus what the
+    model's parameters already hold, less HEADROOM (the user's explicit budgets are taken as
+    they are)."""
     param_bytes = sum(p.numel() * p.element_size() for p in params)
     grad_bytes = sum(p.grad.numel() * p.grad.element_size() for p in params if p.grad is not None)
     if host_budget is None:
-        host_budget = (_free_host_bytes() + (param_bytes + grad_bytes if device.type != "cuda" else 0)) * (1 - HEADROOM)
+        host_budget = (_free_host_share() + (param_bytes + grad_bytes if device.type != "cuda" else 0)) * (1 - HEADROOM)
     if device.type == "cuda":
         if device_budget is None:
             m = cuda_memory(device)

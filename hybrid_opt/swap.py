@@ -7,7 +7,10 @@ committed state. Every slot carries a CRC32C, verified on read.
 
 The directory is ours alone (0700, files 0600), removed at close() and at interpreter exit;
 the worker removes it when the trainer dies; a directory left by a process that died
-without either is swept at the next start.
+without either is swept at the next start. Under torch.distributed (a global rank known:
+node.global_rank()) each rank's directories live in `nvme_path/hybrid_opt-rank<R>/`, and a
+rank sweeps only there: ranks (on this node or, over a shared disk, on others, whose pids
+mean nothing here) never remove each other's files.
 """
 from __future__ import annotations
 
@@ -19,6 +22,8 @@ import re
 import shutil
 import tempfile
 import weakref
+
+from hybrid_opt import node
 
 PREFIX = "hybrid_opt-"
 LOCK = ".owner.lock"  # held (flock) by the owning process for the directory's lifetime
@@ -89,9 +94,26 @@ def check_nvme_path(nvme_path) -> str:
     return path
 
 
+def rank_root(nvme_path: str, rank) -> str:
+    """Where a rank's swap directories live: `nvme_path` itself when not distributed (rank
+    None), else its own `hybrid_opt-rank<R>` beneath it (made 0700 if missing)."""
+    if rank is None:
+        return nvme_path
+    path = os.path.join(nvme_path, f"{PREFIX}rank{int(rank)}")
+    try:
+        os.mkdir(path, 0o700)
+    except FileExistsError:
+        pass
+    return check_nvme_path(path)
+
+
 class SwapDir:
-    def __init__(self, nvme_path):
+    def __init__(self, nvme_path, rank="auto"):
+        """`rank`: the global rank whose directory to use ("auto": node.global_rank(); None:
+        not distributed)."""
         root = check_nvme_path(nvme_path)
+        root = rank_root(root, node.global_rank() if rank == "auto" else rank)
+        self.root = root
         self.swept = sweep_stale(root)
         self.path = tempfile.mkdtemp(prefix=f"{PREFIX}{os.getpid()}-", dir=root)  # mode 0700
         self._lock_fd = os.open(os.path.join(self.path, LOCK), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)

@@ -14,6 +14,8 @@ import subprocess
 import sys
 import time
 
+from hybrid_opt.node import NodeInfo, core_slice
+from hybrid_opt.node import info as node_info
 from hybrid_opt.worker import protocol as P
 
 _POLL_S = 0.1
@@ -80,7 +82,9 @@ class CoreSplit:
     thread). Splits may be restored in any order: one restored while a
     later one is still applied hands what it saved to that later one, so the process gets
     its own masks back when the last one goes (restored out of order, the process used to
-    stay pinned to the trainer's share).
+    stay pinned to the trainer's share). Several ranks on one node (node.py) each split only
+    their own slice of the cores, so no two ranks' workers share a core while the node has
+    at least as many cores as ranks.
     """
 
     # while any split is applied, later splits divide the process's original CPUs, not the
@@ -88,16 +92,27 @@ class CoreSplit:
     _applied: list = []   # the applied splits, oldest first
     _original: set | None = None
 
-    def __init__(self, worker_share: float = 0.5, worker_cores: list[int] | None = None):
+    def __init__(self, worker_share: float = 0.5, worker_cores: list[int] | None = None, *,
+                 allowed: list[int] | None = None, node: NodeInfo | None = None):
+        """`allowed`: the process's cores (default: its affinity, or the original one while
+        other splits are applied); `node`: its place on the node (default: node.info()). With
+        several ranks on the node, this rank first takes its slice of `allowed`
+        (node.core_slice: disjoint across local ranks) and splits that."""
         if not 0.0 < worker_share <= 1.0:
             raise ValueError(f"worker_share must be in (0, 1], got {worker_share}")
         self.saved_masks: dict[int, set[int]] = {}
         self.saved_thread_counts = None
         self.applied = False
-        if not hasattr(os, "sched_getaffinity"):
-            cpus = []
+        if allowed is not None:
+            base = sorted(allowed)
+        elif not hasattr(os, "sched_getaffinity"):
+            base = []
         else:
-            cpus = sorted(CoreSplit._original or os.sched_getaffinity(0))
+            base = sorted(CoreSplit._original or os.sched_getaffinity(0))
+        self.node = node_info() if node is None else node
+        cpus = core_slice(base, self.node)
+        # a rank's slice is pinned even when its trainer and worker share it (one core each)
+        self.sliced = set(cpus) != set(base)
         if worker_cores is not None:
             self.worker, self.trainer = list(worker_cores), [c for c in cpus if c not in worker_cores] or cpus
         elif len(cpus) < 2:
@@ -119,8 +134,15 @@ class CoreSplit:
         settable affinity); if not, they share every core and `apply()` does nothing."""
         return hasattr(os, "sched_setaffinity") and bool(self.trainer) and self.trainer != self.worker
 
+    @property
+    def pins(self) -> bool:
+        """Whether `apply()` pins the trainer: its cores differ from the worker's, or this
+        rank's slice of the node is narrower than the process's cores."""
+        return hasattr(os, "sched_setaffinity") and bool(self.trainer) and (
+            self.trainer != self.worker or self.sliced)
+
     def apply(self) -> None:
-        if not self.separate:
+        if not self.pins:
             return
         if not CoreSplit._applied:
             CoreSplit._original = os.sched_getaffinity(0)
