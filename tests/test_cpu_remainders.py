@@ -164,6 +164,28 @@ def test_adam_step_with_remainders_on_a_million_elements_any_thread_count(simd, 
                     assert_bitwise_equal(got, exp, f"{name}, {threads} threads, bank={bank}")
 
 
+@pytest.mark.parametrize("bank", [False, True], ids=["in_place", "bank"])
+@pytest.mark.parametrize("copy_dtype", [torch.bfloat16, torch.float16], ids=_id)
+def test_bf16_moments_with_param_copy_are_the_reference_and_the_copy_its_cast(simd, copy_dtype, bank):
+    """fp32 master + bf16 moments + the model copy (the register loops' copy stores)."""
+    state = make_state(4099, torch.bfloat16, amsgrad=bank, moment_dtype=torch.bfloat16,
+                       remainders=False, seed=11)
+    state["param"][::97] *= 1e5                      # past fp16's range: the copy must be inf
+    s = _clone(state)
+    out = (tuple(_poisoned(s[k], 1) for k in ("param", "exp_avg", "exp_avg_sq", "max_exp_avg_sq"))
+           if bank else None)
+    copy = _poisoned(torch.empty(4099, dtype=copy_dtype))
+    ck.adam_step_(s["param"], s["grad"], s["exp_avg"], s["exp_avg_sq"], max_exp_avg_sq=s["max_exp_avg_sq"],
+                  param_copy=copy, out=out, **dict(HYPER, grad_scale=GRAD_SCALE))
+    new = out if bank else (s["param"], s["exp_avg"], s["exp_avg_sq"])
+    want = reference(state, simd, **dict(HYPER, grad_scale=GRAD_SCALE))
+    for name, got, exp in zip(STATE_NAMES, new, want):
+        assert_bitwise_equal(got, exp, f"{name} at {simd}")
+    cast = bf16_round_reference(want[0]) if copy_dtype == torch.bfloat16 else want[0].to(torch.float16)
+    assert torch.isinf(cast.float()).any() == (copy_dtype == torch.float16)
+    assert_bitwise_equal(copy, cast, "param_copy vs the new param rounded to nearest even")
+
+
 def test_the_reference_tells_fused_from_unfused_multiply_adds():
     """The matrix can tell the levels' arithmetic apart: on its data, fused and unfused
     multiply-adds give different params (so a level rounding the other way would fail)."""
