@@ -2,9 +2,30 @@
 
 Deterministic and closed-form, so it answers for machines we do not have (`hybrid-opt
 plan`). Rates are inputs; nothing here measures. All figures are per GPU (per trainer
-process where there is no GPU): the optimizer state, grads and model copy are partitioned
-over the GPUs (ZeRO-3 style), and the host-side rates and capacities in `Machine` are
-whole-machine figures shared evenly by the GPUs.
+process where there is no GPU), and the host-side rates and capacities in `Machine` are
+per-node figures shared evenly by the node's GPUs (`gpus_per_node`; by default every GPU is
+on one node). What each GPU holds depends on `Workload.sharding`:
+
+- None (the default, the model before `sharding` existed): optimizer state, grads and model
+  copy partitioned over the GPUs (fsdp's memory), and no collectives counted;
+- "fsdp" (FSDP2 / ZeRO-3): the same memory, plus the collectives: params all-gathered
+  before forward and again in backward (FSDP2's reshard_after_forward=True), grads
+  reduce-scattered in backward;
+- "zero" (ZeRO-2, HybridAdamW(process_group=)): optimizer state partitioned, but every GPU
+  holds the whole model copy and whole grads; grads reduce-scattered in backward, updated
+  params all-gathered after the step;
+- "none" (replicated, DDP): every GPU holds all state, the whole model copy and grads, and
+  steps every element (N x host memory and host Adam work per node); grads all-reduced in
+  backward. DDP's hooks fire before its all-reduce, so a speculated host step is redone
+  (measured, DESIGN "Facts"): nothing hides under backward.
+
+Collectives (bandwidth only, no latency; ring algorithms, NCCL's "bus bandwidth" model): a
+reduce-scatter or all-gather of B bytes over N GPUs takes `B (N-1)/N / link`, an all-reduce
+twice that; link = NVLink per GPU within a node, across nodes the node's IB rate per GPU
+(`min(nvlink, ib / gpus_per_node)`). They run beside compute: those of forward and of
+backward lengthen them only by what exceeds them; a longer backward collective also spreads
+the grads' readiness, which is the window host work hides in; zero's all-gather of updated
+params follows the step and is exposed whole.
 
 Time of one iteration = forward + backward + step, where the step is what is left after
 backward ends:
@@ -79,6 +100,13 @@ class Machine:
     # CPU-only hosts: what the trainer loses to a worker process (see the module docstring)
     trainer_slowdown_with_worker: float = 1.0
     device_adam_gbps_with_worker: float | None = None
+    # several nodes: host-side figures above are per node, shared by its GPUs; None = all on one
+    gpus_per_node: int | None = None
+    nvlink_gbps: float = 450.0               # per GPU, each way, within a node (H100 NVLink 4)
+    ib_gbps: float = 400.0                   # per node, each way, across nodes (8 x 400 Gb/s)
+
+
+SHARDINGS = ("fsdp", "zero", "none")
 
 
 @dataclass
@@ -97,6 +125,7 @@ class Workload:
     step_overhead_seconds: float = 0.0       # fixed per step: norms, launches, bookkeeping
     exact_rollback: bool = True              # spare banks hold speculated steps until validated
     speculative: bool = True                 # host steps start during backward; False: after it
+    sharding: str | None = None              # None, "fsdp", "zero" or "none" (module docstring)
 
     @property
     def master_is_model(self) -> bool:
@@ -129,6 +158,71 @@ def _ranks(machine: Machine) -> int:
     return max(1, machine.gpus)
 
 
+def _node_ranks(machine: Machine) -> int:
+    """GPUs sharing one node's host memory, CPU and drives."""
+    return max(1, min(machine.gpus_per_node or machine.gpus, _ranks(machine)))
+
+
+def _nodes(machine: Machine) -> int:
+    return -(-_ranks(machine) // _node_ranks(machine))
+
+
+def check(machine: Machine, workload: Workload) -> None:
+    """ValueError naming a sharding, node size or link rate the model cannot take."""
+    if workload.sharding not in (None,) + SHARDINGS:
+        raise ValueError(f"sharding must be one of {', '.join(SHARDINGS)} (or None), got "
+                         f"{workload.sharding!r}")
+    if machine.gpus_per_node is not None and not 1 <= machine.gpus_per_node <= _ranks(machine):
+        raise ValueError(f"gpus_per_node must be between 1 and gpus ({machine.gpus}), got "
+                         f"{machine.gpus_per_node}")
+    if machine.gpus_per_node is not None and _ranks(machine) % machine.gpus_per_node:
+        raise ValueError(f"gpus ({machine.gpus}) must be a multiple of gpus_per_node "
+                         f"({machine.gpus_per_node}): every node holds as many GPUs")
+    if workload.sharding is not None and _ranks(machine) > 1:
+        for name in ("nvlink_gbps", "ib_gbps"):
+            if not getattr(machine, name) > 0:
+                raise ValueError(f"{name} must be > 0 to time the collectives, got "
+                                 f"{getattr(machine, name)}")
+
+
+def state_elements(machine: Machine, workload: Workload) -> float:
+    """Elements whose optimizer state one GPU holds and steps."""
+    return workload.params if workload.sharding == "none" else workload.params / _ranks(machine)
+
+
+def model_elements(machine: Machine, workload: Workload) -> float:
+    """Elements of the model copy and of the grads one GPU holds."""
+    sharded = workload.sharding in (None, "fsdp")
+    return workload.params / _ranks(machine) if sharded else workload.params
+
+
+def link_gbps(machine: Machine) -> float:
+    """Per-GPU rate of a ring collective: NVLink within a node, the node's IB share across."""
+    if _nodes(machine) == 1:
+        return machine.nvlink_gbps
+    return min(machine.nvlink_gbps, machine.ib_gbps / _node_ranks(machine))
+
+
+def collective_seconds(machine: Machine, workload: Workload) -> dict:
+    """Seconds of the collectives per iteration, by when they run: "forward", "backward"
+    (beside that compute) and "after_step" (exposed whole); zeros without sharding or GPUs
+    to share with (module docstring)."""
+    n = _ranks(machine)
+    out = {"forward": 0.0, "backward": 0.0, "after_step": 0.0}
+    if workload.sharding is None or n <= 1:
+        return out
+    per_byte = (n - 1) / n / (link_gbps(machine) * GB)
+    params = workload.params * workload.model_bytes * per_byte   # one all-gather of the params
+    grads = workload.params * workload.grad_bytes * per_byte     # one reduce-scatter of the grads
+    if workload.sharding == "fsdp":
+        out.update(forward=params, backward=params + grads)
+    elif workload.sharding == "zero":
+        out.update(backward=grads, after_step=params)
+    else:
+        out.update(backward=2 * grads)                             # all-reduce
+    return out
+
+
 def forward_backward_seconds(machine: Machine, workload: Workload) -> tuple[float, float]:
     """(forward + backward, backward) seconds of one iteration, before any contention."""
     if workload.backward_seconds is not None:
@@ -149,7 +243,7 @@ def device_bytes_per_element(workload: Workload) -> int:
 
 
 def offloaded_subgroups(machine: Machine, workload: Workload, offload_fraction: float) -> int:
-    e = workload.params / _ranks(machine)
+    e = state_elements(machine, workload)
     s = min(workload.subgroup_numel, e)
     return max(1, round(offload_fraction * e / s)) if offload_fraction > 0 else 0
 
@@ -169,11 +263,11 @@ def memory_bytes(machine: Machine, workload: Workload, offload_fraction: float,
                  nvme_fraction: float, spare_banks: int | None = None) -> dict:
     """Bytes per GPU on each tier for this placement (`spare_banks=None`: one per offloaded
     subgroup)."""
-    e = workload.params / _ranks(machine)
+    e = state_elements(machine, workload)
     off, nv = offload_fraction, nvme_fraction
     s = min(workload.subgroup_numel, e)
     device_state = workload.state_bytes - (4 if workload.master_is_model else 0)
-    model_and_grads = e * (workload.model_bytes + workload.grad_bytes)
+    model_and_grads = model_elements(machine, workload) * (workload.model_bytes + workload.grad_bytes)
     device = (1 - off) * e * device_state + model_and_grads
     host = (off - nv) * e * workload.state_bytes
     if off > 0:
@@ -197,9 +291,10 @@ def predict(machine: Machine, workload: Workload, offload_fraction: float,
                          f"offload_fraction={off}, nvme_fraction={nv}")
     if nv > 0 and (machine.nvme_read_gbps <= 0 or machine.nvme_write_gbps <= 0):
         raise ValueError(f"machine {machine.name!r} has no nvme rates: nvme_fraction must be 0")
-    ranks = _ranks(machine)
+    check(machine, workload)
+    ranks = _node_ranks(machine)  # the node's host rates are shared by its GPUs
     wl = workload
-    e = wl.params / ranks
+    e = state_elements(machine, wl)
     s = min(wl.subgroup_numel, e)
     t_fb, t_b = forward_backward_seconds(machine, wl)
     device_gbps = machine.device_adam_gbps
@@ -211,6 +306,14 @@ def predict(machine: Machine, workload: Workload, offload_fraction: float,
     # device tier
     e_dev = (1 - off) * e
     device_step = e_dev * device_bytes_per_element(wl) / (device_gbps * GB)
+
+    # collectives beside forward and backward: what exceeds them lengthens them, and the
+    # grads' readiness (the window host work hides in) spreads over the longer of the two
+    comm = collective_seconds(machine, wl)
+    t_f = t_fb - t_b
+    comm_forward = max(0.0, comm["forward"] - t_f)
+    t_window = max(t_b, comm["backward"])
+    comm_backward = t_window - t_b
 
     # host tiers, per offloaded element (host rate and nvme bandwidth are shared by the GPUs)
     e_off = off * e
@@ -228,11 +331,13 @@ def predict(machine: Machine, workload: Workload, offload_fraction: float,
     # only once step() has validated the step (h2d below is always exposed)
     host_work = max(host_compute, nvme_io) + d2h
     w = host_work / e_off if e_off > 0 else 0.0
-    if e_off > 0 and not wl.speculative:
-        exposed_host = host_work  # every host step waits for step(): nothing hides
+    if e_off > 0 and (not wl.speculative or wl.sharding == "none"):
+        # every host step waits for step(): nothing hides (under DDP the grad hooks fire
+        # before the all-reduce, so a speculated step is redone)
+        exposed_host = host_work
     elif e_off > 0:
-        finish = max(off * t_b + s * w, s * t_b / e + host_work)
-        exposed_host = max(0.0, finish - t_b)
+        finish = max(off * t_window + s * w, s * t_window / e + host_work)
+        exposed_host = max(0.0, finish - t_window)
         spares = _spares(machine, wl, off, spare_banks)
         if wl.exact_rollback and spares < offloaded_subgroups(machine, wl, off):
             # each speculated step holds a spare bank until step() validates it: at most
@@ -245,8 +350,8 @@ def predict(machine: Machine, workload: Workload, offload_fraction: float,
     contention = hidden_host * (1.0 - 1.0 / c) if c > 1.0 else 0.0
 
     # step(): the host tiers' remaining work and the params' copy back, then the device tier
-    step = exposed_host + h2d + device_step + wl.step_overhead_seconds
-    iteration = t_fb + contention + step
+    step = exposed_host + h2d + device_step + wl.step_overhead_seconds + comm["after_step"]
+    iteration = t_fb + comm_forward + comm_backward + contention + step
     breakdown = {
         "forward_backward": t_fb, "backward": t_b,
         "device_step": device_step,
@@ -254,6 +359,9 @@ def predict(machine: Machine, workload: Workload, offload_fraction: float,
         "host_work": host_work + h2d, "host_hidden": hidden_host, "host_exposed": exposed_host + h2d,
         "backward_contention": contention, "step_overhead": wl.step_overhead_seconds,
     }
+    if wl.sharding is not None:
+        breakdown["collectives"] = comm["forward"] + comm["backward"] + comm["after_step"]
+        breakdown["collectives_exposed"] = comm_forward + comm_backward + comm["after_step"]
     return Prediction(off, nv, step, iteration, t_fb,
                       memory_bytes(machine, wl, off, nv, spare_banks), breakdown,
                       _spares(machine, wl, off, spare_banks))
@@ -280,7 +388,8 @@ def best_plan(machine: Machine, workload: Workload, spare_banks: int | None = No
     share wins: moving state off the device costs host memory, link bandwidth and a worker,
     for a gain below what this model can resolve. Raises ValueError saying how much memory
     is needed when no plan fits."""
-    ranks = _ranks(machine)
+    check(machine, workload)
+    ranks = _node_ranks(machine)  # GPUs sharing a node's host memory and drives
     if device_budget is None:
         device_budget = machine.gpu_mem_bytes * (1 - headroom) if machine.gpus else 0.0
     if host_budget is None:
@@ -322,11 +431,15 @@ def best_plan(machine: Machine, workload: Workload, spare_banks: int | None = No
                    key=lambda p: (p.offload_fraction, p.nvme_fraction, p.iteration_seconds))
     per = "per GPU " if machine.gpus > 1 else ""
     if need_host is None:
+        whole = workload.sharding in ("zero", "none")
         raise ValueError(
             f"needs at least {need_device / GB / (1 - headroom):.1f} GB of GPU memory {per}for "
             f"the model copy and grads of {workload.params:.3g} parameters (incl. "
-            f"{headroom:.0%} headroom); have {device_budget / (1 - headroom) / GB:.1f} GB: add "
-            f"GPUs, raise the device memory budget, or use a smaller model")
+            f"{headroom:.0%} headroom); have {device_budget / (1 - headroom) / GB:.1f} GB: "
+            + (f"with sharding {workload.sharding!r} every GPU holds the whole model copy and "
+               f"grads: shard them (fsdp), raise the device memory budget, or use a smaller "
+               f"model" if whole else
+               "add GPUs, raise the device memory budget, or use a smaller model"))
     where = ("model copy, grads and optimizer state" if machine.gpus == 0
              else "offloaded optimizer state") + ("" if has_nvme else " (no nvme tier given)")
     raise ValueError(

@@ -11,7 +11,7 @@ import json
 import re
 import sys
 
-from hybrid_opt.cost_model import GB, Machine, Workload, best_plan
+from hybrid_opt.cost_model import GB, SHARDINGS, Machine, Workload, best_plan
 
 GiB = 2 ** 30
 
@@ -23,10 +23,13 @@ PRESETS = {
                 "practical H2D/D2H (64 GB/s theoretical per direction); device Adam at 80%% of "
                 "HBM bandwidth; 40%% MFU (300 TFLOPS); 512 GB host memory; CPU Adam 2e9 "
                 "elem/s (conservative: the DRAM-bound rate of our 2-core dev machine; 8 DDR5 "
-                "channels may allow several times more); one PCIe 4 NVMe drive at 7 GB/s read / 5 GB/s write, 3.84 TB",
+                "channels may allow several times more); one PCIe 4 NVMe drive at 7 GB/s read / 5 GB/s write, 3.84 TB. "
+                "With --gpus > 1 (collectives): NVLink bridge 600 GB/s (datasheet, both ways: "
+                "300 GB/s each way; it pairs two GPUs, more talk over PCIe: pass --nvlink-gbps "
+                "50); across nodes one 400 Gb/s NIC per GPU (assumed)",
         machine=dict(gpus=1, gpu_mem_bytes=80 * GB, host_mem_bytes=512 * GB,
                      device_adam_gbps=1600, host_adam_gelems_per_s=2.0, h2d_gbps=50, d2h_gbps=50,
-                     gpu_tflops=300),
+                     gpu_tflops=300, nvlink_gbps=300.0, ib_gbps=50.0),
         nvme=dict(drives=1, read=7.0, write=5.0, drive_bytes=3.84e12)),
     "gh200": dict(
         about="one GH200 superchip: H100 with 96 GB HBM3, 72-core Grace, 480 GB LPDDR5X, NVLink-C2C",
@@ -34,10 +37,12 @@ PRESETS = {
                 "900 GB/s total (450 GB/s each way, used as is: practical rates are lower), "
                 "989 bf16 dense TFLOPS. Assumed: device Adam at 80%% of HBM; 40%% MFU (400 "
                 "TFLOPS); Grace CPU Adam 1e10 elem/s on 72 cores (~280 GB/s, ~55%% of LPDDR5X "
-                "peak); one NVMe drive at 7 / 5 GB/s, 3.84 TB",
+                "peak); one NVMe drive at 7 / 5 GB/s, 3.84 TB. With --gpus > 1: NVLink 4 between "
+                "superchips 900 GB/s (datasheet; 450 GB/s each way), one 400 Gb/s NIC per "
+                "superchip (assumed)",
         machine=dict(gpus=1, gpu_mem_bytes=96 * GB, host_mem_bytes=480 * GB,
                      device_adam_gbps=3200, host_adam_gelems_per_s=10.0, h2d_gbps=450,
-                     d2h_gbps=450, gpu_tflops=400),
+                     d2h_gbps=450, gpu_tflops=400, nvlink_gbps=450.0, ib_gbps=50.0),
         nvme=dict(drives=1, read=7.0, write=5.0, drive_bytes=3.84e12)),
     "8xh100-node": dict(
         about="a DGX H100-class node: 8 H100 SXM 80GB, 2 Xeon 8480C (112 cores), 2 TB, 8 NVMe",
@@ -45,10 +50,13 @@ PRESETS = {
                 "TFLOPS), 2 TB system memory, 8x 3.84 TB NVMe U.2. Assumed: 50 GB/s practical "
                 "PCIe 5 per GPU; device Adam at 80%% of HBM; 40%% MFU; CPU Adam 8e9 elem/s for "
                 "the node (~224 GB/s of 16 DDR5 channels); per drive 7 GB/s read / 4 GB/s "
-                "write. Host memory, CPU and NVMe are shared evenly by the 8 GPUs",
+                "write. Host memory, CPU and NVMe are shared evenly by the 8 GPUs. Collectives "
+                "(datasheet): NVLink 4 through NVSwitch, 900 GB/s per GPU (450 GB/s each "
+                "way); across nodes 8x 400 Gb/s ConnectX-7 InfiniBand, 8x 50 = 400 GB/s per "
+                "node each way",
         machine=dict(gpus=8, gpu_mem_bytes=80 * GB, host_mem_bytes=2048 * GB,
                      device_adam_gbps=2700, host_adam_gelems_per_s=8.0, h2d_gbps=50, d2h_gbps=50,
-                     gpu_tflops=400),
+                     gpu_tflops=400, nvlink_gbps=450.0, ib_gbps=400.0),
         nvme=dict(drives=8, read=7.0, write=4.0, drive_bytes=3.84e12)),
     "this-machine": dict(
         about="the machine this command runs on, calibrated (cached; hybrid_opt/calibrate.py)",
@@ -56,7 +64,9 @@ PRESETS = {
                 "fused kernel, or in-process CPU Adam on a CPU-only host), H2D/D2H (pinned "
                 "copies, or the trainer's copies into shared memory), the trainer's slowdown "
                 "when a worker takes cores and under its memory traffic, nvme O_DIRECT rates in "
-                "--nvme-path (default: the system temp dir); memory as the machine reports it",
+                "--nvme-path (default: the system temp dir); memory as the machine reports it; "
+                "collectives' links assumed as 8xh100-node's (450 GB/s NVLink each way, 400 GB/s "
+                "IB per node): pass --nvlink-gbps / --ib-gbps",
         machine=None, nvme=None),
 }
 DEFAULT_PRESET = "h100-pcie5"
@@ -120,19 +130,45 @@ def _parser() -> argparse.ArgumentParser:
                     help="parameter count, e.g. 70e9, 7B, 1.3e9")
     ap.add_argument("--preset", choices=sorted(PRESETS), default=DEFAULT_PRESET,
                     help=f"machine to start from (default {DEFAULT_PRESET})")
-    ap.add_argument("--gpus", type=int, help="GPUs (0 = CPU only)")
+    ap.add_argument("--gpus", type=int, help="GPUs in all (0 = CPU only); over several nodes "
+                                             "with --gpus-per-node")
+    ap.add_argument("--gpus-per-node", type=int, metavar="N",
+                    help="GPUs per node (default: all --gpus on one node); the host figures "
+                         "(--host-mem, --host-adam, nvme) are per node, each GPU's rank gets "
+                         "1/N of them")
     ap.add_argument("--gpu-mem", type=parse_size, metavar="SIZE",
                     help="memory per GPU: 80GB, 80GiB, 0.5TB (a bare number is GB)")
     ap.add_argument("--host-mem", type=parse_size, metavar="SIZE",
-                    help="host memory of the machine: 2TB, 2TiB, 512GB (a bare number is GB)")
+                    help="host memory of a node: 2TB, 2TiB, 512GB (a bare number is GB)")
     ap.add_argument("--host-adam", type=pos, metavar="GELEM/S",
-                    help="CPU Adam rate of the machine, G elements/s")
+                    help="CPU Adam rate of a node (its cores), G elements/s")
     ap.add_argument("--device-adam", type=pos, metavar="GB/S",
                     help="achieved memory bandwidth of the device Adam step, GB/s")
     ap.add_argument("--pcie", type=pos, metavar="GB/S", help="H2D and D2H rate per GPU, each way")
     ap.add_argument("--nvme-read", type=pos, metavar="GB/S", help="read rate per drive")
     ap.add_argument("--nvme-write", type=pos, metavar="GB/S", help="write rate per drive")
-    ap.add_argument("--nvme-drives", type=int, help="drives (0 = no nvme tier)")
+    ap.add_argument("--nvme-drives", type=int, help="drives per node (0 = no nvme tier)")
+    ap.add_argument("--sharding", choices=SHARDINGS, default=None,
+                    help="how the GPUs divide the work, and the collectives' time: "
+                         "fsdp = FSDP2/ZeRO-3: optimizer state, grads and params sharded over "
+                         "the GPUs (device memory for each divided by --gpus); params "
+                         "all-gathered in forward and again in backward, grads reduce-scattered. "
+                         "zero = ZeRO-2, HybridAdamW(process_group=): optimizer state sharded, "
+                         "every GPU holds the whole model copy and grads; grads reduce-scattered "
+                         "in backward, updated params all-gathered after the step (exposed). "
+                         "none = replicated (DDP): every GPU holds and steps all state (N x host "
+                         "memory and host Adam work per node), grads all-reduced; DDP's hooks "
+                         "fire before its all-reduce, so no host step hides under backward. "
+                         "Not given: the model before this option (fsdp's memory, no "
+                         "collectives counted). Collectives: ring, bandwidth only, (N-1)/N of "
+                         "the bytes per GPU over NVLink within a node, over the node's IB "
+                         "share per GPU across nodes; forward/backward ones overlap compute")
+    ap.add_argument("--nvlink-gbps", type=pos, metavar="GB/S",
+                    help="NVLink rate per GPU, each way, within a node (preset default: see "
+                         "below; H100 SXM: 450 = 900 GB/s both ways, datasheet)")
+    ap.add_argument("--ib-gbps", type=pos, metavar="GB/S",
+                    help="inter-node rate per node, each way: the sum of its NICs (preset "
+                         "default: see below; DGX H100: 8x 400 Gb/s = 400)")
     ap.add_argument("--nvme-path", help="with --preset this-machine: the directory whose disk to "
                                         "calibrate (default: the system temp dir)")
     ap.add_argument("--backward-seconds", type=pos, help="measured backward time per iteration")
@@ -188,7 +224,9 @@ def build(args) -> tuple[Machine, Workload]:
     kw = dict(base, name=args.preset)
     nv = dict(nvme)
     for opt, key in (("gpus", "gpus"), ("host_adam", "host_adam_gelems_per_s"),
-                     ("device_adam", "device_adam_gbps"), ("gpu_tflops", "gpu_tflops")):
+                     ("device_adam", "device_adam_gbps"), ("gpu_tflops", "gpu_tflops"),
+                     ("gpus_per_node", "gpus_per_node"), ("nvlink_gbps", "nvlink_gbps"),
+                     ("ib_gbps", "ib_gbps")):
         if getattr(args, opt) is not None:
             kw[key] = getattr(args, opt)
     if args.gpu_mem is not None:
@@ -208,7 +246,8 @@ def build(args) -> tuple[Machine, Workload]:
     workload = Workload(params=args.params, model_bytes=4 if fp32 else 2,
                         grad_bytes=4 if fp32 else 2, state_bytes=16 if args.amsgrad else 12,
                         backward_seconds=args.backward_seconds, model_flops=args.model_flops,
-                        tokens_per_iteration=args.tokens, speculative=not args.no_speculation)
+                        tokens_per_iteration=args.tokens, speculative=not args.no_speculation,
+                        sharding=args.sharding)
     return machine, workload
 
 
@@ -225,8 +264,15 @@ def model_tflops_per_gpu(machine: Machine, workload: Workload, p) -> float | Non
     return flops / max(1, machine.gpus) / p.iteration_seconds / 1e12
 
 
+_SHARDING_ABOUT = {
+    "fsdp": "state, grads and params sharded over the GPUs (FSDP2 / ZeRO-3)",
+    "zero": "state sharded over the GPUs, whole model copy and grads on each (ZeRO-2, process_group=)",
+    "none": "replicated: every GPU holds and steps all state (DDP)",
+}
+
+
 def _summary(machine: Machine, workload: Workload, p, headroom: float) -> str:
-    ranks = max(1, machine.gpus)
+    ranks = max(1, min(machine.gpus_per_node or machine.gpus, max(1, machine.gpus)))
     per = "per GPU" if machine.gpus else "(no GPU: one trainer)"
     d = p.to_dict()
     b = p.breakdown
@@ -243,6 +289,9 @@ def _summary(machine: Machine, workload: Workload, p, headroom: float) -> str:
          else "  (no GPU: the 'device' share is stepped by the trainer's own cores; all in host memory)"),
         f"  host   {_gb(d['memory_bytes']['host'])} of {_gb(machine.host_mem_bytes / ranks)}",
         f"  nvme   {_gb(d['memory_bytes']['nvme'])}",
+    ] + ([] if machine.gpus_per_node is None else [
+        f"  (host memory, CPU and drives per node, each shared by its {ranks} GPUs)",
+    ]) + [
         f"  ({headroom:.0%} of GPU and host memory kept as headroom)",
         f"predicted: forward+backward {b['forward_backward']:.3f} s, step after backward "
         f"{p.step_seconds:.3f} s, iteration {p.iteration_seconds:.3f} s"
@@ -256,6 +305,10 @@ def _summary(machine: Machine, workload: Workload, p, headroom: float) -> str:
         f"  {'host work hidden under backward':44s}{b['host_hidden']:8.3f}",
         f"  {'host work exposed after backward':44s}{b['host_exposed']:8.3f}",
     ]
+    if workload.sharding is not None:
+        lines.insert(1, f"sharding: {workload.sharding}: {_SHARDING_ABOUT[workload.sharding]}")
+        lines.append(f"  {'collectives (exposed / total)':44s}{b['collectives_exposed']:8.3f}"
+                     f" / {b['collectives']:.3f}")
     if b["backward_contention"] > 0:
         lines.append(f"  {'backward slowed by host Adam (shared DRAM)':44s}"
                      f"{b['backward_contention']:8.3f}")
@@ -274,7 +327,16 @@ def main(argv=None) -> int:
     for name in ("gpus", "nvme_drives", "spare_banks"):
         if getattr(args, name) is not None and getattr(args, name) < 0:
             ap.error(f"--{name.replace('_', '-')} must be >= 0")
+    if args.gpus_per_node is not None and args.gpus_per_node < 1:
+        ap.error(f"--gpus-per-node must be >= 1, got {args.gpus_per_node}")
     machine, workload = build(args)
+    if machine.gpus == 0 and (args.sharding is not None or args.gpus_per_node is not None):
+        ap.error("--sharding and --gpus-per-node describe GPU ranks; with --gpus 0 the planner "
+                 "models one CPU trainer: give --gpus")
+    if machine.gpus_per_node is not None and (machine.gpus_per_node > machine.gpus
+                                              or machine.gpus % machine.gpus_per_node):
+        ap.error(f"--gpus ({machine.gpus}) must be a multiple of --gpus-per-node "
+                 f"({machine.gpus_per_node}): every node holds as many GPUs")
     try:
         p = best_plan(machine, workload, spare_banks=args.spare_banks, step=args.grid_step,
                       headroom=args.headroom, tolerance=args.tolerance)

@@ -7,6 +7,7 @@ import sys
 
 import pytest
 
+from hybrid_opt import cost_model as cm
 from hybrid_opt import planner
 from hybrid_opt.cost_model import GB, Machine, Workload, best_plan, memory_bytes, predict
 
@@ -281,3 +282,175 @@ def test_python_m_hybrid_opt_plan_prints_a_summary(tmp_path):
     assert out.returncode == 0, out.stderr
     for text in ("plan: offload_fraction=", "memory per GPU", "predicted:", "where the time goes"):
         assert text in out.stdout
+
+
+# ------------------------------------------------------------------ sharding, collectives, nodes
+# (issue #15, "Planner"): --sharding zero|fsdp|none, NVLink / IB rates, per-node host figures
+
+GOLDEN = os.path.join(REPO, "tests", "data", "planner_before_sharding.json")
+NEW_MACHINE_KEYS = {"gpus_per_node", "nvlink_gbps", "ib_gbps"}
+NEW_WORKLOAD_KEYS = {"sharding"}
+
+
+def _run_planner(argv):
+    import contextlib
+    import io
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        rc = planner.main(argv)
+    return rc, out.getvalue(), err.getvalue()
+
+
+def test_planner_without_sharding_prints_what_it_printed_before():
+    """Outputs recorded before --sharding existed (tests/data): the summary and errors are
+    byte-identical; the JSON holds every old key with the same value, plus only the new
+    machine/workload fields."""
+    with open(GOLDEN) as f:
+        cases = json.load(f)["cases"]
+    assert len(cases) >= 16 and any(c["rc"] == 1 for c in cases)
+    for c in cases:
+        rc, out, err = _run_planner(c["argv"])
+        assert (rc, err) == (c["rc"], c["stderr"]), c["argv"]
+        if "--json" not in c["argv"] or rc != 0:
+            assert out == c["stdout"], c["argv"]
+            continue
+        old, new = json.loads(c["stdout"]), json.loads(out)
+        assert set(new["machine"]) - set(old["machine"]) == NEW_MACHINE_KEYS
+        assert set(new["workload"]) - set(old["workload"]) == NEW_WORKLOAD_KEYS
+        assert new["workload"]["sharding"] is None
+        for key in NEW_MACHINE_KEYS:
+            del new["machine"][key]
+        del new["workload"]["sharding"]
+        assert new == old, c["argv"]
+
+
+NODE = _machine(gpus=8, gpu_mem_bytes=1000 * GB, host_mem_bytes=8000 * GB, host_adam_gelems_per_s=8.0,
+                nvlink_gbps=100.0, ib_gbps=100.0)
+
+
+def test_fsdp_holds_what_the_default_holds_and_adds_the_collectives():
+    legacy = predict(NODE, WORKLOAD, 0.5)
+    fsdp = predict(NODE, _workload(sharding="fsdp"), 0.5)
+    assert fsdp.memory_bytes == legacy.memory_bytes
+    assert "collectives" not in legacy.breakdown
+    # 1e9 params over 8 GPUs at 100 GB/s: all-gather x2 (2 B) + reduce-scatter (2 B), 7/8 each
+    assert fsdp.breakdown["collectives"] == pytest.approx(3 * 2e9 * 7 / 8 / 100e9)
+    assert fsdp.iteration_seconds >= legacy.iteration_seconds
+
+
+def test_replicated_state_needs_n_times_the_host_memory_and_host_work():
+    wl = _workload(exact_rollback=False)  # no spare banks: host memory is state + staging
+    zero = predict(NODE, _workload(exact_rollback=False, sharding="zero"), 1.0)
+    none = predict(NODE, _workload(exact_rollback=False, sharding="none"), 1.0)
+    staging = cm.STAGING_SLOTS * wl.subgroup_numel * (wl.grad_bytes + wl.model_bytes)
+    assert none.memory_bytes["host"] - staging == pytest.approx(8 * (zero.memory_bytes["host"] - staging))
+    assert none.breakdown["host_compute"] == pytest.approx(8 * zero.breakdown["host_compute"])
+    # zero and none hold the whole model copy and grads on every GPU; fsdp 1/8 of them
+    fsdp = predict(NODE, _workload(exact_rollback=False, sharding="fsdp"), 1.0)
+    assert zero.memory_bytes["device"] == none.memory_bytes["device"] == pytest.approx(1e9 * 4)
+    assert fsdp.memory_bytes["device"] == pytest.approx(1e9 * 4 / 8)
+    # host memory for the zero plan but not for eight copies: replicated does not fit
+    room = _machine(**{**vars(NODE), "host_mem_bytes": 8 * 3 * zero.memory_bytes["host"],
+                       "nvme_read_gbps": 0, "nvme_write_gbps": 0, "gpu_mem_bytes": 5 * GB})
+    assert best_plan(room, _workload(exact_rollback=False, sharding="zero"), headroom=0.0).offload_fraction > 0
+    with pytest.raises(ValueError, match="needs at least .* GB of host memory per GPU"):
+        best_plan(room, _workload(exact_rollback=False, sharding="none"), headroom=0.0)
+
+
+def test_replicated_speculation_hides_nothing_under_ddp():
+    # DDP's hooks fire before its all-reduce: every speculated step is redone
+    wl = dict(backward_seconds=100.0)
+    zero = predict(NODE, _workload(sharding="zero", **wl), 1.0)
+    none = predict(NODE, _workload(sharding="none", **wl), 1.0)
+    assert zero.breakdown["host_hidden"] > 0
+    assert none.breakdown["host_hidden"] == 0
+    assert none.breakdown["host_exposed"] == pytest.approx(none.breakdown["host_work"])
+
+
+def test_collectives_time_grows_with_params_and_shrinks_with_rate():
+    for sharding in cm.SHARDINGS:
+        base = cm.collective_seconds(NODE, _workload(sharding=sharding))
+        big = cm.collective_seconds(NODE, _workload(sharding=sharding, params=2e9))
+        fast = cm.collective_seconds(_machine(**{**vars(NODE), "nvlink_gbps": 200.0}),
+                                     _workload(sharding=sharding))
+        total = sum(base.values())
+        assert total > 0
+        assert sum(big.values()) == pytest.approx(2 * total)
+        assert sum(fast.values()) == pytest.approx(total / 2)
+    # ZeRO-2: reduce-scatter in backward, the updated params' all-gather after the step;
+    # DDP: an all-reduce (2x a reduce-scatter) in backward
+    zero = cm.collective_seconds(NODE, _workload(sharding="zero"))
+    none = cm.collective_seconds(NODE, _workload(sharding="none"))
+    assert zero == pytest.approx({"forward": 0.0, "backward": 2e9 * 7 / 8 / 100e9,
+                                  "after_step": 2e9 * 7 / 8 / 100e9})
+    assert none["backward"] == pytest.approx(2 * zero["backward"]) and none["after_step"] == 0
+    # across nodes the ring runs at the node's IB share per GPU: 16 GPUs, 8 per node
+    two_nodes = _machine(**{**vars(NODE), "gpus": 16, "gpus_per_node": 8})
+    assert cm.link_gbps(two_nodes) == pytest.approx(100.0 / 8)
+    assert cm.link_gbps(NODE) == 100.0
+    # one GPU: nothing to exchange
+    assert sum(cm.collective_seconds(MACHINE, _workload(sharding="fsdp")).values()) == 0
+
+
+def test_collectives_beside_compute_cost_only_what_exceeds_it():
+    slow_link = _machine(**{**vars(NODE), "nvlink_gbps": 0.1})
+    long = predict(NODE, _workload(sharding="fsdp", backward_seconds=100.0), 0.0)
+    assert long.breakdown["collectives"] > 0 and long.breakdown["collectives_exposed"] == 0
+    short = predict(slow_link, _workload(sharding="fsdp", backward_seconds=1.0), 0.0)
+    comm = cm.collective_seconds(slow_link, _workload(sharding="fsdp"))
+    exposed = (comm["forward"] - 0.5) + (comm["backward"] - 1.0)
+    assert short.breakdown["collectives_exposed"] == pytest.approx(exposed)
+    assert short.iteration_seconds == pytest.approx(1.5 + exposed + short.step_seconds)
+    # zero's all-gather of the updated params follows the step: exposed whole
+    zero = predict(NODE, _workload(sharding="zero", backward_seconds=100.0), 0.0)
+    after = cm.collective_seconds(NODE, _workload(sharding="zero"))["after_step"]
+    assert zero.step_seconds == pytest.approx(zero.breakdown["device_step"] + after)
+
+
+def test_host_figures_are_per_node_and_each_gpu_gets_its_share():
+    one_node = predict(_machine(gpus=16), WORKLOAD, 1.0)
+    two_nodes = predict(_machine(gpus=16, gpus_per_node=8), WORKLOAD, 1.0)
+    # each GPU's rank gets 1/8 of its node's CPU Adam rate, not 1/16 of one machine's
+    assert two_nodes.breakdown["host_compute"] == pytest.approx(one_node.breakdown["host_compute"] / 2)
+    rc, out, _ = _run_planner(["--params", "7B", "--preset", "8xh100-node", "--gpus", "16",
+                               "--gpus-per-node", "8", "--host-mem", "2TB"])
+    assert rc == 0
+    assert "of 250.0 GB" in out and "per node, each shared by its 8 GPUs" in out
+
+
+def test_planner_sharding_prints_its_assumption_and_the_collectives():
+    rc, out, _ = _run_planner(["--params", "7B", "--preset", "8xh100-node", "--sharding", "zero"])
+    assert rc == 0
+    assert "sharding: zero: state sharded over the GPUs, whole model copy and grads on each" in out
+    assert re.search(r"collectives \(exposed / total\)\s+\d+\.\d{3} / \d+\.\d{3}", out)
+    rc, out, _ = _run_planner(["--params", "7B", "--preset", "8xh100-node", "--sharding", "fsdp",
+                               "--nvlink-gbps", "45", "--json"])
+    d = json.loads(out)
+    assert d["workload"]["sharding"] == "fsdp" and d["machine"]["nvlink_gbps"] == 45
+    assert d["breakdown"]["collectives"] == pytest.approx(3 * 7e9 * 2 * 7 / 8 / 45e9)
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--sharding", "ddp"], r"--sharding: invalid choice: 'ddp'"),
+    (["--nvlink-gbps", "0"], r"--nvlink-gbps: must be > 0, got '0'"),
+    (["--ib-gbps", "-5"], r"--ib-gbps: must be > 0, got '-5'"),
+    (["--ib-gbps", "fast"], r"--ib-gbps: 'fast' is not a number"),
+    (["--gpus-per-node", "0"], r"--gpus-per-node must be >= 1, got 0"),
+    (["--gpus", "12", "--gpus-per-node", "8"], r"--gpus \(12\) must be a multiple of --gpus-per-node \(8\)"),
+    (["--gpus", "4", "--gpus-per-node", "8"], r"--gpus \(4\) must be a multiple of --gpus-per-node \(8\)"),
+    (["--gpus", "0", "--sharding", "zero"], r"--sharding and --gpus-per-node describe GPU ranks"),
+])
+def test_planner_rejects_bad_sharding_and_node_values(argv, message, capsys):
+    with pytest.raises(SystemExit) as e:
+        planner.main(["--params", "7B", "--preset", "8xh100-node"] + argv)
+    assert e.value.code == 2
+    assert re.search(message, capsys.readouterr().err)
+
+
+def test_cost_model_rejects_bad_sharding_and_node_values():
+    with pytest.raises(ValueError, match=r"sharding must be one of fsdp, zero, none .*'ddp'"):
+        predict(NODE, _workload(sharding="ddp"), 0.5)
+    with pytest.raises(ValueError, match=r"gpus \(8\) must be a multiple of gpus_per_node \(3\)"):
+        best_plan(_machine(gpus=8, gpus_per_node=3), WORKLOAD)
+    with pytest.raises(ValueError, match=r"nvlink_gbps must be > 0 to time the collectives"):
+        predict(_machine(gpus=8, nvlink_gbps=0.0), _workload(sharding="zero"), 0.5)
