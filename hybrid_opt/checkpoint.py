@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from hybrid_opt.distributed import dtensor_like, is_dtensor, local_of, local_shard_of
 from hybrid_opt.plan import DEVICE
 
 
@@ -51,7 +52,7 @@ class CheckpointMixin:
         sub_state: dict = {}  # subgroup states in use (an nvme one is a copy read from its file)
         state = {}
         for idx in stepped:
-            p = params[idx]
+            p = local_of(params[idx])  # a DTensor's state is its local shard's, wrapped below
             keys = ["exp_avg", "exp_avg_sq"] + (["max_exp_avg_sq"] if self._group_of(idx)["amsgrad"] else [])
             if p.dtype != torch.float32:
                 keys.append("master")
@@ -75,7 +76,10 @@ class CheckpointMixin:
                         del sub_state[sg.index]
             entry = {"step": torch.tensor(float(self._steps[idx]), dtype=torch.float32)}
             for k in keys:
-                entry["master_param" if k == "master" else k] = flat[k].view(p.shape)
+                t = flat[k].view(p.shape)
+                # torch.optim.AdamW's state under FSDP2 is zeros_like(p): DTensors like the param
+                entry["master_param" if k == "master" else k] = (
+                    dtensor_like(t, params[idx]) if is_dtensor(params[idx]) else t)
             state[idx] = entry
         base["state"] = state
         return base
@@ -131,9 +135,15 @@ class CheckpointMixin:
         def source(idx: int, key: str):
             if (idx, key) not in sources:
                 p, entry = params[idx], saved_state.get(idx, {})
+                saved_key = "master_param" if key == "master" else key
+                saved = entry.get(saved_key)
+                if is_dtensor(p):  # this rank's shard of a DTensor or of a full tensor
+                    saved = local_shard_of(saved, p)
+                elif is_dtensor(saved):  # a sharded checkpoint into a plain param
+                    saved = saved.full_tensor()
+                p = local_of(p)
                 if key == "master":
                     src = p.detach()
-                    saved = entry.get("master_param")
                     # a master stands only while the param is still its rounding: torch carries
                     # our extra key along without updating it, so after training elsewhere the
                     # param itself is the truth (and a load never writes params). Compared on
@@ -141,7 +151,7 @@ class CheckpointMixin:
                     if saved is not None and torch.equal(saved.to(device=p.device, dtype=p.dtype), src):
                         src = saved
                 else:
-                    src = entry.get(key)
+                    src = saved
                 sources[(idx, key)] = None if src is None else src.reshape(-1)
             return sources[(idx, key)]
 
@@ -211,7 +221,7 @@ class CheckpointMixin:
                 return False
             if not self._decoupled and g["weight_decay"] != 0:
                 return False
-        grads = [p.grad for p in self._all_params() if p.grad is not None]
+        grads = [local_of(p.grad) for p in self._all_params() if p.grad is not None]
         if not grads or any(g.is_sparse for g in grads):
             return False
         if bool(torch.stack([g.any() for g in grads]).any()):  # one host sync on a GPU

@@ -11,12 +11,17 @@ FLATTEN_PIECE_BYTES (whole subgroups, cut at parameter boundaries; a larger para
 piece of its own), each parameter's old storage released as soon as it is copied: the peak
 is the model plus one piece, not twice the model — on a GPU the difference between a model
 that fits and one that does not.
+
+A DTensor param (FSDP2) is never copied nor rebound: its flat buffer is its own local shard
+(distributed.py says why); slices read the local shard of its grad.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 import torch
+
+from hybrid_opt.distributed import is_dtensor, local_of
 
 # the extra memory flattening holds at once: one piece of the flat buffers (module docstring)
 FLATTEN_PIECE_BYTES = 256 << 20
@@ -32,7 +37,7 @@ class ParamSlice:
     numel: int
 
     def grad_view(self) -> torch.Tensor | None:
-        g = self.param.grad
+        g = local_of(self.param.grad)
         if g is None:
             return None
         return g.reshape(-1)[self.param_offset:self.param_offset + self.numel]
@@ -65,9 +70,15 @@ def flatten_group(params: list, group: int, first_index: int, subgroup_numel: in
     one's old storage is let go as soon as it is copied (module docstring), so a caller that
     holds no other reference to it gets it back before the next piece is allocated."""
     buckets: dict = {}
-    for k, p in enumerate(params):
-        buckets.setdefault((p.device, p.dtype), []).append((first_index + k, p))
     subgroups, flats = [], []
+    for k, p in enumerate(params):
+        if is_dtensor(p):
+            flat = dtensor_flat(p)
+            flats.append(flat)
+            subgroups.extend(_cut(flat, [(first_index + k, p, 0)], group, subgroup_numel,
+                                  first_subgroup + len(subgroups)))
+            continue
+        buckets.setdefault((p.device, p.dtype), []).append((first_index + k, p))
     for (device, dtype), members in buckets.items():
         size = torch.empty((), dtype=dtype).element_size()
         for piece in flat_pieces([p.numel() for _, p in members], subgroup_numel,
@@ -76,6 +87,16 @@ def flatten_group(params: list, group: int, first_index: int, subgroup_numel: in
             flats.append(flat)
             subgroups.extend(_cut(flat, placed, group, subgroup_numel, first_subgroup + len(subgroups)))
     return subgroups, flats
+
+
+def dtensor_flat(p) -> torch.Tensor:
+    """A DTensor param's flat buffer: a 1-D view of its local shard (its own memory)."""
+    local = local_of(p)
+    if not local.is_contiguous():
+        raise ValueError(f"a DTensor parameter's local shard must be contiguous (FSDP2's Shard(0) "
+                         f"shards are), got shape {tuple(local.shape)} stride {local.stride()} with "
+                         f"placements {tuple(p.placements)}: shard it on dim 0")
+    return local.view(-1)
 
 
 def flat_pieces(numels: list, subgroup_numel: int, piece_numel: int) -> list:
@@ -121,7 +142,7 @@ def _cut(flat: torch.Tensor, placed: list, group: int, subgroup_numel: int, firs
         sg = Subgroup(first + len(subgroups), group, flat[start:end])
         while cursor < len(placed):
             idx, p, p_start = placed[cursor]
-            p_end = p_start + p.numel()
+            p_end = p_start + local_of(p).numel()
             lo, hi = max(start, p_start), min(end, p_end)
             if lo < hi:
                 sg.slices.append(ParamSlice(idx, p, lo - p_start, lo - start, hi - lo))

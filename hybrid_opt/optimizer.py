@@ -17,6 +17,7 @@ import warnings
 
 import torch
 
+from hybrid_opt import distributed as D
 from hybrid_opt.checkpoint import CheckpointMixin
 from hybrid_opt.placement import PlacementMixin
 from hybrid_opt.plan import DEVICE, check_fractions
@@ -168,6 +169,7 @@ class _HybridBase(SpeculationMixin, PlacementMixin, CheckpointMixin, StepStatsMi
         self._deferred: list = []
         self._steps_taken = 0
         self._amp_seen = False
+        D.warn_replicated(self._all_params(), process_group)
         self._build()
 
     # ------------------------------------------------------------------ param groups
@@ -244,19 +246,32 @@ class _HybridBase(SpeculationMixin, PlacementMixin, CheckpointMixin, StepStatsMi
     def _grad_norm_sq(self):
         """The grads' squared global norm: a float summed here on a CPU host; on CUDA a 0-dim
         fp64 device tensor, queued and not read (step() reads it with found_inf and the scale)."""
-        total = 0.0
         params = [p for p in self._all_params() if p.grad is not None]
         if not params:
             return 0.0
+        # this rank's grads (a DTensor's local shard), grouped by how many ranks hold a replica
+        # of them: under torch.distributed each element counts once (distributed.py)
+        world = D.world_size()
+        by_replicas: dict = {}
+        for p in params:
+            by_replicas.setdefault(D.replicas(p) if world > 1 else 1, []).append(D.local_of(p.grad))
         if params[0].is_cuda:
             import gpu_kernels
-            s, _ = gpu_kernels.grad_stats([p.grad.contiguous() for p in params], sum_dtype=torch.float64)
-            return s
+            total = None
+            for r, grads in by_replicas.items():
+                s, _ = gpu_kernels.grad_stats([g.contiguous() for g in grads], sum_dtype=torch.float64)
+                s = s / r if r != 1 else s
+                total = s if total is None else total + s
+            return total
         import cpu_kernels
-        for p in params:
-            s, _ = cpu_kernels.grad_stats(p.grad.contiguous())
-            total += s
-        return total
+        partials = []
+        for r, grads in by_replicas.items():
+            total = 0.0
+            for g in grads:
+                s, _ = cpu_kernels.grad_stats(g.contiguous())
+                total += s
+            partials.append((total, r))
+        return D.weighted_norm_sq(partials)
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -285,6 +300,13 @@ class _HybridBase(SpeculationMixin, PlacementMixin, CheckpointMixin, StepStatsMi
         if self.max_grad_norm is not None and self._subgroups and self._subgroups[0].flat.is_cuda:
             norm_sq = self._grad_norm_sq()
         found, scale_v, norm_sq = read_scalars((found_t, scale_t, norm_sq))
+        if (found is not None or self.max_grad_norm is not None) and D.world_size() > 1:
+            # one decision for all ranks: norm² and found_inf summed in one all_reduce
+            if self.max_grad_norm is not None and norm_sq is None:
+                norm_sq = self._grad_norm_sq()
+            norm_sq, found = D.reduce_decision(norm_sq, found)
+            if found is not None:
+                D.globalize_scaler_found_inf(self._grad_scaler, self, found)
         if found is not None and found != 0.0:
             # GradScaler saw inf/nan: the whole step is skipped, exactly as torch does
             self.step_was_skipped = True

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from hybrid_opt.distributed import local_of
 from hybrid_opt.tiers.host import StepInputs
 from hybrid_opt.tiers.staging import copy_async
 
@@ -115,7 +116,8 @@ class SpeculationMixin:
         counts it will have), including which grads, so a changed grad makes it stale."""
         runs = self._runs(sg, live, ahead)
         step = runs[0][2] if runs else self._steps[live[0].param_index] + ahead
-        versions = tuple((sl.param.grad.data_ptr(), sl.param.grad._version) for sl in live)
+        # a DTensor grad (FSDP2) is named by its local shard: the memory the step reads
+        versions = tuple((g.data_ptr(), g._version) for g in (local_of(sl.param.grad) for sl in live))
         return StepInputs(step, hp.lr, hp.beta1, hp.beta2, hp.eps, hp.weight_decay, hp.decoupled,
                           scale * hp.grad_scale, versions, hp.amsgrad, runs)
 
@@ -238,7 +240,7 @@ class GradGatherer:
         is on a GPU, non-contiguous or of another dtype (then __call__ stages it here)."""
         entries, keep = [], []
         for sl, a, b in self._overlaps(offset, numel):
-            g = sl.param.grad
+            g = local_of(sl.param.grad)
             if g is None:
                 entries.append((a - offset, 0, b - a))
                 continue

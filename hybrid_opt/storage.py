@@ -13,7 +13,10 @@ cannot be re-adopted â€” the tiers were laid out for its old dtype and device â€
 raises saying which param changed and what to do.
 
 The check compares each param's data_ptr with the one recorded at layout: no allocation
-and one int comparison per param per step.
+and one int comparison per param per step. A DTensor param (FSDP2) is checked by its local
+shard, which is its subgroups' memory (distributed.py); one given new memory (a load with
+swap_tensors, FSDP2 re-padding it) is never rebound: its subgroups are pointed at the new
+shard instead, and their fp32 master restarts from it.
 
 A mixin of the optimizer class.
 """
@@ -21,6 +24,8 @@ from __future__ import annotations
 
 import torch
 
+from hybrid_opt.distributed import is_dtensor, local_of
+from hybrid_opt.layout import dtensor_flat
 from hybrid_opt.plan import DEVICE
 
 
@@ -33,8 +38,9 @@ class StorageMixin:
         ptrs = self.__dict__.setdefault("_flat_ptrs", [])
         del views[first:], ptrs[first:]
         for p in params:
-            views.append(p.detach())  # aliases the flat buffer, not the Parameter
-            ptrs.append(p.data_ptr())
+            view = local_of(p).detach()  # aliases the flat buffer, not the Parameter
+            views.append(view)
+            ptrs.append(view.data_ptr())
 
     def _check_storage(self) -> None:
         """Re-adopts every param whose memory was replaced since the last step (module
@@ -43,21 +49,24 @@ class StorageMixin:
         k = 0
         for group in self.param_groups:
             for p in group["params"]:
-                if p.data_ptr() != ptrs[k]:
+                if local_of(p).data_ptr() != ptrs[k]:
                     return self._adopt_storage()
                 k += 1
 
     def _adopt_storage(self) -> None:
         params = list(self._all_params())
-        changed = [i for i, p in enumerate(params) if p.data_ptr() != self._flat_ptrs[i]]
+        changed = [i for i, p in enumerate(params) if local_of(p).data_ptr() != self._flat_ptrs[i]]
         for i in changed:
-            p, view = params[i], self._flat_views[i]
+            p, view = local_of(params[i]), self._flat_views[i]
             if (p.dtype, p.device, p.shape) != (view.dtype, view.device, view.shape):
                 raise RuntimeError(self._moved_message(i, p, view))
         # a pending speculation read the old master: drop it (step() steps those subgroups)
         self._drop_speculation()
         with torch.no_grad():
             for i in changed:
+                if is_dtensor(params[i]):
+                    self._repoint_dtensor(i, params[i])
+                    continue
                 view = self._flat_views[i]
                 view.copy_(params[i].data)
                 params[i].data = view
@@ -77,6 +86,19 @@ class StorageMixin:
                                       st["exp_avg_sq"], st.get("max_exp_avg_sq"))
         # swapping a Parameter's contents (load_state_dict with swap_tensors) drops its hooks
         self._install_hooks([sg for sg in self._subgroups if self.plan.tiers[sg.index] != DEVICE])
+
+    def _repoint_dtensor(self, i: int, p) -> None:
+        """DTensor param i's local shard has new memory: its subgroups view that instead (the
+        param is never rebound: FSDP2 all-gathers from its own buffer)."""
+        flat = dtensor_flat(p)
+        for sg in self._subgroups:
+            for sl in sg.slices:
+                if sl.param_index == i:  # a DTensor param's subgroups hold it alone, from offset 0
+                    sg.flat = flat[sl.param_offset:sl.param_offset + sg.numel]
+                    if sg.index in self._device.master and sg.dtype == torch.float32:
+                        self._device.master[sg.index] = sg.flat  # an fp32 device subgroup is its own master
+        self._flat_views[i] = local_of(p).detach()
+        self._flat_ptrs[i] = self._flat_views[i].data_ptr()
 
     def _moved_message(self, i: int, p, view) -> str:
         names = [n for g in self.param_groups for n in g.get("param_names", [None] * len(g["params"]))]

@@ -1,0 +1,165 @@
+"""Distributed helpers: DTensor params (FSDP2) seen through their local shards, the one
+reduction per step that makes every rank take the same decision, and DTensor state for
+checkpoints.
+
+How DTensor params are laid out (layout.py): each rank lays out and steps its *local
+shards*. A DTensor param is never made a view of an optimizer buffer (FSDP2 keeps each
+sharded param's local tensor as a view of its own padded buffer, `_sharded_param_data`,
+which it all-gathers from and re-pads at lazy init; rebinding it would cut FSDP2 off from
+the updates). Instead its flat buffer *is* its local shard: the subgroup's `flat` is a view
+of `p.to_local()`, one flat buffer per DTensor param, so the tiers write the new params
+straight into FSDP2's storage, no copy and no extra memory — the same way torch.optim steps
+`p` in place. The price: small DTensor params (biases, norms) are subgroups of their own
+instead of sharing one (more, smaller worker steps); plain params are flattened as before.
+The user's Parameter objects stay in param_groups (DCP maps state by identity), and
+storage.py's check compares the local shard's address, re-pointing the subgroups (never
+the param) when a load gave the shard new memory.
+
+One decision for all ranks: the grads' norm² (clipping) and the GradScaler's found_inf are
+summed in one all_reduce (found_inf is >= 0, so a sum > 0 means an overflow somewhere), each
+element counted once: a shard's partial is weighted 1 / (ranks holding a replica of it) —
+the product of the mesh dims whose placement is Replicate (HSDP's replicate dim); a plain
+param under a world > 1 without process_group is replicated on every rank (weight 1/world).
+No collective runs on a step that needs neither clipping nor a scaler.
+"""
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+
+def _dist():
+    import torch.distributed as dist
+    return dist if dist.is_available() and dist.is_initialized() else None
+
+
+def world_size() -> int:
+    dist = _dist()
+    return dist.get_world_size() if dist is not None else 1
+
+
+_DTENSOR = []  # [DTensor class or None], imported once
+
+
+def is_dtensor(t) -> bool:
+    if not _DTENSOR:
+        try:
+            from torch.distributed.tensor import DTensor
+        except ImportError:  # torch without DTensor (or without distributed): nothing is one
+            DTensor = None
+        _DTENSOR.append(DTensor)
+    return _DTENSOR[0] is not None and isinstance(t, _DTENSOR[0])
+
+
+def local_of(t):
+    """The tensor whose memory holds this rank's elements of `t`: a DTensor's local shard
+    (detached, no autograd), or `t` itself."""
+    if t is None or not is_dtensor(t):
+        return t
+    with torch.no_grad():
+        return t.to_local()
+
+
+def replicas(p) -> int:
+    """How many ranks hold each element of `p`'s grad: the Replicate dims of a DTensor's
+    mesh; every rank for a plain param (replicated when a world runs without process_group)."""
+    if not is_dtensor(p):
+        return world_size()
+    from torch.distributed.tensor import Replicate
+    n = 1
+    for dim, placement in enumerate(p.placements):
+        if isinstance(placement, Replicate):
+            n *= p.device_mesh.size(dim)
+    return n
+
+
+def weighted_norm_sq(partials) -> float:
+    """Σ norm² / replicas over [(norm², replicas)], in the order given (fixed: subgroup order)."""
+    return sum(s / r if r != 1 else s for s, r in partials)
+
+
+def needs_reduction(params) -> bool:
+    """True when the grads of `params` live on more than one rank (a world > 1)."""
+    return world_size() > 1 and any(True for _ in params)
+
+
+def reduce_decision(norm_sq, found):
+    """(global norm², global found_inf) — one all_reduce(SUM) of both over the default group,
+    so every rank clips by the same coefficient and skips the same steps. Either may be None
+    (not needed this step); found may be a tensor (the scaler's), returned as a float."""
+    dist = _dist()
+    values = [0.0 if norm_sq is None else float(norm_sq),
+              0.0 if found is None else float(found)]
+    if dist is None or dist.get_world_size() == 1:
+        return norm_sq, found
+    # gloo reduces CPU tensors; nccl needs them on the rank's device
+    backend = dist.get_backend()
+    device = torch.device("cpu")
+    if backend == "nccl" and torch.cuda.is_available():
+        device = torch.device("cuda", torch.cuda.current_device())
+    buf = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(buf, op=dist.ReduceOp.SUM)
+    total_sq, total_found = buf.tolist()
+    return (None if norm_sq is None else total_sq), (None if found is None else total_found)
+
+
+def globalize_scaler_found_inf(scaler, optimizer, found: float) -> None:
+    """Makes an attached torch.amp.GradScaler's per-device found_inf the global one, so its
+    update() changes the scale identically on every rank (ShardedGradScaler does that itself)."""
+    if scaler is None:
+        return
+    states = getattr(scaler, "_per_optimizer_states", None)
+    state = states.get(id(optimizer)) if isinstance(states, dict) else None
+    if not state:
+        return
+    for t in state.get("found_inf_per_device", {}).values():
+        t.fill_(1.0 if found else 0.0)
+
+
+def warn_replicated(params, process_group) -> None:
+    """Plain params in a world > 1 without process_group: every rank holds and steps the
+    whole state (replicated, as one process would). Said once per optimizer."""
+    if process_group is not None or world_size() <= 1:
+        return
+    plain = [p for p in params if not is_dtensor(p)]
+    if plain:
+        warnings.warn(f"torch.distributed is initialised with {world_size()} ranks and "
+                      f"{len(plain)} parameters are plain tensors (not FSDP2 DTensors): every rank "
+                      f"keeps and steps their whole optimizer state (replicated). Shard them with "
+                      f"FSDP2's fully_shard, or (when built) pass process_group= to shard the "
+                      f"state ZeRO-style across ranks", stacklevel=4)
+
+
+def dtensor_like(local: torch.Tensor, p):
+    """`local` (this rank's state of DTensor param `p`, shaped like p's local shard) as a
+    DTensor with p's mesh, placements, global shape and stride — how torch.optim.AdamW's
+    state looks under FSDP2 (zeros_like(p)), so DCP saves and reshards it."""
+    from torch.distributed.tensor import DTensor
+    return DTensor.from_local(local, p.device_mesh, p.placements, run_check=False,
+                              shape=p.shape, stride=p.stride())
+
+
+def local_shard_of(value, p):
+    """This rank's shard of a saved state tensor `value` for DTensor param `p`: the local
+    tensor of a DTensor laid out like p, a DTensor of another layout redistributed to p's,
+    or the matching slice of a full (plain) tensor of p's global shape."""
+    if value is None:
+        return None
+    if is_dtensor(value):
+        if tuple(value.placements) != tuple(p.placements) or value.device_mesh != p.device_mesh:
+            value = value.redistribute(p.device_mesh, p.placements)
+        return value.to_local()
+    local = local_of(p)
+    if tuple(value.shape) == tuple(local.shape) and tuple(p.shape) != tuple(local.shape):
+        return value  # already this rank's shard
+    if tuple(value.shape) != tuple(p.shape):
+        raise ValueError(f"load_state_dict: a state tensor of shape {tuple(value.shape)} does not "
+                         f"fit a DTensor parameter of global shape {tuple(p.shape)} (local shard "
+                         f"{tuple(local.shape)}): load a state_dict saved for this model")
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+    shape, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
+    out = value
+    for dim, (n, o) in enumerate(zip(shape, offset)):
+        out = out.narrow(dim, o, n)
+    return out

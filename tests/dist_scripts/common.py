@@ -1,0 +1,62 @@
+"""Shared by the rank scripts and tests/test_distributed.py: the model, the data and the
+single-process reference on the global batch."""
+from __future__ import annotations
+
+import os
+
+import torch
+
+IN, HID, OUT = 12, 13, 6   # 13: odd, so dim-0 shards are uneven over 2 ranks
+BATCH = 8                  # global batch, split evenly over the ranks
+STEPS = 4
+LR = 1e-2
+
+
+def build_model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(IN, HID), torch.nn.Tanh(), torch.nn.Linear(HID, OUT),
+                               torch.nn.Tanh(), torch.nn.Linear(OUT, 3))
+
+
+def batches(n: int = STEPS, seed: int = 1) -> list:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn(BATCH, IN, generator=gen) for _ in range(n)]
+
+
+def loss_fn(model, x):
+    return model(x).square().mean()
+
+
+def local_batch(x, rank: int, world: int):
+    n = x.shape[0] // world
+    return x[rank * n:(rank + 1) * n]
+
+
+def reference(kind: str, n: int = STEPS, *, max_grad_norm=None, weight_decay=0.01, skip=(),
+              seed: int = 1) -> tuple:
+    """(params after each step, grad norms) of torch.optim.AdamW / Adam (foreach=False) on the
+    global batch, clip_grad_norm_ when asked, the steps in `skip` not taken (an overflow)."""
+    model = build_model()
+    cls = torch.optim.AdamW if kind == "AdamW" else torch.optim.Adam
+    opt = cls(model.parameters(), lr=LR, weight_decay=weight_decay, foreach=False)
+    params, norms = [], []
+    for i, x in enumerate(batches(n, seed)):
+        opt.zero_grad()
+        loss_fn(model, x).backward()
+        norm = None
+        if max_grad_norm is not None:
+            norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm))
+        if i not in skip:
+            opt.step()
+        norms.append(norm)
+        params.append([p.detach().clone() for p in model.parameters()])
+    return params, norms
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
+
+
+def save_result(obj) -> None:
+    rank = int(os.environ.get("RANK", "0"))
+    torch.save(obj, os.path.join(os.environ["DIST_OUT"], f"rank{rank}.pt"))

@@ -1,0 +1,125 @@
+"""Rank script: trains the common model under FSDP2 with HybridAdamW / HybridAdam in the
+configurations named on the command line and saves, per configuration, the full params after
+each step, last_grad_norm, step_was_skipped, the scaler's scale and speculation's stats."""
+import os
+import sys
+import tempfile
+import warnings
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+
+import common as C
+from hybrid_opt import HybridAdam, HybridAdamW
+
+CONFIGS = {
+    # name: (optimizer, mesh, hybrid kwargs, clip, overflow step on rank 1)
+    "adamw_1d_nvme": ("AdamW", "1d", dict(offload_fraction=0.5, nvme_fraction=0.25), 1.0, None),
+    "adam_1d_host": ("Adam", "1d", dict(offload_fraction=1.0), 1.0, None),
+    "adamw_hsdp_nvme": ("AdamW", "hsdp", dict(offload_fraction=0.5, nvme_fraction=0.25), 0.5, None),
+    "adam_hsdp_host": ("Adam", "hsdp", dict(offload_fraction=1.0), 1.0, None),
+    "adamw_overflow": ("AdamW", "1d", dict(offload_fraction=0.5), 1.0, 1),
+    "adamw_noclip": ("AdamW", "1d", dict(offload_fraction=0.5), None, None),
+}
+
+
+class CountAllReduce:
+    """Counts torch.distributed.all_reduce calls while active (the optimizer's collectives)."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def __enter__(self):
+        self.orig = dist.all_reduce
+
+        def counted(*args, **kwargs):
+            self.calls += 1
+            return self.orig(*args, **kwargs)
+        dist.all_reduce = counted
+        return self
+
+    def __exit__(self, *exc):
+        dist.all_reduce = self.orig
+
+
+def plain_params_warning(rank: int, world: int) -> dict:
+    """Plain (replicated) params in a world > 1 without process_group: the warnings given."""
+    model = C.build_model()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        opt = HybridAdamW(model.parameters(), offload_fraction=0.0)
+    opt.close()
+    return dict(warnings=[str(w.message) for w in caught])
+
+
+def shard(model, mesh):
+    for m in model:
+        if isinstance(m, torch.nn.Linear):
+            fully_shard(m, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def run(name: str, rank: int, world: int, tmp: str) -> dict:
+    kind, mesh_kind, hybrid, clip, overflow_at = CONFIGS[name]
+    mesh = (init_device_mesh("cpu", (world,)) if mesh_kind == "1d" else
+            init_device_mesh("cpu", (world, 1), mesh_dim_names=("replicate", "shard")))
+    model = shard(C.build_model(), mesh)
+    cls = HybridAdamW if kind == "AdamW" else HybridAdam
+    if hybrid.get("nvme_fraction"):
+        hybrid = dict(hybrid, nvme_path=os.path.join(tmp, f"{name}-rank{rank}"))
+        os.makedirs(hybrid["nvme_path"])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        opt = cls(model.parameters(), lr=C.LR, weight_decay=0.01, max_grad_norm=clip,
+                  subgroup_numel=32, worker_share=0.5, **hybrid)
+    scaler = None
+    if overflow_at is not None:
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8)
+        opt.attach_grad_scaler(scaler)
+    out = dict(params=[], norms=[], skipped=[], scales=[], speculation=[], all_reduces=[],
+               warnings=[str(w.message) for w in caught])
+    for i, x in enumerate(C.batches()):
+        opt.zero_grad()
+        loss = C.loss_fn(model, C.local_batch(x, rank, world))
+        (scaler.scale(loss) if scaler else loss).backward()
+        if i == overflow_at and rank == 1:  # an overflow in this rank's local grads only
+            with torch.no_grad():
+                next(iter(model.parameters())).grad.to_local().view(-1)[0] = float("inf")
+        with CountAllReduce() as count:
+            if scaler is not None:
+                scaler.step(opt)
+            else:
+                opt.step()
+        out["all_reduces"].append(count.calls)
+        if scaler is not None:
+            scaler.update()
+            out["scales"].append(float(scaler.get_scale()))
+        out["norms"].append(opt.last_grad_norm)
+        out["skipped"].append(opt.step_was_skipped)
+        out["speculation"].append(dict(opt.stats.get("speculation") or {}))
+        out["params"].append([p.full_tensor().detach().clone() for p in model.parameters()])
+    out["placements"] = [tuple(map(str, p.placements)) for p in model.parameters()]
+    out["local_numels"] = [p.to_local().numel() for p in model.parameters()]
+    opt.close()
+    return out
+
+
+def main():
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    results = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in sys.argv[1:]:
+            if name == "plain_warn":
+                results[name] = plain_params_warning(rank, world)
+            else:
+                results[name] = run(name, rank, world, tmp)
+    C.save_result(results)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,199 @@
+"""HybridAdamW / HybridAdam under torch.distributed (gloo, 2 ranks on this machine): FSDP2
+with uneven shards and an HSDP (2, 1) mesh, one decision for all ranks (clipping norm, a
+GradScaler overflow on one rank), DCP checkpoints 2 -> 2 and 2 -> 1, DCP's lr-0 step on a
+fresh optimizer, and the warning for replicated plain params.
+
+Each launch (tests/dist_launch.py) runs one rank script over several configurations, so the
+whole module costs two torchrun launches (about 25 s here); each is bounded and kills every
+rank and worker when it overruns.
+"""
+import os
+import sys
+
+import pytest
+import torch
+
+from dist_launch import SCRIPTS, launch
+from tolerances import DIST_RTOL
+
+sys.path.insert(0, SCRIPTS)
+import common as C  # noqa: E402
+
+TORCH = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
+
+
+def _gloo() -> bool:
+    import torch.distributed as dist
+    return dist.is_available() and dist.is_gloo_available()
+
+
+pytestmark = [
+    pytest.mark.skipif(TORCH < (2, 6), reason=f"FSDP2 (fully_shard with post-accumulate-grad "
+                       f"hooks on the sharded params) needs torch >= 2.6, this is {torch.__version__}"),
+    pytest.mark.skipif(not _gloo(), reason="torch.distributed with the gloo backend is not available"),
+]
+
+TRAIN = ["adamw_1d_nvme", "adam_1d_host", "adamw_hsdp_nvme", "adam_hsdp_host"]
+CLIP = {"adamw_1d_nvme": 1.0, "adam_1d_host": 1.0, "adamw_hsdp_nvme": 0.5, "adam_hsdp_host": 1.0}
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    out = tmp_path_factory.mktemp("fsdp_train")
+    return launch("fsdp_train.py", str(out), *TRAIN, "adamw_overflow", "adamw_noclip",
+                  "plain_warn", timeout_s=150)
+
+
+@pytest.fixture(scope="module")
+def checkpointed(tmp_path_factory):
+    out = tmp_path_factory.mktemp("fsdp_dcp")
+    ckpt = os.path.join(str(out), "ckpt")
+    return ckpt, launch("fsdp_dcp.py", str(out), ckpt, timeout_s=150)
+
+
+def _assert_trajectory(params_per_step, ref_params, what):
+    for step, (ours, ref) in enumerate(zip(params_per_step, ref_params)):
+        for k, (a, b) in enumerate(zip(ours, ref)):
+            err = C.rel_err(a, b)
+            assert err <= DIST_RTOL, f"{what}: step {step} param {k}: relative error {err:.2e}"
+
+
+@pytest.mark.parametrize("name", TRAIN)
+def test_fsdp2_matches_single_process_torch(trained, name):
+    """Every rank's params (gathered) follow torch.optim.AdamW / Adam on the global batch with
+    clip_grad_norm_, and last_grad_norm is the full model's norm, the same float on every rank."""
+    kind = "AdamW" if name.startswith("adamw") else "Adam"
+    ref_params, ref_norms = C.reference(kind, max_grad_norm=CLIP[name])
+    for rank, res in enumerate(trained):
+        _assert_trajectory(res[name]["params"], ref_params, f"{name} rank {rank}")
+        for ours, ref in zip(res[name]["norms"], ref_norms):
+            assert ours == pytest.approx(ref, rel=1e-5)
+    assert trained[0][name]["norms"] == trained[1][name]["norms"]  # bitwise: one decision
+
+
+def test_fsdp2_shards_are_uneven_and_hsdp_replicates(trained):
+    """The odd-sized layer is split unevenly (the test exercises FSDP2's padded shards), and the
+    (2, 1) mesh holds every param replicated on dim 0, sharded (whole) on dim 1."""
+    r0, r1 = trained[0]["adamw_1d_nvme"], trained[1]["adamw_1d_nvme"]
+    full = [p.numel() for p in C.build_model().parameters()]
+    assert [a + b for a, b in zip(r0["local_numels"], r1["local_numels"])] == full
+    assert r0["local_numels"] != r1["local_numels"]
+    hsdp = trained[0]["adamw_hsdp_nvme"]
+    assert all(pl == ("R", "S(0)") for pl in hsdp["placements"])
+    assert hsdp["local_numels"] == full  # without counting replicas once, the norm would be √2 too big
+
+
+def test_speculation_starts_from_fsdp2_hooks(trained):
+    """Host subgroups are stepped during backward from FSDP2's post-reduce-scatter hooks and
+    committed (clipping does not bite here), none redone."""
+    for res in trained:
+        for name in TRAIN:
+            for spec in res[name]["speculation"]:
+                assert spec["committed"] >= 1 and spec["redone"] == 0, (name, spec)
+
+
+def test_overflow_on_one_rank_skips_every_rank(trained):
+    """An inf in rank 1's local grads only: both ranks skip that step (speculated steps
+    dropped), the attached GradScaler's scale stays equal on both, and the trajectory is
+    torch's with that step skipped."""
+    r0, r1 = trained[0]["adamw_overflow"], trained[1]["adamw_overflow"]
+    assert r0["skipped"] == r1["skipped"] == [False, True, False, False]
+    assert r0["scales"] == r1["scales"] == [256.0, 128.0, 128.0, 128.0]
+    assert r0["speculation"][1]["dropped"] >= 1 and r0["speculation"][1]["committed"] == 0
+    ref_params, _ = C.reference("AdamW", max_grad_norm=1.0, skip={1})
+    for rank, res in enumerate((r0, r1)):
+        _assert_trajectory(res["params"], ref_params, f"overflow rank {rank}")
+
+
+def test_collectives_per_step(trained):
+    """One all_reduce per step where the decision needs one (clipping or a scaler), none
+    otherwise."""
+    for res in trained:
+        for name in TRAIN + ["adamw_overflow"]:
+            assert res[name]["all_reduces"] == [1] * C.STEPS, name
+        assert res["adamw_noclip"]["all_reduces"] == [0] * C.STEPS
+        ref_params, _ = C.reference("AdamW")
+        _assert_trajectory(res["adamw_noclip"]["params"], ref_params, "no clipping")
+
+
+def test_plain_params_under_dist_warn_once_naming_process_group(trained):
+    for res in trained:
+        msgs = [m for m in res["plain_warn"]["warnings"] if "process_group" in m]
+        assert len(msgs) == 1, res["plain_warn"]["warnings"]
+        assert "replicated" in msgs[0]
+        for name in TRAIN:  # FSDP2's DTensor params are sharded: no warning
+            assert not [m for m in res[name]["warnings"] if "process_group" in m]
+
+
+def test_dcp_state_is_dtensors_like_the_params(checkpointed):
+    """get_optimizer_state_dict gives DTensor moments placed like the params (as torch.optim.
+    AdamW's under FSDP2) and plain step counts; the full state dict (cpu_offload) plain tensors."""
+    _, (r0, r1) = checkpointed
+    for res in (r0, r1):
+        assert res["kinds"] == {"step": ("Tensor", ()), "exp_avg": ("DTensor", ("S(0)",)),
+                                "exp_avg_sq": ("DTensor", ("S(0)",))}
+    assert r0["full_kinds"] == ["Tensor"]
+
+
+def test_dcp_save_2_load_2_resumes_bitwise(checkpointed):
+    """Saved at 2 ranks from offload 0.5 + nvme 0.25, loaded at 2 ranks into offload 1.0: the
+    resumed steps are the uninterrupted ones, bit for bit (same kernels, same state)."""
+    _, ranks = checkpointed
+    for res in ranks:
+        for a, b in zip(res["resumed"], res["uninterrupted"]):
+            assert torch.equal(a, b)
+
+
+def test_dcp_init_step_on_fresh_fsdp2_optimizer(checkpointed):
+    """get_optimizer_state_dict on a fresh optimizer runs DCP's lr-0 step: torch's state (step
+    1, zero moments, global shapes) and params unchanged."""
+    _, ranks = checkpointed
+    shapes = {n: tuple(p.shape) for n, p in C.build_model().named_parameters()}
+    for res in ranks:
+        assert set(res["fresh_state"]) == set(shapes)
+        for name, st in res["fresh_state"].items():
+            assert float(st["step"]) == 1.0
+            for k in ("exp_avg", "exp_avg_sq"):
+                assert tuple(st[k].shape) == shapes[name] and not st[k].any()
+        for a, b in zip(res["before"], res["after_init"]):
+            assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("into", ["HybridAdamW", "torch.optim.AdamW", "full_state_dict"])
+def test_dcp_save_2_load_1(checkpointed, into):
+    """The 2-rank checkpoint loads in one plain process (no torch.distributed) into a plain
+    HybridAdamW, into torch.optim.AdamW (dcp.load resharding the DTensor state), or from the
+    full state dict, and resumes on the uninterrupted trajectory."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+    from hybrid_opt import HybridAdamW
+
+    ckpt, ranks = checkpointed
+    model = C.build_model()
+    if into == "torch.optim.AdamW":
+        opt = torch.optim.AdamW(model.parameters(), lr=C.LR, weight_decay=0.01, foreach=False)
+    else:
+        opt = HybridAdamW(model.parameters(), lr=C.LR, weight_decay=0.01, max_grad_norm=1.0,
+                          subgroup_numel=32, offload_fraction=0.5)
+    try:
+        if into == "full_state_dict":
+            full = torch.load(ckpt + "-full.pt", weights_only=True)
+            model.load_state_dict(full["model"])
+            set_optimizer_state_dict(model, opt, full["optim"])
+        else:
+            sd = {"model": model.state_dict(), "optim": get_optimizer_state_dict(model, opt)}
+            dcp.load(sd, checkpoint_id=ckpt)
+            model.load_state_dict(sd["model"])
+            set_optimizer_state_dict(model, opt, sd["optim"])
+        for x in C.batches()[2:]:
+            opt.zero_grad()
+            C.loss_fn(model, x).backward()
+            if isinstance(opt, torch.optim.AdamW):
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+    finally:
+        if hasattr(opt, "close"):
+            opt.close()
+    for k, (a, b) in enumerate(zip(model.parameters(), ranks[0]["uninterrupted"])):
+        err = C.rel_err(a.detach(), b)
+        assert err <= DIST_RTOL, f"param {k}: relative error {err:.2e}"
