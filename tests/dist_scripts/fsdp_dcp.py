@@ -49,6 +49,11 @@ def main():
     os.makedirs(nvme, exist_ok=True)
     model, opt = make(mesh, offload_fraction=0.5, nvme_fraction=0.25, nvme_path=nvme)
     train(model, opt, xs[:SAVE_AT], rank, world)
+    # for load_state_dict of full (plain) tensors: this rank's shards and the gathered state
+    shards_at_save = [p.to_local().clone() for p in model.parameters()]
+    plain_sd = opt.state_dict()
+    plain_sd["state"] = {i: {k: (v.full_tensor() if hasattr(v, "full_tensor") else v)
+                             for k, v in st.items()} for i, st in plain_sd["state"].items()}
     osd = get_optimizer_state_dict(model, opt)
     kinds = {k: (type(v).__name__, tuple(map(str, getattr(v, "placements", ()))))
              for k, v in osd["state"]["0.weight"].items()}
@@ -76,8 +81,17 @@ def main():
     set_optimizer_state_dict(model2, opt2, sd["optim"])
     resumed = train(model2, opt2, xs[SAVE_AT:], rank, world)
     opt2.close()
+
+    # load_state_dict of full tensors of the params' global shapes: each rank takes its slice
+    model3, opt3 = make(mesh, offload_fraction=0.5)
+    with torch.no_grad():
+        for p, local in zip(model3.parameters(), shards_at_save):
+            p.to_local().copy_(local)
+    opt3.load_state_dict(plain_sd)
+    resumed_from_full = train(model3, opt3, xs[SAVE_AT:], rank, world)
+    opt3.close()
     C.save_result(dict(kinds=kinds, full_kinds=full_kinds, uninterrupted=uninterrupted,
-                       resumed=resumed, fresh_state=fresh_state, before=before, after_init=after_init))
+                       resumed=resumed, resumed_from_full=resumed_from_full, fresh_state=fresh_state, before=before, after_init=after_init))
     dist.destroy_process_group()
 
 

@@ -14,6 +14,8 @@ from torch.distributed.fsdp import fully_shard
 import common as C
 from hybrid_opt import HybridAdam, HybridAdamW
 
+DEVICE = os.environ.get("DIST_DEVICE", "cpu")  # "cuda": the gpu test (one rank per GPU)
+
 CONFIGS = {
     # name: (optimizer, mesh, hybrid kwargs, clip, overflow step on rank 1)
     "adamw_1d_nvme": ("AdamW", "1d", dict(offload_fraction=0.5, nvme_fraction=0.25), 1.0, None),
@@ -64,9 +66,9 @@ def shard(model, mesh):
 
 def run(name: str, rank: int, world: int, tmp: str) -> dict:
     kind, mesh_kind, hybrid, clip, overflow_at = CONFIGS[name]
-    mesh = (init_device_mesh("cpu", (world,)) if mesh_kind == "1d" else
-            init_device_mesh("cpu", (world, 1), mesh_dim_names=("replicate", "shard")))
-    model = shard(C.build_model(), mesh)
+    mesh = (init_device_mesh(DEVICE, (world,)) if mesh_kind == "1d" else
+            init_device_mesh(DEVICE, (world, 1), mesh_dim_names=("replicate", "shard")))
+    model = shard(C.build_model().to(DEVICE), mesh)
     cls = HybridAdamW if kind == "AdamW" else HybridAdam
     if hybrid.get("nvme_fraction"):
         hybrid = dict(hybrid, nvme_path=os.path.join(tmp, f"{name}-rank{rank}"))
@@ -77,13 +79,13 @@ def run(name: str, rank: int, world: int, tmp: str) -> dict:
                   subgroup_numel=32, worker_share=0.5, **hybrid)
     scaler = None
     if overflow_at is not None:
-        scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8)
+        scaler = torch.amp.GradScaler(DEVICE, init_scale=2.0 ** 8)
         opt.attach_grad_scaler(scaler)
     out = dict(params=[], norms=[], skipped=[], scales=[], speculation=[], all_reduces=[],
                warnings=[str(w.message) for w in caught])
     for i, x in enumerate(C.batches()):
         opt.zero_grad()
-        loss = C.loss_fn(model, C.local_batch(x, rank, world))
+        loss = C.loss_fn(model, C.local_batch(x, rank, world).to(DEVICE))
         (scaler.scale(loss) if scaler else loss).backward()
         if i == overflow_at and rank == 1:  # an overflow in this rank's local grads only
             with torch.no_grad():
@@ -100,7 +102,7 @@ def run(name: str, rank: int, world: int, tmp: str) -> dict:
         out["norms"].append(opt.last_grad_norm)
         out["skipped"].append(opt.step_was_skipped)
         out["speculation"].append(dict(opt.stats.get("speculation") or {}))
-        out["params"].append([p.full_tensor().detach().clone() for p in model.parameters()])
+        out["params"].append([p.full_tensor().detach().cpu().clone() for p in model.parameters()])
     out["placements"] = [tuple(map(str, p.placements)) for p in model.parameters()]
     out["local_numels"] = [p.to_local().numel() for p in model.parameters()]
     opt.close()
@@ -108,7 +110,9 @@ def run(name: str, rank: int, world: int, tmp: str) -> dict:
 
 
 def main():
-    dist.init_process_group("gloo")
+    if DEVICE == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group("cpu:gloo,cuda:nccl" if DEVICE == "cuda" else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
