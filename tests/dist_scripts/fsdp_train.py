@@ -24,6 +24,11 @@ CONFIGS = {
     "adam_hsdp_host": ("Adam", "hsdp", dict(offload_fraction=1.0), 1.0, None),
     "adamw_overflow": ("AdamW", "1d", dict(offload_fraction=0.5), 1.0, 1),
     "adamw_noclip": ("AdamW", "1d", dict(offload_fraction=0.5), None, None),
+    # FSDP2's CPUOffloadPolicy: shards and grads on the CPU (pinned only with CUDA)
+    "adamw_cpu_offload": ("AdamW", "1d", dict(offload_fraction=0.5), 1.0, None),
+    # the model loaded with assign=True under swap_tensors after the optimizer was built: the
+    # shards get new memory, the optimizer re-points its subgroups (storage.py)
+    "adamw_swap_load": ("AdamW", "1d", dict(offload_fraction=0.5), 1.0, None),
 }
 
 
@@ -56,11 +61,11 @@ def plain_params_warning(rank: int, world: int) -> dict:
     return dict(warnings=[str(w.message) for w in caught])
 
 
-def shard(model, mesh):
+def shard(model, mesh, **policy):
     for m in model:
         if isinstance(m, torch.nn.Linear):
-            fully_shard(m, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+            fully_shard(m, mesh=mesh, **policy)
+    fully_shard(model, mesh=mesh, **policy)
     return model
 
 
@@ -68,7 +73,11 @@ def run(name: str, rank: int, world: int, tmp: str) -> dict:
     kind, mesh_kind, hybrid, clip, overflow_at = CONFIGS[name]
     mesh = (init_device_mesh(DEVICE, (world,)) if mesh_kind == "1d" else
             init_device_mesh(DEVICE, (world, 1), mesh_dim_names=("replicate", "shard")))
-    model = shard(C.build_model().to(DEVICE), mesh)
+    policy = {}
+    if name == "adamw_cpu_offload":
+        from torch.distributed.fsdp import CPUOffloadPolicy
+        policy = dict(offload_policy=CPUOffloadPolicy(pin_memory=DEVICE == "cuda"))
+    model = shard(C.build_model().to(DEVICE), mesh, **policy)
     cls = HybridAdamW if kind == "AdamW" else HybridAdam
     if hybrid.get("nvme_fraction"):
         hybrid = dict(hybrid, nvme_path=os.path.join(tmp, f"{name}-rank{rank}"))
@@ -77,6 +86,13 @@ def run(name: str, rank: int, world: int, tmp: str) -> dict:
         warnings.simplefilter("always")
         opt = cls(model.parameters(), lr=C.LR, weight_decay=0.01, max_grad_norm=clip,
                   subgroup_numel=32, worker_share=0.5, **hybrid)
+    if name == "adamw_swap_load":
+        state = {k: v.clone() for k, v in model.state_dict().items()}
+        torch.__future__.set_swap_module_params_on_conversion(True)
+        try:
+            model.load_state_dict(state, assign=True)
+        finally:
+            torch.__future__.set_swap_module_params_on_conversion(False)
     scaler = None
     if overflow_at is not None:
         scaler = torch.amp.GradScaler(DEVICE, init_scale=2.0 ** 8)
