@@ -233,3 +233,14 @@ def test_fsdp2_on_cuda_one_rank(tmp_path):
         # one rank: its local batch is the global batch; the overflow is injected on rank 1 only
         _assert_trajectory(res[name]["params"], ref_params, f"cuda {name}")
         assert res[name]["all_reduces"] == [0] * C.STEPS  # a world of 1 needs no collective
+
+
+def test_launch_past_its_deadline_kills_ranks_and_workers(tmp_path):
+    """The harness's bound: a launch that never ends fails at its deadline with the ranks'
+    output, and every rank and HybridAdamW worker under it (in sessions of their own) is gone."""
+    from helpers import wait_gone
+    with pytest.raises(pytest.fail.Exception, match=r"(?s)no result within 20 s .*rank \d blocking"):
+        launch("hang.py", str(tmp_path), timeout_s=20)
+    pids = [int((tmp_path / f"worker{r}.pid").read_text()) for r in range(2)]
+    for pid in pids:
+        assert wait_gone(pid, 5), f"worker {pid} outlived the killed launch"
