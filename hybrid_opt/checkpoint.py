@@ -98,6 +98,7 @@ class CheckpointMixin:
         # at the next step() instead, it would restart the masters this load sets
         self._check_storage()
         self._drop_speculation()
+        self._rank_failure = None  # a reload puts this rank back in step (rank_faults.py)
         groups, saved_groups = self.param_groups, state_dict["param_groups"]
         if len(groups) != len(saved_groups):
             raise ValueError("loaded state dict has a different number of parameter groups")

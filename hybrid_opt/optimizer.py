@@ -18,6 +18,7 @@ import warnings
 import torch
 
 from hybrid_opt import distributed as D
+from hybrid_opt import rank_faults as RF
 from hybrid_opt.checkpoint import CheckpointMixin
 from hybrid_opt.placement import PlacementMixin
 from hybrid_opt.plan import DEVICE, check_fractions
@@ -166,6 +167,7 @@ class _HybridBase(SpeculationMixin, PlacementMixin, CheckpointMixin, StepStatsMi
         self._last_inv_scale = 1.0
         self._accumulation_boundary = True
         self._speculation_error = None
+        self._rank_failure = None   # a step that failed after the ranks' decision (rank_faults.py)
         self._deferred: list = []
         self._steps_taken = 0
         self._amp_seen = False
@@ -281,10 +283,15 @@ class _HybridBase(SpeculationMixin, PlacementMixin, CheckpointMixin, StepStatsMi
                 loss = closure()
         t_step = time.perf_counter()
         self._check_open()
+        # a failure on this rank joins the decision all_reduce flagged, so every rank raises at
+        # this step instead of waiting for this one in a collective (rank_faults.py)
+        failure = self._rank_failure
         if self._speculation_error is not None:
             err, self._speculation_error = self._speculation_error, None
-            self._drop_speculation()
-            raise RuntimeError(f"a speculative host step during backward failed: {err}") from err
+            failure = failure or RF.with_cause(f"a speculative host step during backward failed: {err}", err)
+            RF.quietly(self._drop_speculation, failure)  # still joins the others' collective
+        if failure is not None and not RF.decision_runs(self.max_grad_norm, getattr(self, "found_inf", None)):
+            raise failure
         self._check_storage()  # a param whose memory was replaced is re-adopted (storage.py)
         for p in self._all_params():
             if p.grad is not None and p.grad.is_sparse:
@@ -303,8 +310,14 @@ class _HybridBase(SpeculationMixin, PlacementMixin, CheckpointMixin, StepStatsMi
         if (found is not None or self.max_grad_norm is not None) and D.world_size() > 1:
             # one decision for all ranks: norm² and found_inf summed in one all_reduce
             if self.max_grad_norm is not None and norm_sq is None:
-                norm_sq = self._grad_norm_sq()
-            norm_sq, found = D.reduce_decision(norm_sq, found)
+                norm_sq = self._grad_norm_sq() if failure is None else 0.0
+            try:
+                norm_sq, found = RF.agree(norm_sq, found, failure)
+            except Exception as e:  # a rank failed (or the collective did): nothing is stepped
+                RF.quietly(self._drop_speculation, e)
+                for ready in self._ready.values():
+                    ready.clear()
+                raise
             if found is not None:
                 D.globalize_scaler_found_inf(self._grad_scaler, self, found)
         if found is not None and found != 0.0:
@@ -378,8 +391,11 @@ class _HybridBase(SpeculationMixin, PlacementMixin, CheckpointMixin, StepStatsMi
                         f"and the device tier did not (their state and step counts are the "
                         f"previous step's). Reload a checkpoint: stepping again would step "
                         f"subgroups {done} twice.")
-                raise RuntimeError(f"{type(self).__name__}.step() failed in the host/nvme tier: "
-                                   f"{e}\n{what}") from e
+                err = RuntimeError(f"{type(self).__name__}.step() failed in the host/nvme tier: "
+                                   f"{e}\n{what}" + RF.OUT_OF_STEP_NOTE * (D.world_size() > 1))
+                if D.world_size() > 1:  # the others stepped: our next step() stops them all
+                    self._rank_failure = RF.out_of_step(err)
+                raise err from e
         t_device = time.perf_counter()
         # "auto" times the device step on the device's clock (GPU time on CUDA: clocks.py)
         d0 = self._mark() if self._auto is not None else None

@@ -15,6 +15,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import psutil
@@ -48,25 +49,42 @@ def _kill_tree(proc: subprocess.Popen) -> None:
     psutil.wait_procs(family, timeout=5)
 
 
+def _start(script: str, out_dir: str, args, *, nproc: int, nnodes: int, node_rank: int,
+           port: int, env: dict | None, tag: str = "") -> subprocess.Popen:
+    os.makedirs(out_dir, exist_ok=True)
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
+           f"--nnodes={nnodes}", f"--node-rank={node_rank}", "--master-addr=127.0.0.1",
+           f"--master-port={port}", os.path.join(SCRIPTS, script), *map(str, args)]
+    full_env = dict(os.environ, DIST_OUT=out_dir, OMP_NUM_THREADS="1",
+                    PYTHONPATH=os.pathsep.join([HERE, REPO, os.environ.get("PYTHONPATH", "")]),
+                    TORCHELASTIC_ERROR_FILE=os.path.join(out_dir, f"error{tag}.json"))
+    full_env.update(env or {})
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=full_env, start_new_session=True, cwd=out_dir)
+
+
+def _load_results(script: str, out_dir: str, ranks, out: str) -> list:
+    import pytest
+    import torch
+    results = []
+    for r in ranks:
+        path = os.path.join(out_dir, f"rank{r}.pt")
+        if not os.path.exists(path):
+            pytest.fail(f"{script}: rank {r} exited 0 but saved no result; output:\n{out[-6000:]}")
+        results.append(torch.load(path, weights_only=False))
+    return results
+
+
 def launch(script: str, out_dir: str, *args, nproc: int = 2, nnodes: int = 1, node_rank: int = 0,
            port: int | None = None, timeout_s: float = 120.0, env: dict | None = None) -> list:
     """Runs tests/dist_scripts/<script> on `nproc` ranks (per node; `nnodes` > 1: this call
     is node `node_rank` of a static rendezvous on localhost:`port`). Returns the ranks'
     saved results (those of this node), or fails with the output of every rank."""
     import pytest
-    import torch
-    os.makedirs(out_dir, exist_ok=True)
     port = port or free_port()
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
-           f"--nnodes={nnodes}", f"--node-rank={node_rank}", "--master-addr=127.0.0.1",
-           f"--master-port={port}", os.path.join(SCRIPTS, script), *map(str, args)]
-    full_env = dict(os.environ, DIST_OUT=out_dir, OMP_NUM_THREADS="1",
-                    PYTHONPATH=os.pathsep.join([HERE, REPO, os.environ.get("PYTHONPATH", "")]),
-                    TORCHELASTIC_ERROR_FILE=os.path.join(out_dir, "error.json"))
-    full_env.update(env or {})
     t0 = time.monotonic()
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=full_env, start_new_session=True, cwd=out_dir)
+    proc = _start(script, out_dir, args, nproc=nproc, nnodes=nnodes, node_rank=node_rank,
+                  port=port, env=env)
     try:
         out, _ = proc.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:
@@ -77,11 +95,39 @@ def launch(script: str, out_dir: str, *args, nproc: int = 2, nnodes: int = 1, no
     if proc.returncode != 0:
         pytest.fail(f"{script} {' '.join(map(str, args))} failed (exit {proc.returncode}) after "
                     f"{time.monotonic() - t0:.1f} s; the ranks' output:\n{out[-8000:]}")
-    ranks = range(node_rank * nproc, (node_rank + 1) * nproc)
-    results = []
-    for r in ranks:
-        path = os.path.join(out_dir, f"rank{r}.pt")
-        if not os.path.exists(path):
-            pytest.fail(f"{script}: rank {r} exited 0 but saved no result; output:\n{out[-6000:]}")
-        results.append(torch.load(path, weights_only=False))
-    return results
+    return _load_results(script, out_dir, range(node_rank * nproc, (node_rank + 1) * nproc), out)
+
+
+def launch_nodes(script: str, out_dir: str, *args, nnodes: int = 2, timeout_s: float = 120.0,
+                 env: dict | None = None) -> list:
+    """`nnodes` torchrun launches on localhost, one rank each, joined by a static rendezvous
+    (node 0 hosts the store): how a multi-node job starts, one launcher per node. One deadline
+    for all: past it, every launcher's whole tree is killed and the test fails with each
+    node's output. Returns the ranks' saved results in rank order."""
+    import pytest
+    port = free_port()
+    procs = [_start(script, out_dir, args, nproc=1, nnodes=nnodes, node_rank=k, port=port,
+                    env=env, tag=f"-node{k}") for k in range(nnodes)]
+    deadline = time.monotonic() + timeout_s
+    outs = [""] * nnodes
+
+    def drain(k: int) -> None:  # each node's pipe drained at once: none blocks on a full pipe
+        outs[k] = procs[k].communicate()[0]
+    threads = [threading.Thread(target=drain, args=(k,), daemon=True) for k in range(nnodes)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(max(0.0, deadline - time.monotonic()))
+    if any(t.is_alive() for t in threads):
+        for proc in procs:
+            _kill_tree(proc)
+        for t in threads:
+            t.join(10)
+        text = "\n".join(f"--- node {k}:\n{o[-4000:]}" for k, o in enumerate(outs))
+        pytest.fail(f"{script} on {nnodes} nodes: no result within {timeout_s:.0f} s (every "
+                    f"launcher, rank and worker killed); each node's output:\n{text}")
+    text = "\n".join(f"--- node {k}:\n{o[-4000:]}" for k, o in enumerate(outs))
+    if any(proc.returncode != 0 for proc in procs):
+        pytest.fail(f"{script} on {nnodes} nodes failed (exits {[p.returncode for p in procs]}); "
+                    f"each node's output:\n{text}")
+    return _load_results(script, out_dir, range(nnodes), text)

@@ -6,6 +6,7 @@ import sys
 import tempfile
 import warnings
 
+import psutil
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
@@ -120,6 +121,10 @@ def run(name: str, rank: int, world: int, tmp: str) -> dict:
         out["speculation"].append(dict(opt.stats.get("speculation") or {}))
         out["params"].append([p.full_tensor().detach().cpu().clone() for p in model.parameters()])
     out["placements"] = [tuple(map(str, p.placements)) for p in model.parameters()]
+    # what node.py saw (torchrun's LOCAL_RANK / LOCAL_WORLD_SIZE) and the cores it gave the worker
+    from hybrid_opt import node
+    out["node"] = (node.local_rank(), node.local_world_size())
+    out["worker_cpus"] = sorted(psutil.Process(opt.worker_pid).cpu_affinity())
     out["local_numels"] = [p.to_local().numel() for p in model.parameters()]
     opt.close()
     return out

@@ -1,0 +1,130 @@
+"""One rank's failed step, made every rank's: the "I failed" flag that rides in the step's
+one decision all_reduce, so that a failure on one rank never leaves the others waiting in a
+collective while the failing rank is alive.
+
+Where a rank's host tier can fail, and what every rank sees:
+
+- *before the decision* (a speculative host step during backward failed: a worker error, a
+  swap file that failed its read or checksum, a worker that could not be restarted): the
+  failing rank still joins the decision all_reduce, with its flag set; then every rank raises
+  at the same step — the failing rank its own cause, the others `PeerStepFailed` naming the
+  rank(s) — and no rank has stepped anything (speculated banks dropped, step counts kept).
+- *after the decision* (the host/nvme step in step() itself failed): the other ranks have
+  already stepped. The failing rank raises its cause at once and keeps the failure: if it
+  goes on (the user caught the error), its next step() joins the decision all_reduce with the
+  flag set and every rank raises there. If it exits instead, the others' next collective
+  (FSDP2's own all-gather, or ours) fails: gloo reports the closed connection at once, torchrun
+  stops the other ranks of a failed group, and a rank that is alive but never calls step()
+  again is bounded by the process group's timeout (`init_process_group(timeout=...)`).
+
+The flag needs the decision collective, which runs only where the semantics need it
+(clipping or a GradScaler, world > 1): without either there is no collective of ours per
+step, and the others learn of the failure from their next collective as above.
+"""
+from __future__ import annotations
+
+import torch
+
+
+class PeerStepFailed(RuntimeError):
+    """Raised on the ranks whose own step was fine when another rank's step failed; `ranks`
+    lists the failing global ranks (their own error is raised on them)."""
+
+    def __init__(self, ranks: list, message: str):
+        super().__init__(message)
+        self.ranks = list(ranks)
+
+
+def _dist():
+    import torch.distributed as dist
+    return dist if dist.is_available() and dist.is_initialized() else None
+
+
+def _device(dist):
+    # gloo reduces CPU tensors; nccl needs them on the rank's device
+    if dist.get_backend() == "nccl" and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def agree(norm_sq, found, failure: BaseException | None):
+    """The decision all_reduce (distributed.reduce_decision's norm² and found_inf) with each
+    rank's failure flag beside them: returns (global norm², global found_inf) when no rank
+    failed; otherwise raises on every rank — `failure` itself on a failing rank, PeerStepFailed
+    on the others. norm_sq / found may be None (not needed this step)."""
+    dist = _dist()
+    if dist is None or dist.get_world_size() == 1:
+        if failure is not None:
+            raise failure
+        return norm_sq, found
+    rank, world = dist.get_rank(), dist.get_world_size()
+    failed = failure is not None
+    buf = torch.tensor([0.0 if norm_sq is None else float(norm_sq),
+                        0.0 if found is None else float(found),
+                        1.0 if failed else 0.0, float(rank) if failed else 0.0],
+                       dtype=torch.float64, device=_device(dist))
+    try:
+        dist.all_reduce(buf, op=dist.ReduceOp.SUM)
+    except Exception as e:
+        raise RuntimeError(f"[rank {rank}] the step's decision all_reduce failed: another rank "
+                           f"exited (its process died or its script ended) or stopped calling "
+                           f"step() past the process group's timeout; check the other ranks' "
+                           f"output for the cause. {type(e).__name__}: {e}") from failure or e
+    total_sq, total_found, n_failed, rank_sum = buf.tolist()
+    if n_failed == 0:
+        return (None if norm_sq is None else total_sq), (None if found is None else total_found)
+    n_failed = int(round(n_failed))
+    if n_failed == 1:
+        ranks = [int(round(rank_sum))]
+    else:  # rare: several ranks failed at once; a second reduction names them all
+        flags = torch.zeros(world, dtype=torch.float64, device=buf.device)
+        flags[rank] = 1.0 if failed else 0.0
+        dist.all_reduce(flags, op=dist.ReduceOp.SUM)
+        ranks = [r for r, f in enumerate(flags.tolist()) if f]
+    if failed:
+        others = [r for r in ranks if r != rank]
+        raise RuntimeError(f"{failure}\n[rank {rank}] every rank of the group stops at this step "
+                           f"(the others raise PeerStepFailed naming rank {rank}"
+                           + (f"; ranks {others} failed too" if others else "") + ")") from failure
+    names = ", ".join(map(str, ranks))
+    raise PeerStepFailed(ranks, f"rank {names}'s step failed (its cause is raised on rank {names}); "
+                         f"rank {rank} did not step either (the step was dropped before any tier "
+                         f"stepped: state and step counts are the previous step's, unless this "
+                         f"rank's previous step already went through while rank {names}'s failed "
+                         f"after the decision). Fix the cause on rank {names}, then reload a "
+                         f"checkpoint on every rank")
+
+
+def decision_runs(max_grad_norm, found_t) -> bool:
+    """Whether this step's decision all_reduce runs (the same answer on every rank: it depends
+    on the optimizer's arguments and on the scaler, which every rank uses alike)."""
+    from hybrid_opt import distributed as D
+    return (found_t is not None or max_grad_norm is not None) and D.world_size() > 1
+
+
+OUT_OF_STEP_NOTE = ("\nUnder torch.distributed the other ranks have taken this step: the ranks "
+                    "are out of step. This rank's next step() makes every rank raise; reload a "
+                    "checkpoint on every rank.")
+
+
+def with_cause(message: str, cause: BaseException) -> RuntimeError:
+    err = RuntimeError(message)
+    err.__cause__ = cause
+    return err
+
+
+def out_of_step(err: BaseException) -> RuntimeError:
+    """The failure a rank keeps after its step failed once the others had stepped: raised by
+    its next step() on every rank (cleared by load_state_dict)."""
+    return with_cause(f"this rank's previous step failed after the other ranks had stepped (the "
+                      f"ranks are out of step: reload a checkpoint on every rank): {err}", err)
+
+
+def quietly(cleanup, failure: BaseException) -> None:
+    """Runs cleanup (dropping speculated steps) on a failure path; its own error, likely the
+    same fault again, becomes a note on `failure` rather than replacing it."""
+    try:
+        cleanup()
+    except Exception as e:
+        if hasattr(failure, "add_note"):
+            failure.add_note(f"(dropping the speculated steps failed too: {e})")

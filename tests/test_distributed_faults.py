@@ -1,0 +1,140 @@
+"""Faults under torch.distributed (FSDP2, 2 gloo ranks) and a two-"node" launch.
+
+- A worker SIGKILLed on rank 1 (between steps, or inside backward) is replaced there and its
+  unfinished tasks resent (exact mode): both ranks' trajectories equal the uninterrupted run's
+  bit for bit.
+- A rank whose host tier fails raises the cause there and the other rank fails at the same
+  step (or the next one, when the failure came after the ranks' decision) naming it, within a
+  bounded time: the failure flag rides in the decision all_reduce (hybrid_opt/rank_faults.py).
+  A rank that exits leaves the other a failed collective, not a hang.
+- Two torchrun launches with --nnodes 2 (static rendezvous on localhost, one rank per node)
+  match single-process torch.
+
+One launch each (about 8 s and 10 s here), bounded by the harness (tests/dist_launch.py).
+"""
+import os
+import sys
+
+import pytest
+import torch
+
+from dist_launch import SCRIPTS, launch, launch_nodes
+from tolerances import DIST_RTOL
+
+sys.path.insert(0, SCRIPTS)
+import common as C  # noqa: E402
+
+TORCH = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
+
+
+def _gloo() -> bool:
+    import torch.distributed as dist
+    return dist.is_available() and dist.is_gloo_available()
+
+
+pytestmark = [
+    pytest.mark.skipif(TORCH < (2, 6), reason=f"FSDP2 (fully_shard with post-accumulate-grad "
+                       f"hooks on the sharded params) needs torch >= 2.6, this is {torch.__version__}"),
+    pytest.mark.skipif(not _gloo(), reason="torch.distributed with the gloo backend is not available"),
+]
+
+SCENARIOS = ["plain", "kill_between", "kill_backward", "fail_speculation", "nvme_lost", "rank_gone"]
+PG_TIMEOUT_S = 20  # fsdp_faults.py's process group timeout
+
+
+@pytest.fixture(scope="module")
+def faults(tmp_path_factory):
+    out = tmp_path_factory.mktemp("fsdp_faults")
+    return launch("fsdp_faults.py", str(out), *SCENARIOS, timeout_s=120)
+
+
+def _assert_trajectory(params_per_step, ref_params, what):
+    for step, (ours, ref) in enumerate(zip(params_per_step, ref_params)):
+        for k, (a, b) in enumerate(zip(ours, ref)):
+            err = C.rel_err(a, b)
+            assert err <= DIST_RTOL, f"{what}: step {step} param {k}: relative error {err:.2e}"
+
+
+@pytest.mark.parametrize("when", ["kill_between", "kill_backward"])
+def test_worker_sigkill_on_one_rank_recovers_bitwise(faults, when):
+    """Rank 1's worker SIGKILLed after step 1 / inside step 2's backward: rank 1 starts a new
+    worker (a new pid, one restart), rank 0 never notices, and every param on both ranks after
+    every step equals the uninterrupted run's bitwise (which itself follows torch)."""
+    r0, r1 = faults[0][when], faults[1][when]
+    assert r1["killed"] and r1["restarts"][-1] == 1 and r1["worker_pids"][-1] != r1["killed"][0]
+    assert r0["restarts"][-1] == 0 and not r0["killed"]
+    for rank, res in enumerate(faults):
+        assert not res[when]["errors"]
+        for step, (a, b) in enumerate(zip(res[when]["params"], res["plain"]["params"])):
+            assert all(torch.equal(x, y) for x, y in zip(a, b)), f"{when} rank {rank} step {step}"
+    ref_params, _ = C.reference("AdamW", max_grad_norm=1.0)
+    _assert_trajectory(faults[0]["plain"]["params"], ref_params, "uninterrupted")
+
+
+def test_failure_before_the_decision_stops_every_rank_at_that_step(faults):
+    """Rank 1's speculative host step fails in step 2's backward: rank 1 raises its cause,
+    rank 0 raises PeerStepFailed naming rank 1 — same step, no wait (the flag rode in the
+    decision all_reduce). Nothing was stepped anywhere, so when training goes on the
+    trajectory is torch's with step 2 skipped."""
+    r0, r1 = faults[0]["fail_speculation"], faults[1]["fail_speculation"]
+    (e1,) = r1["errors"]
+    (e0,) = r0["errors"]
+    assert e1["step"] == e0["step"] == 1
+    assert e1["type"] == "RuntimeError" and "injected fault: the swap file could not be written" in e1["message"]
+    assert "every rank of the group stops at this step" in e1["message"]
+    assert e0["type"] == "PeerStepFailed" and e0["ranks"] == [1]
+    assert e0["message"].startswith("rank 1's step failed") and e0["seconds"] < 5
+    ref_params, _ = C.reference("AdamW", max_grad_norm=1.0, skip={1})
+    for rank, res in enumerate((r0, r1)):
+        _assert_trajectory(res["params"], ref_params, f"fail_speculation rank {rank}")
+
+
+def test_real_nvme_fault_on_one_rank_names_the_cause_and_stops_every_rank(faults):
+    """Rank 1's swap files truncated after step 1 (the state on disk lost): rank 1's step 2
+    raises the worker's error naming the file; rank 0 raises PeerStepFailed naming rank 1 at
+    that step or — when rank 1's failure came after the ranks' decision, rank 0 having stepped —
+    at the next one, where rank 1's step() says the ranks are out of step. Every later step
+    raises on both, none waits."""
+    r0, r1 = faults[0]["nvme_lost"], faults[1]["nvme_lost"]
+    assert r1["truncated"] >= 1
+    first1 = r1["errors"][0]
+    assert first1["step"] == 1 and "short read" in first1["message"] and ".state" in first1["message"]
+    first0 = r0["errors"][0]
+    assert first0["type"] == "PeerStepFailed" and first0["ranks"] == [1]
+    assert first0["step"] in (1, 2)
+    if first0["step"] == 2:  # rank 1 failed after the decision: it said so, then stopped rank 0
+        assert "the other ranks have taken this step" in first1["message"]
+        assert "out of step" in r1["errors"][1]["message"]
+    assert [e["step"] for e in r0["errors"]] == list(range(first0["step"], C.STEPS))
+    assert [e["step"] for e in r1["errors"]] == list(range(1, C.STEPS))
+    assert max(e["seconds"] for e in r0["errors"] + r1["errors"]) < 5
+
+
+def test_rank_that_exits_leaves_the_other_a_failed_collective_not_a_hang(faults):
+    """Rank 1 exits after step 2's backward without calling step(): rank 0's step() raises
+    within the process group's timeout (gloo reports the closed connection at once), saying the
+    decision all_reduce failed because another rank exited or stopped calling step()."""
+    (err,) = faults[0]["rank_gone"]["errors"]
+    assert err["step"] == 1 and err["seconds"] < PG_TIMEOUT_S + 5
+    assert "decision all_reduce failed: another rank exited" in err["message"]
+    assert not faults[1]["rank_gone"]["errors"]
+
+
+def test_torchrun_two_nodes_on_localhost_matches_single_process(tmp_path):
+    """Two torchrun launches (--nnodes 2 --nproc-per-node 1, static rendezvous on 127.0.0.1):
+    both ranks follow single-process torch. node.py sees each rank alone on its node
+    (LOCAL_WORLD_SIZE 1), so each takes every core for itself and its worker: here both
+    "nodes" are one 2-core machine, so the two ranks' workers share cores (oversubscribed)."""
+    names = ["adamw_1d_nvme", "adam_1d_host"]
+    ranks = launch_nodes("fsdp_train.py", str(tmp_path), *names, nnodes=2, timeout_s=120)
+    for name in names:
+        kind = "AdamW" if name.startswith("adamw") else "Adam"
+        ref_params, ref_norms = C.reference(kind, max_grad_norm=1.0)
+        for rank, res in enumerate(ranks):
+            _assert_trajectory(res[name]["params"], ref_params, f"2 nodes {name} rank {rank}")
+            assert res[name]["norms"] == pytest.approx(ref_norms, rel=1e-5)
+            assert res[name]["node"] == (0, 1)
+        assert ranks[0][name]["norms"] == ranks[1][name]["norms"]
+    cores = os.sched_getaffinity(0)
+    if len(cores) >= 2:  # each "node" split all of this machine's cores: the same worker cores
+        assert ranks[0][names[0]]["worker_cpus"] == ranks[1][names[0]]["worker_cpus"]
