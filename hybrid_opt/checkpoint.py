@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from hybrid_opt.distributed import dtensor_like, is_dtensor, local_of, local_shard_of
+from hybrid_opt.distributed import dtensor_like, is_dtensor, is_sharded, local_of, local_shard_of
 from hybrid_opt.plan import DEVICE
 
 
@@ -79,7 +79,7 @@ class CheckpointMixin:
                 t = flat[k].view(p.shape)
                 # torch.optim.AdamW's state under FSDP2 is zeros_like(p): DTensors like the param
                 entry["master_param" if k == "master" else k] = (
-                    dtensor_like(t, params[idx]) if is_dtensor(params[idx]) else t)
+                    dtensor_like(t, params[idx]) if is_sharded(params[idx]) else t)
             state[idx] = entry
         base["state"] = state
         return base
@@ -138,7 +138,7 @@ class CheckpointMixin:
                 p, entry = params[idx], saved_state.get(idx, {})
                 saved_key = "master_param" if key == "master" else key
                 saved = entry.get(saved_key)
-                if is_dtensor(p):  # this rank's shard of a DTensor or of a full tensor
+                if is_sharded(p):  # this rank's shard of a DTensor or of a full tensor
                     saved = local_shard_of(saved, p)
                 elif is_dtensor(saved):  # a sharded checkpoint into a plain param
                     saved = saved.full_tensor()

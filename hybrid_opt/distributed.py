@@ -52,10 +52,59 @@ def is_dtensor(t) -> bool:
     return _DTENSOR[0] is not None and isinstance(t, _DTENSOR[0])
 
 
+# process_group mode (zero.py): plain params whose state this rank keeps for a dim-0 chunk
+# only, and the grads whose averaged chunk a reduce-scatter delivered (grad -> that chunk)
+_ZERO_PARAMS = []  # [WeakIdKeyDictionary param -> ZeroSpec], made on first use
+_ZERO_GRADS = []   # [WeakIdKeyDictionary grad -> reduced chunk]
+
+
+def _zero_maps():
+    if not _ZERO_PARAMS:
+        from torch.utils.weak import WeakIdKeyDictionary
+        _ZERO_PARAMS.append(WeakIdKeyDictionary())
+        _ZERO_GRADS.append(WeakIdKeyDictionary())
+    return _ZERO_PARAMS[0], _ZERO_GRADS[0]
+
+
+def zero_spec(t):
+    """The ZeroSpec (zero.py) of a plain param sharded by process_group, or None."""
+    return _zero_maps()[0].get(t) if t is not None and _ZERO_PARAMS else None
+
+
+def chunk_rows(n: int, rank: int, world: int) -> tuple:
+    """[start, end) of rank's dim-0 chunk of n rows: torch.chunk / FSDP2 semantics (chunks of
+    ceil(n / world) rows; the last ones may be smaller or empty)."""
+    size = -(-n // world) if n else 0
+    return min(n, rank * size), min(n, (rank + 1) * size)
+
+
+def zero_chunk(t: torch.Tensor, rank: int, world: int) -> torch.Tensor:
+    """Rank's dim-0 chunk of `t` as a view (contiguous when t is)."""
+    a, b = chunk_rows(t.shape[0], rank, world)
+    return t.detach()[a:b]
+
+
+def is_sharded(p) -> bool:
+    """A DTensor param (FSDP2) or a plain param sharded by process_group (zero.py): its flat
+    buffer is this rank's part of it, never a copy, and its state is a DTensor."""
+    return is_dtensor(p) or zero_spec(p) is not None
+
+
 def local_of(t):
     """The tensor whose memory holds this rank's elements of `t`: a DTensor's local shard
-    (detached, no autograd), or `t` itself."""
-    if t is None or not is_dtensor(t):
+    (detached, no autograd); in process_group mode a param's dim-0 chunk or a grad's averaged
+    chunk (zero.py); else `t` itself."""
+    if t is None:
+        return t
+    if _ZERO_PARAMS:
+        params, grads = _zero_maps()
+        spec = params.get(t)
+        if spec is not None:
+            return zero_chunk(t, spec.rank, spec.world)
+        reduced = grads.get(t)
+        if reduced is not None:
+            return reduced
+    if not is_dtensor(t):
         return t
     with torch.no_grad():
         return t.to_local()
@@ -64,6 +113,8 @@ def local_of(t):
 def replicas(p) -> int:
     """How many ranks hold each element of `p`'s grad: the Replicate dims of a DTensor's
     mesh; every rank for a plain param (replicated when a world runs without process_group)."""
+    if zero_spec(p) is not None:
+        return 1  # after the reduce-scatter each rank holds its own chunk's average only
     if not is_dtensor(p):
         return world_size()
     from torch.distributed.tensor import Replicate
@@ -84,22 +135,23 @@ def needs_reduction(params) -> bool:
     return world_size() > 1 and any(True for _ in params)
 
 
-def reduce_decision(norm_sq, found):
-    """(global norm², global found_inf) — one all_reduce(SUM) of both over the default group,
+def reduce_decision(norm_sq, found, group=None):
+    """(global norm², global found_inf) — one all_reduce(SUM) of both over `group` (default: the
+    default group),
     so every rank clips by the same coefficient and skips the same steps. Either may be None
     (not needed this step); found may be a tensor (the scaler's), returned as a float."""
     dist = _dist()
     values = [0.0 if norm_sq is None else float(norm_sq),
               0.0 if found is None else float(found)]
-    if dist is None or dist.get_world_size() == 1:
+    if dist is None or dist.get_world_size(group) == 1:
         return norm_sq, found
     # gloo reduces CPU tensors; nccl needs them on the rank's device
-    backend = dist.get_backend()
+    backend = dist.get_backend(group)
     device = torch.device("cpu")
     if backend == "nccl" and torch.cuda.is_available():
         device = torch.device("cuda", torch.cuda.current_device())
     buf = torch.tensor(values, dtype=torch.float64, device=device)
-    dist.all_reduce(buf, op=dist.ReduceOp.SUM)
+    dist.all_reduce(buf, op=dist.ReduceOp.SUM, group=group)
     total_sq, total_found = buf.tolist()
     return (None if norm_sq is None else total_sq), (None if found is None else total_found)
 
@@ -127,8 +179,8 @@ def warn_replicated(params, process_group) -> None:
         warnings.warn(f"torch.distributed is initialised with {world_size()} ranks and "
                       f"{len(plain)} parameters are plain tensors (not FSDP2 DTensors): every rank "
                       f"keeps and steps their whole optimizer state (replicated). Shard them with "
-                      f"FSDP2's fully_shard, or (when built) pass process_group= to shard the "
-                      f"state ZeRO-style across ranks", stacklevel=4)
+                      f"FSDP2's fully_shard, or pass process_group=torch.distributed.group.WORLD "
+                      f"to shard the state ZeRO-style across ranks", stacklevel=4)
 
 
 def dtensor_like(local: torch.Tensor, p):
@@ -136,6 +188,11 @@ def dtensor_like(local: torch.Tensor, p):
     DTensor with p's mesh, placements, global shape and stride — how torch.optim.AdamW's
     state looks under FSDP2 (zeros_like(p)), so DCP saves and reshards it."""
     from torch.distributed.tensor import DTensor
+    spec = zero_spec(p)
+    if spec is not None:  # process_group: laid out as FSDP2 would shard p (Shard(0) chunks)
+        from torch.distributed.tensor import Shard
+        return DTensor.from_local(local, spec.mesh, [Shard(0)], run_check=False,
+                                  shape=p.shape, stride=p.stride())
     return DTensor.from_local(local, p.device_mesh, p.placements, run_check=False,
                               shape=p.shape, stride=p.stride())
 
@@ -146,6 +203,22 @@ def local_shard_of(value, p):
     or the matching slice of a full (plain) tensor of p's global shape."""
     if value is None:
         return None
+    spec = zero_spec(p)
+    if spec is not None:
+        if is_dtensor(value):
+            from torch.distributed.tensor import Shard
+            if tuple(value.placements) != (Shard(0),) or value.device_mesh != spec.mesh:
+                value = value.redistribute(spec.mesh, [Shard(0)])
+            return value.to_local()
+        local = local_of(p)
+        if tuple(value.shape) != tuple(p.shape):
+            if tuple(value.shape) == tuple(local.shape):
+                return value  # already this rank's chunk
+            raise ValueError(f"load_state_dict: a state tensor of shape {tuple(value.shape)} does "
+                             f"not fit a parameter of shape {tuple(p.shape)} sharded by "
+                             f"process_group (chunk {tuple(local.shape)}): load a state_dict "
+                             f"saved for this model")
+        return zero_chunk(value, spec.rank, spec.world)
     if is_dtensor(value):
         if tuple(value.placements) != tuple(p.placements) or value.device_mesh != p.device_mesh:
             value = value.redistribute(p.device_mesh, p.placements)

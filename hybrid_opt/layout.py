@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from hybrid_opt.distributed import is_dtensor, local_of
+from hybrid_opt.distributed import is_sharded, local_of
 
 # the extra memory flattening holds at once: one piece of the flat buffers (module docstring)
 FLATTEN_PIECE_BYTES = 256 << 20
@@ -72,7 +72,7 @@ def flatten_group(params: list, group: int, first_index: int, subgroup_numel: in
     buckets: dict = {}
     subgroups, flats = [], []
     for k, p in enumerate(params):
-        if is_dtensor(p):
+        if is_sharded(p):  # FSDP2 / process_group: its own part, never copied
             flat = dtensor_flat(p)
             flats.append(flat)
             subgroups.extend(_cut(flat, [(first_index + k, p, 0)], group, subgroup_numel,

@@ -116,9 +116,6 @@ class _HybridBase(SpeculationMixin, PlacementMixin, CheckpointMixin, StepStatsMi
                              f"torch.optim.{type(self).__name__[len('Hybrid'):]} to differentiate "
                              f"through the step")
         # otherwise foreach / fused are accepted: every path of ours is fused already; they change nothing
-        if process_group is not None:
-            raise NotImplementedError("process_group: distributed support is not built yet; "
-                                      "use one process per optimizer (process_group=None)")
         if max_grad_norm is not None and not (isinstance(max_grad_norm, (int, float))
                                               and not isinstance(max_grad_norm, bool)
                                               and max_grad_norm > 0 and math.isfinite(max_grad_norm)):
@@ -171,7 +168,12 @@ class _HybridBase(SpeculationMixin, PlacementMixin, CheckpointMixin, StepStatsMi
         self._deferred: list = []
         self._steps_taken = 0
         self._amp_seen = False
+        self._zero = None
         D.warn_replicated(self._all_params(), process_group)
+        if process_group is not None:
+            # registered before the layout: each param's flat buffer is then its dim-0 chunk
+            from hybrid_opt.zero import ZeroSharding
+            self._zero = ZeroSharding(list(self._all_params()), process_group)
         self._build()
 
     # ------------------------------------------------------------------ param groups
@@ -215,6 +217,10 @@ class _HybridBase(SpeculationMixin, PlacementMixin, CheckpointMixin, StepStatsMi
                 param_group["betas"] = betas
         if self._built:
             self._check_open()
+            if getattr(self, "_zero", None) is not None:
+                raise NotImplementedError("add_param_group with process_group=: the new params "
+                                          "would need their chunks laid out on every rank; build "
+                                          "the optimizer with all its param groups")
             if param_group.get("amsgrad", self.defaults["amsgrad"]) and not self._amsgrad_layout:
                 raise ValueError("add_param_group: an amsgrad group cannot join an optimizer built "
                                  "without amsgrad; construct it with amsgrad=True")
@@ -293,6 +299,15 @@ class _HybridBase(SpeculationMixin, PlacementMixin, CheckpointMixin, StepStatsMi
         if failure is not None and not RF.decision_runs(self.max_grad_norm, getattr(self, "found_inf", None)):
             raise failure
         self._check_storage()  # a param whose memory was replaced is re-adopted (storage.py)
+        if self._zero is not None:
+            try:  # every grad's averaged chunk in place (zero.py): bounded waits
+                self._zero.finish()
+                return self._step_taken(loss, t_step, failure)
+            finally:
+                self._zero.end_step()
+        return self._step_taken(loss, t_step, failure)
+
+    def _step_taken(self, loss, t_step, failure):
         for p in self._all_params():
             if p.grad is not None and p.grad.is_sparse:
                 raise RuntimeError(f"{type(self).__name__} does not support sparse gradients")
@@ -402,6 +417,9 @@ class _HybridBase(SpeculationMixin, PlacementMixin, CheckpointMixin, StepStatsMi
         self._device.step(device_work, scale)
         d1 = self._mark() if self._auto is not None else None
         t_end = time.perf_counter()
+        if self._zero is not None:
+            self._zero.gather()  # the updated chunks into every rank's params (zero.py)
+            t_end = time.perf_counter()
         self._record_stats(host_steps, device_work, t_device - t_host, t_end - t_device, norm, clip)
         if self._auto is not None:
             self._schedule(device_work, t_end - t_step, (d0, d1))
@@ -446,6 +464,8 @@ class _HybridBase(SpeculationMixin, PlacementMixin, CheckpointMixin, StepStatsMi
         for h in getattr(self, "_hook_handles", []):
             h.remove()
         self._hook_handles = []
+        if getattr(self, "_zero", None) is not None:
+            self._zero.remove()
         if self._host is not None:
             self._host.close()  # restores the cores and both thread counts (CoreSplit)
 

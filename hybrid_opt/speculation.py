@@ -27,6 +27,11 @@ class SpeculationMixin:
         self._param_sgs: dict = {}  # param index -> host subgroup indices it spans
         self._ready: dict = {}
         self._staged: dict = {}     # host subgroup index -> the grad tensors its pending speculation read
+        zero = getattr(self, "_zero", None)
+        if zero is not None:
+            # process_group (zero.py): speculation starts once a param's averaged chunk is in
+            # place, from zero.py's reduce hooks, not from the raw local grad
+            zero.install(self._on_chunk_reduced, lambda: self._accumulation_boundary)
         if self._auto is not None:
             # the scheduler times backward from the first grad accumulated to the last: hooks on
             # the first and last trainable params only (grads complete in about reverse
@@ -48,7 +53,7 @@ class SpeculationMixin:
         for sg in host:
             for sl in sg.slices:
                 p = sl.param
-                if p.requires_grad and p not in hooked:
+                if p.requires_grad and p not in hooked and zero is None:
                     hooked.add(p)
                     self._hook_handles.append(p.register_post_accumulate_grad_hook(self._on_grad_ready))
 
@@ -58,6 +63,10 @@ class SpeculationMixin:
         if self._bwd_first is None:
             self._bwd_first = now
         self._bwd_last = now
+
+    def _on_chunk_reduced(self, p) -> None:
+        if self._index.get(p) in getattr(self, "_param_sgs", {}):
+            self._on_grad_ready(p)
 
     def _may_speculate(self) -> bool:
         """In exact mode always. rollback="inverse" undoes a wrong guess algebraically, and

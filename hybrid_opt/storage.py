@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from hybrid_opt.distributed import is_dtensor, local_of
+from hybrid_opt.distributed import is_sharded, local_of
 from hybrid_opt.layout import dtensor_flat
 from hybrid_opt.plan import DEVICE
 
@@ -64,7 +64,7 @@ class StorageMixin:
         self._drop_speculation()
         with torch.no_grad():
             for i in changed:
-                if is_dtensor(params[i]):
+                if is_sharded(params[i]):
                     self._repoint_dtensor(i, params[i])
                     continue
                 view = self._flat_views[i]

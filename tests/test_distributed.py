@@ -244,3 +244,137 @@ def test_launch_past_its_deadline_kills_ranks_and_workers(tmp_path):
     pids = [int((tmp_path / f"worker{r}.pid").read_text()) for r in range(2)]
     for pid in pids:
         assert wait_gone(pid, 5), f"worker {pid} outlived the killed launch"
+
+
+# ---------------------------------------------------------------- process_group (ZeRO-2 style)
+ZERO_TRAIN = {  # name: (optimizer, clip, steps skipped)
+    "adamw_nvme": ("AdamW", 1.0, ()), "adam_host": ("Adam", 1.0, ()),
+    "adamw_host_noclip": ("AdamW", None, ()), "adamw_overflow": ("AdamW", 1.0, (1,)),
+    "adamw_accum": ("AdamW", 1.0, ()), "adamw_ddp": ("AdamW", None, ())}
+
+
+@pytest.fixture(scope="module")
+def zero_trained(tmp_path_factory):
+    out = tmp_path_factory.mktemp("zero_train")
+    return launch("zero_train.py", str(out), *ZERO_TRAIN, timeout_s=150)
+
+
+@pytest.fixture(scope="module")
+def zero_checkpointed(tmp_path_factory):
+    out = tmp_path_factory.mktemp("zero_dcp")
+    ckpt = os.path.join(str(out), "ckpt")
+    return ckpt, launch("zero_dcp.py", str(out), ckpt, timeout_s=150)
+
+
+@pytest.mark.parametrize("name", list(ZERO_TRAIN))
+def test_process_group_matches_single_process_torch(zero_trained, name):
+    """process_group=WORLD over plain params (each rank steps its dim-0 chunks, all-gathers
+    them): every rank's own params follow torch.optim.AdamW / Adam on the global batch with
+    clip_grad_norm_ — HybridAdamW at offload 0.5 + nvme 0.25 and HybridAdam at offload 1.0,
+    with a one-rank GradScaler overflow (skipped by both), with accumulation over two
+    micro-batches (boundary flag), and under a DDP wrapper too; last_grad_norm is the full
+    model's norm, the same float on both ranks."""
+    kind, clip, skip = ZERO_TRAIN[name]
+    ref_params, ref_norms = C.reference(kind, max_grad_norm=clip, skip=skip)
+    for rank, res in enumerate(zero_trained):
+        _assert_trajectory(res[name]["params"], ref_params, f"{name} rank {rank}")
+        if clip is not None:
+            for step, (ours, ref) in enumerate(zip(res[name]["norms"], ref_norms)):
+                if step not in skip:
+                    assert ours == pytest.approx(ref, rel=1e-5)
+    assert zero_trained[0][name]["norms"] == zero_trained[1][name]["norms"]
+
+
+def test_process_group_overflow_on_one_rank_skips_every_rank(zero_trained):
+    """An inf in rank 1's local grads only: the plain GradScaler's found_inf is made global, so
+    both ranks skip step 1, no param is gathered, and the scales stay equal."""
+    r0, r1 = (res["adamw_overflow"] for res in zero_trained)
+    assert r0["skipped"] == r1["skipped"] == [False, True, False, False]
+    assert r0["scales"] == r1["scales"] == [256.0, 128.0, 128.0, 128.0]
+    assert r0["zero"]["all_gathers"] == r1["zero"]["all_gathers"] == 3
+
+
+def test_process_group_speculation_commits_from_reduced_chunks(zero_trained):
+    """Speculation starts from the reduce-scattered chunk (not the raw local grad, as under
+    DDP): >= 90 % of host steps are committed (not redone, not stepped late)."""
+    for rank, res in enumerate(zero_trained):
+        spec = res["adamw_host_noclip"]["speculation"]
+        committed = sum(s["committed"] for s in spec)
+        total = sum(s["committed"] + s["redone"] + s["stepped"] for s in spec)
+        assert committed / total >= 0.9, (rank, spec)
+
+
+def test_process_group_state_is_one_copy_across_ranks(zero_trained):
+    """Each rank lays out and keeps state for its dim-0 chunks only (torch.chunk sizes: 7 / 6
+    rows of the odd layer): the ranks' state elements sum to one copy of the model."""
+    total = sum(p.numel() for p in C.build_model().parameters())
+    for name in ZERO_TRAIN:
+        kept = [res[name]["state_numel"] for res in zero_trained]
+        assert sum(kept) == total and all(k < total for k in kept), (name, kept)
+        assert [res[name]["laid_out"] for res in zero_trained] == kept
+        # opt.stats' tier bytes (fp32 master + two moments): one copy across the ranks
+        assert sum(res[name]["state_bytes"] for res in zero_trained) == 12 * total
+
+
+def test_process_group_warns_once_under_ddp(zero_trained):
+    """Grads already averaged (a DDP wrapper) are detected on the first reduction: one warning;
+    none without DDP."""
+    for res in zero_trained:
+        msgs = [m for m in res["adamw_ddp"]["warnings"] if "DistributedDataParallel" in m]
+        assert len(msgs) == 1, res["adamw_ddp"]["warnings"]
+        for name in ZERO_TRAIN:
+            if name != "adamw_ddp":
+                assert not [m for m in res[name]["warnings"] if "DistributedDataParallel" in m
+                            or "replicated" in m]
+
+
+def test_process_group_dcp_state_is_shard0_dtensors(zero_checkpointed):
+    """get_optimizer_state_dict gives Shard(0) DTensors over the group's mesh, chunked as FSDP2
+    would shard the param (13 rows: 7 on rank 0, 6 on rank 1)."""
+    _, (r0, r1) = zero_checkpointed
+    assert r0["kinds"]["exp_avg"] == ("DTensor", ("S(0)",), (7, 12))
+    assert r1["kinds"]["exp_avg"] == ("DTensor", ("S(0)",), (6, 12))
+
+
+def test_process_group_dcp_2_to_2_and_full_load_resume_bitwise(zero_checkpointed):
+    """DCP 2 -> 2 (into offload 1.0, after DCP's lr-0 init step) and load_state_dict of the
+    gathered full-size state both resume on the uninterrupted trajectory bit for bit."""
+    _, ranks = zero_checkpointed
+    for res in ranks:
+        for key in ("resumed", "resumed_from_full"):
+            for a, b in zip(res[key], res["uninterrupted"]):
+                assert torch.equal(a, b), key
+
+
+@pytest.mark.parametrize("into", ["HybridAdamW", "torch.optim.AdamW"])
+def test_process_group_dcp_save_2_load_1(zero_checkpointed, into):
+    """The 2-rank process_group checkpoint loads in one plain process into HybridAdamW or
+    torch.optim.AdamW and resumes on the uninterrupted trajectory."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+    from hybrid_opt import HybridAdamW
+
+    ckpt, ranks = zero_checkpointed
+    model = C.build_model()
+    if into == "torch.optim.AdamW":
+        opt = torch.optim.AdamW(model.parameters(), lr=C.LR, weight_decay=0.01, foreach=False)
+    else:
+        opt = HybridAdamW(model.parameters(), lr=C.LR, weight_decay=0.01, max_grad_norm=1.0,
+                          subgroup_numel=32, offload_fraction=0.5)
+    try:
+        sd = {"model": model.state_dict(), "optim": get_optimizer_state_dict(model, opt)}
+        dcp.load(sd, checkpoint_id=ckpt)
+        model.load_state_dict(sd["model"])
+        set_optimizer_state_dict(model, opt, sd["optim"])
+        for x in C.batches()[2:]:
+            opt.zero_grad()
+            C.loss_fn(model, x).backward()
+            if isinstance(opt, torch.optim.AdamW):
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+    finally:
+        if hasattr(opt, "close"):
+            opt.close()
+    for k, (a, b) in enumerate(zip(model.parameters(), ranks[0]["uninterrupted"])):
+        err = C.rel_err(a.detach(), b)
+        assert err <= DIST_RTOL, f"param {k}: relative error {err:.2e}"

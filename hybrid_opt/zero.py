@@ -1,0 +1,314 @@
+"""process_group mode (ZeRO-2 style) over plain, replicated params: the grads averaged by a
+bucketed reduce-scatter during backward, each rank stepping only its dim-0 chunk of every
+param, and the updated chunks all-gathered back to every rank after the step.
+
+Sharding: each param's state is split the way FSDP2 shards params — rank r keeps rows
+[r·c, (r+1)·c) of dim 0, c = ceil(rows / world) (torch.chunk semantics: the last chunks may
+be smaller or empty) — so state_dict() gives DTensors with Shard(0) over a DeviceMesh made
+from the group, and the same DCP path serves FSDP2 and this mode. A chunk of a contiguous
+param is a contiguous range of its storage: the layout views it directly (distributed.
+local_of); the full param stays the model's own storage on every rank.
+
+Grads: params are cut into buckets (reverse param order: grads complete about last param
+first) of one dtype and about BUCKET_NUMEL elements. A post-accumulate-grad hook marks each
+param; a bucket whose params all have their grads is packed (each rank's chunks side by
+side, padded to the longest rank's) and reduce-scattered asynchronously; completed buckets
+are polled from the hooks, their sum divided by the world size into a buffer of their own,
+and the optimizer's speculation hook runs for their params — speculation starts from the
+reduced chunk. `p.grad` keeps this rank's local grad (never overwritten): accumulating
+over several backwards without the boundary flag stays correct (each reduction sums the
+accumulated grads again: redundant traffic, like DDP without no_sync), and with
+`set_gradient_accumulation_boundary(False)` the micro-steps reduce nothing and the
+boundary backward reduces the sum once (divided by the world size, as DDP averages).
+A reduction sees p.grad as it was when its hook fired: in-place changes to p.grad after
+backward are not seen (as under DDP). step() waits for the pending ones (bounded).
+
+Params: after a step that was taken, every bucket's chunks are all-gathered (launched
+together, waited together, bounded) into every rank's params. A skipped step (overflow)
+changes no param: nothing is gathered.
+
+Backends: gloo (checked on torch 2.13, CPU) and NCCL both run the real reduce-scatter and
+all-gather (reduce_scatter_single / all_gather_single, or their older _tensor names); a backend that lacks reduce_scatter_tensor gets an all_reduce of the
+bucket instead (each rank keeps its chunk: twice the traffic), said once.
+"""
+from __future__ import annotations
+
+import datetime
+import warnings
+from dataclasses import dataclass
+
+import torch
+
+from hybrid_opt import distributed as D
+
+BUCKET_NUMEL = 1 << 22      # elements per reduce-scatter / all-gather bucket (16 MB of fp32)
+WAIT_S = 300.0              # bound on each wait for a collective (a peer rank that died)
+
+
+@dataclass(eq=False)
+class ZeroSpec:
+    """Where a sharded plain param's chunk lives: this rank of `world` over `mesh`."""
+    mesh: object
+    rank: int
+    world: int
+
+
+@dataclass(eq=False)
+class _Bucket:
+    params: list            # [(param, [(rank, start, numel) per rank chunk], offset per rank)]
+    dtype: torch.dtype
+    device: torch.device
+    width: int              # elements per rank in the packed buffers (longest rank's chunks)
+    offsets: list           # offsets[k][r]: param k's chunk offset within rank r's segment
+    numels: list            # numels[k][r]
+    out: torch.Tensor = None  # this rank's averaged chunks (grad views point here)
+
+
+def _chunk_numel(p: torch.Tensor, rank: int, world: int) -> int:
+    a, b = D.chunk_rows(p.shape[0], rank, world)
+    return (b - a) * (p.numel() // p.shape[0] if p.shape[0] else 0)
+
+
+class ZeroSharding:
+    """The collectives of process_group mode for one optimizer (module docstring)."""
+
+    def __init__(self, params: list, group, bucket_numel: int = BUCKET_NUMEL):
+        import torch.distributed as dist
+        if not (dist.is_available() and dist.is_initialized()):
+            raise RuntimeError("process_group= needs torch.distributed initialised "
+                               "(torch.distributed.init_process_group) before the optimizer is built")
+        self.dist, self.group = dist, group
+        self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
+        if self.world != dist.get_world_size():
+            raise NotImplementedError(f"process_group= over {self.world} of the "
+                                      f"{dist.get_world_size()} ranks: the step's one decision "
+                                      f"(norm, found_inf) is reduced over the default group; pass "
+                                      f"torch.distributed.group.WORLD (or a group of every rank)")
+        for p in params:
+            if D.is_dtensor(p):
+                raise ValueError("process_group= shards plain (replicated) parameters; this "
+                                 "optimizer got DTensor parameters (FSDP2), which are sharded "
+                                 "already: build it without process_group")
+            if p.dim() == 0:
+                raise ValueError("process_group= shards each parameter on dim 0; a 0-dim "
+                                 "parameter has none: make it shape (1,)")
+            if not p.is_contiguous():
+                raise ValueError(f"process_group= needs contiguous parameters (a dim-0 chunk is "
+                                 f"then one range of memory), got shape {tuple(p.shape)} stride "
+                                 f"{p.stride()}: make it contiguous before building the optimizer")
+        from torch.distributed.device_mesh import DeviceMesh
+        device_type = params[0].device.type if params else "cpu"
+        self.mesh = DeviceMesh.from_group(group, device_type)
+        spec = ZeroSpec(self.mesh, self.rank, self.world)
+        registry, _ = D._zero_maps()
+        for p in params:
+            registry[p] = spec
+        self.params = list(params)
+        self.buckets = self._make_buckets(params, bucket_numel)
+        self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
+        self._arrived: dict = {}   # bucket id -> set of param ids whose grads arrived
+        self._pending: list = []   # [(bucket, work, scratch, grads)] launched, not yet completed
+        self._reduced: dict = {}   # param id -> the grad tensor object its last reduction read
+        self._handles: list = []
+        self._on_reduced, self._is_boundary = None, lambda: True
+        self._fallback = False
+        self._ddp_checked = False
+        self.stats = dict(reduce_scatters=0, all_gathers=0, rereduced=0)
+
+    # ------------------------------------------------------------------ layout
+    def _make_buckets(self, params: list, cap: int) -> list:
+        buckets, run = [], []
+
+        def close_run():
+            if run:
+                buckets.append(self._bucket(list(run)))
+                run.clear()
+        for p in reversed(params):
+            if run and (run[0].dtype != p.dtype or run[0].device != p.device
+                        or sum(q.numel() for q in run) + p.numel() > cap):
+                close_run()
+            run.append(p)
+        close_run()
+        return buckets
+
+    def _bucket(self, params: list) -> _Bucket:
+        numels = [[_chunk_numel(p, r, self.world) for r in range(self.world)] for p in params]
+        offsets, width = [], 0
+        acc = [0] * self.world
+        for n in numels:
+            offsets.append(list(acc))
+            acc = [a + k for a, k in zip(acc, n)]
+        width = max(acc) if acc else 0
+        b = _Bucket(params, params[0].dtype, params[0].device, width, offsets, numels)
+        b.out = torch.zeros(width, dtype=b.dtype, device=b.device)
+        return b
+
+    # ------------------------------------------------------------------ grads
+    def install(self, on_reduced, is_boundary) -> None:
+        """Hooks on every trainable param; `on_reduced(p)` runs once p's averaged chunk is in
+        place (the optimizer's speculation hook); `is_boundary()` False: reduce nothing."""
+        self.remove()
+        self._on_reduced, self._is_boundary = on_reduced, is_boundary
+        for p in self.params:
+            if p.requires_grad:
+                self._handles.append(p.register_post_accumulate_grad_hook(self._on_grad))
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
+    def _on_grad(self, p) -> None:
+        if not self._is_boundary():
+            return  # an accumulation micro-step: grads accumulate locally, nothing is reduced
+        b = self._bucket_of[id(p)]
+        arrived = self._arrived.setdefault(id(b), set())
+        arrived.add(id(p))
+        if len(arrived) == sum(1 for q in b.params if q.requires_grad):
+            arrived.clear()
+            self._launch(b)
+        self.poll()
+
+    def _pack(self, b: _Bucket) -> torch.Tensor:
+        packed = torch.zeros(self.world * b.width, dtype=b.dtype, device=b.device)
+        for k, p in enumerate(b.params):
+            g = p.grad
+            if g is None:
+                continue
+            flat = g.detach().reshape(-1)
+            start = 0
+            for r in range(self.world):
+                n = b.numels[k][r]
+                if n:
+                    base = r * b.width + b.offsets[k][r]
+                    packed[base:base + n].copy_(flat[start:start + n])
+                start += n
+        return packed
+
+    def _launch(self, b: _Bucket) -> None:
+        packed = self._pack(b)
+        grads = [p.grad for p in b.params]
+        scratch = torch.empty(b.width, dtype=b.dtype, device=b.device)
+        if not self._fallback:
+            try:
+                # reduce_scatter_single is the newer name (torch 2.13 deprecates _tensor)
+                rs = getattr(self.dist, "reduce_scatter_single", None) or self.dist.reduce_scatter_tensor
+                work = rs(scratch, packed, group=self.group, async_op=True)
+            except (RuntimeError, NotImplementedError) as e:
+                self._fallback = True
+                warnings.warn(f"process_group: the {self.dist.get_backend(self.group)} backend has "
+                              f"no reduce_scatter_tensor ({e}); each bucket is all-reduced instead "
+                              f"(every rank keeps its chunk: twice the traffic)", stacklevel=3)
+        if self._fallback:
+            work = self.dist.all_reduce(packed, group=self.group, async_op=True)
+            scratch = packed[self.rank * b.width:(self.rank + 1) * b.width]
+        for p in b.params:
+            self._reduced[id(p)] = p.grad
+        self.stats["reduce_scatters"] += 1
+        self._pending.append((b, work, scratch, grads))
+
+    def poll(self, wait: bool = False) -> None:
+        """Completes the launched reductions in launch order (all of them when `wait`)."""
+        while self._pending:
+            b, work, scratch, grads = self._pending[0]
+            if not wait and not work.is_completed():
+                return
+            self._wait(work, "the reduce-scatter of a gradient bucket")
+            self._pending.pop(0)
+            # a buffer of the bucket's own, written in place: its version moves, so a speculation
+            # that read the previous reduction (accumulation without the flag) is redone
+            b.out.copy_(scratch)
+            b.out.div_(self.world)
+            self._check_ddp(b)
+            _, grad_map = D._zero_maps()
+            for k, (p, g) in enumerate(zip(b.params, grads)):
+                if g is None or p.grad is not g:
+                    continue
+                a, n = b.offsets[k][self.rank], b.numels[k][self.rank]
+                rows_a, rows_b = D.chunk_rows(p.shape[0], self.rank, self.world)
+                grad_map[g] = b.out[a:a + n].view((rows_b - rows_a,) + tuple(p.shape[1:]))
+            for p, g in zip(b.params, grads):
+                if g is not None and p.grad is g and self._on_reduced is not None:
+                    self._on_reduced(p)
+
+    def _wait(self, work, what: str) -> None:
+        try:
+            ok = work.wait(timeout=datetime.timedelta(seconds=WAIT_S))
+        except RuntimeError as e:
+            raise RuntimeError(f"process_group: {what} did not complete within {WAIT_S:.0f} s or "
+                               f"failed ({e}): a peer rank died or stopped stepping; every rank "
+                               f"must call backward() and step() alike") from e
+        if ok is False:
+            raise RuntimeError(f"process_group: {what} did not complete within {WAIT_S:.0f} s: a "
+                               f"peer rank died or stopped stepping")
+
+    def _check_ddp(self, b: _Bucket) -> None:
+        """Once: grads that arrive already equal to their average on every element look like
+        DDP's (averaged before our hooks ran): correct, but communicated twice."""
+        if self._ddp_checked:
+            return
+        self._ddp_checked = True
+        same, any_nonzero = True, False
+        for k, p in enumerate(b.params):
+            g = p.grad
+            n = b.numels[k][self.rank]
+            if g is None or not n:
+                continue
+            mine = D.zero_chunk(g, self.rank, self.world).reshape(-1).float()
+            avg = b.out[b.offsets[k][self.rank]:b.offsets[k][self.rank] + n].float()
+            any_nonzero = any_nonzero or bool(mine.any())
+            same = same and torch.allclose(mine, avg, rtol=1e-6, atol=0.0)
+        if same and any_nonzero and self.world > 1:
+            warnings.warn("process_group: the grads arrived already averaged over the ranks (the "
+                          "model looks wrapped in DistributedDataParallel): the result is correct, "
+                          "but grads are communicated twice. With process_group= the optimizer "
+                          "averages them itself: drop the DDP wrapper", stacklevel=4)
+
+    def finish(self) -> None:
+        """Before step(): a bucket holding a grad its hooks never reduced (set by hand, hooks
+        removed, or replaced since) is reduced now, then every pending reduction is waited for.
+        The decision depends on each rank's own grads: ranks run the same program."""
+        for b in self.buckets:
+            if any(p.grad is not None and self._reduced.get(id(p)) is not p.grad for p in b.params):
+                self.stats["rereduced"] += 1
+                self._launch(b)
+        self.poll(wait=True)
+
+    def end_step(self) -> None:
+        """After step() (taken, skipped or failed): the next backward starts a new reduction."""
+        self._arrived.clear()
+        self._reduced.clear()
+
+    # ------------------------------------------------------------------ params
+    def gather(self) -> None:
+        """Every rank's stepped chunks into every rank's params: one all_gather per bucket,
+        all launched, then waited (bounded)."""
+        launched = []
+        for b in self.buckets:
+            mine = torch.zeros(b.width, dtype=b.dtype, device=b.device)
+            for k, p in enumerate(b.params):
+                n = b.numels[k][self.rank]
+                if n:
+                    a = b.offsets[k][self.rank]
+                    mine[a:a + n].copy_(D.zero_chunk(p.data, self.rank, self.world).reshape(-1))
+            full = torch.empty(self.world * b.width, dtype=b.dtype, device=b.device)
+            ag = getattr(self.dist, "all_gather_single", None) or self.dist.all_gather_into_tensor
+            launched.append((b, full, ag(full, mine, group=self.group, async_op=True)))
+            self.stats["all_gathers"] += 1
+        with torch.no_grad():
+            for b, full, work in launched:
+                self._wait(work, "the all-gather of updated parameters")
+                for k, p in enumerate(b.params):
+                    flat = p.data.view(-1)
+                    start = 0
+                    for r in range(self.world):
+                        n = b.numels[k][r]
+                        if n and r != self.rank:
+                            base = r * b.width + b.offsets[k][r]
+                            flat[start:start + n].copy_(full[base:base + n])
+                        start += n
+
+    def state_numel(self) -> int:
+        """Elements of state this rank keeps (its chunks)."""
+        return sum(b.numels[k][self.rank] for b in self.buckets for k in range(len(b.params)))
+

@@ -1,0 +1,93 @@
+"""Rank script: trains the common model's plain (replicated) params with HybridAdamW /
+HybridAdam(process_group=WORLD) — ZeRO-2 style sharded state — in the configurations named on
+the command line; saves per configuration the params after each step (every rank's own copy,
+refreshed by the all-gather), last_grad_norm, skips, the scaler's scale, speculation's stats,
+the state elements this rank keeps and the warnings given."""
+import os
+import sys
+import tempfile
+import time
+import warnings
+
+import torch
+import torch.distributed as dist
+
+import common as C
+from hybrid_opt import HybridAdam, HybridAdamW
+
+CONFIGS = {
+    # name: (optimizer, hybrid kwargs, clip, overflow step on rank 1, micro-batches per step)
+    "adamw_nvme": ("AdamW", dict(offload_fraction=0.5, nvme_fraction=0.25), 1.0, None, 1),
+    "adam_host": ("Adam", dict(offload_fraction=1.0), 1.0, None, 1),
+    "adamw_host_noclip": ("AdamW", dict(offload_fraction=1.0), None, None, 1),
+    "adamw_overflow": ("AdamW", dict(offload_fraction=0.5), 1.0, 1, 1),
+    "adamw_accum": ("AdamW", dict(offload_fraction=0.5, nvme_fraction=0.25), 1.0, None, 2),
+    "adamw_ddp": ("AdamW", dict(offload_fraction=0.5), None, None, 1),
+}
+
+
+def run(name: str, rank: int, world: int, tmp: str) -> dict:
+    kind, hybrid, clip, overflow_at, micro = CONFIGS[name]
+    model = C.build_model()
+    stepped_model = model
+    if name == "adamw_ddp":
+        stepped_model = torch.nn.parallel.DistributedDataParallel(model)
+    cls = HybridAdamW if kind == "AdamW" else HybridAdam
+    if hybrid.get("nvme_fraction"):
+        hybrid = dict(hybrid, nvme_path=os.path.join(tmp, f"{name}-rank{rank}"))
+        os.makedirs(hybrid["nvme_path"])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        opt = cls(model.parameters(), lr=C.LR, weight_decay=0.01, max_grad_norm=clip,
+                  subgroup_numel=32, worker_share=0.5, process_group=dist.group.WORLD, **hybrid)
+        scaler = None
+        if overflow_at is not None:
+            scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8)
+            opt.attach_grad_scaler(scaler)
+        out = dict(params=[], norms=[], skipped=[], scales=[], speculation=[], worker=[],
+                   state_numel=opt._zero.state_numel(),
+                   laid_out=sum(sg.numel for sg in opt._subgroups))
+        for i, x in enumerate(C.batches()):
+            opt.zero_grad()
+            local = C.local_batch(x, rank, world)
+            n = local.shape[0] // micro
+            for m in range(micro):
+                opt.set_gradient_accumulation_boundary(m == micro - 1)
+                loss = C.loss_fn(stepped_model, local[m * n:(m + 1) * n]) / micro
+                (scaler.scale(loss) if scaler else loss).backward()
+            if i == overflow_at and rank == 1:  # an overflow in this rank's local grads only
+                with torch.no_grad():
+                    next(iter(model.parameters())).grad.view(-1)[0] = float("inf")
+            if scaler is not None:
+                scaler.step(opt)
+                scaler.update()
+                out["scales"].append(float(scaler.get_scale()))
+            else:
+                opt.step()
+            out["norms"].append(opt.last_grad_norm)
+            out["skipped"].append(opt.step_was_skipped)
+            out["speculation"].append(dict(opt.stats.get("speculation") or {}))
+            out["params"].append([p.detach().clone() for p in model.parameters()])
+            out["worker"].append((opt.stats.get("worker_s", 0.0), opt.stats.get("hidden_s", 0.0)))
+        out["state_bytes"] = sum(t["state_bytes"] for t in opt.stats["tiers"].values())
+        out["zero"] = dict(opt._zero.stats)
+    out["warnings"] = [str(w.message) for w in caught]
+    opt.close()
+    return out
+
+
+def main():
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    results = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in sys.argv[1:]:
+            t0 = time.perf_counter()
+            results[name] = run(name, rank, world, tmp)
+            results[name]["seconds"] = time.perf_counter() - t0
+    C.save_result(results)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
