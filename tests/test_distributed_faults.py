@@ -138,3 +138,15 @@ def test_torchrun_two_nodes_on_localhost_matches_single_process(tmp_path):
     cores = os.sched_getaffinity(0)
     if len(cores) >= 2:  # each "node" split all of this machine's cores: the same worker cores
         assert ranks[0][names[0]]["worker_cpus"] == ranks[1][names[0]]["worker_cpus"]
+
+
+def test_agree_in_one_process_is_the_local_decision_or_the_local_failure():
+    """Without a world (no torch.distributed group) there is no collective: the decision is
+    the rank's own values, and a failure is raised as is (the one-process behaviour)."""
+    from hybrid_opt import rank_faults as RF
+    assert RF.agree(2.5, None, None) == (2.5, None)
+    assert not RF.decision_runs(1.0, torch.zeros(1))
+    cause = RuntimeError("the worker died")
+    with pytest.raises(RuntimeError) as info:
+        RF.agree(2.5, 0.0, cause)
+    assert info.value is cause
