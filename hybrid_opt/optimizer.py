@@ -13,24 +13,22 @@ from __future__ import annotations
 
 import math
 import time
-import warnings
 
 import torch
 
+from hybrid_opt import arguments as A
 from hybrid_opt import distributed as D
 from hybrid_opt import rank_faults as RF
 from hybrid_opt.checkpoint import CheckpointMixin
 from hybrid_opt.placement import PlacementMixin
-from hybrid_opt.plan import DEVICE, check_fractions
+from hybrid_opt.plan import DEVICE
 from hybrid_opt.speculation import GradGatherer, SpeculationMixin
 from hybrid_opt.step_stats import StepStatsMixin
 from hybrid_opt.storage import StorageMixin
-from hybrid_opt.swap import check_nvme_path
 from hybrid_opt.tiers.device import read_scalars
 from hybrid_opt.tiers.host import StepInputs
 
 DEFAULT_SUBGROUP_NUMEL = 1 << 22  # 4Mi elements: 16 MB of fp32 master, 48 MB of state
-_MODEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def _float_hyper(value, name: str) -> float:
@@ -53,38 +51,6 @@ def _contiguous_runs(slices: list) -> list:
     return [tuple(r) for r in runs]
 
 
-def _check_hyperparameters(lr, betas, eps, weight_decay, *, foreach, capturable) -> tuple:
-    """torch.optim.Adam's own checks, in its order, with its error types and messages (its
-    optimizer database holds them as error inputs: tests/test_optim_db.py). Returns betas as
-    torch keeps them (a 1-element Tensor beta squeezed to 0-dim)."""
-    if isinstance(lr, torch.Tensor):
-        if foreach and not capturable:
-            raise ValueError("lr as a Tensor is not supported for capturable=False and foreach=True")
-        if lr.numel() != 1:
-            raise ValueError("Tensor lr must be 1-element")
-    if not 0.0 <= lr:
-        raise ValueError(f"Invalid learning rate: {lr}")
-    if not 0.0 <= eps:
-        raise ValueError(f"Invalid epsilon value: {eps}")
-    if not 0.0 <= betas[0] < 1.0:
-        raise ValueError(f"Invalid beta parameter at index 0: {betas[0]}")
-    if not 0.0 <= betas[1] < 1.0:
-        raise ValueError(f"Invalid beta parameter at index 1: {betas[1]}")
-    if not 0.0 <= weight_decay:
-        raise ValueError(f"Invalid weight_decay value: {weight_decay}")
-    if not ((isinstance(betas[0], float) and isinstance(betas[1], float))
-            or (isinstance(betas[0], torch.Tensor) and isinstance(betas[1], torch.Tensor))):
-        raise ValueError("betas must be either both floats or both Tensors")
-    for i, b in enumerate(betas):
-        if isinstance(b, torch.Tensor):
-            if foreach and not capturable:
-                raise ValueError(f"betas[{i}] as a Tensor is not supported for capturable=False "
-                                 f"and foreach=True")
-            if b.numel() != 1:
-                raise ValueError(f"Tensor betas[{i}] must be 1-element")
-    return tuple(b.squeeze() if isinstance(b, torch.Tensor) and b.dim() != 0 else b for b in betas)
-
-
 class _HybridBase(SpeculationMixin, PlacementMixin, CheckpointMixin, StepStatsMixin, StorageMixin,
                   torch.optim.Optimizer):
     """The torch.optim facade: arguments, param groups, the step and the lifecycle. Layout,
@@ -98,48 +64,14 @@ class _HybridBase(SpeculationMixin, PlacementMixin, CheckpointMixin, StepStatsMi
                  nvme_path, subgroup_numel, speculative, rollback, device_memory_budget,
                  host_memory_budget, process_group, worker_share=0.5, spare_banks=None,
                  io_banks=4, refit_every=50, calibration=None):
-        betas = _check_hyperparameters(lr, betas, eps, weight_decay, foreach=foreach,
-                                       capturable=capturable)
-        if capturable:
-            raise ValueError(f"{type(self).__name__} does not support capturable=True (CUDA graph "
-                             f"capture): its host tier steps in another process, which a graph "
-                             f"cannot record; capture the model alone, or use torch.optim."
-                             f"{type(self).__name__[len('Hybrid'):]}(capturable=True)")
-        # torch's fused-flag errors (it raises them after building its groups): the same, sooner
-        if fused and differentiable:
-            raise RuntimeError("`fused` does not support `differentiable`")
-        if fused and foreach:
-            raise RuntimeError("`fused` and `foreach` cannot be `True` together.")
-        if differentiable:
-            raise ValueError(f"{type(self).__name__} does not support differentiable=True: no "
-                             f"autograd graph runs through its in-place tier kernels; use "
-                             f"torch.optim.{type(self).__name__[len('Hybrid'):]} to differentiate "
-                             f"through the step")
-        # otherwise foreach / fused are accepted: every path of ours is fused already; they change nothing
-        if max_grad_norm is not None and not (isinstance(max_grad_norm, (int, float))
-                                              and not isinstance(max_grad_norm, bool)
-                                              and max_grad_norm > 0 and math.isfinite(max_grad_norm)):
-            raise ValueError(f"max_grad_norm must be a positive finite number or None, got {max_grad_norm!r}")
-        if rollback not in ("exact", "inverse"):
-            raise ValueError(f"rollback must be 'exact' or 'inverse', got {rollback!r}")
-        if rollback == "inverse" and amsgrad:
-            raise ValueError("rollback='inverse' cannot undo amsgrad (its running max of v is not "
-                             "invertible); use rollback='exact' with amsgrad=True")
-        if not isinstance(subgroup_numel, int) or isinstance(subgroup_numel, bool) or subgroup_numel < 1:
-            raise ValueError(f"subgroup_numel must be a positive int, got {subgroup_numel!r}")
-        for name, budget in (("device_memory_budget", device_memory_budget),
-                             ("host_memory_budget", host_memory_budget)):
-            if budget is not None and (not isinstance(budget, int) or budget <= 0):
-                raise ValueError(f"{name} must be a positive number of bytes or None, got {budget!r}")
-        # the fractions' own errors (out of range, nvme above offload) come before "nvme needs a
-        # path": a clear error before any training work
-        check_fractions(offload_fraction, nvme_fraction)
-        if nvme_fraction != "auto" and nvme_fraction not in (0, 0.0):
-            check_nvme_path(nvme_path)
-        elif nvme_fraction == "auto" and nvme_path is not None:
-            check_nvme_path(nvme_path)
-        if isinstance(refit_every, bool) or not isinstance(refit_every, int) or refit_every < 0:
-            raise ValueError(f"refit_every must be an int >= 0 (0: never refit), got {refit_every!r}")
+        betas = A.check_hyperparameters(lr, betas, eps, weight_decay, foreach=foreach,
+                                         capturable=capturable)
+        A.check_constructor(type(self).__name__, amsgrad=amsgrad, capturable=capturable,
+                            differentiable=differentiable, fused=fused, foreach=foreach,
+                            max_grad_norm=max_grad_norm, rollback=rollback,
+                            subgroup_numel=subgroup_numel, device_memory_budget=device_memory_budget,
+                            host_memory_budget=host_memory_budget, offload_fraction=offload_fraction,
+                            nvme_fraction=nvme_fraction, nvme_path=nvme_path, refit_every=refit_every)
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
                         maximize=maximize, foreach=foreach, capturable=capturable,
                         differentiable=differentiable, fused=fused,
@@ -178,40 +110,11 @@ class _HybridBase(SpeculationMixin, PlacementMixin, CheckpointMixin, StepStatsMi
 
     # ------------------------------------------------------------------ param groups
     def add_param_group(self, param_group: dict) -> None:
-        params = param_group["params"]
-        if isinstance(params, torch.Tensor):
-            params = [params]
-        elif isinstance(params, set):
-            raise TypeError("optimizer parameters need to be organized in ordered collections, but "
-                            "the ordering of tensors in sets will change between runs. Please use a list instead.")
-        else:
-            params = list(params)
-        # de-duplicate (torch only warns): a parameter stepped twice per step is never wanted
-        seen, unique = set(), []
-        for item in params:
-            t = item[1] if isinstance(item, tuple) else item
-            if isinstance(t, torch.Tensor) and t in seen:
-                continue
-            if isinstance(t, torch.Tensor):
-                seen.add(t)
-            unique.append(item)
-        if len(unique) != len(params):
-            warnings.warn("optimizer contains a parameter group with duplicate parameters; "
-                          "the duplicates are ignored", stacklevel=3)
-        param_group = dict(param_group, params=unique)
-        for item in unique:
-            t = item[1] if isinstance(item, tuple) else item
-            if isinstance(t, torch.Tensor):
-                if t.is_complex():
-                    raise ValueError(f"{type(self).__name__} does not support complex parameters; "
-                                     f"optimize torch.view_as_real(param) instead")
-                if t.dtype not in _MODEL_DTYPES:
-                    raise TypeError(f"{type(self).__name__} supports float32, bfloat16 and float16 "
-                                    f"parameters, got {t.dtype}")
+        param_group = A.check_group_params(type(self).__name__, param_group)
         # a group's own values get the constructor's checks (torch checks only the defaults)
         if any(k in param_group for k in ("lr", "betas", "eps", "weight_decay")):
             get = lambda k: param_group.get(k, self.defaults[k])  # noqa: E731
-            betas = _check_hyperparameters(get("lr"), get("betas"), get("eps"), get("weight_decay"),
+            betas = A.check_hyperparameters(get("lr"), get("betas"), get("eps"), get("weight_decay"),
                                            foreach=get("foreach"), capturable=get("capturable"))
             if "betas" in param_group:
                 param_group["betas"] = betas

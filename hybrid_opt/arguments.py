@@ -1,0 +1,129 @@
+"""Argument checks of HybridAdamW / HybridAdam: torch.optim.Adam's own (its order, error types
+and messages), then ours (placement, rollback, budgets), all before any memory or process is
+made, so a bad argument is an error that names it and costs nothing."""
+from __future__ import annotations
+
+import math
+import warnings
+
+import torch
+
+from hybrid_opt.plan import check_fractions
+from hybrid_opt.swap import check_nvme_path
+
+MODEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def check_hyperparameters(lr, betas, eps, weight_decay, *, foreach, capturable) -> tuple:
+    """torch.optim.Adam's own checks, in its order, with its error types and messages (its
+    optimizer database holds them as error inputs: tests/test_optim_db.py). Returns betas as
+    torch keeps them (a 1-element Tensor beta squeezed to 0-dim)."""
+    if isinstance(lr, torch.Tensor):
+        if foreach and not capturable:
+            raise ValueError("lr as a Tensor is not supported for capturable=False and foreach=True")
+        if lr.numel() != 1:
+            raise ValueError("Tensor lr must be 1-element")
+    if not 0.0 <= lr:
+        raise ValueError(f"Invalid learning rate: {lr}")
+    if not 0.0 <= eps:
+        raise ValueError(f"Invalid epsilon value: {eps}")
+    if not 0.0 <= betas[0] < 1.0:
+        raise ValueError(f"Invalid beta parameter at index 0: {betas[0]}")
+    if not 0.0 <= betas[1] < 1.0:
+        raise ValueError(f"Invalid beta parameter at index 1: {betas[1]}")
+    if not 0.0 <= weight_decay:
+        raise ValueError(f"Invalid weight_decay value: {weight_decay}")
+    if not ((isinstance(betas[0], float) and isinstance(betas[1], float))
+            or (isinstance(betas[0], torch.Tensor) and isinstance(betas[1], torch.Tensor))):
+        raise ValueError("betas must be either both floats or both Tensors")
+    for i, b in enumerate(betas):
+        if isinstance(b, torch.Tensor):
+            if foreach and not capturable:
+                raise ValueError(f"betas[{i}] as a Tensor is not supported for capturable=False "
+                                 f"and foreach=True")
+            if b.numel() != 1:
+                raise ValueError(f"Tensor betas[{i}] must be 1-element")
+    return tuple(b.squeeze() if isinstance(b, torch.Tensor) and b.dim() != 0 else b for b in betas)
+
+
+def check_constructor(name: str, *, amsgrad, capturable, differentiable, fused, foreach,
+                      max_grad_norm, rollback, subgroup_numel, device_memory_budget,
+                      host_memory_budget, offload_fraction, nvme_fraction, nvme_path,
+                      refit_every) -> None:
+    """The constructor's arguments beyond torch's hyperparameters (`name`: the class's)."""
+    if capturable:
+        raise ValueError(f"{name} does not support capturable=True (CUDA graph "
+                         f"capture): its host tier steps in another process, which a graph "
+                         f"cannot record; capture the model alone, or use torch.optim."
+                         f"{name[len('Hybrid'):]}(capturable=True)")
+    # torch's fused-flag errors (it raises them after building its groups): the same, sooner
+    if fused and differentiable:
+        raise RuntimeError("`fused` does not support `differentiable`")
+    if fused and foreach:
+        raise RuntimeError("`fused` and `foreach` cannot be `True` together.")
+    if differentiable:
+        raise ValueError(f"{name} does not support differentiable=True: no "
+                         f"autograd graph runs through its in-place tier kernels; use "
+                         f"torch.optim.{name[len('Hybrid'):]} to differentiate "
+                         f"through the step")
+    # otherwise foreach / fused are accepted: every path of ours is fused already; they change nothing
+    if max_grad_norm is not None and not (isinstance(max_grad_norm, (int, float))
+                                          and not isinstance(max_grad_norm, bool)
+                                          and max_grad_norm > 0 and math.isfinite(max_grad_norm)):
+        raise ValueError(f"max_grad_norm must be a positive finite number or None, got {max_grad_norm!r}")
+    if rollback not in ("exact", "inverse"):
+        raise ValueError(f"rollback must be 'exact' or 'inverse', got {rollback!r}")
+    if rollback == "inverse" and amsgrad:
+        raise ValueError("rollback='inverse' cannot undo amsgrad (its running max of v is not "
+                         "invertible); use rollback='exact' with amsgrad=True")
+    if not isinstance(subgroup_numel, int) or isinstance(subgroup_numel, bool) or subgroup_numel < 1:
+        raise ValueError(f"subgroup_numel must be a positive int, got {subgroup_numel!r}")
+    for name, budget in (("device_memory_budget", device_memory_budget),
+                         ("host_memory_budget", host_memory_budget)):
+        if budget is not None and (not isinstance(budget, int) or budget <= 0):
+            raise ValueError(f"{name} must be a positive number of bytes or None, got {budget!r}")
+    # the fractions' own errors (out of range, nvme above offload) come before "nvme needs a
+    # path": a clear error before any training work
+    check_fractions(offload_fraction, nvme_fraction)
+    if nvme_fraction != "auto" and nvme_fraction not in (0, 0.0):
+        check_nvme_path(nvme_path)
+    elif nvme_fraction == "auto" and nvme_path is not None:
+        check_nvme_path(nvme_path)
+    if isinstance(refit_every, bool) or not isinstance(refit_every, int) or refit_every < 0:
+        raise ValueError(f"refit_every must be an int >= 0 (0: never refit), got {refit_every!r}")
+
+
+def check_group_params(name: str, param_group: dict) -> dict:
+    """A param group's params as torch takes them (a Tensor or an ordered collection, named
+    or not), de-duplicated with a warning, each of a dtype we step; returns the group."""
+    params = param_group["params"]
+    if isinstance(params, torch.Tensor):
+        params = [params]
+    elif isinstance(params, set):
+        raise TypeError("optimizer parameters need to be organized in ordered collections, but "
+                        "the ordering of tensors in sets will change between runs. Please use a list instead.")
+    else:
+        params = list(params)
+    # de-duplicate (torch only warns): a parameter stepped twice per step is never wanted
+    seen, unique = set(), []
+    for item in params:
+        t = item[1] if isinstance(item, tuple) else item
+        if isinstance(t, torch.Tensor) and t in seen:
+            continue
+        if isinstance(t, torch.Tensor):
+            seen.add(t)
+        unique.append(item)
+    if len(unique) != len(params):
+        warnings.warn("optimizer contains a parameter group with duplicate parameters; "
+                      "the duplicates are ignored", stacklevel=4)
+    param_group = dict(param_group, params=unique)
+    for item in unique:
+        t = item[1] if isinstance(item, tuple) else item
+        if isinstance(t, torch.Tensor):
+            if t.is_complex():
+                raise ValueError(f"{name} does not support complex parameters; "
+                                 f"optimize torch.view_as_real(param) instead")
+            if t.dtype not in MODEL_DTYPES:
+                raise TypeError(f"{name} supports float32, bfloat16 and float16 "
+                                f"parameters, got {t.dtype}")
+    return param_group
