@@ -27,6 +27,7 @@ from hybrid_opt.step_stats import StepStatsMixin
 from hybrid_opt.storage import StorageMixin
 from hybrid_opt.tiers.device import read_scalars
 from hybrid_opt.tiers.host import StepInputs
+from hybrid_opt.zero import ZeroParamsMixin
 
 DEFAULT_SUBGROUP_NUMEL = 1 << 22  # 4Mi elements: 16 MB of fp32 master, 48 MB of state
 
@@ -51,8 +52,8 @@ def _contiguous_runs(slices: list) -> list:
     return [tuple(r) for r in runs]
 
 
-class _HybridBase(SpeculationMixin, PlacementMixin, CheckpointMixin, StepStatsMixin, StorageMixin,
-                  torch.optim.Optimizer):
+class _HybridBase(ZeroParamsMixin, SpeculationMixin, PlacementMixin, CheckpointMixin, StepStatsMixin,
+                  StorageMixin, torch.optim.Optimizer):
     """The torch.optim facade: arguments, param groups, the step and the lifecycle. Layout,
     speculation, checkpoints and stats are mixins, each in a module of its own."""
     _decoupled: bool = True
@@ -203,7 +204,8 @@ class _HybridBase(SpeculationMixin, PlacementMixin, CheckpointMixin, StepStatsMi
             raise failure
         self._check_storage()  # a param whose memory was replaced is re-adopted (storage.py)
         if self._zero is not None:
-            try:  # every grad's averaged chunk in place (zero.py): bounded waits
+            try:  # the last step's params landed, every grad's averaged chunk in place (zero.py)
+                self._zero.wait_gathered()
                 self._zero.finish()
                 return self._step_taken(loss, t_step, failure)
             finally:
@@ -321,7 +323,7 @@ class _HybridBase(SpeculationMixin, PlacementMixin, CheckpointMixin, StepStatsMi
         d1 = self._mark() if self._auto is not None else None
         t_end = time.perf_counter()
         if self._zero is not None:
-            self._zero.gather()  # the updated chunks into every rank's params (zero.py)
+            self._zero.gather()  # launched, landing as params are next used (zero.py)
             t_end = time.perf_counter()
         self._record_stats(host_steps, device_work, t_device - t_host, t_end - t_device, norm, clip)
         if self._auto is not None:
@@ -368,7 +370,7 @@ class _HybridBase(SpeculationMixin, PlacementMixin, CheckpointMixin, StepStatsMi
             h.remove()
         self._hook_handles = []
         if getattr(self, "_zero", None) is not None:
-            self._zero.remove()
+            self._zero.close()  # pending all-gathers landed: the params are current after close()
         if self._host is not None:
             self._host.close()  # restores the cores and both thread counts (CoreSplit)
 

@@ -23,9 +23,17 @@ boundary backward reduces the sum once (divided by the world size, as DDP averag
 A reduction sees p.grad as it was when its hook fired: in-place changes to p.grad after
 backward are not seen (as under DDP). step() waits for the pending ones (bounded).
 
-Params: after a step that was taken, every bucket's chunks are all-gathered (launched
-together, waited together, bounded) into every rank's params. A skipped step (overflow)
-changes no param: nothing is gathered.
+Params: after a step that was taken, every bucket's chunks are all-gathered, launched at the
+end of step() and not waited there, so the gathers overlap what follows (zero_grad, the data,
+the next forward). A bucket lands — bounded wait, then the other ranks' chunks copied into
+this rank's params — when it is next needed: a global module forward pre-hook (installed
+while any gather is pending) lands the buckets holding the module's own params (recurse=
+False) before its forward; the optimizer's next step(), state_dict(), load_state_dict(), a
+move between tiers (replan, refits) and close() land them all, and so does wait_params() for
+a param read outside any module's forward (an EMA, model.state_dict(), a functional call on
+another module's weight). A param written since its chunks left (model.load_state_dict,
+assign=True) keeps what was written: its gathered chunks are dropped. A skipped step
+(overflow) changes no param: nothing is gathered.
 
 Backends: gloo (checked on torch 2.13, CPU) and NCCL both run the real reduce-scatter and
 all-gather (reduce_scatter_single / all_gather_single, or their older _tensor names); a backend that lacks reduce_scatter_tensor gets an all_reduce of the
@@ -72,7 +80,7 @@ def _chunk_numel(p: torch.Tensor, rank: int, world: int) -> int:
 class ZeroSharding:
     """The collectives of process_group mode for one optimizer (module docstring)."""
 
-    def __init__(self, params: list, group, bucket_numel: int = BUCKET_NUMEL):
+    def __init__(self, params: list, group, bucket_numel: int | None = None):
         import torch.distributed as dist
         if not (dist.is_available() and dist.is_initialized()):
             raise RuntimeError("process_group= needs torch.distributed initialised "
@@ -104,7 +112,7 @@ class ZeroSharding:
         for p in params:
             registry[p] = spec
         self.params = list(params)
-        self.buckets = self._make_buckets(params, bucket_numel)
+        self.buckets = self._make_buckets(params, bucket_numel or BUCKET_NUMEL)
         self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
         self._arrived: dict = {}   # bucket id -> set of param ids whose grads arrived
         self._pending: list = []   # [(bucket, work, scratch, grads)] launched, not yet completed
@@ -113,7 +121,11 @@ class ZeroSharding:
         self._on_reduced, self._is_boundary = None, lambda: True
         self._fallback = False
         self._ddp_checked = False
-        self.stats = dict(reduce_scatters=0, all_gathers=0, rereduced=0)
+        self._gathers: dict = {}    # bucket id -> (bucket, full, mine, work, marks): launched, not landed
+        self._gathering: dict = {}  # param id -> its bucket, while that bucket's gather is pending
+        self._forward_hook = None   # the global forward pre-hook, installed while any is pending
+        self.stats = dict(reduce_scatters=0, all_gathers=0, rereduced=0,
+                          all_gathers_landed_in_forward=0)
 
     # ------------------------------------------------------------------ layout
     def _make_buckets(self, params: list, cap: int) -> list:
@@ -281,9 +293,11 @@ class ZeroSharding:
 
     # ------------------------------------------------------------------ params
     def gather(self) -> None:
-        """Every rank's stepped chunks into every rank's params: one all_gather per bucket,
-        all launched, then waited (bounded)."""
-        launched = []
+        """Launches one all_gather per bucket of every rank's stepped chunks, not waited: each
+        bucket lands (other ranks' chunks copied into this rank's params) when a module whose
+        own params it holds is about to run forward, or at wait_gathered() (module docstring)."""
+        self.wait_gathered()  # step() waited already; a second gather must not race the first
+        ag = getattr(self.dist, "all_gather_single", None) or self.dist.all_gather_into_tensor
         for b in self.buckets:
             mine = torch.zeros(b.width, dtype=b.dtype, device=b.device)
             for k, p in enumerate(b.params):
@@ -292,14 +306,46 @@ class ZeroSharding:
                     a = b.offsets[k][self.rank]
                     mine[a:a + n].copy_(D.zero_chunk(p.data, self.rank, self.world).reshape(-1))
             full = torch.empty(self.world * b.width, dtype=b.dtype, device=b.device)
-            ag = getattr(self.dist, "all_gather_single", None) or self.dist.all_gather_into_tensor
-            launched.append((b, full, ag(full, mine, group=self.group, async_op=True)))
+            work = ag(full, mine, group=self.group, async_op=True)
+            # what each param was when its chunks left: a param written since (model.
+            # load_state_dict, assign=True, an in-place edit) keeps what was written
+            marks = [(p._version, p.data_ptr()) for p in b.params]
+            self._gathers[id(b)] = (b, full, mine, work, marks)
+            for p in b.params:
+                self._gathering[id(p)] = b
             self.stats["all_gathers"] += 1
-        with torch.no_grad():
-            for b, full, work in launched:
-                self._wait(work, "the all-gather of updated parameters")
+        if self._gathers and self._forward_hook is None:
+            from torch.nn.modules.module import register_module_forward_pre_hook
+            self._forward_hook = register_module_forward_pre_hook(self._before_forward)
+
+    def _before_forward(self, module, args) -> None:
+        """Global forward pre-hook while gathers are pending: lands the buckets holding the
+        module's own params (recurse=False: a parent's hook must not wait for its children)."""
+        if not self._gathering:
+            return None
+        for p in module._parameters.values():
+            b = self._gathering.get(id(p)) if p is not None else None
+            if b is not None:
+                self.stats["all_gathers_landed_in_forward"] += 1
+                self._land(b)
+        return None
+
+    def wait_gathered(self) -> None:
+        """Lands every pending all-gather (bounded waits): the params are then current."""
+        for b, *_ in list(self._gathers.values()):
+            self._land(b)
+
+    def _land(self, b: _Bucket) -> None:
+        _, full, _mine, work, marks = self._gathers.pop(id(b))
+        for p in b.params:
+            self._gathering.pop(id(p), None)
+        try:
+            self._wait(work, "the all-gather of updated parameters")
+            with torch.no_grad():
                 for k, p in enumerate(b.params):
-                    flat = p.data.view(-1)
+                    if (p._version, p.data_ptr()) != marks[k]:
+                        continue
+                    flat = p.data.view(-1)  # .data: its own version counter, p._version stays
                     start = 0
                     for r in range(self.world):
                         n = b.numels[k][r]
@@ -307,8 +353,56 @@ class ZeroSharding:
                             base = r * b.width + b.offsets[k][r]
                             flat[start:start + n].copy_(full[base:base + n])
                         start += n
+        finally:
+            if not self._gathers and self._forward_hook is not None:
+                self._forward_hook.remove()
+                self._forward_hook = None
+
+    def close(self) -> None:
+        """The grad hooks removed; pending gathers landed (a failed one is warned about: the
+        other ranks' chunks of those params are then the previous step's)."""
+        self.remove()
+        try:
+            self.wait_gathered()
+        except RuntimeError as e:
+            warnings.warn(f"process_group: closing with an all-gather that failed ({e}); this "
+                          f"rank's params hold the other ranks' chunks of the step before",
+                          stacklevel=3)
+        finally:
+            self._gathers.clear()
+            self._gathering.clear()
+            if self._forward_hook is not None:
+                self._forward_hook.remove()
+                self._forward_hook = None
 
     def state_numel(self) -> int:
         """Elements of state this rank keeps (its chunks)."""
         return sum(b.numels[k][self.rank] for b in self.buckets for k in range(len(b.params)))
 
+
+
+class ZeroParamsMixin:
+    """The optimizer's side of the overlapped all-gather: wait_params(), and the entry points
+    that read or write params landing every pending gather first (a mixin before the
+    checkpoint and placement mixins; step() and close() call wait_params themselves)."""
+
+    def wait_params(self) -> None:
+        """process_group mode: makes every param current on this rank (lands the pending
+        all-gathers of the last step, each wait bounded). Call it before reading params outside
+        a module's forward — an EMA, model.state_dict(), a param used by another module; a
+        module's own params land before its forward by themselves. No-op otherwise."""
+        zero = getattr(self, "_zero", None)
+        if zero is not None:
+            zero.wait_gathered()
+
+    def state_dict(self) -> dict:
+        self.wait_params()
+        return super().state_dict()
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self.wait_params()
+        return super().load_state_dict(state_dict)
+
+    def _relayout(self, plan) -> None:
+        self.wait_params()
+        return super()._relayout(plan)

@@ -246,17 +246,43 @@ def test_launch_past_its_deadline_kills_ranks_and_workers(tmp_path):
         assert wait_gone(pid, 5), f"worker {pid} outlived the killed launch"
 
 
+def test_launches_survive_a_port_taken_before_torchrun_binds_it(tmp_path, monkeypatch):
+    """Concurrent launches (pytest-xdist, two CI jobs on one machine) must not collide on a port
+    picked in advance: free_port() here returns a port another process holds. A one-node launch
+    lets its store bind a port of its own; a several-node launch, which needs a shared port,
+    sees its store fail to bind and runs again on another port."""
+    import socket
+    import dist_launch
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        taken = busy.getsockname()[1]
+        real = dist_launch.free_port
+        handed = []
+
+        def taken_once():  # the taken port first each time a launch asks, then real ones
+            handed.append(taken if not handed or handed[-1] != taken else real())
+            return handed[-1]
+        monkeypatch.setattr(dist_launch, "free_port", taken_once)
+        ranks = launch("ping.py", str(tmp_path / "one"), timeout_s=60)
+        assert [r["total"] for r in ranks] == [3.0, 3.0]
+        handed.clear()
+        ranks = dist_launch.launch_nodes("ping.py", str(tmp_path / "two"), timeout_s=90)
+        assert [r["total"] for r in ranks] == [3.0, 3.0] and handed[0] == taken
+
+
 # ---------------------------------------------------------------- process_group (ZeRO-2 style)
 ZERO_TRAIN = {  # name: (optimizer, clip, steps skipped)
     "adamw_nvme": ("AdamW", 1.0, ()), "adam_host": ("Adam", 1.0, ()),
     "adamw_host_noclip": ("AdamW", None, ()), "adamw_overflow": ("AdamW", 1.0, (1,)),
-    "adamw_accum": ("AdamW", 1.0, ()), "adamw_ddp": ("AdamW", None, ())}
+    "adamw_accum": ("AdamW", 1.0, ()), "adamw_ddp": ("AdamW", None, ()),
+    "adamw_sync": ("AdamW", None, ()), "adamw_sd_close": ("AdamW", None, ())}
 
 
 @pytest.fixture(scope="module")
 def zero_trained(tmp_path_factory):
     out = tmp_path_factory.mktemp("zero_train")
-    return launch("zero_train.py", str(out), *ZERO_TRAIN, timeout_s=150)
+    return launch("zero_train.py", str(out), *ZERO_TRAIN, "adamw_load", timeout_s=150)
 
 
 @pytest.fixture(scope="module")
@@ -283,6 +309,40 @@ def test_process_group_matches_single_process_torch(zero_trained, name):
                 if step not in skip:
                     assert ours == pytest.approx(ref, rel=1e-5)
     assert zero_trained[0][name]["norms"] == zero_trained[1][name]["norms"]
+
+
+def test_process_group_forward_right_after_step_sees_updated_params(zero_trained):
+    """The params' all-gathers (4 buckets here) are launched at the end of step() and not
+    waited there; a forward right after step() lands each bucket in the forward pre-hook of the
+    module holding its params: its outputs and the params after it are bitwise those of the
+    same run that lands every gather right after step() (opt.wait_params())."""
+    for rank, res in enumerate(zero_trained):
+        over, sync = res["adamw_host_noclip"], res["adamw_sync"]
+        assert over["buckets"] == sync["buckets"] == 4
+        assert over["pending_after_step"] == sync["pending_after_step"] == [4] * C.STEPS
+        assert over["zero"]["all_gathers_landed_in_forward"] == 4 * C.STEPS
+        assert sync["zero"]["all_gathers_landed_in_forward"] == 0
+        for step in range(C.STEPS):
+            assert torch.equal(over["probe"][step], sync["probe"][step]), (rank, step)
+            for a, b in zip(over["params"][step], sync["params"][step]):
+                assert torch.equal(a, b), (rank, step)
+
+
+def test_process_group_state_dict_and_close_land_the_gathers(zero_trained):
+    """Params read right after step() + opt.state_dict() (steps 0-2) or + opt.close() (the
+    last step), before any forward, are the current ones, bitwise; and a model.load_state_dict
+    between step() and the next forward keeps the loaded values (the stale gather is dropped)."""
+    for rank, res in enumerate(zero_trained):
+        sd, sync = res["adamw_sd_close"], res["adamw_sync"]
+        assert sd["pending_after_step"] == [4] * C.STEPS
+        assert sd["zero"]["all_gathers_landed_in_forward"] == 0
+        for step in range(C.STEPS):
+            for a, b in zip(sd["params"][step], sync["params"][step]):
+                assert torch.equal(a, b), (rank, step)
+        loaded = res["adamw_load"]
+        assert loaded["pending_after_step"][-1] == 4
+        for j, p in enumerate(loaded["params"][-1]):
+            assert torch.equal(p, torch.full_like(p, 0.25 + j)), (rank, j)
 
 
 def test_process_group_overflow_on_one_rank_skips_every_rank(zero_trained):

@@ -34,6 +34,7 @@ def train(model, opt, xs, rank, world) -> list:
         opt.zero_grad()
         C.loss_fn(model, C.local_batch(x, rank, world)).backward()
         opt.step()
+    opt.wait_params()  # the params are read outside any forward: land the step's all-gathers
     return [p.detach().clone() for p in model.parameters()]
 
 

@@ -13,7 +13,8 @@ import torch
 import torch.distributed as dist
 
 import common as C
-from hybrid_opt import HybridAdam, HybridAdamW
+from hybrid_opt import HybridAdam, HybridAdamW, zero
+from hybrid_opt.zero import BUCKET_NUMEL
 
 CONFIGS = {
     # name: (optimizer, hybrid kwargs, clip, overflow step on rank 1, micro-batches per step)
@@ -23,7 +24,14 @@ CONFIGS = {
     "adamw_overflow": ("AdamW", dict(offload_fraction=0.5), 1.0, 1, 1),
     "adamw_accum": ("AdamW", dict(offload_fraction=0.5, nvme_fraction=0.25), 1.0, None, 2),
     "adamw_ddp": ("AdamW", dict(offload_fraction=0.5), None, None, 1),
+    # the overlapped all-gather: small buckets (4 of this model), the params then read after a
+    # forward (adamw_host_noclip), after wait_params() (adamw_sync), after state_dict() and,
+    # at the last step, close() (adamw_sd_close); adamw_load: model.load_state_dict after step()
+    "adamw_sync": ("AdamW", dict(offload_fraction=1.0), None, None, 1),
+    "adamw_sd_close": ("AdamW", dict(offload_fraction=1.0), None, None, 1),
+    "adamw_load": ("AdamW", dict(offload_fraction=1.0), None, None, 1),
 }
+SMALL_BUCKETS = ("adamw_host_noclip", "adamw_sync", "adamw_sd_close", "adamw_load")
 
 
 def run(name: str, rank: int, world: int, tmp: str) -> dict:
@@ -36,6 +44,8 @@ def run(name: str, rank: int, world: int, tmp: str) -> dict:
     if hybrid.get("nvme_fraction"):
         hybrid = dict(hybrid, nvme_path=os.path.join(tmp, f"{name}-rank{rank}"))
         os.makedirs(hybrid["nvme_path"])
+    zero.BUCKET_NUMEL = 64 if name in SMALL_BUCKETS else BUCKET_NUMEL
+    probe = torch.randn(4, C.IN, generator=torch.Generator().manual_seed(7))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         opt = cls(model.parameters(), lr=C.LR, weight_decay=0.01, max_grad_norm=clip,
@@ -45,6 +55,7 @@ def run(name: str, rank: int, world: int, tmp: str) -> dict:
             scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8)
             opt.attach_grad_scaler(scaler)
         out = dict(params=[], norms=[], skipped=[], scales=[], speculation=[], worker=[],
+                   probe=[], pending_after_step=[], buckets=len(opt._zero.buckets),
                    state_numel=opt._zero.state_numel(),
                    laid_out=sum(sg.numel for sg in opt._subgroups))
         for i, x in enumerate(C.batches()):
@@ -64,10 +75,24 @@ def run(name: str, rank: int, world: int, tmp: str) -> dict:
                 out["scales"].append(float(scaler.get_scale()))
             else:
                 opt.step()
+            out["pending_after_step"].append(len(opt._zero._gathers))
+            if name == "adamw_load" and i == 2:  # written after step(), before the gathers land
+                model.load_state_dict({k: torch.full_like(v, 0.25 + j)
+                                       for j, (k, v) in enumerate(model.state_dict().items())})
+            if name == "adamw_sync":
+                opt.wait_params()
+            elif name == "adamw_sd_close":  # the params read before any forward
+                opt.close() if i == len(C.batches()) - 1 else opt.state_dict()
+                out["params"].append([p.detach().clone() for p in model.parameters()])
+            with torch.no_grad():  # a forward right after step(): the gathers land in its hooks
+                out["probe"].append(model(probe))
             out["norms"].append(opt.last_grad_norm)
             out["skipped"].append(opt.step_was_skipped)
             out["speculation"].append(dict(opt.stats.get("speculation") or {}))
-            out["params"].append([p.detach().clone() for p in model.parameters()])
+            if name != "adamw_sd_close":
+                out["params"].append([p.detach().clone() for p in model.parameters()])
+            if name == "adamw_load" and i == 2:
+                break
             out["worker"].append((opt.stats.get("worker_s", 0.0), opt.stats.get("hidden_s", 0.0)))
         out["state_bytes"] = sum(t["state_bytes"] for t in opt.stats["tiers"].values())
         out["zero"] = dict(opt._zero.stats)
