@@ -13,6 +13,7 @@ from typing import NamedTuple
 
 import torch
 
+from hybrid_opt import distributed as D
 from hybrid_opt import layout as L
 from hybrid_opt.moves import MoveMixin
 from hybrid_opt.cost_model import NON_SPECULATIVE_SPARE_BANKS
@@ -214,7 +215,20 @@ class PlacementMixin(MoveMixin):
             plan.spare_banks = default_spare_banks(len(host), biggest * (16 if self._amsgrad_layout else 12), budget)
         if decision is not None:
             plan.prediction, plan.reason = decision.prediction, decision.reason
+        plan.shard = self._shard_note()
         return plan
+
+    def _shard_note(self) -> str:
+        """'rank r of N: its share, e of E elements' where this rank lays out only its part
+        (FSDP2's local shards, process_group's dim-0 chunks; an HSDP replica holds its whole
+        shard); '' otherwise."""
+        params = list(self._all_params())
+        if D.world_size() <= 1 or not any(D.is_sharded(p) for p in params):
+            return ""
+        import torch.distributed as dist
+        mine = sum(s.numel for s in self._subgroups)
+        return (f"rank {dist.get_rank()} of {dist.get_world_size()}: its share, {mine} of "
+                f"{sum(p.numel() for p in params)} elements")
 
     def _refresh_fractions(self) -> None:
         """The shares actually laid out (at subgroup boundaries)."""

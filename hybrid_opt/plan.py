@@ -21,6 +21,7 @@ class Plan:
     spare_banks: int = 0
     prediction: object = None        # cost_model.Prediction when the scheduler chose the plan
     reason: str = ""                 # why the scheduler chose it
+    shard: str = ""                  # under FSDP2 / process_group: whose share this plan lays out
 
     def subgroups(self, tier: str) -> list:
         return [i for i, t in enumerate(self.tiers) if t == tier]
@@ -39,7 +40,7 @@ class Plan:
             p = self.prediction
             parts.append(f"predicted step {p.step_seconds * 1e3:.1f} ms, iteration "
                          f"{p.iteration_seconds * 1e3:.1f} ms ({self.reason})")
-        return f"Plan({'; '.join(parts)})"
+        return f"Plan({'; '.join(([self.shard] if self.shard else []) + parts)})"
 
 
 def _check_fraction(name: str, value, auto: bool = False):

@@ -87,6 +87,21 @@ def test_fsdp2_shards_are_uneven_and_hsdp_replicates(trained):
     assert hsdp["local_numels"] == full  # without counting replicas once, the norm would be √2 too big
 
 
+def test_plan_says_it_is_the_ranks_share(trained, zero_trained):
+    """opt.plan and repr(opt) on each rank describe that rank's share: its rank, the world and
+    the elements it lays out of the model's (FSDP2 local shards, HSDP's replica holds them all,
+    process_group's dim-0 chunks)."""
+    total = sum(p.numel() for p in C.build_model().parameters())
+    for rank in range(2):
+        cases = [(trained[rank]["adamw_1d_nvme"], sum(trained[rank]["adamw_1d_nvme"]["local_numels"])),
+                 (trained[rank]["adamw_hsdp_nvme"], total),
+                 (zero_trained[rank]["adamw_nvme"], zero_trained[rank]["adamw_nvme"]["state_numel"])]
+        for res, mine in cases:
+            note = f"rank {rank} of 2: its share, {mine} of {total} elements"
+            assert res["plan"].startswith(f"Plan({note}; device: "), res["plan"]
+            assert note in res["opt_repr"]
+
+
 def test_speculation_starts_from_fsdp2_hooks(trained):
     """Host subgroups are stepped during backward from FSDP2's post-reduce-scatter hooks and
     committed (clipping does not bite here), none redone."""

@@ -126,6 +126,7 @@ def run(name: str, rank: int, world: int, tmp: str) -> dict:
     out["node"] = (node.local_rank(), node.local_world_size())
     out["worker_cpus"] = sorted(psutil.Process(opt.worker_pid).cpu_affinity())
     out["local_numels"] = [p.to_local().numel() for p in model.parameters()]
+    out["plan"], out["opt_repr"] = repr(opt.plan), repr(opt)
     opt.close()
     return out
 

@@ -56,7 +56,7 @@ def run(name: str, rank: int, world: int, tmp: str) -> dict:
             opt.attach_grad_scaler(scaler)
         out = dict(params=[], norms=[], skipped=[], scales=[], speculation=[], worker=[],
                    probe=[], pending_after_step=[], buckets=len(opt._zero.buckets),
-                   state_numel=opt._zero.state_numel(),
+                   state_numel=opt._zero.state_numel(), plan=repr(opt.plan), opt_repr=repr(opt),
                    laid_out=sum(sg.numel for sg in opt._subgroups))
         for i, x in enumerate(C.batches()):
             opt.zero_grad()
