@@ -11,6 +11,7 @@ tiny and set OMP_NUM_THREADS=1.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -26,9 +27,16 @@ REPO = os.path.dirname(HERE)
 
 
 def free_port() -> int:
+    """A port free now — and possibly taken by another process before torchrun binds it: only
+    launch_nodes uses one (retrying on a collision); launch lets the store pick its own."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+# what torchrun's output says when the store's port was taken between free_port() and its bind
+_PORT_TAKEN = re.compile(r"EADDRINUSE|[Aa]ddress already in use")
+PORT_ATTEMPTS = 3
 
 
 def _kill_tree(proc: subprocess.Popen) -> None:
@@ -50,11 +58,15 @@ def _kill_tree(proc: subprocess.Popen) -> None:
 
 
 def _start(script: str, out_dir: str, args, *, nproc: int, nnodes: int, node_rank: int,
-           port: int, env: dict | None, tag: str = "") -> subprocess.Popen:
+           port: int | None, env: dict | None, tag: str = "") -> subprocess.Popen:
     os.makedirs(out_dir, exist_ok=True)
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
-           f"--nnodes={nnodes}", f"--node-rank={node_rank}", "--master-addr=127.0.0.1",
-           f"--master-port={port}", os.path.join(SCRIPTS, script), *map(str, args)]
+    # no port: --standalone, whose store binds port 0 itself — concurrent launches (pytest-xdist,
+    # two CI jobs on one machine) can never collide, as they could on a port chosen beforehand
+    where = (["--standalone"] if port is None else
+             [f"--nnodes={nnodes}", f"--node-rank={node_rank}", "--master-addr=127.0.0.1",
+              f"--master-port={port}"])
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", *where,
+           os.path.join(SCRIPTS, script), *map(str, args)]
     full_env = dict(os.environ, DIST_OUT=out_dir, OMP_NUM_THREADS="1",
                     PYTHONPATH=os.pathsep.join([HERE, REPO, os.environ.get("PYTHONPATH", "")]),
                     TORCHELASTIC_ERROR_FILE=os.path.join(out_dir, f"error{tag}.json"))
@@ -81,7 +93,9 @@ def launch(script: str, out_dir: str, *args, nproc: int = 2, nnodes: int = 1, no
     is node `node_rank` of a static rendezvous on localhost:`port`). Returns the ranks'
     saved results (those of this node), or fails with the output of every rank."""
     import pytest
-    port = port or free_port()
+    if nnodes > 1 and port is None:
+        raise ValueError("launch: a node of a several-node launch needs the port every node "
+                         "shares (launch_nodes picks one)")
     t0 = time.monotonic()
     proc = _start(script, out_dir, args, nproc=nproc, nnodes=nnodes, node_rank=node_rank,
                   port=port, env=env)
@@ -103,12 +117,32 @@ def launch_nodes(script: str, out_dir: str, *args, nnodes: int = 2, timeout_s: f
     """`nnodes` torchrun launches on localhost, one rank each, joined by a static rendezvous
     (node 0 hosts the store): how a multi-node job starts, one launcher per node. One deadline
     for all: past it, every launcher's whole tree is killed and the test fails with each
-    node's output. Returns the ranks' saved results in rank order."""
+    node's output. The shared port is chosen before the launch, so another process can take it
+    first: a launch whose store found its port taken is run again on a new port (at most
+    PORT_ATTEMPTS times, within the same deadline). Returns the ranks' saved results in rank
+    order."""
     import pytest
-    port = free_port()
+    deadline = time.monotonic() + timeout_s
+    for attempt in range(PORT_ATTEMPTS):
+        procs, outs = _run_nodes(script, out_dir, args, nnodes, free_port(), env, deadline)
+        text = "\n".join(f"--- node {k}:\n{o[-4000:]}" for k, o in enumerate(outs))
+        if procs is None:
+            pytest.fail(f"{script} on {nnodes} nodes: no result within {timeout_s:.0f} s (every "
+                        f"launcher, rank and worker killed); each node's output:\n{text}")
+        failed = any(proc.returncode != 0 for proc in procs)
+        if failed and attempt + 1 < PORT_ATTEMPTS and any(_PORT_TAKEN.search(o) for o in outs):
+            continue  # the store's port was taken between free_port() and its bind
+        if failed:
+            pytest.fail(f"{script} on {nnodes} nodes failed (exits {[p.returncode for p in procs]}); "
+                        f"each node's output:\n{text}")
+        return _load_results(script, out_dir, range(nnodes), text)
+
+
+def _run_nodes(script, out_dir, args, nnodes, port, env, deadline):
+    """(launchers, their outputs) once every launcher ended; (None, outputs) past the deadline,
+    every launcher's tree killed."""
     procs = [_start(script, out_dir, args, nproc=1, nnodes=nnodes, node_rank=k, port=port,
                     env=env, tag=f"-node{k}") for k in range(nnodes)]
-    deadline = time.monotonic() + timeout_s
     outs = [""] * nnodes
 
     def drain(k: int) -> None:  # each node's pipe drained at once: none blocks on a full pipe
@@ -116,6 +150,14 @@ def launch_nodes(script: str, out_dir: str, *args, nnodes: int = 2, timeout_s: f
     threads = [threading.Thread(target=drain, args=(k,), daemon=True) for k in range(nnodes)]
     for t in threads:
         t.start()
+    while any(t.is_alive() for t in threads) and time.monotonic() < deadline:
+        threads[0].join(min(0.2, max(0.0, deadline - time.monotonic())))
+        if not threads[0].is_alive() and _PORT_TAKEN.search(outs[0]) and procs[0].returncode:
+            # node 0 could not host the store: the other nodes would wait for it (or join a
+            # stranger's store on that port) until the deadline
+            for proc in procs[1:]:
+                _kill_tree(proc)
+            break
     for t in threads:
         t.join(max(0.0, deadline - time.monotonic()))
     if any(t.is_alive() for t in threads):
@@ -123,11 +165,5 @@ def launch_nodes(script: str, out_dir: str, *args, nnodes: int = 2, timeout_s: f
             _kill_tree(proc)
         for t in threads:
             t.join(10)
-        text = "\n".join(f"--- node {k}:\n{o[-4000:]}" for k, o in enumerate(outs))
-        pytest.fail(f"{script} on {nnodes} nodes: no result within {timeout_s:.0f} s (every "
-                    f"launcher, rank and worker killed); each node's output:\n{text}")
-    text = "\n".join(f"--- node {k}:\n{o[-4000:]}" for k, o in enumerate(outs))
-    if any(proc.returncode != 0 for proc in procs):
-        pytest.fail(f"{script} on {nnodes} nodes failed (exits {[p.returncode for p in procs]}); "
-                    f"each node's output:\n{text}")
-    return _load_results(script, out_dir, range(nnodes), text)
+        return None, outs
+    return procs, outs
