@@ -205,10 +205,11 @@ def main() -> None:
         return rank_main(args)
     sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests"))
     import tempfile
-    from dist_launch import _kill_tree, free_port
+    from dist_launch import _kill_tree
     out = tempfile.mkdtemp(prefix="bench_dist-")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2",
-           "--master-addr=127.0.0.1", f"--master-port={free_port()}", os.path.abspath(__file__),
+    # --standalone: the store binds a free port itself (a port picked beforehand can be taken)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--standalone",
+           os.path.abspath(__file__),
            "--rank-main", f"--params={args.params}", f"--batch={args.batch}", f"--rounds={args.rounds}",
            f"--iters={args.iters}", f"--warmup={args.warmup}"]
     env = dict(os.environ, BENCH_OUT=out, OMP_NUM_THREADS="1",
