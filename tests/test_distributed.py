@@ -261,31 +261,6 @@ def test_launch_past_its_deadline_kills_ranks_and_workers(tmp_path):
         assert wait_gone(pid, 5), f"worker {pid} outlived the killed launch"
 
 
-def test_launches_survive_a_port_taken_before_torchrun_binds_it(tmp_path, monkeypatch):
-    """Concurrent launches (pytest-xdist, two CI jobs on one machine) must not collide on a port
-    picked in advance: free_port() here returns a port another process holds. A one-node launch
-    lets its store bind a port of its own; a several-node launch, which needs a shared port,
-    sees its store fail to bind and runs again on another port."""
-    import socket
-    import dist_launch
-    with socket.socket() as busy:
-        busy.bind(("127.0.0.1", 0))
-        busy.listen()
-        taken = busy.getsockname()[1]
-        real = dist_launch.free_port
-        handed = []
-
-        def taken_once():  # the taken port first each time a launch asks, then real ones
-            handed.append(taken if not handed or handed[-1] != taken else real())
-            return handed[-1]
-        monkeypatch.setattr(dist_launch, "free_port", taken_once)
-        ranks = launch("ping.py", str(tmp_path / "one"), timeout_s=60)
-        assert [r["total"] for r in ranks] == [3.0, 3.0]
-        handed.clear()
-        ranks = dist_launch.launch_nodes("ping.py", str(tmp_path / "two"), timeout_s=90)
-        assert [r["total"] for r in ranks] == [3.0, 3.0] and handed[0] == taken
-
-
 # ---------------------------------------------------------------- process_group (ZeRO-2 style)
 ZERO_TRAIN = {  # name: (optimizer, clip, steps skipped)
     "adamw_nvme": ("AdamW", 1.0, ()), "adam_host": ("Adam", 1.0, ()),
