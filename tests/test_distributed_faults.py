@@ -40,6 +40,9 @@ pytestmark = [
 
 SCENARIOS = ["plain", "kill_between", "kill_backward", "fail_speculation", "nvme_lost", "rank_gone"]
 PG_TIMEOUT_S = 20  # fsdp_faults.py's process group timeout
+# "no wait": well under the timeout a hang would reach, with room for a loaded 2-core CI machine
+# (4 processes there share 2 cores; the peer may be restarting its worker when it gets there)
+NO_HANG_S = PG_TIMEOUT_S / 2
 
 
 @pytest.fixture(scope="module")
@@ -83,7 +86,7 @@ def test_failure_before_the_decision_stops_every_rank_at_that_step(faults):
     assert e1["type"] == "RuntimeError" and "injected fault: the swap file could not be written" in e1["message"]
     assert "every rank of the group stops at this step" in e1["message"]
     assert e0["type"] == "PeerStepFailed" and e0["ranks"] == [1]
-    assert e0["message"].startswith("rank 1's step failed") and e0["seconds"] < 5
+    assert e0["message"].startswith("rank 1's step failed") and e0["seconds"] < NO_HANG_S
     ref_params, _ = C.reference("AdamW", max_grad_norm=1.0, skip={1})
     for rank, res in enumerate((r0, r1)):
         _assert_trajectory(res["params"], ref_params, f"fail_speculation rank {rank}")
@@ -107,7 +110,7 @@ def test_real_nvme_fault_on_one_rank_names_the_cause_and_stops_every_rank(faults
         assert "out of step" in r1["errors"][1]["message"]
     assert [e["step"] for e in r0["errors"]] == list(range(first0["step"], C.STEPS))
     assert [e["step"] for e in r1["errors"]] == list(range(1, C.STEPS))
-    assert max(e["seconds"] for e in r0["errors"] + r1["errors"]) < 5
+    assert max(e["seconds"] for e in r0["errors"] + r1["errors"]) < NO_HANG_S
 
 
 def test_rank_that_exits_leaves_the_other_a_failed_collective_not_a_hang(faults):
