@@ -43,7 +43,7 @@ CLIP = {"adamw_1d_nvme": 1.0, "adam_1d_host": 1.0, "adamw_hsdp_nvme": 0.5, "adam
 def trained(tmp_path_factory):
     out = tmp_path_factory.mktemp("fsdp_train")
     return launch("fsdp_train.py", str(out), *TRAIN, "adamw_overflow", "adamw_noclip",
-                  "plain_warn", timeout_s=150)
+                  "plain_warn", "adamw_mixed_precision", timeout_s=150)
 
 
 @pytest.fixture(scope="module")
@@ -73,6 +73,21 @@ def test_fsdp2_matches_single_process_torch(trained, name):
         for ours, ref in zip(res[name]["norms"], ref_norms):
             assert ours == pytest.approx(ref, rel=1e-5)
     assert trained[0][name]["norms"] == trained[1][name]["norms"]  # bitwise: one decision
+
+
+def test_fsdp2_mixed_precision_matches_torch_under_the_same_policy(trained):
+    """MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32): the sharded params stay fp32
+    (they are the masters: no separate master copy) and HybridAdamW follows torch.optim.AdamW
+    run over an identical FSDP2 model with the same policy and batches (clip_grad_norm_ on the
+    DTensor grads), within the distributed tolerance; the clipping norms agree."""
+    for rank, res in enumerate(trained):
+        r = res["adamw_mixed_precision"]
+        assert r["param_dtypes"] == ["torch.float32"] * len(r["param_dtypes"])
+        _assert_trajectory(r["params"], r["torch_params"], f"mixed precision rank {rank}")
+        for ours, ref in zip(r["norms"], r["torch_norms"]):
+            assert ours == pytest.approx(ref, rel=1e-5)
+        moved = [C.rel_err(a, b) for a, b in zip(r["params"][-1], r["params"][0])]
+        assert min(moved) > 0  # the trajectory is not flat: the comparison can tell
 
 
 def test_fsdp2_shards_are_uneven_and_hsdp_replicates(trained):

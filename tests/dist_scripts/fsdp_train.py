@@ -30,7 +30,31 @@ CONFIGS = {
     # the model loaded with assign=True under swap_tensors after the optimizer was built: the
     # shards get new memory, the optimizer re-points its subgroups (storage.py)
     "adamw_swap_load": ("AdamW", "1d", dict(offload_fraction=0.5), 1.0, None),
+    # MixedPrecisionPolicy(bf16 params, fp32 reduce): the fp32 shards are the masters; torch's
+    # AdamW runs over an identical FSDP2 model under the same policy in this script
+    "adamw_mixed_precision": ("AdamW", "1d", dict(offload_fraction=0.5), 1.0, None),
 }
+
+
+def mixed_precision():
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+    return dict(mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))
+
+
+def torch_under_fsdp2(mesh, rank: int, world: int, max_grad_norm, **policy) -> tuple:
+    """(full params after each step, grad norms) of torch.optim.AdamW(foreach=False) over the
+    same FSDP2 model, policy and local batches, clip_grad_norm_ over the DTensor grads."""
+    model = shard(C.build_model().to(DEVICE), mesh, **policy)
+    opt = torch.optim.AdamW(model.parameters(), lr=C.LR, weight_decay=0.01, foreach=False)
+    params, norms = [], []
+    for x in C.batches():
+        opt.zero_grad()
+        C.loss_fn(model, C.local_batch(x, rank, world).to(DEVICE)).backward()
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
+        norms.append(float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm))
+        opt.step()
+        params.append([p.full_tensor().detach().cpu().clone() for p in model.parameters()])
+    return params, norms
 
 
 class CountAllReduce:
@@ -78,6 +102,8 @@ def run(name: str, rank: int, world: int, tmp: str) -> dict:
     if name == "adamw_cpu_offload":
         from torch.distributed.fsdp import CPUOffloadPolicy
         policy = dict(offload_policy=CPUOffloadPolicy(pin_memory=DEVICE == "cuda"))
+    if name == "adamw_mixed_precision":
+        policy = mixed_precision()
     model = shard(C.build_model().to(DEVICE), mesh, **policy)
     cls = HybridAdamW if kind == "AdamW" else HybridAdam
     if hybrid.get("nvme_fraction"):
@@ -127,6 +153,9 @@ def run(name: str, rank: int, world: int, tmp: str) -> dict:
     out["worker_cpus"] = sorted(psutil.Process(opt.worker_pid).cpu_affinity())
     out["local_numels"] = [p.to_local().numel() for p in model.parameters()]
     out["plan"], out["opt_repr"] = repr(opt.plan), repr(opt)
+    out["param_dtypes"] = [str(p.dtype) for p in model.parameters()]
+    if name == "adamw_mixed_precision":
+        out["torch_params"], out["torch_norms"] = torch_under_fsdp2(mesh, rank, world, clip, **policy)
     opt.close()
     return out
 
