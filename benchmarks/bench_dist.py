@@ -68,7 +68,8 @@ def make(config: str, args, rank: int, world: int):
         return model, HybridAdamW(model.parameters(), **kw)
     if config == "process_group":
         try:
-            return model, HybridAdamW(model.parameters(), process_group=dist.group.WORLD, **kw)
+            return model, HybridAdamW(model.parameters(), process_group=dist.group.WORLD,
+                                      overlap_param_gather=args.overlap_param_gather, **kw)
         except NotImplementedError as e:
             return None, f"process_group not built: {e}"
         except Exception as e:  # a partial build: the row is skipped, the others still run
@@ -199,6 +200,8 @@ def main() -> None:
     ap.add_argument("--timeout", type=float, default=900, help="seconds before every rank is killed")
     ap.add_argument("--json", default="bench_dist.json")
     ap.add_argument("--md", default="bench_dist.md")
+    ap.add_argument("--overlap-param-gather", action="store_true",
+                    help="process_group row with overlap_param_gather=True (its all-gathers land in the next forward)")
     ap.add_argument("--rank-main", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.rank_main:
@@ -211,7 +214,8 @@ def main() -> None:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--standalone",
            os.path.abspath(__file__),
            "--rank-main", f"--params={args.params}", f"--batch={args.batch}", f"--rounds={args.rounds}",
-           f"--iters={args.iters}", f"--warmup={args.warmup}"]
+           f"--iters={args.iters}", f"--warmup={args.warmup}"] + (
+               ["--overlap-param-gather"] if args.overlap_param_gather else [])
     env = dict(os.environ, BENCH_OUT=out, OMP_NUM_THREADS="1",
                PYTHONPATH=os.pathsep.join([os.path.dirname(HERE), os.environ.get("PYTHONPATH", "")]))
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
@@ -232,6 +236,7 @@ def main() -> None:
     rows, notes = summarise(gathered)
     import torch
     meta = dict(world=2, backend="gloo", cores=cores, torch=torch.__version__, params=args.params,
+                overlap_param_gather=args.overlap_param_gather,
                 batch=args.batch, rounds=args.rounds, iters=args.iters, seconds=time.monotonic() - t0,
                 timestamp=time.strftime("%Y-%m-%dT%H:%M:%S"), notes=notes)
     from _common import markdown_table

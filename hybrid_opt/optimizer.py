@@ -64,7 +64,7 @@ class _HybridBase(ZeroParamsMixin, SpeculationMixin, PlacementMixin, CheckpointM
                  capturable, differentiable, fused, max_grad_norm, offload_fraction, nvme_fraction,
                  nvme_path, subgroup_numel, speculative, rollback, device_memory_budget,
                  host_memory_budget, process_group, worker_share=0.5, spare_banks=None,
-                 io_banks=4, refit_every=50, calibration=None):
+                 io_banks=4, refit_every=50, calibration=None, overlap_param_gather=False):
         betas = A.check_hyperparameters(lr, betas, eps, weight_decay, foreach=foreach,
                                          capturable=capturable)
         A.check_constructor(type(self).__name__, amsgrad=amsgrad, capturable=capturable,
@@ -102,6 +102,7 @@ class _HybridBase(ZeroParamsMixin, SpeculationMixin, PlacementMixin, CheckpointM
         self._steps_taken = 0
         self._amp_seen = False
         self._zero = None
+        self.overlap_param_gather = bool(overlap_param_gather)
         D.warn_replicated(self._all_params(), process_group)
         if process_group is not None:
             # registered before the layout: each param's flat buffer is then its dim-0 chunk
@@ -323,7 +324,12 @@ class _HybridBase(ZeroParamsMixin, SpeculationMixin, PlacementMixin, CheckpointM
         d1 = self._mark() if self._auto is not None else None
         t_end = time.perf_counter()
         if self._zero is not None:
-            self._zero.gather()  # launched, landing as params are next used (zero.py)
+            self._zero.gather()
+            if not self.overlap_param_gather:
+                # the params are current when step() returns (as DeepSpeed's ZeRO-2); the
+                # overlapped mode lands each bucket as its params are next used (zero.py), and
+                # a read outside a forward then needs wait_params() first: opt-in
+                self._zero.wait_gathered()
             t_end = time.perf_counter()
         self._record_stats(host_steps, device_work, t_device - t_host, t_end - t_device, norm, clip)
         if self._auto is not None:

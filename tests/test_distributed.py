@@ -317,14 +317,15 @@ def test_process_group_matches_single_process_torch(zero_trained, name):
 
 
 def test_process_group_forward_right_after_step_sees_updated_params(zero_trained):
-    """The params' all-gathers (4 buckets here) are launched at the end of step() and not
-    waited there; a forward right after step() lands each bucket in the forward pre-hook of the
-    module holding its params: its outputs and the params after it are bitwise those of the
-    same run that lands every gather right after step() (opt.wait_params())."""
+    """overlap_param_gather=True: the params' all-gathers (4 buckets here) are launched at the
+    end of step() and not waited there; a forward right after step() lands each bucket in the
+    forward pre-hook of the module holding its params: its outputs and the params after it are
+    bitwise those of the default run, whose step() lands every gather before it returns."""
     for rank, res in enumerate(zero_trained):
         over, sync = res["adamw_host_noclip"], res["adamw_sync"]
         assert over["buckets"] == sync["buckets"] == 4
-        assert over["pending_after_step"] == sync["pending_after_step"] == [4] * C.STEPS
+        assert over["pending_after_step"] == [4] * C.STEPS
+        assert sync["pending_after_step"] == [0] * C.STEPS  # the default: landed in step()
         assert over["zero"]["all_gathers_landed_in_forward"] == 4 * C.STEPS
         assert sync["zero"]["all_gathers_landed_in_forward"] == 0
         for step in range(C.STEPS):

@@ -20,16 +20,17 @@ CONFIGS = {
     # name: (optimizer, hybrid kwargs, clip, overflow step on rank 1, micro-batches per step)
     "adamw_nvme": ("AdamW", dict(offload_fraction=0.5, nvme_fraction=0.25), 1.0, None, 1),
     "adam_host": ("Adam", dict(offload_fraction=1.0), 1.0, None, 1),
-    "adamw_host_noclip": ("AdamW", dict(offload_fraction=1.0), None, None, 1),
+    "adamw_host_noclip": ("AdamW", dict(offload_fraction=1.0, overlap_param_gather=True), None, None, 1),
     "adamw_overflow": ("AdamW", dict(offload_fraction=0.5), 1.0, 1, 1),
     "adamw_accum": ("AdamW", dict(offload_fraction=0.5, nvme_fraction=0.25), 1.0, None, 2),
     "adamw_ddp": ("AdamW", dict(offload_fraction=0.5), None, None, 1),
-    # the overlapped all-gather: small buckets (4 of this model), the params then read after a
-    # forward (adamw_host_noclip), after wait_params() (adamw_sync), after state_dict() and,
+    # the overlapped all-gather (opt-in): small buckets (4 of this model), the params then read
+    # after a forward (adamw_host_noclip); the default, synchronous (adamw_sync, which also calls
+    # wait_params(), a no-op then); overlapped and read after state_dict() and,
     # at the last step, close() (adamw_sd_close); adamw_load: model.load_state_dict after step()
     "adamw_sync": ("AdamW", dict(offload_fraction=1.0), None, None, 1),
-    "adamw_sd_close": ("AdamW", dict(offload_fraction=1.0), None, None, 1),
-    "adamw_load": ("AdamW", dict(offload_fraction=1.0), None, None, 1),
+    "adamw_sd_close": ("AdamW", dict(offload_fraction=1.0, overlap_param_gather=True), None, None, 1),
+    "adamw_load": ("AdamW", dict(offload_fraction=1.0, overlap_param_gather=True), None, None, 1),
 }
 SMALL_BUCKETS = ("adamw_host_noclip", "adamw_sync", "adamw_sd_close", "adamw_load")
 
