@@ -62,3 +62,29 @@ def _gpu_time_limit(request):
         faulthandler.cancel_dump_traceback_later()
         signal.alarm(0)
         signal.signal(signal.SIGALRM, previous)
+
+
+@pytest.fixture(params=None)
+def simd(request):
+    """Runs the test at each SIMD level this CPU offers (cpu_kernels' dispatcher), restoring
+    the level in use afterwards."""
+    import cpu_kernels as ck
+    saved = ck.simd_level()
+    ck.set_simd_level(request.param)
+    yield request.param
+    ck.set_simd_level(saved)
+
+
+@pytest.fixture
+def restore_kernel_threads():
+    """cpu_kernels' thread count as it was before the test."""
+    import cpu_kernels as ck
+    saved = ck.get_num_threads()
+    yield
+    ck.set_num_threads(saved)
+
+
+def pytest_generate_tests(metafunc):
+    if "simd" in metafunc.fixturenames:
+        import cpu_kernels as ck
+        metafunc.parametrize("simd", ck.available_simd_levels(), indirect=True)

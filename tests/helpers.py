@@ -108,3 +108,22 @@ def assert_bitwise_equal(a, b, what):
         bad = (a.view(ints) != b.view(ints)).nonzero().flatten()
         raise AssertionError(f"{what}: {bad.numel()} of {a.numel()} elements differ, first at "
                              f"{bad[0].item()}: {a[bad[0]].item()!r} vs {b[bad[0]].item()!r}")
+
+
+def run_compile_check(script: str) -> None:
+    """Runs `script` (it compiles Triton kernels for sm_90, no GPU needed, and prints OK or
+    SKIP <why>) in a fresh interpreter without TRITON_INTERPRET: the interpreter patches
+    triton.language in this process."""
+    import subprocess
+    import sys
+
+    import pytest
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    out = subprocess.run([sys.executable, "-c", script], cwd=root, env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr
+    if out.stdout.startswith("SKIP"):
+        pytest.skip(out.stdout.strip())
+    assert "OK" in out.stdout

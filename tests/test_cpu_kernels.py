@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import cpu_kernels as ck
+from helpers import _id
 from cpu_kernels import adam_inverse_reference, adam_step_reference, grad_stats_reference
 from tolerances import RTOL, assert_close
 
@@ -26,24 +27,8 @@ HYPER = dict(step=7, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _id(v):
-    return str(v).replace("torch.", "") if isinstance(v, torch.dtype) else None
-
-
-@pytest.fixture(params=LEVELS)
-def simd(request):
-    """Runs the test at one SIMD level and restores the level that was in use."""
-    saved = ck.simd_level()
-    ck.set_simd_level(request.param)
-    yield request.param
-    ck.set_simd_level(saved)
-
-
-@pytest.fixture(autouse=True)
-def _restore_num_threads():
-    saved = ck.get_num_threads()
-    yield
-    ck.set_num_threads(saved)
+# the `simd` fixture (every SIMD level this CPU offers) is in conftest.py
+pytestmark = pytest.mark.usefixtures("restore_kernel_threads")
 
 
 # ----------------------------------------------------------------------------- helpers

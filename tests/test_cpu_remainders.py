@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import cpu_kernels as ck
+from helpers import _id
 from cpu_kernels.reference import (FUSED_MULTIPLY_ADD_LEVELS, adam_step_bitwise_reference,
                                    bf16_round_reference, decode_remainder_reference,
                                    encode_remainder_reference)
@@ -27,23 +28,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STATE_NAMES = ("param", "exp_avg", "exp_avg_sq", "max_exp_avg_sq", "remainder")
 
 
-def _id(v):
-    return str(v).replace("torch.", "") if isinstance(v, torch.dtype) else None
-
-
-@pytest.fixture(params=LEVELS)
-def simd(request):
-    saved = ck.simd_level()
-    ck.set_simd_level(request.param)
-    yield request.param
-    ck.set_simd_level(saved)
-
-
-@pytest.fixture(autouse=True)
-def _restore_num_threads():
-    saved = ck.get_num_threads()
-    yield
-    ck.set_num_threads(saved)
+# the `simd` fixture (every SIMD level this CPU offers) is in conftest.py
+pytestmark = pytest.mark.usefixtures("restore_kernel_threads")
 
 
 def bits(t):

@@ -17,6 +17,7 @@ import sys
 import pytest
 import torch
 
+from helpers import run_compile_check
 from tolerances import assert_close
 
 import gpu_kernels
@@ -639,15 +640,7 @@ def test_kernels_compile_for_sm90_with_vector_accesses():
     """The interpreter runs Python, not the compiler: compile the real kernels for sm_90 (no
     GPU needed) and check that the alignment hints give 16-byte vector loads and stores. In a
     subprocess: the interpreter patches triton.language in this one."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
-    out = subprocess.run([sys.executable, "-c", _COMPILE_CHECK], cwd=root, env=env, capture_output=True,
-                         text=True, timeout=300)
-    assert out.returncode == 0, out.stdout + out.stderr
-    if out.stdout.startswith("SKIP"):
-        pytest.skip(out.stdout.strip())
-    assert "OK" in out.stdout
+    run_compile_check(_COMPILE_CHECK)
 
 
 # --------------------------------------------------------------------------------------------

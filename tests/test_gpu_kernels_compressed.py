@@ -9,13 +9,11 @@ a bf16 result is within one bf16 ulp. The remainder path is checked to be the fp
 exactly: same arithmetic, only the storage differs.
 """
 import importlib
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
+from helpers import run_compile_check
 from tolerances import assert_bf16_within_ulps, assert_close
 
 import gpu_kernels
@@ -402,15 +400,7 @@ def test_compressed_kernels_compile_for_sm90_with_vector_accesses():
     """The interpreter does not run the compiler: compile the bf16-moment and remainder
     variants for sm_90 (bitcasts, uint16 pointers, shifts) and check they keep 16-byte vector
     accesses. In a subprocess: the interpreter patches triton.language in this one."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
-    out = subprocess.run([sys.executable, "-c", _COMPILE_CHECK], cwd=root, env=env, capture_output=True,
-                         text=True, timeout=300)
-    assert out.returncode == 0, out.stdout + out.stderr
-    if out.stdout.startswith("SKIP"):
-        pytest.skip(out.stdout.strip())
-    assert "OK" in out.stdout
+    run_compile_check(_COMPILE_CHECK)
 
 
 # --------------------------------------------------------------------------------------------
