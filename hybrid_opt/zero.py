@@ -12,7 +12,15 @@ local_of); the full param stays the model's own storage on every rank.
 Grads: params are cut into buckets (reverse param order: grads complete about last param
 first) of one dtype and about BUCKET_NUMEL elements. A post-accumulate-grad hook marks each
 param; a bucket whose params all have their grads is packed (each rank's chunks side by
-side, padded to the longest rank's) and reduce-scattered asynchronously; completed buckets
+side, padded to the longest rank's) and reduce-scattered asynchronously — strictly in bucket
+order: a bucket is issued only once every earlier bucket has been, and step() issues the ones
+that never fired (a param that got no grad on this rank), in order, so every rank issues the
+same collectives in the same order (gloo/NCCL pair them by order; a param unused on one rank
+only must not reorder them). A param without a grad on this rank counts as zeros in the sum
+and, when some rank had a grad for it, gets the averaged grad here too (a zero grad whose
+reduced chunk is the average: DDP's find_unused_parameters semantics, so every rank steps its
+chunk); one that no rank had a grad for keeps grad None everywhere (not stepped, as torch).
+Each rank's segment carries one has-grad count per param after its chunks; completed buckets
 are polled from the hooks, their sum divided by the world size into a buffer of their own,
 and the optimizer's speculation hook runs for their params — speculation starts from the
 reduced chunk. `p.grad` keeps this rank's local grad (never overwritten): accumulating
@@ -66,10 +74,15 @@ class _Bucket:
     params: list            # [(param, [(rank, start, numel) per rank chunk], offset per rank)]
     dtype: torch.dtype
     device: torch.device
-    width: int              # elements per rank in the packed buffers (longest rank's chunks)
+    width: int              # elements per rank of the chunks (longest rank's chunks)
     offsets: list           # offsets[k][r]: param k's chunk offset within rank r's segment
     numels: list            # numels[k][r]
     out: torch.Tensor = None  # this rank's averaged chunks (grad views point here)
+    index: int = 0          # its place in the issue order
+
+    @property
+    def seg(self) -> int:   # one rank's segment of a reduce-scatter: chunks, then has-grad counts
+        return self.width + len(self.params)
 
 
 def _chunk_numel(p: torch.Tensor, rank: int, world: int) -> int:
@@ -116,6 +129,8 @@ class ZeroSharding:
         self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
         self._arrived: dict = {}   # bucket id -> set of param ids whose grads arrived
         self._pending: list = []   # [(bucket, work, scratch, grads)] launched, not yet completed
+        self._fired: set = set()   # buckets whose grads all arrived, waiting for their turn
+        self._next = 0             # the next bucket to issue this step (buckets issue in order)
         self._reduced: dict = {}   # param id -> the grad tensor object its last reduction read
         self._handles: list = []
         self._on_reduced, self._is_boundary = None, lambda: True
@@ -141,6 +156,8 @@ class ZeroSharding:
                 close_run()
             run.append(p)
         close_run()
+        for i, b in enumerate(buckets):
+            b.index = i
         return buckets
 
     def _bucket(self, params: list) -> _Bucket:
@@ -178,21 +195,32 @@ class ZeroSharding:
         arrived.add(id(p))
         if len(arrived) == sum(1 for q in b.params if q.requires_grad):
             arrived.clear()
-            self._launch(b)
+            self._fired.add(b.index)
+            self._issue_in_order()
         self.poll()
 
+    def _issue_in_order(self, upto: int | None = None) -> None:
+        """Issues the fired buckets from the next one in order (every bucket before `upto`,
+        fired or not): every rank then issues the same reduce-scatters in the same order."""
+        while self._next < len(self.buckets) and (
+                self._next in self._fired or (upto is not None and self._next < upto)):
+            self._fired.discard(self._next)
+            self._next += 1
+            self._launch(self.buckets[self._next - 1])
+
     def _pack(self, b: _Bucket) -> torch.Tensor:
-        packed = torch.zeros(self.world * b.width, dtype=b.dtype, device=b.device)
+        packed = torch.zeros(self.world * b.seg, dtype=b.dtype, device=b.device)
         for k, p in enumerate(b.params):
             g = p.grad
             if g is None:
-                continue
+                continue  # zeros in the sum, and no count
             flat = g.detach().reshape(-1)
             start = 0
             for r in range(self.world):
+                packed[r * b.seg + b.width + k] = 1  # has-grad count, in every rank's segment
                 n = b.numels[k][r]
                 if n:
-                    base = r * b.width + b.offsets[k][r]
+                    base = r * b.seg + b.offsets[k][r]
                     packed[base:base + n].copy_(flat[start:start + n])
                 start += n
         return packed
@@ -200,7 +228,7 @@ class ZeroSharding:
     def _launch(self, b: _Bucket) -> None:
         packed = self._pack(b)
         grads = [p.grad for p in b.params]
-        scratch = torch.empty(b.width, dtype=b.dtype, device=b.device)
+        scratch = torch.empty(b.seg, dtype=b.dtype, device=b.device)
         if not self._fallback:
             try:
                 # reduce_scatter_single is the newer name (torch 2.13 deprecates _tensor)
@@ -213,7 +241,7 @@ class ZeroSharding:
                               f"(every rank keeps its chunk: twice the traffic)", stacklevel=3)
         if self._fallback:
             work = self.dist.all_reduce(packed, group=self.group, async_op=True)
-            scratch = packed[self.rank * b.width:(self.rank + 1) * b.width]
+            scratch = packed[self.rank * b.seg:(self.rank + 1) * b.seg]
         for p in b.params:
             self._reduced[id(p)] = p.grad
         self.stats["reduce_scatters"] += 1
@@ -229,10 +257,16 @@ class ZeroSharding:
             self._pending.pop(0)
             # a buffer of the bucket's own, written in place: its version moves, so a speculation
             # that read the previous reduction (accumulation without the flag) is redone
-            b.out.copy_(scratch)
+            b.out.copy_(scratch[:b.width])
             b.out.div_(self.world)
             self._check_ddp(b)
             _, grad_map = D._zero_maps()
+            counts = scratch[b.width:].tolist()
+            for k, p in enumerate(b.params):
+                if grads[k] is None and p.grad is None and p.requires_grad and counts[k] > 0:
+                    # unused here, used on another rank: the averaged grad is this rank's too
+                    p.grad = torch.zeros_like(p)
+                    grads[k] = self._reduced[id(p)] = p.grad
             for k, (p, g) in enumerate(zip(b.params, grads)):
                 if g is None or p.grad is not g:
                     continue
@@ -277,9 +311,13 @@ class ZeroSharding:
                           "averages them itself: drop the DDP wrapper", stacklevel=4)
 
     def finish(self) -> None:
-        """Before step(): a bucket holding a grad its hooks never reduced (set by hand, hooks
-        removed, or replaced since) is reduced now, then every pending reduction is waited for.
-        The decision depends on each rank's own grads: ranks run the same program."""
+        """Before step(): the buckets not issued yet are issued, in order (fired or not: a
+        param without a grad here may have one on another rank); then a bucket holding a grad
+        its hooks never reduced (set by hand, hooks removed, or replaced since) is reduced
+        again, and every pending reduction is waited for. The re-reductions depend on each
+        rank's own grads: ranks run the same program."""
+        if any(p.requires_grad for p in self.params):
+            self._issue_in_order(upto=len(self.buckets))
         for b in self.buckets:
             if any(p.grad is not None and self._reduced.get(id(p)) is not p.grad for p in b.params):
                 self.stats["rereduced"] += 1
@@ -290,6 +328,8 @@ class ZeroSharding:
         """After step() (taken, skipped or failed): the next backward starts a new reduction."""
         self._arrived.clear()
         self._reduced.clear()
+        self._fired.clear()
+        self._next = 0
 
     # ------------------------------------------------------------------ params
     def gather(self) -> None:

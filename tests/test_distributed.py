@@ -287,7 +287,7 @@ ZERO_TRAIN = {  # name: (optimizer, clip, steps skipped)
 @pytest.fixture(scope="module")
 def zero_trained(tmp_path_factory):
     out = tmp_path_factory.mktemp("zero_train")
-    return launch("zero_train.py", str(out), *ZERO_TRAIN, "adamw_load", timeout_s=150)
+    return launch("zero_train.py", str(out), *ZERO_TRAIN, "adamw_load", "adamw_unused", timeout_s=150)
 
 
 @pytest.fixture(scope="module")
@@ -314,6 +314,22 @@ def test_process_group_matches_single_process_torch(zero_trained, name):
                 if step not in skip:
                     assert ours == pytest.approx(ref, rel=1e-5)
     assert zero_trained[0][name]["norms"] == zero_trained[1][name]["norms"]
+
+
+def test_process_group_param_unused_on_one_rank_keeps_the_collectives_in_order(zero_trained):
+    """The last layer's bias is unused on rank 1 (4 buckets; its bucket is the first in issue
+    order): rank 1 issues that bucket in step(), and its other buckets only after it, so both
+    ranks' reduce-scatters pair in order; the bias's grad is rank 0's halved on both ranks
+    (DDP's find_unused_parameters), and at the last step, unused on both, it keeps grad None
+    and is not stepped — torch.optim.AdamW on the mean of the ranks' losses."""
+    ref_params, ref_norms = C.reference_bias_unused("AdamW", max_grad_norm=1.0)
+    for rank, res in enumerate(zero_trained):
+        assert res["adamw_unused"]["buckets"] == 4
+        _assert_trajectory(res["adamw_unused"]["params"], ref_params, f"adamw_unused rank {rank}")
+        assert res["adamw_unused"]["norms"] == pytest.approx(ref_norms, rel=1e-5)
+    assert torch.equal(ref_params[-1][-1], ref_params[-2][-1])  # the bias not stepped at the last
+    for a, b in zip(zero_trained[0]["adamw_unused"]["params"][-1], zero_trained[1]["adamw_unused"]["params"][-1]):
+        assert torch.equal(a, b)
 
 
 def test_process_group_forward_right_after_step_sees_updated_params(zero_trained):

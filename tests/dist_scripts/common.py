@@ -27,13 +27,30 @@ def loss_fn(model, x):
     return model(x).square().mean()
 
 
+def loss_bias_unused(model, x, rank: int, world: int, step: int):
+    """A loss where the last layer's bias is an unused branch on rank 1 (every step) and on
+    every rank at the last step: for process_group's buckets when a param has no grad on one
+    rank only, or on none. `x` is this rank's batch."""
+    if rank == 0 and step != STEPS - 1:
+        return loss_fn(model, x)
+    return torch.nn.functional.linear(model[:4](x), model[4].weight).square().mean()
+
+
+def reference_bias_unused(kind: str, world: int = 2, **kw) -> tuple:
+    """reference() with loss_bias_unused: the mean over the ranks of their losses."""
+    def loss(model, x, step):
+        return sum(loss_bias_unused(model, local_batch(x, r, world), r, world, step)
+                   for r in range(world)) / world
+    return reference(kind, loss=loss, **kw)
+
+
 def local_batch(x, rank: int, world: int):
     n = x.shape[0] // world
     return x[rank * n:(rank + 1) * n]
 
 
 def reference(kind: str, n: int = STEPS, *, max_grad_norm=None, weight_decay=0.01, skip=(),
-              seed: int = 1) -> tuple:
+              seed: int = 1, loss=None) -> tuple:
     """(params after each step, grad norms) of torch.optim.AdamW / Adam (foreach=False) on the
     global batch, clip_grad_norm_ when asked, the steps in `skip` not taken (an overflow)."""
     model = build_model()
@@ -42,7 +59,7 @@ def reference(kind: str, n: int = STEPS, *, max_grad_norm=None, weight_decay=0.0
     params, norms = [], []
     for i, x in enumerate(batches(n, seed)):
         opt.zero_grad()
-        loss_fn(model, x).backward()
+        (loss_fn(model, x) if loss is None else loss(model, x, i)).backward()
         norm = None
         if max_grad_norm is not None:
             norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm))
