@@ -313,9 +313,15 @@ class _HybridBase(ZeroParamsMixin, SpeculationMixin, PlacementMixin, CheckpointM
                         f"previous step's). Reload a checkpoint: stepping again would step "
                         f"subgroups {done} twice.")
                 err = RuntimeError(f"{type(self).__name__}.step() failed in the host/nvme tier: "
-                                   f"{e}\n{what}" + RF.OUT_OF_STEP_NOTE * (D.world_size() > 1))
+                                   f"{e}\n{what}" + RF.OUT_OF_STEP_NOTE * (D.world_size() > 1)
+                                   + RF.ZERO_PARAMS_NOTE * (self._zero is not None))
                 if D.world_size() > 1:  # the others stepped: our next step() stops them all
                     self._rank_failure = RF.out_of_step(err)
+                if self._zero is not None:
+                    # the others all-gather their stepped chunks now: this rank joins (its params
+                    # then hold their new chunks and its own chunk as its tiers left it), so the
+                    # next collectives still pair in order and its next step() stops every rank
+                    RF.quietly(self._gather_params, err)
                 raise err from e
         t_device = time.perf_counter()
         # "auto" times the device step on the device's clock (GPU time on CUDA: clocks.py)
@@ -324,17 +330,20 @@ class _HybridBase(ZeroParamsMixin, SpeculationMixin, PlacementMixin, CheckpointM
         d1 = self._mark() if self._auto is not None else None
         t_end = time.perf_counter()
         if self._zero is not None:
-            self._zero.gather()
-            if not self.overlap_param_gather:
-                # the params are current when step() returns (as DeepSpeed's ZeRO-2); the
-                # overlapped mode lands each bucket as its params are next used (zero.py), and
-                # a read outside a forward then needs wait_params() first: opt-in
-                self._zero.wait_gathered()
+            self._gather_params()
             t_end = time.perf_counter()
         self._record_stats(host_steps, device_work, t_device - t_host, t_end - t_device, norm, clip)
         if self._auto is not None:
             self._schedule(device_work, t_end - t_step, (d0, d1))
         return loss
+
+    def _gather_params(self) -> None:
+        self._zero.gather()
+        if not self.overlap_param_gather:
+            # the params are current when step() returns (as DeepSpeed's ZeRO-2); the
+            # overlapped mode lands each bucket as its params are next used (zero.py), and
+            # a read outside a forward then needs wait_params() first: opt-in
+            self._zero.wait_gathered()
 
     def _step_host(self, host_steps: dict, scale: float, committed: set) -> None:
         work = {}

@@ -10,7 +10,10 @@ Where a rank's host tier can fail, and what every rank sees:
   at the same step — the failing rank its own cause, the others `PeerStepFailed` naming the
   rank(s) — and no rank has stepped anything (speculated banks dropped, step counts kept).
 - *after the decision* (the host/nvme step in step() itself failed): the other ranks have
-  already stepped. The failing rank raises its cause at once and keeps the failure: if it
+  already stepped. The failing rank raises its cause at once (in process_group mode after
+  joining the params' all-gathers, which the others run now, so the ranks' collectives stay
+  paired; its params then hold the others' new chunks and its own chunk as its tiers left it)
+  and keeps the failure: if it
   goes on (the user caught the error), its next step() joins the decision all_reduce with the
   flag set and every rank raises there. If it exits instead, the others' next collective
   (FSDP2's own all-gather, or ours) fails: gloo reports the closed connection at once, torchrun
@@ -105,6 +108,11 @@ def decision_runs(max_grad_norm, found_t) -> bool:
 OUT_OF_STEP_NOTE = ("\nUnder torch.distributed the other ranks have taken this step: the ranks "
                     "are out of step. This rank's next step() makes every rank raise; reload a "
                     "checkpoint on every rank.")
+
+
+ZERO_PARAMS_NOTE = (" process_group mode: this rank still joined the params' all-gathers, so its "
+                    "params hold the other ranks' updated chunks and its own chunk as its tiers "
+                    "left it (the previous step's, or this one's for the subgroups that committed).")
 
 
 def with_cause(message: str, cause: BaseException) -> RuntimeError:

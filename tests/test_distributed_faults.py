@@ -38,7 +38,8 @@ pytestmark = [
     pytest.mark.skipif(not _gloo(), reason="torch.distributed with the gloo backend is not available"),
 ]
 
-SCENARIOS = ["plain", "kill_between", "kill_backward", "fail_speculation", "nvme_lost", "rank_gone"]
+SCENARIOS = ["plain", "kill_between", "kill_backward", "fail_speculation", "nvme_lost",
+             "zero_host_fails", "rank_gone"]
 PG_TIMEOUT_S = 20  # fsdp_faults.py's process group timeout
 # "no wait": well under the timeout a hang would reach, with room for a loaded 2-core CI machine
 # (4 processes there share 2 cores; the peer may be restarting its worker when it gets there)
@@ -121,6 +122,28 @@ def test_rank_that_exits_leaves_the_other_a_failed_collective_not_a_hang(faults)
     assert err["step"] == 1 and err["seconds"] < PG_TIMEOUT_S + 5
     assert "decision all_reduce failed: another rank exited" in err["message"]
     assert not faults[1]["rank_gone"]["errors"]
+
+
+def test_process_group_host_failure_after_the_decision_keeps_the_collectives_aligned(faults):
+    """process_group mode: rank 1's host step fails at step 2, after the decision (rank 0 has
+    stepped). Rank 1 still joins the params' all-gathers before raising, so the ranks'
+    collectives stay paired: rank 0's step 2 completes, both ranks' params then hold rank 0's
+    updated chunk (torch's step 2 there) and rank 1's chunk of step 1, and at every later step
+    both raise at once (rank 1 that it is out of step, rank 0 PeerStepFailed naming it) — no
+    abort, no wait."""
+    r0, r1 = faults[0]["zero_host_fails"], faults[1]["zero_host_fails"]
+    assert [e["step"] for e in r1["errors"]] == [1, 2, 3]
+    assert "injected fault: the host step failed" in r1["errors"][0]["message"]
+    assert "out of step" in r1["errors"][1]["message"]
+    assert [(e["step"], e["type"], e["ranks"]) for e in r0["errors"]] == [(2, "PeerStepFailed", [1]),
+                                                                         (3, "PeerStepFailed", [1])]
+    assert max(e["seconds"] for e in r0["errors"] + r1["errors"]) < NO_HANG_S
+    ref_params, _ = C.reference("AdamW", max_grad_norm=1.0, n=2)
+    _assert_trajectory(r0["params"][:1], ref_params, "zero_host_fails rank 0")
+    for p1, p0, old, ref in zip(r1["params"][1], r0["params"][1], r0["params"][0], ref_params[1]):
+        rows = -(-p0.shape[0] // 2)  # rank 0's chunk: rows [0, ceil(rows / 2))
+        assert torch.equal(p1, p0) and torch.equal(p1[rows:], old[rows:])
+        assert C.rel_err(p0[:rows], ref[:rows]) <= DIST_RTOL
 
 
 def test_torchrun_two_nodes_on_localhost_matches_single_process(tmp_path):

@@ -10,6 +10,13 @@
 - "nvme_lost": after step 1, rank 1's swap files are truncated (a real fault: the state on
   disk is gone). Every rank goes on calling step() after an error (a rank that catches and
   continues); what each raised, and when, is saved.
+- process_group mode (plain params, ZeRO-2), each a test-only or real fault on rank 1:
+  "zero_host_fails": rank 1's host step in step() fails at step 2 (after the decision: its
+  host tier's finish() patched to raise); both ranks go on calling step().
+  "zero_check_fails": rank 1 casts a param's memory after step 2's backward, so its
+  _check_storage() refuses it before the decision; both ranks stop the scenario there.
+  "zero_init": lr-0 first steps (torch.distributed.checkpoint's state-init step): A, rank 1
+  carries a kept failure while every grad is zero; B, rank 0's grads are zero, rank 1's not.
 - "rank_gone": at step 2, rank 1 runs backward and then exits without calling step(); rank 0
   waits in the decision all_reduce. Must be last (rank 1 exits there).
 The process group's timeout is 20 s, so nothing here can wait longer than that.
@@ -111,13 +118,72 @@ def run(name: str, rank: int, world: int, tmp: str) -> dict:
     return out
 
 
+def record(out, i, e, t0, rank):
+    out["errors"].append(dict(step=i, type=type(e).__name__, message=str(e),
+                              ranks=getattr(e, "ranks", None), seconds=time.monotonic() - t0))
+    print(f"rank {rank} step {i}: {type(e).__name__}: {str(e)[:300]}", flush=True)
+
+
+def run_zero(name: str, rank: int, world: int) -> dict:
+    out = dict(params=[], errors=[], steps=[])
+    if name == "zero_init":
+        for phase in ("A", "B"):
+            model = C.build_model()
+            opt = HybridAdamW(model.parameters(), lr=0.0, weight_decay=0.01, max_grad_norm=1.0,
+                              subgroup_numel=32, worker_share=0.5, offload_fraction=0.5,
+                              process_group=dist.group.WORLD)
+            if phase == "A" and rank == 1:
+                opt._rank_failure = RuntimeError("injected: a failure kept from an earlier step")
+            zero_grads = phase == "A" or rank == 0
+            loss = C.loss_fn(model, C.local_batch(C.batches()[0], rank, world))
+            (loss * 0.0 if zero_grads else loss).backward()
+            t0 = time.monotonic()
+            try:
+                opt.step()
+            except Exception as e:
+                record(out, phase, e, t0, rank)
+            out["steps"].append(list(opt._steps))
+            out["params"].append([p.detach().clone() for p in model.parameters()])
+            opt.close()
+        return out
+    model = C.build_model()
+    opt = HybridAdamW(model.parameters(), lr=C.LR, weight_decay=0.01, max_grad_norm=1.0,
+                      subgroup_numel=32, worker_share=0.5, offload_fraction=1.0,
+                      process_group=dist.group.WORLD)
+    if name == "zero_host_fails" and rank == 1:
+        real = opt._host.finish
+
+        def failing(*args, **kwargs):
+            if opt._steps_taken == 2:  # step 2's host step, after the decision
+                raise OSError(5, "injected fault: the host step failed")
+            return real(*args, **kwargs)
+        opt._host.finish = failing
+    for i, x in enumerate(C.batches()):
+        opt.zero_grad()
+        C.loss_fn(model, C.local_batch(x, rank, world)).backward()
+        if name == "zero_check_fails" and i == 1 and rank == 1:
+            with torch.no_grad():
+                model[0].weight.data = model[0].weight.data.double()  # refused: cast
+        t0 = time.monotonic()
+        try:
+            opt.step()
+        except Exception as e:
+            record(out, i, e, t0, rank)
+            if name == "zero_check_fails":
+                break
+        out["params"].append([p.detach().clone() for p in model.parameters()])
+    opt.close()
+    return out
+
+
 def main():
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=PG_TIMEOUT_S))
     rank, world = dist.get_rank(), dist.get_world_size()
     results = RESULTS
     with tempfile.TemporaryDirectory() as tmp:
         for name in sys.argv[1:]:
-            results[name] = run(name, rank, world, tmp)
+            results[name] = (run_zero(name, rank, world) if name.startswith("zero_")
+                             else run(name, rank, world, tmp))
             C.save_result(results)
     if "rank_gone" in results:
         sys.stdout.flush()
