@@ -201,9 +201,19 @@ class _HybridBase(ZeroParamsMixin, SpeculationMixin, PlacementMixin, CheckpointM
             err, self._speculation_error = self._speculation_error, None
             failure = failure or RF.with_cause(f"a speculative host step during backward failed: {err}", err)
             RF.quietly(self._drop_speculation, failure)  # still joins the others' collective
-        if failure is not None and not RF.decision_runs(self.max_grad_norm, getattr(self, "found_inf", None)):
+        decides = RF.decision_runs(self.max_grad_norm, getattr(self, "found_inf", None))
+        if failure is not None and not decides:
             raise failure
-        self._check_storage()  # a param whose memory was replaced is re-adopted (storage.py)
+        try:
+            self._check_storage()  # a param whose memory was replaced is re-adopted (storage.py)
+            for p in self._all_params():
+                if p.grad is not None and p.grad.is_sparse:
+                    raise RuntimeError(f"{type(self).__name__} does not support sparse gradients")
+        except Exception as e:
+            if not decides:  # no collective of ours this step: raised here, as in one process
+                raise
+            # the step's collectives still run on this rank, the error in the decision's flag
+            failure = failure or e
         if self._zero is not None:
             try:  # the last step's params landed, every grad's averaged chunk in place (zero.py)
                 self._zero.wait_gathered()
@@ -214,9 +224,6 @@ class _HybridBase(ZeroParamsMixin, SpeculationMixin, PlacementMixin, CheckpointM
         return self._step_taken(loss, t_step, failure)
 
     def _step_taken(self, loss, t_step, failure):
-        for p in self._all_params():
-            if p.grad is not None and p.grad.is_sparse:
-                raise RuntimeError(f"{type(self).__name__} does not support sparse gradients")
         if self._is_state_init_step():  # torch.distributed.checkpoint's lr-0 step on a fresh optimizer
             return loss
         scale_t = getattr(self, "grad_scale", None)
@@ -225,7 +232,8 @@ class _HybridBase(ZeroParamsMixin, SpeculationMixin, PlacementMixin, CheckpointM
         # on a GPU, clipping's norm² is queued first so that it, found_inf and the loss scale
         # reach the host in one small copy: at most one sync per step (README: host syncs)
         norm_sq = None
-        if self.max_grad_norm is not None and self._subgroups and self._subgroups[0].flat.is_cuda:
+        if (self.max_grad_norm is not None and failure is None and self._subgroups
+                and self._subgroups[0].flat.is_cuda):
             norm_sq = self._grad_norm_sq()
         found, scale_v, norm_sq = read_scalars((found_t, scale_t, norm_sq))
         if (found is not None or self.max_grad_norm is not None) and D.world_size() > 1:

@@ -20,6 +20,9 @@ Where a rank's host tier can fail, and what every rank sees:
   stops the other ranks of a failed group, and a rank that is alive but never calls step()
   again is bounded by the process group's timeout (`init_process_group(timeout=...)`).
 
+An error step() itself finds before the decision (a param whose memory was moved or cast, a
+sparse grad) rides the flag too, as a failure before the decision.
+
 The flag needs the decision collective, which runs only where the semantics need it
 (clipping or a GradScaler, world > 1): without either there is no collective of ours per
 step, and the others learn of the failure from their next collective as above.

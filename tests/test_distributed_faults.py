@@ -39,7 +39,7 @@ pytestmark = [
 ]
 
 SCENARIOS = ["plain", "kill_between", "kill_backward", "fail_speculation", "nvme_lost",
-             "zero_host_fails", "rank_gone"]
+             "zero_host_fails", "zero_check_fails", "rank_gone"]
 PG_TIMEOUT_S = 20  # fsdp_faults.py's process group timeout
 # "no wait": well under the timeout a hang would reach, with room for a loaded 2-core CI machine
 # (4 processes there share 2 cores; the peer may be restarting its worker when it gets there)
@@ -144,6 +144,17 @@ def test_process_group_host_failure_after_the_decision_keeps_the_collectives_ali
         rows = -(-p0.shape[0] // 2)  # rank 0's chunk: rows [0, ceil(rows / 2))
         assert torch.equal(p1, p0) and torch.equal(p1[rows:], old[rows:])
         assert C.rel_err(p0[:rows], ref[:rows]) <= DIST_RTOL
+
+
+def test_process_group_error_before_the_decision_rides_the_failure_flag(faults):
+    """process_group mode: rank 1's step() refuses a param whose memory was cast (its
+    _check_storage fails, before the decision): it still runs the step's collectives with its
+    failure flag set, so rank 1 raises its cause and rank 0 PeerStepFailed at that step, at once."""
+    r0, r1 = faults[0]["zero_check_fails"], faults[1]["zero_check_fails"]
+    (e1,), (e0,) = r1["errors"], r0["errors"]
+    assert e1["step"] == e0["step"] == 1 and "every rank of the group stops at this step" in e1["message"]
+    assert e0["type"] == "PeerStepFailed" and e0["ranks"] == [1]
+    assert max(e0["seconds"], e1["seconds"]) < NO_HANG_S
 
 
 def test_torchrun_two_nodes_on_localhost_matches_single_process(tmp_path):
