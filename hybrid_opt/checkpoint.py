@@ -207,13 +207,15 @@ class CheckpointMixin:
             else:
                 self.state.pop(p, None)
 
-    def _is_state_init_step(self) -> bool:
+    def _looks_like_state_init_step(self) -> bool:
         """torch.distributed.checkpoint's `_init_optim_state`: on an optimizer whose `state` is
         empty it sets every grad to zeros and steps once with lr 0. On a fresh optimizer that
         step leaves what torch.optim.AdamW's leaves — step 1, zero moments, params unchanged —
-        so it is taken here without any host work: the step counts advance, the tiers (all
-        zeros, masters equal to the params) stay as they are. True when it was taken. Adam's
-        L2 decay would put weight_decay * param into the moments: that case takes a real step."""
+        so it is taken without any host work (_take_state_init_step). This rank's verdict, from
+        its own grads (a shard's, a chunk's): under torch.distributed step() makes it one
+        decision (every rank's vote rides the decision all_reduce; a real lr-0 step where they
+        differ leaves the same params). Adam's L2 decay would put weight_decay * param into the
+        moments: that case takes a real step."""
         if any(self._steps):
             return False
         for g in self.param_groups:
@@ -225,8 +227,11 @@ class CheckpointMixin:
         grads = [local_of(p.grad) for p in self._all_params() if p.grad is not None]
         if not grads or any(g.is_sparse for g in grads):
             return False
-        if bool(torch.stack([g.any() for g in grads]).any()):  # one host sync on a GPU
-            return False
+        return not bool(torch.stack([g.any() for g in grads]).any())  # one host sync on a GPU
+
+    def _take_state_init_step(self) -> None:
+        """The state-init step (above): the step counts advance, the tiers (all zeros, masters
+        equal to the params) stay as they are."""
         self._drop_speculation()
         for ready in self._ready.values():
             ready.clear()
@@ -237,4 +242,3 @@ class CheckpointMixin:
         # not counted as a training step (_steps_taken: speculation's warm-up, refits): nothing ran
         self.step_was_skipped = False
         self.last_grad_norm = 0.0 if self.max_grad_norm is not None else None
-        return True

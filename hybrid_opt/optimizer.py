@@ -224,10 +224,16 @@ class _HybridBase(ZeroParamsMixin, SpeculationMixin, PlacementMixin, CheckpointM
         return self._step_taken(loss, t_step, failure)
 
     def _step_taken(self, loss, t_step, failure):
-        if self._is_state_init_step():  # torch.distributed.checkpoint's lr-0 step on a fresh optimizer
-            return loss
         scale_t = getattr(self, "grad_scale", None)
         found_t = getattr(self, "found_inf", None)
+        # torch.distributed.checkpoint's lr-0 step on a fresh optimizer: decided here from this
+        # rank's grads when no decision all_reduce runs (no collective either way); else every
+        # rank's vote rides it, so no rank skips the collective that another enters
+        init = failure is None and self._looks_like_state_init_step()
+        decides = RF.decision_runs(self.max_grad_norm, found_t)
+        if init and not decides:
+            self._take_state_init_step()
+            return loss
         self._amp_seen = self._amp_seen or found_t is not None  # GradScaler.step sets found_inf
         # on a GPU, clipping's norm² is queued first so that it, found_inf and the loss scale
         # reach the host in one small copy: at most one sync per step (README: host syncs)
@@ -236,17 +242,20 @@ class _HybridBase(ZeroParamsMixin, SpeculationMixin, PlacementMixin, CheckpointM
                 and self._subgroups[0].flat.is_cuda):
             norm_sq = self._grad_norm_sq()
         found, scale_v, norm_sq = read_scalars((found_t, scale_t, norm_sq))
-        if (found is not None or self.max_grad_norm is not None) and D.world_size() > 1:
+        if decides:
             # one decision for all ranks: norm² and found_inf summed in one all_reduce
             if self.max_grad_norm is not None and norm_sq is None:
                 norm_sq = self._grad_norm_sq() if failure is None else 0.0
             try:
-                norm_sq, found = RF.agree(norm_sq, found, failure)
+                norm_sq, found, all_init = RF.agree(norm_sq, found, failure, init_vote=init)
             except Exception as e:  # a rank failed (or the collective did): nothing is stepped
                 RF.quietly(self._drop_speculation, e)
                 for ready in self._ready.values():
                     ready.clear()
                 raise
+            if all_init:
+                self._take_state_init_step()
+                return loss
             if found is not None:
                 D.globalize_scaler_found_inf(self._grad_scaler, self, found)
         if found is not None and found != 0.0:

@@ -53,21 +53,24 @@ def _device(dist):
     return torch.device("cpu")
 
 
-def agree(norm_sq, found, failure: BaseException | None):
+def agree(norm_sq, found, failure: BaseException | None, init_vote: bool | None = None):
     """The decision all_reduce (distributed.reduce_decision's norm² and found_inf) with each
     rank's failure flag beside them: returns (global norm², global found_inf) when no rank
     failed; otherwise raises on every rank — `failure` itself on a failing rank, PeerStepFailed
-    on the others. norm_sq / found may be None (not needed this step)."""
+    on the others. norm_sq / found may be None (not needed this step). With `init_vote` (this
+    rank's local verdict that the step is torch.distributed.checkpoint's state-init step) a
+    third value is returned: whether every rank voted so — one answer for all ranks."""
     dist = _dist()
     if dist is None or dist.get_world_size() == 1:
         if failure is not None:
             raise failure
-        return norm_sq, found
+        return (norm_sq, found) if init_vote is None else (norm_sq, found, bool(init_vote))
     rank, world = dist.get_rank(), dist.get_world_size()
     failed = failure is not None
     buf = torch.tensor([0.0 if norm_sq is None else float(norm_sq),
                         0.0 if found is None else float(found),
-                        1.0 if failed else 0.0, float(rank) if failed else 0.0],
+                        1.0 if failed else 0.0, float(rank) if failed else 0.0,
+                        0.0 if init_vote else 1.0],
                        dtype=torch.float64, device=_device(dist))
     try:
         dist.all_reduce(buf, op=dist.ReduceOp.SUM)
@@ -76,9 +79,10 @@ def agree(norm_sq, found, failure: BaseException | None):
                            f"exited (its process died or its script ended) or stopped calling "
                            f"step() past the process group's timeout; check the other ranks' "
                            f"output for the cause. {type(e).__name__}: {e}") from failure or e
-    total_sq, total_found, n_failed, rank_sum = buf.tolist()
+    total_sq, total_found, n_failed, rank_sum, not_init = buf.tolist()
     if n_failed == 0:
-        return (None if norm_sq is None else total_sq), (None if found is None else total_found)
+        out = (None if norm_sq is None else total_sq), (None if found is None else total_found)
+        return out if init_vote is None else out + (not_init == 0.0,)
     n_failed = int(round(n_failed))
     if n_failed == 1:
         ranks = [int(round(rank_sum))]

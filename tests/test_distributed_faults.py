@@ -39,7 +39,7 @@ pytestmark = [
 ]
 
 SCENARIOS = ["plain", "kill_between", "kill_backward", "fail_speculation", "nvme_lost",
-             "zero_host_fails", "zero_check_fails", "rank_gone"]
+             "zero_host_fails", "zero_check_fails", "zero_init", "rank_gone"]
 PG_TIMEOUT_S = 20  # fsdp_faults.py's process group timeout
 # "no wait": well under the timeout a hang would reach, with room for a loaded 2-core CI machine
 # (4 processes there share 2 cores; the peer may be restarting its worker when it gets there)
@@ -155,6 +155,22 @@ def test_process_group_error_before_the_decision_rides_the_failure_flag(faults):
     assert e1["step"] == e0["step"] == 1 and "every rank of the group stops at this step" in e1["message"]
     assert e0["type"] == "PeerStepFailed" and e0["ranks"] == [1]
     assert max(e0["seconds"], e1["seconds"]) < NO_HANG_S
+
+
+def test_state_init_step_is_one_decision_across_ranks(faults):
+    """lr-0 first steps on fresh process_group optimizers (DCP's state-init step): A, rank 1's
+    kept failure is raised (not swallowed by the init step) and rank 0 raises PeerStepFailed;
+    B, the averaged grads are zero in rank 0's chunks only — its local check says "init step",
+    rank 1's does not: both vote in the decision all_reduce and both take the real (lr-0) step,
+    the same step counts, params unchanged, no wait."""
+    r0, r1 = faults[0]["zero_init"], faults[1]["zero_init"]
+    assert [(e["step"], e["type"]) for e in r0["errors"]] == [("A", "PeerStepFailed")]
+    assert [e["step"] for e in r1["errors"]] == ["A"] and "injected: a failure kept" in r1["errors"][0]["message"]
+    assert max(e["seconds"] for e in r0["errors"] + r1["errors"]) < NO_HANG_S
+    assert r0["steps"][1] == r1["steps"][1] == [1] * 6
+    initial = [p.detach() for p in C.build_model().parameters()]
+    for res in (r0, r1):
+        assert all(torch.equal(a, b) for a, b in zip(res["params"][1], initial))
 
 
 def test_torchrun_two_nodes_on_localhost_matches_single_process(tmp_path):

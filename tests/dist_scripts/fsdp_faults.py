@@ -16,7 +16,8 @@
   "zero_check_fails": rank 1 casts a param's memory after step 2's backward, so its
   _check_storage() refuses it before the decision; both ranks stop the scenario there.
   "zero_init": lr-0 first steps (torch.distributed.checkpoint's state-init step): A, rank 1
-  carries a kept failure while every grad is zero; B, rank 0's grads are zero, rank 1's not.
+  carries a kept failure while every grad is zero; B, the averaged grads are zero in rank 0's
+  chunks only (grads set by hand, no backward), so the ranks' local verdicts differ.
 - "rank_gone": at step 2, rank 1 runs backward and then exits without calling step(); rank 0
   waits in the decision all_reduce. Must be last (rank 1 exits there).
 The process group's timeout is 20 s, so nothing here can wait longer than that.
@@ -134,9 +135,12 @@ def run_zero(name: str, rank: int, world: int) -> dict:
                               process_group=dist.group.WORLD)
             if phase == "A" and rank == 1:
                 opt._rank_failure = RuntimeError("injected: a failure kept from an earlier step")
-            zero_grads = phase == "A" or rank == 0
-            loss = C.loss_fn(model, C.local_batch(C.batches()[0], rank, world))
-            (loss * 0.0 if zero_grads else loss).backward()
+            if phase == "A":
+                (C.loss_fn(model, C.local_batch(C.batches()[0], rank, world)) * 0.0).backward()
+            else:  # set by hand on both ranks, zero in rank 0's rows: its chunk of the mean is
+                for p in model.parameters():  # zero (an "init step"), rank 1's is not
+                    p.grad = torch.zeros_like(p)
+                    p.grad[-(-p.shape[0] // 2):] = 1.0
             t0 = time.monotonic()
             try:
                 opt.step()
