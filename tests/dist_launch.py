@@ -26,6 +26,30 @@ SCRIPTS = os.path.join(HERE, "dist_scripts")
 REPO = os.path.dirname(HERE)
 
 
+def _gloo() -> bool:
+    import torch.distributed as dist
+    return dist.is_available() and dist.is_gloo_available()
+
+
+def _dist_marks() -> list:
+    import pytest
+    import torch
+    version = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
+    return [
+        pytest.mark.skipif(version < (2, 6), reason=f"FSDP2 (fully_shard with post-accumulate-grad "
+                           f"hooks on the sharded params) needs torch >= 2.6, this is {torch.__version__}"),
+        pytest.mark.skipif(not _gloo(), reason="torch.distributed with the gloo backend is not available"),
+    ]
+
+
+def __getattr__(name):
+    # DIST_MARKS, the distributed test modules' pytestmark (FSDP2 needs torch >= 2.6, every
+    # launch gloo), made on first use: benchmarks/bench_dist.py imports this module without pytest
+    if name == "DIST_MARKS":
+        return _dist_marks()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 def free_port() -> int:
     """A port free now — and possibly taken by another process before torchrun binds it: only
     launch_nodes uses one (retrying on a collision); launch lets the store pick its own."""

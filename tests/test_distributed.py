@@ -13,25 +13,13 @@ import sys
 import pytest
 import torch
 
-from dist_launch import SCRIPTS, launch
+from dist_launch import DIST_MARKS, SCRIPTS, launch
 from tolerances import DIST_RTOL
 
 sys.path.insert(0, SCRIPTS)
 import common as C  # noqa: E402
 
-TORCH = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
-
-
-def _gloo() -> bool:
-    import torch.distributed as dist
-    return dist.is_available() and dist.is_gloo_available()
-
-
-pytestmark = [
-    pytest.mark.skipif(TORCH < (2, 6), reason=f"FSDP2 (fully_shard with post-accumulate-grad "
-                       f"hooks on the sharded params) needs torch >= 2.6, this is {torch.__version__}"),
-    pytest.mark.skipif(not _gloo(), reason="torch.distributed with the gloo backend is not available"),
-]
+pytestmark = DIST_MARKS
 
 TRAIN = ["adamw_1d_nvme", "adam_1d_host", "adamw_hsdp_nvme", "adam_hsdp_host",
          "adamw_cpu_offload", "adamw_swap_load"]
@@ -206,16 +194,14 @@ def test_dcp_init_step_on_fresh_fsdp2_optimizer(checkpointed):
             assert torch.equal(a, b)
 
 
-@pytest.mark.parametrize("into", ["HybridAdamW", "torch.optim.AdamW", "full_state_dict"])
-def test_dcp_save_2_load_1(checkpointed, into):
-    """The 2-rank checkpoint loads in one plain process (no torch.distributed) into a plain
-    HybridAdamW, into torch.optim.AdamW (dcp.load resharding the DTensor state), or from the
-    full state dict, and resumes on the uninterrupted trajectory."""
+def _resume_in_one_process(ckpt: str, ranks: list, into: str) -> None:
+    """Loads the 2-rank checkpoint in one plain process (no torch.distributed) into a plain
+    HybridAdamW or torch.optim.AdamW (dcp.load resharding the DTensor state), or from the full
+    state dict, trains the remaining batches and checks the uninterrupted trajectory."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
     from hybrid_opt import HybridAdamW
 
-    ckpt, ranks = checkpointed
     model = C.build_model()
     if into == "torch.optim.AdamW":
         opt = torch.optim.AdamW(model.parameters(), lr=C.LR, weight_decay=0.01, foreach=False)
@@ -244,6 +230,14 @@ def test_dcp_save_2_load_1(checkpointed, into):
     for k, (a, b) in enumerate(zip(model.parameters(), ranks[0]["uninterrupted"])):
         err = C.rel_err(a.detach(), b)
         assert err <= DIST_RTOL, f"param {k}: relative error {err:.2e}"
+
+
+@pytest.mark.parametrize("into", ["HybridAdamW", "torch.optim.AdamW", "full_state_dict"])
+def test_dcp_save_2_load_1(checkpointed, into):
+    """The 2-rank checkpoint loads in one plain process (no torch.distributed) into a plain
+    HybridAdamW, into torch.optim.AdamW (dcp.load resharding the DTensor state), or from the
+    full state dict, and resumes on the uninterrupted trajectory."""
+    _resume_in_one_process(*checkpointed, into)
 
 
 @pytest.mark.gpu
@@ -432,31 +426,4 @@ def test_process_group_dcp_2_to_2_and_full_load_resume_bitwise(zero_checkpointed
 def test_process_group_dcp_save_2_load_1(zero_checkpointed, into):
     """The 2-rank process_group checkpoint loads in one plain process into HybridAdamW or
     torch.optim.AdamW and resumes on the uninterrupted trajectory."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
-    from hybrid_opt import HybridAdamW
-
-    ckpt, ranks = zero_checkpointed
-    model = C.build_model()
-    if into == "torch.optim.AdamW":
-        opt = torch.optim.AdamW(model.parameters(), lr=C.LR, weight_decay=0.01, foreach=False)
-    else:
-        opt = HybridAdamW(model.parameters(), lr=C.LR, weight_decay=0.01, max_grad_norm=1.0,
-                          subgroup_numel=32, offload_fraction=0.5)
-    try:
-        sd = {"model": model.state_dict(), "optim": get_optimizer_state_dict(model, opt)}
-        dcp.load(sd, checkpoint_id=ckpt)
-        model.load_state_dict(sd["model"])
-        set_optimizer_state_dict(model, opt, sd["optim"])
-        for x in C.batches()[2:]:
-            opt.zero_grad()
-            C.loss_fn(model, x).backward()
-            if isinstance(opt, torch.optim.AdamW):
-                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            opt.step()
-    finally:
-        if hasattr(opt, "close"):
-            opt.close()
-    for k, (a, b) in enumerate(zip(model.parameters(), ranks[0]["uninterrupted"])):
-        err = C.rel_err(a.detach(), b)
-        assert err <= DIST_RTOL, f"param {k}: relative error {err:.2e}"
+    _resume_in_one_process(*zero_checkpointed, into)

@@ -18,25 +18,13 @@ import sys
 import pytest
 import torch
 
-from dist_launch import SCRIPTS, launch, launch_nodes
+from dist_launch import DIST_MARKS, SCRIPTS, launch, launch_nodes
 from tolerances import DIST_RTOL
 
 sys.path.insert(0, SCRIPTS)
 import common as C  # noqa: E402
 
-TORCH = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
-
-
-def _gloo() -> bool:
-    import torch.distributed as dist
-    return dist.is_available() and dist.is_gloo_available()
-
-
-pytestmark = [
-    pytest.mark.skipif(TORCH < (2, 6), reason=f"FSDP2 (fully_shard with post-accumulate-grad "
-                       f"hooks on the sharded params) needs torch >= 2.6, this is {torch.__version__}"),
-    pytest.mark.skipif(not _gloo(), reason="torch.distributed with the gloo backend is not available"),
-]
+pytestmark = DIST_MARKS
 
 SCENARIOS = ["plain", "kill_between", "kill_backward", "fail_speculation", "nvme_lost",
              "zero_host_fails", "zero_check_fails", "zero_init", "rank_gone"]
