@@ -75,6 +75,15 @@ def steps_sent(sent):
     return [(sg, off) for op, sg, off in sent if op == P.OP_STEP]
 
 
+def assert_committed_state_still_steps(tier, states, grads) -> None:
+    """After an abandoned launch the committed state is untouched and subgroup 0 still steps
+    (synchronously, no stager) bitwise like the reference."""
+    tier.copy_stager = None
+    assert tier.step(0, grads[0], inputs()) == "stepped"
+    ref_step(states[0], grads[0], inputs())
+    assert_bitwise_equal(tier.master(0), states[0]["p"], "param after the abandoned launch")
+
+
 def async_tier(numels, **kw):
     tier = HostTier(list(numels), slot_numel=SLOT, staging_slots=8, timeout_s=TIMEOUT_S, **kw)
     tier.remote_gather = False  # the worker would read CPU grads itself, bypassing staging
@@ -146,10 +155,7 @@ def test_a_failed_launch_never_sends_its_queued_pieces_and_frees_their_slots_onc
         assert len(tier._free_slots) == free_before and tier.copies_in_flight() == 0
         assert steps_sent(sent) == [], "a piece of an abandoned step reached the worker"
         # the committed state is untouched and the tier still steps (synchronously now)
-        tier.copy_stager = None
-        assert tier.step(0, grads[0], inputs()) == "stepped"
-        ref_step(states[0], grads[0], inputs())
-        assert_bitwise_equal(tier.master(0), states[0]["p"], "param after the abandoned launch")
+        assert_committed_state_still_steps(tier, states, grads)
     finally:
         tier.close()
 
@@ -172,10 +178,7 @@ def test_an_inverse_mode_launch_failing_mid_subgroup_frees_no_slot_a_copy_still_
         assert first.synchronized and first.done, "the slot was freed while its copy was in flight"
         assert len(tier._free_slots) == free_before and tier.copies_in_flight() == 0
         assert steps_sent(sent) == [] and tier.speculated() == []
-        tier.copy_stager = None
-        assert tier.step(0, grads[0], inputs()) == "stepped"
-        ref_step(states[0], grads[0], inputs())
-        assert_bitwise_equal(tier.master(0), states[0]["p"], "param after the abandoned launch")
+        assert_committed_state_still_steps(tier, states, grads)
     finally:
         tier.close()
 
