@@ -218,19 +218,18 @@ class _HybridBase(ZeroParamsMixin, SpeculationMixin, PlacementMixin, CheckpointM
             try:  # the last step's params landed, every grad's averaged chunk in place (zero.py)
                 self._zero.wait_gathered()
                 self._zero.finish()
-                return self._step_taken(loss, t_step, failure)
+                return self._step_taken(loss, t_step, failure, decides)
             finally:
                 self._zero.end_step()
-        return self._step_taken(loss, t_step, failure)
+        return self._step_taken(loss, t_step, failure, decides)
 
-    def _step_taken(self, loss, t_step, failure):
+    def _step_taken(self, loss, t_step, failure, decides: bool):
         scale_t = getattr(self, "grad_scale", None)
         found_t = getattr(self, "found_inf", None)
         # torch.distributed.checkpoint's lr-0 step on a fresh optimizer: decided here from this
         # rank's grads when no decision all_reduce runs (no collective either way); else every
         # rank's vote rides it, so no rank skips the collective that another enters
         init = failure is None and self._looks_like_state_init_step()
-        decides = RF.decision_runs(self.max_grad_norm, found_t)
         if init and not decides:
             self._take_state_init_step()
             return loss
