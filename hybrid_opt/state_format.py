@@ -1,0 +1,78 @@
+"""How the optimizer state is stored: the moments' dtypes and the fp32 master's encoding.
+
+Megatron-Core's and Transformer Engine's names: `exp_avg_dtype` / `exp_avg_sq_dtype`
+(torch.float32 or torch.bfloat16, each on its own; amsgrad's running max of v takes
+exp_avg_sq's) and `store_param_remainders`: a bf16 param's fp32 master kept as the bf16 param
+(its high half, rounded to nearest, ties away from zero) plus the master's low 16 bits
+(int16) — lossless, 2 bytes per element instead of 4 (cpu_kernels.encode_remainder). fp32
+params in the same model (norms) keep their fp32 master; fp16 params have no remainder
+encoding and keep theirs too.
+
+A bf16 moment is rounded to nearest even when stored; the fp32 value before rounding feeds
+the update (every kernel, every tier). One StateFormat serves every tier; the byte counts
+here are what the scheduler, the cost model and `hybrid-opt plan` count.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+MOMENT_DTYPES = (torch.float32, torch.bfloat16)
+
+
+@dataclass(frozen=True)
+class StateFormat:
+    exp_avg_dtype: torch.dtype = torch.float32
+    exp_avg_sq_dtype: torch.dtype = torch.float32
+    store_param_remainders: bool = False
+
+    def __post_init__(self):
+        for name in ("exp_avg_dtype", "exp_avg_sq_dtype"):
+            dt = getattr(self, name)
+            if dt not in MOMENT_DTYPES:
+                raise TypeError(f"{name} must be torch.float32 or torch.bfloat16, got {dt!r}")
+        if not isinstance(self.store_param_remainders, bool):
+            raise TypeError("store_param_remainders must be a bool, got "
+                            f"{type(self.store_param_remainders).__name__}")
+
+    @property
+    def compressed_moments(self) -> bool:
+        return self.exp_avg_dtype != torch.float32 or self.exp_avg_sq_dtype != torch.float32
+
+    @property
+    def plain(self) -> bool:
+        """fp32 moments, fp32 masters: the format torch's AdamW keeps."""
+        return not self.compressed_moments and not self.store_param_remainders
+
+    def check_rollback(self, rollback: str) -> None:
+        """rollback='inverse' recomputes the previous state from the new one: bf16 rounding
+        loses what it would need."""
+        if rollback == "inverse" and self.compressed_moments:
+            raise ValueError("rollback='inverse' cannot undo a step with bf16 moments (rounding "
+                             "to bf16 is not invertible); use rollback='exact' (the default) or "
+                             "exp_avg_dtype=exp_avg_sq_dtype=torch.float32")
+
+    def remainders_for(self, param_dtype: torch.dtype) -> bool:
+        """Whether a param of `param_dtype` keeps its master as remainders (bf16 params only)."""
+        return self.store_param_remainders and param_dtype == torch.bfloat16
+
+    def moment_bytes(self, amsgrad: bool = False) -> int:
+        """Bytes per element of exp_avg, exp_avg_sq and (amsgrad) max_exp_avg_sq."""
+        m = torch.empty((), dtype=self.exp_avg_dtype).element_size()
+        v = torch.empty((), dtype=self.exp_avg_sq_dtype).element_size()
+        return m + v + (v if amsgrad else 0)
+
+    def master_bytes(self, param_dtype: torch.dtype, own_master: bool) -> int:
+        """Bytes per element the master adds beside the model param: 0 where the param is its
+        own master (`own_master`: an fp32 param stepped in place on the device tier), 2 for a
+        remainder, else 4 (an fp32 master)."""
+        if param_dtype == torch.float32 and own_master:
+            return 0
+        return 2 if self.remainders_for(param_dtype) else 4
+
+    def state_bytes(self, param_dtype: torch.dtype, amsgrad: bool = False, own_master: bool = False) -> int:
+        """Bytes per element of the state a tier stores for a param of `param_dtype`: master
+        (or remainder) and moments. On the nvme tier these are the file's bytes (a remainder's
+        high half is the model's param, read from it, not stored again)."""
+        return self.master_bytes(param_dtype, own_master) + self.moment_bytes(amsgrad)
