@@ -14,23 +14,34 @@ import torch
 
 from hybrid_opt.banks import BankPool
 from hybrid_opt.shm import PAGE, ArenaLayout, SharedArena, align_up
+from hybrid_opt.state_format import StateFormat
 from hybrid_opt.swap import SwapDir, check_nvme_path
 # re-exported: the optimizer, calibration, tests and benchmarks import these from here
 from hybrid_opt.tiers.host_io import (DEFAULT_SLOT_NUMEL, MAX_STAGING_SLOTS,  # noqa: F401
                                       REMOTE_GATHER_QUEUE, STAGING_SLOTS, _ALIGN_ELEMS, _DT_CODE,
                                       HostIO, _Piece, _slot_numel, staging_slots_for)
+from hybrid_opt.tiers.compressed import (CompressedState, _independent_moment_dtypes, bank_layout,
+                                         check_params)
 from hybrid_opt.tiers.host_step import HostStepping, _Speculation  # noqa: F401
 from hybrid_opt.tiers.staging import CopyQueue
 from hybrid_opt.tiers.inputs import StepInputs, _with_step  # noqa: F401
 from hybrid_opt.worker.client import CoreSplit, WorkerClient, WorkerError
 
 
-class HostTier(HostStepping, HostIO):
+class HostTier(HostStepping, HostIO, CompressedState):
     """Subgroups' optimizer state in shared memory, stepped by a worker process (module
-    docstring); speculation in HostStepping, staging and worker traffic in HostIO."""
+    docstring); speculation in HostStepping, staging and worker traffic in HostIO, the
+    compressed state's layout and remainders in CompressedState (tiers/compressed.py).
 
-    def __init__(self, numels: list[int], *, grad_dtype=torch.float32, moment_dtype=torch.float32,
-                 copy_dtype=None, amsgrad: bool = False, rollback: str = "exact",
+    exp_avg_dtype / exp_avg_sq_dtype: each torch.float32 or torch.bfloat16 (`moment_dtype`:
+    the older name, setting both). remainders=True (a bf16 tier, copy_dtype=torch.bfloat16):
+    each subgroup whose `params` entry is bf16 keeps its fp32 master as that param (the high
+    half, also the bank's copy region) plus an int16 remainder; `params`: the model's flat
+    tensor of every subgroup, in numels' order. state()/master() give the master in fp32."""
+
+    def __init__(self, numels: list[int], *, grad_dtype=torch.float32, exp_avg_dtype=torch.float32,
+                 exp_avg_sq_dtype=torch.float32, remainders: bool = False, params: list | None = None,
+                 moment_dtype=None, copy_dtype=None, amsgrad: bool = False, rollback: str = "exact",
                  spare_banks: int | None = None, staging_slots: int = STAGING_SLOTS,
                  slot_numel: int | None = None, worker_share: float = 0.5,
                  worker_cores: list[int] | None = None, timeout_s: float = 120.0,
@@ -43,12 +54,19 @@ class HostTier(HostStepping, HostIO):
         if rollback == "inverse" and amsgrad:
             raise ValueError("rollback='inverse' cannot undo amsgrad (its running max of v is not "
                              "invertible); use rollback='exact' with amsgrad=True")
-        if rollback == "inverse" and moment_dtype != torch.float32:
-            raise ValueError("rollback='inverse' needs fp32 moments")
-        for name, dt, allowed in (("grad_dtype", grad_dtype, _DT_CODE), ("moment_dtype", moment_dtype,
-                                  (torch.float32, torch.bfloat16))):
-            if dt not in allowed:
-                raise TypeError(f"{name} must be one of {list(allowed)}, got {dt}")
+        if moment_dtype is not None:  # the older name: both moments
+            exp_avg_dtype = exp_avg_sq_dtype = moment_dtype
+        fmt = StateFormat(exp_avg_dtype, exp_avg_sq_dtype, bool(remainders))
+        fmt.check_rollback(rollback)
+        if rollback == "inverse" and remainders:
+            raise ValueError("rollback='inverse' needs an fp32 master (its fp64 inverse reads and "
+                             "writes fp32 params); use rollback='exact' with remainders=True")
+        if grad_dtype not in _DT_CODE:
+            raise TypeError(f"grad_dtype must be one of {list(_DT_CODE)}, got {grad_dtype}")
+        if exp_avg_dtype != exp_avg_sq_dtype and not _independent_moment_dtypes():
+            raise TypeError("this build of cpu_kernels steps exp_avg and exp_avg_sq of one dtype "
+                            f"only (got {exp_avg_dtype} and {exp_avg_sq_dtype}); rebuild it "
+                            "(python setup.py build_ext --inplace) or give both one dtype")
         if copy_dtype not in (None, torch.bfloat16, torch.float16):
             raise TypeError(f"copy_dtype must be None, torch.bfloat16 or torch.float16, got {copy_dtype}")
         if not numels or min(numels) < 1:
@@ -59,7 +77,11 @@ class HostTier(HostStepping, HostIO):
         if staging_slots < 1:
             raise ValueError(f"staging_slots must be >= 1, got {staging_slots}")
         self.numels = list(numels)
-        self.grad_dtype, self.moment_dtype, self.copy_dtype = grad_dtype, moment_dtype, copy_dtype
+        self._remainders = check_params(params, self.numels, bool(remainders), copy_dtype)
+        self._params = list(params) if any(self._remainders) else None
+        self.state_format = fmt
+        self.grad_dtype, self.copy_dtype = grad_dtype, copy_dtype
+        self.exp_avg_dtype, self.exp_avg_sq_dtype = exp_avg_dtype, exp_avg_sq_dtype
         self.amsgrad, self.rollback = amsgrad, rollback
         n = len(numels)
         self.nvme = [bool(x) for x in nvme] if nvme is not None else [False] * n
@@ -81,16 +103,8 @@ class HostTier(HostStepping, HostIO):
         self.capacity = align_up(max(numels), _ALIGN_ELEMS)
         self.slot_numel = _slot_numel(numels, slot_numel)
 
-        ms = torch.empty((), dtype=moment_dtype).element_size()
-        bank = ArenaLayout()
-        regions = {"p": bank.add("p", self.capacity * 4), "m": bank.add("m", self.capacity * ms),
-                   "v": bank.add("v", self.capacity * ms)}
-        regions["vmax"] = bank.add("vmax", self.capacity * ms) if amsgrad else 0
-        # the state block (p..vmax) is what a swap moves: page-aligned for O_DIRECT
-        self.io_bytes = align_up(bank.nbytes, PAGE)
-        bank.nbytes = self.io_bytes
-        regions["copy"] = bank.add("copy", self.capacity * 2) if copy_dtype is not None else 0
-        bank_stride = align_up(bank.nbytes, PAGE)
+        rem_mode = ("all" if all(self._remainders) else "some") if any(self._remainders) else "none"
+        regions, self.io_bytes, bank_stride = bank_layout(self.capacity, fmt, amsgrad, copy_dtype, rem_mode)
         gs = torch.empty((), dtype=grad_dtype).element_size()
         slot_stride = align_up(self.slot_numel * gs, PAGE)
         arena = ArenaLayout()
@@ -124,7 +138,8 @@ class HostTier(HostStepping, HostIO):
         self._free_slots = list(range(staging_slots))[::-1]
         layout = dict(bank_offset=bank_offset, bank_stride=bank_stride, bank_regions=regions,
                       slot_offset=slot_offset, slot_stride=slot_stride,
-                      moment_dtype=_DT_CODE[moment_dtype],
+                      exp_avg_dtype=_DT_CODE[exp_avg_dtype],
+                      exp_avg_sq_dtype=_DT_CODE[exp_avg_sq_dtype],
                       populate_later=later if self.arena.populating else [])
         self._file_slot = [0] * n           # nvme: the committed slot of each subgroup's file
         self._crc = [[0, 0] for _ in range(n)]
@@ -196,13 +211,9 @@ class HostTier(HostStepping, HostIO):
         return self.arena.tensor(self._bank_offset + bank * self._bank_stride + self._regions[region],
                                  numel, dtype)
 
-    def _bank_state(self, bank: int, n: int) -> dict:
-        dt = self.moment_dtype
-        out = {"param": self._view(bank, "p", n, torch.float32), "exp_avg": self._view(bank, "m", n, dt),
-               "exp_avg_sq": self._view(bank, "v", n, dt)}
-        if self.amsgrad:
-            out["max_exp_avg_sq"] = self._view(bank, "vmax", n, dt)
-        return out
+    def _state_block(self, bank: int) -> torch.Tensor:
+        """The bytes a swap moves: the bank's first io_bytes (master..vmax)."""
+        return self.arena.tensor(self._bank_offset + bank * self._bank_stride, self.io_bytes, torch.uint8)
 
     def _resident(self, sg: int) -> int:
         if self.nvme[sg]:
@@ -211,12 +222,14 @@ class HostTier(HostStepping, HostIO):
         return self.pool.committed[sg]
 
     def master(self, sg: int) -> torch.Tensor:
-        """The committed fp32 master of a resident subgroup (a view: valid until the next commit)."""
-        return self._view(self._resident(sg), "p", self.numels[sg], torch.float32)
+        """The committed fp32 master of a resident subgroup (a view: valid until the next commit;
+        decoded into a new tensor for a subgroup that keeps remainders)."""
+        return self._bank_state(self._resident(sg), sg)["param"]
 
     def moments(self, sg: int) -> dict:
-        st = self._bank_state(self._resident(sg), self.numels[sg])
-        del st["param"]
+        st = self._stored_state(self._resident(sg), sg)
+        for k in ("param", "high", "remainder"):
+            st.pop(k, None)
         return st
 
     def param_copy(self, sg: int) -> torch.Tensor:
@@ -248,7 +261,7 @@ class HostTier(HostStepping, HostIO):
         from cpu_kernels.aio import AioError
         eng = self._engine()
         fd = eng.open(self.swap.file(sg), "r+")
-        addr = self._view(bank, "p", 1, torch.float32).data_ptr()
+        addr = self._state_block(bank).data_ptr()
         try:
             rid = (eng.submit_write if write else eng.submit_read)(fd, addr, self.io_bytes,
                                                                    slot * self.io_bytes, checksum=True)
@@ -265,7 +278,7 @@ class HostTier(HostStepping, HostIO):
         [, max_exp_avg_sq]."""
         self._require_idle(sg)
         if not self.nvme[sg]:
-            return self._bank_state(self._resident(sg), self.numels[sg])
+            return self._bank_state(self._resident(sg), sg)
         bank = self._borrow_bank()
         try:
             slot = self._file_slot[sg]
@@ -274,22 +287,29 @@ class HostTier(HostStepping, HostIO):
                 raise OSError(f"checksum mismatch in {self.swap.file(sg)} slot {slot}: expected "
                               f"CRC32C {self._crc[sg][slot]:08x}, read {crc:08x}; the file is "
                               f"corrupt — restore from a checkpoint")
-            return {k: v.clone() for k, v in self._bank_state(bank, self.numels[sg]).items()}
+            if self._remainders[sg]:  # the file holds the low halves; the high half is the model's param
+                self._view(bank, "copy", self.numels[sg], torch.bfloat16).copy_(self._params[sg].view(-1))
+            return {k: v.clone() for k, v in self._bank_state(bank, sg).items()}
         finally:
             self.pool.release(bank)
 
     def load_state(self, sg: int, param, exp_avg=None, exp_avg_sq=None, max_exp_avg_sq=None) -> None:
-        """Sets subgroup `sg`'s committed state (moments default to zero)."""
+        """Sets subgroup `sg`'s committed state (moments default to zero). `param`: the fp32
+        master; moments are rounded to the tier's dtypes (to nearest even). A subgroup that
+        keeps remainders stores the master encoded, and its model param (`params[sg]`) takes
+        the high half once the state stands."""
         self._require_idle(sg)
-        given = {"param": param, "exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq,
-                 "max_exp_avg_sq": max_exp_avg_sq}
+        given = {"exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq, "max_exp_avg_sq": max_exp_avg_sq}
         bank = self._borrow_bank() if self.nvme[sg] else self._resident(sg)
         try:
             if self.nvme[sg]:  # the whole block is written: no stale bytes in the checksum
-                self._view(bank, "p", self.io_bytes // 4, torch.float32).zero_()
+                self._state_block(bank).zero_()
             fresh = bank in self._fresh_banks
             self._fresh_banks.discard(bank)
-            for name, dst in self._bank_state(bank, self.numels[sg]).items():
+            high = self._store_master(bank, sg, param)
+            for name, dst in self._stored_state(bank, sg).items():
+                if name not in given:
+                    continue  # the master, written above
                 src = given[name]
                 if src is None:
                     if not fresh:  # a fresh bank is zero already (and maybe not populated yet)
@@ -300,6 +320,8 @@ class HostTier(HostStepping, HostIO):
                 slot = 1 - self._file_slot[sg]  # the committed slot stays valid until this lands
                 self._crc[sg][slot] = self._swap_file(sg, bank, slot, write=True)
                 self._file_slot[sg] = slot
+            if high is not None:
+                self._write_param(sg, high)
         finally:
             if self.nvme[sg]:
                 self.pool.release(bank)

@@ -112,7 +112,8 @@ class HostIO:
                       _DT_CODE[self.copy_dtype] if self.copy_dtype is not None else P.NO_COPY,
                       int(inputs.amsgrad), int(inputs.decoupled), int(skip_nonfinite), inputs.step,
                       float(inputs.lr), float(inputs.beta1), float(inputs.beta2), float(inputs.eps),
-                      float(inputs.weight_decay), float(inputs.grad_scale))
+                      float(inputs.weight_decay), float(inputs.grad_scale),
+                      remainder=int(self._remainders[sg]))
 
     def _acquire_slot(self) -> int:
         while not self._free_slots:

@@ -54,9 +54,12 @@ class HostStepping:
 
     # ------------------------------------------------------------------ launching
     def _carry_over(self, sg: int, src: int, out_bank: int, runs: tuple) -> None:
-        """Elements no run steps keep their committed state in the new bank."""
+        """Elements no run steps keep their committed state in the new bank (an nvme subgroup's
+        high half is the model's param, never saved from a bank: not copied)."""
         n = self.numels[sg]
-        src_state, dst_state = self._bank_state(src, n), self._bank_state(out_bank, n)
+        src_state, dst_state = self._stored_state(src, sg), self._stored_state(out_bank, sg)
+        if self.nvme[sg]:
+            dst_state.pop("high", None)
         pos = 0
         for off, k, _ in sorted(runs) + [(n, 0, 0)]:
             if off > pos:
@@ -81,6 +84,8 @@ class HostStepping:
         if self.nvme[sg]:
             in_bank = spec.aux_bank
             swap_in = spec.swap_in or self._send_swap_in(sg, spec)
+            if self._remainders[sg]:
+                self._send_high_half(sg, spec, in_bank)
         else:
             in_bank = self.pool.committed[sg]
         if inputs.runs and spec.bank is not None:
@@ -114,6 +119,15 @@ class HostStepping:
             spec.swap_out = self._swap_piece(P.OP_SWAP_OUT, sg, spec.bank, spec.file_slot)
             pieces.append(spec.swap_out)
             self._send(spec.swap_out)
+
+    def _send_high_half(self, sg: int, spec: _Speculation, bank: int) -> None:
+        """The committed high half (the model's param) into the read bank; a copy still in
+        flight (CUDA) holds the step's tasks back behind a no-op task that waits for it."""
+        landed = self._fill_high(sg, bank)
+        if landed is not None:
+            piece = _Piece(sg, 0, 0, -1, P.Task(P.OP_PING, 0, sg), freed=True, copy_done=landed)
+            spec.pieces.append(piece)
+            self._send(piece)
 
     def _check(self, sg: int, grad, inputs: StepInputs) -> None:
         """Rejects a bad step before any bank, slot or task is taken: a step that failed half
@@ -273,7 +287,11 @@ class HostStepping:
             on_commit(sg, self._bank_views(self.pool.committed[sg], sg))
 
     def _bank_views(self, bank: int, sg: int) -> dict:
-        """What on_commit sees: the new fp32 master, and the model-dtype copy when written."""
+        """What on_commit sees: the new fp32 master, and the model-dtype copy when written. A
+        subgroup that keeps remainders gives only param_copy (the bf16 param: the master's high
+        half) — decoding its master at every commit would cost a pass nobody reads."""
+        if self._remainders[sg]:
+            return {"param_copy": self._view(bank, "copy", self.numels[sg], torch.bfloat16)}
         out = {"param": self._view(bank, "p", self.numels[sg], torch.float32)}
         if self.copy_dtype is not None:
             out["param_copy"] = self._view(bank, "copy", self.numels[sg], self.copy_dtype)
@@ -284,7 +302,8 @@ class HostStepping:
 
         steps: {sg: (grad, final StepInputs)} for every subgroup to be stepped now.
         overflow: the step is skipped — every speculated step is dropped, nothing changes.
-        on_commit(sg, {"param": fp32 view[, "param_copy": model-dtype view]}): called as each
+        on_commit(sg, {"param": fp32 view[, "param_copy": model-dtype view]}; only param_copy for
+        a subgroup that keeps remainders): called as each
         subgroup's new state is committed, while its views are valid (an nvme subgroup's
         buffers are reused right after).
         Returns {sg: "committed" | "redone" | "stepped" | "dropped"}.

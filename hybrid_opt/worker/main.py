@@ -7,8 +7,11 @@ It owns nothing that must survive it â€” every byte of state is the trainer's â€
 when its request pipe reports EOF, i.e. when the trainer has gone.
 
 CONFIG (JSON): arena_fd, arena_nbytes, req_fd, resp_fd, cores, and the layout: bank_offset,
-bank_stride, bank_regions {p, m, v, vmax, copy: byte offsets inside a bank}, slot_offset,
-slot_stride, moment_dtype; for the nvme tier also nvme {dir, io_bytes, threads}.
+bank_stride, bank_regions {p or rem, m, v, vmax, copy: byte offsets inside a bank}, slot_offset,
+slot_stride, exp_avg_dtype, exp_avg_sq_dtype (dtype codes; v and vmax take exp_avg_sq's); for
+the nvme tier also nvme {dir, io_bytes, threads}. A step task with `remainder` set steps a
+master stored as remainders: the bf16 high half in the copy region, the int16 low half in rem
+(hybrid_opt/tiers/compressed.py has the layout).
 
 NVMe subgroups: OP_SWAP_IN reads a file slot into a bank asynchronously (verifying its
 CRC32C), OP_STEP then reads that bank and writes another, OP_SWAP_OUT writes the result to
@@ -96,8 +99,12 @@ class Worker:
         self.bank_offset, self.bank_stride = cfg["bank_offset"], cfg["bank_stride"]
         self.regions = cfg["bank_regions"]
         self.slot_offset, self.slot_stride = cfg["slot_offset"], cfg["slot_stride"]
-        self.moment_size = _DTYPE_SIZE[cfg["moment_dtype"]]
-        self.moment_dtype = cfg["moment_dtype"]
+        self.m_dtype, self.v_dtype = cfg["exp_avg_dtype"], cfg["exp_avg_sq_dtype"]
+        self.m_size, self.v_size = _DTYPE_SIZE[self.m_dtype], _DTYPE_SIZE[self.v_dtype]
+        # a cpu_kernels build without exp_avg_sq_dtype steps both moments in exp_avg's dtype
+        self.sq_dtype_field = any(f[0] == "exp_avg_sq_dtype" for f in self.AdamArgs._fields_)
+        if self.m_dtype != self.v_dtype and not self.sq_dtype_field:
+            raise ValueError("this build of cpu_kernels steps exp_avg and exp_avg_sq of one dtype only")
         self.req, self.resp = cfg["req_fd"], cfg["resp_fd"]
         self.fault = _Fault(os.environ.get("HYBRID_OPT_WORKER_FAULT"))
         self.nvme = cfg.get("nvme")
@@ -187,23 +194,31 @@ class Worker:
         sum_sq, finite = self._grad_stats(t, grad)
         if not finite and t.skip_nonfinite:
             return P.Result(t.op, t.task_id, P.STATUS_NONFINITE, t.subgroup, sum_sq, 0)
-        ms, off = self.moment_size, t.elem_offset
+        ms, vs, off = self.m_size, self.v_size, t.elem_offset
         out_bank = t.in_bank if t.out_bank == P.NO_BANK else t.out_bank
         a = self.AdamArgs()
-        a.param = self._bank(t.in_bank, "p", off, 4)
+        if t.remainder:  # the kernel's param is the bf16 high half, decoded with the remainder
+            a.param = self._bank(t.in_bank, "copy", off, 2)
+            a.param_out = self._bank(out_bank, "copy", off, 2)
+            a.remainder = self._bank(t.in_bank, "rem", off, 2)
+            a.remainder_out = self._bank(out_bank, "rem", off, 2)
+        else:
+            a.param = self._bank(t.in_bank, "p", off, 4)
+            a.param_out = self._bank(out_bank, "p", off, 4)
+            if t.copy_dtype != P.NO_COPY:
+                a.param_copy = self._bank(out_bank, "copy", off, 2)
+                a.copy_dtype = t.copy_dtype
         a.grad = grad
         a.exp_avg = self._bank(t.in_bank, "m", off, ms)
-        a.exp_avg_sq = self._bank(t.in_bank, "v", off, ms)
-        a.max_exp_avg_sq = self._bank(t.in_bank, "vmax", off, ms) if t.amsgrad else None
-        a.param_out = self._bank(out_bank, "p", off, 4)
+        a.exp_avg_sq = self._bank(t.in_bank, "v", off, vs)
+        a.max_exp_avg_sq = self._bank(t.in_bank, "vmax", off, vs) if t.amsgrad else None
         a.exp_avg_out = self._bank(out_bank, "m", off, ms)
-        a.exp_avg_sq_out = self._bank(out_bank, "v", off, ms)
-        a.max_exp_avg_sq_out = self._bank(out_bank, "vmax", off, ms) if t.amsgrad else None
-        if t.copy_dtype != P.NO_COPY:
-            a.param_copy = self._bank(out_bank, "copy", off, 2)
-            a.copy_dtype = t.copy_dtype
-        a.grad_dtype, a.moment_dtype, a.decoupled, a.step = (t.grad_dtype, self.moment_dtype,
+        a.exp_avg_sq_out = self._bank(out_bank, "v", off, vs)
+        a.max_exp_avg_sq_out = self._bank(out_bank, "vmax", off, vs) if t.amsgrad else None
+        a.grad_dtype, a.moment_dtype, a.decoupled, a.step = (t.grad_dtype, self.m_dtype,
                                                              t.decoupled, t.step)
+        if self.sq_dtype_field:
+            a.exp_avg_sq_dtype = self.v_dtype
         a.lr, a.beta1, a.beta2, a.eps, a.weight_decay, a.grad_scale = (
             t.lr, t.beta1, t.beta2, t.eps, t.weight_decay, t.grad_scale)
         if self.fault.stage == "mid_step" and self.fault.steps == self.fault.at:
@@ -216,8 +231,8 @@ class Worker:
         return P.Result(t.op, t.task_id, P.STATUS_OK, t.subgroup, sum_sq, int(finite))
 
     def inverse(self, t: P.Task) -> P.Result:
-        if self.moment_dtype != 0:
-            raise ValueError("the inverse step needs fp32 moments")
+        if self.m_dtype != 0 or self.v_dtype != 0 or t.remainder:
+            raise ValueError("the inverse step needs fp32 moments and an fp32 master")
         a = self.InverseArgs()
         off = t.elem_offset
         a.n = t.numel

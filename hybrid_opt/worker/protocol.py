@@ -45,11 +45,12 @@ class Task:
     grad_scale: float = 1.0
     file_slot: int = 0       # swap ops: which of the subgroup's two file slots
     crc: int = 0             # OP_SWAP_IN: the CRC32C the slot must have
+    remainder: int = 0       # OP_STEP: the master is the bank's copy region (bf16) + int16 "rem"
     # remote gather: GATHER entries (byte offset in the slot, trainer address, bytes) the
     # worker reads from the trainer's memory into the slot first (address 0: zeros)
     gather: bytes = b""
 
-    _STRUCT = struct.Struct("<B" + "q" * 7 + "i" * 5 + "q" + "d" * 6 + "iI")
+    _STRUCT = struct.Struct("<B" + "q" * 7 + "i" * 5 + "q" + "d" * 6 + "iIi")
 
     def pack(self) -> bytes:
         return self._STRUCT.pack(*astuple(self)[:-1]) + self.gather

@@ -1,0 +1,144 @@
+"""The host tier's compressed state: how a bank is laid out for a StateFormat, and a bf16
+subgroup's fp32 master kept as remainders (its bf16 high half + int16 low half) in banks,
+swap files and the model's own param.
+
+Bank layout (byte offsets inside one bank; all banks have one capacity, so any bank serves
+any subgroup):
+
+    master | m | v | [vmax]  (page-aligned: the state block a swap moves, io_bytes)  | [copy]
+
+`master` is "p" (the fp32 master, 4 B) or, when every subgroup of the tier keeps remainders,
+"rem" (int16, 2 B); m takes exp_avg's dtype, v and vmax exp_avg_sq's. `copy` is the model-dtype
+param the step writes — with remainders it is also the master's high half the step reads
+(cpu_kernels' `remainder=` mode: param = the bf16 bits). It lies after the state block, so an
+nvme file never stores it: the high half is the model's param, copied into the read bank
+before each step (on CUDA a D2H copy of 2 B per element per nvme step, on the grads' side
+stream). A tier that mixes remainder subgroups with fp32 ones (fp32 norms beside bf16 weights)
+keeps the 4-byte "p" region and a remainder subgroup uses its first half ("rem" at the same
+offset): correct, not smaller.
+
+Bytes per element (bf16 model, no amsgrad): fp32 state 4+4+4 + 2 copy = 14 per bank, nvme
+file 12; bf16 moments 4+2+2 + 2 = 10, file 8; bf16 moments + remainders 2+2+2 + 2 = 8, file 6
+— StateFormat.state_bytes plus the 2-byte copy (the file: state_bytes alone).
+"""
+from __future__ import annotations
+
+import torch
+
+from hybrid_opt.shm import PAGE, ArenaLayout, align_up
+from hybrid_opt.tiers.staging import copy_async
+
+
+def _itemsize(dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def bank_layout(capacity: int, fmt, amsgrad: bool, copy_dtype, rem_mode: str):
+    """(regions {name: byte offset}, io_bytes, bank bytes) for banks of `capacity` elements.
+    rem_mode: "none", "all" (every subgroup keeps remainders: no fp32 region) or "some"."""
+    bank = ArenaLayout()
+    if rem_mode == "all":
+        regions = {"rem": bank.add("rem", capacity * 2)}
+    else:
+        regions = {"p": bank.add("p", capacity * 4)}
+        if rem_mode == "some":
+            regions["rem"] = regions["p"]
+    ms, vs = _itemsize(fmt.exp_avg_dtype), _itemsize(fmt.exp_avg_sq_dtype)
+    regions["m"] = bank.add("m", capacity * ms)
+    regions["v"] = bank.add("v", capacity * vs)
+    regions["vmax"] = bank.add("vmax", capacity * vs) if amsgrad else 0
+    # the state block (master..vmax) is what a swap moves: page-aligned for O_DIRECT
+    io_bytes = align_up(bank.nbytes, PAGE)
+    bank.nbytes = io_bytes
+    regions["copy"] = bank.add("copy", capacity * 2) if copy_dtype is not None else 0
+    return regions, io_bytes, align_up(bank.nbytes, PAGE)
+
+
+def check_params(params, numels: list, remainders: bool, copy_dtype) -> list:
+    """Per subgroup: whether it keeps remainders (a bf16 param with remainders=True)."""
+    if not remainders:
+        return [False] * len(numels)
+    if copy_dtype != torch.bfloat16:
+        raise ValueError(f"remainders=True needs a bf16 host tier (copy_dtype=torch.bfloat16), got "
+                         f"copy_dtype={copy_dtype}: remainders encode an fp32 master as a bf16 "
+                         f"param plus its low 16 bits; drop remainders for other dtypes")
+    if params is None or len(params) != len(numels):
+        raise ValueError(f"remainders=True needs params=: the model's flat tensor of each of the "
+                         f"{len(numels)} subgroups, in numels' order (the masters' high halves), "
+                         f"got {None if params is None else len(params)}")
+    for k, (p, n) in enumerate(zip(params, numels)):
+        if not isinstance(p, torch.Tensor) or p.numel() != n or not p.is_contiguous():
+            raise ValueError(f"params[{k}] must be a contiguous tensor of {n} elements (subgroup "
+                             f"{k}'s flat param), got "
+                             f"{type(p).__name__ if not isinstance(p, torch.Tensor) else tuple(p.shape)}")
+    return [p.dtype == torch.bfloat16 for p in params]
+
+
+class CompressedState:
+    """A HostTier's views of stored state and the remainder encode/decode (a mixin: HostTier
+    makes `_remainders`, `_params`, the regions and the formats this reads)."""
+
+    def _stored_state(self, bank: int, sg: int) -> dict:
+        """The regions a subgroup's state occupies in `bank`, as stored: param (fp32 master) or
+        high (bf16 high half, the copy region) + remainder (int16); the moments."""
+        n, fmt = self.numels[sg], self.state_format
+        if self._remainders[sg]:
+            out = {"high": self._view(bank, "copy", n, torch.bfloat16),
+                   "remainder": self._view(bank, "rem", n, torch.int16)}
+        else:
+            out = {"param": self._view(bank, "p", n, torch.float32)}
+        out["exp_avg"] = self._view(bank, "m", n, fmt.exp_avg_dtype)
+        out["exp_avg_sq"] = self._view(bank, "v", n, fmt.exp_avg_sq_dtype)
+        if self.amsgrad:
+            out["max_exp_avg_sq"] = self._view(bank, "vmax", n, fmt.exp_avg_sq_dtype)
+        return out
+
+    def _bank_state(self, bank: int, sg: int) -> dict:
+        """state()'s keys: param (the fp32 master: a view, or decoded into a new tensor for a
+        remainder subgroup), exp_avg, exp_avg_sq[, max_exp_avg_sq] (views)."""
+        st = self._stored_state(bank, sg)
+        if self._remainders[sg]:
+            import cpu_kernels
+            master = cpu_kernels.decode_remainder(st.pop("high"), st.pop("remainder"))
+            st = {"param": master, **st}
+        return st
+
+    def _store_master(self, bank: int, sg: int, master: torch.Tensor) -> torch.Tensor | None:
+        """Writes an fp32 master into `bank`; returns the bf16 high half for the model's param
+        when the subgroup keeps remainders (the caller writes it once the state stands)."""
+        st = self._stored_state(bank, sg)
+        if not self._remainders[sg]:
+            st["param"].copy_(master.reshape(-1))
+            return None
+        import cpu_kernels
+        high, rem = cpu_kernels.encode_remainder(master.detach().reshape(-1).float().cpu().contiguous())
+        st["remainder"].copy_(rem)
+        st["high"].copy_(high)
+        return high
+
+    def _write_param(self, sg: int, high: torch.Tensor) -> None:
+        """The model's param takes the encoded high half (on CUDA an H2D copy): it differs from
+        master.to(torch.bfloat16) only on exact ties (rounded away from zero, not to even)."""
+        p = self._params[sg]
+        with torch.no_grad():
+            p.view(-1).copy_(high.to(p.device))
+
+    def _fill_high(self, sg: int, bank: int):
+        """nvme with remainders: the model's param (the committed master's high half; the file
+        holds only the low half) into `bank`'s copy region before the step reads it. CPU: a
+        copy now (returns None); CUDA: a D2H copy on the grads' side stream (returns its event;
+        the caller sends the step's tasks only once it has landed)."""
+        dst = self._view(bank, "copy", self.numels[sg], torch.bfloat16)
+        src = self._params[sg].detach().view(-1)
+        stager = self._stager(src)
+        if stager is None:
+            dst.copy_(src)
+            return None
+        return stager.copy(lambda: copy_async(dst, src))
+
+
+def _independent_moment_dtypes() -> bool:
+    """Whether this build of cpu_kernels steps exp_avg and exp_avg_sq of different dtypes
+    (its AdamArgs has exp_avg_sq_dtype)."""
+    from cpu_kernels import _lib
+    return any(name == "exp_avg_sq_dtype" for name, *_ in _lib.AdamArgs._fields_)
