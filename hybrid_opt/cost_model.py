@@ -30,11 +30,15 @@ params follows the step and is exposed whole.
 Time of one iteration = forward + backward + step, where the step is what is left after
 backward ends:
 
-- device tier, after backward: `Ed * (read + written) / device_adam_gbps`, with
-  read = state + grad bytes and written = state + model-copy bytes per element
-  (fp32 master+m+v = 12, bf16 grad 2, bf16 copy 2: 28 B/element);
-- host tiers, per offloaded element: `w = max(1 / host rate, nvme I/O per element)
-  + grad bytes / d2h`. The nvme read and write of a subgroup pipeline with the CPU step of
+- device tier, after backward: `Ed * (read + written) / device_adam_gbps`, the bytes
+  `StateFormat.adam_bytes` counts (fp32 master and m, v read and written, bf16 grad read,
+  bf16 copy written: 28 B/element; bf16 moments + remainders: 18);
+- host tiers, per offloaded element: `w = max(adam bytes / (host rate x 28 B), nvme I/O per
+  element) + (grad bytes [+ 2 for an nvme element's high half]) / d2h`: the CPU Adam rate is
+  memory-bound and quoted for fp32 state (HOST_ADAM_REFERENCE_BYTES), so a format that moves
+  fewer bytes steps proportionally faster; nvme I/O is the file's bytes read and written, and
+  with remainders the nvme tier reads the param's bf16 high half from the model (a D2H copy
+  on CUDA, a memcpy into shared memory on a CPU host) instead of storing it. The nvme read and write of a subgroup pipeline with the CPU step of
   its neighbours (max, not sum); the grads' copy in is counted in series with the step.
   Host work that can run during backward: `H = Eo * w`. The new params' copy back
   (`Eo * model bytes / h2d`) waits for step()'s validation: it is always exposed;
@@ -60,12 +64,20 @@ backward ends:
   into and out of the worker's shared memory.
 
 Memory per GPU: device = state of the device share + model copy + grads (activations are
-not counted: budgets keep `headroom`); host = state of the host share + spare banks +
-staging slots (+ nvme I/O buffers); nvme = two slots x state of the nvme share.
+not counted: budgets keep `headroom`); host = banks of the host share + spare banks +
+staging slots (+ nvme I/O banks); nvme = two slots x the file's state of the nvme share.
+Bytes per element come from the workload's `StateFormat` (hybrid_opt/state_format.py):
+device state = master (none for an fp32 param: its own; 2 for a remainder) + moments; a
+host bank = that + the model-dtype copy (the high half, with remainders); an nvme file =
+master or remainder + moments (12 -> 6 B with bf16 moments and remainders).
 """
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
+
+import torch
+
+from hybrid_opt.state_format import StateFormat
 
 GB = 1e9
 DEFAULT_SUBGROUP_NUMEL = 4 * 2 ** 20     # HybridAdamW's default unit of placement
@@ -76,6 +88,9 @@ BACKWARD_SHARE = 2.0 / 3.0               # backward ~ 2x forward FLOPs
 # committed bank is never torn), a second lets the next subgroup stage meanwhile (measured on a
 # 33.5M bf16 model here: one spare, 80-98 ms a step; two, 58-75; one per subgroup, 69-73)
 NON_SPECULATIVE_SPARE_BANKS = 2
+# bytes per element at which host_adam_gelems_per_s is measured (calibrate.py: fp32 param,
+# grad, m, v) and quoted (presets): a step moving other bytes takes time in proportion
+HOST_ADAM_REFERENCE_BYTES = 28
 
 
 @dataclass
@@ -116,7 +131,7 @@ class Workload:
     default 6 x params x tokens_per_iteration) over the GPUs' achieved rate."""
     params: float
     model_bytes: int = 2                     # bf16 model copy
-    state_bytes: int = 12                    # fp32 master + m + v (16 with amsgrad)
+    state_bytes: int | None = None           # deprecated: 12, or 16 = amsgrad (use amsgrad=)
     grad_bytes: int = 2
     backward_seconds: float | None = None
     model_flops: float | None = None
@@ -126,11 +141,40 @@ class Workload:
     exact_rollback: bool = True              # spare banks hold speculated steps until validated
     speculative: bool = True                 # host steps start during backward; False: after it
     sharding: str | None = None              # None, "fsdp", "zero" or "none" (module docstring)
+    state_format: StateFormat = field(default_factory=StateFormat)   # moments' dtypes, remainders
+    amsgrad: bool = False                    # one more moment (exp_avg_sq's dtype)
+    model_dtype: torch.dtype | None = None   # None: fp32 for a 4-byte model, else bf16
+
+    def __post_init__(self):
+        if self.state_bytes is not None:  # the plain fp32 state's count, from before state_format
+            if self.state_bytes not in (12, 16):
+                raise ValueError(f"state_bytes must be 12 or 16 (fp32 state, 16 with amsgrad), got "
+                                 f"{self.state_bytes}: give state_format= and amsgrad= instead")
+            self.amsgrad = self.amsgrad or self.state_bytes == 16
+        if not isinstance(self.state_format, StateFormat):
+            raise TypeError(f"state_format must be a hybrid_opt.state_format.StateFormat, got "
+                            f"{type(self.state_format).__name__}")
 
     @property
     def master_is_model(self) -> bool:
         # fp32 parameters are their own master: the device keeps no separate copy
         return self.model_bytes == 4
+
+    @property
+    def param_dtype(self) -> torch.dtype:
+        if self.model_dtype is not None:
+            return self.model_dtype
+        return torch.float32 if self.model_bytes == 4 else torch.bfloat16
+
+    def tier_bytes(self) -> dict:
+        """Bytes per element by tier (module docstring): "device" state, "host" bank (also each
+        spare and nvme I/O bank), "nvme" file (one slot), "host_adam" / "device_adam" bytes a
+        step moves, "high_half" read from the model per nvme element per step (remainders)."""
+        fmt, dt, ams = self.state_format, self.param_dtype, self.amsgrad
+        adam = fmt.adam_bytes(dt, self.grad_bytes, ams)
+        return {"device": fmt.state_bytes(dt, ams, own_master=True), "host": fmt.bank_bytes(dt, ams),
+                "nvme": fmt.state_bytes(dt, ams), "host_adam": adam, "device_adam": adam,
+                "high_half": 2 if fmt.remainders_for(dt) else 0}
 
 
 @dataclass
@@ -237,9 +281,8 @@ def forward_backward_seconds(machine: Machine, workload: Workload) -> tuple[floa
 
 def device_bytes_per_element(workload: Workload) -> int:
     """Bytes a device Adam step reads and writes per element: state and grad in, state and
-    (unless the fp32 param is its own master) the model copy out."""
-    written = workload.state_bytes + (0 if workload.master_is_model else workload.model_bytes)
-    return workload.state_bytes + workload.grad_bytes + written
+    (unless the fp32 param is its own master) the model copy out (StateFormat.adam_bytes)."""
+    return workload.tier_bytes()["device_adam"]
 
 
 def offloaded_subgroups(machine: Machine, workload: Workload, offload_fraction: float) -> int:
@@ -266,20 +309,19 @@ def memory_bytes(machine: Machine, workload: Workload, offload_fraction: float,
     e = state_elements(machine, workload)
     off, nv = offload_fraction, nvme_fraction
     s = min(workload.subgroup_numel, e)
-    device_state = workload.state_bytes - (4 if workload.master_is_model else 0)
+    b = workload.tier_bytes()
     model_and_grads = model_elements(machine, workload) * (workload.model_bytes + workload.grad_bytes)
-    device = (1 - off) * e * device_state + model_and_grads
-    host = (off - nv) * e * workload.state_bytes
+    device = (1 - off) * e * b["device"] + model_and_grads
+    host = (off - nv) * e * b["host"]
     if off > 0:
-        host += _spares(machine, workload, off, spare_banks) * s * workload.state_bytes
+        host += _spares(machine, workload, off, spare_banks) * s * b["host"]
         host += STAGING_SLOTS * s * (workload.grad_bytes + workload.model_bytes)
     if nv > 0:
-        host += IO_BANKS * 2 * s * workload.state_bytes
+        host += IO_BANKS * 2 * s * b["host"]
     if machine.gpus == 0:
         host += device
         device = 0.0
-    return {"device": float(device), "host": float(host),
-            "nvme": float(2 * nv * e * workload.state_bytes)}
+    return {"device": float(device), "host": float(host), "nvme": float(2 * nv * e * b["nvme"])}
 
 
 def predict(machine: Machine, workload: Workload, offload_fraction: float,
@@ -317,15 +359,17 @@ def predict(machine: Machine, workload: Workload, offload_fraction: float,
 
     # host tiers, per offloaded element (host rate and nvme bandwidth are shared by the GPUs)
     e_off = off * e
+    tb = wl.tier_bytes()
     host_rate = machine.host_adam_gelems_per_s * 1e9 / ranks
-    compute_per_elem = 1.0 / host_rate
+    compute_per_elem = tb["host_adam"] / HOST_ADAM_REFERENCE_BYTES / host_rate
     if nv > 0:
-        nvme_io = (nv * e * wl.state_bytes / (machine.nvme_read_gbps * GB / ranks)
-                   + nv * e * wl.state_bytes / (machine.nvme_write_gbps * GB / ranks))
+        nvme_io = (nv * e * tb["nvme"] / (machine.nvme_read_gbps * GB / ranks)
+                   + nv * e * tb["nvme"] / (machine.nvme_write_gbps * GB / ranks))
     else:
         nvme_io = 0.0
     host_compute = e_off * compute_per_elem
-    d2h = e_off * wl.grad_bytes / (machine.d2h_gbps * GB) if machine.d2h_gbps > 0 else 0.0
+    d2h_bytes = e_off * wl.grad_bytes + nv * e * tb["high_half"]
+    d2h = d2h_bytes / (machine.d2h_gbps * GB) if machine.d2h_gbps > 0 else 0.0
     h2d = e_off * wl.model_bytes / (machine.h2d_gbps * GB) if machine.h2d_gbps > 0 else 0.0
     # what can run during backward: the step and the grads' way in; the new params go out
     # only once step() has validated the step (h2d below is always exposed)

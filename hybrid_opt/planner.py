@@ -11,9 +11,14 @@ import json
 import re
 import sys
 
+import torch
+
 from hybrid_opt.cost_model import GB, SHARDINGS, Machine, Workload, best_plan
+from hybrid_opt.state_format import StateFormat
 
 GiB = 2 ** 30
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+_NAMES = {v: k for k, v in _DTYPES.items()}
 
 # nvme figures are per drive; the machine's aggregate is drives x per-drive rate.
 PRESETS = {
@@ -178,7 +183,18 @@ def _parser() -> argparse.ArgumentParser:
                     help="tokens per iteration, all GPUs, for the default FLOPs (default 8192)")
     ap.add_argument("--gpu-tflops", type=pos, help="achieved fwd+bwd TFLOPS per GPU")
     ap.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16", help="model dtype")
-    ap.add_argument("--amsgrad", action="store_true", help="one more fp32 state (16 B/param)")
+    ap.add_argument("--amsgrad", action="store_true",
+                    help="one more moment, the running max of exp_avg_sq (its dtype: 4 B/param, "
+                         "2 with --exp-avg-sq-dtype bf16)")
+    ap.add_argument("--exp-avg-dtype", choices=tuple(_DTYPES), default="fp32",
+                    help="dtype of the first moment, HybridAdamW(exp_avg_dtype=) (default fp32)")
+    ap.add_argument("--exp-avg-sq-dtype", choices=tuple(_DTYPES), default="fp32",
+                    help="dtype of the second moment, HybridAdamW(exp_avg_sq_dtype=) (default fp32)")
+    ap.add_argument("--store-param-remainders", action="store_true",
+                    help="HybridAdamW(store_param_remainders=True): a bf16 model's fp32 master "
+                         "kept as the bf16 param + a 16-bit remainder (2 B/param instead of 4; "
+                         "the nvme tier reads the high half from the model's param, a D2H copy "
+                         "of 2 B/param per step); no effect with --dtype fp32")
     ap.add_argument("--no-speculation", action="store_true",
                     help="host steps start after backward (HybridAdamW(speculative=False)): none hide")
     ap.add_argument("--spare-banks", type=int, default=None,
@@ -243,8 +259,10 @@ def build(args) -> tuple[Machine, Workload]:
     kw["nvme_bytes"] = None if nv["drive_bytes"] is None else nv["drive_bytes"] * nv["drives"]
     machine = Machine(**kw)
     fp32 = args.dtype == "fp32"
+    fmt = StateFormat(_DTYPES[args.exp_avg_dtype], _DTYPES[args.exp_avg_sq_dtype],
+                      args.store_param_remainders)
     workload = Workload(params=args.params, model_bytes=4 if fp32 else 2,
-                        grad_bytes=4 if fp32 else 2, state_bytes=16 if args.amsgrad else 12,
+                        grad_bytes=4 if fp32 else 2, amsgrad=args.amsgrad, state_format=fmt,
                         backward_seconds=args.backward_seconds, model_flops=args.model_flops,
                         tokens_per_iteration=args.tokens, speculative=not args.no_speculation,
                         sharding=args.sharding)
@@ -271,6 +289,31 @@ _SHARDING_ABOUT = {
 }
 
 
+def workload_json(workload: Workload) -> dict:
+    """The workload's fields as JSON values: dtypes by name, the state format as its options."""
+    out = {k: v for k, v in vars(workload).items() if k not in ("state_format", "model_dtype")}
+    fmt = workload.state_format
+    out.update(model_dtype=_NAMES.get(workload.param_dtype, str(workload.param_dtype)),
+               exp_avg_dtype=_NAMES[fmt.exp_avg_dtype], exp_avg_sq_dtype=_NAMES[fmt.exp_avg_sq_dtype],
+               store_param_remainders=fmt.store_param_remainders)
+    return out
+
+
+def _state_lines(workload: Workload) -> list:
+    """What the optimizer state is made of, and its bytes per param on each tier."""
+    fmt, b = workload.state_format, workload.tier_bytes()
+    master = ("fp32 params: their own master" if workload.param_dtype == torch.float32 else
+              "master = bf16 param + int16 remainder" if b["high_half"] else "fp32 master")
+    extra = (f"; nvme reads the 2 B high half from the model param (D2H) each step"
+             if b["high_half"] else "")
+    return [
+        f"state: exp_avg {_NAMES[fmt.exp_avg_dtype]}, exp_avg_sq {_NAMES[fmt.exp_avg_sq_dtype]}"
+        f"{' (+ max, amsgrad)' if workload.amsgrad else ''}, {master}",
+        f"  bytes per param: device {b['device']}, host bank {b['host']} (spares alike), nvme "
+        f"file {b['nvme']} (x2 slots); Adam moves {b['host_adam']} B/param a step",
+    ] + ([f"  {extra[2:]}"] if extra else [])
+
+
 def _summary(machine: Machine, workload: Workload, p, headroom: float) -> str:
     ranks = max(1, min(machine.gpus_per_node or machine.gpus, max(1, machine.gpus)))
     per = "per GPU" if machine.gpus else "(no GPU: one trainer)"
@@ -284,6 +327,7 @@ def _summary(machine: Machine, workload: Workload, p, headroom: float) -> str:
         f"(device {1 - off:.0%}, host {off - nv:.0%}, nvme {nv:.0%} of the elements)",
         f"spare banks: {p.spare_banks} (each holds one speculated subgroup step until step() "
         f"validates it)",
+        *_state_lines(workload),
         f"memory {per}:",
         (f"  device {_gb(d['memory_bytes']['device'])} of {_gb(machine.gpu_mem_bytes)}" if machine.gpus
          else "  (no GPU: the 'device' share is stepped by the trainer's own cores; all in host memory)"),
@@ -346,7 +390,8 @@ def main(argv=None) -> int:
     if args.json:
         out = p.to_dict()
         out["machine"] = {k: v for k, v in vars(machine).items()}
-        out["workload"] = {k: v for k, v in vars(workload).items()}
+        out["workload"] = workload_json(workload)
+        out["bytes_per_param"] = workload.tier_bytes()
         out["model_tflops_per_gpu"] = model_tflops_per_gpu(machine, workload, p)
         print(json.dumps(out, indent=2))
     else:

@@ -7,6 +7,11 @@ earliest-ready subgroups, nvme the earliest of those), so a predicted plan is ex
 the optimizer can lay out. A refit moves subgroups between tiers only when the predicted
 gain over the next `refit_every` steps outweighs the measured (or estimated) cost of the
 move, and the gain is above `min_gain` of the step: noise never makes the plan flap.
+
+Bytes per element on each tier, and the bytes a step moves, are the optimizer's `StateFormat`
+(bf16 moments, remainders: hybrid_opt/state_format.py) as the cost model counts them; a
+measured host Adam rate is stored at the cost model's reference bytes (fp32 state, 28 B per
+element), so the rate of one format predicts another's.
 """
 from __future__ import annotations
 
@@ -17,6 +22,7 @@ import torch
 from hybrid_opt import cost_model as cm
 from hybrid_opt import node
 from hybrid_opt.plan import DEFAULT_SPARE_BANKS
+from hybrid_opt.state_format import StateFormat
 
 MAX_CANDIDATES = 48
 HEADROOM = 0.1
@@ -108,7 +114,7 @@ class AutoPlanner:
     ready_ranks: list
     device: torch.device
     model_bytes: int
-    state_bytes: int
+    state_bytes: int                  # 12, or 16 with amsgrad (which moments exist; their bytes: state_format)
     subgroup_numel: int
     fixed_offload: float | None = None   # a number when only nvme_fraction is "auto"
     fixed_nvme: float | None = None      # a number when only offload_fraction is "auto"
@@ -131,6 +137,8 @@ class AutoPlanner:
     # the iterations (activations included) is measured; observe_device_memory() then sets
     # the budget, at every refit
     device_from_peak: bool = False
+    state_format: StateFormat = field(default_factory=StateFormat)
+    model_dtype: torch.dtype | None = None   # None: fp32 for 4-byte params, else bf16
 
     def __post_init__(self):
         self.device_peak_pending = self.device_from_peak
@@ -165,7 +173,8 @@ class AutoPlanner:
 
     def workload(self) -> cm.Workload:
         wl = cm.Workload(params=float(self.total), model_bytes=self.model_bytes, grad_bytes=self.model_bytes,
-                         state_bytes=self.state_bytes,
+                         state_bytes=self.state_bytes, state_format=self.state_format,
+                         model_dtype=self.model_dtype,
                          subgroup_numel=min(self.subgroup_numel, max(self.numels or [1])),
                          step_overhead_seconds=self.overhead_s, exact_rollback=self.exact_rollback,
                          speculative=self.speculative)
@@ -282,7 +291,9 @@ class AutoPlanner:
             for s in samples]))
         host = [s for s in samples if s.host_elements and s.host_worker_s > 0]
         if host:
-            r["host_adam_gelems_per_s"] = med([s.host_elements / s.host_worker_s / 1e9 for s in host])
+            # measured at this format's bytes; kept at the reference bytes the cost model divides by
+            scale = self.workload().tier_bytes()["host_adam"] / cm.HOST_ADAM_REFERENCE_BYTES
+            r["host_adam_gelems_per_s"] = med([s.host_elements / s.host_worker_s / 1e9 for s in host]) * scale
         best = self.choose()
         now = self.predict(current_off, current_nv, current_spares)
         best.current = now
@@ -293,7 +304,7 @@ class AutoPlanner:
         moved = abs(best.offload_fraction - current_off) + abs(best.nvme_fraction - current_nv)
         copy_gbps = r.get("d2h_gbps") or 1.0
         cost = (self.move_cost_s if self.move_cost_s is not None else MOVE_FIXED_S) \
-            + moved * self.total * self.state_bytes / (copy_gbps * 1e9)
+            + moved * self.total * self.workload().tier_bytes()["host"] / (copy_gbps * 1e9)
         if gain < MIN_GAIN * now.iteration_seconds or gain * self.refit_every < cost:
             return None
         best.reason = (f"refit: predicted {now.iteration_seconds * 1e3:.1f} -> "

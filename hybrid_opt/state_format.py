@@ -76,3 +76,27 @@ class StateFormat:
         (or remainder) and moments. On the nvme tier these are the file's bytes (a remainder's
         high half is the model's param, read from it, not stored again)."""
         return self.master_bytes(param_dtype, own_master) + self.moment_bytes(amsgrad)
+
+    def bank_bytes(self, param_dtype: torch.dtype, amsgrad: bool = False) -> int:
+        """Bytes per element of a host-tier bank (committed, spare or nvme I/O bank): the state
+        plus the model-dtype copy a bf16/fp16 param's bank keeps (with remainders that copy is
+        the master's high half, so it is not counted twice)."""
+        copy = 0 if param_dtype == torch.float32 else torch.empty((), dtype=param_dtype).element_size()
+        return self.state_bytes(param_dtype, amsgrad) + copy
+
+    def adam_bytes(self, param_dtype: torch.dtype, grad_bytes: int, amsgrad: bool = False) -> int:
+        """Bytes one Adam step moves per element (read + written; CPU and GPU Adam are
+        memory-bound, so their time is proportional): the fp32 master read and written (an fp32
+        param is its own) and a bf16/fp16 param's copy written — or, with remainders, the bf16
+        param and its remainder each read and written; the grad read; each moment read and
+        written. 28 for fp32 state; 18 for bf16 moments + remainders with bf16 grads."""
+        m = torch.empty((), dtype=self.exp_avg_dtype).element_size()
+        v = torch.empty((), dtype=self.exp_avg_sq_dtype).element_size()
+        moments = 2 * (m + v + (v if amsgrad else 0))
+        if self.remainders_for(param_dtype):
+            master = 2 * (2 + 2)
+        elif param_dtype == torch.float32:
+            master = 2 * 4
+        else:
+            master = 2 * 4 + torch.empty((), dtype=param_dtype).element_size()
+        return master + int(grad_bytes) + moments

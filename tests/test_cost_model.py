@@ -91,9 +91,10 @@ def test_a_small_spare_pool_caps_the_work_hidden_under_backward():
     # rollback="inverse" needs no spares and hides it all
     inverse = predict(fast, _workload(backward_seconds=100.0, exact_rollback=False), 1.0, spare_banks=4)
     assert inverse.spare_banks == 0 and inverse.breakdown["host_exposed"] - h2d < 1e-3
-    # best_plan takes the largest pool that fits the host budget
+    # best_plan takes the largest pool that fits the host budget (a bf16 model's bank: 12 B
+    # of state + its 2 B bf16 copy)
     budget = _machine(host_adam_gelems_per_s=100.0, gpu_mem_bytes=5 * GB,
-                      host_mem_bytes=12e9 + 600 * 1e6 * 12 + 1e8)
+                      host_mem_bytes=14e9 + 600 * 1e6 * 14 + 1e8)
     p = best_plan(budget, wl, headroom=0.0)
     assert 250 <= p.spare_banks < 1000 and p.memory_bytes["host"] <= budget.host_mem_bytes
 
@@ -135,9 +136,9 @@ def test_memory_accounting_sums_per_tier():
     none = memory_bytes(MACHINE, wl, 0.0, 0.0, spare_banks=4)
     assert none == {"device": 1e9 * (12 + 2 + 2), "host": 0.0, "nvme": 0.0}
     m = memory_bytes(MACHINE, wl, 0.75, 0.25, spare_banks=4)
-    state, sub = 12, 1000
+    state, bank, sub = 12, 14, 1000   # a host bank also holds the bf16 copy
     assert m["device"] == pytest.approx(0.25e9 * state + 1e9 * 4)
-    assert m["host"] == pytest.approx(0.5e9 * state + 4 * sub * state + 4 * sub * 4 + 8 * sub * state)
+    assert m["host"] == pytest.approx(0.5e9 * bank + 4 * sub * bank + 4 * sub * 4 + 8 * sub * bank)
     assert m["nvme"] == pytest.approx(2 * 0.25e9 * state)
     # state is partitioned over the GPUs
     eight = memory_bytes(_machine(gpus=8), wl, 0.0, 0.0)
@@ -454,3 +455,135 @@ def test_cost_model_rejects_bad_sharding_and_node_values():
         best_plan(_machine(gpus=8, gpus_per_node=3), WORKLOAD)
     with pytest.raises(ValueError, match=r"nvlink_gbps must be > 0 to time the collectives"):
         predict(_machine(gpus=8, nvlink_gbps=0.0), _workload(sharding="zero"), 0.5)
+
+
+# ------------------------------------------------------------------ compressed state (#16)
+# bf16 moments and remainders (hybrid_opt/state_format.StateFormat): bytes per tier and per step
+
+BF16, FP32 = "bf16", "fp32"
+
+
+def _fmt(m=FP32, v=FP32, rem=False):
+    import torch
+
+    from hybrid_opt.state_format import StateFormat
+    dt = {FP32: torch.float32, BF16: torch.bfloat16}
+    return StateFormat(dt[m], dt[v], rem)
+
+
+# (exp_avg, exp_avg_sq, remainders, model, amsgrad) -> device state, host bank, nvme file,
+# Adam bytes moved, high half read per nvme element; counted by hand: master 4 (remainder 2;
+# an fp32 param on the device: 0), moments 4 or 2 each, a bf16 bank's copy 2; Adam: master
+# r+w 8 (remainders: bf16 param r+w 4 + remainder r+w 4), grad read (= model bytes), moments
+# r+w, bf16 copy written 2 unless remainders
+TIER_BYTES = [
+    ((FP32, FP32, False, BF16, False), (12, 14, 12, 28, 0)),
+    ((FP32, FP32, False, FP32, False), (8, 12, 12, 28, 0)),
+    ((FP32, FP32, False, BF16, True), (16, 18, 16, 36, 0)),
+    ((BF16, BF16, False, BF16, False), (8, 10, 8, 20, 0)),
+    ((BF16, FP32, False, BF16, False), (10, 12, 10, 24, 0)),
+    ((FP32, BF16, False, BF16, False), (10, 12, 10, 24, 0)),
+    ((FP32, FP32, True, BF16, False), (10, 12, 10, 26, 2)),
+    ((BF16, BF16, True, BF16, False), (6, 8, 6, 18, 2)),
+    ((BF16, BF16, True, BF16, True), (8, 10, 8, 22, 2)),
+    ((FP32, BF16, True, BF16, True), (10, 12, 10, 26, 2)),
+    ((BF16, BF16, True, FP32, False), (4, 8, 8, 20, 0)),    # remainders: bf16 params only
+    ((BF16, BF16, False, FP32, True), (6, 10, 10, 24, 0)),
+]
+
+
+@pytest.mark.parametrize("case,want", TIER_BYTES, ids=lambda c: "-".join(map(str, c)))
+def test_bytes_per_param_per_tier_for_each_option_combination(case, want):
+    m, v, rem, model, ams = case
+    size = 4 if model == FP32 else 2
+    wl = _workload(model_bytes=size, grad_bytes=size, amsgrad=ams, state_format=_fmt(m, v, rem))
+    b = wl.tier_bytes()
+    assert (b["device"], b["host"], b["nvme"], b["host_adam"], b["high_half"]) == want
+    assert b["device_adam"] == b["host_adam"] == cm.device_bytes_per_element(wl)
+
+
+def test_the_issue_targets_in_bytes():
+    """#16: nvme files 6 B/param (was 12), host bank <= 8, an Adam step 18 B (was 28)."""
+    both, plain = _fmt(BF16, BF16, True), _fmt()
+    b, p = _workload(state_format=both).tier_bytes(), _workload(state_format=plain).tier_bytes()
+    assert (b["nvme"], p["nvme"]) == (6, 12) and b["host"] <= 8 and (b["host_adam"], p["host_adam"]) == (18, 28)
+
+
+def test_memory_per_tier_counts_the_format():
+    wl = _workload(subgroup_numel=1000, state_format=_fmt(BF16, BF16, True))
+    m = memory_bytes(MACHINE, wl, 0.75, 0.25, spare_banks=4)
+    dev, bank, file, sub = 6, 8, 6, 1000
+    assert m["device"] == pytest.approx(0.25e9 * dev + 1e9 * (2 + 2))
+    assert m["host"] == pytest.approx(0.5e9 * bank + 4 * sub * bank + 4 * sub * (2 + 2) + 8 * sub * bank)
+    assert m["nvme"] == pytest.approx(2 * 0.25e9 * file)
+
+
+def test_compressed_state_moves_fewer_bytes_on_every_path():
+    """Host Adam time in proportion to its bytes (18 vs 28), nvme I/O to the file's (6 vs 12),
+    the device step to its bytes; the nvme tier's high half crosses D2H (2 B per nvme param)."""
+    plain = predict(MACHINE, WORKLOAD, 1.0, 0.5)
+    comp = predict(MACHINE, _workload(state_format=_fmt(BF16, BF16, True)), 1.0, 0.5)
+    assert comp.breakdown["host_compute"] == pytest.approx(plain.breakdown["host_compute"] * 18 / 28)
+    assert comp.breakdown["nvme_io"] == pytest.approx(plain.breakdown["nvme_io"] * 6 / 12)
+    assert plain.breakdown["d2h"] == pytest.approx(1e9 * 2 / 100e9)
+    assert comp.breakdown["d2h"] == pytest.approx((1e9 * 2 + 0.5e9 * 2) / 100e9)
+    dev_plain, dev_comp = predict(MACHINE, WORKLOAD, 0.0), predict(MACHINE, _workload(state_format=_fmt(BF16, BF16, True)), 0.0)
+    assert dev_comp.breakdown["device_step"] == pytest.approx(dev_plain.breakdown["device_step"] * 18 / 28)
+    # bf16 moments without remainders: no high half to copy
+    moments = predict(MACHINE, _workload(state_format=_fmt(BF16, BF16)), 1.0, 0.5)
+    assert moments.breakdown["d2h"] == pytest.approx(plain.breakdown["d2h"])
+
+
+def test_a_compressed_format_fits_more_params_in_the_same_budget():
+    # 12 GB GPU: 4 GB of bf16 params + grads; plain state (12 B) must offload 45 %, 6 B fits whole
+    m = _machine(gpu_mem_bytes=12 * GB, host_adam_gelems_per_s=0.01)
+    plain = best_plan(m, WORKLOAD, headroom=0.1)
+    comp = best_plan(m, _workload(state_format=_fmt(BF16, BF16, True)), headroom=0.1)
+    assert plain.offload_fraction == pytest.approx(0.45) and comp.offload_fraction == 0.0
+    # a host too small for plain banks (no nvme) holds the compressed ones
+    small = _machine(gpu_mem_bytes=5 * GB, host_mem_bytes=10 * GB, nvme_read_gbps=0, nvme_write_gbps=0)
+    with pytest.raises(ValueError, match="needs at least .* GB of host memory"):
+        best_plan(small, WORKLOAD, headroom=0.0)
+    fits = best_plan(small, _workload(state_format=_fmt(BF16, BF16, True)), headroom=0.0)
+    assert fits.memory_bytes["host"] <= 10 * GB and fits.offload_fraction > 0.5
+
+
+def test_workload_rejects_a_state_bytes_it_cannot_read():
+    with pytest.raises(ValueError, match=r"state_bytes must be 12 or 16 .* give state_format= and amsgrad="):
+        _workload(state_bytes=20)
+    with pytest.raises(TypeError, match="state_format must be a hybrid_opt.state_format.StateFormat"):
+        _workload(state_format="bf16")
+    assert _workload(state_bytes=16).amsgrad and not _workload(state_bytes=12).amsgrad
+
+
+def test_planner_flags_count_the_compressed_state(capsys):
+    base = ["--params", "70e9", "--preset", "8xh100-node"]
+    flags = ["--exp-avg-dtype", "bf16", "--exp-avg-sq-dtype", "bf16", "--store-param-remainders"]
+    rc, out, _ = _run_planner(base + flags + ["--json"])
+    assert rc == 0
+    d = json.loads(out)
+    assert d["bytes_per_param"] == {"device": 6, "host": 8, "nvme": 6, "host_adam": 18,
+                                    "device_adam": 18, "high_half": 2}
+    assert (d["workload"]["exp_avg_dtype"], d["workload"]["exp_avg_sq_dtype"],
+            d["workload"]["store_param_remainders"], d["workload"]["model_dtype"]) == ("bf16", "bf16", True, "bf16")
+    plain = json.loads(_run_planner(base + ["--json"])[1])
+    assert plain["bytes_per_param"]["host"] == 14 and plain["workload"]["exp_avg_dtype"] == "fp32"
+    # the issue's figure: most of the plain iteration is host Adam; compressed state is faster
+    assert plain["breakdown"]["host_compute"] > 0.8 * plain["predicted_iteration_seconds"]
+    assert d["predicted_iteration_seconds"] < 0.5 * plain["predicted_iteration_seconds"]
+    # only one moment in bf16, the summary says which and its bytes
+    rc, out, _ = _run_planner(base + ["--exp-avg-dtype", "bf16"])
+    assert rc == 0 and "state: exp_avg bf16, exp_avg_sq fp32, fp32 master" in out
+    assert "bytes per param: device 10, host bank 12 (spares alike), nvme file 10" in out
+    rc, out, _ = _run_planner(base + flags)
+    assert "master = bf16 param + int16 remainder" in out and "device 6, host bank 8" in out
+    # remainders do nothing for an fp32 model
+    fp32 = json.loads(_run_planner(base + ["--dtype", "fp32", "--store-param-remainders", "--json"])[1])
+    assert fp32["bytes_per_param"]["high_half"] == 0 and fp32["bytes_per_param"]["nvme"] == 12
+
+
+def test_planner_rejects_a_moment_dtype_it_has_no_kernel_for(capsys):
+    with pytest.raises(SystemExit) as e:
+        planner.main(["--params", "7B", "--exp-avg-dtype", "fp16"])
+    assert e.value.code == 2
+    assert re.search(r"--exp-avg-dtype: invalid choice: 'fp16'", capsys.readouterr().err)

@@ -421,6 +421,48 @@ def test_refit_takes_the_host_rate_from_measured_worker_time():
     assert ap.calibration["host_adam_gelems_per_s"] == 1e-6  # the calibration itself stays
 
 
+def _compressed():
+    from hybrid_opt.state_format import StateFormat
+    return StateFormat(torch.bfloat16, torch.bfloat16, True)
+
+
+def test_the_planner_counts_its_state_format():
+    """state_format= (the optimizer's, #16): the workload it plans with counts those bytes."""
+    plain, comp = _planner(model_bytes=2), _planner(model_bytes=2, state_format=_compressed())
+    assert plain.workload().tier_bytes()["host"] == 14 and comp.workload().tier_bytes()["host"] == 8
+    assert comp.workload().tier_bytes()["nvme"] == 6
+    # remainders only for bf16 params: a 2-byte fp16 model keeps its fp32 master
+    fp16 = _planner(model_bytes=2, model_dtype=torch.float16, state_format=_compressed())
+    assert fp16.workload().tier_bytes()["device"] == 8 and fp16.workload().tier_bytes()["high_half"] == 0
+    ams = _planner(model_bytes=2, state_bytes=16, state_format=_compressed())
+    assert ams.workload().amsgrad and ams.workload().tier_bytes()["device"] == 8
+
+
+def test_a_compressed_state_keeps_more_on_a_device_budget():
+    """A GPU whose budget holds the bf16 model, its grads and 6 B/param of state but not 12:
+    the plain format offloads half, the compressed one keeps every subgroup on the device."""
+    kw = dict(numels=[1000] * 10, ready_ranks=list(range(9, -1, -1)), model_bytes=2,
+              device=torch.device("cuda"), calibration=dict(SLOW_HOST), subgroup_numel=1000,
+              device_budget=1e4 * 4 + 1e4 * 6 + 1e4, host_budget=1e12)
+    plain, comp = _planner(**kw).choose(), _planner(state_format=_compressed(), **kw).choose()
+    assert plain.offload_fraction == 0.5 and comp.offload_fraction == 0.0
+    assert comp.prediction.memory_bytes["device"] <= kw["device_budget"]
+
+
+def test_refit_keeps_the_host_rate_at_the_reference_bytes():
+    """A compressed host step moves 18 B/element, not 28: the rate measured on it is stored as
+    the 28 B rate the cost model divides by, so it predicts the same time for the same step."""
+    ap = _planner(model_bytes=2, state_format=_compressed())
+    ap.observe(_sample(0.1))
+    for _ in range(3):
+        ap.observe(_sample(0.1, host_worker_s=2.0, host_elements=1000))
+    ap.refit(0.5, 0.0)
+    assert ap.rates["host_adam_gelems_per_s"] == pytest.approx(1000 / 2.0 / 1e9 * 18 / 28)
+    m = ap.machine()
+    per_elem = ap.workload().tier_bytes()["host_adam"] / cm.HOST_ADAM_REFERENCE_BYTES / (m.host_adam_gelems_per_s * 1e9)
+    assert per_elem * 1000 == pytest.approx(2.0)
+
+
 def test_refit_on_cuda_takes_the_device_rate_from_gpu_time_and_overhead_from_host_time():
     """On CUDA device_s is GPU time (events) and the trainer only launches: the device rate
     comes from GPU time, and the step's overhead subtracts the trainer's own time in the
