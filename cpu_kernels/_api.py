@@ -75,9 +75,9 @@ def adam_step_(param, grad, exp_avg, exp_avg_sq, *, step, lr, beta1, beta2, eps,
     """One Adam (decoupled=False, L2) or AdamW step over contiguous CPU tensors.
 
     param: fp32 master; grad: fp32/bf16/fp16, multiplied by `grad_scale` in the same pass
-    (1/loss_scale x clip coefficient; negative for maximize); exp_avg/exp_avg_sq (and
-    max_exp_avg_sq for amsgrad): fp32 or bf16 (rounded to nearest even; the fp32 value
-    before rounding feeds the param update). `param_copy`: a bf16/fp16 tensor receiving the
+    (1/loss_scale x clip coefficient; negative for maximize); exp_avg and exp_avg_sq: each
+    fp32 or bf16, independently (rounded to nearest even; the fp32 value before rounding
+    feeds the param update); max_exp_avg_sq (amsgrad) in exp_avg_sq's dtype. `param_copy`: a bf16/fp16 tensor receiving the
     updated param, rounded exactly as torch's cast.
     `out=(param_out, exp_avg_out, exp_avg_sq_out[, max_exp_avg_sq_out])`: bank mode, the
     new state is written there (non-temporal stores) and the inputs stay bitwise unchanged.
@@ -113,10 +113,8 @@ def adam_step_(param, grad, exp_avg, exp_avg_sq, *, step, lr, beta1, beta2, eps,
     _check_tensor(grad, "grad", _GRAD_DTYPES, n)
     _check_tensor(exp_avg, "exp_avg", _STATE_DTYPES, n)
     _check_tensor(exp_avg_sq, "exp_avg_sq", _STATE_DTYPES, n)
-    if exp_avg_sq.dtype != exp_avg.dtype:
-        raise TypeError(f"exp_avg_sq dtype {exp_avg_sq.dtype} differs from exp_avg dtype {exp_avg.dtype}")
-    if max_exp_avg_sq is not None:
-        _check_tensor(max_exp_avg_sq, "max_exp_avg_sq", (exp_avg.dtype,), n)
+    if max_exp_avg_sq is not None:  # the running max of exp_avg_sq, held in its dtype
+        _check_tensor(max_exp_avg_sq, "max_exp_avg_sq", (exp_avg_sq.dtype,), n)
     if param_copy is not None:
         _check_tensor(param_copy, "param_copy", _COPY_DTYPES, n)
     ins = [("param", param), ("grad", grad), ("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)]
@@ -134,8 +132,9 @@ def adam_step_(param, grad, exp_avg, exp_avg_sq, *, step, lr, beta1, beta2, eps,
                              f"exp_avg_sq_out{', max_exp_avg_sq_out' if want == 4 else ''})")
         names = ("out[0] (param_out)", "out[1] (exp_avg_out)", "out[2] (exp_avg_sq_out)",
                  "out[3] (max_exp_avg_sq_out)")
+        like = (param, exp_avg, exp_avg_sq, exp_avg_sq)  # each output in its input's dtype
         for k, t in enumerate(out):
-            _check_tensor(t, names[k], (param.dtype,) if k == 0 else (exp_avg.dtype,), n)
+            _check_tensor(t, names[k], (like[k].dtype,), n)
         written = [(names[k], t) for k, t in enumerate(out)]
         if rem:
             _check_tensor(remainder_out, "remainder_out", (torch.int16,), n)
@@ -158,6 +157,7 @@ def adam_step_(param, grad, exp_avg, exp_avg_sq, *, step, lr, beta1, beta2, eps,
     a.param_copy = param_copy.data_ptr() if param_copy is not None else None
     a.grad_dtype = _DTYPE_CODES[grad.dtype]
     a.moment_dtype = _DTYPE_CODES[exp_avg.dtype]
+    a.exp_avg_sq_dtype = _DTYPE_CODES[exp_avg_sq.dtype]
     a.copy_dtype = _DTYPE_CODES[param_copy.dtype] if param_copy is not None else 0
     a.decoupled = 1 if decoupled else 0
     a.step = step

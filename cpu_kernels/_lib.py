@@ -21,7 +21,8 @@ class AdamArgs(ctypes.Structure):
         ("grad_dtype", ctypes.c_int32), ("moment_dtype", ctypes.c_int32),
         ("copy_dtype", ctypes.c_int32), ("decoupled", ctypes.c_int32), ("step", ctypes.c_int64)] + [
         (name, ctypes.c_double) for name in ("lr", "beta1", "beta2", "eps", "weight_decay", "grad_scale")] + [
-        ("remainder", ctypes.c_void_p), ("remainder_out", ctypes.c_void_p)]
+        ("remainder", ctypes.c_void_p), ("remainder_out", ctypes.c_void_p),
+        ("exp_avg_sq_dtype", ctypes.c_int32)]  # exp_avg_sq's (and max's); moment_dtype: exp_avg's
 
 
 class InverseArgs(ctypes.Structure):

@@ -131,7 +131,10 @@ def adam_step_bitwise_reference(param, grad, exp_avg, exp_avg_sq, *, step, lr, b
     """adam_step_'s exact bits: returns the new (param, exp_avg, exp_avg_sq, max_exp_avg_sq,
     remainder) in the inputs' dtypes (None where absent); inputs untouched. `fma`: whether
     the level fuses multiply-adds (see FUSED_MULTIPLY_ADD_LEVELS). With `remainder`, `param`
-    is the bf16 high half and the master is decoded, stepped and encoded again."""
+    is the bf16 high half and the master is decoded, stepped and encoded again. exp_avg and
+    exp_avg_sq may differ in dtype (fp32 / bf16 each, max_exp_avg_sq in exp_avg_sq's): each
+    output is narrowed to its own input's dtype, the fp32 values before rounding feed the
+    update."""
     bc1 = 1.0 - math.pow(beta1, float(step))
     bc2 = 1.0 - math.pow(beta2, float(step))
     nss, ib = _f32(-(lr / bc1)), _f32(1.0 / math.sqrt(bc2))

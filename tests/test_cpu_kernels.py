@@ -184,6 +184,35 @@ def test_bf16_moments_are_the_fp32_result_rounded_to_nearest_even(simd, amsgrad,
             assert_bitwise_equal(got, fp32.to(torch.bfloat16), f"{name} vs the fp32 value cast RNE")
 
 
+@pytest.mark.parametrize("n", [17, 4099])
+@pytest.mark.parametrize("bank", [False, True], ids=["in_place", "bank"])
+@pytest.mark.parametrize("amsgrad", [False, True], ids=["adam", "amsgrad"])
+@pytest.mark.parametrize("bf16_moment", ["exp_avg", "exp_avg_sq"])
+def test_one_bf16_moment_beside_an_fp32_one_is_the_fp32_step_with_that_moment_rounded(
+        simd, bf16_moment, amsgrad, bank, n):
+    """exp_avg and exp_avg_sq in different dtypes (max_exp_avg_sq in exp_avg_sq's): the same
+    step on the same values held all in fp32 gives the same param and fp32 moment bits, and
+    the bf16 moment(s) exactly torch's cast of the fp32 ones."""
+    bf16_names = ("exp_avg",) if bf16_moment == "exp_avg" else ("exp_avg_sq", "max_exp_avg_sq")
+    state = make_state(n, torch.bfloat16, amsgrad=amsgrad, moment_dtype=torch.bfloat16, seed=n + 1)
+    mixed = {k: (t.float() if k not in bf16_names and k != "grad" and t is not None else t)
+             for k, t in state.items()}
+    fp32 = {k: (t.float() if k != "grad" and t is not None else t) for k, t in state.items()}
+    hyper = dict(HYPER, decoupled=True, grad_scale=GRAD_SCALE)
+    new_mixed, _, _ = run_adam(mixed, bank=bank, **hyper)
+    new32, _, _ = run_adam(fp32, bank=bank, **hyper)
+    assert_bitwise_equal(new_mixed[0], new32[0], "param (mixed moments vs fp32 moments)")
+    for name, got, want in zip(("exp_avg", "exp_avg_sq", "max_exp_avg_sq"), new_mixed[1:], new32[1:]):
+        if want is None:
+            continue
+        if name in bf16_names:
+            assert got.dtype == torch.bfloat16, name
+            assert_bitwise_equal(got, want.to(torch.bfloat16), f"{name} vs the fp32 value cast RNE")
+        else:
+            assert got.dtype == torch.float32, name
+            assert_bitwise_equal(got, want, f"{name} vs the all-fp32 step")
+
+
 # ------------------------------------------------------------------------- param_copy
 @pytest.mark.parametrize("n", [1, 17, 4099, BIG])
 @pytest.mark.parametrize("bank", [False, True], ids=["in_place", "bank"])
@@ -602,10 +631,23 @@ ADAM_ERROR_INPUTS = [
     ("grad int32", _set_arg(1, lambda t: t.int()), False, TypeError, "grad must have dtype"),
     ("grad fp64", _set_arg(1, lambda t: t.double()), False, TypeError, "grad must have dtype"),
     ("exp_avg fp16", _set_arg(2, lambda t: t.half()), False, TypeError, "exp_avg must have dtype"),
-    ("exp_avg_sq dtype differs", _set_arg(3, lambda t: t.bfloat16()), False, TypeError,
-     "exp_avg_sq dtype .* differs"),
+    ("exp_avg_sq fp16", _set_arg(3, lambda t: t.half()), False, TypeError, "exp_avg_sq must have dtype"),
+    # exp_avg_sq may differ from exp_avg; max_exp_avg_sq and the outputs follow their own input
     ("max_exp_avg_sq dtype differs", _set_kw(max_exp_avg_sq=lambda a, k: k["max_exp_avg_sq"].bfloat16()),
-     True, TypeError, "max_exp_avg_sq must have dtype"),
+     True, TypeError, r"max_exp_avg_sq must have dtype in \['torch.float32'\]"),
+    ("max_exp_avg_sq fp32 beside a bf16 exp_avg_sq", _set_arg(3, lambda t: t.bfloat16()), True,
+     TypeError, r"max_exp_avg_sq must have dtype in \['torch.bfloat16'\]"),
+    ("out[2] in exp_avg's dtype, not exp_avg_sq's",
+     lambda a, k: (_set_arg(3, lambda t: t.bfloat16())(a, k), _set_kw(out=_out(F32, F32, F32))(a, k)),
+     False, TypeError, r"out\[2\] \(exp_avg_sq_out\) must have dtype in \['torch.bfloat16'\]"),
+    ("out[1] in exp_avg_sq's dtype, not exp_avg's",
+     lambda a, k: (_set_arg(3, lambda t: t.bfloat16())(a, k), _set_kw(out=_out(F32, BF16, BF16))(a, k)),
+     False, TypeError, r"out\[1\] \(exp_avg_out\) must have dtype in \['torch.float32'\]"),
+    ("out[3] in exp_avg's dtype, not exp_avg_sq's",
+     lambda a, k: (_set_arg(3, lambda t: t.bfloat16())(a, k),
+                   _set_kw(max_exp_avg_sq=lambda a, k: k["max_exp_avg_sq"].bfloat16(),
+                           out=_out(F32, F32, BF16, F32))(a, k)),
+     True, TypeError, r"out\[3\] \(max_exp_avg_sq_out\) must have dtype in \['torch.bfloat16'\]"),
     ("grad not a tensor", _set_arg(1, lambda t: t.tolist()), False, TypeError, "grad must be a torch.Tensor"),
     ("grad sparse", _set_arg(1, lambda t: t.float().to_sparse()), False, TypeError,
      "grad must be a dense strided tensor"),

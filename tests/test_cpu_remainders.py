@@ -1,5 +1,8 @@
 """cpu_kernels' compressed state: bf16 moments and 16-bit master remainders, bit for bit.
 
+exp_avg and exp_avg_sq each have their own dtype (fp32 or bf16, max_exp_avg_sq exp_avg_sq's):
+the matrix runs all four pairs.
+
 Every SIMD level is compared with the pure-torch bit-exact reference
 (`adam_step_bitwise_reference`: the kernels' fp32 arithmetic op for op, fused multiply-adds
 emulated exactly) with torch.equal on the bits — never a tolerance. The remainder encoding
@@ -26,6 +29,13 @@ HYPER = dict(step=7, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0
 BIG = 1_000_003                      # many 16384-element chunks: every thread takes some
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STATE_NAMES = ("param", "exp_avg", "exp_avg_sq", "max_exp_avg_sq", "remainder")
+F32, BF16 = torch.float32, torch.bfloat16
+# (exp_avg dtype, exp_avg_sq dtype): the same-dtype pairs and both mixed ones
+MOMENT_PAIRS = [(F32, F32), (BF16, BF16), (F32, BF16), (BF16, F32)]
+
+
+def _pair_id(pair):
+    return "m_" + _id(pair[0]) + "-v_" + _id(pair[1])
 
 
 # the `simd` fixture (every SIMD level this CPU offers) is in conftest.py
@@ -44,24 +54,43 @@ def assert_bitwise_equal(a, b, what):
                              f"{a[bad[:5]].tolist()} vs {b[bad[:5]].tolist()}")
 
 
-def make_state(n, grad_dtype, *, amsgrad, moment_dtype, remainders, seed=0):
+def make_state(n, grad_dtype, *, amsgrad, moment_dtype, remainders, seed=0, exp_avg_sq_dtype=None):
     """A mid-training state (non-zero moments, loss-scaled grads, max_exp_avg_sq above v
-    for about half the elements); with remainders the master is held as (bf16, int16)."""
+    for about half the elements); with remainders the master is held as (bf16, int16).
+    moment_dtype is exp_avg's, exp_avg_sq_dtype (default: the same) exp_avg_sq's and the max's."""
+    vdt = moment_dtype if exp_avg_sq_dtype is None else exp_avg_sq_dtype
     gen = torch.Generator().manual_seed(seed)
     master = torch.randn(n, generator=gen)
     grad = (torch.randn(n, generator=gen) * 1024).to(grad_dtype)
     exp_avg = (torch.randn(n, generator=gen) * 0.1).to(moment_dtype)
     v = torch.rand(n, generator=gen) * 1e-2
-    vmax = (v * 2 * torch.rand(n, generator=gen)).to(moment_dtype) if amsgrad else None
-    state = dict(param=master, grad=grad, exp_avg=exp_avg, exp_avg_sq=v.to(moment_dtype),
+    vmax = (v * 2 * torch.rand(n, generator=gen)).to(vdt) if amsgrad else None
+    state = dict(param=master, grad=grad, exp_avg=exp_avg, exp_avg_sq=v.to(vdt),
                  max_exp_avg_sq=vmax, remainder=None)
     if remainders:
         state["param"], state["remainder"] = ck.encode_remainder(master)
     return state
 
 
+def _clone_keeping_offset(t):
+    """A copy of t that starts as many elements into its storage as t does (so a view at an
+    unaligned offset stays unaligned)."""
+    off = t.storage_offset()
+    buf = torch.empty(t.numel() + off, dtype=t.dtype)
+    return buf[off:].copy_(t)
+
+
 def _clone(state):
-    return {k: (t.clone() if t is not None else None) for k, t in state.items()}
+    return {k: (_clone_keeping_offset(t) if t is not None else None) for k, t in state.items()}
+
+
+def shift_inputs(state, offset):
+    """The same state with every tensor a view `offset` elements into a fresh buffer (not
+    64-byte aligned when offset > 0)."""
+    def shifted(t):
+        buf = torch.empty(t.numel() + offset, dtype=t.dtype)
+        return buf[offset:].copy_(t)
+    return {k: (shifted(t) if t is not None else None) for k, t in state.items()}
 
 
 def _poisoned(like, offset=0):
@@ -113,32 +142,36 @@ def check_matches_reference(state, level, *, bank, out_offset=0, **hyper):
 
 # ------------------------------------------------------------- the kernel matrix, bitwise
 @pytest.mark.parametrize("remainders", [False, True], ids=["fp32_master", "remainders"])
-@pytest.mark.parametrize("moment_dtype", [torch.float32, torch.bfloat16], ids=_id)
+@pytest.mark.parametrize("moments", MOMENT_PAIRS, ids=_pair_id)
 @pytest.mark.parametrize("amsgrad", [False, True], ids=["adam", "amsgrad"])
 @pytest.mark.parametrize("bank", [False, True], ids=["in_place", "bank"])
 @pytest.mark.parametrize("decoupled", [True, False], ids=["adamw", "l2"])
 @pytest.mark.parametrize("grad_dtype", GRAD_DTYPES, ids=_id)
 def test_adam_step_is_bitwise_the_reference(simd, grad_dtype, decoupled, bank, amsgrad,
-                                            moment_dtype, remainders):
+                                            moments, remainders):
     # 4099 = vector body + a 3-element tail at every level
-    state = make_state(4099, grad_dtype, amsgrad=amsgrad, moment_dtype=moment_dtype,
-                       remainders=remainders, seed=4099)
+    state = make_state(4099, grad_dtype, amsgrad=amsgrad, moment_dtype=moments[0],
+                       exp_avg_sq_dtype=moments[1], remainders=remainders, seed=4099)
     hyper = dict(HYPER, decoupled=decoupled, grad_scale=GRAD_SCALE if decoupled else -GRAD_SCALE)
     check_matches_reference(state, simd, bank=bank, **hyper)
 
 
-@pytest.mark.parametrize("n", [1, 15, 17, 33])
+@pytest.mark.parametrize("n", [1, 15, 17, 33, 95])
+@pytest.mark.parametrize("moments", MOMENT_PAIRS, ids=_pair_id)
+@pytest.mark.parametrize("remainders", [False, True], ids=["fp32_master", "remainders"])
 @pytest.mark.parametrize("bank", [False, True], ids=["in_place", "bank"])
-def test_adam_step_with_remainders_and_bf16_moments_short_tails(simd, bank, n):
-    state = make_state(n, torch.bfloat16, amsgrad=True, moment_dtype=torch.bfloat16,
-                       remainders=True, seed=n)
+def test_adam_step_short_tails_every_moment_pair(simd, bank, remainders, moments, n):
+    """Lengths around the vector widths (8, 16) and the register loops' 32-element step."""
+    state = make_state(n, torch.bfloat16, amsgrad=True, moment_dtype=moments[0],
+                       exp_avg_sq_dtype=moments[1], remainders=remainders, seed=n)
     check_matches_reference(state, simd, bank=bank, **dict(HYPER, grad_scale=GRAD_SCALE))
 
 
-@pytest.mark.parametrize("moment_dtype", [torch.float32, torch.bfloat16], ids=_id)
-def test_adam_step_with_remainders_on_a_million_elements_any_thread_count(simd, moment_dtype):
-    state = make_state(BIG, torch.bfloat16, amsgrad=False, moment_dtype=moment_dtype,
-                       remainders=True, seed=1)
+# the mixed pairs: one 4-byte and one 2-byte moment stream, each split at its own alignment
+@pytest.mark.parametrize("moments", MOMENT_PAIRS[2:], ids=_pair_id)
+def test_adam_step_with_remainders_on_a_million_elements_any_thread_count(simd, moments):
+    state = make_state(BIG, torch.bfloat16, amsgrad=False, moment_dtype=moments[0],
+                       exp_avg_sq_dtype=moments[1], remainders=True, seed=1)
     hyper = dict(HYPER, grad_scale=GRAD_SCALE)
     want = reference(state, simd, **hyper)
     for threads in (1, 2, 3):
@@ -183,19 +216,25 @@ def test_the_reference_tells_fused_from_unfused_multiply_adds():
     assert not torch.equal(bits(fused[0]), bits(unfused[0]))
 
 
-def test_bank_mode_with_remainders_into_misaligned_views_matches_the_reference():
-    """bf16/int16 outputs at odd offsets (non-temporal stores peel to alignment). In a child
-    process: a crash there fails this test instead of the run."""
+def test_misaligned_inputs_and_bank_outputs_match_the_reference():
+    """Inputs and bank-mode outputs at odd element offsets (non-temporal stores peel to
+    alignment or fall back; a stream's alignment differs by dtype), every moment pair, with
+    and without remainders. In a child process: a crash there fails this test instead of
+    the run."""
     code = (f"import sys; sys.path.insert(0, {os.path.dirname(os.path.abspath(__file__))!r})\n"
             "import torch, cpu_kernels as ck, test_cpu_remainders as t\n"
             f"for level in {LEVELS!r}:\n"
             "    ck.set_simd_level(level)\n"
             "    for n in (17, 4099):\n"
-            "        for md in (torch.float32, torch.bfloat16):\n"
-            "            for off in (1, 3, 8, 15):\n"
-            "                s = t.make_state(n, torch.bfloat16, amsgrad=off % 2 == 1, moment_dtype=md,\n"
-            "                                 remainders=True, seed=off)\n"
-            "                t.check_matches_reference(s, level, bank=True, out_offset=off, **t.HYPER)\n")
+            "        for md, vd in t.MOMENT_PAIRS:\n"
+            "            for rem in (False, True):\n"
+            "                for off in (1, 3, 8, 15):\n"
+            "                    s = t.make_state(n, torch.bfloat16, amsgrad=off % 2 == 1, moment_dtype=md,\n"
+            "                                     exp_avg_sq_dtype=vd, remainders=rem, seed=off)\n"
+            "                    t.check_matches_reference(s, level, bank=True, out_offset=off, **t.HYPER)\n"
+            "                    s = t.shift_inputs(s, off + 1)\n"
+            "                    for bank in (False, True):\n"
+            "                        t.check_matches_reference(s, level, bank=bank, out_offset=off, **t.HYPER)\n")
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
                           timeout=300)
     assert proc.returncode == 0, f"exit status {proc.returncode}\n{proc.stderr[-3000:]}"

@@ -10,6 +10,8 @@
  * register loop (AVX-512), else through L1 — so writing a spare bank costs no
  * read-for-ownership: bank mode moves the same bytes as in place. With remainders the fp32
  * master is decoded (bf16 param + int16 low half) into L1 and encoded on the way out.
+ * exp_avg and exp_avg_sq (with max_exp_avg_sq) each have their own dtype, fp32 or bf16
+ * (moment_dtype, exp_avg_sq_dtype); the pair is fixed for a call.
  * Compressed state (bf16 moments, remainders) runs in the level's register loop
  * (adam_c16_regs, HAVE_ADAM_C16_REGS: AVX-512, AVX2) over whole 32-element steps and in the
  * blocks below for the tail: the same arithmetic and rounding, so the same bits.
@@ -61,15 +63,18 @@ void FN(adam_range)(const adam_args_t *a, const adam_consts_t *c, int64_t begin,
     float xb[BLK] __attribute__((aligned(64)));
     float pob[BLK] __attribute__((aligned(64))), mob[BLK] __attribute__((aligned(64)));
     float vob[BLK] __attribute__((aligned(64))), xob[BLK] __attribute__((aligned(64)));
-    const int mdt = a->moment_dtype, oop = c->out_of_place, ams = c->amsgrad, l2 = c->l2_mode;
+    /* mdt: exp_avg's dtype; vdt: exp_avg_sq's and max_exp_avg_sq's (each fp32 or bf16) */
+    const int mdt = a->moment_dtype, vdt = a->exp_avg_sq_dtype;
+    const int oop = c->out_of_place, ams = c->amsgrad, l2 = c->l2_mode;
 #ifdef HAVE_ADAM_C16_REGS
-    if (a->remainder || mdt != DT_F32) {  /* the level's register loop; the tail below */
+    if (a->remainder || mdt != DT_F32 || vdt != DT_F32) {  /* the level's register loop; the tail below */
         const int64_t vec_end = begin + ((end - begin) & ~(int64_t)31);
         adam_c16_regs(a, c, begin, vec_end);
         begin = vec_end;
     }
 #endif
-    const int direct = (mdt == DT_F32) && !oop;  /* moments read and written in memory */
+    /* fp32 moments updated in place are read and written in memory */
+    const int mdirect = (mdt == DT_F32) && !oop, vdirect = (vdt == DT_F32) && !oop;
     const int rem = a->remainder != NULL;       /* param: bf16 high half + int16 remainder */
     float rb[BLK] __attribute__((aligned(64)));
 
@@ -88,37 +93,41 @@ void FN(adam_range)(const adam_args_t *a, const adam_consts_t *c, int64_t begin,
         const float *mi, *vi, *xi = NULL;
         if (mdt == DT_F32) {
             mi = (const float *)a->exp_avg + off;
+        } else {
+            load_block(mb, a->exp_avg, mdt, off, len, 1.0f);
+            mi = mb;
+        }
+        if (vdt == DT_F32) {
             vi = (const float *)a->exp_avg_sq + off;
             if (ams) xi = (const float *)a->max_exp_avg_sq + off;
         } else {
-            load_block(mb, a->exp_avg, mdt, off, len, 1.0f);
-            load_block(vb, a->exp_avg_sq, mdt, off, len, 1.0f);
-            if (ams) load_block(xb, a->max_exp_avg_sq, mdt, off, len, 1.0f);
-            mi = mb; vi = vb; xi = xb;
+            load_block(vb, a->exp_avg_sq, vdt, off, len, 1.0f);
+            if (ams) load_block(xb, a->max_exp_avg_sq, vdt, off, len, 1.0f);
+            vi = vb; xi = xb;
         }
 #ifdef HAVE_ADAM_F32_REGS
         if (oop && !rem) {
             /* bank mode: the level's register loop (adam_math's arithmetic, FMA for FMA) stores
              * fp32 outputs straight from registers, non-temporal — no L1 round trip — and bf16
              * moments through L1 to be rounded */
-            const int f32 = mdt == DT_F32;
-            float *mo = f32 ? (float *)a->exp_avg_out + off : mob;
-            float *vo = f32 ? (float *)a->exp_avg_sq_out + off : vob;
-            float *xo = ams ? (f32 ? (float *)a->max_exp_avg_sq_out + off : xob) : NULL;
+            const int mf32 = mdt == DT_F32, vf32 = vdt == DT_F32;
+            float *mo = mf32 ? (float *)a->exp_avg_out + off : mob;
+            float *vo = vf32 ? (float *)a->exp_avg_sq_out + off : vob;
+            float *xo = ams ? (vf32 ? (float *)a->max_exp_avg_sq_out + off : xob) : NULL;
             adam_f32_regs(pin, gi, mi, vi, ams ? xi : NULL, a->param_out + off, mo, vo, xo,
-                          a->param_copy, a->copy_dtype, off, len, c, oop, oop && f32);
-            if (!f32) {
-                store_block(a->exp_avg_out, mdt, off, mob, len, oop);
-                store_block(a->exp_avg_sq_out, mdt, off, vob, len, oop);
-                if (ams) store_block(a->max_exp_avg_sq_out, mdt, off, xob, len, oop);
+                          a->param_copy, a->copy_dtype, off, len, c, oop, oop && mf32 && vf32);
+            if (!mf32) store_block(a->exp_avg_out, mdt, off, mob, len, oop);
+            if (!vf32) {
+                store_block(a->exp_avg_sq_out, vdt, off, vob, len, oop);
+                if (ams) store_block(a->max_exp_avg_sq_out, vdt, off, xob, len, oop);
             }
             continue;
         }
 #endif
         float *po = (oop || rem) ? pob : a->param_out + off;
-        float *mo = direct ? (float *)a->exp_avg_out + off : mob;
-        float *vo = direct ? (float *)a->exp_avg_sq_out + off : vob;
-        float *xo = (direct && ams) ? (float *)a->max_exp_avg_sq_out + off : xob;
+        float *mo = mdirect ? (float *)a->exp_avg_out + off : mob;
+        float *vo = vdirect ? (float *)a->exp_avg_sq_out + off : vob;
+        float *xo = (vdirect && ams) ? (float *)a->max_exp_avg_sq_out + off : xob;
 
         if (ams) {
             if (l2) adam_math(pin, gi, mi, vi, xi, po, mo, vo, xo, len, c, 1, 1);
@@ -131,8 +140,8 @@ void FN(adam_range)(const adam_args_t *a, const adam_consts_t *c, int64_t begin,
         if (rem) encode_block((uint16_t *)(void *)a->param_out, a->remainder_out, off, pob, len, oop);
         else if (po == pob) store_block(a->param_out, DT_F32, off, pob, len, 1);
         if (mo == mob) store_block(a->exp_avg_out, mdt, off, mob, len, oop);
-        if (vo == vob) store_block(a->exp_avg_sq_out, mdt, off, vob, len, oop);
-        if (ams && xo == xob) store_block(a->max_exp_avg_sq_out, mdt, off, xob, len, oop);
+        if (vo == vob) store_block(a->exp_avg_sq_out, vdt, off, vob, len, oop);
+        if (ams && xo == xob) store_block(a->max_exp_avg_sq_out, vdt, off, xob, len, oop);
         if (a->param_copy) store_block(a->param_copy, a->copy_dtype, off, po, len, 1);
     }
     finish_stores();

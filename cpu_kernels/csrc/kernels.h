@@ -18,21 +18,24 @@ typedef struct {
     float *param;                  /* fp32 master; with remainders the bf16 param (high half) */
     const void *grad;              /* grad_dtype */
     const void *exp_avg;           /* moment_dtype */
-    const void *exp_avg_sq;        /* moment_dtype */
-    const void *max_exp_avg_sq;    /* moment_dtype, NULL unless amsgrad */
+    const void *exp_avg_sq;        /* exp_avg_sq_dtype */
+    const void *max_exp_avg_sq;    /* exp_avg_sq_dtype, NULL unless amsgrad */
     float *param_out;              /* == param in place; another buffer in bank mode (bf16
                                     * with remainders) */
     void *exp_avg_out;
     void *exp_avg_sq_out;
     void *max_exp_avg_sq_out;
     void *param_copy;              /* copy_dtype (bf16/fp16), NULL when absent */
-    int32_t grad_dtype, moment_dtype, copy_dtype, decoupled;
+    int32_t grad_dtype, moment_dtype, copy_dtype, decoupled;  /* moment_dtype: exp_avg's */
     int64_t step;
     double lr, beta1, beta2, eps, weight_decay, grad_scale;
     /* Remainders (NULL when off): the fp32 master is param (bf16 bits) joined with these
      * int16 low halves, see remainder_decode; remainder_out == remainder in place. */
     const int16_t *remainder;
     int16_t *remainder_out;
+    /* exp_avg_sq's and max_exp_avg_sq's dtype (DT_F32 / DT_BF16), independent of exp_avg's
+     * moment_dtype (Megatron/TE's exp_avg_sq_dtype); last so older layouts keep their offsets */
+    int32_t exp_avg_sq_dtype;
 } adam_args_t;
 
 /* Per-call constants in the precision the kernel uses, computed once in dispatch.c. */

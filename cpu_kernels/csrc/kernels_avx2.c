@@ -187,10 +187,12 @@ static inline void store_moment32(void *dst, int dt, int64_t j, const __m256 x[4
 
 #define LINE_ALIGNED(p) (!((uintptr_t)(p) & 63))
 
-static void adam_c16_regs(const adam_args_t *a, const adam_consts_t *c, int64_t begin, int64_t end)
+/* one instance per (exp_avg dtype, exp_avg_sq dtype) pair, as in kernels_avx512.c */
+static inline __attribute__((always_inline)) void adam_c16_body(
+    const adam_args_t *a, const adam_consts_t *c, int64_t begin, int64_t end, const int mdt, const int vdt)
 {
-    const int ams = c->amsgrad, oop = c->out_of_place, mdt = a->moment_dtype, gdt = a->grad_dtype;
-    const int msz = mdt == DT_F32 ? 4 : 2;
+    const int ams = c->amsgrad, oop = c->out_of_place, gdt = a->grad_dtype;
+    const int msz = mdt == DT_F32 ? 4 : 2, vsz = vdt == DT_F32 ? 4 : 2;
     const uint16_t *p16 = (const uint16_t *)(const void *)a->param;
     const int16_t *rin = a->remainder;
     const int rem = rin != NULL;
@@ -199,8 +201,8 @@ static void adam_c16_regs(const adam_args_t *a, const adam_consts_t *c, int64_t 
     const int ntp = oop && (rem ? LINE_ALIGNED(po16 + begin) && LINE_ALIGNED(a->remainder_out + begin)
                                 : LINE_ALIGNED(a->param_out + begin));
     const int ntm = oop && LINE_ALIGNED((char *)a->exp_avg_out + begin * msz) &&
-                    LINE_ALIGNED((char *)a->exp_avg_sq_out + begin * msz) &&
-                    (!ams || LINE_ALIGNED((char *)a->max_exp_avg_sq_out + begin * msz));
+                    LINE_ALIGNED((char *)a->exp_avg_sq_out + begin * vsz) &&
+                    (!ams || LINE_ALIGNED((char *)a->max_exp_avg_sq_out + begin * vsz));
     const int ntc = cp && LINE_ALIGNED(cp + begin);
     const __m256 zero = _mm256_setzero_ps();
     const __m256i one = _mm256_set1_epi32(1), low = _mm256_set1_epi32(0xffff);
@@ -208,7 +210,7 @@ static void adam_c16_regs(const adam_args_t *a, const adam_consts_t *c, int64_t 
         __m256 p[4], pn[4], mi[4], vi[4], vv[4];
         const int64_t ahead = i + 512;
         _mm_prefetch((const char *)((const char *)a->exp_avg + ahead * msz), _MM_HINT_T0);
-        _mm_prefetch((const char *)((const char *)a->exp_avg_sq + ahead * msz), _MM_HINT_T0);
+        _mm_prefetch((const char *)((const char *)a->exp_avg_sq + ahead * vsz), _MM_HINT_T0);
         _mm_prefetch((const char *)((const char *)a->grad + ahead * (gdt == DT_F32 ? 4 : 2)), _MM_HINT_T0);
         if (rem) {
             _mm_prefetch((const char *)(p16 + ahead), _MM_HINT_T0);
@@ -221,8 +223,8 @@ static void adam_c16_regs(const adam_args_t *a, const adam_consts_t *c, int64_t 
         }
         for (int q = 0; q < 4; q++) {
             const int64_t j = i + 8 * q;
-            adam8(c, p[q], load8(a->grad, gdt, j), load8(a->exp_avg, mdt, j), load8(a->exp_avg_sq, mdt, j),
-                  ams ? load8(a->max_exp_avg_sq, mdt, j) : zero, ams, &pn[q], &mi[q], &vi[q], &vv[q]);
+            adam8(c, p[q], load8(a->grad, gdt, j), load8(a->exp_avg, mdt, j), load8(a->exp_avg_sq, vdt, j),
+                  ams ? load8(a->max_exp_avg_sq, vdt, j) : zero, ams, &pn[q], &mi[q], &vi[q], &vv[q]);
         }
         if (rem) {
             __m256i ph[4], rh[4];
@@ -238,8 +240,8 @@ static void adam_c16_regs(const adam_args_t *a, const adam_consts_t *c, int64_t 
             store_f32x32(a->param_out + i, pn, ntp);
         }
         store_moment32(a->exp_avg_out, mdt, i, mi, ntm);
-        store_moment32(a->exp_avg_sq_out, mdt, i, vi, ntm);
-        if (ams) store_moment32(a->max_exp_avg_sq_out, mdt, i, vv, ntm);
+        store_moment32(a->exp_avg_sq_out, vdt, i, vi, ntm);
+        if (ams) store_moment32(a->max_exp_avg_sq_out, vdt, i, vv, ntm);
         if (cp) {
             __m256i h[2];
             for (int q = 0; q < 2; q++)
@@ -250,6 +252,15 @@ static void adam_c16_regs(const adam_args_t *a, const adam_consts_t *c, int64_t 
             store_u16x32(cp + i, h[0], h[1], ntc);
         }
     }
+}
+
+static void adam_c16_regs(const adam_args_t *a, const adam_consts_t *c, int64_t begin, int64_t end)
+{
+    const int mb = a->moment_dtype == DT_BF16, vb = a->exp_avg_sq_dtype == DT_BF16;
+    if (mb && vb) adam_c16_body(a, c, begin, end, DT_BF16, DT_BF16);
+    else if (mb) adam_c16_body(a, c, begin, end, DT_BF16, DT_F32);
+    else if (vb) adam_c16_body(a, c, begin, end, DT_F32, DT_BF16);
+    else adam_c16_body(a, c, begin, end, DT_F32, DT_F32);
 }
 
 static inline void chunk_sumsq(const void *g, int dt, int64_t off, int64_t len, double *lanes)

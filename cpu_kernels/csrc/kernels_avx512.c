@@ -251,15 +251,18 @@ static inline void store_moment32(void *dst, int dt, int64_t j, __m512 x0, __m51
 
 #define LINE_ALIGNED(p) (!((uintptr_t)(p) & 63))
 
-static void adam_c16_regs(const adam_args_t *a, const adam_consts_t *c, int64_t begin, int64_t end)
+/* one instance per (exp_avg dtype, exp_avg_sq dtype) pair: mdt and vdt are constants in
+ * each, so the loop holds no dtype branches (the pair is fixed for a call) */
+static inline __attribute__((always_inline)) void adam_c16_body(
+    const adam_args_t *a, const adam_consts_t *c, int64_t begin, int64_t end, const int mdt, const int vdt)
 {
     const regs_consts_t k = {_mm512_set1_ps(c->one_minus_beta1), _mm512_set1_ps(c->beta2),
                              _mm512_set1_ps(c->one_minus_beta2), _mm512_set1_ps(c->eps),
                              _mm512_set1_ps(c->neg_step_size), _mm512_set1_ps(c->inv_bias_correction2_sqrt),
                              _mm512_set1_ps(c->decay), _mm512_set1_ps(c->l2), _mm512_set1_ps(c->grad_scale),
                              c->l2_mode, c->amsgrad};
-    const int ams = c->amsgrad, oop = c->out_of_place, mdt = a->moment_dtype, gdt = a->grad_dtype;
-    const int msz = mdt == DT_F32 ? 4 : 2;
+    const int ams = c->amsgrad, oop = c->out_of_place, gdt = a->grad_dtype;
+    const int msz = mdt == DT_F32 ? 4 : 2, vsz = vdt == DT_F32 ? 4 : 2;
     const uint16_t *p16 = (const uint16_t *)(const void *)a->param;
     const int16_t *rin = a->remainder;
     const int rem = rin != NULL;
@@ -270,8 +273,8 @@ static void adam_c16_regs(const adam_args_t *a, const adam_consts_t *c, int64_t 
     const int ntp = oop && (rem ? LINE_ALIGNED(po16 + begin) && LINE_ALIGNED(a->remainder_out + begin)
                                 : LINE_ALIGNED(a->param_out + begin));
     const int ntm = oop && LINE_ALIGNED((char *)a->exp_avg_out + begin * msz) &&
-                    LINE_ALIGNED((char *)a->exp_avg_sq_out + begin * msz) &&
-                    (!ams || LINE_ALIGNED((char *)a->max_exp_avg_sq_out + begin * msz));
+                    LINE_ALIGNED((char *)a->exp_avg_sq_out + begin * vsz) &&
+                    (!ams || LINE_ALIGNED((char *)a->max_exp_avg_sq_out + begin * vsz));
     const int ntc = cp && LINE_ALIGNED(cp + begin);
     const __m512 zero = _mm512_setzero_ps();
     const __m512i one = _mm512_set1_epi32(1);
@@ -279,7 +282,7 @@ static void adam_c16_regs(const adam_args_t *a, const adam_consts_t *c, int64_t 
         __m512 pn[2], mi[2], vi[2], vv[2];
         const int64_t ahead = i + 512;  /* 1 KiB of a 16-bit stream */
         _mm_prefetch((const char *)((const char *)a->exp_avg + ahead * msz), _MM_HINT_T0);
-        _mm_prefetch((const char *)((const char *)a->exp_avg_sq + ahead * msz), _MM_HINT_T0);
+        _mm_prefetch((const char *)((const char *)a->exp_avg_sq + ahead * vsz), _MM_HINT_T0);
         _mm_prefetch((const char *)((const char *)a->grad + ahead * (gdt == DT_F32 ? 4 : 2)), _MM_HINT_T0);
         if (rem) {
             _mm_prefetch((const char *)(p16 + ahead), _MM_HINT_T0);
@@ -291,7 +294,7 @@ static void adam_c16_regs(const adam_args_t *a, const adam_consts_t *c, int64_t 
             const int64_t j = i + 16 * h;
             const __m512 p = rem ? decode16(p16, rin, j) : _mm512_loadu_ps(a->param + j);
             adam16(&k, p, load16(a->grad, gdt, j), load16(a->exp_avg, mdt, j),
-                   load16(a->exp_avg_sq, mdt, j), ams ? load16(a->max_exp_avg_sq, mdt, j) : zero,
+                   load16(a->exp_avg_sq, vdt, j), ams ? load16(a->max_exp_avg_sq, vdt, j) : zero,
                    &pn[h], &mi[h], &vi[h], &vv[h]);
         }
         if (rem) {
@@ -308,10 +311,19 @@ static void adam_c16_regs(const adam_args_t *a, const adam_consts_t *c, int64_t 
             store_f32x2(a->param_out + i, pn[0], pn[1], ntp);
         }
         store_moment32(a->exp_avg_out, mdt, i, mi[0], mi[1], ntm);
-        store_moment32(a->exp_avg_sq_out, mdt, i, vi[0], vi[1], ntm);
-        if (ams) store_moment32(a->max_exp_avg_sq_out, mdt, i, vv[0], vv[1], ntm);
+        store_moment32(a->exp_avg_sq_out, vdt, i, vi[0], vi[1], ntm);
+        if (ams) store_moment32(a->max_exp_avg_sq_out, vdt, i, vv[0], vv[1], ntm);
         if (cp) store_line(cp + i, join_lines(to_copy16(pn[0], a->copy_dtype), to_copy16(pn[1], a->copy_dtype)), ntc);
     }
+}
+
+static void adam_c16_regs(const adam_args_t *a, const adam_consts_t *c, int64_t begin, int64_t end)
+{
+    const int mb = a->moment_dtype == DT_BF16, vb = a->exp_avg_sq_dtype == DT_BF16;
+    if (mb && vb) adam_c16_body(a, c, begin, end, DT_BF16, DT_BF16);
+    else if (mb) adam_c16_body(a, c, begin, end, DT_BF16, DT_F32);
+    else if (vb) adam_c16_body(a, c, begin, end, DT_F32, DT_BF16);
+    else adam_c16_body(a, c, begin, end, DT_F32, DT_F32);
 }
 
 static inline void chunk_sumsq(const void *g, int dt, int64_t off, int64_t len, double *lanes)
