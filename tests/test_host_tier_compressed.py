@@ -425,3 +425,33 @@ def test_an_nvme_step_waits_for_the_high_half_copy_before_its_tasks_go(nvme_dir)
         assert_matches(tier, states, params, "after the async high half")
     finally:
         tier.close()
+
+
+@pytest.mark.gpu
+def test_cuda_params_and_grads_with_remainders_match_the_direct_steps(nvme_dir):
+    """CUDA bf16 params and grads (pinned arena): the nvme subgroups' high halves travel D2H on
+    the side stream, load_state writes the params H2D, the commit copies them back — and every
+    bit is still the CPU direct steps' (the host kernel does the arithmetic)."""
+    dev = torch.device("cuda")
+    numels, flags = [3 * SLOT + 5, 2 * SLOT, 700], [True, False, True]
+    config = dict(remainders=True, exp_avg_dtype=BF16, exp_avg_sq_dtype=BF16, amsgrad=True)
+    states = start_states(numels, config, seed=21)
+    params = [p.to(dev) for p in model_params(states)]
+    tier = new_tier(numels, flags, nvme_dir, params=params, grad_dtype=BF16, io_banks=2,
+                    staging_slots=4, pin=dev, **config)
+    try:
+        load(tier, states)
+        for step in range(1, 6):
+            grads = [g.to(dev) for g in make_grads(numels, BF16, seed=50 + step)]
+            inp = inputs(step, amsgrad=True)
+            final = inputs(step, amsgrad=True, grad_scale=0.5) if step == 3 else inp
+            for sg, g in enumerate(grads):
+                tier.speculate(sg, g, inp, wait=False)
+            steps = {sg: (g, final) for sg, g in enumerate(grads)}
+            tier.finish(steps, overflow=step == 4, on_commit=committer(params, steps))
+            if step != 4:
+                for s, g in zip(states, grads):
+                    ref_step(s, g.cpu(), final)
+            assert_matches(tier, states, [p.cpu() for p in params], f"step {step}")
+    finally:
+        tier.close()
