@@ -2,6 +2,8 @@
 tiers, next to torch.optim.AdamW on the same run.
 
     python -m hybrid_opt demo [--steps 300] [--out bench_out/demo] [--nvme-path DIR]
+                              [--dtype bf16] [--exp-avg-dtype bf16] [--exp-avg-sq-dtype bf16]
+                              [--store-param-remainders]
 
 Synthetic token data from a fixed sparse bigram chain (each token has a few likely
 successors), so the loss falls from ln(vocab) towards the chain's entropy. The model, the
@@ -85,19 +87,43 @@ def train(model, opt, batches, desc: str, *, progress: bool = True):
     return losses, step_times
 
 
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def tier_state_bytes(subgroups, tiers, state_format, amsgrad: bool = False) -> dict:
+    """Bytes of optimizer state each tier holds for `subgroups` (dtype, numel, index) placed
+    as `tiers` (plan.tiers), from the state format (hybrid_opt/state_format.py): the device
+    tier's state (an fp32 param is its own master), a host bank (with the bf16 copy it
+    keeps), the nvme file (one slot; the high half of a remainder is the model's param)."""
+    from hybrid_opt.plan import DEVICE, HOST, NVME
+    out = {t: {"elements": 0, "state_bytes": 0} for t in (DEVICE, HOST, NVME)}
+    for sg in subgroups:
+        tier = tiers[sg.index]
+        if tier == DEVICE:
+            per = state_format.state_bytes(sg.dtype, amsgrad, own_master=True)
+        elif tier == HOST:
+            per = state_format.bank_bytes(sg.dtype, amsgrad)
+        else:
+            per = state_format.state_bytes(sg.dtype, amsgrad)
+        out[tier]["elements"] += sg.numel
+        out[tier]["state_bytes"] += sg.numel * per
+    return out
+
+
 def tier_table(totals: dict, steps: int) -> str:
     from hybrid_opt.plan import DEVICE, HOST, NVME
-    lines = ["| tier | subgroups | state MB | worker ms/step | step() waited ms/step | hidden ms/step | committed | redone | stepped |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| tier | subgroups | state MB | state B/param | worker ms/step | step() waited ms/step | hidden ms/step | committed | redone | stepped |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for name in (DEVICE, HOST, NVME):
         t = totals[name]
+        per = f"{t['state_bytes'] / t['elements']:.1f}" if t["elements"] else "-"
         if name == DEVICE:
             work, waited, hidden = "-", f"{t['trainer_s'] / steps * 1e3:.2f} (in trainer)", "-"
         else:
             work = f"{t['worker_s'] / steps * 1e3:.2f}"
             waited = f"{t['trainer_wait_s'] / steps * 1e3:.2f}"
             hidden = f"{max(0.0, t['worker_s'] - t['trainer_wait_s']) / steps * 1e3:.2f}"
-        lines.append(f"| {name} | {t['subgroups']} | {t['state_bytes'] / 1e6:.1f} | {work} | {waited} | "
+        lines.append(f"| {name} | {t['subgroups']} | {t['state_bytes'] / 1e6:.1f} | {per} | {work} | {waited} | "
                      f"{hidden} | {t['committed']} | {t['redone']} | {t['stepped']} |")
     return "\n".join(lines)
 
@@ -121,7 +147,20 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--no-baseline", action="store_true", help="skip the torch.optim.AdamW run")
     ap.add_argument("--no-progress", action="store_true")
+    ap.add_argument("--dtype", choices=tuple(_DTYPES), default="fp32",
+                    help="the model's params (bf16: HybridAdamW keeps fp32 masters; torch's AdamW "
+                         "baseline steps the bf16 params themselves)")
+    ap.add_argument("--exp-avg-dtype", choices=tuple(_DTYPES), default="fp32",
+                    help="HybridAdamW(exp_avg_dtype=): the first moment's dtype")
+    ap.add_argument("--exp-avg-sq-dtype", choices=tuple(_DTYPES), default="fp32",
+                    help="HybridAdamW(exp_avg_sq_dtype=): the second moment's dtype")
+    ap.add_argument("--store-param-remainders", action="store_true",
+                    help="HybridAdamW(store_param_remainders=True): a bf16 param's fp32 master "
+                         "kept as the param + an int16 remainder (with --dtype bf16)")
     args = ap.parse_args(argv)
+    state_options = dict(exp_avg_dtype=_DTYPES[args.exp_avg_dtype],
+                         exp_avg_sq_dtype=_DTYPES[args.exp_avg_sq_dtype],
+                         store_param_remainders=args.store_param_remainders)
 
     from hybrid_opt import HybridAdamW
     device = torch.device(args.device)
@@ -130,7 +169,7 @@ def main(argv=None) -> int:
 
     def fresh():
         torch.manual_seed(0)
-        return TinyGPT(vocab, args.d_model, args.layers, 4, ctx).to(device)
+        return TinyGPT(vocab, args.d_model, args.layers, 4, ctx).to(device, _DTYPES[args.dtype])
 
     model = fresh()
     n_params = sum(p.numel() for p in model.parameters())
@@ -139,15 +178,18 @@ def main(argv=None) -> int:
     if args.nvme_fraction > 0 and nvme_path is None:
         tmp = tempfile.TemporaryDirectory(prefix="hybrid_opt_demo_")
         nvme_path = tmp.name
-    print(f"TinyGPT: {n_params / 1e6:.2f}M parameters on {device}; HybridAdamW with offload "
-          f"{args.offload_fraction}, nvme {args.nvme_fraction} ({nvme_path}), {args.steps} steps")
+    print(f"TinyGPT: {n_params / 1e6:.2f}M {args.dtype} parameters on {device}; HybridAdamW with "
+          f"offload {args.offload_fraction}, nvme {args.nvme_fraction} ({nvme_path}), exp_avg "
+          f"{args.exp_avg_dtype}, exp_avg_sq {args.exp_avg_sq_dtype}, remainders "
+          f"{args.store_param_remainders}, {args.steps} steps")
     totals = None
     try:
         with HybridAdamW(model.parameters(), lr=args.lr, weight_decay=0.1, max_grad_norm=1.0,
                          offload_fraction=args.offload_fraction, nvme_fraction=args.nvme_fraction,
                          nvme_path=nvme_path, subgroup_numel=args.subgroup_numel,
-                         spare_banks=args.spare_banks) as opt:
+                         spare_banks=args.spare_banks, **state_options) as opt:
             print(opt.plan)
+            held = tier_state_bytes(opt._subgroups, opt.plan.tiers, opt.state_format)
             t0 = time.perf_counter()
             hooks_stats = []
             orig_step = opt.step
@@ -169,6 +211,8 @@ def main(argv=None) -> int:
                         acc[k] = v
                     else:
                         acc[k] += v
+        for name, t in totals.items():
+            t.update(held[name])  # the format's bytes (the step's stats count fp32 state)
     finally:
         if tmp is not None:
             tmp.cleanup()

@@ -30,3 +30,46 @@ def test_cli_lists_its_commands_and_rejects_unknown_ones(tmp_path):
     assert ok.returncode == 0 and "demo" in ok.stdout
     bad = _run(["bogus"], tmp_path)
     assert bad.returncode == 2 and "usage" in bad.stdout
+
+
+def _row(text, tier):
+    import re
+    m = re.search(rf"^\| {tier} \| (\d+) \| ([\d.]+) \| ([\d.]+|-) \|", text, re.M)
+    assert m, text
+    return m.group(3)
+
+
+def test_demo_takes_the_compressed_state_options_and_prints_bytes_per_param(tmp_path):
+    """#16: bf16 model, bf16 moments and remainders: 6 B/param on the device, 8 in a host bank
+    (remainder 2 + bf16 copy 2 + moments 4), 6 in an nvme file; the plain fp32 run beside it:
+    8 (the fp32 param is its own master), 12 and 12."""
+    out = _run(["demo", "--steps", "4", "--no-progress", "--layers", "1", "--no-baseline",
+                "--out", str(tmp_path / "o"), "--dtype", "bf16", "--exp-avg-dtype", "bf16",
+                "--exp-avg-sq-dtype", "bf16", "--store-param-remainders"], tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "exp_avg bf16, exp_avg_sq bf16, remainders True" in out.stdout
+    assert [_row(out.stdout, t) for t in ("device", "host", "nvme")] == ["6.0", "8.0", "6.0"]
+    plain = _run(["demo", "--steps", "2", "--no-progress", "--layers", "1", "--no-baseline",
+                  "--out", str(tmp_path / "p")], tmp_path)
+    assert plain.returncode == 0, plain.stderr[-3000:]
+    assert [_row(plain.stdout, t) for t in ("device", "host", "nvme")] == ["8.0", "12.0", "12.0"]
+
+
+def test_tier_state_bytes_counts_each_subgroup_by_its_dtype_and_tier():
+    from types import SimpleNamespace
+
+    import torch
+
+    from hybrid_opt.demo import tier_state_bytes
+    from hybrid_opt.state_format import StateFormat
+    sg = lambda i, n, dt: SimpleNamespace(index=i, numel=n, dtype=dt)  # noqa: E731
+    subgroups = [sg(0, 100, torch.bfloat16), sg(1, 10, torch.float32), sg(2, 100, torch.bfloat16),
+                 sg(3, 100, torch.bfloat16)]
+    fmt = StateFormat(torch.bfloat16, torch.bfloat16, True)
+    got = tier_state_bytes(subgroups, ["device", "device", "host", "nvme"], fmt)
+    # an fp32 norm beside bf16 weights keeps its own master: moments only on the device
+    assert got["device"] == {"elements": 110, "state_bytes": 100 * 6 + 10 * 4}
+    assert got["host"] == {"elements": 100, "state_bytes": 100 * 8}
+    assert got["nvme"] == {"elements": 100, "state_bytes": 100 * 6}
+    amsgrad = tier_state_bytes(subgroups, ["host"] * 4, StateFormat(), amsgrad=True)
+    assert amsgrad["host"]["state_bytes"] == 300 * (4 + 12 + 2) + 10 * 16
