@@ -288,6 +288,17 @@ def test_remainders_equal_the_fp32_master_run_over_20_steps(device, moments, ams
 
 @needs_triton
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("moments, amsgrad, decoupled", [((F32, BF16), True, False), ((BF16, F32), False, True)],
+                         ids=["m_fp32-v_bf16-adam_l2_amsgrad", "m_bf16-v_fp32-adamw"])
+def test_remainders_equal_the_fp32_master_run_with_mixed_moment_dtypes(device, moments, amsgrad, decoupled):
+    """exp_avg and exp_avg_sq of different dtypes (max_exp_avg_sq in exp_avg_sq's): the
+    remainder run is still the fp32-master run bit for bit (8 steps: the mixed pairs' loads
+    and stores are what this adds to the test above)."""
+    _twenty_steps(device, moments=moments, amsgrad=amsgrad, decoupled=decoupled, grad_dtype=F32, steps=8)
+
+
+@needs_triton
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("flag", [1.0, float("inf"), float("nan")])
 def test_found_inf_writes_no_compressed_state(device, flag):
     state = make_state(SIZES, device, grad_dtype=BF16, moments=(BF16, BF16), remainders=True, amsgrad=True)
@@ -424,5 +435,6 @@ def test_compressed_state_on_cuda_within_bf16_rounding_of_the_reference():
         run(fused_adam_reference_, expected, **kwargs)
         assert_state_within_rounding(state, expected)
     _twenty_steps("cuda", moments=(BF16, BF16), amsgrad=False, decoupled=True, grad_dtype=BF16)
+    _twenty_steps("cuda", moments=(F32, BF16), amsgrad=True, decoupled=False, grad_dtype=F32, steps=8)
     test_kernel_remainder_round_trip_is_bitwise_for_every_non_nan_pattern("cuda")
     test_found_inf_writes_no_compressed_state("cuda", float("inf"))
