@@ -364,6 +364,29 @@ def test_a_mixed_tier_keeps_fp32_masters_for_fp32_subgroups(nvme_dir):
         tier.close()
 
 
+def test_remainders_on_a_tier_without_bf16_params_change_nothing():
+    """An fp32 model (no copy dtype) with remainders=True: fp32 masters, a plain tier's layout
+    and bits (store_param_remainders on such a model is a no-op, not an error)."""
+    n = 2 * SLOT
+    params = [torch.zeros(n), torch.zeros(n)]
+    states = start_states([n, n], {}, seed=6)
+    with ExitStack() as stack:
+        rem = new_tier([n, n], copy_dtype=None, remainders=True, params=params)
+        stack.callback(rem.close)
+        plain = new_tier([n, n], copy_dtype=None)
+        stack.callback(plain.close)
+        assert rem.bank_bytes == plain.bank_bytes and rem.io_bytes == plain.io_bytes
+        for tier in (rem, plain):
+            load(tier, states)
+        grads = make_grads([n, n], seed=2)
+        for tier in (rem, plain):
+            tier.finish({sg: (g, inputs(1)) for sg, g in enumerate(grads)})
+        for s, g in zip(states, grads):
+            ref_step(s, g, inputs(1))
+        assert_matches(rem, states, params, "fp32 tier with remainders=True")
+        assert all(torch.equal(p, torch.zeros(n)) for p in params)  # the model is not written
+
+
 class _Event:
     def __init__(self, fill):
         self.fill, self.done = fill, False

@@ -54,14 +54,11 @@ def bank_layout(capacity: int, fmt, amsgrad: bool, copy_dtype, rem_mode: str):
     return regions, io_bytes, align_up(bank.nbytes, PAGE)
 
 
-def check_params(params, numels: list, remainders: bool, copy_dtype) -> list:
-    """Per subgroup: whether it keeps remainders (a bf16 param with remainders=True)."""
-    if not remainders:
+def check_params(params, numels: list, fmt, copy_dtype) -> list:
+    """Per subgroup: whether it keeps remainders (a bf16 param, fmt.store_param_remainders).
+    A tier with no bf16 param keeps fp32 masters: remainders change nothing there."""
+    if not fmt.store_param_remainders:
         return [False] * len(numels)
-    if copy_dtype != torch.bfloat16:
-        raise ValueError(f"remainders=True needs a bf16 host tier (copy_dtype=torch.bfloat16), got "
-                         f"copy_dtype={copy_dtype}: remainders encode an fp32 master as a bf16 "
-                         f"param plus its low 16 bits; drop remainders for other dtypes")
     if params is None or len(params) != len(numels):
         raise ValueError(f"remainders=True needs params=: the model's flat tensor of each of the "
                          f"{len(numels)} subgroups, in numels' order (the masters' high halves), "
@@ -71,7 +68,12 @@ def check_params(params, numels: list, remainders: bool, copy_dtype) -> list:
             raise ValueError(f"params[{k}] must be a contiguous tensor of {n} elements (subgroup "
                              f"{k}'s flat param), got "
                              f"{type(p).__name__ if not isinstance(p, torch.Tensor) else tuple(p.shape)}")
-    return [p.dtype == torch.bfloat16 for p in params]
+    flags = [fmt.remainders_for(p.dtype) for p in params]
+    if any(flags) and copy_dtype != torch.bfloat16:
+        raise ValueError(f"remainders=True with bf16 params needs a bf16 host tier "
+                         f"(copy_dtype=torch.bfloat16), got copy_dtype={copy_dtype}: the bank's "
+                         f"bf16 copy region holds the masters' high halves")
+    return flags
 
 
 class CompressedState:

@@ -34,10 +34,12 @@ class HostTier(HostStepping, HostIO, CompressedState):
     compressed state's layout and remainders in CompressedState (tiers/compressed.py).
 
     exp_avg_dtype / exp_avg_sq_dtype: each torch.float32 or torch.bfloat16 (`moment_dtype`:
-    the older name, setting both). remainders=True (a bf16 tier, copy_dtype=torch.bfloat16):
-    each subgroup whose `params` entry is bf16 keeps its fp32 master as that param (the high
-    half, also the bank's copy region) plus an int16 remainder; `params`: the model's flat
-    tensor of every subgroup, in numels' order. state()/master() give the master in fp32."""
+    the older name, setting both). remainders=True: each subgroup whose `params` entry is bf16
+    (the tier's copy_dtype must then be bf16) keeps its fp32 master as that param (the high
+    half, also the bank's copy region) plus an int16 remainder; other subgroups keep an fp32
+    master. `params`: the model's flat tensor of every subgroup, in numels' order; the caller
+    copies each committed param_copy into it (on_commit), as the optimizer does.
+    state()/master() give the master in fp32."""
 
     def __init__(self, numels: list[int], *, grad_dtype=torch.float32, exp_avg_dtype=torch.float32,
                  exp_avg_sq_dtype=torch.float32, remainders: bool = False, params: list | None = None,
@@ -58,9 +60,6 @@ class HostTier(HostStepping, HostIO, CompressedState):
             exp_avg_dtype = exp_avg_sq_dtype = moment_dtype
         fmt = StateFormat(exp_avg_dtype, exp_avg_sq_dtype, bool(remainders))
         fmt.check_rollback(rollback)
-        if rollback == "inverse" and remainders:
-            raise ValueError("rollback='inverse' needs an fp32 master (its fp64 inverse reads and "
-                             "writes fp32 params); use rollback='exact' with remainders=True")
         if grad_dtype not in _DT_CODE:
             raise TypeError(f"grad_dtype must be one of {list(_DT_CODE)}, got {grad_dtype}")
         if exp_avg_dtype != exp_avg_sq_dtype and not _independent_moment_dtypes():
@@ -77,7 +76,10 @@ class HostTier(HostStepping, HostIO, CompressedState):
         if staging_slots < 1:
             raise ValueError(f"staging_slots must be >= 1, got {staging_slots}")
         self.numels = list(numels)
-        self._remainders = check_params(params, self.numels, bool(remainders), copy_dtype)
+        self._remainders = check_params(params, self.numels, fmt, copy_dtype)
+        if rollback == "inverse" and any(self._remainders):
+            raise ValueError("rollback='inverse' needs an fp32 master (its fp64 inverse reads and "
+                             "writes fp32 params); use rollback='exact' with remainders=True")
         self._params = list(params) if any(self._remainders) else None
         self.state_format = fmt
         self.grad_dtype, self.copy_dtype = grad_dtype, copy_dtype
