@@ -16,6 +16,13 @@ JSON records: {"impl", "bytes", "threads", "op", "median_s", "p20_s", "p80_s", "
 Then the tier rows (`tier_rows`): the same bytes as subgroup state swapped out and in
 through hybrid_opt's NVMe tier (target >= 90% of the raw engine), and a pipelined step
 over N subgroups against max(I/O time, compute time) (target <= 1.15x).
+
+Then the compressed-state rows (`compressed_rows`, #16): a bf16 model's N nvme subgroups
+stepped with fp32 state (fp32 master + m + v: 12 B/param in each file slot) and with bf16
+moments + remainders (remainder + m + v: 6 B/param; the high half is read from the model's
+param), the same elements and grads, interleaved step by step (time_ms_interleaved); the
+ratio of the medians (target <= 0.6x) and each file's bytes per param. `--compressed-only`
+runs just these rows.
 """
 from __future__ import annotations
 
@@ -29,7 +36,8 @@ import tempfile
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from cpu_kernels.aio import AioEngine, aligned_buffer  # noqa: E402
-from _common import fs_type, host_description, markdown_table, parse_size, time_ms, write_json  # noqa: E402
+from _common import (fs_type, host_description, markdown_table, parse_size, time_ms,  # noqa: E402
+                     time_ms_interleaved, write_json)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MiB = 1 << 20
@@ -158,6 +166,67 @@ def tier_rows(args, workdir: str, nbytes: int, raw: list) -> list[dict]:
     return rows
 
 
+def compressed_rows(args, workdir: str, nbytes: int) -> list[dict]:
+    """A bf16 model's nvme step with fp32 state vs bf16 moments + remainders (module
+    docstring), interleaved; each tier's param copies land in the model as the optimizer's
+    commit does (the remainder tier reads its next high half from them)."""
+    import torch
+
+    from hybrid_opt.tiers.host import HostTier, StepInputs
+
+    n_sub = args.subgroups
+    numel = max(4096, nbytes // (12 * n_sub) // 4096 * 4096)
+    gen = torch.Generator().manual_seed(1)
+    grads = [torch.randn(numel, generator=gen).to(torch.bfloat16) for _ in range(n_sub)]
+    configs = {"fp32 state": dict(), "bf16 moments + remainders": dict(
+        exp_avg_dtype=torch.bfloat16, exp_avg_sq_dtype=torch.bfloat16, remainders=True)}
+    tiers, params, step = {}, {}, {}
+    try:
+        for name, kw in configs.items():
+            params[name] = [torch.randn(numel, generator=gen).to(torch.bfloat16) for _ in range(n_sub)]
+            if kw:
+                kw = dict(kw, params=params[name])
+            tiers[name] = HostTier([numel] * n_sub, nvme=[True] * n_sub, nvme_path=workdir,
+                                   io_banks=args.io_banks, slot_numel=1 << 20, staging_slots=4,
+                                   nvme_threads=4, grad_dtype=torch.bfloat16,
+                                   copy_dtype=torch.bfloat16, **kw)
+            for sg in range(n_sub):
+                tiers[name].load_state(sg, params[name][sg].float())
+            step[name] = 0
+
+        def stepper(name):
+            tier, model = tiers[name], params[name]
+
+            def land(sg, views):
+                model[sg].copy_(views["param_copy"])
+
+            def one():
+                step[name] += 1
+                tier.finish({sg: (grads[sg], StepInputs(step[name], 1e-3, 0.9, 0.999, 1e-8, 0.01))
+                             for sg in range(n_sub)}, on_commit=land)
+            return one
+
+        times = time_ms_interleaved({name: stepper(name) for name in configs}, reps=args.reps, warmup=1)
+        rows = []
+        for name in configs:
+            r = record(f"nvme step, bf16 model, {name}", 2 * tiers[name].io_bytes * n_sub, 4, "step",
+                       times[name])
+            r["file_bytes_per_param"] = tiers[name].io_bytes / numel
+            rows.append(r)
+    finally:
+        for t in tiers.values():
+            t.close()
+    base, comp = rows
+    ratio = comp["median_s"] / base["median_s"]
+    print(f"nvme step over {n_sub} subgroups of {numel} bf16 params, interleaved x{args.reps}: "
+          f"bf16 moments + remainders {comp['median_s'] * 1e3:.0f} ms vs fp32 state "
+          f"{base['median_s'] * 1e3:.0f} ms = {ratio:.2f}x (target <= 0.6x); file bytes per "
+          f"param {comp['file_bytes_per_param']:.2f} vs {base['file_bytes_per_param']:.2f}")
+    for r in rows:
+        r["ratio_to_fp32_state"] = r["median_s"] / base["median_s"]
+    return rows
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--bytes", default="1Gi", help="bytes per transfer (default 1Gi)")
@@ -169,6 +238,8 @@ def main():
     ap.add_argument("--no-dd", action="store_true", help="skip the dd baseline")
     ap.add_argument("--subgroups", type=int, default=8, help="nvme subgroups for the tier rows")
     ap.add_argument("--io-banks", type=int, default=4, help="read buffers in flight (pipelined row)")
+    ap.add_argument("--compressed-only", action="store_true",
+                    help="only the compressed-state rows (fp32 state vs bf16 moments + remainders)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
 
@@ -191,6 +262,9 @@ def main():
           f"{workdir} ({kind}), {host_description()}")
     rows = []
     try:
+        if args.compressed_only:
+            rows += compressed_rows(args, workdir, nbytes)
+            return _report(rows, args)
         buf = aligned_buffer(nbytes)
         block = os.urandom(MiB)  # incompressible, and every page touched before timing
         for off in range(0, nbytes, MiB):
@@ -208,9 +282,13 @@ def main():
             rows += dd_rows(path, nbytes, args.reps)
         rows += tier_rows(args, workdir, nbytes, rows)
         buf.close()
+        rows += compressed_rows(args, workdir, nbytes)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
+    return _report(rows, args)
 
+
+def _report(rows: list, args) -> None:
     for op in ("write", "read"):
         dd = next((r["gb_per_s"] for r in rows if r["impl"].startswith("dd") and r["op"] == op), None)
         for r in rows:
@@ -220,7 +298,9 @@ def main():
     print(markdown_table(table, [("impl", "impl", "s"), ("op", "op", "s"), ("threads", "threads", "d"),
                                  ("median_s", "median s", ".3f"), ("p20_s", "p20 s", ".3f"),
                                  ("p80_s", "p80 s", ".3f"), ("gb_per_s", "GB/s", ".2f"),
-                                 ("_vs_dd", "vs dd", ".2f")]))
+                                 ("_vs_dd", "vs dd", ".2f"),
+                                 ("file_bytes_per_param", "file B/param", ".2f"),
+                                 ("ratio_to_fp32_state", "vs fp32 state", ".2f")]))
     for r in rows:
         r.pop("_vs_dd", None)
     write_json(args.json, rows)
