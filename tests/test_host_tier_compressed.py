@@ -478,3 +478,73 @@ def test_cuda_params_and_grads_with_remainders_match_the_direct_steps(nvme_dir):
             assert_matches(tier, states, [p.cpu() for p in params], f"step {step}")
     finally:
         tier.close()
+
+
+# ------------------------------------------------------------------ 6. through HybridAdamW
+def _model(seed):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.nn.Parameter(torch.randn(s, generator=g).to(BF16)) for s in ((64, 48), (48,), (33, 17))]
+
+
+def _stream_grads(params, step):
+    g = torch.Generator().manual_seed(500 + step)
+    return [(torch.randn(p.shape, generator=g) * (8.0 if step % 3 == 1 else 0.01)).to(BF16) for p in params]
+
+
+def test_every_placement_steps_the_same_bits_through_clipping_overflow_and_a_killed_worker(
+        monkeypatch, nvme_dir):
+    """HybridAdamW with bf16 moments + remainders at offload 0 (device tier, in-process kernel),
+    1 (host, speculated in backward) and nvme 1: one grad stream through autograd, a clip that
+    bites every third step (speculated steps redone), a GradScaler overflow (rolled back: the
+    state equals the one before, bitwise) and, on the host and nvme runs, a worker killed with
+    SIGKILL mid-step — params, decoded masters and moments stay torch.equal across the three."""
+    from hybrid_opt import HybridAdamW
+    monkeypatch.setenv(FAULT_ENV, "mid_step:4")
+    placements = {"device": dict(offload_fraction=0.0), "host": dict(offload_fraction=1.0),
+                  "nvme": dict(offload_fraction=1.0, nvme_fraction=1.0, nvme_path=nvme_dir)}
+    runs, opts, scalers = {}, {}, {}
+    try:
+        for name, kw in placements.items():
+            runs[name] = _model(7)
+            opts[name] = HybridAdamW(runs[name], lr=1e-2, weight_decay=0.05, max_grad_norm=1.0,
+                                     subgroup_numel=1024, exp_avg_dtype=BF16, exp_avg_sq_dtype=BF16,
+                                     store_param_remainders=True, **kw)
+            scalers[name] = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8, growth_interval=3)
+            opts[name].attach_grad_scaler(scalers[name])
+        assert opts["host"]._host is not None and all(opts["nvme"]._host.nvme)
+        assert opts["device"]._host is None
+        assert all(opts["host"]._host._remainders) and all(opts["nvme"]._host._remainders)
+        for step in range(9):
+            for name, params in runs.items():
+                opt, scaler = opts[name], scalers[name]
+                opt.zero_grad()
+                handle = None
+                if step == 5:  # one inf in one grad: the whole step is skipped
+                    handle = params[0].register_hook(lambda g: g.index_fill(0, torch.tensor([0]), float("inf")))
+                before = opt.state_dict()["state"] if step == 5 else None
+                loss = sum((p.float() * g.float()).sum() for p, g in zip(params, _stream_grads(params, step)))
+                scaler.scale(loss).backward()
+                if handle is not None:
+                    handle.remove()
+                scaler.step(opt)
+                scaler.update()
+                assert opt.step_was_skipped == (step == 5), (name, step)
+                if before is not None:
+                    after = opt.state_dict()["state"]
+                    for i in before:
+                        for key, t in before[i].items():
+                            assert torch.equal(after[i][key], t), (name, i, key)
+            sds = {name: o.state_dict()["state"] for name, o in opts.items()}
+            for i in range(3):
+                assert torch.equal(runs["host"][i], runs["device"][i]), (step, i)
+                assert torch.equal(runs["nvme"][i], runs["device"][i]), (step, i)
+                for key in ("master_param", "exp_avg", "exp_avg_sq"):
+                    assert sds["device"][i][key].dtype == (F32 if key == "master_param" else BF16)
+                    for name in ("host", "nvme"):
+                        assert torch.equal(sds[name][i][key], sds["device"][i][key]), (step, name, i, key)
+        for name in ("host", "nvme"):
+            assert opts[name]._host.stats["worker_restarts"] >= 1, name
+            assert opts[name]._host.stats["redone"] > 0, name
+    finally:
+        for o in opts.values():
+            o.close()
