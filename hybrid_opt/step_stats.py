@@ -13,6 +13,7 @@ import collections
 import warnings
 
 from hybrid_opt.plan import DEVICE, HOST, NVME
+from hybrid_opt.state_format import StateFormat
 
 # steps whose CUDA-event marks may wait to be read; past that the oldest sample is dropped
 # (the GPU is that far behind the trainer: a sample lost, never an unbounded queue)
@@ -106,11 +107,16 @@ class StepStatsMixin:
         tiers = {t: {"subgroups": 0, "elements": 0, "state_bytes": 0, "worker_s": 0.0,
                      "committed": 0, "redone": 0, "stepped": 0, "dropped": 0}
                  for t in (DEVICE, HOST, NVME)}
+        fmt = getattr(self, "state_format", None) or StateFormat()
         for sg in self._subgroups:
-            t = tiers[self.plan.tiers[sg.index]]
+            tier = self.plan.tiers[sg.index]
+            t = tiers[tier]
             t["subgroups"] += 1
             t["elements"] += sg.numel
-            t["state_bytes"] += sg.numel * (16 if self._amsgrad_layout else 12)
+            # the master (none for an fp32 param on the device: its own), or a remainder, and
+            # the moments, in the optimizer's state format; on nvme the file's bytes
+            t["state_bytes"] += sg.numel * fmt.state_bytes(sg.dtype, self._amsgrad_layout,
+                                                           own_master=tier == DEVICE)
         if self._host is not None:
             prev = getattr(self, "_prev_worker_s", [0.0] * len(self._host.worker_seconds))
             now = list(self._host.worker_seconds)

@@ -102,6 +102,7 @@ def run(name: str, rank: int, world: int, tmp: str) -> dict:
                 break
             out["worker"].append((opt.stats.get("worker_s", 0.0), opt.stats.get("hidden_s", 0.0)))
         out["state_bytes"] = sum(t["state_bytes"] for t in opt.stats["tiers"].values())
+        out["device_elements"] = opt.stats["tiers"]["device"]["elements"]
         out["zero"] = dict(opt._zero.stats)
     out["warnings"] = [str(w.message) for w in caught]
     opt.close()
