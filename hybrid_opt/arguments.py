@@ -9,6 +9,7 @@ import warnings
 import torch
 
 from hybrid_opt.plan import check_fractions
+from hybrid_opt.state_format import StateFormat
 from hybrid_opt.swap import check_nvme_path
 
 MODEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -91,6 +92,18 @@ def check_constructor(name: str, *, amsgrad, capturable, differentiable, fused, 
         check_nvme_path(nvme_path)
     if isinstance(refit_every, bool) or not isinstance(refit_every, int) or refit_every < 0:
         raise ValueError(f"refit_every must be an int >= 0 (0: never refit), got {refit_every!r}")
+
+
+def check_state_format(exp_avg_dtype, exp_avg_sq_dtype, store_param_remainders, rollback) -> StateFormat:
+    """The compressed-state options (#16) as one StateFormat: its dtype and flag errors, then
+    rollback='inverse' refused with bf16 moments (rounding to bf16 is not invertible)."""
+    fmt = StateFormat(exp_avg_dtype, exp_avg_sq_dtype, store_param_remainders)
+    fmt.check_rollback(rollback)
+    if rollback == "inverse" and fmt.store_param_remainders:
+        raise ValueError("rollback='inverse' cannot be combined with store_param_remainders=True: "
+                         "its fp64 inverse reads and writes an fp32 master, which remainders do "
+                         "not keep; use rollback='exact' (the default)")
+    return fmt
 
 
 def check_group_params(name: str, param_group: dict) -> dict:

@@ -12,16 +12,27 @@ from hybrid_opt.distributed import dtensor_like, is_dtensor, is_sharded, local_o
 from hybrid_opt.plan import DEVICE
 
 
+def _master_stands(saved: torch.Tensor, param: torch.Tensor) -> bool:
+    """Whether the param is still a rounding of the saved fp32 master: torch's cast (nearest
+    even: an fp32-master optimizer's param) or, for bf16, the remainder encoding's high half
+    (nearest, ties away from zero: the param of an optimizer with store_param_remainders)."""
+    if param.dtype == torch.float32 or torch.equal(saved.to(param.dtype), param):
+        return param.dtype != torch.float32 or torch.equal(saved.float(), param)
+    if param.dtype != torch.bfloat16:
+        return False
+    from cpu_kernels.reference import encode_remainder_reference
+    return torch.equal(encode_remainder_reference(saved.float().contiguous())[0], param)
+
+
 class CheckpointMixin:
     """torch's state_dict format in and out of the tiers."""
 
     def _subgroup_state(self, sg) -> dict:
         """A subgroup's fp32 master and moments, wherever it lives: views on the device and
-        host tiers, copies read from its file on nvme."""
+        host tiers, copies read from its file on nvme; a master kept as remainders is decoded
+        (a new tensor: written back with the tier's set_master / load_state)."""
         if self.plan.tiers[sg.index] == DEVICE:
-            st = {"master": self._device.master[sg.index]}
-            st.update(self._device.state[sg.index])
-            return st
+            return self._device.state_of(sg.index)
         st = self._host.state(self._host_local[sg.index])
         st["master"] = st.pop("param")
         return st
@@ -37,6 +48,7 @@ class CheckpointMixin:
         # called between backward and step(): the committed state is what a checkpoint holds;
         # pending speculations are dropped (step() then steps those subgroups itself)
         self._drop_speculation()
+        self._check_written()  # a param written since the last step: its master restarts first (storage.py)
         base = super().state_dict()  # param_groups in torch's format (params as indices)
         params = list(self._all_params())
         pieces: dict = {}  # param index -> [(subgroup, slice)]
@@ -65,7 +77,8 @@ class CheckpointMixin:
                 flat = {k: st[k][a:b] for k in keys}
             else:
                 where = p.device if on_device else torch.device("cpu")
-                flat = {k: torch.empty(p.numel(), dtype=torch.float32, device=where) for k in keys}
+                # moments in the format's dtypes (bf16 when compressed), the master in fp32
+                flat = {k: torch.empty(p.numel(), dtype=self._state_dtype(k), device=where) for k in keys}
                 for sg, sl in parts:
                     if sg.index not in sub_state:
                         sub_state[sg.index] = self._subgroup_state(sg)
@@ -83,6 +96,11 @@ class CheckpointMixin:
             state[idx] = entry
         base["state"] = state
         return base
+
+    def _state_dtype(self, key: str) -> torch.dtype:
+        fmt = self.state_format
+        return {"exp_avg": fmt.exp_avg_dtype, "exp_avg_sq": fmt.exp_avg_sq_dtype,
+                "max_exp_avg_sq": fmt.exp_avg_sq_dtype}.get(key, torch.float32)
 
     def _group_of(self, idx: int) -> dict:
         for g in self.param_groups:
@@ -149,7 +167,7 @@ class CheckpointMixin:
                     # our extra key along without updating it, so after training elsewhere the
                     # param itself is the truth (and a load never writes params). Compared on
                     # the param's device: a map_location="cpu" file may load into a CUDA model
-                    if saved is not None and torch.equal(saved.to(device=p.device, dtype=p.dtype), src):
+                    if saved is not None and _master_stands(saved.to(p.device), src):
                         src = saved
                 else:
                     src = saved
@@ -171,7 +189,9 @@ class CheckpointMixin:
                     if last_sg[sl.param_index] == sg.index:
                         for k in st:
                             sources.pop((sl.param_index, k), None)
-                if self.plan.tiers[sg.index] != DEVICE:
+                if self.plan.tiers[sg.index] == DEVICE:
+                    self._device.set_master(sg.index, st["master"])  # remainders: encoded back
+                else:
                     local = self._host_local[sg.index]
                     self._host.load_state(local, st["master"], st["exp_avg"], st["exp_avg_sq"],
                                           st.get("max_exp_avg_sq"))
@@ -179,6 +199,7 @@ class CheckpointMixin:
             st = saved_state.get(idx)
             self._steps[idx] = int(float(st["step"])) if st is not None and "step" in st else 0
         self._sync_torch_state(rebuild=True)
+        self._record_versions()  # with remainders a load writes the params' high halves
 
     # ------------------------------------------------------------------ torch's self.state
     def _sync_torch_state(self, rebuild: bool = False) -> None:

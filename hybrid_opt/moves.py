@@ -39,13 +39,15 @@ class MoveMixin:
 
     # ------------------------------------------------------------------ room
     def _state_bytes_per_element(self) -> int:
-        return 16 if self._amsgrad_layout else 12
+        """A subgroup's state as a move copies it out: fp32 master (decoded) and moments."""
+        return 4 + self.state_format.moment_bytes(self._amsgrad_layout)
 
     def _device_tier_bytes(self, sgs) -> int:
-        """What DeviceTier allocates for `sgs`: the moments, and an fp32 master for a
-        bf16/fp16 subgroup (an fp32 model's params are their own master)."""
-        moments = self._state_bytes_per_element() - 4
-        return sum(s.numel * (moments + (4 if s.dtype != torch.float32 else 0)) for s in sgs)
+        """What DeviceTier allocates for `sgs`: the moments in the format's dtypes, and an fp32
+        master for a bf16/fp16 subgroup (2 bytes of remainder with remainders; an fp32 model's
+        params are their own master)."""
+        fmt, moments = self.state_format, self.state_format.moment_bytes(self._amsgrad_layout)
+        return sum(s.numel * (moments + fmt.master_bytes(s.dtype, own_master=True)) for s in sgs)
 
     def _move_memory(self, plan) -> dict:
         """Bytes a move to `plan` needs and has, on the device and on the host (module
@@ -73,7 +75,8 @@ class MoveMixin:
         from hybrid_opt import cost_model as cm
         size = self._subgroups[0].flat.element_size() if self._subgroups else 4
         wl = cm.Workload(params=float(sum(s.numel for s in self._subgroups)), model_bytes=size,
-                         grad_bytes=size, state_bytes=self._state_bytes_per_element(),
+                         grad_bytes=size, amsgrad=self._amsgrad_layout, state_format=self.state_format,
+                         model_dtype=self._subgroups[0].dtype if self._subgroups else None,
                          subgroup_numel=self.subgroup_numel)
         return cm.memory_bytes(cm.Machine(gpus=1), wl, off, nv, spare_banks)["host"]
 
@@ -156,16 +159,14 @@ class MoveMixin:
         # 4. the switch: nothing below allocates device or host memory
         dev = self._device
         for s in leaving:
-            for d in (dev.subgroups, dev.master, dev.state):
-                d.pop(s.index, None)
-        dev.subgroups.update(extra.subgroups)
-        dev.master.update(extra.master)
-        dev.state.update(extra.state)
+            dev.drop(s.index)
+        dev.absorb(extra)
         old_host, self._host = self._host, new_host
         self.plan, self._host_local = plan, local
         self._refresh_fractions()
         self.__dict__.pop("_prev_worker_s", None)  # per-subgroup worker times of the old tier
         self._install_hooks(host)
+        self._record_versions()  # what the new tiers wrote into the params (storage.py)
         if old_host is not None:
             try:
                 old_host.close()
@@ -187,15 +188,15 @@ class MoveMixin:
             if self._device_tier_bytes(arriving) > scheduler.available_device_bytes(
                     m["free"], m["reserved"], m["allocated"]):
                 for s in leaving:
-                    dev.master.pop(s.index)
-                    dev.state.pop(s.index)
+                    dev.drop(s.index, keep_subgroup=True)
                     released.append(s)
         extra = None
         try:
-            extra = DeviceTier(arriving, self._amsgrad_layout)
+            extra = DeviceTier(arriving, self._amsgrad_layout, self.state_format)
             for s in arriving:
                 st = self._subgroup_state(s)  # the old plan's host tier
-                extra.master[s.index].copy_(st["master"])
+                # fp32 master decoded there, encoded here: a remainder moves bitwise
+                extra.set_master(s.index, st["master"])
                 for k, t in extra.state[s.index].items():
                     if k in st:
                         t.copy_(st[k])
@@ -208,11 +209,10 @@ class MoveMixin:
             extra = None  # noqa: F841 - what it allocated goes before the leaving state comes back
             if released:
                 traceback.clear_frames(e.__traceback__)
-                back = DeviceTier(released, self._amsgrad_layout)
+                back = DeviceTier(released, self._amsgrad_layout, self.state_format)
                 for s in released:
-                    back.master[s.index].copy_(saved[s.index]["master"])
+                    back.set_master(s.index, saved[s.index]["master"])
                     for k, t in back.state[s.index].items():
                         t.copy_(saved[s.index][k])
-                dev.master.update(back.master)
-                dev.state.update(back.state)
+                dev.absorb(back)
             raise

@@ -64,7 +64,8 @@ class _HybridBase(ZeroParamsMixin, SpeculationMixin, PlacementMixin, CheckpointM
                  capturable, differentiable, fused, max_grad_norm, offload_fraction, nvme_fraction,
                  nvme_path, subgroup_numel, speculative, rollback, device_memory_budget,
                  host_memory_budget, process_group, worker_share=0.5, spare_banks=None,
-                 io_banks=4, refit_every=50, calibration=None, overlap_param_gather=False):
+                 io_banks=4, refit_every=50, calibration=None, overlap_param_gather=False,
+                 exp_avg_dtype=torch.float32, exp_avg_sq_dtype=torch.float32, store_param_remainders=False):
         betas = A.check_hyperparameters(lr, betas, eps, weight_decay, foreach=foreach,
                                          capturable=capturable)
         A.check_constructor(type(self).__name__, amsgrad=amsgrad, capturable=capturable,
@@ -73,6 +74,7 @@ class _HybridBase(ZeroParamsMixin, SpeculationMixin, PlacementMixin, CheckpointM
                             subgroup_numel=subgroup_numel, device_memory_budget=device_memory_budget,
                             host_memory_budget=host_memory_budget, offload_fraction=offload_fraction,
                             nvme_fraction=nvme_fraction, nvme_path=nvme_path, refit_every=refit_every)
+        self.state_format = A.check_state_format(exp_avg_dtype, exp_avg_sq_dtype, store_param_remainders, rollback)
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
                         maximize=maximize, foreach=foreach, capturable=capturable,
                         differentiable=differentiable, fused=fused,
@@ -343,6 +345,7 @@ class _HybridBase(ZeroParamsMixin, SpeculationMixin, PlacementMixin, CheckpointM
         # "auto" times the device step on the device's clock (GPU time on CUDA: clocks.py)
         d0 = self._mark() if self._auto is not None else None
         self._device.step(device_work, scale)
+        self._record_versions()  # this step's writes to the params are not the user's (storage.py)
         d1 = self._mark() if self._auto is not None else None
         t_end = time.perf_counter()
         if self._zero is not None:

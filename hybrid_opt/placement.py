@@ -51,6 +51,11 @@ class PlacementMixin(MoveMixin):
         for gi in range(len(self.param_groups)):
             self._add_group_layout(gi)
         L.assign_ready_ranks(self._subgroups)
+        if self.state_format.store_param_remainders and not any(
+                self.state_format.remainders_for(s.dtype) for s in self._subgroups):
+            warnings.warn("store_param_remainders=True has no effect here: no parameter is bf16 "
+                          "(only a bf16 param's master is kept as a remainder; fp32/fp16 params "
+                          "keep an fp32 master)", stacklevel=4)
         self._place()
         self._built = True
         self._closed = False
@@ -84,6 +89,7 @@ class PlacementMixin(MoveMixin):
                 [s.numel for s in sgs], [s.ready_rank for s in sgs], device,
                 model_bytes=torch.tensor([], dtype=dtype).element_size(),
                 state_bytes=16 if self._amsgrad_layout else 12,
+                state_format=self.state_format, model_dtype=dtype,
                 subgroup_numel=self.subgroup_numel,
                 fixed_offload=None if self.offload_fraction == "auto" else float(self.offload_fraction),
                 fixed_nvme=None if self.nvme_fraction == "auto" else float(self.nvme_fraction),
@@ -120,7 +126,8 @@ class PlacementMixin(MoveMixin):
         cuda = bool(params) and params[0].is_cuda
         size = params[0].element_size() if params else 4
         wl = cm.Workload(params=float(sum(s.numel for s in self._subgroups)), model_bytes=size,
-                         grad_bytes=size, state_bytes=16 if self._amsgrad_layout else 12,
+                         grad_bytes=size, amsgrad=self._amsgrad_layout, state_format=self.state_format,
+                         model_dtype=self._subgroups[0].dtype if self._subgroups else None,
                          subgroup_numel=self.subgroup_numel)
         return cm.memory_bytes(cm.Machine(gpus=1 if cuda else 0), wl, off, nv, spare_banks)
 
@@ -143,7 +150,7 @@ class PlacementMixin(MoveMixin):
             self.plan = self._fraction_plan(decision)
         self._refresh_fractions()
         self._device = DeviceTier([s for s in sgs if self.plan.tiers[s.index] == DEVICE],
-                                  self._amsgrad_layout)
+                                  self._amsgrad_layout, self.state_format)
         host = [s for s in sgs if self.plan.tiers[s.index] in (HOST, NVME)]
         self._host_local = {s.index: k for k, s in enumerate(host)}
         if host:
@@ -159,6 +166,7 @@ class PlacementMixin(MoveMixin):
                 self._host = None
                 raise
         self._install_hooks(host)
+        self._record_versions()  # with remainders the host tier writes the params' high halves
 
     def _make_host_tier(self, host: list, plan) -> HostTier:
         """A host tier (worker, arena, swap files) for the subgroups `host` of `plan`, empty:
@@ -169,6 +177,9 @@ class PlacementMixin(MoveMixin):
             raise TypeError("host-tier parameters must share one low-precision dtype")
         grad_dtype = torch.float32 if len(dtypes) > 1 else next(iter(dtypes))
         nvme = [plan.tiers[s.index] == NVME for s in host]
+        fmt = self.state_format
+        # remainders on a bf16 host tier: each subgroup's flat param is its masters' high half
+        remainders = fmt.store_param_remainders and copy_dtype == torch.bfloat16
         # grads arrive about in reverse parameter order: a subgroup is complete when its
         # first parameter's grad is, and every subgroup that parameter completes is ready
         # in the same hook
@@ -179,6 +190,8 @@ class PlacementMixin(MoveMixin):
                         staging_slots=staging_slots_for(list(bursts.values()),
                                                         [s.numel for s in host]),
                         copy_dtype=copy_dtype, amsgrad=self._amsgrad_layout,
+                        exp_avg_dtype=fmt.exp_avg_dtype, exp_avg_sq_dtype=fmt.exp_avg_sq_dtype,
+                        remainders=remainders, params=[s.flat for s in host] if remainders else None,
                         rollback=self.rollback, spare_banks=plan.spare_banks,
                         worker_share=self.worker_share, nvme=nvme,
                         nvme_path=self.nvme_path if any(nvme) else None,
@@ -212,7 +225,8 @@ class PlacementMixin(MoveMixin):
             budget = self.host_memory_budget
             if budget is not None:  # what the placement leaves of it
                 budget = max(0, budget - self._memory(off, nv, spare_banks=0)["host"])
-            plan.spare_banks = default_spare_banks(len(host), biggest * (16 if self._amsgrad_layout else 12), budget)
+            bank = self.state_format.bank_bytes(host[0].dtype if host else torch.float32, self._amsgrad_layout)
+            plan.spare_banks = default_spare_banks(len(host), biggest * bank, budget)
         if decision is not None:
             plan.prediction, plan.reason = decision.prediction, decision.reason
         plan.shard = self._shard_note()
@@ -266,10 +280,7 @@ class PlacementMixin(MoveMixin):
         for s in sgs:
             self.plan.tiers.append(DEVICE)
             self.plan.numels.append(s.numel)
-        extra = DeviceTier(sgs, self._amsgrad_layout)
-        self._device.subgroups.update(extra.subgroups)
-        self._device.master.update(extra.master)
-        self._device.state.update(extra.state)
+        self._device.absorb(DeviceTier(sgs, self._amsgrad_layout, self.state_format))
         L.assign_ready_ranks(self._subgroups)
         self._refresh_fractions()
         # the timing hooks sit on the first and last trainable params: the new group's may be

@@ -18,6 +18,24 @@ shard, which is its subgroups' memory (distributed.py); one given new memory (a 
 swap_tensors, FSDP2 re-padding it) is never rebound: its subgroups are pointed at the new
 shard instead, and their fp32 master restarts from it.
 
+A param whose VALUES were written outside step() — `model.load_state_dict(sd)`, an EMA
+swap, `with torch.no_grad(): p.copy_(...)` — is detected by its version counter: a param
+rebound to its flat buffer's slice (`p.data = view`) keeps a counter of its own, which every
+in-place write through the param (or its `.detach()`) bumps and step()'s own writes (the
+kernels', through the flat buffers) do not. The versions are recorded at layout and after
+every write step(), load_state_dict() and a move make; step() (and state_dict(), load_state_
+dict()) compare them first — ints only, nothing allocated, no param read. A param whose
+version moved is compared with what the last step left (its fp32 master rounded to the
+param's dtype, to nearest even as the kernels write it, or ties away from zero as the
+remainder encoding does): elements written with new values restart their master from them
+(moments and step kept, as above); elements written with the values they had keep their
+master. With `store_param_remainders` the param IS the master's high half and no other copy
+of it is kept (that is the point of remainders), so a written bf16 param restarts its whole
+master from its values (remainder 0: the master loses at most half a bf16 ulp where a value
+was rewritten unchanged). fp32 params on the device tier are their own master: nothing to
+do. Writes through `p.data` bypass version counters (as they bypass autograd's checks) and
+are not seen: write through the param under torch.no_grad().
+
 A mixin of the optimizer class.
 """
 from __future__ import annotations
@@ -29,6 +47,20 @@ from hybrid_opt.layout import dtensor_flat
 from hybrid_opt.plan import DEVICE
 
 
+def _written_as(master: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+    """Per element: whether `param` holds what a step writes from `master` — torch's cast
+    (nearest even), or for bf16 also the remainder encoding's high half (ties away)."""
+    same = master.to(param.dtype).view(_BITS[param.dtype]) == param.view(_BITS[param.dtype])
+    if param.dtype == torch.bfloat16:
+        from cpu_kernels.reference import encode_remainder_reference
+        high = encode_remainder_reference(master.contiguous())[0]
+        same |= high.view(torch.int16) == param.view(torch.int16)
+    return same
+
+
+_BITS = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}
+
+
 class StorageMixin:
     """Records where each param's elements live and re-adopts a param whose memory changed."""
 
@@ -36,22 +68,82 @@ class StorageMixin:
         """Params [first, first + len(params)) were just made views of the flat buffers."""
         views = self.__dict__.setdefault("_flat_views", [])
         ptrs = self.__dict__.setdefault("_flat_ptrs", [])
-        del views[first:], ptrs[first:]
+        versions = self.__dict__.setdefault("_param_versions", [])
+        del views[first:], ptrs[first:], versions[first:]
         for p in params:
             view = local_of(p).detach()  # aliases the flat buffer, not the Parameter
             views.append(view)
             ptrs.append(view.data_ptr())
+            versions.append(local_of(p)._version)
+
+    def _record_versions(self) -> None:
+        """Every param's version now: what step() and the tiers wrote is not the user's."""
+        self._param_versions = [local_of(p)._version for p in self._all_params()]
 
     def _check_storage(self) -> None:
         """Re-adopts every param whose memory was replaced since the last step (module
         docstring); raises when one was moved or cast."""
-        ptrs = self._flat_ptrs
-        k = 0
+        ptrs, versions = self._flat_ptrs, self._param_versions
+        k, written = 0, False
         for group in self.param_groups:
             for p in group["params"]:
-                if local_of(p).data_ptr() != ptrs[k]:
-                    return self._adopt_storage()
+                local = local_of(p)
+                if local.data_ptr() != ptrs[k]:
+                    self._adopt_storage()
+                    return self._check_written()
+                written = written or local._version != versions[k]
                 k += 1
+        if written:
+            self._check_written()
+
+    def _check_written(self) -> None:
+        """Restarts the masters of the param elements written since the versions were
+        recorded (module docstring); params whose memory was replaced are left to
+        _check_storage."""
+        params = list(self._all_params())
+        written = {i for i, p in enumerate(params) if local_of(p)._version != self._param_versions[i]
+                   and local_of(p).data_ptr() == self._flat_ptrs[i]}
+        if not written:
+            return
+        if any(self.plan.tiers[sg.index] != DEVICE for sg in self._subgroups
+               for sl in sg.slices if sl.param_index in written):
+            # a pending speculation read the old master (and the host tier's state must be idle)
+            self._drop_speculation()
+        for sg in self._subgroups:
+            slices = [sl for sl in sg.slices if sl.param_index in written]
+            if slices:
+                self._restart_masters(sg, slices, only_changed=True)
+        self._record_versions()
+
+    def _restart_masters(self, sg, slices: list, only_changed: bool) -> None:
+        """The fp32 master of `slices` of subgroup `sg` restarts from the params' values (all of
+        them, or with `only_changed` those that differ from what the last step wrote); the
+        tier gets it back (encoded with remainders; loaded on the host / nvme tier)."""
+        if self.plan.tiers[sg.index] == DEVICE and sg.dtype == torch.float32:
+            return  # an fp32 device subgroup is its own master
+        st = self._subgroup_state(sg)  # views on the device and host tiers, copies on nvme
+        master = st["master"]
+        remainders = self.state_format.remainders_for(sg.dtype)
+        changed = False
+        with torch.no_grad():
+            for sl in slices:
+                a, b = sl.sub_offset, sl.sub_offset + sl.numel
+                now = sg.flat[a:b]
+                if only_changed and not remainders:
+                    diff = ~_written_as(master[a:b], now)
+                    if not bool(diff.any()):
+                        continue
+                    master[a:b] = torch.where(diff, now.float(), master[a:b])
+                else:
+                    master[a:b].copy_(now)
+                changed = True
+        if not changed:
+            return
+        if self.plan.tiers[sg.index] == DEVICE:
+            self._device.set_master(sg.index, master)
+        else:
+            self._host.load_state(self._host_local[sg.index], master, st["exp_avg"],
+                                  st["exp_avg_sq"], st.get("max_exp_avg_sq"))
 
     def _adopt_storage(self) -> None:
         params = list(self._all_params())
@@ -73,17 +165,10 @@ class StorageMixin:
         changed = set(changed)
         for sg in self._subgroups:
             slices = [sl for sl in sg.slices if sl.param_index in changed]
-            if not slices:
-                continue
-            st = self._subgroup_state(sg)  # views on the device and host tiers, copies on nvme
-            master = st["master"]
-            for sl in slices:
-                a, b = sl.sub_offset, sl.sub_offset + sl.numel
-                if master.data_ptr() != sg.flat.data_ptr():  # an fp32 device subgroup is its own master
-                    master[a:b].copy_(sg.flat[a:b])
-            if self.plan.tiers[sg.index] != DEVICE:
-                self._host.load_state(self._host_local[sg.index], master, st["exp_avg"],
-                                      st["exp_avg_sq"], st.get("max_exp_avg_sq"))
+            if slices:
+                self._restart_masters(sg, slices, only_changed=False)
+        for i in changed:  # rebound: the new memory's version is the one to watch
+            self._param_versions[i] = local_of(params[i])._version
         # swapping a Parameter's contents (load_state_dict with swap_tensors) drops its hooks
         self._install_hooks([sg for sg in self._subgroups if self.plan.tiers[sg.index] != DEVICE])
 

@@ -241,12 +241,12 @@ def test_a_move_that_needs_the_leaving_memory_frees_it_first_and_puts_it_back_on
         released = []
         real = moves.DeviceTier
 
-        def device_tier(sgs, amsgrad):
+        def device_tier(sgs, amsgrad, *state_format):
             if not released:  # the arrivals: the leaving were let go just before
                 released.extend(i for i in opt._device.subgroups if i not in opt._device.state)
                 if fail:
                     raise torch.OutOfMemoryError("injected: CUDA out of memory")
-            return real(sgs, amsgrad)
+            return real(sgs, amsgrad, *state_format)
         monkeypatch.setattr(moves, "DeviceTier", device_tier)
         assert opt._room_shortfall(plan) is None
         if fail:

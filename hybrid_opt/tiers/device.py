@@ -6,10 +6,18 @@ device back (no host sync). On a CPU-only host the same subgroups are stepped in
 trainer by the CPU kernel. An fp32 model's params are their own master (stepped in place,
 nothing copied); a bf16/fp16 model keeps an fp32 master here and gets its params written in
 the same pass. `read_scalars` reads what a step must know on the host in one copy.
+
+The StateFormat (state_format.py) sets the moments' dtypes (bf16: rounded to nearest even
+when stored) and, with `store_param_remainders`, a bf16 subgroup keeps no fp32 master: the
+model's bf16 param is the master's high half and an int16 remainder its low half, decoded,
+stepped and encoded in the kernel's one pass. `master_of` gives every subgroup's fp32 master
+(decoded for those: a new tensor), `set_master` writes one (encoded: the param is written).
 """
 from __future__ import annotations
 
 import torch
+
+from hybrid_opt.state_format import StateFormat
 
 
 def read_scalars(values) -> list:
@@ -34,22 +42,94 @@ def read_scalars(values) -> list:
 
 
 class DeviceTier:
-    def __init__(self, subgroups: list, amsgrad: bool):
-        self.subgroups = {sg.index: sg for sg in subgroups}
-        self.master, self.state = {}, {}
+    """`master[i]`: the fp32 master of subgroup i where it keeps one (an fp32 subgroup's is its
+    flat itself); `remainder[i]`: the int16 low halves of a bf16 subgroup with remainders
+    (its flat is the high half); `state[i]`: its moments in the format's dtypes."""
+
+    def __init__(self, subgroups: list, amsgrad: bool, state_format: StateFormat = StateFormat()):
+        self.format, self.amsgrad = state_format, amsgrad
+        self.subgroups, self.master, self.remainder, self.state = {}, {}, {}, {}
         for sg in subgroups:
-            master = sg.flat if sg.dtype == torch.float32 else sg.flat.detach().float()
-            self.master[sg.index] = master
-            st = {"exp_avg": torch.zeros_like(master), "exp_avg_sq": torch.zeros_like(master)}
+            flat = sg.flat
+            self.subgroups[sg.index] = sg
+            if state_format.remainders_for(sg.dtype):
+                # the param's own fp32 value: high half the param, low half 0
+                self.remainder[sg.index] = torch.zeros(flat.shape, dtype=torch.int16, device=flat.device)
+            else:
+                self.master[sg.index] = flat if sg.dtype == torch.float32 else flat.detach().float()
+            z = lambda dt: torch.zeros(flat.shape, dtype=dt, device=flat.device)  # noqa: E731
+            st = {"exp_avg": z(state_format.exp_avg_dtype), "exp_avg_sq": z(state_format.exp_avg_sq_dtype)}
             if amsgrad:
-                st["max_exp_avg_sq"] = torch.zeros_like(master)
+                st["max_exp_avg_sq"] = z(state_format.exp_avg_sq_dtype)
             self.state[sg.index] = st
 
+    # ------------------------------------------------------------------ bookkeeping
+    def absorb(self, other: "DeviceTier") -> None:
+        """Takes `other`'s subgroups, their tensors as they are (a move's arrivals)."""
+        for d, o in ((self.subgroups, other.subgroups), (self.master, other.master),
+                     (self.remainder, other.remainder), (self.state, other.state)):
+            d.update(o)
+
+    def drop(self, index: int, keep_subgroup: bool = False) -> None:
+        """Lets subgroup `index`'s state go (it left the tier, or is about to be put back)."""
+        for d in ((self.master, self.remainder, self.state) if keep_subgroup
+                  else (self.subgroups, self.master, self.remainder, self.state)):
+            d.pop(index, None)
+
+    def __contains__(self, index: int) -> bool:
+        return index in self.state
+
+    def has_remainders(self, index: int) -> bool:
+        return index in self.remainder
+
+    def master_of(self, index: int) -> torch.Tensor:
+        """Subgroup `index`'s fp32 master: the tier's own tensor (a view, written through), or
+        for a subgroup with remainders a new tensor decoded from its param and remainder."""
+        if index not in self.remainder:
+            return self.master[index]
+        flat, rem = self.subgroups[index].flat, self.remainder[index]
+        if flat.device.type == "cpu":
+            import cpu_kernels
+            return cpu_kernels.decode_remainder(flat.detach().contiguous(), rem)
+        import gpu_kernels
+        return gpu_kernels.decode_remainder(flat.detach(), rem)
+
+    def set_master(self, index: int, master: torch.Tensor, a: int = 0, b: int | None = None) -> None:
+        """Writes elements [a, b) of subgroup `index`'s fp32 master (`master`: those elements,
+        any float dtype). With remainders the param is written too (its high half): decode of
+        the stored pair gives `master` back bitwise."""
+        b = self.subgroups[index].numel if b is None else b
+        if index not in self.remainder:
+            dst = self.master[index][a:b]
+            if dst.data_ptr() != master.data_ptr() or dst.dtype != master.dtype:
+                dst.copy_(master.reshape(-1))
+            return
+        m = master.detach().reshape(-1).to(device=self.remainder[index].device, dtype=torch.float32)
+        if m.device.type == "cpu":
+            import cpu_kernels
+            high, low = cpu_kernels.encode_remainder(m.contiguous())
+        else:
+            import gpu_kernels
+            high, low = gpu_kernels.encode_remainder(m)
+        with torch.no_grad():
+            self.subgroups[index].flat[a:b].copy_(high)
+        self.remainder[index][a:b].copy_(low)
+
+    def state_of(self, index: int) -> dict:
+        """{"master", "exp_avg", "exp_avg_sq"[, "max_exp_avg_sq"]}: views, but the master of a
+        subgroup with remainders (decoded: write it back with set_master)."""
+        st = {"master": self.master_of(index)}
+        st.update(self.state[index])
+        return st
+
     def numel(self) -> int:
-        return sum(m.numel() for m in self.master.values())
+        return sum(sg.numel for sg in self.subgroups.values() if sg.index in self.state)
 
     def nbytes(self) -> int:
+        """The bytes this tier allocated: fp32 masters beside low-precision params, remainders,
+        moments (an fp32 subgroup's master is its param: nothing)."""
         own = sum(m.numel() * 4 for i, m in self.master.items() if self.subgroups[i].dtype != torch.float32)
+        own += sum(r.numel() * 2 for r in self.remainder.values())
         return own + sum(t.numel() * t.element_size() for st in self.state.values() for t in st.values())
 
     def step(self, work: list, grad_scale, found_inf=None) -> None:
@@ -64,45 +144,51 @@ class DeviceTier:
             self._step_cpu(work, float(grad_scale))
 
     def _views(self, index: int, sl):
+        """(param, exp_avg, exp_avg_sq, max_exp_avg_sq, param_copy, remainder) of one slice:
+        param is the fp32 master, or with remainders the bf16 model param (then no copy)."""
         a, b = sl.sub_offset, sl.sub_offset + sl.numel
-        st = self.state[index]
-        return (self.master[index][a:b], st["exp_avg"][a:b], st["exp_avg_sq"][a:b],
-                st["max_exp_avg_sq"][a:b] if "max_exp_avg_sq" in st else None)
+        st, sg = self.state[index], self.subgroups[index]
+        vmax = st["max_exp_avg_sq"][a:b] if "max_exp_avg_sq" in st else None
+        if index in self.remainder:
+            return sg.flat[a:b], st["exp_avg"][a:b], st["exp_avg_sq"][a:b], vmax, None, self.remainder[index][a:b]
+        copy = sg.flat[a:b] if sg.dtype != torch.float32 else None
+        return self.master[index][a:b], st["exp_avg"][a:b], st["exp_avg_sq"][a:b], vmax, copy, None
 
     def _step_cpu(self, work: list, grad_scale: float) -> None:
         import cpu_kernels
         for index, sl, hp, step in work:
-            p, m, v, vmax = self._views(index, sl)
-            sg = self.subgroups[index]
-            copy = sg.flat[sl.sub_offset:sl.sub_offset + sl.numel] if sg.dtype != torch.float32 else None
+            p, m, v, vmax, copy, rem = self._views(index, sl)
             grad = sl.grad_view()
             if not grad.is_contiguous():
                 grad = grad.contiguous()
             cpu_kernels.adam_step_(p, grad, m, v, step=step, lr=hp.lr, beta1=hp.beta1, beta2=hp.beta2,
                                    eps=hp.eps, weight_decay=hp.weight_decay, decoupled=hp.decoupled,
                                    grad_scale=grad_scale * hp.grad_scale,
-                                   max_exp_avg_sq=vmax if hp.amsgrad else None, param_copy=copy)
+                                   max_exp_avg_sq=vmax if hp.amsgrad else None, param_copy=copy,
+                                   remainder=rem)
 
     def _step_cuda(self, work: list, grad_scale, found_inf) -> None:
         import gpu_kernels
-        # one launch per distinct (hyperparameters, step): usually exactly one
+        # one launch per distinct (hyperparameters, step, param dtype): usually exactly one
+        # (remainders are all or none in a launch: they follow the param dtype)
         launches: dict = {}
         for index, sl, hp, step in work:
             launches.setdefault((hp.lr, hp.beta1, hp.beta2, hp.eps, hp.weight_decay, hp.decoupled,
-                                 hp.amsgrad, hp.grad_scale, step, self.subgroups[index].dtype),
-                                []).append((index, sl))
-        for (lr, b1, b2, eps, wd, decoupled, amsgrad, sign, step, _), items in launches.items():
-            ps, gs, ms, vs, xs, cs = [], [], [], [], [], []
+                                 hp.amsgrad, hp.grad_scale, step, self.subgroups[index].dtype,
+                                 index in self.remainder), []).append((index, sl))
+        for (lr, b1, b2, eps, wd, decoupled, amsgrad, sign, step, _, rem), items in launches.items():
+            ps, gs, ms, vs, xs, cs, rs = [], [], [], [], [], [], []
             for index, sl in items:
-                p, m, v, vmax = self._views(index, sl)
-                sg = self.subgroups[index]
+                p, m, v, vmax, copy, r = self._views(index, sl)
                 ps.append(p)
                 gs.append(sl.grad_view().contiguous())
                 ms.append(m)
                 vs.append(v)
                 xs.append(vmax)
-                if sg.dtype != torch.float32:
-                    cs.append(sg.flat[sl.sub_offset:sl.sub_offset + sl.numel])
+                if copy is not None:
+                    cs.append(copy)
+                if r is not None:
+                    rs.append(r)
             # a float scale is a kernel argument (fp32 inside the kernel, as a 1-element fp32
             # tensor would be): no per-step tensor, no host-to-device copy
             scale = (grad_scale * sign).reshape(1) if isinstance(grad_scale, torch.Tensor) \
@@ -110,4 +196,5 @@ class DeviceTier:
             gpu_kernels.fused_adam_(ps, gs, ms, vs, step=step, lr=lr, beta1=b1, beta2=b2, eps=eps,
                                     weight_decay=wd, decoupled=decoupled, grad_scale=scale,
                                     found_inf=found_inf, max_exp_avg_sqs=xs if amsgrad else None,
-                                    param_copies=cs if len(cs) == len(ps) else None)
+                                    param_copies=cs if len(cs) == len(ps) and not rem else None,
+                                    remainders=rs if rem else None)
