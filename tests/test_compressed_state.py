@@ -385,3 +385,87 @@ def test_bf16_moments_and_remainders_converge_on_a_tiny_gpt2():
     print(f"tiny GPT-2 (bf16), final loss: {final}")
     assert final["fp32"][0] < 0.9 * final["fp32"][1]
     assert abs(final["compressed"][0] - final["fp32"][0]) <= 0.01 * final["fp32"][0]
+
+
+# ---------------------------------------------------------------------------- CUDA (Triton)
+def _cuda_run(fmt, steps, params):
+    opt = HybridAdamW(params, offload_fraction=0.0, subgroup_numel=1 << 12, exp_avg_dtype=fmt.exp_avg_dtype,
+                      exp_avg_sq_dtype=fmt.exp_avg_sq_dtype, store_param_remainders=fmt.store_param_remainders,
+                      **HYPER)
+    for k in range(steps):
+        for p, g in zip(params, _grads(params, k)):
+            p.grad = g.cuda()
+        opt.step()
+    return opt
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("moments", ["fp32", "both bf16", "exp_avg bf16"])
+def test_cuda_remainders_step_the_same_master_as_an_fp32_master_bitwise(moments):
+    """The Triton launch with remainders= decodes, steps and encodes the very master the
+    param_copies launch steps: decoded masters torch.equal over 30 steps, params differ only
+    on ties."""
+    m, v = MOMENTS[moments]
+    shapes = ((300, 100), (77,))
+    a = [nn.Parameter(p.detach().cuda()) for p in _params(BF16, seed=8, shapes=shapes)]
+    b = [nn.Parameter(p.detach().cuda()) for p in _params(BF16, seed=8, shapes=shapes)]
+    oa, ob = _cuda_run(StateFormat(m, v, False), 30, a), _cuda_run(StateFormat(m, v, True), 30, b)
+    sa, sb = oa.state_dict()["state"], ob.state_dict()["state"]
+    assert ob._device.remainder and not oa._device.remainder
+    for i in range(len(a)):
+        assert torch.equal(sa[i]["master_param"], sb[i]["master_param"]), i
+        assert torch.equal(sa[i]["exp_avg"], sb[i]["exp_avg"]), i
+        differ = a[i].detach().view(torch.int16) != b[i].detach().view(torch.int16)
+        assert torch.equal(differ, _ties(sa[i]["master_param"])), i
+
+
+@pytest.mark.gpu
+def test_cuda_compressed_device_tier_follows_the_cpu_reference_within_bf16_rounding():
+    """Triton's fp32 arithmetic rounds differently from the CPU kernel's: the state after a few
+    steps agrees with the bitwise CPU reference within the bf16 tolerance (moments) and the
+    fp32 one (master)."""
+    from tolerances import assert_close
+    fmt = StateFormat(BF16, BF16, True)
+    cpu = _params(BF16, seed=9)
+    ref = _reference_run(cpu, 4, fmt)
+    gpu = [nn.Parameter(p.detach().cuda()) for p in _params(BF16, seed=9)]
+    sd = _cuda_run(fmt, 4, gpu).state_dict()["state"]
+    for i, st in enumerate(ref):
+        master = cpu_kernels.decode_remainder_reference(st["param"], st["remainder"])
+        assert_close(sd[i]["master_param"].cpu(), master, FP32, msg=f"master {i}")
+        assert_close(sd[i]["exp_avg"].cpu().float(), st["exp_avg"].float(), BF16, msg=f"exp_avg {i}")
+        assert_close(sd[i]["exp_avg_sq"].cpu().float(), st["exp_avg_sq"].float(), BF16, msg=f"exp_avg_sq {i}")
+        assert sd[i]["exp_avg"].dtype == BF16 and sd[i]["exp_avg_sq"].dtype == BF16
+
+
+def _triton_on_cpu(opt, monkeypatch):
+    """The device tier's CUDA launch path (_step_cuda: one fused_adam_ per launch key, with
+    remainders= or param_copies=) run on CPU tensors through TRITON_INTERPRET."""
+    tier = opt._device
+    monkeypatch.setattr(tier, "step", lambda work, scale, found_inf=None:
+                        tier._step_cuda(work, float(scale), found_inf) if work else None)
+
+
+def test_cuda_launch_path_with_remainders_steps_the_fp32_master_s_bits_in_the_interpreter(monkeypatch):
+    """Without a GPU: the launch path's remainders= list gives the same decoded master as its
+    param_copies= launch (bitwise), and both follow the CPU kernel within fp32 rounding."""
+    from tolerances import assert_close
+    fmt_r, fmt_m = StateFormat(BF16, BF16, True), StateFormat(BF16, BF16, False)
+    runs = {}
+    for name, fmt, triton in (("remainders", fmt_r, True), ("master", fmt_m, True), ("cpu", fmt_m, False)):
+        params = _params(BF16, seed=11)
+        opt = _hybrid_run(params, 0, fmt, subgroup_numel=1 << 12)
+        if triton:
+            _triton_on_cpu(opt, monkeypatch)
+        for k in range(3):
+            _set_grads(params, k)
+            opt.step()
+        runs[name] = (params, opt.state_dict()["state"], opt)
+    assert runs["remainders"][2]._device.remainder
+    for i in range(len(runs["cpu"][0])):
+        r, m, c = (runs[n][1][i] for n in ("remainders", "master", "cpu"))
+        assert torch.equal(r["master_param"], m["master_param"]), i
+        assert torch.equal(r["exp_avg_sq"], m["exp_avg_sq"]), i
+        assert_close(r["master_param"], c["master_param"], FP32, msg=f"master {i}")
+        differ = runs["remainders"][0][i].detach().view(torch.int16) != runs["master"][0][i].detach().view(torch.int16)
+        assert torch.equal(differ, _ties(m["master_param"])), i

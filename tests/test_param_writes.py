@@ -30,10 +30,10 @@ def _kw(placement, tmp_path):
     return kw
 
 
-def _pair(dtype, placement, tmp_path, remainders=False):
+def _pair(dtype, placement, tmp_path, remainders=False, device="cpu"):
     """(hybrid params, hybrid optimizer, torch params holding the masters, torch's AdamW)."""
     g = torch.Generator().manual_seed(0)
-    init = [torch.randn(s, generator=g).to(dtype) for s in SHAPES]
+    init = [torch.randn(s, generator=g).to(device=device, dtype=dtype) for s in SHAPES]
     params = [nn.Parameter(t.clone()) for t in init]
     masters = [nn.Parameter(t.float()) for t in init]
     opt = HybridAdamW(params, subgroup_numel=128, store_param_remainders=remainders,
@@ -44,7 +44,7 @@ def _pair(dtype, placement, tmp_path, remainders=False):
 
 def _backward(params, masters, k):
     g = torch.Generator().manual_seed(100 + k)
-    grads = [torch.randn(p.shape, generator=g).to(p.dtype) for p in params]
+    grads = [torch.randn(p.shape, generator=g).to(device=p.device, dtype=p.dtype) for p in params]
     for opt_params in (params,):
         for p in opt_params:
             p.grad = None
@@ -65,9 +65,9 @@ def _check(params, opt, masters, what):
     sd = opt.state_dict()["state"]
     for i, (p, m) in enumerate(zip(params, masters)):
         master = sd[i]["master_param"] if "master_param" in sd[i] else p.detach()
-        assert_close(master, m.detach(), FP32, msg=f"{what}: master of param {i}")
+        assert_close(master.cpu(), m.detach().cpu(), FP32, msg=f"{what}: master of param {i}")
         if p.dtype == BF16:
-            assert_bf16_within_ulps(p.detach(), m.detach().to(BF16), msg=f"{what}: param {i}")
+            assert_bf16_within_ulps(p.detach().cpu(), m.detach().cpu().to(BF16), msg=f"{what}: param {i}")
 
 
 @pytest.mark.parametrize("placement", list(PLACEMENTS))
@@ -75,9 +75,25 @@ def _check(params, opt, masters, what):
 def test_a_param_written_outside_step_restarts_its_master_from_it(model, placement, tmp_path):
     dtype = FP32 if model == "fp32" else BF16
     params, opt, masters, ref = _pair(dtype, placement, tmp_path, remainders="remainders" in model)
+    _write_and_train(params, opt, masters, ref, dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("placement", ["device", "host"])
+@pytest.mark.parametrize("model", ["bf16", "bf16 remainders"])
+def test_cuda_a_param_written_outside_step_restarts_its_master_from_it(model, placement, tmp_path):
+    """On CUDA: the device tier's Triton launch (remainders= / param_copies=) and the pinned
+    host tier see the write too."""
+    params, opt, masters, ref = _pair(BF16, placement, tmp_path, remainders="remainders" in model,
+                                      device="cuda")
+    _write_and_train(params, opt, masters, ref, BF16)
+
+
+def _write_and_train(params, opt, masters, ref, dtype):
     g = torch.Generator().manual_seed(7)
-    new0 = torch.randn(SHAPES[0], generator=g).to(dtype)
-    new2 = torch.randn(SHAPES[2], generator=g).to(dtype)
+    device = params[0].device
+    new0 = torch.randn(SHAPES[0], generator=g).to(device=device, dtype=dtype)
+    new2 = torch.randn(SHAPES[2], generator=g).to(device=device, dtype=dtype)
     with opt:
         for k in range(3):
             _step(params, opt, masters, ref, k)
