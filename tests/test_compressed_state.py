@@ -469,3 +469,48 @@ def test_cuda_launch_path_with_remainders_steps_the_fp32_master_s_bits_in_the_in
         assert_close(r["master_param"], c["master_param"], FP32, msg=f"master {i}")
         differ = runs["remainders"][0][i].detach().view(torch.int16) != runs["master"][0][i].detach().view(torch.int16)
         assert torch.equal(differ, _ties(m["master_param"])), i
+
+
+def test_moves_between_tiers_carry_compressed_state_bitwise(tmp_path):
+    """replan() device -> host/nvme -> mixed -> device with bf16 moments + remainders: the
+    decoded master, moments and params stay those of a run that never moved."""
+    fmt = StateFormat(BF16, BF16, True)
+    still, moved = _params(BF16, seed=12), _params(BF16, seed=12)
+    a = _hybrid_run(still, 0, fmt)
+    b = _hybrid_run(moved, 0, fmt, nvme_path=str(tmp_path))
+    with a, b:
+        for k, where in enumerate([None, (1.0, 0.5), None, (0.5, 0.0), None, (0.0, 0.0), None]):
+            if where is not None:
+                b.replan(*where)
+            for params, opt in ((still, a), (moved, b)):
+                _set_grads(params, k)
+                opt.step()
+            sa, sb = a.state_dict()["state"], b.state_dict()["state"]
+            for i in range(len(still)):
+                for key in ("master_param", "exp_avg", "exp_avg_sq"):
+                    assert torch.equal(sa[i][key], sb[i][key]), (k, i, key)
+                assert torch.equal(still[i].detach(), moved[i].detach()), (k, i)
+
+
+@pytest.mark.parametrize("placement", ["host", "nvme"])
+def test_compressed_checkpoint_loads_into_offloaded_tiers_bitwise(placement, tmp_path):
+    fmt = StateFormat(BF16, BF16, True)
+    params = _params(BF16, seed=13)
+    src = _hybrid_run(params, 4, fmt)
+    sd = src.state_dict()
+    fresh = [nn.Parameter(p.detach().clone()) for p in params]
+    kw = dict(offload_fraction=1.0) if placement == "host" else \
+        dict(offload_fraction=1.0, nvme_fraction=1.0, nvme_path=str(tmp_path))
+    with _hybrid_run(fresh, 0, fmt, **kw) as dst:
+        dst.load_state_dict(sd)
+        back = dst.state_dict()["state"]
+        for i in range(len(params)):
+            for key in ("master_param", "exp_avg", "exp_avg_sq"):
+                assert back[i][key].dtype == sd["state"][i][key].dtype
+                assert torch.equal(back[i][key], sd["state"][i][key]), (i, key)
+        for k in range(4, 6):
+            for ps, o in ((params, src), (fresh, dst)):
+                _set_grads(ps, k)
+                o.step()
+        for p, q in zip(params, fresh):
+            assert torch.equal(p.detach(), q.detach())
