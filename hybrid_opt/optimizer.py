@@ -357,7 +357,7 @@ class _HybridBase(ZeroParamsMixin, SpeculationMixin, PlacementMixin, CheckpointM
         return loss
 
     def _gather_params(self) -> None:
-        self._zero.gather()
+        self._zero.gather(direct=not self.overlap_param_gather)  # waited at once: into the params
         if not self.overlap_param_gather:
             # the params are current when step() returns (as DeepSpeed's ZeRO-2); the
             # overlapped mode lands each bucket as its params are next used (zero.py), and

@@ -1,6 +1,6 @@
 """process_group mode (ZeRO-2 style) over plain, replicated params: the grads averaged by a
 bucketed reduce-scatter during backward, each rank stepping only its dim-0 chunk of every
-param, and the updated chunks all-gathered back to every rank after the step.
+param, and the updated chunks sent back to every rank after the step (zero_gather.py).
 
 Sharding: each param's state is split the way FSDP2 shards params — rank r keeps rows
 [r·c, (r+1)·c) of dim 0, c = ceil(rows / world) (torch.chunk semantics: the last chunks may
@@ -11,8 +11,10 @@ local_of); the full param stays the model's own storage on every rank.
 
 Grads: params are cut into buckets (reverse param order: grads complete about last param
 first) of one dtype and about BUCKET_NUMEL elements. A post-accumulate-grad hook marks each
-param; a bucket whose params all have their grads is packed (each rank's chunks side by
-side, padded to the longest rank's) and reduce-scattered asynchronously — strictly in bucket
+param; a bucket whose params all have their grads is packed into its persistent buffer (each
+rank's chunks side by side, padded to the longest rank's; a copy, so p.grad is never touched)
+and reduce-scattered asynchronously (COLLECTIVES: on gloo an all_to_all_single of the
+segments, summed by their owner in rank order) — strictly in bucket
 order: a bucket is issued only once every earlier bucket has been, and step() issues the ones
 that never fired (a param that got no grad on this rank), in order, so every rank issues the
 same collectives in the same order (gloo/NCCL pair them by order; a param unused on one rank
@@ -29,12 +31,15 @@ accumulated grads again: redundant traffic, like DDP without no_sync), and with
 `set_gradient_accumulation_boundary(False)` the micro-steps reduce nothing and the
 boundary backward reduces the sum once (divided by the world size, as DDP averages).
 A reduction sees p.grad as it was when its hook fired: in-place changes to p.grad after
-backward are not seen (as under DDP). step() waits for the pending ones (bounded).
+backward are not seen (as under DDP). step() waits for the pending ones (bounded). A bucket's
+buffers are allocated once, on first use (no first touch per step), stats["buffer_bytes"].
 
-Params: after a step that was taken, every bucket's chunks are all-gathered, launched at the
-end of step() and not waited there, so the gathers overlap what follows (zero_grad, the data,
-the next forward). A bucket lands — bounded wait, then the other ranks' chunks copied into
-this rank's params — when it is next needed: a global module forward pre-hook (installed
+Params (zero_gather.py): after a step that was taken, every bucket's chunks are sent to every
+rank, launched at the end of step(); by default step() waits for them (a one-param bucket then
+lands in the param itself). With overlap_param_gather they are not waited there, so they
+overlap what follows (zero_grad, the data, the next forward), and a bucket lands — bounded
+wait, then the other ranks' chunks copied from its staging buffer into this rank's params —
+when it is next needed: a global module forward pre-hook (installed
 while any gather is pending) lands the buckets holding the module's own params (recurse=
 False) before its forward; the optimizer's next step(), state_dict(), load_state_dict(), a
 move between tiers (replan, refits) and close() land them all, and so does wait_params() for
@@ -43,9 +48,11 @@ another module's weight). A param written since its chunks left (model.load_stat
 assign=True) keeps what was written: its gathered chunks are dropped. A skipped step
 (overflow) changes no param: nothing is gathered.
 
-Backends: gloo (checked on torch 2.13, CPU) and NCCL both run the real reduce-scatter and
-all-gather (reduce_scatter_single / all_gather_single, or their older _tensor names); a backend that lacks reduce_scatter_tensor gets an all_reduce of the
-bucket instead (each rank keeps its chunk: twice the traffic), said once.
+Backends (COLLECTIVES below): NCCL and other backends run the real reduce-scatter and
+all-gather (reduce_scatter_single / all_gather_single, or their older _tensor names); gloo
+(checked on torch 2.13, CPU) runs all_to_all_single + broadcasts, measured cheaper there; a
+backend that lacks reduce_scatter_tensor gets an all_reduce of the bucket instead (each rank
+keeps its chunk: twice the traffic), said once. Every path gives the same bits on 2 ranks.
 """
 from __future__ import annotations
 
@@ -56,9 +63,22 @@ from dataclasses import dataclass
 import torch
 
 from hybrid_opt import distributed as D
+from hybrid_opt.zero_gather import ParamGather, ZeroParamsMixin  # noqa: F401 (optimizer's mixin)
 
 BUCKET_NUMEL = 1 << 22      # elements per reduce-scatter / all-gather bucket (16 MB of fp32)
 WAIT_S = 300.0              # bound on each wait for a collective (a peer rank that died)
+# which collectives carry a bucket: None picks by backend — gloo "all_to_all" (each rank's
+# segment sent to its owner by all_to_all_single and summed there, in rank order; params sent
+# back by one broadcast per rank from the chunk's owner), any other "reduce_scatter"
+# (reduce-scatter + all-gather); "all_reduce" (each rank keeps its segment of the sum; params
+# broadcast) where a backend has no reduce-scatter. Measured on gloo (torch 2.13, 2 ranks, one
+# 16 MB bucket, idle cores): reduce_scatter_tensor 32 ms, all_reduce 20 ms, all_gather_into_
+# tensor 25 ms, a broadcast of each rank's half 10 ms in all; 12 such buckets back to back
+# (loaded cores): all_to_all 127 ms, all_reduce 187 ms, reduce_scatter ~360 ms. gloo's
+# reduce-scatter costs more than an all-reduce of the same bytes, not half as NCCL's does.
+# Tests set it to run every path on gloo.
+COLLECTIVES = None
+_KINDS = ("all_to_all", "reduce_scatter", "all_reduce")
 
 
 @dataclass(eq=False)
@@ -71,7 +91,7 @@ class ZeroSpec:
 
 @dataclass(eq=False)
 class _Bucket:
-    params: list            # [(param, [(rank, start, numel) per rank chunk], offset per rank)]
+    params: list            # the params, in bucket order
     dtype: torch.dtype
     device: torch.device
     width: int              # elements per rank of the chunks (longest rank's chunks)
@@ -79,6 +99,13 @@ class _Bucket:
     numels: list            # numels[k][r]
     out: torch.Tensor = None  # this rank's averaged chunks (grad views point here)
     index: int = 0          # its place in the issue order
+    # persistent, allocated on first use (no first touch per step): the reduction's input
+    # (every rank's segment), its output (reduce_scatter: this rank's segment; all_to_all:
+    # every rank's segment for this rank), and the staging of gathers that cannot land in the
+    # params directly
+    red: torch.Tensor = None
+    scratch: torch.Tensor = None
+    staging: torch.Tensor = None
 
     @property
     def seg(self) -> int:   # one rank's segment of a reduce-scatter: chunks, then has-grad counts
@@ -90,7 +117,7 @@ def _chunk_numel(p: torch.Tensor, rank: int, world: int) -> int:
     return (b - a) * (p.numel() // p.shape[0] if p.shape[0] else 0)
 
 
-class ZeroSharding:
+class ZeroSharding(ParamGather):
     """The collectives of process_group mode for one optimizer (module docstring)."""
 
     def __init__(self, params: list, group, bucket_numel: int | None = None):
@@ -134,13 +161,16 @@ class ZeroSharding:
         self._reduced: dict = {}   # param id -> the grad tensor object its last reduction read
         self._handles: list = []
         self._on_reduced, self._is_boundary = None, lambda: True
-        self._fallback = False
+        kind = COLLECTIVES or ("all_to_all" if dist.get_backend(group) == "gloo" else "reduce_scatter")
+        if kind not in _KINDS:
+            raise ValueError(f"hybrid_opt.zero.COLLECTIVES must be None or one of {_KINDS}, got {kind!r}")
+        self._kind = kind  # fixed per backend: the same on every rank
         self._ddp_checked = False
         self._gathers: dict = {}    # bucket id -> (bucket, full, mine, work, marks): launched, not landed
         self._gathering: dict = {}  # param id -> its bucket, while that bucket's gather is pending
         self._forward_hook = None   # the global forward pre-hook, installed while any is pending
         self.stats = dict(reduce_scatters=0, all_gathers=0, rereduced=0,
-                          all_gathers_landed_in_forward=0)
+                          all_gathers_landed_in_forward=0, buffer_bytes=0, collectives=kind)
 
     # ------------------------------------------------------------------ layout
     def _make_buckets(self, params: list, cap: int) -> list:
@@ -208,60 +238,85 @@ class ZeroSharding:
             self._next += 1
             self._launch(self.buckets[self._next - 1])
 
+    def _buffer(self, b: _Bucket, name: str, numel: int) -> torch.Tensor:
+        """A bucket's persistent buffer, allocated (zeroed) on first use and counted."""
+        t = getattr(b, name)
+        if t is None:
+            t = torch.zeros(numel, dtype=b.dtype, device=b.device)
+            setattr(b, name, t)
+            self.stats["buffer_bytes"] += t.numel() * t.element_size()
+        return t
+
     def _pack(self, b: _Bucket) -> torch.Tensor:
-        packed = torch.zeros(self.world * b.seg, dtype=b.dtype, device=b.device)
+        """The reduction's input in the bucket's persistent buffer: each rank's chunks side by
+        side, zero-padded to the width, then one has-grad count per param. A param without a
+        grad is zeros in the sum and counts 0."""
+        red = self._buffer(b, "red", self.world * b.seg)  # the padding: zeros, never written
         for k, p in enumerate(b.params):
-            g = p.grad
-            if g is None:
-                continue  # zeros in the sum, and no count
-            flat = g.detach().reshape(-1)
+            flat = None if p.grad is None else p.grad.detach().reshape(-1)
             start = 0
             for r in range(self.world):
-                packed[r * b.seg + b.width + k] = 1  # has-grad count, in every rank's segment
+                red[r * b.seg + b.width + k].fill_(0 if flat is None else 1)
                 n = b.numels[k][r]
                 if n:
-                    base = r * b.seg + b.offsets[k][r]
-                    packed[base:base + n].copy_(flat[start:start + n])
+                    dst = red[r * b.seg + b.offsets[k][r]:r * b.seg + b.offsets[k][r] + n]
+                    dst.zero_() if flat is None else dst.copy_(flat[start:start + n])
                 start += n
-        return packed
+        return red
 
     def _launch(self, b: _Bucket) -> None:
-        packed = self._pack(b)
+        red = self._pack(b)
         grads = [p.grad for p in b.params]
-        scratch = torch.empty(b.seg, dtype=b.dtype, device=b.device)
-        if not self._fallback:
+        if self._kind == "all_to_all":
+            out = self._buffer(b, "scratch", self.world * b.seg)
+            work = self.dist.all_to_all_single(out, red, group=self.group, async_op=True)
+        elif self._kind == "reduce_scatter":
+            out = self._buffer(b, "scratch", b.seg)
             try:
                 # reduce_scatter_single is the newer name (torch 2.13 deprecates _tensor)
                 rs = getattr(self.dist, "reduce_scatter_single", None) or self.dist.reduce_scatter_tensor
-                work = rs(scratch, packed, group=self.group, async_op=True)
+                work = rs(out, red, group=self.group, async_op=True)
             except (RuntimeError, NotImplementedError) as e:
-                self._fallback = True
+                self._kind = self.stats["collectives"] = "all_reduce"  # the same on every rank
                 warnings.warn(f"process_group: the {self.dist.get_backend(self.group)} backend has "
                               f"no reduce_scatter_tensor ({e}); each bucket is all-reduced instead "
                               f"(every rank keeps its chunk: twice the traffic)", stacklevel=3)
-        if self._fallback:
-            work = self.dist.all_reduce(packed, group=self.group, async_op=True)
-            scratch = packed[self.rank * b.seg:(self.rank + 1) * b.seg]
+        if self._kind == "all_reduce":
+            work = self.dist.all_reduce(red, group=self.group, async_op=True)
         for p in b.params:
             self._reduced[id(p)] = p.grad
         self.stats["reduce_scatters"] += 1
-        self._pending.append((b, work, scratch, grads))
+        self._pending.append((b, work, self._kind, grads))
+
+    def _average(self, b: _Bucket, kind: str) -> list:
+        """A completed reduction's sum over the ranks, divided by the world size, into b.out;
+        returns the has-grad counts. all_to_all: the ranks' segments summed here in rank order."""
+        if kind == "all_to_all":
+            segs = [b.scratch[r * b.seg:(r + 1) * b.seg] for r in range(self.world)]
+            b.out.copy_(segs[0][:b.width])
+            counts = segs[0][b.width:].clone()
+            for seg in segs[1:]:
+                b.out.add_(seg[:b.width])
+                counts.add_(seg[b.width:])
+            b.out.div_(self.world)
+            return counts.tolist()
+        total = b.scratch if kind == "reduce_scatter" else b.red[self.rank * b.seg:(self.rank + 1) * b.seg]
+        torch.div(total[:b.width], self.world, out=b.out)
+        return total[b.width:].tolist()
 
     def poll(self, wait: bool = False) -> None:
         """Completes the launched reductions in launch order (all of them when `wait`)."""
         while self._pending:
-            b, work, scratch, grads = self._pending[0]
+            b, work, kind, grads = self._pending[0]
             if not wait and not work.is_completed():
                 return
-            self._wait(work, "the reduce-scatter of a gradient bucket")
+            self._wait(work, "the reduction of a gradient bucket")
             self._pending.pop(0)
             # a buffer of the bucket's own, written in place: its version moves, so a speculation
             # that read the previous reduction (accumulation without the flag) is redone
-            b.out.copy_(scratch[:b.width])
-            b.out.div_(self.world)
+            counts = self._average(b, kind)
             self._check_ddp(b)
             _, grad_map = D._zero_maps()
-            counts = scratch[b.width:].tolist()
             for k, p in enumerate(b.params):
                 if grads[k] is None and p.grad is None and p.requires_grad and counts[k] > 0:
                     # unused here, used on another rank: the averaged grad is this rank's too
@@ -318,6 +373,7 @@ class ZeroSharding:
         rank's own grads: ranks run the same program."""
         if any(p.requires_grad for p in self.params):
             self._issue_in_order(upto=len(self.buckets))
+        self.poll(wait=True)  # a bucket's buffers are reused: its reduction done before another
         for b in self.buckets:
             if any(p.grad is not None and self._reduced.get(id(p)) is not p.grad for p in b.params):
                 self.stats["rereduced"] += 1
@@ -330,73 +386,6 @@ class ZeroSharding:
         self._reduced.clear()
         self._fired.clear()
         self._next = 0
-
-    # ------------------------------------------------------------------ params
-    def gather(self) -> None:
-        """Launches one all_gather per bucket of every rank's stepped chunks, not waited: each
-        bucket lands (other ranks' chunks copied into this rank's params) when a module whose
-        own params it holds is about to run forward, or at wait_gathered() (module docstring)."""
-        self.wait_gathered()  # step() waited already; a second gather must not race the first
-        ag = getattr(self.dist, "all_gather_single", None) or self.dist.all_gather_into_tensor
-        for b in self.buckets:
-            mine = torch.zeros(b.width, dtype=b.dtype, device=b.device)
-            for k, p in enumerate(b.params):
-                n = b.numels[k][self.rank]
-                if n:
-                    a = b.offsets[k][self.rank]
-                    mine[a:a + n].copy_(D.zero_chunk(p.data, self.rank, self.world).reshape(-1))
-            full = torch.empty(self.world * b.width, dtype=b.dtype, device=b.device)
-            work = ag(full, mine, group=self.group, async_op=True)
-            # what each param was when its chunks left: a param written since (model.
-            # load_state_dict, assign=True, an in-place edit) keeps what was written
-            marks = [(p._version, p.data_ptr()) for p in b.params]
-            self._gathers[id(b)] = (b, full, mine, work, marks)
-            for p in b.params:
-                self._gathering[id(p)] = b
-            self.stats["all_gathers"] += 1
-        if self._gathers and self._forward_hook is None:
-            from torch.nn.modules.module import register_module_forward_pre_hook
-            self._forward_hook = register_module_forward_pre_hook(self._before_forward)
-
-    def _before_forward(self, module, args) -> None:
-        """Global forward pre-hook while gathers are pending: lands the buckets holding the
-        module's own params (recurse=False: a parent's hook must not wait for its children)."""
-        if not self._gathering:
-            return None
-        for p in module._parameters.values():
-            b = self._gathering.get(id(p)) if p is not None else None
-            if b is not None:
-                self.stats["all_gathers_landed_in_forward"] += 1
-                self._land(b)
-        return None
-
-    def wait_gathered(self) -> None:
-        """Lands every pending all-gather (bounded waits): the params are then current."""
-        for b, *_ in list(self._gathers.values()):
-            self._land(b)
-
-    def _land(self, b: _Bucket) -> None:
-        _, full, _mine, work, marks = self._gathers.pop(id(b))
-        for p in b.params:
-            self._gathering.pop(id(p), None)
-        try:
-            self._wait(work, "the all-gather of updated parameters")
-            with torch.no_grad():
-                for k, p in enumerate(b.params):
-                    if (p._version, p.data_ptr()) != marks[k]:
-                        continue
-                    flat = p.data.view(-1)  # .data: its own version counter, p._version stays
-                    start = 0
-                    for r in range(self.world):
-                        n = b.numels[k][r]
-                        if n and r != self.rank:
-                            base = r * b.width + b.offsets[k][r]
-                            flat[start:start + n].copy_(full[base:base + n])
-                        start += n
-        finally:
-            if not self._gathers and self._forward_hook is not None:
-                self._forward_hook.remove()
-                self._forward_hook = None
 
     def close(self) -> None:
         """The grad hooks removed; pending gathers landed (a failed one is warned about: the
@@ -418,31 +407,3 @@ class ZeroSharding:
     def state_numel(self) -> int:
         """Elements of state this rank keeps (its chunks)."""
         return sum(b.numels[k][self.rank] for b in self.buckets for k in range(len(b.params)))
-
-
-
-class ZeroParamsMixin:
-    """The optimizer's side of the overlapped all-gather: wait_params(), and the entry points
-    that read or write params landing every pending gather first (a mixin before the
-    checkpoint and placement mixins; step() and close() call wait_params themselves)."""
-
-    def wait_params(self) -> None:
-        """process_group mode: makes every param current on this rank (lands the pending
-        all-gathers of the last step, each wait bounded). Call it before reading params outside
-        a module's forward — an EMA, model.state_dict(), a param used by another module; a
-        module's own params land before its forward by themselves. No-op otherwise."""
-        zero = getattr(self, "_zero", None)
-        if zero is not None:
-            zero.wait_gathered()
-
-    def state_dict(self) -> dict:
-        self.wait_params()
-        return super().state_dict()
-
-    def load_state_dict(self, state_dict: dict) -> None:
-        self.wait_params()
-        return super().load_state_dict(state_dict)
-
-    def _relayout(self, plan) -> None:
-        self.wait_params()
-        return super()._relayout(plan)

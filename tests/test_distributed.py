@@ -275,7 +275,8 @@ ZERO_TRAIN = {  # name: (optimizer, clip, steps skipped)
     "adamw_nvme": ("AdamW", 1.0, ()), "adam_host": ("Adam", 1.0, ()),
     "adamw_host_noclip": ("AdamW", None, ()), "adamw_overflow": ("AdamW", 1.0, (1,)),
     "adamw_accum": ("AdamW", 1.0, ()), "adamw_ddp": ("AdamW", None, ()),
-    "adamw_sync": ("AdamW", None, ()), "adamw_sd_close": ("AdamW", None, ())}
+    "adamw_sync": ("AdamW", None, ()), "adamw_sd_close": ("AdamW", None, ()),
+    "adamw_sync_rs": ("AdamW", None, ()), "adamw_overlap_ar": ("AdamW", None, ())}
 
 
 @pytest.fixture(scope="module")
@@ -342,6 +343,27 @@ def test_process_group_forward_right_after_step_sees_updated_params(zero_trained
             assert torch.equal(over["probe"][step], sync["probe"][step]), (rank, step)
             for a, b in zip(over["params"][step], sync["params"][step]):
                 assert torch.equal(a, b), (rank, step)
+
+
+def test_process_group_collective_paths_give_the_same_bits(zero_trained):
+    """gloo's default (all_to_all_single of the rank segments, summed by their owner; params
+    broadcast from each chunk's owner), reduce-scatter + all-gather (NCCL's path) and
+    all_reduce + broadcasts (a backend without reduce-scatter): the same params bit for bit,
+    the 4 buckets (one of 3 params, an even and two uneven single params) landing in the
+    params directly (default) or through their staging buffers (overlap); and every bucket's
+    buffers are allocated once, at the first step (no first touch per step)."""
+    for rank, res in enumerate(zero_trained):
+        assert res["adamw_sync"]["zero"]["collectives"] == "all_to_all"
+        assert res["adamw_sync_rs"]["zero"]["collectives"] == "reduce_scatter"
+        assert res["adamw_overlap_ar"]["zero"]["collectives"] == "all_reduce"
+        for name in ("adamw_sync_rs", "adamw_overlap_ar"):
+            assert res[name]["buckets"] == 4
+            for step in range(C.STEPS):
+                for a, b in zip(res[name]["params"][step], res["adamw_sync"]["params"][step]):
+                    assert torch.equal(a, b), (name, rank, step)
+        for name in ZERO_TRAIN:
+            grown = res[name]["buffer_bytes"]
+            assert grown[0] > 0 and grown == [grown[0]] * len(grown), (name, grown)
 
 
 def test_process_group_state_dict_and_close_land_the_gathers(zero_trained):

@@ -34,8 +34,15 @@ CONFIGS = {
     # the last layer's bias unused on rank 1 (every step) and on both (last step), 4 buckets:
     # rank 1 issues that bucket late, in step(), and must not reorder its reduce-scatters
     "adamw_unused": ("AdamW", dict(offload_fraction=0.5), 1.0, None, 1),
+    # adamw_sync / adamw_host_noclip over the other collectives (gloo's default is all_to_all +
+    # broadcasts): reduce-scatter + all-gather (NCCL's), and all_reduce + broadcasts (a backend
+    # without reduce-scatter), each of the 4 buckets landing in place or through its staging
+    "adamw_sync_rs": ("AdamW", dict(offload_fraction=1.0), None, None, 1),
+    "adamw_overlap_ar": ("AdamW", dict(offload_fraction=1.0, overlap_param_gather=True), None, None, 1),
 }
-SMALL_BUCKETS = ("adamw_host_noclip", "adamw_sync", "adamw_sd_close", "adamw_load", "adamw_unused")
+SMALL_BUCKETS = ("adamw_host_noclip", "adamw_sync", "adamw_sd_close", "adamw_load", "adamw_unused",
+                 "adamw_sync_rs", "adamw_overlap_ar")
+PATHS = {"adamw_sync_rs": "reduce_scatter", "adamw_overlap_ar": "all_reduce"}
 
 
 def run(name: str, rank: int, world: int, tmp: str) -> dict:
@@ -49,6 +56,7 @@ def run(name: str, rank: int, world: int, tmp: str) -> dict:
         hybrid = dict(hybrid, nvme_path=os.path.join(tmp, f"{name}-rank{rank}"))
         os.makedirs(hybrid["nvme_path"])
     zero.BUCKET_NUMEL = 64 if name in SMALL_BUCKETS else BUCKET_NUMEL
+    zero.COLLECTIVES = PATHS.get(name)
     probe = torch.randn(4, C.IN, generator=torch.Generator().manual_seed(7))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -59,7 +67,7 @@ def run(name: str, rank: int, world: int, tmp: str) -> dict:
             scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8)
             opt.attach_grad_scaler(scaler)
         out = dict(params=[], norms=[], skipped=[], scales=[], speculation=[], worker=[],
-                   probe=[], pending_after_step=[], buckets=len(opt._zero.buckets),
+                   probe=[], pending_after_step=[], buffer_bytes=[], buckets=len(opt._zero.buckets),
                    state_numel=opt._zero.state_numel(), plan=repr(opt.plan), opt_repr=repr(opt),
                    laid_out=sum(sg.numel for sg in opt._subgroups))
         for i, x in enumerate(C.batches()):
@@ -83,6 +91,7 @@ def run(name: str, rank: int, world: int, tmp: str) -> dict:
             else:
                 opt.step()
             out["pending_after_step"].append(len(opt._zero._gathers))
+            out["buffer_bytes"].append(opt._zero.stats["buffer_bytes"])
             if name == "adamw_load" and i == 2:  # written after step(), before the gathers land
                 model.load_state_dict({k: torch.full_like(v, 0.25 + j)
                                        for j, (k, v) in enumerate(model.state_dict().items())})
