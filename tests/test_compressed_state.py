@@ -365,7 +365,8 @@ def test_bf16_moments_converge_within_half_a_percent_of_fp32_on_the_demo_model()
 
 def test_bf16_moments_and_remainders_converge_on_a_tiny_gpt2():
     transformers = pytest.importorskip("transformers")
-    cfg = transformers.GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=2)
+    cfg = transformers.GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=2,
+                                  bos_token_id=0, eos_token_id=0)
     from hybrid_opt.demo import bigram_batches
     batches = bigram_batches(30, 8, 16, 64, "cpu")
     final = {}
