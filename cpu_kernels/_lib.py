@@ -59,6 +59,10 @@ def _load_library():
     lib.hybrid_set_level.restype = ctypes.c_int
     lib.hybrid_set_num_threads.argtypes = [ctypes.c_int]
     lib.hybrid_set_num_threads.restype = None
+    lib.hybrid_set_avx512_bf16.argtypes = [ctypes.c_int]
+    lib.hybrid_set_avx512_bf16.restype = ctypes.c_int
+    lib.hybrid_get_avx512_bf16.argtypes = []
+    lib.hybrid_get_avx512_bf16.restype = ctypes.c_int
     return lib
 
 
@@ -82,6 +86,19 @@ def set_simd_level(level: str) -> None:
     if lib.hybrid_set_level(LEVELS.index(level)) != 0:
         raise ValueError(f"this CPU cannot run SIMD level {level!r}; it supports "
                          f"{available_simd_levels()}")
+
+
+def _avx512_bf16() -> bool:
+    """Whether the AVX-512 level's compressed-state loop rounds to bf16 with vcvtne2ps2bf16
+    (CPUs with AVX-512 BF16; NaN and subnormal inputs still take the integer rounding, so the
+    bits are the same either way)."""
+    return bool(lib.hybrid_get_avx512_bf16())
+
+
+def _set_avx512_bf16(on: bool) -> None:
+    """Tests: turn the bf16 instruction off (the integer rounding alone) or back on."""
+    if lib.hybrid_set_avx512_bf16(1 if on else 0) != 0:
+        raise ValueError("this CPU has no AVX-512 BF16 (vcvtne2ps2bf16)")
 
 
 def set_num_threads(n: int) -> None:

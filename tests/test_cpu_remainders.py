@@ -205,6 +205,88 @@ def test_bf16_moments_with_param_copy_are_the_reference_and_the_copy_its_cast(si
     assert_bitwise_equal(copy, cast, "param_copy vs the new param rounded to nearest even")
 
 
+# The AVX-512 compressed loop rounds to bf16 with vcvtne2ps2bf16 where the CPU has AVX-512
+# BF16, and with integer arithmetic where it has not (or a 32-element step holds a NaN or a
+# subnormal, which the instruction gets wrong): both must give the reference's bits.
+_HAS_BF16_INSN = "avx512" in LEVELS and ck._lib._avx512_bf16()
+ROUNDINGS = [(level, True) for level in LEVELS] + ([("avx512", False)] if _HAS_BF16_INSN else [])
+
+
+@pytest.fixture(params=ROUNDINGS, ids=lambda r: r[0] + ("" if r[1] else "-integer_bf16"))
+def rounding(request):
+    level, insn = request.param
+    saved_level, saved_insn = ck.simd_level(), ck._lib._avx512_bf16()
+    ck.set_simd_level(level)
+    if _HAS_BF16_INSN:
+        ck._lib._set_avx512_bf16(insn)
+    yield level
+    ck.set_simd_level(saved_level)
+    if _HAS_BF16_INSN:
+        ck._lib._set_avx512_bf16(saved_insn)
+
+
+def make_special_state(n, moments, *, remainders, amsgrad, seed):
+    """make_state plus the inputs vcvtne2ps2bf16 rounds differently, in a few 32-element steps
+    (the others ordinary): subnormal moments with zero grads (the new moments stay subnormal),
+    NaN and +-inf grads (NaN and inf moments and masters), a moment rounding up to inf."""
+    s = make_state(n, torch.bfloat16, amsgrad=amsgrad, moment_dtype=moments[0],
+                   exp_avg_sq_dtype=moments[1], remainders=False, seed=seed)
+    sub, nan, inf, ninf, big = [33, 34, 63, 300, n - 2], [64, 65, 500], [128, 900], [129], [1500]
+    s["grad"][sub] = 0
+    s["exp_avg"][sub] = torch.tensor([3e-39, -5e-39, 1e-45, 2e-40, -1e-40]).to(s["exp_avg"].dtype)
+    s["exp_avg_sq"][sub] = torch.tensor([1e-39, 4e-40, 1e-45, 3e-39, 9e-41]).to(s["exp_avg_sq"].dtype)
+    s["grad"][nan] = float("nan")
+    s["grad"][inf] = float("inf")
+    s["grad"][ninf] = float("-inf")
+    s["exp_avg"][big] = 3.3e38 if s["exp_avg"].dtype == torch.float32 else 3.38e38
+    s["grad"][big] = 3.3e38
+    if remainders:
+        s["param"], s["remainder"] = ck.encode_remainder(s["param"])
+    return s
+
+
+@pytest.mark.parametrize("amsgrad", [False, True], ids=["adam", "amsgrad"])
+@pytest.mark.parametrize("bank", [False, True], ids=["in_place", "bank"])
+@pytest.mark.parametrize("remainders", [False, True], ids=["fp32_master", "remainders"])
+@pytest.mark.parametrize("moments", MOMENT_PAIRS, ids=_pair_id)
+def test_nan_inf_and_subnormal_moments_round_as_the_reference(rounding, moments, remainders, bank, amsgrad):
+    state = make_special_state(4099, moments, remainders=remainders, amsgrad=amsgrad, seed=17)
+    want = reference(state, rounding, **dict(HYPER, grad_scale=GRAD_SCALE))
+    # the data does reach the cases: NaN, inf and subnormal fp32 moments before rounding
+    for got_dtype, new in ((moments[0], want[1]), (moments[1], want[2])):
+        vals = new.float()
+        assert torch.isnan(vals).any() and torch.isinf(vals).any()
+        assert ((vals != 0) & (vals.abs() < 1.1754944e-38)).any(), "no subnormal moment left"
+    check_matches_reference(state, rounding, bank=bank, **dict(HYPER, grad_scale=GRAD_SCALE))
+
+
+@pytest.mark.skipif(not _HAS_BF16_INSN, reason="no AVX-512 BF16 on this CPU: the integer rounding is the only one")
+@pytest.mark.parametrize("amsgrad", [False, True], ids=["adam", "amsgrad"])
+@pytest.mark.parametrize("bank", [False, True], ids=["in_place", "bank"])
+@pytest.mark.parametrize("remainders", [False, True], ids=["fp32_master", "remainders"])
+@pytest.mark.parametrize("moments", MOMENT_PAIRS, ids=_pair_id)
+def test_avx512_integer_bf16_rounding_is_bitwise_the_reference(moments, remainders, bank, amsgrad):
+    """The matrix runs the bf16 instruction where this CPU has it; this runs the same
+    AVX-512 loop with the integer rounding only (what a CPU without AVX-512 BF16 runs)."""
+    saved_level = ck.simd_level()
+    ck.set_simd_level("avx512")
+    ck._lib._set_avx512_bf16(False)
+    try:
+        state = make_state(4099, torch.bfloat16, amsgrad=amsgrad, moment_dtype=moments[0],
+                           exp_avg_sq_dtype=moments[1], remainders=remainders, seed=99)
+        check_matches_reference(state, "avx512", bank=bank, **dict(HYPER, grad_scale=GRAD_SCALE))
+        copy = _poisoned(torch.empty(4099, dtype=torch.bfloat16))
+        if not remainders:  # the bf16 model copy takes the same rounding
+            s = _clone(state)
+            ck.adam_step_(s["param"], s["grad"], s["exp_avg"], s["exp_avg_sq"],
+                          max_exp_avg_sq=s["max_exp_avg_sq"], param_copy=copy,
+                          **dict(HYPER, grad_scale=GRAD_SCALE))
+            assert_bitwise_equal(copy, bf16_round_reference(s["param"]), "param_copy, integer rounding")
+    finally:
+        ck._lib._set_avx512_bf16(True)
+        ck.set_simd_level(saved_level)
+
+
 def test_the_reference_tells_fused_from_unfused_multiply_adds():
     """The matrix can tell the levels' arithmetic apart: on its data, fused and unfused
     multiply-adds give different params (so a level rounding the other way would fail)."""

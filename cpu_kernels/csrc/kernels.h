@@ -143,5 +143,9 @@ void bw_bank_avx512(const float *p, const float *g, const float *m, const float 
                     float *po, float *mo, float *vo, int64_t b, int64_t e);
 DECLARE_LEVEL(avx2)
 DECLARE_LEVEL(portable)
+/* AVX-512 level: whether its compressed-state loop rounds with vcvtne2ps2bf16 (AVX-512 BF16;
+ * the same bits either way). set returns -1 when asked to turn it on without CPU support. */
+int hybrid_set_avx512_bf16(int on);
+int hybrid_get_avx512_bf16(void);
 
 #endif

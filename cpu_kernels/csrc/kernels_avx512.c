@@ -223,7 +223,16 @@ static inline void adam_f32_regs(const float *pin, const float *g, const float *
  * elements at a time so each 16-bit output leaves as whole 64-byte lines (non-temporal in
  * bank mode where aligned). Through L1 blocks this path was ~0.65x the fp32 path's compute
  * rate in L2 (below what 18 B/element at memory speed needs); adam_range runs it over the
- * multiple of 32 and leaves the tail to the block path, which rounds identically. */
+ * multiple of 32 and leaves the tail to the block path, which rounds identically.
+ * 512-bit code issues on two vector ports only, and this loop is bound by them, not by
+ * memory, at 18 B/element (in L2, one thread, 64Ki elements: 0.70x the elements/s of the
+ * fp32-state loop with vpmovdw packing and integer rounding, 1.05x as it is now), so its
+ * 16-bit packing uses the fewest shuffles: a 32-lane 16-bit vector is split or joined by
+ * one vpermw per 16 dwords plus a 128-bit shuffle (vpmovdw costs two uops for half the
+ * work), and on CPUs with AVX-512 BF16 two moment halves are rounded and packed by one
+ * vcvtne2ps2bf16 — whose results differ from round-to-nearest-even only for NaN and
+ * subnormal inputs (payload kept, flushed to zero): a 32-element step holding any of those
+ * (vfpclassps, one test) takes the integer rounding instead, so the bits never depend on it. */
 #define HAVE_ADAM_C16_REGS 1
 
 static inline __m512i join_lines(__m256i lo, __m256i hi)
@@ -242,19 +251,80 @@ static inline void store_f32x2(float *dst, __m512 x0, __m512 x1, int nt)
     else { _mm512_storeu_ps(dst, x0); _mm512_storeu_ps(dst + 16, x1); }
 }
 
-/* a moment pair (two 16-lane halves) out in the moment dtype */
-static inline void store_moment32(void *dst, int dt, int64_t j, __m512 x0, __m512 x1, int nt)
+/* vpermw index: a vector's 16 high words to its lower 256 bits, its 16 low words above */
+static const uint16_t SPLIT_WORDS[32] __attribute__((aligned(64))) = {
+    1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31,
+    0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30};
+
+/* 32 dwords (a: elements 0-15, b: 16-31) -> their high and low 16-bit halves, in order */
+static inline __attribute__((always_inline)) void split_words32(__m512i a, __m512i b, __m512i *hi, __m512i *lo)
 {
-    if (dt == DT_F32) store_f32x2((float *)dst + j, x0, x1, nt);
-    else store_line((uint16_t *)dst + j, join_lines(to_bf16_16(x0), to_bf16_16(x1)), nt);
+    const __m512i idx = _mm512_load_si512((const void *)SPLIT_WORDS);
+    const __m512i x = _mm512_permutexvar_epi16(idx, a), y = _mm512_permutexvar_epi16(idx, b);
+    *hi = _mm512_shuffle_i64x2(x, y, _MM_SHUFFLE(1, 0, 1, 0));
+    if (lo) *lo = _mm512_shuffle_i64x2(x, y, _MM_SHUFFLE(3, 2, 3, 2));
+}
+
+/* to_bf16_16's rounding with the result left in each dword's high half */
+static inline __attribute__((always_inline)) __m512i bf16_high_bits(__m512 x)
+{
+    const __m512i u = _mm512_castps_si512(x);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    const __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
+    return _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), _mm512_set1_epi32(0x7fc00000));
+}
+
+/* 32 floats (x0: elements 0-15, x1: 16-31) -> 32 bf16 in order, torch's rounding */
+static inline __attribute__((always_inline)) __m512i to_bf16_32(__m512 x0, __m512 x1)
+{
+    __m512i hi;
+    split_words32(bf16_high_bits(x0), bf16_high_bits(x1), &hi, NULL);
+    return hi;
+}
+
+#if defined(__GNUC__) && (__GNUC__ >= 10 || defined(__clang__))
+#define HAVE_BF16_INSN 1
+/* the same bits through vcvtne2ps2bf16 where no input is a NaN or subnormal (see above) */
+static inline __attribute__((target("avx512bf16"))) __m512i to_bf16_32_insn(__m512 x0, __m512 x1)
+{
+    const __mmask16 odd = _mm512_fpclass_ps_mask(x0, 0xA1) | _mm512_fpclass_ps_mask(x1, 0xA1);  /* NaN, subnormal */
+    if (__builtin_expect(odd != 0, 0)) return to_bf16_32(x0, x1);
+    return (__m512i)_mm512_cvtne2ps_pbh(x1, x0);
+}
+#endif
+
+/* a moment pair (two 16-lane halves) out in the moment dtype; insn: vcvtne2ps2bf16 allowed */
+static inline __attribute__((always_inline)) void store_moment32(void *dst, int dt, int64_t j, __m512 x0,
+                                                                 __m512 x1, int nt, const int insn)
+{
+    if (dt == DT_F32) { store_f32x2((float *)dst + j, x0, x1, nt); return; }
+#ifdef HAVE_BF16_INSN
+    if (insn) { store_line((uint16_t *)dst + j, to_bf16_32_insn(x0, x1), nt); return; }
+#endif
+    store_line((uint16_t *)dst + j, to_bf16_32(x0, x1), nt);
+}
+
+/* 32 masters from 32 (param, remainder) pairs: the carry subtracted in 16-bit lanes, then
+ * the halves interleaved by unpack, the inputs quad-permuted first so that 128-bit lane k
+ * holds elements 4k..4k+3 and 16+4k..16+4k+3 and the unpacks come out in order */
+static inline __attribute__((always_inline)) void decode32(const uint16_t *p, const int16_t *r, int64_t j,
+                                                           __m512 *m0, __m512 *m1)
+{
+    const __m512i q = _mm512_set_epi64(7, 3, 6, 2, 5, 1, 4, 0);
+    const __m512i pp = _mm512_permutexvar_epi64(q, _mm512_loadu_si512((const void *)(p + j)));
+    const __m512i rr = _mm512_permutexvar_epi64(q, _mm512_loadu_si512((const void *)(r + j)));
+    const __m512i h = _mm512_sub_epi16(pp, _mm512_srli_epi16(rr, 15));
+    *m0 = _mm512_castsi512_ps(_mm512_unpacklo_epi16(rr, h));
+    *m1 = _mm512_castsi512_ps(_mm512_unpackhi_epi16(rr, h));
 }
 
 #define LINE_ALIGNED(p) (!((uintptr_t)(p) & 63))
 
-/* one instance per (exp_avg dtype, exp_avg_sq dtype) pair: mdt and vdt are constants in
- * each, so the loop holds no dtype branches (the pair is fixed for a call) */
+/* one instance per (exp_avg dtype, exp_avg_sq dtype, bf16 instruction) triple: all three
+ * are constants in each, so the loop holds no dtype branches (the pair is fixed for a call) */
 static inline __attribute__((always_inline)) void adam_c16_body(
-    const adam_args_t *a, const adam_consts_t *c, int64_t begin, int64_t end, const int mdt, const int vdt)
+    const adam_args_t *a, const adam_consts_t *c, int64_t begin, int64_t end, const int mdt, const int vdt,
+    const int insn)
 {
     const regs_consts_t k = {_mm512_set1_ps(c->one_minus_beta1), _mm512_set1_ps(c->beta2),
                              _mm512_set1_ps(c->one_minus_beta2), _mm512_set1_ps(c->eps),
@@ -277,9 +347,8 @@ static inline __attribute__((always_inline)) void adam_c16_body(
                     (!ams || LINE_ALIGNED((char *)a->max_exp_avg_sq_out + begin * vsz));
     const int ntc = cp && LINE_ALIGNED(cp + begin);
     const __m512 zero = _mm512_setzero_ps();
-    const __m512i one = _mm512_set1_epi32(1);
     for (int64_t i = begin; i + 32 <= end; i += 32) {
-        __m512 pn[2], mi[2], vi[2], vv[2];
+        __m512 p[2], pn[2], mi[2], vi[2], vv[2];
         const int64_t ahead = i + 512;  /* 1 KiB of a 16-bit stream */
         _mm_prefetch((const char *)((const char *)a->exp_avg + ahead * msz), _MM_HINT_T0);
         _mm_prefetch((const char *)((const char *)a->exp_avg_sq + ahead * vsz), _MM_HINT_T0);
@@ -287,43 +356,86 @@ static inline __attribute__((always_inline)) void adam_c16_body(
         if (rem) {
             _mm_prefetch((const char *)(p16 + ahead), _MM_HINT_T0);
             _mm_prefetch((const char *)(rin + ahead), _MM_HINT_T0);
+            decode32(p16, rin, i, &p[0], &p[1]);
         } else {
             _mm_prefetch((const char *)(a->param + ahead), _MM_HINT_T0);
+            p[0] = _mm512_loadu_ps(a->param + i);
+            p[1] = _mm512_loadu_ps(a->param + i + 16);
         }
         for (int h = 0; h < 2; h++) {
             const int64_t j = i + 16 * h;
-            const __m512 p = rem ? decode16(p16, rin, j) : _mm512_loadu_ps(a->param + j);
-            adam16(&k, p, load16(a->grad, gdt, j), load16(a->exp_avg, mdt, j),
+            adam16(&k, p[h], load16(a->grad, gdt, j), load16(a->exp_avg, mdt, j),
                    load16(a->exp_avg_sq, vdt, j), ams ? load16(a->max_exp_avg_sq, vdt, j) : zero,
                    &pn[h], &mi[h], &vi[h], &vv[h]);
         }
-        if (rem) {
-            __m256i ph[2], rh[2];
-            for (int h = 0; h < 2; h++) {
-                const __m512i u = _mm512_castps_si512(pn[h]);
-                ph[h] = _mm512_cvtepi32_epi16(_mm512_add_epi32(_mm512_srli_epi32(u, 16),
-                                                               _mm512_and_si512(_mm512_srli_epi32(u, 15), one)));
-                rh[h] = _mm512_cvtepi32_epi16(u);
-            }
-            store_line(po16 + i, join_lines(ph[0], ph[1]), ntp);
-            store_line(a->remainder_out + i, join_lines(rh[0], rh[1]), ntp);
+        if (rem) {  /* remainder = the low halves; param = the high halves + their carry */
+            __m512i hi, lo;
+            split_words32(_mm512_castps_si512(pn[0]), _mm512_castps_si512(pn[1]), &hi, &lo);
+            store_line(po16 + i, _mm512_add_epi16(hi, _mm512_srli_epi16(lo, 15)), ntp);
+            store_line(a->remainder_out + i, lo, ntp);
         } else {
             store_f32x2(a->param_out + i, pn[0], pn[1], ntp);
         }
-        store_moment32(a->exp_avg_out, mdt, i, mi[0], mi[1], ntm);
-        store_moment32(a->exp_avg_sq_out, vdt, i, vi[0], vi[1], ntm);
-        if (ams) store_moment32(a->max_exp_avg_sq_out, vdt, i, vv[0], vv[1], ntm);
-        if (cp) store_line(cp + i, join_lines(to_copy16(pn[0], a->copy_dtype), to_copy16(pn[1], a->copy_dtype)), ntc);
+        store_moment32(a->exp_avg_out, mdt, i, mi[0], mi[1], ntm, insn);
+        store_moment32(a->exp_avg_sq_out, vdt, i, vi[0], vi[1], ntm, insn);
+        if (ams) store_moment32(a->max_exp_avg_sq_out, vdt, i, vv[0], vv[1], ntm, insn);
+        if (cp) {
+            if (a->copy_dtype == DT_BF16) store_moment32(cp, DT_BF16, i, pn[0], pn[1], ntc, insn);
+            else store_line(cp + i, join_lines(to_copy16(pn[0], DT_F16), to_copy16(pn[1], DT_F16)), ntc);
+        }
     }
 }
 
+#define C16_INSTANCES(insn)                                                                   \
+    do {                                                                                      \
+        const int mb = a->moment_dtype == DT_BF16, vb = a->exp_avg_sq_dtype == DT_BF16;      \
+        if (mb && vb) adam_c16_body(a, c, begin, end, DT_BF16, DT_BF16, insn);                \
+        else if (mb) adam_c16_body(a, c, begin, end, DT_BF16, DT_F32, insn);                  \
+        else if (vb) adam_c16_body(a, c, begin, end, DT_F32, DT_BF16, insn);                  \
+        else adam_c16_body(a, c, begin, end, DT_F32, DT_F32, insn);                           \
+    } while (0)
+
+/* whether the register loop may use vcvtne2ps2bf16: -1 until first asked (the CPU decides),
+ * then 0 / 1; hybrid_set_avx512_bf16 turns it off (tests of the integer rounding) or on */
+static int g_bf16_insn = -1;
+
+static int bf16_insn_supported(void)
+{
+#ifdef HAVE_BF16_INSN
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512bf16") != 0;
+#else
+    return 0;
+#endif
+}
+
+int hybrid_set_avx512_bf16(int on)
+{
+    if (on && !bf16_insn_supported()) return -1;
+    g_bf16_insn = on ? 1 : 0;
+    return 0;
+}
+
+int hybrid_get_avx512_bf16(void)
+{
+    if (g_bf16_insn < 0) g_bf16_insn = bf16_insn_supported();
+    return g_bf16_insn;
+}
+
+#ifdef HAVE_BF16_INSN
+static __attribute__((target("avx512bf16"), noinline)) void adam_c16_insn(
+    const adam_args_t *a, const adam_consts_t *c, int64_t begin, int64_t end)
+{
+    C16_INSTANCES(1);
+}
+#endif
+
 static void adam_c16_regs(const adam_args_t *a, const adam_consts_t *c, int64_t begin, int64_t end)
 {
-    const int mb = a->moment_dtype == DT_BF16, vb = a->exp_avg_sq_dtype == DT_BF16;
-    if (mb && vb) adam_c16_body(a, c, begin, end, DT_BF16, DT_BF16);
-    else if (mb) adam_c16_body(a, c, begin, end, DT_BF16, DT_F32);
-    else if (vb) adam_c16_body(a, c, begin, end, DT_F32, DT_BF16);
-    else adam_c16_body(a, c, begin, end, DT_F32, DT_F32);
+#ifdef HAVE_BF16_INSN
+    if (hybrid_get_avx512_bf16()) { adam_c16_insn(a, c, begin, end); return; }
+#endif
+    C16_INSTANCES(0);
 }
 
 static inline void chunk_sumsq(const void *g, int dt, int64_t off, int64_t len, double *lanes)
@@ -387,4 +499,6 @@ void grad_chunk_sums_avx512(const void *g, int dt, int64_t n, int64_t c0, int64_
 void bw_inplace_avx512(float *p, const float *g, float *m, float *v, int64_t b, int64_t e) { (void)p; (void)g; (void)m; (void)v; (void)b; (void)e; }
 void remainder_encode_avx512(const float *m, uint16_t *p, int16_t *r, int64_t b, int64_t e) { (void)m; (void)p; (void)r; (void)b; (void)e; }
 void remainder_decode_avx512(const uint16_t *p, const int16_t *r, float *m, int64_t b, int64_t e) { (void)p; (void)r; (void)m; (void)b; (void)e; }
+int hybrid_set_avx512_bf16(int on) { return on ? -1 : 0; }
+int hybrid_get_avx512_bf16(void) { return 0; }
 #endif
