@@ -11,7 +11,10 @@ move per element (reads + writes, no read-for-ownership): ours 28 for every fp32
 composite 48 (grad widen 2+4, unscale 4+4, fused AdamW 28, model copy 4+2). Compressed state
 (bf16 grads): ours_bf16_moments 20 (fp32 master 4+4, g 2, m 2+2, v 2+2, bf16 model copy 2);
 ours_remainders 18 (bf16 param 2+2 — the model's own, no copy —, int16 remainder 2+2, g 2,
-m 2+2, v 2+2), the same 18 in bank mode (reads 10, non-temporal writes 8 elsewhere). The
+m 2+2, v 2+2), the same 18 in bank mode (reads 10, non-temporal writes 8 elsewhere);
+ours_remainders_fp32_moments 26 (remainders alone: param 2+2, remainder 2+2, g 2, m 4+4,
+v 4+4); ours_remainders_bf16_sq 22 (fp32 exp_avg 4+4, bf16 exp_avg_sq 2+2: the moment dtypes
+chosen independently). The
 roofline probe moves 28 B/element; a row's % of roofline is its own bytes over its time
 against the probe's GB/s, so 100 % means "at memory speed for the bytes it moves".
 """
@@ -48,6 +51,8 @@ class Job:
         self.exp_avg_c, self.exp_avg_sq_c = (torch.zeros(n, dtype=torch.bfloat16) for _ in range(2))
         self.param_r, self.remainder = cpu_kernels.encode_remainder(self.param)
         self.exp_avg_r, self.exp_avg_sq_r = (torch.zeros(n, dtype=torch.bfloat16) for _ in range(2))
+        self.exp_avg_r32, self.exp_avg_sq_r32 = torch.zeros(n), torch.zeros(n)  # remainders alone
+        self.exp_avg_sq_r16 = torch.zeros(n, dtype=torch.bfloat16)  # beside the fp32 exp_avg_r32
         self.step = 0
 
     def bump(self) -> int:
@@ -76,6 +81,14 @@ def impls(job: Job, bank: tuple):
         cpu_kernels.adam_step_(job.param_r, job.grad_bf16, job.exp_avg_r, job.exp_avg_sq_r,
                                step=job.bump(), grad_scale=SCALE, remainder=job.remainder, **HP)
 
+    def ours_remainders_fp32_moments():  # remainders alone: fp32 moments
+        cpu_kernels.adam_step_(job.param_r, job.grad_bf16, job.exp_avg_r32, job.exp_avg_sq_r32,
+                               step=job.bump(), grad_scale=SCALE, remainder=job.remainder, **HP)
+
+    def ours_remainders_bf16_sq():  # remainders, fp32 exp_avg, bf16 exp_avg_sq
+        cpu_kernels.adam_step_(job.param_r, job.grad_bf16, job.exp_avg_r32, job.exp_avg_sq_r16,
+                               step=job.bump(), grad_scale=SCALE, remainder=job.remainder, **HP)
+
     rbank = tuple(torch.empty(job.n, dtype=torch.bfloat16) for _ in range(3))
     rbank_rem = torch.empty(job.n, dtype=torch.int16)
 
@@ -90,6 +103,8 @@ def impls(job: Job, bank: tuple):
     yield "ours_bf16_moments", "bfloat16", 20, ours_bf16_moments
     yield "ours_remainders", "bfloat16", 18, ours_remainders
     yield "ours_remainders_bank", "bfloat16", 18, ours_remainders_bank
+    yield "ours_remainders_fp32_moments", "bfloat16", 26, ours_remainders_fp32_moments
+    yield "ours_remainders_bf16_sq", "bfloat16", 22, ours_remainders_bf16_sq
 
     tparam = torch.nn.Parameter(job.param)  # shares storage: no extra copy
     tparam.grad = job.grad
@@ -162,21 +177,24 @@ def main(argv=None) -> int:
                        "gelem_per_s": n / (t["median_ms"] * 1e6),
                        "gb_per_s": bpe * n / (t["median_ms"] * 1e6), "bytes_per_elem": bpe,
                        "roofline_gb_per_s": size_roof}
-                if name == "ours_bank":
+                if name.endswith("_bank"):
                     rec["bank_roofline_gb_per_s"] = bank_roof
                 records.append(rec)
                 rows.append(dict(rec, size=size, roof_pct=100.0 * rec["gb_per_s"] / size_roof,
-                                 bank_pct=100.0 * rec["gb_per_s"] / bank_roof if name == "ours_bank" else None))
+                                 bank_pct=100.0 * rec["gb_per_s"] / bank_roof if name.endswith("_bank") else None))
             rows.append({"impl": "roofline", "size": size, "threads": threads, "gb_per_s": size_roof,
+                         "bytes_per_elem": 28,
                          "roof_pct": 100.0, **times["roofline"]})
             rows.append({"impl": "roofline_bank", "size": size, "threads": threads, "gb_per_s": bank_roof,
+                         "bytes_per_elem": 28,
                          "roof_pct": 100.0 * bank_roof / size_roof, "bank_pct": 100.0, **times["roofline_bank"]})
             records.append({"impl": "roofline_bank", "numel": n, "threads": threads, "gb_per_s": bank_roof})
             del job, probe, bank, table, fns
         records.append({"impl": "roofline", "threads": threads, "gb_per_s": roof})
 
     print(markdown_table(rows, [("impl", "impl", "s"), ("size", "numel", "s"), ("threads", "threads", "d"),
-                                ("grad_dtype", "grad", "s"), ("median_ms", "median ms", ".2f"),
+                                ("grad_dtype", "grad", "s"), ("bytes_per_elem", "B/elem", "d"),
+                                ("median_ms", "median ms", ".2f"),
                                 ("p20_ms", "p20 ms", ".2f"), ("p80_ms", "p80 ms", ".2f"),
                                 ("gelem_per_s", "G elem/s", ".3f"), ("gb_per_s", "GB/s", ".1f"),
                                 ("roof_pct", "% roofline", ".0f"),
