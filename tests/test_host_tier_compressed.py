@@ -521,7 +521,9 @@ def test_every_placement_steps_the_same_bits_through_clipping_overflow_and_a_kil
                 handle = None
                 if step == 5:  # one inf in one grad: the whole step is skipped
                     handle = params[0].register_hook(lambda g: g.index_fill(0, torch.tensor([0]), float("inf")))
-                before = opt.state_dict()["state"] if step == 5 else None
+                # cloned: the device tier's state_dict gives views of its live state
+                before = ({i: {k: t.clone() for k, t in st.items()} for i, st in opt.state_dict()["state"].items()}
+                          if step == 5 else None)
                 loss = sum((p.float() * g.float()).sum() for p, g in zip(params, _stream_grads(params, step)))
                 scaler.scale(loss).backward()
                 if handle is not None:
@@ -548,3 +550,105 @@ def test_every_placement_steps_the_same_bits_through_clipping_overflow_and_a_kil
     finally:
         for o in opts.values():
             o.close()
+
+
+# ------------------------------------------------------------------ 7. mixed dtypes, bytes
+def _mixed_model(seed):
+    """bf16 weights beside fp32 params (norms, biases): a host tier holding both keeps fp32
+    masters for the fp32 subgroups and remainders for the bf16 ones (its "some" layout)."""
+    g = torch.Generator().manual_seed(seed)
+    return [torch.nn.Parameter(torch.randn(s, generator=g).to(dt))
+            for s, dt in (((64, 48), BF16), ((48,), F32), ((33, 17), BF16), ((500,), BF16), ((20,), F32))]
+
+
+def test_a_mixed_fp32_bf16_model_with_amsgrad_steps_the_same_bits_at_every_placement(nvme_dir):
+    """bf16 weights with remainders beside fp32 params on the same host tier, amsgrad, bf16
+    moments, one param without a grad every other step (its subgroup stepped in runs), a clip
+    that bites every third step (speculated steps redone), a GradScaler overflow (state before
+    == after): host, nvme and a device/host/nvme mix equal the device tier bit for bit (params,
+    masters, moments), and every master equals an fp32-master run's (remainders are lossless;
+    the grads do not depend on the params, so the runs see the same grads)."""
+    from hybrid_opt import HybridAdamW
+    placements = {"device": dict(offload_fraction=0.0), "host": dict(offload_fraction=1.0),
+                  "nvme": dict(offload_fraction=1.0, nvme_fraction=1.0, nvme_path=nvme_dir),
+                  "mix": dict(offload_fraction=0.7, nvme_fraction=0.35, nvme_path=nvme_dir),
+                  "fp32_master": dict(offload_fraction=1.0)}
+    runs, opts, scalers = {}, {}, {}
+    try:
+        for name, kw in placements.items():
+            runs[name] = _mixed_model(3)
+            opts[name] = HybridAdamW(runs[name], lr=1e-2, weight_decay=0.05, max_grad_norm=1.0,
+                                     amsgrad=True, subgroup_numel=512, exp_avg_dtype=BF16,
+                                     exp_avg_sq_dtype=BF16,
+                                     store_param_remainders=name != "fp32_master", **kw)
+            scalers[name] = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8, growth_interval=3)
+            opts[name].attach_grad_scaler(scalers[name])
+        for name in ("host", "nvme", "mix"):  # both kinds of master on one tier
+            assert set(opts[name]._host._remainders) == {True, False}, name
+        assert set(opts["mix"].plan.tiers) == {"device", "host", "nvme"}
+        for step in range(8):
+            for name, params in runs.items():
+                opt, scaler = opts[name], scalers[name]
+                opt.zero_grad()
+                grads = _stream_grads(params, step)
+                live = [i for i in range(len(params)) if not (i == 3 and step % 2 == 0)]
+                handle = None
+                if step == 5:  # one inf in one grad: the whole step is skipped
+                    handle = params[2].register_hook(lambda g: g.index_fill(0, torch.tensor([0]), float("inf")))
+                    before = {i: {k: t.clone() for k, t in st.items()} for i, st in opt.state_dict()["state"].items()}
+                loss = sum((params[i].float() * grads[i].float()).sum() for i in live)
+                scaler.scale(loss).backward()
+                if handle is not None:
+                    handle.remove()
+                scaler.step(opt)
+                scaler.update()
+                assert opt.step_was_skipped == (step == 5), (name, step)
+                if step == 5:
+                    after = opt.state_dict()["state"]
+                    for i in before:
+                        for key, t in before[i].items():
+                            assert torch.equal(after[i][key], t), (name, i, key)
+            sds = {name: o.state_dict()["state"] for name, o in opts.items()}
+            for i, p in enumerate(runs["device"]):
+                for name in ("host", "nvme", "mix"):
+                    assert torch.equal(runs[name][i], p), (step, name, i)
+                for name in ("host", "nvme", "mix", "fp32_master"):  # a param with no grad yet has none
+                    assert set(sds[name].get(i, {})) == set(sds["device"].get(i, {})), (step, name, i)
+                for key, t in sds["device"].get(i, {}).items():
+                    for name in ("host", "nvme", "mix"):
+                        assert torch.equal(sds[name][i][key], t), (step, name, i, key)
+                    if key != "master_param" or p.dtype == BF16:
+                        assert torch.equal(sds["fp32_master"][i][key], t), (step, i, key)
+        for name in ("host", "nvme", "mix"):
+            assert opts[name]._host.stats["redone"] > 0, name
+    finally:
+        for o in opts.values():
+            o.close()
+
+
+@pytest.mark.parametrize("model", [BF16, F32], ids=["bf16_model", "fp32_model"])
+def test_the_cost_models_bytes_per_param_are_what_the_host_tier_allocates(nvme_dir, model):
+    """`hybrid-opt plan` and the scheduler count Workload.tier_bytes() (StateFormat): a host
+    tier built as the optimizer builds it for a model of one dtype (copy dtype: a bf16 model's
+    own, none for fp32) allocates exactly the "host" bytes per element in every bank
+    (committed, spare and nvme I/O alike) and the "nvme" bytes in each slot of a swap file."""
+    from hybrid_opt.cost_model import Workload
+    n = 1 << 16  # every region a whole number of pages: the bytes are exact
+    moments = [(F32, F32), (BF16, BF16)] + ([(BF16, F32)] if _independent_moment_dtypes() else [])
+    size = torch.empty((), dtype=model).element_size()
+    for (m, v), rem, amsgrad in [(mv, r, a) for mv in moments for r in (False, True) for a in (False, True)]:
+        want = Workload(params=1e9, model_bytes=size, grad_bytes=size, amsgrad=amsgrad,
+                        state_format=StateFormat(m, v, rem)).tier_bytes()
+        params = [torch.zeros(n, dtype=model) for _ in range(2)]
+        tier = HostTier([n, n], grad_dtype=model, exp_avg_dtype=m, exp_avg_sq_dtype=v, remainders=rem,
+                        params=params, copy_dtype=None if model == F32 else model, amsgrad=amsgrad,
+                        nvme=[False, True], nvme_path=nvme_dir, spare_banks=1, io_banks=1,
+                        timeout_s=TIMEOUT_S)
+        try:
+            what = (m, v, rem, amsgrad)
+            assert tier.bank_bytes == n * want["host"], what       # one resident subgroup
+            assert tier.spare_bytes == 3 * n * want["host"], what  # a spare + two io banks
+            assert tier.io_bytes == n * want["nvme"], what
+            assert os.path.getsize(tier.swap.file(1)) == 2 * n * want["nvme"], what
+        finally:
+            tier.close()
