@@ -287,8 +287,9 @@ static inline __attribute__((always_inline)) __m512i to_bf16_32(__m512 x0, __m51
 /* the same bits through vcvtne2ps2bf16 where no input is a NaN or subnormal (see above) */
 static inline __attribute__((target("avx512bf16"))) __m512i to_bf16_32_insn(__m512 x0, __m512 x1)
 {
-    const __mmask16 odd = _mm512_fpclass_ps_mask(x0, 0xA1) | _mm512_fpclass_ps_mask(x1, 0xA1);  /* NaN, subnormal */
-    if (__builtin_expect(odd != 0, 0)) return to_bf16_32(x0, x1);
+    /* NaN or subnormal anywhere: kortest, no mask moved to a general register */
+    if (__builtin_expect(!_kortestz_mask16_u8(_mm512_fpclass_ps_mask(x0, 0xA1), _mm512_fpclass_ps_mask(x1, 0xA1)), 0))
+        return to_bf16_32(x0, x1);
     return (__m512i)_mm512_cvtne2ps_pbh(x1, x0);
 }
 #endif
@@ -316,6 +317,25 @@ static inline __attribute__((always_inline)) void decode32(const uint16_t *p, co
     const __m512i h = _mm512_sub_epi16(pp, _mm512_srli_epi16(rr, 15));
     *m0 = _mm512_castsi512_ps(_mm512_unpacklo_epi16(rr, h));
     *m1 = _mm512_castsi512_ps(_mm512_unpackhi_epi16(rr, h));
+}
+
+/* 32 bf16 -> 32 floats in order (lo: elements 0-15, hi: 16-31): decode32's quad permute,
+ * then unpacks against zero put each value in a dword's high half (3 shuffles per 32, where
+ * vpmovzxwd + vpslld take 4 uops) */
+static inline __attribute__((always_inline)) void load_bf16x32(const void *src, int64_t j, __m512 *lo, __m512 *hi)
+{
+    const __m512i q = _mm512_set_epi64(7, 3, 6, 2, 5, 1, 4, 0);
+    const __m512i x = _mm512_permutexvar_epi64(q, _mm512_loadu_si512((const void *)((const uint16_t *)src + j)));
+    *lo = _mm512_castsi512_ps(_mm512_unpacklo_epi16(_mm512_setzero_si512(), x));
+    *hi = _mm512_castsi512_ps(_mm512_unpackhi_epi16(_mm512_setzero_si512(), x));
+}
+
+/* 32 values of a stream in dtype dt as two 16-lane halves */
+static inline __attribute__((always_inline)) void load32(const void *src, int dt, int64_t j, __m512 x[2])
+{
+    if (dt == DT_BF16) { load_bf16x32(src, j, &x[0], &x[1]); return; }
+    x[0] = load16(src, dt, j);
+    x[1] = load16(src, dt, j + 16);
 }
 
 #define LINE_ALIGNED(p) (!((uintptr_t)(p) & 63))
@@ -362,12 +382,13 @@ static inline __attribute__((always_inline)) void adam_c16_body(
             p[0] = _mm512_loadu_ps(a->param + i);
             p[1] = _mm512_loadu_ps(a->param + i + 16);
         }
-        for (int h = 0; h < 2; h++) {
-            const int64_t j = i + 16 * h;
-            adam16(&k, p[h], load16(a->grad, gdt, j), load16(a->exp_avg, mdt, j),
-                   load16(a->exp_avg_sq, vdt, j), ams ? load16(a->max_exp_avg_sq, vdt, j) : zero,
-                   &pn[h], &mi[h], &vi[h], &vv[h]);
-        }
+        __m512 g[2], m[2], v[2], x[2] = {zero, zero};
+        load32(a->grad, gdt, i, g);
+        load32(a->exp_avg, mdt, i, m);
+        load32(a->exp_avg_sq, vdt, i, v);
+        if (ams) load32(a->max_exp_avg_sq, vdt, i, x);
+        for (int h = 0; h < 2; h++)
+            adam16(&k, p[h], g[h], m[h], v[h], x[h], &pn[h], &mi[h], &vi[h], &vv[h]);
         if (rem) {  /* remainder = the low halves; param = the high halves + their carry */
             __m512i hi, lo;
             split_words32(_mm512_castps_si512(pn[0]), _mm512_castps_si512(pn[1]), &hi, &lo);
