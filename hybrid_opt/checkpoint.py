@@ -24,6 +24,36 @@ def _master_stands(saved: torch.Tensor, param: torch.Tensor) -> bool:
     return torch.equal(encode_remainder_reference(saved.float().contiguous())[0], param)
 
 
+def _check_saved_state(saved_state: dict, params: list) -> None:
+    """Each saved state tensor has its param's number of elements (a DTensor's or a full
+    tensor's: the global count) and each step count is a number, else ValueError naming the
+    param, the key and what to do."""
+    for idx, entry in saved_state.items():
+        if not isinstance(entry, dict):
+            raise ValueError(f"loaded state dict: the state of parameter {idx} is a "
+                             f"{type(entry).__name__}, not a dict; load a state_dict() of this "
+                             f"model's optimizer")
+        n = params[idx].numel()
+        for key in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "master_param"):
+            t = entry.get(key)
+            if t is None:
+                continue
+            if not isinstance(t, torch.Tensor) or not t.is_floating_point():
+                raise ValueError(f"loaded state dict: parameter {idx}'s {key!r} must be a float "
+                                 f"tensor, got {t.dtype if isinstance(t, torch.Tensor) else type(t).__name__}")
+            if t.numel() != n:
+                raise ValueError(f"loaded state dict: parameter {idx}'s {key!r} has {t.numel()} "
+                                 f"elements, the parameter {n} {tuple(params[idx].shape)}: the "
+                                 f"checkpoint is another model's (or its params are in another "
+                                 f"order); nothing was loaded")
+        if "step" in entry:
+            try:
+                float(entry["step"])
+            except (TypeError, ValueError, RuntimeError):
+                raise ValueError(f"loaded state dict: parameter {idx}'s 'step' must be a number or "
+                                 f"a 1-element tensor, got {entry['step']!r}") from None
+
+
 class CheckpointMixin:
     """torch's state_dict format in and out of the tiers."""
 
@@ -123,6 +153,16 @@ class CheckpointMixin:
         if any(len(g["params"]) != len(s["params"]) for g, s in zip(groups, saved_groups)):
             raise ValueError("loaded state dict contains a parameter group that doesn't match "
                              "the size of optimizer's group")
+        # saved ids map to our positions in order (as torch does)
+        id_map = {}
+        for s in saved_groups:
+            for pid in s["params"]:
+                id_map[pid] = len(id_map)
+        saved_state = {id_map[k]: v for k, v in state_dict["state"].items() if k in id_map}
+        params = list(self._all_params())
+        # refused before anything is written: a load that fails half-way would leave some
+        # subgroups loaded and the others not (the committed state must stay whole)
+        _check_saved_state(saved_state, params)
         if any(s.get("amsgrad", False) for s in saved_groups) and not self._amsgrad_layout:
             # the checkpoint needs a running max of v that this optimizer never laid out: lay
             # the tiers out again with it (the state is loaded into them right below)
@@ -136,13 +176,6 @@ class CheckpointMixin:
             for k, v in s.items():
                 if k not in ("params", "param_names", "decoupled_weight_decay"):
                     g[k] = v
-        # saved ids map to our positions in order (as torch does)
-        id_map = {}
-        for s in saved_groups:
-            for pid in s["params"]:
-                id_map[pid] = len(id_map)
-        saved_state = {id_map[k]: v for k, v in state_dict["state"].items() if k in id_map}
-        params = list(self._all_params())
         last_sg = {}  # param index -> the last subgroup holding part of it
         for sg in self._subgroups:
             for sl in sg.slices:

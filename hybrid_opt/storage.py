@@ -7,22 +7,26 @@ A param whose memory is replaced after construction — `p.data = t`, or a modul
 longer views. torch.optim keeps training such a param with its moments, so we do too: when
 the new tensor has the param's dtype, device and shape, its values are copied into the
 param's slice of the flat buffer, the param is pointed back at that slice, and the fp32
-master of the slice restarts from the new values (moments and step count kept, as torch
-keeps them). A param moved or cast (`model.cuda()`, `.half()` after building the optimizer)
+master of each element given a new value restarts from it (moments and step count kept, as
+torch keeps them); an element that holds what it held keeps its master — new memory with the
+same values (a swap_tensors reload of the same weights) is no user write. A param moved or cast (`model.cuda()`, `.half()` after building the optimizer)
 cannot be re-adopted — the tiers were laid out for its old dtype and device — and step()
 raises saying which param changed and what to do.
 
 The check compares each param's data_ptr with the one recorded at layout: no allocation
 and one int comparison per param per step. A DTensor param (FSDP2) is checked by its local
 shard, which is its subgroups' memory (distributed.py); one given new memory (a load with
-swap_tensors, FSDP2 re-padding it) is never rebound: its subgroups are pointed at the new
-shard instead, and their fp32 master restarts from it.
+swap_tensors, FSDP2 re-padding it) is never rebound: its subgroups (and a host tier keeping
+remainders, whose high half is the param) are pointed at the new shard instead, and the
+masters of the elements whose values changed restart from it.
 
 A param whose VALUES were written outside step() — `model.load_state_dict(sd)`, an EMA
 swap, `with torch.no_grad(): p.copy_(...)` — is detected by its version counter: a param
 rebound to its flat buffer's slice (`p.data = view`) keeps a counter of its own, which every
 in-place write through the param (or its `.detach()`) bumps and step()'s own writes (the
-kernels', through the flat buffers) do not. The versions are recorded at layout and after
+kernels', through the flat buffers) do not; a DTensor param (FSDP2) counts its DTensor's
+version too, which writes through the DTensor bump instead of its local shard's (_version).
+The versions are recorded at layout and after
 every write step(), load_state_dict() and a move make; step() (and state_dict(), load_state_
 dict()) compare them first — ints only, nothing allocated, no param read. A param whose
 version moved is compared with what the last step left (its fp32 master rounded to the
@@ -42,7 +46,7 @@ from __future__ import annotations
 
 import torch
 
-from hybrid_opt.distributed import is_sharded, local_of
+from hybrid_opt.distributed import is_dtensor, is_sharded, local_of
 from hybrid_opt.layout import dtensor_flat
 from hybrid_opt.plan import DEVICE
 
@@ -61,6 +65,16 @@ def _written_as(master: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
 _BITS = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}
 
 
+def _version(p, local=None) -> int:
+    """Param `p`'s write count: its local memory's version counter plus, for a DTensor param
+    (FSDP2), the DTensor's own. Writes through the DTensor (model.load_state_dict's copy_,
+    `p.mul_` under no_grad) bump only the DTensor's counter; writes through `p.to_local()`
+    only the local tensor's; FSDP2's all-gathers and the tiers' writes (through the flat
+    buffers) neither (measured, torch 2.13)."""
+    local = local_of(p) if local is None else local
+    return local._version + (p._version if is_dtensor(p) else 0)
+
+
 class StorageMixin:
     """Records where each param's elements live and re-adopts a param whose memory changed."""
 
@@ -74,11 +88,11 @@ class StorageMixin:
             view = local_of(p).detach()  # aliases the flat buffer, not the Parameter
             views.append(view)
             ptrs.append(view.data_ptr())
-            versions.append(local_of(p)._version)
+            versions.append(_version(p))
 
     def _record_versions(self) -> None:
         """Every param's version now: what step() and the tiers wrote is not the user's."""
-        self._param_versions = [local_of(p)._version for p in self._all_params()]
+        self._param_versions = [_version(p) for p in self._all_params()]
 
     def _check_storage(self) -> None:
         """Re-adopts every param whose memory was replaced since the last step (module
@@ -91,7 +105,7 @@ class StorageMixin:
                 if local.data_ptr() != ptrs[k]:
                     self._adopt_storage()
                     return self._check_written()
-                written = written or local._version != versions[k]
+                written = written or _version(p, local) != versions[k]
                 k += 1
         if written:
             self._check_written()
@@ -101,7 +115,7 @@ class StorageMixin:
         recorded (module docstring); params whose memory was replaced are left to
         _check_storage."""
         params = list(self._all_params())
-        written = {i for i, p in enumerate(params) if local_of(p)._version != self._param_versions[i]
+        written = {i for i, p in enumerate(params) if _version(p) != self._param_versions[i]
                    and local_of(p).data_ptr() == self._flat_ptrs[i]}
         if not written:
             return
@@ -115,10 +129,13 @@ class StorageMixin:
                 self._restart_masters(sg, slices, only_changed=True)
         self._record_versions()
 
-    def _restart_masters(self, sg, slices: list, only_changed: bool) -> None:
+    def _restart_masters(self, sg, slices: list, only_changed: bool, previous: dict | None = None) -> None:
         """The fp32 master of `slices` of subgroup `sg` restarts from the params' values (all of
         them, or with `only_changed` those that differ from what the last step wrote); the
-        tier gets it back (encoded with remainders; loaded on the host / nvme tier)."""
+        tier gets it back (encoded with remainders; loaded on the host / nvme tier). With
+        remainders the last step's high half is gone once the param is written, unless
+        `previous` ({param index: its values before, flat}) has it: then only the elements
+        whose bits changed restart (a re-adopted param's old memory)."""
         if self.plan.tiers[sg.index] == DEVICE and sg.dtype == torch.float32:
             return  # an fp32 device subgroup is its own master
         st = self._subgroup_state(sg)  # views on the device and host tiers, copies on nvme
@@ -129,8 +146,13 @@ class StorageMixin:
             for sl in slices:
                 a, b = sl.sub_offset, sl.sub_offset + sl.numel
                 now = sg.flat[a:b]
-                if only_changed and not remainders:
-                    diff = ~_written_as(master[a:b], now)
+                before = None if previous is None else previous.get(sl.param_index)
+                if only_changed and (not remainders or before is not None):
+                    if remainders:  # the decoded master's high half is `now`: compare it with the old one
+                        before = before.reshape(-1)[sl.param_offset:sl.param_offset + sl.numel]
+                        diff = before.view(torch.int16) != now.view(torch.int16)
+                    else:
+                        diff = ~_written_as(master[a:b], now)
                     if not bool(diff.any()):
                         continue
                     master[a:b] = torch.where(diff, now.float(), master[a:b])
@@ -154,21 +176,30 @@ class StorageMixin:
                 raise RuntimeError(self._moved_message(i, p, view))
         # a pending speculation read the old master: drop it (step() steps those subgroups)
         self._drop_speculation()
+        # what each param held before (a DTensor's old shard is still alive; a plain param's
+        # buffer slice is overwritten below, so a remainder subgroup's is copied first): an
+        # element given the value it had keeps its master, as a write in place does — new
+        # memory with the same values (a swap_tensors load of the same weights, FSDP2
+        # re-padding a shard) is no user write
+        previous = {}
         with torch.no_grad():
             for i in changed:
                 if is_sharded(params[i]):
+                    previous[i] = self._flat_views[i]
                     self._repoint_dtensor(i, params[i])
                     continue
                 view = self._flat_views[i]
+                if self.state_format.remainders_for(view.dtype):
+                    previous[i] = view.clone()
                 view.copy_(params[i].data)
                 params[i].data = view
         changed = set(changed)
         for sg in self._subgroups:
             slices = [sl for sl in sg.slices if sl.param_index in changed]
             if slices:
-                self._restart_masters(sg, slices, only_changed=False)
+                self._restart_masters(sg, slices, only_changed=True, previous=previous)
         for i in changed:  # rebound: the new memory's version is the one to watch
-            self._param_versions[i] = local_of(params[i])._version
+            self._param_versions[i] = _version(params[i])
         # swapping a Parameter's contents (load_state_dict with swap_tensors) drops its hooks
         self._install_hooks([sg for sg in self._subgroups if self.plan.tiers[sg.index] != DEVICE])
 
@@ -182,6 +213,12 @@ class StorageMixin:
                     sg.flat = flat[sl.param_offset:sl.param_offset + sg.numel]
                     if sg.index in self._device.master and sg.dtype == torch.float32:
                         self._device.master[sg.index] = sg.flat  # an fp32 device subgroup is its own master
+                    host_params = getattr(self._host, "_params", None)
+                    if host_params is not None and sg.index in self._host_local:
+                        # a host tier keeping remainders reads (nvme) and writes the high half
+                        # in the model's flat tensors: it must follow the new shard (HostTier
+                        # has no public setter for it yet)
+                        host_params[self._host_local[sg.index]] = sg.flat
         self._flat_views[i] = local_of(p).detach()
         self._flat_ptrs[i] = self._flat_views[i].data_ptr()
 
