@@ -386,3 +386,34 @@ def test_dcp_set_optimizer_state_dict_round_trip_trains_like_the_original(dst, n
         for a, b in zip(model.parameters(), model2.parameters()):
             assert torch.equal(a, b)
         _assert_state_equal(opt2.state_dict(), opt.state_dict())
+
+
+COMPRESSED = dict(exp_avg_dtype=BF16, exp_avg_sq_dtype=BF16, store_param_remainders=True)
+
+
+@pytest.mark.parametrize("dst", ["device", "mixed", "nvme"])
+def test_dcp_round_trip_of_compressed_state_trains_like_the_original(dst, nvme_dir):
+    """A bf16 model with bf16 moments and remainders (#16): get_optimizer_state_dict from a
+    trained optimizer (host tier), through a file, set_optimizer_state_dict into a fresh one
+    at another placement (its dummy step first): bf16 moments and decoded fp32 masters
+    bitwise, and the next steps bitwise."""
+    model = make_net(BF16)
+    batches = make_batches(6)
+    with ExitStack() as stack:
+        opt = stack.enter_context(hybrid(model.parameters(), "host", nvme_dir, **COMPRESSED))
+        train(model, opt, batches[:3])
+        opt.zero_grad()
+        osd = save_load(get_optimizer_state_dict(model, opt))
+        sd = save_load(opt.state_dict())
+        assert any(st["exp_avg"].dtype == BF16 for st in osd["state"].values())
+        weights = {k: v.clone() for k, v in model.state_dict().items()}
+        train(model, opt, batches[3:])
+        model2 = make_net(BF16, seed=5)
+        model2.load_state_dict(weights)
+        opt2 = stack.enter_context(hybrid(model2.parameters(), dst, nvme_dir, lr=1e-3, **COMPRESSED))
+        set_optimizer_state_dict(model2, opt2, osd)
+        _assert_state_equal(opt2.state_dict(), sd)
+        train(model2, opt2, batches[3:])
+        for a, b in zip(model.parameters(), model2.parameters()):
+            assert torch.equal(a, b)
+        _assert_state_equal(opt2.state_dict(), opt.state_dict())
