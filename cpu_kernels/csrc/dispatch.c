@@ -106,6 +106,7 @@ void hybrid_adam_step(const adam_args_t *a)
 
     const int level = hybrid_get_level();
     const int64_t n = a->n;
+    if (level == LEVEL_AVX512) (void)hybrid_get_avx512_bf16();  /* its lazy CPU check, before the threads read it */
 #pragma omp parallel if (n >= PARALLEL_MIN)
     {
         /* threads take interleaved chunks (not one half each): their streams then stay in
