@@ -102,9 +102,17 @@ class CheckpointMixin:
             on_device = all(self.plan.tiers[sg.index] == DEVICE for sg, _ in parts)
             if on_device and len(parts) == 1:
                 sg, sl = parts[0]
-                st = self._subgroup_state(sg)
+                if sg.index not in sub_state:
+                    sub_state[sg.index] = self._subgroup_state(sg)
+                st = sub_state[sg.index]
                 a, b = sl.sub_offset, sl.sub_offset + sl.numel
                 flat = {k: st[k][a:b] for k in keys}
+                if "master" in flat and self._device.has_remainders(sg.index):
+                    # decoded once per subgroup, then each param's own elements: a view of the
+                    # decoded subgroup would make torch.save write all of it once per param
+                    flat["master"] = flat["master"].clone()
+                if last_use[sg.index] == idx:
+                    del sub_state[sg.index]
             else:
                 where = p.device if on_device else torch.device("cpu")
                 # moments in the format's dtypes (bf16 when compressed), the master in fp32
