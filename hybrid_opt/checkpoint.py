@@ -154,7 +154,6 @@ class CheckpointMixin:
         # at the next step() instead, it would restart the masters this load sets
         self._check_storage()
         self._drop_speculation()
-        self._rank_failure = None  # a reload puts this rank back in step (rank_faults.py)
         groups, saved_groups = self.param_groups, state_dict["param_groups"]
         if len(groups) != len(saved_groups):
             raise ValueError("loaded state dict has a different number of parameter groups")
@@ -241,6 +240,7 @@ class CheckpointMixin:
             self._steps[idx] = int(float(st["step"])) if st is not None and "step" in st else 0
         self._sync_torch_state(rebuild=True)
         self._record_versions()  # with remainders a load writes the params' high halves
+        self._rank_failure = None  # a completed reload puts this rank back in step (rank_faults.py)
 
     # ------------------------------------------------------------------ torch's self.state
     def _sync_torch_state(self, rebuild: bool = False) -> None:
