@@ -173,6 +173,18 @@ def test_a_user_write_restarts_the_masters_in_both_modes(compressed):
             assert seen == list(range(n)), (name, rank, res[name]["restarts_after_load"])
 
 
+@pytest.mark.parametrize("name", NAMES)
+def test_compressed_state_is_one_copy_of_6_bytes_per_element_across_ranks(compressed, name):
+    """Each rank lays out its shards (chunks) only, the ranks' elements sum to the model's, and
+    opt.stats counts 6 B per element (remainder + bf16 m + bf16 v; the high half is the
+    model's param): one compressed copy across the ranks."""
+    _, ranks = compressed
+    total = sum(p.numel() for p in _bf16_model().parameters())
+    laid_out = [res[name]["laid_out"] for res in ranks]
+    assert sum(laid_out) == total and all(n < total for n in laid_out), laid_out
+    assert sum(res[name]["state_bytes"] for res in ranks) == 6 * total
+
+
 @pytest.mark.parametrize("name", ["fsdp2", "zero"])
 def test_compressed_state_near_single_process_on_the_global_batch(compressed, name):
     """Against single-process HybridAdamW with the same options on the global batch (not the
