@@ -15,8 +15,9 @@ param; a bucket whose params all have their grads is packed into its persistent 
 rank's chunks side by side, padded to the longest rank's; a copy, so p.grad is never touched)
 and reduce-scattered asynchronously (COLLECTIVES: on gloo an all_to_all_single of the
 segments, summed by their owner in rank order) — strictly in bucket
-order: a bucket is issued only once every earlier bucket has been, and step() issues the ones
-that never fired (a param that got no grad on this rank), in order, so every rank issues the
+order: a bucket is issued only once every earlier bucket has been, and the end of backward
+(autograd's final callback; step() if it did not run) issues the ones that never fired (a
+param that got no grad on this rank), in order, so every rank issues the
 same collectives in the same order (gloo/NCCL pair them by order; a param unused on one rank
 only must not reorder them). A param without a grad on this rank counts as zeros in the sum
 and, when some rank had a grad for it, gets the averaged grad here too (a zero grad whose
@@ -26,8 +27,9 @@ Each rank's segment carries one has-grad count per param after its chunks; compl
 are polled from the hooks, their sum divided by the world size into a buffer of their own,
 and the optimizer's speculation hook runs for their params — speculation starts from the
 reduced chunk. `p.grad` keeps this rank's local grad (never overwritten): accumulating
-over several backwards without the boundary flag stays correct (each reduction sums the
-accumulated grads again: redundant traffic, like DDP without no_sync), and with
+over several backwards without the boundary flag stays correct (each backward issues every
+bucket once, the next reducing the accumulated grads again: redundant traffic, like DDP
+without no_sync; a bucket still in flight is waited for before its buffer is reused), and with
 `set_gradient_accumulation_boundary(False)` the micro-steps reduce nothing and the
 boundary backward reduces the sum once (divided by the world size, as DDP averages).
 A reduction sees p.grad as it was when its hook fired: in-place changes to p.grad after
@@ -158,6 +160,7 @@ class ZeroSharding(ParamGather):
         self._pending: list = []   # [(bucket, work, scratch, grads)] launched, not yet completed
         self._fired: set = set()   # buckets whose grads all arrived, waiting for their turn
         self._next = 0             # the next bucket to issue this step (buckets issue in order)
+        self._in_backward = False  # a reducing backward is running (its end callback queued)
         self._reduced: dict = {}   # param id -> the grad tensor object its last reduction read
         self._handles: list = []
         self._on_reduced, self._is_boundary = None, lambda: True
@@ -220,6 +223,15 @@ class ZeroSharding(ParamGather):
     def _on_grad(self, p) -> None:
         if not self._is_boundary():
             return  # an accumulation micro-step: grads accumulate locally, nothing is reduced
+        if not self._in_backward:
+            # a backward's first grad: a backward after one that issued every bucket (grads
+            # accumulated without the boundary flag) reduces every bucket again, in order
+            self._in_backward = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+            if self._next == len(self.buckets):
+                self._next = 0
+                self._fired.clear()
+                self._arrived.clear()
         b = self._bucket_of[id(p)]
         arrived = self._arrived.setdefault(id(b), set())
         arrived.add(id(p))
@@ -227,6 +239,14 @@ class ZeroSharding(ParamGather):
             arrived.clear()
             self._fired.add(b.index)
             self._issue_in_order()
+        self.poll()
+
+    def _end_of_backward(self) -> None:
+        """The autograd engine's callback at the end of a backward that reduced: the buckets
+        that did not fire (a param without a grad on this rank) are issued now, in order, so
+        every backward issues every bucket once on every rank (ranks run the same backwards)."""
+        self._in_backward = False
+        self._issue_in_order(upto=len(self.buckets))
         self.poll()
 
     def _issue_in_order(self, upto: int | None = None) -> None:
@@ -265,6 +285,8 @@ class ZeroSharding(ParamGather):
         return red
 
     def _launch(self, b: _Bucket) -> None:
+        if any(q[0] is b for q in self._pending):
+            self.poll(wait=True)  # its buffers are reused: the last backward's reduction first
         red = self._pack(b)
         grads = [p.grad for p in b.params]
         if self._kind == "all_to_all":
@@ -315,7 +337,6 @@ class ZeroSharding(ParamGather):
             # a buffer of the bucket's own, written in place: its version moves, so a speculation
             # that read the previous reduction (accumulation without the flag) is redone
             counts = self._average(b, kind)
-            self._check_ddp(b)
             _, grad_map = D._zero_maps()
             for k, p in enumerate(b.params):
                 if grads[k] is None and p.grad is None and p.requires_grad and counts[k] > 0:
@@ -344,8 +365,10 @@ class ZeroSharding(ParamGather):
                                f"peer rank died or stopped stepping")
 
     def _check_ddp(self, b: _Bucket) -> None:
-        """Once: grads that arrive already equal to their average on every element look like
-        DDP's (averaged before our hooks ran): correct, but communicated twice."""
+        """Once, in step(): grads equal to their average on every element look like DDP's (it
+        writes the averages into p.grad at the end of backward, after our hooks copied the local
+        grads out; checked before that, the local grads would be compared): correct, but
+        communicated twice."""
         if self._ddp_checked:
             return
         self._ddp_checked = True
@@ -379,6 +402,8 @@ class ZeroSharding(ParamGather):
                 self.stats["rereduced"] += 1
                 self._launch(b)
         self.poll(wait=True)
+        if self.buckets:
+            self._check_ddp(self.buckets[0])
 
     def end_step(self) -> None:
         """After step() (taken, skipped or failed): the next backward starts a new reduction."""
@@ -386,6 +411,7 @@ class ZeroSharding(ParamGather):
         self._reduced.clear()
         self._fired.clear()
         self._next = 0
+        self._in_backward = False  # a backward that raised before its end callback
 
     def close(self) -> None:
         """The grad hooks removed; pending gathers landed (a failed one is warned about: the

@@ -274,7 +274,8 @@ def test_launch_past_its_deadline_kills_ranks_and_workers(tmp_path):
 ZERO_TRAIN = {  # name: (optimizer, clip, steps skipped)
     "adamw_nvme": ("AdamW", 1.0, ()), "adam_host": ("Adam", 1.0, ()),
     "adamw_host_noclip": ("AdamW", None, ()), "adamw_overflow": ("AdamW", 1.0, (1,)),
-    "adamw_accum": ("AdamW", 1.0, ()), "adamw_ddp": ("AdamW", None, ()),
+    "adamw_accum": ("AdamW", 1.0, ()), "adamw_accum_noflag": ("AdamW", 1.0, ()),
+    "adamw_ddp": ("AdamW", None, ()),
     "adamw_sync": ("AdamW", None, ()), "adamw_sd_close": ("AdamW", None, ()),
     "adamw_sync_rs": ("AdamW", None, ()), "adamw_overlap_ar": ("AdamW", None, ())}
 
@@ -298,7 +299,8 @@ def test_process_group_matches_single_process_torch(zero_trained, name):
     them): every rank's own params follow torch.optim.AdamW / Adam on the global batch with
     clip_grad_norm_ — HybridAdamW at offload 0.5 + nvme 0.25 and HybridAdam at offload 1.0,
     with a one-rank GradScaler overflow (skipped by both), with accumulation over two
-    micro-batches (boundary flag), and under a DDP wrapper too; last_grad_norm is the full
+    micro-batches (with the boundary flag, and without: each backward reduces the accumulated
+    grads again), and under a DDP wrapper too; last_grad_norm is the full
     model's norm, the same float on both ranks."""
     kind, clip, skip = ZERO_TRAIN[name]
     ref_params, ref_norms = C.reference(kind, max_grad_norm=clip, skip=skip)

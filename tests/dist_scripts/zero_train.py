@@ -23,6 +23,9 @@ CONFIGS = {
     "adamw_host_noclip": ("AdamW", dict(offload_fraction=1.0, overlap_param_gather=True), None, None, 1),
     "adamw_overflow": ("AdamW", dict(offload_fraction=0.5), 1.0, 1, 1),
     "adamw_accum": ("AdamW", dict(offload_fraction=0.5, nvme_fraction=0.25), 1.0, None, 2),
+    # the same accumulation without the boundary flag: each backward reduces every bucket (the
+    # second one the accumulated grads again), 4 buckets, speculation from the first redone
+    "adamw_accum_noflag": ("AdamW", dict(offload_fraction=0.5), 1.0, None, 2),
     "adamw_ddp": ("AdamW", dict(offload_fraction=0.5), None, None, 1),
     # the overlapped all-gather (opt-in): small buckets (4 of this model), the params then read
     # after a forward (adamw_host_noclip); the default, synchronous (adamw_sync, which also calls
@@ -41,7 +44,7 @@ CONFIGS = {
     "adamw_overlap_ar": ("AdamW", dict(offload_fraction=1.0, overlap_param_gather=True), None, None, 1),
 }
 SMALL_BUCKETS = ("adamw_host_noclip", "adamw_sync", "adamw_sd_close", "adamw_load", "adamw_unused",
-                 "adamw_sync_rs", "adamw_overlap_ar")
+                 "adamw_sync_rs", "adamw_overlap_ar", "adamw_accum_noflag")
 PATHS = {"adamw_sync_rs": "reduce_scatter", "adamw_overlap_ar": "all_reduce"}
 
 
@@ -75,7 +78,8 @@ def run(name: str, rank: int, world: int, tmp: str) -> dict:
             local = C.local_batch(x, rank, world)
             n = local.shape[0] // micro
             for m in range(micro):
-                opt.set_gradient_accumulation_boundary(m == micro - 1)
+                if name != "adamw_accum_noflag":
+                    opt.set_gradient_accumulation_boundary(m == micro - 1)
                 if name == "adamw_unused":
                     loss = C.loss_bias_unused(model, local, rank, world, i)
                 else:
