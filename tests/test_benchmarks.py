@@ -1,0 +1,58 @@
+"""Benchmark scripts run end to end at tiny sizes: they finish, and what they report is
+consistent with what the optimizer stores (not the timings: those need a quiet machine)."""
+import json
+import os
+import subprocess
+import sys
+
+import torch
+
+from hybrid_opt.state_format import StateFormat
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_bench_compressed_tiny_run_reports_every_configuration_and_the_state_bytes(tmp_path):
+    out_json, out_md = tmp_path / "c.json", tmp_path / "c.md"
+    nvme_dir = os.path.join(REPO, "bench_out")  # git-ignored, on the disk (tmp_path may be tmpfs)
+    cmd = [sys.executable, os.path.join(REPO, "benchmarks", "bench_compressed.py"), "--params", "1e5",
+           "--rounds", "1", "--iters", "1", "--warmup", "1", "--dir", nvme_dir,
+           "--json", str(out_json), "--md", str(out_md)]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=180, cwd=REPO)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    records = json.loads(out_json.read_text())
+    configs = {(r["placement"], r["format"]): r for r in records if r["kind"] == "config"}
+    ratios = {r["placement"]: r for r in records if r["kind"] == "ratio"}
+    placements = ["device", "host", "nvme", "mixed"]
+    fp32, comp = "fp32 state", "bf16 moments + remainders"
+    assert set(configs) == {(p, f) for p in placements for f in (fp32, comp)}
+    assert set(ratios) == set(placements)
+    assert all(r["params"] == 8 * (112 * 112 + 112) for r in records)  # 8 x Linear(112) for 1e5
+
+    plain = StateFormat()
+    packed = StateFormat(torch.bfloat16, torch.bfloat16, True)
+    want = {fp32: plain.state_bytes(torch.bfloat16), comp: packed.state_bytes(torch.bfloat16)}
+    assert want == {fp32: 12, comp: 6}
+    tier_of = {"device": ["device"], "host": ["host"], "nvme": ["nvme"], "mixed": ["device", "host", "nvme"]}
+    for (pl, fmt), r in configs.items():
+        assert r["median_ms"] > 0 and r["p20_ms"] <= r["median_ms"] <= r["p80_ms"]
+        # each placement's tiers hold its elements (mixed: all three), in the format's bytes
+        for tier in ("device", "host", "nvme"):
+            assert (f"{tier}_state_B" in r) == (tier in tier_of[pl]), (pl, fmt, tier)
+        for tier in tier_of[pl]:
+            assert r[f"{tier}_state_B"] == want[fmt], (pl, fmt, tier)
+        if pl == "device":
+            assert r.get("bank_B_per_elem") is None  # no host tier
+        else:
+            # a host-tier bank: the state plus the bf16 copy (the high half, with remainders),
+            # up to the capacity's alignment
+            ideal = (plain if fmt == fp32 else packed).bank_bytes(torch.bfloat16)
+            assert ideal <= r["bank_B_per_elem"] <= 1.1 * ideal, (pl, fmt, r["bank_B_per_elem"])
+    for pl, r in ratios.items():
+        got = configs[(pl, comp)]["round_medians_ms"][0] / configs[(pl, fp32)]["round_medians_ms"][0]
+        assert abs(r["ratio_median"] - got) < 1e-9 and r["ratio_min"] == r["ratio_max"] == r["ratio_median"]
+        assert abs(r["speedup"] * r["ratio_median"] - 1) < 1e-9
+    assert ratios["device"]["target"] is not None and ratios["nvme"]["target"] == 0.6
+    md = out_md.read_text()
+    assert "| device, bf16 moments + remainders |" in md and "stepped inside step()" in md
+    assert not [d for d in os.listdir(nvme_dir) if d.startswith("bench_compressed_")]  # swap dir removed
