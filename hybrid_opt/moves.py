@@ -34,7 +34,7 @@ GB = 1e9
 
 
 class MoveMixin:
-    """Moves the committed state between tiers; needs PlacementMixin's `_fraction_plan`,
+    """Moves the committed state between tiers; needs PlacementMixin's `_fraction_plan`, `_budget_format`,
     `_make_host_tier`, `_memory` and CheckpointMixin's `_subgroup_state`."""
 
     # ------------------------------------------------------------------ room
@@ -74,9 +74,10 @@ class MoveMixin:
         it adds on a CPU-only host)."""
         from hybrid_opt import cost_model as cm
         size = self._subgroups[0].flat.element_size() if self._subgroups else 4
+        fmt, dtype = self._budget_format(self._subgroups)
         wl = cm.Workload(params=float(sum(s.numel for s in self._subgroups)), model_bytes=size,
-                         grad_bytes=size, amsgrad=self._amsgrad_layout, state_format=self.state_format,
-                         model_dtype=self._subgroups[0].dtype if self._subgroups else None,
+                         grad_bytes=size, amsgrad=self._amsgrad_layout, state_format=fmt,
+                         model_dtype=dtype if self._subgroups else None,
                          subgroup_numel=self.subgroup_numel)
         return cm.memory_bytes(cm.Machine(gpus=1), wl, off, nv, spare_banks)["host"]
 

@@ -83,13 +83,13 @@ class PlacementMixin(MoveMixin):
             from hybrid_opt.scheduler import AutoPlanner, default_budgets
             params = list(self._all_params())
             device = params[0].device if params else torch.device("cpu")
-            dtype = sgs[0].dtype if sgs else torch.float32
+            fmt, dtype = self._budget_format(sgs)
             budgets = default_budgets(params, device, self.device_memory_budget, self.host_memory_budget)
             self._auto = AutoPlanner(
                 [s.numel for s in sgs], [s.ready_rank for s in sgs], device,
                 model_bytes=torch.tensor([], dtype=dtype).element_size(),
                 state_bytes=16 if self._amsgrad_layout else 12,
-                state_format=self.state_format, model_dtype=dtype,
+                state_format=fmt, model_dtype=dtype,
                 subgroup_numel=self.subgroup_numel,
                 fixed_offload=None if self.offload_fraction == "auto" else float(self.offload_fraction),
                 fixed_nvme=None if self.nvme_fraction == "auto" else float(self.nvme_fraction),
@@ -119,15 +119,29 @@ class PlacementMixin(MoveMixin):
                                          counted=self._memory(*self._fractions, spares)["device"],
                                          floor=self._memory(1.0, 0.0, spares)["device"])
 
+    def _budget_format(self, sgs) -> tuple:
+        """(state format, model dtype) the budgets count for subgroups `sgs`: theirs when they
+        share one dtype; for a mix (fp32 norms beside bf16 weights) an upper bound of what any
+        tier holds of them — the low-precision dtype (its bank keeps the model-dtype copy) and,
+        as a host tier that mixes them keeps a 4-byte master region (tiers/compressed.py), no
+        remainders."""
+        dtypes = {s.dtype for s in sgs}
+        if len(dtypes) <= 1:
+            return self.state_format, next(iter(dtypes), torch.float32)
+        low = sorted(dtypes - {torch.float32}, key=str)
+        return (dataclasses.replace(self.state_format, store_param_remainders=False),
+                low[0] if low else torch.float32)
+
     def _memory(self, off: float, nv: float, spare_banks) -> dict:
         """The cost model's bytes per tier for this optimizer's model at a placement."""
         from hybrid_opt import cost_model as cm
         params = list(self._all_params())
         cuda = bool(params) and params[0].is_cuda
         size = params[0].element_size() if params else 4
+        fmt, dtype = self._budget_format(self._subgroups)
         wl = cm.Workload(params=float(sum(s.numel for s in self._subgroups)), model_bytes=size,
-                         grad_bytes=size, amsgrad=self._amsgrad_layout, state_format=self.state_format,
-                         model_dtype=self._subgroups[0].dtype if self._subgroups else None,
+                         grad_bytes=size, amsgrad=self._amsgrad_layout, state_format=fmt,
+                         model_dtype=dtype if self._subgroups else None,
                          subgroup_numel=self.subgroup_numel)
         return cm.memory_bytes(cm.Machine(gpus=1 if cuda else 0), wl, off, nv, spare_banks)
 
@@ -225,7 +239,8 @@ class PlacementMixin(MoveMixin):
             budget = self.host_memory_budget
             if budget is not None:  # what the placement leaves of it
                 budget = max(0, budget - self._memory(off, nv, spare_banks=0)["host"])
-            bank = self.state_format.bank_bytes(host[0].dtype if host else torch.float32, self._amsgrad_layout)
+            fmt, dtype = self._budget_format(host)
+            bank = fmt.bank_bytes(dtype, self._amsgrad_layout)
             plan.spare_banks = default_spare_banks(len(host), biggest * bank, budget)
         if decision is not None:
             plan.prediction, plan.reason = decision.prediction, decision.reason
