@@ -33,7 +33,8 @@ targets: in-process CPU step >= 1.45x faster, i.e. ratio <= 0.69; nvme step rati
 state bytes per param per tier (opt.stats["tiers"]: state_bytes / elements; on nvme the
 file's bytes) and the host tier's arena: bytes per element of any bank (committed, spare or
 I/O: state + the bf16 copy), the committed banks per host-resident param, the spare/I/O pool
-per offloaded param, and each nvme file slot per param.
+per offloaded param, and each nvme file slot per param; the host/nvme subgroup steps over the
+timed steps that were speculated and committed, and those stepped inside step().
 
 JSON records (--json): one per configuration {"impl", "kind": "config", "placement", "format",
 "median_ms", "p20_ms", "p80_ms", "iter_median_ms", "round_medians_ms", per-tier bytes, ...}
@@ -136,6 +137,7 @@ def run_config(args, base, grads, placement: str, fmt: str, workdir: str) -> tup
     if kw.get("nvme_fraction"):
         kw["nvme_path"] = workdir
     step_ms, iter_ms = [], []
+    outcomes = {}  # host/nvme subgroups committed (speculated), redone, stepped (in step()), dropped
     with HybridAdamW(params, lr=1e-4, subgroup_numel=args.subgroup_numel, **kw) as opt:
         for k in range(args.warmup + args.iters):
             g = grads[k % len(grads)]
@@ -153,8 +155,11 @@ def run_config(args, base, grads, placement: str, fmt: str, workdir: str) -> tup
             if k >= args.warmup:
                 step_ms.append((t2 - t1) * 1e3)
                 iter_ms.append((t2 - t0) * 1e3)
+                for key, v in (opt.stats.get("speculation") or {}).items():
+                    outcomes[key] = outcomes.get(key, 0) + v
         info = _bytes_info(opt, sum(p.numel() for p in params))
         info["plan"] = repr(opt.plan)
+        info.update({f"subgroups_{key}": v for key, v in outcomes.items()})
     del model, params
     gc.collect()
     return {"step": step_ms, "iter": iter_ms}, info
@@ -217,7 +222,8 @@ def report(rows: list, ratios: list, args) -> str:
              ("nvme_state_B", "nvme file B/param", ".2f"), ("bank_B_per_elem", "bank B/elem", ".2f"),
              ("banks_B_per_host_param", "banks B/host param", ".2f"),
              ("spare_pool_B_per_offloaded_param", "spare+io pool B/offloaded param", ".2f"),
-             ("spare_banks", "spare+io banks", "d")]
+             ("spare_banks", "spare+io banks", "d"), ("subgroups_committed", "speculated", "d"),
+             ("subgroups_stepped", "stepped in step()", "d")]
     table = markdown_table(rows, cols)
     shown = [dict(r, _range=f"{r['ratio_min']:.3f}-{r['ratio_max']:.3f}",
                   _target="-" if r["target"] is None else f"<= {r['target']:.2f}",

@@ -43,7 +43,10 @@ def test_bench_compressed_tiny_run_reports_every_configuration_and_the_state_byt
             assert r[f"{tier}_state_B"] == want[fmt], (pl, fmt, tier)
         if pl == "device":
             assert r.get("bank_B_per_elem") is None  # no host tier
+            assert "subgroups_stepped" not in r      # no host step at all
         else:
+            # grads assigned, no backward: no hook fired, every host/nvme step ran inside step()
+            assert r["subgroups_committed"] == 0 and r["subgroups_stepped"] > 0, (pl, fmt)
             # a host-tier bank: the state plus the bf16 copy (the high half, with remainders),
             # up to the capacity's alignment
             ideal = (plain if fmt == fp32 else packed).bank_bytes(torch.bfloat16)
@@ -56,3 +59,18 @@ def test_bench_compressed_tiny_run_reports_every_configuration_and_the_state_byt
     md = out_md.read_text()
     assert "| device, bf16 moments + remainders |" in md and "stepped inside step()" in md
     assert not [d for d in os.listdir(nvme_dir) if d.startswith("bench_compressed_")]  # swap dir removed
+
+
+def test_bench_compressed_backward_mode_speculates_and_times_the_iteration(tmp_path):
+    out_json = tmp_path / "c.json"
+    cmd = [sys.executable, os.path.join(REPO, "benchmarks", "bench_compressed.py"), "--params", "1e5",
+           "--rounds", "1", "--iters", "2", "--warmup", "1", "--placements", "host", "--grads", "backward",
+           "--json", str(out_json)]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=180, cwd=REPO)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    configs = [r for r in json.loads(out_json.read_text()) if r["kind"] == "config"]
+    assert len(configs) == 2
+    for r in configs:
+        # the cheap loss's backward fires the grad hooks: host steps start before step()
+        assert r["subgroups_committed"] + r["subgroups_redone"] > 0, r
+        assert r["iter_median_ms"] >= r["median_ms"]
