@@ -213,12 +213,10 @@ class StorageMixin:
                     sg.flat = flat[sl.param_offset:sl.param_offset + sg.numel]
                     if sg.index in self._device.master and sg.dtype == torch.float32:
                         self._device.master[sg.index] = sg.flat  # an fp32 device subgroup is its own master
-                    host_params = getattr(self._host, "_params", None)
-                    if host_params is not None and sg.index in self._host_local:
+                    if self._host is not None and sg.index in self._host_local:
                         # a host tier keeping remainders reads (nvme) and writes the high half
-                        # in the model's flat tensors: it must follow the new shard (HostTier
-                        # has no public setter for it yet)
-                        host_params[self._host_local[sg.index]] = sg.flat
+                        # in the model's flat tensors: it must follow the new shard
+                        self._host.repoint_param(self._host_local[sg.index], sg.flat)
         self._flat_views[i] = local_of(p).detach()
         self._flat_ptrs[i] = self._flat_views[i].data_ptr()
 

@@ -118,6 +118,12 @@ class CompressedState:
         st["high"].copy_(high)
         return high
 
+    def repoint_param(self, sg: int, flat: torch.Tensor) -> None:
+        """Subgroup `sg`'s model tensor has new memory (an FSDP2 shard re-padded, a param
+        re-adopted): a tier keeping remainders reads (nvme) and writes its high half there."""
+        if self._params is not None:
+            self._params[sg] = flat
+
     def _write_param(self, sg: int, high: torch.Tensor) -> None:
         """The model's param takes the encoded high half (on CUDA an H2D copy): it differs from
         master.to(torch.bfloat16) only on exact ties (rounded away from zero, not to even)."""
