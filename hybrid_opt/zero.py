@@ -13,6 +13,7 @@ Grads: params are cut into buckets (reverse param order: grads complete about la
 first) of one dtype and about BUCKET_NUMEL elements. A post-accumulate-grad hook marks each
 param; a bucket whose params all have their grads is packed into its persistent buffer (each
 rank's chunks side by side, padded to the longest rank's; a copy, so p.grad is never touched)
+— or, a bucket of one param whose dim-0 chunks split evenly, reduced straight from p.grad —
 and reduce-scattered asynchronously (COLLECTIVES: on gloo an all_to_all_single of the
 segments, summed by their owner in rank order) — strictly in bucket
 order: a bucket is issued only once every earlier bucket has been, and the end of backward
@@ -33,7 +34,8 @@ without no_sync; a bucket still in flight is waited for before its buffer is reu
 `set_gradient_accumulation_boundary(False)` the micro-steps reduce nothing and the
 boundary backward reduces the sum once (divided by the world size, as DDP averages).
 A reduction sees p.grad as it was when its hook fired: in-place changes to p.grad after
-backward are not seen (as under DDP). step() waits for the pending ones (bounded). A bucket's
+backward are not seen (as under DDP): the end of backward waits for the pending reductions
+(bounded), as DDP's does (step() too, if that callback did not run). A bucket's
 buffers are allocated once, on first use (no first touch per step), stats["buffer_bytes"].
 
 Params (zero_gather.py): after a step that was taken, every bucket's chunks are sent to every
@@ -108,6 +110,8 @@ class _Bucket:
     red: torch.Tensor = None
     scratch: torch.Tensor = None
     staging: torch.Tensor = None
+    counts: torch.Tensor = None  # a direct bucket's has-grad counts: world sent, world received
+    direct: bool = False    # one param whose chunks are its rank segments: reduced from p.grad
 
     @property
     def seg(self) -> int:   # one rank's segment of a reduce-scatter: chunks, then has-grad counts
@@ -203,6 +207,10 @@ class ZeroSharding(ParamGather):
         width = max(acc) if acc else 0
         b = _Bucket(params, params[0].dtype, params[0].device, width, offsets, numels)
         b.out = torch.zeros(width, dtype=b.dtype, device=b.device)
+        # one param whose dim-0 chunks split evenly IS its own rank-segmented buffer: reduced
+        # straight from p.grad, no packing copy (its has-grad count rides a tiny collective of
+        # its own); not under all_reduce, which would write the sum into p.grad
+        b.direct = len(params) == 1 and params[0].numel() == self.world * width and width > 0
         return b
 
     # ------------------------------------------------------------------ grads
@@ -247,7 +255,7 @@ class ZeroSharding(ParamGather):
         every backward issues every bucket once on every rank (ranks run the same backwards)."""
         self._in_backward = False
         self._issue_in_order(upto=len(self.buckets))
-        self.poll()
+        self.poll(wait=True)  # a direct bucket reads p.grad while in flight: done before it returns
 
     def _issue_in_order(self, upto: int | None = None) -> None:
         """Issues the fired buckets from the next one in order (every bucket before `upto`,
@@ -287,8 +295,10 @@ class ZeroSharding(ParamGather):
     def _launch(self, b: _Bucket) -> None:
         if any(q[0] is b for q in self._pending):
             self.poll(wait=True)  # its buffers are reused: the last backward's reduction first
-        red = self._pack(b)
         grads = [p.grad for p in b.params]
+        if b.direct and self._kind != "all_reduce":
+            return self._launch_direct(b, grads)
+        red = self._pack(b)
         if self._kind == "all_to_all":
             out = self._buffer(b, "scratch", self.world * b.seg)
             work = self.dist.all_to_all_single(out, red, group=self.group, async_op=True)
@@ -299,40 +309,77 @@ class ZeroSharding(ParamGather):
                 rs = getattr(self.dist, "reduce_scatter_single", None) or self.dist.reduce_scatter_tensor
                 work = rs(out, red, group=self.group, async_op=True)
             except (RuntimeError, NotImplementedError) as e:
-                self._kind = self.stats["collectives"] = "all_reduce"  # the same on every rank
-                warnings.warn(f"process_group: the {self.dist.get_backend(self.group)} backend has "
-                              f"no reduce_scatter_tensor ({e}); each bucket is all-reduced instead "
-                              f"(every rank keeps its chunk: twice the traffic)", stacklevel=3)
+                self._no_reduce_scatter(e)
         if self._kind == "all_reduce":
             work = self.dist.all_reduce(red, group=self.group, async_op=True)
+        self._launched(b, [work], self._kind, grads)
+
+    def _launch_direct(self, b: _Bucket, grads: list) -> None:
+        """A direct bucket: p.grad itself is the input (zeros when this rank has none), read
+        while in flight — the end of backward waits for it, so later in-place changes to p.grad
+        (GradScaler.unscale_, a clip) never race it; its count goes in a collective of its own."""
+        g = grads[0]
+        src = g.detach().reshape(-1) if g is not None else self._buffer(b, "red", self.world * b.width)
+        counts = self._buffer(b, "counts", 2 * self.world)
+        counts[:self.world].fill_(0 if g is None else 1)
+        if self._kind == "all_to_all":
+            out = self._buffer(b, "scratch", self.world * b.seg)[:self.world * b.width]
+            works = [self.dist.all_to_all_single(out, src, group=self.group, async_op=True),
+                     self.dist.all_to_all_single(counts[self.world:], counts[:self.world],
+                                                 group=self.group, async_op=True)]
+        else:
+            rs = getattr(self.dist, "reduce_scatter_single", None) or self.dist.reduce_scatter_tensor
+            out = self._buffer(b, "scratch", b.seg)[:b.width]
+            try:
+                works = [rs(out, src, group=self.group, async_op=True)]
+            except (RuntimeError, NotImplementedError) as e:
+                self._no_reduce_scatter(e)
+                return self._launch(b)
+            works.append(rs(counts[self.world:self.world + 1], counts[:self.world],
+                            group=self.group, async_op=True))
+        self._launched(b, works, self._kind, grads)
+
+    def _no_reduce_scatter(self, e: Exception) -> None:
+        self._kind = self.stats["collectives"] = "all_reduce"  # the same backend on every rank
+        warnings.warn(f"process_group: the {self.dist.get_backend(self.group)} backend has no "
+                      f"reduce_scatter_tensor ({e}); each bucket is all-reduced instead (every "
+                      f"rank keeps its chunk: twice the traffic)", stacklevel=4)
+
+    def _launched(self, b: _Bucket, works: list, kind: str, grads: list) -> None:
         for p in b.params:
             self._reduced[id(p)] = p.grad
         self.stats["reduce_scatters"] += 1
-        self._pending.append((b, work, self._kind, grads))
+        self._pending.append((b, works, kind, grads))
 
     def _average(self, b: _Bucket, kind: str) -> list:
         """A completed reduction's sum over the ranks, divided by the world size, into b.out;
         returns the has-grad counts. all_to_all: the ranks' segments summed here in rank order."""
+        direct = b.direct and kind != "all_reduce"
+        stride = b.width if direct else b.seg
         if kind == "all_to_all":
-            segs = [b.scratch[r * b.seg:(r + 1) * b.seg] for r in range(self.world)]
-            b.out.copy_(segs[0][:b.width])
-            counts = segs[0][b.width:].clone()
+            segs = [b.scratch[r * stride:r * stride + b.width] for r in range(self.world)]
+            b.out.copy_(segs[0])
             for seg in segs[1:]:
-                b.out.add_(seg[:b.width])
-                counts.add_(seg[b.width:])
+                b.out.add_(seg)
             b.out.div_(self.world)
+            if direct:
+                return [float(b.counts[self.world:].sum())]
+            counts = b.scratch[b.width:b.seg].clone()
+            for r in range(1, self.world):
+                counts.add_(b.scratch[r * b.seg + b.width:(r + 1) * b.seg])
             return counts.tolist()
         total = b.scratch if kind == "reduce_scatter" else b.red[self.rank * b.seg:(self.rank + 1) * b.seg]
         torch.div(total[:b.width], self.world, out=b.out)
-        return total[b.width:].tolist()
+        return b.counts[self.world:self.world + 1].tolist() if direct else total[b.width:].tolist()
 
     def poll(self, wait: bool = False) -> None:
         """Completes the launched reductions in launch order (all of them when `wait`)."""
         while self._pending:
-            b, work, kind, grads = self._pending[0]
-            if not wait and not work.is_completed():
+            b, works, kind, grads = self._pending[0]
+            if not wait and not all(w.is_completed() for w in works):
                 return
-            self._wait(work, "the reduction of a gradient bucket")
+            for work in works:
+                self._wait(work, "the reduction of a gradient bucket")
             self._pending.pop(0)
             # a buffer of the bucket's own, written in place: its version moves, so a speculation
             # that read the previous reduction (accumulation without the flag) is redone
