@@ -23,6 +23,7 @@ from hybrid_opt.checkpoint import CheckpointMixin
 from hybrid_opt.placement import PlacementMixin
 from hybrid_opt.plan import DEVICE
 from hybrid_opt.speculation import GradGatherer, SpeculationMixin
+from hybrid_opt.step_failures import StepFailureMixin
 from hybrid_opt.step_stats import StepStatsMixin
 from hybrid_opt.storage import StorageMixin
 from hybrid_opt.tiers.device import read_scalars
@@ -53,7 +54,7 @@ def _contiguous_runs(slices: list) -> list:
 
 
 class _HybridBase(ZeroParamsMixin, SpeculationMixin, PlacementMixin, CheckpointMixin, StepStatsMixin,
-                  StorageMixin, torch.optim.Optimizer):
+                  StorageMixin, StepFailureMixin, torch.optim.Optimizer):
     """The torch.optim facade: arguments, param groups, the step and the lifecycle. Layout,
     speculation, checkpoints and stats are mixins, each in a module of its own."""
     _decoupled: bool = True
@@ -208,9 +209,7 @@ class _HybridBase(ZeroParamsMixin, SpeculationMixin, PlacementMixin, CheckpointM
             raise failure
         try:
             self._check_storage()  # a param whose memory was replaced is re-adopted (storage.py)
-            for p in self._all_params():
-                if p.grad is not None and p.grad.is_sparse:
-                    raise RuntimeError(f"{type(self).__name__} does not support sparse gradients")
+            self._check_step_inputs()  # what a tier would fail on part-way (step_failures.py)
         except Exception as e:
             if not decides:  # no collective of ours this step: raised here, as in one process
                 raise
@@ -242,7 +241,9 @@ class _HybridBase(ZeroParamsMixin, SpeculationMixin, PlacementMixin, CheckpointM
         if (self.max_grad_norm is not None and failure is None and self._subgroups
                 and self._subgroups[0].flat.is_cuda):
             norm_sq = self._grad_norm_sq()
-        found, scale_v, norm_sq = read_scalars((found_t, scale_t, norm_sq))
+        # with the flags of DTensor grads edited since speculation staged them (CUDA; grad_edits.py)
+        found, scale_v, norm_sq, *edited = read_scalars((found_t, scale_t, norm_sq, *self._grad_edit_checks()))
+        self._note_grad_edits(edited)
         if decides:
             # one decision for all ranks: norm² and found_inf summed in one all_reduce
             if self.max_grad_norm is not None and norm_sq is None:
@@ -271,6 +272,7 @@ class _HybridBase(ZeroParamsMixin, SpeculationMixin, PlacementMixin, CheckpointM
                           if self._host is not None else None,
                           "grad_norm": None, "clip_coef": None}
             return loss
+        undo = self._step_undo()  # put back if the step fails with nothing stepped
         self.step_was_skipped = False
         self._steps_taken += 1
         inv_scale = 1.0 / scale_v if scale_t is not None else 1.0
@@ -305,46 +307,21 @@ class _HybridBase(ZeroParamsMixin, SpeculationMixin, PlacementMixin, CheckpointM
                 device_work.extend((sg.index, sl, hp, self._steps[sl.param_index]) for sl in live)
             else:
                 host_steps[sg.index] = (sg, live, hp)
+        self._check_device_scale(device_work, scale, undo)
         # host tiers first: a failure there (a full disk, a worker error) then leaves the device
         # tier unstepped, and the step counts of every parameter no committed subgroup holds
-        # are rolled back, so a checkpoint taken afterwards is the previous step for them
+        # are put back, so a checkpoint taken afterwards is the previous step for them
         t_host = time.perf_counter()
         if host_steps:
             committed: set = set()
             try:
                 self._step_host(host_steps, scale, committed)
-            except Exception as e:
-                touched = {sl.param_index for sg, live, _ in host_steps.values() if sg.index in committed
-                           for sl in live}
-                rolled = []
-                for p in self._all_params():
-                    idx = self._index[p]
-                    if p.grad is not None and idx not in touched:
-                        self._steps[idx] -= 1
-                        rolled.append(idx)
-                self._sync_torch_state()
-                done = sorted(committed)
-                what = ("Nothing was stepped (state and step counts are the previous step's): fix "
-                        "the cause and call step() again." if not done else
-                        f"The step was partly applied: subgroups {done} committed it, the others "
-                        f"and the device tier did not (their state and step counts are the "
-                        f"previous step's). Reload a checkpoint: stepping again would step "
-                        f"subgroups {done} twice.")
-                err = RuntimeError(f"{type(self).__name__}.step() failed in the host/nvme tier: "
-                                   f"{e}\n{what}" + RF.OUT_OF_STEP_NOTE * (D.world_size() > 1)
-                                   + RF.ZERO_PARAMS_NOTE * (self._zero is not None))
-                if D.world_size() > 1:  # the others stepped: our next step() stops them all
-                    self._rank_failure = RF.out_of_step(err)
-                if self._zero is not None:
-                    # the others all-gather their stepped chunks now: this rank joins (its params
-                    # then hold their new chunks and its own chunk as its tiers left it), so the
-                    # next collectives still pair in order and its next step() stops every rank
-                    RF.quietly(self._gather_params, err)
-                raise err from e
+            except BaseException as e:  # each param stepped or untouched (step_failures.py)
+                self._step_failed(e, "the host/nvme tier", host_steps, committed, device_work, [], [], undo)
         t_device = time.perf_counter()
         # "auto" times the device step on the device's clock (GPU time on CUDA: clocks.py)
         d0 = self._mark() if self._auto is not None else None
-        self._device.step(device_work, scale)
+        self._step_device(device_work, scale, host_steps, undo)
         self._record_versions()  # this step's writes to the params are not the user's (storage.py)
         d1 = self._mark() if self._auto is not None else None
         t_end = time.perf_counter()

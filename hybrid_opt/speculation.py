@@ -4,12 +4,20 @@ commit, redo or drop it.
 
 A mixin of the optimizer class; `GradGatherer` writes a subgroup's grads into a staging
 buffer (or names their memory for the worker to read itself).
+
+A speculated step stands only if its grads were not modified since they were staged. Plain
+grads are named by (data_ptr, _version): every in-place op, foreach included, bumps the
+version. DTensor grads (FSDP2) also record the DTensor's own version (`dtensor.mul_` bumps
+only that one), and — because torch's foreach in-place ops (clip_grad_norm_, a GradScaler's
+unscale_) bump neither — a content fingerprint, their sum of squares, compared at step()
+(grad_edits.py): a mismatch redoes the step from the live grads.
 """
 from __future__ import annotations
 
 import torch
 
-from hybrid_opt.distributed import local_of
+from hybrid_opt.distributed import is_dtensor, local_of
+from hybrid_opt.grad_edits import GradFingerprints
 from hybrid_opt.tiers.host import StepInputs
 from hybrid_opt.tiers.staging import copy_async
 
@@ -27,6 +35,7 @@ class SpeculationMixin:
         self._param_sgs: dict = {}  # param index -> host subgroup indices it spans
         self._ready: dict = {}
         self._staged: dict = {}     # host subgroup index -> the grad tensors its pending speculation read
+        self._fingerprints = GradFingerprints()  # DTensor grads: edits no version sees (grad_edits.py)
         zero = getattr(self, "_zero", None)
         if zero is not None:
             # process_group (zero.py): speculation starts once a param's averaged chunk is in
@@ -125,10 +134,45 @@ class SpeculationMixin:
         counts it will have), including which grads, so a changed grad makes it stale."""
         runs = self._runs(sg, live, ahead)
         step = runs[0][2] if runs else self._steps[live[0].param_index] + ahead
-        # a DTensor grad (FSDP2) is named by its local shard: the memory the step reads
-        versions = tuple((g.data_ptr(), g._version) for g in (local_of(sl.param.grad) for sl in live))
+        # a DTensor grad (FSDP2) is named by its local shard (the memory the step reads) and
+        # the versions of both: `dtensor.mul_` bumps only the DTensor's
+        versions = tuple(self._grad_id(sl.param.grad) for sl in live)
+        if not ahead and self._grads_edited(sg, live):
+            versions += ("edited since staged",)  # a foreach edit of DTensor grads: redone
         return StepInputs(step, hp.lr, hp.beta1, hp.beta2, hp.eps, hp.weight_decay, hp.decoupled,
                           scale * hp.grad_scale, versions, hp.amsgrad, runs)
+
+    @staticmethod
+    def _grad_id(g) -> tuple:
+        local = local_of(g)
+        ident = (local.data_ptr(), local._version)
+        return ident + (g._version,) if is_dtensor(g) else ident
+
+    def _grads_edited(self, sg, live: list) -> bool:
+        """At step(): whether a speculated subgroup's DTensor grads changed since it was
+        staged in a way no version counter shows (grad_edits.py)."""
+        fp = getattr(self, "_fingerprints", None)
+        if fp is None or sg.index not in self._staged:
+            return False
+        local = self._host_local[sg.index]
+        return fp.is_edited(sg.index, GradGatherer(sg), lambda: self._host.piece_stats(local),
+                            self._host.grad_dtype)
+
+    def _grad_edit_checks(self) -> list:
+        """On CUDA: per speculated subgroup with DTensor grads, a 0-dim device flag (grads
+        edited since staged), queued now for step()'s one read of its scalars (read_scalars);
+        [] elsewhere. `_note_grad_edits` takes the values read."""
+        fp = getattr(self, "_fingerprints", None)
+        if fp is None or not self._staged:
+            return []
+
+        def live_of(sgi):
+            return [sl for sl in self._subgroups[sgi].slices if sl.param.grad is not None]
+        return fp.device_checks(live_of)
+
+    def _note_grad_edits(self, values) -> None:
+        if getattr(self, "_fingerprints", None) is not None:
+            self._fingerprints.note(values)
 
     def _speculate(self, sgi: int) -> bool:
         sg = self._subgroups[sgi]
@@ -142,11 +186,13 @@ class SpeculationMixin:
         local = self._host_local[sgi]
         self._host.cancel(local)
         self._staged.pop(sgi, None)
+        self._fingerprints.forget(sgi)
         if self._host.speculate(local, GradGatherer(sg), inputs, wait=False):
             # the grads it read stay referenced until it is validated: a grad tensor made after
             # one was discarded (zero_grad, `p.grad = None`) can then never take its address, so
             # (data_ptr, _version) names the same grad for as long as the speculation is pending
             self._staged[sgi] = [sl.param.grad for sl in live]
+            self._fingerprints.record(sgi, live)
             return True
         return False
 
@@ -174,6 +220,8 @@ class SpeculationMixin:
         pending = set(self._host.speculated()) if self._host is not None else set()
         self._staged = {k: v for k, v in getattr(self, "_staged", {}).items()
                         if self._host_local[k] in pending}
+        if getattr(self, "_fingerprints", None) is not None:
+            self._fingerprints.keep_only(self._staged)
 
     def attach_grad_scaler(self, scaler) -> None:
         """Lets speculation read the loss scale that will apply (torch.amp.GradScaler);
@@ -214,7 +262,7 @@ class GradGatherer:
     def __init__(self, sg):
         self.sg = sg
 
-    def _overlaps(self, offset: int, numel: int):
+    def overlaps(self, offset: int, numel: int):
         """(slice, a, b) for each slice overlapping [offset, offset + numel), [a, b) in
         subgroup elements."""
         end = offset + numel
@@ -232,7 +280,7 @@ class GradGatherer:
         return None
 
     def __call__(self, dst: torch.Tensor, offset: int, numel: int, non_blocking: bool = False) -> None:
-        for sl, a, b in self._overlaps(offset, numel):
+        for sl, a, b in self.overlaps(offset, numel):
             g = sl.grad_view()
             if g is None:
                 dst[a - offset:b - offset].zero_()
@@ -248,7 +296,7 @@ class GradGatherer:
         and the grad tensors to keep alive, for the worker to read itself; None when a grad
         is on a GPU, non-contiguous or of another dtype (then __call__ stages it here)."""
         entries, keep = [], []
-        for sl, a, b in self._overlaps(offset, numel):
+        for sl, a, b in self.overlaps(offset, numel):
             g = local_of(sl.param.grad)
             if g is None:
                 entries.append((a - offset, 0, b - a))

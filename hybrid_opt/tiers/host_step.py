@@ -239,6 +239,16 @@ class HostStepping:
                 finite = finite and bool(p.result.finite)
         return total, finite
 
+    def piece_stats(self, sg: int):
+        """[(offset, numel, sum of squares)] of each grad piece `sg`'s pending speculation
+        stepped, in launch order: the worker's grad_stats of the very bytes it stepped (the
+        fingerprint grad_edits.py compares); None when `sg` was not speculated. Waits for them."""
+        spec = self._spec.get(sg)
+        if spec is None:
+            return None
+        self._wait(spec.done)
+        return [(p.offset, p.numel, p.result.sum_sq) for p in spec.pieces if p.task.op == P.OP_STEP]
+
     def _require_idle(self, sg: int) -> None:
         if sg in self._spec:
             raise RuntimeError(f"subgroup {sg} has a speculative step pending; call finish() first")

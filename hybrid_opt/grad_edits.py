@@ -1,0 +1,139 @@
+"""Fingerprints of the DTensor grads a speculated host step read: in-place edits of FSDP2
+grads between backward and step() that no version counter sees.
+
+Why: speculation (speculation.py) commits a step only if its grads were not modified since
+they were staged, and names them by (data_ptr, _version). Under FSDP2 the grads are DTensors
+and torch's foreach in-place ops on them — clip_grad_norm_'s multiply, a GradScaler's
+unscale_, any torch._foreach_*_ — bump NEITHER the DTensor's nor its local tensor's version
+(torch 2.13, measured: `_foreach_mul_([dtensor], 0.5)` leaves both at 0; `dtensor.mul_` bumps
+only the DTensor's, which speculation.py now records too). Plain tensors are fine: foreach
+bumps their version, and they keep the free version check alone.
+
+What: for a speculated subgroup with DTensor grads, the sum of squares of the grads it was
+stepped with, recorded at launch, and the same function of the live grads at step(); any
+difference is treated as an edit and the step is redone from the live grads (the ordinary
+redo path: the final StepInputs differ). Bitwise equality is meaningful because both sides
+are one deterministic function of the same bytes:
+  - CPU grads: the worker already computes cpu_kernels' grad_stats of every piece it steps
+    (fixed 16384-element chunks, fixed order: the same bits for any thread count, SIMD level
+    or alignment), from the very bytes it stepped — even where it read them itself, late
+    (remote gather): a piece read after the user's edit then matches and its step used the
+    edited grads, which is right. So launch costs nothing; step() recomputes each piece's
+    sum from the live grads on the trainer (one read of the speculated DTensor grads).
+  - CUDA grads: gpu_kernels.grad_stats (fp64, deterministic two-stage reduction) of the
+    subgroup's grads is queued on the device at launch and again at step(); the comparison
+    runs on the device and its 0/1 flag joins the values step() already reads back in one
+    copy (tiers/device.py read_scalars): no sync of its own.
+Caught: any scaling (clipping, unscaling), zeroing, and any edit that changes a sum of
+squares. Not caught: an edit that keeps every piece's sum of squares bit for bit (a
+permutation, a sign flip): speculative=False, or clipping with max_grad_norm= (fused,
+validated exactly), avoid the question. Only DTensor grads, only when speculation is on
+and there are host subgroups: nothing is computed otherwise.
+"""
+from __future__ import annotations
+
+import torch
+
+from hybrid_opt.distributed import is_dtensor
+
+WORKER = "worker"   # CPU grads: the worker's per-piece grad_stats are the launch fingerprint
+
+
+def has_dtensor_grads(live: list) -> bool:
+    return any(is_dtensor(sl.param.grad) for sl in live)
+
+
+def on_device(grad) -> bool:
+    """Whether a grad's fingerprint is taken on its device (CUDA) rather than read from the
+    worker's piece sums (tests force the device path on CPU tensors: Triton's interpreter)."""
+    return grad.is_cuda
+
+
+def _device_sum_sq(live: list) -> torch.Tensor:
+    import gpu_kernels
+    grads = [sl.grad_view().contiguous() for sl in live]
+    return gpu_kernels.grad_stats(grads, sum_dtype=torch.float64)[0]
+
+
+def live_piece_sums(gather, pieces: list, dtype) -> list:
+    """cpu_kernels.grad_stats of each piece [(offset, numel, _)] of the live grads, as staged:
+    `gather(dst, offset, numel)` (speculation.GradGatherer) writes them in `dtype`, the
+    staging slots' dtype; a piece lying in one grad of that dtype is read in place."""
+    import cpu_kernels
+    out = []
+    for offset, numel, _ in pieces:
+        src = None
+        spans = list(gather.overlaps(offset, numel))
+        if len(spans) == 1:
+            sl, a, b = spans[0]
+            g = sl.grad_view()
+            if a == offset and b == offset + numel and g is not None and g.dtype == dtype:
+                src = g[a - sl.sub_offset:b - sl.sub_offset]
+        if src is None:
+            src = torch.empty(numel, dtype=dtype)
+            gather(src, offset, numel)
+        out.append(cpu_kernels.grad_stats(src.contiguous())[0])
+    return out
+
+
+class GradFingerprints:
+    """Per speculated host subgroup (optimizer index) with DTensor grads: how its launch
+    fingerprint is kept (WORKER, or a 0-dim fp64 CUDA tensor), and which were found edited."""
+
+    def __init__(self):
+        self._launch: dict = {}   # subgroup index -> WORKER | device tensor
+        self._flags: dict = {}    # subgroup index -> 0-dim flag tensor queued for read_scalars
+        self.edited: set = set()  # subgroup indices whose grads changed since launch
+
+    def record(self, sgi: int, live: list) -> None:
+        """At launch of sgi's speculation (its grads as staged)."""
+        self._launch.pop(sgi, None)
+        self.edited.discard(sgi)
+        if not has_dtensor_grads(live):
+            return
+        g = next(sl.grad_view() for sl in live)
+        self._launch[sgi] = _device_sum_sq(live) if on_device(g) else WORKER
+
+    def forget(self, sgi: int) -> None:
+        self._launch.pop(sgi, None)
+        self._flags.pop(sgi, None)
+        self.edited.discard(sgi)
+
+    def keep_only(self, pending) -> None:
+        for sgi in [k for k in self._launch if k not in pending]:
+            self.forget(sgi)
+
+    def device_checks(self, live_of) -> list:
+        """Queues, for each CUDA fingerprint, the comparison with the live grads (`live_of(sgi)`:
+        its live slices, or None when it has none now); returns their 0/1 flags (0-dim device
+        tensors, to be read with the step's other scalars and handed to `note`)."""
+        self._flags = {}
+        for sgi, then in self._launch.items():
+            if isinstance(then, torch.Tensor):
+                live = live_of(sgi)
+                if live:
+                    self._flags[sgi] = (_device_sum_sq(live) != then).to(torch.float64)
+        return list(self._flags.values())
+
+    def note(self, values) -> None:
+        """The flags of device_checks, read back (floats, in the same order)."""
+        for sgi, v in zip(list(self._flags), values):
+            if v:
+                self.edited.add(sgi)
+        self._flags = {}
+
+    def is_edited(self, sgi: int, gather, piece_stats, dtype) -> bool:
+        """Whether sgi's grads changed since its speculation launched. CPU grads: the live
+        grads' piece sums against the worker's (`piece_stats()`, host_step.py; waits for the
+        speculation's pieces); CUDA grads: what `note` recorded."""
+        kind = self._launch.get(sgi)
+        if kind is None:
+            return False
+        if kind is WORKER:
+            pieces = piece_stats()
+            if pieces is None:
+                return False
+            now = live_piece_sums(gather, pieces, dtype)
+            if any(not (a == b) for (_, _, a), b in zip(pieces, now)):
+                self.edited.add(sgi)
+        return sgi in self.edited
