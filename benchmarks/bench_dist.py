@@ -7,7 +7,10 @@ each configuration for a few iterations, in an order rotated per round, so drift
 - process_group: plain params, HybridAdamW(process_group=WORLD) (ZeRO-2 style: state sharded,
   grads reduce-scattered, params all-gathered) — skipped with a note where it raises
   NotImplementedError (not built);
-- ddp: DDP + HybridAdamW over the plain params (every rank holds and steps all the state).
+- ddp: DDP + HybridAdamW over the plain params (every rank holds and steps all the state);
+- process_group[KIND] (with --zero-collectives KIND,...): process_group over other collectives
+  than the backend's default (hybrid_opt.zero.COLLECTIVES: all_to_all, reduce_scatter,
+  all_reduce), interleaved with the rest.
 
 Per configuration: median / p20 / p80 of the iteration (forward + backward + step) and of
 step() alone, the max over ranks; host state bytes per rank (host + nvme tiers' state, and the
@@ -16,6 +19,7 @@ the timed steps (committed / host steps) and the share of the worker's time hidd
 backward. Writes JSON and a markdown table.
 
     python benchmarks/bench_dist.py [--params 50e6] [--rounds 3] [--iters 2] [--json F] [--md F]
+                                    [--overlap-param-gather] [--zero-collectives reduce_scatter,...]
 
 The launcher runs `torchrun --nproc-per-node 2` on this script; each launch is bounded
 (--timeout), killing every rank and worker on overrun.
@@ -66,7 +70,9 @@ def make(config: str, args, rank: int, world: int):
                 fully_shard(m, mesh=mesh)
         fully_shard(model, mesh=mesh)
         return model, HybridAdamW(model.parameters(), **kw)
-    if config == "process_group":
+    if config.startswith("process_group"):
+        from hybrid_opt import zero
+        zero.COLLECTIVES = config[len("process_group["):-1] if "[" in config else None
         try:
             return model, HybridAdamW(model.parameters(), process_group=dist.group.WORLD,
                                       overlap_param_gather=args.overlap_param_gather, **kw)
@@ -74,6 +80,8 @@ def make(config: str, args, rank: int, world: int):
             return None, f"process_group not built: {e}"
         except Exception as e:  # a partial build: the row is skipped, the others still run
             return None, f"process_group raised {type(e).__name__}: {e}"
+        finally:
+            zero.COLLECTIVES = None
     from torch.nn.parallel import DistributedDataParallel as DDP
     import warnings
     with warnings.catch_warnings():
@@ -92,7 +100,7 @@ def rank_main(args) -> None:
     gen = torch.Generator().manual_seed(1 + rank)
     x = torch.randn(args.batch, HIDDEN, generator=gen)
     runs, notes = {}, {}
-    for config in CONFIGS:
+    for config in configs(args):
         model, opt = make(config, args, rank, world)
         if model is None:
             notes[config] = opt
@@ -136,6 +144,7 @@ def rank_main(args) -> None:
                    iter_ms=run["iter_ms"], step_ms=run["step_ms"],
                    host_state_bytes=tiers[HOST]["state_bytes"] + tiers[NVME]["state_bytes"],
                    host_arena_bytes=opt._host.arena.nbytes if opt._host is not None else 0,
+                   comm_buffer_bytes=opt._zero.stats["buffer_bytes"] if opt._zero is not None else 0,
                    **spec, commit_rate=spec["committed"] / host_steps if host_steps else None,
                    hidden_share=run["hidden_s"] / run["worker_s"] if run["worker_s"] else None)
         records.append(rec)
@@ -153,7 +162,12 @@ def _q(xs: list, k: int) -> float:
     return statistics.quantiles(xs, n=10, method="inclusive")[k] if len(xs) > 1 else xs[0]
 
 
-def summarise(gathered: list) -> tuple[list, dict]:
+def configs(args) -> list:
+    extra = [f"process_group[{k}]" for k in (args.zero_collectives or "").split(",") if k]
+    return list(CONFIGS[:2]) + extra + list(CONFIGS[2:])
+
+
+def summarise(gathered: list, names: list) -> tuple[list, dict]:
     notes = {}
     for g in gathered:
         notes.update(g["notes"])
@@ -162,7 +176,7 @@ def summarise(gathered: list) -> tuple[list, dict]:
         for rec in g["records"]:
             by_config.setdefault(rec["config"], []).append(rec)
     rows = []
-    for config in CONFIGS:
+    for config in names:
         if config not in by_config:
             rows.append(dict(config=config, note=notes.get(config, "not run")))
             continue
@@ -178,6 +192,7 @@ def summarise(gathered: list) -> tuple[list, dict]:
                          host_state_mb_per_rank=max(r["host_state_bytes"] for r in recs) / 1e6,
                          host_state_mb_total=sum(r["host_state_bytes"] for r in recs) / 1e6,
                          host_arena_mb_per_rank=max(r["host_arena_bytes"] for r in recs) / 1e6,
+                         comm_buffer_mb_per_rank=max(r.get("comm_buffer_bytes", 0) for r in recs) / 1e6,
                          committed=sum(r["committed"] for r in recs), redone=sum(r["redone"] for r in recs),
                          commit_rate=min(rates) if rates else None,
                          hidden_share=statistics.mean(hidden) if hidden else None,
@@ -202,6 +217,9 @@ def main() -> None:
     ap.add_argument("--md", default="bench_dist.md")
     ap.add_argument("--overlap-param-gather", action="store_true",
                     help="process_group row with overlap_param_gather=True (its all-gathers land in the next forward)")
+    ap.add_argument("--zero-collectives", default="",
+                    help="comma-separated extra process_group rows over other collectives "
+                         "(all_to_all, reduce_scatter, all_reduce)")
     ap.add_argument("--rank-main", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.rank_main:
@@ -215,7 +233,8 @@ def main() -> None:
            os.path.abspath(__file__),
            "--rank-main", f"--params={args.params}", f"--batch={args.batch}", f"--rounds={args.rounds}",
            f"--iters={args.iters}", f"--warmup={args.warmup}"] + (
-               ["--overlap-param-gather"] if args.overlap_param_gather else [])
+               ["--overlap-param-gather"] if args.overlap_param_gather else []) + (
+               [f"--zero-collectives={args.zero_collectives}"] if args.zero_collectives else [])
     env = dict(os.environ, BENCH_OUT=out, OMP_NUM_THREADS="1",
                PYTHONPATH=os.pathsep.join([os.path.dirname(HERE), os.environ.get("PYTHONPATH", "")]))
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
@@ -233,10 +252,10 @@ def main() -> None:
         sys.exit(f"bench_dist: torchrun failed (exit {proc.returncode})")
     with open(os.path.join(out, "ranks.json")) as f:
         gathered = json.load(f)
-    rows, notes = summarise(gathered)
+    rows, notes = summarise(gathered, configs(args))
     import torch
     meta = dict(world=2, backend="gloo", cores=cores, torch=torch.__version__, params=args.params,
-                overlap_param_gather=args.overlap_param_gather,
+                overlap_param_gather=args.overlap_param_gather, zero_collectives=args.zero_collectives,
                 batch=args.batch, rounds=args.rounds, iters=args.iters, seconds=time.monotonic() - t0,
                 timestamp=time.strftime("%Y-%m-%dT%H:%M:%S"), notes=notes)
     from _common import markdown_table
@@ -247,6 +266,7 @@ def main() -> None:
         ("host_state_mb_per_rank", "host state MB / rank", ".0f"),
         ("host_state_mb_total", "host state MB, all ranks", ".0f"),
         ("host_arena_mb_per_rank", "host arena MB / rank", ".0f"),
+        ("comm_buffer_mb_per_rank", "comm buffers MB / rank", ".0f"),
         ("commit_rate", "spec. committed", ".0%"), ("hidden_share", "worker time hidden", ".0%")])
     skipped = "".join(f"\n- {r['config']}: {r['note']}" for r in rows if "note" in r)
     text = (f"{table}\n\n{meta['world']} gloo ranks and their workers on {cores} cores; "
