@@ -83,6 +83,7 @@ class GradFingerprints:
     def __init__(self):
         self._launch: dict = {}   # subgroup index -> WORKER | device tensor
         self._flags: dict = {}    # subgroup index -> 0-dim flag tensor queued for read_scalars
+        self._live: dict = {}     # subgroup index -> the live grads' piece sums (CPU), from checks()
         self.edited: set = set()  # subgroup indices whose grads changed since launch
 
     def record(self, sgi: int, live: list) -> None:
@@ -97,22 +98,30 @@ class GradFingerprints:
     def forget(self, sgi: int) -> None:
         self._launch.pop(sgi, None)
         self._flags.pop(sgi, None)
+        self._live.pop(sgi, None)
         self.edited.discard(sgi)
 
     def keep_only(self, pending) -> None:
         for sgi in [k for k in self._launch if k not in pending]:
             self.forget(sgi)
 
-    def device_checks(self, live_of) -> list:
-        """Queues, for each CUDA fingerprint, the comparison with the live grads (`live_of(sgi)`:
-        its live slices, or None when it has none now); returns their 0/1 flags (0-dim device
-        tensors, to be read with the step's other scalars and handed to `note`)."""
-        self._flags = {}
+    def checks(self, live_of, gather_of, layout_of, dtype) -> list:
+        """At step(), before its scalars are read. CUDA fingerprints: queues the comparison
+        with the live grads (`live_of(sgi)`: its live slices, or [] when none now) and returns
+        the 0/1 flags (0-dim device tensors, read with the step's other scalars and handed to
+        `note`). CPU ones: sums the live grads' pieces now (`layout_of(sgi)`: the pieces, not
+        waited for; `gather_of(sgi)`: its GradGatherer), while the worker may still be
+        stepping: is_edited compares them once the worker's sums are in."""
+        self._flags, self._live = {}, {}
         for sgi, then in self._launch.items():
             if isinstance(then, torch.Tensor):
                 live = live_of(sgi)
                 if live:
                     self._flags[sgi] = (_device_sum_sq(live) != then).to(torch.float64)
+            else:
+                pieces = layout_of(sgi)
+                if pieces is not None:
+                    self._live[sgi] = live_piece_sums(gather_of(sgi), pieces, dtype)
         return list(self._flags.values())
 
     def note(self, values) -> None:
@@ -130,10 +139,12 @@ class GradFingerprints:
         if kind is None:
             return False
         if kind is WORKER:
+            now = self._live.pop(sgi, None)
             pieces = piece_stats()
             if pieces is None:
                 return False
-            now = live_piece_sums(gather, pieces, dtype)
-            if any(not (a == b) for (_, _, a), b in zip(pieces, now)):
+            if now is None:  # checks() did not run this step (DCP's state-init step)
+                now = live_piece_sums(gather, pieces, dtype)
+            if len(now) != len(pieces) or any(not (a == b) for (_, _, a), b in zip(pieces, now)):
                 self.edited.add(sgi)
         return sgi in self.edited

@@ -159,16 +159,19 @@ class SpeculationMixin:
                             self._host.grad_dtype)
 
     def _grad_edit_checks(self) -> list:
-        """On CUDA: per speculated subgroup with DTensor grads, a 0-dim device flag (grads
-        edited since staged), queued now for step()'s one read of its scalars (read_scalars);
-        [] elsewhere. `_note_grad_edits` takes the values read."""
+        """Start of step(), speculated subgroups with DTensor grads (grad_edits.py): on CUDA a
+        0-dim device flag each (grads edited since staged), queued now for step()'s one read of
+        its scalars (read_scalars; `_note_grad_edits` takes the values read); on CPU their
+        live piece sums, computed now while the worker may still be stepping."""
         fp = getattr(self, "_fingerprints", None)
         if fp is None or not self._staged:
             return []
 
         def live_of(sgi):
             return [sl for sl in self._subgroups[sgi].slices if sl.param.grad is not None]
-        return fp.device_checks(live_of)
+        return fp.checks(live_of, lambda sgi: GradGatherer(self._subgroups[sgi]),
+                         lambda sgi: self._host.piece_stats(self._host_local[sgi], wait=False),
+                         self._host.grad_dtype)
 
     def _note_grad_edits(self, values) -> None:
         if getattr(self, "_fingerprints", None) is not None:

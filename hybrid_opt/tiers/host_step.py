@@ -239,15 +239,18 @@ class HostStepping:
                 finite = finite and bool(p.result.finite)
         return total, finite
 
-    def piece_stats(self, sg: int):
+    def piece_stats(self, sg: int, wait: bool = True):
         """[(offset, numel, sum of squares)] of each grad piece `sg`'s pending speculation
         stepped, in launch order: the worker's grad_stats of the very bytes it stepped (the
-        fingerprint grad_edits.py compares); None when `sg` was not speculated. Waits for them."""
+        fingerprint grad_edits.py compares); None when `sg` was not speculated. Waits for them;
+        wait=False: the layout now, a sum None where the piece has no result yet."""
         spec = self._spec.get(sg)
         if spec is None:
             return None
-        self._wait(spec.done)
-        return [(p.offset, p.numel, p.result.sum_sq) for p in spec.pieces if p.task.op == P.OP_STEP]
+        if wait:
+            self._wait(spec.done)
+        return [(p.offset, p.numel, None if p.result is None else p.result.sum_sq)
+                for p in spec.pieces if p.task.op == P.OP_STEP]
 
     def _require_idle(self, sg: int) -> None:
         if sg in self._spec:
