@@ -283,7 +283,8 @@ ZERO_TRAIN = {  # name: (optimizer, clip, steps skipped)
 @pytest.fixture(scope="module")
 def zero_trained(tmp_path_factory):
     out = tmp_path_factory.mktemp("zero_train")
-    return launch("zero_train.py", str(out), *ZERO_TRAIN, "adamw_load", "adamw_unused", timeout_s=150)
+    return launch("zero_train.py", str(out), *ZERO_TRAIN, "adamw_load", "adamw_unused",
+                  "adamw_unused_direct", timeout_s=150)
 
 
 @pytest.fixture(scope="module")
@@ -326,6 +327,21 @@ def test_process_group_param_unused_on_one_rank_keeps_the_collectives_in_order(z
         assert res["adamw_unused"]["norms"] == pytest.approx(ref_norms, rel=1e-5)
     assert torch.equal(ref_params[-1][-1], ref_params[-2][-1])  # the bias not stepped at the last
     for a, b in zip(zero_trained[0]["adamw_unused"]["params"][-1], zero_trained[1]["adamw_unused"]["params"][-1]):
+        assert torch.equal(a, b)
+
+
+def test_process_group_param_unused_on_one_rank_in_a_bucket_reduced_from_its_grad(zero_trained):
+    """The middle Linear is unused on rank 1: its weight (6 rows, even over 2 ranks) is a bucket
+    reduced straight from p.grad on rank 0 and from zeros on rank 1 (its has-grad count in a
+    collective of its own); both ranks get the averaged grad and follow torch.optim.AdamW on
+    the mean of the ranks' losses, bitwise equal to each other."""
+    ref_params, ref_norms = C.reference_layer_unused("AdamW", max_grad_norm=1.0)
+    for rank, res in enumerate(zero_trained):
+        assert res["adamw_unused_direct"]["direct"] == [False, True, False, False]
+        _assert_trajectory(res["adamw_unused_direct"]["params"], ref_params, f"adamw_unused_direct rank {rank}")
+        assert res["adamw_unused_direct"]["norms"] == pytest.approx(ref_norms, rel=1e-5)
+    for a, b in zip(zero_trained[0]["adamw_unused_direct"]["params"][-1],
+                    zero_trained[1]["adamw_unused_direct"]["params"][-1]):
         assert torch.equal(a, b)
 
 

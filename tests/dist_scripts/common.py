@@ -44,6 +44,22 @@ def reference_bias_unused(kind: str, world: int = 2, **kw) -> tuple:
     return reference(kind, loss=loss, **kw)
 
 
+def loss_layer_unused(model, x, rank: int, world: int, step: int):
+    """A loss where rank 1 skips the middle Linear (its weight's 6 rows split evenly over 2
+    ranks: a bucket reduced straight from p.grad, which rank 1 then does not have)."""
+    if rank == 0:
+        return loss_fn(model, x)
+    return model[4](torch.tanh(torch.tanh(model[0](x))[:, :OUT])).square().mean()
+
+
+def reference_layer_unused(kind: str, world: int = 2, **kw) -> tuple:
+    """reference() with loss_layer_unused: the mean over the ranks of their losses."""
+    def loss(model, x, step):
+        return sum(loss_layer_unused(model, local_batch(x, r, world), r, world, step)
+                   for r in range(world)) / world
+    return reference(kind, loss=loss, **kw)
+
+
 def local_batch(x, rank: int, world: int):
     n = x.shape[0] // world
     return x[rank * n:(rank + 1) * n]

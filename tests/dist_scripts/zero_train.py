@@ -41,10 +41,13 @@ CONFIGS = {
     # broadcasts): reduce-scatter + all-gather (NCCL's), and all_reduce + broadcasts (a backend
     # without reduce-scatter), each of the 4 buckets landing in place or through its staging
     "adamw_sync_rs": ("AdamW", dict(offload_fraction=1.0), None, None, 1),
+    # the middle Linear unused on rank 1: its weight's bucket, reduced straight from p.grad on
+    # rank 0, is reduced from zeros on rank 1, which gets the averaged grad too
+    "adamw_unused_direct": ("AdamW", dict(offload_fraction=0.5), 1.0, None, 1),
     "adamw_overlap_ar": ("AdamW", dict(offload_fraction=1.0, overlap_param_gather=True), None, None, 1),
 }
 SMALL_BUCKETS = ("adamw_host_noclip", "adamw_sync", "adamw_sd_close", "adamw_load", "adamw_unused",
-                 "adamw_sync_rs", "adamw_overlap_ar", "adamw_accum_noflag")
+                 "adamw_sync_rs", "adamw_overlap_ar", "adamw_accum_noflag", "adamw_unused_direct")
 PATHS = {"adamw_sync_rs": "reduce_scatter", "adamw_overlap_ar": "all_reduce"}
 
 
@@ -71,6 +74,7 @@ def run(name: str, rank: int, world: int, tmp: str) -> dict:
             opt.attach_grad_scaler(scaler)
         out = dict(params=[], norms=[], skipped=[], scales=[], speculation=[], worker=[],
                    probe=[], pending_after_step=[], buffer_bytes=[], buckets=len(opt._zero.buckets),
+                   direct=[b.direct for b in opt._zero.buckets],
                    state_numel=opt._zero.state_numel(), plan=repr(opt.plan), opt_repr=repr(opt),
                    laid_out=sum(sg.numel for sg in opt._subgroups))
         for i, x in enumerate(C.batches()):
@@ -82,6 +86,8 @@ def run(name: str, rank: int, world: int, tmp: str) -> dict:
                     opt.set_gradient_accumulation_boundary(m == micro - 1)
                 if name == "adamw_unused":
                     loss = C.loss_bias_unused(model, local, rank, world, i)
+                elif name == "adamw_unused_direct":
+                    loss = C.loss_layer_unused(model, local, rank, world, i)
                 else:
                     loss = C.loss_fn(stepped_model, local[m * n:(m + 1) * n]) / micro
                 (scaler.scale(loss) if scaler else loss).backward()
