@@ -31,6 +31,26 @@ class _Fixed(NamedTuple):
     reason: str = ""
 
 
+class _Extension(NamedTuple):
+    """What add_param_group's layout changes, as it was before (PlacementMixin._unextend)."""
+    params: int
+    subgroups: int
+    plan: object
+    fractions: tuple
+    auto: object
+    auto_vars: dict | None
+
+
+def _restated(e: Exception, message: str) -> Exception:
+    """`message` (which quotes `e`) as an error of `e`'s type where that type takes a message
+    alone (MemoryError, torch.OutOfMemoryError, ValueError...), else as a RuntimeError."""
+    try:
+        new = type(e)(message)
+    except Exception:
+        return RuntimeError(message)
+    return new if str(new) == message else RuntimeError(message)
+
+
 class PlacementMixin(MoveMixin):
     """Lays the tiers out and moves subgroups between them."""
 
@@ -290,7 +310,49 @@ class PlacementMixin(MoveMixin):
         group's subgroups start on the device tier with fresh state; where the placement
         offloads — a fraction above 0, or "auto"'s choice for the grown model — every subgroup
         is then laid out again at that placement, the committed state moved bitwise as a
-        refit moves it, so the new group's state need not fit on the device."""
+        refit moves it, so the new group's state need not fit on the device (a move that
+        fails warns and keeps the new group on the device tier). Any other failure (the new
+        group's flat buffer or device state cannot be allocated, ...) takes the group out
+        again: param_groups, the layout, the tiers and the scheduler as before the call, the
+        error raised saying so; only the new params are left views of a flat buffer of their
+        own (same values)."""
+        before = _Extension(len(self._steps), len(self._subgroups), self.plan, self._fractions,
+                            self._auto, dict(vars(self._auto)) if self._auto is not None else None)
+        try:
+            self._extend_layout(gi)
+        except BaseException as e:
+            if self.plan is not before.plan:
+                raise  # interrupted after the move switched over: the group is laid out
+            self._unextend(gi, before)
+            if not isinstance(e, Exception):
+                raise
+            raise _restated(e, f"add_param_group: laying out the new group failed, so it was not "
+                               f"added (param_groups, the optimizer's state and its tiers are as "
+                               f"before the call, and training goes on): {type(e).__name__}: {e}. "
+                               f"Fix the cause and add the group again") from e
+
+    def _unextend(self, gi: int, before: "_Extension") -> None:
+        """Undoes what _extend_layout did of group `gi` before it failed."""
+        n, k = before.params, before.subgroups
+        for p in self.param_groups[gi]["params"]:
+            self._index.pop(p, None)
+        del self.param_groups[gi]
+        del self._steps[n:]
+        for name in ("_flat_views", "_flat_ptrs", "_param_versions"):  # storage.py's records
+            del self.__dict__.setdefault(name, [])[n:]
+        for s in self._subgroups[k:]:
+            self._device.drop(s.index)
+        del self._subgroups[k:]
+        del self.plan.tiers[k:], self.plan.numels[k:]
+        L.assign_ready_ranks(self._subgroups)
+        self._fractions = before.fractions
+        self._auto = before.auto
+        if before.auto is not None:
+            self._auto.__dict__.clear()
+            self._auto.__dict__.update(before.auto_vars)
+        self._install_hooks([s for s in self._subgroups if self.plan.tiers[s.index] != DEVICE])
+
+    def _extend_layout(self, gi: int) -> None:
         sgs = self._add_group_layout(gi)
         for s in sgs:
             self.plan.tiers.append(DEVICE)
@@ -307,18 +369,18 @@ class PlacementMixin(MoveMixin):
         try:
             off, nv, decision = self._fractions_now()
         except ValueError as e:  # the grown model fits no placement within the budgets
-            warnings.warn(f"{stay}: {e}", stacklevel=3)
+            warnings.warn(f"{stay}: {e}", stacklevel=4)
             return
         if off == 0 and nv == 0 and self._host is None:
             return  # everything on the device tier: where the new group already is
         target = decision or _Fixed(off, nv, self.plan.prediction, "add_param_group: laid out again")
         if not self._room_to_move(target):
             warnings.warn(f"{stay}: laying the tiers out again does not fit in free memory: "
-                          f"{self._room_shortfall(self._fraction_plan(target))}", stacklevel=3)
+                          f"{self._room_shortfall(self._fraction_plan(target))}", stacklevel=4)
             return
         if decision is not None:
             decision.reason = "add_param_group: " + decision.reason
         try:
             self._move(target)
         except Exception as e:  # the layout before is back, state and all (see _move)
-            warnings.warn(f"{stay}: laying the tiers out again failed: {type(e).__name__}: {e}", stacklevel=3)
+            warnings.warn(f"{stay}: laying the tiers out again failed: {type(e).__name__}: {e}", stacklevel=4)

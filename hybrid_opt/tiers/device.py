@@ -15,9 +15,14 @@ stepped and encoded in the kernel's one pass. `master_of` gives every subgroup's
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
 from hybrid_opt.state_format import StateFormat
+
+# what both kernels step (cpu_kernels.adam_step_, gpu_kernels.fused_adam_)
+_GRAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def read_scalars(values) -> list:
@@ -132,16 +137,68 @@ class DeviceTier:
         own += sum(r.numel() * 2 for r in self.remainder.values())
         return own + sum(t.numel() * t.element_size() for st in self.state.values() for t in st.values())
 
-    def step(self, work: list, grad_scale, found_inf=None) -> None:
+    # ------------------------------------------------------------------ what the kernels refuse
+    def refuse_grad(self, grad: torch.Tensor, param: torch.Tensor) -> str | None:
+        """Why this tier's kernel would refuse `grad` for `param` (None: it steps it). step()
+        asks before anything changes, so bad input never leaves a step half applied."""
+        if grad.dtype not in _GRAD_DTYPES:
+            return (f"is {grad.dtype}; the device tier steps float32, bfloat16 or float16 grads: "
+                    f"give it a grad of its parameter's dtype ({param.dtype})")
+        if grad.device != param.device:
+            return f"is on {grad.device} and its parameter on {param.device}: move the grad there"
+        if grad.layout != torch.strided:
+            return f"has layout {grad.layout}; the device tier steps dense (strided) grads"
+        return None
+
+    @staticmethod
+    def refuse_hyper(hp, device: torch.device) -> str | None:
+        """Why the kernel would refuse a group's hyperparameters (`hp`: StepInputs-like), with
+        torch's constructor messages; the CPU kernel also refuses non-finite values."""
+        values = (("lr", hp.lr), ("betas[0]", hp.beta1), ("betas[1]", hp.beta2), ("eps", hp.eps),
+                  ("weight_decay", hp.weight_decay))
+        if device.type != "cuda":
+            for name, v in values:
+                if not math.isfinite(v):
+                    return f"{name} must be finite, got {v}"
+        for ok, what, v in ((0.0 <= hp.lr, "learning rate", hp.lr), (0.0 <= hp.eps, "epsilon value", hp.eps),
+                            (0.0 <= hp.weight_decay, "weight_decay value", hp.weight_decay)):
+            if not ok:
+                return f"Invalid {what}: {v}"
+        for k, b in enumerate((hp.beta1, hp.beta2)):
+            if not 0.0 <= b < 1.0:
+                return f"Invalid beta parameter at index {k}: {b}"
+        return None
+
+    @staticmethod
+    def refuse_scale(grad_scale, device: torch.device) -> str | None:
+        """The CPU kernel refuses a non-finite combined grad scale (1/loss scale x clip
+        coefficient); on CUDA it is a kernel argument that is not checked."""
+        if device.type != "cuda" and not isinstance(grad_scale, torch.Tensor) \
+                and not math.isfinite(grad_scale):
+            return (f"the combined grad scale (1/loss scale x clip coefficient) is {grad_scale}: "
+                    f"the grads' norm is not finite (inf/nan grads without a GradScaler to skip "
+                    f"the step); the device tier's kernel refuses it")
+        return None
+
+    # ------------------------------------------------------------------ the step
+    def step(self, work: list, grad_scale, found_inf=None, done: list | None = None,
+             unsure: list | None = None) -> None:
         """work: [(subgroup index, slice, StepInputs-like hyperparameters, step)] — one entry
-        per parameter slice to step. grad_scale: float (CPU) or 1-element device tensor."""
+        per parameter slice to step. grad_scale: float (CPU) or 1-element device tensor.
+        Steps are in place, so a failure part-way says what it wrote: `done` gets the positions
+        in `work` of the entries stepped, as each kernel call returns; `unsure` those of the
+        call that raised where it may have written some of them (a fused_adam_ call launches
+        once per alignment group). A cpu_kernels call that raises wrote nothing (it checks
+        its arguments first; its loop cannot fail)."""
         if not work:
             return
+        done = [] if done is None else done
+        unsure = [] if unsure is None else unsure
         device = self.subgroups[work[0][0]].device
         if device.type == "cuda":
-            self._step_cuda(work, grad_scale, found_inf)
+            self._step_cuda(work, grad_scale, found_inf, done, unsure)
         else:
-            self._step_cpu(work, float(grad_scale))
+            self._step_cpu(work, float(grad_scale), done)
 
     def _views(self, index: int, sl):
         """(param, exp_avg, exp_avg_sq, max_exp_avg_sq, param_copy, remainder) of one slice:
@@ -154,9 +211,9 @@ class DeviceTier:
         copy = sg.flat[a:b] if sg.dtype != torch.float32 else None
         return self.master[index][a:b], st["exp_avg"][a:b], st["exp_avg_sq"][a:b], vmax, copy, None
 
-    def _step_cpu(self, work: list, grad_scale: float) -> None:
+    def _step_cpu(self, work: list, grad_scale: float, done: list) -> None:
         import cpu_kernels
-        for index, sl, hp, step in work:
+        for k, (index, sl, hp, step) in enumerate(work):
             p, m, v, vmax, copy, rem = self._views(index, sl)
             grad = sl.grad_view()
             if not grad.is_contiguous():
@@ -166,19 +223,21 @@ class DeviceTier:
                                    grad_scale=grad_scale * hp.grad_scale,
                                    max_exp_avg_sq=vmax if hp.amsgrad else None, param_copy=copy,
                                    remainder=rem)
+            done.append(k)
 
-    def _step_cuda(self, work: list, grad_scale, found_inf) -> None:
+    def _step_cuda(self, work: list, grad_scale, found_inf, done: list, unsure: list) -> None:
         import gpu_kernels
         # one launch per distinct (hyperparameters, step, param dtype): usually exactly one
-        # (remainders are all or none in a launch: they follow the param dtype)
+        # (remainders are all or none in a launch: they follow the param dtype). A param's
+        # slices share all of these: they are stepped by one call
         launches: dict = {}
-        for index, sl, hp, step in work:
+        for k, (index, sl, hp, step) in enumerate(work):
             launches.setdefault((hp.lr, hp.beta1, hp.beta2, hp.eps, hp.weight_decay, hp.decoupled,
                                  hp.amsgrad, hp.grad_scale, step, self.subgroups[index].dtype,
-                                 index in self.remainder), []).append((index, sl))
+                                 index in self.remainder), []).append((k, index, sl))
         for (lr, b1, b2, eps, wd, decoupled, amsgrad, sign, step, _, rem), items in launches.items():
             ps, gs, ms, vs, xs, cs, rs = [], [], [], [], [], [], []
-            for index, sl in items:
+            for _, index, sl in items:
                 p, m, v, vmax, copy, r = self._views(index, sl)
                 ps.append(p)
                 gs.append(sl.grad_view().contiguous())
@@ -193,8 +252,11 @@ class DeviceTier:
             # tensor would be): no per-step tensor, no host-to-device copy
             scale = (grad_scale * sign).reshape(1) if isinstance(grad_scale, torch.Tensor) \
                 else float(grad_scale) * sign
+            unsure[:] = [k for k, _, _ in items]
             gpu_kernels.fused_adam_(ps, gs, ms, vs, step=step, lr=lr, beta1=b1, beta2=b2, eps=eps,
                                     weight_decay=wd, decoupled=decoupled, grad_scale=scale,
                                     found_inf=found_inf, max_exp_avg_sqs=xs if amsgrad else None,
                                     param_copies=cs if len(cs) == len(ps) and not rem else None,
                                     remainders=rs if rem else None)
+            done.extend(unsure)
+            unsure.clear()
