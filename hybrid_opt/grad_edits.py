@@ -55,6 +55,14 @@ def _device_sum_sq(live: list) -> torch.Tensor:
     return gpu_kernels.grad_stats(grads, sum_dtype=torch.float64)[0]
 
 
+def _after(then: torch.Tensor, event) -> torch.Tensor:
+    """`then`, ordered before what the current stream does next: a grad hook may run on
+    another stream than step() (an event wait on the device, no host sync)."""
+    if event is not None:
+        torch.cuda.current_stream(then.device).wait_event(event)
+    return then
+
+
 def live_piece_sums(gather, pieces: list, dtype) -> list:
     """cpu_kernels.grad_stats of each piece [(offset, numel, _)] of the live grads, as staged:
     `gather(dst, offset, numel)` (speculation.GradGatherer) writes them in `dtype`, the
@@ -78,10 +86,11 @@ def live_piece_sums(gather, pieces: list, dtype) -> list:
 
 class GradFingerprints:
     """Per speculated host subgroup (optimizer index) with DTensor grads: how its launch
-    fingerprint is kept (WORKER, or a 0-dim fp64 CUDA tensor), and which were found edited."""
+    fingerprint is kept (WORKER, or a 0-dim fp64 CUDA tensor and the event of its stream), and
+    which were found edited."""
 
     def __init__(self):
-        self._launch: dict = {}   # subgroup index -> WORKER | device tensor
+        self._launch: dict = {}   # subgroup index -> WORKER | (device tensor, its event)
         self._flags: dict = {}    # subgroup index -> 0-dim flag tensor queued for read_scalars
         self._live: dict = {}     # subgroup index -> the live grads' piece sums (CPU), from checks()
         self.edited: set = set()  # subgroup indices whose grads changed since launch
@@ -93,7 +102,14 @@ class GradFingerprints:
         if not has_dtensor_grads(live):
             return
         g = next(sl.grad_view() for sl in live)
-        self._launch[sgi] = _device_sum_sq(live) if on_device(g) else WORKER
+        if not on_device(g):
+            self._launch[sgi] = WORKER
+            return
+        then, event = _device_sum_sq(live), None
+        if then.is_cuda:
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(then.device))
+        self._launch[sgi] = (then, event)
 
     def forget(self, sgi: int) -> None:
         self._launch.pop(sgi, None)
@@ -114,10 +130,10 @@ class GradFingerprints:
         stepping: is_edited compares them once the worker's sums are in."""
         self._flags, self._live = {}, {}
         for sgi, then in self._launch.items():
-            if isinstance(then, torch.Tensor):
+            if then is not WORKER:
                 live = live_of(sgi)
                 if live:
-                    self._flags[sgi] = (_device_sum_sq(live) != then).to(torch.float64)
+                    self._flags[sgi] = (_device_sum_sq(live) != _after(*then)).to(torch.float64)
             else:
                 pieces = layout_of(sgi)
                 if pieces is not None:
@@ -125,7 +141,7 @@ class GradFingerprints:
         return list(self._flags.values())
 
     def note(self, values) -> None:
-        """The flags of device_checks, read back (floats, in the same order)."""
+        """The flags checks() returned, read back (floats, in the same order)."""
         for sgi, v in zip(list(self._flags), values):
             if v:
                 self.edited.add(sgi)
@@ -143,7 +159,7 @@ class GradFingerprints:
             pieces = piece_stats()
             if pieces is None:
                 return False
-            if now is None:  # checks() did not run this step (DCP's state-init step)
+            if now is None:  # checks() runs at every step() that commits; kept correct without it
                 now = live_piece_sums(gather, pieces, dtype)
             if len(now) != len(pieces) or any(not (a == b) for (_, _, a), b in zip(pieces, now)):
                 self.edited.add(sgi)
