@@ -59,8 +59,7 @@ class StepFailureMixin:
         docstring). A param sharded by FSDP2 / process_group has its grad checked by
         `_check_device_scale` instead (its local grad is known only after the reductions)."""
         cls = type(self).__name__
-        on_device = {sl.param_index for sg in self._subgroups if self.plan.tiers[sg.index] == DEVICE
-                     for sl in sg.slices}
+        on_device, sharded = self._check_layout()
         device = self._subgroups[0].device if self._subgroups else None
         i = 0
         for gi, group in enumerate(self.param_groups):
@@ -70,9 +69,15 @@ class StepFailureMixin:
                 if g is not None:
                     if g.is_sparse:
                         raise RuntimeError(f"{cls} does not support sparse gradients")
+                    if i not in sharded:
+                        if g.numel() != p.numel():
+                            self._refuse_grad(i, f"has shape {tuple(g.shape)} ({g.numel()} elements) "
+                                                 f"but the parameter has {tuple(p.shape)} ({p.numel()}): "
+                                                 f"give it a grad of its own shape", ValueError)
+                        # the usual grad (the param's dtype and device) needs no more checks
+                        if i in on_device and (g.dtype is not p.dtype or g.get_device() != p.get_device()):
+                            self._refuse_grad(i, self._device.refuse_grad(g, p), TypeError)
                     live_on_device = live_on_device or i in on_device
-                    if not D.is_sharded(p):
-                        self._check_grad(i, p, g, i in on_device)
                 i += 1
             hp = self._hyper(group, 1.0)  # a Tensor lr of several elements raises here, not mid-step
             why = self._device.refuse_hyper(hp, device) if live_on_device else None
@@ -80,16 +85,20 @@ class StepFailureMixin:
                 raise ValueError(f"{cls}.step(): param group {gi}: {why} (the device tier's "
                                  f"kernel refuses it). {NOTHING_STEPPED}")
 
-    def _check_grad(self, i: int, p, g, on_device: bool) -> None:
-        cls = type(self).__name__
-        if g.numel() != p.numel():
-            raise ValueError(f"{cls}.step(): {self._param_label(i)}'s grad has shape "
-                             f"{tuple(g.shape)} ({g.numel()} elements) but the parameter has "
-                             f"{tuple(p.shape)} ({p.numel()}): give it a grad of its own shape. "
-                             f"{NOTHING_STEPPED}")
-        why = self._device.refuse_grad(g, p) if on_device else None
+    def _check_layout(self) -> tuple:
+        """({params with a slice on the device tier}, {sharded params}) for the layout now,
+        made again only when the layout changed (a move, add_param_group)."""
+        cache = self.__dict__.get("_check_cache")
+        if cache is None or cache[0] is not self.plan or cache[1] != self.plan.tiers or cache[2] != len(self._steps):
+            on_device = {sl.param_index for sg in self._subgroups if self.plan.tiers[sg.index] == DEVICE
+                         for sl in sg.slices}
+            sharded = {i for i, p in enumerate(self._all_params()) if D.is_sharded(p)}
+            cache = self._check_cache = (self.plan, list(self.plan.tiers), len(self._steps), on_device, sharded)
+        return cache[3], cache[4]
+
+    def _refuse_grad(self, i: int, why: str | None, kind: type) -> None:
         if why is not None:
-            raise TypeError(f"{cls}.step(): {self._param_label(i)}'s grad {why}. {NOTHING_STEPPED}")
+            raise kind(f"{type(self).__name__}.step(): {self._param_label(i)}'s grad {why}. {NOTHING_STEPPED}")
 
     def _step_undo(self) -> StepUndo:
         return StepUndo(list(self._steps), self._steps_taken, self._last_inv_scale,

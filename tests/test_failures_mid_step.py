@@ -374,3 +374,90 @@ def test_add_param_group_that_fails_adds_nothing_and_training_goes_on(monkeypatc
             m_.zero_grad()
             train(m_, o, batches[4:])
         _assert_bitwise(model, opt, ref_model, ref)
+
+
+# ============================================================================= the CUDA path's bookkeeping
+def _two_launch_tier(device):
+    """A device tier of two subgroups whose params are in groups with different lr: one
+    fused_adam_ call (launch) each on CUDA."""
+    from hybrid_opt import layout as L
+    from hybrid_opt.tiers.device import DeviceTier
+    from hybrid_opt.tiers.host import StepInputs
+    params = [torch.nn.Parameter(torch.randn(256, device=device)) for _ in range(2)]
+    sgs = []
+    for g, p in enumerate(params):
+        sgs += L.flatten_group([p], g, g, 256, len(sgs))[0]
+        p.grad = torch.randn_like(p)
+    tier = DeviceTier(sgs, amsgrad=False)
+    work = [(sg.index, sg.slices[0], StepInputs(0, lr, 0.9, 0.999, 1e-8, 0.0), 1)
+            for sg, lr in zip(sgs, (1e-2, 1e-3))]
+    return tier, work, params
+
+
+def test_cuda_path_reports_what_each_launch_wrote(monkeypatch):
+    """DeviceTier._step_cuda (run here on CPU tensors through TRITON_INTERPRET): a launch that
+    succeeded is in `done`; the one that raised is in `unsure` (a fused_adam_ call may launch
+    more than once); the entries after it in neither, and their state is untouched."""
+    import gpu_kernels
+    tier, work, params = _two_launch_tier("cpu")
+    before = [p.detach().clone() for p in params]
+    real, calls = gpu_kernels.fused_adam_, []
+
+    def second_fails(*a, **k):
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("injected: launch failed")
+        return real(*a, **k)
+    monkeypatch.setattr(gpu_kernels, "fused_adam_", second_fails)
+    done, unsure = [], []
+    with pytest.raises(RuntimeError, match="injected"):
+        tier._step_cuda(work, 1.0, None, done, unsure)
+    assert done == [0] and unsure == [1]
+    assert not torch.equal(params[0], before[0]) and torch.equal(params[1], before[1])
+
+
+@pytest.mark.gpu
+def test_cuda_a_bad_grad_and_a_failing_launch_leave_each_param_stepped_or_untouched(monkeypatch):
+    """On CUDA (offload 0, two groups: two launches): a float64 grad is refused before
+    anything changes; a second launch that fails leaves the first group stepped (counts
+    advanced) and the second untouched (counts as before), the error naming them; step()
+    after the float64 refusal continues bitwise as a twin that never saw it."""
+    import gpu_kernels
+    torch.manual_seed(0)
+    make = lambda: [torch.nn.Parameter(torch.randn(1024, device="cuda")) for _ in range(2)]  # noqa: E731
+    ps, qs = make(), None
+    qs = [torch.nn.Parameter(p.detach().clone()) for p in ps]
+    groups = lambda xs: [dict(params=[xs[0]]), dict(params=[xs[1]], lr=1e-3)]  # noqa: E731
+    with HybridAdamW(groups(ps), offload_fraction=0.0, **HYPER) as opt, \
+            HybridAdamW(groups(qs), offload_fraction=0.0, **HYPER) as ref:
+        grads = [torch.randn(1024, device="cuda") for _ in range(2)]
+        for o, xs in ((opt, ps), (ref, qs)):
+            for x, g in zip(xs, grads):
+                x.grad = g.clone()
+            o.step()
+        ps[1].grad.data = grads[1].double()
+        state = _state(opt)
+        with pytest.raises(TypeError, match=r"parameter 1's grad .*Nothing was stepped"):
+            opt.step()
+        _assert_state_equal(_state(opt), state)
+        ps[1].grad = grads[1].clone()
+        opt.step()
+        for x, g in zip(qs, grads):
+            x.grad = g.clone()
+        ref.step()
+        assert all(torch.equal(a, b) for a, b in zip(ps, qs))
+        _assert_state_equal(_state(opt), _state(ref))
+        real, calls = gpu_kernels.fused_adam_, []
+
+        def second_fails(*a, **k):
+            calls.append(1)
+            if len(calls) == 2:
+                raise RuntimeError("injected: launch failed")
+            return real(*a, **k)
+        monkeypatch.setattr(gpu_kernels, "fused_adam_", second_fails)
+        with pytest.raises(RuntimeError, match=r"(?s)failed in the device tier.*parameters \[0\] were stepped.*"
+                                               r"parameters \[1\] only in part"):
+            opt.step()
+        # the first launch wrote param 0 (stepped); the failing call's param 1 may have been
+        # written in part (a call launches once per alignment group): reported as torn
+        assert [float(opt.state[p]["step"]) for p in ps] == [3.0, 3.0]
