@@ -192,8 +192,6 @@ class DeviceTier:
         its arguments first; its loop cannot fail)."""
         if not work:
             return
-        done = [] if done is None else done
-        unsure = [] if unsure is None else unsure
         device = self.subgroups[work[0][0]].device
         if device.type == "cuda":
             self._step_cuda(work, grad_scale, found_inf, done, unsure)
@@ -211,8 +209,9 @@ class DeviceTier:
         copy = sg.flat[a:b] if sg.dtype != torch.float32 else None
         return self.master[index][a:b], st["exp_avg"][a:b], st["exp_avg_sq"][a:b], vmax, copy, None
 
-    def _step_cpu(self, work: list, grad_scale: float, done: list) -> None:
+    def _step_cpu(self, work: list, grad_scale: float, done: list | None = None) -> None:
         import cpu_kernels
+        done = [] if done is None else done
         for k, (index, sl, hp, step) in enumerate(work):
             p, m, v, vmax, copy, rem = self._views(index, sl)
             grad = sl.grad_view()
@@ -225,8 +224,11 @@ class DeviceTier:
                                    remainder=rem)
             done.append(k)
 
-    def _step_cuda(self, work: list, grad_scale, found_inf, done: list, unsure: list) -> None:
+    def _step_cuda(self, work: list, grad_scale, found_inf, done: list | None = None,
+                   unsure: list | None = None) -> None:
         import gpu_kernels
+        done = [] if done is None else done
+        unsure = [] if unsure is None else unsure
         # one launch per distinct (hyperparameters, step, param dtype): usually exactly one
         # (remainders are all or none in a launch: they follow the param dtype). A param's
         # slices share all of these: they are stepped by one call
