@@ -312,6 +312,7 @@ class _HybridBase(ZeroParamsMixin, SpeculationMixin, PlacementMixin, CheckpointM
         # tier unstepped, and the step counts of every parameter no committed subgroup holds
         # are put back, so a checkpoint taken afterwards is the previous step for them
         t_host = time.perf_counter()
+        self._expect_gathers(host_steps, device_work)  # process_group: gathers start as commits land
         if host_steps:
             committed: set = set()
             try:
@@ -356,6 +357,7 @@ class _HybridBase(ZeroParamsMixin, SpeculationMixin, PlacementMixin, CheckpointM
             for a, b in _contiguous_runs(live):
                 sg.flat[a:b].copy_(src[a:b].to(sg.dtype))
             committed.add(sg.index)
+            self._committed(sg.index)  # process_group: its buckets' gathers may start (zero_gather.py)
 
         try:
             outcome = self._host.finish(work, on_commit=copy_params)

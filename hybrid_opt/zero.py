@@ -24,10 +24,11 @@ only must not reorder them). A param without a grad on this rank counts as zeros
 and, when some rank had a grad for it, gets the averaged grad here too (a zero grad whose
 reduced chunk is the average: DDP's find_unused_parameters semantics, so every rank steps its
 chunk); one that no rank had a grad for keeps grad None everywhere (not stepped, as torch).
-Each rank's segment carries one has-grad count per param after its chunks; completed buckets
-are polled from the hooks, their sum divided by the world size into a buffer of their own,
-and the optimizer's speculation hook runs for their params — speculation starts from the
-reduced chunk. `p.grad` keeps this rank's local grad (never overwritten): accumulating
+Each rank's segment carries one has-grad count per param after its chunks, read only for a
+param without a grad here — on CUDA not in backward but in step(), all buckets' in one copy
+(zero_counts.py); completed buckets are polled from the hooks, their sum divided by the world
+size into a buffer of their own, and the optimizer's speculation hook runs for their params —
+speculation starts from the reduced chunk. `p.grad` keeps this rank's local grad (never overwritten): accumulating
 over several backwards without the boundary flag stays correct (each backward issues every
 bucket once, the next reducing the accumulated grads again: redundant traffic, like DDP
 without no_sync; a bucket still in flight is waited for before its buffer is reused), and with
@@ -35,11 +36,14 @@ without no_sync; a bucket still in flight is waited for before its buffer is reu
 boundary backward reduces the sum once (divided by the world size, as DDP averages).
 A reduction sees p.grad as it was when its hook fired: in-place changes to p.grad after
 backward are not seen (as under DDP): the end of backward waits for the pending reductions
-(bounded), as DDP's does (step() too, if that callback did not run). A bucket's
+(bounded), as DDP's does (step() too, if that callback did not run) — on CUDA the stream
+waits, not the host (_wait). A bucket's
 buffers are allocated once, on first use (no first touch per step), stats["buffer_bytes"].
 
 Params (zero_gather.py): after a step that was taken, every bucket's chunks are sent to every
-rank, launched at the end of step(); by default step() waits for them (a one-param bucket then
+rank, each bucket launched as soon as step() has committed the subgroups holding its chunks
+here (in one fixed order on every rank), the rest at the end of step(); by default step()
+waits for them (a one-param bucket then
 lands in the param itself). With overlap_param_gather they are not waited there, so they
 overlap what follows (zero_grad, the data, the next forward), and a bucket lands — bounded
 wait, then the other ranks' chunks copied from its staging buffer into this rank's params —
@@ -67,6 +71,7 @@ from dataclasses import dataclass
 import torch
 
 from hybrid_opt import distributed as D
+from hybrid_opt.zero_counts import GradCounts
 from hybrid_opt.zero_gather import ParamGather, ZeroParamsMixin  # noqa: F401 (optimizer's mixin)
 
 BUCKET_NUMEL = 1 << 22      # elements per reduce-scatter / all-gather bucket (16 MB of fp32)
@@ -123,7 +128,7 @@ def _chunk_numel(p: torch.Tensor, rank: int, world: int) -> int:
     return (b - a) * (p.numel() // p.shape[0] if p.shape[0] else 0)
 
 
-class ZeroSharding(ParamGather):
+class ZeroSharding(ParamGather, GradCounts):
     """The collectives of process_group mode for one optimizer (module docstring)."""
 
     def __init__(self, params: list, group, bucket_numel: int | None = None):
@@ -166,6 +171,7 @@ class ZeroSharding(ParamGather):
         self._next = 0             # the next bucket to issue this step (buckets issue in order)
         self._in_backward = False  # a reducing backward is running (its end callback queued)
         self._reduced: dict = {}   # param id -> the grad tensor object its last reduction read
+        self._unread: dict = {}    # bucket index -> has-grad counts not read yet (zero_counts.py)
         self._handles: list = []
         self._on_reduced, self._is_boundary = None, lambda: True
         kind = COLLECTIVES or ("all_to_all" if dist.get_backend(group) == "gloo" else "reduce_scatter")
@@ -176,8 +182,14 @@ class ZeroSharding(ParamGather):
         self._gathers: dict = {}    # bucket id -> (bucket, full, mine, work, marks): launched, not landed
         self._gathering: dict = {}  # param id -> its bucket, while that bucket's gather is pending
         self._forward_hook = None   # the global forward pre-hook, installed while any is pending
+        # a taken step's gathers, launched as its commits complete (zero_gather.py): in param
+        # order (the host tier commits subgroups, and the next forward runs, in that order)
+        self._gather_order = list(reversed(self.buckets))
+        self._gather_direct = False
+        self.reset_gather()
         self.stats = dict(reduce_scatters=0, all_gathers=0, rereduced=0,
-                          all_gathers_landed_in_forward=0, buffer_bytes=0, collectives=kind)
+                          all_gathers_landed_in_forward=0, buffer_bytes=0, collectives=kind,
+                          count_reads=0)
 
     # ------------------------------------------------------------------ layout
     def _make_buckets(self, params: list, cap: int) -> list:
@@ -351,9 +363,10 @@ class ZeroSharding(ParamGather):
         self.stats["reduce_scatters"] += 1
         self._pending.append((b, works, kind, grads))
 
-    def _average(self, b: _Bucket, kind: str) -> list:
-        """A completed reduction's sum over the ranks, divided by the world size, into b.out;
-        returns the has-grad counts. all_to_all: the ranks' segments summed here in rank order."""
+    def _average(self, b: _Bucket, kind: str) -> None:
+        """A completed reduction's sum over the ranks, divided by the world size, into b.out
+        (its has-grad counts: zero_counts.py). all_to_all: the ranks' segments summed here in
+        rank order."""
         direct = b.direct and kind != "all_reduce"
         stride = b.width if direct else b.seg
         if kind == "all_to_all":
@@ -362,15 +375,9 @@ class ZeroSharding(ParamGather):
             for seg in segs[1:]:
                 b.out.add_(seg)
             b.out.div_(self.world)
-            if direct:
-                return [float(b.counts[self.world:].sum())]
-            counts = b.scratch[b.width:b.seg].clone()
-            for r in range(1, self.world):
-                counts.add_(b.scratch[r * b.seg + b.width:(r + 1) * b.seg])
-            return counts.tolist()
+            return
         total = b.scratch if kind == "reduce_scatter" else b.red[self.rank * b.seg:(self.rank + 1) * b.seg]
         torch.div(total[:b.width], self.world, out=b.out)
-        return b.counts[self.world:self.world + 1].tolist() if direct else total[b.width:].tolist()
 
     def poll(self, wait: bool = False) -> None:
         """Completes the launched reductions in launch order (all of them when `wait`)."""
@@ -379,30 +386,19 @@ class ZeroSharding(ParamGather):
             if not wait and not all(w.is_completed() for w in works):
                 return
             for work in works:
-                self._wait(work, "the reduction of a gradient bucket")
+                self._wait(work, "the reduction of a gradient bucket", b.device.type == "cuda")
             self._pending.pop(0)
             # a buffer of the bucket's own, written in place: its version moves, so a speculation
             # that read the previous reduction (accumulation without the flag) is redone
-            counts = self._average(b, kind)
-            _, grad_map = D._zero_maps()
-            for k, p in enumerate(b.params):
-                if grads[k] is None and p.grad is None and p.requires_grad and counts[k] > 0:
-                    # unused here, used on another rank: the averaged grad is this rank's too
-                    p.grad = torch.zeros_like(p)
-                    grads[k] = self._reduced[id(p)] = p.grad
-            for k, (p, g) in enumerate(zip(b.params, grads)):
-                if g is None or p.grad is not g:
-                    continue
-                a, n = b.offsets[k][self.rank], b.numels[k][self.rank]
-                rows_a, rows_b = D.chunk_rows(p.shape[0], self.rank, self.world)
-                grad_map[g] = b.out[a:a + n].view((rows_b - rows_a,) + tuple(p.shape[1:]))
-            for p, g in zip(b.params, grads):
-                if g is not None and p.grad is g and self._on_reduced is not None:
-                    self._on_reduced(p)
+            self._average(b, kind)
+            self._delivered(b, kind, grads)  # chunks mapped, hooks run (zero_counts.py)
 
-    def _wait(self, work, what: str) -> None:
+    def _wait(self, work, what: str, cuda: bool = False) -> None:
+        """A collective's completion, bounded. On CUDA the current stream waits for it and the
+        host does not (NCCL's wait with a timeout blocks the CPU until the collective is done);
+        the bound is then the process group's own timeout (NCCL's watchdog)."""
         try:
-            ok = work.wait(timeout=datetime.timedelta(seconds=WAIT_S))
+            ok = work.wait() if cuda else work.wait(timeout=datetime.timedelta(seconds=WAIT_S))
         except RuntimeError as e:
             raise RuntimeError(f"process_group: {what} did not complete within {WAIT_S:.0f} s or "
                                f"failed ({e}): a peer rank died or stopped stepping; every rank "
@@ -444,11 +440,13 @@ class ZeroSharding(ParamGather):
         if any(p.requires_grad for p in self.params):
             self._issue_in_order(upto=len(self.buckets))
         self.poll(wait=True)  # a bucket's buffers are reused: its reduction done before another
+        self.read_counts()  # counts kept on the device (zero_counts.py): one read, zero grads made
         for b in self.buckets:
             if any(p.grad is not None and self._reduced.get(id(p)) is not p.grad for p in b.params):
                 self.stats["rereduced"] += 1
                 self._launch(b)
         self.poll(wait=True)
+        self.read_counts()
         if self.buckets:
             self._check_ddp(self.buckets[0])
 
@@ -459,6 +457,8 @@ class ZeroSharding(ParamGather):
         self._fired.clear()
         self._next = 0
         self._in_backward = False  # a backward that raised before its end callback
+        self._unread.clear()
+        self.reset_gather()
 
     def close(self) -> None:
         """The grad hooks removed; pending gathers landed (a failed one is warned about: the

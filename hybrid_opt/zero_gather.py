@@ -8,6 +8,16 @@ waits for them at once (the default), a bucket of one param lands in the param's
 (no staging buffer, no copy: no one can write the param in between); otherwise (overlap_param_
 gather=True, or several params in a bucket) in the bucket's persistent staging buffer, copied
 into each param not written since its chunks left.
+
+When: a taken step's buckets are launched as the step commits them, not after the whole step
+(expect_commits / committed): the optimizer names, before its host tier commits, the params
+whose chunks each host subgroup (and the device tier) will write, and a bucket goes out as soon
+as none of its params waits for a commit — so its broadcasts overlap the remaining host steps
+and commits. Launches follow one fixed order on every rank (GATHER order: the buckets in
+param order, the order the host tier commits subgroups in and the next forward needs them),
+and a bucket goes out only once every bucket before it has: ranks that commit in different
+orders (a subgroup redone on one rank only) still issue the same collectives in the same order.
+The end of step() (gather()) launches what is left, in that order.
 """
 from __future__ import annotations
 
@@ -19,38 +29,81 @@ from hybrid_opt import distributed as D
 class ParamGather:
     """The gather half of ZeroSharding (zero.py), which owns the buckets and buffers."""
 
+    def expect_commits(self, pending: dict, direct: bool) -> None:
+        """A taken step is about to commit: `pending` maps each key (a host subgroup's index,
+        or "device") to the params whose chunks that commit writes; committed(key) says it is
+        done. A bucket none of whose params waits any more is launched then, in GATHER order
+        (module docstring); `direct` as in gather()."""
+        self._gather_direct = direct
+        self._waits = {}  # key -> indices of the buckets waiting for it
+        self._blocked = [0] * len(self.buckets)  # per bucket: the keys it still waits for
+        for key, params in pending.items():
+            waits = {self._bucket_of[id(p)].index for p in params}
+            self._waits[key] = waits
+            for i in waits:
+                self._blocked[i] += 1
+        self._launch_ready()
+
+    def committed(self, key) -> None:
+        """The commit of `key` (expect_commits) has written its params: the buckets it held back
+        go out, in order."""
+        for i in self._waits.pop(key, ()):
+            self._blocked[i] -= 1
+        self._launch_ready()
+
+    def _launch_ready(self, every: bool = False) -> None:
+        """Launches buckets from the next one in GATHER order while they wait for no commit
+        (all of them when `every`)."""
+        order = self._gather_order
+        while self._gather_next < len(order):
+            b = order[self._gather_next]
+            if not every and (self._blocked is None or self._blocked[b.index]):
+                return
+            self._gather_next += 1
+            self._gather_bucket(b, self._gather_direct)
+
     def gather(self, direct: bool = False) -> None:
-        """Launches the collectives that send every rank's stepped chunks to every rank, one
-        bucket at a time, not waited: each bucket lands when a module whose own params it holds
-        is about to run forward, or at wait_gathered() (module docstring). `direct` (the caller
-        waits for them at once, before anything can write a param): a bucket of one param lands
-        in the param itself, no staging copy; else in the bucket's staging buffer, copied at
-        landing into the params not written since."""
-        self.wait_gathered()  # step() waited already; a second gather must not race the first
-        for b in self.buckets:
-            # an all-gather lands in place only where every rank's chunk has the same size
-            staged = not (direct and len(b.params) == 1 and (
-                self._kind != "reduce_scatter" or b.params[0].numel() == self.world * b.width))
-            if staged:
-                full = self._buffer(b, "staging", self.world * b.width)
-                mine = full[self.rank * b.width:(self.rank + 1) * b.width]
-                for k, p in enumerate(b.params):
-                    n, a = b.numels[k][self.rank], b.offsets[k][self.rank]
-                    if n:
-                        mine[a:a + n].copy_(D.zero_chunk(p.data, self.rank, self.world).reshape(-1))
-            else:
-                full = b.params[0].data.view(-1)
-            works = self._send_chunks(b, full, staged)
-            # what each param was when its chunks left: a param written since (model.
-            # load_state_dict, assign=True, an in-place edit) keeps what was written
-            marks = [(p._version, p.data_ptr()) for p in b.params]
-            self._gathers[id(b)] = (b, staged, works, marks)
-            for p in b.params:
-                self._gathering[id(p)] = b
-            self.stats["all_gathers"] += 1
+        """Launches the collectives that send every rank's stepped chunks to every rank — the
+        buckets this step has not launched yet (committed()), in GATHER order — not waited: each
+        bucket lands when a module whose own params it holds is about to run forward, or at
+        wait_gathered() (module docstring). `direct` (the caller waits for them at once, before
+        anything can write a param): a bucket of one param lands in the param itself, no
+        staging copy; else in the bucket's staging buffer, copied at landing into the params
+        not written since."""
+        self._gather_direct = direct
+        self._launch_ready(every=True)
+        self._blocked = None
         if self._gathers and self._forward_hook is None:
             from torch.nn.modules.module import register_module_forward_pre_hook
             self._forward_hook = register_module_forward_pre_hook(self._before_forward)
+
+    def reset_gather(self) -> None:
+        """After a step (taken or not): the next one launches from the first bucket again."""
+        self._gather_next, self._blocked, self._waits = 0, None, {}
+
+    def _gather_bucket(self, b, direct: bool) -> None:
+        if id(b) in self._gathers:
+            self._land(b)  # a gather still pending (an earlier step's) must not race this one
+        # an all-gather lands in place only where every rank's chunk has the same size
+        staged = not (direct and len(b.params) == 1 and (
+            self._kind != "reduce_scatter" or b.params[0].numel() == self.world * b.width))
+        if staged:
+            full = self._buffer(b, "staging", self.world * b.width)
+            mine = full[self.rank * b.width:(self.rank + 1) * b.width]
+            for k, p in enumerate(b.params):
+                n, a = b.numels[k][self.rank], b.offsets[k][self.rank]
+                if n:
+                    mine[a:a + n].copy_(D.zero_chunk(p.data, self.rank, self.world).reshape(-1))
+        else:
+            full = b.params[0].data.view(-1)
+        works = self._send_chunks(b, full, staged)
+        # what each param was when its chunks left: a param written since (model.
+        # load_state_dict, assign=True, an in-place edit) keeps what was written
+        marks = [(p._version, p.data_ptr()) for p in b.params]
+        self._gathers[id(b)] = (b, staged, works, marks)
+        for p in b.params:
+            self._gathering[id(p)] = b
+        self.stats["all_gathers"] += 1
 
     def _send_chunks(self, b, full: torch.Tensor, staged: bool) -> list:
         """The bucket's gather collectives into `full` (the staging segments, or the param):
@@ -90,7 +143,7 @@ class ParamGather:
             self._gathering.pop(id(p), None)
         try:
             for work in works:
-                self._wait(work, "the gather of updated parameters")
+                self._wait(work, "the gather of updated parameters", b.device.type == "cuda")
             if not staged:
                 return  # landed in the param itself
             full = b.staging
@@ -125,6 +178,22 @@ class ZeroParamsMixin:
         zero = getattr(self, "_zero", None)
         if zero is not None:
             zero.wait_gathered()
+
+    def _expect_gathers(self, host_steps: dict, device_work: list) -> None:
+        """A taken step, before its host tier commits: each bucket's gather is launched as soon
+        as the subgroups holding its chunks are committed (ParamGather.expect_commits); the
+        device tier's params count as committed when step() gathers what is left."""
+        zero = getattr(self, "_zero", None)
+        if zero is not None:
+            pending = {i: [sl.param for sl in live] for i, (_, live, _) in host_steps.items()}
+            pending["device"] = [w[1].param for w in device_work]
+            zero.expect_commits(pending, direct=not self.overlap_param_gather)
+
+    def _committed(self, index: int) -> None:
+        """Host subgroup `index`'s new params are in the model (on_commit)."""
+        zero = getattr(self, "_zero", None)
+        if zero is not None:
+            zero.committed(index)
 
     def state_dict(self) -> dict:
         self.wait_params()

@@ -277,14 +277,15 @@ ZERO_TRAIN = {  # name: (optimizer, clip, steps skipped)
     "adamw_accum": ("AdamW", 1.0, ()), "adamw_accum_noflag": ("AdamW", 1.0, ()),
     "adamw_ddp": ("AdamW", None, ()),
     "adamw_sync": ("AdamW", None, ()), "adamw_sd_close": ("AdamW", None, ()),
-    "adamw_sync_rs": ("AdamW", None, ()), "adamw_overlap_ar": ("AdamW", None, ())}
+    "adamw_sync_rs": ("AdamW", None, ()), "adamw_overlap_ar": ("AdamW", None, ()),
+    "adamw_commit_order": ("AdamW", 1.0, ())}
 
 
 @pytest.fixture(scope="module")
 def zero_trained(tmp_path_factory):
     out = tmp_path_factory.mktemp("zero_train")
     return launch("zero_train.py", str(out), *ZERO_TRAIN, "adamw_load", "adamw_unused",
-                  "adamw_unused_direct", timeout_s=150)
+                  "adamw_unused_direct", "adamw_unused_lazy", "adamw_unused_direct_lazy", timeout_s=180)
 
 
 @pytest.fixture(scope="module")
@@ -343,6 +344,88 @@ def test_process_group_param_unused_on_one_rank_in_a_bucket_reduced_from_its_gra
     for a, b in zip(zero_trained[0]["adamw_unused_direct"]["params"][-1],
                     zero_trained[1]["adamw_unused_direct"]["params"][-1]):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("name, unused", [("adamw_unused", [5]), ("adamw_unused_direct", [2, 3])])
+def test_process_group_has_grad_counts_read_lazily_in_step(zero_trained, name, unused):
+    """The has-grad counts read lazily (CUDA's way, forced on gloo): a bucket whose params all
+    have their grads reads none; those of buckets holding a param unused on this rank are kept
+    on the device through backward and read in step() in one copy — no read in backward (the
+    eager path, gloo's default, reads one per such bucket there) — and the run is bitwise the
+    eager one's (params after every step), on both ranks. The unused params' zero grads appear
+    in step(), not at the end of backward (None in between: the documented CUDA difference)."""
+    for rank, res in enumerate(zero_trained):
+        eager, lazy = res[name], res[name + "_lazy"]
+        for step in range(C.STEPS):
+            for a, b in zip(eager["params"][step], lazy["params"][step]):
+                assert torch.equal(a, b), (name, rank, step)
+        before = [0] + lazy["count_reads_after_step"][:-1]
+        assert lazy["count_reads_after_backward"] == before, (rank, lazy)  # none in backward
+        reads = [a - b for a, b in zip(lazy["count_reads_after_step"], lazy["count_reads_after_backward"])]
+        assert all(r <= 1 for r in reads), reads  # at most one copy a step
+        if rank == 1:  # unused there at every step: one read a step, its grads None until step()
+            assert reads == [1] * C.STEPS
+            assert all([i for i, none in enumerate(g) if none] == unused
+                       for g in lazy["grad_none_after_backward"])
+            assert eager["count_reads_after_backward"][0] >= 1  # eager: read in backward
+            assert not any(any(g) for g in eager["grad_none_after_backward"][:-1])
+    assert res["adamw_sync"]["zero"]["count_reads"] == 0  # every param has its grad: no read
+
+
+def test_process_group_gathers_start_as_their_buckets_commit(zero_trained):
+    """The params' gathers are launched inside step() as the host tier commits the subgroups
+    holding their chunks, not after the whole step: each bucket right after the later of the
+    commit that completes its subgroups here and the launch of the bucket before it in the one
+    gather order (param order, the same on both ranks). On rank 0 (commits in subgroup order
+    unless a speculation was deferred) the first bucket goes out while later subgroups still
+    commit; rank 1 drops its first subgroup's speculation, so commits it last (stepped in
+    step()), and so launches nothing before it. Params follow torch
+    (test_process_group_matches_single_process_torch) and are bitwise equal on both ranks."""
+    runs = [res["adamw_commit_order"] for res in zero_trained]
+    buckets = runs[0]["bucket_params"]
+    order = list(reversed(range(len(buckets))))
+    assert len(buckets) == 4
+    for rank, run in enumerate(runs):
+        early = []
+        sgs_of = [{i for i, ps in enumerate(run["sg_params"]) if set(ps) & set(b)} for b in buckets]
+        assert len(run["events"]) == C.STEPS
+        for step, events in enumerate(run["events"]):
+            gathers = [b for kind, b in events if kind == "gather"]
+            commits = [i for kind, i in events if kind == "commit"]
+            assert gathers == order, (rank, step, events)
+            assert sorted(commits) == list(range(len(run["sg_params"])))
+            prev = -1
+            for b in order:  # as soon as its commits and the bucket before it allow, not later
+                done = max(events.index(("commit", i)) for i in sgs_of[b])
+                assert events.index(("gather", b)) == max(done, prev) + 1, (rank, step, b, events)
+                prev = events.index(("gather", b))
+            first_gather = events.index(("gather", order[0]))
+            last_commit = max(t for t, (kind, _) in enumerate(events) if kind == "commit")
+            early.append(first_gather < last_commit)  # overlapping the remaining commits
+            if rank == 1:
+                assert commits[-1] == 0 and first_gather > last_commit, events
+        spec = run["speculation"]
+        assert all(s["stepped"] >= rank for s in spec), spec  # rank 1: its first subgroup
+        assert any(early) if rank == 0 else not any(early), (rank, run["events"])
+    for a, b in zip(runs[0]["params"][-1], runs[1]["params"][-1]):
+        assert torch.equal(a, b)
+
+
+def test_process_group_waits_on_cuda_are_the_streams_not_the_hosts():
+    """On CUDA our collectives are waited for without a timeout — the current stream waits
+    (NCCL's wait with a timeout blocks the host until the collective is done); elsewhere with
+    the WAIT_S bound. (The wait itself on NCCL needs a GPU: not run here.)"""
+    import datetime
+    from hybrid_opt.zero import WAIT_S, ZeroSharding
+    calls = []
+
+    class Work:
+        def wait(self, **kw):
+            calls.append(kw)
+            return True
+    ZeroSharding._wait(None, Work(), "a reduction", True)
+    ZeroSharding._wait(None, Work(), "a reduction")
+    assert calls == [{}, {"timeout": datetime.timedelta(seconds=WAIT_S)}]
 
 
 def test_process_group_forward_right_after_step_sees_updated_params(zero_trained):

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 import common as C
-from hybrid_opt import HybridAdam, HybridAdamW, zero
+from hybrid_opt import HybridAdam, HybridAdamW, zero, zero_counts
 from hybrid_opt.zero import BUCKET_NUMEL
 
 CONFIGS = {
@@ -45,9 +45,18 @@ CONFIGS = {
     # rank 0, is reduced from zeros on rank 1, which gets the averaged grad too
     "adamw_unused_direct": ("AdamW", dict(offload_fraction=0.5), 1.0, None, 1),
     "adamw_overlap_ar": ("AdamW", dict(offload_fraction=1.0, overlap_param_gather=True), None, None, 1),
+    # adamw_unused / adamw_unused_direct with the has-grad counts read lazily (CUDA's way:
+    # kept on the device in backward, read in step() in one copy), forced here on gloo
+    "adamw_unused_lazy": ("AdamW", dict(offload_fraction=0.5), 1.0, None, 1),
+    "adamw_unused_direct_lazy": ("AdamW", dict(offload_fraction=0.5), 1.0, None, 1),
+    # the params' gathers launched as step() commits: rank 1 drops its first host subgroup's
+    # speculation before each step, so it commits that subgroup last (stepped in step()) while
+    # rank 0 commits it first; the launches and commits are logged
+    "adamw_commit_order": ("AdamW", dict(offload_fraction=1.0), 1.0, None, 1),
 }
 SMALL_BUCKETS = ("adamw_host_noclip", "adamw_sync", "adamw_sd_close", "adamw_load", "adamw_unused",
-                 "adamw_sync_rs", "adamw_overlap_ar", "adamw_accum_noflag", "adamw_unused_direct")
+                 "adamw_sync_rs", "adamw_overlap_ar", "adamw_accum_noflag", "adamw_unused_direct",
+                 "adamw_unused_lazy", "adamw_unused_direct_lazy", "adamw_commit_order")
 PATHS = {"adamw_sync_rs": "reduce_scatter", "adamw_overlap_ar": "all_reduce"}
 
 
@@ -63,6 +72,7 @@ def run(name: str, rank: int, world: int, tmp: str) -> dict:
         os.makedirs(hybrid["nvme_path"])
     zero.BUCKET_NUMEL = 64 if name in SMALL_BUCKETS else BUCKET_NUMEL
     zero.COLLECTIVES = PATHS.get(name)
+    zero_counts.LAZY = True if name.endswith("_lazy") else None
     probe = torch.randn(4, C.IN, generator=torch.Generator().manual_seed(7))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -76,7 +86,14 @@ def run(name: str, rank: int, world: int, tmp: str) -> dict:
                    probe=[], pending_after_step=[], buffer_bytes=[], buckets=len(opt._zero.buckets),
                    direct=[b.direct for b in opt._zero.buckets],
                    state_numel=opt._zero.state_numel(), plan=repr(opt.plan), opt_repr=repr(opt),
-                   laid_out=sum(sg.numel for sg in opt._subgroups))
+                   laid_out=sum(sg.numel for sg in opt._subgroups), events=[],
+                   bucket_params=[[opt._index[p] for p in b.params] for b in opt._zero.buckets],
+                   sg_params=[sorted({sl.param_index for sl in sg.slices}) for sg in opt._subgroups],
+                   count_reads_after_backward=[], count_reads_after_step=[], grad_none_after_backward=[])
+        if name == "adamw_commit_order":  # logs each host commit and each bucket's gather launch
+            committed, launch = opt._committed, opt._zero._gather_bucket
+            opt._committed = lambda i: (out["events"][-1].append(("commit", i)), committed(i))
+            opt._zero._gather_bucket = lambda b, d: (out["events"][-1].append(("gather", b.index)), launch(b, d))
         for i, x in enumerate(C.batches()):
             opt.zero_grad()
             local = C.local_batch(x, rank, world)
@@ -84,13 +101,18 @@ def run(name: str, rank: int, world: int, tmp: str) -> dict:
             for m in range(micro):
                 if name != "adamw_accum_noflag":
                     opt.set_gradient_accumulation_boundary(m == micro - 1)
-                if name == "adamw_unused":
+                if name.startswith("adamw_unused") and "direct" not in name:
                     loss = C.loss_bias_unused(model, local, rank, world, i)
-                elif name == "adamw_unused_direct":
+                elif name.startswith("adamw_unused_direct"):
                     loss = C.loss_layer_unused(model, local, rank, world, i)
                 else:
                     loss = C.loss_fn(stepped_model, local[m * n:(m + 1) * n]) / micro
                 (scaler.scale(loss) if scaler else loss).backward()
+            out["count_reads_after_backward"].append(opt._zero.stats["count_reads"])
+            out["grad_none_after_backward"].append([p.grad is None for p in model.parameters()])
+            out["events"].append([])
+            if name == "adamw_commit_order" and rank == 1:
+                opt._host.cancel(opt._host_local[0])  # stepped in step(), after the others commit
             if i == overflow_at and rank == 1:  # an overflow in this rank's local grads only
                 with torch.no_grad():
                     next(iter(model.parameters())).grad.view(-1)[0] = float("inf")
@@ -101,6 +123,7 @@ def run(name: str, rank: int, world: int, tmp: str) -> dict:
             else:
                 opt.step()
             out["pending_after_step"].append(len(opt._zero._gathers))
+            out["count_reads_after_step"].append(opt._zero.stats["count_reads"])
             out["buffer_bytes"].append(opt._zero.stats["buffer_bytes"])
             if name == "adamw_load" and i == 2:  # written after step(), before the gathers land
                 model.load_state_dict({k: torch.full_like(v, 0.25 + j)

@@ -1,0 +1,102 @@
+"""process_group mode's has-grad counts (zero.py): which params got a grad on some rank.
+
+Each bucket's reduction carries, per param, the number of ranks that had a grad for it. The
+count matters only for a param that has no grad on this rank: if another rank had one, this
+rank gets the averaged grad too (a zero p.grad whose reduced chunk is the average, DDP's
+find_unused_parameters) and steps its chunk; if none had, it keeps grad None. So a bucket
+whose params all have their grads here reads no count at all.
+
+When one is needed, reading it is a device-to-host copy: on CUDA a host sync, which inside
+backward (a bucket completes in a grad hook) would stall the CPU until the device has caught
+up, once per bucket. On CUDA the counts are therefore read lazily: a completed bucket keeps
+its counts on the device (its latest reduction's, replacing an earlier one's), the params
+that have their grads are delivered at once (their chunk mapped, the speculation hook run),
+and step() reads every bucket's kept counts in one small copy (read_counts, from
+ZeroSharding.finish, before anything reads the grads) and delivers the params that another
+rank had a grad for. So backward never blocks on the device for them; the price, on CUDA
+only, is that such a param's zero p.grad appears in step() rather than at the end of
+backward (a read of p.grad in between sees None: neither a norm nor unscale_ changes). On a
+CPU host (gloo) a count is read as its bucket completes, as before. LAZY forces either way
+(tests run the lazy path on gloo).
+"""
+from __future__ import annotations
+
+import torch
+
+from hybrid_opt import distributed as D
+
+LAZY = None  # None: lazy on CUDA buckets only; True / False: always / never
+
+
+class GradCounts:
+    """The has-grad-count half of ZeroSharding (zero.py), which owns buckets and reductions."""
+
+    def _lazy(self, b) -> bool:
+        return b.device.type == "cuda" if LAZY is None else bool(LAZY)
+
+    def _counts(self, b, kind: str) -> torch.Tensor:
+        """A completed reduction's has-grad counts, one per param of the bucket, on its device
+        (not read: no sync). all_to_all: the ranks' counts summed here in rank order."""
+        direct = b.direct and kind != "all_reduce"
+        if kind == "all_to_all":
+            if direct:
+                return b.counts[self.world:].sum().reshape(1)
+            counts = b.scratch[b.width:b.seg].clone()
+            for r in range(1, self.world):
+                counts.add_(b.scratch[r * b.seg + b.width:(r + 1) * b.seg])
+            return counts
+        if direct:
+            return b.counts[self.world:self.world + 1].clone()
+        total = b.scratch if kind == "reduce_scatter" else b.red[self.rank * b.seg:(self.rank + 1) * b.seg]
+        return total[b.width:].clone()
+
+    def _delivered(self, b, kind: str, grads: list) -> None:
+        """A bucket's reduction is averaged into b.out: its params with a grad here get their
+        chunk and the speculation hook; those without wait for their counts (module docstring)."""
+        self._unread.pop(b.index, None)  # this reduction's counts replace an earlier one's
+        missing = [k for k, p in enumerate(b.params)
+                   if grads[k] is None and p.grad is None and p.requires_grad]
+        if missing and self._lazy(b):
+            self._unread[b.index] = (b, grads, missing, self._counts(b, kind))
+            return self._deliver(b, grads, [k for k in range(len(b.params)) if k not in missing])
+        if missing:
+            self.stats["count_reads"] += 1
+            self._grant(b, grads, missing, self._counts(b, kind).tolist())
+        self._deliver(b, grads, range(len(b.params)))
+
+    def read_counts(self) -> None:
+        """step(): the kept counts of every bucket, read in one copy; the params another rank
+        had a grad for get a zero p.grad whose chunk is the average, and are delivered."""
+        if not self._unread:
+            return
+        kept, self._unread = list(self._unread.values()), {}
+        values = torch.cat([c.reshape(-1).to(torch.float64) for *_, c in kept]).tolist()
+        self.stats["count_reads"] += 1
+        at = 0
+        for b, grads, missing, counts in kept:
+            n = counts.numel()
+            self._grant(b, grads, missing, values[at:at + n])
+            at += n
+            self._deliver(b, grads, [k for k in missing if grads[k] is not None])
+
+    def _grant(self, b, grads: list, missing: list, counts: list) -> None:
+        for k in missing:
+            p = b.params[k]
+            if p.grad is None and counts[k] > 0:
+                # unused here, used on another rank: the averaged grad is this rank's too
+                p.grad = torch.zeros_like(p)
+                grads[k] = self._reduced[id(p)] = p.grad
+
+    def _deliver(self, b, grads: list, ks: list) -> None:
+        """Each param k in `ks` still holding the grad its reduction read: its averaged chunk
+        mapped (distributed.local_of reads it), then the optimizer's speculation hook."""
+        _, grad_map = D._zero_maps()
+        live = [k for k in ks if grads[k] is not None and b.params[k].grad is grads[k]]
+        for k in live:
+            p = b.params[k]
+            a, n = b.offsets[k][self.rank], b.numels[k][self.rank]
+            rows_a, rows_b = D.chunk_rows(p.shape[0], self.rank, self.world)
+            grad_map[grads[k]] = b.out[a:a + n].view((rows_b - rows_a,) + tuple(p.shape[1:]))
+        if self._on_reduced is not None:
+            for k in live:
+                self._on_reduced(b.params[k])
