@@ -182,10 +182,10 @@ class StepFailureMixin:
 
     def _step_device(self, device_work: list, scale, host_steps: dict, undo: StepUndo) -> None:
         """The device tier's step (after the host tiers committed every subgroup)."""
-        done: list = []
-        unsure: list = []
+        self._device.progress = ([], [])
         try:
-            self._device.step(device_work, scale, done=done, unsure=unsure)
+            self._device.step(device_work, scale)
         except BaseException as e:
+            done, unsure = self._device.progress
             self._step_failed(e, "the device tier", host_steps, set(host_steps), device_work,
                               done, unsure, undo)

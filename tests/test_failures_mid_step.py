@@ -395,9 +395,9 @@ def _two_launch_tier(device):
 
 
 def test_cuda_path_reports_what_each_launch_wrote(monkeypatch):
-    """DeviceTier._step_cuda (run here on CPU tensors through TRITON_INTERPRET): a launch that
-    succeeded is in `done`; the one that raised is in `unsure` (a fused_adam_ call may launch
-    more than once); the entries after it in neither, and their state is untouched."""
+    """DeviceTier._step_cuda (run here on CPU tensors through TRITON_INTERPRET): its progress
+    has a launch that succeeded as done, the one that raised as unsure (a fused_adam_ call may
+    launch more than once); the entries after it in neither, and their state is untouched."""
     import gpu_kernels
     tier, work, params = _two_launch_tier("cpu")
     before = [p.detach().clone() for p in params]
@@ -409,10 +409,9 @@ def test_cuda_path_reports_what_each_launch_wrote(monkeypatch):
             raise RuntimeError("injected: launch failed")
         return real(*a, **k)
     monkeypatch.setattr(gpu_kernels, "fused_adam_", second_fails)
-    done, unsure = [], []
     with pytest.raises(RuntimeError, match="injected"):
-        tier._step_cuda(work, 1.0, None, done, unsure)
-    assert done == [0] and unsure == [1]
+        tier._step_cuda(work, 1.0, None)
+    assert tier.progress == ([0], [1])
     assert not torch.equal(params[0], before[0]) and torch.equal(params[1], before[1])
 
 

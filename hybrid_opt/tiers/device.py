@@ -53,6 +53,7 @@ class DeviceTier:
 
     def __init__(self, subgroups: list, amsgrad: bool, state_format: StateFormat = StateFormat()):
         self.format, self.amsgrad = state_format, amsgrad
+        self.progress: tuple = ([], [])  # (done, unsure) of the last step (step())
         self.subgroups, self.master, self.remainder, self.state = {}, {}, {}, {}
         for sg in subgroups:
             flat = sg.flat
@@ -181,22 +182,21 @@ class DeviceTier:
         return None
 
     # ------------------------------------------------------------------ the step
-    def step(self, work: list, grad_scale, found_inf=None, done: list | None = None,
-             unsure: list | None = None) -> None:
+    def step(self, work: list, grad_scale, found_inf=None) -> None:
         """work: [(subgroup index, slice, StepInputs-like hyperparameters, step)] — one entry
         per parameter slice to step. grad_scale: float (CPU) or 1-element device tensor.
-        Steps are in place, so a failure part-way says what it wrote: `done` gets the positions
-        in `work` of the entries stepped, as each kernel call returns; `unsure` those of the
-        call that raised where it may have written some of them (a fused_adam_ call launches
-        once per alignment group). A cpu_kernels call that raises wrote nothing (it checks
-        its arguments first; its loop cannot fail)."""
+        Steps are in place, so a failure part-way says what it wrote: `progress` is (done,
+        unsure) of the last step — the positions in `work` of the entries stepped, as each
+        kernel call returns, and those of the call that raised where it may have written some
+        of them (a fused_adam_ call launches once per alignment group). A cpu_kernels call
+        that raises wrote nothing (it checks its arguments first; its loop cannot fail)."""
         if not work:
             return
         device = self.subgroups[work[0][0]].device
         if device.type == "cuda":
-            self._step_cuda(work, grad_scale, found_inf, done, unsure)
+            self._step_cuda(work, grad_scale, found_inf)
         else:
-            self._step_cpu(work, float(grad_scale), done)
+            self._step_cpu(work, float(grad_scale))
 
     def _views(self, index: int, sl):
         """(param, exp_avg, exp_avg_sq, max_exp_avg_sq, param_copy, remainder) of one slice:
@@ -209,9 +209,9 @@ class DeviceTier:
         copy = sg.flat[a:b] if sg.dtype != torch.float32 else None
         return self.master[index][a:b], st["exp_avg"][a:b], st["exp_avg_sq"][a:b], vmax, copy, None
 
-    def _step_cpu(self, work: list, grad_scale: float, done: list | None = None) -> None:
+    def _step_cpu(self, work: list, grad_scale: float) -> None:
         import cpu_kernels
-        done = [] if done is None else done
+        done, _ = self.progress = ([], [])
         for k, (index, sl, hp, step) in enumerate(work):
             p, m, v, vmax, copy, rem = self._views(index, sl)
             grad = sl.grad_view()
@@ -224,11 +224,9 @@ class DeviceTier:
                                    remainder=rem)
             done.append(k)
 
-    def _step_cuda(self, work: list, grad_scale, found_inf, done: list | None = None,
-                   unsure: list | None = None) -> None:
+    def _step_cuda(self, work: list, grad_scale, found_inf) -> None:
         import gpu_kernels
-        done = [] if done is None else done
-        unsure = [] if unsure is None else unsure
+        done, unsure = self.progress = ([], [])
         # one launch per distinct (hyperparameters, step, param dtype): usually exactly one
         # (remainders are all or none in a launch: they follow the param dtype). A param's
         # slices share all of these: they are stepped by one call
