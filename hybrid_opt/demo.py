@@ -21,6 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hybrid_opt import state_format
+
 
 class Block(nn.Module):
     def __init__(self, d: int, heads: int):
@@ -87,7 +89,7 @@ def train(model, opt, batches, desc: str, *, progress: bool = True):
     return losses, step_times
 
 
-_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+_DTYPES = state_format.DTYPE_NAMES
 
 
 def tier_state_bytes(subgroups, tiers, state_format, amsgrad: bool = False) -> dict:
@@ -150,17 +152,11 @@ def main(argv=None) -> int:
     ap.add_argument("--dtype", choices=tuple(_DTYPES), default="fp32",
                     help="the model's params (bf16: HybridAdamW keeps fp32 masters; torch's AdamW "
                          "baseline steps the bf16 params themselves)")
-    ap.add_argument("--exp-avg-dtype", choices=tuple(_DTYPES), default="fp32",
-                    help="HybridAdamW(exp_avg_dtype=): the first moment's dtype")
-    ap.add_argument("--exp-avg-sq-dtype", choices=tuple(_DTYPES), default="fp32",
-                    help="HybridAdamW(exp_avg_sq_dtype=): the second moment's dtype")
-    ap.add_argument("--store-param-remainders", action="store_true",
-                    help="HybridAdamW(store_param_remainders=True): a bf16 param's fp32 master "
-                         "kept as the param + an int16 remainder (with --dtype bf16)")
+    state_format.add_arguments(ap, " (with --dtype bf16)")
     args = ap.parse_args(argv)
-    state_options = dict(exp_avg_dtype=_DTYPES[args.exp_avg_dtype],
-                         exp_avg_sq_dtype=_DTYPES[args.exp_avg_sq_dtype],
-                         store_param_remainders=args.store_param_remainders)
+    fmt = state_format.from_arguments(args)
+    state_options = dict(exp_avg_dtype=fmt.exp_avg_dtype, exp_avg_sq_dtype=fmt.exp_avg_sq_dtype,
+                         store_param_remainders=fmt.store_param_remainders)
 
     from hybrid_opt import HybridAdamW
     device = torch.device(args.device)

@@ -14,10 +14,10 @@ import sys
 import torch
 
 from hybrid_opt.cost_model import GB, SHARDINGS, Machine, Workload, best_plan
-from hybrid_opt.state_format import StateFormat
+from hybrid_opt import state_format
 
 GiB = 2 ** 30
-_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+_DTYPES = state_format.DTYPE_NAMES
 _NAMES = {v: k for k, v in _DTYPES.items()}
 
 # nvme figures are per drive; the machine's aggregate is drives x per-drive rate.
@@ -186,15 +186,8 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--amsgrad", action="store_true",
                     help="one more moment, the running max of exp_avg_sq (its dtype: 4 B/param, "
                          "2 with --exp-avg-sq-dtype bf16)")
-    ap.add_argument("--exp-avg-dtype", choices=tuple(_DTYPES), default="fp32",
-                    help="dtype of the first moment, HybridAdamW(exp_avg_dtype=) (default fp32)")
-    ap.add_argument("--exp-avg-sq-dtype", choices=tuple(_DTYPES), default="fp32",
-                    help="dtype of the second moment, HybridAdamW(exp_avg_sq_dtype=) (default fp32)")
-    ap.add_argument("--store-param-remainders", action="store_true",
-                    help="HybridAdamW(store_param_remainders=True): a bf16 model's fp32 master "
-                         "kept as the bf16 param + a 16-bit remainder (2 B/param instead of 4; "
-                         "the nvme tier reads the high half from the model's param, a D2H copy "
-                         "of 2 B/param per step); no effect with --dtype fp32")
+    state_format.add_arguments(ap, "; the nvme tier reads the high half from the model's param, "
+                                   "a D2H copy of 2 B/param per step; no effect with --dtype fp32")
     ap.add_argument("--no-speculation", action="store_true",
                     help="host steps start after backward (HybridAdamW(speculative=False)): none hide")
     ap.add_argument("--spare-banks", type=int, default=None,
@@ -259,8 +252,7 @@ def build(args) -> tuple[Machine, Workload]:
     kw["nvme_bytes"] = None if nv["drive_bytes"] is None else nv["drive_bytes"] * nv["drives"]
     machine = Machine(**kw)
     fp32 = args.dtype == "fp32"
-    fmt = StateFormat(_DTYPES[args.exp_avg_dtype], _DTYPES[args.exp_avg_sq_dtype],
-                      args.store_param_remainders)
+    fmt = state_format.from_arguments(args)
     workload = Workload(params=args.params, model_bytes=4 if fp32 else 2,
                         grad_bytes=4 if fp32 else 2, amsgrad=args.amsgrad, state_format=fmt,
                         backward_seconds=args.backward_seconds, model_flops=args.model_flops,

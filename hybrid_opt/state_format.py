@@ -100,3 +100,24 @@ class StateFormat:
         else:
             master = 2 * 4 + torch.empty((), dtype=param_dtype).element_size()
         return master + int(grad_bytes) + moments
+
+
+# ---------------------------------------------------------------- command-line flags
+DTYPE_NAMES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def add_arguments(ap, remainder_note: str = "") -> None:
+    """The three options as command-line flags (`hybrid-opt plan`, the demo)."""
+    ap.add_argument("--exp-avg-dtype", choices=tuple(DTYPE_NAMES), default="fp32",
+                    help="HybridAdamW(exp_avg_dtype=): the first moment's dtype (default fp32)")
+    ap.add_argument("--exp-avg-sq-dtype", choices=tuple(DTYPE_NAMES), default="fp32",
+                    help="HybridAdamW(exp_avg_sq_dtype=): the second moment's dtype (default fp32)")
+    ap.add_argument("--store-param-remainders", action="store_true",
+                    help="HybridAdamW(store_param_remainders=True): a bf16 param's fp32 master kept "
+                         "as the bf16 param + an int16 remainder (2 B/param instead of 4)" + remainder_note)
+
+
+def from_arguments(args) -> StateFormat:
+    """The StateFormat of flags parsed by add_arguments."""
+    return StateFormat(DTYPE_NAMES[args.exp_avg_dtype], DTYPE_NAMES[args.exp_avg_sq_dtype],
+                       args.store_param_remainders)
