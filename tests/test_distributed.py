@@ -428,6 +428,31 @@ def test_process_group_waits_on_cuda_are_the_streams_not_the_hosts():
     assert calls == [{}, {"timeout": datetime.timedelta(seconds=WAIT_S)}]
 
 
+@pytest.mark.gpu
+def test_process_group_on_cuda_one_rank(tmp_path):
+    """process_group over NCCL on one GPU (the GPU machine has one): reduce-scatter /
+    all-gather, gathers launched as step() commits, waited for by the stream; params follow
+    torch on the global batch. The has-grad counts are lazy on CUDA: none read while every
+    param has its grad, and the last step's unused bias (adamw_unused: unused on every rank
+    there) read in step(), once — never in backward."""
+    if torch.cuda.device_count() < 1:
+        pytest.skip("needs a CUDA device")
+    names = ["adamw_sync", "adamw_host_noclip", "adamw_nvme", "adamw_unused"]
+    (res,) = launch("zero_train.py", str(tmp_path), *names, nproc=1, timeout_s=120,
+                    env={"DIST_DEVICE": "cuda"})
+    for name in names[:3]:
+        _, clip, skip = ZERO_TRAIN[name]
+        ref_params, _ = C.reference("AdamW", max_grad_norm=clip, skip=skip)
+        _assert_trajectory(res[name]["params"], ref_params, f"cuda {name}")
+        assert res[name]["zero"]["collectives"] == "reduce_scatter"
+        assert res[name]["zero"]["count_reads"] == 0
+    ref_params, _ = C.reference_bias_unused("AdamW", world=1, max_grad_norm=1.0)
+    unused = res["adamw_unused"]
+    _assert_trajectory(unused["params"], ref_params, "cuda adamw_unused")
+    assert unused["count_reads_after_backward"] == [0] * C.STEPS
+    assert unused["count_reads_after_step"] == [0] * (C.STEPS - 1) + [1]
+
+
 def test_process_group_forward_right_after_step_sees_updated_params(zero_trained):
     """overlap_param_gather=True: the params' all-gathers (4 buckets here) are launched at the
     end of step() and not waited there; a forward right after step() lands each bucket in the

@@ -16,6 +16,8 @@ import common as C
 from hybrid_opt import HybridAdam, HybridAdamW, zero, zero_counts
 from hybrid_opt.zero import BUCKET_NUMEL
 
+DEVICE = os.environ.get("DIST_DEVICE", "cpu")  # "cuda": the gpu test (NCCL, one rank per GPU)
+
 CONFIGS = {
     # name: (optimizer, hybrid kwargs, clip, overflow step on rank 1, micro-batches per step)
     "adamw_nvme": ("AdamW", dict(offload_fraction=0.5, nvme_fraction=0.25), 1.0, None, 1),
@@ -62,7 +64,7 @@ PATHS = {"adamw_sync_rs": "reduce_scatter", "adamw_overlap_ar": "all_reduce"}
 
 def run(name: str, rank: int, world: int, tmp: str) -> dict:
     kind, hybrid, clip, overflow_at, micro = CONFIGS[name]
-    model = C.build_model()
+    model = C.build_model().to(DEVICE)
     stepped_model = model
     if name == "adamw_ddp":
         stepped_model = torch.nn.parallel.DistributedDataParallel(model)
@@ -73,7 +75,7 @@ def run(name: str, rank: int, world: int, tmp: str) -> dict:
     zero.BUCKET_NUMEL = 64 if name in SMALL_BUCKETS else BUCKET_NUMEL
     zero.COLLECTIVES = PATHS.get(name)
     zero_counts.LAZY = True if name.endswith("_lazy") else None
-    probe = torch.randn(4, C.IN, generator=torch.Generator().manual_seed(7))
+    probe = torch.randn(4, C.IN, generator=torch.Generator().manual_seed(7)).to(DEVICE)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         opt = cls(model.parameters(), lr=C.LR, weight_decay=0.01, max_grad_norm=clip,
@@ -96,7 +98,7 @@ def run(name: str, rank: int, world: int, tmp: str) -> dict:
             opt._zero._gather_bucket = lambda b, d: (out["events"][-1].append(("gather", b.index)), launch(b, d))
         for i, x in enumerate(C.batches()):
             opt.zero_grad()
-            local = C.local_batch(x, rank, world)
+            local = C.local_batch(x, rank, world).to(DEVICE)
             n = local.shape[0] // micro
             for m in range(micro):
                 if name != "adamw_accum_noflag":
@@ -132,14 +134,14 @@ def run(name: str, rank: int, world: int, tmp: str) -> dict:
                 opt.wait_params()
             elif name == "adamw_sd_close":  # the params read before any forward
                 opt.close() if i == len(C.batches()) - 1 else opt.state_dict()
-                out["params"].append([p.detach().clone() for p in model.parameters()])
+                out["params"].append([p.detach().to("cpu", copy=True) for p in model.parameters()])
             with torch.no_grad():  # a forward right after step(): the gathers land in its hooks
-                out["probe"].append(model(probe))
+                out["probe"].append(model(probe).cpu())
             out["norms"].append(opt.last_grad_norm)
             out["skipped"].append(opt.step_was_skipped)
             out["speculation"].append(dict(opt.stats.get("speculation") or {}))
             if name != "adamw_sd_close":
-                out["params"].append([p.detach().clone() for p in model.parameters()])
+                out["params"].append([p.detach().to("cpu", copy=True) for p in model.parameters()])
             if name == "adamw_load" and i == 2:
                 break
             out["worker"].append((opt.stats.get("worker_s", 0.0), opt.stats.get("hidden_s", 0.0)))
@@ -152,7 +154,9 @@ def run(name: str, rank: int, world: int, tmp: str) -> dict:
 
 
 def main():
-    dist.init_process_group("gloo")
+    if DEVICE == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group("cpu:gloo,cuda:nccl" if DEVICE == "cuda" else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
