@@ -378,8 +378,8 @@ def test_process_group_gathers_start_as_their_buckets_commit(zero_trained):
     commit that completes its subgroups here and the launch of the bucket before it in the one
     gather order (param order, the same on both ranks). On rank 0 (commits in subgroup order
     unless a speculation was deferred) the first bucket goes out while later subgroups still
-    commit; rank 1 drops its first subgroup's speculation, so commits it last (stepped in
-    step()), and so launches nothing before it. Params follow torch
+    commit; rank 1 drops its first subgroup's speculation, so commits it in step(), after
+    the speculated ones, and launches nothing before it. Params follow torch
     (test_process_group_matches_single_process_torch) and are bitwise equal on both ranks."""
     runs = [res["adamw_commit_order"] for res in zero_trained]
     buckets = runs[0]["bucket_params"]
@@ -402,11 +402,12 @@ def test_process_group_gathers_start_as_their_buckets_commit(zero_trained):
             first_gather = events.index(("gather", order[0]))
             last_commit = max(t for t, (kind, _) in enumerate(events) if kind == "commit")
             early.append(first_gather < last_commit)  # overlapping the remaining commits
-            if rank == 1:
-                assert commits[-1] == 0 and first_gather > last_commit, events
+            if rank == 1:  # (which subgroup commits last depends on timing; this does not)
+                assert first_gather > events.index(("commit", 0)), events
         spec = run["speculation"]
         assert all(s["stepped"] >= rank for s in spec), spec  # rank 1: its first subgroup
-        assert any(early) if rank == 0 else not any(early), (rank, run["events"])
+        if rank == 0:
+            assert any(early), run["events"]
     for a, b in zip(runs[0]["params"][-1], runs[1]["params"][-1]):
         assert torch.equal(a, b)
 

@@ -28,6 +28,20 @@ def _hybrid(params, placement, **kw):
     return HybridAdamW(params, subgroup_numel=SUBGROUP, offload_fraction=OFFLOAD[placement], **HYPER, **kw)
 
 
+def _fail_on_call(m, owner, name: str, n: int, error: Exception) -> list:
+    """Patches owner.name (m: monkeypatch or its context) so that its n-th call raises `error`
+    and every other call runs the real one; returns the list its calls append to."""
+    real, calls = getattr(owner, name), []
+
+    def failing(*a, **k):
+        calls.append(1)
+        if len(calls) == n:
+            raise error
+        return real(*a, **k)
+    m.setattr(owner, name, failing)
+    return calls
+
+
 def _state(opt) -> dict:
     return {i: {k: v.clone() for k, v in st.items()} for i, st in opt.state_dict()["state"].items()}
 
@@ -244,15 +258,9 @@ def test_a_device_kernel_failing_part_way_leaves_each_param_stepped_or_untouched
         sd, params = copy.deepcopy(t.ours.state_dict()), _params(t.model)
         t.backward()
         state, counts = _state(t.ours), _counts(t.ours, t.model)
-        real, calls = cpu_kernels.adam_step_, []
-
-        def failing(*a, **k):
-            calls.append(1)
-            if len(calls) == fail_at:
-                raise RuntimeError("injected: the device kernel failed")
-            return real(*a, **k)
         with monkeypatch.context() as m:
-            m.setattr(cpu_kernels, "adam_step_", failing)
+            calls = _fail_on_call(m, cpu_kernels, "adam_step_", fail_at,
+                                  RuntimeError("injected: the device kernel failed"))
             with pytest.raises(RuntimeError) as err:
                 t.ours.step()
         assert len(calls) == fail_at
@@ -306,15 +314,10 @@ def test_a_worker_failing_in_step_leaves_each_param_stepped_or_untouched(monkeyp
 # ============================================================================= add_param_group
 def _fail_flatten(monkeypatch, opt):
     from hybrid_opt import layout
-    real, calls = layout._flatten_piece, []
-
-    def oom(*a, **k):  # the new group's flat buffer cannot be allocated, after its first piece
-        calls.append(1)
-        if len(calls) == 2:
-            raise RuntimeError("injected: DefaultCPUAllocator: can't allocate memory")
-        return real(*a, **k)
     monkeypatch.setattr(layout, "FLATTEN_PIECE_BYTES", 64 * 4)  # one piece per subgroup
-    monkeypatch.setattr(layout, "_flatten_piece", oom)
+    # the new group's flat buffer cannot be allocated, after its first piece
+    _fail_on_call(monkeypatch, layout, "_flatten_piece", 2,
+                  RuntimeError("injected: DefaultCPUAllocator: can't allocate memory"))
 
 
 def _fail_device_state(monkeypatch, opt):
@@ -401,14 +404,7 @@ def test_cuda_path_reports_what_each_launch_wrote(monkeypatch):
     import gpu_kernels
     tier, work, params = _two_launch_tier("cpu")
     before = [p.detach().clone() for p in params]
-    real, calls = gpu_kernels.fused_adam_, []
-
-    def second_fails(*a, **k):
-        calls.append(1)
-        if len(calls) == 2:
-            raise RuntimeError("injected: launch failed")
-        return real(*a, **k)
-    monkeypatch.setattr(gpu_kernels, "fused_adam_", second_fails)
+    _fail_on_call(monkeypatch, gpu_kernels, "fused_adam_", 2, RuntimeError("injected: launch failed"))
     with pytest.raises(RuntimeError, match="injected"):
         tier._step_cuda(work, 1.0, None)
     assert tier.progress == ([0], [1])
@@ -446,14 +442,7 @@ def test_cuda_a_bad_grad_and_a_failing_launch_leave_each_param_stepped_or_untouc
         ref.step()
         assert all(torch.equal(a, b) for a, b in zip(ps, qs))
         _assert_state_equal(_state(opt), _state(ref))
-        real, calls = gpu_kernels.fused_adam_, []
-
-        def second_fails(*a, **k):
-            calls.append(1)
-            if len(calls) == 2:
-                raise RuntimeError("injected: launch failed")
-            return real(*a, **k)
-        monkeypatch.setattr(gpu_kernels, "fused_adam_", second_fails)
+        _fail_on_call(monkeypatch, gpu_kernels, "fused_adam_", 2, RuntimeError("injected: launch failed"))
         with pytest.raises(RuntimeError, match=r"(?s)failed in the device tier.*parameters \[0\] were stepped.*"
                                                r"parameters \[1\] only in part"):
             opt.step()

@@ -93,3 +93,29 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 def save_result(obj) -> None:
     rank = int(os.environ.get("RANK", "0"))
     torch.save(obj, os.path.join(os.environ["DIST_OUT"], f"rank{rank}.pt"))
+
+
+def rank_main(run) -> None:
+    """A rank script's main: joins the process group (gloo; with DIST_DEVICE=cuda one GPU per
+    rank and NCCL beside gloo), runs `run(name, rank, world, tmp)` for each configuration named
+    on the command line (a shared temporary directory), with its wall time under "seconds"
+    when it returns a dict, and saves {name: result} for the test (save_result)."""
+    import sys
+    import tempfile
+    import time
+
+    import torch.distributed as dist
+    device = os.environ.get("DIST_DEVICE", "cpu")
+    if device == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group("cpu:gloo,cuda:nccl" if device == "cuda" else "gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    results = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in sys.argv[1:]:
+            t0 = time.perf_counter()
+            results[name] = run(name, rank, world, tmp)
+            if isinstance(results[name], dict):
+                results[name]["seconds"] = time.perf_counter() - t0
+    save_result(results)
+    dist.destroy_process_group()

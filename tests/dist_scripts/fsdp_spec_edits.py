@@ -9,11 +9,8 @@ Per configuration it saves the full params after each step of HybridAdamW and of
 torch.optim.AdamW(foreach=False) run over an identical FSDP2 model with the same edits, and
 speculation's outcome counts per step. "noedit": no edit at all (speculation must commit)."""
 import os
-import sys
-import tempfile
 
 import torch
-import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 import common as C
@@ -85,16 +82,7 @@ def run(name: str, rank: int, world: int, tmp: str) -> dict:
 
 
 def main():
-    if DEVICE == "cuda":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    dist.init_process_group("cpu:gloo,cuda:nccl" if DEVICE == "cuda" else "gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    results = {}
-    with tempfile.TemporaryDirectory() as tmp:
-        for name in sys.argv[1:]:
-            results[name] = run(name, rank, world, tmp)
-    C.save_result(results)
-    dist.destroy_process_group()
+    C.rank_main(run)
 
 
 if __name__ == "__main__":

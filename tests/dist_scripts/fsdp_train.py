@@ -2,8 +2,6 @@
 configurations named on the command line and saves, per configuration, the full params after
 each step, last_grad_norm, step_was_skipped, the scaler's scale and speculation's stats."""
 import os
-import sys
-import tempfile
 import warnings
 
 import psutil
@@ -161,19 +159,8 @@ def run(name: str, rank: int, world: int, tmp: str) -> dict:
 
 
 def main():
-    if DEVICE == "cuda":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    dist.init_process_group("cpu:gloo,cuda:nccl" if DEVICE == "cuda" else "gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    results = {}
-    with tempfile.TemporaryDirectory() as tmp:
-        for name in sys.argv[1:]:
-            if name == "plain_warn":
-                results[name] = plain_params_warning(rank, world)
-            else:
-                results[name] = run(name, rank, world, tmp)
-    C.save_result(results)
-    dist.destroy_process_group()
+    C.rank_main(lambda name, rank, world, tmp: plain_params_warning(rank, world) if name == "plain_warn"
+                else run(name, rank, world, tmp))
 
 
 if __name__ == "__main__":

@@ -4,9 +4,6 @@ the command line; saves per configuration the params after each step (every rank
 refreshed by the all-gather), last_grad_norm, skips, the scaler's scale, speculation's stats,
 the state elements this rank keeps and the warnings given."""
 import os
-import sys
-import tempfile
-import time
 import warnings
 
 import torch
@@ -154,18 +151,7 @@ def run(name: str, rank: int, world: int, tmp: str) -> dict:
 
 
 def main():
-    if DEVICE == "cuda":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    dist.init_process_group("cpu:gloo,cuda:nccl" if DEVICE == "cuda" else "gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    results = {}
-    with tempfile.TemporaryDirectory() as tmp:
-        for name in sys.argv[1:]:
-            t0 = time.perf_counter()
-            results[name] = run(name, rank, world, tmp)
-            results[name]["seconds"] = time.perf_counter() - t0
-    C.save_result(results)
-    dist.destroy_process_group()
+    C.rank_main(run)
 
 
 if __name__ == "__main__":
