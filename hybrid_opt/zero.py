@@ -397,14 +397,17 @@ class ZeroSharding(ParamGather, GradCounts):
         """A collective's completion, bounded. On CUDA the current stream waits for it and the
         host does not (NCCL's wait with a timeout blocks the CPU until the collective is done);
         the bound is then the process group's own timeout (NCCL's watchdog)."""
+        # on CUDA WAIT_S bounds nothing: a hang ends at the group's timeout (init_process_group
+        # (timeout=)), where NCCL's watchdog ends the process (TORCH_NCCL_ASYNC_ERROR_HANDLING)
+        bound = "the process group's timeout" if cuda else f"{WAIT_S:.0f} s"
         try:
             ok = work.wait() if cuda else work.wait(timeout=datetime.timedelta(seconds=WAIT_S))
         except RuntimeError as e:
-            raise RuntimeError(f"process_group: {what} did not complete within {WAIT_S:.0f} s or "
+            raise RuntimeError(f"process_group: {what} did not complete within {bound} or "
                                f"failed ({e}): a peer rank died or stopped stepping; every rank "
                                f"must call backward() and step() alike") from e
         if ok is False:
-            raise RuntimeError(f"process_group: {what} did not complete within {WAIT_S:.0f} s: a "
+            raise RuntimeError(f"process_group: {what} did not complete within {bound}: a "
                                f"peer rank died or stopped stepping")
 
     def _check_ddp(self, b: _Bucket) -> None:

@@ -429,6 +429,20 @@ def test_process_group_waits_on_cuda_are_the_streams_not_the_hosts():
     assert calls == [{}, {"timeout": datetime.timedelta(seconds=WAIT_S)}]
 
 
+def test_process_group_failed_wait_names_its_bound():
+    """A failed wait's message names the bound that applied: WAIT_S on gloo; on CUDA (no
+    timeout passed: the stream waits) the process group's timeout, never WAIT_S."""
+    from hybrid_opt.zero import WAIT_S, ZeroSharding
+
+    class Failed:
+        def wait(self, **kw):
+            raise RuntimeError("NCCL communicator was aborted")
+    with pytest.raises(RuntimeError, match=r"within the process group's timeout or failed"):
+        ZeroSharding._wait(None, Failed(), "a reduction", True)
+    with pytest.raises(RuntimeError, match=rf"within {WAIT_S:.0f} s or failed"):
+        ZeroSharding._wait(None, Failed(), "a reduction")
+
+
 @pytest.mark.gpu
 def test_process_group_on_cuda_one_rank(tmp_path):
     """process_group over NCCL on one GPU (the GPU machine has one): reduce-scatter /
@@ -439,7 +453,7 @@ def test_process_group_on_cuda_one_rank(tmp_path):
     if torch.cuda.device_count() < 1:
         pytest.skip("needs a CUDA device")
     names = ["adamw_sync", "adamw_host_noclip", "adamw_nvme", "adamw_unused"]
-    (res,) = launch("zero_train.py", str(tmp_path), *names, nproc=1, timeout_s=120,
+    (res,) = launch("zero_train.py", str(tmp_path), *names, nproc=1, timeout_s=80,
                     env={"DIST_DEVICE": "cuda"})
     for name in names[:3]:
         _, clip, skip = ZERO_TRAIN[name]
