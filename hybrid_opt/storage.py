@@ -145,11 +145,13 @@ class StorageMixin:
         with torch.no_grad():
             for sl in slices:
                 a, b = sl.sub_offset, sl.sub_offset + sl.numel
-                now = sg.flat[a:b]
+                # compared where the master is: a host/nvme master is on the CPU, a CUDA
+                # model's param not (mixed-device elementwise ops raise)
+                now = sg.flat[a:b].to(master.device)
                 before = None if previous is None else previous.get(sl.param_index)
                 if only_changed and (not remainders or before is not None):
                     if remainders:  # the decoded master's high half is `now`: compare it with the old one
-                        before = before.reshape(-1)[sl.param_offset:sl.param_offset + sl.numel]
+                        before = before.reshape(-1)[sl.param_offset:sl.param_offset + sl.numel].to(master.device)
                         diff = before.view(torch.int16) != now.view(torch.int16)
                     else:
                         diff = ~_written_as(master[a:b], now)
