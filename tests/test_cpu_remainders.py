@@ -225,6 +225,16 @@ def rounding(request):
         ck._lib._set_avx512_bf16(saved_insn)
 
 
+def _nans(dtype, bits32: list) -> torch.Tensor:
+    """NaNs of the given fp32 bit patterns, in `dtype` (bf16/fp16: the same NaN's high bits)."""
+    f = torch.tensor(bits32, dtype=torch.int64).to(torch.int32).view(torch.float32)
+    if dtype == torch.float32:
+        return f
+    hi = (torch.tensor(bits32, dtype=torch.int64) >> 16)
+    hi = torch.where(hi >= 0x8000, hi - 0x10000, hi).to(torch.int16)
+    return hi.view(torch.bfloat16) if dtype == torch.bfloat16 else f.to(dtype)
+
+
 def make_special_state(n, moments, *, remainders, amsgrad, seed):
     """make_state plus the inputs vcvtne2ps2bf16 rounds differently, in a few 32-element steps
     (the others ordinary): subnormal moments with zero grads (the new moments stay subnormal),
@@ -238,6 +248,10 @@ def make_special_state(n, moments, *, remainders, amsgrad, seed):
     s["grad"][nan] = float("nan")
     s["grad"][inf] = float("inf")
     s["grad"][ninf] = float("-inf")
+    # NaNs other than torch's default 0x7FC00000: negative (x86's inf - inf), with payload bits,
+    # signalling — every one must still round to 0x7FC0 in a bf16 moment
+    odd_nans = [96, 97, 98, 700]
+    s["grad"][odd_nans] = _nans(s["grad"].dtype, [0xFFC00000, 0x7FC12345, 0xFFC00001, 0x7F800001])
     s["exp_avg"][big] = 3.3e38 if s["exp_avg"].dtype == torch.float32 else 3.38e38
     s["grad"][big] = 3.3e38
     if remainders:
