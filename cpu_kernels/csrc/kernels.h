@@ -148,4 +148,27 @@ DECLARE_LEVEL(portable)
 int hybrid_set_avx512_bf16(int on);
 int hybrid_get_avx512_bf16(void);
 
+
+/* Which output streams of a 16-bit-state call (cpu_kernels' c16 register loops) may be
+ * written with non-temporal stores: only in bank mode (out of place), and only where the
+ * stream starts line-aligned at `begin` (a multiple of 16384 elements past the base) — it
+ * then advances by whole lines, so one check each decides for the whole range. */
+#define LINE_ALIGNED(p) (!((uintptr_t)(p) & 63))
+typedef struct { int param, moments, copy; } nt_streams_t;
+
+static inline nt_streams_t nt_streams(const adam_args_t *a, int out_of_place, int amsgrad,
+                                      int64_t begin, int msz, int vsz)
+{
+    const uint16_t *po16 = (const uint16_t *)(const void *)a->param_out;
+    const uint16_t *cp = (const uint16_t *)a->param_copy;
+    nt_streams_t nt;
+    nt.param = out_of_place && (a->remainder ? LINE_ALIGNED(po16 + begin) && LINE_ALIGNED(a->remainder_out + begin)
+                                             : LINE_ALIGNED(a->param_out + begin));
+    nt.moments = out_of_place && LINE_ALIGNED((const char *)a->exp_avg_out + begin * msz) &&
+                 LINE_ALIGNED((const char *)a->exp_avg_sq_out + begin * vsz) &&
+                 (!amsgrad || LINE_ALIGNED((const char *)a->max_exp_avg_sq_out + begin * vsz));
+    nt.copy = cp && LINE_ALIGNED(cp + begin);
+    return nt;
+}
+
 #endif

@@ -250,7 +250,6 @@ static inline __m256i f16_eo(__m256 e, __m256 o)
     return _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_unpacklo_epi16(he, ho)), _mm_unpackhi_epi16(he, ho), 1);
 }
 
-#define LINE_ALIGNED(p) (!((uintptr_t)(p) & 63))
 
 /* one instance per (exp_avg dtype, exp_avg_sq dtype) pair, as in kernels_avx512.c */
 static inline __attribute__((always_inline)) void adam_c16_body(
@@ -263,12 +262,8 @@ static inline __attribute__((always_inline)) void adam_c16_body(
     const int rem = rin != NULL;
     uint16_t *po16 = (uint16_t *)(void *)a->param_out;
     uint16_t *cp = (uint16_t *)a->param_copy;
-    const int ntp = oop && (rem ? LINE_ALIGNED(po16 + begin) && LINE_ALIGNED(a->remainder_out + begin)
-                                : LINE_ALIGNED(a->param_out + begin));
-    const int ntm = oop && LINE_ALIGNED((char *)a->exp_avg_out + begin * msz) &&
-                    LINE_ALIGNED((char *)a->exp_avg_sq_out + begin * vsz) &&
-                    (!ams || LINE_ALIGNED((char *)a->max_exp_avg_sq_out + begin * vsz));
-    const int ntc = cp && LINE_ALIGNED(cp + begin);
+    const nt_streams_t nt = nt_streams(a, oop, ams, begin, msz, vsz);
+    const int ntp = nt.param, ntm = nt.moments, ntc = nt.copy;
     const __m256 zero = _mm256_setzero_ps();
     for (int64_t i = begin; i + 32 <= end; i += 32) {
         /* [4]: E, O of elements i..i+15, then of i+16..i+31 */
@@ -386,12 +381,8 @@ static inline __attribute__((always_inline)) void adam_c16_body_lin(
     const int rem = rin != NULL;
     uint16_t *po16 = (uint16_t *)(void *)a->param_out;
     uint16_t *cp = (uint16_t *)a->param_copy;
-    const int ntp = oop && (rem ? LINE_ALIGNED(po16 + begin) && LINE_ALIGNED(a->remainder_out + begin)
-                                : LINE_ALIGNED(a->param_out + begin));
-    const int ntm = oop && LINE_ALIGNED((char *)a->exp_avg_out + begin * msz) &&
-                    LINE_ALIGNED((char *)a->exp_avg_sq_out + begin * vsz) &&
-                    (!ams || LINE_ALIGNED((char *)a->max_exp_avg_sq_out + begin * vsz));
-    const int ntc = cp && LINE_ALIGNED(cp + begin);
+    const nt_streams_t nt = nt_streams(a, oop, ams, begin, msz, vsz);
+    const int ntp = nt.param, ntm = nt.moments, ntc = nt.copy;
     const __m256 zero = _mm256_setzero_ps();
     const __m256i one = _mm256_set1_epi32(1), low = _mm256_set1_epi32(0xffff);
     for (int64_t i = begin; i + 32 <= end; i += 32) {

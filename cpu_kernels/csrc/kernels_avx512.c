@@ -338,7 +338,6 @@ static inline __attribute__((always_inline)) void load32(const void *src, int dt
     x[1] = load16(src, dt, j + 16);
 }
 
-#define LINE_ALIGNED(p) (!((uintptr_t)(p) & 63))
 
 /* one instance per (exp_avg dtype, exp_avg_sq dtype, bf16 instruction) triple: all three
  * are constants in each, so the loop holds no dtype branches (the pair is fixed for a call) */
@@ -358,14 +357,9 @@ static inline __attribute__((always_inline)) void adam_c16_body(
     const int rem = rin != NULL;
     uint16_t *po16 = (uint16_t *)(void *)a->param_out;
     uint16_t *cp = (uint16_t *)a->param_copy;
-    /* streams start line-aligned at begin (a multiple of 16384 elements past the base) and
-     * advance by whole lines: one check each decides for the whole range */
-    const int ntp = oop && (rem ? LINE_ALIGNED(po16 + begin) && LINE_ALIGNED(a->remainder_out + begin)
-                                : LINE_ALIGNED(a->param_out + begin));
-    const int ntm = oop && LINE_ALIGNED((char *)a->exp_avg_out + begin * msz) &&
-                    LINE_ALIGNED((char *)a->exp_avg_sq_out + begin * vsz) &&
-                    (!ams || LINE_ALIGNED((char *)a->max_exp_avg_sq_out + begin * vsz));
-    const int ntc = cp && LINE_ALIGNED(cp + begin);
+    /* non-temporal stores where a stream starts line-aligned (kernels.h nt_streams) */
+    const nt_streams_t nt = nt_streams(a, oop, ams, begin, msz, vsz);
+    const int ntp = nt.param, ntm = nt.moments, ntc = nt.copy;
     const __m512 zero = _mm512_setzero_ps();
     for (int64_t i = begin; i + 32 <= end; i += 32) {
         __m512 p[2], pn[2], mi[2], vi[2], vv[2];
