@@ -95,6 +95,14 @@ def save_result(obj) -> None:
     torch.save(obj, os.path.join(os.environ["DIST_OUT"], f"rank{rank}.pt"))
 
 
+def overflow_local_grad(model) -> None:
+    """An inf in this rank's local grad of the model's first param (a DTensor's local shard):
+    an overflow the other ranks do not see in their own grads."""
+    g = next(iter(model.parameters())).grad
+    with torch.no_grad():
+        (g.to_local() if hasattr(g, "to_local") else g).view(-1)[0] = float("inf")
+
+
 def rank_main(run) -> None:
     """A rank script's main: joins the process group (gloo; with DIST_DEVICE=cuda one GPU per
     rank and NCCL beside gloo), runs `run(name, rank, world, tmp)` for each configuration named

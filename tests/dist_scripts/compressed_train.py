@@ -84,9 +84,7 @@ def run(name: str, rank: int, world: int, tmp: str, ckpt: str) -> dict:
         loss = C.loss_fn(model, C.local_batch(x, rank, world).to(torch.bfloat16))
         (scaler.scale(loss) if scaler else loss).backward()
         if i == overflow_at and rank == 1:  # an overflow in this rank's local grads only
-            with torch.no_grad():
-                g = next(iter(model.parameters())).grad
-                (g.to_local() if hasattr(g, "to_local") else g).view(-1)[0] = float("inf")
+            C.overflow_local_grad(model)
         if scaler is not None:
             scaler.step(opt)
             scaler.update()

@@ -129,8 +129,7 @@ def run(name: str, rank: int, world: int, tmp: str) -> dict:
         loss = C.loss_fn(model, C.local_batch(x, rank, world).to(DEVICE))
         (scaler.scale(loss) if scaler else loss).backward()
         if i == overflow_at and rank == 1:  # an overflow in this rank's local grads only
-            with torch.no_grad():
-                next(iter(model.parameters())).grad.to_local().view(-1)[0] = float("inf")
+            C.overflow_local_grad(model)
         with CountAllReduce() as count:
             if scaler is not None:
                 scaler.step(opt)
