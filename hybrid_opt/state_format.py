@@ -59,9 +59,8 @@ class StateFormat:
 
     def moment_bytes(self, amsgrad: bool = False) -> int:
         """Bytes per element of exp_avg, exp_avg_sq and (amsgrad) max_exp_avg_sq."""
-        m = torch.empty((), dtype=self.exp_avg_dtype).element_size()
-        v = torch.empty((), dtype=self.exp_avg_sq_dtype).element_size()
-        return m + v + (v if amsgrad else 0)
+        v = self.exp_avg_sq_dtype.itemsize
+        return self.exp_avg_dtype.itemsize + v + (v if amsgrad else 0)
 
     def master_bytes(self, param_dtype: torch.dtype, own_master: bool) -> int:
         """Bytes per element the master adds beside the model param: 0 where the param is its
@@ -81,7 +80,7 @@ class StateFormat:
         """Bytes per element of a host-tier bank (committed, spare or nvme I/O bank): the state
         plus the model-dtype copy a bf16/fp16 param's bank keeps (with remainders that copy is
         the master's high half, so it is not counted twice)."""
-        copy = 0 if param_dtype == torch.float32 else torch.empty((), dtype=param_dtype).element_size()
+        copy = 0 if param_dtype == torch.float32 else param_dtype.itemsize
         return self.state_bytes(param_dtype, amsgrad) + copy
 
     def adam_bytes(self, param_dtype: torch.dtype, grad_bytes: int, amsgrad: bool = False) -> int:
@@ -90,15 +89,13 @@ class StateFormat:
         param is its own) and a bf16/fp16 param's copy written — or, with remainders, the bf16
         param and its remainder each read and written; the grad read; each moment read and
         written. 28 for fp32 state; 18 for bf16 moments + remainders with bf16 grads."""
-        m = torch.empty((), dtype=self.exp_avg_dtype).element_size()
-        v = torch.empty((), dtype=self.exp_avg_sq_dtype).element_size()
-        moments = 2 * (m + v + (v if amsgrad else 0))
+        moments = 2 * self.moment_bytes(amsgrad)
         if self.remainders_for(param_dtype):
             master = 2 * (2 + 2)
         elif param_dtype == torch.float32:
             master = 2 * 4
         else:
-            master = 2 * 4 + torch.empty((), dtype=param_dtype).element_size()
+            master = 2 * 4 + param_dtype.itemsize
         return master + int(grad_bytes) + moments
 
 

@@ -29,10 +29,6 @@ from hybrid_opt.shm import PAGE, ArenaLayout, align_up
 from hybrid_opt.tiers.staging import copy_async
 
 
-def _itemsize(dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
-
-
 def bank_layout(capacity: int, fmt, amsgrad: bool, copy_dtype, rem_mode: str):
     """(regions {name: byte offset}, io_bytes, bank bytes) for banks of `capacity` elements.
     rem_mode: "none", "all" (every subgroup keeps remainders: no fp32 region) or "some"."""
@@ -43,7 +39,7 @@ def bank_layout(capacity: int, fmt, amsgrad: bool, copy_dtype, rem_mode: str):
         regions = {"p": bank.add("p", capacity * 4)}
         if rem_mode == "some":
             regions["rem"] = regions["p"]
-    ms, vs = _itemsize(fmt.exp_avg_dtype), _itemsize(fmt.exp_avg_sq_dtype)
+    ms, vs = fmt.exp_avg_dtype.itemsize, fmt.exp_avg_sq_dtype.itemsize
     regions["m"] = bank.add("m", capacity * ms)
     regions["v"] = bank.add("v", capacity * vs)
     regions["vmax"] = bank.add("vmax", capacity * vs) if amsgrad else 0
