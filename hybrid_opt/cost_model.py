@@ -80,7 +80,7 @@ import torch
 from hybrid_opt.state_format import StateFormat
 
 GB = 1e9
-DEFAULT_SUBGROUP_NUMEL = 4 * 2 ** 20     # HybridAdamW's default unit of placement
+DEFAULT_SUBGROUP_NUMEL = 4 * 2 ** 20     # HybridAdamW's default unit of placement (its one definition)
 STAGING_SLOTS = 4                        # grad-in / param-out slots in flight per worker
 IO_BANKS = 4                             # nvme reads in flight (two buffers each)
 BACKWARD_SHARE = 2.0 / 3.0               # backward ~ 2x forward FLOPs

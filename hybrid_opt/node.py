@@ -7,8 +7,14 @@ files in a directory named by `global_rank()` (swap.py). Read, in this order:
 
 - a node-local process group given to `set_node_group(group)` (its rank and size);
 - torchrun's `LOCAL_RANK` / `LOCAL_WORLD_SIZE` environment variables;
-- otherwise one rank on the node (rank 0 of 1): a launcher that sets neither (e.g.
-  `mp.spawn`) should set them, or call `set_node_group`.
+- where the launcher set no `LOCAL_WORLD_SIZE` (Lightning's DDP launcher sets only
+  `LOCAL_RANK`; `mp.spawn` neither) and torch.distributed is initialised with more than one
+  rank: derived from it by `derive_from_dist()`, which the optimizer's constructor calls (a
+  point every rank reaches): each rank's node key — hostname plus the kernel's boot id, so two
+  containers or hosts of one name differ — gathered once per process group with
+  `all_gather_object` (bounded by the group's timeout) and cached; the ranks sharing a key
+  are this node's, the local rank their order by global rank;
+- otherwise one rank on the node (rank 0 of 1).
 
 The global rank is `torch.distributed.get_rank()` when the default group is initialised,
 else the `RANK` variable, else None (not distributed). Nothing here imports torch at module
@@ -17,9 +23,11 @@ level: the floor is the bottom one.
 from __future__ import annotations
 
 import os
+import socket
 import warnings
 
 _node_group = None
+_derived = None  # (the default group it was derived over, NodeInfo): derive_from_dist()
 _warned_shared_cores = False
 
 
@@ -71,11 +79,50 @@ def info() -> NodeInfo:
         return NodeInfo(dist.get_rank(_node_group), dist.get_world_size(_node_group))
     size, rank = _env_int("LOCAL_WORLD_SIZE"), _env_int("LOCAL_RANK")
     if size is None:
+        derived = _derived_info()
+        if derived is not None:
+            return derived
         if rank not in (None, 0):
             raise ValueError(f"LOCAL_RANK={rank} but LOCAL_WORLD_SIZE is not set: set both (the "
                              f"ranks on this node), as torchrun does")
         return NodeInfo(0, 1)
     return NodeInfo(0 if rank is None else rank, size)
+
+
+def node_key() -> str:
+    """This node's name among the ranks: hostname and boot id (one per booted kernel)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = ""
+    return f"{socket.gethostname()}/{boot}"
+
+
+def derive_from_dist() -> None:
+    """Where neither a node group nor LOCAL_WORLD_SIZE says who shares this node and
+    torch.distributed runs more than one rank: finds out (module docstring), once per default
+    group. Collective: every rank of the default group must call it (the optimizer's
+    constructor does)."""
+    global _derived
+    dist = _dist()
+    if dist is None or _node_group is not None or _env_int("LOCAL_WORLD_SIZE") is not None:
+        return
+    world = dist.get_world_size()
+    if world == 1 or (_derived is not None and _derived[0] is dist.group.WORLD):
+        return
+    keys = [None] * world
+    dist.all_gather_object(keys, node_key())
+    rank = dist.get_rank()
+    mine = [r for r, k in enumerate(keys) if k == keys[rank]]
+    _derived = (dist.group.WORLD, NodeInfo(mine.index(rank), len(mine)))
+
+
+def _derived_info():
+    dist = _dist()
+    if _derived is None or dist is None or _derived[0] is not dist.group.WORLD:
+        return None
+    return _derived[1]
 
 
 def local_rank() -> int:

@@ -18,8 +18,11 @@ import torch
 
 from hybrid_opt import arguments as A
 from hybrid_opt import distributed as D
+from hybrid_opt import lifetime
+from hybrid_opt import node
 from hybrid_opt import rank_faults as RF
 from hybrid_opt.checkpoint import CheckpointMixin
+from hybrid_opt.cost_model import DEFAULT_SUBGROUP_NUMEL
 from hybrid_opt.placement import PlacementMixin
 from hybrid_opt.plan import DEVICE
 from hybrid_opt.speculation import GradGatherer, SpeculationMixin
@@ -30,7 +33,6 @@ from hybrid_opt.tiers.device import read_scalars
 from hybrid_opt.tiers.host import StepInputs
 from hybrid_opt.zero import ZeroParamsMixin
 
-DEFAULT_SUBGROUP_NUMEL = 1 << 22  # 4Mi elements: 16 MB of fp32 master, 48 MB of state
 
 
 def _float_hyper(value, name: str) -> float:
@@ -67,6 +69,7 @@ class _HybridBase(ZeroParamsMixin, SpeculationMixin, PlacementMixin, CheckpointM
                  host_memory_budget, process_group, worker_share=0.5, spare_banks=None,
                  io_banks=4, refit_every=50, calibration=None, overlap_param_gather=False,
                  exp_avg_dtype=torch.float32, exp_avg_sq_dtype=torch.float32, store_param_remainders=False):
+        lifetime.mark_owner(self)  # a forwarding wrapper's calls act on this object (lifetime.py)
         betas = A.check_hyperparameters(lr, betas, eps, weight_decay, foreach=foreach,
                                          capturable=capturable)
         A.check_constructor(type(self).__name__, amsgrad=amsgrad, capturable=capturable,
@@ -106,6 +109,8 @@ class _HybridBase(ZeroParamsMixin, SpeculationMixin, PlacementMixin, CheckpointM
         self._amp_seen = False
         self._zero = None
         self.overlap_param_gather = bool(overlap_param_gather)
+        # the ranks on this node, where the launcher did not say (Lightning's DDP): collective
+        node.derive_from_dist()
         D.warn_replicated(self._all_params(), process_group)
         if process_group is not None:
             # registered before the layout: each param's flat buffer is then its dim-0 chunk
@@ -114,6 +119,7 @@ class _HybridBase(ZeroParamsMixin, SpeculationMixin, PlacementMixin, CheckpointM
         self._build()
 
     # ------------------------------------------------------------------ param groups
+    @lifetime.acts_on_owner
     def add_param_group(self, param_group: dict) -> None:
         param_group = A.check_group_params(type(self).__name__, param_group)
         # a group's own values get the constructor's checks (torch checks only the defaults)
@@ -149,8 +155,12 @@ class _HybridBase(ZeroParamsMixin, SpeculationMixin, PlacementMixin, CheckpointM
         return self._host.worker_pid if self._host is not None and not self._closed else None
 
     def _check_open(self) -> None:
-        if self._closed:
-            raise RuntimeError(f"{type(self).__name__} is closed; create a new optimizer")
+        # its host tier closed on its own (the worker's tier shut by anything but close())
+        # says the same: a closed tier never steps again, so "call step() again" cannot help
+        if self._closed or (self._host is not None and self._host.closed):
+            raise RuntimeError(f"this {type(self).__name__} was closed (close(), or the end of its "
+                               f"`with` block) and cannot step again: build a new one (its "
+                               f"load_state_dict takes this one's last state_dict())")
 
     # ------------------------------------------------------------------ the step
     def _hyper(self, group: dict, grad_sign: float) -> StepInputs:
@@ -189,6 +199,7 @@ class _HybridBase(ZeroParamsMixin, SpeculationMixin, PlacementMixin, CheckpointM
             partials.append((total, r))
         return D.weighted_norm_sq(partials)
 
+    @lifetime.acts_on_owner
     @torch.no_grad()
     def step(self, closure=None):
         loss = None
@@ -204,7 +215,10 @@ class _HybridBase(ZeroParamsMixin, SpeculationMixin, PlacementMixin, CheckpointM
             err, self._speculation_error = self._speculation_error, None
             failure = failure or RF.with_cause(f"a speculative host step during backward failed: {err}", err)
             RF.quietly(self._drop_speculation, failure)  # still joins the others' collective
-        decides = RF.decision_runs(self.max_grad_norm, getattr(self, "found_inf", None))
+        # process_group: always, so that a grad edit one rank refuses (zero_edits.py) stops
+        # every rank at this step (one 5-value all_reduce beside the step's reduce-scatters)
+        decides = (RF.decision_runs(self.max_grad_norm, getattr(self, "found_inf", None))
+                   or (self._zero is not None and D.world_size() > 1))
         if failure is not None and not decides:
             raise failure
         try:
@@ -219,6 +233,11 @@ class _HybridBase(ZeroParamsMixin, SpeculationMixin, PlacementMixin, CheckpointM
             try:  # the last step's params landed, every grad's averaged chunk in place (zero.py)
                 self._zero.wait_gathered()
                 self._zero.finish()
+                # GradScaler.step hands no grad_scale for grads unscaled already (unscale_)
+                unscaled = getattr(self, "found_inf", None) is not None and getattr(self, "grad_scale", None) is None
+                failure = failure or self._zero.grad_edit_error(unscaled)
+                if failure is not None and not decides:
+                    raise failure
                 return self._step_taken(loss, t_step, failure, decides)
             finally:
                 self._zero.end_step()
@@ -373,6 +392,7 @@ class _HybridBase(ZeroParamsMixin, SpeculationMixin, PlacementMixin, CheckpointM
         index_of = {local: index for index, local in self._host_local.items()}
         self._last_outcome_by_sg = {index_of[local]: v for local, v in outcome.items()}
     # ------------------------------------------------------------------ lifecycle
+    @lifetime.acts_on_owner
     def close(self) -> None:
         """Idempotent. Stops the worker, frees shared memory, restores the trainer's cores and
         thread counts; parameters keep ordinary memory of their own."""
@@ -394,7 +414,12 @@ class _HybridBase(ZeroParamsMixin, SpeculationMixin, PlacementMixin, CheckpointM
         self.close()
 
     def __del__(self):
+        # only the optimizer that built the tiers closes them: a forwarding wrapper's __del__
+        # (Lightning's, collected when it rebuilds them) must not (lifetime.py)
+        if not lifetime.is_owner(self) or getattr(self, "_closed", True):
+            return
         try:
+            lifetime.warn_unclosed(self)
             self.close()
         except Exception:
             pass

@@ -13,11 +13,12 @@ from typing import NamedTuple
 
 import torch
 
+from hybrid_opt.lifetime import acts_on_owner
 from hybrid_opt import distributed as D
 from hybrid_opt import layout as L
 from hybrid_opt.moves import MoveMixin
 from hybrid_opt.cost_model import NON_SPECULATIVE_SPARE_BANKS
-from hybrid_opt.plan import DEVICE, HOST, NVME, check_fractions, fraction_plan
+from hybrid_opt.plan import DEVICE, HOST, NVME, check_fractions, fraction_miss, fraction_plan
 from hybrid_opt.swap import check_nvme_path
 from hybrid_opt.tiers.device import DeviceTier
 from hybrid_opt.tiers.host import HostTier, staging_slots_for
@@ -182,6 +183,8 @@ class PlacementMixin(MoveMixin):
                                             speculation_order=list(plan.speculation_order))
         else:
             self.plan = self._fraction_plan(decision)
+            if decision is None and not self._built:
+                self._warn_fraction_miss()
         self._refresh_fractions()
         self._device = DeviceTier([s for s in sgs if self.plan.tiers[s.index] == DEVICE],
                                   self._amsgrad_layout, self.state_format)
@@ -201,6 +204,14 @@ class PlacementMixin(MoveMixin):
                 raise
         self._install_hooks(host)
         self._record_versions()  # with remainders the host tier writes the params' high halves
+
+    def _warn_fraction_miss(self) -> None:
+        """Once, at construction: fixed fractions the whole-subgroup placement misses (plan.py)."""
+        if "auto" in (self.offload_fraction, self.nvme_fraction):
+            return
+        why = fraction_miss(self.plan, self.offload_fraction, self.nvme_fraction, self.subgroup_numel)
+        if why is not None:
+            warnings.warn(why, stacklevel=5)
 
     def _make_host_tier(self, host: list, plan) -> HostTier:
         """A host tier (worker, arena, swap files) for the subgroups `host` of `plan`, empty:
@@ -291,6 +302,7 @@ class PlacementMixin(MoveMixin):
         self._drop_speculation()
         self._relayout(self._fraction_plan(decision) if decision is not None else (plan or self.plan))
 
+    @acts_on_owner
     def replan(self, offload_fraction: float, nvme_fraction: float = 0.0) -> None:
         """Moves state to another placement now (what a refit of "auto" does); numerics are
         unchanged. Call between steps."""

@@ -90,3 +90,33 @@ def fraction_plan(numels: list, ready_ranks: list, offload_fraction, nvme_fracti
         # so the default stays small (the scheduler sizes it from the memory budget)
         spare_banks = DEFAULT_SPARE_BANKS
     return Plan(tiers, list(numels), spec, max(1, min(spare_banks, n_host)))
+
+
+MISS_SHARE = 0.05  # the realised placement may differ from the request by this share of elements
+
+
+def fraction_miss(plan: Plan, offload_fraction: float, nvme_fraction: float, subgroup_numel: int):
+    """Why `plan` (placed by whole subgroups) misses the fractions asked for, or None: more
+    than MISS_SHARE of the elements off from the request, or a tier asked for a non-zero share
+    that got nothing. fraction_plan rounds to the nearest subgroup, so "one subgroup off"
+    would never say anything for a model of few subgroups: the threshold is in elements."""
+    total = sum(plan.numels)
+    if not total:
+        return None
+    off = (plan.elements(HOST) + plan.elements(NVME)) / total
+    nv = plan.elements(NVME) / total
+    asked = {DEVICE: 1.0 - offload_fraction, HOST: offload_fraction - nvme_fraction, NVME: nvme_fraction}
+    empty = [t for t, share in asked.items() if share > 0 and plan.elements(t) == 0]
+    if not empty and abs(off - offload_fraction) <= MISS_SHARE and abs(nv - nvme_fraction) <= MISS_SHARE:
+        return None
+    n = len(plan.numels)
+    finer = max(1, total // 8)
+    finer = 1 << (finer.bit_length() - 1)  # a power of two at most total / 8: about 8 subgroups or more
+    return (f"offload_fraction={offload_fraction:g}, nvme_fraction={nvme_fraction:g} asked for "
+            f"{offload_fraction:.0%} of the elements off the device ({nvme_fraction:.0%} on nvme), but "
+            f"a subgroup is placed whole and the {total:,} elements make {n} subgroup"
+            f"{'s' if n != 1 else ''} at subgroup_numel={subgroup_numel:,}: the plan has "
+            f"{off:.0%} off the device ({nv:.0%} on nvme)"
+            + (f", and nothing on the {' or '.join(empty)} tier" if empty else "")
+            + f". For a placement closer to the fractions pass a smaller subgroup_numel "
+              f"(e.g. subgroup_numel={finer:,}); opt.plan shows the placement")

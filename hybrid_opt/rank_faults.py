@@ -93,9 +93,9 @@ def agree(norm_sq, found, failure: BaseException | None, init_vote: bool | None 
         ranks = [r for r, f in enumerate(flags.tolist()) if f]
     if failed:
         others = [r for r in ranks if r != rank]
-        raise RuntimeError(f"{failure}\n[rank {rank}] every rank of the group stops at this step "
-                           f"(the others raise PeerStepFailed naming rank {rank}"
-                           + (f"; ranks {others} failed too" if others else "") + ")") from failure
+        raise _same_kind(failure, f"{failure}\n[rank {rank}] every rank of the group stops at this "
+                         f"step (the others raise PeerStepFailed naming rank {rank}"
+                         + (f"; ranks {others} failed too" if others else "") + ")") from failure
     names = ", ".join(map(str, ranks))
     raise PeerStepFailed(ranks, f"rank {names}'s step failed (its cause is raised on rank {names}); "
                          f"rank {rank} did not step either (the step was dropped before any tier "
@@ -103,6 +103,17 @@ def agree(norm_sq, found, failure: BaseException | None, init_vote: bool | None 
                          f"rank's previous step already went through while rank {names}'s failed "
                          f"after the decision). Fix the cause on rank {names}, then reload a "
                          f"checkpoint on every rank")
+
+
+def _same_kind(failure: BaseException, message: str) -> RuntimeError:
+    """`message` raised as the failure's own type where that is a RuntimeError taking one
+    message (GradsEditedError: callers catch it by type), else as a RuntimeError."""
+    if isinstance(failure, RuntimeError):
+        try:
+            return type(failure)(message)
+        except Exception:
+            pass
+    return RuntimeError(message)
 
 
 def decision_runs(max_grad_norm, found_t) -> bool:

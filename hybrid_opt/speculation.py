@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import torch
 
+from hybrid_opt.lifetime import acts_on_owner, weak_call, weak_method
 from hybrid_opt.distributed import is_dtensor, local_of
 from hybrid_opt.grad_edits import GradFingerprints
 from hybrid_opt.tiers.host import StepInputs
@@ -40,14 +41,15 @@ class SpeculationMixin:
         if zero is not None:
             # process_group (zero.py): speculation starts once a param's averaged chunk is in
             # place, from zero.py's reduce hooks, not from the raw local grad
-            zero.install(self._on_chunk_reduced, lambda: self._accumulation_boundary)
+            # hooks and callbacks hold the optimizer weakly: only the user keeps it alive (lifetime.py)
+            zero.install(weak_method(self._on_chunk_reduced), weak_call(self, lambda o: o._accumulation_boundary))
         if self._auto is not None:
             # the scheduler times backward from the first grad accumulated to the last: hooks on
             # the first and last trainable params only (grads complete in about reverse
             # parameter order; a Python hook on every param would itself slow backward)
             trainable = [p for p in self._all_params() if p.requires_grad]
             for p in {id(q): q for q in trainable[:1] + trainable[-1:]}.values():
-                self._hook_handles.append(p.register_post_accumulate_grad_hook(self._on_grad_timed))
+                self._hook_handles.append(p.register_post_accumulate_grad_hook(weak_method(self._on_grad_timed)))
         if not self.speculative or not host:
             return
         for sg in host:
@@ -64,7 +66,7 @@ class SpeculationMixin:
                 p = sl.param
                 if p.requires_grad and p not in hooked and zero is None:
                     hooked.add(p)
-                    self._hook_handles.append(p.register_post_accumulate_grad_hook(self._on_grad_ready))
+                    self._hook_handles.append(p.register_post_accumulate_grad_hook(weak_method(self._on_grad_ready)))
 
     def _on_grad_timed(self, p) -> None:
         # a CUDA event on a GPU: backward's GPU time, not its launch (clocks.py)
@@ -226,18 +228,21 @@ class SpeculationMixin:
         if getattr(self, "_fingerprints", None) is not None:
             self._fingerprints.keep_only(self._staged)
 
+    @acts_on_owner
     def attach_grad_scaler(self, scaler) -> None:
         """Lets speculation read the loss scale that will apply (torch.amp.GradScaler);
         without it, speculation assumes the last step's scale and validation redoes what
         does not match."""
         self._grad_scaler = scaler
 
+    @acts_on_owner
     def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
         """DeepSpeed's vocabulary: False on micro-batches that are not the last before step()
         suppresses speculation on them (their grads are not final). Unannotated accumulation
         stays correct — a grad changed after speculation makes it stale — only slower."""
         self._accumulation_boundary = bool(is_boundary)
 
+    @acts_on_owner
     def zero_grad(self, set_to_none: bool = True) -> None:
         super().zero_grad(set_to_none)
         for ready in getattr(self, "_ready", {}).values():

@@ -72,6 +72,7 @@ import torch
 
 from hybrid_opt import distributed as D
 from hybrid_opt.zero_counts import GradCounts
+from hybrid_opt.zero_edits import ReadVersions, edit_error, equals_average
 from hybrid_opt.zero_gather import ParamGather, ZeroParamsMixin  # noqa: F401 (optimizer's mixin)
 
 BUCKET_NUMEL = 1 << 22      # elements per reduce-scatter / all-gather bucket (16 MB of fp32)
@@ -171,6 +172,7 @@ class ZeroSharding(ParamGather, GradCounts):
         self._next = 0             # the next bucket to issue this step (buckets issue in order)
         self._in_backward = False  # a reducing backward is running (its end callback queued)
         self._reduced: dict = {}   # param id -> the grad tensor object its last reduction read
+        self._reads = ReadVersions()  # ... and its version then: edits after backward (zero_edits.py)
         self._unread: dict = {}    # bucket index -> has-grad counts not read yet (zero_counts.py)
         self._handles: list = []
         self._on_reduced, self._is_boundary = None, lambda: True
@@ -360,6 +362,7 @@ class ZeroSharding(ParamGather, GradCounts):
     def _launched(self, b: _Bucket, works: list, kind: str, grads: list) -> None:
         for p in b.params:
             self._reduced[id(p)] = p.grad
+            self._reads.note(p)
         self.stats["reduce_scatters"] += 1
         self._pending.append((b, works, kind, grads))
 
@@ -418,21 +421,27 @@ class ZeroSharding(ParamGather, GradCounts):
         if self._ddp_checked:
             return
         self._ddp_checked = True
-        same, any_nonzero = True, False
-        for k, p in enumerate(b.params):
-            g = p.grad
-            n = b.numels[k][self.rank]
-            if g is None or not n:
-                continue
-            mine = D.zero_chunk(g, self.rank, self.world).reshape(-1).float()
-            avg = b.out[b.offsets[k][self.rank]:b.offsets[k][self.rank] + n].float()
-            any_nonzero = any_nonzero or bool(mine.any())
-            same = same and torch.allclose(mine, avg, rtol=1e-6, atol=0.0)
-        if same and any_nonzero and self.world > 1:
+        same = [self._equals_average(p) for p in b.params]
+        any_nonzero = any(p.grad is not None and bool(p.grad.any()) for p in b.params)
+        if False not in same and True in same and any_nonzero and self.world > 1:
             warnings.warn("process_group: the grads arrived already averaged over the ranks (the "
                           "model looks wrapped in DistributedDataParallel): the result is correct, "
                           "but grads are communicated twice. With process_group= the optimizer "
                           "averages them itself: drop the DDP wrapper", stacklevel=4)
+
+    def _equals_average(self, p) -> bool | None:
+        """Whether this rank's chunk of p.grad is p's averaged chunk (what DDP writes there)."""
+        b = self._bucket_of[id(p)]
+        k = next(i for i, q in enumerate(b.params) if q is p)
+        a, n = b.offsets[k][self.rank], b.numels[k][self.rank]
+        return equals_average(p, b.out[a:a + n], self.rank, self.world)
+
+    def grad_edit_error(self, unscaled: bool):
+        """After finish(): the refusal of this step (zero_edits.py) — a grad changed in place
+        since its reduction read it, or (`unscaled`) GradScaler.step found it unscaled — or None."""
+        moved = self._reads.moved(self.params, self._reduced)
+        ddp_like = bool(moved) and all(self._equals_average(p) is not False for p, _ in moved)
+        return edit_error(moved, ddp_like, unscaled)
 
     def finish(self) -> None:
         """Before step(): the buckets not issued yet are issued, in order (fired or not: a
@@ -457,6 +466,7 @@ class ZeroSharding(ParamGather, GradCounts):
         """After step() (taken, skipped or failed): the next backward starts a new reduction."""
         self._arrived.clear()
         self._reduced.clear()
+        self._reads.clear()
         self._fired.clear()
         self._next = 0
         self._in_backward = False  # a backward that raised before its end callback

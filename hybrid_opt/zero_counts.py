@@ -86,6 +86,7 @@ class GradCounts:
                 # unused here, used on another rank: the averaged grad is this rank's too
                 p.grad = torch.zeros_like(p)
                 grads[k] = self._reduced[id(p)] = p.grad
+                self._reads.note(p)
 
     def _deliver(self, b, grads: list, ks: list) -> None:
         """Each param k in `ks` still holding the grad its reduction read: its averaged chunk

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import torch
 
+from hybrid_opt.lifetime import acts_on_owner
 from hybrid_opt import distributed as D
 
 
@@ -170,6 +171,7 @@ class ZeroParamsMixin:
     that read or write params landing every pending gather first (a mixin before the
     checkpoint and placement mixins; step() and close() call wait_params themselves)."""
 
+    @acts_on_owner
     def wait_params(self) -> None:
         """process_group mode: makes every param current on this rank (lands the pending
         all-gathers of the last step, each wait bounded). Call it before reading params outside
@@ -195,10 +197,12 @@ class ZeroParamsMixin:
         if zero is not None:
             zero.committed(index)
 
+    @acts_on_owner
     def state_dict(self) -> dict:
         self.wait_params()
         return super().state_dict()
 
+    @acts_on_owner
     def load_state_dict(self, state_dict: dict) -> None:
         self.wait_params()
         return super().load_state_dict(state_dict)

@@ -331,3 +331,19 @@ def test_a_node_group_and_an_initialised_default_group_take_precedence(tmp_path,
         node.set_node_group(None)
         dist.destroy_process_group()
     assert (node.local_rank(), node.local_world_size(), node.global_rank()) == (1, 2, 5)
+
+
+@pytest.mark.parametrize("case", ["no_local_world_size", "no_local_env"])
+def test_the_ranks_on_a_node_are_derived_from_torch_distributed_when_the_launcher_does_not_say(tmp_path, case):
+    """Lightning's DDP launcher sets LOCAL_RANK but no LOCAL_WORLD_SIZE (rank 1 used to raise,
+    rank 0 to take the whole node); mp.spawn sets neither. Derived from torch.distributed: 2
+    ranks on this node, each worker on cores of its own rank's share."""
+    from dist_launch import DIST_MARKS, launch
+    for mark in DIST_MARKS:
+        if mark.args[0]:
+            pytest.skip(mark.kwargs["reason"])
+    res = [r[case] for r in launch("node_derive.py", str(tmp_path), case, timeout_s=90)]
+    assert sorted(r["local_rank"] for r in res) == [0, 1]
+    assert all(r["local_world_size"] == 2 and r["steps"] == 1 for r in res), res
+    assert not set(res[0]["worker_cores"]) & set(res[1]["worker_cores"]), res
+    assert not set(res[0]["trainer_cores"]) & set(res[1]["trainer_cores"]), res  # no rank takes the node

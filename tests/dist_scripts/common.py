@@ -103,6 +103,27 @@ def overflow_local_grad(model) -> None:
         (g.to_local() if hasattr(g, "to_local") else g).view(-1)[0] = float("inf")
 
 
+class OverflowInBackward:
+    """overflow_local_grad during backward, for process_group= (where an edit of p.grad after
+    backward is refused: hybrid_opt/zero_edits.py): a hook on the first param, registered
+    before the optimizer's, writes the inf into this rank's local grad as soon as it is
+    accumulated — before the reduction reads it, as a real overflow would be. `arm()` before
+    the backward that should overflow."""
+
+    def __init__(self, model):
+        self.armed = False
+        next(iter(model.parameters())).register_post_accumulate_grad_hook(self._hook)
+
+    def arm(self) -> None:
+        self.armed = True
+
+    def _hook(self, p) -> None:
+        if self.armed:
+            self.armed = False
+            with torch.no_grad():
+                p.grad.view(-1)[0] = float("inf")
+
+
 def rank_main(run) -> None:
     """A rank script's main: joins the process group (gloo; with DIST_DEVICE=cuda one GPU per
     rank and NCCL beside gloo), runs `run(name, rank, world, tmp)` for each configuration named

@@ -63,6 +63,8 @@ def run(name: str, rank: int, world: int, tmp: str, ckpt: str) -> dict:
         os.makedirs(kw["nvme_path"])
     if mode == "zero":
         kw["process_group"] = dist.group.WORLD
+    # process_group refuses an edit after backward (zero_edits.py): its overflow is injected during it
+    overflow = C.OverflowInBackward(model) if overflow_at is not None and mode == "zero" else None
     opt = HybridAdamW(model.parameters(), lr=C.LR, weight_decay=0.01, max_grad_norm=clip,
                       subgroup_numel=32, worker_share=0.5, **COMPRESSED, **kw)
     restarts = []  # (step, param indices) of every master restarted from its param
@@ -81,9 +83,11 @@ def run(name: str, rank: int, world: int, tmp: str, ckpt: str) -> dict:
                              for p in model.parameters()])
     for i, x in enumerate(C.batches()):
         opt.zero_grad()
+        if i == overflow_at and rank == 1 and overflow is not None:
+            overflow.arm()
         loss = C.loss_fn(model, C.local_batch(x, rank, world).to(torch.bfloat16))
         (scaler.scale(loss) if scaler else loss).backward()
-        if i == overflow_at and rank == 1:  # an overflow in this rank's local grads only
+        if i == overflow_at and rank == 1 and overflow is None:  # an overflow in this rank's local grads only
             C.overflow_local_grad(model)
         if scaler is not None:
             scaler.step(opt)

@@ -73,6 +73,7 @@ def run(name: str, rank: int, world: int, tmp: str) -> dict:
     zero.COLLECTIVES = PATHS.get(name)
     zero_counts.LAZY = True if name.endswith("_lazy") else None
     probe = torch.randn(4, C.IN, generator=torch.Generator().manual_seed(7)).to(DEVICE)
+    overflow = C.OverflowInBackward(model) if overflow_at is not None else None
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         opt = cls(model.parameters(), lr=C.LR, weight_decay=0.01, max_grad_norm=clip,
@@ -97,6 +98,8 @@ def run(name: str, rank: int, world: int, tmp: str) -> dict:
             opt.zero_grad()
             local = C.local_batch(x, rank, world).to(DEVICE)
             n = local.shape[0] // micro
+            if i == overflow_at and rank == 1:  # an overflow in this rank's local grads only
+                overflow.arm()
             for m in range(micro):
                 if name != "adamw_accum_noflag":
                     opt.set_gradient_accumulation_boundary(m == micro - 1)
@@ -112,8 +115,6 @@ def run(name: str, rank: int, world: int, tmp: str) -> dict:
             out["events"].append([])
             if name == "adamw_commit_order" and rank == 1:
                 opt._host.cancel(opt._host_local[0])  # stepped in step(), after the others commit
-            if i == overflow_at and rank == 1:  # an overflow in this rank's local grads only
-                C.overflow_local_grad(model)
             if scaler is not None:
                 scaler.step(opt)
                 scaler.update()

@@ -1,0 +1,108 @@
+"""Who holds the optimizer and who acts on it: only the user holds it, and only the optimizer
+that built the tiers closes them.
+
+Two hazards the frameworks meet (tests/test_lifetime.py, tests/test_frameworks_lightning.py):
+
+- *Hooks that keep it alive.* A grad hook registered as a bound method (`p.
+  register_post_accumulate_grad_hook(self._on_grad)`) is held by the param, which the model
+  holds: an optimizer dropped without `close()` — a notebook cell run again, a loop building
+  three Trainers, `optimizer_cls_and_kwargs`, where the user never holds it — would keep its
+  worker process and shared memory until the interpreter exits. Every hook and callback that
+  outlives a call holds the optimizer weakly (`weak_method`): once nothing else holds it the
+  gc collects it, and its `__del__` closes it (worker reaped, arena unmapped, nvme files
+  removed) with an `UnclosedOptimizerWarning` naming `close()`.
+- *Wrappers that forward reads.* Lightning's `LightningOptimizer` makes a class inheriting from
+  both itself and the user's optimizer class and forwards attribute reads to the real
+  optimizer. An inherited method then runs with `self` = the wrapper: its reads reach the real
+  optimizer, its writes land on the wrapper (measured: `wrapper.zero_grad()` wrote `_staged`
+  into the wrapper; `wrapper.close()` shut the real host tier while `opt._closed` stayed
+  False, and an old wrapper's `__del__`, collected, did that at Lightning's first step). So the
+  public methods act on `owner(self)` (`acts_on_owner`), and `__del__` does nothing unless
+  `self` is the optimizer itself.
+"""
+from __future__ import annotations
+
+import functools
+import sys
+import warnings
+import weakref
+
+
+class UnclosedOptimizerWarning(UserWarning):
+    """An optimizer collected without close(). A UserWarning, which Python's default filters
+    show (a ResourceWarning would be hidden)."""
+
+
+def mark_owner(opt) -> None:
+    """Called first in the optimizer's constructor: `opt` is an optimizer of its own (a
+    forwarding wrapper, which never runs the constructor, reads this through its forwarding)."""
+    opt.__dict__["_this"] = weakref.ref(opt)
+
+
+def owner(obj):
+    """The optimizer `obj` is: `obj` itself, or the one a forwarding wrapper of it wraps."""
+    ref = obj.__dict__.get("_this")
+    if ref is not None:
+        return obj
+    try:
+        ref = obj._this  # a wrapper: read through its forwarding from the optimizer it wraps
+    except AttributeError:
+        raise TypeError(f"{type(obj).__name__} inherits from a hybrid_opt optimizer but was never "
+                        f"constructed as one and does not forward to one; wrap the optimizer "
+                        f"(hold it as an attribute) instead") from None
+    real = ref()
+    if real is None:
+        raise RuntimeError(f"the optimizer that this {type(obj).__name__} wraps was collected; "
+                           f"build a new optimizer")
+    return real
+
+
+def acts_on_owner(method):
+    """A public method that, called through a forwarding wrapper, runs on the wrapped
+    optimizer (module docstring): its writes then land there, not on the wrapper."""
+    name = method.__name__
+
+    @functools.wraps(method)
+    def run(self, *args, **kwargs):
+        real = owner(self)
+        if real is not self:
+            return getattr(real, name)(*args, **kwargs)
+        return method(self, *args, **kwargs)
+    return run
+
+
+def is_owner(obj) -> bool:
+    """Whether `obj` is an optimizer of its own (not a wrapper's view of one)."""
+    return obj.__dict__.get("_this") is not None
+
+
+def weak_method(bound):
+    """`bound` (a bound method) as a plain function holding its object weakly: once the object
+    is collected, a call does nothing and returns None."""
+    ref = weakref.WeakMethod(bound)
+
+    def call(*args, **kwargs):
+        method = ref()
+        return None if method is None else method(*args, **kwargs)
+    return call
+
+
+def weak_call(obj, fn):
+    """`fn(obj)` as a function of no arguments holding `obj` weakly (None once it is gone)."""
+    ref = weakref.ref(obj)
+
+    def call():
+        target = ref()
+        return None if target is None else fn(target)
+    return call
+
+
+def warn_unclosed(opt) -> None:
+    """From the optimizer's `__del__` while it is still open (not at interpreter exit, where
+    everything is freed anyway)."""
+    if sys.is_finalizing():
+        return
+    warnings.warn(f"a {type(opt).__name__} was garbage-collected without close(): its worker process, "
+                  f"shared memory and nvme files were freed now, when the gc found it. Call "
+                  f"opt.close() (or use `with {type(opt).__name__}(...) as opt:`) to free them when "
+                  f"you are done with it", UnclosedOptimizerWarning, stacklevel=2)

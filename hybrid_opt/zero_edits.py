@@ -1,0 +1,111 @@
+"""process_group mode: grads changed in place after backward, seen at step() and refused on
+every rank at the same step.
+
+Under process_group= each bucket is reduce-scattered during backward, from p.grad as it is
+when its hook fires, and the step reads the averaged chunk; p.grad keeps this rank's local
+grad. An edit of p.grad after backward — `clip_grad_norm_` (HF Trainer's default
+`max_grad_norm=1.0`, Lightning's `gradient_clip_val`, `accelerator.clip_grad_norm_`), a
+GradScaler's `unscale_` — therefore cannot reach the step, and clipping cannot be honoured
+with DDP's meaning there: DDP clips by the norm of the averaged grad, which the rank-local
+p.grad does not hold (that would need the full averaged grad on every rank: an all-reduce, not
+ZeRO-2). So such an edit is refused rather than silently ignored.
+
+Seen by each grad's `_version`, recorded when its reduction read it: every in-place op bumps
+it, and `clip_grad_norm_` always multiplies in place, so a coefficient of 1 is seen too. A
+GradScaler's unscale_ does not bump it (`_amp_foreach_non_finite_check_and_unscale_` has no
+ADInplaceOrView kernel, where versions are bumped, on any device: torch 2.13's dispatch table;
+so GradScaler.step's own inf check is no edit either), but GradScaler.step then hands no
+`grad_scale` (the protocol's "already unscaled"): that is the sign. The error joins step()'s
+decision all_reduce as this rank's failure flag (rank_faults.py), so every rank raises at
+the same step and nothing is stepped anywhere.
+
+A model also wrapped in DistributedDataParallel: DDP writes its own averaged grads into p.grad
+at the end of backward (one `copy_` per grad: the version moves by exactly 1 and p.grad's chunk
+equals our average). That is correct — our reduction had read the local grads — only twice
+the traffic, and warned about (zero.py `_check_ddp`); anything more (a clip after DDP's write,
+DDP's `gradient_as_bucket_view=True`, whose in-place bucket ops move every grad's version by
+several) is refused with the DDP wrapper named.
+"""
+from __future__ import annotations
+
+import torch
+
+from hybrid_opt import distributed as D
+
+RECIPE = ("Under process_group= clip and unscale inside the optimizer: HybridAdamW(..., "
+          "max_grad_norm=1.0) clips by the global norm of the averaged grads (as DDP + "
+          "clip_grad_norm_ does), and opt.attach_grad_scaler(scaler) with scaler.step(opt) "
+          "replaces scaler.unscale_(opt). In the frameworks, turn their clipping off: HF Trainer "
+          "TrainingArguments(max_grad_norm=0) (its default 1.0 clips after backward), Lightning "
+          "Trainer(gradient_clip_val=None), and no accelerator.clip_grad_norm_ call "
+          "(docs/frameworks.md)")
+
+DDP_NOTE = ("The model is also wrapped in DistributedDataParallel (its averaged grads were "
+            "written into p.grad{more}): with process_group= the optimizer averages the grads "
+            "itself, so drop the DDP wrapper — accelerate's prepare() and HF Trainer add one in "
+            "a multi-process launch (docs/frameworks.md says how to keep them from it). ")
+
+
+class GradsEditedError(RuntimeError):
+    """step() under process_group= found grads changed after backward had reduced them (module
+    docstring). Nothing was stepped, on any rank."""
+
+
+class ReadVersions:
+    """The `_version` of each param's grad when its reduction read it."""
+
+    def __init__(self):
+        self._at: dict = {}  # param id -> version of the grad object its reduction read
+
+    def note(self, p) -> None:
+        if p.grad is not None:
+            self._at[id(p)] = p.grad._version
+
+    def moved(self, params, reduced: dict) -> list:
+        """[(param, versions moved)] for each grad still the object its reduction read whose
+        version has moved since (a grad replaced by a new object is re-reduced: zero.py)."""
+        out = []
+        for p in params:
+            g = p.grad
+            if g is None or reduced.get(id(p)) is not g or id(p) not in self._at:
+                continue
+            if g._version != self._at[id(p)]:
+                out.append((p, g._version - self._at[id(p)]))
+        return out
+
+    def clear(self) -> None:
+        self._at.clear()
+
+
+def equals_average(p, average: torch.Tensor, rank: int, world: int) -> bool | None:
+    """Whether this rank's chunk of p.grad holds `average` (p's averaged chunk) — what DDP
+    leaves there; None when this rank's chunk is empty."""
+    if p.grad is None or average.numel() == 0:
+        return None
+    mine = D.zero_chunk(p.grad, rank, world).reshape(-1).float()
+    return torch.allclose(mine, average.float(), rtol=1e-6, atol=0.0)
+
+
+def edit_error(moved: list, ddp_like: bool, unscaled: bool) -> GradsEditedError | None:
+    """The refusal for this step, or None. `moved`: [(param, versions moved)] (ReadVersions);
+    `ddp_like`: every moved grad equals its average (DDP's write); `unscaled`: GradScaler.step
+    found the grads unscaled already (scaler.unscale_ after backward)."""
+    if unscaled:
+        return GradsEditedError(
+            "process_group: scaler.unscale_(optimizer) was called after backward, but the grads "
+            "had already been reduce-scattered, scaled, during backward: the unscaled p.grad "
+            "would be silently ignored (and the step's scale lost). Nothing was stepped, on any "
+            "rank. " + RECIPE)
+    if not moved:
+        return None
+    if ddp_like and all(delta == 1 for _, delta in moved):
+        return None  # DDP's own write of the averages: correct, warned about (_check_ddp)
+    p, delta = moved[0]
+    what = (f"{len(moved)} grad{'s' if len(moved) != 1 else ''} (the first of shape "
+            f"{tuple(p.shape)}, version moved by {delta})")
+    ddp = DDP_NOTE.format(more=", then edited, or DDP ran with gradient_as_bucket_view=True")
+    return GradsEditedError(
+        f"process_group: {what} changed in place after backward (clip_grad_norm_, a "
+        f"framework's gradient clipping, an edit of p.grad), but HybridAdamW had already "
+        f"reduce-scattered them during backward: the change would be silently ignored. "
+        f"Nothing was stepped, on any rank. " + (ddp if ddp_like else "") + RECIPE)

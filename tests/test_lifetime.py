@@ -1,0 +1,153 @@
+"""Who holds the optimizer and who acts on it (hybrid_opt/lifetime.py): an optimizer dropped
+without close() is collected and frees everything the OS shows (its worker reaped, no
+`memfd:hybrid_opt` mapping or descriptor, no nvme file), with a warning the default filters
+show; a wrapper that forwards attribute reads (Lightning's LightningOptimizer shape) acts on
+the optimizer it wraps and never closes it by being collected."""
+import gc
+import os
+import warnings
+import weakref
+
+import psutil
+import pytest
+import torch
+
+from hybrid_opt import HybridAdamW, UnclosedOptimizerWarning
+
+
+def _model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(32, 48), torch.nn.Tanh(), torch.nn.Linear(48, 8))
+
+
+def _train(model, opt, steps=2):
+    for _ in range(steps):
+        opt.zero_grad()
+        model(torch.randn(4, 32)).square().mean().backward()
+        opt.step()
+
+
+def _arena_maps() -> int:
+    with open("/proc/self/maps") as f:
+        return sum("memfd:hybrid_opt" in line for line in f)
+
+
+def _arena_fds() -> int:
+    n = 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            n += "memfd:hybrid_opt" in os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            pass  # the listing's own descriptor, closed by now
+    return n
+
+
+def _files(path) -> list:
+    return [os.path.join(d, f) for d, _, fs in os.walk(path) for f in fs]
+
+
+def _drop_and_collect(opt_holder: list):
+    ref = weakref.ref(opt_holder[0])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("default")  # Python's own default filters: a ResourceWarning would not show
+        opt_holder.clear()
+        gc.collect()
+    return ref, [w for w in caught if issubclass(w.category, UnclosedOptimizerWarning)]
+
+
+@pytest.mark.parametrize("placement", [dict(offload_fraction=1.0),
+                                       dict(offload_fraction=0.5, nvme_fraction=0.5)])
+def test_an_optimizer_dropped_without_close_is_freed(tmp_path, placement):
+    assert _arena_maps() == 0 and _arena_fds() == 0
+    model = _model()
+    if placement.get("nvme_fraction"):
+        placement = dict(placement, nvme_path=str(tmp_path))
+    held = [HybridAdamW(model.parameters(), lr=1e-2, subgroup_numel=256, **placement)]
+    _train(model, held[0])
+    pid = held[0].worker_pid
+    assert pid is not None and _arena_maps() > 0
+    if placement.get("nvme_path"):
+        assert _files(tmp_path)
+    ref, warned = _drop_and_collect(held)
+    assert ref() is None, f"still held by: {gc.get_referrers(ref())}"
+    assert len(warned) == 1 and "close()" in str(warned[0].message)
+    assert not psutil.pid_exists(pid), "the worker was not reaped (a zombie, or still running)"
+    assert _arena_maps() == 0 and _arena_fds() == 0
+    assert _files(tmp_path) == []
+    model(torch.randn(4, 32)).sum().backward()  # the model trains on: no hook of the dead optimizer left
+
+
+def test_a_process_group_optimizer_dropped_without_close_is_freed(tmp_path):
+    """process_group's reduce hooks and the global forward pre-hook of its param gathers hold
+    the optimizer weakly too (a gloo world of one rank)."""
+    import torch.distributed as dist
+    if not (dist.is_available() and dist.is_gloo_available()):
+        pytest.skip("torch.distributed with gloo is not available")
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/rdzv", rank=0, world_size=1)
+    try:
+        model = _model()
+        held = [HybridAdamW(model.parameters(), lr=1e-2, subgroup_numel=256, offload_fraction=1.0,
+                            process_group=dist.group.WORLD, overlap_param_gather=True)]
+        _train(model, held[0])
+        pid = held[0].worker_pid
+        ref, warned = _drop_and_collect(held)
+        assert ref() is None and len(warned) == 1
+        assert not psutil.pid_exists(pid) and _arena_maps() == 0 and _arena_fds() == 0
+        model(torch.randn(4, 32)).sum().backward()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_closed_optimizer_dropped_says_nothing():
+    model = _model()
+    held = [HybridAdamW(model.parameters(), lr=1e-2, subgroup_numel=256)]
+    _train(model, held[0], 1)
+    held[0].close()
+    ref, warned = _drop_and_collect(held)
+    assert ref() is None and warned == []
+
+
+class _Forwarding:
+    """LightningOptimizer's shape: an instance of a class made from this one and the wrapped
+    optimizer's class, reading every missing attribute from the wrapped optimizer."""
+
+    def __init__(self, optimizer):
+        self._optimizer = optimizer
+        self.__class__ = type("Forwarding" + type(optimizer).__name__, (type(self), type(optimizer)), {})
+
+    def __getattr__(self, name):
+        return getattr(self._optimizer, name)
+
+
+def test_a_forwarding_wrapper_acts_on_the_optimizer_it_wraps():
+    model = _model()
+    opt = HybridAdamW(model.parameters(), lr=1e-2, subgroup_numel=256)
+    twin_model = _model()
+    twin = HybridAdamW(twin_model.parameters(), lr=1e-2, subgroup_numel=256)
+    try:
+        wrapper = _Forwarding(opt)
+        assert isinstance(wrapper, HybridAdamW)
+        own = dict(wrapper.__dict__)
+        for m, o in ((model, wrapper), (twin_model, twin)):
+            for _ in range(3):
+                o.zero_grad()
+                m(torch.randn(4, 32, generator=torch.Generator().manual_seed(1))).square().mean().backward()
+                o.step()
+        sd = wrapper.state_dict()
+        wrapper.load_state_dict(sd)
+        assert wrapper.__dict__ == own, set(wrapper.__dict__) - set(own)  # no write landed on it
+        for a, b in zip(model.parameters(), twin_model.parameters()):
+            assert torch.equal(a, b)
+        # an old wrapper collected (Lightning rebuilds them) does not close the optimizer
+        del wrapper
+        gc.collect()
+        assert not opt._closed and opt.worker_pid is not None
+        _train(model, opt, 1)
+        # an explicit close() through a wrapper closes the optimizer itself
+        _Forwarding(opt).close()
+        assert opt._closed and opt.worker_pid is None
+        with pytest.raises(RuntimeError, match="was closed .* cannot step again: build a new one"):
+            opt.step()
+    finally:
+        opt.close()
+        twin.close()
