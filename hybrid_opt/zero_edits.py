@@ -19,12 +19,15 @@ so GradScaler.step's own inf check is no edit either), but GradScaler.step then 
 decision all_reduce as this rank's failure flag (rank_faults.py), so every rank raises at
 the same step and nothing is stepped anywhere.
 
-A model also wrapped in DistributedDataParallel: DDP writes its own averaged grads into p.grad
-at the end of backward (one `copy_` per grad: the version moves by exactly 1 and p.grad's chunk
-equals our average). That is correct — our reduction had read the local grads — only twice
-the traffic, and warned about (zero.py `_check_ddp`); anything more (a clip after DDP's write,
-DDP's `gradient_as_bucket_view=True`, whose in-place bucket ops move every grad's version by
-several) is refused with the DDP wrapper named.
+A model also wrapped in DistributedDataParallel — accelerate's prepare() and HF Trainer wrap one
+in every multi-process launch, with no switch in Trainer — writes DDP's averaged grads into
+p.grad at the end of backward, moving every version. Where each moved grad's chunk then equals
+the average our reduction made, the step is exactly DDP's: DDP's write alone (correct, twice the
+traffic, warned about by zero.py `_check_ddp`), or followed by edits that changed nothing — a
+clip whose coefficient is 1, such as HF Trainer's `clip_grad_norm_(params, inf)`, which it runs
+for its logged grad norm even at `max_grad_norm=0`. Those pass. A clip that bites changes the
+values and is refused; so, under DDP, a framework's clipping is refused at the first step
+where it bites rather than at the first step (without DDP, at the first step: the version).
 """
 from __future__ import annotations
 
@@ -40,10 +43,10 @@ RECIPE = ("Under process_group= clip and unscale inside the optimizer: HybridAda
           "Trainer(gradient_clip_val=None), and no accelerator.clip_grad_norm_ call "
           "(docs/frameworks.md)")
 
-DDP_NOTE = ("The model is also wrapped in DistributedDataParallel (its averaged grads were "
-            "written into p.grad{more}): with process_group= the optimizer averages the grads "
-            "itself, so drop the DDP wrapper — accelerate's prepare() and HF Trainer add one in "
-            "a multi-process launch (docs/frameworks.md says how to keep them from it). ")
+DDP_NOTE = ("If the model is also wrapped in DistributedDataParallel (accelerate's prepare() and "
+            "HF Trainer add one in a multi-process launch): with process_group= the optimizer "
+            "averages the grads itself, so drop the DDP wrapper where you can "
+            "(docs/frameworks.md), and clip in the optimizer. ")
 
 
 class GradsEditedError(RuntimeError):
@@ -96,16 +99,13 @@ def edit_error(moved: list, ddp_like: bool, unscaled: bool) -> GradsEditedError 
             "had already been reduce-scattered, scaled, during backward: the unscaled p.grad "
             "would be silently ignored (and the step's scale lost). Nothing was stepped, on any "
             "rank. " + RECIPE)
-    if not moved:
-        return None
-    if ddp_like and all(delta == 1 for _, delta in moved):
-        return None  # DDP's own write of the averages: correct, warned about (_check_ddp)
+    if not moved or ddp_like:
+        return None  # DDP's write of the averages, and edits that changed nothing (docstring)
     p, delta = moved[0]
     what = (f"{len(moved)} grad{'s' if len(moved) != 1 else ''} (the first of shape "
             f"{tuple(p.shape)}, version moved by {delta})")
-    ddp = DDP_NOTE.format(more=", then edited, or DDP ran with gradient_as_bucket_view=True")
     return GradsEditedError(
         f"process_group: {what} changed in place after backward (clip_grad_norm_, a "
         f"framework's gradient clipping, an edit of p.grad), but HybridAdamW had already "
         f"reduce-scattered them during backward: the change would be silently ignored. "
-        f"Nothing was stepped, on any rank. " + (ddp if ddp_like else "") + RECIPE)
+        f"Nothing was stepped, on any rank. " + DDP_NOTE + RECIPE)

@@ -166,6 +166,38 @@ class ParamGather:
                 self._forward_hook = None
 
 
+SHARD_KEY = "process_group_shard"
+
+
+def _check_shard_owner(saved, zero) -> None:
+    """A process_group state_dict() holds one rank's chunks: loading it on another rank would
+    take them as its own, silently (HF Trainer saves optimizer.pt from rank 0 only). Agreed by
+    every rank (one all_reduce of a flag: every rank loads, as every rank steps), so all raise
+    together instead of one rank training on while another stopped."""
+    if zero is None:
+        return  # a plain optimizer: a state_dict is whole
+    # None: a full or DCP-made state (resharded to this rank)
+    wrong = saved is not None and (saved["rank"], saved["world"]) != (zero.rank, zero.world)
+    if zero.world > 1:
+        from hybrid_opt.rank_faults import _device
+        flag = torch.tensor([1.0 if wrong else 0.0], device=_device(zero.dist))
+        zero.dist.all_reduce(flag, op=zero.dist.ReduceOp.MAX, group=zero.group)
+        if flag.item() and not wrong:
+            raise ValueError(f"load_state_dict: another rank was given a state_dict that is not "
+                             f"its own (a process_group= state_dict holds one rank's chunks); "
+                             f"every rank stops here. Nothing was loaded on this rank (rank "
+                             f"{zero.rank})")
+    if wrong:
+        raise ValueError(
+            f"load_state_dict: this state_dict holds rank {saved['rank']}'s chunks of a "
+            f"{saved['world']}-rank process_group= optimizer, and this is rank {zero.rank} of "
+            f"{zero.world}: under process_group= each rank's state_dict() holds only its own "
+            f"chunks (Shard(0) DTensors), so one rank's file cannot resume another (HF Trainer "
+            f"saves optimizer.pt from rank 0 only). Save and load each rank's own state_dict(), "
+            f"or use torch.distributed.checkpoint (get_optimizer_state_dict + dcp.save, then "
+            f"dcp.load + set_optimizer_state_dict), which reshards. Nothing was loaded")
+
+
 class ZeroParamsMixin:
     """The optimizer's side of the overlapped all-gather: wait_params(), and the entry points
     that read or write params landing every pending gather first (a mixin before the
@@ -200,11 +232,16 @@ class ZeroParamsMixin:
     @acts_on_owner
     def state_dict(self) -> dict:
         self.wait_params()
-        return super().state_dict()
+        sd = super().state_dict()
+        zero = getattr(self, "_zero", None)
+        if zero is not None:  # whose chunks these are (torch ignores the key; DCP drops it)
+            sd[SHARD_KEY] = {"rank": zero.rank, "world": zero.world}
+        return sd
 
     @acts_on_owner
     def load_state_dict(self, state_dict: dict) -> None:
         self.wait_params()
+        _check_shard_owner(state_dict.get(SHARD_KEY), getattr(self, "_zero", None))
         return super().load_state_dict(state_dict)
 
     def _relayout(self, plan) -> None:

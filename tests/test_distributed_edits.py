@@ -1,14 +1,15 @@
 """process_group=: grads edited in place after backward (clip_grad_norm_, a GradScaler's
 unscale_, a framework's clipping) are refused on every rank at the same step, with nothing
-stepped (hybrid_opt/zero_edits.py); a DDP wrapper's own write of the averages is not an edit.
-2 gloo ranks (tests/dist_scripts/zero_edits.py)."""
+stepped (hybrid_opt/zero_edits.py); a DDP wrapper's own write of the averages is not an edit;
+one rank's checkpoint is refused on another rank. 2 gloo ranks (tests/dist_scripts/zero_edits.py)."""
 import pytest
+import torch
 
 from dist_launch import DIST_MARKS, launch
 
 pytestmark = DIST_MARKS
 
-CASES = ("clip", "clip_rank1", "mul", "ddp", "ddp_clip", "unscale")
+CASES = ("clip", "clip_rank1", "mul", "ddp", "ddp_clip", "ddp_unbitten_clip", "unscale", "rank0_checkpoint")
 RECIPE = ("HybridAdamW(..., max_grad_norm=", "attach_grad_scaler", "TrainingArguments(max_grad_norm=0)",
           "gradient_clip_val=None", "accelerator.clip_grad_norm_")
 
@@ -41,12 +42,32 @@ def test_an_edit_on_one_rank_stops_the_other_rank_too(edited):
     assert other["steps"] == 0 and other["unchanged"]
 
 
-def test_ddp_writing_its_averages_is_not_an_edit_but_ddp_and_a_clip_is_named(edited):
+def test_ddp_writing_its_averages_and_a_clip_that_does_not_bite_are_not_edits(edited):
+    """Under a DDP wrapper p.grad holds the average: DDP's own write, and HF Trainer's
+    clip_grad_norm_(params, inf) after it, change nothing the step uses — the same params."""
     for res in edited:
-        assert res["ddp"]["error"] is None and res["ddp"]["steps"] == 1, res["ddp"]
+        for case in ("ddp", "ddp_unbitten_clip"):
+            assert res[case]["error"] is None and res[case]["steps"] == 1, res[case]
+        for a, b in zip(res["ddp"]["params"], res["ddp_unbitten_clip"]["params"]):
+            assert torch.equal(a, b)
+
+
+def test_ddp_and_a_clip_that_bites_is_refused_naming_the_wrapper(edited):
+    for res in edited:
         msg = res["ddp_clip"]["message"]
         assert "DistributedDataParallel" in msg and "drop the DDP wrapper" in msg, msg
 
 
 def test_scaler_unscale_is_named(edited):
     assert "scaler.unscale_(optimizer) was called after backward" in edited[0]["unscale"]["message"]
+
+
+def test_one_ranks_checkpoint_loaded_on_another_rank_is_refused(edited):
+    """HF Trainer saves optimizer.pt from rank 0 only: rank 1 loading it would take rank 0's
+    chunks as its own (1e-2 off after 3 steps, silently, before)."""
+    r0 = edited[0]["rank0_checkpoint"]  # its own file: refused too, so that no rank trains on alone
+    assert r0["error"] == "ValueError" and "another rank was given a state_dict" in r0["message"], r0
+    r1 = edited[1]["rank0_checkpoint"]
+    assert r1["error"] == "ValueError" and "holds rank 0's chunks" in r1["message"], r1
+    assert "torch.distributed.checkpoint" in r1["message"]
+    assert r0["state_kept"] and r1["state_kept"]

@@ -1,7 +1,9 @@
-"""Rank script: grads edited in place after backward under HybridAdamW(process_group=WORLD)
-(zero_edits.py) — refused on every rank at the same step with nothing stepped — in the
-configurations named on the command line; saves per configuration the error each rank raised
-(type and message), the optimizer's step count and the params (unchanged by a refused step)."""
+"""Rank script: what frameworks do to HybridAdamW(process_group=WORLD) that it cannot honour —
+grads edited in place after backward (zero_edits.py: refused on every rank at the same step
+with nothing stepped), and one rank's checkpoint loaded on every rank (rank0_checkpoint:
+refused on the others) — in the configurations named on the command line; saves per
+configuration the error each rank raised (type and message), the optimizer's step count and
+the params (unchanged by a refused step)."""
 import torch
 import torch.distributed as dist
 
@@ -11,8 +13,12 @@ from hybrid_opt import GradsEditedError, HybridAdamW
 
 def _edit(name: str, model, opt, rank: int) -> None:
     params = list(model.parameters())
-    if name in ("clip", "ddp_clip"):
-        torch.nn.utils.clip_grad_norm_(params, 1e9)  # a coefficient of 1: still an edit
+    if name in ("clip", "ddp_unbitten_clip"):
+        # a coefficient of 1 (HF Trainer's clip_grad_norm_(params, inf) for its logged norm):
+        # an edit by its version; under DDP one that changed nothing
+        torch.nn.utils.clip_grad_norm_(params, float("inf"))
+    elif name == "ddp_clip":
+        torch.nn.utils.clip_grad_norm_(params, 0.01)  # bites
     elif name == "clip_rank1":
         if rank == 1:
             torch.nn.utils.clip_grad_norm_(params, 0.01)
@@ -20,7 +26,36 @@ def _edit(name: str, model, opt, rank: int) -> None:
         params[0].grad.mul_(0.5)
 
 
+def rank0_checkpoint(rank: int, tmp: str) -> dict:
+    """HF Trainer's way: rank 0 saves its optimizer's state_dict, every rank loads that file."""
+    import os
+    model = C.build_model()
+    path = os.path.join(os.environ["DIST_OUT"], "optimizer.pt")  # shared by the ranks (tmp is each rank's)
+    out = dict(error=None, message=None)
+    with HybridAdamW(model.parameters(), lr=C.LR, subgroup_numel=32, offload_fraction=0.5,
+                     process_group=dist.group.WORLD) as opt:
+        C.loss_fn(model, C.local_batch(C.batches(1)[0], rank, 2)).backward()
+        opt.step()
+        own = opt.state_dict()
+        if rank == 0:
+            torch.save(own, path)
+        dist.barrier()
+        saved = torch.load(path, weights_only=False)
+        try:
+            opt.load_state_dict(saved)
+        except ValueError as e:
+            out.update(error=type(e).__name__, message=str(e))
+        after = opt.state_dict()
+        opt.load_state_dict(own)  # each rank's own file loads (and agrees on it)
+        out["state_kept"] = all(torch.equal(a["exp_avg"].to_local(), b["exp_avg"].to_local())
+                                for a, b in zip(own["state"].values(), after["state"].values()))
+        dist.barrier()
+    return out
+
+
 def run(name: str, rank: int, world: int, tmp: str) -> dict:
+    if name == "rank0_checkpoint":
+        return rank0_checkpoint(rank, tmp)
     model = C.build_model()
     before = [p.detach().clone() for p in model.parameters()]
     forward = torch.nn.parallel.DistributedDataParallel(model) if name.startswith("ddp") else model
@@ -42,6 +77,7 @@ def run(name: str, rank: int, world: int, tmp: str) -> dict:
     except RuntimeError as e:
         out.update(error=type(e).__name__, message=str(e), is_edit=isinstance(e, GradsEditedError))
     out["steps"] = opt._steps_taken
+    out["params"] = [p.detach().clone() for p in model.parameters()]
     out["unchanged"] = all(torch.equal(a, p.detach()) for a, p in zip(before, model.parameters()))
     opt.close()
     return out
