@@ -105,6 +105,32 @@ def test_trainer_with_hybrid_adamw_matches_torch_adamw_under_its_default_clippin
         opt.close()
 
 
+def test_trainers_built_in_a_loop_and_dropped_leave_no_worker(tmp_path):
+    """optimizer_cls_and_kwargs: Trainer builds the optimizer and the user never holds it to
+    close it. Three Trainers built in a loop and dropped: each optimizer is collected and its
+    worker reaped (hooks hold it weakly: hybrid_opt/lifetime.py), with one UnclosedOptimizerWarning."""
+    import gc
+    import warnings
+
+    import psutil
+    from hybrid_opt import UnclosedOptimizerWarning
+    pids = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("default")
+        for k in range(3):
+            trainer = transformers.Trainer(
+                model=H.Tiny(), args=H.training_args(str(tmp_path / str(k)), max_steps=2),
+                train_dataset=H.dataset(), optimizer_cls_and_kwargs=(HybridAdamW, H.hybrid_kwargs()))
+            trainer.train()
+            pids.append(H.unwrap_optimizer(trainer.optimizer).worker_pid)
+            del trainer
+            gc.collect()
+            assert not psutil.pid_exists(pids[-1]), f"Trainer {k}'s worker outlived it"
+    assert all(pids) and len(set(pids)) == 3
+    # Python's default filters show it once per place: said once, not once per Trainer
+    assert sum(issubclass(w.category, UnclosedOptimizerWarning) for w in caught) == 1
+
+
 @pytest.mark.parametrize("trainer_cls", ["Trainer", "norm_free_trainer"])
 def test_trainer_grad_norm_log_redoes_speculation_unless_the_trainer_computes_none(tmp_path, trainer_cls):
     """With max_grad_norm=0 HF Trainer still logs a grad norm from clip_grad_norm_(params, inf),
