@@ -151,6 +151,15 @@ class _HybridBase(ZeroParamsMixin, SpeculationMixin, PlacementMixin, CheckpointM
 
     # ------------------------------------------------------------------ properties
     @property
+    def allocated_bytes(self) -> dict:
+        """{"device", "host", "nvme", "comm"}: the bytes this optimizer holds now, as the OS
+        and the allocator report them (allocated.py); all 0 once closed."""
+        from hybrid_opt.allocated import allocated_bytes
+        if self._closed:
+            return allocated_bytes(None, None, None)
+        return allocated_bytes(getattr(self, "_device", None), self._host, self._zero)
+
+    @property
     def worker_pid(self):
         return self._host.worker_pid if self._host is not None and not self._closed else None
 

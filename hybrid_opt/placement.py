@@ -211,7 +211,7 @@ class PlacementMixin(MoveMixin):
             return
         why = fraction_miss(self.plan, self.offload_fraction, self.nvme_fraction, self.subgroup_numel)
         if why is not None:
-            warnings.warn(why, stacklevel=5)
+            warnings.warn(why, stacklevel=6)
 
     def _make_host_tier(self, host: list, plan) -> HostTier:
         """A host tier (worker, arena, swap files) for the subgroups `host` of `plan`, empty:

@@ -1,0 +1,75 @@
+"""`opt.allocated_bytes`: the bytes the optimizer holds now, per kind, read from what the OS
+and the allocator report, never from element counts.
+
+- host: the shared arena's size as `os.fstat` on its descriptor reports it (committed, spare
+  and io banks, staging slots: everything the worker maps);
+- nvme: the swap files' apparent sizes (`os.stat`), both slots;
+- comm: process_group's persistent collective buffers (each bucket's averaged chunk, packed
+  grads, reduction output, gather staging, has-grad counts), by their storages' sizes;
+- device: the device tier's own state tensors (moments, fp32 masters beside low-precision
+  params, remainders; an fp32 param is its own master), by their storages' sizes.
+
+The model's params and grads are not counted: they are the model's. Issue #21 measured that
+`opt.stats`' element counts hid a host tier allocating about twice its state (every bank at
+the largest subgroup's capacity); these figures show it.
+"""
+from __future__ import annotations
+
+import os
+
+KINDS = ("device", "host", "nvme", "comm")
+
+
+def _storages_nbytes(tensors) -> int:
+    """Bytes of the distinct storages behind `tensors` (a view counts its whole storage once)."""
+    seen, total = set(), 0
+    for t in tensors:
+        if t is None:
+            continue
+        st = t.untyped_storage()
+        if st.data_ptr() not in seen:
+            seen.add(st.data_ptr())
+            total += st.nbytes()
+    return total
+
+
+def _device_tensors(device) -> list:
+    out = [t for st in device.state.values() for t in st.values()]
+    out += [m for i, m in device.master.items() if device.subgroups[i].flat.untyped_storage().data_ptr()
+            != m.untyped_storage().data_ptr()]  # an fp32 subgroup's master is its param: the model's
+    return out + list(device.remainder.values())
+
+
+def _arena_bytes(host) -> int:
+    return os.fstat(host.arena.fd).st_size
+
+
+def _swap_bytes(host) -> int:
+    if host.swap is None or not os.path.isdir(host.swap.path):
+        return 0
+    total = 0
+    for name in os.listdir(host.swap.path):
+        try:
+            total += os.stat(os.path.join(host.swap.path, name)).st_size
+        except FileNotFoundError:
+            pass  # removed meanwhile (close())
+    return total
+
+
+def _comm_tensors(zero) -> list:
+    names = ("out", "red", "scratch", "staging", "counts")
+    return [getattr(b, n) for b in zero.buckets for n in names]
+
+
+def allocated_bytes(device, host, zero) -> dict:
+    """{"device", "host", "nvme", "comm"}: bytes held now (module docstring); parts absent
+    (no host tier, not process_group, closed) count 0."""
+    out = dict.fromkeys(KINDS, 0)
+    if device is not None:
+        out["device"] = _storages_nbytes(_device_tensors(device))
+    if host is not None and not host.closed:
+        out["host"] = _arena_bytes(host)
+        out["nvme"] = _swap_bytes(host)
+    if zero is not None:
+        out["comm"] = _storages_nbytes(_comm_tensors(zero))
+    return out

@@ -1,0 +1,96 @@
+"""`opt.allocated_bytes` against what the OS reports (hybrid_opt/allocated.py): the host
+arena's size from the memfd behind it (`/proc/self/fd`) and its mapping (`/proc/self/smaps`),
+the nvme files' apparent sizes on disk, process_group's buffers, the device tier's state
+(8 B per fp32 element: its two moments), and nothing once closed."""
+import os
+
+import pytest
+import torch
+
+from hybrid_opt import HybridAdamW
+
+
+def _model(dtype=torch.float32):
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(128, 96), torch.nn.Tanh(), torch.nn.Linear(96, 40)).to(dtype)
+
+
+def _step(model, opt):
+    model(torch.randn(4, 128, dtype=next(model.parameters()).dtype)).float().square().mean().backward()
+    opt.step()
+
+
+def _memfd_sizes() -> int:
+    """Sizes of the hybrid_opt arenas this process holds a descriptor of (each memfd once, by
+    inode: one may be open twice), as the OS reports them."""
+    sizes = {}
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            if "memfd:hybrid_opt-host" in os.readlink(f"/proc/self/fd/{fd}"):
+                st = os.stat(f"/proc/self/fd/{fd}")
+                sizes[(st.st_dev, st.st_ino)] = st.st_size
+        except OSError:
+            pass
+    return sum(sizes.values())
+
+
+def _mapped_sizes() -> int:
+    """kB of this process's mappings of the arena (smaps' Size), in bytes."""
+    total, inside = 0, False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            if not line[0].isupper() or "-" in line.split()[0]:  # a mapping's header line
+                inside = "memfd:hybrid_opt-host" in line
+            elif inside and line.startswith("Size:"):
+                total += int(line.split()[1]) * 1024
+    return total
+
+
+def _apparent(path) -> int:
+    return sum(os.stat(os.path.join(d, f)).st_size for d, _, fs in os.walk(path) for f in fs)
+
+
+def test_host_and_nvme_bytes_are_what_the_os_reports(tmp_path):
+    model = _model()
+    with HybridAdamW(model.parameters(), subgroup_numel=2048, offload_fraction=0.75,
+                     nvme_fraction=0.25, nvme_path=str(tmp_path)) as opt:
+        _step(model, opt)
+        got = opt.allocated_bytes
+        assert got["host"] == _memfd_sizes() == _mapped_sizes() > 0
+        assert got["nvme"] == _apparent(tmp_path) > 0
+        assert got["comm"] == 0
+        device = sum(opt.plan.numels[i] for i in opt.plan.subgroups("device"))
+        assert device > 0 and got["device"] == 8 * device  # fp32: its own master, two fp32 moments
+    assert opt.allocated_bytes == {"device": 0, "host": 0, "nvme": 0, "comm": 0}
+
+
+def test_compressed_device_state_is_six_bytes_a_param():
+    model = _model(torch.bfloat16)
+    with HybridAdamW(model.parameters(), offload_fraction=0.0, exp_avg_dtype=torch.bfloat16,
+                     exp_avg_sq_dtype=torch.bfloat16, store_param_remainders=True) as opt:
+        n = sum(p.numel() for p in model.parameters())
+        # bf16 moments (2 + 2) and the int16 remainder (2); the bf16 param is the master's high half
+        assert opt.allocated_bytes == {"device": 6 * n, "host": 0, "nvme": 0, "comm": 0}
+
+
+def test_process_group_buffers_are_counted_as_comm(tmp_path):
+    import torch.distributed as dist
+    if not (dist.is_available() and dist.is_gloo_available()):
+        pytest.skip("torch.distributed with gloo is not available")
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/rdzv", rank=0, world_size=1)
+    try:
+        model = _model()
+        with HybridAdamW(model.parameters(), subgroup_numel=2048, offload_fraction=1.0,
+                         process_group=dist.group.WORLD) as opt:
+            before = opt.allocated_bytes["comm"]
+            _step(model, opt)
+            got = opt.allocated_bytes["comm"]
+            buffers = [getattr(b, n) for b in opt._zero.buckets
+                       for n in ("out", "red", "scratch", "staging", "counts")]
+            assert got == sum(t.untyped_storage().nbytes() for t in buffers if t is not None)
+            # the averaged chunks (one fp32 grad copy of this rank's share) exist from
+            # construction; the collectives' buffers are allocated on first use
+            n = sum(p.numel() for p in model.parameters())
+            assert before >= 4 * n and got > before
+    finally:
+        dist.destroy_process_group()
