@@ -116,24 +116,32 @@ def launch(script: str, out_dir: str, *args, nproc: int = 2, nnodes: int = 1, no
     """Runs tests/dist_scripts/<script> on `nproc` ranks (per node; `nnodes` > 1: this call
     is node `node_rank` of a static rendezvous on localhost:`port`). Returns the ranks'
     saved results (those of this node), or fails with the output of every rank."""
-    import pytest
     if nnodes > 1 and port is None:
         raise ValueError("launch: a node of a several-node launch needs the port every node "
                          "shares (launch_nodes picks one)")
-    t0 = time.monotonic()
     proc = _start(script, out_dir, args, nproc=nproc, nnodes=nnodes, node_rank=node_rank,
                   port=port, env=env)
+    out = wait_bounded(proc, f"{script} {' '.join(map(str, args))}", timeout_s)
+    return _load_results(script, out_dir, range(node_rank * nproc, (node_rank + 1) * nproc), out)
+
+
+def wait_bounded(proc: subprocess.Popen, what: str, timeout_s: float) -> str:
+    """The output of `proc` (started in a session of its own, stdout piped as text) once it
+    exits 0; past `timeout_s` every process under it is killed; either failure fails the test
+    with the ranks' output."""
+    import pytest
+    t0 = time.monotonic()
     try:
         out, _ = proc.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:
         _kill_tree(proc)
         out, _ = proc.communicate(timeout=10)
-        pytest.fail(f"{script} {' '.join(map(str, args))}: no result within {timeout_s:.0f} s "
-                    f"(every rank and worker killed); the ranks' output:\n{out[-6000:]}")
+        pytest.fail(f"{what}: no result within {timeout_s:.0f} s (every rank and worker killed); "
+                    f"the ranks' output:\n{out[-6000:]}")
     if proc.returncode != 0:
-        pytest.fail(f"{script} {' '.join(map(str, args))} failed (exit {proc.returncode}) after "
-                    f"{time.monotonic() - t0:.1f} s; the ranks' output:\n{out[-8000:]}")
-    return _load_results(script, out_dir, range(node_rank * nproc, (node_rank + 1) * nproc), out)
+        pytest.fail(f"{what} failed (exit {proc.returncode}) after {time.monotonic() - t0:.1f} s; "
+                    f"the ranks' output:\n{out[-8000:]}")
+    return out
 
 
 def launch_nodes(script: str, out_dir: str, *args, nnodes: int = 2, timeout_s: float = 120.0,

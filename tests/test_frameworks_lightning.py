@@ -22,7 +22,7 @@ import torch
 
 pl = pytest.importorskip("lightning.pytorch")
 
-from dist_launch import DIST_MARKS, REPO, SCRIPTS, _kill_tree, _load_results  # noqa: E402
+from dist_launch import DIST_MARKS, REPO, SCRIPTS, _load_results, wait_bounded  # noqa: E402
 from tolerances import DIST_RTOL, assert_close  # noqa: E402
 
 sys.path.insert(0, SCRIPTS)
@@ -203,15 +203,7 @@ def launch_lightning(mode: str, out_dir: str, timeout_s: float = 120.0) -> list:
     proc = subprocess.Popen([sys.executable, os.path.join(SCRIPTS, "lightning_train.py"), mode, out_dir],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
                             start_new_session=True, cwd=out_dir)
-    try:
-        out, _ = proc.communicate(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        _kill_tree(proc)
-        out, _ = proc.communicate(timeout=10)
-        pytest.fail(f"lightning_train.py {mode}: no result within {timeout_s:.0f} s (every rank and "
-                    f"worker killed); output:\n{out[-6000:]}")
-    if proc.returncode != 0:
-        pytest.fail(f"lightning_train.py {mode} failed (exit {proc.returncode}); output:\n{out[-8000:]}")
+    out = wait_bounded(proc, f"lightning_train.py {mode}", timeout_s)
     return _load_results("lightning_train.py", out_dir, range(2), out)
 
 
