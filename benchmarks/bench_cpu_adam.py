@@ -17,11 +17,17 @@ v 4+4); ours_remainders_bf16_sq 22 (fp32 exp_avg 4+4, bf16 exp_avg_sq 2+2: the m
 chosen independently). The
 roofline probe moves 28 B/element; a row's % of roofline is its own bytes over its time
 against the probe's GB/s, so 100 % means "at memory speed for the bytes it moves".
+
+Runs as it is on any host cpu_kernels builds on (x86-64, AArch64); every record names the
+SIMD level it measured and the machine. On the Arm vector levels (neon, sve) bank mode is
+timed twice, plain and with streaming stores (rows `_stnt`, STNP / STNT1, off by default in
+the library because it is unmeasured: cpu_kernels' README, "AArch64").
 """
 from __future__ import annotations
 
 import argparse
 import os
+import platform
 import sys
 
 import torch
@@ -97,12 +103,27 @@ def impls(job: Job, bank: tuple):
                                step=job.bump(), grad_scale=SCALE, remainder=job.remainder,
                                out=rbank, remainder_out=rbank_rem, **HP)
 
+    def streaming(fn):  # the same call with the Arm levels' streaming stores turned on
+        def run():
+            was = cpu_kernels._lib._arm_streaming_stores()
+            cpu_kernels._lib._set_arm_streaming_stores(True)
+            try:
+                fn()
+            finally:
+                cpu_kernels._lib._set_arm_streaming_stores(was)
+        return run
+
+    arm_vector_level = cpu_kernels.simd_level() in ("neon", "sve")
     yield "ours", "float32", 28, ours_fp32
     yield "ours_bank", "float32", 28, ours_bank
+    if arm_vector_level:
+        yield "ours_bank_stnt", "float32", 28, streaming(ours_bank)
     yield "ours_fused", "bfloat16", 28, ours_fused
     yield "ours_bf16_moments", "bfloat16", 20, ours_bf16_moments
     yield "ours_remainders", "bfloat16", 18, ours_remainders
     yield "ours_remainders_bank", "bfloat16", 18, ours_remainders_bank
+    if arm_vector_level:
+        yield "ours_remainders_bank_stnt", "bfloat16", 18, streaming(ours_remainders_bank)
     yield "ours_remainders_fp32_moments", "bfloat16", 26, ours_remainders_fp32_moments
     yield "ours_remainders_bf16_sq", "bfloat16", 22, ours_remainders_bf16_sq
 
@@ -145,7 +166,8 @@ def main(argv=None) -> int:
 
     all_threads = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     thread_counts = args.threads or sorted({1, all_threads})
-    print(f"cpu_kernels SIMD level: {cpu_kernels.simd_level()}; torch {torch.__version__}; "
+    level, machine = cpu_kernels.simd_level(), platform.machine()
+    print(f"cpu_kernels SIMD level: {level} ({machine}); torch {torch.__version__}; "
           f"thread counts {thread_counts}")
     records, rows = [], []
     for threads in thread_counts:
@@ -173,24 +195,28 @@ def main(argv=None) -> int:
             roof = max(roof, size_roof)
             for name, (gdt, bpe, _) in table.items():
                 t = times[name]
-                rec = {"impl": name, "numel": n, "threads": threads, "grad_dtype": gdt, **t,
+                rec = {"impl": name, "numel": n, "threads": threads, "grad_dtype": gdt,
+                       "simd_level": level, "machine": machine, **t,
                        "gelem_per_s": n / (t["median_ms"] * 1e6),
                        "gb_per_s": bpe * n / (t["median_ms"] * 1e6), "bytes_per_elem": bpe,
                        "roofline_gb_per_s": size_roof}
-                if name.endswith("_bank"):
+                is_bank = name.endswith("_bank") or name.endswith("_bank_stnt")
+                if is_bank:
                     rec["bank_roofline_gb_per_s"] = bank_roof
                 records.append(rec)
                 rows.append(dict(rec, size=size, roof_pct=100.0 * rec["gb_per_s"] / size_roof,
-                                 bank_pct=100.0 * rec["gb_per_s"] / bank_roof if name.endswith("_bank") else None))
+                                 bank_pct=100.0 * rec["gb_per_s"] / bank_roof if is_bank else None))
             rows.append({"impl": "roofline", "size": size, "threads": threads, "gb_per_s": size_roof,
                          "bytes_per_elem": 28,
                          "roof_pct": 100.0, **times["roofline"]})
             rows.append({"impl": "roofline_bank", "size": size, "threads": threads, "gb_per_s": bank_roof,
                          "bytes_per_elem": 28,
                          "roof_pct": 100.0 * bank_roof / size_roof, "bank_pct": 100.0, **times["roofline_bank"]})
-            records.append({"impl": "roofline_bank", "numel": n, "threads": threads, "gb_per_s": bank_roof})
+            records.append({"impl": "roofline_bank", "numel": n, "threads": threads, "gb_per_s": bank_roof,
+                            "simd_level": level, "machine": machine})
             del job, probe, bank, table, fns
-        records.append({"impl": "roofline", "threads": threads, "gb_per_s": roof})
+        records.append({"impl": "roofline", "threads": threads, "gb_per_s": roof, "simd_level": level,
+                        "machine": machine})
 
     print(markdown_table(rows, [("impl", "impl", "s"), ("size", "numel", "s"), ("threads", "threads", "d"),
                                 ("grad_dtype", "grad", "s"), ("bytes_per_elem", "B/elem", "d"),

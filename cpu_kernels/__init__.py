@@ -1,8 +1,9 @@
 """cpu_kernels: the host tier's SIMD kernels (Adam/AdamW step, grad statistics, inverse step).
 
 The C library is built by `pip install` (a plain compiler call, no torch headers) and
-loaded through ctypes. The SIMD level (avx512 / avx2 / portable) is picked at run time;
-`HYBRID_OPT_SIMD=avx2|portable` or `set_simd_level()` forces a lower one. Threads are
+loaded through ctypes. The SIMD level (x86-64: avx512 / avx2 / portable; AArch64: sve / neon /
+portable) is picked at run time; `HYBRID_OPT_SIMD=avx2|neon|portable|...` or `set_simd_level()`
+forces a lower one. Threads are
 OpenMP's, sized by `set_num_threads()`; results are bitwise the same for any thread count.
 Moments may be bf16, and a bf16 param may carry its fp32 master's low halves
 (`remainder=`, `encode_remainder` / `decode_remainder`): 2 + 2 bytes instead of 4 + 4.

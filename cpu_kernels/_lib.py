@@ -10,7 +10,6 @@ import os
 import warnings
 
 
-LEVELS = ("portable", "avx2", "avx512")
 DT_F32, DT_BF16, DT_F16 = 0, 1, 2  # dtype codes of kernels.h
 
 
@@ -52,7 +51,8 @@ def _load_library():
     for name in ("hybrid_remainder_encode", "hybrid_remainder_decode"):
         getattr(lib, name).argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64]
         getattr(lib, name).restype = None
-    for name in ("hybrid_max_level", "hybrid_get_level", "hybrid_get_num_threads"):
+    for name in ("hybrid_max_level", "hybrid_get_level", "hybrid_get_num_threads", "hybrid_level_count",
+                 "hybrid_get_arm_streaming_stores"):
         getattr(lib, name).restype = ctypes.c_int
         getattr(lib, name).argtypes = []
     lib.hybrid_set_level.argtypes = [ctypes.c_int]
@@ -63,10 +63,17 @@ def _load_library():
     lib.hybrid_set_avx512_bf16.restype = ctypes.c_int
     lib.hybrid_get_avx512_bf16.argtypes = []
     lib.hybrid_get_avx512_bf16.restype = ctypes.c_int
+    lib.hybrid_level_name.argtypes = [ctypes.c_int]
+    lib.hybrid_level_name.restype = ctypes.c_char_p
+    lib.hybrid_set_arm_streaming_stores.argtypes = [ctypes.c_int]
+    lib.hybrid_set_arm_streaming_stores.restype = ctypes.c_int
     return lib
 
 
 lib = _load_library()
+# this architecture's levels, lowest first (the C library's table): ("portable", "avx2",
+# "avx512") on x86-64, ("portable", "neon", "sve") on AArch64, ("portable",) elsewhere
+LEVELS = tuple(lib.hybrid_level_name(k).decode() for k in range(lib.hybrid_level_count()))
 
 
 def available_simd_levels() -> list[str]:
@@ -75,7 +82,8 @@ def available_simd_levels() -> list[str]:
 
 
 def simd_level() -> str:
-    """The level the dispatcher uses now: "avx512", "avx2" or "portable"."""
+    """The level the dispatcher uses now: "avx512", "avx2" or "portable" on x86-64; "sve",
+    "neon" or "portable" on AArch64."""
     return LEVELS[lib.hybrid_get_level()]
 
 
@@ -99,6 +107,19 @@ def _set_avx512_bf16(on: bool) -> None:
     """Tests: turn the bf16 instruction off (the integer rounding alone) or back on."""
     if lib.hybrid_set_avx512_bf16(1 if on else 0) != 0:
         raise ValueError("this CPU has no AVX-512 BF16 (vcvtne2ps2bf16)")
+
+
+def _arm_streaming_stores() -> bool:
+    """Whether the Arm vector levels write bank-mode state and the param copy with streaming
+    (non-temporal) stores: STNP on NEON, STNT1 on SVE. Off unless HYBRID_OPT_ARM_STREAMING_STORES=1
+    or `_set_arm_streaming_stores(True)`: whether they help has not been measured on Arm
+    hardware (benchmarks/bench_cpu_adam.py times both where the level has them). Same bits."""
+    return bool(lib.hybrid_get_arm_streaming_stores())
+
+
+def _set_arm_streaming_stores(on: bool) -> None:
+    if lib.hybrid_set_arm_streaming_stores(1 if on else 0) != 0:
+        raise ValueError("streaming stores are an option of the Arm levels (neon, sve) only")
 
 
 def set_num_threads(n: int) -> None:
@@ -126,4 +147,16 @@ def _apply_env_level():
         set_simd_level(forced)
 
 
+def _apply_env_streaming_stores():
+    value = os.environ.get("HYBRID_OPT_ARM_STREAMING_STORES", "").strip()
+    if value in ("", "0"):
+        return
+    if value != "1":
+        warnings.warn(f"HYBRID_OPT_ARM_STREAMING_STORES={value!r} is not 0 or 1; ignored")
+    elif lib.hybrid_set_arm_streaming_stores(1) != 0:
+        warnings.warn("HYBRID_OPT_ARM_STREAMING_STORES=1 has no effect here: streaming stores "
+                      "are an option of the Arm levels (neon, sve) only")
+
+
 _apply_env_level()
+_apply_env_streaming_stores()

@@ -57,7 +57,7 @@ def adam_inverse_reference(param, grad, exp_avg, exp_avg_sq, *, step, lr, beta1,
 # correctly rounded fp32 result for +, -, *, / and sqrt (fp64 has more than 2 x 24 + 2 bits);
 # a fused multiply-add is emulated exactly (fp64 product, TwoSum, round to odd, round).
 
-FUSED_MULTIPLY_ADD_LEVELS = ("avx2", "avx512")  # the portable level multiplies, then adds
+FUSED_MULTIPLY_ADD_LEVELS = ("avx2", "avx512", "neon", "sve")  # the portable level multiplies, then adds
 
 
 def _f32(x: float) -> float:

@@ -14,7 +14,8 @@
  * (moment_dtype, exp_avg_sq_dtype); the pair is fixed for a call.
  * Compressed state (bf16 moments, remainders) runs in the level's register loop
  * (adam_c16_regs, HAVE_ADAM_C16_REGS: AVX-512, AVX2) over whole 32-element steps and in the
- * blocks below for the tail: the same arithmetic and rounding, so the same bits.
+ * blocks below for the tail: the same arithmetic and rounding, so the same bits. The Arm
+ * levels (HAVE_ADAM_RANGE_REGS: NEON, SVE) run every call in their own register loop.
  */
 #define BLK 128
 /* Explicit fused multiply-adds where the level has them, so the rounding is fixed by the
@@ -56,6 +57,15 @@ static inline __attribute__((always_inline)) void adam_math(
     }
 }
 
+#ifdef HAVE_ADAM_RANGE_REGS
+/* The level steps every dtype and mode in its own register loop (the Arm levels: widening
+ * loads and narrowing stores are single instructions there, tails predicated or padded), so
+ * it defines no block primitives for Adam; adam_math is the arithmetic it repeats. */
+void FN(adam_range)(const adam_args_t *a, const adam_consts_t *c, int64_t begin, int64_t end)
+{
+    adam_range_regs(a, c, begin, end);
+}
+#else
 void FN(adam_range)(const adam_args_t *a, const adam_consts_t *c, int64_t begin, int64_t end)
 {
     float gb[BLK] __attribute__((aligned(64)));
@@ -146,6 +156,7 @@ void FN(adam_range)(const adam_args_t *a, const adam_consts_t *c, int64_t begin,
     }
     finish_stores();
 }
+#endif
 
 /* Remainder encoding of an fp32 master over [begin, end), and back (see kernels.h). */
 void FN(remainder_encode)(const float *m, uint16_t *p, int16_t *r, int64_t begin, int64_t end)
@@ -181,14 +192,15 @@ void FN(grad_chunk_sums)(const void *g, int dt, int64_t n, int64_t chunk0, int64
 }
 
 /* The roofline probe: Adam's access pattern (read p, g, m, v; write p, m, v in place) with
- * none of its arithmetic, so it moves the same 28 bytes per element at memory speed. */
+ * none of its arithmetic, so it moves the same 28 bytes per element at memory speed (FMA:
+ * the one instruction per stream it compiled to before the build said -ffp-contract=off). */
 void FN(bw_inplace)(float *p, const float *g, float *m, float *v, int64_t begin, int64_t end)
 {
 #pragma omp simd
     for (int64_t i = begin; i < end; i++) {
         const float gi = g[i];
-        p[i] = p[i] * 0.999f + gi;
-        m[i] = m[i] * 0.999f + gi;
-        v[i] = v[i] * 0.999f + gi;
+        p[i] = FMA(p[i], 0.999f, gi);
+        m[i] = FMA(m[i], 0.999f, gi);
+        v[i] = FMA(v[i], 0.999f, gi);
     }
 }

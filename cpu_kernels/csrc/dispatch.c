@@ -1,7 +1,8 @@
 /* cpu_kernels: run-time SIMD dispatch, OpenMP work split, and the exported C API.
  *
- * The level is detected once (CPUID plus OS register-state support, through gcc's
- * __builtin_cpu_supports) and can be lowered, never raised, by the caller. Threads split
+ * The level is detected once (x86-64: CPUID plus OS register-state support, through gcc's
+ * __builtin_cpu_supports; AArch64: NEON always, SVE where the kernel's HWCAP_SVE says so)
+ * and can be lowered, never raised, by the caller. Threads split
  * work by element ranges for Adam (elementwise: any split gives the same bits) and by
  * fixed chunks for grad_stats (see kernels.h), so results never depend on thread count.
  */
@@ -12,7 +13,42 @@
 #endif
 #include "kernels.h"
 
-enum { LEVEL_PORTABLE = 0, LEVEL_AVX2 = 1, LEVEL_AVX512 = 2 };
+/* One row per SIMD level of this architecture, lowest first; a level's index is its rank
+ * (what hybrid_get_level returns and Python's LEVELS lists). */
+typedef struct {
+    const char *name;
+    void (*adam_range)(const adam_args_t *, const adam_consts_t *, int64_t, int64_t);
+    void (*grad_chunk_sums)(const void *, int, int64_t, int64_t, int64_t, double *);
+    void (*bw_inplace)(float *, const float *, float *, float *, int64_t, int64_t);
+    void (*remainder_encode)(const float *, uint16_t *, int16_t *, int64_t, int64_t);
+    void (*remainder_decode)(const uint16_t *, const int16_t *, float *, int64_t, int64_t);
+} level_t;
+
+#define LEVEL_ROW(L) {#L, adam_range_##L, grad_chunk_sums_##L, bw_inplace_##L, \
+                      remainder_encode_##L, remainder_decode_##L}
+
+static const level_t LEVEL_TABLE[] = {
+    LEVEL_ROW(portable),
+#if defined(__x86_64__)
+    LEVEL_ROW(avx2),
+    LEVEL_ROW(avx512),
+#elif defined(__aarch64__)
+    LEVEL_ROW(neon),  /* Advanced SIMD: part of every AArch64 CPU */
+#ifdef HYBRID_HAVE_SVE
+    LEVEL_ROW(sve),
+#endif
+#endif
+};
+#define LEVEL_COUNT ((int)(sizeof(LEVEL_TABLE) / sizeof(LEVEL_TABLE[0])))
+enum { LEVEL_PORTABLE = 0, LEVEL_AVX2 = 1, LEVEL_AVX512 = 2 };  /* x86-64's ranks */
+enum { LEVEL_NEON = 1, LEVEL_SVE = 2 };                      /* AArch64's */
+
+#if defined(__aarch64__) && defined(__linux__)
+#include <sys/auxv.h>
+#ifndef HWCAP_SVE
+#define HWCAP_SVE (1UL << 22)
+#endif
+#endif
 
 static int detected_level(void)
 {
@@ -24,6 +60,13 @@ static int detected_level(void)
     if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
         __builtin_cpu_supports("f16c"))
         return LEVEL_AVX2;
+#elif defined(__aarch64__)
+#if defined(HYBRID_HAVE_SVE)
+    /* the kernel sets HWCAP_SVE only where the CPU has SVE and the kernel saves its state;
+     * an SVE instruction elsewhere raises SIGILL */
+    if (getauxval(AT_HWCAP) & HWCAP_SVE) return LEVEL_SVE;
+#endif
+    return LEVEL_NEON;
 #endif
     return LEVEL_PORTABLE;
 }
@@ -31,6 +74,14 @@ static int detected_level(void)
 static int g_level = -1;
 
 int hybrid_max_level(void) { return detected_level(); }
+
+int hybrid_level_count(void) { return LEVEL_COUNT; }
+
+/* The name of level `rank` ("portable", "avx2", "avx512" / "neon", "sve"), NULL past the end. */
+const char *hybrid_level_name(int rank)
+{
+    return rank >= 0 && rank < LEVEL_COUNT ? LEVEL_TABLE[rank].name : NULL;
+}
 
 int hybrid_get_level(void)
 {
@@ -45,6 +96,23 @@ int hybrid_set_level(int level)
     g_level = level;
     return 0;
 }
+
+int hybrid_arm_streaming_stores_on = 0;
+
+/* Arm vector levels only (kernels.h): 0, or -1 when asked to turn them on elsewhere. */
+int hybrid_set_arm_streaming_stores(int on)
+{
+#if defined(__aarch64__)
+    hybrid_arm_streaming_stores_on = on ? 1 : 0;
+    return 0;
+#else
+    return on ? -1 : 0;
+#endif
+}
+
+int hybrid_get_arm_streaming_stores(void) { return hybrid_arm_streaming_stores_on; }
+
+static const level_t *level_fns(void) { return &LEVEL_TABLE[hybrid_get_level()]; }
 
 void hybrid_set_num_threads(int n)
 {
@@ -104,9 +172,9 @@ void hybrid_adam_step(const adam_args_t *a)
     c.amsgrad = a->max_exp_avg_sq != NULL;
     c.out_of_place = a->param_out != a->param;  /* with remainders: param and param_out bf16 */
 
-    const int level = hybrid_get_level();
+    const level_t *fns = level_fns();
     const int64_t n = a->n;
-    if (level == LEVEL_AVX512) (void)hybrid_get_avx512_bf16();  /* its lazy CPU check, before the threads read it */
+    if (fns->adam_range == adam_range_avx512) (void)hybrid_get_avx512_bf16();  /* its lazy CPU check, before the threads read it */
 #pragma omp parallel if (n >= PARALLEL_MIN)
     {
         /* threads take interleaved chunks (not one half each): their streams then stay in
@@ -115,9 +183,7 @@ void hybrid_adam_step(const adam_args_t *a)
 #pragma omp for schedule(static, 1)
         for (int64_t k = 0; k < chunks; k++) {
             const int64_t b = k * ADAM_CHUNK, e = b + ADAM_CHUNK < n ? b + ADAM_CHUNK : n;
-            if (level == LEVEL_AVX512) adam_range_avx512(a, &c, b, e);
-            else if (level == LEVEL_AVX2) adam_range_avx2(a, &c, b, e);
-            else adam_range_portable(a, &c, b, e);
+            fns->adam_range(a, &c, b, e);
         }
     }
 }
@@ -125,31 +191,23 @@ void hybrid_adam_step(const adam_args_t *a)
 /* Remainder encoding (kernels.h) of n fp32 values into bf16 bits + int16, and back. */
 void hybrid_remainder_encode(const float *m, uint16_t *p, int16_t *r, int64_t n)
 {
-    const int level = hybrid_get_level();
+    const level_t *fns = level_fns();
 #pragma omp parallel if (n >= PARALLEL_MIN)
     {
         int64_t b, e;
         thread_range(n, &b, &e);
-        if (b < e) {
-            if (level == LEVEL_AVX512) remainder_encode_avx512(m, p, r, b, e);
-            else if (level == LEVEL_AVX2) remainder_encode_avx2(m, p, r, b, e);
-            else remainder_encode_portable(m, p, r, b, e);
-        }
+        if (b < e) fns->remainder_encode(m, p, r, b, e);
     }
 }
 
 void hybrid_remainder_decode(const uint16_t *p, const int16_t *r, float *m, int64_t n)
 {
-    const int level = hybrid_get_level();
+    const level_t *fns = level_fns();
 #pragma omp parallel if (n >= PARALLEL_MIN)
     {
         int64_t b, e;
         thread_range(n, &b, &e);
-        if (b < e) {
-            if (level == LEVEL_AVX512) remainder_decode_avx512(p, r, m, b, e);
-            else if (level == LEVEL_AVX2) remainder_decode_avx2(p, r, m, b, e);
-            else remainder_decode_portable(p, r, m, b, e);
-        }
+        if (b < e) fns->remainder_decode(p, r, m, b, e);
     }
 }
 
@@ -160,7 +218,7 @@ int hybrid_grad_stats(const void *g, int dt, int64_t n, double *out)
     double stack_partials[64];
     double *partials = chunks <= 64 ? stack_partials : (double *)malloc((size_t)chunks * sizeof(double));
     if (!partials) return -1;
-    const int level = hybrid_get_level();
+    const level_t *fns = level_fns();
 #pragma omp parallel if (n >= 2 * GRAD_STATS_CHUNK)
     {
 #ifdef _OPENMP
@@ -170,9 +228,7 @@ int hybrid_grad_stats(const void *g, int dt, int64_t n, double *out)
 #endif
         const int64_t c0 = chunks * t / nt, c1 = chunks * (t + 1) / nt;
         if (c0 < c1) {
-            if (level == LEVEL_AVX512) grad_chunk_sums_avx512(g, dt, n, c0, c1, partials);
-            else if (level == LEVEL_AVX2) grad_chunk_sums_avx2(g, dt, n, c0, c1, partials);
-            else grad_chunk_sums_portable(g, dt, n, c0, c1, partials);
+            fns->grad_chunk_sums(g, dt, n, c0, c1, partials);
         }
     }
     double s = 0.0;
@@ -184,16 +240,12 @@ int hybrid_grad_stats(const void *g, int dt, int64_t n, double *out)
 
 void hybrid_bw_inplace(float *p, const float *g, float *m, float *v, int64_t n)
 {
-    const int level = hybrid_get_level();
+    const level_t *fns = level_fns();
 #pragma omp parallel if (n >= PARALLEL_MIN)
     {
         int64_t b, e;
         thread_range(n, &b, &e);
-        if (b < e) {
-            if (level == LEVEL_AVX512) bw_inplace_avx512(p, g, m, v, b, e);
-            else if (level == LEVEL_AVX2) bw_inplace_avx2(p, g, m, v, b, e);
-            else bw_inplace_portable(p, g, m, v, b, e);
-        }
+        if (b < e) fns->bw_inplace(p, g, m, v, b, e);
     }
 }
 
@@ -202,21 +254,21 @@ void hybrid_bw_inplace(float *p, const float *g, float *m, float *v, int64_t n)
 void hybrid_bw_bank(const float *p, const float *g, const float *m, const float *v,
                     float *po, float *mo, float *vo, int64_t n)
 {
-    const int level = hybrid_get_level();
+    const int avx512 = level_fns()->adam_range == adam_range_avx512;
 #pragma omp parallel if (n >= PARALLEL_MIN)
     {
         const int64_t chunks = (n + ADAM_CHUNK - 1) / ADAM_CHUNK;
 #pragma omp for schedule(static, 1)
         for (int64_t k = 0; k < chunks; k++) {
             const int64_t b = k * ADAM_CHUNK, e = b + ADAM_CHUNK < n ? b + ADAM_CHUNK : n;
-            if (level == LEVEL_AVX512) {
+            if (avx512) {
                 bw_bank_avx512(p, g, m, v, po, mo, vo, b, e);
-            } else {
-                for (int64_t i = b; i < e; i++) {
-                    po[i] = p[i] * 0.999f + g[i];
-                    mo[i] = m[i] * 0.999f + g[i];
-                    vo[i] = v[i] * 0.999f + g[i];
-                }
+                continue;
+            }
+            for (int64_t i = b; i < e; i++) {
+                po[i] = p[i] * 0.999f + g[i];
+                mo[i] = m[i] * 0.999f + g[i];
+                vo[i] = v[i] * 0.999f + g[i];
             }
         }
     }

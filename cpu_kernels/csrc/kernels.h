@@ -1,7 +1,7 @@
 /* cpu_kernels: shared declarations of the C kernels and their scalar helpers.
  *
- * Every kernel exists once per SIMD level (avx512, avx2, portable); dispatch.c picks one
- * at run time. Scalar helpers here are the reference for the tails of the SIMD loops, so
+ * Every kernel exists once per SIMD level (x86-64: avx512, avx2; AArch64: sve, neon; and
+ * portable everywhere); dispatch.c picks one at run time. Scalar helpers here are the reference for the tails of the SIMD loops, so
  * a value rounds the same way whichever level stepped it.
  */
 #ifndef HYBRID_OPT_KERNELS_H
@@ -143,6 +143,19 @@ void bw_bank_avx512(const float *p, const float *g, const float *m, const float 
                     float *po, float *mo, float *vo, int64_t b, int64_t e);
 DECLARE_LEVEL(avx2)
 DECLARE_LEVEL(portable)
+DECLARE_LEVEL(neon)
+#if defined(__aarch64__) && defined(__linux__) && defined(__GNUC__) && !defined(__clang__)
+/* SVE level: built with gcc's target pragma (clang would need another spelling), chosen at
+ * run time from HWCAP_SVE on Linux */
+#define HYBRID_HAVE_SVE 1
+DECLARE_LEVEL(sve)
+int hybrid_sve_vector_bits(void);  /* svcntb() * 8; call only where the CPU has SVE */
+#endif
+/* Arm vector levels: whether bank-mode state outputs and the param copy leave with
+ * streaming (non-temporal) stores — STNP on NEON, STNT1 on SVE. Off by default: whether they
+ * help on a given Arm core has not been measured (no Arm hardware here); the same bits
+ * either way. Set through hybrid_set_arm_streaming_stores (dispatch.c). */
+extern int hybrid_arm_streaming_stores_on;
 /* AVX-512 level: whether its compressed-state loop rounds with vcvtne2ps2bf16 (AVX-512 BF16;
  * the same bits either way). set returns -1 when asked to turn it on without CPU support. */
 int hybrid_set_avx512_bf16(int on);

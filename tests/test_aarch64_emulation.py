@@ -1,0 +1,117 @@
+"""cpu_kernels on AArch64, under emulation: the library's C sources cross-compiled with its
+own flags (gcc-aarch64-linux-gnu, statically linked with a test driver) and run under
+qemu-aarch64 — NEON-only on a Cortex-A72 model (no SVE: the SVE level must be refused and
+never dispatched to), SVE at 128, 256, 512 and 2048 bits on qemu's `max` CPU — on the
+kernel test vectors of tests/aarch64_emu.py; every output compared bit for bit with this
+machine's x86 build on the same inputs (NEON/SVE with the FMA levels avx2/avx512, portable
+with portable), under the NaN rules stated there.
+
+Needs `aarch64-linux-gnu-gcc` and `qemu-aarch64` (.ci/setup.sh installs them with apt-get
+where it can); skipped, with a warning that says why, where they are missing. Emulation
+says nothing about speed: nothing here ran on Arm hardware.
+"""
+import os
+import re
+import warnings
+
+import pytest
+
+import aarch64_emu as emu
+import cpu_kernels as ck
+
+# qemu 7.2: sve-default-vector-length takes bytes; svcntw() then reports 4, 8, 16, 64
+SVE_LENGTHS = {128: 16, 256: 32, 512: 64, 2048: 256}
+FMA_LEVELS = [lv for lv in ("avx2", "avx512") if lv in ck.available_simd_levels()]
+QEMU_TIMEOUT_S = 180
+
+
+@pytest.fixture(scope="module")
+def rig(tmp_path_factory):
+    missing = emu.missing_tools()
+    if missing:
+        reason = (f"{' and '.join(missing)} not found: the aarch64 bitwise check did not run "
+                  "(.ci/setup.sh installs gcc-aarch64-linux-gnu and qemu-user with apt-get where "
+                  "apt is available; it printed why it could not)")
+        warnings.warn(reason)
+        pytest.skip(reason)
+    if not FMA_LEVELS:
+        pytest.skip("this x86 CPU has neither AVX2+FMA nor AVX-512: no FMA level to compare "
+                    "NEON and SVE with")
+    d = tmp_path_factory.mktemp("aarch64")
+    driver = str(d / "test_driver")
+    warnings_seen = emu.cross_build(driver)
+    cases = emu.kernel_cases()
+    case_file = str(d / "cases.bin")
+    emu.write_cases(case_file, cases)
+    want = {lv: emu.run_here(cases, lv) for lv in ["portable"] + FMA_LEVELS}
+    return dict(dir=d, driver=driver, cases=cases, case_file=case_file, want=want,
+                build_warnings=warnings_seen)
+
+
+def run_driver(rig, cpu, tag, *options):
+    out = str(rig["dir"] / f"out-{tag}.bin")
+    rc, stdout, stderr = emu.emulate(rig["driver"], cpu, [rig["case_file"], out, *options],
+                                     timeout=QEMU_TIMEOUT_S)
+    assert rc == 0, f"driver under qemu -cpu {cpu} {options}: exit {rc}\n{stdout}\n{stderr}"
+    return stdout, emu.read_outputs(out, rig["cases"])
+
+
+def assert_same_bits(rig, got, level, what):
+    bad = []
+    for case, w, g in zip(rig["cases"], rig["want"][level], got):
+        bad += emu.compare(case, w, g, f"{what} vs x86 {level}")
+    assert not bad, f"{len(bad)} mismatches:\n" + "\n".join(bad[:20])
+
+
+def info(stdout):
+    return dict(re.findall(r"(\w+)=(\S+)", stdout.splitlines()[0]))
+
+
+def test_the_library_cross_compiles_for_aarch64_without_warnings(rig):
+    assert rig["build_warnings"] == []
+
+
+def test_cases_cover_every_mode_and_the_x86_fma_levels_agree(rig):
+    names = " | ".join(c.name for c in rig["cases"])
+    for word in ("grad=bf16", "grad=f16", "m=bf16 v=f32", "m=f32 v=bf16", "remainders", "amsgrad", "l2",
+                 "bank", "copy=f16", "ties", f"n={emu.BIG}", "grad_stats", "inverse", "encode", "decode", "aio"):
+        assert word in names, word
+    if len(FMA_LEVELS) == 2:
+        assert_same_bits(rig, rig["want"]["avx512"], "avx2", "x86 avx512")
+
+
+def test_cortex_a72_dispatches_neon_and_refuses_sve(rig):
+    rc, stdout, _ = emu.emulate(rig["driver"], "cortex-a72", ["--info"], timeout=QEMU_TIMEOUT_S)
+    assert rc == 0 and info(stdout) == dict(levels="portable,neon,sve", max="neon", level="neon"), stdout
+    rc, stdout, _ = emu.emulate(rig["driver"], "cortex-a72", [rig["case_file"], str(rig["dir"] / "x.bin"),
+                                                              "--level", "sve"], timeout=QEMU_TIMEOUT_S)
+    assert rc == 3 and "refused level sve (max neon)" in stdout
+
+
+def test_neon_is_bitwise_the_x86_fma_levels(rig):
+    stdout, got = run_driver(rig, "cortex-a72", "neon", "--threads", "2")  # the level it detected
+    assert info(stdout)["level"] == "neon"
+    for level in FMA_LEVELS:
+        assert_same_bits(rig, got, level, "neon (cortex-a72)")
+
+
+def test_portable_is_bitwise_x86_portable(rig):
+    stdout, got = run_driver(rig, "cortex-a72", "portable", "--level", "portable", "--threads", "2")
+    assert info(stdout)["level"] == "portable"
+    assert_same_bits(rig, got, "portable", "aarch64 portable")
+
+
+@pytest.mark.parametrize("bits", sorted(SVE_LENGTHS))
+def test_sve_is_bitwise_the_x86_fma_levels_at_every_vector_length(rig, bits):
+    cpu = f"max,sve-default-vector-length={SVE_LENGTHS[bits]}"
+    threads = {128: "2", 256: "3", 512: "2", 2048: "1"}[bits]  # results never depend on it
+    stdout, got = run_driver(rig, cpu, f"sve{bits}", "--threads", threads)
+    assert info(stdout) == dict(levels="portable,neon,sve", max="sve", level="sve", sve_bits=str(bits)), stdout
+    for level in FMA_LEVELS:
+        assert_same_bits(rig, got, level, f"sve at {bits} bits")
+
+
+@pytest.mark.parametrize("cpu,tag", [("cortex-a72", "neon"), ("max,sve-default-vector-length=32", "sve256")])
+def test_streaming_stores_give_the_same_bits(rig, cpu, tag):
+    _, got = run_driver(rig, cpu, f"{tag}-stnp", "--streaming-stores", "--threads", "2")
+    assert_same_bits(rig, got, FMA_LEVELS[0], f"{tag} with streaming stores")
