@@ -37,14 +37,16 @@ PRESETS = {
                      gpu_tflops=300, nvlink_gbps=300.0, ib_gbps=50.0),
         nvme=dict(drives=1, read=7.0, write=5.0, drive_bytes=3.84e12)),
     "gh200": dict(
-        about="one GH200 superchip: H100 with 96 GB HBM3, 72-core Grace, 480 GB LPDDR5X, NVLink-C2C",
+        about="one GH200 superchip: H100 with 96 GB HBM3, 72-core Grace (Neoverse V2, 128-bit "
+              "SVE2), 480 GB LPDDR5X, NVLink-C2C",
         sources="datasheet: 96 GB HBM3 at 4 TB/s, 480 GB LPDDR5X up to 500 GB/s, NVLink-C2C "
                 "900 GB/s total (450 GB/s each way, used as is: practical rates are lower), "
-                "989 bf16 dense TFLOPS. Assumed: device Adam at 80%% of HBM; 40%% MFU (400 "
-                "TFLOPS); Grace CPU Adam 1e10 elem/s on 72 cores (~280 GB/s, ~55%% of LPDDR5X "
-                "peak); one NVMe drive at 7 / 5 GB/s, 3.84 TB. With --gpus > 1: NVLink 4 between "
-                "superchips 900 GB/s (datasheet; 450 GB/s each way), one 400 Gb/s NIC per "
-                "superchip (assumed)",
+                "989 bf16 dense TFLOPS. Assumed: device Adam at 80%% of HBM and 40%% MFU (400 "
+                "TFLOPS), as 8xh100-node's H100 figures; Grace CPU Adam 1e10 elem/s on 72 cores "
+                "(~280 GB/s, ~55%% of LPDDR5X peak; cpu_kernels' sve/neon levels are tested under "
+                "emulation only, their speed on Grace unmeasured); one NVMe drive at 7 / 5 GB/s, "
+                "3.84 TB. With --gpus > 1: NVLink 4 between superchips 900 GB/s (datasheet; 450 "
+                "GB/s each way), one 400 Gb/s NIC per superchip (assumed)",
         machine=dict(gpus=1, gpu_mem_bytes=96 * GB, host_mem_bytes=480 * GB,
                      device_adam_gbps=3200, host_adam_gelems_per_s=10.0, h2d_gbps=450,
                      d2h_gbps=450, gpu_tflops=400, nvlink_gbps=450.0, ib_gbps=50.0),

@@ -214,9 +214,10 @@ def kernel_cases(seed=23) -> list:
                     for decoupled in (True, False):
                         for bank in (False, True):
                             for copy in ((None,) if rem else (None, BF16, F16)):
-                                n = LENGTHS[(idx * 7) % len(LENGTHS)]
-                                cases.append(adam_case(rng, idx, n, gdt, mdt, vdt, rem, ams, decoupled,
-                                                       bank, copy, HYPERS[idx % len(HYPERS)]))
+                                for shift in (0, 11):  # two lengths each, one short one not
+                                    n = LENGTHS[(idx * 7 + shift) % len(LENGTHS)]
+                                    cases.append(adam_case(rng, idx, n, gdt, mdt, vdt, rem, ams, decoupled,
+                                                           bank, copy, HYPERS[(idx + shift) % len(HYPERS)]))
                                 idx += 1
     ties = dict(step=3, lr=0.0, beta1=0.0, beta2=0.999, eps=1e-8, weight_decay=0.01, grad_scale=1.0)
     for k, (mdt, copy, rem, bank) in enumerate(((F32, BF16, False, False), (BF16, F16, False, True),

@@ -1,7 +1,7 @@
 """cpu_kernels on AArch64, under emulation: the library's C sources cross-compiled with its
 own flags (gcc-aarch64-linux-gnu, statically linked with a test driver) and run under
 qemu-aarch64 — NEON-only on a Cortex-A72 model (no SVE: the SVE level must be refused and
-never dispatched to), SVE at 128, 256, 512 and 2048 bits on qemu's `max` CPU — on the
+never dispatched to), SVE at 128, 256, 384, 512, 1024 and 2048 bits on qemu's `max` CPU — on the
 kernel test vectors of tests/aarch64_emu.py; every output compared bit for bit with this
 machine's x86 build on the same inputs (NEON/SVE with the FMA levels avx2/avx512, portable
 with portable), under the NaN rules stated there.
@@ -19,8 +19,10 @@ import pytest
 import aarch64_emu as emu
 import cpu_kernels as ck
 
-# qemu 7.2: sve-default-vector-length takes bytes; svcntw() then reports 4, 8, 16, 64
-SVE_LENGTHS = {128: 16, 256: 32, 512: 64, 2048: 256}
+# qemu 7.2: sve-default-vector-length takes bytes; svcntw() then reports 4, 8, 16, 64 for the
+# issue's 128, 256, 512 and 2048 bits (Grace: 128). 384 and 1024 too: SVE allows any multiple
+# of 128, and at 384 grad_stats' 16 lanes span 3 accumulators of 6 lanes, the last one part-used
+SVE_LENGTHS = {128: 16, 256: 32, 384: 48, 512: 64, 1024: 128, 2048: 256}
 FMA_LEVELS = [lv for lv in ("avx2", "avx512") if lv in ck.available_simd_levels()]
 QEMU_TIMEOUT_S = 180
 
@@ -104,7 +106,7 @@ def test_portable_is_bitwise_x86_portable(rig):
 @pytest.mark.parametrize("bits", sorted(SVE_LENGTHS))
 def test_sve_is_bitwise_the_x86_fma_levels_at_every_vector_length(rig, bits):
     cpu = f"max,sve-default-vector-length={SVE_LENGTHS[bits]}"
-    threads = {128: "2", 256: "3", 512: "2", 2048: "1"}[bits]  # results never depend on it
+    threads = {128: "2", 256: "3", 384: "2", 512: "2", 1024: "3", 2048: "1"}[bits]  # results never depend on it
     stdout, got = run_driver(rig, cpu, f"sve{bits}", "--threads", threads)
     assert info(stdout) == dict(levels="portable,neon,sve", max="sve", level="sve", sve_bits=str(bits)), stdout
     for level in FMA_LEVELS:
