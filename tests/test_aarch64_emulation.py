@@ -117,3 +117,37 @@ def test_sve_is_bitwise_the_x86_fma_levels_at_every_vector_length(rig, bits):
 def test_streaming_stores_give_the_same_bits(rig, cpu, tag):
     _, got = run_driver(rig, cpu, f"{tag}-stnp", "--streaming-stores", "--threads", "2")
     assert_same_bits(rig, got, FMA_LEVELS[0], f"{tag} with streaming stores")
+
+
+class _FakeArmLibrary:
+    """cpu_kernels' C entry points as an AArch64 build with SVE answers them (no Python runs
+    under the emulation, so HYBRID_OPT_SIMD's handling is checked against this stand-in)."""
+
+    def __init__(self):
+        self.level = 2
+
+    def hybrid_max_level(self):
+        return 2
+
+    def hybrid_get_level(self):
+        return self.level
+
+    def hybrid_set_level(self, level):
+        if not 0 <= level <= 2:
+            return -1
+        self.level = level
+        return 0
+
+
+@pytest.mark.parametrize("value,want", [("neon", "neon"), (" Portable ", "portable"), ("sve", "sve"),
+                                        ("avx2", "sve")])
+def test_hybrid_opt_simd_lowers_the_aarch64_levels(monkeypatch, value, want):
+    from cpu_kernels import _lib
+    monkeypatch.setattr(_lib, "lib", _FakeArmLibrary())
+    monkeypatch.setattr(_lib, "LEVELS", ("portable", "neon", "sve"))
+    monkeypatch.setenv("HYBRID_OPT_SIMD", value)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        _lib._apply_env_level()
+    assert _lib.simd_level() == want and _lib.available_simd_levels() == ["portable", "neon", "sve"]
+    assert any("is not one of ('portable', 'neon', 'sve')" in str(w.message) for w in seen) == (value == "avx2")
