@@ -739,10 +739,17 @@ def test_set_num_threads_rejects_non_positive_or_non_int(n):
 
 
 # --------------------------------------------------------------------------------- simd
-def test_simd_level_is_one_of_the_three_and_available():
-    assert ck.simd_level() in ("avx512", "avx2", "portable")
+# the architecture's levels, lowest first (x86-64: portable, avx2, avx512; AArch64: portable, neon, sve)
+ARCH_LEVELS = {"x86_64": ("portable", "avx2", "avx512"), "aarch64": ("portable", "neon", "sve")}
+
+
+def test_simd_level_is_one_of_the_architectures_three_and_available():
+    import platform
+    from cpu_kernels import _lib
+    arch = ARCH_LEVELS.get(platform.machine(), ("portable",))
+    assert _lib.LEVELS == arch, (platform.machine(), _lib.LEVELS)
     assert LEVELS[0] == "portable" and ck.simd_level() in LEVELS
-    assert set(LEVELS) <= {"avx512", "avx2", "portable"}
+    assert set(LEVELS) <= set(arch)
 
 
 def test_set_simd_level_rejects_an_unknown_level():
@@ -752,10 +759,15 @@ def test_set_simd_level_rejects_an_unknown_level():
     assert ck.simd_level() == saved
 
 
-@pytest.mark.skipif(LEVELS[-1] == "avx512", reason="this CPU runs every level")
+def _top_level():
+    from cpu_kernels import _lib
+    return _lib.LEVELS[-1]
+
+
+@pytest.mark.skipif(LEVELS[-1] == _top_level(), reason="this CPU runs every level")
 def test_set_simd_level_rejects_a_level_above_the_cpu():
-    with pytest.raises(ValueError, match="this CPU cannot run SIMD level 'avx512'"):
-        ck.set_simd_level("avx512")
+    with pytest.raises(ValueError, match=f"this CPU cannot run SIMD level '{_top_level()}'"):
+        ck.set_simd_level(_top_level())
 
 
 def test_set_simd_level_switches_the_dispatcher(simd):
