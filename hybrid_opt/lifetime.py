@@ -102,7 +102,7 @@ def warn_unclosed(opt) -> None:
     everything is freed anyway)."""
     if sys.is_finalizing():
         return
-    warnings.warn(f"a {type(opt).__name__} was garbage-collected without close(): its worker process, "
-                  f"shared memory and nvme files were freed now, when the gc found it. Call "
+    warnings.warn(f"a {type(opt).__name__} was collected without close(): its worker process, "
+                  f"shared memory and nvme files were freed when nothing held it any more. Call "
                   f"opt.close() (or use `with {type(opt).__name__}(...) as opt:`) to free them when "
                   f"you are done with it", UnclosedOptimizerWarning, stacklevel=2)

@@ -211,6 +211,16 @@ class _HybridBase(ZeroParamsMixin, SpeculationMixin, PlacementMixin, CheckpointM
     @lifetime.acts_on_owner
     @torch.no_grad()
     def step(self, closure=None):
+        try:
+            return self._step(closure)
+        except BaseException:
+            # GradScaler.step sets these for one call and deletes them only after a return: a
+            # step that raised (a refusal, a failure) would otherwise scale the next by them
+            self.__dict__.pop("grad_scale", None)
+            self.__dict__.pop("found_inf", None)
+            raise
+
+    def _step(self, closure):
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -428,8 +438,11 @@ class _HybridBase(ZeroParamsMixin, SpeculationMixin, PlacementMixin, CheckpointM
         if not lifetime.is_owner(self) or getattr(self, "_closed", True):
             return
         try:
+            self.close()  # first: a warning made an error (-W error) must not keep it open
+        except Exception:
+            pass
+        try:
             lifetime.warn_unclosed(self)
-            self.close()
         except Exception:
             pass
 

@@ -110,8 +110,11 @@ def fraction_miss(plan: Plan, offload_fraction: float, nvme_fraction: float, sub
     if not empty and abs(off - offload_fraction) <= MISS_SHARE and abs(nv - nvme_fraction) <= MISS_SHARE:
         return None
     n = len(plan.numels)
-    finer = max(1, total // 8)
-    finer = 1 << (finer.bit_length() - 1)  # a power of two at most total / 8: about 8 subgroups or more
+    # a power of two no larger than half the smallest share asked for (so whole subgroups can
+    # come within half a subgroup of it) and than total / 8 (about 8 subgroups or more)
+    smallest = min(share for share in asked.values() if share > 0)
+    finer = max(1, int(min(total / 8, smallest * total / 2)))
+    finer = 1 << (finer.bit_length() - 1)
     return (f"offload_fraction={offload_fraction:g}, nvme_fraction={nvme_fraction:g} asked for "
             f"{offload_fraction:.0%} of the elements off the device ({nvme_fraction:.0%} on nvme), but "
             f"a subgroup is placed whole and the {total:,} elements make {n} subgroup"

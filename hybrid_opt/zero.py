@@ -66,13 +66,15 @@ from __future__ import annotations
 
 import datetime
 import warnings
+import weakref
 from dataclasses import dataclass
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 from hybrid_opt import distributed as D
 from hybrid_opt.zero_counts import GradCounts
-from hybrid_opt.zero_edits import ReadVersions, edit_error, equals_average
+from hybrid_opt.zero_edits import GradEdits, ReadVersions
 from hybrid_opt.zero_gather import ParamGather, ZeroParamsMixin  # noqa: F401 (optimizer's mixin)
 
 BUCKET_NUMEL = 1 << 22      # elements per reduce-scatter / all-gather bucket (16 MB of fp32)
@@ -89,6 +91,8 @@ WAIT_S = 300.0              # bound on each wait for a collective (a peer rank t
 # Tests set it to run every path on gloo.
 COLLECTIVES = None
 _KINDS = ("all_to_all", "reduce_scatter", "all_reduce")
+# param -> weakref of the ZeroSharding whose reduce hooks it carries (install())
+_HOOKED = WeakIdKeyDictionary()
 
 
 @dataclass(eq=False)
@@ -129,7 +133,7 @@ def _chunk_numel(p: torch.Tensor, rank: int, world: int) -> int:
     return (b - a) * (p.numel() // p.shape[0] if p.shape[0] else 0)
 
 
-class ZeroSharding(ParamGather, GradCounts):
+class ZeroSharding(ParamGather, GradCounts, GradEdits):
     """The collectives of process_group mode for one optimizer (module docstring)."""
 
     def __init__(self, params: list, group, bucket_numel: int | None = None):
@@ -166,6 +170,7 @@ class ZeroSharding(ParamGather, GradCounts):
         self.params = list(params)
         self.buckets = self._make_buckets(params, bucket_numel or BUCKET_NUMEL)
         self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
+        self._place_of = {id(p): (b, k) for b in self.buckets for k, p in enumerate(b.params)}
         self._arrived: dict = {}   # bucket id -> set of param ids whose grads arrived
         self._pending: list = []   # [(bucket, work, scratch, grads)] launched, not yet completed
         self._fired: set = set()   # buckets whose grads all arrived, waiting for their turn
@@ -230,10 +235,22 @@ class ZeroSharding(ParamGather, GradCounts):
     # ------------------------------------------------------------------ grads
     def install(self, on_reduced, is_boundary) -> None:
         """Hooks on every trainable param; `on_reduced(p)` runs once p's averaged chunk is in
-        place (the optimizer's speculation hook); `is_boundary()` False: reduce nothing."""
+        place (the optimizer's speculation hook); `is_boundary()` False: reduce nothing.
+
+        A param still hooked by an older ZeroSharding (an optimizer dropped but not collected
+        yet: one in a reference cycle, as a Trainer's is, lives until the cyclic gc runs, and
+        that moment differs between ranks) is taken over: the older one's hooks come off
+        here, at construction, on every rank alike — else it would go on issuing its
+        reductions on the ranks where it is not collected yet, and the ranks' collectives
+        would no longer pair."""
         self.remove()
         self._on_reduced, self._is_boundary = on_reduced, is_boundary
         for p in self.params:
+            older = _HOOKED.get(p)
+            older = older() if older is not None else None
+            if older is not None and older is not self:
+                older.remove()
+            _HOOKED[p] = weakref.ref(self)
             if p.requires_grad:
                 self._handles.append(p.register_post_accumulate_grad_hook(self._on_grad))
 
@@ -412,36 +429,6 @@ class ZeroSharding(ParamGather, GradCounts):
         if ok is False:
             raise RuntimeError(f"process_group: {what} did not complete within {bound}: a "
                                f"peer rank died or stopped stepping")
-
-    def _check_ddp(self, b: _Bucket) -> None:
-        """Once, in step(): grads equal to their average on every element look like DDP's (it
-        writes the averages into p.grad at the end of backward, after our hooks copied the local
-        grads out; checked before that, the local grads would be compared): correct, but
-        communicated twice."""
-        if self._ddp_checked:
-            return
-        self._ddp_checked = True
-        same = [self._equals_average(p) for p in b.params]
-        any_nonzero = any(p.grad is not None and bool(p.grad.any()) for p in b.params)
-        if False not in same and True in same and any_nonzero and self.world > 1:
-            warnings.warn("process_group: the grads arrived already averaged over the ranks (the "
-                          "model looks wrapped in DistributedDataParallel): the result is correct, "
-                          "but grads are communicated twice. With process_group= the optimizer "
-                          "averages them itself: drop the DDP wrapper", stacklevel=4)
-
-    def _equals_average(self, p) -> bool | None:
-        """Whether this rank's chunk of p.grad is p's averaged chunk (what DDP writes there)."""
-        b = self._bucket_of[id(p)]
-        k = next(i for i, q in enumerate(b.params) if q is p)
-        a, n = b.offsets[k][self.rank], b.numels[k][self.rank]
-        return equals_average(p, b.out[a:a + n], self.rank, self.world)
-
-    def grad_edit_error(self, unscaled: bool):
-        """After finish(): the refusal of this step (zero_edits.py) — a grad changed in place
-        since its reduction read it, or (`unscaled`) GradScaler.step found it unscaled — or None."""
-        moved = self._reads.moved(self.params, self._reduced)
-        ddp_like = bool(moved) and all(self._equals_average(p) is not False for p, _ in moved)
-        return edit_error(moved, ddp_like, unscaled)
 
     def finish(self) -> None:
         """Before step(): the buckets not issued yet are issued, in order (fired or not: a

@@ -31,6 +31,8 @@ where it bites rather than at the first step (without DDP, at the first step: th
 """
 from __future__ import annotations
 
+import warnings
+
 import torch
 
 from hybrid_opt import distributed as D
@@ -80,13 +82,32 @@ class ReadVersions:
         self._at.clear()
 
 
-def equals_average(p, average: torch.Tensor, rank: int, world: int) -> bool | None:
+# DDP's average (each rank's grad divided by the world, then summed in its own order) and ours
+# (summed in rank order, then divided) differ by rounding from 3 ranks on (bitwise equal at
+# 2): a few ulps of the terms per rank, so the tolerance scales with the world and with the
+# param's largest averaged element (an element where the terms nearly cancel has the terms'
+# error, not its own magnitude's). A clip that bites moves every element by (1 - coefficient).
+_ULPS_PER_RANK = 4.0
+
+
+def equals_average(p, average: torch.Tensor, rank: int, world: int):
     """Whether this rank's chunk of p.grad holds `average` (p's averaged chunk) — what DDP
-    leaves there; None when this rank's chunk is empty."""
+    leaves there — within the rounding of another summation order: a 0-dim bool tensor on
+    the grads' device (not read here: the caller reads every param's at once), or None when
+    this rank's chunk is empty."""
     if p.grad is None or average.numel() == 0:
         return None
     mine = D.zero_chunk(p.grad, rank, world).reshape(-1).float()
-    return torch.allclose(mine, average.float(), rtol=1e-6, atol=0.0)
+    avg = average.float()
+    eps = torch.finfo(torch.float32).eps * _ULPS_PER_RANK * world
+    tol = eps * (avg.abs() + avg.abs().max())
+    return ((mine - avg).abs() <= tol).all()
+
+
+def all_true(flags: list) -> bool:
+    """Whether every flag (0-dim bool tensors, or None: no chunk here) holds: one read."""
+    flags = [f for f in flags if f is not None]
+    return bool(torch.stack(flags).all()) if flags else True
 
 
 def edit_error(moved: list, ddp_like: bool, unscaled: bool) -> GradsEditedError | None:
@@ -98,7 +119,10 @@ def edit_error(moved: list, ddp_like: bool, unscaled: bool) -> GradsEditedError 
             "process_group: scaler.unscale_(optimizer) was called after backward, but the grads "
             "had already been reduce-scattered, scaled, during backward: the unscaled p.grad "
             "would be silently ignored (and the step's scale lost). Nothing was stepped, on any "
-            "rank. " + RECIPE)
+            "rank. Under HF Trainer with fp16, accelerate's clip_grad_norm_ unscales even at "
+            "TrainingArguments(max_grad_norm=0) (Trainer calls it for its logged grad norm): "
+            "override Trainer._get_grad_norm to return its grad_norm argument "
+            "(docs/frameworks.md). " + RECIPE)
     if not moved or ddp_like:
         return None  # DDP's write of the averages, and edits that changed nothing (docstring)
     p, delta = moved[0]
@@ -109,3 +133,40 @@ def edit_error(moved: list, ddp_like: bool, unscaled: bool) -> GradsEditedError 
         f"framework's gradient clipping, an edit of p.grad), but HybridAdamW had already "
         f"reduce-scattered them during backward: the change would be silently ignored. "
         f"Nothing was stepped, on any rank. " + DDP_NOTE + RECIPE)
+
+
+class GradEdits:
+    """ZeroSharding's side (a mixin beside GradCounts and ParamGather): whether this step's
+    grads are what its reductions read, and the DDP wrapper seen."""
+
+    def _check_ddp(self, b) -> None:
+        """Once, in step(): grads equal to their average on every element look like DDP's (it
+        writes the averages into p.grad at the end of backward, after our hooks copied the local
+        grads out; checked before that, the local grads would be compared): correct, but
+        communicated twice."""
+        if self._ddp_checked:
+            return
+        self._ddp_checked = True
+        same = [self._equals_average(p) for p in b.params]
+        grads = [p.grad for p in b.params if p.grad is not None]
+        any_nonzero = bool(torch.stack([g.any() for g in grads]).any()) if grads else False
+        if any(f is not None for f in same) and all_true(same) and any_nonzero and self.world > 1:
+            warnings.warn("process_group: the grads arrived already averaged over the ranks (the "
+                          "model looks wrapped in DistributedDataParallel): the result is correct, "
+                          "but grads are communicated twice. With process_group= the optimizer "
+                          "averages them itself: drop the DDP wrapper", stacklevel=4)
+
+    def _equals_average(self, p):
+        """Whether this rank's chunk of p.grad is p's averaged chunk (what DDP writes there): a
+        0-dim bool tensor, not read (zero_edits.equals_average), or None (no chunk here)."""
+        b, k = self._place_of[id(p)]
+        a, n = b.offsets[k][self.rank], b.numels[k][self.rank]
+        return equals_average(p, b.out[a:a + n], self.rank, self.world)
+
+    def grad_edit_error(self, unscaled: bool):
+        """After finish(): the refusal of this step (zero_edits.py) — a grad changed in place
+        since its reduction read it, or (`unscaled`) GradScaler.step found it unscaled — or None.
+        A step with no moved grad reads nothing; under DDP (every grad moved) one read in all."""
+        moved = self._reads.moved(self.params, self._reduced)
+        ddp_like = bool(moved) and all_true([self._equals_average(p) for p, _ in moved])
+        return edit_error(moved, ddp_like, unscaled)

@@ -179,8 +179,10 @@ def _check_shard_owner(saved, zero) -> None:
     # None: a full or DCP-made state (resharded to this rank)
     wrong = saved is not None and (saved["rank"], saved["world"]) != (zero.rank, zero.world)
     if zero.world > 1:
-        from hybrid_opt.rank_faults import _device
-        flag = torch.tensor([1.0 if wrong else 0.0], device=_device(zero.dist))
+        # on the group's own backend's device (NCCL reduces CUDA tensors: the params' device)
+        nccl = zero.dist.get_backend(zero.group) == "nccl"
+        device = zero.buckets[0].device if nccl and zero.buckets else torch.device("cpu")
+        flag = torch.tensor([1.0 if wrong else 0.0], device=device)
         zero.dist.all_reduce(flag, op=zero.dist.ReduceOp.MAX, group=zero.group)
         if flag.item() and not wrong:
             raise ValueError(f"load_state_dict: another rank was given a state_dict that is not "

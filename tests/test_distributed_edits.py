@@ -9,7 +9,9 @@ from dist_launch import DIST_MARKS, launch
 
 pytestmark = DIST_MARKS
 
-CASES = ("clip", "clip_rank1", "mul", "ddp", "ddp_clip", "ddp_unbitten_clip", "unscale", "rank0_checkpoint")
+CASES = ("clip", "clip_rank1", "mul", "ddp", "ddp_clip", "ddp_unbitten_clip", "unscale", "rank0_checkpoint",
+         "takeover")
+DDP_CASES = ("ddp", "ddp_unbitten_clip", "ddp_clip")
 RECIPE = ("HybridAdamW(..., max_grad_norm=", "attach_grad_scaler", "TrainingArguments(max_grad_norm=0)",
           "gradient_clip_val=None", "accelerator.clip_grad_norm_")
 
@@ -50,6 +52,70 @@ def test_ddp_writing_its_averages_and_a_clip_that_does_not_bite_are_not_edits(ed
             assert res[case]["error"] is None and res[case]["steps"] == 1, res[case]
         for a, b in zip(res["ddp"]["params"], res["ddp_unbitten_clip"]["params"]):
             assert torch.equal(a, b)
+
+
+@pytest.fixture(scope="module")
+def edited_3_ranks(tmp_path_factory):
+    return launch("zero_edits.py", str(tmp_path_factory.mktemp("zero_edits3")), *DDP_CASES, nproc=3,
+                  timeout_s=170)
+
+
+def test_ddp_averages_at_3_ranks_are_recognised_whatever_their_rounding(edited_3_ranks):
+    """From 3 ranks DDP's average (divide, then sum) and ours (sum, then divide) differ in
+    the last bits: still DDP's write, not an edit (refused at every step before)."""
+    for res in edited_3_ranks:
+        for case in ("ddp", "ddp_unbitten_clip"):
+            assert res[case]["error"] is None and res[case]["steps"] == 1, (case, res[case])
+        assert res["ddp_clip"]["is_edit"] and res["ddp_clip"]["steps"] == 0
+
+
+def test_a_dropped_optimizer_in_a_cycle_is_taken_over_by_the_next(edited):
+    """Rank 0 collects the dropped optimizer, rank 1 does not: the new one took its hooks over
+    at construction, so no rank issues the old one's reductions (it hung before)."""
+    for res in edited:
+        assert res["takeover"]["error"] is None and res["takeover"]["steps"] == 2
+    for a, b in zip(edited[0]["takeover"]["params"], edited[1]["takeover"]["params"]):
+        assert torch.equal(a, b)
+
+
+def test_a_refused_step_inside_scaler_step_leaves_the_next_step_unscaled_right(tmp_path):
+    """GradScaler sets grad_scale / found_inf on the optimizer for one step() and deletes them
+    only after it returns: a refused step must not leave them to scale the next one."""
+    import sys
+
+    import torch.distributed as dist
+
+    from dist_launch import SCRIPTS
+    sys.path.insert(0, SCRIPTS)
+    import common as C
+    from hybrid_opt import GradsEditedError, HybridAdamW
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/rdzv", rank=0, world_size=1)
+    try:
+        def train(refuse_first: bool) -> list:
+            model = C.build_model()
+            with HybridAdamW(model.parameters(), lr=C.LR, subgroup_numel=32, offload_fraction=0.5,
+                             process_group=dist.group.WORLD) as opt:
+                scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+                opt.attach_grad_scaler(scaler)
+                for i, x in enumerate(C.batches()):
+                    opt.zero_grad()
+                    scaler.scale(C.loss_fn(model, x)).backward()
+                    if refuse_first and i == 0:
+                        next(model.parameters()).grad.mul_(0.5)
+                        with pytest.raises(GradsEditedError):
+                            scaler.step(opt)
+                        assert "grad_scale" not in opt.__dict__ and "found_inf" not in opt.__dict__
+                        scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)  # a fresh start
+                        opt.attach_grad_scaler(scaler)
+                        opt.zero_grad()
+                        scaler.scale(C.loss_fn(model, x)).backward()
+                    scaler.step(opt)
+                    scaler.update()
+                return [p.detach().clone() for p in model.parameters()]
+        for a, b in zip(train(True), train(False)):
+            assert torch.equal(a, b)
+    finally:
+        dist.destroy_process_group()
 
 
 def test_ddp_and_a_clip_that_bites_is_refused_naming_the_wrapper(edited):

@@ -53,9 +53,43 @@ def rank0_checkpoint(rank: int, tmp: str) -> dict:
     return out
 
 
+def takeover(rank: int, world: int) -> dict:
+    """A process_group optimizer dropped while in a reference cycle (as a Trainer's is) lives
+    until the cyclic gc runs, which rank 0 does here and rank 1 does not; a new optimizer on
+    the same model takes its hooks over at construction, so the ranks' collectives still pair."""
+    import gc
+    model = C.build_model()
+    x = C.local_batch(C.batches(1)[0], rank, world)
+
+    class Holder:  # a Trainer-like object in a cycle
+        def __init__(self):
+            self.me, self.opt = self, HybridAdamW(model.parameters(), lr=C.LR, subgroup_numel=32,
+                                                  offload_fraction=0.5, process_group=dist.group.WORLD)
+    holder = Holder()
+    C.loss_fn(model, x).backward()
+    holder.opt.step()
+    holder.opt.zero_grad()
+    if rank == 1:
+        gc.disable()  # its automatic collections would find the cycle too, some time
+    del holder
+    if rank == 0:
+        gc.collect()
+    with HybridAdamW(model.parameters(), lr=C.LR, subgroup_numel=32, offload_fraction=0.5,
+                     process_group=dist.group.WORLD) as opt:
+        for _ in range(2):
+            opt.zero_grad()
+            C.loss_fn(model, x).backward()
+            opt.step()
+        out = dict(error=None, steps=opt._steps_taken, params=[p.detach().clone() for p in model.parameters()])
+    gc.enable()
+    return out
+
+
 def run(name: str, rank: int, world: int, tmp: str) -> dict:
     if name == "rank0_checkpoint":
         return rank0_checkpoint(rank, tmp)
+    if name == "takeover":
+        return takeover(rank, world)
     model = C.build_model()
     before = [p.detach().clone() for p in model.parameters()]
     forward = torch.nn.parallel.DistributedDataParallel(model) if name.startswith("ddp") else model
