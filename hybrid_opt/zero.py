@@ -162,7 +162,14 @@ class ZeroSharding(ParamGather, GradCounts, GradEdits):
                                  f"{p.stride()}: make it contiguous before building the optimizer")
         from torch.distributed.device_mesh import DeviceMesh
         device_type = params[0].device.type if params else "cpu"
-        self.mesh = DeviceMesh.from_group(group, device_type)
+        self.mesh = DeviceMesh.from_group(group, device_type)  # the state's DTensors: the user's group
+        # our collectives on a group of their own: a DDP wrapper (accelerate and HF Trainer add
+        # one) issues its own on the default group from hooks that interleave with ours, in an
+        # order that can differ between ranks (find_unused_parameters with a param unused on
+        # one rank: gloo reported a collective mismatch); on separate groups the order of each
+        # group's collectives is all that must agree. Collective: every rank builds its optimizer
+        self.group = dist.new_group(ranks=dist.get_process_group_ranks(group),
+                                    backend=dist.get_backend(group))
         spec = ZeroSpec(self.mesh, self.rank, self.world)
         registry, _ = D._zero_maps()
         for p in params:

@@ -82,9 +82,14 @@ class GradCounts:
     def _grant(self, b, grads: list, missing: list, counts: list) -> None:
         for k in missing:
             p = b.params[k]
-            if p.grad is None and counts[k] > 0:
-                # unused here, used on another rank: the averaged grad is this rank's too
-                p.grad = torch.zeros_like(p)
+            if counts[k] > 0 and grads[k] is None:
+                # unused here, used on another rank: the averaged grad is this rank's too. A
+                # grad made since by someone else — a DDP wrapper with find_unused_parameters
+                # writes its average into such a param at the end of backward, before lazy
+                # counts are read in step() — is that grant too, not a replacement to reduce
+                # again (that re-reduction would run on this rank alone: the ranks would hang)
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
                 grads[k] = self._reduced[id(p)] = p.grad
                 self._reads.note(p)
 

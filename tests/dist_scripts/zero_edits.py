@@ -85,9 +85,43 @@ def takeover(rank: int, world: int) -> dict:
     return out
 
 
+def ddp_unused(name: str, rank: int, world: int) -> dict:
+    """DDP(find_unused_parameters=True) — HF Trainer's default for most models — around a
+    process_group model whose last bias gets no grad on rank 1 (C.loss_bias_unused), small
+    buckets; "_lazy": the has-grad counts read in step() (CUDA's way), after DDP has written
+    its average into that bias's grad. Saves the params after each step."""
+    from hybrid_opt import zero, zero_counts
+    saved = zero.BUCKET_NUMEL, zero_counts.LAZY
+    zero.BUCKET_NUMEL, zero_counts.LAZY = 64, (True if name.endswith("_lazy") else None)
+
+    class Loss(torch.nn.Module):
+        def __init__(self, model):
+            super().__init__()
+            self.model = model
+
+        def forward(self, x, step):
+            return C.loss_bias_unused(self.model, x, rank, world, step)
+    model = C.build_model()
+    ddp = torch.nn.parallel.DistributedDataParallel(Loss(model), find_unused_parameters=True)
+    out = dict(error=None, params=[])
+    try:
+        with HybridAdamW(model.parameters(), lr=C.LR, subgroup_numel=32, offload_fraction=0.5,
+                         process_group=dist.group.WORLD) as opt:
+            for i, x in enumerate(C.batches()):
+                opt.zero_grad()
+                ddp(C.local_batch(x, rank, world), i).backward()
+                opt.step()
+                out["params"].append([p.detach().clone() for p in model.parameters()])
+    finally:
+        zero.BUCKET_NUMEL, zero_counts.LAZY = saved
+    return out
+
+
 def run(name: str, rank: int, world: int, tmp: str) -> dict:
     if name == "rank0_checkpoint":
         return rank0_checkpoint(rank, tmp)
+    if name.startswith("ddp_unused"):
+        return ddp_unused(name, rank, world)
     if name == "takeover":
         return takeover(rank, world)
     model = C.build_model()
