@@ -74,3 +74,66 @@ def test_bench_compressed_backward_mode_speculates_and_times_the_iteration(tmp_p
         # the cheap loss's backward fires the grad hooks: host steps start before step()
         assert r["subgroups_committed"] + r["subgroups_redone"] > 0, r
         assert r["iter_median_ms"] >= r["median_ms"]
+
+
+PEERS_KEYS = {"impl", "config", "ranks", "median", "p20", "p80", "pss", "allocated", "nvme_bytes", "max_dev",
+              "device", "versions", "timestamp", "skipped"}
+
+
+def test_bench_peers_tiny_run_writes_every_row_in_the_fixed_schema(tmp_path):
+    """bench_peers.py end to end on a tiny model, 2 gloo ranks, one round: the DDP reference, a
+    process_group row with bf16 moments and an FSDP2 row with half the state on nvme (three
+    launches); the release_grads row runs where HybridAdamW has the keyword, else is skipped
+    saying so; a DeepSpeed row is skipped for want of --peer-python (no peer venv here)."""
+    import inspect
+    from hybrid_opt import HybridAdamW
+    has_release = any("release_grads" in inspect.signature(c.__init__).parameters
+                      for c in HybridAdamW.__mro__ if "__init__" in c.__dict__)
+    out = {k: tmp_path / f"peers.{k}" for k in ("json", "md", "png")}
+    nvme_dir = os.path.join(REPO, "bench_out")  # git-ignored, on the disk (tmp_path may be tmpfs)
+    rows = ["ddp-fused", "pg-bf16", "fsdp2-nvme0.5", "pg-inverse-release", "ds-zero2-cpu"]
+    cmd = [sys.executable, os.path.join(REPO, "benchmarks", "bench_peers.py"), "--d-model", "32", "--layers", "2",
+           "--vocab", "128", "--heads", "2", "--seq", "16", "--rounds", "1", "--steps", "3", "--warmup", "1",
+           "--ranks", "2", "--rows", ",".join(rows), "--nvme-dir", nvme_dir, "--timeout", "120",
+           "--json", str(out["json"]), "--md", str(out["md"]), "--png", str(out["png"])]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    records = json.loads(out["json"].read_text())
+    assert [set(r) for r in records] == [PEERS_KEYS] * len(rows)
+    by = {r["config"]: r for r in records}
+    assert set(by) == {"DDP + AdamW(fused=True)", "process_group, bf16 moments", "FSDP2, nvme_fraction 0.5",
+                       'process_group, rollback="inverse", release_grads=True', "ZeRO-2 + CPU optimizer offload"}
+    ds = by["ZeRO-2 + CPU optimizer offload"]
+    assert ds["impl"] == "DeepSpeed" and "--peer-python" in ds["skipped"] and ds["median"] is None
+    release = by['process_group, rollback="inverse", release_grads=True']
+    assert (release["skipped"] is None) == has_release, release["skipped"]
+    ran = [r for r in records if r["skipped"] is None]
+    assert len(ran) == 3 + has_release
+    for r in ran:
+        assert r["ranks"] == 2 and r["device"].startswith("cpu") and r["timestamp"]
+        assert 0 < r["p20"] <= r["median"] <= r["p80"], r
+        assert len(r["pss"]) == 2 and all(p > 50 * 2 ** 20 for p in r["pss"]), r  # a torch process at least
+        assert len(r["nvme_bytes"]) == 2 and len(r["allocated"]) == 2
+        assert r["versions"]["torch"] == torch.__version__ and r["versions"]["python"]
+        assert r["max_dev"] is not None
+    ddp = by["DDP + AdamW(fused=True)"]
+    assert ddp["impl"] == "torch" and ddp["max_dev"] == 0.0 and ddp["allocated"] == [None, None]
+    assert ddp["nvme_bytes"] == [0, 0]
+    # the same trajectory: fp32 state within fp32 rounding of DDP's, bf16 moments within bf16's
+    assert by["FSDP2, nvme_fraction 0.5"]["max_dev"] < 1e-4
+    assert by["process_group, bf16 moments"]["max_dev"] < 2e-2
+    nvme = by["FSDP2, nvme_fraction 0.5"]
+    assert all(b > 0 for b in nvme["nvme_bytes"])
+    for r in (nvme, by["process_group, bf16 moments"]):
+        assert r["impl"] == "HybridAdamW"
+        if hasattr(HybridAdamW, "allocated_bytes"):
+            assert all(set(a) == {"device", "host", "nvme", "comm"} for a in r["allocated"]), r["allocated"]
+            # the optimizer's nvme figure is the files' apparent sizes, sampled at the same moment
+            assert [a["nvme"] for a in r["allocated"]] == r["nvme_bytes"]
+        else:
+            assert r["allocated"] == [None, None]
+    md = out["md"].read_text()
+    assert "| torch DDP + AdamW(fused=True) | 2 |" in md and "| HybridAdamW FSDP2, nvme_fraction 0.5 | 2 |" in md
+    assert "not a figure" in md and "Not measured (skipped" in md and "bench_peers.py" in md
+    assert out["png"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert not [d for d in os.listdir(nvme_dir) if d.startswith("bench_peers-")]  # nvme dirs removed
