@@ -70,7 +70,6 @@ import weakref
 from dataclasses import dataclass
 
 import torch
-from torch.utils.weak import WeakIdKeyDictionary
 
 from hybrid_opt import distributed as D
 from hybrid_opt.zero_counts import GradCounts
@@ -91,16 +90,16 @@ WAIT_S = 300.0              # bound on each wait for a collective (a peer rank t
 # Tests set it to run every path on gloo.
 COLLECTIVES = None
 _KINDS = ("all_to_all", "reduce_scatter", "all_reduce")
-# param -> weakref of the ZeroSharding whose reduce hooks it carries (install())
-_HOOKED = WeakIdKeyDictionary()
 
 
 @dataclass(eq=False)
 class ZeroSpec:
-    """Where a sharded plain param's chunk lives: this rank of `world` over `mesh`."""
+    """Where a sharded plain param's chunk lives: this rank of `world` over `mesh`; `owner`: a
+    weakref of the ZeroSharding whose reduce hooks it carries."""
     mesh: object
     rank: int
     world: int
+    owner: object = None
 
 
 @dataclass(eq=False)
@@ -170,9 +169,19 @@ class ZeroSharding(ParamGather, GradCounts, GradEdits):
         # group's collectives is all that must agree. Collective: every rank builds its optimizer
         self.group = dist.new_group(ranks=dist.get_process_group_ranks(group),
                                     backend=dist.get_backend(group))
-        spec = ZeroSpec(self.mesh, self.rank, self.world)
+        spec = ZeroSpec(self.mesh, self.rank, self.world, weakref.ref(self))
         registry, _ = D._zero_maps()
         for p in params:
+            # a param still hooked by an older ZeroSharding (an optimizer dropped but not
+            # collected yet: one in a reference cycle, as a Trainer's is, lives until the cyclic
+            # gc runs, and that moment differs between ranks) is taken over: the older one's
+            # hooks come off here, at construction, on every rank alike — else it would go on
+            # issuing its reductions on the ranks where it is not collected yet, and the ranks'
+            # collectives would no longer pair
+            older = registry.get(p)
+            older = older.owner() if older is not None and older.owner is not None else None
+            if older is not None:
+                older.remove()
             registry[p] = spec
         self.params = list(params)
         self.buckets = self._make_buckets(params, bucket_numel or BUCKET_NUMEL)
@@ -242,22 +251,10 @@ class ZeroSharding(ParamGather, GradCounts, GradEdits):
     # ------------------------------------------------------------------ grads
     def install(self, on_reduced, is_boundary) -> None:
         """Hooks on every trainable param; `on_reduced(p)` runs once p's averaged chunk is in
-        place (the optimizer's speculation hook); `is_boundary()` False: reduce nothing.
-
-        A param still hooked by an older ZeroSharding (an optimizer dropped but not collected
-        yet: one in a reference cycle, as a Trainer's is, lives until the cyclic gc runs, and
-        that moment differs between ranks) is taken over: the older one's hooks come off
-        here, at construction, on every rank alike — else it would go on issuing its
-        reductions on the ranks where it is not collected yet, and the ranks' collectives
-        would no longer pair."""
+        place (the optimizer's speculation hook); `is_boundary()` False: reduce nothing."""
         self.remove()
         self._on_reduced, self._is_boundary = on_reduced, is_boundary
         for p in self.params:
-            older = _HOOKED.get(p)
-            older = older() if older is not None else None
-            if older is not None and older is not self:
-                older.remove()
-            _HOOKED[p] = weakref.ref(self)
             if p.requires_grad:
                 self._handles.append(p.register_post_accumulate_grad_hook(self._on_grad))
 
