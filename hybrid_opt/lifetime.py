@@ -41,8 +41,7 @@ def mark_owner(opt) -> None:
 
 def owner(obj):
     """The optimizer `obj` is: `obj` itself, or the one a forwarding wrapper of it wraps."""
-    ref = obj.__dict__.get("_this")
-    if ref is not None:
+    if is_owner(obj):
         return obj
     try:
         ref = obj._this  # a wrapper: read through its forwarding from the optimizer it wraps

@@ -34,7 +34,6 @@ from hybrid_opt.tiers.host import StepInputs
 from hybrid_opt.zero import ZeroParamsMixin
 
 
-
 def _float_hyper(value, name: str) -> float:
     if isinstance(value, torch.Tensor):
         if value.numel() != 1:

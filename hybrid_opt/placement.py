@@ -13,9 +13,9 @@ from typing import NamedTuple
 
 import torch
 
-from hybrid_opt.lifetime import acts_on_owner
 from hybrid_opt import distributed as D
 from hybrid_opt import layout as L
+from hybrid_opt.lifetime import acts_on_owner
 from hybrid_opt.moves import MoveMixin
 from hybrid_opt.cost_model import NON_SPECULATIVE_SPARE_BANKS
 from hybrid_opt.plan import DEVICE, HOST, NVME, check_fractions, fraction_miss, fraction_plan

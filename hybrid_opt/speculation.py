@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import torch
 
-from hybrid_opt.lifetime import acts_on_owner, weak_call, weak_method
 from hybrid_opt.distributed import is_dtensor, local_of
 from hybrid_opt.grad_edits import GradFingerprints
+from hybrid_opt.lifetime import acts_on_owner, weak_call, weak_method
 from hybrid_opt.tiers.host import StepInputs
 from hybrid_opt.tiers.staging import copy_async
 

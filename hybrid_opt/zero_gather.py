@@ -23,8 +23,8 @@ from __future__ import annotations
 
 import torch
 
-from hybrid_opt.lifetime import acts_on_owner
 from hybrid_opt import distributed as D
+from hybrid_opt.lifetime import acts_on_owner
 
 
 class ParamGather:
