@@ -103,6 +103,17 @@ def overflow_local_grad(model) -> None:
         (g.to_local() if hasattr(g, "to_local") else g).view(-1)[0] = float("inf")
 
 
+def step_after_unscale(opt, scaler) -> None:
+    """The user's order for editing unscaled grads: scaler.unscale_, step, update — or a plain
+    step without a scaler."""
+    if scaler is None:
+        opt.step()
+        return
+    scaler.unscale_(opt)
+    scaler.step(opt)
+    scaler.update()
+
+
 class OverflowInBackward:
     """overflow_local_grad during backward, for process_group= (where an edit of p.grad after
     backward is refused: hybrid_opt/zero_edits.py): a hook on the first param, registered

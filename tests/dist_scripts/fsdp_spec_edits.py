@@ -47,12 +47,7 @@ def train(model, opt, edit: str | None, rank: int, world: int) -> tuple:
             with torch.no_grad():
                 for p in model.parameters():
                     p.grad.mul_(-1.0)
-        if scaler is not None:
-            scaler.unscale_(opt)
-            scaler.step(opt)
-            scaler.update()
-        else:
-            opt.step()
+        C.step_after_unscale(opt, scaler)
         stats = getattr(opt, "stats", None)
         outcomes.append(dict(stats.get("speculation") or {}) if stats is not None else None)
         params.append([p.full_tensor().detach().cpu().clone() for p in model.parameters()])

@@ -136,12 +136,7 @@ def run(name: str, rank: int, world: int, tmp: str) -> dict:
         loss = C.loss_fn(forward, x)
         (scaler.scale(loss) if scaler else loss).backward()
         _edit(name, model, opt, rank)
-        if scaler is not None:
-            scaler.unscale_(opt)
-            scaler.step(opt)
-            scaler.update()
-        else:
-            opt.step()
+        C.step_after_unscale(opt, scaler)
     except RuntimeError as e:
         out.update(error=type(e).__name__, message=str(e), is_edit=isinstance(e, GradsEditedError))
     out["steps"] = opt._steps_taken
