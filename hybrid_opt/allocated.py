@@ -4,8 +4,9 @@ and the allocator report, never from element counts.
 - host: the shared arena's size as `os.fstat` on its descriptor reports it (committed, spare
   and io banks, staging slots: everything the worker maps);
 - nvme: the swap files' apparent sizes (`os.stat`), both slots;
-- comm: process_group's persistent collective buffers (each bucket's averaged chunk, packed
-  grads, reduction output, gather staging, has-grad counts), by their storages' sizes;
+- comm: process_group's collective buffers (each bucket's averaged chunk and has-grad counts,
+  and the comm window's slots: packed grads, reduction output, gather staging; zero_pool.py),
+  by their storages' sizes;
 - device: the device tier's own state tensors (moments, fp32 masters beside low-precision
   params, remainders; an fp32 param is its own master), by their storages' sizes.
 
@@ -57,8 +58,7 @@ def _swap_bytes(host) -> int:
 
 
 def _comm_tensors(zero) -> list:
-    names = ("out", "red", "scratch", "staging", "counts")
-    return [getattr(b, n) for b in zero.buckets for n in names]
+    return zero.comm_tensors()  # the comm window's slots, each bucket's averaged chunks and counts
 
 
 def allocated_bytes(device, host, zero) -> dict:

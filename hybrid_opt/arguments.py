@@ -94,6 +94,19 @@ def check_constructor(name: str, *, amsgrad, capturable, differentiable, fused, 
         raise ValueError(f"refit_every must be an int >= 0 (0: never refit), got {refit_every!r}")
 
 
+def check_release_grads(release_grads, process_group) -> None:
+    """release_grads=True frees each full p.grad once process_group's reduce-scatter has taken
+    this rank's chunk (zero_release.py): there is nothing to free without process_group."""
+    if not isinstance(release_grads, bool):
+        raise TypeError(f"release_grads must be True or False, got {release_grads!r}")
+    if release_grads and process_group is None:
+        raise ValueError("release_grads=True needs process_group=: it frees each param's full "
+                         "p.grad once the grads are reduce-scattered and this rank keeps only its "
+                         "chunk; without process_group every rank steps the whole grad (under "
+                         "FSDP2 the grads are sharded already). Pass process_group="
+                         "torch.distributed.group.WORLD, or drop release_grads")
+
+
 def check_state_format(exp_avg_dtype, exp_avg_sq_dtype, store_param_remainders, rollback) -> StateFormat:
     """The compressed-state options (#16) as one StateFormat: its dtype and flag errors, then
     rollback='inverse' refused with bf16 moments (rounding to bf16 is not invertible)."""

@@ -67,7 +67,8 @@ class _HybridBase(ZeroParamsMixin, SpeculationMixin, PlacementMixin, CheckpointM
                  nvme_path, subgroup_numel, speculative, rollback, device_memory_budget,
                  host_memory_budget, process_group, worker_share=0.5, spare_banks=None,
                  io_banks=4, refit_every=50, calibration=None, overlap_param_gather=False,
-                 exp_avg_dtype=torch.float32, exp_avg_sq_dtype=torch.float32, store_param_remainders=False):
+                 exp_avg_dtype=torch.float32, exp_avg_sq_dtype=torch.float32, store_param_remainders=False,
+                 release_grads=False):
         lifetime.mark_owner(self)  # a forwarding wrapper's calls act on this object (lifetime.py)
         betas = A.check_hyperparameters(lr, betas, eps, weight_decay, foreach=foreach,
                                          capturable=capturable)
@@ -77,6 +78,7 @@ class _HybridBase(ZeroParamsMixin, SpeculationMixin, PlacementMixin, CheckpointM
                             subgroup_numel=subgroup_numel, device_memory_budget=device_memory_budget,
                             host_memory_budget=host_memory_budget, offload_fraction=offload_fraction,
                             nvme_fraction=nvme_fraction, nvme_path=nvme_path, refit_every=refit_every)
+        A.check_release_grads(release_grads, process_group)
         self.state_format = A.check_state_format(exp_avg_dtype, exp_avg_sq_dtype, store_param_remainders, rollback)
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
                         maximize=maximize, foreach=foreach, capturable=capturable,
@@ -114,7 +116,7 @@ class _HybridBase(ZeroParamsMixin, SpeculationMixin, PlacementMixin, CheckpointM
         if process_group is not None:
             # registered before the layout: each param's flat buffer is then its dim-0 chunk
             from hybrid_opt.zero import ZeroSharding
-            self._zero = ZeroSharding(list(self._all_params()), process_group)
+            self._zero = ZeroSharding(list(self._all_params()), process_group, release_grads=release_grads)
         self._build()
 
     # ------------------------------------------------------------------ param groups
@@ -251,6 +253,7 @@ class _HybridBase(ZeroParamsMixin, SpeculationMixin, PlacementMixin, CheckpointM
             try:  # the last step's params landed, every grad's averaged chunk in place (zero.py)
                 self._zero.wait_gathered()
                 self._zero.finish()
+                failure = failure or self._zero.scaler_found_inf(self)  # release_grads (zero_release.py)
                 # GradScaler.step hands no grad_scale for grads unscaled already (unscale_)
                 unscaled = getattr(self, "found_inf", None) is not None and getattr(self, "grad_scale", None) is None
                 failure = failure or self._zero.grad_edit_error(unscaled)

@@ -75,6 +75,8 @@ from hybrid_opt import distributed as D
 from hybrid_opt.zero_counts import GradCounts
 from hybrid_opt.zero_edits import GradEdits, ReadVersions
 from hybrid_opt.zero_gather import ParamGather, ZeroParamsMixin  # noqa: F401 (optimizer's mixin)
+from hybrid_opt.zero_pool import CommWindow
+from hybrid_opt.zero_release import GradRelease
 
 BUCKET_NUMEL = 1 << 22      # elements per reduce-scatter / all-gather bucket (16 MB of fp32)
 WAIT_S = 300.0              # bound on each wait for a collective (a peer rank that died)
@@ -112,14 +114,14 @@ class _Bucket:
     numels: list            # numels[k][r]
     out: torch.Tensor = None  # this rank's averaged chunks (grad views point here)
     index: int = 0          # its place in the issue order
-    # persistent, allocated on first use (no first touch per step): the reduction's input
-    # (every rank's segment), its output (reduce_scatter: this rank's segment; all_to_all:
-    # every rank's segment for this rank), and the staging of gathers that cannot land in the
-    # params directly
+    # views of a slot borrowed from the comm window (zero_pool.py) while in flight, else None:
+    # the reduction's input (every rank's segment), its output (reduce_scatter: this rank's
+    # segment; all_to_all: every rank's segment for this rank), and the staging of gathers
+    # that cannot land in the params directly
     red: torch.Tensor = None
     scratch: torch.Tensor = None
     staging: torch.Tensor = None
-    counts: torch.Tensor = None  # a direct bucket's has-grad counts: world sent, world received
+    counts: torch.Tensor = None  # a direct bucket's has-grad counts: world sent, world received (kept)
     direct: bool = False    # one param whose chunks are its rank segments: reduced from p.grad
 
     @property
@@ -132,10 +134,10 @@ def _chunk_numel(p: torch.Tensor, rank: int, world: int) -> int:
     return (b - a) * (p.numel() // p.shape[0] if p.shape[0] else 0)
 
 
-class ZeroSharding(ParamGather, GradCounts, GradEdits):
+class ZeroSharding(ParamGather, GradCounts, GradEdits, CommWindow, GradRelease):
     """The collectives of process_group mode for one optimizer (module docstring)."""
 
-    def __init__(self, params: list, group, bucket_numel: int | None = None):
+    def __init__(self, params: list, group, bucket_numel: int | None = None, release_grads: bool = False):
         import torch.distributed as dist
         if not (dist.is_available() and dist.is_initialized()):
             raise RuntimeError("process_group= needs torch.distributed initialised "
@@ -213,6 +215,9 @@ class ZeroSharding(ParamGather, GradCounts, GradEdits):
         self.stats = dict(reduce_scatters=0, all_gathers=0, rereduced=0,
                           all_gathers_landed_in_forward=0, buffer_bytes=0, collectives=kind,
                           count_reads=0)
+        self._counts_bytes = 0
+        self._init_window()  # the slots the collectives borrow (zero_pool.py)
+        self._init_release(release_grads)  # release_grads=True (zero_release.py)
 
     # ------------------------------------------------------------------ layout
     def _make_buckets(self, params: list, cap: int) -> list:
@@ -267,6 +272,7 @@ class ZeroSharding(ParamGather, GradCounts, GradEdits):
         if not self._is_boundary():
             return  # an accumulation micro-step: grads accumulate locally, nothing is reduced
         if not self._in_backward:
+            self._check_rereduce()  # release_grads: the last backward's full grads are gone
             # a backward's first grad: a backward after one that issued every bucket (grads
             # accumulated without the boundary flag) reduces every bucket again, in order
             self._in_backward = True
@@ -291,6 +297,7 @@ class ZeroSharding(ParamGather, GradCounts, GradEdits):
         self._in_backward = False
         self._issue_in_order(upto=len(self.buckets))
         self.poll(wait=True)  # a direct bucket reads p.grad while in flight: done before it returns
+        self._hide_released()  # release_grads: p.grad reads None after backward (zero_release.py)
 
     def _issue_in_order(self, upto: int | None = None) -> None:
         """Issues the fired buckets from the next one in order (every bucket before `upto`,
@@ -301,20 +308,22 @@ class ZeroSharding(ParamGather, GradCounts, GradEdits):
             self._next += 1
             self._launch(self.buckets[self._next - 1])
 
-    def _buffer(self, b: _Bucket, name: str, numel: int) -> torch.Tensor:
-        """A bucket's persistent buffer, allocated (zeroed) on first use and counted."""
-        t = getattr(b, name)
-        if t is None:
-            t = torch.zeros(numel, dtype=b.dtype, device=b.device)
-            setattr(b, name, t)
-            self.stats["buffer_bytes"] += t.numel() * t.element_size()
-        return t
+    def _counts_buffer(self, b: _Bucket) -> torch.Tensor:
+        """A direct bucket's has-grad counts (2 · world), kept: allocated on first use."""
+        if b.counts is None:
+            b.counts = torch.zeros(2 * self.world, dtype=b.dtype, device=b.device)
+            self._counts_bytes += b.counts.numel() * b.counts.element_size()
+            self.stats["buffer_bytes"] = self._pool.nbytes() + self._counts_bytes
+        return b.counts
 
     def _pack(self, b: _Bucket) -> torch.Tensor:
-        """The reduction's input in the bucket's persistent buffer: each rank's chunks side by
-        side, zero-padded to the width, then one has-grad count per param. A param without a
-        grad is zeros in the sum and counts 0."""
-        red = self._buffer(b, "red", self.world * b.seg)  # the padding: zeros, never written
+        """The reduction's input in the bucket's slot: each rank's chunks side by side,
+        zero-padded to the width, then one has-grad count per param. A param without a grad
+        is zeros in the sum and counts 0."""
+        red = b.red
+        for r in range(self.world):  # the padding (a slot another bucket used: rewritten)
+            used = sum(n[r] for n in b.numels)
+            red[r * b.seg + used:r * b.seg + b.width].zero_()
         for k, p in enumerate(b.params):
             flat = None if p.grad is None else p.grad.detach().reshape(-1)
             start = 0
@@ -329,16 +338,18 @@ class ZeroSharding(ParamGather, GradCounts, GradEdits):
 
     def _launch(self, b: _Bucket) -> None:
         if any(q[0] is b for q in self._pending):
-            self.poll(wait=True)  # its buffers are reused: the last backward's reduction first
+            self.poll(wait=True, until=b)  # b.out is rewritten: the last backward's reduction first
         grads = [p.grad for p in b.params]
+        if b.red is None:
+            self._reduce_slot(b)  # from the comm window (zero_pool.py): given back in poll()
         if b.direct and self._kind != "all_reduce":
             return self._launch_direct(b, grads)
         red = self._pack(b)
         if self._kind == "all_to_all":
-            out = self._buffer(b, "scratch", self.world * b.seg)
+            out = b.scratch
             work = self.dist.all_to_all_single(out, red, group=self.group, async_op=True)
         elif self._kind == "reduce_scatter":
-            out = self._buffer(b, "scratch", b.seg)
+            out = b.scratch
             try:
                 # reduce_scatter_single is the newer name (torch 2.13 deprecates _tensor)
                 rs = getattr(self.dist, "reduce_scatter_single", None) or self.dist.reduce_scatter_tensor
@@ -354,17 +365,17 @@ class ZeroSharding(ParamGather, GradCounts, GradEdits):
         while in flight — the end of backward waits for it, so later in-place changes to p.grad
         (GradScaler.unscale_, a clip) never race it; its count goes in a collective of its own."""
         g = grads[0]
-        src = g.detach().reshape(-1) if g is not None else self._buffer(b, "red", self.world * b.width)
-        counts = self._buffer(b, "counts", 2 * self.world)
+        src = g.detach().reshape(-1) if g is not None else b.red[:self.world * b.width].zero_()
+        counts = self._counts_buffer(b)
         counts[:self.world].fill_(0 if g is None else 1)
         if self._kind == "all_to_all":
-            out = self._buffer(b, "scratch", self.world * b.seg)[:self.world * b.width]
+            out = b.scratch[:self.world * b.width]
             works = [self.dist.all_to_all_single(out, src, group=self.group, async_op=True),
                      self.dist.all_to_all_single(counts[self.world:], counts[:self.world],
                                                  group=self.group, async_op=True)]
         else:
             rs = getattr(self.dist, "reduce_scatter_single", None) or self.dist.reduce_scatter_tensor
-            out = self._buffer(b, "scratch", b.seg)[:b.width]
+            out = b.scratch[:b.width]
             try:
                 works = [rs(out, src, group=self.group, async_op=True)]
             except (RuntimeError, NotImplementedError) as e:
@@ -403,11 +414,14 @@ class ZeroSharding(ParamGather, GradCounts, GradEdits):
         total = b.scratch if kind == "reduce_scatter" else b.red[self.rank * b.seg:(self.rank + 1) * b.seg]
         torch.div(total[:b.width], self.world, out=b.out)
 
-    def poll(self, wait: bool = False) -> None:
-        """Completes the launched reductions in launch order (all of them when `wait`)."""
+    def poll(self, wait: bool = False, until: _Bucket | None = None) -> None:
+        """Completes the launched reductions in launch order (all of them when `wait`; with
+        `until`, up to and including that bucket's)."""
         while self._pending:
             b, works, kind, grads = self._pending[0]
             if not wait and not all(w.is_completed() for w in works):
+                return
+            if until is not None and not any(q[0] is until for q in self._pending):
                 return
             for work in works:
                 self._wait(work, "the reduction of a gradient bucket", b.device.type == "cuda")
@@ -416,6 +430,7 @@ class ZeroSharding(ParamGather, GradCounts, GradEdits):
             # that read the previous reduction (accumulation without the flag) is redone
             self._average(b, kind)
             self._delivered(b, kind, grads)  # chunks mapped, hooks run (zero_counts.py)
+            self._give_back(b, "reduce")  # its counts were copied out: the slot is free
 
     def _wait(self, work, what: str, cuda: bool = False) -> None:
         """A collective's completion, bounded. On CUDA the current stream waits for it and the
@@ -444,13 +459,16 @@ class ZeroSharding(ParamGather, GradCounts, GradEdits):
             self._issue_in_order(upto=len(self.buckets))
         self.poll(wait=True)  # a bucket's buffers are reused: its reduction done before another
         self.read_counts()  # counts kept on the device (zero_counts.py): one read, zero grads made
+        self._restore_released()  # release_grads: the placeholders the step reads (zero_release.py)
         for b in self.buckets:
+            if self._has_released(b):
+                continue  # its full grads are gone: a grad given since is refused instead
             if any(p.grad is not None and self._reduced.get(id(p)) is not p.grad for p in b.params):
                 self.stats["rereduced"] += 1
                 self._launch(b)
         self.poll(wait=True)
         self.read_counts()
-        if self.buckets:
+        if self.buckets and not self.release_grads:
             self._check_ddp(self.buckets[0])
 
     def end_step(self) -> None:
@@ -462,6 +480,9 @@ class ZeroSharding(ParamGather, GradCounts, GradEdits):
         self._next = 0
         self._in_backward = False  # a backward that raised before its end callback
         self._unread.clear()
+        self._hide_released()
+        self._released.clear()
+        self._foreign = []
         self.reset_gather()
 
     def close(self) -> None:

@@ -88,8 +88,8 @@ class GradCounts:
                 # writes its average into such a param at the end of backward, before lazy
                 # counts are read in step() — is that grant too, not a replacement to reduce
                 # again (that re-reduction would run on this rank alone: the ranks would hang)
-                if p.grad is None:
-                    p.grad = torch.zeros_like(p)
+                if p.grad is None:  # release_grads: only the chunk is read (zero_release.py)
+                    p.grad = self._placeholder(p) if self.release_grads else torch.zeros_like(p)
                 grads[k] = self._reduced[id(p)] = p.grad
                 self._reads.note(p)
 
@@ -102,6 +102,8 @@ class GradCounts:
             p = b.params[k]
             a, n = b.offsets[k][self.rank], b.numels[k][self.rank]
             rows_a, rows_b = D.chunk_rows(p.shape[0], self.rank, self.world)
+            if self.release_grads:  # the full grad dropped, a placeholder read instead (zero_release.py)
+                grads[k] = self._released_grad(p)
             grad_map[grads[k]] = b.out[a:a + n].view((rows_b - rows_a,) + tuple(p.shape[1:]))
         if self._on_reduced is not None:
             for k in live:

@@ -167,6 +167,9 @@ class GradEdits:
         """After finish(): the refusal of this step (zero_edits.py) — a grad changed in place
         since its reduction read it, or (`unscaled`) GradScaler.step found it unscaled — or None.
         A step with no moved grad reads nothing; under DDP (every grad moved) one read in all."""
+        released = self.released_error()  # release_grads: a grad given to a released bucket
+        if released is not None:
+            return released
         moved = self._reads.moved(self.params, self._reduced)
         ddp_like = bool(moved) and all_true([self._equals_average(p) for p, _ in moved])
         return edit_error(moved, ddp_like, unscaled)

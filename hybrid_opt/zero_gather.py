@@ -88,8 +88,8 @@ class ParamGather:
         # an all-gather lands in place only where every rank's chunk has the same size
         staged = not (direct and len(b.params) == 1 and (
             self._kind != "reduce_scatter" or b.params[0].numel() == self.world * b.width))
-        if staged:
-            full = self._buffer(b, "staging", self.world * b.width)
+        if staged:  # a slot of the comm window (zero_pool.py), given back as it lands
+            full = b.staging = self._borrow(b, "gather")[:self.world * b.width]
             mine = full[self.rank * b.width:(self.rank + 1) * b.width]
             for k, p in enumerate(b.params):
                 n, a = b.numels[k][self.rank], b.offsets[k][self.rank]
@@ -142,9 +142,11 @@ class ParamGather:
         _, staged, works, marks = self._gathers.pop(id(b))
         for p in b.params:
             self._gathering.pop(id(p), None)
+        landed = False
         try:
             for work in works:
                 self._wait(work, "the gather of updated parameters", b.device.type == "cuda")
+            landed = True
             if not staged:
                 return  # landed in the param itself
             full = b.staging
@@ -161,6 +163,8 @@ class ParamGather:
                             flat[start:start + n].copy_(full[base:base + n])
                         start += n
         finally:
+            if staged:  # a gather that failed may still write its slot: a new one replaces it
+                self._give_back(b, "gather", lost=not landed)
             if not self._gathers and self._forward_hook is not None:
                 self._forward_hook.remove()
                 self._forward_hook = None

@@ -85,11 +85,10 @@ def test_process_group_buffers_are_counted_as_comm(tmp_path):
             before = opt.allocated_bytes["comm"]
             _step(model, opt)
             got = opt.allocated_bytes["comm"]
-            buffers = [getattr(b, n) for b in opt._zero.buckets
-                       for n in ("out", "red", "scratch", "staging", "counts")]
+            buffers = opt._zero.comm_tensors()  # the comm window's slots, chunks, counts
             assert got == sum(t.untyped_storage().nbytes() for t in buffers if t is not None)
             # the averaged chunks (one fp32 grad copy of this rank's share) exist from
-            # construction; the collectives' buffers are allocated on first use
+            # construction; the comm window's slots are allocated on first use
             n = sum(p.numel() for p in model.parameters())
             assert before >= 4 * n and got > before
     finally:

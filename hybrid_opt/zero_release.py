@@ -1,0 +1,134 @@
+"""process_group mode's `release_grads=True` (zero.py): ZeRO-2's gradient partitioning. Once a
+bucket is reduced and a param's averaged chunk taken, the param's full p.grad is dropped; only
+this rank's chunk (its bucket's `out`, 1/world of the grad) is kept for the step. The default
+(False) keeps every full p.grad, as frameworks and users read it.
+
+How the step still finds the grads: p.grad becomes a placeholder — p's shape over one element
+(an expanded 0-dim zero, 1 element of memory), which distributed.local_of maps to the chunk as
+it maps any reduced grad — and at the end of backward the placeholder is hidden: **p.grad
+reads None after backward**, and after step(). step() puts the placeholders back while it
+runs (finish(); the host tier's speculation during backward already read them), so every
+part of the step sees the same grads, versions and chunks as with release_grads=False: the
+same bits (tests/test_distributed_release.py).
+
+What that changes for users:
+- nothing is left to clip after backward: `clip_grad_norm_` sees no grads (returns 0, changes
+  nothing). Clip with `HybridAdamW(max_grad_norm=...)`, the norm of the averaged grads.
+- a GradScaler's inf check (GradScaler.step) sees no grads either: step() checks this rank's
+  chunks instead (a non-finite element there is one in some rank's local grad) and adds it to
+  the scaler's found_inf, which the step's decision makes global. The scaler must be attached
+  (opt.attach_grad_scaler(scaler)): its per-device found_inf is then given the decision, so
+  scaler.update() backs off as usual; unattached, the step refuses (GradScaler.update would
+  otherwise fail with "No inf checks were recorded").
+- a grad given to a released param after backward (p.grad = t, a DDP wrapper writing its
+  averages) cannot be reduced any more — the bucket's other grads are gone — so it is refused
+  as an edit (GradsEditedError on every rank, nothing stepped). A DDP wrapper does that every
+  step: drop it.
+- a second reducing backward before step() (unannotated accumulation) would reduce only its
+  own grads, the earlier ones being gone: refused in its first grad hook (RuntimeError, the same
+  on every rank). Accumulate with set_gradient_accumulation_boundary(False) on the micro-batches
+  before the last (they reduce nothing and keep their full grads; the boundary backward
+  reduces the sum once and releases it). zero_grad() between backward and step() is not seen
+  (p.grad is None already): call step() after each reducing backward.
+"""
+from __future__ import annotations
+
+import torch
+
+from hybrid_opt.zero_edits import GradsEditedError
+
+RELEASE_ACCUMULATE = (
+    "process_group with release_grads=True: a second backward reduced grads before step(), but "
+    "the last backward's full grads were already released (only each rank's averaged chunk is "
+    "kept), so the sum cannot be reduced. Call step() after each reducing backward, and on "
+    "accumulation micro-batches call opt.set_gradient_accumulation_boundary(False) before their "
+    "backward (True again before the last): they reduce nothing and keep their full grads")
+
+
+class GradRelease:
+    """ZeroSharding's side (a mixin): the placeholders of released grads (module docstring)."""
+
+    def _init_release(self, release_grads: bool) -> None:
+        self.release_grads = bool(release_grads)
+        self._released: dict = {}  # param id -> (param, placeholder): released since the last step
+        self._foreign: list = []   # params of released buckets given a grad after backward
+
+    def _placeholder(self, p) -> torch.Tensor:
+        return torch.zeros((), dtype=p.dtype, device=p.device).expand(p.shape)
+
+    def _released_grad(self, p) -> torch.Tensor:
+        """release_grads: p.grad (reduced, its chunk about to be mapped) replaced by a
+        placeholder; the full grad is referenced nowhere else any more, so it is freed."""
+        ph = self._placeholder(p)
+        p.grad = ph
+        self._reduced[id(p)] = ph
+        self._reads.note(p)
+        self._released[id(p)] = (p, ph)
+        return ph
+
+    def _check_rereduce(self) -> None:
+        """A reducing backward's first grad: with grads released since the last step, refused."""
+        if self.release_grads and self._released:
+            raise RuntimeError(RELEASE_ACCUMULATE)
+
+    def _hide_released(self) -> None:
+        """End of backward and of step(): the released params read p.grad None."""
+        for p, ph in self._released.values():
+            if p.grad is ph:
+                p.grad = None
+
+    def _restore_released(self) -> None:
+        """step(): the placeholders back for the step to read; a grad given since is foreign
+        (refused: zero_edits.py), and so is one given to a param without a grad in a bucket
+        whose grads were released (it can no longer be reduced with them)."""
+        self._foreign = []
+        if not self._released:
+            return
+        for p, ph in self._released.values():
+            if p.grad is None:
+                p.grad = ph
+            elif p.grad is not ph:
+                self._foreign.append(p)
+        for b in self.buckets:
+            if any(id(p) in self._released for p in b.params):
+                self._foreign += [p for p in b.params if id(p) not in self._released
+                                  and p.grad is not None and self._reduced.get(id(p)) is not p.grad]
+
+    def _has_released(self, b) -> bool:
+        return any(id(p) in self._released for p in b.params)
+
+    def released_error(self):
+        """The refusal of a grad given to a released bucket after backward (above), or None."""
+        if not self._foreign:
+            return None
+        p = self._foreign[0]
+        return GradsEditedError(
+            f"process_group with release_grads=True: {len(self._foreign)} param(s) (the first of "
+            f"shape {tuple(p.shape)}) were given a grad after backward had reduced their bucket "
+            f"and released its full grads (p.grad = ..., or a DistributedDataParallel wrapper "
+            f"writing its averages: drop it, the optimizer averages the grads itself); it cannot "
+            f"be reduced any more. Nothing was stepped, on any rank")
+
+    def scaler_found_inf(self, opt):
+        """step(), release_grads with a GradScaler (its inf check saw no p.grad): this rank's
+        chunks' non-finite flag added to opt.found_inf, and the attached scaler given a
+        per-device found_inf (the decision fills it in: distributed.globalize_scaler_found_inf).
+        Returns a refusal (unattached scaler) or None."""
+        found = getattr(opt, "found_inf", None)
+        if not self.release_grads or found is None or not self.buckets:
+            return None
+        scaler = getattr(opt, "_grad_scaler", None)
+        if scaler is None:
+            return RuntimeError(
+                "process_group with release_grads=True and a GradScaler: attach it with "
+                "opt.attach_grad_scaler(scaler) (its inf check sees no p.grad in this mode, so "
+                "the optimizer checks the reduced chunks and hands the scaler the result). "
+                "Nothing was stepped, on any rank")
+        flags = [torch.isfinite(b.out).all() for b in self.buckets]
+        device = found.device if isinstance(found, torch.Tensor) else flags[0].device
+        mine = torch.stack(flags).logical_not().any().to(device=device, dtype=torch.float32)
+        opt.found_inf = mine + found
+        state = getattr(scaler, "_per_optimizer_states", {}).get(id(opt))
+        if state is not None and not state.get("found_inf_per_device"):
+            state["found_inf_per_device"] = {device: opt.found_inf.clone().reshape(())}
+        return None

@@ -1,0 +1,104 @@
+"""Rank script: process_group's bounded comm window (hybrid_opt/zero_pool.py) and
+release_grads=True (hybrid_opt/zero_release.py), in the configurations named on the command
+line. Each trains C.STEPS steps of the common model (buckets of 64 elements: 4 of them) and
+saves per step the params (after wait_params), the grads held after backward (p.grad storage
+bytes, and the averaged chunks' bytes), opt.allocated_bytes["comm"] against the storages of
+the tensors the comm window holds, and the error a refused case raised."""
+import torch
+import torch.distributed as dist
+
+import common as C
+from hybrid_opt import HybridAdamW, zero, zero_pool
+
+# name: (HybridAdamW kwargs, window slots or None (the defaults), case)
+CONFIGS = {
+    "base": (dict(), None, None),
+    "release": (dict(release_grads=True), None, None),
+    "window1": (dict(), 1, None),
+    "window1_overlap": (dict(overlap_param_gather=True), 1, None),
+    "window1_rs": (dict(), 1, None),                                # reduce_scatter + all-gather
+    "window1_ar_overlap": (dict(overlap_param_gather=True), 1, None),  # all_reduce + broadcasts
+    "release_window1_overlap": (dict(release_grads=True, overlap_param_gather=True), 1, None),
+    "scaler": (dict(), None, "overflow"),
+    "release_scaler": (dict(release_grads=True), None, "overflow"),
+    "accumulate": (dict(), None, "micro"),
+    "release_accumulate": (dict(release_grads=True), None, "micro"),
+    "release_two_backwards": (dict(release_grads=True), None, "two_backwards"),
+    "release_grad_set": (dict(release_grads=True), None, "grad_set"),
+    "release_zero_grad_keep": (dict(release_grads=True), None, "zero_grad_keep"),
+}
+PATHS = {"window1_rs": "reduce_scatter", "window1_ar_overlap": "all_reduce"}
+OVERFLOW_STEP = 1
+
+
+def _storage_bytes(tensors) -> int:
+    seen = {}
+    for t in tensors:
+        if t is not None:
+            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+    return sum(seen.values())
+
+
+def run(name: str, rank: int, world: int, tmp: str) -> dict:
+    hybrid, window, case = CONFIGS[name]
+    saved = zero.BUCKET_NUMEL, zero.COLLECTIVES, zero_pool.WINDOW, zero_pool.WINDOW_FLOOR_BYTES
+    zero.BUCKET_NUMEL = 64
+    zero.COLLECTIVES = PATHS.get(name)
+    if window is not None:  # every bucket through `window` slots, however small
+        zero_pool.WINDOW, zero_pool.WINDOW_FLOOR_BYTES = window, 0
+    model = C.build_model()
+    params = list(model.parameters())
+    out = dict(params=[], grad_bytes=[], chunk_bytes=[], comm=[], held=[], skipped=[], error=None,
+               message=None, grad_none_after_backward=[], grad_none_after_step=[], slots=[],
+               full_bytes=_storage_bytes(params))
+    overflow = C.OverflowInBackward(model) if case == "overflow" else None
+    try:
+        opt = HybridAdamW(params, lr=C.LR, weight_decay=0.01, max_grad_norm=1.0, subgroup_numel=32,
+                          offload_fraction=0.5, process_group=dist.group.WORLD, **hybrid)
+        scaler = None
+        if case == "overflow":
+            scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8)
+            opt.attach_grad_scaler(scaler)
+        out["slots"] = list(opt._zero._pool.counts.values())
+        for i, x in enumerate(C.batches()):
+            opt.zero_grad(set_to_none=case != "zero_grad_keep")
+            local = C.local_batch(x, rank, world)
+            if overflow is not None and i == OVERFLOW_STEP and rank == 1:
+                overflow.arm()  # an inf in rank 1's local grad only
+            micro = 2 if case in ("micro", "two_backwards") else 1
+            n = local.shape[0] // micro
+            try:
+                for m in range(micro):
+                    if case == "micro":
+                        opt.set_gradient_accumulation_boundary(m == micro - 1)
+                    loss = C.loss_fn(model, local[m * n:(m + 1) * n]) / micro
+                    (scaler.scale(loss) if scaler else loss).backward()
+                out["grad_bytes"].append(_storage_bytes(p.grad for p in params))
+                out["chunk_bytes"].append(_storage_bytes(b.out for b in opt._zero.buckets))
+                out["grad_none_after_backward"].append([p.grad is None for p in params])
+                if case == "grad_set" and i == 1:
+                    params[0].grad = torch.zeros_like(params[0])
+                if scaler is not None:
+                    scaler.step(opt)
+                    scaler.update()
+                else:
+                    opt.step()
+            except Exception as e:  # the refused cases: every rank alike
+                out.update(error=type(e).__name__, message=str(e), failed_at=i)
+                break
+            out["skipped"].append(opt.step_was_skipped)
+            out["grad_none_after_step"].append([p.grad is None for p in params])
+            out["comm"].append(opt.allocated_bytes["comm"])
+            out["held"].append(_storage_bytes(opt._zero.comm_tensors()))
+            opt.wait_params()
+            out["params"].append([p.detach().clone() for p in params])
+        out["zero"] = dict(opt._zero.stats)
+        opt.close()
+    finally:
+        zero.BUCKET_NUMEL, zero.COLLECTIVES, zero_pool.WINDOW, zero_pool.WINDOW_FLOOR_BYTES = saved
+    return out
+
+
+if __name__ == "__main__":
+    torch.set_num_threads(1)
+    C.rank_main(run)

@@ -1,0 +1,99 @@
+"""process_group=: the comm buffers cover a bounded window of buckets (hybrid_opt/zero_pool.py)
+and release_grads=True frees each full p.grad once its bucket is reduced, keeping only this
+rank's averaged chunk (hybrid_opt/zero_release.py) — both with the params bitwise those of the
+default run. 2 gloo ranks (tests/dist_scripts/zero_release.py), 4 buckets of the common model."""
+import sys
+
+import pytest
+import torch
+
+from dist_launch import DIST_MARKS, SCRIPTS, launch
+
+sys.path.insert(0, SCRIPTS)
+import common as C  # noqa: E402
+
+pytestmark = DIST_MARKS
+
+NAMES = ("base", "release", "window1", "window1_overlap", "window1_rs", "window1_ar_overlap",
+         "release_window1_overlap", "scaler",
+         "release_scaler", "accumulate", "release_accumulate", "release_two_backwards",
+         "release_grad_set", "release_zero_grad_keep")
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    return launch("zero_release.py", str(tmp_path_factory.mktemp("zero_release")), *NAMES, timeout_s=240)
+
+
+def _assert_same_params(a, b, what):
+    assert len(a["params"]) == len(b["params"]) == C.STEPS, what
+    for step, (pa, pb) in enumerate(zip(a["params"], b["params"])):
+        for x, y in zip(pa, pb):
+            assert torch.equal(x, y), (what, step)
+
+
+@pytest.mark.parametrize("name,ref", [("release", "base"), ("window1", "base"),
+                                      ("window1_overlap", "base"), ("window1_rs", "base"),
+                                      ("window1_ar_overlap", "base"),
+                                      ("release_window1_overlap", "base"),
+                                      ("release_scaler", "scaler"),
+                                      ("release_accumulate", "accumulate"),
+                                      ("release_zero_grad_keep", "base")])
+def test_params_match_the_default_run_bitwise(runs, name, ref):
+    for rank, res in enumerate(runs):
+        assert res[name]["error"] is None and res[ref]["error"] is None, (rank, res[name]["message"])
+        _assert_same_params(res[name], res[ref], (rank, name))
+        assert res[name]["skipped"] == res[ref]["skipped"], (rank, name)
+
+
+def test_an_overflow_on_one_rank_is_still_skipped_with_released_grads(runs):
+    """GradScaler's own inf check sees no p.grad in release mode: the chunks' flag stands in."""
+    for res in runs:
+        assert res["scaler"]["skipped"][1] and res["release_scaler"]["skipped"][1]
+        assert res["release_scaler"]["skipped"] == res["scaler"]["skipped"]
+
+
+def test_released_grads_hold_one_rank_share(runs):
+    """After backward + reduction the default keeps every full p.grad (one fp32 model) and the
+    averaged chunks; release_grads keeps only the chunks (~1/world), p.grad reads None, and
+    after step() too (zero_grad still works, in either mode)."""
+    for res in runs:
+        base, rel = res["base"], res["release"]
+        full = base["full_bytes"]
+        assert base["grad_bytes"] == [full] * C.STEPS
+        assert rel["grad_bytes"] == [0] * C.STEPS
+        for chunks in rel["chunk_bytes"]:
+            # this rank's chunks, padded to the longest rank's: about full / world
+            assert full / 2 * 0.8 <= chunks <= full / 2 * 1.25, (chunks, full)
+        assert all(all(none) for none in rel["grad_none_after_backward"])
+        assert all(all(none) for none in rel["grad_none_after_step"])
+        assert not any(any(none) for none in base["grad_none_after_backward"])
+
+
+def test_comm_bytes_are_the_storages_held_and_bounded_by_the_window(runs):
+    for res in runs:
+        for name in ("base", "release", "window1", "window1_overlap", "window1_rs", "window1_ar_overlap"):
+            r = res[name]
+            assert r["comm"] == r["held"], name
+            assert r["comm"] == [r["comm"][0]] * C.STEPS, name  # made once, reused
+        # window1: one slot for the 4 buckets (the default window covers them all: they are
+        # far below WINDOW_FLOOR_BYTES), so less comm memory for the same bits
+        assert res["window1"]["slots"] == [1] and res["base"]["slots"] == [4]
+        assert res["window1_rs"]["zero"]["collectives"] == "reduce_scatter"
+        assert res["window1_ar_overlap"]["zero"]["collectives"] == "all_reduce"
+        assert res["window1"]["comm"][0] < res["base"]["comm"][0]
+
+
+def test_a_second_reducing_backward_before_step_is_refused(runs):
+    for res in runs:
+        r = res["release_two_backwards"]
+        assert r["error"] == "RuntimeError" and r["failed_at"] == 0, r
+        assert "set_gradient_accumulation_boundary(False)" in r["message"]
+
+
+def test_a_grad_given_to_a_released_param_is_refused_on_every_rank(runs):
+    for res in runs:
+        r = res["release_grad_set"]
+        assert r["error"] == "GradsEditedError" and r["failed_at"] == 1, r
+        assert "release_grads=True" in r["message"] and "Nothing was stepped" in r["message"]
+        assert len(r["params"]) == 1
