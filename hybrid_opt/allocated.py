@@ -36,8 +36,7 @@ def _storages_nbytes(tensors) -> int:
 
 def _device_tensors(device) -> list:
     out = [t for st in device.state.values() for t in st.values()]
-    out += [m for i, m in device.master.items() if device.subgroups[i].flat.untyped_storage().data_ptr()
-            != m.untyped_storage().data_ptr()]  # an fp32 subgroup's master is its param: the model's
+    out += list(device.master.values())  # an fp32 subgroup's master is its params: the model's
     return out + list(device.remainder.values())
 
 

@@ -1,19 +1,24 @@
-"""Subgroup layout: parameters flattened into contiguous buffers and cut into subgroups.
+"""Subgroup layout: each param group's parameters of one (device, dtype), cut into subgroups
+over their concatenation — packed, and never copied.
 
-Each param group's parameters of one (device, dtype) are copied into flat buffers and
-become views of them (as apex and DeepSpeed flatten), so a subgroup's model params are one
-contiguous range: one copy moves a whole subgroup's new params. A parameter larger than a
+A subgroup is `subgroup_numel` consecutive elements of that concatenation: a list of
+parameter slices (param, offset, numel), not one contiguous view. A parameter larger than a
 subgroup spans several; many small parameters share one. Subgroups never span param groups
-(hyperparameters are per group) nor flat buffers.
+(hyperparameters are per group) nor (device, dtype) buckets, so each bucket ends in at most
+one short subgroup: a rank has at most one per (group, device, dtype), and the tiers' banks
+and swap files are full of elements, not of padding.
 
-Flattening copies the model, so the flat buffers are made in pieces of about
-FLATTEN_PIECE_BYTES (whole subgroups, cut at parameter boundaries; a larger parameter gets a
-piece of its own), each parameter's old storage released as soon as it is copied: the peak
-is the model plus one piece, not twice the model — on a GPU the difference between a model
-that fits and one that does not.
+Every parameter keeps its own memory: the tiers read and write each slice in place through a
+1-D view of it (`ParamSlice.view`), so no parameter shares a storage with another (a
+checkpointer's tied-weight detection sees none) and construction copies nothing. The only
+param rebound is a non-contiguous one (a channels_last weight): it gets contiguous memory of
+its own, since a slice must be one 1-D range. A sharded param's slices are of its local part:
+a DTensor's local shard (FSDP2, which all-gathers from that very memory: distributed.py), or a
+process_group param's dim-0 chunk — sharded and plain params of one bucket pack together.
 
-A DTensor param (FSDP2) is never copied nor rebound: its flat buffer is its own local shard
-(distributed.py says why); slices read the local shard of its grad.
+Copies between a subgroup's contiguous buffers (banks, masters) and its slices go through
+`Subgroup.read` / `write`: one batched `torch._foreach_copy_` call for all the slices, not one
+call (and on CUDA one sync) per slice.
 """
 from __future__ import annotations
 
@@ -21,10 +26,22 @@ from dataclasses import dataclass, field
 
 import torch
 
-from hybrid_opt.distributed import is_sharded, local_of
+from hybrid_opt.distributed import is_dtensor, is_sharded, local_of
 
-# the extra memory flattening holds at once: one piece of the flat buffers (module docstring)
-FLATTEN_PIECE_BYTES = 256 << 20
+
+def model_flat(p) -> torch.Tensor:
+    """The 1-D tensor of this rank's elements of param `p`, in p's own memory: a DTensor's
+    local shard, a process_group chunk, or the param's data (its own version counter, as
+    `p.data` has: the tiers' writes are step()'s, not the user's — storage.py)."""
+    if is_sharded(p):
+        local = local_of(p)
+        if not local.is_contiguous():
+            raise ValueError(f"a DTensor parameter's local shard must be contiguous (FSDP2's Shard(0) "
+                             f"shards are), got shape {tuple(local.shape)} stride {local.stride()} "
+                             f"with placements {tuple(p.placements) if is_dtensor(p) else '?'}: "
+                             f"shard it on dim 0")
+        return local.view(-1)
+    return p.data.view(-1)
 
 
 @dataclass
@@ -35,6 +52,15 @@ class ParamSlice:
     param_offset: int
     sub_offset: int
     numel: int
+    view: torch.Tensor | None = None  # the param's elements, in its memory (repoint() sets it)
+
+    def __post_init__(self):
+        if self.view is None:
+            self.repoint()
+
+    def repoint(self) -> None:
+        """Views the param's memory now (it was given new memory: storage.py)."""
+        self.view = model_flat(self.param)[self.param_offset:self.param_offset + self.numel]
 
     def grad_view(self) -> torch.Tensor | None:
         g = local_of(self.param.grad)
@@ -47,111 +73,96 @@ class ParamSlice:
 class Subgroup:
     index: int
     group: int                # param group index
-    flat: torch.Tensor        # the model params' elements of this subgroup (a view, model dtype)
+    numel: int
+    dtype: torch.dtype
+    device: torch.device
     slices: list = field(default_factory=list)
     ready_rank: int = 0       # 0 = grads complete first in backward (about reverse param order)
 
-    @property
-    def numel(self) -> int:
-        return self.flat.numel()
-
-    @property
-    def dtype(self):
-        return self.flat.dtype
-
-    @property
-    def device(self):
-        return self.flat.device
-
-
-def flatten_group(params: list, group: int, first_index: int, subgroup_numel: int,
-                  first_subgroup: int, piece_bytes: int | None = None) -> tuple[list, list]:
-    """Flattens one param group; returns (subgroups, flat buffers). Params become views; each
-    one's old storage is let go as soon as it is copied (module docstring), so a caller that
-    holds no other reference to it gets it back before the next piece is allocated."""
-    buckets: dict = {}
-    subgroups, flats = [], []
-    for k, p in enumerate(params):
-        if is_sharded(p):  # FSDP2 / process_group: its own part, never copied
-            flat = dtensor_flat(p)
-            flats.append(flat)
-            subgroups.extend(_cut(flat, [(first_index + k, p, 0)], group, subgroup_numel,
-                                  first_subgroup + len(subgroups)))
-            continue
-        buckets.setdefault((p.device, p.dtype), []).append((first_index + k, p))
-    for (device, dtype), members in buckets.items():
-        size = torch.empty((), dtype=dtype).element_size()
-        for piece in flat_pieces([p.numel() for _, p in members], subgroup_numel,
-                                 (FLATTEN_PIECE_BYTES if piece_bytes is None else piece_bytes) // size):
-            flat, placed = _flatten_piece([members[k] for k in piece], device, dtype)
-            flats.append(flat)
-            subgroups.extend(_cut(flat, placed, group, subgroup_numel, first_subgroup + len(subgroups)))
-    return subgroups, flats
-
-
-def dtensor_flat(p) -> torch.Tensor:
-    """A DTensor param's flat buffer: a 1-D view of its local shard (its own memory)."""
-    local = local_of(p)
-    if not local.is_contiguous():
-        raise ValueError(f"a DTensor parameter's local shard must be contiguous (FSDP2's Shard(0) "
-                         f"shards are), got shape {tuple(local.shape)} stride {local.stride()} with "
-                         f"placements {tuple(p.placements)}: shard it on dim 0")
-    return local.view(-1)
-
-
-def flat_pieces(numels: list, subgroup_numel: int, piece_numel: int) -> list:
-    """Runs of consecutive parameters (indices into `numels`), each one flat buffer: at most
-    `piece_numel` elements rounded down to whole subgroups (at least one subgroup), unless one
-    parameter alone is larger."""
-    cap = max(subgroup_numel, piece_numel // subgroup_numel * subgroup_numel)
-    pieces, run, acc = [], [], 0
-    for k, n in enumerate(numels):
-        if run and acc + n > cap:
-            pieces.append(run)
-            run, acc = [], 0
-        run.append(k)
-        acc += n
-    if run:
-        pieces.append(run)
-    return pieces
-
-
-def _flatten_piece(members: list, device, dtype) -> tuple[torch.Tensor, list]:
-    """One flat buffer holding `members` [(param index, param)]; each param becomes a view of
-    it and its old storage is dropped at once (the loop holds no reference to it)."""
-    flat = torch.empty(sum(p.numel() for _, p in members), dtype=dtype, device=device)
-    placed, off = [], 0
-    with torch.no_grad():
-        for idx, p in members:
-            n = p.numel()
-            view = flat[off:off + n].view(p.shape)
-            view.copy_(p)
-            p.data = view  # the model param is now a view of the flat buffer
-            placed.append((idx, p, off))
-            off += n
-    return flat, placed
-
-
-def _cut(flat: torch.Tensor, placed: list, group: int, subgroup_numel: int, first: int) -> list:
-    """Subgroups of `subgroup_numel` elements over one flat buffer; a parameter may span several."""
-    subgroups, total = [], flat.numel()
-    start = 0
-    cursor = 0  # index into placed
-    while start < total:
-        end = min(total, start + subgroup_numel)
-        sg = Subgroup(first + len(subgroups), group, flat[start:end])
-        while cursor < len(placed):
-            idx, p, p_start = placed[cursor]
-            p_end = p_start + local_of(p).numel()
-            lo, hi = max(start, p_start), min(end, p_end)
+    def pieces(self, a: int = 0, b: int | None = None, slices=None):
+        """(slice view part, start, end) of each slice overlapping subgroup elements [a, b),
+        [start, end) relative to a; `slices`: only those (a subset of this subgroup's)."""
+        b = self.numel if b is None else b
+        for sl in self.slices if slices is None else slices:
+            lo, hi = max(a, sl.sub_offset), min(b, sl.sub_offset + sl.numel)
             if lo < hi:
-                sg.slices.append(ParamSlice(idx, p, lo - p_start, lo - start, hi - lo))
-            if p_end <= end:
-                cursor += 1
-            else:
-                break
-        subgroups.append(sg)
-        start = end
+                yield sl.view[lo - sl.sub_offset:hi - sl.sub_offset], lo - a, hi - a
+
+    def read(self, a: int = 0, b: int | None = None) -> torch.Tensor:
+        """Elements [a, b) of the model's params: a view where one slice holds them all (written
+        through), else a new contiguous tensor."""
+        parts = list(self.pieces(a, b))
+        if len(parts) == 1:
+            return parts[0][0]
+        return torch.cat([v for v, _, _ in parts]) if parts else torch.empty(0, dtype=self.dtype,
+                                                                             device=self.device)
+
+    def read_into(self, dst: torch.Tensor, a: int = 0, b: int | None = None,
+                  non_blocking: bool = False) -> None:
+        """dst (b - a elements, any device and float dtype) takes the model's elements [a, b)."""
+        parts = list(self.pieces(a, b))
+        _copy([dst[lo:hi] for _, lo, hi in parts], [v for v, _, _ in parts], non_blocking)
+
+    def write(self, src: torch.Tensor, a: int = 0, b: int | None = None, slices=None,
+              non_blocking: bool = False) -> None:
+        """The model's elements [a, b) (of `slices` only, when given) take src's (b - a elements,
+        any device and float dtype: converted), in one batched copy."""
+        src = src.reshape(-1)
+        parts = list(self.pieces(a, b, slices))
+        with torch.no_grad():
+            _copy([v for v, _, _ in parts], [src[lo:hi] for _, lo, hi in parts], non_blocking)
+
+
+def _copy(dsts: list, srcs: list, non_blocking: bool) -> None:
+    """dsts[k].copy_(srcs[k]) for all k in one call. A blocking copy between the host and a
+    GPU is queued asynchronously and waited for once: one host sync, not one per slice."""
+    if not dsts:
+        return
+    cross = not non_blocking and any(d.device != s.device for d, s in zip(dsts[:1], srcs[:1])) \
+        and "cuda" in (dsts[0].device.type, srcs[0].device.type)
+    if len(dsts) == 1:
+        dsts[0].copy_(srcs[0], non_blocking=non_blocking or cross)
+    else:
+        torch._foreach_copy_(dsts, srcs, non_blocking=non_blocking or cross)
+    if cross:
+        gpu = dsts[0].device if dsts[0].device.type == "cuda" else srcs[0].device
+        torch.cuda.current_stream(gpu).synchronize()
+
+
+def layout_group(params: list, group: int, first_index: int, subgroup_numel: int,
+                 first_subgroup: int) -> list:
+    """The subgroups of one param group: its params of each (device, dtype), in param order,
+    cut over their concatenation (module docstring). Nothing is copied; a non-contiguous
+    plain param is given contiguous memory of its own first."""
+    buckets: dict = {}
+    for k, p in enumerate(params):
+        if not is_sharded(p) and not p.data.is_contiguous():
+            with torch.no_grad():
+                p.data = p.data.contiguous()
+        local = local_of(p)
+        buckets.setdefault((local.device, local.dtype), []).append((first_index + k, p, local.numel()))
+    subgroups: list = []
+    for (device, dtype), members in buckets.items():
+        subgroups.extend(_cut(members, group, device, dtype, subgroup_numel,
+                              first_subgroup + len(subgroups)))
+    return subgroups
+
+
+def _cut(members: list, group: int, device, dtype, subgroup_numel: int, first: int) -> list:
+    """Subgroups of `subgroup_numel` elements over the concatenation of `members`
+    [(param index, param, local numel)]; a parameter may span several."""
+    subgroups: list = []
+    sg = None
+    for idx, p, n in members:
+        off = 0
+        while off < n:
+            if sg is None or sg.numel == subgroup_numel:
+                sg = Subgroup(first + len(subgroups), group, 0, dtype, device)
+                subgroups.append(sg)
+            take = min(n - off, subgroup_numel - sg.numel)
+            sg.slices.append(ParamSlice(idx, p, off, sg.numel, take))
+            sg.numel += take
+            off += take
     return subgroups
 
 

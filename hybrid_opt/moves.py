@@ -73,7 +73,7 @@ class MoveMixin:
         """The host tier's bytes at a placement (the cost model's, without the device part
         it adds on a CPU-only host)."""
         from hybrid_opt import cost_model as cm
-        size = self._subgroups[0].flat.element_size() if self._subgroups else 4
+        size = self._subgroups[0].dtype.itemsize if self._subgroups else 4
         fmt, dtype = self._budget_format(self._subgroups)
         wl = cm.Workload(params=float(sum(s.numel for s in self._subgroups)), model_bytes=size,
                          grad_bytes=size, amsgrad=self._amsgrad_layout, state_format=fmt,

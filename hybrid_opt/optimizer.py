@@ -42,18 +42,6 @@ def _float_hyper(value, name: str) -> float:
     return float(value)
 
 
-def _contiguous_runs(slices: list) -> list:
-    """[(a, b)] subgroup ranges covered by `slices` (in subgroup order), adjacent ones merged."""
-    runs: list = []
-    for sl in slices:
-        a, b = sl.sub_offset, sl.sub_offset + sl.numel
-        if runs and runs[-1][1] == a:
-            runs[-1][1] = b
-        else:
-            runs.append([a, b])
-    return [tuple(r) for r in runs]
-
-
 class _HybridBase(ZeroParamsMixin, SpeculationMixin, PlacementMixin, CheckpointMixin, StepStatsMixin,
                   StorageMixin, StepFailureMixin, torch.optim.Optimizer):
     """The torch.optim facade: arguments, param groups, the step and the lifecycle. Layout,
@@ -114,7 +102,7 @@ class _HybridBase(ZeroParamsMixin, SpeculationMixin, PlacementMixin, CheckpointM
         node.derive_from_dist()
         D.warn_replicated(self._all_params(), process_group)
         if process_group is not None:
-            # registered before the layout: each param's flat buffer is then its dim-0 chunk
+            # registered before the layout: each param's slices are then of its dim-0 chunk
             from hybrid_opt.zero import ZeroSharding
             self._zero = ZeroSharding(list(self._all_params()), process_group, release_grads=release_grads)
         self._build()
@@ -279,7 +267,7 @@ class _HybridBase(ZeroParamsMixin, SpeculationMixin, PlacementMixin, CheckpointM
         # reach the host in one small copy: at most one sync per step (README: host syncs)
         norm_sq = None
         if (self.max_grad_norm is not None and failure is None and self._subgroups
-                and self._subgroups[0].flat.is_cuda):
+                and self._subgroups[0].device.type == "cuda"):
             norm_sq = self._grad_norm_sq()
         # with the flags of DTensor grads edited since speculation staged them (CUDA; grad_edits.py)
         found, scale_v, norm_sq, *edited = read_scalars((found_t, scale_t, norm_sq, *self._grad_edit_checks()))
@@ -392,10 +380,9 @@ class _HybridBase(ZeroParamsMixin, SpeculationMixin, PlacementMixin, CheckpointM
             # the new params reach the model only once their step is committed
             sg, live = by_local[local]
             src = views["param_copy"] if (sg.dtype != torch.float32 and "param_copy" in views) else views["param"]
-            # a blocking copy (an nvme subgroup's buffer is reused as soon as this returns) per
-            # contiguous run of live slices, not per slice: on CUDA each one is a host sync
-            for a, b in _contiguous_runs(live):
-                sg.flat[a:b].copy_(src[a:b].to(sg.dtype))
+            # one blocking batched copy into the live slices (an nvme subgroup's buffer is
+            # reused as soon as this returns): on CUDA one host sync, not one per slice
+            sg.write(src, slices=live)
             committed.add(sg.index)
             self._committed(sg.index)  # process_group: its buckets' gathers may start (zero_gather.py)
 

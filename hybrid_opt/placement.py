@@ -87,9 +87,9 @@ class PlacementMixin(MoveMixin):
         for k, p in enumerate(params):
             self._index[p] = first + k
         self._steps.extend([0] * len(params))
-        sgs, _ = L.flatten_group(params, gi, first, self.subgroup_numel, len(self._subgroups))
+        sgs = L.layout_group(params, gi, first, self.subgroup_numel, len(self._subgroups))
         self._subgroups.extend(sgs)
-        self._remember_storage(first, params)  # step() checks the params still view it (storage.py)
+        self._remember_storage(first, params)  # step() checks the params keep it (storage.py)
         return sgs
 
     def _fractions_now(self) -> tuple:
@@ -196,7 +196,7 @@ class PlacementMixin(MoveMixin):
             # cores, and its close() restores both
             try:
                 for s in host:
-                    self._host.load_state(self._host_local[s.index], s.flat.detach().float())
+                    self._host.load_state(self._host_local[s.index], s.read().float())
             except BaseException:
                 # the optimizer is not built yet, so its close() would not reach this tier
                 self._host.close()
@@ -223,7 +223,7 @@ class PlacementMixin(MoveMixin):
         grad_dtype = torch.float32 if len(dtypes) > 1 else next(iter(dtypes))
         nvme = [plan.tiers[s.index] == NVME for s in host]
         fmt = self.state_format
-        # remainders on a bf16 host tier: each subgroup's flat param is its masters' high half
+        # remainders on a bf16 host tier: each subgroup's params are its masters' high halves
         remainders = fmt.store_param_remainders and copy_dtype == torch.bfloat16
         # grads arrive about in reverse parameter order: a subgroup is complete when its
         # first parameter's grad is, and every subgroup that parameter completes is ready
@@ -236,12 +236,12 @@ class PlacementMixin(MoveMixin):
                                                         [s.numel for s in host]),
                         copy_dtype=copy_dtype, amsgrad=self._amsgrad_layout,
                         exp_avg_dtype=fmt.exp_avg_dtype, exp_avg_sq_dtype=fmt.exp_avg_sq_dtype,
-                        remainders=remainders, params=[s.flat for s in host] if remainders else None,
+                        remainders=remainders, params=host if remainders else None,
                         rollback=self.rollback, spare_banks=plan.spare_banks,
                         worker_share=self.worker_share, nvme=nvme,
                         nvme_path=self.nvme_path if any(nvme) else None,
                         io_banks=self.io_banks,
-                        pin=host[0].flat.device if host[0].flat.is_cuda else False)
+                        pin=host[0].device if host[0].device.type == "cuda" else False)
 
     def _fraction_plan(self, decision):
         """The plan at `decision`'s fractions (or those asked for), its spare pool sized."""

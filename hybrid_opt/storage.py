@@ -1,43 +1,40 @@
-"""Parameter storage: each param is a view of the optimizer's flat buffers (layout.py), and
-step() checks that it still is.
+"""Parameter storage: each param keeps its own memory, which the tiers read and write in
+place through its subgroups' slices (layout.py), and step() checks that it is still there.
 
 A param whose memory is replaced after construction — `p.data = t`, or a module's
 `load_state_dict(sd, assign=True)` with torch.__future__.set_swap_module_params_on_conversion
-(True) — would otherwise silently stop training: the tiers step flat buffers the param no
-longer views. torch.optim keeps training such a param with its moments, so we do too: when
-the new tensor has the param's dtype, device and shape, its values are copied into the
-param's slice of the flat buffer, the param is pointed back at that slice, and the fp32
-master of each element given a new value restarts from it (moments and step count kept, as
-torch keeps them); an element that holds what it held keeps its master — new memory with the
-same values (a swap_tensors reload of the same weights) is no user write. A param moved or cast (`model.cuda()`, `.half()` after building the optimizer)
-cannot be re-adopted — the tiers were laid out for its old dtype and device — and step()
-raises saying which param changed and what to do.
+(True), or FSDP2 re-padding a DTensor's local shard — would otherwise silently stop
+training: the tiers would step memory the param no longer has. torch.optim keeps training
+such a param with its moments, so we do too: when the new memory has the param's dtype,
+device and shape, its slices are pointed at the new memory (the param is never rebound), and
+the fp32 master of each element given a new value restarts from it (moments and step count
+kept, as torch keeps them); an element that holds what it held keeps its master — new
+memory with the same values (a swap_tensors reload of the same weights) is no user write. A
+param moved or cast (`model.cuda()`, `.half()` after building the optimizer) cannot be
+re-adopted — the tiers were laid out for its old dtype and device — and step() raises saying
+which param changed and what to do.
 
 The check compares each param's data_ptr with the one recorded at layout: no allocation
 and one int comparison per param per step. A DTensor param (FSDP2) is checked by its local
-shard, which is its subgroups' memory (distributed.py); one given new memory (a load with
-swap_tensors, FSDP2 re-padding it) is never rebound: its subgroups (and a host tier keeping
-remainders, whose high half is the param) are pointed at the new shard instead, and the
-masters of the elements whose values changed restart from it.
+shard.
 
 A param whose VALUES were written outside step() — `model.load_state_dict(sd)`, an EMA
-swap, `with torch.no_grad(): p.copy_(...)` — is detected by its version counter: a param
-rebound to its flat buffer's slice (`p.data = view`) keeps a counter of its own, which every
-in-place write through the param (or its `.detach()`) bumps and step()'s own writes (the
-kernels', through the flat buffers) do not; a DTensor param (FSDP2) counts its DTensor's
-version too, which writes through the DTensor bump instead of its local shard's (_version).
-The versions are recorded at layout and after
-every write step(), load_state_dict() and a move make; step() (and state_dict(), load_state_
-dict()) compare them first — ints only, nothing allocated, no param read. A param whose
-version moved is compared with what the last step left (its fp32 master rounded to the
-param's dtype, to nearest even as the kernels write it, or ties away from zero as the
-remainder encoding does): elements written with new values restart their master from them
-(moments and step kept, as above); elements written with the values they had keep their
-master. With `store_param_remainders` the param IS the master's high half and no other copy
-of it is kept (that is the point of remainders), so a written bf16 param restarts its whole
-master from its values (remainder 0: the master loses at most half a bf16 ulp where a value
-was rewritten unchanged). fp32 params on the device tier are their own master: nothing to
-do. Writes through `p.data` bypass version counters (as they bypass autograd's checks) and
+swap, `with torch.no_grad(): p.copy_(...)` — is detected by its version counter: the tiers
+write a plain param through a view of `p.data` (a counter of its own), so every in-place
+write through the param (or its `.detach()`) bumps the param's counter and step()'s own
+writes do not; a DTensor param (FSDP2) counts its DTensor's version too, which writes
+through the DTensor bump instead of its local shard's (_version). The versions are recorded
+at layout and after every write step(), load_state_dict() and a move make; step() (and
+state_dict(), load_state_dict()) compare them first — ints only, nothing allocated, no param
+read. A param whose version moved is compared with what the last step left (its fp32 master
+rounded to the param's dtype, to nearest even as the kernels write it, or ties away from
+zero as the remainder encoding does): elements written with new values restart their master
+from them (moments and step kept, as above); elements written with the values they had keep
+their master. With `store_param_remainders` the param IS the master's high half and no other
+copy of it is kept (that is the point of remainders), so a written bf16 param restarts its
+whole master from its values (remainder 0: the master loses at most half a bf16 ulp where a
+value was rewritten unchanged). fp32 params on the device tier are their own master: nothing
+to do. Writes through `p.data` bypass version counters (as they bypass autograd's checks) and
 are not seen: write through the param under torch.no_grad().
 
 A mixin of the optimizer class.
@@ -47,7 +44,6 @@ from __future__ import annotations
 import torch
 
 from hybrid_opt.distributed import is_dtensor, is_sharded, local_of
-from hybrid_opt.layout import dtensor_flat
 from hybrid_opt.plan import DEVICE
 
 
@@ -79,13 +75,13 @@ class StorageMixin:
     """Records where each param's elements live and re-adopts a param whose memory changed."""
 
     def _remember_storage(self, first: int, params: list) -> None:
-        """Params [first, first + len(params)) were just made views of the flat buffers."""
+        """Params [first, first + len(params)) were just laid out: where their memory is."""
         views = self.__dict__.setdefault("_flat_views", [])
         ptrs = self.__dict__.setdefault("_flat_ptrs", [])
         versions = self.__dict__.setdefault("_param_versions", [])
         del views[first:], ptrs[first:], versions[first:]
         for p in params:
-            view = local_of(p).detach()  # aliases the flat buffer, not the Parameter
+            view = local_of(p).detach()  # the param's memory, not the Parameter
             views.append(view)
             ptrs.append(view.data_ptr())
             versions.append(_version(p))
@@ -147,7 +143,7 @@ class StorageMixin:
                 a, b = sl.sub_offset, sl.sub_offset + sl.numel
                 # compared where the master is: a host/nvme master is on the CPU, a CUDA
                 # model's param not (mixed-device elementwise ops raise)
-                now = sg.flat[a:b].to(master.device)
+                now = sl.view.to(master.device)
                 before = None if previous is None else previous.get(sl.param_index)
                 if only_changed and (not remainders or before is not None):
                     if remainders:  # the decoded master's high half is `now`: compare it with the old one
@@ -178,23 +174,14 @@ class StorageMixin:
                 raise RuntimeError(self._moved_message(i, p, view))
         # a pending speculation read the old master: drop it (step() steps those subgroups)
         self._drop_speculation()
-        # what each param held before (a DTensor's old shard is still alive; a plain param's
-        # buffer slice is overwritten below, so a remainder subgroup's is copied first): an
+        # what each param held before (its old memory, still alive in _flat_views): an
         # element given the value it had keeps its master, as a write in place does — new
         # memory with the same values (a swap_tensors load of the same weights, FSDP2
         # re-padding a shard) is no user write
         previous = {}
-        with torch.no_grad():
-            for i in changed:
-                if is_sharded(params[i]):
-                    previous[i] = self._flat_views[i]
-                    self._repoint_dtensor(i, params[i])
-                    continue
-                view = self._flat_views[i]
-                if self.state_format.remainders_for(view.dtype):
-                    previous[i] = view.clone()
-                view.copy_(params[i].data)
-                params[i].data = view
+        for i in changed:
+            previous[i] = self._flat_views[i]
+            self._repoint(i, params[i])
         changed = set(changed)
         for sg in self._subgroups:
             slices = [sl for sl in sg.slices if sl.param_index in changed]
@@ -205,20 +192,18 @@ class StorageMixin:
         # swapping a Parameter's contents (load_state_dict with swap_tensors) drops its hooks
         self._install_hooks([sg for sg in self._subgroups if self.plan.tiers[sg.index] != DEVICE])
 
-    def _repoint_dtensor(self, i: int, p) -> None:
-        """DTensor param i's local shard has new memory: its subgroups view that instead (the
-        param is never rebound: FSDP2 all-gathers from its own buffer)."""
-        flat = dtensor_flat(p)
+    def _repoint(self, i: int, p) -> None:
+        """Param i has new memory: its slices view that instead (the param is never rebound:
+        FSDP2 all-gathers from a DTensor's own buffer; a plain param's new memory is the
+        user's). A tier reading the params (an fp32 device master, a host tier keeping
+        remainders) reads them through the slices, so it follows."""
+        if not is_sharded(p) and not p.data.is_contiguous():
+            with torch.no_grad():
+                p.data = p.data.contiguous()  # a slice is one 1-D range (layout.py)
         for sg in self._subgroups:
             for sl in sg.slices:
-                if sl.param_index == i:  # a DTensor param's subgroups hold it alone, from offset 0
-                    sg.flat = flat[sl.param_offset:sl.param_offset + sg.numel]
-                    if sg.index in self._device.master and sg.dtype == torch.float32:
-                        self._device.master[sg.index] = sg.flat  # an fp32 device subgroup is its own master
-                    if self._host is not None and sg.index in self._host_local:
-                        # a host tier keeping remainders reads (nvme) and writes the high half
-                        # in the model's flat tensors: it must follow the new shard
-                        self._host.repoint_param(self._host_local[sg.index], sg.flat)
+                if sl.param_index == i:
+                    sl.repoint()
         self._flat_views[i] = local_of(p).detach()
         self._flat_ptrs[i] = self._flat_views[i].data_ptr()
 

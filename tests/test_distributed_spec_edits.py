@@ -239,7 +239,8 @@ def test_live_piece_sums_gathers_pieces_it_cannot_read_in_place():
     b = torch.nn.Parameter(torch.zeros(200, dtype=torch.bfloat16))
     a.grad = torch.randn(300)
     b.grad = torch.randn(200).to(torch.bfloat16)
-    sg = Subgroup(0, 0, torch.zeros(500), [ParamSlice(0, a, 0, 0, 300), ParamSlice(1, b, 0, 300, 200)])
+    sg = Subgroup(0, 0, 500, torch.float32, torch.device("cpu"),
+                  [ParamSlice(0, a, 0, 0, 300), ParamSlice(1, b, 0, 300, 200)])
     pieces = [(0, 256, None), (256, 128, None), (384, 116, None)]
     got = live_piece_sums(GradGatherer(sg), pieces, torch.float32)
     staged = torch.cat([a.grad, b.grad.float()])

@@ -312,11 +312,10 @@ def test_a_worker_failing_in_step_leaves_each_param_stepped_or_untouched(monkeyp
 
 
 # ============================================================================= add_param_group
-def _fail_flatten(monkeypatch, opt):
+def _fail_layout(monkeypatch, opt):
     from hybrid_opt import layout
-    monkeypatch.setattr(layout, "FLATTEN_PIECE_BYTES", 64 * 4)  # one piece per subgroup
-    # the new group's flat buffer cannot be allocated, after its first piece
-    _fail_on_call(monkeypatch, layout, "_flatten_piece", 2,
+    # the new group's subgroups cannot be laid out (as a param whose memory cannot be viewed)
+    _fail_on_call(monkeypatch, layout, "_cut", 1,
                   RuntimeError("injected: DefaultCPUAllocator: can't allocate memory"))
 
 
@@ -334,7 +333,7 @@ def _fail_placement(monkeypatch, opt):
     monkeypatch.setattr(opt, "_room_to_move", broken)
 
 
-ADD_FAILURES = {"flatten": (_fail_flatten, RuntimeError), "device_state": (_fail_device_state, torch.OutOfMemoryError),
+ADD_FAILURES = {"layout": (_fail_layout, RuntimeError), "device_state": (_fail_device_state, torch.OutOfMemoryError),
                 "placement": (_fail_placement, OSError)}
 
 
@@ -389,7 +388,7 @@ def _two_launch_tier(device):
     params = [torch.nn.Parameter(torch.randn(256, device=device)) for _ in range(2)]
     sgs = []
     for g, p in enumerate(params):
-        sgs += L.flatten_group([p], g, g, 256, len(sgs))[0]
+        sgs += L.layout_group([p], g, g, 256, len(sgs))
         p.grad = torch.randn_like(p)
     tier = DeviceTier(sgs, amsgrad=False)
     work = [(sg.index, sg.slices[0], StepInputs(0, lr, 0.9, 0.999, 1e-8, 0.0), 1)

@@ -1,87 +1,120 @@
-"""Memory the optimizer takes while it builds and moves its tiers: flattening in pieces, the
-device budget (torch's caching allocator, the activations of "auto"), calibration sized by
+"""Memory the optimizer takes while it builds and moves its tiers: params that keep their own
+memory in packed subgroups, the device budget (torch's caching allocator, the activations of "auto"), calibration sized by
 the budget, and moves that check room first and lose nothing when they fail."""
 import pytest
 import torch
 from torch import nn
-from torch.multiprocessing.reductions import StorageWeakRef
 
 from hybrid_opt import HybridAdamW
 from hybrid_opt import layout as L
 from test_optimizer import assert_state_close, make_batches, make_net, train
 
 
-# ============================================================================= flattening
-def _big_params(n_params=24, numel=1 << 16, seed=0):
-    """Parameters that own their storage (nothing else refers to it)."""
-    gen = torch.Generator().manual_seed(seed)
-    return [nn.Parameter(torch.randn(numel, generator=gen)) for _ in range(n_params)]
+# ============================================================================= the layout
+def _storages(params) -> list:
+    return [p.untyped_storage().data_ptr() for p in params]
 
 
-def test_flat_pieces_are_whole_subgroups_cut_at_parameter_boundaries():
-    assert L.flat_pieces([30, 30, 30, 30], 16, 64) == [[0, 1], [2, 3]]   # cap 64: 2 params each
-    assert L.flat_pieces([30, 30, 30, 30], 16, 70) == [[0, 1], [2, 3]]   # cap rounds down to 64
-    assert L.flat_pieces([10, 200, 10], 16, 64) == [[0], [1], [2]]        # a large param alone
-    assert L.flat_pieces([5, 5, 5], 16, 1) == [[0, 1, 2]]                  # at least one subgroup
-    assert L.flat_pieces([], 16, 64) == []
-
-
-def test_flattening_releases_each_old_storage_before_the_next_piece():
-    """A 6 MiB model flattened in 1 MiB pieces: when each piece is allocated, the live memory
-    (old storages not yet copied + pieces made so far + this piece) never exceeds the model
-    plus one piece, and every parameter's old storage is gone once its piece is filled. One
-    flat buffer for the whole model (the old layout) would hold the model twice."""
-    params = _big_params()
-    values = [p.detach().clone() for p in params]
-    numel = params[0].numel()
-    model_bytes = sum(p.numel() * 4 for p in params)
-    old = [StorageWeakRef(p.untyped_storage()) for p in params]
-    piece_bytes = 1 << 20
-    live, made, real = [], [], L._flatten_piece
-
-    def watched(members, device, dtype):
-        alive = sum(numel * 4 for w in old if not w.expired())
-        piece = sum(p.numel() * 4 for _, p in members)
-        live.append(alive + sum(made) + piece)
-        flat, placed = real(members, device, dtype)
-        made.append(piece)
-        for idx, _ in members:
-            assert old[idx].expired(), f"param {idx}'s old storage is still held after its copy"
-        return flat, placed
-
-    L._flatten_piece = watched
+@pytest.mark.parametrize("kw", [dict(offload_fraction=0.0), dict(offload_fraction=1.0),
+                                dict(offload_fraction=1.0, nvme_fraction=0.5),
+                                dict(offload_fraction=0.5, dtype=torch.bfloat16,
+                                     store_param_remainders=True)],
+                         ids=["device", "host", "nvme", "bf16-remainders"])
+def test_the_optimizer_introduces_no_sharing(tmp_path, kw):
+    """Params with storages of their own keep them: construction copies no param into a
+    buffer of the optimizer's (a checkpointer's tied-weight detection, accelerate's
+    save_state, would see them as shared), and training, state_dict and close leave every
+    param in the memory it had."""
+    kw = dict(kw)
+    dtype = kw.pop("dtype", torch.float32)
+    if kw.get("nvme_fraction"):
+        kw["nvme_path"] = str(tmp_path)
+    model = make_net(dtype)
+    params = list(model.parameters())
+    before = _storages(params)
+    assert len(set(before)) == len(params)
+    opt = HybridAdamW(params, lr=1e-2, subgroup_numel=64, **kw)
     try:
-        sgs, flats = L.flatten_group(params, 0, 0, subgroup_numel=1 << 14, first_subgroup=0,
-                                     piece_bytes=piece_bytes)
+        assert any(len(s.slices) > 1 for s in opt._subgroups)  # packed: params share subgroups
+        assert _storages(params) == before
+        train(model, opt, make_batches(3))
+        opt.state_dict()
+        assert _storages(params) == before
     finally:
-        L._flatten_piece = real
-    assert len(flats) == model_bytes // piece_bytes and max(made) == piece_bytes
-    assert max(live) <= model_bytes + piece_bytes, (max(live), model_bytes)
-    assert all(w.expired() for w in old)
-    for p, v in zip(params, values):
-        assert torch.equal(p.detach(), v)
-        assert any(p.untyped_storage().data_ptr() == f.untyped_storage().data_ptr() for f in flats)
-    # subgroups tile each piece: no subgroup spans two flat buffers, every element is covered
-    assert sum(s.numel for s in sgs) == sum(p.numel() for p in params)
+        opt.close()
+    assert _storages(params) == before
+
+
+def test_subgroups_pack_each_bucket_with_one_short_subgroup_at_most():
+    """A group's params of one (device, dtype) are cut over their concatenation: every
+    subgroup but the bucket's last is full, slices tile each param once, and a small param
+    shares a subgroup with its neighbours."""
+    numels = [5, 300, 7, 7, 130, 1]
+    params = [torch.zeros(n) for n in numels] + [torch.zeros(40, dtype=torch.bfloat16)]
+    sgs = L.layout_group(params, 0, 10, subgroup_numel=64, first_subgroup=3)
+    fp32 = [s for s in sgs if s.dtype == torch.float32]
+    assert [s.numel for s in fp32] == [64] * 7 + [sum(numels) - 7 * 64]
+    assert [s.numel for s in sgs if s.dtype == torch.bfloat16] == [40]
+    assert [s.index for s in sgs] == list(range(3, 3 + len(sgs)))
+    covered = {}
     for s in sgs:
-        assert any(s.flat.untyped_storage().data_ptr() == f.untyped_storage().data_ptr() for f in flats)
+        assert sum(sl.numel for sl in s.slices) == s.numel
+        for sl in s.slices:
+            assert sl.view.untyped_storage().data_ptr() == params[sl.param_index - 10].untyped_storage().data_ptr()
+            covered.setdefault(sl.param_index, []).append((sl.param_offset, sl.numel))
+    for k, p in enumerate(params):
+        runs = sorted(covered[10 + k])
+        assert runs[0][0] == 0 and sum(n for _, n in runs) == p.numel()
+        assert all(a + n == b for (a, n), (b, _) in zip(runs, runs[1:]))
 
 
-def test_an_optimizer_over_many_pieces_matches_one_flat_buffer_bitwise(monkeypatch):
-    """Pieces change where subgroups end (one partial subgroup per piece), never the numbers."""
+def test_subgroup_reads_and_writes_its_slices_in_place():
+    a, b = torch.arange(5.0), torch.arange(10.0, 13.0)
+    (sg,) = L.layout_group([a, b], 0, 0, subgroup_numel=64, first_subgroup=0)
+    assert torch.equal(sg.read(), torch.tensor([0., 1, 2, 3, 4, 10, 11, 12]))
+    assert sg.read(1, 3).data_ptr() == a[1:].data_ptr()  # one slice: a view
+    sg.write(torch.full((4,), -1.0), 3, 7)
+    assert torch.equal(a, torch.tensor([0., 1, 2, -1, -1])) and torch.equal(b, torch.tensor([-1., -1, 12]))
+    dst = torch.empty(8, dtype=torch.bfloat16)
+    sg.read_into(dst)
+    assert torch.equal(dst.float(), sg.read())
+    sg.write(torch.zeros(8), slices=sg.slices[1:])  # only b's slice
+    assert torch.equal(a, torch.tensor([0., 1, 2, -1, -1])) and torch.equal(b, torch.zeros(3))
+
+
+def test_a_non_contiguous_param_gets_contiguous_memory_of_its_own():
+    """A slice is one 1-D range of a param's memory: a transposed (channels_last-like) param
+    is given contiguous memory of its own, its values and shape kept, and trains as torch."""
+    torch.manual_seed(0)
+    w = nn.Parameter(torch.randn(6, 4).t())  # stride (1, 4)
+    ref = nn.Parameter(w.detach().clone())
+    assert not w.is_contiguous()
+    with HybridAdamW([w], lr=1e-2, offload_fraction=1.0) as opt:
+        assert w.is_contiguous() and w.shape == (4, 6)
+        assert torch.equal(w.detach(), ref.detach())
+        torch_opt = torch.optim.AdamW([ref], lr=1e-2, foreach=False)
+        for _ in range(3):
+            g = torch.randn(4, 6)
+            w.grad, ref.grad = g.clone(), g.clone()
+            opt.step()
+            torch_opt.step()
+        assert torch.allclose(w.detach(), ref.detach(), rtol=1e-6, atol=1e-7)
+
+
+def test_any_subgroup_size_trains_bitwise_the_same():
+    """Where subgroups end changes nothing: Adam is elementwise and the norm is per param."""
     batches = make_batches(6)
-    one, many = make_net(), make_net()
-    with HybridAdamW(one.parameters(), lr=1e-2, weight_decay=0.1, offload_fraction=0.5,
-                     subgroup_numel=64) as a:
-        monkeypatch.setattr(L, "FLATTEN_PIECE_BYTES", 64 * 4)  # one subgroup per piece
-        with HybridAdamW(many.parameters(), lr=1e-2, weight_decay=0.1, offload_fraction=0.5,
-                         subgroup_numel=64) as b:
-            assert [s.numel for s in b._subgroups] != [s.numel for s in a._subgroups]
-            train(one, a, batches)
-            train(many, b, batches)
-            for x, y in zip(one.parameters(), many.parameters()):
-                assert torch.equal(x, y)
-            assert_state_close(b.state_dict(), a.state_dict(), exact=True)
+    results = []
+    for numel in (64, 200, 333):
+        model = make_net()
+        with HybridAdamW(model.parameters(), lr=1e-2, weight_decay=0.1, offload_fraction=0.5,
+                         max_grad_norm=0.5, subgroup_numel=numel) as opt:
+            train(model, opt, batches)
+            results.append(([p.detach().clone() for p in model.parameters()], opt.state_dict()))
+    for params, sd in results[1:]:
+        for x, y in zip(results[0][0], params):
+            assert torch.equal(x, y)
+        assert_state_close(sd, results[0][1], exact=True)
 
 
 # ============================================================================= moves

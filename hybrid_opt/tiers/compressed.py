@@ -50,26 +50,49 @@ def bank_layout(capacity: int, fmt, amsgrad: bool, copy_dtype, rem_mode: str):
     return regions, io_bytes, align_up(bank.nbytes, PAGE)
 
 
-def check_params(params, numels: list, fmt, copy_dtype) -> list:
-    """Per subgroup: whether it keeps remainders (a bf16 param, fmt.store_param_remainders).
-    A tier with no bf16 param keeps fp32 masters: remainders change nothing there."""
+class TensorParams:
+    """A contiguous tensor seen as a subgroup's model elements (layout.Subgroup's read_into /
+    write / numel / dtype / device): what a caller outside the optimizer hands the tier."""
+
+    def __init__(self, t: torch.Tensor):
+        self.t, self.numel, self.dtype, self.device = t.view(-1), t.numel(), t.dtype, t.device
+
+    def read_into(self, dst: torch.Tensor, non_blocking: bool = False) -> None:
+        dst.copy_(self.t, non_blocking=non_blocking)
+
+    def write(self, src: torch.Tensor) -> None:
+        with torch.no_grad():
+            self.t.copy_(src.reshape(-1))
+
+
+def check_params(params, numels: list, fmt, copy_dtype) -> tuple:
+    """(per subgroup: whether it keeps remainders — a bf16 param, fmt.store_param_remainders;
+    the params as model elements: layout.Subgroups, or contiguous tensors wrapped). A tier with
+    no bf16 param keeps fp32 masters: remainders change nothing there."""
     if not fmt.store_param_remainders:
-        return [False] * len(numels)
+        return [False] * len(numels), None
     if params is None or len(params) != len(numels):
-        raise ValueError(f"remainders=True needs params=: the model's flat tensor of each of the "
+        raise ValueError(f"remainders=True needs params=: the model's elements of each of the "
                          f"{len(numels)} subgroups, in numels' order (the masters' high halves), "
                          f"got {None if params is None else len(params)}")
+    seen = []
     for k, (p, n) in enumerate(zip(params, numels)):
-        if not isinstance(p, torch.Tensor) or p.numel() != n or not p.is_contiguous():
-            raise ValueError(f"params[{k}] must be a contiguous tensor of {n} elements (subgroup "
-                             f"{k}'s flat param), got "
-                             f"{type(p).__name__ if not isinstance(p, torch.Tensor) else tuple(p.shape)}")
+        if isinstance(p, torch.Tensor):
+            if p.numel() != n or not p.is_contiguous():
+                raise ValueError(f"params[{k}] must be a contiguous tensor of {n} elements "
+                                 f"(subgroup {k}'s params), got {tuple(p.shape)}")
+            p = TensorParams(p)
+        elif getattr(p, "numel", None) != n or not hasattr(p, "write"):
+            raise ValueError(f"params[{k}] must be a contiguous tensor or a layout.Subgroup of {n} "
+                             f"elements, got {type(p).__name__}")
+        seen.append(p)
+    params = seen
     flags = [fmt.remainders_for(p.dtype) for p in params]
     if any(flags) and copy_dtype != torch.bfloat16:
         raise ValueError(f"remainders=True with bf16 params needs a bf16 host tier "
                          f"(copy_dtype=torch.bfloat16), got copy_dtype={copy_dtype}: the bank's "
                          f"bf16 copy region holds the masters' high halves")
-    return flags
+    return flags, (params if any(flags) else None)
 
 
 class CompressedState:
@@ -114,18 +137,10 @@ class CompressedState:
         st["high"].copy_(high)
         return high
 
-    def repoint_param(self, sg: int, flat: torch.Tensor) -> None:
-        """Subgroup `sg`'s model tensor has new memory (an FSDP2 shard re-padded, a param
-        re-adopted): a tier keeping remainders reads (nvme) and writes its high half there."""
-        if self._params is not None:
-            self._params[sg] = flat
-
     def _write_param(self, sg: int, high: torch.Tensor) -> None:
         """The model's param takes the encoded high half (on CUDA an H2D copy): it differs from
         master.to(torch.bfloat16) only on exact ties (rounded away from zero, not to even)."""
-        p = self._params[sg]
-        with torch.no_grad():
-            p.view(-1).copy_(high.to(p.device))
+        self._params[sg].write(high)
 
     def _fill_high(self, sg: int, bank: int):
         """nvme with remainders: the model's param (the committed master's high half; the file
@@ -133,12 +148,12 @@ class CompressedState:
         copy now (returns None); CUDA: a D2H copy on the grads' side stream (returns its event;
         the caller sends the step's tasks only once it has landed)."""
         dst = self._view(bank, "copy", self.numels[sg], torch.bfloat16)
-        src = self._params[sg].detach().view(-1)
+        src = self._params[sg]
         stager = self._stager(src)
         if stager is None:
-            dst.copy_(src)
+            src.read_into(dst)
             return None
-        return stager.copy(lambda: copy_async(dst, src))
+        return stager.copy(lambda: src.read_into(dst, non_blocking=True))
 
 
 def _independent_moment_dtypes() -> bool:

@@ -3,9 +3,9 @@
 On CUDA one gpu_kernels.fused_adam_ launch per step count steps every device subgroup; the
 combined grad scale is a kernel argument (or a device tensor) and nothing here reads the
 device back (no host sync). On a CPU-only host the same subgroups are stepped in the
-trainer by the CPU kernel. An fp32 model's params are their own master (stepped in place,
-nothing copied); a bf16/fp16 model keeps an fp32 master here and gets its params written in
-the same pass. `read_scalars` reads what a step must know on the host in one copy.
+trainer by the CPU kernel. An fp32 model's params are their own master (stepped in place
+through the subgroups' slices, nothing copied); a bf16/fp16 model keeps an fp32 master here
+and gets its params written in the same pass. `read_scalars` reads what a step must know on the host in one copy.
 
 The StateFormat (state_format.py) sets the moments' dtypes (bf16: rounded to nearest even
 when stored) and, with `store_param_remainders`, a bf16 subgroup keeps no fp32 master: the
@@ -47,23 +47,24 @@ def read_scalars(values) -> list:
 
 
 class DeviceTier:
-    """`master[i]`: the fp32 master of subgroup i where it keeps one (an fp32 subgroup's is its
-    flat itself); `remainder[i]`: the int16 low halves of a bf16 subgroup with remainders
-    (its flat is the high half); `state[i]`: its moments in the format's dtypes."""
+    """`master[i]`: the fp32 master of a bf16/fp16 subgroup i (an fp32 subgroup's is its params
+    themselves: none here); `remainder[i]`: the int16 low halves of a bf16 subgroup with
+    remainders (its params are the high halves); `state[i]`: its moments in the format's
+    dtypes."""
 
     def __init__(self, subgroups: list, amsgrad: bool, state_format: StateFormat = StateFormat()):
         self.format, self.amsgrad = state_format, amsgrad
         self.progress: tuple = ([], [])  # (done, unsure) of the last step (step())
         self.subgroups, self.master, self.remainder, self.state = {}, {}, {}, {}
         for sg in subgroups:
-            flat = sg.flat
             self.subgroups[sg.index] = sg
+            z = lambda dt: torch.zeros(sg.numel, dtype=dt, device=sg.device)  # noqa: E731
             if state_format.remainders_for(sg.dtype):
                 # the param's own fp32 value: high half the param, low half 0
-                self.remainder[sg.index] = torch.zeros(flat.shape, dtype=torch.int16, device=flat.device)
-            else:
-                self.master[sg.index] = flat if sg.dtype == torch.float32 else flat.detach().float()
-            z = lambda dt: torch.zeros(flat.shape, dtype=dt, device=flat.device)  # noqa: E731
+                self.remainder[sg.index] = z(torch.int16)
+            elif sg.dtype != torch.float32:
+                self.master[sg.index] = z(torch.float32)
+                sg.read_into(self.master[sg.index])
             st = {"exp_avg": z(state_format.exp_avg_dtype), "exp_avg_sq": z(state_format.exp_avg_sq_dtype)}
             if amsgrad:
                 st["max_exp_avg_sq"] = z(state_format.exp_avg_sq_dtype)
@@ -89,11 +90,16 @@ class DeviceTier:
         return index in self.remainder
 
     def master_of(self, index: int) -> torch.Tensor:
-        """Subgroup `index`'s fp32 master: the tier's own tensor (a view, written through), or
-        for a subgroup with remainders a new tensor decoded from its param and remainder."""
-        if index not in self.remainder:
+        """Subgroup `index`'s fp32 master: the tier's own tensor (a view, written through); for
+        an fp32 subgroup its params (a view where one param holds them all, else a copy); for
+        a subgroup with remainders a new tensor decoded from its params and remainder. Write
+        a copy back with set_master."""
+        if index in self.master:
             return self.master[index]
-        flat, rem = self.subgroups[index].flat, self.remainder[index]
+        sg = self.subgroups[index]
+        if index not in self.remainder:
+            return sg.read()
+        flat, rem = sg.read(), self.remainder[index]
         if flat.device.type == "cpu":
             import cpu_kernels
             return cpu_kernels.decode_remainder(flat.detach().contiguous(), rem)
@@ -104,11 +110,17 @@ class DeviceTier:
         """Writes elements [a, b) of subgroup `index`'s fp32 master (`master`: those elements,
         any float dtype). With remainders the param is written too (its high half): decode of
         the stored pair gives `master` back bitwise."""
-        b = self.subgroups[index].numel if b is None else b
-        if index not in self.remainder:
+        sg = self.subgroups[index]
+        b = sg.numel if b is None else b
+        if index in self.master:
             dst = self.master[index][a:b]
             if dst.data_ptr() != master.data_ptr() or dst.dtype != master.dtype:
                 dst.copy_(master.reshape(-1))
+            return
+        if index not in self.remainder:  # an fp32 subgroup: its params are the master
+            parts = list(sg.pieces(a, b))
+            if len(parts) != 1 or parts[0][0].data_ptr() != master.data_ptr():
+                sg.write(master, a, b)
             return
         m = master.detach().reshape(-1).to(device=self.remainder[index].device, dtype=torch.float32)
         if m.device.type == "cpu":
@@ -117,8 +129,7 @@ class DeviceTier:
         else:
             import gpu_kernels
             high, low = gpu_kernels.encode_remainder(m)
-        with torch.no_grad():
-            self.subgroups[index].flat[a:b].copy_(high)
+        sg.write(high, a, b)
         self.remainder[index][a:b].copy_(low)
 
     def state_of(self, index: int) -> dict:
@@ -134,7 +145,7 @@ class DeviceTier:
     def nbytes(self) -> int:
         """The bytes this tier allocated: fp32 masters beside low-precision params, remainders,
         moments (an fp32 subgroup's master is its param: nothing)."""
-        own = sum(m.numel() * 4 for i, m in self.master.items() if self.subgroups[i].dtype != torch.float32)
+        own = sum(m.numel() * 4 for m in self.master.values())
         own += sum(r.numel() * 2 for r in self.remainder.values())
         return own + sum(t.numel() * t.element_size() for st in self.state.values() for t in st.values())
 
@@ -202,12 +213,13 @@ class DeviceTier:
         """(param, exp_avg, exp_avg_sq, max_exp_avg_sq, param_copy, remainder) of one slice:
         param is the fp32 master, or with remainders the bf16 model param (then no copy)."""
         a, b = sl.sub_offset, sl.sub_offset + sl.numel
-        st, sg = self.state[index], self.subgroups[index]
+        st = self.state[index]
         vmax = st["max_exp_avg_sq"][a:b] if "max_exp_avg_sq" in st else None
         if index in self.remainder:
-            return sg.flat[a:b], st["exp_avg"][a:b], st["exp_avg_sq"][a:b], vmax, None, self.remainder[index][a:b]
-        copy = sg.flat[a:b] if sg.dtype != torch.float32 else None
-        return self.master[index][a:b], st["exp_avg"][a:b], st["exp_avg_sq"][a:b], vmax, copy, None
+            return sl.view, st["exp_avg"][a:b], st["exp_avg_sq"][a:b], vmax, None, self.remainder[index][a:b]
+        if index not in self.master:  # fp32: the param is its own master
+            return sl.view, st["exp_avg"][a:b], st["exp_avg_sq"][a:b], vmax, None, None
+        return self.master[index][a:b], st["exp_avg"][a:b], st["exp_avg_sq"][a:b], vmax, sl.view, None
 
     def _step_cpu(self, work: list, grad_scale: float) -> None:
         import cpu_kernels

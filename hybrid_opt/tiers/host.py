@@ -76,11 +76,10 @@ class HostTier(HostStepping, HostIO, CompressedState):
         if staging_slots < 1:
             raise ValueError(f"staging_slots must be >= 1, got {staging_slots}")
         self.numels = list(numels)
-        self._remainders = check_params(params, self.numels, fmt, copy_dtype)
+        self._remainders, self._params = check_params(params, self.numels, fmt, copy_dtype)
         if rollback == "inverse" and any(self._remainders):
             raise ValueError("rollback='inverse' needs an fp32 master (its fp64 inverse reads and "
                              "writes fp32 params); use rollback='exact' with remainders=True")
-        self._params = list(params) if any(self._remainders) else None
         self.state_format = fmt
         self.grad_dtype, self.copy_dtype = grad_dtype, copy_dtype
         self.exp_avg_dtype, self.exp_avg_sq_dtype = exp_avg_dtype, exp_avg_sq_dtype
@@ -290,7 +289,7 @@ class HostTier(HostStepping, HostIO, CompressedState):
                               f"CRC32C {self._crc[sg][slot]:08x}, read {crc:08x}; the file is "
                               f"corrupt — restore from a checkpoint")
             if self._remainders[sg]:  # the file holds the low halves; the high half is the model's param
-                self._view(bank, "copy", self.numels[sg], torch.bfloat16).copy_(self._params[sg].view(-1))
+                self._params[sg].read_into(self._view(bank, "copy", self.numels[sg], torch.bfloat16))
             return {k: v.clone() for k, v in self._bank_state(bank, sg).items()}
         finally:
             self.pool.release(bank)

@@ -56,12 +56,12 @@ def copy_async(dst: torch.Tensor, src: torch.Tensor) -> None:
 
 
 def staging_device(grad):
-    """The CUDA device of a grad (a tensor, or a provider with `cuda_device()`), or None when
-    it is staged synchronously (CPU grads: today's path, unchanged)."""
+    """The CUDA device of a grad (a tensor, or a provider with `cuda_device()`) or of model
+    elements (anything with a `device`), or None when it is staged synchronously (CPU)."""
     if callable(grad):
         probe = getattr(grad, "cuda_device", None)
         return probe() if probe is not None else None
-    return grad.device if grad.is_cuda else None
+    return grad.device if grad.device.type == "cuda" else None
 
 
 class CopyQueue:
