@@ -11,9 +11,10 @@ local_of); the full param stays the model's own storage on every rank.
 
 Grads: params are cut into buckets (reverse param order: grads complete about last param
 first) of one dtype and about BUCKET_NUMEL elements. A post-accumulate-grad hook marks each
-param; a bucket whose params all have their grads is packed into its persistent buffer (each
-rank's chunks side by side, padded to the longest rank's; a copy, so p.grad is never touched)
-— or, a bucket of one param whose dim-0 chunks split evenly, reduced straight from p.grad —
+param; a bucket whose params all have their grads is packed into a slot of the comm window
+(zero_pool.py: a few buckets' worth, reused as buckets complete; each rank's chunks side by
+side, padded to the longest rank's; a copy, so p.grad is never touched) — or, a bucket of one
+param whose dim-0 chunks split evenly, reduced straight from p.grad —
 and reduce-scattered asynchronously (COLLECTIVES: on gloo an all_to_all_single of the
 segments, summed by their owner in rank order) — strictly in bucket
 order: a bucket is issued only once every earlier bucket has been, and the end of backward
@@ -28,7 +29,8 @@ Each rank's segment carries one has-grad count per param after its chunks, read 
 param without a grad here — on CUDA not in backward but in step(), all buckets' in one copy
 (zero_counts.py); completed buckets are polled from the hooks, their sum divided by the world
 size into a buffer of their own, and the optimizer's speculation hook runs for their params —
-speculation starts from the reduced chunk. `p.grad` keeps this rank's local grad (never overwritten): accumulating
+speculation starts from the reduced chunk. `p.grad` keeps this rank's local grad (never
+overwritten; with release_grads=True it is dropped instead: zero_release.py): accumulating
 over several backwards without the boundary flag stays correct (each backward issues every
 bucket once, the next reducing the accumulated grads again: redundant traffic, like DDP
 without no_sync; a bucket still in flight is waited for before its buffer is reused), and with
@@ -37,8 +39,8 @@ boundary backward reduces the sum once (divided by the world size, as DDP averag
 A reduction sees p.grad as it was when its hook fired: in-place changes to p.grad after
 backward are not seen (as under DDP): the end of backward waits for the pending reductions
 (bounded), as DDP's does (step() too, if that callback did not run) — on CUDA the stream
-waits, not the host (_wait). A bucket's
-buffers are allocated once, on first use (no first touch per step), stats["buffer_bytes"].
+waits, not the host (_wait). The
+window's slots are made once, on first use (no first touch per step): stats["buffer_bytes"].
 
 Params (zero_gather.py): after a step that was taken, every bucket's chunks are sent to every
 rank, each bucket launched as soon as step() has committed the subgroups holding its chunks
@@ -212,9 +214,8 @@ class ZeroSharding(ParamGather, GradCounts, GradEdits, CommWindow, GradRelease):
         self._gather_order = list(reversed(self.buckets))
         self._gather_direct = False
         self.reset_gather()
-        self.stats = dict(reduce_scatters=0, all_gathers=0, rereduced=0,
-                          all_gathers_landed_in_forward=0, buffer_bytes=0, collectives=kind,
-                          count_reads=0)
+        self.stats = dict(reduce_scatters=0, all_gathers=0, rereduced=0, collectives=kind,
+                          all_gathers_landed_in_forward=0, buffer_bytes=0, count_reads=0)
         self._counts_bytes = 0
         self._init_window()  # the slots the collectives borrow (zero_pool.py)
         self._init_release(release_grads)  # release_grads=True (zero_release.py)
@@ -307,14 +308,6 @@ class ZeroSharding(ParamGather, GradCounts, GradEdits, CommWindow, GradRelease):
             self._fired.discard(self._next)
             self._next += 1
             self._launch(self.buckets[self._next - 1])
-
-    def _counts_buffer(self, b: _Bucket) -> torch.Tensor:
-        """A direct bucket's has-grad counts (2 · world), kept: allocated on first use."""
-        if b.counts is None:
-            b.counts = torch.zeros(2 * self.world, dtype=b.dtype, device=b.device)
-            self._counts_bytes += b.counts.numel() * b.counts.element_size()
-            self.stats["buffer_bytes"] = self._pool.nbytes() + self._counts_bytes
-        return b.counts
 
     def _pack(self, b: _Bucket) -> torch.Tensor:
         """The reduction's input in the bucket's slot: each rank's chunks side by side,

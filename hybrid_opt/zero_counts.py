@@ -34,6 +34,14 @@ class GradCounts:
     def _lazy(self, b) -> bool:
         return b.device.type == "cuda" if LAZY is None else bool(LAZY)
 
+    def _counts_buffer(self, b) -> torch.Tensor:
+        """A direct bucket's has-grad counts (2 · world, sent then received), kept: made on first use."""
+        if b.counts is None:
+            b.counts = torch.zeros(2 * self.world, dtype=b.dtype, device=b.device)
+            self._counts_bytes += b.counts.numel() * b.counts.element_size()
+            self.stats["buffer_bytes"] = self._pool.nbytes() + self._counts_bytes
+        return b.counts
+
     def _counts(self, b, kind: str) -> torch.Tensor:
         """A completed reduction's has-grad counts, one per param of the bucket, on its device
         (not read: no sync). all_to_all: the ranks' counts summed here in rank order."""

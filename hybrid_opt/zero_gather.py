@@ -6,8 +6,9 @@ Each bucket's chunks go out as one broadcast per rank from the chunk's owner (th
 cheaper there than its all-gather: measured in zero.py) or one all-gather (NCCL). When step()
 waits for them at once (the default), a bucket of one param lands in the param's own memory
 (no staging buffer, no copy: no one can write the param in between); otherwise (overlap_param_
-gather=True, or several params in a bucket) in the bucket's persistent staging buffer, copied
-into each param not written since its chunks left.
+gather=True, or several params in a bucket) in a staging slot of the comm window (zero_pool.py:
+a bounded few, the oldest pending gather landed to free one), copied into each param not
+written since its chunks left.
 
 When: a taken step's buckets are launched as the step commits them, not after the whole step
 (expect_commits / committed): the optimizer names, before its host tier commits, the params
