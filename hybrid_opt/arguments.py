@@ -77,8 +77,9 @@ def check_constructor(name: str, *, amsgrad, capturable, differentiable, fused, 
     if rollback == "inverse" and amsgrad:
         raise ValueError("rollback='inverse' cannot undo amsgrad (its running max of v is not "
                          "invertible); use rollback='exact' with amsgrad=True")
-    if not isinstance(subgroup_numel, int) or isinstance(subgroup_numel, bool) or subgroup_numel < 1:
-        raise ValueError(f"subgroup_numel must be a positive int, got {subgroup_numel!r}")
+    if subgroup_numel is not None and (not isinstance(subgroup_numel, int) or isinstance(subgroup_numel, bool)
+                                       or subgroup_numel < 1):
+        raise ValueError(f"subgroup_numel must be a positive int or None (automatic), got {subgroup_numel!r}")
     for name, budget in (("device_memory_budget", device_memory_budget),
                          ("host_memory_budget", host_memory_budget)):
         if budget is not None and (not isinstance(budget, int) or budget <= 0):

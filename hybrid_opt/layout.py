@@ -1,8 +1,9 @@
 """Subgroup layout: each param group's parameters of one (device, dtype), cut into subgroups
 over their concatenation — packed, and never copied.
 
-A subgroup is `subgroup_numel` consecutive elements of that concatenation: a list of
-parameter slices (param, offset, numel), not one contiguous view. A parameter larger than a
+A subgroup is consecutive elements of that concatenation — at most `subgroup_numel`, the
+bucket cut into equal parts — held as a list of parameter slices (param, offset, numel), not
+one contiguous view. A parameter larger than a
 subgroup spans several; many small parameters share one. Subgroups never span param groups
 (hyperparameters are per group) nor (device, dtype) buckets, so each bucket ends in at most
 one short subgroup: a rank has at most one per (group, device, dtype), and the tiers' banks
@@ -148,18 +149,40 @@ def layout_group(params: list, group: int, first_index: int, subgroup_numel: int
     return subgroups
 
 
+def auto_subgroup_numel(numel: int, cap: int) -> int:
+    """subgroup_numel=None: at most `cap` elements, and small enough that this rank's `numel`
+    elements make MIN_SUBGROUPS subgroups — host steps speculate and overlap backward one
+    subgroup at a time, so a model (or a rank's shard) cut into 2 or 3 would overlap little —
+    but not below MIN_AUTO_SUBGROUP_NUMEL (a worker task's fixed cost)."""
+    return max(MIN_AUTO_SUBGROUP_NUMEL, min(cap, _align(-(-numel // MIN_SUBGROUPS))))
+
+
+MIN_SUBGROUPS = 8
+MIN_AUTO_SUBGROUP_NUMEL = 1 << 16
+_ALIGN = 64  # subgroup sizes in whole cache lines of fp32 (the host tier's bank alignment)
+
+
+def _align(n: int) -> int:
+    return -(-n // _ALIGN) * _ALIGN
+
+
 def _cut(members: list, group: int, device, dtype, subgroup_numel: int, first: int) -> list:
-    """Subgroups of `subgroup_numel` elements over the concatenation of `members`
-    [(param index, param, local numel)]; a parameter may span several."""
+    """Subgroups over the concatenation of `members` [(param index, param, local numel)]: as
+    few as `subgroup_numel` allows, of one size (aligned), the last shorter by less than one
+    alignment per subgroup — so the tiers' banks and files, sized for the largest, hold
+    elements, not padding. A parameter may span several."""
+    total = sum(n for _, _, n in members)
+    count = -(-total // subgroup_numel)
+    size = min(subgroup_numel, _align(-(-total // count))) if count else subgroup_numel
     subgroups: list = []
     sg = None
     for idx, p, n in members:
         off = 0
         while off < n:
-            if sg is None or sg.numel == subgroup_numel:
+            if sg is None or sg.numel == size:
                 sg = Subgroup(first + len(subgroups), group, 0, dtype, device)
                 subgroups.append(sg)
-            take = min(n - off, subgroup_numel - sg.numel)
+            take = min(n - off, size - sg.numel)
             sg.slices.append(ParamSlice(idx, p, off, sg.numel, take))
             sg.numel += take
             off += take

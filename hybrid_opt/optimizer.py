@@ -22,7 +22,6 @@ from hybrid_opt import lifetime
 from hybrid_opt import node
 from hybrid_opt import rank_faults as RF
 from hybrid_opt.checkpoint import CheckpointMixin
-from hybrid_opt.cost_model import DEFAULT_SUBGROUP_NUMEL
 from hybrid_opt.placement import PlacementMixin
 from hybrid_opt.plan import DEVICE
 from hybrid_opt.speculation import GradGatherer, SpeculationMixin
@@ -448,7 +447,7 @@ class HybridAdamW(_HybridBase):
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2,
                  amsgrad=False, *, maximize=False, foreach=None, capturable=False,
                  differentiable=False, fused=None, max_grad_norm=None, offload_fraction=1.0,
-                 nvme_fraction=0.0, nvme_path=None, subgroup_numel=DEFAULT_SUBGROUP_NUMEL,
+                 nvme_fraction=0.0, nvme_path=None, subgroup_numel=None,
                  speculative=True, rollback="exact", device_memory_budget=None,
                  host_memory_budget=None, process_group=None, **hybrid):
         super().__init__(params, lr, betas, eps, weight_decay, amsgrad, maximize=maximize,
@@ -467,7 +466,7 @@ class HybridAdam(_HybridBase):
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
                  amsgrad=False, *, maximize=False, foreach=None, capturable=False,
                  differentiable=False, fused=None, max_grad_norm=None, offload_fraction=1.0,
-                 nvme_fraction=0.0, nvme_path=None, subgroup_numel=DEFAULT_SUBGROUP_NUMEL,
+                 nvme_fraction=0.0, nvme_path=None, subgroup_numel=None,
                  speculative=True, rollback="exact", device_memory_budget=None,
                  host_memory_budget=None, process_group=None, **hybrid):
         super().__init__(params, lr, betas, eps, weight_decay, amsgrad, maximize=maximize,

@@ -17,8 +17,9 @@ from hybrid_opt import distributed as D
 from hybrid_opt import layout as L
 from hybrid_opt.lifetime import acts_on_owner
 from hybrid_opt.moves import MoveMixin
-from hybrid_opt.cost_model import NON_SPECULATIVE_SPARE_BANKS
+from hybrid_opt.cost_model import DEFAULT_SUBGROUP_NUMEL, NON_SPECULATIVE_SPARE_BANKS
 from hybrid_opt.plan import DEVICE, HOST, NVME, check_fractions, fraction_miss, fraction_plan
+from hybrid_opt.distributed import local_of
 from hybrid_opt.swap import check_nvme_path
 from hybrid_opt.tiers.device import DeviceTier
 from hybrid_opt.tiers.host import HostTier, staging_slots_for
@@ -69,6 +70,9 @@ class PlacementMixin(MoveMixin):
         self._index = {}            # param -> index
         self._steps: list = []      # per-parameter step counts (torch's state['step'])
         self._host_local: dict = {}
+        if self.subgroup_numel is None:  # automatic: >= 8 subgroups on this rank where it can (layout.py)
+            self.subgroup_numel = L.auto_subgroup_numel(sum(local_of(p).numel() for p in params),
+                                                        DEFAULT_SUBGROUP_NUMEL)
         for gi in range(len(self.param_groups)):
             self._add_group_layout(gi)
         L.assign_ready_ranks(self._subgroups)

@@ -68,6 +68,30 @@ def test_subgroups_pack_each_bucket_with_one_short_subgroup_at_most():
         assert all(a + n == b for (a, n), (b, _) in zip(runs, runs[1:]))
 
 
+def test_subgroups_of_a_bucket_are_one_size():
+    """As few subgroups as subgroup_numel allows, of one (aligned) size: 1000 elements at 300
+    make 4 of 256 (the last 232), not 300, 300, 300, 100 — banks and files sized for the
+    largest hold elements, not padding."""
+    sgs = L.layout_group([torch.zeros(1000)], 0, 0, subgroup_numel=300, first_subgroup=0)
+    assert [s.numel for s in sgs] == [256, 256, 256, 232]
+
+
+@pytest.mark.parametrize("numel, count", [(706, 1), (1 << 16, 1), (467_856, 8), (23_000_000, 8),
+                                          (200_000_000, 48)])
+def test_automatic_subgroup_numel_keeps_eight_subgroups_where_it_can(numel, count):
+    """subgroup_numel=None: 8 subgroups on this rank (speculation overlaps backward subgroup by
+    subgroup), none below 64Ki elements, none above 4Mi."""
+    from hybrid_opt.cost_model import DEFAULT_SUBGROUP_NUMEL
+    size = L.auto_subgroup_numel(numel, DEFAULT_SUBGROUP_NUMEL)
+    assert len(L.layout_group([torch.empty(numel, device="meta")], 0, 0, size, 0)) == count
+
+
+def test_the_default_subgroup_numel_is_resolved_for_this_rank():
+    model = nn.Sequential(nn.Linear(512, 512), nn.Linear(512, 400))  # 467,856 elements
+    with HybridAdamW(model.parameters(), offload_fraction=1.0) as opt:
+        assert len(opt._subgroups) == 8 and opt.subgroup_numel == 65_536
+
+
 def test_subgroup_reads_and_writes_its_slices_in_place():
     a, b = torch.arange(5.0), torch.arange(10.0, 13.0)
     (sg,) = L.layout_group([a, b], 0, 0, subgroup_numel=64, first_subgroup=0)

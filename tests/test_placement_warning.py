@@ -9,11 +9,12 @@ from hybrid_opt import HybridAdamW
 from hybrid_opt.plan import fraction_miss, fraction_plan
 
 
-def _model():  # 467,856 elements: one subgroup at the default subgroup_numel
+def _model():  # 467,856 elements: one subgroup at subgroup_numel=4Mi
     return torch.nn.Sequential(torch.nn.Linear(512, 512), torch.nn.Linear(512, 400))
 
 
 def _build(**kw):
+    kw.setdefault("subgroup_numel", 4 << 20)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         with HybridAdamW(_model().parameters(), **kw) as opt:
