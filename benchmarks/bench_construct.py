@@ -5,7 +5,8 @@ The model is GPT-2 124M-shaped (an embedding of 50257 x 768 and 12 blocks of pla
 layers, fp32, no transformers needed). torch.optim's one-time lazy imports (~3 s on a cold
 process, paid by torch.optim.AdamW too) are done before timing: a torch.optim.AdamW is
 constructed first. Each run builds a fresh model (untimed), times the constructor, waits for
-the background population (timed separately), and closes.
+the background population (timed separately), and closes. Beside it, the same process times
+allocating and touching the state's 12 B/param (`torch.zeros`): the ratio is the figure.
 
     python benchmarks/bench_construct.py [--runs 3] [--offload 1.0] [--json out.json]
 """
@@ -39,6 +40,19 @@ def _quantiles(xs: list) -> dict:
     return {"median_s": statistics.median(xs), "p20_s": q[1], "p80_s": q[7]}
 
 
+def materialise_s(params: int, runs: int) -> float:
+    """Median time to allocate and touch the state's 12 B/param (torch.zeros: fp32 master and
+    two moments) in this process: the floor a constructor of that state cannot beat."""
+    times = []
+    for _ in range(runs):
+        gc.collect()
+        t0 = time.perf_counter()
+        state = torch.zeros(3 * params)
+        times.append(time.perf_counter() - t0)
+        del state
+    return statistics.median(times)
+
+
 def run(offload: float, runs: int, **kw) -> dict:
     from hybrid_opt import HybridAdamW
     times, background, arena_gb, params = [], [], 0.0, 0
@@ -62,6 +76,8 @@ def run(offload: float, runs: int, **kw) -> dict:
                **{k: v for k, v in kw.items()}, **_quantiles(times), arena_gb=arena_gb,
                background_s=statistics.median(background) if background else 0.0)
     row["gb_per_s"] = arena_gb / row["median_s"] if row["median_s"] else None
+    row["materialise_s"] = materialise_s(params, runs)
+    row["vs_materialise"] = row["median_s"] / row["materialise_s"]
     return row
 
 
@@ -81,7 +97,9 @@ def main(argv=None) -> int:
                                 ("offload", "offload", ".2f"), ("median_s", "construct s (median)", ".2f"),
                                 ("p20_s", "p20", ".2f"), ("p80_s", "p80", ".2f"),
                                 ("arena_gb", "arena GB", ".2f"), ("gb_per_s", "arena GB/s", ".2f"),
-                                ("background_s", "background population after, s", ".2f")]))
+                                ("background_s", "background population after, s", ".2f"),
+                                ("materialise_s", "zeros(12 B/param) s", ".2f"),
+                                ("vs_materialise", "construct / zeros", ".2f")]))
     write_json(args.json, rows)
     return 0
 

@@ -272,10 +272,21 @@ def _fmt_alloc(allocs: list) -> str:
     return " / ".join(f"{worst[k] / MIB:,.0f}" for k in ("device", "host", "nvme", "comm"))
 
 
+def _fmt_overlap(r: dict) -> str:
+    """'subgroups per rank · % of host steps committed from speculation' (HybridAdamW rows)."""
+    if not r.get("subgroups") or r["subgroups"][0] is None:
+        return "—"
+    spec = [s for s in r.get("speculation") or [] if s]
+    total = sum(s.get(k, 0) for s in spec for k in ("committed", "redone", "stepped"))
+    share = f" · {100 * sum(s.get('committed', 0) for s in spec) / total:.0f} %" if total else ""
+    return f"{max(r['subgroups'])}{share}"
+
+
 def markdown(records: list, meta: dict) -> str:
     head = ("| run | ranks | iteration ms (median) | p20 | p80 | PSS / rank, MiB | allocated_bytes / rank, MiB "
-            "(device / host / nvme / comm) | nvme on disk, MiB (all ranks) | max rel. dev. from DDP |")
-    lines = [head, "|" + "---|" * 9]
+            "(device / host / nvme / comm) | nvme on disk, MiB (all ranks) | max rel. dev. from DDP "
+            "| subgroups / rank · speculated |")
+    lines = [head, "|" + "---|" * 10]
     for r in records:
         if r["skipped"]:
             continue
@@ -283,7 +294,7 @@ def markdown(records: list, meta: dict) -> str:
             f"{r['impl']} {r['config']}", str(r["ranks"]), f"{r['median']:,.0f}", f"{r['p20']:,.0f}",
             f"{r['p80']:,.0f}", f"{max(r['pss']) / MIB:,.0f}", _fmt_alloc(r["allocated"]),
             f"{sum(r['nvme_bytes']) / MIB:,.0f}" if sum(r["nvme_bytes"]) else "—",
-            "—" if r["max_dev"] is None else f"{r['max_dev']:.1e}"]) + " |")
+            "—" if r["max_dev"] is None else f"{r['max_dev']:.1e}", _fmt_overlap(r)]) + " |")
     skipped = [r for r in records if r["skipped"]]
     text = "\n".join(lines)
     text += (f"\n\n{meta['model']}; global batch {meta['batch']} x {meta['seq']} tokens, AdamW lr {HYPER['lr']}, "
@@ -427,7 +438,8 @@ def main() -> None:
         for row in rows:
             runs = results[(row["key"], w)]
             rec = dict(impl=row["impl"], config=row["config"], ranks=w, median=None, p20=None, p80=None,
-                       pss=None, allocated=None, nvme_bytes=None, max_dev=None, device=_device_name(args),
+                       pss=None, allocated=None, nvme_bytes=None, max_dev=None, subgroups=None,
+                       speculation=None, device=_device_name(args),
                        versions=None, timestamp=stamp, skipped=None)
             if not runs:
                 rec["skipped"] = (skip.get(row["key"]) or skip_ranks.get(w) or errors.get((row["key"], w))
@@ -439,6 +451,8 @@ def main() -> None:
             rec.update(median=statistics.median(its), p20=_q(its, 1), p80=_q(its, 7),
                        pss=[max(run["recs"][r]["pss"] for run in runs) for r in range(w)],
                        allocated=[runs[-1]["recs"][r]["allocated"] for r in range(w)],
+                       subgroups=[runs[-1]["recs"][r].get("subgroups") for r in range(w)],
+                       speculation=[run["recs"][r].get("speculation") for run in runs for r in range(w)],
                        nvme_bytes=[max(run["recs"][r]["nvme_bytes"] for run in runs) for r in range(w)],
                        versions=_versions(runs[0]["recs"], row, peer))
             refs = {run["round"]: run["params"] for run in results.get((REFERENCE, w), [])}

@@ -200,7 +200,7 @@ def rank_main(args) -> None:
         inner = getattr(opt, "optimizer", None)
         print(f"bench_peers {row['key']} @{world}: optimizer {type(opt).__module__}.{type(opt).__name__}"
               + (f" over {type(inner).__module__}.{type(inner).__name__}" if inner is not None else ""), flush=True)
-    times = []
+    times, spec = [], {}
     for step in range(args.steps):
         dist.barrier()
         if cuda:
@@ -211,6 +211,10 @@ def rank_main(args) -> None:
             torch.cuda.synchronize()
         if step >= args.warmup:
             times.append((time.perf_counter() - t0) * 1e3)
+            # HybridAdamW: how its host steps went (committed = speculated during backward, kept)
+            stats = getattr(opt, "stats", None)
+            for k, v in ((stats or {}).get("speculation") or {}).items():
+                spec[k] = spec.get(k, 0) + v
     dist.barrier()
     # after the last step, before close: the state is all there, the nvme files too
     nvme_bytes = M.tree_bytes(nvme_path)
@@ -220,7 +224,9 @@ def rank_main(args) -> None:
     params = _full_params(net, row)
     if rank == 0:
         torch.save(params, os.path.join(args.out, "params.pt"))
+    plan = getattr(opt, "plan", None)
     rec = dict(rank=rank, world=world, times_ms=times, pss=pss, allocated=allocated, nvme_bytes=nvme_bytes,
+               subgroups=len(plan.tiers) if hasattr(plan, "tiers") else None, speculation=spec or None,
                python=sys.version.split()[0], torch=torch.__version__)
     if mode == "ds":
         import deepspeed

@@ -144,6 +144,9 @@ class Workload:
     state_format: StateFormat = field(default_factory=StateFormat)   # moments' dtypes, remainders
     amsgrad: bool = False                    # one more moment (exp_avg_sq's dtype)
     model_dtype: torch.dtype | None = None   # None: fp32 for a 4-byte model, else bf16
+    # host banks and nvme files per state element: every bank has the largest subgroup's
+    # capacity, so n subgroups of capacity c over E elements hold n*c/E (layout.py: >= 1)
+    bank_padding: float = 1.0
 
     def __post_init__(self):
         if self.state_bytes is not None:  # the plain fp32 state's count, from before state_format
@@ -305,14 +308,16 @@ def _spares(machine, workload, offload_fraction, spare_banks) -> int:
 def memory_bytes(machine: Machine, workload: Workload, offload_fraction: float,
                  nvme_fraction: float, spare_banks: int | None = None) -> dict:
     """Bytes per GPU on each tier for this placement (`spare_banks=None`: one per offloaded
-    subgroup)."""
+    subgroup). An estimate from element counts: a fixed placement's budgets are checked
+    against the bytes its tiers will allocate (footprint.py), which this does not undercount
+    beyond whole pages."""
     e = state_elements(machine, workload)
     off, nv = offload_fraction, nvme_fraction
     s = min(workload.subgroup_numel, e)
     b = workload.tier_bytes()
     model_and_grads = model_elements(machine, workload) * (workload.model_bytes + workload.grad_bytes)
     device = (1 - off) * e * b["device"] + model_and_grads
-    host = (off - nv) * e * b["host"]
+    host = (off - nv) * e * b["host"] * workload.bank_padding
     if off > 0:
         host += _spares(machine, workload, off, spare_banks) * s * b["host"]
         host += STAGING_SLOTS * s * (workload.grad_bytes + workload.model_bytes)
@@ -321,7 +326,8 @@ def memory_bytes(machine: Machine, workload: Workload, offload_fraction: float,
     if machine.gpus == 0:
         host += device
         device = 0.0
-    return {"device": float(device), "host": float(host), "nvme": float(2 * nv * e * b["nvme"])}
+    return {"device": float(device), "host": float(host),
+            "nvme": float(2 * nv * e * b["nvme"] * workload.bank_padding)}
 
 
 def predict(machine: Machine, workload: Workload, offload_fraction: float,

@@ -162,6 +162,13 @@ MIN_AUTO_SUBGROUP_NUMEL = 1 << 16
 _ALIGN = 64  # subgroup sizes in whole cache lines of fp32 (the host tier's bank alignment)
 
 
+def bank_padding(numels: list) -> float:
+    """Elements the host tier's banks hold per element of `numels` (cost_model.Workload's
+    bank_padding): every bank has the largest subgroup's capacity (aligned)."""
+    total = sum(numels)
+    return len(numels) * _align(max(numels)) / total if total else 1.0
+
+
 def _align(n: int) -> int:
     return -(-n // _ALIGN) * _ALIGN
 

@@ -27,6 +27,7 @@ import warnings
 
 import torch
 
+from hybrid_opt.footprint import device_tier_bytes, plan_bytes
 from hybrid_opt.plan import DEVICE
 from hybrid_opt.tiers.device import DeviceTier
 
@@ -34,8 +35,8 @@ GB = 1e9
 
 
 class MoveMixin:
-    """Moves the committed state between tiers; needs PlacementMixin's `_fraction_plan`, `_budget_format`,
-    `_make_host_tier`, `_memory` and CheckpointMixin's `_subgroup_state`."""
+    """Moves the committed state between tiers; needs PlacementMixin's `_fraction_plan` and
+    `_make_host_tier`, and CheckpointMixin's `_subgroup_state`."""
 
     # ------------------------------------------------------------------ room
     def _state_bytes_per_element(self) -> int:
@@ -43,11 +44,7 @@ class MoveMixin:
         return 4 + self.state_format.moment_bytes(self._amsgrad_layout)
 
     def _device_tier_bytes(self, sgs) -> int:
-        """What DeviceTier allocates for `sgs`: the moments in the format's dtypes, and an fp32
-        master for a bf16/fp16 subgroup (2 bytes of remainder with remainders; an fp32 model's
-        params are their own master)."""
-        fmt, moments = self.state_format, self.state_format.moment_bytes(self._amsgrad_layout)
-        return sum(s.numel * (moments + fmt.master_bytes(s.dtype, own_master=True)) for s in sgs)
+        return device_tier_bytes(sgs, self.state_format, self._amsgrad_layout)
 
     def _move_memory(self, plan) -> dict:
         """Bytes a move to `plan` needs and has, on the device and on the host (module
@@ -56,8 +53,9 @@ class MoveMixin:
         sgs, before = self._subgroups, self.plan.tiers
         leaving = [s for s in sgs if before[s.index] == DEVICE and plan.tiers[s.index] != DEVICE]
         arriving = [s for s in sgs if before[s.index] != DEVICE and plan.tiers[s.index] == DEVICE]
-        off, nv = self._plan_fractions(plan)
-        new_host = self._memory_on_host_tier(off, nv, plan.spare_banks) if off > 0 else 0.0
+        # the new host tier's arena, exactly (footprint.py; the device tier is counted below)
+        new_host = plan_bytes(sgs, plan, self.state_format, self._amsgrad_layout, self.rollback,
+                              self.io_banks, cuda=True)["host"]
         copies = sum(s.numel for s in leaving) * self._state_bytes_per_element()
         out = {"leaving": self._device_tier_bytes(leaving), "arriving": self._device_tier_bytes(arriving),
                "host_need": float(new_host + copies), "host_free": scheduler._free_host_bytes()}
@@ -68,23 +66,6 @@ class MoveMixin:
             out["host_need"] += out["arriving"]
             out["device_free"] = None
         return out
-
-    def _memory_on_host_tier(self, off: float, nv: float, spare_banks) -> float:
-        """The host tier's bytes at a placement (the cost model's, without the device part
-        it adds on a CPU-only host)."""
-        from hybrid_opt import cost_model as cm
-        size = self._subgroups[0].dtype.itemsize if self._subgroups else 4
-        fmt, dtype = self._budget_format(self._subgroups)
-        wl = cm.Workload(params=float(sum(s.numel for s in self._subgroups)), model_bytes=size,
-                         grad_bytes=size, amsgrad=self._amsgrad_layout, state_format=fmt,
-                         model_dtype=dtype if self._subgroups else None,
-                         subgroup_numel=self.subgroup_numel)
-        return cm.memory_bytes(cm.Machine(gpus=1), wl, off, nv, spare_banks)["host"]
-
-    def _plan_fractions(self, plan) -> tuple:
-        from hybrid_opt.plan import HOST, NVME
-        total = sum(plan.numels) or 1
-        return (plan.elements(HOST) + plan.elements(NVME)) / total, plan.elements(NVME) / total
 
     def _cuda(self) -> bool:
         return bool(self._subgroups) and self._subgroups[0].device.type == "cuda"

@@ -20,9 +20,10 @@ from hybrid_opt.moves import MoveMixin
 from hybrid_opt.cost_model import DEFAULT_SUBGROUP_NUMEL, NON_SPECULATIVE_SPARE_BANKS
 from hybrid_opt.plan import DEVICE, HOST, NVME, check_fractions, fraction_miss, fraction_plan
 from hybrid_opt.distributed import local_of
+from hybrid_opt.footprint import host_tier_layout, plan_bytes
 from hybrid_opt.swap import check_nvme_path
 from hybrid_opt.tiers.device import DeviceTier
-from hybrid_opt.tiers.host import HostTier, staging_slots_for
+from hybrid_opt.tiers.host import HostTier
 
 
 class _Fixed(NamedTuple):
@@ -164,19 +165,27 @@ class PlacementMixin(MoveMixin):
         cuda = bool(params) and params[0].is_cuda
         size = params[0].element_size() if params else 4
         fmt, dtype = self._budget_format(self._subgroups)
+        # a host tier mixing dtypes (fp32 norms beside bf16 weights) stages fp32 grads
+        grads = 4 if len({s.dtype for s in self._subgroups}) > 1 else size
         wl = cm.Workload(params=float(sum(s.numel for s in self._subgroups)), model_bytes=size,
-                         grad_bytes=size, amsgrad=self._amsgrad_layout, state_format=fmt,
+                         grad_bytes=grads, amsgrad=self._amsgrad_layout, state_format=fmt,
                          model_dtype=dtype if self._subgroups else None,
-                         subgroup_numel=self.subgroup_numel)
+                         subgroup_numel=self.subgroup_numel,
+                         bank_padding=L.bank_padding([s.numel for s in self._subgroups]))
         return cm.memory_bytes(cm.Machine(gpus=1 if cuda else 0), wl, off, nv, spare_banks)
 
     def _check_budgets(self, off: float, nv: float) -> None:
+        """Fixed fractions: the bytes the plan's tiers will allocate against the budgets, before
+        anything is allocated. The spare pool is sized afterwards from what the budget leaves:
+        counted here at its least (one bank where exact rollback needs one)."""
         from hybrid_opt.scheduler import check_fixed_plan
-        params = list(self._all_params())
-        cuda = bool(params) and params[0].is_cuda
-        # the spare pool is sized afterwards from what the budget leaves (at least one bank)
-        mem = self._memory(off, nv, self.spare_banks if self.spare_banks is not None else 1)
-        check_fixed_plan((self.device_memory_budget, self.host_memory_budget), mem, cuda)
+        sgs = self._subgroups
+        plan = fraction_plan([s.numel for s in sgs], [s.ready_rank for s in sgs], off, nv, None)
+        resident = sum(1 for t in plan.tiers if t == HOST)
+        plan.spare_banks = (0 if self.rollback != "exact" or not resident else
+                            self.spare_banks if self.spare_banks is not None else 1)
+        check_fixed_plan((self.device_memory_budget, self.host_memory_budget), self._plan_bytes(plan),
+                         self._cuda())
 
     def _place(self, decision=None, plan=None) -> None:
         """Lays the tiers out: at `decision`'s placement, as `plan` exactly (a layout that ran
@@ -220,32 +229,19 @@ class PlacementMixin(MoveMixin):
     def _make_host_tier(self, host: list, plan) -> HostTier:
         """A host tier (worker, arena, swap files) for the subgroups `host` of `plan`, empty:
         the caller loads their state."""
-        dtypes = {s.dtype for s in host}
-        copy_dtype = next(iter(dtypes - {torch.float32}), None)
-        if len(dtypes - {torch.float32}) > 1:
+        if len({s.dtype for s in host} - {torch.float32}) > 1:
             raise TypeError("host-tier parameters must share one low-precision dtype")
-        grad_dtype = torch.float32 if len(dtypes) > 1 else next(iter(dtypes))
-        nvme = [plan.tiers[s.index] == NVME for s in host]
-        fmt = self.state_format
-        # remainders on a bf16 host tier: each subgroup's params are its masters' high halves
-        remainders = fmt.store_param_remainders and copy_dtype == torch.bfloat16
-        # grads arrive about in reverse parameter order: a subgroup is complete when its
-        # first parameter's grad is, and every subgroup that parameter completes is ready
-        # in the same hook
-        bursts: dict = {}
-        for k, s in enumerate(host):
-            bursts.setdefault(min(sl.param_index for sl in s.slices), []).append(k)
-        return HostTier([s.numel for s in host], grad_dtype=grad_dtype,
-                        staging_slots=staging_slots_for(list(bursts.values()),
-                                                        [s.numel for s in host]),
-                        copy_dtype=copy_dtype, amsgrad=self._amsgrad_layout,
-                        exp_avg_dtype=fmt.exp_avg_dtype, exp_avg_sq_dtype=fmt.exp_avg_sq_dtype,
-                        remainders=remainders, params=host if remainders else None,
-                        rollback=self.rollback, spare_banks=plan.spare_banks,
-                        worker_share=self.worker_share, nvme=nvme,
+        layout = host_tier_layout(host, plan, self.state_format, self._amsgrad_layout, self.rollback,
+                                  self.io_banks)
+        nvme = layout["nvme"]
+        return HostTier(layout.pop("numels"), **layout, worker_share=self.worker_share,
                         nvme_path=self.nvme_path if any(nvme) else None,
-                        io_banks=self.io_banks,
                         pin=host[0].device if host[0].device.type == "cuda" else False)
+
+    def _plan_bytes(self, plan) -> dict:
+        """{"device", "host"} bytes the tiers of `plan` will allocate (footprint.py)."""
+        return plan_bytes(self._subgroups, plan, self.state_format, self._amsgrad_layout, self.rollback,
+                          self.io_banks, self._cuda())
 
     def _fraction_plan(self, decision):
         """The plan at `decision`'s fractions (or those asked for), its spare pool sized."""
@@ -270,13 +266,14 @@ class PlacementMixin(MoveMixin):
         elif spares is None:
             from hybrid_opt.scheduler import default_spare_banks
             host = [s for s in sgs if plan.tiers[s.index] != DEVICE]
-            biggest = max((s.numel for s in host), default=0)
+            plan.spare_banks = 0
+            without = self._plan_bytes(plan)["host"]
+            plan.spare_banks = 1
+            bank = self._plan_bytes(plan)["host"] - without  # one bank, exactly
             budget = self.host_memory_budget
             if budget is not None:  # what the placement leaves of it
-                budget = max(0, budget - self._memory(off, nv, spare_banks=0)["host"])
-            fmt, dtype = self._budget_format(host)
-            bank = fmt.bank_bytes(dtype, self._amsgrad_layout)
-            plan.spare_banks = default_spare_banks(len(host), biggest * bank, budget)
+                budget = max(0, budget - without)
+            plan.spare_banks = default_spare_banks(len(host), bank, budget)
         if decision is not None:
             plan.prediction, plan.reason = decision.prediction, decision.reason
         plan.shard = self._shard_note()

@@ -21,6 +21,7 @@ import torch
 
 from hybrid_opt import cost_model as cm
 from hybrid_opt import node
+from hybrid_opt.layout import bank_padding
 from hybrid_opt.plan import DEFAULT_SPARE_BANKS
 from hybrid_opt.state_format import StateFormat
 
@@ -176,6 +177,7 @@ class AutoPlanner:
                          state_bytes=self.state_bytes, state_format=self.state_format,
                          model_dtype=self.model_dtype,
                          subgroup_numel=min(self.subgroup_numel, max(self.numels or [1])),
+                         bank_padding=bank_padding(self.numels),
                          step_overhead_seconds=self.overhead_s, exact_rollback=self.exact_rollback,
                          speculative=self.speculative)
         if self.backward_s is not None:

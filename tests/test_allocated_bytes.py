@@ -93,3 +93,63 @@ def test_process_group_buffers_are_counted_as_comm(tmp_path):
             assert before >= 4 * n and got > before
     finally:
         dist.destroy_process_group()
+
+
+# ------------------------------------------------------------------ the budgets count these bytes
+def _wide(dtype=torch.float32):
+    """~1.2M params: the default subgroup_numel cuts it into 8 subgroups of ~150K (whole pages
+    matter little at that size: the cost model's element counts come within a few %)."""
+    torch.manual_seed(0)
+    layers = [torch.nn.Linear(384, 384) for _ in range(8)] + [torch.nn.LayerNorm(384)]
+    return torch.nn.Sequential(*layers).to(dtype)
+
+
+PLACEMENTS = {
+    "host": dict(offload_fraction=1.0),
+    "mixed": dict(offload_fraction=0.5),
+    "nvme": dict(offload_fraction=1.0, nvme_fraction=0.5),
+    "all-nvme": dict(offload_fraction=1.0, nvme_fraction=1.0),
+    "inverse": dict(offload_fraction=1.0, rollback="inverse"),
+    "amsgrad": dict(offload_fraction=0.75, amsgrad=True),
+    "bf16-remainders": dict(offload_fraction=1.0, dtype=torch.bfloat16, store_param_remainders=True,
+                            exp_avg_dtype=torch.bfloat16, exp_avg_sq_dtype=torch.bfloat16),
+    "bf16-fp32-norm": dict(offload_fraction=1.0, dtype=torch.bfloat16, fp32_norm=True),
+}
+
+
+@pytest.mark.parametrize("name", list(PLACEMENTS))
+def test_a_placement_is_counted_as_the_os_reports_it_before_it_is_allocated(tmp_path, name):
+    """What the budgets are checked against (footprint.py: the plan's arena and device tensors,
+    counted before the tiers exist) is what allocated_bytes then reads from the OS, to the byte;
+    the cost model's estimate (what "auto" plans with) is not below it."""
+    kw = dict(PLACEMENTS[name])
+    model = _wide(kw.pop("dtype", torch.float32))
+    if kw.pop("fp32_norm", False):
+        model[-1].float()
+    if kw.get("nvme_fraction"):
+        kw["nvme_path"] = str(tmp_path)
+    with HybridAdamW(model.parameters(), **kw) as opt:
+        counted = opt._plan_bytes(opt.plan)
+        got = opt.allocated_bytes
+        assert got["host"] == _memfd_sizes() > 0
+        assert counted["host"] == got["host"] + got["device"]  # one memory on a CPU-only host
+        assert counted["device"] == got["device"]
+        estimate = opt._memory(*opt._fractions, opt.plan.spare_banks)["host"]
+        model_bytes = 2 * sum(p.numel() * p.element_size() for p in model.parameters())  # params + grads
+        assert estimate - model_bytes >= 0.97 * counted["host"], (estimate - model_bytes, counted)
+
+
+def test_a_fixed_placement_over_its_host_budget_raises_before_allocating_anything():
+    """The budget one byte short of the arena the placement would map: refused at construction,
+    saying how much it needs, and no arena was made (no memfd, no worker process)."""
+    import psutil
+    model = _wide()
+    with HybridAdamW(model.parameters(), offload_fraction=1.0, spare_banks=1) as probe:
+        need = probe.allocated_bytes["host"]
+    children = len(psutil.Process().children(recursive=True))
+    arenas = _memfd_sizes()
+    with pytest.raises(ValueError, match="this placement needs .* of host memory and host_memory_budget"):
+        HybridAdamW(model.parameters(), offload_fraction=1.0, host_memory_budget=need - 1)
+    assert _memfd_sizes() == arenas and len(psutil.Process().children(recursive=True)) == children
+    with HybridAdamW(model.parameters(), offload_fraction=1.0, host_memory_budget=need) as opt:
+        assert opt.allocated_bytes["host"] == need and opt.plan.spare_banks == 1

@@ -77,7 +77,7 @@ def test_bench_compressed_backward_mode_speculates_and_times_the_iteration(tmp_p
 
 
 PEERS_KEYS = {"impl", "config", "ranks", "median", "p20", "p80", "pss", "allocated", "nvme_bytes", "max_dev",
-              "device", "versions", "timestamp", "skipped"}
+              "subgroups", "speculation", "device", "versions", "timestamp", "skipped"}
 
 
 def test_bench_peers_tiny_run_writes_every_row_in_the_fixed_schema(tmp_path):
@@ -132,6 +132,8 @@ def test_bench_peers_tiny_run_writes_every_row_in_the_fixed_schema(tmp_path):
             assert [a["nvme"] for a in r["allocated"]] == r["nvme_bytes"]
         else:
             assert r["allocated"] == [None, None]
+        assert all(n >= 1 for n in r["subgroups"]) and any(r["speculation"]), r
+    assert ddp["subgroups"] == [None, None]
     md = out["md"].read_text()
     assert "| torch DDP + AdamW(fused=True) | 2 |" in md and "| HybridAdamW FSDP2, nvme_fraction 0.5 | 2 |" in md
     assert "not a figure" in md and "Not measured (skipped" in md and "bench_peers.py" in md

@@ -349,15 +349,16 @@ def _fixed(off, nv=0.0):
 
 def test_room_to_move_counts_the_state_copied_out_and_the_new_host_tier(monkeypatch):
     """Host memory a move needs: the state leaving the device (copied out, 12 B/element) and
-    the new host tier beside the old; on a CPU-only host also the device tier's arrivals."""
+    the new host tier beside the old — its arena exactly, as the OS reports it once made; on a
+    CPU-only host also the device tier's arrivals."""
     from hybrid_opt import scheduler
     ref_model, ref, model, opt = _pair(offload=0.0)
     with ref, opt:
         n = sum(p.numel() for p in model.parameters())
         to_host = opt._fraction_plan(_fixed(1.0))
         m = opt._move_memory(to_host)
-        tier = opt._memory_on_host_tier(1.0, 0.0, to_host.spare_banks)
-        assert m["host_need"] == pytest.approx(tier + 12 * n) and m["arriving"] == 0
+        tier = m["host_need"] - 12 * n  # the new host tier's arena, counted before it exists
+        assert m["arriving"] == 0
         # (the plan held fixed: its spare pool is sized from the free memory too)
         monkeypatch.setattr(scheduler, "_free_host_bytes", lambda: m["host_need"] / 0.9 * 1.001)
         assert opt._room_shortfall(to_host) is None
@@ -365,6 +366,8 @@ def test_room_to_move_counts_the_state_copied_out_and_the_new_host_tier(monkeypa
         assert "needs" in opt._room_shortfall(to_host)
         monkeypatch.undo()
         opt.replan(1.0)
+        assert opt.plan.spare_banks == to_host.spare_banks
+        assert opt.allocated_bytes["host"] == tier  # what the OS reports of the arena it made
         back = opt._move_memory(opt._fraction_plan(_fixed(0.0)))
         assert back["host_need"] == 8 * n and back["leaving"] == 0  # the device tier is host memory here
 

@@ -1,6 +1,7 @@
 """The scheduler: calibration and its cache, offload_fraction / nvme_fraction = "auto",
 budgets, refits that move state between tiers without changing a bit."""
 import copy
+import dataclasses
 import json
 import os
 import threading
@@ -171,9 +172,10 @@ def test_add_param_group_without_room_to_lay_out_again_stays_on_the_device(monke
 def test_add_param_group_past_the_host_budget_stays_on_the_device_and_says_why():
     model = make_net()
     first = list(model.fc1.parameters()) + list(model.tiny)
-    with HybridAdamW(first, offload_fraction=1.0, subgroup_numel=SUBGROUP) as probe:
-        need = int(probe._memory(1.0, 0.0, 1)["host"])
+    with HybridAdamW(first, offload_fraction=1.0, subgroup_numel=SUBGROUP, spare_banks=1) as probe:
+        need = probe.allocated_bytes["host"]  # the least this placement allocates: one spare bank
     with HybridAdamW(first, offload_fraction=1.0, subgroup_numel=SUBGROUP, host_memory_budget=need) as opt:
+        assert opt.allocated_bytes["host"] == need
         with pytest.warns(UserWarning, match="stay on the device tier: .*host_memory_budget"):
             _add_unfrozen(model, opt)
         assert opt.plan.summary()["device"]["elements"] == sum(p.numel() for p in model.fc2.parameters())
@@ -269,8 +271,10 @@ def test_fixed_fractions_size_the_spare_pool_from_memory():
     with HybridAdamW(make_net().parameters(), offload_fraction=1.0, subgroup_numel=SUBGROUP) as opt:
         n_host = len(opt.plan.subgroups("host"))
         assert opt.plan.spare_banks == n_host  # they fit in a quarter of the free memory
-        base = opt._memory(1.0, 0.0, spare_banks=0)["host"]
-    bank = SUBGROUP * 12
+        # the arena without spares and one bank, counted as the tiers will allocate them
+        base = opt._plan_bytes(dataclasses.replace(opt.plan, spare_banks=0))["host"]
+        bank = opt._plan_bytes(dataclasses.replace(opt.plan, spare_banks=1))["host"] - base
+    assert bank == 4096  # 64 elements x 12 B, in whole pages (shm.PAGE)
     with HybridAdamW(make_net().parameters(), offload_fraction=1.0, subgroup_numel=SUBGROUP,
                      host_memory_budget=int(base + 3.5 * bank)) as opt:
         assert opt.plan.spare_banks == 3  # what the explicit budget leaves

@@ -13,15 +13,15 @@ from __future__ import annotations
 import torch
 
 from hybrid_opt.banks import BankPool
-from hybrid_opt.shm import PAGE, ArenaLayout, SharedArena, align_up
+from hybrid_opt.shm import PAGE, SharedArena, align_up
 from hybrid_opt.state_format import StateFormat
 from hybrid_opt.swap import SwapDir, check_nvme_path
 # re-exported: the optimizer, calibration, tests and benchmarks import these from here
 from hybrid_opt.tiers.host_io import (DEFAULT_SLOT_NUMEL, MAX_STAGING_SLOTS,  # noqa: F401
                                       REMOTE_GATHER_QUEUE, STAGING_SLOTS, _ALIGN_ELEMS, _DT_CODE,
                                       HostIO, _Piece, _slot_numel, staging_slots_for)
-from hybrid_opt.tiers.compressed import (CompressedState, _independent_moment_dtypes, bank_layout,
-                                         check_params)
+from hybrid_opt.tiers.arena_plan import plan_arena
+from hybrid_opt.tiers.compressed import CompressedState, _independent_moment_dtypes, check_params
 from hybrid_opt.tiers.host_step import HostStepping, _Speculation  # noqa: F401
 from hybrid_opt.tiers.staging import CopyQueue
 from hybrid_opt.tiers.inputs import StepInputs, _with_step  # noqa: F401
@@ -96,25 +96,20 @@ class HostTier(HostStepping, HostIO, CompressedState):
         # argument errors before anything is made (shared memory, swap directory)
         self.cores = CoreSplit(worker_share, worker_cores)
         self.swap = None
-        resident = [i for i in range(n) if not self.nvme[i]]
-        spares = (len(resident) if spare_banks is None else spare_banks) if rollback == "exact" and resident else 0
-        # an nvme step holds two banks (read, result) until it is committed or dropped
-        self.io_banks = io_banks if has_nvme else 0
-        self.pool = BankPool(resident, spares + 2 * self.io_banks)
-        self.capacity = align_up(max(numels), _ALIGN_ELEMS)
-        self.slot_numel = _slot_numel(numels, slot_numel)
-
         rem_mode = ("all" if all(self._remainders) else "some") if any(self._remainders) else "none"
-        regions, self.io_bytes, bank_stride = bank_layout(self.capacity, fmt, amsgrad, copy_dtype, rem_mode)
-        gs = torch.empty((), dtype=grad_dtype).element_size()
-        slot_stride = align_up(self.slot_numel * gs, PAGE)
-        arena = ArenaLayout()
-        bank_offset = arena.add("banks", bank_stride * self.pool.n_banks, PAGE)
-        slot_offset = arena.add("slots", slot_stride * staging_slots, PAGE)
-        self.bank_bytes = bank_stride * len(resident)
-        self.spare_bytes = bank_stride * (spares + 2 * self.io_banks)
+        lay = plan_arena(self.numels, self.nvme, fmt=fmt, amsgrad=amsgrad, copy_dtype=copy_dtype,
+                         rem_mode=rem_mode, grad_dtype=grad_dtype, rollback=rollback,
+                         spare_banks=spare_banks, io_banks=io_banks, staging_slots=staging_slots,
+                         slot_numel=slot_numel)
+        resident = lay.resident
+        # an nvme step holds two banks (read, result) until it is committed or dropped
+        self.io_banks = lay.io_banks
+        self.pool = BankPool(resident, lay.spares + 2 * self.io_banks)
+        self.capacity, self.slot_numel, self.io_bytes = lay.capacity, lay.slot_numel, lay.io_bytes
+        regions, bank_stride, slot_stride = lay.regions, lay.bank_stride, lay.slot_stride
+        bank_offset, slot_offset = lay.bank_offset, lay.slot_offset
+        self.bank_bytes, self.spare_bytes, self.staging_bytes = lay.bank_bytes, lay.spare_bytes, lay.staging_bytes
         self.nvme_bytes = 2 * self.io_bytes * sum(self.nvme)
-        self.staging_bytes = slot_stride * staging_slots
 
         # populated now: what construction writes (the committed masters: load_state) and the
         # staging slots; behind the first forward/backward, in this order: the committed banks'
@@ -127,7 +122,7 @@ class HostTier(HostStepping, HostIO, CompressedState):
             for k in range(len(resident))]
         if not pin and self.pool.n_banks > len(resident):
             later.append((bank_offset + bank_stride * len(resident), bank_stride * (self.pool.n_banks - len(resident))))
-        self.arena = SharedArena(arena.nbytes, "hybrid_opt-host", later=later)
+        self.arena = SharedArena(lay.nbytes, "hybrid_opt-host", later=later)
         # banks no one has written yet: the arena's pages are zero, load_state need not zero them
         self._fresh_banks = set(range(self.pool.n_banks))
         if pin:  # CUDA params: async D2H grads and H2D params need page-locked memory
