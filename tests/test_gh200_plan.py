@@ -1,4 +1,4 @@
-"""The README's GH200 figures ("GH200: SuperOffload's published configuration, planned") are
+"""docs/placement.md's GH200 figures ("GH200: SuperOffload's published configuration, planned") are
 what `hybrid-opt plan` and the cost model predict: the Qwen3-14B and GPT-OSS-20B rows, the
 ZeRO-Offload stand-in and its ratio. Predictions, recomputed here so the docs cannot drift."""
 import contextlib
