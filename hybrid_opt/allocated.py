@@ -5,8 +5,8 @@ and the allocator report, never from element counts.
   and io banks, staging slots: everything the worker maps);
 - nvme: the swap files' apparent sizes (`os.stat`), both slots;
 - comm: process_group's collective buffers (each bucket's averaged chunk and has-grad counts,
-  and the comm window's slots: packed grads, reduction output, gather staging; zero_pool.py),
-  by their storages' sizes;
+  and the comm window's slots: what a reduction sends, gather staging; zero_pool.py), by
+  their storages' sizes;
 - device: the device tier's own state tensors (moments, fp32 masters beside low-precision
   params, remainders; an fp32 param is its own master), by their storages' sizes.
 

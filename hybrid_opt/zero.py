@@ -16,7 +16,9 @@ param; a bucket whose params all have their grads is packed into a slot of the c
 side, padded to the longest rank's; a copy, so p.grad is never touched) — or, a bucket of one
 param whose dim-0 chunks split evenly, reduced straight from p.grad —
 and reduce-scattered asynchronously (COLLECTIVES: on gloo an all_to_all_single of the
-segments, summed by their owner in rank order) — strictly in bucket
+segments, summed by their owner in rank order), the result landing in the bucket's own chunk
+buffer where the collective allows (zero_reduce.py: on gloo at 2 ranks a slot holds only the
+segment sent, this rank's own being added from its grads) — strictly in bucket
 order: a bucket is issued only once every earlier bucket has been, and the end of backward
 (autograd's final callback; step() if it did not run) issues the ones that never fired (a
 param that got no grad on this rank), in order, so every rank issues the
@@ -78,13 +80,18 @@ from hybrid_opt.zero_counts import GradCounts
 from hybrid_opt.zero_edits import GradEdits, ReadVersions
 from hybrid_opt.zero_gather import ParamGather, ZeroParamsMixin  # noqa: F401 (optimizer's mixin)
 from hybrid_opt.zero_pool import CommWindow
+from hybrid_opt.zero_reduce import GradReduce
 from hybrid_opt.zero_release import GradRelease
 
-BUCKET_NUMEL = 1 << 22      # elements per reduce-scatter / all-gather bucket (16 MB of fp32)
+# elements per reduce-scatter / all-gather bucket (2 MiB of fp32): a comm slot holds about one
+# (zero_pool.py), so this sizes the window; a larger param is a bucket of its own, reduced
+# straight from p.grad into its chunk (zero_reduce.py)
+BUCKET_NUMEL = 1 << 19
 WAIT_S = 300.0              # bound on each wait for a collective (a peer rank that died)
 # which collectives carry a bucket: None picks by backend — gloo "all_to_all" (each rank's
 # segment sent to its owner by all_to_all_single and summed there, in rank order; params sent
-# back by one broadcast per rank from the chunk's owner), any other "reduce_scatter"
+# back by one broadcast per rank from the chunk's owner, at 2 ranks one all_to_all_single),
+# any other "reduce_scatter"
 # (reduce-scatter + all-gather); "all_reduce" (each rank keeps its segment of the sum; params
 # broadcast) where a backend has no reduce-scatter. Measured on gloo (torch 2.13, 2 ranks, one
 # 16 MB bucket, idle cores): reduce_scatter_tensor 32 ms, all_reduce 20 ms, all_gather_into_
@@ -114,12 +121,12 @@ class _Bucket:
     width: int              # elements per rank of the chunks (longest rank's chunks)
     offsets: list           # offsets[k][r]: param k's chunk offset within rank r's segment
     numels: list            # numels[k][r]
-    out: torch.Tensor = None  # this rank's averaged chunks (grad views point here)
+    buf: torch.Tensor = None  # the bucket's own: out, then one has-grad count per param
+    out: torch.Tensor = None  # buf[:width], this rank's averaged chunks (grad views point here)
     index: int = 0          # its place in the issue order
-    # views of a slot borrowed from the comm window (zero_pool.py) while in flight, else None:
-    # the reduction's input (every rank's segment), its output (reduce_scatter: this rank's
-    # segment; all_to_all: every rank's segment for this rank), and the staging of gathers
-    # that cannot land in the params directly
+    # while in flight, else None (zero_reduce.py): what the reduction sends (a view of a slot
+    # borrowed from the comm window, zero_pool.py, or of p.grad) and where its output lands
+    # (buf itself, or the slot), and the staging of gathers that cannot land in the params
     red: torch.Tensor = None
     scratch: torch.Tensor = None
     staging: torch.Tensor = None
@@ -136,7 +143,7 @@ def _chunk_numel(p: torch.Tensor, rank: int, world: int) -> int:
     return (b - a) * (p.numel() // p.shape[0] if p.shape[0] else 0)
 
 
-class ZeroSharding(ParamGather, GradCounts, GradEdits, CommWindow, GradRelease):
+class ZeroSharding(GradReduce, ParamGather, GradCounts, GradEdits, CommWindow, GradRelease):
     """The collectives of process_group mode for one optimizer (module docstring)."""
 
     def __init__(self, params: list, group, bucket_numel: int | None = None, release_grads: bool = False):
@@ -247,7 +254,8 @@ class ZeroSharding(ParamGather, GradCounts, GradEdits, CommWindow, GradRelease):
             acc = [a + k for a, k in zip(acc, n)]
         width = max(acc) if acc else 0
         b = _Bucket(params, params[0].dtype, params[0].device, width, offsets, numels)
-        b.out = torch.zeros(width, dtype=b.dtype, device=b.device)
+        b.buf = torch.zeros(b.seg, dtype=b.dtype, device=b.device)  # out, then has-grad counts
+        b.out = b.buf[:width]
         # one param whose dim-0 chunks split evenly IS its own rank-segmented buffer: reduced
         # straight from p.grad, no packing copy (its has-grad count rides a tiny collective of
         # its own); not under all_reduce, which would write the sum into p.grad
@@ -309,104 +317,6 @@ class ZeroSharding(ParamGather, GradCounts, GradEdits, CommWindow, GradRelease):
             self._next += 1
             self._launch(self.buckets[self._next - 1])
 
-    def _pack(self, b: _Bucket) -> torch.Tensor:
-        """The reduction's input in the bucket's slot: each rank's chunks side by side,
-        zero-padded to the width, then one has-grad count per param. A param without a grad
-        is zeros in the sum and counts 0."""
-        red = b.red
-        for r in range(self.world):  # the padding (a slot another bucket used: rewritten)
-            used = sum(n[r] for n in b.numels)
-            red[r * b.seg + used:r * b.seg + b.width].zero_()
-        for k, p in enumerate(b.params):
-            flat = None if p.grad is None else p.grad.detach().reshape(-1)
-            start = 0
-            for r in range(self.world):
-                red[r * b.seg + b.width + k].fill_(0 if flat is None else 1)
-                n = b.numels[k][r]
-                if n:
-                    dst = red[r * b.seg + b.offsets[k][r]:r * b.seg + b.offsets[k][r] + n]
-                    dst.zero_() if flat is None else dst.copy_(flat[start:start + n])
-                start += n
-        return red
-
-    def _launch(self, b: _Bucket) -> None:
-        if any(q[0] is b for q in self._pending):
-            self.poll(wait=True, until=b)  # b.out is rewritten: the last backward's reduction first
-        grads = [p.grad for p in b.params]
-        if b.red is None:
-            self._reduce_slot(b)  # from the comm window (zero_pool.py): given back in poll()
-        if b.direct and self._kind != "all_reduce":
-            return self._launch_direct(b, grads)
-        red = self._pack(b)
-        if self._kind == "all_to_all":
-            out = b.scratch
-            work = self.dist.all_to_all_single(out, red, group=self.group, async_op=True)
-        elif self._kind == "reduce_scatter":
-            out = b.scratch
-            try:
-                # reduce_scatter_single is the newer name (torch 2.13 deprecates _tensor)
-                rs = getattr(self.dist, "reduce_scatter_single", None) or self.dist.reduce_scatter_tensor
-                work = rs(out, red, group=self.group, async_op=True)
-            except (RuntimeError, NotImplementedError) as e:
-                self._no_reduce_scatter(e)
-        if self._kind == "all_reduce":
-            work = self.dist.all_reduce(red, group=self.group, async_op=True)
-        self._launched(b, [work], self._kind, grads)
-
-    def _launch_direct(self, b: _Bucket, grads: list) -> None:
-        """A direct bucket: p.grad itself is the input (zeros when this rank has none), read
-        while in flight — the end of backward waits for it, so later in-place changes to p.grad
-        (GradScaler.unscale_, a clip) never race it; its count goes in a collective of its own."""
-        g = grads[0]
-        src = g.detach().reshape(-1) if g is not None else b.red[:self.world * b.width].zero_()
-        counts = self._counts_buffer(b)
-        counts[:self.world].fill_(0 if g is None else 1)
-        if self._kind == "all_to_all":
-            out = b.scratch[:self.world * b.width]
-            works = [self.dist.all_to_all_single(out, src, group=self.group, async_op=True),
-                     self.dist.all_to_all_single(counts[self.world:], counts[:self.world],
-                                                 group=self.group, async_op=True)]
-        else:
-            rs = getattr(self.dist, "reduce_scatter_single", None) or self.dist.reduce_scatter_tensor
-            out = b.scratch[:b.width]
-            try:
-                works = [rs(out, src, group=self.group, async_op=True)]
-            except (RuntimeError, NotImplementedError) as e:
-                self._no_reduce_scatter(e)
-                return self._launch(b)
-            works.append(rs(counts[self.world:self.world + 1], counts[:self.world],
-                            group=self.group, async_op=True))
-        self._launched(b, works, self._kind, grads)
-
-    def _no_reduce_scatter(self, e: Exception) -> None:
-        self._kind = self.stats["collectives"] = "all_reduce"  # the same backend on every rank
-        warnings.warn(f"process_group: the {self.dist.get_backend(self.group)} backend has no "
-                      f"reduce_scatter_tensor ({e}); each bucket is all-reduced instead (every "
-                      f"rank keeps its chunk: twice the traffic)", stacklevel=4)
-
-    def _launched(self, b: _Bucket, works: list, kind: str, grads: list) -> None:
-        for p in b.params:
-            self._reduced[id(p)] = p.grad
-            self._reads.note(p)
-        self.stats["reduce_scatters"] += 1
-        self._pending.append((b, works, kind, grads))
-
-    def _average(self, b: _Bucket, kind: str) -> None:
-        """A completed reduction's sum over the ranks, divided by the world size, into b.out
-        (its has-grad counts: zero_counts.py). all_to_all: the ranks' segments summed here in
-        rank order."""
-        direct = b.direct and kind != "all_reduce"
-        stride = b.width if direct else b.seg
-        if kind == "all_to_all":
-            segs = [b.scratch[r * stride:r * stride + b.width] for r in range(self.world)]
-            b.out.copy_(segs[0])
-            for seg in segs[1:]:
-                b.out.add_(seg)
-            b.out.div_(self.world)
-            return
-        total = b.scratch if kind == "reduce_scatter" else b.red[self.rank * b.seg:(self.rank + 1) * b.seg]
-        torch.div(total[:b.width], self.world, out=b.out)
-
     def poll(self, wait: bool = False, until: _Bucket | None = None) -> None:
         """Completes the launched reductions in launch order (all of them when `wait`; with
         `until`, up to and including that bucket's)."""
@@ -421,9 +331,9 @@ class ZeroSharding(ParamGather, GradCounts, GradEdits, CommWindow, GradRelease):
             self._pending.pop(0)
             # a buffer of the bucket's own, written in place: its version moves, so a speculation
             # that read the previous reduction (accumulation without the flag) is redone
-            self._average(b, kind)
+            self._average(b, kind, grads)  # into b.out (zero_reduce.py)
             self._delivered(b, kind, grads)  # chunks mapped, hooks run (zero_counts.py)
-            self._give_back(b, "reduce")  # its counts were copied out: the slot is free
+            self._reduce_done(b)  # its counts were copied out: the slot is free
 
     def _wait(self, work, what: str, cuda: bool = False) -> None:
         """A collective's completion, bounded. On CUDA the current stream waits for it and the

@@ -44,19 +44,13 @@ class GradCounts:
 
     def _counts(self, b, kind: str) -> torch.Tensor:
         """A completed reduction's has-grad counts, one per param of the bucket, on its device
-        (not read: no sync). all_to_all: the ranks' counts summed here in rank order."""
-        direct = b.direct and kind != "all_reduce"
-        if kind == "all_to_all":
-            if direct:
+        (not read: no sync): after the averaged chunks in b.buf (zero_reduce.py), or a direct
+        bucket's own (all_to_all: every rank's, summed here)."""
+        if b.direct and kind != "all_reduce":
+            if kind == "all_to_all":
                 return b.counts[self.world:].sum().reshape(1)
-            counts = b.scratch[b.width:b.seg].clone()
-            for r in range(1, self.world):
-                counts.add_(b.scratch[r * b.seg + b.width:(r + 1) * b.seg])
-            return counts
-        if direct:
             return b.counts[self.world:self.world + 1].clone()
-        total = b.scratch if kind == "reduce_scatter" else b.red[self.rank * b.seg:(self.rank + 1) * b.seg]
-        return total[b.width:].clone()
+        return b.buf[b.width:].clone()
 
     def _delivered(self, b, kind: str, grads: list) -> None:
         """A bucket's reduction is averaged into b.out: its params with a grad here get their

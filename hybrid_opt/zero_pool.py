@@ -1,78 +1,104 @@
 """process_group mode's collective buffers (zero.py): a bounded window of slots that the
-reductions (packed input and output) and the gathers (staging) borrow, each slot given back
-as its bucket completes — reduced and averaged, or landed — so the comm memory covers the
-buckets in flight, not the whole model.
+reductions (what they send) and the gathers (staging) borrow, each slot given back as its
+bucket completes — reduced and averaged, or landed — so the comm memory covers the buckets in
+flight, not the whole model.
 
 Before (#21) every bucket kept its own for the optimizer's life: the packed grads, the
 reduction's output and the gather staging, about one fp32 model each (292 MiB per rank of the
-23.1M-param bench GPT at 2 gloo ranks, with this rank's averaged chunks). Now a slot holds
-the largest need of any bucket of its (dtype, device) — a reduction's input + output, which
-is more than a gather's staging — and there are WINDOW slots per (dtype, device), or as many
-as fit in WINDOW_FLOOR_BYTES where buckets are small (a window of a few MiB saves nothing
-and would cost overlap), never more than there are buckets; all made at the key's first use
-(zeroed once: no first touch per step). A bucket that finds no slot free completes the
-oldest holder first: the oldest pending reduction is waited and averaged, the oldest pending
-gather landed — bounded waits on collectives this rank has issued already, which every rank
-issues in the same order (zero.py), so no rank waits on one that another has not issued.
+23.1M-param bench GPT at 2 gloo ranks, with this rank's averaged chunks); then a window of
+slots each a bucket's reduction input + output (92.2 MiB). Now a reduction's output lands in
+the bucket's own chunk buffer and, on gloo at 2 ranks, a slot holds only the segment sent
+(zero_reduce.py), so a slot holds the largest need of any bucket of its (dtype, device): that,
+or a gather's staging where it is always staged (a bucket of several params: zero_gather.py)
+— and a bucket of one param (most of a model's elements, at BUCKET_NUMEL = 512Ki) needs none.
+There are WINDOW slots per (dtype, device), or as many as fit in WINDOW_FLOOR_BYTES where
+buckets are small, never more than there are buckets; all made at the key's first use (zeroed
+once: no first touch per step). A need larger than a slot (overlap_param_gather's staging of a
+one-param bucket; zeros for a one-param bucket without a grad here) gets a tensor of its own
+while borrowed, within the same bound (SlotPool). A bucket that finds no slot free completes
+the oldest holder first: the oldest pending reduction is waited and averaged, the oldest
+pending gather landed — bounded waits on collectives this rank has issued already, which every
+rank issues in the same order (zero.py), so no rank waits on one that another has not issued.
+The bench GPT at 2 gloo ranks: 39 buckets (27 of one param), 3 slots of 1.0 MiB, comm 47.1 MiB
+per rank (44.1 of them its chunks).
 
-What stays per bucket: its averaged chunks (`out`: this rank's grads for the step, 1/world of
-the model, read by the step as the grads) and a direct bucket's has-grad counts (2·world).
+What stays per bucket: its `buf` — the averaged chunks (`out`: this rank's grads for the step,
+1/world of the model, read by the step as the grads) and one has-grad count per param — and a
+direct bucket's has-grad counts (2·world).
 """
 from __future__ import annotations
 
 import torch
 
 WINDOW = 2                      # slots per (dtype, device): buckets in flight at once
-WINDOW_FLOOR_BYTES = 8 << 20    # ... or as many as fit in this, for small buckets
+WINDOW_FLOOR_BYTES = 4 << 20    # ... or as many as fit in this, for small buckets
 
 
 class SlotPool:
-    """Flat buffers of one size per (dtype, device) key, made all at once on first use."""
+    """Flat buffers of one size per (dtype, device) key, made all at once on first use, and at
+    most `counts[key]` borrowed at a time. A need larger than the slot (a gather staged for a
+    bucket of one large param, zeros for a one-param bucket without a grad here) gets a tensor
+    of its own, dropped when given back; it counts against the same bound, and against WINDOW
+    at most, so the window stays bounded."""
 
     def __init__(self, numels: dict, counts: dict):
         self.numels, self.counts = numels, counts  # key -> elements per slot, slots
         self.free: dict = {}                       # key -> [slot], made and not borrowed
         self.made: dict = {}                       # key -> [slot]
+        self.held: dict = dict.fromkeys(counts, 0)  # key -> borrowed now (slots and own tensors)
+        self.own: dict = {}                        # id -> a tensor of its own, while borrowed
 
-    def take(self, key):
-        """A free slot of `key`, or None when every one is borrowed."""
+    def take(self, key, numel: int):
+        """A free buffer of `key` of at least `numel` elements, or None when the bound is reached."""
+        dtype, device = key
         if key not in self.made:
-            dtype, device = key
             self.made[key] = [torch.zeros(self.numels[key], dtype=dtype, device=device)
                               for _ in range(self.counts[key])]
             self.free[key] = list(self.made[key])
-        return self.free[key].pop() if self.free[key] else None
+        fits = numel <= self.numels[key]
+        if self.held[key] >= (self.counts[key] if fits else min(self.counts[key], WINDOW)):
+            return None
+        self.held[key] += 1
+        if fits:
+            return self.free[key].pop()
+        t = torch.empty(numel, dtype=dtype, device=device)
+        self.own[id(t)] = t
+        return t
 
     def give(self, key, slot, lost: bool = False) -> None:
         """`slot` back to the pool; `lost`: a collective that failed may still write it, so it
         is dropped and a new one made in its place."""
+        self.held[key] -= 1
+        if self.own.pop(id(slot), None) is not None:
+            return
         if lost:
             i = next(i for i, t in enumerate(self.made[key]) if t is slot)
             slot = self.made[key][i] = torch.zeros_like(slot)
         self.free[key].append(slot)
 
     def tensors(self) -> list:
-        return [t for ts in self.made.values() for t in ts]
+        return [t for ts in self.made.values() for t in ts] + list(self.own.values())
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.tensors())
+        """The slots' bytes (made once; tensors of their own come and go)."""
+        return sum(t.numel() * t.element_size() for ts in self.made.values() for t in ts)
 
 
 class CommWindow:
     """ZeroSharding's side (a mixin): the slots its buckets borrow and give back."""
 
-    def _reduce_numels(self, b) -> tuple:
-        """(input, output) elements of b's reduction: every rank's segment in; all_to_all gets
-        every rank's segment for this rank, reduce_scatter one, all_reduce works in place."""
-        out = {"all_to_all": self.world * b.seg, "reduce_scatter": b.seg}.get(self._kind, 0)
-        return self.world * b.seg, out
+    def _slot_numel(self, b) -> int:
+        """Elements a slot needs for b: what its reduction sends (and, from 3 ranks on under
+        all_to_all, receives: zero_reduce.py), or its gather's staging where that is staged
+        even when step() waits (several params: zero_gather.py) — the larger."""
+        staged = len(b.params) > 1 or (self._kind == "reduce_scatter" and not b.direct)
+        return max(sum(self._reduce_numels(b)), self.world * b.width if staged else 0)
 
     def _init_window(self) -> None:
         numels, buckets = {}, {}
         for b in self.buckets:
             key = (b.dtype, b.device)
-            # a gather's staging (world · width) fits in a reduction's input (world · seg)
-            numels[key] = max(numels.get(key, 0), sum(self._reduce_numels(b)))
+            numels[key] = max(numels.get(key, 0), self._slot_numel(b))
             buckets[key] = buckets.get(key, 0) + 1
         counts = {}
         for key, n in numels.items():
@@ -81,25 +107,24 @@ class CommWindow:
         self._pool = SlotPool(numels, counts)
         self._holders: list = []  # [(what, bucket, slot)] in the order borrowed: "reduce" / "gather"
 
-    def _borrow(self, b, what: str) -> torch.Tensor:
-        """A slot for b's reduction or gather; none free: the oldest holder completes first."""
+    def _borrow(self, b, what: str, numel: int) -> torch.Tensor:
+        """`numel` elements of a slot for b's reduction or gather; none free: the oldest holder
+        completes first."""
         key = (b.dtype, b.device)
-        slot = self._pool.take(key)
+        slot = self._pool.take(key, numel)
         while slot is None:
             self._complete_oldest(key)
-            slot = self._pool.take(key)
+            slot = self._pool.take(key, numel)
         self._holders.append((what, b, slot))
         self.stats["buffer_bytes"] = self._pool.nbytes() + self._counts_bytes
-        return slot
+        return slot[:numel]
 
     def _give_back(self, b, what: str, lost: bool = False) -> None:
         for i, (w, hb, slot) in enumerate(self._holders):
             if w == what and hb is b:
                 del self._holders[i]
                 self._pool.give((b.dtype, b.device), slot, lost)
-                if what == "reduce":
-                    b.red = b.scratch = None
-                else:
+                if what == "gather":
                     b.staging = None
                 return
 
@@ -114,13 +139,7 @@ class CommWindow:
         raise RuntimeError("process_group: no comm slot free and none borrowed (a slot per "
                            "(dtype, device) is made for every bucket key)")
 
-    def _reduce_slot(self, b) -> None:
-        """b.red / b.scratch: views of a borrowed slot while its reduction is in flight."""
-        slot = self._borrow(b, "reduce")
-        n_in, n_out = self._reduce_numels(b)
-        b.red, b.scratch = slot[:n_in], slot[n_in:n_in + n_out]
-
     def comm_tensors(self) -> list:
-        """Every tensor of the comm figure (allocated.py): the slots, each bucket's averaged
-        chunks and counts."""
-        return self._pool.tensors() + [t for b in self.buckets for t in (b.out, b.counts)]
+        """Every tensor of the comm figure (allocated.py): the slots (and tensors of their own
+        while borrowed), each bucket's averaged chunks with their counts, a direct bucket's counts."""
+        return self._pool.tensors() + [t for b in self.buckets for t in (b.buf, b.counts)]

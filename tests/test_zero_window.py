@@ -44,11 +44,14 @@ def test_comm_bytes_are_the_storages_held_and_a_window_not_the_model(world_of_on
             held = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
                     for t in z.comm_tensors() if t is not None}
             assert got == sum(held.values())
-            chunks = sum(b.out.untyped_storage().nbytes() for b in z.buckets)  # a world of 1: all of it
+            chunks = sum(b.buf.untyped_storage().nbytes() for b in z.buckets)  # a world of 1: all of it
             window = got - chunks - sum(b.counts.untyped_storage().nbytes() for b in z.buckets
                                         if b.counts is not None)
-            largest = max(sum(z._reduce_numels(b)) for b in z.buckets) * 4
-            assert window == zero_pool.WINDOW * largest  # two buckets' input + output
+            # a world of 1 sends nothing (its own segment never leaves: zero_reduce.py), so a
+            # slot is a bucket's gather staging (a layer's two params)
+            largest = max(z._slot_numel(b) for b in z.buckets) * 4
+            assert largest == (WIDTH * WIDTH + WIDTH) * 4
+            assert window == zero_pool.WINDOW * largest
             assert window < fp32 / 2, (window, fp32)
             # no bucket keeps a slot once its reduction is done; overlapped gathers keep at
             # most the window's, landing the oldest to free one
