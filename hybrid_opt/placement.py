@@ -209,7 +209,7 @@ class PlacementMixin(MoveMixin):
             # cores, and its close() restores both
             try:
                 for s in host:
-                    self._host.load_state(self._host_local[s.index], s.read().float())
+                    self._host.load_state(self._host_local[s.index], s)  # read into its bank
             except BaseException:
                 # the optimizer is not built yet, so its close() would not reach this tier
                 self._host.close()

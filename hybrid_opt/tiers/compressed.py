@@ -124,10 +124,17 @@ class CompressedState:
             st = {"param": master, **st}
         return st
 
-    def _store_master(self, bank: int, sg: int, master: torch.Tensor) -> torch.Tensor | None:
-        """Writes an fp32 master into `bank`; returns the bf16 high half for the model's param
-        when the subgroup keeps remainders (the caller writes it once the state stands)."""
+    def _store_master(self, bank: int, sg: int, master) -> torch.Tensor | None:
+        """Writes an fp32 master into `bank` (`master`: a tensor, or the model's elements —
+        layout.Subgroup — read straight into the bank); returns the bf16 high half for the
+        model's param when the subgroup keeps remainders (the caller writes it once the state
+        stands)."""
         st = self._stored_state(bank, sg)
+        if not isinstance(master, torch.Tensor):
+            if not self._remainders[sg]:
+                master.read_into(st["param"])  # no gathered copy of the params first
+                return None
+            master = master.read()
         if not self._remainders[sg]:
             st["param"].copy_(master.reshape(-1))
             return None

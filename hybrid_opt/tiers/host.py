@@ -291,7 +291,7 @@ class HostTier(HostStepping, HostIO, CompressedState):
 
     def load_state(self, sg: int, param, exp_avg=None, exp_avg_sq=None, max_exp_avg_sq=None) -> None:
         """Sets subgroup `sg`'s committed state (moments default to zero). `param`: the fp32
-        master; moments are rounded to the tier's dtypes (to nearest even). A subgroup that
+        master, or the model's elements (a layout.Subgroup: read into the bank); moments are rounded to the tier's dtypes (to nearest even). A subgroup that
         keeps remainders stores the master encoded, and its model param (`params[sg]`) takes
         the high half once the state stands."""
         self._require_idle(sg)
