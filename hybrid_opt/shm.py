@@ -190,7 +190,10 @@ class SharedArena:
     (fallocate: missing memory is still a MemoryError here) and populated by a background
     thread, in order; `wait_populated()` waits for a region (bounded)."""
 
-    def __init__(self, nbytes: int, name: str = "hybrid_opt", prefault: bool = True, later=()):
+    def __init__(self, nbytes: int, name: str = "hybrid_opt", prefault: bool = True, later=(),
+                 defer: bool = False):
+        """`defer`: the pages are reserved and populated by fill(), not here (the caller starts
+        its worker first, so that its start-up overlaps the reservation)."""
         self.nbytes = align_up(max(nbytes, 1), PAGE)
         self.fd = _open_anonymous_fd(name, self.nbytes)
         try:
@@ -199,23 +202,34 @@ class SharedArena:
         except OSError:
             os.close(self.fd)
             raise
-        what = f"shared memory ({name})"
         self._background = None
-        try:
-            later = [(off, n) for off, n in later if n > 0] if prefault else []
-            if any(off % PAGE or n % PAGE for off, n in later):
-                raise ValueError(f"later: ranges must be page-aligned, got {later}")
-            if later and not reserve(self.fd, later, what):
-                later = []  # nothing reserves the memory: populate it all now (the error promise)
-            self.populated = prefault and populate(self.mm, what, skip=later)
-            if self.populated and later:
-                self._background = BackgroundPopulate(address(self.mm), later, what)
-        except BaseException:  # MemoryError, a bad range: no descriptor left behind
-            self.mm.close()
-            os.close(self.fd)
-            raise
+        self.populated = False
         self._pinned_ptr = self._runtime = self._pin_device = None
         self.closed = False
+        self._fill_args = (name, prefault, later)
+        if not defer:
+            try:
+                self.fill()
+            except BaseException:  # MemoryError, a bad range: no descriptor left behind
+                self.close()
+                raise
+
+    def fill(self) -> None:
+        """Reserves the arena's pages and populates those not left to the background (once).
+        Raises MemoryError where the memory is not there; the owner then closes the arena."""
+        if self._fill_args is None:
+            return
+        name, prefault, later = self._fill_args
+        self._fill_args = None
+        what = f"shared memory ({name})"
+        later = [(off, n) for off, n in later if n > 0] if prefault else []
+        if any(off % PAGE or n % PAGE for off, n in later):
+            raise ValueError(f"later: ranges must be page-aligned, got {later}")
+        if later and not reserve(self.fd, later, what):
+            later = []  # nothing reserves the memory: populate it all now (the error promise)
+        self.populated = prefault and populate(self.mm, what, skip=later)
+        if self.populated and later:
+            self._background = BackgroundPopulate(address(self.mm), later, what)
 
     def tensor(self, offset: int, numel: int, dtype):
         import torch

@@ -122,12 +122,10 @@ class HostTier(HostStepping, HostIO, CompressedState):
             for k in range(len(resident))]
         if not pin and self.pool.n_banks > len(resident):
             later.append((bank_offset + bank_stride * len(resident), bank_stride * (self.pool.n_banks - len(resident))))
-        self.arena = SharedArena(lay.nbytes, "hybrid_opt-host", later=later)
+        # its pages reserved and populated below, once the worker is starting (fill())
+        self.arena = SharedArena(lay.nbytes, "hybrid_opt-host", later=later, defer=True)
         # banks no one has written yet: the arena's pages are zero, load_state need not zero them
         self._fresh_banks = set(range(self.pool.n_banks))
-        if pin:  # CUDA params: async D2H grads and H2D params need page-locked memory
-            # registered in the params' device's context (pin: their device, or True)
-            self.arena.pin(pin if isinstance(pin, torch.device) else None)
         self._regions, self._bank_offset, self._bank_stride = regions, bank_offset, bank_stride
         self._slots = [self.arena.tensor(slot_offset + k * slot_stride, self.slot_numel, grad_dtype)
                        for k in range(staging_slots)]
@@ -136,7 +134,7 @@ class HostTier(HostStepping, HostIO, CompressedState):
                       slot_offset=slot_offset, slot_stride=slot_stride,
                       exp_avg_dtype=_DT_CODE[exp_avg_dtype],
                       exp_avg_sq_dtype=_DT_CODE[exp_avg_sq_dtype],
-                      populate_later=later if self.arena.populating else [])
+                      populate_later=later)  # the worker maps these in the background
         self._file_slot = [0] * n           # nvme: the committed slot of each subgroup's file
         self._crc = [[0, 0] for _ in range(n)]
         self._aio = None                    # the trainer's own engine (load_state / state)
@@ -164,7 +162,14 @@ class HostTier(HostStepping, HostIO, CompressedState):
             for sg in range(n):
                 if self.nvme[sg]:
                     self.swap.create(sg, 2 * self.io_bytes)
-            self.client.start()
+            # the worker's start-up (an interpreter, its imports) overlaps reserving the arena's
+            # pages (fallocate: most of construction, ~0.2 s per GB here)
+            self.client.launch()
+            self.arena.fill()  # MemoryError where the memory is not there: closed below
+            if pin:  # CUDA params: async D2H grads and H2D params need page-locked memory
+                # registered in the params' device's context (pin: their device, or True)
+                self.arena.pin(pin if isinstance(pin, torch.device) else None)
+            self.client.wait_started()
             self.cores.apply()
             self.remote_gather = self._probe_remote_gather()
             if has_nvme:

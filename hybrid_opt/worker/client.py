@@ -216,6 +216,17 @@ class WorkerClient:
         return self.proc.pid if self.proc is not None else None
 
     def start(self) -> None:
+        """Starts the worker and waits until it answers."""
+        self.launch()
+        self.wait_started()
+
+    def wait_started(self) -> None:
+        """Waits (bounded) for a launched worker's first answer."""
+        self.ping(timeout_s=self.start_timeout_s)
+
+    def launch(self) -> None:
+        """Starts the worker process without waiting for it (wait_started() does): its start-up
+        overlaps what the trainer does meanwhile (the arena's reservation: tiers/host.py)."""
         req_r, req_w = os.pipe()
         resp_r, resp_w = os.pipe()
         self._stderr_fd = os.memfd_create("hybrid_opt-worker-stderr") if hasattr(os, "memfd_create") else None
@@ -240,7 +251,6 @@ class WorkerClient:
         self._req, self._resp = req_w, resp_r
         self._reader = P.FrameReader(resp_r)
         _allow_reads_by(self.proc.pid)
-        self.ping(timeout_s=self.start_timeout_s)
 
     def _stderr_tail(self) -> str:
         if self._stderr_fd is None:
