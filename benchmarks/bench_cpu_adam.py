@@ -21,7 +21,7 @@ against the probe's GB/s, so 100 % means "at memory speed for the bytes it moves
 Runs as it is on any host cpu_kernels builds on (x86-64, AArch64); every record names the
 SIMD level it measured and the machine. On the Arm vector levels (neon, sve) bank mode is
 timed twice, plain and with streaming stores (rows `_stnt`, STNP / STNT1, off by default in
-the library because it is unmeasured: cpu_kernels' README, "AArch64").
+the library because it is unmeasured: docs/kernels.md, "AArch64").
 """
 from __future__ import annotations
 

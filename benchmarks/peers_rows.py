@@ -95,7 +95,7 @@ def _hybrid_kwargs(row: dict, nvme_path: str | None, param_dtype) -> dict:
     kw = dict(HYPER, max_grad_norm=CLIP, offload_fraction=OFFLOAD)
     if row.get("compressed"):
         kw.update(exp_avg_dtype=torch.bfloat16, exp_avg_sq_dtype=torch.bfloat16)
-        if param_dtype == torch.bfloat16:  # remainders need bf16 params (README, Use)
+        if param_dtype == torch.bfloat16:  # remainders need bf16 params (docs/usage.md)
             kw.update(store_param_remainders=True)
     if row.get("nvme"):
         kw.update(nvme_fraction=row["nvme"], nvme_path=nvme_path)

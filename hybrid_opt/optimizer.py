@@ -263,7 +263,7 @@ class _HybridBase(ZeroParamsMixin, SpeculationMixin, PlacementMixin, CheckpointM
             return loss
         self._amp_seen = self._amp_seen or found_t is not None  # GradScaler.step sets found_inf
         # on a GPU, clipping's norm² is queued first so that it, found_inf and the loss scale
-        # reach the host in one small copy: at most one sync per step (README: host syncs)
+        # reach the host in one small copy: at most one sync per step (docs/usage.md: host syncs)
         norm_sq = None
         if (self.max_grad_norm is not None and failure is None and self._subgroups
                 and self._subgroups[0].device.type == "cuda"):
@@ -441,7 +441,7 @@ class _HybridBase(ZeroParamsMixin, SpeculationMixin, PlacementMixin, CheckpointM
 class HybridAdamW(_HybridBase):
     """torch.optim.AdamW's signature and defaults (decoupled weight decay), plus placement.
 
-    See the README for the hybrid arguments (offload_fraction, nvme_fraction, ...)."""
+    See the README (one line per argument) and docs/usage.md for the hybrid arguments."""
     _decoupled = True
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2,
