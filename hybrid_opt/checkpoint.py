@@ -294,9 +294,7 @@ class CheckpointMixin:
     def _take_state_init_step(self) -> None:
         """The state-init step (above): the step counts advance, the tiers (all zeros, masters
         equal to the params) stay as they are."""
-        self._drop_speculation()
-        for ready in self._ready.values():
-            ready.clear()
+        self._drop_pending()
         for p in self._all_params():
             if p.grad is not None:
                 self._steps[self._index[p]] += 1

@@ -27,6 +27,7 @@ from hybrid_opt.plan import DEVICE
 from hybrid_opt.speculation import GradGatherer, SpeculationMixin
 from hybrid_opt.step_failures import StepFailureMixin
 from hybrid_opt.step_stats import StepStatsMixin
+from hybrid_opt.step_work import DeviceWork, HostWork
 from hybrid_opt.storage import StorageMixin
 from hybrid_opt.tiers.device import read_scalars
 from hybrid_opt.tiers.host import StepInputs
@@ -279,8 +280,7 @@ class _HybridBase(ZeroParamsMixin, SpeculationMixin, PlacementMixin, CheckpointM
                 norm_sq, found, all_init = RF.agree(norm_sq, found, failure, init_vote=init)
             except Exception as e:  # a rank failed (or the collective did): nothing is stepped
                 RF.quietly(self._drop_speculation, e)
-                for ready in self._ready.values():
-                    ready.clear()
+                self._clear_ready()
                 raise
             if all_init:
                 self._take_state_init_step()
@@ -290,9 +290,7 @@ class _HybridBase(ZeroParamsMixin, SpeculationMixin, PlacementMixin, CheckpointM
         if found is not None and found != 0.0:
             # GradScaler saw inf/nan: the whole step is skipped, exactly as torch does
             self.step_was_skipped = True
-            dropped = self._drop_speculation()
-            for ready in self._ready.values():
-                ready.clear()
+            dropped = self._drop_pending()
             # stats describe this (skipped) step, not the last one that was taken
             self.stats = {"host": dict(self._host.stats) if self._host is not None else {},
                           "speculation": dict(committed=0, redone=0, stepped=0, dropped=len(dropped))
@@ -331,9 +329,9 @@ class _HybridBase(ZeroParamsMixin, SpeculationMixin, PlacementMixin, CheckpointM
             if not live:
                 continue
             if self.plan.tiers[sg.index] == DEVICE:
-                device_work.extend((sg.index, sl, hp, self._steps[sl.param_index]) for sl in live)
+                device_work.extend(DeviceWork(sg.index, sl, hp, self._steps[sl.param_index]) for sl in live)
             else:
-                host_steps[sg.index] = (sg, live, hp)
+                host_steps[sg.index] = HostWork(sg, live, hp)
         self._check_device_scale(device_work, scale, undo)
         # host tiers first: a failure there (a full disk, a worker error) then leaves the device
         # tier unstepped, and the step counts of every parameter no committed subgroup holds
@@ -371,13 +369,13 @@ class _HybridBase(ZeroParamsMixin, SpeculationMixin, PlacementMixin, CheckpointM
 
     def _step_host(self, host_steps: dict, scale: float, committed: set) -> None:
         work = {}
-        for index, (sg, live, hp) in host_steps.items():
-            work[self._host_local[index]] = (GradGatherer(sg), self._host_inputs(sg, live, hp, scale, 0))
-        by_local = {self._host_local[index]: (sg, live) for index, (sg, live, _) in host_steps.items()}
+        for index, w in host_steps.items():
+            work[self._host_local[index]] = (GradGatherer(w.sg), self._host_inputs(w.sg, w.live, w.hp, scale, 0))
+        by_local = {self._host_local[index]: w for index, w in host_steps.items()}
 
         def copy_params(local: int, views: dict) -> None:
             # the new params reach the model only once their step is committed
-            sg, live = by_local[local]
+            sg, live = by_local[local].sg, by_local[local].live
             src = views["param_copy"] if (sg.dtype != torch.float32 and "param_copy" in views) else views["param"]
             # one blocking batched copy into the live slices (an nvme subgroup's buffer is
             # reused as soon as this returns): on CUDA one host sync, not one per slice
@@ -389,8 +387,7 @@ class _HybridBase(ZeroParamsMixin, SpeculationMixin, PlacementMixin, CheckpointM
             outcome = self._host.finish(work, on_commit=copy_params)
         finally:
             self._forget_staged()
-        for ready in self._ready.values():
-            ready.clear()
+        self._clear_ready()
         self._deferred.clear()
         counts = {k: 0 for k in ("committed", "redone", "stepped", "dropped")}
         for v in outcome.values():

@@ -211,6 +211,18 @@ class SpeculationMixin:
                 return
             self._deferred.pop(0)
 
+    def _clear_ready(self) -> None:
+        """Forgets which subgroups' grads were ready: the step they were for is over."""
+        for ready in self._ready.values():
+            ready.clear()
+
+    def _drop_pending(self) -> dict:
+        """Drops every pending speculation and the ready sets (a step skipped or taken without
+        host work); returns finish()'s outcome."""
+        outcome = self._drop_speculation()
+        self._clear_ready()
+        return outcome
+
     def _drop_speculation(self) -> dict:
         """Drops every pending speculation (the committed state is untouched); returns finish()'s
         outcome."""

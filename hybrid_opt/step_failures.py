@@ -109,9 +109,9 @@ class StepFailureMixin:
         the device tier's kernel would refuse them; raises with nothing stepped."""
         if not device_work:
             return
-        device = self._subgroups[device_work[0][0]].device
+        device = self._subgroups[device_work[0].index].device
         why = self._device.refuse_scale(scale, device)
-        for _, sl, _, _ in device_work if why is None else ():
+        for sl in (w.slice for w in device_work) if why is None else ():
             if not D.is_sharded(sl.param):
                 continue
             g, p = D.local_of(sl.param.grad), D.local_of(sl.param)
@@ -128,22 +128,22 @@ class StepFailureMixin:
     def _step_failed(self, e: BaseException, where: str | None, host_steps: dict, committed: set,
                      device_work: list, done: list, unsure: list, undo: StepUndo) -> None:
         """Raises `e` explained, after putting back the step count of every parameter the
-        failed step did not touch (module docstring). host_steps: {subgroup index: (subgroup,
-        live slices, hyper)} of the host/nvme tiers, `committed` those that committed;
-        device_work: the device tier's entries, `done` / `unsure` the positions written /
-        maybe written. where: the failing tier, None for input refused."""
+        failed step did not touch (module docstring). host_steps: {subgroup index: HostWork}
+        of the host/nvme tiers (step_work.py), `committed` those that committed; device_work:
+        the device tier's DeviceWork entries, `done` / `unsure` the positions written / maybe
+        written. where: the failing tier, None for input refused."""
         total: dict = {}
         stepped: dict = {}
-        for sg, live, _ in host_steps.values():
-            for sl in live:
+        for w in host_steps.values():
+            for sl in w.live:
                 total[sl.param_index] = total.get(sl.param_index, 0) + 1
-                stepped[sl.param_index] = stepped.get(sl.param_index, 0) + (sg.index in committed)
-        for _, sl, _, _ in device_work:
-            total[sl.param_index] = total.get(sl.param_index, 0) + 1
+                stepped[sl.param_index] = stepped.get(sl.param_index, 0) + (w.sg.index in committed)
+        for w in device_work:
+            total[w.slice.param_index] = total.get(w.slice.param_index, 0) + 1
         for k in done:
-            idx = device_work[k][1].param_index
+            idx = device_work[k].slice.param_index
             stepped[idx] = stepped.get(idx, 0) + 1
-        maybe = {device_work[k][1].param_index for k in unsure}
+        maybe = {device_work[k].slice.param_index for k in unsure}
         whole = sorted(i for i, n in total.items() if stepped.get(i, 0) == n and i not in maybe)
         torn = sorted(i for i, n in total.items() if (0 < stepped.get(i, 0) < n or i in maybe)
                       and i not in whole)

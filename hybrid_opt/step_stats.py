@@ -57,7 +57,7 @@ class StepStatsMixin:
         tiers = self.stats["tiers"]
         unread = self.__dict__.setdefault("_unread_samples", collections.deque())
         fields = dict(step_s=step_s, host_wait_s=self.stats["host_wait_s"], device_host_s=self.stats["device_s"],
-                      device_elements=sum(sl.numel for _, sl, _, _ in device_work),
+                      device_elements=sum(w.slice.numel for w in device_work),
                       host_worker_s=tiers[HOST]["worker_s"], host_elements=tiers[HOST]["elements"],
                       hidden_s=self.stats["hidden_s"])
         report = {"step_s": step_s, "worker_s": self.stats["worker_s"],

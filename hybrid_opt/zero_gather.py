@@ -238,7 +238,7 @@ class ZeroParamsMixin:
         device tier's params count as committed when step() gathers what is left."""
         zero = getattr(self, "_zero", None)
         if zero is not None:
-            pending = {i: [sl.param for sl in live] for i, (_, live, _) in host_steps.items()}
+            pending = {i: [sl.param for sl in w.live] for i, w in host_steps.items()}
             pending["device"] = [w[1].param for w in device_work]
             zero.expect_commits(pending, direct=not self.overlap_param_gather)
 

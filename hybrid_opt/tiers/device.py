@@ -194,8 +194,8 @@ class DeviceTier:
 
     # ------------------------------------------------------------------ the step
     def step(self, work: list, grad_scale, found_inf=None) -> None:
-        """work: [(subgroup index, slice, StepInputs-like hyperparameters, step)] — one entry
-        per parameter slice to step. grad_scale: float (CPU) or 1-element device tensor.
+        """work: [(subgroup index, slice, StepInputs-like hyperparameters, step)] (step_work.
+        DeviceWork, or a plain tuple of its fields) — one entry per parameter slice to step. grad_scale: float (CPU) or 1-element device tensor.
         Steps are in place, so a failure part-way says what it wrote: `progress` is (done,
         unsure) of the last step — the positions in `work` of the entries stepped, as each
         kernel call returns, and those of the call that raised where it may have written some
