@@ -50,9 +50,8 @@ def host_tier_layout(host: list, plan, fmt, amsgrad: bool, rollback: str, io_ban
 def host_arena_bytes(layout: dict, fmt) -> int:
     """The arena a HostTier built with `layout` (host_tier_layout) maps, in bytes."""
     flags = [layout["remainders"] and fmt.remainders_for(s.dtype) for s in (layout["params"] or [])]
-    rem_mode = ("all" if all(flags) else "some") if any(flags) else "none"
     return plan_arena(layout["numels"], layout["nvme"], fmt=fmt, amsgrad=layout["amsgrad"],
-                      copy_dtype=layout["copy_dtype"], rem_mode=rem_mode, grad_dtype=layout["grad_dtype"],
+                      copy_dtype=layout["copy_dtype"], remainders=flags, grad_dtype=layout["grad_dtype"],
                       rollback=layout["rollback"], spare_banks=layout["spare_banks"],
                       io_banks=layout["io_banks"], staging_slots=layout["staging_slots"],
                       slot_numel=None).nbytes

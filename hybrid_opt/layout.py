@@ -30,6 +30,14 @@ import torch
 from hybrid_opt.distributed import is_dtensor, is_sharded, local_of
 
 
+def own_contiguous(p) -> None:
+    """A non-contiguous plain param gets contiguous memory of its own (a slice is one 1-D
+    range of it); a sharded param's local part is never rebound (model_flat checks it)."""
+    if not is_sharded(p) and not p.data.is_contiguous():
+        with torch.no_grad():
+            p.data = p.data.contiguous()
+
+
 def model_flat(p) -> torch.Tensor:
     """The 1-D tensor of this rank's elements of param `p`, in p's own memory: a DTensor's
     local shard, a process_group chunk, or the param's data (its own version counter, as
@@ -119,8 +127,8 @@ def _copy(dsts: list, srcs: list, non_blocking: bool) -> None:
     GPU is queued asynchronously and waited for once: one host sync, not one per slice."""
     if not dsts:
         return
-    cross = not non_blocking and any(d.device != s.device for d, s in zip(dsts[:1], srcs[:1])) \
-        and "cuda" in (dsts[0].device.type, srcs[0].device.type)
+    cross = (not non_blocking and dsts[0].device != srcs[0].device
+             and "cuda" in (dsts[0].device.type, srcs[0].device.type))
     if len(dsts) == 1:
         dsts[0].copy_(srcs[0], non_blocking=non_blocking or cross)
     else:
@@ -137,9 +145,7 @@ def layout_group(params: list, group: int, first_index: int, subgroup_numel: int
     plain param is given contiguous memory of its own first."""
     buckets: dict = {}
     for k, p in enumerate(params):
-        if not is_sharded(p) and not p.data.is_contiguous():
-            with torch.no_grad():
-                p.data = p.data.contiguous()
+        own_contiguous(p)
         local = local_of(p)
         buckets.setdefault((local.device, local.dtype), []).append((first_index + k, p, local.numel()))
     subgroups: list = []

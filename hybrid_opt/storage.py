@@ -43,7 +43,8 @@ from __future__ import annotations
 
 import torch
 
-from hybrid_opt.distributed import is_dtensor, is_sharded, local_of
+from hybrid_opt.distributed import is_dtensor, local_of
+from hybrid_opt.layout import own_contiguous
 from hybrid_opt.plan import DEVICE
 
 
@@ -197,9 +198,7 @@ class StorageMixin:
         FSDP2 all-gathers from a DTensor's own buffer; a plain param's new memory is the
         user's). A tier reading the params (an fp32 device master, a host tier keeping
         remainders) reads them through the slices, so it follows."""
-        if not is_sharded(p) and not p.data.is_contiguous():
-            with torch.no_grad():
-                p.data = p.data.contiguous()  # a slice is one 1-D range (layout.py)
+        own_contiguous(p)
         for sg in self._subgroups:
             for sl in sg.slices:
                 if sl.param_index == i:

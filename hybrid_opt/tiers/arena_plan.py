@@ -54,11 +54,12 @@ class ArenaPlan:
         return self.slot_stride * self.staging_slots
 
 
-def plan_arena(numels: list, nvme: list, *, fmt, amsgrad: bool, copy_dtype, rem_mode: str,
+def plan_arena(numels: list, nvme: list, *, fmt, amsgrad: bool, copy_dtype, remainders: list,
                grad_dtype, rollback: str, spare_banks: int | None, io_banks: int,
                staging_slots: int, slot_numel: int | None) -> ArenaPlan:
-    """The arena of a host tier of subgroups `numels` (`nvme`: a flag each) — HostTier's
-    arguments, checked by it; rem_mode as compressed.bank_layout takes it."""
+    """The arena of a host tier of subgroups `numels` (`nvme`, `remainders`: a flag each:
+    on nvme, keeping its master as remainders) — HostTier's arguments, checked by it."""
+    rem_mode = ("all" if all(remainders) else "some") if any(remainders) else "none"
     resident = [i for i in range(len(numels)) if not nvme[i]]
     spares = (len(resident) if spare_banks is None else spare_banks) if rollback == "exact" and resident else 0
     io = io_banks if any(nvme) else 0

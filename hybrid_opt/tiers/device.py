@@ -5,7 +5,8 @@ combined grad scale is a kernel argument (or a device tensor) and nothing here r
 device back (no host sync). On a CPU-only host the same subgroups are stepped in the
 trainer by the CPU kernel. An fp32 model's params are their own master (stepped in place
 through the subgroups' slices, nothing copied); a bf16/fp16 model keeps an fp32 master here
-and gets its params written in the same pass. `read_scalars` reads what a step must know on the host in one copy.
+and gets its params written in the same pass. `read_scalars` reads what a step must know on
+the host in one copy.
 
 The StateFormat (state_format.py) sets the moments' dtypes (bf16: rounded to nearest even
 when stored) and, with `store_param_remainders`, a bf16 subgroup keeps no fp32 master: the
@@ -195,7 +196,8 @@ class DeviceTier:
     # ------------------------------------------------------------------ the step
     def step(self, work: list, grad_scale, found_inf=None) -> None:
         """work: [(subgroup index, slice, StepInputs-like hyperparameters, step)] (step_work.
-        DeviceWork, or a plain tuple of its fields) — one entry per parameter slice to step. grad_scale: float (CPU) or 1-element device tensor.
+        DeviceWork, or a plain tuple of its fields) — one entry per parameter slice to step.
+        grad_scale: float (CPU) or 1-element device tensor.
         Steps are in place, so a failure part-way says what it wrote: `progress` is (done,
         unsure) of the last step — the positions in `work` of the entries stepped, as each
         kernel call returns, and those of the call that raised where it may have written some

@@ -18,8 +18,8 @@ from hybrid_opt.state_format import StateFormat
 from hybrid_opt.swap import SwapDir, check_nvme_path
 # re-exported: the optimizer, calibration, tests and benchmarks import these from here
 from hybrid_opt.tiers.host_io import (DEFAULT_SLOT_NUMEL, MAX_STAGING_SLOTS,  # noqa: F401
-                                      REMOTE_GATHER_QUEUE, STAGING_SLOTS, _ALIGN_ELEMS, _DT_CODE,
-                                      HostIO, _Piece, _slot_numel, staging_slots_for)
+                                      REMOTE_GATHER_QUEUE, STAGING_SLOTS, _DT_CODE,
+                                      HostIO, _Piece, staging_slots_for)
 from hybrid_opt.tiers.arena_plan import plan_arena
 from hybrid_opt.tiers.compressed import CompressedState, _independent_moment_dtypes, check_params
 from hybrid_opt.tiers.host_step import HostStepping, _Speculation  # noqa: F401
@@ -96,9 +96,8 @@ class HostTier(HostStepping, HostIO, CompressedState):
         # argument errors before anything is made (shared memory, swap directory)
         self.cores = CoreSplit(worker_share, worker_cores)
         self.swap = None
-        rem_mode = ("all" if all(self._remainders) else "some") if any(self._remainders) else "none"
         lay = plan_arena(self.numels, self.nvme, fmt=fmt, amsgrad=amsgrad, copy_dtype=copy_dtype,
-                         rem_mode=rem_mode, grad_dtype=grad_dtype, rollback=rollback,
+                         remainders=self._remainders, grad_dtype=grad_dtype, rollback=rollback,
                          spare_banks=spare_banks, io_banks=io_banks, staging_slots=staging_slots,
                          slot_numel=slot_numel)
         resident = lay.resident
