@@ -80,13 +80,13 @@ class CheckpointMixin:
         self._drop_speculation()
         self._check_written()  # a param written since the last step: its master restarts first (storage.py)
         base = super().state_dict()  # param_groups in torch's format (params as indices)
-        params = list(self._all_params())
+        params = list(self._layout.params())
         pieces: dict = {}  # param index -> [(subgroup, slice)]
-        for sg in self._subgroups:
+        for sg in self._layout.subgroups:
             for sl in sg.slices:
                 pieces.setdefault(sl.param_index, []).append((sg, sl))
         # never stepped: torch has no state for it either
-        stepped = [idx for idx in range(len(params)) if self._steps[idx]]
+        stepped = [idx for idx in range(len(params)) if self._layout.steps[idx]]
         last_use = {}  # subgroup index -> the last stepped param that reads its state
         for idx in stepped:
             for sg, _ in pieces.get(idx, ()):
@@ -95,7 +95,7 @@ class CheckpointMixin:
         state = {}
         for idx in stepped:
             p = local_of(params[idx])  # a DTensor's state is its local shard's, wrapped below
-            keys = ["exp_avg", "exp_avg_sq"] + (["max_exp_avg_sq"] if self._group_of(idx)["amsgrad"] else [])
+            keys = ["exp_avg", "exp_avg_sq"] + (["max_exp_avg_sq"] if self._layout.group_of(idx)["amsgrad"] else [])
             if p.dtype != torch.float32:
                 keys.append("master")
             parts = pieces.get(idx, [])
@@ -125,7 +125,7 @@ class CheckpointMixin:
                         flat[k][sl.param_offset:sl.param_offset + sl.numel].copy_(sub_state[sg.index][k][a:b])
                     if last_use[sg.index] == idx:
                         del sub_state[sg.index]
-            entry = {"step": torch.tensor(float(self._steps[idx]), dtype=torch.float32)}
+            entry = {"step": torch.tensor(float(self._layout.steps[idx]), dtype=torch.float32)}
             for k in keys:
                 t = flat[k].view(p.shape)
                 # torch.optim.AdamW's state under FSDP2 is zeros_like(p): DTensors like the param
@@ -139,14 +139,6 @@ class CheckpointMixin:
         fmt = self.state_format
         return {"exp_avg": fmt.exp_avg_dtype, "exp_avg_sq": fmt.exp_avg_sq_dtype,
                 "max_exp_avg_sq": fmt.exp_avg_sq_dtype}.get(key, torch.float32)
-
-    def _group_of(self, idx: int) -> dict:
-        for g in self.param_groups:
-            n = len(g["params"])
-            if idx < n:
-                return g
-            idx -= n
-        raise IndexError(idx)
 
     def load_state_dict(self, state_dict: dict) -> None:
         self._check_open()
@@ -166,25 +158,25 @@ class CheckpointMixin:
             for pid in s["params"]:
                 id_map[pid] = len(id_map)
         saved_state = {id_map[k]: v for k, v in state_dict["state"].items() if k in id_map}
-        params = list(self._all_params())
+        params = list(self._layout.params())
         # refused before anything is written: a load that fails half-way would leave some
         # subgroups loaded and the others not (the committed state must stay whole)
         _check_saved_state(saved_state, params)
-        if any(s.get("amsgrad", False) for s in saved_groups) and not self._amsgrad_layout:
+        if any(s.get("amsgrad", False) for s in saved_groups) and not self._layout.amsgrad:
             # the checkpoint needs a running max of v that this optimizer never laid out: lay
             # the tiers out again with it (the state is loaded into them right below)
-            self._amsgrad_layout = True
+            self._layout.set_amsgrad(True)
             try:
                 self._rebuild_tiers()
             except BaseException:
-                self._amsgrad_layout = False  # the tiers are as they were (moves.py): so is the layout
+                self._layout.set_amsgrad(False)  # the tiers are as they were (moves.py): so is the layout
                 raise
         for g, s in zip(groups, saved_groups):
             for k, v in s.items():
                 if k not in ("params", "param_names", "decoupled_weight_decay"):
                     g[k] = v
         last_sg = {}  # param index -> the last subgroup holding part of it
-        for sg in self._subgroups:
+        for sg in self._layout.subgroups:
             for sl in sg.slices:
                 last_sg[sl.param_index] = sg.index
         # each param's saved tensors as 1-D, made once (a copy only for a strided tensor) and
@@ -215,7 +207,7 @@ class CheckpointMixin:
             return sources[(idx, key)]
 
         with torch.no_grad():
-            for sg in self._subgroups:
+            for sg in self._layout.subgroups:
                 st = self._subgroup_state(sg)
                 for sl in sg.slices:
                     a, b = sl.sub_offset, sl.sub_offset + sl.numel
@@ -235,9 +227,9 @@ class CheckpointMixin:
                     local = self._host_local[sg.index]
                     self._host.load_state(local, st["master"], st["exp_avg"], st["exp_avg_sq"],
                                           st.get("max_exp_avg_sq"))
-        for idx in range(len(self._steps)):
+        for idx in range(len(self._layout.steps)):
             st = saved_state.get(idx)
-            self._steps[idx] = int(float(st["step"])) if st is not None and "step" in st else 0
+            self._layout.steps[idx] = int(float(st["step"])) if st is not None and "step" in st else 0
         self._sync_torch_state(rebuild=True)
         self._record_versions()  # with remainders a load writes the params' high halves
         self._rank_failure = None  # a completed reload puts this rank back in step (rank_faults.py)
@@ -249,20 +241,20 @@ class CheckpointMixin:
         distributed.checkpoint decides by it whether an optimizer is fresh) see a trained one;
         the moments and masters stay in the tiers and state_dict() gathers them. The step
         tensors are views of one buffer: a step costs one copy, not one op per param."""
-        n = len(self._steps)
+        n = len(self._layout.steps)
         counts = self.__dict__.get("_step_counts")
         if counts is None or counts.numel() != n:  # add_param_group grew the model
             counts = self._step_counts = torch.zeros(n, dtype=torch.float32)
             rebuild = True
-        counts.copy_(torch.tensor(self._steps, dtype=torch.float32))
-        stepped = n - self._steps.count(0)
+        counts.copy_(torch.tensor(self._layout.steps, dtype=torch.float32))
+        stepped = n - self._layout.steps.count(0)
         # between two calls counts only rise (a step) or only fall (its rollback): the same
         # number of stepped params means the same params
         if not rebuild and stepped == self.__dict__.get("_stepped_params"):
             return
         self._stepped_params = stepped
-        for idx, p in enumerate(self._all_params()):
-            if self._steps[idx]:
+        for idx, p in enumerate(self._layout.params()):
+            if self._layout.steps[idx]:
                 entry = self.state[p]
                 if rebuild or "step" not in entry:
                     entry["step"] = counts[idx]
@@ -278,7 +270,7 @@ class CheckpointMixin:
         decision (every rank's vote rides the decision all_reduce; a real lr-0 step where they
         differ leaves the same params). Adam's L2 decay would put weight_decay * param into the
         moments: that case takes a real step."""
-        if any(self._steps):
+        if any(self._layout.steps):
             return False
         for g in self.param_groups:
             lr = g["lr"]
@@ -286,7 +278,7 @@ class CheckpointMixin:
                 return False
             if not self._decoupled and g["weight_decay"] != 0:
                 return False
-        grads = [local_of(p.grad) for p in self._all_params() if p.grad is not None]
+        grads = [local_of(p.grad) for p in self._layout.params() if p.grad is not None]
         if not grads or any(g.is_sparse for g in grads):
             return False
         return not bool(torch.stack([g.any() for g in grads]).any())  # one host sync on a GPU
@@ -295,9 +287,9 @@ class CheckpointMixin:
         """The state-init step (above): the step counts advance, the tiers (all zeros, masters
         equal to the params) stay as they are."""
         self._drop_pending()
-        for p in self._all_params():
+        for p in self._layout.params():
             if p.grad is not None:
-                self._steps[self._index[p]] += 1
+                self._layout.steps[self._layout.index[p]] += 1
         self._sync_torch_state()
         # not counted as a training step (_steps_taken: speculation's warm-up, refits): nothing ran
         self.step_was_skipped = False

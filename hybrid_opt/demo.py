@@ -185,7 +185,7 @@ def main(argv=None) -> int:
                          nvme_path=nvme_path, subgroup_numel=args.subgroup_numel,
                          spare_banks=args.spare_banks, **state_options) as opt:
             print(opt.plan)
-            held = tier_state_bytes(opt._subgroups, opt.plan.tiers, opt.state_format)
+            held = tier_state_bytes(opt.parts.layout.subgroups, opt.plan.tiers, opt.state_format)
             t0 = time.perf_counter()
             hooks_stats = []
             orig_step = opt.step

@@ -206,3 +206,89 @@ def assign_ready_ranks(subgroups: list) -> None:
     """Grads complete in about reverse parameter order: the last subgroup is ready first."""
     for rank, sg in enumerate(sorted(subgroups, key=lambda s: -s.index)):
         sg.ready_rank = rank
+
+
+class Layout:
+    """The optimizer's layout: its subgroups, each param's index and each param's step count
+    (torch's state['step']), over the optimizer's own `param_groups` (read, never written)."""
+
+    def __init__(self, param_groups: list, subgroup_numel: int, amsgrad: bool):
+        self.param_groups = param_groups
+        self.subgroup_numel = subgroup_numel
+        self.amsgrad = amsgrad      # whether the tiers lay out amsgrad's running max
+        self.subgroups: list = []
+        self.index: dict = {}       # param -> its index in the optimizer's order
+        self.steps: list = []       # per-parameter step counts
+
+    def params(self):
+        for g in self.param_groups:
+            yield from g["params"]
+
+    def add_group(self, gi: int) -> list:
+        """Lays out param group `gi` (the last one) after those laid out; its new subgroups."""
+        params = self.param_groups[gi]["params"]
+        first = len(self.steps)
+        for k, p in enumerate(params):
+            self.index[p] = first + k
+        self.steps.extend([0] * len(params))
+        sgs = layout_group(params, gi, first, self.subgroup_numel, len(self.subgroups))
+        self.subgroups.extend(sgs)
+        assign_ready_ranks(self.subgroups)
+        return sgs
+
+    def drop_group(self, gi: int, params: int, subgroups: int) -> None:
+        """Takes group `gi`'s layout out again (a failed add_param_group): back to `params`
+        params and `subgroups` subgroups."""
+        for p in self.param_groups[gi]["params"]:
+            self.index.pop(p, None)
+        del self.steps[params:]
+        del self.subgroups[subgroups:]
+        assign_ready_ranks(self.subgroups)
+
+    def set_amsgrad(self, on: bool) -> None:
+        self.amsgrad = on
+
+    def advance_steps(self) -> None:
+        """Per-parameter step counts: only params with a grad advance (torch's rule)."""
+        for p in self.params():
+            if p.grad is not None:
+                self.steps[self.index[p]] += 1
+
+    def group_of(self, idx: int) -> dict:
+        for g in self.param_groups:
+            n = len(g["params"])
+            if idx < n:
+                return g
+            idx -= n
+        raise IndexError(idx)
+
+    def param_label(self, i: int) -> str:
+        """'parameter i (its name)' for messages: the name where the group has param_names."""
+        names = [n for g in self.param_groups for n in g.get("param_names", [None] * len(g["params"]))]
+        return f"parameter {i}" + (f" ({names[i]})" if i < len(names) and names[i] is not None else "")
+
+    def device(self):
+        """The device of the laid-out params (one for all), or None with nothing laid out."""
+        return self.subgroups[0].device if self.subgroups else None
+
+    def cuda(self) -> bool:
+        return bool(self.subgroups) and self.subgroups[0].device.type == "cuda"
+
+    @staticmethod
+    def live(sg) -> list:
+        """The slices of `sg` whose params have a grad now."""
+        return [sl for sl in sg.slices if sl.param.grad is not None]
+
+    def runs(self, sg, live: list, ahead: int = 0) -> tuple:
+        """(offset, numel, step) ranges of a subgroup's live slices, merged where contiguous;
+        () when one run covers the whole subgroup."""
+        runs = []
+        for sl in live:
+            step = self.steps[sl.param_index] + ahead
+            if runs and runs[-1][0] + runs[-1][1] == sl.sub_offset and runs[-1][2] == step:
+                runs[-1] = (runs[-1][0], runs[-1][1] + sl.numel, step)
+            else:
+                runs.append((sl.sub_offset, sl.numel, step))
+        if len(runs) == 1 and runs[0][:2] == (0, sg.numel):
+            return ()
+        return tuple(runs)

@@ -41,34 +41,31 @@ class MoveMixin:
     # ------------------------------------------------------------------ room
     def _state_bytes_per_element(self) -> int:
         """A subgroup's state as a move copies it out: fp32 master (decoded) and moments."""
-        return 4 + self.state_format.moment_bytes(self._amsgrad_layout)
+        return 4 + self.state_format.moment_bytes(self._layout.amsgrad)
 
     def _device_tier_bytes(self, sgs) -> int:
-        return device_tier_bytes(sgs, self.state_format, self._amsgrad_layout)
+        return device_tier_bytes(sgs, self.state_format, self._layout.amsgrad)
 
     def _move_memory(self, plan) -> dict:
         """Bytes a move to `plan` needs and has, on the device and on the host (module
         docstring, step 1). On a CPU-only host the device tier is host memory: it counts there."""
         from hybrid_opt import scheduler
-        sgs, before = self._subgroups, self.plan.tiers
+        sgs, before = self._layout.subgroups, self.plan.tiers
         leaving = [s for s in sgs if before[s.index] == DEVICE and plan.tiers[s.index] != DEVICE]
         arriving = [s for s in sgs if before[s.index] != DEVICE and plan.tiers[s.index] == DEVICE]
         # the new host tier's arena, exactly (footprint.py; the device tier is counted below)
-        new_host = plan_bytes(sgs, plan, self.state_format, self._amsgrad_layout, self.rollback,
+        new_host = plan_bytes(sgs, plan, self.state_format, self._layout.amsgrad, self.rollback,
                               self.io_banks, cuda=True)["host"]
         copies = sum(s.numel for s in leaving) * self._state_bytes_per_element()
         out = {"leaving": self._device_tier_bytes(leaving), "arriving": self._device_tier_bytes(arriving),
                "host_need": float(new_host + copies), "host_free": scheduler._free_host_bytes()}
-        if self._cuda():
-            m = scheduler.cuda_memory(self._subgroups[0].device)
+        if self._layout.cuda():
+            m = scheduler.cuda_memory(self._layout.subgroups[0].device)
             out["device_free"] = scheduler.available_device_bytes(m["free"], m["reserved"], m["allocated"])
         else:
             out["host_need"] += out["arriving"]
             out["device_free"] = None
         return out
-
-    def _cuda(self) -> bool:
-        return bool(self._subgroups) and self._subgroups[0].device.type == "cuda"
 
     def _room_shortfall(self, plan) -> str | None:
         """None when a move to `plan` fits (module docstring, step 1), else what does not."""
@@ -110,7 +107,7 @@ class MoveMixin:
         """Lays the tiers out as `plan` with the committed state now (module docstring: steps
         2-4). Also lays out state the layout now needs and the old tiers lack (amsgrad's
         running max after load_state_dict turned it on): zeros."""
-        sgs, before = self._subgroups, self.plan.tiers
+        sgs, before = self._layout.subgroups, self.plan.tiers
         leaving = [s for s in sgs if before[s.index] == DEVICE and plan.tiers[s.index] != DEVICE]
         arriving = [s for s in sgs if before[s.index] != DEVICE and plan.tiers[s.index] == DEVICE]
         # 1. the leaving state copied out to host memory (a device tier's tensors are views
@@ -165,7 +162,7 @@ class MoveMixin:
         dev = self._device
         gone = {s.index for s in leaving}
         released = []
-        if self._cuda() and arriving and leaving:
+        if self._layout.cuda() and arriving and leaving:
             m = scheduler.cuda_memory(arriving[0].device)
             if self._device_tier_bytes(arriving) > scheduler.available_device_bytes(
                     m["free"], m["reserved"], m["allocated"]):
@@ -174,7 +171,7 @@ class MoveMixin:
                     released.append(s)
         extra = None
         try:
-            extra = DeviceTier(arriving, self._amsgrad_layout, self.state_format)
+            extra = DeviceTier(arriving, self._layout.amsgrad, self.state_format)
             for s in arriving:
                 st = self._subgroup_state(s)  # the old plan's host tier
                 # fp32 master decoded there, encoded here: a remainder moves bitwise
@@ -182,7 +179,7 @@ class MoveMixin:
                 for k, t in extra.state[s.index].items():
                     if k in st:
                         t.copy_(st[k])
-            if self._amsgrad_layout:
+            if self._layout.amsgrad:
                 for i, st in dev.state.items():
                     if i not in gone and "max_exp_avg_sq" not in st:
                         extra.state[i] = dict(st, max_exp_avg_sq=torch.zeros_like(st["exp_avg_sq"]))
@@ -191,7 +188,7 @@ class MoveMixin:
             extra = None  # noqa: F841 - what it allocated goes before the leaving state comes back
             if released:
                 traceback.clear_frames(e.__traceback__)
-                back = DeviceTier(released, self._amsgrad_layout, self.state_format)
+                back = DeviceTier(released, self._layout.amsgrad, self.state_format)
                 for s in released:
                     back.set_master(s.index, saved[s.index]["master"])
                     for k, t in back.state[s.index].items():

@@ -13,15 +13,18 @@ from __future__ import annotations
 
 import math
 import time
+from typing import NamedTuple
 
 import torch
 
 from hybrid_opt import arguments as A
 from hybrid_opt import distributed as D
+from hybrid_opt import layout as L
 from hybrid_opt import lifetime
 from hybrid_opt import node
 from hybrid_opt import rank_faults as RF
 from hybrid_opt.checkpoint import CheckpointMixin
+from hybrid_opt.cost_model import DEFAULT_SUBGROUP_NUMEL
 from hybrid_opt.placement import PlacementMixin
 from hybrid_opt.plan import DEVICE
 from hybrid_opt.speculation import GradGatherer, SpeculationMixin
@@ -32,6 +35,11 @@ from hybrid_opt.storage import StorageMixin
 from hybrid_opt.tiers.device import read_scalars
 from hybrid_opt.tiers.host import StepInputs
 from hybrid_opt.zero import ZeroParamsMixin
+
+
+class Parts(NamedTuple):
+    """What an optimizer is composed of; each part owns its state (docs/code-map.md)."""
+    layout: L.Layout
 
 
 def _float_hyper(value, name: str) -> float:
@@ -100,11 +108,17 @@ class _HybridBase(ZeroParamsMixin, SpeculationMixin, PlacementMixin, CheckpointM
         self.overlap_param_gather = bool(overlap_param_gather)
         # the ranks on this node, where the launcher did not say (Lightning's DDP): collective
         node.derive_from_dist()
-        D.warn_replicated(self._all_params(), process_group)
+        params = [p for g in self.param_groups for p in g["params"]]
+        D.warn_replicated(params, process_group)
         if process_group is not None:
             # registered before the layout: each param's slices are then of its dim-0 chunk
             from hybrid_opt.zero import ZeroSharding
-            self._zero = ZeroSharding(list(self._all_params()), process_group, release_grads=release_grads)
+            self._zero = ZeroSharding(params, process_group, release_grads=release_grads)
+        if self.subgroup_numel is None:  # automatic: >= 8 subgroups on this rank where it can (layout.py)
+            self.subgroup_numel = L.auto_subgroup_numel(sum(D.local_of(p).numel() for p in params),
+                                                        DEFAULT_SUBGROUP_NUMEL)
+        self._layout = L.Layout(self.param_groups, self.subgroup_numel,
+                                any(g["amsgrad"] for g in self.param_groups))
         self._build()
 
     # ------------------------------------------------------------------ param groups
@@ -124,10 +138,10 @@ class _HybridBase(ZeroParamsMixin, SpeculationMixin, PlacementMixin, CheckpointM
                 raise NotImplementedError("add_param_group with process_group=: the new params "
                                           "would need their chunks laid out on every rank; build "
                                           "the optimizer with all its param groups")
-            if param_group.get("amsgrad", self.defaults["amsgrad"]) and not self._amsgrad_layout:
+            if param_group.get("amsgrad", self.defaults["amsgrad"]) and not self._layout.amsgrad:
                 raise ValueError("add_param_group: an amsgrad group cannot join an optimizer built "
                                  "without amsgrad; construct it with amsgrad=True")
-            have = {p.device for p in self._all_params()}
+            have = {p.device for p in self._layout.params()}
             new = {t.device for t in (i[1] if isinstance(i, tuple) else i for i in param_group["params"])
                    if isinstance(t, torch.Tensor)}
             if have and new - have:
@@ -139,6 +153,12 @@ class _HybridBase(ZeroParamsMixin, SpeculationMixin, PlacementMixin, CheckpointM
             self._extend(len(self.param_groups) - 1)
 
     # ------------------------------------------------------------------ properties
+    @property
+    def parts(self) -> Parts:
+        """The parts this optimizer is composed of (docs/code-map.md), for introspection and
+        tests: each part's public attributes and methods are its interface."""
+        return Parts(self._layout)
+
     @property
     def allocated_bytes(self) -> dict:
         """{"device", "host", "nvme", "comm"}: the bytes this optimizer holds now, as the OS
@@ -170,7 +190,7 @@ class _HybridBase(ZeroParamsMixin, SpeculationMixin, PlacementMixin, CheckpointM
     def _grad_norm_sq(self):
         """The grads' squared global norm: a float summed here on a CPU host; on CUDA a 0-dim
         fp64 device tensor, queued and not read (step() reads it with found_inf and the scale)."""
-        params = [p for p in self._all_params() if p.grad is not None]
+        params = [p for p in self._layout.params() if p.grad is not None]
         if not params:
             return 0.0
         # this rank's grads (a DTensor's local shard), grouped by how many ranks hold a replica
@@ -266,8 +286,8 @@ class _HybridBase(ZeroParamsMixin, SpeculationMixin, PlacementMixin, CheckpointM
         # on a GPU, clipping's norm² is queued first so that it, found_inf and the loss scale
         # reach the host in one small copy: at most one sync per step (docs/usage.md: host syncs)
         norm_sq = None
-        if (self.max_grad_norm is not None and failure is None and self._subgroups
-                and self._subgroups[0].device.type == "cuda"):
+        if (self.max_grad_norm is not None and failure is None and self._layout.subgroups
+                and self._layout.subgroups[0].device.type == "cuda"):
             norm_sq = self._grad_norm_sq()
         # with the flags of DTensor grads edited since speculation staged them (CUDA; grad_edits.py)
         found, scale_v, norm_sq, *edited = read_scalars((found_t, scale_t, norm_sq, *self._grad_edit_checks()))
@@ -316,20 +336,20 @@ class _HybridBase(ZeroParamsMixin, SpeculationMixin, PlacementMixin, CheckpointM
         scale = inv_scale * clip
 
         # per-parameter step counts: only params with a grad advance (torch's rule)
-        for p in self._all_params():
+        for p in self._layout.params():
             if p.grad is not None:
-                self._steps[self._index[p]] += 1
+                self._layout.steps[self._layout.index[p]] += 1
         self._sync_torch_state()
         groups = [self._hyper(g, -1.0 if g["maximize"] else 1.0) for g in self.param_groups]
 
         device_work, host_steps = [], {}
-        for sg in self._subgroups:
+        for sg in self._layout.subgroups:
             hp = groups[sg.group]
             live = [sl for sl in sg.slices if sl.param.grad is not None]
             if not live:
                 continue
             if self.plan.tiers[sg.index] == DEVICE:
-                device_work.extend(DeviceWork(sg.index, sl, hp, self._steps[sl.param_index]) for sl in live)
+                device_work.extend(DeviceWork(sg.index, sl, hp, self._layout.steps[sl.param_index]) for sl in live)
             else:
                 host_steps[sg.index] = HostWork(sg, live, hp)
         self._check_device_scale(device_work, scale, undo)

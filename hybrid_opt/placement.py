@@ -17,9 +17,8 @@ from hybrid_opt import distributed as D
 from hybrid_opt import layout as L
 from hybrid_opt.lifetime import acts_on_owner
 from hybrid_opt.moves import MoveMixin
-from hybrid_opt.cost_model import DEFAULT_SUBGROUP_NUMEL, NON_SPECULATIVE_SPARE_BANKS
+from hybrid_opt.cost_model import NON_SPECULATIVE_SPARE_BANKS
 from hybrid_opt.plan import DEVICE, HOST, NVME, check_fractions, fraction_miss, fraction_plan
-from hybrid_opt.distributed import local_of
 from hybrid_opt.footprint import host_tier_layout, plan_bytes
 from hybrid_opt.swap import check_nvme_path
 from hybrid_opt.tiers.device import DeviceTier
@@ -57,28 +56,16 @@ def _restated(e: Exception, message: str) -> Exception:
 class PlacementMixin(MoveMixin):
     """Lays the tiers out and moves subgroups between them."""
 
-    def _all_params(self):
-        for g in self.param_groups:
-            yield from g["params"]
-
     def _build(self) -> None:
-        params = list(self._all_params())
+        params = list(self._layout.params())
         devices = {p.device for p in params}
         if len(devices) > 1:
             raise ValueError(f"all parameters must be on one device, got {sorted(map(str, devices))}")
-        self._amsgrad_layout = any(g["amsgrad"] for g in self.param_groups)
-        self._subgroups: list = []
-        self._index = {}            # param -> index
-        self._steps: list = []      # per-parameter step counts (torch's state['step'])
         self._host_local: dict = {}
-        if self.subgroup_numel is None:  # automatic: >= 8 subgroups on this rank where it can (layout.py)
-            self.subgroup_numel = L.auto_subgroup_numel(sum(local_of(p).numel() for p in params),
-                                                        DEFAULT_SUBGROUP_NUMEL)
         for gi in range(len(self.param_groups)):
             self._add_group_layout(gi)
-        L.assign_ready_ranks(self._subgroups)
         if self.state_format.store_param_remainders and not any(
-                self.state_format.remainders_for(s.dtype) for s in self._subgroups):
+                self.state_format.remainders_for(s.dtype) for s in self._layout.subgroups):
             warnings.warn("store_param_remainders=True has no effect here: no parameter is bf16 "
                           "(only a bf16 param's master is kept as a remainder; fp32/fp16 params "
                           "keep an fp32 master)", stacklevel=4)
@@ -87,19 +74,14 @@ class PlacementMixin(MoveMixin):
         self._closed = False
 
     def _add_group_layout(self, gi: int) -> list:
-        params = self.param_groups[gi]["params"]
-        first = len(self._steps)
-        for k, p in enumerate(params):
-            self._index[p] = first + k
-        self._steps.extend([0] * len(params))
-        sgs = L.layout_group(params, gi, first, self.subgroup_numel, len(self._subgroups))
-        self._subgroups.extend(sgs)
-        self._remember_storage(first, params)  # step() checks the params keep it (storage.py)
+        first = len(self._layout.steps)
+        sgs = self._layout.add_group(gi)
+        self._remember_storage(first, self.param_groups[gi]["params"])  # step() checks the params keep it (storage.py)
         return sgs
 
     def _fractions_now(self) -> tuple:
         """(offload, nvme) fractions to lay out: the user's numbers, or the scheduler's choice."""
-        sgs = self._subgroups
+        sgs = self._layout.subgroups
         if "auto" not in (self.offload_fraction, self.nvme_fraction):
             off, nv = float(self.offload_fraction), float(self.nvme_fraction)
             if self.device_memory_budget is not None or self.host_memory_budget is not None:
@@ -107,14 +89,14 @@ class PlacementMixin(MoveMixin):
             return off, nv, None
         if self._auto is None:
             from hybrid_opt.scheduler import AutoPlanner, default_budgets
-            params = list(self._all_params())
+            params = list(self._layout.params())
             device = params[0].device if params else torch.device("cpu")
             fmt, dtype = self._budget_format(sgs)
             budgets = default_budgets(params, device, self.device_memory_budget, self.host_memory_budget)
             self._auto = AutoPlanner(
                 [s.numel for s in sgs], [s.ready_rank for s in sgs], device,
                 model_bytes=torch.tensor([], dtype=dtype).element_size(),
-                state_bytes=16 if self._amsgrad_layout else 12,
+                state_bytes=16 if self._layout.amsgrad else 12,
                 state_format=fmt, model_dtype=dtype,
                 subgroup_numel=self.subgroup_numel,
                 fixed_offload=None if self.offload_fraction == "auto" else float(self.offload_fraction),
@@ -137,11 +119,11 @@ class PlacementMixin(MoveMixin):
         now and the peak of the iterations so far (activations included), so a refit puts
         state on the device only where the next iterations will not need the memory
         (scheduler.measured_device_budget)."""
-        if self._auto is None or not self._auto.device_from_peak or not self._subgroups:
+        if self._auto is None or not self._auto.device_from_peak or not self._layout.subgroups:
             return
         from hybrid_opt.scheduler import cuda_memory
         spares = self.plan.spare_banks
-        self._auto.observe_device_memory(cuda_memory(self._subgroups[0].device),
+        self._auto.observe_device_memory(cuda_memory(self._layout.subgroups[0].device),
                                          counted=self._memory(*self._fractions, spares)["device"],
                                          floor=self._memory(1.0, 0.0, spares)["device"])
 
@@ -161,17 +143,17 @@ class PlacementMixin(MoveMixin):
     def _memory(self, off: float, nv: float, spare_banks) -> dict:
         """The cost model's bytes per tier for this optimizer's model at a placement."""
         from hybrid_opt import cost_model as cm
-        params = list(self._all_params())
+        params = list(self._layout.params())
         cuda = bool(params) and params[0].is_cuda
         size = params[0].element_size() if params else 4
-        fmt, dtype = self._budget_format(self._subgroups)
+        fmt, dtype = self._budget_format(self._layout.subgroups)
         # a host tier mixing dtypes (fp32 norms beside bf16 weights) stages fp32 grads
-        grads = 4 if len({s.dtype for s in self._subgroups}) > 1 else size
-        wl = cm.Workload(params=float(sum(s.numel for s in self._subgroups)), model_bytes=size,
-                         grad_bytes=grads, amsgrad=self._amsgrad_layout, state_format=fmt,
-                         model_dtype=dtype if self._subgroups else None,
+        grads = 4 if len({s.dtype for s in self._layout.subgroups}) > 1 else size
+        wl = cm.Workload(params=float(sum(s.numel for s in self._layout.subgroups)), model_bytes=size,
+                         grad_bytes=grads, amsgrad=self._layout.amsgrad, state_format=fmt,
+                         model_dtype=dtype if self._layout.subgroups else None,
                          subgroup_numel=self.subgroup_numel,
-                         bank_padding=L.bank_padding([s.numel for s in self._subgroups]))
+                         bank_padding=L.bank_padding([s.numel for s in self._layout.subgroups]))
         return cm.memory_bytes(cm.Machine(gpus=1 if cuda else 0), wl, off, nv, spare_banks)
 
     def _check_budgets(self, off: float, nv: float) -> None:
@@ -179,18 +161,18 @@ class PlacementMixin(MoveMixin):
         anything is allocated. The spare pool is sized afterwards from what the budget leaves:
         counted here at its least (one bank where exact rollback needs one)."""
         from hybrid_opt.scheduler import check_fixed_plan
-        sgs = self._subgroups
+        sgs = self._layout.subgroups
         plan = fraction_plan([s.numel for s in sgs], [s.ready_rank for s in sgs], off, nv, None)
         resident = sum(1 for t in plan.tiers if t == HOST)
         plan.spare_banks = (0 if self.rollback != "exact" or not resident else
                             self.spare_banks if self.spare_banks is not None else 1)
         check_fixed_plan((self.device_memory_budget, self.host_memory_budget), self._plan_bytes(plan),
-                         self._cuda())
+                         self._layout.cuda())
 
     def _place(self, decision=None, plan=None) -> None:
         """Lays the tiers out: at `decision`'s placement, as `plan` exactly (a layout that ran
         before), or else at the fractions asked for."""
-        sgs = self._subgroups
+        sgs = self._layout.subgroups
         if plan is not None:
             self.plan = dataclasses.replace(plan, tiers=list(plan.tiers), numels=list(plan.numels),
                                             speculation_order=list(plan.speculation_order))
@@ -200,7 +182,7 @@ class PlacementMixin(MoveMixin):
                 self._warn_fraction_miss()
         self._refresh_fractions()
         self._device = DeviceTier([s for s in sgs if self.plan.tiers[s.index] == DEVICE],
-                                  self._amsgrad_layout, self.state_format)
+                                  self._layout.amsgrad, self.state_format)
         host = [s for s in sgs if self.plan.tiers[s.index] in (HOST, NVME)]
         self._host_local = {s.index: k for k, s in enumerate(host)}
         if host:
@@ -231,7 +213,7 @@ class PlacementMixin(MoveMixin):
         the caller loads their state."""
         if len({s.dtype for s in host} - {torch.float32}) > 1:
             raise TypeError("host-tier parameters must share one low-precision dtype")
-        layout = host_tier_layout(host, plan, self.state_format, self._amsgrad_layout, self.rollback,
+        layout = host_tier_layout(host, plan, self.state_format, self._layout.amsgrad, self.rollback,
                                   self.io_banks)
         nvme = layout["nvme"]
         return HostTier(layout.pop("numels"), **layout, worker_share=self.worker_share,
@@ -240,12 +222,12 @@ class PlacementMixin(MoveMixin):
 
     def _plan_bytes(self, plan) -> dict:
         """{"device", "host"} bytes the tiers of `plan` will allocate (footprint.py)."""
-        return plan_bytes(self._subgroups, plan, self.state_format, self._amsgrad_layout, self.rollback,
-                          self.io_banks, self._cuda())
+        return plan_bytes(self._layout.subgroups, plan, self.state_format, self._layout.amsgrad, self.rollback,
+                          self.io_banks, self._layout.cuda())
 
     def _fraction_plan(self, decision):
         """The plan at `decision`'s fractions (or those asked for), its spare pool sized."""
-        sgs = self._subgroups
+        sgs = self._layout.subgroups
         if decision is None:
             off, nv, decision = self._fractions_now()
         else:
@@ -283,11 +265,11 @@ class PlacementMixin(MoveMixin):
         """'rank r of N: its share, e of E elements' where this rank lays out only its part
         (FSDP2's local shards, process_group's dim-0 chunks; an HSDP replica holds its whole
         shard); '' otherwise."""
-        params = list(self._all_params())
+        params = list(self._layout.params())
         if D.world_size() <= 1 or not any(D.is_sharded(p) for p in params):
             return ""
         import torch.distributed as dist
-        mine = sum(s.numel for s in self._subgroups)
+        mine = sum(s.numel for s in self._layout.subgroups)
         return (f"rank {dist.get_rank()} of {dist.get_world_size()}: its share, {mine} of "
                 f"{sum(p.numel() for p in params)} elements")
 
@@ -329,7 +311,7 @@ class PlacementMixin(MoveMixin):
         again: param_groups, the layout, the tiers and the scheduler as before the call, the
         error raised saying so; only the new params are left views of a flat buffer of their
         own (same values)."""
-        before = _Extension(len(self._steps), len(self._subgroups), self.plan, self._fractions,
+        before = _Extension(len(self._layout.steps), len(self._layout.subgroups), self.plan, self._fractions,
                             self._auto, dict(vars(self._auto)) if self._auto is not None else None)
         try:
             self._extend_layout(gi)
@@ -347,37 +329,32 @@ class PlacementMixin(MoveMixin):
     def _unextend(self, gi: int, before: "_Extension") -> None:
         """Undoes what _extend_layout did of group `gi` before it failed."""
         n, k = before.params, before.subgroups
-        for p in self.param_groups[gi]["params"]:
-            self._index.pop(p, None)
+        for s in self._layout.subgroups[k:]:
+            self._device.drop(s.index)
+        self._layout.drop_group(gi, n, k)
         del self.param_groups[gi]
-        del self._steps[n:]
         for name in ("_flat_views", "_flat_ptrs", "_param_versions"):  # storage.py's records
             del self.__dict__.setdefault(name, [])[n:]
-        for s in self._subgroups[k:]:
-            self._device.drop(s.index)
-        del self._subgroups[k:]
         del self.plan.tiers[k:], self.plan.numels[k:]
-        L.assign_ready_ranks(self._subgroups)
         self._fractions = before.fractions
         self._auto = before.auto
         if before.auto is not None:
             self._auto.__dict__.clear()
             self._auto.__dict__.update(before.auto_vars)
-        self._install_hooks([s for s in self._subgroups if self.plan.tiers[s.index] != DEVICE])
+        self._install_hooks([s for s in self._layout.subgroups if self.plan.tiers[s.index] != DEVICE])
 
     def _extend_layout(self, gi: int) -> None:
         sgs = self._add_group_layout(gi)
         for s in sgs:
             self.plan.tiers.append(DEVICE)
             self.plan.numels.append(s.numel)
-        self._device.absorb(DeviceTier(sgs, self._amsgrad_layout, self.state_format))
-        L.assign_ready_ranks(self._subgroups)
+        self._device.absorb(DeviceTier(sgs, self._layout.amsgrad, self.state_format))
         self._refresh_fractions()
         # the timing hooks sit on the first and last trainable params: the new group's may be
         # either (a move below installs them again anyway)
-        self._install_hooks([s for s in self._subgroups if self.plan.tiers[s.index] != DEVICE])
+        self._install_hooks([s for s in self._layout.subgroups if self.plan.tiers[s.index] != DEVICE])
         if self._auto is not None:
-            self._auto.regrow([s.numel for s in self._subgroups], [s.ready_rank for s in self._subgroups])
+            self._auto.regrow([s.numel for s in self._layout.subgroups], [s.ready_rank for s in self._layout.subgroups])
         stay = f"add_param_group: the new group's {sum(s.numel for s in sgs)} elements stay on the device tier"
         try:
             off, nv, decision = self._fractions_now()

@@ -47,7 +47,7 @@ class SpeculationMixin:
             # the scheduler times backward from the first grad accumulated to the last: hooks on
             # the first and last trainable params only (grads complete in about reverse
             # parameter order; a Python hook on every param would itself slow backward)
-            trainable = [p for p in self._all_params() if p.requires_grad]
+            trainable = [p for p in self._layout.params() if p.requires_grad]
             for p in {id(q): q for q in trainable[:1] + trainable[-1:]}.values():
                 self._hook_handles.append(p.register_post_accumulate_grad_hook(weak_method(self._on_grad_timed)))
         if not self.speculative or not host:
@@ -76,7 +76,7 @@ class SpeculationMixin:
         self._bwd_last = now
 
     def _on_chunk_reduced(self, p) -> None:
-        if self._index.get(p) in getattr(self, "_param_sgs", {}):
+        if self._layout.index.get(p) in getattr(self, "_param_sgs", {}):
             self._on_grad_ready(p)
 
     def _may_speculate(self) -> bool:
@@ -99,7 +99,7 @@ class SpeculationMixin:
                 self._host.poll()  # hands the worker the pieces whose CUDA copies have landed
             except Exception as e:  # never break the user's backward: step() reports it
                 self._speculation_error = self._speculation_error or e
-        idx = self._index.get(p)
+        idx = self._layout.index.get(p)
         for sgi in self._param_sgs.get(idx, ()):
             ready = self._ready[sgi]
             ready.add(idx)
@@ -134,8 +134,8 @@ class SpeculationMixin:
     def _host_inputs(self, sg, live: list, hp: StepInputs, scale: float, ahead: int) -> StepInputs:
         """The inputs a host subgroup's step depends on (ahead=1 during backward: the step
         counts it will have), including which grads, so a changed grad makes it stale."""
-        runs = self._runs(sg, live, ahead)
-        step = runs[0][2] if runs else self._steps[live[0].param_index] + ahead
+        runs = self._layout.runs(sg, live, ahead)
+        step = runs[0][2] if runs else self._layout.steps[live[0].param_index] + ahead
         # a DTensor grad (FSDP2) is named by its local shard (the memory the step reads) and
         # the versions of both: `dtensor.mul_` bumps only the DTensor's
         versions = tuple(self._grad_id(sl.param.grad) for sl in live)
@@ -170,8 +170,8 @@ class SpeculationMixin:
             return []
 
         def live_of(sgi):
-            return [sl for sl in self._subgroups[sgi].slices if sl.param.grad is not None]
-        return fp.checks(live_of, lambda sgi: GradGatherer(self._subgroups[sgi]),
+            return [sl for sl in self._layout.subgroups[sgi].slices if sl.param.grad is not None]
+        return fp.checks(live_of, lambda sgi: GradGatherer(self._layout.subgroups[sgi]),
                          lambda sgi: self._host.piece_stats(self._host_local[sgi], wait=False),
                          self._host.grad_dtype)
 
@@ -180,7 +180,7 @@ class SpeculationMixin:
             self._fingerprints.note(values)
 
     def _speculate(self, sgi: int) -> bool:
-        sg = self._subgroups[sgi]
+        sg = self._layout.subgroups[sgi]
         live = [sl for sl in sg.slices if sl.param.grad is not None]
         if not live:
             return True
@@ -259,20 +259,6 @@ class SpeculationMixin:
         super().zero_grad(set_to_none)
         for ready in getattr(self, "_ready", {}).values():
             ready.clear()
-
-    def _runs(self, sg, live: list, ahead: int = 0) -> tuple:
-        """(offset, numel, step) ranges of a subgroup's live slices, merged where contiguous."""
-        runs = []
-        for sl in live:
-            step = self._steps[sl.param_index] + ahead
-            if runs and runs[-1][0] + runs[-1][1] == sl.sub_offset and runs[-1][2] == step:
-                runs[-1] = (runs[-1][0], runs[-1][1] + sl.numel, step)
-            else:
-                runs.append((sl.sub_offset, sl.numel, step))
-        if len(runs) == 1 and runs[0][:2] == (0, sg.numel):
-            return ()
-        return tuple(runs)
-
 
 class GradGatherer:
     """Writes a subgroup's grads [offset, offset + numel) into a staging buffer; params without

@@ -50,17 +50,13 @@ class StepFailureMixin:
     """Input checks before a step, and the accounting of one that failed part-way."""
 
     # ------------------------------------------------------------------ before anything changes
-    def _param_label(self, i: int) -> str:
-        names = [n for g in self.param_groups for n in g.get("param_names", [None] * len(g["params"]))]
-        return f"parameter {i}" + (f" ({names[i]})" if i < len(names) and names[i] is not None else "")
-
     def _check_step_inputs(self) -> None:
         """Refuses, before anything changes, what a tier would fail on part-way (module
         docstring). A param sharded by FSDP2 / process_group has its grad checked by
         `_check_device_scale` instead (its local grad is known only after the reductions)."""
         cls = type(self).__name__
         on_device, sharded = self._check_layout()
-        device = self._subgroups[0].device if self._subgroups else None
+        device = self._layout.subgroups[0].device if self._layout.subgroups else None
         i = 0
         for gi, group in enumerate(self.param_groups):
             live_on_device = False
@@ -89,19 +85,19 @@ class StepFailureMixin:
         """({params with a slice on the device tier}, {sharded params}) for the layout now,
         made again only when the layout changed (a move, add_param_group)."""
         cache = self.__dict__.get("_check_cache")
-        if cache is None or cache[0] is not self.plan or cache[1] != self.plan.tiers or cache[2] != len(self._steps):
-            on_device = {sl.param_index for sg in self._subgroups if self.plan.tiers[sg.index] == DEVICE
+        if cache is None or cache[0] is not self.plan or cache[1] != self.plan.tiers or cache[2] != len(self._layout.steps):
+            on_device = {sl.param_index for sg in self._layout.subgroups if self.plan.tiers[sg.index] == DEVICE
                          for sl in sg.slices}
-            sharded = {i for i, p in enumerate(self._all_params()) if D.is_sharded(p)}
-            cache = self._check_cache = (self.plan, list(self.plan.tiers), len(self._steps), on_device, sharded)
+            sharded = {i for i, p in enumerate(self._layout.params()) if D.is_sharded(p)}
+            cache = self._check_cache = (self.plan, list(self.plan.tiers), len(self._layout.steps), on_device, sharded)
         return cache[3], cache[4]
 
     def _refuse_grad(self, i: int, why: str | None, kind: type) -> None:
         if why is not None:
-            raise kind(f"{type(self).__name__}.step(): {self._param_label(i)}'s grad {why}. {NOTHING_STEPPED}")
+            raise kind(f"{type(self).__name__}.step(): {self._layout.param_label(i)}'s grad {why}. {NOTHING_STEPPED}")
 
     def _step_undo(self) -> StepUndo:
-        return StepUndo(list(self._steps), self._steps_taken, self._last_inv_scale,
+        return StepUndo(list(self._layout.steps), self._steps_taken, self._last_inv_scale,
                         self.last_grad_norm, self.step_was_skipped)
 
     def _check_device_scale(self, device_work: list, scale: float, undo: StepUndo) -> None:
@@ -109,7 +105,7 @@ class StepFailureMixin:
         the device tier's kernel would refuse them; raises with nothing stepped."""
         if not device_work:
             return
-        device = self._subgroups[device_work[0].index].device
+        device = self._layout.subgroups[device_work[0].index].device
         why = self._device.refuse_scale(scale, device)
         for sl in (w.slice for w in device_work) if why is None else ():
             if not D.is_sharded(sl.param):
@@ -119,7 +115,7 @@ class StepFailureMixin:
                 why = f"its local grad has {g.numel()} elements, its local shard {p.numel()}"
             why = why or self._device.refuse_grad(g, p)
             if why is not None:
-                why = f"{self._param_label(sl.param_index)}'s grad {why}"
+                why = f"{self._layout.param_label(sl.param_index)}'s grad {why}"
                 break
         if why is not None:
             self._step_failed(ValueError(why), None, {}, set(), device_work, [], [], undo)
@@ -149,9 +145,9 @@ class StepFailureMixin:
                       and i not in whole)
         for i, n in total.items():
             if not stepped.get(i, 0) and i not in maybe:
-                self._steps[i] = undo.steps[i]  # untouched: its count as before the call
+                self._layout.steps[i] = undo.steps[i]  # untouched: its count as before the call
         if not whole and not torn:  # an empty param (no subgroup) too
-            self._steps[:] = undo.steps
+            self._layout.steps[:] = undo.steps
         if not whole and not torn:
             self._steps_taken, self._last_inv_scale = undo.steps_taken, undo.last_inv_scale
             self.last_grad_norm, self.step_was_skipped = undo.last_grad_norm, undo.step_was_skipped

@@ -29,7 +29,7 @@ class StepStatsMixin:
         clock = self.__dict__.get("_clock")
         if clock is None:
             from hybrid_opt.clocks import clock_for
-            first = next(iter(self._all_params()), None)
+            first = next(iter(self._layout.params()), None)
             clock = self._clock = clock_for(first.device if first is not None else "cpu")
         return clock.mark()
 
@@ -108,14 +108,14 @@ class StepStatsMixin:
                      "committed": 0, "redone": 0, "stepped": 0, "dropped": 0}
                  for t in (DEVICE, HOST, NVME)}
         fmt = getattr(self, "state_format", None) or StateFormat()
-        for sg in self._subgroups:
+        for sg in self._layout.subgroups:
             tier = self.plan.tiers[sg.index]
             t = tiers[tier]
             t["subgroups"] += 1
             t["elements"] += sg.numel
             # the master (none for an fp32 param on the device: its own), or a remainder, and
             # the moments, in the optimizer's state format; on nvme the file's bytes
-            t["state_bytes"] += sg.numel * fmt.state_bytes(sg.dtype, self._amsgrad_layout,
+            t["state_bytes"] += sg.numel * fmt.state_bytes(sg.dtype, self._layout.amsgrad,
                                                            own_master=tier == DEVICE)
         if self._host is not None:
             prev = getattr(self, "_prev_worker_s", [0.0] * len(self._host.worker_seconds))

@@ -89,7 +89,7 @@ class StorageMixin:
 
     def _record_versions(self) -> None:
         """Every param's version now: what step() and the tiers wrote is not the user's."""
-        self._param_versions = [_version(p) for p in self._all_params()]
+        self._param_versions = [_version(p) for p in self._layout.params()]
 
     def _check_storage(self) -> None:
         """Re-adopts every param whose memory was replaced since the last step (module
@@ -111,16 +111,16 @@ class StorageMixin:
         """Restarts the masters of the param elements written since the versions were
         recorded (module docstring); params whose memory was replaced are left to
         _check_storage."""
-        params = list(self._all_params())
+        params = list(self._layout.params())
         written = {i for i, p in enumerate(params) if _version(p) != self._param_versions[i]
                    and local_of(p).data_ptr() == self._flat_ptrs[i]}
         if not written:
             return
-        if any(self.plan.tiers[sg.index] != DEVICE for sg in self._subgroups
+        if any(self.plan.tiers[sg.index] != DEVICE for sg in self._layout.subgroups
                for sl in sg.slices if sl.param_index in written):
             # a pending speculation read the old master (and the host tier's state must be idle)
             self._drop_speculation()
-        for sg in self._subgroups:
+        for sg in self._layout.subgroups:
             slices = [sl for sl in sg.slices if sl.param_index in written]
             if slices:
                 self._restart_masters(sg, slices, only_changed=True)
@@ -167,7 +167,7 @@ class StorageMixin:
                                   st["exp_avg_sq"], st.get("max_exp_avg_sq"))
 
     def _adopt_storage(self) -> None:
-        params = list(self._all_params())
+        params = list(self._layout.params())
         changed = [i for i, p in enumerate(params) if local_of(p).data_ptr() != self._flat_ptrs[i]]
         for i in changed:
             p, view = local_of(params[i]), self._flat_views[i]
@@ -184,14 +184,14 @@ class StorageMixin:
             previous[i] = self._flat_views[i]
             self._repoint(i, params[i])
         changed = set(changed)
-        for sg in self._subgroups:
+        for sg in self._layout.subgroups:
             slices = [sl for sl in sg.slices if sl.param_index in changed]
             if slices:
                 self._restart_masters(sg, slices, only_changed=True, previous=previous)
         for i in changed:  # rebound: the new memory's version is the one to watch
             self._param_versions[i] = _version(params[i])
         # swapping a Parameter's contents (load_state_dict with swap_tensors) drops its hooks
-        self._install_hooks([sg for sg in self._subgroups if self.plan.tiers[sg.index] != DEVICE])
+        self._install_hooks([sg for sg in self._layout.subgroups if self.plan.tiers[sg.index] != DEVICE])
 
     def _repoint(self, i: int, p) -> None:
         """Param i has new memory: its slices view that instead (the param is never rebound:
@@ -199,7 +199,7 @@ class StorageMixin:
         user's). A tier reading the params (an fp32 device master, a host tier keeping
         remainders) reads them through the slices, so it follows."""
         own_contiguous(p)
-        for sg in self._subgroups:
+        for sg in self._layout.subgroups:
             for sl in sg.slices:
                 if sl.param_index == i:
                     sl.repoint()

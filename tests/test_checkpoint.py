@@ -52,7 +52,7 @@ def hybrid(params, placement, nvme_dir, cls=HybridAdamW, **kw):
 
 
 def parts_of(opt, idx):
-    return [(sg, sl) for sg in opt._subgroups for sl in sg.slices if sl.param_index == idx]
+    return [(sg, sl) for sg in opt.parts.layout.subgroups for sl in sg.slices if sl.param_index == idx]
 
 
 def within(t, buf) -> bool:

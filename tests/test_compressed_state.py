@@ -167,7 +167,7 @@ def test_device_tier_bytes_are_what_the_format_says():
         _skip_unsupported(fmt.exp_avg_dtype, fmt.exp_avg_sq_dtype)
         opt = _hybrid_run(params, 0, fmt)
         assert opt._device.nbytes() == n * fmt.state_bytes(BF16), fmt
-        assert opt._device_tier_bytes(opt._subgroups) == n * fmt.state_bytes(BF16), fmt
+        assert opt._device_tier_bytes(opt.parts.layout.subgroups) == n * fmt.state_bytes(BF16), fmt
     assert StateFormat(BF16, BF16, True).state_bytes(BF16) == 6  # 2 + 2 + 2 instead of 12
 
 
@@ -183,8 +183,8 @@ def test_budgets_count_at_least_what_a_mixed_fp32_bf16_host_tier_allocates(fmt):
                       exp_avg_dtype=fmt.exp_avg_dtype, exp_avg_sq_dtype=fmt.exp_avg_sq_dtype,
                       store_param_remainders=fmt.store_param_remainders, **HYPER)
     try:
-        assert {s.dtype for s in opt._subgroups} == {BF16, FP32}
-        counted, dtype = opt._budget_format(opt._subgroups)
+        assert {s.dtype for s in opt.parts.layout.subgroups} == {BF16, FP32}
+        counted, dtype = opt._budget_format(opt.parts.layout.subgroups)
         host = opt._host
         allocated = host.bank_bytes / (len(host.numels) * host.capacity)  # bytes per element of a bank
         page_slack = 2 * 4096 / host.capacity  # a bank's state block and the bank end on a page

@@ -164,7 +164,7 @@ def test_committed_host_params_reach_the_model_in_one_batched_copy():
 
     model = nn.Sequential(nn.Linear(8, 16), nn.Linear(16, 16), nn.Linear(16, 4))  # 6 params
     with HybridAdamW(model.parameters(), lr=1e-2, offload_fraction=1.0, speculative=False) as opt:
-        assert len(opt._subgroups) == 1 and len(opt._subgroups[0].slices) == 6
+        assert len(opt.parts.layout.subgroups) == 1 and len(opt.parts.layout.subgroups[0].slices) == 6
         ptrs = {p.untyped_storage().data_ptr() for p in model.parameters()}
         for frozen in (None, model[1].bias):
             opt.zero_grad()

@@ -210,7 +210,7 @@ def test_piece_sums_are_the_workers_bitwise_and_see_a_foreach_edit(one_rank, mon
     try:
         w = model[0].weight
         model(torch.randn(5, 40)).square().mean().backward()
-        sg = next(s for s in opt._subgroups if any(sl.param is w for sl in s.slices))
+        sg = next(s for s in opt.parts.layout.subgroups if any(sl.param is w for sl in s.slices))
         local = opt._host_local[sg.index]
         pieces = opt._host.piece_stats(local)
         assert pieces is not None and len(pieces) == 3  # 2800 elements: 1024 + 1024 + 752

@@ -67,7 +67,7 @@ def _assert_bitwise(model, opt, ref_model, ref) -> None:
 def _param_in(opt, device: bool) -> int:
     """Index of the first param with a slice on the device tier (device), or with none."""
     where: dict = {}
-    for sg in opt._subgroups:
+    for sg in opt.parts.layout.subgroups:
         for sl in sg.slices:
             where.setdefault(sl.param_index, set()).add(opt.plan.tiers[sg.index] == DEVICE)
     return min(i for i, s in where.items() if (True in s) == device)
@@ -362,10 +362,10 @@ def test_add_param_group_that_fails_adds_nothing_and_training_goes_on(monkeypatc
             inject(m, opt)
             with pytest.raises(error) as err:
                 opt.add_param_group(dict(params=new, lr=5e-3))
-        assert len(opt.param_groups) == groups and not any(p in opt._index for p in new)
+        assert len(opt.param_groups) == groups and not any(p in opt.parts.layout.index for p in new)
         assert "the new group failed, so it was not added" in str(err.value) and "injected" in str(err.value)
-        assert opt.plan.tiers == tiers and len(opt._subgroups) == len(tiers) and opt.worker_pid == worker
-        assert len(opt._steps) == len(list(opt._all_params()))
+        assert opt.plan.tiers == tiers and len(opt.parts.layout.subgroups) == len(tiers) and opt.worker_pid == worker
+        assert len(opt.parts.layout.steps) == len(list(opt.parts.layout.params()))
         _assert_state_equal(_state(opt), state)
         assert all(torch.equal(p, v) for p, v in zip(new, values))
         train(model, opt, batches[2:4])

@@ -56,7 +56,7 @@ def train(params, opt, steps, seed):
 
 
 def parts_of(opt, idx):
-    return [(sg, sl) for sg in opt._subgroups for sl in sg.slices if sl.param_index == idx]
+    return [(sg, sl) for sg in opt.parts.layout.subgroups for sl in sg.slices if sl.param_index == idx]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])

@@ -35,7 +35,7 @@ def test_the_optimizer_introduces_no_sharing(tmp_path, kw):
     assert len(set(before)) == len(params)
     opt = HybridAdamW(params, lr=1e-2, subgroup_numel=64, **kw)
     try:
-        assert any(len(s.slices) > 1 for s in opt._subgroups)  # packed: params share subgroups
+        assert any(len(s.slices) > 1 for s in opt.parts.layout.subgroups)  # packed: params share subgroups
         assert _storages(params) == before
         train(model, opt, make_batches(3))
         opt.state_dict()
@@ -89,7 +89,7 @@ def test_automatic_subgroup_numel_keeps_eight_subgroups_where_it_can(numel, coun
 def test_the_default_subgroup_numel_is_resolved_for_this_rank():
     model = nn.Sequential(nn.Linear(512, 512), nn.Linear(512, 400))  # 467,856 elements
     with HybridAdamW(model.parameters(), offload_fraction=1.0) as opt:
-        assert len(opt._subgroups) == 8 and opt.subgroup_numel == 65_536
+        assert len(opt.parts.layout.subgroups) == 8 and opt.subgroup_numel == 65_536
 
 
 def test_subgroup_reads_and_writes_its_slices_in_place():
@@ -272,7 +272,7 @@ def _swapped(plan):
 def _fake_cuda(monkeypatch, opt, free):
     """The CUDA paths of a move on CPU tensors, with `free` bytes available on the "device"."""
     from hybrid_opt import scheduler
-    monkeypatch.setattr(type(opt), "_cuda", lambda self: True)
+    monkeypatch.setattr(opt.parts.layout, "cuda", lambda: True)
     monkeypatch.setattr(scheduler, "cuda_memory", lambda device: {
         "free": float(free), "total": 1e12, "reserved": 0.0, "allocated": 0.0, "peak": 0.0})
 
@@ -546,7 +546,7 @@ def test_a_checkpoint_that_needs_amsgrad_and_a_host_tier_that_cannot_start_chang
             _fail_host_tier(m)
             with pytest.raises(RuntimeError, match="injected"):
                 opt.load_state_dict(donor.state_dict())
-        assert not opt._amsgrad_layout and opt.worker_pid == worker
+        assert not opt.parts.layout.amsgrad and opt.worker_pid == worker
         assert all("max_exp_avg_sq" not in st for st in opt._device.state.values())
         _assert_same(opt, snap)
         train(ref_model, ref, batches[3:])
@@ -554,5 +554,5 @@ def test_a_checkpoint_that_needs_amsgrad_and_a_host_tier_that_cannot_start_chang
         for a, b in zip(ref_model.parameters(), model.parameters()):
             assert torch.equal(a, b)
         opt.load_state_dict(donor.state_dict())
-        assert opt._amsgrad_layout and opt.worker_pid != worker
+        assert opt.parts.layout.amsgrad and opt.worker_pid != worker
         assert_state_close(opt.state_dict(), donor.state_dict())

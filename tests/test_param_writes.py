@@ -157,7 +157,7 @@ def test_with_remainders_a_rewritten_param_restarts_from_its_values(tmp_path):
         params[1].copy_(params[1].clone())
     sd = opt.state_dict()["state"]
     assert torch.equal(sd[1]["master_param"], params[1].detach().float())
-    for sg in opt._subgroups:  # its remainders are 0: the master is the param's own value
+    for sg in opt.parts.layout.subgroups:  # its remainders are 0: the master is the param's own value
         for sl in sg.slices:
             if sl.param_index == 1:
                 assert not opt._device.remainder[sg.index][sl.sub_offset:sl.sub_offset + sl.numel].any()

@@ -104,7 +104,7 @@ def run(name: str, rank: int, world: int, tmp: str, ckpt: str) -> dict:
                      checkpoint_id=os.path.join(ckpt, name))
     out["restarts"] = list(restarts)  # over the training steps
     # this rank's share: elements laid out, opt.stats' state bytes (in the state format)
-    out["laid_out"] = sum(sg.numel for sg in opt._subgroups)
+    out["laid_out"] = sum(sg.numel for sg in opt.parts.layout.subgroups)
     out["state_bytes"] = sum(t["state_bytes"] for t in opt.stats["tiers"].values())
     if overflow_at is None:  # a user's write: every master restarts from its param
         model.load_state_dict(model.state_dict())

@@ -146,7 +146,7 @@ def run_zero(name: str, rank: int, world: int) -> dict:
                 opt.step()
             except Exception as e:
                 record(out, phase, e, t0, rank)
-            out["steps"].append(list(opt._steps))
+            out["steps"].append(list(opt.parts.layout.steps))
             out["params"].append([p.detach().clone() for p in model.parameters()])
             opt.close()
         return out

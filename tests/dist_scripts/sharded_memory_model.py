@@ -23,4 +23,4 @@ def figures(opt) -> dict:
     host = opt._host
     return dict(allocated=opt.allocated_bytes, staging=host.staging_bytes,
                 io_banks=2 * host.io_banks * host._bank_stride,
-                state=sum(s.numel for s in opt._subgroups) * 12, subgroups=len(opt._subgroups))
+                state=sum(s.numel for s in opt.parts.layout.subgroups) * 12, subgroups=len(opt.parts.layout.subgroups))

@@ -86,9 +86,9 @@ def run(name: str, rank: int, world: int, tmp: str) -> dict:
                    probe=[], pending_after_step=[], buffer_bytes=[], buckets=len(opt._zero.buckets),
                    direct=[b.direct for b in opt._zero.buckets],
                    state_numel=opt._zero.state_numel(), plan=repr(opt.plan), opt_repr=repr(opt),
-                   laid_out=sum(sg.numel for sg in opt._subgroups), events=[],
-                   bucket_params=[[opt._index[p] for p in b.params] for b in opt._zero.buckets],
-                   sg_params=[sorted({sl.param_index for sl in sg.slices}) for sg in opt._subgroups],
+                   laid_out=sum(sg.numel for sg in opt.parts.layout.subgroups), events=[],
+                   bucket_params=[[opt.parts.layout.index[p] for p in b.params] for b in opt._zero.buckets],
+                   sg_params=[sorted({sl.param_index for sl in sg.slices}) for sg in opt.parts.layout.subgroups],
                    count_reads_after_backward=[], count_reads_after_step=[], grad_none_after_backward=[])
         if name == "adamw_commit_order":  # logs each host commit and each bucket's gather launch
             committed, launch = opt._committed, opt._zero._gather_bucket
