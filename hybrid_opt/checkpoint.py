@@ -227,39 +227,11 @@ class CheckpointMixin:
                     local = self._host_local[sg.index]
                     self._host.load_state(local, st["master"], st["exp_avg"], st["exp_avg_sq"],
                                           st.get("max_exp_avg_sq"))
-        for idx in range(len(self._layout.steps)):
-            st = saved_state.get(idx)
-            self._layout.steps[idx] = int(float(st["step"])) if st is not None and "step" in st else 0
-        self._sync_torch_state(rebuild=True)
+        # each param's step count from the checkpoint, torch's state mirror made again, and
+        # this rank back in step (rank_faults.py)
+        self._ledger.loaded(self.state, {idx: int(float(st["step"])) for idx, st in saved_state.items()
+                                         if "step" in st})
         self._record_versions()  # with remainders a load writes the params' high halves
-        self._rank_failure = None  # a completed reload puts this rank back in step (rank_faults.py)
-
-    # ------------------------------------------------------------------ torch's self.state
-    def _sync_torch_state(self, rebuild: bool = False) -> None:
-        """torch's per-param `self.state` holds {"step": 0-dim float32 tensor} for each param
-        that has stepped, as torch's own does, so tools that read `optimizer.state` (torch.
-        distributed.checkpoint decides by it whether an optimizer is fresh) see a trained one;
-        the moments and masters stay in the tiers and state_dict() gathers them. The step
-        tensors are views of one buffer: a step costs one copy, not one op per param."""
-        n = len(self._layout.steps)
-        counts = self.__dict__.get("_step_counts")
-        if counts is None or counts.numel() != n:  # add_param_group grew the model
-            counts = self._step_counts = torch.zeros(n, dtype=torch.float32)
-            rebuild = True
-        counts.copy_(torch.tensor(self._layout.steps, dtype=torch.float32))
-        stepped = n - self._layout.steps.count(0)
-        # between two calls counts only rise (a step) or only fall (its rollback): the same
-        # number of stepped params means the same params
-        if not rebuild and stepped == self.__dict__.get("_stepped_params"):
-            return
-        self._stepped_params = stepped
-        for idx, p in enumerate(self._layout.params()):
-            if self._layout.steps[idx]:
-                entry = self.state[p]
-                if rebuild or "step" not in entry:
-                    entry["step"] = counts[idx]
-            else:
-                self.state.pop(p, None)
 
     def _looks_like_state_init_step(self) -> bool:
         """torch.distributed.checkpoint's `_init_optim_state`: on an optimizer whose `state` is
@@ -287,10 +259,4 @@ class CheckpointMixin:
         """The state-init step (above): the step counts advance, the tiers (all zeros, masters
         equal to the params) stay as they are."""
         self._drop_pending()
-        for p in self._layout.params():
-            if p.grad is not None:
-                self._layout.steps[self._layout.index[p]] += 1
-        self._sync_torch_state()
-        # not counted as a training step (_steps_taken: speculation's warm-up, refits): nothing ran
-        self.step_was_skipped = False
-        self.last_grad_norm = 0.0 if self.max_grad_norm is not None else None
+        self._ledger.state_init_step(self.state, clipping=self.max_grad_norm is not None)

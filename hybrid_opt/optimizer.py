@@ -21,6 +21,7 @@ from hybrid_opt import arguments as A
 from hybrid_opt import distributed as D
 from hybrid_opt import layout as L
 from hybrid_opt import lifetime
+from hybrid_opt.ledger import StepLedger
 from hybrid_opt import node
 from hybrid_opt import rank_faults as RF
 from hybrid_opt.checkpoint import CheckpointMixin
@@ -40,6 +41,7 @@ from hybrid_opt.zero import ZeroParamsMixin
 class Parts(NamedTuple):
     """What an optimizer is composed of; each part owns its state (docs/code-map.md)."""
     layout: L.Layout
+    ledger: StepLedger
 
 
 def _float_hyper(value, name: str) -> float:
@@ -93,17 +95,11 @@ class _HybridBase(ZeroParamsMixin, SpeculationMixin, PlacementMixin, CheckpointM
         self.refit_every, self._calibration = refit_every, calibration
         self._auto = None           # the scheduler, when a fraction is "auto"
         self._bwd_first = self._bwd_last = None
-        self.step_was_skipped = False
-        self.last_grad_norm = None
         self.stats: dict = {}
         self._grad_scaler = None
-        self._last_inv_scale = 1.0
         self._accumulation_boundary = True
         self._speculation_error = None
-        self._rank_failure = None   # a step that failed after the ranks' decision (rank_faults.py)
         self._deferred: list = []
-        self._steps_taken = 0
-        self._amp_seen = False
         self._zero = None
         self.overlap_param_gather = bool(overlap_param_gather)
         # the ranks on this node, where the launcher did not say (Lightning's DDP): collective
@@ -119,6 +115,7 @@ class _HybridBase(ZeroParamsMixin, SpeculationMixin, PlacementMixin, CheckpointM
                                                         DEFAULT_SUBGROUP_NUMEL)
         self._layout = L.Layout(self.param_groups, self.subgroup_numel,
                                 any(g["amsgrad"] for g in self.param_groups))
+        self._ledger = StepLedger(self._layout)
         self._build()
 
     # ------------------------------------------------------------------ param groups
@@ -157,7 +154,17 @@ class _HybridBase(ZeroParamsMixin, SpeculationMixin, PlacementMixin, CheckpointM
     def parts(self) -> Parts:
         """The parts this optimizer is composed of (docs/code-map.md), for introspection and
         tests: each part's public attributes and methods are its interface."""
-        return Parts(self._layout)
+        return Parts(self._layout, self._ledger)
+
+    @property
+    def step_was_skipped(self) -> bool:
+        """Whether the last step() was skipped (a GradScaler's inf/nan: nothing stepped)."""
+        return self._ledger.step_was_skipped
+
+    @property
+    def last_grad_norm(self):
+        """The global grad norm the last step clipped by (unscaled); None without clipping."""
+        return self._ledger.last_grad_norm
 
     @property
     def allocated_bytes(self) -> dict:
@@ -238,7 +245,7 @@ class _HybridBase(ZeroParamsMixin, SpeculationMixin, PlacementMixin, CheckpointM
         self._check_open()
         # a failure on this rank joins the decision all_reduce flagged, so every rank raises at
         # this step instead of waiting for this one in a collective (rank_faults.py)
-        failure = self._rank_failure
+        failure = self._ledger.rank_failure
         if self._speculation_error is not None:
             err, self._speculation_error = self._speculation_error, None
             failure = failure or RF.with_cause(f"a speculative host step during backward failed: {err}", err)
@@ -282,7 +289,7 @@ class _HybridBase(ZeroParamsMixin, SpeculationMixin, PlacementMixin, CheckpointM
         if init and not decides:
             self._take_state_init_step()
             return loss
-        self._amp_seen = self._amp_seen or found_t is not None  # GradScaler.step sets found_inf
+        self._ledger.saw_amp(found_t)  # GradScaler.step sets found_inf
         # on a GPU, clipping's norm² is queued first so that it, found_inf and the loss scale
         # reach the host in one small copy: at most one sync per step (docs/usage.md: host syncs)
         norm_sq = None
@@ -309,7 +316,7 @@ class _HybridBase(ZeroParamsMixin, SpeculationMixin, PlacementMixin, CheckpointM
                 D.globalize_scaler_found_inf(self._grad_scaler, self, found)
         if found is not None and found != 0.0:
             # GradScaler saw inf/nan: the whole step is skipped, exactly as torch does
-            self.step_was_skipped = True
+            self._ledger.skipped()
             dropped = self._drop_pending()
             # stats describe this (skipped) step, not the last one that was taken
             self.stats = {"host": dict(self._host.stats) if self._host is not None else {},
@@ -317,12 +324,7 @@ class _HybridBase(ZeroParamsMixin, SpeculationMixin, PlacementMixin, CheckpointM
                           if self._host is not None else None,
                           "grad_norm": None, "clip_coef": None}
             return loss
-        undo = self._step_undo()  # put back if the step fails with nothing stepped
-        self.step_was_skipped = False
-        self._steps_taken += 1
         inv_scale = 1.0 / scale_v if scale_t is not None else 1.0
-        if scale_t is not None:
-            self._last_inv_scale = inv_scale
         # the global norm costs a pass over every grad: only clipping needs it
         norm = None
         clip = 1.0
@@ -332,14 +334,9 @@ class _HybridBase(ZeroParamsMixin, SpeculationMixin, PlacementMixin, CheckpointM
             norm = math.sqrt(norm_sq) * inv_scale
             coef = self.max_grad_norm / (norm + 1e-6)
             clip = coef if (coef < 1.0 or coef != coef) else 1.0  # torch clamps at 1; NaN stays
-        self.last_grad_norm = norm
+        # put back if the step fails with nothing stepped; the params with a grad advance
+        undo = self._ledger.begin(self.state, inv_scale if scale_t is not None else None, norm)
         scale = inv_scale * clip
-
-        # per-parameter step counts: only params with a grad advance (torch's rule)
-        for p in self._layout.params():
-            if p.grad is not None:
-                self._layout.steps[self._layout.index[p]] += 1
-        self._sync_torch_state()
         groups = [self._hyper(g, -1.0 if g["maximize"] else 1.0) for g in self.param_groups]
 
         device_work, host_steps = [], {}

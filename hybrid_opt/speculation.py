@@ -87,9 +87,9 @@ class SpeculationMixin:
         clipping, not with a GradScaler whose scale speculation cannot read."""
         if self.rollback != "inverse":
             return True
-        if self._steps_taken == 0 or self.max_grad_norm is not None:
+        if self._ledger.steps_taken == 0 or self.max_grad_norm is not None:
             return False
-        return not self._amp_seen or self._grad_scaler is not None
+        return not self._ledger.amp_seen or self._grad_scaler is not None
 
     def _on_grad_ready(self, p) -> None:
         if self._closed or not self._accumulation_boundary or not self._may_speculate():
@@ -121,7 +121,7 @@ class SpeculationMixin:
         tensor's version moves; where the scaler has no scale tensor yet it is a plain float)."""
         scaler = self._grad_scaler
         if scaler is None or not scaler.is_enabled():
-            return self._last_inv_scale
+            return self._ledger.last_inv_scale
         scale_t = getattr(scaler, "_scale", None)
         key = (id(scaler), id(scale_t), scale_t._version) if isinstance(scale_t, torch.Tensor) else None
         cached = getattr(self, "_inv_scale_cache", None)

@@ -26,20 +26,10 @@ A mixin of the optimizer class.
 """
 from __future__ import annotations
 
-from typing import NamedTuple
-
 from hybrid_opt import distributed as D
 from hybrid_opt import rank_faults as RF
+from hybrid_opt.ledger import StepUndo
 from hybrid_opt.plan import DEVICE
-
-
-class StepUndo(NamedTuple):
-    """What step() changes before the tiers step, to put back when nothing was stepped."""
-    steps: list
-    steps_taken: int
-    last_inv_scale: float
-    last_grad_norm: object
-    step_was_skipped: bool
 
 
 NOTHING_STEPPED = ("Nothing was stepped (state and step counts are the previous step's): fix the "
@@ -96,10 +86,6 @@ class StepFailureMixin:
         if why is not None:
             raise kind(f"{type(self).__name__}.step(): {self._layout.param_label(i)}'s grad {why}. {NOTHING_STEPPED}")
 
-    def _step_undo(self) -> StepUndo:
-        return StepUndo(list(self._layout.steps), self._steps_taken, self._last_inv_scale,
-                        self.last_grad_norm, self.step_was_skipped)
-
     def _check_device_scale(self, device_work: list, scale: float, undo: StepUndo) -> None:
         """After the decision: the combined grad scale, and the grads of sharded params, as
         the device tier's kernel would refuse them; raises with nothing stepped."""
@@ -143,15 +129,11 @@ class StepFailureMixin:
         whole = sorted(i for i, n in total.items() if stepped.get(i, 0) == n and i not in maybe)
         torn = sorted(i for i, n in total.items() if (0 < stepped.get(i, 0) < n or i in maybe)
                       and i not in whole)
-        for i, n in total.items():
-            if not stepped.get(i, 0) and i not in maybe:
-                self._layout.steps[i] = undo.steps[i]  # untouched: its count as before the call
-        if not whole and not torn:  # an empty param (no subgroup) too
-            self._layout.steps[:] = undo.steps
-        if not whole and not torn:
-            self._steps_taken, self._last_inv_scale = undo.steps_taken, undo.last_inv_scale
-            self.last_grad_norm, self.step_was_skipped = undo.last_grad_norm, undo.step_was_skipped
-        self._sync_torch_state()
+        # untouched: its count as before the call; with nothing stepped (an empty param, no
+        # subgroup, too) every count and the step's scalars
+        untouched = [i for i in total if not stepped.get(i, 0) and i not in maybe]
+        self._ledger.put_back(undo, untouched, nothing_stepped=not whole and not torn)
+        self._ledger.sync_torch_state(self.state)
         self._record_versions()  # what was stepped was written by the step, not the user
         if not isinstance(e, Exception):  # KeyboardInterrupt and the like: counts fixed, as it is
             raise e
@@ -168,7 +150,7 @@ class StepFailureMixin:
         else:
             err = RuntimeError(f"{type(self).__name__}.step() failed in {where}: {e}\n{what}{notes}")
         if D.world_size() > 1:  # the others stepped: our next step() stops them all
-            self._rank_failure = RF.out_of_step(err)
+            self._ledger.out_of_step(err)
         if self._zero is not None:
             # the others all-gather their stepped chunks now: this rank joins (its params
             # then hold their new chunks and its own chunk as its tiers left it), so the

@@ -62,10 +62,10 @@ class StepStatsMixin:
                       hidden_s=self.stats["hidden_s"])
         report = {"step_s": step_s, "worker_s": self.stats["worker_s"],
                   "host_wait_s": self.stats["host_wait_s"]}
-        unread.append((self._steps_taken, (self._bwd_first, self._bwd_last), device_marks, fields, report))
+        unread.append((self._ledger.steps_taken, (self._bwd_first, self._bwd_last), device_marks, fields, report))
         self._bwd_first = self._bwd_last = None
         self._observe_measured()
-        if self._auto.due(self._steps_taken):
+        if self._auto.due(self._ledger.steps_taken):
             self._observe_device_memory()  # "auto" on CUDA: the device budget beside the activations
             decision = self._auto.refit(*self._fractions, self.plan.spare_banks)
             if decision is not None and not self._room_to_move(decision):

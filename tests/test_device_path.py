@@ -249,8 +249,8 @@ def test_auto_reads_marks_only_once_complete_and_a_step_late():
         opt.zero_grad()
         _backward(model, seed=99)
         opt.step()
-        assert [entry[0] for entry in opt._unread_samples] == [opt._steps_taken]
-        assert opt.stats["measured"]["step"] == opt._steps_taken - 1
+        assert [entry[0] for entry in opt._unread_samples] == [opt.parts.ledger.steps_taken]
+        assert opt.stats["measured"]["step"] == opt.parts.ledger.steps_taken - 1
 
 
 # ============================================================================= on a GPU

@@ -187,11 +187,11 @@ def test_a_load_that_fails_leaves_the_committed_state_as_it_was(placement, tmp_p
         bad["state"][2]["exp_avg"] = torch.zeros(5)
         values = [p.detach().clone() for p in params]
         out_of_step = RuntimeError("a peer's step failed")  # rank_faults.py: only a load that completes clears it
-        opt._rank_failure = out_of_step
+        opt.parts.ledger.rank_failure = out_of_step
         with pytest.raises(ValueError, match=r"parameter 2.*exp_avg.*5 elements.*42"):
             opt.load_state_dict(bad)
-        assert opt._rank_failure is out_of_step
-        opt._rank_failure = None
+        assert opt.parts.ledger.rank_failure is out_of_step
+        opt.parts.ledger.rank_failure = None
         after = opt.state_dict()
         assert after["param_groups"][0]["lr"] == before["lr"]
         for i, st in before["state"].items():

@@ -72,14 +72,14 @@ def run(name: str, rank: int, world: int, tmp: str) -> dict:
         real, fired = opt._host.speculate, []
 
         def failing(*args, **kwargs):
-            if opt._steps_taken == 1 and not fired:  # step 2's backward, once
+            if opt.parts.ledger.steps_taken == 1 and not fired:  # step 2's backward, once
                 fired.append(True)
                 raise OSError(5, "injected fault: the swap file could not be written")
             return real(*args, **kwargs)
         opt._host.speculate = failing
     if name == "kill_backward" and rank == 1:
         def kill_in_backward(p):
-            if opt._steps_taken == 1 and not out["killed"]:
+            if opt.parts.ledger.steps_taken == 1 and not out["killed"]:
                 out["killed"].append(kill_worker(opt))
         hook = model[2].weight.register_post_accumulate_grad_hook(kill_in_backward)
     for i, x in enumerate(C.batches()):
@@ -134,7 +134,7 @@ def run_zero(name: str, rank: int, world: int) -> dict:
                               subgroup_numel=32, worker_share=0.5, offload_fraction=0.5,
                               process_group=dist.group.WORLD)
             if phase == "A" and rank == 1:
-                opt._rank_failure = RuntimeError("injected: a failure kept from an earlier step")
+                opt.parts.ledger.rank_failure = RuntimeError("injected: a failure kept from an earlier step")
             if phase == "A":
                 (C.loss_fn(model, C.local_batch(C.batches()[0], rank, world)) * 0.0).backward()
             else:  # set by hand on both ranks, zero in rank 0's rows: its chunk of the mean is
@@ -158,7 +158,7 @@ def run_zero(name: str, rank: int, world: int) -> dict:
         real = opt._host.finish
 
         def failing(*args, **kwargs):
-            if opt._steps_taken == 2:  # step 2's host step, after the decision
+            if opt.parts.ledger.steps_taken == 2:  # step 2's host step, after the decision
                 raise OSError(5, "injected fault: the host step failed")
             return real(*args, **kwargs)
         opt._host.finish = failing

@@ -23,7 +23,7 @@ def run(name: str, rank: int, world: int, tmp: str) -> dict:
         info = node.info()
         return dict(local_rank=info.local_rank, local_world_size=info.local_world_size,
                     worker_cores=sorted(os.sched_getaffinity(opt.worker_pid)),
-                    trainer_cores=sorted(os.sched_getaffinity(0)), steps=opt._steps_taken)
+                    trainer_cores=sorted(os.sched_getaffinity(0)), steps=opt.parts.ledger.steps_taken)
 
 
 if __name__ == "__main__":

@@ -80,7 +80,7 @@ def takeover(rank: int, world: int) -> dict:
             opt.zero_grad()
             C.loss_fn(model, x).backward()
             opt.step()
-        out = dict(error=None, steps=opt._steps_taken, params=[p.detach().clone() for p in model.parameters()])
+        out = dict(error=None, steps=opt.parts.ledger.steps_taken, params=[p.detach().clone() for p in model.parameters()])
     gc.enable()
     return out
 
@@ -139,7 +139,7 @@ def run(name: str, rank: int, world: int, tmp: str) -> dict:
         C.step_after_unscale(opt, scaler)
     except RuntimeError as e:
         out.update(error=type(e).__name__, message=str(e), is_edit=isinstance(e, GradsEditedError))
-    out["steps"] = opt._steps_taken
+    out["steps"] = opt.parts.ledger.steps_taken
     out["params"] = [p.detach().clone() for p in model.parameters()]
     out["unchanged"] = all(torch.equal(a, p.detach()) for a, p in zip(before, model.parameters()))
     opt.close()
