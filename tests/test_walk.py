@@ -77,9 +77,14 @@ def gen():
     yield 2
 
 
+class Part:
+    def spec(self):     # a speculate the outer one delegates to: not a second speculation
+        return 0
+
+
 def spec():
     from pkg import a
-    return a.helper()
+    return a.helper() + Part().spec()
 
 
 def leaf():
@@ -140,5 +145,5 @@ def test_tracer_on_a_two_module_chain(tmp_path, monkeypatch):
     assert walk.visits == {"pkg.a": 3, "pkg.b": 4}
     assert walk.passes == {"pkg.a": 2, "pkg.b": 2}  # b.prepare + b.spec, b.leaf + b.cb: one pass each
     assert walk.returns_to_left == 5 and walk.callbacks == 2
-    assert tracer.speculations == 2
+    assert tracer.speculations == 2  # one per hook; Part.spec nested in b.spec
     assert os.path.isdir(tracer.root)

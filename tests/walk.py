@@ -221,13 +221,18 @@ class Tracer:
             self.calls.append((mod, qual, below[0] if below else None, outside, frozenset(below)))
             if (self.phase == "backward" and mod.startswith(self.spec_prefix)
                     and frame.f_code.co_name == self.spec_function):
-                self.speculations += 1
-                outermost, f = frame, frame.f_back
+                outermost, nested, f = frame, False, frame.f_back
                 while f is not None:
-                    if self.module_of(f.f_code) is not None:
+                    m = self.module_of(f.f_code)
+                    if m is not None:
                         outermost = f
+                        # a speculate that delegates to another (a facade's to its part's)
+                        nested = nested or (m.startswith(self.spec_prefix)
+                                            and f.f_code.co_name == self.spec_function)
                     f = f.f_back
-                self.start_at = self._index[id(outermost)]
+                if not nested:
+                    self.speculations += 1
+                    self.start_at = self._index[id(outermost)]
             elif (self.phase == "step" and mod == self.end_module and self._open_end is None
                   and (qual == self.end_qualname  # before 3.11 no co_qualname: the name alone
                        or (qual == frame.f_code.co_name == self.end_qualname.rsplit(".", 1)[-1]))):
