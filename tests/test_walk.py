@@ -1,0 +1,149 @@
+"""Issue #22's walk: one speculated host subgroup, hook to commit, measured by tests/walk.py.
+
+The ceilings are ratchets: today's measured figures (HEAD 77fcd6b, 3 x Linear(32, 32): six
+params in one host subgroup). A change that lengthens the walk fails here; one that shortens it
+lowers the ceiling in the same commit. #22 is done when MAX_VISITS reaches 2 ("each module at
+most twice"). `visits` counts every hop into a module (a helper called once per param counts
+once per param); `passes` counts a run of consecutive hops into one module once.
+"""
+import os
+import sys
+import textwrap
+
+import pytest
+
+from walk import OUTSIDE, Tracer, trace_walk
+
+MAX_HOPS = 119
+MAX_VISITS = 48    # distributed.local_of / is_dtensor, called per param and per grad
+MAX_PASSES = 6     # tiers.host_io, tiers.staging, tiers.host_step
+
+
+@pytest.fixture(scope="module")
+def walk():
+    return trace_walk()
+
+
+def test_the_walk_is_one_committed_speculation(walk):
+    assert walk.committed >= 1, "the traced step committed no speculated host step"
+    assert walk.speculations == 1, walk.speculations
+    assert walk.sequence[0].caller == OUTSIDE and walk.sequence[0].via_outside, walk.sequence[0]
+    last = walk.sequence[-1]
+    assert (last.module, last.function) == ("hybrid_opt.layout", "Subgroup.write"), last
+
+
+def test_the_walk_is_no_longer_than_today(walk):
+    print()
+    print(walk.format())
+    assert walk.hops <= MAX_HOPS, f"{walk.hops} hops > {MAX_HOPS}:\n{walk.format()}"
+    assert walk.max_visits <= MAX_VISITS, f"max visits {walk.max_visits} > {MAX_VISITS}: {walk.visits}"
+    assert walk.max_passes <= MAX_PASSES, f"max passes {walk.max_passes} > {MAX_PASSES}: {walk.passes}"
+
+
+# ============================================================================= the tracer itself
+_A = '''
+from pkg import b
+import ext
+
+
+def hook():             # what autograd would call: the walk starts at the last one
+    b.prepare()
+    b.spec()
+
+
+class A:
+    def write(self):
+        return b.leaf()
+
+
+def helper():
+    return 1
+
+
+def step():
+    A().write()
+    b.after()           # past the end: not in the walk
+'''
+_B = '''
+import ext
+
+
+def prepare():
+    return sum(gen())   # a generator: one call, however often it resumes
+
+
+def gen():
+    yield 1
+    yield 2
+
+
+class Part:
+    def spec(self):     # a speculate the outer one delegates to: not a second speculation
+        return 0
+
+
+def spec():
+    from pkg import a
+    return a.helper() + Part().spec()
+
+
+def leaf():
+    return ext.call(cb)  # back into this module through code outside the package
+
+
+def cb():
+    return 2
+
+
+def after():
+    return 3
+'''
+_EXT = '''
+def call(fn):
+    return fn()
+'''
+
+
+def test_tracer_on_a_two_module_chain(tmp_path, monkeypatch):
+    pkg = tmp_path / "pkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "a.py").write_text(textwrap.dedent(_A))
+    (pkg / "b.py").write_text(textwrap.dedent(_B))
+    (tmp_path / "ext.py").write_text(textwrap.dedent(_EXT))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    for name in ("pkg", "pkg.a", "pkg.b", "ext"):
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    from pkg import a
+
+    tracer = Tracer(str(pkg), "pkg", spec_module_prefix="b", spec_function="spec",
+                    end_module="a", end_qualname="A.write")
+    previous = sys.getprofile()
+    sys.setprofile(tracer)
+    try:
+        tracer.phase = "backward"
+        a.hook()
+        a.hook()
+        tracer.phase = "step"
+        a.step()
+    finally:
+        sys.setprofile(previous)
+    walk = tracer.walk()
+    assert [str(h) for h in walk.sequence] == [
+        f"{OUTSIDE} ~> a.hook",
+        "a -> b.prepare",
+        "a -> b.spec",
+        "b -> a.helper",
+        f"{OUTSIDE} ~> a.step",
+        "a -> b.leaf",
+        "b ~> b.cb",
+    ]
+    assert [(h.reentry, h.callback) for h in walk.sequence] == [
+        (False, False), (False, False), (True, False), (True, True), (True, False), (True, False),
+        (True, True)]
+    assert walk.hops == 7 and walk.modules == ["pkg.a", "pkg.b"]
+    assert walk.visits == {"pkg.a": 3, "pkg.b": 4}
+    assert walk.passes == {"pkg.a": 2, "pkg.b": 2}  # b.prepare + b.spec, b.leaf + b.cb: one pass each
+    assert walk.returns_to_left == 5 and walk.callbacks == 2
+    assert tracer.speculations == 2  # one per hook; Part.spec nested in b.spec
+    assert os.path.isdir(tracer.root)
