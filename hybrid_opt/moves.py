@@ -143,7 +143,7 @@ class MoveMixin:
         old_host, self._host = self._host, new_host
         self.plan, self._host_local = plan, local
         self._refresh_fractions()
-        self.__dict__.pop("_prev_worker_s", None)  # per-subgroup worker times of the old tier
+        self._step_stats.new_host_tier()  # per-subgroup worker times of the old tier
         self._install_hooks(host)
         self._record_versions()  # what the new tiers wrote into the params (storage.py)
         if old_host is not None:

@@ -30,7 +30,7 @@ from hybrid_opt.placement import PlacementMixin
 from hybrid_opt.plan import DEVICE
 from hybrid_opt.speculation import GradGatherer, SpeculationMixin
 from hybrid_opt.step_failures import StepFailureMixin
-from hybrid_opt.step_stats import StepStatsMixin
+from hybrid_opt.step_stats import StepStats
 from hybrid_opt.step_work import DeviceWork, HostWork
 from hybrid_opt.storage import StorageMixin
 from hybrid_opt.tiers.device import read_scalars
@@ -42,6 +42,7 @@ class Parts(NamedTuple):
     """What an optimizer is composed of; each part owns its state (docs/code-map.md)."""
     layout: L.Layout
     ledger: StepLedger
+    stats: StepStats
 
 
 def _float_hyper(value, name: str) -> float:
@@ -52,7 +53,7 @@ def _float_hyper(value, name: str) -> float:
     return float(value)
 
 
-class _HybridBase(ZeroParamsMixin, SpeculationMixin, PlacementMixin, CheckpointMixin, StepStatsMixin,
+class _HybridBase(ZeroParamsMixin, SpeculationMixin, PlacementMixin, CheckpointMixin,
                   StorageMixin, StepFailureMixin, torch.optim.Optimizer):
     """The torch.optim facade: arguments, param groups, the step and the lifecycle. Layout,
     speculation, checkpoints and stats are mixins, each in a module of its own."""
@@ -94,8 +95,6 @@ class _HybridBase(ZeroParamsMixin, SpeculationMixin, PlacementMixin, CheckpointM
         self.worker_share, self.spare_banks, self.io_banks = worker_share, spare_banks, io_banks
         self.refit_every, self._calibration = refit_every, calibration
         self._auto = None           # the scheduler, when a fraction is "auto"
-        self._bwd_first = self._bwd_last = None
-        self.stats: dict = {}
         self._grad_scaler = None
         self._accumulation_boundary = True
         self._speculation_error = None
@@ -116,6 +115,7 @@ class _HybridBase(ZeroParamsMixin, SpeculationMixin, PlacementMixin, CheckpointM
         self._layout = L.Layout(self.param_groups, self.subgroup_numel,
                                 any(g["amsgrad"] for g in self.param_groups))
         self._ledger = StepLedger(self._layout)
+        self._step_stats = StepStats(self._layout, self.state_format)
         self._build()
 
     # ------------------------------------------------------------------ param groups
@@ -154,7 +154,12 @@ class _HybridBase(ZeroParamsMixin, SpeculationMixin, PlacementMixin, CheckpointM
     def parts(self) -> Parts:
         """The parts this optimizer is composed of (docs/code-map.md), for introspection and
         tests: each part's public attributes and methods are its interface."""
-        return Parts(self._layout, self._ledger)
+        return Parts(self._layout, self._ledger, self._step_stats)
+
+    @property
+    def stats(self) -> dict:
+        """The last step's figures per tier (docs/usage.md)."""
+        return self._step_stats.last
 
     @property
     def step_was_skipped(self) -> bool:
@@ -318,11 +323,7 @@ class _HybridBase(ZeroParamsMixin, SpeculationMixin, PlacementMixin, CheckpointM
             # GradScaler saw inf/nan: the whole step is skipped, exactly as torch does
             self._ledger.skipped()
             dropped = self._drop_pending()
-            # stats describe this (skipped) step, not the last one that was taken
-            self.stats = {"host": dict(self._host.stats) if self._host is not None else {},
-                          "speculation": dict(committed=0, redone=0, stepped=0, dropped=len(dropped))
-                          if self._host is not None else None,
-                          "grad_norm": None, "clip_coef": None}
+            self._step_stats.skipped(self._host, len(dropped))
             return loss
         inv_scale = 1.0 / scale_v if scale_t is not None else 1.0
         # the global norm costs a pass over every grad: only clipping needs it
@@ -363,17 +364,21 @@ class _HybridBase(ZeroParamsMixin, SpeculationMixin, PlacementMixin, CheckpointM
                 self._step_failed(e, "the host/nvme tier", host_steps, committed, device_work, [], [], undo)
         t_device = time.perf_counter()
         # "auto" times the device step on the device's clock (GPU time on CUDA: clocks.py)
-        d0 = self._mark() if self._auto is not None else None
+        d0 = self._step_stats.mark() if self._auto is not None else None
         self._step_device(device_work, scale, host_steps, undo)
         self._record_versions()  # this step's writes to the params are not the user's (storage.py)
-        d1 = self._mark() if self._auto is not None else None
+        d1 = self._step_stats.mark() if self._auto is not None else None
         t_end = time.perf_counter()
         if self._zero is not None:
             self._gather_params()
             t_end = time.perf_counter()
-        self._record_stats(host_steps, device_work, t_device - t_host, t_end - t_device, norm, clip)
-        if self._auto is not None:
-            self._schedule(device_work, t_end - t_step, (d0, d1))
+        self._step_stats.record(self.plan, self._host, self._host_local, host_steps, device_work,
+                                t_device - t_host, t_end - t_device, norm, clip)
+        if self._auto is not None:  # the measured times to the scheduler, which may refit
+            self._step_stats.queue_sample(self._ledger.steps_taken, device_work, t_end - t_step, (d0, d1))
+            self._step_stats.observe(self._auto)
+            self._refit()
+            self._step_stats.predicted(self.plan.prediction)
         return loss
 
     def _gather_params(self) -> None:
@@ -406,12 +411,8 @@ class _HybridBase(ZeroParamsMixin, SpeculationMixin, PlacementMixin, CheckpointM
             self._forget_staged()
         self._clear_ready()
         self._deferred.clear()
-        counts = {k: 0 for k in ("committed", "redone", "stepped", "dropped")}
-        for v in outcome.values():
-            counts[v] += 1
-        self._last_outcome = counts
         index_of = {local: index for index, local in self._host_local.items()}
-        self._last_outcome_by_sg = {index_of[local]: v for local, v in outcome.items()}
+        self._step_stats.note_outcome({index_of[local]: v for local, v in outcome.items()})
     # ------------------------------------------------------------------ lifecycle
     @lifetime.acts_on_owner
     def close(self) -> None:
@@ -423,6 +424,7 @@ class _HybridBase(ZeroParamsMixin, SpeculationMixin, PlacementMixin, CheckpointM
         for h in getattr(self, "_hook_handles", []):
             h.remove()
         self._hook_handles = []
+        self._step_stats.remove_hooks()
         if getattr(self, "_zero", None) is not None:
             self._zero.close()  # pending all-gathers landed: the params are current after close()
         if self._host is not None:

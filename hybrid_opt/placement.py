@@ -127,6 +127,28 @@ class PlacementMixin(MoveMixin):
                                          counted=self._memory(*self._fractions, spares)["device"],
                                          floor=self._memory(1.0, 0.0, spares)["device"])
 
+    def _refit(self) -> None:
+        """"auto", after each step: moves subgroups between tiers when a refit says it pays
+        (the scheduler has the measured samples: step_stats.py)."""
+        if self._auto.due(self._ledger.steps_taken):
+            self._observe_device_memory()  # "auto" on CUDA: the device budget beside the activations
+            decision = self._auto.refit(*self._fractions, self.plan.spare_banks)
+            if decision is not None and not self._room_to_move(decision):
+                self.plan.reason = ("refit: a move would pay, but it does not fit in free memory: "
+                                    f"{self._room_shortfall(self._fraction_plan(decision))}")
+                decision = None
+            if decision is not None:
+                try:
+                    self._move(decision)
+                except Exception as e:  # the plan before is back, state and all (see _move)
+                    warnings.warn(f"refit: moving to offload_fraction={decision.offload_fraction:g}, "
+                                  f"nvme_fraction={decision.nvme_fraction:g} failed; the plan stays as it "
+                                  f"was: {type(e).__name__}: {e}", stacklevel=3)
+                    self.plan.reason = f"refit: a move failed ({type(e).__name__})"
+            elif self._auto.backward_s is not None:
+                self.plan.prediction = self._auto.predict(*self._fractions, self.plan.spare_banks)
+                self.plan.reason = "refit: kept"
+
     def _budget_format(self, sgs) -> tuple:
         """(state format, model dtype) the budgets count for subgroups `sgs`: theirs when they
         share one dtype; for a mix (fp32 norms beside bf16 weights) an upper bound of what any

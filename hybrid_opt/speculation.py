@@ -44,12 +44,7 @@ class SpeculationMixin:
             # hooks and callbacks hold the optimizer weakly: only the user keeps it alive (lifetime.py)
             zero.install(weak_method(self._on_chunk_reduced), weak_call(self, lambda o: o._accumulation_boundary))
         if self._auto is not None:
-            # the scheduler times backward from the first grad accumulated to the last: hooks on
-            # the first and last trainable params only (grads complete in about reverse
-            # parameter order; a Python hook on every param would itself slow backward)
-            trainable = [p for p in self._layout.params() if p.requires_grad]
-            for p in {id(q): q for q in trainable[:1] + trainable[-1:]}.values():
-                self._hook_handles.append(p.register_post_accumulate_grad_hook(weak_method(self._on_grad_timed)))
+            self._step_stats.time_backward()  # before the speculation hooks: run first
         if not self.speculative or not host:
             return
         for sg in host:
@@ -67,13 +62,6 @@ class SpeculationMixin:
                 if p.requires_grad and p not in hooked and zero is None:
                     hooked.add(p)
                     self._hook_handles.append(p.register_post_accumulate_grad_hook(weak_method(self._on_grad_ready)))
-
-    def _on_grad_timed(self, p) -> None:
-        # a CUDA event on a GPU: backward's GPU time, not its launch (clocks.py)
-        now = self._mark()
-        if self._bwd_first is None:
-            self._bwd_first = now
-        self._bwd_last = now
 
     def _on_chunk_reduced(self, p) -> None:
         if self._layout.index.get(p) in getattr(self, "_param_sgs", {}):

@@ -211,7 +211,7 @@ def test_auto_on_cpu_times_with_the_host_clock():
             opt.zero_grad()
             _backward(model, seed=i)
             opt.step()
-        assert isinstance(opt._clock, HostClock)
+        assert isinstance(opt.parts.stats.clock, HostClock)
         measured = opt.stats["measured"]
         assert measured["step"] == 3  # read at once on a CPU host
         assert measured["device_s"] > 0 and measured["backward_s"] > 0
@@ -226,7 +226,7 @@ def test_auto_reads_marks_only_once_complete_and_a_step_late():
     model = _net()
     with HybridAdamW(model.parameters(), lr=1e-2, offload_fraction="auto", subgroup_numel=64,
                      calibration=SLOW_HOST, refit_every=0) as opt:
-        clock = opt._clock = FakeClock()
+        clock = opt.parts.stats.clock = FakeClock()
         opt.zero_grad()
         _backward(model)  # marks 1, 2: the hooks on the first and last params
         opt.step()        # marks 3, 4 around the device step
@@ -244,12 +244,12 @@ def test_auto_reads_marks_only_once_complete_and_a_step_late():
             opt.zero_grad()
             _backward(model, seed=2 + i)
             opt.step()
-        assert len(opt._unread_samples) == MAX_UNREAD_SAMPLES
+        assert len(opt.parts.stats.unread_samples) == MAX_UNREAD_SAMPLES
         clock.done = clock.n  # the GPU caught up with every step so far, not the next one
         opt.zero_grad()
         _backward(model, seed=99)
         opt.step()
-        assert [entry[0] for entry in opt._unread_samples] == [opt.parts.ledger.steps_taken]
+        assert [entry[0] for entry in opt.parts.stats.unread_samples] == [opt.parts.ledger.steps_taken]
         assert opt.stats["measured"]["step"] == opt.parts.ledger.steps_taken - 1
 
 
@@ -335,7 +335,7 @@ def test_auto_on_cuda_measures_gpu_time_not_launch_time():
             model(torch.randn(16, 8192, device="cuda")).square().mean().backward()
             opt.step()
             torch.cuda.synchronize()
-        assert isinstance(opt._clock, CudaClock)
+        assert isinstance(opt.parts.stats.clock, CudaClock)
         measured = opt.stats["measured"]
         assert measured["step"] in (3, 4)
         floor = elements * 28 / 5e12

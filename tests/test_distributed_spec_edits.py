@@ -223,7 +223,7 @@ def test_piece_sums_are_the_workers_bitwise_and_see_a_foreach_edit(one_rank, mon
         edited = live_piece_sums(GradGatherer(sg), pieces, opt._host.grad_dtype)
         assert all(a != b for a, (_, _, b) in zip(edited, pieces))
         opt.step()
-        assert opt._last_outcome_by_sg[sg.index] == "redone"
+        assert opt.parts.stats.outcome_by_sg[sg.index] == "redone"
     finally:
         opt.close()
 
