@@ -23,9 +23,21 @@ from __future__ import annotations
 
 import torch
 
+from dataclasses import dataclass
+
 from hybrid_opt import distributed as D
 
 LAZY = None  # None: lazy on CUDA buckets only; True / False: always / never
+
+
+@dataclass(eq=False)
+class KeptCounts:
+    """A completed bucket's has-grad counts kept on its device until step() reads them: the
+    grads its reduction read, the params without one here (indices), the counts themselves."""
+    bucket: object
+    grads: list
+    missing: list
+    counts: torch.Tensor
 
 
 class GradCounts:
@@ -38,7 +50,7 @@ class GradCounts:
         self._reads = reads          # GradReads (zero_edits.py): a granted grad is what was reduced
         self._release = release      # GradRelease (zero_release.py): placeholders for release_grads
         self._on_reduced = None      # the optimizer's speculation hook (install)
-        self._unread: dict = {}      # bucket index -> has-grad counts not read yet (module docstring)
+        self._unread: dict = {}      # bucket index -> KeptCounts: not read yet (module docstring)
         self._direct: dict = {}      # bucket index -> a direct bucket's counts (2 · world), kept
         self._nbytes = 0
         self.count_reads = 0         # the reads of counts (stats["count_reads"]): each one a sync on CUDA
@@ -87,7 +99,7 @@ class GradCounts:
         missing = [k for k, p in enumerate(b.params)
                    if grads[k] is None and p.grad is None and p.requires_grad]
         if missing and self._lazy(b):
-            self._unread[b.index] = (b, grads, missing, self._counts(b, kind))
+            self._unread[b.index] = KeptCounts(b, grads, missing, self._counts(b, kind))
             return self._deliver(b, grads, [k for k in range(len(b.params)) if k not in missing])
         if missing:
             self.count_reads += 1
@@ -100,14 +112,14 @@ class GradCounts:
         if not self._unread:
             return
         kept, self._unread = list(self._unread.values()), {}
-        values = torch.cat([c.reshape(-1).to(torch.float64) for *_, c in kept]).tolist()
+        values = torch.cat([c.counts.reshape(-1).to(torch.float64) for c in kept]).tolist()
         self.count_reads += 1
         at = 0
-        for b, grads, missing, counts in kept:
-            n = counts.numel()
-            self._grant(b, grads, missing, values[at:at + n])
+        for c in kept:
+            n = c.counts.numel()
+            self._grant(c.bucket, c.grads, c.missing, values[at:at + n])
             at += n
-            self._deliver(b, grads, [k for k in missing if grads[k] is not None])
+            self._deliver(c.bucket, c.grads, [k for k in c.missing if c.grads[k] is not None])
 
     def clear(self) -> None:
         """After step(): counts left unread (a step that failed before reading them) dropped."""

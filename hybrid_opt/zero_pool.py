@@ -28,6 +28,8 @@ direct bucket's has-grad counts (2·world).
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from hybrid_opt.zero_reduce import reduce_numels
@@ -86,6 +88,14 @@ class SlotPool:
         return sum(t.numel() * t.element_size() for ts in self.made.values() for t in ts)
 
 
+@dataclass(eq=False)
+class Holder:
+    """A slot borrowed: for what ("reduce" or "gather"), by which bucket."""
+    what: str
+    bucket: object
+    slot: torch.Tensor
+
+
 class CommWindow:
     """ZeroSharding's part (zero.py) for the slots its buckets' reductions and gathers borrow
     and give back (module docstring): the pool, and who holds which slot, oldest first."""
@@ -102,7 +112,7 @@ class CommWindow:
             fit = WINDOW_FLOOR_BYTES // max(1, n * key[0].itemsize)
             counts[key] = min(per_key[key], max(1, WINDOW, fit))
         self._pool = SlotPool(numels, counts)
-        self._holders: list = []  # [(what, bucket, slot)] in the order borrowed: "reduce" / "gather"
+        self._holders: list = []  # [Holder] in the order borrowed
         # what completes the oldest holder of each kind, to free its slot (completes_with)
         self._complete: dict = dict.fromkeys(("reduce", "gather"))
 
@@ -127,21 +137,21 @@ class CommWindow:
         while slot is None:
             self._complete_oldest(key)
             slot = self._pool.take(key, numel)
-        self._holders.append((what, b, slot))
+        self._holders.append(Holder(what, b, slot))
         return slot[:numel]
 
     def give_back(self, b, what: str, lost: bool = False) -> None:
         """b's slot for `what` back (none held: nothing to do); `lost`: SlotPool.give."""
-        for i, (w, hb, slot) in enumerate(self._holders):
-            if w == what and hb is b:
+        for i, h in enumerate(self._holders):
+            if h.what == what and h.bucket is b:
                 del self._holders[i]
-                self._pool.give((b.dtype, b.device), slot, lost)
+                self._pool.give((b.dtype, b.device), h.slot, lost)
                 return
 
     def _complete_oldest(self, key) -> None:
-        for what, b, _ in self._holders:
-            if (b.dtype, b.device) == key:
-                self._complete[what](b)
+        for h in self._holders:
+            if (h.bucket.dtype, h.bucket.device) == key:
+                self._complete[h.what](h.bucket)
                 return
         raise RuntimeError("process_group: no comm slot free and none borrowed (a slot per "
                            "(dtype, device) is made for every bucket key)")
@@ -149,7 +159,7 @@ class CommWindow:
     def holders(self, what: str) -> list:
         """The buckets holding a slot for `what` ("reduce" or "gather") now, oldest first
         (tests: no reduction keeps one once averaged; overlapped gathers keep at most WINDOW)."""
-        return [b for w, b, _ in self._holders if w == what]
+        return [h.bucket for h in self._holders if h.what == what]
 
     def slot_counts(self) -> dict:
         """(dtype, device) -> the slots of that key (tests: the window's size)."""
