@@ -41,7 +41,7 @@ boundary backward reduces the sum once (divided by the world size, as DDP averag
 A reduction sees p.grad as it was when its hook fired: in-place changes to p.grad after
 backward are not seen (as under DDP): the end of backward waits for the pending reductions
 (bounded), as DDP's does (step() too, if that callback did not run) — on CUDA the stream
-waits, not the host (_wait). The
+waits, not the host (zero_group.wait_collective). The
 window's slots are made once, on first use (no first touch per step): stats["buffer_bytes"].
 
 Params (zero_gather.py): after a step that was taken, every bucket's chunks are sent to every
@@ -68,7 +68,6 @@ keeps its chunk: twice the traffic), said once. Every path gives the same bits o
 """
 from __future__ import annotations
 
-import datetime
 import warnings
 import weakref
 from dataclasses import dataclass
@@ -77,17 +76,18 @@ import torch
 
 from hybrid_opt import distributed as D
 from hybrid_opt.zero_counts import GradCounts
-from hybrid_opt.zero_edits import GradEdits, ReadVersions
+from hybrid_opt.zero_edits import GradEdits, GradReads
 from hybrid_opt.zero_gather import ParamGather, ZeroParamsMixin  # noqa: F401 (optimizer's mixin)
+from hybrid_opt.zero_group import WAIT_S, Collectives, wait_collective  # noqa: F401 (re-exported)
 from hybrid_opt.zero_pool import CommWindow
-from hybrid_opt.zero_reduce import GradReduce
+from hybrid_opt.zero_reduce import GradReduction
 from hybrid_opt.zero_release import GradRelease
 
 # elements per reduce-scatter / all-gather bucket (2 MiB of fp32): a comm slot holds about one
 # (zero_pool.py), so this sizes the window; a larger param is a bucket of its own, reduced
 # straight from p.grad into its chunk (zero_reduce.py)
 BUCKET_NUMEL = 1 << 19
-WAIT_S = 300.0              # bound on each wait for a collective (a peer rank that died)
+# WAIT_S (zero_group.py): the bound on each wait for a collective (a peer rank that died)
 # which collectives carry a bucket: None picks by backend — gloo "all_to_all" (each rank's
 # segment sent to its owner by all_to_all_single and summed there, in rank order; params sent
 # back by one broadcast per rank from the chunk's owner, at 2 ranks one all_to_all_single),
@@ -113,48 +113,78 @@ class ZeroSpec:
     owner: object = None
 
 
-@dataclass(eq=False)
-class _Bucket:
-    params: list            # the params, in bucket order
-    dtype: torch.dtype
-    device: torch.device
-    width: int              # elements per rank of the chunks (longest rank's chunks)
-    offsets: list           # offsets[k][r]: param k's chunk offset within rank r's segment
-    numels: list            # numels[k][r]
-    buf: torch.Tensor = None  # the bucket's own: out, then one has-grad count per param
-    out: torch.Tensor = None  # buf[:width], this rank's averaged chunks (grad views point here)
-    index: int = 0          # its place in the issue order
-    # while in flight, else None (zero_reduce.py): what the reduction sends (a view of a slot
-    # borrowed from the comm window, zero_pool.py, or of p.grad) and where its output lands
-    # (buf itself, or the slot), and the staging of gathers that cannot land in the params
-    red: torch.Tensor = None
-    scratch: torch.Tensor = None
-    staging: torch.Tensor = None
-    counts: torch.Tensor = None  # a direct bucket's has-grad counts: world sent, world received (kept)
-    direct: bool = False    # one param whose chunks are its rank segments: reduced from p.grad
+def _chunk_numel(p: torch.Tensor, rank: int, world: int) -> int:
+    a, b = D.chunk_rows(p.shape[0], rank, world)
+    return (b - a) * (p.numel() // p.shape[0] if p.shape[0] else 0)
+
+
+class Bucket:
+    """A run of params (one dtype and device) reduced and gathered together: its layout, fixed
+    at construction and read by every part, and its own buffer, written in place by the
+    reduction (zero_reduce.py) and read by the step."""
+
+    def __init__(self, params: list, index: int, world: int):
+        self.params = params    # the params, in bucket order
+        self.index = index      # its place in the issue order
+        self.dtype, self.device = params[0].dtype, params[0].device
+        self.numels = [[_chunk_numel(p, r, world) for r in range(world)] for p in params]  # [k][r]
+        self.offsets = []       # offsets[k][r]: param k's chunk offset within rank r's segment
+        acc = [0] * world
+        for n in self.numels:
+            self.offsets.append(list(acc))
+            acc = [a + k for a, k in zip(acc, n)]
+        self.width = max(acc) if acc else 0  # elements per rank of the chunks (longest rank's)
+        # the bucket's own: out, then one has-grad count per param
+        self.buf = torch.zeros(self.seg, dtype=self.dtype, device=self.device)
+        self.out = self.buf[:self.width]  # this rank's averaged chunks (grad views point here)
+        # one param whose dim-0 chunks split evenly IS its own rank-segmented buffer: reduced
+        # straight from p.grad, no packing copy (its has-grad count rides a tiny collective of
+        # its own); not under all_reduce, which would write the sum into p.grad
+        self.direct = len(params) == 1 and params[0].numel() == world * self.width and self.width > 0
 
     @property
     def seg(self) -> int:   # one rank's segment of a reduce-scatter: chunks, then has-grad counts
         return self.width + len(self.params)
 
 
-def _chunk_numel(p: torch.Tensor, rank: int, world: int) -> int:
-    a, b = D.chunk_rows(p.shape[0], rank, world)
-    return (b - a) * (p.numel() // p.shape[0] if p.shape[0] else 0)
+def make_buckets(params: list, cap: int, world: int) -> list:
+    """The buckets, in issue order: reverse param order, each of one dtype and device and at
+    most `cap` elements (a larger param alone)."""
+    runs, run = [], []
+    for p in reversed(params):
+        if run and (run[0].dtype != p.dtype or run[0].device != p.device
+                    or sum(q.numel() for q in run) + p.numel() > cap):
+            runs.append(run)
+            run = []
+        run.append(p)
+    if run:
+        runs.append(run)
+    return [Bucket(r, i, world) for i, r in enumerate(runs)]
 
 
-class ZeroSharding(GradReduce, ParamGather, GradCounts, GradEdits, CommWindow, GradRelease):
-    """The collectives of process_group mode for one optimizer (module docstring)."""
+class ZeroSharding:
+    """The collectives of process_group mode for one optimizer (module docstring). It owns the
+    order of a backward's reductions (which buckets fired, the next to issue) and these parts,
+    each of which owns its own state:
+
+    - `reduction` (GradReduction, zero_reduce.py): the reductions in flight, and their averages;
+    - `counts` (GradCounts, zero_counts.py): the has-grad counts, and each reduced param's delivery;
+    - `gathers` (ParamGather, zero_gather.py): the gathers of updated params, and when they land;
+    - `window` (CommWindow, zero_pool.py): the comm slots the reductions and gathers borrow;
+    - `release` (GradRelease, zero_release.py): release_grads' placeholders;
+    - `edits` (GradEdits, zero_edits.py): the grad edits refused at step();
+
+    over shared records: `buckets` (their layout), `comm` (Collectives, zero_group.py: the group,
+    rank, world and kind) and `reads` (GradReads: the grads each reduction read)."""
 
     def __init__(self, params: list, group, bucket_numel: int | None = None, release_grads: bool = False):
         import torch.distributed as dist
         if not (dist.is_available() and dist.is_initialized()):
             raise RuntimeError("process_group= needs torch.distributed initialised "
                                "(torch.distributed.init_process_group) before the optimizer is built")
-        self.dist, self.group = dist, group
-        self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
-        if self.world != dist.get_world_size():
-            raise NotImplementedError(f"process_group= over {self.world} of the "
+        rank, world = dist.get_rank(group), dist.get_world_size(group)
+        if world != dist.get_world_size():
+            raise NotImplementedError(f"process_group= over {world} of the "
                                       f"{dist.get_world_size()} ranks: the step's one decision "
                                       f"(norm, found_inf) is reduced over the default group; pass "
                                       f"torch.distributed.group.WORLD (or a group of every rank)")
@@ -173,6 +203,7 @@ class ZeroSharding(GradReduce, ParamGather, GradCounts, GradEdits, CommWindow, G
         from torch.distributed.device_mesh import DeviceMesh
         device_type = params[0].device.type if params else "cpu"
         self.mesh = DeviceMesh.from_group(group, device_type)  # the state's DTensors: the user's group
+        self.dist, self.rank, self.world = dist, rank, world
         # our collectives on a group of their own: a DDP wrapper (accelerate and HF Trainer add
         # one) issues its own on the default group from hooks that interleave with ours, in an
         # order that can differ between ranks (find_unused_parameters with a param unused on
@@ -180,7 +211,7 @@ class ZeroSharding(GradReduce, ParamGather, GradCounts, GradEdits, CommWindow, G
         # group's collectives is all that must agree. Collective: every rank builds its optimizer
         self.group = dist.new_group(ranks=dist.get_process_group_ranks(group),
                                     backend=dist.get_backend(group))
-        spec = ZeroSpec(self.mesh, self.rank, self.world, weakref.ref(self))
+        spec = ZeroSpec(self.mesh, rank, world, weakref.ref(self))
         registry, _ = D._zero_maps()
         for p in params:
             # a param still hooked by an older ZeroSharding (an optimizer dropped but not
@@ -195,79 +226,49 @@ class ZeroSharding(GradReduce, ParamGather, GradCounts, GradEdits, CommWindow, G
                 older.remove()
             registry[p] = spec
         self.params = list(params)
-        self.buckets = self._make_buckets(params, bucket_numel or BUCKET_NUMEL)
+        self.buckets = make_buckets(params, bucket_numel or BUCKET_NUMEL, world)
         self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
-        self._place_of = {id(p): (b, k) for b in self.buckets for k, p in enumerate(b.params)}
         self._arrived: dict = {}   # bucket id -> set of param ids whose grads arrived
-        self._pending: list = []   # [(bucket, work, scratch, grads)] launched, not yet completed
         self._fired: set = set()   # buckets whose grads all arrived, waiting for their turn
         self._next = 0             # the next bucket to issue this step (buckets issue in order)
         self._in_backward = False  # a reducing backward is running (its end callback queued)
-        self._reduced: dict = {}   # param id -> the grad tensor object its last reduction read
-        self._reads = ReadVersions()  # ... and its version then: edits after backward (zero_edits.py)
-        self._unread: dict = {}    # bucket index -> has-grad counts not read yet (zero_counts.py)
         self._handles: list = []
-        self._on_reduced, self._is_boundary = None, lambda: True
+        self._is_boundary = lambda: True
+        self._rereduced = 0        # stats["rereduced"]: buckets reduced again in finish()
         kind = COLLECTIVES or ("all_to_all" if dist.get_backend(group) == "gloo" else "reduce_scatter")
         if kind not in _KINDS:
             raise ValueError(f"hybrid_opt.zero.COLLECTIVES must be None or one of {_KINDS}, got {kind!r}")
-        self._kind = kind  # fixed per backend: the same on every rank
-        self._ddp_checked = False
-        self._gathers: dict = {}    # bucket id -> (bucket, full, mine, work, marks): launched, not landed
-        self._gathering: dict = {}  # param id -> its bucket, while that bucket's gather is pending
-        self._forward_hook = None   # the global forward pre-hook, installed while any is pending
-        # a taken step's gathers, launched as its commits complete (zero_gather.py): in param
-        # order (the host tier commits subgroups, and the next forward runs, in that order)
-        self._gather_order = list(reversed(self.buckets))
-        self._gather_direct = False
-        self.reset_gather()
-        self.stats = dict(reduce_scatters=0, all_gathers=0, rereduced=0, collectives=kind,
-                          all_gathers_landed_in_forward=0, buffer_bytes=0, count_reads=0)
-        self._counts_bytes = 0
-        self._init_window()  # the slots the collectives borrow (zero_pool.py)
-        self._init_release(release_grads)  # release_grads=True (zero_release.py)
+        # the kind is fixed per backend: the same on every rank
+        self.comm = Collectives(dist, self.group, rank, world, kind)
+        self.reads = GradReads()   # the grad each reduction read, and its version (zero_edits.py)
+        self.release = GradRelease(self.buckets, self.reads, release_grads)
+        self.counts = GradCounts(rank, world, self.reads, self.release)
+        self.window = CommWindow(self.buckets, self.comm)  # the slots the collectives borrow
+        self.reduction = GradReduction(self.comm, self.window, self.counts, self.reads)
+        self.gathers = ParamGather(self.buckets, self.comm, self.window)
+        self.window.completes_with(reduce=self.reduction.complete, gather=self.gathers.land)
+        self.edits = GradEdits(self.params, self.buckets, rank, world, self.reads)
 
-    # ------------------------------------------------------------------ layout
-    def _make_buckets(self, params: list, cap: int) -> list:
-        buckets, run = [], []
+    @property
+    def release_grads(self) -> bool:
+        return self.release.enabled
 
-        def close_run():
-            if run:
-                buckets.append(self._bucket(list(run)))
-                run.clear()
-        for p in reversed(params):
-            if run and (run[0].dtype != p.dtype or run[0].device != p.device
-                        or sum(q.numel() for q in run) + p.numel() > cap):
-                close_run()
-            run.append(p)
-        close_run()
-        for i, b in enumerate(buckets):
-            b.index = i
-        return buckets
-
-    def _bucket(self, params: list) -> _Bucket:
-        numels = [[_chunk_numel(p, r, self.world) for r in range(self.world)] for p in params]
-        offsets, width = [], 0
-        acc = [0] * self.world
-        for n in numels:
-            offsets.append(list(acc))
-            acc = [a + k for a, k in zip(acc, n)]
-        width = max(acc) if acc else 0
-        b = _Bucket(params, params[0].dtype, params[0].device, width, offsets, numels)
-        b.buf = torch.zeros(b.seg, dtype=b.dtype, device=b.device)  # out, then has-grad counts
-        b.out = b.buf[:width]
-        # one param whose dim-0 chunks split evenly IS its own rank-segmented buffer: reduced
-        # straight from p.grad, no packing copy (its has-grad count rides a tiny collective of
-        # its own); not under all_reduce, which would write the sum into p.grad
-        b.direct = len(params) == 1 and params[0].numel() == self.world * width and width > 0
-        return b
+    @property
+    def stats(self) -> dict:
+        """Counts of this optimizer's collectives, and its comm buffers' bytes (a new dict)."""
+        return dict(reduce_scatters=self.reduction.launches, all_gathers=self.gathers.launches,
+                    rereduced=self._rereduced, collectives=self.comm.kind,
+                    all_gathers_landed_in_forward=self.gathers.landed_in_forward,
+                    buffer_bytes=self.window.nbytes() + self.counts.nbytes(),
+                    count_reads=self.counts.count_reads)
 
     # ------------------------------------------------------------------ grads
     def install(self, on_reduced, is_boundary) -> None:
         """Hooks on every trainable param; `on_reduced(p)` runs once p's averaged chunk is in
         place (the optimizer's speculation hook); `is_boundary()` False: reduce nothing."""
         self.remove()
-        self._on_reduced, self._is_boundary = on_reduced, is_boundary
+        self.counts.install(on_reduced)
+        self._is_boundary = is_boundary
         for p in self.params:
             if p.requires_grad:
                 self._handles.append(p.register_post_accumulate_grad_hook(self._on_grad))
@@ -281,7 +282,7 @@ class ZeroSharding(GradReduce, ParamGather, GradCounts, GradEdits, CommWindow, G
         if not self._is_boundary():
             return  # an accumulation micro-step: grads accumulate locally, nothing is reduced
         if not self._in_backward:
-            self._check_rereduce()  # release_grads: the last backward's full grads are gone
+            self.release.check_rereduce()  # release_grads: the last backward's full grads are gone
             # a backward's first grad: a backward after one that issued every bucket (grads
             # accumulated without the boundary flag) reduces every bucket again, in order
             self._in_backward = True
@@ -306,7 +307,7 @@ class ZeroSharding(GradReduce, ParamGather, GradCounts, GradEdits, CommWindow, G
         self._in_backward = False
         self._issue_in_order(upto=len(self.buckets))
         self.poll(wait=True)  # a direct bucket reads p.grad while in flight: done before it returns
-        self._hide_released()  # release_grads: p.grad reads None after backward (zero_release.py)
+        self.release.hide()  # release_grads: p.grad reads None after backward (zero_release.py)
 
     def _issue_in_order(self, upto: int | None = None) -> None:
         """Issues the fired buckets from the next one in order (every bucket before `upto`,
@@ -315,42 +316,12 @@ class ZeroSharding(GradReduce, ParamGather, GradCounts, GradEdits, CommWindow, G
                 self._next in self._fired or (upto is not None and self._next < upto)):
             self._fired.discard(self._next)
             self._next += 1
-            self._launch(self.buckets[self._next - 1])
+            self.reduction.launch(self.buckets[self._next - 1])
 
-    def poll(self, wait: bool = False, until: _Bucket | None = None) -> None:
+    def poll(self, wait: bool = False, until: Bucket | None = None) -> None:
         """Completes the launched reductions in launch order (all of them when `wait`; with
-        `until`, up to and including that bucket's)."""
-        while self._pending:
-            b, works, kind, grads = self._pending[0]
-            if not wait and not all(w.is_completed() for w in works):
-                return
-            if until is not None and not any(q[0] is until for q in self._pending):
-                return
-            for work in works:
-                self._wait(work, "the reduction of a gradient bucket", b.device.type == "cuda")
-            self._pending.pop(0)
-            # a buffer of the bucket's own, written in place: its version moves, so a speculation
-            # that read the previous reduction (accumulation without the flag) is redone
-            self._average(b, kind, grads)  # into b.out (zero_reduce.py)
-            self._delivered(b, kind, grads)  # chunks mapped, hooks run (zero_counts.py)
-            self._reduce_done(b)  # its counts were copied out: the slot is free
-
-    def _wait(self, work, what: str, cuda: bool = False) -> None:
-        """A collective's completion, bounded. On CUDA the current stream waits for it and the
-        host does not (NCCL's wait with a timeout blocks the CPU until the collective is done);
-        the bound is then the process group's own timeout (NCCL's watchdog)."""
-        # on CUDA WAIT_S bounds nothing: a hang ends at the group's timeout (init_process_group
-        # (timeout=)), where NCCL's watchdog ends the process (TORCH_NCCL_ASYNC_ERROR_HANDLING)
-        bound = "the process group's timeout" if cuda else f"{WAIT_S:.0f} s"
-        try:
-            ok = work.wait() if cuda else work.wait(timeout=datetime.timedelta(seconds=WAIT_S))
-        except RuntimeError as e:
-            raise RuntimeError(f"process_group: {what} did not complete within {bound} or "
-                               f"failed ({e}): a peer rank died or stopped stepping; every rank "
-                               f"must call backward() and step() alike") from e
-        if ok is False:
-            raise RuntimeError(f"process_group: {what} did not complete within {bound}: a "
-                               f"peer rank died or stopped stepping")
+        `until`, up to and including that bucket's): GradReduction.poll."""
+        self.reduction.poll(wait, until)
 
     def finish(self) -> None:
         """Before step(): the buckets not issued yet are issued, in order (fired or not: a
@@ -361,32 +332,63 @@ class ZeroSharding(GradReduce, ParamGather, GradCounts, GradEdits, CommWindow, G
         if any(p.requires_grad for p in self.params):
             self._issue_in_order(upto=len(self.buckets))
         self.poll(wait=True)  # a bucket's buffers are reused: its reduction done before another
-        self.read_counts()  # counts kept on the device (zero_counts.py): one read, zero grads made
-        self._restore_released()  # release_grads: the placeholders the step reads (zero_release.py)
+        self.counts.read()  # counts kept on the device (zero_counts.py): one read, zero grads made
+        self.release.restore()  # release_grads: the placeholders the step reads (zero_release.py)
         for b in self.buckets:
-            if self._has_released(b):
+            if self.release.has_released(b):
                 continue  # its full grads are gone: a grad given since is refused instead
-            if any(p.grad is not None and self._reduced.get(id(p)) is not p.grad for p in b.params):
-                self.stats["rereduced"] += 1
-                self._launch(b)
+            if any(p.grad is not None and not self.reads.saw(p) for p in b.params):
+                self._rereduced += 1
+                self.reduction.launch(b)
         self.poll(wait=True)
-        self.read_counts()
-        if self.buckets and not self.release_grads:
-            self._check_ddp(self.buckets[0])
+        self.counts.read()
+        if self.buckets and not self.release.enabled:
+            self.edits.check_ddp(self.buckets[0])
+
+    def grad_edit_error(self, unscaled: bool):
+        """After finish(): the refusal of this step — a grad given to a released bucket
+        (zero_release.py), a grad changed in place since its reduction read it, or
+        (`unscaled`) GradScaler.step found it unscaled (zero_edits.py) — or None."""
+        released = self.release.error()
+        if released is not None:
+            return released
+        return self.edits.error(unscaled)
+
+    def scaler_found_inf(self, opt):
+        """release_grads with a GradScaler: GradRelease.scaler_found_inf (zero_release.py)."""
+        return self.release.scaler_found_inf(opt)
 
     def end_step(self) -> None:
         """After step() (taken, skipped or failed): the next backward starts a new reduction."""
         self._arrived.clear()
-        self._reduced.clear()
-        self._reads.clear()
+        self.reads.clear()
         self._fired.clear()
         self._next = 0
         self._in_backward = False  # a backward that raised before its end callback
-        self._unread.clear()
-        self._hide_released()
-        self._released.clear()
-        self._foreign = []
-        self.reset_gather()
+        self.counts.clear()
+        self.release.end_step()
+        self.gathers.reset()
+
+    # ------------------------------------------------------------------ params
+    def expect_commits(self, pending: dict, direct: bool) -> None:
+        """ParamGather.expect_commits (zero_gather.py)."""
+        self.gathers.expect_commits(pending, direct)
+
+    def committed(self, key) -> None:
+        """ParamGather.committed (zero_gather.py)."""
+        self.gathers.committed(key)
+
+    def gather(self, direct: bool = False) -> None:
+        """ParamGather.gather (zero_gather.py): the rest of this step's gathers launched."""
+        self.gathers.gather(direct)
+
+    def reset_gather(self) -> None:
+        """After a step (taken or not): the next one launches from the first bucket again."""
+        self.gathers.reset()
+
+    def wait_gathered(self) -> None:
+        """Lands every pending all-gather (bounded waits): the params are then current."""
+        self.gathers.wait_gathered()
 
     def close(self) -> None:
         """The grad hooks removed; pending gathers landed (a failed one is warned about: the
@@ -399,11 +401,12 @@ class ZeroSharding(GradReduce, ParamGather, GradCounts, GradEdits, CommWindow, G
                           f"rank's params hold the other ranks' chunks of the step before",
                           stacklevel=3)
         finally:
-            self._gathers.clear()
-            self._gathering.clear()
-            if self._forward_hook is not None:
-                self._forward_hook.remove()
-                self._forward_hook = None
+            self.gathers.drop()
+
+    def comm_tensors(self) -> list:
+        """Every tensor of the comm figure (allocated.py): the slots (and tensors of their own
+        while borrowed), each bucket's averaged chunks with their counts, a direct bucket's counts."""
+        return self.window.tensors() + [t for b in self.buckets for t in (b.buf, self.counts.of(b))]
 
     def state_numel(self) -> int:
         """Elements of state this rank keeps (its chunks)."""

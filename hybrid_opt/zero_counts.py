@@ -11,7 +11,7 @@ backward (a bucket completes in a grad hook) would stall the CPU until the devic
 up, once per bucket. On CUDA the counts are therefore read lazily: a completed bucket keeps
 its counts on the device (its latest reduction's, replacing an earlier one's), the params
 that have their grads are delivered at once (their chunk mapped, the speculation hook run),
-and step() reads every bucket's kept counts in one small copy (read_counts, from
+and step() reads every bucket's kept counts in one small copy (GradCounts.read, from
 ZeroSharding.finish, before anything reads the grads) and delivers the params that another
 rank had a grad for. So backward never blocks on the device for them; the price, on CUDA
 only, is that such a param's zero p.grad appears in step() rather than at the end of
@@ -23,63 +23,107 @@ from __future__ import annotations
 
 import torch
 
+from dataclasses import dataclass
+
 from hybrid_opt import distributed as D
 
 LAZY = None  # None: lazy on CUDA buckets only; True / False: always / never
 
 
+@dataclass(eq=False)
+class KeptCounts:
+    """A completed bucket's has-grad counts kept on its device until step() reads them: the
+    grads its reduction read, the params without one here (indices), the counts themselves."""
+    bucket: object
+    grads: list
+    missing: list
+    counts: torch.Tensor
+
+
 class GradCounts:
-    """The has-grad-count half of ZeroSharding (zero.py), which owns buckets and reductions."""
+    """ZeroSharding's part (zero.py) for the has-grad counts: a direct bucket's own count
+    buffers, the completed buckets whose counts are not read yet, and the delivery of each
+    reduced param (its chunk mapped, the optimizer's hook run)."""
+
+    def __init__(self, rank: int, world: int, reads, release):
+        self._rank, self._world = rank, world
+        self._reads = reads          # GradReads (zero_edits.py): a granted grad is what was reduced
+        self._release = release      # GradRelease (zero_release.py): placeholders for release_grads
+        self._on_reduced = None      # the optimizer's speculation hook (install)
+        self._unread: dict = {}      # bucket index -> KeptCounts: not read yet (module docstring)
+        self._direct: dict = {}      # bucket index -> a direct bucket's counts (2 · world), kept
+        self._nbytes = 0
+        self.count_reads = 0         # the reads of counts (stats["count_reads"]): each one a sync on CUDA
+
+    def install(self, on_reduced) -> None:
+        """`on_reduced(p)` runs once p's averaged chunk is in place."""
+        self._on_reduced = on_reduced
 
     def _lazy(self, b) -> bool:
         return b.device.type == "cuda" if LAZY is None else bool(LAZY)
 
-    def _counts_buffer(self, b) -> torch.Tensor:
+    def buffer(self, b) -> torch.Tensor:
         """A direct bucket's has-grad counts (2 · world, sent then received), kept: made on first use."""
-        if b.counts is None:
-            b.counts = torch.zeros(2 * self.world, dtype=b.dtype, device=b.device)
-            self._counts_bytes += b.counts.numel() * b.counts.element_size()
-            self.stats["buffer_bytes"] = self._pool.nbytes() + self._counts_bytes
-        return b.counts
+        if b.index not in self._direct:
+            counts = self._direct[b.index] = torch.zeros(2 * self._world, dtype=b.dtype, device=b.device)
+            self._nbytes += counts.numel() * counts.element_size()
+        return self._direct[b.index]
+
+    def of(self, b):
+        """b's count buffer (buffer()), or None where none was made."""
+        return self._direct.get(b.index)
+
+    def tensors(self) -> list:
+        """The direct buckets' count buffers made so far (the comm figure, with comm_tensors)."""
+        return list(self._direct.values())
+
+    def nbytes(self) -> int:
+        """The count buffers' bytes (stats["buffer_bytes"], with the comm window's slots)."""
+        return self._nbytes
 
     def _counts(self, b, kind: str) -> torch.Tensor:
         """A completed reduction's has-grad counts, one per param of the bucket, on its device
         (not read: no sync): after the averaged chunks in b.buf (zero_reduce.py), or a direct
         bucket's own (all_to_all: every rank's, summed here)."""
         if b.direct and kind != "all_reduce":
+            counts = self._direct[b.index]
             if kind == "all_to_all":
-                return b.counts[self.world:].sum().reshape(1)
-            return b.counts[self.world:self.world + 1].clone()
+                return counts[self._world:].sum().reshape(1)
+            return counts[self._world:self._world + 1].clone()
         return b.buf[b.width:].clone()
 
-    def _delivered(self, b, kind: str, grads: list) -> None:
+    def delivered(self, b, kind: str, grads: list) -> None:
         """A bucket's reduction is averaged into b.out: its params with a grad here get their
         chunk and the speculation hook; those without wait for their counts (module docstring)."""
         self._unread.pop(b.index, None)  # this reduction's counts replace an earlier one's
         missing = [k for k, p in enumerate(b.params)
                    if grads[k] is None and p.grad is None and p.requires_grad]
         if missing and self._lazy(b):
-            self._unread[b.index] = (b, grads, missing, self._counts(b, kind))
+            self._unread[b.index] = KeptCounts(b, grads, missing, self._counts(b, kind))
             return self._deliver(b, grads, [k for k in range(len(b.params)) if k not in missing])
         if missing:
-            self.stats["count_reads"] += 1
+            self.count_reads += 1
             self._grant(b, grads, missing, self._counts(b, kind).tolist())
         self._deliver(b, grads, range(len(b.params)))
 
-    def read_counts(self) -> None:
+    def read(self) -> None:
         """step(): the kept counts of every bucket, read in one copy; the params another rank
         had a grad for get a zero p.grad whose chunk is the average, and are delivered."""
         if not self._unread:
             return
         kept, self._unread = list(self._unread.values()), {}
-        values = torch.cat([c.reshape(-1).to(torch.float64) for *_, c in kept]).tolist()
-        self.stats["count_reads"] += 1
+        values = torch.cat([c.counts.reshape(-1).to(torch.float64) for c in kept]).tolist()
+        self.count_reads += 1
         at = 0
-        for b, grads, missing, counts in kept:
-            n = counts.numel()
-            self._grant(b, grads, missing, values[at:at + n])
+        for c in kept:
+            n = c.counts.numel()
+            self._grant(c.bucket, c.grads, c.missing, values[at:at + n])
             at += n
-            self._deliver(b, grads, [k for k in missing if grads[k] is not None])
+            self._deliver(c.bucket, c.grads, [k for k in c.missing if c.grads[k] is not None])
+
+    def clear(self) -> None:
+        """After step(): counts left unread (a step that failed before reading them) dropped."""
+        self._unread.clear()
 
     def _grant(self, b, grads: list, missing: list, counts: list) -> None:
         for k in missing:
@@ -91,9 +135,9 @@ class GradCounts:
                 # counts are read in step() — is that grant too, not a replacement to reduce
                 # again (that re-reduction would run on this rank alone: the ranks would hang)
                 if p.grad is None:  # release_grads: only the chunk is read (zero_release.py)
-                    p.grad = self._placeholder(p) if self.release_grads else torch.zeros_like(p)
-                grads[k] = self._reduced[id(p)] = p.grad
+                    p.grad = self._release.placeholder(p) if self._release.enabled else torch.zeros_like(p)
                 self._reads.note(p)
+                grads[k] = p.grad
 
     def _deliver(self, b, grads: list, ks: list) -> None:
         """Each param k in `ks` still holding the grad its reduction read: its averaged chunk
@@ -102,10 +146,10 @@ class GradCounts:
         live = [k for k in ks if grads[k] is not None and b.params[k].grad is grads[k]]
         for k in live:
             p = b.params[k]
-            a, n = b.offsets[k][self.rank], b.numels[k][self.rank]
-            rows_a, rows_b = D.chunk_rows(p.shape[0], self.rank, self.world)
-            if self.release_grads:  # the full grad dropped, a placeholder read instead (zero_release.py)
-                grads[k] = self._released_grad(p)
+            a, n = b.offsets[k][self._rank], b.numels[k][self._rank]
+            rows_a, rows_b = D.chunk_rows(p.shape[0], self._rank, self._world)
+            if self._release.enabled:  # the full grad dropped, a placeholder read instead (zero_release.py)
+                grads[k] = self._release.release(p)
             grad_map[grads[k]] = b.out[a:a + n].view((rows_b - rows_a,) + tuple(p.shape[1:]))
         if self._on_reduced is not None:
             for k in live:

@@ -23,7 +23,7 @@ A model also wrapped in DistributedDataParallel — accelerate's prepare() and H
 in every multi-process launch, with no switch in Trainer — writes DDP's averaged grads into
 p.grad at the end of backward, moving every version. Where each moved grad's chunk then equals
 the average our reduction made, the step is exactly DDP's: DDP's write alone (correct, twice the
-traffic, warned about by zero.py `_check_ddp`), or followed by edits that changed nothing — a
+traffic, warned about by GradEdits.check_ddp), or followed by edits that changed nothing — a
 clip whose coefficient is 1, such as HF Trainer's `clip_grad_norm_(params, inf)`, which it runs
 for its logged grad norm even at `max_grad_norm=0`. Those pass. A clip that bites changes the
 values and is refused; so, under DDP, a framework's clipping is refused at the first step
@@ -56,29 +56,40 @@ class GradsEditedError(RuntimeError):
     docstring). Nothing was stepped, on any rank."""
 
 
-class ReadVersions:
-    """The `_version` of each param's grad when its reduction read it."""
+class GradReads:
+    """Which grad object each param's reduction last read, and that grad's `_version` then
+    (owned by ZeroSharding, noted by the parts that hand a reduction or a step a grad): a grad
+    replaced by a new object since is reduced again (zero.py finish), one changed in place is
+    refused (GradEdits)."""
 
     def __init__(self):
-        self._at: dict = {}  # param id -> version of the grad object its reduction read
+        self._grad: dict = {}  # param id -> the grad tensor object its last reduction read
+        self._at: dict = {}    # param id -> version of the grad object its reduction read
 
     def note(self, p) -> None:
+        """p.grad, as it is now, is what p's reduction read."""
+        self._grad[id(p)] = p.grad
         if p.grad is not None:
             self._at[id(p)] = p.grad._version
 
-    def moved(self, params, reduced: dict) -> list:
+    def saw(self, p) -> bool:
+        """p.grad is the object p's last reduction read (for a p.grad that is not None)."""
+        return self._grad.get(id(p)) is p.grad
+
+    def moved(self, params) -> list:
         """[(param, versions moved)] for each grad still the object its reduction read whose
         version has moved since (a grad replaced by a new object is re-reduced: zero.py)."""
         out = []
         for p in params:
             g = p.grad
-            if g is None or reduced.get(id(p)) is not g or id(p) not in self._at:
+            if g is None or not self.saw(p) or id(p) not in self._at:
                 continue
             if g._version != self._at[id(p)]:
                 out.append((p, g._version - self._at[id(p)]))
         return out
 
     def clear(self) -> None:
+        self._grad.clear()
         self._at.clear()
 
 
@@ -136,10 +147,17 @@ def edit_error(moved: list, ddp_like: bool, unscaled: bool) -> GradsEditedError 
 
 
 class GradEdits:
-    """ZeroSharding's side (a mixin beside GradCounts and ParamGather): whether this step's
-    grads are what its reductions read, and the DDP wrapper seen."""
+    """ZeroSharding's part (zero.py) that checks this step's grads against what its reductions
+    read (GradReads), and that sees a DDP wrapper's averaged grads (once)."""
 
-    def _check_ddp(self, b) -> None:
+    def __init__(self, params: list, buckets: list, rank: int, world: int, reads: GradReads):
+        self._params = params
+        self._place_of = {id(p): (b, k) for b in buckets for k, p in enumerate(b.params)}
+        self._rank, self._world = rank, world
+        self._reads = reads
+        self._ddp_checked = False
+
+    def check_ddp(self, b) -> None:
         """Once, in step(): grads equal to their average on every element look like DDP's (it
         writes the averages into p.grad at the end of backward, after our hooks copied the local
         grads out; checked before that, the local grads would be compared): correct, but
@@ -150,7 +168,7 @@ class GradEdits:
         same = [self._equals_average(p) for p in b.params]
         grads = [p.grad for p in b.params if p.grad is not None]
         any_nonzero = bool(torch.stack([g.any() for g in grads]).any()) if grads else False
-        if any(f is not None for f in same) and all_true(same) and any_nonzero and self.world > 1:
+        if any(f is not None for f in same) and all_true(same) and any_nonzero and self._world > 1:
             warnings.warn("process_group: the grads arrived already averaged over the ranks (the "
                           "model looks wrapped in DistributedDataParallel): the result is correct, "
                           "but grads are communicated twice. With process_group= the optimizer "
@@ -160,16 +178,13 @@ class GradEdits:
         """Whether this rank's chunk of p.grad is p's averaged chunk (what DDP writes there): a
         0-dim bool tensor, not read (zero_edits.equals_average), or None (no chunk here)."""
         b, k = self._place_of[id(p)]
-        a, n = b.offsets[k][self.rank], b.numels[k][self.rank]
-        return equals_average(p, b.out[a:a + n], self.rank, self.world)
+        a, n = b.offsets[k][self._rank], b.numels[k][self._rank]
+        return equals_average(p, b.out[a:a + n], self._rank, self._world)
 
-    def grad_edit_error(self, unscaled: bool):
-        """After finish(): the refusal of this step (zero_edits.py) — a grad changed in place
+    def error(self, unscaled: bool):
+        """After finish(): the refusal of this step (module docstring) — a grad changed in place
         since its reduction read it, or (`unscaled`) GradScaler.step found it unscaled — or None.
         A step with no moved grad reads nothing; under DDP (every grad moved) one read in all."""
-        released = self.released_error()  # release_grads: a grad given to a released bucket
-        if released is not None:
-            return released
-        moved = self._reads.moved(self.params, self._reduced)
+        moved = self._reads.moved(self._params)
         ddp_like = bool(moved) and all_true([self._equals_average(p) for p, _ in moved])
         return edit_error(moved, ddp_like, unscaled)

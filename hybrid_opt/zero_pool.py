@@ -28,7 +28,11 @@ direct bucket's has-grad counts (2·world).
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
+
+from hybrid_opt.zero_reduce import reduce_numels
 
 WINDOW = 2                      # slots per (dtype, device): buckets in flight at once
 WINDOW_FLOOR_BYTES = 4 << 20    # ... or as many as fit in this, for small buckets
@@ -84,30 +88,48 @@ class SlotPool:
         return sum(t.numel() * t.element_size() for ts in self.made.values() for t in ts)
 
 
+@dataclass(eq=False)
+class Holder:
+    """A slot borrowed: for what ("reduce" or "gather"), by which bucket."""
+    what: str
+    bucket: object
+    slot: torch.Tensor
+
+
 class CommWindow:
-    """ZeroSharding's side (a mixin): the slots its buckets borrow and give back."""
+    """ZeroSharding's part (zero.py) for the slots its buckets' reductions and gathers borrow
+    and give back (module docstring): the pool, and who holds which slot, oldest first."""
 
-    def _slot_numel(self, b) -> int:
-        """Elements a slot needs for b: what its reduction sends (and, from 3 ranks on under
-        all_to_all, receives: zero_reduce.py), or its gather's staging where that is staged
-        even when step() waits (several params: zero_gather.py) — the larger."""
-        staged = len(b.params) > 1 or (self._kind == "reduce_scatter" and not b.direct)
-        return max(sum(self._reduce_numels(b)), self.world * b.width if staged else 0)
-
-    def _init_window(self) -> None:
-        numels, buckets = {}, {}
-        for b in self.buckets:
+    def __init__(self, buckets: list, comm):
+        self._comm = comm  # Collectives (zero_group.py): the kind and world a slot is sized by
+        numels, per_key = {}, {}
+        for b in buckets:
             key = (b.dtype, b.device)
-            numels[key] = max(numels.get(key, 0), self._slot_numel(b))
-            buckets[key] = buckets.get(key, 0) + 1
+            numels[key] = max(numels.get(key, 0), self.slot_numel(b))
+            per_key[key] = per_key.get(key, 0) + 1
         counts = {}
         for key, n in numels.items():
             fit = WINDOW_FLOOR_BYTES // max(1, n * key[0].itemsize)
-            counts[key] = min(buckets[key], max(1, WINDOW, fit))
+            counts[key] = min(per_key[key], max(1, WINDOW, fit))
         self._pool = SlotPool(numels, counts)
-        self._holders: list = []  # [(what, bucket, slot)] in the order borrowed: "reduce" / "gather"
+        self._holders: list = []  # [Holder] in the order borrowed
+        # what completes the oldest holder of each kind, to free its slot (completes_with)
+        self._complete: dict = dict.fromkeys(("reduce", "gather"))
 
-    def _borrow(self, b, what: str, numel: int) -> torch.Tensor:
+    def completes_with(self, reduce, gather) -> None:
+        """`reduce(b)` completes b's pending reduction (and every earlier one), `gather(b)`
+        lands b's pending gather: how a borrow that finds no slot free frees the oldest. Set
+        once, by ZeroSharding, when the parts that borrow are made."""
+        self._complete = {"reduce": reduce, "gather": gather}
+
+    def slot_numel(self, b) -> int:
+        """Elements a slot needs for b: what its reduction sends (and, from 3 ranks on under
+        all_to_all, receives: zero_reduce.py), or its gather's staging where that is staged
+        even when step() waits (several params: zero_gather.py) — the larger."""
+        staged = len(b.params) > 1 or (self._comm.kind == "reduce_scatter" and not b.direct)
+        return max(sum(reduce_numels(b, self._comm)), self._comm.world * b.width if staged else 0)
+
+    def borrow(self, b, what: str, numel: int) -> torch.Tensor:
         """`numel` elements of a slot for b's reduction or gather; none free: the oldest holder
         completes first."""
         key = (b.dtype, b.device)
@@ -115,31 +137,38 @@ class CommWindow:
         while slot is None:
             self._complete_oldest(key)
             slot = self._pool.take(key, numel)
-        self._holders.append((what, b, slot))
-        self.stats["buffer_bytes"] = self._pool.nbytes() + self._counts_bytes
+        self._holders.append(Holder(what, b, slot))
         return slot[:numel]
 
-    def _give_back(self, b, what: str, lost: bool = False) -> None:
-        for i, (w, hb, slot) in enumerate(self._holders):
-            if w == what and hb is b:
+    def give_back(self, b, what: str, lost: bool = False) -> None:
+        """b's slot for `what` back (none held: nothing to do); `lost`: SlotPool.give."""
+        for i, h in enumerate(self._holders):
+            if h.what == what and h.bucket is b:
                 del self._holders[i]
-                self._pool.give((b.dtype, b.device), slot, lost)
-                if what == "gather":
-                    b.staging = None
+                self._pool.give((b.dtype, b.device), h.slot, lost)
                 return
 
     def _complete_oldest(self, key) -> None:
-        for what, b, _ in self._holders:
-            if (b.dtype, b.device) == key:
-                if what == "reduce":
-                    self.poll(wait=True, until=b)
-                else:
-                    self._land(b)
+        for h in self._holders:
+            if (h.bucket.dtype, h.bucket.device) == key:
+                self._complete[h.what](h.bucket)
                 return
         raise RuntimeError("process_group: no comm slot free and none borrowed (a slot per "
                            "(dtype, device) is made for every bucket key)")
 
-    def comm_tensors(self) -> list:
-        """Every tensor of the comm figure (allocated.py): the slots (and tensors of their own
-        while borrowed), each bucket's averaged chunks with their counts, a direct bucket's counts."""
-        return self._pool.tensors() + [t for b in self.buckets for t in (b.buf, b.counts)]
+    def holders(self, what: str) -> list:
+        """The buckets holding a slot for `what` ("reduce" or "gather") now, oldest first
+        (tests: no reduction keeps one once averaged; overlapped gathers keep at most WINDOW)."""
+        return [h.bucket for h in self._holders if h.what == what]
+
+    def slot_counts(self) -> dict:
+        """(dtype, device) -> the slots of that key (tests: the window's size)."""
+        return dict(self._pool.counts)
+
+    def nbytes(self) -> int:
+        """The slots' bytes (stats["buffer_bytes"], with the count buffers)."""
+        return self._pool.nbytes()
+
+    def tensors(self) -> list:
+        """The slots, and tensors of their own while borrowed (comm_tensors)."""
+        return self._pool.tensors()

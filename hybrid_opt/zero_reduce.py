@@ -28,35 +28,58 @@ backward (and finish()) waits for every pending reduction before anything can ed
 """
 from __future__ import annotations
 
-import warnings
+from dataclasses import dataclass
 
 import torch
 
 
-class GradReduce:
-    """The reduction half of ZeroSharding (zero.py), which owns the buckets and the window."""
+def reduce_numels(b, comm, zeros: bool = False) -> tuple:
+    """(sent, received) elements of b's reduction that a comm slot holds (module docstring),
+    under `comm`'s kind (zero_group.Collectives); `zeros`: a one-param bucket without a grad
+    here, which sends zeros."""
+    world, me, kind = comm.world, comm.rank, comm.kind
+    direct = b.direct and kind != "all_reduce"
+    seg = b.width if direct else b.seg
+    if kind == "all_to_all":
+        if world == 1:
+            return 0, 0
+        from_grad = direct and not zeros and me in (0, world - 1)
+        return (0 if from_grad else (world - 1) * seg), (0 if world == 2 else (world - 1) * seg)
+    if kind == "reduce_scatter" and direct:
+        return (world * b.width if zeros else 0), 0
+    return world * b.seg, 0
 
-    def _reduce_numels(self, b, zeros: bool = False) -> tuple:
-        """(sent, received) elements of b's reduction that a comm slot holds (module
-        docstring); `zeros`: a one-param bucket without a grad here, which sends zeros."""
-        world, me, kind = self.world, self.rank, self._kind
-        direct = b.direct and kind != "all_reduce"
-        seg = b.width if direct else b.seg
-        if kind == "all_to_all":
-            if world == 1:
-                return 0, 0
-            from_grad = direct and not zeros and me in (0, world - 1)
-            return (0 if from_grad else (world - 1) * seg), (0 if world == 2 else (world - 1) * seg)
-        if kind == "reduce_scatter" and direct:
-            return (world * b.width if zeros else 0), 0
-        return world * b.seg, 0
 
-    def _all_to_all(self, out, inp, seg: int) -> list:
-        """Each other rank's `seg` elements of `inp` sent to it, theirs received into `out`."""
-        if self.world == 1:
-            return []
-        splits = [0 if r == self.rank else seg for r in range(self.world)]
-        return [self.dist.all_to_all_single(out, inp, splits, splits, group=self.group, async_op=True)]
+@dataclass(eq=False)
+class Flight:
+    """One bucket's reduction, launched and not averaged yet: its collectives, the kind they
+    are, the grads its hooks saw (the own term is read from them: module docstring), what it
+    sends (a view of a slot borrowed from the comm window, or of p.grad) and where its output
+    lands (b.buf itself, or the slot)."""
+    bucket: object
+    works: list
+    kind: str
+    grads: list
+    red: torch.Tensor = None
+    scratch: torch.Tensor = None
+
+
+class GradReduction:
+    """ZeroSharding's part (zero.py) for the reductions: the ones in flight, in launch order,
+    each one's slot borrowed from the window until it is averaged; the has-grad counts read
+    and the params delivered by GradCounts (zero_counts.py)."""
+
+    def __init__(self, comm, window, counts, reads):
+        self._comm = comm        # Collectives (zero_group.py)
+        self._window = window    # CommWindow (zero_pool.py): the slots a reduction sends from
+        self._counts = counts    # GradCounts (zero_counts.py): a direct bucket's counts, delivery
+        self._reads = reads      # GradReads (zero_edits.py): which grads each reduction read
+        self._flights: list = []  # [Flight] launched, not yet averaged, in launch order
+        self.launches = 0        # stats["reduce_scatters"]
+
+    def in_flight(self) -> list:
+        """The buckets whose reductions are launched and not averaged yet, in launch order."""
+        return [f.bucket for f in self._flights]
 
     def _pack(self, b, grads: list, ranks, dst: torch.Tensor) -> torch.Tensor:
         """`ranks`' segments of the bucket, in that order, into `dst`: each rank's chunks side
@@ -68,7 +91,7 @@ class GradReduce:
             dst[j * b.seg + used:j * b.seg + b.width].zero_()
         for k, g in enumerate(grads):
             flat = None if g is None else g.detach().reshape(-1)
-            starts = [sum(b.numels[k][:r]) for r in range(self.world)]
+            starts = [sum(b.numels[k][:r]) for r in range(self._comm.world)]
             for j, r in enumerate(ranks):
                 dst[j * b.seg + b.width + k].fill_(0 if flat is None else 1)
                 n = b.numels[k][r]
@@ -78,47 +101,48 @@ class GradReduce:
                     region.zero_() if flat is None else region.copy_(flat[starts[r]:starts[r] + n])
         return dst
 
-    def _launch(self, b) -> None:
-        if any(q[0] is b for q in self._pending):
+    def launch(self, b) -> None:
+        """b's reduction issued, from the grads its params hold now (module docstring)."""
+        if any(f.bucket is b for f in self._flights):
             self.poll(wait=True, until=b)  # b.buf is rewritten: the last backward's reduction first
+        comm = self._comm
         grads = [p.grad for p in b.params]
-        if b.direct and self._kind != "all_reduce":
+        if b.direct and comm.kind != "all_reduce":
             return self._launch_direct(b, grads)
-        sent, received = self._reduce_numels(b)
-        slot = self._borrow(b, "reduce", sent + received) if sent + received else None
-        kind = self._kind
+        sent, received = reduce_numels(b, comm)
+        slot = self._window.borrow(b, "reduce", sent + received) if sent + received else None
+        kind = comm.kind
         if kind == "all_to_all":  # a world of 1 sends nothing: no slot
-            others = [r for r in range(self.world) if r != self.rank]
-            b.red = self._pack(b, grads, others, slot[:sent]) if others else None
-            b.scratch = b.buf if self.world == 2 else (slot[sent:] if others else None)
-            works = self._all_to_all(b.scratch, b.red, b.seg)
+            others = [r for r in range(comm.world) if r != comm.rank]
+            red = self._pack(b, grads, others, slot[:sent]) if others else None
+            scratch = b.buf if comm.world == 2 else (slot[sent:] if others else None)
+            works = comm.all_to_all(scratch, red, b.seg)
         else:
-            b.red = self._pack(b, grads, range(self.world), slot)
+            red = self._pack(b, grads, range(comm.world), slot)
         if kind == "reduce_scatter":
-            b.scratch = b.buf
+            scratch = b.buf
             try:
-                # reduce_scatter_single is the newer name (torch 2.13 deprecates _tensor)
-                rs = getattr(self.dist, "reduce_scatter_single", None) or self.dist.reduce_scatter_tensor
-                works = [rs(b.buf, b.red, group=self.group, async_op=True)]
+                works = [comm.reduce_scatter()(b.buf, red, group=comm.group, async_op=True)]
             except (RuntimeError, NotImplementedError) as e:
-                self._no_reduce_scatter(e)
+                comm.fall_back(e)
                 kind = "all_reduce"  # its input is the same: every rank's segment, packed
         if kind == "all_reduce":
-            b.scratch = None
-            works = [self.dist.all_reduce(b.red, group=self.group, async_op=True)]
-        self._launched(b, works, kind, grads)
+            scratch = None
+            works = [comm.dist.all_reduce(red, group=comm.group, async_op=True)]
+        self._launched(Flight(b, works, kind, grads, red, scratch))
 
     def _launch_direct(self, b, grads: list) -> None:
         """A direct bucket: p.grad itself is the input (zeros when this rank has none), read
         while in flight — the end of backward waits for it, so later in-place changes to p.grad
         (GradScaler.unscale_, a clip) never race it; its count goes in a collective of its own."""
-        g, w, me, world = grads[0], b.width, self.rank, self.world
+        comm = self._comm
+        g, w, me, world = grads[0], b.width, comm.rank, comm.world
         flat = None if g is None else g.detach().reshape(-1)
-        sent, received = self._reduce_numels(b, zeros=flat is None)
-        slot = self._borrow(b, "reduce", sent + received) if sent + received else None
-        counts = self._counts_buffer(b)
+        sent, received = reduce_numels(b, comm, zeros=flat is None)
+        slot = self._window.borrow(b, "reduce", sent + received) if sent + received else None
+        counts = self._counts.buffer(b)
         counts[:world].fill_(0 if g is None else 1)
-        if self._kind == "all_to_all":
+        if comm.kind == "all_to_all":
             if flat is None:
                 src = slot[:sent].zero_() if world > 1 else None
             elif sent:  # a middle rank: the other ranks' rows are two ranges of p.grad
@@ -127,61 +151,77 @@ class GradReduce:
                 src[me * w:].copy_(flat[(me + 1) * w:])
             else:
                 src = flat[w:] if me == 0 else flat[:(world - 1) * w]
-            b.red = src
-            b.scratch = b.buf[:w] if world == 2 else (slot[sent:] if world > 2 else None)
-            works = self._all_to_all(b.scratch, src, w)
-            works.append(self.dist.all_to_all_single(counts[world:], counts[:world],
-                                                     group=self.group, async_op=True))
+            red = src
+            scratch = b.buf[:w] if world == 2 else (slot[sent:] if world > 2 else None)
+            works = comm.all_to_all(scratch, src, w)
+            works.append(comm.dist.all_to_all_single(counts[world:], counts[:world],
+                                                     group=comm.group, async_op=True))
         else:
-            rs = getattr(self.dist, "reduce_scatter_single", None) or self.dist.reduce_scatter_tensor
-            b.red = flat if flat is not None else slot[:sent].zero_()
-            b.scratch = b.out
+            rs = comm.reduce_scatter()
+            red = flat if flat is not None else slot[:sent].zero_()
+            scratch = b.out
             try:
-                works = [rs(b.out, b.red, group=self.group, async_op=True)]
+                works = [rs(b.out, red, group=comm.group, async_op=True)]
             except (RuntimeError, NotImplementedError) as e:
-                self._no_reduce_scatter(e)
-                self._reduce_done(b)
-                return self._launch(b)
-            works.append(rs(counts[world:world + 1], counts[:world], group=self.group, async_op=True))
-        self._launched(b, works, self._kind, grads)
+                comm.fall_back(e)
+                self._window.give_back(b, "reduce")
+                return self.launch(b)
+            works.append(rs(counts[world:world + 1], counts[:world], group=comm.group, async_op=True))
+        self._launched(Flight(b, works, comm.kind, grads, red, scratch))
 
-    def _no_reduce_scatter(self, e: Exception) -> None:
-        self._kind = self.stats["collectives"] = "all_reduce"  # the same backend on every rank
-        warnings.warn(f"process_group: the {self.dist.get_backend(self.group)} backend has no "
-                      f"reduce_scatter_tensor ({e}); each bucket is all-reduced instead (every "
-                      f"rank keeps its chunk: twice the traffic)", stacklevel=4)
-
-    def _launched(self, b, works: list, kind: str, grads: list) -> None:
-        for p in b.params:
-            self._reduced[id(p)] = p.grad
+    def _launched(self, flight: Flight) -> None:
+        for p in flight.bucket.params:
             self._reads.note(p)
-        self.stats["reduce_scatters"] += 1
-        self._pending.append((b, works, kind, grads))
+        self.launches += 1
+        self._flights.append(flight)
 
-    def _reduce_done(self, b) -> None:
-        """b's reduction is averaged (or abandoned): its slot back, no reference to p.grad kept
-        (release_grads frees the full grads next)."""
-        self._give_back(b, "reduce")
-        b.red = b.scratch = None
+    def poll(self, wait: bool = False, until=None) -> None:
+        """Completes the launched reductions in launch order (all of them when `wait`; with
+        `until`, up to and including that bucket's)."""
+        while self._flights:
+            f = self._flights[0]
+            b = f.bucket
+            if not wait and not all(w.is_completed() for w in f.works):
+                return
+            if until is not None and not any(q.bucket is until for q in self._flights):
+                return
+            for work in f.works:
+                self._comm.wait(work, "the reduction of a gradient bucket", b.device.type == "cuda")
+            self._flights.pop(0)
+            # a buffer of the bucket's own, written in place: its version moves, so a speculation
+            # that read the previous reduction (accumulation without the flag) is redone
+            self._average(f)  # into b.out
+            self._counts.delivered(b, f.kind, f.grads)  # chunks mapped, hooks run (zero_counts.py)
+            # its counts were copied out: the slot is free, and no reference to p.grad is kept
+            # (release_grads' full grads, replaced by placeholders in delivered, are freed here)
+            self._window.give_back(b, "reduce")
+            del f
+
+    def complete(self, b) -> None:
+        """Every pending reduction up to and including b's waited for and averaged (the comm
+        window frees b's slot so)."""
+        self.poll(wait=True, until=b)
 
     def _own_terms(self, b, grads: list) -> list:
         """This rank's term of b's sum, per param with a chunk here: (offset in out, numel,
         this rank's rows of the grad the hooks saw, or None for zeros)."""
+        me = self._comm.rank
         terms = []
         for k, g in enumerate(grads):
-            n = b.numels[k][self.rank]
+            n = b.numels[k][me]
             if n:
-                start = sum(b.numels[k][:self.rank])
+                start = sum(b.numels[k][:me])
                 src = None if g is None else g.detach().reshape(-1)[start:start + n]
-                terms.append((b.offsets[k][self.rank], n, src))
+                terms.append((b.offsets[k][me], n, src))
         return terms
 
-    def _average(self, b, kind: str, grads: list) -> None:
+    def _average(self, f: Flight) -> None:
         """A completed reduction's sum over the ranks, divided by the world size, into b.out,
         and its has-grad counts into b.buf after it (read by zero_counts.py)."""
-        world = self.world
+        b, kind, grads = f.bucket, f.kind, f.grads
+        world, me = self._comm.world, self._comm.rank
         if kind == "all_reduce":
-            total = b.red[self.rank * b.seg:(self.rank + 1) * b.seg]
+            total = f.red[me * b.seg:(me + 1) * b.seg]
             torch.div(total[:b.width], world, out=b.out)
             b.buf[b.width:].copy_(total[b.width:])
             return
@@ -199,24 +239,24 @@ class GradReduce:
                     if g is not None:
                         b.buf[b.width + k].add_(1)
         else:
-            received = [r for r in range(world) if r != self.rank]
+            received = [r for r in range(world) if r != me]
             for r in range(world):
-                if r == self.rank and r == 0:
+                if r == me and r == 0:
                     b.out.zero_()
                     for a, n, src in own:
                         if src is not None:
                             b.out[a:a + n].copy_(src)
-                elif r == self.rank:
+                elif r == me:
                     for a, n, src in own:
                         b.out[a:a + n].add_(0 if src is None else src)
                 else:
                     j = received.index(r) * seg
-                    term = b.scratch[j:j + b.width]
+                    term = f.scratch[j:j + b.width]
                     b.out.copy_(term) if r == 0 else b.out.add_(term)
             if not direct:
                 counts = b.buf[b.width:]
                 for k, g in enumerate(grads):
                     counts[k].fill_(0 if g is None else 1)
                 for j in range(len(received)):
-                    counts.add_(b.scratch[j * seg + b.width:(j + 1) * seg])
+                    counts.add_(f.scratch[j * seg + b.width:(j + 1) * seg])
         b.out.div_(world)

@@ -46,41 +46,44 @@ RELEASE_ACCUMULATE = (
 
 
 class GradRelease:
-    """ZeroSharding's side (a mixin): the placeholders of released grads (module docstring)."""
+    """ZeroSharding's part (zero.py) for `release_grads` (module docstring): the placeholders
+    of released grads, and the grads given to released buckets since (refused)."""
 
-    def _init_release(self, release_grads: bool) -> None:
-        self.release_grads = bool(release_grads)
+    def __init__(self, buckets: list, reads, release_grads: bool):
+        self.enabled = bool(release_grads)
+        self._buckets = buckets
+        self._reads = reads        # GradReads (zero_edits.py): a placeholder is what the step reads
         self._released: dict = {}  # param id -> (param, placeholder): released since the last step
         self._foreign: list = []   # params of released buckets given a grad after backward
 
-    def _placeholder(self, p) -> torch.Tensor:
+    def placeholder(self, p) -> torch.Tensor:
+        """p's shape over one element: what p.grad reads in its place (module docstring)."""
         return torch.zeros((), dtype=p.dtype, device=p.device).expand(p.shape)
 
-    def _released_grad(self, p) -> torch.Tensor:
-        """release_grads: p.grad (reduced, its chunk about to be mapped) replaced by a
-        placeholder; the full grad is referenced nowhere else any more, so it is freed."""
-        ph = self._placeholder(p)
+    def release(self, p) -> torch.Tensor:
+        """p.grad (reduced, its chunk about to be mapped) replaced by a placeholder; the full
+        grad is referenced nowhere else any more, so it is freed."""
+        ph = self.placeholder(p)
         p.grad = ph
-        self._reduced[id(p)] = ph
         self._reads.note(p)
         self._released[id(p)] = (p, ph)
         return ph
 
-    def _check_rereduce(self) -> None:
+    def check_rereduce(self) -> None:
         """A reducing backward's first grad: with grads released since the last step, refused."""
-        if self.release_grads and self._released:
+        if self.enabled and self._released:
             raise RuntimeError(RELEASE_ACCUMULATE)
 
-    def _hide_released(self) -> None:
+    def hide(self) -> None:
         """End of backward and of step(): the released params read p.grad None."""
         for p, ph in self._released.values():
             if p.grad is ph:
                 p.grad = None
 
-    def _restore_released(self) -> None:
+    def restore(self) -> None:
         """step(): the placeholders back for the step to read; a grad given since is foreign
-        (refused: zero_edits.py), and so is one given to a param without a grad in a bucket
-        whose grads were released (it can no longer be reduced with them)."""
+        (refused: error()), and so is one given to a param without a grad in a bucket whose
+        grads were released (it can no longer be reduced with them)."""
         self._foreign = []
         if not self._released:
             return
@@ -89,15 +92,21 @@ class GradRelease:
                 p.grad = ph
             elif p.grad is not ph:
                 self._foreign.append(p)
-        for b in self.buckets:
+        for b in self._buckets:
             if any(id(p) in self._released for p in b.params):
                 self._foreign += [p for p in b.params if id(p) not in self._released
-                                  and p.grad is not None and self._reduced.get(id(p)) is not p.grad]
+                                  and p.grad is not None and not self._reads.saw(p)]
 
-    def _has_released(self, b) -> bool:
+    def has_released(self, b) -> bool:
         return any(id(p) in self._released for p in b.params)
 
-    def released_error(self):
+    def end_step(self) -> None:
+        """After step() (taken, skipped or failed): hidden again, and nothing released."""
+        self.hide()
+        self._released.clear()
+        self._foreign = []
+
+    def error(self):
         """The refusal of a grad given to a released bucket after backward (above), or None."""
         if not self._foreign:
             return None
@@ -115,7 +124,7 @@ class GradRelease:
         per-device found_inf (the decision fills it in: distributed.globalize_scaler_found_inf).
         Returns a refusal (unattached scaler) or None."""
         found = getattr(opt, "found_inf", None)
-        if not self.release_grads or found is None or not self.buckets:
+        if not self.enabled or found is None or not self._buckets:
             return None
         scaler = getattr(opt, "_grad_scaler", None)
         if scaler is None:
@@ -124,7 +133,7 @@ class GradRelease:
                 "opt.attach_grad_scaler(scaler) (its inf check sees no p.grad in this mode, so "
                 "the optimizer checks the reduced chunks and hands the scaler the result). "
                 "Nothing was stepped, on any rank")
-        flags = [torch.isfinite(b.out).all() for b in self.buckets]
+        flags = [torch.isfinite(b.out).all() for b in self._buckets]
         device = found.device if isinstance(found, torch.Tensor) else flags[0].device
         mine = torch.stack(flags).logical_not().any().to(device=device, dtype=torch.float32)
         opt.found_inf = mine + found

@@ -417,30 +417,30 @@ def test_process_group_waits_on_cuda_are_the_streams_not_the_hosts():
     (NCCL's wait with a timeout blocks the host until the collective is done); elsewhere with
     the WAIT_S bound. (The wait itself on NCCL needs a GPU: not run here.)"""
     import datetime
-    from hybrid_opt.zero import WAIT_S, ZeroSharding
+    from hybrid_opt.zero import WAIT_S, wait_collective
     calls = []
 
     class Work:
         def wait(self, **kw):
             calls.append(kw)
             return True
-    ZeroSharding._wait(None, Work(), "a reduction", True)
-    ZeroSharding._wait(None, Work(), "a reduction")
+    wait_collective(Work(), "a reduction", True)
+    wait_collective(Work(), "a reduction")
     assert calls == [{}, {"timeout": datetime.timedelta(seconds=WAIT_S)}]
 
 
 def test_process_group_failed_wait_names_its_bound():
     """A failed wait's message names the bound that applied: WAIT_S on gloo; on CUDA (no
     timeout passed: the stream waits) the process group's timeout, never WAIT_S."""
-    from hybrid_opt.zero import WAIT_S, ZeroSharding
+    from hybrid_opt.zero import WAIT_S, wait_collective
 
     class Failed:
         def wait(self, **kw):
             raise RuntimeError("NCCL communicator was aborted")
     with pytest.raises(RuntimeError, match=r"within the process group's timeout or failed"):
-        ZeroSharding._wait(None, Failed(), "a reduction", True)
+        wait_collective(Failed(), "a reduction", True)
     with pytest.raises(RuntimeError, match=rf"within {WAIT_S:.0f} s or failed"):
-        ZeroSharding._wait(None, Failed(), "a reduction")
+        wait_collective(Failed(), "a reduction")
 
 
 @pytest.mark.gpu

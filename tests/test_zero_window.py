@@ -45,18 +45,17 @@ def test_comm_bytes_are_the_storages_held_and_a_window_not_the_model(world_of_on
                     for t in z.comm_tensors() if t is not None}
             assert got == sum(held.values())
             chunks = sum(b.buf.untyped_storage().nbytes() for b in z.buckets)  # a world of 1: all of it
-            window = got - chunks - sum(b.counts.untyped_storage().nbytes() for b in z.buckets
-                                        if b.counts is not None)
+            window = got - chunks - sum(t.untyped_storage().nbytes() for t in z.counts.tensors())
             # a world of 1 sends nothing (its own segment never leaves: zero_reduce.py), so a
             # slot is a bucket's gather staging (a layer's two params)
-            largest = max(z._slot_numel(b) for b in z.buckets) * 4
+            largest = max(z.window.slot_numel(b) for b in z.buckets) * 4
             assert largest == (WIDTH * WIDTH + WIDTH) * 4
             assert window == zero_pool.WINDOW * largest
             assert window < fp32 / 2, (window, fp32)
             # no bucket keeps a slot once its reduction is done; overlapped gathers keep at
             # most the window's, landing the oldest to free one
-            assert all(b.red is None and b.scratch is None for b in z.buckets)
-            staged = sum(b.staging is not None for b in z.buckets)
+            assert not z.reduction.in_flight() and not z.window.holders("reduce")
+            staged = len(z.window.holders("gather"))
             assert staged <= zero_pool.WINDOW and (staged > 0) == overlap
 
 

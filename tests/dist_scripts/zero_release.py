@@ -59,7 +59,7 @@ def run(name: str, rank: int, world: int, tmp: str) -> dict:
         if case == "overflow":
             scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8)
             opt.attach_grad_scaler(scaler)
-        out["slots"] = list(opt._zero._pool.counts.values())
+        out["slots"] = list(opt._zero.window.slot_counts().values())
         for i, x in enumerate(C.batches()):
             opt.zero_grad(set_to_none=case != "zero_grad_keep")
             local = C.local_batch(x, rank, world)

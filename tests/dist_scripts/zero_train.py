@@ -91,9 +91,9 @@ def run(name: str, rank: int, world: int, tmp: str) -> dict:
                    sg_params=[sorted({sl.param_index for sl in sg.slices}) for sg in opt.parts.layout.subgroups],
                    count_reads_after_backward=[], count_reads_after_step=[], grad_none_after_backward=[])
         if name == "adamw_commit_order":  # logs each host commit and each bucket's gather launch
-            committed, launch = opt._committed, opt._zero._gather_bucket
+            committed, launch = opt._committed, opt._zero.gathers.launch
             opt._committed = lambda i: (out["events"][-1].append(("commit", i)), committed(i))
-            opt._zero._gather_bucket = lambda b, d: (out["events"][-1].append(("gather", b.index)), launch(b, d))
+            opt._zero.gathers.set_launcher(lambda b, d: (out["events"][-1].append(("gather", b.index)), launch(b, d)))
         for i, x in enumerate(C.batches()):
             opt.zero_grad()
             local = C.local_batch(x, rank, world).to(DEVICE)
@@ -121,7 +121,7 @@ def run(name: str, rank: int, world: int, tmp: str) -> dict:
                 out["scales"].append(float(scaler.get_scale()))
             else:
                 opt.step()
-            out["pending_after_step"].append(len(opt._zero._gathers))
+            out["pending_after_step"].append(len(opt._zero.gathers.pending()))
             out["count_reads_after_step"].append(opt._zero.stats["count_reads"])
             out["buffer_bytes"].append(opt._zero.stats["buffer_bytes"])
             if name == "adamw_load" and i == 2:  # written after step(), before the gathers land
