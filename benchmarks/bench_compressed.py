@@ -114,7 +114,7 @@ def _bytes_info(opt, numel: int) -> dict:
         if t.get("elements"):
             info[f"{name}_state_B"] = t["state_bytes"] / t["elements"]
             info[f"{name}_elements"] = t["elements"]
-    host = opt._host
+    host = opt.parts.placement.host
     if host is not None:
         resident = sum(n for n, on_nvme in zip(host.numels, host.nvme) if not on_nvme)
         offloaded = sum(host.numels)

@@ -64,11 +64,11 @@ def run(offload: float, runs: int, **kw) -> dict:
         t0 = time.perf_counter()
         opt = HybridAdamW(model.parameters(), offload_fraction=offload, **kw)
         times.append(time.perf_counter() - t0)
-        if opt._host is not None:
+        if opt.parts.placement.host is not None:
             t1 = time.perf_counter()
-            opt._host.arena.wait_populated(timeout_s=600)
+            opt.parts.placement.host.arena.wait_populated(timeout_s=600)
             background.append(time.perf_counter() - t1)
-            arena_gb = opt._host.arena.nbytes / 1e9
+            arena_gb = opt.parts.placement.host.arena.nbytes / 1e9
         opt.close()
         del opt, model
         gc.collect()

@@ -143,7 +143,7 @@ def rank_main(args) -> None:
                    params=sum(p.numel() for p in build_model(args.params).parameters()) if rank == 0 else None,
                    iter_ms=run["iter_ms"], step_ms=run["step_ms"],
                    host_state_bytes=tiers[HOST]["state_bytes"] + tiers[NVME]["state_bytes"],
-                   host_arena_bytes=opt._host.arena.nbytes if opt._host is not None else 0,
+                   host_arena_bytes=opt.parts.placement.host.arena.nbytes if opt.parts.placement.host is not None else 0,
                    comm_buffer_bytes=opt._zero.stats["buffer_bytes"] if opt._zero is not None else 0,
                    **spec, commit_rate=spec["committed"] / host_steps if host_steps else None,
                    hidden_share=run["hidden_s"] / run["worker_s"] if run["worker_s"] else None)

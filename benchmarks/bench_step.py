@@ -149,15 +149,15 @@ def _hybrid_samples(runner, args, device, n_params, warmup=3, **kw) -> tuple[dic
         samples = runner.samples(model, opt, warmup, record)
         samples.update(worker=worker, hidden=hidden)
         spec = opt.stats.get("speculation") or {}
-        host_bytes = opt._host.arena.nbytes if opt._host is not None else 0
+        host_bytes = opt.parts.placement.host.arena.nbytes if opt.parts.placement.host is not None else 0
         if device.type != "cuda":
-            host_bytes += opt._device.nbytes()
+            host_bytes += opt.parts.placement.device.nbytes()
         info = {"committed": spec.get("committed", 0), "redone": spec.get("redone", 0),
                 "host_bytes_per_param": host_bytes / n_params, "peak_device_mb": _peak_device_mb(device),
-                "plan": repr(opt.plan), "fractions": list(opt._fractions),
+                "plan": repr(opt.plan), "fractions": list(opt.parts.placement.fractions),
                 "spare_banks": opt.plan.spare_banks, "speculative": opt.speculative}
-        if opt._auto is not None:
-            info["refit_moves"] = opt._auto.moves
+        if opt.parts.placement.auto is not None:
+            info["refit_moves"] = opt.parts.placement.auto.moves
     del model
     return samples, info
 
@@ -405,7 +405,7 @@ def _paired(runner, args, device, configs, n) -> dict:
             else:
                 kw = {k: v for k, v in hybrid.items() if k != "warmup"}
                 opt = HybridAdamW(model.parameters(), lr=1e-4, subgroup_numel=args.subgroup_numel, **kw)
-                if opt._host is not None:  # "auto" chose a worker here: not an in-process row
+                if opt.parts.placement.host is not None:  # "auto" chose a worker here: not an in-process row
                     opt.close()
                     continue
             live.append((label, model, opt))

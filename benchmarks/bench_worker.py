@@ -102,9 +102,9 @@ def memory_child(what: str, n: int) -> dict:
         for _ in range(2):
             opt.step()
         gc.collect()
-        opt._host.arena.wait_populated()  # the spare banks are populated in the background
+        opt.parts.placement.host.arena.wait_populated()  # the spare banks are populated in the background
         total = pss_bytes(os.getpid()) - base + pss_bytes(opt.worker_pid)
-        spare = opt._host.spare_bytes
+        spare = opt.parts.placement.host.spare_bytes
         opt.close()
     return {"impl": f"memory_{what}", "numel": n, "bytes_per_param": total / n,
             "state_bytes_per_param": 12, "spare_bytes_per_param": spare / n}

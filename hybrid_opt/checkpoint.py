@@ -61,9 +61,9 @@ class CheckpointMixin:
         """A subgroup's fp32 master and moments, wherever it lives: views on the device and
         host tiers, copies read from its file on nvme; a master kept as remainders is decoded
         (a new tensor: written back with the tier's set_master / load_state)."""
-        if self.plan.tiers[sg.index] == DEVICE:
-            return self._device.state_of(sg.index)
-        st = self._host.state(self._host_local[sg.index])
+        if self._placement.plan.tiers[sg.index] == DEVICE:
+            return self._placement.device.state_of(sg.index)
+        st = self._placement.host.state(self._placement.host_local[sg.index])
         st["master"] = st.pop("param")
         return st
 
@@ -99,15 +99,15 @@ class CheckpointMixin:
             if p.dtype != torch.float32:
                 keys.append("master")
             parts = pieces.get(idx, [])
-            on_device = all(self.plan.tiers[sg.index] == DEVICE for sg, _ in parts)
+            on_device = all(self._placement.plan.tiers[sg.index] == DEVICE for sg, _ in parts)
             if on_device and len(parts) == 1:
                 sg, sl = parts[0]
                 if sg.index not in sub_state:
-                    sub_state[sg.index] = self._subgroup_state(sg)
+                    sub_state[sg.index] = self._placement.state_of(sg)
                 st = sub_state[sg.index]
                 a, b = sl.sub_offset, sl.sub_offset + sl.numel
                 flat = {k: st[k][a:b] for k in keys}
-                if "master" in flat and self._device.has_remainders(sg.index):
+                if "master" in flat and self._placement.device.has_remainders(sg.index):
                     # decoded once per subgroup, then each param's own elements: a view of the
                     # decoded subgroup would make torch.save write all of it once per param
                     flat["master"] = flat["master"].clone()
@@ -119,7 +119,7 @@ class CheckpointMixin:
                 flat = {k: torch.empty(p.numel(), dtype=self._state_dtype(k), device=where) for k in keys}
                 for sg, sl in parts:
                     if sg.index not in sub_state:
-                        sub_state[sg.index] = self._subgroup_state(sg)
+                        sub_state[sg.index] = self._placement.state_of(sg)
                     a, b = sl.sub_offset, sl.sub_offset + sl.numel
                     for k in keys:
                         flat[k][sl.param_offset:sl.param_offset + sl.numel].copy_(sub_state[sg.index][k][a:b])
@@ -167,7 +167,7 @@ class CheckpointMixin:
             # the tiers out again with it (the state is loaded into them right below)
             self._layout.set_amsgrad(True)
             try:
-                self._rebuild_tiers()
+                self._placement.rebuild()
             except BaseException:
                 self._layout.set_amsgrad(False)  # the tiers are as they were (moves.py): so is the layout
                 raise
@@ -208,7 +208,7 @@ class CheckpointMixin:
 
         with torch.no_grad():
             for sg in self._layout.subgroups:
-                st = self._subgroup_state(sg)
+                st = self._placement.state_of(sg)
                 for sl in sg.slices:
                     a, b = sl.sub_offset, sl.sub_offset + sl.numel
                     for k, view in st.items():
@@ -221,12 +221,7 @@ class CheckpointMixin:
                     if last_sg[sl.param_index] == sg.index:
                         for k in st:
                             sources.pop((sl.param_index, k), None)
-                if self.plan.tiers[sg.index] == DEVICE:
-                    self._device.set_master(sg.index, st["master"])  # remainders: encoded back
-                else:
-                    local = self._host_local[sg.index]
-                    self._host.load_state(local, st["master"], st["exp_avg"], st["exp_avg_sq"],
-                                          st.get("max_exp_avg_sq"))
+                self._placement.load(sg, st)  # remainders: encoded back
         # each param's step count from the checkpoint, torch's state mirror made again, and
         # this rank back in step (rank_faults.py)
         self._ledger.loaded(self.state, {idx: int(float(st["step"])) for idx, st in saved_state.items()

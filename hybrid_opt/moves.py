@@ -17,181 +17,143 @@ were (the error is raised after that):
    blocks they just freed) and closes the new host tier;
 4. the switch: plan, host tier, hooks — nothing that allocates; then the old host tier closes.
 
-A mixin of the optimizer class (PlacementMixin builds on it).
+Functions of the Placement part (placement.py), which does step 4 itself.
 """
 from __future__ import annotations
 
-import time
 import traceback
-import warnings
 
 import torch
 
-from hybrid_opt.footprint import device_tier_bytes, plan_bytes
+from hybrid_opt.footprint import plan_bytes
 from hybrid_opt.plan import DEVICE
 from hybrid_opt.tiers.device import DeviceTier
 
 GB = 1e9
 
 
-class MoveMixin:
-    """Moves the committed state between tiers; needs PlacementMixin's `_fraction_plan` and
-    `_make_host_tier`, and CheckpointMixin's `_subgroup_state`."""
+# ------------------------------------------------------------------ room
+def _state_bytes_per_element(pl) -> int:
+    """A subgroup's state as a move copies it out: fp32 master (decoded) and moments."""
+    return 4 + pl.state_format.moment_bytes(pl.layout.amsgrad)
 
-    # ------------------------------------------------------------------ room
-    def _state_bytes_per_element(self) -> int:
-        """A subgroup's state as a move copies it out: fp32 master (decoded) and moments."""
-        return 4 + self.state_format.moment_bytes(self._layout.amsgrad)
 
-    def _device_tier_bytes(self, sgs) -> int:
-        return device_tier_bytes(sgs, self.state_format, self._layout.amsgrad)
+def _leaving_arriving(pl, plan) -> tuple:
+    sgs, before = pl.layout.subgroups, pl.plan.tiers
+    leaving = [s for s in sgs if before[s.index] == DEVICE and plan.tiers[s.index] != DEVICE]
+    arriving = [s for s in sgs if before[s.index] != DEVICE and plan.tiers[s.index] == DEVICE]
+    return leaving, arriving
 
-    def _move_memory(self, plan) -> dict:
-        """Bytes a move to `plan` needs and has, on the device and on the host (module
-        docstring, step 1). On a CPU-only host the device tier is host memory: it counts there."""
-        from hybrid_opt import scheduler
-        sgs, before = self._layout.subgroups, self.plan.tiers
-        leaving = [s for s in sgs if before[s.index] == DEVICE and plan.tiers[s.index] != DEVICE]
-        arriving = [s for s in sgs if before[s.index] != DEVICE and plan.tiers[s.index] == DEVICE]
-        # the new host tier's arena, exactly (footprint.py; the device tier is counted below)
-        new_host = plan_bytes(sgs, plan, self.state_format, self._layout.amsgrad, self.rollback,
-                              self.io_banks, cuda=True)["host"]
-        copies = sum(s.numel for s in leaving) * self._state_bytes_per_element()
-        out = {"leaving": self._device_tier_bytes(leaving), "arriving": self._device_tier_bytes(arriving),
-               "host_need": float(new_host + copies), "host_free": scheduler._free_host_bytes()}
-        if self._layout.cuda():
-            m = scheduler.cuda_memory(self._layout.subgroups[0].device)
-            out["device_free"] = scheduler.available_device_bytes(m["free"], m["reserved"], m["allocated"])
-        else:
-            out["host_need"] += out["arriving"]
-            out["device_free"] = None
-        return out
 
-    def _room_shortfall(self, plan) -> str | None:
-        """None when a move to `plan` fits (module docstring, step 1), else what does not."""
-        from hybrid_opt.scheduler import HEADROOM
-        m = self._move_memory(plan)
-        if m["device_free"] is not None and m["arriving"] > m["device_free"] + m["leaving"]:
-            return (f"the subgroups moving to the device need {m['arriving'] / GB:.2f} GB of device "
-                    f"memory and {m['device_free'] / GB:.2f} GB is free (torch's cached blocks "
-                    f"included) plus {m['leaving'] / GB:.2f} GB the subgroups leaving it free")
-        if m["host_need"] > (1 - HEADROOM) * m["host_free"]:
-            return (f"laying the tiers out again needs {m['host_need'] / GB:.2f} GB of host memory (the "
-                    f"state leaving the device copied out, the new host tier beside the old one) "
-                    f"and {m['host_free'] / GB:.2f} GB is free (less 10 %)")
-        return None
+def move_memory(pl, plan) -> dict:
+    """Bytes a move of Placement `pl` to `plan` needs and has, on the device and on the host
+    (module docstring, step 1). On a CPU-only host the device tier is host memory: it counts there."""
+    from hybrid_opt import scheduler
+    leaving, arriving = _leaving_arriving(pl, plan)
+    # the new host tier's arena, exactly (footprint.py; the device tier is counted below)
+    new_host = plan_bytes(pl.layout.subgroups, plan, pl.state_format, pl.layout.amsgrad, pl.config.rollback,
+                          pl.config.io_banks, cuda=True)["host"]
+    copies = sum(s.numel for s in leaving) * _state_bytes_per_element(pl)
+    out = {"leaving": pl.device_bytes(leaving), "arriving": pl.device_bytes(arriving),
+           "host_need": float(new_host + copies), "host_free": scheduler._free_host_bytes()}
+    if pl.layout.cuda():
+        m = scheduler.cuda_memory(pl.layout.subgroups[0].device)
+        out["device_free"] = scheduler.available_device_bytes(m["free"], m["reserved"], m["allocated"])
+    else:
+        out["host_need"] += out["arriving"]
+        out["device_free"] = None
+    return out
 
-    def _room_to_move(self, decision) -> bool:
-        """Whether a move to `decision`'s placement fits in the memory free now."""
-        return self._room_shortfall(self._fraction_plan(decision)) is None
 
-    # ------------------------------------------------------------------ the move
-    def _move(self, decision) -> None:
-        """Moves subgroups between tiers to `decision`'s plan, bitwise (every tier steps with
-        the same arithmetic). Raises MemoryError when it does not fit, or the error of a new
-        tier that cannot be built; either way the old plan stays, state and all."""
-        t0 = time.perf_counter()
-        self._drop_speculation()
-        plan = self._fraction_plan(decision)
-        short = self._room_shortfall(plan)
-        if short is not None:
-            raise MemoryError(f"moving to offload_fraction={decision.offload_fraction:g}, "
-                              f"nvme_fraction={decision.nvme_fraction:g}: {short}; the placement "
-                              f"stays as it is")
-        self._relayout(plan)
-        if self._auto is not None:
-            self._auto.move_cost_s = time.perf_counter() - t0
-            self._auto.moves += 1
+def room_shortfall(m: dict) -> str | None:
+    """None when a move with move_memory() `m` fits (module docstring, step 1), else what does not."""
+    from hybrid_opt.scheduler import HEADROOM
+    if m["device_free"] is not None and m["arriving"] > m["device_free"] + m["leaving"]:
+        return (f"the subgroups moving to the device need {m['arriving'] / GB:.2f} GB of device "
+                f"memory and {m['device_free'] / GB:.2f} GB is free (torch's cached blocks "
+                f"included) plus {m['leaving'] / GB:.2f} GB the subgroups leaving it free")
+    if m["host_need"] > (1 - HEADROOM) * m["host_free"]:
+        return (f"laying the tiers out again needs {m['host_need'] / GB:.2f} GB of host memory (the "
+                f"state leaving the device copied out, the new host tier beside the old one) "
+                f"and {m['host_free'] / GB:.2f} GB is free (less 10 %)")
+    return None
 
-    def _relayout(self, plan) -> None:
-        """Lays the tiers out as `plan` with the committed state now (module docstring: steps
-        2-4). Also lays out state the layout now needs and the old tiers lack (amsgrad's
-        running max after load_state_dict turned it on): zeros."""
-        sgs, before = self._layout.subgroups, self.plan.tiers
-        leaving = [s for s in sgs if before[s.index] == DEVICE and plan.tiers[s.index] != DEVICE]
-        arriving = [s for s in sgs if before[s.index] != DEVICE and plan.tiers[s.index] == DEVICE]
-        # 1. the leaving state copied out to host memory (a device tier's tensors are views
-        # the tier owns; a copy on the device would need the room the move is making)
-        saved = {s.index: {k: v.detach().to("cpu", copy=True) for k, v in self._subgroup_state(s).items()}
-                 for s in leaving}
-        # 2. the new host tier beside the old one
-        host = [s for s in sgs if plan.tiers[s.index] != DEVICE]
-        local = {s.index: k for k, s in enumerate(host)}
-        new_host = self._make_host_tier(host, plan) if host else None
-        try:
-            for s in host:
-                st = saved[s.index] if s.index in saved else self._subgroup_state(s)
-                new_host.load_state(local[s.index], st["master"], st["exp_avg"], st["exp_avg_sq"],
-                                    st.get("max_exp_avg_sq"))
-        except BaseException:
+
+# ------------------------------------------------------------------ the move
+def build_tiers(pl, plan) -> tuple:
+    """Steps 1-3 of a move of Placement `pl` to `plan` (module docstring), with the committed
+    state now; also lays out state the layout now needs and the old tiers lack (amsgrad's
+    running max after load_state_dict turned it on): zeros. Returns (new host tier or None,
+    {subgroup index: its index there}, the device tier of the arriving subgroups, the leaving
+    subgroups) for the switch; a failure leaves the old tiers as they were."""
+    leaving, arriving = _leaving_arriving(pl, plan)
+    # 1. the leaving state copied out to host memory (a device tier's tensors are views
+    # the tier owns; a copy on the device would need the room the move is making)
+    saved = {s.index: {k: v.detach().to("cpu", copy=True) for k, v in pl.state_of(s).items()}
+             for s in leaving}
+    # 2. the new host tier beside the old one
+    host = [s for s in pl.layout.subgroups if plan.tiers[s.index] != DEVICE]
+    local = {s.index: k for k, s in enumerate(host)}
+    new_host = pl.make_host_tier(host, plan) if host else None
+    try:
+        for s in host:
+            st = saved[s.index] if s.index in saved else pl.state_of(s)
+            new_host.load_state(local[s.index], st["master"], st["exp_avg"], st["exp_avg_sq"],
+                                st.get("max_exp_avg_sq"))
+    except BaseException:
+        new_host.close()
+        raise
+    # 3. the device tier: staying subgroups kept, arriving ones allocated
+    try:
+        extra = _device_arrivals(pl, arriving, leaving, saved)
+    except BaseException as e:
+        # the frames of the failed allocation hold what it allocated: let it go first
+        traceback.clear_frames(e.__traceback__)
+        if new_host is not None:
             new_host.close()
-            raise
-        # 3. the device tier: staying subgroups kept, arriving ones allocated
-        try:
-            extra = self._device_arrivals(arriving, leaving, saved)
-        except BaseException as e:
-            # the frames of the failed allocation hold what it allocated: let it go first
-            traceback.clear_frames(e.__traceback__)
-            if new_host is not None:
-                new_host.close()
-            raise
-        # 4. the switch: nothing below allocates device or host memory
-        dev = self._device
-        for s in leaving:
-            dev.drop(s.index)
-        dev.absorb(extra)
-        old_host, self._host = self._host, new_host
-        self.plan, self._host_local = plan, local
-        self._refresh_fractions()
-        self._step_stats.new_host_tier()  # per-subgroup worker times of the old tier
-        self._install_hooks(host)
-        self._record_versions()  # what the new tiers wrote into the params (storage.py)
-        if old_host is not None:
-            try:
-                old_host.close()
-            except Exception as e:  # the new tiers hold every subgroup: nothing is lost
-                warnings.warn(f"closing the host tier of the previous placement failed: "
-                              f"{type(e).__name__}: {e}", stacklevel=3)
+        raise
+    return new_host, local, extra, leaving
 
-    def _device_arrivals(self, arriving: list, leaving: list, saved: dict) -> DeviceTier:
-        """The device tier of the arriving subgroups, filled from the old host tier (and the
-        running max added where the layout now needs one). The leaving subgroups are let go
-        first only when the arriving would not fit beside them; if the allocation fails after
-        that, they are put back from `saved` before the error is raised."""
-        from hybrid_opt import scheduler
-        dev = self._device
-        gone = {s.index for s in leaving}
-        released = []
-        if self._layout.cuda() and arriving and leaving:
-            m = scheduler.cuda_memory(arriving[0].device)
-            if self._device_tier_bytes(arriving) > scheduler.available_device_bytes(
-                    m["free"], m["reserved"], m["allocated"]):
-                for s in leaving:
-                    dev.drop(s.index, keep_subgroup=True)
-                    released.append(s)
-        extra = None
-        try:
-            extra = DeviceTier(arriving, self._layout.amsgrad, self.state_format)
-            for s in arriving:
-                st = self._subgroup_state(s)  # the old plan's host tier
-                # fp32 master decoded there, encoded here: a remainder moves bitwise
-                extra.set_master(s.index, st["master"])
-                for k, t in extra.state[s.index].items():
-                    if k in st:
-                        t.copy_(st[k])
-            if self._layout.amsgrad:
-                for i, st in dev.state.items():
-                    if i not in gone and "max_exp_avg_sq" not in st:
-                        extra.state[i] = dict(st, max_exp_avg_sq=torch.zeros_like(st["exp_avg_sq"]))
-            return extra
-        except BaseException as e:
-            extra = None  # noqa: F841 - what it allocated goes before the leaving state comes back
-            if released:
-                traceback.clear_frames(e.__traceback__)
-                back = DeviceTier(released, self._layout.amsgrad, self.state_format)
-                for s in released:
-                    back.set_master(s.index, saved[s.index]["master"])
-                    for k, t in back.state[s.index].items():
-                        t.copy_(saved[s.index][k])
-                dev.absorb(back)
-            raise
+
+def _device_arrivals(pl, arriving: list, leaving: list, saved: dict) -> DeviceTier:
+    """The device tier of the arriving subgroups, filled from the old host tier (and the
+    running max added where the layout now needs one). The leaving subgroups are let go
+    first only when the arriving would not fit beside them; if the allocation fails after
+    that, they are put back from `saved` before the error is raised."""
+    from hybrid_opt import scheduler
+    dev, amsgrad, fmt = pl.device, pl.layout.amsgrad, pl.state_format
+    gone = {s.index for s in leaving}
+    released = []
+    if pl.layout.cuda() and arriving and leaving:
+        m = scheduler.cuda_memory(arriving[0].device)
+        if pl.device_bytes(arriving) > scheduler.available_device_bytes(
+                m["free"], m["reserved"], m["allocated"]):
+            for s in leaving:
+                dev.drop(s.index, keep_subgroup=True)
+                released.append(s)
+    extra = None
+    try:
+        extra = DeviceTier(arriving, amsgrad, fmt)
+        for s in arriving:
+            st = pl.state_of(s)  # the old plan's host tier
+            # fp32 master decoded there, encoded here: a remainder moves bitwise
+            extra.set_master(s.index, st["master"])
+            for k, t in extra.state[s.index].items():
+                if k in st:
+                    t.copy_(st[k])
+        if amsgrad:
+            for i, st in dev.state.items():
+                if i not in gone and "max_exp_avg_sq" not in st:
+                    extra.state[i] = dict(st, max_exp_avg_sq=torch.zeros_like(st["exp_avg_sq"]))
+        return extra
+    except BaseException as e:
+        extra = None  # noqa: F841 - what it allocated goes before the leaving state comes back
+        if released:
+            traceback.clear_frames(e.__traceback__)
+            back = DeviceTier(released, amsgrad, fmt)
+            for s in released:
+                back.set_master(s.index, saved[s.index]["master"])
+                for k, t in back.state[s.index].items():
+                    t.copy_(saved[s.index][k])
+            dev.absorb(back)
+        raise

@@ -26,7 +26,7 @@ from hybrid_opt import node
 from hybrid_opt import rank_faults as RF
 from hybrid_opt.checkpoint import CheckpointMixin
 from hybrid_opt.cost_model import DEFAULT_SUBGROUP_NUMEL
-from hybrid_opt.placement import PlacementMixin
+from hybrid_opt.placement import Placement, PlacementConfig, TierEvents, restated
 from hybrid_opt.plan import DEVICE
 from hybrid_opt.speculation import GradGatherer, SpeculationMixin
 from hybrid_opt.step_failures import StepFailureMixin
@@ -43,6 +43,7 @@ class Parts(NamedTuple):
     layout: L.Layout
     ledger: StepLedger
     stats: StepStats
+    placement: Placement
 
 
 def _float_hyper(value, name: str) -> float:
@@ -53,7 +54,7 @@ def _float_hyper(value, name: str) -> float:
     return float(value)
 
 
-class _HybridBase(ZeroParamsMixin, SpeculationMixin, PlacementMixin, CheckpointMixin,
+class _HybridBase(ZeroParamsMixin, SpeculationMixin, CheckpointMixin,
                   StorageMixin, StepFailureMixin, torch.optim.Optimizer):
     """The torch.optim facade: arguments, param groups, the step and the lifecycle. Layout,
     speculation, checkpoints and stats are mixins, each in a module of its own."""
@@ -85,7 +86,6 @@ class _HybridBase(ZeroParamsMixin, SpeculationMixin, PlacementMixin, CheckpointM
                         decoupled_weight_decay=self._decoupled)
         self._closed = True  # until the tiers exist
         self._built = False
-        self._host = None
         super().__init__(params, defaults)
         self.max_grad_norm = max_grad_norm
         self.offload_fraction, self.nvme_fraction, self.nvme_path = offload_fraction, nvme_fraction, nvme_path
@@ -94,7 +94,6 @@ class _HybridBase(ZeroParamsMixin, SpeculationMixin, PlacementMixin, CheckpointM
         self.device_memory_budget, self.host_memory_budget = device_memory_budget, host_memory_budget
         self.worker_share, self.spare_banks, self.io_banks = worker_share, spare_banks, io_banks
         self.refit_every, self._calibration = refit_every, calibration
-        self._auto = None           # the scheduler, when a fraction is "auto"
         self._grad_scaler = None
         self._accumulation_boundary = True
         self._speculation_error = None
@@ -116,7 +115,69 @@ class _HybridBase(ZeroParamsMixin, SpeculationMixin, PlacementMixin, CheckpointM
                                 any(g["amsgrad"] for g in self.param_groups))
         self._ledger = StepLedger(self._layout)
         self._step_stats = StepStats(self._layout, self.state_format)
+        config = PlacementConfig(offload_fraction, nvme_fraction, nvme_path, speculative, rollback,
+                                 device_memory_budget, host_memory_budget, worker_share, spare_banks,
+                                 io_banks, refit_every, calibration)
+        events = TierEvents(self._drop_speculation, self.wait_params, self._install_hooks, self._tiers_wrote)
+        self._placement = Placement(self._layout, config, self.state_format, events)
         self._build()
+
+    def _build(self) -> None:
+        devices = {p.device for p in self._layout.params()}
+        if len(devices) > 1:
+            raise ValueError(f"all parameters must be on one device, got {sorted(map(str, devices))}")
+        for gi in range(len(self.param_groups)):
+            first = len(self._layout.steps)
+            self._layout.add_group(gi)
+            self._remember_storage(first, self.param_groups[gi]["params"])  # step() checks the params keep it
+        self._placement.build()
+        self._install_hooks(self._placement.host_subgroups())
+        self._record_versions()  # with remainders the host tier writes the params' high halves
+        self._built = True
+        self._closed = False
+
+    def _tiers_wrote(self) -> None:
+        """A move laid the tiers out again: what they wrote into the params is not the user's
+        (storage.py), and the new host tier's worker times start again."""
+        self._step_stats.new_host_tier()
+        self._record_versions()
+
+    def _extend(self, gi: int) -> None:
+        """add_param_group after construction: the new group laid out and placed (Placement.
+        extend). A failure there (the new group's device state cannot be allocated, ...) takes
+        the group out again: param_groups, the layout, the tiers and the scheduler as before
+        the call, the error raised saying so."""
+        before = self._placement.extension_point()
+        try:
+            sgs = self._layout.add_group(gi)
+            self._remember_storage(before.params, self.param_groups[gi]["params"])
+            self._placement.extend(sgs)
+        except BaseException as e:
+            if self._placement.plan is not before.plan:
+                raise  # interrupted after the move switched over: the group is laid out
+            self._placement.unextend(before)
+            self._layout.drop_group(gi, before.params, before.subgroups)
+            del self.param_groups[gi]
+            self._forget_storage(before.params)
+            self._install_hooks(self._placement.host_subgroups())
+            if not isinstance(e, Exception):
+                raise
+            raise restated(e, f"add_param_group: laying out the new group failed, so it was not "
+                              f"added (param_groups, the optimizer's state and its tiers are as "
+                              f"before the call, and training goes on): {type(e).__name__}: {e}. "
+                              f"Fix the cause and add the group again") from e
+
+    @lifetime.acts_on_owner
+    def replan(self, offload_fraction: float, nvme_fraction: float = 0.0) -> None:
+        """Moves state to another placement now (what a refit of "auto" does); numerics are
+        unchanged. Call between steps."""
+        self._check_open()
+        self._placement.replan(offload_fraction, nvme_fraction)
+
+    @property
+    def plan(self):
+        """The placement now: which tier holds each subgroup (plan.Plan)."""
+        return self._placement.plan
 
     # ------------------------------------------------------------------ param groups
     @lifetime.acts_on_owner
@@ -154,7 +215,7 @@ class _HybridBase(ZeroParamsMixin, SpeculationMixin, PlacementMixin, CheckpointM
     def parts(self) -> Parts:
         """The parts this optimizer is composed of (docs/code-map.md), for introspection and
         tests: each part's public attributes and methods are its interface."""
-        return Parts(self._layout, self._ledger, self._step_stats)
+        return Parts(self._layout, self._ledger, self._step_stats, self._placement)
 
     @property
     def stats(self) -> dict:
@@ -178,16 +239,16 @@ class _HybridBase(ZeroParamsMixin, SpeculationMixin, PlacementMixin, CheckpointM
         from hybrid_opt.allocated import allocated_bytes
         if self._closed:
             return allocated_bytes(None, None, None)
-        return allocated_bytes(getattr(self, "_device", None), self._host, self._zero)
+        return allocated_bytes(self._placement.device, self._placement.host, self._zero)
 
     @property
     def worker_pid(self):
-        return self._host.worker_pid if self._host is not None and not self._closed else None
+        return self._placement.host.worker_pid if self._placement.host is not None and not self._closed else None
 
     def _check_open(self) -> None:
         # its host tier closed on its own (the worker's tier shut by anything but close())
         # says the same: a closed tier never steps again, so "call step() again" cannot help
-        if self._closed or (self._host is not None and self._host.closed):
+        if self._closed or (self._placement.host is not None and self._placement.host.closed):
             raise RuntimeError(f"this {type(self).__name__} was closed (close(), or the end of its "
                                f"`with` block) and cannot step again: build a new one (its "
                                f"load_state_dict takes this one's last state_dict())")
@@ -323,7 +384,7 @@ class _HybridBase(ZeroParamsMixin, SpeculationMixin, PlacementMixin, CheckpointM
             # GradScaler saw inf/nan: the whole step is skipped, exactly as torch does
             self._ledger.skipped()
             dropped = self._drop_pending()
-            self._step_stats.skipped(self._host, len(dropped))
+            self._step_stats.skipped(self._placement.host, len(dropped))
             return loss
         inv_scale = 1.0 / scale_v if scale_t is not None else 1.0
         # the global norm costs a pass over every grad: only clipping needs it
@@ -346,7 +407,7 @@ class _HybridBase(ZeroParamsMixin, SpeculationMixin, PlacementMixin, CheckpointM
             live = [sl for sl in sg.slices if sl.param.grad is not None]
             if not live:
                 continue
-            if self.plan.tiers[sg.index] == DEVICE:
+            if self._placement.plan.tiers[sg.index] == DEVICE:
                 device_work.extend(DeviceWork(sg.index, sl, hp, self._layout.steps[sl.param_index]) for sl in live)
             else:
                 host_steps[sg.index] = HostWork(sg, live, hp)
@@ -364,21 +425,21 @@ class _HybridBase(ZeroParamsMixin, SpeculationMixin, PlacementMixin, CheckpointM
                 self._step_failed(e, "the host/nvme tier", host_steps, committed, device_work, [], [], undo)
         t_device = time.perf_counter()
         # "auto" times the device step on the device's clock (GPU time on CUDA: clocks.py)
-        d0 = self._step_stats.mark() if self._auto is not None else None
+        d0 = self._step_stats.mark() if self._placement.auto is not None else None
         self._step_device(device_work, scale, host_steps, undo)
         self._record_versions()  # this step's writes to the params are not the user's (storage.py)
-        d1 = self._step_stats.mark() if self._auto is not None else None
+        d1 = self._step_stats.mark() if self._placement.auto is not None else None
         t_end = time.perf_counter()
         if self._zero is not None:
             self._gather_params()
             t_end = time.perf_counter()
-        self._step_stats.record(self.plan, self._host, self._host_local, host_steps, device_work,
+        self._step_stats.record(self._placement.plan, self._placement.host, self._placement.host_local, host_steps, device_work,
                                 t_device - t_host, t_end - t_device, norm, clip)
-        if self._auto is not None:  # the measured times to the scheduler, which may refit
+        if self._placement.auto is not None:  # the measured times to the scheduler, which may refit
             self._step_stats.queue_sample(self._ledger.steps_taken, device_work, t_end - t_step, (d0, d1))
-            self._step_stats.observe(self._auto)
-            self._refit()
-            self._step_stats.predicted(self.plan.prediction)
+            self._step_stats.observe(self._placement.auto)
+            self._placement.refit(self._ledger.steps_taken)
+            self._step_stats.predicted(self._placement.plan.prediction)
         return loss
 
     def _gather_params(self) -> None:
@@ -392,8 +453,8 @@ class _HybridBase(ZeroParamsMixin, SpeculationMixin, PlacementMixin, CheckpointM
     def _step_host(self, host_steps: dict, scale: float, committed: set) -> None:
         work = {}
         for index, w in host_steps.items():
-            work[self._host_local[index]] = (GradGatherer(w.sg), self._host_inputs(w.sg, w.live, w.hp, scale, 0))
-        by_local = {self._host_local[index]: w for index, w in host_steps.items()}
+            work[self._placement.host_local[index]] = (GradGatherer(w.sg), self._host_inputs(w.sg, w.live, w.hp, scale, 0))
+        by_local = {self._placement.host_local[index]: w for index, w in host_steps.items()}
 
         def copy_params(local: int, views: dict) -> None:
             # the new params reach the model only once their step is committed
@@ -406,12 +467,12 @@ class _HybridBase(ZeroParamsMixin, SpeculationMixin, PlacementMixin, CheckpointM
             self._committed(sg.index)  # process_group: its buckets' gathers may start (zero_gather.py)
 
         try:
-            outcome = self._host.finish(work, on_commit=copy_params)
+            outcome = self._placement.host.finish(work, on_commit=copy_params)
         finally:
             self._forget_staged()
         self._clear_ready()
         self._deferred.clear()
-        index_of = {local: index for index, local in self._host_local.items()}
+        index_of = {local: index for index, local in self._placement.host_local.items()}
         self._step_stats.note_outcome({index_of[local]: v for local, v in outcome.items()})
     # ------------------------------------------------------------------ lifecycle
     @lifetime.acts_on_owner
@@ -427,8 +488,7 @@ class _HybridBase(ZeroParamsMixin, SpeculationMixin, PlacementMixin, CheckpointM
         self._step_stats.remove_hooks()
         if getattr(self, "_zero", None) is not None:
             self._zero.close()  # pending all-gathers landed: the params are current after close()
-        if self._host is not None:
-            self._host.close()  # restores the cores and both thread counts (CoreSplit)
+        self._placement.close()
 
     def __enter__(self):
         return self
@@ -451,7 +511,7 @@ class _HybridBase(ZeroParamsMixin, SpeculationMixin, PlacementMixin, CheckpointM
             pass
 
     def __repr__(self) -> str:
-        return super().__repr__() + f"\n{self.plan}" if getattr(self, "_built", False) else super().__repr__()
+        return super().__repr__() + f"\n{self._placement.plan}" if getattr(self, "_built", False) else super().__repr__()
 
 
 class HybridAdamW(_HybridBase):

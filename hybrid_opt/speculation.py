@@ -43,7 +43,7 @@ class SpeculationMixin:
             # place, from zero.py's reduce hooks, not from the raw local grad
             # hooks and callbacks hold the optimizer weakly: only the user keeps it alive (lifetime.py)
             zero.install(weak_method(self._on_chunk_reduced), weak_call(self, lambda o: o._accumulation_boundary))
-        if self._auto is not None:
+        if self._placement.auto is not None:
             self._step_stats.time_backward()  # before the speculation hooks: run first
         if not self.speculative or not host:
             return
@@ -82,9 +82,9 @@ class SpeculationMixin:
     def _on_grad_ready(self, p) -> None:
         if self._closed or not self._accumulation_boundary or not self._may_speculate():
             return
-        if self._host.copies_in_flight():
+        if self._placement.host.copies_in_flight():
             try:
-                self._host.poll()  # hands the worker the pieces whose CUDA copies have landed
+                self._placement.host.poll()  # hands the worker the pieces whose CUDA copies have landed
             except Exception as e:  # never break the user's backward: step() reports it
                 self._speculation_error = self._speculation_error or e
         idx = self._layout.index.get(p)
@@ -144,9 +144,9 @@ class SpeculationMixin:
         fp = getattr(self, "_fingerprints", None)
         if fp is None or sg.index not in self._staged:
             return False
-        local = self._host_local[sg.index]
-        return fp.is_edited(sg.index, GradGatherer(sg), lambda: self._host.piece_stats(local),
-                            self._host.grad_dtype)
+        local = self._placement.host_local[sg.index]
+        return fp.is_edited(sg.index, GradGatherer(sg), lambda: self._placement.host.piece_stats(local),
+                            self._placement.host.grad_dtype)
 
     def _grad_edit_checks(self) -> list:
         """Start of step(), speculated subgroups with DTensor grads (grad_edits.py): on CUDA a
@@ -160,8 +160,8 @@ class SpeculationMixin:
         def live_of(sgi):
             return [sl for sl in self._layout.subgroups[sgi].slices if sl.param.grad is not None]
         return fp.checks(live_of, lambda sgi: GradGatherer(self._layout.subgroups[sgi]),
-                         lambda sgi: self._host.piece_stats(self._host_local[sgi], wait=False),
-                         self._host.grad_dtype)
+                         lambda sgi: self._placement.host.piece_stats(self._placement.host_local[sgi], wait=False),
+                         self._placement.host.grad_dtype)
 
     def _note_grad_edits(self, values) -> None:
         if getattr(self, "_fingerprints", None) is not None:
@@ -176,11 +176,11 @@ class SpeculationMixin:
         hp = self._hyper(group, -1.0 if group["maximize"] else 1.0)
         # clipping is assumed not to bite (coefficient 1): validation redoes it when it does
         inputs = self._host_inputs(sg, live, hp, self._predicted_inv_scale(), 1)
-        local = self._host_local[sgi]
-        self._host.cancel(local)
+        local = self._placement.host_local[sgi]
+        self._placement.host.cancel(local)
         self._staged.pop(sgi, None)
         self._fingerprints.forget(sgi)
-        if self._host.speculate(local, GradGatherer(sg), inputs, wait=False):
+        if self._placement.host.speculate(local, GradGatherer(sg), inputs, wait=False):
             # the grads it read stay referenced until it is validated: a grad tensor made after
             # one was discarded (zero_grad, `p.grad = None`) can then never take its address, so
             # (data_ptr, _version) names the same grad for as long as the speculation is pending
@@ -193,7 +193,7 @@ class SpeculationMixin:
         """Subgroups that found no free bank or staging slot when they became ready are tried
         again as the worker frees them (backward never waits for the worker); those still
         waiting at step() are stepped there."""
-        self._host.poll()
+        self._placement.host.poll()
         while self._deferred:
             if not self._speculate(self._deferred[0]):
                 return
@@ -215,16 +215,16 @@ class SpeculationMixin:
         """Drops every pending speculation (the committed state is untouched); returns finish()'s
         outcome."""
         outcome = {}
-        if self._host is not None and self._host.speculated():
-            outcome = self._host.finish({}, overflow=True)
+        if self._placement.host is not None and self._placement.host.speculated():
+            outcome = self._placement.host.finish({}, overflow=True)
         self._forget_staged()
         self._deferred.clear()
         return outcome
 
     def _forget_staged(self) -> None:
-        pending = set(self._host.speculated()) if self._host is not None else set()
+        pending = set(self._placement.host.speculated()) if self._placement.host is not None else set()
         self._staged = {k: v for k, v in getattr(self, "_staged", {}).items()
-                        if self._host_local[k] in pending}
+                        if self._placement.host_local[k] in pending}
         if getattr(self, "_fingerprints", None) is not None:
             self._fingerprints.keep_only(self._staged)
 

@@ -62,11 +62,11 @@ class StepFailureMixin:
                                                  f"give it a grad of its own shape", ValueError)
                         # the usual grad (the param's dtype and device) needs no more checks
                         if i in on_device and (g.dtype is not p.dtype or g.get_device() != p.get_device()):
-                            self._refuse_grad(i, self._device.refuse_grad(g, p), TypeError)
+                            self._refuse_grad(i, self._placement.device.refuse_grad(g, p), TypeError)
                     live_on_device = live_on_device or i in on_device
                 i += 1
             hp = self._hyper(group, 1.0)  # a Tensor lr of several elements raises here, not mid-step
-            why = self._device.refuse_hyper(hp, device) if live_on_device else None
+            why = self._placement.device.refuse_hyper(hp, device) if live_on_device else None
             if why is not None:
                 raise ValueError(f"{cls}.step(): param group {gi}: {why} (the device tier's "
                                  f"kernel refuses it). {NOTHING_STEPPED}")
@@ -75,11 +75,11 @@ class StepFailureMixin:
         """({params with a slice on the device tier}, {sharded params}) for the layout now,
         made again only when the layout changed (a move, add_param_group)."""
         cache = self.__dict__.get("_check_cache")
-        if cache is None or cache[0] is not self.plan or cache[1] != self.plan.tiers or cache[2] != len(self._layout.steps):
-            on_device = {sl.param_index for sg in self._layout.subgroups if self.plan.tiers[sg.index] == DEVICE
+        if cache is None or cache[0] is not self._placement.plan or cache[1] != self._placement.plan.tiers or cache[2] != len(self._layout.steps):
+            on_device = {sl.param_index for sg in self._layout.subgroups if self._placement.plan.tiers[sg.index] == DEVICE
                          for sl in sg.slices}
             sharded = {i for i, p in enumerate(self._layout.params()) if D.is_sharded(p)}
-            cache = self._check_cache = (self.plan, list(self.plan.tiers), len(self._layout.steps), on_device, sharded)
+            cache = self._check_cache = (self._placement.plan, list(self._placement.plan.tiers), len(self._layout.steps), on_device, sharded)
         return cache[3], cache[4]
 
     def _refuse_grad(self, i: int, why: str | None, kind: type) -> None:
@@ -92,14 +92,14 @@ class StepFailureMixin:
         if not device_work:
             return
         device = self._layout.subgroups[device_work[0].index].device
-        why = self._device.refuse_scale(scale, device)
+        why = self._placement.device.refuse_scale(scale, device)
         for sl in (w.slice for w in device_work) if why is None else ():
             if not D.is_sharded(sl.param):
                 continue
             g, p = D.local_of(sl.param.grad), D.local_of(sl.param)
             if g.numel() != p.numel():
                 why = f"its local grad has {g.numel()} elements, its local shard {p.numel()}"
-            why = why or self._device.refuse_grad(g, p)
+            why = why or self._placement.device.refuse_grad(g, p)
             if why is not None:
                 why = f"{self._layout.param_label(sl.param_index)}'s grad {why}"
                 break
@@ -160,10 +160,10 @@ class StepFailureMixin:
 
     def _step_device(self, device_work: list, scale, host_steps: dict, undo: StepUndo) -> None:
         """The device tier's step (after the host tiers committed every subgroup)."""
-        self._device.progress = ([], [])
+        self._placement.device.progress = ([], [])
         try:
-            self._device.step(device_work, scale)
+            self._placement.device.step(device_work, scale)
         except BaseException as e:
-            done, unsure = self._device.progress
+            done, unsure = self._placement.device.progress
             self._step_failed(e, "the device tier", host_steps, set(host_steps), device_work,
                               done, unsure, undo)

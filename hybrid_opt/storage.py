@@ -87,6 +87,11 @@ class StorageMixin:
             ptrs.append(view.data_ptr())
             versions.append(_version(p))
 
+    def _forget_storage(self, first: int) -> None:
+        """Params from `first` on were taken out of the layout again (a failed add_param_group)."""
+        for name in ("_flat_views", "_flat_ptrs", "_param_versions"):
+            del self.__dict__.setdefault(name, [])[first:]
+
     def _record_versions(self) -> None:
         """Every param's version now: what step() and the tiers wrote is not the user's."""
         self._param_versions = [_version(p) for p in self._layout.params()]
@@ -116,7 +121,7 @@ class StorageMixin:
                    and local_of(p).data_ptr() == self._flat_ptrs[i]}
         if not written:
             return
-        if any(self.plan.tiers[sg.index] != DEVICE for sg in self._layout.subgroups
+        if any(self._placement.plan.tiers[sg.index] != DEVICE for sg in self._layout.subgroups
                for sl in sg.slices if sl.param_index in written):
             # a pending speculation read the old master (and the host tier's state must be idle)
             self._drop_speculation()
@@ -133,9 +138,9 @@ class StorageMixin:
         remainders the last step's high half is gone once the param is written, unless
         `previous` ({param index: its values before, flat}) has it: then only the elements
         whose bits changed restart (a re-adopted param's old memory)."""
-        if self.plan.tiers[sg.index] == DEVICE and sg.dtype == torch.float32:
+        if self._placement.plan.tiers[sg.index] == DEVICE and sg.dtype == torch.float32:
             return  # an fp32 device subgroup is its own master
-        st = self._subgroup_state(sg)  # views on the device and host tiers, copies on nvme
+        st = self._placement.state_of(sg)  # views on the device and host tiers, copies on nvme
         master = st["master"]
         remainders = self.state_format.remainders_for(sg.dtype)
         changed = False
@@ -160,11 +165,8 @@ class StorageMixin:
                 changed = True
         if not changed:
             return
-        if self.plan.tiers[sg.index] == DEVICE:
-            self._device.set_master(sg.index, master)
-        else:
-            self._host.load_state(self._host_local[sg.index], master, st["exp_avg"],
-                                  st["exp_avg_sq"], st.get("max_exp_avg_sq"))
+        st["master"] = master
+        self._placement.load(sg, st)
 
     def _adopt_storage(self) -> None:
         params = list(self._layout.params())
@@ -191,7 +193,7 @@ class StorageMixin:
         for i in changed:  # rebound: the new memory's version is the one to watch
             self._param_versions[i] = _version(params[i])
         # swapping a Parameter's contents (load_state_dict with swap_tensors) drops its hooks
-        self._install_hooks([sg for sg in self._layout.subgroups if self.plan.tiers[sg.index] != DEVICE])
+        self._install_hooks([sg for sg in self._layout.subgroups if self._placement.plan.tiers[sg.index] != DEVICE])
 
     def _repoint(self, i: int, p) -> None:
         """Param i has new memory: its slices view that instead (the param is never rebound:

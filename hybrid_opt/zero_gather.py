@@ -317,7 +317,3 @@ class ZeroParamsMixin:
         self.wait_params()
         _check_shard_owner(state_dict.get(SHARD_KEY), getattr(self, "_zero", None))
         return super().load_state_dict(state_dict)
-
-    def _relayout(self, plan) -> None:
-        self.wait_params()
-        return super()._relayout(plan)

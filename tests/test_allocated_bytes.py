@@ -129,12 +129,12 @@ def test_a_placement_is_counted_as_the_os_reports_it_before_it_is_allocated(tmp_
     if kw.get("nvme_fraction"):
         kw["nvme_path"] = str(tmp_path)
     with HybridAdamW(model.parameters(), **kw) as opt:
-        counted = opt._plan_bytes(opt.plan)
+        counted = opt.parts.placement.bytes_of(opt.plan)
         got = opt.allocated_bytes
         assert got["host"] == _memfd_sizes() > 0
         assert counted["host"] == got["host"] + got["device"]  # one memory on a CPU-only host
         assert counted["device"] == got["device"]
-        estimate = opt._memory(*opt._fractions, opt.plan.spare_banks)["host"]
+        estimate = opt.parts.placement.modelled_bytes(*opt.parts.placement.fractions, opt.plan.spare_banks)["host"]
         model_bytes = 2 * sum(p.numel() * p.element_size() for p in model.parameters())  # params + grads
         assert estimate - model_bytes >= 0.97 * counted["host"], (estimate - model_bytes, counted)
 

@@ -62,7 +62,7 @@ def within(t, buf) -> bool:
 
 
 def arena_range(opt):
-    arena = opt._host.arena
+    arena = opt.parts.placement.host.arena
     base = arena.tensor(0, 1, torch.uint8).data_ptr()
     return base, base + arena.nbytes
 
@@ -87,16 +87,16 @@ def test_device_tier_state_is_views_of_its_buffers(dtype, nvme_dir):
             parts = parts_of(opt, idx)
             assert {opt.plan.tiers[sg.index] for sg, _ in parts} == {DEVICE}
             assert set(st) == {"step", "exp_avg", "exp_avg_sq"} | ({"master_param"} if dtype != FP32 else set())
-            bufs = list(opt._device.master.values())  # an fp32 subgroup's master is its params
-            bufs += [t for s in opt._device.state.values() for t in s.values()]
+            bufs = list(opt.parts.placement.device.master.values())  # an fp32 subgroup's master is its params
+            bufs += [t for s in opt.parts.placement.device.state.values() for t in s.values()]
             for k, t in st.items():
                 if k == "step":
                     continue
                 assert t.shape == shapes[idx]
                 if len(parts) == 1:
                     sg, sl = parts[0]
-                    buf = (opt._device.master if k == "master_param" else
-                           {i: s[k] for i, s in opt._device.state.items()})[sg.index]
+                    buf = (opt.parts.placement.device.master if k == "master_param" else
+                           {i: s[k] for i, s in opt.parts.placement.device.state.items()})[sg.index]
                     assert t.data_ptr() == buf[sl.sub_offset:].data_ptr() and within(t, buf), (idx, k)
                     views.append((idx, k))
                 else:
@@ -127,7 +127,7 @@ def test_offloaded_state_is_cpu_tensors_of_its_own(placement, nvme_dir):
         sd = opt.state_dict()
         assert_state_close(sd, ref.state_dict())
         lo, hi = arena_range(opt)
-        dev_bufs = [t for s in opt._device.state.values() for t in s.values()]
+        dev_bufs = [t for s in opt.parts.placement.device.state.values() for t in s.values()]
         offloaded = 0
         for idx, st in sd["state"].items():
             if {opt.plan.tiers[sg.index] for sg, _ in parts_of(opt, idx)} == {DEVICE}:
@@ -156,7 +156,7 @@ def test_nvme_subgroups_are_read_once_and_dropped_when_done(nvme_dir):
     with hybrid(model.parameters(), "nvme", nvme_dir, nvme_fraction=1.0) as opt:
         train(model, opt, make_batches(3))
         want = opt.state_dict()
-        host = opt._host
+        host = opt.parts.placement.host
         reads, alive, most = collections.Counter(), [], [0]
         real = host.state
 
@@ -355,8 +355,8 @@ def test_dcp_on_a_fresh_optimizer_matches_torch(placement, cls, reference, kw, n
                            dict(state={i: want["state"][n] for i, n in enumerate(_fqns(model))}))
         if cls is HybridAdamW:
             assert all(not t.any() for st in got["state"].values() for k, t in st.items() if k != "step")
-            if opt._host is not None:
-                assert opt._host.stats["stepped"] == opt._host.stats["committed"] == 0
+            if opt.parts.placement.host is not None:
+                assert opt.parts.placement.host.stats["stepped"] == opt.parts.placement.host.stats["committed"] == 0
         assert all(torch.equal(a, b) for a, b in zip(model.parameters(), ref_model.parameters()))
         assert all(p.grad is None for p in model.parameters())
         assert opt.param_groups[0]["lr"] == HYPER["lr"]  # DCP restores it

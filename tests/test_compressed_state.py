@@ -91,9 +91,9 @@ def test_bad_state_format_is_refused_at_construction(kwargs, error, match):
 def test_remainders_without_a_bf16_param_warn_and_change_nothing():
     with pytest.warns(UserWarning, match="store_param_remainders=True has no effect here: no parameter is bf16"):
         opt = HybridAdamW(_params(FP32), offload_fraction=0.0, store_param_remainders=True)
-    assert not opt._device.remainder
+    assert not opt.parts.placement.device.remainder
     plain = HybridAdamW(_params(FP32), offload_fraction=0.0)
-    assert opt._device.nbytes() == plain._device.nbytes()
+    assert opt.parts.placement.device.nbytes() == plain.parts.placement.device.nbytes()
 
 
 # ---------------------------------------------------------------------------- device tier
@@ -166,8 +166,8 @@ def test_device_tier_bytes_are_what_the_format_says():
     for fmt in (StateFormat(), StateFormat(BF16, BF16), StateFormat(BF16, BF16, True), StateFormat(FP32, BF16, True)):
         _skip_unsupported(fmt.exp_avg_dtype, fmt.exp_avg_sq_dtype)
         opt = _hybrid_run(params, 0, fmt)
-        assert opt._device.nbytes() == n * fmt.state_bytes(BF16), fmt
-        assert opt._device_tier_bytes(opt.parts.layout.subgroups) == n * fmt.state_bytes(BF16), fmt
+        assert opt.parts.placement.device.nbytes() == n * fmt.state_bytes(BF16), fmt
+        assert opt.parts.placement.device_bytes(opt.parts.layout.subgroups) == n * fmt.state_bytes(BF16), fmt
     assert StateFormat(BF16, BF16, True).state_bytes(BF16) == 6  # 2 + 2 + 2 instead of 12
 
 
@@ -184,8 +184,8 @@ def test_budgets_count_at_least_what_a_mixed_fp32_bf16_host_tier_allocates(fmt):
                       store_param_remainders=fmt.store_param_remainders, **HYPER)
     try:
         assert {s.dtype for s in opt.parts.layout.subgroups} == {BF16, FP32}
-        counted, dtype = opt._budget_format(opt.parts.layout.subgroups)
-        host = opt._host
+        counted, dtype = opt.parts.placement.budget_format(opt.parts.layout.subgroups)
+        host = opt.parts.placement.host
         allocated = host.bank_bytes / (len(host.numels) * host.capacity)  # bytes per element of a bank
         page_slack = 2 * 4096 / host.capacity  # a bank's state block and the bank end on a page
         assert counted.bank_bytes(dtype) + page_slack >= allocated, (counted, dtype, allocated)
@@ -253,7 +253,7 @@ def test_compressed_state_is_bitwise_the_same_at_every_placement(placement, tmp_
             "placed": _hybrid_run(runs["placed"], 0, fmt, **kw),
             "fp32 master": _hybrid_run(runs["fp32 master"], 0, StateFormat(BF16, BF16, False))}
     try:
-        assert opts["placed"]._host is not None
+        assert opts["placed"].parts.placement.host is not None
         for k in range(12):
             for name, params in runs.items():
                 _backward_grads(params, k)
@@ -435,7 +435,7 @@ def test_cuda_remainders_step_the_same_master_as_an_fp32_master_bitwise(moments)
     b = [nn.Parameter(p.detach().cuda()) for p in _params(BF16, seed=8, shapes=shapes)]
     oa, ob = _cuda_run(StateFormat(m, v, False), 30, a), _cuda_run(StateFormat(m, v, True), 30, b)
     sa, sb = oa.state_dict()["state"], ob.state_dict()["state"]
-    assert ob._device.remainder and not oa._device.remainder
+    assert ob.parts.placement.device.remainder and not oa.parts.placement.device.remainder
     for i in range(len(a)):
         assert torch.equal(sa[i]["master_param"], sb[i]["master_param"]), i
         assert torch.equal(sa[i]["exp_avg"], sb[i]["exp_avg"]), i
@@ -465,7 +465,7 @@ def test_cuda_compressed_device_tier_follows_the_cpu_reference_within_bf16_round
 def _triton_on_cpu(opt, monkeypatch):
     """The device tier's CUDA launch path (_step_cuda: one fused_adam_ per launch key, with
     remainders= or param_copies=) run on CPU tensors through TRITON_INTERPRET."""
-    tier = opt._device
+    tier = opt.parts.placement.device
     monkeypatch.setattr(tier, "step", lambda work, scale, found_inf=None:
                         tier._step_cuda(work, float(scale), found_inf) if work else None)
 
@@ -485,7 +485,7 @@ def test_cuda_launch_path_with_remainders_steps_the_fp32_master_s_bits_in_the_in
             _set_grads(params, k)
             opt.step()
         runs[name] = (params, opt.state_dict()["state"], opt)
-    assert runs["remainders"][2]._device.remainder
+    assert runs["remainders"][2].parts.placement.device.remainder
     for i in range(len(runs["cpu"][0])):
         r, m, c = (runs[n][1][i] for n in ("remainders", "master", "cpu"))
         assert torch.equal(r["master_param"], m["master_param"]), i

@@ -216,7 +216,7 @@ def test_auto_on_cpu_times_with_the_host_clock():
         assert measured["step"] == 3  # read at once on a CPU host
         assert measured["device_s"] > 0 and measured["backward_s"] > 0
         assert opt.stats["device_s"] > 0 and opt.stats["tiers"]["device"]["trainer_s"] > 0
-        assert len(opt._auto.samples) == 3
+        assert len(opt.parts.placement.auto.samples) == 3
 
 
 def test_auto_reads_marks_only_once_complete_and_a_step_late():
@@ -231,12 +231,12 @@ def test_auto_reads_marks_only_once_complete_and_a_step_late():
         _backward(model)  # marks 1, 2: the hooks on the first and last params
         opt.step()        # marks 3, 4 around the device step
         assert clock.n == 4
-        assert opt._auto.samples == [] and "measured" not in opt.stats
+        assert opt.parts.placement.auto.samples == [] and "measured" not in opt.stats
         clock.done = 4
         opt.zero_grad()
         _backward(model, seed=1)
         opt.step()  # reads step 1 now; step 2's marks (5..8) are not complete
-        (sample,) = opt._auto.samples
+        (sample,) = opt.parts.placement.auto.samples
         assert sample.device_s == pytest.approx(1e-3) and sample.backward_s == pytest.approx(1e-3)
         assert opt.stats["measured"]["step"] == 1
         assert opt.stats["measured"]["device_s"] == pytest.approx(1e-3)

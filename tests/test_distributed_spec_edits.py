@@ -211,16 +211,16 @@ def test_piece_sums_are_the_workers_bitwise_and_see_a_foreach_edit(one_rank, mon
         w = model[0].weight
         model(torch.randn(5, 40)).square().mean().backward()
         sg = next(s for s in opt.parts.layout.subgroups if any(sl.param is w for sl in s.slices))
-        local = opt._host_local[sg.index]
-        pieces = opt._host.piece_stats(local)
+        local = opt.parts.placement.host_local[sg.index]
+        pieces = opt.parts.placement.host.piece_stats(local)
         assert pieces is not None and len(pieces) == 3  # 2800 elements: 1024 + 1024 + 752
-        live = live_piece_sums(GradGatherer(sg), pieces, opt._host.grad_dtype)
+        live = live_piece_sums(GradGatherer(sg), pieces, opt.parts.placement.host.grad_dtype)
         assert live == [s for _, _, s in pieces]
         versions = (w.grad._version, w.grad._local_tensor._version)
         torch._foreach_mul_([w.grad], 0.5)
         # the torch behaviour this guards against: no version counter moved
         assert (w.grad._version, w.grad._local_tensor._version) == versions
-        edited = live_piece_sums(GradGatherer(sg), pieces, opt._host.grad_dtype)
+        edited = live_piece_sums(GradGatherer(sg), pieces, opt.parts.placement.host.grad_dtype)
         assert all(a != b for a, (_, _, b) in zip(edited, pieces))
         opt.step()
         assert opt.parts.stats.outcome_by_sg[sg.index] == "redone"

@@ -330,7 +330,7 @@ def _fail_device_state(monkeypatch, opt):
 def _fail_placement(monkeypatch, opt):
     def broken(target):
         raise OSError("injected: reading the free memory failed")
-    monkeypatch.setattr(opt, "_room_to_move", broken)
+    monkeypatch.setattr(opt.parts.placement, "room_to_move", broken)
 
 
 ADD_FAILURES = {"layout": (_fail_layout, RuntimeError), "device_state": (_fail_device_state, torch.OutOfMemoryError),

@@ -91,7 +91,7 @@ def test_state_dict_keeps_offloaded_state_off_the_gpu(placement, dtype, nvme_dir
             assert views
             for idx in views:
                 sg, sl = parts_of(opt, idx)[0]
-                buf = opt._device.state[sg.index]["exp_avg"]
+                buf = opt.parts.placement.device.state[sg.index]["exp_avg"]
                 assert sd["state"][idx]["exp_avg"].data_ptr() == buf[sl.sub_offset:].data_ptr()
 
 

@@ -110,7 +110,7 @@ def test_a_device_out_of_memory_during_a_move_leaves_the_optimizer_as_it_was(mon
         _train(model, opt, 2)
         before = {i: {k: v.clone() for k, v in st.items()} for i, st in opt.state_dict()["state"].items()}
         worker, tiers = opt.worker_pid, list(opt.plan.tiers)
-        monkeypatch.setattr(type(opt), "_room_shortfall", lambda self, plan: None)
+        monkeypatch.setattr(opt.parts.placement, "room_shortfall", lambda plan: None)
         torch.cuda.empty_cache()
         free, _ = torch.cuda.mem_get_info()
         filler = torch.empty(max(0, free - 64 * MiB), dtype=torch.uint8, device="cuda")
@@ -166,16 +166,16 @@ def test_auto_trains_a_model_whose_activations_need_more_than_the_headroom_at_co
         with HybridAdamW(model.parameters(), lr=1e-4, offload_fraction="auto", refit_every=3,
                          calibration=dict(RATES), subgroup_numel=1 << 22, spare_banks=2) as opt:
             assert opt.plan.summary()["host"]["share"] == 1.0, opt.plan
-            assert opt._auto.device_peak_pending
+            assert opt.parts.placement.auto.device_peak_pending
             for _ in range(7):
                 opt.zero_grad(set_to_none=True)
                 fwd_bwd()
                 opt.step()
-            assert not opt._auto.device_peak_pending
-            device_now = opt._memory(*opt._fractions, opt.plan.spare_banks)["device"]
-            assert device_now <= opt._auto.device_budget
+            assert not opt.parts.placement.auto.device_peak_pending
+            device_now = opt.parts.placement.modelled_bytes(*opt.parts.placement.fractions, opt.plan.spare_banks)["device"]
+            assert device_now <= opt.parts.placement.auto.device_budget
             print(f"\nheadroom {headroom / GiB:.2f} GiB, transient {transient / GiB:.2f} GiB, state "
-                  f"{state / GiB:.2f} GiB; measured budget {opt._auto.device_budget / GiB:.2f} GiB; "
+                  f"{state / GiB:.2f} GiB; measured budget {opt.parts.placement.auto.device_budget / GiB:.2f} GiB; "
                   f"plan {opt.plan}")
     finally:
         del filler

@@ -127,9 +127,9 @@ def test_default_configuration_speculates_from_a_pinned_arena_and_commits():
         n_host = opt.plan.summary()["host"]["subgroups"]
         assert opt.plan.summary()["host"]["share"] == 1.0 and n_host >= 4, opt.plan
         assert opt.worker_pid is not None
-        arena = opt._host.arena
+        arena = opt.parts.placement.host.arena
         assert arena.tensor(0, 1, torch.uint8).is_pinned(), "the host arena is not page-locked"
-        assert opt._host.staging_bytes > 0 and all(s.is_pinned() for s in opt._host._slots)
+        assert opt.parts.placement.host.staging_bytes > 0 and all(s.is_pinned() for s in opt.parts.placement.host._slots)
         committed = 0
         for i in range(8):
             opt.zero_grad()
@@ -288,7 +288,7 @@ def test_automatic_refit_moves_and_keeps_matching_torch(monkeypatch):
     ref_model, ref = reference(model, lr=1e-2, weight_decay=0.1)
     with HybridAdamW(model.parameters(), lr=1e-2, weight_decay=0.1, offload_fraction="auto",
                      refit_every=2, calibration=dict(RATES), subgroup_numel=SUBGROUP) as opt:
-        real_refit = opt._auto.refit
+        real_refit = opt.parts.placement.auto.refit
         decisions = []
 
         def refit(off, nv, *rest):
@@ -296,13 +296,13 @@ def test_automatic_refit_moves_and_keeps_matching_torch(monkeypatch):
             decisions.append(d)
             if d is None and not any(isinstance(x, Decision) and x.reason == "test" for x in decisions):
                 target = 1.0 if off < 0.5 else 0.0
-                d = Decision(target, 0.0, opt._auto.predict(target, 0.0), "test")
+                d = Decision(target, 0.0, opt.parts.placement.auto.predict(target, 0.0), "test")
                 decisions.append(d)
             return d
-        monkeypatch.setattr(opt._auto, "refit", refit)
+        monkeypatch.setattr(opt.parts.placement.auto, "refit", refit)
         lockstep(model, opt, ref_model, ref, 12)
         assert decisions, "no refit was due in 12 steps with refit_every=2"
-        assert opt._auto.moves >= 1, (decisions, opt.plan)
+        assert opt.parts.placement.auto.moves >= 1, (decisions, opt.plan)
         assert "predicted" in opt.stats
         assert_matches_torch(model, opt, ref_model, msg="after refits")
     assert moved(model)
@@ -325,7 +325,7 @@ def test_params_on_a_non_current_device(offload):
         assert torch.cuda.current_device() == 0
         assert all(p.device == torch.device("cuda:1") for p in model.parameters())
         # pinned in cuda:1's context (cudaHostRegister would make a context on cuda:0)
-        assert opt._host.arena.pinned and opt._host.arena._pin_device == torch.device("cuda:1")
+        assert opt.parts.placement.host.arena.pinned and opt.parts.placement.host.arena._pin_device == torch.device("cuda:1")
         if offload < 1.0:
             assert opt.plan.summary()["device"]["subgroups"] > 0
         assert_matches_torch(model, opt, ref_model, msg=f"cuda:1 offload {offload}")

@@ -67,9 +67,9 @@ def train(speculative, steps=5, *, no_sync=False, scaler=None, watch_streams=Non
                 opt.step()
             out["spec"].append(dict(opt.stats["speculation"]))
         torch.cuda.synchronize()
-        out["pinned"] = opt._host.arena.pinned
+        out["pinned"] = opt.parts.placement.host.arena.pinned
         out["n_host"] = sum(1 for t in opt.plan.tiers if t != "device")
-        out["stagers"] = dict(opt._host._stagers)
+        out["stagers"] = dict(opt.parts.placement.host._stagers)
         out["state"] = opt.state_dict()
     out["params"] = [p.detach().cpu() for p in net.parameters()]
     return out
@@ -128,7 +128,7 @@ def test_an_attached_grad_scaler_is_read_once_per_backward():
 def test_a_cpu_model_never_pins_even_with_cuda_present():
     net = make_model("cpu")
     with HybridAdamW(net.parameters(), offload_fraction=1.0, **HYPER) as opt:
-        assert opt._host is not None and not opt._host.arena.pinned
+        assert opt.parts.placement.host is not None and not opt.parts.placement.host.arena.pinned
 
 
 def _peek(runtime):

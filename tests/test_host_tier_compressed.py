@@ -511,9 +511,9 @@ def test_every_placement_steps_the_same_bits_through_clipping_overflow_and_a_kil
                                      store_param_remainders=True, **kw)
             scalers[name] = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8, growth_interval=3)
             opts[name].attach_grad_scaler(scalers[name])
-        assert opts["host"]._host is not None and all(opts["nvme"]._host.nvme)
-        assert opts["device"]._host is None
-        assert all(opts["host"]._host._remainders) and all(opts["nvme"]._host._remainders)
+        assert opts["host"].parts.placement.host is not None and all(opts["nvme"].parts.placement.host.nvme)
+        assert opts["device"].parts.placement.host is None
+        assert all(opts["host"].parts.placement.host._remainders) and all(opts["nvme"].parts.placement.host._remainders)
         for step in range(9):
             for name, params in runs.items():
                 opt, scaler = opts[name], scalers[name]
@@ -545,8 +545,8 @@ def test_every_placement_steps_the_same_bits_through_clipping_overflow_and_a_kil
                     for name in ("host", "nvme"):
                         assert torch.equal(sds[name][i][key], sds["device"][i][key]), (step, name, i, key)
         for name in ("host", "nvme"):
-            assert opts[name]._host.stats["worker_restarts"] >= 1, name
-            assert opts[name]._host.stats["redone"] > 0, name
+            assert opts[name].parts.placement.host.stats["worker_restarts"] >= 1, name
+            assert opts[name].parts.placement.host.stats["redone"] > 0, name
     finally:
         for o in opts.values():
             o.close()
@@ -584,7 +584,7 @@ def test_a_mixed_fp32_bf16_model_with_amsgrad_steps_the_same_bits_at_every_place
             scalers[name] = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8, growth_interval=3)
             opts[name].attach_grad_scaler(scalers[name])
         for name in ("host", "nvme", "mix"):  # both kinds of master on one tier
-            assert set(opts[name]._host._remainders) == {True, False}, name
+            assert set(opts[name].parts.placement.host._remainders) == {True, False}, name
         assert set(opts["mix"].plan.tiers) == {"device", "host", "nvme"}
         for step in range(8):
             for name, params in runs.items():
@@ -620,7 +620,7 @@ def test_a_mixed_fp32_bf16_model_with_amsgrad_steps_the_same_bits_at_every_place
                     if key != "master_param" or p.dtype == BF16:
                         assert torch.equal(sds["fp32_master"][i][key], t), (step, i, key)
         for name in ("host", "nvme", "mix"):
-            assert opts[name]._host.stats["redone"] > 0, name
+            assert opts[name].parts.placement.host.stats["redone"] > 0, name
     finally:
         for o in opts.values():
             o.close()

@@ -246,12 +246,12 @@ def test_a_move_that_fails_at_any_point_leaves_the_optimizer_as_it_was(monkeypat
             with pytest.raises(error, match="injected|does not fit|needs"):
                 opt.replan(target)
         assert opt.plan.tiers == tiers and opt.worker_pid == worker
-        assert opt._host is not None and opt._host.client is not None
+        assert opt.parts.placement.host is not None and opt.parts.placement.host.client is not None
         _assert_same(opt, snap)
         train(ref_model, ref, batches[3:6])
         train(model, opt, batches[3:6])
         opt.replan(target)
-        assert opt._fractions[0] == pytest.approx(target, abs=0.15) and opt.plan.tiers != tiers
+        assert opt.parts.placement.fractions[0] == pytest.approx(target, abs=0.15) and opt.plan.tiers != tiers
         train(ref_model, ref, batches[6:])
         train(model, opt, batches[6:])
         for a, b in zip(ref_model.parameters(), model.parameters()):
@@ -292,7 +292,7 @@ def test_a_move_that_needs_the_leaving_memory_frees_it_first_and_puts_it_back_on
         train(model, opt, batches[:3])
         snap, before = _snapshot(opt), opt.plan
         plan = _swapped(before)
-        m = opt._move_memory(plan)
+        m = opt.parts.placement.move_memory(plan)
         assert m["leaving"] > 0 and m["arriving"] > 0
         _fake_cuda(monkeypatch, opt, free=m["arriving"] // 2)  # fits only with the leaving gone
         released = []
@@ -300,18 +300,18 @@ def test_a_move_that_needs_the_leaving_memory_frees_it_first_and_puts_it_back_on
 
         def device_tier(sgs, amsgrad, *state_format):
             if not released:  # the arrivals: the leaving were let go just before
-                released.extend(i for i in opt._device.subgroups if i not in opt._device.state)
+                released.extend(i for i in opt.parts.placement.device.subgroups if i not in opt.parts.placement.device.state)
                 if fail:
                     raise torch.OutOfMemoryError("injected: CUDA out of memory")
             return real(sgs, amsgrad, *state_format)
         monkeypatch.setattr(moves, "DeviceTier", device_tier)
-        assert opt._room_shortfall(plan) is None
+        assert opt.parts.placement.room_shortfall(plan) is None
         if fail:
             with pytest.raises(torch.OutOfMemoryError):
-                opt._relayout(plan)
+                opt.parts.placement.relayout(plan)
             assert opt.plan is before
         else:
-            opt._relayout(plan)
+            opt.parts.placement.relayout(plan)
             assert opt.plan.tiers == plan.tiers
         assert sorted(released) == sorted(i for i, t in enumerate(before.tiers) if t == "device")
         monkeypatch.undo()
@@ -330,8 +330,8 @@ def test_a_move_the_device_cannot_hold_is_refused_before_anything_changes(monkey
     with ref, opt:
         train(model, opt, make_batches(2))
         snap, worker = _snapshot(opt), opt.worker_pid
-        plan = opt._fraction_plan(_fixed(0.0))
-        need = opt._move_memory(plan)["arriving"]
+        plan = opt.parts.placement.plan_for(_fixed(0.0))
+        need = opt.parts.placement.move_memory(plan)["arriving"]
         assert need == sum(p.numel() for p in model.parameters()) * 8  # fp32: m and v; the param is the master
         _fake_cuda(monkeypatch, opt, free=need - 1)
         with pytest.raises(MemoryError, match="need .* GB of device memory"):
@@ -339,12 +339,12 @@ def test_a_move_the_device_cannot_hold_is_refused_before_anything_changes(monkey
         assert opt.worker_pid == worker and opt.plan.summary()["host"]["share"] == 1.0
         _assert_same(opt, snap)
         _fake_cuda(monkeypatch, opt, free=need)
-        assert opt._room_to_move(_fixed(0.0))
+        assert opt.parts.placement.room_to_move(_fixed(0.0))
 
 
 def _fixed(off, nv=0.0):
-    from hybrid_opt.placement import _Fixed
-    return _Fixed(off, nv)
+    from hybrid_opt.placement import Fixed
+    return Fixed(off, nv)
 
 
 def test_room_to_move_counts_the_state_copied_out_and_the_new_host_tier(monkeypatch):
@@ -355,20 +355,20 @@ def test_room_to_move_counts_the_state_copied_out_and_the_new_host_tier(monkeypa
     ref_model, ref, model, opt = _pair(offload=0.0)
     with ref, opt:
         n = sum(p.numel() for p in model.parameters())
-        to_host = opt._fraction_plan(_fixed(1.0))
-        m = opt._move_memory(to_host)
+        to_host = opt.parts.placement.plan_for(_fixed(1.0))
+        m = opt.parts.placement.move_memory(to_host)
         tier = m["host_need"] - 12 * n  # the new host tier's arena, counted before it exists
         assert m["arriving"] == 0
         # (the plan held fixed: its spare pool is sized from the free memory too)
         monkeypatch.setattr(scheduler, "_free_host_bytes", lambda: m["host_need"] / 0.9 * 1.001)
-        assert opt._room_shortfall(to_host) is None
+        assert opt.parts.placement.room_shortfall(to_host) is None
         monkeypatch.setattr(scheduler, "_free_host_bytes", lambda: m["host_need"] / 0.9 * 0.999)
-        assert "needs" in opt._room_shortfall(to_host)
+        assert "needs" in opt.parts.placement.room_shortfall(to_host)
         monkeypatch.undo()
         opt.replan(1.0)
         assert opt.plan.spare_banks == to_host.spare_banks
         assert opt.allocated_bytes["host"] == tier  # what the OS reports of the arena it made
-        back = opt._move_memory(opt._fraction_plan(_fixed(0.0)))
+        back = opt.parts.placement.move_memory(opt.parts.placement.plan_for(_fixed(0.0)))
         assert back["host_need"] == 8 * n and back["leaving"] == 0  # the device tier is host memory here
 
 
@@ -456,23 +456,23 @@ def test_refits_feed_the_measured_device_memory_to_auto(monkeypatch):
     model = make_net()
     with HybridAdamW(model.parameters(), offload_fraction="auto", subgroup_numel=SUBGROUP,
                      refit_every=3, calibration=dict(FAST_DEVICE)) as opt:
-        assert not opt._auto.device_from_peak  # CPU: behaviour unchanged
+        assert not opt.parts.placement.auto.device_from_peak  # CPU: behaviour unchanged
         seen = []
         monkeypatch.setattr(scheduler, "cuda_memory", lambda device: {
             "free": 1.0 * GiB, "total": 8.0 * GiB, "reserved": 2.0 * GiB, "allocated": 1.0 * GiB,
             "peak": 1.5 * GiB})
-        real = opt._auto.observe_device_memory
-        monkeypatch.setattr(opt._auto, "observe_device_memory",
+        real = opt.parts.placement.auto.observe_device_memory
+        monkeypatch.setattr(opt.parts.placement.auto, "observe_device_memory",
                             lambda mem, counted, floor: seen.append((counted, floor)) or real(mem, counted, floor))
         train(model, opt, make_batches(4))
         assert seen == []
-        opt._auto.device_from_peak = opt._auto.device_peak_pending = True
+        opt.parts.placement.auto.device_from_peak = opt.parts.placement.auto.device_peak_pending = True
         train(model, opt, make_batches(4))
-        assert len(seen) == 1 and not opt._auto.device_peak_pending  # the refit at step 6
+        assert len(seen) == 1 and not opt.parts.placement.auto.device_peak_pending  # the refit at step 6
         counted, floor = seen[0]
-        assert counted == opt._memory(*opt._fractions, opt.plan.spare_banks)["device"]
-        assert floor == opt._memory(1.0, 0.0, opt.plan.spare_banks)["device"]
-        assert opt._auto.device_budget == pytest.approx(scheduler.measured_device_budget(
+        assert counted == opt.parts.placement.modelled_bytes(*opt.parts.placement.fractions, opt.plan.spare_banks)["device"]
+        assert floor == opt.parts.placement.modelled_bytes(1.0, 0.0, opt.plan.spare_banks)["device"]
+        assert opt.parts.placement.auto.device_budget == pytest.approx(scheduler.measured_device_budget(
             1.0 * GiB, 2.0 * GiB, 1.0 * GiB, 1.5 * GiB, counted, floor))
 
 
@@ -547,7 +547,7 @@ def test_a_checkpoint_that_needs_amsgrad_and_a_host_tier_that_cannot_start_chang
             with pytest.raises(RuntimeError, match="injected"):
                 opt.load_state_dict(donor.state_dict())
         assert not opt.parts.layout.amsgrad and opt.worker_pid == worker
-        assert all("max_exp_avg_sq" not in st for st in opt._device.state.values())
+        assert all("max_exp_avg_sq" not in st for st in opt.parts.placement.device.state.values())
         _assert_same(opt, snap)
         train(ref_model, ref, batches[3:])
         train(model, opt, batches[3:])

@@ -835,8 +835,8 @@ def test_a_full_disk_during_step_rolls_back_the_step_counts_of_what_was_not_step
             opt.step()
         before = opt.state_dict()
         # the next write goes to the slot after the committed one: let only its first page in
-        nxt = 1 - opt._host._file_slot[0]
-        limit = nxt * opt._host.io_bytes + 4096
+        nxt = 1 - opt.parts.placement.host._file_slot[0]
+        limit = nxt * opt.parts.placement.host.io_bytes + 4096
         old = resource.prlimit(opt.worker_pid, resource.RLIMIT_FSIZE)
         resource.prlimit(opt.worker_pid, resource.RLIMIT_FSIZE, (limit, old[1]))  # soft only
         try:

@@ -160,7 +160,7 @@ def test_with_remainders_a_rewritten_param_restarts_from_its_values(tmp_path):
     for sg in opt.parts.layout.subgroups:  # its remainders are 0: the master is the param's own value
         for sl in sg.slices:
             if sl.param_index == 1:
-                assert not opt._device.remainder[sg.index][sl.sub_offset:sl.sub_offset + sl.numel].any()
+                assert not opt.parts.placement.device.remainder[sg.index][sl.sub_offset:sl.sub_offset + sl.numel].any()
     # the params not written keep their masters' low halves
     assert not torch.equal(sd[0]["master_param"], params[0].detach().float())
 

@@ -143,7 +143,7 @@ def test_add_param_group_under_auto_lays_out_the_grown_model_and_matches_torch()
         # the whole grown model on the host, as "auto" would place it from the start
         assert opt.plan.summary()["host"]["share"] == 1.0, opt.plan
         assert opt.plan.reason.startswith("add_param_group: "), opt.plan.reason
-        assert opt._auto.total == sum(p.numel() for p in model.parameters())
+        assert opt.parts.placement.auto.total == sum(p.numel() for p in model.parameters())
         train(model, opt, batches[4:])
         train(ref_model, ref, batches[4:])
         assert_state_close(opt.state_dict(), ref.state_dict())
@@ -157,13 +157,13 @@ def test_add_param_group_without_room_to_lay_out_again_stays_on_the_device(monke
     with _auto(model, SLOW_DEVICE, params=first(model)) as opt:
         train(model, opt, batches[:3])
         train(ref_model, ref, batches[:3])
-        monkeypatch.setattr(opt, "_room_to_move", lambda target: False)
+        monkeypatch.setattr(opt.parts.placement, "room_to_move", lambda target: False)
         with pytest.warns(UserWarning, match="stay on the device tier.*does not fit in free memory"):
             _add_unfrozen(model, opt)
         _add_unfrozen(ref_model, ref)
         n_new = sum(p.numel() for p in model.fc2.parameters())
         assert opt.plan.summary()["device"]["elements"] == n_new, opt.plan
-        assert opt._fractions[0] == pytest.approx(1 - n_new / sum(opt.plan.numels))  # what a refit reads
+        assert opt.parts.placement.fractions[0] == pytest.approx(1 - n_new / sum(opt.plan.numels))  # what a refit reads
         train(model, opt, batches[3:])
         train(ref_model, ref, batches[3:])
         assert_state_close(opt.state_dict(), ref.state_dict())
@@ -215,7 +215,7 @@ def test_auto_without_speculation_offloads_only_what_pays_after_backward():
     for speculative in (True, False):
         with _auto(make_net(), rates, speculative=speculative) as opt:
             shares[speculative] = opt.plan.summary()["host"]["share"]
-            assert opt._auto.workload().speculative is speculative
+            assert opt.parts.placement.auto.workload().speculative is speculative
     assert shares[False] == 0 < shares[True], shares
 
 
@@ -272,8 +272,8 @@ def test_fixed_fractions_size_the_spare_pool_from_memory():
         n_host = len(opt.plan.subgroups("host"))
         assert opt.plan.spare_banks == n_host  # they fit in a quarter of the free memory
         # the arena without spares and one bank, counted as the tiers will allocate them
-        base = opt._plan_bytes(dataclasses.replace(opt.plan, spare_banks=0))["host"]
-        bank = opt._plan_bytes(dataclasses.replace(opt.plan, spare_banks=1))["host"] - base
+        base = opt.parts.placement.bytes_of(dataclasses.replace(opt.plan, spare_banks=0))["host"]
+        bank = opt.parts.placement.bytes_of(dataclasses.replace(opt.plan, spare_banks=1))["host"] - base
     assert bank == 4096  # 64 elements x 12 B, in whole pages (shm.PAGE)
     with HybridAdamW(make_net().parameters(), offload_fraction=1.0, subgroup_numel=SUBGROUP,
                      host_memory_budget=int(base + 3.5 * bank)) as opt:
@@ -303,7 +303,7 @@ def test_replan_moves_state_without_changing_a_bit():
             train(fixed_model, fixed, [batch])
             train(moved_model, moved, [batch])
             worker_s += [t["worker_s"] for t in moved.stats["tiers"].values()]
-        assert moved._auto.moves == 3
+        assert moved.parts.placement.auto.moves == 3
         assert min(worker_s) >= 0 and max(worker_s) > 0  # per-tier stats survive the moves
         for a, b in zip(fixed_model.parameters(), moved_model.parameters()):
             assert torch.equal(a, b)
@@ -316,11 +316,11 @@ def test_a_refit_that_pays_moves_and_numerics_stay_bitwise(monkeypatch):
     with HybridAdamW(fixed_model.parameters(), lr=1e-2, weight_decay=0.1,
                      offload_fraction=0.0, subgroup_numel=SUBGROUP) as fixed, \
             _auto(auto_model, SLOW_HOST, refit_every=2) as opt:
-        to_host = opt._auto.predict(1.0, 0.0)
-        monkeypatch.setattr(opt._auto, "refit", lambda *a: Decision(1.0, 0.0, to_host, "test"))
+        to_host = opt.parts.placement.auto.predict(1.0, 0.0)
+        monkeypatch.setattr(opt.parts.placement.auto, "refit", lambda *a: Decision(1.0, 0.0, to_host, "test"))
         train(fixed_model, fixed, batches)
         train(auto_model, opt, batches)
-        assert opt._auto.moves >= 1 and opt.plan.summary()["host"]["share"] == 1.0
+        assert opt.parts.placement.auto.moves >= 1 and opt.plan.summary()["host"]["share"] == 1.0
         assert opt.worker_pid is not None
         for a, b in zip(fixed_model.parameters(), auto_model.parameters()):
             assert torch.equal(a, b)
@@ -339,13 +339,13 @@ def test_a_refit_whose_move_fails_keeps_the_plan_and_the_state(monkeypatch, tmp_
                      offload_fraction=0.0, subgroup_numel=SUBGROUP) as fixed, \
             _auto(auto_model, SLOW_HOST, refit_every=2) as opt:
         opt.nvme_path = str(blocker / "swap")
-        to_disk = opt._auto.predict(1.0, 0.0)  # a prediction to carry; the layout is 1.0 / 1.0
-        monkeypatch.setattr(opt._auto, "refit", lambda *a: Decision(1.0, 1.0, to_disk, "test"))
+        to_disk = opt.parts.placement.auto.predict(1.0, 0.0)  # a prediction to carry; the layout is 1.0 / 1.0
+        monkeypatch.setattr(opt.parts.placement.auto, "refit", lambda *a: Decision(1.0, 1.0, to_disk, "test"))
         train(fixed_model, fixed, batches[:5])
         with pytest.warns(UserWarning, match="refit: moving to offload_fraction=1, nvme_fraction=1 failed; "
                                              "the plan stays as it was"):
             train(auto_model, opt, batches[:5])
-        assert opt.plan.summary()["device"]["share"] == 1.0 and opt._host is None, opt.plan
+        assert opt.plan.summary()["device"]["share"] == 1.0 and opt.parts.placement.host is None, opt.plan
         assert opt.plan.reason.startswith("refit: a move failed")
         monkeypatch.undo()
         train(fixed_model, fixed, batches[5:])
@@ -359,11 +359,11 @@ def test_a_move_that_would_not_fit_in_memory_is_skipped(monkeypatch):
     from hybrid_opt import scheduler
     model = make_net()
     with _auto(model, SLOW_HOST, refit_every=2) as opt:
-        to_host = opt._auto.predict(1.0, 0.0)
-        monkeypatch.setattr(opt._auto, "refit", lambda *a: Decision(1.0, 0.0, to_host, "test"))
+        to_host = opt.parts.placement.auto.predict(1.0, 0.0)
+        monkeypatch.setattr(opt.parts.placement.auto, "refit", lambda *a: Decision(1.0, 0.0, to_host, "test"))
         monkeypatch.setattr(scheduler, "_free_host_bytes", lambda: 0.0)
         train(model, opt, make_batches(6))
-        assert opt._auto.moves == 0 and opt.plan.summary()["device"]["share"] == 1.0
+        assert opt.parts.placement.auto.moves == 0 and opt.plan.summary()["device"]["share"] == 1.0
         assert "does not fit in free memory" in opt.plan.reason
 
 

@@ -134,9 +134,9 @@ def run(train, speculative, *, model=make_mlp, params=None, **kw) -> Run:
     with hybrid(params(net) if params else net.parameters(), speculative, **kw) as opt:
         log: list = []
         extra = train(net, opt, log) or {}
-        if opt._host is not None:
-            extra.setdefault("remote_gathered", opt._host.stats["remote_gathered"])
-            extra.setdefault("remote_gather", opt._host.remote_gather)
+        if opt.parts.placement.host is not None:
+            extra.setdefault("remote_gathered", opt.parts.placement.host.stats["remote_gathered"])
+            extra.setdefault("remote_gather", opt.parts.placement.host.remote_gather)
         state = opt.state_dict()
         n_host = sum(1 for t in opt.plan.tiers if t != "device")
         plan = opt.plan
@@ -279,7 +279,7 @@ def test_a_parameter_spanning_many_subgroups_has_them_all_speculated():
     assert spec.n_host == 17
     assert_all(spec, committed=17, redone=0, stepped=0, dropped=0)
     with hybrid(make_wide().parameters(), True, spare_banks=64) as opt:
-        assert len(opt._host._slots) == 17
+        assert len(opt.parts.placement.host._slots) == 17
 
 
 def test_staging_slots_cover_the_largest_burst_within_bounds():
@@ -491,7 +491,7 @@ def test_gradient_accumulation(annotated):
                     opt.set_gradient_accumulation_boundary(k == MICRO - 1)
                 (loss_fn(net, BATCHES[MICRO * i + k]) / MICRO).backward()
                 if opt.speculative:  # what the host tier holds unvalidated after this micro-batch
-                    pending.append(len(opt._host.speculated()))
+                    pending.append(len(opt.parts.placement.host.speculated()))
             step(opt, log)
 
     spec = compare(train, offload=0.7)
@@ -628,17 +628,17 @@ def fault_loop(fault, raised):
                 state0 = opt.state_dict()
                 if fault == "hook":
                     calls = []
-                    real = opt._host.speculate
+                    real = opt.parts.placement.host.speculate
 
                     def speculate(*a, **kw):
                         calls.append(1)
                         if len(calls) == 2:
                             raise OSError("injected staging failure")
                         return real(*a, **kw)
-                    opt._host.speculate = speculate
+                    opt.parts.placement.host.speculate = speculate
                 loss_fn(net, batch).backward()  # must not raise, whatever a hook hit
                 if fault == "hook":
-                    del opt._host.speculate
+                    del opt.parts.placement.host.speculate
                 with pytest.raises(RuntimeError) as err:
                     opt.step()
                 raised.append(str(err.value))

@@ -240,7 +240,7 @@ def train(speculative, rollback="exact", steps=4, complete_in_hooks=False):
     log = []
     with HybridAdamW(net.parameters(), lr=1e-2, offload_fraction=1.0, speculative=speculative,
                      rollback=rollback, subgroup_numel=SUBGROUP, spare_banks=16) as opt:
-        tier = opt._host
+        tier = opt.parts.placement.host
         stager = None
         if speculative:
             tier.remote_gather = False
@@ -376,7 +376,7 @@ def test_a_cpu_model_never_pins(monkeypatch):
         tier.close()
     calls.clear()
     with HybridAdamW(make_mlp().parameters(), offload_fraction=1.0, subgroup_numel=SUBGROUP) as opt:
-        assert opt._host is not None and calls == [] and not opt._host.arena.pinned
+        assert opt.parts.placement.host is not None and calls == [] and not opt.parts.placement.host.arena.pinned
 
 
 def test_a_failed_pin_clears_the_error_warns_once_and_runs_unpinned(monkeypatch):

@@ -69,14 +69,14 @@ def run(name: str, rank: int, world: int, tmp: str) -> dict:
     out["worker_cpus"] = sorted(psutil.Process(opt.worker_pid).cpu_affinity())
     hook = None
     if name == "fail_speculation" and rank == 1:
-        real, fired = opt._host.speculate, []
+        real, fired = opt.parts.placement.host.speculate, []
 
         def failing(*args, **kwargs):
             if opt.parts.ledger.steps_taken == 1 and not fired:  # step 2's backward, once
                 fired.append(True)
                 raise OSError(5, "injected fault: the swap file could not be written")
             return real(*args, **kwargs)
-        opt._host.speculate = failing
+        opt.parts.placement.host.speculate = failing
     if name == "kill_backward" and rank == 1:
         def kill_in_backward(p):
             if opt.parts.ledger.steps_taken == 1 and not out["killed"]:
@@ -101,7 +101,7 @@ def run(name: str, rank: int, world: int, tmp: str) -> dict:
             if name == "rank_gone":
                 break  # the group is broken: no collective can run any more
         out["params"].append([p.full_tensor().detach().clone() for p in model.parameters()])
-        out["restarts"].append(opt._host.stats["worker_restarts"])
+        out["restarts"].append(opt.parts.placement.host.stats["worker_restarts"])
         out["worker_pids"].append(opt.worker_pid)
         if name == "kill_between" and i == 0 and rank == 1:
             out["killed"].append(kill_worker(opt))
@@ -155,13 +155,13 @@ def run_zero(name: str, rank: int, world: int) -> dict:
                       subgroup_numel=32, worker_share=0.5, offload_fraction=1.0,
                       process_group=dist.group.WORLD)
     if name == "zero_host_fails" and rank == 1:
-        real = opt._host.finish
+        real = opt.parts.placement.host.finish
 
         def failing(*args, **kwargs):
             if opt.parts.ledger.steps_taken == 2:  # step 2's host step, after the decision
                 raise OSError(5, "injected fault: the host step failed")
             return real(*args, **kwargs)
-        opt._host.finish = failing
+        opt.parts.placement.host.finish = failing
     for i, x in enumerate(C.batches()):
         opt.zero_grad()
         C.loss_fn(model, C.local_batch(x, rank, world)).backward()

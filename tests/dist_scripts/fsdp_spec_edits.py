@@ -66,7 +66,7 @@ def run(name: str, rank: int, world: int, tmp: str) -> dict:
                       worker_share=0.5, **kw)
     try:
         params, outcomes = train(model, opt, edit, rank, world)
-        host_stats = dict(opt._host.stats) if opt._host is not None else {}
+        host_stats = dict(opt.parts.placement.host.stats) if opt.parts.placement.host is not None else {}
     finally:
         opt.close()
     ref_model = shard(C.build_model().to(DEVICE), mesh)

@@ -20,7 +20,7 @@ def loss(model, x):
 def figures(opt) -> dict:
     """The tiers' bytes as the OS reports them (opt.allocated_bytes), the arena's fixed parts
     (staging slots; io banks: two per nvme read in flight) and the state's own bytes."""
-    host = opt._host
+    host = opt.parts.placement.host
     return dict(allocated=opt.allocated_bytes, staging=host.staging_bytes,
                 io_banks=2 * host.io_banks * host._bank_stride,
                 state=sum(s.numel for s in opt.parts.layout.subgroups) * 12, subgroups=len(opt.parts.layout.subgroups))
