@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -63,6 +63,17 @@ class _Piece:
     copy_done: object = None      # the event of its staging copy while that is in flight (CUDA)
     queued: bool = False          # waits in the CopyQueue to be sent
     cancelled: bool = False       # its step was discarded while queued: never sent
+
+    # the CopyQueue's marks (staging.py): it changes a piece only through these
+    def enqueue(self) -> None:
+        self.queued = True
+
+    def dequeue(self) -> None:
+        self.queued = False
+
+    def copy_landed(self) -> None:
+        """Its staging copy has landed: the slot holds the grads."""
+        self.copy_done = None
 
 
 
@@ -204,7 +215,8 @@ class HostIO:
         seg = (self._remote_segments(grad, offset, numel)
                if remote and len(self._inflight) < REMOTE_GATHER_QUEUE else None)
         if seg is not None:
-            piece.task.gather, piece.keep = seg
+            gather, piece.keep = seg
+            piece.task = replace(piece.task, gather=gather)  # not sent yet: no one holds the old one
             self._counts["remote_gathered"] += 1
         else:
             piece.copy_done = self._stage(slot, grad, offset, numel)  # an event: sent once it lands
