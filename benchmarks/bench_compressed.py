@@ -119,7 +119,7 @@ def _bytes_info(opt, numel: int) -> dict:
         resident = sum(n for n, on_nvme in zip(host.numels, host.nvme) if not on_nvme)
         offloaded = sum(host.numels)
         on_nvme = offloaded - resident
-        info["bank_B_per_elem"] = host._bank_stride / host.capacity
+        info["bank_B_per_elem"] = host.bank_stride / host.capacity
         info["banks_B_per_host_param"] = host.bank_bytes / resident if resident else None
         info["spare_pool_B_per_offloaded_param"] = host.spare_bytes / offloaded
         info["spare_banks"] = host.pool.n_banks - sum(1 for x in host.nvme if not x)

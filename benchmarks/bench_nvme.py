@@ -109,7 +109,7 @@ def tier_rows(args, workdir: str, nbytes: int, raw: list) -> list[dict]:
         io_bytes = tier.io_bytes * n_sub
         banks = tier.pool.acquire(n_sub)
         for b in banks:  # incompressible state, every page touched before timing
-            tier._view(b, "p", tier.io_bytes // 4, torch.float32).normal_(generator=gen)
+            tier.view(b, "p", tier.io_bytes // 4, torch.float32).normal_(generator=gen)
         crcs = {}
 
         def run(op):

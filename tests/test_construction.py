@@ -111,7 +111,7 @@ def test_a_failed_construction_in_between_leaves_nothing_applied(monkeypatch, wh
         raise _Injected("injected")
     with monkeypatch.context() as m:
         if where == "host_tier":
-            m.setattr(host_mod.HostTier, "_probe_remote_gather", boom)
+            m.setattr(host_mod.HostIO, "probe_remote_gather", boom)
         else:
             m.setattr(host_mod.HostTier, "load_state", boom)
         with pytest.raises(_Injected):
@@ -153,7 +153,7 @@ def test_no_spare_pool_per_subgroup_without_speculation_and_the_same_bits():
         assert resident >= 5
         assert spec.plan.spare_banks == resident
         assert plain.plan.spare_banks == 2
-        stride = plain.parts.placement.host._bank_stride
+        stride = plain.parts.placement.host.bank_stride
         assert plain.parts.placement.host.spare_bytes == 2 * stride
         assert spec.parts.placement.host.arena.nbytes - plain.parts.placement.host.arena.nbytes == (resident - 2) * stride
         assert plain.parts.placement.host.arena.nbytes / n < spec.parts.placement.host.arena.nbytes / n
@@ -196,7 +196,7 @@ def test_spare_pool_only_where_it_can_be_used(case, tmp_path):
         want = 3 if case == "explicit" else 0
         assert opt.plan.spare_banks == want
         io = 2 * opt.parts.placement.host.io_banks
-        assert opt.parts.placement.host.spare_bytes == (want + io) * opt.parts.placement.host._bank_stride
+        assert opt.parts.placement.host.spare_bytes == (want + io) * opt.parts.placement.host.bank_stride
         _train(opt, model, steps=2)
 
 

@@ -129,7 +129,7 @@ def test_default_configuration_speculates_from_a_pinned_arena_and_commits():
         assert opt.worker_pid is not None
         arena = opt.parts.placement.host.arena
         assert arena.tensor(0, 1, torch.uint8).is_pinned(), "the host arena is not page-locked"
-        assert opt.parts.placement.host.staging_bytes > 0 and all(s.is_pinned() for s in opt.parts.placement.host._slots)
+        assert opt.parts.placement.host.staging_bytes > 0 and all(s.is_pinned() for s in opt.parts.placement.host.slots)
         committed = 0
         for i in range(8):
             opt.zero_grad()

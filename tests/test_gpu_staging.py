@@ -69,7 +69,7 @@ def train(speculative, steps=5, *, no_sync=False, scaler=None, watch_streams=Non
         torch.cuda.synchronize()
         out["pinned"] = opt.parts.placement.host.arena.pinned
         out["n_host"] = sum(1 for t in opt.plan.tiers if t != "device")
-        out["stagers"] = dict(opt.parts.placement.host._stagers)
+        out["stagers"] = opt.parts.placement.host.stagers
         out["state"] = opt.state_dict()
     out["params"] = [p.detach().cpu() for p in net.parameters()]
     return out

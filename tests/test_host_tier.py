@@ -861,10 +861,10 @@ def test_the_arena_is_mapped_in_both_processes_before_the_first_step():
             pytest.skip("this kernel has no MADV_POPULATE_WRITE (Linux < 5.14)")
         tier.client.ping()  # the worker maps and populates before it serves
         # the committed banks and the staging slots at once, in both processes
-        spare_at = tier._bank_offset + 2 * tier._bank_stride
+        spare_at = tier.bank_offset + 2 * tier.bank_stride
         for pid in (os.getpid(), tier.worker_pid):
             assert _rss_kb_of_mapping(pid, tier.arena.nbytes) * 1024 >= tier.arena.nbytes - (
-                tier._bank_stride * 2), pid
+                tier.bank_stride * 2), pid
         # the spare banks behind: the trainer's thread is waited for, the worker's polled
         tier.arena.wait_populated(timeout_s=TIMEOUT_S)
         assert not tier.arena.populating and spare_at > 0

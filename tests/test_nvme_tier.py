@@ -248,7 +248,7 @@ def test_a_dropped_step_leaves_the_committed_slot_and_state_bitwise_unchanged(nv
         inp = inputs(7, amsgrad=True, grad_scale=1 / 1024)
         for r, how in enumerate(("overflow", "not_in_steps")):
             grads = make_grads(numels, seed=2 + r, scale=1024.0)
-            slots = list(tier._file_slot)
+            slots = list(tier.file_slots)
             committed = [slot_bytes(tier, sg, slots[sg]) for sg in range(len(numels))]
             other = [slot_bytes(tier, sg, 1 - slots[sg]) for sg in range(len(numels))]
             for sg, g in enumerate(grads):
@@ -258,7 +258,7 @@ def test_a_dropped_step_leaves_the_committed_slot_and_state_bitwise_unchanged(nv
             else:
                 assert tier.finish({}) == {0: "dropped", 1: "dropped"}
             assert tier.speculated() == []
-            assert tier._file_slot == slots, f"{how}: the slot map flipped for a dropped step"
+            assert tier.file_slots == slots, f"{how}: the slot map flipped for a dropped step"
             for sg in range(len(numels)):
                 assert slot_bytes(tier, sg, slots[sg]) == committed[sg], \
                     f"{how}: subgroup {sg}'s committed slot was written"
@@ -288,13 +288,13 @@ def test_redo_with_changed_inputs_is_bitwise_a_direct_step(nvme_dir, change):
         grads = make_grads(numels, seed=3)
         a = inputs(7, grad_version=(1, 1), amsgrad=True)
         b = StepInputs(**{**a.__dict__, **change})
-        slots = list(tier._file_slot)
+        slots = list(tier.file_slots)
         for sg, g in enumerate(grads):
             assert tier.speculate(sg, g, a)
         final = {sg: (g, b if "runs" not in change or sg == 1 else a) for sg, g in enumerate(grads)}
         expect = {sg: "redone" if final[sg][1] != a else "committed" for sg in final}
         assert tier.finish(final) == expect
-        assert tier._file_slot == [1 - s for s in slots], "commit and redo both flip the slot map"
+        assert tier.file_slots == [1 - s for s in slots], "commit and redo both flip the slot map"
         for sg, (g, inp) in final.items():
             ref_step(states[sg], g, inp)
         assert_tier_equals(tier, states, f"redone with {change}")
@@ -322,11 +322,11 @@ def test_a_flipped_byte_in_a_committed_slot_fails_its_checksum_and_names_the_fil
         for s, g in zip(after2, g2):
             ref_step(s, g, inputs(2))
 
-        path, slot = tier.swap.file(bad), tier._file_slot[bad]
+        path, slot = tier.swap.file(bad), tier.file_slots[bad]
         k = 0 if where == "first_byte" else tier.io_bytes - 1  # the CRC covers the padding too
         flip_byte(path, slot * tier.io_bytes + k)
         # the control: a flipped byte in the slot nobody reads (the next step overwrites it)
-        flip_byte(tier.swap.file(0), (1 - tier._file_slot[0]) * tier.io_bytes + 7)
+        flip_byte(tier.swap.file(0), (1 - tier.file_slots[0]) * tier.io_bytes + 7)
 
         with pytest.raises(WorkerError) as info:
             if speculated:  # the swap-in starts at once: its error may surface in speculate()
@@ -415,7 +415,7 @@ except Exception as e:
 
 out["failed_at"] = None
 for s in (2, 3, 4):
-    slots = list(tier._file_slot)
+    slots = list(tier.file_slots)
     try:
         step(s)
     except Exception as e:
@@ -424,7 +424,7 @@ for s in (2, 3, 4):
         break
     for sg in range(len(numels)):
         ref_step(refs[sg], grads[s][sg], s)
-out["slot_map_kept"] = tier._file_slot == out.get("failed_slots")
+out["slot_map_kept"] = tier.file_slots == out.get("failed_slots")
 out["files"] = [tier.swap.file(sg) for sg in range(len(numels))]
 out["intact_after_failure"] = same(tier, refs)
 
@@ -835,7 +835,7 @@ def test_a_full_disk_during_step_rolls_back_the_step_counts_of_what_was_not_step
             opt.step()
         before = opt.state_dict()
         # the next write goes to the slot after the committed one: let only its first page in
-        nxt = 1 - opt.parts.placement.host._file_slot[0]
+        nxt = 1 - opt.parts.placement.host.file_slots[0]
         limit = nxt * opt.parts.placement.host.io_bytes + 4096
         old = resource.prlimit(opt.worker_pid, resource.RLIMIT_FSIZE)
         resource.prlimit(opt.worker_pid, resource.RLIMIT_FSIZE, (limit, old[1]))  # soft only

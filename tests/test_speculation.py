@@ -279,7 +279,7 @@ def test_a_parameter_spanning_many_subgroups_has_them_all_speculated():
     assert spec.n_host == 17
     assert_all(spec, committed=17, redone=0, stepped=0, dropped=0)
     with hybrid(make_wide().parameters(), True, spare_banks=64) as opt:
-        assert len(opt.parts.placement.host._slots) == 17
+        assert len(opt.parts.placement.host.slots) == 17
 
 
 def test_staging_slots_cover_the_largest_burst_within_bounds():

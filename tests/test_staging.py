@@ -99,16 +99,16 @@ def test_pieces_go_to_the_worker_only_once_their_copies_landed_and_in_order():
     try:
         load(tier, states)
         sent = spy_sends(tier)
-        free_before = len(tier._free_slots)
+        free_before = tier.free_slots
         assert tier.speculate(0, grads[0], inputs(), wait=False)
         assert tier.speculate(1, grads[1], inputs(), wait=False)
         events = tier.copy_stager.events
         order = [(0, 0), (0, SLOT), (0, 2 * SLOT), (1, 0), (1, SLOT)]
         assert len(events) == len(order) and tier.copies_in_flight() == len(order)
         tier.poll()
-        assert steps_sent(sent) == [] and not tier._inflight, "sent before any copy landed"
+        assert steps_sent(sent) == [] and tier.pieces_in_flight == 0, "sent before any copy landed"
         # every queued piece holds its slot: none can be reused before the worker is done
-        assert len(tier._free_slots) == free_before - len(order)
+        assert tier.free_slots == free_before - len(order)
 
         events[1].complete()  # out of order: the first piece still blocks the rest
         tier.poll()
@@ -126,7 +126,7 @@ def test_pieces_go_to_the_worker_only_once_their_copies_landed_and_in_order():
         assert outcome == {0: "committed", 1: "committed"}
         assert steps_sent(sent) == order
         assert events[3].synchronized and all(e.done for e in events)
-        assert tier.copies_in_flight() == 0 and len(tier._free_slots) == free_before
+        assert tier.copies_in_flight() == 0 and tier.free_slots == free_before
         for sg in range(2):
             ref_step(states[sg], grads[sg], inputs())
             for k, name in (("p", "param"), ("m", "exp_avg"), ("v", "exp_avg_sq")):
@@ -143,16 +143,16 @@ def test_a_failed_launch_never_sends_its_queued_pieces_and_frees_their_slots_onc
     try:
         load(tier, states)
         sent = spy_sends(tier)
-        free_before = len(tier._free_slots)
+        free_before = tier.free_slots
         with pytest.raises(RuntimeError, match="injected copy failure"):
             tier.speculate(0, grads[0], inputs(), wait=False)
         assert tier.speculated() == []
         first = tier.copy_stager.events[0]
         # the first piece's copy may still be writing its slot: the slot stays out of the ring
-        assert len(tier._free_slots) == free_before - 1
+        assert tier.free_slots == free_before - 1
         first.complete()
         tier.poll()
-        assert len(tier._free_slots) == free_before and tier.copies_in_flight() == 0
+        assert tier.free_slots == free_before and tier.copies_in_flight() == 0
         assert steps_sent(sent) == [], "a piece of an abandoned step reached the worker"
         # the committed state is untouched and the tier still steps (synchronously now)
         assert_committed_state_still_steps(tier, states, grads)
@@ -171,12 +171,12 @@ def test_an_inverse_mode_launch_failing_mid_subgroup_frees_no_slot_a_copy_still_
     try:
         load(tier, states)
         sent = spy_sends(tier)
-        free_before = len(tier._free_slots)
+        free_before = tier.free_slots
         with pytest.raises(RuntimeError, match="injected copy failure"):
             tier.speculate(0, grads[0], inputs(), wait=False)
         first = tier.copy_stager.events[0]
         assert first.synchronized and first.done, "the slot was freed while its copy was in flight"
-        assert len(tier._free_slots) == free_before and tier.copies_in_flight() == 0
+        assert tier.free_slots == free_before and tier.copies_in_flight() == 0
         assert steps_sent(sent) == [] and tier.speculated() == []
         assert_committed_state_still_steps(tier, states, grads)
     finally:

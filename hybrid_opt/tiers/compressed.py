@@ -26,7 +26,6 @@ from __future__ import annotations
 import torch
 
 from hybrid_opt.shm import PAGE, ArenaLayout, align_up
-from hybrid_opt.tiers.staging import copy_async
 
 
 def bank_layout(capacity: int, fmt, amsgrad: bool, copy_dtype, rem_mode: str):
@@ -95,41 +94,106 @@ def check_params(params, numels: list, fmt, copy_dtype) -> tuple:
     return flags, (params if any(flags) else None)
 
 
-class CompressedState:
-    """A HostTier's views of stored state and the remainder encode/decode (a mixin: HostTier
-    makes `_remainders`, `_params`, the regions and the formats this reads)."""
+class StateBanks:
+    """A HostTier's banks in its arena: views of their regions, the state as stored (fp32 master,
+    or remainders) and its encode/decode, and which banks are still unwritten (populated in
+    the background: a bank's first use waits for its pages)."""
 
-    def _stored_state(self, bank: int, sg: int) -> dict:
+    def __init__(self, arena, *, numels: list, fmt, amsgrad: bool, copy_dtype, remainders: list,
+                 params, regions: dict, bank_offset: int, bank_stride: int, io_bytes: int,
+                 n_banks: int):
+        self.arena = arena
+        self.numels, self.fmt, self.amsgrad, self.copy_dtype = list(numels), fmt, amsgrad, copy_dtype
+        self._remainders, self._params = list(remainders), params
+        self._regions, self._bank_offset, self._bank_stride = dict(regions), bank_offset, bank_stride
+        self.io_bytes = io_bytes
+        # banks no one has written yet: the arena's pages are zero, load_state need not zero them
+        self._fresh = set(range(n_banks))
+
+    @property
+    def bank_offset(self) -> int:
+        """Byte offset of bank 0 in the arena (read-only)."""
+        return self._bank_offset
+
+    @property
+    def bank_stride(self) -> int:
+        """Bytes from one bank to the next (read-only): a bank's size in the arena."""
+        return self._bank_stride
+
+    @property
+    def remainders(self) -> list:
+        """Per subgroup, whether it keeps its master as remainders (a copy)."""
+        return list(self._remainders)
+
+    def keeps_remainders(self, sg: int) -> bool:
+        return self._remainders[sg]
+
+    def view(self, bank: int, region: str, numel: int, dtype) -> torch.Tensor:
+        """`numel` elements of `dtype` at `region` of `bank` (a view into the arena)."""
+        return self.arena.tensor(self._bank_offset + bank * self._bank_stride + self._regions[region],
+                                 numel, dtype)
+
+    def state_block(self, bank: int) -> torch.Tensor:
+        """The bytes a swap moves: the bank's first io_bytes (master..vmax)."""
+        return self.arena.tensor(self._bank_offset + bank * self._bank_stride, self.io_bytes, torch.uint8)
+
+    def wait_populated(self, banks, timeout_s: float) -> None:
+        """Banks the background population has not reached yet are waited for, so no step
+        pays first-touch faults (for as long as the population progresses: a stall past the worker
+        timeout raises); they are written from now on."""
+        for b in banks:
+            self.arena.wait_populated(self._bank_offset + b * self._bank_stride, self._bank_stride,
+                                      timeout_s)
+            self._fresh.discard(b)
+
+    def take_fresh(self, bank: int) -> bool:
+        """Whether `bank` was never written (its pages still zero); it is written from now on."""
+        fresh = bank in self._fresh
+        self._fresh.discard(bank)
+        return fresh
+
+    def stored_state(self, bank: int, sg: int) -> dict:
         """The regions a subgroup's state occupies in `bank`, as stored: param (fp32 master) or
         high (bf16 high half, the copy region) + remainder (int16); the moments."""
-        n, fmt = self.numels[sg], self.state_format
+        n, fmt = self.numels[sg], self.fmt
         if self._remainders[sg]:
-            out = {"high": self._view(bank, "copy", n, torch.bfloat16),
-                   "remainder": self._view(bank, "rem", n, torch.int16)}
+            out = {"high": self.view(bank, "copy", n, torch.bfloat16),
+                   "remainder": self.view(bank, "rem", n, torch.int16)}
         else:
-            out = {"param": self._view(bank, "p", n, torch.float32)}
-        out["exp_avg"] = self._view(bank, "m", n, fmt.exp_avg_dtype)
-        out["exp_avg_sq"] = self._view(bank, "v", n, fmt.exp_avg_sq_dtype)
+            out = {"param": self.view(bank, "p", n, torch.float32)}
+        out["exp_avg"] = self.view(bank, "m", n, fmt.exp_avg_dtype)
+        out["exp_avg_sq"] = self.view(bank, "v", n, fmt.exp_avg_sq_dtype)
         if self.amsgrad:
-            out["max_exp_avg_sq"] = self._view(bank, "vmax", n, fmt.exp_avg_sq_dtype)
+            out["max_exp_avg_sq"] = self.view(bank, "vmax", n, fmt.exp_avg_sq_dtype)
         return out
 
-    def _bank_state(self, bank: int, sg: int) -> dict:
+    def bank_state(self, bank: int, sg: int) -> dict:
         """state()'s keys: param (the fp32 master: a view, or decoded into a new tensor for a
         remainder subgroup), exp_avg, exp_avg_sq[, max_exp_avg_sq] (views)."""
-        st = self._stored_state(bank, sg)
+        st = self.stored_state(bank, sg)
         if self._remainders[sg]:
             import cpu_kernels
             master = cpu_kernels.decode_remainder(st.pop("high"), st.pop("remainder"))
             st = {"param": master, **st}
         return st
 
-    def _store_master(self, bank: int, sg: int, master) -> torch.Tensor | None:
+    def commit_views(self, bank: int, sg: int) -> dict:
+        """What on_commit sees: the new fp32 master, and the model-dtype copy when written. A
+        subgroup that keeps remainders gives only param_copy (the bf16 param: the master's high
+        half) — decoding its master at every commit would cost a pass nobody reads."""
+        if self._remainders[sg]:
+            return {"param_copy": self.view(bank, "copy", self.numels[sg], torch.bfloat16)}
+        out = {"param": self.view(bank, "p", self.numels[sg], torch.float32)}
+        if self.copy_dtype is not None:
+            out["param_copy"] = self.view(bank, "copy", self.numels[sg], self.copy_dtype)
+        return out
+
+    def store_master(self, bank: int, sg: int, master) -> torch.Tensor | None:
         """Writes an fp32 master into `bank` (`master`: a tensor, or the model's elements —
         layout.Subgroup — read straight into the bank); returns the bf16 high half for the
         model's param when the subgroup keeps remainders (the caller writes it once the state
         stands)."""
-        st = self._stored_state(bank, sg)
+        st = self.stored_state(bank, sg)
         if not isinstance(master, torch.Tensor):
             if not self._remainders[sg]:
                 master.read_into(st["param"])  # no gathered copy of the params first
@@ -144,19 +208,25 @@ class CompressedState:
         st["high"].copy_(high)
         return high
 
-    def _write_param(self, sg: int, high: torch.Tensor) -> None:
+    def write_param(self, sg: int, high: torch.Tensor) -> None:
         """The model's param takes the encoded high half (on CUDA an H2D copy): it differs from
         master.to(torch.bfloat16) only on exact ties (rounded away from zero, not to even)."""
         self._params[sg].write(high)
 
-    def _fill_high(self, sg: int, bank: int):
+    def read_high(self, sg: int, bank: int) -> None:
+        """A remainder subgroup's high half (the model's param) into `bank`'s copy region, now:
+        its file holds only the low halves."""
+        self._params[sg].read_into(self.view(bank, "copy", self.numels[sg], torch.bfloat16))
+
+    def fill_high(self, sg: int, bank: int, stager_for):
         """nvme with remainders: the model's param (the committed master's high half; the file
         holds only the low half) into `bank`'s copy region before the step reads it. CPU: a
         copy now (returns None); CUDA: a D2H copy on the grads' side stream (returns its event;
-        the caller sends the step's tasks only once it has landed)."""
-        dst = self._view(bank, "copy", self.numels[sg], torch.bfloat16)
+        the caller sends the step's tasks only once it has landed). stager_for(src): the
+        stager for the param's device, or None (HostIO.stager_for)."""
+        dst = self.view(bank, "copy", self.numels[sg], torch.bfloat16)
         src = self._params[sg]
-        stager = self._stager(src)
+        stager = stager_for(src)
         if stager is None:
             src.read_into(dst)
             return None

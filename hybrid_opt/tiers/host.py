@@ -3,9 +3,11 @@ by the worker process, speculatively during backward, with exact or inverse roll
 
 This module owns the tier itself: construction (the arena of state banks and staging slots,
 the worker, the nvme swap files), views of the committed state, state()/load_state() and
-close(). HostTier's other concerns each have a module:
-    host_step.py  speculation, validation, commit and rollback (the speculation protocol)
-    host_io.py    staging slots, pieces and worker traffic (remote gather, worker faults)
+close(). HostTier owns parts, each owning its state and reached through its public methods:
+    compressed.py StateBanks: the banks' regions, the stored state (remainders), fresh banks
+    host_io.py    HostIO: staging slots, pieces and worker traffic (remote gather, worker faults)
+    host_step.py  HostStepping: speculation, validation, commit and rollback (the speculation
+                  protocol); FileSlots: each nvme file's committed slot and CRCs
     inputs.py     StepInputs: what a step's result depends on
 """
 from __future__ import annotations
@@ -21,17 +23,17 @@ from hybrid_opt.tiers.host_io import (DEFAULT_SLOT_NUMEL, MAX_STAGING_SLOTS,  # 
                                       REMOTE_GATHER_QUEUE, STAGING_SLOTS, _DT_CODE,
                                       HostIO, _Piece, staging_slots_for)
 from hybrid_opt.tiers.arena_plan import plan_arena
-from hybrid_opt.tiers.compressed import CompressedState, _independent_moment_dtypes, check_params
-from hybrid_opt.tiers.host_step import HostStepping, _Speculation  # noqa: F401
-from hybrid_opt.tiers.staging import CopyQueue
+from hybrid_opt.tiers.compressed import StateBanks, _independent_moment_dtypes, check_params
+from hybrid_opt.tiers.host_step import FileSlots, HostStepping, _Speculation  # noqa: F401
 from hybrid_opt.tiers.inputs import StepInputs, _with_step  # noqa: F401
-from hybrid_opt.worker.client import CoreSplit, WorkerClient, WorkerError
+from hybrid_opt.worker.client import CoreSplit, WorkerClient
 
 
-class HostTier(HostStepping, HostIO, CompressedState):
+class HostTier:
     """Subgroups' optimizer state in shared memory, stepped by a worker process (module
-    docstring); speculation in HostStepping, staging and worker traffic in HostIO, the
-    compressed state's layout and remainders in CompressedState (tiers/compressed.py).
+    docstring); it owns its parts: speculation in HostStepping, staging and worker traffic in
+    HostIO, the banks' layout and remainders in StateBanks (tiers/compressed.py), the nvme
+    files' slot map in FileSlots.
 
     exp_avg_dtype / exp_avg_sq_dtype: each torch.float32 or torch.bfloat16 (`moment_dtype`:
     the older name, setting both). remainders=True: each subgroup whose `params` entry is bf16
@@ -76,8 +78,8 @@ class HostTier(HostStepping, HostIO, CompressedState):
         if staging_slots < 1:
             raise ValueError(f"staging_slots must be >= 1, got {staging_slots}")
         self.numels = list(numels)
-        self._remainders, self._params = check_params(params, self.numels, fmt, copy_dtype)
-        if rollback == "inverse" and any(self._remainders):
+        remainders, params = check_params(params, self.numels, fmt, copy_dtype)
+        if rollback == "inverse" and any(remainders):
             raise ValueError("rollback='inverse' needs an fp32 master (its fp64 inverse reads and "
                              "writes fp32 params); use rollback='exact' with remainders=True")
         self.state_format = fmt
@@ -97,7 +99,7 @@ class HostTier(HostStepping, HostIO, CompressedState):
         self.cores = CoreSplit(worker_share, worker_cores)
         self.swap = None
         lay = plan_arena(self.numels, self.nvme, fmt=fmt, amsgrad=amsgrad, copy_dtype=copy_dtype,
-                         remainders=self._remainders, grad_dtype=grad_dtype, rollback=rollback,
+                         remainders=remainders, grad_dtype=grad_dtype, rollback=rollback,
                          spare_banks=spare_banks, io_banks=io_banks, staging_slots=staging_slots,
                          slot_numel=slot_numel)
         resident = lay.resident
@@ -123,19 +125,18 @@ class HostTier(HostStepping, HostIO, CompressedState):
             later.append((bank_offset + bank_stride * len(resident), bank_stride * (self.pool.n_banks - len(resident))))
         # its pages reserved and populated below, once the worker is starting (fill())
         self.arena = SharedArena(lay.nbytes, "hybrid_opt-host", later=later, defer=True)
-        # banks no one has written yet: the arena's pages are zero, load_state need not zero them
-        self._fresh_banks = set(range(self.pool.n_banks))
-        self._regions, self._bank_offset, self._bank_stride = regions, bank_offset, bank_stride
-        self._slots = [self.arena.tensor(slot_offset + k * slot_stride, self.slot_numel, grad_dtype)
-                       for k in range(staging_slots)]
-        self._free_slots = list(range(staging_slots))[::-1]
+        self._banks = StateBanks(self.arena, numels=self.numels, fmt=fmt, amsgrad=amsgrad,
+                                 copy_dtype=copy_dtype, remainders=remainders, params=params,
+                                 regions=regions, bank_offset=bank_offset, bank_stride=bank_stride,
+                                 io_bytes=self.io_bytes, n_banks=self.pool.n_banks)
+        slots = [self.arena.tensor(slot_offset + k * slot_stride, self.slot_numel, grad_dtype)
+                 for k in range(staging_slots)]
         layout = dict(bank_offset=bank_offset, bank_stride=bank_stride, bank_regions=regions,
                       slot_offset=slot_offset, slot_stride=slot_stride,
                       exp_avg_dtype=_DT_CODE[exp_avg_dtype],
                       exp_avg_sq_dtype=_DT_CODE[exp_avg_sq_dtype],
                       populate_later=later)  # the worker maps these in the background
-        self._file_slot = [0] * n           # nvme: the committed slot of each subgroup's file
-        self._crc = [[0, 0] for _ in range(n)]
+        self._files = FileSlots(n)          # nvme: the committed slot of each subgroup's file
         self._aio = None                    # the trainer's own engine (load_state / state)
         if has_nvme:
             # made after the shared memory (sizing it can fail: RLIMIT_FSIZE, a full /dev/shm)
@@ -144,19 +145,17 @@ class HostTier(HostStepping, HostIO, CompressedState):
             layout["nvme"] = dict(dir=self.swap.path, io_bytes=self.io_bytes, threads=nvme_threads)
         self.client = WorkerClient(self.arena, layout, cores=self.cores.worker or None,
                                    timeout_s=timeout_s)
-        self._inflight: dict[int, _Piece] = {}
-        self._copies = CopyQueue()          # pieces whose staging copies are still landing (CUDA)
-        self._block_copies = False          # True inside finish(): step() may wait for them
-        self._stagers: dict = {}            # CUDA device -> its side-stream stager
-        self.copy_stager = None             # replaces the CUDA stagers (tests: events they complete)
-        self._spec: dict[int, _Speculation] = {}
-        self._error: WorkerError | None = None
-        self._on_progress = None
-        self.worker_seconds = [0.0] * n  # per subgroup, cumulative: compute and I/O in the worker
+        # the io part asks the stepping part (made next: `stepping` is read at call time) which
+        # pieces a pending speculation holds and which torn speculations to forget
+        stepping = None
+        self._io = HostIO(self.client, slots, grad_dtype=grad_dtype, copy_dtype=copy_dtype,
+                          remainders=remainders, rollback=rollback, nvme=self.nvme,
+                          held=lambda piece: stepping.held(piece), forget=lambda sg: stepping.forget(sg))
+        stepping = HostStepping(self._io, self._banks, self.pool, self._files, numels=self.numels,
+                                nvme=self.nvme, rollback=rollback, amsgrad=amsgrad,
+                                slot_numel=self.slot_numel)
+        self._step = stepping
         self.closed = False
-        self.remote_gather = False
-        self.stats = {"committed": 0, "redone": 0, "dropped": 0, "stepped": 0,
-                      "worker_restarts": 0, "worker_seconds": 0.0, "remote_gathered": 0}
         try:
             for sg in range(n):
                 if self.nvme[sg]:
@@ -170,7 +169,7 @@ class HostTier(HostStepping, HostIO, CompressedState):
                 self.arena.pin(pin if isinstance(pin, torch.device) else None)
             self.client.wait_started()
             self.cores.apply()
-            self.remote_gather = self._probe_remote_gather()
+            self._io.probe_remote_gather()
             if has_nvme:
                 # a new file reads back as zeros: slot 0 already holds the all-zero state, so
                 # only its CRC is needed (nothing is written before load_state sets real state)
@@ -180,40 +179,16 @@ class HostTier(HostStepping, HostIO, CompressedState):
                 zeros.close()
                 for sg in range(n):
                     if self.nvme[sg]:
-                        self._crc[sg][0] = zero_crc
+                        self._files.note_crc(sg, 0, zero_crc)
         except BaseException:
             self.close()
             raise
 
-    def _wait_populated(self, banks) -> None:
-        """Banks the background population has not reached yet are waited for, so no step
-        pays first-touch faults (for as long as the population progresses: a stall past the worker
-        timeout raises); they are written from now on."""
-        for b in banks:
-            self.arena.wait_populated(self._bank_offset + b * self._bank_stride, self._bank_stride,
-                                      self.client.timeout_s)
-            self._fresh_banks.discard(b)
-
-    def _take_banks(self, sg: int):
-        """HostStepping's, once the banks the step reads and writes are populated."""
-        spec = super()._take_banks(sg)
-        if spec is not None:
-            used = [b for b in (spec.bank, spec.aux_bank) if b is not None]
-            try:
-                self._wait_populated(used if self.nvme[sg] else [self.pool.committed[sg]] + used)
-            except BaseException:
-                self._release_banks(spec)
-                raise
-        return spec
-
     # ------------------------------------------------------------------ state views
-    def _view(self, bank: int, region: str, numel: int, dtype) -> torch.Tensor:
-        return self.arena.tensor(self._bank_offset + bank * self._bank_stride + self._regions[region],
-                                 numel, dtype)
-
-    def _state_block(self, bank: int) -> torch.Tensor:
-        """The bytes a swap moves: the bank's first io_bytes (master..vmax)."""
-        return self.arena.tensor(self._bank_offset + bank * self._bank_stride, self.io_bytes, torch.uint8)
+    def view(self, bank: int, region: str, numel: int, dtype) -> torch.Tensor:
+        """`numel` elements of `dtype` at `region` ("p", "rem", "m", "v", "vmax", "copy") of
+        `bank`: a raw view into the arena (benchmarks fill banks through it)."""
+        return self._banks.view(bank, region, numel, dtype)
 
     def _resident(self, sg: int) -> int:
         if self.nvme[sg]:
@@ -224,10 +199,10 @@ class HostTier(HostStepping, HostIO, CompressedState):
     def master(self, sg: int) -> torch.Tensor:
         """The committed fp32 master of a resident subgroup (a view: valid until the next commit;
         decoded into a new tensor for a subgroup that keeps remainders)."""
-        return self._bank_state(self._resident(sg), sg)["param"]
+        return self._banks.bank_state(self._resident(sg), sg)["param"]
 
     def moments(self, sg: int) -> dict:
-        st = self._stored_state(self._resident(sg), sg)
+        st = self._banks.stored_state(self._resident(sg), sg)
         for k in ("param", "high", "remainder"):
             st.pop(k, None)
         return st
@@ -236,7 +211,7 @@ class HostTier(HostStepping, HostIO, CompressedState):
         """The committed step's model-dtype copy of the master (written by the last step)."""
         if self.copy_dtype is None:
             raise RuntimeError("this tier writes no param copy (copy_dtype=None)")
-        return self._view(self._resident(sg), "copy", self.numels[sg], self.copy_dtype)
+        return self._banks.view(self._resident(sg), "copy", self.numels[sg], self.copy_dtype)
 
     def _engine(self):
         if self._aio is None:
@@ -250,7 +225,7 @@ class HostTier(HostStepping, HostIO, CompressedState):
             raise RuntimeError("no free bank to move nvme state through: every one is held by a "
                                "step awaiting validation; call finish() first")
         try:
-            self._wait_populated(banks)
+            self._banks.wait_populated(banks, self.client.timeout_s)
         except BaseException:
             self.pool.release(banks[0])
             raise
@@ -261,7 +236,7 @@ class HostTier(HostStepping, HostIO, CompressedState):
         from cpu_kernels.aio import AioError
         eng = self._engine()
         fd = eng.open(self.swap.file(sg), "r+")
-        addr = self._state_block(bank).data_ptr()
+        addr = self._banks.state_block(bank).data_ptr()
         try:
             rid = (eng.submit_write if write else eng.submit_read)(fd, addr, self.io_bytes,
                                                                    slot * self.io_bytes, checksum=True)
@@ -276,20 +251,20 @@ class HostTier(HostStepping, HostIO, CompressedState):
         """The committed state of `sg`: views for a resident subgroup, copies read (and
         checksum-verified) from its file for an nvme one. Keys: param, exp_avg, exp_avg_sq
         [, max_exp_avg_sq]."""
-        self._require_idle(sg)
+        self._step.require_idle(sg)
         if not self.nvme[sg]:
-            return self._bank_state(self._resident(sg), sg)
+            return self._banks.bank_state(self._resident(sg), sg)
         bank = self._borrow_bank()
         try:
-            slot = self._file_slot[sg]
+            slot = self._files.slot(sg)
             crc = self._swap_file(sg, bank, slot, write=False)
-            if crc != self._crc[sg][slot]:
+            if crc != self._files.crc(sg, slot):
                 raise OSError(f"checksum mismatch in {self.swap.file(sg)} slot {slot}: expected "
-                              f"CRC32C {self._crc[sg][slot]:08x}, read {crc:08x}; the file is "
+                              f"CRC32C {self._files.crc(sg, slot):08x}, read {crc:08x}; the file is "
                               f"corrupt — restore from a checkpoint")
-            if self._remainders[sg]:  # the file holds the low halves; the high half is the model's param
-                self._params[sg].read_into(self._view(bank, "copy", self.numels[sg], torch.bfloat16))
-            return {k: v.clone() for k, v in self._bank_state(bank, sg).items()}
+            if self._banks.keeps_remainders(sg):  # the file holds the low halves; the high half is the model's param
+                self._banks.read_high(sg, bank)
+            return {k: v.clone() for k, v in self._banks.bank_state(bank, sg).items()}
         finally:
             self.pool.release(bank)
 
@@ -298,16 +273,15 @@ class HostTier(HostStepping, HostIO, CompressedState):
         master, or the model's elements (a layout.Subgroup: read into the bank); moments are rounded to the tier's dtypes (to nearest even). A subgroup that
         keeps remainders stores the master encoded, and its model param (`params[sg]`) takes
         the high half once the state stands."""
-        self._require_idle(sg)
+        self._step.require_idle(sg)
         given = {"exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq, "max_exp_avg_sq": max_exp_avg_sq}
         bank = self._borrow_bank() if self.nvme[sg] else self._resident(sg)
         try:
             if self.nvme[sg]:  # the whole block is written: no stale bytes in the checksum
-                self._state_block(bank).zero_()
-            fresh = bank in self._fresh_banks
-            self._fresh_banks.discard(bank)
-            high = self._store_master(bank, sg, param)
-            for name, dst in self._stored_state(bank, sg).items():
+                self._banks.state_block(bank).zero_()
+            fresh = self._banks.take_fresh(bank)
+            high = self._banks.store_master(bank, sg, param)
+            for name, dst in self._banks.stored_state(bank, sg).items():
                 if name not in given:
                     continue  # the master, written above
                 src = given[name]
@@ -317,14 +291,125 @@ class HostTier(HostStepping, HostIO, CompressedState):
                 else:
                     dst.copy_(src.reshape(-1))
             if self.nvme[sg]:
-                slot = 1 - self._file_slot[sg]  # the committed slot stays valid until this lands
-                self._crc[sg][slot] = self._swap_file(sg, bank, slot, write=True)
-                self._file_slot[sg] = slot
+                slot = 1 - self._files.slot(sg)  # the committed slot stays valid until this lands
+                self._files.commit(sg, slot, self._swap_file(sg, bank, slot, write=True))
             if high is not None:
-                self._write_param(sg, high)
+                self._banks.write_param(sg, high)
         finally:
             if self.nvme[sg]:
                 self.pool.release(bank)
+
+    # ------------------------------------------------------------------ steps (HostStepping)
+    def speculate(self, sg: int, grad, inputs: StepInputs, wait: bool = True) -> bool:
+        """Step `sg` now, to be validated by finish(); False when there is no room now
+        (HostStepping.speculate)."""
+        return self._step.speculate(sg, grad, inputs, wait)
+
+    def speculated(self) -> list[int]:
+        """The subgroups with a speculative step pending, sorted."""
+        return self._step.speculated()
+
+    def cancel(self, sg: int) -> None:
+        """Drop a pending speculation of `sg` (its grads changed: a new one follows)."""
+        self._step.cancel(sg)
+
+    def grad_stats(self, sg: int):
+        """(sum of squares, all finite) of the grads `sg` was speculated with (HostStepping)."""
+        return self._step.grad_stats(sg)
+
+    def piece_stats(self, sg: int, wait: bool = True):
+        """[(offset, numel, sum of squares)] of each grad piece `sg`'s pending speculation
+        stepped (HostStepping.piece_stats)."""
+        return self._step.piece_stats(sg, wait)
+
+    def finish(self, steps: dict, overflow: bool = False, on_commit=None) -> dict[int, str]:
+        """Validate and complete this iteration's host steps (HostStepping.finish)."""
+        return self._step.finish(steps, overflow, on_commit)
+
+    def step(self, sg: int, grad, inputs: StepInputs, on_commit=None) -> str:
+        """A plain (non-speculative) step of one subgroup."""
+        return self._step.step(sg, grad, inputs, on_commit)
+
+    @property
+    def stats(self) -> dict:
+        """Counters (a new dict each read): committed, redone, dropped, stepped (HostStepping),
+        worker_restarts, worker_seconds, remote_gathered (HostIO)."""
+        return {**self._step.counts, **self._io.counts}
+
+    # ------------------------------------------------------------------ worker traffic (HostIO)
+    def poll(self) -> None:
+        """Collect the results that have arrived, without waiting (frees slots and banks)."""
+        self._io.poll()
+
+    def copies_in_flight(self) -> int:
+        """Pieces still waiting for their staging copies (poll() sends those that landed)."""
+        return self._io.copies_in_flight()
+
+    @property
+    def worker_seconds(self) -> list:
+        """Per subgroup, cumulative: the worker's compute and I/O seconds (read-only)."""
+        return self._io.worker_seconds
+
+    @property
+    def remote_gather(self) -> bool:
+        """Whether the worker reads grads from this process itself (probed at construction);
+        setting it False makes the trainer stage every piece (tests of the staging path)."""
+        return self._io.remote_gather
+
+    @remote_gather.setter
+    def remote_gather(self, on: bool) -> None:
+        self._io.set_remote_gather(on)
+
+    @property
+    def copy_stager(self):
+        """The stager replacing the CUDA ones, or None; tests set one whose events they
+        complete themselves (HostIO.use_stager)."""
+        return self._io.copy_stager
+
+    @copy_stager.setter
+    def copy_stager(self, stager) -> None:
+        self._io.use_stager(stager)
+
+    # ------------------------------------------------------------------ read-only hooks
+    @property
+    def bank_offset(self) -> int:
+        """Byte offset of bank 0 in the arena."""
+        return self._banks.bank_offset
+
+    @property
+    def bank_stride(self) -> int:
+        """Bytes per bank in the arena (every bank has one capacity)."""
+        return self._banks.bank_stride
+
+    @property
+    def remainders(self) -> list:
+        """Per subgroup, whether it keeps its fp32 master as remainders (a copy)."""
+        return self._banks.remainders
+
+    @property
+    def file_slots(self) -> list:
+        """nvme: the committed slot (0 or 1) of each subgroup's file (a copy)."""
+        return self._files.committed
+
+    @property
+    def slots(self) -> tuple:
+        """The staging slots: grad_dtype tensors in the arena, by index."""
+        return self._io.slots
+
+    @property
+    def free_slots(self) -> int:
+        """How many staging slots are free now."""
+        return self._io.free_slots
+
+    @property
+    def pieces_in_flight(self) -> int:
+        """Pieces sent to the worker whose results have not been collected yet."""
+        return self._io.pieces_in_flight
+
+    @property
+    def stagers(self) -> dict:
+        """{CUDA device: its side-stream stager}, made on first use (a copy)."""
+        return self._io.stagers
 
     # ------------------------------------------------------------------ lifecycle
     @property
@@ -337,9 +422,8 @@ class HostTier(HostStepping, HostIO, CompressedState):
         if self.closed:
             return
         self.closed = True
-        self._settle_copies()
-        self._spec.clear()
-        self._inflight.clear()
+        self._step.clear()
+        self._io.close()  # staging copies land before the arena is unmapped under them
         try:
             self.client.close()
         finally:
@@ -348,7 +432,6 @@ class HostTier(HostStepping, HostIO, CompressedState):
                 self._aio.close()
             if self.swap is not None:
                 self.swap.remove()
-            self._slots = []
             self.arena.close()
 
     def __del__(self):

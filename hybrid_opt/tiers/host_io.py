@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass
+from contextlib import contextmanager
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -63,18 +64,100 @@ class _Piece:
     queued: bool = False          # waits in the CopyQueue to be sent
     cancelled: bool = False       # its step was discarded while queued: never sent
 
+    # the CopyQueue's marks (staging.py): it changes a piece only through these
+    def enqueue(self) -> None:
+        self.queued = True
+
+    def dequeue(self) -> None:
+        self.queued = False
+
+    def copy_landed(self) -> None:
+        """Its staging copy has landed: the slot holds the grads."""
+        self.copy_done = None
+
 
 
 class HostIO:
-    """Staging slots and worker traffic of a HostTier (a mixin: HostTier.__init__ makes the
-    slots, the worker client and the map of in-flight pieces this works on)."""
+    """Staging slots and worker traffic of a HostTier: it owns the slots, the pieces in flight,
+    the queue of pieces whose staging copies are landing, the stagers and the worker's error
+    and counters. The speculations stay with HostStepping, which tells it through two
+    callbacks: held(piece) — a speculated in-place piece keeps its grads until validation —
+    and forget(sg) — a subgroup torn by a worker death (inverse mode) is forgotten."""
+
+    def __init__(self, client, slots: list, *, grad_dtype, copy_dtype, remainders: list,
+                 rollback: str, nvme: list, held, forget):
+        self.client = client
+        self.grad_dtype, self.copy_dtype = grad_dtype, copy_dtype
+        self._remainders, self._rollback, self._nvme = list(remainders), rollback, list(nvme)
+        self._held, self._forget = held, forget
+        self._slots = list(slots)
+        self._free_slots = list(range(len(slots)))[::-1]
+        self._inflight: dict[int, _Piece] = {}
+        self._copies = CopyQueue()          # pieces whose staging copies are still landing (CUDA)
+        self._block_copies = False          # True inside finish(): step() may wait for them
+        self._stagers: dict = {}            # CUDA device -> its side-stream stager
+        self._copy_stager = None            # replaces the CUDA stagers (tests: events they complete)
+        self._error: WorkerError | None = None
+        self.remote_gather = False
+        self.worker_seconds = [0.0] * len(nvme)  # per subgroup, cumulative: compute and I/O in the worker
+        self._counts = {"worker_restarts": 0, "worker_seconds": 0.0, "remote_gathered": 0}
+
+    # ------------------------------------------------------------------ read-only views
+    @property
+    def counts(self) -> dict:
+        """worker_restarts, worker_seconds (all subgroups), remote_gathered (pieces whose grads
+        the worker read itself): a copy."""
+        return dict(self._counts)
+
+    @property
+    def timeout_s(self) -> float:
+        """The bound on every wait: the worker client's timeout, read at each use."""
+        return self.client.timeout_s
+
+    @property
+    def slots(self) -> tuple:
+        """The staging slots (tensors of grad_dtype in the arena), by slot index."""
+        return tuple(self._slots)
+
+    @property
+    def free_slots(self) -> int:
+        """How many staging slots are free now."""
+        return len(self._free_slots)
+
+    @property
+    def pieces_in_flight(self) -> int:
+        """Pieces sent to the worker whose results have not been collected."""
+        return len(self._inflight)
+
+    @property
+    def stagers(self) -> dict:
+        """{CUDA device: its side-stream CudaStager}, made on first use (a copy)."""
+        return dict(self._stagers)
+
+    @property
+    def copy_stager(self):
+        """The stager replacing the CUDA ones (use_stager), or None."""
+        return self._copy_stager
+
+    def use_stager(self, stager) -> None:
+        """Every asynchronous staging copy goes through `stager` (None: the CUDA stagers again);
+        tests drive the copy queue with events they complete themselves."""
+        self._copy_stager = stager
+
+    def set_remote_gather(self, on: bool) -> None:
+        """Whether the worker may read grads itself (probe_remote_gather() decides at start)."""
+        self.remote_gather = bool(on)
 
     # ------------------------------------------------------------------ remote gather
-    def _probe_remote_gather(self) -> bool:
+    def probe_remote_gather(self) -> bool:
         """Whether the worker can read grads straight from this process's memory
         (process_vm_readv): speculation then costs backward no copy. HYBRID_OPT_REMOTE_GATHER=0
         turns it off; a kernel that forbids it (Yama ptrace scope 2-3, seccomp) is detected
-        here and the trainer stages grads itself, as before."""
+        here and the trainer stages grads itself, as before. Sets remote_gather."""
+        self.remote_gather = self._probe_remote_gather()
+        return self.remote_gather
+
+    def _probe_remote_gather(self) -> bool:
         if os.environ.get("HYBRID_OPT_REMOTE_GATHER", "1") == "0" or not self._free_slots:
             return False
         probe = torch.arange(1, 65, dtype=torch.float32)
@@ -83,7 +166,7 @@ class HostIO:
         dst.zero_()
         task = P.Task(P.OP_PING, 0, slot=slot, gather=P.pack_gather([(0, probe.data_ptr(), probe.numel() * 4)]))
         try:
-            r = self.client.wait([self._send_task(task)])[0]
+            r = self.client.wait([self.send_task(task)])[0]
         except Exception:
             return False
         ok = r.status == P.STATUS_OK and torch.equal(dst.view(torch.float32), probe)
@@ -115,25 +198,47 @@ class HostIO:
                       float(inputs.weight_decay), float(inputs.grad_scale),
                       remainder=int(self._remainders[sg]))
 
-    def _acquire_slot(self) -> int:
+    def stage_step(self, pieces: list, sg: int, inputs: StepInputs, in_bank, out_bank, offset: int,
+                   numel: int, skip_nonfinite: bool, grad, *, remote: bool, send: bool,
+                   progress=None) -> _Piece:
+        """One piece of a step (elements offset..offset+numel of `sg`): takes a staging slot
+        (waiting for one if none is free; progress(): work to do meanwhile), appends the piece
+        to `pieces`, has the worker gather its grads (remote) or stages them, and sends it
+        (send=False: the caller sends the pieces later, send_checked)."""
+        slot = self._acquire_slot(progress)
+        piece = _Piece(sg, offset, numel, slot, self._task(P.OP_STEP, sg, inputs, in_bank, out_bank,
+                                                          offset, numel, slot, skip_nonfinite))
+        pieces.append(piece)  # owns the slot from here: every failure path frees it
+        # the worker reads the grads itself only while it has little else queued: a
+        # busy worker would finish later, so then the trainer copies them (its copy
+        # overlaps the worker's compute) — the copying is shared by whichever core is free
+        seg = (self._remote_segments(grad, offset, numel)
+               if remote and len(self._inflight) < REMOTE_GATHER_QUEUE else None)
+        if seg is not None:
+            gather, piece.keep = seg
+            piece.task = replace(piece.task, gather=gather)  # not sent yet: no one holds the old one
+            self._counts["remote_gathered"] += 1
+        else:
+            piece.copy_done = self._stage(slot, grad, offset, numel)  # an event: sent once it lands
+        if send:
+            self.send(piece)
+        return piece
+
+    def _acquire_slot(self, progress) -> int:
         while not self._free_slots:
             if not self._inflight and not len(self._copies):
                 raise RuntimeError("every staging slot is held by a speculated step awaiting "
                                    "validation; call finish() (or use more staging_slots)")
-            self._wait(lambda: self._progress() or bool(self._free_slots))
+            # progress(): work the trainer does while it waits for a staging slot (from finish())
+            self.wait(lambda: (progress is not None and progress()) or bool(self._free_slots))
         return self._free_slots.pop()
-
-    def _progress(self) -> None:
-        """Work the trainer does while it waits for a staging slot (set by finish())."""
-        if self._on_progress is not None:
-            self._on_progress()
 
     def _stage(self, slot: int, grad, offset: int, numel: int):
         """Copies a piece of grads into its staging slot. Returns None once the copy is done
         (CPU grads), or the event of a copy still in flight (CUDA grads: on the tier's side
-        stream, never blocking the caller); _send then holds the piece until it completes."""
+        stream, never blocking the caller); send then holds the piece until it completes."""
         dst = self._slots[slot][:numel]
-        stager = self._stager(grad)
+        stager = self.stager_for(grad)
         if stager is not None:
             if callable(grad):
                 return stager.copy(lambda: grad(dst, offset, numel, non_blocking=True))
@@ -145,12 +250,12 @@ class HostIO:
             dst.copy_(grad.reshape(-1)[offset:offset + numel])
         return None
 
-    def _stager(self, grad):
+    def stager_for(self, grad):
         """The asynchronous stager for these grads (one side stream per device, made on first
         use), or None: CPU grads are copied synchronously. `copy_stager`, when set, replaces
         the CUDA one (tests drive the queue with events they complete themselves)."""
-        if self.copy_stager is not None:
-            return self.copy_stager
+        if self._copy_stager is not None:
+            return self._copy_stager
         device = staging_device(grad)
         if device is None:
             return None
@@ -159,7 +264,8 @@ class HostIO:
             stager = self._stagers[device] = CudaStager(device)
         return stager
 
-    def _send(self, piece: _Piece) -> None:
+    def send(self, piece: _Piece) -> None:
+        """Sends a piece to the worker, or queues it behind the staging copies still landing."""
         if piece.copy_done is not None or len(self._copies):
             # its copy is still landing, or pieces ahead of it wait for theirs: order is kept
             self._copies.push([piece])
@@ -168,10 +274,10 @@ class HostIO:
         self._send_now(piece)
 
     def _send_now(self, piece: _Piece) -> None:
-        tid = self._send_task(piece.task)
+        tid = self.send_task(piece.task)
         self._inflight[tid] = piece
 
-    def _send_checked(self, pieces: list) -> None:
+    def send_checked(self, pieces: list) -> None:
         """Inverse mode: a subgroup whose grads are not all finite is not stepped at all (an
         in-place step and its undo would cost a few ulps); every piece is staged, so all are
         checked — once their copies have landed — before any is sent."""
@@ -200,7 +306,7 @@ class HostIO:
             pieces, whole = got
             if any(p.cancelled for p in pieces):
                 for p in pieces:  # their step was discarded: the slots are free now the copies landed
-                    self._free_slot(p)
+                    self.free_slot(p)
             elif whole:
                 self._send_if_finite(pieces)
             else:
@@ -210,6 +316,15 @@ class HostIO:
     def copies_in_flight(self) -> int:
         """Pieces still waiting for their staging copies (poll() sends those that landed)."""
         return len(self._copies)
+
+    @contextmanager
+    def copies_may_block(self):
+        """Inside: waits may block on the staging copies still landing (step(), never a hook)."""
+        self._block_copies = True
+        try:
+            yield
+        finally:
+            self._block_copies = False
 
     def _settle_copies(self) -> None:
         """close(): every staging copy still in flight lands before the arena is unpinned and
@@ -222,14 +337,15 @@ class HostIO:
                 pass  # a failed device: nothing more is copied into the arena
         self._copies = CopyQueue()
 
-    def _send_task(self, task: P.Task) -> int:
+    def send_task(self, task: P.Task) -> int:
+        """Sends one task (a new worker first if this one died); returns its task id."""
         try:
             return self.client.send(task)
         except WorkerDied as e:
             self._recover(e)
             return self.client.send(task)
 
-    def _free_slot(self, piece: _Piece) -> None:
+    def free_slot(self, piece: _Piece) -> None:
         """Returns a piece's staging slot to the ring, once (every path may call it)."""
         if piece.queued:
             # never sent: its step is being discarded. A copy may still be writing the slot:
@@ -251,16 +367,15 @@ class HostIO:
 
     def _release_piece(self, piece: _Piece) -> None:
         # a speculated in-place piece keeps its grads until validation (the undo needs them)
-        spec = self._spec.get(piece.subgroup)
-        if spec is not None and spec.bank is None and piece in spec.pieces:
+        if self._held(piece):
             return
-        self._free_slot(piece)
+        self.free_slot(piece)
 
     def _collect(self) -> None:
         for tid in [t for t in self._inflight if t in self.client.results]:
             piece = self._inflight.pop(tid)
             piece.result = r = self.client.results.pop(tid)
-            self.stats["worker_seconds"] += r.elapsed_ns * 1e-9
+            self._counts["worker_seconds"] += r.elapsed_ns * 1e-9
             self.worker_seconds[piece.subgroup] += r.elapsed_ns * 1e-9
             piece.keep = None  # the worker has read its grads
             self._release_piece(piece)
@@ -268,27 +383,28 @@ class HostIO:
                 self._error = WorkerError(f"hybrid_opt worker failed on subgroup {r.subgroup}: "
                                           f"{r.message}")
 
-    def _raise_error(self) -> None:
+    def raise_error(self) -> None:
+        """Raises the worker's first error since the last one raised (it names the subgroup)."""
         if self._error is not None:
             err, self._error = self._error, None
             raise err
 
-    def _quiesce(self) -> None:
+    def quiesce(self) -> None:
         """After a failure: let every in-flight task end before its buffers are reused."""
         try:
-            self._wait(lambda: not self._inflight, raise_errors=False)
+            self.wait(lambda: not self._inflight, raise_errors=False)
         except Exception:
             pass
         self._error = None
 
-    def _wait(self, done, raise_errors: bool = True) -> None:
+    def wait(self, done, raise_errors: bool = True) -> None:
         """Wait (bounded) until done() holds, collecting results and surviving worker deaths."""
         deadline = time.monotonic() + self.client.timeout_s
         while True:
             self._send_copied(block=self._block_copies)
             self._collect()
             if raise_errors:
-                self._raise_error()
+                self.raise_error()
             if done():
                 return
             if time.monotonic() > deadline:
@@ -299,33 +415,37 @@ class HostIO:
                                        f" (the GPU never finished copying the grads of {copying}: "
                                        f"check the device)" if copying else ""))
             try:
-                if self.client._resp is None:
-                    raise self.client._dead()
+                if not self.client.connected:
+                    raise self.client.death_error()
                 # staging copies still landing: look again soon (only step() blocks on them)
-                self.client._drain(0.0005 if len(self._copies) else 0.1)
+                self.client.drain(0.0005 if len(self._copies) else 0.1)
             except WorkerDied as e:
                 self._recover(e)
+
+    def wait_tasks(self, ids: list) -> None:
+        """Waits for tasks sent with send_task (not pieces: nothing tracks them) and takes their
+        results; raises the worker's error for any that failed."""
+        self.wait(lambda: all(i in self.client.results for i in ids))
+        self.client.wait(ids)
 
     def _recover(self, err: WorkerDied) -> None:
         """A new worker; exact mode resends the unfinished tasks, inverse mode cannot."""
         lost = {tid: p for tid, p in self._inflight.items() if tid not in self.client.results}
-        if self.rollback == "inverse":
+        if self._rollback == "inverse":
             torn = sorted({p.subgroup for p in lost.values()
-                           if p.task.op == P.OP_STEP and not self.nvme[p.subgroup]})
+                           if p.task.op == P.OP_STEP and not self._nvme[p.subgroup]})
             self._inflight = {t: p for t, p in self._inflight.items() if t not in lost}
             for p in lost.values():
-                self._free_slot(p)
+                self.free_slot(p)
             for sg in torn:
-                spec = self._spec.pop(sg, None)
-                for p in spec.pieces if spec is not None else ():
-                    self._free_slot(p)
+                self._forget(sg)
             self.client.restart()
-            self.stats["worker_restarts"] += 1
+            self._counts["worker_restarts"] += 1
             raise RuntimeError(f"{err}. rollback='inverse' steps in place, so the state of "
                                f"subgroups {torn} may be torn; restore them from a checkpoint "
                                f"(rollback='exact' survives this)") from err
         self.client.restart()
-        self.stats["worker_restarts"] += 1
+        self._counts["worker_restarts"] += 1
         # every task reads state nobody writes until commit (a committed bank, a committed file
         # slot, a read bank) and writes a buffer only it writes: sending it again is exact
         for tid, piece in lost.items():
@@ -334,7 +454,7 @@ class HostIO:
 
     def poll(self) -> None:
         """Collect the results that have arrived, without waiting (frees slots and banks)."""
-        if self.client._resp is not None:
+        if self.client.connected:
             try:
                 self.client.poll()
             except WorkerDied as e:
@@ -342,3 +462,9 @@ class HostIO:
         self._collect()
         self._send_copied()
 
+    def close(self) -> None:
+        """The tier closes: staging copies still in flight land, the pieces in flight are
+        forgotten and the slots (views of the arena, about to be unmapped) dropped."""
+        self._settle_copies()
+        self._inflight.clear()
+        self._slots = []

@@ -22,9 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import torch
-
-from hybrid_opt.tiers.host_io import REMOTE_GATHER_QUEUE, _Piece
+from hybrid_opt.tiers.host_io import _Piece
 from hybrid_opt.tiers.inputs import StepInputs, _with_step
 from hybrid_opt.worker import protocol as P
 
@@ -48,16 +46,77 @@ class _Speculation:
 
 
 
+class FileSlots:
+    """nvme: which of each subgroup's two file slots holds its committed state, and the CRC32C
+    of each slot (what a read is verified against)."""
+
+    def __init__(self, n: int):
+        self._committed = [0] * n
+        self._crc = [[0, 0] for _ in range(n)]
+
+    @property
+    def committed(self) -> list:
+        """The committed slot of each subgroup's file (a copy)."""
+        return list(self._committed)
+
+    def slot(self, sg: int) -> int:
+        return self._committed[sg]
+
+    def crc(self, sg: int, slot: int) -> int:
+        return self._crc[sg][slot]
+
+    def note_crc(self, sg: int, slot: int, crc: int) -> None:
+        """The CRC of what `slot` holds now (its committed slot stays as it is)."""
+        self._crc[sg][slot] = crc
+
+    def commit(self, sg: int, slot: int, crc: int) -> None:
+        """`slot` (holding data of CRC `crc`) is the subgroup's committed slot from now on."""
+        self._crc[sg][slot] = crc
+        self._committed[sg] = slot
+
+
 class HostStepping:
-    """Speculation, validation, commit and rollback of a HostTier's steps (a mixin: it works on
-    the tier's bank pool, its speculations and, through HostIO, the staging slots and worker)."""
+    """Speculation, validation, commit and rollback of a HostTier's steps: it owns the pending
+    speculations and the step counters, and works through the tier's bank pool, its StateBanks
+    (compressed.py), its FileSlots and its HostIO (staging slots and the worker)."""
+
+    def __init__(self, io, banks, pool, files: FileSlots, *, numels: list, nvme: list,
+                 rollback: str, amsgrad: bool, slot_numel: int):
+        self._io, self._banks, self._pool, self._files = io, banks, pool, files
+        self.numels, self.nvme = list(numels), list(nvme)
+        self.rollback, self.amsgrad, self.slot_numel = rollback, amsgrad, slot_numel
+        self._spec: dict[int, _Speculation] = {}
+        self._on_progress = None            # inside finish(): work to do while a slot is awaited
+        self._counts = {"committed": 0, "redone": 0, "dropped": 0, "stepped": 0}
+
+    @property
+    def counts(self) -> dict:
+        """committed, redone, dropped, stepped: subgroup steps by outcome (a copy)."""
+        return dict(self._counts)
+
+    def held(self, piece: _Piece) -> bool:
+        """Whether `piece` belongs to a pending in-place speculation: it keeps its staging slot
+        (its grads) until validation, for the undo (HostIO asks before freeing it)."""
+        spec = self._spec.get(piece.subgroup)
+        return spec is not None and spec.bank is None and piece in spec.pieces
+
+    def forget(self, sg: int) -> None:
+        """A speculation torn by a worker death (inverse mode: HostIO's recovery): dropped
+        without an undo, its staging slots freed."""
+        spec = self._spec.pop(sg, None)
+        for p in spec.pieces if spec is not None else ():
+            self._io.free_slot(p)
+
+    def clear(self) -> None:
+        """The tier closes: every pending speculation is forgotten."""
+        self._spec.clear()
 
     # ------------------------------------------------------------------ launching
     def _carry_over(self, sg: int, src: int, out_bank: int, runs: tuple) -> None:
         """Elements no run steps keep their committed state in the new bank (an nvme subgroup's
         high half is the model's param, never saved from a bank: not copied)."""
         n = self.numels[sg]
-        src_state, dst_state = self._stored_state(src, sg), self._stored_state(out_bank, sg)
+        src_state, dst_state = self._banks.stored_state(src, sg), self._banks.stored_state(out_bank, sg)
         if self.nvme[sg]:
             dst_state.pop("high", None)
         pos = 0
@@ -76,7 +135,7 @@ class HostStepping:
         """Stage and send every task of one subgroup's step; spec.bank (and, for nvme,
         spec.aux_bank) are already taken. remote: the worker reads the grads itself where it
         can (during backward, the trainer's core is busy)."""
-        remote = remote and self.remote_gather and not whole_subgroup_check
+        remote = remote and self._io.remote_gather and not whole_subgroup_check
         n = self.numels[sg]
         runs = inputs.ranges(n)
         pieces = spec.pieces
@@ -84,50 +143,38 @@ class HostStepping:
         if self.nvme[sg]:
             in_bank = spec.aux_bank
             swap_in = spec.swap_in or self._send_swap_in(sg, spec)
-            if self._remainders[sg]:
+            if self._banks.keeps_remainders(sg):
                 self._send_high_half(sg, spec, in_bank)
         else:
-            in_bank = self.pool.committed[sg]
+            in_bank = self._pool.committed[sg]
         if inputs.runs and spec.bank is not None:
             if swap_in is not None:
-                self._wait(lambda: swap_in.result is not None)
+                self._io.wait(lambda: swap_in.result is not None)
             self._carry_over(sg, in_bank, spec.bank, runs)
         for run_off, run_n, step in runs:
             run_inputs = inputs if step == inputs.step else _with_step(inputs, step)
             for off in range(run_off, run_off + run_n, self.slot_numel):
                 k = min(self.slot_numel, run_off + run_n - off)
-                slot = self._acquire_slot()
-                piece = _Piece(sg, off, k, slot, self._task(P.OP_STEP, sg, run_inputs, in_bank,
-                                                            spec.bank, off, k, slot, skip_nonfinite))
-                pieces.append(piece)  # owns the slot from here: every failure path frees it
-                # the worker reads the grads itself only while it has little else queued: a
-                # busy worker would finish later, so then the trainer copies them (its copy
-                # overlaps the worker's compute) — the copying is shared by whichever core is free
-                seg = (self._remote_segments(grad, off, k)
-                       if remote and len(self._inflight) < REMOTE_GATHER_QUEUE else None)
-                if seg is not None:
-                    piece.task.gather, piece.keep = seg
-                    self.stats["remote_gathered"] += 1
-                else:
-                    piece.copy_done = self._stage(slot, grad, off, k)  # an event: sent once it lands
-                if not whole_subgroup_check:
-                    self._send(piece)
+                # appended to pieces as soon as it holds a slot: every failure path frees it
+                self._io.stage_step(pieces, sg, run_inputs, in_bank, spec.bank, off, k, skip_nonfinite,
+                                    grad, remote=remote, send=not whole_subgroup_check,
+                                    progress=self._on_progress)
         if whole_subgroup_check:
-            self._send_checked(pieces)  # inverse mode: stepped only if every grad is finite
+            self._io.send_checked(pieces)  # inverse mode: stepped only if every grad is finite
         if self.nvme[sg]:
-            spec.file_slot = 1 - self._file_slot[sg]
+            spec.file_slot = 1 - self._files.slot(sg)
             spec.swap_out = self._swap_piece(P.OP_SWAP_OUT, sg, spec.bank, spec.file_slot)
             pieces.append(spec.swap_out)
-            self._send(spec.swap_out)
+            self._io.send(spec.swap_out)
 
     def _send_high_half(self, sg: int, spec: _Speculation, bank: int) -> None:
         """The committed high half (the model's param) into the read bank; a copy still in
         flight (CUDA) holds the step's tasks back behind a no-op task that waits for it."""
-        landed = self._fill_high(sg, bank)
+        landed = self._banks.fill_high(sg, bank, self._io.stager_for)
         if landed is not None:
             piece = _Piece(sg, 0, 0, -1, P.Task(P.OP_PING, 0, sg), freed=True, copy_done=landed)
             spec.pieces.append(piece)
-            self._send(piece)
+            self._io.send(piece)
 
     def _check(self, sg: int, grad, inputs: StepInputs) -> None:
         """Rejects a bad step before any bank, slot or task is taken: a step that failed half
@@ -147,27 +194,40 @@ class HostStepping:
 
     def _send_swap_in(self, sg: int, spec: _Speculation) -> _Piece:
         """The worker starts reading the committed slot into spec.aux_bank at once."""
-        slot = self._file_slot[sg]
-        spec.swap_in = self._swap_piece(P.OP_SWAP_IN, sg, spec.aux_bank, slot, self._crc[sg][slot])
+        slot = self._files.slot(sg)
+        spec.swap_in = self._swap_piece(P.OP_SWAP_IN, sg, spec.aux_bank, slot, self._files.crc(sg, slot))
         spec.pieces.append(spec.swap_in)
-        self._send(spec.swap_in)
+        self._io.send(spec.swap_in)
         return spec.swap_in
 
     def _take_banks(self, sg: int) -> _Speculation | None:
         """The banks one step of `sg` needs, or None when the pool cannot give them now:
-        nvme two (read, result), exact one (result), inverse none (in place)."""
+        nvme two (read, result), exact one (result), inverse none (in place); once the banks
+        the step reads and writes are populated."""
+        spec = self._bank_spec(sg)
+        if spec is not None:
+            used = [b for b in (spec.bank, spec.aux_bank) if b is not None]
+            try:
+                self._banks.wait_populated(used if self.nvme[sg] else [self._pool.committed[sg]] + used,
+                                           self._io.timeout_s)
+            except BaseException:
+                self._release_banks(spec)
+                raise
+        return spec
+
+    def _bank_spec(self, sg: int) -> _Speculation | None:
         if self.nvme[sg]:
-            banks = self.pool.acquire(2)
+            banks = self._pool.acquire(2)
             return None if banks is None else _Speculation(None, banks[1], aux_bank=banks[0])
         if self.rollback == "exact":
-            banks = self.pool.acquire(1)
+            banks = self._pool.acquire(1)
             return None if banks is None else _Speculation(None, banks[0])
         return _Speculation(None, None)
 
     def _release_banks(self, spec: _Speculation) -> None:
         for b in (spec.bank, spec.aux_bank):
             if b is not None:
-                self.pool.release(b)
+                self._pool.release(b)
         spec.bank = spec.aux_bank = None
 
     # ------------------------------------------------------------------ speculation
@@ -177,13 +237,13 @@ class HostStepping:
         or with wait=False, not every staging slot it needs): the subgroup is then stepped at
         finish(). With wait=True it may wait for the worker to free staging slots."""
         self._check(sg, grad, inputs)
-        self._require_idle(sg)
+        self.require_idle(sg)
         in_place = self.rollback == "inverse" and not self.nvme[sg]
         # wait=False (inside backward) never waits for the worker: every slot the step needs
         # must be free now; in place, they also stay held until validation (the undo needs
         # the grads), so they must all be free at once anyway
         pieces = sum(-(-k // self.slot_numel) for _, k, _ in inputs.ranges(self.numels[sg]))
-        if (in_place or not wait) and len(self._free_slots) < pieces:
+        if (in_place or not wait) and self._io.free_slots < pieces:
             return False
         spec = self._take_banks(sg)
         if spec is None:
@@ -203,7 +263,7 @@ class HostStepping:
         spec = self._spec.pop(sg, None)
         if spec is None:
             return
-        self._quiesce()
+        self._io.quiesce()
         if spec.bank is None and any(p.result is not None and p.result.status == P.STATUS_OK
                                      for p in spec.pieces):
             try:
@@ -211,7 +271,7 @@ class HostStepping:
             except Exception:
                 pass  # the error being raised already names this subgroup's trouble
         for p in spec.pieces:
-            self._free_slot(p)
+            self._io.free_slot(p)
         self._release_banks(spec)
 
     def speculated(self) -> list[int]:
@@ -222,7 +282,7 @@ class HostStepping:
         spec = self._spec.get(sg)
         if spec is None:
             return
-        self._wait(spec.done)
+        self._io.wait(spec.done)
         self._drop(self._spec.pop(sg), sg)
 
     def grad_stats(self, sg: int):
@@ -231,7 +291,7 @@ class HostStepping:
         spec = self._spec.get(sg)
         if spec is None:
             return None
-        self._wait(spec.done)
+        self._io.wait(spec.done)
         total, finite = 0.0, True
         for p in spec.pieces:
             if p.task.op == P.OP_STEP:
@@ -248,11 +308,12 @@ class HostStepping:
         if spec is None:
             return None
         if wait:
-            self._wait(spec.done)
+            self._io.wait(spec.done)
         return [(p.offset, p.numel, None if p.result is None else p.result.sum_sq)
                 for p in spec.pieces if p.task.op == P.OP_STEP]
 
-    def _require_idle(self, sg: int) -> None:
+    def require_idle(self, sg: int) -> None:
+        """Raises when `sg` has a speculative step pending (its state is not settled)."""
         if sg in self._spec:
             raise RuntimeError(f"subgroup {sg} has a speculative step pending; call finish() first")
 
@@ -264,13 +325,12 @@ class HostStepping:
             if p.task.op == P.OP_STEP and p.result is not None and p.result.status == P.STATUS_OK:
                 # the grads are in the slot already (held until validation): no gather
                 t = P.Task(**{**p.task.__dict__, "op": P.OP_INVERSE, "task_id": 0, "gather": b""})
-                ids.append(self._send_task(t))
+                ids.append(self._io.send_task(t))
         try:
-            self._wait(lambda: all(i in self.client.results for i in ids))
-            self.client.wait(ids)
+            self._io.wait_tasks(ids)
         finally:
             for p in spec.pieces:
-                self._free_slot(p)
+                self._io.free_slot(p)
 
     def _drop(self, spec: _Speculation, sg: int) -> None:
         """The step does not stand: spare banks go back (the committed state was never
@@ -278,37 +338,25 @@ class HostStepping:
         if spec.bank is None and not self.nvme[sg]:
             self._undo(sg, spec)
         for p in spec.pieces:
-            self._free_slot(p)
+            self._io.free_slot(p)
         self._release_banks(spec)
 
     def _commit(self, sg: int, spec: _Speculation, on_commit) -> None:
         """The step stands: flip the subgroup's bank (exact) or file slot (nvme), let the
         caller read the new state, and return what the step borrowed."""
         for p in spec.pieces:
-            self._free_slot(p)
+            self._io.free_slot(p)
         if self.nvme[sg]:
-            self._crc[sg][spec.file_slot] = spec.swap_out.result.crc
-            self._file_slot[sg] = spec.file_slot
+            self._files.commit(sg, spec.file_slot, spec.swap_out.result.crc)
             if on_commit is not None:
-                on_commit(sg, self._bank_views(spec.bank, sg))
+                on_commit(sg, self._banks.commit_views(spec.bank, sg))
             self._release_banks(spec)
             return
         if spec.bank is not None:
-            self.pool.commit(sg, spec.bank)
+            self._pool.commit(sg, spec.bank)
             spec.bank = None
         if on_commit is not None:
-            on_commit(sg, self._bank_views(self.pool.committed[sg], sg))
-
-    def _bank_views(self, bank: int, sg: int) -> dict:
-        """What on_commit sees: the new fp32 master, and the model-dtype copy when written. A
-        subgroup that keeps remainders gives only param_copy (the bf16 param: the master's high
-        half) — decoding its master at every commit would cost a pass nobody reads."""
-        if self._remainders[sg]:
-            return {"param_copy": self._view(bank, "copy", self.numels[sg], torch.bfloat16)}
-        out = {"param": self._view(bank, "p", self.numels[sg], torch.float32)}
-        if self.copy_dtype is not None:
-            out["param_copy"] = self._view(bank, "copy", self.numels[sg], self.copy_dtype)
-        return out
+            on_commit(sg, self._banks.commit_views(self._pool.committed[sg], sg))
 
     def finish(self, steps: dict, overflow: bool = False, on_commit=None) -> dict[int, str]:
         """Validate and complete this iteration's host steps.
@@ -321,22 +369,19 @@ class HostStepping:
         buffers are reused right after).
         Returns {sg: "committed" | "redone" | "stepped" | "dropped"}.
         """
-        self._block_copies = True  # step(): the staging copies still landing may be waited for
-        try:
+        with self._io.copies_may_block():  # step(): the staging copies still landing may be waited for
             return self._finish(steps, overflow, on_commit)
-        finally:
-            self._block_copies = False
 
     def _finish(self, steps: dict, overflow: bool, on_commit) -> dict[int, str]:
         for sg, (grad, final) in steps.items():
             self._check(sg, grad, final)
-        self._wait(lambda: all(s.done() for s in self._spec.values()))
+        self._io.wait(lambda: all(s.done() for s in self._spec.values()))
         outcome = {}
         if overflow:
             for sg in list(self._spec):
                 self._drop(self._spec.pop(sg), sg)
                 outcome[sg] = "dropped"
-            self.stats["dropped"] += len(outcome)
+            self._counts["dropped"] += len(outcome)
             return outcome
         for sg in [s for s in self._spec if s not in steps]:
             self._drop(self._spec.pop(sg), sg)
@@ -358,14 +403,14 @@ class HostStepping:
             self._step_all(todo, steps, waiting, on_commit)
         except BaseException:
             # every committed state stands: let in-flight work end, then return what it held
-            self._quiesce()
+            self._io.quiesce()
             for spec in waiting.values():
                 for p in spec.pieces:
-                    self._free_slot(p)
+                    self._io.free_slot(p)
                 self._release_banks(spec)
             raise
         for v in outcome.values():
-            self.stats[v] += 1
+            self._counts[v] += 1
         return outcome
 
     def _step_all(self, todo: list, steps: dict, waiting: dict, on_commit) -> None:
@@ -381,7 +426,7 @@ class HostStepping:
             for nxt in todo[k + 1:]:
                 if not self.nvme[nxt] or nxt in prefetched:
                     continue
-                if len(self.pool.free) < 2 + reserve:
+                if len(self._pool.free) < 2 + reserve:
                     break
                 ahead = self._take_banks(nxt)
                 waiting[nxt] = ahead  # tracked with the in-flight work, for the error path
@@ -412,8 +457,8 @@ class HostStepping:
             while spec is None:  # the pool is spent: commit what has finished, then go on
                 if not waiting:
                     raise RuntimeError(f"subgroup {sg} needs more banks than the pool has "
-                                       f"({self.pool.n_banks}); raise spare_banks/io_banks")
-                self._wait(lambda: any(w.done() for w in waiting.values()))
+                                       f"({self._pool.n_banks}); raise spare_banks/io_banks")
+                self._io.wait(lambda: any(w.done() for w in waiting.values()))
                 self._commit_finished(waiting, on_commit)
                 spec = self._take_banks(sg)
             spec.inputs = final
@@ -427,13 +472,13 @@ class HostStepping:
                 for sgp, sp in prefetched.items():
                     waiting.setdefault(sgp, sp)  # the handler waits for their reads, frees banks
                 raise
-        self._wait(lambda: all(w.done() for w in waiting.values()))
+        self._io.wait(lambda: all(w.done() for w in waiting.values()))
         self._commit_finished(waiting, on_commit)
 
     def _commit_finished(self, waiting: dict, on_commit) -> None:
         for sg in [s for s, w in waiting.items() if w.done()]:
             if not waiting[sg].ok():
-                self._raise_error()  # the worker's own error names the subgroup and cause
+                self._io.raise_error()  # the worker's own error names the subgroup and cause
                 raise RuntimeError(f"hybrid_opt host tier: subgroup {sg}'s step did not complete")
             self._commit(sg, waiting.pop(sg), on_commit)
 

@@ -68,7 +68,9 @@ class CopyQueue:
     """Pieces waiting to be sent to the worker, in launch order: a piece whose staging copy is
     in flight holds back every piece behind it (the worker runs tasks in arrival order, and an
     nvme write-back must follow its subgroup's steps). Each entry is (pieces, whole): `whole`
-    marks one subgroup's pieces that are sent together once all are finite (inverse mode)."""
+    marks one subgroup's pieces that are sent together once all are finite (inverse mode).
+    A piece (host_io._Piece) is read for its `copy_done` event and marked only through its
+    enqueue(), dequeue() and copy_landed()."""
 
     def __init__(self):
         self._entries: deque = deque()
@@ -78,7 +80,7 @@ class CopyQueue:
 
     def push(self, pieces: list, whole: bool = False) -> None:
         for p in pieces:
-            p.queued = True
+            p.enqueue()
         self._entries.append((pieces, whole))
 
     def pop_ready(self, block: bool):
@@ -93,10 +95,10 @@ class CopyQueue:
                     if not block:
                         return None
                     p.copy_done.synchronize()
-                p.copy_done = None
+                p.copy_landed()
         self._entries.popleft()
         for p in pieces:
-            p.queued = False
+            p.dequeue()
         return pieces, whole
 
     def pieces(self) -> list:

@@ -193,7 +193,12 @@ class CoreSplit:
 
 
 class WorkerClient:
-    """One worker process over one shared arena. Not thread-safe (the trainer's one thread)."""
+    """One worker process over one shared arena. Not thread-safe (the trainer's one thread).
+
+    Public interface (what the host tier uses): launch()/wait_started() or start(), send(),
+    wait(), poll(), drain(), ping(), restart(), close(); `connected` and death_error() to see
+    and describe a worker that is gone; `results` (task id -> Result, taken by whoever
+    collects them), `pending`, `timeout_s`, `pid`."""
 
     def __init__(self, arena, layout: dict, *, cores: list[int] | None = None,
                  timeout_s: float = 120.0, start_timeout_s: float = 30.0):
@@ -208,6 +213,7 @@ class WorkerClient:
         self.results: dict[int, P.Result] = {}
         self.restarts = 0
         self._req = self._resp = None
+        self._reader = None
         self._stderr_fd = None
 
     # ------------------------------------------------------------------ lifecycle
@@ -262,7 +268,16 @@ class WorkerClient:
         except OSError:
             return ""
 
-    def _dead(self) -> WorkerDied:
+    @property
+    def connected(self) -> bool:
+        """Whether the result pipe is open: False once a dead worker was reaped (death_error())
+        and before restart() or a new launch(); then only death_error() or restart() help."""
+        return self._resp is not None
+
+    def death_error(self) -> WorkerDied:
+        """The error describing this worker's end — how it ended (a signal, an exit code, no
+        answer), the subgroups it had in flight, the tail of its stderr — after reaping it
+        (killed if still running; its pipes closed). The caller raises it (or restarts)."""
         code = self.proc.poll() if self.proc is not None else None
         if code is None and self.proc is not None:
             try:
@@ -321,21 +336,23 @@ class WorkerClient:
 
     def send(self, task: P.Task) -> int:
         if not self.alive():
-            raise self._dead()
+            raise self.death_error()
         task.task_id = self.next_id
         self.next_id += 1
         self.pending[task.task_id] = task
         try:
             P.write_frame(self._req, task.pack())
         except BrokenPipeError:
-            raise self._dead() from None
+            raise self.death_error() from None
         return task.task_id
 
-    def _drain(self, timeout: float) -> None:
+    def drain(self, timeout: float) -> None:
+        """Waits up to `timeout` seconds for results and moves those that arrived into
+        `results`; raises death_error() when the worker is gone (EOF, or an exited process)."""
         ready, _, _ = select.select([self._resp], [], [], timeout)
         if not ready:
             if self.proc.poll() is not None:
-                raise self._dead()
+                raise self.death_error()
             return
         self._reader.feed()
         for payload in self._reader.frames():
@@ -343,13 +360,13 @@ class WorkerClient:
             self.pending.pop(r.task_id, None)
             self.results[r.task_id] = r
         if self._reader.eof:
-            raise self._dead()
+            raise self.death_error()
 
     def poll(self) -> None:
         """Collect whatever results have arrived, without waiting."""
         if self._resp is not None:
             while select.select([self._resp], [], [], 0)[0]:
-                self._drain(0)
+                self.drain(0)
                 if self._resp is None:
                     break
 
@@ -359,14 +376,14 @@ class WorkerClient:
         deadline = time.monotonic() + (self.timeout_s if timeout_s is None else timeout_s)
         while any(t not in self.results for t in task_ids):
             if self._resp is None:
-                raise self._dead()
+                raise self.death_error()
             left = deadline - time.monotonic()
             if left <= 0:
                 outstanding = sorted({self.pending[t].subgroup for t in task_ids if t in self.pending})
                 raise WorkerTimeout(f"hybrid_opt worker (pid {self.pid}) did not finish subgroups "
                                     f"{outstanding} within {self.timeout_s:.0f} s; it may be "
                                     f"starved of CPU or stuck — raise timeout_s or check the machine")
-            self._drain(min(_POLL_S, left))
+            self.drain(min(_POLL_S, left))
         out = [self.results.pop(t) for t in task_ids]
         for r in out:
             if r.status == P.STATUS_ERROR:

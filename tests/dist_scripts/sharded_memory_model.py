@@ -22,5 +22,5 @@ def figures(opt) -> dict:
     (staging slots; io banks: two per nvme read in flight) and the state's own bytes."""
     host = opt.parts.placement.host
     return dict(allocated=opt.allocated_bytes, staging=host.staging_bytes,
-                io_banks=2 * host.io_banks * host._bank_stride,
+                io_banks=2 * host.io_banks * host.bank_stride,
                 state=sum(s.numel for s in opt.parts.layout.subgroups) * 12, subgroups=len(opt.parts.layout.subgroups))
