@@ -144,7 +144,7 @@ def rank_main(args) -> None:
                    iter_ms=run["iter_ms"], step_ms=run["step_ms"],
                    host_state_bytes=tiers[HOST]["state_bytes"] + tiers[NVME]["state_bytes"],
                    host_arena_bytes=opt.parts.placement.host.arena.nbytes if opt.parts.placement.host is not None else 0,
-                   comm_buffer_bytes=opt._zero.stats["buffer_bytes"] if opt._zero is not None else 0,
+                   comm_buffer_bytes=opt.parts.sharding.stats["buffer_bytes"] if opt.parts.sharding.active else 0,
                    **spec, commit_rate=spec["committed"] / host_steps if host_steps else None,
                    hidden_share=run["hidden_s"] / run["worker_s"] if run["worker_s"] else None)
         records.append(rec)

@@ -1,7 +1,8 @@
 """Checkpoints: state_dict() gathers every tier's state into torch.optim.AdamW's format, and
 load_state_dict() scatters such a state dict back into the tiers.
 
-A mixin of the optimizer class. The fp32 master of a bf16/fp16 param travels under the
+Functions of (layout, placement, param groups) the optimizer's state_dict() and
+load_state_dict() call. The fp32 master of a bf16/fp16 param travels under the
 extra key `master_param`, which torch ignores.
 """
 from __future__ import annotations
@@ -54,204 +55,175 @@ def _check_saved_state(saved_state: dict, params: list) -> None:
                                  f"a 1-element tensor, got {entry['step']!r}") from None
 
 
-class CheckpointMixin:
-    """torch's state_dict format in and out of the tiers."""
-
-    def _subgroup_state(self, sg) -> dict:
-        """A subgroup's fp32 master and moments, wherever it lives: views on the device and
-        host tiers, copies read from its file on nvme; a master kept as remainders is decoded
-        (a new tensor: written back with the tier's set_master / load_state)."""
-        if self._placement.plan.tiers[sg.index] == DEVICE:
-            return self._placement.device.state_of(sg.index)
-        st = self._placement.host.state(self._placement.host_local[sg.index])
-        st["master"] = st.pop("param")
-        return st
-
-    def state_dict(self) -> dict:
-        """torch's format. Where each param's state lands: a param wholly on the device tier
-        gets views of the tier's buffers when its elements lie in one subgroup (references,
-        as torch returns its own state tensors: copy them to keep a snapshot), else copies on
-        its device; a param with any element on the host or nvme tier gets CPU tensors of its
-        own (they outlive close()). Gathered one param at a time: an nvme subgroup's file is
-        read once, and its copy dropped after the last param that needs it."""
-        self._check_open()
-        # called between backward and step(): the committed state is what a checkpoint holds;
-        # pending speculations are dropped (step() then steps those subgroups itself)
-        self._drop_speculation()
-        self._check_written()  # a param written since the last step: its master restarts first (storage.py)
-        base = super().state_dict()  # param_groups in torch's format (params as indices)
-        params = list(self._layout.params())
-        pieces: dict = {}  # param index -> [(subgroup, slice)]
-        for sg in self._layout.subgroups:
-            for sl in sg.slices:
-                pieces.setdefault(sl.param_index, []).append((sg, sl))
-        # never stepped: torch has no state for it either
-        stepped = [idx for idx in range(len(params)) if self._layout.steps[idx]]
-        last_use = {}  # subgroup index -> the last stepped param that reads its state
-        for idx in stepped:
-            for sg, _ in pieces.get(idx, ()):
-                last_use[sg.index] = idx
-        sub_state: dict = {}  # subgroup states in use (an nvme one is a copy read from its file)
-        state = {}
-        for idx in stepped:
-            p = local_of(params[idx])  # a DTensor's state is its local shard's, wrapped below
-            keys = ["exp_avg", "exp_avg_sq"] + (["max_exp_avg_sq"] if self._layout.group_of(idx)["amsgrad"] else [])
-            if p.dtype != torch.float32:
-                keys.append("master")
-            parts = pieces.get(idx, [])
-            on_device = all(self._placement.plan.tiers[sg.index] == DEVICE for sg, _ in parts)
-            if on_device and len(parts) == 1:
-                sg, sl = parts[0]
+def gather_state(layout, placement, state_format) -> dict:
+    """torch's `state` of the optimizer, from the tiers. Where each param's state lands: a
+    param wholly on the device tier gets views of the tier's buffers when its elements lie in
+    one subgroup (references, as torch returns its own state tensors: copy them to keep a
+    snapshot), else copies on its device; a param with any element on the host or nvme tier
+    gets CPU tensors of its own (they outlive close()). Gathered one param at a time: an nvme
+    subgroup's file is read once, and its copy dropped after the last param that needs it."""
+    params = list(layout.params())
+    pieces: dict = {}  # param index -> [(subgroup, slice)]
+    for sg in layout.subgroups:
+        for sl in sg.slices:
+            pieces.setdefault(sl.param_index, []).append((sg, sl))
+    # never stepped: torch has no state for it either
+    stepped = [idx for idx in range(len(params)) if layout.steps[idx]]
+    last_use = {}  # subgroup index -> the last stepped param that reads its state
+    for idx in stepped:
+        for sg, _ in pieces.get(idx, ()):
+            last_use[sg.index] = idx
+    sub_state: dict = {}  # subgroup states in use (an nvme one is a copy read from its file)
+    state = {}
+    for idx in stepped:
+        p = local_of(params[idx])  # a DTensor's state is its local shard's, wrapped below
+        keys = ["exp_avg", "exp_avg_sq"] + (["max_exp_avg_sq"] if layout.group_of(idx)["amsgrad"] else [])
+        if p.dtype != torch.float32:
+            keys.append("master")
+        parts = pieces.get(idx, [])
+        on_device = all(placement.plan.tiers[sg.index] == DEVICE for sg, _ in parts)
+        if on_device and len(parts) == 1:
+            sg, sl = parts[0]
+            if sg.index not in sub_state:
+                sub_state[sg.index] = placement.state_of(sg)
+            st = sub_state[sg.index]
+            a, b = sl.sub_offset, sl.sub_offset + sl.numel
+            flat = {k: st[k][a:b] for k in keys}
+            if "master" in flat and placement.device.has_remainders(sg.index):
+                # decoded once per subgroup, then each param's own elements: a view of the
+                # decoded subgroup would make torch.save write all of it once per param
+                flat["master"] = flat["master"].clone()
+            if last_use[sg.index] == idx:
+                del sub_state[sg.index]
+        else:
+            where = p.device if on_device else torch.device("cpu")
+            # moments in the format's dtypes (bf16 when compressed), the master in fp32
+            flat = {k: torch.empty(p.numel(), dtype=_state_dtype(state_format, k), device=where) for k in keys}
+            for sg, sl in parts:
                 if sg.index not in sub_state:
-                    sub_state[sg.index] = self._placement.state_of(sg)
-                st = sub_state[sg.index]
+                    sub_state[sg.index] = placement.state_of(sg)
                 a, b = sl.sub_offset, sl.sub_offset + sl.numel
-                flat = {k: st[k][a:b] for k in keys}
-                if "master" in flat and self._placement.device.has_remainders(sg.index):
-                    # decoded once per subgroup, then each param's own elements: a view of the
-                    # decoded subgroup would make torch.save write all of it once per param
-                    flat["master"] = flat["master"].clone()
+                for k in keys:
+                    flat[k][sl.param_offset:sl.param_offset + sl.numel].copy_(sub_state[sg.index][k][a:b])
                 if last_use[sg.index] == idx:
                     del sub_state[sg.index]
-            else:
-                where = p.device if on_device else torch.device("cpu")
-                # moments in the format's dtypes (bf16 when compressed), the master in fp32
-                flat = {k: torch.empty(p.numel(), dtype=self._state_dtype(k), device=where) for k in keys}
-                for sg, sl in parts:
-                    if sg.index not in sub_state:
-                        sub_state[sg.index] = self._placement.state_of(sg)
-                    a, b = sl.sub_offset, sl.sub_offset + sl.numel
-                    for k in keys:
-                        flat[k][sl.param_offset:sl.param_offset + sl.numel].copy_(sub_state[sg.index][k][a:b])
-                    if last_use[sg.index] == idx:
-                        del sub_state[sg.index]
-            entry = {"step": torch.tensor(float(self._layout.steps[idx]), dtype=torch.float32)}
-            for k in keys:
-                t = flat[k].view(p.shape)
-                # torch.optim.AdamW's state under FSDP2 is zeros_like(p): DTensors like the param
-                entry["master_param" if k == "master" else k] = (
-                    dtensor_like(t, params[idx]) if is_sharded(params[idx]) else t)
-            state[idx] = entry
-        base["state"] = state
-        return base
+        entry = {"step": torch.tensor(float(layout.steps[idx]), dtype=torch.float32)}
+        for k in keys:
+            t = flat[k].view(p.shape)
+            # torch.optim.AdamW's state under FSDP2 is zeros_like(p): DTensors like the param
+            entry["master_param" if k == "master" else k] = (
+                dtensor_like(t, params[idx]) if is_sharded(params[idx]) else t)
+        state[idx] = entry
+    return state
 
-    def _state_dtype(self, key: str) -> torch.dtype:
-        fmt = self.state_format
-        return {"exp_avg": fmt.exp_avg_dtype, "exp_avg_sq": fmt.exp_avg_sq_dtype,
-                "max_exp_avg_sq": fmt.exp_avg_sq_dtype}.get(key, torch.float32)
 
-    def load_state_dict(self, state_dict: dict) -> None:
-        self._check_open()
-        # params given new memory since the last step are re-adopted first (storage.py): done
-        # at the next step() instead, it would restart the masters this load sets
-        self._check_storage()
-        self._drop_speculation()
-        groups, saved_groups = self.param_groups, state_dict["param_groups"]
-        if len(groups) != len(saved_groups):
-            raise ValueError("loaded state dict has a different number of parameter groups")
-        if any(len(g["params"]) != len(s["params"]) for g, s in zip(groups, saved_groups)):
-            raise ValueError("loaded state dict contains a parameter group that doesn't match "
-                             "the size of optimizer's group")
-        # saved ids map to our positions in order (as torch does)
-        id_map = {}
-        for s in saved_groups:
-            for pid in s["params"]:
-                id_map[pid] = len(id_map)
-        saved_state = {id_map[k]: v for k, v in state_dict["state"].items() if k in id_map}
-        params = list(self._layout.params())
-        # refused before anything is written: a load that fails half-way would leave some
-        # subgroups loaded and the others not (the committed state must stay whole)
-        _check_saved_state(saved_state, params)
-        if any(s.get("amsgrad", False) for s in saved_groups) and not self._layout.amsgrad:
-            # the checkpoint needs a running max of v that this optimizer never laid out: lay
-            # the tiers out again with it (the state is loaded into them right below)
-            self._layout.set_amsgrad(True)
-            try:
-                self._placement.rebuild()
-            except BaseException:
-                self._layout.set_amsgrad(False)  # the tiers are as they were (moves.py): so is the layout
-                raise
-        for g, s in zip(groups, saved_groups):
-            for k, v in s.items():
-                if k not in ("params", "param_names", "decoupled_weight_decay"):
-                    g[k] = v
-        last_sg = {}  # param index -> the last subgroup holding part of it
-        for sg in self._layout.subgroups:
-            for sl in sg.slices:
-                last_sg[sl.param_index] = sg.index
-        # each param's saved tensors as 1-D, made once (a copy only for a strided tensor) and
-        # kept until its last subgroup is loaded; any device and float dtype: copy_ converts
-        sources: dict = {}
+def _state_dtype(fmt, key: str) -> torch.dtype:
+    return {"exp_avg": fmt.exp_avg_dtype, "exp_avg_sq": fmt.exp_avg_sq_dtype,
+            "max_exp_avg_sq": fmt.exp_avg_sq_dtype}.get(key, torch.float32)
 
-        def source(idx: int, key: str):
-            if (idx, key) not in sources:
-                p, entry = params[idx], saved_state.get(idx, {})
-                saved_key = "master_param" if key == "master" else key
-                saved = entry.get(saved_key)
-                if is_sharded(p):  # this rank's shard of a DTensor or of a full tensor
-                    saved = local_shard_of(saved, p)
-                elif is_dtensor(saved):  # a sharded checkpoint into a plain param
-                    saved = saved.full_tensor()
-                p = local_of(p)
-                if key == "master":
-                    src = p.detach()
-                    # a master stands only while the param is still its rounding: torch carries
-                    # our extra key along without updating it, so after training elsewhere the
-                    # param itself is the truth (and a load never writes params). Compared on
-                    # the param's device: a map_location="cpu" file may load into a CUDA model
-                    if saved is not None and _master_stands(saved.to(p.device), src):
-                        src = saved
-                else:
+
+def saved_state_of(groups: list, state_dict: dict, params: list) -> dict:
+    """{param index: its saved state} of `state_dict` for the optimizer's `groups`, checked
+    before anything is written (a load that fails half-way would leave some subgroups loaded
+    and the others not: the committed state must stay whole)."""
+    groups, saved_groups = groups, state_dict["param_groups"]
+    if len(groups) != len(saved_groups):
+        raise ValueError("loaded state dict has a different number of parameter groups")
+    if any(len(g["params"]) != len(s["params"]) for g, s in zip(groups, saved_groups)):
+        raise ValueError("loaded state dict contains a parameter group that doesn't match "
+                         "the size of optimizer's group")
+    # saved ids map to our positions in order (as torch does)
+    id_map = {}
+    for s in saved_groups:
+        for pid in s["params"]:
+            id_map[pid] = len(id_map)
+    saved_state = {id_map[k]: v for k, v in state_dict["state"].items() if k in id_map}
+    _check_saved_state(saved_state, params)
+    return saved_state
+
+
+def wants_amsgrad(state_dict: dict) -> bool:
+    """Whether the checkpoint needs amsgrad's running max of v."""
+    return any(s.get("amsgrad", False) for s in state_dict["param_groups"])
+
+
+def scatter_state(layout, placement, groups: list, state_dict: dict, saved_state: dict, params: list) -> dict:
+    """Loads `saved_state` into the tiers and the saved groups' hyperparameters into
+    `groups`; returns {param index: its saved step count}."""
+    saved_groups = state_dict["param_groups"]
+    for g, s in zip(groups, saved_groups):
+        for k, v in s.items():
+            if k not in ("params", "param_names", "decoupled_weight_decay"):
+                g[k] = v
+    last_sg = {}  # param index -> the last subgroup holding part of it
+    for sg in layout.subgroups:
+        for sl in sg.slices:
+            last_sg[sl.param_index] = sg.index
+    # each param's saved tensors as 1-D, made once (a copy only for a strided tensor) and
+    # kept until its last subgroup is loaded; any device and float dtype: copy_ converts
+    sources: dict = {}
+
+    def source(idx: int, key: str):
+        if (idx, key) not in sources:
+            p, entry = params[idx], saved_state.get(idx, {})
+            saved_key = "master_param" if key == "master" else key
+            saved = entry.get(saved_key)
+            if is_sharded(p):  # this rank's shard of a DTensor or of a full tensor
+                saved = local_shard_of(saved, p)
+            elif is_dtensor(saved):  # a sharded checkpoint into a plain param
+                saved = saved.full_tensor()
+            p = local_of(p)
+            if key == "master":
+                src = p.detach()
+                # a master stands only while the param is still its rounding: torch carries
+                # our extra key along without updating it, so after training elsewhere the
+                # param itself is the truth (and a load never writes params). Compared on
+                # the param's device: a map_location="cpu" file may load into a CUDA model
+                if saved is not None and _master_stands(saved.to(p.device), src):
                     src = saved
-                sources[(idx, key)] = None if src is None else src.reshape(-1)
-            return sources[(idx, key)]
+            else:
+                src = saved
+            sources[(idx, key)] = None if src is None else src.reshape(-1)
+        return sources[(idx, key)]
 
-        with torch.no_grad():
-            for sg in self._layout.subgroups:
-                st = self._placement.state_of(sg)
-                for sl in sg.slices:
-                    a, b = sl.sub_offset, sl.sub_offset + sl.numel
-                    for k, view in st.items():
-                        src = source(sl.param_index, k)
-                        if src is None:
-                            view[a:b].zero_()
-                        else:
-                            view[a:b].copy_(src[sl.param_offset:sl.param_offset + sl.numel])
-                for sl in sg.slices:
-                    if last_sg[sl.param_index] == sg.index:
-                        for k in st:
-                            sources.pop((sl.param_index, k), None)
-                self._placement.load(sg, st)  # remainders: encoded back
-        # each param's step count from the checkpoint, torch's state mirror made again, and
-        # this rank back in step (rank_faults.py)
-        self._ledger.loaded(self.state, {idx: int(float(st["step"])) for idx, st in saved_state.items()
-                                         if "step" in st})
-        self._record_versions()  # with remainders a load writes the params' high halves
+    with torch.no_grad():
+        for sg in layout.subgroups:
+            st = placement.state_of(sg)
+            for sl in sg.slices:
+                a, b = sl.sub_offset, sl.sub_offset + sl.numel
+                for k, view in st.items():
+                    src = source(sl.param_index, k)
+                    if src is None:
+                        view[a:b].zero_()
+                    else:
+                        view[a:b].copy_(src[sl.param_offset:sl.param_offset + sl.numel])
+            for sl in sg.slices:
+                if last_sg[sl.param_index] == sg.index:
+                    for k in st:
+                        sources.pop((sl.param_index, k), None)
+            placement.load(sg, st)  # remainders: encoded back
+    return {idx: int(float(st["step"])) for idx, st in saved_state.items() if "step" in st}
 
-    def _looks_like_state_init_step(self) -> bool:
-        """torch.distributed.checkpoint's `_init_optim_state`: on an optimizer whose `state` is
-        empty it sets every grad to zeros and steps once with lr 0. On a fresh optimizer that
-        step leaves what torch.optim.AdamW's leaves — step 1, zero moments, params unchanged —
-        so it is taken without any host work (_take_state_init_step). This rank's verdict, from
-        its own grads (a shard's, a chunk's): under torch.distributed step() makes it one
-        decision (every rank's vote rides the decision all_reduce; a real lr-0 step where they
-        differ leaves the same params). Adam's L2 decay would put weight_decay * param into the
-        moments: that case takes a real step."""
-        if any(self._layout.steps):
+
+def looks_like_state_init_step(layout, decoupled: bool) -> bool:
+    """torch.distributed.checkpoint's `_init_optim_state`: on an optimizer whose `state` is
+    empty it sets every grad to zeros and steps once with lr 0. On a fresh optimizer that
+    step leaves what torch.optim.AdamW's leaves — step 1, zero moments, params unchanged —
+    so it is taken without any host work (StepLedger.state_init_step). This rank's verdict, from
+    its own grads (a shard's, a chunk's): under torch.distributed step() makes it one
+    decision (every rank's vote rides the decision all_reduce; a real lr-0 step where they
+    differ leaves the same params). Adam's L2 decay would put weight_decay * param into the
+    moments: that case takes a real step."""
+    if any(layout.steps):
+        return False
+    for g in layout.param_groups:
+        lr = g["lr"]
+        if float(lr.item() if isinstance(lr, torch.Tensor) else lr) != 0.0:
             return False
-        for g in self.param_groups:
-            lr = g["lr"]
-            if float(lr.item() if isinstance(lr, torch.Tensor) else lr) != 0.0:
-                return False
-            if not self._decoupled and g["weight_decay"] != 0:
-                return False
-        grads = [local_of(p.grad) for p in self._layout.params() if p.grad is not None]
-        if not grads or any(g.is_sparse for g in grads):
+        if not decoupled and g["weight_decay"] != 0:
             return False
-        return not bool(torch.stack([g.any() for g in grads]).any())  # one host sync on a GPU
+    grads = [local_of(p.grad) for p in layout.params() if p.grad is not None]
+    if not grads or any(g.is_sparse for g in grads):
+        return False
+    return not bool(torch.stack([g.any() for g in grads]).any())  # one host sync on a GPU
 
-    def _take_state_init_step(self) -> None:
-        """The state-init step (above): the step counts advance, the tiers (all zeros, masters
-        equal to the params) stay as they are."""
-        self._drop_pending()
-        self._ledger.state_init_step(self.state, clipping=self.max_grad_norm is not None)

@@ -236,3 +236,34 @@ def local_shard_of(value, p):
     for dim, (n, o) in enumerate(zip(shape, offset)):
         out = out.narrow(dim, o, n)
     return out
+
+
+def grad_norm_sq(params: list):
+    """The grads' squared global norm: a float summed here on a CPU host; on CUDA a 0-dim
+    fp64 device tensor, queued and not read (step() reads it with found_inf and the scale).
+    This rank's grads (a DTensor's local shard), grouped by how many ranks hold a replica of
+    them: under torch.distributed each element counts once."""
+    params = [p for p in params if p.grad is not None]
+    if not params:
+        return 0.0
+    world = world_size()
+    by_replicas: dict = {}
+    for p in params:
+        by_replicas.setdefault(replicas(p) if world > 1 else 1, []).append(local_of(p.grad))
+    if params[0].is_cuda:
+        import gpu_kernels
+        total = None
+        for r, grads in by_replicas.items():
+            s, _ = gpu_kernels.grad_stats([g.contiguous() for g in grads], sum_dtype=torch.float64)
+            s = s / r if r != 1 else s
+            total = s if total is None else total + s
+        return total
+    import cpu_kernels
+    partials = []
+    for r, grads in by_replicas.items():
+        total = 0.0
+        for g in grads:
+            s, _ = cpu_kernels.grad_stats(g.contiguous())
+            total += s
+        partials.append((total, r))
+    return weighted_norm_sq(partials)

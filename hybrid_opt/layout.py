@@ -245,6 +245,23 @@ class Layout:
         del self.subgroups[subgroups:]
         assign_ready_ranks(self.subgroups)
 
+    def check_joining(self, group: dict, defaults: dict, sharded: bool) -> None:
+        """add_param_group after construction: refuses a group this layout cannot take."""
+        if sharded:
+            raise NotImplementedError("add_param_group with process_group=: the new params "
+                                      "would need their chunks laid out on every rank; build "
+                                      "the optimizer with all its param groups")
+        if group.get("amsgrad", defaults["amsgrad"]) and not self.amsgrad:
+            raise ValueError("add_param_group: an amsgrad group cannot join an optimizer built "
+                             "without amsgrad; construct it with amsgrad=True")
+        have = {p.device for p in self.params()}
+        new = {t.device for t in (i[1] if isinstance(i, tuple) else i for i in group["params"])
+               if isinstance(t, torch.Tensor)}
+        if have and new - have:
+            raise ValueError(f"add_param_group: all parameters must be on one device; the "
+                             f"optimizer's are on {sorted(map(str, have))}, the new group's on "
+                             f"{sorted(map(str, new))}: move the group to that device first")
+
     def set_amsgrad(self, on: bool) -> None:
         self.amsgrad = on
 

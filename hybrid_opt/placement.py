@@ -341,8 +341,7 @@ class Placement:
                               f"stays as it is")
         self.relayout(plan)
         if self.auto is not None:
-            self.auto.move_cost_s = time.perf_counter() - t0
-            self.auto.moves += 1
+            self.auto.moved(time.perf_counter() - t0)
 
     def rebuild(self) -> None:
         """Lays the tiers out again as the plan now, with the committed state (a failure leaves

@@ -247,6 +247,11 @@ class AutoPlanner:
     def observe(self, sample: Sample) -> None:
         self.samples.append(sample)
 
+    def moved(self, seconds: float) -> None:
+        """A move between tiers took `seconds`: the next refit weighs a move by that cost."""
+        self.move_cost_s = seconds
+        self.moves += 1
+
     def due(self, steps_taken: int) -> bool:
         """First refit after 4 measured steps (the first step's page faults excluded), then
         every `refit_every`."""

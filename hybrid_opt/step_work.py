@@ -4,6 +4,10 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+import torch
+
+from hybrid_opt.tiers.inputs import StepInputs
+
 
 class HostWork(NamedTuple):
     """A host or nvme subgroup's share of the step: the subgroup (layout.Subgroup), its slices
@@ -20,3 +24,22 @@ class DeviceWork(NamedTuple):
     slice: object
     hp: object
     step: int
+
+
+def _float_hyper(value, name: str) -> float:
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1:
+            raise ValueError(f"Tensor {name} must be 1-element")
+        return float(value.item())
+    return float(value)
+
+
+def group_inputs(group: dict, decoupled: bool, grad_sign: float | None = None) -> StepInputs:
+    """A param group's hyperparameters as the tiers take them (step and grads left out);
+    grad_sign: -1 for a maximizing group (its default), else 1."""
+    if grad_sign is None:
+        grad_sign = -1.0 if group["maximize"] else 1.0
+    b1, b2 = group["betas"]
+    return StepInputs(0, _float_hyper(group["lr"], "lr"), _float_hyper(b1, "betas[0]"),
+                      _float_hyper(b2, "betas[1]"), float(group["eps"]), float(group["weight_decay"]),
+                      decoupled, grad_sign, (), bool(group["amsgrad"]))

@@ -37,7 +37,7 @@ value was rewritten unchanged). fp32 params on the device tier are their own mas
 to do. Writes through `p.data` bypass version counters (as they bypass autograd's checks) and
 are not seen: write through the param under torch.no_grad().
 
-A mixin of the optimizer class.
+The optimizer's ParamGuard part.
 """
 from __future__ import annotations
 
@@ -72,14 +72,25 @@ def _version(p, local=None) -> int:
     return local._version + (p._version if is_dtensor(p) else 0)
 
 
-class StorageMixin:
-    """Records where each param's elements live and re-adopts a param whose memory changed."""
+class ParamGuard:
+    """Records where each param's elements live and which version each param is at,
+    re-adopts a param whose memory changed and restarts the masters of params written
+    outside step() (module docstring)."""
 
-    def _remember_storage(self, first: int, params: list) -> None:
+    def __init__(self, layout, placement, state_format, owner: str, drop_speculation, rehook):
+        self.layout = layout
+        self.placement = placement
+        self.state_format = state_format
+        self.owner = owner                   # the optimizer's class name, for messages
+        self.drop_speculation = drop_speculation  # () -> None: pending host steps read old masters
+        self.rehook = rehook                 # (host subgroups) -> None: a swapped param lost its hooks
+        self.views: list = []                # per param: its memory at layout (a detached view)
+        self.ptrs: list = []                 # per param: that memory's data_ptr
+        self.versions: list = []             # per param: its version when step() last wrote it
+
+    def remember(self, first: int, params: list) -> None:
         """Params [first, first + len(params)) were just laid out: where their memory is."""
-        views = self.__dict__.setdefault("_flat_views", [])
-        ptrs = self.__dict__.setdefault("_flat_ptrs", [])
-        versions = self.__dict__.setdefault("_param_versions", [])
+        views, ptrs, versions = self.views, self.ptrs, self.versions
         del views[first:], ptrs[first:], versions[first:]
         for p in params:
             view = local_of(p).detach()  # the param's memory, not the Parameter
@@ -87,60 +98,59 @@ class StorageMixin:
             ptrs.append(view.data_ptr())
             versions.append(_version(p))
 
-    def _forget_storage(self, first: int) -> None:
+    def forget(self, first: int) -> None:
         """Params from `first` on were taken out of the layout again (a failed add_param_group)."""
-        for name in ("_flat_views", "_flat_ptrs", "_param_versions"):
-            del self.__dict__.setdefault(name, [])[first:]
+        del self.views[first:], self.ptrs[first:], self.versions[first:]
 
-    def _record_versions(self) -> None:
+    def record(self) -> None:
         """Every param's version now: what step() and the tiers wrote is not the user's."""
-        self._param_versions = [_version(p) for p in self._layout.params()]
+        self.versions = [_version(p) for p in self.layout.params()]
 
-    def _check_storage(self) -> None:
+    def check(self) -> None:
         """Re-adopts every param whose memory was replaced since the last step (module
         docstring); raises when one was moved or cast."""
-        ptrs, versions = self._flat_ptrs, self._param_versions
+        ptrs, versions = self.ptrs, self.versions
         k, written = 0, False
-        for group in self.param_groups:
-            for p in group["params"]:
-                local = local_of(p)
-                if local.data_ptr() != ptrs[k]:
-                    self._adopt_storage()
-                    return self._check_written()
-                written = written or _version(p, local) != versions[k]
-                k += 1
+        for p in self.layout.params():
+            local = local_of(p)
+            if local.data_ptr() != ptrs[k]:
+                self._adopt()
+                return self.check_written()
+            written = written or _version(p, local) != versions[k]
+            k += 1
         if written:
-            self._check_written()
+            self.check_written()
 
-    def _check_written(self) -> None:
+    def check_written(self) -> None:
         """Restarts the masters of the param elements written since the versions were
-        recorded (module docstring); params whose memory was replaced are left to
-        _check_storage."""
-        params = list(self._layout.params())
-        written = {i for i, p in enumerate(params) if _version(p) != self._param_versions[i]
-                   and local_of(p).data_ptr() == self._flat_ptrs[i]}
+        recorded (module docstring); params whose memory was replaced are left to check()."""
+        params = list(self.layout.params())
+        written = {i for i, p in enumerate(params) if _version(p) != self.versions[i]
+                   and local_of(p).data_ptr() == self.ptrs[i]}
         if not written:
             return
-        if any(self._placement.plan.tiers[sg.index] != DEVICE for sg in self._layout.subgroups
+        tiers = self.placement.plan.tiers
+        if any(tiers[sg.index] != DEVICE for sg in self.layout.subgroups
                for sl in sg.slices if sl.param_index in written):
             # a pending speculation read the old master (and the host tier's state must be idle)
-            self._drop_speculation()
-        for sg in self._layout.subgroups:
+            self.drop_speculation()
+        for sg in self.layout.subgroups:
             slices = [sl for sl in sg.slices if sl.param_index in written]
             if slices:
-                self._restart_masters(sg, slices, only_changed=True)
-        self._record_versions()
+                self.restart_masters(sg, slices, only_changed=True)
+        self.record()
 
-    def _restart_masters(self, sg, slices: list, only_changed: bool, previous: dict | None = None) -> None:
+    def restart_masters(self, sg, slices: list, only_changed: bool, previous: dict | None = None) -> None:
         """The fp32 master of `slices` of subgroup `sg` restarts from the params' values (all of
         them, or with `only_changed` those that differ from what the last step wrote); the
         tier gets it back (encoded with remainders; loaded on the host / nvme tier). With
         remainders the last step's high half is gone once the param is written, unless
         `previous` ({param index: its values before, flat}) has it: then only the elements
         whose bits changed restart (a re-adopted param's old memory)."""
-        if self._placement.plan.tiers[sg.index] == DEVICE and sg.dtype == torch.float32:
+        pl = self.placement
+        if pl.plan.tiers[sg.index] == DEVICE and sg.dtype == torch.float32:
             return  # an fp32 device subgroup is its own master
-        st = self._placement.state_of(sg)  # views on the device and host tiers, copies on nvme
+        st = pl.state_of(sg)  # views on the device and host tiers, copies on nvme
         master = st["master"]
         remainders = self.state_format.remainders_for(sg.dtype)
         changed = False
@@ -163,37 +173,35 @@ class StorageMixin:
                 else:
                     master[a:b].copy_(now)
                 changed = True
-        if not changed:
-            return
-        st["master"] = master
-        self._placement.load(sg, st)
+        if changed:
+            pl.load(sg, st)
 
-    def _adopt_storage(self) -> None:
-        params = list(self._layout.params())
-        changed = [i for i, p in enumerate(params) if local_of(p).data_ptr() != self._flat_ptrs[i]]
+    def _adopt(self) -> None:
+        params = list(self.layout.params())
+        changed = [i for i, p in enumerate(params) if local_of(p).data_ptr() != self.ptrs[i]]
         for i in changed:
-            p, view = local_of(params[i]), self._flat_views[i]
+            p, view = local_of(params[i]), self.views[i]
             if (p.dtype, p.device, p.shape) != (view.dtype, view.device, view.shape):
                 raise RuntimeError(self._moved_message(i, p, view))
         # a pending speculation read the old master: drop it (step() steps those subgroups)
-        self._drop_speculation()
-        # what each param held before (its old memory, still alive in _flat_views): an
-        # element given the value it had keeps its master, as a write in place does — new
-        # memory with the same values (a swap_tensors load of the same weights, FSDP2
-        # re-padding a shard) is no user write
+        self.drop_speculation()
+        # what each param held before (its old memory, still alive in `views`): an element
+        # given the value it had keeps its master, as a write in place does — new memory with
+        # the same values (a swap_tensors load of the same weights, FSDP2 re-padding a shard)
+        # is no user write
         previous = {}
         for i in changed:
-            previous[i] = self._flat_views[i]
+            previous[i] = self.views[i]
             self._repoint(i, params[i])
         changed = set(changed)
-        for sg in self._layout.subgroups:
+        for sg in self.layout.subgroups:
             slices = [sl for sl in sg.slices if sl.param_index in changed]
             if slices:
-                self._restart_masters(sg, slices, only_changed=True, previous=previous)
+                self.restart_masters(sg, slices, only_changed=True, previous=previous)
         for i in changed:  # rebound: the new memory's version is the one to watch
-            self._param_versions[i] = _version(params[i])
+            self.versions[i] = _version(params[i])
         # swapping a Parameter's contents (load_state_dict with swap_tensors) drops its hooks
-        self._install_hooks([sg for sg in self._layout.subgroups if self._placement.plan.tiers[sg.index] != DEVICE])
+        self.rehook(self.placement.host_subgroups())
 
     def _repoint(self, i: int, p) -> None:
         """Param i has new memory: its slices view that instead (the param is never rebound:
@@ -201,18 +209,16 @@ class StorageMixin:
         user's). A tier reading the params (an fp32 device master, a host tier keeping
         remainders) reads them through the slices, so it follows."""
         own_contiguous(p)
-        for sg in self._layout.subgroups:
+        for sg in self.layout.subgroups:
             for sl in sg.slices:
                 if sl.param_index == i:
                     sl.repoint()
-        self._flat_views[i] = local_of(p).detach()
-        self._flat_ptrs[i] = self._flat_views[i].data_ptr()
+        self.views[i] = local_of(p).detach()
+        self.ptrs[i] = self.views[i].data_ptr()
 
     def _moved_message(self, i: int, p, view) -> str:
-        names = [n for g in self.param_groups for n in g.get("param_names", [None] * len(g["params"]))]
-        name = f" ({names[i]})" if i < len(names) and names[i] is not None else ""
-        cls = type(self).__name__
-        return (f"parameter {i}{name} was moved or cast after {cls} was built: its memory changed "
+        cls = self.owner
+        return (f"{self.layout.param_label(i)} was moved or cast after {cls} was built: its memory changed "
                 f"from {view.dtype} {tuple(view.shape)} on {view.device} to {p.dtype} "
                 f"{tuple(p.shape)} on {p.device}. {cls} keeps each parameter in a buffer of the "
                 f"dtype and device it had at construction, so it cannot step this one. Build the "

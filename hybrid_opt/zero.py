@@ -77,7 +77,7 @@ import torch
 from hybrid_opt import distributed as D
 from hybrid_opt.zero_counts import GradCounts
 from hybrid_opt.zero_edits import GradEdits, GradReads
-from hybrid_opt.zero_gather import ParamGather, ZeroParamsMixin  # noqa: F401 (optimizer's mixin)
+from hybrid_opt.zero_gather import ParamGather
 from hybrid_opt.zero_group import WAIT_S, Collectives, wait_collective  # noqa: F401 (re-exported)
 from hybrid_opt.zero_pool import CommWindow
 from hybrid_opt.zero_reduce import GradReduction
@@ -176,6 +176,7 @@ class ZeroSharding:
 
     over shared records: `buckets` (their layout), `comm` (Collectives, zero_group.py: the group,
     rank, world and kind) and `reads` (GradReads: the grads each reduction read)."""
+    active = True  # its twin, sharding.NoSharding, is not
 
     def __init__(self, params: list, group, bucket_numel: int | None = None, release_grads: bool = False):
         import torch.distributed as dist
@@ -354,9 +355,13 @@ class ZeroSharding:
             return released
         return self.edits.error(unscaled)
 
-    def scaler_found_inf(self, opt):
+    def scaler_found_inf(self, found, scaler, key):
         """release_grads with a GradScaler: GradRelease.scaler_found_inf (zero_release.py)."""
-        return self.release.scaler_found_inf(opt)
+        return self.release.scaler_found_inf(found, scaler, key)
+
+    def shard(self):
+        """(rank, world) whose chunks this optimizer's state holds."""
+        return {"rank": self.rank, "world": self.world}
 
     def end_step(self) -> None:
         """After step() (taken, skipped or failed): the next backward starts a new reduction."""

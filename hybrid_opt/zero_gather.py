@@ -1,6 +1,6 @@
 """process_group mode's params side (zero.py): the updated dim-0 chunks sent back to every
 rank after a step, landed either at once in the params or, overlapped, when next used; and the
-optimizer's entry points that land them (ZeroParamsMixin).
+optimizer's wait_params() lands them all.
 
 Each bucket's chunks go out as one broadcast per rank from the chunk's owner (the gloo path,
 cheaper there than its all-gather: measured in zero.py; at 2 ranks one all_to_all_single
@@ -29,7 +29,6 @@ from dataclasses import dataclass
 import torch
 
 from hybrid_opt import distributed as D
-from hybrid_opt.lifetime import acts_on_owner
 
 
 @dataclass(eq=False)
@@ -241,7 +240,7 @@ class ParamGather:
 SHARD_KEY = "process_group_shard"
 
 
-def _check_shard_owner(saved, zero) -> None:
+def check_shard_owner(saved, zero) -> None:
     """A process_group state_dict() holds one rank's chunks: loading it on another rank would
     take them as its own, silently (HF Trainer saves optimizer.pt from rank 0 only). Agreed by
     every rank (one all_reduce of a flag: every rank loads, as every rank steps), so all raise
@@ -270,50 +269,3 @@ def _check_shard_owner(saved, zero) -> None:
             f"saves optimizer.pt from rank 0 only). Save and load each rank's own state_dict(), "
             f"or use torch.distributed.checkpoint (get_optimizer_state_dict + dcp.save, then "
             f"dcp.load + set_optimizer_state_dict), which reshards. Nothing was loaded")
-
-
-class ZeroParamsMixin:
-    """The optimizer's side of the overlapped all-gather: wait_params(), and the entry points
-    that read or write params landing every pending gather first (a mixin before the
-    checkpoint and placement mixins; step() and close() call wait_params themselves)."""
-
-    @acts_on_owner
-    def wait_params(self) -> None:
-        """process_group mode: makes every param current on this rank (lands the pending
-        all-gathers of the last step, each wait bounded). Call it before reading params outside
-        a module's forward — an EMA, model.state_dict(), a param used by another module; a
-        module's own params land before its forward by themselves. No-op otherwise."""
-        zero = getattr(self, "_zero", None)
-        if zero is not None:
-            zero.wait_gathered()
-
-    def _expect_gathers(self, host_steps: dict, device_work: list) -> None:
-        """A taken step, before its host tier commits: each bucket's gather is launched as soon
-        as the subgroups holding its chunks are committed (ParamGather.expect_commits); the
-        device tier's params count as committed when step() gathers what is left."""
-        zero = getattr(self, "_zero", None)
-        if zero is not None:
-            pending = {i: [sl.param for sl in w.live] for i, w in host_steps.items()}
-            pending["device"] = [w[1].param for w in device_work]
-            zero.expect_commits(pending, direct=not self.overlap_param_gather)
-
-    def _committed(self, index: int) -> None:
-        """Host subgroup `index`'s new params are in the model (on_commit)."""
-        zero = getattr(self, "_zero", None)
-        if zero is not None:
-            zero.committed(index)
-
-    @acts_on_owner
-    def state_dict(self) -> dict:
-        self.wait_params()
-        sd = super().state_dict()
-        zero = getattr(self, "_zero", None)
-        if zero is not None:  # whose chunks these are (torch ignores the key; DCP drops it)
-            sd[SHARD_KEY] = {"rank": zero.rank, "world": zero.world}
-        return sd
-
-    @acts_on_owner
-    def load_state_dict(self, state_dict: dict) -> None:
-        self.wait_params()
-        _check_shard_owner(state_dict.get(SHARD_KEY), getattr(self, "_zero", None))
-        return super().load_state_dict(state_dict)

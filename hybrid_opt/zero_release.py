@@ -118,14 +118,27 @@ class GradRelease:
             f"writing its averages: drop it, the optimizer averages the grads itself); it cannot "
             f"be reduced any more. Nothing was stepped, on any rank")
 
-    def scaler_found_inf(self, opt):
-        """step(), release_grads with a GradScaler (its inf check saw no p.grad): this rank's
-        chunks' non-finite flag added to opt.found_inf, and the attached scaler given a
-        per-device found_inf (the decision fills it in: distributed.globalize_scaler_found_inf).
-        Returns a refusal (unattached scaler) or None."""
-        found = getattr(opt, "found_inf", None)
+    def scaler_found_inf(self, found, scaler, key):
+        """step(), release_grads with a GradScaler (its inf check saw no p.grad): `found` (the
+        optimizer's found_inf) with this rank's chunks' non-finite flag added, and the attached
+        `scaler` given a per-device found_inf for optimizer `key` (its id; the decision fills it
+        in: distributed.globalize_scaler_found_inf). Returns (found_inf, a refusal or None)."""
         if not self.enabled or found is None or not self._buckets:
-            return None
+            return found, None
+        if scaler is None:
+            return found, RuntimeError(
+                "process_group with release_grads=True and a GradScaler: attach it with "
+                "opt.attach_grad_scaler(scaler) (its inf check sees no p.grad in this mode, so "
+                "the optimizer checks the reduced chunks and hands the scaler the result). "
+                "Nothing was stepped, on any rank")
+        flags = [torch.isfinite(b.out).all() for b in self._buckets]
+        device = found.device if isinstance(found, torch.Tensor) else flags[0].device
+        mine = torch.stack(flags).logical_not().any().to(device=device, dtype=torch.float32)
+        found = mine + found
+        state = getattr(scaler, "_per_optimizer_states", {}).get(key)
+        if state is not None and not state.get("found_inf_per_device"):
+            state["found_inf_per_device"] = {device: found.clone().reshape(())}
+        return found, None
         scaler = getattr(opt, "_grad_scaler", None)
         if scaler is None:
             return RuntimeError(

@@ -85,7 +85,7 @@ def test_process_group_buffers_are_counted_as_comm(tmp_path):
             before = opt.allocated_bytes["comm"]
             _step(model, opt)
             got = opt.allocated_bytes["comm"]
-            buffers = opt._zero.comm_tensors()  # the comm window's slots, chunks, counts
+            buffers = opt.parts.sharding.comm_tensors()  # the comm window's slots, chunks, counts
             assert got == sum(t.untyped_storage().nbytes() for t in buffers if t is not None)
             # the averaged chunks (one fp32 grad copy of this rank's share) exist from
             # construction; the comm window's slots are allocated on first use

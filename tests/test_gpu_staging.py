@@ -58,7 +58,7 @@ def train(speculative, steps=5, *, no_sync=False, scaler=None, watch_streams=Non
                 loss.backward()
             finally:
                 torch.cuda.set_sync_debug_mode("default")
-            assert opt._speculation_error is None, opt._speculation_error
+            assert opt.parts.speculator.error is None, opt.parts.speculator.error
             if scaler is not None:
                 out["scale_reads"].append(len(reads))
                 scaler.step(opt)

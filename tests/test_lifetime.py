@@ -141,11 +141,11 @@ def test_a_forwarding_wrapper_acts_on_the_optimizer_it_wraps():
         # an old wrapper collected (Lightning rebuilds them) does not close the optimizer
         del wrapper
         gc.collect()
-        assert not opt._closed and opt.worker_pid is not None
+        assert not opt.closed and opt.worker_pid is not None
         _train(model, opt, 1)
         # an explicit close() through a wrapper closes the optimizer itself
         _Forwarding(opt).close()
-        assert opt._closed and opt.worker_pid is None
+        assert opt.closed and opt.worker_pid is None
         with pytest.raises(RuntimeError, match="was closed .* cannot step again: build a new one"):
             opt.step()
     finally:

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from hybrid_opt import HybridAdam, HybridAdamW
-from hybrid_opt.storage import StorageMixin
+from hybrid_opt.storage import ParamGuard
 
 BF16, FP32 = torch.bfloat16, torch.float32
 HYPER = dict(lr=1e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.05)
@@ -41,12 +41,12 @@ def _backward(params, k):
 @pytest.fixture
 def restarts(monkeypatch):
     calls = []
-    real = StorageMixin._restart_masters
+    real = ParamGuard.restart_masters
 
     def spied(self, sg, slices, only_changed):
         calls.append((sg.index, [sl.param_index for sl in slices]))
         return real(self, sg, slices, only_changed)
-    monkeypatch.setattr(StorageMixin, "_restart_masters", spied)
+    monkeypatch.setattr(ParamGuard, "restart_masters", spied)
     return calls
 
 

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from hybrid_opt import HybridAdamW
-from hybrid_opt.storage import StorageMixin
+from hybrid_opt.storage import ParamGuard
 from tolerances import assert_bf16_within_ulps, assert_close
 
 BF16, FP32 = torch.bfloat16, torch.float32
@@ -168,12 +168,12 @@ def test_with_remainders_a_rewritten_param_restarts_from_its_values(tmp_path):
 @pytest.mark.parametrize("placement", ["device", "host"])
 def test_the_check_costs_nothing_while_no_param_is_written(placement, tmp_path, monkeypatch):
     calls = []
-    real = StorageMixin._check_written
+    real = ParamGuard.check_written
 
     def counted(self):
         calls.append(1)
         return real(self)
-    monkeypatch.setattr(StorageMixin, "_check_written", counted)
+    monkeypatch.setattr(ParamGuard, "check_written", counted)
     params, opt, masters, ref = _pair(BF16, placement, tmp_path)
     with opt:
         for k in range(4):  # the step's own writes into the params do not count

@@ -14,9 +14,9 @@ import pytest
 
 from walk import OUTSIDE, Tracer, trace_walk
 
-MAX_HOPS = 121
+MAX_HOPS = 139
 MAX_VISITS = 48    # distributed.local_of / is_dtensor, called per param and per grad
-MAX_PASSES = 6     # tiers.host_io, tiers.staging, tiers.host_step
+MAX_PASSES = 9
 
 
 @pytest.fixture(scope="module")

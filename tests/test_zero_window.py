@@ -34,7 +34,7 @@ def test_comm_bytes_are_the_storages_held_and_a_window_not_the_model(world_of_on
     fp32 = sum(p.numel() for p in model.parameters()) * 4
     with HybridAdamW(model.parameters(), offload_fraction=0.5, process_group=world_of_one.group.WORLD,
                      overlap_param_gather=overlap) as opt:
-        z = opt._zero
+        z = opt.parts.sharding
         assert len(z.buckets) == LAYERS
         for _ in range(2):
             model(torch.randn(4, WIDTH)).square().mean().backward()

@@ -203,6 +203,7 @@ class DeviceTier:
         kernel call returns, and those of the call that raised where it may have written some
         of them (a fused_adam_ call launches once per alignment group). A cpu_kernels call
         that raises wrote nothing (it checks its arguments first; its loop cannot fail)."""
+        self.progress = ([], [])  # nothing written yet, whatever raises below
         if not work:
             return
         device = self.subgroups[work[0][0]].device

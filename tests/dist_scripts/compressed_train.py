@@ -68,12 +68,12 @@ def run(name: str, rank: int, world: int, tmp: str, ckpt: str) -> dict:
     opt = HybridAdamW(model.parameters(), lr=C.LR, weight_decay=0.01, max_grad_norm=clip,
                       subgroup_numel=32, worker_share=0.5, **COMPRESSED, **kw)
     restarts = []  # (step, param indices) of every master restarted from its param
-    orig_restart = opt._restart_masters
+    orig_restart = opt.parts.guard.restart_masters
 
     def counted(sg, slices, only_changed):
         restarts.append((len(out["steps"]), sorted(sl.param_index for sl in slices)))
         return orig_restart(sg, slices, only_changed)
-    opt._restart_masters = counted
+    opt.parts.guard.restart_masters = counted
     scaler = None
     if overflow_at is not None:
         scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8)

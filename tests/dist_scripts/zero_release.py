@@ -59,7 +59,7 @@ def run(name: str, rank: int, world: int, tmp: str) -> dict:
         if case == "overflow":
             scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8)
             opt.attach_grad_scaler(scaler)
-        out["slots"] = list(opt._zero.window.slot_counts().values())
+        out["slots"] = list(opt.parts.sharding.window.slot_counts().values())
         for i, x in enumerate(C.batches()):
             opt.zero_grad(set_to_none=case != "zero_grad_keep")
             local = C.local_batch(x, rank, world)
@@ -74,7 +74,7 @@ def run(name: str, rank: int, world: int, tmp: str) -> dict:
                     loss = C.loss_fn(model, local[m * n:(m + 1) * n]) / micro
                     (scaler.scale(loss) if scaler else loss).backward()
                 out["grad_bytes"].append(_storage_bytes(p.grad for p in params))
-                out["chunk_bytes"].append(_storage_bytes(b.out for b in opt._zero.buckets))
+                out["chunk_bytes"].append(_storage_bytes(b.out for b in opt.parts.sharding.buckets))
                 out["grad_none_after_backward"].append([p.grad is None for p in params])
                 if case == "grad_set" and i == 1:
                     params[0].grad = torch.zeros_like(params[0])
@@ -89,10 +89,10 @@ def run(name: str, rank: int, world: int, tmp: str) -> dict:
             out["skipped"].append(opt.step_was_skipped)
             out["grad_none_after_step"].append([p.grad is None for p in params])
             out["comm"].append(opt.allocated_bytes["comm"])
-            out["held"].append(_storage_bytes(opt._zero.comm_tensors()))
+            out["held"].append(_storage_bytes(opt.parts.sharding.comm_tensors()))
             opt.wait_params()
             out["params"].append([p.detach().clone() for p in params])
-        out["zero"] = dict(opt._zero.stats)
+        out["zero"] = dict(opt.parts.sharding.stats)
         opt.close()
     finally:
         zero.BUCKET_NUMEL, zero.COLLECTIVES, zero_pool.WINDOW, zero_pool.WINDOW_FLOOR_BYTES = saved

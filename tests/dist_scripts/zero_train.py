@@ -83,17 +83,17 @@ def run(name: str, rank: int, world: int, tmp: str) -> dict:
             scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8)
             opt.attach_grad_scaler(scaler)
         out = dict(params=[], norms=[], skipped=[], scales=[], speculation=[], worker=[],
-                   probe=[], pending_after_step=[], buffer_bytes=[], buckets=len(opt._zero.buckets),
-                   direct=[b.direct for b in opt._zero.buckets],
-                   state_numel=opt._zero.state_numel(), plan=repr(opt.plan), opt_repr=repr(opt),
+                   probe=[], pending_after_step=[], buffer_bytes=[], buckets=len(opt.parts.sharding.buckets),
+                   direct=[b.direct for b in opt.parts.sharding.buckets],
+                   state_numel=opt.parts.sharding.state_numel(), plan=repr(opt.plan), opt_repr=repr(opt),
                    laid_out=sum(sg.numel for sg in opt.parts.layout.subgroups), events=[],
-                   bucket_params=[[opt.parts.layout.index[p] for p in b.params] for b in opt._zero.buckets],
+                   bucket_params=[[opt.parts.layout.index[p] for p in b.params] for b in opt.parts.sharding.buckets],
                    sg_params=[sorted({sl.param_index for sl in sg.slices}) for sg in opt.parts.layout.subgroups],
                    count_reads_after_backward=[], count_reads_after_step=[], grad_none_after_backward=[])
         if name == "adamw_commit_order":  # logs each host commit and each bucket's gather launch
-            committed, launch = opt._committed, opt._zero.gathers.launch
-            opt._committed = lambda i: (out["events"][-1].append(("commit", i)), committed(i))
-            opt._zero.gathers.set_launcher(lambda b, d: (out["events"][-1].append(("gather", b.index)), launch(b, d)))
+            committed, launch = opt.parts.sharding.committed, opt.parts.sharding.gathers.launch
+            opt.parts.sharding.committed = lambda i: (out["events"][-1].append(("commit", i)), committed(i))
+            opt.parts.sharding.gathers.set_launcher(lambda b, d: (out["events"][-1].append(("gather", b.index)), launch(b, d)))
         for i, x in enumerate(C.batches()):
             opt.zero_grad()
             local = C.local_batch(x, rank, world).to(DEVICE)
@@ -110,7 +110,7 @@ def run(name: str, rank: int, world: int, tmp: str) -> dict:
                 else:
                     loss = C.loss_fn(stepped_model, local[m * n:(m + 1) * n]) / micro
                 (scaler.scale(loss) if scaler else loss).backward()
-            out["count_reads_after_backward"].append(opt._zero.stats["count_reads"])
+            out["count_reads_after_backward"].append(opt.parts.sharding.stats["count_reads"])
             out["grad_none_after_backward"].append([p.grad is None for p in model.parameters()])
             out["events"].append([])
             if name == "adamw_commit_order" and rank == 1:
@@ -121,9 +121,9 @@ def run(name: str, rank: int, world: int, tmp: str) -> dict:
                 out["scales"].append(float(scaler.get_scale()))
             else:
                 opt.step()
-            out["pending_after_step"].append(len(opt._zero.gathers.pending()))
-            out["count_reads_after_step"].append(opt._zero.stats["count_reads"])
-            out["buffer_bytes"].append(opt._zero.stats["buffer_bytes"])
+            out["pending_after_step"].append(len(opt.parts.sharding.gathers.pending()))
+            out["count_reads_after_step"].append(opt.parts.sharding.stats["count_reads"])
+            out["buffer_bytes"].append(opt.parts.sharding.stats["buffer_bytes"])
             if name == "adamw_load" and i == 2:  # written after step(), before the gathers land
                 model.load_state_dict({k: torch.full_like(v, 0.25 + j)
                                        for j, (k, v) in enumerate(model.state_dict().items())})
@@ -144,7 +144,7 @@ def run(name: str, rank: int, world: int, tmp: str) -> dict:
             out["worker"].append((opt.stats.get("worker_s", 0.0), opt.stats.get("hidden_s", 0.0)))
         out["state_bytes"] = sum(t["state_bytes"] for t in opt.stats["tiers"].values())
         out["device_elements"] = opt.stats["tiers"]["device"]["elements"]
-        out["zero"] = dict(opt._zero.stats)
+        out["zero"] = dict(opt.parts.sharding.stats)
     out["warnings"] = [str(w.message) for w in caught]
     opt.close()
     return out
