@@ -227,3 +227,28 @@ def looks_like_state_init_step(layout, decoupled: bool) -> bool:
         return False
     return not bool(torch.stack([g.any() for g in grads]).any())  # one host sync on a GPU
 
+
+
+def load(parts, state_dict: dict, torch_state) -> None:
+    """load_state_dict() into the optimizer's parts (optimizer.Parts), the optimizer open and
+    its pending gathers landed."""
+    layout, placement = parts.layout, parts.placement
+    # params given new memory since the last step are re-adopted first (storage.py): done at
+    # the next step() instead, it would restart the masters this load sets
+    parts.guard.check()
+    parts.speculator.drop()
+    params = list(layout.params())
+    saved = saved_state_of(layout.param_groups, state_dict, params)
+    if wants_amsgrad(state_dict) and not layout.amsgrad:
+        # the checkpoint needs a running max of v that this optimizer never laid out: lay the
+        # tiers out again with it (the state is loaded into them right below)
+        layout.set_amsgrad(True)
+        try:
+            placement.rebuild()
+        except BaseException:
+            layout.set_amsgrad(False)  # the tiers are as they were (moves.py): so is the layout
+            raise
+    steps = scatter_state(layout, placement, layout.param_groups, state_dict, saved, params)
+    # each param's step count, torch's state mirror made again, this rank back in step
+    parts.ledger.loaded(torch_state, steps)
+    parts.guard.record()  # with remainders a load writes the params' high halves

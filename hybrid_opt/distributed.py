@@ -267,3 +267,51 @@ def grad_norm_sq(params: list):
             total += s
         partials.append((total, r))
     return weighted_norm_sq(partials)
+
+
+# ------------------------------------------------------------------ batched, for the step's hot path
+def any_dtensor(tensors) -> bool:
+    return any(is_dtensor(t) for t in tensors)
+
+
+def locals_of(tensors) -> list:
+    """local_of of each (one call for a subgroup's grads: the step's hot path)."""
+    return [local_of(t) for t in tensors]
+
+
+def write_count(p, local=None) -> int:
+    """Param `p`'s write count: its local memory's version counter plus, for a DTensor param
+    (FSDP2), the DTensor's own. Writes through the DTensor (model.load_state_dict's copy_,
+    `p.mul_` under no_grad) bump only the DTensor's counter; writes through `p.to_local()`
+    only the local tensor's; FSDP2's all-gathers and the tiers' writes (through the flat
+    buffers) neither (measured, torch 2.13)."""
+    local = local_of(p) if local is None else local
+    return local._version + (p._version if is_dtensor(p) else 0)
+
+
+def moved_or_written(params, ptrs: list, counts: list) -> tuple:
+    """(some param's local memory is not at `ptrs` any more, some param's write_count is not
+    `counts`'s) — int comparisons only, nothing allocated (storage.ParamGuard.check runs it
+    every step)."""
+    written = False
+    for k, p in enumerate(params):
+        local = local_of(p)
+        if local.data_ptr() != ptrs[k]:
+            return True, written
+        written = written or write_count(p, local) != counts[k]
+    return False, written
+
+
+def grad_ids(grads) -> tuple:
+    """Each grad named by (data_ptr, _version) of its local memory, and a DTensor grad also by
+    the DTensor's own version (`dtensor.mul_` bumps only that one)."""
+    out = []
+    for g in grads:
+        local = local_of(g)
+        ident = (local.data_ptr(), local._version)
+        out.append(ident + (g._version,) if is_dtensor(g) else ident)
+    return tuple(out)
+
+
+def write_counts(params) -> list:
+    return [write_count(p) for p in params]

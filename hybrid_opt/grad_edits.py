@@ -34,13 +34,13 @@ from __future__ import annotations
 
 import torch
 
-from hybrid_opt.distributed import is_dtensor
+from hybrid_opt.distributed import any_dtensor
 
 WORKER = "worker"   # CPU grads: the worker's per-piece grad_stats are the launch fingerprint
 
 
 def has_dtensor_grads(live: list) -> bool:
-    return any(is_dtensor(sl.param.grad) for sl in live)
+    return any_dtensor([sl.param.grad for sl in live])
 
 
 def on_device(grad) -> bool:

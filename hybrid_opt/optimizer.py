@@ -15,43 +15,21 @@ StepLedger, the StepStats and the distributed part (ZeroSharding or its no-op tw
 """
 from __future__ import annotations
 
-import math
+import functools
 import time
-from typing import NamedTuple
 
 import torch
 
 from hybrid_opt import arguments as A
 from hybrid_opt import checkpoint as C
 from hybrid_opt import distributed as D
-from hybrid_opt import layout as L
 from hybrid_opt import lifetime
 from hybrid_opt import node
-from hybrid_opt import rank_faults as RF
-from hybrid_opt.cost_model import DEFAULT_SUBGROUP_NUMEL
-from hybrid_opt.ledger import StepLedger
-from hybrid_opt.placement import Placement, PlacementConfig, TierEvents, restated
-from hybrid_opt.plan import DEVICE
+from hybrid_opt import parts as P
+from hybrid_opt import stepping as S
+from hybrid_opt.placement import PlacementConfig
 from hybrid_opt.sharding import sharding_for
-from hybrid_opt.speculation import GradGatherer, SpeculationConfig, Speculator
-from hybrid_opt.step_failures import StepChecks, failure_of
-from hybrid_opt.step_stats import StepStats
-from hybrid_opt.step_work import DeviceWork, HostWork, group_inputs
-from hybrid_opt.storage import ParamGuard
-from hybrid_opt.tiers.device import read_scalars
 from hybrid_opt.zero_gather import SHARD_KEY, check_shard_owner
-
-
-class Parts(NamedTuple):
-    """What an optimizer is composed of; each part owns its state (docs/code-map.md)."""
-    layout: L.Layout
-    placement: Placement
-    speculator: Speculator
-    guard: ParamGuard
-    checks: StepChecks
-    ledger: StepLedger
-    stats: StepStats
-    sharding: object        # zero.ZeroSharding, or sharding.NoSharding
 
 
 class _HybridBase(torch.optim.Optimizer):
@@ -94,56 +72,19 @@ class _HybridBase(torch.optim.Optimizer):
         params = [p for g in self.param_groups for p in g["params"]]
         D.warn_replicated(params, process_group)
         self._zero = sharding_for(params, process_group, release_grads)
-        if subgroup_numel is None:  # automatic: >= 8 subgroups on this rank where it can (layout.py)
-            subgroup_numel = L.auto_subgroup_numel(sum(D.local_of(p).numel() for p in params),
-                                                   DEFAULT_SUBGROUP_NUMEL)
-        self.subgroup_numel = subgroup_numel
-        # the parts (docs/code-map.md); callbacks into this object hold it weakly (lifetime.py)
-        weak = lifetime.weak_method
-        self._layout = L.Layout(self.param_groups, subgroup_numel, any(g["amsgrad"] for g in self.param_groups))
-        self._ledger = StepLedger(self._layout)
-        self._step_stats = StepStats(self._layout, self.state_format)
-        self._placement = Placement(
-            self._layout, PlacementConfig(offload_fraction, nvme_fraction, nvme_path, speculative, rollback,
-                                          device_memory_budget, host_memory_budget, worker_share,
-                                          spare_banks, io_banks, refit_every, calibration),
-            self.state_format, TierEvents(weak(self._drop_speculation), weak(self.wait_params),
-                                          weak(self._install_hooks), weak(self._tiers_wrote)))
-        self._spec = Speculator(self._layout, self._placement, self._ledger,
-                                SpeculationConfig(bool(speculative), rollback, max_grad_norm is not None,
-                                                  self._decoupled), self._zero if self._zero.active else None)
-        self._guard = ParamGuard(self._layout, self._placement, self.state_format, type(self).__name__,
-                                 weak(self._drop_speculation), weak(self._install_hooks))
-        self._checks = StepChecks(self._layout, self._placement, type(self).__name__, self._decoupled)
-        self._build()
-
-    def _build(self) -> None:
-        devices = {p.device for p in self._layout.params()}
-        if len(devices) > 1:
-            raise ValueError(f"all parameters must be on one device, got {sorted(map(str, devices))}")
-        for gi in range(len(self.param_groups)):
-            first = len(self._layout.steps)
-            self._layout.add_group(gi)
-            self._guard.remember(first, self.param_groups[gi]["params"])  # step() checks the params keep it
-        self._placement.build()
-        self._install_hooks(self._placement.host_subgroups())
-        self._guard.record()  # with remainders the host tier writes the params' high halves
+        config = PlacementConfig(offload_fraction, nvme_fraction, nvme_path, speculative, rollback,
+                                 device_memory_budget, host_memory_budget, worker_share, spare_banks,
+                                 io_banks, refit_every, calibration)
+        self._parts = P.compose(self.param_groups, owner=type(self).__name__, decoupled=self._decoupled,
+                                state_format=self.state_format, placement_config=config,
+                                max_grad_norm=max_grad_norm, sharding=self._zero, subgroup_numel=subgroup_numel)
+        self.subgroup_numel = self._parts.layout.subgroup_numel
+        self._layout, self._placement, self._spec = self._parts.layout, self._parts.placement, self._parts.speculator
+        self._guard, self._checks, self._ledger = self._parts.guard, self._parts.checks, self._parts.ledger
+        self._step_stats = self._parts.stats
+        P.build(self._parts)
         self._built = True
         self._closed = False
-
-    def _install_hooks(self, host: list) -> None:
-        """Speculation's grad hooks on the host subgroups `host`, and "auto"'s timing hooks."""
-        timing = self._step_stats.time_backward if self._placement.auto is not None else None
-        self._spec.install(host, timing)
-
-    def _drop_speculation(self) -> dict:
-        return self._spec.drop()
-
-    def _tiers_wrote(self) -> None:
-        """A move laid the tiers out again: what they wrote into the params is not the user's
-        (storage.py), and the new host tier's worker times start again."""
-        self._step_stats.new_host_tier()
-        self._guard.record()
 
     # ------------------------------------------------------------------ param groups
     @lifetime.acts_on_owner
@@ -161,40 +102,14 @@ class _HybridBase(torch.optim.Optimizer):
             self._layout.check_joining(param_group, self.defaults, self._zero.active)
         super().add_param_group(param_group)
         if self._built:
-            self._extend(len(self.param_groups) - 1)
-
-    def _extend(self, gi: int) -> None:
-        """add_param_group after construction: the new group laid out and placed (Placement.
-        extend). A failure there (the new group's device state cannot be allocated, ...) takes
-        the group out again — param_groups, the layout, the tiers and the scheduler as before
-        the call — and says so; only the new params keep memory of their own (same values)."""
-        before = self._placement.extension_point()
-        try:
-            sgs = self._layout.add_group(gi)
-            self._guard.remember(before.params, self.param_groups[gi]["params"])
-            self._placement.extend(sgs)
-        except BaseException as e:
-            if self._placement.plan is not before.plan:
-                raise  # interrupted after the move switched over: the group is laid out
-            self._placement.unextend(before)
-            self._layout.drop_group(gi, before.params, before.subgroups)
-            del self.param_groups[gi]
-            self._guard.forget(before.params)
-            self._install_hooks(self._placement.host_subgroups())
-            if not isinstance(e, Exception):
-                raise
-            raise restated(e, f"add_param_group: laying out the new group failed, so it was not "
-                              f"added (param_groups, the optimizer's state and its tiers are as "
-                              f"before the call, and training goes on): {type(e).__name__}: {e}. "
-                              f"Fix the cause and add the group again") from e
+            P.extend(self._parts, len(self.param_groups) - 1)
 
     # ------------------------------------------------------------------ properties
     @property
-    def parts(self) -> Parts:
+    def parts(self) -> P.Parts:
         """The parts this optimizer is composed of (docs/code-map.md), for introspection and
         tests: each part's public attributes and methods are its interface."""
-        return Parts(self._layout, self._placement, self._spec, self._guard, self._checks,
-                     self._ledger, self._step_stats, self._zero)
+        return self._parts
 
     @property
     def plan(self):
@@ -300,25 +215,7 @@ class _HybridBase(torch.optim.Optimizer):
         self.wait_params()
         check_shard_owner(state_dict.get(SHARD_KEY), self._zero if self._zero.active else None)
         self._check_open()
-        # params given new memory since the last step are re-adopted first (storage.py): done
-        # at the next step() instead, it would restart the masters this load sets
-        self._guard.check()
-        self._spec.drop()
-        params = list(self._layout.params())
-        saved = C.saved_state_of(self.param_groups, state_dict, params)
-        if C.wants_amsgrad(state_dict) and not self._layout.amsgrad:
-            # the checkpoint needs a running max of v that this optimizer never laid out: lay
-            # the tiers out again with it (the state is loaded into them right below)
-            self._layout.set_amsgrad(True)
-            try:
-                self._placement.rebuild()
-            except BaseException:
-                self._layout.set_amsgrad(False)  # the tiers are as they were (moves.py): so is the layout
-                raise
-        steps = C.scatter_state(self._layout, self._placement, self.param_groups, state_dict, saved, params)
-        # each param's step count, torch's state mirror made again, this rank back in step
-        self._ledger.loaded(self.state, steps)
-        self._guard.record()  # with remainders a load writes the params' high halves
+        C.load(self._parts, state_dict, self.state)
 
     # ------------------------------------------------------------------ the step
     @lifetime.acts_on_owner
@@ -340,128 +237,75 @@ class _HybridBase(torch.optim.Optimizer):
                 loss = closure()
         t_step = time.perf_counter()
         self._check_open()
-        # a failure on this rank joins the decision all_reduce flagged, so every rank raises at
-        # this step instead of waiting for this one in a collective (rank_faults.py)
-        failure = self._ledger.rank_failure
-        err = self._spec.take_error()
-        if err is not None:
-            failure = failure or RF.with_cause(f"a speculative host step during backward failed: {err}", err)
-            RF.quietly(self._spec.drop, failure)  # still joins the others' collective
-        # process_group: always, so that a grad edit one rank refuses (zero_edits.py) stops
-        # every rank at this step (one 5-value all_reduce beside the step's reduce-scatters)
-        decides = (RF.decision_runs(self.max_grad_norm, getattr(self, "found_inf", None))
-                   or (self._zero.active and D.world_size() > 1))
-        if failure is not None and not decides:
-            raise failure
+        failure, decides = S.precheck(self._parts, getattr(self, "found_inf", None), self.max_grad_norm)
         try:
-            self._guard.check()  # a param whose memory was replaced is re-adopted (storage.py)
-            self._checks.check_inputs()  # what a tier would fail on part-way (step_failures.py)
-        except Exception as e:
-            if not decides:  # no collective of ours this step: raised here, as in one process
-                raise
-            # the step's collectives still run on this rank, the error in the decision's flag
-            failure = failure or e
-        try:  # process_group: the last step's params landed, every grad's averaged chunk in place
-            self._zero.wait_gathered()
-            self._zero.finish()
             given = getattr(self, "found_inf", None)
-            found, refused = self._zero.scaler_found_inf(given, self._spec.grad_scaler, id(self))
-            if found is not given:  # release_grads: this rank's chunks' flag added (zero_release.py)
-                self.found_inf = found  # GradScaler's protocol attribute, read below
-            failure = failure or refused
-            # GradScaler.step hands no grad_scale for grads unscaled already (unscale_)
-            unscaled = getattr(self, "found_inf", None) is not None and getattr(self, "grad_scale", None) is None
-            failure = failure or self._zero.grad_edit_error(unscaled)
+            found, failure = S.sharded_inputs(self._parts, failure, given, getattr(self, "grad_scale", None), id(self))
+            if found is not given:
+                self.found_inf = found  # GradScaler's protocol attribute, read by _step_taken
             if failure is not None and not decides:
                 raise failure
             return self._step_taken(loss, t_step, failure, decides)
         finally:
-            self._zero.end_step()
+            self._zero.end_step()  # the next backward starts a new reduction
 
     def _step_taken(self, loss, t_step, failure, decides: bool):
-        scale_t = getattr(self, "grad_scale", None)
-        found_t = getattr(self, "found_inf", None)
+        parts, ledger = self.parts, self._ledger
+        scale_t, found_t = getattr(self, "grad_scale", None), getattr(self, "found_inf", None)
         # torch.distributed.checkpoint's lr-0 step on a fresh optimizer: decided here from this
         # rank's grads when no decision all_reduce runs (no collective either way); else every
         # rank's vote rides it, so no rank skips the collective that another enters
         init = failure is None and C.looks_like_state_init_step(self._layout, self._decoupled)
         if init and not decides:
             return self._state_init_step(loss)
-        self._ledger.saw_amp(found_t)  # GradScaler.step sets found_inf
-        # on a GPU, clipping's norm² is queued first so that it, found_inf and the loss scale
-        # reach the host in one small copy: at most one sync per step (docs/usage.md: host syncs)
+        ledger.saw_amp(found_t)  # GradScaler.step sets found_inf
         clipping = self.max_grad_norm is not None
-        norm_sq = D.grad_norm_sq(self._layout.params()) if clipping and failure is None and self._layout.cuda() else None
-        # with the flags of DTensor grads edited since speculation staged them (CUDA; grad_edits.py)
-        found, scale_v, norm_sq, *edited = read_scalars((found_t, scale_t, norm_sq, *self._spec.grad_edit_checks()))
-        self._spec.note_grad_edits(edited)
+        found, scale_v, norm_sq = S.step_scalars(parts, found_t, scale_t, clipping, failure)
         if decides:
-            # one decision for all ranks: norm² and found_inf summed in one all_reduce
-            if clipping and norm_sq is None:
-                norm_sq = D.grad_norm_sq(self._layout.params()) if failure is None else 0.0
-            try:
-                norm_sq, found, all_init = RF.agree(norm_sq, found, failure, init_vote=init)
-            except Exception as e:  # a rank failed (or the collective did): nothing is stepped
-                RF.quietly(self._spec.drop, e)
-                self._spec.clear_ready()
-                raise
+            norm_sq, found, all_init = S.decide(parts, self, norm_sq, found, failure, init, clipping)
             if all_init:
                 return self._state_init_step(loss)
-            if found is not None:
-                D.globalize_scaler_found_inf(self._spec.grad_scaler, self, found)
         if found is not None and found != 0.0:
             # GradScaler saw inf/nan: the whole step is skipped, exactly as torch does
-            self._ledger.skipped()
+            ledger.skipped()
             self._step_stats.skipped(self._placement.host, len(self._spec.drop_pending()))
             return loss
         inv_scale = 1.0 / scale_v if scale_t is not None else 1.0
-        # the global norm costs a pass over every grad: only clipping needs it
-        norm, clip = None, 1.0
-        if clipping:
-            if norm_sq is None:  # a CPU host sums it here, once the step is known not skipped
-                norm_sq = D.grad_norm_sq(self._layout.params())
-            norm = math.sqrt(norm_sq) * inv_scale
-            coef = self.max_grad_norm / (norm + 1e-6)
-            clip = coef if (coef < 1.0 or coef != coef) else 1.0  # torch clamps at 1; NaN stays
+        norm, clip = S.clipped(parts, norm_sq, inv_scale, self.max_grad_norm)
         # put back if the step fails with nothing stepped; the params with a grad advance
-        undo = self._ledger.begin(self.state, inv_scale if scale_t is not None else None, norm)
+        undo = ledger.begin(self.state, inv_scale if scale_t is not None else None, norm)
         scale = inv_scale * clip
-        device_work, host_steps = self._collect_work()
+        device_work, host_steps = S.collect_work(parts, self.param_groups, self._decoupled)
+        fail = functools.partial(S.fail, parts, type(self).__name__, self.state, self.overlap_param_gather)
         why = self._checks.device_scale_error(device_work, scale)
         if why is not None:
-            self._step_failed(ValueError(why), None, {}, set(), device_work, [], [], undo)
+            fail(ValueError(why), None, {}, set(), device_work, [], [], undo)
         # host tiers first: a failure there (a full disk, a worker error) then leaves the device
         # tier unstepped, and the step counts of every parameter no committed subgroup holds
         # are put back, so a checkpoint taken afterwards is the previous step for them
         t_host = time.perf_counter()
-        # process_group: each bucket's gather starts as the subgroups holding its chunks commit
-        self._zero.expect_commits({**{i: [sl.param for sl in w.live] for i, w in host_steps.items()},
-                                   "device": [w.slice.param for w in device_work]},
-                                  direct=not self.overlap_param_gather)
+        S.expect_gathers(parts, host_steps, device_work, self.overlap_param_gather)
         if host_steps:
             committed: set = set()
             try:
-                self._step_host(host_steps, scale, committed)
+                S.step_host(parts, host_steps, scale, committed)
             except BaseException as e:  # each param stepped or untouched (step_failures.py)
-                self._step_failed(e, "the host/nvme tier", host_steps, committed, device_work, [], [], undo)
+                fail(e, "the host/nvme tier", host_steps, committed, device_work, [], [], undo)
         t_device = time.perf_counter()
         # "auto" times the device step on the device's clock (GPU time on CUDA: clocks.py)
-        auto = self._placement.auto
+        auto, device = self._placement.auto, self._placement.device
         d0 = self._step_stats.mark() if auto is not None else None
-        self._step_device(device_work, scale, host_steps, undo)
+        try:
+            device.step(device_work, scale)  # after the host tiers committed every subgroup
+        except BaseException as e:
+            fail(e, "the device tier", host_steps, set(host_steps), device_work, *device.progress, undo)
         self._guard.record()  # this step's writes to the params are not the user's (storage.py)
         d1 = self._step_stats.mark() if auto is not None else None
         t_end = time.perf_counter()
         if self._zero.active:
-            self._gather_params()
+            S.gather_params(parts, self.overlap_param_gather)
             t_end = time.perf_counter()
-        self._step_stats.record(self._placement.plan, self._placement.host, self._placement.host_local,
-                                host_steps, device_work, t_device - t_host, t_end - t_device, norm, clip)
-        if auto is not None:  # the measured times to the scheduler, which may refit
-            self._step_stats.queue_sample(self._ledger.steps_taken, device_work, t_end - t_step, (d0, d1))
-            self._step_stats.observe(auto)
-            self._placement.refit(self._ledger.steps_taken)
-            self._step_stats.predicted(self._placement.plan.prediction)
+        S.record_step(parts, (t_step, t_host, t_device, t_end), host_steps, device_work, norm, clip, (d0, d1))
         return loss
 
     def _state_init_step(self, loss):
@@ -470,84 +314,6 @@ class _HybridBase(torch.optim.Optimizer):
         self._spec.drop_pending()
         self._ledger.state_init_step(self.state, clipping=self.max_grad_norm is not None)
         return loss
-
-    def _collect_work(self) -> tuple:
-        """(the device tier's DeviceWork entries, {host subgroup index: HostWork}) of this step."""
-        groups = [group_inputs(g, self._decoupled) for g in self.param_groups]
-        device_work, host_steps = [], {}
-        tiers, steps = self._placement.plan.tiers, self._layout.steps
-        for sg in self._layout.subgroups:
-            live = self._layout.live(sg)
-            if not live:
-                continue
-            hp = groups[sg.group]
-            if tiers[sg.index] == DEVICE:
-                device_work.extend(DeviceWork(sg.index, sl, hp, steps[sl.param_index]) for sl in live)
-            else:
-                host_steps[sg.index] = HostWork(sg, live, hp)
-        return device_work, host_steps
-
-    def _step_host(self, host_steps: dict, scale: float, committed: set) -> None:
-        local = self._placement.host_local
-        work = {local[i]: (GradGatherer(w.sg), self._spec.host_inputs(w.sg, w.live, w.hp, scale, 0))
-                for i, w in host_steps.items()}
-        by_local = {local[i]: w for i, w in host_steps.items()}
-
-        def copy_params(k: int, views: dict) -> None:
-            # the new params reach the model only once their step is committed
-            sg, live = by_local[k].sg, by_local[k].live
-            src = views["param_copy"] if (sg.dtype != torch.float32 and "param_copy" in views) else views["param"]
-            # one blocking batched copy into the live slices (an nvme subgroup's buffer is
-            # reused as soon as this returns): on CUDA one host sync, not one per slice
-            sg.write(src, slices=live)
-            committed.add(sg.index)
-            self._zero.committed(sg.index)  # process_group: its buckets' gathers may start (zero_gather.py)
-
-        try:
-            outcome = self._placement.host.finish(work, on_commit=copy_params)
-        finally:
-            self._spec.forget_staged()
-        self._spec.stepped()
-        index_of = {k: i for i, k in local.items()}
-        self._step_stats.note_outcome({index_of[k]: v for k, v in outcome.items()})
-
-    def _step_device(self, device_work: list, scale, host_steps: dict, undo) -> None:
-        """The device tier's step (after the host tiers committed every subgroup)."""
-        device = self._placement.device
-        try:
-            device.step(device_work, scale)
-        except BaseException as e:
-            done, unsure = device.progress
-            self._step_failed(e, "the device tier", host_steps, set(host_steps), device_work, done, unsure, undo)
-
-    def _step_failed(self, e: BaseException, where, host_steps: dict, committed: set, device_work: list,
-                     done: list, unsure: list, undo) -> None:
-        """Raises `e` explained, after putting back the step count of every parameter the
-        failed step did not touch (step_failures.py)."""
-        world = D.world_size()
-        f = failure_of(type(self).__name__, e, where, host_steps, committed, device_work, done, unsure,
-                       world, self._zero.active)
-        self._ledger.put_back(undo, f.untouched, f.nothing_stepped)
-        self._ledger.sync_torch_state(self.state)
-        self._guard.record()  # what was stepped was written by the step, not the user
-        if not isinstance(e, Exception):  # KeyboardInterrupt and the like: counts fixed, as it is
-            raise e
-        if world > 1:  # the others stepped: our next step() stops them all
-            self._ledger.out_of_step(f.error)
-        if self._zero.active:
-            # the others all-gather their stepped chunks now: this rank joins (its params
-            # then hold their new chunks and its own chunk as its tiers left it), so the
-            # next collectives still pair in order and its next step() stops every rank
-            RF.quietly(self._gather_params, f.error)
-        raise f.error from e
-
-    def _gather_params(self) -> None:
-        self._zero.gather(direct=not self.overlap_param_gather)  # waited at once: into the params
-        if not self.overlap_param_gather:
-            # the params are current when step() returns (as DeepSpeed's ZeRO-2); the
-            # overlapped mode lands each bucket as its params are next used (zero.py), and
-            # a read outside a forward then needs wait_params() first: opt-in
-            self._zero.wait_gathered()
 
     # ------------------------------------------------------------------ lifecycle
     @lifetime.acts_on_owner

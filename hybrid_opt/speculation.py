@@ -18,7 +18,7 @@ import torch
 
 from typing import NamedTuple
 
-from hybrid_opt.distributed import is_dtensor, local_of
+from hybrid_opt.distributed import grad_ids, locals_of
 from hybrid_opt.grad_edits import GradFingerprints
 from hybrid_opt.lifetime import weak_call, weak_method
 from hybrid_opt.step_work import group_inputs
@@ -171,7 +171,7 @@ class Speculator:
         step = runs[0][2] if runs else self.layout.steps[live[0].param_index] + ahead
         # a DTensor grad (FSDP2) is named by its local shard (the memory the step reads) and
         # the versions of both: `dtensor.mul_` bumps only the DTensor's
-        versions = tuple(_grad_id(sl.param.grad) for sl in live)
+        versions = grad_ids([sl.param.grad for sl in live])
         if not ahead and self._grads_edited(sg):
             versions += ("edited since staged",)  # a foreach edit of DTensor grads: redone
         return StepInputs(step, hp.lr, hp.beta1, hp.beta2, hp.eps, hp.weight_decay, hp.decoupled,
@@ -278,12 +278,6 @@ class Speculator:
         self.boundary = bool(is_boundary)
 
 
-def _grad_id(g) -> tuple:
-    local = local_of(g)
-    ident = (local.data_ptr(), local._version)
-    return ident + (g._version,) if is_dtensor(g) else ident
-
-
 class GradGatherer:
     """Writes a subgroup's grads [offset, offset + numel) into a staging buffer; params without
     a grad contribute zeros (their elements are outside every run, so never stepped). CUDA
@@ -326,8 +320,8 @@ class GradGatherer:
         and the grad tensors to keep alive, for the worker to read itself; None when a grad
         is on a GPU, non-contiguous or of another dtype (then __call__ stages it here)."""
         entries, keep = [], []
-        for sl, a, b in self.overlaps(offset, numel):
-            g = local_of(sl.param.grad)
+        overlaps = list(self.overlaps(offset, numel))
+        for (sl, a, b), g in zip(overlaps, locals_of([sl.param.grad for sl, _, _ in overlaps])):
             if g is None:
                 entries.append((a - offset, 0, b - a))
                 continue

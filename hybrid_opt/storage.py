@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import torch
 
-from hybrid_opt.distributed import is_dtensor, local_of
+from hybrid_opt.distributed import local_of, moved_or_written, write_count, write_counts
 from hybrid_opt.layout import own_contiguous
 from hybrid_opt.plan import DEVICE
 
@@ -60,16 +60,6 @@ def _written_as(master: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
 
 
 _BITS = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}
-
-
-def _version(p, local=None) -> int:
-    """Param `p`'s write count: its local memory's version counter plus, for a DTensor param
-    (FSDP2), the DTensor's own. Writes through the DTensor (model.load_state_dict's copy_,
-    `p.mul_` under no_grad) bump only the DTensor's counter; writes through `p.to_local()`
-    only the local tensor's; FSDP2's all-gathers and the tiers' writes (through the flat
-    buffers) neither (measured, torch 2.13)."""
-    local = local_of(p) if local is None else local
-    return local._version + (p._version if is_dtensor(p) else 0)
 
 
 class ParamGuard:
@@ -96,7 +86,7 @@ class ParamGuard:
             view = local_of(p).detach()  # the param's memory, not the Parameter
             views.append(view)
             ptrs.append(view.data_ptr())
-            versions.append(_version(p))
+            versions.append(write_count(p))
 
     def forget(self, first: int) -> None:
         """Params from `first` on were taken out of the layout again (a failed add_param_group)."""
@@ -104,28 +94,22 @@ class ParamGuard:
 
     def record(self) -> None:
         """Every param's version now: what step() and the tiers wrote is not the user's."""
-        self.versions = [_version(p) for p in self.layout.params()]
+        self.versions = write_counts(self.layout.params())
 
     def check(self) -> None:
         """Re-adopts every param whose memory was replaced since the last step (module
         docstring); raises when one was moved or cast."""
-        ptrs, versions = self.ptrs, self.versions
-        k, written = 0, False
-        for p in self.layout.params():
-            local = local_of(p)
-            if local.data_ptr() != ptrs[k]:
-                self._adopt()
-                return self.check_written()
-            written = written or _version(p, local) != versions[k]
-            k += 1
-        if written:
+        moved, written = moved_or_written(self.layout.params(), self.ptrs, self.versions)
+        if moved:
+            self._adopt()
+        if moved or written:
             self.check_written()
 
     def check_written(self) -> None:
         """Restarts the masters of the param elements written since the versions were
         recorded (module docstring); params whose memory was replaced are left to check()."""
         params = list(self.layout.params())
-        written = {i for i, p in enumerate(params) if _version(p) != self.versions[i]
+        written = {i for i, p in enumerate(params) if write_count(p) != self.versions[i]
                    and local_of(p).data_ptr() == self.ptrs[i]}
         if not written:
             return
@@ -199,7 +183,7 @@ class ParamGuard:
             if slices:
                 self.restart_masters(sg, slices, only_changed=True, previous=previous)
         for i in changed:  # rebound: the new memory's version is the one to watch
-            self.versions[i] = _version(params[i])
+            self.versions[i] = write_count(params[i])
         # swapping a Parameter's contents (load_state_dict with swap_tensors) drops its hooks
         self.rehook(self.placement.host_subgroups())
 

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 import gpu_kernels
-import hybrid_opt.optimizer as optimizer_module
+import hybrid_opt.stepping as stepping_module
 from hybrid_opt import HybridAdamW
 from hybrid_opt import layout as L
 from hybrid_opt.clocks import CudaClock, HostClock, clock_for
@@ -64,8 +64,8 @@ def test_step_reads_the_device_once_per_step(monkeypatch, clip, scaler):
     """found_inf, the loss scale and clipping's norm² go through one read_scalars call per step
     (the one sync on a GPU), and the step still follows torch."""
     calls = []
-    real = optimizer_module.read_scalars
-    monkeypatch.setattr(optimizer_module, "read_scalars", lambda vs: calls.append(vs) or real(vs))
+    real = stepping_module.read_scalars
+    monkeypatch.setattr(stepping_module, "read_scalars", lambda vs: calls.append(vs) or real(vs))
     model, ref_model = _net(), _net()
     ref = torch.optim.AdamW(ref_model.parameters(), lr=1e-2, foreach=False)
     gs = torch.amp.GradScaler("cpu", init_scale=1024.0) if scaler else None

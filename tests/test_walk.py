@@ -14,8 +14,8 @@ import pytest
 
 from walk import OUTSIDE, Tracer, trace_walk
 
-MAX_HOPS = 139
-MAX_VISITS = 48    # distributed.local_of / is_dtensor, called per param and per grad
+MAX_HOPS = 102
+MAX_VISITS = 9     # tiers.host_io; layout and stepping 8
 MAX_PASSES = 9
 
 

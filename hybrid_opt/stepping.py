@@ -1,0 +1,200 @@
+"""The step as functions of the optimizer's parts (optimizer.Parts): what step() reads in one
+host sync, the decision all ranks share, the work it hands the tiers, the host and device
+steps, and the accounting of a step that fails part-way (step_failures.py).
+
+The optimizer's step() calls these top to bottom; none of them keeps state of its own.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from hybrid_opt import distributed as D
+from hybrid_opt import rank_faults as RF
+from hybrid_opt.plan import DEVICE
+from hybrid_opt.speculation import GradGatherer
+from hybrid_opt.step_failures import failure_of
+from hybrid_opt.step_work import DeviceWork, HostWork, group_inputs
+from hybrid_opt.tiers.device import read_scalars
+
+
+def step_scalars(parts, found_t, scale_t, clipping: bool, failure) -> tuple:
+    """(found_inf, loss scale, norm² or None) as floats, read in one host sync: on a GPU,
+    clipping's norm² is queued first so that it, found_inf and the loss scale reach the host
+    in one small copy (docs/usage.md: host syncs), with the flags of DTensor grads edited
+    since speculation staged them (CUDA; grad_edits.py)."""
+    layout, spec = parts.layout, parts.speculator
+    norm_sq = D.grad_norm_sq(layout.params()) if clipping and failure is None and layout.cuda() else None
+    found, scale_v, norm_sq, *edited = read_scalars((found_t, scale_t, norm_sq, *spec.grad_edit_checks()))
+    spec.note_grad_edits(edited)
+    return found, scale_v, norm_sq
+
+
+def decide(parts, opt, norm_sq, found, failure, init: bool, clipping: bool) -> tuple:
+    """One decision for all ranks: norm² and found_inf summed in one all_reduce, with every
+    rank's failure flag and state-init vote (rank_faults.py); (norm², found, all_init). A
+    rank that failed (or a collective that did) raises here on every rank, nothing stepped."""
+    if clipping and norm_sq is None:
+        norm_sq = D.grad_norm_sq(parts.layout.params()) if failure is None else 0.0
+    try:
+        norm_sq, found, all_init = RF.agree(norm_sq, found, failure, init_vote=init)
+    except Exception as e:
+        RF.quietly(parts.speculator.drop, e)
+        parts.speculator.clear_ready()
+        raise
+    if not all_init and found is not None:
+        D.globalize_scaler_found_inf(parts.speculator.grad_scaler, opt, found)
+    return norm_sq, found, all_init
+
+
+def clipped(parts, norm_sq, inv_scale: float, max_grad_norm) -> tuple:
+    """(the global grad norm, the clip coefficient): (None, 1.0) without clipping. The norm
+    costs a pass over every grad: a CPU host sums it here, once the step is known not skipped."""
+    if max_grad_norm is None:
+        return None, 1.0
+    if norm_sq is None:
+        norm_sq = D.grad_norm_sq(parts.layout.params())
+    norm = math.sqrt(norm_sq) * inv_scale
+    coef = max_grad_norm / (norm + 1e-6)
+    return norm, coef if (coef < 1.0 or coef != coef) else 1.0  # torch clamps at 1; NaN stays
+
+
+def collect_work(parts, param_groups: list, decoupled: bool) -> tuple:
+    """(the device tier's DeviceWork entries, {host subgroup index: HostWork}) of this step."""
+    groups = [group_inputs(g, decoupled) for g in param_groups]
+    layout = parts.layout
+    tiers, steps = parts.placement.plan.tiers, layout.steps
+    device_work, host_steps = [], {}
+    for sg in layout.subgroups:
+        live = layout.live(sg)
+        if not live:
+            continue
+        hp = groups[sg.group]
+        if tiers[sg.index] == DEVICE:
+            device_work.extend(DeviceWork(sg.index, sl, hp, steps[sl.param_index]) for sl in live)
+        else:
+            host_steps[sg.index] = HostWork(sg, live, hp)
+    return device_work, host_steps
+
+
+def expect_gathers(parts, host_steps: dict, device_work: list, overlap: bool) -> None:
+    """process_group: each bucket's gather starts as the subgroups holding its chunks commit;
+    the device tier's params count as committed when step() gathers what is left."""
+    if parts.sharding.active:
+        pending = {i: [sl.param for sl in w.live] for i, w in host_steps.items()}
+        pending["device"] = [w.slice.param for w in device_work]
+        parts.sharding.expect_commits(pending, direct=not overlap)
+
+
+def step_host(parts, host_steps: dict, scale: float, committed: set) -> None:
+    """The host and nvme tiers' step: each speculated subgroup validated (committed, or redone
+    from the live grads), the others stepped; each subgroup's new params written into the
+    model as its step commits (`committed` gathers their indices)."""
+    placement, spec, sharding = parts.placement, parts.speculator, parts.sharding
+    local = placement.host_local
+    work = {local[i]: (GradGatherer(w.sg), spec.host_inputs(w.sg, w.live, w.hp, scale, 0))
+            for i, w in host_steps.items()}
+    by_local = {local[i]: w for i, w in host_steps.items()}
+
+    def copy_params(k: int, views: dict) -> None:
+        # the new params reach the model only once their step is committed
+        sg, live = by_local[k].sg, by_local[k].live
+        src = views["param_copy"] if (sg.dtype != torch.float32 and "param_copy" in views) else views["param"]
+        # one blocking batched copy into the live slices (an nvme subgroup's buffer is
+        # reused as soon as this returns): on CUDA one host sync, not one per slice
+        sg.write(src, slices=live)
+        committed.add(sg.index)
+        sharding.committed(sg.index)  # process_group: its buckets' gathers may start (zero_gather.py)
+
+    try:
+        outcome = placement.host.finish(work, on_commit=copy_params)
+    finally:
+        spec.forget_staged()
+    spec.stepped()
+    index_of = {k: i for i, k in local.items()}
+    parts.stats.note_outcome({index_of[k]: v for k, v in outcome.items()})
+
+
+def gather_params(parts, overlap: bool) -> None:
+    """process_group: the updated chunks sent to every rank. The params are current when step()
+    returns (as DeepSpeed's ZeRO-2); the overlapped mode lands each bucket as its params are
+    next used (zero.py), and a read outside a forward then needs wait_params() first: opt-in."""
+    parts.sharding.gather(direct=not overlap)  # waited at once: into the params
+    if not overlap:
+        parts.sharding.wait_gathered()
+
+
+def fail(parts, owner: str, torch_state, overlap: bool, e: BaseException, where, host_steps: dict,
+         committed: set, device_work: list, done: list, unsure: list, undo) -> None:
+    """Raises `e` explained, after putting back the step count of every parameter the failed
+    step did not touch (step_failures.py)."""
+    world = D.world_size()
+    f = failure_of(owner, e, where, host_steps, committed, device_work, done, unsure, world,
+                   parts.sharding.active)
+    parts.ledger.put_back(undo, f.untouched, f.nothing_stepped)
+    parts.ledger.sync_torch_state(torch_state)
+    parts.guard.record()  # what was stepped was written by the step, not the user
+    if not isinstance(e, Exception):  # KeyboardInterrupt and the like: counts fixed, as it is
+        raise e
+    if world > 1:  # the others stepped: our next step() stops them all
+        parts.ledger.out_of_step(f.error)
+    if parts.sharding.active:
+        # the others all-gather their stepped chunks now: this rank joins (its params then
+        # hold their new chunks and its own chunk as its tiers left it), so the next
+        # collectives still pair in order and its next step() stops every rank
+        RF.quietly(lambda: gather_params(parts, overlap), f.error)
+    raise f.error from e
+
+
+def precheck(parts, found_inf, max_grad_norm) -> tuple:
+    """(this rank's failure so far or None, whether the ranks' decision all_reduce runs) at the
+    start of step(). A failure on this rank joins the decision flagged, so every rank raises at
+    this step instead of waiting for this one in a collective (rank_faults.py); with no
+    decision to join it is raised here, as in one process."""
+    failure = parts.ledger.rank_failure
+    err = parts.speculator.take_error()
+    if err is not None:
+        failure = failure or RF.with_cause(f"a speculative host step during backward failed: {err}", err)
+        RF.quietly(parts.speculator.drop, failure)  # still joins the others' collective
+    # process_group: always, so that a grad edit one rank refuses (zero_edits.py) stops every
+    # rank at this step (one 5-value all_reduce beside the step's reduce-scatters)
+    decides = RF.decision_runs(max_grad_norm, found_inf) or (parts.sharding.active and D.world_size() > 1)
+    if failure is not None and not decides:
+        raise failure
+    try:
+        parts.guard.check()  # a param whose memory was replaced is re-adopted (storage.py)
+        parts.checks.check_inputs()  # what a tier would fail on part-way (step_failures.py)
+    except Exception as e:
+        if not decides:
+            raise
+        failure = failure or e  # the step's collectives still run here, the error in the flag
+    return failure, decides
+
+
+def sharded_inputs(parts, failure, found_inf, grad_scale, key) -> tuple:
+    """process_group: the last step's params landed and every grad's averaged chunk in place;
+    (found_inf — with release_grads this rank's chunks' flag added, zero_release.py — and the
+    failure so far, a grad edit the reductions did not see included: zero_edits.py)."""
+    sharding = parts.sharding
+    sharding.wait_gathered()
+    sharding.finish()
+    found_inf, refused = sharding.scaler_found_inf(found_inf, parts.speculator.grad_scaler, key)
+    failure = failure or refused
+    # GradScaler.step hands no grad_scale for grads unscaled already (unscale_)
+    return found_inf, failure or sharding.grad_edit_error(found_inf is not None and grad_scale is None)
+
+
+def record_step(parts, times: tuple, host_steps: dict, device_work: list, norm, clip, marks: tuple) -> None:
+    """This step's `stats`; under "auto" its measured times to the scheduler, which may refit.
+    times: perf_counter at (step() entered, host step, device step, end); marks: the device
+    clock's around the device step."""
+    t_step, t_host, t_device, t_end = times
+    placement, stats, steps = parts.placement, parts.stats, parts.ledger.steps_taken
+    stats.record(placement.plan, placement.host, placement.host_local, host_steps, device_work,
+                 t_device - t_host, t_end - t_device, norm, clip)
+    if placement.auto is not None:
+        stats.queue_sample(steps, device_work, t_end - t_step, marks)
+        stats.observe(placement.auto)
+        placement.refit(steps)
+        stats.predicted(placement.plan.prediction)
