@@ -139,18 +139,3 @@ class GradRelease:
         if state is not None and not state.get("found_inf_per_device"):
             state["found_inf_per_device"] = {device: found.clone().reshape(())}
         return found, None
-        scaler = getattr(opt, "_grad_scaler", None)
-        if scaler is None:
-            return RuntimeError(
-                "process_group with release_grads=True and a GradScaler: attach it with "
-                "opt.attach_grad_scaler(scaler) (its inf check sees no p.grad in this mode, so "
-                "the optimizer checks the reduced chunks and hands the scaler the result). "
-                "Nothing was stepped, on any rank")
-        flags = [torch.isfinite(b.out).all() for b in self._buckets]
-        device = found.device if isinstance(found, torch.Tensor) else flags[0].device
-        mine = torch.stack(flags).logical_not().any().to(device=device, dtype=torch.float32)
-        opt.found_inf = mine + found
-        state = getattr(scaler, "_per_optimizer_states", {}).get(id(opt))
-        if state is not None and not state.get("found_inf_per_device"):
-            state["found_inf_per_device"] = {device: opt.found_inf.clone().reshape(())}
-        return None

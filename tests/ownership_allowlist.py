@@ -26,5 +26,4 @@ ALLOWLIST = {
     ('hybrid_opt.tiers.host_step', 'HostStepping', 'p.task.__dict__', 'foreign-dict'),
     ('hybrid_opt.worker.client', 'WorkerClient', 'task.task_id', 'foreign-write'),
     ('hybrid_opt.worker.main', 'Worker', 'r.elapsed_ns', 'foreign-write'),
-    ('hybrid_opt.zero_release', 'GradRelease', 'opt.found_inf', 'foreign-write'),
 }
