@@ -105,31 +105,15 @@ class _HybridBase(torch.optim.Optimizer):
             P.extend(self._parts, len(self.param_groups) - 1)
 
     # ------------------------------------------------------------------ properties
-    @property
-    def parts(self) -> P.Parts:
-        """The parts this optimizer is composed of (docs/code-map.md), for introspection and
-        tests: each part's public attributes and methods are its interface."""
-        return self._parts
-
-    @property
-    def plan(self):
-        """The placement now: which tier holds each subgroup (plan.Plan)."""
-        return self._placement.plan
-
-    @property
-    def stats(self) -> dict:
-        """The last step's figures per tier (docs/usage.md)."""
-        return self._step_stats.last
-
-    @property
-    def step_was_skipped(self) -> bool:
-        """Whether the last step() was skipped (a GradScaler's inf/nan: nothing stepped)."""
-        return self._ledger.step_was_skipped
-
-    @property
-    def last_grad_norm(self):
-        """The global grad norm the last step clipped by (unscaled); None without clipping."""
-        return self._ledger.last_grad_norm
+    parts = property(lambda self: self._parts, doc="The parts this optimizer is composed of (docs/code-map.md), "
+                     "for introspection and tests: each part's public attributes and methods are its interface.")
+    plan = property(lambda self: self._placement.plan, doc="The placement now: which tier holds each subgroup.")
+    stats = property(lambda self: self._step_stats.last, doc="The last step's figures per tier (docs/usage.md).")
+    step_was_skipped = property(lambda self: self._ledger.step_was_skipped,
+                                doc="Whether the last step() was skipped (a GradScaler's inf/nan: nothing stepped).")
+    last_grad_norm = property(lambda self: self._ledger.last_grad_norm,
+                              doc="The global grad norm the last step clipped by (unscaled); None without clipping.")
+    closed = property(lambda self: self._closed, doc="Whether close() ran (or the end of its `with` block).")
 
     @property
     def allocated_bytes(self) -> dict:
@@ -139,11 +123,6 @@ class _HybridBase(torch.optim.Optimizer):
         if self._closed:
             return allocated_bytes(None, None, None)
         return allocated_bytes(self._placement.device, self._placement.host, self._zero)
-
-    @property
-    def closed(self) -> bool:
-        """Whether close() ran (or the end of its `with` block): a closed optimizer steps no more."""
-        return self._closed
 
     @property
     def worker_pid(self):
