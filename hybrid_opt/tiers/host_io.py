@@ -299,11 +299,9 @@ class HostIO:
     def _send_copied(self, block: bool = False) -> None:
         """Sends the queued pieces whose staging copies have landed, in launch order. block:
         wait for every copy still in flight (step() only; a grad hook never blocks on one)."""
-        while True:
-            got = self._copies.pop_ready(block)
-            if got is None:
-                return
-            pieces, whole = got
+        if not self._copies:
+            return
+        for pieces, whole in self._copies.ready(block):
             if any(p.cancelled for p in pieces):
                 for p in pieces:  # their step was discarded: the slots are free now the copies landed
                     self.free_slot(p)
@@ -415,9 +413,8 @@ class HostIO:
                                        f" (the GPU never finished copying the grads of {copying}: "
                                        f"check the device)" if copying else ""))
             try:
-                if not self.client.connected:
-                    raise self.client.death_error()
-                # staging copies still landing: look again soon (only step() blocks on them)
+                # a worker already gone raises here (death_error); staging copies still
+                # landing: look again soon (only step() blocks on them)
                 self.client.drain(0.0005 if len(self._copies) else 0.1)
             except WorkerDied as e:
                 self._recover(e)
@@ -454,11 +451,10 @@ class HostIO:
 
     def poll(self) -> None:
         """Collect the results that have arrived, without waiting (frees slots and banks)."""
-        if self.client.connected:
-            try:
-                self.client.poll()
-            except WorkerDied as e:
-                self._recover(e)
+        try:
+            self.client.poll()  # nothing to read from a worker already gone
+        except WorkerDied as e:
+            self._recover(e)
         self._collect()
         self._send_copied()
 
