@@ -14,9 +14,9 @@ import pytest
 
 from walk import OUTSIDE, Tracer, trace_walk
 
-MAX_HOPS = 126
+MAX_HOPS = 116
 MAX_VISITS = 48    # distributed.local_of / is_dtensor, called per param and per grad
-MAX_PASSES = 9
+MAX_PASSES = 8
 
 
 @pytest.fixture(scope="module")

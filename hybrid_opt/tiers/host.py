@@ -145,15 +145,15 @@ class HostTier:
             layout["nvme"] = dict(dir=self.swap.path, io_bytes=self.io_bytes, threads=nvme_threads)
         self.client = WorkerClient(self.arena, layout, cores=self.cores.worker or None,
                                    timeout_s=timeout_s)
-        # the io part asks the stepping part (made next: `stepping` is read at call time) which
-        # pieces a pending speculation holds and which torn speculations to forget
+        # the io part tells the stepping part (made next: `stepping` is read at call time)
+        # which torn speculations to forget
         stepping = None
-        self._io = HostIO(self.client, slots, grad_dtype=grad_dtype, copy_dtype=copy_dtype,
-                          remainders=remainders, rollback=rollback, nvme=self.nvme,
-                          held=lambda piece: stepping.held(piece), forget=lambda sg: stepping.forget(sg))
-        stepping = HostStepping(self._io, self._banks, self.pool, self._files, numels=self.numels,
-                                nvme=self.nvme, rollback=rollback, amsgrad=amsgrad,
-                                slot_numel=self.slot_numel)
+        self._io = HostIO(self.client, slots, slot_numel=self.slot_numel, grad_dtype=grad_dtype,
+                          copy_dtype=copy_dtype, remainders=remainders, rollback=rollback,
+                          nvme=self.nvme, forget=lambda sg: stepping.forget(sg))
+        stepping = HostStepping(self._io, self._banks, self.pool, self._files, self.client,
+                                numels=self.numels, nvme=self.nvme, rollback=rollback,
+                                amsgrad=amsgrad, slot_numel=self.slot_numel)
         self._step = stepping
         self.closed = False
         try:

@@ -17,7 +17,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from hybrid_opt.shm import align_up
-from hybrid_opt.tiers.inputs import StepInputs
+from hybrid_opt.tiers.inputs import StepInputs, _with_step
 from hybrid_opt.tiers.staging import CopyQueue, CudaStager, copy_async, staging_device
 from hybrid_opt.worker import protocol as P
 from hybrid_opt.worker.client import WorkerDied, WorkerError
@@ -62,6 +62,8 @@ class _Piece:
     keep: list | None = None      # remote gather: the grads the worker reads, alive until it has
     copy_done: object = None      # the event of its staging copy while that is in flight (CUDA)
     queued: bool = False          # waits in the CopyQueue to be sent
+    held: bool = False            # a speculated in-place step's: its slot (its grads) is kept
+                                  # after its result, until validation frees it (the undo reads it)
     cancelled: bool = False       # its step was discarded while queued: never sent
 
     # the CopyQueue's marks (staging.py): it changes a piece only through these
@@ -80,17 +82,19 @@ class _Piece:
 class HostIO:
     """Staging slots and worker traffic of a HostTier: it owns the slots, the pieces in flight,
     the queue of pieces whose staging copies are landing, the stagers and the worker's error
-    and counters. The speculations stay with HostStepping, which tells it through two
-    callbacks: held(piece) — a speculated in-place piece keeps its grads until validation —
-    and forget(sg) — a subgroup torn by a worker death (inverse mode) is forgotten."""
+    and counters. The speculations stay with HostStepping: it marks the pieces of a speculated
+    in-place step held (stage_steps(hold=True): they keep their grads until validation), and
+    is told through one callback, forget(sg), of a subgroup torn by a worker death (inverse
+    mode), to be forgotten."""
 
-    def __init__(self, client, slots: list, *, grad_dtype, copy_dtype, remainders: list,
-                 rollback: str, nvme: list, held, forget):
+    def __init__(self, client, slots: list, *, slot_numel: int, grad_dtype, copy_dtype,
+                 remainders: list, rollback: str, nvme: list, forget):
         self.client = client
         self.grad_dtype, self.copy_dtype = grad_dtype, copy_dtype
         self._remainders, self._rollback, self._nvme = list(remainders), rollback, list(nvme)
-        self._held, self._forget = held, forget
+        self._forget = forget
         self._slots = list(slots)
+        self.slot_numel = slot_numel          # elements per staging slot: the most one piece has
         self._free_slots = list(range(len(slots)))[::-1]
         self._inflight: dict[int, _Piece] = {}
         self._copies = CopyQueue()          # pieces whose staging copies are still landing (CUDA)
@@ -108,11 +112,6 @@ class HostIO:
         """worker_restarts, worker_seconds (all subgroups), remote_gathered (pieces whose grads
         the worker read itself): a copy."""
         return dict(self._counts)
-
-    @property
-    def timeout_s(self) -> float:
-        """The bound on every wait: the worker client's timeout, read at each use."""
-        return self.client.timeout_s
 
     @property
     def slots(self) -> tuple:
@@ -183,7 +182,7 @@ class HostIO:
             if got is None:
                 return None
             entries, keep = got
-            return P.pack_gather((o * es, a, n * es) for o, a, n in entries), keep
+            return P.pack_gather([(o * es, a, n * es) for o, a, n in entries]), keep
         if grad.is_cuda or grad.dtype != self.grad_dtype or not grad.is_contiguous():
             return None
         return P.pack_gather([(0, grad.data_ptr() + offset * es, numel * es)]), [grad]
@@ -198,16 +197,34 @@ class HostIO:
                       float(inputs.weight_decay), float(inputs.grad_scale),
                       remainder=int(self._remainders[sg]))
 
-    def stage_step(self, pieces: list, sg: int, inputs: StepInputs, in_bank, out_bank, offset: int,
-                   numel: int, skip_nonfinite: bool, grad, *, remote: bool, send: bool,
-                   progress=None) -> _Piece:
-        """One piece of a step (elements offset..offset+numel of `sg`): takes a staging slot
-        (waiting for one if none is free; progress(): work to do meanwhile), appends the piece
-        to `pieces`, has the worker gather its grads (remote) or stages them, and sends it
-        (send=False: the caller sends the pieces later, send_checked)."""
+    def stage_steps(self, pieces: list, sg: int, inputs: StepInputs, runs: tuple, in_bank, out_bank,
+                    skip_nonfinite: bool, grad, *, remote: bool, checked: bool, hold: bool,
+                    progress=None) -> None:
+        """Every piece of one subgroup's step: `runs` (inputs.ranges: (offset, numel, step)) cut
+        into slot-sized pieces, each appended to `pieces` as soon as it holds a staging slot
+        (every failure path frees it), and sent. checked: sent only once all are staged and
+        every grad is finite (send_checked, inverse mode); hold: a speculated in-place step's
+        pieces, their slots kept until validation (the undo reads the grads)."""
+        for run_off, run_n, step in runs:
+            run_inputs = inputs if step == inputs.step else _with_step(inputs, step)
+            for off in range(run_off, run_off + run_n, self.slot_numel):
+                self._stage_step(pieces, sg, run_inputs, in_bank, out_bank, off,
+                                 min(self.slot_numel, run_off + run_n - off), skip_nonfinite, grad,
+                                 remote=remote, send=not checked, hold=hold, progress=progress)
+        if checked:
+            self.send_checked(pieces)
+
+    def _stage_step(self, pieces: list, sg: int, inputs: StepInputs, in_bank, out_bank, offset: int,
+                    numel: int, skip_nonfinite: bool, grad, *, remote: bool, send: bool, hold: bool,
+                    progress) -> _Piece:
+        """One piece (elements offset..offset+numel of `sg`): takes a staging slot (waiting for
+        one if none is free; progress(): work to do meanwhile), appends the piece to `pieces`,
+        has the worker gather its grads (remote) or stages them, and sends it (send=False: the
+        caller sends the pieces later, send_checked)."""
         slot = self._acquire_slot(progress)
         piece = _Piece(sg, offset, numel, slot, self._task(P.OP_STEP, sg, inputs, in_bank, out_bank,
-                                                          offset, numel, slot, skip_nonfinite))
+                                                          offset, numel, slot, skip_nonfinite),
+                       held=hold)
         pieces.append(piece)  # owns the slot from here: every failure path frees it
         # the worker reads the grads itself only while it has little else queued: a
         # busy worker would finish later, so then the trainer copies them (its copy
@@ -316,10 +333,12 @@ class HostIO:
         return len(self._copies)
 
     @contextmanager
-    def copies_may_block(self):
-        """Inside: waits may block on the staging copies still landing (step(), never a hook)."""
+    def finishing(self, pieces: list):
+        """step()'s stage: inside, waits may block on the staging copies still landing (never a
+        hook's); on entry, waits (bounded) until every one of `pieces` has its result."""
         self._block_copies = True
         try:
+            self.wait_for(pieces)
             yield
         finally:
             self._block_copies = False
@@ -343,6 +362,11 @@ class HostIO:
             self._recover(e)
             return self.client.send(task)
 
+    def release_slots(self, pieces: list) -> None:
+        """free_slot() of each of `pieces`."""
+        for p in pieces:
+            self.free_slot(p)
+
     def free_slot(self, piece: _Piece) -> None:
         """Returns a piece's staging slot to the ring, once (every path may call it)."""
         if piece.queued:
@@ -365,7 +389,7 @@ class HostIO:
 
     def _release_piece(self, piece: _Piece) -> None:
         # a speculated in-place piece keeps its grads until validation (the undo needs them)
-        if self._held(piece):
+        if piece.held:
             return
         self.free_slot(piece)
 
@@ -418,6 +442,11 @@ class HostIO:
                 self.client.drain(0.0005 if len(self._copies) else 0.1)
             except WorkerDied as e:
                 self._recover(e)
+
+    def wait_for(self, pieces: list, any_one: bool = False) -> None:
+        """wait() until every one of `pieces` (any_one: one of them) has its result."""
+        test = any if any_one else all
+        self.wait(lambda: test(p.result is not None for p in pieces))
 
     def wait_tasks(self, ids: list) -> None:
         """Waits for tasks sent with send_task (not pieces: nothing tracks them) and takes their
