@@ -14,7 +14,7 @@ import pytest
 
 from walk import OUTSIDE, Tracer, trace_walk
 
-MAX_HOPS = 116
+MAX_HOPS = 115
 MAX_VISITS = 48    # distributed.local_of / is_dtensor, called per param and per grad
 MAX_PASSES = 8
 

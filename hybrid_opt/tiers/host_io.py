@@ -16,38 +16,13 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from hybrid_opt.shm import align_up
 from hybrid_opt.tiers.inputs import StepInputs, _with_step
 from hybrid_opt.tiers.staging import CopyQueue, CudaStager, copy_async, staging_device
 from hybrid_opt.worker import protocol as P
 from hybrid_opt.worker.client import WorkerDied, WorkerError
 
 _DT_CODE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
-_ALIGN_ELEMS = 64  # bank capacity and slot sizes in whole cache lines of fp32
-DEFAULT_SLOT_NUMEL = 1 << 20
 REMOTE_GATHER_QUEUE = 2   # pieces in flight below which the worker gathers grads itself
-STAGING_SLOTS = 8         # default staging slots (two 4Mi subgroups of 1Mi pieces)
-MAX_STAGING_SLOTS = 32    # staging_slots_for(): at most 128 MB of fp32 grads
-
-
-def _slot_numel(numels: list, slot_numel: int | None) -> int:
-    """Elements per staging slot: `slot_numel` (default 1Mi: 4 MB of fp32 grads — a task that
-    long costs the worker ~1 ms, its messaging overhead ~50 us; larger only costs memory),
-    at most the largest subgroup, in whole cache lines."""
-    return align_up(min(slot_numel or DEFAULT_SLOT_NUMEL, align_up(max(numels), _ALIGN_ELEMS)), _ALIGN_ELEMS)
-
-
-def staging_slots_for(bursts: list, numels: list, slot_numel: int | None = None) -> int:
-    """Staging slots for a host tier whose subgroups become ready in `bursts` (lists of
-    subgroup indices into `numels` that one grad hook completes together: a parameter that
-    spans several subgroups completes them all at once). A speculated step takes all its
-    slots when it is launched, and backward never waits for the worker, so a burst larger
-    than the free slots is deferred to the next hook — the worker idles meanwhile. Enough
-    slots for the two largest bursts (one may arrive while the worker still holds the slots
-    of the one before), within [STAGING_SLOTS, MAX_STAGING_SLOTS]."""
-    slot = _slot_numel(numels, slot_numel)
-    sizes = sorted(sum(-(-numels[i] // slot) for i in b) for b in bursts)
-    return max(STAGING_SLOTS, min(MAX_STAGING_SLOTS, sum(sizes[-2:])))
 
 
 @dataclass
@@ -443,10 +418,9 @@ class HostIO:
             except WorkerDied as e:
                 self._recover(e)
 
-    def wait_for(self, pieces: list, any_one: bool = False) -> None:
-        """wait() until every one of `pieces` (any_one: one of them) has its result."""
-        test = any if any_one else all
-        self.wait(lambda: test(p.result is not None for p in pieces))
+    def wait_for(self, pieces: list) -> None:
+        """wait() until every one of `pieces` has its result."""
+        self.wait(lambda: all(p.result is not None for p in pieces))
 
     def wait_tasks(self, ids: list) -> None:
         """Waits for tasks sent with send_task (not pieces: nothing tracks them) and takes their
@@ -480,12 +454,21 @@ class HostIO:
 
     def poll(self) -> None:
         """Collect the results that have arrived, without waiting (frees slots and banks)."""
-        try:
-            self.client.poll()  # nothing to read from a worker already gone
-        except WorkerDied as e:
-            self._recover(e)
-        self._collect()
+        # with nothing in flight nothing can come back: a worker gone meanwhile is met (and
+        # replaced) at the next send or wait, as it is here
+        if self._inflight:
+            try:
+                self.client.poll()  # nothing to read from a worker already gone
+            except WorkerDied as e:
+                self._recover(e)
+            self._collect()
         self._send_copied()
+
+    def poll_if_copying(self) -> None:
+        """poll() while pieces wait for their staging copies (a grad hook's: those that landed
+        go to the worker); nothing otherwise."""
+        if self._copies:
+            self.poll()
 
     def close(self) -> None:
         """The tier closes: staging copies still in flight land, the pieces in flight are

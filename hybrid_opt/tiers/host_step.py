@@ -223,11 +223,15 @@ class HostStepping:
         spec.bank = spec.aux_bank = None
 
     # ------------------------------------------------------------------ speculation
-    def speculate(self, sg: int, grad, inputs: StepInputs, wait: bool = True) -> bool:
+    def speculate(self, sg: int, grad, inputs: StepInputs, wait: bool = True,
+                  replace: bool = False) -> bool:
         """Step `sg` now, into spare banks (exact, nvme) or in place (inverse), to be validated
         by finish(). Returns False, doing nothing, when no bank is free (or, in inverse mode
         or with wait=False, not every staging slot it needs): the subgroup is then stepped at
-        finish(). With wait=True it may wait for the worker to free staging slots."""
+        finish(). With wait=True it may wait for the worker to free staging slots. replace:
+        a pending speculation of `sg` is cancelled first (else it raises: require_idle)."""
+        if replace:
+            self.cancel(sg)
         runs = self._check(sg, grad, inputs)
         self.require_idle(sg)
         in_place = self.rollback == "inverse" and not self.nvme[sg]
