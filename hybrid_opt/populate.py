@@ -172,9 +172,16 @@ class BackgroundPopulate:
         `timeout_s` bounds a stall, not the whole wait: a big arena takes minutes to populate
         in one thread, and a region late in the order is waited for as long as chunks keep
         being populated; TimeoutError once none was for `timeout_s`."""
+        self.wait_ranges([(offset, nbytes)], timeout_s)
+
+    def wait_ranges(self, ranges, timeout_s: float = 120.0) -> None:
+        """wait() for every (offset, nbytes) of `ranges` at once (nbytes None: everything): the
+        chunks are populated in order, so that is waiting for the last chunk any of them
+        overlaps, with the same bound on a stall."""
         if self._next >= len(self._chunks) and not self._err:
             return  # finished: the per-step case, no search
-        last = len(self._chunks) - 1 if nbytes is None else self._last_chunk(offset, nbytes)
+        last = max((len(self._chunks) - 1 if nbytes is None else self._last_chunk(offset, nbytes)
+                    for offset, nbytes in ranges), default=-1)
         with self._cond:
             seen, deadline = self._next, time.monotonic() + timeout_s
             while self._next <= last and not self._err and self._thread.is_alive():

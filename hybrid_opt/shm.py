@@ -246,6 +246,11 @@ class SharedArena:
         if self._background is not None:
             self._background.wait(offset, nbytes, timeout_s)
 
+    def wait_populated_ranges(self, ranges, timeout_s: float = 120.0) -> None:
+        """wait_populated() for every (offset, nbytes) of `ranges`, in one wait."""
+        if self._background is not None:
+            self._background.wait_ranges(ranges, timeout_s)
+
     @property
     def populating(self) -> bool:
         """Whether the background population is still running."""

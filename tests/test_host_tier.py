@@ -783,6 +783,26 @@ def test_speculating_twice_on_a_subgroup_before_finish_is_rejected():
     tier.finish({}, overflow=True)
 
 
+@pytest.mark.parametrize("rollback", ["exact", "inverse"])
+def test_speculate_with_replace_cancels_the_pending_speculation_first(rollback):
+    tier = shared_tier(rollback=rollback)
+    states = make_states(NUMELS, seed=21)
+    load(tier, states)
+    first, second = make_grads(NUMELS, seed=21)[3], make_grads(NUMELS, seed=22)[3]
+    assert tier.speculate(3, first, inputs(1))
+    assert tier.speculate(3, second, inputs(1), replace=True)  # cancel() + speculate()
+    assert tier.speculated() == [3]
+    assert tier.finish({3: (second, inputs(1))}) == {3: "committed"}
+    ref_step(states[3], second, inputs(1))
+    got = tier.master(3)
+    if rollback == "exact":
+        assert_bitwise_equal(got, states[3]["p"], "replaced speculation, committed")
+    else:  # the first step was undone with the fp64 inverse: a few ulp
+        torch.testing.assert_close(got, states[3]["p"], **INVERSE_TOL["p"])
+    assert tier.speculate(3, first, inputs(2), replace=True)  # nothing pending: a plain speculate
+    tier.finish({}, overflow=True)
+
+
 @pytest.mark.parametrize("call", ["speculate", "finish"])
 @pytest.mark.parametrize("bad,match", [
     (dict(amsgrad=True), r"StepInputs.amsgrad=True on a host tier built with amsgrad=False"),

@@ -135,6 +135,30 @@ def test_pieces_go_to_the_worker_only_once_their_copies_landed_and_in_order():
         tier.close()
 
 
+def test_poll_if_copying_sends_the_pieces_that_landed_and_is_idle_without_copies():
+    numels = [SLOT + 3]  # 2 pieces
+    states, grads = make_states(numels), make_grads(numels)
+    tier = async_tier(numels, spare_banks=2)
+    try:
+        load(tier, states)
+        sent = spy_sends(tier)
+        tier.poll_if_copying()  # nothing copying: nothing to do
+        assert tier.speculate(0, grads[0], inputs(), wait=False)
+        events = tier.copy_stager.events
+        tier.poll_if_copying()
+        assert steps_sent(sent) == [] and tier.copies_in_flight() == 2
+        events[0].complete()
+        tier.poll_if_copying()  # what a grad hook calls: copies_in_flight() + poll()
+        assert steps_sent(sent) == [(0, 0)] and tier.copies_in_flight() == 1
+        events[1].complete()
+        tier.poll_if_copying()
+        assert steps_sent(sent) == [(0, 0), (0, SLOT)] and tier.copies_in_flight() == 0
+        assert tier.finish({0: (grads[0], inputs())}) == {0: "committed"}
+        ref_step(states[0], grads[0], inputs())
+        assert_bitwise_equal(tier.master(0), states[0]["p"], "param after poll_if_copying")
+    finally:
+        tier.close()
+
 def test_a_failed_launch_never_sends_its_queued_pieces_and_frees_their_slots_once_copied():
     numels = [3 * SLOT]
     states, grads = make_states(numels), make_grads(numels)

@@ -8,7 +8,8 @@ checked against is the bytes the OS will report (`os.fstat` on the arena's descr
 
 Every bank has the largest subgroup's capacity (any bank serves any subgroup: a spare becomes
 a committed bank at a commit); packed subgroups (layout.py) make all but one per bucket that
-size. Each bank is laid out by tiers/compressed.bank_layout; the arena is page-aligned.
+size. Each bank is laid out by tiers/compressed.bank_layout; the arena is page-aligned. The
+staging slots are sized here too (_slot_numel, staging_slots_for: the placement's count).
 """
 from __future__ import annotations
 
@@ -18,7 +19,31 @@ import torch
 
 from hybrid_opt.shm import PAGE, ArenaLayout, align_up
 from hybrid_opt.tiers.compressed import bank_layout
-from hybrid_opt.tiers.host_io import _ALIGN_ELEMS, _slot_numel
+
+_ALIGN_ELEMS = 64  # bank capacity and slot sizes in whole cache lines of fp32
+DEFAULT_SLOT_NUMEL = 1 << 20
+STAGING_SLOTS = 8         # default staging slots (two 4Mi subgroups of 1Mi pieces)
+MAX_STAGING_SLOTS = 32    # staging_slots_for(): at most 128 MB of fp32 grads
+
+
+def _slot_numel(numels: list, slot_numel: int | None) -> int:
+    """Elements per staging slot: `slot_numel` (default 1Mi: 4 MB of fp32 grads — a task that
+    long costs the worker ~1 ms, its messaging overhead ~50 us; larger only costs memory),
+    at most the largest subgroup, in whole cache lines."""
+    return align_up(min(slot_numel or DEFAULT_SLOT_NUMEL, align_up(max(numels), _ALIGN_ELEMS)), _ALIGN_ELEMS)
+
+
+def staging_slots_for(bursts: list, numels: list, slot_numel: int | None = None) -> int:
+    """Staging slots for a host tier whose subgroups become ready in `bursts` (lists of
+    subgroup indices into `numels` that one grad hook completes together: a parameter that
+    spans several subgroups completes them all at once). A speculated step takes all its
+    slots when it is launched, and backward never waits for the worker, so a burst larger
+    than the free slots is deferred to the next hook — the worker idles meanwhile. Enough
+    slots for the two largest bursts (one may arrive while the worker still holds the slots
+    of the one before), within [STAGING_SLOTS, MAX_STAGING_SLOTS]."""
+    slot = _slot_numel(numels, slot_numel)
+    sizes = sorted(sum(-(-numels[i] // slot) for i in b) for b in bursts)
+    return max(STAGING_SLOTS, min(MAX_STAGING_SLOTS, sum(sizes[-2:])))
 
 
 @dataclass(frozen=True)

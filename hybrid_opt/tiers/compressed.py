@@ -141,10 +141,9 @@ class StateBanks:
         """Banks the background population has not reached yet are waited for, so no step
         pays first-touch faults (for as long as the population progresses: a stall past the worker
         timeout raises); they are written from now on."""
-        for b in banks:
-            self.arena.wait_populated(self._bank_offset + b * self._bank_stride, self._bank_stride,
-                                      timeout_s)
-            self._fresh.discard(b)
+        self.arena.wait_populated_ranges([(self._bank_offset + b * self._bank_stride, self._bank_stride)
+                                          for b in banks], timeout_s)
+        self._fresh.difference_update(banks)
 
     def take_fresh(self, bank: int) -> bool:
         """Whether `bank` was never written (its pages still zero); it is written from now on."""

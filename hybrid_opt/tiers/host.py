@@ -19,10 +19,9 @@ from hybrid_opt.shm import PAGE, SharedArena, align_up
 from hybrid_opt.state_format import StateFormat
 from hybrid_opt.swap import SwapDir, check_nvme_path
 # re-exported: the optimizer, calibration, tests and benchmarks import these from here
-from hybrid_opt.tiers.host_io import (DEFAULT_SLOT_NUMEL, MAX_STAGING_SLOTS,  # noqa: F401
-                                      REMOTE_GATHER_QUEUE, STAGING_SLOTS, _DT_CODE,
-                                      HostIO, _Piece, staging_slots_for)
-from hybrid_opt.tiers.arena_plan import plan_arena
+from hybrid_opt.tiers.host_io import REMOTE_GATHER_QUEUE, _DT_CODE, HostIO, _Piece  # noqa: F401
+from hybrid_opt.tiers.arena_plan import (DEFAULT_SLOT_NUMEL, MAX_STAGING_SLOTS,  # noqa: F401
+                                         STAGING_SLOTS, plan_arena, staging_slots_for)
 from hybrid_opt.tiers.compressed import StateBanks, _independent_moment_dtypes, check_params
 from hybrid_opt.tiers.host_step import FileSlots, HostStepping, _Speculation  # noqa: F401
 from hybrid_opt.tiers.inputs import StepInputs, _with_step  # noqa: F401
@@ -145,15 +144,15 @@ class HostTier:
             layout["nvme"] = dict(dir=self.swap.path, io_bytes=self.io_bytes, threads=nvme_threads)
         self.client = WorkerClient(self.arena, layout, cores=self.cores.worker or None,
                                    timeout_s=timeout_s)
-        # the io part asks the stepping part (made next: `stepping` is read at call time) which
-        # pieces a pending speculation holds and which torn speculations to forget
+        # the io part tells the stepping part (made next: `stepping` is read at call time)
+        # which torn speculations to forget
         stepping = None
-        self._io = HostIO(self.client, slots, grad_dtype=grad_dtype, copy_dtype=copy_dtype,
-                          remainders=remainders, rollback=rollback, nvme=self.nvme,
-                          held=lambda piece: stepping.held(piece), forget=lambda sg: stepping.forget(sg))
-        stepping = HostStepping(self._io, self._banks, self.pool, self._files, numels=self.numels,
-                                nvme=self.nvme, rollback=rollback, amsgrad=amsgrad,
-                                slot_numel=self.slot_numel)
+        self._io = HostIO(self.client, slots, slot_numel=self.slot_numel, grad_dtype=grad_dtype,
+                          copy_dtype=copy_dtype, remainders=remainders, rollback=rollback,
+                          nvme=self.nvme, forget=lambda sg: stepping.forget(sg))
+        stepping = HostStepping(self._io, self._banks, self.pool, self._files, self.client,
+                                numels=self.numels, nvme=self.nvme, rollback=rollback,
+                                amsgrad=amsgrad, slot_numel=self.slot_numel)
         self._step = stepping
         self.closed = False
         try:
@@ -300,10 +299,11 @@ class HostTier:
                 self.pool.release(bank)
 
     # ------------------------------------------------------------------ steps (HostStepping)
-    def speculate(self, sg: int, grad, inputs: StepInputs, wait: bool = True) -> bool:
+    def speculate(self, sg: int, grad, inputs: StepInputs, wait: bool = True,
+                  replace: bool = False) -> bool:
         """Step `sg` now, to be validated by finish(); False when there is no room now
-        (HostStepping.speculate)."""
-        return self._step.speculate(sg, grad, inputs, wait)
+        (HostStepping.speculate). replace=True: cancel() a pending speculation of `sg` first."""
+        return self._step.speculate(sg, grad, inputs, wait, replace)
 
     def speculated(self) -> list[int]:
         """The subgroups with a speculative step pending, sorted."""
@@ -340,6 +340,10 @@ class HostTier:
     def poll(self) -> None:
         """Collect the results that have arrived, without waiting (frees slots and banks)."""
         self._io.poll()
+
+    def poll_if_copying(self) -> None:
+        """poll() when copies_in_flight(), in one call: what a grad hook does (HostIO)."""
+        self._io.poll_if_copying()
 
     def copies_in_flight(self) -> int:
         """Pieces still waiting for their staging copies (poll() sends those that landed)."""

@@ -16,38 +16,13 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from hybrid_opt.shm import align_up
-from hybrid_opt.tiers.inputs import StepInputs
+from hybrid_opt.tiers.inputs import StepInputs, _with_step
 from hybrid_opt.tiers.staging import CopyQueue, CudaStager, copy_async, staging_device
 from hybrid_opt.worker import protocol as P
 from hybrid_opt.worker.client import WorkerDied, WorkerError
 
 _DT_CODE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
-_ALIGN_ELEMS = 64  # bank capacity and slot sizes in whole cache lines of fp32
-DEFAULT_SLOT_NUMEL = 1 << 20
 REMOTE_GATHER_QUEUE = 2   # pieces in flight below which the worker gathers grads itself
-STAGING_SLOTS = 8         # default staging slots (two 4Mi subgroups of 1Mi pieces)
-MAX_STAGING_SLOTS = 32    # staging_slots_for(): at most 128 MB of fp32 grads
-
-
-def _slot_numel(numels: list, slot_numel: int | None) -> int:
-    """Elements per staging slot: `slot_numel` (default 1Mi: 4 MB of fp32 grads — a task that
-    long costs the worker ~1 ms, its messaging overhead ~50 us; larger only costs memory),
-    at most the largest subgroup, in whole cache lines."""
-    return align_up(min(slot_numel or DEFAULT_SLOT_NUMEL, align_up(max(numels), _ALIGN_ELEMS)), _ALIGN_ELEMS)
-
-
-def staging_slots_for(bursts: list, numels: list, slot_numel: int | None = None) -> int:
-    """Staging slots for a host tier whose subgroups become ready in `bursts` (lists of
-    subgroup indices into `numels` that one grad hook completes together: a parameter that
-    spans several subgroups completes them all at once). A speculated step takes all its
-    slots when it is launched, and backward never waits for the worker, so a burst larger
-    than the free slots is deferred to the next hook — the worker idles meanwhile. Enough
-    slots for the two largest bursts (one may arrive while the worker still holds the slots
-    of the one before), within [STAGING_SLOTS, MAX_STAGING_SLOTS]."""
-    slot = _slot_numel(numels, slot_numel)
-    sizes = sorted(sum(-(-numels[i] // slot) for i in b) for b in bursts)
-    return max(STAGING_SLOTS, min(MAX_STAGING_SLOTS, sum(sizes[-2:])))
 
 
 @dataclass
@@ -62,6 +37,8 @@ class _Piece:
     keep: list | None = None      # remote gather: the grads the worker reads, alive until it has
     copy_done: object = None      # the event of its staging copy while that is in flight (CUDA)
     queued: bool = False          # waits in the CopyQueue to be sent
+    held: bool = False            # a speculated in-place step's: its slot (its grads) is kept
+                                  # after its result, until validation frees it (the undo reads it)
     cancelled: bool = False       # its step was discarded while queued: never sent
 
     # the CopyQueue's marks (staging.py): it changes a piece only through these
@@ -80,17 +57,19 @@ class _Piece:
 class HostIO:
     """Staging slots and worker traffic of a HostTier: it owns the slots, the pieces in flight,
     the queue of pieces whose staging copies are landing, the stagers and the worker's error
-    and counters. The speculations stay with HostStepping, which tells it through two
-    callbacks: held(piece) — a speculated in-place piece keeps its grads until validation —
-    and forget(sg) — a subgroup torn by a worker death (inverse mode) is forgotten."""
+    and counters. The speculations stay with HostStepping: it marks the pieces of a speculated
+    in-place step held (stage_steps(hold=True): they keep their grads until validation), and
+    is told through one callback, forget(sg), of a subgroup torn by a worker death (inverse
+    mode), to be forgotten."""
 
-    def __init__(self, client, slots: list, *, grad_dtype, copy_dtype, remainders: list,
-                 rollback: str, nvme: list, held, forget):
+    def __init__(self, client, slots: list, *, slot_numel: int, grad_dtype, copy_dtype,
+                 remainders: list, rollback: str, nvme: list, forget):
         self.client = client
         self.grad_dtype, self.copy_dtype = grad_dtype, copy_dtype
         self._remainders, self._rollback, self._nvme = list(remainders), rollback, list(nvme)
-        self._held, self._forget = held, forget
+        self._forget = forget
         self._slots = list(slots)
+        self.slot_numel = slot_numel          # elements per staging slot: the most one piece has
         self._free_slots = list(range(len(slots)))[::-1]
         self._inflight: dict[int, _Piece] = {}
         self._copies = CopyQueue()          # pieces whose staging copies are still landing (CUDA)
@@ -108,11 +87,6 @@ class HostIO:
         """worker_restarts, worker_seconds (all subgroups), remote_gathered (pieces whose grads
         the worker read itself): a copy."""
         return dict(self._counts)
-
-    @property
-    def timeout_s(self) -> float:
-        """The bound on every wait: the worker client's timeout, read at each use."""
-        return self.client.timeout_s
 
     @property
     def slots(self) -> tuple:
@@ -183,7 +157,7 @@ class HostIO:
             if got is None:
                 return None
             entries, keep = got
-            return P.pack_gather((o * es, a, n * es) for o, a, n in entries), keep
+            return P.pack_gather([(o * es, a, n * es) for o, a, n in entries]), keep
         if grad.is_cuda or grad.dtype != self.grad_dtype or not grad.is_contiguous():
             return None
         return P.pack_gather([(0, grad.data_ptr() + offset * es, numel * es)]), [grad]
@@ -198,16 +172,34 @@ class HostIO:
                       float(inputs.weight_decay), float(inputs.grad_scale),
                       remainder=int(self._remainders[sg]))
 
-    def stage_step(self, pieces: list, sg: int, inputs: StepInputs, in_bank, out_bank, offset: int,
-                   numel: int, skip_nonfinite: bool, grad, *, remote: bool, send: bool,
-                   progress=None) -> _Piece:
-        """One piece of a step (elements offset..offset+numel of `sg`): takes a staging slot
-        (waiting for one if none is free; progress(): work to do meanwhile), appends the piece
-        to `pieces`, has the worker gather its grads (remote) or stages them, and sends it
-        (send=False: the caller sends the pieces later, send_checked)."""
+    def stage_steps(self, pieces: list, sg: int, inputs: StepInputs, runs: tuple, in_bank, out_bank,
+                    skip_nonfinite: bool, grad, *, remote: bool, checked: bool, hold: bool,
+                    progress=None) -> None:
+        """Every piece of one subgroup's step: `runs` (inputs.ranges: (offset, numel, step)) cut
+        into slot-sized pieces, each appended to `pieces` as soon as it holds a staging slot
+        (every failure path frees it), and sent. checked: sent only once all are staged and
+        every grad is finite (send_checked, inverse mode); hold: a speculated in-place step's
+        pieces, their slots kept until validation (the undo reads the grads)."""
+        for run_off, run_n, step in runs:
+            run_inputs = inputs if step == inputs.step else _with_step(inputs, step)
+            for off in range(run_off, run_off + run_n, self.slot_numel):
+                self._stage_step(pieces, sg, run_inputs, in_bank, out_bank, off,
+                                 min(self.slot_numel, run_off + run_n - off), skip_nonfinite, grad,
+                                 remote=remote, send=not checked, hold=hold, progress=progress)
+        if checked:
+            self.send_checked(pieces)
+
+    def _stage_step(self, pieces: list, sg: int, inputs: StepInputs, in_bank, out_bank, offset: int,
+                    numel: int, skip_nonfinite: bool, grad, *, remote: bool, send: bool, hold: bool,
+                    progress) -> _Piece:
+        """One piece (elements offset..offset+numel of `sg`): takes a staging slot (waiting for
+        one if none is free; progress(): work to do meanwhile), appends the piece to `pieces`,
+        has the worker gather its grads (remote) or stages them, and sends it (send=False: the
+        caller sends the pieces later, send_checked)."""
         slot = self._acquire_slot(progress)
         piece = _Piece(sg, offset, numel, slot, self._task(P.OP_STEP, sg, inputs, in_bank, out_bank,
-                                                          offset, numel, slot, skip_nonfinite))
+                                                          offset, numel, slot, skip_nonfinite),
+                       held=hold)
         pieces.append(piece)  # owns the slot from here: every failure path frees it
         # the worker reads the grads itself only while it has little else queued: a
         # busy worker would finish later, so then the trainer copies them (its copy
@@ -299,11 +291,9 @@ class HostIO:
     def _send_copied(self, block: bool = False) -> None:
         """Sends the queued pieces whose staging copies have landed, in launch order. block:
         wait for every copy still in flight (step() only; a grad hook never blocks on one)."""
-        while True:
-            got = self._copies.pop_ready(block)
-            if got is None:
-                return
-            pieces, whole = got
+        if not self._copies:
+            return
+        for pieces, whole in self._copies.ready(block):
             if any(p.cancelled for p in pieces):
                 for p in pieces:  # their step was discarded: the slots are free now the copies landed
                     self.free_slot(p)
@@ -318,10 +308,12 @@ class HostIO:
         return len(self._copies)
 
     @contextmanager
-    def copies_may_block(self):
-        """Inside: waits may block on the staging copies still landing (step(), never a hook)."""
+    def finishing(self, pieces: list):
+        """step()'s stage: inside, waits may block on the staging copies still landing (never a
+        hook's); on entry, waits (bounded) until every one of `pieces` has its result."""
         self._block_copies = True
         try:
+            self.wait_for(pieces)
             yield
         finally:
             self._block_copies = False
@@ -345,6 +337,11 @@ class HostIO:
             self._recover(e)
             return self.client.send(task)
 
+    def release_slots(self, pieces: list) -> None:
+        """free_slot() of each of `pieces`."""
+        for p in pieces:
+            self.free_slot(p)
+
     def free_slot(self, piece: _Piece) -> None:
         """Returns a piece's staging slot to the ring, once (every path may call it)."""
         if piece.queued:
@@ -367,7 +364,7 @@ class HostIO:
 
     def _release_piece(self, piece: _Piece) -> None:
         # a speculated in-place piece keeps its grads until validation (the undo needs them)
-        if self._held(piece):
+        if piece.held:
             return
         self.free_slot(piece)
 
@@ -415,12 +412,15 @@ class HostIO:
                                        f" (the GPU never finished copying the grads of {copying}: "
                                        f"check the device)" if copying else ""))
             try:
-                if not self.client.connected:
-                    raise self.client.death_error()
-                # staging copies still landing: look again soon (only step() blocks on them)
+                # a worker already gone raises here (death_error); staging copies still
+                # landing: look again soon (only step() blocks on them)
                 self.client.drain(0.0005 if len(self._copies) else 0.1)
             except WorkerDied as e:
                 self._recover(e)
+
+    def wait_for(self, pieces: list) -> None:
+        """wait() until every one of `pieces` has its result."""
+        self.wait(lambda: all(p.result is not None for p in pieces))
 
     def wait_tasks(self, ids: list) -> None:
         """Waits for tasks sent with send_task (not pieces: nothing tracks them) and takes their
@@ -454,13 +454,21 @@ class HostIO:
 
     def poll(self) -> None:
         """Collect the results that have arrived, without waiting (frees slots and banks)."""
-        if self.client.connected:
+        # with nothing in flight nothing can come back: a worker gone meanwhile is met (and
+        # replaced) at the next send or wait, as it is here
+        if self._inflight:
             try:
-                self.client.poll()
+                self.client.poll()  # nothing to read from a worker already gone
             except WorkerDied as e:
                 self._recover(e)
-        self._collect()
+            self._collect()
         self._send_copied()
+
+    def poll_if_copying(self) -> None:
+        """poll() while pieces wait for their staging copies (a grad hook's: those that landed
+        go to the worker); nothing otherwise."""
+        if self._copies:
+            self.poll()
 
     def close(self) -> None:
         """The tier closes: staging copies still in flight land, the pieces in flight are

@@ -23,7 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from hybrid_opt.tiers.host_io import _Piece
-from hybrid_opt.tiers.inputs import StepInputs, _with_step
+from hybrid_opt.tiers.inputs import StepInputs
 from hybrid_opt.worker import protocol as P
 
 
@@ -78,11 +78,13 @@ class FileSlots:
 class HostStepping:
     """Speculation, validation, commit and rollback of a HostTier's steps: it owns the pending
     speculations and the step counters, and works through the tier's bank pool, its StateBanks
-    (compressed.py), its FileSlots and its HostIO (staging slots and the worker)."""
+    (compressed.py), its FileSlots and its HostIO (staging slots and the worker). `client`, the
+    WorkerClient, is read for its timeout_s only (every wait's bound, read at each use)."""
 
-    def __init__(self, io, banks, pool, files: FileSlots, *, numels: list, nvme: list,
+    def __init__(self, io, banks, pool, files: FileSlots, client, *, numels: list, nvme: list,
                  rollback: str, amsgrad: bool, slot_numel: int):
         self._io, self._banks, self._pool, self._files = io, banks, pool, files
+        self._client = client
         self.numels, self.nvme = list(numels), list(nvme)
         self.rollback, self.amsgrad, self.slot_numel = rollback, amsgrad, slot_numel
         self._spec: dict[int, _Speculation] = {}
@@ -94,18 +96,12 @@ class HostStepping:
         """committed, redone, dropped, stepped: subgroup steps by outcome (a copy)."""
         return dict(self._counts)
 
-    def held(self, piece: _Piece) -> bool:
-        """Whether `piece` belongs to a pending in-place speculation: it keeps its staging slot
-        (its grads) until validation, for the undo (HostIO asks before freeing it)."""
-        spec = self._spec.get(piece.subgroup)
-        return spec is not None and spec.bank is None and piece in spec.pieces
-
     def forget(self, sg: int) -> None:
         """A speculation torn by a worker death (inverse mode: HostIO's recovery): dropped
         without an undo, its staging slots freed."""
         spec = self._spec.pop(sg, None)
-        for p in spec.pieces if spec is not None else ():
-            self._io.free_slot(p)
+        if spec is not None:
+            self._io.release_slots(spec.pieces)
 
     def clear(self) -> None:
         """The tier closes: every pending speculation is forgotten."""
@@ -130,14 +126,13 @@ class HostStepping:
         task = P.Task(op, 0, sg, in_bank=bank, file_slot=file_slot, crc=crc)
         return _Piece(sg, 0, 0, -1, task, freed=True)  # no staging slot
 
-    def _launch(self, sg: int, grad, inputs: StepInputs, spec: _Speculation, skip_nonfinite: bool,
-                whole_subgroup_check: bool = False, remote: bool = False) -> None:
-        """Stage and send every task of one subgroup's step; spec.bank (and, for nvme,
-        spec.aux_bank) are already taken. remote: the worker reads the grads itself where it
-        can (during backward, the trainer's core is busy)."""
+    def _launch(self, sg: int, grad, inputs: StepInputs, runs: tuple, spec: _Speculation,
+                skip_nonfinite: bool, whole_subgroup_check: bool = False, remote: bool = False) -> None:
+        """Stage and send every task of one subgroup's step (`runs`: inputs.ranges, as _check
+        gave them); spec.bank (and, for nvme, spec.aux_bank) are already taken. remote: the
+        worker reads the grads itself where it can (during backward, the trainer's core is
+        busy). whole_subgroup_check: a speculated in-place step (inverse mode)."""
         remote = remote and self._io.remote_gather and not whole_subgroup_check
-        n = self.numels[sg]
-        runs = inputs.ranges(n)
         pieces = spec.pieces
         swap_in = None
         if self.nvme[sg]:
@@ -149,18 +144,12 @@ class HostStepping:
             in_bank = self._pool.committed[sg]
         if inputs.runs and spec.bank is not None:
             if swap_in is not None:
-                self._io.wait(lambda: swap_in.result is not None)
+                self._io.wait_for([swap_in])
             self._carry_over(sg, in_bank, spec.bank, runs)
-        for run_off, run_n, step in runs:
-            run_inputs = inputs if step == inputs.step else _with_step(inputs, step)
-            for off in range(run_off, run_off + run_n, self.slot_numel):
-                k = min(self.slot_numel, run_off + run_n - off)
-                # appended to pieces as soon as it holds a slot: every failure path frees it
-                self._io.stage_step(pieces, sg, run_inputs, in_bank, spec.bank, off, k, skip_nonfinite,
-                                    grad, remote=remote, send=not whole_subgroup_check,
-                                    progress=self._on_progress)
-        if whole_subgroup_check:
-            self._io.send_checked(pieces)  # inverse mode: stepped only if every grad is finite
+        # inverse mode: stepped only if every grad is finite (checked), the grads held for the undo
+        self._io.stage_steps(pieces, sg, inputs, runs, in_bank, spec.bank, skip_nonfinite, grad,
+                             remote=remote, checked=whole_subgroup_check, hold=whole_subgroup_check,
+                             progress=self._on_progress)
         if self.nvme[sg]:
             spec.file_slot = 1 - self._files.slot(sg)
             spec.swap_out = self._swap_piece(P.OP_SWAP_OUT, sg, spec.bank, spec.file_slot)
@@ -176,9 +165,10 @@ class HostStepping:
             spec.pieces.append(piece)
             self._io.send(piece)
 
-    def _check(self, sg: int, grad, inputs: StepInputs) -> None:
+    def _check(self, sg: int, grad, inputs: StepInputs) -> tuple:
         """Rejects a bad step before any bank, slot or task is taken: a step that failed half
-        launched would leave a spare bank partly written, and a speculation finish() could commit."""
+        launched would leave a spare bank partly written, and a speculation finish() could commit.
+        Returns the step's runs (inputs.ranges: (offset, numel, step)), checked."""
         if not 0 <= sg < len(self.numels):
             raise IndexError(f"subgroup {sg} does not exist: this host tier has "
                              f"{len(self.numels)} subgroups")
@@ -188,9 +178,11 @@ class HostStepping:
         if inputs.amsgrad and not self.amsgrad:
             raise ValueError("StepInputs.amsgrad=True on a host tier built with amsgrad=False, which "
                              "lays out no running max of v; build the tier with amsgrad=True")
-        for run_off, run_n, _ in inputs.ranges(n):
+        runs = inputs.ranges(n)
+        for run_off, run_n, _ in runs:
             if run_off < 0 or run_n < 0 or run_off + run_n > n:
                 raise ValueError(f"run ({run_off}, {run_n}) is outside subgroup {sg} of {n} elements")
+        return runs
 
     def _send_swap_in(self, sg: int, spec: _Speculation) -> _Piece:
         """The worker starts reading the committed slot into spec.aux_bank at once."""
@@ -209,7 +201,7 @@ class HostStepping:
             used = [b for b in (spec.bank, spec.aux_bank) if b is not None]
             try:
                 self._banks.wait_populated(used if self.nvme[sg] else [self._pool.committed[sg]] + used,
-                                           self._io.timeout_s)
+                                           self._client.timeout_s)
             except BaseException:
                 self._release_banks(spec)
                 raise
@@ -231,18 +223,22 @@ class HostStepping:
         spec.bank = spec.aux_bank = None
 
     # ------------------------------------------------------------------ speculation
-    def speculate(self, sg: int, grad, inputs: StepInputs, wait: bool = True) -> bool:
+    def speculate(self, sg: int, grad, inputs: StepInputs, wait: bool = True,
+                  replace: bool = False) -> bool:
         """Step `sg` now, into spare banks (exact, nvme) or in place (inverse), to be validated
         by finish(). Returns False, doing nothing, when no bank is free (or, in inverse mode
         or with wait=False, not every staging slot it needs): the subgroup is then stepped at
-        finish(). With wait=True it may wait for the worker to free staging slots."""
-        self._check(sg, grad, inputs)
+        finish(). With wait=True it may wait for the worker to free staging slots. replace:
+        a pending speculation of `sg` is cancelled first (else it raises: require_idle)."""
+        if replace:
+            self.cancel(sg)
+        runs = self._check(sg, grad, inputs)
         self.require_idle(sg)
         in_place = self.rollback == "inverse" and not self.nvme[sg]
         # wait=False (inside backward) never waits for the worker: every slot the step needs
         # must be free now; in place, they also stay held until validation (the undo needs
         # the grads), so they must all be free at once anyway
-        pieces = sum(-(-k // self.slot_numel) for _, k, _ in inputs.ranges(self.numels[sg]))
+        pieces = sum(-(-k // self.slot_numel) for _, k, _ in runs)
         if (in_place or not wait) and self._io.free_slots < pieces:
             return False
         spec = self._take_banks(sg)
@@ -251,7 +247,7 @@ class HostStepping:
         spec.inputs = inputs
         self._spec[sg] = spec
         try:
-            self._launch(sg, grad, inputs, spec, True, whole_subgroup_check=in_place, remote=True)
+            self._launch(sg, grad, inputs, runs, spec, True, whole_subgroup_check=in_place, remote=True)
         except BaseException:
             self._abandon(sg)  # a half-launched speculation must never be committed
             raise
@@ -270,8 +266,7 @@ class HostStepping:
                 self._undo(sg, spec)
             except Exception:
                 pass  # the error being raised already names this subgroup's trouble
-        for p in spec.pieces:
-            self._io.free_slot(p)
+        self._io.release_slots(spec.pieces)
         self._release_banks(spec)
 
     def speculated(self) -> list[int]:
@@ -282,7 +277,7 @@ class HostStepping:
         spec = self._spec.get(sg)
         if spec is None:
             return
-        self._io.wait(spec.done)
+        self._io.wait_for(spec.pieces)
         self._drop(self._spec.pop(sg), sg)
 
     def grad_stats(self, sg: int):
@@ -291,7 +286,7 @@ class HostStepping:
         spec = self._spec.get(sg)
         if spec is None:
             return None
-        self._io.wait(spec.done)
+        self._io.wait_for(spec.pieces)
         total, finite = 0.0, True
         for p in spec.pieces:
             if p.task.op == P.OP_STEP:
@@ -308,7 +303,7 @@ class HostStepping:
         if spec is None:
             return None
         if wait:
-            self._io.wait(spec.done)
+            self._io.wait_for(spec.pieces)
         return [(p.offset, p.numel, None if p.result is None else p.result.sum_sq)
                 for p in spec.pieces if p.task.op == P.OP_STEP]
 
@@ -329,23 +324,22 @@ class HostStepping:
         try:
             self._io.wait_tasks(ids)
         finally:
-            for p in spec.pieces:
-                self._io.free_slot(p)
+            self._io.release_slots(spec.pieces)
 
     def _drop(self, spec: _Speculation, sg: int) -> None:
         """The step does not stand: spare banks go back (the committed state was never
         written); an in-place step is undone."""
         if spec.bank is None and not self.nvme[sg]:
             self._undo(sg, spec)
-        for p in spec.pieces:
-            self._io.free_slot(p)
+        self._io.release_slots(spec.pieces)
         self._release_banks(spec)
 
     def _commit(self, sg: int, spec: _Speculation, on_commit) -> None:
         """The step stands: flip the subgroup's bank (exact) or file slot (nvme), let the
-        caller read the new state, and return what the step borrowed."""
-        for p in spec.pieces:
-            self._io.free_slot(p)
+        caller read the new state, and return what the step borrowed. Its pieces' slots came
+        back with their results (HostIO), but a speculated in-place step's: held for the undo."""
+        if spec.bank is None and not self.nvme[sg]:
+            self._io.release_slots(spec.pieces)
         if self.nvme[sg]:
             self._files.commit(sg, spec.file_slot, spec.swap_out.result.crc)
             if on_commit is not None:
@@ -369,13 +363,12 @@ class HostStepping:
         buffers are reused right after).
         Returns {sg: "committed" | "redone" | "stepped" | "dropped"}.
         """
-        with self._io.copies_may_block():  # step(): the staging copies still landing may be waited for
-            return self._finish(steps, overflow, on_commit)
+        runs = {sg: self._check(sg, grad, final) for sg, (grad, final) in steps.items()}
+        # step(): the staging copies still landing may be waited for; every speculation ends first
+        with self._io.finishing([p for s in self._spec.values() for p in s.pieces]):
+            return self._finish(steps, runs, overflow, on_commit)
 
-    def _finish(self, steps: dict, overflow: bool, on_commit) -> dict[int, str]:
-        for sg, (grad, final) in steps.items():
-            self._check(sg, grad, final)
-        self._io.wait(lambda: all(s.done() for s in self._spec.values()))
+    def _finish(self, steps: dict, runs: dict, overflow: bool, on_commit) -> dict[int, str]:
         outcome = {}
         if overflow:
             for sg in list(self._spec):
@@ -400,20 +393,19 @@ class HostStepping:
         # steps after validation, pipelined within the bank pool, each committed when done
         waiting: dict[int, _Speculation] = {}
         try:
-            self._step_all(todo, steps, waiting, on_commit)
+            self._step_all(todo, steps, runs, waiting, on_commit)
         except BaseException:
             # every committed state stands: let in-flight work end, then return what it held
             self._io.quiesce()
             for spec in waiting.values():
-                for p in spec.pieces:
-                    self._io.free_slot(p)
+                self._io.release_slots(spec.pieces)
                 self._release_banks(spec)
             raise
         for v in outcome.values():
             self._counts[v] += 1
         return outcome
 
-    def _step_all(self, todo: list, steps: dict, waiting: dict, on_commit) -> None:
+    def _step_all(self, todo: list, steps: dict, runs: dict, waiting: dict, on_commit) -> None:
         # resident subgroups first (no I/O): their compute hides the first nvme reads; the
         # nvme reads are sent ahead of their steps as far as the bank pool allows (prefetch)
         todo = [sg for sg in todo if not self.nvme[sg]] + [sg for sg in todo if self.nvme[sg]]
@@ -445,11 +437,11 @@ class HostStepping:
 
         self._on_progress = progress
         try:
-            self._step_loop(todo, steps, waiting, on_commit, prefetched, prefetch, position)
+            self._step_loop(todo, steps, runs, waiting, on_commit, prefetched, prefetch, position)
         finally:
             self._on_progress = None
 
-    def _step_loop(self, todo, steps, waiting, on_commit, prefetched, prefetch, position) -> None:
+    def _step_loop(self, todo, steps, runs, waiting, on_commit, prefetched, prefetch, position) -> None:
         for k, sg in enumerate(todo):
             position[0] = k
             grad, final = steps[sg]
@@ -467,12 +459,12 @@ class HostStepping:
                 self._send_swap_in(sg, spec)  # its own read goes ahead of any prefetch
             prefetch(k)
             try:
-                self._launch(sg, grad, final, spec, False)
+                self._launch(sg, grad, final, runs[sg], spec, False)
             except BaseException:
                 for sgp, sp in prefetched.items():
                     waiting.setdefault(sgp, sp)  # the handler waits for their reads, frees banks
                 raise
-        self._io.wait(lambda: all(w.done() for w in waiting.values()))
+        self._io.wait_for([p for w in waiting.values() for p in w.pieces])
         self._commit_finished(waiting, on_commit)
 
     def _commit_finished(self, waiting: dict, on_commit) -> None:

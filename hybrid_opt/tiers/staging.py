@@ -64,42 +64,37 @@ def staging_device(grad):
     return grad.device if grad.device.type == "cuda" else None
 
 
-class CopyQueue:
+class CopyQueue(deque):
     """Pieces waiting to be sent to the worker, in launch order: a piece whose staging copy is
     in flight holds back every piece behind it (the worker runs tasks in arrival order, and an
     nvme write-back must follow its subgroup's steps). Each entry is (pieces, whole): `whole`
     marks one subgroup's pieces that are sent together once all are finite (inverse mode).
-    A piece (host_io._Piece) is read for its `copy_done` event and marked only through its
-    enqueue(), dequeue() and copy_landed()."""
-
-    def __init__(self):
-        self._entries: deque = deque()
-
-    def __len__(self) -> int:
-        return len(self._entries)
+    A deque of those entries: its len() is how many wait (asked at every send and every wait,
+    so a plain deque's, not a method of this module). A piece (host_io._Piece) is read for its
+    `copy_done` event and marked only through its enqueue(), dequeue() and copy_landed()."""
 
     def push(self, pieces: list, whole: bool = False) -> None:
         for p in pieces:
             p.enqueue()
-        self._entries.append((pieces, whole))
+        self.append((pieces, whole))
 
-    def pop_ready(self, block: bool):
-        """The head entry once every copy in it has landed, else None; block: wait for them
+    def ready(self, block: bool):
+        """Pops the head entries, in order, while every copy in the head one has landed, handing
+        each to the caller before the next is looked at (a generator); block: wait for them
         (event.synchronize — only where waiting is allowed, never in a grad hook)."""
-        if not self._entries:
-            return None
-        pieces, whole = self._entries[0]
-        for p in pieces:
-            if p.copy_done is not None:
-                if not p.copy_done.query():
-                    if not block:
-                        return None
-                    p.copy_done.synchronize()
-                p.copy_landed()
-        self._entries.popleft()
-        for p in pieces:
-            p.dequeue()
-        return pieces, whole
+        while self:
+            pieces, whole = self[0]
+            for p in pieces:
+                if p.copy_done is not None:
+                    if not p.copy_done.query():
+                        if not block:
+                            return
+                        p.copy_done.synchronize()
+                    p.copy_landed()
+            self.popleft()
+            for p in pieces:
+                p.dequeue()
+            yield pieces, whole
 
     def pieces(self) -> list:
-        return [p for pieces, _ in self._entries for p in pieces]
+        return [p for pieces, _ in self for p in pieces]

@@ -341,22 +341,23 @@ class WorkerClient:
         self.next_id += 1
         self.pending[task.task_id] = task
         try:
-            P.write_frame(self._req, task.pack())
+            P.write_task(self._req, task)
         except BrokenPipeError:
             raise self.death_error() from None
         return task.task_id
 
     def drain(self, timeout: float) -> None:
         """Waits up to `timeout` seconds for results and moves those that arrived into
-        `results`; raises death_error() when the worker is gone (EOF, or an exited process)."""
+        `results`; raises death_error() when the worker is gone (EOF, an exited process, or
+        one already reaped: not `connected`)."""
+        if self._resp is None:
+            raise self.death_error()
         ready, _, _ = select.select([self._resp], [], [], timeout)
         if not ready:
             if self.proc.poll() is not None:
                 raise self.death_error()
             return
-        self._reader.feed()
-        for payload in self._reader.frames():
-            r = P.Result.unpack(payload)
+        for r in self._reader.read_results():
             self.pending.pop(r.task_id, None)
             self.results[r.task_id] = r
         if self._reader.eof:

@@ -100,6 +100,11 @@ def write_frame(fd: int, payload: bytes) -> None:
         data = data[n:]
 
 
+def write_task(fd: int, task: Task) -> None:
+    """One task, packed, as one frame (the trainer's side of the request pipe)."""
+    write_frame(fd, task.pack())
+
+
 class FrameReader:
     """Reassembles frames from a non-blocking or blocking descriptor."""
 
@@ -123,3 +128,9 @@ class FrameReader:
             payload = bytes(self.buf[_HEADER.size:_HEADER.size + n])
             del self.buf[:_HEADER.size + n]
             yield payload
+
+    def read_results(self) -> list:
+        """One read (feed()), and the Results of every frame now complete (the trainer's side
+        of the result pipe); eof is set when the worker has closed it."""
+        self.feed()
+        return [Result.unpack(payload) for payload in self.frames()]
