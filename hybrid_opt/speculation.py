@@ -121,11 +121,10 @@ class Speculator:
         if self.closed or not self.boundary or not self.may_speculate():
             return
         host = self.placement.host
-        if host.copies_in_flight():
-            try:
-                host.poll()  # hands the worker the pieces whose CUDA copies have landed
-            except Exception as e:  # never break the user's backward: step() reports it
-                self.error = self.error or e
+        try:
+            host.poll_if_copying()  # hands the worker the pieces whose CUDA copies have landed
+        except Exception as e:  # never break the user's backward: step() reports it
+            self.error = self.error or e
         idx = self.layout.index.get(p)
         for sgi in self._param_sgs.get(idx, ()):
             ready = self._ready[sgi]
@@ -211,10 +210,10 @@ class Speculator:
         # clipping is assumed not to bite (coefficient 1): validation redoes it when it does
         inputs = self.host_inputs(sg, live, hp, self.predicted_inv_scale(), 1)
         host, local = self.placement.host, self.placement.host_local[sgi]
-        host.cancel(local)
         self._staged.pop(sgi, None)
         self._fingerprints.forget(sgi)
-        if host.speculate(local, GradGatherer(sg), inputs, wait=False):
+        # any pending speculation of it cancelled first (replace=True)
+        if host.speculate(local, GradGatherer(sg), inputs, wait=False, replace=True):
             # the grads it read stay referenced until it is validated: a grad tensor made after
             # one was discarded (zero_grad, `p.grad = None`) can then never take its address, so
             # (data_ptr, _version) names the same grad for as long as the speculation is pending

@@ -14,9 +14,9 @@ import pytest
 
 from walk import OUTSIDE, Tracer, trace_walk
 
-MAX_HOPS = 102
-MAX_VISITS = 9     # tiers.host_io; layout and stepping 8
-MAX_PASSES = 9
+MAX_HOPS = 76
+MAX_VISITS = 8     # layout, stepping
+MAX_PASSES = 8
 
 
 @pytest.fixture(scope="module")
