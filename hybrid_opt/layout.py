@@ -284,28 +284,5 @@ class Layout:
         names = [n for g in self.param_groups for n in g.get("param_names", [None] * len(g["params"]))]
         return f"parameter {i}" + (f" ({names[i]})" if i < len(names) and names[i] is not None else "")
 
-    def device(self):
-        """The device of the laid-out params (one for all), or None with nothing laid out."""
-        return self.subgroups[0].device if self.subgroups else None
-
     def cuda(self) -> bool:
         return bool(self.subgroups) and self.subgroups[0].device.type == "cuda"
-
-    @staticmethod
-    def live(sg) -> list:
-        """The slices of `sg` whose params have a grad now."""
-        return [sl for sl in sg.slices if sl.param.grad is not None]
-
-    def runs(self, sg, live: list, ahead: int = 0) -> tuple:
-        """(offset, numel, step) ranges of a subgroup's live slices, merged where contiguous;
-        () when one run covers the whole subgroup."""
-        runs = []
-        for sl in live:
-            step = self.steps[sl.param_index] + ahead
-            if runs and runs[-1][0] + runs[-1][1] == sl.sub_offset and runs[-1][2] == step:
-                runs[-1] = (runs[-1][0], runs[-1][1] + sl.numel, step)
-            else:
-                runs.append((sl.sub_offset, sl.numel, step))
-        if len(runs) == 1 and runs[0][:2] == (0, sg.numel):
-            return ()
-        return tuple(runs)

@@ -166,7 +166,7 @@ class Speculator:
     def host_inputs(self, sg, live: list, hp: StepInputs, scale: float, ahead: int) -> StepInputs:
         """The inputs a host subgroup's step depends on (ahead=1 during backward: the step
         counts it will have), including which grads, so a changed grad makes it stale."""
-        runs = self.layout.runs(sg, live, ahead)
+        runs = _runs(self.layout.steps, sg, live, ahead)
         step = runs[0][2] if runs else self.layout.steps[live[0].param_index] + ahead
         # a DTensor grad (FSDP2) is named by its local shard (the memory the step reads) and
         # the versions of both: `dtensor.mul_` bumps only the DTensor's
@@ -193,7 +193,7 @@ class Speculator:
         if not self._staged:
             return []
         sgs, host, local = self.layout.subgroups, self.placement.host, self.placement.host_local
-        return self._fingerprints.checks(lambda sgi: self.layout.live(sgs[sgi]),
+        return self._fingerprints.checks(lambda sgi: [sl for sl in sgs[sgi].slices if sl.param.grad is not None],
                                          lambda sgi: GradGatherer(sgs[sgi]),
                                          lambda sgi: host.piece_stats(local[sgi], wait=False),
                                          host.grad_dtype)
@@ -203,7 +203,7 @@ class Speculator:
 
     def _speculate(self, sgi: int) -> bool:
         sg = self.layout.subgroups[sgi]
-        live = self.layout.live(sg)
+        live = [sl for sl in sg.slices if sl.param.grad is not None]
         if not live:
             return True
         hp = group_inputs(self.layout.param_groups[sg.group], self.config.decoupled)
@@ -275,6 +275,21 @@ class Speculator:
 
     def set_boundary(self, is_boundary: bool) -> None:
         self.boundary = bool(is_boundary)
+
+
+def _runs(steps: list, sg, live: list, ahead: int) -> tuple:
+    """(offset, numel, step) ranges of a subgroup's live slices (their step counts `steps`,
+    plus `ahead`), merged where contiguous; () when one run covers the whole subgroup."""
+    runs = []
+    for sl in live:
+        step = steps[sl.param_index] + ahead
+        if runs and runs[-1][0] + runs[-1][1] == sl.sub_offset and runs[-1][2] == step:
+            runs[-1] = (runs[-1][0], runs[-1][1] + sl.numel, step)
+        else:
+            runs.append((sl.sub_offset, sl.numel, step))
+    if len(runs) == 1 and runs[0][:2] == (0, sg.numel):
+        return ()
+    return tuple(runs)
 
 
 class GradGatherer:

@@ -56,7 +56,8 @@ class StepChecks:
         cls = self.owner
         device_tier = self.placement.device
         on_device, sharded = self._layout_sets()
-        device = self.layout.device()
+        subgroups = self.layout.subgroups
+        device = subgroups[0].device if subgroups else None
         i = 0
         for gi, group in enumerate(self.layout.param_groups):
             live_on_device = False

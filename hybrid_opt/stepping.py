@@ -67,7 +67,7 @@ def collect_work(parts, param_groups: list, decoupled: bool) -> tuple:
     tiers, steps = parts.placement.plan.tiers, layout.steps
     device_work, host_steps = [], {}
     for sg in layout.subgroups:
-        live = layout.live(sg)
+        live = [sl for sl in sg.slices if sl.param.grad is not None]
         if not live:
             continue
         hp = groups[sg.group]
