@@ -9,7 +9,7 @@ each configuration for a few iterations, in an order rotated per round, so drift
   NotImplementedError (not built);
 - ddp: DDP + HybridAdamW over the plain params (every rank holds and steps all the state);
 - process_group[KIND] (with --zero-collectives KIND,...): process_group over other collectives
-  than the backend's default (hybrid_opt.zero.COLLECTIVES: all_to_all, reduce_scatter,
+  than the backend's default (hybrid_opt.distributed.zero.COLLECTIVES: all_to_all, reduce_scatter,
   all_reduce), interleaved with the rest.
 
 Per configuration: median / p20 / p80 of the iteration (forward + backward + step) and of
@@ -71,7 +71,7 @@ def make(config: str, args, rank: int, world: int):
         fully_shard(model, mesh=mesh)
         return model, HybridAdamW(model.parameters(), **kw)
     if config.startswith("process_group"):
-        from hybrid_opt import zero
+        from hybrid_opt.distributed import zero
         zero.COLLECTIVES = config[len("process_group["):-1] if "[" in config else None
         try:
             return model, HybridAdamW(model.parameters(), process_group=dist.group.WORLD,
@@ -93,7 +93,7 @@ def make(config: str, args, rank: int, world: int):
 def rank_main(args) -> None:
     import torch
     import torch.distributed as dist
-    from hybrid_opt.plan import HOST, NVME
+    from hybrid_opt.placement.plan import HOST, NVME
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.set_num_threads(1)

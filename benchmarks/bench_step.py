@@ -248,8 +248,8 @@ def _peer_configs(args, device) -> tuple[list, list]:
 def _predictions(rows, args, device, n_params, fwd_bwd_ms, rates, suffix=""):
     """The cost model's figures for each hybrid row's laid-out placement, from rates
     calibrated in this run and the forward+backward measured without an optimizer."""
-    from hybrid_opt import cost_model as cm
-    from hybrid_opt.scheduler import machine_from_rates
+    from hybrid_opt.placement import cost_model as cm
+    from hybrid_opt.placement.scheduler import machine_from_rates
     machine = machine_from_rates(rates, device)
     wl = cm.Workload(params=float(n_params), model_bytes=4, grad_bytes=4,
                      backward_seconds=fwd_bwd_ms / 1e3 * cm.BACKWARD_SHARE,
@@ -281,7 +281,7 @@ def _time_alone(runner, args, device, split, alone: dict) -> None:
     with the same statistic and at the same moments as the rows they predict (the
     calibration's best-of-a-few times of a small probe, against medians that a noisy VM
     inflates most on all cores, overpredicted the rows without speculation by 1.3-1.5x)."""
-    from hybrid_opt import calibrate
+    from hybrid_opt.placement import calibrate
     model = make_model(args.layers, args.width, device)
     run = runner.fwd_bwd(model)
     if split is None:
@@ -295,7 +295,7 @@ def _time_alone(runner, args, device, split, alone: dict) -> None:
 def _model_rates(rates: dict, alone: dict, notes: list) -> dict:
     """The rates with the trainer's slowdown factors of this model's own forward+backward
     (medians over the rounds) in place of the calibration's probe."""
-    from hybrid_opt import calibrate
+    from hybrid_opt.placement import calibrate
     if not alone.get("trainer"):
         return rates
     med = {k: _quantiles(v)["median_ms"] for k, v in alone.items()}
@@ -312,7 +312,7 @@ def _model_rates(rates: dict, alone: dict, notes: list) -> dict:
 def peer_study(args, device) -> tuple[list, list]:
     """Every configuration once per round, `--rounds` rounds (drift on a noisy machine hits them
     all alike); each row pools its samples over the rounds."""
-    from hybrid_opt import calibrate
+    from hybrid_opt.placement import calibrate
     runner = Runner(args, device)
     n = args.layers * (args.width * args.width + args.width)
     configs, notes = _peer_configs(args, device)

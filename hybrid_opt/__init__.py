@@ -16,7 +16,7 @@ def __getattr__(name):
         from hybrid_opt import optimizer
         return getattr(optimizer, name)
     if name == "GradsEditedError":
-        from hybrid_opt.zero_edits import GradsEditedError
+        from hybrid_opt.distributed.zero_edits import GradsEditedError
         return GradsEditedError
     if name == "UnclosedOptimizerWarning":
         from hybrid_opt.lifetime import UnclosedOptimizerWarning

@@ -8,8 +8,8 @@ import warnings
 
 import torch
 
-from hybrid_opt.plan import check_fractions
-from hybrid_opt.state_format import StateFormat
+from hybrid_opt.placement.plan import check_fractions
+from hybrid_opt.state.state_format import StateFormat
 from hybrid_opt.swap import check_nvme_path
 
 MODEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)

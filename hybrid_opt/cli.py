@@ -18,7 +18,7 @@ def main(argv=None) -> int:
         from hybrid_opt.demo import main as demo
         return demo(argv[1:])
     if argv[0] == "plan":
-        from hybrid_opt.planner import main as plan
+        from hybrid_opt.placement.planner import main as plan
         return plan(argv[1:])
     return 2
 

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hybrid_opt import state_format
+from hybrid_opt.state import state_format
 
 
 class Block(nn.Module):
@@ -94,10 +94,10 @@ _DTYPES = state_format.DTYPE_NAMES
 
 def tier_state_bytes(subgroups, tiers, state_format, amsgrad: bool = False) -> dict:
     """Bytes of optimizer state each tier holds for `subgroups` (dtype, numel, index) placed
-    as `tiers` (plan.tiers), from the state format (hybrid_opt/state_format.py): the device
+    as `tiers` (plan.tiers), from the state format (hybrid_opt/state/state_format.py): the device
     tier's state (an fp32 param is its own master), a host bank (with the bf16 copy it
     keeps), the nvme file (one slot; the high half of a remainder is the model's param)."""
-    from hybrid_opt.plan import DEVICE, HOST, NVME
+    from hybrid_opt.placement.plan import DEVICE, HOST, NVME
     out = {t: {"elements": 0, "state_bytes": 0} for t in (DEVICE, HOST, NVME)}
     for sg in subgroups:
         tier = tiers[sg.index]
@@ -113,7 +113,7 @@ def tier_state_bytes(subgroups, tiers, state_format, amsgrad: bool = False) -> d
 
 
 def tier_table(totals: dict, steps: int) -> str:
-    from hybrid_opt.plan import DEVICE, HOST, NVME
+    from hybrid_opt.placement.plan import DEVICE, HOST, NVME
     lines = ["| tier | subgroups | state MB | state B/param | worker ms/step | step() waited ms/step | hidden ms/step | committed | redone | stepped |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     for name in (DEVICE, HOST, NVME):

@@ -21,15 +21,15 @@ import time
 import torch
 
 from hybrid_opt import arguments as A
-from hybrid_opt import checkpoint as C
+from hybrid_opt.state import checkpoint as C
 from hybrid_opt import distributed as D
 from hybrid_opt import lifetime
-from hybrid_opt import node
+from hybrid_opt.distributed import node
 from hybrid_opt import parts as P
 from hybrid_opt import stepping as S
 from hybrid_opt.placement import PlacementConfig
-from hybrid_opt.sharding import sharding_for
-from hybrid_opt.zero_gather import SHARD_KEY, check_shard_owner
+from hybrid_opt.distributed.sharding import sharding_for
+from hybrid_opt.distributed.zero_gather import SHARD_KEY, check_shard_owner
 
 
 class _HybridBase(torch.optim.Optimizer):
@@ -119,7 +119,7 @@ class _HybridBase(torch.optim.Optimizer):
     def allocated_bytes(self) -> dict:
         """{"device", "host", "nvme", "comm"}: the bytes this optimizer holds now, as the OS
         and the allocator report them (allocated.py); all 0 once closed."""
-        from hybrid_opt.allocated import allocated_bytes
+        from hybrid_opt.state.allocated import allocated_bytes
         if self._closed:
             return allocated_bytes(None, None, None)
         return allocated_bytes(self._placement.device, self._placement.host, self._zero)

@@ -8,14 +8,14 @@ from __future__ import annotations
 from typing import NamedTuple
 
 from hybrid_opt import distributed as D
-from hybrid_opt import layout as L
-from hybrid_opt.cost_model import DEFAULT_SUBGROUP_NUMEL
-from hybrid_opt.ledger import StepLedger
+from hybrid_opt.state import layout as L
+from hybrid_opt.placement.cost_model import DEFAULT_SUBGROUP_NUMEL
+from hybrid_opt.state.ledger import StepLedger
 from hybrid_opt.placement import Placement, TierEvents, restated
 from hybrid_opt.speculation import SpeculationConfig, Speculator
 from hybrid_opt.step_failures import StepChecks
 from hybrid_opt.step_stats import StepStats
-from hybrid_opt.storage import ParamGuard
+from hybrid_opt.state.storage import ParamGuard
 
 
 class Parts(NamedTuple):

@@ -19,7 +19,7 @@ import torch
 from typing import NamedTuple
 
 from hybrid_opt.distributed import grad_ids, locals_of
-from hybrid_opt.grad_edits import GradFingerprints
+from hybrid_opt.distributed.grad_edits import GradFingerprints
 from hybrid_opt.lifetime import weak_call, weak_method
 from hybrid_opt.step_work import group_inputs
 from hybrid_opt.tiers.host import StepInputs

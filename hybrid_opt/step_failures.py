@@ -30,8 +30,8 @@ from __future__ import annotations
 from typing import NamedTuple
 
 from hybrid_opt import distributed as D
-from hybrid_opt import rank_faults as RF
-from hybrid_opt.plan import DEVICE
+from hybrid_opt.distributed import rank_faults as RF
+from hybrid_opt.placement.plan import DEVICE
 from hybrid_opt.step_work import group_inputs
 
 

@@ -12,8 +12,8 @@ from __future__ import annotations
 import collections
 
 from hybrid_opt.lifetime import weak_method
-from hybrid_opt.plan import DEVICE, HOST, NVME
-from hybrid_opt.state_format import StateFormat
+from hybrid_opt.placement.plan import DEVICE, HOST, NVME
+from hybrid_opt.state.state_format import StateFormat
 
 # steps whose CUDA-event marks may wait to be read; past that the oldest sample is dropped
 # (the GPU is that far behind the trainer: a sample lost, never an unbounded queue)
@@ -140,7 +140,7 @@ class StepStats:
     def observe(self, auto) -> None:
         """Feeds the scheduler every unread step whose marks the clock can read now, oldest
         first (it never waits on the GPU: a step it cannot read yet is read at a later one)."""
-        from hybrid_opt.scheduler import Sample
+        from hybrid_opt.placement.scheduler import Sample
         unread = self.unread_samples
         while unread:
             step, (b0, b1), (d0, d1), fields, report = unread[0]

@@ -11,8 +11,8 @@ import math
 import torch
 
 from hybrid_opt import distributed as D
-from hybrid_opt import rank_faults as RF
-from hybrid_opt.plan import DEVICE
+from hybrid_opt.distributed import rank_faults as RF
+from hybrid_opt.placement.plan import DEVICE
 from hybrid_opt.speculation import GradGatherer
 from hybrid_opt.step_failures import failure_of
 from hybrid_opt.step_work import DeviceWork, HostWork, group_inputs

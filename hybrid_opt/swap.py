@@ -23,7 +23,7 @@ import shutil
 import tempfile
 import weakref
 
-from hybrid_opt import node
+from hybrid_opt.distributed import node
 
 PREFIX = "hybrid_opt-"
 LOCK = ".owner.lock"  # held (flock) by the owning process for the directory's lifetime

@@ -1,4 +1,4 @@
-"""`opt.allocated_bytes` against what the OS reports (hybrid_opt/allocated.py): the host
+"""`opt.allocated_bytes` against what the OS reports (hybrid_opt/state/allocated.py): the host
 arena's size from the memfd behind it (`/proc/self/fd`) and its mapping (`/proc/self/smaps`),
 the nvme files' apparent sizes on disk, process_group's buffers, the device tier's state
 (8 B per fp32 element: its two moments), and nothing once closed."""

@@ -7,7 +7,7 @@ import sys
 
 import torch
 
-from hybrid_opt.state_format import StateFormat
+from hybrid_opt.state.state_format import StateFormat
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

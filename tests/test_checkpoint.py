@@ -26,7 +26,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 
 from hybrid_opt import HybridAdam, HybridAdamW
-from hybrid_opt.plan import DEVICE
+from hybrid_opt.placement.plan import DEVICE
 from test_optimizer import (BF16, FP32, assert_state_close, lockstep, loss_fn, make_batches,
                             make_net, save_load, train)
 

@@ -16,7 +16,7 @@ import cpu_kernels
 from cpu_kernels.reference import (FUSED_MULTIPLY_ADD_LEVELS, adam_step_bitwise_reference,
                                    encode_remainder_reference)
 from hybrid_opt import HybridAdam, HybridAdamW
-from hybrid_opt.state_format import StateFormat
+from hybrid_opt.state.state_format import StateFormat
 
 BF16, FP32 = torch.bfloat16, torch.float32
 HYPER = dict(lr=1e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.05)

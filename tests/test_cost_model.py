@@ -7,9 +7,9 @@ import sys
 
 import pytest
 
-from hybrid_opt import cost_model as cm
-from hybrid_opt import planner
-from hybrid_opt.cost_model import GB, Machine, Workload, best_plan, memory_bytes, predict
+from hybrid_opt.placement import cost_model as cm
+from hybrid_opt.placement import planner
+from hybrid_opt.placement.cost_model import GB, Machine, Workload, best_plan, memory_bytes, predict
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -467,7 +467,7 @@ BF16, FP32 = "bf16", "fp32"
 def _fmt(m=FP32, v=FP32, rem=False):
     import torch
 
-    from hybrid_opt.state_format import StateFormat
+    from hybrid_opt.state.state_format import StateFormat
     dt = {FP32: torch.float32, BF16: torch.bfloat16}
     return StateFormat(dt[m], dt[v], rem)
 
@@ -552,7 +552,7 @@ def test_a_compressed_format_fits_more_params_in_the_same_budget():
 def test_workload_rejects_a_state_bytes_it_cannot_read():
     with pytest.raises(ValueError, match=r"state_bytes must be 12 or 16 .* give state_format= and amsgrad="):
         _workload(state_bytes=20)
-    with pytest.raises(TypeError, match="state_format must be a hybrid_opt.state_format.StateFormat"):
+    with pytest.raises(TypeError, match="state_format must be a hybrid_opt.state.state_format.StateFormat"):
         _workload(state_format="bf16")
     assert _workload(state_bytes=16).amsgrad and not _workload(state_bytes=12).amsgrad
 

@@ -16,7 +16,7 @@ from torch import nn
 import gpu_kernels
 import hybrid_opt.stepping as stepping_module
 from hybrid_opt import HybridAdamW
-from hybrid_opt import layout as L
+from hybrid_opt.state import layout as L
 from hybrid_opt.clocks import CudaClock, HostClock, clock_for
 from hybrid_opt.step_stats import MAX_UNREAD_SAMPLES
 from hybrid_opt.tiers.device import DeviceTier, read_scalars

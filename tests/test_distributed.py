@@ -417,7 +417,7 @@ def test_process_group_waits_on_cuda_are_the_streams_not_the_hosts():
     (NCCL's wait with a timeout blocks the host until the collective is done); elsewhere with
     the WAIT_S bound. (The wait itself on NCCL needs a GPU: not run here.)"""
     import datetime
-    from hybrid_opt.zero import WAIT_S, wait_collective
+    from hybrid_opt.distributed.zero import WAIT_S, wait_collective
     calls = []
 
     class Work:
@@ -432,7 +432,7 @@ def test_process_group_waits_on_cuda_are_the_streams_not_the_hosts():
 def test_process_group_failed_wait_names_its_bound():
     """A failed wait's message names the bound that applied: WAIT_S on gloo; on CUDA (no
     timeout passed: the stream waits) the process group's timeout, never WAIT_S."""
-    from hybrid_opt.zero import WAIT_S, wait_collective
+    from hybrid_opt.distributed.zero import WAIT_S, wait_collective
 
     class Failed:
         def wait(self, **kw):

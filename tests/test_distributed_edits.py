@@ -1,6 +1,6 @@
 """process_group=: grads edited in place after backward (clip_grad_norm_, a GradScaler's
 unscale_, a framework's clipping) are refused on every rank at the same step, with nothing
-stepped (hybrid_opt/zero_edits.py); a DDP wrapper's own write of the averages is not an edit;
+stepped (hybrid_opt/distributed/zero_edits.py); a DDP wrapper's own write of the averages is not an edit;
 one rank's checkpoint is refused on another rank. 2 gloo ranks (tests/dist_scripts/zero_edits.py)."""
 import pytest
 import torch

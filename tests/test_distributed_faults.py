@@ -5,7 +5,7 @@
   bit for bit.
 - A rank whose host tier fails raises the cause there and the other rank fails at the same
   step (or the next one, when the failure came after the ranks' decision) naming it, within a
-  bounded time: the failure flag rides in the decision all_reduce (hybrid_opt/rank_faults.py).
+  bounded time: the failure flag rides in the decision all_reduce (hybrid_opt/distributed/rank_faults.py).
   A rank that exits leaves the other a failed collective, not a hang.
 - Two torchrun launches with --nnodes 2 (static rendezvous on localhost, one rank per node)
   match single-process torch.
@@ -184,7 +184,7 @@ def test_torchrun_two_nodes_on_localhost_matches_single_process(tmp_path):
 def test_agree_in_one_process_is_the_local_decision_or_the_local_failure():
     """Without a world (no torch.distributed group) there is no collective: the decision is
     the rank's own values, and a failure is raised as is (the one-process behaviour)."""
-    from hybrid_opt import rank_faults as RF
+    from hybrid_opt.distributed import rank_faults as RF
     assert RF.agree(2.5, None, None) == (2.5, None)
     assert not RF.decision_runs(1.0, torch.zeros(1))
     cause = RuntimeError("the worker died")

@@ -1,6 +1,6 @@
-"""process_group=: the comm buffers cover a bounded window of buckets (hybrid_opt/zero_pool.py)
+"""process_group=: the comm buffers cover a bounded window of buckets (hybrid_opt/distributed/zero_pool.py)
 and release_grads=True frees each full p.grad once its bucket is reduced, keeping only this
-rank's averaged chunk (hybrid_opt/zero_release.py) — both with the params bitwise those of the
+rank's averaged chunk (hybrid_opt/distributed/zero_release.py) — both with the params bitwise those of the
 default run. 2 gloo ranks (tests/dist_scripts/zero_release.py), 4 buckets of the common model."""
 import sys
 

@@ -1,5 +1,5 @@
 """Speculated host steps under FSDP2 see the user's in-place edits of the DTensor grads between
-backward and step() (hybrid_opt/grad_edits.py): torch's foreach in-place ops on DTensors —
+backward and step() (hybrid_opt/distributed/grad_edits.py): torch's foreach in-place ops on DTensors —
 clip_grad_norm_, a GradScaler's unscale_ — bump no version counter, and `dtensor.mul_` only
 the DTensor's, so speculation records the DTensor's version and a content fingerprint (the
 sum of squares of the grads stepped) and redoes a step whose grads changed.
@@ -159,7 +159,7 @@ def fingerprint_path(request, monkeypatch):
     (gpu_kernels.grad_stats queued at launch, compared on the device, read with step()'s
     scalars) forced on CPU tensors — Triton's interpreter runs the kernel."""
     if request.param == "device_path":
-        import hybrid_opt.grad_edits as GE
+        import hybrid_opt.distributed.grad_edits as GE
         monkeypatch.setattr(GE, "on_device", lambda grad: True)
     return request.param
 
@@ -199,7 +199,7 @@ def test_piece_sums_are_the_workers_bitwise_and_see_a_foreach_edit(one_rank, mon
     moves neither version counter — they differ, and step() redoes the subgroup."""
     import hybrid_opt.tiers.host_io as HIO
     from hybrid_opt import HybridAdamW
-    from hybrid_opt.grad_edits import live_piece_sums
+    from hybrid_opt.distributed.grad_edits import live_piece_sums
     from hybrid_opt.speculation import GradGatherer
     monkeypatch.setattr(HIO, "DEFAULT_SLOT_NUMEL", 1024)
     monkeypatch.setenv("HYBRID_OPT_REMOTE_GATHER", remote)
@@ -232,8 +232,8 @@ def test_live_piece_sums_gathers_pieces_it_cannot_read_in_place():
     """A piece spanning two grads, or a grad of another dtype than the staging slots, is
     summed from the bytes staging would write (a gather into a buffer of the slot dtype)."""
     import cpu_kernels
-    from hybrid_opt.grad_edits import live_piece_sums
-    from hybrid_opt.layout import ParamSlice, Subgroup
+    from hybrid_opt.distributed.grad_edits import live_piece_sums
+    from hybrid_opt.state.layout import ParamSlice, Subgroup
     from hybrid_opt.speculation import GradGatherer
     a = torch.nn.Parameter(torch.zeros(300))
     b = torch.nn.Parameter(torch.zeros(200, dtype=torch.bfloat16))

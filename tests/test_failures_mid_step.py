@@ -16,7 +16,7 @@ import torch
 
 import cpu_kernels
 from hybrid_opt import HybridAdamW
-from hybrid_opt.plan import DEVICE
+from hybrid_opt.placement.plan import DEVICE
 from test_optimizer import (SUBGROUP, assert_params_close, assert_state_close, loss_fn,
                             make_batches, make_net, train)
 
@@ -313,7 +313,7 @@ def test_a_worker_failing_in_step_leaves_each_param_stepped_or_untouched(monkeyp
 
 # ============================================================================= add_param_group
 def _fail_layout(monkeypatch, opt):
-    from hybrid_opt import layout
+    from hybrid_opt.state import layout
     # the new group's subgroups cannot be laid out (as a param whose memory cannot be viewed)
     _fail_on_call(monkeypatch, layout, "_cut", 1,
                   RuntimeError("injected: DefaultCPUAllocator: can't allocate memory"))
@@ -382,7 +382,7 @@ def test_add_param_group_that_fails_adds_nothing_and_training_goes_on(monkeypatc
 def _two_launch_tier(device):
     """A device tier of two subgroups whose params are in groups with different lr: one
     fused_adam_ call (launch) each on CUDA."""
-    from hybrid_opt import layout as L
+    from hybrid_opt.state import layout as L
     from hybrid_opt.tiers.device import DeviceTier
     from hybrid_opt.tiers.host import StepInputs
     params = [torch.nn.Parameter(torch.randn(256, device=device)) for _ in range(2)]

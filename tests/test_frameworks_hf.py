@@ -30,7 +30,7 @@ transformers.logging.set_verbosity_error()
 
 from hybrid_opt import HybridAdamW  # noqa: E402
 
-# what GradsEditedError's message must tell a user of each framework (hybrid_opt/zero_edits.py)
+# what GradsEditedError's message must tell a user of each framework (hybrid_opt/distributed/zero_edits.py)
 RECIPE_PARTS = ("attach_grad_scaler", "TrainingArguments(max_grad_norm=0)", "gradient_clip_val=None",
                 "accelerator.clip_grad_norm_")
 

@@ -8,8 +8,8 @@ import json
 
 import pytest
 
-from hybrid_opt import planner
-from hybrid_opt.cost_model import predict
+from hybrid_opt.placement import planner
+from hybrid_opt.placement.cost_model import predict
 
 QWEN = ["--params", "14e9", "--preset", "gh200", "--tokens", "16384"]
 GPT_OSS = ["--params", "20.9e9", "--preset", "gh200", "--model-flops", str(6 * 3.6e9 * 16384)]

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from hybrid_opt import HybridAdamW
-from hybrid_opt.plan import DEVICE
+from hybrid_opt.placement.plan import DEVICE
 
 pytestmark = pytest.mark.gpu
 

@@ -53,7 +53,7 @@ def test_construction_copies_no_parameter():
 
 
 def test_the_default_device_budget_counts_torchs_cached_blocks():
-    from hybrid_opt import scheduler
+    from hybrid_opt.placement import scheduler
     block = torch.empty(GiB, dtype=torch.uint8, device="cuda")
     del block  # back in torch's cache: reserved, not allocated, not free to the driver
     m = scheduler.cuda_memory(torch.device("cuda"))
@@ -65,7 +65,7 @@ def test_the_default_device_budget_counts_torchs_cached_blocks():
 
 
 def test_calibration_stays_within_the_memory_it_is_allowed():
-    from hybrid_opt import calibrate
+    from hybrid_opt.placement import calibrate
     allowed = 64 * MiB
     rates, extra = _peak_since(lambda: calibrate._cuda_rates(torch.device("cuda"), allowed))
     assert rates["device_adam_gbps"] > 0 and rates["device_measure_numel"] == allowed // 16
@@ -136,7 +136,7 @@ def test_auto_trains_a_model_whose_activations_need_more_than_the_headroom_at_co
     the device (it fits, and the GPU's Adam is far faster) and the first forward would run out
     of memory. Budgeted from the measured peak, it starts with the state on the host and a refit
     moves to the device only what fits beside the activations: training runs without OOM."""
-    from hybrid_opt import scheduler
+    from hybrid_opt.placement import scheduler
     width, depth, batch = 4096, 8, 16384
     layers = []
     for _ in range(depth):

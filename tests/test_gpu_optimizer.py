@@ -283,7 +283,7 @@ def test_automatic_refit_moves_and_keeps_matching_torch(monkeypatch):
     """offload_fraction="auto" with refit_every=2: the scheduler's own refit runs on the
     measured CUDA times; where it keeps the plan the test makes it move anyway (to the other
     end of the range), so a move on CUDA happens mid-training in either case."""
-    from hybrid_opt.scheduler import Decision
+    from hybrid_opt.placement.scheduler import Decision
     model = mlp()
     ref_model, ref = reference(model, lr=1e-2, weight_decay=0.1)
     with HybridAdamW(model.parameters(), lr=1e-2, weight_decay=0.1, offload_fraction="auto",

@@ -18,7 +18,7 @@ import torch
 
 import cpu_kernels as ck
 from cpu_kernels.reference import bf16_round_reference, encode_remainder_reference
-from hybrid_opt.state_format import StateFormat
+from hybrid_opt.state.state_format import StateFormat
 from hybrid_opt.tiers.compressed import _independent_moment_dtypes
 from hybrid_opt.tiers.host import HostTier, StepInputs
 from hybrid_opt.worker import protocol as P
@@ -632,7 +632,7 @@ def test_the_cost_models_bytes_per_param_are_what_the_host_tier_allocates(nvme_d
     tier built as the optimizer builds it for a model of one dtype (copy dtype: a bf16 model's
     own, none for fp32) allocates exactly the "host" bytes per element in every bank
     (committed, spare and nvme I/O alike) and the "nvme" bytes in each slot of a swap file."""
-    from hybrid_opt.cost_model import Workload
+    from hybrid_opt.placement.cost_model import Workload
     n = 1 << 16  # every region a whole number of pages: the bytes are exact
     moments = [(F32, F32), (BF16, BF16)] + ([(BF16, F32)] if _independent_moment_dtypes() else [])
     size = torch.empty((), dtype=model).element_size()

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from hybrid_opt import HybridAdam, HybridAdamW
-from hybrid_opt.storage import ParamGuard
+from hybrid_opt.state.storage import ParamGuard
 
 BF16, FP32 = torch.bfloat16, torch.float32
 HYPER = dict(lr=1e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.05)

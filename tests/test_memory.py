@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from hybrid_opt import HybridAdamW
-from hybrid_opt import layout as L
+from hybrid_opt.state import layout as L
 from test_optimizer import assert_state_close, make_batches, make_net, train
 
 
@@ -81,7 +81,7 @@ def test_subgroups_of_a_bucket_are_one_size():
 def test_automatic_subgroup_numel_keeps_eight_subgroups_where_it_can(numel, count):
     """subgroup_numel=None: 8 subgroups on this rank (speculation overlaps backward subgroup by
     subgroup), none below 64Ki elements, none above 4Mi."""
-    from hybrid_opt.cost_model import DEFAULT_SUBGROUP_NUMEL
+    from hybrid_opt.placement.cost_model import DEFAULT_SUBGROUP_NUMEL
     size = L.auto_subgroup_numel(numel, DEFAULT_SUBGROUP_NUMEL)
     assert len(L.layout_group([torch.empty(numel, device="meta")], 0, 0, size, 0)) == count
 
@@ -189,7 +189,7 @@ def _fail_host_load(monkeypatch):
 
 
 def _fail_device_tier(monkeypatch):
-    from hybrid_opt import moves
+    from hybrid_opt.placement import moves
 
     real = moves.DeviceTier
 
@@ -202,7 +202,7 @@ def _fail_device_tier(monkeypatch):
 
 def _fail_after_device_alloc(monkeypatch):
     """The device tier allocated, then the copy into it fails: what it allocated must go."""
-    from hybrid_opt import moves
+    from hybrid_opt.placement import moves
     real = moves.DeviceTier
 
     def late(sgs, *a, **k):
@@ -214,7 +214,7 @@ def _fail_after_device_alloc(monkeypatch):
 
 
 def _no_host_room(monkeypatch):
-    from hybrid_opt import scheduler
+    from hybrid_opt.placement import scheduler
     monkeypatch.setattr(scheduler, "_free_host_bytes", lambda: 0.0)
 
 
@@ -263,7 +263,7 @@ def _swapped(plan):
     """The plan with its device and host subgroups swapped: a move where some subgroups leave
     the device while others arrive (add_param_group's can)."""
     import dataclasses
-    from hybrid_opt.plan import DEVICE, HOST
+    from hybrid_opt.placement.plan import DEVICE, HOST
     tiers = [HOST if t == DEVICE else DEVICE for t in plan.tiers]
     order = [i for i, t in enumerate(tiers) if t != DEVICE]
     return dataclasses.replace(plan, tiers=tiers, numels=list(plan.numels), speculation_order=order)
@@ -271,7 +271,7 @@ def _swapped(plan):
 
 def _fake_cuda(monkeypatch, opt, free):
     """The CUDA paths of a move on CPU tensors, with `free` bytes available on the "device"."""
-    from hybrid_opt import scheduler
+    from hybrid_opt.placement import scheduler
     monkeypatch.setattr(opt.parts.layout, "cuda", lambda: True)
     monkeypatch.setattr(scheduler, "cuda_memory", lambda device: {
         "free": float(free), "total": 1e12, "reserved": 0.0, "allocated": 0.0, "peak": 0.0})
@@ -284,7 +284,7 @@ def test_a_move_that_needs_the_leaving_memory_frees_it_first_and_puts_it_back_on
     """Subgroups leave the device while others arrive, and the arriving fit only in what the
     leaving free: the leaving are let go first. If the arriving then fail to allocate, the
     leaving come back from their host copies: every state tensor as before, training bitwise."""
-    from hybrid_opt import moves
+    from hybrid_opt.placement import moves
     batches = make_batches(8)
     ref_model, ref, model, opt = _pair(dtype, offload=0.5)
     with ref, opt:
@@ -351,7 +351,7 @@ def test_room_to_move_counts_the_state_copied_out_and_the_new_host_tier(monkeypa
     """Host memory a move needs: the state leaving the device (copied out, 12 B/element) and
     the new host tier beside the old — its arena exactly, as the OS reports it once made; on a
     CPU-only host also the device tier's arrivals."""
-    from hybrid_opt import scheduler
+    from hybrid_opt.placement import scheduler
     ref_model, ref, model, opt = _pair(offload=0.0)
     with ref, opt:
         n = sum(p.numel() for p in model.parameters())
@@ -377,7 +377,7 @@ GiB = 1 << 30
 
 
 def test_available_device_memory_counts_torchs_cached_blocks():
-    from hybrid_opt.scheduler import available_device_bytes
+    from hybrid_opt.placement.scheduler import available_device_bytes
     # the driver has 10 GiB free; torch reserved 8 GiB of which tensors use 5: 13 GiB can be had
     assert available_device_bytes(10 * GiB, 8 * GiB, 5 * GiB) == 13 * GiB
     assert available_device_bytes(10 * GiB, 5 * GiB, 5 * GiB) == 10 * GiB
@@ -385,7 +385,7 @@ def test_available_device_memory_counts_torchs_cached_blocks():
 
 
 def test_default_device_budget_on_cuda_includes_the_cached_blocks(monkeypatch):
-    from hybrid_opt import scheduler
+    from hybrid_opt.placement import scheduler
     params = [torch.zeros(1 << 20)]  # 4 MiB of params, no grads
     monkeypatch.setattr(scheduler, "cuda_memory", lambda device: {
         "free": 10.0 * GiB, "total": 80.0 * GiB, "reserved": 8.0 * GiB, "allocated": 5.0 * GiB,
@@ -400,7 +400,7 @@ def test_measured_device_budget_leaves_the_iterations_peak_free():
     30 GiB (24 GiB allocated now), the peak was 28 GiB (activations) and the model copy and
     grads (4 GiB) are inside it. At the peak 20 + 30 - 28 = 22 GiB were still free; 10 % of
     what the placement could use (20 + 6 + 4 = 30 GiB) is kept: state may take 19 GiB."""
-    from hybrid_opt.scheduler import measured_device_budget
+    from hybrid_opt.placement.scheduler import measured_device_budget
     budget = measured_device_budget(free=20 * GiB, reserved=30 * GiB, allocated=24 * GiB,
                                     peak=28 * GiB, counted=4 * GiB, floor=4 * GiB)
     assert budget == pytest.approx(4 * GiB + 22 * GiB - 3 * GiB)
@@ -417,7 +417,7 @@ FAST_DEVICE = dict(host_adam_gelems_per_s=0.5, device_adam_gbps=4000.0, h2d_gbps
 
 
 def _cuda_planner(**kw):
-    from hybrid_opt.scheduler import AutoPlanner
+    from hybrid_opt.placement.scheduler import AutoPlanner
     base = dict(numels=[1 << 20] * 8, ready_ranks=list(range(7, -1, -1)), device=torch.device("cuda"),
                 model_bytes=2, state_bytes=12, subgroup_numel=1 << 20, device_budget=64.0 * GiB,
                 host_budget=64.0 * GiB, calibration=dict(FAST_DEVICE))
@@ -452,7 +452,7 @@ def test_refits_feed_the_measured_device_memory_to_auto(monkeypatch):
     """The optimizer's side (CUDA figures injected on a CPU host): at each refit the planner
     gets the memory now, the cost model's device bytes of the plan that ran and of the model
     copy and grads alone; on a CPU-only host nothing of this runs."""
-    from hybrid_opt import scheduler
+    from hybrid_opt.placement import scheduler
     model = make_net()
     with HybridAdamW(model.parameters(), offload_fraction="auto", subgroup_numel=SUBGROUP,
                      refit_every=3, calibration=dict(FAST_DEVICE)) as opt:
@@ -478,7 +478,7 @@ def test_refits_feed_the_measured_device_memory_to_auto(monkeypatch):
 
 # ============================================================================= calibration
 def test_calibration_takes_at_most_a_tenth_of_the_device_budget_and_what_it_leaves():
-    from hybrid_opt import calibrate
+    from hybrid_opt.placement import calibrate
     assert calibrate.device_bytes_allowed(80 * GiB, 10 * GiB) == 8 * GiB   # 10 % of the budget
     assert calibrate.device_bytes_allowed(10 * GiB, 9.5 * GiB) == GiB // 2  # what it leaves
     assert calibrate.device_bytes_allowed(10 * GiB, 11 * GiB) == 0
@@ -492,7 +492,7 @@ def test_calibration_takes_at_most_a_tenth_of_the_device_budget_and_what_it_leav
 
 
 def test_cuda_calibration_is_sized_by_the_budget_and_measured_again_when_more_is_allowed(tmp_path, monkeypatch):
-    from hybrid_opt import calibrate
+    from hybrid_opt.placement import calibrate
     monkeypatch.setenv("HYBRID_OPT_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(calibrate, "machine_key", lambda device: "gpu-box")
     asked = []
@@ -514,7 +514,7 @@ def test_cuda_calibration_is_sized_by_the_budget_and_measured_again_when_more_is
 
 
 def test_auto_on_cuda_calibrates_within_its_device_budget(monkeypatch):
-    from hybrid_opt import calibrate
+    from hybrid_opt.placement import calibrate
     got = {}
 
     def rates(device, nvme_path=None, worker_share=0.5, *, refresh=False, device_bytes=None):

@@ -1,6 +1,6 @@
 """A node's resources split between its ranks (issue #15 item 6): cores, free host memory,
 nvme bandwidth, and nvme directories per global rank, from LOCAL_RANK / LOCAL_WORLD_SIZE /
-RANK as torchrun sets them (hybrid_opt/node.py)."""
+RANK as torchrun sets them (hybrid_opt/distributed/node.py)."""
 import json
 import os
 import select
@@ -15,8 +15,12 @@ import psutil
 import pytest
 import torch
 
-from hybrid_opt import node, scheduler, swap
-from hybrid_opt.node import NodeInfo
+from hybrid_opt.distributed import node
+
+from hybrid_opt.placement import scheduler
+
+from hybrid_opt import swap
+from hybrid_opt.distributed.node import NodeInfo
 from hybrid_opt.worker.client import CoreSplit
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from hybrid_opt import HybridAdamW
-from hybrid_opt.plan import NVME
+from hybrid_opt.placement.plan import NVME
 from hybrid_opt.swap import PREFIX
 
 from helpers import (assert_bitwise_equal, fs_type, inputs, load, make_grads, make_states,

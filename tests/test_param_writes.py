@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from hybrid_opt import HybridAdamW
-from hybrid_opt.storage import ParamGuard
+from hybrid_opt.state.storage import ParamGuard
 from tolerances import assert_bf16_within_ulps, assert_close
 
 BF16, FP32 = torch.bfloat16, torch.float32

@@ -1,12 +1,12 @@
 """Fixed fractions that the whole-subgroup placement misses are warned about once, at
-construction, with both figures and the fix (hybrid_opt/plan.py fraction_miss)."""
+construction, with both figures and the fix (hybrid_opt/placement/plan.py fraction_miss)."""
 import warnings
 
 import pytest
 import torch
 
 from hybrid_opt import HybridAdamW
-from hybrid_opt.plan import fraction_miss, fraction_plan
+from hybrid_opt.placement.plan import fraction_miss, fraction_plan
 
 
 def _model():  # 467,856 elements: one subgroup at subgroup_numel=4Mi

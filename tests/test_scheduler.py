@@ -10,9 +10,11 @@ import warnings
 import pytest
 import torch
 
-from hybrid_opt import HybridAdamW, calibrate
-from hybrid_opt import cost_model as cm
-from hybrid_opt.scheduler import AutoPlanner, Decision, Sample
+from hybrid_opt import HybridAdamW
+
+from hybrid_opt.placement import calibrate
+from hybrid_opt.placement import cost_model as cm
+from hybrid_opt.placement.scheduler import AutoPlanner, Decision, Sample
 from test_optimizer import assert_state_close, make_batches, make_net, train
 
 SUBGROUP = 64
@@ -356,7 +358,7 @@ def test_a_refit_whose_move_fails_keeps_the_plan_and_the_state(monkeypatch, tmp_
 
 
 def test_a_move_that_would_not_fit_in_memory_is_skipped(monkeypatch):
-    from hybrid_opt import scheduler
+    from hybrid_opt.placement import scheduler
     model = make_net()
     with _auto(model, SLOW_HOST, refit_every=2) as opt:
         to_host = opt.parts.placement.auto.predict(1.0, 0.0)
@@ -426,7 +428,7 @@ def test_refit_takes_the_host_rate_from_measured_worker_time():
 
 
 def _compressed():
-    from hybrid_opt.state_format import StateFormat
+    from hybrid_opt.state.state_format import StateFormat
     return StateFormat(torch.bfloat16, torch.bfloat16, True)
 
 

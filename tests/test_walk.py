@@ -29,7 +29,7 @@ def test_the_walk_is_one_committed_speculation(walk):
     assert walk.speculations == 1, walk.speculations
     assert walk.sequence[0].caller == OUTSIDE and walk.sequence[0].via_outside, walk.sequence[0]
     last = walk.sequence[-1]
-    assert (last.module, last.function) == ("hybrid_opt.layout", "Subgroup.write"), last
+    assert (last.module, last.function) == ("hybrid_opt.state.layout", "Subgroup.write"), last
 
 
 def test_the_walk_is_no_longer_than_today(walk):

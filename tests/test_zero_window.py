@@ -1,12 +1,14 @@
 """process_group's comm memory in one process (a world of 1, gloo): `opt.allocated_bytes["comm"]`
 is the storages the optimizer holds for its collectives — the comm window's slots
-(hybrid_opt/zero_pool.py) and each bucket's averaged chunks — and for a model of many buckets
+(hybrid_opt/distributed/zero_pool.py) and each bucket's averaged chunks — and for a model of many buckets
 the window is a few buckets, not the model (it was ~3 fp32 copies of it); release_grads'
 argument errors (hybrid_opt/arguments.py)."""
 import pytest
 import torch
 
-from hybrid_opt import HybridAdamW, zero, zero_pool
+from hybrid_opt import HybridAdamW
+
+from hybrid_opt.distributed import zero, zero_pool
 
 LAYERS, WIDTH = 12, 64
 

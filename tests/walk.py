@@ -8,7 +8,7 @@ functions defined under hybrid_opt/. The walk is the stretch
 - from the hook invocation that makes the subgroup ready and speculates it: the outermost
   hybrid_opt frame on the stack (the one autograd called) when a `speculate` defined in
   hybrid_opt/tiers/ is entered during backward, the last such entry;
-- to the return of the last `Subgroup.write` (hybrid_opt/layout.py) called during step(): the
+- to the return of the last `Subgroup.write` (hybrid_opt/state/layout.py) called during step(): the
   commit of the subgroup's new params into the model.
 
 Both markers are found by module and function name, never by the optimizer's private names,
@@ -156,7 +156,7 @@ class Tracer:
     "backward" or "step"."""
 
     def __init__(self, root: str, package: str = "hybrid_opt", *, spec_module_prefix: str = "tiers.",
-                 spec_function: str = "speculate", end_module: str = "layout",
+                 spec_function: str = "speculate", end_module: str = "state.layout",
                  end_qualname: str = "Subgroup.write"):
         self.root = os.path.realpath(root)
         self.package = package

@@ -20,7 +20,7 @@ import math
 
 import torch
 
-from hybrid_opt.state_format import StateFormat
+from hybrid_opt.state.state_format import StateFormat
 
 # what both kernels step (cpu_kernels.adam_step_, gpu_kernels.fused_adam_)
 _GRAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)

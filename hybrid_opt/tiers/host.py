@@ -16,7 +16,7 @@ import torch
 
 from hybrid_opt.banks import BankPool
 from hybrid_opt.shm import PAGE, SharedArena, align_up
-from hybrid_opt.state_format import StateFormat
+from hybrid_opt.state.state_format import StateFormat
 from hybrid_opt.swap import SwapDir, check_nvme_path
 # re-exported: the optimizer, calibration, tests and benchmarks import these from here
 from hybrid_opt.tiers.host_io import REMOTE_GATHER_QUEUE, _DT_CODE, HostIO, _Piece  # noqa: F401

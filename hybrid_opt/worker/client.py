@@ -14,8 +14,8 @@ import subprocess
 import sys
 import time
 
-from hybrid_opt.node import NodeInfo, core_slice
-from hybrid_opt.node import info as node_info
+from hybrid_opt.distributed.node import NodeInfo, core_slice
+from hybrid_opt.distributed.node import info as node_info
 from hybrid_opt.worker import protocol as P
 
 _POLL_S = 0.1

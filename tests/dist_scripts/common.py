@@ -116,7 +116,7 @@ def step_after_unscale(opt, scaler) -> None:
 
 class OverflowInBackward:
     """overflow_local_grad during backward, for process_group= (where an edit of p.grad after
-    backward is refused: hybrid_opt/zero_edits.py): a hook on the first param, registered
+    backward is refused: hybrid_opt/distributed/zero_edits.py): a hook on the first param, registered
     before the optimizer's, writes the inf into this rank's local grad as soon as it is
     accumulated — before the reduction reads it, as a real overflow would be. `arm()` before
     the backward that should overflow."""

@@ -37,7 +37,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 import common as C
-from hybrid_opt import HybridAdamW, node
+from hybrid_opt import HybridAdamW
+from hybrid_opt.distributed import node
 
 PG_TIMEOUT_S = 20
 RESULTS = {}  # the scenarios run so far (rank_gone's rank 1 saves them before it exits)

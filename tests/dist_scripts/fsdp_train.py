@@ -145,7 +145,7 @@ def run(name: str, rank: int, world: int, tmp: str) -> dict:
         out["params"].append([p.full_tensor().detach().cpu().clone() for p in model.parameters()])
     out["placements"] = [tuple(map(str, p.placements)) for p in model.parameters()]
     # what node.py saw (torchrun's LOCAL_RANK / LOCAL_WORLD_SIZE) and the cores it gave the worker
-    from hybrid_opt import node
+    from hybrid_opt.distributed import node
     out["node"] = (node.local_rank(), node.local_world_size())
     out["worker_cpus"] = sorted(psutil.Process(opt.worker_pid).cpu_affinity())
     out["local_numels"] = [p.to_local().numel() for p in model.parameters()]

@@ -118,7 +118,7 @@ def fit(model, *, data=None, ckpt_path=None, **trainer_kw) -> tuple:
 def rank_main(mode: str, out_dir: str) -> None:
     from lightning.pytorch.strategies import ModelParallelStrategy
 
-    from hybrid_opt import node
+    from hybrid_opt.distributed import node
     if mode == "ddp":
         strategy, model = "ddp", Tiny(hybrid(process_group=None))
     elif mode == "fsdp2":

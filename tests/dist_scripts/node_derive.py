@@ -1,14 +1,15 @@
 """Rank script: a launcher that sets no LOCAL_WORLD_SIZE (Lightning's DDP launcher sets only
 LOCAL_RANK; mp.spawn neither), simulated under torchrun by removing what it set — the
 configuration names which: "no_local_world_size" keeps LOCAL_RANK, "no_local_env" removes
-both. Saves what hybrid_opt.node derived and the cores this rank's worker got."""
+both. Saves what hybrid_opt.distributed.node derived and the cores this rank's worker got."""
 import os
 
 import torch
 import torch.distributed as dist
 
 import common as C
-from hybrid_opt import HybridAdamW, node
+from hybrid_opt import HybridAdamW
+from hybrid_opt.distributed import node
 
 
 def run(name: str, rank: int, world: int, tmp: str) -> dict:

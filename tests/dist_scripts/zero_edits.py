@@ -90,7 +90,7 @@ def ddp_unused(name: str, rank: int, world: int) -> dict:
     process_group model whose last bias gets no grad on rank 1 (C.loss_bias_unused), small
     buckets; "_lazy": the has-grad counts read in step() (CUDA's way), after DDP has written
     its average into that bias's grad. Saves the params after each step."""
-    from hybrid_opt import zero, zero_counts
+    from hybrid_opt.distributed import zero, zero_counts
     saved = zero.BUCKET_NUMEL, zero_counts.LAZY
     zero.BUCKET_NUMEL, zero_counts.LAZY = 64, (True if name.endswith("_lazy") else None)
 

@@ -1,5 +1,5 @@
-"""Rank script: process_group's bounded comm window (hybrid_opt/zero_pool.py) and
-release_grads=True (hybrid_opt/zero_release.py), in the configurations named on the command
+"""Rank script: process_group's bounded comm window (hybrid_opt/distributed/zero_pool.py) and
+release_grads=True (hybrid_opt/distributed/zero_release.py), in the configurations named on the command
 line. Each trains C.STEPS steps of the common model (buckets of 64 elements: 4 of them) and
 saves per step the params (after wait_params), the grads held after backward (p.grad storage
 bytes, and the averaged chunks' bytes), opt.allocated_bytes["comm"] against the storages of
@@ -8,9 +8,10 @@ import torch
 import torch.distributed as dist
 
 import common as C
-from hybrid_opt import HybridAdamW, zero, zero_pool
+from hybrid_opt import HybridAdamW
 
 # name: (HybridAdamW kwargs, window slots or None (the defaults), case)
+from hybrid_opt.distributed import zero, zero_pool
 CONFIGS = {
     "base": (dict(), None, None),
     "release": (dict(release_grads=True), None, None),

@@ -10,8 +10,9 @@ import torch
 import torch.distributed as dist
 
 import common as C
-from hybrid_opt import HybridAdam, HybridAdamW, zero, zero_counts
-from hybrid_opt.zero import BUCKET_NUMEL
+from hybrid_opt import HybridAdam, HybridAdamW
+from hybrid_opt.distributed import zero, zero_counts
+from hybrid_opt.distributed.zero import BUCKET_NUMEL
 
 DEVICE = os.environ.get("DIST_DEVICE", "cpu")  # "cuda": the gpu test (NCCL, one rank per GPU)
 

@@ -44,8 +44,8 @@ from __future__ import annotations
 import torch
 
 from hybrid_opt.distributed import local_of, moved_or_written, write_count, write_counts
-from hybrid_opt.layout import own_contiguous
-from hybrid_opt.plan import DEVICE
+from hybrid_opt.state.layout import own_contiguous
+from hybrid_opt.placement.plan import DEVICE
 
 
 def _written_as(master: torch.Tensor, param: torch.Tensor) -> torch.Tensor:

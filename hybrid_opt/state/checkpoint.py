@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from hybrid_opt.distributed import dtensor_like, is_dtensor, is_sharded, local_of, local_shard_of
-from hybrid_opt.plan import DEVICE
+from hybrid_opt.placement.plan import DEVICE
 
 
 def _master_stands(saved: torch.Tensor, param: torch.Tensor) -> bool:

@@ -80,7 +80,7 @@ class StepLedger:
     # ------------------------------------------------------------------ rank faults
     def out_of_step(self, err) -> None:
         """This rank failed after the others stepped: its next step() stops them all."""
-        from hybrid_opt import rank_faults as RF
+        from hybrid_opt.distributed import rank_faults as RF
         self.rank_failure = RF.out_of_step(err)
 
     def back_in_step(self) -> None:

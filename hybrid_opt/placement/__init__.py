@@ -19,11 +19,11 @@ from typing import Callable, NamedTuple
 import torch
 
 from hybrid_opt import distributed as D
-from hybrid_opt import layout as L
-from hybrid_opt import moves
-from hybrid_opt.cost_model import NON_SPECULATIVE_SPARE_BANKS
-from hybrid_opt.footprint import device_tier_bytes, host_tier_layout, plan_bytes
-from hybrid_opt.plan import DEVICE, HOST, NVME, check_fractions, fraction_miss, fraction_plan
+from hybrid_opt.state import layout as L
+from hybrid_opt.placement import moves
+from hybrid_opt.placement.cost_model import NON_SPECULATIVE_SPARE_BANKS
+from hybrid_opt.placement.footprint import device_tier_bytes, host_tier_layout, plan_bytes
+from hybrid_opt.placement.plan import DEVICE, HOST, NVME, check_fractions, fraction_miss, fraction_plan
 from hybrid_opt.swap import check_nvme_path
 from hybrid_opt.tiers.device import DeviceTier
 from hybrid_opt.tiers.host import HostTier
@@ -187,7 +187,7 @@ class Placement:
                 self._check_budgets(off, nv)
             return off, nv, None
         if self.auto is None:
-            from hybrid_opt.scheduler import AutoPlanner, default_budgets
+            from hybrid_opt.placement.scheduler import AutoPlanner, default_budgets
             params = list(self.layout.params())
             device = params[0].device if params else torch.device("cpu")
             fmt, dtype = self.budget_format(sgs)
@@ -228,7 +228,7 @@ class Placement:
 
     def modelled_bytes(self, off: float, nv: float, spare_banks) -> dict:
         """The cost model's bytes per tier for this optimizer's model at a placement."""
-        from hybrid_opt import cost_model as cm
+        from hybrid_opt.placement import cost_model as cm
         sgs = self.layout.subgroups
         params = list(self.layout.params())
         cuda = bool(params) and params[0].is_cuda
@@ -247,7 +247,7 @@ class Placement:
         """Fixed fractions: the bytes the plan's tiers will allocate against the budgets, before
         anything is allocated. The spare pool is sized afterwards from what the budget leaves:
         counted here at its least (one bank where exact rollback needs one)."""
-        from hybrid_opt.scheduler import check_fixed_plan
+        from hybrid_opt.placement.scheduler import check_fixed_plan
         c, sgs = self.config, self.layout.subgroups
         plan = fraction_plan([s.numel for s in sgs], [s.ready_rank for s in sgs], off, nv, None)
         resident = sum(1 for t in plan.tiers if t == HOST)
@@ -287,7 +287,7 @@ class Placement:
             # second lets the next subgroup stage while the worker steps this one
             plan.spare_banks = min(NON_SPECULATIVE_SPARE_BANKS, resident)
         elif spares is None:
-            from hybrid_opt.scheduler import default_spare_banks
+            from hybrid_opt.placement.scheduler import default_spare_banks
             host = [s for s in sgs if plan.tiers[s.index] != DEVICE]
             plan.spare_banks = 0
             without = self.bytes_of(plan)["host"]
@@ -412,7 +412,7 @@ class Placement:
         (scheduler.measured_device_budget)."""
         if self.auto is None or not self.auto.device_from_peak or not self.layout.subgroups:
             return
-        from hybrid_opt.scheduler import cuda_memory
+        from hybrid_opt.placement.scheduler import cuda_memory
         spares = self.plan.spare_banks
         self.auto.observe_device_memory(cuda_memory(self.layout.subgroups[0].device),
                                         counted=self.modelled_bytes(*self.fractions, spares)["device"],

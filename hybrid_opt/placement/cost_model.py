@@ -66,7 +66,7 @@ backward ends:
 Memory per GPU: device = state of the device share + model copy + grads (activations are
 not counted: budgets keep `headroom`); host = banks of the host share + spare banks +
 staging slots (+ nvme I/O banks); nvme = two slots x the file's state of the nvme share.
-Bytes per element come from the workload's `StateFormat` (hybrid_opt/state_format.py):
+Bytes per element come from the workload's `StateFormat` (hybrid_opt/state/state_format.py):
 device state = master (none for an fp32 param: its own; 2 for a remainder) + moments; a
 host bank = that + the model-dtype copy (the high half, with remainders); an nvme file =
 master or remainder + moments (12 -> 6 B with bf16 moments and remainders).
@@ -77,7 +77,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from hybrid_opt.state_format import StateFormat
+from hybrid_opt.state.state_format import StateFormat
 
 GB = 1e9
 DEFAULT_SUBGROUP_NUMEL = 4 * 2 ** 20     # HybridAdamW's default unit of placement (its one definition)
@@ -155,7 +155,7 @@ class Workload:
                                  f"{self.state_bytes}: give state_format= and amsgrad= instead")
             self.amsgrad = self.amsgrad or self.state_bytes == 16
         if not isinstance(self.state_format, StateFormat):
-            raise TypeError(f"state_format must be a hybrid_opt.state_format.StateFormat, got "
+            raise TypeError(f"state_format must be a hybrid_opt.state.state_format.StateFormat, got "
                             f"{type(self.state_format).__name__}")
 
     @property

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from hybrid_opt.plan import DEVICE, NVME
+from hybrid_opt.placement.plan import DEVICE, NVME
 from hybrid_opt.tiers.arena_plan import plan_arena
 from hybrid_opt.tiers.host import staging_slots_for
 

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
-from hybrid_opt.zero_reduce import reduce_numels
+from hybrid_opt.distributed.zero_reduce import reduce_numels
 
 WINDOW = 2                      # slots per (dtype, device): buckets in flight at once
 WINDOW_FLOOR_BYTES = 4 << 20    # ... or as many as fit in this, for small buckets

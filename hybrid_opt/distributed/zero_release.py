@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import torch
 
-from hybrid_opt.zero_edits import GradsEditedError
+from hybrid_opt.distributed.zero_edits import GradsEditedError
 
 RELEASE_ACCUMULATE = (
     "process_group with release_grads=True: a second backward reduced grads before step(), but "

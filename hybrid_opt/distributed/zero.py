@@ -75,13 +75,13 @@ from dataclasses import dataclass
 import torch
 
 from hybrid_opt import distributed as D
-from hybrid_opt.zero_counts import GradCounts
-from hybrid_opt.zero_edits import GradEdits, GradReads
-from hybrid_opt.zero_gather import ParamGather
-from hybrid_opt.zero_group import WAIT_S, Collectives, wait_collective  # noqa: F401 (re-exported)
-from hybrid_opt.zero_pool import CommWindow
-from hybrid_opt.zero_reduce import GradReduction
-from hybrid_opt.zero_release import GradRelease
+from hybrid_opt.distributed.zero_counts import GradCounts
+from hybrid_opt.distributed.zero_edits import GradEdits, GradReads
+from hybrid_opt.distributed.zero_gather import ParamGather
+from hybrid_opt.distributed.zero_group import WAIT_S, Collectives, wait_collective  # noqa: F401 (re-exported)
+from hybrid_opt.distributed.zero_pool import CommWindow
+from hybrid_opt.distributed.zero_reduce import GradReduction
+from hybrid_opt.distributed.zero_release import GradRelease
 
 # elements per reduce-scatter / all-gather bucket (2 MiB of fp32): a comm slot holds about one
 # (zero_pool.py), so this sizes the window; a larger param is a bucket of its own, reduced
@@ -238,7 +238,7 @@ class ZeroSharding:
         self._rereduced = 0        # stats["rereduced"]: buckets reduced again in finish()
         kind = COLLECTIVES or ("all_to_all" if dist.get_backend(group) == "gloo" else "reduce_scatter")
         if kind not in _KINDS:
-            raise ValueError(f"hybrid_opt.zero.COLLECTIVES must be None or one of {_KINDS}, got {kind!r}")
+            raise ValueError(f"hybrid_opt.distributed.zero.COLLECTIVES must be None or one of {_KINDS}, got {kind!r}")
         # the kind is fixed per backend: the same on every rank
         self.comm = Collectives(dist, self.group, rank, world, kind)
         self.reads = GradReads()   # the grad each reduction read, and its version (zero_edits.py)

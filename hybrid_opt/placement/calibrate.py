@@ -36,7 +36,7 @@ import warnings
 
 import torch
 
-from hybrid_opt import node
+from hybrid_opt.distributed import node
 
 CACHE_VERSION = 2
 MEASURE_NUMEL = 4 << 20          # Adam rates: 4Mi elements (16 MB per fp32 tensor)

@@ -1,5 +1,5 @@
 """`offload_fraction="auto"` / `nvme_fraction="auto"`: the placement the cost model predicts
-fastest within the memory budgets, from calibrated rates (hybrid_opt/calibrate.py) and, once
+fastest within the memory budgets, from calibrated rates (hybrid_opt/placement/calibrate.py) and, once
 steps have run, from their measured times; refitted every `refit_every` steps.
 
 Candidates are the optimizer's own subgroup boundaries in ready order (host tiers take the
@@ -9,7 +9,7 @@ gain over the next `refit_every` steps outweighs the measured (or estimated) cos
 move, and the gain is above `min_gain` of the step: noise never makes the plan flap.
 
 Bytes per element on each tier, and the bytes a step moves, are the optimizer's `StateFormat`
-(bf16 moments, remainders: hybrid_opt/state_format.py) as the cost model counts them; a
+(bf16 moments, remainders: hybrid_opt/state/state_format.py) as the cost model counts them; a
 measured host Adam rate is stored at the cost model's reference bytes (fp32 state, 28 B per
 element), so the rate of one format predicts another's.
 """
@@ -19,11 +19,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from hybrid_opt import cost_model as cm
-from hybrid_opt import node
-from hybrid_opt.layout import bank_padding
-from hybrid_opt.plan import DEFAULT_SPARE_BANKS
-from hybrid_opt.state_format import StateFormat
+from hybrid_opt.placement import cost_model as cm
+from hybrid_opt.distributed import node
+from hybrid_opt.state.layout import bank_padding
+from hybrid_opt.placement.plan import DEFAULT_SPARE_BANKS
+from hybrid_opt.state.state_format import StateFormat
 
 MAX_CANDIDATES = 48
 HEADROOM = 0.1
@@ -144,7 +144,7 @@ class AutoPlanner:
     def __post_init__(self):
         self.device_peak_pending = self.device_from_peak
         if self.calibration is None:
-            from hybrid_opt import calibrate
+            from hybrid_opt.placement import calibrate
             device_bytes = None
             if torch.device(self.device).type == "cuda" and self.device_budget is not None:
                 # the measurement's buffers within the budget, beside the model and its grads

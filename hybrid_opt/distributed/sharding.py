@@ -10,7 +10,7 @@ def sharding_for(params: list, process_group, release_grads: bool):
     layout: each param's slices are then of its dim-0 chunk), else NoSharding."""
     if process_group is None:
         return NoSharding()
-    from hybrid_opt.zero import ZeroSharding
+    from hybrid_opt.distributed.zero import ZeroSharding
     return ZeroSharding(params, process_group, release_grads=release_grads)
 
 

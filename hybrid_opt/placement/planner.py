@@ -13,8 +13,8 @@ import sys
 
 import torch
 
-from hybrid_opt.cost_model import GB, SHARDINGS, Machine, Workload, best_plan
-from hybrid_opt import state_format
+from hybrid_opt.placement.cost_model import GB, SHARDINGS, Machine, Workload, best_plan
+from hybrid_opt.state import state_format
 
 GiB = 2 ** 30
 _DTYPES = state_format.DTYPE_NAMES
@@ -66,7 +66,7 @@ PRESETS = {
                      gpu_tflops=400, nvlink_gbps=450.0, ib_gbps=400.0),
         nvme=dict(drives=8, read=7.0, write=4.0, drive_bytes=3.84e12)),
     "this-machine": dict(
-        about="the machine this command runs on, calibrated (cached; hybrid_opt/calibrate.py)",
+        about="the machine this command runs on, calibrated (cached; hybrid_opt/placement/calibrate.py)",
         sources="measured here: CPU Adam (bank mode, the worker's cores), device Adam (the GPU's "
                 "fused kernel, or in-process CPU Adam on a CPU-only host), H2D/D2H (pinned "
                 "copies, or the trainer's copies into shared memory), the trainer's slowdown "
@@ -129,7 +129,7 @@ def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog="hybrid-opt plan", formatter_class=argparse.RawDescriptionHelpFormatter,
         description="Predict the best device/host/nvme placement of AdamW state, its memory per "
-                    "tier and its step time, from the cost model (hybrid_opt/cost_model.py).",
+                    "tier and its step time, from the cost model (hybrid_opt/placement/cost_model.py).",
         epilog="presets (figures from vendor datasheets where stated, otherwise assumptions; "
                "override any of them with the options above):\n" + presets)
     pos = _positive(float)
@@ -214,8 +214,8 @@ def _this_machine(nvme_path: str | None) -> tuple[dict, dict]:
     import psutil
     import torch
 
-    from hybrid_opt import calibrate
-    from hybrid_opt.scheduler import machine_from_rates
+    from hybrid_opt.placement import calibrate
+    from hybrid_opt.placement.scheduler import machine_from_rates
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
     r = calibrate.rates(device, nvme_path or tempfile.gettempdir())

@@ -25,8 +25,8 @@ import traceback
 
 import torch
 
-from hybrid_opt.footprint import plan_bytes
-from hybrid_opt.plan import DEVICE
+from hybrid_opt.placement.footprint import plan_bytes
+from hybrid_opt.placement.plan import DEVICE
 from hybrid_opt.tiers.device import DeviceTier
 
 GB = 1e9
@@ -48,7 +48,7 @@ def _leaving_arriving(pl, plan) -> tuple:
 def move_memory(pl, plan) -> dict:
     """Bytes a move of Placement `pl` to `plan` needs and has, on the device and on the host
     (module docstring, step 1). On a CPU-only host the device tier is host memory: it counts there."""
-    from hybrid_opt import scheduler
+    from hybrid_opt.placement import scheduler
     leaving, arriving = _leaving_arriving(pl, plan)
     # the new host tier's arena, exactly (footprint.py; the device tier is counted below)
     new_host = plan_bytes(pl.layout.subgroups, plan, pl.state_format, pl.layout.amsgrad, pl.config.rollback,
@@ -67,7 +67,7 @@ def move_memory(pl, plan) -> dict:
 
 def room_shortfall(m: dict) -> str | None:
     """None when a move with move_memory() `m` fits (module docstring, step 1), else what does not."""
-    from hybrid_opt.scheduler import HEADROOM
+    from hybrid_opt.placement.scheduler import HEADROOM
     if m["device_free"] is not None and m["arriving"] > m["device_free"] + m["leaving"]:
         return (f"the subgroups moving to the device need {m['arriving'] / GB:.2f} GB of device "
                 f"memory and {m['device_free'] / GB:.2f} GB is free (torch's cached blocks "
@@ -120,7 +120,7 @@ def _device_arrivals(pl, arriving: list, leaving: list, saved: dict) -> DeviceTi
     running max added where the layout now needs one). The leaving subgroups are let go
     first only when the arriving would not fit beside them; if the allocation fails after
     that, they are put back from `saved` before the error is raised."""
-    from hybrid_opt import scheduler
+    from hybrid_opt.placement import scheduler
     dev, amsgrad, fmt = pl.device, pl.layout.amsgrad, pl.state_format
     gone = {s.index for s in leaving}
     released = []
