@@ -197,11 +197,11 @@ def test_piece_sums_are_the_workers_bitwise_and_see_a_foreach_edit(one_rank, mon
     elements; remote gather by the worker, or staged by the trainer): the live grads' piece
     sums equal the worker's bitwise; after torch._foreach_mul_ on the DTensor grad — which
     moves neither version counter — they differ, and step() redoes the subgroup."""
-    import hybrid_opt.tiers.host_io as HIO
+    import hybrid_opt.tiers.arena_plan as arena_plan
     from hybrid_opt import HybridAdamW
     from hybrid_opt.distributed.grad_edits import live_piece_sums
     from hybrid_opt.speculation import GradGatherer
-    monkeypatch.setattr(HIO, "DEFAULT_SLOT_NUMEL", 1024)
+    monkeypatch.setattr(arena_plan, "DEFAULT_SLOT_NUMEL", 1024)  # the slots sized there (arena_plan.py)
     monkeypatch.setenv("HYBRID_OPT_REMOTE_GATHER", remote)
     torch.manual_seed(0)
     model = _fsdp2(one_rank, torch.nn.Sequential(torch.nn.Linear(40, 70)))
