@@ -254,7 +254,7 @@ class _HybridBase(torch.optim.Optimizer):
         # put back if the step fails with nothing stepped; the params with a grad advance
         undo = ledger.begin(self.state, inv_scale if scale_t is not None else None, norm)
         scale = inv_scale * clip
-        device_work, host_steps = S.collect_work(parts, self.param_groups, self._decoupled)
+        device_work, host_steps = S.collect_work(parts, self._decoupled)
         fail = functools.partial(S.fail, parts, type(self).__name__, self.state, self.overlap_param_gather)
         why = self._checks.device_scale_error(device_work, scale)
         if why is not None:

@@ -19,6 +19,44 @@ from hybrid_opt.step_work import DeviceWork, HostWork, group_inputs
 from hybrid_opt.tiers.device import read_scalars
 
 
+def precheck(parts, found_inf, max_grad_norm) -> tuple:
+    """(this rank's failure so far or None, whether the ranks' decision all_reduce runs) at the
+    start of step(). A failure on this rank joins the decision flagged, so every rank raises at
+    this step instead of waiting for this one in a collective (rank_faults.py); with no
+    decision to join it is raised here, as in one process."""
+    failure = parts.ledger.rank_failure
+    err = parts.speculator.take_error()
+    if err is not None:
+        failure = failure or RF.with_cause(f"a speculative host step during backward failed: {err}", err)
+        RF.quietly(parts.speculator.drop, failure)  # still joins the others' collective
+    # process_group: always, so that a grad edit one rank refuses (zero_edits.py) stops every
+    # rank at this step (one 5-value all_reduce beside the step's reduce-scatters)
+    decides = RF.decision_runs(max_grad_norm, found_inf) or (parts.sharding.active and D.world_size() > 1)
+    if failure is not None and not decides:
+        raise failure
+    try:
+        parts.guard.check()  # a param whose memory was replaced is re-adopted (storage.py)
+        parts.checks.check_inputs()  # what a tier would fail on part-way (step_failures.py)
+    except Exception as e:
+        if not decides:
+            raise
+        failure = failure or e  # the step's collectives still run here, the error in the flag
+    return failure, decides
+
+
+def sharded_inputs(parts, failure, found_inf, grad_scale, key) -> tuple:
+    """process_group: the last step's params landed and every grad's averaged chunk in place;
+    (found_inf — with release_grads this rank's chunks' flag added, zero_release.py — and the
+    failure so far, a grad edit the reductions did not see included: zero_edits.py)."""
+    sharding = parts.sharding
+    sharding.wait_gathered()
+    sharding.finish()
+    found_inf, refused = sharding.scaler_found_inf(found_inf, parts.speculator.grad_scaler, key)
+    failure = failure or refused
+    # GradScaler.step hands no grad_scale for grads unscaled already (unscale_)
+    return found_inf, failure or sharding.grad_edit_error(found_inf is not None and grad_scale is None)
+
+
 def step_scalars(parts, found_t, scale_t, clipping: bool, failure) -> tuple:
     """(found_inf, loss scale, norm² or None) as floats, read in one host sync: on a GPU,
     clipping's norm² is queued first so that it, found_inf and the loss scale reach the host
@@ -60,10 +98,10 @@ def clipped(parts, norm_sq, inv_scale: float, max_grad_norm) -> tuple:
     return norm, coef if (coef < 1.0 or coef != coef) else 1.0  # torch clamps at 1; NaN stays
 
 
-def collect_work(parts, param_groups: list, decoupled: bool) -> tuple:
+def collect_work(parts, decoupled: bool) -> tuple:
     """(the device tier's DeviceWork entries, {host subgroup index: HostWork}) of this step."""
-    groups = [group_inputs(g, decoupled) for g in param_groups]
     layout = parts.layout
+    groups = [group_inputs(g, decoupled) for g in layout.param_groups]
     tiers, steps = parts.placement.plan.tiers, layout.steps
     device_work, host_steps = [], {}
     for sg in layout.subgroups:
@@ -145,44 +183,6 @@ def fail(parts, owner: str, torch_state, overlap: bool, e: BaseException, where,
         # collectives still pair in order and its next step() stops every rank
         RF.quietly(lambda: gather_params(parts, overlap), f.error)
     raise f.error from e
-
-
-def precheck(parts, found_inf, max_grad_norm) -> tuple:
-    """(this rank's failure so far or None, whether the ranks' decision all_reduce runs) at the
-    start of step(). A failure on this rank joins the decision flagged, so every rank raises at
-    this step instead of waiting for this one in a collective (rank_faults.py); with no
-    decision to join it is raised here, as in one process."""
-    failure = parts.ledger.rank_failure
-    err = parts.speculator.take_error()
-    if err is not None:
-        failure = failure or RF.with_cause(f"a speculative host step during backward failed: {err}", err)
-        RF.quietly(parts.speculator.drop, failure)  # still joins the others' collective
-    # process_group: always, so that a grad edit one rank refuses (zero_edits.py) stops every
-    # rank at this step (one 5-value all_reduce beside the step's reduce-scatters)
-    decides = RF.decision_runs(max_grad_norm, found_inf) or (parts.sharding.active and D.world_size() > 1)
-    if failure is not None and not decides:
-        raise failure
-    try:
-        parts.guard.check()  # a param whose memory was replaced is re-adopted (storage.py)
-        parts.checks.check_inputs()  # what a tier would fail on part-way (step_failures.py)
-    except Exception as e:
-        if not decides:
-            raise
-        failure = failure or e  # the step's collectives still run here, the error in the flag
-    return failure, decides
-
-
-def sharded_inputs(parts, failure, found_inf, grad_scale, key) -> tuple:
-    """process_group: the last step's params landed and every grad's averaged chunk in place;
-    (found_inf — with release_grads this rank's chunks' flag added, zero_release.py — and the
-    failure so far, a grad edit the reductions did not see included: zero_edits.py)."""
-    sharding = parts.sharding
-    sharding.wait_gathered()
-    sharding.finish()
-    found_inf, refused = sharding.scaler_found_inf(found_inf, parts.speculator.grad_scaler, key)
-    failure = failure or refused
-    # GradScaler.step hands no grad_scale for grads unscaled already (unscale_)
-    return found_inf, failure or sharding.grad_edit_error(found_inf is not None and grad_scale is None)
 
 
 def record_step(parts, times: tuple, host_steps: dict, device_work: list, norm, clip, marks: tuple) -> None:

@@ -2,18 +2,15 @@
 reduction per step that makes every rank take the same decision, and DTensor state for
 checkpoints.
 
-How DTensor params are laid out (layout.py): each rank lays out and steps its *local
-shards*. A DTensor param is never made a view of an optimizer buffer (FSDP2 keeps each
-sharded param's local tensor as a view of its own padded buffer, `_sharded_param_data`,
-which it all-gathers from and re-pads at lazy init; rebinding it would cut FSDP2 off from
-the updates). Instead its flat buffer *is* its local shard: the subgroup's `flat` is a view
-of `p.to_local()`, one flat buffer per DTensor param, so the tiers write the new params
-straight into FSDP2's storage, no copy and no extra memory — the same way torch.optim steps
-`p` in place. The price: small DTensor params (biases, norms) are subgroups of their own
-instead of sharing one (more, smaller worker steps); plain params are flattened as before.
+How DTensor params are laid out (state/layout.py): each rank lays out and steps its *local
+shards*. A DTensor param is never rebound to optimizer memory (FSDP2 keeps each sharded param's
+local tensor as a view of its own padded buffer, `_sharded_param_data`, which it all-gathers
+from and re-pads at lazy init; rebinding it would cut FSDP2 off from the updates). Instead
+its subgroups' slices view `p.to_local()`, so the tiers write the new params straight into
+FSDP2's storage, no copy and no extra memory — the same way torch.optim steps `p` in place.
 The user's Parameter objects stay in param_groups (DCP maps state by identity), and
-storage.py's check compares the local shard's address, re-pointing the subgroups (never
-the param) when a load gave the shard new memory.
+storage.py's check compares the local shard's address, re-pointing the slices (never the
+param) when a load gave the shard new memory.
 
 One decision for all ranks: the grads' norm² (clipping) and the GradScaler's found_inf are
 summed in one all_reduce (found_inf is >= 0, so a sum > 0 means an overflow somewhere), each

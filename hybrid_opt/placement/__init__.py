@@ -97,9 +97,6 @@ class Placement:
         self.auto = None             # the AutoPlanner, when a fraction is "auto"
 
     # ------------------------------------------------------------------ reading it
-    def tier_of(self, sg) -> str:
-        return self.plan.tiers[sg.index]
-
     def host_subgroups(self) -> list:
         return [s for s in self.layout.subgroups if self.plan.tiers[s.index] != DEVICE]
 
