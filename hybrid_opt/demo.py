@@ -70,7 +70,7 @@ def bigram_batches(steps: int, batch: int, ctx: int, vocab: int, device, seed: i
     return out
 
 
-def train(model, opt, batches, desc: str, *, progress: bool = True):
+def train(model, opt, batches, desc: str, *, progress: bool = True, after_step=None):
     from tqdm import tqdm
     losses, step_times = [], []
     bar = tqdm(batches, desc=desc, unit="step", disable=not progress, dynamic_ncols=True)
@@ -81,6 +81,8 @@ def train(model, opt, batches, desc: str, *, progress: bool = True):
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
+        if after_step is not None:
+            after_step()
         if seq.is_cuda:
             torch.cuda.synchronize()
         step_times.append(time.perf_counter() - t0)
@@ -188,15 +190,8 @@ def main(argv=None) -> int:
             held = tier_state_bytes(opt.parts.layout.subgroups, opt.plan.tiers, opt.state_format)
             t0 = time.perf_counter()
             hooks_stats = []
-            orig_step = opt.step
-
-            def step_and_record(*a, **k):
-                out = orig_step(*a, **k)
-                hooks_stats.append(opt.stats)
-                return out
-
-            opt.step = step_and_record
-            losses, times = train(model, opt, batches, "HybridAdamW", progress=not args.no_progress)
+            losses, times = train(model, opt, batches, "HybridAdamW", progress=not args.no_progress,
+                                  after_step=lambda: hooks_stats.append(opt.stats))
             hybrid_s = time.perf_counter() - t0
         totals = {}
         for st in hooks_stats:

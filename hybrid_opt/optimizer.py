@@ -15,8 +15,7 @@ StepLedger, the StepStats and the distributed part (ZeroSharding or its no-op tw
 """
 from __future__ import annotations
 
-import functools
-import time
+import contextlib
 
 import torch
 
@@ -35,8 +34,11 @@ from hybrid_opt.distributed.zero_gather import SHARD_KEY, check_shard_owner
 class _HybridBase(torch.optim.Optimizer):
     """The torch.optim facade: arguments, param groups, the step and the lifecycle."""
     _decoupled: bool = True
-    # GradScaler hands us grad_scale / found_inf and lets step() skip on overflow itself
+    # GradScaler hands us grad_scale / found_inf and lets step() skip on overflow itself: it
+    # sets them on the optimizer for one step() call and deletes them after (torch's protocol:
+    # absent otherwise, no class default — it multiplies a grad_scale it finds)
     _step_supports_amp_scaling = True
+    _closed, _built = True, False  # until the tiers exist (a constructor that raised: __del__)
 
     def __init__(self, params, lr, betas, eps, weight_decay, amsgrad, *, maximize, foreach,
                  capturable, differentiable, fused, max_grad_norm, offload_fraction, nvme_fraction,
@@ -58,8 +60,6 @@ class _HybridBase(torch.optim.Optimizer):
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
                         maximize=maximize, foreach=foreach, capturable=capturable,
                         differentiable=differentiable, fused=fused, decoupled_weight_decay=self._decoupled)
-        self._closed = True  # until the tiers exist
-        self._built = False
         super().__init__(params, defaults)
         self.max_grad_norm = max_grad_norm
         self.offload_fraction, self.nvme_fraction, self.nvme_path = offload_fraction, nvme_fraction, nvme_path
@@ -71,17 +71,14 @@ class _HybridBase(torch.optim.Optimizer):
         node.derive_from_dist()  # the ranks on this node, where the launcher did not say (Lightning's DDP)
         params = [p for g in self.param_groups for p in g["params"]]
         D.warn_replicated(params, process_group)
-        self._zero = sharding_for(params, process_group, release_grads)
+        sharding = sharding_for(params, process_group, release_grads)
         config = PlacementConfig(offload_fraction, nvme_fraction, nvme_path, speculative, rollback,
                                  device_memory_budget, host_memory_budget, worker_share, spare_banks,
                                  io_banks, refit_every, calibration)
         self._parts = P.compose(self.param_groups, owner=type(self).__name__, decoupled=self._decoupled,
                                 state_format=self.state_format, placement_config=config,
-                                max_grad_norm=max_grad_norm, sharding=self._zero, subgroup_numel=subgroup_numel)
+                                max_grad_norm=max_grad_norm, sharding=sharding, subgroup_numel=subgroup_numel)
         self.subgroup_numel = self._parts.layout.subgroup_numel
-        self._layout, self._placement, self._spec = self._parts.layout, self._parts.placement, self._parts.speculator
-        self._guard, self._checks, self._ledger = self._parts.guard, self._parts.checks, self._parts.ledger
-        self._step_stats = self._parts.stats
         P.build(self._parts)
         self._built = True
         self._closed = False
@@ -99,7 +96,7 @@ class _HybridBase(torch.optim.Optimizer):
                 param_group["betas"] = betas
         if self._built:
             self._check_open()
-            self._layout.check_joining(param_group, self.defaults, self._zero.active)
+            self._parts.layout.check_joining(param_group, self.defaults, self._parts.sharding.active)
         super().add_param_group(param_group)
         if self._built:
             P.extend(self._parts, len(self.param_groups) - 1)
@@ -107,11 +104,11 @@ class _HybridBase(torch.optim.Optimizer):
     # ------------------------------------------------------------------ properties
     parts = property(lambda self: self._parts, doc="The parts this optimizer is composed of (docs/code-map.md), "
                      "for introspection and tests: each part's public attributes and methods are its interface.")
-    plan = property(lambda self: self._placement.plan, doc="The placement now: which tier holds each subgroup.")
-    stats = property(lambda self: self._step_stats.last, doc="The last step's figures per tier (docs/usage.md).")
-    step_was_skipped = property(lambda self: self._ledger.step_was_skipped,
+    plan = property(lambda self: self._parts.placement.plan, doc="The placement now: which tier holds each subgroup.")
+    stats = property(lambda self: self._parts.stats.last, doc="The last step's figures per tier (docs/usage.md).")
+    step_was_skipped = property(lambda self: self._parts.ledger.step_was_skipped,
                                 doc="Whether the last step() was skipped (a GradScaler's inf/nan: nothing stepped).")
-    last_grad_norm = property(lambda self: self._ledger.last_grad_norm,
+    last_grad_norm = property(lambda self: self._parts.ledger.last_grad_norm,
                               doc="The global grad norm the last step clipped by (unscaled); None without clipping.")
     closed = property(lambda self: self._closed, doc="Whether close() ran (or the end of its `with` block).")
 
@@ -122,17 +119,17 @@ class _HybridBase(torch.optim.Optimizer):
         from hybrid_opt.state.allocated import allocated_bytes
         if self._closed:
             return allocated_bytes(None, None, None)
-        return allocated_bytes(self._placement.device, self._placement.host, self._zero)
+        return allocated_bytes(self._parts.placement.device, self._parts.placement.host, self._parts.sharding)
 
     @property
     def worker_pid(self):
-        host = self._placement.host
+        host = self._parts.placement.host
         return host.worker_pid if host is not None and not self._closed else None
 
     def _check_open(self) -> None:
         # its host tier closed on its own (the worker's tier shut by anything but close())
         # says the same: a closed tier never steps again, so "call step() again" cannot help
-        host = self._placement.host
+        host = self._parts.placement.host
         if self._closed or (host is not None and host.closed):
             raise RuntimeError(f"this {type(self).__name__} was closed (close(), or the end of its "
                                f"`with` block) and cannot step again: build a new one (its "
@@ -144,19 +141,19 @@ class _HybridBase(torch.optim.Optimizer):
         """Lets speculation read the loss scale that will apply (torch.amp.GradScaler);
         without it, speculation assumes the last step's scale and validation redoes what
         does not match."""
-        self._spec.attach_grad_scaler(scaler)
+        self._parts.speculator.attach_grad_scaler(scaler)
 
     @lifetime.acts_on_owner
     def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
         """DeepSpeed's vocabulary: False on micro-batches that are not the last before step()
         suppresses speculation on them (their grads are not final). Unannotated accumulation
         stays correct — a grad changed after speculation makes it stale — only slower."""
-        self._spec.set_boundary(is_boundary)
+        self._parts.speculator.set_boundary(is_boundary)
 
     @lifetime.acts_on_owner
     def zero_grad(self, set_to_none: bool = True) -> None:
         super().zero_grad(set_to_none)
-        self._spec.clear_ready()
+        self._parts.speculator.clear_ready()
 
     @lifetime.acts_on_owner
     def wait_params(self) -> None:
@@ -164,14 +161,14 @@ class _HybridBase(torch.optim.Optimizer):
         all-gathers of the last step, each wait bounded). Call it before reading params outside
         a module's forward — an EMA, model.state_dict(), a param used by another module; a
         module's own params land before its forward by themselves. No-op otherwise."""
-        self._zero.wait_gathered()
+        self._parts.sharding.wait_gathered()
 
     @lifetime.acts_on_owner
     def replan(self, offload_fraction: float, nvme_fraction: float = 0.0) -> None:
         """Moves state to another placement now (what a refit of "auto" does); numerics are
         unchanged. Call between steps."""
         self._check_open()
-        self._placement.replan(offload_fraction, nvme_fraction)
+        self._parts.placement.replan(offload_fraction, nvme_fraction)
 
     # ------------------------------------------------------------------ checkpoints
     @lifetime.acts_on_owner
@@ -181,18 +178,18 @@ class _HybridBase(torch.optim.Optimizer):
         self._check_open()
         # called between backward and step(): the committed state is what a checkpoint holds;
         # pending speculations are dropped (step() then steps those subgroups itself)
-        self._spec.drop()
-        self._guard.check_written()  # a param written since the last step: its master restarts first
+        self._parts.speculator.drop()
+        self._parts.guard.check_written()  # a param written since the last step: its master restarts first
         sd = super().state_dict()  # param_groups in torch's format (params as indices)
-        sd["state"] = C.gather_state(self._layout, self._placement, self.state_format)
-        if self._zero.shard() is not None:  # whose chunks these are (torch ignores the key; DCP drops it)
-            sd[SHARD_KEY] = self._zero.shard()
+        sd["state"] = C.gather_state(self._parts.layout, self._parts.placement, self.state_format)
+        if self._parts.sharding.shard() is not None:  # whose chunks these are (torch ignores the key; DCP drops it)
+            sd[SHARD_KEY] = self._parts.sharding.shard()
         return sd
 
     @lifetime.acts_on_owner
     def load_state_dict(self, state_dict: dict) -> None:
         self.wait_params()
-        check_shard_owner(state_dict.get(SHARD_KEY), self._zero if self._zero.active else None)
+        check_shard_owner(state_dict.get(SHARD_KEY), self._parts.sharding if self._parts.sharding.active else None)
         self._check_open()
         C.load(self._parts, state_dict, self.state)
 
@@ -200,98 +197,25 @@ class _HybridBase(torch.optim.Optimizer):
     @lifetime.acts_on_owner
     @torch.no_grad()
     def step(self, closure=None):
-        try:
-            return self._step(closure)
-        except BaseException:
-            # GradScaler.step sets these for one call and deletes them only after a return: a
-            # step that raised (a refusal, a failure) would otherwise scale the next by them
-            self.__dict__.pop("grad_scale", None)
-            self.__dict__.pop("found_inf", None)
-            raise
-
-    def _step(self, closure):
+        """torch.optim's step (stepping.step reads it top to bottom)."""
         loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        t_step = time.perf_counter()
-        self._check_open()
-        failure, decides = S.precheck(self._parts, getattr(self, "found_inf", None), self.max_grad_norm)
         try:
-            given = getattr(self, "found_inf", None)
-            found, failure = S.sharded_inputs(self._parts, failure, given, getattr(self, "grad_scale", None), id(self))
-            if found is not given:
-                self.found_inf = found  # GradScaler's protocol attribute, read by _step_taken
-            if failure is not None and not decides:
-                raise failure
-            return self._step_taken(loss, t_step, failure, decides)
-        finally:
-            self._zero.end_step()  # the next backward starts a new reduction
-
-    def _step_taken(self, loss, t_step, failure, decides: bool):
-        parts, ledger = self.parts, self._ledger
-        scale_t, found_t = getattr(self, "grad_scale", None), getattr(self, "found_inf", None)
-        # torch.distributed.checkpoint's lr-0 step on a fresh optimizer: decided here from this
-        # rank's grads when no decision all_reduce runs (no collective either way); else every
-        # rank's vote rides it, so no rank skips the collective that another enters
-        init = failure is None and C.looks_like_state_init_step(self._layout, self._decoupled)
-        if init and not decides:
-            return self._state_init_step(loss)
-        ledger.saw_amp(found_t)  # GradScaler.step sets found_inf
-        clipping = self.max_grad_norm is not None
-        found, scale_v, norm_sq = S.step_scalars(parts, found_t, scale_t, clipping, failure)
-        if decides:
-            norm_sq, found, all_init = S.decide(parts, self, norm_sq, found, failure, init, clipping)
-            if all_init:
-                return self._state_init_step(loss)
-        if found is not None and found != 0.0:
-            # GradScaler saw inf/nan: the whole step is skipped, exactly as torch does
-            ledger.skipped()
-            self._step_stats.skipped(self._placement.host, len(self._spec.drop_pending()))
-            return loss
-        inv_scale = 1.0 / scale_v if scale_t is not None else 1.0
-        norm, clip = S.clipped(parts, norm_sq, inv_scale, self.max_grad_norm)
-        # put back if the step fails with nothing stepped; the params with a grad advance
-        undo = ledger.begin(self.state, inv_scale if scale_t is not None else None, norm)
-        scale = inv_scale * clip
-        device_work, host_steps = S.collect_work(parts, self._decoupled)
-        fail = functools.partial(S.fail, parts, type(self).__name__, self.state, self.overlap_param_gather)
-        why = self._checks.device_scale_error(device_work, scale)
-        if why is not None:
-            fail(ValueError(why), None, {}, set(), device_work, [], [], undo)
-        # host tiers first: a failure there (a full disk, a worker error) then leaves the device
-        # tier unstepped, and the step counts of every parameter no committed subgroup holds
-        # are put back, so a checkpoint taken afterwards is the previous step for them
-        t_host = time.perf_counter()
-        S.expect_gathers(parts, host_steps, device_work, self.overlap_param_gather)
-        if host_steps:
-            committed: set = set()
-            try:
-                S.step_host(parts, host_steps, scale, committed)
-            except BaseException as e:  # each param stepped or untouched (step_failures.py)
-                fail(e, "the host/nvme tier", host_steps, committed, device_work, [], [], undo)
-        t_device = time.perf_counter()
-        # "auto" times the device step on the device's clock (GPU time on CUDA: clocks.py)
-        auto, device = self._placement.auto, self._placement.device
-        d0 = self._step_stats.mark() if auto is not None else None
-        try:
-            device.step(device_work, scale)  # after the host tiers committed every subgroup
-        except BaseException as e:
-            fail(e, "the device tier", host_steps, set(host_steps), device_work, *device.progress, undo)
-        self._guard.record()  # this step's writes to the params are not the user's (storage.py)
-        d1 = self._step_stats.mark() if auto is not None else None
-        t_end = time.perf_counter()
-        if self._zero.active:
-            S.gather_params(parts, self.overlap_param_gather)
-            t_end = time.perf_counter()
-        S.record_step(parts, (t_step, t_host, t_device, t_end), host_steps, device_work, norm, clip, (d0, d1))
-        return loss
-
-    def _state_init_step(self, loss):
-        """The state-init step (checkpoint.looks_like_state_init_step): the step counts advance,
-        the tiers (all zeros, masters equal to the params) stay as they are."""
-        self._spec.drop_pending()
-        self._ledger.state_init_step(self.state, clipping=self.max_grad_norm is not None)
+            if closure is not None:
+                with torch.enable_grad():
+                    loss = closure()
+            self._check_open()
+            # GradScaler.step sets found_inf / grad_scale on the optimizer for this call
+            S.step(self._parts, S.StepCall(type(self).__name__, self._decoupled, self.max_grad_norm,
+                                           self.overlap_param_gather, self.state,
+                                           getattr(self, "found_inf", None), getattr(self, "grad_scale", None),
+                                           id(self)))
+        except BaseException:
+            # GradScaler.step deletes them only after a return: a step that raised (a refusal,
+            # a failure) would otherwise scale the next by them
+            for name in ("grad_scale", "found_inf"):
+                with contextlib.suppress(AttributeError):  # set for this call, or not at all
+                    delattr(self, name)
+            raise
         return loss
 
     # ------------------------------------------------------------------ lifecycle
@@ -299,13 +223,13 @@ class _HybridBase(torch.optim.Optimizer):
     def close(self) -> None:
         """Idempotent. Stops the worker, frees shared memory, restores the trainer's cores and
         thread counts; parameters keep ordinary memory of their own."""
-        if getattr(self, "_closed", True):
+        if self._closed:
             return
         self._closed = True
-        self._spec.close()
-        self._step_stats.remove_hooks()
-        self._zero.close()  # pending all-gathers landed: the params are current after close()
-        self._placement.close()  # restores the cores and both thread counts (CoreSplit)
+        self._parts.speculator.close()
+        self._parts.stats.remove_hooks()
+        self._parts.sharding.close()  # pending all-gathers landed: the params are current after close()
+        self._parts.placement.close()  # restores the cores and both thread counts (CoreSplit)
 
     def __enter__(self):
         return self
@@ -316,7 +240,7 @@ class _HybridBase(torch.optim.Optimizer):
     def __del__(self):
         # only the optimizer that built the tiers closes them: a forwarding wrapper's __del__
         # (Lightning's, collected when it rebuilds them) must not (lifetime.py)
-        if not lifetime.is_owner(self) or getattr(self, "_closed", True):
+        if not lifetime.is_owner(self) or self._closed:
             return
         try:
             self.close()  # first: a warning made an error (-W error) must not keep it open
@@ -328,7 +252,7 @@ class _HybridBase(torch.optim.Optimizer):
             pass
 
     def __repr__(self) -> str:
-        return super().__repr__() + f"\n{self.plan}" if getattr(self, "_built", False) else super().__repr__()
+        return super().__repr__() + f"\n{self.plan}" if self._built else super().__repr__()
 
 
 class HybridAdamW(_HybridBase):

@@ -161,6 +161,12 @@ class ArenaLayout:
     def offset(self, name: str) -> int:
         return self.regions[name][0]
 
+    def pad(self, align: int) -> int:
+        """Ends the layout so far at a multiple of `align` (the next region starts there);
+        returns its size."""
+        self.nbytes = align_up(self.nbytes, align)
+        return self.nbytes
+
 
 def _open_anonymous_fd(name: str, nbytes: int) -> int:
     if hasattr(os, "memfd_create"):

@@ -18,7 +18,7 @@ import torch
 
 from typing import NamedTuple
 
-from hybrid_opt.distributed import grad_ids, locals_of
+from hybrid_opt.distributed import any_dtensor, grad_ids, locals_of
 from hybrid_opt.distributed.grad_edits import GradFingerprints
 from hybrid_opt.lifetime import weak_call, weak_method
 from hybrid_opt.step_work import group_inputs
@@ -53,7 +53,7 @@ class Speculator:
         self._param_sgs: dict = {}   # param index -> host subgroup indices it spans
         self._ready: dict = {}
         self._staged: dict = {}      # host subgroup index -> the grad tensors its pending speculation read
-        self._fingerprints = GradFingerprints()  # DTensor grads: edits no version sees (grad_edits.py)
+        self._fingerprints = None    # GradFingerprints where a host param is a DTensor (install)
         self._deferred: list = []
         self._inv_scale_cache = None
 
@@ -65,7 +65,10 @@ class Speculator:
         reduce hooks and these (each param's hooks run in that order)."""
         self.remove_hooks()
         self._members, self._param_sgs, self._ready, self._staged = {}, {}, {}, {}
-        self._fingerprints = GradFingerprints()
+        # DTensor grads (FSDP2): edits no version counter sees are caught by their fingerprints
+        # (grad_edits.py); plain grads need none, and nothing is computed for them
+        dtensors = any_dtensor(sl.param for sg in host for sl in sg.slices)
+        self._fingerprints = GradFingerprints() if dtensors else None
         zero = self.zero
         if zero is not None:
             # process_group (zero.py): speculation starts once a param's averaged chunk is in
@@ -120,25 +123,31 @@ class Speculator:
     def _on_grad_ready(self, p) -> None:
         if self.closed or not self.boundary or not self.may_speculate():
             return
-        host = self.placement.host
-        try:
-            host.poll_if_copying()  # hands the worker the pieces whose CUDA copies have landed
-        except Exception as e:  # never break the user's backward: step() reports it
-            self.error = self.error or e
         idx = self.layout.index.get(p)
+        now = []  # the subgroups this grad completes
         for sgi in self._param_sgs.get(idx, ()):
             ready = self._ready[sgi]
             ready.add(idx)
             if len(ready) == len(self._members[sgi]):
                 ready.clear()  # a further backward before step() makes it ready again
-                try:
-                    if sgi in self._deferred:
-                        self._deferred.remove(sgi)
-                    self._retry_deferred()
-                    if not self._speculate(sgi):
-                        self._deferred.append(sgi)
-                except Exception as e:  # never break the user's backward: step() reports it
-                    self.error = self.error or e
+                now.append(sgi)
+        if not now:
+            try:
+                # the pieces whose CUDA copies have landed go to the worker (a speculation
+                # below collects the results that came back itself: HostTier.speculate)
+                self.placement.host.poll_if_copying()
+            except Exception as e:  # never break the user's backward: step() reports it
+                self.error = self.error or e
+            return
+        for sgi in now:
+            try:
+                if sgi in self._deferred:
+                    self._deferred.remove(sgi)
+                self._retry_deferred()
+                if not self._speculate(sgi):
+                    self._deferred.append(sgi)
+            except Exception as e:  # never break the user's backward: step() reports it
+                self.error = self.error or e
 
     def take_error(self):
         """The error of a speculative step during backward, once (None without one)."""
@@ -179,7 +188,7 @@ class Speculator:
     def _grads_edited(self, sg) -> bool:
         """At step(): whether a speculated subgroup's DTensor grads changed since it was
         staged in a way no version counter shows (grad_edits.py)."""
-        if sg.index not in self._staged:
+        if sg.index not in self._staged or self._fingerprints is None:
             return False
         host, local = self.placement.host, self.placement.host_local[sg.index]
         return self._fingerprints.is_edited(sg.index, GradGatherer(sg), lambda: host.piece_stats(local),
@@ -188,9 +197,9 @@ class Speculator:
     def grad_edit_checks(self) -> list:
         """Start of step(), speculated subgroups with DTensor grads (grad_edits.py): on CUDA a
         0-dim device flag each (grads edited since staged), queued now for step()'s one read of
-        its scalars (read_scalars; `note_grad_edits` takes the values read); on CPU their
+        its scalars (read_scalars; `host_work` takes the values read); on CPU their
         live piece sums, computed now while the worker may still be stepping."""
-        if not self._staged:
+        if not self._staged or self._fingerprints is None:
             return []
         sgs, host, local = self.layout.subgroups, self.placement.host, self.placement.host_local
         return self._fingerprints.checks(lambda sgi: [sl for sl in sgs[sgi].slices if sl.param.grad is not None],
@@ -198,8 +207,16 @@ class Speculator:
                                          lambda sgi: host.piece_stats(local[sgi], wait=False),
                                          host.grad_dtype)
 
-    def note_grad_edits(self, values) -> None:
-        self._fingerprints.note(values)
+    def host_work(self, host_steps: dict, scale: float, edited: list) -> dict:
+        """step()'s host work {host-tier subgroup: (its GradGatherer, its StepInputs)} for
+        host_steps {subgroup index: step_work.HostWork}; `edited`: the values read back of
+        grad_edit_checks()' flags (the same order), so a speculation whose DTensor grads
+        changed since staged is redone from the live grads."""
+        if self._fingerprints is not None:
+            self._fingerprints.note(edited)
+        local = self.placement.host_local
+        return {local[i]: (GradGatherer(w.sg), self.host_inputs(w.sg, w.live, w.hp, scale, 0))
+                for i, w in host_steps.items()}
 
     def _speculate(self, sgi: int) -> bool:
         sg = self.layout.subgroups[sgi]
@@ -211,22 +228,23 @@ class Speculator:
         inputs = self.host_inputs(sg, live, hp, self.predicted_inv_scale(), 1)
         host, local = self.placement.host, self.placement.host_local[sgi]
         self._staged.pop(sgi, None)
-        self._fingerprints.forget(sgi)
+        if self._fingerprints is not None:
+            self._fingerprints.forget(sgi)
         # any pending speculation of it cancelled first (replace=True)
         if host.speculate(local, GradGatherer(sg), inputs, wait=False, replace=True):
             # the grads it read stay referenced until it is validated: a grad tensor made after
             # one was discarded (zero_grad, `p.grad = None`) can then never take its address, so
             # (data_ptr, _version) names the same grad for as long as the speculation is pending
             self._staged[sgi] = [sl.param.grad for sl in live]
-            self._fingerprints.record(sgi, live)
+            if self._fingerprints is not None:
+                self._fingerprints.record(sgi, live)
             return True
         return False
 
     def _retry_deferred(self) -> None:
         """Subgroups that found no free bank or staging slot when they became ready are tried
-        again as the worker frees them (backward never waits for the worker); those still
-        waiting at step() are stepped there."""
-        self.placement.host.poll()
+        again as the worker frees them (the hook polled it; backward never waits for the
+        worker); those still waiting at step() are stepped there."""
         while self._deferred:
             if not self._speculate(self._deferred[0]):
                 return
@@ -267,7 +285,8 @@ class Speculator:
         host = self.placement.host
         pending = set(host.speculated()) if host is not None else set()
         self._staged = {k: v for k, v in self._staged.items() if self.placement.host_local[k] in pending}
-        self._fingerprints.keep_only(self._staged)
+        if self._fingerprints is not None:
+            self._fingerprints.keep_only(self._staged)
 
     # ------------------------------------------------------------------ the user's settings
     def attach_grad_scaler(self, scaler) -> None:

@@ -49,16 +49,17 @@ class StepChecks:
         self.decoupled = decoupled
         self._cache = None          # (plan, its tiers, params, {on device}, {sharded}) of the layout now
 
-    def check_inputs(self) -> None:
-        """Before the ranks' decision. A param sharded by FSDP2 / process_group has its grad
-        checked by `device_scale_error` instead (its local grad is known only after the
-        reductions)."""
+    def check_inputs(self) -> list:
+        """Before the ranks' decision; returns each param group's hyperparameters as the tiers
+        take them (step_work.group_inputs), checked. A param sharded by FSDP2 / process_group
+        has its grad checked by `device_scale_error` instead (its local grad is known only
+        after the reductions)."""
         cls = self.owner
         device_tier = self.placement.device
         on_device, sharded = self._layout_sets()
         subgroups = self.layout.subgroups
         device = subgroups[0].device if subgroups else None
-        i = 0
+        i, hps = 0, []
         for gi, group in enumerate(self.layout.param_groups):
             live_on_device = False
             for p in group["params"]:
@@ -76,11 +77,13 @@ class StepChecks:
                             self._refuse_grad(i, device_tier.refuse_grad(g, p), TypeError)
                     live_on_device = live_on_device or i in on_device
                 i += 1
-            hp = group_inputs(group, self.decoupled, 1.0)  # a Tensor lr of several elements raises here, not mid-step
+            hp = group_inputs(group, self.decoupled)  # a Tensor lr of several elements raises here, not mid-step
+            hps.append(hp)
             why = device_tier.refuse_hyper(hp, device) if live_on_device else None
             if why is not None:
                 raise ValueError(f"{cls}.step(): param group {gi}: {why} (the device tier's "
                                  f"kernel refuses it). {NOTHING_STEPPED}")
+        return hps
 
     def _layout_sets(self) -> tuple:
         """({params with a slice on the device tier}, {sharded params}) for the layout now,

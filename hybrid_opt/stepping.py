@@ -1,29 +1,128 @@
-"""The step as functions of the optimizer's parts (optimizer.Parts): what step() reads in one
-host sync, the decision all ranks share, the work it hands the tiers, the host and device
-steps, and the accounting of a step that fails part-way (step_failures.py).
-
-The optimizer's step() calls these top to bottom; none of them keeps state of its own.
+"""The step as a function of the optimizer's parts (parts.Parts): `step()` reads top to bottom
+over its stages — the checks, what it reads in one host sync, the decision all ranks share,
+the work it hands the tiers, the host and device steps, the record — and the accounting of a
+step that fails part-way (step_failures.py). None of them keeps state of its own.
 """
 from __future__ import annotations
 
 import math
+import time
+from typing import NamedTuple
 
 import torch
 
 from hybrid_opt import distributed as D
 from hybrid_opt.distributed import rank_faults as RF
+from hybrid_opt.state.checkpoint import looks_like_state_init_step
 from hybrid_opt.placement.plan import DEVICE
-from hybrid_opt.speculation import GradGatherer
 from hybrid_opt.step_failures import failure_of
-from hybrid_opt.step_work import DeviceWork, HostWork, group_inputs
+from hybrid_opt.step_work import DeviceWork, HostWork
 from hybrid_opt.tiers.device import read_scalars
 
 
+class StepCall(NamedTuple):
+    """What one step() is called with: the optimizer's settings, torch's `state` mirror and
+    GradScaler's protocol values (set on the optimizer for the call: `found_inf`, `grad_scale`)."""
+    owner: str              # the class name errors speak of
+    decoupled: bool         # AdamW's decoupled weight decay (Adam's L2 otherwise)
+    max_grad_norm: object   # None: no clipping
+    overlap: bool           # overlap_param_gather
+    torch_state: dict       # the optimizer's `state`
+    found_inf: object       # GradScaler's, or None
+    grad_scale: object
+    key: int                # id(optimizer): GradScaler's per-optimizer state
+
+
+def step(parts, call: StepCall) -> None:
+    """One step, top to bottom: check, read the step's scalars (one sync), decide, clip,
+    collect the work, host step with on-commit gathers, device step, record and refit."""
+    t_step = time.perf_counter()
+    failure, decides, hps = precheck(parts, call.found_inf, call.max_grad_norm)
+    try:
+        found_t, failure = parts.sharding.begin_step(failure, call.found_inf, call.grad_scale,
+                                                     parts.speculator.grad_scaler, call.key)
+        if failure is not None and not decides:
+            raise failure
+        _taken(parts, call, t_step, found_t, failure, decides, hps)
+    finally:
+        parts.sharding.end_step()  # the next backward starts a new reduction
+
+
+def _taken(parts, call: StepCall, t_step: float, found_t, failure, decides: bool, hps) -> None:
+    ledger, placement, stats, scale_t = parts.ledger, parts.placement, parts.stats, call.grad_scale
+    # torch.distributed.checkpoint's lr-0 step on a fresh optimizer: decided here from this
+    # rank's grads when no decision all_reduce runs (no collective either way); else every
+    # rank's vote rides it, so no rank skips the collective that another enters
+    init = failure is None and looks_like_state_init_step(parts.layout, call.decoupled)
+    if init and not decides:
+        return _state_init_step(parts, call)
+    ledger.saw_amp(found_t)  # GradScaler.step sets found_inf
+    clipping = call.max_grad_norm is not None
+    found, scale_v, norm_sq, edited = step_scalars(parts, found_t, scale_t, clipping, failure)
+    if decides:
+        norm_sq, found, all_init = decide(parts, call.key, norm_sq, found, failure, init, clipping)
+        if all_init:
+            return _state_init_step(parts, call)
+    if found is not None and found != 0.0:
+        # GradScaler saw inf/nan: the whole step is skipped, exactly as torch does
+        ledger.skipped()
+        stats.skipped(placement.host, len(parts.speculator.drop_pending()))
+        return None
+    inv_scale = 1.0 / scale_v if scale_t is not None else 1.0
+    norm, clip = clipped(parts, norm_sq, inv_scale, call.max_grad_norm)
+    # put back if the step fails with nothing stepped; the params with a grad advance
+    undo = ledger.begin(call.torch_state, inv_scale if scale_t is not None else None, norm)
+    scale = inv_scale * clip
+    device_work, host_steps = collect_work(parts, hps)
+
+    def failed(e, where, host: dict, committed: set, done=(), unsure=()):
+        fail(parts, call, e, where, host, committed, device_work, done, unsure, undo)
+
+    why = parts.checks.device_scale_error(device_work, scale)
+    if why is not None:
+        failed(ValueError(why), None, {}, set())
+    # host tiers first: a failure there (a full disk, a worker error) then leaves the device
+    # tier unstepped, and the step counts of every parameter no committed subgroup holds
+    # are put back, so a checkpoint taken afterwards is the previous step for them
+    t_host = time.perf_counter()
+    expect_gathers(parts, host_steps, device_work, call.overlap)
+    if host_steps:
+        committed: set = set()
+        try:
+            step_host(parts, host_steps, scale, edited, committed)
+        except BaseException as e:  # each param stepped or untouched (step_failures.py)
+            failed(e, "the host/nvme tier", host_steps, committed)
+    t_device = time.perf_counter()
+    # "auto" times the device step on the device's clock (GPU time on CUDA: clocks.py)
+    auto, device = placement.auto, placement.device
+    d0 = stats.mark() if auto is not None else None
+    try:
+        device.step(device_work, scale)  # after the host tiers committed every subgroup
+    except BaseException as e:
+        failed(e, "the device tier", host_steps, set(host_steps), *device.progress)
+    parts.guard.record()  # this step's writes to the params are not the user's (storage.py)
+    d1 = stats.mark() if auto is not None else None
+    t_end = time.perf_counter()
+    if parts.sharding.active:
+        gather_params(parts, call.overlap)
+        t_end = time.perf_counter()
+    record_step(parts, (t_step, t_host, t_device, t_end), host_steps, device_work, norm, clip, (d0, d1))
+    return None
+
+
+def _state_init_step(parts, call: StepCall) -> None:
+    """The state-init step (checkpoint.looks_like_state_init_step): the step counts advance,
+    the tiers (all zeros, masters equal to the params) stay as they are."""
+    parts.speculator.drop_pending()
+    parts.ledger.state_init_step(call.torch_state, clipping=call.max_grad_norm is not None)
+
+
 def precheck(parts, found_inf, max_grad_norm) -> tuple:
-    """(this rank's failure so far or None, whether the ranks' decision all_reduce runs) at the
-    start of step(). A failure on this rank joins the decision flagged, so every rank raises at
-    this step instead of waiting for this one in a collective (rank_faults.py); with no
-    decision to join it is raised here, as in one process."""
+    """(this rank's failure so far or None, whether the ranks' decision all_reduce runs, each
+    param group's hyperparameters — None after a failure) at the start of step(). A failure
+    on this rank joins the decision flagged, so every rank raises at this step instead of
+    waiting for this one in a collective (rank_faults.py); with no decision to join it is
+    raised here, as in one process."""
     failure = parts.ledger.rank_failure
     err = parts.speculator.take_error()
     if err is not None:
@@ -34,42 +133,29 @@ def precheck(parts, found_inf, max_grad_norm) -> tuple:
     decides = RF.decision_runs(max_grad_norm, found_inf) or (parts.sharding.active and D.world_size() > 1)
     if failure is not None and not decides:
         raise failure
+    hps = None
     try:
         parts.guard.check()  # a param whose memory was replaced is re-adopted (storage.py)
-        parts.checks.check_inputs()  # what a tier would fail on part-way (step_failures.py)
+        hps = parts.checks.check_inputs()  # what a tier would fail on part-way (step_failures.py)
     except Exception as e:
         if not decides:
             raise
         failure = failure or e  # the step's collectives still run here, the error in the flag
-    return failure, decides
-
-
-def sharded_inputs(parts, failure, found_inf, grad_scale, key) -> tuple:
-    """process_group: the last step's params landed and every grad's averaged chunk in place;
-    (found_inf — with release_grads this rank's chunks' flag added, zero_release.py — and the
-    failure so far, a grad edit the reductions did not see included: zero_edits.py)."""
-    sharding = parts.sharding
-    sharding.wait_gathered()
-    sharding.finish()
-    found_inf, refused = sharding.scaler_found_inf(found_inf, parts.speculator.grad_scaler, key)
-    failure = failure or refused
-    # GradScaler.step hands no grad_scale for grads unscaled already (unscale_)
-    return found_inf, failure or sharding.grad_edit_error(found_inf is not None and grad_scale is None)
+    return failure, decides, hps
 
 
 def step_scalars(parts, found_t, scale_t, clipping: bool, failure) -> tuple:
-    """(found_inf, loss scale, norm² or None) as floats, read in one host sync: on a GPU,
-    clipping's norm² is queued first so that it, found_inf and the loss scale reach the host
-    in one small copy (docs/usage.md: host syncs), with the flags of DTensor grads edited
-    since speculation staged them (CUDA; grad_edits.py)."""
+    """(found_inf, loss scale, norm² or None, the grad-edit flags) as floats, read in one host
+    sync: on a GPU, clipping's norm² is queued first so that it, found_inf and the loss scale
+    reach the host in one small copy (docs/usage.md: host syncs), with the flags of DTensor
+    grads edited since speculation staged them (CUDA; grad_edits.py: Speculator.host_work)."""
     layout, spec = parts.layout, parts.speculator
     norm_sq = D.grad_norm_sq(layout.params()) if clipping and failure is None and layout.cuda() else None
     found, scale_v, norm_sq, *edited = read_scalars((found_t, scale_t, norm_sq, *spec.grad_edit_checks()))
-    spec.note_grad_edits(edited)
-    return found, scale_v, norm_sq
+    return found, scale_v, norm_sq, edited
 
 
-def decide(parts, opt, norm_sq, found, failure, init: bool, clipping: bool) -> tuple:
+def decide(parts, key: int, norm_sq, found, failure, init: bool, clipping: bool) -> tuple:
     """One decision for all ranks: norm² and found_inf summed in one all_reduce, with every
     rank's failure flag and state-init vote (rank_faults.py); (norm², found, all_init). A
     rank that failed (or a collective that did) raises here on every rank, nothing stepped."""
@@ -82,7 +168,7 @@ def decide(parts, opt, norm_sq, found, failure, init: bool, clipping: bool) -> t
         parts.speculator.clear_ready()
         raise
     if not all_init and found is not None:
-        D.globalize_scaler_found_inf(parts.speculator.grad_scaler, opt, found)
+        D.globalize_scaler_found_inf(parts.speculator.grad_scaler, key, found)
     return norm_sq, found, all_init
 
 
@@ -98,10 +184,10 @@ def clipped(parts, norm_sq, inv_scale: float, max_grad_norm) -> tuple:
     return norm, coef if (coef < 1.0 or coef != coef) else 1.0  # torch clamps at 1; NaN stays
 
 
-def collect_work(parts, decoupled: bool) -> tuple:
-    """(the device tier's DeviceWork entries, {host subgroup index: HostWork}) of this step."""
+def collect_work(parts, groups: list) -> tuple:
+    """(the device tier's DeviceWork entries, {host subgroup index: HostWork}) of this step;
+    `groups`: each param group's hyperparameters (StepChecks.check_inputs)."""
     layout = parts.layout
-    groups = [group_inputs(g, decoupled) for g in layout.param_groups]
     tiers, steps = parts.placement.plan.tiers, layout.steps
     device_work, host_steps = [], {}
     for sg in layout.subgroups:
@@ -125,14 +211,13 @@ def expect_gathers(parts, host_steps: dict, device_work: list, overlap: bool) ->
         parts.sharding.expect_commits(pending, direct=not overlap)
 
 
-def step_host(parts, host_steps: dict, scale: float, committed: set) -> None:
+def step_host(parts, host_steps: dict, scale: float, edited: list, committed: set) -> None:
     """The host and nvme tiers' step: each speculated subgroup validated (committed, or redone
-    from the live grads), the others stepped; each subgroup's new params written into the
-    model as its step commits (`committed` gathers their indices)."""
+    from the live grads: `edited`, step_scalars'), the others stepped; each subgroup's new
+    params written into the model as its step commits (`committed` gathers their indices)."""
     placement, spec, sharding = parts.placement, parts.speculator, parts.sharding
     local = placement.host_local
-    work = {local[i]: (GradGatherer(w.sg), spec.host_inputs(w.sg, w.live, w.hp, scale, 0))
-            for i, w in host_steps.items()}
+    work = spec.host_work(host_steps, scale, edited)
     by_local = {local[i]: w for i, w in host_steps.items()}
 
     def copy_params(k: int, views: dict) -> None:
@@ -163,15 +248,15 @@ def gather_params(parts, overlap: bool) -> None:
         parts.sharding.wait_gathered()
 
 
-def fail(parts, owner: str, torch_state, overlap: bool, e: BaseException, where, host_steps: dict,
-         committed: set, device_work: list, done: list, unsure: list, undo) -> None:
+def fail(parts, call: StepCall, e: BaseException, where, host_steps: dict, committed: set,
+         device_work: list, done, unsure, undo) -> None:
     """Raises `e` explained, after putting back the step count of every parameter the failed
     step did not touch (step_failures.py)."""
     world = D.world_size()
-    f = failure_of(owner, e, where, host_steps, committed, device_work, done, unsure, world,
+    f = failure_of(call.owner, e, where, host_steps, committed, device_work, done, unsure, world,
                    parts.sharding.active)
     parts.ledger.put_back(undo, f.untouched, f.nothing_stepped)
-    parts.ledger.sync_torch_state(torch_state)
+    parts.ledger.sync_torch_state(call.torch_state)
     parts.guard.record()  # what was stepped was written by the step, not the user
     if not isinstance(e, Exception):  # KeyboardInterrupt and the like: counts fixed, as it is
         raise e
@@ -181,7 +266,7 @@ def fail(parts, owner: str, torch_state, overlap: bool, e: BaseException, where,
         # the others all-gather their stepped chunks now: this rank joins (its params then
         # hold their new chunks and its own chunk as its tiers left it), so the next
         # collectives still pair in order and its next step() stops every rank
-        RF.quietly(lambda: gather_params(parts, overlap), f.error)
+        RF.quietly(lambda: gather_params(parts, call.overlap), f.error)
     raise f.error from e
 
 

@@ -153,13 +153,14 @@ def reduce_decision(norm_sq, found, group=None):
     return (None if norm_sq is None else total_sq), (None if found is None else total_found)
 
 
-def globalize_scaler_found_inf(scaler, optimizer, found: float) -> None:
-    """Makes an attached torch.amp.GradScaler's per-device found_inf the global one, so its
-    update() changes the scale identically on every rank (ShardedGradScaler does that itself)."""
+def globalize_scaler_found_inf(scaler, key: int, found: float) -> None:
+    """Makes an attached torch.amp.GradScaler's per-device found_inf for optimizer `key` (its
+    id) the global one, so its update() changes the scale identically on every rank
+    (ShardedGradScaler does that itself)."""
     if scaler is None:
         return
     states = getattr(scaler, "_per_optimizer_states", None)
-    state = states.get(id(optimizer)) if isinstance(states, dict) else None
+    state = states.get(key) if isinstance(states, dict) else None
     if not state:
         return
     for t in state.get("found_inf_per_device", {}).values():

@@ -24,14 +24,8 @@ class NoSharding:
     def wait_gathered(self) -> None:
         pass
 
-    def finish(self) -> None:
-        pass
-
-    def scaler_found_inf(self, found, scaler, key):
-        return found, None
-
-    def grad_edit_error(self, unscaled: bool):
-        return None
+    def begin_step(self, failure, found, grad_scale, scaler, key) -> tuple:
+        return found, failure
 
     def end_step(self) -> None:
         pass

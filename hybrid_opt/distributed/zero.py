@@ -346,6 +346,19 @@ class ZeroSharding:
         if self.buckets and not self.release.enabled:
             self.edits.check_ddp(self.buckets[0])
 
+    def begin_step(self, failure, found, grad_scale, scaler, key) -> tuple:
+        """step()'s start: the last step's params landed and every grad's averaged chunk in
+        place; (found_inf — with release_grads this rank's chunks' flag added for GradScaler
+        `scaler`, zero_release.py — and the failure so far, the refusal of a grad edit the
+        reductions did not see included: zero_edits.py). `found`, `grad_scale`: GradScaler's
+        for optimizer `key` (its id)."""
+        self.wait_gathered()
+        self.finish()
+        found, refused = self.release.scaler_found_inf(found, scaler, key)
+        failure = failure or refused
+        # GradScaler.step hands no grad_scale for grads unscaled already (unscale_)
+        return found, failure or self.grad_edit_error(found is not None and grad_scale is None)
+
     def grad_edit_error(self, unscaled: bool):
         """After finish(): the refusal of this step — a grad given to a released bucket
         (zero_release.py), a grad changed in place since its reduction read it, or
@@ -354,10 +367,6 @@ class ZeroSharding:
         if released is not None:
             return released
         return self.edits.error(unscaled)
-
-    def scaler_found_inf(self, found, scaler, key):
-        """release_grads with a GradScaler: GradRelease.scaler_found_inf (zero_release.py)."""
-        return self.release.scaler_found_inf(found, scaler, key)
 
     def shard(self):
         """(rank, world) whose chunks this optimizer's state holds."""

@@ -294,10 +294,8 @@ class Placement:
             if budget is not None:  # what the placement leaves of it
                 budget = max(0, budget - without)
             plan.spare_banks = default_spare_banks(len(host), bank, budget)
-        if decision is not None:
-            plan.prediction, plan.reason = decision.prediction, decision.reason
-        plan.shard = self._shard_note()
-        return plan
+        why = {} if decision is None else {"prediction": decision.prediction, "reason": decision.reason}
+        return dataclasses.replace(plan, shard=self._shard_note(), **why)
 
     def _shard_note(self) -> str:
         """'rank r of N: its share, e of E elements' where this rank lays out only its part
@@ -387,8 +385,8 @@ class Placement:
         self._observe_device_memory()  # "auto" on CUDA: the device budget beside the activations
         decision = auto.refit(*self.fractions, self.plan.spare_banks)
         if decision is not None and not self.room_to_move(decision):
-            self.plan.reason = ("refit: a move would pay, but it does not fit in free memory: "
-                                f"{self.room_shortfall(self.plan_for(decision))}")
+            self._note("refit: a move would pay, but it does not fit in free memory: "
+                       f"{self.room_shortfall(self.plan_for(decision))}")
             decision = None
         if decision is not None:
             try:
@@ -397,10 +395,14 @@ class Placement:
                 warnings.warn(f"refit: moving to offload_fraction={decision.offload_fraction:g}, "
                               f"nvme_fraction={decision.nvme_fraction:g} failed; the plan stays as it "
                               f"was: {type(e).__name__}: {e}", stacklevel=3)
-                self.plan.reason = f"refit: a move failed ({type(e).__name__})"
+                self._note(f"refit: a move failed ({type(e).__name__})")
         elif auto.backward_s is not None:
-            self.plan.prediction = auto.predict(*self.fractions, self.plan.spare_banks)
-            self.plan.reason = "refit: kept"
+            self._note("refit: kept", prediction=auto.predict(*self.fractions, self.plan.spare_banks))
+
+    def _note(self, reason: str, **fields) -> None:
+        """The plan stays; why (and what it predicts) is recorded in a new Plan record, so a
+        plan read before keeps what it said."""
+        self.plan = dataclasses.replace(self.plan, reason=reason, **fields)
 
     def _observe_device_memory(self) -> None:
         """"auto" on CUDA without device_memory_budget: the device budget from the memory free

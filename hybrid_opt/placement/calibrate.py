@@ -134,6 +134,7 @@ class _Threads:
 
     def __init__(self, n: int, cpus=None):
         self.n, self.cpus = n, cpus
+        self.saved = None  # (cpu_kernels', torch's thread counts, the CPU mask) while entered
 
     def __enter__(self):
         import cpu_kernels

@@ -7,6 +7,7 @@ overridden by an option.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import re
 import sys
@@ -219,7 +220,7 @@ def _this_machine(nvme_path: str | None) -> tuple[dict, dict]:
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
     r = calibrate.rates(device, nvme_path or tempfile.gettempdir())
-    kw = vars(machine_from_rates(r, device, torch.cuda.get_device_properties(device).total_memory
+    kw = _fields(machine_from_rates(r, device, torch.cuda.get_device_properties(device).total_memory
                                  if cuda else 0.0, psutil.virtual_memory().total, nvme=False))
     kw.pop("name")
     kw["gpu_tflops"] = 300.0 if cuda else 0.033  # override with --gpu-tflops or --backward-seconds
@@ -283,9 +284,14 @@ _SHARDING_ABOUT = {
 }
 
 
+def _fields(record) -> dict:
+    """A dataclass record's fields by name (a new dict: the record is left as it is)."""
+    return {f.name: getattr(record, f.name) for f in dataclasses.fields(record)}
+
+
 def workload_json(workload: Workload) -> dict:
     """The workload's fields as JSON values: dtypes by name, the state format as its options."""
-    out = {k: v for k, v in vars(workload).items() if k not in ("state_format", "model_dtype")}
+    out = {k: v for k, v in _fields(workload).items() if k not in ("state_format", "model_dtype")}
     fmt = workload.state_format
     out.update(model_dtype=_NAMES.get(workload.param_dtype, str(workload.param_dtype)),
                exp_avg_dtype=_NAMES[fmt.exp_avg_dtype], exp_avg_sq_dtype=_NAMES[fmt.exp_avg_sq_dtype],
@@ -383,7 +389,7 @@ def main(argv=None) -> int:
         return 1
     if args.json:
         out = p.to_dict()
-        out["machine"] = {k: v for k, v in vars(machine).items()}
+        out["machine"] = _fields(machine)
         out["workload"] = workload_json(workload)
         out["bytes_per_param"] = workload.tier_bytes()
         out["model_tflops_per_gpu"] = model_tflops_per_gpu(machine, workload, p)

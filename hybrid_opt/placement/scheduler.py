@@ -15,6 +15,8 @@ element), so the rate of one format predicts another's.
 """
 from __future__ import annotations
 
+import dataclasses
+
 from dataclasses import dataclass, field
 
 import torch
@@ -180,13 +182,12 @@ class AutoPlanner:
                          bank_padding=bank_padding(self.numels),
                          step_overhead_seconds=self.overhead_s, exact_rollback=self.exact_rollback,
                          speculative=self.speculative)
-        if self.backward_s is not None:
-            wl.backward_seconds = self.backward_s
-        else:
+        backward = self.backward_s
+        if backward is None:
             # nothing measured yet: assume backward takes as long as a device-only Adam step
             # (the case hybrid placement is for); the first refit replaces it with the measure
-            wl.backward_seconds = self.total * cm.device_bytes_per_element(wl) / (self.rates["device_adam_gbps"] * 1e9)
-        return wl
+            backward = self.total * cm.device_bytes_per_element(wl) / (self.rates["device_adam_gbps"] * 1e9)
+        return dataclasses.replace(wl, backward_seconds=backward)
 
     def _boundaries(self) -> list:
         """Offloaded shares at subgroup boundaries, earliest-ready first (at most

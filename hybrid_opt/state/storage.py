@@ -74,6 +74,7 @@ class ParamGuard:
         self.owner = owner                   # the optimizer's class name, for messages
         self.drop_speculation = drop_speculation  # () -> None: pending host steps read old masters
         self.rehook = rehook                 # (host subgroups) -> None: a swapped param lost its hooks
+        self.params: list = []               # the params, in the layout's order (Layout.params)
         self.views: list = []                # per param: its memory at layout (a detached view)
         self.ptrs: list = []                 # per param: that memory's data_ptr
         self.versions: list = []             # per param: its version when step() last wrote it
@@ -81,7 +82,8 @@ class ParamGuard:
     def remember(self, first: int, params: list) -> None:
         """Params [first, first + len(params)) were just laid out: where their memory is."""
         views, ptrs, versions = self.views, self.ptrs, self.versions
-        del views[first:], ptrs[first:], versions[first:]
+        del self.params[first:], views[first:], ptrs[first:], versions[first:]
+        self.params.extend(params)
         for p in params:
             view = local_of(p).detach()  # the param's memory, not the Parameter
             views.append(view)
@@ -90,16 +92,16 @@ class ParamGuard:
 
     def forget(self, first: int) -> None:
         """Params from `first` on were taken out of the layout again (a failed add_param_group)."""
-        del self.views[first:], self.ptrs[first:], self.versions[first:]
+        del self.params[first:], self.views[first:], self.ptrs[first:], self.versions[first:]
 
     def record(self) -> None:
         """Every param's version now: what step() and the tiers wrote is not the user's."""
-        self.versions = write_counts(self.layout.params())
+        self.versions = write_counts(self.params)
 
     def check(self) -> None:
         """Re-adopts every param whose memory was replaced since the last step (module
         docstring); raises when one was moved or cast."""
-        moved, written = moved_or_written(self.layout.params(), self.ptrs, self.versions)
+        moved, written = moved_or_written(self.params, self.ptrs, self.versions)
         if moved:
             self._adopt()
         if moved or written:
@@ -108,7 +110,7 @@ class ParamGuard:
     def check_written(self) -> None:
         """Restarts the masters of the param elements written since the versions were
         recorded (module docstring); params whose memory was replaced are left to check()."""
-        params = list(self.layout.params())
+        params = self.params
         written = {i for i, p in enumerate(params) if write_count(p) != self.versions[i]
                    and local_of(p).data_ptr() == self.ptrs[i]}
         if not written:
@@ -161,7 +163,7 @@ class ParamGuard:
             pl.load(sg, st)
 
     def _adopt(self) -> None:
-        params = list(self.layout.params())
+        params = self.params
         changed = [i for i, p in enumerate(params) if local_of(p).data_ptr() != self.ptrs[i]]
         for i in changed:
             p, view = local_of(params[i]), self.views[i]

@@ -43,8 +43,7 @@ def bank_layout(capacity: int, fmt, amsgrad: bool, copy_dtype, rem_mode: str):
     regions["v"] = bank.add("v", capacity * vs)
     regions["vmax"] = bank.add("vmax", capacity * vs) if amsgrad else 0
     # the state block (master..vmax) is what a swap moves: page-aligned for O_DIRECT
-    io_bytes = align_up(bank.nbytes, PAGE)
-    bank.nbytes = io_bytes
+    io_bytes = bank.pad(PAGE)
     regions["copy"] = bank.add("copy", capacity * 2) if copy_dtype is not None else 0
     return regions, io_bytes, align_up(bank.nbytes, PAGE)
 

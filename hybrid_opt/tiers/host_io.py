@@ -452,8 +452,9 @@ class HostIO:
             del self._inflight[tid]
             self._inflight[self.client.send(piece.task)] = piece
 
-    def poll(self) -> None:
-        """Collect the results that have arrived, without waiting (frees slots and banks)."""
+    def poll(self) -> int:
+        """Collect the results that have arrived, without waiting (frees slots and banks);
+        returns how many staging slots are free then."""
         # with nothing in flight nothing can come back: a worker gone meanwhile is met (and
         # replaced) at the next send or wait, as it is here
         if self._inflight:
@@ -463,6 +464,7 @@ class HostIO:
                 self._recover(e)
             self._collect()
         self._send_copied()
+        return len(self._free_slots)
 
     def poll_if_copying(self) -> None:
         """poll() while pieces wait for their staging copies (a grad hook's: those that landed

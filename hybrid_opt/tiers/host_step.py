@@ -20,6 +20,7 @@ reads, compute and writes of consecutive subgroups overlap.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 from hybrid_opt.tiers.host_io import _Piece
@@ -229,17 +230,19 @@ class HostStepping:
         by finish(). Returns False, doing nothing, when no bank is free (or, in inverse mode
         or with wait=False, not every staging slot it needs): the subgroup is then stepped at
         finish(). With wait=True it may wait for the worker to free staging slots. replace:
-        a pending speculation of `sg` is cancelled first (else it raises: require_idle)."""
+        a pending speculation of `sg` is cancelled first (else it raises: require_idle). The
+        results that came back are collected first: they free slots and banks."""
         if replace:
             self.cancel(sg)
         runs = self._check(sg, grad, inputs)
         self.require_idle(sg)
         in_place = self.rollback == "inverse" and not self.nvme[sg]
+        free = self._io.poll()
         # wait=False (inside backward) never waits for the worker: every slot the step needs
         # must be free now; in place, they also stay held until validation (the undo needs
         # the grads), so they must all be free at once anyway
         pieces = sum(-(-k // self.slot_numel) for _, k, _ in runs)
-        if (in_place or not wait) and self._io.free_slots < pieces:
+        if (in_place or not wait) and free < pieces:
             return False
         spec = self._take_banks(sg)
         if spec is None:
@@ -319,7 +322,7 @@ class HostStepping:
         for p in spec.pieces:
             if p.task.op == P.OP_STEP and p.result is not None and p.result.status == P.STATUS_OK:
                 # the grads are in the slot already (held until validation): no gather
-                t = P.Task(**{**p.task.__dict__, "op": P.OP_INVERSE, "task_id": 0, "gather": b""})
+                t = dataclasses.replace(p.task, op=P.OP_INVERSE, task_id=0, gather=b"")
                 ids.append(self._io.send_task(t))
         try:
             self._io.wait_tasks(ids)
