@@ -149,10 +149,13 @@ class Speculator:
             except Exception as e:  # never break the user's backward: step() reports it
                 self.error = self.error or e
 
-    def take_error(self):
-        """The error of a speculative step during backward, once (None without one)."""
+    def after_backward(self, checks: bool = True) -> tuple:
+        """step(), once the reductions landed: (the error of a speculative step during
+        backward, once — None without one —, the grad-edit checks of the speculated DTensor
+        grads: `_grad_edit_checks`; none unless `checks`, nor after an error, whose caller
+        drops what is pending)."""
         err, self.error = self.error, None
-        return err
+        return err, (self._grad_edit_checks() if checks and err is None else [])
 
     # ------------------------------------------------------------------ a speculative step
     def predicted_inv_scale(self) -> float:
@@ -194,8 +197,8 @@ class Speculator:
         return self._fingerprints.is_edited(sg.index, GradGatherer(sg), lambda: host.piece_stats(local),
                                             host.grad_dtype)
 
-    def grad_edit_checks(self) -> list:
-        """Start of step(), speculated subgroups with DTensor grads (grad_edits.py): on CUDA a
+    def _grad_edit_checks(self) -> list:
+        """At step(), speculated subgroups with DTensor grads (grad_edits.py): on CUDA a
         0-dim device flag each (grads edited since staged), queued now for step()'s one read of
         its scalars (read_scalars; `host_work` takes the values read); on CPU their
         live piece sums, computed now while the worker may still be stepping."""
@@ -210,7 +213,7 @@ class Speculator:
     def host_work(self, host_steps: dict, scale: float, edited: list) -> dict:
         """step()'s host work {host-tier subgroup: (its GradGatherer, its StepInputs)} for
         host_steps {subgroup index: step_work.HostWork}; `edited`: the values read back of
-        grad_edit_checks()' flags (the same order), so a speculation whose DTensor grads
+        after_backward()'s checks (the same order), so a speculation whose DTensor grads
         changed since staged is redone from the live grads."""
         if self._fingerprints is not None:
             self._fingerprints.note(edited)

@@ -41,14 +41,15 @@ def step(parts, call: StepCall) -> None:
     try:
         found_t, failure = parts.sharding.begin_step(failure, call.found_inf, call.grad_scale,
                                                      parts.speculator.grad_scaler, call.key)
+        failure, edit_checks = after_backward(parts, failure)
         if failure is not None and not decides:
             raise failure
-        _taken(parts, call, t_step, found_t, failure, decides, hps)
+        _taken(parts, call, t_step, found_t, failure, decides, hps, edit_checks)
     finally:
         parts.sharding.end_step()  # the next backward starts a new reduction
 
 
-def _taken(parts, call: StepCall, t_step: float, found_t, failure, decides: bool, hps) -> None:
+def _taken(parts, call: StepCall, t_step: float, found_t, failure, decides: bool, hps, edit_checks) -> None:
     ledger, placement, stats, scale_t = parts.ledger, parts.placement, parts.stats, call.grad_scale
     # torch.distributed.checkpoint's lr-0 step on a fresh optimizer: decided here from this
     # rank's grads when no decision all_reduce runs (no collective either way); else every
@@ -58,7 +59,7 @@ def _taken(parts, call: StepCall, t_step: float, found_t, failure, decides: bool
         return _state_init_step(parts, call)
     ledger.saw_amp(found_t)  # GradScaler.step sets found_inf
     clipping = call.max_grad_norm is not None
-    found, scale_v, norm_sq, edited = step_scalars(parts, found_t, scale_t, clipping, failure)
+    found, scale_v, norm_sq, edited = step_scalars(parts, found_t, scale_t, clipping, failure, edit_checks)
     if decides:
         norm_sq, found, all_init = decide(parts, call.key, norm_sq, found, failure, init, clipping)
         if all_init:
@@ -124,10 +125,6 @@ def precheck(parts, found_inf, max_grad_norm) -> tuple:
     waiting for this one in a collective (rank_faults.py); with no decision to join it is
     raised here, as in one process."""
     failure = parts.ledger.rank_failure
-    err = parts.speculator.take_error()
-    if err is not None:
-        failure = failure or RF.with_cause(f"a speculative host step during backward failed: {err}", err)
-        RF.quietly(parts.speculator.drop, failure)  # still joins the others' collective
     # process_group: always, so that a grad edit one rank refuses (zero_edits.py) stops every
     # rank at this step (one 5-value all_reduce beside the step's reduce-scatters)
     decides = RF.decision_runs(max_grad_norm, found_inf) or (parts.sharding.active and D.world_size() > 1)
@@ -144,14 +141,25 @@ def precheck(parts, found_inf, max_grad_norm) -> tuple:
     return failure, decides, hps
 
 
-def step_scalars(parts, found_t, scale_t, clipping: bool, failure) -> tuple:
+def after_backward(parts, failure) -> tuple:
+    """What backward left, once the reductions landed: (the failure so far — a speculative
+    host step that failed during backward included, its pending speculations then dropped —,
+    the grad-edit checks of the speculated DTensor grads, for step_scalars' one read)."""
+    err, edit_checks = parts.speculator.after_backward(checks=failure is None)  # a failed step reads none
+    if err is not None:
+        failure = failure or RF.with_cause(f"a speculative host step during backward failed: {err}", err)
+        RF.quietly(parts.speculator.drop, failure)  # still joins the others' collective
+    return failure, edit_checks
+
+
+def step_scalars(parts, found_t, scale_t, clipping: bool, failure, edit_checks: list) -> tuple:
     """(found_inf, loss scale, norm² or None, the grad-edit flags) as floats, read in one host
     sync: on a GPU, clipping's norm² is queued first so that it, found_inf and the loss scale
     reach the host in one small copy (docs/usage.md: host syncs), with the flags of DTensor
     grads edited since speculation staged them (CUDA; grad_edits.py: Speculator.host_work)."""
-    layout, spec = parts.layout, parts.speculator
+    layout = parts.layout
     norm_sq = D.grad_norm_sq(layout.params()) if clipping and failure is None and layout.cuda() else None
-    found, scale_v, norm_sq, *edited = read_scalars((found_t, scale_t, norm_sq, *spec.grad_edit_checks()))
+    found, scale_v, norm_sq, *edited = read_scalars((found_t, scale_t, norm_sq, *edit_checks))
     return found, scale_v, norm_sq, edited
 
 

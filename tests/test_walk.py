@@ -15,9 +15,10 @@ import pytest
 
 from walk import OUTSIDE, Tracer, trace_walk
 
-MAX_HOPS = 48
-MAX_VISITS = 5     # speculation: the hook, the gatherer called back, three calls at step
-MAX_PASSES = 5
+MAX_HOPS = 47
+MAX_VISITS = 4     # speculation (hook, gatherer, after_backward, host_work) and distributed
+MAX_PASSES = 4
+MAX_PHASE_VISITS = 2  # within backward's launch, and within step(): each module at most twice
 
 
 @pytest.fixture(scope="module")
@@ -39,6 +40,8 @@ def test_the_walk_is_no_longer_than_today(walk):
     assert walk.hops <= MAX_HOPS, f"{walk.hops} hops > {MAX_HOPS}:\n{walk.format()}"
     assert walk.max_visits <= MAX_VISITS, f"max visits {walk.max_visits} > {MAX_VISITS}: {walk.visits}"
     assert walk.max_passes <= MAX_PASSES, f"max passes {walk.max_passes} > {MAX_PASSES}: {walk.passes}"
+    assert walk.max_phase_visits <= MAX_PHASE_VISITS, f"max visits in one phase > {MAX_PHASE_VISITS}: {walk.phase_visits}"
+    assert set(walk.phase_visits) == {"backward", "step"}, walk.phase_visits
 
 
 # ============================================================================= the tracer itself

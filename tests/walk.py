@@ -44,6 +44,7 @@ class Hop:
     via_outside: bool    # its immediate caller was not hybrid_opt code (autograd, torch)
     reentry: bool        # its module was entered earlier in the walk
     callback: bool       # ... and is still running below it (a call back into it)
+    phase: str = ""      # "backward" (the hook's launch) or "step" (validation and commit)
 
     def __str__(self) -> str:
         arrow = "~>" if self.via_outside else "->"
@@ -75,6 +76,19 @@ class Walk:
     @property
     def max_visits(self) -> int:
         return max(self.visits.values(), default=0)
+
+    @property
+    def phase_visits(self) -> dict:
+        """{phase: {module: hops landing in it}}: the launch during backward and the
+        validation and commit in step() apart (each layer entered once going down is 1)."""
+        out: dict = {}
+        for h in self.sequence:
+            out.setdefault(h.phase, Counter())[h.module] += 1
+        return {p: dict(c) for p, c in out.items()}
+
+    @property
+    def max_phase_visits(self) -> int:
+        return max((n for c in self.phase_visits.values() for n in c.values()), default=0)
 
     @property
     def passes(self) -> dict:
@@ -116,6 +130,7 @@ class Walk:
     def summary(self) -> dict:
         return dict(hops=self.hops, modules=len(self.modules), returns_to_left=self.returns_to_left,
                     callbacks=self.callbacks, max_visits=self.max_visits, max_passes=self.max_passes,
+                    max_phase_visits=self.max_phase_visits,
                     committed=self.committed, speculations=self.speculations)
 
     def format(self) -> str:
@@ -125,17 +140,20 @@ class Walk:
                  f"{s['modules']} modules, {s['returns_to_left']} back into a module already left "
                  f"({s['callbacks']} of them calls back into a module still running), "
                  f"max {s['max_visits']} visits to one module (max {s['max_passes']} passes: "
-                 f"consecutive hops into one module counted once)",
+                 f"consecutive hops into one module counted once; max {s['max_phase_visits']} "
+                 f"within backward or within step())",
                  f"start: {self.start}", f"end:   return of {self.end}", "",
                  "hops (~> reached through code outside hybrid_opt; * re-entry):"]
         for k, h in enumerate(self.sequence, 1):
             lines.append(f"{k:4d}{'*' if h.reentry else ' '} {h}")
-        lines += ["", "| module | visits | passes | functions entered |", "|---|---|---|---|"]
-        passes = self.passes
+        lines += ["", "| module | visits | backward | step() | passes | functions entered |",
+                  "|---|---|---|---|---|---|"]
+        passes, phases = self.passes, self.phase_visits
         for m, n in sorted(self.visits.items(), key=lambda kv: (-kv[1], kv[0])):
             fns = Counter(h.function for h in self.sequence if h.module == m)
-            lines.append(f"| {short(m)} | {n} | {passes[m]} | " + ", ".join(f if c == 1 else f"{f} x{c}"
-                                                              for f, c in fns.items()) + " |")
+            lines.append(f"| {short(m)} | {n} | {phases.get('backward', {}).get(m, 0)} | "
+                         f"{phases.get('step', {}).get(m, 0)} | {passes[m]} | "
+                         + ", ".join(f if c == 1 else f"{f} x{c}" for f, c in fns.items()) + " |")
         lines += ["", "modules in order: " + self.module_path()]
         return "\n".join(lines)
 
@@ -218,7 +236,7 @@ class Tracer:
             outside = back is None or self.module_of(back.f_code) is None
             qual = getattr(frame.f_code, "co_qualname", frame.f_code.co_name)
             self._index[id(frame)] = len(self.calls)
-            self.calls.append((mod, qual, below[0] if below else None, outside, frozenset(below)))
+            self.calls.append((mod, qual, below[0] if below else None, outside, frozenset(below), self.phase))
             if (self.phase == "backward" and mod.startswith(self.spec_prefix)
                     and frame.f_code.co_name == self.spec_function):
                 outermost, nested, f = frame, False, frame.f_back
@@ -250,12 +268,12 @@ class Tracer:
             raise RuntimeError(f"no {self.end_module}.{self.end_qualname} returned during step() "
                                f"after the speculation: the commit was not seen")
         seq, entered = [], []
-        for mod, qual, caller, outside, below in self.calls[self.start_at:self.end_at]:
+        for mod, qual, caller, outside, below, phase in self.calls[self.start_at:self.end_at]:
             if caller == mod and not outside:
                 continue
             reentry = mod in entered
             seq.append(Hop(caller if caller is not None else OUTSIDE, mod, qual, outside, reentry,
-                           reentry and mod in below))
+                           reentry and mod in below, phase or ""))
             if not reentry:
                 entered.append(mod)
         return Walk(seq)

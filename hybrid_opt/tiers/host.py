@@ -301,8 +301,9 @@ class HostTier:
     # ------------------------------------------------------------------ steps (HostStepping)
     def speculate(self, sg: int, grad, inputs: StepInputs, wait: bool = True,
                   replace: bool = False) -> bool:
-        """Step `sg` now, to be validated by finish(); False when there is no room now
-        (HostStepping.speculate). replace=True: cancel() a pending speculation of `sg` first."""
+        """Step `sg` now, to be validated by finish(); False when there is no room now, once
+        the results that came back are collected (HostStepping.speculate). replace=True:
+        cancel() a pending speculation of `sg` first."""
         return self._step.speculate(sg, grad, inputs, wait, replace)
 
     def speculated(self) -> list[int]:
@@ -342,7 +343,8 @@ class HostTier:
         self._io.poll()
 
     def poll_if_copying(self) -> None:
-        """poll() when copies_in_flight(), in one call: what a grad hook does (HostIO)."""
+        """poll() when copies_in_flight(), in one call: what a grad hook that speculates
+        nothing does (HostIO)."""
         self._io.poll_if_copying()
 
     def copies_in_flight(self) -> int:
