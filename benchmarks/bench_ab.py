@@ -12,8 +12,10 @@ with the spread of per-round medians.
 
 `--calls` counts instead of timing: the Python function calls and the C calls (sys.setprofile's
 "call" and "c_call" events) that one backward's hooks and one step() make after warm-up, in one
-process per checkout. The counts are the same from run to run, so they show what a refactor
-added to or took from step() where the VM's ±10-20 % timing noise hides a 3 % difference.
+process per checkout. step()'s counts are the same from run to run, so they show what a refactor
+added to or took from step() where the VM's ±10-20 % timing noise hides a 3 % difference; with
+host subgroups backward's move by about 0.5 % (how often a hook finds the worker's banks still
+busy and retries a deferred subgroup depends on the worker's speed).
 """
 from __future__ import annotations
 
