@@ -149,12 +149,17 @@ class Speculator:
             except Exception as e:  # never break the user's backward: step() reports it
                 self.error = self.error or e
 
-    def after_backward(self, checks: bool = True) -> tuple:
-        """step(), once the reductions landed: (the error of a speculative step during
-        backward, once — None without one —, the grad-edit checks of the speculated DTensor
-        grads: `_grad_edit_checks`; none unless `checks`, nor after an error, whose caller
-        drops what is pending)."""
+    def take_error(self):
+        """The error of a speculative step during backward, once (None without one)."""
         err, self.error = self.error, None
+        return err
+
+    def after_backward(self, *, checks: bool) -> tuple:
+        """step(), once the reductions landed (their last hooks may have speculated): (the
+        error of a speculative step since take_error, once — None without one —, the
+        grad-edit checks of the speculated DTensor grads: `_grad_edit_checks`; none unless
+        `checks`, nor after an error, whose caller drops what is pending)."""
+        err = self.take_error()
         return err, (self._grad_edit_checks() if checks and err is None else [])
 
     # ------------------------------------------------------------------ a speculative step

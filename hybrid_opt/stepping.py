@@ -41,16 +41,18 @@ def step(parts, call: StepCall) -> None:
     try:
         found_t, failure = parts.sharding.begin_step(failure, call.found_inf, call.grad_scale,
                                                      parts.speculator.grad_scaler, call.key)
-        failure, edit_checks = after_backward(parts, failure)
+        failure, edit_checks = after_backward(parts, failure, decides)
         if failure is not None and not decides:
             raise failure
-        _taken(parts, call, t_step, found_t, failure, decides, hps, edit_checks)
+        # found_inf from here on is the sharding part's (release_grads adds this rank's flag)
+        _taken(parts, call._replace(found_inf=found_t), t_step, failure, decides, hps, edit_checks)
     finally:
         parts.sharding.end_step()  # the next backward starts a new reduction
 
 
-def _taken(parts, call: StepCall, t_step: float, found_t, failure, decides: bool, hps, edit_checks) -> None:
-    ledger, placement, stats, scale_t = parts.ledger, parts.placement, parts.stats, call.grad_scale
+def _taken(parts, call: StepCall, t_step: float, failure, decides: bool, hps, edit_checks) -> None:
+    ledger, placement, stats = parts.ledger, parts.placement, parts.stats
+    found_t, scale_t = call.found_inf, call.grad_scale
     # torch.distributed.checkpoint's lr-0 step on a fresh optimizer: decided here from this
     # rank's grads when no decision all_reduce runs (no collective either way); else every
     # rank's vote rides it, so no rank skips the collective that another enters
@@ -120,11 +122,13 @@ def _state_init_step(parts, call: StepCall) -> None:
 
 def precheck(parts, found_inf, max_grad_norm) -> tuple:
     """(this rank's failure so far or None, whether the ranks' decision all_reduce runs, each
-    param group's hyperparameters — None after a failure) at the start of step(). A failure
-    on this rank joins the decision flagged, so every rank raises at this step instead of
-    waiting for this one in a collective (rank_faults.py); with no decision to join it is
-    raised here, as in one process."""
+    param group's hyperparameters — None when the checks refused them) at the start of step().
+    A failure on this rank joins the decision flagged, so every rank raises at this step
+    instead of waiting for this one in a collective (rank_faults.py); with no decision to join
+    it is raised here, as in one process."""
     failure = parts.ledger.rank_failure
+    if parts.speculator.error is not None:  # a speculative host step failed during backward
+        failure = _speculation_failed(parts, failure, parts.speculator.take_error())
     # process_group: always, so that a grad edit one rank refuses (zero_edits.py) stops every
     # rank at this step (one 5-value all_reduce beside the step's reduce-scatters)
     decides = RF.decision_runs(max_grad_norm, found_inf) or (parts.sharding.active and D.world_size() > 1)
@@ -141,14 +145,27 @@ def precheck(parts, found_inf, max_grad_norm) -> tuple:
     return failure, decides, hps
 
 
-def after_backward(parts, failure) -> tuple:
+def _speculation_failed(parts, failure, err):
+    """The failure so far with a speculative host step's error `err` (the first stands); the
+    pending speculations are dropped (quietly: the step still joins the others' collective)."""
+    failure = failure or RF.with_cause(f"a speculative host step during backward failed: {err}", err)
+    RF.quietly(parts.speculator.drop, failure)
+    return failure
+
+
+def after_backward(parts, failure, decides: bool) -> tuple:
     """What backward left, once the reductions landed: (the failure so far — a speculative
-    host step that failed during backward included, its pending speculations then dropped —,
-    the grad-edit checks of the speculated DTensor grads, for step_scalars' one read)."""
-    err, edit_checks = parts.speculator.after_backward(checks=failure is None)  # a failed step reads none
+    step launched by the reductions' last hooks that failed included —, the grad-edit checks
+    of the speculated DTensor grads for step_scalars' one read: none on a failed step). A
+    check that raises joins the decision flagged, as precheck's do."""
+    try:
+        err, edit_checks = parts.speculator.after_backward(checks=failure is None)
+    except Exception as e:
+        if not decides:
+            raise
+        return failure or e, []
     if err is not None:
-        failure = failure or RF.with_cause(f"a speculative host step during backward failed: {err}", err)
-        RF.quietly(parts.speculator.drop, failure)  # still joins the others' collective
+        failure = _speculation_failed(parts, failure, err)
     return failure, edit_checks
 
 

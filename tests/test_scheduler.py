@@ -357,12 +357,17 @@ def test_a_refit_whose_move_fails_keeps_the_plan_and_the_state(monkeypatch, tmp_
         assert_state_close(opt.state_dict(), fixed.state_dict(), exact=True)
 
 
-def test_a_move_that_would_not_fit_in_memory_is_skipped(monkeypatch):
+@pytest.mark.parametrize("measured", [False, True])
+def test_a_move_that_would_not_fit_in_memory_is_skipped(monkeypatch, measured):
+    """The plan's reason says why the move was skipped, also once backward is measured (the
+    kept plan's prediction is then recorded with that reason, not with "refit: kept")."""
     from hybrid_opt.placement import scheduler
     model = make_net()
     with _auto(model, SLOW_HOST, refit_every=2) as opt:
         to_host = opt.parts.placement.auto.predict(1.0, 0.0)
         monkeypatch.setattr(opt.parts.placement.auto, "refit", lambda *a: Decision(1.0, 0.0, to_host, "test"))
+        if measured:  # what the real refit sets from its samples
+            monkeypatch.setattr(opt.parts.placement.auto, "backward_s", 0.01)
         monkeypatch.setattr(scheduler, "_free_host_bytes", lambda: 0.0)
         train(model, opt, make_batches(6))
         assert opt.parts.placement.auto.moves == 0 and opt.plan.summary()["device"]["share"] == 1.0

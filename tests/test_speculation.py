@@ -671,6 +671,36 @@ def test_error_during_speculation_raises_at_step_and_leaves_committed_state_inta
     assert all(s.spec["committed"] == spec.n_host for s in others)
 
 
+def test_a_speculation_error_comes_first_and_is_not_left_for_the_next_step():
+    """A hook's speculation failed and step()'s input checks refuse the step too: step() raises
+    the speculation's error (taken before the checks, as always), drops what is pending, and
+    the next step() on fresh grads steps — it is not refused by the stale error."""
+    net = make_mlp()
+    batches = make_batches(3)
+    with hybrid(net.parameters(), True, offload=1.0) as opt:
+        loss_fn(net, batches[0]).backward()
+        opt.step()
+        opt.zero_grad()
+
+        def speculate(*a, **kw):
+            raise OSError("injected staging failure")
+        opt.parts.placement.host.speculate = speculate
+        loss_fn(net, batches[1]).backward()
+        del opt.parts.placement.host.speculate
+        lr = opt.param_groups[0]["lr"]
+        opt.param_groups[0]["lr"] = torch.tensor([lr, lr])  # refused by the input checks too
+        params0 = [p.detach().clone() for p in net.parameters()]
+        with pytest.raises(RuntimeError, match="a speculative host step during backward failed"):
+            opt.step()
+        assert opt.parts.speculator.error is None and not opt.parts.placement.host.speculated()
+        assert all(torch.equal(a, b) for a, b in zip(params0, net.parameters()))
+        opt.param_groups[0]["lr"] = lr
+        opt.zero_grad()
+        loss_fn(net, batches[2]).backward()
+        opt.step()
+        assert not all(torch.equal(a, b) for a, b in zip(params0, net.parameters()))
+
+
 # ============================================================================= 10. discarded backward
 @pytest.mark.parametrize("how", ["set_to_none", "zero_in_place", "grads_replaced", "boundary_off"])
 def test_zero_grad_between_two_backwards_discards_the_first(how):

@@ -384,9 +384,10 @@ class Placement:
             return
         self._observe_device_memory()  # "auto" on CUDA: the device budget beside the activations
         decision = auto.refit(*self.fractions, self.plan.spare_banks)
+        kept = "refit: kept"
         if decision is not None and not self.room_to_move(decision):
-            self._note("refit: a move would pay, but it does not fit in free memory: "
-                       f"{self.room_shortfall(self.plan_for(decision))}")
+            kept = ("refit: a move would pay, but it does not fit in free memory: "
+                    f"{self.room_shortfall(self.plan_for(decision))}")
             decision = None
         if decision is not None:
             try:
@@ -396,12 +397,14 @@ class Placement:
                               f"nvme_fraction={decision.nvme_fraction:g} failed; the plan stays as it "
                               f"was: {type(e).__name__}: {e}", stacklevel=3)
                 self._note(f"refit: a move failed ({type(e).__name__})")
-        elif auto.backward_s is not None:
-            self._note("refit: kept", prediction=auto.predict(*self.fractions, self.plan.spare_banks))
+        elif auto.backward_s is not None:  # what the kept plan predicts, and why it is kept
+            self._note(kept, prediction=auto.predict(*self.fractions, self.plan.spare_banks))
+        elif kept != "refit: kept":
+            self._note(kept)
 
     def _note(self, reason: str, **fields) -> None:
         """The plan stays; why (and what it predicts) is recorded in a new Plan record, so a
-        plan read before keeps what it said."""
+        plan read before keeps its reason and prediction (its tier lists are shared)."""
         self.plan = dataclasses.replace(self.plan, reason=reason, **fields)
 
     def _observe_device_memory(self) -> None:
