@@ -65,6 +65,9 @@ class _Request:
         self.op, self.fd, self.offset, self.nbytes, self.pin, self.crc = op, fd, offset, nbytes, pin, crc
 
 
+_LIVE: "weakref.WeakSet[_State]" = weakref.WeakSet()  # engines of this process (os.fork: _State.forked)
+
+
 class _State:
     """Everything the finalizer needs, kept apart from the engine object so that a
     collected engine still shuts its threads down before releasing in-flight buffers."""
@@ -77,6 +80,16 @@ class _State:
         self.closed = False
         self.requests: dict[int, _Request] = {}
         self.paths: dict[int, str] = {}
+        _LIVE.add(self)
+
+    def forked(self) -> None:
+        """In a child of os.fork(): the engine's threads (and maybe a holder of its lock) stay
+        in the parent, so the child's copy is closed without a C call (shutting it down there
+        waited forever on threads that do not exist) and its buffers are left to the parent."""
+        self.lock = threading.Lock()
+        self.idle = threading.Condition(self.lock)
+        self.handle, self.closed, self.active = None, True, 0
+        self.requests.clear()
 
     def shutdown(self, grace_s: float) -> int:
         with self.lock:
@@ -95,6 +108,10 @@ class _State:
                     req.pin.release()
             self.requests.clear()
         return cancelled
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=lambda: [s.forked() for s in list(_LIVE)])
 
 
 class AioEngine:

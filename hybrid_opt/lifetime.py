@@ -96,6 +96,47 @@ def weak_call(obj, fn):
     return call
 
 
+def collected(opt) -> None:
+    """The optimizer's `__del__`: one still open is closed, then warned about. Only the optimizer
+    that built the tiers closes them: a forwarding wrapper's __del__ (Lightning's, collected
+    when it rebuilds them) must not."""
+    if not is_owner(opt) or opt.closed:
+        return
+    try:
+        opt.close()  # first: a warning made an error (-W error) must not keep it open
+    except Exception:
+        pass
+    try:
+        warn_unclosed(opt)
+    except Exception:
+        pass
+
+
+_STEPPED_BY: dict = {}  # id(param) -> weakref to the open optimizer stepping it
+
+
+def claim(opt, params) -> None:
+    """`opt` steps `params`; warns where another open optimizer of ours steps one of them too.
+    Each keeps the param's fp32 master and writes the param through memory of its own, which
+    no version counter sees: two stepping one param diverge once either offloads it (torch's
+    two optimizers over one param each read what the other wrote). Keyed by id, holding no
+    reference to the param (torch.utils.swap_tensors refuses a tensor with a weakref): an open
+    optimizer keeps its params alive (its layout), so an id it claimed is not reused meanwhile."""
+    for k in [k for k, ref in _STEPPED_BY.items() if ref() is None or ref().closed]:
+        del _STEPPED_BY[k]
+    others = set()
+    for p in params:
+        other = _STEPPED_BY.get(id(p), lambda: None)()
+        if other is not None and other is not opt:
+            others.add(type(other).__name__)
+        _STEPPED_BY[id(p)] = weakref.ref(opt)
+    if others:
+        warnings.warn(f"a {type(opt).__name__} was given parameters that an open {'/'.join(sorted(others))} "
+                      f"also steps: two hybrid_opt optimizers stepping one parameter diverge. Close "
+                      f"the other first (or give each its own parameters; param groups serve "
+                      f"different settings).", stacklevel=4)
+
+
 def warn_unclosed(opt) -> None:
     """From the optimizer's `__del__` while it is still open (not at interpreter exit, where
     everything is freed anyway)."""

@@ -1,13 +1,12 @@
 """HybridAdamW / HybridAdam: drop-in torch.optim optimizers whose state is divided by subgroup
 between the device, host and nvme tiers.
 
-The classes are real torch.optim.Optimizer subclasses: param groups, named parameters,
-lr schedulers and GradScaler work through torch's own protocols, and the numerics follow
-torch.optim.AdamW(foreach=False) / Adam within fp32 rounding whatever the placement.
-Per-parameter moments and masters live in the tiers; `self.state` holds, as torch's does,
-each stepped param's `step` count (a 0-dim float32 tensor), so tools that read it (torch.
-distributed.checkpoint) see a trained optimizer. `state_dict()` gathers the full state in
-torch's format and `load_state_dict()` scatters it back.
+Real torch.optim.Optimizer subclasses: param groups, named parameters, lr schedulers, hooks
+and GradScaler work through torch's own protocols; the numerics follow torch.optim.AdamW(
+foreach=False) / Adam within fp32 rounding whatever the placement. Moments and masters live in
+the tiers; `self.state` holds, as torch's does, each stepped param's `step` (a 0-dim float32
+tensor), so tools that read it (torch.distributed.checkpoint) see a trained optimizer.
+`state_dict()` gathers the full state in torch's format, `load_state_dict()` scatters it back.
 
 The class is a facade over parts that own their state (docs/code-map.md): the Layout, the
 Placement (tiers, planner, moves), the Speculator, the ParamGuard, the StepChecks, the
@@ -16,6 +15,7 @@ StepLedger, the StepStats and the distributed part (ZeroSharding or its no-op tw
 from __future__ import annotations
 
 import contextlib
+from collections import OrderedDict
 
 import torch
 
@@ -34,9 +34,8 @@ from hybrid_opt.distributed.zero_gather import SHARD_KEY, check_shard_owner
 class _HybridBase(torch.optim.Optimizer):
     """The torch.optim facade: arguments, param groups, the step and the lifecycle."""
     _decoupled: bool = True
-    # GradScaler hands us grad_scale / found_inf and lets step() skip on overflow itself: it
-    # sets them on the optimizer for one step() call and deletes them after (torch's protocol:
-    # absent otherwise, no class default — it multiplies a grad_scale it finds)
+    # GradScaler sets grad_scale / found_inf on the optimizer for one step() call, which skips on
+    # overflow itself (torch's protocol: absent otherwise, no class default: it multiplies one it finds)
     _step_supports_amp_scaling = True
     _closed, _built = True, False  # until the tiers exist (a constructor that raised: __del__)
 
@@ -70,6 +69,7 @@ class _HybridBase(torch.optim.Optimizer):
         self.overlap_param_gather = bool(overlap_param_gather)
         node.derive_from_dist()  # the ranks on this node, where the launcher did not say (Lightning's DDP)
         params = [p for g in self.param_groups for p in g["params"]]
+        lifetime.claim(self, params)
         D.warn_replicated(params, process_group)
         sharding = sharding_for(params, process_group, release_grads)
         config = PlacementConfig(offload_fraction, nvme_fraction, nvme_path, speculative, rollback,
@@ -100,6 +100,7 @@ class _HybridBase(torch.optim.Optimizer):
         super().add_param_group(param_group)
         if self._built:
             P.extend(self._parts, len(self.param_groups) - 1)
+            lifetime.claim(self, self.param_groups[-1]["params"])
 
     # ------------------------------------------------------------------ properties
     parts = property(lambda self: self._parts, doc="The parts this optimizer is composed of (docs/code-map.md), "
@@ -121,14 +122,11 @@ class _HybridBase(torch.optim.Optimizer):
             return allocated_bytes(None, None, None)
         return allocated_bytes(self._parts.placement.device, self._parts.placement.host, self._parts.sharding)
 
-    @property
-    def worker_pid(self):
-        host = self._parts.placement.host
-        return host.worker_pid if host is not None and not self._closed else None
+    worker_pid = property(lambda self: None if self._closed or self._parts.placement.host is None
+                          else self._parts.placement.host.worker_pid, doc="The host tier's worker process, or None.")
 
     def _check_open(self) -> None:
-        # its host tier closed on its own (the worker's tier shut by anything but close())
-        # says the same: a closed tier never steps again, so "call step() again" cannot help
+        # its host tier closed on its own (shut by anything but close()) says the same: it never steps again
         host = self._parts.placement.host
         if self._closed or (host is not None and host.closed):
             raise RuntimeError(f"this {type(self).__name__} was closed (close(), or the end of its "
@@ -180,18 +178,30 @@ class _HybridBase(torch.optim.Optimizer):
         # pending speculations are dropped (step() then steps those subgroups itself)
         self._parts.speculator.drop()
         self._parts.guard.check_written()  # a param written since the last step: its master restarts first
-        sd = super().state_dict()  # param_groups in torch's format (params as indices)
+        post = OrderedDict(hooks := self._optimizer_state_dict_post_hooks)  # torch's: run once the state is in
+        hooks.clear()
+        try:
+            sd = super().state_dict()  # param_groups in torch's format (params as indices)
+        finally:
+            hooks.update(post)
         sd["state"] = C.gather_state(self._parts.layout, self._parts.placement, self.state_format)
         if self._parts.sharding.shard() is not None:  # whose chunks these are (torch ignores the key; DCP drops it)
             sd[SHARD_KEY] = self._parts.sharding.shard()
-        return sd
+        return _through(post, self, sd)
 
     @lifetime.acts_on_owner
     def load_state_dict(self, state_dict: dict) -> None:
         self.wait_params()
+        state_dict = _through(self._optimizer_load_state_dict_pre_hooks, self, state_dict.copy())
         check_shard_owner(state_dict.get(SHARD_KEY), self._parts.sharding if self._parts.sharding.active else None)
         self._check_open()
         C.load(self._parts, state_dict, self.state)
+        for hook in self._optimizer_load_state_dict_post_hooks.values():
+            hook(self)
+
+    def __getstate__(self):  # torch's pickles defaults, state and param_groups: a shell of this one
+        raise TypeError(f"{type(self).__name__} cannot be pickled or copied: its state lives in a worker, "
+                        f"shared memory and nvme files. Save opt.state_dict() and load it into a new one.")
 
     # ------------------------------------------------------------------ the step
     @lifetime.acts_on_owner
@@ -210,8 +220,7 @@ class _HybridBase(torch.optim.Optimizer):
                                            getattr(self, "found_inf", None), getattr(self, "grad_scale", None),
                                            id(self)))
         except BaseException:
-            # GradScaler.step deletes them only after a return: a step that raised (a refusal,
-            # a failure) would otherwise scale the next by them
+            # GradScaler.step deletes them only after a return: a step that raised would scale the next by them
             for name in ("grad_scale", "found_inf"):
                 with contextlib.suppress(AttributeError):  # set for this call, or not at all
                     delattr(self, name)
@@ -238,18 +247,7 @@ class _HybridBase(torch.optim.Optimizer):
         self.close()
 
     def __del__(self):
-        # only the optimizer that built the tiers closes them: a forwarding wrapper's __del__
-        # (Lightning's, collected when it rebuilds them) must not (lifetime.py)
-        if not lifetime.is_owner(self) or self._closed:
-            return
-        try:
-            self.close()  # first: a warning made an error (-W error) must not keep it open
-        except Exception:
-            pass
-        try:
-            lifetime.warn_unclosed(self)
-        except Exception:
-            pass
+        lifetime.collected(self)
 
     def __repr__(self) -> str:
         return super().__repr__() + f"\n{self.plan}" if self._built else super().__repr__()
@@ -293,3 +291,10 @@ class HybridAdam(_HybridBase):
                          subgroup_numel=subgroup_numel, speculative=speculative, rollback=rollback,
                          device_memory_budget=device_memory_budget,
                          host_memory_budget=host_memory_budget, process_group=process_group, **hybrid)
+
+
+def _through(hooks: dict, opt, value):
+    """`value` through torch's hooks in order: a hook's non-None return replaces it."""
+    for hook in hooks.values():
+        value = value if (out := hook(opt, value)) is None else out
+    return value

@@ -29,12 +29,15 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+import torch
+
 from hybrid_opt import distributed as D
 from hybrid_opt.distributed import rank_faults as RF
 from hybrid_opt.placement.plan import DEVICE
 from hybrid_opt.step_work import group_inputs
 
 
+_CPU = torch.device("cpu")
 NOTHING_STEPPED = ("Nothing was stepped (state and step counts are the previous step's): fix the "
                    "cause and call step() again.")
 
@@ -49,20 +52,26 @@ class StepChecks:
         self.decoupled = decoupled
         self._cache = None          # (plan, its tiers, params, {on device}, {sharded}) of the layout now
 
-    def check_inputs(self) -> list:
+    def check_inputs(self, torch_state) -> list:
         """Before the ranks' decision; returns each param group's hyperparameters as the tiers
         take them (step_work.group_inputs), checked. A param sharded by FSDP2 / process_group
         has its grad checked by `device_scale_error` instead (its local grad is known only
-        after the reductions)."""
+        after the reductions). `torch_state`: the optimizer's `state` (the step counts' mirror)."""
+        steps = self.layout.steps
+        if len(torch_state) < len(steps) - steps.count(0):
+            self._state_lost(torch_state)
         cls = self.owner
         device_tier = self.placement.device
         on_device, sharded = self._layout_sets()
         subgroups = self.layout.subgroups
         device = subgroups[0].device if subgroups else None
         i, hps = 0, []
+        laid_out = self.layout.laid_out
         for gi, group in enumerate(self.layout.param_groups):
-            live_on_device = False
+            live = live_on_device = False
             for p in group["params"]:
+                if i >= len(laid_out) or p is not laid_out[i]:
+                    self._params_edited(gi, i)
                 g = p.grad
                 if g is not None:
                     if g.is_sparse:
@@ -75,15 +84,47 @@ class StepChecks:
                         # the usual grad (the param's dtype and device) needs no more checks
                         if i in on_device and (g.dtype is not p.dtype or g.get_device() != p.get_device()):
                             self._refuse_grad(i, device_tier.refuse_grad(g, p), TypeError)
+                    live = True
                     live_on_device = live_on_device or i in on_device
                 i += 1
+            if gi == len(self.layout.param_groups) - 1 and i != len(laid_out):
+                self._params_edited(gi, i)
             hp = group_inputs(group, self.decoupled)  # a Tensor lr of several elements raises here, not mid-step
             hps.append(hp)
-            why = device_tier.refuse_hyper(hp, device) if live_on_device else None
+            # the host tier's CPU kernel takes what the device tier's CPU kernel refuses
+            # (a NaN lr set after construction): refused alike, whatever the placement
+            why = device_tier.refuse_hyper(hp, device if live_on_device else _CPU) if live else None
             if why is not None:
-                raise ValueError(f"{cls}.step(): param group {gi}: {why} (the device tier's "
-                                 f"kernel refuses it). {NOTHING_STEPPED}")
+                raise ValueError(f"{cls}.step(): param group {gi}: {why} (the "
+                                 f"{'device' if live_on_device else 'host'} tier's kernel refuses "
+                                 f"it). {NOTHING_STEPPED}")
         return hps
+
+    def _state_lost(self, torch_state) -> None:
+        """`opt.state` lost stepped params' entries (cleared, replaced, `del opt.state[p]`):
+        torch restarts their moments then; here they stay in the tiers, and a step would
+        silently keep them."""
+        steps = self.layout.steps
+        lost = [i for i, p in enumerate(self.layout.laid_out) if steps[i] and "step" not in torch_state.get(p, {})]
+        if lost:
+            raise ValueError(f"{self.owner}.step(): opt.state lost the entries of stepped parameters "
+                             f"{lost} (cleared, replaced or deleted). torch restarts their moments then; "
+                             f"this optimizer keeps them in its tiers (opt.state mirrors the step "
+                             f"counts only). To restart them: sd = opt.state_dict(), delete their "
+                             f"entries from sd['state'] (sd['state'].clear() for all), "
+                             f"opt.load_state_dict(sd). To keep them: opt.load_state_dict("
+                             f"opt.state_dict()). {NOTHING_STEPPED}")
+
+    def _params_edited(self, gi: int, i: int) -> None:
+        """param_groups[gi]["params"] no longer holds the params laid out (parameter i is
+        another, or there are more or fewer): torch steps what the list holds now, this
+        optimizer's state belongs to the params it laid out when they joined."""
+        raise ValueError(f"{self.owner}.step(): param_groups[{gi}]['params'] was edited after the "
+                         f"params joined the optimizer (parameter {i} is not the one laid out "
+                         f"there, or params were added or removed): this optimizer lays out each "
+                         f"param's state when it joins. Add params with add_param_group(), or "
+                         f"build a new optimizer for another set of params; put the list back "
+                         f"to step this one. {NOTHING_STEPPED}")
 
     def _layout_sets(self) -> tuple:
         """({params with a slice on the device tier}, {sharded params}) for the layout now,

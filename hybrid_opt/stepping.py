@@ -37,7 +37,7 @@ def step(parts, call: StepCall) -> None:
     """One step, top to bottom: check, read the step's scalars (one sync), decide, clip,
     collect the work, host step with on-commit gathers, device step, record and refit."""
     t_step = time.perf_counter()
-    failure, decides, hps = precheck(parts, call.found_inf, call.max_grad_norm)
+    failure, decides, hps = precheck(parts, call)
     try:
         found_t, failure = parts.sharding.begin_step(failure, call.found_inf, call.grad_scale,
                                                      parts.speculator.grad_scaler, call.key)
@@ -120,7 +120,7 @@ def _state_init_step(parts, call: StepCall) -> None:
     parts.ledger.state_init_step(call.torch_state, clipping=call.max_grad_norm is not None)
 
 
-def precheck(parts, found_inf, max_grad_norm) -> tuple:
+def precheck(parts, call: StepCall) -> tuple:
     """(this rank's failure so far or None, whether the ranks' decision all_reduce runs, each
     param group's hyperparameters — None when the checks refused them) at the start of step().
     A failure on this rank joins the decision flagged, so every rank raises at this step
@@ -131,13 +131,13 @@ def precheck(parts, found_inf, max_grad_norm) -> tuple:
         failure = _speculation_failed(parts, failure, parts.speculator.take_error())
     # process_group: always, so that a grad edit one rank refuses (zero_edits.py) stops every
     # rank at this step (one 5-value all_reduce beside the step's reduce-scatters)
-    decides = RF.decision_runs(max_grad_norm, found_inf) or (parts.sharding.active and D.world_size() > 1)
+    decides = RF.decision_runs(call.max_grad_norm, call.found_inf) or (parts.sharding.active and D.world_size() > 1)
     if failure is not None and not decides:
         raise failure
     hps = None
     try:
         parts.guard.check()  # a param whose memory was replaced is re-adopted (storage.py)
-        hps = parts.checks.check_inputs()  # what a tier would fail on part-way (step_failures.py)
+        hps = parts.checks.check_inputs(call.torch_state)  # what a tier would fail on part-way (step_failures.py)
     except Exception as e:
         if not decides:
             raise
@@ -283,7 +283,9 @@ def fail(parts, call: StepCall, e: BaseException, where, host_steps: dict, commi
     parts.ledger.put_back(undo, f.untouched, f.nothing_stepped)
     parts.ledger.sync_torch_state(call.torch_state)
     parts.guard.record()  # what was stepped was written by the step, not the user
-    if not isinstance(e, Exception):  # KeyboardInterrupt and the like: counts fixed, as it is
+    if not isinstance(e, Exception):  # KeyboardInterrupt and the like: counts fixed, as it is,
+        if hasattr(e, "add_note"):    # and what it left said (a checkpoint saved on Ctrl-C)
+            e.add_note(str(f.error))
         raise e
     if world > 1:  # the others stepped: our next step() stops them all
         parts.ledger.out_of_step(f.error)

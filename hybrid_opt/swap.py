@@ -118,7 +118,7 @@ class SwapDir:
         self.path = tempfile.mkdtemp(prefix=f"{PREFIX}{os.getpid()}-", dir=root)  # mode 0700
         self._lock_fd = os.open(os.path.join(self.path, LOCK), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         fcntl.flock(self._lock_fd, fcntl.LOCK_EX)
-        self._finalizer = weakref.finalize(self, _remove, self.path, self._lock_fd)
+        self._finalizer = weakref.finalize(self, _remove, self.path, self._lock_fd, os.getpid())
         atexit.register(self._finalizer)
 
     def file(self, sg: int) -> str:
@@ -135,8 +135,11 @@ class SwapDir:
         self._finalizer()
 
 
-def _remove(path: str, lock_fd: int) -> None:
-    shutil.rmtree(path, ignore_errors=True)
+def _remove(path: str, lock_fd: int, owner: int) -> None:
+    """Removes the directory, in the process that made it only: a child of os.fork()
+    inherits the finalizer (and its atexit entry) and would delete its parent's files."""
+    if os.getpid() == owner:
+        shutil.rmtree(path, ignore_errors=True)
     try:
         os.close(lock_fd)  # releases the lock
     except OSError:

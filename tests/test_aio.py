@@ -486,3 +486,37 @@ def test_checksum_accepts_addresses_and_buffer_objects():
 def test_align_up_pads_tails():
     assert [align_up(n) for n in (0, 1, 4096, 4097)] == [0, 4096, 4096, 8192]
     assert align_up(1000, 512) == 1024
+
+
+def test_an_engine_in_a_forked_child_is_closed_there_and_never_waits(tmp_path):
+    """os.fork() copies the engine but not its I/O threads (nor a lock one of them held): the
+    child's copy is closed at once (using it raises "closed"), and its exit — the finalizer
+    shutting the engine down — does not wait for threads that stayed in the parent (it hung
+    there). The parent's engine keeps working."""
+    script = textwrap.dedent(f"""
+        import os, sys, time
+        from cpu_kernels.aio import AioEngine, aligned_buffer
+        eng = AioEngine(threads=2)
+        fd = eng.open({str(tmp_path / "f")!r}, "w+", direct=False)
+        buf = aligned_buffer(4096)
+        eng.write(fd, buf, 4096, 0)
+        pid = os.fork()
+        if pid == 0:
+            try:
+                eng.write(fd, buf, 4096, 0)
+                os._exit(3)  # the child's copy must refuse
+            except ValueError as e:
+                assert "closed" in str(e)
+            sys.exit(0)  # the finalizers run: must not wait for the parent's threads
+        deadline = time.monotonic() + 30
+        while not os.waitpid(pid, os.WNOHANG)[0]:
+            if time.monotonic() > deadline:
+                os.kill(pid, 9); print("CHILD HUNG"); sys.exit(1)
+            time.sleep(0.02)
+        eng.write(fd, buf, 4096, 4096)
+        eng.close_fd(fd); eng.close()
+        print("OK")
+    """)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                         env=dict(os.environ, PYTHONPATH=os.getcwd()))
+    assert out.returncode == 0 and out.stdout.strip() == "OK", out.stdout + out.stderr

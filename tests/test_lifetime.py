@@ -151,3 +151,47 @@ def test_a_forwarding_wrapper_acts_on_the_optimizer_it_wraps():
     finally:
         opt.close()
         twin.close()
+
+
+_FORK_SCRIPT = r"""
+import os, sys, time, torch
+from hybrid_opt import HybridAdamW
+nvme = sys.argv[1]
+torch.manual_seed(0)
+m = torch.nn.Linear(64, 64)
+opt = HybridAdamW(m.parameters(), offload_fraction=1.0, nvme_fraction=1.0, nvme_path=nvme, subgroup_numel=1024)
+def train():
+    opt.zero_grad(); m(torch.randn(4, 64)).square().mean().backward(); opt.step()
+train()
+files = sorted(os.path.join(d, f) for d, _, fs in os.walk(nvme) for f in fs)
+pid = os.fork()
+if pid == 0:
+    sys.exit(0)  # an ordinary interpreter exit: atexit and the finalizers run in the child
+deadline = time.monotonic() + 60
+while time.monotonic() < deadline and not os.waitpid(pid, os.WNOHANG)[0]:
+    time.sleep(0.05)
+else:
+    if time.monotonic() >= deadline:
+        os.kill(pid, 9); print("CHILD HUNG"); sys.exit(1)
+assert sorted(os.path.join(d, f) for d, _, fs in os.walk(nvme) for f in fs) == files, "the child removed files"
+train()
+sd = opt.state_dict()  # reads the nvme files back
+opt.add_param_group({"params": [torch.nn.Parameter(torch.randn(3000))]})
+opt.param_groups[-1]["params"][0].grad = torch.randn(3000)
+opt.step()
+assert set(opt.plan.tiers) == {"nvme"}, opt.plan
+opt.close()
+print("OK")
+"""
+
+
+def test_a_forked_child_exiting_leaves_the_parents_nvme_tier_alone(tmp_path):
+    """os.fork() copies the optimizer's exit hooks into the child: its interpreter exit used to
+    remove the parent's nvme directory (the swap directory's atexit) and could hang for ever
+    shutting down I/O threads that stayed in the parent (the aio engine's finalizer). The
+    child now exits at once and the parent's files, checkpoints and new groups are intact."""
+    import subprocess
+    import sys
+    out = subprocess.run([sys.executable, "-c", _FORK_SCRIPT, str(tmp_path)], capture_output=True,
+                         text=True, timeout=240, env=dict(os.environ, PYTHONPATH=os.getcwd()))
+    assert out.returncode == 0 and out.stdout.strip().endswith("OK"), out.stdout + out.stderr

@@ -15,7 +15,7 @@ import pytest
 
 from walk import OUTSIDE, Tracer, trace_walk
 
-MAX_HOPS = 47
+MAX_HOPS = 48     # 47, and the host tier's hyperparameters checked as the device tier's are (refuse_hyper)
 MAX_VISITS = 4     # speculation (hook, gatherer, after_backward, host_work) and distributed
 MAX_PASSES = 4
 MAX_PHASE_VISITS = 2  # within backward's launch, and within step(): each module at most twice

@@ -218,6 +218,7 @@ class Layout:
         self.amsgrad = amsgrad      # whether the tiers lay out amsgrad's running max
         self.subgroups: list = []
         self.index: dict = {}       # param -> its index in the optimizer's order
+        self.laid_out: list = []    # the params, in that order (what param_groups must still hold)
         self.steps: list = []       # per-parameter step counts
 
     def params(self):
@@ -230,6 +231,7 @@ class Layout:
         first = len(self.steps)
         for k, p in enumerate(params):
             self.index[p] = first + k
+        self.laid_out.extend(params)
         self.steps.extend([0] * len(params))
         sgs = layout_group(params, gi, first, self.subgroup_numel, len(self.subgroups))
         self.subgroups.extend(sgs)
@@ -241,7 +243,7 @@ class Layout:
         params and `subgroups` subgroups."""
         for p in self.param_groups[gi]["params"]:
             self.index.pop(p, None)
-        del self.steps[params:]
+        del self.laid_out[params:], self.steps[params:]
         del self.subgroups[subgroups:]
         assign_ready_ranks(self.subgroups)
 
