@@ -8,6 +8,7 @@ and worker restarts. Faults are real: a byte flipped in a swap file, a file-size
 (RLIMIT_FSIZE, in a child process: EFBIG, never a signal — Python ignores SIGXFSZ), bad
 nvme_paths, a trainer killed with SIGKILL. Swap files go to a real disk (O_DIRECT), never tmpfs.
 """
+import copy
 import errno
 import io
 import json
@@ -853,3 +854,115 @@ def test_a_full_disk_during_step_rolls_back_the_step_counts_of_what_was_not_step
             same = all(torch.equal(st[k], after["state"][idx][k]) for k in ("exp_avg", "exp_avg_sq"))
             assert written != same, idx
         assert any(int(s["step"]) == 2 for s in after["state"].values())
+
+
+# ------------------------------------------------------------------ 9. restoring a bad nvme state
+def _four_nvme_params(nvme_dir, **kw):
+    """Four params of one subgroup each, all on nvme."""
+    torch.manual_seed(0)
+    params = [nn.Parameter(torch.randn(4096)) for _ in range(4)]
+    opt = HybridAdamW(params, lr=1e-3, offload_fraction=1.0, nvme_fraction=1.0, nvme_path=nvme_dir,
+                      subgroup_numel=4096, **kw)
+    assert opt.plan.tiers == [NVME] * 4
+    return params, opt
+
+
+def _grad_step(opt, params, seed, which=range(4)):
+    g = torch.Generator().manual_seed(seed)
+    for i, p in enumerate(params):
+        grad = torch.randn(p.shape, generator=g)
+        p.grad = grad if i in which else None
+    opt.step()
+
+
+def _snapshot(opt):
+    sd = opt.state_dict()
+    return {i: {k: v.clone() for k, v in st.items()} for i, st in sd["state"].items()}
+
+
+def _assert_state_is(opt, want, what):
+    got = opt.state_dict()["state"]
+    assert set(got) == set(want), what
+    for i, st in want.items():
+        for k, v in st.items():
+            assert torch.equal(got[i][k], v), f"{what}: param {i} {k}"
+
+
+@pytest.mark.parametrize("speculative", [False, True], ids=["plain", "speculative"])
+def test_a_checkpoint_replaces_a_corrupt_nvme_slot_and_the_step_error_says_so(nvme_dir, speculative):
+    """A committed slot that fails its checksum: step() says nothing was stepped and that stepping
+    again cannot help; load_state_dict(checkpoint) never reads the corrupt slot, so it loads."""
+    params, opt = _four_nvme_params(nvme_dir, speculative=speculative)
+    with opt:
+        _grad_step(opt, params, 1)
+        ckpt = copy.deepcopy(opt.state_dict())
+        _grad_step(opt, params, 2)
+        host = opt.parts.placement.host
+        local = opt.parts.placement.host_local[2]
+        flip_byte(host.swap.file(local), host.file_slots[local] * host.io_bytes + 100)
+        with pytest.raises(RuntimeError, match="checksum mismatch") as info:
+            _grad_step(opt, params, 3)
+        msg = str(info.value)
+        assert "call step() again" not in msg, msg
+        assert "subgroups [2]" in msg and "load_state_dict()" in msg, msg
+        opt.load_state_dict(ckpt)
+        _assert_state_is(opt, ckpt["state"], "loaded over a corrupt slot")
+        _grad_step(opt, params, 3)  # and it steps on
+
+
+def test_a_load_that_fails_part_way_leaves_every_subgroup_and_hyperparameter_as_it_was(nvme_dir):
+    """The trainer's writes hit a file-size limit part-way through load_state_dict: the nvme
+    subgroups written before the failure go back to their committed slots, no hyperparameter is
+    set, and the same checkpoint loads once the disk takes it."""
+    import resource
+    params, opt = _four_nvme_params(nvme_dir)
+    with opt:
+        _grad_step(opt, params, 1)
+        ckpt = copy.deepcopy(opt.state_dict())
+        ckpt["param_groups"][0]["lr"] = 0.5
+        _grad_step(opt, params, 2, which=(0, 1))  # their slots flip, the others' do not
+        host = opt.parts.placement.host
+        assert host.file_slots == [1, 1, 0, 0]
+        before = _snapshot(opt)
+        # a load writes each file's other slot: slot 0 (subgroups 0, 1) is let in, slot 1 is not
+        old = resource.getrlimit(resource.RLIMIT_FSIZE)
+        handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (host.io_bytes, old[1]))
+        try:
+            with pytest.raises(OSError, match=r"(?s)nvme subgroup 2.*File too large.*Nothing was loaded"):
+                opt.load_state_dict(ckpt)
+        finally:
+            resource.setrlimit(resource.RLIMIT_FSIZE, old)
+            signal.signal(signal.SIGXFSZ, handler)
+        assert host.file_slots == [1, 1, 0, 0]
+        assert opt.param_groups[0]["lr"] == 1e-3
+        _assert_state_is(opt, before, "after a failed load")
+        opt.load_state_dict(ckpt)
+        _assert_state_is(opt, ckpt["state"], "loaded")
+        assert opt.param_groups[0]["lr"] == 0.5
+
+
+@pytest.mark.parametrize("how", ["unlink", "rmtree"])
+def test_an_nvme_file_removed_from_outside_keeps_its_state_and_says_so(nvme_dir, how):
+    """A tmp cleaner removes a swap file (or the whole directory): the optimizer's own descriptors
+    still reach it, so training and state_dict() go on bitwise; a warning names the file, the
+    nvme tier and what to do."""
+    params, opt = _four_nvme_params(nvme_dir)
+    twin_params, twin = _four_nvme_params(nvme_dir)
+    with opt, twin:
+        for o, ps in ((opt, params), (twin, twin_params)):
+            _grad_step(o, ps, 1)
+        host = opt.parts.placement.host
+        path = host.swap.file(opt.parts.placement.host_local[1])
+        if how == "unlink":
+            os.unlink(path)
+        else:
+            shutil.rmtree(host.swap.path)
+        with pytest.warns(RuntimeWarning, match="removed or replaced from outside") as rec:
+            for o, ps in ((opt, params), (twin, twin_params)):
+                _grad_step(o, ps, 2)
+            _assert_state_is(opt, _snapshot(twin), "after the file was removed")
+        (msg,) = [str(w.message) for w in rec if path in str(w.message)]  # once per file
+        assert "nvme tier" in msg and "nvme_path" in msg and "tmp cleaners" in msg, msg
+        for a, b in zip(params, twin_params):
+            assert torch.equal(a, b)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from hybrid_opt.distributed import dtensor_like, is_dtensor, is_sharded, local_of, local_shard_of
-from hybrid_opt.placement.plan import DEVICE
+from hybrid_opt.placement.plan import DEVICE, NVME
 
 
 def _master_stands(saved: torch.Tensor, param: torch.Tensor) -> bool:
@@ -147,62 +147,121 @@ def wants_amsgrad(state_dict: dict) -> bool:
     return any(s.get("amsgrad", False) for s in state_dict["param_groups"])
 
 
-def scatter_state(layout, placement, groups: list, state_dict: dict, saved_state: dict, params: list) -> dict:
-    """Loads `saved_state` into the tiers and the saved groups' hyperparameters into
-    `groups`; returns {param index: its saved step count}."""
-    saved_groups = state_dict["param_groups"]
-    for g, s in zip(groups, saved_groups):
-        for k, v in s.items():
-            if k not in ("params", "param_names", "decoupled_weight_decay"):
-                g[k] = v
-    last_sg = {}  # param index -> the last subgroup holding part of it
-    for sg in layout.subgroups:
-        for sl in sg.slices:
-            last_sg[sl.param_index] = sg.index
-    # each param's saved tensors as 1-D, made once (a copy only for a strided tensor) and
-    # kept until its last subgroup is loaded; any device and float dtype: copy_ converts
-    sources: dict = {}
+def saved_hyperparameters(groups: list, state_dict: dict) -> list:
+    """Each group's hyperparameters as the checkpoint has them, to set once its state is loaded."""
+    skip = ("params", "param_names", "decoupled_weight_decay")
+    return [{k: v for k, v in s.items() if k not in skip} for s in state_dict["param_groups"][:len(groups)]]
 
-    def source(idx: int, key: str):
-        if (idx, key) not in sources:
-            p, entry = params[idx], saved_state.get(idx, {})
-            saved_key = "master_param" if key == "master" else key
-            saved = entry.get(saved_key)
-            if is_sharded(p):  # this rank's shard of a DTensor or of a full tensor
-                saved = local_shard_of(saved, p)
-            elif is_dtensor(saved):  # a sharded checkpoint into a plain param
-                saved = saved.full_tensor()
-            p = local_of(p)
-            if key == "master":
-                src = p.detach()
-                # a master stands only while the param is still its rounding: torch carries
-                # our extra key along without updating it, so after training elsewhere the
-                # param itself is the truth (and a load never writes params). Compared on
-                # the param's device: a map_location="cpu" file may load into a CUDA model
-                if saved is not None and _master_stands(saved.to(p.device), src):
-                    src = saved
+
+def _source(param, entry: dict, key: str):
+    """A param's saved tensor for tier key `key` as 1-D (a copy only for a strided tensor or a
+    shard), or None (zeros); the master is the param itself unless the saved one stands."""
+    saved = entry.get("master_param" if key == "master" else key)
+    if is_sharded(param):  # this rank's shard of a DTensor or of a full tensor
+        saved = local_shard_of(saved, param)
+    elif is_dtensor(saved):  # a sharded checkpoint into a plain param
+        saved = saved.full_tensor()
+    p = local_of(param)
+    if key == "master":
+        src = p.detach()
+        # a master stands only while the param is still its rounding: torch carries our extra
+        # key along without updating it, so after training elsewhere the param itself is the
+        # truth (and a load never writes params). Compared on the param's device: a
+        # map_location="cpu" file may load into a CUDA model
+        if saved is not None and _master_stands(saved.to(p.device), src):
+            src = saved
+    else:
+        src = saved
+    return None if src is None else src.reshape(-1)
+
+
+def prepare_sources(layout, params: list, saved_state: dict) -> dict:
+    """{(param index, tier key): its 1-D source or None} for every param a subgroup holds, made
+    before anything is written: what can fail in making them (a shard, a gather, a device) fails
+    while every tier is still as it was, and what is left to write is copies."""
+    keys = ("master", "exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if layout.amsgrad else ())
+    held = sorted({sl.param_index for sg in layout.subgroups for sl in sg.slices})
+    return {(idx, k): _source(params[idx], saved_state.get(idx, {}), k) for idx in held for k in keys}
+
+
+def _fill(st: dict, sg, sources: dict) -> None:
+    """Subgroup `sg`'s state tensors `st` (state_of's keys) take its params' saved elements."""
+    for sl in sg.slices:
+        a, b = sl.sub_offset, sl.sub_offset + sl.numel
+        for k, view in st.items():
+            src = sources[(sl.param_index, k)]
+            if src is None:
+                view[a:b].zero_()
             else:
-                src = saved
-            sources[(idx, key)] = None if src is None else src.reshape(-1)
-        return sources[(idx, key)]
+                view[a:b].copy_(src[sl.param_offset:sl.param_offset + sl.numel])
 
-    with torch.no_grad():
-        for sg in layout.subgroups:
+
+def _blank_state(sg, host, state_format) -> dict:
+    """Zeroed tensors of an nvme subgroup's state (state_of's keys and the tier's dtypes): what
+    a load writes its file from, never reading the file's current contents (a checkpoint is
+    how a corrupt slot is replaced)."""
+    keys = ["master", "exp_avg", "exp_avg_sq"] + (["max_exp_avg_sq"] if host.amsgrad else [])
+    return {k: torch.zeros(sg.numel, dtype=_state_dtype(state_format, k)) for k in keys}
+
+
+def _names(sgs) -> str:
+    return f"subgroups {[sg.index for sg in sgs]} (params {sorted({sl.param_index for sg in sgs for sl in sg.slices})})"
+
+
+def scatter_state(layout, placement, sources: dict) -> None:
+    """Writes the prepared `sources` into the tiers; a failure leaves every subgroup as it was.
+
+    The nvme subgroups go first: a load writes each file's other slot and flips its committed
+    slot (host.load_state), so putting back the slot map (and, with remainders, the params'
+    high halves) undoes it without the old contents ever being read. The resident subgroups
+    (device and host tiers: memory copies from sources already made) go last; should one
+    still fail (an interrupt, a device fault) the nvme subgroups are put back and the error
+    says which resident subgroups took the checkpoint."""
+    tiers, host = placement.plan.tiers, placement.host
+    nvme = [sg for sg in layout.subgroups if tiers[sg.index] == NVME]
+    resident = [sg for sg in layout.subgroups if tiers[sg.index] != NVME]
+    marks = host.file_marks() if nvme else {}
+    highs = {}  # remainder subgroups' params (their masters' high halves) as they were
+    done: list = []
+    try:
+        for sg in nvme:
+            local = placement.host_local[sg.index]
+            if host.remainders[local]:
+                highs[sg.index] = (sg, sg.read().clone())
+            st = _blank_state(sg, host, placement.state_format)
+            _fill(st, sg, sources)
+            host.load_state(local, st["master"], st["exp_avg"], st["exp_avg_sq"], st.get("max_exp_avg_sq"))
+    except BaseException as e:
+        host.restore_file_marks(marks)
+        for sg, high in highs.values():
+            sg.write(high)
+        raise _load_failed(e, f"load_state_dict failed writing nvme subgroup {sg.index}: {e}. Nothing was "
+                              f"loaded: every subgroup, step count and hyperparameter is as before the "
+                              f"call (each nvme file's committed slot was never written)") from e
+    try:
+        for sg in resident:
             st = placement.state_of(sg)
-            for sl in sg.slices:
-                a, b = sl.sub_offset, sl.sub_offset + sl.numel
-                for k, view in st.items():
-                    src = source(sl.param_index, k)
-                    if src is None:
-                        view[a:b].zero_()
-                    else:
-                        view[a:b].copy_(src[sl.param_offset:sl.param_offset + sl.numel])
-            for sl in sg.slices:
-                if last_sg[sl.param_index] == sg.index:
-                    for k in st:
-                        sources.pop((sl.param_index, k), None)
+            _fill(st, sg, sources)
             placement.load(sg, st)  # remainders: encoded back
-    return {idx: int(float(st["step"])) for idx, st in saved_state.items() if "step" in st}
+            done.append(sg)
+    except BaseException as e:
+        if nvme:
+            host.restore_file_marks(marks)
+            for sg_, high in highs.values():
+                sg_.write(high)
+        rest = [s for s in resident if s not in done]
+        raise _load_failed(e, f"load_state_dict failed loading subgroup {sg.index} ({tiers[sg.index]} "
+                              f"tier): {e}. {_names(done)} already hold the checkpoint's state; "
+                              f"{_names(rest)}{' and the nvme tier' * bool(nvme)} are as before the "
+                              f"call, as are the step counts and hyperparameters: call "
+                              f"load_state_dict again") from e
+
+
+def _load_failed(e: BaseException, message: str) -> BaseException:
+    if not isinstance(e, Exception):  # KeyboardInterrupt and the like: as it is
+        return e
+    from hybrid_opt.placement import restated
+    return restated(e, message)
 
 
 def looks_like_state_init_step(layout, decoupled: bool) -> bool:
@@ -248,7 +307,11 @@ def load(parts, state_dict: dict, torch_state) -> None:
         except BaseException:
             layout.set_amsgrad(False)  # the tiers are as they were (moves.py): so is the layout
             raise
-    steps = scatter_state(layout, placement, layout.param_groups, state_dict, saved, params)
+    hyper = saved_hyperparameters(layout.param_groups, state_dict)
+    scatter_state(layout, placement, prepare_sources(layout, params, saved))
+    for g, h in zip(layout.param_groups, hyper):  # set once the state stands: a failed load keeps them
+        g.update(h)
+    steps = {idx: int(float(st["step"])) for idx, st in saved.items() if "step" in st}
     # each param's step count, torch's state mirror made again, this rank back in step
     parts.ledger.loaded(torch_state, steps)
     parts.guard.record()  # with remainders a load writes the params' high halves

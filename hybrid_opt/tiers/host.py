@@ -9,6 +9,7 @@ close(). HostTier owns parts, each owning its state and reached through its publ
     host_step.py  HostStepping: speculation, validation, commit and rollback (the speculation
                   protocol); FileSlots: each nvme file's committed slot and CRCs
     inputs.py     StepInputs: what a step's result depends on
+    nvme_files.py NvmeFiles: the trainer's descriptors of the nvme files (open for its lifetime)
 """
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ from hybrid_opt.tiers.arena_plan import (DEFAULT_SLOT_NUMEL, MAX_STAGING_SLOTS, 
 from hybrid_opt.tiers.compressed import StateBanks, _independent_moment_dtypes, check_params
 from hybrid_opt.tiers.host_step import FileSlots, HostStepping, _Speculation  # noqa: F401
 from hybrid_opt.tiers.inputs import StepInputs, _with_step  # noqa: F401
+from hybrid_opt.tiers.nvme_files import NvmeFiles
 from hybrid_opt.worker.client import CoreSplit, WorkerClient
 
 
@@ -137,10 +139,12 @@ class HostTier:
                       populate_later=later)  # the worker maps these in the background
         self._files = FileSlots(n)          # nvme: the committed slot of each subgroup's file
         self._aio = None                    # the trainer's own engine (load_state / state)
+        self._fds = None                    # nvme: the trainer's descriptors (nvme_files.py)
         if has_nvme:
             # made after the shared memory (sizing it can fail: RLIMIT_FSIZE, a full /dev/shm)
             # and filled inside the try below, so a failed constructor leaves no directory behind
             self.swap = SwapDir(nvme_path)
+            self._fds = NvmeFiles(self.swap)
             layout["nvme"] = dict(dir=self.swap.path, io_bytes=self.io_bytes, threads=nvme_threads)
         self.client = WorkerClient(self.arena, layout, cores=self.cores.worker or None,
                                    timeout_s=timeout_s)
@@ -159,6 +163,7 @@ class HostTier:
             for sg in range(n):
                 if self.nvme[sg]:
                     self.swap.create(sg, 2 * self.io_bytes)
+                    self._fds.open(sg)
             # the worker's start-up (an interpreter, its imports) overlaps reserving the arena's
             # pages (fallocate: most of construction, ~0.2 s per GB here)
             self.client.launch()
@@ -216,6 +221,8 @@ class HostTier:
         if self._aio is None:
             from cpu_kernels.aio import AioEngine
             self._aio = AioEngine(threads=2, queue_depth=8)
+            for sg, fd in self._fds.items():
+                self._aio.register(fd, self.swap.file(sg))  # its errors name the file
         return self._aio
 
     def _borrow_bank(self) -> int:
@@ -230,21 +237,53 @@ class HostTier:
             raise
         return banks[0]
 
-    def _swap_file(self, sg: int, bank: int, slot: int, write: bool) -> int:
-        """Trainer-side swap of one slot (load_state, state, checkpoints); returns its CRC32C."""
+    def _swap_file(self, sg: int, bank: int, slot: int, write: bool, buf=None) -> int:
+        """Trainer-side swap of one slot (load_state, state, checkpoints) through `bank` (or the
+        aligned buffer `buf`); returns its CRC32C."""
         from cpu_kernels.aio import AioError
-        eng = self._engine()
-        fd = eng.open(self.swap.file(sg), "r+")
-        addr = self._banks.state_block(bank).data_ptr()
+        eng, fd = self._engine(), self._fds.fd(sg)
+        self._fds.check(sg)
+        addr = self._banks.state_block(bank).data_ptr() if buf is None else buf
         try:
             rid = (eng.submit_write if write else eng.submit_read)(fd, addr, self.io_bytes,
                                                                    slot * self.io_bytes, checksum=True)
             (res,) = eng.wait([rid], timeout_s=self.client.timeout_s)
         except AioError as e:
             raise OSError(e.errno, f"nvme subgroup {sg}: {e}") from e
-        finally:
-            eng.close_fd(fd)
         return res.crc
+
+    def file_marks(self) -> dict:
+        """{nvme subgroup: (its committed slot, that slot's CRC32C)}: with restore_file_marks,
+        how a load into the files is undone (load_state writes the other slot only)."""
+        return {sg: (self._files.slot(sg), self._files.crc(sg, self._files.slot(sg)))
+                for sg in range(len(self.numels)) if self.nvme[sg]}
+
+    def restore_file_marks(self, marks: dict) -> None:
+        """Each nvme subgroup's committed slot as file_marks() found it: its state as it was
+        then, provided only load_state wrote since (its write leaves that slot untouched)."""
+        for sg, (slot, crc) in marks.items():
+            self._files.commit(sg, slot, crc)
+
+    def unreadable(self) -> dict:
+        """{nvme subgroup: why} of each whose committed slot does not read back whole and
+        checksum-verified now (after a failed step: stepping again would fail the same way).
+        Read into a buffer of its own: no bank, and a pending step only writes the other slot."""
+        from cpu_kernels.aio import aligned_buffer
+        bad, buf = {}, aligned_buffer(self.io_bytes)
+        try:
+            for sg in range(len(self.numels)):
+                if self.nvme[sg] and not self.closed:
+                    slot = self._files.slot(sg)
+                    try:
+                        crc = self._swap_file(sg, None, slot, write=False, buf=buf)
+                    except OSError as e:
+                        bad[sg] = str(e)
+                        continue
+                    if crc != self._files.crc(sg, slot):
+                        bad[sg] = f"checksum mismatch in slot {slot}"
+        finally:
+            buf.close()
+        return bad
 
     def state(self, sg: int) -> dict:
         """The committed state of `sg`: views for a resident subgroup, copies read (and
@@ -436,6 +475,8 @@ class HostTier:
             self.cores.restore()
             if self._aio is not None:
                 self._aio.close()
+            if self._fds is not None:
+                self._fds.close()
             if self.swap is not None:
                 self.swap.remove()
             self.arena.close()

@@ -1,0 +1,66 @@
+"""The trainer's own descriptors of a host tier's nvme files, open for the tier's lifetime.
+
+The worker reads and writes each file through descriptors it opened once; the trainer's reads
+and writes (load_state, state: checkpoints) go through these, opened once at construction,
+not by path at each call. A file removed from outside (a tmp cleaner) or replaced then stays
+one file for both: nothing is lost while the optimizer lives, and `check` warns, once per
+file, naming it and what to do. Opened as cpu_kernels.aio opens files: O_DIRECT, or buffered
+where the filesystem refuses it (both sides then share the page cache: still coherent).
+"""
+from __future__ import annotations
+
+import errno
+import os
+import warnings
+
+
+class NvmeFiles:
+    """{subgroup: its file's descriptor}, for a SwapDir's files."""
+
+    def __init__(self, swap):
+        self.swap = swap
+        self._fds: dict = {}
+        self._gone: set = set()  # files found removed or replaced (warned once)
+
+    def open(self, sg: int) -> int:
+        path, flags = self.swap.file(sg), os.O_RDWR | os.O_CLOEXEC
+        direct = getattr(os, "O_DIRECT", 0)
+        try:
+            fd = os.open(path, flags | direct)
+        except OSError as e:
+            if not direct or e.errno != errno.EINVAL:
+                raise
+            fd = os.open(path, flags)  # the worker's engine warns of a buffered file once
+        self._fds[sg] = fd
+        return fd
+
+    def fd(self, sg: int) -> int:
+        return self._fds[sg]
+
+    def items(self):
+        return self._fds.items()
+
+    def check(self, sg: int) -> None:
+        """Warns, once per file, when `sg`'s file is no longer at its path."""
+        if sg in self._gone:
+            return
+        path = self.swap.file(sg)
+        try:
+            same = os.path.samestat(os.stat(path), os.fstat(self._fds[sg]))
+        except FileNotFoundError:
+            same = False
+        if not same:
+            self._gone.add(sg)
+            warnings.warn(
+                f"nvme state file {path} (subgroup {sg}'s, in this optimizer's nvme tier under "
+                f"nvme_path {self.swap.root}) was removed or replaced from outside this process "
+                f"(a tmp cleaner such as systemd-tmpfiles or tmpreaper?). Its state is still read "
+                f"and written through the descriptors the optimizer holds open, so nothing is "
+                f"lost yet; but a restarted worker cannot reopen it, and its disk space is freed "
+                f"only at close(). Save a checkpoint now (state_dict()) and keep nvme_path out of "
+                f"tmp cleaners", RuntimeWarning, stacklevel=2)
+
+    def close(self) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
