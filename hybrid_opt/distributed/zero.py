@@ -299,7 +299,10 @@ class ZeroSharding:
             arrived.clear()
             self._fired.add(b.index)
             self._issue_in_order()
-        self.poll()
+        # release_grads: p's own bucket is not delivered (its full grads released) from p's hook:
+        # the hooks registered on p after ours have not run yet, and an in-place edit of theirs
+        # must land on the grad whose version the reduction noted, not on a placeholder
+        self.reduction.poll(hold=b if self.release.enabled else None)
 
     def _end_of_backward(self) -> None:
         """The autograd engine's callback at the end of a backward that reduced: the buckets
