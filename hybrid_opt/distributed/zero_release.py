@@ -34,6 +34,10 @@ What that changes for users:
   before the last (they reduce nothing and keep their full grads; the boundary backward
   reduces the sum once and releases it). zero_grad() between backward and step() is not seen
   (p.grad is None already): call step() after each reducing backward.
+- zero_grad(set_to_none=False) keeps no zero grad for a released param (p.grad is None after
+  step()): a param that no rank uses at the next step is not stepped, where torch steps it from
+  its zero grad (docs/distributed.md; telling this part of that zero_grad needs the optimizer's
+  zero_grad to call in: not done).
 """
 from __future__ import annotations
 
