@@ -414,33 +414,34 @@ def test_process_group_gathers_start_as_their_buckets_commit(zero_trained):
 
 def test_process_group_waits_on_cuda_are_the_streams_not_the_hosts():
     """On CUDA our collectives are waited for without a timeout — the current stream waits
-    (NCCL's wait with a timeout blocks the host until the collective is done); elsewhere with
-    the WAIT_S bound. (The wait itself on NCCL needs a GPU: not run here.)"""
+    (NCCL's wait with a timeout blocks the host until the collective is done); elsewhere
+    bounded by the group's timeout. (The wait itself on NCCL needs a GPU: not run here.)"""
     import datetime
-    from hybrid_opt.distributed.zero import WAIT_S, wait_collective
+    from hybrid_opt.distributed.zero import wait_collective
+    timeout = datetime.timedelta(seconds=7)
     calls = []
 
     class Work:
         def wait(self, **kw):
             calls.append(kw)
             return True
-    wait_collective(Work(), "a reduction", True)
-    wait_collective(Work(), "a reduction")
-    assert calls == [{}, {"timeout": datetime.timedelta(seconds=WAIT_S)}]
+    wait_collective(Work(), "a reduction", timeout, True)
+    wait_collective(Work(), "a reduction", timeout)
+    assert calls == [{}, {"timeout": timeout}]
 
 
 def test_process_group_failed_wait_names_its_bound():
-    """A failed wait's message names the bound that applied: WAIT_S on gloo; on CUDA (no
-    timeout passed: the stream waits) the process group's timeout, never WAIT_S."""
-    from hybrid_opt.distributed.zero import WAIT_S, wait_collective
+    """A failed wait's message names the bound that applied: the process group's timeout, on
+    gloo the host's wait, on CUDA (no timeout passed: the stream waits) NCCL's watchdog."""
+    import datetime
+    from hybrid_opt.distributed.zero import wait_collective
 
     class Failed:
         def wait(self, **kw):
             raise RuntimeError("NCCL communicator was aborted")
-    with pytest.raises(RuntimeError, match=r"within the process group's timeout or failed"):
-        wait_collective(Failed(), "a reduction", True)
-    with pytest.raises(RuntimeError, match=rf"within {WAIT_S:.0f} s or failed"):
-        wait_collective(Failed(), "a reduction")
+    for cuda in (True, False):
+        with pytest.raises(RuntimeError, match=r"within the process group's timeout \(7 s\) or failed"):
+            wait_collective(Failed(), "a reduction", datetime.timedelta(seconds=7), cuda)
 
 
 @pytest.mark.gpu

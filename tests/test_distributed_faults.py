@@ -181,6 +181,32 @@ def test_torchrun_two_nodes_on_localhost_matches_single_process(tmp_path):
         assert ranks[0][names[0]]["worker_cpus"] == ranks[1][names[0]]["worker_cpus"]
 
 
+ZERO_TIMEOUT_S = 5  # zero_timeout.py's default group timeout
+
+
+@pytest.fixture(scope="module")
+def zero_timeouts(tmp_path_factory):
+    out = tmp_path_factory.mktemp("zero_timeout")
+    return launch("zero_timeout.py", str(out), ZERO_TIMEOUT_S, timeout_s=120)
+
+
+def test_process_group_mode_waits_for_the_users_timeout_not_a_fixed_bound(zero_timeouts):
+    """process_group mode's own group and each of its waits take the timeout of the group the
+    user gave: a 5 s default group fails rank 1's reduction about 5 s into the backward its peer
+    is late for (it waited without error before: its group had gloo's 30 min, each wait a fixed
+    300 s), and a 2 h group is not cut to 300 s."""
+    for res in zero_timeouts:
+        assert res["long"]["group_s"] == res["long"]["wait_s"] == 2 * 3600, res["long"]
+        assert res["long"]["error"] is None and res["long"]["steps"] == 2, res["long"]
+        assert res["short"]["group_s"] == res["short"]["wait_s"] == ZERO_TIMEOUT_S, res["short"]
+    late = zero_timeouts[1]["short"]
+    assert late["steps"] == 1 and late["error"] == "RuntimeError", late
+    assert f"within the process group's timeout ({ZERO_TIMEOUT_S} s)" in late["message"], late["message"]
+    # a loaded 2-core machine: the wait starts once backward has run its hooks
+    assert 0.8 * ZERO_TIMEOUT_S <= late["seconds"] <= ZERO_TIMEOUT_S + NO_HANG_S, late["seconds"]
+    assert zero_timeouts[0]["short"]["steps"] == 1 and zero_timeouts[0]["short"]["error"] is not None
+
+
 def test_agree_in_one_process_is_the_local_decision_or_the_local_failure():
     """Without a world (no torch.distributed group) there is no collective: the decision is
     the rank's own values, and a failure is raised as is (the one-process behaviour)."""

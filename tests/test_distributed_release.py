@@ -17,7 +17,8 @@ pytestmark = DIST_MARKS
 NAMES = ("base", "release", "window1", "window1_overlap", "window1_rs", "window1_ar_overlap",
          "release_window1_overlap", "scaler",
          "release_scaler", "accumulate", "release_accumulate", "release_two_backwards",
-         "release_grad_set", "release_zero_grad_keep")
+         "release_grad_set", "release_zero_grad_keep", "late_edit_half", "release_late_edit_half",
+         "late_edit_inf", "release_late_edit_inf")
 
 
 @pytest.fixture(scope="module")
@@ -97,3 +98,19 @@ def test_a_grad_given_to_a_released_param_is_refused_on_every_rank(runs):
         assert r["error"] == "GradsEditedError" and r["failed_at"] == 1, r
         assert "release_grads=True" in r["message"] and "Nothing was stepped" in r["message"]
         assert len(r["params"]) == 1
+
+
+@pytest.mark.parametrize("how", ["half", "inf"])
+def test_an_edit_in_a_hook_after_the_reduction_read_the_grad_is_refused_with_released_grads(runs, how):
+    """A user's grad hook registered after the optimizer's edits rank 1's grad once its
+    reduction has read it (halves it; or writes an inf, GradScaler attached): refused as with
+    release_grads=False — GradsEditedError on rank 1, PeerStepFailed on rank 0, nothing stepped.
+    The released grad's version was overwritten by its placeholder's before: the halving was
+    silently ignored, and the inf lost (the step taken, the scale kept)."""
+    for rank, res in enumerate(runs):
+        for name in (f"late_edit_{how}", f"release_late_edit_{how}"):
+            r = res[name]
+            assert r["error"] == ("GradsEditedError" if rank == 1 else "PeerStepFailed"), (rank, name, r["message"])
+            assert r["failed_at"] == 1 and len(r["params"]) == 1, (rank, name)
+            if rank == 1:
+                assert "changed in place after backward" in r["message"], r["message"]

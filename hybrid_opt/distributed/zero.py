@@ -78,7 +78,7 @@ from hybrid_opt import distributed as D
 from hybrid_opt.distributed.zero_counts import GradCounts
 from hybrid_opt.distributed.zero_edits import GradEdits, GradReads
 from hybrid_opt.distributed.zero_gather import ParamGather
-from hybrid_opt.distributed.zero_group import WAIT_S, Collectives, wait_collective  # noqa: F401 (re-exported)
+from hybrid_opt.distributed.zero_group import Collectives, group_timeout, wait_collective  # noqa: F401 (re-exported)
 from hybrid_opt.distributed.zero_pool import CommWindow
 from hybrid_opt.distributed.zero_reduce import GradReduction
 from hybrid_opt.distributed.zero_release import GradRelease
@@ -87,7 +87,6 @@ from hybrid_opt.distributed.zero_release import GradRelease
 # (zero_pool.py), so this sizes the window; a larger param is a bucket of its own, reduced
 # straight from p.grad into its chunk (zero_reduce.py)
 BUCKET_NUMEL = 1 << 19
-# WAIT_S (zero_group.py): the bound on each wait for a collective (a peer rank that died)
 # which collectives carry a bucket: None picks by backend — gloo "all_to_all" (each rank's
 # segment sent to its owner by all_to_all_single and summed there, in rank order; params sent
 # back by one broadcast per rank from the chunk's owner, at 2 ranks one all_to_all_single),
@@ -209,9 +208,12 @@ class ZeroSharding:
         # one) issues its own on the default group from hooks that interleave with ours, in an
         # order that can differ between ranks (find_unused_parameters with a param unused on
         # one rank: gloo reported a collective mismatch); on separate groups the order of each
-        # group's collectives is all that must agree. Collective: every rank builds its optimizer
+        # group's collectives is all that must agree. Collective: every rank builds its optimizer.
+        # Its timeout is the user's group's (new_group's default is torch's, 30 min on gloo),
+        # and so is each wait's bound (zero_group.py)
+        timeout = group_timeout(dist, group, device_type)
         self.group = dist.new_group(ranks=dist.get_process_group_ranks(group),
-                                    backend=dist.get_backend(group))
+                                    backend=dist.get_backend(group), timeout=timeout)
         spec = ZeroSpec(self.mesh, rank, world, weakref.ref(self))
         registry, _ = D._zero_maps()
         for p in params:
@@ -240,7 +242,7 @@ class ZeroSharding:
         if kind not in _KINDS:
             raise ValueError(f"hybrid_opt.distributed.zero.COLLECTIVES must be None or one of {_KINDS}, got {kind!r}")
         # the kind is fixed per backend: the same on every rank
-        self.comm = Collectives(dist, self.group, rank, world, kind)
+        self.comm = Collectives(dist, self.group, rank, world, kind, timeout)
         self.reads = GradReads()   # the grad each reduction read, and its version (zero_edits.py)
         self.release = GradRelease(self.buckets, self.reads, release_grads)
         self.counts = GradCounts(rank, world, self.reads, self.release)
@@ -299,7 +301,10 @@ class ZeroSharding:
             arrived.clear()
             self._fired.add(b.index)
             self._issue_in_order()
-        self.poll()
+        # release_grads: p's own bucket is not delivered (its full grads released) from p's hook:
+        # the hooks registered on p after ours have not run yet, and an in-place edit of theirs
+        # must land on the grad whose version the reduction noted, not on a placeholder
+        self.reduction.poll(hold=b if self.release.enabled else None)
 
     def _end_of_backward(self) -> None:
         """The autograd engine's callback at the end of a backward that reduced: the buckets

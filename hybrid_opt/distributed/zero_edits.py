@@ -60,17 +60,36 @@ class GradReads:
     """Which grad object each param's reduction last read, and that grad's `_version` then
     (owned by ZeroSharding, noted by the parts that hand a reduction or a step a grad): a grad
     replaced by a new object since is reduced again (zero.py finish), one changed in place is
-    refused (GradEdits)."""
+    refused (GradEdits). release_grads replaces the grad read by a placeholder once its
+    reduction completes (`released`): what that grad's version had moved by since the read —
+    an edit made while the reduction was in flight, by a grad hook registered after the
+    optimizer's — is carried over to the placeholder, so the step refuses it as it would the
+    full grad's."""
 
     def __init__(self):
-        self._grad: dict = {}  # param id -> the grad tensor object its last reduction read
-        self._at: dict = {}    # param id -> version of the grad object its reduction read
+        self._grad: dict = {}     # param id -> the grad tensor object its last reduction read
+        self._at: dict = {}       # param id -> version of the grad object its reduction read
+        self._carried: dict = {}  # param id -> versions the released full grad had moved by
 
     def note(self, p) -> None:
         """p.grad, as it is now, is what p's reduction read."""
         self._grad[id(p)] = p.grad
+        self._carried.pop(id(p), None)
         if p.grad is not None:
             self._at[id(p)] = p.grad._version
+
+    def released(self, p, placeholder) -> None:
+        """p.grad, still the grad p's reduction read, is being replaced by `placeholder`
+        (zero_release.py): the step reads the placeholder, with the read grad's moves since."""
+        g, then = self._grad.get(id(p)), self._at.get(id(p))
+        moved = g._version - then if g is not None and g is p.grad and then is not None else 0
+        self._grad[id(p)], self._at[id(p)] = placeholder, placeholder._version
+        if moved:
+            self._carried[id(p)] = moved
+
+    def carried(self, p) -> bool:
+        """Whether p's moves include its released full grad's (`released`)."""
+        return id(p) in self._carried
 
     def saw(self, p) -> bool:
         """p.grad is the object p's last reduction read (for a p.grad that is not None)."""
@@ -84,13 +103,15 @@ class GradReads:
             g = p.grad
             if g is None or not self.saw(p) or id(p) not in self._at:
                 continue
-            if g._version != self._at[id(p)]:
-                out.append((p, g._version - self._at[id(p)]))
+            delta = g._version - self._at[id(p)] + self._carried.get(id(p), 0)
+            if delta:
+                out.append((p, delta))
         return out
 
     def clear(self) -> None:
         self._grad.clear()
         self._at.clear()
+        self._carried.clear()
 
 
 # DDP's average (each rank's grad divided by the world, then summed in its own order) and ours
@@ -186,5 +207,8 @@ class GradEdits:
         since its reduction read it, or (`unscaled`) GradScaler.step found it unscaled — or None.
         A step with no moved grad reads nothing; under DDP (every grad moved) one read in all."""
         moved = self._reads.moved(self._params)
-        ddp_like = bool(moved) and all_true([self._equals_average(p) for p, _ in moved])
+        # a released grad's edit (GradReads.released) is never DDP's write: DDP writes at the end
+        # of backward, and its averages were not there to compare when the grad was dropped
+        ddp_like = (bool(moved) and not any(self._reads.carried(p) for p, _ in moved)
+                    and all_true([self._equals_average(p) for p, _ in moved]))
         return edit_error(moved, ddp_like, unscaled)

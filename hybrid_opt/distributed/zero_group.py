@@ -2,24 +2,41 @@
 rank of the world, which collectives carry a bucket (the kind, fixed per backend, and the same
 on every rank), and the bounded wait on each. Every part of ZeroSharding issues its
 collectives through one Collectives: the kind one part falls back to (all_reduce, where a
-backend turns out to lack reduce_scatter_tensor) is the one every part then uses."""
+backend turns out to lack reduce_scatter_tensor) is the one every part then uses.
+
+The bound is the timeout of the process group the user gave (init_process_group(timeout=) for
+the default group, new_group(timeout=) for another): our own group is made with it, and each
+CPU wait is bounded by it, so a 20 s timeout fails in about 20 s and a 2 h one (a long
+evaluation or checkpoint on one rank) is not cut short."""
 from __future__ import annotations
 
 import datetime
 import warnings
 
-WAIT_S = 300.0              # bound on each wait for a collective (a peer rank that died)
 
-
-def wait_collective(work, what: str, cuda: bool = False) -> None:
-    """A collective's completion, bounded. On CUDA the current stream waits for it and the
-    host does not (NCCL's wait with a timeout blocks the CPU until the collective is done);
-    the bound is then the process group's own timeout (NCCL's watchdog)."""
-    # on CUDA WAIT_S bounds nothing: a hang ends at the group's timeout (init_process_group
-    # (timeout=)), where NCCL's watchdog ends the process (TORCH_NCCL_ASYNC_ERROR_HANDLING)
-    bound = "the process group's timeout" if cuda else f"{WAIT_S:.0f} s"
+def group_timeout(dist, group, device_type: str) -> datetime.timedelta:
+    """The timeout `group`'s backend for `device_type` was made with. torch (2.13) has no public
+    getter; its own DeviceMesh reads the backend options' `_timeout` (device_mesh.py), as here.
+    A backend without options (a third-party one) has torch's default for its kind, which is
+    what its group was given unless the user passed one: that default."""
+    import torch
     try:
-        ok = work.wait() if cuda else work.wait(timeout=datetime.timedelta(seconds=WAIT_S))
+        timeout = group._get_backend(torch.device(device_type)).options._timeout
+    except (AttributeError, RuntimeError):
+        timeout = None
+    if not isinstance(timeout, datetime.timedelta):
+        timeout = dist.distributed_c10d._get_default_timeout(dist.get_backend(group))
+    return timeout
+
+
+def wait_collective(work, what: str, timeout: datetime.timedelta, cuda: bool = False) -> None:
+    """A collective's completion, bounded by `timeout` (the group's: group_timeout). On CUDA the
+    current stream waits for it and the host does not (NCCL's wait with a timeout blocks the
+    CPU until the collective is done); the bound is then NCCL's watchdog, at the group's timeout
+    too (TORCH_NCCL_ASYNC_ERROR_HANDLING ends the process)."""
+    bound = f"the process group's timeout ({timeout.total_seconds():.0f} s)"
+    try:
+        ok = work.wait() if cuda else work.wait(timeout=timeout)
     except RuntimeError as e:
         raise RuntimeError(f"process_group: {what} did not complete within {bound} or "
                            f"failed ({e}): a peer rank died or stopped stepping; every rank "
@@ -31,15 +48,17 @@ def wait_collective(work, what: str, cuda: bool = False) -> None:
 
 class Collectives:
     """torch.distributed over our own group: `rank` of `world`, `kind` the collectives that
-    carry a bucket ("all_to_all", "reduce_scatter" or "all_reduce": zero.py COLLECTIVES)."""
+    carry a bucket ("all_to_all", "reduce_scatter" or "all_reduce": zero.py COLLECTIVES),
+    `timeout` the bound on each wait (the user's group's: group_timeout)."""
 
-    def __init__(self, dist, group, rank: int, world: int, kind: str):
+    def __init__(self, dist, group, rank: int, world: int, kind: str, timeout: datetime.timedelta):
         self.dist, self.group = dist, group
         self.rank, self.world = rank, world
         self.kind = kind
+        self.timeout = timeout
 
     def wait(self, work, what: str, cuda: bool = False) -> None:
-        wait_collective(work, what, cuda)
+        wait_collective(work, what, self.timeout, cuda)
 
     def all_to_all(self, out, inp, seg: int) -> list:
         """Each other rank's `seg` elements of `inp` sent to it, theirs received into `out`."""

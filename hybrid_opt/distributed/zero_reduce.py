@@ -175,13 +175,13 @@ class GradReduction:
         self.launches += 1
         self._flights.append(flight)
 
-    def poll(self, wait: bool = False, until=None) -> None:
+    def poll(self, wait: bool = False, until=None, hold=None) -> None:
         """Completes the launched reductions in launch order (all of them when `wait`; with
-        `until`, up to and including that bucket's)."""
+        `until`, up to and including that bucket's; none from bucket `hold` on)."""
         while self._flights:
             f = self._flights[0]
             b = f.bucket
-            if not wait and not all(w.is_completed() for w in f.works):
+            if f.bucket is hold or (not wait and not all(w.is_completed() for w in f.works)):
                 return
             if until is not None and not any(q.bucket is until for q in self._flights):
                 return

@@ -9,7 +9,11 @@ it maps any reduced grad — and at the end of backward the placeholder is hidde
 reads None after backward**, and after step(). step() puts the placeholders back while it
 runs (finish(); the host tier's speculation during backward already read them), so every
 part of the step sees the same grads, versions and chunks as with release_grads=False: the
-same bits (tests/test_distributed_release.py).
+same bits (tests/test_distributed_release.py). An in-place edit of a full grad after its
+reduction read it (a grad hook registered after the optimizer's) is carried over to its
+placeholder when it is released (GradReads.released), so it is refused as with False; a
+param's own bucket is not delivered from its own hook (zero.py _on_grad), so the hooks after
+ours still edit the full grad.
 
 What that changes for users:
 - nothing is left to clip after backward: `clip_grad_norm_` sees no grads (returns 0, changes
@@ -30,6 +34,10 @@ What that changes for users:
   before the last (they reduce nothing and keep their full grads; the boundary backward
   reduces the sum once and releases it). zero_grad() between backward and step() is not seen
   (p.grad is None already): call step() after each reducing backward.
+- zero_grad(set_to_none=False) keeps no zero grad for a released param (p.grad is None after
+  step()): a param that no rank uses at the next step is not stepped, where torch steps it from
+  its zero grad (docs/distributed.md; telling this part of that zero_grad needs the optimizer's
+  zero_grad to call in: not done).
 """
 from __future__ import annotations
 
@@ -64,8 +72,8 @@ class GradRelease:
         """p.grad (reduced, its chunk about to be mapped) replaced by a placeholder; the full
         grad is referenced nowhere else any more, so it is freed."""
         ph = self.placeholder(p)
+        self._reads.released(p, ph)  # an edit of the full grad since its read is kept (zero_edits.py)
         p.grad = ph
-        self._reads.note(p)
         self._released[id(p)] = (p, ph)
         return ph
 

@@ -27,9 +27,33 @@ CONFIGS = {
     "release_two_backwards": (dict(release_grads=True), None, "two_backwards"),
     "release_grad_set": (dict(release_grads=True), None, "grad_set"),
     "release_zero_grad_keep": (dict(release_grads=True), None, "zero_grad_keep"),
+    "late_edit_half": (dict(), None, "late_edit_half"),
+    "release_late_edit_half": (dict(release_grads=True), None, "late_edit_half"),
+    "late_edit_inf": (dict(), None, "late_edit_inf"),
+    "release_late_edit_inf": (dict(release_grads=True), None, "late_edit_inf"),
 }
 PATHS = {"window1_rs": "reduce_scatter", "window1_ar_overlap": "all_reduce"}
 OVERFLOW_STEP = 1
+LATE_EDIT_STEP = 1
+
+
+class LateEdit:
+    """A user's post-accumulate-grad hook on the first param registered after the optimizer's:
+    it runs once that param's bucket reduction has been launched from the grad (the edit is
+    then one the reduction did not read: refused), and edits rank 1's grad at LATE_EDIT_STEP —
+    halves it ("half") or writes an inf into it ("inf", an overflow a GradScaler must not lose)."""
+
+    def __init__(self, param, rank: int, how: str):
+        self.step, self.rank, self.how = None, rank, how
+        param.register_post_accumulate_grad_hook(self._hook)
+
+    def _hook(self, p) -> None:
+        if self.step == LATE_EDIT_STEP and self.rank == 1:
+            with torch.no_grad():
+                if self.how == "half":
+                    p.grad.mul_(0.5)
+                else:
+                    p.grad.view(-1)[0] = float("inf")
 
 
 def _storage_bytes(tensors) -> int:
@@ -56,13 +80,16 @@ def run(name: str, rank: int, world: int, tmp: str) -> dict:
     try:
         opt = HybridAdamW(params, lr=C.LR, weight_decay=0.01, max_grad_norm=1.0, subgroup_numel=32,
                           offload_fraction=0.5, process_group=dist.group.WORLD, **hybrid)
+        late = LateEdit(params[0], rank, case.rsplit("_", 1)[1]) if str(case).startswith("late_edit") else None
         scaler = None
-        if case == "overflow":
+        if case in ("overflow", "late_edit_inf"):
             scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8)
             opt.attach_grad_scaler(scaler)
         out["slots"] = list(opt.parts.sharding.window.slot_counts().values())
         for i, x in enumerate(C.batches()):
             opt.zero_grad(set_to_none=case != "zero_grad_keep")
+            if late is not None:
+                late.step = i
             local = C.local_batch(x, rank, world)
             if overflow is not None and i == OVERFLOW_STEP and rank == 1:
                 overflow.arm()  # an inf in rank 1's local grad only
