@@ -171,12 +171,15 @@ class Failure(NamedTuple):
 
 
 def failure_of(owner: str, e: BaseException, where: str | None, host_steps: dict, committed: set,
-               device_work: list, done: list, unsure: list, world: int, sharded: bool) -> Failure:
+               device_work: list, done: list, unsure: list, world: int, sharded: bool,
+               unreadable=None) -> Failure:
     """The accounting of a step that failed with `e` (module docstring), and the error to
     raise, explained. host_steps: {subgroup index: HostWork} of the host/nvme tiers
     (step_work.py), `committed` those that committed; device_work: the device tier's
     DeviceWork entries, `done` / `unsure` the positions written / maybe written. where: the
-    failing tier, None for input refused."""
+    failing tier, None for input refused. unreadable: () -> the subgroups and params whose
+    committed nvme slot no longer reads back (a label, or None), asked only when nothing was
+    stepped: then stepping again would fail the same way."""
     total: dict = {}
     stepped: dict = {}
     for w in host_steps.values():
@@ -196,7 +199,13 @@ def failure_of(owner: str, e: BaseException, where: str | None, host_steps: dict
     # subgroup, too) every count and the step's scalars
     untouched = [i for i in total if not stepped.get(i, 0) and i not in maybe]
     nothing = not whole and not torn
-    if nothing:
+    bad = unreadable() if nothing and where is not None and unreadable is not None else None
+    if bad:
+        what = (f"Nothing was stepped (state and step counts are the previous step's), but the "
+                f"committed state of {bad} no longer reads back from its nvme file, so step() would "
+                f"fail the same way: load a checkpoint with load_state_dict() (it rewrites those "
+                f"files without reading them), then step again.")
+    elif nothing:
         what = NOTHING_STEPPED
     else:
         what = (f"The step was partly applied: parameters {whole} were stepped (their step "

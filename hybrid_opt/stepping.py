@@ -15,7 +15,7 @@ from hybrid_opt import distributed as D
 from hybrid_opt.distributed import rank_faults as RF
 from hybrid_opt.state.checkpoint import looks_like_state_init_step
 from hybrid_opt.placement.plan import DEVICE
-from hybrid_opt.step_failures import NOTHING_STEPPED, failure_of
+from hybrid_opt.step_failures import failure_of
 from hybrid_opt.step_work import DeviceWork, HostWork
 from hybrid_opt.tiers.device import read_scalars
 
@@ -279,9 +279,7 @@ def fail(parts, call: StepCall, e: BaseException, where, host_steps: dict, commi
     step did not touch (step_failures.py)."""
     world = D.world_size()
     f = failure_of(call.owner, e, where, host_steps, committed, device_work, done, unsure, world,
-                   parts.sharding.active)
-    if f.nothing_stepped and where is not None and isinstance(e, Exception):
-        f = f._replace(error=_unreadable_said(parts, f.error))
+                   parts.sharding.active, lambda: _unreadable(parts) if isinstance(e, Exception) else None)
     parts.ledger.put_back(undo, f.untouched, f.nothing_stepped)
     parts.ledger.sync_torch_state(call.torch_state)
     parts.guard.record()  # what was stepped was written by the step, not the user
@@ -299,23 +297,18 @@ def fail(parts, call: StepCall, e: BaseException, where, host_steps: dict, commi
     raise f.error from e
 
 
-def _unreadable_said(parts, error: Exception) -> Exception:
-    """`error`, its advice to step again replaced where the failure is an nvme file whose
-    committed slot no longer reads back (corrupt, cut short): stepping again cannot mend it."""
+def _unreadable(parts) -> str | None:
+    """'subgroups [..] (params [..])' whose committed nvme slot no longer reads back (corrupt,
+    cut short), or None: stepping again cannot mend those."""
     host = parts.placement.host
     if host is None or host.swap is None or host.closed:
-        return error
+        return None
     bad = host.unreadable()
     if not bad:
-        return error
+        return None
     index_of = {k: i for i, k in parts.placement.host_local.items()}
     sgs = [parts.layout.subgroups[index_of[k]] for k in sorted(bad)]
-    params = sorted({sl.param_index for sg in sgs for sl in sg.slices})
-    advice = (f"Nothing was stepped (state and step counts are the previous step's), but the "
-              f"committed state of subgroups {[sg.index for sg in sgs]} (params {params}) no longer "
-              f"reads back from its nvme file, so step() would fail the same way: load a checkpoint "
-              f"with load_state_dict() (it rewrites those files without reading them), then step again.")
-    return type(error)(str(error).replace(NOTHING_STEPPED, advice))
+    return f"subgroups {[sg.index for sg in sgs]} (params {sorted({sl.param_index for sg in sgs for sl in sg.slices})})"
 
 
 def record_step(parts, times: tuple, host_steps: dict, device_work: list, norm, clip, marks: tuple) -> None:
