@@ -18,6 +18,7 @@ from hybrid_opt.placement.plan import DEVICE
 from hybrid_opt.step_failures import failure_of
 from hybrid_opt.step_work import DeviceWork, HostWork
 from hybrid_opt.tiers.device import read_scalars
+from hybrid_opt.tiers.host_io import TornState
 
 
 class StepCall(NamedTuple):
@@ -278,8 +279,15 @@ def fail(parts, call: StepCall, e: BaseException, where, host_steps: dict, commi
     """Raises `e` explained, after putting back the step count of every parameter the failed
     step did not touch (step_failures.py)."""
     world = D.world_size()
-    f = failure_of(call.owner, e, where, host_steps, committed, device_work, done, unsure, world,
+    torn = _torn_subgroups(parts, e, host_steps)
+    # a subgroup an in-place step may have torn counts as stepped (its params' counts advance,
+    # the step's scalars stand): only a checkpoint restores it
+    f = failure_of(call.owner, e, where, host_steps, committed | torn, device_work, done, unsure, world,
                    parts.sharding.active)
+    if torn:
+        notes = RF.OUT_OF_STEP_NOTE * (world > 1) + RF.ZERO_PARAMS_NOTE * parts.sharding.active
+        f = f._replace(error=_torn_error(call.owner, e, where, host_steps, committed, torn,
+                                         device_work, notes))
     parts.ledger.put_back(undo, f.untouched, f.nothing_stepped)
     parts.ledger.sync_torch_state(call.torch_state)
     parts.guard.record()  # what was stepped was written by the step, not the user
@@ -293,6 +301,35 @@ def fail(parts, call: StepCall, e: BaseException, where, host_steps: dict, commi
         # collectives still pair in order and its next step() stops every rank
         RF.quietly(lambda: gather_params(parts, call.overlap), f.error)
     raise f.error from e
+
+
+def _torn_subgroups(parts, e: BaseException, host_steps: dict) -> set:
+    """The subgroups of this step (layout indices) that rollback='inverse' in-place steps,
+    cut short, may have torn: the host tier names them (TornState)."""
+    if not isinstance(e, TornState):
+        return set()
+    index_of = {k: i for i, k in parts.placement.host_local.items()}
+    return {index_of[k] for k in e.subgroups if index_of.get(k) in host_steps}
+
+
+def _torn_error(owner: str, e, where, host_steps: dict, committed: set, torn: set,
+                device_work: list, notes: str) -> RuntimeError:
+    """failure_of's error for a step the host tier may have torn: the params wholly in
+    committed subgroups were stepped, those touching a torn one (or committed only in part)
+    may be torn, the rest (the device tier's included: it steps after) untouched."""
+    subgroups: dict = {}
+    for w in host_steps.values():
+        for sl in w.live:
+            subgroups.setdefault(sl.param_index, set()).add(w.sg.index)
+    for w in device_work:
+        subgroups.setdefault(w.slice.param_index, set()).add(None)  # never stepped here
+    whole = sorted(i for i, s in subgroups.items() if s <= committed)
+    maybe = sorted(i for i, s in subgroups.items() if s & torn or (s & committed and not s <= committed))
+    stepped = f"parameters {whole} were stepped (their step counts advanced), " if whole else ""
+    what = (f"The step was partly applied: {stepped}parameters {maybe} may be torn (their in-place "
+            f"steps were cut short; their step counts advanced), the others not (state and step "
+            f"counts as before). Reload a checkpoint: stepping again would step the stepped ones twice.")
+    return RuntimeError(f"{owner}.step() failed in {where}: {e}\n{what}{notes}")
 
 
 def record_step(parts, times: tuple, host_steps: dict, device_work: list, norm, clip, marks: tuple) -> None:
