@@ -378,7 +378,7 @@ def test_a_worker_that_does_not_answer_fails_one_step_and_is_replaced():
         assert all(torch.equal(a, b) for a, b in zip(_params(t.model), params))
         t0 = time.monotonic()
         t.backward()
-        assert time.monotonic() - t0 < 0.5
+        assert time.monotonic() - t0 < 2.0  # it waited the timeout once per subgroup (12 s)
         _assert_state_equal(_state(t.ours), state)  # state_dict() works, the state is intact
         t.ours.step()
         t.others_step()

@@ -586,7 +586,7 @@ def test_a_worker_that_does_not_answer_is_killed_replaced_and_named(rollback):
         t0 = time.monotonic()
         for sg, g in enumerate(grads):  # backward's speculation of the retried step
             assert tier.speculate(sg, g, inputs(1), replace=True)
-        assert time.monotonic() - t0 < 0.5
+        assert time.monotonic() - t0 < 0.9  # less than one timeout: nothing waited one out
         assert set(tier.finish({sg: (g, inputs(1)) for sg, g in enumerate(grads)}).values()) == {"committed"}
         if rollback == "exact":  # the committed state survived: the retried step is the direct one
             for s, g in zip(states, grads):
