@@ -172,33 +172,38 @@ class Failure(NamedTuple):
 
 def failure_of(owner: str, e: BaseException, where: str | None, host_steps: dict, committed: set,
                device_work: list, done: list, unsure: list, world: int, sharded: bool,
-               unreadable=None) -> Failure:
+               unreadable=None, cut: set = frozenset()) -> Failure:
     """The accounting of a step that failed with `e` (module docstring), and the error to
     raise, explained. host_steps: {subgroup index: HostWork} of the host/nvme tiers
     (step_work.py), `committed` those that committed; device_work: the device tier's
     DeviceWork entries, `done` / `unsure` the positions written / maybe written. where: the
     failing tier, None for input refused. unreadable: () -> the subgroups and params whose
     committed nvme slot no longer reads back (a label, or None), asked only when nothing was
-    stepped: then stepping again would fail the same way."""
+    stepped: then stepping again would fail the same way. cut: the host subgroups whose
+    in-place steps (rollback="inverse") were cut short: their params may be torn, and count as
+    stepped (their counts advance; only a checkpoint restores them)."""
     total: dict = {}
     stepped: dict = {}
+    cut_params = set()
     for w in host_steps.values():
         for sl in w.live:
             total[sl.param_index] = total.get(sl.param_index, 0) + 1
             stepped[sl.param_index] = stepped.get(sl.param_index, 0) + (w.sg.index in committed)
+            if w.sg.index in cut:
+                cut_params.add(sl.param_index)
     for w in device_work:
         total[w.slice.param_index] = total.get(w.slice.param_index, 0) + 1
     for k in done:
         idx = device_work[k].slice.param_index
         stepped[idx] = stepped.get(idx, 0) + 1
     maybe = {device_work[k].slice.param_index for k in unsure}
-    whole = sorted(i for i, n in total.items() if stepped.get(i, 0) == n and i not in maybe)
+    whole = sorted(i for i, n in total.items() if stepped.get(i, 0) == n and i not in maybe | cut_params)
     torn = sorted(i for i, n in total.items() if (0 < stepped.get(i, 0) < n or i in maybe)
-                  and i not in whole)
+                  and i not in whole and i not in cut_params)
     # untouched: its count as before the call; with nothing stepped (an empty param, no
     # subgroup, too) every count and the step's scalars
-    untouched = [i for i in total if not stepped.get(i, 0) and i not in maybe]
-    nothing = not whole and not torn
+    untouched = [i for i in total if not stepped.get(i, 0) and i not in maybe | cut_params]
+    nothing = not whole and not torn and not cut_params
     bad = unreadable() if nothing and where is not None and unreadable is not None else None
     if bad:
         what = (f"Nothing was stepped (state and step counts are the previous step's), but the "
@@ -208,8 +213,11 @@ def failure_of(owner: str, e: BaseException, where: str | None, host_steps: dict
     elif nothing:
         what = NOTHING_STEPPED
     else:
-        what = (f"The step was partly applied: parameters {whole} were stepped (their step "
-                f"counts advanced), " + (f"parameters {torn} only in part (torn), " if torn else "")
+        what = ("The step was partly applied: "
+                + (f"parameters {whole} were stepped (their step counts advanced), " if whole else "")
+                + (f"parameters {torn} only in part (torn), " if torn else "")
+                + (f"parameters {sorted(cut_params)} may be torn (their in-place steps were cut "
+                   f"short; their step counts advanced), " if cut_params else "")
                 + "the others not (state and step counts as before). Reload a checkpoint: "
                 "stepping again would step the stepped ones twice.")
     notes = RF.OUT_OF_STEP_NOTE * (world > 1) + RF.ZERO_PARAMS_NOTE * sharded

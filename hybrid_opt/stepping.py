@@ -18,6 +18,7 @@ from hybrid_opt.placement.plan import DEVICE
 from hybrid_opt.step_failures import failure_of
 from hybrid_opt.step_work import DeviceWork, HostWork
 from hybrid_opt.tiers.device import read_scalars
+from hybrid_opt.tiers.host_io import TornState
 
 
 class StepCall(NamedTuple):
@@ -279,7 +280,8 @@ def fail(parts, call: StepCall, e: BaseException, where, host_steps: dict, commi
     step did not touch (step_failures.py)."""
     world = D.world_size()
     f = failure_of(call.owner, e, where, host_steps, committed, device_work, done, unsure, world,
-                   parts.sharding.active, lambda: _unreadable(parts) if isinstance(e, Exception) else None)
+                   parts.sharding.active, lambda: _unreadable(parts) if isinstance(e, Exception) else None,
+                   _torn_subgroups(parts, e, host_steps))
     parts.ledger.put_back(undo, f.untouched, f.nothing_stepped)
     parts.ledger.sync_torch_state(call.torch_state)
     parts.guard.record()  # what was stepped was written by the step, not the user
@@ -309,6 +311,15 @@ def _unreadable(parts) -> str | None:
     index_of = {k: i for i, k in parts.placement.host_local.items()}
     sgs = [parts.layout.subgroups[index_of[k]] for k in sorted(bad)]
     return f"subgroups {[sg.index for sg in sgs]} (params {sorted({sl.param_index for sg in sgs for sl in sg.slices})})"
+
+
+def _torn_subgroups(parts, e: BaseException, host_steps: dict) -> set:
+    """The subgroups of this step (layout indices) that rollback='inverse' in-place steps,
+    cut short, may have torn: the host tier names them (TornState)."""
+    if not isinstance(e, TornState):
+        return set()
+    index_of = {k: i for i, k in parts.placement.host_local.items()}
+    return {index_of[k] for k in e.subgroups if index_of.get(k) in host_steps}
 
 
 def record_step(parts, times: tuple, host_steps: dict, device_work: list, norm, clip, marks: tuple) -> None:

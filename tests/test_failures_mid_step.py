@@ -9,7 +9,10 @@ step, reloading the checkpoint taken before it does. Placements: all on the devi
 CPU kernel in the trainer here), mixed, all on the host tier (the worker process).
 """
 import copy
+import os
 import re
+import signal
+import time
 
 import pytest
 import torch
@@ -17,6 +20,7 @@ import torch
 import cpu_kernels
 from hybrid_opt import HybridAdamW
 from hybrid_opt.placement.plan import DEVICE
+from helpers import wait_gone
 from test_optimizer import (SUBGROUP, assert_params_close, assert_state_close, loss_fn,
                             make_batches, make_net, train)
 
@@ -307,6 +311,78 @@ def test_a_worker_failing_in_step_leaves_each_param_stepped_or_untouched(monkeyp
             return
         assert kinds[0] == "torn" and "untouched" in kinds.values()
         _reload_and_finish(t, sd, params)
+    finally:
+        t.close()
+
+
+@pytest.mark.parametrize("task", [1, 10], ids=["first_task", "tenth_task"])
+def test_inverse_mode_worker_killed_in_step_names_what_was_stepped_and_what_may_be_torn(monkeypatch, task):
+    """rollback='inverse', no speculation: the worker dies before its first or tenth step task
+    of the third step. The subgroups it finished were stepped in place: they are committed,
+    their params (tenth: fc1.weight and fc1.bias, subgroups 0-8) stepped with counts advanced;
+    those it had in flight may be torn, and the error says so and to reload a checkpoint —
+    never 'Nothing was stepped ... call step() again' (it said that, while subgroup 0 had been
+    stepped with its count put back: calling step() again stepped it twice)."""
+    n_tasks = -(-sum(p.numel() for p in make_net().parameters()) // SUBGROUP)
+
+    def armed():  # only our optimizer's worker carries the fault (read at its start)
+        monkeypatch.setenv("HYBRID_OPT_WORKER_FAULT", f"before_step:{2 * n_tasks + task}")
+    t = _Trio("host", ours_kw=dict(speculative=False, rollback="inverse"), before_ours=armed,
+              after_ours=lambda: monkeypatch.delenv("HYBRID_OPT_WORKER_FAULT"))
+    try:
+        sd, params = copy.deepcopy(t.ours.state_dict()), _params(t.model)
+        t.backward()
+        state, counts = _state(t.ours), _counts(t.ours, t.model)
+        with pytest.raises(RuntimeError, match=r"(?s)failed in the host/nvme tier.*SIGKILL.*may be torn; "
+                                               r"restore them from a checkpoint") as err:
+            t.ours.step()
+        msg = str(err.value)
+        assert "Nothing was stepped" not in msg and "call step() again" not in msg
+        assert "partly applied" in msg and "Reload a checkpoint" in msg
+        stepped, maybe = _listed(msg, "were stepped"), _listed(msg, "may be torn")
+        assert stepped == ({0, 1} if task == 10 else set()) and maybe and not stepped & maybe
+        t.others_step()
+        kinds = _classify(state, _state(t.ref), _state(t.ours), params, _params(t.ref_model), _params(t.model))
+        now = _counts(t.ours, t.model)
+        for i, kind in kinds.items():
+            if i in stepped:  # bitwise the twin's step
+                assert kind == "stepped" and now[i] == counts[i] + 1, (i, kind)
+            elif i in maybe:
+                assert now[i] == counts[i] + 1, i
+            else:
+                assert kind == "untouched" and now[i] == counts[i], (i, kind)
+        _reload_and_finish(t, sd, params)
+    finally:
+        t.close()
+
+
+def test_a_worker_that_does_not_answer_fails_one_step_and_is_replaced():
+    """A stopped worker (SIGSTOP; in life one swapped out or stuck): step() fails once after
+    the timeout saying the worker was killed and replaced, nothing stepped; the next backward
+    does not wait for the worker, state_dict() works and step() again continues bitwise.
+    Before, the hung worker stayed: each later backward waited the timeout once per
+    subgroup and state_dict() raised TimeoutError."""
+    t = _Trio("host")
+    try:
+        t.ours.parts.placement.host.client.timeout_s = 1.0  # the default two minutes, lowered
+        state, counts, params = _state(t.ours), _counts(t.ours, t.model), _params(t.model)
+        old = t.ours.worker_pid
+        os.kill(old, signal.SIGSTOP)
+        t.backward()  # speculates: the tasks wait at the stopped worker
+        with pytest.raises(RuntimeError, match=r"(?s)not stepped within 1 s: the worker \(pid \d+\) did "
+                                               r"not answer, so it was killed and a new one started.*"
+                                               r"check the machine.*Nothing was stepped"):
+            t.ours.step()
+        assert wait_gone(old, 5) and t.ours.worker_pid not in (None, old)
+        assert _counts(t.ours, t.model) == counts
+        assert all(torch.equal(a, b) for a, b in zip(_params(t.model), params))
+        t0 = time.monotonic()
+        t.backward()
+        assert time.monotonic() - t0 < 2.0  # it waited the timeout once per subgroup (12 s)
+        _assert_state_equal(_state(t.ours), state)  # state_dict() works, the state is intact
+        t.ours.step()
+        t.others_step()
+        t.finish()
     finally:
         t.close()
 

@@ -21,7 +21,8 @@ import torch
 
 import cpu_kernels as ck
 from hybrid_opt.tiers.host import HostTier, StepInputs
-from hybrid_opt.worker.client import WorkerError
+from hybrid_opt.tiers.host_io import TornState
+from hybrid_opt.worker.client import WorkerError, WorkerTimeout
 from helpers import (_id, thread_masks, assert_bitwise_equal, inputs, load, make_grads, make_states, ref_step,
                      wait_gone)
 
@@ -493,6 +494,117 @@ def test_inverse_mode_worker_killed_mid_step_names_the_torn_subgroups(monkeypatc
         assert "rollback='exact'" in str(info.value)
         assert "SIGKILL" in str(info.value)
         assert tier.stats["worker_restarts"] == 1
+    finally:
+        tier.close()
+
+
+def test_inverse_mode_worker_killed_idle_is_replaced_and_loses_nothing():
+    """A worker that dies between steps has nothing in flight: it is replaced and the next
+    step runs as if nothing happened (before, inverse mode raised 'subgroups [] may be torn'
+    and the speculations it dropped were undone a few ulp off)."""
+    numels = [1000, 2000]
+    tier = new_tier(numels, rollback="inverse", staging_slots=4)
+    try:
+        states = make_states(numels, seed=16)
+        load(tier, states)
+        for step in (1, 2):
+            old = tier.worker_pid
+            if step == 2:
+                os.kill(old, signal.SIGKILL)
+                assert wait_gone(old, 5)
+            grads = make_grads(numels, seed=16 + step)
+            assert all(tier.speculate(sg, g, inputs(step)) for sg, g in enumerate(grads))
+            out = tier.finish({sg: (g, inputs(step)) for sg, g in enumerate(grads)})
+            assert set(out.values()) == {"committed"}
+            for s, g in zip(states, grads):
+                ref_step(s, g, inputs(step))
+            assert_tier_equals(tier, states, f"step {step}")
+        assert tier.stats["worker_restarts"] == 1 and tier.worker_pid != old
+    finally:
+        tier.close()
+
+
+def test_inverse_mode_worker_killed_mid_step_commits_the_subgroups_it_finished(monkeypatch):
+    """A plain step (no speculation): the worker dies before its second task. Subgroup 0 was
+    stepped in place, so it is committed (on_commit: the caller counts it stepped) and the
+    error names only what may be torn; before, subgroup 0 was stepped but reported with the
+    rest, and the optimizer said 'Nothing was stepped ... call step() again'."""
+    monkeypatch.setenv(FAULT_ENV, "before_step:2")
+    numels = [1000, 2000, 500]
+    tier = new_tier(numels, rollback="inverse", staging_slots=4)
+    try:
+        states = make_states(numels, seed=17)
+        load(tier, states)
+        grads = make_grads(numels, seed=17)
+        committed = []
+        with pytest.raises(TornState, match=r"SIGKILL.*may be torn; restore them") as info:
+            tier.finish({sg: (g, inputs(1)) for sg, g in enumerate(grads)},
+                        on_commit=lambda sg, views: committed.append(sg))
+        torn = info.value.subgroups
+        assert committed == [0] and 1 in torn and 0 not in torn
+        ref_step(states[0], grads[0], inputs(1))
+        want = snapshot(tier)
+        for sg in range(3):
+            if sg not in torn:  # stepped and committed (0), or never sent (2)
+                for k in ("p", "m", "v"):
+                    assert torch.equal(want[sg][k], states[sg][k]), (sg, k)
+        assert tier.speculated() == [] and tier.pieces_in_flight == 0
+        assert tier.stats["worker_restarts"] == 1
+        # the tier goes on: a step of the subgroups not torn is the direct step
+        out = tier.finish({0: (grads[0], inputs(2))})
+        assert out == {0: "stepped"}
+        ref_step(states[0], grads[0], inputs(2))
+        assert torch.equal(tier.master(0), states[0]["p"])
+    finally:
+        tier.close()
+
+
+@pytest.mark.parametrize("rollback", ["exact", "inverse"])
+def test_a_worker_that_does_not_answer_is_killed_replaced_and_named(rollback):
+    """A worker stopped (SIGSTOP: as one swapped out or stuck) after speculation: finish()
+    fails after the timeout saying so, and the worker is killed and replaced like a dead one,
+    so the pending speculations end at once (before, each later cancel waited the timeout
+    again: backward blocked subgroups x timeout) and the next step is the direct step."""
+    numels = [1000, 2000]
+    tier = new_tier(numels, rollback=rollback, staging_slots=4, timeout_s=1.0)
+    try:
+        states = make_states(numels, seed=18)
+        load(tier, states)
+        grads = make_grads(numels, seed=18)
+        old = tier.worker_pid
+        os.kill(old, signal.SIGSTOP)
+        speculated = [sg for sg, g in enumerate(grads) if tier.speculate(sg, g, inputs(1))]
+        assert speculated == [0, 1]
+        t0 = time.monotonic()
+        want = (WorkerTimeout, r"not stepped within 1 s: the worker \(pid \d+\) did not answer, so it "
+                r"was killed and a new one started") if rollback == "exact" else (
+                TornState, r"did not answer within 1 s and was killed \(SIGKILL\).*subgroups \[0, 1\] may be torn")
+        with pytest.raises(want[0], match=want[1]):
+            tier.finish({sg: (g, inputs(1)) for sg, g in enumerate(grads)})
+        assert time.monotonic() - t0 < 4.0
+        assert wait_gone(old, 5) and tier.worker_pid != old and tier.stats["worker_restarts"] == 1
+        t0 = time.monotonic()
+        for sg, g in enumerate(grads):  # backward's speculation of the retried step
+            assert tier.speculate(sg, g, inputs(1), replace=True)
+        assert time.monotonic() - t0 < 0.9  # less than one timeout: nothing waited one out
+        assert set(tier.finish({sg: (g, inputs(1)) for sg, g in enumerate(grads)}).values()) == {"committed"}
+        if rollback == "exact":  # the committed state survived: the retried step is the direct one
+            for s, g in zip(states, grads):
+                ref_step(s, g, inputs(1))
+            assert_tier_equals(tier, states, "the retried step")
+    finally:
+        tier.close()
+
+
+def test_a_ping_the_worker_does_not_answer_says_what_to_check():
+    """WorkerClient.wait's timeout names its own bound and what to look at, not an argument
+    HybridAdamW does not have (it said 'raise timeout_s')."""
+    tier = new_tier([100])
+    try:
+        os.kill(tier.worker_pid, signal.SIGSTOP)
+        with pytest.raises(WorkerTimeout, match=r"did not answer within 1 s.*check the machine") as info:
+            tier.client.ping(timeout_s=1.0)
+        assert "timeout_s" not in str(info.value)
     finally:
         tier.close()
 

@@ -35,6 +35,7 @@ from hybrid_opt.swap import PREFIX
 from helpers import (assert_bitwise_equal, fs_type, inputs, load, make_grads, make_states,
                      ref_step, wait_gone)
 from hybrid_opt.tiers.host import HostTier, StepInputs
+from hybrid_opt.tiers.host_io import TornState
 from hybrid_opt.worker.client import WorkerError
 from tolerances import assert_close
 
@@ -696,6 +697,40 @@ def test_a_killed_worker_is_replaced_and_the_nvme_trajectory_is_bitwise_unchange
     finally:
         tier.close()
     assert os.listdir(nvme_dir) == []
+
+
+@pytest.mark.parametrize("nvme", [[True, True], [True, True, False]], ids=["nvme_only", "with_resident"])
+def test_inverse_mode_nvme_speculations_survive_a_killed_worker_bitwise(nvme_dir, nvme):
+    """rollback='inverse' steps only resident subgroups in place; an nvme subgroup's step reads
+    its committed file slot and writes the other, so the tasks a dead worker left of it are sent
+    again, as in exact mode: its speculation commits bitwise. Only the resident subgroup is
+    named torn. Before, the nvme tasks were dropped with their speculations left pending: the
+    error named 'subgroups []', and every later finish() and state() waited out the timeout."""
+    numels = [3000, 9000, 500][:len(nvme)]
+    tier = new_tier(numels, nvme, nvme_dir, rollback="inverse", timeout_s=5.0, staging_slots=8)
+    try:
+        states = make_states(numels, seed=23)
+        load(tier, states)
+        grads = make_grads(numels, seed=23)
+        old = tier.worker_pid
+        os.kill(old, signal.SIGSTOP)  # every task of the speculation is still queued at the kill
+        assert all(tier.speculate(sg, g, inputs(1)) for sg, g in enumerate(grads))
+        os.kill(old, signal.SIGKILL)
+        assert wait_gone(old, 5.0)
+        steps = {sg: (g, inputs(1)) for sg, g in enumerate(grads)}
+        t0 = time.monotonic()
+        if len(nvme) == 3:
+            with pytest.raises(TornState, match=r"SIGKILL.*subgroups \[2\] may be torn"):
+                tier.finish(steps)
+            del steps[2]
+        assert tier.finish(steps) == {0: "committed", 1: "committed"}
+        assert time.monotonic() - t0 < 4.0
+        for sg in (0, 1):
+            ref_step(states[sg], grads[sg], inputs(1))
+            assert_state_equal(read_state(tier, sg), states[sg], f"subgroup {sg}")
+        assert tier.stats["worker_restarts"] == 1 and tier.speculated() == []
+    finally:
+        tier.close()
 
 
 # ------------------------------------------------------------------ 8. the optimizer

@@ -2,10 +2,13 @@
 worker's shared memory (staged by the trainer, or gathered by the worker itself) and how its
 results come back, within a bounded wait.
 
-Faults: a worker that dies is replaced; in exact mode its unfinished tasks are sent again
-(their grads are still in the trainer's staging slots and the committed banks were never
-written), so training continues on the same trajectory. In inverse mode a step that died
-mid-write may have torn its subgroup: the error names those subgroups.
+Faults: a worker that dies is replaced and its unfinished tasks are sent again (their grads are
+still in the trainer's staging slots, and a task that reads a committed bank or file slot
+writes only a buffer nobody else does), so training continues on the same trajectory — but an
+in-place step or undo (inverse mode) it left unfinished may have written part of its subgroup:
+that subgroup is forgotten and the error (TornState) names it. A worker that does not answer
+within the timeout is treated as dead: killed, reaped and replaced the same way, and the wait
+raises WorkerTimeout saying so.
 """
 from __future__ import annotations
 
@@ -19,10 +22,22 @@ import torch
 from hybrid_opt.tiers.inputs import StepInputs, _with_step
 from hybrid_opt.tiers.staging import CopyQueue, CudaStager, copy_async, staging_device
 from hybrid_opt.worker import protocol as P
-from hybrid_opt.worker.client import WorkerDied, WorkerError
+from hybrid_opt.worker.client import WorkerDied, WorkerError, WorkerTimeout
 
 _DT_CODE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 REMOTE_GATHER_QUEUE = 2   # pieces in flight below which the worker gathers grads itself
+
+
+class TornState(RuntimeError):
+    """rollback='inverse': in-place steps of `subgroups` (the tier's indices) may have written
+    part of their state when `why` happened (a worker that died or did not answer, a failed
+    piece): only a checkpoint restores them."""
+
+    def __init__(self, why: str, subgroups: list):
+        self.why, self.subgroups = why, sorted(subgroups)
+        super().__init__(f"{why}. rollback='inverse' steps in place, so the state of subgroups "
+                         f"{self.subgroups} may be torn; restore them from a checkpoint "
+                         f"(rollback='exact' survives this)")
 
 
 @dataclass
@@ -266,8 +281,26 @@ class HostIO:
         self._send_now(piece)
 
     def _send_now(self, piece: _Piece) -> None:
-        tid = self.send_task(piece.task)
+        try:
+            tid = self.send_task(piece.task)
+        except TornState as e:
+            # the worker died under other subgroups' in-place steps and was replaced: a piece of
+            # a subgroup not torn goes to the new one all the same (it must get its result)
+            if piece.subgroup not in e.subgroups:
+                self._inflight[self.client.send(piece.task)] = piece
+            raise
         self._inflight[tid] = piece
+
+    def _send_all(self, pieces: list) -> None:
+        """_send_now() of each of `pieces`, every one tried before a TornState is raised."""
+        torn = None
+        for p in pieces:
+            try:
+                self._send_now(p)
+            except TornState as e:
+                torn = torn or e
+        if torn is not None:
+            raise torn
 
     def send_checked(self, pieces: list) -> None:
         """Inverse mode: a subgroup whose grads are not all finite is not stepped at all (an
@@ -282,8 +315,7 @@ class HostIO:
     def _send_if_finite(self, pieces: list) -> None:
         import cpu_kernels
         if all(cpu_kernels.grad_stats(self._slots[p.slot][:p.numel])[1] for p in pieces):
-            for p in pieces:
-                self._send_now(p)
+            self._send_all(pieces)
         else:
             for p in pieces:
                 p.result = P.Result(P.OP_STEP, 0, P.STATUS_NONFINITE, p.subgroup, float("inf"), 0)
@@ -300,8 +332,7 @@ class HostIO:
             elif whole:
                 self._send_if_finite(pieces)
             else:
-                for p in pieces:
-                    self._send_now(p)
+                self._send_all(pieces)
 
     def copies_in_flight(self) -> int:
         """Pieces still waiting for their staging copies (poll() sends those that landed)."""
@@ -368,8 +399,10 @@ class HostIO:
             return
         self.free_slot(piece)
 
-    def _collect(self) -> None:
-        for tid in [t for t in self._inflight if t in self.client.results]:
+    def _collect(self) -> int:
+        """Takes the results that arrived for the pieces in flight; returns how many."""
+        arrived = [t for t in self._inflight if t in self.client.results]
+        for tid in arrived:
             piece = self._inflight.pop(tid)
             piece.result = r = self.client.results.pop(tid)
             self._counts["worker_seconds"] += r.elapsed_ns * 1e-9
@@ -379,6 +412,7 @@ class HostIO:
             if r.status == P.STATUS_ERROR and self._error is None:
                 self._error = WorkerError(f"hybrid_opt worker failed on subgroup {r.subgroup}: "
                                           f"{r.message}")
+        return len(arrived)
 
     def raise_error(self) -> None:
         """Raises the worker's first error since the last one raised (it names the subgroup)."""
@@ -395,22 +429,21 @@ class HostIO:
         self._error = None
 
     def wait(self, done, raise_errors: bool = True) -> None:
-        """Wait (bounded) until done() holds, collecting results and surviving worker deaths."""
+        """Wait until done() holds, collecting results and surviving worker deaths; bounded:
+        timeout_s without a result from the worker (or a staging copy landing) ends it
+        (_timed_out), a long wait on a worker that answers does not."""
         deadline = time.monotonic() + self.client.timeout_s
         while True:
+            copying = len(self._copies)
             self._send_copied(block=self._block_copies)
-            self._collect()
+            if self._collect() or len(self._copies) < copying:
+                deadline = time.monotonic() + self.client.timeout_s
             if raise_errors:
                 self.raise_error()
             if done():
                 return
             if time.monotonic() > deadline:
-                copying = sorted({p.subgroup for p in self._copies.pieces()})
-                subgroups = sorted({p.subgroup for p in self._inflight.values()} | set(copying))
-                raise TimeoutError(f"hybrid_opt host tier: subgroups {subgroups} not stepped within "
-                                   f"{self.client.timeout_s:.0f} s" + (
-                                       f" (the GPU never finished copying the grads of {copying}: "
-                                       f"check the device)" if copying else ""))
+                self._timed_out()
             try:
                 # a worker already gone raises here (death_error); staging copies still
                 # landing: look again soon (only step() blocks on them)
@@ -422,35 +455,57 @@ class HostIO:
         """wait() until every one of `pieces` has its result."""
         self.wait(lambda: all(p.result is not None for p in pieces))
 
-    def wait_tasks(self, ids: list) -> None:
-        """Waits for tasks sent with send_task (not pieces: nothing tracks them) and takes their
-        results; raises the worker's error for any that failed."""
-        self.wait(lambda: all(i in self.client.results for i in ids))
-        self.client.wait(ids)
+    def _timed_out(self) -> None:
+        """A wait ran past the timeout: raises naming the subgroups not stepped. With tasks at
+        the worker, it did not answer them: it is killed and replaced as a dead one is (its
+        other tasks sent again), so what comes next (a backward cancelling a speculation,
+        state_dict(), the next step) finds a worker that answers."""
+        copying = sorted({p.subgroup for p in self._copies.pieces()})
+        subgroups = sorted({p.subgroup for p in self._inflight.values()} | set(copying))
+        t = self.client.timeout_s
+        msg = f"hybrid_opt host tier: subgroups {subgroups} not stepped within {t:.0f} s"
+        if copying:
+            msg += f" (the GPU never finished copying the grads of {copying}: check the device)"
+        if not self._inflight:
+            raise TimeoutError(msg)
+        pid = self.client.pid
+        err = self.client.unanswered_error(t)
+        self._recover(err)  # inverse mode: raises TornState for the in-place steps it had
+        raise WorkerTimeout(f"{msg}: the worker (pid {pid}) did not answer, so it was killed and a "
+                            f"new one started (the committed state is intact). A worker starved of "
+                            f"CPU, swapped out or stopped (SIGSTOP, a debugger) does this: check "
+                            f"the machine's load and memory") from err
+
+    def _in_place(self, piece: _Piece) -> bool:
+        return (self._rollback == "inverse" and not self._nvme[piece.subgroup]
+                and piece.task.op in (P.OP_STEP, P.OP_INVERSE))
 
     def _recover(self, err: WorkerDied) -> None:
-        """A new worker; exact mode resends the unfinished tasks, inverse mode cannot."""
+        """A new worker, sent again every task the dead one left unfinished but those of the
+        subgroups an unfinished in-place step or undo may have torn: forgotten, and raised
+        (TornState). A worker that died idle, or with only tasks into spare banks or files in
+        flight, loses nothing."""
         lost = {tid: p for tid, p in self._inflight.items() if tid not in self.client.results}
-        if self._rollback == "inverse":
-            torn = sorted({p.subgroup for p in lost.values()
-                           if p.task.op == P.OP_STEP and not self._nvme[p.subgroup]})
-            self._inflight = {t: p for t, p in self._inflight.items() if t not in lost}
-            for p in lost.values():
-                self.free_slot(p)
-            for sg in torn:
-                self._forget(sg)
+        torn = sorted({p.subgroup for p in lost.values() if self._in_place(p)})
+        for tid in [t for t, p in lost.items() if p.subgroup in torn]:
+            self.free_slot(self._inflight.pop(tid))
+            del lost[tid]
+        for sg in torn:
+            self._forget(sg)
+        try:
             self.client.restart()
-            self._counts["worker_restarts"] += 1
-            raise RuntimeError(f"{err}. rollback='inverse' steps in place, so the state of "
-                               f"subgroups {torn} may be torn; restore them from a checkpoint "
-                               f"(rollback='exact' survives this)") from err
-        self.client.restart()
+        except Exception as e:
+            if torn:  # what the first death tore is said even when no new worker starts
+                raise TornState(f"{err}; then a new worker failed to start: {e}", torn) from e
+            raise
         self._counts["worker_restarts"] += 1
-        # every task reads state nobody writes until commit (a committed bank, a committed file
-        # slot, a read bank) and writes a buffer only it writes: sending it again is exact
+        # every other task reads state nobody writes until commit (a committed bank, a committed
+        # file slot, a read bank) and writes a buffer only it writes: sending it again is exact
         for tid, piece in lost.items():
             del self._inflight[tid]
             self._inflight[self.client.send(piece.task)] = piece
+        if torn:
+            raise TornState(str(err), torn) from err
 
     def poll(self) -> int:
         """Collect the results that have arrived, without waiting (frees slots and banks);

@@ -23,7 +23,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-from hybrid_opt.tiers.host_io import _Piece
+from hybrid_opt.tiers.host_io import TornState, _Piece
 from hybrid_opt.tiers.inputs import StepInputs
 from hybrid_opt.worker import protocol as P
 
@@ -38,6 +38,7 @@ class _Speculation:
     swap_in: _Piece | None = None    # nvme: the read of the committed slot (sent ahead: prefetch)
     swap_out: _Piece | None = None   # nvme: the write of the new state (its result has the CRC)
     file_slot: int = 0               # nvme: the slot it writes
+    launched: bool = False           # every task of it was handed to HostIO (_launch returned)
 
     def done(self) -> bool:
         return all(p.result is not None for p in self.pieces)
@@ -156,6 +157,7 @@ class HostStepping:
             spec.swap_out = self._swap_piece(P.OP_SWAP_OUT, sg, spec.bank, spec.file_slot)
             pieces.append(spec.swap_out)
             self._io.send(spec.swap_out)
+        spec.launched = True
 
     def _send_high_half(self, sg: int, spec: _Speculation, bank: int) -> None:
         """The committed high half (the model's param) into the read bank; a copy still in
@@ -317,15 +319,19 @@ class HostStepping:
 
     # ------------------------------------------------------------------ validation
     def _undo(self, sg: int, spec: _Speculation) -> None:
-        """Inverse mode: undo a speculated in-place step with the grads it used."""
-        ids = []
-        for p in spec.pieces:
-            if p.task.op == P.OP_STEP and p.result is not None and p.result.status == P.STATUS_OK:
-                # the grads are in the slot already (held until validation): no gather
-                t = dataclasses.replace(p.task, op=P.OP_INVERSE, task_id=0, gather=b"")
-                ids.append(self._io.send_task(t))
+        """Inverse mode: undo a speculated in-place step with the grads it used. The undo's
+        pieces are tracked as any step's, so a worker that dies under them names the subgroup
+        torn (HostIO._recover) rather than leaving a wait no result ends."""
+        # the grads are in the slots already (held until validation): no gather; the slots
+        # stay the step's pieces' (freed=True: the undo's results free nothing)
+        undo = [_Piece(sg, p.offset, p.numel, p.slot, freed=True,
+                       task=dataclasses.replace(p.task, op=P.OP_INVERSE, task_id=0, gather=b""))
+                for p in spec.pieces
+                if p.task.op == P.OP_STEP and p.result is not None and p.result.status == P.STATUS_OK]
         try:
-            self._io.wait_tasks(ids)
+            for u in undo:
+                self._io.send(u)
+            self._io.wait_for(undo)
         finally:
             self._io.release_slots(spec.pieces)
 
@@ -397,16 +403,38 @@ class HostStepping:
         waiting: dict[int, _Speculation] = {}
         try:
             self._step_all(todo, steps, runs, waiting, on_commit)
-        except BaseException:
+        except BaseException as e:
             # every committed state stands: let in-flight work end, then return what it held
             self._io.quiesce()
+            torn = self._settle_in_place(waiting, on_commit)
             for spec in waiting.values():
                 self._io.release_slots(spec.pieces)
                 self._release_banks(spec)
+            if isinstance(e, TornState):
+                torn = sorted(set(torn) | set(e.subgroups))
+            if torn and isinstance(e, Exception):
+                raise TornState(e.why if isinstance(e, TornState) else str(e), torn) from e
+            if torn:  # KeyboardInterrupt and the like stay what they are, with the tear noted
+                e.add_note(f"hybrid_opt host tier (rollback='inverse'): the state of subgroups "
+                           f"{torn} may be torn; restore them from a checkpoint")
             raise
         for v in outcome.values():
             self._counts[v] += 1
         return outcome
+
+    def _settle_in_place(self, waiting: dict, on_commit) -> list:
+        """A failed finish(), inverse mode: an in-place step that completed has changed its
+        subgroup whatever comes next, so it is committed (the caller learns it was stepped);
+        returns the subgroups whose in-place step was only partly done (torn: some pieces
+        stepped, the others lost, failed or never sent)."""
+        torn = []
+        for sg in [s for s, w in waiting.items() if w.bank is None and not self.nvme[s]]:
+            spec = waiting[sg]
+            if spec.launched and spec.ok():
+                self._commit(sg, waiting.pop(sg), on_commit)
+            elif any(p.result is not None and p.result.status == P.STATUS_OK for p in spec.pieces):
+                torn.append(sg)
+        return torn
 
     def _step_all(self, todo: list, steps: dict, runs: dict, waiting: dict, on_commit) -> None:
         # resident subgroups first (no I/O): their compute hides the first nvme reads; the

@@ -2,7 +2,8 @@
 
 Every wait is bounded: a worker that dies is seen within ~0.1 s (its end of the result
 pipe closes, so the read side reports EOF), one that hangs past `timeout_s` raises
-WorkerTimeout naming the subgroups still outstanding.
+WorkerTimeout naming the subgroups still outstanding (the host tier then kills and replaces it:
+unanswered_error()).
 """
 from __future__ import annotations
 
@@ -274,18 +275,21 @@ class WorkerClient:
         and before restart() or a new launch(); then only death_error() or restart() help."""
         return self._resp is not None
 
-    def death_error(self) -> WorkerDied:
+    def death_error(self, how: str | None = None) -> WorkerDied:
         """The error describing this worker's end — how it ended (a signal, an exit code, no
-        answer), the subgroups it had in flight, the tail of its stderr — after reaping it
-        (killed if still running; its pipes closed). The caller raises it (or restarts)."""
-        code = self.proc.poll() if self.proc is not None else None
-        if code is None and self.proc is not None:
-            try:
-                code = self.proc.wait(timeout=1.0)
-            except subprocess.TimeoutExpired:
-                code = None
-        how = (f"killed by signal {signal.Signals(-code).name}" if code is not None and code < 0
-               else f"exited with code {code}" if code is not None else "stopped answering")
+        answer; or `how`, said by the caller), the subgroups it had in flight, the tail of its
+        stderr — after reaping it (killed if still running; its pipes closed). The caller raises
+        it (or restarts)."""
+        if how is None:
+            code = self.proc.poll() if self.proc is not None else None
+            if code is None and self.proc is not None:
+                try:
+                    code = self.proc.wait(timeout=1.0)
+                except subprocess.TimeoutExpired:
+                    code = None
+            how = (f"killed by signal {signal.Signals(-code).name}" if code is not None and code < 0
+                   else f"exited with code {code}" if code is not None else "stopped answering")
+        self._take_written()
         tail = self._stderr_tail()
         pending = list(self.pending.values())
         subgroups = sorted({t.subgroup for t in pending if t.op in (P.OP_STEP, P.OP_INVERSE)})
@@ -295,12 +299,35 @@ class WorkerClient:
         self._reap()
         return WorkerDied(msg, pending)
 
+    def _take_written(self) -> None:
+        """The results a worker that is gone wrote before its end and nobody read yet (a death
+        met by send(), not drain()): taken, so a task it finished is not counted lost."""
+        try:
+            while (self._resp is not None and not self._reader.eof
+                   and select.select([self._resp], [], [], 0)[0]):
+                for r in self._reader.read_results():
+                    self.pending.pop(r.task_id, None)
+                    self.results[r.task_id] = r
+        except OSError:
+            pass  # nothing more can be read: what was taken stands
+
+    def unanswered_error(self, waited_s: float) -> WorkerDied:
+        """A worker that did not answer for `waited_s` (stopped, swapped out, stuck) is treated
+        as dead: killed with SIGKILL at once (a stopped process dies of it too), reaped, and
+        described as death_error() does. The caller recovers as from a death."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+        return self.death_error(f"did not answer within {waited_s:.0f} s and was killed (SIGKILL)")
+
     def _reap(self) -> None:
         # kill before closing the pipes: a live worker reads EOF as "the trainer died" and
         # would remove the nvme swap files the trainer still uses
         if self.proc is not None and self.proc.poll() is None:
             self.proc.kill()
-            self.proc.wait(timeout=5.0)
+            try:
+                self.proc.wait(timeout=5.0)
+            except subprocess.TimeoutExpired:
+                pass  # in uninterruptible sleep: it dies of the SIGKILL when it wakes
         for fd in (self._req, self._resp, self._stderr_fd):
             if fd is not None:
                 try:
@@ -380,10 +407,14 @@ class WorkerClient:
                 raise self.death_error()
             left = deadline - time.monotonic()
             if left <= 0:
-                outstanding = sorted({self.pending[t].subgroup for t in task_ids if t in self.pending})
-                raise WorkerTimeout(f"hybrid_opt worker (pid {self.pid}) did not finish subgroups "
-                                    f"{outstanding} within {self.timeout_s:.0f} s; it may be "
-                                    f"starved of CPU or stuck — raise timeout_s or check the machine")
+                waited = self.timeout_s if timeout_s is None else timeout_s
+                outstanding = sorted({self.pending[t].subgroup for t in task_ids if t in self.pending
+                                      and self.pending[t].op in (P.OP_STEP, P.OP_INVERSE)})
+                what = f"did not finish subgroups {outstanding}" if outstanding else "did not answer"
+                # HybridAdamW has no timeout argument: the machine is what to look at
+                raise WorkerTimeout(f"hybrid_opt worker (pid {self.pid}) {what} within {waited:.0f} s; "
+                                    f"it may be starved of CPU, swapped out or stopped (SIGSTOP, a "
+                                    f"debugger): check the machine's load and memory")
             self.drain(min(_POLL_S, left))
         out = [self.results.pop(t) for t in task_ids]
         for r in out:
