@@ -210,6 +210,7 @@ class SharedArena:
             raise
         self._background = None
         self.populated = False
+        self.later: tuple = ()       # the (offset, nbytes) ranges fill() left to the background
         self._pinned_ptr = self._runtime = self._pin_device = None
         self.closed = False
         self._fill_args = (name, prefault, later)
@@ -235,6 +236,7 @@ class SharedArena:
             later = []  # nothing reserves the memory: populate it all now (the error promise)
         self.populated = prefault and populate(self.mm, what, skip=later)
         if self.populated and later:
+            self.later = tuple(later)
             self._background = BackgroundPopulate(address(self.mm), later, what)
 
     def tensor(self, offset: int, numel: int, dtype):

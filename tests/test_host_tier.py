@@ -992,11 +992,12 @@ def test_the_arena_is_mapped_in_both_processes_before_the_first_step():
         if not tier.arena.populated:
             pytest.skip("this kernel has no MADV_POPULATE_WRITE (Linux < 5.14)")
         tier.client.ping()  # the worker maps and populates before it serves
-        # the committed banks and the staging slots at once, in both processes
+        # all but the ranges left to the background (the banks' moments and the spare banks),
+        # at once, in both processes (the background may have done more: a lower bound)
         spare_at = tier.bank_offset + 2 * tier.bank_stride
+        later = sum(n for _, n in tier.arena.later)  # none where the arena is pinned (CUDA)
         for pid in (os.getpid(), tier.worker_pid):
-            assert _rss_kb_of_mapping(pid, tier.arena.nbytes) * 1024 >= tier.arena.nbytes - (
-                tier.bank_stride * 2), pid
+            assert _rss_kb_of_mapping(pid, tier.arena.nbytes) * 1024 >= tier.arena.nbytes - later, pid
         # the spare banks behind: the trainer's thread is waited for, the worker's polled
         tier.arena.wait_populated(timeout_s=TIMEOUT_S)
         assert not tier.arena.populating and spare_at > 0

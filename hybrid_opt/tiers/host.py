@@ -24,9 +24,9 @@ from hybrid_opt.tiers.host_io import REMOTE_GATHER_QUEUE, _DT_CODE, HostIO, _Pie
 from hybrid_opt.tiers.arena_plan import (DEFAULT_SLOT_NUMEL, MAX_STAGING_SLOTS,  # noqa: F401
                                          STAGING_SLOTS, plan_arena, staging_slots_for)
 from hybrid_opt.tiers.compressed import StateBanks, _independent_moment_dtypes, check_params
-from hybrid_opt.tiers.host_step import FileSlots, HostStepping, _Speculation  # noqa: F401
+from hybrid_opt.tiers.host_step import HostStepping, _Speculation  # noqa: F401
 from hybrid_opt.tiers.inputs import StepInputs, _with_step  # noqa: F401
-from hybrid_opt.tiers.nvme_files import NvmeFiles
+from hybrid_opt.tiers.nvme_files import FileSlots, NvmeFiles
 from hybrid_opt.worker.client import CoreSplit, WorkerClient
 
 

@@ -12,32 +12,20 @@ raises WorkerTimeout saying so.
 """
 from __future__ import annotations
 
-import os
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 
 import torch
 
+from hybrid_opt.tiers import remote_gather as RG
 from hybrid_opt.tiers.inputs import StepInputs, _with_step
 from hybrid_opt.tiers.staging import CopyQueue, CudaStager, copy_async, staging_device
 from hybrid_opt.worker import protocol as P
-from hybrid_opt.worker.client import WorkerDied, WorkerError, WorkerTimeout
+from hybrid_opt.worker.client import TornState, WorkerDied, WorkerError, WorkerTimeout
 
 _DT_CODE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 REMOTE_GATHER_QUEUE = 2   # pieces in flight below which the worker gathers grads itself
-
-
-class TornState(RuntimeError):
-    """rollback='inverse': in-place steps of `subgroups` (the tier's indices) may have written
-    part of their state when `why` happened (a worker that died or did not answer, a failed
-    piece): only a checkpoint restores them."""
-
-    def __init__(self, why: str, subgroups: list):
-        self.why, self.subgroups = why, sorted(subgroups)
-        super().__init__(f"{why}. rollback='inverse' steps in place, so the state of subgroups "
-                         f"{self.subgroups} may be torn; restore them from a checkpoint "
-                         f"(rollback='exact' survives this)")
 
 
 @dataclass
@@ -68,7 +56,6 @@ class _Piece:
         self.copy_done = None
 
 
-
 class HostIO:
     """Staging slots and worker traffic of a HostTier: it owns the slots, the pieces in flight,
     the queue of pieces whose staging copies are landing, the stagers and the worker's error
@@ -97,36 +84,16 @@ class HostIO:
         self._counts = {"worker_restarts": 0, "worker_seconds": 0.0, "remote_gathered": 0}
 
     # ------------------------------------------------------------------ read-only views
-    @property
-    def counts(self) -> dict:
-        """worker_restarts, worker_seconds (all subgroups), remote_gathered (pieces whose grads
-        the worker read itself): a copy."""
-        return dict(self._counts)
-
-    @property
-    def slots(self) -> tuple:
-        """The staging slots (tensors of grad_dtype in the arena), by slot index."""
-        return tuple(self._slots)
-
-    @property
-    def free_slots(self) -> int:
-        """How many staging slots are free now."""
-        return len(self._free_slots)
-
-    @property
-    def pieces_in_flight(self) -> int:
-        """Pieces sent to the worker whose results have not been collected."""
-        return len(self._inflight)
-
-    @property
-    def stagers(self) -> dict:
-        """{CUDA device: its side-stream CudaStager}, made on first use (a copy)."""
-        return dict(self._stagers)
-
-    @property
-    def copy_stager(self):
-        """The stager replacing the CUDA ones (use_stager), or None."""
-        return self._copy_stager
+    counts = property(lambda self: dict(self._counts), doc="worker_restarts, worker_seconds (all subgroups), "
+                      "remote_gathered (pieces whose grads the worker read itself): a copy.")
+    slots = property(lambda self: tuple(self._slots), doc="The staging slots (grad_dtype tensors in the arena).")
+    free_slots = property(lambda self: len(self._free_slots), doc="How many staging slots are free now.")
+    pieces_in_flight = property(lambda self: len(self._inflight),
+                                doc="Pieces sent to the worker whose results have not been collected.")
+    stagers = property(lambda self: dict(self._stagers),
+                       doc="{CUDA device: its side-stream CudaStager}, made on first use (a copy).")
+    copy_stager = property(lambda self: self._copy_stager,
+                           doc="The stager replacing the CUDA ones (use_stager), or None.")
 
     def use_stager(self, stager) -> None:
         """Every asynchronous staging copy goes through `stager` (None: the CUDA stagers again);
@@ -139,28 +106,12 @@ class HostIO:
 
     # ------------------------------------------------------------------ remote gather
     def probe_remote_gather(self) -> bool:
-        """Whether the worker can read grads straight from this process's memory
-        (process_vm_readv): speculation then costs backward no copy. HYBRID_OPT_REMOTE_GATHER=0
-        turns it off; a kernel that forbids it (Yama ptrace scope 2-3, seccomp) is detected
-        here and the trainer stages grads itself, as before. Sets remote_gather."""
-        self.remote_gather = self._probe_remote_gather()
+        """Whether the worker can read grads straight from this process's memory: sets
+        remote_gather (remote_gather.py)."""
+        slot = self._free_slots[-1] if self._free_slots else None
+        self.remote_gather = slot is not None and RG.probe(
+            lambda task: self.client.wait([self.send_task(task)])[0], self._slots[slot], slot)
         return self.remote_gather
-
-    def _probe_remote_gather(self) -> bool:
-        if os.environ.get("HYBRID_OPT_REMOTE_GATHER", "1") == "0" or not self._free_slots:
-            return False
-        probe = torch.arange(1, 65, dtype=torch.float32)
-        slot = self._free_slots[-1]
-        dst = self._slots[slot].view(torch.uint8)[:probe.numel() * 4]
-        dst.zero_()
-        task = P.Task(P.OP_PING, 0, slot=slot, gather=P.pack_gather([(0, probe.data_ptr(), probe.numel() * 4)]))
-        try:
-            r = self.client.wait([self.send_task(task)])[0]
-        except Exception:
-            return False
-        ok = r.status == P.STATUS_OK and torch.equal(dst.view(torch.float32), probe)
-        dst.zero_()
-        return ok
 
     def _remote_segments(self, grad, offset: int, numel: int):
         """(gather list, tensors to keep alive) for the worker to read a piece of grads itself;

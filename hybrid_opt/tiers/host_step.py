@@ -48,35 +48,6 @@ class _Speculation:
 
 
 
-class FileSlots:
-    """nvme: which of each subgroup's two file slots holds its committed state, and the CRC32C
-    of each slot (what a read is verified against)."""
-
-    def __init__(self, n: int):
-        self._committed = [0] * n
-        self._crc = [[0, 0] for _ in range(n)]
-
-    @property
-    def committed(self) -> list:
-        """The committed slot of each subgroup's file (a copy)."""
-        return list(self._committed)
-
-    def slot(self, sg: int) -> int:
-        return self._committed[sg]
-
-    def crc(self, sg: int, slot: int) -> int:
-        return self._crc[sg][slot]
-
-    def note_crc(self, sg: int, slot: int, crc: int) -> None:
-        """The CRC of what `slot` holds now (its committed slot stays as it is)."""
-        self._crc[sg][slot] = crc
-
-    def commit(self, sg: int, slot: int, crc: int) -> None:
-        """`slot` (holding data of CRC `crc`) is the subgroup's committed slot from now on."""
-        self._crc[sg][slot] = crc
-        self._committed[sg] = slot
-
-
 class HostStepping:
     """Speculation, validation, commit and rollback of a HostTier's steps: it owns the pending
     speculations and the step counters, and works through the tier's bank pool, its StateBanks

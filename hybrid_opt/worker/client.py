@@ -38,6 +38,18 @@ class WorkerTimeout(RuntimeError):
     pass
 
 
+class TornState(RuntimeError):
+    """rollback='inverse': in-place steps of `subgroups` (the tier's indices) may have written
+    part of their state when `why` happened (a worker that died or did not answer, a failed
+    piece): only a checkpoint restores them."""
+
+    def __init__(self, why: str, subgroups: list):
+        self.why, self.subgroups = why, sorted(subgroups)
+        super().__init__(f"{why}. rollback='inverse' steps in place, so the state of subgroups "
+                         f"{self.subgroups} may be torn; restore them from a checkpoint "
+                         f"(rollback='exact' survives this)")
+
+
 def _package_root() -> str:
     import hybrid_opt
     return os.path.dirname(os.path.dirname(os.path.abspath(hybrid_opt.__file__)))
