@@ -112,7 +112,7 @@ def collected(opt) -> None:
         pass
 
 
-_STEPPED_BY: dict = {}  # id(param) -> weakref to the open optimizer stepping it
+_STEPPED_BY: dict = {}  # id(param) -> [weakref to each open optimizer stepping it]
 
 
 def claim(opt, params) -> None:
@@ -122,14 +122,15 @@ def claim(opt, params) -> None:
     two optimizers over one param each read what the other wrote). Keyed by id, holding no
     reference to the param (torch.utils.swap_tensors refuses a tensor with a weakref): an open
     optimizer keeps its params alive (its layout), so an id it claimed is not reused meanwhile."""
-    for k in [k for k, ref in _STEPPED_BY.items() if ref() is None or ref().closed]:
-        del _STEPPED_BY[k]
+    for k in list(_STEPPED_BY):  # the closed and collected let go of their ids
+        _STEPPED_BY[k] = [r for r in _STEPPED_BY[k] if r() is not None and not r().closed]
+        if not _STEPPED_BY[k]:
+            del _STEPPED_BY[k]
     others = set()
     for p in params:
-        other = _STEPPED_BY.get(id(p), lambda: None)()
-        if other is not None and other is not opt:
-            others.add(type(other).__name__)
-        _STEPPED_BY[id(p)] = weakref.ref(opt)
+        refs = _STEPPED_BY.setdefault(id(p), [])
+        others.update(type(r()).__name__ for r in refs if r() is not opt)
+        refs.append(weakref.ref(opt))
     if others:
         warnings.warn(f"a {type(opt).__name__} was given parameters that an open {'/'.join(sorted(others))} "
                       f"also steps: two hybrid_opt optimizers stepping one parameter diverge. Close "

@@ -62,13 +62,13 @@ class StepChecks:
             self._state_lost(torch_state)
         cls = self.owner
         device_tier = self.placement.device
-        on_device, sharded = self._layout_sets()
+        on_device, off_device, sharded = self._layout_sets()
         subgroups = self.layout.subgroups
         device = subgroups[0].device if subgroups else None
         i, hps = 0, []
         laid_out = self.layout.laid_out
         for gi, group in enumerate(self.layout.param_groups):
-            live = live_on_device = False
+            live_off_device = live_on_device = False
             for p in group["params"]:
                 if i >= len(laid_out) or p is not laid_out[i]:
                     self._params_edited(gi, i)
@@ -84,20 +84,20 @@ class StepChecks:
                         # the usual grad (the param's dtype and device) needs no more checks
                         if i in on_device and (g.dtype is not p.dtype or g.get_device() != p.get_device()):
                             self._refuse_grad(i, device_tier.refuse_grad(g, p), TypeError)
-                    live = True
                     live_on_device = live_on_device or i in on_device
+                    live_off_device = live_off_device or i in off_device
                 i += 1
-            if gi == len(self.layout.param_groups) - 1 and i != len(laid_out):
-                self._params_edited(gi, i)
             hp = group_inputs(group, self.decoupled)  # a Tensor lr of several elements raises here, not mid-step
             hps.append(hp)
-            # the host tier's CPU kernel takes what the device tier's CPU kernel refuses
-            # (a NaN lr set after construction): refused alike, whatever the placement
-            why = device_tier.refuse_hyper(hp, device if live_on_device else _CPU) if live else None
-            if why is not None:
-                raise ValueError(f"{cls}.step(): param group {gi}: {why} (the "
-                                 f"{'device' if live_on_device else 'host'} tier's kernel refuses "
-                                 f"it). {NOTHING_STEPPED}")
+            # the host tier's CPU kernel takes what the device tier's kernels refuse (a NaN lr
+            # set after construction): refused alike, wherever the group's live params are
+            for tier, on, dev in (("device", live_on_device, device), ("host", live_off_device, _CPU)):
+                why = device_tier.refuse_hyper(hp, dev) if on else None
+                if why is not None:
+                    raise ValueError(f"{cls}.step(): param group {gi}: {why} (the {tier} tier's "
+                                     f"kernel refuses it). {NOTHING_STEPPED}")
+        if i != len(laid_out):  # params removed (or every group: param_groups.clear())
+            self._params_edited(max(len(self.layout.param_groups) - 1, 0), i)
         return hps
 
     def _state_lost(self, torch_state) -> None:
@@ -127,16 +127,18 @@ class StepChecks:
                          f"to step this one. {NOTHING_STEPPED}")
 
     def _layout_sets(self) -> tuple:
-        """({params with a slice on the device tier}, {sharded params}) for the layout now,
-        made again only when the layout changed (a move, add_param_group)."""
+        """({params with a slice on the device tier}, {... on the host or nvme tier}, {sharded
+        params}) for the layout now, made again only when the layout changed (a move,
+        add_param_group)."""
         plan, n = self.placement.plan, len(self.layout.steps)
         cache = self._cache
         if cache is None or cache[0] is not plan or cache[1] != plan.tiers or cache[2] != n:
-            on_device = {sl.param_index for sg in self.layout.subgroups if plan.tiers[sg.index] == DEVICE
-                         for sl in sg.slices}
+            on, off = set(), set()
+            for sg in self.layout.subgroups:
+                (on if plan.tiers[sg.index] == DEVICE else off).update(sl.param_index for sl in sg.slices)
             sharded = {i for i, p in enumerate(self.layout.params()) if D.is_sharded(p)}
-            cache = self._cache = (plan, list(plan.tiers), n, on_device, sharded)
-        return cache[3], cache[4]
+            cache = self._cache = (plan, list(plan.tiers), n, on, off, sharded)
+        return cache[3], cache[4], cache[5]
 
     def _refuse_grad(self, i: int, why: str | None, kind: type) -> None:
         if why is not None:

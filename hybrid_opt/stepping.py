@@ -18,7 +18,7 @@ from hybrid_opt.placement.plan import DEVICE
 from hybrid_opt.step_failures import failure_of
 from hybrid_opt.step_work import DeviceWork, HostWork
 from hybrid_opt.tiers.device import read_scalars
-from hybrid_opt.tiers.host_io import TornState
+from hybrid_opt.worker.client import TornInterrupt, TornState
 
 
 class StepCall(NamedTuple):
@@ -280,7 +280,7 @@ def fail(parts, call: StepCall, e: BaseException, where, host_steps: dict, commi
     step did not touch (step_failures.py)."""
     world = D.world_size()
     f = failure_of(call.owner, e, where, host_steps, committed, device_work, done, unsure, world,
-                   parts.sharding.active, lambda: _unreadable(parts) if isinstance(e, Exception) else None,
+                   parts.sharding.active, lambda: _unreadable(parts, e, host_steps),
                    _torn_subgroups(parts, e, host_steps))
     parts.ledger.put_back(undo, f.untouched, f.nothing_stepped)
     parts.ledger.sync_torch_state(call.torch_state)
@@ -299,16 +299,20 @@ def fail(parts, call: StepCall, e: BaseException, where, host_steps: dict, commi
     raise f.error from e
 
 
-def _unreadable(parts) -> str | None:
-    """'subgroups [..] (params [..])' whose committed nvme slot no longer reads back (corrupt,
-    cut short), or None: stepping again cannot mend those."""
-    host = parts.placement.host
-    if host is None or host.swap is None or host.closed:
+def _unreadable(parts, e: BaseException, host_steps: dict) -> str | None:
+    """'subgroups [..] (params [..])' of this step's nvme subgroups whose committed slot no
+    longer reads back (corrupt, cut short), or None: stepping again cannot mend those. Asked
+    only after a host-tier error (not an interrupt); never raises over the step's own error."""
+    host, local = parts.placement.host, parts.placement.host_local
+    if not isinstance(e, Exception) or host is None or host.swap is None or host.closed:
         return None
-    bad = host.unreadable()
+    try:
+        bad = host.unreadable([local[i] for i in host_steps])
+    except Exception:
+        return None
     if not bad:
         return None
-    index_of = {k: i for i, k in parts.placement.host_local.items()}
+    index_of = {k: i for i, k in local.items()}
     sgs = [parts.layout.subgroups[index_of[k]] for k in sorted(bad)]
     return f"subgroups {[sg.index for sg in sgs]} (params {sorted({sl.param_index for sg in sgs for sl in sg.slices})})"
 
@@ -316,7 +320,7 @@ def _unreadable(parts) -> str | None:
 def _torn_subgroups(parts, e: BaseException, host_steps: dict) -> set:
     """The subgroups of this step (layout indices) that rollback='inverse' in-place steps,
     cut short, may have torn: the host tier names them (TornState)."""
-    if not isinstance(e, TornState):
+    if not isinstance(e, (TornState, TornInterrupt)):  # Ctrl-C stays a KeyboardInterrupt: TornInterrupt
         return set()
     index_of = {k: i for i, k in parts.placement.host_local.items()}
     return {index_of[k] for k in e.subgroups if index_of.get(k) in host_steps}

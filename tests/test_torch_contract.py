@@ -101,7 +101,12 @@ def _new_group(opt, model):
     opt.param_groups.append(dict(opt.param_groups[0], params=[torch.nn.Parameter(torch.randn(3))]))
 
 
-EDITS = {"append": _append, "remove": _remove, "replace": _replace, "new_group": _new_group}
+def _clear_groups(opt, model):
+    opt.param_groups.clear()  # raised a bare IndexError
+
+
+EDITS = {"append": _append, "remove": _remove, "replace": _replace, "new_group": _new_group,
+         "clear": _clear_groups}
 
 
 @pytest.mark.parametrize("placement", ["device", "host"])
@@ -256,7 +261,13 @@ def test_a_second_open_optimizer_over_the_same_params_is_warned_about():
         with pytest.warns(UserWarning, match=r"an open HybridAdamW also steps.*Close the other first") as caught:
             second = HybridAdamW(model.fc1.parameters(), subgroup_numel=SUBGROUP, offload_fraction=1.0)
         assert caught[0].filename == __file__  # points at the user's line
+        with pytest.warns(UserWarning, match=r"an open HybridAdamW also steps"):
+            third = HybridAdamW(model.fc1.parameters(), subgroup_numel=SUBGROUP)
         second.close()
+        with pytest.warns(UserWarning, match=r"an open HybridAdamW also steps"):  # the first still is
+            fourth = HybridAdamW(model.fc1.parameters(), subgroup_numel=SUBGROUP)
+        third.close()
+        fourth.close()
         with warnings.catch_warnings():
             warnings.simplefilter("error")
             HybridAdamW(make_net().parameters(), subgroup_numel=SUBGROUP).close()  # disjoint

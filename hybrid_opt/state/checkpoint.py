@@ -233,11 +233,11 @@ def scatter_state(layout, placement, sources: dict) -> None:
             host.load_state(local, st["master"], st["exp_avg"], st["exp_avg_sq"], st.get("max_exp_avg_sq"))
     except BaseException as e:
         host.restore_file_marks(marks)
-        for sg, high in highs.values():
-            sg.write(high)
-        raise _load_failed(e, f"load_state_dict failed writing nvme subgroup {sg.index}: {e}. Nothing was "
-                              f"loaded: every subgroup, step count and hyperparameter is as before the "
-                              f"call (each nvme file's committed slot was never written)") from e
+        for done_sg, high in highs.values():
+            done_sg.write(high)
+        _load_failed(e, f"load_state_dict failed writing nvme subgroup {sg.index}: {e}. Nothing was "
+                        f"loaded: every subgroup, step count and hyperparameter is as before the "
+                        f"call (each nvme file's committed slot was never written)")
     try:
         for sg in resident:
             st = placement.state_of(sg)
@@ -247,21 +247,25 @@ def scatter_state(layout, placement, sources: dict) -> None:
     except BaseException as e:
         if nvme:
             host.restore_file_marks(marks)
-            for sg_, high in highs.values():
-                sg_.write(high)
+            for done_sg, high in highs.values():
+                done_sg.write(high)
         rest = [s for s in resident if s not in done]
-        raise _load_failed(e, f"load_state_dict failed loading subgroup {sg.index} ({tiers[sg.index]} "
-                              f"tier): {e}. {_names(done)} already hold the checkpoint's state; "
-                              f"{_names(rest)}{' and the nvme tier' * bool(nvme)} are as before the "
-                              f"call, as are the step counts and hyperparameters: call "
-                              f"load_state_dict again") from e
+        _load_failed(e, f"load_state_dict failed loading subgroup {sg.index} ({tiers[sg.index]} "
+                        f"tier): {e}. {_names(done)} already hold the checkpoint's state; "
+                        f"{_names(rest)}{' and the nvme tier' * bool(nvme)} are as before the "
+                        f"call, as are the step counts and hyperparameters: call "
+                        f"load_state_dict again")
 
 
-def _load_failed(e: BaseException, message: str) -> BaseException:
-    if not isinstance(e, Exception):  # KeyboardInterrupt and the like: as it is
-        return e
+def _load_failed(e: BaseException, message: str) -> None:
+    """Raises `e` restated as `message` (its type kept); KeyboardInterrupt and the like as they
+    are, `message` noted on them."""
+    if not isinstance(e, Exception):
+        if hasattr(e, "add_note"):
+            e.add_note(message)
+        raise e
     from hybrid_opt.placement import restated
-    return restated(e, message)
+    raise restated(e, message) from e
 
 
 def looks_like_state_init_step(layout, decoupled: bool) -> bool:

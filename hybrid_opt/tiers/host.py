@@ -13,6 +13,8 @@ close(). HostTier owns parts, each owning its state and reached through its publ
 """
 from __future__ import annotations
 
+import errno
+
 import torch
 
 from hybrid_opt.banks import BankPool
@@ -264,25 +266,31 @@ class HostTier:
         for sg, (slot, crc) in marks.items():
             self._files.commit(sg, slot, crc)
 
-    def unreadable(self) -> dict:
-        """{nvme subgroup: why} of each whose committed slot does not read back whole and
-        checksum-verified now (after a failed step: stepping again would fail the same way).
-        Read into a buffer of its own: no bank, and a pending step only writes the other slot."""
+    def unreadable(self, subgroups) -> dict:
+        """{nvme subgroup: why} of each of `subgroups` whose committed slot does not read back
+        whole and checksum-verified now (after a failed step: stepping again would fail the same
+        way). Read into a buffer of its own: no bank, and a pending step only writes the other
+        slot. A read that times out ends the scan (the disk is what failed, not a slot)."""
         from cpu_kernels.aio import aligned_buffer
         bad, buf = {}, aligned_buffer(self.io_bytes)
         try:
-            for sg in range(len(self.numels)):
+            for sg in sorted(subgroups):
                 if self.nvme[sg] and not self.closed:
                     slot = self._files.slot(sg)
                     try:
                         crc = self._swap_file(sg, None, slot, write=False, buf=buf)
                     except OSError as e:
+                        if isinstance(e, TimeoutError) or e.errno == errno.ETIMEDOUT:
+                            return {}
                         bad[sg] = str(e)
                         continue
                     if crc != self._files.crc(sg, slot):
                         bad[sg] = f"checksum mismatch in slot {slot}"
         finally:
-            buf.close()
+            try:
+                buf.close()
+            except BufferError:
+                pass  # a read still holds it: the gc frees it once that ends
         return bad
 
     def state(self, sg: int) -> dict:

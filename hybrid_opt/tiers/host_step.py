@@ -24,6 +24,7 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from hybrid_opt.tiers.host_io import TornState, _Piece
+from hybrid_opt.worker.client import TornInterrupt
 from hybrid_opt.tiers.inputs import StepInputs
 from hybrid_opt.worker import protocol as P
 
@@ -385,9 +386,10 @@ class HostStepping:
                 torn = sorted(set(torn) | set(e.subgroups))
             if torn and isinstance(e, Exception):
                 raise TornState(e.why if isinstance(e, TornState) else str(e), torn) from e
-            if torn:  # KeyboardInterrupt and the like stay what they are, with the tear noted
-                e.add_note(f"hybrid_opt host tier (rollback='inverse'): the state of subgroups "
-                           f"{torn} may be torn; restore them from a checkpoint")
+            if torn:  # KeyboardInterrupt and the like stay one (Ctrl-C still stops), the tear named
+                raise TornInterrupt(f"hybrid_opt host tier (rollback='inverse'): interrupted; the state "
+                                    f"of subgroups {torn} may be torn; restore them from a checkpoint",
+                                    torn) from e
             raise
         for v in outcome.values():
             self._counts[v] += 1
@@ -402,7 +404,12 @@ class HostStepping:
         for sg in [s for s, w in waiting.items() if w.bank is None and not self.nvme[s]]:
             spec = waiting[sg]
             if spec.launched and spec.ok():
-                self._commit(sg, waiting.pop(sg), on_commit)
+                try:
+                    self._commit(sg, waiting.pop(sg), on_commit)
+                except BaseException:  # on_commit's copy into the model failed: the others still settle
+                    self._io.release_slots(spec.pieces)
+                    self._release_banks(spec)
+                    torn.append(sg)  # stepped in place, its params not written: only a checkpoint mends it
             elif any(p.result is not None and p.result.status == P.STATUS_OK for p in spec.pieces):
                 torn.append(sg)
         return torn

@@ -50,6 +50,15 @@ class TornState(RuntimeError):
                          f"(rollback='exact' survives this)")
 
 
+class TornInterrupt(KeyboardInterrupt):
+    """A KeyboardInterrupt (Ctrl-C) that cut rollback='inverse' in-place steps short: still one
+    (the program stops), naming the `subgroups` (the tier's indices) that may be torn."""
+
+    def __init__(self, message: str, subgroups: list):
+        self.subgroups = sorted(subgroups)
+        super().__init__(message)
+
+
 def _package_root() -> str:
     import hybrid_opt
     return os.path.dirname(os.path.dirname(os.path.abspath(hybrid_opt.__file__)))
