@@ -479,14 +479,20 @@ def test_worker_killed_externally_is_detected_within_a_second(when):
 
 
 # ------------------------------------------------------------------ 7. worker killed (inverse)
-def test_inverse_mode_worker_killed_mid_step_names_the_torn_subgroups(monkeypatch):
-    monkeypatch.setenv(FAULT_ENV, "mid_step:2")
+def _inverse_tier_with_fault(monkeypatch, fault: str, seed: int):
+    """An inverse-mode tier of three subgroups whose worker carries `fault`, its states loaded;
+    (tier, states, grads)."""
+    monkeypatch.setenv(FAULT_ENV, fault)
     numels = [1000, 2000, 500]
     tier = new_tier(numels, rollback="inverse", staging_slots=4)
+    states = make_states(numels, seed=seed)
+    load(tier, states)
+    return tier, states, make_grads(numels, seed=seed)
+
+
+def test_inverse_mode_worker_killed_mid_step_names_the_torn_subgroups(monkeypatch):
+    tier, states, grads = _inverse_tier_with_fault(monkeypatch, "mid_step:2", seed=14)
     try:
-        states = make_states(numels, seed=14)
-        load(tier, states)
-        grads = make_grads(numels, seed=14)
         assert tier.speculate(0, grads[0], inputs(1))
         assert tier.speculate(1, grads[1], inputs(1))   # its step task is the one killed
         with pytest.raises(RuntimeError, match=r"subgroups \[1\] may be torn") as info:
@@ -529,13 +535,8 @@ def test_inverse_mode_worker_killed_mid_step_commits_the_subgroups_it_finished(m
     stepped in place, so it is committed (on_commit: the caller counts it stepped) and the
     error names only what may be torn; before, subgroup 0 was stepped but reported with the
     rest, and the optimizer said 'Nothing was stepped ... call step() again'."""
-    monkeypatch.setenv(FAULT_ENV, "before_step:2")
-    numels = [1000, 2000, 500]
-    tier = new_tier(numels, rollback="inverse", staging_slots=4)
+    tier, states, grads = _inverse_tier_with_fault(monkeypatch, "before_step:2", seed=17)
     try:
-        states = make_states(numels, seed=17)
-        load(tier, states)
-        grads = make_grads(numels, seed=17)
         committed = []
         with pytest.raises(TornState, match=r"SIGKILL.*may be torn; restore them") as info:
             tier.finish({sg: (g, inputs(1)) for sg, g in enumerate(grads)},
