@@ -52,11 +52,11 @@ from .aio_buffers import (  # noqa: F401 - the public names re-exported, _checks
                           DEFAULT_CHUNK_BYTES, DEFAULT_TIMEOUT_S, _checksum_portable,
                           _EMISALIGNED_BUF, _EMISALIGNED_LEN, _EMISALIGNED_OFF, _errname,
                           _FLAG_CRC, _HINTS, _MODES, _O_DIRECT, _OP_NAMES, _READ, _resolve,
-                          _Result, _SYNC, _warn_buffered_once, _WRITE)
+                          _Result, _SYNC, _WRITE, open_direct)
 
 __all__ = ["AioEngine", "AioError", "AioAlignmentError", "AioResult", "aligned_buffer",
            "align_up", "checksum", "checksum_combine", "checksum_impl", "ALIGNMENT",
-           "DEFAULT_CHUNK_BYTES", "DEFAULT_TIMEOUT_S"]
+           "DEFAULT_CHUNK_BYTES", "DEFAULT_TIMEOUT_S", "open_direct"]
 
 class _Request:
     __slots__ = ("op", "fd", "offset", "nbytes", "pin", "crc")
@@ -166,16 +166,7 @@ class AioEngine:
             raise ValueError(f"AioEngine.open: mode must be one of {sorted(_MODES)}, got {mode!r}")
         path = os.fspath(path)
         flags = _MODES[mode] | os.O_CLOEXEC
-        if direct and _O_DIRECT:
-            try:
-                fd = os.open(path, flags | _O_DIRECT, perm)
-            except OSError as e:
-                if e.errno != _errno.EINVAL:
-                    raise
-                _warn_buffered_once(path, e)
-                fd = os.open(path, flags, perm)
-        else:
-            fd = os.open(path, flags, perm)
+        fd = open_direct(path, flags, perm) if direct else os.open(path, flags, perm)
         self.register(fd, path)
         return fd
 

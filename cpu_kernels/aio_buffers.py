@@ -261,6 +261,21 @@ _warn_lock = threading.Lock()
 _warned_buffered = False
 
 
+def open_direct(path: str, flags: int, perm: int = 0o600, *, warn: bool = True) -> int:
+    """os.open(path, flags | O_DIRECT), or buffered where the filesystem refuses O_DIRECT
+    (EINVAL, e.g. an older kernel's tmpfs), then warned of once per process unless not `warn`."""
+    if not _O_DIRECT:
+        return os.open(path, flags, perm)
+    try:
+        return os.open(path, flags | _O_DIRECT, perm)
+    except OSError as e:
+        if e.errno != _errno.EINVAL:
+            raise
+        if warn:
+            _warn_buffered_once(path, e)
+        return os.open(path, flags, perm)
+
+
 def _warn_buffered_once(path: str, err: OSError):
     global _warned_buffered
     with _warn_lock:

@@ -50,7 +50,7 @@ class StepChecks:
         self.placement = placement
         self.owner = owner          # the optimizer's class name, for messages
         self.decoupled = decoupled
-        self._cache = None          # (plan, its tiers, params, {on device}, {sharded}) of the layout now
+        self._cache = None          # (plan, its tiers, params, {on device}, {off it}, {sharded}) of the layout now
 
     def check_inputs(self, torch_state) -> list:
         """Before the ranks' decision; returns each param group's hyperparameters as the tiers
@@ -199,12 +199,13 @@ def failure_of(owner: str, e: BaseException, where: str | None, host_steps: dict
         idx = device_work[k].slice.param_index
         stepped[idx] = stepped.get(idx, 0) + 1
     maybe = {device_work[k].slice.param_index for k in unsure}
-    whole = sorted(i for i, n in total.items() if stepped.get(i, 0) == n and i not in maybe | cut_params)
+    unsure_params = maybe | cut_params  # maybe written: neither whole nor untouched
+    whole = sorted(i for i, n in total.items() if stepped.get(i, 0) == n and i not in unsure_params)
     torn = sorted(i for i, n in total.items() if (0 < stepped.get(i, 0) < n or i in maybe)
                   and i not in whole and i not in cut_params)
     # untouched: its count as before the call; with nothing stepped (an empty param, no
     # subgroup, too) every count and the step's scalars
-    untouched = [i for i in total if not stepped.get(i, 0) and i not in maybe | cut_params]
+    untouched = [i for i in total if not stepped.get(i, 0) and i not in unsure_params]
     nothing = not whole and not torn and not cut_params
     bad = unreadable() if nothing and where is not None and unreadable is not None else None
     if bad:

@@ -14,6 +14,7 @@ import torch
 from hybrid_opt import distributed as D
 from hybrid_opt.distributed import rank_faults as RF
 from hybrid_opt.state.checkpoint import looks_like_state_init_step
+from hybrid_opt.state.layout import subgroups_label
 from hybrid_opt.placement.plan import DEVICE
 from hybrid_opt.step_failures import failure_of
 from hybrid_opt.step_work import DeviceWork, HostWork
@@ -313,8 +314,7 @@ def _unreadable(parts, e: BaseException, host_steps: dict) -> str | None:
     if not bad:
         return None
     index_of = {k: i for i, k in local.items()}
-    sgs = [parts.layout.subgroups[index_of[k]] for k in sorted(bad)]
-    return f"subgroups {[sg.index for sg in sgs]} (params {sorted({sl.param_index for sg in sgs for sl in sg.slices})})"
+    return subgroups_label([parts.layout.subgroups[index_of[k]] for k in sorted(bad)])
 
 
 def _torn_subgroups(parts, e: BaseException, host_steps: dict) -> set:

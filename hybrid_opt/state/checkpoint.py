@@ -11,6 +11,7 @@ import torch
 
 from hybrid_opt.distributed import dtensor_like, is_dtensor, is_sharded, local_of, local_shard_of
 from hybrid_opt.placement.plan import DEVICE, NVME
+from hybrid_opt.state.layout import subgroups_label
 
 
 def _master_stands(saved: torch.Tensor, param: torch.Tensor) -> bool:
@@ -179,7 +180,7 @@ def prepare_sources(layout, params: list, saved_state: dict) -> dict:
     """{(param index, tier key): its 1-D source or None} for every param a subgroup holds, made
     before anything is written: what can fail in making them (a shard, a gather, a device) fails
     while every tier is still as it was, and what is left to write is copies."""
-    keys = ("master", "exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if layout.amsgrad else ())
+    keys = _state_keys(layout.amsgrad)
     held = sorted({sl.param_index for sg in layout.subgroups for sl in sg.slices})
     return {(idx, k): _source(params[idx], saved_state.get(idx, {}), k) for idx in held for k in keys}
 
@@ -200,12 +201,12 @@ def _blank_state(sg, host, state_format) -> dict:
     """Zeroed tensors of an nvme subgroup's state (state_of's keys and the tier's dtypes): what
     a load writes its file from, never reading the file's current contents (a checkpoint is
     how a corrupt slot is replaced)."""
-    keys = ["master", "exp_avg", "exp_avg_sq"] + (["max_exp_avg_sq"] if host.amsgrad else [])
-    return {k: torch.zeros(sg.numel, dtype=_state_dtype(state_format, k)) for k in keys}
+    return {k: torch.zeros(sg.numel, dtype=_state_dtype(state_format, k)) for k in _state_keys(host.amsgrad)}
 
 
-def _names(sgs) -> str:
-    return f"subgroups {[sg.index for sg in sgs]} (params {sorted({sl.param_index for sg in sgs for sl in sg.slices})})"
+def _state_keys(amsgrad: bool) -> tuple:
+    """A subgroup's state tensors, as the tiers' state_of names them."""
+    return ("master", "exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if amsgrad else ())
 
 
 def scatter_state(layout, placement, sources: dict) -> None:
@@ -251,8 +252,8 @@ def scatter_state(layout, placement, sources: dict) -> None:
                 done_sg.write(high)
         rest = [s for s in resident if s not in done]
         _load_failed(e, f"load_state_dict failed loading subgroup {sg.index} ({tiers[sg.index]} "
-                        f"tier): {e}. {_names(done)} already hold the checkpoint's state; "
-                        f"{_names(rest)}{' and the nvme tier' * bool(nvme)} are as before the "
+                        f"tier): {e}. {subgroups_label(done)} already hold the checkpoint's state; "
+                        f"{subgroups_label(rest)}{' and the nvme tier' * bool(nvme)} are as before the "
                         f"call, as are the step counts and hyperparameters: call "
                         f"load_state_dict again")
 

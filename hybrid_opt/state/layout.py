@@ -202,6 +202,11 @@ def _cut(members: list, group: int, device, dtype, subgroup_numel: int, first: i
     return subgroups
 
 
+def subgroups_label(sgs) -> str:
+    """'subgroups [..] (params [..])' of subgroups `sgs`, for messages."""
+    return f"subgroups {[sg.index for sg in sgs]} (params {sorted({sl.param_index for sg in sgs for sl in sg.slices})})"
+
+
 def assign_ready_ranks(subgroups: list) -> None:
     """Grads complete in about reverse parameter order: the last subgroup is ready first."""
     for rank, sg in enumerate(sorted(subgroups, key=lambda s: -s.index)):

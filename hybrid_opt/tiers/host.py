@@ -7,13 +7,12 @@ close(). HostTier owns parts, each owning its state and reached through its publ
     compressed.py StateBanks: the banks' regions, the stored state (remainders), fresh banks
     host_io.py    HostIO: staging slots, pieces and worker traffic (remote gather, worker faults)
     host_step.py  HostStepping: speculation, validation, commit and rollback (the speculation
-                  protocol); FileSlots: each nvme file's committed slot and CRCs
+                  protocol)
     inputs.py     StepInputs: what a step's result depends on
-    nvme_files.py NvmeFiles: the trainer's descriptors of the nvme files (open for its lifetime)
+    nvme_files.py NvmeFiles: the trainer's descriptors of the nvme files (open for its lifetime);
+                  FileSlots: each nvme file's committed slot and CRCs
 """
 from __future__ import annotations
-
-import errno
 
 import torch
 
@@ -280,7 +279,7 @@ class HostTier:
                     try:
                         crc = self._swap_file(sg, None, slot, write=False, buf=buf)
                     except OSError as e:
-                        if isinstance(e, TimeoutError) or e.errno == errno.ETIMEDOUT:
+                        if isinstance(e, TimeoutError):  # OSError(ETIMEDOUT, ...) is one
                             return {}
                         bad[sg] = str(e)
                         continue

@@ -22,7 +22,7 @@ from hybrid_opt.tiers import remote_gather as RG
 from hybrid_opt.tiers.inputs import StepInputs, _with_step
 from hybrid_opt.tiers.staging import CopyQueue, CudaStager, copy_async, staging_device
 from hybrid_opt.worker import protocol as P
-from hybrid_opt.worker.client import TornState, WorkerDied, WorkerError, WorkerTimeout
+from hybrid_opt.worker.client import UNANSWERED, TornState, WorkerDied, WorkerError, WorkerTimeout
 
 _DT_CODE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 REMOTE_GATHER_QUEUE = 2   # pieces in flight below which the worker gathers grads itself
@@ -423,9 +423,7 @@ class HostIO:
         err = self.client.unanswered_error(t)
         self._recover(err)  # inverse mode: raises TornState for the in-place steps it had
         raise WorkerTimeout(f"{msg}: the worker (pid {pid}) did not answer, so it was killed and a "
-                            f"new one started (the committed state is intact). A worker starved of "
-                            f"CPU, swapped out or stopped (SIGSTOP, a debugger) does this: check "
-                            f"the machine's load and memory") from err
+                            f"new one started (the committed state is intact); {UNANSWERED}") from err
 
     def _in_place(self, piece: _Piece) -> bool:
         return (self._rollback == "inverse" and not self._nvme[piece.subgroup]

@@ -9,7 +9,6 @@ where the filesystem refuses it (both sides then share the page cache: still coh
 """
 from __future__ import annotations
 
-import errno
 import os
 import warnings
 
@@ -23,15 +22,9 @@ class NvmeFiles:
         self._gone: set = set()  # files found removed or replaced (warned once)
 
     def open(self, sg: int) -> int:
-        path, flags = self.swap.file(sg), os.O_RDWR | os.O_CLOEXEC
-        direct = getattr(os, "O_DIRECT", 0)
-        try:
-            fd = os.open(path, flags | direct)
-        except OSError as e:
-            if not direct or e.errno != errno.EINVAL:
-                raise
-            fd = os.open(path, flags)  # the worker's engine warns of a buffered file once
-        self._fds[sg] = fd
+        from cpu_kernels.aio import open_direct
+        # the worker's engine warns of a buffered file once
+        fd = self._fds[sg] = open_direct(self.swap.file(sg), os.O_RDWR | os.O_CLOEXEC, warn=False)
         return fd
 
     def fd(self, sg: int) -> int:

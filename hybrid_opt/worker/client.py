@@ -38,6 +38,11 @@ class WorkerTimeout(RuntimeError):
     pass
 
 
+# why a worker does not answer, and what to look at (HybridAdamW has no timeout argument)
+UNANSWERED = ("it may be starved of CPU, swapped out or stopped (SIGSTOP, a debugger): check the "
+              "machine's load and memory")
+
+
 class TornState(RuntimeError):
     """rollback='inverse': in-place steps of `subgroups` (the tier's indices) may have written
     part of their state when `why` happened (a worker that died or did not answer, a failed
@@ -432,10 +437,8 @@ class WorkerClient:
                 outstanding = sorted({self.pending[t].subgroup for t in task_ids if t in self.pending
                                       and self.pending[t].op in (P.OP_STEP, P.OP_INVERSE)})
                 what = f"did not finish subgroups {outstanding}" if outstanding else "did not answer"
-                # HybridAdamW has no timeout argument: the machine is what to look at
                 raise WorkerTimeout(f"hybrid_opt worker (pid {self.pid}) {what} within {waited:.0f} s; "
-                                    f"it may be starved of CPU, swapped out or stopped (SIGSTOP, a "
-                                    f"debugger): check the machine's load and memory")
+                                    f"{UNANSWERED}")
             self.drain(min(_POLL_S, left))
         out = [self.results.pop(t) for t in task_ids]
         for r in out:
