@@ -10,7 +10,7 @@ from dist_launch import DIST_MARKS, launch
 pytestmark = DIST_MARKS
 
 CASES = ("clip", "clip_rank1", "mul", "ddp", "ddp_clip", "ddp_unbitten_clip", "unscale", "rank0_checkpoint",
-         "takeover", "ddp_unused", "ddp_unused_lazy")
+         "takeover", "ddp_unused", "ddp_unused_lazy", "ddp_bucket_view")
 DDP_CASES = ("ddp", "ddp_unbitten_clip", "ddp_clip")
 RECIPE = ("HybridAdamW(..., max_grad_norm=", "attach_grad_scaler", "TrainingArguments(max_grad_norm=0)",
           "gradient_clip_val=None", "accelerator.clip_grad_norm_")
@@ -52,6 +52,17 @@ def test_ddp_writing_its_averages_and_a_clip_that_does_not_bite_are_not_edits(ed
             assert res[case]["error"] is None and res[case]["steps"] == 1, res[case]
         for a, b in zip(res["ddp"]["params"], res["ddp_unbitten_clip"]["params"]):
             assert torch.equal(a, b)
+
+
+def test_ddp_with_grads_as_bucket_views_is_refused_naming_the_wrapper(edited):
+    """DDP(gradient_as_bucket_view=True): its grads are views of its buckets, averaged in place
+    while our reduction reads them, and one is a grad of its own (a replacement). It passed only
+    because that replacement was reduced again over the one bucket; now every rank refuses it,
+    nothing stepped, the message naming the wrapper."""
+    for res in edited:
+        r = res["ddp_bucket_view"]
+        assert r["is_edit"] and r["steps"] == 0 and r["unchanged"], r
+        assert "drop the DDP wrapper" in r["message"], r["message"]
 
 
 @pytest.fixture(scope="module")
@@ -114,6 +125,30 @@ def test_a_refused_step_inside_scaler_step_leaves_the_next_step_unscaled_right(t
                 return [p.detach().clone() for p in model.parameters()]
         for a, b in zip(train(True), train(False)):
             assert torch.equal(a, b)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_user_hook_returning_a_tensor_gets_torchs_own_error(tmp_path):
+    """`register_post_accumulate_grad_hook(lambda p: p.grad.clamp_(-1, 1))` returns the grad:
+    torch hands it to the next hook and then refuses the hook ("should return None"). The
+    optimizer's reduce hook, next, raised a bare KeyError before torch could say so."""
+    import sys
+
+    import torch.distributed as dist
+
+    from dist_launch import SCRIPTS
+    sys.path.insert(0, SCRIPTS)
+    import common as C
+    from hybrid_opt import HybridAdamW
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/rdzv", rank=0, world_size=1)
+    try:
+        model = C.build_model()
+        next(model.parameters()).register_post_accumulate_grad_hook(lambda p: p.grad.clamp_(-1, 1))
+        with HybridAdamW(model.parameters(), lr=C.LR, subgroup_numel=32, offload_fraction=0.5,
+                         process_group=dist.group.WORLD):
+            with pytest.raises(RuntimeError, match="should return None"):
+                C.loss_fn(model, C.batches()[0]).backward()
     finally:
         dist.destroy_process_group()
 

@@ -18,7 +18,8 @@ NAMES = ("base", "release", "window1", "window1_overlap", "window1_rs", "window1
          "release_window1_overlap", "scaler",
          "release_scaler", "accumulate", "release_accumulate", "release_two_backwards",
          "release_grad_set", "release_zero_grad_keep", "late_edit_half", "release_late_edit_half",
-         "late_edit_inf", "release_late_edit_inf")
+         "late_edit_inf", "release_late_edit_inf", "late_edit_replace", "release_late_edit_replace",
+         "grad_set", "grad_set_by_hand", "grad_zeroed_early")
 
 
 @pytest.fixture(scope="module")
@@ -114,3 +115,36 @@ def test_an_edit_in_a_hook_after_the_reduction_read_the_grad_is_refused_with_rel
             assert r["failed_at"] == 1 and len(r["params"]) == 1, (rank, name)
             if rank == 1:
                 assert "changed in place after backward" in r["message"], r["message"]
+
+
+def test_a_grad_replaced_on_one_rank_after_its_reduction_read_the_old_one_is_refused(runs):
+    """`p.grad = p.grad * 0.5` in a hook registered after the optimizer's, on rank 1 only: it
+    was reduced again on rank 1 alone, a collective rank 0 never entered (no result within
+    60 s, with or without release_grads). Now refused as an in-place edit is: GradsEditedError
+    on rank 1, PeerStepFailed on rank 0, nothing stepped, no hang."""
+    for rank, res in enumerate(runs):
+        for name in ("late_edit_replace", "release_late_edit_replace"):
+            r = res[name]
+            assert r["error"] == ("GradsEditedError" if rank == 1 else "PeerStepFailed"), (rank, name, r["message"])
+            assert r["failed_at"] == 1 and len(r["params"]) == 1, (rank, name)
+            if rank == 1:
+                assert "replaced after backward" in r["message"], r["message"]
+                assert "set_gradient_accumulation_boundary(False)" in r["message"], r["message"]
+
+
+def test_a_grad_set_by_hand_after_a_reducing_backward_is_refused_on_every_rank(runs):
+    for res in runs:
+        r = res["grad_set"]
+        assert r["error"] == "GradsEditedError" and r["failed_at"] == 1, r
+        assert "Nothing was stepped, on any rank" in r["message"] and len(r["params"]) == 1
+
+
+def test_the_recipe_for_grads_set_by_hand_steps_them(runs):
+    """The refusal's recipe: the backward under set_gradient_accumulation_boundary(False)
+    reduces nothing, step() reduces the grad set by hand — bitwise the run whose hook zeroes
+    that grad before the optimizer's reduction reads it, and not the run that keeps it."""
+    for rank, res in enumerate(runs):
+        a, b = res["grad_set_by_hand"], res["grad_zeroed_early"]
+        assert a["error"] is None and b["error"] is None, (rank, a["message"], b["message"])
+        _assert_same_params(a, b, (rank, "grad_set_by_hand"))
+        assert not torch.equal(a["params"][1][0], res["base"]["params"][1][0])

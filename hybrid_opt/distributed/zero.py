@@ -237,7 +237,8 @@ class ZeroSharding:
         self._in_backward = False  # a reducing backward is running (its end callback queued)
         self._handles: list = []
         self._is_boundary = lambda: True
-        self._rereduced = 0        # stats["rereduced"]: buckets reduced again in finish()
+        self._adopted = 0          # stats["adopted"]: replaced grads holding their average (finish)
+        self._replaced: list = []  # this step's replaced grads, refused (finish)
         kind = COLLECTIVES or ("all_to_all" if dist.get_backend(group) == "gloo" else "reduce_scatter")
         if kind not in _KINDS:
             raise ValueError(f"hybrid_opt.distributed.zero.COLLECTIVES must be None or one of {_KINDS}, got {kind!r}")
@@ -260,7 +261,7 @@ class ZeroSharding:
     def stats(self) -> dict:
         """Counts of this optimizer's collectives, and its comm buffers' bytes (a new dict)."""
         return dict(reduce_scatters=self.reduction.launches, all_gathers=self.gathers.launches,
-                    rereduced=self._rereduced, collectives=self.comm.kind,
+                    adopted=self._adopted, collectives=self.comm.kind,
                     all_gathers_landed_in_forward=self.gathers.landed_in_forward,
                     buffer_bytes=self.window.nbytes() + self.counts.nbytes(),
                     count_reads=self.counts.count_reads)
@@ -282,6 +283,9 @@ class ZeroSharding:
         self._handles = []
 
     def _on_grad(self, p) -> None:
+        b = self._bucket_of.get(id(p))
+        if b is None:  # not a param: a hook before this one returned a tensor (torch refuses it next)
+            return
         if not self._is_boundary():
             return  # an accumulation micro-step: grads accumulate locally, nothing is reduced
         if not self._in_backward:
@@ -294,7 +298,6 @@ class ZeroSharding:
                 self._next = 0
                 self._fired.clear()
                 self._arrived.clear()
-        b = self._bucket_of[id(p)]
         arrived = self._arrived.setdefault(id(b), set())
         arrived.add(id(p))
         if len(arrived) == sum(1 for q in b.params if q.requires_grad):
@@ -331,25 +334,35 @@ class ZeroSharding:
 
     def finish(self) -> None:
         """Before step(): the buckets not issued yet are issued, in order (fired or not: a
-        param without a grad here may have one on another rank); then a bucket holding a grad
-        its hooks never reduced (set by hand, hooks removed, or replaced since) is reduced
-        again, and every pending reduction is waited for. The re-reductions depend on each
-        rank's own grads: ranks run the same program."""
+        param without a grad here may have one on another rank), and every pending reduction
+        is waited for. A grad replaced since its reduction read the one before (`p.grad = t`
+        after backward, or in a grad hook registered after the optimizer's) is not reduced
+        again: that would be a collective on this rank alone whenever the ranks differ (the
+        others would wait for it in their next collective). It is refused as an in-place edit
+        is (grad_edit_error), unless it holds its averaged chunk (DDP's
+        gradient_as_bucket_view writes its averages into grads of its own): then it reads as
+        that chunk."""
         if any(p.requires_grad for p in self.params):
             self._issue_in_order(upto=len(self.buckets))
         self.poll(wait=True)  # a bucket's buffers are reused: its reduction done before another
         self.counts.read()  # counts kept on the device (zero_counts.py): one read, zero grads made
         self.release.restore()  # release_grads: the placeholders the step reads (zero_release.py)
-        for b in self.buckets:
-            if self.release.has_released(b):
-                continue  # its full grads are gone: a grad given since is refused instead
-            if any(p.grad is not None and not self.reads.saw(p) for p in b.params):
-                self._rereduced += 1
-                self.reduction.launch(b)
-        self.poll(wait=True)
-        self.counts.read()
+        self._replaced = self._replaced_grads()
         if self.buckets and not self.release.enabled:
             self.edits.check_ddp(self.buckets[0])
+
+    def _replaced_grads(self) -> list:
+        """The grads replaced since their reduction read another (finish()), those holding
+        their averaged chunk adopted: [(param, its bucket, its index there)] of the others."""
+        replaced = [(p, b, k) for b in self.buckets if not self.release.has_released(b)
+                    for k, p in enumerate(b.params) if p.grad is not None and not self.reads.saw(p)]
+        if replaced and self.edits.hold_averages([p for p, _, _ in replaced]):
+            for p, b, k in replaced:
+                self.counts.map_chunk(b, k, p.grad)
+                self.reads.note(p)
+            self._adopted += len(replaced)
+            return []
+        return replaced
 
     def begin_step(self, failure, found, grad_scale, scaler, key) -> tuple:
         """step()'s start: the last step's params landed and every grad's averaged chunk in
@@ -371,7 +384,7 @@ class ZeroSharding:
         released = self.release.error()
         if released is not None:
             return released
-        return self.edits.error(unscaled)
+        return self.edits.error(unscaled, [p for p, _, _ in self._replaced])
 
     def shard(self):
         """(rank, world) whose chunks this optimizer's state holds."""
@@ -381,6 +394,7 @@ class ZeroSharding:
         """After step() (taken, skipped or failed): the next backward starts a new reduction."""
         self._arrived.clear()
         self.reads.clear()
+        self._replaced = []
         self._fired.clear()
         self._next = 0
         self._in_backward = False  # a backward that raised before its end callback

@@ -132,8 +132,8 @@ class GradCounts:
                 # unused here, used on another rank: the averaged grad is this rank's too. A
                 # grad made since by someone else — a DDP wrapper with find_unused_parameters
                 # writes its average into such a param at the end of backward, before lazy
-                # counts are read in step() — is that grant too, not a replacement to reduce
-                # again (that re-reduction would run on this rank alone: the ranks would hang)
+                # counts are read in step() — is that grant too, not a replacement (refused on
+                # this rank alone: zero.py finish)
                 if p.grad is None:  # release_grads: only the chunk is read (zero_release.py)
                     p.grad = self._release.placeholder(p) if self._release.enabled else torch.zeros_like(p)
                 self._reads.note(p)
@@ -142,15 +142,18 @@ class GradCounts:
     def _deliver(self, b, grads: list, ks: list) -> None:
         """Each param k in `ks` still holding the grad its reduction read: its averaged chunk
         mapped (distributed.local_of reads it), then the optimizer's speculation hook."""
-        _, grad_map = D._zero_maps()
         live = [k for k in ks if grads[k] is not None and b.params[k].grad is grads[k]]
         for k in live:
-            p = b.params[k]
-            a, n = b.offsets[k][self._rank], b.numels[k][self._rank]
-            rows_a, rows_b = D.chunk_rows(p.shape[0], self._rank, self._world)
             if self._release.enabled:  # the full grad dropped, a placeholder read instead (zero_release.py)
-                grads[k] = self._release.release(p)
-            grad_map[grads[k]] = b.out[a:a + n].view((rows_b - rows_a,) + tuple(p.shape[1:]))
+                grads[k] = self._release.release(b.params[k])
+            self.map_chunk(b, k, grads[k])
         if self._on_reduced is not None:
             for k in live:
                 self._on_reduced(b.params[k])
+
+    def map_chunk(self, b, k: int, grad) -> None:
+        """`grad` of b's param k reads as its averaged chunk (distributed.local_of)."""
+        p = b.params[k]
+        a, n = b.offsets[k][self._rank], b.numels[k][self._rank]
+        rows_a, rows_b = D.chunk_rows(p.shape[0], self._rank, self._world)
+        D._zero_maps()[1][grad] = b.out[a:a + n].view((rows_b - rows_a,) + tuple(p.shape[1:]))

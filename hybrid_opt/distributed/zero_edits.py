@@ -59,8 +59,8 @@ class GradsEditedError(RuntimeError):
 class GradReads:
     """Which grad object each param's reduction last read, and that grad's `_version` then
     (owned by ZeroSharding, noted by the parts that hand a reduction or a step a grad): a grad
-    replaced by a new object since is reduced again (zero.py finish), one changed in place is
-    refused (GradEdits). release_grads replaces the grad read by a placeholder once its
+    replaced by a new object since, or changed in place, is refused (GradEdits; one replaced by
+    its average, DDP's write, is adopted: zero.py finish). release_grads replaces the grad read by a placeholder once its
     reduction completes (`released`): what that grad's version had moved by since the read —
     an edit made while the reduction was in flight, by a grad hook registered after the
     optimizer's — is carried over to the placeholder, so the step refuses it as it would the
@@ -97,7 +97,7 @@ class GradReads:
 
     def moved(self, params) -> list:
         """[(param, versions moved)] for each grad still the object its reduction read whose
-        version has moved since (a grad replaced by a new object is re-reduced: zero.py)."""
+        version has moved since (a grad replaced by a new object: zero.py finish)."""
         out = []
         for p in params:
             g = p.grad
@@ -167,6 +167,21 @@ def edit_error(moved: list, ddp_like: bool, unscaled: bool) -> GradsEditedError 
         f"Nothing was stepped, on any rank. " + DDP_NOTE + RECIPE)
 
 
+def replaced_error(replaced: list) -> GradsEditedError:
+    """The refusal of grads replaced after their reduction read the ones before (zero.py)."""
+    p = replaced[0]
+    n = len(replaced)
+    what = f"{n} grad{'s' if n != 1 else ''} (the first of shape {tuple(p.shape)})"
+    return GradsEditedError(
+        f"process_group: {what} replaced after backward had reduce-scattered the grad before "
+        f"(`p.grad = ...` after backward, or in a grad hook registered after HybridAdamW's), "
+        f"but the step reads the averaged chunk of the grad reduced, so the new one would be "
+        f"silently ignored. Nothing was stepped, on any rank. To step grads set by hand, run "
+        f"the backward(s) before with opt.set_gradient_accumulation_boundary(False) (nothing "
+        f"is reduced then: step() reduces p.grad as it is) and set it back to True after "
+        f"step(). " + DDP_NOTE + RECIPE)
+
+
 class GradEdits:
     """ZeroSharding's part (zero.py) that checks this step's grads against what its reductions
     read (GradReads), and that sees a DDP wrapper's averaged grads (once)."""
@@ -202,13 +217,21 @@ class GradEdits:
         a, n = b.offsets[k][self._rank], b.numels[k][self._rank]
         return equals_average(p, b.out[a:a + n], self._rank, self._world)
 
-    def error(self, unscaled: bool):
+    def hold_averages(self, params: list) -> bool:
+        """Whether each param's grad holds its averaged chunk on this rank (what DDP writes):
+        one read for all of them."""
+        return all_true([self._equals_average(p) for p in params])
+
+    def error(self, unscaled: bool, replaced: list = ()):
         """After finish(): the refusal of this step (module docstring) — a grad changed in place
-        since its reduction read it, or (`unscaled`) GradScaler.step found it unscaled — or None.
+        since its reduction read it, a grad replaced since (`replaced`: those holding no
+        average, zero.py finish), or (`unscaled`) GradScaler.step found it unscaled — or None.
         A step with no moved grad reads nothing; under DDP (every grad moved) one read in all."""
+        if replaced and not unscaled:
+            return replaced_error(replaced)
         moved = self._reads.moved(self._params)
         # a released grad's edit (GradReads.released) is never DDP's write: DDP writes at the end
         # of backward, and its averages were not there to compare when the grad was dropped
         ddp_like = (bool(moved) and not any(self._reads.carried(p) for p, _ in moved)
-                    and all_true([self._equals_average(p) for p, _ in moved]))
+                    and self.hold_averages([p for p, _ in moved]))
         return edit_error(moved, ddp_like, unscaled)

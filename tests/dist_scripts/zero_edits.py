@@ -126,7 +126,9 @@ def run(name: str, rank: int, world: int, tmp: str) -> dict:
         return takeover(rank, world)
     model = C.build_model()
     before = [p.detach().clone() for p in model.parameters()]
-    forward = torch.nn.parallel.DistributedDataParallel(model) if name.startswith("ddp") else model
+    # gradient_as_bucket_view: DDP's averages land in grads of its own, views of its buckets
+    forward = (torch.nn.parallel.DistributedDataParallel(model, gradient_as_bucket_view=name == "ddp_bucket_view")
+               if name.startswith("ddp") else model)
     opt = HybridAdamW(model.parameters(), lr=C.LR, subgroup_numel=32, offload_fraction=0.5,
                       process_group=dist.group.WORLD)
     scaler = torch.amp.GradScaler("cpu", init_scale=4.0) if name == "unscale" else None

@@ -31,6 +31,11 @@ CONFIGS = {
     "release_late_edit_half": (dict(release_grads=True), None, "late_edit_half"),
     "late_edit_inf": (dict(), None, "late_edit_inf"),
     "release_late_edit_inf": (dict(release_grads=True), None, "late_edit_inf"),
+    "grad_set": (dict(), None, "grad_set"),
+    "grad_set_by_hand": (dict(), None, "grad_set_by_hand"),
+    "grad_zeroed_early": (dict(), None, "grad_zeroed_early"),
+    "late_edit_replace": (dict(), None, "late_edit_replace"),
+    "release_late_edit_replace": (dict(release_grads=True), None, "late_edit_replace"),
 }
 PATHS = {"window1_rs": "reduce_scatter", "window1_ar_overlap": "all_reduce"}
 OVERFLOW_STEP = 1
@@ -52,6 +57,8 @@ class LateEdit:
             with torch.no_grad():
                 if self.how == "half":
                     p.grad.mul_(0.5)
+                elif self.how == "replace":  # a new tensor, not an in-place edit
+                    p.grad = p.grad * 0.5
                 else:
                     p.grad.view(-1)[0] = float("inf")
 
@@ -77,6 +84,12 @@ def run(name: str, rank: int, world: int, tmp: str) -> dict:
                message=None, grad_none_after_backward=[], grad_none_after_step=[], slots=[],
                full_bytes=_storage_bytes(params))
     overflow = C.OverflowInBackward(model) if case == "overflow" else None
+    late_step = [None]
+    if case == "grad_zeroed_early":  # a hook before the optimizer's: its reduction reads the zeros
+        def zero_early(p):
+            if late_step[0] == 1:
+                p.grad.zero_()
+        params[0].register_post_accumulate_grad_hook(zero_early)
     try:
         opt = HybridAdamW(params, lr=C.LR, weight_decay=0.01, max_grad_norm=1.0, subgroup_numel=32,
                           offload_fraction=0.5, process_group=dist.group.WORLD, **hybrid)
@@ -90,6 +103,9 @@ def run(name: str, rank: int, world: int, tmp: str) -> dict:
             opt.zero_grad(set_to_none=case != "zero_grad_keep")
             if late is not None:
                 late.step = i
+            late_step[0] = i
+            if case == "grad_set_by_hand":  # the recipe for grads set by hand: nothing reduced in backward
+                opt.set_gradient_accumulation_boundary(i != 1)
             local = C.local_batch(x, rank, world)
             if overflow is not None and i == OVERFLOW_STEP and rank == 1:
                 overflow.arm()  # an inf in rank 1's local grad only
@@ -104,7 +120,7 @@ def run(name: str, rank: int, world: int, tmp: str) -> dict:
                 out["grad_bytes"].append(_storage_bytes(p.grad for p in params))
                 out["chunk_bytes"].append(_storage_bytes(b.out for b in opt.parts.sharding.buckets))
                 out["grad_none_after_backward"].append([p.grad is None for p in params])
-                if case == "grad_set" and i == 1:
+                if case in ("grad_set", "grad_set_by_hand") and i == 1:
                     params[0].grad = torch.zeros_like(params[0])
                 if scaler is not None:
                     scaler.step(opt)
