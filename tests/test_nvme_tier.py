@@ -1001,3 +1001,97 @@ def test_an_nvme_file_removed_from_outside_keeps_its_state_and_says_so(nvme_dir,
         assert "nvme tier" in msg and "nvme_path" in msg and "tmp cleaners" in msg, msg
         for a, b in zip(params, twin_params):
             assert torch.equal(a, b)
+
+
+# ------------------------------------------------------------------ 10. removed files and a new worker
+def _worker_has_the_trainers_files(tier):
+    """Each nvme file's descriptor in the worker is the trainer's own open file (inherited:
+    the same inode, removed or not), with the trainer's O_DIRECT flag."""
+    pid = tier.worker_pid
+    for sg in [s for s in range(len(tier.numels)) if tier.nvme[s]]:
+        fd = tier._fds.fd(sg)
+        assert os.path.samestat(os.stat(f"/proc/{pid}/fd/{fd}"), os.fstat(fd)), f"subgroup {sg}"
+        with open(f"/proc/{pid}/fdinfo/{fd}") as f:
+            flags = int(next(ln for ln in f if ln.startswith("flags:")).split()[1], 8)
+        assert flags & os.O_DIRECT == fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT, f"subgroup {sg}"
+        if fs_type(tier.swap.root) in ("ext4", "xfs"):
+            assert flags & os.O_DIRECT, f"subgroup {sg}: the worker's I/O is not O_DIRECT"
+
+
+@pytest.mark.parametrize("fault", ["mid_step:7", "killed_between_steps"])
+def test_a_worker_restarted_after_the_nvme_files_were_removed_from_outside_steps_them_bitwise(
+        monkeypatch, nvme_dir, fault):
+    """A tmp cleaner removes the swap directory after step 1, then the worker dies: mid-step
+    (its 7th step task, step 2's second) or killed between steps. The new worker inherits the
+    trainer's descriptors of the removed files, as the first one did, so the trajectory is
+    bitwise unchanged and stays O_DIRECT. Before, a restarted worker opened the files by path:
+    every later step failed with FileNotFoundError naming a file nobody could bring back."""
+    if fault != "killed_between_steps":
+        monkeypatch.setenv(FAULT_ENV, fault)
+    tier = new_tier(FAULT_NUMELS, FAULT_NVME, nvme_dir, amsgrad=True, staging_slots=2)
+    try:
+        first_pid = tier.worker_pid
+        _worker_has_the_trainers_files(tier)
+        states = make_states(FAULT_NUMELS, amsgrad=True, seed=11)
+        load(tier, states)
+        for step in (1, 2, 3):
+            if step == 2:
+                shutil.rmtree(tier.swap.path)
+                if fault == "killed_between_steps":
+                    os.kill(first_pid, signal.SIGKILL)
+                    assert wait_gone(first_pid, 5.0)
+            grads = make_grads(FAULT_NUMELS, seed=40 + step)
+            inp = inputs(step, amsgrad=True)
+            assert set(tier.finish({sg: (g, inp) for sg, g in enumerate(grads)}).values()) == {"stepped"}
+            for s, g in zip(states, grads):
+                ref_step(s, g, inp)
+            # the first read of a removed file warns, once per file
+            warned = pytest.warns(RuntimeWarning, match="removed or replaced from outside")
+            with warned if step == 2 else ExitStack():
+                assert_tier_equals(tier, states, f"{fault}: step {step}")
+        assert tier.stats["worker_restarts"] == 1
+        assert tier.worker_pid != first_pid and wait_gone(first_pid, 5.0)
+        _worker_has_the_trainers_files(tier)
+    finally:
+        tier.close()
+    assert os.listdir(nvme_dir) == []
+
+
+@pytest.mark.parametrize("how", ["unlink", "rmtree"])
+def test_nvme_files_removed_from_outside_survive_a_killed_worker_and_a_checkpoint_round_trip(nvme_dir, how):
+    """The optimizer: every nvme file removed from outside (one by one, or the directory),
+    then the worker killed between steps. Training goes on bitwise as an undisturbed twin's
+    (params and state), state_dict() reads the removed files, and loading it back into the
+    optimizer (written through the same descriptors) steps on bitwise."""
+    params, opt = _four_nvme_params(nvme_dir)
+    twin_params, twin = _four_nvme_params(nvme_dir)
+    with opt, twin:
+        for o, ps in ((opt, params), (twin, twin_params)):
+            _grad_step(o, ps, 1)
+        host = opt.parts.placement.host
+        if how == "unlink":
+            for name in os.listdir(host.swap.path):
+                if name.endswith(".state"):
+                    os.unlink(os.path.join(host.swap.path, name))
+        else:
+            shutil.rmtree(host.swap.path)
+        old = host.worker_pid
+        os.kill(old, signal.SIGKILL)
+        assert wait_gone(old, 5.0)
+        with pytest.warns(RuntimeWarning, match="removed or replaced from outside"):
+            for seed in (2, 3):
+                for o, ps in ((opt, params), (twin, twin_params)):
+                    _grad_step(o, ps, seed)
+            _assert_state_is(opt, _snapshot(twin), "after the files were removed and the worker killed")
+        assert host.stats["worker_restarts"] == 1 and host.worker_pid != old
+        for a, b in zip(params, twin_params):
+            assert torch.equal(a, b)
+        ckpt = copy.deepcopy(opt.state_dict())
+        opt.load_state_dict(ckpt)
+        _assert_state_is(opt, ckpt["state"], "loaded back into the removed files")
+        for o, ps in ((opt, params), (twin, twin_params)):
+            _grad_step(o, ps, 4)
+        _assert_state_is(opt, _snapshot(twin), "a step after the load")
+        for a, b in zip(params, twin_params):
+            assert torch.equal(a, b)
+    assert os.listdir(nvme_dir) == []

@@ -148,7 +148,7 @@ class HostTier:
             self._fds = NvmeFiles(self.swap)
             layout["nvme"] = dict(dir=self.swap.path, io_bytes=self.io_bytes, threads=nvme_threads)
         self.client = WorkerClient(self.arena, layout, cores=self.cores.worker or None,
-                                   timeout_s=timeout_s)
+                                   timeout_s=timeout_s, files=self._fds)  # each worker inherits them
         # the io part tells the stepping part (made next: `stepping` is read at call time)
         # which torn speculations to forget
         stepping = None

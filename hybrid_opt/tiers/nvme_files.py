@@ -1,11 +1,13 @@
 """The trainer's own descriptors of a host tier's nvme files, open for the tier's lifetime.
 
-The worker reads and writes each file through descriptors it opened once; the trainer's reads
-and writes (load_state, state: checkpoints) go through these, opened once at construction,
-not by path at each call. A file removed from outside (a tmp cleaner) or replaced then stays
-one file for both: nothing is lost while the optimizer lives, and `check` warns, once per
-file, naming it and what to do. Opened as cpu_kernels.aio opens files: O_DIRECT, or buffered
-where the filesystem refuses it (both sides then share the page cache: still coherent).
+Opened once at construction, never again by path: the trainer's reads and writes (load_state,
+state: checkpoints) go through them, and every worker, the first and each one started after a
+death, inherits them at its start (WorkerClient's `files`: pass_fds) and steps through them. A
+file removed from outside (a tmp cleaner) or replaced then stays one file for the trainer and
+every worker: nothing is lost while the optimizer lives, worker restarts included, and `check`
+warns, once per file, naming it and what to do. Opened as cpu_kernels.aio opens files:
+O_DIRECT, or buffered (one warning) where the filesystem refuses it; an inherited descriptor
+shares its open file, flags included, so a worker's I/O is O_DIRECT exactly where this is.
 """
 from __future__ import annotations
 
@@ -23,8 +25,8 @@ class NvmeFiles:
 
     def open(self, sg: int) -> int:
         from cpu_kernels.aio import open_direct
-        # the worker's engine warns of a buffered file once
-        fd = self._fds[sg] = open_direct(self.swap.file(sg), os.O_RDWR | os.O_CLOEXEC, warn=False)
+        # the one open of the file: warns (once per process) where it cannot be O_DIRECT
+        fd = self._fds[sg] = open_direct(self.swap.file(sg), os.O_RDWR | os.O_CLOEXEC)
         return fd
 
     def fd(self, sg: int) -> int:
@@ -48,10 +50,11 @@ class NvmeFiles:
                 f"nvme state file {path} (subgroup {sg}'s, in this optimizer's nvme tier under "
                 f"nvme_path {self.swap.root}) was removed or replaced from outside this process "
                 f"(a tmp cleaner such as systemd-tmpfiles or tmpreaper?). Its state is still read "
-                f"and written through the descriptors the optimizer holds open, so nothing is "
-                f"lost yet; but a restarted worker cannot reopen it, and its disk space is freed "
-                f"only at close(). Save a checkpoint now (state_dict()) and keep nvme_path out of "
-                f"tmp cleaners", RuntimeWarning, stacklevel=2)
+                f"and written through the descriptors the optimizer holds open (a restarted worker "
+                f"inherits them too), so nothing is lost yet; but a new optimizer or a restarted "
+                f"program cannot open it, and its disk space is freed only at close(). Save a "
+                f"checkpoint now (state_dict()) and keep nvme_path out of tmp cleaners",
+                RuntimeWarning, stacklevel=2)
 
     def close(self) -> None:
         for fd in self._fds.values():

@@ -7,6 +7,7 @@ unanswered_error()).
 """
 from __future__ import annotations
 
+import errno
 import json
 import os
 import select
@@ -225,12 +226,19 @@ class WorkerClient:
     Public interface (what the host tier uses): launch()/wait_started() or start(), send(),
     wait(), poll(), drain(), ping(), restart(), close(); `connected` and death_error() to see
     and describe a worker that is gone; `results` (task id -> Result, taken by whoever
-    collects them), `pending`, `timeout_s`, `pid`."""
+    collects them), `pending`, `timeout_s`, `pid`.
+
+    `files` (the nvme tier's NvmeFiles, or anything whose items() are (subgroup, fd)): the
+    trainer's open descriptors of the swap files, read at each launch. Every worker, the first
+    and each replacement, inherits them as it inherits the arena's (pass_fds: the same numbers,
+    the same open files, O_DIRECT kept) and never opens a file by path, so a file removed from
+    outside (a tmp cleaner) stays reachable for a restarted worker too."""
 
     def __init__(self, arena, layout: dict, *, cores: list[int] | None = None,
-                 timeout_s: float = 120.0, start_timeout_s: float = 30.0):
+                 timeout_s: float = 120.0, start_timeout_s: float = 30.0, files=None):
         self.arena = arena
         self.layout = dict(layout)
+        self.files = files
         self.cores = cores
         self.timeout_s = timeout_s
         self.start_timeout_s = start_timeout_s
@@ -263,21 +271,31 @@ class WorkerClient:
         req_r, req_w = os.pipe()
         resp_r, resp_w = os.pipe()
         self._stderr_fd = os.memfd_create("hybrid_opt-worker-stderr") if hasattr(os, "memfd_create") else None
+        files = {int(sg): fd for sg, fd in self.files.items()} if self.files is not None else {}
         cfg = dict(self.layout, arena_fd=self.arena.fd, arena_nbytes=self.arena.nbytes,
                    req_fd=req_r, resp_fd=resp_w, cores=self.cores, trainer_pid=os.getpid(),
-                   threads=len(self.cores) if self.cores else None)
+                   threads=len(self.cores) if self.cores else None, file_fds=files)
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join([_package_root()] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
         if self.cores:
             env["OMP_NUM_THREADS"] = str(len(self.cores))
         if self.restarts:
             env.pop("HYBRID_OPT_WORKER_FAULT", None)  # an injected fault kills one worker, once
+        arg = json.dumps(cfg)
         try:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "hybrid_opt.worker.main", json.dumps(cfg)],
-                pass_fds=(self.arena.fd, req_r, resp_w), env=env, stdin=subprocess.DEVNULL,
-                stderr=self._stderr_fd if self._stderr_fd is not None else None,
+                [sys.executable, "-m", "hybrid_opt.worker.main", arg],
+                pass_fds=(self.arena.fd, req_r, resp_w, *files.values()), env=env,
+                stdin=subprocess.DEVNULL, stderr=self._stderr_fd if self._stderr_fd is not None else None,
                 start_new_session=True)  # the terminal's Ctrl-C goes to the trainer alone
+        except OSError as e:
+            os.close(req_w)
+            os.close(resp_r)
+            if e.errno != errno.E2BIG:
+                raise
+            raise OSError(e.errno, f"hybrid_opt worker: its configuration ({len(arg)} bytes: "
+                                   f"{len(files)} nvme files) is too long for a command line; use "
+                                   f"fewer, larger subgroups (a larger subgroup_numel)") from e
         finally:
             os.close(req_r)
             os.close(resp_w)

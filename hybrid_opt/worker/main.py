@@ -9,15 +9,18 @@ when its request pipe reports EOF, i.e. when the trainer has gone.
 CONFIG (JSON): arena_fd, arena_nbytes, req_fd, resp_fd, cores, and the layout: bank_offset,
 bank_stride, bank_regions {p or rem, m, v, vmax, copy: byte offsets inside a bank}, slot_offset,
 slot_stride, exp_avg_dtype, exp_avg_sq_dtype (dtype codes; v and vmax take exp_avg_sq's); for
-the nvme tier also nvme {dir, io_bytes, threads}. A step task with `remainder` set steps a
-master stored as remainders: the bf16 high half in the copy region, the int16 low half in rem
-(hybrid_opt/tiers/compressed.py has the layout).
+the nvme tier also nvme {dir, io_bytes, threads} and file_fds {subgroup: fd}. A step task with
+`remainder` set steps a master stored as remainders: the bf16 high half in the copy region, the
+int16 low half in rem (hybrid_opt/tiers/compressed.py has the layout).
 
-NVMe subgroups: OP_SWAP_IN reads a file slot into a bank asynchronously (verifying its
-CRC32C), OP_STEP then reads that bank and writes another, OP_SWAP_OUT writes the result to
-the other file slot asynchronously. Tasks run in arrival order except that a task waits
-only for earlier work on its own banks, so reads of later subgroups and the write of the
-previous one proceed while this one computes: the I/O pipeline.
+NVMe subgroups: each file is read and written through the trainer's own descriptor of it,
+inherited at start (file_fds: the trainer's NvmeFiles), never opened here by path: a file a tmp
+cleaner removed meanwhile is still the same file for a restarted worker. OP_SWAP_IN reads a
+file slot into a bank asynchronously (verifying its CRC32C), OP_STEP then reads that bank and
+writes another, OP_SWAP_OUT writes the result to the other file slot asynchronously. Tasks
+run in arrival order except that a task waits only for earlier work on its own banks, so reads
+of later subgroups and the write of the previous one proceed while this one computes: the I/O
+pipeline.
 
 Test-only fault injection: HYBRID_OPT_WORKER_FAULT="STAGE:K" kills the worker with SIGKILL at
 STAGE (before_step | mid_step | after_step) of its K-th step task; STAGE "raise" makes that
@@ -112,7 +115,8 @@ class Worker:
         self.trainer = int(cfg.get("trainer_pid") or self.parent)
         self.libc = _libc()
         self.aio = self.aio_write = None
-        self.fds = {}
+        # the trainer's descriptors of the nvme files, inherited (O_DIRECT as it opened them)
+        self.fds = {int(sg): fd for sg, fd in (cfg.get("file_fds") or {}).items()}
         if self.nvme:
             from cpu_kernels.aio import AioEngine  # noqa: PLC0415
             # reads and writes on engines of their own: a swap-out does not queue behind the
@@ -120,14 +124,18 @@ class Worker:
             threads = int(self.nvme.get("threads", 4))
             self.aio = AioEngine(threads=threads, queue_depth=256)
             self.aio_write = AioEngine(threads=threads, queue_depth=256)
+            for sg, fd in self.fds.items():  # their errors name the file
+                path = os.path.join(self.nvme["dir"], f"sg{sg}.state")
+                self.aio.register(fd, path)
+                self.aio_write.register(fd, path)
 
     # ------------------------------------------------------------------ nvme swap
     def _file(self, sg: int) -> int:
         fd = self.fds.get(sg)
         if fd is None:
-            path = os.path.join(self.nvme["dir"], f"sg{sg}.state")
-            fd = self.fds[sg] = self.aio.open(path, "r+")
-            self.aio_write.register(fd, path)
+            raise ValueError(f"subgroup {sg} has no nvme file: the trainer handed this worker "
+                             f"descriptors for subgroups {sorted(self.fds)} only (a task for a "
+                             f"subgroup not on the nvme tier; a bug in hybrid_opt, please report it)")
         return fd
 
     def _submit_swap(self, t: P.Task) -> int:
