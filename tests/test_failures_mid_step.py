@@ -356,33 +356,30 @@ def test_inverse_mode_worker_killed_in_step_names_what_was_stepped_and_what_may_
         t.close()
 
 
-def test_a_worker_that_does_not_answer_fails_one_step_and_is_replaced():
-    """A stopped worker (SIGSTOP; in life one swapped out or stuck): step() fails once after
-    the timeout saying the worker was killed and replaced, nothing stepped; the next backward
-    does not wait for the worker, state_dict() works and step() again continues bitwise.
-    Before, the hung worker stayed: each later backward waited the timeout once per
-    subgroup and state_dict() raised TimeoutError."""
+def test_a_worker_that_does_not_answer_is_replaced_and_the_step_goes_on():
+    """A stopped worker (SIGSTOP; in life one swapped out or stuck): after the timeout step()
+    kills and replaces it, sends its tasks again and goes on, warned of — bitwise torch's
+    trajectory; the next backward does not wait for the worker and state_dict() works. Before,
+    the hung worker stayed (each later backward waited the timeout once per subgroup,
+    state_dict() raised TimeoutError), then the step failed once although nothing was lost."""
     t = _Trio("host")
     try:
         t.ours.parts.placement.host.client.timeout_s = 1.0  # the default two minutes, lowered
-        state, counts, params = _state(t.ours), _counts(t.ours, t.model), _params(t.model)
         old = t.ours.worker_pid
         os.kill(old, signal.SIGSTOP)
         t.backward()  # speculates: the tasks wait at the stopped worker
-        with pytest.raises(RuntimeError, match=r"(?s)not stepped within 1 s: the worker \(pid \d+\) did "
-                                               r"not answer, so it was killed and a new one started.*"
-                                               r"check the machine.*Nothing was stepped"):
+        with pytest.warns(RuntimeWarning, match=r"(?s)not stepped within 1 s: the worker \(pid \d+\) did "
+                                                r"not answer, so it was killed.*check the machine"):
             t.ours.step()
         assert wait_gone(old, 5) and t.ours.worker_pid not in (None, old)
-        assert _counts(t.ours, t.model) == counts
-        assert all(torch.equal(a, b) for a, b in zip(_params(t.model), params))
+        t.others_step()
         t0 = time.monotonic()
         t.backward()
         assert time.monotonic() - t0 < 2.0  # it waited the timeout once per subgroup (12 s)
-        _assert_state_equal(_state(t.ours), state)  # state_dict() works, the state is intact
+        assert _state(t.ours)  # state_dict() works
         t.ours.step()
         t.others_step()
-        t.finish()
+        t.finish()  # bitwise the twin that never saw the stop, torch's within fp32
     finally:
         t.close()
 

@@ -560,12 +560,41 @@ def test_inverse_mode_worker_killed_mid_step_commits_the_subgroups_it_finished(m
         tier.close()
 
 
-@pytest.mark.parametrize("rollback", ["exact", "inverse"])
+def test_a_worker_that_does_not_answer_is_replaced_and_the_exact_step_goes_on():
+    """A worker stopped (SIGSTOP: as one swapped out or stuck) after speculation, exact mode:
+    after the timeout it is killed and replaced like a dead one, its tasks sent again, and
+    finish() goes on, warned of — the speculations commit bitwise the direct step (before, the
+    step failed once although nothing was lost). (A replacement that did not answer either
+    would fail the wait: two timeouts, never more.)"""
+    numels = [1000, 2000]
+    tier = new_tier(numels, staging_slots=4, timeout_s=1.0)
+    try:
+        states = make_states(numels, seed=18)
+        load(tier, states)
+        grads = make_grads(numels, seed=18)
+        old = tier.worker_pid
+        os.kill(old, signal.SIGSTOP)
+        assert all(tier.speculate(sg, g, inputs(1)) for sg, g in enumerate(grads))
+        t0 = time.monotonic()
+        with pytest.warns(RuntimeWarning, match=r"not stepped within 1 s: the worker \(pid \d+\) did not "
+                                                r"answer, so it was killed and a new one was sent its tasks"):
+            out = tier.finish({sg: (g, inputs(1)) for sg, g in enumerate(grads)})
+        assert out == {0: "committed", 1: "committed"} and time.monotonic() - t0 < 4.0
+        assert wait_gone(old, 5) and tier.worker_pid != old and tier.stats["worker_restarts"] == 1
+        for s, g in zip(states, grads):
+            ref_step(s, g, inputs(1))
+        assert_tier_equals(tier, states, "the step the new worker finished")
+    finally:
+        tier.close()
+
+
+@pytest.mark.parametrize("rollback", ["inverse"])
 def test_a_worker_that_does_not_answer_is_killed_replaced_and_named(rollback):
-    """A worker stopped (SIGSTOP: as one swapped out or stuck) after speculation: finish()
-    fails after the timeout saying so, and the worker is killed and replaced like a dead one,
-    so the pending speculations end at once (before, each later cancel waited the timeout
-    again: backward blocked subgroups x timeout) and the next step is the direct step."""
+    """A worker stopped (SIGSTOP: as one swapped out or stuck) after in-place speculation
+    (inverse): finish() fails after the timeout naming the torn subgroups, and the worker is
+    killed and replaced like a dead one, so the pending speculations end at once (before, each
+    later cancel waited the timeout again: backward blocked subgroups x timeout) and the next
+    step is the direct step."""
     numels = [1000, 2000]
     tier = new_tier(numels, rollback=rollback, staging_slots=4, timeout_s=1.0)
     try:

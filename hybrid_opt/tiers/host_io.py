@@ -13,6 +13,7 @@ raises WorkerTimeout saying so.
 from __future__ import annotations
 
 import time
+import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 
@@ -384,6 +385,7 @@ class HostIO:
         timeout_s without a result from the worker (or a staging copy landing) ends it
         (_timed_out), a long wait on a worker that answers does not."""
         deadline = time.monotonic() + self.client.timeout_s
+        replaced = False  # a worker that did not answer was replaced during this wait
         while True:
             copying = len(self._copies)
             self._send_copied(block=self._block_copies)
@@ -394,7 +396,8 @@ class HostIO:
             if done():
                 return
             if time.monotonic() > deadline:
-                self._timed_out()
+                self._timed_out(retry=not replaced)
+                replaced, deadline = True, time.monotonic() + self.client.timeout_s
             try:
                 # a worker already gone raises here (death_error); staging copies still
                 # landing: look again soon (only step() blocks on them)
@@ -406,11 +409,13 @@ class HostIO:
         """wait() until every one of `pieces` has its result."""
         self.wait(lambda: all(p.result is not None for p in pieces))
 
-    def _timed_out(self) -> None:
-        """A wait ran past the timeout: raises naming the subgroups not stepped. With tasks at
-        the worker, it did not answer them: it is killed and replaced as a dead one is (its
-        other tasks sent again), so what comes next (a backward cancelling a speculation,
-        state_dict(), the next step) finds a worker that answers."""
+    def _timed_out(self, retry: bool) -> None:
+        """A wait ran past the timeout. With tasks at the worker, it did not answer them: it is
+        killed and replaced as a dead one is, its tasks sent again, and (`retry`: the first time
+        in this wait) the wait goes on, warned of: exact, as after a death. Otherwise it raises
+        naming the subgroups not stepped (inverse mode: TornState for the in-place steps the
+        worker had), and what comes next (a backward cancelling a speculation, state_dict(),
+        the next step) finds a worker that answers."""
         copying = sorted({p.subgroup for p in self._copies.pieces()})
         subgroups = sorted({p.subgroup for p in self._inflight.values()} | set(copying))
         t = self.client.timeout_s
@@ -422,6 +427,11 @@ class HostIO:
         pid = self.client.pid
         err = self.client.unanswered_error(t)
         self._recover(err)  # inverse mode: raises TornState for the in-place steps it had
+        if retry:
+            warnings.warn(f"{msg}: the worker (pid {pid}) did not answer, so it was killed and a new "
+                          f"one was sent its tasks again (the step goes on, exactly); {UNANSWERED}",
+                          RuntimeWarning, stacklevel=2)
+            return
         raise WorkerTimeout(f"{msg}: the worker (pid {pid}) did not answer, so it was killed and a "
                             f"new one started (the committed state is intact); {UNANSWERED}") from err
 
