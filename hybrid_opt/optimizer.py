@@ -151,7 +151,7 @@ class _HybridBase(torch.optim.Optimizer):
     @lifetime.acts_on_owner
     def zero_grad(self, set_to_none: bool = True) -> None:
         super().zero_grad(set_to_none)
-        self._parts.speculator.clear_ready()
+        self._parts.zero_grad(set_to_none)
 
     @lifetime.acts_on_owner
     def wait_params(self) -> None:

@@ -34,6 +34,12 @@ class Parts(NamedTuple):
         timing = self.stats.time_backward if self.placement.auto is not None else None
         self.speculator.install(host, timing)
 
+    def zero_grad(self, set_to_none: bool) -> None:
+        """The optimizer's zero_grad, after torch's: speculation's ready grads dropped, and the
+        sharding told (release_grads keeps the released grads as zeros: zero_release.py)."""
+        self.speculator.clear_ready()
+        self.sharding.zero_grad(set_to_none)
+
 
 def compose(param_groups: list, *, owner: str, decoupled: bool, state_format, placement_config,
             max_grad_norm, sharding, subgroup_numel) -> Parts:

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from dist_launch import DIST_MARKS, SCRIPTS, launch
+from tolerances import DIST_RTOL
 
 sys.path.insert(0, SCRIPTS)
 import common as C  # noqa: E402
@@ -17,7 +18,9 @@ pytestmark = DIST_MARKS
 NAMES = ("base", "release", "window1", "window1_overlap", "window1_rs", "window1_ar_overlap",
          "release_window1_overlap", "scaler",
          "release_scaler", "accumulate", "release_accumulate", "release_two_backwards",
-         "release_grad_set", "release_zero_grad_keep", "late_edit_half", "release_late_edit_half",
+         "release_grad_set", "release_zero_grad_keep", "zero_grad_keep_unused",
+         "release_zero_grad_keep_unused", "release_zero_grad_keep_unused_lazy",
+         "release_zero_grad_keep_unused_rs", "release_zero_grad_keep_unused_ar", "late_edit_half", "release_late_edit_half",
          "late_edit_inf", "release_late_edit_inf", "late_edit_replace", "release_late_edit_replace",
          "grad_set", "grad_set_by_hand", "grad_zeroed_early")
 
@@ -46,6 +49,27 @@ def test_params_match_the_default_run_bitwise(runs, name, ref):
         assert res[name]["error"] is None and res[ref]["error"] is None, (rank, res[name]["message"])
         _assert_same_params(res[name], res[ref], (rank, name))
         assert res[name]["skipped"] == res[ref]["skipped"], (rank, name)
+
+
+def test_a_param_no_rank_used_is_stepped_from_its_kept_zero_grad_with_released_grads(runs):
+    """zero_grad(set_to_none=False), and at the last step the middle Linear (its weight a bucket
+    reduced straight from p.grad) and the last bias unused on every rank: torch steps them from
+    their kept zero grads (weight decay, the moments' update). release_grads=True keeps no
+    p.grad, so the optimizer's zero_grad tells the sharding, whose reductions count them as
+    zeros: bitwise the params of release_grads=False (also with the has-grad counts read in
+    step(), as on CUDA, and over reduce_scatter and all_reduce), which follow torch.optim.AdamW
+    on the global batch. They were not stepped (zero_grad kept no zero grad for them)."""
+    ref, _ = C.reference_ranked(C.loss_unused_everywhere, "AdamW", max_grad_norm=1.0, set_to_none=False)
+    for k in (2, 3, 5):  # unused on every rank at the last step, and stepped by torch
+        assert not torch.equal(ref[-1][k], ref[-2][k]), k
+    for rank, res in enumerate(runs):
+        base = res["zero_grad_keep_unused"]
+        for name in ("release_zero_grad_keep_unused", "release_zero_grad_keep_unused_lazy"):
+            assert res[name]["error"] is None and base["error"] is None, (rank, res[name]["message"])
+            _assert_same_params(res[name], base, (rank, name))
+        for step, (ours, theirs) in enumerate(zip(base["params"], ref)):
+            for k, (a, b) in enumerate(zip(ours, theirs)):
+                assert C.rel_err(a, b) <= DIST_RTOL, (rank, step, k, C.rel_err(a, b))
 
 
 def test_an_overflow_on_one_rank_is_still_skipped_with_released_grads(runs):

@@ -30,6 +30,9 @@ class NoSharding:
     def end_step(self) -> None:
         pass
 
+    def zero_grad(self, set_to_none: bool) -> None:
+        pass
+
     def expect_commits(self, pending: dict, direct: bool) -> None:
         pass
 

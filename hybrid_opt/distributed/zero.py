@@ -248,7 +248,7 @@ class ZeroSharding:
         self.release = GradRelease(self.buckets, self.reads, release_grads)
         self.counts = GradCounts(rank, world, self.reads, self.release)
         self.window = CommWindow(self.buckets, self.comm)  # the slots the collectives borrow
-        self.reduction = GradReduction(self.comm, self.window, self.counts, self.reads)
+        self.reduction = GradReduction(self.comm, self.window, self.counts, self.reads, self.release)
         self.gathers = ParamGather(self.buckets, self.comm, self.window)
         self.window.completes_with(reduce=self.reduction.complete, gather=self.gathers.land)
         self.edits = GradEdits(self.params, self.buckets, rank, world, self.reads)
@@ -385,6 +385,11 @@ class ZeroSharding:
         if released is not None:
             return released
         return self.edits.error(unscaled, [p for p, _, _ in self._replaced])
+
+    def zero_grad(self, set_to_none: bool) -> None:
+        """The optimizer's zero_grad: with release_grads, set_to_none=False keeps the released
+        grads as zeros for the reductions to count (zero_release.py)."""
+        self.release.zero_grad(set_to_none)
 
     def shard(self):
         """(rank, world) whose chunks this optimizer's state holds."""

@@ -62,6 +62,7 @@ class Flight:
     grads: list
     red: torch.Tensor = None
     scratch: torch.Tensor = None
+    counted: list = None  # per param: counted as having a grad here (GradRelease.counted)
 
 
 class GradReduction:
@@ -69,11 +70,12 @@ class GradReduction:
     each one's slot borrowed from the window until it is averaged; the has-grad counts read
     and the params delivered by GradCounts (zero_counts.py)."""
 
-    def __init__(self, comm, window, counts, reads):
+    def __init__(self, comm, window, counts, reads, release):
         self._comm = comm        # Collectives (zero_group.py)
         self._window = window    # CommWindow (zero_pool.py): the slots a reduction sends from
         self._counts = counts    # GradCounts (zero_counts.py): a direct bucket's counts, delivery
         self._reads = reads      # GradReads (zero_edits.py): which grads each reduction read
+        self._release = release  # GradRelease (zero_release.py): the grads kept as zeros count
         self._flights: list = []  # [Flight] launched, not yet averaged, in launch order
         self.launches = 0        # stats["reduce_scatters"]
 
@@ -81,10 +83,10 @@ class GradReduction:
         """The buckets whose reductions are launched and not averaged yet, in launch order."""
         return [f.bucket for f in self._flights]
 
-    def _pack(self, b, grads: list, ranks, dst: torch.Tensor) -> torch.Tensor:
+    def _pack(self, b, grads: list, counted: list, ranks, dst: torch.Tensor) -> torch.Tensor:
         """`ranks`' segments of the bucket, in that order, into `dst`: each rank's chunks side
         by side, zero-padded to the width, then one has-grad count per param. A param without a
-        grad is zeros in the sum and counts 0."""
+        grad is zeros in the sum and counts 0 (1 if `counted`: a grad kept as zeros)."""
         ranks = list(ranks)
         for j, r in enumerate(ranks):  # the padding (a slot another bucket used: rewritten)
             used = sum(n[r] for n in b.numels)
@@ -93,7 +95,7 @@ class GradReduction:
             flat = None if g is None else g.detach().reshape(-1)
             starts = [sum(b.numels[k][:r]) for r in range(self._comm.world)]
             for j, r in enumerate(ranks):
-                dst[j * b.seg + b.width + k].fill_(0 if flat is None else 1)
+                dst[j * b.seg + b.width + k].fill_(1 if counted[k] else 0)
                 n = b.numels[k][r]
                 if n:
                     at = j * b.seg + b.offsets[k][r]
@@ -107,18 +109,19 @@ class GradReduction:
             self.poll(wait=True, until=b)  # b.buf is rewritten: the last backward's reduction first
         comm = self._comm
         grads = [p.grad for p in b.params]
+        counted = self._release.counted(b.params, grads)
         if b.direct and comm.kind != "all_reduce":
-            return self._launch_direct(b, grads)
+            return self._launch_direct(b, grads, counted)
         sent, received = reduce_numels(b, comm)
         slot = self._window.borrow(b, "reduce", sent + received) if sent + received else None
         kind = comm.kind
         if kind == "all_to_all":  # a world of 1 sends nothing: no slot
             others = [r for r in range(comm.world) if r != comm.rank]
-            red = self._pack(b, grads, others, slot[:sent]) if others else None
+            red = self._pack(b, grads, counted, others, slot[:sent]) if others else None
             scratch = b.buf if comm.world == 2 else (slot[sent:] if others else None)
             works = comm.all_to_all(scratch, red, b.seg)
         else:
-            red = self._pack(b, grads, range(comm.world), slot)
+            red = self._pack(b, grads, counted, range(comm.world), slot)
         if kind == "reduce_scatter":
             scratch = b.buf
             try:
@@ -129,9 +132,9 @@ class GradReduction:
         if kind == "all_reduce":
             scratch = None
             works = [comm.dist.all_reduce(red, group=comm.group, async_op=True)]
-        self._launched(Flight(b, works, kind, grads, red, scratch))
+        self._launched(Flight(b, works, kind, grads, red, scratch, counted))
 
-    def _launch_direct(self, b, grads: list) -> None:
+    def _launch_direct(self, b, grads: list, counted: list) -> None:
         """A direct bucket: p.grad itself is the input (zeros when this rank has none), read
         while in flight — the end of backward waits for it, so later in-place changes to p.grad
         (GradScaler.unscale_, a clip) never race it; its count goes in a collective of its own."""
@@ -141,7 +144,7 @@ class GradReduction:
         sent, received = reduce_numels(b, comm, zeros=flat is None)
         slot = self._window.borrow(b, "reduce", sent + received) if sent + received else None
         counts = self._counts.buffer(b)
-        counts[:world].fill_(0 if g is None else 1)
+        counts[:world].fill_(1 if counted[0] else 0)
         if comm.kind == "all_to_all":
             if flat is None:
                 src = slot[:sent].zero_() if world > 1 else None
@@ -167,7 +170,7 @@ class GradReduction:
                 self._window.give_back(b, "reduce")
                 return self.launch(b)
             works.append(rs(counts[world:world + 1], counts[:world], group=comm.group, async_op=True))
-        self._launched(Flight(b, works, comm.kind, grads, red, scratch))
+        self._launched(Flight(b, works, comm.kind, grads, red, scratch, counted))
 
     def _launched(self, flight: Flight) -> None:
         for p in flight.bucket.params:
@@ -218,7 +221,7 @@ class GradReduction:
     def _average(self, f: Flight) -> None:
         """A completed reduction's sum over the ranks, divided by the world size, into b.out,
         and its has-grad counts into b.buf after it (read by zero_counts.py)."""
-        b, kind, grads = f.bucket, f.kind, f.grads
+        b, kind, grads, counted = f.bucket, f.kind, f.grads, f.counted
         world, me = self._comm.world, self._comm.rank
         if kind == "all_reduce":
             total = f.red[me * b.seg:(me + 1) * b.seg]
@@ -235,8 +238,8 @@ class GradReduction:
             for a, n, src in own:
                 b.out[a:a + n].add_(0 if src is None else src)
             if not direct:
-                for k, g in enumerate(grads):
-                    if g is not None:
+                for k in range(len(grads)):
+                    if counted[k]:
                         b.buf[b.width + k].add_(1)
         else:
             received = [r for r in range(world) if r != me]
@@ -255,8 +258,8 @@ class GradReduction:
                     b.out.copy_(term) if r == 0 else b.out.add_(term)
             if not direct:
                 counts = b.buf[b.width:]
-                for k, g in enumerate(grads):
-                    counts[k].fill_(0 if g is None else 1)
+                for k in range(len(grads)):
+                    counts[k].fill_(1 if counted[k] else 0)
                 for j in range(len(received)):
                     counts.add_(f.scratch[j * seg + b.width:(j + 1) * seg])
         b.out.div_(world)

@@ -34,10 +34,14 @@ What that changes for users:
   before the last (they reduce nothing and keep their full grads; the boundary backward
   reduces the sum once and releases it). zero_grad() between backward and step() is not seen
   (p.grad is None already): call step() after each reducing backward.
-- zero_grad(set_to_none=False) keeps no zero grad for a released param (p.grad is None after
-  step()): a param that no rank uses at the next step is not stepped, where torch steps it from
-  its zero grad (docs/distributed.md; telling this part of that zero_grad needs the optimizer's
-  zero_grad to call in: not done).
+- zero_grad(set_to_none=False) keeps the released grads as zeros though p.grad reads None:
+  the optimizer's zero_grad tells this part (zero_grad), and its next reductions count each
+  kept param as a grad of zeros here (counted: zeros in the sum, a has-grad count of 1), so a
+  param no rank uses at a step is granted a zero grad and stepped, as torch steps it from its
+  kept zero grad — bitwise release_grads=False. The kept set (the last step's released params,
+  the same on every rank: they follow the global counts) changes only what is sent, never
+  which collectives run, and zero_grad() (set_to_none=True) drops it. model.zero_grad() is not
+  seen: with set_to_none=False it keeps nothing here, and it does not drop the kept zeros.
 """
 from __future__ import annotations
 
@@ -63,6 +67,8 @@ class GradRelease:
         self._reads = reads        # GradReads (zero_edits.py): a placeholder is what the step reads
         self._released: dict = {}  # param id -> (param, placeholder): released since the last step
         self._foreign: list = []   # params of released buckets given a grad after backward
+        self._held: set = set()    # ids of the params the last step released (their grads hidden)
+        self._kept: set = set()    # ids of the params whose grads zero_grad(set_to_none=False) kept
 
     def placeholder(self, p) -> torch.Tensor:
         """p's shape over one element: what p.grad reads in its place (module docstring)."""
@@ -105,12 +111,29 @@ class GradRelease:
                 self._foreign += [p for p in b.params if id(p) not in self._released
                                   and p.grad is not None and not self._reads.saw(p)]
 
+    def zero_grad(self, set_to_none: bool) -> None:
+        """The optimizer's zero_grad: set_to_none=False keeps the released grads as zeros (as
+        torch keeps its zero grads), counted by every reduction until a zero_grad() drops them."""
+        if not self.enabled:
+            return
+        if set_to_none:
+            self._kept.clear()
+            self._held.clear()
+        else:
+            self._kept |= self._held | set(self._released)
+
+    def counted(self, params: list, grads: list) -> list:
+        """Per param, whether a reduction counts it as having a grad here (its has-grad count
+        1): a grad, or one zero_grad(set_to_none=False) kept as zeros (its p.grad reads None)."""
+        return [g is not None or id(p) in self._kept for p, g in zip(params, grads)]
+
     def has_released(self, b) -> bool:
         return any(id(p) in self._released for p in b.params)
 
     def end_step(self) -> None:
         """After step() (taken, skipped or failed): hidden again, and nothing released."""
         self.hide()
+        self._held = set(self._released)
         self._released.clear()
         self._foreign = []
 

@@ -60,21 +60,41 @@ def reference_layer_unused(kind: str, world: int = 2, **kw) -> tuple:
     return reference(kind, loss=loss, **kw)
 
 
+def loss_unused_everywhere(model, x, rank: int, world: int, step: int):
+    """loss_layer_unused, and at the last step the middle Linear and the last layer's bias
+    unused on every rank: params no rank uses (one in a bucket reduced straight from p.grad),
+    which torch steps from the zero grads zero_grad(set_to_none=False) kept."""
+    if step != STEPS - 1:
+        return loss_layer_unused(model, x, rank, world, step)
+    h = torch.tanh(torch.tanh(model[0](x))[:, :OUT])
+    return torch.nn.functional.linear(h, model[4].weight).square().mean()
+
+
+def reference_ranked(ranked_loss, kind: str, world: int = 2, **kw) -> tuple:
+    """reference() with `ranked_loss(model, x, rank, world, step)`: the mean over the ranks of
+    their losses."""
+    def loss(model, x, step):
+        return sum(ranked_loss(model, local_batch(x, r, world), r, world, step)
+                   for r in range(world)) / world
+    return reference(kind, loss=loss, **kw)
+
+
 def local_batch(x, rank: int, world: int):
     n = x.shape[0] // world
     return x[rank * n:(rank + 1) * n]
 
 
 def reference(kind: str, n: int = STEPS, *, max_grad_norm=None, weight_decay=0.01, skip=(),
-              seed: int = 1, loss=None) -> tuple:
+              seed: int = 1, loss=None, set_to_none: bool = True) -> tuple:
     """(params after each step, grad norms) of torch.optim.AdamW / Adam (foreach=False) on the
-    global batch, clip_grad_norm_ when asked, the steps in `skip` not taken (an overflow)."""
+    global batch, clip_grad_norm_ when asked, the steps in `skip` not taken (an overflow);
+    zero_grad(set_to_none) before each backward."""
     model = build_model()
     cls = torch.optim.AdamW if kind == "AdamW" else torch.optim.Adam
     opt = cls(model.parameters(), lr=LR, weight_decay=weight_decay, foreach=False)
     params, norms = [], []
     for i, x in enumerate(batches(n, seed)):
-        opt.zero_grad()
+        opt.zero_grad(set_to_none=set_to_none)
         (loss_fn(model, x) if loss is None else loss(model, x, i)).backward()
         norm = None
         if max_grad_norm is not None:

@@ -11,7 +11,7 @@ import common as C
 from hybrid_opt import HybridAdamW
 
 # name: (HybridAdamW kwargs, window slots or None (the defaults), case)
-from hybrid_opt.distributed import zero, zero_pool
+from hybrid_opt.distributed import zero, zero_counts, zero_pool
 CONFIGS = {
     "base": (dict(), None, None),
     "release": (dict(release_grads=True), None, None),
@@ -27,6 +27,12 @@ CONFIGS = {
     "release_two_backwards": (dict(release_grads=True), None, "two_backwards"),
     "release_grad_set": (dict(release_grads=True), None, "grad_set"),
     "release_zero_grad_keep": (dict(release_grads=True), None, "zero_grad_keep"),
+    # zero_grad(set_to_none=False), and params no rank uses at the last step (C.loss_unused_everywhere)
+    "zero_grad_keep_unused": (dict(), None, "zero_grad_keep_unused"),
+    "release_zero_grad_keep_unused": (dict(release_grads=True), None, "zero_grad_keep_unused"),
+    "release_zero_grad_keep_unused_lazy": (dict(release_grads=True), None, "zero_grad_keep_unused"),
+    "release_zero_grad_keep_unused_rs": (dict(release_grads=True), None, "zero_grad_keep_unused"),
+    "release_zero_grad_keep_unused_ar": (dict(release_grads=True), None, "zero_grad_keep_unused"),
     "late_edit_half": (dict(), None, "late_edit_half"),
     "release_late_edit_half": (dict(release_grads=True), None, "late_edit_half"),
     "late_edit_inf": (dict(), None, "late_edit_inf"),
@@ -37,7 +43,9 @@ CONFIGS = {
     "late_edit_replace": (dict(), None, "late_edit_replace"),
     "release_late_edit_replace": (dict(release_grads=True), None, "late_edit_replace"),
 }
-PATHS = {"window1_rs": "reduce_scatter", "window1_ar_overlap": "all_reduce"}
+PATHS = {"window1_rs": "reduce_scatter", "window1_ar_overlap": "all_reduce",
+         "release_zero_grad_keep_unused_rs": "reduce_scatter", "release_zero_grad_keep_unused_ar": "all_reduce"}
+LAZY_COUNTS = {"release_zero_grad_keep_unused_lazy"}  # has-grad counts read in step(), as on CUDA
 OVERFLOW_STEP = 1
 LATE_EDIT_STEP = 1
 
@@ -73,9 +81,10 @@ def _storage_bytes(tensors) -> int:
 
 def run(name: str, rank: int, world: int, tmp: str) -> dict:
     hybrid, window, case = CONFIGS[name]
-    saved = zero.BUCKET_NUMEL, zero.COLLECTIVES, zero_pool.WINDOW, zero_pool.WINDOW_FLOOR_BYTES
+    saved = zero.BUCKET_NUMEL, zero.COLLECTIVES, zero_pool.WINDOW, zero_pool.WINDOW_FLOOR_BYTES, zero_counts.LAZY
     zero.BUCKET_NUMEL = 64
     zero.COLLECTIVES = PATHS.get(name)
+    zero_counts.LAZY = True if name in LAZY_COUNTS else None
     if window is not None:  # every bucket through `window` slots, however small
         zero_pool.WINDOW, zero_pool.WINDOW_FLOOR_BYTES = window, 0
     model = C.build_model()
@@ -100,7 +109,7 @@ def run(name: str, rank: int, world: int, tmp: str) -> dict:
             opt.attach_grad_scaler(scaler)
         out["slots"] = list(opt.parts.sharding.window.slot_counts().values())
         for i, x in enumerate(C.batches()):
-            opt.zero_grad(set_to_none=case != "zero_grad_keep")
+            opt.zero_grad(set_to_none=not str(case).startswith("zero_grad_keep"))
             if late is not None:
                 late.step = i
             late_step[0] = i
@@ -115,7 +124,10 @@ def run(name: str, rank: int, world: int, tmp: str) -> dict:
                 for m in range(micro):
                     if case == "micro":
                         opt.set_gradient_accumulation_boundary(m == micro - 1)
-                    loss = C.loss_fn(model, local[m * n:(m + 1) * n]) / micro
+                    if case == "zero_grad_keep_unused":
+                        loss = C.loss_unused_everywhere(model, local, rank, world, i)
+                    else:
+                        loss = C.loss_fn(model, local[m * n:(m + 1) * n]) / micro
                     (scaler.scale(loss) if scaler else loss).backward()
                 out["grad_bytes"].append(_storage_bytes(p.grad for p in params))
                 out["chunk_bytes"].append(_storage_bytes(b.out for b in opt.parts.sharding.buckets))
@@ -139,7 +151,7 @@ def run(name: str, rank: int, world: int, tmp: str) -> dict:
         out["zero"] = dict(opt.parts.sharding.stats)
         opt.close()
     finally:
-        zero.BUCKET_NUMEL, zero.COLLECTIVES, zero_pool.WINDOW, zero_pool.WINDOW_FLOOR_BYTES = saved
+        zero.BUCKET_NUMEL, zero.COLLECTIVES, zero_pool.WINDOW, zero_pool.WINDOW_FLOOR_BYTES, zero_counts.LAZY = saved
     return out
 
 
