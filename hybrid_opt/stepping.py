@@ -40,16 +40,30 @@ def step(parts, call: StepCall) -> None:
     collect the work, host step with on-commit gathers, device step, record and refit."""
     t_step = time.perf_counter()
     failure, decides, hps = precheck(parts, call)
+    stepped = False
     try:
-        found_t, failure = parts.sharding.begin_step(failure, call.found_inf, call.grad_scale,
-                                                     parts.speculator.grad_scaler, call.key)
+        found_t, failure = begin_step(parts, call, failure, decides)
         failure, edit_checks = after_backward(parts, failure, decides)
         if failure is not None and not decides:
             raise failure
         # found_inf from here on is the sharding part's (release_grads adds this rank's flag)
         _taken(parts, call._replace(found_inf=found_t), t_step, failure, decides, hps, edit_checks)
+        stepped = True
     finally:
-        parts.sharding.end_step()  # the next backward starts a new reduction
+        parts.sharding.end_step(stepped)  # the next backward starts a new reduction
+
+
+def begin_step(parts, call: StepCall, failure, decides: bool) -> tuple:
+    """The sharding part's start of the step (its reductions landed): (found_inf, the failure
+    so far). An error there joins the decision flagged, as precheck's do, so that no rank
+    raises while the others wait for it in the decision all_reduce."""
+    try:
+        return parts.sharding.begin_step(failure, call.found_inf, call.grad_scale,
+                                         parts.speculator.grad_scaler, call.key)
+    except Exception as e:
+        if not decides:
+            raise
+        return call.found_inf, failure or e
 
 
 def _taken(parts, call: StepCall, t_step: float, failure, decides: bool, hps, edit_checks) -> None:

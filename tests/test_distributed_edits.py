@@ -10,7 +10,8 @@ from dist_launch import DIST_MARKS, launch
 pytestmark = DIST_MARKS
 
 CASES = ("clip", "clip_rank1", "mul", "ddp", "ddp_clip", "ddp_unbitten_clip", "unscale", "rank0_checkpoint",
-         "takeover", "ddp_unused", "ddp_unused_lazy", "ddp_bucket_view")
+         "takeover", "ddp_unused", "ddp_unused_lazy", "ddp_bucket_view", "ddp_overflow", "grant_set",
+         "grant_set_lazy", "sparse_rank1")
 DDP_CASES = ("ddp", "ddp_unbitten_clip", "ddp_clip")
 RECIPE = ("HybridAdamW(..., max_grad_norm=", "attach_grad_scaler", "TrainingArguments(max_grad_norm=0)",
           "gradient_clip_val=None", "accelerator.clip_grad_norm_")
@@ -63,6 +64,36 @@ def test_ddp_with_grads_as_bucket_views_is_refused_naming_the_wrapper(edited):
         r = res["ddp_bucket_view"]
         assert r["is_edit"] and r["steps"] == 0 and r["unchanged"], r
         assert "drop the DDP wrapper" in r["message"], r["message"]
+
+
+def test_ddp_with_a_grad_scaler_skips_an_overflow_on_one_rank(edited):
+    """accelerate's prepare() + fp16: DDP's average of an inf is inf. It was taken for a clip
+    that bit (inf - inf is nan, never within the tolerance): the first overflow failed the
+    step on every rank instead of skipping it."""
+    for res in edited:
+        r = res["ddp_overflow"]
+        assert r["error"] is None, r["message"]
+        assert r["skipped"] == [True, False, False], r["skipped"]
+
+
+@pytest.mark.parametrize("case", ["grant_set", "grant_set_lazy"])
+def test_a_grad_set_by_hand_for_a_param_unused_here_is_refused_with_either_counts(edited, case):
+    """Rank 1 sets a grad by hand for a param it did not use, after backward. With the counts
+    read in step() (CUDA's way) it was taken for the averaged grad another rank's use grants
+    and silently dropped; now refused on every rank, as with the counts read in backward."""
+    for rank, res in enumerate(edited):
+        r = res[case]
+        assert r["error"] == ("GradsEditedError" if rank == 1 else "PeerStepFailed"), (rank, r["message"])
+        assert r["steps"] == 0
+
+
+def test_a_grad_refused_on_one_rank_stops_both_even_where_the_sharding_part_fails_on_it(edited):
+    """A sparse grad on rank 1 only: step()'s checks refuse it, and the sharding part's start of
+    the step then raised on it (zero_chunk of a sparse tensor) before the decision all_reduce:
+    rank 0 waited there for the process group's timeout. Now that error joins the decision."""
+    r1, r0 = edited[1]["sparse_rank1"], edited[0]["sparse_rank1"]
+    assert r1["error"] not in (None, "PeerStepFailed") and "sparse" in r1["message"], r1
+    assert r0["error"] == "PeerStepFailed" and r0["steps"] == 0 and r0["unchanged"], r0
 
 
 @pytest.fixture(scope="module")

@@ -22,7 +22,8 @@ NAMES = ("base", "release", "window1", "window1_overlap", "window1_rs", "window1
          "release_zero_grad_keep_unused", "release_zero_grad_keep_unused_lazy",
          "release_zero_grad_keep_unused_rs", "release_zero_grad_keep_unused_ar", "late_edit_half", "release_late_edit_half",
          "late_edit_inf", "release_late_edit_inf", "late_edit_replace", "release_late_edit_replace",
-         "grad_set", "grad_set_by_hand", "grad_zeroed_early")
+         "grad_set", "grad_set_by_hand", "grad_zeroed_early", "retry_late_edit_replace",
+         "release_retry_late_edit_replace")
 
 
 @pytest.fixture(scope="module")
@@ -172,3 +173,17 @@ def test_the_recipe_for_grads_set_by_hand_steps_them(runs):
         assert a["error"] is None and b["error"] is None, (rank, a["message"], b["message"])
         _assert_same_params(a, b, (rank, "grad_set_by_hand"))
         assert not torch.equal(a["params"][1][0], res["base"]["params"][1][0])
+
+
+def test_step_again_after_a_refused_step_with_released_grads_is_refused_not_partial(runs):
+    """release_grads=True, a refused step, then step() again with no backward: the refused
+    step's grads were released, so the retry reduced zeros for every param but the replaced
+    one and stepped that one alone from half a grad, silently. Now refused on every rank,
+    nothing stepped; without release_grads the retry reduces the grads as they are, on every
+    rank, and steps."""
+    for rank, res in enumerate(runs):
+        r = res["release_retry_late_edit_replace"]
+        assert r["retry"][0] == "RuntimeError" and "called again after a step that failed" in r["retry"][1], r["retry"]
+        assert all(torch.equal(a, b) for a, b in zip(r["params"][0], r["params"][1])), rank
+        k = res["retry_late_edit_replace"]
+        assert k["retry"] is None and not any(torch.equal(a, b) for a, b in zip(k["params"][0], k["params"][1]))

@@ -27,7 +27,7 @@ class NoSharding:
     def begin_step(self, failure, found, grad_scale, scaler, key) -> tuple:
         return found, failure
 
-    def end_step(self) -> None:
+    def end_step(self, stepped: bool = True) -> None:
         pass
 
     def zero_grad(self, set_to_none: bool) -> None:

@@ -286,6 +286,8 @@ class ZeroSharding:
         b = self._bucket_of.get(id(p))
         if b is None:  # not a param: a hook before this one returned a tensor (torch refuses it next)
             return
+        if self.release.lost:
+            self.release.grad_arrived()  # release_grads: a failed step's grads are not missed
         if not self._is_boundary():
             return  # an accumulation micro-step: grads accumulate locally, nothing is reduced
         if not self._in_backward:
@@ -339,9 +341,8 @@ class ZeroSharding:
         after backward, or in a grad hook registered after the optimizer's) is not reduced
         again: that would be a collective on this rank alone whenever the ranks differ (the
         others would wait for it in their next collective). It is refused as an in-place edit
-        is (grad_edit_error), unless it holds its averaged chunk (DDP's
-        gradient_as_bucket_view writes its averages into grads of its own): then it reads as
-        that chunk."""
+        is (grad_edit_error), unless it holds its averaged chunk (a DDP wrapper writing its
+        average into a grad it made): then it reads as that chunk."""
         if any(p.requires_grad for p in self.params):
             self._issue_in_order(upto=len(self.buckets))
         self.poll(wait=True)  # a bucket's buffers are reused: its reduction done before another
@@ -395,8 +396,9 @@ class ZeroSharding:
         """(rank, world) whose chunks this optimizer's state holds."""
         return {"rank": self.rank, "world": self.world}
 
-    def end_step(self) -> None:
-        """After step() (taken, skipped or failed): the next backward starts a new reduction."""
+    def end_step(self, stepped: bool = True) -> None:
+        """After step() (taken or skipped: `stepped`; or failed): the next backward starts a new
+        reduction."""
         self._arrived.clear()
         self.reads.clear()
         self._replaced = []
@@ -404,7 +406,7 @@ class ZeroSharding:
         self._next = 0
         self._in_backward = False  # a backward that raised before its end callback
         self.counts.clear()
-        self.release.end_step()
+        self.release.end_step(stepped)
         self.gathers.reset()
 
     # ------------------------------------------------------------------ params

@@ -128,14 +128,14 @@ class GradCounts:
     def _grant(self, b, grads: list, missing: list, counts: list) -> None:
         for k in missing:
             p = b.params[k]
-            if counts[k] > 0 and grads[k] is None:
+            if counts[k] > 0 and grads[k] is None and p.grad is None:
                 # unused here, used on another rank: the averaged grad is this rank's too. A
-                # grad made since by someone else — a DDP wrapper with find_unused_parameters
-                # writes its average into such a param at the end of backward, before lazy
-                # counts are read in step() — is that grant too, not a replacement (refused on
-                # this rank alone: zero.py finish)
-                if p.grad is None:  # release_grads: only the chunk is read (zero_release.py)
-                    p.grad = self._release.placeholder(p) if self._release.enabled else torch.zeros_like(p)
+                # grad made since by someone else (lazy counts are read in step(): a DDP wrapper
+                # with find_unused_parameters writes its average into such a param at the end
+                # of backward, a user may set one) is left to zero.py finish: adopted where it
+                # holds that average, refused otherwise
+                # release_grads: only the chunk is read (zero_release.py)
+                p.grad = self._release.placeholder(p) if self._release.enabled else torch.zeros_like(p)
                 self._reads.note(p)
                 grads[k] = p.grad
 

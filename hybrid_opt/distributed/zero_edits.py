@@ -48,7 +48,9 @@ RECIPE = ("Under process_group= clip and unscale inside the optimizer: HybridAda
 DDP_NOTE = ("If the model is also wrapped in DistributedDataParallel (accelerate's prepare() and "
             "HF Trainer add one in a multi-process launch): with process_group= the optimizer "
             "averages the grads itself, so drop the DDP wrapper where you can "
-            "(docs/frameworks.md), and clip in the optimizer. ")
+            "(docs/frameworks.md), and clip in the optimizer; if you keep it, leave its "
+            "gradient_as_bucket_view at False (with True its grads are views of its buckets, "
+            "divided by the world size before the optimizer reads them: refused). ")
 
 
 class GradsEditedError(RuntimeError):
@@ -132,8 +134,11 @@ def equals_average(p, average: torch.Tensor, rank: int, world: int):
     mine = D.zero_chunk(p.grad, rank, world).reshape(-1).float()
     avg = average.float()
     eps = torch.finfo(torch.float32).eps * _ULPS_PER_RANK * world
-    tol = eps * (avg.abs() + avg.abs().max())
-    return ((mine - avg).abs() <= tol).all()
+    size = avg.abs().nan_to_num(0.0, 0.0, 0.0)  # an overflow's inf or nan sets no tolerance
+    tol = eps * (size + size.max())
+    # an inf or nan in some rank's grad (GradScaler's overflow) is DDP's average there too
+    same = (mine == avg) | (mine.isnan() & avg.isnan())
+    return ((mine - avg).abs() <= tol).logical_or_(same).all()
 
 
 def all_true(flags: list) -> bool:
@@ -174,7 +179,8 @@ def replaced_error(replaced: list) -> GradsEditedError:
     what = f"{n} grad{'s' if n != 1 else ''} (the first of shape {tuple(p.shape)})"
     return GradsEditedError(
         f"process_group: {what} replaced after backward had reduce-scattered the grad before "
-        f"(`p.grad = ...` after backward, or in a grad hook registered after HybridAdamW's), "
+        f"(`p.grad = ...` after backward, or in a grad hook that ran once its bucket's reduction "
+        f"had started: one registered after HybridAdamW's), "
         f"but the step reads the averaged chunk of the grad reduced, so the new one would be "
         f"silently ignored. Nothing was stepped, on any rank. To step grads set by hand, run "
         f"the backward(s) before with opt.set_gradient_accumulation_boundary(False) (nothing "

@@ -69,6 +69,8 @@ class GradRelease:
         self._foreign: list = []   # params of released buckets given a grad after backward
         self._held: set = set()    # ids of the params the last step released (their grads hidden)
         self._kept: set = set()    # ids of the params whose grads zero_grad(set_to_none=False) kept
+        self.lost: list = []       # the params a failed step released, no grad since (zero.py)
+        self._stale = False        # step() again after it (restore: refused)
 
     def placeholder(self, p) -> torch.Tensor:
         """p's shape over one element: what p.grad reads in its place (module docstring)."""
@@ -99,6 +101,7 @@ class GradRelease:
         (refused: error()), and so is one given to a param without a grad in a bucket whose
         grads were released (it can no longer be reduced with them)."""
         self._foreign = []
+        self._stale = bool(self.lost)
         if not self._released:
             return
         for p, ph in self._released.values():
@@ -116,6 +119,7 @@ class GradRelease:
         torch keeps its zero grads), counted by every reduction until a zero_grad() drops them."""
         if not self.enabled:
             return
+        self.lost = []
         if set_to_none:
             self._kept.clear()
             self._held.clear()
@@ -130,15 +134,29 @@ class GradRelease:
     def has_released(self, b) -> bool:
         return any(id(p) in self._released for p in b.params)
 
-    def end_step(self) -> None:
-        """After step() (taken, skipped or failed): hidden again, and nothing released."""
+    def end_step(self, stepped: bool) -> None:
+        """After step() (taken or skipped: `stepped`; or failed): hidden again, and nothing
+        released; a failed step's released grads are remembered as lost."""
         self.hide()
+        self.lost = [] if stepped else ([p for p, _ in self._released.values()] or self.lost)
         self._held = set(self._released)
         self._released.clear()
         self._foreign = []
 
+    def grad_arrived(self) -> None:
+        """A grad hook ran (any backward, reducing or not): a failed step's grads are not missed."""
+        self.lost = []
+
     def error(self):
-        """The refusal of a grad given to a released bucket after backward (above), or None."""
+        """The refusal of a grad given to a released bucket after backward (above), or of a
+        step() again after a failed one with no backward since (its grads were released), or
+        None."""
+        if self._stale:
+            return RuntimeError(
+                "process_group with release_grads=True: step() was called again after a step "
+                "that failed, with no backward since, but that step had released its grads (only "
+                "each rank's averaged chunk is kept, and the failed step dropped them): there is "
+                "nothing left to step. Run the backward again first. Nothing was stepped, on any rank")
         if not self._foreign:
             return None
         p = self._foreign[0]

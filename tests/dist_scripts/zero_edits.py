@@ -24,6 +24,9 @@ def _edit(name: str, model, opt, rank: int) -> None:
             torch.nn.utils.clip_grad_norm_(params, 0.01)
     elif name == "mul":
         params[0].grad.mul_(0.5)
+    elif name == "sparse_rank1":  # refused by step()'s checks, on this rank only
+        if rank == 1:
+            params[-1].grad = params[-1].grad.to_sparse()
 
 
 def rank0_checkpoint(rank: int, tmp: str) -> dict:
@@ -117,7 +120,63 @@ def ddp_unused(name: str, rank: int, world: int) -> dict:
     return out
 
 
+def ddp_overflow(rank: int, world: int) -> dict:
+    """accelerate's prepare() + fp16: DDP around the model, a GradScaler attached, an inf in
+    rank 1's local grad at the first step (DDP's average there is inf too). Saves whether each
+    step was skipped and the error, if any."""
+    model = C.build_model()
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    overflow = C.OverflowInBackward(model)
+    out = dict(error=None, message=None, skipped=[])
+    with HybridAdamW(model.parameters(), lr=C.LR, subgroup_numel=32, offload_fraction=0.5,
+                     process_group=dist.group.WORLD) as opt:
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8)
+        opt.attach_grad_scaler(scaler)
+        try:
+            for i, x in enumerate(C.batches(3)):
+                opt.zero_grad()
+                if i == 0 and rank == 1:
+                    overflow.arm()
+                scaler.scale(C.loss_fn(ddp, C.local_batch(x, rank, world))).backward()
+                scaler.step(opt)
+                scaler.update()
+                out["skipped"].append(opt.step_was_skipped)
+        except RuntimeError as e:
+            out.update(error=type(e).__name__, message=str(e))
+    return out
+
+
+def grant_set(name: str, rank: int, world: int) -> dict:
+    """The last bias unused on rank 1 (C.loss_bias_unused); at the first step rank 1 sets that
+    bias's grad by hand after backward, once its reduction had counted it absent. "_lazy": the
+    has-grad counts read in step() (CUDA's way), after the grad was set."""
+    from hybrid_opt.distributed import zero, zero_counts
+    saved = zero.BUCKET_NUMEL, zero_counts.LAZY
+    zero.BUCKET_NUMEL, zero_counts.LAZY = 64, (True if name.endswith("_lazy") else False)
+    model = C.build_model()
+    out = dict(error=None, message=None, steps=0)
+    try:
+        with HybridAdamW(model.parameters(), lr=C.LR, subgroup_numel=32, offload_fraction=0.5,
+                         process_group=dist.group.WORLD) as opt:
+            C.loss_bias_unused(model, C.local_batch(C.batches(1)[0], rank, world), rank, world, 0).backward()
+            bias = list(model.parameters())[-1]
+            if rank == 1:
+                bias.grad = torch.full_like(bias, 100.0)
+            try:
+                opt.step()
+            except RuntimeError as e:
+                out.update(error=type(e).__name__, message=str(e))
+            out["steps"] = opt.parts.ledger.steps_taken
+    finally:
+        zero.BUCKET_NUMEL, zero_counts.LAZY = saved
+    return out
+
+
 def run(name: str, rank: int, world: int, tmp: str) -> dict:
+    if name == "ddp_overflow":
+        return ddp_overflow(rank, world)
+    if name.startswith("grant_set"):
+        return grant_set(name, rank, world)
     if name == "rank0_checkpoint":
         return rank0_checkpoint(rank, tmp)
     if name.startswith("ddp_unused"):
@@ -139,7 +198,7 @@ def run(name: str, rank: int, world: int, tmp: str) -> dict:
         (scaler.scale(loss) if scaler else loss).backward()
         _edit(name, model, opt, rank)
         C.step_after_unscale(opt, scaler)
-    except RuntimeError as e:
+    except (RuntimeError, ValueError, TypeError) as e:
         out.update(error=type(e).__name__, message=str(e), is_edit=isinstance(e, GradsEditedError))
     out["steps"] = opt.parts.ledger.steps_taken
     out["params"] = [p.detach().clone() for p in model.parameters()]

@@ -41,6 +41,8 @@ CONFIGS = {
     "grad_set_by_hand": (dict(), None, "grad_set_by_hand"),
     "grad_zeroed_early": (dict(), None, "grad_zeroed_early"),
     "late_edit_replace": (dict(), None, "late_edit_replace"),
+    "retry_late_edit_replace": (dict(), None, "late_edit_replace"),
+    "release_retry_late_edit_replace": (dict(release_grads=True), None, "late_edit_replace"),
     "release_late_edit_replace": (dict(release_grads=True), None, "late_edit_replace"),
 }
 PATHS = {"window1_rs": "reduce_scatter", "window1_ar_overlap": "all_reduce",
@@ -141,6 +143,13 @@ def run(name: str, rank: int, world: int, tmp: str) -> dict:
                     opt.step()
             except Exception as e:  # the refused cases: every rank alike
                 out.update(error=type(e).__name__, message=str(e), failed_at=i)
+                if name.startswith(("retry", "release_retry")):  # step() again, no backward
+                    try:
+                        opt.step()
+                        out["retry"] = None
+                    except Exception as e2:
+                        out["retry"] = (type(e2).__name__, str(e2))
+                    out["params"].append([p.detach().clone() for p in params])
                 break
             out["skipped"].append(opt.step_was_skipped)
             out["grad_none_after_step"].append([p.grad is None for p in params])
