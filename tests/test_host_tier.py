@@ -560,21 +560,28 @@ def test_inverse_mode_worker_killed_mid_step_commits_the_subgroups_it_finished(m
         tier.close()
 
 
+def _speculated_at_a_stopped_worker(**kw):
+    """(tier, states, grads, the worker's pid): both subgroups speculated at a worker stopped
+    (SIGSTOP) first, a 1 s timeout."""
+    numels = [1000, 2000]
+    tier = new_tier(numels, staging_slots=4, timeout_s=1.0, **kw)
+    states = make_states(numels, seed=18)
+    load(tier, states)
+    grads = make_grads(numels, seed=18)
+    old = tier.worker_pid
+    os.kill(old, signal.SIGSTOP)
+    assert all(tier.speculate(sg, g, inputs(1)) for sg, g in enumerate(grads))
+    return tier, states, grads, old
+
+
 def test_a_worker_that_does_not_answer_is_replaced_and_the_exact_step_goes_on():
     """A worker stopped (SIGSTOP: as one swapped out or stuck) after speculation, exact mode:
     after the timeout it is killed and replaced like a dead one, its tasks sent again, and
     finish() goes on, warned of — the speculations commit bitwise the direct step (before, the
     step failed once although nothing was lost). (A replacement that did not answer either
     would fail the wait: two timeouts, never more.)"""
-    numels = [1000, 2000]
-    tier = new_tier(numels, staging_slots=4, timeout_s=1.0)
+    tier, states, grads, old = _speculated_at_a_stopped_worker()
     try:
-        states = make_states(numels, seed=18)
-        load(tier, states)
-        grads = make_grads(numels, seed=18)
-        old = tier.worker_pid
-        os.kill(old, signal.SIGSTOP)
-        assert all(tier.speculate(sg, g, inputs(1)) for sg, g in enumerate(grads))
         t0 = time.monotonic()
         with pytest.warns(RuntimeWarning, match=r"not stepped within 1 s: the worker \(pid \d+\) did not "
                                                 r"answer, so it was killed and a new one was sent its tasks"):
@@ -595,16 +602,8 @@ def test_a_worker_that_does_not_answer_is_killed_replaced_and_named(rollback):
     killed and replaced like a dead one, so the pending speculations end at once (before, each
     later cancel waited the timeout again: backward blocked subgroups x timeout) and the next
     step is the direct step."""
-    numels = [1000, 2000]
-    tier = new_tier(numels, rollback=rollback, staging_slots=4, timeout_s=1.0)
+    tier, states, grads, old = _speculated_at_a_stopped_worker(rollback=rollback)
     try:
-        states = make_states(numels, seed=18)
-        load(tier, states)
-        grads = make_grads(numels, seed=18)
-        old = tier.worker_pid
-        os.kill(old, signal.SIGSTOP)
-        speculated = [sg for sg, g in enumerate(grads) if tier.speculate(sg, g, inputs(1))]
-        assert speculated == [0, 1]
         t0 = time.monotonic()
         want = (WorkerTimeout, r"not stepped within 1 s: the worker \(pid \d+\) did not answer, so it "
                 r"was killed and a new one started") if rollback == "exact" else (

@@ -14,6 +14,7 @@ import io
 import json
 import fcntl
 import os
+import resource
 import shutil
 import signal
 import stat
@@ -804,6 +805,57 @@ def test_hybrid_adamw_with_half_the_state_on_nvme_matches_torch_adamw(nvme_dir, 
     assert os.listdir(nvme_dir) == []
 
 
+MANY_FILES = r"""
+import resource, sys, torch
+from hybrid_opt import HybridAdamW
+soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+resource.setrlimit(resource.RLIMIT_NOFILE, (1024, hard))  # the usual soft limit
+n = int(sys.argv[2])
+ours, ref = (torch.nn.Parameter(torch.linspace(-1, 1, n * 64)) for _ in range(2))
+torch_opt = torch.optim.AdamW([ref], lr=1e-2, foreach=False)
+with HybridAdamW([ours], lr=1e-2, subgroup_numel=64, offload_fraction=1.0, nvme_fraction=1.0,
+                 nvme_path=sys.argv[1]) as opt:
+    files = opt.plan.tiers.count("nvme")
+    for i in range(3):
+        for p, o in ((ours, opt), (ref, torch_opt)):
+            o.zero_grad()
+            (p * p * (i + 1)).sum().backward()
+            o.step()
+    err = float((ours - ref).abs().max())
+    print(files, resource.getrlimit(resource.RLIMIT_NOFILE)[0], err)
+"""
+
+
+@pytest.mark.skipif(resource.getrlimit(resource.RLIMIT_NOFILE)[1] < 4000, reason="hard RLIMIT_NOFILE < 4000")
+def test_thousands_of_nvme_files_train_under_the_usual_soft_limit_of_open_files(nvme_dir):
+    """1,500 nvme subgroups (a 6B-param model's state at the default subgroup size) under a soft
+    RLIMIT_NOFILE of 1,024: opening them failed (EMFILE); with the limit raised, the worker's
+    pipes got descriptors above select()'s 1,024 ('filedescriptor out of range'); and a
+    configuration naming ~9,000 files no longer fit on the worker's command line (E2BIG:
+    it now travels in a file the worker inherits). The soft limit is raised as needed."""
+    out = subprocess.run([sys.executable, "-c", MANY_FILES, nvme_dir, "1500"], cwd=REPO, env=child_env(),
+                         capture_output=True, text=True, timeout=240)
+    assert out.returncode == 0, out.stderr[-3000:]
+    files, soft, err = out.stdout.split()
+    assert int(files) == 1500 and int(soft) > 1500, out.stdout
+    assert float(err) < 1e-5, out.stdout
+
+
+def test_a_worker_configuration_over_a_command_lines_limit_reaches_the_worker(nvme_dir):
+    """The worker's configuration over 128 KiB (the bound on one command-line argument: ~9,000
+    nvme files' descriptors) still starts a worker that steps."""
+    tier = new_tier([100], [True], nvme_dir)
+    try:
+        tier.client.layout["padding"] = "x" * (200 * 1024)  # read at each launch: a restart
+        old = tier.worker_pid
+        os.kill(old, signal.SIGKILL)
+        assert wait_gone(old, 5.0)
+        tier.client.restart()
+        assert tier.worker_pid != old and tier.client.ping(timeout_s=30.0) is not None
+    finally:
+        tier.close()
+
+
 def _save_load(sd):
     buf = io.BytesIO()
     torch.save(sd, buf)
@@ -977,16 +1029,22 @@ def test_a_load_that_fails_part_way_leaves_every_subgroup_and_hyperparameter_as_
         assert opt.param_groups[0]["lr"] == 0.5
 
 
+def _stepped_twins(nvme_dir) -> tuple:
+    """(params, opt, twin's params, twin): two optimizers of four nvme params, one step taken."""
+    params, opt = _four_nvme_params(nvme_dir)
+    twin_params, twin = _four_nvme_params(nvme_dir)
+    for o, ps in ((opt, params), (twin, twin_params)):
+        _grad_step(o, ps, 1)
+    return params, opt, twin_params, twin
+
+
 @pytest.mark.parametrize("how", ["unlink", "rmtree"])
 def test_an_nvme_file_removed_from_outside_keeps_its_state_and_says_so(nvme_dir, how):
     """A tmp cleaner removes a swap file (or the whole directory): the optimizer's own descriptors
     still reach it, so training and state_dict() go on bitwise; a warning names the file, the
     nvme tier and what to do."""
-    params, opt = _four_nvme_params(nvme_dir)
-    twin_params, twin = _four_nvme_params(nvme_dir)
+    params, opt, twin_params, twin = _stepped_twins(nvme_dir)
     with opt, twin:
-        for o, ps in ((opt, params), (twin, twin_params)):
-            _grad_step(o, ps, 1)
         host = opt.parts.placement.host
         path = host.swap.file(opt.parts.placement.host_local[1])
         if how == "unlink":
@@ -1063,11 +1121,8 @@ def test_nvme_files_removed_from_outside_survive_a_killed_worker_and_a_checkpoin
     then the worker killed between steps. Training goes on bitwise as an undisturbed twin's
     (params and state), state_dict() reads the removed files, and loading it back into the
     optimizer (written through the same descriptors) steps on bitwise."""
-    params, opt = _four_nvme_params(nvme_dir)
-    twin_params, twin = _four_nvme_params(nvme_dir)
+    params, opt, twin_params, twin = _stepped_twins(nvme_dir)
     with opt, twin:
-        for o, ps in ((opt, params), (twin, twin_params)):
-            _grad_step(o, ps, 1)
         host = opt.parts.placement.host
         if how == "unlink":
             for name in os.listdir(host.swap.path):

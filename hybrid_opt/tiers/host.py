@@ -161,6 +161,8 @@ class HostTier:
         self._step = stepping
         self.closed = False
         try:
+            if has_nvme:
+                self._fds.reserve(sum(map(bool, self.nvme)))  # RLIMIT_NOFILE: raised where short
             for sg in range(n):
                 if self.nvme[sg]:
                     self.swap.create(sg, 2 * self.io_bytes)

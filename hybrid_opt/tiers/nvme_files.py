@@ -11,6 +11,7 @@ shares its open file, flags included, so a worker's I/O is O_DIRECT exactly wher
 """
 from __future__ import annotations
 
+import errno
 import os
 import warnings
 
@@ -22,6 +23,27 @@ class NvmeFiles:
         self.swap = swap
         self._fds: dict = {}
         self._gone: set = set()  # files found removed or replaced (warned once)
+
+    def reserve(self, n: int) -> None:
+        """Room for `n` more open files: the soft RLIMIT_NOFILE raised towards the hard one
+        where it is short (a 7B-param model's state on nvme is ~1,700 files at the default
+        subgroup size, and the soft limit is often 1,024); where the hard one is short too, an
+        error that says so before any file is made."""
+        import resource
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        try:
+            now = len(os.listdir("/proc/self/fd"))
+        except OSError:
+            now = 64
+        need = now + n + 256  # and the worker's pipes, the arena's, torch's own
+        if soft == resource.RLIM_INFINITY or need <= soft:
+            return
+        if hard != resource.RLIM_INFINITY and need > hard:
+            raise OSError(errno.EMFILE, f"hybrid_opt nvme tier: {n} state files (one per nvme subgroup) "
+                                        f"need about {need} open files, but the limit is {hard} (hard; "
+                                        f"`ulimit -Hn`): pass a larger subgroup_numel (fewer, larger "
+                                        f"subgroups) or raise the limit")
+        resource.setrlimit(resource.RLIMIT_NOFILE, (need, hard))
 
     def open(self, sg: int) -> int:
         from cpu_kernels.aio import open_direct

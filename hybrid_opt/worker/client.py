@@ -7,10 +7,8 @@ unanswered_error()).
 """
 from __future__ import annotations
 
-import errno
 import json
 import os
-import select
 import signal
 import subprocess
 import sys
@@ -220,6 +218,20 @@ class CoreSplit:
             self.saved_thread_counts = None
 
 
+def _config_file(data: bytes) -> int:
+    """A descriptor of an unnamed file holding `data`, at its start, for a worker to inherit."""
+    if hasattr(os, "memfd_create"):
+        fd = os.memfd_create("hybrid_opt-worker-config", 0)  # no CLOEXEC: pass_fds keeps it anyway
+    else:
+        import tempfile
+        fd = os.dup(tempfile.TemporaryFile().fileno())
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]
+    os.lseek(fd, 0, os.SEEK_SET)
+    return fd
+
+
 class WorkerClient:
     """One worker process over one shared arena. Not thread-safe (the trainer's one thread).
 
@@ -281,24 +293,23 @@ class WorkerClient:
             env["OMP_NUM_THREADS"] = str(len(self.cores))
         if self.restarts:
             env.pop("HYBRID_OPT_WORKER_FAULT", None)  # an injected fault kills one worker, once
-        arg = json.dumps(cfg)
+        # the configuration travels in a file of its own, not on the command line (one argument
+        # is at most 128 KiB: ~9,000 nvme files' descriptors)
+        cfg_fd = _config_file(json.dumps(cfg).encode())
         try:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "hybrid_opt.worker.main", arg],
-                pass_fds=(self.arena.fd, req_r, resp_w, *files.values()), env=env,
+                [sys.executable, "-m", "hybrid_opt.worker.main", "--config-fd", str(cfg_fd)],
+                pass_fds=(self.arena.fd, req_r, resp_w, cfg_fd, *files.values()), env=env,
                 stdin=subprocess.DEVNULL, stderr=self._stderr_fd if self._stderr_fd is not None else None,
                 start_new_session=True)  # the terminal's Ctrl-C goes to the trainer alone
-        except OSError as e:
+        except OSError:
             os.close(req_w)
             os.close(resp_r)
-            if e.errno != errno.E2BIG:
-                raise
-            raise OSError(e.errno, f"hybrid_opt worker: its configuration ({len(arg)} bytes: "
-                                   f"{len(files)} nvme files) is too long for a command line; use "
-                                   f"fewer, larger subgroups (a larger subgroup_numel)") from e
+            raise
         finally:
             os.close(req_r)
             os.close(resp_w)
+            os.close(cfg_fd)
         self._req, self._resp = req_w, resp_r
         self._reader = P.FrameReader(resp_r)
         _allow_reads_by(self.proc.pid)
@@ -348,7 +359,7 @@ class WorkerClient:
         met by send(), not drain()): taken, so a task it finished is not counted lost."""
         try:
             while (self._resp is not None and not self._reader.eof
-                   and select.select([self._resp], [], [], 0)[0]):
+                   and P.readable(self._resp, 0)):
                 for r in self._reader.read_results():
                     self.pending.pop(r.task_id, None)
                     self.results[r.task_id] = r
@@ -423,12 +434,12 @@ class WorkerClient:
         one already reaped: not `connected`)."""
         if self._resp is None:
             raise self.death_error()
-        ready, _, _ = select.select([self._resp], [], [], timeout)
-        if not ready:
+        results = self._reader.read_results(timeout)
+        if results is None:  # nothing within `timeout`
             if self.proc.poll() is not None:
                 raise self.death_error()
             return
-        for r in self._reader.read_results():
+        for r in results:
             self.pending.pop(r.task_id, None)
             self.results[r.task_id] = r
         if self._reader.eof:
@@ -437,7 +448,7 @@ class WorkerClient:
     def poll(self) -> None:
         """Collect whatever results have arrived, without waiting."""
         if self._resp is not None:
-            while select.select([self._resp], [], [], 0)[0]:
+            while P.readable(self._resp, 0):
                 self.drain(0)
                 if self._resp is None:
                     break

@@ -33,7 +33,6 @@ import ctypes
 import json
 import mmap
 import os
-import select
 import shutil
 import signal
 import sys
@@ -279,7 +278,7 @@ class Worker:
         while True:
             if not reader.eof:
                 wait_s = None if not (queue or io) else (0.0005 if io else 0.0)
-                if select.select([self.req], [], [], wait_s)[0]:
+                if P.readable(self.req, wait_s):
                     reader.feed()
                     for payload in reader.frames():
                         t = P.Task.unpack(payload)
@@ -340,7 +339,11 @@ class Worker:
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    cfg = json.loads(argv[0])
+    if argv[0] == "--config-fd":  # WorkerClient's way: the configuration in a file it inherits
+        with os.fdopen(int(argv[1]), "rb") as f:
+            cfg = json.loads(f.read())
+    else:
+        cfg = json.loads(argv[0])
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the trainer's to handle
     try:
         return Worker(cfg).serve()

@@ -10,6 +10,7 @@ Task and result name the subgroup, so every error can say which one failed.
 from __future__ import annotations
 
 import os
+import select
 import struct
 from dataclasses import astuple, dataclass
 
@@ -93,6 +94,22 @@ class Result:
         return cls(*cls._STRUCT.unpack(payload[:head]), message=payload[head:].decode(errors="replace"))
 
 
+_FD_SETSIZE = 1024  # select()'s bound on descriptor numbers
+_READY = select.POLLIN | select.POLLHUP | select.POLLERR
+
+
+def readable(fd: int, timeout_s: float | None) -> bool:
+    """Whether `fd` has data (or EOF) within `timeout_s` seconds (None: no bound). select()
+    where the number allows it (microsecond timeouts), poll() above FD_SETSIZE: a trainer
+    holding thousands of nvme files has its pipes there, and so has its worker, which
+    inherits those files with their numbers (select raised 'filedescriptor out of range')."""
+    if fd < _FD_SETSIZE:
+        return bool(select.select([fd], [], [], timeout_s)[0])
+    p = select.poll()
+    p.register(fd, _READY)
+    return bool(p.poll(None if timeout_s is None else timeout_s * 1000.0))
+
+
 def write_frame(fd: int, payload: bytes) -> None:
     data = _HEADER.pack(len(payload)) + payload
     while data:
@@ -129,8 +146,11 @@ class FrameReader:
             del self.buf[:_HEADER.size + n]
             yield payload
 
-    def read_results(self) -> list:
+    def read_results(self, timeout_s: float | None = None) -> list | None:
         """One read (feed()), and the Results of every frame now complete (the trainer's side
-        of the result pipe); eof is set when the worker has closed it."""
+        of the result pipe); eof is set when the worker has closed it. With `timeout_s`, first
+        a wait of up to that long for the pipe to be readable: None if it did not become so."""
+        if timeout_s is not None and not readable(self.fd, timeout_s):
+            return None
         self.feed()
         return [Result.unpack(payload) for payload in self.frames()]
