@@ -809,7 +809,7 @@ MANY_FILES = r"""
 import resource, sys, torch
 from hybrid_opt import HybridAdamW
 soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-resource.setrlimit(resource.RLIMIT_NOFILE, (1024, hard))  # the usual soft limit
+resource.setrlimit(resource.RLIMIT_NOFILE, (1024, 1024 if sys.argv[3:] == ["hard"] else hard))  # the usual soft limit
 n = int(sys.argv[2])
 ours, ref = (torch.nn.Parameter(torch.linspace(-1, 1, n * 64)) for _ in range(2))
 torch_opt = torch.optim.AdamW([ref], lr=1e-2, foreach=False)
@@ -839,6 +839,16 @@ def test_thousands_of_nvme_files_train_under_the_usual_soft_limit_of_open_files(
     files, soft, err = out.stdout.split()
     assert int(files) == 1500 and int(soft) > 1500, out.stdout
     assert float(err) < 1e-5, out.stdout
+
+
+def test_nvme_files_that_fit_under_a_hard_limit_of_1024_still_train(nvme_dir):
+    """800 nvme subgroups under soft = hard = 1,024 open files: they fit, so no error (the limit
+    reservation first asked for 256 descriptors of room on top and refused them)."""
+    out = subprocess.run([sys.executable, "-c", MANY_FILES, nvme_dir, "800", "hard"], cwd=REPO, env=child_env(),
+                         capture_output=True, text=True, timeout=240)
+    assert out.returncode == 0, out.stderr[-3000:]
+    files, soft, err = out.stdout.split()
+    assert int(files) == 800 and int(soft) == 1024 and float(err) < 1e-5, out.stdout
 
 
 def test_a_worker_configuration_over_a_command_lines_limit_reaches_the_worker(nvme_dir):

@@ -375,17 +375,17 @@ class HostIO:
     def quiesce(self) -> None:
         """After a failure: let every in-flight task end before its buffers are reused."""
         try:
-            self.wait(lambda: not self._inflight, raise_errors=False)
+            self.wait(lambda: not self._inflight, raise_errors=False, retry=False)
         except Exception:
             pass
         self._error = None
 
-    def wait(self, done, raise_errors: bool = True) -> None:
+    def wait(self, done, raise_errors: bool = True, retry: bool = True) -> None:
         """Wait until done() holds, collecting results and surviving worker deaths; bounded:
         timeout_s without a result from the worker (or a staging copy landing) ends it
         (_timed_out), a long wait on a worker that answers does not."""
         deadline = time.monotonic() + self.client.timeout_s
-        replaced = False  # a worker that did not answer was replaced during this wait
+        replaced = not retry  # a worker that did not answer was replaced (retry=False: failure handling)
         while True:
             copying = len(self._copies)
             self._send_copied(block=self._block_copies)
@@ -429,7 +429,7 @@ class HostIO:
         self._recover(err)  # inverse mode: raises TornState for the in-place steps it had
         if retry:
             warnings.warn(f"{msg}: the worker (pid {pid}) did not answer, so it was killed and a new "
-                          f"one was sent its tasks again (the step goes on, exactly); {UNANSWERED}",
+                          f"one was sent its tasks again (exact: the wait goes on); {UNANSWERED}",
                           RuntimeWarning, stacklevel=2)
             return
         raise WorkerTimeout(f"{msg}: the worker (pid {pid}) did not answer, so it was killed and a "

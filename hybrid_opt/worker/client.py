@@ -221,10 +221,11 @@ class CoreSplit:
 def _config_file(data: bytes) -> int:
     """A descriptor of an unnamed file holding `data`, at its start, for a worker to inherit."""
     if hasattr(os, "memfd_create"):
-        fd = os.memfd_create("hybrid_opt-worker-config", 0)  # no CLOEXEC: pass_fds keeps it anyway
+        fd = os.memfd_create("hybrid_opt-worker-config")  # CLOEXEC: pass_fds hands it on alone
     else:
         import tempfile
-        fd = os.dup(tempfile.TemporaryFile().fileno())
+        with tempfile.TemporaryFile() as f:  # held open until its descriptor is duplicated
+            fd = os.dup(f.fileno())
     view = memoryview(data)
     while view:
         view = view[os.write(fd, view):]
