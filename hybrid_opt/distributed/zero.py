@@ -238,7 +238,7 @@ class ZeroSharding:
         self._handles: list = []
         self._is_boundary = lambda: True
         self._adopted = 0          # stats["adopted"]: replaced grads holding their average (finish)
-        self._replaced: list = []  # this step's replaced grads, refused (finish)
+        self._replaced: list = []  # this step's replaced grads' params, refused (finish)
         kind = COLLECTIVES or ("all_to_all" if dist.get_backend(group) == "gloo" else "reduce_scatter")
         if kind not in _KINDS:
             raise ValueError(f"hybrid_opt.distributed.zero.COLLECTIVES must be None or one of {_KINDS}, got {kind!r}")
@@ -353,8 +353,8 @@ class ZeroSharding:
             self.edits.check_ddp(self.buckets[0])
 
     def _replaced_grads(self) -> list:
-        """The grads replaced since their reduction read another (finish()), those holding
-        their averaged chunk adopted: [(param, its bucket, its index there)] of the others."""
+        """The params whose grads were replaced since their reduction read another (finish()),
+        those holding their averaged chunk adopted: the others."""
         replaced = [(p, b, k) for b in self.buckets if not self.release.has_released(b)
                     for k, p in enumerate(b.params) if p.grad is not None and not self.reads.saw(p)]
         if replaced and self.edits.hold_averages([p for p, _, _ in replaced]):
@@ -363,7 +363,7 @@ class ZeroSharding:
                 self.reads.note(p)
             self._adopted += len(replaced)
             return []
-        return replaced
+        return [p for p, _, _ in replaced]
 
     def begin_step(self, failure, found, grad_scale, scaler, key) -> tuple:
         """step()'s start: the last step's params landed and every grad's averaged chunk in
@@ -385,7 +385,7 @@ class ZeroSharding:
         released = self.release.error()
         if released is not None:
             return released
-        return self.edits.error(unscaled, [p for p, _, _ in self._replaced])
+        return self.edits.error(unscaled, self._replaced)
 
     def zero_grad(self, set_to_none: bool) -> None:
         """The optimizer's zero_grad: with release_grads, set_to_none=False keeps the released

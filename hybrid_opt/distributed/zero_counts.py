@@ -133,8 +133,8 @@ class GradCounts:
                 # grad made since by someone else (lazy counts are read in step(): a DDP wrapper
                 # with find_unused_parameters writes its average into such a param at the end
                 # of backward, a user may set one) is left to zero.py finish: adopted where it
-                # holds that average, refused otherwise
-                # release_grads: only the chunk is read (zero_release.py)
+                # holds that average, refused otherwise. release_grads: a placeholder, only the
+                # chunk is read (zero_release.py)
                 p.grad = self._release.placeholder(p) if self._release.enabled else torch.zeros_like(p)
                 self._reads.note(p)
                 grads[k] = p.grad

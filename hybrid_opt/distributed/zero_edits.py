@@ -62,11 +62,11 @@ class GradReads:
     """Which grad object each param's reduction last read, and that grad's `_version` then
     (owned by ZeroSharding, noted by the parts that hand a reduction or a step a grad): a grad
     replaced by a new object since, or changed in place, is refused (GradEdits; one replaced by
-    its average, DDP's write, is adopted: zero.py finish). release_grads replaces the grad read by a placeholder once its
-    reduction completes (`released`): what that grad's version had moved by since the read —
-    an edit made while the reduction was in flight, by a grad hook registered after the
-    optimizer's — is carried over to the placeholder, so the step refuses it as it would the
-    full grad's."""
+    its average, DDP's write, is adopted: zero.py finish). release_grads replaces the grad read
+    by a placeholder once its reduction completes (`released`): what that grad's version had
+    moved by since the read — an edit made while the reduction was in flight, by a grad hook
+    registered after the optimizer's — is carried over to the placeholder, so the step refuses
+    it as it would the full grad's."""
 
     def __init__(self):
         self._grad: dict = {}     # param id -> the grad tensor object its last reduction read

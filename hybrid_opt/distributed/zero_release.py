@@ -69,8 +69,7 @@ class GradRelease:
         self._foreign: list = []   # params of released buckets given a grad after backward
         self._held: set = set()    # ids of the params the last step released (their grads hidden)
         self._kept: set = set()    # ids of the params whose grads zero_grad(set_to_none=False) kept
-        self.lost: list = []       # the params a failed step released, no grad since (zero.py)
-        self._stale = False        # step() again after it (restore: refused)
+        self.lost = False          # a failed step released grads, and no grad came since (zero.py)
 
     def placeholder(self, p) -> torch.Tensor:
         """p's shape over one element: what p.grad reads in its place (module docstring)."""
@@ -101,7 +100,6 @@ class GradRelease:
         (refused: error()), and so is one given to a param without a grad in a bucket whose
         grads were released (it can no longer be reduced with them)."""
         self._foreign = []
-        self._stale = bool(self.lost)
         if not self._released:
             return
         for p, ph in self._released.values():
@@ -119,7 +117,7 @@ class GradRelease:
         torch keeps its zero grads), counted by every reduction until a zero_grad() drops them."""
         if not self.enabled:
             return
-        self.lost = []
+        self.lost = False
         if set_to_none:
             self._kept.clear()
             self._held.clear()
@@ -138,20 +136,20 @@ class GradRelease:
         """After step() (taken or skipped: `stepped`; or failed): hidden again, and nothing
         released; a failed step's released grads are remembered as lost."""
         self.hide()
-        self.lost = [] if stepped else ([p for p, _ in self._released.values()] or self.lost)
+        self.lost = not stepped and (bool(self._released) or self.lost)
         self._held = set(self._released)
         self._released.clear()
         self._foreign = []
 
     def grad_arrived(self) -> None:
         """A grad hook ran (any backward, reducing or not): a failed step's grads are not missed."""
-        self.lost = []
+        self.lost = False
 
     def error(self):
         """The refusal of a grad given to a released bucket after backward (above), or of a
         step() again after a failed one with no backward since (its grads were released), or
         None."""
-        if self._stale:
+        if self.lost:  # read in the step after the failed one (restore ran; no hook runs in step())
             return RuntimeError(
                 "process_group with release_grads=True: step() was called again after a step "
                 "that failed, with no backward since, but that step had released its grads (only "
