@@ -2,8 +2,9 @@
 are complete during backward, and the inputs such a step records so that validation can
 commit, redo or drop it.
 
-The optimizer's Speculator part; `GradGatherer` writes a subgroup's grads into a staging
-buffer (or names their memory for the worker to read itself).
+The optimizer's Speculator part. It names each subgroup's grads once per step it hands the
+host tier: their local memory (distributed.local_of) both for the ids its inputs record and
+for the tier's GradGatherer (tiers/grads.py), which reads them.
 
 A speculated step stands only if its grads were not modified since they were staged. Plain
 grads are named by (data_ptr, _version): every in-place op, foreach included, bumps the
@@ -18,12 +19,12 @@ import torch
 
 from typing import NamedTuple
 
-from hybrid_opt.distributed import any_dtensor, grad_ids, locals_of
+from hybrid_opt.distributed import any_dtensor, grad_locals
 from hybrid_opt.distributed.grad_edits import GradFingerprints
 from hybrid_opt.lifetime import weak_call, weak_method
 from hybrid_opt.step_work import group_inputs
+from hybrid_opt.tiers.grads import GradGatherer
 from hybrid_opt.tiers.host import StepInputs
-from hybrid_opt.tiers.staging import copy_async
 
 
 class SpeculationConfig(NamedTuple):
@@ -180,26 +181,29 @@ class Speculator:
         self._inv_scale_cache = (key, inv)
         return inv
 
-    def host_inputs(self, sg, live: list, hp: StepInputs, scale: float, ahead: int) -> StepInputs:
-        """The inputs a host subgroup's step depends on (ahead=1 during backward: the step
-        counts it will have), including which grads, so a changed grad makes it stale."""
+    def step_of(self, sg, live: list, hp: StepInputs, scale: float, ahead: int) -> tuple:
+        """(the subgroup's GradGatherer, the inputs its step depends on) — ahead=1 during
+        backward: the step counts it will have. The inputs name the grads, so a changed grad
+        makes the step stale; their local memory is resolved once, for both. `live`: the
+        subgroup's slices whose param has a grad."""
         runs = _runs(self.layout.steps, sg, live, ahead)
         step = runs[0][2] if runs else self.layout.steps[live[0].param_index] + ahead
         # a DTensor grad (FSDP2) is named by its local shard (the memory the step reads) and
         # the versions of both: `dtensor.mul_` bumps only the DTensor's
-        versions = grad_ids([sl.param.grad for sl in live])
-        if not ahead and self._grads_edited(sg):
+        versions, grads = grad_locals([sl.param.grad for sl in sg.slices])
+        gatherer = GradGatherer(sg, grads)
+        if not ahead and self._grads_edited(sg, gatherer):
             versions += ("edited since staged",)  # a foreach edit of DTensor grads: redone
-        return StepInputs(step, hp.lr, hp.beta1, hp.beta2, hp.eps, hp.weight_decay, hp.decoupled,
-                          scale * hp.grad_scale, versions, hp.amsgrad, runs)
+        return gatherer, StepInputs(step, hp.lr, hp.beta1, hp.beta2, hp.eps, hp.weight_decay, hp.decoupled,
+                                    scale * hp.grad_scale, versions, hp.amsgrad, runs)
 
-    def _grads_edited(self, sg) -> bool:
+    def _grads_edited(self, sg, gatherer: GradGatherer) -> bool:
         """At step(): whether a speculated subgroup's DTensor grads changed since it was
         staged in a way no version counter shows (grad_edits.py)."""
         if sg.index not in self._staged or self._fingerprints is None:
             return False
         host, local = self.placement.host, self.placement.host_local[sg.index]
-        return self._fingerprints.is_edited(sg.index, GradGatherer(sg), lambda: host.piece_stats(local),
+        return self._fingerprints.is_edited(sg.index, gatherer, lambda: host.piece_stats(local),
                                             host.grad_dtype)
 
     def _grad_edit_checks(self) -> list:
@@ -211,7 +215,7 @@ class Speculator:
             return []
         sgs, host, local = self.layout.subgroups, self.placement.host, self.placement.host_local
         return self._fingerprints.checks(lambda sgi: [sl for sl in sgs[sgi].slices if sl.param.grad is not None],
-                                         lambda sgi: GradGatherer(sgs[sgi]),
+                                         lambda sgi: gatherer_of(sgs[sgi]),
                                          lambda sgi: host.piece_stats(local[sgi], wait=False),
                                          host.grad_dtype)
 
@@ -223,8 +227,7 @@ class Speculator:
         if self._fingerprints is not None:
             self._fingerprints.note(edited)
         local = self.placement.host_local
-        return {local[i]: (GradGatherer(w.sg), self.host_inputs(w.sg, w.live, w.hp, scale, 0))
-                for i, w in host_steps.items()}
+        return {local[i]: self.step_of(w.sg, w.live, w.hp, scale, 0) for i, w in host_steps.items()}
 
     def _speculate(self, sgi: int) -> bool:
         sg = self.layout.subgroups[sgi]
@@ -233,13 +236,13 @@ class Speculator:
             return True
         hp = group_inputs(self.layout.param_groups[sg.group], self.config.decoupled)
         # clipping is assumed not to bite (coefficient 1): validation redoes it when it does
-        inputs = self.host_inputs(sg, live, hp, self.predicted_inv_scale(), 1)
+        gatherer, inputs = self.step_of(sg, live, hp, self.predicted_inv_scale(), 1)
         host, local = self.placement.host, self.placement.host_local[sgi]
         self._staged.pop(sgi, None)
         if self._fingerprints is not None:
             self._fingerprints.forget(sgi)
         # any pending speculation of it cancelled first (replace=True)
-        if host.speculate(local, GradGatherer(sg), inputs, wait=False, replace=True):
+        if host.speculate(local, gatherer, inputs, wait=False, replace=True):
             # the grads it read stay referenced until it is validated: a grad tensor made after
             # one was discarded (zero_grad, `p.grad = None`) can then never take its address, so
             # (data_ptr, _version) names the same grad for as long as the speculation is pending
@@ -319,56 +322,6 @@ def _runs(steps: list, sg, live: list, ahead: int) -> tuple:
     return tuple(runs)
 
 
-class GradGatherer:
-    """Writes a subgroup's grads [offset, offset + numel) into a staging buffer; params without
-    a grad contribute zeros (their elements are outside every run, so never stepped). CUDA
-    grads are copied non-blocking, on the host tier's side stream (tiers/staging.py)."""
-
-    def __init__(self, sg):
-        self.sg = sg
-
-    def overlaps(self, offset: int, numel: int):
-        """(slice, a, b) for each slice overlapping [offset, offset + numel), [a, b) in
-        subgroup elements."""
-        end = offset + numel
-        for sl in self.sg.slices:
-            a, b = max(offset, sl.sub_offset), min(end, sl.sub_offset + sl.numel)
-            if a < b:
-                yield sl, a, b
-
-    def cuda_device(self):
-        """The CUDA device of this subgroup's grads, or None (CPU grads: staged synchronously)."""
-        for sl in self.sg.slices:
-            g = sl.param.grad
-            if g is not None and g.is_cuda:
-                return g.device
-        return None
-
-    def __call__(self, dst: torch.Tensor, offset: int, numel: int, non_blocking: bool = False) -> None:
-        for sl, a, b in self.overlaps(offset, numel):
-            g = sl.grad_view()
-            if g is None:
-                dst[a - offset:b - offset].zero_()
-                continue
-            src = g[a - sl.sub_offset:b - sl.sub_offset]
-            if non_blocking:  # on the side stream; the grad's memory is kept until the copy ran
-                copy_async(dst[a - offset:b - offset], src)
-            else:
-                dst[a - offset:b - offset].copy_(src, non_blocking=False)
-
-    def segments(self, offset: int, numel: int, dtype):
-        """Remote gather: [(element offset in the piece, address, elements)] (address 0: zeros)
-        and the grad tensors to keep alive, for the worker to read itself; None when a grad
-        is on a GPU, non-contiguous or of another dtype (then __call__ stages it here)."""
-        entries, keep = [], []
-        overlaps = list(self.overlaps(offset, numel))
-        for (sl, a, b), g in zip(overlaps, locals_of([sl.param.grad for sl, _, _ in overlaps])):
-            if g is None:
-                entries.append((a - offset, 0, b - a))
-                continue
-            if g.is_cuda or g.dtype != dtype or not g.is_contiguous():
-                return None
-            start = sl.param_offset + (a - sl.sub_offset)
-            entries.append((a - offset, g.data_ptr() + start * g.element_size(), b - a))
-            keep.append(g)
-        return entries, keep
+def gatherer_of(sg) -> GradGatherer:
+    """A GradGatherer of subgroup `sg`'s grads as they are now."""
+    return GradGatherer(sg, grad_locals([sl.param.grad for sl in sg.slices])[1])

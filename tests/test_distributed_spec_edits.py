@@ -200,7 +200,7 @@ def test_piece_sums_are_the_workers_bitwise_and_see_a_foreach_edit(one_rank, mon
     import hybrid_opt.tiers.arena_plan as arena_plan
     from hybrid_opt import HybridAdamW
     from hybrid_opt.distributed.grad_edits import live_piece_sums
-    from hybrid_opt.speculation import GradGatherer
+    from hybrid_opt.speculation import gatherer_of
     monkeypatch.setattr(arena_plan, "DEFAULT_SLOT_NUMEL", 1024)  # the slots sized there (arena_plan.py)
     monkeypatch.setenv("HYBRID_OPT_REMOTE_GATHER", remote)
     torch.manual_seed(0)
@@ -214,13 +214,13 @@ def test_piece_sums_are_the_workers_bitwise_and_see_a_foreach_edit(one_rank, mon
         local = opt.parts.placement.host_local[sg.index]
         pieces = opt.parts.placement.host.piece_stats(local)
         assert pieces is not None and len(pieces) == 3  # 2800 elements: 1024 + 1024 + 752
-        live = live_piece_sums(GradGatherer(sg), pieces, opt.parts.placement.host.grad_dtype)
+        live = live_piece_sums(gatherer_of(sg), pieces, opt.parts.placement.host.grad_dtype)
         assert live == [s for _, _, s in pieces]
         versions = (w.grad._version, w.grad._local_tensor._version)
         torch._foreach_mul_([w.grad], 0.5)
         # the torch behaviour this guards against: no version counter moved
         assert (w.grad._version, w.grad._local_tensor._version) == versions
-        edited = live_piece_sums(GradGatherer(sg), pieces, opt.parts.placement.host.grad_dtype)
+        edited = live_piece_sums(gatherer_of(sg), pieces, opt.parts.placement.host.grad_dtype)
         assert all(a != b for a, (_, _, b) in zip(edited, pieces))
         opt.step()
         assert opt.parts.stats.outcome_by_sg[sg.index] == "redone"
@@ -234,7 +234,7 @@ def test_live_piece_sums_gathers_pieces_it_cannot_read_in_place():
     import cpu_kernels
     from hybrid_opt.distributed.grad_edits import live_piece_sums
     from hybrid_opt.state.layout import ParamSlice, Subgroup
-    from hybrid_opt.speculation import GradGatherer
+    from hybrid_opt.speculation import gatherer_of
     a = torch.nn.Parameter(torch.zeros(300))
     b = torch.nn.Parameter(torch.zeros(200, dtype=torch.bfloat16))
     a.grad = torch.randn(300)
@@ -242,6 +242,6 @@ def test_live_piece_sums_gathers_pieces_it_cannot_read_in_place():
     sg = Subgroup(0, 0, 500, torch.float32, torch.device("cpu"),
                   [ParamSlice(0, a, 0, 0, 300), ParamSlice(1, b, 0, 300, 200)])
     pieces = [(0, 256, None), (256, 128, None), (384, 116, None)]
-    got = live_piece_sums(GradGatherer(sg), pieces, torch.float32)
+    got = live_piece_sums(gatherer_of(sg), pieces, torch.float32)
     staged = torch.cat([a.grad, b.grad.float()])
     assert got == [cpu_kernels.grad_stats(staged[o:o + n].contiguous())[0] for o, n, _ in pieces]

@@ -482,3 +482,30 @@ def test_register_asks_for_portable_pinning():
     lib = types.SimpleNamespace(cudaHostRegister=register, cudaHostUnregister=lambda ptr: 0,
                                 cudaGetLastError=lambda: 0, cudaGetErrorString=lambda code: b"")
     assert shm.CudaRuntime(lib).register(4096, 4096) == 0 and seen == [1]
+
+
+def test_a_gatherer_reads_the_grads_it_was_given_zeros_for_none_and_names_their_memory():
+    """tiers/grads.py: a subgroup cut across params (the last one's grad None, the middle one's
+    non-contiguous) staged by __call__ as the concatenation of the slices' grads, zeros where a
+    param has none; segments names each contiguous grad's memory at the slice's offset, and
+    refuses (None) a piece touching the non-contiguous grad, which __call__ stages instead."""
+    from hybrid_opt.state import layout as L
+    from hybrid_opt.speculation import gatherer_of
+    params = [torch.zeros(10), torch.zeros(4, 6), torch.zeros(7)]
+    sg, = L.layout_group(params, 0, 0, 64, 0)
+    params[0].grad = torch.arange(10, dtype=torch.float32)
+    params[1].grad = torch.arange(24, dtype=torch.float32).reshape(6, 4).t()  # non-contiguous
+    gather = gatherer_of(sg)
+    want = torch.cat([params[0].grad, params[1].grad.reshape(-1), torch.zeros(7)])
+    dst = torch.full((sg.numel,), -1.0)
+    gather(dst, 0, sg.numel)
+    assert torch.equal(dst, want)
+    part = torch.full((9,), -1.0)
+    gather(part, 7, 9)  # across the first two params
+    assert torch.equal(part, want[7:16])
+    entries, keep = gather.segments(2, 5, torch.float32)  # inside the first param's grad
+    assert entries == [(0, params[0].grad.data_ptr() + 2 * 4, 5)] and keep == [params[0].grad]
+    assert gather.segments(5, 10, torch.float32) is None  # reaches the non-contiguous grad
+    assert gather.segments(0, 4, torch.float64) is None   # another dtype than the slots'
+    entries, keep = gather.segments(34, 7, torch.float32)  # the param without a grad: zeros
+    assert entries == [(0, 0, 7)] and keep == []

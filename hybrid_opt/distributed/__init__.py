@@ -272,11 +272,6 @@ def any_dtensor(tensors) -> bool:
     return any(is_dtensor(t) for t in tensors)
 
 
-def locals_of(tensors) -> list:
-    """local_of of each (one call for a subgroup's grads: the step's hot path)."""
-    return [local_of(t) for t in tensors]
-
-
 def write_count(p, local=None) -> int:
     """Param `p`'s write count: its local memory's version counter plus, for a DTensor param
     (FSDP2), the DTensor's own. Writes through the DTensor (model.load_state_dict's copy_,
@@ -300,15 +295,15 @@ def moved_or_written(params, ptrs: list, counts: list) -> tuple:
     return False, written
 
 
-def grad_ids(grads) -> tuple:
-    """Each grad named by (data_ptr, _version) of its local memory, and a DTensor grad also by
-    the DTensor's own version (`dtensor.mul_` bumps only that one)."""
-    out = []
-    for g in grads:
-        local = local_of(g)
-        ident = (local.data_ptr(), local._version)
-        out.append(ident + (g._version,) if is_dtensor(g) else ident)
-    return tuple(out)
+def grad_locals(grads) -> tuple:
+    """(the ids of the grads that are not None, local_of of each grad): one pass over a
+    subgroup's grads, whose step reads the memory it names. A grad is named by
+    (data_ptr, _version) of its local memory, and a DTensor grad also by the DTensor's own
+    version (`dtensor.mul_` bumps only that one)."""
+    out = [local_of(g) for g in grads]
+    ids = [(local.data_ptr(), local._version, g._version) if is_dtensor(g) else (local.data_ptr(), local._version)
+           for g, local in zip(grads, out) if local is not None]
+    return tuple(ids), out
 
 
 def write_counts(params) -> list:

@@ -65,7 +65,7 @@ def _after(then: torch.Tensor, event) -> torch.Tensor:
 
 def live_piece_sums(gather, pieces: list, dtype) -> list:
     """cpu_kernels.grad_stats of each piece [(offset, numel, _)] of the live grads, as staged:
-    `gather(dst, offset, numel)` (speculation.GradGatherer) writes them in `dtype`, the
+    `gather(dst, offset, numel)` (tiers/grads.py: GradGatherer) writes them in `dtype`, the
     staging slots' dtype; a piece lying in one grad of that dtype is read in place."""
     import cpu_kernels
     out = []

@@ -19,7 +19,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from hybrid_opt.tiers import remote_gather as RG
+from hybrid_opt.tiers import grads as RG
 from hybrid_opt.tiers.inputs import StepInputs, _with_step
 from hybrid_opt.tiers.staging import CopyQueue, CudaStager, copy_async, staging_device
 from hybrid_opt.worker import protocol as P
@@ -108,7 +108,7 @@ class HostIO:
     # ------------------------------------------------------------------ remote gather
     def probe_remote_gather(self) -> bool:
         """Whether the worker can read grads straight from this process's memory: sets
-        remote_gather (remote_gather.py)."""
+        remote_gather (tiers/grads.py)."""
         slot = self._free_slots[-1] if self._free_slots else None
         self.remote_gather = slot is not None and RG.probe(
             lambda task: self.client.wait([self.send_task(task)])[0], self._slots[slot], slot)
