@@ -184,7 +184,8 @@ class Speculator:
     def step_of(self, sg, live: list, hp: StepInputs, scale: float, ahead: int) -> tuple:
         """(the subgroup's GradGatherer, the inputs its step depends on) — ahead=1 during
         backward: the step counts it will have. The inputs name the grads, so a changed grad
-        makes the step stale; their local memory is resolved once, for both. `live`: the
+        makes the step stale; their local memory is resolved once for both (the DTensor
+        fingerprints resolve it again, at the same moment). `live`: the
         subgroup's slices whose param has a grad."""
         runs = _runs(self.layout.steps, sg, live, ahead)
         step = runs[0][2] if runs else self.layout.steps[live[0].param_index] + ahead

@@ -485,27 +485,46 @@ def test_register_asks_for_portable_pinning():
 
 
 def test_a_gatherer_reads_the_grads_it_was_given_zeros_for_none_and_names_their_memory():
-    """tiers/grads.py: a subgroup cut across params (the last one's grad None, the middle one's
-    non-contiguous) staged by __call__ as the concatenation of the slices' grads, zeros where a
-    param has none; segments names each contiguous grad's memory at the slice's offset, and
-    refuses (None) a piece touching the non-contiguous grad, which __call__ stages instead."""
+    """tiers/grads.py: subgroups cut across params (the second param spans both, so the second
+    subgroup starts inside it; the first one's grad non-contiguous; the third without one), staged by
+    __call__ as their slices' grads, zeros where a param has none; segments names each
+    contiguous grad's memory at the slice's offset in it, and refuses (None) a piece touching
+    the non-contiguous grad or of another dtype. A gatherer reads the grads it was handed,
+    even after `p.grad` is replaced."""
     from hybrid_opt.state import layout as L
     from hybrid_opt.speculation import gatherer_of
-    params = [torch.zeros(10), torch.zeros(4, 6), torch.zeros(7)]
-    sg, = L.layout_group(params, 0, 0, 64, 0)
-    params[0].grad = torch.arange(10, dtype=torch.float32)
-    params[1].grad = torch.arange(24, dtype=torch.float32).reshape(6, 4).t()  # non-contiguous
-    gather = gatherer_of(sg)
-    want = torch.cat([params[0].grad, params[1].grad.reshape(-1), torch.zeros(7)])
-    dst = torch.full((sg.numel,), -1.0)
-    gather(dst, 0, sg.numel)
-    assert torch.equal(dst, want)
-    part = torch.full((9,), -1.0)
-    gather(part, 7, 9)  # across the first two params
-    assert torch.equal(part, want[7:16])
-    entries, keep = gather.segments(2, 5, torch.float32)  # inside the first param's grad
-    assert entries == [(0, params[0].grad.data_ptr() + 2 * 4, 5)] and keep == [params[0].grad]
-    assert gather.segments(5, 10, torch.float32) is None  # reaches the non-contiguous grad
-    assert gather.segments(0, 4, torch.float64) is None   # another dtype than the slots'
-    entries, keep = gather.segments(34, 7, torch.float32)  # the param without a grad: zeros
-    assert entries == [(0, 0, 7)] and keep == []
+    params = [torch.zeros(2, 5), torch.zeros(4, 6), torch.zeros(7), torch.zeros(16)]
+    first, second = L.layout_group(params, 0, 0, 32, 0)
+    assert second.slices[0].param_index == 1 and second.slices[0].param_offset > 0
+    params[0].grad = torch.arange(10, dtype=torch.float32).reshape(5, 2).t()  # non-contiguous
+    params[1].grad = torch.arange(30, 54, dtype=torch.float32).reshape(4, 6)
+    params[3].grad = torch.arange(100, 116, dtype=torch.float32)
+    flat = torch.cat([params[0].grad.reshape(-1), params[1].grad.reshape(-1), torch.zeros(7), params[3].grad])
+    for sg in (first, second):
+        start = sg.slices[0].param_offset + sum(p.numel() for p in params[:sg.slices[0].param_index])
+        want = flat[start:start + sg.numel]
+        gather = gatherer_of(sg)
+        dst = torch.full((sg.numel,), -1.0)
+        gather(dst, 0, sg.numel)
+        assert torch.equal(dst, want)
+        part = torch.full((9,), -1.0)
+        gather(part, 5, 9)
+        assert torch.equal(part, want[5:14])
+    gather = gatherer_of(second)
+    inside = second.slices[0]  # the second param's, from its element param_offset
+    assert inside.numel == 2
+    entries, keep = gather.segments(1, 1, torch.float32)
+    assert entries == [(0, params[1].grad.data_ptr() + (inside.param_offset + 1) * 4, 1)]
+    assert keep == [params[1].grad]
+    assert gatherer_of(first).segments(0, 4, torch.float32) is None  # in the non-contiguous grad
+    assert gather.segments(0, 4, torch.float64) is None  # not the slots' dtype
+    last = second.slices[-1]
+    assert last.param_index == 3
+    nograd = next(sl for sl in second.slices if sl.param_index == 2)
+    entries, keep = gather.segments(nograd.sub_offset, nograd.numel, torch.float32)
+    assert entries == [(0, 0, nograd.numel)] and keep == []
+    held = params[3].grad
+    params[3].grad = torch.full((16,), 7.0)  # replaced after the gatherer named the grads
+    dst = torch.empty(last.numel)
+    gather(dst, last.sub_offset, last.numel)
+    assert torch.equal(dst, held[last.param_offset:last.param_offset + last.numel])

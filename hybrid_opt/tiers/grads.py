@@ -19,7 +19,7 @@ from hybrid_opt.tiers.staging import copy_async
 from hybrid_opt.worker import protocol as P
 
 
-@dataclass
+@dataclass(eq=False)  # compared by identity, as any object
 class GradGatherer:
     """Writes a subgroup's grads [offset, offset + numel) into a staging buffer; params without
     a grad contribute zeros (their elements are outside every run, so never stepped). CUDA
