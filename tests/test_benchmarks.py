@@ -139,3 +139,20 @@ def test_bench_peers_tiny_run_writes_every_row_in_the_fixed_schema(tmp_path):
     assert "not a figure" in md and "Not measured (skipped" in md and "bench_peers.py" in md
     assert out["png"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert not [d for d in os.listdir(nvme_dir) if d.startswith("bench_peers-")]  # nvme dirs removed
+
+
+def test_bench_nvme_fds_tiny_run_reports_both_numberings_and_their_ratio(tmp_path):
+    import resource
+    import pytest
+    if resource.getrlimit(resource.RLIMIT_NOFILE)[1] < 2400:
+        pytest.skip("hard RLIMIT_NOFILE < 2400: the high numbering needs 1,100 spare descriptors")
+    out_json = tmp_path / "fds.json"
+    cmd = [sys.executable, os.path.join(REPO, "benchmarks", "bench_nvme_fds.py"), "--subgroups", "2",
+           "--iters", "1", "--rounds", "2", "--json", str(out_json)]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=REPO)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    got = json.loads(out_json.read_text())
+    assert len(got["ms"]["low"]) == len(got["ms"]["high"]) == len(got["ratios"]) == 2
+    assert all(v > 0 for v in got["ms"]["low"] + got["ms"]["high"])
+    assert "| low |" in res.stdout and "| high |" in res.stdout and "high / low:" in res.stdout
+    assert not [d for d in os.listdir(os.path.join(REPO, "bench_out")) if d.startswith("bench_nvme_fds_")]

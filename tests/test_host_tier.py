@@ -1080,3 +1080,20 @@ def test_memory_the_arena_cannot_get_is_an_error_at_construction(monkeypatch):
     arena = shm.SharedArena(8 << 20, "hybrid_opt-test")
     assert arena.populated is False
     arena.close()
+
+
+def test_a_task_packs_every_field_in_declaration_order_and_unpacks_to_itself():
+    """The request frame (worker/protocol.py): Task.pack reads its fields directly; the bytes
+    are the struct of every field but the gather list, in declaration order (what
+    dataclasses.astuple gave), then the gather list — and unpack gives the task back."""
+    import struct
+    from dataclasses import astuple
+    from hybrid_opt.worker import protocol as P
+    tasks = [P.Task(P.OP_STEP, 7, 3, 65536, 1, 2, 64, 5, 1, 2, 1, 0, 1, 9, 1e-3, 0.9, 0.999, 1e-8,
+                    0.01, -0.5, 1, 0xDEADBEEF, 1, gather=P.pack_gather([(0, 4096, 256), (256, 0, 64)])),
+             P.Task(P.OP_SWAP_IN, 1 << 40, 12345, file_slot=1, crc=0xFFFFFFFF),
+             P.Task(P.OP_PING, 0)]
+    for t in tasks:
+        want = struct.Struct(P.Task._STRUCT.format).pack(*astuple(t)[:-1]) + t.gather
+        assert t.pack() == want
+        assert P.Task.unpack(t.pack()) == t

@@ -1160,3 +1160,32 @@ def test_nvme_files_removed_from_outside_survive_a_killed_worker_and_a_checkpoin
         for a, b in zip(params, twin_params):
             assert torch.equal(a, b)
     assert os.listdir(nvme_dir) == []
+
+
+@pytest.mark.skipif(resource.getrlimit(resource.RLIMIT_NOFILE)[1] < 2400, reason="hard RLIMIT_NOFILE < 2400")
+def test_a_worker_whose_request_pipe_is_numbered_past_select_waits_on_a_low_duplicate(nvme_dir):
+    """With over 1,024 descriptors open in the trainer (its nvme files), the worker inherits its
+    request pipe numbered above FD_SETSIZE, where readable() must poll() in whole milliseconds
+    (its 0.5 ms waits between polls of nvme I/O became 1 ms). It reads a duplicate numbered
+    below (worker/protocol.py low_numbered) — and steps as before."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, 2400), hard))
+    held = [os.open(os.devnull, os.O_RDONLY) for _ in range(1100)]
+    tier = None
+    try:
+        tier = new_tier([100, 100], [True, True], nvme_dir)
+        reads = []  # the worker's pipe descriptors opened for reading: its request pipe
+        for fd in os.listdir(f"/proc/{tier.worker_pid}/fd"):
+            if os.readlink(f"/proc/{tier.worker_pid}/fd/{fd}").startswith("pipe:"):
+                with open(f"/proc/{tier.worker_pid}/fdinfo/{fd}") as f:
+                    flags = int(next(line for line in f if line.startswith("flags:")).split()[1], 8)
+                if flags & os.O_ACCMODE == os.O_RDONLY:
+                    reads.append(int(fd))
+        assert len(reads) == 1 and reads[0] < 1024, reads
+        assert tier.client.ping(timeout_s=30.0) is not None
+    finally:
+        if tier is not None:
+            tier.close()
+        for fd in held:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))

@@ -107,7 +107,7 @@ class Worker:
         self.sq_dtype_field = any(f[0] == "exp_avg_sq_dtype" for f in self.AdamArgs._fields_)
         if self.m_dtype != self.v_dtype and not self.sq_dtype_field:
             raise ValueError("this build of cpu_kernels steps exp_avg and exp_avg_sq of one dtype only")
-        self.req, self.resp = cfg["req_fd"], cfg["resp_fd"]
+        self.req, self.resp = P.low_numbered(cfg["req_fd"]), cfg["resp_fd"]
         self.fault = _Fault(os.environ.get("HYBRID_OPT_WORKER_FAULT"))
         self.nvme = cfg.get("nvme")
         self.parent = os.getppid()
