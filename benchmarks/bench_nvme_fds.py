@@ -1,7 +1,7 @@
-"""The nvme tier's step with the trainer's descriptors numbered past select()'s FD_SETSIZE
-(1,024: a model with thousands of nvme subgroups has one file each) against the same step with
-them numbered low — in fresh processes, rounds alternating which goes first. The figure is the
-median of per-round ratios (high / low), with its range: 1.0 when nothing waits longer there.
+"""The nvme tier's step with 1,100 descriptors of the user's open before the optimizer is made
+(its files and the worker's pipes then numbered past select()'s FD_SETSIZE, 1,024) against the
+same step without them — in fresh processes, rounds alternating which goes first. The figure is
+the median of per-round ratios (high / low), with its range: 1.0 when nothing waits longer there.
 
     python benchmarks/bench_nvme_fds.py [--subgroups 48] [--iters 40] [--rounds 8] [--dir bench_out] [--json out.json]
 

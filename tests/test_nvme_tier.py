@@ -1164,7 +1164,7 @@ def test_nvme_files_removed_from_outside_survive_a_killed_worker_and_a_checkpoin
 
 @pytest.mark.skipif(resource.getrlimit(resource.RLIMIT_NOFILE)[1] < 2400, reason="hard RLIMIT_NOFILE < 2400")
 def test_a_worker_whose_request_pipe_is_numbered_past_select_waits_on_a_low_duplicate(nvme_dir):
-    """With over 1,024 descriptors open in the trainer (its nvme files), the worker inherits its
+    """With over 1,024 descriptors open in the trainer (the user's own), the worker inherits its
     request pipe numbered above FD_SETSIZE, where readable() must poll() in whole milliseconds
     (its 0.5 ms waits between polls of nvme I/O became 1 ms). It reads a duplicate numbered
     below (worker/protocol.py low_numbered) — and steps as before."""
@@ -1188,4 +1188,42 @@ def test_a_worker_whose_request_pipe_is_numbered_past_select_waits_on_a_low_dupl
             tier.close()
         for fd in held:
             os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+@pytest.mark.skipif(resource.getrlimit(resource.RLIMIT_NOFILE)[1] < 2400, reason="hard RLIMIT_NOFILE < 2400")
+def test_many_nvme_files_are_numbered_past_select_leaving_the_low_numbers_free(nvme_dir):
+    """300 nvme subgroups (from 256 on, tiers/nvme_files.py) under a soft limit of 1,024: the
+    limit is raised and the files numbered from 1,024 up, so what the process opens next — the
+    worker's pipes, the user's sockets — is still numbered where select() takes it (opened
+    lowest-first the files took 3-302 and left 700; 1,500 of them left none). The tier steps
+    through them (and its worker, which inherits them with their numbers)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (1024, hard))
+    tier = None
+    try:
+        tier = new_tier([64] * 300, [True] * 300, nvme_dir)
+        ours = []
+        for fd in os.listdir("/proc/self/fd"):
+            try:
+                link = os.readlink(f"/proc/self/fd/{fd}")
+                if link.startswith(tier.swap.path + os.sep) and link.endswith(".state"):
+                    ours.append(int(fd))
+            except FileNotFoundError:  # listdir's own descriptor, closed since
+                pass
+        assert len(ours) == 300 and min(ours) >= 1024, sorted(ours)[:5]
+        probe = os.open(os.devnull, os.O_RDONLY)
+        os.close(probe)
+        assert probe < 1024
+        states = make_states([64] * 300, seed=3)
+        load(tier, states)
+        grads = make_grads([64] * 300, seed=4)
+        inp = inputs(1)
+        assert set(tier.finish({sg: (g, inp) for sg, g in enumerate(grads)}).values()) == {"stepped"}
+        for s, g in zip(states, grads):
+            ref_step(s, g, inp)
+        assert_tier_equals(tier, states, "300 files numbered past select's range")
+    finally:
+        if tier is not None:
+            tier.close()
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))

@@ -8,12 +8,21 @@ every worker: nothing is lost while the optimizer lives, worker restarts include
 warns, once per file, naming it and what to do. Opened as cpu_kernels.aio opens files:
 O_DIRECT, or buffered (one warning) where the filesystem refuses it; an inherited descriptor
 shares its open file, flags included, so a worker's I/O is O_DIRECT exactly where this is.
+
+Many files are numbered past select()'s FD_SETSIZE (1,024) where the limit allows: opened
+lowest-first they would take that range, and every descriptor the process opens after them —
+the worker's pipes, the user's sockets and data loaders' pipes — would land past it, where
+select() refuses them ('filedescriptor out of range') and poll() waits whole milliseconds.
 """
 from __future__ import annotations
 
 import errno
+import fcntl
 import os
 import warnings
+
+FD_SETSIZE = 1024  # select()'s bound on descriptor numbers
+MANY = 256         # files from which they are numbered past it
 
 
 class NvmeFiles:
@@ -23,6 +32,7 @@ class NvmeFiles:
         self.swap = swap
         self._fds: dict = {}
         self._gone: set = set()  # files found removed or replaced (warned once)
+        self._high = False       # the files are numbered from FD_SETSIZE up (reserve)
 
     def reserve(self, n: int) -> None:
         """Room for `n` more open files: the soft RLIMIT_NOFILE raised towards the hard one
@@ -36,6 +46,9 @@ class NvmeFiles:
         except OSError:
             now = 64
         need = now + n + 256  # and the worker's pipes, the arena's, torch's own
+        self._high = n >= MANY
+        if self._high:  # numbered from FD_SETSIZE up, with the room below kept free
+            need = max(need, FD_SETSIZE + len(self._fds) + n + 256)
         if soft == resource.RLIM_INFINITY or need <= soft:
             return
         if hard != resource.RLIM_INFINITY and now + n + 32 > hard:  # the files themselves do not fit
@@ -52,7 +65,14 @@ class NvmeFiles:
     def open(self, sg: int) -> int:
         from cpu_kernels.aio import open_direct
         # the one open of the file: warns (once per process) where it cannot be O_DIRECT
-        fd = self._fds[sg] = open_direct(self.swap.file(sg), os.O_RDWR | os.O_CLOEXEC)
+        fd = open_direct(self.swap.file(sg), os.O_RDWR | os.O_CLOEXEC)
+        if self._high and fd < FD_SETSIZE:
+            try:  # the lowest free number from FD_SETSIZE up: the same open file, flags included
+                fd, low = fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, FD_SETSIZE), fd
+                os.close(low)
+            except OSError:  # the limit left no room up there (the hard one is short): stays low
+                pass
+        self._fds[sg] = fd
         return fd
 
     def fd(self, sg: int) -> int:
