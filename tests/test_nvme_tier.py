@@ -1169,10 +1169,10 @@ def test_a_worker_whose_request_pipe_is_numbered_past_select_waits_on_a_low_dupl
     (its 0.5 ms waits between polls of nvme I/O became 1 ms). It reads a duplicate numbered
     below (worker/protocol.py low_numbered) — and steps as before."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, 2400), hard))
-    held = [os.open(os.devnull, os.O_RDONLY) for _ in range(1100)]
-    tier = None
+    held, tier = [], None
     try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, 2400), hard))
+        held.extend(os.open(os.devnull, os.O_RDONLY) for _ in range(1100))
         tier = new_tier([100, 100], [True, True], nvme_dir)
         reads = []  # the worker's pipe descriptors opened for reading: its request pipe
         for fd in os.listdir(f"/proc/{tier.worker_pid}/fd"):
@@ -1200,17 +1200,15 @@ def test_many_nvme_files_are_numbered_past_select_leaving_the_low_numbers_free(n
     through them (and its worker, which inherits them with their numbers)."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (1024, hard))
-    tier = None
+    tier = first = None
     try:
+        # a tier built while another one's files are open up there (a move builds the new tier
+        # before closing the old one): its files go past those, not back below 1,024
+        first = new_tier([64] * 300, [True] * 300, nvme_dir)
+        assert min(_state_fds(first)) >= 1024
         tier = new_tier([64] * 300, [True] * 300, nvme_dir)
-        ours = []
-        for fd in os.listdir("/proc/self/fd"):
-            try:
-                link = os.readlink(f"/proc/self/fd/{fd}")
-                if link.startswith(tier.swap.path + os.sep) and link.endswith(".state"):
-                    ours.append(int(fd))
-            except FileNotFoundError:  # listdir's own descriptor, closed since
-                pass
+        first.close()
+        ours = _state_fds(tier)
         assert len(ours) == 300 and min(ours) >= 1024, sorted(ours)[:5]
         probe = os.open(os.devnull, os.O_RDONLY)
         os.close(probe)
@@ -1224,6 +1222,41 @@ def test_many_nvme_files_are_numbered_past_select_leaving_the_low_numbers_free(n
             ref_step(s, g, inp)
         assert_tier_equals(tier, states, "300 files numbered past select's range")
     finally:
-        if tier is not None:
-            tier.close()
+        for t in (first, tier):
+            if t is not None:
+                t.close()
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+def _state_fds(tier) -> list:
+    """The descriptors this process holds on `tier`'s nvme state files."""
+    ours = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            link = os.readlink(f"/proc/self/fd/{fd}")
+        except FileNotFoundError:  # listdir's own descriptor, closed since
+            continue
+        if link.startswith(tier.swap.path + os.sep) and link.endswith(".state"):
+            ours.append(int(fd))
+    return ours
+
+
+def test_more_swap_ins_than_the_workers_read_queue_wait_their_turn(nvme_dir):
+    """600 host subgroups, 570 on nvme, a spare bank each (the default where memory allows):
+    the prefetch sends one swap-in per free bank — 608 at once, more than the worker's read
+    engine takes (queue_depth 256: 'the queue is full', and the step failed, 1-3 steps in).
+    The worker holds them back until there is room (and a swap-out until the write engine
+    has room); the steps match the host tier's without nvme bitwise."""
+    torch.manual_seed(0)
+    want = torch.randn(600 * 64)
+    p, q = nn.Parameter(want.clone()), nn.Parameter(want.clone())
+    with HybridAdamW([p], lr=1e-3, subgroup_numel=64, offload_fraction=1.0, nvme_fraction=0.95,
+                     nvme_path=nvme_dir) as opt, \
+         HybridAdamW([q], lr=1e-3, subgroup_numel=64, offload_fraction=1.0) as ref:
+        assert len(opt.plan.subgroups("nvme")) == 570
+        for i in range(4):
+            g = torch.randn_like(p)
+            p.grad, q.grad = g.clone(), g.clone()
+            opt.step()
+            ref.step()
+        assert_bitwise_equal(p.detach(), q.detach(), "nvme 0.95 vs host-only params after 4 steps")

@@ -42,13 +42,14 @@ class NvmeFiles:
         import resource
         soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
         try:
-            now = len(os.listdir("/proc/self/fd"))
+            fds = [int(fd) for fd in os.listdir("/proc/self/fd")]
         except OSError:
-            now = 64
+            fds = range(64)
+        now = len(fds)
         need = now + n + 256  # and the worker's pipes, the arena's, torch's own
         self._high = n >= MANY
-        if self._high:  # numbered from FD_SETSIZE up, with the room below kept free
-            need = max(need, FD_SETSIZE + len(self._fds) + n + 256)
+        if self._high:  # numbered from FD_SETSIZE up, past what is open there (another tier's)
+            need = max(need, max(FD_SETSIZE, max(fds) + 1) + n + 256)
         if soft == resource.RLIM_INFINITY or need <= soft:
             return
         if hard != resource.RLIM_INFINITY and now + n + 32 > hard:  # the files themselves do not fit

@@ -275,24 +275,22 @@ class Worker:
         queue: collections.deque = collections.deque()  # tasks not yet run, arrival order
         io: dict = {}            # task_id -> (task, aio request id, start ns)
         reading: set = set()     # banks whose swap-in has not been verified yet
+        held: collections.deque = collections.deque()  # swap-ins waiting for room to be read
         while True:
             if not reader.eof:
-                wait_s = None if not (queue or io) else (0.0005 if io else 0.0)
+                wait_s = None if not (queue or io or held) else (0.0005 if io else 0.0)
                 if P.readable(self.req, wait_s):
                     reader.feed()
                     for payload in reader.frames():
                         t = P.Task.unpack(payload)
                         if t.op == P.OP_EXIT:
                             return 0
-                        if t.op == P.OP_SWAP_IN:  # start reading at once: the prefetch
-                            try:
-                                io[t.task_id] = (t, self._submit_swap(t), time.perf_counter_ns())
-                                reading.add(t.in_bank)
-                            except Exception as e:
-                                self._reply(P.Result(t.op, t.task_id, P.STATUS_ERROR, t.subgroup,
-                                                     message=f"{type(e).__name__}: {e}"))
+                        if t.op == P.OP_SWAP_IN:  # read at once (the prefetch), as there is room
+                            reading.add(t.in_bank)
+                            held.append(t)
                         else:
                             queue.append(t)
+                    self._start_swap_ins(held, io, reading)
             if reader.eof:
                 # the trainer is gone (reparented: not merely a closed pipe): leave nothing behind
                 if self.nvme and self._parent_gone():
@@ -304,14 +302,15 @@ class Worker:
                 r.elapsed_ns = time.perf_counter_ns() - t0
                 reading.discard(t.in_bank)
                 self._reply(r)
+            self._start_swap_ins(held, io, reading)
             # run what is runnable, in order; a task waits only for earlier work on its banks
             blocked: set = set()
             for t in list(queue):
                 banks = {t.in_bank} if t.op != P.OP_STEP or t.out_bank == P.NO_BANK else {t.in_bank, t.out_bank}
                 if t.op in (P.OP_PING, P.OP_EXIT):
                     banks = set()
-                if banks & (blocked | reading):
-                    blocked |= banks
+                if banks & (blocked | reading) or (t.op == P.OP_SWAP_OUT and self._full(self.aio_write)):
+                    blocked |= banks  # what follows on its banks waits for it
                     continue
                 queue.remove(t)
                 if t.op == P.OP_SWAP_OUT:
@@ -323,6 +322,24 @@ class Worker:
                 else:
                     self._reply(self._run(t))
                 break  # one compute task per turn: new requests and finished I/O come first
+
+    @staticmethod
+    def _full(engine) -> bool:
+        """Whether `engine` takes no more requests now (one more submit would raise EAGAIN)."""
+        return engine.outstanding >= engine.queue_depth
+
+    def _start_swap_ins(self, held, io: dict, reading: set) -> None:
+        """Submits the swap-ins held back, in arrival order, while the read engine has room: the
+        trainer's prefetch sends one per free bank, which can be more than its queue_depth (a
+        few hundred nvme subgroups with as many spare banks failed a step at every step)."""
+        while held and not self._full(self.aio):
+            t = held.popleft()
+            try:
+                io[t.task_id] = (t, self._submit_swap(t), time.perf_counter_ns())
+            except Exception as e:
+                reading.discard(t.in_bank)
+                self._reply(P.Result(t.op, t.task_id, P.STATUS_ERROR, t.subgroup,
+                                     message=f"{type(e).__name__}: {e}"))
 
     def _parent_gone(self, within_s: float = 1.0) -> bool:
         # the pipe closes while the trainer exits, a moment before we are reparented
