@@ -58,7 +58,7 @@ class GradGatherer:
             if g is None:
                 dst[a - offset:b - offset].zero_()
                 continue
-            start = sl.param_offset - sl.sub_offset
+            start = sl.param_offset - sl.sub_offset  # subgroup element -> grad element
             src = g.reshape(-1)[start + a:start + b]
             if non_blocking:  # on the side stream; the grad's memory is kept until the copy ran
                 copy_async(dst[a - offset:b - offset], src)
@@ -76,8 +76,8 @@ class GradGatherer:
                 continue
             if g.is_cuda or g.dtype != dtype or not g.is_contiguous():
                 return None
-            start = sl.param_offset + (a - sl.sub_offset)
-            entries.append((a - offset, g.data_ptr() + start * g.element_size(), b - a))
+            start = sl.param_offset - sl.sub_offset  # subgroup element -> grad element
+            entries.append((a - offset, g.data_ptr() + (start + a) * g.element_size(), b - a))
             keep.append(g)
         return entries, keep
 

@@ -290,7 +290,6 @@ class Worker:
                             held.append(t)
                         else:
                             queue.append(t)
-                    self._start_swap_ins(held, io, reading)
             if reader.eof:
                 # the trainer is gone (reparented: not merely a closed pipe): leave nothing behind
                 if self.nvme and self._parent_gone():
@@ -314,11 +313,7 @@ class Worker:
                     continue
                 queue.remove(t)
                 if t.op == P.OP_SWAP_OUT:
-                    try:
-                        io[t.task_id] = (t, self._submit_swap(t), time.perf_counter_ns())
-                    except Exception as e:
-                        self._reply(P.Result(t.op, t.task_id, P.STATUS_ERROR, t.subgroup,
-                                             message=f"{type(e).__name__}: {e}"))
+                    self._submit(t, io)
                 else:
                     self._reply(self._run(t))
                 break  # one compute task per turn: new requests and finished I/O come first
@@ -334,12 +329,19 @@ class Worker:
         few hundred nvme subgroups with as many spare banks failed a step at every step)."""
         while held and not self._full(self.aio):
             t = held.popleft()
-            try:
-                io[t.task_id] = (t, self._submit_swap(t), time.perf_counter_ns())
-            except Exception as e:
+            if not self._submit(t, io):
                 reading.discard(t.in_bank)
-                self._reply(P.Result(t.op, t.task_id, P.STATUS_ERROR, t.subgroup,
-                                     message=f"{type(e).__name__}: {e}"))
+
+    def _submit(self, t: P.Task, io: dict) -> bool:
+        """Submits swap task `t` (in flight in `io` from now); a refusal goes back to the
+        trainer as its result (False)."""
+        try:
+            io[t.task_id] = (t, self._submit_swap(t), time.perf_counter_ns())
+            return True
+        except Exception as e:
+            self._reply(P.Result(t.op, t.task_id, P.STATUS_ERROR, t.subgroup,
+                                 message=f"{type(e).__name__}: {e}"))
+            return False
 
     def _parent_gone(self, within_s: float = 1.0) -> bool:
         # the pipe closes while the trainer exits, a moment before we are reparented
