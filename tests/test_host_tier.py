@@ -1097,3 +1097,33 @@ def test_a_task_packs_every_field_in_declaration_order_and_unpacks_to_itself():
         want = struct.Struct(P.Task._STRUCT.format).pack(*astuple(t)[:-1]) + t.gather
         assert t.pack() == want
         assert P.Task.unpack(t.pack()) == t
+
+
+def test_write_task_sends_the_gather_entries_it_is_handed_as_the_tasks_gather_list():
+    """The trainer hands a piece's gather entries to write_task (no copy of the Task to carry
+    them); the frame is the one a Task holding the packed list gives, and the worker reads the
+    list back as the Task's `gather`."""
+    import os
+    from dataclasses import replace
+    from hybrid_opt.worker import protocol as P
+    entries = [(0, 4096, 256), (256, 0, 64)]
+    task = P.Task(P.OP_STEP, 7, 3, 80, slot=2, lr=1e-3)
+    r, w = os.pipe()
+    try:
+        P.write_task(w, task, entries)
+        P.write_task(w, replace(task, gather=P.pack_gather(entries)))
+        P.write_task(w, task)
+        os.close(w)
+        w = -1
+        reader = P.FrameReader(r)
+        while not reader.eof:
+            reader.feed()
+        frames = list(reader.frames())
+    finally:
+        os.close(r)
+        if w >= 0:
+            os.close(w)
+    assert len(frames) == 3 and frames[0] == frames[1] != frames[2]
+    got = P.Task.unpack(frames[0])
+    assert list(P.GATHER.iter_unpack(got.gather)) == entries
+    assert replace(got, gather=b"") == task and P.Task.unpack(frames[2]) == task

@@ -428,9 +428,9 @@ def test_an_nvme_step_waits_for_the_high_half_copy_before_its_tasks_go(nvme_dir)
         tier.copy_stager = stager = _Stager()
         sent, send = [], tier.client.send
 
-        def logged(task):
+        def logged(task, gather=()):
             sent.append(task.op)
-            return send(task)
+            return send(task, gather)
         tier.client.send = logged
         grad = make_grads([n], seed=9)[0]
         assert tier.speculate(0, grad, inputs(1))

@@ -64,9 +64,9 @@ def spy_sends(tier):
     """[(op, subgroup, offset)] of every task the tier sends to its worker, in order."""
     sent, send = [], tier.client.send
 
-    def logged(task):
+    def logged(task, gather=()):
         sent.append((task.op, task.subgroup, task.elem_offset))
-        return send(task)
+        return send(task, gather)
     tier.client.send = logged
     return sent
 
@@ -261,7 +261,7 @@ def train(speculative, rollback="exact", steps=4, complete_in_hooks=False):
     """offload 1.0; with speculation, grads are staged through copy events this completes
     only from later grad hooks (complete_in_hooks) or never (step() waits for them)."""
     net = make_mlp()
-    log = []
+    log, hooks = [], []
     with HybridAdamW(net.parameters(), lr=1e-2, offload_fraction=1.0, speculative=speculative,
                      rollback=rollback, subgroup_numel=SUBGROUP, spare_banks=16) as opt:
         tier = opt.parts.placement.host
@@ -271,19 +271,20 @@ def train(speculative, rollback="exact", steps=4, complete_in_hooks=False):
             stager = tier.copy_stager = FakeStager()
             sent, send = [], tier.client.send
 
-            def checked_send(task):
+            def checked_send(task, gather=()):
                 if task.op == P.OP_STEP:  # one event per piece, handed over in order
                     sent.append(task)
                     assert len(sent) <= sum(e.done for e in stager.events), \
                         "a piece went to the worker before its copy landed"
-                return send(task)
+                return send(task, gather)
             tier.client.send = checked_send
             if complete_in_hooks:
                 def land_all(p):
                     for e in stager.events:
                         e.complete()
-                for p in net.parameters():
-                    p.register_post_accumulate_grad_hook(land_all)  # runs after the optimizer's
+                # runs after the optimizer's; removed at the end (the events it reaches name the
+                # params: a cycle through a tensor's hooks that gc does not collect)
+                hooks = [p.register_post_accumulate_grad_hook(land_all) for p in net.parameters()]
         for x, y in batches(steps):
             opt.zero_grad()
             ((net(x) - y) ** 2).mean().backward()
@@ -297,6 +298,8 @@ def train(speculative, rollback="exact", steps=4, complete_in_hooks=False):
                 sent.clear()
         n_host = sum(1 for t in opt.plan.tiers if t != "device")
         state = opt.state_dict()
+        for h in hooks:
+            h.remove()
     return [p.detach().clone() for p in net.parameters()], state, log, n_host
 
 

@@ -6,7 +6,7 @@ Remote gather: the worker reads a piece's grads straight from the trainer's memo
 speculation costs backward no copy. HYBRID_OPT_REMOTE_GATHER=0 turns it off; a kernel that
 forbids it (Yama ptrace scope 2-3, seccomp) is found by `probe` at start, and the trainer
 stages grads itself. host_io.py decides per piece (only while the worker has little queued)
-and packs the gather list (HostIO._remote_segments).
+and hands the piece's gather list to the worker with its task (HostIO._remote_segments).
 """
 from __future__ import annotations
 
@@ -84,15 +84,16 @@ class GradGatherer:
 
 def probe(send_and_wait, slot_view: torch.Tensor, slot: int) -> bool:
     """Whether the worker copies a probe from this process's memory into staging slot `slot`
-    (`slot_view`: its memory) — a ping with a gather list; send_and_wait(task) -> its Result."""
+    (`slot_view`: its memory) — a ping with a gather list; send_and_wait(task, gather) -> its
+    Result."""
     if os.environ.get("HYBRID_OPT_REMOTE_GATHER", "1") == "0":
         return False
     probe_t = torch.arange(1, 65, dtype=torch.float32)
     dst = slot_view.view(torch.uint8)[:probe_t.numel() * 4]
     dst.zero_()
-    task = P.Task(P.OP_PING, 0, slot=slot, gather=P.pack_gather([(0, probe_t.data_ptr(), probe_t.numel() * 4)]))
+    task = P.Task(P.OP_PING, 0, slot=slot)
     try:
-        r = send_and_wait(task)
+        r = send_and_wait(task, [(0, probe_t.data_ptr(), probe_t.numel() * 4)])
     except Exception:
         return False
     ok = r.status == P.STATUS_OK and torch.equal(dst.view(torch.float32), probe_t)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import time
 import warnings
 from contextlib import contextmanager
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 
@@ -38,6 +38,7 @@ class _Piece:
     task: P.Task
     result: P.Result | None = None
     freed: bool = False           # its staging slot is back in the ring
+    gather: tuple | list = ()     # remote gather: its gather list (protocol.pack_gather's entries)
     keep: list | None = None      # remote gather: the grads the worker reads, alive until it has
     copy_done: object = None      # the event of its staging copy while that is in flight (CUDA)
     queued: bool = False          # waits in the CopyQueue to be sent
@@ -111,7 +112,7 @@ class HostIO:
         remote_gather (tiers/grads.py)."""
         slot = self._free_slots[-1] if self._free_slots else None
         self.remote_gather = slot is not None and RG.probe(
-            lambda task: self.client.wait([self.send_task(task)])[0], self._slots[slot], slot)
+            lambda task, gather: self.client.wait([self.send_task(task, gather)])[0], self._slots[slot], slot)
         return self.remote_gather
 
     def _remote_segments(self, grad, offset: int, numel: int):
@@ -124,10 +125,10 @@ class HostIO:
             if got is None:
                 return None
             entries, keep = got
-            return P.pack_gather([(o * es, a, n * es) for o, a, n in entries]), keep
+            return [(o * es, a, n * es) for o, a, n in entries], keep
         if grad.is_cuda or grad.dtype != self.grad_dtype or not grad.is_contiguous():
             return None
-        return P.pack_gather([(0, grad.data_ptr() + offset * es, numel * es)]), [grad]
+        return ((0, grad.data_ptr() + offset * es, numel * es),), [grad]
 
     # ------------------------------------------------------------------ tasks and slots
     def _task(self, op, sg, inputs: StepInputs, in_bank, out_bank, offset, numel, slot, skip_nonfinite):
@@ -174,8 +175,7 @@ class HostIO:
         seg = (self._remote_segments(grad, offset, numel)
                if remote and len(self._inflight) < REMOTE_GATHER_QUEUE else None)
         if seg is not None:
-            gather, piece.keep = seg
-            piece.task = replace(piece.task, gather=gather)  # not sent yet: no one holds the old one
+            piece.gather, piece.keep = seg
             self._counts["remote_gathered"] += 1
         else:
             piece.copy_done = self._stage(slot, grad, offset, numel)  # an event: sent once it lands
@@ -234,12 +234,12 @@ class HostIO:
 
     def _send_now(self, piece: _Piece) -> None:
         try:
-            tid = self.send_task(piece.task)
+            tid = self.send_task(piece.task, piece.gather)
         except TornState as e:
             # the worker died under other subgroups' in-place steps and was replaced: a piece of
             # a subgroup not torn goes to the new one all the same (it must get its result)
             if piece.subgroup not in e.subgroups:
-                self._inflight[self.client.send(piece.task)] = piece
+                self._inflight[self.client.send(piece.task, piece.gather)] = piece
             raise
         self._inflight[tid] = piece
 
@@ -312,13 +312,14 @@ class HostIO:
                 pass  # a failed device: nothing more is copied into the arena
         self._copies = CopyQueue()
 
-    def send_task(self, task: P.Task) -> int:
-        """Sends one task (a new worker first if this one died); returns its task id."""
+    def send_task(self, task: P.Task, gather=()) -> int:
+        """Sends one task with its gather list (a new worker first if this one died); returns
+        its task id."""
         try:
-            return self.client.send(task)
+            return self.client.send(task, gather)
         except WorkerDied as e:
             self._recover(e)
-            return self.client.send(task)
+            return self.client.send(task, gather)
 
     def release_slots(self, pieces: list) -> None:
         """free_slot() of each of `pieces`."""
@@ -462,7 +463,7 @@ class HostIO:
         # file slot, a read bank) and writes a buffer only it writes: sending it again is exact
         for tid, piece in lost.items():
             del self._inflight[tid]
-            self._inflight[self.client.send(piece.task)] = piece
+            self._inflight[self.client.send(piece.task, piece.gather)] = piece
         if torn:
             raise TornState(str(err), torn) from err
 

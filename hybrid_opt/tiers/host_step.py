@@ -297,7 +297,7 @@ class HostStepping:
         # the grads are in the slots already (held until validation): no gather; the slots
         # stay the step's pieces' (freed=True: the undo's results free nothing)
         undo = [_Piece(sg, p.offset, p.numel, p.slot, freed=True,
-                       task=dataclasses.replace(p.task, op=P.OP_INVERSE, task_id=0, gather=b""))
+                       task=dataclasses.replace(p.task, op=P.OP_INVERSE, task_id=0))
                 for p in spec.pieces
                 if p.task.op == P.OP_STEP and p.result is not None and p.result.status == P.STATUS_OK]
         try:

@@ -417,14 +417,15 @@ class WorkerClient:
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None and self._req is not None
 
-    def send(self, task: P.Task) -> int:
+    def send(self, task: P.Task, gather=()) -> int:
+        """Sends `task` (with its gather list: protocol.write_task) and returns its task id."""
         if not self.alive():
             raise self.death_error()
         task.task_id = self.next_id
         self.next_id += 1
         self.pending[task.task_id] = task
         try:
-            P.write_task(self._req, task)
+            P.write_task(self._req, task, gather)
         except BrokenPipeError:
             raise self.death_error() from None
         return task.task_id

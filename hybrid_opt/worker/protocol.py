@@ -49,7 +49,8 @@ class Task:
     crc: int = 0             # OP_SWAP_IN: the CRC32C the slot must have
     remainder: int = 0       # OP_STEP: the master is the bank's copy region (bf16) + int16 "rem"
     # remote gather: GATHER entries (byte offset in the slot, trainer address, bytes) the
-    # worker reads from the trainer's memory into the slot first (address 0: zeros)
+    # worker reads from the trainer's memory into the slot first (address 0: zeros); the
+    # trainer hands the entries to write_task, the worker reads them packed here
     gather: bytes = b""
 
     _STRUCT = struct.Struct("<B" + "q" * 7 + "i" * 5 + "q" + "d" * 6 + "iIi")
@@ -137,9 +138,10 @@ def write_frame(fd: int, payload: bytes) -> None:
         data = data[n:]
 
 
-def write_task(fd: int, task: Task) -> None:
-    """One task, packed, as one frame (the trainer's side of the request pipe)."""
-    write_frame(fd, task.pack())
+def write_task(fd: int, task: Task, gather=()) -> None:
+    """One task and its gather list (`gather`: pack_gather's entries), packed as one frame (the
+    trainer's side of the request pipe). The worker reads the list back as the Task's `gather`."""
+    write_frame(fd, task.pack() + pack_gather(gather) if gather else task.pack())
 
 
 class FrameReader:
