@@ -6,7 +6,8 @@ and GradScaler work through torch's own protocols; the numerics follow torch.opt
 foreach=False) / Adam within fp32 rounding whatever the placement. Moments and masters live in
 the tiers; `self.state` holds, as torch's does, each stepped param's `step` (a 0-dim float32
 tensor), so tools that read it (torch.distributed.checkpoint) see a trained optimizer.
-`state_dict()` gathers the full state in torch's format, `load_state_dict()` scatters it back.
+`state_dict()` gathers the full state in torch's format (`save_state_dict(f)` writes it one param
+at a time), `load_state_dict()` scatters it back.
 
 The class is a facade over parts that own their state (docs/code-map.md): the Layout, the
 Placement (tiers, planner, moves), the Speculator, the ParamGuard, the StepChecks, the
@@ -15,12 +16,12 @@ StepLedger, the StepStats and the distributed part (ZeroSharding or its no-op tw
 from __future__ import annotations
 
 import contextlib
-from collections import OrderedDict
 
 import torch
 
 from hybrid_opt import arguments as A
 from hybrid_opt.state import checkpoint as C
+from hybrid_opt.state import saving as SV
 from hybrid_opt import distributed as D
 from hybrid_opt import lifetime
 from hybrid_opt.distributed import node
@@ -172,22 +173,23 @@ class _HybridBase(torch.optim.Optimizer):
     @lifetime.acts_on_owner
     def state_dict(self) -> dict:
         """torch's format (checkpoint.gather_state says where each param's state lands)."""
+        sd, post = self._state_dict_shell()
+        sd["state"] = C.gather_state(self._parts.layout, self._parts.placement, self.state_format)
+        return _through(post, self, sd)
+
+    @lifetime.acts_on_owner
+    def save_state_dict(self, f) -> None:
+        """torch.save(self.state_dict(), f), one param's state in memory at a time (saving.py)."""
+        sd, post = self._state_dict_shell()
+        entries = C.iter_state(self._parts.layout, self._parts.placement, self.state_format)
+        if post:  # torch's post hooks are handed the whole dict
+            sd["state"], entries = dict(entries), ()
+        SV.save(f, _through(post, self, sd), entries)
+
+    def _state_dict_shell(self) -> tuple:
         self.wait_params()
         self._check_open()
-        # called between backward and step(): the committed state is what a checkpoint holds;
-        # pending speculations are dropped (step() then steps those subgroups itself)
-        self._parts.speculator.drop()
-        self._parts.guard.check_written()  # a param written since the last step: its master restarts first
-        post = OrderedDict(hooks := self._optimizer_state_dict_post_hooks)  # torch's: run once the state is in
-        hooks.clear()
-        try:
-            sd = super().state_dict()  # param_groups in torch's format (params as indices)
-        finally:
-            hooks.update(post)
-        sd["state"] = C.gather_state(self._parts.layout, self._parts.placement, self.state_format)
-        if self._parts.sharding.shard() is not None:  # whose chunks these are (torch ignores the key; DCP drops it)
-            sd[SHARD_KEY] = self._parts.sharding.shard()
-        return _through(post, self, sd)
+        return C.committed_shell(self._parts, self._optimizer_state_dict_post_hooks, super().state_dict)
 
     @lifetime.acts_on_owner
     def load_state_dict(self, state_dict: dict) -> None:

@@ -158,3 +158,18 @@ def test_bench_nvme_fds_tiny_run_reports_both_numberings_and_their_ratio(tmp_pat
     assert all(v > 0 for v in got["ms"]["low"] + got["ms"]["high"])
     assert "| low |" in res.stdout and "| high |" in res.stdout and "high / low:" in res.stdout
     assert not [d for d in set(os.listdir(root)) - before if d.startswith("bench_nvme_fds_")]  # removed
+
+
+def test_bench_save_tiny_run_reports_both_ways_for_each_tier(tmp_path):
+    out_json = tmp_path / "save.json"
+    cmd = [sys.executable, os.path.join(REPO, "benchmarks", "bench_save.py"), "--params", "2", "--width", "128",
+           "--rounds", "1", "--tiers", "host", "nvme", "--json", str(out_json)]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=REPO)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    got = json.loads(out_json.read_text())
+    assert set(got["rows"]) == {"host glibc", "host fixed", "nvme glibc", "nvme fixed"}
+    for row in got["rows"].values():
+        sizes = {how: row[how][0]["bytes"] for how in ("full", "stream")}
+        assert all(r["s"] > 0 and r["peak_mib"] >= 0 for how in row for r in row[how])
+        assert abs(sizes["full"] - sizes["stream"]) < 64 << 10, sizes
+    assert "| save_state_dict |" in res.stdout and "| torch.save(state_dict()) |" in res.stdout

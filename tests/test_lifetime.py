@@ -4,6 +4,7 @@ without close() is collected and frees everything the OS shows (its worker reape
 show; a wrapper that forwards attribute reads (Lightning's LightningOptimizer shape) acts on
 the optimizer it wraps and never closes it by being collected."""
 import gc
+import io
 import os
 import warnings
 import weakref
@@ -135,6 +136,10 @@ def test_a_forwarding_wrapper_acts_on_the_optimizer_it_wraps():
                 m(torch.randn(4, 32, generator=torch.Generator().manual_seed(1))).square().mean().backward()
                 o.step()
         sd = wrapper.state_dict()
+        buf = io.BytesIO()
+        wrapper.save_state_dict(buf)
+        buf.seek(0)
+        assert torch.equal(torch.load(buf, weights_only=True)["state"][0]["exp_avg"], sd["state"][0]["exp_avg"])
         wrapper.load_state_dict(sd)
         assert wrapper.__dict__ == own, set(wrapper.__dict__) - set(own)  # no write landed on it
         for a, b in zip(model.parameters(), twin_model.parameters()):

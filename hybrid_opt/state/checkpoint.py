@@ -7,10 +7,13 @@ extra key `master_param`, which torch ignores.
 """
 from __future__ import annotations
 
+from collections import OrderedDict
+
 import torch
 
 from hybrid_opt.distributed import dtensor_like, is_dtensor, is_sharded, local_of, local_shard_of
 from hybrid_opt.placement.plan import DEVICE, NVME
+from hybrid_opt.distributed.zero_gather import SHARD_KEY
 from hybrid_opt.state.layout import subgroups_label
 
 
@@ -56,13 +59,37 @@ def _check_saved_state(saved_state: dict, params: list) -> None:
                                  f"a 1-element tensor, got {entry['step']!r}") from None
 
 
+def committed_shell(parts, post_hooks: dict, torch_state_dict) -> tuple:
+    """(torch_state_dict() — torch's Optimizer.state_dict: param_groups, params as indices — of
+    the committed state, its "state" still to fill; the post hooks it then goes through, held
+    back meanwhile). Between backward and step() the pending speculations are dropped (step()
+    steps those subgroups itself); a param written since the last step restarts its master."""
+    parts.speculator.drop()
+    parts.guard.check_written()
+    post = OrderedDict(post_hooks)  # torch's: run once the state is in
+    post_hooks.clear()
+    try:
+        sd = torch_state_dict()
+    finally:
+        post_hooks.update(post)
+    if parts.sharding.shard() is not None:  # whose chunks these are (torch ignores the key; DCP drops it)
+        sd[SHARD_KEY] = parts.sharding.shard()
+    return sd, post
+
+
 def gather_state(layout, placement, state_format) -> dict:
-    """torch's `state` of the optimizer, from the tiers. Where each param's state lands: a
-    param wholly on the device tier gets views of the tier's buffers when its elements lie in
-    one subgroup (references, as torch returns its own state tensors: copy them to keep a
-    snapshot), else copies on its device; a param with any element on the host or nvme tier
-    gets CPU tensors of its own (they outlive close()). Gathered one param at a time: an nvme
-    subgroup's file is read once, and its copy dropped after the last param that needs it."""
+    """torch's `state` of the optimizer, from the tiers (iter_state's entries)."""
+    return dict(iter_state(layout, placement, state_format))
+
+
+def iter_state(layout, placement, state_format):
+    """(param index, its entry of torch's `state`) of each stepped param, in index order, each
+    made only when asked for (saving.py writes one and drops it before the next). Where each
+    param's state lands: a param wholly on the device tier gets views of the tier's buffers
+    when its elements lie in one subgroup (references, as torch returns its own state tensors:
+    copy them to keep a snapshot), else copies on its device; a param with any element on the
+    host or nvme tier gets CPU tensors of its own (they outlive close()). An nvme subgroup's
+    file is read once, and its copy dropped after the last param that needs it."""
     params = list(layout.params())
     pieces: dict = {}  # param index -> [(subgroup, slice)]
     for sg in layout.subgroups:
@@ -75,7 +102,6 @@ def gather_state(layout, placement, state_format) -> dict:
         for sg, _ in pieces.get(idx, ()):
             last_use[sg.index] = idx
     sub_state: dict = {}  # subgroup states in use (an nvme one is a copy read from its file)
-    state = {}
     for idx in stepped:
         p = local_of(params[idx])  # a DTensor's state is its local shard's, wrapped below
         keys = ["exp_avg", "exp_avg_sq"] + (["max_exp_avg_sq"] if layout.group_of(idx)["amsgrad"] else [])
@@ -114,8 +140,9 @@ def gather_state(layout, placement, state_format) -> dict:
             # torch.optim.AdamW's state under FSDP2 is zeros_like(p): DTensors like the param
             entry["master_param" if k == "master" else k] = (
                 dtensor_like(t, params[idx]) if is_sharded(params[idx]) else t)
-        state[idx] = entry
-    return state
+        del flat, t
+        yield idx, entry
+        del entry  # nothing of this param stays referenced here once its entry was taken
 
 
 def _state_dtype(fmt, key: str) -> torch.dtype:

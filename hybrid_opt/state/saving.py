@@ -1,0 +1,172 @@
+"""`save_state_dict(f)`: what `torch.save(opt.state_dict(), f)` writes, one param's state in
+memory at a time.
+
+state_dict() gives every stepped param CPU tensors of its own for what the host and nvme tiers
+hold: the whole optimizer state once more in RAM, read back from disk for the nvme tier, just
+to be written out. Here each param's entry is made (checkpoint.iter_state), written into the
+file and dropped before the next is made, so a checkpoint of a state larger than RAM can be
+taken. The file is torch's zip format, read by `torch.load` (`weights_only=True`, `mmap=True`
+included) into the dict state_dict() returns; `load_state_dict(torch.load(f, mmap=True))` then
+reads it back a page at a time. A path is written whole or not at all (save).
+
+torch.save writes the pickle first and then the tensors' bytes; here the bytes come first, each
+as its param's entry is made, and the pickle last, with each written tensor pickled as torch
+pickles one (`torch._utils._rebuild_tensor_v2` over a storage named by its record). The
+records' order is not part of the format: the reader finds each by name.
+"""
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import io
+import os
+import pickle
+import sys
+from collections import OrderedDict
+from typing import NamedTuple
+
+import torch
+from torch.serialization import _get_storage_alignment, _open_zipfile_writer, location_tag
+
+
+class _Record(NamedTuple):
+    """A storage written as record `data/<key>`: what its pickle names (torch's persistent id)."""
+    key: str
+    dtype: torch.dtype
+    numel: int
+    location: str
+
+
+class _Written(NamedTuple):
+    """A state tensor whose bytes are in the file already: pickled as torch pickles a tensor."""
+    record: _Record
+    shape: tuple
+
+
+def save(f, sd: dict, entries) -> None:
+    """Writes `sd` (torch's optimizer state_dict format) with `entries` — (param index, entry)
+    pairs of its "state", each made when asked for — into `f`, a path or a writable binary
+    file, as torch.save would write the whole dict. A path is written as a new file beside it,
+    renamed over it once complete: a save that fails part-way (a full disk, an interrupt)
+    leaves the file that was there as it was."""
+    if not isinstance(f, (str, os.PathLike)):
+        return _save(f, sd, entries)
+    path = os.fspath(f)
+    part = f"{path}.part-{os.getpid()}"
+    try:
+        _save(part, sd, entries)
+        os.replace(part, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(part)
+        raise
+
+
+def _save(f, sd: dict, entries) -> None:
+    with _open_zipfile_writer(f) as zf:
+        writer, state, it = _Writer(zf), dict(sd.get("state", {})), iter(entries)
+        while (got := next(it, None)) is not None:
+            idx, entry = got
+            state[idx] = {k: writer.write(v) for k, v in entry.items()}
+            del got, entry  # written: dropped before the next param's is made,
+            _trim()         # and its memory given back to the OS
+        writer.finish({"state": state, **{k: v for k, v in sd.items() if k != "state"}})
+
+
+class _Writer:
+    """torch's zip format written as the state is made: each state tensor's bytes at once,
+    the pickle and torch's metadata records at the end."""
+
+    def __init__(self, zf):
+        self.zf = zf
+        self.keys = 0
+        self.storages: dict = {}   # key -> a storage met while pickling, written after the pickle
+        self.ids: dict = {}        # a pickled storage's _cdata -> its key
+
+    def _key(self) -> str:
+        key, self.keys = str(self.keys), self.keys + 1
+        return key
+
+    def write(self, value):
+        """A state entry's value as it will be pickled: a tensor's bytes written now (its
+        stand-in is pickled at the end), anything else as it is."""
+        if type(value) is not torch.Tensor or value.numel() < 2:
+            return value  # a DTensor is never here (sharded state goes through state_dict()); `step`s are pickled whole
+        t = value.detach()
+        if t.device.type != "cpu":
+            t = t.cpu()  # one param's state on the host at a time, as torch.save copies each storage
+        if not t.is_contiguous() or t.storage_offset() or t.untyped_storage().nbytes() != t.numel() * t.element_size():
+            t = t.contiguous().clone()  # a view of a larger buffer (the device tier's): its own elements only
+        storage = t.untyped_storage()
+        record = _Record(self._key(), t.dtype, t.numel(), location_tag(value.untyped_storage()))
+        self.zf.write_record(f"data/{record.key}", storage, storage.nbytes())
+        return _Written(record, tuple(t.shape))
+
+    def finish(self, obj: dict) -> None:
+        buf = io.BytesIO()
+        _Pickler(buf, self).dump(obj)
+        data = buf.getvalue()
+        self.zf.write_record("data.pkl", data, len(data))
+        # torch.save's metadata records, as it writes them
+        self.zf.write_record(".format_version", "1", len("1"))
+        alignment = str(_get_storage_alignment())
+        self.zf.write_record(".storage_alignment", alignment, len(alignment))
+        self.zf.write_record("byteorder", sys.byteorder, len(sys.byteorder))
+        for key, storage in self.storages.items():
+            if storage.device.type != "cpu":
+                storage = storage.cpu()
+            self.zf.write_record(f"data/{key}", storage, storage.nbytes())
+
+    def persistent_id(self, obj):
+        """torch's persistent id of a storage: ("storage", its legacy type, key, location,
+        numel) — for a written tensor's record, and for any other storage met while pickling
+        (a `step`, a tensor learning rate in param_groups), written after the pickle."""
+        if isinstance(obj, _Record):
+            return "storage", _storage_type(obj.dtype), obj.key, obj.location, obj.numel
+        if isinstance(obj, torch.storage.TypedStorage):
+            storage = obj._untyped_storage
+            key = self.ids.get(storage._cdata)
+            if key is None:
+                key = self.ids[storage._cdata] = self._key()
+                self.storages[key] = storage
+            return "storage", getattr(torch, obj._pickle_storage_type()), key, location_tag(storage), obj._size()
+        return None
+
+
+class _Pickler(pickle.Pickler):
+    def __init__(self, buf, writer: _Writer):
+        super().__init__(buf, protocol=2)  # torch.save's DEFAULT_PROTOCOL
+        self.writer = writer
+
+    def persistent_id(self, obj):
+        return self.writer.persistent_id(obj)
+
+    def reducer_override(self, obj):
+        if isinstance(obj, _Written):
+            n = len(obj.shape)
+            stride = tuple(int(torch.Size(obj.shape[i + 1:]).numel()) for i in range(n))
+            return torch._utils._rebuild_tensor_v2, (obj.record, 0, obj.shape, stride, False, OrderedDict())
+        return NotImplemented
+
+
+def _trim() -> None:
+    """glibc's malloc keeps freed blocks below its dynamic mmap threshold (up to 32 MiB) for
+    reuse, in pieces no one param's state may fit again: 64-192 MiB held at 16 MiB params
+    (benchmarks/bench_save.py). malloc_trim gives them back; elsewhere (musl, macOS) nothing."""
+    if _LIBC is not None:
+        _LIBC.malloc_trim(0)
+
+
+def _libc():
+    try:
+        libc = ctypes.CDLL(None)
+        return libc if hasattr(libc, "malloc_trim") else None
+    except OSError:
+        return None
+
+
+_LIBC = _libc()
+
+
+def _storage_type(dtype: torch.dtype):
+    return getattr(torch, torch.storage._dtype_to_storage_type_map()[dtype])
