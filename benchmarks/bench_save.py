@@ -7,8 +7,8 @@ seconds and the file's size, in fresh processes, rounds alternating which goes f
 
 Each param is Linear(width, width) (fp32: 2 x 16 MiB of moments at width 2048), one subgroup
 each. "glibc" rows run with the default malloc, which keeps freed blocks below its dynamic mmap
-threshold (up to 32 MiB) for reuse (the save hands them back after each param, malloc_trim, and
-some stay); "fixed" rows with MALLOC_MMAP_THRESHOLD_=65536, which shows what the save holds.
+threshold (up to 32 MiB) for reuse (the save hands them back after each param: malloc_trim);
+"fixed" rows with MALLOC_MMAP_THRESHOLD_=65536, where malloc keeps none.
 """
 from __future__ import annotations
 

@@ -182,9 +182,10 @@ class _HybridBase(torch.optim.Optimizer):
         """torch.save(self.state_dict(), f), one param's state in memory at a time (saving.py)."""
         sd, post = self._state_dict_shell()
         entries = C.iter_state(self._parts.layout, self._parts.placement, self.state_format)
-        if post:  # torch's post hooks are handed the whole dict
-            sd["state"], entries = dict(entries), ()
-        SV.save(f, _through(post, self, sd), entries)
+        if post:  # torch's post hooks are handed the whole dict: what they return is written
+            sd["state"] = dict(entries)
+            return SV.save(f, _through(post, self, sd))
+        SV.save(f, sd, entries)
 
     def _state_dict_shell(self) -> tuple:
         self.wait_params()

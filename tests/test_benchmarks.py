@@ -170,6 +170,7 @@ def test_bench_save_tiny_run_reports_both_ways_for_each_tier(tmp_path):
     assert set(got["rows"]) == {"host glibc", "host fixed", "nvme glibc", "nvme fixed"}
     for row in got["rows"].values():
         sizes = {how: row[how][0]["bytes"] for how in ("full", "stream")}
-        assert all(r["s"] > 0 and r["peak_mib"] >= 0 for how in row for r in row[how])
+        # the kernel's RSS counters are synced every 64 faults or so: a tiny run's peak reads within 1 MiB of 0
+        assert all(r["s"] > 0 and r["peak_mib"] > -1 for how in row for r in row[how])
         assert abs(sizes["full"] - sizes["stream"]) < 64 << 10, sizes
     assert "| save_state_dict |" in res.stdout and "| torch.save(state_dict()) |" in res.stdout

@@ -9,6 +9,8 @@ at a time (hybrid_opt/state/saving.py).
   about one param's state where state_dict() + torch.save grows by all of it
   (benchmarks/bench_save.py measures larger states).
 """
+import gc
+import inspect
 import io
 import os
 import subprocess
@@ -33,6 +35,7 @@ def nvme_dir(tmp_path_factory):
 
 def assert_same_dict(got: dict, want: dict) -> None:
     assert list(got) == list(want)
+    assert list(got["state"]) == list(want["state"])  # in state_dict()'s order too
     assert got["param_groups"] == want["param_groups"]
     _assert_state_equal(got, want)
     for i, st in want["state"].items():
@@ -88,6 +91,79 @@ def test_a_tensor_lr_and_post_hooks_are_kept(nvme_dir, tmp_path):
         opt.register_state_dict_post_hook(post)
         got, want = saved(opt, tmp_path), opt.state_dict()
         assert got["extra"] == "kept" and torch.equal(got["state"][0]["exp_avg"], want["state"][0]["exp_avg"])
+
+
+def test_state_keeps_state_dicts_order_when_params_first_step_late(nvme_dir, tmp_path):
+    """torch's own `state` is in the order params first stepped; state_dict()'s, by index."""
+    model = make_net()
+    with hybrid(model.parameters(), "host", nvme_dir) as opt:
+        first = next(model.parameters())
+        first.requires_grad_(False)
+        train(model, opt, make_batches(1))
+        first.requires_grad_(True)
+        train(model, opt, make_batches(1))
+        assert list(opt.state)[0] is not first  # the late param is last in torch's own order
+        assert_same_dict(saved(opt, tmp_path), opt.state_dict())
+
+
+def test_a_post_hooks_dict_is_written_as_it_returns_it(nvme_dir, tmp_path):
+    model = make_net()
+    with hybrid(model.parameters(), "host", nvme_dir) as opt:
+        train(model, opt, make_batches(1))
+        opt.register_state_dict_post_hook(lambda o, sd: {"optimizer": sd, "version": 3})
+        got, want = saved(opt, tmp_path), opt.state_dict()
+        assert list(got) == ["optimizer", "version"] == list(want) and got["version"] == 3
+        assert_same_dict(got["optimizer"], want["optimizer"])
+
+
+def test_a_one_element_device_param_is_written_as_its_own_element(tmp_path):
+    """A scalar param (a logit scale, a gate) on the device tier is a view of its subgroup's
+    buffer: the file holds its element, not the buffer once more."""
+    scale = torch.nn.Parameter(torch.ones(()))
+    linear = torch.nn.Linear(256, 256, bias=False)
+    params = [scale, *linear.parameters()]
+    with HybridAdamW(params, lr=1e-2, offload_fraction=0.0, subgroup_numel=1 << 20) as opt:
+        (linear(torch.randn(4, 256)).sum() * scale).backward()
+        opt.step()
+        opt.save_state_dict(tmp_path / "opt.pt")
+        got = torch.load(tmp_path / "opt.pt", weights_only=True)
+        assert_same_dict(got, opt.state_dict())
+        assert got["state"][0]["exp_avg"].untyped_storage().nbytes() == 4
+        torch.save(opt.state_dict(), tmp_path / "torch.pt")
+        # torch.save writes the subgroup's buffer (its views share it) once a key: about the same
+        assert (tmp_path / "opt.pt").stat().st_size < 1.05 * (tmp_path / "torch.pt").stat().st_size
+
+
+def test_a_symlinked_target_stays_a_link_and_a_file_keeps_its_mode(nvme_dir, tmp_path):
+    model = make_net()
+    with hybrid(model.parameters(), "host", nvme_dir) as opt:
+        train(model, opt, make_batches(1))
+        real, link = tmp_path / "ckpt-1.pt", tmp_path / "latest.pt"
+        real.write_bytes(b"old")
+        real.chmod(0o600)
+        link.symlink_to(real.name)
+        opt.save_state_dict(link)
+        assert link.is_symlink() and (real.stat().st_mode & 0o777) == 0o600
+        assert_same_dict(torch.load(real, weights_only=True), opt.state_dict())
+        assert sorted(os.listdir(tmp_path)) == ["ckpt-1.pt", "latest.pt"]
+        with pytest.raises(IsADirectoryError, match="is a directory"):
+            opt.save_state_dict(tmp_path)
+
+
+def test_it_imports_where_torch_writes_no_storage_alignment():
+    """torch < 2.7 has no torch.serialization._get_storage_alignment (pyproject: torch >= 2.4)."""
+    code = ("import io, zipfile, torch, torch.serialization as s\n"
+            "kept = s._get_storage_alignment; del s._get_storage_alignment\n"
+            "from hybrid_opt import HybridAdamW\n"
+            "s._get_storage_alignment = kept  # torch's own zip writer reads it here (2.13)\n"
+            "from hybrid_opt.state import saving; assert saving._get_storage_alignment is None\n"
+            "p = torch.nn.Parameter(torch.randn(8)); opt = HybridAdamW([p], offload_fraction=0.0)\n"
+            "p.grad = torch.randn(8); opt.step(); b = io.BytesIO(); opt.save_state_dict(b); b.seek(0)\n"
+            "assert not [n for n in zipfile.ZipFile(b).namelist() if n.endswith('.storage_alignment')]; b.seek(0)\n"
+            "assert torch.equal(torch.load(b, weights_only=True)['state'][0]['exp_avg'], opt.state_dict()['state'][0]['exp_avg'])\n")
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    assert out.returncode == 0, out.stderr
 
 
 @pytest.mark.parametrize("placement", ["mixed", "nvme"])
@@ -146,17 +222,19 @@ _PEAK = textwrap.dedent("""
 """)
 
 
+@pytest.mark.parametrize("malloc", ["default", "fixed"])
 @pytest.mark.parametrize("placement", ["host", "nvme"])
-def test_the_peak_memory_of_a_save_is_about_one_params_state(placement, tmp_path):
+def test_the_peak_memory_of_a_save_is_about_one_params_state(placement, malloc, tmp_path):
     """8 x Linear(1024): 64 MiB of moments. state_dict() + torch.save raise the trainer's peak
     resident memory by about that; save_state_dict by one param's 8 MiB (with nvme, and the
-    12 MiB of the subgroup read from its file). glibc's malloc keeps freed blocks below its
-    mmap threshold (up to 32 MiB) for reuse, which a fixed threshold turns off here so that
-    what is measured is what the save holds (benchmarks/bench_save.py reports both)."""
+    12 MiB of the subgroup read from its file) — with glibc's malloc as it comes (the save hands
+    each param's blocks back: malloc_trim) and with a fixed mmap threshold (no freed blocks
+    kept for reuse)."""
     if not os.access("/proc/self/clear_refs", os.W_OK):
         pytest.skip("the kernel's peak RSS cannot be reset here (/proc/self/clear_refs)")
-    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
-               MALLOC_MMAP_THRESHOLD_="65536")
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    if malloc == "fixed":
+        env["MALLOC_MMAP_THRESHOLD_"] = "65536"
     peaks, sizes = {}, {}
     for how in ("full", "stream"):
         path = tmp_path / f"{how}.pt"
@@ -189,8 +267,11 @@ def test_a_save_that_fails_part_way_leaves_the_file_that_was_there(nvme_dir, tmp
                 raise OSError(28, "No space left on device")
             return write(self, value)
         monkeypatch.setattr(saving._Writer, "write", failing)
-        with pytest.raises(OSError, match="No space left"):
+        with pytest.raises(OSError, match="No space left") as err:
             opt.save_state_dict(path)
+        # the error kept holds no param's state: the state's generator was closed
+        assert not [g for g in gc.get_objects() if inspect.isgenerator(g) and g.__name__ == "iter_state"
+                    and g.gi_frame is not None], err
         assert path.read_bytes() == b"the previous checkpoint"
         assert sorted(os.listdir(tmp_path)) == ["opt.pt"]
         monkeypatch.setattr(saving._Writer, "write", write)

@@ -141,8 +141,9 @@ def iter_state(layout, placement, state_format):
             entry["master_param" if k == "master" else k] = (
                 dtensor_like(t, params[idx]) if is_sharded(params[idx]) else t)
         del flat, t
-        yield idx, entry
-        del entry  # nothing of this param stays referenced here once its entry was taken
+        box = [entry]
+        del entry
+        yield idx, box.pop()  # the consumer holds its only reference: dropped, it is freed at once
 
 
 def _state_dtype(fmt, key: str) -> torch.dtype:

@@ -5,9 +5,12 @@ state_dict() gives every stepped param CPU tensors of its own for what the host 
 hold: the whole optimizer state once more in RAM, read back from disk for the nvme tier, just
 to be written out. Here each param's entry is made (checkpoint.iter_state), written into the
 file and dropped before the next is made, so a checkpoint of a state larger than RAM can be
-taken. The file is torch's zip format, read by `torch.load` (`weights_only=True`, `mmap=True`
+taken (not of DTensor state, FSDP2's or process_group's: torch pickles a DTensor whole, at the
+end, and it is held until then; nor with a state_dict post hook, handed the whole dict). The
+file is torch's zip format, read by `torch.load` (`weights_only=True`, `mmap=True`
 included) into the dict state_dict() returns; `load_state_dict(torch.load(f, mmap=True))` then
-reads it back a page at a time. A path is written whole or not at all (save).
+copies each tensor from the file's mapping into the tiers. A path is written whole or not at
+all (save).
 
 torch.save writes the pickle first and then the tensors' bytes; here the bytes come first, each
 as its param's entry is made, and the pickle last, with each written tensor pickled as torch
@@ -21,12 +24,17 @@ import ctypes
 import io
 import os
 import pickle
+import stat
 import sys
+import tempfile
 from collections import OrderedDict
 from typing import NamedTuple
 
 import torch
-from torch.serialization import _get_storage_alignment, _open_zipfile_writer, location_tag
+import torch.serialization
+from torch.serialization import _open_zipfile_writer, location_tag
+
+_get_storage_alignment = getattr(torch.serialization, "_get_storage_alignment", None)  # torch >= 2.7
 
 
 class _Record(NamedTuple):
@@ -43,19 +51,30 @@ class _Written(NamedTuple):
     shape: tuple
 
 
-def save(f, sd: dict, entries) -> None:
-    """Writes `sd` (torch's optimizer state_dict format) with `entries` — (param index, entry)
-    pairs of its "state", each made when asked for — into `f`, a path or a writable binary
-    file, as torch.save would write the whole dict. A path is written as a new file beside it,
-    renamed over it once complete: a save that fails part-way (a full disk, an interrupt)
-    leaves the file that was there as it was."""
+def save(f, sd: dict, entries=None) -> None:
+    """Writes `sd` (torch's optimizer state_dict format) into `f`, a path or a writable binary
+    file, as torch.save would write it; with `entries` — (param index, entry) pairs, each made
+    when asked for — those are its "state" (`sd`'s own "state" only says where the key goes),
+    else `sd` is written exactly as it is. A path is written as a new file beside its target
+    (a symlink's), synced and renamed over it once complete, with the mode the target had: a
+    save that fails part-way (a full disk, an interrupt) leaves the file that was there. Where
+    the directory takes no new file, the target is written in place, as torch.save does."""
     if not isinstance(f, (str, os.PathLike)):
         return _save(f, sd, entries)
-    path = os.fspath(f)
-    part = f"{path}.part-{os.getpid()}"
+    path = os.path.realpath(os.fspath(f))
+    if os.path.isdir(path):
+        raise IsADirectoryError(f"save_state_dict: {path} is a directory; pass a file path")
     try:
+        fd, part = tempfile.mkstemp(prefix=".save_state_dict-", suffix=".part", dir=os.path.dirname(path))
+    except PermissionError:
+        return _save(path, sd, entries)
+    try:
+        os.close(fd)
         _save(part, sd, entries)
+        os.chmod(part, stat.S_IMODE(os.stat(path).st_mode) if os.path.exists(path) else _default_mode())
+        _fsync(part)
         os.replace(part, path)
+        _fsync(os.path.dirname(path))
     except BaseException:
         with contextlib.suppress(OSError):
             os.unlink(part)
@@ -64,13 +83,33 @@ def save(f, sd: dict, entries) -> None:
 
 def _save(f, sd: dict, entries) -> None:
     with _open_zipfile_writer(f) as zf:
-        writer, state, it = _Writer(zf), dict(sd.get("state", {})), iter(entries)
-        while (got := next(it, None)) is not None:
-            idx, entry = got
-            state[idx] = {k: writer.write(v) for k, v in entry.items()}
-            del got, entry  # written: dropped before the next param's is made,
-            _trim()         # and its memory given back to the OS
-        writer.finish({"state": state, **{k: v for k, v in sd.items() if k != "state"}})
+        writer = _Writer(zf)
+        if entries is None:
+            return writer.finish(sd)
+        state = {}
+        # closed on the way out: a save that raised holds no param's state through its traceback
+        with contextlib.closing(iter(entries)) as it:
+            while (got := next(it, None)) is not None:
+                idx, entry = got
+                state[idx] = {k: writer.write(v) for k, v in entry.items()}
+                del got, entry  # written: dropped before the next param's is made,
+                _trim()         # and its memory given back to the OS
+        writer.finish({**sd, "state": state})
+
+
+def _fsync(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _default_mode() -> int:
+    """The mode open() gives a new file here (0o666 less the umask), as torch.save's file has."""
+    umask = os.umask(0)
+    os.umask(umask)
+    return 0o666 & ~umask
 
 
 class _Writer:
@@ -90,13 +129,15 @@ class _Writer:
     def write(self, value):
         """A state entry's value as it will be pickled: a tensor's bytes written now (its
         stand-in is pickled at the end), anything else as it is."""
-        if type(value) is not torch.Tensor or value.numel() < 2:
-            return value  # a DTensor is never here (sharded state goes through state_dict()); `step`s are pickled whole
+        if type(value) is not torch.Tensor:
+            return value  # a DTensor (sharded state) is pickled whole at the end, as torch.save pickles it
         t = value.detach()
+        if not t.is_contiguous() or t.storage_offset() or t.untyped_storage().nbytes() != t.numel() * t.element_size():
+            t = t.clone(memory_format=torch.contiguous_format)  # a view of a larger buffer (the device tier's)
+        if t.numel() < 2:
+            return t  # a `step`, a one-element param's state: pickled whole, its own storage
         if t.device.type != "cpu":
             t = t.cpu()  # one param's state on the host at a time, as torch.save copies each storage
-        if not t.is_contiguous() or t.storage_offset() or t.untyped_storage().nbytes() != t.numel() * t.element_size():
-            t = t.contiguous().clone()  # a view of a larger buffer (the device tier's): its own elements only
         storage = t.untyped_storage()
         record = _Record(self._key(), t.dtype, t.numel(), location_tag(value.untyped_storage()))
         self.zf.write_record(f"data/{record.key}", storage, storage.nbytes())
@@ -109,8 +150,9 @@ class _Writer:
         self.zf.write_record("data.pkl", data, len(data))
         # torch.save's metadata records, as it writes them
         self.zf.write_record(".format_version", "1", len("1"))
-        alignment = str(_get_storage_alignment())
-        self.zf.write_record(".storage_alignment", alignment, len(alignment))
+        if _get_storage_alignment is not None:  # torch >= 2.7 writes it
+            alignment = str(_get_storage_alignment())
+            self.zf.write_record(".storage_alignment", alignment, len(alignment))
         self.zf.write_record("byteorder", sys.byteorder, len(sys.byteorder))
         for key, storage in self.storages.items():
             if storage.device.type != "cpu":
@@ -124,13 +166,16 @@ class _Writer:
         if isinstance(obj, _Record):
             return "storage", _storage_type(obj.dtype), obj.key, obj.location, obj.numel
         if isinstance(obj, torch.storage.TypedStorage):
-            storage = obj._untyped_storage
-            key = self.ids.get(storage._cdata)
-            if key is None:
-                key = self.ids[storage._cdata] = self._key()
-                self.storages[key] = storage
-            return "storage", getattr(torch, obj._pickle_storage_type()), key, location_tag(storage), obj._size()
-        return None
+            storage, kind, numel = obj._untyped_storage, getattr(torch, obj._pickle_storage_type()), obj._size()
+        elif isinstance(obj, torch.UntypedStorage):
+            storage, kind, numel = obj, torch.UntypedStorage, obj.nbytes()
+        else:
+            return None
+        key = self.ids.get(storage._cdata)
+        if key is None:
+            key = self.ids[storage._cdata] = self._key()
+            self.storages[key] = storage
+        return "storage", kind, key, location_tag(storage), numel
 
 
 class _Pickler(pickle.Pickler):
@@ -151,8 +196,9 @@ class _Pickler(pickle.Pickler):
 
 def _trim() -> None:
     """glibc's malloc keeps freed blocks below its dynamic mmap threshold (up to 32 MiB) for
-    reuse, in pieces no one param's state may fit again: 64-192 MiB held at 16 MiB params
-    (benchmarks/bench_save.py). malloc_trim gives them back; elsewhere (musl, macOS) nothing."""
+    reuse, in pieces the next param's state may not fit: without this, 64-192 MiB stayed held
+    at 16 MiB params (benchmarks/bench_save.py; 31.7 with it). malloc_trim gives them back;
+    elsewhere (musl, macOS) nothing is done."""
     if _LIBC is not None:
         _LIBC.malloc_trim(0)
 
