@@ -148,6 +148,8 @@ def test_a_symlinked_target_stays_a_link_and_a_file_keeps_its_mode(nvme_dir, tmp
         assert sorted(os.listdir(tmp_path)) == ["ckpt-1.pt", "latest.pt"]
         with pytest.raises(IsADirectoryError, match="is a directory"):
             opt.save_state_dict(tmp_path)
+        with pytest.raises(RuntimeError, match="Parent directory .*missing does not exist"):
+            opt.save_state_dict(tmp_path / "missing" / "opt.pt")  # as torch.save says it
 
 
 def test_it_imports_where_torch_writes_no_storage_alignment():

@@ -64,6 +64,8 @@ def save(f, sd: dict, entries=None) -> None:
     path = os.path.realpath(os.fspath(f))
     if os.path.isdir(path):
         raise IsADirectoryError(f"save_state_dict: {path} is a directory; pass a file path")
+    if not os.path.isdir(os.path.dirname(path)):
+        raise RuntimeError(f"Parent directory {os.path.dirname(path)} does not exist.")  # torch.save's words
     try:
         fd, part = tempfile.mkstemp(prefix=".save_state_dict-", suffix=".part", dir=os.path.dirname(path))
     except PermissionError:
