@@ -123,3 +123,26 @@ def test_bf16_checkpoint_loaded_to_cpu_resumes_bitwise(placement, nvme_dir):
         for i, st in end.items():
             for k, v in st.items():
                 assert torch.equal(got[i][k].cpu(), v), (i, k)
+
+
+@pytest.mark.parametrize("placement", ["device", "host", "mixed_nvme"])
+def test_save_state_dict_of_a_cuda_model_loads_as_state_dict(placement, nvme_dir, tmp_path):
+    """save_state_dict (state/saving.py) on a CUDA model: the device tier's state comes back on
+    the GPU (its records copied to the host one param at a time), the rest on the CPU, every
+    tensor bitwise state_dict()'s; and GPU memory does not grow by the device state while it runs."""
+    params = make_params(torch.bfloat16)
+    with HybridAdamW(params, **HYPER, **placement_kwargs(placement, nvme_dir)) as opt:
+        train(params, opt, 3, seed=1)
+        want = opt.state_dict()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        opt.save_state_dict(tmp_path / "opt.pt")
+        grew = torch.cuda.max_memory_allocated() - before
+        largest = max(p.numel() for p in params) * 4 * 3  # one param's fp32 moments and master
+        assert grew <= largest + (1 << 20), (grew, largest)
+        got = torch.load(tmp_path / "opt.pt", weights_only=True)
+        assert list(got["state"]) == list(want["state"])
+        for i, st in want["state"].items():
+            for k, v in st.items():
+                g = got["state"][i][k]
+                assert g.device == v.device and g.dtype == v.dtype and torch.equal(g, v), (i, k)
