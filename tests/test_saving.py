@@ -146,6 +146,9 @@ def test_a_symlinked_target_stays_a_link_and_a_file_keeps_its_mode(nvme_dir, tmp
         assert link.is_symlink() and (real.stat().st_mode & 0o777) == 0o600
         assert_same_dict(torch.load(real, weights_only=True), opt.state_dict())
         assert sorted(os.listdir(tmp_path)) == ["ckpt-1.pt", "latest.pt"]
+        opt.save_state_dict(tmp_path / "new.pt")  # a new file: the mode torch.save gives one
+        torch.save(opt.state_dict(), tmp_path / "torch.pt")
+        assert (tmp_path / "new.pt").stat().st_mode == (tmp_path / "torch.pt").stat().st_mode
         with pytest.raises(IsADirectoryError, match="is a directory"):
             opt.save_state_dict(tmp_path)
         with pytest.raises(RuntimeError, match="Parent directory .*missing does not exist"):

@@ -24,9 +24,9 @@ import ctypes
 import io
 import os
 import pickle
+import secrets
 import stat
 import sys
-import tempfile
 from collections import OrderedDict
 from typing import NamedTuple
 
@@ -62,21 +62,23 @@ def save(f, sd: dict, entries=None) -> None:
     if not isinstance(f, (str, os.PathLike)):
         return _save(f, sd, entries)
     path = os.path.realpath(os.fspath(f))
+    directory = os.path.dirname(path)
     if os.path.isdir(path):
         raise IsADirectoryError(f"save_state_dict: {path} is a directory; pass a file path")
-    if not os.path.isdir(os.path.dirname(path)):
-        raise RuntimeError(f"Parent directory {os.path.dirname(path)} does not exist.")  # torch.save's words
-    try:
-        fd, part = tempfile.mkstemp(prefix=".save_state_dict-", suffix=".part", dir=os.path.dirname(path))
+    if not os.path.isdir(directory):
+        raise RuntimeError(f"Parent directory {directory} does not exist.")  # torch.save's words
+    part = os.path.join(directory, f".save_state_dict-{os.getpid()}-{secrets.token_hex(4)}.part")
+    try:  # the mode open() gives a new file (0o666 less the umask), as torch.save's has
+        os.close(os.open(part, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666))
     except PermissionError:
         return _save(path, sd, entries)
     try:
-        os.close(fd)
         _save(part, sd, entries)
-        os.chmod(part, stat.S_IMODE(os.stat(path).st_mode) if os.path.exists(path) else _default_mode())
+        if os.path.exists(path):
+            os.chmod(part, stat.S_IMODE(os.stat(path).st_mode))
         _fsync(part)
         os.replace(part, path)
-        _fsync(os.path.dirname(path))
+        _fsync(directory)
     except BaseException:
         with contextlib.suppress(OSError):
             os.unlink(part)
@@ -107,13 +109,6 @@ def _fsync(path: str) -> None:
         os.close(fd)
 
 
-def _default_mode() -> int:
-    """The mode open() gives a new file here (0o666 less the umask), as torch.save's file has."""
-    umask = os.umask(0)
-    os.umask(umask)
-    return 0o666 & ~umask
-
-
 class _Writer:
     """torch's zip format written as the state is made: each state tensor's bytes at once,
     the pickle and torch's metadata records at the end."""
@@ -134,12 +129,12 @@ class _Writer:
         if type(value) is not torch.Tensor:
             return value  # a DTensor (sharded state) is pickled whole at the end, as torch.save pickles it
         t = value.detach()
+        if t.numel() >= 2 and t.device.type != "cpu":
+            t = t.cpu()  # one param's state on the host at a time (its own elements: no device copy)
         if not t.is_contiguous() or t.storage_offset() or t.untyped_storage().nbytes() != t.numel() * t.element_size():
             t = t.clone(memory_format=torch.contiguous_format)  # a view of a larger buffer (the device tier's)
         if t.numel() < 2:
-            return t  # a `step`, a one-element param's state: pickled whole, its own storage
-        if t.device.type != "cpu":
-            t = t.cpu()  # one param's state on the host at a time, as torch.save copies each storage
+            return t  # a `step`, a one-element param's state: pickled whole on its device, its own storage
         storage = t.untyped_storage()
         record = _Record(self._key(), t.dtype, t.numel(), location_tag(value.untyped_storage()))
         self.zf.write_record(f"data/{record.key}", storage, storage.nbytes())

@@ -21,7 +21,8 @@ import fcntl
 import os
 import warnings
 
-FD_SETSIZE = 1024  # select()'s bound on descriptor numbers
+from hybrid_opt.worker.protocol import FD_SETSIZE  # select()'s bound on descriptor numbers
+
 MANY = 256         # files from which they are numbered past it
 
 

@@ -100,7 +100,7 @@ class Result:
         return cls(*cls._STRUCT.unpack(payload[:head]), message=payload[head:].decode(errors="replace"))
 
 
-_FD_SETSIZE = 1024  # select()'s bound on descriptor numbers
+FD_SETSIZE = 1024  # select()'s bound on descriptor numbers
 _READY = select.POLLIN | select.POLLHUP | select.POLLERR
 
 
@@ -109,7 +109,7 @@ def readable(fd: int, timeout_s: float | None) -> bool:
     where the number allows it (microsecond timeouts), poll() above FD_SETSIZE: a trainer
     holding thousands of nvme files has its pipes there, and so has its worker, which
     inherits those files with their numbers (select raised 'filedescriptor out of range')."""
-    if fd < _FD_SETSIZE:
+    if fd < FD_SETSIZE:
         return bool(select.select([fd], [], [], timeout_s)[0])
     p = select.poll()
     p.register(fd, _READY)
@@ -121,10 +121,10 @@ def low_numbered(fd: int) -> int:
     closed) when a number there is free: readable()'s select() then waits in microseconds,
     not poll()'s whole milliseconds. A worker inheriting thousands of nvme files has its
     request pipe up there, and waited 1 ms instead of 0.5 between polls of its nvme I/O."""
-    if fd < _FD_SETSIZE:
+    if fd < FD_SETSIZE:
         return fd
     low = os.dup(fd)  # the lowest free number
-    if low >= _FD_SETSIZE:
+    if low >= FD_SETSIZE:
         os.close(low)
         return fd
     os.close(fd)
