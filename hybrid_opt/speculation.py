@@ -3,8 +3,9 @@ are complete during backward, and the inputs such a step records so that validat
 commit, redo or drop it.
 
 The optimizer's Speculator part. It names each subgroup's grads once per step it hands the
-host tier: their local memory (distributed.local_of) both for the ids its inputs record and
-for the tier's GradGatherer (tiers/grads.py), which reads them.
+host tier: their local memory (distributed.local_of; in one process a plain grad is its own)
+both for the ids its inputs record and for the tier's GradGatherer (tiers/grads.py), which
+reads them.
 
 A speculated step stands only if its grads were not modified since they were staged. Plain
 grads are named by (data_ptr, _version): every in-place op, foreach included, bumps the
@@ -54,7 +55,8 @@ class Speculator:
         self._param_sgs: dict = {}   # param index -> host subgroup indices it spans
         self._ready: dict = {}
         self._staged: dict = {}      # host subgroup index -> the grad tensors its pending speculation read
-        self._fingerprints = None    # GradFingerprints where a host param is a DTensor (install)
+        self.fingerprints = None     # GradFingerprints where a host param is a DTensor (install)
+        self._grad_locals = grad_locals  # how the host grads are named: install's
         self._deferred: list = []
         self._inv_scale_cache = None
 
@@ -69,8 +71,10 @@ class Speculator:
         # DTensor grads (FSDP2): edits no version counter sees are caught by their fingerprints
         # (grad_edits.py); plain grads need none, and nothing is computed for them
         dtensors = any_dtensor(sl.param for sg in host for sl in sg.slices)
-        self._fingerprints = GradFingerprints() if dtensors else None
+        self.fingerprints = GradFingerprints() if dtensors else None
         zero = self.zero
+        # one process, no process_group: each grad is its own memory (distributed.local_of)
+        self._grad_locals = grad_locals if dtensors or zero is not None else _own_memory
         if zero is not None:
             # process_group (zero.py): speculation starts once a param's averaged chunk is in
             # place, from zero.py's reduce hooks, not from the raw local grad
@@ -155,14 +159,6 @@ class Speculator:
         err, self.error = self.error, None
         return err
 
-    def after_backward(self, *, checks: bool) -> tuple:
-        """step(), once the reductions landed (their last hooks may have speculated): (the
-        error of a speculative step since take_error, once — None without one —, the
-        grad-edit checks of the speculated DTensor grads: `_grad_edit_checks`; none unless
-        `checks`, nor after an error, whose caller drops what is pending)."""
-        err = self.take_error()
-        return err, (self._grad_edit_checks() if checks and err is None else [])
-
     # ------------------------------------------------------------------ a speculative step
     def predicted_inv_scale(self) -> float:
         """The loss scale speculation assumes. An attached GradScaler's is read once per step:
@@ -191,7 +187,7 @@ class Speculator:
         step = runs[0][2] if runs else self.layout.steps[live[0].param_index] + ahead
         # a DTensor grad (FSDP2) is named by its local shard (the memory the step reads) and
         # the versions of both: `dtensor.mul_` bumps only the DTensor's
-        versions, grads = grad_locals([sl.param.grad for sl in sg.slices])
+        versions, grads = self._grad_locals([sl.param.grad for sl in sg.slices])
         gatherer = GradGatherer(sg, grads)
         if not ahead and self._grads_edited(sg, gatherer):
             versions += ("edited since staged",)  # a foreach edit of DTensor grads: redone
@@ -201,21 +197,22 @@ class Speculator:
     def _grads_edited(self, sg, gatherer: GradGatherer) -> bool:
         """At step(): whether a speculated subgroup's DTensor grads changed since it was
         staged in a way no version counter shows (grad_edits.py)."""
-        if sg.index not in self._staged or self._fingerprints is None:
+        if sg.index not in self._staged or self.fingerprints is None:
             return False
         host, local = self.placement.host, self.placement.host_local[sg.index]
-        return self._fingerprints.is_edited(sg.index, gatherer, lambda: host.piece_stats(local),
+        return self.fingerprints.is_edited(sg.index, gatherer, lambda: host.piece_stats(local),
                                             host.grad_dtype)
 
-    def _grad_edit_checks(self) -> list:
-        """At step(), speculated subgroups with DTensor grads (grad_edits.py): on CUDA a
+    def grad_edit_checks(self) -> list:
+        """At step(), once the reductions landed, speculated subgroups with DTensor grads
+        (grad_edits.py; only where `fingerprints` is set, at install): on CUDA a
         0-dim device flag each (grads edited since staged), queued now for step()'s one read of
         its scalars (read_scalars; `host_work` takes the values read); on CPU their
         live piece sums, computed now while the worker may still be stepping."""
-        if not self._staged or self._fingerprints is None:
+        if not self._staged or self.fingerprints is None:
             return []
         sgs, host, local = self.layout.subgroups, self.placement.host, self.placement.host_local
-        return self._fingerprints.checks(lambda sgi: [sl for sl in sgs[sgi].slices if sl.param.grad is not None],
+        return self.fingerprints.checks(lambda sgi: [sl for sl in sgs[sgi].slices if sl.param.grad is not None],
                                          lambda sgi: gatherer_of(sgs[sgi]),
                                          lambda sgi: host.piece_stats(local[sgi], wait=False),
                                          host.grad_dtype)
@@ -223,10 +220,10 @@ class Speculator:
     def host_work(self, host_steps: dict, scale: float, edited: list) -> dict:
         """step()'s host work {host-tier subgroup: (its GradGatherer, its StepInputs)} for
         host_steps {subgroup index: step_work.HostWork}; `edited`: the values read back of
-        after_backward()'s checks (the same order), so a speculation whose DTensor grads
+        grad_edit_checks()' (the same order), so a speculation whose DTensor grads
         changed since staged is redone from the live grads."""
-        if self._fingerprints is not None:
-            self._fingerprints.note(edited)
+        if self.fingerprints is not None:
+            self.fingerprints.note(edited)
         local = self.placement.host_local
         return {local[i]: self.step_of(w.sg, w.live, w.hp, scale, 0) for i, w in host_steps.items()}
 
@@ -240,16 +237,16 @@ class Speculator:
         gatherer, inputs = self.step_of(sg, live, hp, self.predicted_inv_scale(), 1)
         host, local = self.placement.host, self.placement.host_local[sgi]
         self._staged.pop(sgi, None)
-        if self._fingerprints is not None:
-            self._fingerprints.forget(sgi)
+        if self.fingerprints is not None:
+            self.fingerprints.forget(sgi)
         # any pending speculation of it cancelled first (replace=True)
         if host.speculate(local, gatherer, inputs, wait=False, replace=True):
             # the grads it read stay referenced until it is validated: a grad tensor made after
             # one was discarded (zero_grad, `p.grad = None`) can then never take its address, so
             # (data_ptr, _version) names the same grad for as long as the speculation is pending
             self._staged[sgi] = [sl.param.grad for sl in live]
-            if self._fingerprints is not None:
-                self._fingerprints.record(sgi, live)
+            if self.fingerprints is not None:
+                self.fingerprints.record(sgi, live)
             return True
         return False
 
@@ -297,8 +294,8 @@ class Speculator:
         host = self.placement.host
         pending = set(host.speculated()) if host is not None else set()
         self._staged = {k: v for k, v in self._staged.items() if self.placement.host_local[k] in pending}
-        if self._fingerprints is not None:
-            self._fingerprints.keep_only(self._staged)
+        if self.fingerprints is not None:
+            self.fingerprints.keep_only(self._staged)
 
     # ------------------------------------------------------------------ the user's settings
     def attach_grad_scaler(self, scaler) -> None:
@@ -321,6 +318,11 @@ def _runs(steps: list, sg, live: list, ahead: int) -> tuple:
     if len(runs) == 1 and runs[0][:2] == (0, sg.numel):
         return ()
     return tuple(runs)
+
+
+def _own_memory(grads) -> tuple:
+    """grad_locals of grads that are their own memory (plain tensors, no process_group)."""
+    return tuple((g.data_ptr(), g._version) for g in grads if g is not None), grads
 
 
 def gatherer_of(sg) -> GradGatherer:

@@ -142,9 +142,7 @@ def precheck(parts, call: StepCall) -> tuple:
     A failure on this rank joins the decision flagged, so every rank raises at this step
     instead of waiting for this one in a collective (rank_faults.py); with no decision to join
     it is raised here, as in one process."""
-    failure = parts.ledger.rank_failure
-    if parts.speculator.error is not None:  # a speculative host step failed during backward
-        failure = _speculation_failed(parts, failure, parts.speculator.take_error())
+    failure = _speculation_failed(parts, parts.ledger.rank_failure)
     # process_group: always, so that a grad edit one rank refuses (zero_edits.py) stops every
     # rank at this step (one 5-value all_reduce beside the step's reduce-scatters)
     decides = RF.decision_runs(call.max_grad_norm, call.found_inf) or (parts.sharding.active and D.world_size() > 1)
@@ -161,28 +159,34 @@ def precheck(parts, call: StepCall) -> tuple:
     return failure, decides, hps
 
 
-def _speculation_failed(parts, failure, err):
-    """The failure so far with a speculative host step's error `err` (the first stands); the
-    pending speculations are dropped (quietly: the step still joins the others' collective)."""
+def _speculation_failed(parts, failure):
+    """The failure so far, with the error of a speculative host step that failed since the
+    last look (the first stands); the pending speculations are then dropped (quietly: the
+    step still joins the others' collective)."""
+    spec = parts.speculator
+    if spec.error is None:
+        return failure
+    err = spec.take_error()
     failure = failure or RF.with_cause(f"a speculative host step during backward failed: {err}", err)
-    RF.quietly(parts.speculator.drop, failure)
+    RF.quietly(spec.drop, failure)
     return failure
 
 
 def after_backward(parts, failure, decides: bool) -> tuple:
     """What backward left, once the reductions landed: (the failure so far — a speculative
     step launched by the reductions' last hooks that failed included —, the grad-edit checks
-    of the speculated DTensor grads for step_scalars' one read: none on a failed step). A
-    check that raises joins the decision flagged, as precheck's do."""
+    of the speculated DTensor grads for step_scalars' one read: none on a failed step, none
+    for other grads, whose versions show every edit). A check that raises joins the decision
+    flagged, as precheck's do."""
+    failure = _speculation_failed(parts, failure)
+    if failure is not None or parts.speculator.fingerprints is None:
+        return failure, []
     try:
-        err, edit_checks = parts.speculator.after_backward(checks=failure is None)
+        return failure, parts.speculator.grad_edit_checks()
     except Exception as e:
         if not decides:
             raise
-        return failure or e, []
-    if err is not None:
-        failure = _speculation_failed(parts, failure, err)
-    return failure, edit_checks
+        return e, []
 
 
 def step_scalars(parts, found_t, scale_t, clipping: bool, failure, edit_checks: list) -> tuple:

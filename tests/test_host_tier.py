@@ -294,6 +294,39 @@ def test_spare_pool_of_one_bank_bounds_speculation_and_finish_steps_all():
     tier.finish({}, overflow=True)
 
 
+@pytest.mark.parametrize("mode", ["exact", "inverse", "nvme"])
+def test_a_hooks_speculation_short_of_staging_slots_sends_nothing_and_keeps_no_bank(mode, tmp_path):
+    """wait=False (a grad hook) never waits for the worker: a step needing more staging slots
+    than are free is refused before any task is sent — the slots are counted as the staging
+    starts (HostIO.stage_steps), an nvme step's before its swap-in — and the banks it took go
+    back; finish() then steps it, bitwise the reference."""
+    numels = [2 * SLOT + 5, 100]  # 3 pieces, 1 piece
+    kw = dict(staging_slots=2, spare_banks=1) if mode == "exact" else dict(staging_slots=2)
+    if mode == "inverse":
+        kw["rollback"] = "inverse"
+    if mode == "nvme":
+        kw.update(nvme=[True, True], nvme_path=str(tmp_path), io_banks=2)
+    tier = new_tier(numels, **kw)
+    try:
+        states, grads, inp = make_states(numels, seed=3), make_grads(numels, seed=3), inputs(1)
+        load(tier, states)
+        sent, send = [], tier.client.send
+        tier.client.send = lambda task, gather=(): sent.append(task.op) or send(task, gather)
+        free_banks = list(tier.pool.free)
+        assert tier.speculate(0, grads[0], inp, wait=False) is False
+        assert sent == [] and tier.speculated() == [] and tier.pool.free == free_banks
+        assert tier.free_slots == 2 and tier.pieces_in_flight == 0
+        assert tier.speculate(1, grads[1], inp, wait=False) is True  # one piece: it fits
+        assert tier.finish({sg: (g, inp) for sg, g in enumerate(grads)}) == {0: "stepped", 1: "committed"}
+        for sg, (st, g) in enumerate(zip(states, grads)):
+            ref_step(st, g, inp)
+            got = tier.state(sg)
+            for key, want in (("param", "p"), ("exp_avg", "m"), ("exp_avg_sq", "v")):
+                assert_bitwise_equal(got[key], st[want], f"{mode} subgroup {sg} {key}")
+    finally:
+        tier.close()
+
+
 # ------------------------------------------------------------------ 5. inverse rollback
 # atol: a few ulp of the largest term the step rounded at, which for a near-zero moment is
 # not the moment itself: |p| ~ 1, (1 - beta1)|g| <~ 0.4, beta2 v + (1 - beta2) g^2 <~ 0.03

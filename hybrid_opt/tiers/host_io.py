@@ -142,12 +142,15 @@ class HostIO:
 
     def stage_steps(self, pieces: list, sg: int, inputs: StepInputs, runs: tuple, in_bank, out_bank,
                     skip_nonfinite: bool, grad, *, remote: bool, checked: bool, hold: bool,
-                    progress=None) -> None:
+                    progress=None, need: int | None = None) -> bool:
         """Every piece of one subgroup's step: `runs` (inputs.ranges: (offset, numel, step)) cut
         into slot-sized pieces, each appended to `pieces` as soon as it holds a staging slot
         (every failure path frees it), and sent. checked: sent only once all are staged and
         every grad is finite (send_checked, inverse mode); hold: a speculated in-place step's
-        pieces, their slots kept until validation (the undo reads the grads)."""
+        pieces, their slots kept until validation (the undo reads the grads). need: polled
+        first, and unless `need` slots are free then, nothing is staged: False (None: no poll)."""
+        if need is not None and self.poll() < need:
+            return False
         for run_off, run_n, step in runs:
             run_inputs = inputs if step == inputs.step else _with_step(inputs, step)
             for off in range(run_off, run_off + run_n, self.slot_numel):
@@ -156,6 +159,7 @@ class HostIO:
                                  remote=remote, send=not checked, hold=hold, progress=progress)
         if checked:
             self.send_checked(pieces)
+        return True
 
     def _stage_step(self, pieces: list, sg: int, inputs: StepInputs, in_bank, out_bank, offset: int,
                     numel: int, skip_nonfinite: bool, grad, *, remote: bool, send: bool, hold: bool,

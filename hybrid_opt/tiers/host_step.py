@@ -101,11 +101,14 @@ class HostStepping:
         return _Piece(sg, 0, 0, -1, task, freed=True)  # no staging slot
 
     def _launch(self, sg: int, grad, inputs: StepInputs, runs: tuple, spec: _Speculation,
-                skip_nonfinite: bool, whole_subgroup_check: bool = False, remote: bool = False) -> None:
+                skip_nonfinite: bool, whole_subgroup_check: bool = False, remote: bool = False,
+                need: int | None = None) -> bool:
         """Stage and send every task of one subgroup's step (`runs`: inputs.ranges, as _check
         gave them); spec.bank (and, for nvme, spec.aux_bank) are already taken. remote: the
         worker reads the grads itself where it can (during backward, the trainer's core is
-        busy). whole_subgroup_check: a speculated in-place step (inverse mode)."""
+        busy). whole_subgroup_check: a speculated in-place step (inverse mode). need: the
+        staging slots that must be free at once (HostIO.stage_steps); False when they were
+        not, nothing sent."""
         remote = remote and self._io.remote_gather and not whole_subgroup_check
         pieces = spec.pieces
         swap_in = None
@@ -121,15 +124,17 @@ class HostStepping:
                 self._io.wait_for([swap_in])
             self._carry_over(sg, in_bank, spec.bank, runs)
         # inverse mode: stepped only if every grad is finite (checked), the grads held for the undo
-        self._io.stage_steps(pieces, sg, inputs, runs, in_bank, spec.bank, skip_nonfinite, grad,
-                             remote=remote, checked=whole_subgroup_check, hold=whole_subgroup_check,
-                             progress=self._on_progress)
+        if not self._io.stage_steps(pieces, sg, inputs, runs, in_bank, spec.bank, skip_nonfinite, grad,
+                                    remote=remote, checked=whole_subgroup_check, hold=whole_subgroup_check,
+                                    progress=self._on_progress, need=need):
+            return False
         if self.nvme[sg]:
             spec.file_slot = 1 - self._files.slot(sg)
             spec.swap_out = self._swap_piece(P.OP_SWAP_OUT, sg, spec.bank, spec.file_slot)
             pieces.append(spec.swap_out)
             self._io.send(spec.swap_out)
         spec.launched = True
+        return True
 
     def _send_high_half(self, sg: int, spec: _Speculation, bank: int) -> None:
         """The committed high half (the model's param) into the read bank; a copy still in
@@ -211,24 +216,30 @@ class HostStepping:
         runs = self._check(sg, grad, inputs)
         self.require_idle(sg)
         in_place = self.rollback == "inverse" and not self.nvme[sg]
-        free = self._io.poll()
         # wait=False (inside backward) never waits for the worker: every slot the step needs
         # must be free now; in place, they also stay held until validation (the undo needs
-        # the grads), so they must all be free at once anyway
-        pieces = sum(-(-k // self.slot_numel) for _, k, _ in runs)
-        if (in_place or not wait) and free < pieces:
-            return False
+        # the grads), so they must all be free at once anyway. They are counted (the results
+        # that came back collected first) before the step's first task is sent: by the
+        # staging, or for nvme here, ahead of its swap-in
+        need = sum(-(-k // self.slot_numel) for _, k, _ in runs) if (in_place or not wait) else 0
+        if self.nvme[sg]:
+            if self._io.poll() < need:
+                return False
+            need = None
         spec = self._take_banks(sg)
         if spec is None:
             return False
         spec.inputs = inputs
         self._spec[sg] = spec
         try:
-            self._launch(sg, grad, inputs, runs, spec, True, whole_subgroup_check=in_place, remote=True)
+            staged = self._launch(sg, grad, inputs, runs, spec, True, whole_subgroup_check=in_place,
+                                  remote=True, need=need)
         except BaseException:
             self._abandon(sg)  # a half-launched speculation must never be committed
             raise
-        return True
+        if not staged:  # too few free slots: nothing was sent
+            self._release_banks(self._spec.pop(sg))
+        return staged
 
     def _abandon(self, sg: int) -> None:
         """Forget a speculation that failed while launching: its finished in-place pieces are
