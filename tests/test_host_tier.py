@@ -327,6 +327,35 @@ def test_a_hooks_speculation_short_of_staging_slots_sends_nothing_and_keeps_no_b
         tier.close()
 
 
+def test_a_hooks_speculation_failing_before_it_sent_anything_does_not_wait_for_the_worker():
+    """The worker's traffic failing as a speculation starts (here its poll, injected once)
+    leaves nothing of it behind and returns at once: the other subgroup's pieces in flight
+    are not waited for (their results stay uncollected) — waiting is for a launch that sent."""
+    numels = [SLOT + 3, 100]
+    tier = new_tier(numels, spare_banks=2)
+    try:
+        states, grads, inp = make_states(numels, seed=4), make_grads(numels, seed=4), inputs(1)
+        load(tier, states)
+        assert tier.speculate(0, grads[0], inp, wait=False) is True
+        in_flight, free_banks, poll = tier.pieces_in_flight, list(tier.pool.free), tier.client.poll
+        assert in_flight == 2
+
+        def failing_poll(*a, **k):
+            tier.client.poll = poll
+            raise RuntimeError("injected: the worker's pipe failed")
+        tier.client.poll = failing_poll
+        with pytest.raises(RuntimeError, match="injected"):
+            tier.speculate(1, grads[1], inp, wait=False)
+        assert tier.pieces_in_flight == in_flight and tier.speculated() == [0]
+        assert tier.pool.free == free_banks
+        assert tier.finish({sg: (g, inp) for sg, g in enumerate(grads)}) == {0: "committed", 1: "stepped"}
+        for st, g in zip(states, grads):
+            ref_step(st, g, inp)
+        assert_tier_equals(tier, states)
+    finally:
+        tier.close()
+
+
 # ------------------------------------------------------------------ 5. inverse rollback
 # atol: a few ulp of the largest term the step rounded at, which for a near-zero moment is
 # not the moment itself: |p| ~ 1, (1 - beta1)|g| <~ 0.4, beta2 v + (1 - beta2) g^2 <~ 0.03

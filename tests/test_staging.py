@@ -233,6 +233,34 @@ def test_inverse_mode_checks_finiteness_once_the_copies_landed():
         tier.close()
 
 
+@pytest.mark.parametrize("short_of", ["bank", "slots"])
+def test_a_refused_speculation_still_hands_over_the_pieces_whose_copies_landed(short_of):
+    """A hook whose subgroup finds no spare bank (or, wait=False, too few free staging slots)
+    is refused, but it still collects what came back and sends the pieces whose copies landed:
+    a backward whose every hook completes a subgroup keeps the worker fed."""
+    numels = [SLOT + 3, 3 * SLOT if short_of == "slots" else 100]  # 2 pieces; then 3 or 1
+    states, grads = make_states(numels), make_grads(numels)
+    tier = HostTier(list(numels), slot_numel=SLOT, staging_slots=4, timeout_s=TIMEOUT_S,
+                    spare_banks=1 if short_of == "bank" else 2)
+    tier.remote_gather = False
+    tier.copy_stager = FakeStager()
+    try:
+        load(tier, states)
+        sent = spy_sends(tier)
+        assert tier.speculate(0, grads[0], inputs(), wait=False)
+        for event in tier.copy_stager.events:
+            event.complete()  # subgroup 0's staging copies have landed, none sent yet
+        assert steps_sent(sent) == []
+        assert tier.speculate(1, grads[1], inputs(), wait=False) is False  # 2 slots free of 3
+        assert steps_sent(sent) == [(0, 0), (0, SLOT)] and tier.copies_in_flight() == 0
+        assert tier.finish({sg: (g, inputs()) for sg, g in enumerate(grads)}) == {0: "committed", 1: "stepped"}
+        for sg, (st, g) in enumerate(zip(states, grads)):
+            ref_step(st, g, inputs())
+            assert_bitwise_equal(tier.master(sg), st["p"], f"subgroup {sg}")
+    finally:
+        tier.close()
+
+
 def test_close_lets_copies_in_flight_land_before_the_arena_goes():
     numels = [SLOT]
     tier = async_tier(numels, spare_banks=1)

@@ -218,22 +218,21 @@ class HostStepping:
         in_place = self.rollback == "inverse" and not self.nvme[sg]
         # wait=False (inside backward) never waits for the worker: every slot the step needs
         # must be free now; in place, they also stay held until validation (the undo needs
-        # the grads), so they must all be free at once anyway. They are counted (the results
-        # that came back collected first) before the step's first task is sent: by the
-        # staging, or for nvme here, ahead of its swap-in
+        # the grads), so they must all be free at once anyway. The results that came back are
+        # collected and the slots counted before the step's first task goes out: an nvme
+        # step's swap-in here, else the staging's (HostIO.stage_steps)
         need = sum(-(-k // self.slot_numel) for _, k, _ in runs) if (in_place or not wait) else 0
-        if self.nvme[sg]:
-            if self._io.poll() < need:
-                return False
-            need = None
+        if self.nvme[sg] and self._io.poll() < need:
+            return False
         spec = self._take_banks(sg)
         if spec is None:
+            self._io.poll()  # refused all the same: the results that came back are collected
             return False
         spec.inputs = inputs
         self._spec[sg] = spec
         try:
             staged = self._launch(sg, grad, inputs, runs, spec, True, whole_subgroup_check=in_place,
-                                  remote=True, need=need)
+                                  remote=True, need=None if self.nvme[sg] else need)
         except BaseException:
             self._abandon(sg)  # a half-launched speculation must never be committed
             raise
@@ -247,7 +246,8 @@ class HostStepping:
         spec = self._spec.pop(sg, None)
         if spec is None:
             return
-        self._io.quiesce()
+        if spec.pieces:  # something was sent (or queued): it ends before its buffers go back
+            self._io.quiesce()
         if spec.bank is None and any(p.result is not None and p.result.status == P.STATUS_OK
                                      for p in spec.pieces):
             try:
