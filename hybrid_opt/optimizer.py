@@ -126,13 +126,13 @@ class _HybridBase(torch.optim.Optimizer):
     worker_pid = property(lambda self: None if self._closed or self._parts.placement.host is None
                           else self._parts.placement.host.worker_pid, doc="The host tier's worker process, or None.")
 
-    def _check_open(self) -> None:
+    def _check_open(self, cannot="step again: build a new one (its load_state_dict takes this one's "
+                                 "last state_dict())") -> None:
         # its host tier closed on its own (shut by anything but close()) says the same: it never steps again
         host = self._parts.placement.host
         if self._closed or (host is not None and host.closed):
             raise RuntimeError(f"this {type(self).__name__} was closed (close(), or the end of its "
-                               f"`with` block) and cannot step again: build a new one (its "
-                               f"load_state_dict takes this one's last state_dict())")
+                               f"`with` block) and cannot {cannot}")
 
     # ------------------------------------------------------------------ the user's calls
     @lifetime.acts_on_owner
@@ -189,7 +189,8 @@ class _HybridBase(torch.optim.Optimizer):
 
     def _state_dict_shell(self) -> tuple:
         self.wait_params()
-        self._check_open()
+        self._check_open("give its state, which close() freed: take state_dict() or save_state_dict() "
+                         "before it closes (inside its `with` block)")
         return C.committed_shell(self._parts, self._optimizer_state_dict_post_hooks, super().state_dict)
 
     @lifetime.acts_on_owner

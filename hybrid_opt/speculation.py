@@ -177,7 +177,7 @@ class Speculator:
         self._inv_scale_cache = (key, inv)
         return inv
 
-    def step_of(self, sg, live: list, hp: StepInputs, scale: float, ahead: int) -> tuple:
+    def step_of(self, sg, live: list, hp: StepInputs, scale: float, ahead: int, stale: bool = False) -> tuple:
         """(the subgroup's GradGatherer, the inputs its step depends on) — ahead=1 during
         backward: the step counts it will have. The inputs name the grads, so a changed grad
         makes the step stale; their local memory is resolved once for both (the DTensor
@@ -189,8 +189,8 @@ class Speculator:
         # the versions of both: `dtensor.mul_` bumps only the DTensor's
         versions, grads = self._grad_locals([sl.param.grad for sl in sg.slices])
         gatherer = GradGatherer(sg, grads)
-        if not ahead and self._grads_edited(sg, gatherer):
-            versions += ("edited since staged",)  # a foreach edit of DTensor grads: redone
+        if not ahead and ((stale and sg.index in self._staged) or self._grads_edited(sg, gatherer)):
+            versions += ("edited since staged",)  # unscale_, or a foreach edit of DTensor grads: redone
         return gatherer, StepInputs(step, hp.lr, hp.beta1, hp.beta2, hp.eps, hp.weight_decay, hp.decoupled,
                                     scale * hp.grad_scale, versions, hp.amsgrad, runs)
 
@@ -217,21 +217,22 @@ class Speculator:
                                          lambda sgi: host.piece_stats(local[sgi], wait=False),
                                          host.grad_dtype)
 
-    def host_work(self, host_steps: dict, scale: float, edited: list) -> dict:
+    def host_work(self, host_steps: dict, scale: float, edited: list, unscaled: bool = False) -> dict:
         """step()'s host work {host-tier subgroup: (its GradGatherer, its StepInputs)} for
         host_steps {subgroup index: step_work.HostWork}; `edited`: the values read back of
         grad_edit_checks()' (the same order), so a speculation whose DTensor grads
-        changed since staged is redone from the live grads."""
+        changed since staged is redone from the live grads; `unscaled`: the user's
+        scaler.unscale_ rewrote every grad in place (no version shows it): each is redone."""
         if self.fingerprints is not None:
             self.fingerprints.note(edited)
         local = self.placement.host_local
-        return {local[i]: self.step_of(w.sg, w.live, w.hp, scale, 0) for i, w in host_steps.items()}
+        return {local[i]: self.step_of(w.sg, w.live, w.hp, scale, 0, unscaled) for i, w in host_steps.items()}
 
     def _speculate(self, sgi: int) -> bool:
         sg = self.layout.subgroups[sgi]
         live = [sl for sl in sg.slices if sl.param.grad is not None]
-        if not live:
-            return True
+        if not live or any(sl.param.grad.layout != torch.strided for sl in live):
+            return True  # a sparse grad: step() refuses it, in its own words (step_failures.py)
         hp = group_inputs(self.layout.param_groups[sg.group], self.config.decoupled)
         # clipping is assumed not to bite (coefficient 1): validation redoes it when it does
         gatherer, inputs = self.step_of(sg, live, hp, self.predicted_inv_scale(), 1)

@@ -33,6 +33,7 @@ class StepCall(NamedTuple):
     found_inf: object       # GradScaler's, or None
     grad_scale: object
     key: int                # id(optimizer): GradScaler's per-optimizer state
+    unscaled: bool = False  # step()'s: GradScaler.step found the grads unscaled by unscale_ (below)
 
 
 def step(parts, call: StepCall) -> None:
@@ -46,8 +47,12 @@ def step(parts, call: StepCall) -> None:
         failure, edit_checks = after_backward(parts, failure, decides)
         if failure is not None and not decides:
             raise failure
-        # found_inf from here on is the sharding part's (release_grads adds this rank's flag)
-        _taken(parts, call._replace(found_inf=found_t), t_step, failure, decides, hps, edit_checks)
+        # found_inf from here on is the sharding part's (release_grads adds this rank's flag).
+        # GradScaler.step hands found_inf without grad_scale for grads the user's unscale_
+        # unscaled in place after backward, which bumps no version: every speculation is stale
+        unscaled = call.found_inf is not None and call.grad_scale is None
+        _taken(parts, call._replace(found_inf=found_t, unscaled=unscaled), t_step, failure, decides, hps,
+               edit_checks)
         stepped = True
     finally:
         parts.sharding.end_step(stepped)  # the next backward starts a new reduction
@@ -108,7 +113,7 @@ def _taken(parts, call: StepCall, t_step: float, failure, decides: bool, hps, ed
     if host_steps:
         committed: set = set()
         try:
-            step_host(parts, host_steps, scale, edited, committed)
+            step_host(parts, host_steps, scale, edited, committed, call.unscaled)
         except BaseException as e:  # each param stepped or untouched (step_failures.py)
             failed(e, "the host/nvme tier", host_steps, committed)
     t_device = time.perf_counter()
@@ -256,13 +261,13 @@ def expect_gathers(parts, host_steps: dict, device_work: list, overlap: bool) ->
         parts.sharding.expect_commits(pending, direct=not overlap)
 
 
-def step_host(parts, host_steps: dict, scale: float, edited: list, committed: set) -> None:
+def step_host(parts, host_steps: dict, scale: float, edited: list, committed: set, unscaled: bool) -> None:
     """The host and nvme tiers' step: each speculated subgroup validated (committed, or redone
     from the live grads: `edited`, step_scalars'), the others stepped; each subgroup's new
     params written into the model as its step commits (`committed` gathers their indices)."""
     placement, spec, sharding = parts.placement, parts.speculator, parts.sharding
     local = placement.host_local
-    work = spec.host_work(host_steps, scale, edited)
+    work = spec.host_work(host_steps, scale, edited, unscaled)
     by_local = {local[i]: w for i, w in host_steps.items()}
 
     def copy_params(k: int, views: dict) -> None:

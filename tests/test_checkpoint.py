@@ -256,6 +256,32 @@ def test_state_dict_of_another_dtype_and_strides_loads(placement, dtype, nvme_di
 
 
 # ============================================================================= 3. torch's self.state and DCP
+@pytest.mark.filterwarnings("ignore:Detected call of:UserWarning")
+def test_loaded_hyperparameters_are_the_loaders_own_as_in_torch(nvme_dir):
+    """load_state_dict copies the checkpoint's param-group values, as torch's deep copy does: a
+    Tensor lr (or betas) a scheduler then fills in place on the source optimizer, or on a second
+    optimizer loaded from the same dict, is not shared."""
+    def make(cls, model):
+        kw = dict(lr=torch.tensor(0.01), betas=(torch.tensor(0.9), torch.tensor(0.999)))
+        return cls(model.parameters(), **kw) if cls is torch.optim.AdamW else hybrid(model.parameters(), "mixed",
+                                                                                   nvme_dir, **kw)
+    lrs = {}
+    for cls in (torch.optim.AdamW, HybridAdamW):
+        src, dst, other = (make(cls, make_net()) for _ in range(3))
+        sd = src.state_dict()
+        dst.load_state_dict(sd)
+        other.load_state_dict(sd)
+        torch.optim.lr_scheduler.StepLR(src, step_size=1, gamma=0.1).step()  # fills src's lr tensor
+        src.param_groups[0]["betas"][0].fill_(0.5)
+        g, o = dst.param_groups[0], other.param_groups[0]
+        assert g["lr"] is not o["lr"] and g["betas"][0] is not o["betas"][0]
+        lrs[cls.__name__] = (float(src.param_groups[0]["lr"]), float(g["lr"]), float(g["betas"][0]))
+        for opt in (src, dst, other):
+            getattr(opt, "close", lambda: None)()
+    assert lrs["HybridAdamW"] == lrs["AdamW"], lrs
+    assert lrs["AdamW"][1:] == (pytest.approx(0.01), pytest.approx(0.9)), lrs
+
+
 def test_self_state_holds_step_counts(nvme_dir):
     """`self.state[p]` is {"step": 0-dim float32 tensor} for each param that has stepped (as in
     torch), absent for one that never got a grad; it follows steps, load_state_dict and a

@@ -799,6 +799,22 @@ def test_error_inputs_in_add_param_group():
     assert len(opt.param_groups) == n_groups
 
 
+@pytest.mark.parametrize("offload", [0.0, 1.0])
+def test_a_sparse_grad_from_backward_is_refused_in_torchs_words_with_nothing_stepped(offload):
+    """nn.Embedding(sparse=True): its grad hook does not speculate a sparse grad (the worker
+    cannot read one), so step() refuses it as torch does, not as a failed speculation."""
+    torch.manual_seed(0)
+    emb = nn.Embedding(10, 4, sparse=True)
+    with HybridAdamW(emb.parameters(), offload_fraction=offload) as opt:
+        before = opt.state_dict()
+        emb(torch.tensor([1, 2, 3])).sum().backward()
+        with pytest.raises(RuntimeError, match="does not support sparse gradients") as info:
+            opt.step()
+        assert "speculative" not in str(info.value)
+        after = opt.state_dict()
+        assert after["state"] == before["state"] == {}
+
+
 def test_step_after_close_raises_and_close_is_idempotent():
     model = make_net()
     opt = hybrid(ADAMW, model.parameters(), PLACEMENTS[2])
@@ -810,8 +826,9 @@ def test_step_after_close_raises_and_close_is_idempotent():
     assert opt.worker_pid is None
     with pytest.raises(RuntimeError, match="closed"):
         opt.step()
-    with pytest.raises(RuntimeError, match="closed"):
-        opt.state_dict()
+    for take in (opt.state_dict, lambda: opt.save_state_dict(io.BytesIO())):
+        with pytest.raises(RuntimeError, match=r"closed .* cannot give its state.*before it closes"):
+            take()
     assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
     # the parameters outlive the optimizer with their values
     before = [p.detach().clone() for p in model.parameters()]

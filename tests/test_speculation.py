@@ -322,7 +322,7 @@ def inject_inf(param):
     return param.register_hook(hook)
 
 
-def scaler_loop(attach, unscale_and_clip=None, inf_steps=INF_STEPS, n=SCALER_STEPS):
+def scaler_loop(attach, unscale_and_clip=None, inf_steps=INF_STEPS, n=SCALER_STEPS, unscale=False):
     def train(net, opt, log):
         scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10, growth_interval=2)
         if attach:
@@ -334,8 +334,9 @@ def scaler_loop(attach, unscale_and_clip=None, inf_steps=INF_STEPS, n=SCALER_STE
             scaler.scale(loss_fn(net, batch)).backward()
             if handle is not None:
                 handle.remove()
-            if unscale_and_clip is not None:
+            if unscale_and_clip is not None or unscale:
                 scaler.unscale_(opt)
+            if unscale_and_clip is not None:
                 torch.nn.utils.clip_grad_norm_(net.parameters(), unscale_and_clip)
             before = [p.detach().clone() for p in net.parameters()]
             scaler.step(opt)
@@ -424,6 +425,22 @@ def test_scaler_unscale_then_clip_is_redone_and_overflow_dropped(attach):
     for i, s in enumerate(spec.steps):
         if not s.skipped:
             assert s.spec == dict(committed=0, redone=spec.n_host, stepped=0, dropped=0), (i, s)
+
+
+@pytest.mark.parametrize("attach", [True, False], ids=["attached", "not_attached"])
+@pytest.mark.parametrize("offload", [0.7, 1.0], ids=["mixed", "host"])
+def test_scaler_unscale_alone_is_redone_and_overflow_dropped(attach, offload):
+    """scaler.unscale_ (to log the grad norm, say) rewrites every grad in place and bumps no
+    version: GradScaler.step then hands found_inf without grad_scale, and every speculation —
+    made from the scaled grads — is redone. Not attached, the speculation's predicted scale
+    (the last step's: 1, as handed) would otherwise match, and the moments would keep the
+    loss scale."""
+    spec = compare(scaler_loop(attach=attach, unscale=True, inf_steps=(2,), n=STEPS), offload=offload)
+    assert_skipped_steps_dropped(spec, inf_steps=(2,))
+    for i, s in enumerate(spec.steps):
+        if not s.skipped:
+            assert s.spec["committed"] == 0 and s.spec["redone"] + s.spec["stepped"] == spec.n_host, (i, s)
+            assert s.spec["redone"] > 0 or i == 0, (i, s)
 
 
 # ============================================================================= 4. learning rate

@@ -7,6 +7,8 @@ extra key `master_param`, which torch ignores.
 """
 from __future__ import annotations
 
+import copy
+
 from collections import OrderedDict
 
 import torch
@@ -177,9 +179,12 @@ def wants_amsgrad(state_dict: dict) -> bool:
 
 
 def saved_hyperparameters(groups: list, state_dict: dict) -> list:
-    """Each group's hyperparameters as the checkpoint has them, to set once its state is loaded."""
+    """Each group's hyperparameters as the checkpoint has them, to set once its state is loaded:
+    copies, as torch's load_state_dict deep-copies them (a Tensor lr a scheduler fills in place
+    stays the checkpoint's, not shared with its optimizer or another one loaded from it)."""
     skip = ("params", "param_names", "decoupled_weight_decay")
-    return [{k: v for k, v in s.items() if k not in skip} for s in state_dict["param_groups"][:len(groups)]]
+    return [{k: copy.deepcopy(v) for k, v in s.items() if k not in skip}
+            for s in state_dict["param_groups"][:len(groups)]]
 
 
 def _source(param, entry: dict, key: str):
