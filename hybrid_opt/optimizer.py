@@ -35,6 +35,7 @@ from hybrid_opt.distributed.zero_gather import SHARD_KEY, check_shard_owner
 class _HybridBase(torch.optim.Optimizer):
     """The torch.optim facade: arguments, param groups, the step and the lifecycle."""
     _decoupled: bool = True
+    _keeps_on_load: tuple = ()  # group keys load_state_dict leaves as they are
     # GradScaler sets grad_scale / found_inf on the optimizer for one step() call, which skips on
     # overflow itself (torch's protocol: absent otherwise, no class default: it multiplies one it finds)
     _step_supports_amp_scaling = True
@@ -46,7 +47,7 @@ class _HybridBase(torch.optim.Optimizer):
                  host_memory_budget, process_group, worker_share=0.5, spare_banks=None,
                  io_banks=4, refit_every=50, calibration=None, overlap_param_gather=False,
                  exp_avg_dtype=torch.float32, exp_avg_sq_dtype=torch.float32, store_param_remainders=False,
-                 release_grads=False):
+                 release_grads=False, decoupled_weight_decay=None):
         lifetime.mark_owner(self)  # a forwarding wrapper's calls act on this object (lifetime.py)
         betas = A.check_hyperparameters(lr, betas, eps, weight_decay, foreach=foreach, capturable=capturable)
         A.check_constructor(type(self).__name__, amsgrad=amsgrad, capturable=capturable,
@@ -57,6 +58,8 @@ class _HybridBase(torch.optim.Optimizer):
                             nvme_fraction=nvme_fraction, nvme_path=nvme_path, refit_every=refit_every)
         A.check_release_grads(release_grads, process_group)
         self.state_format = A.check_state_format(exp_avg_dtype, exp_avg_sq_dtype, store_param_remainders, rollback)
+        if decoupled_weight_decay is not None:  # Adam's (torch >= 2.6); each group may say otherwise
+            self._decoupled = bool(decoupled_weight_decay)
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
                         maximize=maximize, foreach=foreach, capturable=capturable,
                         differentiable=differentiable, fused=fused, decoupled_weight_decay=self._decoupled)
@@ -199,7 +202,7 @@ class _HybridBase(torch.optim.Optimizer):
         state_dict = _through(self._optimizer_load_state_dict_pre_hooks, self, state_dict.copy())
         check_shard_owner(state_dict.get(SHARD_KEY), self._parts.sharding if self._parts.sharding.active else None)
         self._check_open()
-        C.load(self._parts, state_dict, self.state)
+        C.load(self._parts, state_dict, self.state, keep=self._keeps_on_load)
         for hook in self._optimizer_load_state_dict_post_hooks.values():
             hook(self)
 
@@ -261,7 +264,7 @@ class HybridAdamW(_HybridBase):
     """torch.optim.AdamW's signature and defaults (decoupled weight decay), plus placement.
 
     See the README (one line per argument) and docs/usage.md for the hybrid arguments."""
-    _decoupled = True
+    _decoupled, _keeps_on_load = True, ("decoupled_weight_decay",)  # as torch's AdamW.__setstate__
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2,
                  amsgrad=False, *, maximize=False, foreach=None, capturable=False,
@@ -287,14 +290,14 @@ class HybridAdam(_HybridBase):
                  differentiable=False, fused=None, max_grad_norm=None, offload_fraction=1.0,
                  nvme_fraction=0.0, nvme_path=None, subgroup_numel=None,
                  speculative=True, rollback="exact", device_memory_budget=None,
-                 host_memory_budget=None, process_group=None, **hybrid):
+                 host_memory_budget=None, process_group=None, decoupled_weight_decay=False, **hybrid):
         super().__init__(params, lr, betas, eps, weight_decay, amsgrad, maximize=maximize,
                          foreach=foreach, capturable=capturable, differentiable=differentiable,
                          fused=fused, max_grad_norm=max_grad_norm, offload_fraction=offload_fraction,
                          nvme_fraction=nvme_fraction, nvme_path=nvme_path,
                          subgroup_numel=subgroup_numel, speculative=speculative, rollback=rollback,
-                         device_memory_budget=device_memory_budget,
-                         host_memory_budget=host_memory_budget, process_group=process_group, **hybrid)
+                         device_memory_budget=device_memory_budget, host_memory_budget=host_memory_budget,
+                         process_group=process_group, decoupled_weight_decay=decoupled_weight_decay, **hybrid)
 
 
 def _through(hooks: dict, opt, value):

@@ -36,10 +36,11 @@ def _float_hyper(value, name: str) -> float:
 
 def group_inputs(group: dict, decoupled: bool, grad_sign: float | None = None) -> StepInputs:
     """A param group's hyperparameters as the tiers take them (step and grads left out);
-    grad_sign: -1 for a maximizing group (its default), else 1."""
+    grad_sign: -1 for a maximizing group (its default), else 1; `decoupled`: the optimizer's,
+    where the group does not say (its "decoupled_weight_decay", as torch's Adam reads it)."""
     if grad_sign is None:
         grad_sign = -1.0 if group["maximize"] else 1.0
     b1, b2 = group["betas"]
     return StepInputs(0, _float_hyper(group["lr"], "lr"), _float_hyper(b1, "betas[0]"),
                       _float_hyper(b2, "betas[1]"), float(group["eps"]), float(group["weight_decay"]),
-                      decoupled, grad_sign, (), bool(group["amsgrad"]))
+                      bool(group.get("decoupled_weight_decay", decoupled)), grad_sign, (), bool(group["amsgrad"]))

@@ -396,10 +396,9 @@ def test_torch_state_dict_loads_into_ours(placement, info):
 
 @pytest.mark.parametrize("src,dst", [(ADAMW, ADAM), (ADAM, ADAMW)], ids=["AdamW_to_Adam", "Adam_to_AdamW"])
 def test_checkpoint_loads_across_classes(src, dst):
-    """Observed semantics: the checkpoint's hyperparameters (lr, betas, weight_decay, ...) are
-    taken, but the decay kind is the loading class's (its `decoupled_weight_decay` is kept).
-    torch.optim itself differs here: torch.optim.Adam loading an AdamW checkpoint takes the
-    saved `decoupled_weight_decay=True` and decays as AdamW from then on."""
+    """As torch.optim: the checkpoint's hyperparameters (lr, betas, weight_decay, ...) are taken;
+    torch.optim.Adam loading an AdamW checkpoint takes the saved `decoupled_weight_decay=True`
+    and decays as AdamW from then on, while AdamW stays decoupled (its __setstate__)."""
     batches = make_batches(15)
     model = make_net()
     with ExitStack() as stack:
@@ -411,13 +410,13 @@ def test_checkpoint_loads_across_classes(src, dst):
         opt2 = stack.enter_context(hybrid(dst, model2.parameters(), lr=1e-3, weight_decay=0.0, amsgrad=True))
         opt2.load_state_dict(sd)
         group = opt2.param_groups[0]
-        assert group["decoupled_weight_decay"] is dst.decoupled
+        assert group["decoupled_weight_decay"] is (src.decoupled or dst.decoupled)
         assert (group["lr"], group["weight_decay"], group["amsgrad"]) == (1e-2, 0.1, True)
-        # reference: torch's class of the loading kind, same checkpoint, decay kind forced
+        # reference: torch's class of the loading kind, same checkpoint
         ref_model = copy.deepcopy(model)
         ref = dst.reference(ref_model.parameters(), foreach=False)
         ref.load_state_dict(sd)
-        ref.param_groups[0]["decoupled_weight_decay"] = dst.decoupled
+        assert ref.param_groups[0]["decoupled_weight_decay"] is group["decoupled_weight_decay"]
         lockstep(model2, opt2, ref_model, ref, batches[5:])
         assert_state_close(opt2.state_dict(), ref.state_dict())
     assert_params_close(model2, ref_model)
@@ -548,6 +547,36 @@ def test_add_param_group_after_construction(placement):
         lockstep(ours_model, ours, ref_model, ref, batches[4:])
         assert_state_close(ours.state_dict(), ref.state_dict())
     assert_params_close(ours_model, ref_model)
+
+
+@pytest.mark.parametrize("placement", [PLACEMENTS[0], PLACEMENTS[2]], ids=lambda p: p.name)
+def test_adams_decoupled_weight_decay_per_group_and_through_a_checkpoint_as_torch(placement):
+    """torch.optim.Adam's decoupled_weight_decay (torch >= 2.6): the argument, a group's own
+    value, and an AdamW checkpoint (its groups say True) loaded into Adam, as torch does."""
+    ours_model, ref_model = make_net(), make_net()
+    ps, rs = list(ours_model.parameters()), list(ref_model.parameters())
+    groups = lambda params: [{"params": params[:2]}, {"params": params[2:], "decoupled_weight_decay": False}]
+    ours = hybrid(ADAM, groups(ps), placement, weight_decay=0.1, decoupled_weight_decay=True)
+    ref = torch.optim.Adam(groups(rs), weight_decay=0.1, decoupled_weight_decay=True, foreach=False)
+    try:
+        assert [g["decoupled_weight_decay"] for g in ours.param_groups] == [True, False]
+        batches = make_batches(12)
+        lockstep(ours_model, ours, ref_model, ref, batches[:6])
+        assert_params_close(ours_model, ref_model)
+        # an AdamW checkpoint into Adam: every group decoupled from here on, in both
+        adamw = torch.optim.AdamW(rs, weight_decay=0.1, foreach=False)
+        adamw.load_state_dict({**adamw.state_dict(), "state": ref.state_dict()["state"]})
+        sd = adamw.state_dict()
+        ref = torch.optim.Adam(rs, weight_decay=0.1, foreach=False)
+        ref.load_state_dict(sd)
+        ours.close()
+        ours = hybrid(ADAM, ps, placement, weight_decay=0.1)
+        ours.load_state_dict(sd)
+        assert ours.param_groups[0]["decoupled_weight_decay"] is ref.param_groups[0]["decoupled_weight_decay"] is True
+        lockstep(ours_model, ours, ref_model, ref, batches[6:])
+        assert_params_close(ours_model, ref_model)
+    finally:
+        ours.close()
 
 
 # ============================================================================= 5. frozen and grad-less

@@ -178,18 +178,19 @@ def wants_amsgrad(state_dict: dict) -> bool:
     return any(s.get("amsgrad", False) for s in state_dict["param_groups"])
 
 
-def saved_hyperparameters(groups: list, state_dict: dict) -> list:
+def saved_hyperparameters(groups: list, state_dict: dict, keep=()) -> list:
     """Each group's hyperparameters as the checkpoint has them, to set once its state is loaded:
     copies, as torch's load_state_dict deep-copies them (a Tensor lr a scheduler fills in place
     stays the checkpoint's, not shared with its optimizer or another one loaded from it)."""
-    skip = ("params", "param_names", "decoupled_weight_decay")
+    skip = ("params", "param_names", *keep)  # `keep`: the keys the loader keeps its own of
     return [{k: copy.deepcopy(v) for k, v in s.items() if k not in skip}
             for s in state_dict["param_groups"][:len(groups)]]
 
 
-def _source(param, entry: dict, key: str):
+def _source(param, entry: dict, key: str, held: dict, idx: int):
     """A param's saved tensor for tier key `key` as 1-D (a copy only for a strided tensor or a
-    shard), or None (zeros); the master is the param itself unless the saved one stands."""
+    shard), or None (zeros); the master is the param itself unless the saved one stands (one
+    that does not, of a 16-bit param, goes into `held` under `idx`: ParamGuard.hold_masters)."""
     saved = entry.get("master_param" if key == "master" else key)
     if is_sharded(param):  # this rank's shard of a DTensor or of a full tensor
         saved = local_shard_of(saved, param)
@@ -204,18 +205,21 @@ def _source(param, entry: dict, key: str):
         # map_location="cpu" file may load into a CUDA model
         if saved is not None and _master_stands(saved.to(p.device), src):
             src = saved
+        elif saved is not None and p.dtype != torch.float32:
+            held[idx] = saved.reshape(-1)
     else:
         src = saved
     return None if src is None else src.reshape(-1)
 
 
-def prepare_sources(layout, params: list, saved_state: dict) -> dict:
+def prepare_sources(layout, params: list, saved_state: dict, held: dict) -> dict:
     """{(param index, tier key): its 1-D source or None} for every param a subgroup holds, made
     before anything is written: what can fail in making them (a shard, a gather, a device) fails
-    while every tier is still as it was, and what is left to write is copies."""
+    while every tier is still as it was, and what is left to write is copies. `held` gets the
+    saved masters that do not stand yet (_source)."""
     keys = _state_keys(layout.amsgrad)
-    held = sorted({sl.param_index for sg in layout.subgroups for sl in sg.slices})
-    return {(idx, k): _source(params[idx], saved_state.get(idx, {}), k) for idx in held for k in keys}
+    laid = sorted({sl.param_index for sg in layout.subgroups for sl in sg.slices})
+    return {(idx, k): _source(params[idx], saved_state.get(idx, {}), k, held, idx) for idx in laid for k in keys}
 
 
 def _fill(st: dict, sg, sources: dict) -> None:
@@ -317,7 +321,7 @@ def looks_like_state_init_step(layout, decoupled: bool) -> bool:
         lr = g["lr"]
         if float(lr.item() if isinstance(lr, torch.Tensor) else lr) != 0.0:
             return False
-        if not decoupled and g["weight_decay"] != 0:
+        if not g.get("decoupled_weight_decay", decoupled) and g["weight_decay"] != 0:
             return False
     grads = [local_of(p.grad) for p in layout.params() if p.grad is not None]
     if not grads or any(g.is_sparse for g in grads):
@@ -326,9 +330,10 @@ def looks_like_state_init_step(layout, decoupled: bool) -> bool:
 
 
 
-def load(parts, state_dict: dict, torch_state) -> None:
+def load(parts, state_dict: dict, torch_state, keep=()) -> None:
     """load_state_dict() into the optimizer's parts (optimizer.Parts), the optimizer open and
-    its pending gathers landed."""
+    its pending gathers landed; `keep`: group keys the optimizer keeps as they are (AdamW's
+    decoupled_weight_decay, as torch's AdamW does; Adam takes an AdamW checkpoint's)."""
     layout, placement = parts.layout, parts.placement
     # params given new memory since the last step are re-adopted first (storage.py): done at
     # the next step() instead, it would restart the masters this load sets
@@ -345,11 +350,13 @@ def load(parts, state_dict: dict, torch_state) -> None:
         except BaseException:
             layout.set_amsgrad(False)  # the tiers are as they were (moves.py): so is the layout
             raise
-    hyper = saved_hyperparameters(layout.param_groups, state_dict)
-    scatter_state(layout, placement, prepare_sources(layout, params, saved))
+    hyper = saved_hyperparameters(layout.param_groups, state_dict, keep)
+    held: dict = {}
+    scatter_state(layout, placement, prepare_sources(layout, params, saved, held))
     for g, h in zip(layout.param_groups, hyper):  # set once the state stands: a failed load keeps them
         g.update(h)
     steps = {idx: int(float(st["step"])) for idx, st in saved.items() if "step" in st}
     # each param's step count, torch's state mirror made again, this rank back in step
     parts.ledger.loaded(torch_state, steps)
     parts.guard.record()  # with remainders a load writes the params' high halves
+    parts.guard.hold_masters(held)  # the model's weights may be loaded next

@@ -78,6 +78,7 @@ class ParamGuard:
         self.views: list = []                # per param: its memory at layout (a detached view)
         self.ptrs: list = []                 # per param: that memory's data_ptr
         self.versions: list = []             # per param: its version when step() last wrote it
+        self.held: dict = {}                 # param index -> a loaded fp32 master (hold_masters)
 
     def remember(self, first: int, params: list) -> None:
         """Params [first, first + len(params)) were just laid out: where their memory is."""
@@ -97,6 +98,14 @@ class ParamGuard:
     def record(self) -> None:
         """Every param's version now: what step() and the tiers wrote is not the user's."""
         self.versions = write_counts(self.params)
+        self.held = {}
+
+    def hold_masters(self, masters: dict) -> None:
+        """{param index: 1-D fp32 master} a load_state_dict found its 16-bit param not (yet) a
+        rounding of: the model's weights loaded after the optimizer's. Until the next record()
+        (a step, a load), an element written to that rounding takes the saved master back
+        rather than restarting from the param: the load order does not matter, as in torch."""
+        self.held = dict(masters)
 
     def check(self) -> None:
         """Re-adopts every param whose memory was replaced since the last step (module
@@ -158,6 +167,10 @@ class ParamGuard:
                     master[a:b] = torch.where(diff, now.float(), master[a:b])
                 else:
                     master[a:b].copy_(now)
+                held = self.held.get(sl.param_index)
+                if held is not None:  # written to a loaded master's rounding: that master stands
+                    saved = held[sl.param_offset:sl.param_offset + sl.numel].to(master.device, torch.float32)
+                    master[a:b] = torch.where(_written_as(saved, now), saved, master[a:b])
                 changed = True
         if changed:
             pl.load(sg, st)
