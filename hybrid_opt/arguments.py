@@ -146,6 +146,10 @@ def check_group_params(name: str, param_group: dict) -> dict:
     param_group = dict(param_group, params=unique)
     for item in unique:
         t = item[1] if isinstance(item, tuple) else item
+        if isinstance(t, torch.nn.parameter.UninitializedParameter):  # a lazy module's, before its forward
+            raise ValueError(f"{name} lays its state out for each parameter's size when it is built, and "
+                             f"a parameter is still uninitialized (a torch.nn.Lazy* module): run one "
+                             f"forward pass before building the optimizer")
         if isinstance(t, torch.Tensor):
             if t.is_complex():
                 raise ValueError(f"{name} does not support complex parameters; "

@@ -764,6 +764,8 @@ ERROR_INPUTS = [
                params=_two_groups_sharing, torch_raises=True),
     ErrorInput("sparse_grad", error=RuntimeError, match="does not support sparse gradients",
                at_step=_sparse_grad, torch_raises=True),
+    ErrorInput("lazy_module_param", error=ValueError, match=r"uninitialized \(a torch.nn.Lazy\* module\).*forward",
+               params=lambda: list(nn.LazyLinear(3).parameters())),
     ErrorInput("complex_param", error=ValueError, match="complex parameters",
                params=lambda: [nn.Parameter(torch.randn(3, dtype=torch.complex64))]),
     ErrorInput("float64_param", error=TypeError, match="float32, bfloat16 and float16.*float64",
