@@ -27,6 +27,7 @@ The grad-statistics job: the global sum of squares and a non-finite flag over bf
   gpu_kernels.grad_stats             two-stage, deterministic
   torch._foreach_norm                per-tensor norms, total norm, isfinite — clip_grad_norm_'s work
   torch amp check+_foreach_norm      GradScaler's _amp_foreach_non_finite_check_and_unscale_, then the norms
+                                     (fp16/fp32 grads: torch has no bf16 CUDA kernel for it, no row here)
 
 Sizes are single tensors of 16M..1G elements plus one list of `--tensors` tensors of random
 sizes. Timing is triton.testing.do_bench (median, p20, p80 of per-call CUDA-event times, L2
@@ -274,6 +275,9 @@ def torch_norm_stats(grads, device):
 
 
 def torch_amp_stats(grads, device):
+    if device.type == "cuda" and any(g.dtype == torch.bfloat16 for g in grads):
+        # torch has no bf16 CUDA kernel for it (GradScaler is for fp16 grads): no such row
+        return None
     found_inf = torch.zeros(1, device=device)
     one = torch.ones(1, device=device)
 
@@ -330,8 +334,11 @@ def run_jobs(jobs, impls, make_inputs, bytes_per_elem, device, device_name, time
         for name, make in impls.items():
             inputs = make_inputs(sizes, device)
             fn = make(inputs, device)
-            median, p20, p80 = timer(fn)
             suffix = f" [{len(sizes)} tensors]" if len(sizes) > 1 else ""
+            if fn is None:
+                print(f"  {label} {name}{suffix} {human(numel)}: no such job for these inputs, skipped")
+                continue
+            median, p20, p80 = timer(fn)
             records.append(record(name + suffix, numel, median, p20, p80, bytes_per_elem, device_name))
             print(f"  {label} {name}{suffix} {human(numel)}: {median:.3f} ms", flush=True)
             del inputs, fn

@@ -75,6 +75,8 @@ def unavailable_reason(device):
     if _import_triton() is None:
         return (f"gpu_kernels needs triton, which failed to import ({_triton_error!r}); "
                 "install triton>=3.0 (Linux x86_64)")
+    if _offline.target is not None:
+        return None  # compiling for a named GPU: the tensors only stand in for its memory
     if device.type == "cuda":
         if not torch.cuda.is_available():
             return "gpu_kernels got CUDA tensors but torch.cuda.is_available() is False"
@@ -132,26 +134,70 @@ class LazyKernel:
     def for_device(self, device):
         device = torch.device(device)
         require_runtime(device)
-        return _namespace(self.fn.__globals__, interpret=device.type == "cpu")[self.__name__]
+        return _namespace(self.fn.__globals__, _mode(device))[self.__name__]
 
     def launch(self, device, grid, *args, **kwargs):
-        """Launches on `device` (the tensors' device), whatever device is current."""
+        """Launches on `device` (the tensors' device), whatever device is current. Under
+        `offline.compile_for(arch)` it compiles for that GPU instead and launches nothing."""
         kernel = self.for_device(device)
         self.launches += 1
+        if _offline.target is not None:
+            _offline.compiled.append(kernel.run(*args, grid=grid, warmup=True, **kwargs))
+            return None
         with device_guard(device):
             return kernel[grid](*args, **kwargs)
+
+
+class _Offline:
+    """While `offline.compile_for` runs (through `begin_offline` / `end_offline`): the Triton
+    target every launch is compiled for instead of running, and the kernels compiled so far."""
+    target = None
+    compiled = []
+
+
+_offline = _Offline()
+
+
+def begin_offline(target):
+    """From now on launches compile for `target` and run nothing; returns the list each
+    compiled kernel is appended to."""
+    if _offline.target is not None:
+        raise RuntimeError("offline compilation is already active; it does not nest")
+    _offline.target, _offline.compiled = target, []
+    return _offline.compiled
+
+
+def end_offline():
+    _offline.target, _offline.compiled = None, []
+
+
+def launch_device_type(device):
+    """The device type whose launch configuration applies: "cuda" for CUDA tensors and
+    for any tensors while compiling offline for a GPU, else the tensors' own."""
+    device = torch.device(device)
+    return "cuda" if _offline.target is not None else device.type
+
+
+def _mode(device):
+    if _offline.target is not None:
+        # its own JITFunctions: their per-device caches hold the stand-in target, which a
+        # real launch in this process must never pick up
+        return ("offline", _offline.target.backend, _offline.target.arch, _offline.target.warp_size)
+    return "interpret" if device.type == "cpu" else "compile"
 
 
 _namespaces = {}
 _namespaces_lock = threading.Lock()
 
 
-def _namespace(module_globals, interpret):
-    key = (module_globals["__name__"], interpret)
+def _namespace(module_globals, mode):
+    """The defining module's namespace with every `lazy_jit` function built for `mode`
+    ("interpret", "compile", or an offline target's key), made once per module and mode."""
+    key = (module_globals["__name__"], mode)
     with _namespaces_lock:
         namespace = _namespaces.get(key)
         if namespace is None:
-            if interpret:
+            if mode == "interpret":
                 from triton.runtime.interpreter import InterpretedFunction as wrap
             else:
                 from triton.runtime.jit import JITFunction as wrap
@@ -161,11 +207,22 @@ def _namespace(module_globals, interpret):
                     fn = obj.fn
                     copy = types.FunctionType(fn.__code__, namespace, fn.__name__, fn.__defaults__,
                                               fn.__closure__)
-                    copy.__qualname__, copy.__module__ = fn.__qualname__, fn.__module__
-                    copy.__kwdefaults__ = fn.__kwdefaults__
+                    _carry_function_attributes(fn, copy)
                     namespace[name] = wrap(copy)
             _namespaces[key] = namespace
     return namespace
+
+
+def _carry_function_attributes(fn, copy):
+    """Gives the rebuilt function everything `types.FunctionType` leaves behind. The
+    annotations above all: Triton finds a kernel's `tl.constexpr` parameters in them, and a
+    copy without them compiles `BLOCK`, `GRAD_CODE`... as runtime values — which the
+    interpreter runs and the compiler rejects (the first H200 run, 2026-12-04)."""
+    copy.__qualname__, copy.__module__ = fn.__qualname__, fn.__module__
+    copy.__kwdefaults__ = fn.__kwdefaults__
+    copy.__annotations__ = dict(fn.__annotations__)
+    copy.__doc__ = fn.__doc__
+    copy.__dict__.update(fn.__dict__)
 
 
 def lazy_jit(fn):

@@ -17,6 +17,13 @@ which is `torch.optim.AdamW(foreach=False)` / `torch.optim.Adam` with bias corre
 fp32. `grad_scale`, `found_inf` and a tensor `lr` are read inside the kernel, so a step queues no
 host synchronisation; `found_inf != 0` masks every store off.
 
+Compiled without floating-point contraction (`enable_fp_fusion=False`): each multiply and add
+rounds once, as written and as the interpreter computes them. With contraction the compiler
+chose multiply-adds per specialization, so the fp32-master and the remainder programs gave
+different masters from the same inputs on an H200; now every specialization, and the
+`arithmetic="fp32"` reference, computes the same bits. The kernel is memory-bound: the
+separate roundings cost no time.
+
 Compressed state (off by default; the fp32 path compiles exactly as without it):
 - bf16 moments (`exp_avg`, `exp_avg_sq`, `max_exp_avg_sq` each bf16 or fp32, per tensor): read and
   widened to fp32; the fp32 value before rounding feeds the update; stored rounded to nearest even.
@@ -392,7 +399,7 @@ def fused_adam_(params, grads, exp_avgs, exp_avg_sqs, *, step, lr, beta1, beta2,
         step_size, decay = 0.0, 1.0
 
     _runtime.require_runtime(device)
-    config = LAUNCH_CONFIG["cuda" if device.type == "cuda" else "cpu"]
+    config = LAUNCH_CONFIG[_runtime.launch_device_type(device)]
     block, iters = config["BLOCK"], config["ITERS"]
 
     # a launch needs uniform pointer types and alignment facts: group rows by them (one
@@ -425,7 +432,7 @@ def fused_adam_(params, grads, exp_avgs, exp_avg_sqs, *, step, lr, beta1, beta2,
                 HAS_FOUND_INF=found_inf is not None, WEIGHT_DECAY=weight_decay != 0,
                 DECOUPLED=bool(decoupled), AMSGRAD=amsgrad, EXP_AVG_CODE=exp_avg_code,
                 EXP_AVG_SQ_CODE=exp_avg_sq_code, REMAINDER=remainders is not None, ALIGNED=aligned,
-                BLOCK=block, ITERS=iters, num_warps=config["num_warps"])
+                BLOCK=block, ITERS=iters, num_warps=config["num_warps"], enable_fp_fusion=False)
 
 
 def _build_table(group, chunk):

@@ -10,7 +10,8 @@ stage 1 (one program per CHUNK of a chunk table covering every grad) squares and
 fp32 per lane — at most ITERS values per lane — then sums the BLOCK lanes in fp64 and
 writes one fp64 partial and one int flag per chunk to its own slot; stage 2 (one program)
 adds the partials in slot order in fp64. The same list gives the same chunks, the same
-tree and the same bits on every run.
+tree and the same bits on every run; compiled without multiply-add contraction, those bits
+are the interpreter's too.
 """
 import torch
 
@@ -131,7 +132,7 @@ def grad_stats(grads, *, sum_dtype=torch.float32):
     if device is None:
         return torch.zeros((), dtype=sum_dtype), torch.zeros((), dtype=torch.float32)
     _runtime.require_runtime(device)
-    config = LAUNCH_CONFIG["cuda" if device.type == "cuda" else "cpu"]
+    config = LAUNCH_CONFIG[_runtime.launch_device_type(device)]
     chunk = config["BLOCK"] * config["ITERS"]
 
     # groups in order of first appearance, so the slot order is a function of the list alone
@@ -165,10 +166,11 @@ def grad_stats(grads, *, sum_dtype=torch.float32):
             _grad_stats_partials_kernel.launch(
                 device, (n_chunks,), meta, chunks, partial_sq, partial_flag, slot_offset,
                 META=_META, GRAD_CODE=grad_code, ALIGNED=aligned,
-                BLOCK=config["BLOCK"], ITERS=config["ITERS"], num_warps=config["num_warps"])
+                BLOCK=config["BLOCK"], ITERS=config["ITERS"], num_warps=config["num_warps"],
+                enable_fp_fusion=False)
         _grad_stats_combine_kernel.launch(
             device, (1,), partial_sq, partial_flag, max(n_partials, 1), sum_sq, found_inf,
-            BLOCK=config["REDUCE_BLOCK"], num_warps=config["reduce_warps"])
+            BLOCK=config["REDUCE_BLOCK"], num_warps=config["reduce_warps"], enable_fp_fusion=False)
     return sum_sq, found_inf
 
 

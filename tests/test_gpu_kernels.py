@@ -581,7 +581,7 @@ from gpu_kernels import _runtime
 
 
 def ptx_for_sm90(lazy, signature, constexprs, aligned_args, num_warps):
-    fn = _runtime._namespace(lazy.fn.__globals__, interpret=False)[lazy.__name__]
+    fn = _runtime._namespace(lazy.fn.__globals__, "compile")[lazy.__name__]
     names = fn.arg_names
     try:
         if tuple(int(x) for x in triton.__version__.split(".")[:2]) >= (3, 2):

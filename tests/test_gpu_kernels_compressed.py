@@ -4,8 +4,8 @@ references beside the kernel (`fused_adam_reference_`, `encode_remainder` / `dec
 
 Under Triton's interpreter (CPU tensors, TRITON_INTERPRET=1) the kernel's arithmetic is numpy
 fp32, one rounding per operation, so it must equal the reference's `arithmetic="fp32"` mode bit
-for bit; against the fp64 reference (and on a GPU, whose compiled code contracts multiply-adds)
-a bf16 result is within one bf16 ulp. The remainder path is checked to be the fp32-master path
+for bit; so must the compiled kernel on a GPU (built without multiply-add contraction). Against
+the fp64 reference a bf16 result is within one bf16 ulp. The remainder path is checked to be the fp32-master path
 exactly: same arithmetic, only the storage differs.
 """
 import importlib
@@ -212,6 +212,24 @@ def test_interpreted_kernel_equals_fp32_reference_with_float_scale_and_lr_tensor
     assert_state_bitwise(state, expected)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("moments", [(F32, F32), (BF16, BF16)], ids=["fp32_moments", "bf16_moments"])
+@pytest.mark.parametrize("remainders", [False, True], ids=["fp32_params", "remainders"])
+@pytest.mark.parametrize("amsgrad, decoupled", [(False, True), (True, False)], ids=["adamw", "adam_l2_amsgrad"])
+def test_compiled_kernel_equals_fp32_reference_bitwise(grad_dtype, moments, remainders, amsgrad, decoupled):
+    """Compiled without multiply-add contraction, the kernel on the GPU rounds every operation
+    once, as the reference's fp32 arithmetic does (computed on the CPU): the same bits, and so
+    the same bits in every specialization (the fp32-master and remainder programs agree)."""
+    state = make_state(SIZES + [1 << 20], "cuda", grad_dtype=grad_dtype, moments=moments,
+                       remainders=remainders, amsgrad=amsgrad)
+    exact = {k: [t.cpu() for t in v] for k, v in state.items()}
+    run(fused_adam_, state, step=3, decoupled=decoupled, grad_scale=torch.tensor([0.5], device="cuda"), **HYPER)
+    run(fused_adam_reference_, exact, arithmetic="fp32", step=3, decoupled=decoupled,
+        grad_scale=torch.tensor([0.5]), **HYPER)
+    assert_state_bitwise({k: [t.cpu() for t in v] for k, v in state.items()}, exact)
+
+
 @needs_triton
 @pytest.mark.parametrize("device", DEVICES)
 def test_non_finite_grads_store_bf16_moments_as_the_quiet_nan(device):
@@ -377,7 +395,7 @@ from gpu_kernels import _runtime
 if tuple(int(x) for x in triton.__version__.split(".")[:2]) < (3, 2):
     print(f"SKIP triton {triton.__version__}: this check uses the ahead-of-time API of triton >= 3.2")
     sys.exit(0)
-fn = _runtime._namespace(adam._fused_adam_kernel.fn.__globals__, interpret=False)["_fused_adam_kernel"]
+fn = _runtime._namespace(adam._fused_adam_kernel.fn.__globals__, "compile")["_fused_adam_kernel"]
 names = fn.arg_names
 floats = ["step_size", "decay", "bias_correction1", "grad_scale", "one_minus_beta1", "beta2",
           "one_minus_beta2", "eps", "weight_decay", "bias_correction2_sqrt"]

@@ -100,14 +100,17 @@ class Placement:
     def host_subgroups(self) -> list:
         return [s for s in self.layout.subgroups if self.plan.tiers[s.index] != DEVICE]
 
-    def state_of(self, sg) -> dict:
+    def state_of(self, sg, master: bool = True) -> dict:
         """A subgroup's fp32 master and moments, wherever it lives: views on the device and
         host tiers, copies read from its file on nvme; a master kept as remainders is decoded
-        (a new tensor: written back with `load`)."""
+        (a new tensor: written back with `load`). `master=False`: the moments only (an fp32
+        subgroup's master is a copy of its params on the device tier where several share it,
+        and a copy of the file's on nvme: neither is made)."""
         if self.plan.tiers[sg.index] == DEVICE:
-            return self.device.state_of(sg.index)
-        st = self.host.state(self.host_local[sg.index])
-        st["master"] = st.pop("param")
+            return self.device.state_of(sg.index, master)
+        st = self.host.state(self.host_local[sg.index], master)
+        if master:
+            st["master"] = st.pop("param")
         return st
 
     def load(self, sg, st: dict) -> None:

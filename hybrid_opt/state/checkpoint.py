@@ -109,12 +109,16 @@ def iter_state(layout, placement, state_format):
         keys = ["exp_avg", "exp_avg_sq"] + (["max_exp_avg_sq"] if layout.group_of(idx)["amsgrad"] else [])
         if p.dtype != torch.float32:
             keys.append("master")
+        # an fp32 param's master is the param itself, and on the device tier an fp32 subgroup
+        # holding several params would make it a copy of all of them: asked for only where
+        # `keys` has it (a subgroup's params share its dtype and group, so their keys agree)
+        master = "master" in keys
         parts = pieces.get(idx, [])
         on_device = all(placement.plan.tiers[sg.index] == DEVICE for sg, _ in parts)
         if on_device and len(parts) == 1:
             sg, sl = parts[0]
             if sg.index not in sub_state:
-                sub_state[sg.index] = placement.state_of(sg)
+                sub_state[sg.index] = placement.state_of(sg, master)
             st = sub_state[sg.index]
             a, b = sl.sub_offset, sl.sub_offset + sl.numel
             flat = {k: st[k][a:b] for k in keys}
@@ -124,13 +128,14 @@ def iter_state(layout, placement, state_format):
                 flat["master"] = flat["master"].clone()
             if last_use[sg.index] == idx:
                 del sub_state[sg.index]
+            del st  # a decoded master lives no longer than its last param needs it
         else:
             where = p.device if on_device else torch.device("cpu")
             # moments in the format's dtypes (bf16 when compressed), the master in fp32
             flat = {k: torch.empty(p.numel(), dtype=_state_dtype(state_format, k), device=where) for k in keys}
             for sg, sl in parts:
                 if sg.index not in sub_state:
-                    sub_state[sg.index] = placement.state_of(sg)
+                    sub_state[sg.index] = placement.state_of(sg, master)
                 a, b = sl.sub_offset, sl.sub_offset + sl.numel
                 for k in keys:
                     flat[k][sl.param_offset:sl.param_offset + sl.numel].copy_(sub_state[sg.index][k][a:b])

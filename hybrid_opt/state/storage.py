@@ -161,16 +161,19 @@ class ParamGuard:
                         before = before.reshape(-1)[sl.param_offset:sl.param_offset + sl.numel].to(master.device)
                         diff = before.view(torch.int16) != now.view(torch.int16)
                     else:
-                        diff = ~_written_as(master[a:b], now)
+                        diff = _written_as(master[a:b], now).logical_not_()
                     if not bool(diff.any()):
                         continue
-                    master[a:b] = torch.where(diff, now.float(), master[a:b])
+                    # merged in place: neither an fp32 copy of the param nor the merged result
+                    # is made (each a slice's fp32 temporary; on the model's device when the
+                    # master is there, and state_dict() runs this)
+                    torch.where(diff, now, master[a:b], out=master[a:b])
                 else:
                     master[a:b].copy_(now)
                 held = self.held.get(sl.param_index)
                 if held is not None:  # written to a loaded master's rounding: that master stands
                     saved = held[sl.param_offset:sl.param_offset + sl.numel].to(master.device, torch.float32)
-                    master[a:b] = torch.where(_written_as(saved, now), saved, master[a:b])
+                    torch.where(_written_as(saved, now), saved, master[a:b], out=master[a:b])
                 changed = True
         if changed:
             pl.load(sg, st)

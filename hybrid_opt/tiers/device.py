@@ -133,10 +133,12 @@ class DeviceTier:
         sg.write(high, a, b)
         self.remainder[index][a:b].copy_(low)
 
-    def state_of(self, index: int) -> dict:
+    def state_of(self, index: int, master: bool = True) -> dict:
         """{"master", "exp_avg", "exp_avg_sq"[, "max_exp_avg_sq"]}: views, but the master of a
-        subgroup with remainders (decoded: write it back with set_master)."""
-        st = {"master": self.master_of(index)}
+        subgroup with remainders (decoded: write it back with set_master). `master=False`
+        leaves the master out: an fp32 subgroup's master is its params, a new tensor where
+        several params share it, which a reader of its fp32 params' moments has no use for."""
+        st = {"master": self.master_of(index)} if master else {}
         st.update(self.state[index])
         return st
 

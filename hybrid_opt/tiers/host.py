@@ -294,13 +294,17 @@ class HostTier:
                 pass  # a read still holds it: the gc frees it once that ends
         return bad
 
-    def state(self, sg: int) -> dict:
+    def state(self, sg: int, master: bool = True) -> dict:
         """The committed state of `sg`: views for a resident subgroup, copies read (and
-        checksum-verified) from its file for an nvme one. Keys: param, exp_avg, exp_avg_sq
-        [, max_exp_avg_sq]."""
+        checksum-verified) from its file for an nvme one. Keys: param (the fp32 master; left
+        out with `master=False`: a reader of fp32 params' moments need not copy it), exp_avg,
+        exp_avg_sq[, max_exp_avg_sq]."""
         self._step.require_idle(sg)
         if not self.nvme[sg]:
-            return self._banks.bank_state(self._resident(sg), sg)
+            st = self._banks.bank_state(self._resident(sg), sg)
+            if not master:
+                del st["param"]
+            return st
         bank = self._borrow_bank()
         try:
             slot = self._files.slot(sg)
@@ -311,7 +315,7 @@ class HostTier:
                               f"corrupt — restore from a checkpoint")
             if self._banks.keeps_remainders(sg):  # the file holds the low halves; the high half is the model's param
                 self._banks.read_high(sg, bank)
-            return {k: v.clone() for k, v in self._banks.bank_state(bank, sg).items()}
+            return {k: v.clone() for k, v in self._banks.bank_state(bank, sg).items() if master or k != "param"}
         finally:
             self.pool.release(bank)
 
