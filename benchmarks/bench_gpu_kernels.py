@@ -238,22 +238,36 @@ def check_compressed(device, sizes):
 
 
 def check_adam(device, sizes):
-    """One step of every implementation from the same state must agree (fp32 rounding)."""
-    results = {}
-    for name, make in ADAM_IMPLS.items():
-        state = adam_state(sizes, device)
-        make(state, device)()
-        results[name] = (torch.cat(state["params"]), torch.cat(state["copies"]))
-    ref_p, _ = results["torch.AdamW(fused=True)"]
+    """One step of every implementation from the same state. Ours must be the bits of the
+    reference's fp32 arithmetic (computed on the CPU: the kernel contracts no multiply-add) and
+    every implementation within fp32 rounding of the fp64 reference — torch.optim.AdamW's
+    formula, which torch's fused kernel computes in another order (measured on an H200: 2.5e-6
+    from foreach and from ours, which agree)."""
+    import gpu_kernels
+    start = adam_state(sizes, device)
+    inv_scale = 1.0 / LOSS_SCALE
+    exact = {k: [t.to("cpu", copy=True) for t in v] for k, v in start.items()}
+    rounded = {k: [t.to("cpu", copy=True) for t in v] for k, v in start.items()}
+    for ref, arithmetic in ((exact, "fp32"), (rounded, "fp64")):
+        gpu_kernels.fused_adam_reference_(ref["params"], ref["grads"], ref["exp_avgs"], ref["exp_avg_sqs"],
+                                          step=STEP, grad_scale=inv_scale, arithmetic=arithmetic, **HYPER)
+    ref_exact, ref_p = torch.cat(exact["params"]), torch.cat(rounded["params"])
     failures = []
-    for name, (p, c) in results.items():
-        # the tests' fp32 tolerance (tests/tolerances.py): |a - b| <= 1e-6 + 1e-5 |b|
-        close = torch.allclose(p, ref_p, rtol=1e-5, atol=1e-6)
+    for name, make in ADAM_IMPLS.items():
+        state = {k: [t.clone() for t in v] for k, v in start.items()}
+        make(state, device)()
+        p, c = torch.cat(state["params"]).cpu(), torch.cat(state["copies"]).cpu()
+        # ours: the tests' fp32 tolerance (tests/tolerances.py), |a - b| <= 1e-6 + 1e-5 |b|; a
+        # peer ten times that (its order of operations is its own: this catches a wrong setup)
+        ours = name == "gpu_kernels.fused_adam_"
+        close = torch.allclose(p, ref_p.float(), rtol=1e-5 if ours else 1e-4, atol=1e-6 if ours else 1e-5)
         diff = (p.double() - ref_p.double()).abs().max().item()
         copy_ok = torch.equal(c, p.to(torch.bfloat16))
-        print(f"check {name}: params vs torch fused max |diff| {diff:.2e} (close: {close}); "
-              f"bf16 copy == cast: {copy_ok}")
-        if not close or not copy_ok:
+        bitwise = torch.equal(p, ref_exact) if ours else True
+        print(f"check {name}: params vs the fp64 reference max |diff| {diff:.2e} (close: {close})"
+              + (f"; the fp32 reference's bits: {bitwise}" if ours else "")
+              + f"; bf16 copy == cast: {copy_ok}")
+        if not close or not copy_ok or not bitwise:
             failures.append(name)
     return failures
 

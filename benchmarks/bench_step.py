@@ -123,6 +123,20 @@ class Runner:
         return _quantiles(self.call_samples(self.fwd_bwd(model)))
 
 
+def _release(model) -> None:
+    """Frees the params and grads of a row's model now, even where its optimizer still holds
+    them: torchao's CPUOffloadOptimizer registers a post-accumulate-grad hook on each param
+    whose closure holds the optimizer, which holds the param, a cycle through the autograd
+    hook that the gc never collects. The rows after it then count that model's params and
+    grads in their peak device memory: 8 B/param, the +1.5 GB by which "auto" (4,702 MB) and
+    offload 0 (4,710 MB) exceeded torch fused AdamW's 3,139 MB on an H200 at 201M params, in a
+    one-round study where they ran after torchao's row (3,163 and 3,170 MB in one without it)."""
+    with torch.no_grad():
+        for p in model.parameters():
+            p.grad = None
+            p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+
+
 def _peak_device_mb(device):
     if device.type != "cuda":
         return None
@@ -158,6 +172,7 @@ def _hybrid_samples(runner, args, device, n_params, warmup=3, **kw) -> tuple[dic
                 "spare_banks": opt.plan.spare_banks, "speculative": opt.speculative}
         if opt.parts.placement.auto is not None:
             info["refit_moves"] = opt.parts.placement.auto.moves
+    _release(model)
     del model
     return samples, info
 
@@ -199,6 +214,7 @@ def _plain_samples(runner, args, device, make_opt, warmup=2) -> tuple[dict, dict
     opt = make_opt(model.parameters())
     samples = runner.samples(model, opt, warmup)
     info = {"peak_device_mb": _peak_device_mb(device)}
+    _release(model)
     del model, opt
     return samples, info
 
@@ -289,6 +305,7 @@ def _time_alone(runner, args, device, split, alone: dict) -> None:
     else:
         for k, ts in calibrate.trainer_times(split.trainer, split.worker, run, runner.call_samples).items():
             alone[k] += ts
+    _release(model)
     del model
 
 

@@ -12,6 +12,8 @@
 #   OUT=/some/dir bash benchmarks/gpu_check.sh   # log and JSON under $OUT (the device tool's folder)
 #   PEERS=1 bash benchmarks/gpu_check.sh         # also the one-round peer study (+2 min 30 s)
 #   SWEEP=1 bash benchmarks/gpu_check.sh         # also the kernels' launch-configuration sweep (+2 min)
+#   SUITE=1 bash benchmarks/gpu_check.sh         # also the demo, HF Trainer, benchmark and planner tests
+#                                                #   on the GPU (up to 5 min more; not timed on an H200 yet)
 #
 # The peer study's torchao row (CPUOffloadOptimizer) comes as a wheel carried in .wheels/:
 #   pip download torchao==0.18.0 --no-deps -d .wheels    # here, before the device call
@@ -47,20 +49,27 @@ step() {  # step NAME SECONDS COMMAND...: run with a time limit, remember a fail
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv || true
 step versions 10 python -c "import sys, torch, triton; print(sys.version.split()[0], 'torch', torch.__version__, 'triton', triton.__version__, 'cuda', torch.cuda.is_available())"
 step install 35 python -m pip install --no-deps --no-build-isolation -e .
-# pytest-xdist where the machine has it (the H200 image does): the gpu tests share the GPU
+# pytest-xdist where the machine has it (the H200 image does): gpu tests share the GPU, but
+# those marked whole_gpu (they fill its memory or launch ranks on it) run one at a time
 XDIST=()
 if python -c "import xdist" 2>/dev/null; then XDIST=(-n 6); fi
-step gpu-tests 140 python -m pytest -m gpu -q -rfE -p no:cacheprovider "${XDIST[@]}" tests
-# the plain tests that take a CUDA path where a GPU is present (the first H200 run failed these)
-step cuda-suite 100 python -m pytest -q -rfE -p no:cacheprovider "${XDIST[@]}" -m "not gpu" \
-    tests/test_gpu_kernels.py tests/test_gpu_kernels_compressed.py tests/test_demo.py tests/test_cost_model.py \
-    tests/test_benchmarks.py tests/test_frameworks_hf.py tests/test_distributed_spec_edits.py \
+step gpu-tests 90 python -m pytest -m "gpu and not whole_gpu" -q -rfE -p no:cacheprovider "${XDIST[@]}" tests
+step gpu-serial 60 python -m pytest -m "gpu and whole_gpu" -q -rfE -p no:cacheprovider tests
+# the plain tests that take a CUDA path where a GPU is present (85 s at -n 6 on the H200)
+step cuda-suite 90 python -m pytest -q -rfE -p no:cacheprovider "${XDIST[@]}" -m "not gpu" \
+    tests/test_gpu_kernels.py tests/test_gpu_kernels_compressed.py tests/test_distributed_spec_edits.py \
     tests/test_device_path.py tests/test_failures_mid_step.py
 step benchmark 60 python benchmarks/bench_gpu_kernels.py --quick --json "$OUT_DIR/bench_gpu_kernels.json"
 step end-to-end 50 python benchmarks/bench_step.py --iters 10 --json "$OUT_DIR/bench_step.json"
 step memory 30 python benchmarks/gpu_table.py memory --json "$OUT_DIR/gpu_memory.json"
 if [[ "${SWEEP:-0}" == 1 ]]; then
     step sweep 120 python benchmarks/bench_gpu_kernels.py --quick --sweep --json "$OUT_DIR/bench_gpu_kernels_sweep.json"
+fi
+if [[ "${SUITE:-0}" == 1 ]]; then
+    # the other plain tests with CUDA paths: the demo (it trains on the GPU), the frameworks'
+    # Trainer cases, the benchmarks' tiny runs, the planner presets; longer than the default's time
+    step cuda-suite-long 300 python -m pytest -q -rfE -p no:cacheprovider "${XDIST[@]}" -m "not gpu" \
+        tests/test_demo.py tests/test_frameworks_hf.py tests/test_benchmarks.py tests/test_cost_model.py
 fi
 if [[ "${PEERS:-0}" == 1 ]]; then
     if compgen -G ".wheels/torchao-*.whl" > /dev/null; then

@@ -9,6 +9,12 @@ import cpu_kernels as ck
 from hybrid_opt.tiers.host import StepInputs
 
 
+# where gpu_kernels run in this process: CUDA where a GPU is present, else CPU tensors through
+# Triton's interpreter (conftest sets TRITON_INTERPRET=1 only without CUDA). Tests of the device
+# tier's CUDA logic make their tensors here, so they run on either host.
+KERNEL_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
 def thread_masks() -> dict:
     """Every thread's CPU affinity in this process (affinity is per thread on Linux)."""
     masks = {}

@@ -160,8 +160,8 @@ def test_nvme_subgroups_are_read_once_and_dropped_when_done(nvme_dir):
         reads, alive, most = collections.Counter(), [], [0]
         real = host.state
 
-        def counting(local):
-            st = real(local)
+        def counting(local, master=True):
+            st = real(local, master)
             reads[local] += 1
             alive.append(weakref.ref(st["exp_avg"]))
             most[0] = max(most[0], sum(r() is not None for r in alive))

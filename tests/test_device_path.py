@@ -21,6 +21,7 @@ from hybrid_opt.clocks import CudaClock, HostClock, clock_for
 from hybrid_opt.step_stats import MAX_UNREAD_SAMPLES
 from hybrid_opt.tiers.device import DeviceTier, read_scalars
 from hybrid_opt.tiers.inputs import StepInputs
+from helpers import KERNEL_DEVICE
 from tolerances import assert_close
 
 # the scheduler's synthetic rates (as tests/test_scheduler.py): "auto" keeps everything on
@@ -97,7 +98,7 @@ def test_step_reads_the_device_once_per_step(monkeypatch, clip, scaler):
 
 # ============================================================================= the device tier
 def _device_tier(numels=(300, 77)):
-    params = [torch.randn(n) for n in numels]
+    params = [torch.randn(n, device=KERNEL_DEVICE) for n in numels]
     sgs = L.layout_group(params, 0, 0, 1 << 20, 0)
     for p in params:
         p.grad = torch.randn_like(p)
@@ -130,10 +131,10 @@ def test_float_grad_scale_gives_the_bits_of_a_tensor_scale():
     tensor it replaces was: the same bits."""
     torch.manual_seed(3)
     n = 1000
-    state = (torch.randn(n), torch.randn(n) * 0.1, torch.rand(n) * 1e-2)
-    g = torch.randn(n)
+    state = tuple(t.to(KERNEL_DEVICE) for t in (torch.randn(n), torch.randn(n) * 0.1, torch.rand(n) * 1e-2))
+    g = torch.randn(n).to(KERNEL_DEVICE)
     results = []
-    for scale in (0.1 * -1, torch.tensor([0.1 * -1], dtype=torch.float32)):
+    for scale in (0.1 * -1, torch.tensor([0.1 * -1], dtype=torch.float32, device=KERNEL_DEVICE)):
         p, m, v = (t.clone() for t in state)
         gpu_kernels.fused_adam_([p], [g], [m], [v], step=3, lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8,
                                 weight_decay=0.1, grad_scale=scale)

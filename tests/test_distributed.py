@@ -241,6 +241,7 @@ def test_dcp_save_2_load_1(checkpointed, into):
 
 
 @pytest.mark.gpu
+@pytest.mark.whole_gpu  # a torchrun launch on the GPU: one at a time
 def test_fsdp2_on_cuda_one_rank(tmp_path):
     """FSDP2 on a CUDA mesh (one rank per GPU; the GPU machine has one): DTensor shards on the
     GPU, the device tier's Triton step and the host tier's staged CUDA grads, against torch on
@@ -445,6 +446,7 @@ def test_process_group_failed_wait_names_its_bound():
 
 
 @pytest.mark.gpu
+@pytest.mark.whole_gpu  # a torchrun launch on the GPU: one at a time
 def test_process_group_on_cuda_one_rank(tmp_path):
     """process_group over NCCL on one GPU (the GPU machine has one): reduce-scatter /
     all-gather, gathers launched as step() commits, waited for by the stream; params follow

@@ -470,11 +470,13 @@ def _two_launch_tier(device):
 
 
 def test_cuda_path_reports_what_each_launch_wrote(monkeypatch):
-    """DeviceTier._step_cuda (run here on CPU tensors through TRITON_INTERPRET): its progress
-    has a launch that succeeded as done, the one that raised as unsure (a fused_adam_ call may
-    launch more than once); the entries after it in neither, and their state is untouched."""
+    """DeviceTier._step_cuda (on CUDA where a GPU is present, else on CPU tensors through
+    TRITON_INTERPRET): its progress has a launch that succeeded as done, the one that raised as
+    unsure (a fused_adam_ call may launch more than once); the entries after it in neither,
+    and their state is untouched."""
     import gpu_kernels
-    tier, work, params = _two_launch_tier("cpu")
+    from helpers import KERNEL_DEVICE
+    tier, work, params = _two_launch_tier(KERNEL_DEVICE)
     before = [p.detach().clone() for p in params]
     _fail_on_call(monkeypatch, gpu_kernels, "fused_adam_", 2, RuntimeError("injected: launch failed"))
     with pytest.raises(RuntimeError, match="injected"):

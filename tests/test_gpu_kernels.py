@@ -672,6 +672,7 @@ def test_no_host_sync_in_steady_state():
 
 
 @pytest.mark.gpu
+@pytest.mark.whole_gpu  # ~52 GiB: one at a time
 def test_tensors_past_2_pow_31_elements():
     n = 2 ** 31 + 4099
     free, _ = torch.cuda.mem_get_info()

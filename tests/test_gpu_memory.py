@@ -13,7 +13,8 @@ from torch import nn
 
 from hybrid_opt import HybridAdamW
 
-pytestmark = pytest.mark.gpu
+# whole_gpu: these measure and fill the GPU's memory; gpu_check.sh runs them one at a time
+pytestmark = [pytest.mark.gpu, pytest.mark.whole_gpu]
 
 MiB, GiB = 1 << 20, 1 << 30
 # "auto" plans from these instead of measuring: a GPU Adam far faster than the host's, so any

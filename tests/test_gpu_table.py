@@ -131,7 +131,8 @@ def test_gpu_check_fits_eight_minutes_and_makes_the_peer_study_opt_in():
     steps = _steps(script)
     assert {"gpu-tests", "benchmark", "end-to-end", "memory", "table"} <= set(steps), steps
     grace = int(re.search(r"--kill-after=(\d+)", script).group(1))
-    default = {k: v for k, v in steps.items() if k not in ("peers", "torchao", "sweep")}
+    default = {k: v for k, v in steps.items() if k not in ("peers", "torchao", "sweep", "cuda-suite-long")}
     assert sum(default.values()) + grace * len(default) <= 8 * 60, default
     assert re.search(r'if \[\[ "\$\{PEERS:-0\}" == 1 \]\]', script), "the peer study must be opt-in (PEERS=1)"
+    assert re.search(r'if \[\[ "\$\{SUITE:-0\}" == 1 \]\]', script), "the long CUDA suite must be opt-in (SUITE=1)"
     assert "gpu_table.py table" in script and "gpu_table.py memory" in script
