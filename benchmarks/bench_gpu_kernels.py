@@ -7,7 +7,8 @@ move per element: read p, m, v (12) + a bf16 grad (2), write p, m, v (12) + a bf
 = 28 B. Every implementation's GB/s is those 28 B × numel / time, so GB/s ratios are speed
 ratios, and "% BW" compares with the device-to-device copy bandwidth measured in the same run.
 
-  gpu_kernels.fused_adam_      one launch: unscale, AdamW, bf16 copy
+  gpu_kernels.fused_adam_      one launch: unscale, AdamW, bf16 copy (each call checks every tensor)
+  gpu_kernels.FusedAdam.step   the same launch over tensors checked and tabled once
   torch.AdamW(fused=True)      bf16 grads copied into fp32 .grad buffers (_foreach_copy_),
                                the fused step unscaling through its grad_scale/found_inf (as
                                GradScaler drives it), params copied into the bf16 copy
@@ -51,6 +52,9 @@ import sys
 import time
 
 import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _common import time_ms  # noqa: E402
 
 ADAM_BYTES = 28
 STATS_BYTES = 2
@@ -171,8 +175,21 @@ def torch_adam(state, device, *, fused):
     return step
 
 
+def ours_prepared(state, device):
+    import gpu_kernels
+    inv_scale = torch.full((1,), 1.0 / LOSS_SCALE, device=device)
+    found_inf = torch.zeros(1, device=device)
+    launch = gpu_kernels.FusedAdam(state["params"], state["grads"], state["exp_avgs"], state["exp_avg_sqs"],
+                                   param_copies=state["copies"])
+
+    def step():
+        launch.step(step=STEP, grad_scale=inv_scale, found_inf=found_inf, **HYPER)
+    return step
+
+
 ADAM_IMPLS = {
     "gpu_kernels.fused_adam_": ours_adam,
+    "gpu_kernels.FusedAdam.step": ours_prepared,
     "torch.AdamW(fused=True)": lambda s, d: torch_adam(s, d, fused=True),
     "torch.AdamW(foreach=True)": lambda s, d: torch_adam(s, d, fused=False),
 }
@@ -259,7 +276,7 @@ def check_adam(device, sizes):
         p, c = torch.cat(state["params"]).cpu(), torch.cat(state["copies"]).cpu()
         # ours: the tests' fp32 tolerance (tests/tolerances.py), |a - b| <= 1e-6 + 1e-5 |b|; a
         # peer ten times that (its order of operations is its own: this catches a wrong setup)
-        ours = name == "gpu_kernels.fused_adam_"
+        ours = name.startswith("gpu_kernels.")
         close = torch.allclose(p, ref_p.float(), rtol=1e-5 if ours else 1e-4, atol=1e-6 if ours else 1e-5)
         diff = (p.double() - ref_p.double()).abs().max().item()
         copy_ok = torch.equal(c, p.to(torch.bfloat16))
@@ -361,27 +378,79 @@ def run_jobs(jobs, impls, make_inputs, bytes_per_elem, device, device_name, time
 
 
 def sweep(device, device_name, timer, numel):
+    """Times other launch configurations of both kernels on this GPU, each set as its
+    architecture's entry of the kernel's LAUNCH_CONFIG (as _runtime.launch_config picks it), and
+    prints the fastest as the entry to put there."""
     adam = importlib.import_module("gpu_kernels.adam")
     stats = importlib.import_module("gpu_kernels.grad_stats")
+    if device.type == "cuda":
+        major, minor = torch.cuda.get_device_capability(device)
+        arch = f"sm_{major}{minor}"
+    else:
+        arch = "cpu"
     records = []
-    default = dict(adam.LAUNCH_CONFIG["cuda"])
-    state = adam_state([numel], device)
-    for block, iters, warps in itertools.product((1024, 2048, 4096), (1, 4), (4, 8)):
-        adam.LAUNCH_CONFIG["cuda"] = dict(BLOCK=block, ITERS=iters, num_warps=warps)
-        median, p20, p80 = timer(ours_adam(state, device))
-        records.append(record(f"gpu_kernels.fused_adam_ BLOCK={block} ITERS={iters} warps={warps}", numel,
-                              median, p20, p80, ADAM_BYTES, device_name))
-    adam.LAUNCH_CONFIG["cuda"] = default
-    del state
-    free_memory()
-    default = dict(stats.LAUNCH_CONFIG["cuda"])
-    grads = [torch.randn(numel, device=device).to(torch.bfloat16)]
-    for block, iters, warps in itertools.product((2048, 4096), (4, 8, 16), (8,)):
-        stats.LAUNCH_CONFIG["cuda"] = dict(default, BLOCK=block, ITERS=iters, num_warps=warps)
-        median, p20, p80 = timer(ours_stats(grads, device))
-        records.append(record(f"gpu_kernels.grad_stats BLOCK={block} ITERS={iters} warps={warps}", numel,
-                              median, p20, p80, STATS_BYTES, device_name))
-    stats.LAUNCH_CONFIG["cuda"] = default
+    for module, name, make, grid in (
+            (adam, "gpu_kernels.fused_adam_", lambda: (adam_state([numel], device), ours_adam, ADAM_BYTES),
+             itertools.product((1024, 2048, 4096), (1, 2, 4), (4, 8))),
+            (stats, "gpu_kernels.grad_stats",
+             lambda: ([torch.randn(numel, device=device).to(torch.bfloat16)], ours_stats, STATS_BYTES),
+             itertools.product((2048, 4096), (4, 8, 16), (8,)))):
+        saved = module.LAUNCH_CONFIG.get(arch)
+        base = dict(module.LAUNCH_CONFIG.get(arch, module.LAUNCH_CONFIG["cuda" if arch != "cpu" else "cpu"]))
+        inputs, impl, nbytes = make()
+        best = None
+        try:
+            for block, iters, warps in grid:
+                config = dict(base, BLOCK=block, ITERS=iters, num_warps=warps)
+                module.LAUNCH_CONFIG[arch] = config
+                median, p20, p80 = timer(impl(inputs, device))
+                records.append(record(f"{name} BLOCK={block} ITERS={iters} warps={warps}", numel,
+                                      median, p20, p80, nbytes, device_name))
+                if best is None or median < best[0]:
+                    best = (median, config)
+        finally:
+            if saved is None:
+                module.LAUNCH_CONFIG.pop(arch, None)
+            else:
+                module.LAUNCH_CONFIG[arch] = saved
+        print(f"sweep: fastest {name} on {arch}: {best[0]:.3f} ms with {best[1]} — "
+              f"{module.__name__}.LAUNCH_CONFIG[{arch!r}] = {best[1]}", flush=True)
+        del inputs
+        free_memory()
+    return records
+
+
+def launch_overhead(n_tensors, rounds=21):
+    """Host time of one call over `n_tensors` tensors, fused_adam_ against FusedAdam.step: what
+    a list pays per step before its kernel runs (on a GPU it decides the list's figure once it
+    exceeds the kernel's time). On CUDA the calls launch; without a GPU every launch compiles
+    for sm_90 instead (gpu_kernels.offline: the same launcher and Triton binder, no launch)."""
+    import contextlib
+    import gpu_kernels
+    from gpu_kernels import offline
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda" if cuda else "cpu")
+    sizes = random_sizes(n_tensors * 1000, n_tensors)
+    state = adam_state(sizes, device)
+    scale, found_inf = torch.full((1,), 1.0 / LOSS_SCALE, device=device), torch.zeros(1, device=device)
+    kwargs = dict(step=STEP, grad_scale=scale, found_inf=found_inf, **HYPER)
+    lists = (state["params"], state["grads"], state["exp_avgs"], state["exp_avg_sqs"])
+    records = []
+    with contextlib.nullcontext() if cuda else offline.compile_for("sm_90"):
+        launch = gpu_kernels.FusedAdam(*lists, param_copies=state["copies"])
+        calls = {"gpu_kernels.fused_adam_": lambda: gpu_kernels.fused_adam_(*lists, param_copies=state["copies"],
+                                                                           **kwargs),
+                 "gpu_kernels.FusedAdam.step": lambda: launch.step(**kwargs)}
+        for name, call in calls.items():
+            t = time_ms(call, reps=rounds, warmup=1)  # the first call compiles
+            median, p20, p80 = (t[k] * 1e3 for k in ("median_ms", "p20_ms", "p80_ms"))
+            records.append(dict(impl=f"host time per call: {name} [{n_tensors} tensors]", n_tensors=n_tensors,
+                                median_us=median, p20_us=p20, p80_us=p80,
+                                mode="cuda launch" if cuda else "compile-only for sm_90 (no GPU)"))
+            print(f"host time per call, {name}, {n_tensors} tensors: {median:.1f} us (p20 {p20:.1f}, "
+                  f"p80 {p80:.1f}; {'CUDA' if cuda else 'no GPU: compile-only launches for sm_90'})", flush=True)
+        if cuda:
+            torch.cuda.synchronize()
     return records
 
 
@@ -411,8 +480,18 @@ def main(argv=None):
     parser.add_argument("--list-numel", help="total elements of the list case (256M; 64M with --quick)")
     parser.add_argument("--sweep", action="store_true", help="also time other launch configurations")
     parser.add_argument("--json", metavar="PATH", help="write the records there")
+    parser.add_argument("--launch-overhead", action="store_true",
+                        help="only the host time per call over --tensors tensors (runs without a GPU too)")
     parser.add_argument("--dry-run", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+
+    if args.launch_overhead:
+        records = launch_overhead(args.tensors)
+        if args.json:
+            os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+            with open(args.json, "w") as f:
+                json.dump(records, f, indent=1)
+        return 0
 
     if args.dry_run:
         os.environ.setdefault("TRITON_INTERPRET", "1")

@@ -14,7 +14,10 @@ copy bandwidth of the same run), bench_step.json (the share of the host step hid
 backward with speculation on) and gpu_memory.json — and prints one markdown table. A JSON that
 is missing, unreadable or lacks the records a row needs gives that row "missing" with the
 reason (the step that writes it failed or did not run: see gpu_check.log), never an exception:
-the table is printed at the end of the check whatever failed before it.
+the table is printed at the end of the check whatever failed before it. A second table gives
+each of issue #35's goals with its measured value and pass / FAIL (or "-" where the check did
+not measure it: the peer goals need PEERS=1's bench_peers.json). The table step's own exit
+status stays 0: a goal not met is a figure to work on, a failed step is a check that broke.
 """
 from __future__ import annotations
 
@@ -26,6 +29,7 @@ import sys
 
 KERNELS_JSON, STEP_JSON, MEMORY_JSON = "bench_gpu_kernels.json", "bench_step.json", "gpu_memory.json"
 OURS_ADAM, TORCH_ADAM, COPY = "gpu_kernels.fused_adam_", "torch.AdamW(fused=True)", "copy_bandwidth"
+PREPARED_ADAM = "gpu_kernels.FusedAdam.step"
 PLACEMENTS = (0.0, 0.5, 1.0)
 MB = 2 ** 20
 
@@ -120,6 +124,132 @@ def memory_rows(records: list) -> list:
     return rows
 
 
+# ------------------------------------------------------------------------------------------
+# issue #35's goals, each measured, pass or fail
+# ------------------------------------------------------------------------------------------
+PEERS_JSON = "bench_peers.json"
+TORCH_ROW, TORCHAO_ROW = "device only: torch AdamW(fused=True)", "torchao CPUOffloadOptimizer"
+ROOF = 0.90  # of the D2D copy bandwidth measured in the same run
+
+
+def _verdict(ok: bool) -> str:
+    return "pass" if ok else "FAIL"
+
+
+def kernel_goals(records: list) -> list:
+    """fused_adam_ at >= 90 % of the copy bandwidth (the largest single tensor, and the list);
+    grad_stats at least torch._foreach_norm's speed at every size."""
+    copy = next((r.get("gb_per_s") for r in records if r.get("impl") == COPY), None)
+    if not copy:
+        raise Missing(f"no copy bandwidth in {KERNELS_JSON}")
+    rows = []
+    ours = [r for r in records if r.get("impl") == OURS_ADAM and r.get("gb_per_s")]
+    # a list: the better of fused_adam_ (checks every tensor each call) and FusedAdam.step
+    listed = [r for r in records if r.get("gb_per_s") and any(
+        str(r.get("impl", "")).startswith(prefix + " [") for prefix in (OURS_ADAM, PREPARED_ADAM))]
+    listed.sort(key=lambda r: -r["gb_per_s"])
+    for what, pick in (("one tensor", max(ours, key=lambda r: r.get("numel", 0)) if ours else None),
+                       ("a list", listed[0] if listed else None)):
+        goal = f"fused_adam_ >= {ROOF:.0%} of D2D copy, {what}"
+        if pick is None:
+            rows.append((goal, f"missing: no such {OURS_ADAM} record", "-"))
+            continue
+        share = pick["gb_per_s"] / copy
+        rows.append((goal, f"{share:.0%} ({pick['gb_per_s']:.0f} of {copy:.0f} GB/s; "
+                           f"{_human(pick.get('numel', 0))} {pick['impl']})",
+                     _verdict(share >= ROOF)))
+    stats = {(r["impl"].replace("gpu_kernels.grad_stats", ""), r.get("numel")): r for r in records
+             if str(r.get("impl", "")).startswith("gpu_kernels.grad_stats") and r.get("median_ms")}
+    for r in records:
+        impl = str(r.get("impl", ""))
+        if not impl.startswith("torch._foreach_norm") or not r.get("median_ms"):
+            continue
+        mine = stats.get((impl.replace("torch._foreach_norm", ""), r.get("numel")))
+        if mine is None:
+            continue
+        ratio = r["median_ms"] / mine["median_ms"]
+        rows.append((f"grad_stats >= torch._foreach_norm, {_human(r.get('numel', 0))}"
+                     f"{impl[len('torch._foreach_norm'):]}", f"{ratio:.2f}x its speed", _verdict(ratio >= 1.0)))
+    return rows
+
+
+def memory_goals(records: list) -> list:
+    ours = next((r for r in records if r.get("impl") == "HybridAdamW" and r.get("offload") == 0.0), None)
+    ref = next((r for r in records if r.get("impl") == TORCH_ADAM), None)
+    if not ours or not ref or ours.get("peak_device_mb") is None or ref.get("peak_device_mb") is None:
+        raise Missing(f"no offload 0 or torch record in {MEMORY_JSON}")
+    ratio = ours["peak_device_mb"] / ref["peak_device_mb"]
+    return [("peak device memory at offload 0 <= torch fused AdamW's",
+             f"{ratio:.3f}x ({ours['peak_device_mb']:.0f} vs {ref['peak_device_mb']:.0f} MB)", _verdict(ratio <= 1.0))]
+
+
+def speculation_goals(records: list) -> list:
+    spec = next((r for r in records if "speculative=True" in str(r.get("impl", ""))), None)
+    seq = next((r for r in records if "speculative=False" in str(r.get("impl", ""))), None)
+    if not spec or not seq or not spec.get("median_ms") or not seq.get("median_ms"):
+        raise Missing(f"no speculative=True/False pair in {STEP_JSON}")
+    ratio = spec["median_ms"] / seq["median_ms"]
+    rows = [("speculation never slower than without (iteration)",
+             f"{ratio:.3f}x ({spec['median_ms']:.1f} vs {seq['median_ms']:.1f} ms)", _verdict(ratio <= 1.0))]
+    # backward as it is without speculation (speculation's hooks lengthen the speculative row's)
+    fwd, worker, hidden = seq.get("fwd_bwd_ms"), spec.get("worker_ms"), spec.get("hidden_pct")
+    if fwd is not None and worker is not None and hidden is not None:
+        if fwd > worker:
+            rows.append(("speculation hides >= 80% of the host step (backward longer than it)",
+                         f"{hidden:.0f}%", _verdict(hidden >= 80)))
+        else:
+            rows.append(("speculation hides >= 80% of the host step (backward longer than it)",
+                         f"not applicable here: backward {fwd:.1f} ms < host step {worker:.1f} ms "
+                         f"({hidden:.0f}% hidden)", "-"))
+    return rows
+
+
+def peer_goals(records: list) -> list:
+    """At offload 0: iteration <= 1.02x torch fused AdamW's; at offload 1.0: <= 0.8x torchao's
+    time, at no more peak device memory and host bytes per param."""
+    by = {str(r.get("impl", "")): r for r in records}
+    rows = []
+    torch_row = by.get(TORCH_ROW)
+    off0 = by.get("HybridAdamW offload 0")
+
+    def iteration(goal, ours, peer, limit):
+        ratio = ours["median_ms"] / peer["median_ms"]
+        rows.append((goal, f"{ratio:.2f}x ({ours['median_ms']:.1f} vs {peer['median_ms']:.1f} ms)",
+                     _verdict(ratio <= limit)))
+    if torch_row and off0:
+        iteration("iteration at offload 0 <= 1.02x torch fused AdamW's", off0, torch_row, 1.02)
+    torchao = next((r for k, r in by.items() if k.startswith(TORCHAO_ROW)), None)
+    off1 = by.get("HybridAdamW offload 1")
+    if torchao and off1:
+        iteration("iteration at offload 1.0 <= 0.8x torchao CPUOffloadOptimizer's", off1, torchao, 0.8)
+        for key, what in (("peak_device_mb", "peak device MB"), ("host_bytes_per_param", "host B/param")):
+            a, b = off1.get(key), torchao.get(key)
+            if a is not None and b is not None:
+                rows.append((f"{what} at offload 1.0 <= torchao's", f"{a:.1f} vs {b:.1f}", _verdict(a <= b)))
+    elif off1:
+        rows.append(("iteration at offload 1.0 <= 0.8x torchao CPUOffloadOptimizer's",
+                     "missing: no torchao row (carry its wheel in .wheels/)", "-"))
+    if not rows:
+        raise Missing(f"no torch / offload rows in {PEERS_JSON}")
+    return rows
+
+
+def goals(out_dir: str) -> str:
+    """Issue #35's goals as a markdown table: measured value, pass / FAIL, or "-" with why not."""
+    rows = []
+    for name, make, what in ((KERNELS_JSON, kernel_goals, "kernels at the roof"),
+                             (MEMORY_JSON, memory_goals, "peak device memory at offload 0"),
+                             (STEP_JSON, speculation_goals, "speculation"),
+                             (PEERS_JSON, peer_goals, "iteration vs torch and torchao (PEERS=1)")):
+        try:
+            rows += make(load(out_dir, name))
+        except Missing as e:
+            rows.append((what, f"missing: {e}", "-"))
+    lines = ["| goal | measured | verdict |", "|---|---|---|"]
+    lines += [f"| {a} | {b} | {c} |" for a, b, c in rows]
+    return "\n".join(lines)
+
+
 def assemble(out_dir: str) -> str:
     """One markdown table of every figure, "missing: why" where a JSON could not give one."""
     rows = []
@@ -204,6 +334,10 @@ def main(argv=None) -> int:
     if args.cmd == "memory":
         return memory(args)
     print(assemble(args.out_dir))
+    print()
+    print(f"Goals (issue #35; {ROOF:.0%} roof = of the D2D copy measured in the same run):")
+    print()
+    print(goals(args.out_dir))
     return 0
 
 

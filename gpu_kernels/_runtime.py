@@ -171,11 +171,20 @@ def end_offline():
     _offline.target, _offline.compiled = None, []
 
 
-def launch_device_type(device):
-    """The device type whose launch configuration applies: "cuda" for CUDA tensors and
-    for any tensors while compiling offline for a GPU, else the tensors' own."""
+def launch_config(configs: dict, device) -> dict:
+    """The launch configuration for `device` from a kernel's table: the entry of its GPU
+    architecture ("sm_90" for compute capability 9.0, chosen from the benchmark's --sweep on
+    such a GPU) where the table has one, else "cuda" for any GPU; "cpu" for the interpreter.
+    Compiling offline for a GPU counts as that GPU."""
     device = torch.device(device)
-    return "cuda" if _offline.target is not None else device.type
+    if _offline.target is not None:
+        arch = f"sm_{_offline.target.arch}"
+    elif device.type == "cuda":
+        major, minor = torch.cuda.get_device_capability(device)
+        arch = f"sm_{major}{minor}"
+    else:
+        return configs[device.type]
+    return configs.get(arch, configs["cuda"])
 
 
 def _mode(device):
@@ -242,6 +251,35 @@ def chunk_rows(numels, chunk):
     return torch.stack([tensor_index, chunk_index], dim=1)
 
 
+class DeviceTable:
+    """An int64 table built on the host and copied to `device` once (pinned, non-blocking: no
+    host sync), ready for any stream: `get()` orders a use on another stream after the copy."""
+
+    def __init__(self, table, device):
+        device = torch.device(device)
+        self.event = self.stream = None
+        if device.type == "cuda":
+            with device_guard(device):
+                # torch's host allocator keeps the pinned buffer alive until the copy completes
+                table = table.pin_memory().to(device, non_blocking=True)
+                self.stream = torch.cuda.current_stream(device)
+                self.event = torch.cuda.Event()
+                self.event.record(self.stream)
+        self.table, self.device = table, device
+        self.nbytes = table.numel() * table.element_size()
+
+    def get(self):
+        """The table, usable on the device's current stream (call under its device guard)."""
+        if self.event is not None:
+            current = torch.cuda.current_stream(self.device)
+            if current != self.stream:
+                # built on another stream: order its copy before this use, and tell the
+                # allocator this stream uses the table too (no host sync either way)
+                current.wait_event(self.event)
+                self.table.record_stream(current)
+        return self.table
+
+
 class TableCache:
     """Device-resident int64 tables keyed by everything they encode (addresses, sizes,
     chunking), so a repeated step reuses them with no host-to-device copy at all; a key that
@@ -250,49 +288,27 @@ class TableCache:
 
     def __init__(self, max_entries=256, max_bytes=64 << 20):
         self.max_entries, self.max_bytes = max_entries, max_bytes
-        self._entries = collections.OrderedDict()  # key -> (table, event, stream)
+        self._entries = collections.OrderedDict()  # key -> DeviceTable
         self._bytes = 0
         self._lock = threading.Lock()
 
     def get(self, key, build, device):
-        """The table for `key` on `device`, built by `build()` (on the host) and copied there
-        on a miss; the copy and the event are queued on `device`'s current stream."""
-        device = torch.device(device)
-        with device_guard(device):
-            return self._get(key, build, device)
-
-    def _get(self, key, build, device):
+        """The DeviceTable for `key` on `device`, built by `build()` (on the host) and copied
+        there on a miss, on `device`'s current stream."""
         with self._lock:
             entry = self._entries.get(key)
             if entry is not None:
                 self._entries.move_to_end(key)
-        if entry is not None:
-            table, event, stream = entry
-            if event is not None:
-                current = torch.cuda.current_stream(device)
-                if current != stream:
-                    # built on another stream: order its copy before this use, and tell the
-                    # allocator this stream uses the table too (no host sync either way)
-                    current.wait_event(event)
-                    table.record_stream(current)
-            return table
-        table, event, stream = build(), None, None
-        if device.type == "cuda":
-            # pinned + non_blocking: the copy is queued on the stream without a host sync,
-            # and torch's host allocator keeps the pinned buffer alive until it completes
-            table = table.pin_memory().to(device, non_blocking=True)
-            stream = torch.cuda.current_stream(device)
-            event = torch.cuda.Event()
-            event.record(stream)
-        nbytes = table.numel() * table.element_size()
+                return entry
+        with device_guard(device):
+            entry = DeviceTable(build(), device)
         with self._lock:
             if key not in self._entries:
-                self._entries[key] = (table, event, stream)
-                self._bytes += nbytes
+                self._entries[key] = entry
+                self._bytes += entry.nbytes
             while self._entries and (len(self._entries) > self.max_entries or self._bytes > self.max_bytes):
-                old, _, _ = self._entries.popitem(last=False)[1]
-                self._bytes -= old.numel() * old.element_size()
-        return table
+                self._bytes -= self._entries.popitem(last=False)[1].nbytes
+        return entry
 
     def clear(self):
         with self._lock:

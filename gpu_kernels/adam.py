@@ -38,7 +38,6 @@ import torch
 
 from . import _runtime
 from ._runtime import lazy_jit
-from .remainders import decode_remainder, encode_remainder, round_to_bf16
 
 tl = _runtime.language()
 
@@ -53,8 +52,9 @@ _META = 8
 
 # BLOCK elements per inner step, ITERS steps per program (CHUNK = BLOCK·ITERS elements per
 # chunk-table row). CUDA: 8 streams per element keep enough bytes in flight at 4 warps per
-# 1,024 elements; the benchmark's --sweep re-checks this on the machine at hand. The
-# interpreter costs ~0.7 ms per program whatever its size, hence one large block there.
+# 1,024 elements; an architecture's own entry ("sm_90": ...) overrides "cuda" there
+# (_runtime.launch_config): `bench_gpu_kernels.py --sweep` on that GPU prints the one to put
+# here. The interpreter costs ~0.7 ms per program whatever its size, hence one large block.
 LAUNCH_CONFIG = {
     "cuda": dict(BLOCK=1024, ITERS=4, num_warps=4),
     "cpu": dict(BLOCK=4096, ITERS=1, num_warps=4),
@@ -310,8 +310,121 @@ def fused_adam_(params, grads, exp_avgs, exp_avg_sqs, *, step, lr, beta1, beta2,
     the first step). `lr`: float or 1-element tensor. `grad_scale`: None, float or 1-element
     tensor on the device. `found_inf`: None or a 1-element tensor on the device; non-zero →
     nothing is written. Tensors are grouped by (grad, copy and moment dtypes, 16-byte
-    alignment): one launch per group, a single launch in the usual case.
+    alignment): one launch per group, a single launch in the usual case. Each call checks
+    every tensor again; `FusedAdam` checks them once for a list stepped again and again.
     """
+    _check_hyperparameters(step, lr, beta1, beta2, eps, weight_decay)
+    launch = FusedAdam(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs=max_exp_avg_sqs,
+                       param_copies=param_copies, remainders=remainders, _cache=_tables)
+    launch.step(step=step, lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
+                decoupled=decoupled, grad_scale=grad_scale, found_inf=found_inf)
+
+
+class FusedAdam:
+    """`fused_adam_` over lists of tensors fixed once: every tensor is checked, grouped and its
+    chunk table copied to the device here, so `step()` does no per-tensor work at all — one
+    launch per group, whatever the number of tensors (1,000 tensors cost ~9 us each per
+    fused_adam_ call on the H200's host, 2026-12-04: 5 % of the copy roof).
+
+        launch = FusedAdam(params, grads, exp_avgs, exp_avg_sqs, param_copies=bf16_params)
+        for t in range(1, steps + 1):
+            ...  # grads written in place (the same tensors)
+            launch.step(step=t, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=1e-2,
+                        grad_scale=inv_scale, found_inf=found_inf)
+
+    The tensors' addresses are in the tables: keep them alive and in place (the launch holds
+    references, so they stay alive); tensors that move (`p.data = ...`, new grads) need a
+    new FusedAdam. Arguments as `fused_adam_`'s; `step()` takes the per-step ones.
+    """
+
+    def __init__(self, params, grads, exp_avgs, exp_avg_sqs, *, max_exp_avg_sqs=None,
+                 param_copies=None, remainders=None, _cache=None):
+        lists = _checked_lists(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, param_copies,
+                               remainders)
+        self._tensors = lists  # the tables hold their addresses: they must outlive them
+        self.amsgrad = max_exp_avg_sqs is not None
+        self.remainders = remainders is not None
+        self.device = lists[0][0].device if lists[0] else None
+        self._launches = []  # (codes, aligned, meta, chunks, n_chunks)
+        if self.device is None:
+            return
+        _runtime.require_runtime(self.device)
+        config = _runtime.launch_config(LAUNCH_CONFIG, self.device)
+        self._config = config
+        chunk = config["BLOCK"] * config["ITERS"]
+        for (codes, aligned), group in _groups(lists).items():
+            n_chunks = sum(-(-row[0] // chunk) for row in group)
+            if n_chunks == 0:
+                continue
+            if _cache is not None:  # fused_adam_'s calls: a list stepped again finds its table
+                table = _cache.get((self.device, chunk, tuple(group)), lambda: _build_table(group, chunk),
+                                   self.device)
+            else:
+                with _runtime.device_guard(self.device):
+                    table = _runtime.DeviceTable(_build_table(group, chunk), self.device)
+            self._launches.append((codes, aligned, len(group) * _META, n_chunks, table))
+
+    def step(self, *, step, lr, beta1, beta2, eps, weight_decay, decoupled=True, grad_scale=None,
+             found_inf=None):
+        _check_hyperparameters(step, lr, beta1, beta2, eps, weight_decay)
+        if not self._launches:
+            return
+        device = self.device
+        scale_mode, scale_value, scale_tensor = 0, 1.0, None
+        if isinstance(grad_scale, torch.Tensor):
+            scale_tensor = _runtime.scalar_tensor_arg(grad_scale, "grad_scale", device, _SCALE_DTYPES)
+            scale_mode = 2
+        elif grad_scale is not None:
+            scale_value = float(grad_scale)
+            scale_mode = 0 if scale_value == 1.0 else 1
+        if found_inf is not None:
+            if not isinstance(found_inf, torch.Tensor):
+                raise TypeError("found_inf must be a 1-element tensor on the device (or None), "
+                                f"got {type(found_inf).__name__}")
+            _runtime.scalar_tensor_arg(found_inf, "found_inf", device, _FOUND_INF_DTYPES)
+        lr_tensor = None
+        if isinstance(lr, torch.Tensor):
+            if lr.numel() != 1:
+                raise ValueError(f"lr must be a float or a 1-element tensor, got shape {tuple(lr.shape)}")
+            if lr.device == device:
+                lr_tensor = lr
+            elif lr.device.type == "cpu":
+                lr = float(lr)  # a CPU value is read without waiting on the device
+            else:
+                raise ValueError(f"lr is on {lr.device} but the tensors are on {device}")
+        bias_correction1 = 1.0 - beta1 ** step
+        bias_correction2_sqrt = math.sqrt(1.0 - beta2 ** step)
+        if lr_tensor is None:
+            step_size, decay = float(lr) / bias_correction1, 1.0 - float(lr) * weight_decay
+        else:
+            step_size, decay = 0.0, 1.0
+        config = self._config
+        # launches on the tensors' device and its current stream, not the current one's
+        with _runtime.device_guard(device):
+            for (grad_code, copy_code, exp_avg_code, exp_avg_sq_code), aligned, n_meta, n_chunks, entry \
+                    in self._launches:
+                table = entry.get()
+                _fused_adam_kernel.launch(
+                    device, (n_chunks,),
+                    table[:n_meta], table[n_meta:],
+                    lr_tensor if lr_tensor is not None else table,
+                    scale_tensor if scale_tensor is not None else table,
+                    found_inf if found_inf is not None else table,
+                    float(step_size), float(decay), float(bias_correction1), float(scale_value),
+                    float(1.0 - beta1), float(beta2), float(1.0 - beta2), float(eps), float(weight_decay),
+                    float(bias_correction2_sqrt),
+                    META=_META, GRAD_CODE=grad_code, COPY_CODE=copy_code,
+                    LR_ON_DEVICE=lr_tensor is not None, SCALE_MODE=scale_mode,
+                    HAS_FOUND_INF=found_inf is not None, WEIGHT_DECAY=weight_decay != 0,
+                    DECOUPLED=bool(decoupled), AMSGRAD=self.amsgrad, EXP_AVG_CODE=exp_avg_code,
+                    EXP_AVG_SQ_CODE=exp_avg_sq_code, REMAINDER=self.remainders, ALIGNED=aligned,
+                    BLOCK=config["BLOCK"], ITERS=config["ITERS"], num_warps=config["num_warps"],
+                    enable_fp_fusion=False)
+
+
+def _checked_lists(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, param_copies, remainders):
+    """The seven lists (None where absent), every tensor checked: dtypes, one device, equal
+    sizes per index, contiguity. Raises with the tensor's name and index."""
     params = _as_list(params, "params")
     grads = _as_list(grads, "grads")
     exp_avgs = _as_list(exp_avgs, "exp_avgs")
@@ -329,110 +442,51 @@ def fused_adam_(params, grads, exp_avgs, exp_avg_sqs, *, step, lr, beta1, beta2,
         raise ValueError("param_copies must be None when remainders are given: each bf16 param is "
                          "already the model's copy (the master's high half, rounded); pass the bf16 "
                          "model params as params and drop param_copies")
-    _check_hyperparameters(step, lr, beta1, beta2, eps, weight_decay)
     if n == 0:
-        return
+        return (params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, param_copies, remainders)
     if not isinstance(params[0], torch.Tensor):
         raise TypeError(f"params[0] must be a tensor, got {type(params[0]).__name__}")
     device = params[0].device
-    amsgrad = max_exp_avg_sqs is not None
-
     if remainders is None:
         param_dtypes, param_hint = (torch.float32,), " (bf16 params need remainders=, their masters' low halves)"
     else:
         param_dtypes, param_hint = (torch.bfloat16,), " (with remainders, params hold the fp32 masters' high halves)"
-    rows = []
     for i in range(n):
-        p, g, m, v = params[i], grads[i], exp_avgs[i], exp_avg_sqs[i]
+        p, v = params[i], exp_avg_sqs[i]
         _check_tensor(p, "params", i, device, param_dtypes, None, param_hint)
         numel = p.numel()
-        _check_tensor(g, "grads", i, device, _GRAD_DTYPES, numel)
-        _check_tensor(m, "exp_avgs", i, device, _MOMENT_DTYPES, numel)
+        _check_tensor(grads[i], "grads", i, device, _GRAD_DTYPES, numel)
+        _check_tensor(exp_avgs[i], "exp_avgs", i, device, _MOMENT_DTYPES, numel)
         _check_tensor(v, "exp_avg_sqs", i, device, _MOMENT_DTYPES, numel)
-        vmax_ptr = 0
-        if amsgrad:
+        if max_exp_avg_sqs is not None:
             _check_tensor(max_exp_avg_sqs[i], "max_exp_avg_sqs", i, device, (v.dtype,), numel,
                           f" (exp_avg_sqs[{i}]'s dtype)")
-            vmax_ptr = max_exp_avg_sqs[i].data_ptr()
-        rem_ptr = 0
         if remainders is not None:
             _check_tensor(remainders[i], "remainders", i, device, (torch.int16,), numel,
                           " (the masters' low 16 bits)")
-            rem_ptr = remainders[i].data_ptr()
-        copy_ptr, copy_code = 0, 0
         if param_copies is not None and param_copies[i] is not None:
-            c = param_copies[i]
-            _check_tensor(c, "param_copies", i, device, _COPY_DTYPES, numel)
-            copy_ptr, copy_code = c.data_ptr(), _COPY_DTYPES[c.dtype]
-        rows.append((numel, p.data_ptr(), g.data_ptr(), m.data_ptr(), v.data_ptr(), vmax_ptr,
-                     copy_ptr, rem_ptr, (_GRAD_DTYPES[g.dtype], copy_code, _MOMENT_DTYPES[m.dtype],
-                                         _MOMENT_DTYPES[v.dtype])))
+            _check_tensor(param_copies[i], "param_copies", i, device, _COPY_DTYPES, numel)
+    return (params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, param_copies, remainders)
 
-    scale_mode, scale_value, scale_tensor = 0, 1.0, None
-    if isinstance(grad_scale, torch.Tensor):
-        scale_tensor = _runtime.scalar_tensor_arg(grad_scale, "grad_scale", device, _SCALE_DTYPES)
-        scale_mode = 2
-    elif grad_scale is not None:
-        scale_value = float(grad_scale)
-        scale_mode = 0 if scale_value == 1.0 else 1
-    if found_inf is not None:
-        if not isinstance(found_inf, torch.Tensor):
-            raise TypeError("found_inf must be a 1-element tensor on the device (or None), "
-                            f"got {type(found_inf).__name__}")
-        _runtime.scalar_tensor_arg(found_inf, "found_inf", device, _FOUND_INF_DTYPES)
 
-    lr_tensor = None
-    if isinstance(lr, torch.Tensor):
-        if lr.numel() != 1:
-            raise ValueError(f"lr must be a float or a 1-element tensor, got shape {tuple(lr.shape)}")
-        if lr.device == device:
-            lr_tensor = lr
-        elif lr.device.type == "cpu":
-            lr = float(lr)  # a CPU value is read without waiting on the device
-        else:
-            raise ValueError(f"lr is on {lr.device} but the tensors are on {device}")
-    bias_correction1 = 1.0 - beta1 ** step
-    bias_correction2_sqrt = math.sqrt(1.0 - beta2 ** step)
-    if lr_tensor is None:
-        step_size, decay = float(lr) / bias_correction1, 1.0 - float(lr) * weight_decay
-    else:
-        step_size, decay = 0.0, 1.0
-
-    _runtime.require_runtime(device)
-    config = LAUNCH_CONFIG[_runtime.launch_device_type(device)]
-    block, iters = config["BLOCK"], config["ITERS"]
-
-    # a launch needs uniform pointer types and alignment facts: group rows by them (one
-    # group in the usual case); the updates are independent, so grouping changes no bits
+def _groups(lists) -> dict:
+    """{((grad, copy, exp_avg, exp_avg_sq codes), 16-byte aligned): [table row]}: a launch needs
+    uniform pointer types and alignment facts, so rows are grouped by them (one group in the
+    usual case); the updates are independent, so grouping changes no bits."""
+    params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, param_copies, remainders = lists
     groups = {}
-    for r in rows:
-        aligned = all(_runtime.is_aligned(ptr) for ptr in r[1:8])
-        groups.setdefault((*r[8], aligned), []).append(r[:8])
-    # tables and launches on the tensors' device and its current stream, not the current one's
-    with _runtime.device_guard(device):
-        for (grad_code, copy_code, exp_avg_code, exp_avg_sq_code, aligned), group in groups.items():
-            key = (device, block * iters, tuple(group))
-            table = _tables.get(key, lambda: _build_table(group, block * iters), device)
-            meta, chunks = table[: len(group) * _META], table[len(group) * _META:]
-            n_chunks = chunks.numel() // 2
-            if n_chunks == 0:
-                continue
-            dummy = table
-            _fused_adam_kernel.launch(
-                device, (n_chunks,),
-                meta, chunks,
-                lr_tensor if lr_tensor is not None else dummy,
-                scale_tensor if scale_tensor is not None else dummy,
-                found_inf if found_inf is not None else dummy,
-                float(step_size), float(decay), float(bias_correction1), float(scale_value),
-                float(1.0 - beta1), float(beta2), float(1.0 - beta2), float(eps), float(weight_decay),
-                float(bias_correction2_sqrt),
-                META=_META, GRAD_CODE=grad_code, COPY_CODE=copy_code,
-                LR_ON_DEVICE=lr_tensor is not None, SCALE_MODE=scale_mode,
-                HAS_FOUND_INF=found_inf is not None, WEIGHT_DECAY=weight_decay != 0,
-                DECOUPLED=bool(decoupled), AMSGRAD=amsgrad, EXP_AVG_CODE=exp_avg_code,
-                EXP_AVG_SQ_CODE=exp_avg_sq_code, REMAINDER=remainders is not None, ALIGNED=aligned,
-                BLOCK=block, ITERS=iters, num_warps=config["num_warps"], enable_fp_fusion=False)
+    for i, p in enumerate(params):
+        g, m, v = grads[i], exp_avgs[i], exp_avg_sqs[i]
+        c = param_copies[i] if param_copies is not None else None
+        ptrs = (p.data_ptr(), g.data_ptr(), m.data_ptr(), v.data_ptr(),
+                max_exp_avg_sqs[i].data_ptr() if max_exp_avg_sqs is not None else 0,
+                c.data_ptr() if c is not None else 0,
+                remainders[i].data_ptr() if remainders is not None else 0)
+        codes = (_GRAD_DTYPES[g.dtype], _COPY_DTYPES[c.dtype] if c is not None else 0,
+                 _MOMENT_DTYPES[m.dtype], _MOMENT_DTYPES[v.dtype])
+        aligned = all(_runtime.is_aligned(ptr) for ptr in ptrs)
+        groups.setdefault((codes, aligned), []).append((p.numel(), *ptrs))
+    return groups
 
 
 def _build_table(group, chunk):
@@ -442,66 +496,4 @@ def _build_table(group, chunk):
     return torch.cat([meta.flatten(), chunks.flatten()])
 
 
-@torch.no_grad()
-def fused_adam_reference_(params, grads, exp_avgs, exp_avg_sqs, *, step, lr, beta1, beta2, eps,
-                          weight_decay, decoupled=True, grad_scale=None, found_inf=None,
-                          max_exp_avg_sqs=None, param_copies=None, remainders=None, arithmetic="fp64"):
-    """`fused_adam_`'s contract in plain torch, one tensor at a time (a test oracle: it reads
-    found_inf, lr and grad_scale on the host). arithmetic="fp64": computed in fp64, each result
-    rounded to fp32 once (and from there to a bf16 moment or encoded with its remainder, as the
-    kernel stores them). "fp32": the kernel's fp32 operations in its order on its fp32 scalars,
-    one rounding each — bitwise what Triton's interpreter (numpy) computes; compiled code may
-    contract multiply-adds, so on a GPU compare within rounding."""
-    if found_inf is not None and float(found_inf) != 0:
-        return
-    if arithmetic not in ("fp64", "fp32"):
-        raise ValueError(f'arithmetic must be "fp64" or "fp32", got {arithmetic!r}')
-    bias_correction1 = 1.0 - beta1 ** step
-    bias_correction2_sqrt = math.sqrt(1.0 - beta2 ** step)
-    scale = 1.0 if grad_scale is None else float(grad_scale)
-    dtype = torch.float64 if arithmetic == "fp64" else torch.float32
-    if arithmetic == "fp64":
-        def k(x):
-            return x
-        lr = float(lr)
-        step_size, decay = lr / bias_correction1, 1.0 - lr * weight_decay
-    else:
-        def k(x):  # a float argument as the kernel sees it
-            return torch.tensor(float(x), dtype=torch.float32)
-        if isinstance(lr, torch.Tensor) and lr.device == params[0].device:  # read in the kernel
-            lr32 = lr.detach().to(torch.float32).reshape(())
-            step_size, decay = lr32 / k(bias_correction1), 1.0 - lr32 * k(weight_decay)
-        else:
-            step_size, decay = k(float(lr) / bias_correction1), k(1.0 - float(lr) * weight_decay)
-    scale, wd, beta2_, eps_ = k(scale), k(weight_decay), k(beta2), k(eps)
-    one_minus_beta1, one_minus_beta2, bc2_sqrt = k(1.0 - beta1), k(1.0 - beta2), k(bias_correction2_sqrt)
-    for i, param in enumerate(params):
-        p = param if remainders is None else decode_remainder(param, remainders[i])
-        p = p.to(dtype)
-        g = grads[i].to(dtype) * scale
-        m, v = exp_avgs[i].to(dtype), exp_avg_sqs[i].to(dtype)
-        if weight_decay != 0:
-            if decoupled:
-                p = p * decay
-            else:
-                g = g + wd * p
-        m = m + one_minus_beta1 * (g - m)
-        v = v * beta2_ + one_minus_beta2 * (g * g)
-        v_hat = v
-        if max_exp_avg_sqs is not None:
-            v_hat = torch.maximum(max_exp_avg_sqs[i].to(dtype), v)
-            vmax = max_exp_avg_sqs[i]
-            vmax.copy_(round_to_bf16(v_hat.float()) if vmax.dtype == torch.bfloat16 else v_hat)
-        # fp32: the correctly rounded sqrt (sqrt_rn) through fp64 (rounding twice is exact for
-        # sqrt); torch's CPU fp32 sqrt is not (measured: ~0.7 % of values one ulp off, 2.13 AVX-512)
-        p = (p - step_size * m / (v_hat.double().sqrt().to(dtype) / bc2_sqrt + eps_)).float()
-        if remainders is None:
-            param.copy_(p)
-        else:
-            hi, lo = encode_remainder(p)
-            param.copy_(hi)
-            remainders[i].copy_(lo)
-        for dst, value in ((exp_avgs[i], m), (exp_avg_sqs[i], v)):
-            dst.copy_(round_to_bf16(value.float()) if dst.dtype == torch.bfloat16 else value)
-        if param_copies is not None and param_copies[i] is not None:
-            param_copies[i].copy_(param)  # the cast of the fp32 result, as the kernel writes it
+from .adam_reference import fused_adam_reference_  # noqa: E402,F401  (beside the kernel it checks)

@@ -132,7 +132,7 @@ def grad_stats(grads, *, sum_dtype=torch.float32):
     if device is None:
         return torch.zeros((), dtype=sum_dtype), torch.zeros((), dtype=torch.float32)
     _runtime.require_runtime(device)
-    config = LAUNCH_CONFIG[_runtime.launch_device_type(device)]
+    config = _runtime.launch_config(LAUNCH_CONFIG, device)
     chunk = config["BLOCK"] * config["ITERS"]
 
     # groups in order of first appearance, so the slot order is a function of the list alone
@@ -147,7 +147,7 @@ def grad_stats(grads, *, sum_dtype=torch.float32):
         n_partials = 0
         for (grad_code, aligned), group in groups.items():
             key = (device, chunk, tuple(group))
-            table = _tables.get(key, lambda: _build_table(group, chunk), device)
+            table = _tables.get(key, lambda: _build_table(group, chunk), device).get()
             meta, chunks = table[: len(group) * _META], table[len(group) * _META:]
             n_chunks = chunks.numel() // 2
             if n_chunks:

@@ -174,3 +174,24 @@ def test_bench_save_tiny_run_reports_both_ways_for_each_tier(tmp_path):
         assert all(r["s"] > 0 and r["peak_mib"] > -1 for how in row for r in row[how])
         assert abs(sizes["full"] - sizes["stream"]) < 64 << 10, sizes
     assert "| save_state_dict |" in res.stdout and "| torch.save(state_dict()) |" in res.stdout
+
+
+def test_bench_gpu_kernels_launch_overhead_runs_without_a_gpu_and_reports_both_calls(tmp_path):
+    """--launch-overhead times the host side of fused_adam_ and FusedAdam.step over a list; with
+    no GPU every launch compiles for sm_90 instead (a fresh process: no interpreter in it)."""
+    import importlib.util
+    import pytest
+    if importlib.util.find_spec("triton") is None:
+        pytest.skip("triton is not installed")
+    out = tmp_path / "o.json"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path / "triton")
+    res = subprocess.run([sys.executable, os.path.join(REPO, "benchmarks", "bench_gpu_kernels.py"),
+                          "--launch-overhead", "--tensors", "50", "--json", str(out)],
+                         capture_output=True, text=True, timeout=300, cwd=REPO, env=env)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    records = {r["impl"]: r for r in json.loads(out.read_text())}
+    names = [f"host time per call: gpu_kernels.{n} [50 tensors]" for n in ("fused_adam_", "FusedAdam.step")]
+    assert set(records) == set(names)
+    for r in records.values():
+        assert 0 < r["p20_us"] <= r["median_us"] <= r["p80_us"] and r["n_tensors"] == 50

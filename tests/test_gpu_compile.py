@@ -51,3 +51,14 @@ def test_compile_for_refuses_an_unknown_architecture_and_nesting():
     with pytest.raises(ValueError, match="compute capability"):
         offline.parse_arch("hopper")
     assert offline.parse_arch("sm_90") == offline.parse_arch(90) == offline.parse_arch("sm90") == 90
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+def test_an_architecture_s_own_launch_configuration_overrides_the_gpu_default():
+    from gpu_kernels import _runtime, offline
+    configs = {"cuda": {"BLOCK": 1}, "sm_90": {"BLOCK": 2}, "cpu": {"BLOCK": 3}}
+    with offline.compile_for("sm_90"):
+        assert _runtime.launch_config(configs, "cpu") == {"BLOCK": 2}
+    with offline.compile_for("sm_80"):
+        assert _runtime.launch_config(configs, "cpu") == {"BLOCK": 1}
+    assert _runtime.launch_config(configs, "cpu") == {"BLOCK": 3}

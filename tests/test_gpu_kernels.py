@@ -561,7 +561,7 @@ def test_tables_and_outputs_land_on_the_inputs_device(device):
     assert sum_sq.device == expected and found_inf.device == expected
     assert clip_coef(sum_sq, 1.0).device == expected
     for module in (adam_module, stats_module):
-        tables = [table for table, _, _ in module._tables._entries.values()]
+        tables = [entry.table for entry in module._tables._entries.values()]
         assert tables and all(t.device == expected for t in tables), module.__name__
 
 
@@ -767,3 +767,61 @@ def test_grad_stats_reads_grads_on_cuda1_while_cuda0_is_current():
     assert nan_flag.item() == 1.0
     with pytest.raises(ValueError, match=r"grads\[1\] is on cuda:0 but grads\[0\] is on cuda:1"):
         grad_stats([grads[0], grads[1].to("cuda:0")])
+
+
+# --------------------------------------------------------------------------------------------
+# FusedAdam: the same launch over tensors checked and tabled once
+# --------------------------------------------------------------------------------------------
+
+@needs_triton
+@pytest.mark.parametrize("device", DEVICES)
+def test_prepared_launch_steps_the_bits_of_fused_adam_over_steps(device):
+    """FusedAdam.step over three steps, grads rewritten in place between them, gives the bits
+    fused_adam_ gives on the same tensors; an overflow step writes nothing."""
+    state = make_state([15, 4099, 1 << 14], device, torch.bfloat16, copy_dtype=torch.bfloat16)
+    expected = clone_state(state)
+    launch = gpu_kernels.FusedAdam(state["params"], state["grads"], state["exp_avgs"], state["exp_avg_sqs"],
+                                   param_copies=state["param_copies"])
+    gen = torch.Generator().manual_seed(5)
+    for step in (1, 2, 3):
+        for a, b in zip(state["grads"], expected["grads"]):
+            new = torch.randn(a.shape, generator=gen).to(a.dtype)
+            a.copy_(new)
+            b.copy_(new)
+        found_inf = torch.full((1,), float(step == 2), device=device)
+        kwargs = dict(step=step, grad_scale=0.5, found_inf=found_inf, **HYPER)
+        launch.step(**kwargs)
+        run(fused_adam_, expected, **kwargs)
+    for key in expected:
+        for a, b in zip(state[key], expected[key]):
+            assert torch.equal(a, b), key
+
+
+@needs_triton
+@pytest.mark.parametrize("device", DEVICES)
+def test_prepared_launch_step_does_no_per_tensor_work(device, monkeypatch):
+    """After construction a step checks, groups and tables nothing: one launch per group,
+    whatever the number of tensors."""
+    sizes = [7 + i for i in range(200)]
+    state = make_state(sizes, device)
+    launch = gpu_kernels.FusedAdam(state["params"], state["grads"], state["exp_avgs"], state["exp_avg_sqs"])
+
+    def refuse(*a, **k):
+        raise AssertionError("per-tensor work during step()")
+    for name in ("_checked_lists", "_check_tensor", "_groups", "_build_table"):
+        monkeypatch.setattr(adam_module, name, refuse)
+    before = adam_module._fused_adam_kernel.launches
+    launch.step(step=1, **HYPER)
+    assert adam_module._fused_adam_kernel.launches == before + 1
+
+
+@needs_triton
+def test_prepared_launch_checks_its_tensors_once_with_fused_adam_s_messages():
+    state = make_state([100, 200], DEVICES[0])
+    with pytest.raises(ValueError, match=r"grads\[1\] has 100 elements but params\[1\] has 200"):
+        gpu_kernels.FusedAdam(state["params"], [state["grads"][0], state["grads"][0]], state["exp_avgs"],
+                              state["exp_avg_sqs"])
+    launch = gpu_kernels.FusedAdam(state["params"], state["grads"], state["exp_avgs"], state["exp_avg_sqs"])
+    with pytest.raises(ValueError, match="Invalid beta parameter at index 0"):
+        launch.step(step=1, **{**HYPER, "beta1": 1.5})
+    gpu_kernels.FusedAdam([], [], [], []).step(step=1, **HYPER)  # nothing to step

@@ -110,7 +110,7 @@ def test_table_command_prints_it_and_exits_0_with_nothing_there(tmp_path):
     out = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "gpu_table.py"), "table", str(tmp_path)],
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.count("missing: no ") == 3
+    assert out.stdout.count("missing: no ") == 3 + 4  # the figures, then the goals
 
 
 def test_memory_command_without_cuda_says_so(tmp_path):
@@ -136,3 +136,51 @@ def test_gpu_check_fits_eight_minutes_and_makes_the_peer_study_opt_in():
     assert re.search(r'if \[\[ "\$\{PEERS:-0\}" == 1 \]\]', script), "the peer study must be opt-in (PEERS=1)"
     assert re.search(r'if \[\[ "\$\{SUITE:-0\}" == 1 \]\]', script), "the long CUDA suite must be opt-in (SUITE=1)"
     assert "gpu_table.py table" in script and "gpu_table.py memory" in script
+
+
+PEERS = [
+    {"impl": "device only: torch AdamW(fused=True)", "median_ms": 4.5, "peak_device_mb": 3139.0,
+     "host_bytes_per_param": 0.0},
+    {"impl": "torchao CPUOffloadOptimizer(AdamW fused)", "median_ms": 70.0, "peak_device_mb": 1602.0,
+     "host_bytes_per_param": 16.0},
+    {"impl": "HybridAdamW offload 0", "median_ms": 4.5, "peak_device_mb": 3139.0, "host_bytes_per_param": 0.0},
+    {"impl": "HybridAdamW offload 1", "median_ms": 60.0, "peak_device_mb": 1700.0, "host_bytes_per_param": 13.0},
+]
+
+
+def test_goals_give_each_goal_its_figure_and_verdict(tmp_path):
+    kernels = KERNELS + [{"impl": "gpu_kernels.grad_stats", "numel": 16 << 20, "median_ms": 0.05},
+                         {"impl": "torch._foreach_norm", "numel": 16 << 20, "median_ms": 0.06},
+                         {"impl": "gpu_kernels.grad_stats [1000 tensors]", "numel": 64 << 20, "median_ms": 2.0},
+                         {"impl": "torch._foreach_norm [1000 tensors]", "numel": 64 << 20, "median_ms": 1.0}]
+    step = [dict(r, fwd_bwd_ms=30.0) for r in STEP]
+    listed = kernels + [{"impl": "gpu_kernels.FusedAdam.step [1000 tensors]", "numel": 64 << 20, "gb_per_s": 3700.0}]
+    write(tmp_path, **{gpu_table.KERNELS_JSON: listed})
+    assert rows(gpu_table.goals(str(tmp_path)))["fused_adam_ >= 90% of D2D copy, a list"] == (
+        "92% (3700 of 4000 GB/s; 64M gpu_kernels.FusedAdam.step [1000 tensors])", "pass")
+    write(tmp_path, **{gpu_table.KERNELS_JSON: kernels, gpu_table.STEP_JSON: step,
+                       gpu_table.MEMORY_JSON: MEMORY, gpu_table.PEERS_JSON: PEERS})
+    table = gpu_table.goals(str(tmp_path))
+    assert table.splitlines()[0] == "| goal | measured | verdict |"
+    got = rows(table)
+    assert got["fused_adam_ >= 90% of D2D copy, one tensor"] == (
+        "90% (3600 of 4000 GB/s; 128M gpu_kernels.fused_adam_)", "pass")
+    assert got["fused_adam_ >= 90% of D2D copy, a list"] == (
+        "75% (3000 of 4000 GB/s; 64M gpu_kernels.fused_adam_ [1000 tensors])", "FAIL")
+    assert got["grad_stats >= torch._foreach_norm, 16M"] == ("1.20x its speed", "pass")
+    assert got["grad_stats >= torch._foreach_norm, 64M [1000 tensors]"] == ("0.50x its speed", "FAIL")
+    assert got["peak device memory at offload 0 <= torch fused AdamW's"] == ("0.900x (900 vs 1000 MB)", "pass")
+    assert got["speculation never slower than without (iteration)"] == ("0.667x (20.0 vs 30.0 ms)", "pass")
+    assert got["speculation hides >= 80% of the host step (backward longer than it)"] == ("61%", "FAIL")
+    assert got["iteration at offload 0 <= 1.02x torch fused AdamW's"] == ("1.00x (4.5 vs 4.5 ms)", "pass")
+    assert got["iteration at offload 1.0 <= 0.8x torchao CPUOffloadOptimizer's"] == ("0.86x (60.0 vs 70.0 ms)", "FAIL")
+    assert got["peak device MB at offload 1.0 <= torchao's"] == ("1700.0 vs 1602.0", "FAIL")
+    assert got["host B/param at offload 1.0 <= torchao's"] == ("13.0 vs 16.0", "pass")
+
+
+def test_goals_say_what_was_not_measured(tmp_path):
+    write(tmp_path, **{gpu_table.STEP_JSON: STEP})  # no kernels, memory or peers; no fwd_bwd_ms
+    got = rows(gpu_table.goals(str(tmp_path)))
+    assert got["kernels at the roof"][1] == "-" and got["kernels at the roof"][0].startswith("missing: no ")
+    assert got["iteration vs torch and torchao (PEERS=1)"][0].startswith("missing: no bench_peers.json")
+    assert got["speculation never slower than without (iteration)"][1] == "pass"
