@@ -335,13 +335,19 @@ class FusedAdam:
     The tensors' addresses are in the tables: keep them alive and in place (the launch holds
     references, so they stay alive); tensors that move (`p.data = ...`, new grads) need a
     new FusedAdam. Arguments as `fused_adam_`'s; `step()` takes the per-step ones.
+    `hold_grads=False` keeps no reference to the grads: their memory may then be freed and
+    reused, and the caller must check that the grads it means are at those addresses.
     """
 
     def __init__(self, params, grads, exp_avgs, exp_avg_sqs, *, max_exp_avg_sqs=None,
-                 param_copies=None, remainders=None, _cache=None):
+                 param_copies=None, remainders=None, hold_grads=True, _cache=None):
         lists = _checked_lists(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, param_copies,
                                remainders)
-        self._tensors = lists  # the tables hold their addresses: they must outlive them
+        # the tables hold their addresses: they must outlive them. hold_grads=False: the caller
+        # sees to it that the grads at those addresses are alive and current at each step()
+        # (the device tier checks the addresses every step, and a grad kept here would hold
+        # its memory after the user's zero_grad)
+        self._tensors = lists if hold_grads else lists[:1] + (None,) + lists[2:]
         self.amsgrad = max_exp_avg_sqs is not None
         self.remainders = remainders is not None
         self.device = lists[0][0].device if lists[0] else None

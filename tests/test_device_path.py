@@ -7,6 +7,7 @@ grad scale and its bits, the clock chosen by device, the lazy reading of marks t
 injected clock); `gpu` tests count the syncs with torch.cuda.set_sync_debug_mode and check
 that "auto" measures GPU time.
 """
+import importlib
 import warnings
 
 import pytest
@@ -110,8 +111,9 @@ def test_device_tier_passes_the_grad_scale_as_a_float(monkeypatch):
     Triton fp32 argument), the sign of maximize folded in; once the launch table is cached a
     step builds no tensor from Python values at all."""
     seen = []
-    real = gpu_kernels.fused_adam_
-    monkeypatch.setattr(gpu_kernels, "fused_adam_", lambda *a, **k: seen.append(k["grad_scale"]) or real(*a, **k))
+    real = gpu_kernels.FusedAdam.step  # fused_adam_ and the tier's prepared launches step through it
+    monkeypatch.setattr(gpu_kernels.FusedAdam, "step",
+                        lambda self, **k: seen.append(k["grad_scale"]) or real(self, **k))
     tier, sgs, params = _device_tier()
     hp = StepInputs(0, 1e-2, 0.9, 0.999, 1e-8, 0.1, True, -1.0)
     work = [(sgs[0].index, sl, hp, 1) for sl in sgs[0].slices]
@@ -124,6 +126,71 @@ def test_device_tier_passes_the_grad_scale_as_a_float(monkeypatch):
     tier._step_cuda([(i, sl, hp, 2) for i, sl, _, _ in work], 0.25, None)
     assert seen == [-0.25, -0.25] and all(type(s) is float for s in seen)
     assert all(not torch.equal(a, b) for a, b in zip(params, before))
+
+
+def _two_tiers_stepped(steps, edit):
+    """The same device tier twice: one through its prepared launches, one with them off (each
+    step checks, copies and launches afresh); `edit(params, k)` changes the grads before
+    step k. Returns both tiers' params and moments."""
+    out = []
+    for prepared in (True, False):
+        torch.manual_seed(11)
+        tier, sgs, params = _device_tier((300, 77, 4099))
+        if not prepared:
+            tier._launch_for = lambda *a, **k: None
+        hp = StepInputs(0, 1e-2, 0.9, 0.999, 1e-8, 0.1, True, 1.0)
+        for k in range(1, steps + 1):
+            edit(params, k)
+            tier._step_cuda([(sg.index, sl, hp, k) for sg in sgs for sl in sg.slices], 0.5, None)
+        out.append([p.detach().clone() for p in params] +
+                   [t.clone() for st in tier.state.values() for t in st.values()])
+    return out
+
+
+def test_prepared_device_launches_step_the_bits_of_fresh_ones():
+    """Grads rewritten in place (the prepared launch is found again) and grads made anew at
+    other addresses (a new one is prepared): the bits of checking and launching afresh."""
+    def edit(params, k):
+        gen = torch.Generator().manual_seed(k)
+        for p in params:
+            new = torch.randn(p.shape, generator=gen).to(p.device)
+            if k % 2:
+                p.grad.copy_(new)
+            else:
+                p.grad = new.clone()  # new memory
+    prepared, fresh = _two_tiers_stepped(4, edit)
+    for a, b in zip(prepared, fresh):
+        assert torch.equal(a, b)
+
+
+def test_a_prepared_device_launch_makes_no_tensor_per_slice_and_holds_no_grad(monkeypatch):
+    """The steady state: the second step finds its launch (no grad view, no tier view, one
+    launch); the launch keeps no reference to a grad (zero_grad frees its memory); a dropped
+    subgroup empties the cache."""
+    import gc
+    import weakref
+    tier, sgs, params = _device_tier((300, 77))
+    hp = StepInputs(0, 1e-2, 0.9, 0.999, 1e-8, 0.1, True, 1.0)
+    work = [(sg.index, sl, hp, 1) for sg in sgs for sl in sg.slices]
+    tier._step_cuda(work, 0.25, None)
+    adam = importlib.import_module("gpu_kernels.adam")
+    before = adam._fused_adam_kernel.launches
+
+    def refuse(*a, **k):
+        raise AssertionError("a per-slice tensor in the steady state")
+    with monkeypatch.context() as m:
+        m.setattr(L.ParamSlice, "grad_view", refuse)
+        m.setattr(DeviceTier, "_views", refuse)
+        tier._step_cuda([(i, sl, hp, 2) for i, sl, _, _ in work], 0.25, None)
+    assert adam._fused_adam_kernel.launches == before + 1
+    grads = [weakref.ref(p.grad) for p in params]
+    for p in params:
+        p.grad = None
+    gc.collect()
+    assert all(g() is None for g in grads), "a prepared launch holds a grad"
+    assert tier._launches
+    tier.drop(sgs[0].index, keep_subgroup=True)
+    assert not tier._launches
 
 
 def test_float_grad_scale_gives_the_bits_of_a_tensor_scale():

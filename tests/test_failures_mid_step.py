@@ -478,7 +478,7 @@ def test_cuda_path_reports_what_each_launch_wrote(monkeypatch):
     from helpers import KERNEL_DEVICE
     tier, work, params = _two_launch_tier(KERNEL_DEVICE)
     before = [p.detach().clone() for p in params]
-    _fail_on_call(monkeypatch, gpu_kernels, "fused_adam_", 2, RuntimeError("injected: launch failed"))
+    _fail_on_call(monkeypatch, gpu_kernels.FusedAdam, "step", 2, RuntimeError("injected: launch failed"))
     with pytest.raises(RuntimeError, match="injected"):
         tier._step_cuda(work, 1.0, None)
     assert tier.progress == ([0], [1])
@@ -516,7 +516,7 @@ def test_cuda_a_bad_grad_and_a_failing_launch_leave_each_param_stepped_or_untouc
         ref.step()
         assert all(torch.equal(a, b) for a, b in zip(ps, qs))
         _assert_state_equal(_state(opt), _state(ref))
-        _fail_on_call(monkeypatch, gpu_kernels, "fused_adam_", 2, RuntimeError("injected: launch failed"))
+        _fail_on_call(monkeypatch, gpu_kernels.FusedAdam, "step", 2, RuntimeError("injected: launch failed"))
         with pytest.raises(RuntimeError, match=r"(?s)failed in the device tier.*parameters \[0\] were stepped.*"
                                                r"parameters \[1\] only in part"):
             opt.step()

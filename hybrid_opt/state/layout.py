@@ -77,6 +77,15 @@ class ParamSlice:
             return None
         return g.reshape(-1)[self.param_offset:self.param_offset + self.numel]
 
+    def grad_address(self) -> tuple | None:
+        """(address of this slice's first grad element, grad dtype) where the grad is
+        contiguous — what a launch reading `grad_view()` in place would read — else None. No
+        tensor is made: the device tier keys its prepared launches on it every step."""
+        g = local_of(self.param.grad)
+        if g is None or not g.is_contiguous():
+            return None
+        return g.data_ptr() + self.param_offset * g.element_size(), g.dtype
+
 
 @dataclass
 class Subgroup:

@@ -16,11 +16,16 @@ stepped and encoded in the kernel's one pass. `master_of` gives every subgroup's
 """
 from __future__ import annotations
 
+import collections
 import math
 
 import torch
 
 from hybrid_opt.state.state_format import StateFormat
+
+# prepared CUDA launches kept (_launch_for): one per launch group in the steady state; a few
+# more where the grads' memory alternates between steps
+_PREPARED_LAUNCHES = 8
 
 # what both kernels step (cpu_kernels.adam_step_, gpu_kernels.fused_adam_)
 _GRAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -102,6 +107,7 @@ class DeviceTier:
     def __init__(self, subgroups: list, amsgrad: bool, state_format: StateFormat = StateFormat()):
         self.format, self.amsgrad = state_format, amsgrad
         self.progress: tuple = ([], [])  # (done, unsure) of the last step (step())
+        self._launches = collections.OrderedDict()  # _launch_for's prepared launches, LRU
         self.subgroups, self.master, self.remainder, self.state = {}, {}, {}, {}
         kinds = [(sg, _tensors_of(sg, state_format, amsgrad)) for sg in subgroups]
         _carve_from_one_block(kinds)
@@ -122,12 +128,14 @@ class DeviceTier:
         for d, o in ((self.subgroups, other.subgroups), (self.master, other.master),
                      (self.remainder, other.remainder), (self.state, other.state)):
             d.update(o)
+        self._launches.clear()  # they read tensors of the subgroups as they were
 
     def drop(self, index: int, keep_subgroup: bool = False) -> None:
         """Lets subgroup `index`'s state go (it left the tier, or is about to be put back)."""
         for d in ((self.master, self.remainder, self.state) if keep_subgroup
                   else (self.subgroups, self.master, self.remainder, self.state)):
             d.pop(index, None)
+        self._launches.clear()  # a prepared launch may read the state just let go
 
     def __contains__(self, index: int) -> bool:
         return index in self.state
@@ -286,6 +294,38 @@ class DeviceTier:
                                    remainder=rem)
             done.append(k)
 
+    def _launch_for(self, items: list, amsgrad: bool, rem: bool):
+        """A gpu_kernels.FusedAdam over `items`' slices, prepared once and found again while
+        every tensor it reads is where it was: the tier's own (this tier's subgroups: the cache
+        is emptied when they change), the params (each slice's view address) and the grads
+        (each slice's grad address and dtype, read every step without making a tensor). A
+        grad that is not contiguous, or no grad, gives None: the caller copies and launches."""
+        import gpu_kernels
+        key = [amsgrad, rem]
+        for _, index, sl in items:
+            grad = sl.grad_address()
+            if grad is None:
+                return None
+            key.append((index, sl.sub_offset, sl.numel, sl.view.data_ptr(), grad))
+        key = tuple(key)
+        launch = self._launches.get(key)
+        if launch is not None:
+            self._launches.move_to_end(key)
+            return launch
+        ps, gs, ms, vs, xs, cs, rs = [], [], [], [], [], [], []
+        for _, index, sl in items:
+            p, m, v, vmax, copy, r = self._views(index, sl)
+            for lst, t in ((ps, p), (gs, sl.grad_view()), (ms, m), (vs, v), (xs, vmax), (cs, copy), (rs, r)):
+                if t is not None:
+                    lst.append(t)
+        launch = gpu_kernels.FusedAdam(ps, gs, ms, vs, max_exp_avg_sqs=xs if amsgrad else None,
+                                       param_copies=cs if len(cs) == len(ps) and not rem else None,
+                                       remainders=rs if rem else None, hold_grads=False)
+        self._launches[key] = launch
+        while len(self._launches) > _PREPARED_LAUNCHES:
+            self._launches.popitem(last=False)
+        return launch
+
     def _step_cuda(self, work: list, grad_scale, found_inf) -> None:
         import gpu_kernels
         done, unsure = self.progress = ([], [])
@@ -298,6 +338,18 @@ class DeviceTier:
                                  hp.amsgrad, hp.grad_scale, step, self.subgroups[index].dtype,
                                  index in self.remainder), []).append((k, index, sl))
         for (lr, b1, b2, eps, wd, decoupled, amsgrad, sign, step, _, rem), items in launches.items():
+            # a float scale is a kernel argument (fp32 inside the kernel, as a 1-element fp32
+            # tensor would be): no per-step tensor, no host-to-device copy
+            scale = (grad_scale * sign).reshape(1) if isinstance(grad_scale, torch.Tensor) \
+                else float(grad_scale) * sign
+            launch = self._launch_for(items, amsgrad, rem)
+            if launch is not None:  # the steady state: no per-slice tensor, no check
+                unsure[:] = [k for k, _, _ in items]
+                launch.step(step=step, lr=lr, beta1=b1, beta2=b2, eps=eps, weight_decay=wd,
+                            decoupled=decoupled, grad_scale=scale, found_inf=found_inf)
+                done.extend(unsure)
+                unsure.clear()
+                continue
             ps, gs, ms, vs, xs, cs, rs = [], [], [], [], [], [], []
             for _, index, sl in items:
                 p, m, v, vmax, copy, r = self._views(index, sl)
@@ -310,10 +362,6 @@ class DeviceTier:
                     cs.append(copy)
                 if r is not None:
                     rs.append(r)
-            # a float scale is a kernel argument (fp32 inside the kernel, as a 1-element fp32
-            # tensor would be): no per-step tensor, no host-to-device copy
-            scale = (grad_scale * sign).reshape(1) if isinstance(grad_scale, torch.Tensor) \
-                else float(grad_scale) * sign
             unsure[:] = [k for k, _, _ in items]
             gpu_kernels.fused_adam_(ps, gs, ms, vs, step=step, lr=lr, beta1=b1, beta2=b2, eps=eps,
                                     weight_decay=wd, decoupled=decoupled, grad_scale=scale,
