@@ -20,7 +20,9 @@ Two studies, one script:
   optimizer) stands next to the measured times.
 
 Both print a markdown table (median, p20, p80 over --iters iterations after warm-up) and
-write `--json` records and a `--png` bar chart when asked.
+write `--json` records and a `--png` bar chart when asked. With CUDA (or `--fresh-rows`) each
+peer row runs in a fresh process, so its peak device memory is its own: in one process a
+torchao row's model stayed alive (its optimizer's hooks hold it) into every later row's peak.
 
 torch's CPU allocator is run with transparent huge pages (THP_MEM_ALLOC_ENABLE=1 unless set
 otherwise): each iteration's fresh grads (800 MB at 201M parameters) otherwise cost ~200k
@@ -350,11 +352,10 @@ def peer_study(args, device) -> tuple[list, list]:
         # slower than the same placement one row later)
         order = configs[r % len(configs):] + configs[:r % len(configs)]
         for label, make_opt, _, hybrid in (order[::-1] if r % 2 else order):
-            if make_opt is not None:
-                samples, info = _plain_samples(runner, args, device, make_opt)
+            if args.fresh_rows:
+                samples, info = _row_in_a_fresh_process(args, label)
             else:
-                kw = dict(hybrid)
-                samples, info = _hybrid_samples(runner, args, device, n, kw.pop("warmup", 3), **kw)
+                samples, info = _one_row(runner, args, device, n, make_opt, hybrid)
             infos[label].update(info)
             if r == len(per_round):
                 per_round.append({})
@@ -403,6 +404,56 @@ def peer_study(args, device) -> tuple[list, list]:
                  f'({best["median_ms"]:.1f} ms); auto / best = {auto["vs_best_fixed"]:.3f}'
                  + (f'; auto / DeepSpeedCPUAdam = {auto["vs_deepspeed"]:.3f}' if ds else ""))
     return rows, notes
+
+
+def _one_row(runner, args, device, n, make_opt, hybrid) -> tuple[dict, dict]:
+    """One configuration's raw samples and info, in this process."""
+    if make_opt is not None:
+        return _plain_samples(runner, args, device, make_opt)
+    kw = dict(hybrid)
+    return _hybrid_samples(runner, args, device, n, kw.pop("warmup", 3), **kw)
+
+
+ROW_DEADLINE_S = 600
+
+
+def _row_in_a_fresh_process(args, label: str) -> tuple[dict, dict]:
+    """`_one_row` of `label` in a fresh interpreter (--one-row): nothing of an earlier row — a
+    peer's leaked model, the allocator's cached blocks, a worker — is alive in it, so its peak
+    device memory is its own. The samples come back as JSON."""
+    import json
+    import subprocess
+    import tempfile
+    argv = [sys.executable, os.path.abspath(__file__), "--peers", "--layers", str(args.layers),
+            "--width", str(args.width), "--batch", str(args.batch), "--iters", str(args.iters),
+            "--subgroup-numel", str(args.subgroup_numel), "--device", args.device,
+            "--sweep", *(f"{f:g}" for f in args.sweep)]
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "row.json")
+        res = subprocess.run(argv + ["--one-row", label, "--row-out", out], capture_output=True, text=True,
+                             timeout=ROW_DEADLINE_S, start_new_session=True)
+        if res.returncode != 0:
+            raise RuntimeError(f"the row {label!r} failed in its own process (exit {res.returncode}):\n"
+                               f"{res.stdout[-2000:]}{res.stderr[-4000:]}")
+        with open(out) as f:
+            got = json.load(f)
+    return got["samples"], got["info"]
+
+
+def run_one_row(args, device) -> int:
+    """--one-row: the peer study's row `args.one_row`, once, written to --row-out as JSON."""
+    import json
+    configs, _ = _peer_configs(args, device)
+    match = [c for c in configs if c[0] == args.one_row]
+    if not match:
+        print(f"no peer row {args.one_row!r} here; the rows: {[c[0] for c in configs]}", file=sys.stderr)
+        return 2
+    label, make_opt, _, hybrid = match[0]
+    n = args.layers * (args.width * args.width + args.width)
+    samples, info = _one_row(Runner(args, device), args, device, n, make_opt, hybrid)
+    with open(args.row_out, "w") as f:
+        json.dump({"samples": samples, "info": info}, f)
+    return 0
 
 
 def _paired(runner, args, device, configs, n) -> dict:
@@ -460,11 +511,20 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--json", default=None)
     ap.add_argument("--png", default=None)
+    ap.add_argument("--fresh-rows", action=argparse.BooleanOptionalAction, default=None,
+                    help="peer study: each row in a fresh process, so no row's memory counts in "
+                         "another's peak (default: on with CUDA)")
+    ap.add_argument("--one-row", default=None, help=argparse.SUPPRESS)  # a fresh process's row
+    ap.add_argument("--row-out", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     args.layers = args.layers or (12 if args.peers else 8)
     args.width = args.width or (4096 if args.peers else 2048)
     args.subgroup_numel = args.subgroup_numel or (1 << 22 if args.peers else 1 << 21)
     device = torch.device(args.device)
+    if args.fresh_rows is None:
+        args.fresh_rows = device.type == "cuda"
+    if args.one_row is not None:
+        return run_one_row(args, device)
     n = args.layers * (args.width * args.width + args.width)
     print(f"{args.layers} x Linear({args.width}, {args.width}), batch {args.batch}: {n / 1e6:.1f}M "
           f"parameters; torch {torch.__version__}; {device}; {os.cpu_count()} cpus")

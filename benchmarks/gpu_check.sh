@@ -10,7 +10,8 @@
 #
 #   bash benchmarks/gpu_check.sh                 # log in bench_out/gpu_check.log
 #   OUT=/some/dir bash benchmarks/gpu_check.sh   # log and JSON under $OUT (the device tool's folder)
-#   PEERS=1 bash benchmarks/gpu_check.sh         # also the one-round peer study (+2 min 30 s)
+#   PEERS=1 bash benchmarks/gpu_check.sh         # also the one-round peer study, each row in a fresh
+#                                                #   process (+3 min 30 s)
 #   SWEEP=1 bash benchmarks/gpu_check.sh         # also the kernels' launch-configuration sweep (+2 min)
 #   SUITE=1 bash benchmarks/gpu_check.sh         # also the demo, HF Trainer, benchmark and planner tests
 #                                                #   on the GPU (up to 5 min more; not timed on an H200 yet)
@@ -75,7 +76,7 @@ if [[ "${PEERS:-0}" == 1 ]]; then
     if compgen -G ".wheels/torchao-*.whl" > /dev/null; then
         step torchao 30 python -m pip install --no-deps --no-index .wheels/torchao-*.whl
     fi
-    step peers 120 python benchmarks/bench_step.py --peers --rounds 1 --iters 5 --sweep 0 0.5 1 \
+    step peers 200 python benchmarks/bench_step.py --peers --rounds 1 --iters 5 --sweep 0 0.5 1 \
         --json "$OUT_DIR/bench_peers.json" --png "$OUT_DIR/bench_peers.png"
 fi
 

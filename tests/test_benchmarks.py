@@ -195,3 +195,24 @@ def test_bench_gpu_kernels_launch_overhead_runs_without_a_gpu_and_reports_both_c
     assert set(records) == set(names)
     for r in records.values():
         assert 0 < r["p20_us"] <= r["median_us"] <= r["p80_us"] and r["n_tensors"] == 50
+
+
+def test_bench_step_peer_rows_in_fresh_processes_give_every_row(tmp_path):
+    """--fresh-rows (the default with CUDA): each peer row runs in its own interpreter
+    (--one-row) and comes back as samples; the table has every row, as in one process."""
+    out = tmp_path / "s.json"
+    res = subprocess.run([sys.executable, os.path.join(REPO, "benchmarks", "bench_step.py"), "--peers",
+                          "--layers", "2", "--width", "64", "--iters", "2", "--rounds", "1", "--sweep", "0", "1",
+                          "--subgroup-numel", "4096", "--fresh-rows", "--json", str(out)],
+                         capture_output=True, text=True, timeout=600, cwd=REPO)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    rows = {r["impl"]: r for r in json.loads(out.read_text())}
+    assert set(rows) == {"device only: torch AdamW(fused=True)", 'HybridAdamW "auto"', "HybridAdamW offload 0",
+                         "HybridAdamW offload 1", "HybridAdamW offload 1, no speculation"}
+    for r in rows.values():
+        assert 0 < r["p20_ms"] <= r["median_ms"] <= r["p80_ms"], r
+    assert rows["HybridAdamW offload 1"]["host_bytes_per_param"] > 0
+    bad = subprocess.run([sys.executable, os.path.join(REPO, "benchmarks", "bench_step.py"), "--peers",
+                          "--layers", "2", "--width", "64", "--one-row", "no such row", "--row-out",
+                          str(tmp_path / "r.json")], capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert bad.returncode == 2 and "no peer row 'no such row' here" in bad.stderr
