@@ -449,9 +449,35 @@ def launch_overhead(n_tensors, rounds=21):
                                 mode="cuda launch" if cuda else "compile-only for sm_90 (no GPU)"))
             print(f"host time per call, {name}, {n_tensors} tensors: {median:.1f} us (p20 {p20:.1f}, "
                   f"p80 {p80:.1f}; {'CUDA' if cuda else 'no GPU: compile-only launches for sm_90'})", flush=True)
+        records.append(_device_tier_overhead(device, rounds))
         if cuda:
             torch.cuda.synchronize()
     return records
+
+
+def _device_tier_overhead(device, rounds):
+    """hybrid_opt's device tier stepping the layout of the peer study's model (12 x
+    Linear(4096) cut into 49 subgroups: 72 slices), with 1/1024-size tensors: the host time of
+    one step (its prepared launches found again)."""
+    from hybrid_opt.state import layout as L
+    from hybrid_opt.tiers.device import DeviceTier
+    from hybrid_opt.tiers.inputs import StepInputs
+    params = []
+    for _ in range(12):
+        params += [torch.nn.Parameter(torch.randn(16384, device=device)),
+                   torch.nn.Parameter(torch.randn(4, device=device))]
+    sgs = L.layout_group(params, 0, 0, sum(p.numel() for p in params) // 49 + 1, 0)
+    for p in params:
+        p.grad = torch.randn_like(p)
+    tier = DeviceTier(sgs, amsgrad=False)
+    hp = StepInputs(0, 1e-3, 0.9, 0.999, 1e-8, 0.01, True, 1.0)
+    work = [(sg.index, sl, hp, 2) for sg in sgs for sl in sg.slices]
+    t = time_ms(lambda: tier._step_cuda(work, 0.5, None), reps=rounds, warmup=1)
+    median, p20, p80 = (t[k] * 1e3 for k in ("median_ms", "p20_ms", "p80_ms"))
+    name = f"host time per call: DeviceTier step [{len(work)} slices, {len(sgs)} subgroups]"
+    print(f"{name}: {median:.1f} us (p20 {p20:.1f}, p80 {p80:.1f})", flush=True)
+    return dict(impl=name, n_tensors=len(work), median_us=median, p20_us=p20, p80_us=p80,
+                mode="cuda launch" if device.type == "cuda" else "compile-only for sm_90 (no GPU)")
 
 
 def markdown(records, copy_gbs):

@@ -76,7 +76,7 @@ if [[ "${PEERS:-0}" == 1 ]]; then
     if compgen -G ".wheels/torchao-*.whl" > /dev/null; then
         step torchao 30 python -m pip install --no-deps --no-index .wheels/torchao-*.whl
     fi
-    step peers 200 python benchmarks/bench_step.py --peers --rounds 1 --iters 5 --sweep 0 0.5 1 \
+    step peers 240 python benchmarks/bench_step.py --peers --rounds 1 --iters 5 --sweep 0 0.5 1 --worker-shares 0.875 \
         --json "$OUT_DIR/bench_peers.json" --png "$OUT_DIR/bench_peers.png"
 fi
 

@@ -192,6 +192,7 @@ def test_bench_gpu_kernels_launch_overhead_runs_without_a_gpu_and_reports_both_c
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     records = {r["impl"]: r for r in json.loads(out.read_text())}
     names = [f"host time per call: gpu_kernels.{n} [50 tensors]" for n in ("fused_adam_", "FusedAdam.step")]
+    names.append("host time per call: DeviceTier step [72 slices, 49 subgroups]")
     assert set(records) == set(names)
     for r in records.values():
         assert 0 < r["p20_us"] <= r["median_us"] <= r["p80_us"] and r["n_tensors"] == 50
@@ -203,12 +204,13 @@ def test_bench_step_peer_rows_in_fresh_processes_give_every_row(tmp_path):
     out = tmp_path / "s.json"
     res = subprocess.run([sys.executable, os.path.join(REPO, "benchmarks", "bench_step.py"), "--peers",
                           "--layers", "2", "--width", "64", "--iters", "2", "--rounds", "1", "--sweep", "0", "1",
-                          "--subgroup-numel", "4096", "--fresh-rows", "--json", str(out)],
+                          "--subgroup-numel", "4096", "--worker-shares", "1", "--fresh-rows", "--json", str(out)],
                          capture_output=True, text=True, timeout=600, cwd=REPO)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     rows = {r["impl"]: r for r in json.loads(out.read_text())}
     assert set(rows) == {"device only: torch AdamW(fused=True)", 'HybridAdamW "auto"', "HybridAdamW offload 0",
-                         "HybridAdamW offload 1", "HybridAdamW offload 1, no speculation"}
+                         "HybridAdamW offload 1", "HybridAdamW offload 1, no speculation",
+                         "HybridAdamW offload 1, worker_share 1"}
     for r in rows.values():
         assert 0 < r["p20_ms"] <= r["median_ms"] <= r["p80_ms"], r
     assert rows["HybridAdamW offload 1"]["host_bytes_per_param"] > 0
