@@ -194,8 +194,9 @@ def test_bench_gpu_kernels_launch_overhead_runs_without_a_gpu_and_reports_both_c
     names = [f"host time per call: gpu_kernels.{n} [50 tensors]" for n in ("fused_adam_", "FusedAdam.step")]
     names.append("host time per call: DeviceTier step [72 slices, 49 subgroups]")
     assert set(records) == set(names)
-    for r in records.values():
-        assert 0 < r["p20_us"] <= r["median_us"] <= r["p80_us"] and r["n_tensors"] == 50
+    for name, r in records.items():
+        assert 0 < r["p20_us"] <= r["median_us"] <= r["p80_us"]
+        assert r["n_tensors"] == (72 if "DeviceTier" in name else 50)
 
 
 def test_bench_step_peer_rows_in_fresh_processes_give_every_row(tmp_path):
