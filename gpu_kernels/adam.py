@@ -38,6 +38,7 @@ import torch
 
 from . import _runtime
 from ._runtime import lazy_jit
+from .adam_reference import fused_adam_reference_  # noqa: F401  (the kernel's reference, beside it)
 
 tl = _runtime.language()
 
@@ -351,7 +352,7 @@ class FusedAdam:
         self.amsgrad = max_exp_avg_sqs is not None
         self.remainders = remainders is not None
         self.device = lists[0][0].device if lists[0] else None
-        self._launches = []  # (codes, aligned, meta, chunks, n_chunks)
+        self._launches = []  # (codes, aligned, meta rows in the table, chunks, DeviceTable) per group
         if self.device is None:
             return
         _runtime.require_runtime(self.device)
@@ -501,5 +502,3 @@ def _build_table(group, chunk):
     chunks = _runtime.chunk_rows([r[0] for r in group], chunk)
     return torch.cat([meta.flatten(), chunks.flatten()])
 
-
-from .adam_reference import fused_adam_reference_  # noqa: E402,F401  (beside the kernel it checks)

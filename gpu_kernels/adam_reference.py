@@ -15,8 +15,8 @@ def fused_adam_reference_(params, grads, exp_avgs, exp_avg_sqs, *, step, lr, bet
     found_inf, lr and grad_scale on the host). arithmetic="fp64": computed in fp64, each result
     rounded to fp32 once (and from there to a bf16 moment or encoded with its remainder, as the
     kernel stores them). "fp32": the kernel's fp32 operations in its order on its fp32 scalars,
-    one rounding each — bitwise what Triton's interpreter (numpy) computes; compiled code may
-    contract multiply-adds, so on a GPU compare within rounding."""
+    one rounding each — bitwise what Triton's interpreter (numpy) computes, and the compiled
+    kernel too (built without multiply-add contraction)."""
     if found_inf is not None and float(found_inf) != 0:
         return
     if arithmetic not in ("fp64", "fp32"):

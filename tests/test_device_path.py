@@ -130,14 +130,14 @@ def test_device_tier_passes_the_grad_scale_as_a_float(monkeypatch):
 
 def _two_tiers_stepped(steps, edit):
     """The same device tier twice: one through its prepared launches, one with them off (each
-    step checks, copies and launches afresh); `edit(params, k)` changes the grads before
+    step checks the tensors and launches afresh over contiguous copies of the grads); `edit(params, k)` changes the grads before
     step k. Returns both tiers' params and moments."""
     out = []
     for prepared in (True, False):
         torch.manual_seed(11)
         tier, sgs, params = _device_tier((300, 77, 4099))
-        if not prepared:
-            tier._launch_for = lambda *a, **k: None
+        if not prepared:  # no key: every step checks the tensors and launches over grad copies
+            tier._launch_key = lambda *a, **k: None
         hp = StepInputs(0, 1e-2, 0.9, 0.999, 1e-8, 0.1, True, 1.0)
         for k in range(1, steps + 1):
             edit(params, k)

@@ -294,40 +294,46 @@ class DeviceTier:
                                    remainder=rem)
             done.append(k)
 
-    def _launch_for(self, items: list, amsgrad: bool, rem: bool):
-        """A gpu_kernels.FusedAdam over `items`' slices, prepared once and found again while
-        every tensor it reads is where it was: the tier's own (this tier's subgroups: the cache
-        is emptied when they change), the params (each slice's view address) and the grads
-        (each slice's grad address and dtype, read every step without making a tensor). A
-        grad that is not contiguous, or no grad, gives None: the caller copies and launches."""
-        import gpu_kernels
+    def _launch_key(self, items: list, amsgrad: bool, rem: bool):
+        """What a prepared launch over `items`' slices reads, read every step without making a
+        tensor: the tier's own tensors (fixed while its subgroups are: the cache is emptied when
+        they change), each slice's param view address and grad address and dtype. None where a
+        grad is not contiguous (or missing): the launch then reads a contiguous copy."""
         key = [amsgrad, rem]
         for _, index, sl in items:
             grad = sl.grad_address()
             if grad is None:
                 return None
             key.append((index, sl.sub_offset, sl.numel, sl.view.data_ptr(), grad))
-        key = tuple(key)
-        launch = self._launches.get(key)
+        return tuple(key)
+
+    def _launch_for(self, items: list, amsgrad: bool, rem: bool):
+        """The gpu_kernels.FusedAdam that steps `items`' slices: prepared once and found again
+        by `_launch_key` (holding no grad: the key checks the grads' addresses every step), or,
+        without a key, made for this step over contiguous copies of the grads."""
+        import gpu_kernels
+        key = self._launch_key(items, amsgrad, rem)
+        launch = self._launches.get(key) if key is not None else None
         if launch is not None:
             self._launches.move_to_end(key)
             return launch
         ps, gs, ms, vs, xs, cs, rs = [], [], [], [], [], [], []
         for _, index, sl in items:
             p, m, v, vmax, copy, r = self._views(index, sl)
-            for lst, t in ((ps, p), (gs, sl.grad_view()), (ms, m), (vs, v), (xs, vmax), (cs, copy), (rs, r)):
+            grad = sl.grad_view() if key is not None else sl.grad_view().contiguous()
+            for lst, t in ((ps, p), (gs, grad), (ms, m), (vs, v), (xs, vmax), (cs, copy), (rs, r)):
                 if t is not None:
                     lst.append(t)
         launch = gpu_kernels.FusedAdam(ps, gs, ms, vs, max_exp_avg_sqs=xs if amsgrad else None,
                                        param_copies=cs if len(cs) == len(ps) and not rem else None,
-                                       remainders=rs if rem else None, hold_grads=False)
-        self._launches[key] = launch
-        while len(self._launches) > _PREPARED_LAUNCHES:
-            self._launches.popitem(last=False)
+                                       remainders=rs if rem else None, hold_grads=key is None)
+        if key is not None:
+            self._launches[key] = launch
+            while len(self._launches) > _PREPARED_LAUNCHES:
+                self._launches.popitem(last=False)
         return launch
 
     def _step_cuda(self, work: list, grad_scale, found_inf) -> None:
-        import gpu_kernels
         done, unsure = self.progress = ([], [])
         # one launch per distinct (hyperparameters, step, param dtype): usually exactly one
         # (remainders are all or none in a launch: they follow the param dtype). A param's
@@ -342,31 +348,10 @@ class DeviceTier:
             # tensor would be): no per-step tensor, no host-to-device copy
             scale = (grad_scale * sign).reshape(1) if isinstance(grad_scale, torch.Tensor) \
                 else float(grad_scale) * sign
-            launch = self._launch_for(items, amsgrad, rem)
-            if launch is not None:  # the steady state: no per-slice tensor, no check
-                unsure[:] = [k for k, _, _ in items]
-                launch.step(step=step, lr=lr, beta1=b1, beta2=b2, eps=eps, weight_decay=wd,
-                            decoupled=decoupled, grad_scale=scale, found_inf=found_inf)
-                done.extend(unsure)
-                unsure.clear()
-                continue
-            ps, gs, ms, vs, xs, cs, rs = [], [], [], [], [], [], []
-            for _, index, sl in items:
-                p, m, v, vmax, copy, r = self._views(index, sl)
-                ps.append(p)
-                gs.append(sl.grad_view().contiguous())
-                ms.append(m)
-                vs.append(v)
-                xs.append(vmax)
-                if copy is not None:
-                    cs.append(copy)
-                if r is not None:
-                    rs.append(r)
             unsure[:] = [k for k, _, _ in items]
-            gpu_kernels.fused_adam_(ps, gs, ms, vs, step=step, lr=lr, beta1=b1, beta2=b2, eps=eps,
-                                    weight_decay=wd, decoupled=decoupled, grad_scale=scale,
-                                    found_inf=found_inf, max_exp_avg_sqs=xs if amsgrad else None,
-                                    param_copies=cs if len(cs) == len(ps) and not rem else None,
-                                    remainders=rs if rem else None)
+            # in the steady state a prepared launch: no per-slice tensor, no check
+            self._launch_for(items, amsgrad, rem).step(
+                step=step, lr=lr, beta1=b1, beta2=b2, eps=eps, weight_decay=wd, decoupled=decoupled,
+                grad_scale=scale, found_inf=found_inf)
             done.extend(unsure)
             unsure.clear()
