@@ -158,3 +158,29 @@ def check_group_params(name: str, param_group: dict) -> dict:
                 raise TypeError(f"{name} supports float32, bfloat16 and float16 "
                                 f"parameters, got {t.dtype}")
     return param_group
+
+
+def check_materialised(name: str, param_groups: list, offload_fraction) -> None:
+    """Params on the meta device (deferred init: a model built under torch.device("meta"))
+    stay where the state is all on the device tier (offload_fraction=0), as torch.optim takes
+    them; the host and nvme tiers copy each param's values into its fp32 master when they lay
+    it out, and a meta tensor has none (laying them out later, on first use, would take every
+    tier a second way of being built)."""
+    if offload_fraction == 0:
+        return
+    i = 0
+    for group in param_groups:
+        names = group.get("param_names")
+        for k, p in enumerate(group["params"]):
+            if p.is_meta:
+                label = f"parameter {i}" + (f" ({names[k]})" if names else "")
+                raise ValueError(f"{name}: {label} is on the meta device (deferred init: a model built "
+                                 f"under torch.device('meta')), which holds no values, and "
+                                 f"offload_fraction={offload_fraction!r} puts state in host memory or on "
+                                 f"nvme, whose tiers copy each param's values into its fp32 master when "
+                                 f"they lay it out. Build the optimizer after materialising the model: "
+                                 f"model.to_empty(device=...) and its weights' init first (an optimizer "
+                                 f"built before to_empty() holds the meta params, which to_empty() "
+                                 f"replaces in the module: torch.optim's would not train the model "
+                                 f"either)")
+            i += 1

@@ -22,6 +22,7 @@ import torch
 from hybrid_opt import arguments as A
 from hybrid_opt.state import checkpoint as C
 from hybrid_opt.state import saving as SV
+from hybrid_opt.state import torch_extras as TX
 from hybrid_opt import distributed as D
 from hybrid_opt import lifetime
 from hybrid_opt.distributed import node
@@ -64,6 +65,7 @@ class _HybridBase(torch.optim.Optimizer):
                         maximize=maximize, foreach=foreach, capturable=capturable,
                         differentiable=differentiable, fused=fused, decoupled_weight_decay=self._decoupled)
         super().__init__(params, defaults)
+        A.check_materialised(type(self).__name__, self.param_groups, offload_fraction)
         self.max_grad_norm = max_grad_norm
         self.offload_fraction, self.nvme_fraction, self.nvme_path = offload_fraction, nvme_fraction, nvme_path
         self.speculative, self.rollback = speculative, rollback
@@ -170,30 +172,37 @@ class _HybridBase(torch.optim.Optimizer):
         """Moves state to another placement now (what a refit of "auto" does); numerics are
         unchanged. Call between steps."""
         self._check_open()
+        A.check_materialised(type(self).__name__, self.param_groups, offload_fraction)
         self._parts.placement.replan(offload_fraction, nvme_fraction)
 
     # ------------------------------------------------------------------ checkpoints
     @lifetime.acts_on_owner
     def state_dict(self) -> dict:
         """torch's format (checkpoint.gather_state says where each param's state lands)."""
-        sd, post = self._state_dict_shell()
+        sd, post = self._state_dict_shell("state_dict")
+        unowned = TX.unowned_entries(sd)  # opt.state's entries under keys that are not params
         sd["state"] = C.gather_state(self._parts.layout, self._parts.placement, self.state_format)
+        sd["state"].update(unowned)
         return _through(post, self, sd)
 
     @lifetime.acts_on_owner
     def save_state_dict(self, f) -> None:
         """torch.save(self.state_dict(), f), one param's state in memory at a time (saving.py)."""
-        sd, post = self._state_dict_shell()
+        sd, post = self._state_dict_shell("save_state_dict")
+        unowned = TX.unowned_entries(sd)  # as state_dict(): after the params' entries
         entries = C.iter_state(self._parts.layout, self._parts.placement, self.state_format)
         if post:  # torch's post hooks are handed the whole dict: what they return is written
             sd["state"] = dict(entries)
+            sd["state"].update(unowned)
             return SV.save(f, _through(post, self, sd))
+        sd["state"] = unowned  # saving.save writes them after the entries it makes
         SV.save(f, sd, entries)
 
-    def _state_dict_shell(self) -> tuple:
+    def _state_dict_shell(self, call: str) -> tuple:
         self.wait_params()
         self._check_open("give its state, which close() freed: take state_dict() or save_state_dict() "
                          "before it closes (inside its `with` block)")
+        TX.check_laid_out(self._parts.layout, type(self).__name__, call)
         return C.committed_shell(self._parts, self._optimizer_state_dict_post_hooks, super().state_dict)
 
     @lifetime.acts_on_owner
@@ -202,6 +211,7 @@ class _HybridBase(torch.optim.Optimizer):
         state_dict = _through(self._optimizer_load_state_dict_pre_hooks, self, state_dict.copy())
         check_shard_owner(state_dict.get(SHARD_KEY), self._parts.sharding if self._parts.sharding.active else None)
         self._check_open()
+        TX.check_laid_out(self._parts.layout, type(self).__name__, "load_state_dict")
         C.load(self._parts, state_dict, self.state, keep=self._keeps_on_load)
         for hook in self._optimizer_load_state_dict_post_hooks.values():
             hook(self)

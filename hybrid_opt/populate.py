@@ -67,6 +67,15 @@ def reserve(fd: int, ranges, what: str = "shared memory") -> bool:
     return True
 
 
+FALLOC_FL_KEEP_SIZE, FALLOC_FL_PUNCH_HOLE = 0x01, 0x02
+
+
+def punch_hole(fd: int, offset: int, nbytes: int) -> bool:
+    """Gives a shared file's pages in [offset, offset + nbytes) back to the system now (they
+    read as zeros after); False where the filesystem cannot (they then go with the file)."""
+    return _lib().fallocate(fd, FALLOC_FL_KEEP_SIZE | FALLOC_FL_PUNCH_HOLE, offset, nbytes) == 0
+
+
 def _chunks(ranges) -> list:
     out = []
     for off, n in ranges:

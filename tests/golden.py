@@ -4,13 +4,13 @@ memory: issue #21) must keep.
 
 Each configuration trains a small model of several params and two param groups for STEPS
 steps and records per step the params, the torch-format optimizer state (`step`, the moments,
-`master_param`) and `last_grad_norm` / `step_was_skipped`. Nothing here depends on the CPU
-the goldens were recorded on: the grads are exact by construction — the loss is
-sum(p * G) with G small integers over a power of two, so backward writes G itself (times a
-GradScaler's power-of-two scale) into p.grad, with no matmul whose rounding could differ
-between CPUs — and every tier steps with the same FMA arithmetic at every x86 SIMD level
-(cpu_kernels' promise), the global norm summed per param in param order. Layout is free to
-change: Adam is elementwise.
+`master_param`: a remainder one decoded, see _fp32_masters) and `last_grad_norm` /
+`step_was_skipped`. Nothing here depends on the CPU the goldens were recorded on: the grads
+are exact by construction — the loss is sum(p * G) with G small integers over a power of two,
+so backward writes G itself (times a GradScaler's power-of-two scale) into p.grad, with no
+matmul whose rounding could differ between CPUs — and every tier steps with the same FMA
+arithmetic at every x86 SIMD level (cpu_kernels' promise), the global norm summed per param in
+param order. Layout is free to change: Adam is elementwise.
 
     python tests/golden.py --write        # records tests/data/golden/*.pt on today's code
     python -m pytest tests/test_golden.py # compares
@@ -85,11 +85,28 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return (t.to_local() if hasattr(t, "to_local") else t).to("cpu", copy=True)
 
 
+def _fp32_masters(entry: dict, param) -> dict:
+    """`entry` with a remainder master recorded as before issue #36: state_dict() now gives a
+    bf16 param kept as remainders its int16 `master_remainder` (the tier's own) where it gave
+    the decoded fp32 `master_param`; the goldens (bf16_compressed_mixed, zero_compressed_host)
+    were recorded with the latter and are not rewritten, so the remainder is decoded here with
+    the param (its high half) into exactly that `master_param` (this rank's part), and dropped."""
+    if "master_remainder" not in entry:
+        return entry
+    from hybrid_opt import fp32_master
+    out = {n: v for n, v in entry.items() if n != "master_remainder"}
+    out["master_param"] = fp32_master(entry, param)
+    return out
+
+
 def snapshot(opt, params: list) -> dict:
     """One step's record: params, torch-format state (cloned: state_dict may return views of
-    the live state), last_grad_norm and step_was_skipped."""
+    the live state; a remainder master decoded to its fp32 `master_param`: _fp32_masters),
+    last_grad_norm and step_was_skipped."""
     sd = opt.state_dict()
-    state = {k: {n: (_local(v) if isinstance(v, torch.Tensor) else v) for n, v in st.items()}
+    ordered = [p for g in opt.param_groups for p in g["params"]]  # the state's indices
+    state = {k: {n: (_local(v) if isinstance(v, torch.Tensor) else v)
+                 for n, v in _fp32_masters(st, ordered[k]).items()}
              for k, st in sd["state"].items()}
     return dict(params=[_local(p) for p in params], state=state,
                 last_grad_norm=opt.last_grad_norm, step_was_skipped=opt.step_was_skipped)

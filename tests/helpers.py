@@ -133,3 +133,38 @@ def run_compile_check(script: str) -> None:
     if out.stdout.startswith("SKIP"):
         pytest.skip(out.stdout.strip())
     assert "OK" in out.stdout
+
+
+def backing(t: torch.Tensor) -> str:
+    """What the memory at t's first element is, from /proc/self/maps: the mapped file's path
+    ("/memfd:hybrid_opt-host (deleted)", an nvme swap file), or "" for anonymous memory (a
+    copy of its own: malloc, torch's CPU allocator)."""
+    at = t.data_ptr()
+    with open("/proc/self/maps") as f:
+        for line in f:
+            fields = line.split(maxsplit=5)
+            lo, hi = (int(x, 16) for x in fields[0].split("-"))
+            if lo <= at < hi:
+                return fields[5].strip() if len(fields) > 5 else ""
+    raise AssertionError(f"address {at:#x} is not mapped")
+
+
+def with_fp32_masters(state: dict, params) -> dict:
+    """`state` (a state_dict()["state"]) with every bf16 param's fp32 master under
+    `master_param`: a remainder entry's `master_remainder` (int16, the tier's own) decoded with
+    its param (hybrid_opt.fp32_master) and dropped, an fp32-master entry's `master_param` as it
+    is; fp32 params have neither. Entries are new dicts over the same tensors. For comparing a
+    whole state across formats (remainders or an fp32 master) where the master is what counts.
+
+    Decode while the param still has the bits the state was taken with: a remainder is half of
+    the master, the param the other half. `params`: the optimizer's params in index order."""
+    from hybrid_opt import fp32_master
+    params = list(params)
+    out = {}
+    for i, entry in state.items():
+        st = {k: v for k, v in entry.items() if k != "master_remainder"}
+        master = fp32_master(entry, params[i])
+        if master is not None:
+            st["master_param"] = master
+        out[i] = st
+    return out

@@ -1,10 +1,12 @@
 """Benchmark scripts run end to end at tiny sizes: they finish, and what they report is
 consistent with what the optimizer stores (not the timings: those need a quiet machine)."""
+import importlib.util
 import json
 import os
 import subprocess
 import sys
 
+import pytest
 import torch
 
 from hybrid_opt.state.state_format import StateFormat
@@ -160,22 +162,6 @@ def test_bench_nvme_fds_tiny_run_reports_both_numberings_and_their_ratio(tmp_pat
     assert not [d for d in set(os.listdir(root)) - before if d.startswith("bench_nvme_fds_")]  # removed
 
 
-def test_bench_save_tiny_run_reports_both_ways_for_each_tier(tmp_path):
-    out_json = tmp_path / "save.json"
-    cmd = [sys.executable, os.path.join(REPO, "benchmarks", "bench_save.py"), "--params", "2", "--width", "128",
-           "--rounds", "1", "--tiers", "host", "nvme", "--json", str(out_json)]
-    res = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=REPO)
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    got = json.loads(out_json.read_text())
-    assert set(got["rows"]) == {"host glibc", "host fixed", "nvme glibc", "nvme fixed"}
-    for row in got["rows"].values():
-        sizes = {how: row[how][0]["bytes"] for how in ("full", "stream")}
-        # the kernel's RSS counters are synced every 64 faults or so: a tiny run's peak reads within 1 MiB of 0
-        assert all(r["s"] > 0 and r["peak_mib"] > -1 for how in row for r in row[how])
-        assert abs(sizes["full"] - sizes["stream"]) < 64 << 10, sizes
-    assert "| save_state_dict |" in res.stdout and "| torch.save(state_dict()) |" in res.stdout
-
-
 def test_bench_gpu_kernels_launch_overhead_runs_without_a_gpu_and_reports_both_calls(tmp_path):
     """--launch-overhead times the host side of fused_adam_ and FusedAdam.step over a list; with
     no GPU every launch compiles for sm_90 instead (a fresh process: no interpreter in it)."""
@@ -219,3 +205,72 @@ def test_bench_step_peer_rows_in_fresh_processes_give_every_row(tmp_path):
                           "--layers", "2", "--width", "64", "--one-row", "no such row", "--row-out",
                           str(tmp_path / "r.json")], capture_output=True, text=True, timeout=300, cwd=REPO)
     assert bad.returncode == 2 and "no peer row 'no such row' here" in bad.stderr
+
+
+CHECKPOINT_KEYS = {"placement", "op", "op_key", "placement_key", "ranks", "rank", "extra_mib", "extra_mib_min",
+                   "extra_mib_max", "extra_pct", "rss_shmem_extra_mib", "pss_before_mib", "pss_after_mib",
+                   "seconds", "seconds_min", "seconds_max", "file_bytes", "state_bytes", "dir_bytes", "rounds",
+                   "per_round", "skipped"}
+
+
+def test_bench_checkpoint_tiny_run_measures_each_operation_against_the_state_bytes(tmp_path):
+    """bench_checkpoint.py at 2 x Linear(1024) (16 MiB of fp32 state), one round, torch's control and
+    HybridAdamW offload 1: a row per operation, files the size of the state, the loaded dict's bytes
+    the state's, and the sampler sees what it must: nothing for torch's torch.save (its state_dict
+    copies nothing), the whole loaded dict for torch's load."""
+    out_json = tmp_path / "ck.json"
+    work = os.path.join(REPO, "bench_out")  # git-ignored, on the disk (tmp_path may be tmpfs)
+    before = set(os.listdir(work)) if os.path.isdir(work) else set()
+    ops = ["torch_save", "save_state_dict", "load", "dcp_save"]
+    cmd = [sys.executable, os.path.join(REPO, "benchmarks", "bench_checkpoint.py"), "--layers", "2", "--width",
+           "1024", "--rounds", "1", "--placements", "torch", "offload1", "--ops", *ops, "--json", str(out_json)]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=REPO)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    rows = {(r["placement_key"], r["op_key"]): r for r in json.loads(out_json.read_text())}
+    want = {("torch", op) for op in ops if op != "save_state_dict"} | {("offload1", op) for op in ops}
+    assert set(rows) == want
+    moments = 2 * 2 * 1024 * 1024 * 4  # exp_avg + exp_avg_sq of two 1024^2 fp32 weights
+    for (placement, op), r in rows.items():
+        assert set(r) >= CHECKPOINT_KEYS, set(CHECKPOINT_KEYS) - set(r)
+        assert r["skipped"] is None and r["rounds"] == len(r["per_round"]) == 1 and r["rank"] is None
+        assert moments <= r["state_bytes"] <= moments + 64, r["state_bytes"]  # + a scalar step per param
+        # torch.save's zip container and DCP's metadata add a few KiB
+        assert r["state_bytes"] <= r["file_bytes"] <= r["state_bytes"] + (64 << 10), (placement, op, r["file_bytes"])
+        assert abs(r["extra_pct"] - 100 * r["extra_mib"] * 2**20 / r["state_bytes"]) < 1e-6
+        assert r["extra_mib_min"] <= r["extra_mib"] <= r["extra_mib_max"]
+        assert 0 < r["seconds_min"] <= r["seconds"] <= r["seconds_max"] < 60
+        assert r["pss_before_mib"] > 50 and r["pss_after_mib"] > 50  # a torch process at least
+        assert r["per_round"][0]["sampled"]["samples"] >= 2 and r["per_round"][0]["steady_before"]
+        # the kernel syncs RSS counters lazily (about every 64 faults): a tiny figure reads within 1 MiB of 0
+        assert r["extra_mib"] > -1 and r["rss_shmem_extra_mib"] > -1
+        if op == "load":
+            assert abs(r["loaded_mib"] * 2**20 - r["state_bytes"]) < 1 << 10
+            assert r["extra_above_loaded_mib"] == r["extra_mib"] - r["loaded_mib"]
+    assert rows[("torch", "torch_save")]["extra_pct"] < 10
+    # state_dict() copies nothing: no more than torch's (DCP adds a few MiB of its own to both)
+    for op in ("torch_save", "dcp_save"):
+        assert rows[("offload1", op)]["extra_mib"] <= rows[("torch", op)]["extra_mib"] + 1, rows[("offload1", op)]
+    # the sampler sees the loaded dict (most of it: memory the allocator kept may be reused)
+    assert rows[("torch", "load")]["extra_mib"] > 0.75 * rows[("torch", "load")]["loaded_mib"]
+    assert "| torch AdamW(fused=True) | torch.save(opt.state_dict(), f) |" in res.stdout
+    assert "| HybridAdamW offload 1 | opt.save_state_dict(f) |" in res.stdout
+    assert not [d for d in set(os.listdir(work)) - before if d.startswith("bench_checkpoint_")]  # removed
+
+
+@pytest.mark.skipif(not all(importlib.util.find_spec(m) for m in ("transformers", "lightning")),
+                    reason="needs transformers and lightning (the test extra)")
+def test_bench_checkpoint_framework_saves_cost_no_ram(tmp_path):
+    """Inside a real HF Trainer save_steps checkpoint and a Lightning save_checkpoint through
+    hybrid_opt.lightning_io.DirectCheckpointIO, HybridAdamW offload 1 (8 x Linear(1024): 64 MiB
+    of state) costs at most 5 % of its state's bytes in RAM, as the OS counts it."""
+    out_json = tmp_path / "fw.json"
+    cmd = [sys.executable, os.path.join(REPO, "benchmarks", "bench_checkpoint.py"), "--layers", "8", "--width",
+           "1024", "--rounds", "1", "--placements", "offload1", "--ops", "--frameworks", "hf_trainer",
+           "lightning_direct", "--json", str(out_json)]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=400, cwd=REPO)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    rows = {r["op_key"]: r for r in json.loads(out_json.read_text())}
+    assert set(rows) == {"hf_trainer", "lightning_direct"}
+    for op, r in rows.items():
+        assert r["skipped"] is None and r["state_bytes"] >= 64 << 20, (op, r)
+        assert r["extra_pct"] <= 5, (op, r["extra_mib"], r["extra_pct"])

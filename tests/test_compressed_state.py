@@ -15,8 +15,9 @@ from torch import nn
 import cpu_kernels
 from cpu_kernels.reference import (FUSED_MULTIPLY_ADD_LEVELS, adam_step_bitwise_reference,
                                    encode_remainder_reference)
-from hybrid_opt import HybridAdam, HybridAdamW
+from hybrid_opt import HybridAdam, HybridAdamW, fp32_master
 from hybrid_opt.state.state_format import StateFormat
+from helpers import with_fp32_masters
 
 BF16, FP32 = torch.bfloat16, torch.float32
 HYPER = dict(lr=1e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.05)
@@ -156,7 +157,9 @@ def test_device_tier_steps_the_reference_bitwise(model, moments, amsgrad):
             assert torch.equal(p.detach(), st["param"].to(BF16)), i
         else:
             assert torch.equal(p.detach(), st["param"]), i  # the high half
-            assert torch.equal(sd[i]["master_param"],
+            assert "master_param" not in sd[i] and sd[i]["master_remainder"].dtype == torch.int16, i
+            assert torch.equal(sd[i]["master_remainder"], st["remainder"]), i  # the low half
+            assert torch.equal(fp32_master(sd[i], p),
                                cpu_kernels.decode_remainder_reference(st["param"], st["remainder"])), i
 
 
@@ -218,12 +221,15 @@ def test_remainders_step_the_same_master_as_an_fp32_master_bitwise(moments):
             opt.step()
         sa, sb = a.state_dict()["state"], b.state_dict()["state"]
         for i, (pa, pb) in enumerate(zip(a_params, b_params)):
-            assert torch.equal(sa[i]["master_param"], sb[i]["master_param"]), (k, i)
+            master = fp32_master(sb[i], pb)  # b keeps remainders: decoded with its param
+            assert torch.equal(sa[i]["master_param"], master), (k, i)
             assert torch.equal(sa[i]["exp_avg"], sb[i]["exp_avg"]), (k, i)
             tie = _ties(sa[i]["master_param"])
             differ = pa.detach().view(torch.int16) != pb.detach().view(torch.int16)
             assert torch.equal(differ, tie), (k, i)
-            assert torch.equal(pb.detach(), encode_remainder_reference(sb[i]["master_param"])[0])
+            # the fp32 master's encoding is b's param and b's remainder
+            high, low = encode_remainder_reference(sa[i]["master_param"])
+            assert torch.equal(pb.detach(), high) and torch.equal(sb[i]["master_remainder"], low), (k, i)
             ties += int(tie.sum())
     print(f"remainders vs fp32 master: {ties} tied element-steps over 60 steps x 16019 elements")
     assert ties > 0  # the tie case was met (fixed seeds: the same count every run)
@@ -260,10 +266,12 @@ def test_compressed_state_is_bitwise_the_same_at_every_placement(placement, tmp_
                 opts[name].step()
         sds = {name: o.state_dict()["state"] for name, o in opts.items()}
         for i in range(len(runs["device"])):
-            for key in ("master_param", "exp_avg", "exp_avg_sq"):
+            for key in ("master_remainder", "exp_avg", "exp_avg_sq"):
                 assert sds["placed"][i][key].dtype == sds["device"][i][key].dtype
                 assert torch.equal(sds["placed"][i][key], sds["device"][i][key]), (i, key)
-            assert torch.equal(sds["device"][i]["master_param"], sds["fp32 master"][i]["master_param"]), i
+            for name in ("device", "placed"):  # decoded with their params: the fp32 master's bits
+                assert torch.equal(fp32_master(sds[name][i], runs[name][i]),
+                                   sds["fp32 master"][i]["master_param"]), (name, i)
             assert torch.equal(runs["placed"][i].detach(), runs["device"][i].detach()), i
         assert opts["placed"].stats["speculation"] is not None
     finally:
@@ -273,16 +281,22 @@ def test_compressed_state_is_bitwise_the_same_at_every_placement(placement, tmp_
 
 # ---------------------------------------------------------------------------- checkpoints
 def test_compressed_checkpoint_is_torch_s_format_with_bf16_moments_and_an_fp32_master():
+    """torch's keys with bf16 moments, and the master as the tier stores it: an int16
+    `master_remainder` (no fp32 `master_param`) that with the bf16 param decodes to it."""
     params = _params(BF16)
     opt = _hybrid_run(params, 4, StateFormat(BF16, BF16, True))
     sd = opt.state_dict()
     for i, p in enumerate(params):
         st = sd["state"][i]
-        assert set(st) == {"step", "exp_avg", "exp_avg_sq", "master_param"}
+        assert set(st) == {"step", "exp_avg", "exp_avg_sq", "master_remainder"}
         assert st["exp_avg"].dtype == BF16 and st["exp_avg_sq"].dtype == BF16
-        assert st["master_param"].dtype == FP32 and st["master_param"].shape == p.shape
-        # the param is the master's high half (ties away), so it is a rounding of it
-        assert torch.equal(encode_remainder_reference(st["master_param"])[0], p.detach())
+        assert st["master_remainder"].dtype == torch.int16 and st["master_remainder"].shape == p.shape
+        master = fp32_master(st, p)
+        assert master.dtype == FP32 and master.shape == p.shape
+        # the param is the master's high half (ties away), so it is a rounding of it; the
+        # remainder is its low half
+        high, low = encode_remainder_reference(master)
+        assert torch.equal(high, p.detach()) and torch.equal(low, st["master_remainder"]), i
 
 
 def test_torch_checkpoint_loads_into_a_compressed_optimizer_rounded_to_nearest_even():
@@ -344,7 +358,7 @@ def test_remainder_checkpoint_round_trip_keeps_the_master_bitwise(into):
     other.load_state_dict(sd)
     back = other.state_dict()["state"]
     for i in range(len(params)):
-        assert torch.equal(back[i]["master_param"], sd["state"][i]["master_param"]), i
+        assert torch.equal(fp32_master(back[i], fresh[i]), fp32_master(sd["state"][i], params[i])), i
         assert torch.equal(back[i]["exp_avg"], sd["state"][i]["exp_avg"]), i
         assert torch.equal(fresh[i].detach(), params[i].detach()), i  # a load wrote no new bits
     # both continue identically: same master after two more steps
@@ -354,7 +368,7 @@ def test_remainder_checkpoint_round_trip_keeps_the_master_bitwise(into):
             o.step()
     a, b = opt.state_dict()["state"], other.state_dict()["state"]
     for i in range(len(params)):
-        assert torch.equal(a[i]["master_param"], b[i]["master_param"]), i
+        assert torch.equal(fp32_master(a[i], params[i]), fp32_master(b[i], fresh[i])), i
 
 
 # ---------------------------------------------------------------------------- convergence
@@ -437,7 +451,7 @@ def test_cuda_remainders_step_the_same_master_as_an_fp32_master_bitwise(moments)
     sa, sb = oa.state_dict()["state"], ob.state_dict()["state"]
     assert ob.parts.placement.device.remainder and not oa.parts.placement.device.remainder
     for i in range(len(a)):
-        assert torch.equal(sa[i]["master_param"], sb[i]["master_param"]), i
+        assert torch.equal(sa[i]["master_param"], fp32_master(sb[i], b[i])), i  # b: remainders
         assert torch.equal(sa[i]["exp_avg"], sb[i]["exp_avg"]), i
         differ = a[i].detach().view(torch.int16) != b[i].detach().view(torch.int16)
         assert torch.equal(differ, _ties(sa[i]["master_param"])), i
@@ -456,7 +470,7 @@ def test_cuda_compressed_device_tier_follows_the_cpu_reference_within_bf16_round
     sd = _cuda_run(fmt, 4, gpu).state_dict()["state"]
     for i, st in enumerate(ref):
         master = cpu_kernels.decode_remainder_reference(st["param"], st["remainder"])
-        assert_close(sd[i]["master_param"].cpu(), master, FP32, msg=f"master {i}")
+        assert_close(fp32_master(sd[i], gpu[i]).cpu(), master, FP32, msg=f"master {i}")
         assert_close(sd[i]["exp_avg"].cpu().float(), st["exp_avg"].float(), BF16, msg=f"exp_avg {i}")
         assert_close(sd[i]["exp_avg_sq"].cpu().float(), st["exp_avg_sq"].float(), BF16, msg=f"exp_avg_sq {i}")
         assert sd[i]["exp_avg"].dtype == BF16 and sd[i]["exp_avg_sq"].dtype == BF16
@@ -484,10 +498,10 @@ def test_cuda_launch_path_with_remainders_steps_the_fp32_master_s_bits_in_the_in
         for k in range(3):
             _set_grads(params, k)
             opt.step()
-        runs[name] = (params, opt.state_dict()["state"], opt)
+        runs[name] = (params, with_fp32_masters(opt.state_dict()["state"], params), opt)
     assert runs["remainders"][2].parts.placement.device.remainder
     for i in range(len(runs["cpu"][0])):
-        r, m, c = (runs[n][1][i] for n in ("remainders", "master", "cpu"))
+        r, m, c = (runs[n][1][i] for n in ("remainders", "master", "cpu"))  # masters decoded
         assert torch.equal(r["master_param"], m["master_param"]), i
         assert torch.equal(r["exp_avg_sq"], m["exp_avg_sq"]), i
         assert_close(r["master_param"], c["master_param"], FP32, msg=f"master {i}")
@@ -511,9 +525,10 @@ def test_moves_between_tiers_carry_compressed_state_bitwise(tmp_path):
                 opt.step()
             sa, sb = a.state_dict()["state"], b.state_dict()["state"]
             for i in range(len(still)):
-                for key in ("master_param", "exp_avg", "exp_avg_sq"):
+                for key in ("master_remainder", "exp_avg", "exp_avg_sq"):
                     assert torch.equal(sa[i][key], sb[i][key]), (k, i, key)
                 assert torch.equal(still[i].detach(), moved[i].detach()), (k, i)
+                assert torch.equal(fp32_master(sa[i], still[i]), fp32_master(sb[i], moved[i])), (k, i)
 
 
 @pytest.mark.parametrize("placement", ["host", "nvme"])
@@ -529,9 +544,10 @@ def test_compressed_checkpoint_loads_into_offloaded_tiers_bitwise(placement, tmp
         dst.load_state_dict(sd)
         back = dst.state_dict()["state"]
         for i in range(len(params)):
-            for key in ("master_param", "exp_avg", "exp_avg_sq"):
+            for key in ("master_remainder", "exp_avg", "exp_avg_sq"):
                 assert back[i][key].dtype == sd["state"][i][key].dtype
                 assert torch.equal(back[i][key], sd["state"][i][key]), (i, key)
+            assert torch.equal(fresh[i].detach(), params[i].detach()), i  # so the masters decode alike
         for k in range(4, 6):
             for ps, o in ((params, src), (fresh, dst)):
                 _set_grads(ps, k)

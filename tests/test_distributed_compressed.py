@@ -23,6 +23,7 @@ import pytest
 import torch
 
 from dist_launch import DIST_MARKS, SCRIPTS, launch
+from helpers import with_fp32_masters
 from tolerances import RTOL
 
 sys.path.insert(0, SCRIPTS)
@@ -34,6 +35,8 @@ pytestmark = DIST_MARKS
 WORLD = 2
 NAMES = ["fsdp2", "fsdp2_overflow", "zero", "zero_overflow"]
 SKIP = {"fsdp2": (), "zero": (), "fsdp2_overflow": (1,), "zero_overflow": (1,)}
+# the records' keys: "master_param" is the fp32 master decoded from the state's
+# `master_remainder` and the param (hybrid_opt.fp32_master), here and in compressed_train.py
 STATE = ("params", "master_param", "exp_avg", "exp_avg_sq")
 # bf16 moments against torch's fp32 ones, and bf16 params against fp32 masters: a bf16 param
 # is its master rounded (up to 2^-9 relative) and each moment is rounded to bf16 when stored;
@@ -65,9 +68,10 @@ def _averaged_grads(model, x) -> list:
 
 
 def _snapshot(model, opt) -> dict:
-    sd = opt.state_dict()["state"]
+    params = list(model.parameters())
+    sd = with_fp32_masters(opt.state_dict()["state"], params)  # remainders decoded with the params
     state = {k: [sd[i][k].clone() for i in sorted(sd)] for k in STATE[1:]}
-    return dict(params=[p.detach().clone() for p in model.parameters()], **state)
+    return dict(params=[p.detach().clone() for p in params], **state)
 
 
 def _train_single(model, opt, xs, *, averaged=True, skip=(), first=0) -> list:
@@ -250,22 +254,25 @@ def _resume_hybrid(ckpt: str) -> list:
 @pytest.mark.parametrize("name", ["fsdp2", "zero"])
 def test_dcp_compressed_2_ranks_load_1_resumes_bitwise(compressed, name):
     """get_optimizer_state_dict + dcp.save at 2 ranks with compressed state (the checkpoint
-    holds bf16 moments and the fp32 master_param), dcp.load into one plain process's compressed
-    HybridAdamW: the resumed steps are the uninterrupted ones, bit for bit."""
+    holds bf16 moments and the int16 master_remainder, the fp32 master's low half), dcp.load
+    into one plain process's compressed HybridAdamW: the resumed steps are the uninterrupted
+    ones, bit for bit."""
     import torch.distributed.checkpoint as dcp
     ckpt, ranks = compressed
     path = os.path.join(ckpt, name)
     meta = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
     assert meta["optim.state.0.weight.exp_avg"].properties.dtype == torch.bfloat16
     assert meta["optim.state.0.weight.exp_avg_sq"].properties.dtype == torch.bfloat16
-    assert meta["optim.state.0.weight.master_param"].properties.dtype == torch.float32
+    assert meta["optim.state.0.weight.master_remainder"].properties.dtype == torch.int16
+    assert "optim.state.0.weight.master_param" not in meta
     _assert_bitwise(_resume_hybrid(path), ranks[0][name]["steps"][SAVE_AT:], f"{name} resumed")
 
 
 @pytest.mark.parametrize("name", ["fsdp2", "zero"])
 def test_dcp_compressed_2_ranks_load_into_torch_adamw(compressed, name):
     """The same checkpoint into torch.optim.AdamW over an fp32 copy of the model (dcp.load
-    widens the bf16 moments; the params are the saved fp32 master_param, not the bf16 params):
+    widens the bf16 moments; the params are the saved fp32 masters — master_remainder decoded
+    with the saved bf16 params, its high half — not the bf16 params):
     stepping those masters with the bf16 model's averaged grads stays within bf16's tolerance
     of the uninterrupted masters and params (torch keeps fp32 moments from there on)."""
     import torch.distributed.checkpoint as dcp
@@ -274,13 +281,14 @@ def test_dcp_compressed_2_ranks_load_into_torch_adamw(compressed, name):
     model, masters = _bf16_model(), C.build_model()
     opt = torch.optim.AdamW(masters.parameters(), lr=C.LR, weight_decay=0.01, foreach=False)
     sd = {"model": model.state_dict(), "optim": get_optimizer_state_dict(masters, opt)}
+    from hybrid_opt import fp32_master
     for fqn, p in masters.named_parameters():
-        sd["optim"]["state"][fqn]["master_param"] = torch.empty_like(p)
+        sd["optim"]["state"][fqn]["master_remainder"] = torch.empty(p.shape, dtype=torch.int16)
     dcp.load(sd, checkpoint_id=os.path.join(ckpt, name))
     model.load_state_dict(sd["model"])
     with torch.no_grad():
-        for fqn, p in masters.named_parameters():
-            p.copy_(sd["optim"]["state"][fqn].pop("master_param"))
+        for (fqn, p), bf16 in zip(masters.named_parameters(), model.parameters()):
+            p.copy_(fp32_master({"master_remainder": sd["optim"]["state"][fqn].pop("master_remainder")}, bf16))
     set_optimizer_state_dict(masters, opt, sd["optim"])
     uninterrupted = ranks[0][name]["steps"][SAVE_AT:]
     for i, x in enumerate(C.batches()[SAVE_AT:]):

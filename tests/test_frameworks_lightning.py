@@ -2,7 +2,8 @@
 offload (host worker tier), with an nvme tier, with a scheduler dict, a ModelCheckpoint resume,
 manual optimization through Lightning's forwarding LightningOptimizer wrapper, bf16-mixed with
 max_grad_norm (and Lightning's refusal of gradient_clip_val there), gradient_clip_val at 32-bit,
-a Trainer dropped without close(), and two processes through Lightning's own launcher
+a Trainer dropped without close(), hybrid_opt.lightning_io.DirectCheckpointIO's checkpoints, and
+two processes through Lightning's own launcher
 (strategy="ddp", and ModelParallelStrategy with FSDP2), which sets LOCAL_RANK on the rank it
 starts but not LOCAL_WORLD_SIZE.
 
@@ -108,6 +109,32 @@ def test_resume_from_model_checkpoint_is_bitwise_an_uninterrupted_run(tmp_path):
     _, resumed = LT.fit(LT.Tiny(LT.hybrid()), data=data(), max_epochs=2, callbacks=[probe],
                         ckpt_path=tmp_path / "half.ckpt", **epochs)
     assert probe.seen == list(range(n + 1, 2 * n + 1)), "the resumed fit takes only the last n steps"
+    _, whole = LT.fit(LT.Tiny(LT.hybrid()), data=data(), max_epochs=2, **epochs)
+    for k, (a, b) in enumerate(zip(resumed, whole)):
+        assert torch.equal(a, b), f"param {k}: resumed differs from uninterrupted by {(a - b).abs().max()}"
+
+
+def test_direct_checkpoint_io_writes_lightning_s_checkpoint_and_resumes_bitwise(tmp_path):
+    """hybrid_opt.lightning_io.DirectCheckpointIO (the checkpoint torch.saved straight into its
+    file, not buffered in RAM first): the same checkpoint as Lightning's own CheckpointIO, no
+    partial file left beside it, and a resume from it is bitwise the uninterrupted run."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from hybrid_opt.lightning_io import DirectCheckpointIO
+    n, epochs = 3, dict(max_steps=-1)
+    data = lambda: LT.loader(steps=n)  # noqa: E731
+    for name, plugins in (("direct", [DirectCheckpointIO()]), ("own", [])):
+        ckpt = ModelCheckpoint(dirpath=tmp_path / name, filename="half")
+        LT.fit(LT.Tiny(LT.hybrid()), data=data(), max_epochs=1, callbacks=[ckpt], enable_checkpointing=True,
+               plugins=plugins, **epochs)
+    assert os.listdir(tmp_path / "direct") == ["half.ckpt"]
+    direct = torch.load(tmp_path / "direct" / "half.ckpt", weights_only=True)
+    own = torch.load(tmp_path / "own" / "half.ckpt", weights_only=True)
+    assert direct.keys() == own.keys() and (direct["global_step"], direct["epoch"]) == (own["global_step"], own["epoch"])
+    assert all(torch.equal(v, own["state_dict"][k]) for k, v in direct["state_dict"].items())
+    for a, b in zip(direct["optimizer_states"][0]["state"].values(), own["optimizer_states"][0]["state"].values()):
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), "the same optimizer state"
+    _, resumed = LT.fit(LT.Tiny(LT.hybrid()), data=data(), max_epochs=2, ckpt_path=tmp_path / "direct" / "half.ckpt",
+                        **epochs)
     _, whole = LT.fit(LT.Tiny(LT.hybrid()), data=data(), max_epochs=2, **epochs)
     for k, (a, b) in enumerate(zip(resumed, whole)):
         assert torch.equal(a, b), f"param {k}: resumed differs from uninterrupted by {(a - b).abs().max()}"

@@ -1,9 +1,10 @@
 """Checkpoints of a CUDA model (skipped without a CUDA device; benchmarks/gpu_check.sh runs them):
 
 - state_dict() puts host/nvme state on the CPU and leaves device-only params' state on the
-  GPU (views of the tier's buffers, or a copy for a param spanning subgroups), so GPU memory
-  grows by those copies and by nothing else, even for a moment (what it allocates is counted
-  on the CPU in test_state_dict_allocations.py);
+  GPU (views of the tier's buffers, each with a storage of its own — a slice of the buffer's
+  — or a copy for a param spanning subgroups), so GPU memory grows by those copies and by
+  nothing else, even for a moment (what it allocates is counted on the CPU in
+  test_state_dict_allocations.py);
 - a bf16 checkpoint loaded with map_location="cpu" resumes a CUDA model bitwise (the CPU
   master_param is compared with the CUDA param on the param's device).
 """
@@ -74,14 +75,19 @@ def test_state_dict_keeps_offloaded_state_off_the_gpu(placement, dtype, nvme_dir
         sd = opt.state_dict()
         torch.cuda.synchronize()
         grown = torch.cuda.max_memory_allocated() - before
-        # the copies it returns: CUDA state in memory of its own, not the tier's buffers (each
-        # rounded up to the caching allocator's 512 B blocks, as max_memory_allocated counts it)
+        # the copies it returns: CUDA state in memory of its own, not within the tier's buffers
+        # (each rounded up to the caching allocator's 512 B blocks, as max_memory_allocated
+        # counts it). A view's storage is a slice of a buffer's: told apart by its address
         device = opt.parts.placement.device
-        tier = {t.untyped_storage().data_ptr() for t in
-                [*device.master.values(), *(t for st in device.state.values() for t in st.values())]}
+        tier = [(b.data_ptr(), b.data_ptr() + b.nbytes()) for b in
+                {t.untyped_storage().data_ptr(): t.untyped_storage() for t in
+                 [*device.master.values(), *(t for st in device.state.values() for t in st.values())]}.values()]
+
+        def in_tier(t):
+            return any(lo <= t.data_ptr() < hi for lo, hi in tier)
         copies = {t.untyped_storage().data_ptr(): -(-t.untyped_storage().nbytes() // 512) * 512
                   for st in sd["state"].values() for t in st.values()
-                  if t.is_cuda and t.untyped_storage().data_ptr() not in tier}
+                  if t.is_cuda and not in_tier(t)}
         assert grown <= sum(copies.values()), (f"state_dict() took {grown} B of GPU memory, the copies "
                                                f"it returns {sum(copies.values())} B")
         kinds = set()
@@ -95,14 +101,24 @@ def test_state_dict_keeps_offloaded_state_off_the_gpu(placement, dtype, nvme_dir
                     assert t.dtype == torch.float32 and t.shape == params[idx].shape
         assert "cpu" in kinds and (placement == "host" or "cuda" in kinds)
         if placement != "host":
-            # a device-only param in one subgroup: views of the tier's buffers
+            # a device-only param in one subgroup: views of the tier's buffers, each with a
+            # storage of its own (exactly its bytes: what torch.save writes)
             views = [idx for idx in sd["state"] if len(parts_of(opt, idx)) == 1
                      and opt.plan.tiers[parts_of(opt, idx)[0][0].index] == DEVICE]
             assert views
             for idx in views:
                 sg, sl = parts_of(opt, idx)[0]
                 buf = opt.parts.placement.device.state[sg.index]["exp_avg"]
-                assert sd["state"][idx]["exp_avg"].data_ptr() == buf[sl.sub_offset:].data_ptr()
+                t = sd["state"][idx]["exp_avg"]
+                assert t.data_ptr() == buf[sl.sub_offset:].data_ptr()
+                for k, v in sd["state"][idx].items():
+                    if k != "step":
+                        assert in_tier(v) and v.untyped_storage().nbytes() == v.numel() * v.element_size(), (idx, k)
+            # a device-only param over several subgroups: a copy (no view spans CUDA subgroups)
+            for idx in sd["state"]:
+                parts = parts_of(opt, idx)
+                if len(parts) > 1 and {opt.plan.tiers[sg.index] for sg, _ in parts} == {DEVICE}:
+                    assert not any(in_tier(v) for k, v in sd["state"][idx].items() if k != "step"), idx
 
 
 @pytest.mark.parametrize("placement", ["device", "host", "mixed_nvme"])

@@ -214,7 +214,9 @@ def test_fp16_grad_scaler_skips_an_overflow_step_like_torch(offload):
                 # the first layer's weight: ready last in backward, so on the device tier at 0.5
                 model[0].weight.grad.view(-1)[7] = float("inf")
                 before_params = [p.detach().clone() for p in model.parameters()]
-                before_state = opt.state_dict()
+                # cloned: device-tier state tensors are views of the live state, as torch's are
+                before_state = {k: {key: cpu(torch.as_tensor(v)).clone() for key, v in st.items()}
+                                for k, st in opt.state_dict()["state"].items()}
             share_grads(model, ref_model)  # scaled by `scaler`, whose scale ref_scaler tracks
             ref_scaler.scale(torch.ones((), device="cuda"))  # (its scale is made on first use)
             scaler.step(opt)
@@ -226,9 +228,9 @@ def test_fp16_grad_scaler_skips_an_overflow_step_like_torch(offload):
             if i == INF_STEP:
                 assert all(torch.equal(a, b) for a, b in zip(before_params, model.parameters()))
                 after = opt.state_dict()
-                for k, st in before_state["state"].items():
+                for k, st in before_state.items():
                     for key, v in st.items():
-                        assert torch.equal(cpu(torch.as_tensor(v)), cpu(torch.as_tensor(after["state"][k][key]))), (k, key)
+                        assert torch.equal(v, cpu(torch.as_tensor(after["state"][k][key]))), (k, key)
         assert skipped == [i == INF_STEP for i in range(8)]
         assert all(a == b for a, b in scales), scales
         assert scales[INF_STEP][0] < scales[INF_STEP - 1][0], "the scale did not back off"

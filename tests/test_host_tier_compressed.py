@@ -23,7 +23,7 @@ from hybrid_opt.tiers.compressed import _independent_moment_dtypes
 from hybrid_opt.tiers.host import HostTier, StepInputs
 from hybrid_opt.worker import protocol as P
 
-from helpers import assert_bitwise_equal, inputs, make_grads, wait_gone
+from helpers import assert_bitwise_equal, inputs, make_grads, wait_gone, with_fp32_masters
 from test_nvme_tier import BIG, NUMELS, NVME_FLAGS, _trajectory_plan, nvme_dir  # noqa: F401
 
 SLOT = 4096
@@ -498,7 +498,7 @@ def test_every_placement_steps_the_same_bits_through_clipping_overflow_and_a_kil
     bites every third step (speculated steps redone), a GradScaler overflow (rolled back: the
     state equals the one before, bitwise) and, on the host and nvme runs, a worker killed with
     SIGKILL mid-step — params, decoded masters and moments stay torch.equal across the three."""
-    from hybrid_opt import HybridAdamW
+    from hybrid_opt import HybridAdamW, fp32_master
     monkeypatch.setenv(FAULT_ENV, "mid_step:4")
     placements = {"device": dict(offload_fraction=0.0), "host": dict(offload_fraction=1.0),
                   "nvme": dict(offload_fraction=1.0, nvme_fraction=1.0, nvme_path=nvme_dir)}
@@ -540,10 +540,14 @@ def test_every_placement_steps_the_same_bits_through_clipping_overflow_and_a_kil
             for i in range(3):
                 assert torch.equal(runs["host"][i], runs["device"][i]), (step, i)
                 assert torch.equal(runs["nvme"][i], runs["device"][i]), (step, i)
-                for key in ("master_param", "exp_avg", "exp_avg_sq"):
-                    assert sds["device"][i][key].dtype == (F32 if key == "master_param" else BF16)
+                # the master as the tiers keep it: its int16 low half (the param is its high half)
+                for key in ("master_remainder", "exp_avg", "exp_avg_sq"):
+                    assert sds["device"][i][key].dtype == (torch.int16 if key == "master_remainder" else BF16)
                     for name in ("host", "nvme"):
                         assert torch.equal(sds[name][i][key], sds["device"][i][key]), (step, name, i, key)
+                for name in ("host", "nvme"):  # so the decoded masters are equal
+                    assert torch.equal(fp32_master(sds[name][i], runs[name][i]),
+                                       fp32_master(sds["device"][i], runs["device"][i])), (step, name, i)
         for name in ("host", "nvme"):
             assert opts[name].parts.placement.host.stats["worker_restarts"] >= 1, name
             assert opts[name].parts.placement.host.stats["redone"] > 0, name
@@ -609,16 +613,22 @@ def test_a_mixed_fp32_bf16_model_with_amsgrad_steps_the_same_bits_at_every_place
                         for key, t in before[i].items():
                             assert torch.equal(after[i][key], t), (name, i, key)
             sds = {name: o.state_dict()["state"] for name, o in opts.items()}
+            # every bf16 master as fp32: the remainder runs' decoded with their params
+            masters = {name: with_fp32_masters(sd, runs[name]) for name, sd in sds.items()}
             for i, p in enumerate(runs["device"]):
                 for name in ("host", "nvme", "mix"):
                     assert torch.equal(runs[name][i], p), (step, name, i)
-                for name in ("host", "nvme", "mix", "fp32_master"):  # a param with no grad yet has none
+                if i in sds["device"]:  # a bf16 param's master as the tier keeps it
+                    assert ("master_remainder" in sds["device"][i]) == (p.dtype == BF16), (step, i)
+                for name in ("host", "nvme", "mix"):  # a param with no grad yet has none
                     assert set(sds[name].get(i, {})) == set(sds["device"].get(i, {})), (step, name, i)
+                assert set(masters["fp32_master"].get(i, {})) == set(masters["device"].get(i, {})), (step, i)
                 for key, t in sds["device"].get(i, {}).items():
                     for name in ("host", "nvme", "mix"):
                         assert torch.equal(sds[name][i][key], t), (step, name, i, key)
+                for key, t in masters["device"].get(i, {}).items():
                     if key != "master_param" or p.dtype == BF16:
-                        assert torch.equal(sds["fp32_master"][i][key], t), (step, i, key)
+                        assert torch.equal(masters["fp32_master"][i][key], t), (step, i, key)
         for name in ("host", "nvme", "mix"):
             assert opts[name].parts.placement.host.stats["redone"] > 0, name
     finally:

@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch import nn
 
-from hybrid_opt import HybridAdam, HybridAdamW
+from hybrid_opt import HybridAdam, HybridAdamW, fp32_master
 from hybrid_opt.state.storage import ParamGuard
 
 BF16, FP32 = torch.bfloat16, torch.float32
@@ -51,7 +51,11 @@ def restarts(monkeypatch):
 
 
 def _masters(opt):
-    return {i: st.get("master_param") for i, st in opt.state_dict()["state"].items()}
+    """Each stepped param's fp32 master: its `master_param`, or decoded from its
+    `master_remainder` with the param (its high half); None for an fp32 param. A new tensor
+    where decoded, so it keeps the value it had when taken."""
+    params = [p for g in opt.param_groups for p in g["params"]]
+    return {i: fp32_master(st, params[i]) for i, st in opt.state_dict()["state"].items()}
 
 
 @pytest.mark.parametrize("cls,amsgrad", [(HybridAdamW, False), (HybridAdam, True)], ids=["adamw", "adam-amsgrad"])
@@ -152,7 +156,7 @@ def test_new_memory_with_the_values_it_had_keeps_the_masters(placement, remainde
         _swap_load(model, sd)
         opt.zero_grad()
         opt.step()  # no grads: nothing stepped, the new memory re-adopted
-        master = opt.state_dict()["state"][0]["master_param"]
+        master = fp32_master(opt.state_dict()["state"][0], model[0].weight)
         assert torch.equal(master[0, :4], sd["0.weight"][0, :4].float())
         assert torch.equal(master[1:], ma[0][1:])  # the rest kept its master bits
     finally:
@@ -266,11 +270,17 @@ def test_fsdp2_shard_given_new_memory_keeps_remainders_consistent(placement, one
         (ma, oa), (mb, ob) = runs
         sa, sb = oa.state_dict()["state"], ob.state_dict()["state"]
         for i, (pa, pb) in enumerate(zip(ma.parameters(), mb.parameters())):
-            master = sb[i]["master_param"].to_local().reshape(-1)
-            assert torch.equal(encode_remainder_reference(master.contiguous())[0],
-                               pb.to_local().detach().reshape(-1)), f"param {i} is not its master's high half"
-            assert torch.equal(sa[i]["master_param"].to_local(), sb[i]["master_param"].to_local()), i
+            # the entry holds the master's low half (a DTensor like the param), the param its
+            # high half: both the never-reloaded run's, so the decoded masters are its too
+            ra, rb = sa[i]["master_remainder"], sb[i]["master_remainder"]
+            assert rb.dtype == torch.int16 and rb.placements == pb.placements, i
+            assert torch.equal(ra.to_local(), rb.to_local()), i
             assert torch.equal(pa.to_local(), pb.to_local()), i
+            master = fp32_master(sb[i], pb).reshape(-1)  # the local shard's
+            high, low = encode_remainder_reference(master.contiguous())
+            assert torch.equal(high, pb.to_local().detach().reshape(-1)), f"param {i} is not its master's high half"
+            assert torch.equal(low, rb.to_local().reshape(-1)), i
+            assert torch.equal(fp32_master(sa[i], pa), fp32_master(sb[i], pb)), i
     finally:
         for _, opt in runs:
             opt.close()

@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch import nn
 
-from hybrid_opt import HybridAdamW
+from hybrid_opt import HybridAdamW, fp32_master
 from hybrid_opt.state.storage import ParamGuard
 from tolerances import assert_bf16_within_ulps, assert_close
 
@@ -64,7 +64,8 @@ def _step(params, opt, masters, ref, k, write=None):
 def _check(params, opt, masters, what):
     sd = opt.state_dict()["state"]
     for i, (p, m) in enumerate(zip(params, masters)):
-        master = sd[i]["master_param"] if "master_param" in sd[i] else p.detach()
+        master = fp32_master(sd[i], p)  # an fp32 master, or decoded from a remainder and p
+        master = p.detach() if master is None else master  # an fp32 param is its own
         assert_close(master.cpu(), m.detach().cpu(), FP32, msg=f"{what}: master of param {i}")
         if p.dtype == BF16:
             assert_bf16_within_ulps(p.detach().cpu(), m.detach().cpu().to(BF16), msg=f"{what}: param {i}")
@@ -156,13 +157,14 @@ def test_with_remainders_a_rewritten_param_restarts_from_its_values(tmp_path):
     with torch.no_grad():
         params[1].copy_(params[1].clone())
     sd = opt.state_dict()["state"]
-    assert torch.equal(sd[1]["master_param"], params[1].detach().float())
+    assert not sd[1]["master_remainder"].any()  # the checkpoint's remainders are 0 too
+    assert torch.equal(fp32_master(sd[1], params[1]), params[1].detach().float())
     for sg in opt.parts.layout.subgroups:  # its remainders are 0: the master is the param's own value
         for sl in sg.slices:
             if sl.param_index == 1:
                 assert not opt.parts.placement.device.remainder[sg.index][sl.sub_offset:sl.sub_offset + sl.numel].any()
     # the params not written keep their masters' low halves
-    assert not torch.equal(sd[0]["master_param"], params[0].detach().float())
+    assert not torch.equal(fp32_master(sd[0], params[0]), params[0].detach().float())
 
 
 @pytest.mark.parametrize("placement", ["device", "host"])

@@ -7,7 +7,7 @@ at a time (hybrid_opt/state/saving.py).
 - Loaded into a fresh optimizer (from an mmap'ed file) it trains on bitwise as the original.
 - The trainer's peak resident memory (the kernel's VmHWM, reset before each call) grows by
   about one param's state where state_dict() + torch.save grows by all of it
-  (benchmarks/bench_save.py measures larger states).
+  (benchmarks/bench_checkpoint.py measures larger states).
 """
 import gc
 import inspect

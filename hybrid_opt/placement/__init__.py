@@ -478,5 +478,7 @@ class Placement:
             warnings.warn(f"{stay}: laying the tiers out again failed: {type(e).__name__}: {e}", stacklevel=4)
 
     def close(self) -> None:
+        if self.device is not None:
+            self.device.close()
         if self.host is not None:
             self.host.close()  # restores the cores and both thread counts (CoreSplit)

@@ -16,7 +16,10 @@ import torch
 from hybrid_opt.distributed import dtensor_like, is_dtensor, is_sharded, local_of, local_shard_of
 from hybrid_opt.placement.plan import DEVICE, NVME
 from hybrid_opt.distributed.zero_gather import SHARD_KEY
+from hybrid_opt.mapped import Piece, map_tensor
+from cpu_kernels.reference import decode_remainder_reference
 from hybrid_opt.state.layout import subgroups_label
+from hybrid_opt.state.torch_extras import keep_unowned, unowned_entries
 
 
 def _master_stands(saved: torch.Tensor, param: torch.Tensor) -> bool:
@@ -53,6 +56,11 @@ def _check_saved_state(saved_state: dict, params: list) -> None:
                                  f"elements, the parameter {n} {tuple(params[idx].shape)}: the "
                                  f"checkpoint is another model's (or its params are in another "
                                  f"order); nothing was loaded")
+        rem = entry.get("master_remainder")
+        if isinstance(rem, torch.Tensor) and rem.dtype == torch.int16 and rem.numel() != n:
+            raise ValueError(f"loaded state dict: parameter {idx}'s 'master_remainder' has "
+                             f"{rem.numel()} elements, the parameter {n} {tuple(params[idx].shape)}: "
+                             f"the checkpoint is another model's; nothing was loaded")
         if "step" in entry:
             try:
                 float(entry["step"])
@@ -86,76 +94,110 @@ def gather_state(layout, placement, state_format) -> dict:
 
 def iter_state(layout, placement, state_format):
     """(param index, its entry of torch's `state`) of each stepped param, in index order, each
-    made only when asked for (saving.py writes one and drops it before the next). Where each
-    param's state lands: a param wholly on the device tier gets views of the tier's buffers
-    when its elements lie in one subgroup (references, as torch returns its own state tensors:
-    copy them to keep a snapshot), else copies on its device; a param with any element on the
-    host or nvme tier gets CPU tensors of its own (they outlive close()). An nvme subgroup's
-    file is read once, and its copy dropped after the last param that needs it."""
+    made only when asked for (saving.py writes one and drops it before the next).
+
+    Every tensor is a view of the memory that holds the state, with a storage of its own
+    (torch.save writes exactly its bytes): the device tier's tensors, the host tier's
+    committed banks, an nvme subgroup's committed slot (checksum-verified, mapped
+    copy-on-write: clean page cache, not a copy). A param spread over several subgroups gets
+    their pieces mapped side by side (mapped.py). What the entry holds across a later step:
+    host and nvme tensors keep the values they had when taken (their memory is copied into
+    memory of their own before a step writes it: host_views.py); device-tier tensors are the
+    tier's own, stepped in place, as torch's are. A copy is made only where no view can
+    exist: a param spread over CUDA subgroups, over subgroups cut off a page boundary (tiny
+    ones: layout.PAGE_CUT_FROM), or over the device and host tiers (which keep their views
+    differently).
+
+    A bf16 param whose master is kept as remainders carries `master_remainder` (int16: with
+    the param, its high half, it decodes to the fp32 master) instead of an fp32
+    `master_param` that no tier stores."""
     params = list(layout.params())
     pieces: dict = {}  # param index -> [(subgroup, slice)]
     for sg in layout.subgroups:
         for sl in sg.slices:
             pieces.setdefault(sl.param_index, []).append((sg, sl))
+    verified: set = set()  # the nvme slots whose checksums this call has read
     # never stepped: torch has no state for it either
-    stepped = [idx for idx in range(len(params)) if layout.steps[idx]]
-    last_use = {}  # subgroup index -> the last stepped param that reads its state
-    for idx in stepped:
-        for sg, _ in pieces.get(idx, ()):
-            last_use[sg.index] = idx
-    sub_state: dict = {}  # subgroup states in use (an nvme one is a copy read from its file)
-    for idx in stepped:
+    for idx in (i for i in range(len(params)) if layout.steps[i]):
         p = local_of(params[idx])  # a DTensor's state is its local shard's, wrapped below
-        keys = ["exp_avg", "exp_avg_sq"] + (["max_exp_avg_sq"] if layout.group_of(idx)["amsgrad"] else [])
-        if p.dtype != torch.float32:
-            keys.append("master")
-        # an fp32 param's master is the param itself, and on the device tier an fp32 subgroup
-        # holding several params would make it a copy of all of them: asked for only where
-        # `keys` has it (a subgroup's params share its dtype and group, so their keys agree)
-        master = "master" in keys
-        parts = pieces.get(idx, [])
-        on_device = all(placement.plan.tiers[sg.index] == DEVICE for sg, _ in parts)
-        if on_device and len(parts) == 1:
-            sg, sl = parts[0]
-            if sg.index not in sub_state:
-                sub_state[sg.index] = placement.state_of(sg, master)
-            st = sub_state[sg.index]
-            a, b = sl.sub_offset, sl.sub_offset + sl.numel
-            flat = {k: st[k][a:b] for k in keys}
-            if "master" in flat and placement.device.has_remainders(sg.index):
-                # decoded once per subgroup, then each param's own elements: a view of the
-                # decoded subgroup would make torch.save write all of it once per param
-                flat["master"] = flat["master"].clone()
-            if last_use[sg.index] == idx:
-                del sub_state[sg.index]
-            del st  # a decoded master lives no longer than its last param needs it
-        else:
-            where = p.device if on_device else torch.device("cpu")
-            # moments in the format's dtypes (bf16 when compressed), the master in fp32
-            flat = {k: torch.empty(p.numel(), dtype=_state_dtype(state_format, k), device=where) for k in keys}
-            for sg, sl in parts:
-                if sg.index not in sub_state:
-                    sub_state[sg.index] = placement.state_of(sg, master)
-                a, b = sl.sub_offset, sl.sub_offset + sl.numel
-                for k in keys:
-                    flat[k][sl.param_offset:sl.param_offset + sl.numel].copy_(sub_state[sg.index][k][a:b])
-                if last_use[sg.index] == idx:
-                    del sub_state[sg.index]
         entry = {"step": torch.tensor(float(layout.steps[idx]), dtype=torch.float32)}
-        for k in keys:
-            t = flat[k].view(p.shape)
+        laid = pieces[idx][0][0].dtype if pieces.get(idx) else p.dtype  # a param cast since keeps its layout's
+        for key, name in _entry_keys(layout, idx, laid, state_format):
+            t = _state_tensor(placement, pieces.get(idx, []), name, p, verified)
             # torch.optim.AdamW's state under FSDP2 is zeros_like(p): DTensors like the param
-            entry["master_param" if k == "master" else k] = (
-                dtensor_like(t, params[idx]) if is_sharded(params[idx]) else t)
-        del flat, t
-        box = [entry]
-        del entry
-        yield idx, box.pop()  # the consumer holds its only reference: dropped, it is freed at once
+            entry[key] = dtensor_like(t, params[idx]) if is_sharded(params[idx]) else t
+        yield idx, entry
 
 
-def _state_dtype(fmt, key: str) -> torch.dtype:
-    return {"exp_avg": fmt.exp_avg_dtype, "exp_avg_sq": fmt.exp_avg_sq_dtype,
-            "max_exp_avg_sq": fmt.exp_avg_sq_dtype}.get(key, torch.float32)
+def fp32_master(entry: dict, param) -> torch.Tensor | None:
+    """The fp32 master of `param` from its entry of a state_dict()["state"]: its
+    `master_param`, or decoded from the bf16 param (the master's high half) and its
+    `master_remainder`; None for an fp32 param (its own master). A DTensor param and entry
+    give this rank's local part."""
+    if "master_param" in entry:
+        return entry["master_param"]
+    if "master_remainder" not in entry:
+        return None
+    rem, p = entry["master_remainder"], local_of(param).detach()  # local_of knows the param itself
+    rem = rem.to_local() if is_dtensor(rem) else rem
+    return decode_remainder_reference(p.reshape(-1), rem.reshape(-1).to(p.device)).view(p.shape)
+
+
+def _entry_keys(layout, idx: int, dtype, state_format) -> list:
+    """[(torch's key, the tiers' name)] of param `idx`'s entry. An fp32 param is its own
+    master: it has none."""
+    keys = [("exp_avg", "exp_avg"), ("exp_avg_sq", "exp_avg_sq")]
+    if layout.group_of(idx)["amsgrad"]:
+        keys.append(("max_exp_avg_sq", "max_exp_avg_sq"))
+    if dtype != torch.float32:
+        keys.append(("master_remainder", "remainder") if state_format.remainders_for(dtype)
+                    else ("master_param", "master"))
+    return keys
+
+
+def _state_tensor(placement, parts: list, name: str, p, verified: set) -> torch.Tensor:
+    """Param `p`'s state `name` over its `parts` [(subgroup, slice)], shaped like p: a view
+    where one can exist (iter_state), else a copy."""
+    located = []  # per part: a mapped.Piece, or the device tier's tensor slice
+    for sg, sl in parts:
+        a, b = sl.sub_offset, sl.sub_offset + sl.numel
+        if placement.plan.tiers[sg.index] == DEVICE:
+            piece = placement.device.piece(sg.index, name, a, b)
+            located.append(piece if piece is not None else placement.device.tensor(sg.index, name)[a:b])
+        else:
+            located.append(placement.host.views.piece(placement.host_local[sg.index], name, a, b, verified))
+    dtype = placement.state_format.dtype_of(name)
+    if not located:
+        return torch.zeros(p.shape, dtype=dtype, device=p.device)
+    # pieces of one tier only: a device piece is stepped in place while a host or nvme one is
+    # kept as it was taken (host_views.py), and one tensor cannot do both
+    one_tier = len({placement.plan.tiers[sg.index] == DEVICE for sg, _ in parts}) == 1
+    if one_tier and all(isinstance(x, Piece) for x in located):
+        t = map_tensor(located, dtype, p.shape)
+        if t is not None:
+            return t
+    if len(located) == 1 and isinstance(located[0], torch.Tensor):
+        return _own_storage(located[0]).view(p.shape)
+    # no view can exist: one copy, on the device where every piece is there, else on the host
+    on_device = all(isinstance(x, torch.Tensor) for x in located)
+    out = torch.empty(p.numel(), dtype=dtype, device=p.device if on_device else "cpu")
+    at = 0
+    for x in located:
+        src = x if isinstance(x, torch.Tensor) else map_tensor([x], dtype, (x.nbytes // dtype.itemsize,))
+        out[at:at + src.numel()].copy_(src)
+        at += src.numel()
+        del src
+    return out.view(p.shape)
+
+
+def _own_storage(t: torch.Tensor) -> torch.Tensor:
+    """A 1-D view of contiguous `t`'s memory whose storage is exactly its bytes (a storage
+    slice, which keeps the tensor's own storage alive): torch.save writes those, not the
+    whole subgroup's tensor, and copies one param at a time off an accelerator."""
+    nbytes = t.numel() * t.element_size()
+    start = t.storage_offset() * t.element_size()
+    storage = t.untyped_storage()[start:start + nbytes]
+    return torch.empty(0, dtype=t.dtype, device=t.device).set_(storage, 0, (t.numel(),))
 
 
 def saved_state_of(groups: list, state_dict: dict, params: list) -> dict:
@@ -192,88 +234,157 @@ def saved_hyperparameters(groups: list, state_dict: dict, keep=()) -> list:
             for s in state_dict["param_groups"][:len(groups)]]
 
 
-def _source(param, entry: dict, key: str, held: dict, idx: int):
-    """A param's saved tensor for tier key `key` as 1-D (a copy only for a strided tensor or a
-    shard), or None (zeros); the master is the param itself unless the saved one stands (one
-    that does not, of a 16-bit param, goes into `held` under `idx`: ParamGuard.hold_masters)."""
-    saved = entry.get("master_param" if key == "master" else key)
+def _saved(param, entry: dict, key: str):
+    """The checkpoint's tensor under `key` for this rank's elements of `param` (a copy only for
+    a shard or a gathered DTensor), or None."""
+    saved = entry.get(key)
+    if saved is None:
+        return None
     if is_sharded(param):  # this rank's shard of a DTensor or of a full tensor
-        saved = local_shard_of(saved, param)
-    elif is_dtensor(saved):  # a sharded checkpoint into a plain param
-        saved = saved.full_tensor()
+        return local_shard_of(saved, param)
+    if is_dtensor(saved):  # a sharded checkpoint into a plain param
+        return saved.full_tensor()
+    return saved
+
+
+def _source(param, entry: dict, key: str, held: dict, idx: int):
+    """A param's saved tensor for tier state `key` as 1-D, or None (zeros). "remainder": the
+    checkpoint's `master_remainder` of a bf16 param (int16; one torch cast to another dtype is
+    no remainder), held under `idx` (ParamGuard.hold_masters: weights loaded after the
+    optimizer's state decode with it, as the checkpoint's did). "master": the param itself
+    unless the saved `master_param` stands (one that does not, of a 16-bit param, is held)."""
     p = local_of(param)
-    if key == "master":
-        src = p.detach()
-        # a master stands only while the param is still its rounding: torch carries our extra
-        # key along without updating it, so after training elsewhere the param itself is the
-        # truth (and a load never writes params). Compared on the param's device: a
-        # map_location="cpu" file may load into a CUDA model
-        if saved is not None and _master_stands(saved.to(p.device), src):
-            src = saved
-        elif saved is not None and p.dtype != torch.float32:
+    if key == "remainder":
+        saved = _saved(param, entry, "master_remainder")
+        ok = saved is not None and saved.dtype == torch.int16 and p.dtype == torch.bfloat16
+        if ok:
             held[idx] = saved.reshape(-1)
-    else:
+        return saved.reshape(-1) if ok else None
+    if key != "master":
+        saved = _saved(param, entry, key)
+        return None if saved is None else saved.reshape(-1)
+    saved = _saved(param, entry, "master_param")
+    src = p.detach()
+    # a master stands only while the param is still its rounding: torch carries our extra
+    # key along without updating it, so after training elsewhere the param itself is the
+    # truth (and a load never writes params). Compared on the param's device: a
+    # map_location="cpu" file may load into a CUDA model
+    if saved is not None and _master_stands(saved.to(p.device), src):
         src = saved
-    return None if src is None else src.reshape(-1)
+    elif saved is not None and p.dtype != torch.float32:
+        held[idx] = saved.reshape(-1)
+    return src.reshape(-1)
 
 
 def prepare_sources(layout, params: list, saved_state: dict, held: dict) -> dict:
     """{(param index, tier key): its 1-D source or None} for every param a subgroup holds, made
     before anything is written: what can fail in making them (a shard, a gather, a device) fails
     while every tier is still as it was, and what is left to write is copies. `held` gets the
-    saved masters that do not stand yet (_source)."""
-    keys = _state_keys(layout.amsgrad)
+    saved masters (or remainders) a later write of the param's weights must keep (_source)."""
     laid = sorted({sl.param_index for sg in layout.subgroups for sl in sg.slices})
-    return {(idx, k): _source(params[idx], saved_state.get(idx, {}), k, held, idx) for idx in laid for k in keys}
+    out = {}
+    for idx in laid:
+        entry = saved_state.get(idx, {})
+        for k in ("remainder",) + _state_keys(layout.amsgrad):
+            out[(idx, k)] = _source(params[idx], entry, k, held, idx)
+    return out
 
 
-def _fill(st: dict, sg, sources: dict) -> None:
-    """Subgroup `sg`'s state tensors `st` (state_of's keys) take its params' saved elements."""
+_ENCODE_CHUNK = 1 << 20  # elements a load encodes at once: its temporaries stay small
+
+
+def _encode(master: torch.Tensor, device) -> tuple:
+    """(bf16 high half, int16 remainder) of fp32 `master` on `device`."""
+    m = master.to(device=device, dtype=torch.float32).contiguous()
+    if m.device.type == "cpu":
+        import cpu_kernels
+        return cpu_kernels.encode_remainder(m)
+    import gpu_kernels
+    return gpu_kernels.encode_remainder(m)
+
+
+def _fill(stored: dict, sg, sources: dict) -> None:
+    """Subgroup `sg`'s stored state — a tier's own memory: the fp32 master ("param" on the host
+    tier, "master" on the device tier; an fp32 device subgroup has none: its params are their
+    master) or "remainder" (+ "high": where its high half goes; without it, the model's param
+    itself), and the moments in the tier's dtypes — takes its params' saved elements, slice
+    by slice: nothing the size of a subgroup is made."""
     for sl in sg.slices:
         a, b = sl.sub_offset, sl.sub_offset + sl.numel
-        for k, view in st.items():
-            src = sources[(sl.param_index, k)]
-            if src is None:
-                view[a:b].zero_()
-            else:
-                view[a:b].copy_(src[sl.param_offset:sl.param_offset + sl.numel])
-
-
-def _blank_state(sg, host, state_format) -> dict:
-    """Zeroed tensors of an nvme subgroup's state (state_of's keys and the tier's dtypes): what
-    a load writes its file from, never reading the file's current contents (a checkpoint is
-    how a corrupt slot is replaced)."""
-    return {k: torch.zeros(sg.numel, dtype=_state_dtype(state_format, k)) for k in _state_keys(host.amsgrad)}
+        pa, pb = sl.param_offset, sl.param_offset + sl.numel
+        for k in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq"):
+            if k in stored:
+                src = sources[(sl.param_index, k)]
+                if src is None:
+                    stored[k][a:b].zero_()
+                else:
+                    stored[k][a:b].copy_(src[pa:pb])
+        master, rem = sources[(sl.param_index, "master")], sources[(sl.param_index, "remainder")]
+        for k in ("param", "master"):
+            if k not in stored:
+                continue
+            if rem is None:
+                stored[k][a:b].copy_(master[pa:pb])
+                continue
+            for c in range(0, sl.numel, _ENCODE_CHUNK):  # a remainder checkpoint into an fp32 master
+                n = min(_ENCODE_CHUNK, sl.numel - c)
+                stored[k][a + c:a + c + n].copy_(decode_remainder_reference(
+                    sl.view[c:c + n], rem[pa + c:pa + c + n].to(sl.view.device)))
+        if "remainder" not in stored:
+            continue
+        high = stored.get("high")
+        if rem is not None:  # the param is the high half already
+            stored["remainder"][a:b].copy_(rem[pa:pb])
+            if high is not None:
+                high[a:b].copy_(sl.view)
+            continue
+        for c in range(0, sl.numel, _ENCODE_CHUNK):
+            n = min(_ENCODE_CHUNK, sl.numel - c)
+            h, r = _encode(master[pa + c:pa + c + n], stored["remainder"].device)
+            stored["remainder"][a + c:a + c + n].copy_(r)
+            with torch.no_grad():
+                (high[a + c:a + c + n] if high is not None else sl.view[c:c + n]).copy_(h)
 
 
 def _state_keys(amsgrad: bool) -> tuple:
-    """A subgroup's state tensors, as the tiers' state_of names them."""
+    """A subgroup's state, as the tiers name it (and state_of's keys)."""
     return ("master", "exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if amsgrad else ())
 
 
+def _writes_params(sg, sources: dict) -> bool:
+    """Whether loading `sg` (a subgroup that keeps remainders) writes its params: a saved master
+    that is not the param itself is encoded, and its high half becomes the param."""
+    return any(sources[(sl.param_index, "remainder")] is None
+               and sources[(sl.param_index, "master")].data_ptr() != sl.view.data_ptr() for sl in sg.slices)
+
+
 def scatter_state(layout, placement, sources: dict) -> None:
-    """Writes the prepared `sources` into the tiers; a failure leaves every subgroup as it was.
+    """Writes the prepared `sources` into the tiers' own memory (_fill); a failure leaves every
+    subgroup as it was.
 
     The nvme subgroups go first: a load writes each file's other slot and flips its committed
-    slot (host.load_state), so putting back the slot map (and, with remainders, the params'
-    high halves) undoes it without the old contents ever being read. The resident subgroups
-    (device and host tiers: memory copies from sources already made) go last; should one
-    still fail (an interrupt, a device fault) the nvme subgroups are put back and the error
-    says which resident subgroups took the checkpoint."""
+    slot (host.fill_state), so putting back the slot map (and, where the load encodes a
+    master into a remainder subgroup, the params' high halves) undoes it without the old
+    contents ever being read. The resident subgroups (device and host tiers: memory copies
+    from sources already made) go last; should one still fail (an interrupt, a device fault)
+    the nvme subgroups are put back and the error says which resident subgroups took the
+    checkpoint."""
     tiers, host = placement.plan.tiers, placement.host
     nvme = [sg for sg in layout.subgroups if tiers[sg.index] == NVME]
     resident = [sg for sg in layout.subgroups if tiers[sg.index] != NVME]
     marks = host.file_marks() if nvme else {}
-    highs = {}  # remainder subgroups' params (their masters' high halves) as they were
+    highs = {}  # params of remainder subgroups the load re-encodes (their high halves), as they were
     done: list = []
+
+    def fill(sg):
+        return lambda bank, stored, fresh: _fill(stored, sg, sources)
+
     try:
         for sg in nvme:
             local = placement.host_local[sg.index]
-            if host.remainders[local]:
+            if host.remainders[local] and _writes_params(sg, sources):
                 highs[sg.index] = (sg, sg.read().clone())
-            st = _blank_state(sg, host, placement.state_format)
-            _fill(st, sg, sources)
-            host.load_state(local, st["master"], st["exp_avg"], st["exp_avg_sq"], st.get("max_exp_avg_sq"))
+            host.fill_state(local, fill(sg))
     except BaseException as e:
         host.restore_file_marks(marks)
         for done_sg, high in highs.values():
@@ -283,9 +394,10 @@ def scatter_state(layout, placement, sources: dict) -> None:
                         f"call (each nvme file's committed slot was never written)")
     try:
         for sg in resident:
-            st = placement.state_of(sg)
-            _fill(st, sg, sources)
-            placement.load(sg, st)  # remainders: encoded back
+            if tiers[sg.index] == DEVICE:
+                _fill(placement.device.stored(sg.index), sg, sources)
+            else:
+                host.fill_state(placement.host_local[sg.index], fill(sg))
             done.append(sg)
     except BaseException as e:
         if nvme:
@@ -338,7 +450,9 @@ def looks_like_state_init_step(layout, decoupled: bool) -> bool:
 def load(parts, state_dict: dict, torch_state, keep=()) -> None:
     """load_state_dict() into the optimizer's parts (optimizer.Parts), the optimizer open and
     its pending gathers landed; `keep`: group keys the optimizer keeps as they are (AdamW's
-    decoupled_weight_decay, as torch's AdamW does; Adam takes an AdamW checkpoint's)."""
+    decoupled_weight_decay, as torch's AdamW does; Adam takes an AdamW checkpoint's). As torch's
+    load_state_dict: a group takes the checkpoint's `param_names` where it has them, and
+    `opt.state`'s entries under keys that are not params become the checkpoint's (torch_extras)."""
     layout, placement = parts.layout, parts.placement
     # params given new memory since the last step are re-adopted first (storage.py): done at
     # the next step() instead, it would restart the masters this load sets
@@ -358,10 +472,14 @@ def load(parts, state_dict: dict, torch_state, keep=()) -> None:
     hyper = saved_hyperparameters(layout.param_groups, state_dict, keep)
     held: dict = {}
     scatter_state(layout, placement, prepare_sources(layout, params, saved, held))
-    for g, h in zip(layout.param_groups, hyper):  # set once the state stands: a failed load keeps them
+    # set once the state stands: a failed load keeps them
+    for g, h, s in zip(layout.param_groups, hyper, state_dict["param_groups"]):
         g.update(h)
+        if "param_names" in s:  # torch's: a checkpoint's names replace the group's, its lack keeps them
+            g["param_names"] = list(s["param_names"])
     steps = {idx: int(float(st["step"])) for idx, st in saved.items() if "step" in st}
     # each param's step count, torch's state mirror made again, this rank back in step
     parts.ledger.loaded(torch_state, steps)
     parts.guard.record()  # with remainders a load writes the params' high halves
     parts.guard.hold_masters(held)  # the model's weights may be loaded next
+    keep_unowned(torch_state, unowned_entries(state_dict))

@@ -23,6 +23,7 @@ call (and on CUDA one sync) per slice.
 """
 from __future__ import annotations
 
+import mmap
 from dataclasses import dataclass, field
 
 import torch
@@ -169,7 +170,9 @@ def auto_subgroup_numel(numel: int, cap: int) -> int:
     elements make MIN_SUBGROUPS subgroups — host steps speculate and overlap backward one
     subgroup at a time, so a model (or a rank's shard) cut into 2 or 3 would overlap little —
     but not below MIN_AUTO_SUBGROUP_NUMEL (a worker task's fixed cost)."""
-    return max(MIN_AUTO_SUBGROUP_NUMEL, min(cap, _align(-(-numel // MIN_SUBGROUPS))))
+    want = -(-numel // MIN_SUBGROUPS)
+    a = _cut_alignment(want)  # a page-cut size: _cut keeps it, and the count MIN_SUBGROUPS
+    return max(MIN_AUTO_SUBGROUP_NUMEL, min(cap, -(-want // a) * a))
 
 
 MIN_SUBGROUPS = 8
@@ -188,14 +191,28 @@ def _align(n: int) -> int:
     return -(-n // _ALIGN) * _ALIGN
 
 
+# subgroups of at least PAGE_CUT_FROM elements are cut at multiples of PAGE_CUT: a page of every
+# state dtype (2048 bf16/int16 elements, two pages of fp32), so the pieces of a param that spans
+# subgroups map side by side as one tensor (mapped.py: state_dict() copies nothing); smaller
+# subgroups (tests, tiny models) keep the cache-line cut
+PAGE_CUT = mmap.PAGESIZE // 2  # 2048 with 4 KiB pages
+PAGE_CUT_FROM = 16 * PAGE_CUT
+
+
+def _cut_alignment(subgroup_numel: int) -> int:
+    return PAGE_CUT if subgroup_numel >= PAGE_CUT_FROM else _ALIGN
+
+
 def _cut(members: list, group: int, device, dtype, subgroup_numel: int, first: int) -> list:
     """Subgroups over the concatenation of `members` [(param index, param, local numel)]: as
-    few as `subgroup_numel` allows, of one size (aligned), the last shorter by less than one
-    alignment per subgroup — so the tiers' banks and files, sized for the largest, hold
+    few as `subgroup_numel` allows, of one size (aligned: _cut_alignment), the last shorter by
+    less than one alignment per subgroup — so the tiers' banks and files, sized for the largest, hold
     elements, not padding. A parameter may span several."""
     total = sum(n for _, _, n in members)
-    count = -(-total // subgroup_numel)
-    size = min(subgroup_numel, _align(-(-total // count))) if count else subgroup_numel
+    a = _cut_alignment(subgroup_numel)
+    cap = subgroup_numel // a * a if a > _ALIGN else subgroup_numel
+    count = -(-total // cap)
+    size = min(cap, -(-(-(-total // count)) // a) * a) if count else cap
     subgroups: list = []
     sg = None
     for idx, p, n in members:

@@ -54,26 +54,35 @@ class _Written(NamedTuple):
 def save(f, sd: dict, entries=None) -> None:
     """Writes `sd` (torch's optimizer state_dict format) into `f`, a path or a writable binary
     file, as torch.save would write it; with `entries` — (param index, entry) pairs, each made
-    when asked for — those are its "state" (`sd`'s own "state" only says where the key goes),
-    else `sd` is written exactly as it is. A path is written as a new file beside its target
-    (a symlink's), synced and renamed over it once complete, with the mode the target had: a
-    save that fails part-way (a full disk, an interrupt) leaves the file that was there. Where
-    the directory takes no new file, the target is written in place, as torch.save does."""
+    when asked for — those are its "state", followed by `sd`'s own "state" entries under other
+    keys (torch's state_dict carries `opt.state`'s entries under keys that are not params),
+    else `sd` is written exactly as it is. A path is written whole or not at all (written_whole)."""
     if not isinstance(f, (str, os.PathLike)):
         return _save(f, sd, entries)
+    with written_whole(f, "save_state_dict") as part:
+        _save(part, sd, entries)
+
+
+@contextlib.contextmanager
+def written_whole(f, what: str = "save"):
+    """Yields the path to write `f`'s new contents to: a new file beside the target (a
+    symlink's), synced and renamed over it once the block completes, with the mode the target
+    had. A save that fails part-way (a full disk, an interrupt) leaves the file that was there.
+    Where the directory takes no new file, the target itself, as torch.save writes it."""
     path = os.path.realpath(os.fspath(f))
     directory = os.path.dirname(path)
     if os.path.isdir(path):
-        raise IsADirectoryError(f"save_state_dict: {path} is a directory; pass a file path")
+        raise IsADirectoryError(f"{what}: {path} is a directory; pass a file path")
     if not os.path.isdir(directory):
         raise RuntimeError(f"Parent directory {directory} does not exist.")  # torch.save's words
-    part = os.path.join(directory, f".save_state_dict-{os.getpid()}-{secrets.token_hex(4)}.part")
+    part = os.path.join(directory, f".{what}-{os.getpid()}-{secrets.token_hex(4)}.part")
     try:  # the mode open() gives a new file (0o666 less the umask), as torch.save's has
         os.close(os.open(part, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666))
     except PermissionError:
-        return _save(path, sd, entries)
+        yield path
+        return
     try:
-        _save(part, sd, entries)
+        yield part
         if os.path.exists(path):
             os.chmod(part, stat.S_IMODE(os.stat(path).st_mode))
         _fsync(part)
@@ -98,6 +107,7 @@ def _save(f, sd: dict, entries) -> None:
                 state[idx] = {k: writer.write(v) for k, v in entry.items()}
                 del got, entry  # written: dropped before the next param's is made,
                 _trim()         # and its memory given back to the OS
+        state.update((k, v) for k, v in sd["state"].items() if k not in state)
         writer.finish({**sd, "state": state})
 
 
@@ -194,7 +204,7 @@ class _Pickler(pickle.Pickler):
 def _trim() -> None:
     """glibc's malloc keeps freed blocks below its dynamic mmap threshold (up to 32 MiB) for
     reuse, in pieces the next param's state may not fit: without this, 64-192 MiB stayed held
-    at 16 MiB params (benchmarks/bench_save.py; 31.7 with it). malloc_trim gives them back;
+    at 16 MiB params (benchmarks/bench_save.py, since folded into bench_checkpoint.py; 31.7 with it). malloc_trim gives them back;
     elsewhere (musl, macOS) nothing is done."""
     if _LIBC is not None:
         _LIBC.malloc_trim(0)

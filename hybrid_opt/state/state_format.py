@@ -57,6 +57,12 @@ class StateFormat:
         """Whether a param of `param_dtype` keeps its master as remainders (bf16 params only)."""
         return self.store_param_remainders and param_dtype == torch.bfloat16
 
+    def dtype_of(self, name: str) -> torch.dtype:
+        """The dtype a tier stores state `name` in: "master" (fp32), "remainder" (int16: a
+        master's low half), "exp_avg", "exp_avg_sq", "max_exp_avg_sq"."""
+        return {"master": torch.float32, "remainder": torch.int16, "exp_avg": self.exp_avg_dtype,
+                "exp_avg_sq": self.exp_avg_sq_dtype, "max_exp_avg_sq": self.exp_avg_sq_dtype}[name]
+
     def moment_bytes(self, amsgrad: bool = False) -> int:
         """Bytes per element of exp_avg, exp_avg_sq and (amsgrad) max_exp_avg_sq."""
         v = self.exp_avg_sq_dtype.itemsize

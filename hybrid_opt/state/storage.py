@@ -171,7 +171,12 @@ class ParamGuard:
                 else:
                     master[a:b].copy_(now)
                 held = self.held.get(sl.param_index)
-                if held is not None:  # written to a loaded master's rounding: that master stands
+                if held is not None and held.dtype == torch.int16:
+                    # a loaded remainder: the weights written are the high half it was saved with
+                    from cpu_kernels.reference import decode_remainder_reference
+                    rem = held[sl.param_offset:sl.param_offset + sl.numel].to(master.device)
+                    master[a:b].copy_(decode_remainder_reference(now.to(torch.bfloat16), rem))
+                elif held is not None:  # written to a loaded master's rounding: that master stands
                     saved = held[sl.param_offset:sl.param_offset + sl.numel].to(master.device, torch.float32)
                     torch.where(_written_as(saved, now), saved, master[a:b], out=master[a:b])
                 changed = True

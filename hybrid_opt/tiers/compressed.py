@@ -25,23 +25,28 @@ from __future__ import annotations
 
 import torch
 
-from hybrid_opt.shm import PAGE, ArenaLayout, align_up
+from hybrid_opt.shm import CACHE_LINE, PAGE, ArenaLayout, align_up
+from hybrid_opt.state.layout import PAGE_CUT
 
 
 def bank_layout(capacity: int, fmt, amsgrad: bool, copy_dtype, rem_mode: str):
     """(regions {name: byte offset}, io_bytes, bank bytes) for banks of `capacity` elements.
     rem_mode: "none", "all" (every subgroup keeps remainders: no fp32 region) or "some"."""
     bank = ArenaLayout()
+    # where the layout cuts subgroups on pages (layout.PAGE_CUT), every region starts on one, at
+    # no cost (each region is whole pages): state_dict() maps a param's pieces of several banks
+    # (or nvme slots, laid out alike) side by side (mapped.py)
+    align = PAGE if capacity % PAGE_CUT == 0 else CACHE_LINE
     if rem_mode == "all":
-        regions = {"rem": bank.add("rem", capacity * 2)}
+        regions = {"rem": bank.add("rem", capacity * 2, align)}
     else:
-        regions = {"p": bank.add("p", capacity * 4)}
+        regions = {"p": bank.add("p", capacity * 4, align)}
         if rem_mode == "some":
             regions["rem"] = regions["p"]
     ms, vs = fmt.exp_avg_dtype.itemsize, fmt.exp_avg_sq_dtype.itemsize
-    regions["m"] = bank.add("m", capacity * ms)
-    regions["v"] = bank.add("v", capacity * vs)
-    regions["vmax"] = bank.add("vmax", capacity * vs) if amsgrad else 0
+    regions["m"] = bank.add("m", capacity * ms, align)
+    regions["v"] = bank.add("v", capacity * vs, align)
+    regions["vmax"] = bank.add("vmax", capacity * vs, align) if amsgrad else 0
     # the state block (master..vmax) is what a swap moves: page-aligned for O_DIRECT
     io_bytes = bank.pad(PAGE)
     regions["copy"] = bank.add("copy", capacity * 2) if copy_dtype is not None else 0
@@ -131,6 +136,10 @@ class StateBanks:
         """`numel` elements of `dtype` at `region` of `bank` (a view into the arena)."""
         return self.arena.tensor(self._bank_offset + bank * self._bank_stride + self._regions[region],
                                  numel, dtype)
+
+    def region_offset(self, region: str) -> int:
+        """Byte offset of `region` inside a bank (and inside an nvme slot, laid out alike)."""
+        return self._regions[region]
 
     def state_block(self, bank: int) -> torch.Tensor:
         """The bytes a swap moves: the bank's first io_bytes (master..vmax)."""

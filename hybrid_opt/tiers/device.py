@@ -22,6 +22,7 @@ import math
 import torch
 
 from hybrid_opt.state.state_format import StateFormat
+from hybrid_opt.tiers.device_memory import cpu_state_arena
 
 # prepared CUDA launches kept (_launch_for): one per launch group in the steady state; a few
 # more where the grads' memory alternates between steps
@@ -109,11 +110,17 @@ class DeviceTier:
         self.progress: tuple = ([], [])  # (done, unsure) of the last step (step())
         self._launches = collections.OrderedDict()  # _launch_for's prepared launches, LRU
         self.subgroups, self.master, self.remainder, self.state = {}, {}, {}, {}
+        self._cpu: dict = {}  # subgroup index -> the CpuStateArena of its tensors (a CPU-only host)
         kinds = [(sg, _tensors_of(sg, state_format, amsgrad)) for sg in subgroups]
-        _carve_from_one_block(kinds)
+        _carve_from_one_block([(sg, t) for sg, t in kinds if sg.device.type != "cpu"])
+        arena = cpu_state_arena(kinds)
         for sg, tensors in kinds:
             self.subgroups[sg.index] = sg
-            st = {k: torch.zeros(sg.numel, dtype=dt, device=sg.device) for k, dt in tensors.items()}
+            if sg.device.type == "cpu":
+                st = arena.tensors(sg.index)
+                self._cpu[sg.index] = arena
+            else:
+                st = {k: torch.zeros(sg.numel, dtype=dt, device=sg.device) for k, dt in tensors.items()}
             if "remainder" in st:
                 # the param's own fp32 value: high half the param, low half 0
                 self.remainder[sg.index] = st.pop("remainder")
@@ -126,7 +133,7 @@ class DeviceTier:
     def absorb(self, other: "DeviceTier") -> None:
         """Takes `other`'s subgroups, their tensors as they are (a move's arrivals)."""
         for d, o in ((self.subgroups, other.subgroups), (self.master, other.master),
-                     (self.remainder, other.remainder), (self.state, other.state)):
+                     (self.remainder, other.remainder), (self.state, other.state), (self._cpu, other._cpu)):
             d.update(o)
         self._launches.clear()  # they read tensors of the subgroups as they were
 
@@ -135,7 +142,44 @@ class DeviceTier:
         for d in ((self.master, self.remainder, self.state) if keep_subgroup
                   else (self.subgroups, self.master, self.remainder, self.state)):
             d.pop(index, None)
+        arena = self._cpu.pop(index, None)
+        if arena is not None:
+            arena.free(index)  # its pages go back now, as a tensor of its own would
         self._launches.clear()  # a prepared launch may read the state just let go
+
+    def close(self) -> None:
+        """The CPU arenas' descriptors close; the memory goes with the tier's last tensor (held
+        state_dict() tensors took copies of their own first)."""
+        for arena in set(self._cpu.values()):
+            arena.close()
+        self._cpu.clear()
+
+    def piece(self, index: int, name: str, a: int, b: int):
+        """Elements [a, b) of subgroup `index`'s state tensor `name` ("master", "remainder" or
+        a moment) as a file piece state_dict() can map (mapped.py), or None where it has none
+        (on an accelerator, or a tensor made outside the arena)."""
+        arena = self._cpu.get(index)
+        t = self.tensor(index, name)
+        return None if arena is None or t is None else arena.piece(index, name, t, a, b)
+
+    def stored(self, index: int) -> dict:
+        """Subgroup `index`'s own state tensors, as a load fills them (checkpoint._fill): its
+        fp32 "master" or its "remainder" (the params are the high halves), and the moments;
+        an fp32 subgroup has no master here (its params are)."""
+        out = {}
+        if index in self.master:
+            out["master"] = self.master[index]
+        if index in self.remainder:
+            out["remainder"] = self.remainder[index]
+        return {**out, **self.state[index]}
+
+    def tensor(self, index: int, name: str):
+        """Subgroup `index`'s state tensor `name` ("master", "remainder" or a moment), or None."""
+        if name == "master":
+            return self.master.get(index)
+        if name == "remainder":
+            return self.remainder.get(index)
+        return self.state.get(index, {}).get(name)
 
     def __contains__(self, index: int) -> bool:
         return index in self.state

@@ -27,6 +27,7 @@ from hybrid_opt.tiers.arena_plan import (DEFAULT_SLOT_NUMEL, MAX_STAGING_SLOTS, 
 from hybrid_opt.tiers.compressed import StateBanks, _independent_moment_dtypes, check_params
 from hybrid_opt.tiers.host_step import HostStepping, _Speculation  # noqa: F401
 from hybrid_opt.tiers.inputs import StepInputs, _with_step  # noqa: F401
+from hybrid_opt.tiers.host_views import HostViews
 from hybrid_opt.tiers.nvme_files import FileSlots, NvmeFiles
 from hybrid_opt.worker.client import CoreSplit, WorkerClient
 
@@ -155,7 +156,11 @@ class HostTier:
         self._io = HostIO(self.client, slots, slot_numel=self.slot_numel, grad_dtype=grad_dtype,
                           copy_dtype=copy_dtype, remainders=remainders, rollback=rollback,
                           nvme=self.nvme, forget=lambda sg: stepping.forget(sg))
-        stepping = HostStepping(self._io, self._banks, self.pool, self._files, self.client,
+        # the committed state as pieces state_dict() maps; told of every write into it first
+        # (a bank the pool hands out, a bank or nvme slot written in place)
+        self.views = HostViews(self.arena, self._banks, self.pool, self._files, self._fds,
+                               nvme=self.nvme, io_bytes=self.io_bytes)
+        stepping = HostStepping(self._io, self._banks, self.pool, self._files, self.client, self.views,
                                 numels=self.numels, nvme=self.nvme, rollback=rollback,
                                 amsgrad=amsgrad, slot_numel=self.slot_numel)
         self._step = stepping
@@ -234,6 +239,7 @@ class HostTier:
             raise RuntimeError("no free bank to move nvme state through: every one is held by a "
                                "step awaiting validation; call finish() first")
         try:
+            self.views.writing(banks=banks)
             self._banks.wait_populated(banks, self.client.timeout_s)
         except BaseException:
             self.pool.release(banks[0])
@@ -321,31 +327,45 @@ class HostTier:
 
     def load_state(self, sg: int, param, exp_avg=None, exp_avg_sq=None, max_exp_avg_sq=None) -> None:
         """Sets subgroup `sg`'s committed state (moments default to zero). `param`: the fp32
-        master, or the model's elements (a layout.Subgroup: read into the bank); moments are rounded to the tier's dtypes (to nearest even). A subgroup that
-        keeps remainders stores the master encoded, and its model param (`params[sg]`) takes
-        the high half once the state stands."""
-        self._step.require_idle(sg)
+        master, or the model's elements (a layout.Subgroup: read into the bank); moments are
+        rounded to the tier's dtypes (to nearest even). A subgroup that keeps remainders
+        stores the master encoded, and its model param (`params[sg]`) takes the high half once
+        the state stands."""
         given = {"exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq, "max_exp_avg_sq": max_exp_avg_sq}
+
+        def fill(bank: int, stored: dict, fresh: bool) -> None:
+            self._banks.store_master(bank, sg, param)
+            for name, src in given.items():
+                if name not in stored:
+                    continue
+                if src is not None:
+                    stored[name].copy_(src.reshape(-1))
+                elif not fresh:  # a fresh bank is zero already (and maybe not populated yet)
+                    stored[name].zero_()
+
+        self.fill_state(sg, fill)
+
+    def fill_state(self, sg: int, fill) -> None:
+        """Sets subgroup `sg`'s committed state by `fill(bank, stored, fresh)`, which writes all
+        of `stored`: the bank's regions as StateBanks.stored_state names them (the fp32 master
+        "param", or "high" + "remainder"; the moments, in the tier's dtypes). `fresh`: the bank
+        was never written (all zero). Resident: the committed bank, in place; nvme: a borrowed
+        bank, written to the file's other slot, which is then committed. A subgroup that keeps
+        remainders: its model param takes the bank's high half once the state stands."""
+        self._step.require_idle(sg)
         bank = self._borrow_bank() if self.nvme[sg] else self._resident(sg)
         try:
+            self.views.writing(banks=[bank], slots=[(sg, 1 - self._files.slot(sg))] if self.nvme[sg] else [])
             if self.nvme[sg]:  # the whole block is written: no stale bytes in the checksum
                 self._banks.state_block(bank).zero_()
             fresh = self._banks.take_fresh(bank)
-            high = self._banks.store_master(bank, sg, param)
-            for name, dst in self._banks.stored_state(bank, sg).items():
-                if name not in given:
-                    continue  # the master, written above
-                src = given[name]
-                if src is None:
-                    if not fresh:  # a fresh bank is zero already (and maybe not populated yet)
-                        dst.zero_()
-                else:
-                    dst.copy_(src.reshape(-1))
+            stored = self._banks.stored_state(bank, sg)
+            fill(bank, stored, fresh)
             if self.nvme[sg]:
                 slot = 1 - self._files.slot(sg)  # the committed slot stays valid until this lands
                 self._files.commit(sg, slot, self._swap_file(sg, bank, slot, write=True))
-            if high is not None:
-                self._banks.write_param(sg, high)
+            if self._banks.keeps_remainders(sg):
+                self._banks.write_param(sg, stored["high"])
         finally:
             if self.nvme[sg]:
                 self.pool.release(bank)
@@ -480,6 +500,7 @@ class HostTier:
         if self.closed:
             return
         self.closed = True
+        self.views.close()  # held state_dict() tensors take copies: the arena and files go below
         self._step.clear()
         self._io.close()  # staging copies land before the arena is unmapped under them
         try:

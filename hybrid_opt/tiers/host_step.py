@@ -55,9 +55,10 @@ class HostStepping:
     (compressed.py), its FileSlots and its HostIO (staging slots and the worker). `client`, the
     WorkerClient, is read for its timeout_s only (every wait's bound, read at each use)."""
 
-    def __init__(self, io, banks, pool, files: FileSlots, client, *, numels: list, nvme: list,
+    def __init__(self, io, banks, pool, files: FileSlots, client, views, *, numels: list, nvme: list,
                  rollback: str, amsgrad: bool, slot_numel: int):
         self._io, self._banks, self._pool, self._files = io, banks, pool, files
+        self._views = views  # HostViews: told of every bank and slot a step is about to write
         self._client = client
         self.numels, self.nvme = list(numels), list(nvme)
         self.rollback, self.amsgrad, self.slot_numel = rollback, amsgrad, slot_numel
@@ -179,7 +180,13 @@ class HostStepping:
         spec = self._bank_spec(sg)
         if spec is not None:
             used = [b for b in (spec.bank, spec.aux_bank) if b is not None]
+            # what the step writes: the banks the pool handed out, or the committed one in place
+            # (inverse), and an nvme file's other slot
+            in_place = [self._pool.committed[sg]] if not self.nvme[sg] and self.rollback != "exact" else []
             try:
+                if self._views.held.by_key:  # a state_dict() tensor is held: it keeps its values
+                    self._views.writing(banks=used + in_place,
+                                        slots=[(sg, 1 - self._files.slot(sg))] if self.nvme[sg] else [])
                 self._banks.wait_populated(used if self.nvme[sg] else [self._pool.committed[sg]] + used,
                                            self._client.timeout_s)
             except BaseException:

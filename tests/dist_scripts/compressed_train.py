@@ -21,7 +21,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 import common as C
 from fsdp_train import shard
-from hybrid_opt import HybridAdamW
+from hybrid_opt import HybridAdamW, fp32_master
 
 SAVE_AT = 2
 COMPRESSED = dict(exp_avg_dtype=torch.bfloat16, exp_avg_sq_dtype=torch.bfloat16,
@@ -46,12 +46,27 @@ def full(t):
     return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
+def full_master(entry: dict, p) -> torch.Tensor:
+    """The full fp32 master of bf16 param `p`: its entry's `master_remainder` (a DTensor like
+    the state: this rank's shard or chunk) decoded with this rank's part of p (fp32_master),
+    then gathered as that DTensor's layout says."""
+    rem, master = entry["master_remainder"], fp32_master(entry, p)
+    if not hasattr(rem, "full_tensor"):
+        return master
+    from torch.distributed.tensor import DTensor
+    local = master.reshape(rem.to_local().shape)
+    return DTensor.from_local(local, rem.device_mesh, rem.placements, shape=rem.shape,
+                              stride=rem.stride()).full_tensor()
+
+
 def snapshot(model, opt) -> dict:
-    """Full params and the optimizer's state (masters decoded to fp32, moments as stored)."""
+    """Full params and the optimizer's state (masters decoded to fp32 under "master_param",
+    moments as stored)."""
     sd = opt.state_dict()["state"]
-    state = {k: [full(sd[i][k]).detach().clone() for i in sorted(sd)]
-             for k in ("master_param", "exp_avg", "exp_avg_sq")}
-    return dict(params=[full(p).detach().clone() for p in model.parameters()], **state)
+    params = list(model.parameters())
+    state = {k: [full(sd[i][k]).detach().clone() for i in sorted(sd)] for k in ("exp_avg", "exp_avg_sq")}
+    state["master_param"] = [full_master(sd[i], params[i]).detach().clone() for i in sorted(sd)]
+    return dict(params=[full(p).detach().clone() for p in params], **state)
 
 
 def run(name: str, rank: int, world: int, tmp: str, ckpt: str) -> dict:
