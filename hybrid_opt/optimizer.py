@@ -45,7 +45,7 @@ class _HybridBase(torch.optim.Optimizer):
     def __init__(self, params, lr, betas, eps, weight_decay, amsgrad, *, maximize, foreach,
                  capturable, differentiable, fused, max_grad_norm, offload_fraction, nvme_fraction,
                  nvme_path, subgroup_numel, speculative, rollback, device_memory_budget,
-                 host_memory_budget, process_group, worker_share=0.5, spare_banks=None,
+                 host_memory_budget, process_group, worker_share=None, spare_banks=None,
                  io_banks=4, refit_every=50, calibration=None, overlap_param_gather=False,
                  exp_avg_dtype=torch.float32, exp_avg_sq_dtype=torch.float32, store_param_remainders=False,
                  release_grads=False, decoupled_weight_decay=None):

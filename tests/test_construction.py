@@ -70,7 +70,7 @@ def test_close_restores_torch_threads_and_every_affinity():
     after close(), because cpu_kernels' count was read after the split and restored last
     through the same libgomp."""
     before = _snapshot()
-    opt = _opt(_model())
+    opt = _opt(_model(), worker_share=0.5)  # a GPU host's split (a CPU-only host shares every core)
     assert torch.get_num_threads() == len(opt.parts.placement.host.cores.trainer) < before[0]
     assert os.sched_getaffinity(0) == set(opt.parts.placement.host.cores.trainer)
     opt.close()
@@ -83,7 +83,7 @@ def test_close_restores_torch_threads_and_every_affinity():
 @pytest.mark.parametrize("order", ["opening_order", "reverse_order"])
 def test_two_optimizers_closed_in_either_order_restore_threads_and_affinity(order):
     before = _snapshot()
-    a, b = _opt(_model(0)), _opt(_model(1))
+    a, b = _opt(_model(0), worker_share=0.5), _opt(_model(1), worker_share=0.5)
     first, second = (a, b) if order == "opening_order" else (b, a)
     first.close()
     assert torch.get_num_threads() == len(second.parts.placement.host.cores.trainer)  # the other still runs split

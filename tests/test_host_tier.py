@@ -739,7 +739,7 @@ def test_close_is_idempotent_and_leaves_no_process_fd_shm_or_core_change_behind(
     shm = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
     masks, threads = thread_masks(), torch.get_num_threads()
 
-    tier = new_tier(amsgrad=True, copy_dtype=torch.bfloat16)
+    tier = new_tier(amsgrad=True, copy_dtype=torch.bfloat16, worker_share=0.5)  # a GPU host's split
     pid = tier.worker_pid
     assert pid in {c.pid for c in me.children()}
     if len(os.sched_getaffinity(0)) >= 2:  # the split took effect, so the restore below is real
@@ -782,8 +782,8 @@ def test_two_tiers_closed_in_either_order_give_the_process_its_cores_back(order)
     pinned to the trainer's share)."""
     close_shared_tiers()
     masks, threads = thread_masks(), torch.get_num_threads()
-    a = new_tier()
-    b = new_tier()
+    a = new_tier(worker_share=0.5)  # a GPU host's split (a CPU-only host's default shares every core)
+    b = new_tier(worker_share=0.5)
     assert os.sched_getaffinity(0) == set(b.cores.trainer) != masks[os.getpid()]
     first, second = (a, b) if order == "first_opened_first" else (b, a)
     first.close()
@@ -793,6 +793,34 @@ def test_two_tiers_closed_in_either_order_give_the_process_its_cores_back(order)
     after = thread_masks()
     assert {t: m for t, m in after.items() if t in masks} == {t: m for t, m in masks.items() if t in after}
     assert torch.get_num_threads() == threads
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two cores to share")
+def test_a_cpu_only_host_shares_every_core_with_a_sleeping_worker():
+    """Params on the CPU (no pin): the trainer keeps its cores and thread count (its forward and
+    backward need them all); the worker may run on every core, with half of them in threads
+    that sleep when idle (OMP_WAIT_POLICY=PASSIVE), so it fills the trainer's idle moments."""
+    close_shared_tiers()
+    masks, threads = thread_masks(), torch.get_num_threads()
+    tier = new_tier()
+    try:
+        cpus = sorted(os.sched_getaffinity(0))
+        assert tier.cores.shared and tier.cores.trainer == tier.cores.worker == cpus
+        assert thread_masks()[os.getpid()] == masks[os.getpid()] and torch.get_num_threads() == threads
+        worker = psutil.Process(tier.worker_pid)
+        assert sorted(worker.cpu_affinity()) == cpus
+        env = worker.environ()
+        assert env["OMP_WAIT_POLICY"] == "PASSIVE" and env["OMP_NUM_THREADS"] == str(max(1, round(len(cpus) / 2)))
+        states = make_states(NUMELS, seed=3)
+        load(tier, states)
+        grads, inp = make_grads(NUMELS, seed=3), inputs(1)
+        for sg, g in enumerate(grads):
+            tier.step(sg, g, inp)
+            ref_step(states[sg], g, inp)
+        assert_tier_equals(tier, states, "shared cores")
+    finally:
+        tier.close()
+    assert thread_masks()[os.getpid()] == masks[os.getpid()] and torch.get_num_threads() == threads
 
 
 def test_a_raw_view_taken_before_close_stays_readable(tmp_path):

@@ -24,6 +24,7 @@ import torch
 from hybrid_opt.placement import cost_model as cm
 from hybrid_opt.distributed import node
 from hybrid_opt.state.layout import bank_padding
+from hybrid_opt.worker.client import DEFAULT_WORKER_SHARE
 from hybrid_opt.placement.plan import DEFAULT_SPARE_BANKS
 from hybrid_opt.state.state_format import StateFormat
 
@@ -122,7 +123,7 @@ class AutoPlanner:
     fixed_offload: float | None = None   # a number when only nvme_fraction is "auto"
     fixed_nvme: float | None = None      # a number when only offload_fraction is "auto"
     nvme_path: str | None = None
-    worker_share: float = 0.5
+    worker_share: float | None = None  # None: HostTier's default arrangement
     spare_banks: int | None = None       # None: sized from the host budget (cost_model.best_plan)
     exact_rollback: bool = True
     speculative: bool = True
@@ -152,8 +153,11 @@ class AutoPlanner:
                 # the measurement's buffers within the budget, beside the model and its grads
                 device_bytes = calibrate.device_bytes_allowed(
                     self.device_budget, sum(self.numels) * 2 * self.model_bytes)
+            # the host rate as a split measures it (a CPU-only host's shared cores: the worker
+            # has at least that share of them while backward leaves them idle)
+            share = DEFAULT_WORKER_SHARE if self.worker_share is None else self.worker_share
             self.calibration = calibrate.rates(self.device, self.nvme_path if self._nvme_allowed() else None,
-                                               self.worker_share, device_bytes=device_bytes)
+                                               share, device_bytes=device_bytes)
         self.rates = dict(self.calibration)
         self.total = sum(self.numels)
 

@@ -29,7 +29,7 @@ from hybrid_opt.tiers.host_step import HostStepping, _Speculation  # noqa: F401
 from hybrid_opt.tiers.inputs import StepInputs, _with_step  # noqa: F401
 from hybrid_opt.tiers.host_views import HostViews
 from hybrid_opt.tiers.nvme_files import FileSlots, NvmeFiles
-from hybrid_opt.worker.client import CoreSplit, WorkerClient
+from hybrid_opt.worker.client import DEFAULT_WORKER_SHARE, CoreSplit, WorkerClient
 
 
 class HostTier:
@@ -50,7 +50,7 @@ class HostTier:
                  exp_avg_sq_dtype=torch.float32, remainders: bool = False, params: list | None = None,
                  moment_dtype=None, copy_dtype=None, amsgrad: bool = False, rollback: str = "exact",
                  spare_banks: int | None = None, staging_slots: int = STAGING_SLOTS,
-                 slot_numel: int | None = None, worker_share: float = 0.5,
+                 slot_numel: int | None = None, worker_share: float | None = None,
                  worker_cores: list[int] | None = None, timeout_s: float = 120.0,
                  nvme: list | None = None, nvme_path=None, io_banks: int = 4,
                  nvme_threads: int = 4, pin: bool | torch.device = False):
@@ -99,6 +99,11 @@ class HostTier:
         if has_nvme:
             check_nvme_path(nvme_path)  # path errors before any work
         # argument errors before anything is made (shared memory, swap directory)
+        # worker_share None: a GPU host splits the cores (the trainer's one or two drive the GPU,
+        # the worker steps on the rest); a CPU-only host shares them all (its forward and
+        # backward need every core; the host step fills their idle moments)
+        if worker_share is None and pin:
+            worker_share = DEFAULT_WORKER_SHARE
         self.cores = CoreSplit(worker_share, worker_cores)
         self.swap = None
         lay = plan_arena(self.numels, self.nvme, fmt=fmt, amsgrad=amsgrad, copy_dtype=copy_dtype,
@@ -149,6 +154,7 @@ class HostTier:
             self._fds = NvmeFiles(self.swap)
             layout["nvme"] = dict(dir=self.swap.path, io_bytes=self.io_bytes, threads=nvme_threads)
         self.client = WorkerClient(self.arena, layout, cores=self.cores.worker or None,
+                                   threads=self.cores.worker_threads or None, passive=self.cores.shared,
                                    timeout_s=timeout_s, files=self._fds)  # each worker inherits them
         # the io part tells the stepping part (made next: `stepping` is read at call time)
         # which torn speculations to forget

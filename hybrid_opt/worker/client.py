@@ -96,6 +96,9 @@ def _set_thread_counts(counts: tuple) -> None:
     torch.set_num_threads(max(1, int(counts[0])))
 
 
+DEFAULT_WORKER_SHARE = 0.5  # the worker's cores on a GPU host, where its params are not on the CPU
+
+
 class CoreSplit:
     """Splits this process's CPUs between the trainer and the worker, and restores them.
 
@@ -118,13 +121,15 @@ class CoreSplit:
     _applied: list = []   # the applied splits, oldest first
     _original: set | None = None
 
-    def __init__(self, worker_share: float = 0.5, worker_cores: list[int] | None = None, *,
+    def __init__(self, worker_share: float | None = 0.5, worker_cores: list[int] | None = None, *,
                  allowed: list[int] | None = None, node: NodeInfo | None = None):
-        """`allowed`: the process's cores (default: its affinity, or the original one while
-        other splits are applied); `node`: its place on the node (default: node.info()). With
-        several ranks on the node, this rank first takes its slice of `allowed`
-        (node.core_slice: disjoint across local ranks) and splits that."""
-        if not 0.0 < worker_share <= 1.0:
+        """`worker_share`: the worker's fraction of the cores; None: trainer and worker share
+        every core (a CPU-only host, where the forward and backward need them all and the host
+        step fills the trainer's idle moments). `allowed`: the process's cores (default: its
+        affinity, or the original one while other splits are applied); `node`: its place on the
+        node (default: node.info()). With several ranks on the node, this rank first takes its
+        slice of `allowed` (node.core_slice: disjoint across local ranks) and splits that."""
+        if worker_share is not None and not 0.0 < worker_share <= 1.0:
             raise ValueError(f"worker_share must be in (0, 1], got {worker_share}")
         self.saved_masks: dict[int, set[int]] = {}
         self.saved_thread_counts = None
@@ -141,11 +146,16 @@ class CoreSplit:
         self.sliced = set(cpus) != set(base)
         if worker_cores is not None:
             self.worker, self.trainer = list(worker_cores), [c for c in cpus if c not in worker_cores] or cpus
-        elif len(cpus) < 2:
-            self.worker, self.trainer = cpus, cpus  # one core: both share it
+        elif len(cpus) < 2 or worker_share is None:
+            self.worker, self.trainer = cpus, cpus  # both share every core (one core: they must)
         else:
             k = min(len(cpus) - 1, max(1, round(len(cpus) * worker_share)))
             self.worker, self.trainer = cpus[-k:], cpus[:-k]
+        # sharing, the worker runs DEFAULT_WORKER_SHARE of the cores' worth of threads, which
+        # sleep when idle: on 2 cores (bench GPT, offload 1) its one thread beside the trainer's
+        # two ran an iteration at 1.09x torch's, two spinning threads at 1.5x, two sleeping 1.13x
+        self.shared = worker_cores is None and worker_share is None and len(cpus) > 1
+        self.worker_threads = max(1, round(len(cpus) * DEFAULT_WORKER_SHARE)) if self.shared else len(self.worker)
 
     @staticmethod
     def _threads() -> list[int]:
@@ -247,12 +257,16 @@ class WorkerClient:
     the same open files, O_DIRECT kept) and never opens a file by path, so a file removed from
     outside (a tmp cleaner) stays reachable for a restarted worker too."""
 
-    def __init__(self, arena, layout: dict, *, cores: list[int] | None = None,
-                 timeout_s: float = 120.0, start_timeout_s: float = 30.0, files=None):
+    def __init__(self, arena, layout: dict, *, cores: list[int] | None = None, threads: int | None = None,
+                 passive: bool = False, timeout_s: float = 120.0, start_timeout_s: float = 30.0, files=None):
+        """`cores`: the worker's affinity; `threads`: its OpenMP threads (default: one per core);
+        `passive`: its idle threads sleep instead of spinning (cores it shares with the trainer)."""
         self.arena = arena
         self.layout = dict(layout)
         self.files = files
         self.cores = cores
+        self.threads = threads if threads is not None else (len(cores) if cores else None)
+        self.passive = passive
         self.timeout_s = timeout_s
         self.start_timeout_s = start_timeout_s
         self.proc = None
@@ -287,11 +301,13 @@ class WorkerClient:
         files = {int(sg): fd for sg, fd in self.files.items()} if self.files is not None else {}
         cfg = dict(self.layout, arena_fd=self.arena.fd, arena_nbytes=self.arena.nbytes,
                    req_fd=req_r, resp_fd=resp_w, cores=self.cores, trainer_pid=os.getpid(),
-                   threads=len(self.cores) if self.cores else None, file_fds=files)
+                   threads=self.threads, file_fds=files)
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join([_package_root()] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
-        if self.cores:
-            env["OMP_NUM_THREADS"] = str(len(self.cores))
+        if self.threads:
+            env["OMP_NUM_THREADS"] = str(self.threads)
+        if self.passive:  # OpenMP threads spinning between steps would take the trainer's cores
+            env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
         if self.restarts:
             env.pop("HYBRID_OPT_WORKER_FAULT", None)  # an injected fault kills one worker, once
         # the configuration travels in a file of its own, not on the command line (one argument
