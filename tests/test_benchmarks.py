@@ -274,3 +274,25 @@ def test_bench_checkpoint_framework_saves_cost_no_ram(tmp_path):
     for op, r in rows.items():
         assert r["skipped"] is None and r["state_bytes"] >= 64 << 20, (op, r)
         assert r["extra_pct"] <= 5, (op, r["extra_mib"], r["extra_pct"])
+
+
+def test_bench_cpu_host_tiny_run_has_a_row_per_arrangement_and_clip(tmp_path):
+    """bench_cpu_host.py on a tiny GPT, one core, one round: torch's rows and HybridAdamW's under
+    both arrangements, with and without clipping; each ratio is its time over torch's, and the
+    losses are torch's within fp32 rounding."""
+    out_json = tmp_path / "cpu.json"
+    cmd = [sys.executable, os.path.join(REPO, "benchmarks", "bench_cpu_host.py"), "--cores", "1", "--optimizers",
+           "host", "--rounds", "1", "--steps", "3", "--d-model", "64", "--layers", "1", "--vocab", "256",
+           "--json", str(out_json)]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    rows = json.loads(out_json.read_text())
+    assert {(r["optimizer"], r["arrangement"], r["clip"]) for r in rows} == {
+        (o, a, c) for c in (False, True) for o, a in (("torch", "-"), ("host", "split"), ("host", "shared"))}
+    for r in rows:
+        assert r["cores"] == 1 and r["threads"] == 1 and r["ms"] > 0
+        assert r["ratio_min"] <= r["ratio"] <= r["ratio_max"]
+        assert abs(r["loss"] - r["torch_loss"]) < 1e-4 * abs(r["torch_loss"]), r
+        if r["optimizer"] == "torch":
+            assert r["ratio"] == 1.0
+    assert "| 1 | HybridAdamW offload 1 | shared | yes |" in res.stdout
