@@ -19,6 +19,7 @@ from hybrid_opt.distributed.zero_gather import SHARD_KEY
 from hybrid_opt.mapped import Piece, map_tensor
 from cpu_kernels.reference import decode_remainder_reference
 from hybrid_opt.state.layout import subgroups_label
+from hybrid_opt.tiers.device import encode_remainder_on
 from hybrid_opt.state.torch_extras import keep_unowned, unowned_entries
 
 
@@ -293,16 +294,6 @@ def prepare_sources(layout, params: list, saved_state: dict, held: dict) -> dict
 _ENCODE_CHUNK = 1 << 20  # elements a load encodes at once: its temporaries stay small
 
 
-def _encode(master: torch.Tensor, device) -> tuple:
-    """(bf16 high half, int16 remainder) of fp32 `master` on `device`."""
-    m = master.to(device=device, dtype=torch.float32).contiguous()
-    if m.device.type == "cpu":
-        import cpu_kernels
-        return cpu_kernels.encode_remainder(m)
-    import gpu_kernels
-    return gpu_kernels.encode_remainder(m)
-
-
 def _fill(stored: dict, sg, sources: dict) -> None:
     """Subgroup `sg`'s stored state — a tier's own memory: the fp32 master ("param" on the host
     tier, "master" on the device tier; an fp32 device subgroup has none: its params are their
@@ -340,7 +331,7 @@ def _fill(stored: dict, sg, sources: dict) -> None:
             continue
         for c in range(0, sl.numel, _ENCODE_CHUNK):
             n = min(_ENCODE_CHUNK, sl.numel - c)
-            h, r = _encode(master[pa + c:pa + c + n], stored["remainder"].device)
+            h, r = encode_remainder_on(master[pa + c:pa + c + n], stored["remainder"].device)
             stored["remainder"][a + c:a + c + n].copy_(r)
             with torch.no_grad():
                 (high[a + c:a + c + n] if high is not None else sl.view[c:c + n]).copy_(h)

@@ -67,6 +67,17 @@ def _tensors_of(sg, state_format: StateFormat, amsgrad: bool) -> dict:
     return out
 
 
+def encode_remainder_on(master: torch.Tensor, device) -> tuple:
+    """(bf16 high half, int16 remainder) of `master` (any float dtype) as fp32 on `device`, by
+    that device's kernel."""
+    m = master.to(device=device, dtype=torch.float32).contiguous()
+    if m.device.type == "cpu":
+        import cpu_kernels
+        return cpu_kernels.encode_remainder(m)
+    import gpu_kernels
+    return gpu_kernels.encode_remainder(m)
+
+
 # torch's CUDA caching allocator takes a block from the device rounded up to 2 MiB (20 MiB for
 # a tensor under 10 MiB) and splits the rest off only when it is more than 1 MiB: a smaller
 # rest goes out with the tensor and counts as allocated (max_memory_allocated). A tensor split
@@ -220,13 +231,7 @@ class DeviceTier:
             if len(parts) != 1 or parts[0][0].data_ptr() != master.data_ptr():
                 sg.write(master, a, b)
             return
-        m = master.detach().reshape(-1).to(device=self.remainder[index].device, dtype=torch.float32)
-        if m.device.type == "cpu":
-            import cpu_kernels
-            high, low = cpu_kernels.encode_remainder(m.contiguous())
-        else:
-            import gpu_kernels
-            high, low = gpu_kernels.encode_remainder(m)
+        high, low = encode_remainder_on(master.detach().reshape(-1), self.remainder[index].device)
         sg.write(high, a, b)
         self.remainder[index][a:b].copy_(low)
 
