@@ -132,6 +132,46 @@ def tier_table(totals: dict, steps: int) -> str:
     return "\n".join(lines)
 
 
+def _median_ms(times: list) -> float:
+    return sorted(times)[len(times) // 2] * 1e3
+
+
+def time_summary(totals: dict, steps: int, times: list, wall_s: float, base_times, base_s,
+                 cores: str | None, clipped: int) -> str:
+    """Where the time went: both runs' wall time and median iteration, what the host tiers'
+    steps cost the worker, how much of it backward hid and step() waited for, the device
+    tier's step in the trainer, and the arrangement of the cores that explains it."""
+    from hybrid_opt.placement.plan import DEVICE, HOST, NVME
+    host = [totals[t] for t in (HOST, NVME) if totals.get(t, {}).get("subgroups")]
+    worker = sum(t["worker_s"] for t in host) / steps * 1e3
+    waited = sum(t["trainer_wait_s"] for t in host) / steps * 1e3
+    device = totals.get(DEVICE, {}).get("trainer_s", 0.0) / steps * 1e3
+    med = _median_ms(times)
+    lines = ["Where the time goes (per step):"]
+    if base_times is not None:
+        base = _median_ms(base_times)
+        lines.append(f"  wall time: HybridAdamW {wall_s:.1f} s, torch AdamW {base_s:.1f} s "
+                     f"({wall_s / base_s:.2f}x); median iteration {med:.1f} ms against {base:.1f} ms "
+                     f"({med - base:+.1f} ms)")
+    else:
+        lines.append(f"  wall time: HybridAdamW {wall_s:.1f} s; median iteration {med:.1f} ms")
+    lines.append(f"  device tier: {device:.2f} ms stepped by the trainer after backward")
+    if host:
+        lines.append(f"  host and nvme tiers: {worker:.2f} ms of the worker's time; step() waited "
+                     f"{waited:.2f} ms for it, the rest ran during backward")
+    if cores is not None:
+        lines.append(f"  cores: {cores}")
+        if cores.startswith("shared"):
+            lines.append("    so what runs during backward takes cores the backward needs: on this "
+                         "host the host tiers cost about their worker time; on a GPU host the worker "
+                         "has cores of its own and the same work hides under backward")
+    if clipped:
+        lines.append(f"  clipping bit in {clipped} of {steps} steps: a speculated step is redone "
+                     f"then" + ("; sharing the trainer's cores, the worker speculates nothing after a "
+                                "clipped step" if cores is not None and cores.startswith("shared") else ""))
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="hybrid-opt demo", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -187,6 +227,8 @@ def main(argv=None) -> int:
                          nvme_path=nvme_path, subgroup_numel=args.subgroup_numel,
                          spare_banks=args.spare_banks, **state_options) as opt:
             print(opt.plan)
+            host_tier = opt.parts.placement.host
+            cores = host_tier.cores.describe() if host_tier is not None else None
             held = tier_state_bytes(opt.parts.layout.subgroups, opt.plan.tiers, opt.state_format)
             t0 = time.perf_counter()
             hooks_stats = []
@@ -208,7 +250,7 @@ def main(argv=None) -> int:
         if tmp is not None:
             tmp.cleanup()
 
-    base_losses = None
+    base_losses = base_times = base_s = None
     if not args.no_baseline:
         model = fresh()
         ref = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1)
@@ -222,7 +264,7 @@ def main(argv=None) -> int:
                 ref.step()
 
         t0 = time.perf_counter()
-        base_losses, _ = train(model, _Clipped(), batches, "torch AdamW", progress=not args.no_progress)
+        base_losses, base_times = train(model, _Clipped(), batches, "torch AdamW", progress=not args.no_progress)
         base_s = time.perf_counter() - t0
 
     med = sorted(times)[len(times) // 2] * 1e3
@@ -234,6 +276,8 @@ def main(argv=None) -> int:
               f"difference along the run {diff:.2e}")
     print("\nPer tier (totals over the run, per-step averages):")
     print(tier_table(totals, len(losses)))
+    clipped = sum(1 for st in hooks_stats if (st.get("clip_coef") or 1.0) < 1.0)
+    print("\n" + time_summary(totals, len(losses), times, hybrid_s, base_times, base_s, cores, clipped))
     os.makedirs(args.out, exist_ok=True)
     png = os.path.join(args.out, "demo_loss.png")
     import matplotlib

@@ -95,7 +95,7 @@ def _taken(parts, call: StepCall, t_step: float, failure, decides: bool, hps, ed
     inv_scale = 1.0 / scale_v if scale_t is not None else 1.0
     norm, clip = clipped(parts, norm_sq, inv_scale, call.max_grad_norm)
     # put back if the step fails with nothing stepped; the params with a grad advance
-    undo = ledger.begin(call.torch_state, inv_scale if scale_t is not None else None, norm)
+    undo = ledger.begin(call.torch_state, inv_scale if scale_t is not None else None, norm, clip < 1.0)
     scale = inv_scale * clip
     device_work, host_steps = collect_work(parts, hps)
 

@@ -289,7 +289,7 @@ def test_python_m_hybrid_opt_plan_prints_a_summary(tmp_path):
 # (issue #15, "Planner"): --sharding zero|fsdp|none, NVLink / IB rates, per-node host figures
 
 GOLDEN = os.path.join(REPO, "tests", "data", "planner_before_sharding.json")
-NEW_MACHINE_KEYS = {"gpus_per_node", "nvlink_gbps", "ib_gbps"}
+NEW_MACHINE_KEYS = {"gpus_per_node", "nvlink_gbps", "ib_gbps", "shared_cores"}
 NEW_WORKLOAD_KEYS = {"sharding", "bank_padding"}
 
 
@@ -304,8 +304,10 @@ def _run_planner(argv):
 
 def test_planner_without_sharding_prints_what_it_printed_before():
     """Outputs recorded before --sharding existed (tests/data): the summary and errors are
-    byte-identical; the JSON holds every old key with the same value, plus only the new
-    machine/workload fields."""
+    byte-identical but for the `cores:` line (issue #37: the arrangement of the trainer's and
+    the worker's cores); the JSON holds every old key with the same value, plus only the new
+    machine/workload fields and `cores`. The CPU-only cases plan no offload, so the shared
+    cores' cost changes none of their figures."""
     with open(GOLDEN) as f:
         cases = json.load(f)["cases"]
     assert len(cases) >= 16 and any(c["rc"] == 1 for c in cases)
@@ -313,9 +315,16 @@ def test_planner_without_sharding_prints_what_it_printed_before():
         rc, out, err = _run_planner(c["argv"])
         assert (rc, err) == (c["rc"], c["stderr"]), c["argv"]
         if "--json" not in c["argv"] or rc != 0:
-            assert out == c["stdout"], c["argv"]
+            lines = out.splitlines(keepends=True)
+            cores = [k for k, line in enumerate(lines) if line.startswith("cores: ")]
+            offloads = rc == 0 and "offload_fraction=0.00," not in out
+            assert len(cores) == int(offloads), (c["argv"], cores)
+            assert "".join(lines[:cores[0]] + lines[cores[0] + 1:] if cores else lines) == c["stdout"], c["argv"]
             continue
         old, new = json.loads(c["stdout"]), json.loads(out)
+        argv = c["argv"]
+        cpu_only = "--gpus" in argv and argv[argv.index("--gpus") + 1] == "0"
+        assert new.pop("cores").startswith("shared" if cpu_only else "split"), argv
         assert set(new["machine"]) - set(old["machine"]) == NEW_MACHINE_KEYS
         assert set(new["workload"]) - set(old["workload"]) == NEW_WORKLOAD_KEYS
         assert new["workload"]["sharding"] is None
@@ -588,3 +597,29 @@ def test_planner_rejects_a_moment_dtype_it_has_no_kernel_for(capsys):
         planner.main(["--params", "7B", "--exp-avg-dtype", "fp16"])
     assert e.value.code == 2
     assert re.search(r"--exp-avg-dtype: invalid choice: 'fp16'", capsys.readouterr().err)
+
+
+def test_on_shared_cores_host_work_under_backward_hides_nothing():
+    """Issue #37: on a CPU-only host the worker runs on the cores the backward runs on (the
+    default arrangement there). Host work speculated during backward lengthens it by its own
+    time, so the iteration is what stepping after backward costs; on cores of its own the
+    same work hides."""
+    cpu = dict(gpus=0, host_mem_bytes=1e12, nvme_read_gbps=0.0, nvme_write_gbps=0.0)
+    shared = predict(_machine(shared_cores=True, **cpu), WORKLOAD, 1.0)
+    split = predict(_machine(shared_cores=False, **cpu), WORKLOAD, 1.0)
+    after = predict(_machine(shared_cores=True, **cpu), _workload(speculative=False), 1.0)
+    b = shared.breakdown
+    assert b["host_hidden"] > 0 and b["backward_contention"] == pytest.approx(b["host_hidden"])
+    assert split.breakdown["backward_contention"] == 0.0
+    assert shared.iteration_seconds == pytest.approx(after.iteration_seconds)
+    assert split.iteration_seconds < shared.iteration_seconds
+    assert cm.arrangement(_machine(shared_cores=True, **cpu)).startswith("shared")
+    assert cm.arrangement(_machine(gpus=1)).startswith("split")
+
+
+def test_the_planner_says_which_arrangement_of_cores_it_planned_for():
+    rc, out, _ = _run_planner(["--params", "8e9", "--gpus", "0", "--host-mem", "64GB", "--nvme-drives", "1"])
+    assert rc == 0 and "offload_fraction=0.00," not in out
+    assert "\ncores: shared: the params live on the CPU" in out
+    rc, out, _ = _run_planner(["--params", "8e9", "--gpus", "1", "--json"])
+    assert rc == 0 and json.loads(out)["cores"].startswith("split: the worker steps on cores of its own")

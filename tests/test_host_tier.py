@@ -823,6 +823,36 @@ def test_a_cpu_only_host_shares_every_core_with_a_sleeping_worker():
     assert thread_masks()[os.getpid()] == masks[os.getpid()] and torch.get_num_threads() == threads
 
 
+def test_a_step_the_trainer_waits_for_runs_on_every_shared_core():
+    """Sharing the trainer's cores, a speculated step (during backward) runs on the worker's
+    own threads, half of the cores; a step the trainer waits for (finish(): after backward,
+    the trainer idle) runs on all of them (Task.threads). The worker's thread count shows
+    which: OpenMP starts a thread only for a parallel region that asks for it."""
+    close_shared_tiers()
+    numels, slot = [1 << 20, 1 << 20], 1 << 20  # pieces the kernels step in parallel
+    tier = new_tier(numels, slot_numel=slot)
+    try:
+        if not tier.cores.shared or tier.cores.waited_threads <= tier.cores.worker_threads:
+            pytest.skip("one core: no core the trainer leaves the worker")
+        worker = psutil.Process(tier.worker_pid)
+        states = make_states(numels, seed=5)
+        load(tier, states)
+        grads = make_grads(numels, seed=5)
+        for sg, g in enumerate(grads):
+            assert tier.speculate(sg, g, inputs(1))
+        assert tier.finish({sg: (g, inputs(1)) for sg, g in enumerate(grads)}) == {0: "committed", 1: "committed"}
+        for sg, g in enumerate(grads):
+            ref_step(states[sg], g, inputs(1))
+        assert worker.num_threads() <= tier.cores.worker_threads
+        for sg, g in enumerate(grads):
+            tier.step(sg, g, inputs(2))
+            ref_step(states[sg], g, inputs(2))
+        assert worker.num_threads() == tier.cores.waited_threads == len(os.sched_getaffinity(0))
+        assert_tier_equals(tier, states, "waited steps on every core")
+    finally:
+        tier.close()
+
+
 def test_a_raw_view_taken_before_close_stays_readable(tmp_path):
     # in a child process: if the view dangles, reading it kills the reader
     r = run_script(tmp_path, "raw_view.py", """

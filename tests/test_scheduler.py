@@ -536,3 +536,40 @@ def test_cuda_calibration_and_auto_match_torch(tmp_path, monkeypatch):
                 o.step()
         for a, b in zip(model.parameters(), ref_model.parameters()):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_auto_calibrates_under_the_arrangement_its_host_tier_gets(monkeypatch):
+    """Issue #37: "auto" measures the host rate under the arrangement the host tier will have:
+    a CPU-only host's shared cores (worker_share None), a GPU host's split (0.5), or the share
+    asked for; and its reason says which arrangement it chose."""
+    got = []
+
+    def rates(device, nvme_path=None, worker_share=0.5, *, refresh=False, device_bytes=None):
+        got.append((torch.device(device).type, worker_share))
+        return dict(SLOW_DEVICE, device_adam_gbps=1e-5, device_adam_gbps_with_worker=1e-5,
+                    host_adam_gelems_per_s=1e-6, shared_cores=worker_share is None)
+    monkeypatch.setattr(calibrate, "rates", rates)
+    shared = _planner(calibration=None)
+    _planner(calibration=None, worker_share=0.25)
+    _planner(calibration=None, device=torch.device("cuda"), device_budget=1e12)
+    assert got == [("cpu", None), ("cpu", 0.25), ("cuda", 0.5)]
+    assert shared.machine().shared_cores
+    d = shared.choose()
+    assert d.offload_fraction > 0 and "cores shared: the params live on the CPU" in d.reason, d.reason
+
+
+def test_calibration_caches_the_shared_arrangement_under_its_own_key(monkeypatch, tmp_path):
+    measured = []
+
+    def measure(device, worker_share=0.5, device_bytes=None):
+        measured.append(worker_share)
+        return {"host_adam_gelems_per_s": 1.0, "device_adam_gbps": 1.0,
+                "shared_cores": worker_share is None}
+    monkeypatch.setattr(calibrate, "measure", measure)
+    monkeypatch.setattr(calibrate, "cache_path", lambda: str(tmp_path / "rates.json"))
+    assert calibrate.rates("cpu", worker_share=None)["shared_cores"]
+    assert not calibrate.rates("cpu", worker_share=0.5)["shared_cores"]
+    assert calibrate.rates("cpu", worker_share=None)["shared_cores"]  # cached, not the split's
+    assert measured == [None, 0.5]
+    keys = json.load(open(tmp_path / "rates.json"))
+    assert any(k.endswith("-wshared") for k in keys) and any(k.endswith("-w0.5") for k in keys)

@@ -137,6 +137,7 @@ def run(train, speculative, *, model=make_mlp, params=None, **kw) -> Run:
         if opt.parts.placement.host is not None:
             extra.setdefault("remote_gathered", opt.parts.placement.host.stats["remote_gathered"])
             extra.setdefault("remote_gather", opt.parts.placement.host.remote_gather)
+            extra.setdefault("shared", opt.parts.placement.host.cores.shared)
         state = opt.state_dict()
         n_host = sum(1 for t in opt.plan.tiers if t != "device")
         plan = opt.plan
@@ -211,10 +212,14 @@ def assert_close_to_torch(spec: Run, net, ref):
 
 
 # ============================================================================= 1. plain and clipping
+SPLIT = 0.5  # worker_share: the worker on cores of its own (a GPU host's arrangement)
+
+
 @pytest.mark.parametrize("clip", [None, CLIP_NEVER, CLIP_BITES], ids=["noclip", "clip_never_bites", "clip_bites"])
 @pytest.mark.parametrize("offload", [0.7, 1.0])
 def test_speculative_equals_plain_bitwise_with_and_without_clipping(offload, clip):
-    spec = compare(plain_loop(), offload=offload, max_grad_norm=clip)
+    """On cores of its own the worker speculates whether or not clipping bit the last step."""
+    spec = compare(plain_loop(), offload=offload, max_grad_norm=clip, worker_share=SPLIT)
     n = spec.n_host
     assert n == (5 if offload == 0.7 else 7)
     if clip == CLIP_BITES:
@@ -224,6 +229,40 @@ def test_speculative_equals_plain_bitwise_with_and_without_clipping(offload, cli
     else:
         assert all(s.clip_coef == 1.0 for s in spec.steps)
         assert_all(spec, committed=n, redone=0, stepped=0, dropped=0)
+
+
+def clipping_stops_loop(n=STEPS, bites=3):
+    """The first `bites` steps' grad norms are far above CLIP_BITES; then the loss is scaled
+    down until clipping leaves the grads alone."""
+    def train(net, opt, log):
+        for k, batch in enumerate(BATCHES[:n]):
+            opt.zero_grad()
+            (loss_fn(net, batch) * (1.0 if k < bites else 1e-5)).backward()
+            step(opt, log)
+    return train
+
+
+@pytest.mark.parametrize("share", [None, SPLIT], ids=["shared", "split"])
+def test_a_worker_on_the_trainers_cores_speculates_nothing_while_clipping_bites(share):
+    """Sharing the trainer's cores (a CPU-only host), the worker speculates nothing during
+    a backward that follows a clipped step: its step would be redone, on cores the backward
+    needed. It speculates again once a step goes unclipped. On cores of its own (split) it
+    always speculates. Either way the run is bitwise the plain run's."""
+    spec = compare(clipping_stops_loop(), offload=1.0, max_grad_norm=CLIP_BITES, worker_share=share)
+    n = spec.n_host
+    assert [s.clip_coef < 1.0 for s in spec.steps] == [True] * 3 + [False] * 3
+    shared = run(plain_loop(1), True, offload=1.0, worker_share=share).extra["shared"]
+    if share is None and not shared:
+        pytest.skip("one core: the worker's cores are not shared (CoreSplit.shared)")
+    kinds = [max(s.spec, key=s.spec.get) for s in spec.steps]
+    if share is None:
+        # the first step speculates (no step clipped yet), and the one after the last clipped
+        # step does not: the decision reads the last step's coefficient
+        assert kinds == ["redone", "stepped", "stepped", "stepped", "committed", "committed"], spec.steps
+    else:
+        assert kinds == ["redone"] * 3 + ["committed"] * 3, spec.steps
+    for s in spec.steps:
+        assert s.spec[max(s.spec, key=s.spec.get)] == n, s
 
 
 def test_the_worker_reads_grads_itself_and_the_fallback_matches_bitwise(monkeypatch):
@@ -357,7 +396,7 @@ def assert_skipped_steps_dropped(spec: Run, inf_steps=INF_STEPS):
 @pytest.mark.parametrize("offload,clip", [(0.7, None), (1.0, None), (0.7, CLIP_BITES)],
                          ids=["mixed", "host", "mixed-clip_bites"])
 def test_grad_scaler_attached_commits_through_scale_changes_and_drops_on_overflow(offload, clip):
-    spec = compare(scaler_loop(attach=True), offload=offload, max_grad_norm=clip)
+    spec = compare(scaler_loop(attach=True), offload=offload, max_grad_norm=clip, worker_share=SPLIT)
     scales = spec.extra["scales"]
     assert len(set(scales)) > 1 and any(b > a for a, b in zip(scales, scales[1:])), scales
     assert_skipped_steps_dropped(spec)
@@ -524,7 +563,7 @@ def test_gradient_accumulation(annotated):
 @pytest.mark.parametrize("clip", [None, CLIP_BITES], ids=["noclip", "clip_bites"])
 def test_nvme_subgroups_are_speculated_too(tmp_path, clip):
     spec = compare(plain_loop(), offload=1.0, nvme_fraction=0.5, nvme_path=str(tmp_path),
-                   max_grad_norm=clip)
+                   max_grad_norm=clip, worker_share=SPLIT)
     assert spec.plan.tiers.count("nvme") >= 3 and spec.plan.tiers.count("host") >= 3, spec.plan
     n = spec.n_host
     if clip is None:

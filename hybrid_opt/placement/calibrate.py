@@ -165,8 +165,9 @@ def _cpu_adam_gbps(threads: int, bank: bool) -> float:
     return n * 28 / t / 1e9
 
 
-def _host_tier_gelems(worker_share: float) -> float:
-    """G elements/s of a real host tier's worker: two subgroups stepped a few times."""
+def _host_tier_gelems(worker_share: float | None) -> float:
+    """G elements/s of a real host tier's worker: two subgroups stepped a few times, as steps
+    the trainer waits for (HostTier.finish)."""
     from hybrid_opt.tiers.host import HostTier, StepInputs
     n = MEASURE_NUMEL
     grads = [torch.rand(n), torch.rand(n)]
@@ -318,9 +319,12 @@ def _cuda_rates(device: torch.device, device_bytes=None) -> dict:
             "trainer_slowdown_with_worker": 1.0, "backward_slowdown_with_host_adam": 1.0}
 
 
-def measure(device, worker_share: float = 0.5, device_bytes=None) -> dict:
-    """Measures the machine's rates (no cache): see the module docstring. `device_bytes`: the
-    most device memory the CUDA measurements may take (None: their full sizes)."""
+def measure(device, worker_share: float | None = 0.5, device_bytes=None) -> dict:
+    """Measures the machine's rates (no cache): see the module docstring. `worker_share`:
+    the host tier's arrangement (None: trainer and worker share every core, a CPU-only
+    host's default: the host rate is then a step the trainer waits for, on every core).
+    `device_bytes`: the most device memory the CUDA measurements may take (None: their full
+    sizes)."""
     from hybrid_opt.worker.client import CoreSplit
     device = torch.device(device)
     split = CoreSplit(worker_share)
@@ -328,7 +332,7 @@ def measure(device, worker_share: float = 0.5, device_bytes=None) -> dict:
     t0 = time.perf_counter()
     out = {"host_adam_gelems_per_s": _host_tier_gelems(worker_share),
            "host_kernel_gelems_per_s": _cpu_adam_gbps(len(worker), bank=True) / 28,
-           "worker_cores": len(worker), "trainer_cores": len(trainer)}
+           "worker_cores": len(worker), "trainer_cores": len(trainer), "shared_cores": split.shared}
     if device.type == "cuda":
         out.update(_cuda_rates(device, device_bytes))
     else:
@@ -378,7 +382,7 @@ def measure_nvme(nvme_path: str) -> dict:
                 pass
 
 
-def rates(device="cpu", nvme_path=None, worker_share: float = 0.5, *, refresh: bool = False,
+def rates(device="cpu", nvme_path=None, worker_share: float | None = 0.5, *, refresh: bool = False,
           device_bytes=None) -> dict:
     """The machine's rates, from the cache when it has them (see the module docstring).
     `device_bytes`: the most device memory the CUDA measurements may take (None: their full
@@ -386,7 +390,7 @@ def rates(device="cpu", nvme_path=None, worker_share: float = 0.5, *, refresh: b
     before) is measured again at the larger size."""
     device = torch.device(device)
     path = cache_path()
-    key = machine_key(device) + f"-w{worker_share:g}"
+    key = machine_key(device) + ("-wshared" if worker_share is None else f"-w{worker_share:g}")
     here = node.info()
     if here.local_world_size > 1:
         # the host rates are measured on this rank's slice of the node's cores (CoreSplit)

@@ -57,6 +57,9 @@ backward ends:
 - contention (CPU-only hosts, DESIGN "Facts"): backward itself runs on the same memory
   system, and is `backward_slowdown_with_host_adam` times slower while host Adam runs, so
   each second of host work hidden under backward lengthens backward by `(1 - 1/c)` s.
+  Where the worker shares the trainer's cores (`shared_cores`, a CPU-only host's default
+  arrangement: see `arrangement`), host work hidden under backward runs on the cores the
+  backward runs on, and lengthens it by all of its time: nothing hides.
 - CPU-only hosts (`gpus=0`): the "device" tier is the trainer's own cores, stepping in
   process after backward; host tiers are a worker process on cores taken from the trainer.
   So any offload makes forward+backward `trainer_slowdown_with_worker` times longer and the
@@ -112,13 +115,29 @@ class Machine:
     nvme_bytes: float | None = None          # aggregate capacity; None = not limiting
     gpu_tflops: float = 300.0                # achieved fwd+bwd rate per GPU (or the CPU's)
     backward_slowdown_with_host_adam: float = 1.0
-    # CPU-only hosts: what the trainer loses to a worker process (see the module docstring)
+    # CPU-only hosts: the worker beside the trainer on every core (the default there), or on
+    # cores taken from it; what the trainer loses to a worker process (the module docstring)
+    shared_cores: bool = False
     trainer_slowdown_with_worker: float = 1.0
     device_adam_gbps_with_worker: float | None = None
     # several nodes: host-side figures above are per node, shared by its GPUs; None = all on one
     gpus_per_node: int | None = None
     nvlink_gbps: float = 450.0               # per GPU, each way, within a node (H100 NVLink 4)
     ib_gbps: float = 400.0                   # per node, each way, across nodes (8 x 400 Gb/s)
+
+
+def arrangement(machine: Machine) -> str:
+    """How the trainer and the worker use the CPU's cores, and why (a plan says it)."""
+    if machine.gpus and not machine.shared_cores:
+        return ("split: the worker steps on cores of its own (worker_share of them), the trainer "
+                "keeps the rest to drive the GPU; host work hides under backward")
+    if machine.shared_cores:
+        return ("shared: the params live on the CPU, so the trainer keeps every core for forward "
+                "and backward; the worker runs beside it in sleeping threads, on all cores while "
+                "step() waits for it; host work during backward takes the backward's cores, so "
+                "it does not hide")
+    return ("split: the worker on cores taken from the trainer (worker_share=); forward and "
+            "backward run on the rest")
 
 
 SHARDINGS = ("fsdp", "zero", "none")
@@ -397,7 +416,12 @@ def predict(machine: Machine, workload: Workload, offload_fraction: float,
         exposed_host = 0.0
     hidden_host = host_work - exposed_host
     c = machine.backward_slowdown_with_host_adam
-    contention = hidden_host * (1.0 - 1.0 / c) if c > 1.0 else 0.0
+    if machine.shared_cores:
+        # on the backward's own cores: the bench GPT at 2 cores ran 380-405 ms an iteration
+        # with its host steps speculated during backward, 372-388 ms with them after it
+        contention = hidden_host
+    else:
+        contention = hidden_host * (1.0 - 1.0 / c) if c > 1.0 else 0.0
 
     # step(): the host tiers' remaining work and the params' copy back, then the device tier
     step = exposed_host + h2d + device_step + wl.step_overhead_seconds + comm["after_step"]

@@ -14,7 +14,7 @@ import sys
 
 import torch
 
-from hybrid_opt.placement.cost_model import GB, SHARDINGS, Machine, Workload, best_plan
+from hybrid_opt.placement.cost_model import GB, SHARDINGS, Machine, Workload, arrangement, best_plan
 from hybrid_opt.state import state_format
 
 GiB = 2 ** 30
@@ -219,7 +219,8 @@ def _this_machine(nvme_path: str | None) -> tuple[dict, dict]:
     from hybrid_opt.placement.scheduler import machine_from_rates
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
-    r = calibrate.rates(device, nvme_path or tempfile.gettempdir())
+    # the host tier's arrangement there: split on a GPU host, shared on a CPU-only one
+    r = calibrate.rates(device, nvme_path or tempfile.gettempdir(), 0.5 if cuda else None)
     kw = _fields(machine_from_rates(r, device, torch.cuda.get_device_properties(device).total_memory
                                  if cuda else 0.0, psutil.virtual_memory().total, nvme=False))
     kw.pop("name")
@@ -253,6 +254,8 @@ def build(args) -> tuple[Machine, Workload]:
     kw["nvme_read_gbps"] = nv["read"] * nv["drives"]
     kw["nvme_write_gbps"] = nv["write"] * nv["drives"]
     kw["nvme_bytes"] = None if nv["drive_bytes"] is None else nv["drive_bytes"] * nv["drives"]
+    # the optimizer's default arrangement: a CPU-only trainer shares its cores with the worker
+    kw["shared_cores"] = kw.get("gpus", 1) == 0
     machine = Machine(**kw)
     fp32 = args.dtype == "fp32"
     fmt = state_format.from_arguments(args)
@@ -327,6 +330,7 @@ def _summary(machine: Machine, workload: Workload, p, headroom: float) -> str:
         f"(device {1 - off:.0%}, host {off - nv:.0%}, nvme {nv:.0%} of the elements)",
         f"spare banks: {p.spare_banks} (each holds one speculated subgroup step until step() "
         f"validates it)",
+        *([f"cores: {arrangement(machine)}"] if off > 0 else []),
         *_state_lines(workload),
         f"memory {per}:",
         (f"  device {_gb(d['memory_bytes']['device'])} of {_gb(machine.gpu_mem_bytes)}" if machine.gpus
@@ -393,6 +397,7 @@ def main(argv=None) -> int:
         out["workload"] = workload_json(workload)
         out["bytes_per_param"] = workload.tier_bytes()
         out["model_tflops_per_gpu"] = model_tflops_per_gpu(machine, workload, p)
+        out["cores"] = arrangement(machine)
         print(json.dumps(out, indent=2))
     else:
         print(_summary(machine, workload, p, args.headroom))

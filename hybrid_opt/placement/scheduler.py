@@ -153,9 +153,11 @@ class AutoPlanner:
                 # the measurement's buffers within the budget, beside the model and its grads
                 device_bytes = calibrate.device_bytes_allowed(
                     self.device_budget, sum(self.numels) * 2 * self.model_bytes)
-            # the host rate as a split measures it (a CPU-only host's shared cores: the worker
-            # has at least that share of them while backward leaves them idle)
-            share = DEFAULT_WORKER_SHARE if self.worker_share is None else self.worker_share
+            # the arrangement the host tier will have (HostTier: None splits a GPU host's
+            # cores, and shares a CPU-only host's between the trainer and the worker)
+            share = self.worker_share
+            if share is None and torch.device(self.device).type == "cuda":
+                share = DEFAULT_WORKER_SHARE
             self.calibration = calibrate.rates(self.device, self.nvme_path if self._nvme_allowed() else None,
                                                share, device_bytes=device_bytes)
         self.rates = dict(self.calibration)
@@ -243,6 +245,8 @@ class AutoPlanner:
         if self.device_peak_pending:
             why = ("all state off the device until the first iterations' peak device memory "
                    "(activations included) is measured; " + why)
+        if p.offload_fraction > 0:
+            why += "; cores " + cm.arrangement(machine)
         return Decision(p.offload_fraction, p.nvme_fraction, p, why)
 
     def predict(self, offload_fraction: float, nvme_fraction: float, spare_banks=None) -> cm.Prediction:
@@ -337,7 +341,8 @@ def machine_from_rates(rates: dict, device, device_budget=None, host_budget=None
               h2d_gbps=r.get("h2d_gbps", 0.0), d2h_gbps=r.get("d2h_gbps", 0.0),
               backward_slowdown_with_host_adam=r.get("backward_slowdown_with_host_adam", 1.0),
               trainer_slowdown_with_worker=r.get("trainer_slowdown_with_worker", 1.0),
-              device_adam_gbps_with_worker=r.get("device_adam_gbps_with_worker"))
+              device_adam_gbps_with_worker=r.get("device_adam_gbps_with_worker"),
+              shared_cores=bool(r.get("shared_cores", False)))
     if nvme and r.get("nvme_read_gbps") and r.get("nvme_write_gbps"):
         kw.update(nvme_read_gbps=node.share(r["nvme_read_gbps"]),
                   nvme_write_gbps=node.share(r["nvme_write_gbps"]))

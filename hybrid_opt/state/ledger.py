@@ -19,6 +19,7 @@ class StepUndo(NamedTuple):
     steps_taken: int
     last_inv_scale: float
     last_grad_norm: object
+    last_clipped: bool
     step_was_skipped: bool
 
 
@@ -30,6 +31,7 @@ class StepLedger:
         self.steps_taken = 0         # training steps taken (speculation's warm-up, refits)
         self.last_inv_scale = 1.0    # the last step's 1 / loss scale: what speculation assumes
         self.last_grad_norm = None
+        self.last_clipped = False    # the last step's clip coefficient was below 1 (clipping bit)
         self.step_was_skipped = False
         self.amp_seen = False        # a GradScaler has handed a step found_inf
         self.rank_failure = None     # a step that failed after the ranks' decision (rank_faults.py)
@@ -44,16 +46,17 @@ class StepLedger:
         """An overflow skipped the whole step, as torch does."""
         self.step_was_skipped = True
 
-    def begin(self, torch_state, inv_scale, norm) -> StepUndo:
-        """A step is taken: its scalars recorded (`inv_scale` None without a loss scale) and
-        the step counts of the params with a grad advanced; returns what puts it back."""
+    def begin(self, torch_state, inv_scale, norm, clipped: bool = False) -> StepUndo:
+        """A step is taken: its scalars recorded (`inv_scale` None without a loss scale;
+        `clipped`: its clip coefficient is below 1) and the step counts of the params with a
+        grad advanced; returns what puts it back."""
         undo = StepUndo(list(self.layout.steps), self.steps_taken, self.last_inv_scale,
-                        self.last_grad_norm, self.step_was_skipped)
+                        self.last_grad_norm, self.last_clipped, self.step_was_skipped)
         self.step_was_skipped = False
         self.steps_taken += 1
         if inv_scale is not None:
             self.last_inv_scale = inv_scale
-        self.last_grad_norm = norm
+        self.last_grad_norm, self.last_clipped = norm, clipped
         self.layout.advance_steps()
         self.sync_torch_state(torch_state)
         return undo
@@ -68,6 +71,7 @@ class StepLedger:
             steps[:] = undo.steps
             self.steps_taken, self.last_inv_scale = undo.steps_taken, undo.last_inv_scale
             self.last_grad_norm, self.step_was_skipped = undo.last_grad_norm, undo.step_was_skipped
+            self.last_clipped = undo.last_clipped
 
     def state_init_step(self, torch_state, clipping: bool) -> None:
         """torch.distributed.checkpoint's lr-0 state-init step (checkpoint.py): the step counts

@@ -161,7 +161,8 @@ class HostTier:
         stepping = None
         self._io = HostIO(self.client, slots, slot_numel=self.slot_numel, grad_dtype=grad_dtype,
                           copy_dtype=copy_dtype, remainders=remainders, rollback=rollback,
-                          nvme=self.nvme, forget=lambda sg: stepping.forget(sg))
+                          nvme=self.nvme, forget=lambda sg: stepping.forget(sg),
+                          waited_threads=self.cores.waited_threads)
         # the committed state as pieces state_dict() maps; told of every write into it first
         # (a bank the pool hands out, a bank or nvme slot written in place)
         self.views = HostViews(self.arena, self._banks, self.pool, self._files, self._fds,

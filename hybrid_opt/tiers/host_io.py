@@ -67,8 +67,11 @@ class HostIO:
     mode), to be forgotten."""
 
     def __init__(self, client, slots: list, *, slot_numel: int, grad_dtype, copy_dtype,
-                 remainders: list, rollback: str, nvme: list, forget):
+                 remainders: list, rollback: str, nvme: list, forget, waited_threads: int = 0):
+        """`waited_threads`: the kernel threads of a step the trainer waits for (stage_steps'
+        waited=True), where the worker shares the trainer's cores (0: the worker's own count)."""
         self.client = client
+        self.waited_threads = waited_threads
         self.grad_dtype, self.copy_dtype = grad_dtype, copy_dtype
         self._remainders, self._rollback, self._nvme = list(remainders), rollback, list(nvme)
         self._forget = forget
@@ -131,24 +134,27 @@ class HostIO:
         return ((0, grad.data_ptr() + offset * es, numel * es),), [grad]
 
     # ------------------------------------------------------------------ tasks and slots
-    def _task(self, op, sg, inputs: StepInputs, in_bank, out_bank, offset, numel, slot, skip_nonfinite):
+    def _task(self, op, sg, inputs: StepInputs, in_bank, out_bank, offset, numel, slot, skip_nonfinite,
+              threads: int = 0):
         return P.Task(op, 0, sg, numel, in_bank, P.NO_BANK if out_bank is None else out_bank,
                       offset, slot, _DT_CODE[self.grad_dtype],
                       _DT_CODE[self.copy_dtype] if self.copy_dtype is not None else P.NO_COPY,
                       int(inputs.amsgrad), int(inputs.decoupled), int(skip_nonfinite), inputs.step,
                       float(inputs.lr), float(inputs.beta1), float(inputs.beta2), float(inputs.eps),
                       float(inputs.weight_decay), float(inputs.grad_scale),
-                      remainder=int(self._remainders[sg]))
+                      remainder=int(self._remainders[sg]), threads=threads)
 
     def stage_steps(self, pieces: list, sg: int, inputs: StepInputs, runs: tuple, in_bank, out_bank,
                     skip_nonfinite: bool, grad, *, remote: bool, checked: bool, hold: bool,
-                    progress=None, need: int | None = None) -> bool:
+                    progress=None, need: int | None = None, waited: bool = False) -> bool:
         """Every piece of one subgroup's step: `runs` (inputs.ranges: (offset, numel, step)) cut
         into slot-sized pieces, each appended to `pieces` as soon as it holds a staging slot
         (every failure path frees it), and sent. checked: sent only once all are staged and
         every grad is finite (send_checked, inverse mode); hold: a speculated in-place step's
         pieces, their slots kept until validation (the undo reads the grads). need: polled
-        first, and unless `need` slots are free then, nothing is staged: False (None: no poll)."""
+        first, and unless `need` slots are free then, nothing is staged: False (None: no poll).
+        waited: the trainer waits for this step (not a speculation during backward): its
+        kernels run on `waited_threads`."""
         if need is not None and self.poll() < need:
             return False
         for run_off, run_n, step in runs:
@@ -156,21 +162,22 @@ class HostIO:
             for off in range(run_off, run_off + run_n, self.slot_numel):
                 self._stage_step(pieces, sg, run_inputs, in_bank, out_bank, off,
                                  min(self.slot_numel, run_off + run_n - off), skip_nonfinite, grad,
-                                 remote=remote, send=not checked, hold=hold, progress=progress)
+                                 remote=remote, send=not checked, hold=hold, progress=progress,
+                                 threads=self.waited_threads if waited else 0)
         if checked:
             self.send_checked(pieces)
         return True
 
     def _stage_step(self, pieces: list, sg: int, inputs: StepInputs, in_bank, out_bank, offset: int,
                     numel: int, skip_nonfinite: bool, grad, *, remote: bool, send: bool, hold: bool,
-                    progress) -> _Piece:
+                    progress, threads: int = 0) -> _Piece:
         """One piece (elements offset..offset+numel of `sg`): takes a staging slot (waiting for
         one if none is free; progress(): work to do meanwhile), appends the piece to `pieces`,
         has the worker gather its grads (remote) or stages them, and sends it (send=False: the
         caller sends the pieces later, send_checked)."""
         slot = self._acquire_slot(progress)
         piece = _Piece(sg, offset, numel, slot, self._task(P.OP_STEP, sg, inputs, in_bank, out_bank,
-                                                          offset, numel, slot, skip_nonfinite),
+                                                          offset, numel, slot, skip_nonfinite, threads),
                        held=hold)
         pieces.append(piece)  # owns the slot from here: every failure path frees it
         # the worker reads the grads itself only while it has little else queued: a

@@ -103,13 +103,13 @@ class HostStepping:
 
     def _launch(self, sg: int, grad, inputs: StepInputs, runs: tuple, spec: _Speculation,
                 skip_nonfinite: bool, whole_subgroup_check: bool = False, remote: bool = False,
-                need: int | None = None) -> bool:
+                need: int | None = None, waited: bool = False) -> bool:
         """Stage and send every task of one subgroup's step (`runs`: inputs.ranges, as _check
         gave them); spec.bank (and, for nvme, spec.aux_bank) are already taken. remote: the
         worker reads the grads itself where it can (during backward, the trainer's core is
         busy). whole_subgroup_check: a speculated in-place step (inverse mode). need: the
         staging slots that must be free at once (HostIO.stage_steps); False when they were
-        not, nothing sent."""
+        not, nothing sent. waited: the trainer waits for it (finish(), not a speculation)."""
         remote = remote and self._io.remote_gather and not whole_subgroup_check
         pieces = spec.pieces
         swap_in = None
@@ -127,7 +127,7 @@ class HostStepping:
         # inverse mode: stepped only if every grad is finite (checked), the grads held for the undo
         if not self._io.stage_steps(pieces, sg, inputs, runs, in_bank, spec.bank, skip_nonfinite, grad,
                                     remote=remote, checked=whole_subgroup_check, hold=whole_subgroup_check,
-                                    progress=self._on_progress, need=need):
+                                    progress=self._on_progress, need=need, waited=waited):
             return False
         if self.nvme[sg]:
             spec.file_slot = 1 - self._files.slot(sg)
@@ -315,7 +315,8 @@ class HostStepping:
         # the grads are in the slots already (held until validation): no gather; the slots
         # stay the step's pieces' (freed=True: the undo's results free nothing)
         undo = [_Piece(sg, p.offset, p.numel, p.slot, freed=True,
-                       task=dataclasses.replace(p.task, op=P.OP_INVERSE, task_id=0))
+                       task=dataclasses.replace(p.task, op=P.OP_INVERSE, task_id=0,
+                                                threads=self._io.waited_threads))
                 for p in spec.pieces
                 if p.task.op == P.OP_STEP and p.result is not None and p.result.status == P.STATUS_OK]
         try:
@@ -486,7 +487,7 @@ class HostStepping:
                 self._send_swap_in(sg, spec)  # its own read goes ahead of any prefetch
             prefetch(k)
             try:
-                self._launch(sg, grad, final, runs[sg], spec, False)
+                self._launch(sg, grad, final, runs[sg], spec, False, waited=True)
             except BaseException:
                 for sgp, sp in prefetched.items():
                     waiting.setdefault(sgp, sp)  # the handler waits for their reads, frees banks

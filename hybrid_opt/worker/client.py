@@ -99,6 +99,17 @@ def _set_thread_counts(counts: tuple) -> None:
 DEFAULT_WORKER_SHARE = 0.5  # the worker's cores on a GPU host, where its params are not on the CPU
 
 
+def _ranges(cpus: list) -> str:
+    """[0, 1, 2, 5] -> "0-2,5"."""
+    out, cpus = [], sorted(cpus)
+    for k, c in enumerate(cpus):
+        if k and c == cpus[k - 1] + 1:
+            out[-1][1] = c
+        else:
+            out.append([c, c])
+    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in out) or "none"
+
+
 class CoreSplit:
     """Splits this process's CPUs between the trainer and the worker, and restores them.
 
@@ -156,6 +167,9 @@ class CoreSplit:
         # two ran an iteration at 1.09x torch's, two spinning threads at 1.5x, two sleeping 1.13x
         self.shared = worker_cores is None and worker_share is None and len(cpus) > 1
         self.worker_threads = max(1, round(len(cpus) * DEFAULT_WORKER_SHARE)) if self.shared else len(self.worker)
+        # a step the trainer waits for (after backward) runs on every shared core: the trainer
+        # sleeps meanwhile (0: the worker's own count, its cores being its own)
+        self.waited_threads = len(cpus) if self.shared else 0
 
     @staticmethod
     def _threads() -> list[int]:
@@ -163,6 +177,17 @@ class CoreSplit:
             return [int(t) for t in os.listdir("/proc/self/task")]
         except OSError:
             return [0]
+
+    def describe(self) -> str:
+        """The arrangement in words (the demo's summary says it)."""
+        if self.shared:
+            return (f"shared: the trainer keeps all {len(self.trainer)} cores for forward and backward; the "
+                    f"worker steps beside it in {self.worker_threads} sleeping thread(s) during backward, "
+                    f"and on all {self.waited_threads} while step() waits for it")
+        if self.separate:
+            return (f"split: the trainer on cores {_ranges(self.trainer)}, the worker on cores "
+                    f"{_ranges(self.worker)}")
+        return f"one core ({_ranges(self.worker)}): the trainer and the worker take turns on it"
 
     @property
     def separate(self) -> bool:

@@ -86,8 +86,12 @@ class Worker:
         from cpu_kernels import _lib  # noqa: PLC0415  (after the affinity is set)
         self.lib = _lib.lib
         self.AdamArgs, self.InverseArgs = _lib.AdamArgs, _lib.InverseArgs
-        if cfg.get("threads"):
-            _lib.set_num_threads(int(cfg["threads"]))
+        # the kernels' threads: the worker's own count, or a task's (Task.threads: a step the
+        # trainer waits for, on cores the trainer shares with it and does not use meanwhile)
+        self.threads = int(cfg.get("threads") or 0) or _lib.get_num_threads()
+        self._threads_now = self.threads
+        _lib.set_num_threads(self.threads)
+        self._set_threads = _lib.set_num_threads
         self.mm = mmap.mmap(cfg["arena_fd"], cfg["arena_nbytes"], mmap.MAP_SHARED,
                             mmap.PROT_READ | mmap.PROT_WRITE)
         # the trainer allocated the pages; map them all now rather than a fault per 4 KB in
@@ -253,9 +257,17 @@ class Worker:
         self.lib.hybrid_adam_inverse(ctypes.byref(a))
         return P.Result(t.op, t.task_id, P.STATUS_OK, t.subgroup)
 
+    def _use_threads(self, t: P.Task) -> None:
+        want = t.threads or self.threads
+        if want != self._threads_now:
+            self._set_threads(want)
+            self._threads_now = want
+
     def _run(self, t: P.Task) -> P.Result:
         t0 = time.perf_counter_ns()
         try:
+            if t.op in (P.OP_STEP, P.OP_INVERSE):
+                self._use_threads(t)
             if t.gather:
                 self.gather(t)
             if t.op == P.OP_STEP:
