@@ -15,7 +15,10 @@ fused_adam_'s specializations are the product of two families of choices:
   weight decay zero or not (2) = 96.
 Case i takes pointer combination i and scalar combination i mod 96 (mixed radix), so every
 combination of each family is compiled, 120 programs in all. grad_stats: grad dtype (3) x
-alignment (2) for stage 1, sum dtype (2) for stage 2.
+alignment (2) for stage 1, sum dtype (2) for stage 2. q8_adam_ (gpu_kernels/q8.py): moment formats
+(q8/q8, q8/fp32, q8/bf16, fp32/q8, bf16/q8) x amsgrad (10), grad dtype x what is written beside
+the master (15), grad_scale none / float / tensor x found_inf x aligned x decoupled x weight decay
+(48): case i takes combination i of each family modulo its size, 48 programs in all.
 
 Each compiled program must reach a cubin with no fp32 multiply-add in its PTX (compiled
 without contraction: every specialization rounds alike), and every kernel's `tl.constexpr`
@@ -36,7 +39,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 import gpu_kernels  # noqa: E402
-from gpu_kernels import _runtime, offline  # noqa: E402
+from gpu_kernels import _runtime, offline, q8  # noqa: E402
 
 GRAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 BESIDE = (None, torch.float32, torch.bfloat16, torch.float16, "remainders")
@@ -89,6 +92,48 @@ def adam_call(case, scalars):
                             args.pop("exp_avg_sqs"), **args)
 
 
+Q8_MOMENTS = (("q8", "q8"), ("q8", torch.float32), ("q8", torch.bfloat16), (torch.float32, "q8"),
+              (torch.bfloat16, "q8"))
+
+
+def q8_cases():
+    moments = list(itertools.product(Q8_MOMENTS, (False, True)))
+    sources = list(itertools.product(GRAD_DTYPES, BESIDE))
+    scalars = list(itertools.product((None, "float", "tensor"), (False, True), (True, False), (True, False),
+                                     (0.0, 0.01)))
+    return [(moments[i % len(moments)], sources[i % len(sources)], scalars[i]) for i in range(len(scalars))]
+
+
+def _q8_moment(fmt, numel, aligned):
+    if fmt != "q8":
+        return _tensor(numel, fmt, aligned)
+    return q8.Q8Blocks(_tensor(numel, torch.uint8, aligned), _tensor(-(-numel // q8.BLOCK), torch.float32, aligned))
+
+
+def q8_call(case):
+    ((exp_avg_fmt, exp_avg_sq_fmt), amsgrad), (grad_dtype, beside), scalars = case
+    scale_kind, found_inf, aligned, decoupled, weight_decay = scalars
+    remainders = beside == "remainders"
+    lists = dict(params=[], grads=[], exp_avgs=[], exp_avg_sqs=[], max_exp_avg_sqs=[], param_copies=[],
+                 remainders=[])
+    for n in NUMELS:
+        lists["params"].append(_tensor(n, torch.bfloat16 if remainders else torch.float32, aligned))
+        lists["grads"].append(_tensor(n, grad_dtype, aligned))
+        lists["exp_avgs"].append(_q8_moment(exp_avg_fmt, n, aligned))
+        lists["exp_avg_sqs"].append(_q8_moment(exp_avg_sq_fmt, n, aligned))
+        lists["max_exp_avg_sqs"].append(_q8_moment(exp_avg_sq_fmt, n, aligned))
+        if beside is not None and not remainders:
+            lists["param_copies"].append(_tensor(n, beside, aligned))
+        lists["remainders"].append(_tensor(n, torch.int16, aligned))
+    q8.q8_adam_(lists["params"], lists["grads"], lists["exp_avgs"], lists["exp_avg_sqs"],
+                max_exp_avg_sqs=lists["max_exp_avg_sqs"] if amsgrad else None,
+                param_copies=lists["param_copies"] or None,
+                remainders=lists["remainders"] if remainders else None,
+                step=3, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=weight_decay,
+                decoupled=decoupled, grad_scale={None: None, "float": 0.5, "tensor": torch.tensor([0.5])}[scale_kind],
+                found_inf=torch.zeros(1) if found_inf else None)
+
+
 def stats_call(grad_dtype, aligned, sum_dtype):
     gpu_kernels.grad_stats([_tensor(n, grad_dtype, aligned) for n in NUMELS], sum_dtype=sum_dtype)
 
@@ -98,7 +143,7 @@ def annotated_constexprs(fn):
     return [name for name, p in inspect.signature(fn).parameters.items() if p.annotation is tl.constexpr]
 
 
-def check_constexprs(compiled_namespace_key):
+def check_constexprs(compiled_namespace_key, minimum=8):
     """The functions Triton compiled keep every parameter annotated `tl.constexpr` as one."""
     checked = 0
     for module_name, mode in list(_runtime._namespaces):
@@ -113,7 +158,7 @@ def check_constexprs(compiled_namespace_key):
             got = [p.name for p in obj.params if p.is_constexpr]
             assert got == want, f"{module_name}.{name}: constexpr parameters {got}, annotated {want}"
             checked += 1
-    assert checked >= 8, f"only {checked} kernels and helpers checked"
+    assert checked >= minimum, f"only {checked} kernels and helpers checked"
     return checked
 
 
@@ -121,7 +166,11 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--arch", default="90", help="compute capability: 80, 90, sm_90...")
     parser.add_argument("--limit", type=int, default=None, help="compile only the first N adam cases")
+    parser.add_argument("--only", choices=("q8",), default=None,
+                        help="compile one family only (q8: q8_adam_'s cases, for work on that kernel)")
     args = parser.parse_args(argv)
+    if args.only == "q8":
+        return main_q8(offline.parse_arch(args.arch))
     arch = offline.parse_arch(args.arch)
     pointers, scalars = pointer_cases(), scalar_cases()
     cases = [(p, scalars[i % len(scalars)]) for i, p in enumerate(pointers)]
@@ -147,20 +196,56 @@ def main(argv=None):
             except Exception as exc:
                 raise SystemExit(f"grad_stats {grad_dtype} aligned={aligned} {sum_dtype} failed to "
                                  f"compile for sm_{arch}:\n{exc}") from exc
+        n_stats = len(compiled) - n_adam
+        n_q8 = compile_q8(arch, compiled)
         key = _runtime._mode(torch.device("cpu"))
         kernels = compiled[:]
         checked = check_constexprs(key)
+    check_ptx(kernels, arch)
+    adam_programs = {k.hash for k in kernels[:n_adam]}
+    q8_programs = {k.hash for k in kernels[n_adam + n_stats:]}
+    print(f"sm_{arch}: fused_adam_ {len(cases)} cases -> {len(adam_programs)} distinct programs; "
+          f"grad_stats {n_stats} launches; q8_adam_ {n_q8} cases -> {len(q8_programs)} distinct programs; "
+          f"{checked} functions keep their constexprs; {time.perf_counter() - t0:.1f} s")
+    assert len(adam_programs) == len(cases), "two cases compiled to the same program: a choice is lost"
+    assert len(q8_programs) == n_q8, "two q8 cases compiled to the same program: a choice is lost"
+    print("OK")
+    return 0
+
+
+def compile_q8(arch, compiled):
+    """Compiles q8_adam_'s cases into `compiled`; returns how many programs they made."""
+    before = len(compiled)
+    for case in q8_cases():
+        try:
+            q8_call(case)
+        except Exception as exc:
+            raise SystemExit(f"q8_adam_ {case} failed to compile for sm_{arch}:\n{exc}") from exc
+        assert len(compiled) == before + 1, (case, len(compiled) - before)
+        before = len(compiled)
+    return len(q8_cases())
+
+
+def check_ptx(kernels, arch):
     for kernel in kernels:
         ptx = kernel.asm["ptx"]
         assert kernel.asm.get("cubin"), f"{kernel.name}: no cubin"
         assert f".target sm_{arch}" in ptx, f"{kernel.name}: PTX for another target"
         # no contraction: every multiply and add rounds once (.rn also keeps ptxas from fusing)
         assert not re.search(r"\bfma\.\w+\.f32", ptx), f"{kernel.name}: fp32 multiply-adds in the PTX"
-    adam_programs = {k.hash for k in kernels[:n_adam]}
-    print(f"sm_{arch}: fused_adam_ {len(cases)} cases -> {len(adam_programs)} distinct programs; "
-          f"grad_stats {len(kernels) - n_adam} launches; {checked} functions keep their constexprs; "
-          f"{time.perf_counter() - t0:.1f} s")
-    assert len(adam_programs) == len(cases), "two cases compiled to the same program: a choice is lost"
+
+
+def main_q8(arch):
+    t0 = time.perf_counter()
+    with offline.compile_for(arch) as compiled:
+        n = compile_q8(arch, compiled)
+        kernels = compiled[:]
+        checked = check_constexprs(_runtime._mode(torch.device("cpu")), minimum=4)
+    check_ptx(kernels, arch)
+    programs = {k.hash for k in kernels}
+    print(f"sm_{arch}: q8_adam_ {n} cases -> {len(programs)} distinct programs; {checked} functions keep "
+          f"their constexprs; {time.perf_counter() - t0:.1f} s")
+    assert len(programs) == n, "two q8 cases compiled to the same program: a choice is lost"
     print("OK")
     return 0
 
