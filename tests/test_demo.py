@@ -20,6 +20,10 @@ def test_demo_trains_over_every_tier_and_writes_its_loss_curve(tmp_path):
     for tier in ("| device |", "| host |", "| nvme |"):
         assert tier in text, text
     assert "torch AdamW: final loss" in text
+    # issue #37: where the time went, both runs, the worker's time and the cores' arrangement
+    assert "wall time: HybridAdamW" in text and "torch AdamW" in text.split("Where the time goes")[1]
+    assert "host and nvme tiers:" in text and "of the worker's time; step() waited" in text
+    assert "\n  cores: " in text
     assert os.path.getsize(tmp_path / "o" / "demo_loss.png") > 1000
     # the nvme temporary directory is gone
     assert not [p for p in os.listdir(tmp_path) if p.startswith("hybrid_opt_demo_")]
@@ -73,3 +77,20 @@ def test_tier_state_bytes_counts_each_subgroup_by_its_dtype_and_tier():
     assert got["nvme"] == {"elements": 100, "state_bytes": 100 * 6}
     amsgrad = tier_state_bytes(subgroups, ["host"] * 4, StateFormat(), amsgrad=True)
     assert amsgrad["host"]["state_bytes"] == 300 * (4 + 12 + 2) + 10 * 16
+
+
+def test_the_time_summary_names_the_cost_and_the_arrangement():
+    from hybrid_opt.demo import time_summary
+    tier = lambda n, worker, waited, trainer=0.0: dict(subgroups=n, worker_s=worker,  # noqa: E731
+                                                       trainer_wait_s=waited, trainer_s=trainer)
+    totals = {"device": tier(1, 0.0, 0.0, trainer=0.5), "host": tier(2, 2.0, 0.5), "nvme": tier(1, 1.0, 0.5)}
+    text = time_summary(totals, 100, [0.05] * 100, 5.0, [0.04] * 100, 4.0,
+                        "shared: the trainer keeps all 2 cores", clipped=7)
+    assert "HybridAdamW 5.0 s, torch AdamW 4.0 s (1.25x)" in text
+    assert "median iteration 50.0 ms against 40.0 ms (+10.0 ms)" in text
+    assert "device tier: 5.00 ms" in text
+    assert "host and nvme tiers: 30.00 ms of the worker's time; step() waited 10.00 ms" in text
+    assert "on a GPU host the worker has cores of its own" in text
+    assert "clipping bit in 7 of 100 steps" in text and "speculates nothing after a clipped step" in text
+    split = time_summary(totals, 100, [0.05] * 100, 5.0, None, None, "split: the trainer on cores 0", 0)
+    assert "GPU host" not in split and "clipping" not in split and "torch" not in split
