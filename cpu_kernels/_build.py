@@ -14,8 +14,9 @@ from __future__ import annotations
 CSRC = "cpu_kernels/csrc"
 SOURCES = [f"{CSRC}/{name}" for name in (
     "module.c", "dispatch.c", "kernels_avx512.c", "kernels_avx2.c", "kernels_neon.c",
-    "kernels_sve.c", "kernels_portable.c", "aio.c")]
-HEADERS = [f"{CSRC}/{name}" for name in ("kernels.h", "adam_body.h", "aio.h")]
+    "kernels_sve.c", "kernels_portable.c", "aio.c",
+    "q8_dispatch.c", "q8_tables.c", "q8_portable.c", "q8_avx2.c", "q8_avx512.c")]
+HEADERS = [f"{CSRC}/{name}" for name in ("kernels.h", "adam_body.h", "aio.h", "q8.h", "q8_body.h")]
 COMPILE_ARGS = ["-O3", "-std=gnu11", "-fno-math-errno", "-fno-trapping-math", "-ffp-contract=off",
                 "-fopenmp", "-Wall", "-Wno-unknown-pragmas"]
 LINK_ARGS = ["-fopenmp"]

@@ -1,0 +1,91 @@
+/* cpu_kernels: the q8 Adam step (issue 38) — Adam / AdamW over moments that are each q8 (8-bit
+ * blockwise codes into bitsandbytes' dynamic maps, one fp32 absmax per block of 256), fp32 or bf16.
+ *
+ * Bitwise cpu_kernels/q8_reference.py's q8_adam_step_reference at every level and thread count:
+ * every multiply and add rounded on its own (these files build with -ffp-contract=off and fuse
+ * nothing), IEEE division and sqrt, no flush-to-zero (an absmax may be subnormal). Per element:
+ *
+ *     m, v, v̂  = map[code]·absmax (q8), or the fp32 / bf16 value
+ *     g  = s·g;  g = p·wd + g (Adam's L2, wd != 0)
+ *     m  = (g − m)·(1 − β1) + m;   v = (g·g)·(1 − β2) + v·β2;   v̂ = v̂ > v ? v̂ : v
+ *     p  = p·decay + (m / (√v̂·ib + ε))·nss
+ *     each q8 moment stored again: absmax = the block's largest |bits|, code = table(x / absmax)
+ *
+ * The param update uses the fp32 moments before they are quantized. Threads split the work on
+ * block boundaries (a block's absmax needs all of it); the kernels hold no state between calls.
+ * Levels: portable (plain C, also NEON's and SVE's for now), avx2, avx512; q8_dispatch.c follows
+ * the level the Adam dispatcher uses (hybrid_get_level).
+ */
+#ifndef HYBRID_OPT_Q8_H
+#define HYBRID_OPT_Q8_H
+
+#include "kernels.h"
+
+enum { DT_Q8 = 3 };  /* a moment's dtype code beside kernels.h's DT_F32 / DT_BF16 */
+
+#define Q8_BLOCK 256
+#define Q8_KEY_FIRST 0x3400  /* (bits of 2^-23) >> 16: smaller magnitudes quantize to 0.0 */
+#define Q8_KEYS 2945         /* buckets up to 1.0's, per sign */
+
+/* One q8 Adam call (ctypes mirrors this layout in cpu_kernels/_q8_lib.py). A q8 moment is its
+ * codes (uint8 [n]) and absmax (fp32 [ceil(n / 256)]); the *_absmax pointers are NULL otherwise.
+ * max_exp_avg_sq has exp_avg_sq's dtype. Outputs equal the inputs in place; elsewhere in bank
+ * mode, where the inputs are left untouched. */
+typedef struct {
+    int64_t n;
+    void *param;                      /* fp32 master; with remainders the bf16 param (high half) */
+    const void *grad;                 /* grad_dtype: fp32 / bf16 / fp16 */
+    const void *exp_avg;
+    const float *exp_avg_absmax;
+    const void *exp_avg_sq;
+    const float *exp_avg_sq_absmax;
+    const void *max_exp_avg_sq;       /* NULL unless amsgrad */
+    const float *max_exp_avg_sq_absmax;
+    void *param_out;
+    void *exp_avg_out;
+    float *exp_avg_absmax_out;
+    void *exp_avg_sq_out;
+    float *exp_avg_sq_absmax_out;
+    void *max_exp_avg_sq_out;
+    float *max_exp_avg_sq_absmax_out;
+    void *param_copy;                 /* copy_dtype (bf16 / fp16), NULL when absent */
+    const int16_t *remainder;         /* the fp32 master's low halves, NULL when off */
+    int16_t *remainder_out;
+    int32_t grad_dtype, exp_avg_dtype, exp_avg_sq_dtype, copy_dtype;
+    int32_t decoupled, reserved;
+    int64_t step;
+    double lr, beta1, beta2, eps, weight_decay, grad_scale;
+} q8_args_t;
+
+/* The call's constants in fp32, computed once as hybrid_adam_step computes them. */
+typedef struct {
+    float grad_scale, one_minus_beta1, beta2, one_minus_beta2, eps;
+    float neg_step_size, inv_bias_correction2_sqrt, decay, l2;
+    int amsgrad, l2_mode;
+} q8_consts_t;
+
+/* The codebook (q8_tables.c, generated): the maps' fp32 bits, [0] signed, [1] unsigned; each
+ * map's bucket table, a row for x >= +0 then one for x <= -0. */
+extern const uint32_t q8_maps[2][256];
+extern const uint32_t q8_buckets[2][2 * Q8_KEYS];
+
+/* x -> its code in the signed (zero code 127) or unsigned (0) map: the fast quantizer of
+ * q8_reference. NaN and |x| > 1 saturate at the sign's end; the unsigned map gives 0 for x <= 0. */
+static inline uint8_t q8_code(float x, const uint32_t *table, int zero_code)
+{
+    const uint32_t u = f32_bits(x), mag = u & 0x7fffffffu, neg = u >> 31;
+    int32_t key = (int32_t)(mag >> 16) - Q8_KEY_FIRST;
+    key = key < 0 ? 0 : key > Q8_KEYS - 1 ? Q8_KEYS - 1 : key;
+    const uint32_t entry = table[neg * Q8_KEYS + (uint32_t)key];
+    const int rank = (int)(entry >> 17) + ((mag & 0xffffu) >= (entry & 0x1ffffu));
+    return (uint8_t)(neg ? zero_code - rank : zero_code + rank);
+}
+
+/* Per-level ranges: [begin, end) with begin a multiple of Q8_BLOCK, end too or n. */
+void q8_range_portable(const q8_args_t *a, const q8_consts_t *c, int64_t begin, int64_t end);
+#if defined(__x86_64__)
+void q8_range_avx2(const q8_args_t *a, const q8_consts_t *c, int64_t begin, int64_t end);
+void q8_range_avx512(const q8_args_t *a, const q8_consts_t *c, int64_t begin, int64_t end);
+#endif
+
+#endif

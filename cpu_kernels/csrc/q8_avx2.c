@@ -1,0 +1,50 @@
+/* cpu_kernels, q8 Adam step, AVX2 level: 8 lanes, the map and the bucket table read by gathers. */
+#include "q8.h"
+#define Q8_LEVEL avx2
+
+#if defined(__x86_64__)
+#pragma GCC target("avx2,fma,f16c")
+#include <immintrin.h>
+
+static inline void q8_dequant_block(float *restrict dst, const uint8_t *codes, float absmax,
+                                    const uint32_t *map, int len)
+{
+    const __m256 s = _mm256_set1_ps(absmax);
+    int i = 0;
+    for (; i + 8 <= len; i += 8) {
+        const __m256i idx = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(codes + i)));
+        _mm256_store_ps(dst + i, _mm256_mul_ps(_mm256_i32gather_ps((const float *)map, idx, 4), s));
+    }
+    for (; i < len; i++) dst[i] = bits_f32(map[codes[i]]) * absmax;
+}
+
+static inline void q8_quant_block(uint8_t *restrict codes, const float *restrict x, float absmax,
+                                  const uint32_t *table, int zero, int len)
+{
+    const __m256 s = _mm256_set1_ps(absmax);
+    const __m256i abs_mask = _mm256_set1_epi32(0x7fffffff), low16 = _mm256_set1_epi32(0xffff);
+    const __m256i low17 = _mm256_set1_epi32(0x1ffff), first = _mm256_set1_epi32(Q8_KEY_FIRST);
+    const __m256i last = _mm256_set1_epi32(Q8_KEYS - 1), keys = _mm256_set1_epi32(Q8_KEYS);
+    const __m256i zero_code = _mm256_set1_epi32(zero), one = _mm256_set1_epi32(1);
+    int i = 0;
+    for (; i + 8 <= len; i += 8) {
+        const __m256i u = _mm256_castps_si256(_mm256_div_ps(_mm256_load_ps(x + i), s));
+        const __m256i mag = _mm256_and_si256(u, abs_mask);
+        const __m256i neg = _mm256_srai_epi32(u, 31);  /* all ones where x <= -0 */
+        __m256i key = _mm256_sub_epi32(_mm256_srli_epi32(mag, 16), first);
+        key = _mm256_min_epi32(_mm256_max_epi32(key, _mm256_setzero_si256()), last);
+        key = _mm256_add_epi32(key, _mm256_and_si256(neg, keys));
+        const __m256i entry = _mm256_i32gather_epi32((const int *)table, key, 4);
+        /* rank = entry >> 17, + 1 unless the step lies above |x| (both below 2^17: signed compare) */
+        const __m256i above = _mm256_cmpgt_epi32(_mm256_and_si256(entry, low17), _mm256_and_si256(mag, low16));
+        const __m256i rank = _mm256_add_epi32(_mm256_add_epi32(_mm256_srli_epi32(entry, 17), one), above);
+        const __m256i code = _mm256_blendv_epi8(_mm256_add_epi32(zero_code, rank),
+                                                _mm256_sub_epi32(zero_code, rank), neg);
+        const __m128i words = _mm_packus_epi32(_mm256_castsi256_si128(code), _mm256_extracti128_si256(code, 1));
+        _mm_storel_epi64((__m128i *)(codes + i), _mm_packus_epi16(words, words));
+    }
+    for (; i < len; i++) codes[i] = q8_code(x[i] / absmax, table, zero);
+}
+
+#include "q8_body.h"
+#endif

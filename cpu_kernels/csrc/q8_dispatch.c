@@ -1,0 +1,109 @@
+/* cpu_kernels: the q8 Adam step's entry point (q8.h): its constants, the level and the threads.
+ *
+ * The level is the Adam dispatcher's (hybrid_get_level: detected once, lowered by
+ * cpu_kernels.set_simd_level or HYBRID_OPT_SIMD); levels without a q8 kernel of their own
+ * (NEON, SVE) run the portable one. Threads take interleaved chunks of whole blocks, so a
+ * block's absmax is one thread's and the bits do not depend on the thread count.
+ */
+#include <math.h>
+#include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+#include "q8.h"
+
+/* dispatch.c's level selection */
+int hybrid_get_level(void);
+const char *hybrid_level_name(int rank);
+
+typedef void (*q8_range_fn)(const q8_args_t *, const q8_consts_t *, int64_t, int64_t);
+
+#define Q8_PARALLEL_MIN 65536  /* below this a fork/join costs more than it saves */
+#define Q8_CHUNK 16384         /* a thread's unit of work: 64 blocks */
+
+static q8_range_fn q8_level(const char **name)
+{
+    const char *level = hybrid_level_name(hybrid_get_level());
+#if defined(__x86_64__)
+    if (level && strcmp(level, "avx512") == 0) {
+        *name = "avx512";
+        return q8_range_avx512;
+    }
+    if (level && strcmp(level, "avx2") == 0) {
+        *name = "avx2";
+        return q8_range_avx2;
+    }
+#endif
+    (void)level;
+    *name = "portable";
+    return q8_range_portable;
+}
+
+/* The level the q8 step runs at now: "avx512", "avx2" or "portable". */
+const char *hybrid_q8_level(void)
+{
+    const char *name;
+    (void)q8_level(&name);
+    return name;
+}
+
+/* The generated codebook, for the tests: map(signed) is 256 fp32 bit patterns, buckets(signed)
+ * the two rows of Q8_KEYS entries. */
+const uint32_t *hybrid_q8_map(int is_signed) { return q8_maps[is_signed ? 0 : 1]; }
+const uint32_t *hybrid_q8_buckets(int is_signed) { return q8_buckets[is_signed ? 0 : 1]; }
+int hybrid_q8_keys(void) { return Q8_KEYS; }
+
+static int q8_moment_ok(int dt, const void *p, const float *absmax, const void *out, const float *absmax_out)
+{
+    if (!p || !out) return 0;
+    if (dt == DT_Q8) return absmax && absmax_out;
+    return dt == DT_F32 || dt == DT_BF16;
+}
+
+/* One q8 Adam step. Returns 0, or -1 when the arguments are inconsistent (a dtype code out of
+ * range, a missing pointer); the Python binding checks everything first, so -1 means a caller
+ * that bypassed it. Nothing is written then. */
+int hybrid_q8_adam_step(const q8_args_t *a)
+{
+    if (!a || a->n < 0 || !a->param || !a->grad || !a->param_out) return -1;
+    if (a->grad_dtype != DT_F32 && a->grad_dtype != DT_BF16 && a->grad_dtype != DT_F16) return -1;
+    if (!q8_moment_ok(a->exp_avg_dtype, a->exp_avg, a->exp_avg_absmax, a->exp_avg_out, a->exp_avg_absmax_out) ||
+        !q8_moment_ok(a->exp_avg_sq_dtype, a->exp_avg_sq, a->exp_avg_sq_absmax, a->exp_avg_sq_out,
+                      a->exp_avg_sq_absmax_out))
+        return -1;
+    if (a->max_exp_avg_sq && !q8_moment_ok(a->exp_avg_sq_dtype, a->max_exp_avg_sq, a->max_exp_avg_sq_absmax,
+                                           a->max_exp_avg_sq_out, a->max_exp_avg_sq_absmax_out))
+        return -1;
+    if ((a->remainder == NULL) != (a->remainder_out == NULL)) return -1;
+    if (a->param_copy && a->copy_dtype != DT_BF16 && a->copy_dtype != DT_F16) return -1;
+
+    q8_consts_t c;
+    /* as hybrid_adam_step: bias corrections in double, as torch.optim computes them */
+    const double bc1 = 1.0 - pow(a->beta1, (double)a->step);
+    const double bc2 = 1.0 - pow(a->beta2, (double)a->step);
+    c.grad_scale = (float)a->grad_scale;
+    c.one_minus_beta1 = (float)(1.0 - a->beta1);
+    c.beta2 = (float)a->beta2;
+    c.one_minus_beta2 = (float)(1.0 - a->beta2);
+    c.eps = (float)a->eps;
+    c.neg_step_size = (float)(-(a->lr / bc1));
+    c.inv_bias_correction2_sqrt = (float)(1.0 / sqrt(bc2));
+    c.decay = a->decoupled ? (float)(1.0 - a->lr * a->weight_decay) : 1.0f;
+    c.l2 = a->decoupled ? 0.0f : (float)a->weight_decay;
+    c.l2_mode = !a->decoupled && a->weight_decay != 0.0;
+    c.amsgrad = a->max_exp_avg_sq != NULL;
+
+    const char *name;
+    const q8_range_fn range = q8_level(&name);
+    const int64_t n = a->n;
+#pragma omp parallel if (n >= Q8_PARALLEL_MIN)
+    {
+        const int64_t chunks = (n + Q8_CHUNK - 1) / Q8_CHUNK;
+#pragma omp for schedule(static, 1)
+        for (int64_t k = 0; k < chunks; k++) {
+            const int64_t b = k * Q8_CHUNK, e = b + Q8_CHUNK < n ? b + Q8_CHUNK : n;
+            range(a, &c, b, e);
+        }
+    }
+    return 0;
+}
