@@ -69,6 +69,32 @@ _GRAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _COPY_DTYPES = (torch.bfloat16, torch.float16)
 
 
+def _check_param(param, remainder, param_copy, out, remainder_out) -> bool:
+    """The master: an fp32 param, or (returns True) a bf16 param with its int16 remainders,
+    with bank mode's remainder_out; param_copy has no meaning with remainders."""
+    if remainder is not None:
+        _check_tensor(param, "param", (torch.bfloat16,))
+        if param_copy is not None:
+            raise ValueError("param_copy cannot be combined with remainder: with remainders "
+                             "`param` already is the bf16 model param the step writes; drop "
+                             "param_copy")
+        _check_tensor(remainder, "remainder", (torch.int16,), param.numel())
+        if out is None and remainder_out is not None:
+            raise ValueError("remainder_out is for bank mode only: pass out= as well, or drop "
+                             "remainder_out to update remainder in place")
+        if out is not None and remainder_out is None:
+            raise ValueError("bank mode with remainders needs remainder_out= (an int16 tensor "
+                             "for the new remainders): the inputs must stay unchanged")
+        return True
+    if remainder_out is not None:
+        raise ValueError("remainder_out needs remainder= (the int16 low halves the step reads)")
+    if isinstance(param, torch.Tensor) and param.dtype == torch.bfloat16:
+        raise TypeError("param must have dtype in ['torch.float32'], got torch.bfloat16: a "
+                        "bf16 param needs remainder= (its fp32 master's low halves)")
+    _check_tensor(param, "param", (torch.float32,))
+    return False
+
+
 def adam_step_(param, grad, exp_avg, exp_avg_sq, *, step, lr, beta1, beta2, eps, weight_decay,
                decoupled=True, grad_scale=1.0, max_exp_avg_sq=None, param_copy=None, out=None,
                remainder=None, remainder_out=None):
@@ -88,27 +114,7 @@ def adam_step_(param, grad, exp_avg, exp_avg_sq, *, step, lr, beta1, beta2, eps,
     `step` is the step count after this update (1 on the first).
     """
     _check_hyper(lr, beta1, beta2, eps, weight_decay, step, grad_scale)
-    rem = remainder is not None
-    if rem:
-        _check_tensor(param, "param", (torch.bfloat16,))
-        if param_copy is not None:
-            raise ValueError("param_copy cannot be combined with remainder: with remainders "
-                             "`param` already is the bf16 model param the step writes; drop "
-                             "param_copy")
-        _check_tensor(remainder, "remainder", (torch.int16,), param.numel())
-        if out is None and remainder_out is not None:
-            raise ValueError("remainder_out is for bank mode only: pass out= as well, or drop "
-                             "remainder_out to update remainder in place")
-        if out is not None and remainder_out is None:
-            raise ValueError("bank mode with remainders needs remainder_out= (an int16 tensor "
-                             "for the new remainders): the inputs must stay unchanged")
-    else:
-        if remainder_out is not None:
-            raise ValueError("remainder_out needs remainder= (the int16 low halves the step reads)")
-        if isinstance(param, torch.Tensor) and param.dtype == torch.bfloat16:
-            raise TypeError("param must have dtype in ['torch.float32'], got torch.bfloat16: a "
-                            "bf16 param needs remainder= (its fp32 master's low halves)")
-        _check_tensor(param, "param", (torch.float32,))
+    rem = _check_param(param, remainder, param_copy, out, remainder_out)
     n = param.numel()
     _check_tensor(grad, "grad", _GRAD_DTYPES, n)
     _check_tensor(exp_avg, "exp_avg", _STATE_DTYPES, n)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ._api import _DTYPE_CODES, _check_hyper, _check_no_overlap, _check_tensor
+from ._api import _DTYPE_CODES, _check_hyper, _check_no_overlap, _check_param, _check_tensor
 from ._lib import DT_F32
 from ._q8_lib import BLOCK, DT_Q8, Q8AdamArgs, q8_adam_step_raw
 from .q8_reference import Q8Blocks
@@ -64,26 +64,7 @@ def q8_adam_step_(param, grad, exp_avg, exp_avg_sq, *, step, lr, beta1, beta2, e
     quantized again (each block with a fresh absmax). `step` counts this update (1 on the first).
     """
     _check_hyper(lr, beta1, beta2, eps, weight_decay, step, grad_scale)
-    rem = remainder is not None
-    if rem:
-        _check_tensor(param, "param", (torch.bfloat16,))
-        if param_copy is not None:
-            raise ValueError("param_copy cannot be combined with remainder: with remainders `param` "
-                             "already is the bf16 model param the step writes; drop param_copy")
-        _check_tensor(remainder, "remainder", (torch.int16,), param.numel())
-        if out is None and remainder_out is not None:
-            raise ValueError("remainder_out is for bank mode only: pass out= as well, or drop "
-                             "remainder_out to update remainder in place")
-        if out is not None and remainder_out is None:
-            raise ValueError("bank mode with remainders needs remainder_out= (an int16 tensor for the "
-                             "new remainders): the inputs must stay unchanged")
-    else:
-        if remainder_out is not None:
-            raise ValueError("remainder_out needs remainder= (the int16 low halves the step reads)")
-        if isinstance(param, torch.Tensor) and param.dtype == torch.bfloat16:
-            raise TypeError("param must have dtype in ['torch.float32'], got torch.bfloat16: a bf16 "
-                            "param needs remainder= (its fp32 master's low halves)")
-        _check_tensor(param, "param", (torch.float32,))
+    rem = _check_param(param, remainder, param_copy, out, remainder_out)
     n = param.numel()
     _check_tensor(grad, "grad", _GRAD_DTYPES, n)
     m_code, m_parts = _check_moment(exp_avg, "exp_avg", n)

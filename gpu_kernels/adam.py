@@ -429,9 +429,9 @@ class FusedAdam:
                     enable_fp_fusion=False)
 
 
-def _checked_lists(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, param_copies, remainders):
-    """The seven lists (None where absent), every tensor checked: dtypes, one device, equal
-    sizes per index, contiguity. Raises with the tensor's name and index."""
+def _seven_lists(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, param_copies, remainders) -> tuple:
+    """A launcher's seven arguments as lists (None where an optional one is absent), of one
+    length, remainders and param_copies not both: what fused_adam_ and q8_adam_ check first."""
     params = _as_list(params, "params")
     grads = _as_list(grads, "grads")
     exp_avgs = _as_list(exp_avgs, "exp_avgs")
@@ -449,6 +449,15 @@ def _checked_lists(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, param_
         raise ValueError("param_copies must be None when remainders are given: each bf16 param is "
                          "already the model's copy (the master's high half, rounded); pass the bf16 "
                          "model params as params and drop param_copies")
+    return params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, param_copies, remainders
+
+
+def _checked_lists(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, param_copies, remainders):
+    """The seven lists (None where absent), every tensor checked: dtypes, one device, equal
+    sizes per index, contiguity. Raises with the tensor's name and index."""
+    lists = _seven_lists(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, param_copies, remainders)
+    params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, param_copies, remainders = lists
+    n = len(params)
     if n == 0:
         return (params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, param_copies, remainders)
     if not isinstance(params[0], torch.Tensor):

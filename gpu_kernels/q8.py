@@ -34,7 +34,7 @@ import torch
 
 from . import _runtime
 from ._runtime import lazy_jit
-from .adam import _as_list, _check_hyperparameters, _check_tensor
+from .adam import _check_hyperparameters, _check_tensor, _seven_lists
 
 tl = _runtime.language()
 
@@ -446,22 +446,11 @@ def _moment_parts(moment, name, i, device, numel):
 
 
 def _checked_lists(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, param_copies, remainders):
-    params = _as_list(params, "params")
-    grads = _as_list(grads, "grads")
-    exp_avgs = _as_list(exp_avgs, "exp_avgs")
-    exp_avg_sqs = _as_list(exp_avg_sqs, "exp_avg_sqs")
-    max_exp_avg_sqs = _as_list(max_exp_avg_sqs, "max_exp_avg_sqs", optional=True)
-    param_copies = _as_list(param_copies, "param_copies", optional=True)
-    remainders = _as_list(remainders, "remainders", optional=True)
+    """fused_adam_'s list checks (adam._seven_lists), then each tensor's, q8 moments as their
+    (code, codes, absmax) parts."""
+    lists = _seven_lists(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, param_copies, remainders)
+    params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, param_copies, remainders = lists
     n = len(params)
-    for name, lst in (("grads", grads), ("exp_avgs", exp_avgs), ("exp_avg_sqs", exp_avg_sqs),
-                      ("max_exp_avg_sqs", max_exp_avg_sqs), ("param_copies", param_copies),
-                      ("remainders", remainders)):
-        if lst is not None and len(lst) != n:
-            raise ValueError(f"{name} has {len(lst)} tensors but params has {n}")
-    if remainders is not None and param_copies is not None:
-        raise ValueError("param_copies must be None when remainders are given: each bf16 param is "
-                         "already the model's copy")
     if n == 0:
         return (params, grads, [], [], None, None, None)
     if not isinstance(params[0], torch.Tensor):
