@@ -254,19 +254,25 @@ def adam_inverse_(param, grad, exp_avg, exp_avg_sq, *, step, lr, beta1, beta2, e
     return param
 
 
-def bandwidth_probe_(param, grad, exp_avg, exp_avg_sq):
+def bandwidth_probe_(param, grad, exp_avg, exp_avg_sq, *, split="chunks"):
     """The roofline: Adam's memory traffic (read 4 fp32 arrays, write 3 in place, 28 bytes
-    per element) with trivial arithmetic, on the same threads as the kernels."""
+    per element) with trivial arithmetic, streamed as the level's kernels stream (32 elements
+    a step, software prefetch 1 KiB ahead). `split`: "chunks" splits the work over threads as
+    the kernels do (interleaved 16Ki-element chunks), "contiguous" gives each thread one range
+    (torch's split); the faster of the two is the roof."""
+    if split not in ("chunks", "contiguous"):
+        raise ValueError(f"split must be 'chunks' or 'contiguous', got {split!r}")
     n = _check_tensor(param, "param", (torch.float32,)).numel()
     for name, t in (("grad", grad), ("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)):
         _check_tensor(t, name, (torch.float32,), n)
     lib.hybrid_bw_inplace(param.data_ptr(), grad.data_ptr(), exp_avg.data_ptr(),
-                           exp_avg_sq.data_ptr(), n)
+                          exp_avg_sq.data_ptr(), n, 1 if split == "contiguous" else 0)
 
 
 def bandwidth_probe_bank_(param, grad, exp_avg, exp_avg_sq, out):
     """The bank-mode roofline: read 4 fp32 arrays, write the 3 of `out` (non-temporal stores
-    on AVX-512, as bank mode writes a spare bank), 28 bytes per element, trivial arithmetic."""
+    on AVX-512 and AVX2, as bank mode writes a spare bank), 28 bytes per element, trivial
+    arithmetic, split over threads as the kernels split their work."""
     n = _check_tensor(param, "param", (torch.float32,)).numel()
     for name, t in (("grad", grad), ("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)):
         _check_tensor(t, name, (torch.float32,), n)

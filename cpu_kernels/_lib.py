@@ -44,7 +44,7 @@ def _load_library():
     lib.hybrid_grad_stats.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int64,
                                       ctypes.POINTER(ctypes.c_double)]
     lib.hybrid_grad_stats.restype = ctypes.c_int
-    lib.hybrid_bw_inplace.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64]
+    lib.hybrid_bw_inplace.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64, ctypes.c_int]
     lib.hybrid_bw_inplace.restype = None
     lib.hybrid_bw_bank.argtypes = [ctypes.c_void_p] * 7 + [ctypes.c_int64]
     lib.hybrid_bw_bank.restype = None

@@ -334,6 +334,29 @@ def test_adam_step_is_bitwise_identical_for_any_thread_count(simd, config):
             assert_bitwise_equal(copy, copy1, f"param_copy: {threads} threads vs 1")
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("n", [1, 45, 4 * 16384 + 45], ids=["1", "45", "4_chunks_and_45"])
+def test_bandwidth_probes_write_every_element_and_the_bank_probe_leaves_its_inputs(simd, n, threads):
+    """The roofline probes (bench_cpu_adam.py's roof) cover the whole range at every level and
+    thread count, tails and thread chunks included, and the bank probe writes only `out`."""
+    ck.set_num_threads(threads)
+    g = torch.Generator().manual_seed(3)
+    p, grad, m, v = (torch.rand(n, generator=g) for _ in range(4))
+    ins = [t.clone() for t in (p, grad, m, v)]
+    out = tuple(torch.full((n,), float("nan")) for _ in range(3))
+    ck.bandwidth_probe_bank_(p, grad, m, v, out)
+    assert all(torch.equal(a, b) for a, b in zip((p, grad, m, v), ins))
+    for split in ("chunks", "contiguous"):
+        state = [t.clone() for t in (p, grad, m, v)]
+        ck.bandwidth_probe_(*state, split=split)
+        for new, old, written in zip((state[0], state[2], state[3]), (ins[0], ins[2], ins[3]), out):
+            assert not torch.isnan(written).any()
+            assert_close(new, old * 0.999 + ins[1], dtype=torch.float32)  # every element written
+            assert_close(written, old * 0.999 + ins[1], dtype=torch.float32)
+    with pytest.raises(ValueError, match="split must be"):
+        ck.bandwidth_probe_(p, grad, m, v, split="halves")
+
+
 # --------------------------------------------------------------------------- grad_stats
 @pytest.mark.parametrize("n", [1, 15, 16, 17, 4099, 16384 * 5 + 77, BIG])
 @pytest.mark.parametrize("dtype", GRAD_DTYPES, ids=_id)

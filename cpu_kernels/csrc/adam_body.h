@@ -191,9 +191,13 @@ void FN(grad_chunk_sums)(const void *g, int dt, int64_t n, int64_t chunk0, int64
     }
 }
 
-/* The roofline probe: Adam's access pattern (read p, g, m, v; write p, m, v in place) with
- * none of its arithmetic, so it moves the same 28 bytes per element at memory speed (FMA:
- * the one instruction per stream it compiled to before the build said -ffp-contract=off). */
+/* The roofline probes: Adam's access pattern with none of its arithmetic, 28 bytes per
+ * element at memory speed. In place: read p, g, m, v; write p, m, v back. Bank mode: the same
+ * reads, the writes to three other arrays. A level with vector kernels defines its own
+ * (HAVE_BW_REGS), streaming as its kernels do; these plain loops are the others' (FMA: the one
+ * instruction per stream the in-place loop compiled to before the build said
+ * -ffp-contract=off). */
+#ifndef HAVE_BW_REGS
 void FN(bw_inplace)(float *p, const float *g, float *m, float *v, int64_t begin, int64_t end)
 {
 #pragma omp simd
@@ -204,3 +208,15 @@ void FN(bw_inplace)(float *p, const float *g, float *m, float *v, int64_t begin,
         v[i] = FMA(v[i], 0.999f, gi);
     }
 }
+
+void FN(bw_bank)(const float *p, const float *g, const float *m, const float *v, float *po, float *mo,
+                 float *vo, int64_t begin, int64_t end)
+{
+#pragma omp simd
+    for (int64_t i = begin; i < end; i++) {
+        po[i] = FMA(p[i], 0.999f, g[i]);
+        mo[i] = FMA(m[i], 0.999f, g[i]);
+        vo[i] = FMA(v[i], 0.999f, g[i]);
+    }
+}
+#endif

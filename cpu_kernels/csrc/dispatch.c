@@ -20,11 +20,13 @@ typedef struct {
     void (*adam_range)(const adam_args_t *, const adam_consts_t *, int64_t, int64_t);
     void (*grad_chunk_sums)(const void *, int, int64_t, int64_t, int64_t, double *);
     void (*bw_inplace)(float *, const float *, float *, float *, int64_t, int64_t);
+    void (*bw_bank)(const float *, const float *, const float *, const float *, float *, float *, float *,
+                    int64_t, int64_t);
     void (*remainder_encode)(const float *, uint16_t *, int16_t *, int64_t, int64_t);
     void (*remainder_decode)(const uint16_t *, const int16_t *, float *, int64_t, int64_t);
 } level_t;
 
-#define LEVEL_ROW(L) {#L, adam_range_##L, grad_chunk_sums_##L, bw_inplace_##L, \
+#define LEVEL_ROW(L) {#L, adam_range_##L, grad_chunk_sums_##L, bw_inplace_##L, bw_bank_##L, \
                       remainder_encode_##L, remainder_decode_##L}
 
 static const level_t LEVEL_TABLE[] = {
@@ -238,38 +240,42 @@ int hybrid_grad_stats(const void *g, int dt, int64_t n, double *out)
     return 0;
 }
 
-void hybrid_bw_inplace(float *p, const float *g, float *m, float *v, int64_t n)
+/* The roofline probes (adam_body.h): Adam's 28 bytes an element in place, and bank mode's
+ * pattern (read p, g, m, v, write three other arrays as the level's bank mode writes them).
+ * Split over threads as hybrid_adam_step splits its work (interleaved ADAM_CHUNKs), or, for
+ * the in-place probe with contiguous = 1, one contiguous range per thread (torch's split):
+ * which of the two streams faster depends on the machine, and the roof is the better one. */
+void hybrid_bw_inplace(float *p, const float *g, float *m, float *v, int64_t n, int contiguous)
 {
     const level_t *fns = level_fns();
 #pragma omp parallel if (n >= PARALLEL_MIN)
     {
-        int64_t b, e;
-        thread_range(n, &b, &e);
-        if (b < e) fns->bw_inplace(p, g, m, v, b, e);
+        if (contiguous) {
+            int64_t b, e;
+            thread_range(n, &b, &e);
+            if (b < e) fns->bw_inplace(p, g, m, v, b, e);
+        } else {
+            const int64_t chunks = (n + ADAM_CHUNK - 1) / ADAM_CHUNK;
+#pragma omp for schedule(static, 1)
+            for (int64_t k = 0; k < chunks; k++) {
+                const int64_t b = k * ADAM_CHUNK, e = b + ADAM_CHUNK < n ? b + ADAM_CHUNK : n;
+                fns->bw_inplace(p, g, m, v, b, e);
+            }
+        }
     }
 }
 
-/* The bank-mode roofline: read p, g, m, v, write three other arrays (non-temporal on
- * AVX-512, as bank mode writes them), split over threads as hybrid_adam_step splits. */
 void hybrid_bw_bank(const float *p, const float *g, const float *m, const float *v,
                     float *po, float *mo, float *vo, int64_t n)
 {
-    const int avx512 = level_fns()->adam_range == adam_range_avx512;
+    const level_t *fns = level_fns();
 #pragma omp parallel if (n >= PARALLEL_MIN)
     {
         const int64_t chunks = (n + ADAM_CHUNK - 1) / ADAM_CHUNK;
 #pragma omp for schedule(static, 1)
         for (int64_t k = 0; k < chunks; k++) {
             const int64_t b = k * ADAM_CHUNK, e = b + ADAM_CHUNK < n ? b + ADAM_CHUNK : n;
-            if (avx512) {
-                bw_bank_avx512(p, g, m, v, po, mo, vo, b, e);
-                continue;
-            }
-            for (int64_t i = b; i < e; i++) {
-                po[i] = p[i] * 0.999f + g[i];
-                mo[i] = m[i] * 0.999f + g[i];
-                vo[i] = v[i] * 0.999f + g[i];
-            }
+            fns->bw_bank(p, g, m, v, po, mo, vo, b, e);
         }
     }
 }

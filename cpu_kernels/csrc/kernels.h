@@ -136,11 +136,11 @@ static inline void store_scalar(void *p, int dt, int64_t i, float v) {
     void grad_chunk_sums_##L(const void *g, int dt, int64_t n, int64_t chunk0, int64_t chunk1, \
                              double *partials);                                           \
     void bw_inplace_##L(float *p, const float *g, float *m, float *v, int64_t b, int64_t e); \
+    void bw_bank_##L(const float *p, const float *g, const float *m, const float *v, float *po, \
+                     float *mo, float *vo, int64_t b, int64_t e);                         \
     void remainder_encode_##L(const float *m, uint16_t *p, int16_t *r, int64_t b, int64_t e); \
     void remainder_decode_##L(const uint16_t *p, const int16_t *r, float *m, int64_t b, int64_t e);
 DECLARE_LEVEL(avx512)
-void bw_bank_avx512(const float *p, const float *g, const float *m, const float *v,
-                    float *po, float *mo, float *vo, int64_t b, int64_t e);
 DECLARE_LEVEL(avx2)
 DECLARE_LEVEL(portable)
 DECLARE_LEVEL(neon)

@@ -113,34 +113,60 @@ static inline void encode_block(uint16_t *p, int16_t *r, int64_t off, const floa
     }
 }
 
-/* Compressed state (bf16 moments and/or remainders), AVX2: the register loop of
- * kernels_avx512.c with 8 lanes, 32 elements a step so each 16-bit output leaves as one
- * whole 64-byte line (two consecutive 32-byte stores; non-temporal in bank mode where
- * aligned). Through L1 blocks this level ran compressed state at 0.91x the fp32 fused step
- * (one thread, 16Mi): compute-bound; adam_range runs this over the multiple of 32 and
- * leaves the tail to the block path, which rounds identically. */
+/* Compressed state (bf16 moments and/or remainders), AVX2: a register loop, 32 elements a
+ * step so each 16-bit output leaves as one whole 64-byte line (two consecutive 32-byte
+ * stores; non-temporal in bank mode where aligned); adam_range runs it over the multiple of
+ * 32 and leaves the tail to the block path, which rounds identically.
+ * It is compute-bound at one thread. Measured on a 2-core Zen 5 VM, AVX2 forced, one thread,
+ * ns an element (L2-resident 32Ki elements / 16Mi from DRAM), bf16 grads and moments with
+ * remainders: the correctly rounded vsqrtps + vdivps pair alone costs 0.22 (1.77 ns per 8
+ * lanes; the bits need both); this loop with the math replaced by adds, i.e. the widening,
+ * the remainder decode / encode and the bf16 rounding alone, 0.23 / 0.32; the whole step
+ * 0.36 / 0.40, where the fp32 step is 0.24 / 0.44 and 18 B at this machine's one-thread
+ * DRAM speed would be 0.29. The loop before this one took 0.42 / 0.44 (its constants
+ * reloaded after every store, since a store through a vector pointer may alias them; its
+ * options tested inside the loop; four live copies of every stream, spilled). So the
+ * constants are broadcast once into locals, the stream pointers copied out of adam_args_t,
+ * the moment dtypes, remainders and amsgrad are constants of each instance, and each 16
+ * elements go from load to store while the next 16 start. */
 #define HAVE_ADAM_C16_REGS 1
 
-static inline __attribute__((always_inline)) void adam8(
-    const adam_consts_t *c, __m256 p, __m256 g, __m256 m0, __m256 v0, __m256 x0, int ams,
-    __m256 *pn, __m256 *mi, __m256 *vi, __m256 *vv)
+typedef struct {
+    __m256 gs, wd, w1, w2, b2, ib, eps, decay, nss;
+} consts8_t;
+
+static inline consts8_t consts8(const adam_consts_t *c)
 {
-    __m256 gi = _mm256_mul_ps(g, _mm256_set1_ps(c->grad_scale));
-    if (c->l2_mode) gi = _mm256_fmadd_ps(_mm256_set1_ps(c->l2), p, gi);
-    *mi = _mm256_fmadd_ps(_mm256_set1_ps(c->one_minus_beta1), _mm256_sub_ps(gi, m0), m0);
-    *vi = _mm256_fmadd_ps(_mm256_set1_ps(c->one_minus_beta2), _mm256_mul_ps(gi, gi),
-                          _mm256_mul_ps(v0, _mm256_set1_ps(c->beta2)));
+    const consts8_t k = {_mm256_set1_ps(c->grad_scale), _mm256_set1_ps(c->l2),
+                         _mm256_set1_ps(c->one_minus_beta1), _mm256_set1_ps(c->one_minus_beta2),
+                         _mm256_set1_ps(c->beta2), _mm256_set1_ps(c->inv_bias_correction2_sqrt),
+                         _mm256_set1_ps(c->eps), _mm256_set1_ps(c->decay), _mm256_set1_ps(c->neg_step_size)};
+    return k;
+}
+
+/* adam_math's arithmetic on 8 lanes, FMA for FMA, in two parts: up to the quotient
+ * q = m / (sqrt(v) * ib + eps), then the param */
+static inline __attribute__((always_inline)) void adam8_moments(
+    const consts8_t *k, const int l2, const int ams, __m256 p, __m256 g, __m256 m0, __m256 v0, __m256 x0,
+    __m256 *mi, __m256 *vi, __m256 *vv, __m256 *q)
+{
+    __m256 gi = _mm256_mul_ps(g, k->gs);
+    if (l2) gi = _mm256_fmadd_ps(k->wd, p, gi);
+    *mi = _mm256_fmadd_ps(k->w1, _mm256_sub_ps(gi, m0), m0);
+    *vi = _mm256_fmadd_ps(k->w2, _mm256_mul_ps(gi, gi), _mm256_mul_ps(v0, k->b2));
     *vv = ams ? _mm256_max_ps(x0, *vi) : *vi;  /* (vmax > v) ? vmax : v */
-    const __m256 denom = _mm256_fmadd_ps(_mm256_sqrt_ps(*vv), _mm256_set1_ps(c->inv_bias_correction2_sqrt),
-                                         _mm256_set1_ps(c->eps));
-    *pn = _mm256_fmadd_ps(p, _mm256_set1_ps(c->decay),
-                          _mm256_mul_ps(_mm256_set1_ps(c->neg_step_size), _mm256_div_ps(*mi, denom)));
+    *q = _mm256_div_ps(*mi, _mm256_fmadd_ps(_mm256_sqrt_ps(*vv), k->ib, k->eps));
+}
+
+static inline __m256 adam8_param(const consts8_t *k, __m256 p, __m256 q)
+{
+    return _mm256_fmadd_ps(p, k->decay, _mm256_mul_ps(k->nss, q));
 }
 
 /* The register loop holds each 16 elements as two vectors in even/odd order: E = elements
  * 0,2,..,14 and O = 1,3,..,15. A 16-bit stream then needs no shuffle at all: its 32-bit lane
  * k holds elements 2k (low half) and 2k+1 (high half), so widening is a shift / a mask, and
- * narrowing a shift / a mask and an OR (port 5, AVX2's only shuffle port on Intel, was this
+ * narrowing a shift and a word blend (port 5, AVX2's only shuffle port on Intel, was this
  * loop's bottleneck: 32 shuffles per 32 elements in pack16 / permutes / vpmovzxwd). An fp32
  * stream is gathered by two 128-bit loads per vector (rows 0-3|8-11 and 4-7|12-15) and two
  * shufps, scattered by two unpacks and four 128-bit stores (or two vperm2f128 for streaming
@@ -159,7 +185,8 @@ static inline void split_eo(__m256 a, __m256 b, __m256 *e, __m256 *o)
     *o = _mm256_shuffle_ps(a, b, 0xDD);
 }
 
-static inline void load16_eo(const void *src, int dt, int64_t j, __m256 *e, __m256 *o)
+static inline __attribute__((always_inline)) void load16_eo(const void *src, const int dt, int64_t j,
+                                                            __m256 *e, __m256 *o)
 {
     if (dt == DT_F32) {
         const float *s = (const float *)src + j;
@@ -189,37 +216,37 @@ static inline void store_f32_eo(float *d, __m256 e, __m256 o, int nt)
     }
 }
 
-/* to_bf16_8's rounding (nearest even, NaN -> 0x7FC0) of E and O, joined: 16 bf16 in order.
- * nan = 0 when the caller knows neither holds a NaN (one compare per step, see the loop) */
-static inline __m256i bf16_eo(__m256 e, __m256 o, const int nan)
+/* to_bf16_8's rounding (nearest even) of E and O, joined: 16 bf16 in order. No NaN handling:
+ * the loop tests each 16 elements for NaN once and takes bf16_eo_nan where one is.
+ * Vector shifts issue on two pipes, shared with the float adds and compares (measured on Zen
+ * 5: a shift and an addps share them; and / add / compare / word blend issue on all four), so
+ * the rounding bit is a compare mask (-1 where bit 16 is set) subtracted, not a shift:
+ * u + 0x7fff + lsb = u + 0x7fff - mask, as many instructions and two fewer shifts per pair
+ * (the loop's time did not move: it is bound by its instruction count and the divider). */
+static inline __m256i bf16_eo(__m256 e, __m256 o)
 {
     const __m256i ue = _mm256_castps_si256(e), uo = _mm256_castps_si256(o);
-    const __m256i one = _mm256_set1_epi32(1), half = _mm256_set1_epi32(0x7fff);
-    const __m256i re = _mm256_add_epi32(ue, _mm256_add_epi32(_mm256_and_si256(_mm256_srli_epi32(ue, 16), one), half));
-    const __m256i ro = _mm256_add_epi32(uo, _mm256_add_epi32(_mm256_and_si256(_mm256_srli_epi32(uo, 16), one), half));
-    __m256i le = _mm256_srli_epi32(re, 16), ho = _mm256_and_si256(ro, HI16);
-    if (nan) {
-        le = _mm256_blendv_epi8(le, _mm256_set1_epi32(0x7fc0), _mm256_castps_si256(_mm256_cmp_ps(e, e, _CMP_UNORD_Q)));
-        ho = _mm256_blendv_epi8(ho, _mm256_set1_epi32(0x7fc00000), _mm256_castps_si256(_mm256_cmp_ps(o, o, _CMP_UNORD_Q)));
-    }
-    return _mm256_or_si256(le, ho);
+    const __m256i bit = _mm256_set1_epi32(0x10000), half = _mm256_set1_epi32(0x7fff);
+    const __m256i le = _mm256_cmpeq_epi32(_mm256_and_si256(ue, bit), bit);
+    const __m256i lo = _mm256_cmpeq_epi32(_mm256_and_si256(uo, bit), bit);
+    const __m256i re = _mm256_sub_epi32(_mm256_add_epi32(ue, half), le);
+    const __m256i ro = _mm256_sub_epi32(_mm256_add_epi32(uo, half), lo);
+    return _mm256_blend_epi16(ro, _mm256_srli_epi32(re, 16), 0x55);  /* low words from E, high from O */
 }
 
-static inline void store_u16x32(void *dst, __m256i a, __m256i b, int nt)
+/* bf16_eo with torch's NaN -> 0x7FC0 */
+static inline __m256i bf16_eo_nan(__m256 e, __m256 o)
 {
-    if (nt) { _mm256_stream_si256((__m256i *)dst, a); _mm256_stream_si256((__m256i *)dst + 1, b); }
-    else { _mm256_storeu_si256((__m256i *)dst, a); _mm256_storeu_si256((__m256i *)dst + 1, b); }
+    const __m256i r = bf16_eo(e, o);
+    const __m256i ne = _mm256_castps_si256(_mm256_cmp_ps(e, e, _CMP_UNORD_Q));
+    const __m256i no = _mm256_castps_si256(_mm256_cmp_ps(o, o, _CMP_UNORD_Q));
+    const __m256i nan = _mm256_blend_epi16(no, ne, 0x55);
+    return _mm256_blendv_epi8(r, _mm256_set1_epi16(0x7fc0), nan);
 }
 
-/* x[0..3] = E, O of elements 0-15 then of 16-31 */
-static inline void store_moment32(void *dst, int dt, int64_t j, const __m256 x[4], int nt, const int nan)
+static inline void store_u16x16(void *dst, __m256i x, int nt)
 {
-    if (dt == DT_F32) {
-        store_f32_eo((float *)dst + j, x[0], x[1], nt);
-        store_f32_eo((float *)dst + j + 16, x[2], x[3], nt);
-        return;
-    }
-    store_u16x32((uint16_t *)dst + j, bf16_eo(x[0], x[1], nan), bf16_eo(x[2], x[3], nan), nt);
+    if (nt) _mm256_stream_si256((__m256i *)dst, x); else _mm256_storeu_si256((__m256i *)dst, x);
 }
 
 /* 16 masters from 16 (param, remainder) pairs: the carry subtracted in 16-bit lanes, each
@@ -228,10 +255,10 @@ static inline void decode16_eo(const uint16_t *p, const int16_t *r, int64_t j, _
 {
     const __m256i pp = _mm256_loadu_si256((const __m256i *)(p + j));
     const __m256i rr = _mm256_loadu_si256((const __m256i *)(r + j));
-    const __m256i h = _mm256_sub_epi16(pp, _mm256_srli_epi16(rr, 15));
-    const __m256i lo = _mm256_set1_epi32(0xffff);
-    *e = _mm256_castsi256_ps(_mm256_or_si256(_mm256_slli_epi32(h, 16), _mm256_and_si256(rr, lo)));
-    *o = _mm256_castsi256_ps(_mm256_or_si256(_mm256_and_si256(h, HI16), _mm256_srli_epi32(rr, 16)));
+    /* the carry as a mask (-1 where the remainder's top bit is set): a compare, not a shift */
+    const __m256i h = _mm256_add_epi16(pp, _mm256_cmpgt_epi16(_mm256_setzero_si256(), rr));
+    *e = _mm256_castsi256_ps(_mm256_blend_epi16(_mm256_slli_epi32(h, 16), rr, 0x55));
+    *o = _mm256_castsi256_ps(_mm256_blend_epi16(h, _mm256_srli_epi32(rr, 16), 0x55));
 }
 
 /* the inverse: remainder words = low halves in order; param words = high halves plus the
@@ -239,9 +266,9 @@ static inline void decode16_eo(const uint16_t *p, const int16_t *r, int64_t j, _
 static inline void encode16_eo(__m256 e, __m256 o, __m256i *ph, __m256i *rh)
 {
     const __m256i ue = _mm256_castps_si256(e), uo = _mm256_castps_si256(o);
-    *rh = _mm256_or_si256(_mm256_and_si256(ue, _mm256_set1_epi32(0xffff)), _mm256_slli_epi32(uo, 16));
-    const __m256i t = _mm256_or_si256(_mm256_srli_epi32(ue, 16), _mm256_and_si256(uo, HI16));
-    *ph = _mm256_add_epi16(t, _mm256_srli_epi16(*rh, 15));
+    *rh = _mm256_blend_epi16(_mm256_slli_epi32(uo, 16), ue, 0x55);
+    const __m256i t = _mm256_blend_epi16(uo, _mm256_srli_epi32(ue, 16), 0x55);
+    *ph = _mm256_sub_epi16(t, _mm256_cmpgt_epi16(_mm256_setzero_si256(), *rh));
 }
 
 static inline __m256i f16_eo(__m256 e, __m256 o)
@@ -250,197 +277,172 @@ static inline __m256i f16_eo(__m256 e, __m256 o)
     return _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_unpacklo_epi16(he, ho)), _mm_unpackhi_epi16(he, ho), 1);
 }
 
+static inline __attribute__((always_inline)) void store_moment16(void *dst, const int dt, int64_t j, __m256 e,
+                                                                 __m256 o, int nt, const int nan)
+{
+    if (dt == DT_F32) store_f32_eo((float *)dst + j, e, o, nt);
+    else store_u16x16((uint16_t *)dst + j, nan ? bf16_eo_nan(e, o) : bf16_eo(e, o), nt);
+}
 
-/* one instance per (exp_avg dtype, exp_avg_sq dtype) pair, as in kernels_avx512.c */
+/* One call's streams, copied out of adam_args_t into locals: a vector store may alias
+ * anything, so pointers read through `a` would be reloaded after every store. */
+typedef struct {
+    const uint16_t *p16;
+    const float *param;
+    const int16_t *rin;
+    const void *grad, *m, *v, *x;
+    uint16_t *po16;
+    float *pout;
+    int16_t *rout;
+    void *mo, *vo, *xo;
+    uint16_t *cp;
+    int cp_bf16;
+} c16_streams_t;
+
+static inline c16_streams_t c16_streams(const adam_args_t *a)
+{
+    const c16_streams_t s = {(const uint16_t *)(const void *)a->param, a->param, a->remainder, a->grad,
+                             a->exp_avg, a->exp_avg_sq, a->max_exp_avg_sq,
+                             (uint16_t *)(void *)a->param_out, a->param_out, a->remainder_out,
+                             a->exp_avg_out, a->exp_avg_sq_out, a->max_exp_avg_sq_out,
+                             (uint16_t *)a->param_copy, a->param_copy && a->copy_dtype == DT_BF16};
+    return s;
+}
+
+/* 16 elements in flight: the params and the moments up to the quotient (c16_front), then
+ * the rest and the stores (c16_back). The loop runs the front of the next 16 before the back
+ * of these, so their square roots and divisions start while the conversions and stores of
+ * these issue (a 16-element step is ~70 vector instructions, about what the FP scheduler
+ * holds): 0.38 -> 0.36 ns an element in L2, one thread. */
+typedef struct {
+    __m256 p[2], mi[2], vi[2], vv[2], q[2];
+} c16_inflight_t;
+
+/* Compile-time constants of both halves: the moment dtypes (mdt exp_avg's, vdt exp_avg_sq's),
+ * the grad dtype where it is bf16 (else read per step), remainders, amsgrad; l2, the param
+ * copy and the streaming stores (bank mode) are tested per step (loop-invariant). */
+static inline __attribute__((always_inline)) c16_inflight_t c16_front(
+    const c16_streams_t *s, const consts8_t *k, int64_t j, const int mdt, const int vdt, const int gdt,
+    const int rem, const int ams, const int l2)
+{
+    c16_inflight_t f;
+    __m256 g[2], m[2], v[2], x[2];
+    if (rem) decode16_eo(s->p16, s->rin, j, &f.p[0], &f.p[1]);
+    else load16_eo(s->param, DT_F32, j, &f.p[0], &f.p[1]);
+    load16_eo(s->grad, gdt, j, &g[0], &g[1]);
+    load16_eo(s->m, mdt, j, &m[0], &m[1]);
+    load16_eo(s->v, vdt, j, &v[0], &v[1]);
+    if (ams) load16_eo(s->x, vdt, j, &x[0], &x[1]);
+    else x[0] = x[1] = _mm256_setzero_ps();
+    for (int h = 0; h < 2; h++)
+        adam8_moments(k, l2, ams, f.p[h], g[h], m[h], v[h], x[h], &f.mi[h], &f.vi[h], &f.vv[h], &f.q[h]);
+    return f;
+}
+
+static inline __attribute__((always_inline)) void c16_back(
+    const c16_streams_t *s, const consts8_t *k, int64_t j, const c16_inflight_t *f, const int mdt,
+    const int vdt, const int rem, const int ams, const nt_streams_t nt)
+{
+    const int ntp = nt.param, ntm = nt.moments;  /* never in place (nt_streams) */
+    uint16_t *cp = rem ? NULL : s->cp;  /* a param copy never comes with remainders */
+    const int cp16 = cp && s->cp_bf16;
+    const __m256 pn[2] = {adam8_param(k, f->p[0], f->q[0]), adam8_param(k, f->p[1], f->q[1])};
+    if (rem) {
+        __m256i ph, rh;
+        encode16_eo(pn[0], pn[1], &ph, &rh);
+        store_u16x16(s->po16 + j, ph, ntp);
+        store_u16x16(s->rout + j, rh, ntp);
+    } else {
+        store_f32_eo(s->pout + j, pn[0], pn[1], ntp);
+    }
+    /* A NaN in exp_avg or exp_avg_sq (or amsgrad's max, which is a NaN only where exp_avg_sq
+     * is) makes the new param a NaN: mi / denom, sqrt and max all pass it on. So one unordered
+     * compare of the params tells whether anything rounded to bf16 here needs torch's NaN. */
+    int nan = 0;
+    if (mdt == DT_BF16 || vdt == DT_BF16 || cp16) {
+        const __m256 un = _mm256_cmp_ps(pn[0], pn[1], _CMP_UNORD_Q);
+        nan = !_mm256_testz_ps(un, un);
+    }
+    if (__builtin_expect(nan, 0)) {
+        store_moment16(s->mo, mdt, j, f->mi[0], f->mi[1], ntm, 1);
+        store_moment16(s->vo, vdt, j, f->vi[0], f->vi[1], ntm, 1);
+        if (ams) store_moment16(s->xo, vdt, j, f->vv[0], f->vv[1], ntm, 1);
+        if (cp16) store_u16x16(cp + j, bf16_eo_nan(pn[0], pn[1]), nt.copy);
+    } else {
+        store_moment16(s->mo, mdt, j, f->mi[0], f->mi[1], ntm, 0);
+        store_moment16(s->vo, vdt, j, f->vi[0], f->vi[1], ntm, 0);
+        if (ams) store_moment16(s->xo, vdt, j, f->vv[0], f->vv[1], ntm, 0);
+        if (cp16) store_u16x16(cp + j, bf16_eo(pn[0], pn[1]), nt.copy);
+    }
+    if (cp && !cp16) store_u16x16(cp + j, f16_eo(pn[0], pn[1]), nt.copy);
+}
+
 static inline __attribute__((always_inline)) void adam_c16_body(
-    const adam_args_t *a, const adam_consts_t *c, int64_t begin, int64_t end, const int mdt, const int vdt)
+    const adam_args_t *a, const adam_consts_t *c, int64_t begin, int64_t end, const int mdt, const int vdt,
+    const int gdt, const int rem, const int ams)
 {
-    const int ams = c->amsgrad, oop = c->out_of_place, gdt = a->grad_dtype;
-    const int msz = mdt == DT_F32 ? 4 : 2, vsz = vdt == DT_F32 ? 4 : 2;
-    const uint16_t *p16 = (const uint16_t *)(const void *)a->param;
-    const int16_t *rin = a->remainder;
-    const int rem = rin != NULL;
-    uint16_t *po16 = (uint16_t *)(void *)a->param_out;
-    uint16_t *cp = (uint16_t *)a->param_copy;
-    const nt_streams_t nt = nt_streams(a, oop, ams, begin, msz, vsz);
-    const int ntp = nt.param, ntm = nt.moments, ntc = nt.copy;
-    const __m256 zero = _mm256_setzero_ps();
+    const consts8_t k = consts8(c);
+    const c16_streams_t s = c16_streams(a);
+    const int l2 = c->l2_mode;
+    const int msz = mdt == DT_F32 ? 4 : 2, vsz = vdt == DT_F32 ? 4 : 2, gsz = gdt == DT_F32 ? 4 : 2;
+    const nt_streams_t nt = nt_streams(a, c->out_of_place, ams, begin, msz, vsz);
+    const char *pm = (const char *)s.m, *pv = (const char *)s.v, *pg = (const char *)s.grad;
+    const char *pp = (const char *)s.param, *pr = (const char *)s.rin, *px = (const char *)s.x;
+    if (end - begin < 32) return;
+    c16_inflight_t f = c16_front(&s, &k, begin, mdt, vdt, gdt, rem, ams, l2);
     for (int64_t i = begin; i + 32 <= end; i += 32) {
-        /* [4]: E, O of elements i..i+15, then of i+16..i+31 */
-        __m256 p[4], g[4], m[4], v[4], x[4], pn[4], mi[4], vi[4], vv[4];
+        /* software prefetch 1 KiB of a 16-bit stream ahead: one line per 16-bit stream per
+         * step, two per fp32 stream */
         const int64_t ahead = i + 512;
-        _mm_prefetch((const char *)((const char *)a->exp_avg + ahead * msz), _MM_HINT_T0);
-        _mm_prefetch((const char *)((const char *)a->exp_avg_sq + ahead * vsz), _MM_HINT_T0);
-        _mm_prefetch((const char *)((const char *)a->grad + ahead * (gdt == DT_F32 ? 4 : 2)), _MM_HINT_T0);
+        _mm_prefetch(pm + ahead * msz, _MM_HINT_T0);
+        if (msz == 4) _mm_prefetch(pm + ahead * msz + 64, _MM_HINT_T0);
+        _mm_prefetch(pv + ahead * vsz, _MM_HINT_T0);
+        if (vsz == 4) _mm_prefetch(pv + ahead * vsz + 64, _MM_HINT_T0);
+        _mm_prefetch(pg + ahead * gsz, _MM_HINT_T0);
+        if (gsz == 4) _mm_prefetch(pg + ahead * gsz + 64, _MM_HINT_T0);
         if (rem) {
-            _mm_prefetch((const char *)(p16 + ahead), _MM_HINT_T0);
-            _mm_prefetch((const char *)(rin + ahead), _MM_HINT_T0);
-            decode16_eo(p16, rin, i, &p[0], &p[1]);
-            decode16_eo(p16, rin, i + 16, &p[2], &p[3]);
+            _mm_prefetch(pp + ahead * 2, _MM_HINT_T0);
+            _mm_prefetch(pr + ahead * 2, _MM_HINT_T0);
         } else {
-            _mm_prefetch((const char *)(a->param + ahead), _MM_HINT_T0);
-            load16_eo(a->param, DT_F32, i, &p[0], &p[1]);
-            load16_eo(a->param, DT_F32, i + 16, &p[2], &p[3]);
+            _mm_prefetch(pp + ahead * 4, _MM_HINT_T0);
+            _mm_prefetch(pp + ahead * 4 + 64, _MM_HINT_T0);
         }
-        for (int h = 0; h < 2; h++) {
-            const int64_t j = i + 16 * h;
-            load16_eo(a->grad, gdt, j, &g[2 * h], &g[2 * h + 1]);
-            load16_eo(a->exp_avg, mdt, j, &m[2 * h], &m[2 * h + 1]);
-            load16_eo(a->exp_avg_sq, vdt, j, &v[2 * h], &v[2 * h + 1]);
-            if (ams) load16_eo(a->max_exp_avg_sq, vdt, j, &x[2 * h], &x[2 * h + 1]);
-            else x[2 * h] = x[2 * h + 1] = zero;
+        if (ams) {
+            _mm_prefetch(px + ahead * vsz, _MM_HINT_T0);
+            if (vsz == 4) _mm_prefetch(px + ahead * vsz + 64, _MM_HINT_T0);
         }
-        for (int q = 0; q < 4; q++) adam8(c, p[q], g[q], m[q], v[q], x[q], ams, &pn[q], &mi[q], &vi[q], &vv[q]);
-        if (rem) {
-            __m256i ph[2], rh[2];
-            encode16_eo(pn[0], pn[1], &ph[0], &rh[0]);
-            encode16_eo(pn[2], pn[3], &ph[1], &rh[1]);
-            store_u16x32(po16 + i, ph[0], ph[1], ntp);
-            store_u16x32(a->remainder_out + i, rh[0], rh[1], ntp);
+        const c16_inflight_t f1 = c16_front(&s, &k, i + 16, mdt, vdt, gdt, rem, ams, l2);
+        c16_back(&s, &k, i, &f, mdt, vdt, rem, ams, nt);
+        if (i + 48 <= end) {
+            f = c16_front(&s, &k, i + 32, mdt, vdt, gdt, rem, ams, l2);
+            c16_back(&s, &k, i + 16, &f1, mdt, vdt, rem, ams, nt);
         } else {
-            store_f32_eo(a->param_out + i, pn[0], pn[1], ntp);
-            store_f32_eo(a->param_out + i + 16, pn[2], pn[3], ntp);
-        }
-        /* NaN anywhere in what is rounded to bf16 here: one unordered compare per pair */
-        __m256 un = zero;
-        for (int q = 0; q < 4; q++) {
-            un = _mm256_or_ps(un, _mm256_cmp_ps(mi[q], vi[q], _CMP_UNORD_Q));
-            if (ams) un = _mm256_or_ps(un, _mm256_cmp_ps(vv[q], vv[q], _CMP_UNORD_Q));
-            if (cp) un = _mm256_or_ps(un, _mm256_cmp_ps(pn[q], pn[q], _CMP_UNORD_Q));
-        }
-        if (_mm256_testz_ps(un, un)) {
-            store_moment32(a->exp_avg_out, mdt, i, mi, ntm, 0);
-            store_moment32(a->exp_avg_sq_out, vdt, i, vi, ntm, 0);
-            if (ams) store_moment32(a->max_exp_avg_sq_out, vdt, i, vv, ntm, 0);
-        } else {
-            store_moment32(a->exp_avg_out, mdt, i, mi, ntm, 1);
-            store_moment32(a->exp_avg_sq_out, vdt, i, vi, ntm, 1);
-            if (ams) store_moment32(a->max_exp_avg_sq_out, vdt, i, vv, ntm, 1);
-        }
-        if (cp) {
-            if (a->copy_dtype == DT_BF16) {
-                const int nan = !_mm256_testz_ps(un, un);
-                store_u16x32(cp + i, bf16_eo(pn[0], pn[1], nan), bf16_eo(pn[2], pn[3], nan), ntc);
-            }
-            else store_u16x32(cp + i, f16_eo(pn[0], pn[1]), f16_eo(pn[2], pn[3]), ntc);
+            c16_back(&s, &k, i + 16, &f1, mdt, vdt, rem, ams, nt);
         }
     }
 }
 
-/* 16 int32 lanes (values < 2^16) of x then y -> 16 u16 in order: packus interleaves the
- * 128-bit lanes (x0-3 y0-3 | x4-7 y4-7), the quad permute puts them back */
-static inline __m256i pack16(__m256i x, __m256i y)
-{
-    return _mm256_permute4x64_epi64(_mm256_packus_epi32(x, y), 0xD8);
-}
-
-/* to_bf16_8's rounding, left in int32 lanes for pack16 */
-static inline __m256i bf16_bits_8(__m256 x)
-{
-    const __m256i u = _mm256_castps_si256(x);
-    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
-    const __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff))), 16);
-    const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q));
-    return _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7fc0), nan);
-}
-
-/* 16 masters from 16 (param, remainder) pairs: the carry subtracted in 16-bit lanes, the
- * halves joined by unpack (inputs quad-permuted first so the unpacks come out in order) */
-static inline void decode16_avx2(const uint16_t *p, const int16_t *r, int64_t j, __m256 *lo, __m256 *hi)
-{
-    const __m256i pp = _mm256_permute4x64_epi64(_mm256_loadu_si256((const __m256i *)(p + j)), 0xD8);
-    const __m256i rr = _mm256_permute4x64_epi64(_mm256_loadu_si256((const __m256i *)(r + j)), 0xD8);
-    const __m256i h = _mm256_sub_epi16(pp, _mm256_srli_epi16(rr, 15));
-    *lo = _mm256_castsi256_ps(_mm256_unpacklo_epi16(rr, h));
-    *hi = _mm256_castsi256_ps(_mm256_unpackhi_epi16(rr, h));
-}
-
-static inline void store_f32x32(float *dst, const __m256 x[4], int nt)
-{
-    for (int q = 0; q < 4; q++) {
-        if (nt) _mm256_stream_ps(dst + 8 * q, x[q]); else _mm256_storeu_ps(dst + 8 * q, x[q]);
-    }
-}
-
-static inline void store_moment32_lin(void *dst, int dt, int64_t j, const __m256 x[4], int nt)
-{
-    if (dt == DT_F32) { store_f32x32((float *)dst + j, x, nt); return; }
-    store_u16x32((uint16_t *)dst + j, pack16(bf16_bits_8(x[0]), bf16_bits_8(x[1])),
-                 pack16(bf16_bits_8(x[2]), bf16_bits_8(x[3])), nt);
-}
-
-/* the loop in element order, for fp32 moments or an fp32 master, whose gathers / scatters
- * cost the even/odd loop more than its 16-bit streams save (in L2: 0.9x) */
-static inline __attribute__((always_inline)) void adam_c16_body_lin(
-    const adam_args_t *a, const adam_consts_t *c, int64_t begin, int64_t end, const int mdt, const int vdt)
-{
-    const int ams = c->amsgrad, oop = c->out_of_place, gdt = a->grad_dtype;
-    const int msz = mdt == DT_F32 ? 4 : 2, vsz = vdt == DT_F32 ? 4 : 2;
-    const uint16_t *p16 = (const uint16_t *)(const void *)a->param;
-    const int16_t *rin = a->remainder;
-    const int rem = rin != NULL;
-    uint16_t *po16 = (uint16_t *)(void *)a->param_out;
-    uint16_t *cp = (uint16_t *)a->param_copy;
-    const nt_streams_t nt = nt_streams(a, oop, ams, begin, msz, vsz);
-    const int ntp = nt.param, ntm = nt.moments, ntc = nt.copy;
-    const __m256 zero = _mm256_setzero_ps();
-    const __m256i one = _mm256_set1_epi32(1), low = _mm256_set1_epi32(0xffff);
-    for (int64_t i = begin; i + 32 <= end; i += 32) {
-        __m256 p[4], pn[4], mi[4], vi[4], vv[4];
-        const int64_t ahead = i + 512;
-        _mm_prefetch((const char *)((const char *)a->exp_avg + ahead * msz), _MM_HINT_T0);
-        _mm_prefetch((const char *)((const char *)a->exp_avg_sq + ahead * vsz), _MM_HINT_T0);
-        _mm_prefetch((const char *)((const char *)a->grad + ahead * (gdt == DT_F32 ? 4 : 2)), _MM_HINT_T0);
-        if (rem) {
-            _mm_prefetch((const char *)(p16 + ahead), _MM_HINT_T0);
-            _mm_prefetch((const char *)(rin + ahead), _MM_HINT_T0);
-            decode16_avx2(p16, rin, i, &p[0], &p[1]);
-            decode16_avx2(p16, rin, i + 16, &p[2], &p[3]);
-        } else {
-            _mm_prefetch((const char *)(a->param + ahead), _MM_HINT_T0);
-            for (int q = 0; q < 4; q++) p[q] = _mm256_loadu_ps(a->param + i + 8 * q);
-        }
-        for (int q = 0; q < 4; q++) {
-            const int64_t j = i + 8 * q;
-            adam8(c, p[q], load8(a->grad, gdt, j), load8(a->exp_avg, mdt, j), load8(a->exp_avg_sq, vdt, j),
-                  ams ? load8(a->max_exp_avg_sq, vdt, j) : zero, ams, &pn[q], &mi[q], &vi[q], &vv[q]);
-        }
-        if (rem) {
-            __m256i ph[4], rh[4];
-            for (int q = 0; q < 4; q++) {
-                const __m256i u = _mm256_castps_si256(pn[q]);
-                ph[q] = _mm256_and_si256(_mm256_add_epi32(_mm256_srli_epi32(u, 16),
-                                                          _mm256_and_si256(_mm256_srli_epi32(u, 15), one)), low);
-                rh[q] = _mm256_and_si256(u, low);
-            }
-            store_u16x32(po16 + i, pack16(ph[0], ph[1]), pack16(ph[2], ph[3]), ntp);
-            store_u16x32(a->remainder_out + i, pack16(rh[0], rh[1]), pack16(rh[2], rh[3]), ntp);
-        } else {
-            store_f32x32(a->param_out + i, pn, ntp);
-        }
-        store_moment32_lin(a->exp_avg_out, mdt, i, mi, ntm);
-        store_moment32_lin(a->exp_avg_sq_out, vdt, i, vi, ntm);
-        if (ams) store_moment32_lin(a->max_exp_avg_sq_out, vdt, i, vv, ntm);
-        if (cp) {
-            __m256i h[2];
-            for (int q = 0; q < 2; q++)
-                h[q] = a->copy_dtype == DT_BF16
-                    ? pack16(bf16_bits_8(pn[2 * q]), bf16_bits_8(pn[2 * q + 1]))
-                    : _mm256_inserti128_si256(_mm256_castsi128_si256(_mm256_cvtps_ph(pn[2 * q], _MM_FROUND_TO_NEAREST_INT)),
-                                              _mm256_cvtps_ph(pn[2 * q + 1], _MM_FROUND_TO_NEAREST_INT), 1);
-            store_u16x32(cp + i, h[0], h[1], ntc);
-        }
-    }
-}
+/* one instance per (exp_avg dtype, exp_avg_sq dtype, remainders, amsgrad); the grad dtype is
+ * read per step (a loop-invariant branch: a bf16-grads instance of its own measured the same) */
+#define C16_GRADS(mdt, vdt, rem, ams) adam_c16_body(a, c, begin, end, mdt, vdt, a->grad_dtype, rem, ams)
+#define C16_MODES(mdt, vdt, rem)                                                             \
+    do {                                                                                     \
+        if (c->amsgrad) C16_GRADS(mdt, vdt, rem, 1); else C16_GRADS(mdt, vdt, rem, 0);       \
+    } while (0)
 
 static void adam_c16_regs(const adam_args_t *a, const adam_consts_t *c, int64_t begin, int64_t end)
 {
     const int mb = a->moment_dtype == DT_BF16, vb = a->exp_avg_sq_dtype == DT_BF16;
-    if (mb && vb && a->remainder) adam_c16_body(a, c, begin, end, DT_BF16, DT_BF16);
-    else if (mb && vb) adam_c16_body_lin(a, c, begin, end, DT_BF16, DT_BF16);
-    else if (mb) adam_c16_body_lin(a, c, begin, end, DT_BF16, DT_F32);
-    else if (vb) adam_c16_body_lin(a, c, begin, end, DT_F32, DT_BF16);
-    else adam_c16_body_lin(a, c, begin, end, DT_F32, DT_F32);
+    if (a->remainder) {
+        if (mb && vb) C16_MODES(DT_BF16, DT_BF16, 1);
+        else if (mb) C16_MODES(DT_BF16, DT_F32, 1);
+        else if (vb) C16_MODES(DT_F32, DT_BF16, 1);
+        else C16_MODES(DT_F32, DT_F32, 1);
+    } else {
+        if (mb && vb) C16_MODES(DT_BF16, DT_BF16, 0);
+        else if (mb) C16_MODES(DT_BF16, DT_F32, 0);
+        else C16_MODES(DT_F32, DT_BF16, 0);
+    }
 }
 
 static inline void chunk_sumsq(const void *g, int dt, int64_t off, int64_t len, double *lanes)
@@ -465,12 +467,82 @@ static inline void chunk_sumsq(const void *g, int dt, int64_t off, int64_t len, 
     }
 }
 
+/* The roofline probes (adam_body.h), as kernels_avx512.c's: 32 elements a step (two lines of
+ * each stream), software prefetch 1 KiB ahead on the four read streams, bank mode's three
+ * outputs non-temporal where aligned, as this level's bank mode writes them. */
+#define HAVE_BW_REGS 1
+#define BW_PF 256  /* floats ahead */
+
+static inline void bw_prefetch(const float *p, const float *g, const float *m, const float *v, int64_t i)
+{
+    for (int h = 0; h < 32; h += 16) {
+        _mm_prefetch((const char *)(p + i + BW_PF + h), _MM_HINT_T0);
+        _mm_prefetch((const char *)(g + i + BW_PF + h), _MM_HINT_T0);
+        _mm_prefetch((const char *)(m + i + BW_PF + h), _MM_HINT_T0);
+        _mm_prefetch((const char *)(v + i + BW_PF + h), _MM_HINT_T0);
+    }
+}
+
+void bw_inplace_avx2(float *p, const float *g, float *m, float *v, int64_t b, int64_t e)
+{
+    const __m256 s = _mm256_set1_ps(0.999f);
+    int64_t i = b;
+    for (; i + 32 <= e; i += 32) {
+        bw_prefetch(p, g, m, v, i);
+        for (int64_t j = i; j < i + 32; j += 8) {
+            const __m256 gj = _mm256_loadu_ps(g + j);
+            _mm256_storeu_ps(p + j, _mm256_fmadd_ps(_mm256_loadu_ps(p + j), s, gj));
+            _mm256_storeu_ps(m + j, _mm256_fmadd_ps(_mm256_loadu_ps(m + j), s, gj));
+            _mm256_storeu_ps(v + j, _mm256_fmadd_ps(_mm256_loadu_ps(v + j), s, gj));
+        }
+    }
+    for (; i < e; i++) {
+        p[i] = __builtin_fmaf(p[i], 0.999f, g[i]);
+        m[i] = __builtin_fmaf(m[i], 0.999f, g[i]);
+        v[i] = __builtin_fmaf(v[i], 0.999f, g[i]);
+    }
+}
+
+void bw_bank_avx2(const float *p, const float *g, const float *m, const float *v,
+                  float *po, float *mo, float *vo, int64_t b, int64_t e)
+{
+    const __m256 s = _mm256_set1_ps(0.999f);
+    const int nt = LINE_ALIGNED(po + b) && LINE_ALIGNED(mo + b) && LINE_ALIGNED(vo + b);
+    int64_t i = b;
+    for (; i + 32 <= e; i += 32) {
+        bw_prefetch(p, g, m, v, i);
+        for (int64_t j = i; j < i + 32; j += 8) {
+            const __m256 gj = _mm256_loadu_ps(g + j);
+            const __m256 x = _mm256_fmadd_ps(_mm256_loadu_ps(p + j), s, gj);
+            const __m256 y = _mm256_fmadd_ps(_mm256_loadu_ps(m + j), s, gj);
+            const __m256 z = _mm256_fmadd_ps(_mm256_loadu_ps(v + j), s, gj);
+            if (nt) {
+                _mm256_stream_ps(po + j, x);
+                _mm256_stream_ps(mo + j, y);
+                _mm256_stream_ps(vo + j, z);
+            } else {
+                _mm256_storeu_ps(po + j, x);
+                _mm256_storeu_ps(mo + j, y);
+                _mm256_storeu_ps(vo + j, z);
+            }
+        }
+    }
+    for (; i < e; i++) {
+        po[i] = __builtin_fmaf(p[i], 0.999f, g[i]);
+        mo[i] = __builtin_fmaf(m[i], 0.999f, g[i]);
+        vo[i] = __builtin_fmaf(v[i], 0.999f, g[i]);
+    }
+    _mm_sfence();
+}
+
 #include "adam_body.h"
 
 #else  /* not x86: never dispatched to */
 void adam_range_avx2(const adam_args_t *a, const adam_consts_t *c, int64_t b, int64_t e) { (void)a; (void)c; (void)b; (void)e; }
 void grad_chunk_sums_avx2(const void *g, int dt, int64_t n, int64_t c0, int64_t c1, double *p) { (void)g; (void)dt; (void)n; (void)c0; (void)c1; (void)p; }
 void bw_inplace_avx2(float *p, const float *g, float *m, float *v, int64_t b, int64_t e) { (void)p; (void)g; (void)m; (void)v; (void)b; (void)e; }
+void bw_bank_avx2(const float *p, const float *g, const float *m, const float *v, float *po, float *mo, float *vo, int64_t b, int64_t e)
+{ (void)p; (void)g; (void)m; (void)v; (void)po; (void)mo; (void)vo; (void)b; (void)e; }
 void remainder_encode_avx2(const float *m, uint16_t *p, int16_t *r, int64_t b, int64_t e) { (void)m; (void)p; (void)r; (void)b; (void)e; }
 void remainder_decode_avx2(const uint16_t *p, const int16_t *r, float *m, int64_t b, int64_t e) { (void)p; (void)r; (void)m; (void)b; (void)e; }
 #endif
