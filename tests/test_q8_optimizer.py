@@ -1,0 +1,312 @@
+"""q8 moments (issue 38) through HybridAdamW / HybridAdam: the options and their errors, the
+layout (quantized and small params apart, no block split), the device tier (the in-process C
+kernel on a CPU-only host; the CUDA launch path through TRITON_INTERPRET) bitwise against a
+pure-torch loop of `q8_adam_step_reference`, the trajectory against torch.optim.AdamW, and
+checkpoints (codes and absmaxes under documented keys, a torch checkpoint quantized).
+
+Grads come from a fixed stream (set on .grad), so every run steps the same inputs and state is
+compared with torch.equal.
+"""
+import pytest
+import torch
+from torch import nn
+
+import cpu_kernels
+from cpu_kernels.q8_reference import Q8Blocks, dequantize_blocks, q8_adam_step_reference, quantize_blocks
+from cpu_kernels.reference import FUSED_MULTIPLY_ADD_LEVELS, adam_step_bitwise_reference
+from hybrid_opt import HybridAdam, HybridAdamW
+from hybrid_opt.state.state_format import Q8, Q8_MIN_NUMEL, StateFormat
+from tolerances import Q8_TRAJECTORY_SHARE, assert_close
+
+BF16, FP32 = torch.bfloat16, torch.float32
+HYPER = dict(lr=1e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.05)
+# quantized: 6144 (24 blocks), 5000 (a partial last block), 5120; small: 185, 19, 36
+SHAPES = ((64, 96), (5000,), (37, 5), (80, 64), (19,), (3, 3, 4))
+MOMENTS = {"both q8": (Q8, Q8), "exp_avg q8": (Q8, FP32), "exp_avg_sq q8": (FP32, Q8),
+           "bf16 + q8": (BF16, Q8), "q8 + bf16": (Q8, BF16)}
+
+
+def _params(dtype, seed=0, shapes=SHAPES):
+    g = torch.Generator().manual_seed(seed)
+    return [nn.Parameter(torch.randn(s, generator=g).to(dtype)) for s in shapes]
+
+
+def _grads(params, step, scale=1.0):
+    g = torch.Generator().manual_seed(1000 + step)
+    return [(torch.randn(p.shape, generator=g) * scale).to(p.dtype) for p in params]
+
+
+def _set_grads(params, step):
+    for p, g in zip(params, _grads(params, step)):
+        p.grad = g
+
+
+def _hybrid(params, fmt: StateFormat, cls=HybridAdamW, amsgrad=False, **kw):
+    kw.setdefault("offload_fraction", 0.0)
+    kw.setdefault("subgroup_numel", 2048)
+    return cls(params, amsgrad=amsgrad, exp_avg_dtype=fmt.exp_avg_dtype, exp_avg_sq_dtype=fmt.exp_avg_sq_dtype,
+               store_param_remainders=fmt.store_param_remainders, **HYPER, **kw)
+
+
+def _run(opt, params, steps, first=0):
+    for k in range(first, first + steps):
+        _set_grads(params, k)
+        opt.step()
+    return opt
+
+
+def _zero(n, dtype, signed):
+    return quantize_blocks(torch.zeros(n), signed) if dtype == Q8 else torch.zeros(n, dtype=dtype)
+
+
+def reference_run(params, steps, fmt: StateFormat, amsgrad=False, decoupled=True):
+    """A pure-torch loop over the same grad stream: q8_adam_step_reference for each param of at
+    least Q8_MIN_NUMEL elements, adam_step_bitwise_reference (the kernel's fma) for the smaller
+    ones, which keep fp32 moments for a q8 format. The state each param has after `steps`."""
+    fma = cpu_kernels.simd_level() in FUSED_MULTIPLY_ADD_LEVELS
+    state = []
+    for p in params:
+        n = p.numel()
+        f = fmt.for_subgroup(n >= Q8_MIN_NUMEL)
+        rem = f.remainders_for(p.dtype)
+        master = p.detach().reshape(-1).clone() if rem else p.detach().reshape(-1).float().clone()
+        state.append(dict(fmt=f, param=master, exp_avg=_zero(n, f.exp_avg_dtype, True),
+                          exp_avg_sq=_zero(n, f.exp_avg_sq_dtype, False),
+                          max_exp_avg_sq=_zero(n, f.exp_avg_sq_dtype, False) if amsgrad else None,
+                          remainder=torch.zeros(n, dtype=torch.int16) if rem else None))
+    for k in range(steps):
+        for st, g in zip(state, _grads(params, k)):
+            hp = dict(step=k + 1, lr=HYPER["lr"], beta1=HYPER["betas"][0], beta2=HYPER["betas"][1],
+                      eps=HYPER["eps"], weight_decay=HYPER["weight_decay"], decoupled=decoupled,
+                      max_exp_avg_sq=st["max_exp_avg_sq"], remainder=st["remainder"])
+            args = (st["param"], g.reshape(-1), st["exp_avg"], st["exp_avg_sq"])
+            if st["fmt"].quantized_moments:
+                out = q8_adam_step_reference(*args, **hp)
+            else:
+                out = adam_step_bitwise_reference(*args, **hp, fma=fma)
+            for key, v in zip(("param", "exp_avg", "exp_avg_sq", "max_exp_avg_sq", "remainder"), out):
+                st[key] = v
+    return state
+
+
+def assert_state_equal(sd_state, ref, params, fmt, amsgrad=False):
+    """Each param's state_dict() entry is the reference's bitwise: q8 moments as codes and
+    absmaxes under `<moment>_q8` / `<moment>_absmax`, the others under torch's keys."""
+    for i, (p, st) in enumerate(zip(params, ref)):
+        entry = sd_state[i]
+        for name in ("exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if amsgrad else ()):
+            want = st[name]
+            if isinstance(want, Q8Blocks):
+                assert name not in entry, (i, name)
+                assert entry[name + "_q8"].dtype == torch.uint8 and entry[name + "_q8"].shape == p.shape, (i, name)
+                assert torch.equal(entry[name + "_q8"].reshape(-1), want.codes), (i, name)
+                assert torch.equal(entry[name + "_absmax"], want.absmax), (i, name)
+            else:
+                assert name + "_q8" not in entry, (i, name)
+                assert torch.equal(entry[name].reshape(-1), want), (i, name)
+        if st["remainder"] is not None:
+            assert torch.equal(p.detach().reshape(-1), st["param"]), i
+            assert torch.equal(entry["master_remainder"].reshape(-1), st["remainder"]), i
+        elif p.dtype == FP32:
+            assert torch.equal(p.detach().reshape(-1), st["param"]), i
+        else:
+            assert torch.equal(entry["master_param"].reshape(-1), st["param"]), i
+            assert torch.equal(p.detach().reshape(-1), st["param"].to(p.dtype)), i
+
+
+# ---------------------------------------------------------------------------- options
+def test_q8_is_a_moment_format_of_its_own_bytes():
+    fmt = StateFormat(Q8, Q8, True)
+    assert fmt.quantized_moments and fmt.compressed_moments and not fmt.plain
+    assert fmt.moment_bytes() == 2 * (1 + 4 / 256)
+    assert fmt.moment_bytes(amsgrad=True) == 3 * (1 + 4 / 256)
+    assert fmt.state_bytes(BF16) == 2 + 2 * (1 + 4 / 256)  # about 4.03 B per param (issue 38)
+    assert StateFormat(Q8, FP32).state_bytes(FP32) == 4 + 1 + 4 / 256 + 4
+    assert fmt.unquantized() == StateFormat(FP32, FP32, True)
+    assert StateFormat(BF16, Q8).unquantized() == StateFormat(BF16, FP32)
+    assert StateFormat(Q8, Q8).stored_moments(True) == {
+        "exp_avg": torch.uint8, "exp_avg_absmax": FP32, "exp_avg_sq": torch.uint8,
+        "exp_avg_sq_absmax": FP32, "max_exp_avg_sq": torch.uint8, "max_exp_avg_sq_absmax": FP32}
+
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    (dict(exp_avg_dtype="q4"), TypeError, "exp_avg_dtype must be torch.float32, torch.bfloat16 or \"q8\""),
+    (dict(exp_avg_sq_dtype=Q8, rollback="inverse"), ValueError, "q8 moments"),
+    (dict(exp_avg_dtype=Q8, offload_fraction=1.0, nvme_fraction=0.5, nvme_path="/tmp"), ValueError,
+     "not yet supported on the nvme tier"),
+    (dict(exp_avg_dtype=Q8, offload_fraction=0.0, subgroup_numel=128), ValueError, "one q8 block"),
+])
+def test_bad_q8_options_are_refused_at_construction(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        HybridAdamW(_params(FP32), **kwargs)
+
+
+# ---------------------------------------------------------------------------- layout
+@pytest.mark.parametrize("subgroup_numel", [2048, 1000, 1 << 16])
+def test_layout_keeps_small_params_apart_and_never_splits_a_block(subgroup_numel):
+    params = _params(FP32)
+    opt = _hybrid(params, StateFormat(Q8, Q8), subgroup_numel=subgroup_numel)
+    sgs = opt.parts.layout.subgroups
+    assert {sg.quantized for sg in sgs} == {True, False}
+    for sg in sgs:
+        assert {params[sl.param_index].numel() >= Q8_MIN_NUMEL for sl in sg.slices} == {sg.quantized}
+        if not sg.quantized:
+            continue
+        assert sg.numel <= subgroup_numel
+        for k, sl in enumerate(sg.slices):
+            assert sl.sub_offset % 256 == 0 and sl.param_offset % 256 == 0, (sg.index, k)
+            ends_param = sl.param_offset + sl.numel == params[sl.param_index].numel()
+            if sl.numel % 256:  # a partial block: the param's last, and the subgroup's
+                assert ends_param and k == len(sg.slices) - 1, (sg.index, k)
+    # without q8 the small and large params share subgroups, as before
+    plain = _hybrid(_params(FP32), StateFormat(), subgroup_numel=1 << 16).parts.layout.subgroups
+    assert len(plain) == 1 and not plain[0].quantized
+
+
+# ---------------------------------------------------------------------------- device tier
+@pytest.mark.parametrize("amsgrad", [False, True], ids=["adamw", "amsgrad"])
+@pytest.mark.parametrize("moments", list(MOMENTS), ids=list(MOMENTS))
+@pytest.mark.parametrize("model", ["fp32", "bf16 master", "bf16 remainders"])
+def test_device_tier_steps_the_q8_reference_bitwise(model, moments, amsgrad):
+    m, v = MOMENTS[moments]
+    fmt = StateFormat(m, v, model == "bf16 remainders")
+    params = _params(FP32 if model == "fp32" else BF16)
+    ref = reference_run(params, 5, fmt, amsgrad=amsgrad)
+    opt = _run(_hybrid(params, fmt, amsgrad=amsgrad), params, 5)
+    assert any(opt.parts.placement.device.quantized(sg.index) for sg in opt.parts.layout.subgroups)
+    assert_state_equal(opt.state_dict()["state"], ref, params, fmt, amsgrad)
+
+
+def test_adam_l2_decay_steps_the_q8_reference_bitwise():
+    params = _params(FP32, seed=2)
+    fmt = StateFormat(Q8, Q8)
+    ref = reference_run(params, 4, fmt, decoupled=False)
+    opt = _run(_hybrid(params, fmt, cls=HybridAdam), params, 4)
+    assert_state_equal(opt.state_dict()["state"], ref, params, fmt)
+
+
+def test_device_tier_bytes_are_codes_and_absmaxes():
+    params = _params(BF16)
+    fmt = StateFormat(Q8, Q8, True)
+    opt = _hybrid(params, fmt)
+    big = sum(p.numel() for p in params if p.numel() >= Q8_MIN_NUMEL)
+    small = sum(p.numel() for p in params if p.numel() < Q8_MIN_NUMEL)
+    blocks = sum(-(-sg.numel // 256) for sg in opt.parts.layout.subgroups if sg.quantized)
+    assert opt.parts.placement.device.nbytes() == big * (2 + 2) + blocks * 2 * 4 + small * (2 + 8)
+
+
+def test_q8_trajectory_follows_torch_adamw_loosely():
+    """q8 moments are lossy: the params follow torch.optim.AdamW(foreach=False) on the same
+    grads within a loose bound (each step moves a param by about lr), far closer than a
+    zero-moment run would."""
+    params, ref_params = _params(FP32, seed=5), _params(FP32, seed=5)
+    opt = _hybrid(params, StateFormat(Q8, Q8))
+    ref = torch.optim.AdamW(ref_params, foreach=False, **HYPER)
+    start = [p.detach().clone() for p in params]
+    for k in range(20):
+        _set_grads(params, k)
+        _set_grads(ref_params, k)
+        opt.step()
+        ref.step()
+    for p, r, s in zip(params, ref_params, start):
+        moved = (r.detach() - s).abs().max()
+        drift = (p.detach() - r.detach()).abs().max()
+        assert drift <= Q8_TRAJECTORY_SHARE * moved, (float(drift), float(moved))
+    # and not by luck: fp32 moments follow torch within fp32 rounding, q8 ones do not
+    assert not torch.equal(params[0].detach(), ref_params[0].detach())
+
+
+def _triton_on_cpu(opt, monkeypatch):
+    """The device tier's CUDA launch path (_step_cuda: gpu_kernels.q8_adam_ for q8 subgroups,
+    the prepared fused_adam_ for the others) run on CPU tensors through TRITON_INTERPRET."""
+    tier = opt.parts.placement.device
+    monkeypatch.setattr(tier, "step", lambda work, scale, found_inf=None:
+                        tier._step_cuda(work, float(scale), found_inf) if work else None)
+
+
+@pytest.mark.parametrize("model", ["fp32", "bf16 remainders"])
+def test_cuda_launch_path_steps_the_q8_reference_bitwise_in_the_interpreter(model, monkeypatch):
+    """Without a GPU: the q8 subgroups' launch (gpu_kernels.q8_adam_) gives the reference's
+    codes, absmaxes and params bitwise; the small params' fused_adam_ follows it within fp32."""
+    fmt = StateFormat(Q8, Q8, model == "bf16 remainders")
+    params = _params(FP32 if model == "fp32" else BF16, seed=7, shapes=((64, 96), (5000,), (37, 5)))
+    ref = reference_run(params, 3, fmt)
+    opt = _hybrid(params, fmt)
+    _triton_on_cpu(opt, monkeypatch)
+    _run(opt, params, 3)
+    sd = opt.state_dict()["state"]
+    assert_state_equal({i: sd[i] for i in (0, 1)}, ref[:2], params[:2], fmt)
+    assert_close(params[2].detach().reshape(-1).float(), ref[2]["param"].float(), FP32, msg="small param")
+
+
+# ---------------------------------------------------------------------------- checkpoints
+def test_q8_checkpoint_round_trip_is_bitwise():
+    """state_dict() of a q8 optimizer loaded into a fresh one: the run continues bit for bit as
+    the uninterrupted one, and the checkpoint loads with torch.load(weights_only=True)."""
+    import io
+    fmt = StateFormat(Q8, Q8, True)
+    a_params, b_params = _params(BF16, seed=9), _params(BF16, seed=9)
+    a = _run(_hybrid(a_params, fmt), a_params, 3)
+    buf = io.BytesIO()
+    torch.save(a.state_dict(), buf)
+    buf.seek(0)
+    sd = torch.load(buf, weights_only=True)
+    with torch.no_grad():
+        for pa, pb in zip(a_params, b_params):
+            pb.copy_(pa)
+    b = _hybrid(b_params, fmt)
+    b.load_state_dict(sd)
+    _run(a, a_params, 3, first=3)
+    _run(b, b_params, 3, first=3)
+    sa, sb = a.state_dict()["state"], b.state_dict()["state"]
+    for i in sa:
+        assert set(sa[i]) == set(sb[i]), i
+        for key in sa[i]:
+            assert torch.equal(sa[i][key], sb[i][key]), (i, key)
+    for pa, pb in zip(a_params, b_params):
+        assert torch.equal(pa, pb)
+
+
+def test_torch_adamw_checkpoint_loads_quantized():
+    """A torch.optim.AdamW checkpoint (fp32 moments) loads into a q8 optimizer: each large
+    param's moments quantized blockwise (quantize_blocks), the small ones' kept fp32."""
+    params = _params(FP32, seed=4)
+    ref = torch.optim.AdamW(params, foreach=False, **HYPER)
+    _set_grads(params, 0)
+    ref.step()
+    sd = ref.state_dict()
+    opt = _hybrid(params, StateFormat(Q8, Q8))
+    opt.load_state_dict(sd)
+    mine = opt.state_dict()["state"]
+    for i, p in enumerate(params):
+        for name, signed in (("exp_avg", True), ("exp_avg_sq", False)):
+            if p.numel() >= Q8_MIN_NUMEL:
+                want = quantize_blocks(sd["state"][i][name].reshape(-1), signed)
+                assert torch.equal(mine[i][name + "_q8"].reshape(-1), want.codes), (i, name)
+                assert torch.equal(mine[i][name + "_absmax"], want.absmax), (i, name)
+            else:
+                assert torch.equal(mine[i][name], sd["state"][i][name]), (i, name)
+        assert float(mine[i]["step"]) == 1.0
+
+
+def test_q8_checkpoint_loads_dequantized_into_fp32_moments():
+    params = _params(FP32, seed=6)
+    q = _run(_hybrid(params, StateFormat(Q8, Q8)), params, 2)
+    sd = q.state_dict()
+    f = _hybrid(params, StateFormat())
+    f.load_state_dict(sd)
+    st = f.state_dict()["state"]
+    for i, p in enumerate(params):
+        if p.numel() >= Q8_MIN_NUMEL:
+            want = dequantize_blocks(Q8Blocks(sd["state"][i]["exp_avg_q8"].reshape(-1),
+                                              sd["state"][i]["exp_avg_absmax"]), True)
+            assert torch.equal(st[i]["exp_avg"].reshape(-1), want), i
+
+
+def test_a_q8_entry_of_the_wrong_size_is_refused_naming_the_key():
+    params = _params(FP32, seed=6)
+    opt = _run(_hybrid(params, StateFormat(Q8, Q8)), params, 1)
+    sd = opt.state_dict()
+    sd["state"][0]["exp_avg_absmax"] = sd["state"][0]["exp_avg_absmax"][:-1].clone()
+    with pytest.raises(ValueError, match="exp_avg_absmax"):
+        _hybrid(params, StateFormat(Q8, Q8)).load_state_dict(sd)
