@@ -134,10 +134,7 @@ def check_q8_placement(fmt: StateFormat, offload_fraction, nvme_fraction, proces
         raise ValueError("q8 moments (exp_avg_dtype / exp_avg_sq_dtype='q8') are not yet supported "
                          "on the nvme tier (its slots and checksums do not cover codes and absmaxes "
                          "yet): use nvme_fraction=0, or torch.float32 / torch.bfloat16 moments")
-    if offload_fraction == "auto" or (offload_fraction or 0) > 0:
-        raise ValueError("q8 moments (exp_avg_dtype / exp_avg_sq_dtype='q8') are not yet supported "
-                         "on the host tier: use offload_fraction=0 (the device tier), or "
-                         "torch.float32 / torch.bfloat16 moments")
+
 
 
 def check_group_params(name: str, param_group: dict) -> dict:

@@ -175,7 +175,7 @@ class _HybridBase(torch.optim.Optimizer):
         unchanged. Call between steps."""
         self._check_open()
         A.check_materialised(type(self).__name__, self.param_groups, offload_fraction)
-        A.check_q8_placement(self.state_format, offload_fraction, nvme_fraction, process_group,
+        A.check_q8_placement(self.state_format, offload_fraction, nvme_fraction, None,
                              [p for g in self.param_groups for p in g["params"]])
         self._parts.placement.replan(offload_fraction, nvme_fraction)
 

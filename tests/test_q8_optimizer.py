@@ -130,7 +130,7 @@ def test_q8_is_a_moment_format_of_its_own_bytes():
 
 
 @pytest.mark.parametrize("kwargs, error, match", [
-    (dict(exp_avg_dtype="q4"), TypeError, "exp_avg_dtype must be torch.float32, torch.bfloat16 or \"q8\""),
+    (dict(exp_avg_dtype="q4"), TypeError, r"exp_avg_dtype must be torch.float32 or torch.bfloat16 \(or \"q8\""),
     (dict(exp_avg_sq_dtype=Q8, rollback="inverse"), ValueError, "q8 moments"),
     (dict(exp_avg_dtype=Q8, offload_fraction=1.0, nvme_fraction=0.5, nvme_path="/tmp"), ValueError,
      "not yet supported on the nvme tier"),
@@ -310,3 +310,89 @@ def test_a_q8_entry_of_the_wrong_size_is_refused_naming_the_key():
     sd["state"][0]["exp_avg_absmax"] = sd["state"][0]["exp_avg_absmax"][:-1].clone()
     with pytest.raises(ValueError, match="exp_avg_absmax"):
         _hybrid(params, StateFormat(Q8, Q8)).load_state_dict(sd)
+
+
+# ---------------------------------------------------------------------------- host tier
+FAULT_ENV = "HYBRID_OPT_WORKER_FAULT"
+
+
+@pytest.mark.parametrize("moments", ["both q8", "bf16 + q8"])
+@pytest.mark.parametrize("model", ["fp32", "bf16 remainders"])
+def test_host_tier_steps_the_q8_reference_bitwise(model, moments):
+    """offload 1.0: the worker steps codes and absmaxes in its banks (a spare bank each step,
+    exact rollback), speculated during backward — the reference's bits, the small params'
+    fp32 moments beside them in the same tier."""
+    m, v = MOMENTS[moments]
+    fmt = StateFormat(m, v, model == "bf16 remainders")
+    params = _params(FP32 if model == "fp32" else BF16, seed=3)
+    ref = reference_run(params, 4, fmt, amsgrad=True)
+    with _hybrid(params, fmt, amsgrad=True, offload_fraction=1.0) as opt:
+        host = opt.parts.placement.host
+        assert host is not None and any(host.quantized(k) for k in range(len(host.numels)))
+        assert not all(host.quantized(k) for k in range(len(host.numels)))  # a mixed tier
+        for k in range(4):
+            for p in params:
+                p.grad = None
+            sum((p * g).sum() for p, g in zip(params, _grads(params, k))).backward()
+            opt.step()
+        assert host.stats["committed"] > 0  # speculated in backward and committed
+        assert_state_equal(opt.state_dict()["state"], ref, params, fmt, amsgrad=True)
+
+
+def _stream(params, step):
+    g = torch.Generator().manual_seed(500 + step)
+    return [(torch.randn(p.shape, generator=g) * (8.0 if step % 3 == 1 else 0.01)).to(p.dtype) for p in params]
+
+
+def test_speculative_and_plain_steps_are_bitwise_through_clipping_overflow_and_a_killed_worker(monkeypatch):
+    """q8 moments + remainders at offload 0 (device tier), 1 speculated and 1 plain: one grad
+    stream through autograd, a clip that bites every third step (speculated steps redone), a
+    GradScaler overflow (rolled back: the state equals the one before, bitwise) and a worker
+    killed with SIGKILL mid-step on the host runs — params, codes, absmaxes and remainders stay
+    torch.equal across the three."""
+    monkeypatch.setenv(FAULT_ENV, "mid_step:4")
+    placements = {"device": dict(offload_fraction=0.0), "speculative": dict(offload_fraction=1.0),
+                  "plain": dict(offload_fraction=1.0, speculative=False)}
+    fmt = StateFormat(Q8, Q8, True)
+    runs, opts, scalers = {}, {}, {}
+    try:
+        for name, kw in placements.items():
+            runs[name] = _params(BF16, seed=8)
+            opts[name] = _hybrid(runs[name], fmt, max_grad_norm=1.0, **kw)
+            scalers[name] = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8, growth_interval=3)
+            opts[name].attach_grad_scaler(scalers[name])
+        for step in range(9):
+            for name, params in runs.items():
+                opt, scaler = opts[name], scalers[name]
+                opt.zero_grad()
+                handle = None
+                if step == 5:  # one inf in one grad: the whole step is skipped
+                    handle = params[0].register_hook(lambda g: g.index_fill(0, torch.tensor([0]), float("inf")))
+                before = ({i: {k: t.clone() for k, t in st.items()} for i, st in opt.state_dict()["state"].items()}
+                          if step == 5 else None)
+                loss = sum((p.float() * g.float()).sum() for p, g in zip(params, _stream(params, step)))
+                scaler.scale(loss).backward()
+                if handle is not None:
+                    handle.remove()
+                scaler.step(opt)
+                scaler.update()
+                assert opt.step_was_skipped == (step == 5), (name, step)
+                if before is not None:
+                    after = opt.state_dict()["state"]
+                    for i in before:
+                        for key, t in before[i].items():
+                            assert torch.equal(after[i][key], t), (name, i, key)
+            sds = {name: o.state_dict()["state"] for name, o in opts.items()}
+            for i in range(len(SHAPES)):
+                assert set(sds["speculative"][i]) == set(sds["device"][i]), i
+                for name in ("speculative", "plain"):
+                    assert torch.equal(runs[name][i], runs["device"][i]), (step, name, i)
+                    for key, t in sds["device"][i].items():
+                        assert torch.equal(sds[name][i][key], t), (step, name, i, key)
+        assert "exp_avg_q8" in sds["device"][0] and "exp_avg" in sds["device"][2]
+        for name in ("speculative", "plain"):
+            assert opts[name].parts.placement.host.stats["worker_restarts"] >= 1, name
+        assert opts["speculative"].parts.placement.host.stats["redone"] > 0
+    finally:
+        for o in opts.values():
+            o.close()

@@ -48,6 +48,11 @@ def stored_numel(name: str, numel: int) -> int:
     return q8_blocks(numel) if name.endswith(ABSMAX) else numel
 
 
+def absmaxes_of(state: dict) -> dict:
+    """The q8 absmax tensors of a tier's `state` (its `<moment>_absmax` entries)."""
+    return {k: v for k, v in state.items() if k.endswith(ABSMAX)}
+
+
 def _itemsize(dt) -> float:
     return Q8_BYTES if dt == Q8 else dt.itemsize
 
@@ -62,8 +67,8 @@ class StateFormat:
         for name in ("exp_avg_dtype", "exp_avg_sq_dtype"):
             dt = getattr(self, name)
             if dt not in MOMENT_DTYPES:
-                raise TypeError(f"{name} must be torch.float32, torch.bfloat16 or \"q8\" (8-bit "
-                                f"blockwise), got {dt!r}")
+                raise TypeError(f"{name} must be torch.float32 or torch.bfloat16 (or \"q8\": 8-bit "
+                                f"blockwise moments), got {dt!r}")
         if not isinstance(self.store_param_remainders, bool):
             raise TypeError("store_param_remainders must be a bool, got "
                             f"{type(self.store_param_remainders).__name__}")
