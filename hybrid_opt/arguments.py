@@ -121,7 +121,7 @@ def check_state_format(exp_avg_dtype, exp_avg_sq_dtype, store_param_remainders, 
     return fmt
 
 
-def check_q8_placement(fmt: StateFormat, offload_fraction, nvme_fraction, process_group, params) -> None:
+def check_q8_placement(fmt: StateFormat, process_group, params) -> None:
     """q8 moments (issue 38) where they are wired so far: refused, before anything is laid out,
     where they are not yet — with the limitation named."""
     if not fmt.quantized_moments:
@@ -130,11 +130,6 @@ def check_q8_placement(fmt: StateFormat, offload_fraction, nvme_fraction, proces
         raise ValueError("q8 moments (exp_avg_dtype / exp_avg_sq_dtype='q8') are not yet supported "
                          "with process_group= or FSDP2 (DTensor) params: a shard's blocks of 256 "
                          "would not be the param's; use torch.float32 or torch.bfloat16 moments")
-    if nvme_fraction == "auto" or (nvme_fraction or 0) > 0:
-        raise ValueError("q8 moments (exp_avg_dtype / exp_avg_sq_dtype='q8') are not yet supported "
-                         "on the nvme tier (its slots and checksums do not cover codes and absmaxes "
-                         "yet): use nvme_fraction=0, or torch.float32 / torch.bfloat16 moments")
-
 
 
 def check_group_params(name: str, param_group: dict) -> dict:

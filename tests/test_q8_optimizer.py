@@ -132,8 +132,7 @@ def test_q8_is_a_moment_format_of_its_own_bytes():
 @pytest.mark.parametrize("kwargs, error, match", [
     (dict(exp_avg_dtype="q4"), TypeError, r"exp_avg_dtype must be torch.float32 or torch.bfloat16 \(or \"q8\""),
     (dict(exp_avg_sq_dtype=Q8, rollback="inverse"), ValueError, "q8 moments"),
-    (dict(exp_avg_dtype=Q8, offload_fraction=1.0, nvme_fraction=0.5, nvme_path="/tmp"), ValueError,
-     "not yet supported on the nvme tier"),
+    (dict(exp_avg_dtype=Q8, process_group=object()), ValueError, "not yet supported with process_group"),
     (dict(exp_avg_dtype=Q8, offload_fraction=0.0, subgroup_numel=128), ValueError, "one q8 block"),
 ])
 def test_bad_q8_options_are_refused_at_construction(kwargs, error, match):
@@ -316,20 +315,31 @@ def test_a_q8_entry_of_the_wrong_size_is_refused_naming_the_key():
 FAULT_ENV = "HYBRID_OPT_WORKER_FAULT"
 
 
+PLACED = {"host": dict(offload_fraction=1.0), "nvme": dict(offload_fraction=1.0, nvme_fraction=0.6),
+          "mixed": dict(offload_fraction=0.5, nvme_fraction=0.25)}
+
+
+@pytest.mark.parametrize("placement", list(PLACED))
 @pytest.mark.parametrize("moments", ["both q8", "bf16 + q8"])
 @pytest.mark.parametrize("model", ["fp32", "bf16 remainders"])
-def test_host_tier_steps_the_q8_reference_bitwise(model, moments):
-    """offload 1.0: the worker steps codes and absmaxes in its banks (a spare bank each step,
-    exact rollback), speculated during backward — the reference's bits, the small params'
+def test_host_and_nvme_tiers_step_the_q8_reference_bitwise(model, moments, placement, tmp_path):
+    """offload 1.0 (and nvme): the worker steps codes and absmaxes in its banks (a spare bank
+    each step, exact rollback; an nvme subgroup's swapped in and out with them, its slots'
+    CRCs over them), speculated during backward — the reference's bits, the small params'
     fp32 moments beside them in the same tier."""
     m, v = MOMENTS[moments]
     fmt = StateFormat(m, v, model == "bf16 remainders")
     params = _params(FP32 if model == "fp32" else BF16, seed=3)
     ref = reference_run(params, 4, fmt, amsgrad=True)
-    with _hybrid(params, fmt, amsgrad=True, offload_fraction=1.0) as opt:
+    kw = dict(PLACED[placement], nvme_path=str(tmp_path)) if "nvme_fraction" in PLACED[placement] \
+        else PLACED[placement]
+    with _hybrid(params, fmt, amsgrad=True, **kw) as opt:
         host = opt.parts.placement.host
         assert host is not None and any(host.quantized(k) for k in range(len(host.numels)))
-        assert not all(host.quantized(k) for k in range(len(host.numels)))  # a mixed tier
+        if placement == "host":
+            assert not all(host.quantized(k) for k in range(len(host.numels)))  # a mixed tier
+        if placement != "host":
+            assert any(host.quantized(k) and host.nvme[k] for k in range(len(host.numels)))
         for k in range(4):
             for p in params:
                 p.grad = None
@@ -344,15 +354,17 @@ def _stream(params, step):
     return [(torch.randn(p.shape, generator=g) * (8.0 if step % 3 == 1 else 0.01)).to(p.dtype) for p in params]
 
 
-def test_speculative_and_plain_steps_are_bitwise_through_clipping_overflow_and_a_killed_worker(monkeypatch):
-    """q8 moments + remainders at offload 0 (device tier), 1 speculated and 1 plain: one grad
+def test_speculative_plain_and_nvme_steps_are_bitwise_through_clipping_overflow_and_a_killed_worker(
+        monkeypatch, tmp_path):
+    """q8 moments + remainders at offload 0 (device tier), 1 speculated, 1 plain and nvme 1: one grad
     stream through autograd, a clip that bites every third step (speculated steps redone), a
     GradScaler overflow (rolled back: the state equals the one before, bitwise) and a worker
-    killed with SIGKILL mid-step on the host runs — params, codes, absmaxes and remainders stay
-    torch.equal across the three."""
+    killed with SIGKILL mid-step on the host and nvme runs — params, codes, absmaxes and
+    remainders stay torch.equal across the four."""
     monkeypatch.setenv(FAULT_ENV, "mid_step:4")
     placements = {"device": dict(offload_fraction=0.0), "speculative": dict(offload_fraction=1.0),
-                  "plain": dict(offload_fraction=1.0, speculative=False)}
+                  "plain": dict(offload_fraction=1.0, speculative=False),
+                  "nvme": dict(offload_fraction=1.0, nvme_fraction=1.0, nvme_path=str(tmp_path))}
     fmt = StateFormat(Q8, Q8, True)
     runs, opts, scalers = {}, {}, {}
     try:
@@ -385,14 +397,37 @@ def test_speculative_and_plain_steps_are_bitwise_through_clipping_overflow_and_a
             sds = {name: o.state_dict()["state"] for name, o in opts.items()}
             for i in range(len(SHAPES)):
                 assert set(sds["speculative"][i]) == set(sds["device"][i]), i
-                for name in ("speculative", "plain"):
+                for name in ("speculative", "plain", "nvme"):
                     assert torch.equal(runs[name][i], runs["device"][i]), (step, name, i)
                     for key, t in sds["device"][i].items():
                         assert torch.equal(sds[name][i][key], t), (step, name, i, key)
         assert "exp_avg_q8" in sds["device"][0] and "exp_avg" in sds["device"][2]
-        for name in ("speculative", "plain"):
+        assert all(opts["nvme"].parts.placement.host.nvme)
+        for name in ("speculative", "plain", "nvme"):
             assert opts[name].parts.placement.host.stats["worker_restarts"] >= 1, name
         assert opts["speculative"].parts.placement.host.stats["redone"] > 0
     finally:
         for o in opts.values():
             o.close()
+
+
+@pytest.mark.parametrize("region", ["m", "v_absmax"])
+def test_nvme_slot_checksums_cover_codes_and_absmaxes(region, tmp_path):
+    """A byte flipped in a quantized nvme subgroup's committed slot — in its codes or in its
+    absmaxes — fails that slot's CRC32C: state_dict() refuses it, naming the checksum."""
+    params = _params(FP32, seed=12)
+    with _hybrid(params, StateFormat(Q8, Q8), offload_fraction=1.0, nvme_fraction=1.0,
+                 nvme_path=str(tmp_path)) as opt:
+        _run(opt, params, 2)
+        host = opt.parts.placement.host
+        sg = next(k for k in range(len(host.numels)) if host.quantized(k) and host.nvme[k])
+        assert host.region_offset(region) < host.io_bytes  # inside the block a swap moves
+        opt.state_dict()  # reads back whole before the flip
+        path, slot = host.swap.file(sg), host.file_slots[sg]
+        with open(path, "r+b") as f:
+            f.seek(slot * host.io_bytes + host.region_offset(region) + 1)
+            b = f.read(1)
+            f.seek(-1, 1)
+            f.write(bytes([b[0] ^ 0x10]))
+        with pytest.raises(OSError, match="checksum mismatch"):
+            opt.state_dict()

@@ -228,6 +228,11 @@ class HostTier:
         `bank`: a raw view into the arena (benchmarks fill banks through it)."""
         return self._banks.view(bank, region, numel, dtype)
 
+    def region_offset(self, region: str) -> int:
+        """Byte offset of `region` inside a bank and inside an nvme slot (laid out alike):
+        "p", "rem", "m", "v", "vmax", a q8 moment's "m_absmax" / "v_absmax" / "vmax_absmax"."""
+        return self._banks.region_offset(region)
+
     def _resident(self, sg: int) -> int:
         if self.nvme[sg]:
             raise RuntimeError(f"subgroup {sg} lives on nvme: its state is in files, read it with "
