@@ -192,6 +192,8 @@ def test_device_tier_bytes_are_codes_and_absmaxes():
     small = sum(p.numel() for p in params if p.numel() < Q8_MIN_NUMEL)
     blocks = sum(-(-sg.numel // 256) for sg in opt.parts.layout.subgroups if sg.quantized)
     assert opt.parts.placement.device.nbytes() == big * (2 + 2) + blocks * 2 * 4 + small * (2 + 8)
+    # what the budgets count (footprint.py) is what the tier allocated
+    assert opt.parts.placement.device_bytes(opt.parts.layout.subgroups) == opt.parts.placement.device.nbytes()
 
 
 def test_q8_trajectory_follows_torch_adamw_loosely():
@@ -431,3 +433,95 @@ def test_nvme_slot_checksums_cover_codes_and_absmaxes(region, tmp_path):
             f.write(bytes([b[0] ^ 0x10]))
         with pytest.raises(OSError, match="checksum mismatch"):
             opt.state_dict()
+
+
+# ---------------------------------------------------------------------------- moves, memory
+def test_replan_moves_codes_and_absmaxes_between_tiers_bitwise(tmp_path):
+    """replan() device -> host + nvme -> device between steps: the moved codes, absmaxes and
+    remainders step on as the reference's (nothing dequantized on the way)."""
+    fmt = StateFormat(Q8, Q8, True)
+    params = _params(BF16, seed=13)
+    ref = reference_run(params, 6, fmt)
+    with _hybrid(params, fmt, nvme_path=str(tmp_path)) as opt:
+        _run(opt, params, 2)
+        opt.replan(1.0, 0.5)
+        assert opt.parts.placement.host is not None and any(opt.parts.placement.host.nvme)
+        _run(opt, params, 2, first=2)
+        opt.replan(0.0)
+        assert opt.parts.placement.host is None
+        _run(opt, params, 2, first=4)
+        assert_state_equal(opt.state_dict()["state"], ref, params, fmt)
+
+
+@pytest.mark.parametrize("placement", ["host", "nvme"])
+def test_checkpoint_moves_between_placements_bitwise(placement, tmp_path):
+    """A device-tier q8 checkpoint loads into a host / nvme placement (and back into the
+    device tier from there): the run goes on as the reference's."""
+    fmt = StateFormat(Q8, Q8)
+    params = _params(FP32, seed=14)
+    ref = reference_run(params, 5, fmt)
+    first = _run(_hybrid(params, fmt), params, 2)
+    sd = first.state_dict()
+    sd = {"state": {i: {k: t.clone() for k, t in st.items()} for i, st in sd["state"].items()},
+          "param_groups": sd["param_groups"]}
+    first.close()
+    kw = dict(PLACED[placement], nvme_path=str(tmp_path)) if "nvme_fraction" in PLACED[placement] \
+        else PLACED[placement]
+    with _hybrid(params, fmt, **kw) as second:
+        second.load_state_dict(sd)
+        _run(second, params, 2, first=2)
+        sd = second.state_dict()
+        sd = {"state": {i: {k: t.clone() for k, t in st.items()} for i, st in sd["state"].items()},
+              "param_groups": sd["param_groups"]}
+    with _hybrid(params, fmt) as third:
+        third.load_state_dict(sd)
+        _run(third, params, 1, first=4)
+        assert_state_equal(third.state_dict()["state"], ref, params, fmt)
+
+
+def _linear_model(seed):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(256, 512, bias=False), nn.Linear(512, 256, bias=False)).to(BF16)
+
+
+@pytest.mark.parametrize("fmt, bound", [(StateFormat(Q8, Q8, True), 0.40), (StateFormat(Q8, Q8), 0.55)],
+                         ids=["q8 + remainders", "q8 + fp32 master"])
+def test_nvme_files_and_host_banks_hold_the_q8_bytes(fmt, bound, tmp_path):
+    """Bytes measured by the OS for a bf16 model of large params: the nvme files
+    (opt.allocated_bytes["nvme"]: their sizes) within issue 38's bounds of the fp32 format's,
+    and each host bank what StateFormat.bank_bytes counts (codes, absmaxes, master or
+    remainder, the bf16 copy) — what the budgets and the cost model use."""
+    files = {}
+    for name, f in (("q8", fmt), ("fp32", StateFormat())):
+        model = _linear_model(0)
+        with _hybrid(list(model.parameters()), f, subgroup_numel=1 << 16, offload_fraction=1.0,
+                     nvme_fraction=1.0, nvme_path=str(tmp_path)) as opt:
+            files[name] = opt.allocated_bytes["nvme"]
+    assert files["q8"] <= bound * files["fp32"], files
+    model = _linear_model(0)
+    with _hybrid(list(model.parameters()), fmt, subgroup_numel=1 << 16, offload_fraction=1.0) as opt:
+        host = opt.parts.placement.host
+        assert all(host.quantized(k) for k in range(len(host.numels)))
+        per_element = host.bank_bytes / (len(host.numels) * host.capacity)
+        page_slack = 2 * 4096 / host.capacity  # a bank's state block and the bank end on a page
+        assert fmt.bank_bytes(BF16) <= per_element <= fmt.bank_bytes(BF16) + page_slack, per_element
+        print(f"{fmt}: host arena {opt.allocated_bytes['host'] / sum(p.numel() for p in model.parameters()):.2f} "
+              f"B/param, bank {per_element:.3f} B/element; nvme {files['q8']} B against fp32's {files['fp32']}")
+
+
+# ---------------------------------------------------------------------------- planner, demo
+def test_plan_counts_the_q8_bytes(capsys):
+    """`hybrid-opt plan --exp-avg-dtype q8 --exp-avg-sq-dtype q8 --store-param-remainders`:
+    about 4.03 B of state per param on the device (issue 38's Llama-2-7B figure, 28 GB), and a
+    7B model that needs the host tier with fp32 state fits on an 80 GB GPU."""
+    import json
+    from hybrid_opt.placement import planner
+    got = {}
+    for name, flags in (("fp32", []), ("q8", ["--exp-avg-dtype", "q8", "--exp-avg-sq-dtype", "q8",
+                                              "--store-param-remainders"])):
+        assert planner.main(["--params", "7B", "--json", *flags]) == 0
+        got[name] = json.loads(capsys.readouterr().out)
+    assert got["fp32"]["plan"]["offload_fraction"] > 0
+    assert got["q8"]["plan"]["offload_fraction"] == 0.0
+    state = got["q8"]["memory_bytes"]["device"] - 7e9 * 2 * 2  # bf16 params and grads
+    assert abs(state - 7e9 * (2 + 2 * (1 + 4 / 256))) < 1e6, state

@@ -13,16 +13,21 @@ from __future__ import annotations
 import torch
 
 from hybrid_opt.placement.plan import DEVICE, NVME
+from hybrid_opt.state.state_format import stored_numel
 from hybrid_opt.tiers.arena_plan import plan_arena
 from hybrid_opt.tiers.host import staging_slots_for
 
 
 def device_tier_bytes(sgs, fmt, amsgrad: bool) -> int:
-    """What DeviceTier allocates for `sgs`: the moments in the format's dtypes, and an fp32
-    master for a bf16/fp16 subgroup (2 bytes of remainder with remainders; an fp32 model's
+    """What DeviceTier allocates for `sgs`: the moments in the format's dtypes (a q8 one: codes
+    and absmaxes; fp32 for a subgroup of small params), and an fp32 master for a bf16/fp16 subgroup (2 bytes of remainder with remainders; an fp32 model's
     params are their own master)."""
-    return sum(s.numel * (fmt.for_subgroup(s.quantized).moment_bytes(amsgrad)
-                          + fmt.master_bytes(s.dtype, own_master=True)) for s in sgs)
+    total = 0
+    for s in sgs:  # a q8 moment: its codes and one absmax per block (the last may be partial)
+        moments = fmt.for_subgroup(s.quantized).stored_moments(amsgrad)
+        total += s.numel * fmt.master_bytes(s.dtype, own_master=True)
+        total += sum(stored_numel(name, s.numel) * dt.itemsize for name, dt in moments.items())
+    return total
 
 
 def host_tier_layout(host: list, plan, fmt, amsgrad: bool, rollback: str, io_banks: int) -> dict:
