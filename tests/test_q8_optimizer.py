@@ -525,3 +525,51 @@ def test_plan_counts_the_q8_bytes(capsys):
     assert got["q8"]["plan"]["offload_fraction"] == 0.0
     state = got["q8"]["memory_bytes"]["device"] - 7e9 * 2 * 2  # bf16 params and grads
     assert abs(state - 7e9 * (2 + 2 * (1 + 4 / 256))) < 1e6, state
+
+
+def test_params_written_between_steps_restart_the_master_beside_q8_moments():
+    """Params written outside step() (a q8 host tier's masters restart from them, its codes and
+    absmaxes kept as they are): the host run stays the device run's, bit for bit."""
+    runs = {"device": _params(FP32, seed=15), "host": _params(FP32, seed=15)}
+    opts = {name: _hybrid(params, StateFormat(Q8, Q8), offload_fraction=0.0 if name == "device" else 1.0)
+            for name, params in runs.items()}
+    try:
+        for k in range(4):
+            for name, params in runs.items():
+                if k == 2:
+                    with torch.no_grad():
+                        params[0].mul_(0.5)
+                        params[1][:300] += 1.0
+                _set_grads(params, k)
+                opts[name].step()
+        sds = {name: o.state_dict()["state"] for name, o in opts.items()}
+        for i in range(len(SHAPES)):
+            assert torch.equal(runs["host"][i], runs["device"][i]), i
+            for key, t in sds["device"][i].items():
+                assert torch.equal(sds["host"][i][key], t), (i, key)
+    finally:
+        for o in opts.values():
+            o.close()
+
+
+@pytest.mark.parametrize("offload", [0.0, 1.0])
+def test_an_amsgrad_checkpoint_lays_out_a_q8_running_max(offload):
+    """load_state_dict of an amsgrad checkpoint into a q8 optimizer built without amsgrad: the
+    tiers are laid out again with a q8 running max (codes and absmaxes), loaded bitwise."""
+    fmt = StateFormat(Q8, Q8)
+    src_params, params = _params(FP32, seed=16), _params(FP32, seed=16)
+    src = _run(_hybrid(src_params, fmt, amsgrad=True), src_params, 2)
+    sd = src.state_dict()
+    with torch.no_grad():
+        for p, q in zip(params, src_params):
+            p.copy_(q)
+    with _hybrid(params, fmt, offload_fraction=offload) as opt:
+        opt.load_state_dict(sd)
+        _run(src, src_params, 1, first=2)
+        _run(opt, params, 1, first=2)
+        mine, theirs = opt.state_dict()["state"], src.state_dict()["state"]
+        assert "max_exp_avg_sq_q8" in mine[0] and "max_exp_avg_sq_absmax" in mine[0]
+        for i in theirs:
+            for key, t in theirs[i].items():
+                assert torch.equal(mine[i][key], t), (i, key)
+    src.close()

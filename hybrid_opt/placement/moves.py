@@ -146,6 +146,8 @@ def _device_arrivals(pl, arriving: list, leaving: list, saved: dict) -> DeviceTi
             for i, st in dev.state.items():
                 if i not in gone and "max_exp_avg_sq" not in st:
                     extra.state[i] = dict(st, max_exp_avg_sq=torch.zeros_like(st["exp_avg_sq"]))
+                    if "exp_avg_sq_absmax" in st:  # q8: zero codes (the unsigned map's 0) and absmaxes
+                        extra.state[i]["max_exp_avg_sq_absmax"] = torch.zeros_like(st["exp_avg_sq_absmax"])
         return extra
     except BaseException as e:
         extra = None  # noqa: F841 - what it allocated goes before the leaving state comes back

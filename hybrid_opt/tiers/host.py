@@ -18,7 +18,7 @@ import torch
 
 from hybrid_opt.banks import BankPool
 from hybrid_opt.shm import PAGE, SharedArena, align_up
-from hybrid_opt.state.state_format import Q8, StateFormat
+from hybrid_opt.state.state_format import ABSMAX, Q8, StateFormat
 from hybrid_opt.swap import SwapDir, check_nvme_path
 # re-exported: the optimizer, calibration, tests and benchmarks import these from here
 from hybrid_opt.tiers.host_io import REMOTE_GATHER_QUEUE, _DT_CODE, HostIO, _Piece  # noqa: F401
@@ -373,9 +373,13 @@ class HostTier:
         def fill(bank: int, stored: dict, fresh: bool) -> None:
             self._banks.store_master(bank, sg, param)
             if self._banks.quantized(sg):
-                self._banks.zero_moments(stored, sg)
+                # the given moments may be views of this very bank (a master restarted in place:
+                # storage.py): copied, never zeroed first
+                missing = {k: t for k, t in stored.items() if k in given and given[k] is None
+                           or k.endswith(ABSMAX) and given.get(k[:-len(ABSMAX)]) is None}
+                self._banks.zero_moments(missing, sg)
                 for name, src in given.items():
-                    if src is not None and name in stored:
+                    if src is not None and name in stored and src.data_ptr() != stored[name].data_ptr():
                         stored[name].copy_(src.reshape(-1))
                 return
             for name, src in given.items():
