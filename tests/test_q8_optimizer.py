@@ -268,15 +268,18 @@ def test_q8_checkpoint_round_trip_is_bitwise():
         assert torch.equal(pa, pb)
 
 
-def test_torch_adamw_checkpoint_loads_quantized():
-    """A torch.optim.AdamW checkpoint (fp32 moments) loads into a q8 optimizer: each large
-    param's moments quantized blockwise (quantize_blocks), the small ones' kept fp32."""
+@pytest.mark.parametrize("placement", ["device", "host", "nvme"])
+def test_torch_adamw_checkpoint_loads_quantized(placement, tmp_path):
+    """A torch.optim.AdamW checkpoint (fp32 moments) loads into a q8 optimizer on any tier:
+    each large param's moments quantized blockwise (quantize_blocks), the small ones' kept fp32."""
     params = _params(FP32, seed=4)
     ref = torch.optim.AdamW(params, foreach=False, **HYPER)
     _set_grads(params, 0)
     ref.step()
     sd = ref.state_dict()
-    opt = _hybrid(params, StateFormat(Q8, Q8))
+    kw = {"device": dict(offload_fraction=0.0), "host": dict(offload_fraction=1.0),
+          "nvme": dict(offload_fraction=1.0, nvme_fraction=1.0, nvme_path=str(tmp_path))}[placement]
+    opt = _hybrid(params, StateFormat(Q8, Q8), **kw)
     opt.load_state_dict(sd)
     mine = opt.state_dict()["state"]
     for i, p in enumerate(params):
@@ -288,6 +291,7 @@ def test_torch_adamw_checkpoint_loads_quantized():
             else:
                 assert torch.equal(mine[i][name], sd["state"][i][name]), (i, name)
         assert float(mine[i]["step"]) == 1.0
+    opt.close()
 
 
 def test_q8_checkpoint_loads_dequantized_into_fp32_moments():
@@ -573,3 +577,16 @@ def test_an_amsgrad_checkpoint_lays_out_a_q8_running_max(offload):
             for key, t in theirs[i].items():
                 assert torch.equal(mine[i][key], t), (i, key)
     src.close()
+
+
+def test_add_param_group_lays_out_q8_and_small_params_apart():
+    """A group added after construction is laid out as the first: its large params quantized,
+    its small ones with fp32 moments, and both step the reference's bits."""
+    fmt = StateFormat(Q8, Q8)
+    params = _params(FP32, seed=17)
+    ref = reference_run(params, 3, fmt)
+    with _hybrid(params[:2], fmt) as opt:
+        opt.add_param_group({"params": params[2:]})
+        assert {sg.quantized for sg in opt.parts.layout.subgroups if sg.group == 1} == {True, False}
+        _run(opt, params, 3)
+        assert_state_equal(opt.state_dict()["state"], ref, params, fmt)

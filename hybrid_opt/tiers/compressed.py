@@ -35,7 +35,7 @@ import torch
 
 from hybrid_opt.shm import CACHE_LINE, PAGE, ArenaLayout, align_up
 from hybrid_opt.state.layout import PAGE_CUT
-from hybrid_opt.state.state_format import ABSMAX, Q8, Q8_BLOCK, Q8_ZERO_CODE, q8_blocks
+from hybrid_opt.state.state_format import ABSMAX, Q8, Q8_ZERO_CODE, q8_blocks
 
 # a moment's bank region
 MOMENT_REGION = {"exp_avg": "m", "exp_avg_sq": "v", "max_exp_avg_sq": "vmax"}
