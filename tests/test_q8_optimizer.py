@@ -590,3 +590,32 @@ def test_add_param_group_lays_out_q8_and_small_params_apart():
         assert {sg.quantized for sg in opt.parts.layout.subgroups if sg.group == 1} == {True, False}
         _run(opt, params, 3)
         assert_state_equal(opt.state_dict()["state"], ref, params, fmt)
+
+
+@pytest.mark.parametrize("placement", ["device", "host", "nvme"])
+def test_state_dict_codes_are_views_of_the_state(placement, tmp_path):
+    """state_dict() copies no codes: a weight spread over two subgroups (cut on pages: a page of
+    codes) gets its `*_q8` tensors mapped from the memory that holds them — the device tier's
+    memfd, a host bank, an nvme slot — not anonymous memory. (Its absmaxes, 1/256 of that, may
+    be a copy where the pieces do not lie on pages.)"""
+    from helpers import backing
+    torch.manual_seed(0)
+    # weights of 67584 elements (33 x 2048) and biases apart: subgroups of 32768, each a whole
+    # number of pages of codes (a cut at 15 x 2048 would end a piece inside a page)
+    model = nn.Sequential(nn.Linear(264, 256), nn.Linear(256, 264), nn.Linear(264, 256), nn.Linear(256, 264))
+    kw = {"device": dict(offload_fraction=0.0), "host": dict(offload_fraction=1.0),
+          "nvme": dict(offload_fraction=1.0, nvme_fraction=1.0, nvme_path=str(tmp_path))}[placement]
+    with HybridAdamW(model.parameters(), exp_avg_dtype=Q8, exp_avg_sq_dtype=Q8, subgroup_numel=1 << 15,
+                     **kw) as opt:
+        for k in range(2):
+            model(torch.randn(8, 264)).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+        sd = opt.state_dict()["state"]
+        spans = {i: sum(sl.param_index == i for sg in opt.parts.layout.subgroups for sl in sg.slices) for i in sd}
+        assert spans[0] == 3 and {sg.numel % 4096 for sg in opt.parts.layout.subgroups if sg.quantized} == {0}
+        for i in (0, 2):
+            for key in ("exp_avg_q8", "exp_avg_sq_q8"):
+                t = sd[i][key]
+                assert backing(t) != "", (i, key)
+                assert t.untyped_storage().nbytes() == t.numel(), (i, key)

@@ -24,7 +24,8 @@ call (and on CUDA one sync) per slice.
 With q8 moments (state_format.py, `quantize=True`) the buckets are (device, dtype, quantized):
 params of at least Q8_MIN_NUMEL elements are quantized, smaller ones keep fp32 moments, and no
 subgroup mixes the two, so every subgroup has one format. A quantized subgroup's blocks of 256
-along its own index are its params' blocks along theirs: its size is a multiple of 256, and a
+along its own index are its params' blocks along theirs: its size is a multiple of 256 (of
+4096 where subgroups are cut on pages: a page of 1-byte codes), and a
 param whose element count is not ends the subgroup it ends in (its partial last block is the
 subgroup's last). So every slice of it starts on a block of its param and of the subgroup, a
 cut never splits a block, and one q8 kernel call over a subgroup (or over any of its slices)
@@ -228,7 +229,9 @@ def _cut(members: list, group: int, device, dtype, subgroup_numel: int, first: i
     total = sum(n for _, _, n in members)
     a = _cut_alignment(subgroup_numel)
     if quantized:
-        a = max(a, Q8_BLOCK)  # PAGE_CUT is a multiple of it
+        # whole blocks; on pages, a page of 1-byte codes (2 x PAGE_CUT), so that a param's codes
+        # in several subgroups map side by side in state_dict() (mapped.side_by_side)
+        a = 2 * PAGE_CUT if a == PAGE_CUT else max(a, Q8_BLOCK)
         if subgroup_numel < Q8_BLOCK:
             raise ValueError(f"subgroup_numel={subgroup_numel} cannot hold one q8 block of {Q8_BLOCK} "
                              f"elements: give subgroup_numel >= {Q8_BLOCK} with a q8 moment format")
