@@ -8,6 +8,7 @@ import warnings
 
 import torch
 
+from hybrid_opt.distributed import is_dtensor
 from hybrid_opt.placement.plan import check_fractions
 from hybrid_opt.state.state_format import StateFormat
 from hybrid_opt.swap import check_nvme_path
@@ -118,6 +119,17 @@ def check_state_format(exp_avg_dtype, exp_avg_sq_dtype, store_param_remainders, 
                          "its fp64 inverse reads and writes an fp32 master, which remainders do "
                          "not keep; use rollback='exact' (the default)")
     return fmt
+
+
+def check_q8_placement(fmt: StateFormat, process_group, params) -> None:
+    """q8 moments (issue 38) where they are wired so far: refused, before anything is laid out,
+    where they are not yet — with the limitation named."""
+    if not fmt.quantized_moments:
+        return
+    if process_group is not None or any(is_dtensor(p) for p in params):
+        raise ValueError("q8 moments (exp_avg_dtype / exp_avg_sq_dtype='q8') are not yet supported "
+                         "with process_group= or FSDP2 (DTensor) params: a shard's blocks of 256 "
+                         "would not be the param's; use torch.float32 or torch.bfloat16 moments")
 
 
 def check_group_params(name: str, param_group: dict) -> dict:

@@ -92,6 +92,7 @@ def train(model, opt, batches, desc: str, *, progress: bool = True, after_step=N
 
 
 _DTYPES = state_format.DTYPE_NAMES
+MODEL_DTYPES = ("fp32", "bf16")  # the model's; "q8" is a moment format only
 
 
 def tier_state_bytes(subgroups, tiers, state_format, amsgrad: bool = False) -> dict:
@@ -103,12 +104,13 @@ def tier_state_bytes(subgroups, tiers, state_format, amsgrad: bool = False) -> d
     out = {t: {"elements": 0, "state_bytes": 0} for t in (DEVICE, HOST, NVME)}
     for sg in subgroups:
         tier = tiers[sg.index]
+        fmt = state_format.for_subgroup(sg.quantized)  # small params keep fp32 moments for q8
         if tier == DEVICE:
-            per = state_format.state_bytes(sg.dtype, amsgrad, own_master=True)
+            per = fmt.state_bytes(sg.dtype, amsgrad, own_master=True)
         elif tier == HOST:
-            per = state_format.bank_bytes(sg.dtype, amsgrad)
+            per = fmt.bank_bytes(sg.dtype, amsgrad)
         else:
-            per = state_format.state_bytes(sg.dtype, amsgrad)
+            per = fmt.state_bytes(sg.dtype, amsgrad)
         out[tier]["elements"] += sg.numel
         out[tier]["state_bytes"] += sg.numel * per
     return out
@@ -191,7 +193,7 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--no-baseline", action="store_true", help="skip the torch.optim.AdamW run")
     ap.add_argument("--no-progress", action="store_true")
-    ap.add_argument("--dtype", choices=tuple(_DTYPES), default="fp32",
+    ap.add_argument("--dtype", choices=MODEL_DTYPES, default="fp32",
                     help="the model's params (bf16: HybridAdamW keeps fp32 masters; torch's AdamW "
                          "baseline steps the bf16 params themselves)")
     state_format.add_arguments(ap, " (with --dtype bf16)")

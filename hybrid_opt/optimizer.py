@@ -66,6 +66,7 @@ class _HybridBase(torch.optim.Optimizer):
                         differentiable=differentiable, fused=fused, decoupled_weight_decay=self._decoupled)
         super().__init__(params, defaults)
         A.check_materialised(type(self).__name__, self.param_groups, offload_fraction)
+        A.check_q8_placement(self.state_format, process_group, [p for g in self.param_groups for p in g["params"]])
         self.max_grad_norm = max_grad_norm
         self.offload_fraction, self.nvme_fraction, self.nvme_path = offload_fraction, nvme_fraction, nvme_path
         self.speculative, self.rollback = speculative, rollback

@@ -47,7 +47,8 @@ def compose(param_groups: list, *, owner: str, decoupled: bool, state_format, pl
     if subgroup_numel is None:  # automatic: >= 8 subgroups on this rank where it can (layout.py)
         subgroup_numel = L.auto_subgroup_numel(
             sum(D.local_of(p).numel() for g in param_groups for p in g["params"]), DEFAULT_SUBGROUP_NUMEL)
-    layout = L.Layout(param_groups, subgroup_numel, any(g["amsgrad"] for g in param_groups))
+    layout = L.Layout(param_groups, subgroup_numel, any(g["amsgrad"] for g in param_groups),
+                      quantize=state_format.quantized_moments)
     ledger = StepLedger(layout)
     stats = StepStats(layout, state_format)
     c = placement_config

@@ -102,8 +102,8 @@ class StepStats:
             t["elements"] += sg.numel
             # the master (none for an fp32 param on the device: its own), or a remainder, and
             # the moments, in the optimizer's state format; on nvme the file's bytes
-            t["state_bytes"] += sg.numel * fmt.state_bytes(sg.dtype, self.layout.amsgrad,
-                                                           own_master=tier == DEVICE)
+            t["state_bytes"] += sg.numel * fmt.for_subgroup(sg.quantized).state_bytes(
+                sg.dtype, self.layout.amsgrad, own_master=tier == DEVICE)
         if host is not None:
             prev = self._prev_worker_s or [0.0] * len(host.worker_seconds)
             now = list(host.worker_seconds)

@@ -66,7 +66,7 @@ def test_tier_state_bytes_counts_each_subgroup_by_its_dtype_and_tier():
 
     from hybrid_opt.demo import tier_state_bytes
     from hybrid_opt.state.state_format import StateFormat
-    sg = lambda i, n, dt: SimpleNamespace(index=i, numel=n, dtype=dt)  # noqa: E731
+    sg = lambda i, n, dt: SimpleNamespace(index=i, numel=n, dtype=dt, quantized=False)  # noqa: E731
     subgroups = [sg(0, 100, torch.bfloat16), sg(1, 10, torch.float32), sg(2, 100, torch.bfloat16),
                  sg(3, 100, torch.bfloat16)]
     fmt = StateFormat(torch.bfloat16, torch.bfloat16, True)

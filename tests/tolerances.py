@@ -39,3 +39,8 @@ def assert_bf16_within_ulps(actual, expected, ulps=BF16_ULPS, atol=ATOL[torch.fl
 # distributed runs against single-process torch on the global batch: data-parallel averaging
 # rounds differently (torch's own AdamW under FSDP2 lands at 3e-6)
 DIST_RTOL = 1e-4
+
+# q8 moments (issue 38) against torch.optim.AdamW's fp32 ones: a trajectory, not a rounding —
+# each moment is requantized every step (about 1 % of its block's absmax near the top of the
+# map), so params drift by a small share of how far they moved
+Q8_TRAJECTORY_SHARE = 0.05  # of the largest move of a param since the start

@@ -22,6 +22,7 @@ from hybrid_opt import distributed as D
 from hybrid_opt.state import layout as L
 from hybrid_opt.placement import moves
 from hybrid_opt.placement.cost_model import NON_SPECULATIVE_SPARE_BANKS
+from hybrid_opt.state.state_format import absmaxes_of
 from hybrid_opt.placement.footprint import device_tier_bytes, host_tier_layout, plan_bytes
 from hybrid_opt.placement.plan import DEVICE, HOST, NVME, check_fractions, fraction_miss, fraction_plan
 from hybrid_opt.swap import check_nvme_path
@@ -119,7 +120,7 @@ class Placement:
             self.device.set_master(sg.index, st["master"])  # remainders: encoded back
         else:
             self.host.load_state(self.host_local[sg.index], st["master"], st["exp_avg"],
-                                 st["exp_avg_sq"], st.get("max_exp_avg_sq"))
+                                 st["exp_avg_sq"], st.get("max_exp_avg_sq"), **absmaxes_of(st))
 
     # ------------------------------------------------------------------ laying out
     def build(self) -> None:

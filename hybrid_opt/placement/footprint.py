@@ -13,16 +13,21 @@ from __future__ import annotations
 import torch
 
 from hybrid_opt.placement.plan import DEVICE, NVME
+from hybrid_opt.state.state_format import stored_numel
 from hybrid_opt.tiers.arena_plan import plan_arena
 from hybrid_opt.tiers.host import staging_slots_for
 
 
 def device_tier_bytes(sgs, fmt, amsgrad: bool) -> int:
-    """What DeviceTier allocates for `sgs`: the moments in the format's dtypes, and an fp32
-    master for a bf16/fp16 subgroup (2 bytes of remainder with remainders; an fp32 model's
+    """What DeviceTier allocates for `sgs`: the moments in the format's dtypes (a q8 one: codes
+    and absmaxes; fp32 for a subgroup of small params), and an fp32 master for a bf16/fp16 subgroup (2 bytes of remainder with remainders; an fp32 model's
     params are their own master)."""
-    moments = fmt.moment_bytes(amsgrad)
-    return sum(s.numel * (moments + fmt.master_bytes(s.dtype, own_master=True)) for s in sgs)
+    total = 0
+    for s in sgs:  # a q8 moment: its codes and one absmax per block (the last may be partial)
+        moments = fmt.for_subgroup(s.quantized).stored_moments(amsgrad)
+        total += s.numel * fmt.master_bytes(s.dtype, own_master=True)
+        total += sum(stored_numel(name, s.numel) * dt.itemsize for name, dt in moments.items())
+    return total
 
 
 def host_tier_layout(host: list, plan, fmt, amsgrad: bool, rollback: str, io_banks: int) -> dict:
@@ -38,8 +43,10 @@ def host_tier_layout(host: list, plan, fmt, amsgrad: bool, rollback: str, io_ban
     for k, s in enumerate(host):
         bursts.setdefault(min(sl.param_index for sl in s.slices), []).append(k)
     numels = [s.numel for s in host]
+    quantized = [s.quantized and fmt.quantized_moments for s in host]
     return dict(numels=numels, grad_dtype=torch.float32 if len(dtypes) > 1 else next(iter(dtypes)),
-                staging_slots=staging_slots_for(list(bursts.values()), numels),
+                staging_slots=staging_slots_for(list(bursts.values()), numels, quantized=any(quantized)),
+                quantized=quantized,
                 copy_dtype=copy_dtype, amsgrad=amsgrad, exp_avg_dtype=fmt.exp_avg_dtype,
                 exp_avg_sq_dtype=fmt.exp_avg_sq_dtype, remainders=remainders,
                 params=host if remainders else None, rollback=rollback,
@@ -54,7 +61,7 @@ def host_arena_bytes(layout: dict, fmt) -> int:
                       copy_dtype=layout["copy_dtype"], remainders=flags, grad_dtype=layout["grad_dtype"],
                       rollback=layout["rollback"], spare_banks=layout["spare_banks"],
                       io_banks=layout["io_banks"], staging_slots=layout["staging_slots"],
-                      slot_numel=None).nbytes
+                      slot_numel=None, quantized=layout["quantized"]).nbytes
 
 
 def plan_bytes(subgroups: list, plan, fmt, amsgrad: bool, rollback: str, io_banks: int,

@@ -25,6 +25,7 @@ import traceback
 
 import torch
 
+from hybrid_opt.state.state_format import absmaxes_of
 from hybrid_opt.placement.footprint import plan_bytes
 from hybrid_opt.placement.plan import DEVICE
 from hybrid_opt.tiers.device import DeviceTier
@@ -99,7 +100,7 @@ def build_tiers(pl, plan) -> tuple:
         for s in host:
             st = saved[s.index] if s.index in saved else pl.state_of(s)
             new_host.load_state(local[s.index], st["master"], st["exp_avg"], st["exp_avg_sq"],
-                                st.get("max_exp_avg_sq"))
+                                st.get("max_exp_avg_sq"), **absmaxes_of(st))
     except BaseException:
         new_host.close()
         raise
@@ -145,6 +146,8 @@ def _device_arrivals(pl, arriving: list, leaving: list, saved: dict) -> DeviceTi
             for i, st in dev.state.items():
                 if i not in gone and "max_exp_avg_sq" not in st:
                     extra.state[i] = dict(st, max_exp_avg_sq=torch.zeros_like(st["exp_avg_sq"]))
+                    if "exp_avg_sq_absmax" in st:  # q8: zero codes (the unsigned map's 0) and absmaxes
+                        extra.state[i]["max_exp_avg_sq_absmax"] = torch.zeros_like(st["exp_avg_sq_absmax"])
         return extra
     except BaseException as e:
         extra = None  # noqa: F841 - what it allocated goes before the leaving state comes back

@@ -4,10 +4,18 @@ load_state_dict() scatters such a state dict back into the tiers.
 Functions of (layout, placement, param groups) the optimizer's state_dict() and
 load_state_dict() call. The fp32 master of a bf16/fp16 param travels under the
 extra key `master_param`, which torch ignores.
+
+A q8 moment (issue 38) travels as it is stored, never expanded: `exp_avg` as `exp_avg_q8`
+(uint8 codes shaped like the param) and `exp_avg_absmax` (fp32, one per block of 256 along the
+param's flat index: ceil(numel / 256)), and alike `exp_avg_sq_q8` / `exp_avg_sq_absmax` and
+`max_exp_avg_sq_q8` / `max_exp_avg_sq_absmax` (the unsigned map). A param under Q8_MIN_NUMEL
+elements keeps fp32 moments under torch's keys. A load quantizes a float moment (a torch AdamW
+checkpoint) into a q8 tier, and dequantizes a q8 one into a float tier.
 """
 from __future__ import annotations
 
 import copy
+import math
 
 from collections import OrderedDict
 
@@ -20,6 +28,7 @@ from hybrid_opt.mapped import Piece, map_tensor
 from cpu_kernels.reference import decode_remainder_reference
 from hybrid_opt.state.layout import subgroups_label
 from hybrid_opt.tiers.device import encode_remainder_on
+from hybrid_opt.state.state_format import ABSMAX, Q8_BLOCK, Q8_ZERO_CODE, q8_blocks
 from hybrid_opt.state.torch_extras import keep_unowned, unowned_entries
 
 
@@ -57,6 +66,18 @@ def _check_saved_state(saved_state: dict, params: list) -> None:
                                  f"elements, the parameter {n} {tuple(params[idx].shape)}: the "
                                  f"checkpoint is another model's (or its params are in another "
                                  f"order); nothing was loaded")
+        for key in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq"):
+            codes, absmax = entry.get(key + Q8_KEY), entry.get(key + ABSMAX)
+            if codes is None and absmax is None:
+                continue
+            if not (isinstance(codes, torch.Tensor) and codes.dtype == torch.uint8 and codes.numel() == n
+                    and isinstance(absmax, torch.Tensor) and absmax.dtype == torch.float32
+                    and absmax.numel() == q8_blocks(n)):
+                raise ValueError(f"loaded state dict: parameter {idx}'s q8 {key!r} must be "
+                                 f"{key + Q8_KEY!r} (uint8, {n} elements) and {key + ABSMAX!r} "
+                                 f"(float32, {q8_blocks(n)}: one per block of {Q8_BLOCK} of the "
+                                 f"parameter's {n} elements), got "
+                                 f"{_described(codes)} and {_described(absmax)}; nothing was loaded")
         rem = entry.get("master_remainder")
         if isinstance(rem, torch.Tensor) and rem.dtype == torch.int16 and rem.numel() != n:
             raise ValueError(f"loaded state dict: parameter {idx}'s 'master_remainder' has "
@@ -68,6 +89,15 @@ def _check_saved_state(saved_state: dict, params: list) -> None:
             except (TypeError, ValueError, RuntimeError):
                 raise ValueError(f"loaded state dict: parameter {idx}'s 'step' must be a number or "
                                  f"a 1-element tensor, got {entry['step']!r}") from None
+
+
+Q8_KEY = "_q8"  # a q8 moment's codes in a state dict: the moment's key + this (its absmax: + ABSMAX)
+
+
+def _described(t) -> str:
+    if not isinstance(t, torch.Tensor):
+        return "none" if t is None else type(t).__name__
+    return f"{t.dtype} with {t.numel()} elements"
 
 
 def committed_shell(parts, post_hooks: dict, torch_state_dict) -> tuple:
@@ -123,8 +153,9 @@ def iter_state(layout, placement, state_format):
         p = local_of(params[idx])  # a DTensor's state is its local shard's, wrapped below
         entry = {"step": torch.tensor(float(layout.steps[idx]), dtype=torch.float32)}
         laid = pieces[idx][0][0].dtype if pieces.get(idx) else p.dtype  # a param cast since keeps its layout's
-        for key, name in _entry_keys(layout, idx, laid, state_format):
-            t = _state_tensor(placement, pieces.get(idx, []), name, p, verified)
+        fmt = state_format.for_subgroup(bool(pieces.get(idx)) and pieces[idx][0][0].quantized)
+        for key, name in _entry_keys(layout, idx, laid, fmt):
+            t = _state_tensor(placement, pieces.get(idx, []), name, p, verified, fmt)
             # torch.optim.AdamW's state under FSDP2 is zeros_like(p): DTensors like the param
             entry[key] = dtensor_like(t, params[idx]) if is_sharded(params[idx]) else t
         yield idx, entry
@@ -147,48 +178,56 @@ def fp32_master(entry: dict, param) -> torch.Tensor | None:
 def _entry_keys(layout, idx: int, dtype, state_format) -> list:
     """[(torch's key, the tiers' name)] of param `idx`'s entry. An fp32 param is its own
     master: it has none."""
-    keys = [("exp_avg", "exp_avg"), ("exp_avg_sq", "exp_avg_sq")]
-    if layout.group_of(idx)["amsgrad"]:
-        keys.append(("max_exp_avg_sq", "max_exp_avg_sq"))
+    keys = []
+    for name in ("exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if layout.group_of(idx)["amsgrad"] else ()):
+        if state_format.is_q8(name):
+            keys += [(name + Q8_KEY, name), (name + ABSMAX, name + ABSMAX)]
+        else:
+            keys.append((name, name))
     if dtype != torch.float32:
         keys.append(("master_remainder", "remainder") if state_format.remainders_for(dtype)
                     else ("master_param", "master"))
     return keys
 
 
-def _state_tensor(placement, parts: list, name: str, p, verified: set) -> torch.Tensor:
-    """Param `p`'s state `name` over its `parts` [(subgroup, slice)], shaped like p: a view
-    where one can exist (iter_state), else a copy."""
+def _state_tensor(placement, parts: list, name: str, p, verified: set, fmt) -> torch.Tensor:
+    """Param `p`'s state `name` over its `parts` [(subgroup, slice)], shaped like p (a q8
+    absmax: one per block of p's flat index), in `fmt` (the param's format): a view where one
+    can exist (iter_state), else a copy."""
     located = []  # per part: a mapped.Piece, or the device tier's tensor slice
+    per_block = name.endswith(ABSMAX)
+    shape = (q8_blocks(p.numel()),) if per_block else p.shape
     for sg, sl in parts:
         a, b = sl.sub_offset, sl.sub_offset + sl.numel
+        if per_block:  # the layout starts each slice of a q8 subgroup on a block
+            a, b = a // Q8_BLOCK, q8_blocks(b)
         if placement.plan.tiers[sg.index] == DEVICE:
             piece = placement.device.piece(sg.index, name, a, b)
             located.append(piece if piece is not None else placement.device.tensor(sg.index, name)[a:b])
         else:
             located.append(placement.host.views.piece(placement.host_local[sg.index], name, a, b, verified))
-    dtype = placement.state_format.dtype_of(name)
+    dtype = torch.float32 if per_block else torch.uint8 if fmt.is_q8(name) else fmt.dtype_of(name)
     if not located:
-        return torch.zeros(p.shape, dtype=dtype, device=p.device)
+        return torch.zeros(shape, dtype=dtype, device=p.device)
     # pieces of one tier only: a device piece is stepped in place while a host or nvme one is
     # kept as it was taken (host_views.py), and one tensor cannot do both
     one_tier = len({placement.plan.tiers[sg.index] == DEVICE for sg, _ in parts}) == 1
     if one_tier and all(isinstance(x, Piece) for x in located):
-        t = map_tensor(located, dtype, p.shape)
+        t = map_tensor(located, dtype, shape)
         if t is not None:
             return t
     if len(located) == 1 and isinstance(located[0], torch.Tensor):
-        return _own_storage(located[0]).view(p.shape)
+        return _own_storage(located[0]).view(shape)
     # no view can exist: one copy, on the device where every piece is there, else on the host
     on_device = all(isinstance(x, torch.Tensor) for x in located)
-    out = torch.empty(p.numel(), dtype=dtype, device=p.device if on_device else "cpu")
+    out = torch.empty(math.prod(shape), dtype=dtype, device=p.device if on_device else "cpu")
     at = 0
     for x in located:
         src = x if isinstance(x, torch.Tensor) else map_tensor([x], dtype, (x.nbytes // dtype.itemsize,))
         out[at:at + src.numel()].copy_(src)
         at += src.numel()
         del src
-    return out.view(p.shape)
+    return out.view(shape)
 
 
 def _own_storage(t: torch.Tensor) -> torch.Tensor:
@@ -248,12 +287,14 @@ def _saved(param, entry: dict, key: str):
     return saved
 
 
-def _source(param, entry: dict, key: str, held: dict, idx: int):
+def _source(param, entry: dict, key: str, held: dict, idx: int, q8: bool = False):
     """A param's saved tensor for tier state `key` as 1-D, or None (zeros). "remainder": the
     checkpoint's `master_remainder` of a bf16 param (int16; one torch cast to another dtype is
     no remainder), held under `idx` (ParamGuard.hold_masters: weights loaded after the
     optimizer's state decode with it, as the checkpoint's did). "master": the param itself
-    unless the saved `master_param` stands (one that does not, of a 16-bit param, is held)."""
+    unless the saved `master_param` stands (one that does not, of a 16-bit param, is held).
+    A moment the tier keeps as q8 (`q8`): a Q8Blocks of the checkpoint's codes and absmax, or its
+    float moment quantized; a q8 moment of the checkpoint into a float tier: dequantized."""
     p = local_of(param)
     if key == "remainder":
         saved = _saved(param, entry, "master_remainder")
@@ -263,6 +304,15 @@ def _source(param, entry: dict, key: str, held: dict, idx: int):
         return saved.reshape(-1) if ok else None
     if key != "master":
         saved = _saved(param, entry, key)
+        codes, absmax = entry.get(key + Q8_KEY), entry.get(key + ABSMAX)
+        signed = key == "exp_avg"
+        from cpu_kernels.q8_reference import Q8Blocks, dequantize_blocks, quantize_blocks
+        if q8:  # the tier stores codes and absmaxes: a float moment (torch's AdamW) is quantized
+            if codes is not None:
+                return Q8Blocks(codes.reshape(-1), absmax.reshape(-1))
+            return None if saved is None else quantize_blocks(saved.detach().reshape(-1).float().cpu(), signed)
+        if saved is None and codes is not None:  # a q8 checkpoint into a float tier
+            return dequantize_blocks(Q8Blocks(codes.reshape(-1).cpu(), absmax.reshape(-1).cpu()), signed)
         return None if saved is None else saved.reshape(-1)
     saved = _saved(param, entry, "master_param")
     src = p.detach()
@@ -277,17 +327,18 @@ def _source(param, entry: dict, key: str, held: dict, idx: int):
     return src.reshape(-1)
 
 
-def prepare_sources(layout, params: list, saved_state: dict, held: dict) -> dict:
+def prepare_sources(layout, params: list, saved_state: dict, held: dict, state_format) -> dict:
     """{(param index, tier key): its 1-D source or None} for every param a subgroup holds, made
     before anything is written: what can fail in making them (a shard, a gather, a device) fails
     while every tier is still as it was, and what is left to write is copies. `held` gets the
     saved masters (or remainders) a later write of the param's weights must keep (_source)."""
-    laid = sorted({sl.param_index for sg in layout.subgroups for sl in sg.slices})
+    quantized = {sl.param_index: sg.quantized for sg in layout.subgroups for sl in sg.slices}
     out = {}
-    for idx in laid:
+    for idx in sorted(quantized):
         entry = saved_state.get(idx, {})
+        fmt = state_format.for_subgroup(quantized[idx])
         for k in ("remainder",) + _state_keys(layout.amsgrad):
-            out[(idx, k)] = _source(params[idx], entry, k, held, idx)
+            out[(idx, k)] = _source(params[idx], entry, k, held, idx, fmt.is_q8(k))
     return out
 
 
@@ -304,7 +355,16 @@ def _fill(stored: dict, sg, sources: dict) -> None:
         a, b = sl.sub_offset, sl.sub_offset + sl.numel
         pa, pb = sl.param_offset, sl.param_offset + sl.numel
         for k in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq"):
-            if k in stored:
+            if k + ABSMAX in stored:  # q8: codes and the absmax of their blocks (each slice starts one)
+                src = sources[(sl.param_index, k)]
+                ca, cb, qa, qb = a // Q8_BLOCK, q8_blocks(b), pa // Q8_BLOCK, q8_blocks(pb)
+                if src is None:
+                    stored[k][a:b].fill_(Q8_ZERO_CODE[k])
+                    stored[k + ABSMAX][ca:cb].zero_()
+                else:
+                    stored[k][a:b].copy_(src.codes[pa:pb])
+                    stored[k + ABSMAX][ca:cb].copy_(src.absmax[qa:qb])
+            elif k in stored:
                 src = sources[(sl.param_index, k)]
                 if src is None:
                     stored[k][a:b].zero_()
@@ -462,7 +522,7 @@ def load(parts, state_dict: dict, torch_state, keep=()) -> None:
             raise
     hyper = saved_hyperparameters(layout.param_groups, state_dict, keep)
     held: dict = {}
-    scatter_state(layout, placement, prepare_sources(layout, params, saved, held))
+    scatter_state(layout, placement, prepare_sources(layout, params, saved, held, placement.state_format))
     # set once the state stands: a failed load keeps them
     for g, h, s in zip(layout.param_groups, hyper, state_dict["param_groups"]):
         g.update(h)

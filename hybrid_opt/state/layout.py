@@ -20,6 +20,16 @@ process_group param's dim-0 chunk — sharded and plain params of one bucket pac
 Copies between a subgroup's contiguous buffers (banks, masters) and its slices go through
 `Subgroup.read` / `write`: one batched `torch._foreach_copy_` call for all the slices, not one
 call (and on CUDA one sync) per slice.
+
+With q8 moments (state_format.py, `quantize=True`) the buckets are (device, dtype, quantized):
+params of at least Q8_MIN_NUMEL elements are quantized, smaller ones keep fp32 moments, and no
+subgroup mixes the two, so every subgroup has one format. A quantized subgroup's blocks of 256
+along its own index are its params' blocks along theirs: its size is a multiple of 256 (of
+4096 where subgroups are cut on pages: a page of 1-byte codes), and a
+param whose element count is not ends the subgroup it ends in (its partial last block is the
+subgroup's last). So every slice of it starts on a block of its param and of the subgroup, a
+cut never splits a block, and one q8 kernel call over a subgroup (or over any of its slices)
+gives each param's blocks bitwise.
 """
 from __future__ import annotations
 
@@ -29,6 +39,7 @@ from dataclasses import dataclass, field
 import torch
 
 from hybrid_opt.distributed import is_dtensor, is_sharded, local_of
+from hybrid_opt.state.state_format import Q8_BLOCK, Q8_MIN_NUMEL
 
 
 def own_contiguous(p) -> None:
@@ -97,6 +108,7 @@ class Subgroup:
     device: torch.device
     slices: list = field(default_factory=list)
     ready_rank: int = 0       # 0 = grads complete first in backward (about reverse param order)
+    quantized: bool = False   # its q8 moments are q8 (its params have at least Q8_MIN_NUMEL elements)
 
     def pieces(self, a: int = 0, b: int | None = None, slices=None):
         """(slice view part, start, end) of each slice overlapping subgroup elements [a, b),
@@ -149,19 +161,22 @@ def _copy(dsts: list, srcs: list, non_blocking: bool) -> None:
 
 
 def layout_group(params: list, group: int, first_index: int, subgroup_numel: int,
-                 first_subgroup: int) -> list:
-    """The subgroups of one param group: its params of each (device, dtype), in param order,
-    cut over their concatenation (module docstring). Nothing is copied; a non-contiguous
-    plain param is given contiguous memory of its own first."""
+                 first_subgroup: int, quantize: bool = False) -> list:
+    """The subgroups of one param group: its params of each (device, dtype) — and with
+    `quantize` (a q8 moment format) of each (device, dtype, quantized) — in param order, cut
+    over their concatenation (module docstring). Nothing is copied; a non-contiguous plain
+    param is given contiguous memory of its own first."""
     buckets: dict = {}
     for k, p in enumerate(params):
         own_contiguous(p)
         local = local_of(p)
-        buckets.setdefault((local.device, local.dtype), []).append((first_index + k, p, local.numel()))
+        quantized = quantize and local.numel() >= Q8_MIN_NUMEL
+        buckets.setdefault((local.device, local.dtype, quantized), []).append(
+            (first_index + k, p, local.numel()))
     subgroups: list = []
-    for (device, dtype), members in buckets.items():
+    for (device, dtype, quantized), members in buckets.items():
         subgroups.extend(_cut(members, group, device, dtype, subgroup_numel,
-                              first_subgroup + len(subgroups)))
+                              first_subgroup + len(subgroups), quantized))
     return subgroups
 
 
@@ -203,13 +218,23 @@ def _cut_alignment(subgroup_numel: int) -> int:
     return PAGE_CUT if subgroup_numel >= PAGE_CUT_FROM else _ALIGN
 
 
-def _cut(members: list, group: int, device, dtype, subgroup_numel: int, first: int) -> list:
+def _cut(members: list, group: int, device, dtype, subgroup_numel: int, first: int,
+         quantized: bool = False) -> list:
     """Subgroups over the concatenation of `members` [(param index, param, local numel)]: as
     few as `subgroup_numel` allows, of one size (aligned: _cut_alignment), the last shorter by
     less than one alignment per subgroup — so the tiers' banks and files, sized for the largest, hold
-    elements, not padding. A parameter may span several."""
+    elements, not padding. A parameter may span several. `quantized`: q8 blocks are never
+    split (the size a multiple of 256, a param with a partial last block ends its subgroup:
+    module docstring)."""
     total = sum(n for _, _, n in members)
     a = _cut_alignment(subgroup_numel)
+    if quantized:
+        # whole blocks; on pages, a page of 1-byte codes (2 x PAGE_CUT), so that a param's codes
+        # in several subgroups map side by side in state_dict() (mapped.side_by_side)
+        a = 2 * PAGE_CUT if a == PAGE_CUT else max(a, Q8_BLOCK)
+        if subgroup_numel < Q8_BLOCK:
+            raise ValueError(f"subgroup_numel={subgroup_numel} cannot hold one q8 block of {Q8_BLOCK} "
+                             f"elements: give subgroup_numel >= {Q8_BLOCK} with a q8 moment format")
     cap = subgroup_numel // a * a if a > _ALIGN else subgroup_numel
     count = -(-total // cap)
     size = min(cap, -(-(-(-total // count)) // a) * a) if count else cap
@@ -219,12 +244,14 @@ def _cut(members: list, group: int, device, dtype, subgroup_numel: int, first: i
         off = 0
         while off < n:
             if sg is None or sg.numel == size:
-                sg = Subgroup(first + len(subgroups), group, 0, dtype, device)
+                sg = Subgroup(first + len(subgroups), group, 0, dtype, device, quantized=quantized)
                 subgroups.append(sg)
             take = min(n - off, size - sg.numel)
             sg.slices.append(ParamSlice(idx, p, off, sg.numel, take))
             sg.numel += take
             off += take
+        if quantized and n % Q8_BLOCK:
+            sg = None  # its partial last block ends the subgroup: the next param starts a block
     return subgroups
 
 
@@ -243,10 +270,11 @@ class Layout:
     """The optimizer's layout: its subgroups, each param's index and each param's step count
     (torch's state['step']), over the optimizer's own `param_groups` (read, never written)."""
 
-    def __init__(self, param_groups: list, subgroup_numel: int, amsgrad: bool):
+    def __init__(self, param_groups: list, subgroup_numel: int, amsgrad: bool, quantize: bool = False):
         self.param_groups = param_groups
         self.subgroup_numel = subgroup_numel
         self.amsgrad = amsgrad      # whether the tiers lay out amsgrad's running max
+        self.quantize = quantize    # a q8 moment format: quantized and small params apart
         self.subgroups: list = []
         self.index: dict = {}       # param -> its index in the optimizer's order
         self.laid_out: list = []    # the params, in that order (what param_groups must still hold)
@@ -264,7 +292,7 @@ class Layout:
             self.index[p] = first + k
         self.laid_out.extend(params)
         self.steps.extend([0] * len(params))
-        sgs = layout_group(params, gi, first, self.subgroup_numel, len(self.subgroups))
+        sgs = layout_group(params, gi, first, self.subgroup_numel, len(self.subgroups), self.quantize)
         self.subgroups.extend(sgs)
         assign_ready_ranks(self.subgroups)
         return sgs

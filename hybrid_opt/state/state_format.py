@@ -11,6 +11,13 @@ encoding and keep theirs too.
 A bf16 moment is rounded to nearest even when stored; the fp32 value before rounding feeds
 the update (every kernel, every tier). One StateFormat serves every tier; the byte counts
 here are what the scheduler, the cost model and `hybrid-opt plan` count.
+
+`"q8"` (issue 38) stores a moment as 8-bit codes of bitsandbytes' dynamic map (signed for
+exp_avg, unsigned for exp_avg_sq and amsgrad's max), blocks of 256 elements along each param's
+flat index with one fp32 absmax per block (cpu_kernels/q8_reference.py): 1 + 4/256 bytes per
+element. The param update uses the fresh fp32 moments before they are quantized (as torchao
+does). Params under Q8_MIN_NUMEL elements keep fp32 moments (`unquantized()`): the layout puts
+them in subgroups of their own, so every subgroup has one format (layout.py).
 """
 from __future__ import annotations
 
@@ -18,7 +25,36 @@ from dataclasses import dataclass
 
 import torch
 
-MOMENT_DTYPES = (torch.float32, torch.bfloat16)
+Q8 = "q8"
+MOMENT_DTYPES = (torch.float32, torch.bfloat16, Q8)
+Q8_BLOCK = 256  # elements per absmax
+Q8_MIN_NUMEL = 4096  # smaller params keep fp32 moments (bitsandbytes' and torchao's rule)
+Q8_BYTES = 1 + 4 / Q8_BLOCK  # a code and its share of the block's fp32 absmax
+
+
+def q8_blocks(numel: int) -> int:
+    """The absmax count of `numel` elements of a q8 moment (the last block may be partial)."""
+    return -(-numel // Q8_BLOCK)
+
+
+# a zero moment's code: the index of 0.0 in the signed map (exp_avg) and the unsigned one
+Q8_ZERO_CODE = {"exp_avg": 127, "exp_avg_sq": 0, "max_exp_avg_sq": 0}
+ABSMAX = "_absmax"  # a q8 moment's absmax tensor: the moment's name + this
+
+
+def stored_numel(name: str, numel: int) -> int:
+    """The element count of stored tensor `name` of a subgroup of `numel` elements: one per
+    element, one per block of 256 for a q8 moment's absmax."""
+    return q8_blocks(numel) if name.endswith(ABSMAX) else numel
+
+
+def absmaxes_of(state: dict) -> dict:
+    """The q8 absmax tensors of a tier's `state` (its `<moment>_absmax` entries)."""
+    return {k: v for k, v in state.items() if k.endswith(ABSMAX)}
+
+
+def _itemsize(dt) -> float:
+    return Q8_BYTES if dt == Q8 else dt.itemsize
 
 
 @dataclass(frozen=True)
@@ -31,7 +67,8 @@ class StateFormat:
         for name in ("exp_avg_dtype", "exp_avg_sq_dtype"):
             dt = getattr(self, name)
             if dt not in MOMENT_DTYPES:
-                raise TypeError(f"{name} must be torch.float32 or torch.bfloat16, got {dt!r}")
+                raise TypeError(f"{name} must be torch.float32 or torch.bfloat16 (or \"q8\": 8-bit "
+                                f"blockwise moments), got {dt!r}")
         if not isinstance(self.store_param_remainders, bool):
             raise TypeError("store_param_remainders must be a bool, got "
                             f"{type(self.store_param_remainders).__name__}")
@@ -39,6 +76,39 @@ class StateFormat:
     @property
     def compressed_moments(self) -> bool:
         return self.exp_avg_dtype != torch.float32 or self.exp_avg_sq_dtype != torch.float32
+
+    @property
+    def quantized_moments(self) -> bool:
+        """Whether a moment is q8 (for params of at least Q8_MIN_NUMEL elements)."""
+        return Q8 in (self.exp_avg_dtype, self.exp_avg_sq_dtype)
+
+    def unquantized(self) -> "StateFormat":
+        """The format of a param too small to quantize: its q8 moments fp32."""
+        if not self.quantized_moments:
+            return self
+        return StateFormat(torch.float32 if self.exp_avg_dtype == Q8 else self.exp_avg_dtype,
+                           torch.float32 if self.exp_avg_sq_dtype == Q8 else self.exp_avg_sq_dtype,
+                           self.store_param_remainders)
+
+    def for_subgroup(self, quantized: bool) -> "StateFormat":
+        """The format a subgroup keeps: this one where its params are quantized (layout's
+        Subgroup.quantized), else `unquantized()`."""
+        return self if quantized else self.unquantized()
+
+    def is_q8(self, name: str) -> bool:
+        """Whether state `name` ("exp_avg", "exp_avg_sq", "max_exp_avg_sq") is stored as q8."""
+        return name in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq") and self.dtype_of(name) == Q8
+
+    def stored_moments(self, amsgrad: bool) -> dict:
+        """{name: dtype} of the moment tensors a tier stores: a q8 moment `name` is its uint8
+        codes under `name` and its fp32 absmax under `name + "_absmax"` (`stored_numel`)."""
+        out = {}
+        for name in ("exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if amsgrad else ()):
+            if self.is_q8(name):
+                out[name], out[name + ABSMAX] = torch.uint8, torch.float32
+            else:
+                out[name] = self.dtype_of(name)
+        return out
 
     @property
     def plain(self) -> bool:
@@ -49,8 +119,9 @@ class StateFormat:
         """rollback='inverse' recomputes the previous state from the new one: bf16 rounding
         loses what it would need."""
         if rollback == "inverse" and self.compressed_moments:
-            raise ValueError("rollback='inverse' cannot undo a step with bf16 moments (rounding "
-                             "to bf16 is not invertible); use rollback='exact' (the default) or "
+            what = "q8 moments (quantizing" if self.quantized_moments else "bf16 moments (rounding to bf16"
+            raise ValueError(f"rollback='inverse' cannot undo a step with {what} is not invertible); "
+                             "use rollback='exact' (the default) or "
                              "exp_avg_dtype=exp_avg_sq_dtype=torch.float32")
 
     def remainders_for(self, param_dtype: torch.dtype) -> bool:
@@ -63,10 +134,11 @@ class StateFormat:
         return {"master": torch.float32, "remainder": torch.int16, "exp_avg": self.exp_avg_dtype,
                 "exp_avg_sq": self.exp_avg_sq_dtype, "max_exp_avg_sq": self.exp_avg_sq_dtype}[name]
 
-    def moment_bytes(self, amsgrad: bool = False) -> int:
-        """Bytes per element of exp_avg, exp_avg_sq and (amsgrad) max_exp_avg_sq."""
-        v = self.exp_avg_sq_dtype.itemsize
-        return self.exp_avg_dtype.itemsize + v + (v if amsgrad else 0)
+    def moment_bytes(self, amsgrad: bool = False) -> float:
+        """Bytes per element of exp_avg, exp_avg_sq and (amsgrad) max_exp_avg_sq (a q8 moment:
+        1 + 4/256, its code and its share of the block's absmax)."""
+        v = _itemsize(self.exp_avg_sq_dtype)
+        return _itemsize(self.exp_avg_dtype) + v + (v if amsgrad else 0)
 
     def master_bytes(self, param_dtype: torch.dtype, own_master: bool) -> int:
         """Bytes per element the master adds beside the model param: 0 where the param is its
@@ -76,20 +148,20 @@ class StateFormat:
             return 0
         return 2 if self.remainders_for(param_dtype) else 4
 
-    def state_bytes(self, param_dtype: torch.dtype, amsgrad: bool = False, own_master: bool = False) -> int:
+    def state_bytes(self, param_dtype: torch.dtype, amsgrad: bool = False, own_master: bool = False) -> float:
         """Bytes per element of the state a tier stores for a param of `param_dtype`: master
         (or remainder) and moments. On the nvme tier these are the file's bytes (a remainder's
         high half is the model's param, read from it, not stored again)."""
         return self.master_bytes(param_dtype, own_master) + self.moment_bytes(amsgrad)
 
-    def bank_bytes(self, param_dtype: torch.dtype, amsgrad: bool = False) -> int:
+    def bank_bytes(self, param_dtype: torch.dtype, amsgrad: bool = False) -> float:
         """Bytes per element of a host-tier bank (committed, spare or nvme I/O bank): the state
         plus the model-dtype copy a bf16/fp16 param's bank keeps (with remainders that copy is
         the master's high half, so it is not counted twice)."""
         copy = 0 if param_dtype == torch.float32 else param_dtype.itemsize
         return self.state_bytes(param_dtype, amsgrad) + copy
 
-    def adam_bytes(self, param_dtype: torch.dtype, grad_bytes: int, amsgrad: bool = False) -> int:
+    def adam_bytes(self, param_dtype: torch.dtype, grad_bytes: int, amsgrad: bool = False) -> float:
         """Bytes one Adam step moves per element (read + written; CPU and GPU Adam are
         memory-bound, so their time is proportional): the fp32 master read and written (an fp32
         param is its own) and a bf16/fp16 param's copy written — or, with remainders, the bf16
@@ -106,7 +178,7 @@ class StateFormat:
 
 
 # ---------------------------------------------------------------- command-line flags
-DTYPE_NAMES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+DTYPE_NAMES = {"fp32": torch.float32, "bf16": torch.bfloat16, "q8": Q8}
 
 
 def add_arguments(ap, remainder_note: str = "") -> None:

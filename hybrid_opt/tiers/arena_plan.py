@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from hybrid_opt.shm import PAGE, ArenaLayout, align_up
+from hybrid_opt.state.state_format import Q8_BLOCK
 from hybrid_opt.tiers.compressed import bank_layout
 
 _ALIGN_ELEMS = 64  # bank capacity and slot sizes in whole cache lines of fp32
@@ -26,14 +27,17 @@ STAGING_SLOTS = 8         # default staging slots (two 4Mi subgroups of 1Mi piec
 MAX_STAGING_SLOTS = 32    # staging_slots_for(): at most 128 MB of fp32 grads
 
 
-def _slot_numel(numels: list, slot_numel: int | None) -> int:
+def _slot_numel(numels: list, slot_numel: int | None, quantized: bool = False) -> int:
     """Elements per staging slot: `slot_numel` (default 1Mi: 4 MB of fp32 grads — a task that
     long costs the worker ~1 ms, its messaging overhead ~50 us; larger only costs memory),
-    at most the largest subgroup, in whole cache lines."""
-    return align_up(min(slot_numel or DEFAULT_SLOT_NUMEL, align_up(max(numels), _ALIGN_ELEMS)), _ALIGN_ELEMS)
+    at most the largest subgroup, in whole cache lines — in whole q8 blocks where a subgroup is
+    `quantized`, so every piece of it starts on a block."""
+    align = Q8_BLOCK if quantized else _ALIGN_ELEMS
+    return align_up(min(slot_numel or DEFAULT_SLOT_NUMEL, align_up(max(numels), align)), align)
 
 
-def staging_slots_for(bursts: list, numels: list, slot_numel: int | None = None) -> int:
+def staging_slots_for(bursts: list, numels: list, slot_numel: int | None = None,
+                      quantized: bool = False) -> int:
     """Staging slots for a host tier whose subgroups become ready in `bursts` (lists of
     subgroup indices into `numels` that one grad hook completes together: a parameter that
     spans several subgroups completes them all at once). A speculated step takes all its
@@ -41,7 +45,7 @@ def staging_slots_for(bursts: list, numels: list, slot_numel: int | None = None)
     than the free slots is deferred to the next hook — the worker idles meanwhile. Enough
     slots for the two largest bursts (one may arrive while the worker still holds the slots
     of the one before), within [STAGING_SLOTS, MAX_STAGING_SLOTS]."""
-    slot = _slot_numel(numels, slot_numel)
+    slot = _slot_numel(numels, slot_numel, quantized)
     sizes = sorted(sum(-(-numels[i] // slot) for i in b) for b in bursts)
     return max(STAGING_SLOTS, min(MAX_STAGING_SLOTS, sum(sizes[-2:])))
 
@@ -81,16 +85,21 @@ class ArenaPlan:
 
 def plan_arena(numels: list, nvme: list, *, fmt, amsgrad: bool, copy_dtype, remainders: list,
                grad_dtype, rollback: str, spare_banks: int | None, io_banks: int,
-               staging_slots: int, slot_numel: int | None) -> ArenaPlan:
-    """The arena of a host tier of subgroups `numels` (`nvme`, `remainders`: a flag each:
-    on nvme, keeping its master as remainders) — HostTier's arguments, checked by it."""
+               staging_slots: int, slot_numel: int | None, quantized: list | None = None) -> ArenaPlan:
+    """The arena of a host tier of subgroups `numels` (`nvme`, `remainders`, `quantized`: a flag
+    each: on nvme, keeping its master as remainders, keeping q8 moments) — HostTier's
+    arguments, checked by it."""
     rem_mode = ("all" if all(remainders) else "some") if any(remainders) else "none"
+    quantized = list(quantized or [False] * len(numels))
+    q8_mode = ("all" if all(quantized) else "some") if any(quantized) and fmt.quantized_moments else "none"
+    if q8_mode == "none":
+        fmt = fmt.unquantized()
     resident = [i for i in range(len(numels)) if not nvme[i]]
     spares = (len(resident) if spare_banks is None else spare_banks) if rollback == "exact" and resident else 0
     io = io_banks if any(nvme) else 0
     capacity = align_up(max(numels), _ALIGN_ELEMS)
-    slot = _slot_numel(numels, slot_numel)
-    regions, io_bytes, bank_stride = bank_layout(capacity, fmt, amsgrad, copy_dtype, rem_mode)
+    slot = _slot_numel(numels, slot_numel, q8_mode != "none")
+    regions, io_bytes, bank_stride = bank_layout(capacity, fmt, amsgrad, copy_dtype, rem_mode, q8_mode)
     slot_stride = align_up(slot * torch.empty((), dtype=grad_dtype).element_size(), PAGE)
     arena = ArenaLayout()
     bank_offset = arena.add("banks", bank_stride * (len(resident) + spares + 2 * io), PAGE)

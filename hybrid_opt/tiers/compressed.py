@@ -20,6 +20,14 @@ offset): correct, not smaller.
 Bytes per element (bf16 model, no amsgrad): fp32 state 4+4+4 + 2 copy = 14 per bank, nvme
 file 12; bf16 moments 4+2+2 + 2 = 10, file 8; bf16 moments + remainders 2+2+2 + 2 = 8, file 6
 — StateFormat.state_bytes plus the 2-byte copy (the file: state_bytes alone).
+
+q8 moments (issue 38): a q8 moment's region holds its uint8 codes and a region of its own,
+"m_absmax" / "v_absmax" / "vmax_absmax" (fp32, one per block of 256 of the capacity), holds the
+absmaxes; both lie in the state block, so a swap moves them and the nvme slots' CRCs cover
+them. A quantized subgroup's pieces start on blocks (layout.py; staging slots are whole blocks),
+so a piece at element `off` finds its absmaxes at `off / 256`. A tier that also holds small
+params' subgroups (fp32 moments: `q8_mode` "some") keeps the 4-byte moment regions, the codes in
+their first quarter: correct, not smaller (as remainders' "some").
 """
 from __future__ import annotations
 
@@ -27,11 +35,18 @@ import torch
 
 from hybrid_opt.shm import CACHE_LINE, PAGE, ArenaLayout, align_up
 from hybrid_opt.state.layout import PAGE_CUT
+from hybrid_opt.state.state_format import ABSMAX, Q8, Q8_ZERO_CODE, q8_blocks
+
+# a moment's bank region
+MOMENT_REGION = {"exp_avg": "m", "exp_avg_sq": "v", "max_exp_avg_sq": "vmax"}
 
 
-def bank_layout(capacity: int, fmt, amsgrad: bool, copy_dtype, rem_mode: str):
+def bank_layout(capacity: int, fmt, amsgrad: bool, copy_dtype, rem_mode: str, q8_mode: str = "none"):
     """(regions {name: byte offset}, io_bytes, bank bytes) for banks of `capacity` elements.
-    rem_mode: "none", "all" (every subgroup keeps remainders: no fp32 region) or "some"."""
+    rem_mode: "none", "all" (every subgroup keeps remainders: no fp32 region) or "some".
+    q8_mode: "none" (no quantized subgroup: q8 moments are fp32), "all" (every subgroup is
+    quantized: 1-byte code regions) or "some" (4-byte regions); with "all"/"some" each q8
+    moment has an absmax region beside."""
     bank = ArenaLayout()
     # where the layout cuts subgroups on pages (layout.PAGE_CUT), every region starts on one, at
     # no cost (each region is whole pages): state_dict() maps a param's pieces of several banks
@@ -43,10 +58,18 @@ def bank_layout(capacity: int, fmt, amsgrad: bool, copy_dtype, rem_mode: str):
         regions = {"p": bank.add("p", capacity * 4, align)}
         if rem_mode == "some":
             regions["rem"] = regions["p"]
-    ms, vs = fmt.exp_avg_dtype.itemsize, fmt.exp_avg_sq_dtype.itemsize
+    def size(dt):
+        return 4 if dt == Q8 and q8_mode != "all" else 1 if dt == Q8 else dt.itemsize
+
+    ms, vs = size(fmt.exp_avg_dtype), size(fmt.exp_avg_sq_dtype)
     regions["m"] = bank.add("m", capacity * ms, align)
     regions["v"] = bank.add("v", capacity * vs, align)
     regions["vmax"] = bank.add("vmax", capacity * vs, align) if amsgrad else 0
+    if q8_mode != "none":
+        for name in ("exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if amsgrad else ()):
+            if fmt.is_q8(name):
+                region = MOMENT_REGION[name] + ABSMAX
+                regions[region] = bank.add(region, q8_blocks(capacity) * 4, CACHE_LINE)
     # the state block (master..vmax) is what a swap moves: page-aligned for O_DIRECT
     io_bytes = bank.pad(PAGE)
     regions["copy"] = bank.add("copy", capacity * 2) if copy_dtype is not None else 0
@@ -105,9 +128,11 @@ class StateBanks:
 
     def __init__(self, arena, *, numels: list, fmt, amsgrad: bool, copy_dtype, remainders: list,
                  params, regions: dict, bank_offset: int, bank_stride: int, io_bytes: int,
-                 n_banks: int):
+                 n_banks: int, quantized: list | None = None):
         self.arena = arena
         self.numels, self.fmt, self.amsgrad, self.copy_dtype = list(numels), fmt, amsgrad, copy_dtype
+        # per subgroup, its format: q8 moments fp32 where its params are small (layout.py)
+        self.formats = [fmt.for_subgroup(q) for q in (quantized or [False] * len(numels))]
         self._remainders, self._params = list(remainders), params
         self._regions, self._bank_offset, self._bank_stride = dict(regions), bank_offset, bank_stride
         self.io_bytes = io_bytes
@@ -159,20 +184,36 @@ class StateBanks:
         self._fresh.discard(bank)
         return fresh
 
+    def quantized(self, sg: int) -> bool:
+        """Whether subgroup `sg` keeps a q8 moment (its pieces are stepped by the q8 kernel)."""
+        return self.formats[sg].quantized_moments
+
     def stored_state(self, bank: int, sg: int) -> dict:
         """The regions a subgroup's state occupies in `bank`, as stored: param (fp32 master) or
-        high (bf16 high half, the copy region) + remainder (int16); the moments."""
-        n, fmt = self.numels[sg], self.fmt
+        high (bf16 high half, the copy region) + remainder (int16); the moments (a q8 one: its
+        uint8 codes under its name, its fp32 absmaxes under the name + "_absmax")."""
+        n, fmt = self.numels[sg], self.formats[sg]
         if self._remainders[sg]:
             out = {"high": self.view(bank, "copy", n, torch.bfloat16),
                    "remainder": self.view(bank, "rem", n, torch.int16)}
         else:
             out = {"param": self.view(bank, "p", n, torch.float32)}
-        out["exp_avg"] = self.view(bank, "m", n, fmt.exp_avg_dtype)
-        out["exp_avg_sq"] = self.view(bank, "v", n, fmt.exp_avg_sq_dtype)
-        if self.amsgrad:
-            out["max_exp_avg_sq"] = self.view(bank, "vmax", n, fmt.exp_avg_sq_dtype)
+        for name, dtype in fmt.stored_moments(self.amsgrad).items():
+            if name.endswith(ABSMAX):
+                region = MOMENT_REGION[name[:-len(ABSMAX)]] + ABSMAX
+                out[name] = self.view(bank, region, q8_blocks(n), dtype)
+            else:
+                out[name] = self.view(bank, MOMENT_REGION[name], n, dtype)
         return out
+
+    def zero_moments(self, stored: dict, sg: int) -> None:
+        """The moments of `stored` (stored_state's) set to zero: a q8 exp_avg's codes are the
+        signed map's zero code (127), not 0 (which is -0.99 x a zero absmax: -0.0)."""
+        for name, t in stored.items():
+            if name in MOMENT_REGION and self.formats[sg].is_q8(name):
+                t.fill_(Q8_ZERO_CODE[name])
+            elif name in MOMENT_REGION or name.endswith(ABSMAX):
+                t.zero_()
 
     def bank_state(self, bank: int, sg: int) -> dict:
         """state()'s keys: param (the fp32 master: a view, or decoded into a new tensor for a

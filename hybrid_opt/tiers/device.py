@@ -13,6 +13,11 @@ when stored) and, with `store_param_remainders`, a bf16 subgroup keeps no fp32 m
 model's bf16 param is the master's high half and an int16 remainder its low half, decoded,
 stepped and encoded in the kernel's one pass. `master_of` gives every subgroup's fp32 master
 (decoded for those: a new tensor), `set_master` writes one (encoded: the param is written).
+
+A q8 moment (issue 38) of a quantized subgroup is two tensors: its uint8 codes under the
+moment's name and its fp32 absmax (one per block of 256) under the name + "_absmax"; such a
+subgroup is stepped by cpu_kernels.q8_adam_step_ (CPU) or gpu_kernels.q8_adam_ (CUDA), each
+slice on its own blocks (the layout starts every slice of it on a block).
 """
 from __future__ import annotations
 
@@ -21,7 +26,8 @@ import math
 
 import torch
 
-from hybrid_opt.state.state_format import StateFormat
+from hybrid_opt.state.state_format import (ABSMAX, Q8_BLOCK, Q8_ZERO_CODE, StateFormat, q8_blocks,
+                                           stored_numel)
 from hybrid_opt.tiers.device_memory import cpu_state_arena
 
 # prepared CUDA launches kept (_launch_for): one per launch group in the steady state; a few
@@ -61,9 +67,7 @@ def _tensors_of(sg, state_format: StateFormat, amsgrad: bool) -> dict:
         out["remainder"] = torch.int16
     elif sg.dtype != torch.float32:
         out["master"] = torch.float32
-    out["exp_avg"], out["exp_avg_sq"] = state_format.exp_avg_dtype, state_format.exp_avg_sq_dtype
-    if amsgrad:
-        out["max_exp_avg_sq"] = state_format.exp_avg_sq_dtype
+    out.update(state_format.for_subgroup(sg.quantized).stored_moments(amsgrad))
     return out
 
 
@@ -99,7 +103,7 @@ def _carve_from_one_block(kinds: list) -> None:
     totals: dict = {}
     for sg, tensors in kinds:
         for dt in tensors.values():
-            n = sg.numel * dt.itemsize
+            n = sg.numel * dt.itemsize  # an absmax is small: counted as large as its codes, harmless
             if n > _LARGE_TENSOR:
                 totals[sg.device] = totals.get(sg.device, 0) + -(-n // _ROUND) * _ROUND
     for device, total in totals.items():
@@ -122,6 +126,7 @@ class DeviceTier:
         self._launches = collections.OrderedDict()  # _launch_for's prepared launches, LRU
         self.subgroups, self.master, self.remainder, self.state = {}, {}, {}, {}
         self._cpu: dict = {}  # subgroup index -> the CpuStateArena of its tensors (a CPU-only host)
+        self.formats: dict = {}  # subgroup index -> its StateFormat (q8 moments fp32 for small params)
         kinds = [(sg, _tensors_of(sg, state_format, amsgrad)) for sg in subgroups]
         _carve_from_one_block([(sg, t) for sg, t in kinds if sg.device.type != "cpu"])
         arena = cpu_state_arena(kinds)
@@ -131,7 +136,12 @@ class DeviceTier:
                 st = arena.tensors(sg.index)
                 self._cpu[sg.index] = arena
             else:
-                st = {k: torch.zeros(sg.numel, dtype=dt, device=sg.device) for k, dt in tensors.items()}
+                st = {k: torch.zeros(stored_numel(k, sg.numel), dtype=dt, device=sg.device)
+                      for k, dt in tensors.items()}
+            self.formats[sg.index] = state_format.for_subgroup(sg.quantized)
+            for name in ("exp_avg",):  # a zero q8 exp_avg is the signed map's zero code, not code 0
+                if name + ABSMAX in st:
+                    st[name].fill_(Q8_ZERO_CODE[name])
             if "remainder" in st:
                 # the param's own fp32 value: high half the param, low half 0
                 self.remainder[sg.index] = st.pop("remainder")
@@ -144,14 +154,15 @@ class DeviceTier:
     def absorb(self, other: "DeviceTier") -> None:
         """Takes `other`'s subgroups, their tensors as they are (a move's arrivals)."""
         for d, o in ((self.subgroups, other.subgroups), (self.master, other.master),
-                     (self.remainder, other.remainder), (self.state, other.state), (self._cpu, other._cpu)):
+                     (self.remainder, other.remainder), (self.state, other.state), (self._cpu, other._cpu),
+                     (self.formats, other.formats)):
             d.update(o)
         self._launches.clear()  # they read tensors of the subgroups as they were
 
     def drop(self, index: int, keep_subgroup: bool = False) -> None:
         """Lets subgroup `index`'s state go (it left the tier, or is about to be put back)."""
         for d in ((self.master, self.remainder, self.state) if keep_subgroup
-                  else (self.subgroups, self.master, self.remainder, self.state)):
+                  else (self.subgroups, self.master, self.remainder, self.state, self.formats)):
             d.pop(index, None)
         arena = self._cpu.pop(index, None)
         if arena is not None:
@@ -316,17 +327,34 @@ class DeviceTier:
         else:
             self._step_cpu(work, float(grad_scale))
 
+    def quantized(self, index: int) -> bool:
+        """Whether subgroup `index` keeps a q8 moment (stepped by the q8 kernels)."""
+        return self.formats[index].quantized_moments
+
+    def _moment(self, index: int, name: str, a: int, b: int):
+        """Elements [a, b) of moment `name`: a tensor slice, or for a q8 moment its codes and the
+        absmax of their blocks (a Q8Blocks; `a` starts a block: layout.py)."""
+        st = self.state[index]
+        if name not in st:
+            return None
+        if name + ABSMAX not in st:
+            return st[name][a:b]
+        from cpu_kernels.q8_reference import Q8Blocks
+        if a % Q8_BLOCK:
+            raise AssertionError(f"a q8 slice of subgroup {index} starts at element {a}, inside a block")
+        return Q8Blocks(st[name][a:b], st[name + ABSMAX][a // Q8_BLOCK:q8_blocks(b)])
+
     def _views(self, index: int, sl):
         """(param, exp_avg, exp_avg_sq, max_exp_avg_sq, param_copy, remainder) of one slice:
-        param is the fp32 master, or with remainders the bf16 model param (then no copy)."""
+        param is the fp32 master, or with remainders the bf16 model param (then no copy); a q8
+        moment is a Q8Blocks."""
         a, b = sl.sub_offset, sl.sub_offset + sl.numel
-        st = self.state[index]
-        vmax = st["max_exp_avg_sq"][a:b] if "max_exp_avg_sq" in st else None
+        m, v, vmax = (self._moment(index, k, a, b) for k in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq"))
         if index in self.remainder:
-            return sl.view, st["exp_avg"][a:b], st["exp_avg_sq"][a:b], vmax, None, self.remainder[index][a:b]
+            return sl.view, m, v, vmax, None, self.remainder[index][a:b]
         if index not in self.master:  # fp32: the param is its own master
-            return sl.view, st["exp_avg"][a:b], st["exp_avg_sq"][a:b], vmax, None, None
-        return self.master[index][a:b], st["exp_avg"][a:b], st["exp_avg_sq"][a:b], vmax, sl.view, None
+            return sl.view, m, v, vmax, None, None
+        return self.master[index][a:b], m, v, vmax, sl.view, None
 
     def _step_cpu(self, work: list, grad_scale: float) -> None:
         import cpu_kernels
@@ -336,7 +364,8 @@ class DeviceTier:
             grad = sl.grad_view()
             if not grad.is_contiguous():
                 grad = grad.contiguous()
-            cpu_kernels.adam_step_(p, grad, m, v, step=step, lr=hp.lr, beta1=hp.beta1, beta2=hp.beta2,
+            kernel = cpu_kernels.q8_adam_step_ if self.quantized(index) else cpu_kernels.adam_step_
+            kernel(p, grad, m, v, step=step, lr=hp.lr, beta1=hp.beta1, beta2=hp.beta2,
                                    eps=hp.eps, weight_decay=hp.weight_decay, decoupled=hp.decoupled,
                                    grad_scale=grad_scale * hp.grad_scale,
                                    max_exp_avg_sq=vmax if hp.amsgrad else None, param_copy=copy,
@@ -382,6 +411,23 @@ class DeviceTier:
                 self._launches.popitem(last=False)
         return launch
 
+    def _launch_q8(self, items: list, amsgrad: bool, rem: bool, **scalars) -> None:
+        """One gpu_kernels.q8_adam_ over `items`' slices (q8 subgroups: not prepared, its tables
+        are cached by the launcher)."""
+        import gpu_kernels.q8 as q8
+        ps, gs, ms, vs, xs, cs, rs = [], [], [], [], [], [], []
+        for _, index, sl in items:
+            p, m, v, vmax, copy, r = self._views(index, sl)
+            m, v, vmax = (q8.Q8Blocks(*x) if isinstance(x, tuple) else x for x in (m, v, vmax))
+            grad = sl.grad_view()
+            for lst, t in ((ps, p), (gs, grad if grad.is_contiguous() else grad.contiguous()), (ms, m),
+                           (vs, v), (xs, vmax), (cs, copy), (rs, r)):
+                if t is not None:
+                    lst.append(t)
+        q8.q8_adam_(ps, gs, ms, vs, max_exp_avg_sqs=xs if amsgrad else None,
+                    param_copies=cs if len(cs) == len(ps) and not rem else None,
+                    remainders=rs if rem else None, **scalars)
+
     def _step_cuda(self, work: list, grad_scale, found_inf) -> None:
         done, unsure = self.progress = ([], [])
         # one launch per distinct (hyperparameters, step, param dtype): usually exactly one
@@ -391,13 +437,19 @@ class DeviceTier:
         for k, (index, sl, hp, step) in enumerate(work):
             launches.setdefault((hp.lr, hp.beta1, hp.beta2, hp.eps, hp.weight_decay, hp.decoupled,
                                  hp.amsgrad, hp.grad_scale, step, self.subgroups[index].dtype,
-                                 index in self.remainder), []).append((k, index, sl))
-        for (lr, b1, b2, eps, wd, decoupled, amsgrad, sign, step, _, rem), items in launches.items():
+                                 index in self.remainder, self.quantized(index)), []).append((k, index, sl))
+        for (lr, b1, b2, eps, wd, decoupled, amsgrad, sign, step, _, rem, q8), items in launches.items():
             # a float scale is a kernel argument (fp32 inside the kernel, as a 1-element fp32
             # tensor would be): no per-step tensor, no host-to-device copy
             scale = (grad_scale * sign).reshape(1) if isinstance(grad_scale, torch.Tensor) \
                 else float(grad_scale) * sign
             unsure[:] = [k for k, _, _ in items]
+            if q8:
+                self._launch_q8(items, amsgrad, rem, step=step, lr=lr, beta1=b1, beta2=b2, eps=eps,
+                                weight_decay=wd, decoupled=decoupled, grad_scale=scale, found_inf=found_inf)
+                done.extend(unsure)
+                unsure.clear()
+                continue
             # in the steady state a prepared launch: no per-slice tensor, no check
             self._launch_for(items, amsgrad, rem).step(
                 step=step, lr=lr, beta1=b1, beta2=b2, eps=eps, weight_decay=wd, decoupled=decoupled,

@@ -13,6 +13,7 @@ from __future__ import annotations
 from hybrid_opt.mapped import HeldViews, Piece
 from hybrid_opt.populate import punch_hole
 from hybrid_opt.shm import PAGE, ArenaLayout, SharedArena, address
+from hybrid_opt.state.state_format import stored_numel
 
 
 class CpuStateArena:
@@ -23,8 +24,9 @@ class CpuStateArena:
         self._regions: dict = {}  # (subgroup index, name) -> (byte offset, numel, dtype)
         for sg, tensors in kinds:
             for name, dtype in tensors.items():
-                off = lay.add(f"{sg.index}.{name}", sg.numel * dtype.itemsize, PAGE)
-                self._regions[(sg.index, name)] = (off, sg.numel, dtype)
+                n = stored_numel(name, sg.numel)
+                off = lay.add(f"{sg.index}.{name}", n * dtype.itemsize, PAGE)
+                self._regions[(sg.index, name)] = (off, n, dtype)
         self.arena = SharedArena(lay.nbytes, "hybrid_opt-device", prefault=False)
         self.held = HeldViews()
         self._live = {index for index, _ in self._regions}

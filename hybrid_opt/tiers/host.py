@@ -18,7 +18,7 @@ import torch
 
 from hybrid_opt.banks import BankPool
 from hybrid_opt.shm import PAGE, SharedArena, align_up
-from hybrid_opt.state.state_format import StateFormat
+from hybrid_opt.state.state_format import ABSMAX, Q8, StateFormat
 from hybrid_opt.swap import SwapDir, check_nvme_path
 # re-exported: the optimizer, calibration, tests and benchmarks import these from here
 from hybrid_opt.tiers.host_io import REMOTE_GATHER_QUEUE, _DT_CODE, HostIO, _Piece  # noqa: F401
@@ -30,6 +30,14 @@ from hybrid_opt.tiers.inputs import StepInputs, _with_step  # noqa: F401
 from hybrid_opt.tiers.host_views import HostViews
 from hybrid_opt.tiers.nvme_files import FileSlots, NvmeFiles
 from hybrid_opt.worker.client import DEFAULT_WORKER_SHARE, CoreSplit, WorkerClient
+
+
+def _moment_code(dtype) -> int:
+    """A moment dtype's code for the worker: _DT_CODE's, or the C library's DT_Q8 for "q8"."""
+    if dtype == Q8:
+        from cpu_kernels._q8_lib import DT_Q8
+        return DT_Q8
+    return _DT_CODE[dtype]
 
 
 class HostTier:
@@ -44,7 +52,12 @@ class HostTier:
     half, also the bank's copy region) plus an int16 remainder; other subgroups keep an fp32
     master. `params`: the model's flat tensor of every subgroup, in numels' order; the caller
     copies each committed param_copy into it (on_commit), as the optimizer does.
-    state()/master() give the master in fp32."""
+    state()/master() give the master in fp32.
+
+    exp_avg_dtype / exp_avg_sq_dtype may be "q8" (issue 38): `quantized` (a flag per subgroup:
+    its params have at least Q8_MIN_NUMEL elements, layout.py) says which subgroups keep q8
+    moments — codes and absmaxes in their banks (compressed.py), stepped by the q8 kernel; the
+    others keep fp32 moments. None: none is quantized."""
 
     def __init__(self, numels: list[int], *, grad_dtype=torch.float32, exp_avg_dtype=torch.float32,
                  exp_avg_sq_dtype=torch.float32, remainders: bool = False, params: list | None = None,
@@ -53,7 +66,7 @@ class HostTier:
                  slot_numel: int | None = None, worker_share: float | None = None,
                  worker_cores: list[int] | None = None, timeout_s: float = 120.0,
                  nvme: list | None = None, nvme_path=None, io_banks: int = 4,
-                 nvme_threads: int = 4, pin: bool | torch.device = False):
+                 nvme_threads: int = 4, pin: bool | torch.device = False, quantized: list | None = None):
         if rollback not in ("exact", "inverse"):
             raise ValueError(f"rollback must be 'exact' or 'inverse', got {rollback!r}")
         # amsgrad=True lays out the running max of v; each step's StepInputs.amsgrad says
@@ -67,6 +80,11 @@ class HostTier:
         fmt.check_rollback(rollback)
         if grad_dtype not in _DT_CODE:
             raise TypeError(f"grad_dtype must be one of {list(_DT_CODE)}, got {grad_dtype}")
+        quantized = [bool(q) for q in quantized] if quantized is not None else [False] * len(numels)
+        if len(quantized) != len(numels):
+            raise ValueError(f"quantized has {len(quantized)} flags for {len(numels)} subgroups")
+        if not fmt.quantized_moments:
+            quantized = [False] * len(numels)
         if exp_avg_dtype != exp_avg_sq_dtype and not _independent_moment_dtypes():
             raise TypeError("this build of cpu_kernels steps exp_avg and exp_avg_sq of one dtype "
                             f"only (got {exp_avg_dtype} and {exp_avg_sq_dtype}); rebuild it "
@@ -109,7 +127,7 @@ class HostTier:
         lay = plan_arena(self.numels, self.nvme, fmt=fmt, amsgrad=amsgrad, copy_dtype=copy_dtype,
                          remainders=remainders, grad_dtype=grad_dtype, rollback=rollback,
                          spare_banks=spare_banks, io_banks=io_banks, staging_slots=staging_slots,
-                         slot_numel=slot_numel)
+                         slot_numel=slot_numel, quantized=quantized)
         resident = lay.resident
         # an nvme step holds two banks (read, result) until it is committed or dropped
         self.io_banks = lay.io_banks
@@ -136,13 +154,14 @@ class HostTier:
         self._banks = StateBanks(self.arena, numels=self.numels, fmt=fmt, amsgrad=amsgrad,
                                  copy_dtype=copy_dtype, remainders=remainders, params=params,
                                  regions=regions, bank_offset=bank_offset, bank_stride=bank_stride,
-                                 io_bytes=self.io_bytes, n_banks=self.pool.n_banks)
+                                 io_bytes=self.io_bytes, n_banks=self.pool.n_banks, quantized=quantized)
         slots = [self.arena.tensor(slot_offset + k * slot_stride, self.slot_numel, grad_dtype)
                  for k in range(staging_slots)]
         layout = dict(bank_offset=bank_offset, bank_stride=bank_stride, bank_regions=regions,
                       slot_offset=slot_offset, slot_stride=slot_stride,
-                      exp_avg_dtype=_DT_CODE[exp_avg_dtype],
-                      exp_avg_sq_dtype=_DT_CODE[exp_avg_sq_dtype],
+                      exp_avg_dtype=_moment_code(exp_avg_dtype),
+                      exp_avg_sq_dtype=_moment_code(exp_avg_sq_dtype),
+                      quantized=quantized,  # per subgroup: its q8 moments are codes (else fp32)
                       populate_later=later)  # the worker maps these in the background
         self._files = FileSlots(n)          # nvme: the committed slot of each subgroup's file
         self._aio = None                    # the trainer's own engine (load_state / state)
@@ -209,11 +228,20 @@ class HostTier:
         `bank`: a raw view into the arena (benchmarks fill banks through it)."""
         return self._banks.view(bank, region, numel, dtype)
 
+    def region_offset(self, region: str) -> int:
+        """Byte offset of `region` inside a bank and inside an nvme slot (laid out alike):
+        "p", "rem", "m", "v", "vmax", a q8 moment's "m_absmax" / "v_absmax" / "vmax_absmax"."""
+        return self._banks.region_offset(region)
+
     def _resident(self, sg: int) -> int:
         if self.nvme[sg]:
             raise RuntimeError(f"subgroup {sg} lives on nvme: its state is in files, read it with "
                                f"state({sg}) and set it with load_state({sg}, ...)")
         return self.pool.committed[sg]
+
+    def quantized(self, sg: int) -> bool:
+        """Whether subgroup `sg` keeps q8 moments (codes and absmaxes in its banks)."""
+        return self._banks.quantized(sg)
 
     def master(self, sg: int) -> torch.Tensor:
         """The committed fp32 master of a resident subgroup (a view: valid until the next commit;
@@ -332,16 +360,28 @@ class HostTier:
         finally:
             self.pool.release(bank)
 
-    def load_state(self, sg: int, param, exp_avg=None, exp_avg_sq=None, max_exp_avg_sq=None) -> None:
+    def load_state(self, sg: int, param, exp_avg=None, exp_avg_sq=None, max_exp_avg_sq=None,
+                   **absmax) -> None:
         """Sets subgroup `sg`'s committed state (moments default to zero). `param`: the fp32
         master, or the model's elements (a layout.Subgroup: read into the bank); moments are
         rounded to the tier's dtypes (to nearest even). A subgroup that keeps remainders
         stores the master encoded, and its model param (`params[sg]`) takes the high half once
-        the state stands."""
-        given = {"exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq, "max_exp_avg_sq": max_exp_avg_sq}
+        the state stands. A quantized subgroup's q8 moments are given as stored: uint8 codes,
+        with their absmaxes as `exp_avg_absmax=` etc. (state()'s keys; moves carry them so)."""
+        given = {"exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq, "max_exp_avg_sq": max_exp_avg_sq, **absmax}
 
         def fill(bank: int, stored: dict, fresh: bool) -> None:
             self._banks.store_master(bank, sg, param)
+            if self._banks.quantized(sg):
+                # the given moments may be views of this very bank (a master restarted in place:
+                # storage.py): copied, never zeroed first
+                missing = {k: t for k, t in stored.items() if k in given and given[k] is None
+                           or k.endswith(ABSMAX) and given.get(k[:-len(ABSMAX)]) is None}
+                self._banks.zero_moments(missing, sg)
+                for name, src in given.items():
+                    if src is not None and name in stored and src.data_ptr() != stored[name].data_ptr():
+                        stored[name].copy_(src.reshape(-1))
+                return
             for name, src in given.items():
                 if name not in stored:
                     continue

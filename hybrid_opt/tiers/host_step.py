@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
+from hybrid_opt.state.state_format import ABSMAX, Q8_BLOCK, q8_blocks
 from hybrid_opt.tiers.host_io import TornState, _Piece
 from hybrid_opt.worker.client import TornInterrupt
 from hybrid_opt.tiers.inputs import StepInputs
@@ -94,7 +95,10 @@ class HostStepping:
         for off, k, _ in sorted(runs) + [(n, 0, 0)]:
             if off > pos:
                 for name, dst in dst_state.items():
-                    dst[pos:off].copy_(src_state[name][pos:off])
+                    if name.endswith(ABSMAX):  # q8: runs start and end on blocks (layout.py)
+                        dst[pos // Q8_BLOCK:q8_blocks(off)].copy_(src_state[name][pos // Q8_BLOCK:q8_blocks(off)])
+                    else:
+                        dst[pos:off].copy_(src_state[name][pos:off])
             pos = max(pos, off + k)
 
     def _swap_piece(self, op: int, sg: int, bank: int, file_slot: int, crc: int = 0) -> _Piece:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import mmap
 
 from hybrid_opt.mapped import HeldViews, Piece
+from hybrid_opt.state.state_format import ABSMAX
 
 # state_dict()'s names of a subgroup's state -> the bank region that holds it
 _REGION = {"master": "p", "remainder": "rem", "exp_avg": "m", "exp_avg_sq": "v", "max_exp_avg_sq": "vmax"}
@@ -28,10 +29,15 @@ class HostViews:
 
     def piece(self, sg: int, name: str, a: int, b: int, verified: set) -> Piece:
         """Elements [a, b) of subgroup `sg`'s committed state `name` ("master", "remainder",
-        "exp_avg", "exp_avg_sq", "max_exp_avg_sq"). An nvme slot is checksum-verified once per
+        "exp_avg", "exp_avg_sq", "max_exp_avg_sq"; a q8 moment's codes under its name, its
+        absmaxes under the name + "_absmax", blocks [a, b)). An nvme slot is checksum-verified once per
         `verified` (the caller's set, one per state_dict() call): OSError where it is corrupt."""
-        es = self._banks.fmt.dtype_of(name).itemsize
-        region = self._banks.region_offset(_REGION[name])
+        fmt = self._banks.formats[sg]
+        if name.endswith(ABSMAX):  # a q8 moment's absmaxes: [a, b) count blocks
+            es, region = 4, self._banks.region_offset(_REGION[name[:-len(ABSMAX)]] + ABSMAX)
+        else:
+            es = 1 if fmt.is_q8(name) else fmt.dtype_of(name).itemsize
+            region = self._banks.region_offset(_REGION[name])
         if not self._nvme[sg]:
             bank = self._pool.committed[sg]
             off = self._banks.bank_offset + bank * self._banks.bank_stride + region + a * es

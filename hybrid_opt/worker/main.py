@@ -11,7 +11,10 @@ bank_stride, bank_regions {p or rem, m, v, vmax, copy: byte offsets inside a ban
 slot_stride, exp_avg_dtype, exp_avg_sq_dtype (dtype codes; v and vmax take exp_avg_sq's); for
 the nvme tier also nvme {dir, io_bytes, threads} and file_fds {subgroup: fd}. A step task with
 `remainder` set steps a master stored as remainders: the bf16 high half in the copy region, the
-int16 low half in rem (hybrid_opt/tiers/compressed.py has the layout).
+int16 low half in rem (hybrid_opt/tiers/compressed.py has the layout). q8 moments (issue 38):
+a moment dtype code DT_Q8 and `quantized` (a flag per subgroup): a quantized subgroup's pieces
+are stepped by the q8 kernel (codes in the moment's region, absmaxes in "<region>_absmax", a
+piece starting on a block), the others' q8 moments are fp32.
 
 NVMe subgroups: each file is read and written through the trainer's own descriptor of it,
 inherited at start (file_fds: the trainer's NvmeFiles), never opened here by path: a file a tmp
@@ -42,7 +45,8 @@ from hybrid_opt.populate import BackgroundPopulate
 from hybrid_opt.shm import address, populate
 from hybrid_opt.worker import protocol as P
 
-_DTYPE_SIZE = {0: 4, 1: 2, 2: 2}
+_DTYPE_SIZE = {0: 4, 1: 2, 2: 2, 3: 1}  # 3: DT_Q8, a code
+DT_Q8, Q8_BLOCK = 3, 256
 IOV_BATCH = 512  # iovecs per process_vm_readv call (the kernel's limit is 1024)
 
 
@@ -106,10 +110,14 @@ class Worker:
         self.regions = cfg["bank_regions"]
         self.slot_offset, self.slot_stride = cfg["slot_offset"], cfg["slot_stride"]
         self.m_dtype, self.v_dtype = cfg["exp_avg_dtype"], cfg["exp_avg_sq_dtype"]
-        self.m_size, self.v_size = _DTYPE_SIZE[self.m_dtype], _DTYPE_SIZE[self.v_dtype]
+        self.quantized = [bool(q) for q in cfg.get("quantized") or ()]
+        self.q8_lib = None
+        if any(self.quantized):
+            from cpu_kernels import _q8_lib  # noqa: PLC0415  (torch-free, as _lib)
+            self.q8_lib = _q8_lib
         # a cpu_kernels build without exp_avg_sq_dtype steps both moments in exp_avg's dtype
         self.sq_dtype_field = any(f[0] == "exp_avg_sq_dtype" for f in self.AdamArgs._fields_)
-        if self.m_dtype != self.v_dtype and not self.sq_dtype_field:
+        if self.m_dtype != self.v_dtype and not self.sq_dtype_field and DT_Q8 not in (self.m_dtype, self.v_dtype):
             raise ValueError("this build of cpu_kernels steps exp_avg and exp_avg_sq of one dtype only")
         self.req, self.resp = P.low_numbered(cfg["req_fd"]), cfg["resp_fd"]
         self.fault = _Fault(os.environ.get("HYBRID_OPT_WORKER_FAULT"))
@@ -205,8 +213,14 @@ class Worker:
         sum_sq, finite = self._grad_stats(t, grad)
         if not finite and t.skip_nonfinite:
             return P.Result(t.op, t.task_id, P.STATUS_NONFINITE, t.subgroup, sum_sq, 0)
-        ms, vs, off = self.m_size, self.v_size, t.elem_offset
+        off = t.elem_offset
         out_bank = t.in_bank if t.out_bank == P.NO_BANK else t.out_bank
+        q8 = t.subgroup < len(self.quantized) and self.quantized[t.subgroup]
+        # a q8 moment of a subgroup too small to quantize is fp32
+        m_dtype, v_dtype = ((code if q8 or code != DT_Q8 else 0) for code in (self.m_dtype, self.v_dtype))
+        ms, vs = _DTYPE_SIZE[m_dtype], _DTYPE_SIZE[v_dtype]
+        if q8:
+            return self._step_q8(t, grad, out_bank, m_dtype, v_dtype, sum_sq, finite)
         a = self.AdamArgs()
         if t.remainder:  # the kernel's param is the bf16 high half, decoded with the remainder
             a.param = self._bank(t.in_bank, "copy", off, 2)
@@ -226,10 +240,10 @@ class Worker:
         a.exp_avg_out = self._bank(out_bank, "m", off, ms)
         a.exp_avg_sq_out = self._bank(out_bank, "v", off, vs)
         a.max_exp_avg_sq_out = self._bank(out_bank, "vmax", off, vs) if t.amsgrad else None
-        a.grad_dtype, a.moment_dtype, a.decoupled, a.step = (t.grad_dtype, self.m_dtype,
+        a.grad_dtype, a.moment_dtype, a.decoupled, a.step = (t.grad_dtype, m_dtype,
                                                              t.decoupled, t.step)
         if self.sq_dtype_field:
-            a.exp_avg_sq_dtype = self.v_dtype
+            a.exp_avg_sq_dtype = v_dtype
         a.lr, a.beta1, a.beta2, a.eps, a.weight_decay, a.grad_scale = (
             t.lr, t.beta1, t.beta2, t.eps, t.weight_decay, t.grad_scale)
         if self.fault.stage == "mid_step" and self.fault.steps == self.fault.at:
@@ -238,6 +252,47 @@ class Worker:
             self.fault.maybe_die("mid_step")
         a.n = t.numel
         self.lib.hybrid_adam_step(ctypes.byref(a))
+        self.fault.maybe_die("after_step")
+        return P.Result(t.op, t.task_id, P.STATUS_OK, t.subgroup, sum_sq, int(finite))
+
+    def _step_q8(self, t: P.Task, grad: int, out_bank: int, m_dtype: int, v_dtype: int,
+                 sum_sq: float, finite: bool) -> P.Result:
+        """One piece of a quantized subgroup through cpu_kernels' q8 entry, bank mode: codes and
+        absmaxes read from the in bank, written to the out bank (in place without one)."""
+        off = t.elem_offset
+        if off % Q8_BLOCK:
+            raise ValueError(f"a q8 piece of subgroup {t.subgroup} starts at element {off}, inside a "
+                             f"block of {Q8_BLOCK} (a bug in hybrid_opt, please report it)")
+        a = self.q8_lib.Q8AdamArgs()
+        if t.remainder:
+            a.param, a.param_out = self._bank(t.in_bank, "copy", off, 2), self._bank(out_bank, "copy", off, 2)
+            a.remainder, a.remainder_out = self._bank(t.in_bank, "rem", off, 2), self._bank(out_bank, "rem", off, 2)
+        else:
+            a.param, a.param_out = self._bank(t.in_bank, "p", off, 4), self._bank(out_bank, "p", off, 4)
+            if t.copy_dtype != P.NO_COPY:
+                a.param_copy = self._bank(out_bank, "copy", off, 2)
+                a.copy_dtype = t.copy_dtype
+        a.grad = grad
+        moments = [("exp_avg", "m", m_dtype), ("exp_avg_sq", "v", v_dtype)]
+        if t.amsgrad:
+            moments.append(("max_exp_avg_sq", "vmax", v_dtype))
+        for name, region, code in moments:
+            size = _DTYPE_SIZE[code]
+            setattr(a, name, self._bank(t.in_bank, region, off, size))
+            setattr(a, name + "_out", self._bank(out_bank, region, off, size))
+            if code == DT_Q8:
+                setattr(a, name + "_absmax", self._bank(t.in_bank, region + "_absmax", off // Q8_BLOCK, 4))
+                setattr(a, name + "_absmax_out", self._bank(out_bank, region + "_absmax", off // Q8_BLOCK, 4))
+        a.grad_dtype, a.exp_avg_dtype, a.exp_avg_sq_dtype = t.grad_dtype, m_dtype, v_dtype
+        a.decoupled, a.step = t.decoupled, t.step
+        a.lr, a.beta1, a.beta2, a.eps, a.weight_decay, a.grad_scale = (
+            t.lr, t.beta1, t.beta2, t.eps, t.weight_decay, t.grad_scale)
+        if self.fault.stage == "mid_step" and self.fault.steps == self.fault.at:
+            a.n = t.numel // 2  # half the piece written, then killed: a torn write
+            self.q8_lib.q8_adam_step_raw(a)
+            self.fault.maybe_die("mid_step")
+        a.n = t.numel
+        self.q8_lib.q8_adam_step_raw(a)
         self.fault.maybe_die("after_step")
         return P.Result(t.op, t.task_id, P.STATUS_OK, t.subgroup, sum_sq, int(finite))
 

@@ -1,0 +1,124 @@
+"""The q8 Adam step (issue 38) against our fp32 kernel and torch's fused AdamW, same tensors, same
+process, interleaved rounds, at each SIMD level this CPU runs.
+
+    python benchmarks/bench_q8.py [--sizes 16Mi] [--reps 15] [--trials 3] [--levels avx512 avx2]
+                                  [--threads 2] [--json out.json]
+
+Rows (fp32 grads, fp32 master, in place): q8_q8 (both moments q8), fp32 (cpu_kernels.adam_step_),
+torch_fused (torch.optim.AdamW fused=True, on torch's own threads). bytes_per_elem is what a row
+must move (reads + writes, no read-for-ownership): q8_q8 16 (p 4+4, g 4, m 1+1, v 1+1; the fp32
+absmax per 256 rounds to 0.03), fp32 and torch 28. GB/s is those bytes over the median time; the
+ratio column is fp32's median over the row's (issue 38's target for q8: >= 1.3). With --trials N the
+interleaved timing runs N times: a row's median is the median of the trial medians and its spread
+the lowest and highest trial median. bitsandbytes' and torchao's 8-bit AdamW run when importable
+(neither is installed in this environment; issue 38 measured them 30-41x slower than torch fused).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import cpu_kernels  # noqa: E402
+from cpu_kernels import q8_reference as q8  # noqa: E402
+from _common import host_description, markdown_table, parse_size, time_ms_interleaved, write_json  # noqa: E402
+
+HP = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=1e-2)
+BYTES = {"q8_q8": 16.0 + 8.0 / 256, "fp32": 28.0, "torch_fused": 28.0}
+
+
+def _steppers(n: int) -> dict:
+    g = torch.Generator().manual_seed(0)
+    grad = torch.randn(n, generator=g)
+    m0, v0 = torch.randn(n, generator=g) * 1e-3, torch.rand(n, generator=g) * 1e-6
+    q_param, f_param, t_param = (torch.randn(n, generator=torch.Generator().manual_seed(1)) for _ in range(3))
+    mq, vq = q8.quantize_blocks(m0, True), q8.quantize_blocks(v0, False)
+    fm, fv = m0.clone(), v0.clone()
+
+    def ours_q8():
+        cpu_kernels.q8_adam_step_(q_param, grad, mq, vq, step=3, **HP)
+
+    def ours_fp32():
+        cpu_kernels.adam_step_(f_param, grad, fm, fv, step=3, **HP)
+
+    t_param.grad = grad
+    opt = torch.optim.AdamW([t_param], lr=HP["lr"], betas=(HP["beta1"], HP["beta2"]), eps=HP["eps"],
+                            weight_decay=HP["weight_decay"], fused=True)
+    steppers = {"q8_q8": ours_q8, "fp32": ours_fp32, "torch_fused": opt.step}
+    for name, factory in _eight_bit_baselines():
+        steppers[name] = factory(n, grad)
+    return steppers
+
+
+def _eight_bit_baselines():
+    """(name, factory(n, grad) -> step) for bitsandbytes' / torchao's AdamW8bit where importable."""
+    out = []
+    try:
+        import bitsandbytes as bnb  # noqa: F401
+
+        def bnb_factory(n, grad):
+            p = torch.nn.Parameter(torch.randn(n))
+            p.grad = grad.clone()
+            return bnb.optim.AdamW8bit([p], lr=HP["lr"], weight_decay=HP["weight_decay"]).step
+        out.append(("bnb_adamw8bit", bnb_factory))
+        BYTES["bnb_adamw8bit"] = 16.0
+    except ImportError:
+        pass
+    try:
+        from torchao.optim import AdamW8bit
+
+        def ao_factory(n, grad):
+            p = torch.nn.Parameter(torch.randn(n))
+            p.grad = grad.clone()
+            return AdamW8bit([p], lr=HP["lr"], weight_decay=HP["weight_decay"]).step
+        out.append(("torchao_adamw8bit", ao_factory))
+        BYTES["torchao_adamw8bit"] = 16.0
+    except ImportError:
+        pass
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--sizes", nargs="+", default=["16Mi"])
+    ap.add_argument("--reps", type=int, default=15)
+    ap.add_argument("--trials", type=int, default=3)
+    ap.add_argument("--levels", nargs="+", default=None, help="default: every level this CPU runs")
+    ap.add_argument("--threads", type=int, default=cpu_kernels.get_num_threads())
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    levels = args.levels or [lv for lv in ("avx512", "avx2", "neon", "sve", "portable")
+                             if lv in cpu_kernels.available_simd_levels()][:2]
+    cpu_kernels.set_num_threads(args.threads)
+    torch.set_num_threads(args.threads)
+    print(f"host: {host_description()}; threads {args.threads}; torch {torch.__version__}")
+    records = []
+    for size in args.sizes:
+        n = parse_size(size)
+        for level in levels:
+            cpu_kernels.set_simd_level(level)
+            steppers = _steppers(n)
+            trials = [time_ms_interleaved(steppers, reps=args.reps) for _ in range(args.trials)]
+            base = statistics.median(t["fp32"]["median_ms"] for t in trials)
+            for name in steppers:
+                medians = [t[name]["median_ms"] for t in trials]
+                ms = statistics.median(medians)
+                records.append(dict(impl=name, n=n, size=size, level=level, q8_level=cpu_kernels.q8_simd_level(),
+                                    threads=args.threads, median_ms=ms, lo_ms=min(medians), hi_ms=max(medians),
+                                    bytes_per_elem=BYTES[name], gbps=BYTES[name] * n / ms / 1e6,
+                                    vs_fp32=base / ms))
+    print(markdown_table(records, [("impl", "impl", "s"), ("size", "size", "s"), ("level", "level", "s"),
+                                   ("threads", "threads", "d"), ("median_ms", "median ms", ".2f"),
+                                   ("lo_ms", "lo", ".2f"), ("hi_ms", "hi", ".2f"),
+                                   ("bytes_per_elem", "B/elem", ".2f"), ("gbps", "GB/s", ".1f"),
+                                   ("vs_fp32", "fp32 / this", ".2f")]))
+    write_json(args.json, records)
+
+
+if __name__ == "__main__":
+    main()
