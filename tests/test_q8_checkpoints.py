@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from cpu_kernels.q8_reference import Q8Blocks, dequantize_blocks, dynamic_map, quantize_blocks
-from hybrid_opt import HybridAdamW
+from hybrid_opt import HybridAdamW, fp32_master
 from hybrid_opt.state.state_format import Q8, Q8_MIN_NUMEL
 from tolerances import assert_close
 
@@ -240,7 +240,6 @@ def test_fp32_save_of_a_bf16_remainder_model_carries_fp32_moments_and_master(tmp
         o.save_state_dict(tmp_path / "x.pt", fp32=True)
         sd = torch.load(tmp_path / "x.pt", weights_only=True)
         native = o.state_dict()["state"]
-        from hybrid_opt import fp32_master
         for i, p in enumerate(ps):
             entry = sd["state"][i]
             assert {"exp_avg", "exp_avg_sq", "master_param"} <= set(entry), i
@@ -249,3 +248,24 @@ def test_fp32_save_of_a_bf16_remainder_model_carries_fp32_moments_and_master(tmp
             if "exp_avg_sq" in native[i]:
                 assert torch.equal(entry["exp_avg_sq"], native[i]["exp_avg_sq"].float()), i
         o.close()
+
+
+def test_fp32_save_goes_through_a_state_dict_post_hook_in_fp32(tmp_path):
+    """With a post hook registered the whole dict is made (torch hands it whole): the hook sees,
+    and the file gets, the fp32 moments."""
+    params = _params(seed=4)
+    opt = _hybrid(params)
+    _set_grads(params, 0)
+    opt.step()
+    seen = {}
+
+    def hook(optimizer, sd):
+        seen.update({i: sorted(e) for i, e in sd["state"].items()})
+        return sd
+    opt.register_state_dict_post_hook(hook)
+    opt.save_state_dict(tmp_path / "h.pt", fp32=True)
+    sd = torch.load(tmp_path / "h.pt", weights_only=True)
+    for i, p in enumerate(params):
+        assert seen[i] == ["exp_avg", "exp_avg_sq", "step"], i
+        assert sd["state"][i]["exp_avg"].dtype == FP32 and sd["state"][i]["exp_avg"].shape == p.shape, i
+    opt.close()
