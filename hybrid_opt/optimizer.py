@@ -187,11 +187,16 @@ class _HybridBase(torch.optim.Optimizer):
         return _through(post, self, sd)
 
     @lifetime.acts_on_owner
-    def save_state_dict(self, f) -> None:
-        """torch.save(self.state_dict(), f), one param's state in memory at a time (saving.py)."""
+    def save_state_dict(self, f, *, fp32: bool = False) -> None:
+        """torch.save(self.state_dict(), f), one param's state in memory at a time (saving.py).
+        `fp32=True`: the moments in fp32 (q8 dequantized, bf16 upcast) and a 16-bit param's fp32
+        master under `master_param`: a checkpoint torch.optim.AdamW loads, one param's fp32
+        state made at a time (checkpoint.fp32_entries)."""
         sd, post = self._state_dict_shell("save_state_dict")
         unowned = TX.unowned_entries(sd)  # as state_dict(): after the params' entries
         entries = C.iter_state(self._parts.layout, self._parts.placement, self.state_format)
+        if fp32:
+            entries = C.fp32_entries(entries, list(self._parts.layout.params()))
         if post:  # torch's post hooks are handed the whole dict: what they return is written
             sd["state"] = dict(entries)
             sd["state"].update(unowned)

@@ -11,6 +11,12 @@ param's flat index: ceil(numel / 256)), and alike `exp_avg_sq_q8` / `exp_avg_sq_
 `max_exp_avg_sq_q8` / `max_exp_avg_sq_absmax` (the unsigned map). A param under Q8_MIN_NUMEL
 elements keeps fp32 moments under torch's keys. A load quantizes a float moment (a torch AdamW
 checkpoint) into a q8 tier, and dequantizes a q8 one into a float tier.
+
+A bitsandbytes `AdamW8bit` / `Adam8bit` checkpoint (blockwise) loads too (from_bitsandbytes): its
+`state1` / `state2` codes and `absmax1` / `absmax2` are our q8 format (the same maps, blocks of
+256), so they become `exp_avg_q8` / `exp_avg_absmax` and `exp_avg_sq_q8` / `exp_avg_sq_absmax` as
+data. `fp32_entries` goes the other way: each param's entry with its moments in fp32, for
+`save_state_dict(f, fp32=True)` (a checkpoint torch.optim.AdamW loads).
 """
 from __future__ import annotations
 
@@ -175,6 +181,31 @@ def fp32_master(entry: dict, param) -> torch.Tensor | None:
     return decode_remainder_reference(p.reshape(-1), rem.reshape(-1).to(p.device)).view(p.shape)
 
 
+def fp32_entries(entries, params: list):
+    """(param index, entry) of `entries` (iter_state's) with the moments in fp32, as
+    torch.optim.AdamW keeps them: a q8 moment dequantized (map[code] * absmax), a bf16 one
+    upcast, fp32 ones as they are (views, no copy); a 16-bit param's fp32 master under
+    `master_param` (decoded from `master_remainder`). Each is made when asked for, so a save
+    holds one param's fp32 state at a time."""
+    from cpu_kernels.q8_reference import Q8Blocks, dequantize_blocks
+    for idx, entry in entries:
+        out = {"step": entry["step"]}
+        for name in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq"):
+            if name + Q8_KEY in entry:
+                codes = entry[name + Q8_KEY]
+                # on the CPU, where the map is (the file's bytes go through it anyway)
+                q = Q8Blocks(codes.reshape(-1).cpu(), entry[name + ABSMAX].reshape(-1).cpu())
+                out[name] = dequantize_blocks(q, name == "exp_avg").view(codes.shape)
+            elif name in entry:
+                out[name] = entry[name].float()
+        master = fp32_master(entry, params[idx])
+        if master is not None:
+            master = master.float()
+            out["master_param"] = dtensor_like(master, params[idx]) if is_sharded(params[idx]) \
+                and not is_dtensor(master) else master
+        yield idx, out
+
+
 def _entry_keys(layout, idx: int, dtype, state_format) -> list:
     """[(torch's key, the tiers' name)] of param `idx`'s entry. An fp32 param is its own
     master: it has none."""
@@ -255,9 +286,67 @@ def saved_state_of(groups: list, state_dict: dict, params: list) -> dict:
     for s in saved_groups:
         for pid in s["params"]:
             id_map[pid] = len(id_map)
-    saved_state = {id_map[k]: v for k, v in state_dict["state"].items() if k in id_map}
+    saved_state = {id_map[k]: from_bitsandbytes(v, id_map[k], params[id_map[k]].numel())
+                   for k, v in state_dict["state"].items() if k in id_map}
     _check_saved_state(saved_state, params)
     return saved_state
+
+
+BNB_QUANT_STATE = "__bnb_optimizer_quant_state__"  # where bitsandbytes nests state1.. (hidden from FSDP)
+# bitsandbytes' per-param keys: (codes or fp32 moment, absmax, map, our moment, signed map)
+_BNB_MOMENTS = (("state1", "absmax1", "qmap1", "exp_avg", True),
+                ("state2", "absmax2", "qmap2", "exp_avg_sq", False))
+_BNB_KEYS = {"state1", "state2", "absmax1", "absmax2", "qmap1", "qmap2", "max1", "max2", "new_max1",
+             "new_max2", "gnorm_vec", "unorm_vec", BNB_QUANT_STATE}
+
+
+def from_bitsandbytes(entry, idx: int, numel: int):
+    """A param's saved state in our keys: a bitsandbytes 8-bit Adam entry (`state1` / `state2`,
+    flat or nested under BNB_QUANT_STATE as bitsandbytes' state_dict() nests them) becomes
+    `exp_avg_q8` + `exp_avg_absmax` and `exp_avg_sq_q8` + `exp_avg_sq_absmax` (its uint8 codes and
+    fp32 absmaxes as they are: the same maps and blocks of 256), or `exp_avg` / `exp_avg_sq`
+    where bitsandbytes kept fp32 state (a param under its min_8bit_size); any other entry as it
+    is. Its percentile-clipping / max_unorm history (`gnorm_vec`, `unorm_vec`) has no counterpart
+    here and is dropped. Refused with a ValueError: a map (`qmap1` / `qmap2`) that is not ours
+    (its codes would mean other values), absmaxes in other blocks than 256 (bitsandbytes before
+    blocks of 256, or block_wise=False), a 1-state optimizer's entry (not Adam's)."""
+    if not isinstance(entry, dict) or not (BNB_QUANT_STATE in entry or "state1" in entry):
+        return entry
+    flat = {k: v for k, v in entry.items() if k != BNB_QUANT_STATE}
+    if isinstance(entry.get(BNB_QUANT_STATE), dict):
+        flat.update(entry[BNB_QUANT_STATE])
+    where = f"loaded state dict: parameter {idx}'s bitsandbytes state"
+    if "state2" not in flat or "state1" not in flat:
+        raise ValueError(f"{where} has {sorted(k for k in flat if k in _BNB_KEYS)}, not Adam's "
+                         f"'state1' and 'state2': only an Adam/AdamW 8-bit checkpoint loads; nothing was loaded")
+    if "max1" in flat:
+        raise ValueError(f"{where} is not blockwise ('max1': block_wise=False): its codes share one "
+                         f"scale per tensor, ours one per block of {Q8_BLOCK}; nothing was loaded")
+    out = {k: v for k, v in flat.items() if k not in _BNB_KEYS}
+    from cpu_kernels.q8_reference import dynamic_map
+    for state, absmax_key, qmap_key, name, signed in _BNB_MOMENTS:
+        t = flat[state]
+        if not (isinstance(t, torch.Tensor) and t.dtype == torch.uint8):
+            out[name] = t  # fp32 state (a small param): torch's moment
+            continue
+        absmax, qmap = flat.get(absmax_key), flat.get(qmap_key)
+        if not isinstance(absmax, torch.Tensor) or absmax.numel() != q8_blocks(numel):
+            raise ValueError(f"{where}: {absmax_key!r} has {_described(absmax)}, not "
+                             f"{q8_blocks(numel)} (one per block of {Q8_BLOCK} of the parameter's "
+                             f"{numel} elements): a checkpoint of bitsandbytes with blocks of another "
+                             f"size cannot load as codes; nothing was loaded")
+        if qmap is not None:
+            ours, theirs = dynamic_map(signed), qmap.detach().float().cpu().reshape(-1)
+            if theirs.numel() != ours.numel() or not torch.equal(theirs, ours):
+                differ = (int((theirs != ours).sum()) if theirs.numel() == ours.numel()
+                          else f"{theirs.numel()} values against 256")
+                raise ValueError(f"{where}: its map {qmap_key!r} is not ours (bitsandbytes' "
+                                 f"create_dynamic_map(signed={signed}) as built on AVX2 x86; "
+                                 f"{differ} values differ), so its codes would mean other values "
+                                 f"here. Dequantize it ({qmap_key}[{state}] * {absmax_key} per block of "
+                                 f"{Q8_BLOCK}) into an fp32 {name!r} and load that; nothing was loaded")
+        out[name + Q8_KEY], out[name + ABSMAX] = t, absmax
+    return out
 
 
 def wants_amsgrad(state_dict: dict) -> bool:

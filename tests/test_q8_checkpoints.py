@@ -1,0 +1,314 @@
+"""q8 checkpoints and interop (issue 38 item 5): a bitsandbytes `AdamW8bit` checkpoint loads
+(codes as data into q8 moments, dequantized into fp32 ones; a foreign map or block size
+refused), and `save_state_dict(f, fp32=True)` writes a checkpoint torch.optim.AdamW loads and
+continues from.
+
+bitsandbytes is not installed here (and must not be: it is no dependency of this project), so its
+checkpoints are built by hand from our reference (`cpu_kernels/q8_reference.py`: the same
+dynamic maps, blocks of 256) in bitsandbytes' layout: per param `step` (a Python int), `state1`
+(uint8 codes of exp_avg, shaped like the param, signed map), `state2` (exp_avg_sq, unsigned map),
+`absmax1` / `absmax2` (fp32, one per block of 256), `qmap1` / `qmap2` (the maps); fp32 `state1` /
+`state2` for a param under 4,096 elements (its min_8bit_size); and, as bitsandbytes' state_dict()
+writes them today, those tensors nested under `__bnb_optimizer_quant_state__` (older releases: flat).
+"""
+import pytest
+import torch
+from torch import nn
+
+from cpu_kernels.q8_reference import Q8Blocks, dequantize_blocks, dynamic_map, quantize_blocks
+from hybrid_opt import HybridAdamW, fp32_master
+from hybrid_opt.state.state_format import Q8, Q8_MIN_NUMEL
+from tolerances import assert_close
+
+FP32, BF16 = torch.float32, torch.bfloat16
+HYPER = dict(lr=1e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.05)
+# quantized: 6144 (24 blocks), 5000 (a partial last block); small: 185, 19
+SHAPES = ((64, 96), (5000,), (37, 5), (19,))
+NESTED = "__bnb_optimizer_quant_state__"
+PLACEMENTS = ["device", "host", "nvme"]
+
+
+def _params(dtype=FP32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [nn.Parameter(torch.randn(s, generator=g).to(dtype)) for s in SHAPES]
+
+
+def _set_grads(params, step):
+    g = torch.Generator().manual_seed(1000 + step)
+    for p in params:
+        p.grad = torch.randn(p.shape, generator=g).to(p.dtype)
+
+
+def _placed(placement, tmp_path):
+    return {"device": dict(offload_fraction=0.0), "host": dict(offload_fraction=1.0),
+            "nvme": dict(offload_fraction=1.0, nvme_fraction=1.0, nvme_path=str(tmp_path))}[placement]
+
+
+def _hybrid(params, moments=Q8, **kw):
+    kw.setdefault("offload_fraction", 0.0)
+    return HybridAdamW(params, exp_avg_dtype=moments, exp_avg_sq_dtype=moments, subgroup_numel=2048,
+                       **HYPER, **kw)
+
+
+def _moments(params, seed=5):
+    """Per param (exp_avg, exp_avg_sq): what a few steps could leave (v >= 0)."""
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(p.shape, generator=g) * 1e-2, torch.rand(p.shape, generator=g) * 1e-4)
+            for p in params]
+
+
+def bnb_state_dict(params, moments, step=3, nested=True):
+    """What bitsandbytes' AdamW8bit(params, block_wise=True).state_dict() holds after `step`
+    steps with these moments, built from our reference (see the module docstring)."""
+    state = {}
+    for i, (p, (m, v)) in enumerate(zip(params, moments)):
+        if p.numel() < Q8_MIN_NUMEL:
+            quant = {"state1": m.clone(), "state2": v.clone()}
+        else:
+            qm, qv = quantize_blocks(m, True), quantize_blocks(v, False)
+            quant = {"state1": qm.codes.view(p.shape), "qmap1": dynamic_map(True),
+                     "state2": qv.codes.view(p.shape), "qmap2": dynamic_map(False),
+                     "absmax1": qm.absmax, "absmax2": qv.absmax}
+        state[i] = {"step": step, NESTED: quant} if nested else {"step": step, **quant}
+    group = {"lr": HYPER["lr"], "betas": HYPER["betas"], "eps": HYPER["eps"],
+             "weight_decay": HYPER["weight_decay"], "params": list(range(len(params)))}
+    return {"state": state, "param_groups": [group]}
+
+
+def _quant(entry):
+    return entry.get(NESTED, entry)
+
+
+# ----------------------------------------------------------------------------- bitsandbytes in
+
+@pytest.mark.parametrize("nested", [True, False], ids=["nested", "flat"])
+@pytest.mark.parametrize("placement", PLACEMENTS)
+def test_bitsandbytes_checkpoint_loads_its_codes_bitwise_into_q8_moments(placement, nested, tmp_path):
+    params = _params()
+    sd = bnb_state_dict(params, _moments(params), nested=nested)
+    opt = _hybrid(params, **_placed(placement, tmp_path))
+    opt.load_state_dict(sd)
+    mine = opt.state_dict()["state"]
+    for i, p in enumerate(params):
+        theirs = _quant(sd["state"][i])
+        assert float(mine[i]["step"]) == 3.0
+        if p.numel() >= Q8_MIN_NUMEL:
+            assert torch.equal(mine[i]["exp_avg_q8"], theirs["state1"]), i
+            assert torch.equal(mine[i]["exp_avg_absmax"], theirs["absmax1"]), i
+            assert torch.equal(mine[i]["exp_avg_sq_q8"], theirs["state2"]), i
+            assert torch.equal(mine[i]["exp_avg_sq_absmax"], theirs["absmax2"]), i
+        else:
+            assert torch.equal(mine[i]["exp_avg"], theirs["state1"]), i
+            assert torch.equal(mine[i]["exp_avg_sq"], theirs["state2"]), i
+    assert opt.param_groups[0]["lr"] == HYPER["lr"]
+    opt.close()
+
+
+def test_a_bitsandbytes_resume_steps_as_our_own_q8_checkpoint_bitwise():
+    """The run resumed from bitsandbytes' entry and from ours with the same codes (our keys)
+    continue bit for bit: the codes mean the same values in both formats."""
+    moments = _moments(_params())
+    runs = []
+    for fmt in ("bnb", "ours"):
+        params = _params()
+        sd = bnb_state_dict(params, moments)
+        if fmt == "ours":
+            for i, entry in sd["state"].items():
+                q = entry.pop(NESTED)
+                if q["state1"].dtype == torch.uint8:
+                    entry.update(exp_avg_q8=q["state1"], exp_avg_absmax=q["absmax1"],
+                                 exp_avg_sq_q8=q["state2"], exp_avg_sq_absmax=q["absmax2"])
+                else:
+                    entry.update(exp_avg=q["state1"], exp_avg_sq=q["state2"])
+        opt = _hybrid(params)
+        opt.load_state_dict(sd)
+        for k in range(2):
+            _set_grads(params, k)
+            opt.step()
+        runs.append((params, opt.state_dict()["state"]))
+        opt.close()
+    (pa, sa), (pb, sb) = runs
+    for a, b in zip(pa, pb):
+        assert torch.equal(a, b)
+    for i in sa:
+        for key in sa[i]:
+            assert torch.equal(sa[i][key], sb[i][key]), (i, key)
+
+
+@pytest.mark.parametrize("moments", [FP32, BF16], ids=["fp32", "bf16"])
+def test_bitsandbytes_codes_load_dequantized_into_float_moments(moments):
+    params = _params()
+    sd = bnb_state_dict(params, _moments(params))
+    opt = _hybrid(params, moments=moments)
+    opt.load_state_dict(sd)
+    mine = opt.state_dict()["state"]
+    for i, p in enumerate(params):
+        theirs = _quant(sd["state"][i])
+        for key, codes, absmax, signed in (("exp_avg", "state1", "absmax1", True),
+                                           ("exp_avg_sq", "state2", "absmax2", False)):
+            want = theirs[codes]
+            if want.dtype == torch.uint8:  # map[code] * absmax of its block
+                want = dequantize_blocks(Q8Blocks(want.reshape(-1), theirs[absmax]), signed).view(p.shape)
+            assert torch.equal(mine[i][key], want.to(moments)), (i, key)
+    opt.close()
+
+
+def _broken(what):
+    params = _params()
+    sd = bnb_state_dict(params, _moments(params))
+    quant = sd["state"][0][NESTED]
+    if what == "map":
+        quant["qmap1"] = quant["qmap1"].clone()
+        quant["qmap1"][3] = torch.nextafter(quant["qmap1"][3], torch.tensor(0.0))
+    elif what == "blocks of 2048":
+        quant["absmax1"] = quant["absmax1"][: -(-params[0].numel() // 2048)].clone()
+    elif what == "not blockwise":
+        del quant["absmax1"], quant["absmax2"]
+        quant["max1"], quant["new_max1"] = torch.ones(1), torch.ones(1)
+    elif what == "one state":
+        del quant["state2"], quant["absmax2"], quant["qmap2"]
+    return params, sd
+
+
+@pytest.mark.parametrize("what, match", [
+    ("map", r"parameter 0's bitsandbytes state: its map 'qmap1' is not ours .*1 values differ"),
+    ("blocks of 2048", r"'absmax1' has torch.float32 with 3 elements, not 24 .*blocks of another size"),
+    ("not blockwise", r"not blockwise \('max1'"),
+    ("one state", r"not Adam's 'state1' and 'state2'"),
+])
+def test_a_bitsandbytes_checkpoint_we_cannot_read_as_ours_is_refused_before_anything_loads(what, match):
+    params, sd = _broken(what)
+    opt = _hybrid(params)
+    _set_grads(params, 0)
+    opt.step()
+    before = {i: {k: v.clone() for k, v in e.items()} for i, e in opt.state_dict()["state"].items()}
+    with pytest.raises(ValueError, match=match):
+        opt.load_state_dict(sd)
+    after = opt.state_dict()["state"]
+    for i in before:
+        for key in before[i]:
+            assert torch.equal(after[i][key], before[i][key]), (i, key)
+    opt.close()
+
+
+# ----------------------------------------------------------------------------- fp32 out
+
+@pytest.mark.parametrize("placement", PLACEMENTS)
+def test_fp32_save_loads_into_torch_adamw_and_both_step_alike(placement, tmp_path):
+    """save_state_dict(f, fp32=True) of a q8 optimizer: torch.optim.AdamW loads it, its moments
+    are the codes dequantized exactly, and one more step of each on the same grads lands the
+    params within fp32's tolerance (the q8 update uses the fresh fp32 moments before quantizing)."""
+    params = _params(seed=2)
+    opt = _hybrid(params, **_placed(placement, tmp_path))
+    for k in range(3):
+        _set_grads(params, k)
+        opt.step()
+    path = tmp_path / "fp32.pt"
+    opt.save_state_dict(path, fp32=True)
+    sd = torch.load(path, weights_only=True)
+    q8 = opt.state_dict()["state"]
+    torch_params = [nn.Parameter(p.detach().clone()) for p in params]
+    ref = torch.optim.AdamW(torch_params, foreach=False, **HYPER)
+    ref.load_state_dict(sd)
+    for i, p in enumerate(params):
+        st = ref.state[torch_params[i]]
+        assert st["exp_avg"].dtype == FP32 and float(st["step"]) == 3.0
+        if p.numel() >= Q8_MIN_NUMEL:
+            want = dequantize_blocks(Q8Blocks(q8[i]["exp_avg_sq_q8"].reshape(-1), q8[i]["exp_avg_sq_absmax"]), False)
+            assert torch.equal(st["exp_avg_sq"].reshape(-1), want), i
+        else:
+            assert torch.equal(st["exp_avg_sq"], q8[i]["exp_avg_sq"]), i
+    _set_grads(params, 3)
+    for tp, p in zip(torch_params, params):
+        tp.grad = p.grad.clone()
+    opt.step()
+    ref.step()
+    for tp, p in zip(torch_params, params):
+        assert_close(p.detach(), tp.detach(), FP32)
+    opt.close()
+
+
+def test_fp32_save_of_a_bf16_remainder_model_carries_fp32_moments_and_master(tmp_path):
+    params = _params(BF16, seed=3)
+    opt = _hybrid(params, store_param_remainders=True)
+    exp_avg_sq_bf16 = HybridAdamW(_params(BF16, seed=3), exp_avg_dtype=Q8, exp_avg_sq_dtype=BF16,
+                                  subgroup_numel=2048, offload_fraction=0.0, **HYPER)
+    for o, ps in ((opt, params), (exp_avg_sq_bf16, exp_avg_sq_bf16.param_groups[0]["params"])):
+        for k in range(2):
+            _set_grads(ps, k)
+            o.step()
+        o.save_state_dict(tmp_path / "x.pt", fp32=True)
+        sd = torch.load(tmp_path / "x.pt", weights_only=True)
+        native = o.state_dict()["state"]
+        for i, p in enumerate(ps):
+            entry = sd["state"][i]
+            assert {"exp_avg", "exp_avg_sq", "master_param"} <= set(entry), i
+            assert all(entry[k].dtype == FP32 for k in ("exp_avg", "exp_avg_sq", "master_param")), i
+            assert torch.equal(entry["master_param"], fp32_master(native[i], p)), i
+            if "exp_avg_sq" in native[i]:
+                assert torch.equal(entry["exp_avg_sq"], native[i]["exp_avg_sq"].float()), i
+        o.close()
+
+
+def test_fp32_save_goes_through_a_state_dict_post_hook_in_fp32(tmp_path):
+    """With a post hook registered the whole dict is made (torch hands it whole): the hook sees,
+    and the file gets, the fp32 moments."""
+    params = _params(seed=4)
+    opt = _hybrid(params)
+    _set_grads(params, 0)
+    opt.step()
+    seen = {}
+
+    def hook(optimizer, sd):
+        seen.update({i: sorted(e) for i, e in sd["state"].items()})
+        return sd
+    opt.register_state_dict_post_hook(hook)
+    opt.save_state_dict(tmp_path / "h.pt", fp32=True)
+    sd = torch.load(tmp_path / "h.pt", weights_only=True)
+    for i, p in enumerate(params):
+        assert seen[i] == ["exp_avg", "exp_avg_sq", "step"], i
+        assert sd["state"][i]["exp_avg"].dtype == FP32 and sd["state"][i]["exp_avg"].shape == p.shape, i
+    opt.close()
+
+
+def test_a_real_bitsandbytes_checkpoint_loads_its_codes_bitwise():
+    """Where bitsandbytes imports (not in the test extra: `pip install --target DIR
+    bitsandbytes==0.50.2` and PYTHONPATH=DIR), its own AdamW8bit's checkpoint, after three
+    steps, loads into q8 moments with the very codes and absmaxes it saved, on the device and
+    the host tier; its small params' fp32 moments load as they are."""
+    bnb = pytest.importorskip("bitsandbytes")
+    import io
+
+    def model():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(128, 128), torch.nn.Tanh(), torch.nn.Linear(128, 64))
+    net = model()
+    peer = bnb.optim.AdamW8bit(net.parameters(), lr=1e-3, weight_decay=0.01)
+    for k in range(3):
+        torch.manual_seed(k)
+        net(torch.randn(8, 128)).square().mean().backward()
+        peer.step()
+        peer.zero_grad()
+    buf = io.BytesIO()
+    torch.save(peer.state_dict(), buf)
+    buf.seek(0)
+    saved = torch.load(buf, weights_only=False)
+    quantized = [p.numel() >= 4096 for p in net.parameters()]
+    assert any(quantized) and not all(quantized)
+    for offload in (0.0, 1.0):
+        ours = model()
+        ours.load_state_dict(net.state_dict())
+        with HybridAdamW(ours.parameters(), lr=1e-3, weight_decay=0.01, exp_avg_dtype="q8",
+                         exp_avg_sq_dtype="q8", offload_fraction=offload) as opt:
+            opt.load_state_dict(saved)
+            state = opt.state_dict()["state"]
+            for i, p in enumerate(net.parameters()):
+                st = peer.state[p]
+                if quantized[i]:
+                    assert torch.equal(state[i]["exp_avg_q8"].flatten(), st["state1"].flatten()), i
+                    assert torch.equal(state[i]["exp_avg_sq_q8"].flatten(), st["state2"].flatten()), i
+                    assert torch.equal(state[i]["exp_avg_absmax"], st["absmax1"]), i
+                    assert torch.equal(state[i]["exp_avg_sq_absmax"], st["absmax2"]), i
+                else:
+                    assert torch.equal(state[i]["exp_avg"], st["state1"]), i
+                    assert torch.equal(state[i]["exp_avg_sq"], st["state2"]), i
