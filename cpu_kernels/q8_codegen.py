@@ -11,6 +11,7 @@ library's loaded tables to the reference. Regenerate with
 from __future__ import annotations
 
 import pathlib
+from fractions import Fraction
 
 from . import q8_reference as q8
 
@@ -23,6 +24,54 @@ def _rows(words):
     for k in range(0, len(words), _PER_LINE):
         lines.append("    " + ", ".join(f"0x{w & 0xFFFFFFFF:08x}u" for w in words[k:k + _PER_LINE]) + ",")
     return "\n".join(lines)
+
+
+LINES = 4      # lines per octave: the rank's interpolant is their minimum
+LINE_KEYS = 32  # octaves 2^-31 .. 2^0 (key = biased exponent - 96, clamped to 0..31)
+
+
+def _f32(q) -> float:
+    return q8._round32(Fraction(q))
+
+
+def line_tables(signed: bool):
+    """[LINES][2][LINE_KEYS] fp32: per octave of |x|, LINES lines (slope A, offset B) whose minimum
+    interpolates |x|'s rank (codes away from the zero code) through each code boundary: the rank
+    steps from r to r + 1 at the boundary firsts[r], so the points (firsts[r], r + 1) joined by
+    segments, from (0, 1/2); consecutive segments of nearly one slope share a line. Away from an
+    integer the floor of the minimum is the rank; a lane near one takes the exact scalar path
+    (q8_code). tests/test_q8_cpu.py holds the vector path to q8_code for every |x|."""
+    firsts = q8._first_of_each_rank(signed)[0]
+    pts = [(Fraction(0), Fraction(1, 2))] + [(Fraction(q8._from_bits32(u)), Fraction(r + 1))
+                                             for r, u in enumerate(firsts)]
+    slopes = [(pts[i + 1][1] - pts[i][1]) / (pts[i + 1][0] - pts[i][0]) for i in range(len(pts) - 1)]
+    groups, a = [], 0
+    for i in range(1, len(slopes) + 1):
+        if i == len(slopes) or abs(slopes[i] / slopes[a] - 1) > Fraction(1, 1000):
+            groups.append((a, i))
+            a = i
+    top = len(firsts)
+    # the last boundary (to +1.0, the map's lopsided top) is nearer than the grid's: that corner is
+    # convex, so its segment is no line of the minimum; the kernel sets the top rank by one compare
+    (a0, a1), (b0, b1) = groups[-2], groups[-1]
+    assert b1 - b0 == 1 and slopes[b0] > slopes[a0]
+    groups.pop()
+    out = [[[0.0] * LINE_KEYS, [0.0] * LINE_KEYS] for _ in range(LINES)]
+    for key in range(LINE_KEYS):
+        lo, hi = Fraction(2) ** (key + 96 - 127), Fraction(2) ** (key + 96 - 126)
+        lines = []
+        for g0, g1 in groups:
+            (x0, r0), (x1, r1) = pts[g0], pts[g1]
+            if x1 >= lo and x0 < hi:
+                slope = (r1 - r0) / (x1 - x0)
+                lines.append((_f32(slope), _f32(r0 - slope * x0)))
+        if pts[-2][0] < hi:
+            lines.append((0.0, _f32(Fraction(2 * top + 1, 2))))
+        assert 1 <= len(lines) <= LINES, (signed, key, len(lines))
+        lines += [lines[-1]] * (LINES - len(lines))
+        for k, (slope, offset) in enumerate(lines):
+            out[k][0][key], out[k][1][key] = slope, offset
+    return out
 
 
 def source() -> str:
@@ -48,6 +97,20 @@ def source() -> str:
     parts += ["};", "", f"const uint32_t q8_buckets[2][2 * Q8_KEYS] __attribute__((aligned(64))) = {{"]
     for signed in (True, False):
         parts += ["  {", _rows(tables[signed]), "  },"]
+    parts += ["};", "", "/* the vector quantizer's lines (q8_codegen.line_tables): [map][line][slope, offset][octave], fp32 bits */",
+              "/* the smallest |x| of the top rank, [0] signed, [1] unsigned */",
+              "const uint32_t q8_top_first[2] = {" + ", ".join(
+                  f"0x{q8._first_of_each_rank(signed)[0][-1]:08x}u" for signed in (True, False)) + "};",
+              "",
+              f"const uint32_t q8_lines[2][{LINES}][2][{LINE_KEYS}] __attribute__((aligned(64))) = {{"]
+    for signed in (True, False):
+        parts.append("  {")
+        for line in line_tables(signed):
+            parts.append("    {")
+            for row in line:
+                parts += ["     {", _rows([q8._bits32(v) for v in row]).replace("u,", "u,"), "     },"]
+            parts.append("    },")
+        parts.append("  },")
     parts += ["};", ""]
     return "\n".join(parts)
 

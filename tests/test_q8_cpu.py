@@ -337,3 +337,44 @@ def test_the_raw_entry_point_refuses_a_q8_moment_without_its_absmax():
     with pytest.raises(ValueError, match="a q8 moment needs its absmax and absmax_out"):
         _q8_lib.q8_adam_step_raw(args)
     assert torch.equal(state["param"], before)
+
+
+# ------------------------------------------------ the AVX-512 quantizer's lines against q8_code
+
+def _check_quant_avx512(signed, first, count):
+    import ctypes
+    fn = _q8_lib.lib.q8_check_quant_avx512
+    fn.restype = ctypes.c_int64
+    fn.argtypes = [ctypes.c_int, ctypes.c_uint32, ctypes.c_uint64, ctypes.POINTER(ctypes.c_int64)]
+    near = ctypes.c_int64()
+    return fn(0 if signed else 1, first, count, ctypes.byref(near)), near.value
+
+
+needs_avx512 = pytest.mark.skipif("avx512" not in LEVELS, reason="no AVX-512 on this CPU")
+
+
+@needs_avx512
+@pytest.mark.parametrize("signed", [True, False])
+def test_avx512_quantizer_equals_q8_code_around_every_code_boundary(signed):
+    # 2^16 bit patterns either side of every boundary's first magnitude, both signs, plus the
+    # octave of 1.0 and the patterns above it (inf, NaN): the lines' minimum is floored only away
+    # from an integer, the lanes near one take q8_code
+    for side in (0, 1 << 31):
+        for u in q8._first_of_each_rank(signed)[0]:
+            bad, _ = _check_quant_avx512(signed, side | (u - (1 << 16)), 1 << 17)
+            assert bad == 0, f"signed={signed} side={side:#x} boundary {u:#x}"
+        for first, count in ((0x3F000000, (1 << 23) + 64), (0x7F7FFFF0, 64), (0x7FFFFFC0, 64)):
+            bad, _ = _check_quant_avx512(signed, side | first, count)
+            assert bad == 0, f"signed={signed} side={side:#x} from {first:#x}"
+
+
+@needs_avx512
+@pytest.mark.slow
+@pytest.mark.parametrize("signed", [True, False])
+def test_avx512_quantizer_equals_q8_code_for_every_fp32_pattern(signed):
+    # all 2^32 patterns (about 10 s per map): the proof that the generated lines and the near band
+    # (Q8_NEAR) give q8_code's code for every x
+    for first in (0, 1 << 31):
+        bad, near = _check_quant_avx512(signed, first, 1 << 31)
+        assert bad == 0, (signed, first)
+        assert near < 1 << 20  # the scalar path stays rare

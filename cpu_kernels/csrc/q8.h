@@ -68,6 +68,14 @@ typedef struct {
  * map's bucket table, a row for x >= +0 then one for x <= -0. */
 extern const uint32_t q8_maps[2][256];
 extern const uint32_t q8_buckets[2][2 * Q8_KEYS];
+/* The vector quantizer's lines (q8_codegen.line_tables), fp32 bits: [map][line][slope, offset][octave
+ * 2^-31 .. 2^0]. |x|'s rank away from the zero code is the floor of the lines' minimum wherever that
+ * lies 2^-10 or more from an integer (below the top rank's first |x|); a lane nearer takes q8_code. */
+#define Q8_LINES 4
+#define Q8_NEAR 0x1p-13f  /* t nearer an integer than this: the lane takes q8_code */
+
+extern const uint32_t q8_lines[2][Q8_LINES][2][32];
+extern const uint32_t q8_top_first[2];  /* the smallest |x| of the top rank: set by one compare */
 
 /* x -> its code in the signed (zero code 127) or unsigned (0) map: the fast quantizer of
  * q8_reference. NaN and |x| > 1 saturate at the sign's end; the unsigned map gives 0 for x <= 0. */
