@@ -139,9 +139,8 @@ class DeviceTier:
                 st = {k: torch.zeros(stored_numel(k, sg.numel), dtype=dt, device=sg.device)
                       for k, dt in tensors.items()}
             self.formats[sg.index] = state_format.for_subgroup(sg.quantized)
-            for name in ("exp_avg",):  # a zero q8 exp_avg is the signed map's zero code, not code 0
-                if name + ABSMAX in st:
-                    st[name].fill_(Q8_ZERO_CODE[name])
+            if "exp_avg" + ABSMAX in st:  # a zero q8 exp_avg is the signed map's zero code, not code 0
+                st["exp_avg"].fill_(Q8_ZERO_CODE["exp_avg"])
             if "remainder" in st:
                 # the param's own fp32 value: high half the param, low half 0
                 self.remainder[sg.index] = st.pop("remainder")
