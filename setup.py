@@ -5,6 +5,7 @@ ctypes, so `pip install --no-build-isolation .` works on a machine with no regis
 sources and flags live in cpu_kernels/_build.py (read here by path, without importing the
 package), where the aarch64 emulation test reads them too.
 """
+
 import os
 import runpy
 import sys
@@ -18,5 +19,14 @@ if sys.platform == "darwin":  # Apple clang has no -fopenmp; the kernels then ru
     compile_args.remove("-fopenmp")
     link_args.remove("-fopenmp")
 
-setup(ext_modules=[Extension("cpu_kernels._native", sources=_build["SOURCES"], depends=_build["HEADERS"],
-                             extra_compile_args=compile_args, extra_link_args=link_args)])
+setup(
+    ext_modules=[
+        Extension(
+            "cpu_kernels._native",
+            sources=_build["SOURCES"],
+            depends=_build["HEADERS"],
+            extra_compile_args=compile_args,
+            extra_link_args=link_args,
+        )
+    ]
+)

@@ -1,4 +1,5 @@
 """Shared benchmark plumbing: timing with median/p20/p80, markdown tables, JSON records."""
+
 from __future__ import annotations
 
 import json

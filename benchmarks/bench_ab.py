@@ -17,6 +17,7 @@ added to or took from step() where the VM's ±10-20 % timing noise hides a 3 % d
 host subgroups backward's move by about 0.5 % (how often a hook finds the worker's banks still
 busy and retries a deferred subgroup depends on the worker's speed).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -76,8 +77,15 @@ print(json.dumps({"file": o.__file__, "counts": counts}))
 
 def _run(root: str, off: float, iters: int, width: int, layers: int, child: str = _CHILD):
     env = dict(os.environ, PYTHONPATH=os.path.abspath(root))
-    out = subprocess.run([sys.executable, "-c", child, str(off), str(iters), str(width), str(layers)],
-                         env=env, cwd=os.path.abspath(root), capture_output=True, text=True, timeout=600, check=True)
+    out = subprocess.run(
+        [sys.executable, "-c", child, str(off), str(iters), str(width), str(layers)],
+        env=env,
+        cwd=os.path.abspath(root),
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=True,
+    )
     res = json.loads(out.stdout.strip().splitlines()[-1])
     if not res["file"].startswith(os.path.abspath(root)):
         raise RuntimeError(f"{root}: imported {res['file']} instead (PYTHONPATH did not win)")
@@ -87,14 +95,23 @@ def _run(root: str, off: float, iters: int, width: int, layers: int, child: str 
 def calls(args) -> list:
     """--calls: per offload, each checkout's Python / C calls in one backward's hooks and one step()."""
     rows = []
-    print("| offload | backward: A Python / C calls | B | step(): A Python / C calls | B | B / A, all calls |")
+    print(
+        "| offload | backward: A Python / C calls | B | step(): A Python / C calls | B | B / A, all calls |"
+    )
     print("|---|---|---|---|---|---|")
     for off in args.offload:
         c = {k: _run(getattr(args, k), off, 0, args.width, args.layers, _CALLS_CHILD) for k in ("a", "b")}
         total = {k: sum(n for ph in c[k].values() for n in ph.values()) for k in c}
-        cell = {(k, ph): f"{c[k][ph]['call']:,} / {c[k][ph]['c_call']:,}" for k in c for ph in ("backward", "step")}
-        print(f"| {off:g} | {cell['a', 'backward']} | {cell['b', 'backward']} | {cell['a', 'step']} "
-              f"| {cell['b', 'step']} | {total['b'] / total['a']:.3f} |", flush=True)
+        cell = {
+            (k, ph): f"{c[k][ph]['call']:,} / {c[k][ph]['c_call']:,}"
+            for k in c
+            for ph in ("backward", "step")
+        }
+        print(
+            f"| {off:g} | {cell['a', 'backward']} | {cell['b', 'backward']} | {cell['a', 'step']} "
+            f"| {cell['b', 'step']} | {total['b'] / total['a']:.3f} |",
+            flush=True,
+        )
         rows.append({"offload": off, "a": c["a"], "b": c["b"]})
     return rows
 
@@ -115,25 +132,39 @@ def main(argv=None) -> None:
         _save(args, calls(args))
         return
     rows = []
-    print("| offload | A step ms (median, p20-p80 of rounds) | B step ms | B / A (median of per-round ratios) | ratio range |")
+    print(
+        "| offload | A step ms (median, p20-p80 of rounds) | B step ms | B / A (median of per-round ratios) | ratio range |"
+    )
     print("|---|---|---|---|---|")
     for off in args.offload:
         med = {"a": [], "b": []}
         for r in range(args.rounds):
             order = ("a", "b") if r % 2 == 0 else ("b", "a")
             for k in order:
-                med[k].append(statistics.median(_run(getattr(args, k), off, args.iters, args.width, args.layers)))
+                med[k].append(
+                    statistics.median(_run(getattr(args, k), off, args.iters, args.width, args.layers))
+                )
         ratios = [b / a for a, b in zip(med["a"], med["b"])]
 
         def q(xs, p):
             xs = sorted(xs)
             return xs[min(len(xs) - 1, int(p * len(xs)))]
-        row = {"offload": off, "a_ms": [1e3 * x for x in med["a"]], "b_ms": [1e3 * x for x in med["b"]],
-               "ratio_median": statistics.median(ratios), "ratio_min": min(ratios), "ratio_max": max(ratios)}
+
+        row = {
+            "offload": off,
+            "a_ms": [1e3 * x for x in med["a"]],
+            "b_ms": [1e3 * x for x in med["b"]],
+            "ratio_median": statistics.median(ratios),
+            "ratio_min": min(ratios),
+            "ratio_max": max(ratios),
+        }
         rows.append(row)
-        print(f"| {off:g} | {1e3 * statistics.median(med['a']):.1f} ({1e3 * q(med['a'], .2):.1f}-{1e3 * q(med['a'], .8):.1f}) "
-              f"| {1e3 * statistics.median(med['b']):.1f} ({1e3 * q(med['b'], .2):.1f}-{1e3 * q(med['b'], .8):.1f}) "
-              f"| {row['ratio_median']:.3f} | {row['ratio_min']:.3f}-{row['ratio_max']:.3f} |", flush=True)
+        print(
+            f"| {off:g} | {1e3 * statistics.median(med['a']):.1f} ({1e3 * q(med['a'], 0.2):.1f}-{1e3 * q(med['a'], 0.8):.1f}) "
+            f"| {1e3 * statistics.median(med['b']):.1f} ({1e3 * q(med['b'], 0.2):.1f}-{1e3 * q(med['b'], 0.8):.1f}) "
+            f"| {row['ratio_median']:.3f} | {row['ratio_min']:.3f}-{row['ratio_max']:.3f} |",
+            flush=True,
+        )
     _save(args, rows)
 
 

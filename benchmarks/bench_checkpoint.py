@@ -54,6 +54,7 @@ rss_shmem_extra_mib, pss_before_mib, pss_after_mib, seconds (+ _min, _max), file
 state_bytes, dir_bytes (--ranks: the whole checkpoint), loaded_mib and extra_above_loaded_mib
 (load), rounds, per_round (each round's own figures and samples), skipped (why, or None).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -83,8 +84,9 @@ sys.path[:0] = [HERE, REPO, os.path.join(REPO, "tests")]
 
 from _common import host_description, markdown_table, write_json  # noqa: E402
 from dist_launch import _kill_tree  # noqa: E402
-from hybrid_opt import HybridAdamW  # noqa: E402
 from ram_sampler import RamSampler, wait_until_steady  # noqa: E402
+
+from hybrid_opt import HybridAdamW  # noqa: E402
 
 MIB = 2**20
 TRAIN_STEPS = 2
@@ -94,12 +96,13 @@ BATCH = 4
 @dataclasses.dataclass(frozen=True)
 class Placement:
     """Which optimizer holds the state, where, and in what format."""
+
     label: str
     offload: float | None = None  # None: torch.optim.AdamW(fused=True), the control
     nvme: float = 0.0
-    compressed: bool = False      # a bf16 model, bf16 moments, fp32 masters as remainders
-    fsdp2: bool = False           # --ranks: the model fully_shard'ed
-    process_group: bool = False   # --ranks: HybridAdamW(process_group=WORLD) over plain params
+    compressed: bool = False  # a bf16 model, bf16 moments, fp32 masters as remainders
+    fsdp2: bool = False  # --ranks: the model fully_shard'ed
+    process_group: bool = False  # --ranks: HybridAdamW(process_group=WORLD) over plain params
 
 
 PLACEMENTS = {
@@ -133,6 +136,7 @@ LOAD_OPS = ("load", "load_mmap")  # they read the placement's reference file
 
 
 # ---------------------------------------------------------------- the model, the optimizer, the steps
+
 
 def build_model(layers: int, width: int, compressed: bool):
     torch.manual_seed(0)
@@ -175,6 +179,7 @@ def close(opt) -> None:
 
 # ---------------------------------------------------------------- sizes
 
+
 def state_bytes(state_dict: dict) -> int:
     """nbytes of the tensors in a state dict's "state" (a DTensor: this rank's local part)."""
     total = 0
@@ -208,6 +213,7 @@ def release_free_memory() -> None:
 
 # ---------------------------------------------------------------- the operations
 
+
 def op_torch_save(model, opt, path: str) -> dict:
     sd = opt.state_dict()
     torch.save(sd, path)
@@ -236,6 +242,7 @@ def op_load_mmap(model, opt, path: str) -> dict:
 def op_dcp_save(model, opt, path: str) -> dict:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
     osd = get_optimizer_state_dict(model, opt)
     local = state_bytes(osd)
     with warnings.catch_warnings():  # one process, no process group: saving alone is the point
@@ -245,8 +252,13 @@ def op_dcp_save(model, opt, path: str) -> dict:
     return {"state_bytes": local}
 
 
-OP_FUNCS = {"torch_save": op_torch_save, "save_state_dict": op_save_state_dict, "load": op_load,
-            "load_mmap": op_load_mmap, "dcp_save": op_dcp_save}
+OP_FUNCS = {
+    "torch_save": op_torch_save,
+    "save_state_dict": op_save_state_dict,
+    "load": op_load,
+    "load_mmap": op_load_mmap,
+    "dcp_save": op_dcp_save,
+}
 
 
 def measure(run, pids: list[int | None], path: str) -> dict:
@@ -259,13 +271,21 @@ def measure(run, pids: list[int | None], path: str) -> dict:
         t0 = time.perf_counter()
         facts = run()
         seconds = time.perf_counter() - t0
-    return dict(extra_bytes=ram.result["anon_shmem_peak"], rss_shmem_extra_bytes=ram.result["rss_shmem_peak"],
-                pss_before=pss_before, pss_after=pss_bytes(pids), seconds=seconds,
-                file_bytes=path_bytes(path) if os.path.exists(path) else None, steady_before=steady,
-                sampled=ram.result, **facts)
+    return dict(
+        extra_bytes=ram.result["anon_shmem_peak"],
+        rss_shmem_extra_bytes=ram.result["rss_shmem_peak"],
+        pss_before=pss_before,
+        pss_after=pss_bytes(pids),
+        seconds=seconds,
+        file_bytes=path_bytes(path) if os.path.exists(path) else None,
+        steady_before=steady,
+        sampled=ram.result,
+        **facts,
+    )
 
 
 # ---------------------------------------------------------------- one run in a fresh process
+
 
 @contextlib.contextmanager
 def trained(args):
@@ -291,14 +311,16 @@ def prepare_main(args) -> dict:
 def op_main(args) -> dict:
     """One operation on a freshly built and trained optimizer."""
     with trained(args) as (model, opt):
-        return measure(lambda: OP_FUNCS[args.op](model, opt, args.path),
-                       [os.getpid(), worker_pid(opt)], args.path)
+        return measure(
+            lambda: OP_FUNCS[args.op](model, opt, args.path), [os.getpid(), worker_pid(opt)], args.path
+        )
 
 
 def hf_trainer_main(args) -> dict:
     """A real transformers.Trainer, save_steps=TRAIN_STEPS: the window is its
     _save_optimizer_and_scheduler at the step that saves (the model's own file is not in it)."""
     import transformers
+
     transformers.logging.set_verbosity_error()
     placement = PLACEMENTS[args.placement]
 
@@ -319,13 +341,27 @@ def hf_trainer_main(args) -> dict:
     class MeasuredTrainer(transformers.Trainer):
         def _save_optimizer_and_scheduler(self, output_dir):
             save = super()._save_optimizer_and_scheduler
-            measured.append(measure(lambda: save(output_dir) or {}, [os.getpid(), worker_pid(opt)],
-                                    os.path.join(output_dir, transformers.trainer.OPTIMIZER_NAME)))
+            measured.append(
+                measure(
+                    lambda: save(output_dir) or {},
+                    [os.getpid(), worker_pid(opt)],
+                    os.path.join(output_dir, transformers.trainer.OPTIMIZER_NAME),
+                )
+            )
 
     targs = transformers.TrainingArguments(
-        output_dir=args.path, max_steps=TRAIN_STEPS, per_device_train_batch_size=BATCH, learning_rate=1e-3,
-        save_strategy="steps", save_steps=TRAIN_STEPS, report_to="none", disable_tqdm=True, use_cpu=True,
-        logging_strategy="no", seed=0)
+        output_dir=args.path,
+        max_steps=TRAIN_STEPS,
+        per_device_train_batch_size=BATCH,
+        learning_rate=1e-3,
+        save_strategy="steps",
+        save_steps=TRAIN_STEPS,
+        report_to="none",
+        disable_tqdm=True,
+        use_cpu=True,
+        logging_strategy="no",
+        seed=0,
+    )
     try:
         MeasuredTrainer(model=model, args=targs, train_dataset=data, optimizers=(opt, None)).train()
     finally:
@@ -339,6 +375,7 @@ def lightning_main(args) -> dict:
     """Lightning's trainer.save_checkpoint(path) after a TRAIN_STEPS-step fit: its own
     CheckpointIO, or (op lightning_direct) hybrid_opt.lightning_io.DirectCheckpointIO."""
     import lightning.pytorch as pl
+
     warnings.filterwarnings("ignore", ".*does not have many workers.*")
     warnings.filterwarnings("ignore", ".*isinstance\\(treespec, LeafSpec\\).*")
     placement = PLACEMENTS[args.placement]
@@ -361,14 +398,25 @@ def lightning_main(args) -> dict:
     plugins = []
     if args.op == "lightning_direct":
         from hybrid_opt.lightning_io import DirectCheckpointIO
+
         plugins.append(DirectCheckpointIO())
-    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=TRAIN_STEPS, enable_progress_bar=False,
-                         logger=False, enable_model_summary=False, enable_checkpointing=False, plugins=plugins)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=TRAIN_STEPS,
+        enable_progress_bar=False,
+        logger=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        plugins=plugins,
+    )
     module = Module()
     try:
         trainer.fit(module, torch.utils.data.DataLoader(data, batch_size=BATCH))
         opt = trainer.optimizers[0]
-        return measure(lambda: trainer.save_checkpoint(args.path) or {}, [os.getpid(), worker_pid(opt)], args.path)
+        return measure(
+            lambda: trainer.save_checkpoint(args.path) or {}, [os.getpid(), worker_pid(opt)], args.path
+        )
     finally:
         for opt in trainer.optimizers:
             close(opt)
@@ -384,6 +432,7 @@ def rank_main(args) -> None:
     if placement.fsdp2:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
+
         mesh = init_device_mesh("cpu", (world,))
         for layer in model:
             fully_shard(layer, mesh=mesh)
@@ -392,8 +441,12 @@ def rank_main(args) -> None:
     try:
         train(model, opt, args.width, seed=1 + rank)
         dist.barrier()
-        result = measure(lambda: op_dcp_save(model, opt, args.path), [os.getpid(), worker_pid(opt)], args.path)
-        result["file_bytes"] = None  # the ranks write into one directory: its total is the launch's (dir_bytes)
+        result = measure(
+            lambda: op_dcp_save(model, opt, args.path), [os.getpid(), worker_pid(opt)], args.path
+        )
+        result["file_bytes"] = (
+            None  # the ranks write into one directory: its total is the launch's (dir_bytes)
+        )
         gathered: list = [None] * world
         dist.all_gather_object(gathered, result)
     finally:
@@ -406,28 +459,52 @@ def rank_main(args) -> None:
 
 # ---------------------------------------------------------------- the launcher
 
+
 @dataclasses.dataclass(frozen=True)
 class Job:
     """One fresh process: a placement and an operation (a framework's, or on --ranks ranks)."""
+
     placement: str
     op: str
     ranks: int = 1
 
 
 def child_argv(args, job: Job, path: str) -> list[str]:
-    common = [f"--layers={args.layers}", f"--width={args.width}", f"--dir={args.run_dir}",
-              f"--placement={job.placement}", f"--path={path}", f"--timeout={args.timeout}"]
+    common = [
+        f"--layers={args.layers}",
+        f"--width={args.width}",
+        f"--dir={args.run_dir}",
+        f"--placement={job.placement}",
+        f"--path={path}",
+        f"--timeout={args.timeout}",
+    ]
     if job.ranks > 1:
-        return [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={job.ranks}", "--standalone",
-                os.path.abspath(__file__), "--rank-main", f"--out={path}.json", *common]
+        return [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            f"--nproc-per-node={job.ranks}",
+            "--standalone",
+            os.path.abspath(__file__),
+            "--rank-main",
+            f"--out={path}.json",
+            *common,
+        ]
     return [sys.executable, os.path.abspath(__file__), f"--child={job.op}", *common]
 
 
 def run_child(argv: list[str], what: str, timeout: float) -> str:
     """A child's stdout once it exits 0; its whole tree (the worker too) killed past `timeout`."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([REPO, HERE, os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=REPO,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        argv,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        cwd=REPO,
+        start_new_session=True,
+    )
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -445,8 +522,11 @@ def last_json(out: str) -> dict:
 def run_job(args, job: Job, r: int) -> list[dict]:
     """One round of a job: a result per rank; what it wrote removed afterwards."""
     reads = job.op in LOAD_OPS
-    path = (reference_path(args, job.placement) if reads
-            else os.path.join(args.run_dir, f"{job.placement}-{job.op}-r{r}"))
+    path = (
+        reference_path(args, job.placement)
+        if reads
+        else os.path.join(args.run_dir, f"{job.placement}-{job.op}-r{r}")
+    )
     what = f"{job.placement} {job.op}" + (f" on {job.ranks} ranks" if job.ranks > 1 else "")
     out = run_child(child_argv(args, job, path), what, args.timeout)
     if job.ranks > 1:
@@ -476,7 +556,9 @@ def jobs_for(args) -> tuple[list[Job], list[dict]]:
     """The jobs to run, and a row for each one skipped (with its reason)."""
     jobs, skipped = [], []
     for p in args.placements:
-        jobs += [Job(p, op) for op in args.ops if not (op in HYBRID_ONLY_OPS and PLACEMENTS[p].offload is None)]
+        jobs += [
+            Job(p, op) for op in args.ops if not (op in HYBRID_ONLY_OPS and PLACEMENTS[p].offload is None)
+        ]
     if args.frameworks is not None:
         for op, (package, label) in FRAMEWORK_OPS.items():
             if args.frameworks and op not in args.frameworks:
@@ -498,17 +580,24 @@ def run_all(args) -> tuple[dict, dict, list]:
     alternate the order of the jobs."""
     jobs, skipped = jobs_for(args)
     needs_reference = list(dict.fromkeys(j.placement for j in jobs if j.ranks == 1))
-    references = {p: last_json(run_child(child_argv(args, Job(p, "prepare"), reference_path(args, p)),
-                                         f"{p} reference", args.timeout)) for p in needs_reference}
+    references = {
+        p: last_json(
+            run_child(
+                child_argv(args, Job(p, "prepare"), reference_path(args, p)), f"{p} reference", args.timeout
+            )
+        )
+        for p in needs_reference
+    }
     results: dict = {job: [] for job in jobs}
     for r in range(args.rounds):
-        for job in (jobs if r % 2 == 0 else jobs[::-1]):
+        for job in jobs if r % 2 == 0 else jobs[::-1]:
             print(f"round {r + 1}/{args.rounds}: {job.placement} {job.op}", file=sys.stderr, flush=True)
             results[job].append(run_job(args, job, r))
     return references, results, skipped
 
 
 # ---------------------------------------------------------------- rows and the table
+
 
 def row_for(job: Job, rank: int, rounds: list[dict], reference: dict | None) -> dict:
     """One JSON row: medians over rounds (ranges beside), extra RAM in MiB and % of the state."""
@@ -517,16 +606,30 @@ def row_for(job: Job, rank: int, rounds: list[dict], reference: dict | None) -> 
     state = reference["state_bytes"] if reference else rounds[0]["state_bytes"]
     extra = [r["extra_bytes"] / MIB for r in rounds]
     secs = [r["seconds"] for r in rounds]
-    row = dict(placement=placement.label, op=label, op_key=job.op, placement_key=job.placement,
-               ranks=job.ranks, rank=rank if job.ranks > 1 else None,
-               extra_mib=statistics.median(extra), extra_mib_min=min(extra), extra_mib_max=max(extra),
-               extra_pct=100 * statistics.median(extra) * MIB / state,
-               rss_shmem_extra_mib=statistics.median(r["rss_shmem_extra_bytes"] / MIB for r in rounds),
-               pss_before_mib=statistics.median(r["pss_before"] / MIB for r in rounds),
-               pss_after_mib=statistics.median(r["pss_after"] / MIB for r in rounds),
-               seconds=statistics.median(secs), seconds_min=min(secs), seconds_max=max(secs),
-               file_bytes=rounds[0]["file_bytes"], state_bytes=state,
-               dir_bytes=rounds[0].get("dir_bytes"), rounds=len(rounds), per_round=rounds, skipped=None)
+    row = dict(
+        placement=placement.label,
+        op=label,
+        op_key=job.op,
+        placement_key=job.placement,
+        ranks=job.ranks,
+        rank=rank if job.ranks > 1 else None,
+        extra_mib=statistics.median(extra),
+        extra_mib_min=min(extra),
+        extra_mib_max=max(extra),
+        extra_pct=100 * statistics.median(extra) * MIB / state,
+        rss_shmem_extra_mib=statistics.median(r["rss_shmem_extra_bytes"] / MIB for r in rounds),
+        pss_before_mib=statistics.median(r["pss_before"] / MIB for r in rounds),
+        pss_after_mib=statistics.median(r["pss_after"] / MIB for r in rounds),
+        seconds=statistics.median(secs),
+        seconds_min=min(secs),
+        seconds_max=max(secs),
+        file_bytes=rounds[0]["file_bytes"],
+        state_bytes=state,
+        dir_bytes=rounds[0].get("dir_bytes"),
+        rounds=len(rounds),
+        per_round=rounds,
+        skipped=None,
+    )
     if "loaded_bytes" in rounds[0]:
         row["loaded_mib"] = rounds[0]["loaded_bytes"] / MIB
         row["extra_above_loaded_mib"] = row["extra_mib"] - row["loaded_mib"]
@@ -535,11 +638,33 @@ def row_for(job: Job, rank: int, rounds: list[dict], reference: dict | None) -> 
 
 def skipped_row(job: Job, reason: str) -> dict:
     """A row of the same keys, every figure None."""
-    figures = ("extra_mib", "extra_mib_min", "extra_mib_max", "extra_pct", "rss_shmem_extra_mib", "pss_before_mib",
-               "pss_after_mib", "seconds", "seconds_min", "seconds_max", "file_bytes", "state_bytes", "dir_bytes")
-    return dict(placement=PLACEMENTS[job.placement].label, op=FRAMEWORK_OPS[job.op][1], op_key=job.op,
-                placement_key=job.placement, ranks=job.ranks, rank=None, **dict.fromkeys(figures), rounds=0,
-                per_round=[], skipped=reason)
+    figures = (
+        "extra_mib",
+        "extra_mib_min",
+        "extra_mib_max",
+        "extra_pct",
+        "rss_shmem_extra_mib",
+        "pss_before_mib",
+        "pss_after_mib",
+        "seconds",
+        "seconds_min",
+        "seconds_max",
+        "file_bytes",
+        "state_bytes",
+        "dir_bytes",
+    )
+    return dict(
+        placement=PLACEMENTS[job.placement].label,
+        op=FRAMEWORK_OPS[job.op][1],
+        op_key=job.op,
+        placement_key=job.placement,
+        ranks=job.ranks,
+        rank=None,
+        **dict.fromkeys(figures),
+        rounds=0,
+        per_round=[],
+        skipped=reason,
+    )
 
 
 def rows_for(references: dict, results: dict, skipped: list[dict]) -> list[dict]:
@@ -565,35 +690,55 @@ def markdown(rows: list[dict]) -> str:
     for r in rows:
         if r.get("skipped"):
             continue
-        cells.append(dict(
-            placement=r["placement"] + (f", rank {r['rank']}" if r["rank"] is not None else ""),
-            op=r["op"],
-            extra=_median_range(r["extra_mib_min"], r["extra_mib"], r["extra_mib_max"], ".0f"),
-            pct=f"{r['extra_pct']:.0f} %",
-            loaded=(f"{r['loaded_mib']:.0f} · {r['extra_above_loaded_mib']:+.0f}" if "loaded_mib" in r else None),
-            rss_shmem=f"{r['rss_shmem_extra_mib']:.0f}",
-            pss=f"{r['pss_before_mib']:,.0f} → {r['pss_after_mib']:,.0f}",
-            seconds=_median_range(r["seconds_min"], r["seconds"], r["seconds_max"], ".2f"),
-            file=file_cell(r)))
-    return markdown_table(cells, [
-        ("placement", "placement", "s"), ("op", "operation", "s"),
-        ("extra", "extra RAM, MiB (median, range)", "s"), ("pct", "% of state", "s"),
-        ("loaded", "loaded dict, MiB · extra above it", "s"),
-        ("rss_shmem", "RssAnon+RssShmem extra, MiB", "s"), ("pss", "PSS before → after, MiB", "s"),
-        ("seconds", "seconds (median, range)", "s"), ("file", "file, MiB", "s")])
+        cells.append(
+            dict(
+                placement=r["placement"] + (f", rank {r['rank']}" if r["rank"] is not None else ""),
+                op=r["op"],
+                extra=_median_range(r["extra_mib_min"], r["extra_mib"], r["extra_mib_max"], ".0f"),
+                pct=f"{r['extra_pct']:.0f} %",
+                loaded=(
+                    f"{r['loaded_mib']:.0f} · {r['extra_above_loaded_mib']:+.0f}"
+                    if "loaded_mib" in r
+                    else None
+                ),
+                rss_shmem=f"{r['rss_shmem_extra_mib']:.0f}",
+                pss=f"{r['pss_before_mib']:,.0f} → {r['pss_after_mib']:,.0f}",
+                seconds=_median_range(r["seconds_min"], r["seconds"], r["seconds_max"], ".2f"),
+                file=file_cell(r),
+            )
+        )
+    return markdown_table(
+        cells,
+        [
+            ("placement", "placement", "s"),
+            ("op", "operation", "s"),
+            ("extra", "extra RAM, MiB (median, range)", "s"),
+            ("pct", "% of state", "s"),
+            ("loaded", "loaded dict, MiB · extra above it", "s"),
+            ("rss_shmem", "RssAnon+RssShmem extra, MiB", "s"),
+            ("pss", "PSS before → after, MiB", "s"),
+            ("seconds", "seconds (median, range)", "s"),
+            ("file", "file, MiB", "s"),
+        ],
+    )
 
 
 def preamble(args, references: dict) -> str:
     params = args.layers * args.width * args.width
-    states = ", ".join(f"{PLACEMENTS[p].label} {ref['state_bytes'] / MIB:.0f} MiB" for p, ref in references.items())
-    return (f"{args.layers} x Linear({args.width}, {args.width}, bias=False): {params / 1e6:.1f}M params, "
-            f"{TRAIN_STEPS} AdamW steps; {args.rounds} round(s), a fresh process per row per round; "
-            f"{host_description()}, torch {torch.__version__}, {time.strftime('%Y-%m-%d')}.\n"
-            f"State (the tensors in state_dict()['state']): {states}.\n"
-            f"Extra RAM: peak of RssAnon (trainer + worker) + system Shmem above before, sampled every 2 ms.")
+    states = ", ".join(
+        f"{PLACEMENTS[p].label} {ref['state_bytes'] / MIB:.0f} MiB" for p, ref in references.items()
+    )
+    return (
+        f"{args.layers} x Linear({args.width}, {args.width}, bias=False): {params / 1e6:.1f}M params, "
+        f"{TRAIN_STEPS} AdamW steps; {args.rounds} round(s), a fresh process per row per round; "
+        f"{host_description()}, torch {torch.__version__}, {time.strftime('%Y-%m-%d')}.\n"
+        f"State (the tensors in state_dict()['state']): {states}.\n"
+        f"Extra RAM: peak of RssAnon (trainer + worker) + system Shmem above before, sampled every 2 ms."
+    )
 
 
 # ---------------------------------------------------------------- main
+
 
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -602,10 +747,16 @@ def parse_args(argv=None):
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--placements", nargs="+", default=list(PLACEMENTS), choices=list(PLACEMENTS))
     ap.add_argument("--ops", nargs="*", default=list(OPS), choices=list(OPS))
-    ap.add_argument("--frameworks", nargs="*", choices=list(FRAMEWORK_OPS),
-                    help="HF Trainer and Lightning rows (these, or all when given bare)")
+    ap.add_argument(
+        "--frameworks",
+        nargs="*",
+        choices=list(FRAMEWORK_OPS),
+        help="HF Trainer and Lightning rows (these, or all when given bare)",
+    )
     ap.add_argument("--ranks", type=int, default=1, help="2: DCP saves on 2 gloo ranks too")
-    ap.add_argument("--dir", help="where checkpoints and nvme files go (a temp dir under it; default bench_out/)")
+    ap.add_argument(
+        "--dir", help="where checkpoints and nvme files go (a temp dir under it; default bench_out/)"
+    )
     ap.add_argument("--timeout", type=float, default=900, help="seconds each fresh process may take")
     ap.add_argument("--json")
     # a fresh process's own arguments
@@ -617,8 +768,12 @@ def parse_args(argv=None):
     return ap.parse_args(argv)
 
 
-CHILD_MAINS = {"prepare": prepare_main, "hf_trainer": hf_trainer_main, "lightning": lightning_main,
-               "lightning_direct": lightning_main}
+CHILD_MAINS = {
+    "prepare": prepare_main,
+    "hf_trainer": hf_trainer_main,
+    "lightning": lightning_main,
+    "lightning_direct": lightning_main,
+}
 
 
 def main() -> None:
@@ -640,7 +795,9 @@ def main() -> None:
         shutil.rmtree(args.run_dir, ignore_errors=True)
     rows = rows_for(references, results, skipped)
     skipped = "".join(f"\n- {r['placement']}, {r['op']}: {r['skipped']}" for r in rows if r["skipped"])
-    print(preamble(args, references) + "\n\n" + markdown(rows) + (f"\n\nSkipped:{skipped}" if skipped else ""))
+    print(
+        preamble(args, references) + "\n\n" + markdown(rows) + (f"\n\nSkipped:{skipped}" if skipped else "")
+    )
     if args.json:
         write_json(args.json, rows)
 

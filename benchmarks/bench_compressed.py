@@ -42,6 +42,7 @@ and one per placement {"impl", "kind": "ratio", "ratio_median", "ratio_min", "ra
 "speedup", "target", "met"}, each with the run's "params", "layers", "width", "grads",
 "rounds", "iters", "simd", "host", "torch", "timestamp".
 """
+
 from __future__ import annotations
 
 import argparse
@@ -74,8 +75,9 @@ PLACEMENTS = {
 FP32, COMPRESSED = "fp32 state", "bf16 moments + remainders"
 FORMATS = {
     FP32: dict(),
-    COMPRESSED: dict(exp_avg_dtype=torch.bfloat16, exp_avg_sq_dtype=torch.bfloat16,
-                     store_param_remainders=True),
+    COMPRESSED: dict(
+        exp_avg_dtype=torch.bfloat16, exp_avg_sq_dtype=torch.bfloat16, store_param_remainders=True
+    ),
 }
 # #16's targets on compressed / fp32-state step time (interleaved medians)
 TARGETS = {"device": 1 / 1.45, "nvme": 0.6}
@@ -96,8 +98,10 @@ def make_model(layers: int, width: int) -> torch.nn.Module:
 def grad_stream(model, sets: int) -> list[list[torch.Tensor]]:
     """`sets` grad sets (one bf16 tensor per param), made once: every configuration steps them."""
     gen = torch.Generator().manual_seed(1)
-    return [[(torch.randn(p.shape, generator=gen) * 1e-2).to(torch.bfloat16) for p in model.parameters()]
-            for _ in range(sets)]
+    return [
+        [(torch.randn(p.shape, generator=gen) * 1e-2).to(torch.bfloat16) for p in model.parameters()]
+        for _ in range(sets)
+    ]
 
 
 def _quantiles(xs: list) -> dict:
@@ -175,69 +179,129 @@ def study(args, workdir: str) -> tuple[list, list]:
     round_med = {c: [] for c in configs}
     infos = {}
     for r in range(args.rounds):
-        order = configs[r % len(configs):] + configs[:r % len(configs)]
-        for c in (order[::-1] if r % 2 else order):
+        order = configs[r % len(configs) :] + configs[: r % len(configs)]
+        for c in order[::-1] if r % 2 else order:
             s, infos[c] = run_config(args, base, grads, *c, workdir)
             for key in s:
                 samples[c][key] += s[key]
             round_med[c].append(statistics.median(s["step"]))
-            print(f"  round {r + 1}/{args.rounds}: {c[0]}, {c[1]}: step {round_med[c][-1]:.1f} ms",
-                  file=sys.stderr, flush=True)
-    common = dict(params=n, layers=layers, width=width, grads=args.grads, rounds=args.rounds,
-                  iters=args.iters, subgroup_numel=args.subgroup_numel, simd=cpu_kernels.simd_level(),
-                  host=host_description(), torch=torch.__version__,
-                  timestamp=time.strftime("%Y-%m-%dT%H:%M:%S"))
+            print(
+                f"  round {r + 1}/{args.rounds}: {c[0]}, {c[1]}: step {round_med[c][-1]:.1f} ms",
+                file=sys.stderr,
+                flush=True,
+            )
+    common = dict(
+        params=n,
+        layers=layers,
+        width=width,
+        grads=args.grads,
+        rounds=args.rounds,
+        iters=args.iters,
+        subgroup_numel=args.subgroup_numel,
+        simd=cpu_kernels.simd_level(),
+        host=host_description(),
+        torch=torch.__version__,
+        timestamp=time.strftime("%Y-%m-%dT%H:%M:%S"),
+    )
     rows = []
     for c in configs:
         q = _quantiles(samples[c]["step"])
-        rows.append({"impl": f"{c[0]}, {c[1]}", "kind": "config", "placement": c[0], "format": c[1], **q,
-                     "iter_median_ms": _quantiles(samples[c]["iter"])["median_ms"],
-                     "round_medians_ms": round_med[c], **infos[c], **common})
+        rows.append(
+            {
+                "impl": f"{c[0]}, {c[1]}",
+                "kind": "config",
+                "placement": c[0],
+                "format": c[1],
+                **q,
+                "iter_median_ms": _quantiles(samples[c]["iter"])["median_ms"],
+                "round_medians_ms": round_med[c],
+                **infos[c],
+                **common,
+            }
+        )
     ratios = []
     for pl in args.placements:
         per_round = sorted(a / b for a, b in zip(round_med[(pl, COMPRESSED)], round_med[(pl, FP32)]))
         med = statistics.median(per_round)
         target = TARGETS.get(pl)
-        ratios.append({"impl": f"{pl}: {COMPRESSED} / {FP32}", "kind": "ratio", "placement": pl,
-                       "ratio_median": med, "ratio_min": per_round[0], "ratio_max": per_round[-1],
-                       "speedup": 1 / med, "target": target,
-                       "met": None if target is None else med <= target, **common})
+        ratios.append(
+            {
+                "impl": f"{pl}: {COMPRESSED} / {FP32}",
+                "kind": "ratio",
+                "placement": pl,
+                "ratio_median": med,
+                "ratio_min": per_round[0],
+                "ratio_max": per_round[-1],
+                "speedup": 1 / med,
+                "target": target,
+                "met": None if target is None else med <= target,
+                **common,
+            }
+        )
     return rows, ratios
 
 
 def report(rows: list, ratios: list, args) -> str:
     r0 = rows[0]
-    head = (f"# HybridAdamW.step() of a bf16 model, {r0['layers']} x Linear({r0['width']}) = "
-            f"{r0['params'] / 1e6:.1f}M params, fp32 state vs bf16 moments + remainders; "
-            f"{args.rounds} rounds x {args.iters} steps, grads: {args.grads}; cpu_kernels "
-            f"{r0['simd']}; {r0['host']}; torch {r0['torch']}")
+    head = (
+        f"# HybridAdamW.step() of a bf16 model, {r0['layers']} x Linear({r0['width']}) = "
+        f"{r0['params'] / 1e6:.1f}M params, fp32 state vs bf16 moments + remainders; "
+        f"{args.rounds} rounds x {args.iters} steps, grads: {args.grads}; cpu_kernels "
+        f"{r0['simd']}; {r0['host']}; torch {r0['torch']}"
+    )
     if args.grads == "assign":
-        head += ("\n\nGrads set before each step (no backward): no grad hook fires, so host/nvme "
-                 "subgroups are stepped inside step(), not speculatively during backward.")
-    cols = [("impl", "configuration", "s"), ("median_ms", "step ms", ".1f"), ("p20_ms", "p20", ".1f"),
-            ("p80_ms", "p80", ".1f")]
+        head += (
+            "\n\nGrads set before each step (no backward): no grad hook fires, so host/nvme "
+            "subgroups are stepped inside step(), not speculatively during backward."
+        )
+    cols = [
+        ("impl", "configuration", "s"),
+        ("median_ms", "step ms", ".1f"),
+        ("p20_ms", "p20", ".1f"),
+        ("p80_ms", "p80", ".1f"),
+    ]
     if args.grads == "backward":
         cols.append(("iter_median_ms", "iteration ms", ".1f"))
-    cols += [("device_state_B", "device B/param", ".2f"), ("host_state_B", "host B/param", ".2f"),
-             ("nvme_state_B", "nvme file B/param", ".2f"), ("bank_B_per_elem", "bank B/elem", ".2f"),
-             ("banks_B_per_host_param", "banks B/host param", ".2f"),
-             ("spare_pool_B_per_offloaded_param", "spare+io pool B/offloaded param", ".2f"),
-             ("spare_banks", "spare+io banks", "d"), ("subgroups_committed", "speculated", "d"),
-             ("subgroups_stepped", "stepped in step()", "d")]
+    cols += [
+        ("device_state_B", "device B/param", ".2f"),
+        ("host_state_B", "host B/param", ".2f"),
+        ("nvme_state_B", "nvme file B/param", ".2f"),
+        ("bank_B_per_elem", "bank B/elem", ".2f"),
+        ("banks_B_per_host_param", "banks B/host param", ".2f"),
+        ("spare_pool_B_per_offloaded_param", "spare+io pool B/offloaded param", ".2f"),
+        ("spare_banks", "spare+io banks", "d"),
+        ("subgroups_committed", "speculated", "d"),
+        ("subgroups_stepped", "stepped in step()", "d"),
+    ]
     table = markdown_table(rows, cols)
-    shown = [dict(r, _range=f"{r['ratio_min']:.3f}-{r['ratio_max']:.3f}",
-                  _target="-" if r["target"] is None else f"<= {r['target']:.2f}",
-                  _met="-" if r["met"] is None else ("yes" if r["met"] else "no")) for r in ratios]
-    ratio_table = markdown_table(shown, [
-        ("impl", "placement: compressed / fp32 state step", "s"),
-        ("ratio_median", "median of per-round ratios", ".3f"), ("_range", "range", "s"),
-        ("speedup", "speedup", ".2f"), ("_target", "target", "s"), ("_met", "met", "s")])
+    shown = [
+        dict(
+            r,
+            _range=f"{r['ratio_min']:.3f}-{r['ratio_max']:.3f}",
+            _target="-" if r["target"] is None else f"<= {r['target']:.2f}",
+            _met="-" if r["met"] is None else ("yes" if r["met"] else "no"),
+        )
+        for r in ratios
+    ]
+    ratio_table = markdown_table(
+        shown,
+        [
+            ("impl", "placement: compressed / fp32 state step", "s"),
+            ("ratio_median", "median of per-round ratios", ".3f"),
+            ("_range", "range", "s"),
+            ("speedup", "speedup", ".2f"),
+            ("_target", "target", "s"),
+            ("_met", "met", "s"),
+        ],
+    )
     return f"{head}\n\n{table}\n\n{ratio_table}\n"
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--params", type=float, default=33.6e6, help="about this many parameters (default 33.6e6)")
+    ap.add_argument(
+        "--params", type=float, default=33.6e6, help="about this many parameters (default 33.6e6)"
+    )
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--iters", type=int, default=10, help="timed steps per configuration per round")
@@ -245,10 +309,17 @@ def main(argv=None) -> int:
     ap.add_argument("--grad-sets", type=int, default=4, help="grad sets in the fixed stream")
     ap.add_argument("--grads", choices=("assign", "backward"), default="assign")
     ap.add_argument("--placements", nargs="+", choices=list(PLACEMENTS), default=list(PLACEMENTS))
-    ap.add_argument("--subgroup-numel", type=int, default=None,
-                    help="default 2Mi, or params/8 for a model under 16Mi params (several subgroups)")
-    ap.add_argument("--dir", default=os.path.join(REPO, "bench_out", "compressed"),
-                    help="nvme placements: a directory on a local disk (not tmpfs)")
+    ap.add_argument(
+        "--subgroup-numel",
+        type=int,
+        default=None,
+        help="default 2Mi, or params/8 for a model under 16Mi params (several subgroups)",
+    )
+    ap.add_argument(
+        "--dir",
+        default=os.path.join(REPO, "bench_out", "compressed"),
+        help="nvme placements: a directory on a local disk (not tmpfs)",
+    )
     ap.add_argument("--json", default=None)
     ap.add_argument("--md", default=None, help="also write the markdown tables to this file")
     args = ap.parse_args(argv)
@@ -261,8 +332,10 @@ def main(argv=None) -> int:
         os.makedirs(args.dir, exist_ok=True)
         kind = fs_type(args.dir)
         if kind in ("tmpfs", "ramfs"):
-            sys.exit(f"--dir {args.dir} is on {kind}: the nvme placements would measure memory, not "
-                     f"a disk; pass a directory on the disk (see `df`), or leave out nvme/mixed")
+            sys.exit(
+                f"--dir {args.dir} is on {kind}: the nvme placements would measure memory, not "
+                f"a disk; pass a directory on the disk (see `df`), or leave out nvme/mixed"
+            )
         workdir = tempfile.mkdtemp(prefix="bench_compressed_", dir=args.dir)
     try:
         rows, ratios = study(args, workdir)

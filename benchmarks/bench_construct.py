@@ -10,6 +10,7 @@ allocating and touching the state's 12 B/param (`torch.zeros`): the ratio is the
 
     python benchmarks/bench_construct.py [--runs 3] [--offload 1.0] [--json out.json]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -29,8 +30,12 @@ from _common import host_description, markdown_table, write_json  # noqa: E402
 def gpt2_shaped(width: int = 768, layers: int = 12, vocab: int = 50257) -> nn.Module:
     mods = [nn.Embedding(vocab, width)]
     for _ in range(layers):
-        mods += [nn.Linear(width, 3 * width), nn.Linear(width, width),
-                 nn.Linear(width, 4 * width), nn.Linear(4 * width, width)]
+        mods += [
+            nn.Linear(width, 3 * width),
+            nn.Linear(width, width),
+            nn.Linear(width, 4 * width),
+            nn.Linear(4 * width, width),
+        ]
     return nn.Sequential(*mods)
 
 
@@ -55,6 +60,7 @@ def materialise_s(params: int, runs: int) -> float:
 
 def run(offload: float, runs: int, **kw) -> dict:
     from hybrid_opt import HybridAdamW
+
     times, background, arena_gb, params = [], [], 0.0, 0
     for _ in range(runs):
         torch.manual_seed(0)
@@ -72,9 +78,16 @@ def run(offload: float, runs: int, **kw) -> dict:
         opt.close()
         del opt, model
         gc.collect()
-    row = dict(impl="HybridAdamW", model="gpt2-124M-shaped fp32", params=params, offload=offload,
-               **{k: v for k, v in kw.items()}, **_quantiles(times), arena_gb=arena_gb,
-               background_s=statistics.median(background) if background else 0.0)
+    row = dict(
+        impl="HybridAdamW",
+        model="gpt2-124M-shaped fp32",
+        params=params,
+        offload=offload,
+        **{k: v for k, v in kw.items()},
+        **_quantiles(times),
+        arena_gb=arena_gb,
+        background_s=statistics.median(background) if background else 0.0,
+    )
     row["gb_per_s"] = arena_gb / row["median_s"] if row["median_s"] else None
     row["materialise_s"] = materialise_s(params, runs)
     row["vs_materialise"] = row["median_s"] / row["materialise_s"]
@@ -93,13 +106,24 @@ def main(argv=None) -> int:
         r = run(off, args.runs)
         r.update(device=host_description(), torch=torch.__version__, timestamp=time.time())
         rows.append(r)
-    print(markdown_table(rows, [("model", "model", "s"), ("params", "params", ",d"),
-                                ("offload", "offload", ".2f"), ("median_s", "construct s (median)", ".2f"),
-                                ("p20_s", "p20", ".2f"), ("p80_s", "p80", ".2f"),
-                                ("arena_gb", "arena GB", ".2f"), ("gb_per_s", "arena GB/s", ".2f"),
-                                ("background_s", "background population after, s", ".2f"),
-                                ("materialise_s", "zeros(12 B/param) s", ".2f"),
-                                ("vs_materialise", "construct / zeros", ".2f")]))
+    print(
+        markdown_table(
+            rows,
+            [
+                ("model", "model", "s"),
+                ("params", "params", ",d"),
+                ("offload", "offload", ".2f"),
+                ("median_s", "construct s (median)", ".2f"),
+                ("p20_s", "p20", ".2f"),
+                ("p80_s", "p80", ".2f"),
+                ("arena_gb", "arena GB", ".2f"),
+                ("gb_per_s", "arena GB/s", ".2f"),
+                ("background_s", "background population after, s", ".2f"),
+                ("materialise_s", "zeros(12 B/param) s", ".2f"),
+                ("vs_materialise", "construct / zeros", ".2f"),
+            ],
+        )
+    )
     write_json(args.json, rows)
     return 0
 

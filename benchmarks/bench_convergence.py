@@ -14,6 +14,7 @@ the table says so, where they do not.
 Output: a markdown table (per format: each seed's final loss, their mean and spread, the mean's
 difference from fp32 moments'), --json the rows, --png the mean loss curve of each format.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -33,8 +34,10 @@ def _peer(name: str, params):
     try:
         if name == "bnb_adamw8bit":
             import bitsandbytes as bnb
+
             return bnb.optim.AdamW8bit(params, lr=3e-3, weight_decay=0.1)
         from torchao.optim import AdamW8bit
+
         return AdamW8bit(params, lr=3e-3, weight_decay=0.1)
     except ImportError:
         return None
@@ -44,6 +47,7 @@ def train(fmt: str, seed: int, steps: int, d_model: int, layers: int) -> list | 
     """The loss of every step of one run, or None where a peer does not import."""
     from hybrid_opt import HybridAdamW
     from hybrid_opt.demo import TinyGPT, bigram_batches
+
     torch.manual_seed(seed)
     model = TinyGPT(VOCAB, d_model, layers, 4, CTX)
     batches = bigram_batches(steps, BATCH, CTX, VOCAB, "cpu", seed=seed)
@@ -54,8 +58,15 @@ def train(fmt: str, seed: int, steps: int, d_model: int, layers: int) -> list | 
         clip = True
     else:
         dt = FORMATS[fmt]
-        opt = HybridAdamW(model.parameters(), lr=3e-3, weight_decay=0.1, max_grad_norm=1.0,
-                          offload_fraction=0.0, exp_avg_dtype=dt, exp_avg_sq_dtype=dt)
+        opt = HybridAdamW(
+            model.parameters(),
+            lr=3e-3,
+            weight_decay=0.1,
+            max_grad_norm=1.0,
+            offload_fraction=0.0,
+            exp_avg_dtype=dt,
+            exp_avg_sq_dtype=dt,
+        )
         clip = False
     losses = []
     try:
@@ -92,11 +103,20 @@ def main(argv=None) -> None:
             continue
         finals = [statistics.fmean(r[-20:]) for r in runs]
         curves[fmt] = [statistics.fmean(step) for step in zip(*runs)]
-        rows.append({"format": fmt, "finals": finals, "mean": statistics.fmean(finals),
-                     "spread": max(finals) - min(finals), "first": runs[0][0]})
+        rows.append(
+            {
+                "format": fmt,
+                "finals": finals,
+                "mean": statistics.fmean(finals),
+                "spread": max(finals) - min(finals),
+                "first": runs[0][0],
+            }
+        )
     base = next((r["mean"] for r in rows if r["format"] == "fp32" and "mean" in r), None)
-    print(f"TinyGPT d_model {args.d_model}, {args.layers} layers, bigram tokens, {args.steps} steps, "
-          f"seeds 0..{args.seeds - 1}; final loss = mean of the last 20 steps\n")
+    print(
+        f"TinyGPT d_model {args.d_model}, {args.layers} layers, bigram tokens, {args.steps} steps, "
+        f"seeds 0..{args.seeds - 1}; final loss = mean of the last 20 steps\n"
+    )
     print("| moments | final loss per seed | mean | spread | vs fp32 moments |")
     print("|---|---|---|---|---|")
     for r in rows:
@@ -104,15 +124,19 @@ def main(argv=None) -> None:
             print(f"| {r['format']} | skipped: {r['skipped']} | | | |")
             continue
         vs = f"{100 * (r['mean'] - base) / base:+.3f} %" if base else "-"
-        print(f"| {r['format']} | {', '.join(f'{x:.4f}' for x in r['finals'])} | {r['mean']:.4f} | "
-              f"{r['spread']:.4f} | {vs} |")
+        print(
+            f"| {r['format']} | {', '.join(f'{x:.4f}' for x in r['finals'])} | {r['mean']:.4f} | "
+            f"{r['spread']:.4f} | {vs} |"
+        )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
     if args.png and curves:
         import matplotlib
+
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
+
         fig, ax = plt.subplots(figsize=(7, 4))
         for fmt, curve in curves.items():
             ax.plot(curve, label=f"{fmt} moments" if fmt in FORMATS else fmt, lw=1.2)

@@ -29,6 +29,7 @@ SIMD level it measured and the machine. On the Arm vector levels (neon, sve) ban
 timed twice, plain and with streaming stores (rows `_stnt`, STNP / STNT1, off by default in
 the library because it is unmeasured: docs/kernels.md, "AArch64").
 """
+
 from __future__ import annotations
 
 import argparse
@@ -40,8 +41,9 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import cpu_kernels  # noqa: E402
 from _common import markdown_table, parse_size, time_ms_interleaved, write_json  # noqa: E402
+
+import cpu_kernels  # noqa: E402
 
 HP = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=1e-2)
 SCALE = 1.0 / 1024.0  # a loss scale's inverse times a clip coefficient: exact in fp32
@@ -75,40 +77,91 @@ class Job:
 
 def impls(job: Job, bank: tuple):
     """(name, grad dtype, bytes/elem, callable) for every implementation available."""
+
     def ours_fp32():
         cpu_kernels.adam_step_(job.param, job.grad, job.exp_avg, job.exp_avg_sq, step=job.bump(), **HP)
 
     def ours_bank():  # speculative step: new state into a spare bank, inputs untouched
-        cpu_kernels.adam_step_(job.param, job.grad, job.exp_avg, job.exp_avg_sq, step=job.bump(),
-                               out=bank, **HP)
+        cpu_kernels.adam_step_(
+            job.param, job.grad, job.exp_avg, job.exp_avg_sq, step=job.bump(), out=bank, **HP
+        )
 
     def ours_fused():
-        cpu_kernels.adam_step_(job.param, job.grad_bf16, job.exp_avg, job.exp_avg_sq,
-                               step=job.bump(), grad_scale=SCALE, param_copy=job.param_bf16, **HP)
+        cpu_kernels.adam_step_(
+            job.param,
+            job.grad_bf16,
+            job.exp_avg,
+            job.exp_avg_sq,
+            step=job.bump(),
+            grad_scale=SCALE,
+            param_copy=job.param_bf16,
+            **HP,
+        )
 
     def ours_bf16_moments():  # fp32 master, bf16 moments, the bf16 model copy written
-        cpu_kernels.adam_step_(job.master_c, job.grad_bf16, job.exp_avg_c, job.exp_avg_sq_c,
-                               step=job.bump(), grad_scale=SCALE, param_copy=job.param_bf16, **HP)
+        cpu_kernels.adam_step_(
+            job.master_c,
+            job.grad_bf16,
+            job.exp_avg_c,
+            job.exp_avg_sq_c,
+            step=job.bump(),
+            grad_scale=SCALE,
+            param_copy=job.param_bf16,
+            **HP,
+        )
 
     def ours_remainders():  # bf16 param + int16 remainder (lossless master), bf16 moments
-        cpu_kernels.adam_step_(job.param_r, job.grad_bf16, job.exp_avg_r, job.exp_avg_sq_r,
-                               step=job.bump(), grad_scale=SCALE, remainder=job.remainder, **HP)
+        cpu_kernels.adam_step_(
+            job.param_r,
+            job.grad_bf16,
+            job.exp_avg_r,
+            job.exp_avg_sq_r,
+            step=job.bump(),
+            grad_scale=SCALE,
+            remainder=job.remainder,
+            **HP,
+        )
 
     def ours_remainders_fp32_moments():  # remainders alone: fp32 moments
-        cpu_kernels.adam_step_(job.param_r, job.grad_bf16, job.exp_avg_r32, job.exp_avg_sq_r32,
-                               step=job.bump(), grad_scale=SCALE, remainder=job.remainder, **HP)
+        cpu_kernels.adam_step_(
+            job.param_r,
+            job.grad_bf16,
+            job.exp_avg_r32,
+            job.exp_avg_sq_r32,
+            step=job.bump(),
+            grad_scale=SCALE,
+            remainder=job.remainder,
+            **HP,
+        )
 
     def ours_remainders_bf16_sq():  # remainders, fp32 exp_avg, bf16 exp_avg_sq
-        cpu_kernels.adam_step_(job.param_r, job.grad_bf16, job.exp_avg_r32, job.exp_avg_sq_r16,
-                               step=job.bump(), grad_scale=SCALE, remainder=job.remainder, **HP)
+        cpu_kernels.adam_step_(
+            job.param_r,
+            job.grad_bf16,
+            job.exp_avg_r32,
+            job.exp_avg_sq_r16,
+            step=job.bump(),
+            grad_scale=SCALE,
+            remainder=job.remainder,
+            **HP,
+        )
 
     rbank = tuple(torch.empty(job.n, dtype=torch.bfloat16) for _ in range(3))
     rbank_rem = torch.empty(job.n, dtype=torch.int16)
 
     def ours_remainders_bank():
-        cpu_kernels.adam_step_(job.param_r, job.grad_bf16, job.exp_avg_r, job.exp_avg_sq_r,
-                               step=job.bump(), grad_scale=SCALE, remainder=job.remainder,
-                               out=rbank, remainder_out=rbank_rem, **HP)
+        cpu_kernels.adam_step_(
+            job.param_r,
+            job.grad_bf16,
+            job.exp_avg_r,
+            job.exp_avg_sq_r,
+            step=job.bump(),
+            grad_scale=SCALE,
+            remainder=job.remainder,
+            out=rbank,
+            remainder_out=rbank_rem,
+            **HP,
+        )
 
     def streaming(fn):  # the same call with the Arm levels' streaming stores turned on
         def run():
@@ -118,6 +171,7 @@ def impls(job: Job, bank: tuple):
                 fn()
             finally:
                 cpu_kernels._lib._set_arm_streaming_stores(was)
+
         return run
 
     arm_vector_level = cpu_kernels.simd_level() in ("neon", "sve")
@@ -136,8 +190,14 @@ def impls(job: Job, bank: tuple):
 
     tparam = torch.nn.Parameter(job.param)  # shares storage: no extra copy
     tparam.grad = job.grad
-    opt = torch.optim.AdamW([tparam], lr=HP["lr"], betas=(HP["beta1"], HP["beta2"]),
-                            eps=HP["eps"], weight_decay=HP["weight_decay"], fused=True)
+    opt = torch.optim.AdamW(
+        [tparam],
+        lr=HP["lr"],
+        betas=(HP["beta1"], HP["beta2"]),
+        eps=HP["eps"],
+        weight_decay=HP["weight_decay"],
+        fused=True,
+    )
     yield "torch_fused", "float32", 28, opt.step
 
     gbuf = torch.empty(job.n)  # preallocated: a fresh fp32 grad per step measures page faults
@@ -157,8 +217,14 @@ def impls(job: Job, bank: tuple):
     else:
         dparam = torch.nn.Parameter(job.param)
         dparam.grad = job.grad
-        dopt = DeepSpeedCPUAdam([dparam], lr=HP["lr"], betas=(HP["beta1"], HP["beta2"]),
-                                eps=HP["eps"], weight_decay=HP["weight_decay"], adamw_mode=True)
+        dopt = DeepSpeedCPUAdam(
+            [dparam],
+            lr=HP["lr"],
+            betas=(HP["beta1"], HP["beta2"]),
+            eps=HP["eps"],
+            weight_decay=HP["weight_decay"],
+            adamw_mode=True,
+        )
         yield "deepspeed_cpu_adam", "float32", 28, dopt.step
 
 
@@ -169,29 +235,40 @@ def _trials(fns: dict, reps: int, trials: int) -> dict:
     out = {}
     for name in fns:
         meds = [r[name]["median_ms"] for r in runs]
-        out[name] = {"median_ms": statistics.median(meds),
-                     "p20_ms": statistics.median(r[name]["p20_ms"] for r in runs),
-                     "p80_ms": statistics.median(r[name]["p80_ms"] for r in runs),
-                     "trial_medians_ms": meds, "trial_min_ms": min(meds), "trial_max_ms": max(meds)}
+        out[name] = {
+            "median_ms": statistics.median(meds),
+            "p20_ms": statistics.median(r[name]["p20_ms"] for r in runs),
+            "p80_ms": statistics.median(r[name]["p80_ms"] for r in runs),
+            "trial_medians_ms": meds,
+            "trial_min_ms": min(meds),
+            "trial_max_ms": max(meds),
+        }
     return out
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sizes", nargs="+", default=["16Mi", "64Mi"])
-    ap.add_argument("--threads", nargs="+", type=int, default=None,
-                    help="thread counts (default: 1 and all cores)")
+    ap.add_argument(
+        "--threads", nargs="+", type=int, default=None, help="thread counts (default: 1 and all cores)"
+    )
     ap.add_argument("--reps", type=int, default=15)
-    ap.add_argument("--trials", type=int, default=1,
-                    help="repeat the interleaved timing; rows report the median of the trial medians")
+    ap.add_argument(
+        "--trials",
+        type=int,
+        default=1,
+        help="repeat the interleaved timing; rows report the median of the trial medians",
+    )
     ap.add_argument("--json", default=None, help="write the records here")
     args = ap.parse_args(argv)
 
     all_threads = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     thread_counts = args.threads or sorted({1, all_threads})
     level, machine = cpu_kernels.simd_level(), platform.machine()
-    print(f"cpu_kernels SIMD level: {level} ({machine}); torch {torch.__version__}; "
-          f"thread counts {thread_counts}")
+    print(
+        f"cpu_kernels SIMD level: {level} ({machine}); torch {torch.__version__}; "
+        f"thread counts {thread_counts}"
+    )
     records, rows = [], []
     times_of = {}  # (numel, threads) -> the timings, for the summary
     for threads in thread_counts:
@@ -211,11 +288,13 @@ def main(argv=None) -> int:
             # a thread): the faster of the two is the roof
             for split in ("chunks", "contiguous"):
                 fns[f"roofline_{split}"] = lambda pr=probe, s=split: cpu_kernels.bandwidth_probe_(
-                    pr.param, pr.grad, pr.exp_avg, pr.exp_avg_sq, split=s)
+                    pr.param, pr.grad, pr.exp_avg, pr.exp_avg_sq, split=s
+                )
             # bank mode's own access pattern (4 reads, 3 non-temporal writes elsewhere), for
             # telling the kernel's overhead from what the memory system gives that pattern
             fns["roofline_bank"] = lambda pr=probe, out=bank: cpu_kernels.bandwidth_probe_bank_(
-                pr.param, pr.grad, pr.exp_avg, pr.exp_avg_sq, out)
+                pr.param, pr.grad, pr.exp_avg, pr.exp_avg_sq, out
+            )
             times = _trials(fns, args.reps, args.trials)
             probes = {s: times.pop(f"roofline_{s}") for s in ("chunks", "contiguous")}
             split = min(probes, key=lambda s: probes[s]["median_ms"])
@@ -226,39 +305,107 @@ def main(argv=None) -> int:
             roof = max(roof, size_roof)
             for name, (gdt, bpe, _) in table.items():
                 t = times[name]
-                rec = {"impl": name, "numel": n, "threads": threads, "grad_dtype": gdt,
-                       "simd_level": level, "machine": machine, **t,
-                       "gelem_per_s": n / (t["median_ms"] * 1e6),
-                       "gb_per_s": bpe * n / (t["median_ms"] * 1e6), "bytes_per_elem": bpe,
-                       "roofline_gb_per_s": size_roof}
+                rec = {
+                    "impl": name,
+                    "numel": n,
+                    "threads": threads,
+                    "grad_dtype": gdt,
+                    "simd_level": level,
+                    "machine": machine,
+                    **t,
+                    "gelem_per_s": n / (t["median_ms"] * 1e6),
+                    "gb_per_s": bpe * n / (t["median_ms"] * 1e6),
+                    "bytes_per_elem": bpe,
+                    "roofline_gb_per_s": size_roof,
+                }
                 is_bank = name.endswith("_bank") or name.endswith("_bank_stnt")
                 if is_bank:
                     rec["bank_roofline_gb_per_s"] = bank_roof
                 records.append(rec)
-                rows.append(dict(rec, size=size, roof_pct=100.0 * rec["gb_per_s"] / size_roof,
-                                 bank_pct=100.0 * rec["gb_per_s"] / bank_roof if is_bank else None))
-            rows.append({"impl": f"roofline ({split})", "size": size, "threads": threads, "gb_per_s": size_roof,
-                         "bytes_per_elem": 28,
-                         "roof_pct": 100.0, **times["roofline"]})
-            rows.append({"impl": "roofline_bank", "size": size, "threads": threads, "gb_per_s": bank_roof,
-                         "bytes_per_elem": 28,
-                         "roof_pct": 100.0 * bank_roof / size_roof, "bank_pct": 100.0, **times["roofline_bank"]})
-            records.append({"impl": "roofline_inplace", "numel": n, "threads": threads, "gb_per_s": size_roof,
-                            "split": split, "simd_level": level, "machine": machine})
-            records.append({"impl": "roofline_bank", "numel": n, "threads": threads, "gb_per_s": bank_roof,
-                            "simd_level": level, "machine": machine})
+                rows.append(
+                    dict(
+                        rec,
+                        size=size,
+                        roof_pct=100.0 * rec["gb_per_s"] / size_roof,
+                        bank_pct=100.0 * rec["gb_per_s"] / bank_roof if is_bank else None,
+                    )
+                )
+            rows.append(
+                {
+                    "impl": f"roofline ({split})",
+                    "size": size,
+                    "threads": threads,
+                    "gb_per_s": size_roof,
+                    "bytes_per_elem": 28,
+                    "roof_pct": 100.0,
+                    **times["roofline"],
+                }
+            )
+            rows.append(
+                {
+                    "impl": "roofline_bank",
+                    "size": size,
+                    "threads": threads,
+                    "gb_per_s": bank_roof,
+                    "bytes_per_elem": 28,
+                    "roof_pct": 100.0 * bank_roof / size_roof,
+                    "bank_pct": 100.0,
+                    **times["roofline_bank"],
+                }
+            )
+            records.append(
+                {
+                    "impl": "roofline_inplace",
+                    "numel": n,
+                    "threads": threads,
+                    "gb_per_s": size_roof,
+                    "split": split,
+                    "simd_level": level,
+                    "machine": machine,
+                }
+            )
+            records.append(
+                {
+                    "impl": "roofline_bank",
+                    "numel": n,
+                    "threads": threads,
+                    "gb_per_s": bank_roof,
+                    "simd_level": level,
+                    "machine": machine,
+                }
+            )
             del job, probe, bank, table, fns
-        records.append({"impl": "roofline", "threads": threads, "gb_per_s": roof, "simd_level": level,
-                        "machine": machine})
+        records.append(
+            {
+                "impl": "roofline",
+                "threads": threads,
+                "gb_per_s": roof,
+                "simd_level": level,
+                "machine": machine,
+            }
+        )
 
-    print(markdown_table(rows, [("impl", "impl", "s"), ("size", "numel", "s"), ("threads", "threads", "d"),
-                                ("grad_dtype", "grad", "s"), ("bytes_per_elem", "B/elem", "d"),
-                                ("median_ms", "median ms", ".2f"),
-                                ("p20_ms", "p20 ms", ".2f"), ("p80_ms", "p80 ms", ".2f"),
-                                ("trial_min_ms", "trials min ms", ".2f"), ("trial_max_ms", "trials max ms", ".2f"),
-                                ("gelem_per_s", "G elem/s", ".3f"), ("gb_per_s", "GB/s", ".1f"),
-                                ("roof_pct", "% roofline", ".0f"),
-                                ("bank_pct", "% bank-pattern roofline", ".0f")]))
+    print(
+        markdown_table(
+            rows,
+            [
+                ("impl", "impl", "s"),
+                ("size", "numel", "s"),
+                ("threads", "threads", "d"),
+                ("grad_dtype", "grad", "s"),
+                ("bytes_per_elem", "B/elem", "d"),
+                ("median_ms", "median ms", ".2f"),
+                ("p20_ms", "p20 ms", ".2f"),
+                ("p80_ms", "p80 ms", ".2f"),
+                ("trial_min_ms", "trials min ms", ".2f"),
+                ("trial_max_ms", "trials max ms", ".2f"),
+                ("gelem_per_s", "G elem/s", ".3f"),
+                ("gb_per_s", "GB/s", ".1f"),
+                ("roof_pct", "% roofline", ".0f"),
+                ("bank_pct", "% bank-pattern roofline", ".0f"),
+            ],
+        )
+    )
     by = {(r["impl"], r["numel"], r["threads"]): r for r in records if r["impl"] != "roofline"}
     for (impl, n, th), r in sorted(by.items(), key=lambda kv: (kv[0][2], kv[0][1])):
         if impl == "ours":
@@ -266,13 +413,15 @@ def main(argv=None) -> int:
             comp, fused = by.get(("torch_composite", n, th)), by.get(("ours_fused", n, th))
             rems = by.get(("ours_remainders", n, th))
             roof = 28 * n / (times_of[(n, th)]["roofline"]["median_ms"] * 1e6)
-            print(f"numel {n} threads {th}: ours / torch fused = "
-                  f"{base['median_ms'] / r['median_ms']:.2f}x; ours_fused / torch composite = "
-                  f"{comp['median_ms'] / fused['median_ms']:.2f}x; ours_remainders (18 B) / "
-                  f"ours (28 B) = {r['median_ms'] / rems['median_ms']:.2f}x, / ours_fused = "
-                  f"{fused['median_ms'] / rems['median_ms']:.2f}x (ideal 1.56x); torch fused at "
-                  f"{100 * base['gb_per_s'] / roof:.0f} % of the roofline"
-                  + (" (above it: the probe is not a roof here)" if base["gb_per_s"] > roof else ""))
+            print(
+                f"numel {n} threads {th}: ours / torch fused = "
+                f"{base['median_ms'] / r['median_ms']:.2f}x; ours_fused / torch composite = "
+                f"{comp['median_ms'] / fused['median_ms']:.2f}x; ours_remainders (18 B) / "
+                f"ours (28 B) = {r['median_ms'] / rems['median_ms']:.2f}x, / ours_fused = "
+                f"{fused['median_ms'] / rems['median_ms']:.2f}x (ideal 1.56x); torch fused at "
+                f"{100 * base['gb_per_s'] / roof:.0f} % of the roofline"
+                + (" (above it: the probe is not a roof here)" if base["gb_per_s"] > roof else "")
+            )
     write_json(args.json, records)
     return 0
 

@@ -19,6 +19,7 @@ the first two. Rounds alternate the order of the rows. The ratio is the row's me
 Output: a markdown table on stdout; --json, a list of rows: cores, optimizer, arrangement, clip,
 median_ms (per round), ratio (median and range), loss (the last step's, against torch's).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -71,10 +72,27 @@ print(json.dumps({"median_ms": 1000 * statistics.median(times[2:]), "loss": floa
 """
 
 
-def _run(cores: int, kind: str, arrangement: str, clip: bool, steps: int, work: str, timeout: float,
-         cfg: dict) -> dict:
-    res = subprocess.run([sys.executable, "-c", _CHILD, str(cores), kind, arrangement, "1" if clip else "0",
-                          str(steps), HERE, work, json.dumps(cfg)], capture_output=True, text=True, timeout=timeout)
+def _run(
+    cores: int, kind: str, arrangement: str, clip: bool, steps: int, work: str, timeout: float, cfg: dict
+) -> dict:
+    res = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            _CHILD,
+            str(cores),
+            kind,
+            arrangement,
+            "1" if clip else "0",
+            str(steps),
+            HERE,
+            work,
+            json.dumps(cfg),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
     if res.returncode != 0:
         raise RuntimeError(f"{kind} {arrangement} clip={clip} on {cores} cores failed:\n{res.stderr[-3000:]}")
     return json.loads(res.stdout.strip().splitlines()[-1])
@@ -106,9 +124,11 @@ def main(argv=None) -> None:
     rows = rows_for(args)
     got: dict = {r: [] for r in rows}
     os.makedirs(os.path.join(os.path.dirname(HERE), "bench_out"), exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix="bench_cpu_host_", dir=os.path.join(os.path.dirname(HERE), "bench_out")) as work:
+    with tempfile.TemporaryDirectory(
+        prefix="bench_cpu_host_", dir=os.path.join(os.path.dirname(HERE), "bench_out")
+    ) as work:
         for k in range(args.rounds):
-            for r in (rows if k % 2 == 0 else rows[::-1]):
+            for r in rows if k % 2 == 0 else rows[::-1]:
                 print(f"round {k + 1}/{args.rounds}: {r}", file=sys.stderr, flush=True)
                 got[r].append(_run(*r, args.steps, work, args.timeout, cfg))
     out = []
@@ -116,19 +136,41 @@ def main(argv=None) -> None:
         runs = got[(cores, kind, arrangement, clip)]
         base = got[(cores, "torch", "-", clip)]
         ratios = [a["median_ms"] / b["median_ms"] for a, b in zip(runs, base)]
-        out.append(dict(cores=cores, optimizer=kind, arrangement=arrangement, clip=clip,
-                        median_ms=[r["median_ms"] for r in runs], ms=statistics.median(r["median_ms"] for r in runs),
-                        ratio=statistics.median(ratios), ratio_min=min(ratios), ratio_max=max(ratios),
-                        loss=runs[-1]["loss"], torch_loss=base[-1]["loss"], threads=runs[-1]["threads"]))
-    label = {"torch": "torch AdamW(fused=True)", "host": "HybridAdamW offload 1", "nvme": "HybridAdamW offload 1, nvme 1"}
-    print(f"bench GPT ({M.n_params(M.ModelConfig(**cfg)):,} params), one process, {args.steps} steps (median of the last "
-          f"{args.steps - 2}), {args.rounds} rounds of fresh processes alternating")
-    print("\n| cores | optimizer | arrangement | clip 1.0 | iteration, ms (median) | vs torch (median, range) | loss - torch's |")
+        out.append(
+            dict(
+                cores=cores,
+                optimizer=kind,
+                arrangement=arrangement,
+                clip=clip,
+                median_ms=[r["median_ms"] for r in runs],
+                ms=statistics.median(r["median_ms"] for r in runs),
+                ratio=statistics.median(ratios),
+                ratio_min=min(ratios),
+                ratio_max=max(ratios),
+                loss=runs[-1]["loss"],
+                torch_loss=base[-1]["loss"],
+                threads=runs[-1]["threads"],
+            )
+        )
+    label = {
+        "torch": "torch AdamW(fused=True)",
+        "host": "HybridAdamW offload 1",
+        "nvme": "HybridAdamW offload 1, nvme 1",
+    }
+    print(
+        f"bench GPT ({M.n_params(M.ModelConfig(**cfg)):,} params), one process, {args.steps} steps (median of the last "
+        f"{args.steps - 2}), {args.rounds} rounds of fresh processes alternating"
+    )
+    print(
+        "\n| cores | optimizer | arrangement | clip 1.0 | iteration, ms (median) | vs torch (median, range) | loss - torch's |"
+    )
     print("|---|---|---|---|---|---|---|")
     for r in out:
-        print(f"| {r['cores']} | {label[r['optimizer']]} | {r['arrangement']} | {'yes' if r['clip'] else 'no'} | "
-              f"{r['ms']:,.0f} | {r['ratio']:.2f}x ({r['ratio_min']:.2f}-{r['ratio_max']:.2f}) | "
-              f"{r['loss'] - r['torch_loss']:.1e} |")
+        print(
+            f"| {r['cores']} | {label[r['optimizer']]} | {r['arrangement']} | {'yes' if r['clip'] else 'no'} | "
+            f"{r['ms']:,.0f} | {r['ratio']:.2f}x ({r['ratio_min']:.2f}-{r['ratio_max']:.2f}) | "
+            f"{r['loss'] - r['torch_loss']:.1e} |"
+        )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1)

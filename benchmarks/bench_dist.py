@@ -24,6 +24,7 @@ backward. Writes JSON and a markdown table.
 The launcher runs `torchrun --nproc-per-node 2` on this script; each launch is bounded
 (--timeout), killing every rank and worker on overrun.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -44,6 +45,7 @@ CONFIGS = ("fsdp2", "process_group", "ddp")
 
 def build_model(n_params: float):
     import torch
+
     layers = max(1, round(n_params / (HIDDEN * HIDDEN + HIDDEN)))
     torch.manual_seed(0)
     blocks = []
@@ -56,7 +58,9 @@ def make(config: str, args, rank: int, world: int):
     """(model, optimizer) for one configuration, or (None, note) when it cannot run."""
     import torch
     import torch.distributed as dist
+
     from hybrid_opt import HybridAdamW
+
     model = build_model(args.params)
     # clipping on (so the one decision all_reduce runs) but never biting: a clip that bites
     # redoes every speculated step in any mode, which is not what is compared here
@@ -64,6 +68,7 @@ def make(config: str, args, rank: int, world: int):
     if config == "fsdp2":
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
+
         mesh = init_device_mesh("cpu", (world,))
         for m in model:
             if isinstance(m, torch.nn.Linear):
@@ -72,18 +77,25 @@ def make(config: str, args, rank: int, world: int):
         return model, HybridAdamW(model.parameters(), **kw)
     if config.startswith("process_group"):
         from hybrid_opt.distributed import zero
-        zero.COLLECTIVES = config[len("process_group["):-1] if "[" in config else None
+
+        zero.COLLECTIVES = config[len("process_group[") : -1] if "[" in config else None
         try:
-            return model, HybridAdamW(model.parameters(), process_group=dist.group.WORLD,
-                                      overlap_param_gather=args.overlap_param_gather, **kw)
+            return model, HybridAdamW(
+                model.parameters(),
+                process_group=dist.group.WORLD,
+                overlap_param_gather=args.overlap_param_gather,
+                **kw,
+            )
         except NotImplementedError as e:
             return None, f"process_group not built: {e}"
         except Exception as e:  # a partial build: the row is skipped, the others still run
             return None, f"process_group raised {type(e).__name__}: {e}"
         finally:
             zero.COLLECTIVES = None
-    from torch.nn.parallel import DistributedDataParallel as DDP
     import warnings
+
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the replicated-params warning: replication is the point
         opt = HybridAdamW(model.parameters(), **kw)
@@ -93,7 +105,9 @@ def make(config: str, args, rank: int, world: int):
 def rank_main(args) -> None:
     import torch
     import torch.distributed as dist
+
     from hybrid_opt.placement.plan import HOST, NVME
+
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.set_num_threads(1)
@@ -105,8 +119,7 @@ def rank_main(args) -> None:
         if model is None:
             notes[config] = opt
             continue
-        runs[config] = dict(model=model, opt=opt, iter_ms=[], step_ms=[], spec=[], worker_s=0.0,
-                            hidden_s=0.0)
+        runs[config] = dict(model=model, opt=opt, iter_ms=[], step_ms=[], spec=[], worker_s=0.0, hidden_s=0.0)
 
     def iteration(run, timed: bool) -> None:
         model, opt = run["model"], run["opt"]
@@ -128,7 +141,7 @@ def rank_main(args) -> None:
         for _ in range(args.warmup):
             iteration(runs[name], False)
     for r in range(args.rounds):
-        order = names[r % len(names):] + names[:r % len(names)]
+        order = names[r % len(names) :] + names[: r % len(names)]
         for name in order:
             dist.barrier()
             for _ in range(args.iters):
@@ -137,16 +150,26 @@ def rank_main(args) -> None:
     for name in names:
         run, opt = runs[name], runs[name]["opt"]
         tiers = opt.stats["tiers"]
-        spec = {k: sum(s.get(k, 0) for s in run["spec"]) for k in ("committed", "redone", "stepped", "dropped")}
+        spec = {
+            k: sum(s.get(k, 0) for s in run["spec"]) for k in ("committed", "redone", "stepped", "dropped")
+        }
         host_steps = sum(spec.values())
-        rec = dict(config=name, rank=rank, world=world,
-                   params=sum(p.numel() for p in build_model(args.params).parameters()) if rank == 0 else None,
-                   iter_ms=run["iter_ms"], step_ms=run["step_ms"],
-                   host_state_bytes=tiers[HOST]["state_bytes"] + tiers[NVME]["state_bytes"],
-                   host_arena_bytes=opt.parts.placement.host.arena.nbytes if opt.parts.placement.host is not None else 0,
-                   comm_buffer_bytes=opt.parts.sharding.stats["buffer_bytes"] if opt.parts.sharding.active else 0,
-                   **spec, commit_rate=spec["committed"] / host_steps if host_steps else None,
-                   hidden_share=run["hidden_s"] / run["worker_s"] if run["worker_s"] else None)
+        rec = dict(
+            config=name,
+            rank=rank,
+            world=world,
+            params=sum(p.numel() for p in build_model(args.params).parameters()) if rank == 0 else None,
+            iter_ms=run["iter_ms"],
+            step_ms=run["step_ms"],
+            host_state_bytes=tiers[HOST]["state_bytes"] + tiers[NVME]["state_bytes"],
+            host_arena_bytes=opt.parts.placement.host.arena.nbytes
+            if opt.parts.placement.host is not None
+            else 0,
+            comm_buffer_bytes=opt.parts.sharding.stats["buffer_bytes"] if opt.parts.sharding.active else 0,
+            **spec,
+            commit_rate=spec["committed"] / host_steps if host_steps else None,
+            hidden_share=run["hidden_s"] / run["worker_s"] if run["worker_s"] else None,
+        )
         records.append(rec)
         opt.close()
     gathered = [None] * world
@@ -186,17 +209,28 @@ def summarise(gathered: list, names: list) -> tuple[list, dict]:
         st = [max(v) for v in zip(*(r["step_ms"] for r in recs))]
         rates = [r["commit_rate"] for r in recs if r["commit_rate"] is not None]
         hidden = [r["hidden_share"] for r in recs if r["hidden_share"] is not None]
-        rows.append(dict(config=config, world=recs[0]["world"], params=recs[0]["params"],
-                         iter_median_ms=statistics.median(it), iter_p20_ms=_q(it, 1), iter_p80_ms=_q(it, 7),
-                         step_median_ms=statistics.median(st), step_p20_ms=_q(st, 1), step_p80_ms=_q(st, 7),
-                         host_state_mb_per_rank=max(r["host_state_bytes"] for r in recs) / 1e6,
-                         host_state_mb_total=sum(r["host_state_bytes"] for r in recs) / 1e6,
-                         host_arena_mb_per_rank=max(r["host_arena_bytes"] for r in recs) / 1e6,
-                         comm_buffer_mb_per_rank=max(r.get("comm_buffer_bytes", 0) for r in recs) / 1e6,
-                         committed=sum(r["committed"] for r in recs), redone=sum(r["redone"] for r in recs),
-                         commit_rate=min(rates) if rates else None,
-                         hidden_share=statistics.mean(hidden) if hidden else None,
-                         timed_iterations=len(it)))
+        rows.append(
+            dict(
+                config=config,
+                world=recs[0]["world"],
+                params=recs[0]["params"],
+                iter_median_ms=statistics.median(it),
+                iter_p20_ms=_q(it, 1),
+                iter_p80_ms=_q(it, 7),
+                step_median_ms=statistics.median(st),
+                step_p20_ms=_q(st, 1),
+                step_p80_ms=_q(st, 7),
+                host_state_mb_per_rank=max(r["host_state_bytes"] for r in recs) / 1e6,
+                host_state_mb_total=sum(r["host_state_bytes"] for r in recs) / 1e6,
+                host_arena_mb_per_rank=max(r["host_arena_bytes"] for r in recs) / 1e6,
+                comm_buffer_mb_per_rank=max(r.get("comm_buffer_bytes", 0) for r in recs) / 1e6,
+                committed=sum(r["committed"] for r in recs),
+                redone=sum(r["redone"] for r in recs),
+                commit_rate=min(rates) if rates else None,
+                hidden_share=statistics.mean(hidden) if hidden else None,
+                timed_iterations=len(it),
+            )
+        )
     ddp = next((r for r in rows if r["config"] == "ddp" and "step_median_ms" in r), None)
     for r in rows:
         if ddp and "step_median_ms" in r:
@@ -215,32 +249,59 @@ def main() -> None:
     ap.add_argument("--timeout", type=float, default=900, help="seconds before every rank is killed")
     ap.add_argument("--json", default="bench_dist.json")
     ap.add_argument("--md", default="bench_dist.md")
-    ap.add_argument("--overlap-param-gather", action="store_true",
-                    help="process_group row with overlap_param_gather=True (its all-gathers land in the next forward)")
-    ap.add_argument("--zero-collectives", default="",
-                    help="comma-separated extra process_group rows over other collectives "
-                         "(all_to_all, reduce_scatter, all_reduce)")
+    ap.add_argument(
+        "--overlap-param-gather",
+        action="store_true",
+        help="process_group row with overlap_param_gather=True (its all-gathers land in the next forward)",
+    )
+    ap.add_argument(
+        "--zero-collectives",
+        default="",
+        help="comma-separated extra process_group rows over other collectives "
+        "(all_to_all, reduce_scatter, all_reduce)",
+    )
     ap.add_argument("--rank-main", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.rank_main:
         return rank_main(args)
     sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests"))
     import tempfile
+
     from dist_launch import _kill_tree
+
     out = tempfile.mkdtemp(prefix="bench_dist-")
     # --standalone: the store binds a free port itself (a port picked beforehand can be taken)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--standalone",
-           os.path.abspath(__file__),
-           "--rank-main", f"--params={args.params}", f"--batch={args.batch}", f"--rounds={args.rounds}",
-           f"--iters={args.iters}", f"--warmup={args.warmup}"] + (
-               ["--overlap-param-gather"] if args.overlap_param_gather else []) + (
-               [f"--zero-collectives={args.zero_collectives}"] if args.zero_collectives else [])
-    env = dict(os.environ, BENCH_OUT=out, OMP_NUM_THREADS="1",
-               PYTHONPATH=os.pathsep.join([os.path.dirname(HERE), os.environ.get("PYTHONPATH", "")]))
+    cmd = (
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc-per-node=2",
+            "--standalone",
+            os.path.abspath(__file__),
+            "--rank-main",
+            f"--params={args.params}",
+            f"--batch={args.batch}",
+            f"--rounds={args.rounds}",
+            f"--iters={args.iters}",
+            f"--warmup={args.warmup}",
+        ]
+        + (["--overlap-param-gather"] if args.overlap_param_gather else [])
+        + ([f"--zero-collectives={args.zero_collectives}"] if args.zero_collectives else [])
+    )
+    env = dict(
+        os.environ,
+        BENCH_OUT=out,
+        OMP_NUM_THREADS="1",
+        PYTHONPATH=os.pathsep.join([os.path.dirname(HERE), os.environ.get("PYTHONPATH", "")]),
+    )
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    print(f"note: 2 gloo ranks and their HybridAdamW workers share this machine's {cores} cores "
-          f"(torchrun's LOCAL_WORLD_SIZE 2: each rank gets {max(1, cores // 2)} core(s) for its "
-          f"trainer and worker); figures are for this machine only", flush=True)
+    print(
+        f"note: 2 gloo ranks and their HybridAdamW workers share this machine's {cores} cores "
+        f"(torchrun's LOCAL_WORLD_SIZE 2: each rank gets {max(1, cores // 2)} core(s) for its "
+        f"trainer and worker); figures are for this machine only",
+        flush=True,
+    )
     t0 = time.monotonic()
     proc = subprocess.Popen(cmd, env=env, start_new_session=True)
     try:
@@ -254,25 +315,48 @@ def main() -> None:
         gathered = json.load(f)
     rows, notes = summarise(gathered, configs(args))
     import torch
-    meta = dict(world=2, backend="gloo", cores=cores, torch=torch.__version__, params=args.params,
-                overlap_param_gather=args.overlap_param_gather, zero_collectives=args.zero_collectives,
-                batch=args.batch, rounds=args.rounds, iters=args.iters, seconds=time.monotonic() - t0,
-                timestamp=time.strftime("%Y-%m-%dT%H:%M:%S"), notes=notes)
+
+    meta = dict(
+        world=2,
+        backend="gloo",
+        cores=cores,
+        torch=torch.__version__,
+        params=args.params,
+        overlap_param_gather=args.overlap_param_gather,
+        zero_collectives=args.zero_collectives,
+        batch=args.batch,
+        rounds=args.rounds,
+        iters=args.iters,
+        seconds=time.monotonic() - t0,
+        timestamp=time.strftime("%Y-%m-%dT%H:%M:%S"),
+        notes=notes,
+    )
     from _common import markdown_table
-    table = markdown_table([r for r in rows if "step_median_ms" in r], [
-        ("config", "config", "s"), ("iter_median_ms", "iter ms (median)", ".0f"),
-        ("iter_p20_ms", "p20", ".0f"), ("iter_p80_ms", "p80", ".0f"),
-        ("step_median_ms", "step() ms (median)", ".0f"), ("step_vs_ddp", "step / ddp", ".2f"),
-        ("host_state_mb_per_rank", "host state MB / rank", ".0f"),
-        ("host_state_mb_total", "host state MB, all ranks", ".0f"),
-        ("host_arena_mb_per_rank", "host arena MB / rank", ".0f"),
-        ("comm_buffer_mb_per_rank", "comm buffers MB / rank", ".0f"),
-        ("commit_rate", "spec. committed", ".0%"), ("hidden_share", "worker time hidden", ".0%")])
+
+    table = markdown_table(
+        [r for r in rows if "step_median_ms" in r],
+        [
+            ("config", "config", "s"),
+            ("iter_median_ms", "iter ms (median)", ".0f"),
+            ("iter_p20_ms", "p20", ".0f"),
+            ("iter_p80_ms", "p80", ".0f"),
+            ("step_median_ms", "step() ms (median)", ".0f"),
+            ("step_vs_ddp", "step / ddp", ".2f"),
+            ("host_state_mb_per_rank", "host state MB / rank", ".0f"),
+            ("host_state_mb_total", "host state MB, all ranks", ".0f"),
+            ("host_arena_mb_per_rank", "host arena MB / rank", ".0f"),
+            ("comm_buffer_mb_per_rank", "comm buffers MB / rank", ".0f"),
+            ("commit_rate", "spec. committed", ".0%"),
+            ("hidden_share", "worker time hidden", ".0%"),
+        ],
+    )
     skipped = "".join(f"\n- {r['config']}: {r['note']}" for r in rows if "note" in r)
-    text = (f"{table}\n\n{meta['world']} gloo ranks and their workers on {cores} cores; "
-            f"{rows[0].get('params') or int(args.params)} params, batch {args.batch}, "
-            f"{args.rounds} rounds x {args.iters} iterations (interleaved), torch {torch.__version__}"
-            + (f"\nSkipped:{skipped}" if skipped else ""))
+    text = (
+        f"{table}\n\n{meta['world']} gloo ranks and their workers on {cores} cores; "
+        f"{rows[0].get('params') or int(args.params)} params, batch {args.batch}, "
+        f"{args.rounds} rounds x {args.iters} iterations (interleaved), torch {torch.__version__}"
+        + (f"\nSkipped:{skipped}" if skipped else "")
+    )
     print(text)
     with open(args.json, "w") as f:
         json.dump(dict(meta=meta, rows=rows), f, indent=1)

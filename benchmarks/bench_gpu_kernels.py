@@ -41,6 +41,7 @@ measurement: {"impl", "numel", "threads", "grad_dtype", "median_ms", "p20_ms", "
 Without CUDA it says so and exits 0 (`--dry-run` instead runs every code path on CPU
 through Triton's interpreter at toy sizes, timed with a wall clock — a check, not a figure).
 """
+
 import argparse
 import gc
 import importlib
@@ -65,14 +66,14 @@ STEP = 10
 
 def parse_numel(text):
     text = text.strip().upper()
-    units = {"K": 2 ** 10, "M": 2 ** 20, "G": 2 ** 30}
+    units = {"K": 2**10, "M": 2**20, "G": 2**30}
     if text[-1] in units:
         return int(float(text[:-1]) * units[text[-1]])
     return int(text)
 
 
 def human(n):
-    for unit, size in (("G", 2 ** 30), ("M", 2 ** 20), ("K", 2 ** 10)):
+    for unit, size in (("G", 2**30), ("M", 2**20), ("K", 2**10)):
         if n >= size and n % (size // 16) == 0:
             return f"{n / size:g}{unit}"
     return str(n)
@@ -95,6 +96,7 @@ class Timer:
             times.sort()
             return times[1], times[0], times[2]
         from triton.testing import do_bench
+
         median, p20, p80 = do_bench(fn, warmup=self.warmup, rep=self.rep, quantiles=[0.5, 0.2, 0.8])
         return median, p20, p80
 
@@ -119,6 +121,7 @@ def free_memory():
 # the Adam job
 # ------------------------------------------------------------------------------------------
 
+
 def adam_state(sizes, device, seed=0):
     gen = torch.Generator(device=device).manual_seed(seed)
 
@@ -137,13 +140,23 @@ def adam_state(sizes, device, seed=0):
 
 def ours_adam(state, device):
     import gpu_kernels
+
     inv_scale = torch.full((1,), 1.0 / LOSS_SCALE, device=device)
     found_inf = torch.zeros(1, device=device)
 
     def step():
-        gpu_kernels.fused_adam_(state["params"], state["grads"], state["exp_avgs"], state["exp_avg_sqs"],
-                                step=STEP, grad_scale=inv_scale, found_inf=found_inf,
-                                param_copies=state["copies"], **HYPER)
+        gpu_kernels.fused_adam_(
+            state["params"],
+            state["grads"],
+            state["exp_avgs"],
+            state["exp_avg_sqs"],
+            step=STEP,
+            grad_scale=inv_scale,
+            found_inf=found_inf,
+            param_copies=state["copies"],
+            **HYPER,
+        )
+
     return step
 
 
@@ -153,12 +166,19 @@ def torch_adam(state, device, *, fused):
     for p, g in zip(params, fp32_grads):
         p.grad = g
     kind = dict(fused=True) if fused else dict(foreach=True)
-    opt = torch.optim.AdamW(params, lr=HYPER["lr"], betas=(HYPER["beta1"], HYPER["beta2"]), eps=HYPER["eps"],
-                            weight_decay=HYPER["weight_decay"], **kind)
+    opt = torch.optim.AdamW(
+        params,
+        lr=HYPER["lr"],
+        betas=(HYPER["beta1"], HYPER["beta2"]),
+        eps=HYPER["eps"],
+        weight_decay=HYPER["weight_decay"],
+        **kind,
+    )
     # torch's state starts from the same moments, at the same step count
     for p, m, v in zip(params, state["exp_avgs"], state["exp_avg_sqs"]):
-        opt.state[p] = dict(step=torch.tensor(float(STEP - 1), device=device if fused else "cpu"),
-                            exp_avg=m, exp_avg_sq=v)
+        opt.state[p] = dict(
+            step=torch.tensor(float(STEP - 1), device=device if fused else "cpu"), exp_avg=m, exp_avg_sq=v
+        )
     # 0-dim, as GradScaler keeps them (the fused step broadcasts found_inf into the step counts)
     scale = torch.full((), LOSS_SCALE, device=device)
     inv_scale = torch.full((), 1.0 / LOSS_SCALE, device=device)
@@ -172,18 +192,22 @@ def torch_adam(state, device, *, fused):
             torch._foreach_mul_(fp32_grads, inv_scale)
         opt.step()
         torch._foreach_copy_(state["copies"], params)
+
     return step
 
 
 def ours_prepared(state, device):
     import gpu_kernels
+
     inv_scale = torch.full((1,), 1.0 / LOSS_SCALE, device=device)
     found_inf = torch.zeros(1, device=device)
-    launch = gpu_kernels.FusedAdam(state["params"], state["grads"], state["exp_avgs"], state["exp_avg_sqs"],
-                                   param_copies=state["copies"])
+    launch = gpu_kernels.FusedAdam(
+        state["params"], state["grads"], state["exp_avgs"], state["exp_avg_sqs"], param_copies=state["copies"]
+    )
 
     def step():
         launch.step(step=STEP, grad_scale=inv_scale, found_inf=found_inf, **HYPER)
+
     return step
 
 
@@ -205,6 +229,7 @@ COMPRESSED = {
 
 def compressed_state(sizes, device, *, bf16_moments, remainders):
     import gpu_kernels
+
     state = adam_state(sizes, device)
     if bf16_moments:
         for key in ("exp_avgs", "exp_avg_sqs"):
@@ -219,14 +244,25 @@ def compressed_state(sizes, device, *, bf16_moments, remainders):
 
 def ours_compressed(state, device, reference=False):
     import gpu_kernels
+
     inv_scale = torch.full((1,), 1.0 / LOSS_SCALE, device=device)
     found_inf = torch.zeros(1, device=device)
     fn = gpu_kernels.fused_adam_reference_ if reference else gpu_kernels.fused_adam_
 
     def step():
-        fn(state["params"], state["grads"], state["exp_avgs"], state["exp_avg_sqs"], step=STEP,
-           grad_scale=inv_scale, found_inf=found_inf, param_copies=state["copies"],
-           remainders=state["remainders"], **HYPER)
+        fn(
+            state["params"],
+            state["grads"],
+            state["exp_avgs"],
+            state["exp_avg_sqs"],
+            step=STEP,
+            grad_scale=inv_scale,
+            found_inf=found_inf,
+            param_copies=state["copies"],
+            remainders=state["remainders"],
+            **HYPER,
+        )
+
     return step
 
 
@@ -234,6 +270,7 @@ def check_compressed(device, sizes):
     """One step of each compressed variant against the fp64 reference on the same state: the
     master within fp32 rounding, bf16 moments within bf16 rounding."""
     import gpu_kernels
+
     failures = []
     for name, (kwargs, _) in COMPRESSED.items():
         ours, ref = compressed_state(sizes, device, **kwargs), compressed_state(sizes, device, **kwargs)
@@ -243,11 +280,14 @@ def check_compressed(device, sizes):
         def master(state):
             if state["remainders"] is None:
                 return torch.cat(state["params"])
-            return torch.cat([gpu_kernels.decode_remainder(p, r) for p, r in zip(state["params"], state["remainders"])])
+            return torch.cat(
+                [gpu_kernels.decode_remainder(p, r) for p, r in zip(state["params"], state["remainders"])]
+            )
+
         ok = torch.allclose(master(ours), master(ref), rtol=1e-5, atol=1e-6)
         for key in ("exp_avgs", "exp_avg_sqs"):
             a, b = torch.cat(ours[key]).double(), torch.cat(ref[key]).double()
-            ok &= torch.allclose(a, b, rtol=2 ** -8, atol=1e-6)  # one bf16 ulp
+            ok &= torch.allclose(a, b, rtol=2**-8, atol=1e-6)  # one bf16 ulp
         print(f"check gpu_kernels.fused_adam_ {name}: master and moments vs the fp64 reference: {ok}")
         if not ok:
             failures.append(f"gpu_kernels.fused_adam_ {name}")
@@ -261,13 +301,22 @@ def check_adam(device, sizes):
     formula, which torch's fused kernel computes in another order (measured on an H200: 2.5e-6
     from foreach and from ours, which agree)."""
     import gpu_kernels
+
     start = adam_state(sizes, device)
     inv_scale = 1.0 / LOSS_SCALE
     exact = {k: [t.to("cpu", copy=True) for t in v] for k, v in start.items()}
     rounded = {k: [t.to("cpu", copy=True) for t in v] for k, v in start.items()}
     for ref, arithmetic in ((exact, "fp32"), (rounded, "fp64")):
-        gpu_kernels.fused_adam_reference_(ref["params"], ref["grads"], ref["exp_avgs"], ref["exp_avg_sqs"],
-                                          step=STEP, grad_scale=inv_scale, arithmetic=arithmetic, **HYPER)
+        gpu_kernels.fused_adam_reference_(
+            ref["params"],
+            ref["grads"],
+            ref["exp_avgs"],
+            ref["exp_avg_sqs"],
+            step=STEP,
+            grad_scale=inv_scale,
+            arithmetic=arithmetic,
+            **HYPER,
+        )
     ref_exact, ref_p = torch.cat(exact["params"]), torch.cat(rounded["params"])
     failures = []
     for name, make in ADAM_IMPLS.items():
@@ -281,9 +330,11 @@ def check_adam(device, sizes):
         diff = (p.double() - ref_p.double()).abs().max().item()
         copy_ok = torch.equal(c, p.to(torch.bfloat16))
         bitwise = torch.equal(p, ref_exact) if ours else True
-        print(f"check {name}: params vs the fp64 reference max |diff| {diff:.2e} (close: {close})"
-              + (f"; the fp32 reference's bits: {bitwise}" if ours else "")
-              + f"; bf16 copy == cast: {copy_ok}")
+        print(
+            f"check {name}: params vs the fp64 reference max |diff| {diff:.2e} (close: {close})"
+            + (f"; the fp32 reference's bits: {bitwise}" if ours else "")
+            + f"; bf16 copy == cast: {copy_ok}"
+        )
         if not close or not copy_ok or not bitwise:
             failures.append(name)
     return failures
@@ -293,8 +344,10 @@ def check_adam(device, sizes):
 # the grad-statistics job
 # ------------------------------------------------------------------------------------------
 
+
 def ours_stats(grads, device):
     import gpu_kernels
+
     return lambda: gpu_kernels.grad_stats(grads)
 
 
@@ -302,6 +355,7 @@ def torch_norm_stats(grads, device):
     def run():
         total = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads, 2.0)), 2.0)
         return total.square(), (~torch.isfinite(total)).float()
+
     return run
 
 
@@ -317,6 +371,7 @@ def torch_amp_stats(grads, device):
         torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, one)
         total = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads, 2.0)), 2.0)
         return total.square(), found_inf
+
     return run
 
 
@@ -331,6 +386,7 @@ def check_stats(device, sizes):
     gen = torch.Generator(device=device).manual_seed(1)
     grads = [torch.randn(n, device=device, generator=gen).to(torch.bfloat16) for n in sizes]
     import gpu_kernels
+
     ours = gpu_kernels.grad_stats(grads)
     again = gpu_kernels.grad_stats(grads)
     reference = sum(g.double().square().sum() for g in grads)
@@ -338,14 +394,17 @@ def check_stats(device, sizes):
     same = torch.equal(ours[0], again[0]) and torch.equal(ours[1], again[1])
     grads[-1][-1] = float("inf")
     flagged = gpu_kernels.grad_stats(grads)[1].item() == 1.0
-    print(f"check gpu_kernels.grad_stats: rel diff vs fp64 {rel:.2e}; bitwise repeatable: {same}; inf flagged: {flagged}")
+    print(
+        f"check gpu_kernels.grad_stats: rel diff vs fp64 {rel:.2e}; bitwise repeatable: {same}; inf flagged: {flagged}"
+    )
     return [] if rel < 1e-6 and same and flagged else ["gpu_kernels.grad_stats"]
 
 
 # ------------------------------------------------------------------------------------------
 
+
 def copy_bandwidth(device, timer, dry_run):
-    numel = 2 ** 16 if dry_run else min(2 ** 29, torch.cuda.mem_get_info()[0] // 16)
+    numel = 2**16 if dry_run else min(2**29, torch.cuda.mem_get_info()[0] // 16)
     src = torch.randn(numel, device=device)
     dst = torch.empty_like(src)
     median, _, _ = timer(lambda: dst.copy_(src))
@@ -353,10 +412,19 @@ def copy_bandwidth(device, timer, dry_run):
 
 
 def record(impl, numel, median, p20, p80, bytes_per_elem, device_name, grad_dtype="bfloat16"):
-    return dict(impl=impl, numel=numel, threads=None, grad_dtype=grad_dtype, median_ms=median, p20_ms=p20,
-                p80_ms=p80, gelem_per_s=numel / (median * 1e-3) / 1e9,
-                gb_per_s=numel * bytes_per_elem / (median * 1e-3) / 1e9, bytes_per_elem=bytes_per_elem,
-                device=device_name)
+    return dict(
+        impl=impl,
+        numel=numel,
+        threads=None,
+        grad_dtype=grad_dtype,
+        median_ms=median,
+        p20_ms=p20,
+        p80_ms=p80,
+        gelem_per_s=numel / (median * 1e-3) / 1e9,
+        gb_per_s=numel * bytes_per_elem / (median * 1e-3) / 1e9,
+        bytes_per_elem=bytes_per_elem,
+        device=device_name,
+    )
 
 
 def run_jobs(jobs, impls, make_inputs, bytes_per_elem, device, device_name, timer, label):
@@ -390,11 +458,19 @@ def sweep(device, device_name, timer, numel):
         arch = "cpu"
     records = []
     for module, name, make, grid in (
-            (adam, "gpu_kernels.fused_adam_", lambda: (adam_state([numel], device), ours_adam, ADAM_BYTES),
-             itertools.product((1024, 2048, 4096), (1, 2, 4), (4, 8))),
-            (stats, "gpu_kernels.grad_stats",
-             lambda: ([torch.randn(numel, device=device).to(torch.bfloat16)], ours_stats, STATS_BYTES),
-             itertools.product((2048, 4096), (4, 8, 16), (8,)))):
+        (
+            adam,
+            "gpu_kernels.fused_adam_",
+            lambda: (adam_state([numel], device), ours_adam, ADAM_BYTES),
+            itertools.product((1024, 2048, 4096), (1, 2, 4), (4, 8)),
+        ),
+        (
+            stats,
+            "gpu_kernels.grad_stats",
+            lambda: ([torch.randn(numel, device=device).to(torch.bfloat16)], ours_stats, STATS_BYTES),
+            itertools.product((2048, 4096), (4, 8, 16), (8,)),
+        ),
+    ):
         saved = module.LAUNCH_CONFIG.get(arch)
         base = dict(module.LAUNCH_CONFIG.get(arch, module.LAUNCH_CONFIG["cuda" if arch != "cpu" else "cpu"]))
         inputs, impl, nbytes = make()
@@ -404,8 +480,17 @@ def sweep(device, device_name, timer, numel):
                 config = dict(base, BLOCK=block, ITERS=iters, num_warps=warps)
                 module.LAUNCH_CONFIG[arch] = config
                 median, p20, p80 = timer(impl(inputs, device))
-                records.append(record(f"{name} BLOCK={block} ITERS={iters} warps={warps}", numel,
-                                      median, p20, p80, nbytes, device_name))
+                records.append(
+                    record(
+                        f"{name} BLOCK={block} ITERS={iters} warps={warps}",
+                        numel,
+                        median,
+                        p20,
+                        p80,
+                        nbytes,
+                        device_name,
+                    )
+                )
                 if best is None or median < best[0]:
                     best = (median, config)
         finally:
@@ -413,8 +498,11 @@ def sweep(device, device_name, timer, numel):
                 module.LAUNCH_CONFIG.pop(arch, None)
             else:
                 module.LAUNCH_CONFIG[arch] = saved
-        print(f"sweep: fastest {name} on {arch}: {best[0]:.3f} ms with {best[1]} — "
-              f"{module.__name__}.LAUNCH_CONFIG[{arch!r}] = {best[1]}", flush=True)
+        print(
+            f"sweep: fastest {name} on {arch}: {best[0]:.3f} ms with {best[1]} — "
+            f"{module.__name__}.LAUNCH_CONFIG[{arch!r}] = {best[1]}",
+            flush=True,
+        )
         del inputs
         free_memory()
     return records
@@ -426,8 +514,10 @@ def launch_overhead(n_tensors, rounds=21):
     exceeds the kernel's time). On CUDA the calls launch; without a GPU every launch compiles
     for sm_90 instead (gpu_kernels.offline: the same launcher and Triton binder, no launch)."""
     import contextlib
+
     import gpu_kernels
     from gpu_kernels import offline
+
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
     sizes = random_sizes(n_tensors * 1000, n_tensors)
@@ -438,17 +528,30 @@ def launch_overhead(n_tensors, rounds=21):
     records = []
     with contextlib.nullcontext() if cuda else offline.compile_for("sm_90"):
         launch = gpu_kernels.FusedAdam(*lists, param_copies=state["copies"])
-        calls = {"gpu_kernels.fused_adam_": lambda: gpu_kernels.fused_adam_(*lists, param_copies=state["copies"],
-                                                                           **kwargs),
-                 "gpu_kernels.FusedAdam.step": lambda: launch.step(**kwargs)}
+        calls = {
+            "gpu_kernels.fused_adam_": lambda: gpu_kernels.fused_adam_(
+                *lists, param_copies=state["copies"], **kwargs
+            ),
+            "gpu_kernels.FusedAdam.step": lambda: launch.step(**kwargs),
+        }
         for name, call in calls.items():
             t = time_ms(call, reps=rounds, warmup=1)  # the first call compiles
             median, p20, p80 = (t[k] * 1e3 for k in ("median_ms", "p20_ms", "p80_ms"))
-            records.append(dict(impl=f"host time per call: {name} [{n_tensors} tensors]", n_tensors=n_tensors,
-                                median_us=median, p20_us=p20, p80_us=p80,
-                                mode="cuda launch" if cuda else "compile-only for sm_90 (no GPU)"))
-            print(f"host time per call, {name}, {n_tensors} tensors: {median:.1f} us (p20 {p20:.1f}, "
-                  f"p80 {p80:.1f}; {'CUDA' if cuda else 'no GPU: compile-only launches for sm_90'})", flush=True)
+            records.append(
+                dict(
+                    impl=f"host time per call: {name} [{n_tensors} tensors]",
+                    n_tensors=n_tensors,
+                    median_us=median,
+                    p20_us=p20,
+                    p80_us=p80,
+                    mode="cuda launch" if cuda else "compile-only for sm_90 (no GPU)",
+                )
+            )
+            print(
+                f"host time per call, {name}, {n_tensors} tensors: {median:.1f} us (p20 {p20:.1f}, "
+                f"p80 {p80:.1f}; {'CUDA' if cuda else 'no GPU: compile-only launches for sm_90'})",
+                flush=True,
+            )
         records.append(_device_tier_overhead(device, rounds))
         if cuda:
             torch.cuda.synchronize()
@@ -462,10 +565,13 @@ def _device_tier_overhead(device, rounds):
     from hybrid_opt.state import layout as L
     from hybrid_opt.tiers.device import DeviceTier
     from hybrid_opt.tiers.inputs import StepInputs
+
     params = []
     for _ in range(12):
-        params += [torch.nn.Parameter(torch.randn(16384, device=device)),
-                   torch.nn.Parameter(torch.randn(4, device=device))]
+        params += [
+            torch.nn.Parameter(torch.randn(16384, device=device)),
+            torch.nn.Parameter(torch.randn(4, device=device)),
+        ]
     sgs = L.layout_group(params, 0, 0, sum(p.numel() for p in params) // 49 + 1, 0)
     for p in params:
         p.grad = torch.randn_like(p)
@@ -476,38 +582,57 @@ def _device_tier_overhead(device, rounds):
     median, p20, p80 = (t[k] * 1e3 for k in ("median_ms", "p20_ms", "p80_ms"))
     name = f"host time per call: DeviceTier step [{len(work)} slices, {len(sgs)} subgroups]"
     print(f"{name}: {median:.1f} us (p20 {p20:.1f}, p80 {p80:.1f})", flush=True)
-    return dict(impl=name, n_tensors=len(work), median_us=median, p20_us=p20, p80_us=p80,
-                mode="cuda launch" if device.type == "cuda" else "compile-only for sm_90 (no GPU)")
+    return dict(
+        impl=name,
+        n_tensors=len(work),
+        median_us=median,
+        p20_us=p20,
+        p80_us=p80,
+        mode="cuda launch" if device.type == "cuda" else "compile-only for sm_90 (no GPU)",
+    )
 
 
 def markdown(records, copy_gbs):
     """One table; "vs torch" is the torch baseline's time over this row's, same job and size."""
+
     def job(r):
         family = "stats" if r["bytes_per_elem"] == STATS_BYTES else "adam"
         return family, r["numel"], " tensors]" in r["impl"]
 
-    baselines = {job(r): r for r in records
-                 if r["impl"].split(" [")[0] in ("torch.AdamW(fused=True)", "torch._foreach_norm")}
-    lines = ["| impl | numel | median ms | p20–p80 ms | Gelem/s | GB/s | % copy BW | vs torch |",
-             "|---|---|---|---|---|---|---|---|"]
+    baselines = {
+        job(r): r
+        for r in records
+        if r["impl"].split(" [")[0] in ("torch.AdamW(fused=True)", "torch._foreach_norm")
+    }
+    lines = [
+        "| impl | numel | median ms | p20–p80 ms | Gelem/s | GB/s | % copy BW | vs torch |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for r in records:
         base = baselines.get(job(r))
         speedup = f"{base['median_ms'] / r['median_ms']:.2f}×" if base else ""
-        lines.append(f"| {r['impl']} | {human(r['numel'])} | {r['median_ms']:.3f} | {r['p20_ms']:.3f}–{r['p80_ms']:.3f} "
-                     f"| {r['gelem_per_s']:.1f} | {r['gb_per_s']:.0f} | {100 * r['gb_per_s'] / copy_gbs:.0f}% | {speedup} |")
+        lines.append(
+            f"| {r['impl']} | {human(r['numel'])} | {r['median_ms']:.3f} | {r['p20_ms']:.3f}–{r['p80_ms']:.3f} "
+            f"| {r['gelem_per_s']:.1f} | {r['gb_per_s']:.0f} | {100 * r['gb_per_s'] / copy_gbs:.0f}% | {speedup} |"
+        )
     return "\n".join(lines)
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sizes", help="single-tensor sizes, comma separated (16M,64M,256M,1G)")
-    parser.add_argument("--quick", action="store_true", help="reduced sizes and repetitions (16M,128M; a 64M list)")
+    parser.add_argument(
+        "--quick", action="store_true", help="reduced sizes and repetitions (16M,128M; a 64M list)"
+    )
     parser.add_argument("--tensors", type=int, default=1000, help="tensors in the list case")
     parser.add_argument("--list-numel", help="total elements of the list case (256M; 64M with --quick)")
     parser.add_argument("--sweep", action="store_true", help="also time other launch configurations")
     parser.add_argument("--json", metavar="PATH", help="write the records there")
-    parser.add_argument("--launch-overhead", action="store_true",
-                        help="only the host time per call over --tensors tensors (runs without a GPU too)")
+    parser.add_argument(
+        "--launch-overhead",
+        action="store_true",
+        help="only the host time per call over --tensors tensors (runs without a GPU too)",
+    )
     parser.add_argument("--dry-run", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
 
@@ -536,46 +661,62 @@ def main(argv=None):
         n_tensors = args.tensors
         device_name = torch.cuda.get_device_name(device)
     import triton
+
     timer = Timer(args.dry_run, args.quick)
     print(f"# gpu_kernels benchmark on {device_name}: torch {torch.__version__}, triton {triton.__version__}")
 
-    failures = check_adam(device, [1000, 4099, 2 ** 14 if args.dry_run else 2 ** 20])
-    failures += check_compressed(device, [1000, 4099, 2 ** 14 if args.dry_run else 2 ** 20])
-    failures += check_stats(device, [1000, 4099, 2 ** 14 if args.dry_run else 2 ** 20])
+    failures = check_adam(device, [1000, 4099, 2**14 if args.dry_run else 2**20])
+    failures += check_compressed(device, [1000, 4099, 2**14 if args.dry_run else 2**20])
+    failures += check_stats(device, [1000, 4099, 2**14 if args.dry_run else 2**20])
 
     copy_gbs = copy_bandwidth(device, timer, args.dry_run)
     print(f"device copy bandwidth: {copy_gbs:.0f} GB/s (read + write)")
     records = [dict(impl="copy_bandwidth", gb_per_s=copy_gbs, device=device_name)]
 
     jobs = [(n, [n]) for n in sizes] + [(list_numel, random_sizes(list_numel, n_tensors))]
-    records += run_jobs(jobs, ADAM_IMPLS, lambda s, d: adam_state(s, d), ADAM_BYTES, device, device_name,
-                        timer, "adam")
+    records += run_jobs(
+        jobs, ADAM_IMPLS, lambda s, d: adam_state(s, d), ADAM_BYTES, device, device_name, timer, "adam"
+    )
     # --quick (gpu_check.sh's time limit): compressed state at the largest size only
     compressed_jobs = [max(jobs[:-1])] if args.quick else jobs
     for name, (kwargs, nbytes) in COMPRESSED.items():
-        records += run_jobs(compressed_jobs, {f"gpu_kernels.fused_adam_ {name}": ours_compressed},
-                            lambda s, d, kwargs=kwargs: compressed_state(s, d, **kwargs), nbytes, device,
-                            device_name, timer, "adam")
+        records += run_jobs(
+            compressed_jobs,
+            {f"gpu_kernels.fused_adam_ {name}": ours_compressed},
+            lambda s, d, kwargs=kwargs: compressed_state(s, d, **kwargs),
+            nbytes,
+            device,
+            device_name,
+            timer,
+            "adam",
+        )
 
     def make_grads(s, d):
         gen = torch.Generator(device=d).manual_seed(2)
         return [torch.randn(n, device=d, generator=gen).to(torch.bfloat16) for n in s]
+
     records += run_jobs(jobs, STATS_IMPLS, make_grads, STATS_BYTES, device, device_name, timer, "grad_stats")
     if args.sweep:
-        records += sweep(device, device_name, timer, sizes[-1] if args.dry_run else min(max(sizes), 2 ** 27))
+        records += sweep(device, device_name, timer, sizes[-1] if args.dry_run else min(max(sizes), 2**27))
 
     print()
     print(markdown([r for r in records if r["impl"] != "copy_bandwidth"], copy_gbs))
     ours = [r for r in records if r["impl"] == "gpu_kernels.fused_adam_"]
     if ours:
         big = max(ours, key=lambda r: r["numel"])
-        base = next(r for r in records if r["impl"] == "torch.AdamW(fused=True)" and r["numel"] == big["numel"])
-        print(f"\nfused_adam_ at {human(big['numel'])}: {100 * big['gb_per_s'] / copy_gbs:.0f}% of copy bandwidth "
-              f"(target >= 85%), {base['median_ms'] / big['median_ms']:.2f}× torch.AdamW(fused=True) (target >= 1.1×)")
+        base = next(
+            r for r in records if r["impl"] == "torch.AdamW(fused=True)" and r["numel"] == big["numel"]
+        )
+        print(
+            f"\nfused_adam_ at {human(big['numel'])}: {100 * big['gb_per_s'] / copy_gbs:.0f}% of copy bandwidth "
+            f"(target >= 85%), {base['median_ms'] / big['median_ms']:.2f}× torch.AdamW(fused=True) (target >= 1.1×)"
+        )
     listed = [r for r in records if r["impl"].startswith("gpu_kernels.grad_stats [")]
     if listed:
-        print(f"grad_stats over {n_tensors} tensors: {100 * listed[0]['gb_per_s'] / copy_gbs:.0f}% of copy "
-              f"bandwidth (target >= 80%)")
+        print(
+            f"grad_stats over {n_tensors} tensors: {100 * listed[0]['gb_per_s'] / copy_gbs:.0f}% of copy "
+            f"bandwidth (target >= 80%)"
+        )
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as f:

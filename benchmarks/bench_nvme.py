@@ -24,6 +24,7 @@ param), the same elements and grads, interleaved step by step (time_ms_interleav
 ratio of the medians (target <= 0.6x) and each file's bytes per param. `--compressed-only`
 runs just these rows.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -35,9 +36,17 @@ import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from _common import (
+    fs_type,
+    host_description,
+    markdown_table,
+    parse_size,
+    time_ms,  # noqa: E402
+    time_ms_interleaved,
+    write_json,
+)
+
 from cpu_kernels.aio import AioEngine, aligned_buffer  # noqa: E402
-from _common import (fs_type, host_description, markdown_table, parse_size, time_ms,  # noqa: E402
-                     time_ms_interleaved, write_json)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MiB = 1 << 20
@@ -46,9 +55,16 @@ DD_BLOCK = 8 * MiB
 
 def record(impl: str, nbytes: int, threads: int | None, op: str, t_ms: dict) -> dict:
     median_s = t_ms["median_ms"] / 1e3
-    return {"impl": impl, "bytes": nbytes, "threads": threads, "op": op, "median_s": median_s,
-            "p20_s": t_ms["p20_ms"] / 1e3, "p80_s": t_ms["p80_ms"] / 1e3,
-            "gb_per_s": nbytes / median_s / 1e9}
+    return {
+        "impl": impl,
+        "bytes": nbytes,
+        "threads": threads,
+        "op": op,
+        "median_s": median_s,
+        "p20_s": t_ms["p20_ms"] / 1e3,
+        "p80_s": t_ms["p80_ms"] / 1e3,
+        "gb_per_s": nbytes / median_s / 1e9,
+    }
 
 
 def engine_rows(path: str, buf, nbytes: int, threads: int, chunk: int, reps: int) -> list[dict]:
@@ -83,15 +99,15 @@ def dd_rows(path: str, nbytes: int, reps: int) -> list[dict]:
 
 def tier_rows(args, workdir: str, nbytes: int, raw: list) -> list[dict]:
     """The same bytes as subgroup state (fp32 master, m, v) through hybrid_opt's NVMe tier:
-      - "tier swap_out" / "tier swap_in": every subgroup's state block written to / read from
-        its file slot by the worker (CRC32C computed on write, verified on read);
-      - "tier pipelined step": one step over the N subgroups (the worker reads each committed
-        slot as its task arrives, steps it, writes the other slot), with --io-banks read
-        buffers in flight; "host step (no I/O)": the same step on the resident host tier;
-        "io (swap_in + swap_out)": the I/O alone, all subgroups at once. The pipelined step
-        should take about max(I/O, compute), I/O being the raw sequential O_DIRECT read and
-        write of the same bytes (the best engine rows of this run); the ratio to the tier's
-        all-at-once swaps is printed too (they run 8 requests deep, the pipeline fewer)."""
+    - "tier swap_out" / "tier swap_in": every subgroup's state block written to / read from
+      its file slot by the worker (CRC32C computed on write, verified on read);
+    - "tier pipelined step": one step over the N subgroups (the worker reads each committed
+      slot as its task arrives, steps it, writes the other slot), with --io-banks read
+      buffers in flight; "host step (no I/O)": the same step on the resident host tier;
+      "io (swap_in + swap_out)": the I/O alone, all subgroups at once. The pipelined step
+      should take about max(I/O, compute), I/O being the raw sequential O_DIRECT read and
+      write of the same bytes (the best engine rows of this run); the ratio to the tier's
+      all-at-once swaps is printed too (they run 8 requests deep, the pipeline fewer)."""
     import torch
 
     from hybrid_opt.tiers.host import HostTier, StepInputs
@@ -103,8 +119,15 @@ def tier_rows(args, workdir: str, nbytes: int, raw: list) -> list[dict]:
     gen = torch.Generator().manual_seed(0)
     grads = [torch.randn(numel, generator=gen) for _ in range(n_sub)]
     rows: list = []
-    tier = HostTier(sizes, nvme=[True] * n_sub, nvme_path=workdir, io_banks=max(args.io_banks, n_sub),
-                    slot_numel=1 << 20, staging_slots=4, nvme_threads=4)
+    tier = HostTier(
+        sizes,
+        nvme=[True] * n_sub,
+        nvme_path=workdir,
+        io_banks=max(args.io_banks, n_sub),
+        slot_numel=1 << 20,
+        staging_slots=4,
+        nvme_threads=4,
+    )
     try:
         io_bytes = tier.io_bytes * n_sub
         banks = tier.pool.acquire(n_sub)
@@ -115,28 +138,37 @@ def tier_rows(args, workdir: str, nbytes: int, raw: list) -> list[dict]:
         def run(op):
             ids = []
             for sg, b in enumerate(banks):
-                ids.append(tier.client.send(P.Task(op, 0, sg, in_bank=b, file_slot=1,
-                                                   crc=crcs.get(sg, 0))))
+                ids.append(tier.client.send(P.Task(op, 0, sg, in_bank=b, file_slot=1, crc=crcs.get(sg, 0))))
             for r in tier.client.wait(ids):
                 if op == P.OP_SWAP_OUT:
                     crcs[r.subgroup] = r.crc
 
         t_out = time_ms(lambda: run(P.OP_SWAP_OUT), reps=args.reps, warmup=1)
         t_in = time_ms(lambda: run(P.OP_SWAP_IN), reps=args.reps, warmup=1)
-        rows += [record("tier swap_out", io_bytes, 4, "write", t_out),
-                 record("tier swap_in", io_bytes, 4, "read", t_in)]
+        rows += [
+            record("tier swap_out", io_bytes, 4, "write", t_out),
+            record("tier swap_in", io_bytes, 4, "read", t_in),
+        ]
         for b in banks:
             tier.pool.release(b)
         tier.close()
         # the pipelined step, with --io-banks reads in flight
-        tier = HostTier(sizes, nvme=[True] * n_sub, nvme_path=workdir, io_banks=args.io_banks,
-                        slot_numel=1 << 20, staging_slots=4, nvme_threads=4)
+        tier = HostTier(
+            sizes,
+            nvme=[True] * n_sub,
+            nvme_path=workdir,
+            io_banks=args.io_banks,
+            slot_numel=1 << 20,
+            staging_slots=4,
+            nvme_threads=4,
+        )
         step = [0]
 
         def one_step(t):
             step[0] += 1
-            t.finish({sg: (grads[sg], StepInputs(step[0], 1e-3, 0.9, 0.999, 1e-8, 0.01))
-                      for sg in range(n_sub)})
+            t.finish(
+                {sg: (grads[sg], StepInputs(step[0], 1e-3, 0.9, 0.999, 1e-8, 0.01)) for sg in range(n_sub)}
+            )
 
         t_pipe = time_ms(lambda: one_step(tier), reps=args.reps, warmup=1)
         tier.close()
@@ -146,21 +178,31 @@ def tier_rows(args, workdir: str, nbytes: int, raw: list) -> list[dict]:
         finally:
             resident.close()
         t_io = {k: t_in[k] + t_out[k] for k in t_in}
-        rows += [record("tier pipelined step", 2 * io_bytes, 4, "step", t_pipe),
-                 record("host step (no I/O)", 2 * io_bytes, None, "step", t_comp),
-                 record("io (swap_in + swap_out)", 2 * io_bytes, 4, "step", t_io)]
-        best = {op: max((r["gb_per_s"] for r in raw if r["op"] == op and r["impl"].startswith("aio")),
-                        default=None) for op in ("read", "write")}
+        rows += [
+            record("tier pipelined step", 2 * io_bytes, 4, "step", t_pipe),
+            record("host step (no I/O)", 2 * io_bytes, None, "step", t_comp),
+            record("io (swap_in + swap_out)", 2 * io_bytes, 4, "step", t_io),
+        ]
+        best = {
+            op: max(
+                (r["gb_per_s"] for r in raw if r["op"] == op and r["impl"].startswith("aio")), default=None
+            )
+            for op in ("read", "write")
+        }
         if best["read"] and best["write"]:
             raw_io_ms = io_bytes / best["read"] / 1e6 + io_bytes / best["write"] / 1e6
             bound = max(raw_io_ms, t_comp["median_ms"])
-            print(f"pipelined step over {n_sub} subgroups of {numel} elements ({args.io_banks} read "
-                  f"buffers): {t_pipe['median_ms']:.0f} ms = {t_pipe['median_ms'] / bound:.2f}x "
-                  f"max(raw sequential I/O of the same bytes {raw_io_ms:.0f} ms, compute "
-                  f"{t_comp['median_ms']:.0f} ms)")
+            print(
+                f"pipelined step over {n_sub} subgroups of {numel} elements ({args.io_banks} read "
+                f"buffers): {t_pipe['median_ms']:.0f} ms = {t_pipe['median_ms'] / bound:.2f}x "
+                f"max(raw sequential I/O of the same bytes {raw_io_ms:.0f} ms, compute "
+                f"{t_comp['median_ms']:.0f} ms)"
+            )
         tier_bound = max(t_io["median_ms"], t_comp["median_ms"])
-        print(f"  = {t_pipe['median_ms'] / tier_bound:.2f}x max(the tier's all-at-once swap-in + "
-              f"swap-out {t_io['median_ms']:.0f} ms, compute {t_comp['median_ms']:.0f} ms)")
+        print(
+            f"  = {t_pipe['median_ms'] / tier_bound:.2f}x max(the tier's all-at-once swap-in + "
+            f"swap-out {t_io['median_ms']:.0f} ms, compute {t_comp['median_ms']:.0f} ms)"
+        )
     finally:
         tier.close()
     return rows
@@ -178,18 +220,30 @@ def compressed_rows(args, workdir: str, nbytes: int) -> list[dict]:
     numel = max(4096, nbytes // (12 * n_sub) // 4096 * 4096)
     gen = torch.Generator().manual_seed(1)
     grads = [torch.randn(numel, generator=gen).to(torch.bfloat16) for _ in range(n_sub)]
-    configs = {"fp32 state": dict(), "bf16 moments + remainders": dict(
-        exp_avg_dtype=torch.bfloat16, exp_avg_sq_dtype=torch.bfloat16, remainders=True)}
+    configs = {
+        "fp32 state": dict(),
+        "bf16 moments + remainders": dict(
+            exp_avg_dtype=torch.bfloat16, exp_avg_sq_dtype=torch.bfloat16, remainders=True
+        ),
+    }
     tiers, params, step = {}, {}, {}
     try:
         for name, kw in configs.items():
             params[name] = [torch.randn(numel, generator=gen).to(torch.bfloat16) for _ in range(n_sub)]
             if kw:
                 kw = dict(kw, params=params[name])
-            tiers[name] = HostTier([numel] * n_sub, nvme=[True] * n_sub, nvme_path=workdir,
-                                   io_banks=args.io_banks, slot_numel=1 << 20, staging_slots=4,
-                                   nvme_threads=4, grad_dtype=torch.bfloat16,
-                                   copy_dtype=torch.bfloat16, **kw)
+            tiers[name] = HostTier(
+                [numel] * n_sub,
+                nvme=[True] * n_sub,
+                nvme_path=workdir,
+                io_banks=args.io_banks,
+                slot_numel=1 << 20,
+                staging_slots=4,
+                nvme_threads=4,
+                grad_dtype=torch.bfloat16,
+                copy_dtype=torch.bfloat16,
+                **kw,
+            )
             for sg in range(n_sub):
                 tiers[name].load_state(sg, params[name][sg].float())
             step[name] = 0
@@ -202,15 +256,22 @@ def compressed_rows(args, workdir: str, nbytes: int) -> list[dict]:
 
             def one():
                 step[name] += 1
-                tier.finish({sg: (grads[sg], StepInputs(step[name], 1e-3, 0.9, 0.999, 1e-8, 0.01))
-                             for sg in range(n_sub)}, on_commit=land)
+                tier.finish(
+                    {
+                        sg: (grads[sg], StepInputs(step[name], 1e-3, 0.9, 0.999, 1e-8, 0.01))
+                        for sg in range(n_sub)
+                    },
+                    on_commit=land,
+                )
+
             return one
 
         times = time_ms_interleaved({name: stepper(name) for name in configs}, reps=args.reps, warmup=1)
         rows = []
         for name in configs:
-            r = record(f"nvme step, bf16 model, {name}", 2 * tiers[name].io_bytes * n_sub, 4, "step",
-                       times[name])
+            r = record(
+                f"nvme step, bf16 model, {name}", 2 * tiers[name].io_bytes * n_sub, 4, "step", times[name]
+            )
             r["file_bytes_per_param"] = tiers[name].io_bytes / numel
             rows.append(r)
     finally:
@@ -218,10 +279,12 @@ def compressed_rows(args, workdir: str, nbytes: int) -> list[dict]:
             t.close()
     base, comp = rows
     ratio = comp["median_s"] / base["median_s"]
-    print(f"nvme step over {n_sub} subgroups of {numel} bf16 params, interleaved x{args.reps}: "
-          f"bf16 moments + remainders {comp['median_s'] * 1e3:.0f} ms vs fp32 state "
-          f"{base['median_s'] * 1e3:.0f} ms = {ratio:.2f}x (target <= 0.6x); file bytes per "
-          f"param {comp['file_bytes_per_param']:.2f} vs {base['file_bytes_per_param']:.2f}")
+    print(
+        f"nvme step over {n_sub} subgroups of {numel} bf16 params, interleaved x{args.reps}: "
+        f"bf16 moments + remainders {comp['median_s'] * 1e3:.0f} ms vs fp32 state "
+        f"{base['median_s'] * 1e3:.0f} ms = {ratio:.2f}x (target <= 0.6x); file bytes per "
+        f"param {comp['file_bytes_per_param']:.2f} vs {base['file_bytes_per_param']:.2f}"
+    )
     for r in rows:
         r["ratio_to_fp32_state"] = r["median_s"] / base["median_s"]
     return rows
@@ -233,13 +296,19 @@ def main():
     ap.add_argument("--threads", type=int, nargs="+", default=[1, 4, 8])
     ap.add_argument("--chunk-mib", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--dir", default=os.path.join(REPO, "bench_out", "nvme"),
-                    help="directory on the disk to measure (not tmpfs)")
+    ap.add_argument(
+        "--dir",
+        default=os.path.join(REPO, "bench_out", "nvme"),
+        help="directory on the disk to measure (not tmpfs)",
+    )
     ap.add_argument("--no-dd", action="store_true", help="skip the dd baseline")
     ap.add_argument("--subgroups", type=int, default=8, help="nvme subgroups for the tier rows")
     ap.add_argument("--io-banks", type=int, default=4, help="read buffers in flight (pipelined row)")
-    ap.add_argument("--compressed-only", action="store_true",
-                    help="only the compressed-state rows (fp32 state vs bf16 moments + remainders)")
+    ap.add_argument(
+        "--compressed-only",
+        action="store_true",
+        help="only the compressed-state rows (fp32 state vs bf16 moments + remainders)",
+    )
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
 
@@ -249,17 +318,22 @@ def main():
     os.makedirs(args.dir, exist_ok=True)
     kind = fs_type(args.dir)
     if kind in ("tmpfs", "ramfs"):
-        sys.exit(f"--dir {args.dir} is on {kind}: that measures memory, not a disk; "
-                 f"pass a directory on the disk (see `df`)")
+        sys.exit(
+            f"--dir {args.dir} is on {kind}: that measures memory, not a disk; "
+            f"pass a directory on the disk (see `df`)"
+        )
     free = shutil.disk_usage(args.dir).free
     if free < 4 * nbytes:
-        sys.exit(f"--dir {args.dir} has {free / 2**30:.1f} GiB free; this run needs "
-                 f"{4 * nbytes / 2**30:.1f} GiB")
+        sys.exit(
+            f"--dir {args.dir} has {free / 2**30:.1f} GiB free; this run needs {4 * nbytes / 2**30:.1f} GiB"
+        )
 
     workdir = tempfile.mkdtemp(prefix="bench_nvme_", dir=args.dir)
     path = os.path.join(workdir, "raw.bin")
-    print(f"# NVMe raw I/O: {nbytes / 2**30:.2f} GiB sequential, {args.reps} reps, "
-          f"{workdir} ({kind}), {host_description()}")
+    print(
+        f"# NVMe raw I/O: {nbytes / 2**30:.2f} GiB sequential, {args.reps} reps, "
+        f"{workdir} ({kind}), {host_description()}"
+    )
     rows = []
     try:
         if args.compressed_only:
@@ -268,7 +342,7 @@ def main():
         buf = aligned_buffer(nbytes)
         block = os.urandom(MiB)  # incompressible, and every page touched before timing
         for off in range(0, nbytes, MiB):
-            buf[off:off + MiB] = block[: min(MiB, nbytes - off)]
+            buf[off : off + MiB] = block[: min(MiB, nbytes - off)]
         for threads in args.threads:
             for chunk_mib in args.chunk_mib:
                 rows += engine_rows(path, buf, nbytes, threads, chunk_mib * MiB, args.reps)
@@ -295,12 +369,23 @@ def _report(rows: list, args) -> None:
             if r["op"] == op and dd:
                 r["_vs_dd"] = r["gb_per_s"] / dd
     table = sorted(rows, key=lambda r: (r["op"] != "write", r["impl"], r["threads"] or 0))
-    print(markdown_table(table, [("impl", "impl", "s"), ("op", "op", "s"), ("threads", "threads", "d"),
-                                 ("median_s", "median s", ".3f"), ("p20_s", "p20 s", ".3f"),
-                                 ("p80_s", "p80 s", ".3f"), ("gb_per_s", "GB/s", ".2f"),
-                                 ("_vs_dd", "vs dd", ".2f"),
-                                 ("file_bytes_per_param", "file B/param", ".2f"),
-                                 ("ratio_to_fp32_state", "vs fp32 state", ".2f")]))
+    print(
+        markdown_table(
+            table,
+            [
+                ("impl", "impl", "s"),
+                ("op", "op", "s"),
+                ("threads", "threads", "d"),
+                ("median_s", "median s", ".3f"),
+                ("p20_s", "p20 s", ".3f"),
+                ("p80_s", "p80 s", ".3f"),
+                ("gb_per_s", "GB/s", ".2f"),
+                ("_vs_dd", "vs dd", ".2f"),
+                ("file_bytes_per_param", "file B/param", ".2f"),
+                ("ratio_to_fp32_state", "vs fp32 state", ".2f"),
+            ],
+        )
+    )
     for r in rows:
         r.pop("_vs_dd", None)
     write_json(args.json, rows)

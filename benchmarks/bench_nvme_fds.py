@@ -8,6 +8,7 @@ the median of per-round ratios (high / low), with its range: 1.0 when nothing wa
 Before session 13 the worker waited on its request pipe with poll() up there (whole milliseconds:
 its 0.5 ms waits between polls of nvme I/O took 1.1 ms); it now reads a duplicate numbered low.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -54,16 +55,25 @@ def main() -> None:
     os.makedirs(base, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="bench_nvme_fds_", dir=base) as path:
         for r in range(args.rounds):
-            for mode in (("low", "high") if r % 2 == 0 else ("high", "low")):
-                out = subprocess.run([sys.executable, "-c", _CHILD, mode, str(args.subgroups), str(args.iters), path],
-                                     env=env, cwd=root, capture_output=True, text=True, timeout=600, check=True)
+            for mode in ("low", "high") if r % 2 == 0 else ("high", "low"):
+                out = subprocess.run(
+                    [sys.executable, "-c", _CHILD, mode, str(args.subgroups), str(args.iters), path],
+                    env=env,
+                    cwd=root,
+                    capture_output=True,
+                    text=True,
+                    timeout=600,
+                    check=True,
+                )
                 ms[mode].append(json.loads(out.stdout.strip().splitlines()[-1]) * 1e3)
     ratios = [h / lo for h, lo in zip(ms["high"], ms["low"])]
     print("| descriptors | step ms (median of rounds, range) |\n|---|---|")
     for mode in ("low", "high"):
         print(f"| {mode} | {statistics.median(ms[mode]):.1f} ({min(ms[mode]):.1f}-{max(ms[mode]):.1f}) |")
-    print(f"high / low: {statistics.median(ratios):.3f} (median of {args.rounds} rounds, "
-          f"{min(ratios):.3f}-{max(ratios):.3f})")
+    print(
+        f"high / low: {statistics.median(ratios):.3f} (median of {args.rounds} rounds, "
+        f"{min(ratios):.3f}-{max(ratios):.3f})"
+    )
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"ms": ms, "ratios": ratios, "subgroups": args.subgroups}, f, indent=1)

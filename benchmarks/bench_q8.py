@@ -13,6 +13,7 @@ interleaved timing runs N times: a row's median is the median of the trial media
 the lowest and highest trial median. bitsandbytes' and torchao's 8-bit AdamW run when importable
 (neither is installed in this environment; issue 38 measured them 30-41x slower than torch fused).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -24,9 +25,10 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from _common import host_description, markdown_table, parse_size, time_ms_interleaved, write_json  # noqa: E402
+
 import cpu_kernels  # noqa: E402
 from cpu_kernels import q8_reference as q8  # noqa: E402
-from _common import host_description, markdown_table, parse_size, time_ms_interleaved, write_json  # noqa: E402
 
 HP = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=1e-2)
 BYTES = {"q8_q8": 16.0 + 8.0 / 256, "fp32": 28.0, "torch_fused": 28.0}
@@ -47,8 +49,14 @@ def _steppers(n: int) -> dict:
         cpu_kernels.adam_step_(f_param, grad, fm, fv, step=3, **HP)
 
     t_param.grad = grad
-    opt = torch.optim.AdamW([t_param], lr=HP["lr"], betas=(HP["beta1"], HP["beta2"]), eps=HP["eps"],
-                            weight_decay=HP["weight_decay"], fused=True)
+    opt = torch.optim.AdamW(
+        [t_param],
+        lr=HP["lr"],
+        betas=(HP["beta1"], HP["beta2"]),
+        eps=HP["eps"],
+        weight_decay=HP["weight_decay"],
+        fused=True,
+    )
     steppers = {"q8_q8": ours_q8, "fp32": ours_fp32, "torch_fused": opt.step}
     for name, factory in _eight_bit_baselines():
         steppers[name] = factory(n, grad)
@@ -65,6 +73,7 @@ def _eight_bit_baselines():
             p = torch.nn.Parameter(torch.randn(n))
             p.grad = grad.clone()
             return bnb.optim.AdamW8bit([p], lr=HP["lr"], weight_decay=HP["weight_decay"]).step
+
         out.append(("bnb_adamw8bit", bnb_factory))
         BYTES["bnb_adamw8bit"] = 16.0
     except ImportError:
@@ -76,6 +85,7 @@ def _eight_bit_baselines():
             p = torch.nn.Parameter(torch.randn(n))
             p.grad = grad.clone()
             return AdamW8bit([p], lr=HP["lr"], weight_decay=HP["weight_decay"]).step
+
         out.append(("torchao_adamw8bit", ao_factory))
         BYTES["torchao_adamw8bit"] = 16.0
     except ImportError:
@@ -92,8 +102,14 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=cpu_kernels.get_num_threads())
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
-    levels = args.levels or [lv for lv in ("avx512", "avx2", "neon", "sve", "portable")
-                             if lv in cpu_kernels.available_simd_levels()][:2]
+    levels = (
+        args.levels
+        or [
+            lv
+            for lv in ("avx512", "avx2", "neon", "sve", "portable")
+            if lv in cpu_kernels.available_simd_levels()
+        ][:2]
+    )
     cpu_kernels.set_num_threads(args.threads)
     torch.set_num_threads(args.threads)
     print(f"host: {host_description()}; threads {args.threads}; torch {torch.__version__}")
@@ -108,15 +124,39 @@ def main() -> None:
             for name in steppers:
                 medians = [t[name]["median_ms"] for t in trials]
                 ms = statistics.median(medians)
-                records.append(dict(impl=name, n=n, size=size, level=level, q8_level=cpu_kernels.q8_simd_level(),
-                                    threads=args.threads, median_ms=ms, lo_ms=min(medians), hi_ms=max(medians),
-                                    bytes_per_elem=BYTES[name], gbps=BYTES[name] * n / ms / 1e6,
-                                    vs_fp32=base / ms))
-    print(markdown_table(records, [("impl", "impl", "s"), ("size", "size", "s"), ("level", "level", "s"),
-                                   ("threads", "threads", "d"), ("median_ms", "median ms", ".2f"),
-                                   ("lo_ms", "lo", ".2f"), ("hi_ms", "hi", ".2f"),
-                                   ("bytes_per_elem", "B/elem", ".2f"), ("gbps", "GB/s", ".1f"),
-                                   ("vs_fp32", "fp32 / this", ".2f")]))
+                records.append(
+                    dict(
+                        impl=name,
+                        n=n,
+                        size=size,
+                        level=level,
+                        q8_level=cpu_kernels.q8_simd_level(),
+                        threads=args.threads,
+                        median_ms=ms,
+                        lo_ms=min(medians),
+                        hi_ms=max(medians),
+                        bytes_per_elem=BYTES[name],
+                        gbps=BYTES[name] * n / ms / 1e6,
+                        vs_fp32=base / ms,
+                    )
+                )
+    print(
+        markdown_table(
+            records,
+            [
+                ("impl", "impl", "s"),
+                ("size", "size", "s"),
+                ("level", "level", "s"),
+                ("threads", "threads", "d"),
+                ("median_ms", "median ms", ".2f"),
+                ("lo_ms", "lo", ".2f"),
+                ("hi_ms", "hi", ".2f"),
+                ("bytes_per_elem", "B/elem", ".2f"),
+                ("gbps", "GB/s", ".1f"),
+                ("vs_fp32", "fp32 / this", ".2f"),
+            ],
+        )
+    )
     write_json(args.json, records)
 
 

@@ -29,6 +29,7 @@ otherwise): each iteration's fresh grads (800 MB at 201M parameters) otherwise c
 page faults, whose cost in a VM swings by 2-3x from moment to moment and drowns every
 optimizer's step in noise; with 2 MB pages it is ~6.5k.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -116,9 +117,11 @@ class Runner:
 
     def fwd_bwd(self, model):
         """One forward+backward of `model` without an optimizer, as a callable."""
+
         def run():
             model.zero_grad(set_to_none=True)
             model(self.x).square().mean().backward()
+
         return run
 
     def fwd_bwd_alone(self, model) -> dict:
@@ -142,7 +145,7 @@ def _release(model) -> None:
 def _peak_device_mb(device):
     if device.type != "cuda":
         return None
-    return torch.cuda.max_memory_allocated() / 2 ** 20
+    return torch.cuda.max_memory_allocated() / 2**20
 
 
 def _reset_peak(device):
@@ -162,16 +165,23 @@ def _hybrid_samples(runner, args, device, n_params, warmup=3, **kw) -> tuple[dic
         def record():
             worker.append(opt.stats.get("worker_s", 0.0) * 1e3)
             hidden.append(opt.stats.get("hidden_s", 0.0) * 1e3)
+
         samples = runner.samples(model, opt, warmup, record)
         samples.update(worker=worker, hidden=hidden)
         spec = opt.stats.get("speculation") or {}
         host_bytes = opt.parts.placement.host.arena.nbytes if opt.parts.placement.host is not None else 0
         if device.type != "cuda":
             host_bytes += opt.parts.placement.device.nbytes()
-        info = {"committed": spec.get("committed", 0), "redone": spec.get("redone", 0),
-                "host_bytes_per_param": host_bytes / n_params, "peak_device_mb": _peak_device_mb(device),
-                "plan": repr(opt.plan), "fractions": list(opt.parts.placement.fractions),
-                "spare_banks": opt.plan.spare_banks, "speculative": opt.speculative}
+        info = {
+            "committed": spec.get("committed", 0),
+            "redone": spec.get("redone", 0),
+            "host_bytes_per_param": host_bytes / n_params,
+            "peak_device_mb": _peak_device_mb(device),
+            "plan": repr(opt.plan),
+            "fractions": list(opt.parts.placement.fractions),
+            "spare_banks": opt.plan.spare_banks,
+            "speculative": opt.speculative,
+        }
         if opt.parts.placement.auto is not None:
             info["refit_moves"] = opt.parts.placement.auto.moves
     _release(model)
@@ -201,9 +211,18 @@ def speculation_study(args, device) -> list:
     del model, ref
     n = args.layers * (args.width * args.width + args.width)
     for speculative in (False, True):
-        rows.append(_hybrid_row(runner, args, device, n, f"HybridAdamW offload {args.offload}, "
-                                f"speculative={speculative}", offload_fraction=args.offload,
-                                speculative=speculative, spare_banks=64))
+        rows.append(
+            _hybrid_row(
+                runner,
+                args,
+                device,
+                n,
+                f"HybridAdamW offload {args.offload}, speculative={speculative}",
+                offload_fraction=args.offload,
+                speculative=speculative,
+                spare_banks=64,
+            )
+        )
     seq = next(r for r in rows if "speculative=False" in r["impl"])
     spec = next(r for r in rows if "speculative=True" in r["impl"])
     spec["vs_sequential"] = spec["median_ms"] / seq["median_ms"]
@@ -225,18 +244,31 @@ def _peer_configs(args, device) -> tuple[list, list]:
     """[(label, make_opt or None, info, hybrid kwargs)] of the peers that can run here, and
     notes on those that cannot."""
     configs, notes = [], []
-    configs.append(("device only: torch AdamW(fused=True)",
-                    lambda ps: torch.optim.AdamW(ps, lr=1e-4, fused=True),
-                    {"host_bytes_per_param": 8.0 if device.type != "cuda" else 0.0}, None))
+    configs.append(
+        (
+            "device only: torch AdamW(fused=True)",
+            lambda ps: torch.optim.AdamW(ps, lr=1e-4, fused=True),
+            {"host_bytes_per_param": 8.0 if device.type != "cuda" else 0.0},
+            None,
+        )
+    )
     try:
         from deepspeed.ops.adam import DeepSpeedCPUAdam
+
         if device.type == "cuda":
-            notes.append("DeepSpeedCPUAdam skipped on a GPU host: it needs ZeRO-Offload's engine "
-                         "around it to move grads and params")
+            notes.append(
+                "DeepSpeedCPUAdam skipped on a GPU host: it needs ZeRO-Offload's engine "
+                "around it to move grads and params"
+            )
         else:
-            configs.append(("DeepSpeedCPUAdam (ZeRO-Offload's CPU Adam), in process",
-                            lambda ps: DeepSpeedCPUAdam(ps, lr=1e-4, adamw_mode=True),
-                            {"host_bytes_per_param": 8.0}, None))
+            configs.append(
+                (
+                    "DeepSpeedCPUAdam (ZeRO-Offload's CPU Adam), in process",
+                    lambda ps: DeepSpeedCPUAdam(ps, lr=1e-4, adamw_mode=True),
+                    {"host_bytes_per_param": 8.0},
+                    None,
+                )
+            )
     except Exception as e:  # not installed, or its extension cannot build here
         notes.append(f"DeepSpeedCPUAdam skipped: {type(e).__name__}: {e}")
     if device.type != "cuda":
@@ -247,9 +279,14 @@ def _peer_configs(args, device) -> tuple[list, list]:
                 from torchao.optim import CPUOffloadOptimizer
             except ImportError:  # older torchao keeps it in its prototype namespace
                 from torchao.prototype.low_bit_optim import CPUOffloadOptimizer
-            configs.append(("torchao CPUOffloadOptimizer(AdamW fused)",
-                            lambda ps: CPUOffloadOptimizer(ps, torch.optim.AdamW, lr=1e-4, fused=True),
-                            {"host_bytes_per_param": 16.0}, None))
+            configs.append(
+                (
+                    "torchao CPUOffloadOptimizer(AdamW fused)",
+                    lambda ps: CPUOffloadOptimizer(ps, torch.optim.AdamW, lr=1e-4, fused=True),
+                    {"host_bytes_per_param": 16.0},
+                    None,
+                )
+            )
         except Exception as e:
             notes.append(f"torchao CPUOffloadOptimizer skipped: {type(e).__name__}: {e}")
     # "auto" first refits after 5 steps: warm up past it so the rows time the refitted plan
@@ -258,13 +295,25 @@ def _peer_configs(args, device) -> tuple[list, list]:
         configs.append((f"HybridAdamW offload {off:g}", None, {}, dict(offload_fraction=off)))
     for off in sorted({min(args.sweep, key=lambda f: abs(f - 0.5)), max(args.sweep)}):
         if off > 0:
-            configs.append((f"HybridAdamW offload {off:g}, no speculation", None, {},
-                            dict(offload_fraction=off, speculative=False)))
+            configs.append(
+                (
+                    f"HybridAdamW offload {off:g}, no speculation",
+                    None,
+                    {},
+                    dict(offload_fraction=off, speculative=False),
+                )
+            )
     for share in args.worker_shares:
         # the worker's share of the cores: on a GPU host the trainer needs few (the H200 host's
         # worker stepped 2.75 Gelem/s on 8 of 16 cores, the in-process kernel 4.96 on 16)
-        configs.append((f"HybridAdamW offload {max(args.sweep):g}, worker_share {share:g}", None, {},
-                        dict(offload_fraction=max(args.sweep), worker_share=share)))
+        configs.append(
+            (
+                f"HybridAdamW offload {max(args.sweep):g}, worker_share {share:g}",
+                None,
+                {},
+                dict(offload_fraction=max(args.sweep), worker_share=share),
+            )
+        )
     return configs, notes
 
 
@@ -273,10 +322,15 @@ def _predictions(rows, args, device, n_params, fwd_bwd_ms, rates, suffix=""):
     calibrated in this run and the forward+backward measured without an optimizer."""
     from hybrid_opt.placement import cost_model as cm
     from hybrid_opt.placement.scheduler import machine_from_rates
+
     machine = machine_from_rates(rates, device)
-    wl = cm.Workload(params=float(n_params), model_bytes=4, grad_bytes=4,
-                     backward_seconds=fwd_bwd_ms / 1e3 * cm.BACKWARD_SHARE,
-                     subgroup_numel=args.subgroup_numel)
+    wl = cm.Workload(
+        params=float(n_params),
+        model_bytes=4,
+        grad_bytes=4,
+        backward_seconds=fwd_bwd_ms / 1e3 * cm.BACKWARD_SHARE,
+        subgroup_numel=args.subgroup_numel,
+    )
     for r in rows:
         if "fractions" not in r:
             continue
@@ -293,6 +347,7 @@ def _trainer_split(device):
     """The worker's CoreSplit where a worker takes cores from the trainer (CPU-only, two or
     more cores), else None."""
     from hybrid_opt.worker.client import CoreSplit
+
     split = CoreSplit(0.5)
     return split if device.type != "cuda" and split.separate else None
 
@@ -305,6 +360,7 @@ def _time_alone(runner, args, device, split, alone: dict) -> None:
     calibration's best-of-a-few times of a small probe, against medians that a noisy VM
     inflates most on all cores, overpredicted the rows without speculation by 1.3-1.5x)."""
     from hybrid_opt.placement import calibrate
+
     model = make_model(args.layers, args.width, device)
     run = runner.fwd_bwd(model)
     if split is None:
@@ -320,16 +376,19 @@ def _model_rates(rates: dict, alone: dict, notes: list) -> dict:
     """The rates with the trainer's slowdown factors of this model's own forward+backward
     (medians over the rounds) in place of the calibration's probe."""
     from hybrid_opt.placement import calibrate
+
     if not alone.get("trainer"):
         return rates
     med = {k: _quantiles(v)["median_ms"] for k, v in alone.items()}
     slow, contention = calibrate.factors_of(med["all"], med["trainer"], med["contended"])
-    notes.append(f"this model's fwd+bwd without an optimizer (medians over the rounds): all cores "
-                 f"{med['all']:.1f} ms, the trainer's {med['trainer']:.1f} ms ({slow:.2f}x), there while Adam "
-                 f"streams on the worker's {med['contended']:.1f} ms ({contention:.2f}x more); the "
-                 f"calibration's probe (best times): {rates['trainer_slowdown_with_worker']:.2f}x, "
-                 f"{rates['backward_slowdown_with_host_adam']:.2f}x. Predictions use this model's, "
-                 f"\"pred/meas (probe)\" the probe's")
+    notes.append(
+        f"this model's fwd+bwd without an optimizer (medians over the rounds): all cores "
+        f"{med['all']:.1f} ms, the trainer's {med['trainer']:.1f} ms ({slow:.2f}x), there while Adam "
+        f"streams on the worker's {med['contended']:.1f} ms ({contention:.2f}x more); the "
+        f"calibration's probe (best times): {rates['trainer_slowdown_with_worker']:.2f}x, "
+        f"{rates['backward_slowdown_with_host_adam']:.2f}x. Predictions use this model's, "
+        f'"pred/meas (probe)" the probe\'s'
+    )
     return dict(rates, trainer_slowdown_with_worker=slow, backward_slowdown_with_host_adam=contention)
 
 
@@ -337,16 +396,19 @@ def peer_study(args, device) -> tuple[list, list]:
     """Every configuration once per round, `--rounds` rounds (drift on a noisy machine hits them
     all alike); each row pools its samples over the rounds."""
     from hybrid_opt.placement import calibrate
+
     runner = Runner(args, device)
     n = args.layers * (args.width * args.width + args.width)
     configs, notes = _peer_configs(args, device)
     # the machine's rates now, not a cached calibration from another moment of a noisy host
     rates = calibrate.measure(device)
-    notes.append("calibrated in this run: " + ", ".join(
-        f"{k} {v:.3g}" for k, v in rates.items() if isinstance(v, float) and k != "seconds"))
+    notes.append(
+        "calibrated in this run: "
+        + ", ".join(f"{k} {v:.3g}" for k, v in rates.items() if isinstance(v, float) and k != "seconds")
+    )
     split = _trainer_split(device)
     pooled = {label: {} for label, *_ in configs}
-    per_round = []   # {label: median iteration ms} of each round: ratios paired within a round
+    per_round = []  # {label: median iteration ms} of each round: ratios paired within a round
     infos = {label: dict(info) for label, _, info, _ in configs}
     alone = {"all": [], "trainer": [], "contended": []}
     for r in range(args.rounds):
@@ -355,8 +417,8 @@ def peer_study(args, device) -> tuple[list, list]:
         # each round starts one configuration later, every other one in reverse order, so no
         # configuration always follows the same one (in a fixed order "auto" ran 11-17 %
         # slower than the same placement one row later)
-        order = configs[r % len(configs):] + configs[:r % len(configs)]
-        for label, make_opt, _, hybrid in (order[::-1] if r % 2 else order):
+        order = configs[r % len(configs) :] + configs[: r % len(configs)]
+        for label, make_opt, _, hybrid in order[::-1] if r % 2 else order:
             if args.fresh_rows:
                 samples, info = _row_in_a_fresh_process(args, label)
             else:
@@ -367,8 +429,10 @@ def peer_study(args, device) -> tuple[list, list]:
             per_round[r][label] = summarize(samples)["median_ms"]
             for k, xs in samples.items():
                 pooled[label].setdefault(k, []).extend(xs)
-            print(f"  round {r + 1}/{args.rounds}: {label}: {summarize(samples)['median_ms']:.1f} ms",
-                  file=sys.stderr)
+            print(
+                f"  round {r + 1}/{args.rounds}: {label}: {summarize(samples)['median_ms']:.1f} ms",
+                file=sys.stderr,
+            )
     rows = [_row(label, pooled[label], infos[label]) for label, *_ in configs]
     paired = _paired(runner, args, device, configs, n)
     for r in rows:
@@ -376,11 +440,17 @@ def peer_study(args, device) -> tuple[list, list]:
             r["paired_ms"], r["paired_step_ms"] = paired[r["impl"]]
     if 'HybridAdamW "auto"' in paired:
         base = paired['HybridAdamW "auto"']
-        short = {k: k.split(' (')[0].split(':')[0] for k in paired}
-        notes.append("in-process configurations interleaved iteration by iteration, iteration (step) ms: " + ", ".join(
-            f"{k} {it:.1f} ({st:.1f})" for k, (it, st) in paired.items()) + "; auto / " + ", auto / ".join(
-            f"{short[k]} {base[0] / it:.3f} (step {base[1] / st:.3f})"
-            for k, (it, st) in paired.items() if "auto" not in k))
+        short = {k: k.split(" (")[0].split(":")[0] for k in paired}
+        notes.append(
+            "in-process configurations interleaved iteration by iteration, iteration (step) ms: "
+            + ", ".join(f"{k} {it:.1f} ({st:.1f})" for k, (it, st) in paired.items())
+            + "; auto / "
+            + ", auto / ".join(
+                f"{short[k]} {base[0] / it:.3f} (step {base[1] / st:.3f})"
+                for k, (it, st) in paired.items()
+                if "auto" not in k
+            )
+        )
     fwd_bwd = _quantiles(alone["all"])
     model_rates = _model_rates(rates, alone, notes)
     _predictions(rows, args, device, n, fwd_bwd["median_ms"], model_rates)
@@ -404,11 +474,15 @@ def peer_study(args, device) -> tuple[list, list]:
         pds = sorted(m[auto["impl"]] / m[ds["impl"]] for m in per_round)
         auto["vs_deepspeed_paired"] = pds[len(pds) // 2]
         notes.append("auto / DeepSpeedCPUAdam, per round: " + ", ".join(f"{x:.3f}" for x in pds))
-    notes.append(f"forward+backward alone (all cores, no optimizer): {fwd_bwd['median_ms']:.1f} ms "
-                 f"(p20 {fwd_bwd['p20_ms']:.1f}, p80 {fwd_bwd['p80_ms']:.1f})")
-    notes.append(f'"auto" chose {auto["plan"]}; best fixed fraction of the sweep: {best["impl"]} '
-                 f'({best["median_ms"]:.1f} ms); auto / best = {auto["vs_best_fixed"]:.3f}'
-                 + (f'; auto / DeepSpeedCPUAdam = {auto["vs_deepspeed"]:.3f}' if ds else ""))
+    notes.append(
+        f"forward+backward alone (all cores, no optimizer): {fwd_bwd['median_ms']:.1f} ms "
+        f"(p20 {fwd_bwd['p20_ms']:.1f}, p80 {fwd_bwd['p80_ms']:.1f})"
+    )
+    notes.append(
+        f'"auto" chose {auto["plan"]}; best fixed fraction of the sweep: {best["impl"]} '
+        f"({best['median_ms']:.1f} ms); auto / best = {auto['vs_best_fixed']:.3f}"
+        + (f"; auto / DeepSpeedCPUAdam = {auto['vs_deepspeed']:.3f}" if ds else "")
+    )
     return rows, notes
 
 
@@ -430,17 +504,42 @@ def _row_in_a_fresh_process(args, label: str) -> tuple[dict, dict]:
     import json
     import subprocess
     import tempfile
-    argv = [sys.executable, os.path.abspath(__file__), "--peers", "--layers", str(args.layers),
-            "--width", str(args.width), "--batch", str(args.batch), "--iters", str(args.iters),
-            "--subgroup-numel", str(args.subgroup_numel), "--device", args.device,
-            "--sweep", *(f"{f:g}" for f in args.sweep), "--worker-shares", *(f"{f:g}" for f in args.worker_shares)]
+
+    argv = [
+        sys.executable,
+        os.path.abspath(__file__),
+        "--peers",
+        "--layers",
+        str(args.layers),
+        "--width",
+        str(args.width),
+        "--batch",
+        str(args.batch),
+        "--iters",
+        str(args.iters),
+        "--subgroup-numel",
+        str(args.subgroup_numel),
+        "--device",
+        args.device,
+        "--sweep",
+        *(f"{f:g}" for f in args.sweep),
+        "--worker-shares",
+        *(f"{f:g}" for f in args.worker_shares),
+    ]
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "row.json")
-        res = subprocess.run(argv + ["--one-row", label, "--row-out", out], capture_output=True, text=True,
-                             timeout=ROW_DEADLINE_S, start_new_session=True)
+        res = subprocess.run(
+            argv + ["--one-row", label, "--row-out", out],
+            capture_output=True,
+            text=True,
+            timeout=ROW_DEADLINE_S,
+            start_new_session=True,
+        )
         if res.returncode != 0:
-            raise RuntimeError(f"the row {label!r} failed in its own process (exit {res.returncode}):\n"
-                               f"{res.stdout[-2000:]}{res.stderr[-4000:]}")
+            raise RuntimeError(
+                f"the row {label!r} failed in its own process (exit {res.returncode}):\n"
+                f"{res.stdout[-2000:]}{res.stderr[-4000:]}"
+            )
         with open(out) as f:
             got = json.load(f)
     return got["samples"], got["info"]
@@ -449,6 +548,7 @@ def _row_in_a_fresh_process(args, label: str) -> tuple[dict, dict]:
 def run_one_row(args, device) -> int:
     """--one-row: the peer study's row `args.one_row`, once, written to --row-out as JSON."""
     import json
+
     configs, _ = _peer_configs(args, device)
     match = [c for c in configs if c[0] == args.one_row]
     if not match:
@@ -488,13 +588,15 @@ def _paired(runner, args, device, configs, n) -> dict:
             for label, model, opt in live:
                 runner.iteration(model, opt)
         for k in range(args.iters * args.rounds):
-            order = live[k % len(live):] + live[:k % len(live)]
+            order = live[k % len(live) :] + live[: k % len(live)]
             for label, model, opt in order:
                 fb, st = runner.iteration(model, opt)
                 times[label][0].append(fb + st)
                 times[label][1].append(st)
-        return {label: (_quantiles(it)["median_ms"], _quantiles(st)["median_ms"])
-                for label, (it, st) in times.items()}
+        return {
+            label: (_quantiles(it)["median_ms"], _quantiles(st)["median_ms"])
+            for label, (it, st) in times.items()
+        }
     finally:
         for _, _, opt in live:
             if hasattr(opt, "close"):
@@ -510,18 +612,31 @@ def main(argv=None) -> int:
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--rounds", type=int, default=3, help="peer study: rounds over every configuration")
     ap.add_argument("--offload", type=float, default=1.0, help="placement of the speculation study")
-    ap.add_argument("--sweep", type=float, nargs="+", default=[0.0, 0.25, 0.5, 0.75, 1.0],
-                    help="fixed offload fractions of the peer study")
-    ap.add_argument("--worker-shares", type=float, nargs="*", default=[],
-                    help="peer study: also the largest offload fraction at these worker_share values")
-    ap.add_argument("--subgroup-numel", type=int, default=None,
-                    help="default 2Mi, or 4Mi with --peers")
+    ap.add_argument(
+        "--sweep",
+        type=float,
+        nargs="+",
+        default=[0.0, 0.25, 0.5, 0.75, 1.0],
+        help="fixed offload fractions of the peer study",
+    )
+    ap.add_argument(
+        "--worker-shares",
+        type=float,
+        nargs="*",
+        default=[],
+        help="peer study: also the largest offload fraction at these worker_share values",
+    )
+    ap.add_argument("--subgroup-numel", type=int, default=None, help="default 2Mi, or 4Mi with --peers")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--json", default=None)
     ap.add_argument("--png", default=None)
-    ap.add_argument("--fresh-rows", action=argparse.BooleanOptionalAction, default=None,
-                    help="peer study: each row in a fresh process, so no row's memory counts in "
-                         "another's peak (default: on with CUDA)")
+    ap.add_argument(
+        "--fresh-rows",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="peer study: each row in a fresh process, so no row's memory counts in "
+        "another's peak (default: on with CUDA)",
+    )
     ap.add_argument("--one-row", default=None, help=argparse.SUPPRESS)  # a fresh process's row
     ap.add_argument("--row-out", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -534,46 +649,79 @@ def main(argv=None) -> int:
     if args.one_row is not None:
         return run_one_row(args, device)
     n = args.layers * (args.width * args.width + args.width)
-    print(f"{args.layers} x Linear({args.width}, {args.width}), batch {args.batch}: {n / 1e6:.1f}M "
-          f"parameters; torch {torch.__version__}; {device}; {os.cpu_count()} cpus")
+    print(
+        f"{args.layers} x Linear({args.width}, {args.width}), batch {args.batch}: {n / 1e6:.1f}M "
+        f"parameters; torch {torch.__version__}; {device}; {os.cpu_count()} cpus"
+    )
     if args.peers:
         rows, notes = peer_study(args, device)
-        cols = [("impl", "impl", "s"), ("median_ms", "iteration ms", ".1f"), ("p20_ms", "p20", ".1f"),
-                ("p80_ms", "p80", ".1f"), ("paired_ms", "interleaved ms", ".1f"),
-                ("paired_step_ms", "interleaved step ms", ".1f"),
-                ("fwd_bwd_ms", "fwd+bwd ms", ".1f"), ("step_ms", "step ms", ".1f"),
-                ("pred_iteration_ms", "predicted it. ms", ".1f"), ("pred_step_ms", "predicted step ms", ".1f"),
-                ("pred_vs_measured", "pred/meas it.", ".2f"),
-                ("pred_vs_measured_probe", "pred/meas (probe)", ".2f"), ("hidden_pct", "% hidden", ".0f"),
-                ("host_bytes_per_param", "host B/param", ".1f"), ("peak_device_mb", "peak device MB", ".0f")]
+        cols = [
+            ("impl", "impl", "s"),
+            ("median_ms", "iteration ms", ".1f"),
+            ("p20_ms", "p20", ".1f"),
+            ("p80_ms", "p80", ".1f"),
+            ("paired_ms", "interleaved ms", ".1f"),
+            ("paired_step_ms", "interleaved step ms", ".1f"),
+            ("fwd_bwd_ms", "fwd+bwd ms", ".1f"),
+            ("step_ms", "step ms", ".1f"),
+            ("pred_iteration_ms", "predicted it. ms", ".1f"),
+            ("pred_step_ms", "predicted step ms", ".1f"),
+            ("pred_vs_measured", "pred/meas it.", ".2f"),
+            ("pred_vs_measured_probe", "pred/meas (probe)", ".2f"),
+            ("hidden_pct", "% hidden", ".0f"),
+            ("host_bytes_per_param", "host B/param", ".1f"),
+            ("peak_device_mb", "peak device MB", ".0f"),
+        ]
     else:
         rows, notes = speculation_study(args, device), []
-        cols = [("impl", "impl", "s"), ("median_ms", "iteration ms", ".1f"), ("p20_ms", "p20", ".1f"),
-                ("p80_ms", "p80", ".1f"), ("step_ms", "step ms", ".1f"), ("worker_ms", "worker ms", ".1f"),
-                ("hidden_pct", "% hidden", ".0f"), ("committed", "committed", "d"),
-                ("redone", "redone", "d"), ("vs_sequential", "vs sequential", ".3f")]
+        cols = [
+            ("impl", "impl", "s"),
+            ("median_ms", "iteration ms", ".1f"),
+            ("p20_ms", "p20", ".1f"),
+            ("p80_ms", "p80", ".1f"),
+            ("step_ms", "step ms", ".1f"),
+            ("worker_ms", "worker ms", ".1f"),
+            ("hidden_pct", "% hidden", ".0f"),
+            ("committed", "committed", "d"),
+            ("redone", "redone", "d"),
+            ("vs_sequential", "vs sequential", ".3f"),
+        ]
     print(markdown_table(rows, cols))
     for note in notes:
         print(f"- {note}")
-    write_json(args.json, [dict(r, numel=n, layers=args.layers, width=args.width, batch=args.batch)
-                           for r in rows])
+    write_json(
+        args.json, [dict(r, numel=n, layers=args.layers, width=args.width, batch=args.batch) for r in rows]
+    )
     if args.png:
         import matplotlib
+
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
+
         fig, ax = plt.subplots(figsize=(10, 0.45 * len(rows) + 1.2))
         names = [r["impl"] for r in rows]
-        ax.barh(names, [r["median_ms"] for r in rows],
-                xerr=[[r["median_ms"] - r["p20_ms"] for r in rows], [r["p80_ms"] - r["median_ms"] for r in rows]])
+        ax.barh(
+            names,
+            [r["median_ms"] for r in rows],
+            xerr=[[r["median_ms"] - r["p20_ms"] for r in rows], [r["p80_ms"] - r["median_ms"] for r in rows]],
+        )
         if args.peers:
             ys = [k for k, r in enumerate(rows) if "pred_iteration_ms" in r]
-            ax.scatter([rows[k]["pred_iteration_ms"] for k in ys], ys, marker="x", color="k", zorder=3,
-                       label="cost model's prediction")
+            ax.scatter(
+                [rows[k]["pred_iteration_ms"] for k in ys],
+                ys,
+                marker="x",
+                color="k",
+                zorder=3,
+                label="cost model's prediction",
+            )
             ax.legend(loc="lower right")
         ax.invert_yaxis()
         ax.set_xlabel("ms per iteration (median, p20-p80)")
-        ax.set_title(f"{args.layers} x Linear({args.width}), batch {args.batch}, {n / 1e6:.0f}M params, "
-                     f"{device}", fontsize=10)
+        ax.set_title(
+            f"{args.layers} x Linear({args.width}), batch {args.batch}, {n / 1e6:.0f}M params, {device}",
+            fontsize=10,
+        )
         fig.tight_layout()
         fig.savefig(args.png, dpi=110)
         print(f"wrote {args.png}")

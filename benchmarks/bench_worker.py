@@ -12,6 +12,7 @@ Also: the empty-task round trip, and memory per host-tier parameter (PSS of trai
 worker, inverse and exact mode). Both cores share one memory system, so (c) cannot reach
 max(backward, step): the Adam stream slows the matmuls on the other core.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -25,9 +26,9 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import cpu_kernels  # noqa: E402
 from _common import markdown_table, parse_size, time_ms, write_json  # noqa: E402
 
+import cpu_kernels  # noqa: E402
 from hybrid_opt.tiers.host import HostTier, StepInputs  # noqa: E402
 
 HP = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=1e-2)
@@ -77,8 +78,13 @@ def memory_child(what: str, n: int) -> dict:
         g = torch.zeros(n // S)
         gc.collect()
         base = pss_bytes(os.getpid())
-        tier = HostTier([n // S] * S, rollback=mode, spare_banks=2 if mode == "exact" else None,
-                        staging_slots=2, slot_numel=1 << 18)
+        tier = HostTier(
+            [n // S] * S,
+            rollback=mode,
+            spare_banks=2 if mode == "exact" else None,
+            staging_slots=2,
+            slot_numel=1 << 18,
+        )
         for step in (1, 2):
             tier.finish({sg: (g, StepInputs(step, **hp)) for sg in range(S)})
         tier.arena.wait_populated()  # the spare banks are populated in the background
@@ -87,6 +93,7 @@ def memory_child(what: str, n: int) -> dict:
         tier.close()
     else:
         from hybrid_opt import HybridAdamW
+
         # torch.optim's first construction costs a fixed ~100-150 MB of lazy imports, not per
         # parameter: pay it before the baseline, as any training script already has
         warm = torch.nn.Parameter(torch.zeros(1))
@@ -97,8 +104,7 @@ def memory_child(what: str, n: int) -> dict:
             p.grad = torch.zeros_like(p)
         gc.collect()
         base = pss_bytes(os.getpid())
-        opt = HybridAdamW(params, lr=HP["lr"], offload_fraction=1.0, rollback=mode,
-                          subgroup_numel=n // S)
+        opt = HybridAdamW(params, lr=HP["lr"], offload_fraction=1.0, rollback=mode, subgroup_numel=n // S)
         for _ in range(2):
             opt.step()
         gc.collect()
@@ -106,8 +112,13 @@ def memory_child(what: str, n: int) -> dict:
         total = pss_bytes(os.getpid()) - base + pss_bytes(opt.worker_pid)
         spare = opt.parts.placement.host.spare_bytes
         opt.close()
-    return {"impl": f"memory_{what}", "numel": n, "bytes_per_param": total / n,
-            "state_bytes_per_param": 12, "spare_bytes_per_param": spare / n}
+    return {
+        "impl": f"memory_{what}",
+        "numel": n,
+        "bytes_per_param": total / n,
+        "state_bytes_per_param": 12,
+        "spare_bytes_per_param": spare / n,
+    }
 
 
 def main(argv=None) -> int:
@@ -200,8 +211,12 @@ def main(argv=None) -> int:
         record("worker_sequential", seq)
         record("worker_speculative", spec, ratio_to_worker_sequential=spec["median_ms"] / seq["median_ms"])
         pings = sorted(tier.client.ping() * 1e6 for _ in range(500))
-        rt = {"impl": "round_trip_us", "median_us": statistics.median(pings),
-              "p20_us": pings[len(pings) // 5], "p80_us": pings[4 * len(pings) // 5]}
+        rt = {
+            "impl": "round_trip_us",
+            "median_us": statistics.median(pings),
+            "p20_us": pings[len(pings) // 5],
+            "p80_us": pings[4 * len(pings) // 5],
+        }
         records.append(rt)
         trainer_cores, worker_cores = tier.cores.trainer, tier.cores.worker
     finally:
@@ -211,25 +226,50 @@ def main(argv=None) -> int:
     n_mem = parse_size(args.memory_numel)
     mem_rows = []
     for what in ("tier_inverse", "tier_exact", "optimizer_inverse", "optimizer_exact"):
-        out = subprocess.run([sys.executable, os.path.abspath(__file__), "--memory-child", what,
-                              str(n_mem)], capture_output=True, text=True, timeout=600)
+        out = subprocess.run(
+            [sys.executable, os.path.abspath(__file__), "--memory-child", what, str(n_mem)],
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
         if out.returncode != 0:
             raise RuntimeError(f"memory measurement {what} failed:\n{out.stderr[-2000:]}")
         rec = json.loads(out.stdout.strip().splitlines()[-1])
         records.append(rec)
         mem_rows.append(rec)
 
-    print(f"trainer cores {trainer_cores}, worker cores {worker_cores}; {S} subgroups of "
-          f"{sizes[0]} elements; torch {torch.__version__}")
-    print(markdown_table(rows, [("impl", "impl", "s"), ("median_ms", "median ms", ".1f"),
-                                ("p20_ms", "p20 ms", ".1f"), ("p80_ms", "p80 ms", ".1f"),
-                                ("ratio_to_worker_sequential", "vs worker sequential", ".3f")]))
-    print(f"\nempty-task round trip: median {rt['median_us']:.0f} us (p20 {rt['p20_us']:.0f}, "
-          f"p80 {rt['p80_us']:.0f})\n")
-    print(markdown_table(mem_rows, [("impl", "what", "s"), ("numel", "params", "d"),
-                                    ("bytes_per_param", "bytes/param added (trainer+worker PSS)", ".2f"),
-                                    ("state_bytes_per_param", "state it must hold", ".0f"),
-                                    ("spare_bytes_per_param", "of which spare pool", ".2f")]))
+    print(
+        f"trainer cores {trainer_cores}, worker cores {worker_cores}; {S} subgroups of "
+        f"{sizes[0]} elements; torch {torch.__version__}"
+    )
+    print(
+        markdown_table(
+            rows,
+            [
+                ("impl", "impl", "s"),
+                ("median_ms", "median ms", ".1f"),
+                ("p20_ms", "p20 ms", ".1f"),
+                ("p80_ms", "p80 ms", ".1f"),
+                ("ratio_to_worker_sequential", "vs worker sequential", ".3f"),
+            ],
+        )
+    )
+    print(
+        f"\nempty-task round trip: median {rt['median_us']:.0f} us (p20 {rt['p20_us']:.0f}, "
+        f"p80 {rt['p80_us']:.0f})\n"
+    )
+    print(
+        markdown_table(
+            mem_rows,
+            [
+                ("impl", "what", "s"),
+                ("numel", "params", "d"),
+                ("bytes_per_param", "bytes/param added (trainer+worker PSS)", ".2f"),
+                ("state_bytes_per_param", "state it must hold", ".0f"),
+                ("spare_bytes_per_param", "of which spare pool", ".2f"),
+            ],
+        )
+    )
     write_json(args.json, records)
     return 0
 

@@ -19,6 +19,7 @@ each of issue #35's goals with its measured value and pass / FAIL (or "-" where 
 not measure it: the peer goals need PEERS=1's bench_peers.json). The table step's own exit
 status stays 0: a goal not met is a figure to work on, a failed step is a check that broke.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -31,7 +32,7 @@ KERNELS_JSON, STEP_JSON, MEMORY_JSON = "bench_gpu_kernels.json", "bench_step.jso
 OURS_ADAM, TORCH_ADAM, COPY = "gpu_kernels.fused_adam_", "torch.AdamW(fused=True)", "copy_bandwidth"
 PREPARED_ADAM = "gpu_kernels.FusedAdam.step"
 PLACEMENTS = (0.0, 0.5, 1.0)
-MB = 2 ** 20
+MB = 2**20
 
 
 # ------------------------------------------------------------------------------------------
@@ -56,7 +57,7 @@ def load(out_dir: str, name: str) -> list:
 
 
 def _human(n: int) -> str:
-    for unit, size in (("G", 2 ** 30), ("M", 2 ** 20), ("K", 2 ** 10)):
+    for unit, size in (("G", 2**30), ("M", 2**20), ("K", 2**10)):
         if n >= size and n % size == 0:
             return f"{n // size}{unit}"
     return str(n)
@@ -66,12 +67,15 @@ def kernel_rows(records: list) -> list:
     """fused_adam_ against torch's fused AdamW and the copy bandwidth, per size of the run
     (single tensors, and the list case "[N tensors]"); the launch sweep's rows are left out."""
     copy = next((r.get("gb_per_s") for r in records if r.get("impl") == COPY), None)
-    torch_by_job = {(r["impl"].replace(TORCH_ADAM, ""), r.get("numel")): r for r in records
-                    if str(r.get("impl", "")).startswith(TORCH_ADAM)}
+    torch_by_job = {
+        (r["impl"].replace(TORCH_ADAM, ""), r.get("numel")): r
+        for r in records
+        if str(r.get("impl", "")).startswith(TORCH_ADAM)
+    }
     rows = []
     for r in records:
         impl = str(r.get("impl", ""))
-        suffix = impl[len(OURS_ADAM):]
+        suffix = impl[len(OURS_ADAM) :]
         if not impl.startswith(OURS_ADAM) or (suffix and not suffix.startswith(" [")):
             continue
         base = torch_by_job.get((suffix, r.get("numel")))
@@ -81,9 +85,14 @@ def kernel_rows(records: list) -> list:
             rows.append((what, "missing: the record has no gb_per_s", KERNELS_JSON))
             continue
         parts = [f"{ours:.0f} GB/s"]
-        parts.append(f"{ours / base['gb_per_s']:.2f}x torch AdamW(fused=True) ({base['gb_per_s']:.0f} GB/s)"
-                     if base and base.get("gb_per_s") else "torch AdamW(fused=True): missing")
-        parts.append(f"{100 * ours / copy:.0f}% of D2D copy ({copy:.0f} GB/s)" if copy else "D2D copy: missing")
+        parts.append(
+            f"{ours / base['gb_per_s']:.2f}x torch AdamW(fused=True) ({base['gb_per_s']:.0f} GB/s)"
+            if base and base.get("gb_per_s")
+            else "torch AdamW(fused=True): missing"
+        )
+        parts.append(
+            f"{100 * ours / copy:.0f}% of D2D copy ({copy:.0f} GB/s)" if copy else "D2D copy: missing"
+        )
         rows.append((what, "; ".join(parts), KERNELS_JSON))
     if not rows:
         raise Missing(f"no {OURS_ADAM} record in {KERNELS_JSON}")
@@ -98,8 +107,13 @@ def hidden_rows(records: list) -> list:
         if "speculative=True" not in impl:
             continue
         pct, worker = r.get("hidden_pct"), r.get("worker_ms")
-        value = ("missing: no hidden_pct in the record" if pct is None else
-                 f"{pct:.0f}% of a {worker:.1f} ms host step" if worker is not None else f"{pct:.0f}%")
+        value = (
+            "missing: no hidden_pct in the record"
+            if pct is None
+            else f"{pct:.0f}% of a {worker:.1f} ms host step"
+            if worker is not None
+            else f"{pct:.0f}%"
+        )
         if pct is not None and r.get("committed") is not None:
             value += f" (committed {r['committed']}, redone {r.get('redone', 0)})"
         rows.append((f"host step hidden under backward, {impl}", value, STEP_JSON))
@@ -116,8 +130,9 @@ def memory_rows(records: list) -> list:
         if r is None or r.get("peak_device_mb") is None:
             rows.append((what, f"missing: no offload {off:g} record", MEMORY_JSON))
         else:
-            rows.append((what, f"{r['peak_device_mb']:.0f} MB (params {r.get('params_mb', 0):.0f} MB)",
-                         MEMORY_JSON))
+            rows.append(
+                (what, f"{r['peak_device_mb']:.0f} MB (params {r.get('params_mb', 0):.0f} MB)", MEMORY_JSON)
+            )
     ref = next((r for r in records if r.get("impl") == TORCH_ADAM), None)
     if ref is not None and ref.get("peak_device_mb") is not None:
         rows.append((f"peak device memory, {TORCH_ADAM}", f"{ref['peak_device_mb']:.0f} MB", MEMORY_JSON))
@@ -145,21 +160,35 @@ def kernel_goals(records: list) -> list:
     rows = []
     ours = [r for r in records if r.get("impl") == OURS_ADAM and r.get("gb_per_s")]
     # a list: the better of fused_adam_ (checks every tensor each call) and FusedAdam.step
-    listed = [r for r in records if r.get("gb_per_s") and any(
-        str(r.get("impl", "")).startswith(prefix + " [") for prefix in (OURS_ADAM, PREPARED_ADAM))]
+    listed = [
+        r
+        for r in records
+        if r.get("gb_per_s")
+        and any(str(r.get("impl", "")).startswith(prefix + " [") for prefix in (OURS_ADAM, PREPARED_ADAM))
+    ]
     listed.sort(key=lambda r: -r["gb_per_s"])
-    for what, pick in (("one tensor", max(ours, key=lambda r: r.get("numel", 0)) if ours else None),
-                       ("a list", listed[0] if listed else None)):
+    for what, pick in (
+        ("one tensor", max(ours, key=lambda r: r.get("numel", 0)) if ours else None),
+        ("a list", listed[0] if listed else None),
+    ):
         goal = f"fused_adam_ >= {ROOF:.0%} of D2D copy, {what}"
         if pick is None:
             rows.append((goal, f"missing: no such {OURS_ADAM} record", "-"))
             continue
         share = pick["gb_per_s"] / copy
-        rows.append((goal, f"{share:.0%} ({pick['gb_per_s']:.0f} of {copy:.0f} GB/s; "
-                           f"{_human(pick.get('numel', 0))} {pick['impl']})",
-                     _verdict(share >= ROOF)))
-    stats = {(r["impl"].replace("gpu_kernels.grad_stats", ""), r.get("numel")): r for r in records
-             if str(r.get("impl", "")).startswith("gpu_kernels.grad_stats") and r.get("median_ms")}
+        rows.append(
+            (
+                goal,
+                f"{share:.0%} ({pick['gb_per_s']:.0f} of {copy:.0f} GB/s; "
+                f"{_human(pick.get('numel', 0))} {pick['impl']})",
+                _verdict(share >= ROOF),
+            )
+        )
+    stats = {
+        (r["impl"].replace("gpu_kernels.grad_stats", ""), r.get("numel")): r
+        for r in records
+        if str(r.get("impl", "")).startswith("gpu_kernels.grad_stats") and r.get("median_ms")
+    }
     for r in records:
         impl = str(r.get("impl", ""))
         if not impl.startswith("torch._foreach_norm") or not r.get("median_ms"):
@@ -168,8 +197,14 @@ def kernel_goals(records: list) -> list:
         if mine is None:
             continue
         ratio = r["median_ms"] / mine["median_ms"]
-        rows.append((f"grad_stats >= torch._foreach_norm, {_human(r.get('numel', 0))}"
-                     f"{impl[len('torch._foreach_norm'):]}", f"{ratio:.2f}x its speed", _verdict(ratio >= 1.0)))
+        rows.append(
+            (
+                f"grad_stats >= torch._foreach_norm, {_human(r.get('numel', 0))}"
+                f"{impl[len('torch._foreach_norm') :]}",
+                f"{ratio:.2f}x its speed",
+                _verdict(ratio >= 1.0),
+            )
+        )
     return rows
 
 
@@ -179,8 +214,13 @@ def memory_goals(records: list) -> list:
     if not ours or not ref or ours.get("peak_device_mb") is None or ref.get("peak_device_mb") is None:
         raise Missing(f"no offload 0 or torch record in {MEMORY_JSON}")
     ratio = ours["peak_device_mb"] / ref["peak_device_mb"]
-    return [("peak device memory at offload 0 <= torch fused AdamW's",
-             f"{ratio:.3f}x ({ours['peak_device_mb']:.0f} vs {ref['peak_device_mb']:.0f} MB)", _verdict(ratio <= 1.0))]
+    return [
+        (
+            "peak device memory at offload 0 <= torch fused AdamW's",
+            f"{ratio:.3f}x ({ours['peak_device_mb']:.0f} vs {ref['peak_device_mb']:.0f} MB)",
+            _verdict(ratio <= 1.0),
+        )
+    ]
 
 
 def speculation_goals(records: list) -> list:
@@ -189,18 +229,33 @@ def speculation_goals(records: list) -> list:
     if not spec or not seq or not spec.get("median_ms") or not seq.get("median_ms"):
         raise Missing(f"no speculative=True/False pair in {STEP_JSON}")
     ratio = spec["median_ms"] / seq["median_ms"]
-    rows = [("speculation never slower than without (iteration)",
-             f"{ratio:.3f}x ({spec['median_ms']:.1f} vs {seq['median_ms']:.1f} ms)", _verdict(ratio <= 1.0))]
+    rows = [
+        (
+            "speculation never slower than without (iteration)",
+            f"{ratio:.3f}x ({spec['median_ms']:.1f} vs {seq['median_ms']:.1f} ms)",
+            _verdict(ratio <= 1.0),
+        )
+    ]
     # backward as it is without speculation (speculation's hooks lengthen the speculative row's)
     fwd, worker, hidden = seq.get("fwd_bwd_ms"), spec.get("worker_ms"), spec.get("hidden_pct")
     if fwd is not None and worker is not None and hidden is not None:
         if fwd > worker:
-            rows.append(("speculation hides >= 80% of the host step (backward longer than it)",
-                         f"{hidden:.0f}%", _verdict(hidden >= 80)))
+            rows.append(
+                (
+                    "speculation hides >= 80% of the host step (backward longer than it)",
+                    f"{hidden:.0f}%",
+                    _verdict(hidden >= 80),
+                )
+            )
         else:
-            rows.append(("speculation hides >= 80% of the host step (backward longer than it)",
-                         f"not applicable here: backward {fwd:.1f} ms < host step {worker:.1f} ms "
-                         f"({hidden:.0f}% hidden)", "-"))
+            rows.append(
+                (
+                    "speculation hides >= 80% of the host step (backward longer than it)",
+                    f"not applicable here: backward {fwd:.1f} ms < host step {worker:.1f} ms "
+                    f"({hidden:.0f}% hidden)",
+                    "-",
+                )
+            )
     return rows
 
 
@@ -214,8 +269,14 @@ def peer_goals(records: list) -> list:
 
     def iteration(goal, ours, peer, limit):
         ratio = ours["median_ms"] / peer["median_ms"]
-        rows.append((goal, f"{ratio:.2f}x ({ours['median_ms']:.1f} vs {peer['median_ms']:.1f} ms)",
-                     _verdict(ratio <= limit)))
+        rows.append(
+            (
+                goal,
+                f"{ratio:.2f}x ({ours['median_ms']:.1f} vs {peer['median_ms']:.1f} ms)",
+                _verdict(ratio <= limit),
+            )
+        )
+
     if torch_row and off0:
         iteration("iteration at offload 0 <= 1.02x torch fused AdamW's", off0, torch_row, 1.02)
     torchao = next((r for k, r in by.items() if k.startswith(TORCHAO_ROW)), None)
@@ -227,8 +288,13 @@ def peer_goals(records: list) -> list:
             if a is not None and b is not None:
                 rows.append((f"{what} at offload 1.0 <= torchao's", f"{a:.1f} vs {b:.1f}", _verdict(a <= b)))
     elif off1:
-        rows.append(("iteration at offload 1.0 <= 0.8x torchao CPUOffloadOptimizer's",
-                     "missing: no torchao row (carry its wheel in .wheels/)", "-"))
+        rows.append(
+            (
+                "iteration at offload 1.0 <= 0.8x torchao CPUOffloadOptimizer's",
+                "missing: no torchao row (carry its wheel in .wheels/)",
+                "-",
+            )
+        )
     if not rows:
         raise Missing(f"no torch / offload rows in {PEERS_JSON}")
     return rows
@@ -237,10 +303,12 @@ def peer_goals(records: list) -> list:
 def goals(out_dir: str) -> str:
     """Issue #35's goals as a markdown table: measured value, pass / FAIL, or "-" with why not."""
     rows = []
-    for name, make, what in ((KERNELS_JSON, kernel_goals, "kernels at the roof"),
-                             (MEMORY_JSON, memory_goals, "peak device memory at offload 0"),
-                             (STEP_JSON, speculation_goals, "speculation"),
-                             (PEERS_JSON, peer_goals, "iteration vs torch and torchao (PEERS=1)")):
+    for name, make, what in (
+        (KERNELS_JSON, kernel_goals, "kernels at the roof"),
+        (MEMORY_JSON, memory_goals, "peak device memory at offload 0"),
+        (STEP_JSON, speculation_goals, "speculation"),
+        (PEERS_JSON, peer_goals, "iteration vs torch and torchao (PEERS=1)"),
+    ):
         try:
             rows += make(load(out_dir, name))
         except Missing as e:
@@ -253,9 +321,11 @@ def goals(out_dir: str) -> str:
 def assemble(out_dir: str) -> str:
     """One markdown table of every figure, "missing: why" where a JSON could not give one."""
     rows = []
-    for name, make, what in ((KERNELS_JSON, kernel_rows, "fused_adam_ GB/s vs torch and D2D copy"),
-                             (STEP_JSON, hidden_rows, "host step hidden under backward"),
-                             (MEMORY_JSON, memory_rows, "peak device memory per placement")):
+    for name, make, what in (
+        (KERNELS_JSON, kernel_rows, "fused_adam_ GB/s vs torch and D2D copy"),
+        (STEP_JSON, hidden_rows, "host step hidden under backward"),
+        (MEMORY_JSON, memory_rows, "peak device memory per placement"),
+    ):
         try:
             rows += make(load(out_dir, name))
         except Missing as e:
@@ -270,6 +340,7 @@ def assemble(out_dir: str) -> str:
 # ------------------------------------------------------------------------------------------
 def _peak_of_run(make_opt, steps: int, layers: int, width: int, batch: int) -> dict:
     import torch
+
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(layers)]).cuda()
     params_mb = sum(p.numel() * p.element_size() for p in model.parameters()) / MB
@@ -290,24 +361,28 @@ def _peak_of_run(make_opt, steps: int, layers: int, width: int, batch: int) -> d
     del model, opt
     gc.collect()
     torch.cuda.empty_cache()
-    return dict(peak_device_mb=peak, params_mb=params_mb, steps=steps,
-                device=torch.cuda.get_device_name())
+    return dict(peak_device_mb=peak, params_mb=params_mb, steps=steps, device=torch.cuda.get_device_name())
 
 
 def memory(args) -> int:
     import torch
+
     if not torch.cuda.is_available():
         print("gpu_table memory: no CUDA device here; peak device memory is measured on GPUs only.")
         return 0
     from hybrid_opt import HybridAdamW
+
     records = []
     shape = dict(steps=args.steps, layers=args.layers, width=args.width, batch=args.batch)
     for off in PLACEMENTS:
-        r = _peak_of_run(lambda p, off=off: HybridAdamW(p, offload_fraction=off, subgroup_numel=1 << 21),
-                         **shape)
+        r = _peak_of_run(
+            lambda p, off=off: HybridAdamW(p, offload_fraction=off, subgroup_numel=1 << 21), **shape
+        )
         records.append(dict(impl="HybridAdamW", offload=off, **r))
-        print(f"HybridAdamW offload {off:g}: peak {r['peak_device_mb']:.0f} MB (params {r['params_mb']:.0f} MB)",
-              flush=True)
+        print(
+            f"HybridAdamW offload {off:g}: peak {r['peak_device_mb']:.0f} MB (params {r['params_mb']:.0f} MB)",
+            flush=True,
+        )
     r = _peak_of_run(lambda p: torch.optim.AdamW(p, fused=True), **shape)
     records.append(dict(impl=TORCH_ADAM, offload=None, **r))
     print(f"{TORCH_ADAM}: peak {r['peak_device_mb']:.0f} MB")

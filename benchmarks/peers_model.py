@@ -16,6 +16,7 @@ and everything a row's figures depend on besides its optimizer is defined once, 
   `memory_full_info().pss`.
 - `tree_bytes(path)`: the apparent sizes of the files under `path` (nvme bytes on disk).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -37,8 +38,14 @@ class ModelConfig:
     batch: int = 8  # the global batch, in sequences
 
     def as_args(self) -> list[str]:
-        return [f"--d-model={self.d_model}", f"--layers={self.layers}", f"--vocab={self.vocab}",
-                f"--heads={self.heads}", f"--seq={self.seq}", f"--batch={self.batch}"]
+        return [
+            f"--d-model={self.d_model}",
+            f"--layers={self.layers}",
+            f"--vocab={self.vocab}",
+            f"--heads={self.heads}",
+            f"--seq={self.seq}",
+            f"--batch={self.batch}",
+        ]
 
 
 def add_model_args(ap) -> None:
@@ -48,12 +55,20 @@ def add_model_args(ap) -> None:
     ap.add_argument("--vocab", type=int, default=d.vocab)
     ap.add_argument("--heads", type=int, default=d.heads)
     ap.add_argument("--seq", type=int, default=d.seq, help="tokens per sequence")
-    ap.add_argument("--batch", type=int, default=d.batch, help="global batch, sequences (divided among the ranks)")
+    ap.add_argument(
+        "--batch", type=int, default=d.batch, help="global batch, sequences (divided among the ranks)"
+    )
 
 
 def config_from_args(args) -> ModelConfig:
-    return ModelConfig(d_model=args.d_model, layers=args.layers, vocab=args.vocab,
-                       heads=args.heads, seq=args.seq, batch=args.batch)
+    return ModelConfig(
+        d_model=args.d_model,
+        layers=args.layers,
+        vocab=args.vocab,
+        heads=args.heads,
+        seq=args.seq,
+        batch=args.batch,
+    )
 
 
 class Block(nn.Module):
@@ -70,8 +85,9 @@ class Block(nn.Module):
     def forward(self, x):
         b, t, d = x.shape
         q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, self.heads, d // self.heads).unbind(2)
-        a = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                           is_causal=True)
+        a = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True
+        )
         x = x + self.proj(a.transpose(1, 2).reshape(b, t, d))
         return x + self.out(F.gelu(self.fc(self.ln2(x))))
 
@@ -99,7 +115,10 @@ def build_model(cfg: ModelConfig, device="cpu") -> GPT:
     with torch.no_grad():  # small init, GPT-2 style, so 16 steps at lr 1e-3 stay well-behaved
         for name, p in model.named_parameters():
             if p.dim() >= 2:
-                p.normal_(0.0, 0.02 / (math.sqrt(2 * cfg.layers) if name.endswith(("proj.weight", "out.weight")) else 1))
+                p.normal_(
+                    0.0,
+                    0.02 / (math.sqrt(2 * cfg.layers) if name.endswith(("proj.weight", "out.weight")) else 1),
+                )
             elif name.endswith("bias"):
                 p.zero_()
     return model.to(device)
@@ -117,7 +136,7 @@ def batch(cfg: ModelConfig, step: int, rank: int, world: int, device="cpu"):
     g = torch.Generator().manual_seed(1000 + step)
     tokens = torch.randint(cfg.vocab, (cfg.batch, cfg.seq + 1), generator=g)
     per = cfg.batch // world
-    mine = tokens[rank * per:(rank + 1) * per]
+    mine = tokens[rank * per : (rank + 1) * per]
     return mine[:, :-1].to(device), mine[:, 1:].to(device)
 
 
@@ -128,6 +147,7 @@ def loss_fn(logits, targets):
 def pss_bytes(pid: int | None = None) -> int:
     """PSS of the process and all its descendants, in bytes (a vanished child counts 0)."""
     import psutil
+
     proc = psutil.Process(pid)
     total = 0
     for p in [proc] + proc.children(recursive=True):

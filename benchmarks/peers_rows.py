@@ -3,6 +3,7 @@ DeepSpeed, torch) with their keys and groups, DeepSpeed's config, HybridAdamW's 
 and `rank_main`, the body of every launch (`bench_peers.py --rank-main`). No hybrid_opt or
 DeepSpeed import at module level: the peer interpreter (DeepSpeed's own venv, which has no
 hybrid_opt) imports this module too, and each row imports what it runs."""
+
 from __future__ import annotations
 
 import json
@@ -33,8 +34,14 @@ ROWS = [
     _row("pg", "HybridAdamW", "process_group", "pg"),
     _row("pg-bf16", "HybridAdamW", f"process_group, {BF16_MOMENTS}", "pg", compressed=True),
     _row("pg-inverse", "HybridAdamW", 'process_group, rollback="inverse"', "pg", rollback="inverse"),
-    _row("pg-inverse-release", "HybridAdamW", 'process_group, rollback="inverse", release_grads=True', "pg",
-         rollback="inverse", release_grads=True),
+    _row(
+        "pg-inverse-release",
+        "HybridAdamW",
+        'process_group, rollback="inverse", release_grads=True',
+        "pg",
+        rollback="inverse",
+        release_grads=True,
+    ),
     _row("plain-nvme0.5", "HybridAdamW", "plain, nvme_fraction 0.5", "plain", nvme=0.5),
     _row("plain-nvme1", "HybridAdamW", "plain, nvme_fraction 1.0", "plain", nvme=1.0),
     _row("fsdp2-nvme0.5", "HybridAdamW", "FSDP2, nvme_fraction 0.5", "fsdp2", nvme=0.5),
@@ -43,17 +50,27 @@ ROWS = [
     _row("pg-nvme1", "HybridAdamW", "process_group, nvme_fraction 1.0", "pg", nvme=1.0),
     _row("ds-zero2-cpu", "DeepSpeed", "ZeRO-2 + CPU optimizer offload", "ds", stage=2, offload="cpu"),
     _row("ds-zero3-cpu", "DeepSpeed", "ZeRO-3 + CPU optimizer offload", "ds", stage=3, offload="cpu"),
-    _row("ds-zero3-nvme", "DeepSpeed", "ZeRO-3 + nvme optimizer offload", "ds", stage=3, offload="nvme", nvme=1.0),
+    _row(
+        "ds-zero3-nvme",
+        "DeepSpeed",
+        "ZeRO-3 + nvme optimizer offload",
+        "ds",
+        stage=3,
+        offload="nvme",
+        nvme=1.0,
+    ),
     _row("ddp-fused", "torch", "DDP + AdamW(fused=True)", "ddp"),
     _row("fsdp2-torch", "torch", "FSDP2 + AdamW", "fsdp2-torch"),
 ]
 BY_KEY = {r["key"]: r for r in ROWS}
 REFERENCE = "ddp-fused"
-GROUPS = {"all": [r["key"] for r in ROWS],
-          "no-peers": [r["key"] for r in ROWS if r["mode"] != "ds"],
-          "hybrid": [r["key"] for r in ROWS if r["impl"] == "HybridAdamW"],
-          "deepspeed": [r["key"] for r in ROWS if r["mode"] == "ds"],
-          "torch": [r["key"] for r in ROWS if r["impl"] == "torch"]}
+GROUPS = {
+    "all": [r["key"] for r in ROWS],
+    "no-peers": [r["key"] for r in ROWS if r["mode"] != "ds"],
+    "hybrid": [r["key"] for r in ROWS if r["impl"] == "HybridAdamW"],
+    "deepspeed": [r["key"] for r in ROWS if r["mode"] == "ds"],
+    "torch": [r["key"] for r in ROWS if r["impl"] == "torch"],
+}
 
 
 # ---------------------------------------------------------------------------------- DeepSpeed
@@ -69,29 +86,47 @@ def ds_config(row: dict, cfg: M.ModelConfig, world: int, nvme_path: str | None, 
         "train_micro_batch_size_per_gpu": cfg.batch // world,
         "gradient_accumulation_steps": 1,
         "gradient_clipping": CLIP,
-        "optimizer": {"type": "AdamW", "params": {"lr": HYPER["lr"], "betas": list(HYPER["betas"]),
-                                                  "eps": HYPER["eps"], "weight_decay": HYPER["weight_decay"]}},
+        "optimizer": {
+            "type": "AdamW",
+            "params": {
+                "lr": HYPER["lr"],
+                "betas": list(HYPER["betas"]),
+                "eps": HYPER["eps"],
+                "weight_decay": HYPER["weight_decay"],
+            },
+        },
         "zero_optimization": {"stage": row["stage"], "offload_optimizer": offload},
-        "steps_per_print": 10 ** 9,
+        "steps_per_print": 10**9,
         "wall_clock_breakdown": False,
     }
     if row["offload"] == "nvme":  # DeepSpeed's documented defaults, spelled out
-        conf["aio"] = {"block_size": 1048576, "queue_depth": 8, "intra_op_parallelism": 1,
-                       "single_submit": False, "overlap_events": True}
+        conf["aio"] = {
+            "block_size": 1048576,
+            "queue_depth": 8,
+            "intra_op_parallelism": 1,
+            "single_submit": False,
+            "overlap_events": True,
+        }
     return conf
 
 
 # ---------------------------------------------------------------------------------- one rank
 def has_release_grads() -> bool:
     import inspect
+
     from hybrid_opt import HybridAdamW
-    return any("release_grads" in inspect.signature(c.__init__).parameters
-               for c in HybridAdamW.__mro__ if "__init__" in c.__dict__)
+
+    return any(
+        "release_grads" in inspect.signature(c.__init__).parameters
+        for c in HybridAdamW.__mro__
+        if "__init__" in c.__dict__
+    )
 
 
 def _hybrid_kwargs(row: dict, nvme_path: str | None, param_dtype) -> dict:
     import torch
     import torch.distributed as dist
+
     kw = dict(HYPER, max_grad_norm=CLIP, offload_fraction=OFFLOAD)
     if row.get("compressed"):
         kw.update(exp_avg_dtype=torch.bfloat16, exp_avg_sq_dtype=torch.bfloat16)
@@ -111,6 +146,7 @@ def _hybrid_kwargs(row: dict, nvme_path: str | None, param_dtype) -> dict:
 def _shard(model, world: int, device: str) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
+
     mesh = init_device_mesh(device.split(":")[0], (world,))
     for blk in model.blocks:
         fully_shard(blk, mesh=mesh)
@@ -120,8 +156,10 @@ def _shard(model, world: int, device: str) -> None:
 def _full_params(net, row: dict) -> dict:
     """{name: full fp32 CPU tensor} on every rank (collectives where the params are sharded)."""
     from torch.distributed.tensor import DTensor
+
     if row["mode"] == "ds" and row["stage"] == 3:
         import deepspeed
+
         params = list(net.parameters())
         with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
             return {n: p.detach().float().cpu().clone() for n, p in net.named_parameters()}
@@ -135,12 +173,14 @@ def _full_params(net, row: dict) -> dict:
 def rank_main(args) -> None:
     import torch
     import torch.distributed as dist
+
     row = BY_KEY[args.row]
     cfg = M.config_from_args(args)
     cuda = args.device == "cuda"
     backend = "nccl" if cuda else "gloo"
     if row["mode"] == "ds":
         import deepspeed
+
         deepspeed.init_distributed(backend)
     else:
         dist.init_process_group(backend)
@@ -160,6 +200,7 @@ def rank_main(args) -> None:
     mode = row["mode"]
     if mode == "ds":
         import deepspeed
+
         conf = ds_config(row, cfg, world, nvme_path, cuda)
         engine, opt, _, _ = deepspeed.initialize(model=net, model_parameters=net.parameters(), config=conf)
         model = engine
@@ -167,17 +208,23 @@ def rank_main(args) -> None:
         _shard(net, world, device)
     if mode in ("plain", "fsdp2", "pg"):
         import warnings
+
         from hybrid_opt import HybridAdamW
+
         with warnings.catch_warnings(record=True) as said:
             warnings.simplefilter("always")
-            opt = HybridAdamW(net.parameters(), **_hybrid_kwargs(row, nvme_path, next(net.parameters()).dtype))
+            opt = HybridAdamW(
+                net.parameters(), **_hybrid_kwargs(row, nvme_path, next(net.parameters()).dtype)
+            )
         for w in said:  # into the launch's log (plain at 2 ranks: replicated, the row's point, is said too)
             print(f"bench_peers {row['key']} rank {rank}: {w.category.__name__}: {w.message}", flush=True)
         if mode == "plain" and world > 1:
             from torch.nn.parallel import DistributedDataParallel as DDP
+
             model = DDP(net)
     elif mode == "ddp":
         from torch.nn.parallel import DistributedDataParallel as DDP
+
         opt = torch.optim.AdamW(net.parameters(), fused=True, **HYPER)
         model = DDP(net, device_ids=[local] if cuda else None)
     elif mode == "fsdp2-torch":
@@ -198,8 +245,11 @@ def rank_main(args) -> None:
 
     if rank == 0:
         inner = getattr(opt, "optimizer", None)
-        print(f"bench_peers {row['key']} @{world}: optimizer {type(opt).__module__}.{type(opt).__name__}"
-              + (f" over {type(inner).__module__}.{type(inner).__name__}" if inner is not None else ""), flush=True)
+        print(
+            f"bench_peers {row['key']} @{world}: optimizer {type(opt).__module__}.{type(opt).__name__}"
+            + (f" over {type(inner).__module__}.{type(inner).__name__}" if inner is not None else ""),
+            flush=True,
+        )
     times, spec = [], {}
     for step in range(args.steps):
         dist.barrier()
@@ -225,14 +275,25 @@ def rank_main(args) -> None:
     if rank == 0:
         torch.save(params, os.path.join(args.out, "params.pt"))
     plan = getattr(opt, "plan", None)
-    rec = dict(rank=rank, world=world, times_ms=times, pss=pss, allocated=allocated, nvme_bytes=nvme_bytes,
-               subgroups=len(plan.tiers) if hasattr(plan, "tiers") else None, speculation=spec or None,
-               python=sys.version.split()[0], torch=torch.__version__)
+    rec = dict(
+        rank=rank,
+        world=world,
+        times_ms=times,
+        pss=pss,
+        allocated=allocated,
+        nvme_bytes=nvme_bytes,
+        subgroups=len(plan.tiers) if hasattr(plan, "tiers") else None,
+        speculation=spec or None,
+        python=sys.version.split()[0],
+        torch=torch.__version__,
+    )
     if mode == "ds":
         import deepspeed
+
         rec["deepspeed"] = deepspeed.__version__
     else:  # not imported in the torch rows: their memory was sampled without it, keep it so
         from importlib.metadata import PackageNotFoundError, version
+
         try:
             rec["hybrid_opt"] = version("hybrid_opt")
         except PackageNotFoundError:

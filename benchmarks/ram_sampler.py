@@ -22,6 +22,7 @@ A pid that has exited (or None) counts 0. The kernel syncs a process's RSS count
 every 64 page faults), so a figure is good to a fraction of a MiB, and a peak shorter than the
 2 ms period can be missed.
 """
+
 from __future__ import annotations
 
 import json
@@ -63,8 +64,12 @@ def sample(pids: list[int]) -> dict:
         a, s = _status_kib(pid, ("RssAnon", "RssShmem"))
         anon, rss_shmem = anon + a, rss_shmem + s
     system = _system_shmem_kib()
-    return {"anon_shmem": (anon + system) << 10, "rss_shmem": (anon + rss_shmem) << 10,
-            "anon": anon << 10, "system_shmem": system << 10}
+    return {
+        "anon_shmem": (anon + system) << 10,
+        "rss_shmem": (anon + rss_shmem) << 10,
+        "anon": anon << 10,
+        "system_shmem": system << 10,
+    }
 
 
 def sampler_main(pids: list[int]) -> None:
@@ -87,8 +92,9 @@ def sampler_main(pids: list[int]) -> None:
     print(json.dumps(result), flush=True)
 
 
-def wait_until_steady(pids: list[int | None], quiet_s: float = 0.5, tolerance: int = 1 << 20,
-                      timeout_s: float = 60.0) -> bool:
+def wait_until_steady(
+    pids: list[int | None], quiet_s: float = 0.5, tolerance: int = 1 << 20, timeout_s: float = 60.0
+) -> bool:
     """Waits until RssAnon + RssShmem of the pids stayed within `tolerance` bytes for `quiet_s`
     (a background thread populating shared memory has finished, say); False past `timeout_s`.
     Per-process figures only: other processes' shared memory does not hold it up."""
@@ -118,14 +124,20 @@ class RamSampler:
         self._proc: subprocess.Popen | None = None
 
     def __enter__(self) -> RamSampler:
-        self._proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), *map(str, self.pids)],
-                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self._proc = subprocess.Popen(
+            [sys.executable, os.path.abspath(__file__), *map(str, self.pids)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
         ready = select.select([self._proc.stdout], [], [], _START_TIMEOUT_S)[0]
         line = self._proc.stdout.readline().strip() if ready else ""
         if line != "ready":
             self._proc.kill()
-            raise RuntimeError(f"the RAM sampler did not start within {_START_TIMEOUT_S:.0f} s "
-                               f"(said {line!r}, exit {self._proc.poll()})")
+            raise RuntimeError(
+                f"the RAM sampler did not start within {_START_TIMEOUT_S:.0f} s "
+                f"(said {line!r}, exit {self._proc.poll()})"
+            )
         return self
 
     def __exit__(self, *exc) -> None:

@@ -1,4 +1,5 @@
 """The tensor API of cpu_kernels: argument checks, then one call into the C library."""
+
 from __future__ import annotations
 
 import ctypes
@@ -15,8 +16,10 @@ def _check_tensor(t, name, dtypes, numel=None):
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if t.device.type != "cpu":
-        raise ValueError(f"{name} must be a CPU tensor, got a tensor on {t.device}; the host "
-                         f"tier's kernels read host memory (use gpu_kernels for device tensors)")
+        raise ValueError(
+            f"{name} must be a CPU tensor, got a tensor on {t.device}; the host "
+            f"tier's kernels read host memory (use gpu_kernels for device tensors)"
+        )
     if t.dtype not in dtypes:
         raise TypeError(f"{name} must have dtype in {[str(d) for d in dtypes]}, got {t.dtype}")
     if t.is_sparse or t.layout != torch.strided:
@@ -39,13 +42,21 @@ def _check_no_overlap(outs, ins):
         for iname, i in ins:
             ib, ie = _span(i)
             if ob < ie and ib < oe:
-                raise ValueError(f"{oname} overlaps {iname}: bank mode writes new state "
-                                 f"elsewhere and must leave the inputs untouched")
+                raise ValueError(
+                    f"{oname} overlaps {iname}: bank mode writes new state "
+                    f"elsewhere and must leave the inputs untouched"
+                )
 
 
 def _check_hyper(lr, beta1, beta2, eps, weight_decay, step, grad_scale):
-    for name, v in (("lr", lr), ("beta1", beta1), ("beta2", beta2), ("eps", eps),
-                    ("weight_decay", weight_decay), ("grad_scale", grad_scale)):
+    for name, v in (
+        ("lr", lr),
+        ("beta1", beta1),
+        ("beta2", beta2),
+        ("eps", eps),
+        ("weight_decay", weight_decay),
+        ("grad_scale", grad_scale),
+    ):
         if isinstance(v, bool) or not isinstance(v, (int, float)):
             raise TypeError(f"{name} must be a float, got {type(v).__name__}")
         if not math.isfinite(v):
@@ -75,29 +86,54 @@ def _check_param(param, remainder, param_copy, out, remainder_out) -> bool:
     if remainder is not None:
         _check_tensor(param, "param", (torch.bfloat16,))
         if param_copy is not None:
-            raise ValueError("param_copy cannot be combined with remainder: with remainders "
-                             "`param` already is the bf16 model param the step writes; drop "
-                             "param_copy")
+            raise ValueError(
+                "param_copy cannot be combined with remainder: with remainders "
+                "`param` already is the bf16 model param the step writes; drop "
+                "param_copy"
+            )
         _check_tensor(remainder, "remainder", (torch.int16,), param.numel())
         if out is None and remainder_out is not None:
-            raise ValueError("remainder_out is for bank mode only: pass out= as well, or drop "
-                             "remainder_out to update remainder in place")
+            raise ValueError(
+                "remainder_out is for bank mode only: pass out= as well, or drop "
+                "remainder_out to update remainder in place"
+            )
         if out is not None and remainder_out is None:
-            raise ValueError("bank mode with remainders needs remainder_out= (an int16 tensor "
-                             "for the new remainders): the inputs must stay unchanged")
+            raise ValueError(
+                "bank mode with remainders needs remainder_out= (an int16 tensor "
+                "for the new remainders): the inputs must stay unchanged"
+            )
         return True
     if remainder_out is not None:
         raise ValueError("remainder_out needs remainder= (the int16 low halves the step reads)")
     if isinstance(param, torch.Tensor) and param.dtype == torch.bfloat16:
-        raise TypeError("param must have dtype in ['torch.float32'], got torch.bfloat16: a "
-                        "bf16 param needs remainder= (its fp32 master's low halves)")
+        raise TypeError(
+            "param must have dtype in ['torch.float32'], got torch.bfloat16: a "
+            "bf16 param needs remainder= (its fp32 master's low halves)"
+        )
     _check_tensor(param, "param", (torch.float32,))
     return False
 
 
-def adam_step_(param, grad, exp_avg, exp_avg_sq, *, step, lr, beta1, beta2, eps, weight_decay,
-               decoupled=True, grad_scale=1.0, max_exp_avg_sq=None, param_copy=None, out=None,
-               remainder=None, remainder_out=None):
+def adam_step_(
+    param,
+    grad,
+    exp_avg,
+    exp_avg_sq,
+    *,
+    step,
+    lr,
+    beta1,
+    beta2,
+    eps,
+    weight_decay,
+    decoupled=True,
+    grad_scale=1.0,
+    max_exp_avg_sq=None,
+    param_copy=None,
+    out=None,
+    remainder=None,
+    remainder_out=None,
+):
     """One Adam (decoupled=False, L2) or AdamW step over contiguous CPU tensors.
 
     param: fp32 master; grad: fp32/bf16/fp16, multiplied by `grad_scale` in the same pass
@@ -134,10 +170,16 @@ def adam_step_(param, grad, exp_avg, exp_avg_sq, *, step, lr, beta1, beta2, eps,
     else:
         want = 4 if max_exp_avg_sq is not None else 3
         if not isinstance(out, (tuple, list)) or len(out) != want:
-            raise ValueError(f"out must be a tuple of {want} tensors (param_out, exp_avg_out, "
-                             f"exp_avg_sq_out{', max_exp_avg_sq_out' if want == 4 else ''})")
-        names = ("out[0] (param_out)", "out[1] (exp_avg_out)", "out[2] (exp_avg_sq_out)",
-                 "out[3] (max_exp_avg_sq_out)")
+            raise ValueError(
+                f"out must be a tuple of {want} tensors (param_out, exp_avg_out, "
+                f"exp_avg_sq_out{', max_exp_avg_sq_out' if want == 4 else ''})"
+            )
+        names = (
+            "out[0] (param_out)",
+            "out[1] (exp_avg_out)",
+            "out[2] (exp_avg_sq_out)",
+            "out[3] (max_exp_avg_sq_out)",
+        )
         like = (param, exp_avg, exp_avg_sq, exp_avg_sq)  # each output in its input's dtype
         for k, t in enumerate(out):
             _check_tensor(t, names[k], (like[k].dtype,), n)
@@ -155,8 +197,12 @@ def adam_step_(param, grad, exp_avg, exp_avg_sq, *, step, lr, beta1, beta2, eps,
 
     a = AdamArgs()
     a.n = n
-    a.param, a.grad, a.exp_avg, a.exp_avg_sq = (param.data_ptr(), grad.data_ptr(),
-                                                exp_avg.data_ptr(), exp_avg_sq.data_ptr())
+    a.param, a.grad, a.exp_avg, a.exp_avg_sq = (
+        param.data_ptr(),
+        grad.data_ptr(),
+        exp_avg.data_ptr(),
+        exp_avg_sq.data_ptr(),
+    )
     a.max_exp_avg_sq = max_exp_avg_sq.data_ptr() if max_exp_avg_sq is not None else None
     a.param_out, a.exp_avg_out, a.exp_avg_sq_out = (t.data_ptr() for t in outs[:3])
     a.max_exp_avg_sq_out = outs[3].data_ptr() if outs[3] is not None else None
@@ -168,7 +214,13 @@ def adam_step_(param, grad, exp_avg, exp_avg_sq, *, step, lr, beta1, beta2, eps,
     a.decoupled = 1 if decoupled else 0
     a.step = step
     a.lr, a.beta1, a.beta2, a.eps, a.weight_decay, a.grad_scale = (
-        float(lr), float(beta1), float(beta2), float(eps), float(weight_decay), float(grad_scale))
+        float(lr),
+        float(beta1),
+        float(beta2),
+        float(eps),
+        float(weight_decay),
+        float(grad_scale),
+    )
     if rem:
         a.remainder = remainder.data_ptr()
         a.remainder_out = (remainder if out is None else remainder_out).data_ptr()
@@ -198,8 +250,7 @@ def decode_remainder(param, remainder):
     _check_tensor(remainder, "remainder", (torch.int16,), param.numel())
     master = torch.empty(param.shape, dtype=torch.float32)
     if param.numel():
-        lib.hybrid_remainder_decode(param.data_ptr(), remainder.data_ptr(), master.data_ptr(),
-                                    param.numel())
+        lib.hybrid_remainder_decode(param.data_ptr(), remainder.data_ptr(), master.data_ptr(), param.numel())
     return master
 
 
@@ -212,14 +263,30 @@ def grad_stats(grad):
     """
     _check_tensor(grad, "grad", _GRAD_DTYPES)
     out = ctypes.c_double(0.0)
-    if grad.numel() and lib.hybrid_grad_stats(grad.data_ptr(), _DTYPE_CODES[grad.dtype],
-                                               grad.numel(), ctypes.byref(out)) != 0:
+    if (
+        grad.numel()
+        and lib.hybrid_grad_stats(grad.data_ptr(), _DTYPE_CODES[grad.dtype], grad.numel(), ctypes.byref(out))
+        != 0
+    ):
         raise MemoryError("grad_stats: could not allocate the per-chunk partial sums")
     return out.value, math.isfinite(out.value)
 
 
-def adam_inverse_(param, grad, exp_avg, exp_avg_sq, *, step, lr, beta1, beta2, eps,
-                  weight_decay, decoupled=True, grad_scale=1.0):
+def adam_inverse_(
+    param,
+    grad,
+    exp_avg,
+    exp_avg_sq,
+    *,
+    step,
+    lr,
+    beta1,
+    beta2,
+    eps,
+    weight_decay,
+    decoupled=True,
+    grad_scale=1.0,
+):
     """Undo, in place, the adam_step_ that was taken with these same arguments.
 
     Computed in fp64 from the post-step state (fp32 param and moments). An element whose
@@ -229,11 +296,14 @@ def adam_inverse_(param, grad, exp_avg, exp_avg_sq, *, step, lr, beta1, beta2, e
     """
     _check_hyper(lr, beta1, beta2, eps, weight_decay, step, grad_scale)
     if beta1 == 0.0 or beta2 == 0.0:
-        raise ValueError("the inverse step needs beta1 > 0 and beta2 > 0 (with a zero beta the "
-                         "previous moment is not recoverable); use rollback='exact'")
+        raise ValueError(
+            "the inverse step needs beta1 > 0 and beta2 > 0 (with a zero beta the "
+            "previous moment is not recoverable); use rollback='exact'"
+        )
     if decoupled and lr * weight_decay == 1.0:
-        raise ValueError("the inverse step needs lr * weight_decay != 1 (the decay zeroed the "
-                         "param); use rollback='exact'")
+        raise ValueError(
+            "the inverse step needs lr * weight_decay != 1 (the decay zeroed the param); use rollback='exact'"
+        )
     _check_tensor(param, "param", (torch.float32,))
     n = param.numel()
     _check_tensor(grad, "grad", _GRAD_DTYPES, n)
@@ -243,13 +313,23 @@ def adam_inverse_(param, grad, exp_avg, exp_avg_sq, *, step, lr, beta1, beta2, e
         return param
     a = InverseArgs()
     a.n = n
-    a.param, a.grad, a.exp_avg, a.exp_avg_sq = (param.data_ptr(), grad.data_ptr(),
-                                                exp_avg.data_ptr(), exp_avg_sq.data_ptr())
+    a.param, a.grad, a.exp_avg, a.exp_avg_sq = (
+        param.data_ptr(),
+        grad.data_ptr(),
+        exp_avg.data_ptr(),
+        exp_avg_sq.data_ptr(),
+    )
     a.grad_dtype = _DTYPE_CODES[grad.dtype]
     a.decoupled = 1 if decoupled else 0
     a.step = step
     a.lr, a.beta1, a.beta2, a.eps, a.weight_decay, a.grad_scale = (
-        float(lr), float(beta1), float(beta2), float(eps), float(weight_decay), float(grad_scale))
+        float(lr),
+        float(beta1),
+        float(beta2),
+        float(eps),
+        float(weight_decay),
+        float(grad_scale),
+    )
     lib.hybrid_adam_inverse(ctypes.byref(a))
     return param
 
@@ -265,8 +345,14 @@ def bandwidth_probe_(param, grad, exp_avg, exp_avg_sq, *, split="chunks"):
     n = _check_tensor(param, "param", (torch.float32,)).numel()
     for name, t in (("grad", grad), ("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)):
         _check_tensor(t, name, (torch.float32,), n)
-    lib.hybrid_bw_inplace(param.data_ptr(), grad.data_ptr(), exp_avg.data_ptr(),
-                          exp_avg_sq.data_ptr(), n, 1 if split == "contiguous" else 0)
+    lib.hybrid_bw_inplace(
+        param.data_ptr(),
+        grad.data_ptr(),
+        exp_avg.data_ptr(),
+        exp_avg_sq.data_ptr(),
+        n,
+        1 if split == "contiguous" else 0,
+    )
 
 
 def bandwidth_probe_bank_(param, grad, exp_avg, exp_avg_sq, out):
@@ -280,5 +366,13 @@ def bandwidth_probe_bank_(param, grad, exp_avg, exp_avg_sq, out):
         raise ValueError("out must be a tuple of 3 tensors (param_out, exp_avg_out, exp_avg_sq_out)")
     for k, t in enumerate(out):
         _check_tensor(t, f"out[{k}]", (torch.float32,), n)
-    lib.hybrid_bw_bank(param.data_ptr(), grad.data_ptr(), exp_avg.data_ptr(), exp_avg_sq.data_ptr(),
-                       out[0].data_ptr(), out[1].data_ptr(), out[2].data_ptr(), n)
+    lib.hybrid_bw_bank(
+        param.data_ptr(),
+        grad.data_ptr(),
+        exp_avg.data_ptr(),
+        exp_avg_sq.data_ptr(),
+        out[0].data_ptr(),
+        out[1].data_ptr(),
+        out[2].data_ptr(),
+        n,
+    )

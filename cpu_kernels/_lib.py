@@ -2,6 +2,7 @@
 
 Struct layouts mirror cpu_kernels/csrc/kernels.h.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -9,40 +10,70 @@ import importlib.util
 import os
 import warnings
 
-
 DT_F32, DT_BF16, DT_F16 = 0, 1, 2  # dtype codes of kernels.h
 
 
 class AdamArgs(ctypes.Structure):
-    _fields_ = [("n", ctypes.c_int64)] + [(name, ctypes.c_void_p) for name in (
-        "param", "grad", "exp_avg", "exp_avg_sq", "max_exp_avg_sq", "param_out", "exp_avg_out",
-        "exp_avg_sq_out", "max_exp_avg_sq_out", "param_copy")] + [
-        ("grad_dtype", ctypes.c_int32), ("moment_dtype", ctypes.c_int32),
-        ("copy_dtype", ctypes.c_int32), ("decoupled", ctypes.c_int32), ("step", ctypes.c_int64)] + [
-        (name, ctypes.c_double) for name in ("lr", "beta1", "beta2", "eps", "weight_decay", "grad_scale")] + [
-        ("remainder", ctypes.c_void_p), ("remainder_out", ctypes.c_void_p),
-        ("exp_avg_sq_dtype", ctypes.c_int32)]  # exp_avg_sq's (and max's); moment_dtype: exp_avg's
+    _fields_ = (
+        [("n", ctypes.c_int64)]
+        + [
+            (name, ctypes.c_void_p)
+            for name in (
+                "param",
+                "grad",
+                "exp_avg",
+                "exp_avg_sq",
+                "max_exp_avg_sq",
+                "param_out",
+                "exp_avg_out",
+                "exp_avg_sq_out",
+                "max_exp_avg_sq_out",
+                "param_copy",
+            )
+        ]
+        + [
+            ("grad_dtype", ctypes.c_int32),
+            ("moment_dtype", ctypes.c_int32),
+            ("copy_dtype", ctypes.c_int32),
+            ("decoupled", ctypes.c_int32),
+            ("step", ctypes.c_int64),
+        ]
+        + [(name, ctypes.c_double) for name in ("lr", "beta1", "beta2", "eps", "weight_decay", "grad_scale")]
+        + [
+            ("remainder", ctypes.c_void_p),
+            ("remainder_out", ctypes.c_void_p),
+            ("exp_avg_sq_dtype", ctypes.c_int32),
+        ]
+    )  # exp_avg_sq's (and max's); moment_dtype: exp_avg's
 
 
 class InverseArgs(ctypes.Structure):
-    _fields_ = [("n", ctypes.c_int64)] + [(name, ctypes.c_void_p) for name in (
-        "param", "grad", "exp_avg", "exp_avg_sq")] + [
-        ("grad_dtype", ctypes.c_int32), ("decoupled", ctypes.c_int32), ("step", ctypes.c_int64)] + [
-        (name, ctypes.c_double) for name in ("lr", "beta1", "beta2", "eps", "weight_decay", "grad_scale")]
+    _fields_ = (
+        [("n", ctypes.c_int64)]
+        + [(name, ctypes.c_void_p) for name in ("param", "grad", "exp_avg", "exp_avg_sq")]
+        + [("grad_dtype", ctypes.c_int32), ("decoupled", ctypes.c_int32), ("step", ctypes.c_int64)]
+        + [(name, ctypes.c_double) for name in ("lr", "beta1", "beta2", "eps", "weight_decay", "grad_scale")]
+    )
 
 
 def _load_library():
     spec = importlib.util.find_spec("cpu_kernels._native")
     if spec is None or spec.origin is None:
-        raise ImportError("cpu_kernels' C library is not built: install the package with "
-                          "`pip install -e .` (or `python setup.py build_ext --inplace`)")
+        raise ImportError(
+            "cpu_kernels' C library is not built: install the package with "
+            "`pip install -e .` (or `python setup.py build_ext --inplace`)"
+        )
     lib = ctypes.CDLL(spec.origin)
     lib.hybrid_adam_step.argtypes = [ctypes.POINTER(AdamArgs)]
     lib.hybrid_adam_step.restype = None
     lib.hybrid_adam_inverse.argtypes = [ctypes.POINTER(InverseArgs)]
     lib.hybrid_adam_inverse.restype = None
-    lib.hybrid_grad_stats.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int64,
-                                      ctypes.POINTER(ctypes.c_double)]
+    lib.hybrid_grad_stats.argtypes = [
+        ctypes.c_void_p,
+        ctypes.c_int,
+        ctypes.c_int64,
+        ctypes.POINTER(ctypes.c_double),
+    ]
     lib.hybrid_grad_stats.restype = ctypes.c_int
     lib.hybrid_bw_inplace.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64, ctypes.c_int]
     lib.hybrid_bw_inplace.restype = None
@@ -51,8 +82,13 @@ def _load_library():
     for name in ("hybrid_remainder_encode", "hybrid_remainder_decode"):
         getattr(lib, name).argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64]
         getattr(lib, name).restype = None
-    for name in ("hybrid_max_level", "hybrid_get_level", "hybrid_get_num_threads", "hybrid_level_count",
-                 "hybrid_get_arm_streaming_stores"):
+    for name in (
+        "hybrid_max_level",
+        "hybrid_get_level",
+        "hybrid_get_num_threads",
+        "hybrid_level_count",
+        "hybrid_get_arm_streaming_stores",
+    ):
         getattr(lib, name).restype = ctypes.c_int
         getattr(lib, name).argtypes = []
     lib.hybrid_set_level.argtypes = [ctypes.c_int]
@@ -92,8 +128,7 @@ def set_simd_level(level: str) -> None:
     if level not in LEVELS:
         raise ValueError(f"unknown SIMD level {level!r}; expected one of {LEVELS}")
     if lib.hybrid_set_level(LEVELS.index(level)) != 0:
-        raise ValueError(f"this CPU cannot run SIMD level {level!r}; it supports "
-                         f"{available_simd_levels()}")
+        raise ValueError(f"this CPU cannot run SIMD level {level!r}; it supports {available_simd_levels()}")
 
 
 def _avx512_bf16() -> bool:
@@ -141,8 +176,7 @@ def _apply_env_level():
     if forced not in LEVELS:
         warnings.warn(f"HYBRID_OPT_SIMD={forced!r} is not one of {LEVELS}; ignored")
     elif LEVELS.index(forced) > lib.hybrid_max_level():
-        warnings.warn(f"HYBRID_OPT_SIMD={forced!r} is above what this CPU supports; using "
-                      f"{simd_level()!r}")
+        warnings.warn(f"HYBRID_OPT_SIMD={forced!r} is above what this CPU supports; using {simd_level()!r}")
     else:
         set_simd_level(forced)
 
@@ -154,8 +188,10 @@ def _apply_env_streaming_stores():
     if value != "1":
         warnings.warn(f"HYBRID_OPT_ARM_STREAMING_STORES={value!r} is not 0 or 1; ignored")
     elif lib.hybrid_set_arm_streaming_stores(1) != 0:
-        warnings.warn("HYBRID_OPT_ARM_STREAMING_STORES=1 has no effect here: streaming stores "
-                      "are an option of the Arm levels (neon, sve) only")
+        warnings.warn(
+            "HYBRID_OPT_ARM_STREAMING_STORES=1 has no effect here: streaming stores "
+            "are an option of the Arm levels (neon, sve) only"
+        )
 
 
 _apply_env_level()

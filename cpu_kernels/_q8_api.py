@@ -1,5 +1,6 @@
 """The tensor API of the host tier's q8 Adam step (issue 38): argument checks, then one call into
 the C library (cpu_kernels/csrc/q8_*.c), bitwise `q8_reference.q8_adam_step_reference`."""
+
 from __future__ import annotations
 
 import torch
@@ -24,32 +25,60 @@ def _check_moment(moment, name, n, like=None, like_name=None):
     share (max_exp_avg_sq: exp_avg_sq's; an output: its input's). Returns (kind, tensors)."""
     if like is not None and _is_q8(like) != _is_q8(moment):
         want = "Q8Blocks (codes, absmax)" if _is_q8(like) else f"a {like.dtype} tensor"
-        got = "Q8Blocks" if _is_q8(moment) else type(moment).__name__ if not isinstance(
-            moment, torch.Tensor) else f"a {moment.dtype} tensor"
+        got = (
+            "Q8Blocks"
+            if _is_q8(moment)
+            else type(moment).__name__
+            if not isinstance(moment, torch.Tensor)
+            else f"a {moment.dtype} tensor"
+        )
         raise TypeError(f"{name} must have {like_name}'s format, {want}; got {got}")
     if _is_q8(moment):
         _check_tensor(moment.codes, f"{name}.codes", (torch.uint8,), n)
         blocks = -(-n // BLOCK)
         _check_tensor(moment.absmax, f"{name}.absmax", (torch.float32,))
         if moment.absmax.numel() != blocks:
-            raise ValueError(f"{name}.absmax has {moment.absmax.numel()} elements; param's {n} elements "
-                             f"need {blocks} (one per block of {BLOCK})")
+            raise ValueError(
+                f"{name}.absmax has {moment.absmax.numel()} elements; param's {n} elements "
+                f"need {blocks} (one per block of {BLOCK})"
+            )
         return DT_Q8, [(f"{name}.codes", moment.codes), (f"{name}.absmax", moment.absmax)]
     if not isinstance(moment, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor (fp32 or bf16) or Q8Blocks (codes, absmax), "
-                        f"got {type(moment).__name__}")
+        raise TypeError(
+            f"{name} must be a torch.Tensor (fp32 or bf16) or Q8Blocks (codes, absmax), "
+            f"got {type(moment).__name__}"
+        )
     dtypes = (like.dtype,) if like is not None else _MOMENT_DTYPES
     _check_tensor(moment, name, dtypes, n)
     return _DTYPE_CODES[moment.dtype], [(name, moment)]
 
 
 def _data(moment):
-    return (moment.codes.data_ptr(), moment.absmax.data_ptr()) if _is_q8(moment) else (moment.data_ptr(), None)
+    return (
+        (moment.codes.data_ptr(), moment.absmax.data_ptr()) if _is_q8(moment) else (moment.data_ptr(), None)
+    )
 
 
-def q8_adam_step_(param, grad, exp_avg, exp_avg_sq, *, step, lr, beta1, beta2, eps, weight_decay,
-                  decoupled=True, grad_scale=1.0, max_exp_avg_sq=None, param_copy=None, out=None,
-                  remainder=None, remainder_out=None):
+def q8_adam_step_(
+    param,
+    grad,
+    exp_avg,
+    exp_avg_sq,
+    *,
+    step,
+    lr,
+    beta1,
+    beta2,
+    eps,
+    weight_decay,
+    decoupled=True,
+    grad_scale=1.0,
+    max_exp_avg_sq=None,
+    param_copy=None,
+    out=None,
+    remainder=None,
+    remainder_out=None,
+):
     """One Adam (decoupled=False, L2) or AdamW step over contiguous CPU tensors whose moments may be
     q8, bitwise `q8_reference.q8_adam_step_reference` at every SIMD level and thread count.
 
@@ -85,10 +114,16 @@ def q8_adam_step_(param, grad, exp_avg, exp_avg_sq, *, step, lr, beta1, beta2, e
     else:
         want = 4 if max_exp_avg_sq is not None else 3
         if not isinstance(out, (tuple, list)) or len(out) != want or _is_q8(out):
-            raise ValueError(f"out must be a tuple of {want} (param_out, exp_avg_out, exp_avg_sq_out"
-                             f"{', max_exp_avg_sq_out' if want == 4 else ''}), each in its input's format")
-        names = ("out[0] (param_out)", "out[1] (exp_avg_out)", "out[2] (exp_avg_sq_out)",
-                 "out[3] (max_exp_avg_sq_out)")
+            raise ValueError(
+                f"out must be a tuple of {want} (param_out, exp_avg_out, exp_avg_sq_out"
+                f"{', max_exp_avg_sq_out' if want == 4 else ''}), each in its input's format"
+            )
+        names = (
+            "out[0] (param_out)",
+            "out[1] (exp_avg_out)",
+            "out[2] (exp_avg_sq_out)",
+            "out[3] (max_exp_avg_sq_out)",
+        )
         _check_tensor(out[0], names[0], (param.dtype,), n)
         written = [(names[0], out[0])]
         for k in range(1, want):
@@ -98,7 +133,7 @@ def q8_adam_step_(param, grad, exp_avg, exp_avg_sq, *, step, lr, beta1, beta2, e
             _check_tensor(remainder_out, "remainder_out", (torch.int16,), n)
             written.append(("remainder_out", remainder_out))
         for k, item in enumerate(written):  # the outputs must not share memory with each other
-            _check_no_overlap([item], written[k + 1:])
+            _check_no_overlap([item], written[k + 1 :])
         _check_no_overlap(written, ins)
         outs = tuple(out) + (None,) * (4 - len(out))
     if n == 0:
@@ -121,7 +156,13 @@ def q8_adam_step_(param, grad, exp_avg, exp_avg_sq, *, step, lr, beta1, beta2, e
     a.decoupled = 1 if decoupled else 0
     a.step = step
     a.lr, a.beta1, a.beta2, a.eps, a.weight_decay, a.grad_scale = (
-        float(lr), float(beta1), float(beta2), float(eps), float(weight_decay), float(grad_scale))
+        float(lr),
+        float(beta1),
+        float(beta2),
+        float(eps),
+        float(weight_decay),
+        float(grad_scale),
+    )
     if rem:
         a.remainder = remainder.data_ptr()
         a.remainder_out = (remainder if out is None else remainder_out).data_ptr()

@@ -1,5 +1,6 @@
 """The q8 Adam step's C entry point through ctypes, with no torch import (the worker process uses
 this alone). The struct mirrors `q8_args_t` in cpu_kernels/csrc/q8.h."""
+
 from __future__ import annotations
 
 import ctypes
@@ -11,14 +12,45 @@ BLOCK = 256  # elements per absmax
 
 
 class Q8AdamArgs(ctypes.Structure):
-    _fields_ = [("n", ctypes.c_int64)] + [(name, ctypes.c_void_p) for name in (
-        "param", "grad", "exp_avg", "exp_avg_absmax", "exp_avg_sq", "exp_avg_sq_absmax",
-        "max_exp_avg_sq", "max_exp_avg_sq_absmax", "param_out", "exp_avg_out", "exp_avg_absmax_out",
-        "exp_avg_sq_out", "exp_avg_sq_absmax_out", "max_exp_avg_sq_out", "max_exp_avg_sq_absmax_out",
-        "param_copy", "remainder", "remainder_out")] + [(name, ctypes.c_int32) for name in (
-            "grad_dtype", "exp_avg_dtype", "exp_avg_sq_dtype", "copy_dtype", "decoupled", "reserved")] + [
-        ("step", ctypes.c_int64)] + [
-        (name, ctypes.c_double) for name in ("lr", "beta1", "beta2", "eps", "weight_decay", "grad_scale")]
+    _fields_ = (
+        [("n", ctypes.c_int64)]
+        + [
+            (name, ctypes.c_void_p)
+            for name in (
+                "param",
+                "grad",
+                "exp_avg",
+                "exp_avg_absmax",
+                "exp_avg_sq",
+                "exp_avg_sq_absmax",
+                "max_exp_avg_sq",
+                "max_exp_avg_sq_absmax",
+                "param_out",
+                "exp_avg_out",
+                "exp_avg_absmax_out",
+                "exp_avg_sq_out",
+                "exp_avg_sq_absmax_out",
+                "max_exp_avg_sq_out",
+                "max_exp_avg_sq_absmax_out",
+                "param_copy",
+                "remainder",
+                "remainder_out",
+            )
+        ]
+        + [
+            (name, ctypes.c_int32)
+            for name in (
+                "grad_dtype",
+                "exp_avg_dtype",
+                "exp_avg_sq_dtype",
+                "copy_dtype",
+                "decoupled",
+                "reserved",
+            )
+        ]
+        + [("step", ctypes.c_int64)]
+        + [(name, ctypes.c_double) for name in ("lr", "beta1", "beta2", "eps", "weight_decay", "grad_scale")]
+    )
 
 
 lib.hybrid_q8_adam_step.argtypes = [ctypes.POINTER(Q8AdamArgs)]
@@ -50,5 +82,7 @@ def q8_codebook(signed: bool) -> tuple[list[int], list[int]]:
 def q8_adam_step_raw(args: Q8AdamArgs) -> None:
     """One call on raw addresses (the worker's path): the caller vouches for every pointer."""
     if lib.hybrid_q8_adam_step(ctypes.byref(args)) != 0:
-        raise ValueError("hybrid_q8_adam_step refused its arguments: a dtype code out of range or "
-                         "a missing pointer (a q8 moment needs its absmax and absmax_out)")
+        raise ValueError(
+            "hybrid_q8_adam_step refused its arguments: a dtype code out of range or "
+            "a missing pointer (a q8 moment needs its absmax and absmax_out)"
+        )

@@ -33,6 +33,7 @@ names the operation, the path, the offset and the bytes requested vs done, e.g.
 (EFBIG); 4194304 bytes written". A read that meets end of file early is an error too
 (errno ENODATA, "short read"). Disk full shows as ENOSPC, a file-size limit as EFBIG.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -47,16 +48,51 @@ import weakref
 
 from ._lib import lib
 from .aio_buffers import (  # noqa: F401 - the public names re-exported, _checksum_portable too (tests)
-                          AioAlignmentError, AioError, AioResult, align_up, aligned_buffer,
-                          ALIGNMENT, checksum, checksum_combine, checksum_impl,
-                          DEFAULT_CHUNK_BYTES, DEFAULT_TIMEOUT_S, _checksum_portable,
-                          _EMISALIGNED_BUF, _EMISALIGNED_LEN, _EMISALIGNED_OFF, _errname,
-                          _FLAG_CRC, _HINTS, _MODES, _O_DIRECT, _OP_NAMES, _READ, _resolve,
-                          _Result, _SYNC, _WRITE, open_direct)
+    _EMISALIGNED_BUF,
+    _EMISALIGNED_LEN,
+    _EMISALIGNED_OFF,
+    _FLAG_CRC,
+    _HINTS,
+    _MODES,
+    _O_DIRECT,
+    _OP_NAMES,
+    _READ,
+    _SYNC,
+    _WRITE,
+    ALIGNMENT,
+    DEFAULT_CHUNK_BYTES,
+    DEFAULT_TIMEOUT_S,
+    AioAlignmentError,
+    AioError,
+    AioResult,
+    _checksum_portable,
+    _errname,
+    _resolve,
+    _Result,
+    align_up,
+    aligned_buffer,
+    checksum,
+    checksum_combine,
+    checksum_impl,
+    open_direct,
+)
 
-__all__ = ["AioEngine", "AioError", "AioAlignmentError", "AioResult", "aligned_buffer",
-           "align_up", "checksum", "checksum_combine", "checksum_impl", "ALIGNMENT",
-           "DEFAULT_CHUNK_BYTES", "DEFAULT_TIMEOUT_S", "open_direct"]
+__all__ = [
+    "AioEngine",
+    "AioError",
+    "AioAlignmentError",
+    "AioResult",
+    "aligned_buffer",
+    "align_up",
+    "checksum",
+    "checksum_combine",
+    "checksum_impl",
+    "ALIGNMENT",
+    "DEFAULT_CHUNK_BYTES",
+    "DEFAULT_TIMEOUT_S",
+    "open_direct",
+]
+
 
 class _Request:
     __slots__ = ("op", "fd", "offset", "nbytes", "pin", "crc")
@@ -76,7 +112,7 @@ class _State:
         self.handle = handle
         self.lock = threading.Lock()
         self.idle = threading.Condition(self.lock)
-        self.active = 0            # C calls in progress
+        self.active = 0  # C calls in progress
         self.closed = False
         self.requests: dict[int, _Request] = {}
         self.paths: dict[int, str] = {}
@@ -128,25 +164,40 @@ class AioEngine:
     joins every thread.
     """
 
-    def __init__(self, threads: int = 4, queue_depth: int = 32, *,
-                 chunk_bytes: int = DEFAULT_CHUNK_BYTES, alignment: int = ALIGNMENT):
-        for name, v in (("threads", threads), ("queue_depth", queue_depth),
-                        ("chunk_bytes", chunk_bytes), ("alignment", alignment)):
+    def __init__(
+        self,
+        threads: int = 4,
+        queue_depth: int = 32,
+        *,
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        alignment: int = ALIGNMENT,
+    ):
+        for name, v in (
+            ("threads", threads),
+            ("queue_depth", queue_depth),
+            ("chunk_bytes", chunk_bytes),
+            ("alignment", alignment),
+        ):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"AioEngine: {name} must be a positive int, got {v!r}")
         if alignment & (alignment - 1):
             raise ValueError(f"AioEngine: alignment must be a power of two, got {alignment}")
         if chunk_bytes % alignment or chunk_bytes > 1 << 30:
-            raise ValueError(f"AioEngine: chunk_bytes must be a multiple of alignment "
-                             f"({alignment}) and at most 1 GiB, got {chunk_bytes}")
+            raise ValueError(
+                f"AioEngine: chunk_bytes must be a multiple of alignment "
+                f"({alignment}) and at most 1 GiB, got {chunk_bytes}"
+            )
         if threads > 1024 or queue_depth > 1 << 20:
-            raise ValueError(f"AioEngine: at most 1024 threads and a queue depth of 2**20, got "
-                             f"threads={threads}, queue_depth={queue_depth}")
+            raise ValueError(
+                f"AioEngine: at most 1024 threads and a queue depth of 2**20, got "
+                f"threads={threads}, queue_depth={queue_depth}"
+            )
         err = ctypes.c_int(0)
         handle = lib.hybrid_aio_create(threads, queue_depth, chunk_bytes, alignment, ctypes.byref(err))
         if not handle:
-            raise OSError(err.value, f"AioEngine: could not start {threads} I/O threads: "
-                                     f"{os.strerror(err.value)}")
+            raise OSError(
+                err.value, f"AioEngine: could not start {threads} I/O threads: {os.strerror(err.value)}"
+            )
         self.threads, self.queue_depth = threads, queue_depth
         self.chunk_bytes, self.alignment = chunk_bytes, alignment
         self._s = _State(handle)
@@ -181,9 +232,12 @@ class AioEngine:
         with self._s.lock:
             busy = sum(1 for r in self._s.requests.values() if r.fd == fd)
             if busy:
-                raise AioError(_errno.EBUSY, f"close_fd: {busy} request(s) on fd {fd} "
-                               f"({self._path(fd)}) are not waited for yet; wait() first",
-                               path=self._path(fd))
+                raise AioError(
+                    _errno.EBUSY,
+                    f"close_fd: {busy} request(s) on fd {fd} "
+                    f"({self._path(fd)}) are not waited for yet; wait() first",
+                    path=self._path(fd),
+                )
             self._s.paths.pop(fd, None)
         os.close(fd)
 
@@ -203,16 +257,18 @@ class AioEngine:
 
     # -- requests -----------------------------------------------------------------------
 
-    def submit_read(self, fd: int, buf, nbytes: int | None = None, offset: int | None = 0, *,
-                    checksum: bool = False) -> int:
+    def submit_read(
+        self, fd: int, buf, nbytes: int | None = None, offset: int | None = 0, *, checksum: bool = False
+    ) -> int:
         """Queues a read of `nbytes` at file `offset` into `buf` (int address or writable
         buffer object; nbytes defaults to its length). offset=None reads at the fd's own
         position in one piece (pipes, FIFOs). checksum=True: the result carries the CRC32C
         of the bytes read, computed by the I/O threads. Returns the request id."""
         return self._submit(_READ, fd, buf, nbytes, offset, checksum)
 
-    def submit_write(self, fd: int, buf, nbytes: int | None = None, offset: int | None = 0, *,
-                     checksum: bool = False) -> int:
+    def submit_write(
+        self, fd: int, buf, nbytes: int | None = None, offset: int | None = 0, *, checksum: bool = False
+    ) -> int:
         """Queues a write of `nbytes` of `buf` at file `offset`; as `submit_read`."""
         return self._submit(_WRITE, fd, buf, nbytes, offset, checksum)
 
@@ -227,8 +283,9 @@ class AioEngine:
         if offset is not None and (isinstance(offset, bool) or not isinstance(offset, int)):
             raise TypeError(f"{_OP_NAMES[op]}: offset must be an int or None, got {type(offset).__name__}")
         if offset is not None and offset < 0:
-            raise ValueError(f"{_OP_NAMES[op]}: offset must be >= 0 (or None for the fd's "
-                             f"position), got {offset}")
+            raise ValueError(
+                f"{_OP_NAMES[op]}: offset must be >= 0 (or None for the fd's position), got {offset}"
+            )
         if op == _SYNC:
             addr, pin = 0, None
         else:
@@ -241,9 +298,15 @@ class AioEngine:
                 s.active += 1
                 handle = s.handle
             try:
-                rid = lib.hybrid_aio_submit(handle, op, fd, addr, nbytes,
-                                            -1 if offset is None else offset,
-                                            _FLAG_CRC if want_crc else 0)
+                rid = lib.hybrid_aio_submit(
+                    handle,
+                    op,
+                    fd,
+                    addr,
+                    nbytes,
+                    -1 if offset is None else offset,
+                    _FLAG_CRC if want_crc else 0,
+                )
                 if rid > 0:
                     with s.lock:
                         s.requests[rid] = _Request(op, fd, offset, nbytes, pin, want_crc)
@@ -273,20 +336,34 @@ class AioEngine:
         path, a = self._path(fd), self.alignment
         kw = dict(path=path, op=_OP_NAMES[op], offset=offset, nbytes=nbytes, bytes_done=0)
         if code == _EMISALIGNED_BUF:
-            return AioAlignmentError(_errno.EINVAL, f"{what} refused: the file is open with "
-                                     f"O_DIRECT and the buffer address {addr:#x} is not a "
-                                     f"multiple of {a} (use aligned_buffer())", **kw)
+            return AioAlignmentError(
+                _errno.EINVAL,
+                f"{what} refused: the file is open with "
+                f"O_DIRECT and the buffer address {addr:#x} is not a "
+                f"multiple of {a} (use aligned_buffer())",
+                **kw,
+            )
         if code == _EMISALIGNED_LEN:
-            return AioAlignmentError(_errno.EINVAL, f"{what} refused: the file is open with "
-                                     f"O_DIRECT and {nbytes} bytes is not a multiple of {a} "
-                                     f"(pad to align_up(nbytes) = {align_up(nbytes, a)})", **kw)
+            return AioAlignmentError(
+                _errno.EINVAL,
+                f"{what} refused: the file is open with "
+                f"O_DIRECT and {nbytes} bytes is not a multiple of {a} "
+                f"(pad to align_up(nbytes) = {align_up(nbytes, a)})",
+                **kw,
+            )
         if code == _EMISALIGNED_OFF:
-            return AioAlignmentError(_errno.EINVAL, f"{what} refused: the file is open with "
-                                     f"O_DIRECT and offset {offset} is not a multiple of {a}", **kw)
+            return AioAlignmentError(
+                _errno.EINVAL,
+                f"{what} refused: the file is open with "
+                f"O_DIRECT and offset {offset} is not a multiple of {a}",
+                **kw,
+            )
         err = -code
         if err == _errno.EAGAIN:
-            msg = (f"{what} refused: the queue is full ({self.queue_depth} requests submitted "
-                   f"and not yet waited for); wait() for some first or raise queue_depth")
+            msg = (
+                f"{what} refused: the queue is full ({self.queue_depth} requests submitted "
+                f"and not yet waited for); wait() for some first or raise queue_depth"
+            )
         elif err == _errno.EBADF:
             mode = "reading" if op == _READ else "writing" if op == _WRITE else "I/O"
             msg = f"{what} refused: fd {fd} is not an open descriptor for {mode}"
@@ -305,10 +382,15 @@ class AioEngine:
         otherwise, after every one of them has finished and been consumed (`e.results`,
         `e.failures` carry them all). Every id is waited for once.
         """
-        if not (isinstance(timeout_s, (int, float)) and not isinstance(timeout_s, bool)
-                and math.isfinite(timeout_s) and timeout_s >= 0):
-            raise ValueError(f"wait: timeout_s must be a finite number >= 0 (every wait is "
-                             f"bounded), got {timeout_s!r}")
+        if not (
+            isinstance(timeout_s, (int, float))
+            and not isinstance(timeout_s, bool)
+            and math.isfinite(timeout_s)
+            and timeout_s >= 0
+        ):
+            raise ValueError(
+                f"wait: timeout_s must be a finite number >= 0 (every wait is bounded), got {timeout_s!r}"
+            )
         s = self._s
         with s.lock:
             if s.closed:
@@ -322,8 +404,10 @@ class AioEngine:
                     ids = [operator.index(i) for i in ids]
                 for i in ids:
                     if i not in s.requests:
-                        raise ValueError(f"wait: request id {i!r} is not outstanding "
-                                         f"(never submitted here, or already waited for)")
+                        raise ValueError(
+                            f"wait: request id {i!r} is not outstanding "
+                            f"(never submitted here, or already waited for)"
+                        )
                 if len(set(ids)) != len(ids):
                     raise ValueError("wait: the same request id is given twice")
             if not ids:
@@ -342,20 +426,29 @@ class AioEngine:
         if rc == -_errno.ETIMEDOUT:
             raise self._timeout_error(ids, timeout_s)
         if rc == -_errno.ESHUTDOWN:
-            raise AioError(_errno.ESHUTDOWN, f"wait: the engine was closed while waiting for "
-                           f"{n} request(s)")
+            raise AioError(_errno.ESHUTDOWN, f"wait: the engine was closed while waiting for {n} request(s)")
         if rc != 0:
-            raise ValueError(f"wait: request ids {ids} are not all outstanding (another thread "
-                             f"waited for one of them)")
+            raise ValueError(
+                f"wait: request ids {ids} are not all outstanding (another thread waited for one of them)"
+            )
         results, failures = [], []
         with s.lock:
             reqs = [s.requests.pop(i) for i in ids]
         for i, req, res in zip(ids, reqs, out):
             if req.pin is not None:
                 req.pin.release()
-            results.append(AioResult(i, _OP_NAMES[req.op], req.fd, self._path(req.fd), req.offset,
-                                     req.nbytes, res.bytes_done,
-                                     res.crc if req.crc and res.error == 0 else None))
+            results.append(
+                AioResult(
+                    i,
+                    _OP_NAMES[req.op],
+                    req.fd,
+                    self._path(req.fd),
+                    req.offset,
+                    req.nbytes,
+                    res.bytes_done,
+                    res.crc if req.crc and res.error == 0 else None,
+                )
+            )
             if res.error:
                 failures.append(self._request_error(i, req, res))
         if failures:
@@ -370,18 +463,33 @@ class AioEngine:
         if req.op == _SYNC:
             msg = f"{what} failed: {os.strerror(res.error)} ({_errname(res.error)})"
         elif res.eof:
-            msg = (f"{what} failed: short read, end of file at offset {res.error_offset} "
-                   f"({_errname(res.error)}); {res.bytes_done} bytes {done}")
+            msg = (
+                f"{what} failed: short read, end of file at offset {res.error_offset} "
+                f"({_errname(res.error)}); {res.bytes_done} bytes {done}"
+            )
         else:
-            at = (f" at offset {res.error_offset}" if req.offset is not None
-                  else f" after {res.error_offset} bytes")
-            msg = (f"{what} failed{at}: {os.strerror(res.error)} ({_errname(res.error)}); "
-                   f"{res.bytes_done} bytes {done}")
+            at = (
+                f" at offset {res.error_offset}"
+                if req.offset is not None
+                else f" after {res.error_offset} bytes"
+            )
+            msg = (
+                f"{what} failed{at}: {os.strerror(res.error)} ({_errname(res.error)}); "
+                f"{res.bytes_done} bytes {done}"
+            )
         if res.error in _HINTS and not res.eof:
             msg += f" — {_HINTS[res.error]}"
-        return AioError(res.error, msg, path=self._path(req.fd), op=_OP_NAMES[req.op],
-                        offset=req.offset, nbytes=req.nbytes, bytes_done=res.bytes_done,
-                        error_offset=res.error_offset, request_id=rid)
+        return AioError(
+            res.error,
+            msg,
+            path=self._path(req.fd),
+            op=_OP_NAMES[req.op],
+            offset=req.offset,
+            nbytes=req.nbytes,
+            bytes_done=res.bytes_done,
+            error_offset=res.error_offset,
+            request_id=rid,
+        )
 
     def _timeout_error(self, ids, timeout_s) -> AioError:
         s = self._s
@@ -391,14 +499,20 @@ class AioEngine:
             first = s.requests.get(rid)
         if first is None:  # another thread took it meanwhile
             return AioError(_errno.ETIMEDOUT, f"wait timed out after {timeout_s:g} s")
-        return AioError(_errno.ETIMEDOUT,
-                        f"wait timed out after {timeout_s:g} s with {len(pending)} of {len(ids)} "
-                        f"request(s) unfinished, first: "
-                        f"{self._describe(first.op, first.fd, first.offset, first.nbytes)}; the "
-                        f"device is stalled or the descriptor never delivers. The requests stay "
-                        f"outstanding: wait() again or close()",
-                        path=self._path(first.fd), op=_OP_NAMES[first.op], offset=first.offset,
-                        nbytes=first.nbytes, bytes_done=0, request_id=rid)
+        return AioError(
+            _errno.ETIMEDOUT,
+            f"wait timed out after {timeout_s:g} s with {len(pending)} of {len(ids)} "
+            f"request(s) unfinished, first: "
+            f"{self._describe(first.op, first.fd, first.offset, first.nbytes)}; the "
+            f"device is stalled or the descriptor never delivers. The requests stay "
+            f"outstanding: wait() again or close()",
+            path=self._path(first.fd),
+            op=_OP_NAMES[first.op],
+            offset=first.offset,
+            nbytes=first.nbytes,
+            bytes_done=0,
+            request_id=rid,
+        )
 
     def done(self, rid: int) -> bool:
         """Whether request `rid` has finished (its result still awaits `wait`)."""
@@ -418,13 +532,29 @@ class AioEngine:
 
     # -- blocking helpers ----------------------------------------------------------------
 
-    def read(self, fd: int, buf, nbytes: int | None = None, offset: int | None = 0, *,
-             checksum: bool = False, timeout_s: float = DEFAULT_TIMEOUT_S) -> AioResult:
+    def read(
+        self,
+        fd: int,
+        buf,
+        nbytes: int | None = None,
+        offset: int | None = 0,
+        *,
+        checksum: bool = False,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+    ) -> AioResult:
         """submit_read + wait."""
         return self.wait([self.submit_read(fd, buf, nbytes, offset, checksum=checksum)], timeout_s)[0]
 
-    def write(self, fd: int, buf, nbytes: int | None = None, offset: int | None = 0, *,
-              checksum: bool = False, timeout_s: float = DEFAULT_TIMEOUT_S) -> AioResult:
+    def write(
+        self,
+        fd: int,
+        buf,
+        nbytes: int | None = None,
+        offset: int | None = 0,
+        *,
+        checksum: bool = False,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+    ) -> AioResult:
         """submit_write + wait."""
         return self.wait([self.submit_write(fd, buf, nbytes, offset, checksum=checksum)], timeout_s)[0]
 
@@ -442,10 +572,13 @@ class AioEngine:
             return
         cancelled = self._s.shutdown(timeout_s)
         if cancelled:
-            warnings.warn(f"AioEngine.close: {'some' if cancelled < 0 else cancelled} I/O "
-                          f"thread(s) still inside a system call after {timeout_s:g} s were "
-                          f"cancelled" + (" (one could not be joined; its memory is kept)"
-                                          if cancelled < 0 else ""), RuntimeWarning, stacklevel=2)
+            warnings.warn(
+                f"AioEngine.close: {'some' if cancelled < 0 else cancelled} I/O "
+                f"thread(s) still inside a system call after {timeout_s:g} s were "
+                f"cancelled" + (" (one could not be joined; its memory is kept)" if cancelled < 0 else ""),
+                RuntimeWarning,
+                stacklevel=2,
+            )
 
     def __enter__(self):
         return self
@@ -455,5 +588,7 @@ class AioEngine:
 
     def __repr__(self):
         state = "closed" if self.closed else f"{self.outstanding} outstanding"
-        return (f"AioEngine(threads={self.threads}, queue_depth={self.queue_depth}, "
-                f"chunk_bytes={self.chunk_bytes}, {state})")
+        return (
+            f"AioEngine(threads={self.threads}, queue_depth={self.queue_depth}, "
+            f"chunk_bytes={self.chunk_bytes}, {state})"
+        )

@@ -1,6 +1,7 @@
 """cpu_kernels.aio_buffers: what the aio engine (aio.py) is built on — the C library's
 declarations, errors and results, buffer resolution and O_DIRECT alignment, and CRC32C
 checksums. Imported through `cpu_kernels.aio`, which re-exports the public names."""
+
 from __future__ import annotations
 
 import ctypes
@@ -37,17 +38,31 @@ _O_DIRECT = getattr(os, "O_DIRECT", 0)
 
 
 class _Result(ctypes.Structure):  # mirrors hybrid_aio_result_t
-    _fields_ = [("id", ctypes.c_int64), ("bytes_done", ctypes.c_int64),
-                ("error_offset", ctypes.c_int64), ("error", ctypes.c_int32),
-                ("eof", ctypes.c_int32), ("crc", ctypes.c_uint32), ("reserved", ctypes.c_int32)]
+    _fields_ = [
+        ("id", ctypes.c_int64),
+        ("bytes_done", ctypes.c_int64),
+        ("error_offset", ctypes.c_int64),
+        ("error", ctypes.c_int32),
+        ("eof", ctypes.c_int32),
+        ("crc", ctypes.c_uint32),
+        ("reserved", ctypes.c_int32),
+    ]
 
 
 class _PyBuffer(ctypes.Structure):  # CPython's Py_buffer
-    _fields_ = [("buf", ctypes.c_void_p), ("obj", ctypes.c_void_p), ("len", ctypes.c_ssize_t),
-                ("itemsize", ctypes.c_ssize_t), ("readonly", ctypes.c_int), ("ndim", ctypes.c_int),
-                ("format", ctypes.c_char_p), ("shape", ctypes.c_void_p),
-                ("strides", ctypes.c_void_p), ("suboffsets", ctypes.c_void_p),
-                ("internal", ctypes.c_void_p)]
+    _fields_ = [
+        ("buf", ctypes.c_void_p),
+        ("obj", ctypes.c_void_p),
+        ("len", ctypes.c_ssize_t),
+        ("itemsize", ctypes.c_ssize_t),
+        ("readonly", ctypes.c_int),
+        ("ndim", ctypes.c_int),
+        ("format", ctypes.c_char_p),
+        ("shape", ctypes.c_void_p),
+        ("strides", ctypes.c_void_p),
+        ("suboffsets", ctypes.c_void_p),
+        ("internal", ctypes.c_void_p),
+    ]
 
 
 def _declare():
@@ -81,6 +96,7 @@ _declare()
 # ----------------------------------------------------------------------------------------
 # errors and results
 
+
 class AioError(OSError):
     """A failed, timed-out or refused I/O request. `errno` is set; `filename` is the path.
 
@@ -90,8 +106,19 @@ class AioError(OSError):
     `failures` every AioError of it (this one is the first).
     """
 
-    def __init__(self, err: int, message: str, *, path=None, op=None, offset=None,
-                 nbytes=None, bytes_done=None, error_offset=None, request_id=None):
+    def __init__(
+        self,
+        err: int,
+        message: str,
+        *,
+        path=None,
+        op=None,
+        offset=None,
+        nbytes=None,
+        bytes_done=None,
+        error_offset=None,
+        request_id=None,
+    ):
         super().__init__(err, message)
         self.filename = path
         self.message = message
@@ -104,10 +131,22 @@ class AioError(OSError):
         return self.message
 
     def __reduce__(self):  # survives pickling (e.g. sent back from the worker process)
-        return (_rebuild_error, (self.errno, self.message, dict(
-            path=self.filename, op=self.op, offset=self.offset, nbytes=self.nbytes,
-            bytes_done=self.bytes_done, error_offset=self.error_offset,
-            request_id=self.request_id)))
+        return (
+            _rebuild_error,
+            (
+                self.errno,
+                self.message,
+                dict(
+                    path=self.filename,
+                    op=self.op,
+                    offset=self.offset,
+                    nbytes=self.nbytes,
+                    bytes_done=self.bytes_done,
+                    error_offset=self.error_offset,
+                    request_id=self.request_id,
+                ),
+            ),
+        )
 
 
 class AioAlignmentError(AioError, ValueError):
@@ -120,6 +159,7 @@ def _rebuild_error(err, message, kwargs):
 
 class AioResult(NamedTuple):
     """One finished request: `crc` is its CRC32C when submitted with checksum=True, else None."""
+
     id: int
     op: str
     fd: int
@@ -137,7 +177,7 @@ def _errname(err: int) -> str:
 _HINTS = {
     _errno.ENOSPC: "the filesystem is full: free space there or put the files elsewhere",
     _errno.EFBIG: "a file-size limit was hit (the process's RLIMIT_FSIZE / `ulimit -f`, "
-                  "or the filesystem's largest file)",
+    "or the filesystem's largest file)",
     _errno.EINVAL: "with O_DIRECT the filesystem may refuse this alignment or direct I/O itself",
 }
 
@@ -145,15 +185,18 @@ _HINTS = {
 # ----------------------------------------------------------------------------------------
 # buffers and checksums
 
+
 class _Pinned:
     """A buffer export held for the life of a request (or of one checksum call)."""
+
     __slots__ = ("view", "held")
 
     def __init__(self, obj, writable: bool):
         self.view = _PyBuffer()
         # raises the exporter's own TypeError/BufferError (e.g. read-only or not contiguous)
-        ctypes.pythonapi.PyObject_GetBuffer(obj, ctypes.byref(self.view),
-                                            _PyBUF_WRITABLE if writable else _PyBUF_SIMPLE)
+        ctypes.pythonapi.PyObject_GetBuffer(
+            obj, ctypes.byref(self.view), _PyBUF_WRITABLE if writable else _PyBUF_SIMPLE
+        )
         self.held = True
 
     @property
@@ -184,8 +227,10 @@ def _resolve(buf, nbytes, writable: bool, what: str):
         pin = _Pinned(buf, writable)
     except (TypeError, ValueError, BufferError) as e:
         need = "a writable, contiguous" if writable else "a contiguous"
-        raise (ValueError if isinstance(e, ValueError) else TypeError)(f"{what}: the buffer must be an int address or {need} object "
-                        f"exposing the buffer protocol, got {type(buf).__name__} ({e})") from None
+        raise (ValueError if isinstance(e, ValueError) else TypeError)(
+            f"{what}: the buffer must be an int address or {need} object "
+            f"exposing the buffer protocol, got {type(buf).__name__} ({e})"
+        ) from None
     if nbytes is None:
         nbytes = pin.nbytes
     else:
@@ -216,8 +261,9 @@ def aligned_buffer(nbytes: int) -> mmap.mmap:
     nbytes = _check_nbytes(nbytes, "aligned_buffer")
     if nbytes == 0:
         raise ValueError("aligned_buffer: nbytes must be > 0 (an mmap cannot be empty)")
-    return mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS,
-                     prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    return mmap.mmap(
+        -1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS, prot=mmap.PROT_READ | mmap.PROT_WRITE
+    )
 
 
 def checksum(buf, nbytes: int | None = None, *, seed: int = 0) -> int:
@@ -250,7 +296,7 @@ def checksum_combine(crc_a: int, crc_b: int, len_b: int) -> int:
 
 
 def checksum_impl() -> str:
-    """"sse4.2" or "portable": the path `checksum` uses on this CPU."""
+    """ "sse4.2" or "portable": the path `checksum` uses on this CPU."""
     return "sse4.2" if lib.hybrid_crc32c_hw() else "portable"
 
 
@@ -282,6 +328,10 @@ def _warn_buffered_once(path: str, err: OSError):
         if _warned_buffered:
             return
         _warned_buffered = True
-    warnings.warn(f"the filesystem holding {path} refuses O_DIRECT ({err.strerror}); using "
-                  f"buffered I/O for it and any other such file in this process (slower, "
-                  f"and it fills the page cache)", RuntimeWarning, stacklevel=3)
+    warnings.warn(
+        f"the filesystem holding {path} refuses O_DIRECT ({err.strerror}); using "
+        f"buffered I/O for it and any other such file in this process (slower, "
+        f"and it fills the page cache)",
+        RuntimeWarning,
+        stacklevel=3,
+    )

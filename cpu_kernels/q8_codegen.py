@@ -8,6 +8,7 @@ library's loaded tables to the reference. Regenerate with
 
     python -m cpu_kernels.q8_codegen
 """
+
 from __future__ import annotations
 
 import pathlib
@@ -22,11 +23,11 @@ _PER_LINE = 8
 def _rows(words):
     lines = []
     for k in range(0, len(words), _PER_LINE):
-        lines.append("    " + ", ".join(f"0x{w & 0xFFFFFFFF:08x}u" for w in words[k:k + _PER_LINE]) + ",")
+        lines.append("    " + ", ".join(f"0x{w & 0xFFFFFFFF:08x}u" for w in words[k : k + _PER_LINE]) + ",")
     return "\n".join(lines)
 
 
-LINES = 4      # lines per octave: the rank's interpolant is their minimum
+LINES = 4  # lines per octave: the rank's interpolant is their minimum
 LINE_KEYS = 32  # octaves 2^-31 .. 2^0 (key = biased exponent - 96, clamped to 0..31)
 
 
@@ -42,8 +43,9 @@ def line_tables(signed: bool):
     integer the floor of the minimum is the rank; a lane near one takes the exact scalar path
     (q8_code). tests/test_q8_cpu.py holds the vector path to q8_code for every |x|."""
     firsts = q8._first_of_each_rank(signed)[0]
-    pts = [(Fraction(0), Fraction(1, 2))] + [(Fraction(q8._from_bits32(u)), Fraction(r + 1))
-                                             for r, u in enumerate(firsts)]
+    pts = [(Fraction(0), Fraction(1, 2))] + [
+        (Fraction(q8._from_bits32(u)), Fraction(r + 1)) for r, u in enumerate(firsts)
+    ]
     slopes = [(pts[i + 1][1] - pts[i][1]) / (pts[i + 1][0] - pts[i][0]) for i in range(len(pts) - 1)]
     groups, a = [], 0
     for i in range(1, len(slopes) + 1):
@@ -94,15 +96,20 @@ def source() -> str:
     ]
     for signed in (True, False):
         parts += ["  {", _rows(maps[signed]), "  },"]
-    parts += ["};", "", f"const uint32_t q8_buckets[2][2 * Q8_KEYS] __attribute__((aligned(64))) = {{"]
+    parts += ["};", "", "const uint32_t q8_buckets[2][2 * Q8_KEYS] __attribute__((aligned(64))) = {"]
     for signed in (True, False):
         parts += ["  {", _rows(tables[signed]), "  },"]
-    parts += ["};", "", "/* the vector quantizer's lines (q8_codegen.line_tables): [map][line][slope, offset][octave], fp32 bits */",
-              "/* the smallest |x| of the top rank, [0] signed, [1] unsigned */",
-              "const uint32_t q8_top_first[2] = {" + ", ".join(
-                  f"0x{q8._first_of_each_rank(signed)[0][-1]:08x}u" for signed in (True, False)) + "};",
-              "",
-              f"const uint32_t q8_lines[2][{LINES}][2][{LINE_KEYS}] __attribute__((aligned(64))) = {{"]
+    parts += [
+        "};",
+        "",
+        "/* the vector quantizer's lines (q8_codegen.line_tables): [map][line][slope, offset][octave], fp32 bits */",
+        "/* the smallest |x| of the top rank, [0] signed, [1] unsigned */",
+        "const uint32_t q8_top_first[2] = {"
+        + ", ".join(f"0x{q8._first_of_each_rank(signed)[0][-1]:08x}u" for signed in (True, False))
+        + "};",
+        "",
+        f"const uint32_t q8_lines[2][{LINES}][2][{LINE_KEYS}] __attribute__((aligned(64))) = {{",
+    ]
     for signed in (True, False):
         parts.append("  {")
         for line in line_tables(signed):

@@ -52,6 +52,7 @@ memory-bound, so the roundings cost nothing), the param update uses the fresh fp
 they are quantized (as torchao does), and each q8 moment is quantized again with a fresh absmax per
 block.
 """
+
 from __future__ import annotations
 
 import functools
@@ -76,11 +77,13 @@ class Q8Blocks(NamedTuple):
     """A q8 moment: one uint8 code per element and one fp32 absmax per block of 256 (the last
     block may be partial). Which map it uses follows from the moment: signed for exp_avg,
     unsigned for exp_avg_sq and max_exp_avg_sq."""
+
     codes: torch.Tensor
     absmax: torch.Tensor
 
 
 # ------------------------------------------------------------------------------------ the maps
+
 
 def _bits32(x: float) -> int:
     return struct.unpack("<I", struct.pack("<f", x))[0]
@@ -145,6 +148,7 @@ def dynamic_map(signed: bool) -> torch.Tensor:
 
 # ------------------------------------------------------------------------------- the quantizers
 
+
 def _midpoints64(signed: bool) -> torch.Tensor:
     """The exact midpoints between adjacent map values (fp64 holds them exactly: adjacent fp32
     values are within a factor of 2.3 of each other, so their sum needs at most 26 bits)."""
@@ -162,7 +166,7 @@ def quantize_reference(x: torch.Tensor, signed: bool) -> torch.Tensor:
     below = torch.searchsorted(mids, x64.nan_to_num(0.0).contiguous(), side="left")  # midpoints < x
     tie = mids[below.clamp(max=254)] == x64
     code = below + (tie & (below % 2 == 1)).long()
-    negative = (x.contiguous().view(torch.int32) < 0)
+    negative = x.contiguous().view(torch.int32) < 0
     code = torch.where(torch.isnan(x), torch.where(negative, 0, 255), code)
     if not signed:
         code = torch.where(x <= 0, 0, code)  # every x <= 0 is nearest to 0.0
@@ -238,6 +242,7 @@ def quantize_fast(x: torch.Tensor, signed: bool) -> torch.Tensor:
 
 # ------------------------------------------------------------------------------ blocks of 256
 
+
 def _padded_blocks(values: torch.Tensor) -> torch.Tensor:
     flat = values.float().flatten()
     pad = -flat.numel() % BLOCK
@@ -267,23 +272,40 @@ def dequantize_blocks(q: Q8Blocks, signed: bool) -> torch.Tensor:
     codes, absmax = q
     n = codes.numel()
     if absmax.numel() != -(-n // BLOCK):
-        raise ValueError(f"{n} codes need {-(-n // BLOCK)} absmax values (one per block of {BLOCK}), "
-                         f"got {absmax.numel()}")
+        raise ValueError(
+            f"{n} codes need {-(-n // BLOCK)} absmax values (one per block of {BLOCK}), got {absmax.numel()}"
+        )
     values = dynamic_map(signed)[codes.flatten().long()]
     return values * absmax.float().repeat_interleave(BLOCK)[:n]
 
 
 # ------------------------------------------------------------------------------- the Adam step
 
-def q8_adam_step_reference(param, grad, exp_avg, exp_avg_sq, *, step, lr, beta1, beta2, eps,
-                           weight_decay, decoupled=True, grad_scale=1.0, max_exp_avg_sq=None,
-                           remainder=None):
+
+def q8_adam_step_reference(
+    param,
+    grad,
+    exp_avg,
+    exp_avg_sq,
+    *,
+    step,
+    lr,
+    beta1,
+    beta2,
+    eps,
+    weight_decay,
+    decoupled=True,
+    grad_scale=1.0,
+    max_exp_avg_sq=None,
+    remainder=None,
+):
     """One Adam/AdamW step over flat tensors whose moments may be q8: each of exp_avg,
     exp_avg_sq is a Q8Blocks or an fp32/bf16 tensor (max_exp_avg_sq in exp_avg_sq's format).
     Returns the new (param, exp_avg, exp_avg_sq, max_exp_avg_sq, remainder), each in its input's
     format (None where absent); inputs untouched. The arithmetic is
     `adam_step_bitwise_reference(..., fma=False)` on the dequantized moments; the param update
     uses the fp32 moments before they are quantized again, each block with a fresh absmax."""
+
     def widened(moment, signed):
         if isinstance(moment, torch.Tensor):
             return moment  # fp32 or bf16: adam_step_bitwise_reference rounds it back to its dtype
@@ -296,8 +318,26 @@ def q8_adam_step_reference(param, grad, exp_avg, exp_avg_sq, *, step, lr, beta1,
 
     vmax_in = widened(max_exp_avg_sq, False) if max_exp_avg_sq is not None else None
     p, m, v, vmax, rem = adam_step_bitwise_reference(
-        param, grad, widened(exp_avg, True), widened(exp_avg_sq, False), step=step, lr=lr,
-        beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, decoupled=decoupled,
-        grad_scale=grad_scale, max_exp_avg_sq=vmax_in, remainder=remainder, fma=False)
-    return (p, narrowed(m, exp_avg, True), narrowed(v, exp_avg_sq, False),
-            narrowed(vmax, max_exp_avg_sq, False) if vmax is not None else None, rem)
+        param,
+        grad,
+        widened(exp_avg, True),
+        widened(exp_avg_sq, False),
+        step=step,
+        lr=lr,
+        beta1=beta1,
+        beta2=beta2,
+        eps=eps,
+        weight_decay=weight_decay,
+        decoupled=decoupled,
+        grad_scale=grad_scale,
+        max_exp_avg_sq=vmax_in,
+        remainder=remainder,
+        fma=False,
+    )
+    return (
+        p,
+        narrowed(m, exp_avg, True),
+        narrowed(v, exp_avg_sq, False),
+        narrowed(vmax, max_exp_avg_sq, False) if vmax is not None else None,
+        rem,
+    )

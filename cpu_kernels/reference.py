@@ -1,4 +1,5 @@
 """Pure-torch fp64 references of the cpu_kernels entry points (the tests' ground truth)."""
+
 from __future__ import annotations
 
 import math
@@ -6,8 +7,22 @@ import math
 import torch
 
 
-def adam_step_reference(param, grad, exp_avg, exp_avg_sq, *, step, lr, beta1, beta2, eps,
-                        weight_decay, decoupled=True, grad_scale=1.0, max_exp_avg_sq=None):
+def adam_step_reference(
+    param,
+    grad,
+    exp_avg,
+    exp_avg_sq,
+    *,
+    step,
+    lr,
+    beta1,
+    beta2,
+    eps,
+    weight_decay,
+    decoupled=True,
+    grad_scale=1.0,
+    max_exp_avg_sq=None,
+):
     """Returns the new (param, exp_avg, exp_avg_sq, max_exp_avg_sq) in fp64; inputs untouched."""
     p = param.double()
     g = grad.double() * grad_scale
@@ -21,8 +36,8 @@ def adam_step_reference(param, grad, exp_avg, exp_avg_sq, *, step, lr, beta1, be
     vmax = None
     if max_exp_avg_sq is not None:
         vmax = torch.maximum(max_exp_avg_sq.double(), v)
-    bc1 = 1.0 - beta1 ** step
-    bc2_sqrt = math.sqrt(1.0 - beta2 ** step)
+    bc1 = 1.0 - beta1**step
+    bc2_sqrt = math.sqrt(1.0 - beta2**step)
     denom = (vmax if vmax is not None else v).sqrt() / bc2_sqrt + eps
     p = p - (lr / bc1) * m / denom
     return p, m, v, vmax
@@ -34,13 +49,26 @@ def grad_stats_reference(grad):
     return float((g * g).sum()), bool(torch.isfinite(grad).all())
 
 
-def adam_inverse_reference(param, grad, exp_avg, exp_avg_sq, *, step, lr, beta1, beta2, eps,
-                           weight_decay, decoupled=True, grad_scale=1.0):
+def adam_inverse_reference(
+    param,
+    grad,
+    exp_avg,
+    exp_avg_sq,
+    *,
+    step,
+    lr,
+    beta1,
+    beta2,
+    eps,
+    weight_decay,
+    decoupled=True,
+    grad_scale=1.0,
+):
     """The state before the step that produced (param, exp_avg, exp_avg_sq), in fp64."""
     p1, m1, v1 = param.double(), exp_avg.double(), exp_avg_sq.double()
     g = grad.double() * grad_scale
-    bc1 = 1.0 - beta1 ** step
-    bc2_sqrt = math.sqrt(1.0 - beta2 ** step)
+    bc1 = 1.0 - beta1**step
+    bc2_sqrt = math.sqrt(1.0 - beta2**step)
     p0 = p1 + (lr / bc1) * m1 / (v1.sqrt() / bc2_sqrt + eps)
     if decoupled:
         p0 = p0 / (1.0 - lr * weight_decay)
@@ -73,8 +101,9 @@ def _fma(a, b, c):
     bb = hi - s
     lo = (s - (hi - bb)) + (c - bb)  # hi + lo == s + c exactly
     odd = (hi.view(torch.int64) & 1) == 1
-    toward = torch.where(lo > 0, torch.tensor(math.inf, dtype=torch.float64),
-                         torch.tensor(-math.inf, dtype=torch.float64))
+    toward = torch.where(
+        lo > 0, torch.tensor(math.inf, dtype=torch.float64), torch.tensor(-math.inf, dtype=torch.float64)
+    )
     # round to odd: an inexact hi is replaced by its odd neighbour on lo's side, so the
     # second rounding (to fp32, 29 fewer bits) cannot land on a false tie
     rto = torch.where((lo != 0) & ~odd & torch.isfinite(hi), torch.nextafter(hi, toward), hi)
@@ -94,12 +123,12 @@ def _u32(x):
 
 
 def _from_u32(u):
-    return torch.where(u >= 2 ** 31, u - 2 ** 32, u).to(torch.int32).view(torch.float32)
+    return torch.where(u >= 2**31, u - 2**32, u).to(torch.int32).view(torch.float32)
 
 
 def _as_int16(u):
     """int64 in [0, 2**16) -> int16 with those bits."""
-    return torch.where(u >= 2 ** 15, u - 2 ** 16, u).to(torch.int16)
+    return torch.where(u >= 2**15, u - 2**16, u).to(torch.int16)
 
 
 def bf16_round_reference(x):
@@ -125,9 +154,24 @@ def decode_remainder_reference(param, remainder):
     return _from_u32((((p - (r >> 15)) & 0xFFFF) << 16) | r)
 
 
-def adam_step_bitwise_reference(param, grad, exp_avg, exp_avg_sq, *, step, lr, beta1, beta2, eps,
-                                weight_decay, decoupled=True, grad_scale=1.0, max_exp_avg_sq=None,
-                                remainder=None, fma=True):
+def adam_step_bitwise_reference(
+    param,
+    grad,
+    exp_avg,
+    exp_avg_sq,
+    *,
+    step,
+    lr,
+    beta1,
+    beta2,
+    eps,
+    weight_decay,
+    decoupled=True,
+    grad_scale=1.0,
+    max_exp_avg_sq=None,
+    remainder=None,
+    fma=True,
+):
     """adam_step_'s exact bits: returns the new (param, exp_avg, exp_avg_sq, max_exp_avg_sq,
     remainder) in the inputs' dtypes (None where absent); inputs untouched. `fma`: whether
     the level fuses multiply-adds (see FUSED_MULTIPLY_ADD_LEVELS). With `remainder`, `param`
@@ -162,5 +206,10 @@ def adam_step_bitwise_reference(param, grad, exp_avg, exp_avg_sq, *, step, lr, b
     new_rem = None
     if remainder is not None:
         p, new_rem = encode_remainder_reference(p)
-    return (p, narrow(m, exp_avg), narrow(v, exp_avg_sq),
-            narrow(vmax, max_exp_avg_sq) if vmax is not None else None, new_rem)
+    return (
+        p,
+        narrow(m, exp_avg),
+        narrow(v, exp_avg_sq),
+        narrow(vmax, max_exp_avg_sq) if vmax is not None else None,
+        new_rem,
+    )

@@ -5,10 +5,20 @@ RuntimeError saying why (`unavailable_reason(device)` tells beforehand). Without
 device the kernels run on CPU tensors through Triton's interpreter when TRITON_INTERPRET=1.
 Each kernel sits beside its launcher and a pure-torch reference.
 """
+
 from ._runtime import unavailable_reason
 from .adam import FusedAdam, fused_adam_, fused_adam_reference_
 from .grad_stats import clip_coef, grad_stats, grad_stats_reference
 from .remainders import decode_remainder, encode_remainder
 
-__all__ = ["FusedAdam", "fused_adam_", "fused_adam_reference_", "grad_stats", "grad_stats_reference",
-           "clip_coef", "unavailable_reason", "encode_remainder", "decode_remainder"]
+__all__ = [
+    "FusedAdam",
+    "fused_adam_",
+    "fused_adam_reference_",
+    "grad_stats",
+    "grad_stats_reference",
+    "clip_coef",
+    "unavailable_reason",
+    "encode_remainder",
+    "decode_remainder",
+]

@@ -16,6 +16,7 @@ per tensor (`numel` and the tensors' addresses) and one row per program (`tensor
 pointers and steps `CHUNK` elements. A list of 1,000 small tensors is then one launch, and
 every offset is int64 (tensors past 2**31 elements).
 """
+
 import collections
 import contextlib
 import os
@@ -34,6 +35,7 @@ def _import_triton():
         try:
             import triton
             import triton.language  # noqa: F401  (the kernels' `tl`)
+
             _triton = triton
         except Exception as exc:  # ImportError, or a broken install that fails on import
             _triton_error = exc
@@ -73,8 +75,10 @@ def unavailable_reason(device):
     """Why a Triton kernel cannot run on `device` now, or None when it can."""
     device = torch.device(device)
     if _import_triton() is None:
-        return (f"gpu_kernels needs triton, which failed to import ({_triton_error!r}); "
-                "install triton>=3.0 (Linux x86_64)")
+        return (
+            f"gpu_kernels needs triton, which failed to import ({_triton_error!r}); "
+            "install triton>=3.0 (Linux x86_64)"
+        )
     if _offline.target is not None:
         return None  # compiling for a named GPU: the tensors only stand in for its memory
     if device.type == "cuda":
@@ -86,12 +90,16 @@ def unavailable_reason(device):
             if _version(_triton.__version__) < _MIN_INTERPRETER_VERSION:
                 # measured: triton 3.0's interpreter drops stores through pointers loaded from
                 # a table and 3.1's cannot unroll static_range; 3.2 onwards run these kernels
-                return (f"Triton's interpreter needs triton>=3.2 for these kernels (found "
-                        f"{_triton.__version__}); the compiled kernels on CUDA need triton>=3.0")
+                return (
+                    f"Triton's interpreter needs triton>=3.2 for these kernels (found "
+                    f"{_triton.__version__}); the compiled kernels on CUDA need triton>=3.0"
+                )
             return None
-        return ("gpu_kernels got CPU tensors: there is no CUDA device in use and TRITON_INTERPRET "
-                "is not set to 1; move the tensors to a CUDA device, or set TRITON_INTERPRET=1 to "
-                "run the kernels (slowly) through Triton's interpreter")
+        return (
+            "gpu_kernels got CPU tensors: there is no CUDA device in use and TRITON_INTERPRET "
+            "is not set to 1; move the tensors to a CUDA device, or set TRITON_INTERPRET=1 to "
+            "run the kernels (slowly) through Triton's interpreter"
+        )
     return f"gpu_kernels runs on CUDA devices (or on CPU through TRITON_INTERPRET=1), not on {device.type!r}"
 
 
@@ -151,6 +159,7 @@ class LazyKernel:
 class _Offline:
     """While `offline.compile_for` runs (through `begin_offline` / `end_offline`): the Triton
     target every launch is compiled for instead of running, and the kernels compiled so far."""
+
     target = None
     compiled = []
 
@@ -214,8 +223,9 @@ def _namespace(module_globals, mode):
             for name, obj in module_globals.items():
                 if isinstance(obj, LazyKernel):
                     fn = obj.fn
-                    copy = types.FunctionType(fn.__code__, namespace, fn.__name__, fn.__defaults__,
-                                              fn.__closure__)
+                    copy = types.FunctionType(
+                        fn.__code__, namespace, fn.__name__, fn.__defaults__, fn.__closure__
+                    )
                     _carry_function_attributes(fn, copy)
                     namespace[name] = wrap(copy)
             _namespaces[key] = namespace
@@ -321,8 +331,10 @@ def scalar_tensor_arg(value, name, device, dtypes=None):
     if value.numel() != 1:
         raise ValueError(f"{name} must have exactly one element, got shape {tuple(value.shape)}")
     if value.device != device:
-        raise ValueError(f"{name} is on {value.device} but the tensors are on {device}; "
-                         "pass it on the same device (reading it on the host would sync)")
+        raise ValueError(
+            f"{name} is on {value.device} but the tensors are on {device}; "
+            "pass it on the same device (reading it on the host would sync)"
+        )
     if dtypes is not None and value.dtype not in dtypes:
         raise TypeError(f"{name} must be one of {sorted(str(d) for d in dtypes)}, got {value.dtype}")
     return value

@@ -31,6 +31,7 @@ Compressed state (off by default; the fp32 path compiles exactly as without it):
   is decoded from a bf16 param (its high half, rounded to nearest, ties away) and an int16
   remainder (its low half), stepped, and encoded back; lossless.
 """
+
 import math
 import numbers
 
@@ -93,12 +94,38 @@ def _store_narrowed(ptr, offs, x, mask, CODE: tl.constexpr):
 
 
 @lazy_jit
-def _adam_chunk(p_ptr, g_ptr, m_ptr, v_ptr, vmax_ptr, c_ptr, r_ptr, start, limit, ok, scale, step_size,
-                decay, one_minus_beta1, beta2, one_minus_beta2, eps, weight_decay, bias_correction2_sqrt,
-                MASKED: tl.constexpr, SCALE_MODE: tl.constexpr,
-                WEIGHT_DECAY: tl.constexpr, DECOUPLED: tl.constexpr, AMSGRAD: tl.constexpr,
-                COPY_CODE: tl.constexpr, EXP_AVG_CODE: tl.constexpr, EXP_AVG_SQ_CODE: tl.constexpr,
-                REMAINDER: tl.constexpr, BLOCK: tl.constexpr, ITERS: tl.constexpr):
+def _adam_chunk(
+    p_ptr,
+    g_ptr,
+    m_ptr,
+    v_ptr,
+    vmax_ptr,
+    c_ptr,
+    r_ptr,
+    start,
+    limit,
+    ok,
+    scale,
+    step_size,
+    decay,
+    one_minus_beta1,
+    beta2,
+    one_minus_beta2,
+    eps,
+    weight_decay,
+    bias_correction2_sqrt,
+    MASKED: tl.constexpr,
+    SCALE_MODE: tl.constexpr,
+    WEIGHT_DECAY: tl.constexpr,
+    DECOUPLED: tl.constexpr,
+    AMSGRAD: tl.constexpr,
+    COPY_CODE: tl.constexpr,
+    EXP_AVG_CODE: tl.constexpr,
+    EXP_AVG_SQ_CODE: tl.constexpr,
+    REMAINDER: tl.constexpr,
+    BLOCK: tl.constexpr,
+    ITERS: tl.constexpr,
+):
     for i in tl.static_range(ITERS):
         offs = start + i * BLOCK + tl.arange(0, BLOCK)
         if MASKED:
@@ -161,14 +188,37 @@ def _adam_chunk(p_ptr, g_ptr, m_ptr, v_ptr, vmax_ptr, c_ptr, r_ptr, start, limit
 
 @lazy_jit
 def _fused_adam_kernel(
-        meta_ptr, chunk_ptr, lr_ptr, grad_scale_ptr, found_inf_ptr,
-        step_size, decay, bias_correction1, grad_scale,
-        one_minus_beta1, beta2, one_minus_beta2, eps, weight_decay, bias_correction2_sqrt,
-        META: tl.constexpr, GRAD_CODE: tl.constexpr, COPY_CODE: tl.constexpr,
-        LR_ON_DEVICE: tl.constexpr, SCALE_MODE: tl.constexpr, HAS_FOUND_INF: tl.constexpr,
-        WEIGHT_DECAY: tl.constexpr, DECOUPLED: tl.constexpr, AMSGRAD: tl.constexpr,
-        EXP_AVG_CODE: tl.constexpr, EXP_AVG_SQ_CODE: tl.constexpr, REMAINDER: tl.constexpr,
-        ALIGNED: tl.constexpr, BLOCK: tl.constexpr, ITERS: tl.constexpr):
+    meta_ptr,
+    chunk_ptr,
+    lr_ptr,
+    grad_scale_ptr,
+    found_inf_ptr,
+    step_size,
+    decay,
+    bias_correction1,
+    grad_scale,
+    one_minus_beta1,
+    beta2,
+    one_minus_beta2,
+    eps,
+    weight_decay,
+    bias_correction2_sqrt,
+    META: tl.constexpr,
+    GRAD_CODE: tl.constexpr,
+    COPY_CODE: tl.constexpr,
+    LR_ON_DEVICE: tl.constexpr,
+    SCALE_MODE: tl.constexpr,
+    HAS_FOUND_INF: tl.constexpr,
+    WEIGHT_DECAY: tl.constexpr,
+    DECOUPLED: tl.constexpr,
+    AMSGRAD: tl.constexpr,
+    EXP_AVG_CODE: tl.constexpr,
+    EXP_AVG_SQ_CODE: tl.constexpr,
+    REMAINDER: tl.constexpr,
+    ALIGNED: tl.constexpr,
+    BLOCK: tl.constexpr,
+    ITERS: tl.constexpr,
+):
     # program_id is int32: widen before it scales anything
     pid = tl.program_id(0).to(tl.int64)
     tensor = tl.load(chunk_ptr + 2 * pid)
@@ -240,17 +290,71 @@ def _fused_adam_kernel(
     start = chunk * (BLOCK * ITERS)
     # whole chunks (all but a tensor's last) run unmasked, so accesses stay vectorised
     if start + BLOCK * ITERS <= numel:
-        _adam_chunk(p_ptr, g_ptr, m_ptr, v_ptr, vmax_ptr, c_ptr, r_ptr, start, limit, ok, scale,
-                    lr_step_size, lr_decay, one_minus_beta1, beta2, one_minus_beta2, eps,
-                    weight_decay, bias_correction2_sqrt, False, SCALE_MODE,
-                    WEIGHT_DECAY, DECOUPLED, AMSGRAD, COPY_CODE, EXP_AVG_CODE, EXP_AVG_SQ_CODE,
-                    REMAINDER, BLOCK, ITERS)
+        _adam_chunk(
+            p_ptr,
+            g_ptr,
+            m_ptr,
+            v_ptr,
+            vmax_ptr,
+            c_ptr,
+            r_ptr,
+            start,
+            limit,
+            ok,
+            scale,
+            lr_step_size,
+            lr_decay,
+            one_minus_beta1,
+            beta2,
+            one_minus_beta2,
+            eps,
+            weight_decay,
+            bias_correction2_sqrt,
+            False,
+            SCALE_MODE,
+            WEIGHT_DECAY,
+            DECOUPLED,
+            AMSGRAD,
+            COPY_CODE,
+            EXP_AVG_CODE,
+            EXP_AVG_SQ_CODE,
+            REMAINDER,
+            BLOCK,
+            ITERS,
+        )
     else:
-        _adam_chunk(p_ptr, g_ptr, m_ptr, v_ptr, vmax_ptr, c_ptr, r_ptr, start, limit, ok, scale,
-                    lr_step_size, lr_decay, one_minus_beta1, beta2, one_minus_beta2, eps,
-                    weight_decay, bias_correction2_sqrt, True, SCALE_MODE,
-                    WEIGHT_DECAY, DECOUPLED, AMSGRAD, COPY_CODE, EXP_AVG_CODE, EXP_AVG_SQ_CODE,
-                    REMAINDER, BLOCK, ITERS)
+        _adam_chunk(
+            p_ptr,
+            g_ptr,
+            m_ptr,
+            v_ptr,
+            vmax_ptr,
+            c_ptr,
+            r_ptr,
+            start,
+            limit,
+            ok,
+            scale,
+            lr_step_size,
+            lr_decay,
+            one_minus_beta1,
+            beta2,
+            one_minus_beta2,
+            eps,
+            weight_decay,
+            bias_correction2_sqrt,
+            True,
+            SCALE_MODE,
+            WEIGHT_DECAY,
+            DECOUPLED,
+            AMSGRAD,
+            COPY_CODE,
+            EXP_AVG_CODE,
+            EXP_AVG_SQ_CODE,
+            REMAINDER,
+            BLOCK,
+            ITERS,
+        )
 
 
 def _as_list(value, name, *, optional=False):
@@ -269,13 +373,17 @@ def _check_tensor(t, name, i, device, dtypes, numel, hint=""):
         allowed = ", ".join(str(d).replace("torch.", "") for d in dtypes)
         raise TypeError(f"{where} has dtype {t.dtype}; expected one of: {allowed}{hint}")
     if t.device != device:
-        raise ValueError(f"{where} is on {t.device} but params[0] is on {device}; "
-                         "one launch needs every tensor on the same device")
+        raise ValueError(
+            f"{where} is on {t.device} but params[0] is on {device}; "
+            "one launch needs every tensor on the same device"
+        )
     if numel is not None and t.numel() != numel:
         raise ValueError(f"{where} has {t.numel()} elements but params[{i}] has {numel}")
     if not t.is_contiguous():
-        raise ValueError(f"{where} is not contiguous; the kernel reads memory linearly "
-                         "(pass .contiguous() or a flat buffer)")
+        raise ValueError(
+            f"{where} is not contiguous; the kernel reads memory linearly "
+            "(pass .contiguous() or a flat buffer)"
+        )
 
 
 def _check_hyperparameters(step, lr, beta1, beta2, eps, weight_decay):
@@ -295,9 +403,25 @@ def _check_hyperparameters(step, lr, beta1, beta2, eps, weight_decay):
         raise ValueError(f"Invalid weight_decay value: {weight_decay}")
 
 
-def fused_adam_(params, grads, exp_avgs, exp_avg_sqs, *, step, lr, beta1, beta2, eps,
-                weight_decay, decoupled=True, grad_scale=None, found_inf=None,
-                max_exp_avg_sqs=None, param_copies=None, remainders=None):
+def fused_adam_(
+    params,
+    grads,
+    exp_avgs,
+    exp_avg_sqs,
+    *,
+    step,
+    lr,
+    beta1,
+    beta2,
+    eps,
+    weight_decay,
+    decoupled=True,
+    grad_scale=None,
+    found_inf=None,
+    max_exp_avg_sqs=None,
+    param_copies=None,
+    remainders=None,
+):
     """Adam/AdamW step over lists of tensors, in place, in one launch (see the module doc).
 
     params: fp32 (bf16 with `remainders`). grads: fp32, bf16 or fp16. exp_avgs, exp_avg_sqs:
@@ -315,10 +439,27 @@ def fused_adam_(params, grads, exp_avgs, exp_avg_sqs, *, step, lr, beta1, beta2,
     every tensor again; `FusedAdam` checks them once for a list stepped again and again.
     """
     _check_hyperparameters(step, lr, beta1, beta2, eps, weight_decay)
-    launch = FusedAdam(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs=max_exp_avg_sqs,
-                       param_copies=param_copies, remainders=remainders, _cache=_tables)
-    launch.step(step=step, lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
-                decoupled=decoupled, grad_scale=grad_scale, found_inf=found_inf)
+    launch = FusedAdam(
+        params,
+        grads,
+        exp_avgs,
+        exp_avg_sqs,
+        max_exp_avg_sqs=max_exp_avg_sqs,
+        param_copies=param_copies,
+        remainders=remainders,
+        _cache=_tables,
+    )
+    launch.step(
+        step=step,
+        lr=lr,
+        beta1=beta1,
+        beta2=beta2,
+        eps=eps,
+        weight_decay=weight_decay,
+        decoupled=decoupled,
+        grad_scale=grad_scale,
+        found_inf=found_inf,
+    )
 
 
 class FusedAdam:
@@ -340,10 +481,22 @@ class FusedAdam:
     reused, and the caller must check that the grads it means are at those addresses.
     """
 
-    def __init__(self, params, grads, exp_avgs, exp_avg_sqs, *, max_exp_avg_sqs=None,
-                 param_copies=None, remainders=None, hold_grads=True, _cache=None):
-        lists = _checked_lists(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, param_copies,
-                               remainders)
+    def __init__(
+        self,
+        params,
+        grads,
+        exp_avgs,
+        exp_avg_sqs,
+        *,
+        max_exp_avg_sqs=None,
+        param_copies=None,
+        remainders=None,
+        hold_grads=True,
+        _cache=None,
+    ):
+        lists = _checked_lists(
+            params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, param_copies, remainders
+        )
         # the tables hold their addresses: they must outlive them. hold_grads=False: the caller
         # sees to it that the grads at those addresses are alive and current at each step()
         # (the device tier checks the addresses every step, and a grad kept here would hold
@@ -364,15 +517,17 @@ class FusedAdam:
             if n_chunks == 0:
                 continue
             if _cache is not None:  # fused_adam_'s calls: a list stepped again finds its table
-                table = _cache.get((self.device, chunk, tuple(group)), lambda: _build_table(group, chunk),
-                                   self.device)
+                table = _cache.get(
+                    (self.device, chunk, tuple(group)), lambda: _build_table(group, chunk), self.device
+                )
             else:
                 with _runtime.device_guard(self.device):
                     table = _runtime.DeviceTable(_build_table(group, chunk), self.device)
             self._launches.append((codes, aligned, len(group) * _META, n_chunks, table))
 
-    def step(self, *, step, lr, beta1, beta2, eps, weight_decay, decoupled=True, grad_scale=None,
-             found_inf=None):
+    def step(
+        self, *, step, lr, beta1, beta2, eps, weight_decay, decoupled=True, grad_scale=None, found_inf=None
+    ):
         _check_hyperparameters(step, lr, beta1, beta2, eps, weight_decay)
         if not self._launches:
             return
@@ -386,8 +541,10 @@ class FusedAdam:
             scale_mode = 0 if scale_value == 1.0 else 1
         if found_inf is not None:
             if not isinstance(found_inf, torch.Tensor):
-                raise TypeError("found_inf must be a 1-element tensor on the device (or None), "
-                                f"got {type(found_inf).__name__}")
+                raise TypeError(
+                    "found_inf must be a 1-element tensor on the device (or None), "
+                    f"got {type(found_inf).__name__}"
+                )
             _runtime.scalar_tensor_arg(found_inf, "found_inf", device, _FOUND_INF_DTYPES)
         lr_tensor = None
         if isinstance(lr, torch.Tensor):
@@ -399,8 +556,8 @@ class FusedAdam:
                 lr = float(lr)  # a CPU value is read without waiting on the device
             else:
                 raise ValueError(f"lr is on {lr.device} but the tensors are on {device}")
-        bias_correction1 = 1.0 - beta1 ** step
-        bias_correction2_sqrt = math.sqrt(1.0 - beta2 ** step)
+        bias_correction1 = 1.0 - beta1**step
+        bias_correction2_sqrt = math.sqrt(1.0 - beta2**step)
         if lr_tensor is None:
             step_size, decay = float(lr) / bias_correction1, 1.0 - float(lr) * weight_decay
         else:
@@ -408,25 +565,49 @@ class FusedAdam:
         config = self._config
         # launches on the tensors' device and its current stream, not the current one's
         with _runtime.device_guard(device):
-            for (grad_code, copy_code, exp_avg_code, exp_avg_sq_code), aligned, n_meta, n_chunks, entry \
-                    in self._launches:
+            for (
+                grad_code,
+                copy_code,
+                exp_avg_code,
+                exp_avg_sq_code,
+            ), aligned, n_meta, n_chunks, entry in self._launches:
                 table = entry.get()
                 _fused_adam_kernel.launch(
-                    device, (n_chunks,),
-                    table[:n_meta], table[n_meta:],
+                    device,
+                    (n_chunks,),
+                    table[:n_meta],
+                    table[n_meta:],
                     lr_tensor if lr_tensor is not None else table,
                     scale_tensor if scale_tensor is not None else table,
                     found_inf if found_inf is not None else table,
-                    float(step_size), float(decay), float(bias_correction1), float(scale_value),
-                    float(1.0 - beta1), float(beta2), float(1.0 - beta2), float(eps), float(weight_decay),
+                    float(step_size),
+                    float(decay),
+                    float(bias_correction1),
+                    float(scale_value),
+                    float(1.0 - beta1),
+                    float(beta2),
+                    float(1.0 - beta2),
+                    float(eps),
+                    float(weight_decay),
                     float(bias_correction2_sqrt),
-                    META=_META, GRAD_CODE=grad_code, COPY_CODE=copy_code,
-                    LR_ON_DEVICE=lr_tensor is not None, SCALE_MODE=scale_mode,
-                    HAS_FOUND_INF=found_inf is not None, WEIGHT_DECAY=weight_decay != 0,
-                    DECOUPLED=bool(decoupled), AMSGRAD=self.amsgrad, EXP_AVG_CODE=exp_avg_code,
-                    EXP_AVG_SQ_CODE=exp_avg_sq_code, REMAINDER=self.remainders, ALIGNED=aligned,
-                    BLOCK=config["BLOCK"], ITERS=config["ITERS"], num_warps=config["num_warps"],
-                    enable_fp_fusion=False)
+                    META=_META,
+                    GRAD_CODE=grad_code,
+                    COPY_CODE=copy_code,
+                    LR_ON_DEVICE=lr_tensor is not None,
+                    SCALE_MODE=scale_mode,
+                    HAS_FOUND_INF=found_inf is not None,
+                    WEIGHT_DECAY=weight_decay != 0,
+                    DECOUPLED=bool(decoupled),
+                    AMSGRAD=self.amsgrad,
+                    EXP_AVG_CODE=exp_avg_code,
+                    EXP_AVG_SQ_CODE=exp_avg_sq_code,
+                    REMAINDER=self.remainders,
+                    ALIGNED=aligned,
+                    BLOCK=config["BLOCK"],
+                    ITERS=config["ITERS"],
+                    num_warps=config["num_warps"],
+                    enable_fp_fusion=False,
+                )
 
 
 def _seven_lists(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, param_copies, remainders) -> tuple:
@@ -440,15 +621,22 @@ def _seven_lists(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, param_co
     param_copies = _as_list(param_copies, "param_copies", optional=True)
     remainders = _as_list(remainders, "remainders", optional=True)
     n = len(params)
-    for name, lst in (("grads", grads), ("exp_avgs", exp_avgs), ("exp_avg_sqs", exp_avg_sqs),
-                      ("max_exp_avg_sqs", max_exp_avg_sqs), ("param_copies", param_copies),
-                      ("remainders", remainders)):
+    for name, lst in (
+        ("grads", grads),
+        ("exp_avgs", exp_avgs),
+        ("exp_avg_sqs", exp_avg_sqs),
+        ("max_exp_avg_sqs", max_exp_avg_sqs),
+        ("param_copies", param_copies),
+        ("remainders", remainders),
+    ):
         if lst is not None and len(lst) != n:
             raise ValueError(f"{name} has {len(lst)} tensors but params has {n}")
     if remainders is not None and param_copies is not None:
-        raise ValueError("param_copies must be None when remainders are given: each bf16 param is "
-                         "already the model's copy (the master's high half, rounded); pass the bf16 "
-                         "model params as params and drop param_copies")
+        raise ValueError(
+            "param_copies must be None when remainders are given: each bf16 param is "
+            "already the model's copy (the master's high half, rounded); pass the bf16 "
+            "model params as params and drop param_copies"
+        )
     return params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, param_copies, remainders
 
 
@@ -464,9 +652,15 @@ def _checked_lists(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, param_
         raise TypeError(f"params[0] must be a tensor, got {type(params[0]).__name__}")
     device = params[0].device
     if remainders is None:
-        param_dtypes, param_hint = (torch.float32,), " (bf16 params need remainders=, their masters' low halves)"
+        param_dtypes, param_hint = (
+            (torch.float32,),
+            " (bf16 params need remainders=, their masters' low halves)",
+        )
     else:
-        param_dtypes, param_hint = (torch.bfloat16,), " (with remainders, params hold the fp32 masters' high halves)"
+        param_dtypes, param_hint = (
+            (torch.bfloat16,),
+            " (with remainders, params hold the fp32 masters' high halves)",
+        )
     for i in range(n):
         p, v = params[i], exp_avg_sqs[i]
         _check_tensor(p, "params", i, device, param_dtypes, None, param_hint)
@@ -475,11 +669,19 @@ def _checked_lists(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, param_
         _check_tensor(exp_avgs[i], "exp_avgs", i, device, _MOMENT_DTYPES, numel)
         _check_tensor(v, "exp_avg_sqs", i, device, _MOMENT_DTYPES, numel)
         if max_exp_avg_sqs is not None:
-            _check_tensor(max_exp_avg_sqs[i], "max_exp_avg_sqs", i, device, (v.dtype,), numel,
-                          f" (exp_avg_sqs[{i}]'s dtype)")
+            _check_tensor(
+                max_exp_avg_sqs[i],
+                "max_exp_avg_sqs",
+                i,
+                device,
+                (v.dtype,),
+                numel,
+                f" (exp_avg_sqs[{i}]'s dtype)",
+            )
         if remainders is not None:
-            _check_tensor(remainders[i], "remainders", i, device, (torch.int16,), numel,
-                          " (the masters' low 16 bits)")
+            _check_tensor(
+                remainders[i], "remainders", i, device, (torch.int16,), numel, " (the masters' low 16 bits)"
+            )
         if param_copies is not None and param_copies[i] is not None:
             _check_tensor(param_copies[i], "param_copies", i, device, _COPY_DTYPES, numel)
     return (params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, param_copies, remainders)
@@ -494,12 +696,21 @@ def _groups(lists) -> dict:
     for i, p in enumerate(params):
         g, m, v = grads[i], exp_avgs[i], exp_avg_sqs[i]
         c = param_copies[i] if param_copies is not None else None
-        ptrs = (p.data_ptr(), g.data_ptr(), m.data_ptr(), v.data_ptr(),
-                max_exp_avg_sqs[i].data_ptr() if max_exp_avg_sqs is not None else 0,
-                c.data_ptr() if c is not None else 0,
-                remainders[i].data_ptr() if remainders is not None else 0)
-        codes = (_GRAD_DTYPES[g.dtype], _COPY_DTYPES[c.dtype] if c is not None else 0,
-                 _MOMENT_DTYPES[m.dtype], _MOMENT_DTYPES[v.dtype])
+        ptrs = (
+            p.data_ptr(),
+            g.data_ptr(),
+            m.data_ptr(),
+            v.data_ptr(),
+            max_exp_avg_sqs[i].data_ptr() if max_exp_avg_sqs is not None else 0,
+            c.data_ptr() if c is not None else 0,
+            remainders[i].data_ptr() if remainders is not None else 0,
+        )
+        codes = (
+            _GRAD_DTYPES[g.dtype],
+            _COPY_DTYPES[c.dtype] if c is not None else 0,
+            _MOMENT_DTYPES[m.dtype],
+            _MOMENT_DTYPES[v.dtype],
+        )
         aligned = all(_runtime.is_aligned(ptr) for ptr in ptrs)
         groups.setdefault((codes, aligned), []).append((p.numel(), *ptrs))
     return groups
@@ -510,4 +721,3 @@ def _build_table(group, chunk):
     meta[:, :8] = torch.tensor(group, dtype=torch.int64)
     chunks = _runtime.chunk_rows([r[0] for r in group], chunk)
     return torch.cat([meta.flatten(), chunks.flatten()])
-

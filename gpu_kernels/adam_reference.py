@@ -1,5 +1,6 @@
 """`fused_adam_`'s pure-torch reference (a test oracle beside the kernel in adam.py): the same
 contract one tensor at a time, in fp64 or in the kernel's fp32 operations op for op."""
+
 import math
 
 import torch
@@ -8,9 +9,26 @@ from .remainders import decode_remainder, encode_remainder, round_to_bf16
 
 
 @torch.no_grad()
-def fused_adam_reference_(params, grads, exp_avgs, exp_avg_sqs, *, step, lr, beta1, beta2, eps,
-                          weight_decay, decoupled=True, grad_scale=None, found_inf=None,
-                          max_exp_avg_sqs=None, param_copies=None, remainders=None, arithmetic="fp64"):
+def fused_adam_reference_(
+    params,
+    grads,
+    exp_avgs,
+    exp_avg_sqs,
+    *,
+    step,
+    lr,
+    beta1,
+    beta2,
+    eps,
+    weight_decay,
+    decoupled=True,
+    grad_scale=None,
+    found_inf=None,
+    max_exp_avg_sqs=None,
+    param_copies=None,
+    remainders=None,
+    arithmetic="fp64",
+):
     """`fused_adam_`'s contract in plain torch, one tensor at a time (a test oracle: it reads
     found_inf, lr and grad_scale on the host). arithmetic="fp64": computed in fp64, each result
     rounded to fp32 once (and from there to a bf16 moment or encoded with its remainder, as the
@@ -21,18 +39,22 @@ def fused_adam_reference_(params, grads, exp_avgs, exp_avg_sqs, *, step, lr, bet
         return
     if arithmetic not in ("fp64", "fp32"):
         raise ValueError(f'arithmetic must be "fp64" or "fp32", got {arithmetic!r}')
-    bias_correction1 = 1.0 - beta1 ** step
-    bias_correction2_sqrt = math.sqrt(1.0 - beta2 ** step)
+    bias_correction1 = 1.0 - beta1**step
+    bias_correction2_sqrt = math.sqrt(1.0 - beta2**step)
     scale = 1.0 if grad_scale is None else float(grad_scale)
     dtype = torch.float64 if arithmetic == "fp64" else torch.float32
     if arithmetic == "fp64":
+
         def k(x):
             return x
+
         lr = float(lr)
         step_size, decay = lr / bias_correction1, 1.0 - lr * weight_decay
     else:
+
         def k(x):  # a float argument as the kernel sees it
             return torch.tensor(float(x), dtype=torch.float32)
+
         if isinstance(lr, torch.Tensor) and lr.device == params[0].device:  # read in the kernel
             lr32 = lr.detach().to(torch.float32).reshape(())
             step_size, decay = lr32 / k(bias_correction1), 1.0 - lr32 * k(weight_decay)

@@ -13,6 +13,7 @@ adds the partials in slot order in fp64. The same list gives the same chunks, th
 tree and the same bits on every run; compiled without multiply-add contraction, those bits
 are the interpreter's too.
 """
+
 import torch
 
 from . import _runtime
@@ -34,8 +35,7 @@ _tables = _runtime.TableCache()
 
 
 @lazy_jit
-def _sum_squares_chunk(g_ptr, start, numel, MASKED: tl.constexpr, BLOCK: tl.constexpr,
-                       ITERS: tl.constexpr):
+def _sum_squares_chunk(g_ptr, start, numel, MASKED: tl.constexpr, BLOCK: tl.constexpr, ITERS: tl.constexpr):
     acc = tl.zeros([BLOCK], dtype=tl.float32)
     bad = tl.zeros([BLOCK], dtype=tl.int32)
     for i in tl.static_range(ITERS):
@@ -51,9 +51,18 @@ def _sum_squares_chunk(g_ptr, start, numel, MASKED: tl.constexpr, BLOCK: tl.cons
 
 
 @lazy_jit
-def _grad_stats_partials_kernel(meta_ptr, chunk_ptr, partial_sq_ptr, partial_flag_ptr, slot_offset,
-                                META: tl.constexpr, GRAD_CODE: tl.constexpr, ALIGNED: tl.constexpr,
-                                BLOCK: tl.constexpr, ITERS: tl.constexpr):
+def _grad_stats_partials_kernel(
+    meta_ptr,
+    chunk_ptr,
+    partial_sq_ptr,
+    partial_flag_ptr,
+    slot_offset,
+    META: tl.constexpr,
+    GRAD_CODE: tl.constexpr,
+    ALIGNED: tl.constexpr,
+    BLOCK: tl.constexpr,
+    ITERS: tl.constexpr,
+):
     # program_id is int32: widen before it scales anything
     pid = tl.program_id(0).to(tl.int64)
     tensor = tl.load(chunk_ptr + 2 * pid)
@@ -82,8 +91,9 @@ def _grad_stats_partials_kernel(meta_ptr, chunk_ptr, partial_sq_ptr, partial_fla
 
 
 @lazy_jit
-def _grad_stats_combine_kernel(partial_sq_ptr, partial_flag_ptr, n_partials, sum_sq_ptr, found_inf_ptr,
-                               BLOCK: tl.constexpr):
+def _grad_stats_combine_kernel(
+    partial_sq_ptr, partial_flag_ptr, n_partials, sum_sq_ptr, found_inf_ptr, BLOCK: tl.constexpr
+):
     acc = tl.zeros([BLOCK], dtype=tl.float64)
     bad = tl.zeros([BLOCK], dtype=tl.int32)
     # a while loop rather than range(0, n_partials, BLOCK): triton<3.9's interpreter cannot
@@ -111,8 +121,10 @@ def _check_grads(grads):
         if device is None:
             device = g.device
         elif g.device != device:
-            raise ValueError(f"grads[{i}] is on {g.device} but grads[0] is on {device}; "
-                             "one launch needs every tensor on the same device")
+            raise ValueError(
+                f"grads[{i}] is on {g.device} but grads[0] is on {device}; "
+                "one launch needs every tensor on the same device"
+            )
         if not g.is_contiguous():
             raise ValueError(f"grads[{i}] is not contiguous; the kernel reads memory linearly")
     return device
@@ -148,7 +160,7 @@ def grad_stats(grads, *, sum_dtype=torch.float32):
         for (grad_code, aligned), group in groups.items():
             key = (device, chunk, tuple(group))
             table = _tables.get(key, lambda: _build_table(group, chunk), device).get()
-            meta, chunks = table[: len(group) * _META], table[len(group) * _META:]
+            meta, chunks = table[: len(group) * _META], table[len(group) * _META :]
             n_chunks = chunks.numel() // 2
             if n_chunks:
                 launches.append((grad_code, aligned, meta, chunks, n_chunks, n_partials))
@@ -164,13 +176,33 @@ def grad_stats(grads, *, sum_dtype=torch.float32):
             partial_flag.zero_()
         for grad_code, aligned, meta, chunks, n_chunks, slot_offset in launches:
             _grad_stats_partials_kernel.launch(
-                device, (n_chunks,), meta, chunks, partial_sq, partial_flag, slot_offset,
-                META=_META, GRAD_CODE=grad_code, ALIGNED=aligned,
-                BLOCK=config["BLOCK"], ITERS=config["ITERS"], num_warps=config["num_warps"],
-                enable_fp_fusion=False)
+                device,
+                (n_chunks,),
+                meta,
+                chunks,
+                partial_sq,
+                partial_flag,
+                slot_offset,
+                META=_META,
+                GRAD_CODE=grad_code,
+                ALIGNED=aligned,
+                BLOCK=config["BLOCK"],
+                ITERS=config["ITERS"],
+                num_warps=config["num_warps"],
+                enable_fp_fusion=False,
+            )
         _grad_stats_combine_kernel.launch(
-            device, (1,), partial_sq, partial_flag, max(n_partials, 1), sum_sq, found_inf,
-            BLOCK=config["REDUCE_BLOCK"], num_warps=config["reduce_warps"], enable_fp_fusion=False)
+            device,
+            (1,),
+            partial_sq,
+            partial_flag,
+            max(n_partials, 1),
+            sum_sq,
+            found_inf,
+            BLOCK=config["REDUCE_BLOCK"],
+            num_warps=config["reduce_warps"],
+            enable_fp_fusion=False,
+        )
     return sum_sq, found_inf
 
 

@@ -13,6 +13,7 @@ values: the interpreter accepts code the compiler rejects (parameters that lost 
 shapes from runtime values). Run it in a process that has not interpreted a kernel: the
 interpreter patches `triton.language` while it runs.
 """
+
 import contextlib
 import re
 import threading
@@ -41,7 +42,7 @@ class _TargetDriver:
 
 
 def parse_arch(arch):
-    """"sm_90" / "sm90" / 90 / "90" -> 90 (the compute capability as Triton's CUDA target
+    """ "sm_90" / "sm90" / 90 / "90" -> 90 (the compute capability as Triton's CUDA target
     numbers it)."""
     match = re.fullmatch(r"(?:sm_?)?(\d{2,3})", str(arch).strip().lower())
     if match is None:

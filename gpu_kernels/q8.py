@@ -24,6 +24,7 @@ table entry per element, indexed by the exponent and 7 leading fraction bits of 
 
 One program steps QBLOCKS whole blocks of one tensor (a multi-tensor chunk table, see `_runtime`).
 """
+
 import functools
 import math
 import struct
@@ -69,11 +70,13 @@ _tables = _runtime.TableCache()
 class Q8Blocks(NamedTuple):
     """A q8 moment: `codes` uint8 [n], `absmax` fp32 [ceil(n / 256)] (cpu_kernels' Q8Blocks
     has the same fields)."""
+
     codes: torch.Tensor
     absmax: torch.Tensor
 
 
 # ---------------------------------------------------------------------------------- codebook
+
 
 def _bits32(x):
     return struct.unpack("<I", struct.pack("<f", x))[0]
@@ -99,8 +102,12 @@ def _dynamic_map(signed):
     for i in range(7):
         n = 2 ** (i if signed else i + 1) + 1
         step = _round32(Fraction(_round32(Fraction(end) - Fraction(start))) / (n - 1))
-        bounds = [_round32(Fraction(start) + Fraction(step) * k) if k < n // 2
-                  else _round32(Fraction(end) - Fraction(step) * (n - 1 - k)) for k in range(n)]
+        bounds = [
+            _round32(Fraction(start) + Fraction(step) * k)
+            if k < n // 2
+            else _round32(Fraction(end) - Fraction(step) * (n - 1 - k))
+            for k in range(n)
+        ]
         scale = _round32(Fraction(10.0 ** (i - 6)))
         for a, b in zip(bounds, bounds[1:]):
             mean = _round32(_round32(Fraction(a) + Fraction(b)) / 2)
@@ -132,7 +139,9 @@ def _bucket_table(qmap, zero_code):
             while rank < len(side) and side[rank] <= lo:
                 rank += 1
             inside = [f - lo for f in side[rank:] if f < lo + (1 << 16)]
-            assert len(inside) <= 1 and (key > 0 or rank == 0 and not inside) and (key < _KEYS - 1 or not inside)
+            assert (
+                len(inside) <= 1 and (key > 0 or rank == 0 and not inside) and (key < _KEYS - 1 or not inside)
+            )
             row.append((rank << 17) | (inside[0] if inside else 1 << 16))
         rows += row
     return rows
@@ -164,6 +173,7 @@ def codebook(device) -> torch.Tensor:
 
 # ------------------------------------------------------------------------------------ kernel
 
+
 @lazy_jit
 def _bf16_bits(x):
     """fp32 -> bf16 bits (uint32 holding 16), round to nearest even; NaN -> 0x7FC0."""
@@ -185,8 +195,9 @@ def _quantize(x, book_ptr, TABLE: tl.constexpr, ZERO_CODE: tl.constexpr):
 
 
 @lazy_jit
-def _load_moment(ptr, absmax_ptr, book_ptr, offs, blocks, mask, block_mask, CODE: tl.constexpr,
-                 MAP: tl.constexpr):
+def _load_moment(
+    ptr, absmax_ptr, book_ptr, offs, blocks, mask, block_mask, CODE: tl.constexpr, MAP: tl.constexpr
+):
     """A moment as fp32: q8 dequantized (CODE 3), bf16 widened (2), fp32 (1)."""
     if CODE == 3:
         codes = tl.load(ptr + offs, mask=mask, other=0).to(tl.int32)
@@ -201,8 +212,19 @@ def _load_moment(ptr, absmax_ptr, book_ptr, offs, blocks, mask, block_mask, CODE
 
 
 @lazy_jit
-def _store_moment(ptr, absmax_ptr, book_ptr, x, offs, blocks, mask, block_mask, CODE: tl.constexpr,
-                  TABLE: tl.constexpr, ZERO_CODE: tl.constexpr):
+def _store_moment(
+    ptr,
+    absmax_ptr,
+    book_ptr,
+    x,
+    offs,
+    blocks,
+    mask,
+    block_mask,
+    CODE: tl.constexpr,
+    TABLE: tl.constexpr,
+    ZERO_CODE: tl.constexpr,
+):
     """Stores an fp32 moment: q8 with a fresh absmax per block (CODE 3), bf16 (2), fp32 (1)."""
     if CODE == 3:
         # the largest magnitude on the bits: exact, and a NaN in the block becomes its absmax
@@ -230,13 +252,34 @@ def _moment_ptr(address, CODE: tl.constexpr):
 
 @lazy_jit
 def _q8_adam_kernel(
-        meta_ptr, chunk_ptr, book_ptr, grad_scale_ptr, found_inf_ptr,
-        grad_scale, neg_step_size, decay, weight_decay, one_minus_beta1, beta2, one_minus_beta2,
-        inv_bias_correction2_sqrt, eps,
-        META: tl.constexpr, GRAD_CODE: tl.constexpr, COPY_CODE: tl.constexpr, SCALE_MODE: tl.constexpr,
-        HAS_FOUND_INF: tl.constexpr, WEIGHT_DECAY: tl.constexpr, DECOUPLED: tl.constexpr,
-        AMSGRAD: tl.constexpr, EXP_AVG_CODE: tl.constexpr, EXP_AVG_SQ_CODE: tl.constexpr,
-        REMAINDER: tl.constexpr, ALIGNED: tl.constexpr, QBLOCKS: tl.constexpr):
+    meta_ptr,
+    chunk_ptr,
+    book_ptr,
+    grad_scale_ptr,
+    found_inf_ptr,
+    grad_scale,
+    neg_step_size,
+    decay,
+    weight_decay,
+    one_minus_beta1,
+    beta2,
+    one_minus_beta2,
+    inv_bias_correction2_sqrt,
+    eps,
+    META: tl.constexpr,
+    GRAD_CODE: tl.constexpr,
+    COPY_CODE: tl.constexpr,
+    SCALE_MODE: tl.constexpr,
+    HAS_FOUND_INF: tl.constexpr,
+    WEIGHT_DECAY: tl.constexpr,
+    DECOUPLED: tl.constexpr,
+    AMSGRAD: tl.constexpr,
+    EXP_AVG_CODE: tl.constexpr,
+    EXP_AVG_SQ_CODE: tl.constexpr,
+    REMAINDER: tl.constexpr,
+    ALIGNED: tl.constexpr,
+    QBLOCKS: tl.constexpr,
+):
     # program_id is int32: widen before it scales anything
     pid = tl.program_id(0).to(tl.int64)
     tensor = tl.load(chunk_ptr + 2 * pid)
@@ -315,11 +358,23 @@ def _q8_adam_kernel(
     m = (g - m) * one_minus_beta1 + m
     v = (g * g) * one_minus_beta2 + v * beta2
     if AMSGRAD:
-        x0 = _load_moment(vmax_ptr, vmax_absmax_ptr, book_ptr, offs, blocks, mask, block_mask,
-                          EXP_AVG_SQ_CODE, 256)
+        x0 = _load_moment(
+            vmax_ptr, vmax_absmax_ptr, book_ptr, offs, blocks, mask, block_mask, EXP_AVG_SQ_CODE, 256
+        )
         v_hat = tl.where(x0 > v, x0, v)  # NaN in v stays (torch.where's rule in the reference)
-        _store_moment(vmax_ptr, vmax_absmax_ptr, book_ptr, v_hat, offs, blocks, mask, block_mask,
-                      EXP_AVG_SQ_CODE, 512 + 2 * (0x3F80 - 0x3400 + 1), 0)
+        _store_moment(
+            vmax_ptr,
+            vmax_absmax_ptr,
+            book_ptr,
+            v_hat,
+            offs,
+            blocks,
+            mask,
+            block_mask,
+            EXP_AVG_SQ_CODE,
+            512 + 2 * (0x3F80 - 0x3400 + 1),
+            0,
+        )
     else:
         v_hat = v
     # IEEE sqrt and division (Triton's defaults are approximate)
@@ -340,8 +395,19 @@ def _q8_adam_kernel(
     else:
         tl.store(p_ptr + offs, p, mask=mask)
     _store_moment(m_ptr, m_absmax_ptr, book_ptr, m, offs, blocks, mask, block_mask, EXP_AVG_CODE, 512, 127)
-    _store_moment(v_ptr, v_absmax_ptr, book_ptr, v, offs, blocks, mask, block_mask, EXP_AVG_SQ_CODE,
-                  512 + 2 * (0x3F80 - 0x3400 + 1), 0)
+    _store_moment(
+        v_ptr,
+        v_absmax_ptr,
+        book_ptr,
+        v,
+        offs,
+        blocks,
+        mask,
+        block_mask,
+        EXP_AVG_SQ_CODE,
+        512 + 2 * (0x3F80 - 0x3400 + 1),
+        0,
+    )
     if COPY_CODE == 2:
         tl.store(c_ptr + offs, _bf16_bits(p).to(tl.uint16), mask=mask)
     elif COPY_CODE != 0:
@@ -350,9 +416,26 @@ def _q8_adam_kernel(
 
 # ---------------------------------------------------------------------------------- launcher
 
-def q8_adam_(params, grads, exp_avgs, exp_avg_sqs, *, step, lr, beta1, beta2, eps, weight_decay,
-             decoupled=True, grad_scale=None, found_inf=None, max_exp_avg_sqs=None, param_copies=None,
-             remainders=None):
+
+def q8_adam_(
+    params,
+    grads,
+    exp_avgs,
+    exp_avg_sqs,
+    *,
+    step,
+    lr,
+    beta1,
+    beta2,
+    eps,
+    weight_decay,
+    decoupled=True,
+    grad_scale=None,
+    found_inf=None,
+    max_exp_avg_sqs=None,
+    param_copies=None,
+    remainders=None,
+):
     """`fused_adam_`'s step (same arguments and meanings) where each exp_avgs[i] and
     exp_avg_sqs[i] is a `Q8Blocks` or an fp32/bf16 tensor; max_exp_avg_sqs[i] in exp_avg_sqs[i]'s
     format. Everything is written in place, codes and absmax included. `lr` is a float (or a CPU
@@ -361,8 +444,10 @@ def q8_adam_(params, grads, exp_avgs, exp_avg_sqs, *, step, lr, beta1, beta2, ep
     _check_hyperparameters(step, lr, beta1, beta2, eps, weight_decay)
     if isinstance(lr, torch.Tensor):
         if lr.numel() != 1 or lr.device.type != "cpu":
-            raise ValueError("q8_adam_ takes lr as a float or a 1-element CPU tensor (its scalars are "
-                             f"computed on the host), got shape {tuple(lr.shape)} on {lr.device}")
+            raise ValueError(
+                "q8_adam_ takes lr as a float or a 1-element CPU tensor (its scalars are "
+                f"computed on the host), got shape {tuple(lr.shape)} on {lr.device}"
+            )
         lr = float(lr)
     lists = _checked_lists(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, param_copies, remainders)
     if not lists[0]:
@@ -378,11 +463,21 @@ def q8_adam_(params, grads, exp_avgs, exp_avg_sqs, *, step, lr, beta1, beta2, ep
         scale_mode = 0 if scale_value == 1.0 else 1
     if found_inf is not None:
         if not isinstance(found_inf, torch.Tensor):
-            raise TypeError("found_inf must be a 1-element tensor on the device (or None), "
-                            f"got {type(found_inf).__name__}")
+            raise TypeError(
+                "found_inf must be a 1-element tensor on the device (or None), "
+                f"got {type(found_inf).__name__}"
+            )
         _runtime.scalar_tensor_arg(found_inf, "found_inf", device, _FOUND_INF_DTYPES)
-    scalars = step_scalars(step=step, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
-                           weight_decay=weight_decay, decoupled=decoupled, grad_scale=scale_value)
+    scalars = step_scalars(
+        step=step,
+        lr=lr,
+        beta1=beta1,
+        beta2=beta2,
+        eps=eps,
+        weight_decay=weight_decay,
+        decoupled=decoupled,
+        grad_scale=scale_value,
+    )
     config = _runtime.launch_config(LAUNCH_CONFIG, device)
     chunk = config["QBLOCKS"] * BLOCK
     book = codebook(device)
@@ -392,18 +487,35 @@ def q8_adam_(params, grads, exp_avgs, exp_avg_sqs, *, step, lr, beta1, beta2, ep
             n_chunks = sum(-(-row[0] // chunk) for row in group)
             if n_chunks == 0:
                 continue
-            table = _tables.get((device, chunk, tuple(group)), lambda: _build_table(group, chunk), device).get()
+            table = _tables.get(
+                (device, chunk, tuple(group)), lambda: _build_table(group, chunk), device
+            ).get()
             n_meta = len(group) * _META
             _q8_adam_kernel.launch(
-                device, (n_chunks,), table[:n_meta], table[n_meta:], book,
+                device,
+                (n_chunks,),
+                table[:n_meta],
+                table[n_meta:],
+                book,
                 scale_tensor if scale_tensor is not None else table,
                 found_inf if found_inf is not None else table,
                 *scalars,
-                META=_META, GRAD_CODE=grad_code, COPY_CODE=copy_code, SCALE_MODE=scale_mode,
-                HAS_FOUND_INF=found_inf is not None, WEIGHT_DECAY=weight_decay != 0,
-                DECOUPLED=bool(decoupled), AMSGRAD=lists[4] is not None, EXP_AVG_CODE=exp_avg_code,
-                EXP_AVG_SQ_CODE=exp_avg_sq_code, REMAINDER=lists[6] is not None, ALIGNED=aligned,
-                QBLOCKS=config["QBLOCKS"], num_warps=config["num_warps"], enable_fp_fusion=False)
+                META=_META,
+                GRAD_CODE=grad_code,
+                COPY_CODE=copy_code,
+                SCALE_MODE=scale_mode,
+                HAS_FOUND_INF=found_inf is not None,
+                WEIGHT_DECAY=weight_decay != 0,
+                DECOUPLED=bool(decoupled),
+                AMSGRAD=lists[4] is not None,
+                EXP_AVG_CODE=exp_avg_code,
+                EXP_AVG_SQ_CODE=exp_avg_sq_code,
+                REMAINDER=lists[6] is not None,
+                ALIGNED=aligned,
+                QBLOCKS=config["QBLOCKS"],
+                num_warps=config["num_warps"],
+                enable_fp_fusion=False,
+            )
 
 
 def _f32(x):
@@ -417,8 +529,17 @@ def step_scalars(*, step, lr, beta1, beta2, eps, weight_decay, decoupled, grad_s
     bias_correction1 = 1.0 - math.pow(beta1, float(step))
     bias_correction2 = 1.0 - math.pow(beta2, float(step))
     decay = _f32(1.0 - lr * weight_decay) if decoupled else 1.0
-    return (_f32(grad_scale), _f32(-(lr / bias_correction1)), decay, _f32(weight_decay), _f32(1.0 - beta1),
-            _f32(beta2), _f32(1.0 - beta2), _f32(1.0 / math.sqrt(bias_correction2)), _f32(eps))
+    return (
+        _f32(grad_scale),
+        _f32(-(lr / bias_correction1)),
+        decay,
+        _f32(weight_decay),
+        _f32(1.0 - beta1),
+        _f32(beta2),
+        _f32(1.0 - beta2),
+        _f32(1.0 / math.sqrt(bias_correction2)),
+        _f32(eps),
+    )
 
 
 def _moment_parts(moment, name, i, device, numel):
@@ -427,17 +548,24 @@ def _moment_parts(moment, name, i, device, numel):
         _check_tensor(moment, name, i, device, _MOMENT_DTYPES, numel, " (or Q8Blocks)")
         return _MOMENT_DTYPES[moment.dtype], moment, None
     if not (isinstance(moment, tuple) and len(moment) == 2):
-        raise TypeError(f"{name}[{i}] must be a tensor or Q8Blocks(codes, absmax), got {type(moment).__name__}")
+        raise TypeError(
+            f"{name}[{i}] must be a tensor or Q8Blocks(codes, absmax), got {type(moment).__name__}"
+        )
     codes, absmax = moment
     blocks = -(-numel // BLOCK)
-    for part, t, dtype, count in (("codes", codes, torch.uint8, numel), ("absmax", absmax, torch.float32, blocks)):
+    for part, t, dtype, count in (
+        ("codes", codes, torch.uint8, numel),
+        ("absmax", absmax, torch.float32, blocks),
+    ):
         where = f"{name}[{i}].{part}"
         if not isinstance(t, torch.Tensor) or t.dtype != dtype:
             got = t.dtype if isinstance(t, torch.Tensor) else type(t).__name__
             raise TypeError(f"{where} must be a {dtype} tensor, got {got}")
         if t.numel() != count:
-            raise ValueError(f"{where} has {t.numel()} elements; params[{i}]'s {numel} elements need "
-                             f"{count} ({'one per element' if part == 'codes' else f'one per block of {BLOCK}'})")
+            raise ValueError(
+                f"{where} has {t.numel()} elements; params[{i}]'s {numel} elements need "
+                f"{count} ({'one per element' if part == 'codes' else f'one per block of {BLOCK}'})"
+            )
         if t.device != device:
             raise ValueError(f"{where} is on {t.device} but params[0] is on {device}")
         if not t.is_contiguous():
@@ -472,8 +600,15 @@ def _checked_lists(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, param_
             _check_tensor(remainders[i], "remainders", i, device, (torch.int16,), numel)
         if param_copies is not None and param_copies[i] is not None:
             _check_tensor(param_copies[i], "param_copies", i, device, _COPY_DTYPES, numel)
-    return (params, grads, m_parts, v_parts, vmax_parts if max_exp_avg_sqs is not None else None,
-            param_copies, remainders)
+    return (
+        params,
+        grads,
+        m_parts,
+        v_parts,
+        vmax_parts if max_exp_avg_sqs is not None else None,
+        param_copies,
+        remainders,
+    )
 
 
 def _groups(lists) -> dict:
@@ -490,9 +625,18 @@ def _groups(lists) -> dict:
         def address(t):
             return t.data_ptr() if t is not None else 0
 
-        ptrs = (p.data_ptr(), grads[i].data_ptr(), m.data_ptr(), address(m_absmax), v.data_ptr(),
-                address(v_absmax), address(vmax), address(vmax_absmax), address(c),
-                remainders[i].data_ptr() if remainders is not None else 0)
+        ptrs = (
+            p.data_ptr(),
+            grads[i].data_ptr(),
+            m.data_ptr(),
+            address(m_absmax),
+            v.data_ptr(),
+            address(v_absmax),
+            address(vmax),
+            address(vmax_absmax),
+            address(c),
+            remainders[i].data_ptr() if remainders is not None else 0,
+        )
         codes = (_GRAD_DTYPES[grads[i].dtype], _COPY_DTYPES[c.dtype] if c is not None else 0, m_code, v_code)
         aligned = all(_runtime.is_aligned(ptr) for ptr in ptrs)
         groups.setdefault((codes, aligned), []).append((p.numel(), *ptrs))
@@ -503,4 +647,3 @@ def _build_table(group, chunk):
     meta = torch.tensor(group, dtype=torch.int64)
     chunks = _runtime.chunk_rows([r[0] for r in group], chunk)
     return torch.cat([meta.flatten(), chunks.flatten()])
-

@@ -16,6 +16,7 @@ the master still decodes bitwise, and Adam's own NaNs (0x7FC00000 / 0xFFC00000) 
 params. Masters above bf16's largest finite value plus half an ulp give ±inf params, as the
 cast does.
 """
+
 import torch
 
 
@@ -45,8 +46,10 @@ def encode_remainder(master):
 def decode_remainder(param, remainder):
     """(bf16 param, int16 remainder) -> the fp32 master, bitwise."""
     if param.dtype != torch.bfloat16 or remainder.dtype != torch.int16:
-        raise TypeError(f"decode_remainder takes a bf16 param and an int16 remainder, got "
-                        f"{param.dtype} and {remainder.dtype}")
+        raise TypeError(
+            f"decode_remainder takes a bf16 param and an int16 remainder, got "
+            f"{param.dtype} and {remainder.dtype}"
+        )
     if param.shape != remainder.shape:
         raise ValueError(f"param has shape {tuple(param.shape)} but remainder has {tuple(remainder.shape)}")
     hi = param.contiguous().view(torch.int16).to(torch.int64) & 0xFFFF

@@ -5,6 +5,7 @@ spare one; commit moves the subgroup's pointer to the spare and returns the old 
 the pool; rollback returns the spare. All banks have one capacity, so any bank can serve
 any subgroup. The pool is bounded: when it is empty, speculation waits for validation.
 """
+
 from __future__ import annotations
 
 

@@ -8,6 +8,7 @@ event recorded on the current stream, and the time between two marks is read onl
 later one has completed (`Event.query()`): reading never waits on the GPU, so a
 measurement is taken a step late rather than adding a host synchronisation to the step.
 """
+
 from __future__ import annotations
 
 import time

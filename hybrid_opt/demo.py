@@ -9,6 +9,7 @@ Synthetic token data from a fixed sparse bigram chain (each token has a few like
 successors), so the loss falls from ln(vocab) towards the chain's entropy. The model, the
 data and the seed are the same for both optimizers; the PNG overlays the two loss curves.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -72,6 +73,7 @@ def bigram_batches(steps: int, batch: int, ctx: int, vocab: int, device, seed: i
 
 def train(model, opt, batches, desc: str, *, progress: bool = True, after_step=None):
     from tqdm import tqdm
+
     losses, step_times = [], []
     bar = tqdm(batches, desc=desc, unit="step", disable=not progress, dynamic_ncols=True)
     for seq in bar:
@@ -101,6 +103,7 @@ def tier_state_bytes(subgroups, tiers, state_format, amsgrad: bool = False) -> d
     tier's state (an fp32 param is its own master), a host bank (with the bf16 copy it
     keeps), the nvme file (one slot; the high half of a remainder is the model's param)."""
     from hybrid_opt.placement.plan import DEVICE, HOST, NVME
+
     out = {t: {"elements": 0, "state_bytes": 0} for t in (DEVICE, HOST, NVME)}
     for sg in subgroups:
         tier = tiers[sg.index]
@@ -118,8 +121,11 @@ def tier_state_bytes(subgroups, tiers, state_format, amsgrad: bool = False) -> d
 
 def tier_table(totals: dict, steps: int) -> str:
     from hybrid_opt.placement.plan import DEVICE, HOST, NVME
-    lines = ["| tier | subgroups | state MB | state B/param | worker ms/step | step() waited ms/step | hidden ms/step | committed | redone | stepped |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+
+    lines = [
+        "| tier | subgroups | state MB | state B/param | worker ms/step | step() waited ms/step | hidden ms/step | committed | redone | stepped |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for name in (DEVICE, HOST, NVME):
         t = totals[name]
         per = f"{t['state_bytes'] / t['elements']:.1f}" if t["elements"] else "-"
@@ -129,8 +135,10 @@ def tier_table(totals: dict, steps: int) -> str:
             work = f"{t['worker_s'] / steps * 1e3:.2f}"
             waited = f"{t['trainer_wait_s'] / steps * 1e3:.2f}"
             hidden = f"{max(0.0, t['worker_s'] - t['trainer_wait_s']) / steps * 1e3:.2f}"
-        lines.append(f"| {name} | {t['subgroups']} | {t['state_bytes'] / 1e6:.1f} | {per} | {work} | {waited} | "
-                     f"{hidden} | {t['committed']} | {t['redone']} | {t['stepped']} |")
+        lines.append(
+            f"| {name} | {t['subgroups']} | {t['state_bytes'] / 1e6:.1f} | {per} | {work} | {waited} | "
+            f"{hidden} | {t['committed']} | {t['redone']} | {t['stepped']} |"
+        )
     return "\n".join(lines)
 
 
@@ -138,12 +146,14 @@ def _median_ms(times: list) -> float:
     return sorted(times)[len(times) // 2] * 1e3
 
 
-def time_summary(totals: dict, steps: int, times: list, wall_s: float, base_times, base_s,
-                 cores: str | None, clipped: int) -> str:
+def time_summary(
+    totals: dict, steps: int, times: list, wall_s: float, base_times, base_s, cores: str | None, clipped: int
+) -> str:
     """Where the time went: both runs' wall time and median iteration, what the host tiers'
     steps cost the worker, how much of it backward hid and step() waited for, the device
     tier's step in the trainer, and the arrangement of the cores that explains it."""
     from hybrid_opt.placement.plan import DEVICE, HOST, NVME
+
     host = [totals[t] for t in (HOST, NVME) if totals.get(t, {}).get("subgroups")]
     worker = sum(t["worker_s"] for t in host) / steps * 1e3
     waited = sum(t["trainer_wait_s"] for t in host) / steps * 1e3
@@ -152,31 +162,44 @@ def time_summary(totals: dict, steps: int, times: list, wall_s: float, base_time
     lines = ["Where the time goes (per step):"]
     if base_times is not None:
         base = _median_ms(base_times)
-        lines.append(f"  wall time: HybridAdamW {wall_s:.1f} s, torch AdamW {base_s:.1f} s "
-                     f"({wall_s / base_s:.2f}x); median iteration {med:.1f} ms against {base:.1f} ms "
-                     f"({med - base:+.1f} ms)")
+        lines.append(
+            f"  wall time: HybridAdamW {wall_s:.1f} s, torch AdamW {base_s:.1f} s "
+            f"({wall_s / base_s:.2f}x); median iteration {med:.1f} ms against {base:.1f} ms "
+            f"({med - base:+.1f} ms)"
+        )
     else:
         lines.append(f"  wall time: HybridAdamW {wall_s:.1f} s; median iteration {med:.1f} ms")
     lines.append(f"  device tier: {device:.2f} ms stepped by the trainer after backward")
     if host:
-        lines.append(f"  host and nvme tiers: {worker:.2f} ms of the worker's time; step() waited "
-                     f"{waited:.2f} ms for it, the rest ran during backward")
+        lines.append(
+            f"  host and nvme tiers: {worker:.2f} ms of the worker's time; step() waited "
+            f"{waited:.2f} ms for it, the rest ran during backward"
+        )
     if cores is not None:
         lines.append(f"  cores: {cores}")
         if cores.startswith("shared"):
-            lines.append("    so what runs during backward takes cores the backward needs: on this "
-                         "host the host tiers cost about their worker time; on a GPU host the worker "
-                         "has cores of its own and the same work hides under backward")
+            lines.append(
+                "    so what runs during backward takes cores the backward needs: on this "
+                "host the host tiers cost about their worker time; on a GPU host the worker "
+                "has cores of its own and the same work hides under backward"
+            )
     if clipped:
-        lines.append(f"  clipping bit in {clipped} of {steps} steps: a speculated step is redone "
-                     f"then" + ("; sharing the trainer's cores, the worker speculates nothing after a "
-                                "clipped step" if cores is not None and cores.startswith("shared") else ""))
+        lines.append(
+            f"  clipping bit in {clipped} of {steps} steps: a speculated step is redone "
+            f"then"
+            + (
+                "; sharing the trainer's cores, the worker speculates nothing after a clipped step"
+                if cores is not None and cores.startswith("shared")
+                else ""
+            )
+        )
     return "\n".join(lines)
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="hybrid-opt demo", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="hybrid-opt demo", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--layers", type=int, default=4)
@@ -186,23 +209,35 @@ def main(argv=None) -> int:
     ap.add_argument("--nvme-path", default=None, help="default: a temporary directory")
     ap.add_argument("--subgroup-numel", type=int, default=1 << 16)
     ap.add_argument("--lr", type=float, default=3e-3)
-    ap.add_argument("--spare-banks", type=int, default=None,
-                    help="spare state banks: how many host subgroups can be speculated at once "
-                         "(default: one per host subgroup, as memory allows)")
+    ap.add_argument(
+        "--spare-banks",
+        type=int,
+        default=None,
+        help="spare state banks: how many host subgroups can be speculated at once "
+        "(default: one per host subgroup, as memory allows)",
+    )
     ap.add_argument("--out", default=os.path.join("bench_out", "demo"), help="where the PNG goes")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--no-baseline", action="store_true", help="skip the torch.optim.AdamW run")
     ap.add_argument("--no-progress", action="store_true")
-    ap.add_argument("--dtype", choices=MODEL_DTYPES, default="fp32",
-                    help="the model's params (bf16: HybridAdamW keeps fp32 masters; torch's AdamW "
-                         "baseline steps the bf16 params themselves)")
+    ap.add_argument(
+        "--dtype",
+        choices=MODEL_DTYPES,
+        default="fp32",
+        help="the model's params (bf16: HybridAdamW keeps fp32 masters; torch's AdamW "
+        "baseline steps the bf16 params themselves)",
+    )
     state_format.add_arguments(ap, " (with --dtype bf16)")
     args = ap.parse_args(argv)
     fmt = state_format.from_arguments(args)
-    state_options = dict(exp_avg_dtype=fmt.exp_avg_dtype, exp_avg_sq_dtype=fmt.exp_avg_sq_dtype,
-                         store_param_remainders=fmt.store_param_remainders)
+    state_options = dict(
+        exp_avg_dtype=fmt.exp_avg_dtype,
+        exp_avg_sq_dtype=fmt.exp_avg_sq_dtype,
+        store_param_remainders=fmt.store_param_remainders,
+    )
 
     from hybrid_opt import HybridAdamW
+
     device = torch.device(args.device)
     ctx, vocab = 64, 256
     batches = bigram_batches(args.steps, args.batch, ctx, vocab, device)
@@ -218,24 +253,40 @@ def main(argv=None) -> int:
     if args.nvme_fraction > 0 and nvme_path is None:
         tmp = tempfile.TemporaryDirectory(prefix="hybrid_opt_demo_")
         nvme_path = tmp.name
-    print(f"TinyGPT: {n_params / 1e6:.2f}M {args.dtype} parameters on {device}; HybridAdamW with "
-          f"offload {args.offload_fraction}, nvme {args.nvme_fraction} ({nvme_path}), exp_avg "
-          f"{args.exp_avg_dtype}, exp_avg_sq {args.exp_avg_sq_dtype}, remainders "
-          f"{args.store_param_remainders}, {args.steps} steps")
+    print(
+        f"TinyGPT: {n_params / 1e6:.2f}M {args.dtype} parameters on {device}; HybridAdamW with "
+        f"offload {args.offload_fraction}, nvme {args.nvme_fraction} ({nvme_path}), exp_avg "
+        f"{args.exp_avg_dtype}, exp_avg_sq {args.exp_avg_sq_dtype}, remainders "
+        f"{args.store_param_remainders}, {args.steps} steps"
+    )
     totals = None
     try:
-        with HybridAdamW(model.parameters(), lr=args.lr, weight_decay=0.1, max_grad_norm=1.0,
-                         offload_fraction=args.offload_fraction, nvme_fraction=args.nvme_fraction,
-                         nvme_path=nvme_path, subgroup_numel=args.subgroup_numel,
-                         spare_banks=args.spare_banks, **state_options) as opt:
+        with HybridAdamW(
+            model.parameters(),
+            lr=args.lr,
+            weight_decay=0.1,
+            max_grad_norm=1.0,
+            offload_fraction=args.offload_fraction,
+            nvme_fraction=args.nvme_fraction,
+            nvme_path=nvme_path,
+            subgroup_numel=args.subgroup_numel,
+            spare_banks=args.spare_banks,
+            **state_options,
+        ) as opt:
             print(opt.plan)
             host_tier = opt.parts.placement.host
             cores = host_tier.cores.describe() if host_tier is not None else None
             held = tier_state_bytes(opt.parts.layout.subgroups, opt.plan.tiers, opt.state_format)
             t0 = time.perf_counter()
             hooks_stats = []
-            losses, times = train(model, opt, batches, "HybridAdamW", progress=not args.no_progress,
-                                  after_step=lambda: hooks_stats.append(opt.stats))
+            losses, times = train(
+                model,
+                opt,
+                batches,
+                "HybridAdamW",
+                progress=not args.no_progress,
+                after_step=lambda: hooks_stats.append(opt.stats),
+            )
             hybrid_s = time.perf_counter() - t0
         totals = {}
         for st in hooks_stats:
@@ -266,16 +317,22 @@ def main(argv=None) -> int:
                 ref.step()
 
         t0 = time.perf_counter()
-        base_losses, base_times = train(model, _Clipped(), batches, "torch AdamW", progress=not args.no_progress)
+        base_losses, base_times = train(
+            model, _Clipped(), batches, "torch AdamW", progress=not args.no_progress
+        )
         base_s = time.perf_counter() - t0
 
     med = sorted(times)[len(times) // 2] * 1e3
-    print(f"\nHybridAdamW: final loss {losses[-1]:.3f} (start {losses[0]:.3f}, ln(vocab) "
-          f"{math.log(vocab):.3f}); {hybrid_s:.1f} s, median step {med:.1f} ms")
+    print(
+        f"\nHybridAdamW: final loss {losses[-1]:.3f} (start {losses[0]:.3f}, ln(vocab) "
+        f"{math.log(vocab):.3f}); {hybrid_s:.1f} s, median step {med:.1f} ms"
+    )
     if base_losses is not None:
         diff = max(abs(a - b) for a, b in zip(losses, base_losses))
-        print(f"torch AdamW: final loss {base_losses[-1]:.3f}; {base_s:.1f} s; largest loss "
-              f"difference along the run {diff:.2e}")
+        print(
+            f"torch AdamW: final loss {base_losses[-1]:.3f}; {base_s:.1f} s; largest loss "
+            f"difference along the run {diff:.2e}"
+        )
     print("\nPer tier (totals over the run, per-step averages):")
     print(tier_table(totals, len(losses)))
     clipped = sum(1 for st in hooks_stats if (st.get("clip_coef") or 1.0) < 1.0)
@@ -283,8 +340,10 @@ def main(argv=None) -> int:
     os.makedirs(args.out, exist_ok=True)
     png = os.path.join(args.out, "demo_loss.png")
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
     fig, ax = plt.subplots(figsize=(7, 4))
     ax.plot(losses, label="HybridAdamW (device + host + nvme)", lw=1.5)
     if base_losses is not None:

@@ -20,6 +20,7 @@ Two hazards the frameworks meet (tests/test_lifetime.py, tests/test_frameworks_l
   public methods act on `owner(self)` (`acts_on_owner`), and `__del__` does nothing unless
   `self` is the optimizer itself.
 """
+
 from __future__ import annotations
 
 import functools
@@ -46,13 +47,16 @@ def owner(obj):
     try:
         ref = obj._this  # a wrapper: read through its forwarding from the optimizer it wraps
     except AttributeError:
-        raise TypeError(f"{type(obj).__name__} inherits from a hybrid_opt optimizer but was never "
-                        f"constructed as one and does not forward to one; wrap the optimizer "
-                        f"(hold it as an attribute) instead") from None
+        raise TypeError(
+            f"{type(obj).__name__} inherits from a hybrid_opt optimizer but was never "
+            f"constructed as one and does not forward to one; wrap the optimizer "
+            f"(hold it as an attribute) instead"
+        ) from None
     real = ref()
     if real is None:
-        raise RuntimeError(f"the optimizer that this {type(obj).__name__} wraps was collected; "
-                           f"build a new optimizer")
+        raise RuntimeError(
+            f"the optimizer that this {type(obj).__name__} wraps was collected; build a new optimizer"
+        )
     return real
 
 
@@ -67,6 +71,7 @@ def acts_on_owner(method):
         if real is not self:
             return getattr(real, name)(*args, **kwargs)
         return method(self, *args, **kwargs)
+
     return run
 
 
@@ -83,6 +88,7 @@ def weak_method(bound):
     def call(*args, **kwargs):
         method = ref()
         return None if method is None else method(*args, **kwargs)
+
     return call
 
 
@@ -93,6 +99,7 @@ def weak_call(obj, fn):
     def call():
         target = ref()
         return None if target is None else fn(target)
+
     return call
 
 
@@ -132,10 +139,13 @@ def claim(opt, params) -> None:
         others.update(type(r()).__name__ for r in refs if r() is not opt)
         refs.append(weakref.ref(opt))
     if others:
-        warnings.warn(f"a {type(opt).__name__} was given parameters that an open {'/'.join(sorted(others))} "
-                      f"also steps: two hybrid_opt optimizers stepping one parameter diverge. Close "
-                      f"the other first (or give each its own parameters; param groups serve "
-                      f"different settings).", stacklevel=4)
+        warnings.warn(
+            f"a {type(opt).__name__} was given parameters that an open {'/'.join(sorted(others))} "
+            f"also steps: two hybrid_opt optimizers stepping one parameter diverge. Close "
+            f"the other first (or give each its own parameters; param groups serve "
+            f"different settings).",
+            stacklevel=4,
+        )
 
 
 def warn_unclosed(opt) -> None:
@@ -143,7 +153,11 @@ def warn_unclosed(opt) -> None:
     everything is freed anyway)."""
     if sys.is_finalizing():
         return
-    warnings.warn(f"a {type(opt).__name__} was collected without close(): its worker process, "
-                  f"shared memory and nvme files were freed when nothing held it any more. Call "
-                  f"opt.close() (or use `with {type(opt).__name__}(...) as opt:`) to free them when "
-                  f"you are done with it", UnclosedOptimizerWarning, stacklevel=2)
+    warnings.warn(
+        f"a {type(opt).__name__} was collected without close(): its worker process, "
+        f"shared memory and nvme files were freed when nothing held it any more. Call "
+        f"opt.close() (or use `with {type(opt).__name__}(...) as opt:`) to free them when "
+        f"you are done with it",
+        UnclosedOptimizerWarning,
+        stacklevel=2,
+    )

@@ -11,6 +11,7 @@ not at all, and costs no RAM: HybridAdamW's state_dict() hands out views of its 
 
 Local paths; a URL (s3://, gs://, ...) goes to Lightning's own way.
 """
+
 from __future__ import annotations
 
 import os
@@ -30,9 +31,11 @@ class DirectCheckpointIO(TorchCheckpointIO):
 
     def save_checkpoint(self, checkpoint: dict, path, storage_options=None) -> None:
         if storage_options is not None:  # TorchCheckpointIO's own refusal
-            raise TypeError("`Trainer.save_checkpoint(..., storage_options=...)` with `storage_options` arg"
-                            f" is not supported for `{type(self).__name__}`. Please implement your custom"
-                            " `CheckpointIO` to define how you'd like to use `storage_options`.")
+            raise TypeError(
+                "`Trainer.save_checkpoint(..., storage_options=...)` with `storage_options` arg"
+                f" is not supported for `{type(self).__name__}`. Please implement your custom"
+                " `CheckpointIO` to define how you'd like to use `storage_options`."
+            )
         if "://" in os.fspath(path):
             return super().save_checkpoint(checkpoint, path)
         os.makedirs(os.path.dirname(os.path.abspath(os.fspath(path))), exist_ok=True)

@@ -15,6 +15,7 @@ owner calls `release(keys)`: each live span over it takes a private copy of its 
 (`Span.snapshot`: one copy, swapped in atomically with mremap), so every tensor over it keeps
 its values. A span nobody holds costs nothing: it is unmapped with its last tensor.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -49,6 +50,7 @@ class Piece(NamedTuple):
     `private`: mapped copy-on-write (an nvme slot: a write through a tensor must never reach
     the file its checksum covers); else shared (a write reaches the state, as a write into
     torch's own state tensors does)."""
+
     fd: int
     offset: int
     nbytes: int
@@ -60,8 +62,9 @@ class Piece(NamedTuple):
 def side_by_side(pieces: list) -> bool:
     """Whether `pieces` can be mapped as one contiguous range: each piece after the first starts
     on a page boundary, each piece before the last ends on one."""
-    return all(p.offset % PAGE == 0 for p in pieces[1:]) and \
-        all((p.offset + p.nbytes) % PAGE == 0 for p in pieces[:-1])
+    return all(p.offset % PAGE == 0 for p in pieces[1:]) and all(
+        (p.offset + p.nbytes) % PAGE == 0 for p in pieces[:-1]
+    )
 
 
 def _align_up(n: int) -> int:
@@ -74,13 +77,18 @@ class Span(mmap.mmap):
 
     def __new__(cls, nbytes: int, private: bool):
         # anonymous and never touched: address space only, until the pieces replace it
-        return super().__new__(cls, -1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_NORESERVE,
-                               prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        return super().__new__(
+            cls,
+            -1,
+            nbytes,
+            flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_NORESERVE,
+            prot=mmap.PROT_READ | mmap.PROT_WRITE,
+        )
 
     def __init__(self, nbytes: int, private: bool):
         self.base = address(self)
         self.private = private  # its pieces are mapped copy-on-write
-        self.snapped = False    # its bytes are a private copy now (snapshot)
+        self.snapped = False  # its bytes are a private copy now (snapshot)
 
     def snapshot(self) -> None:
         """The span's bytes become anonymous memory of its own, with the values they have now:
@@ -140,6 +148,7 @@ def map_tensor(pieces: list, dtype, shape) -> "torch.Tensor | None":
     """A tensor of `dtype` and `shape` over `pieces` mapped side by side (its storage of its
     own, exactly its bytes: torch.save writes those), or None where they cannot be."""
     import torch
+
     mapped = map_pieces(pieces)
     if mapped is None:
         return None

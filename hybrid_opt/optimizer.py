@@ -13,6 +13,7 @@ The class is a facade over parts that own their state (docs/code-map.md): the La
 Placement (tiers, planner, moves), the Speculator, the ParamGuard, the StepChecks, the
 StepLedger, the StepStats and the distributed part (ZeroSharding or its no-op twin).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -20,21 +21,22 @@ import contextlib
 import torch
 
 from hybrid_opt import arguments as A
+from hybrid_opt import distributed as D
+from hybrid_opt import lifetime
+from hybrid_opt import parts as P
+from hybrid_opt import stepping as S
+from hybrid_opt.distributed import node
+from hybrid_opt.distributed.sharding import sharding_for
+from hybrid_opt.distributed.zero_gather import SHARD_KEY, check_shard_owner
+from hybrid_opt.placement import PlacementConfig
 from hybrid_opt.state import checkpoint as C
 from hybrid_opt.state import saving as SV
 from hybrid_opt.state import torch_extras as TX
-from hybrid_opt import distributed as D
-from hybrid_opt import lifetime
-from hybrid_opt.distributed import node
-from hybrid_opt import parts as P
-from hybrid_opt import stepping as S
-from hybrid_opt.placement import PlacementConfig
-from hybrid_opt.distributed.sharding import sharding_for
-from hybrid_opt.distributed.zero_gather import SHARD_KEY, check_shard_owner
 
 
 class _HybridBase(torch.optim.Optimizer):
     """The torch.optim facade: arguments, param groups, the step and the lifecycle."""
+
     _decoupled: bool = True
     _keeps_on_load: tuple = ()  # group keys load_state_dict leaves as they are
     # GradScaler sets grad_scale / found_inf on the optimizer for one step() call, which skips on
@@ -42,31 +44,85 @@ class _HybridBase(torch.optim.Optimizer):
     _step_supports_amp_scaling = True
     _closed, _built = True, False  # until the tiers exist (a constructor that raised: __del__)
 
-    def __init__(self, params, lr, betas, eps, weight_decay, amsgrad, *, maximize, foreach,
-                 capturable, differentiable, fused, max_grad_norm, offload_fraction, nvme_fraction,
-                 nvme_path, subgroup_numel, speculative, rollback, device_memory_budget,
-                 host_memory_budget, process_group, worker_share=None, spare_banks=None,
-                 io_banks=4, refit_every=50, calibration=None, overlap_param_gather=False,
-                 exp_avg_dtype=torch.float32, exp_avg_sq_dtype=torch.float32, store_param_remainders=False,
-                 release_grads=False, decoupled_weight_decay=None):
+    def __init__(
+        self,
+        params,
+        lr,
+        betas,
+        eps,
+        weight_decay,
+        amsgrad,
+        *,
+        maximize,
+        foreach,
+        capturable,
+        differentiable,
+        fused,
+        max_grad_norm,
+        offload_fraction,
+        nvme_fraction,
+        nvme_path,
+        subgroup_numel,
+        speculative,
+        rollback,
+        device_memory_budget,
+        host_memory_budget,
+        process_group,
+        worker_share=None,
+        spare_banks=None,
+        io_banks=4,
+        refit_every=50,
+        calibration=None,
+        overlap_param_gather=False,
+        exp_avg_dtype=torch.float32,
+        exp_avg_sq_dtype=torch.float32,
+        store_param_remainders=False,
+        release_grads=False,
+        decoupled_weight_decay=None,
+    ):
         lifetime.mark_owner(self)  # a forwarding wrapper's calls act on this object (lifetime.py)
         betas = A.check_hyperparameters(lr, betas, eps, weight_decay, foreach=foreach, capturable=capturable)
-        A.check_constructor(type(self).__name__, amsgrad=amsgrad, capturable=capturable,
-                            differentiable=differentiable, fused=fused, foreach=foreach,
-                            max_grad_norm=max_grad_norm, rollback=rollback,
-                            subgroup_numel=subgroup_numel, device_memory_budget=device_memory_budget,
-                            host_memory_budget=host_memory_budget, offload_fraction=offload_fraction,
-                            nvme_fraction=nvme_fraction, nvme_path=nvme_path, refit_every=refit_every)
+        A.check_constructor(
+            type(self).__name__,
+            amsgrad=amsgrad,
+            capturable=capturable,
+            differentiable=differentiable,
+            fused=fused,
+            foreach=foreach,
+            max_grad_norm=max_grad_norm,
+            rollback=rollback,
+            subgroup_numel=subgroup_numel,
+            device_memory_budget=device_memory_budget,
+            host_memory_budget=host_memory_budget,
+            offload_fraction=offload_fraction,
+            nvme_fraction=nvme_fraction,
+            nvme_path=nvme_path,
+            refit_every=refit_every,
+        )
         A.check_release_grads(release_grads, process_group)
-        self.state_format = A.check_state_format(exp_avg_dtype, exp_avg_sq_dtype, store_param_remainders, rollback)
+        self.state_format = A.check_state_format(
+            exp_avg_dtype, exp_avg_sq_dtype, store_param_remainders, rollback
+        )
         if decoupled_weight_decay is not None:  # Adam's (torch >= 2.6); each group may say otherwise
             self._decoupled = bool(decoupled_weight_decay)
-        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
-                        maximize=maximize, foreach=foreach, capturable=capturable,
-                        differentiable=differentiable, fused=fused, decoupled_weight_decay=self._decoupled)
+        defaults = dict(
+            lr=lr,
+            betas=betas,
+            eps=eps,
+            weight_decay=weight_decay,
+            amsgrad=amsgrad,
+            maximize=maximize,
+            foreach=foreach,
+            capturable=capturable,
+            differentiable=differentiable,
+            fused=fused,
+            decoupled_weight_decay=self._decoupled,
+        )
         super().__init__(params, defaults)
         A.check_materialised(type(self).__name__, self.param_groups, offload_fraction)
-        A.check_q8_placement(self.state_format, process_group, [p for g in self.param_groups for p in g["params"]])
+        A.check_q8_placement(
+            self.state_format, process_group, [p for g in self.param_groups for p in g["params"]]
+        )
         self.max_grad_norm = max_grad_norm
         self.offload_fraction, self.nvme_fraction, self.nvme_path = offload_fraction, nvme_fraction, nvme_path
         self.speculative, self.rollback = speculative, rollback
@@ -79,12 +135,30 @@ class _HybridBase(torch.optim.Optimizer):
         lifetime.claim(self, params)
         D.warn_replicated(params, process_group)
         sharding = sharding_for(params, process_group, release_grads)
-        config = PlacementConfig(offload_fraction, nvme_fraction, nvme_path, speculative, rollback,
-                                 device_memory_budget, host_memory_budget, worker_share, spare_banks,
-                                 io_banks, refit_every, calibration)
-        self._parts = P.compose(self.param_groups, owner=type(self).__name__, decoupled=self._decoupled,
-                                state_format=self.state_format, placement_config=config,
-                                max_grad_norm=max_grad_norm, sharding=sharding, subgroup_numel=subgroup_numel)
+        config = PlacementConfig(
+            offload_fraction,
+            nvme_fraction,
+            nvme_path,
+            speculative,
+            rollback,
+            device_memory_budget,
+            host_memory_budget,
+            worker_share,
+            spare_banks,
+            io_banks,
+            refit_every,
+            calibration,
+        )
+        self._parts = P.compose(
+            self.param_groups,
+            owner=type(self).__name__,
+            decoupled=self._decoupled,
+            state_format=self.state_format,
+            placement_config=config,
+            max_grad_norm=max_grad_norm,
+            sharding=sharding,
+            subgroup_numel=subgroup_numel,
+        )
         self.subgroup_numel = self._parts.layout.subgroup_numel
         P.build(self._parts)
         self._built = True
@@ -97,8 +171,14 @@ class _HybridBase(torch.optim.Optimizer):
         # a group's own values get the constructor's checks (torch checks only the defaults)
         if any(k in param_group for k in ("lr", "betas", "eps", "weight_decay")):
             get = lambda k: param_group.get(k, self.defaults[k])  # noqa: E731
-            betas = A.check_hyperparameters(get("lr"), get("betas"), get("eps"), get("weight_decay"),
-                                           foreach=get("foreach"), capturable=get("capturable"))
+            betas = A.check_hyperparameters(
+                get("lr"),
+                get("betas"),
+                get("eps"),
+                get("weight_decay"),
+                foreach=get("foreach"),
+                capturable=get("capturable"),
+            )
             if "betas" in param_group:
                 param_group["betas"] = betas
         if self._built:
@@ -110,14 +190,25 @@ class _HybridBase(torch.optim.Optimizer):
             lifetime.claim(self, self.param_groups[-1]["params"])
 
     # ------------------------------------------------------------------ properties
-    parts = property(lambda self: self._parts, doc="The parts this optimizer is composed of (docs/code-map.md), "
-                     "for introspection and tests: each part's public attributes and methods are its interface.")
-    plan = property(lambda self: self._parts.placement.plan, doc="The placement now: which tier holds each subgroup.")
-    stats = property(lambda self: self._parts.stats.last, doc="The last step's figures per tier (docs/usage.md).")
-    step_was_skipped = property(lambda self: self._parts.ledger.step_was_skipped,
-                                doc="Whether the last step() was skipped (a GradScaler's inf/nan: nothing stepped).")
-    last_grad_norm = property(lambda self: self._parts.ledger.last_grad_norm,
-                              doc="The global grad norm the last step clipped by (unscaled); None without clipping.")
+    parts = property(
+        lambda self: self._parts,
+        doc="The parts this optimizer is composed of (docs/code-map.md), "
+        "for introspection and tests: each part's public attributes and methods are its interface.",
+    )
+    plan = property(
+        lambda self: self._parts.placement.plan, doc="The placement now: which tier holds each subgroup."
+    )
+    stats = property(
+        lambda self: self._parts.stats.last, doc="The last step's figures per tier (docs/usage.md)."
+    )
+    step_was_skipped = property(
+        lambda self: self._parts.ledger.step_was_skipped,
+        doc="Whether the last step() was skipped (a GradScaler's inf/nan: nothing stepped).",
+    )
+    last_grad_norm = property(
+        lambda self: self._parts.ledger.last_grad_norm,
+        doc="The global grad norm the last step clipped by (unscaled); None without clipping.",
+    )
     closed = property(lambda self: self._closed, doc="Whether close() ran (or the end of its `with` block).")
 
     @property
@@ -125,20 +216,30 @@ class _HybridBase(torch.optim.Optimizer):
         """{"device", "host", "nvme", "comm"}: the bytes this optimizer holds now, as the OS
         and the allocator report them (allocated.py); all 0 once closed."""
         from hybrid_opt.state.allocated import allocated_bytes
+
         if self._closed:
             return allocated_bytes(None, None, None)
         return allocated_bytes(self._parts.placement.device, self._parts.placement.host, self._parts.sharding)
 
-    worker_pid = property(lambda self: None if self._closed or self._parts.placement.host is None
-                          else self._parts.placement.host.worker_pid, doc="The host tier's worker process, or None.")
+    worker_pid = property(
+        lambda self: (
+            None
+            if self._closed or self._parts.placement.host is None
+            else self._parts.placement.host.worker_pid
+        ),
+        doc="The host tier's worker process, or None.",
+    )
 
-    def _check_open(self, cannot="step again: build a new one (its load_state_dict takes this one's "
-                                 "last state_dict())") -> None:
+    def _check_open(
+        self, cannot="step again: build a new one (its load_state_dict takes this one's last state_dict())"
+    ) -> None:
         # its host tier closed on its own (shut by anything but close()) says the same: it never steps again
         host = self._parts.placement.host
         if self._closed or (host is not None and host.closed):
-            raise RuntimeError(f"this {type(self).__name__} was closed (close(), or the end of its "
-                               f"`with` block) and cannot {cannot}")
+            raise RuntimeError(
+                f"this {type(self).__name__} was closed (close(), or the end of its "
+                f"`with` block) and cannot {cannot}"
+            )
 
     # ------------------------------------------------------------------ the user's calls
     @lifetime.acts_on_owner
@@ -206,8 +307,10 @@ class _HybridBase(torch.optim.Optimizer):
 
     def _state_dict_shell(self, call: str) -> tuple:
         self.wait_params()
-        self._check_open("give its state, which close() freed: take state_dict() or save_state_dict() "
-                         "before it closes (inside its `with` block)")
+        self._check_open(
+            "give its state, which close() freed: take state_dict() or save_state_dict() "
+            "before it closes (inside its `with` block)"
+        )
         TX.check_laid_out(self._parts.layout, type(self).__name__, call)
         return C.committed_shell(self._parts, self._optimizer_state_dict_post_hooks, super().state_dict)
 
@@ -215,7 +318,9 @@ class _HybridBase(torch.optim.Optimizer):
     def load_state_dict(self, state_dict: dict) -> None:
         self.wait_params()
         state_dict = _through(self._optimizer_load_state_dict_pre_hooks, self, state_dict.copy())
-        check_shard_owner(state_dict.get(SHARD_KEY), self._parts.sharding if self._parts.sharding.active else None)
+        check_shard_owner(
+            state_dict.get(SHARD_KEY), self._parts.sharding if self._parts.sharding.active else None
+        )
         self._check_open()
         TX.check_laid_out(self._parts.layout, type(self).__name__, "load_state_dict")
         C.load(self._parts, state_dict, self.state, keep=self._keeps_on_load)
@@ -223,8 +328,10 @@ class _HybridBase(torch.optim.Optimizer):
             hook(self)
 
     def __getstate__(self):  # torch's pickles defaults, state and param_groups: a shell of this one
-        raise TypeError(f"{type(self).__name__} cannot be pickled or copied: its state lives in a worker, "
-                        f"shared memory and nvme files. Save opt.state_dict() and load it into a new one.")
+        raise TypeError(
+            f"{type(self).__name__} cannot be pickled or copied: its state lives in a worker, "
+            f"shared memory and nvme files. Save opt.state_dict() and load it into a new one."
+        )
 
     # ------------------------------------------------------------------ the step
     @lifetime.acts_on_owner
@@ -238,10 +345,19 @@ class _HybridBase(torch.optim.Optimizer):
                     loss = closure()
             self._check_open()
             # GradScaler.step sets found_inf / grad_scale on the optimizer for this call
-            S.step(self._parts, S.StepCall(type(self).__name__, self._decoupled, self.max_grad_norm,
-                                           self.overlap_param_gather, self.state,
-                                           getattr(self, "found_inf", None), getattr(self, "grad_scale", None),
-                                           id(self)))
+            S.step(
+                self._parts,
+                S.StepCall(
+                    type(self).__name__,
+                    self._decoupled,
+                    self.max_grad_norm,
+                    self.overlap_param_gather,
+                    self.state,
+                    getattr(self, "found_inf", None),
+                    getattr(self, "grad_scale", None),
+                    id(self),
+                ),
+            )
         except BaseException:
             # GradScaler.step deletes them only after a return: a step that raised would scale the next by them
             for name in ("grad_scale", "found_inf"):
@@ -280,40 +396,118 @@ class HybridAdamW(_HybridBase):
     """torch.optim.AdamW's signature and defaults (decoupled weight decay), plus placement.
 
     See the README (one line per argument) and docs/usage.md for the hybrid arguments."""
+
     _decoupled, _keeps_on_load = True, ("decoupled_weight_decay",)  # as torch's AdamW.__setstate__
 
-    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2,
-                 amsgrad=False, *, maximize=False, foreach=None, capturable=False,
-                 differentiable=False, fused=None, max_grad_norm=None, offload_fraction=1.0,
-                 nvme_fraction=0.0, nvme_path=None, subgroup_numel=None,
-                 speculative=True, rollback="exact", device_memory_budget=None,
-                 host_memory_budget=None, process_group=None, **hybrid):
-        super().__init__(params, lr, betas, eps, weight_decay, amsgrad, maximize=maximize,
-                         foreach=foreach, capturable=capturable, differentiable=differentiable,
-                         fused=fused, max_grad_norm=max_grad_norm, offload_fraction=offload_fraction,
-                         nvme_fraction=nvme_fraction, nvme_path=nvme_path,
-                         subgroup_numel=subgroup_numel, speculative=speculative, rollback=rollback,
-                         device_memory_budget=device_memory_budget,
-                         host_memory_budget=host_memory_budget, process_group=process_group, **hybrid)
+    def __init__(
+        self,
+        params,
+        lr=1e-3,
+        betas=(0.9, 0.999),
+        eps=1e-8,
+        weight_decay=1e-2,
+        amsgrad=False,
+        *,
+        maximize=False,
+        foreach=None,
+        capturable=False,
+        differentiable=False,
+        fused=None,
+        max_grad_norm=None,
+        offload_fraction=1.0,
+        nvme_fraction=0.0,
+        nvme_path=None,
+        subgroup_numel=None,
+        speculative=True,
+        rollback="exact",
+        device_memory_budget=None,
+        host_memory_budget=None,
+        process_group=None,
+        **hybrid,
+    ):
+        super().__init__(
+            params,
+            lr,
+            betas,
+            eps,
+            weight_decay,
+            amsgrad,
+            maximize=maximize,
+            foreach=foreach,
+            capturable=capturable,
+            differentiable=differentiable,
+            fused=fused,
+            max_grad_norm=max_grad_norm,
+            offload_fraction=offload_fraction,
+            nvme_fraction=nvme_fraction,
+            nvme_path=nvme_path,
+            subgroup_numel=subgroup_numel,
+            speculative=speculative,
+            rollback=rollback,
+            device_memory_budget=device_memory_budget,
+            host_memory_budget=host_memory_budget,
+            process_group=process_group,
+            **hybrid,
+        )
 
 
 class HybridAdam(_HybridBase):
     """torch.optim.Adam's signature and defaults (weight_decay=0, L2 decay), plus placement."""
+
     _decoupled = False
 
-    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
-                 amsgrad=False, *, maximize=False, foreach=None, capturable=False,
-                 differentiable=False, fused=None, max_grad_norm=None, offload_fraction=1.0,
-                 nvme_fraction=0.0, nvme_path=None, subgroup_numel=None,
-                 speculative=True, rollback="exact", device_memory_budget=None,
-                 host_memory_budget=None, process_group=None, decoupled_weight_decay=False, **hybrid):
-        super().__init__(params, lr, betas, eps, weight_decay, amsgrad, maximize=maximize,
-                         foreach=foreach, capturable=capturable, differentiable=differentiable,
-                         fused=fused, max_grad_norm=max_grad_norm, offload_fraction=offload_fraction,
-                         nvme_fraction=nvme_fraction, nvme_path=nvme_path,
-                         subgroup_numel=subgroup_numel, speculative=speculative, rollback=rollback,
-                         device_memory_budget=device_memory_budget, host_memory_budget=host_memory_budget,
-                         process_group=process_group, decoupled_weight_decay=decoupled_weight_decay, **hybrid)
+    def __init__(
+        self,
+        params,
+        lr=1e-3,
+        betas=(0.9, 0.999),
+        eps=1e-8,
+        weight_decay=0.0,
+        amsgrad=False,
+        *,
+        maximize=False,
+        foreach=None,
+        capturable=False,
+        differentiable=False,
+        fused=None,
+        max_grad_norm=None,
+        offload_fraction=1.0,
+        nvme_fraction=0.0,
+        nvme_path=None,
+        subgroup_numel=None,
+        speculative=True,
+        rollback="exact",
+        device_memory_budget=None,
+        host_memory_budget=None,
+        process_group=None,
+        decoupled_weight_decay=False,
+        **hybrid,
+    ):
+        super().__init__(
+            params,
+            lr,
+            betas,
+            eps,
+            weight_decay,
+            amsgrad,
+            maximize=maximize,
+            foreach=foreach,
+            capturable=capturable,
+            differentiable=differentiable,
+            fused=fused,
+            max_grad_norm=max_grad_norm,
+            offload_fraction=offload_fraction,
+            nvme_fraction=nvme_fraction,
+            nvme_path=nvme_path,
+            subgroup_numel=subgroup_numel,
+            speculative=speculative,
+            rollback=rollback,
+            device_memory_budget=device_memory_budget,
+            host_memory_budget=host_memory_budget,
+            process_group=process_group,
+            decoupled_weight_decay=decoupled_weight_decay,
+            **hybrid,
+        )
 
 
 def _through(hooks: dict, opt, value):

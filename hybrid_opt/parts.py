@@ -3,31 +3,33 @@ its state and talks to the others through their public methods; what a change of
 asks of the other parts (placement.TierEvents) is wired here, between the parts — never back
 to the optimizer, so an optimizer nothing else holds is freed (and closed) at once.
 """
+
 from __future__ import annotations
 
 from typing import NamedTuple
 
 from hybrid_opt import distributed as D
-from hybrid_opt.state import layout as L
-from hybrid_opt.placement.cost_model import DEFAULT_SUBGROUP_NUMEL
-from hybrid_opt.state.ledger import StepLedger
 from hybrid_opt.placement import Placement, TierEvents, restated
+from hybrid_opt.placement.cost_model import DEFAULT_SUBGROUP_NUMEL
 from hybrid_opt.speculation import SpeculationConfig, Speculator
+from hybrid_opt.state import layout as L
+from hybrid_opt.state.ledger import StepLedger
+from hybrid_opt.state.storage import ParamGuard
 from hybrid_opt.step_failures import StepChecks
 from hybrid_opt.step_stats import StepStats
-from hybrid_opt.state.storage import ParamGuard
 
 
 class Parts(NamedTuple):
     """What an optimizer is composed of; each part owns its state."""
-    layout: L.Layout            # subgroups, the param index, per-param step counts
-    placement: Placement        # the plan, the tiers, "auto"'s planner, moves
-    speculator: Speculator      # grad hooks and speculative host steps during backward
-    guard: ParamGuard           # replaced and written params
-    checks: StepChecks          # input a tier would refuse part-way
-    ledger: StepLedger          # steps taken, scale, norm, skip, rank failure, torch's state
-    stats: StepStats            # `stats`, the clock, "auto"'s samples
-    sharding: object            # zero.ZeroSharding (process_group=), or sharding.NoSharding
+
+    layout: L.Layout  # subgroups, the param index, per-param step counts
+    placement: Placement  # the plan, the tiers, "auto"'s planner, moves
+    speculator: Speculator  # grad hooks and speculative host steps during backward
+    guard: ParamGuard  # replaced and written params
+    checks: StepChecks  # input a tier would refuse part-way
+    ledger: StepLedger  # steps taken, scale, norm, skip, rank failure, torch's state
+    stats: StepStats  # `stats`, the clock, "auto"'s samples
+    sharding: object  # zero.ZeroSharding (process_group=), or sharding.NoSharding
 
     def install_hooks(self, host: list) -> None:
         """Speculation's grad hooks on the host subgroups `host`, and "auto"'s timing hooks."""
@@ -41,14 +43,28 @@ class Parts(NamedTuple):
         self.sharding.zero_grad(set_to_none)
 
 
-def compose(param_groups: list, *, owner: str, decoupled: bool, state_format, placement_config,
-            max_grad_norm, sharding, subgroup_numel) -> Parts:
+def compose(
+    param_groups: list,
+    *,
+    owner: str,
+    decoupled: bool,
+    state_format,
+    placement_config,
+    max_grad_norm,
+    sharding,
+    subgroup_numel,
+) -> Parts:
     """The parts of an optimizer over `param_groups`, wired, nothing laid out yet (build())."""
     if subgroup_numel is None:  # automatic: >= 8 subgroups on this rank where it can (layout.py)
         subgroup_numel = L.auto_subgroup_numel(
-            sum(D.local_of(p).numel() for g in param_groups for p in g["params"]), DEFAULT_SUBGROUP_NUMEL)
-    layout = L.Layout(param_groups, subgroup_numel, any(g["amsgrad"] for g in param_groups),
-                      quantize=state_format.quantized_moments)
+            sum(D.local_of(p).numel() for g in param_groups for p in g["params"]), DEFAULT_SUBGROUP_NUMEL
+        )
+    layout = L.Layout(
+        param_groups,
+        subgroup_numel,
+        any(g["amsgrad"] for g in param_groups),
+        quantize=state_format.quantized_moments,
+    )
     ledger = StepLedger(layout)
     stats = StepStats(layout, state_format)
     c = placement_config
@@ -58,13 +74,24 @@ def compose(param_groups: list, *, owner: str, decoupled: bool, state_format, pl
         stats.new_host_tier()
         guard.record()
 
-    placement = Placement(layout, c, state_format,
-                          TierEvents(lambda: spec.drop(), sharding.wait_gathered,
-                                     lambda host: parts.install_hooks(host), laid_out))
-    spec = Speculator(layout, placement, ledger,
-                      SpeculationConfig(bool(c.speculative), c.rollback, max_grad_norm is not None, decoupled),
-                      sharding if sharding.active else None)
-    guard = ParamGuard(layout, placement, state_format, owner, spec.drop, lambda host: parts.install_hooks(host))
+    placement = Placement(
+        layout,
+        c,
+        state_format,
+        TierEvents(
+            lambda: spec.drop(), sharding.wait_gathered, lambda host: parts.install_hooks(host), laid_out
+        ),
+    )
+    spec = Speculator(
+        layout,
+        placement,
+        ledger,
+        SpeculationConfig(bool(c.speculative), c.rollback, max_grad_norm is not None, decoupled),
+        sharding if sharding.active else None,
+    )
+    guard = ParamGuard(
+        layout, placement, state_format, owner, spec.drop, lambda host: parts.install_hooks(host)
+    )
     checks = StepChecks(layout, placement, owner, decoupled)
     parts = Parts(layout, placement, spec, guard, checks, ledger, stats, sharding)
     return parts
@@ -106,7 +133,10 @@ def extend(parts: Parts, gi: int) -> None:
         parts.install_hooks(placement.host_subgroups())
         if not isinstance(e, Exception):
             raise
-        raise restated(e, f"add_param_group: laying out the new group failed, so it was not "
-                          f"added (param_groups, the optimizer's state and its tiers are as "
-                          f"before the call, and training goes on): {type(e).__name__}: {e}. "
-                          f"Fix the cause and add the group again") from e
+        raise restated(
+            e,
+            f"add_param_group: laying out the new group failed, so it was not "
+            f"added (param_groups, the optimizer's state and its tiers are as "
+            f"before the call, and training goes on): {type(e).__name__}: {e}. "
+            f"Fix the cause and add the group again",
+        ) from e

@@ -11,6 +11,7 @@ runs behind the first forward/backward; a step that needs a bank waits for it (b
 
 Python's mmap.madvise holds the GIL: the calls go through ctypes, which releases it.
 """
+
 from __future__ import annotations
 
 import bisect
@@ -48,9 +49,11 @@ def madvise(addr: int, nbytes: int, advice: int = MADV_POPULATE_WRITE) -> int:
 
 
 def memory_error(nbytes: int, what: str, err: int) -> MemoryError:
-    return MemoryError(f"cannot allocate {nbytes / 1e9:.2f} GB of {what} ({os.strerror(err)}): "
-                       f"free host memory, or place less on the host tier (offload_fraction, "
-                       f"nvme_fraction, spare_banks)")
+    return MemoryError(
+        f"cannot allocate {nbytes / 1e9:.2f} GB of {what} ({os.strerror(err)}): "
+        f"free host memory, or place less on the host tier (offload_fraction, "
+        f"nvme_fraction, spare_banks)"
+    )
 
 
 def reserve(fd: int, ranges, what: str = "shared memory") -> bool:
@@ -110,8 +113,9 @@ def populate_now(addr: int, ranges, threads: int | None = None, advice: int = MA
     if threads == 1:
         run()
     else:
-        pool = [threading.Thread(target=run, name=f"hybrid_opt-populate-{i}", daemon=True)
-                for i in range(threads)]
+        pool = [
+            threading.Thread(target=run, name=f"hybrid_opt-populate-{i}", daemon=True) for i in range(threads)
+        ]
         for t in pool:
             t.start()
         for t in pool:
@@ -132,12 +136,12 @@ class BackgroundPopulate:
         # bisection where the chunks are in address order (the host tier's are)
         self._starts = [a for a, _ in self._chunks]
         self._ordered = all(a + n <= b for (a, n), b in zip(self._chunks, self._starts[1:]))
-        self._next = 0                 # chunks before this one are populated
+        self._next = 0  # chunks before this one are populated
         self._err = 0
         self._stop = False
         self._cond = threading.Condition()
         self._addr = addr
-        self.seconds = None            # how long it took, once finished
+        self.seconds = None  # how long it took, once finished
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
@@ -189,8 +193,13 @@ class BackgroundPopulate:
         overlaps, with the same bound on a stall."""
         if self._next >= len(self._chunks) and not self._err:
             return  # finished: the per-step case, no search
-        last = max((len(self._chunks) - 1 if nbytes is None else self._last_chunk(offset, nbytes)
-                    for offset, nbytes in ranges), default=-1)
+        last = max(
+            (
+                len(self._chunks) - 1 if nbytes is None else self._last_chunk(offset, nbytes)
+                for offset, nbytes in ranges
+            ),
+            default=-1,
+        )
         with self._cond:
             seen, deadline = self._next, time.monotonic() + timeout_s
             while self._next <= last and not self._err and self._thread.is_alive():
@@ -198,11 +207,13 @@ class BackgroundPopulate:
                     seen, deadline = self._next, time.monotonic() + timeout_s
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    todo = sum(n for _, n in self._chunks[self._next:])
-                    raise TimeoutError(f"hybrid_opt: {todo / 1e9:.2f} GB of {self.what} still not "
-                                       f"populated, none of it for {timeout_s:.0f} s: the machine is "
-                                       f"short of memory or CPU; free some, or place less on the "
-                                       f"host tier")
+                    todo = sum(n for _, n in self._chunks[self._next :])
+                    raise TimeoutError(
+                        f"hybrid_opt: {todo / 1e9:.2f} GB of {self.what} still not "
+                        f"populated, none of it for {timeout_s:.0f} s: the machine is "
+                        f"short of memory or CPU; free some, or place less on the "
+                        f"host tier"
+                    )
                 self._cond.wait(min(left, 0.1))
             if self._err:
                 raise memory_error(sum(n for _, n in self._chunks), self.what, self._err)

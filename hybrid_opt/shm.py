@@ -6,6 +6,7 @@ and leaves no names behind; where it is missing, an unlinked file in /dev/shm (o
 directory) stands in. An arena is pinned (cudaHostRegister) when its owner asks — the host
 tier does for CUDA params, for asynchronous copies — and unpinned at close.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -71,8 +72,11 @@ class CudaRuntime:
 
     def __init__(self, lib):
         self.lib = lib
-        for name, args in (("cudaHostRegister", [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint]),
-                           ("cudaHostUnregister", [ctypes.c_void_p]), ("cudaGetLastError", [])):
+        for name, args in (
+            ("cudaHostRegister", [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint]),
+            ("cudaHostUnregister", [ctypes.c_void_p]),
+            ("cudaGetLastError", []),
+        ):
             fn = getattr(lib, name)
             fn.argtypes, fn.restype = args, ctypes.c_int
         lib.cudaGetErrorString.argtypes, lib.cudaGetErrorString.restype = [ctypes.c_int], ctypes.c_char_p
@@ -108,6 +112,7 @@ def cuda_runtime() -> CudaRuntime | None:
     """The CUDA runtime to pin with, or None when CUDA is unavailable or its runtime library
     cannot be found in this process."""
     import torch
+
     if not torch.cuda.is_available():
         return None
     torch.cuda.init()
@@ -126,6 +131,7 @@ def _in_context_of(device):
     if device is None:
         return contextlib.nullcontext()
     import torch
+
     return torch.cuda.device(device)
 
 
@@ -133,10 +139,14 @@ def _warn_unpinned(why: str) -> None:
     global _pin_warned
     if not _pin_warned:
         _pin_warned = True
-        warnings.warn(f"hybrid_opt: the host tier's shared memory could not be pinned ({why}); it "
-                      f"runs unpinned: results are unchanged, but grad and param copies between "
-                      f"the GPU and the host are slower. Raise the locked-memory limit "
-                      f"(ulimit -l) or free host memory to pin it.", RuntimeWarning, stacklevel=3)
+        warnings.warn(
+            f"hybrid_opt: the host tier's shared memory could not be pinned ({why}); it "
+            f"runs unpinned: results are unchanged, but grad and param copies between "
+            f"the GPU and the host are slower. Raise the locked-memory limit "
+            f"(ulimit -l) or free host memory to pin it.",
+            RuntimeWarning,
+            stacklevel=3,
+        )
 
 
 def align_up(x: int, a: int) -> int:
@@ -183,8 +193,9 @@ def _open_anonymous_fd(name: str, nbytes: int) -> int:
         os.ftruncate(fd, nbytes)
     except OSError as e:
         os.close(fd)
-        raise OSError(e.errno, f"cannot size shared memory of {nbytes} bytes in {directory}: "
-                               f"{e.strerror}") from e
+        raise OSError(
+            e.errno, f"cannot size shared memory of {nbytes} bytes in {directory}: {e.strerror}"
+        ) from e
     return fd
 
 
@@ -196,21 +207,21 @@ class SharedArena:
     (fallocate: missing memory is still a MemoryError here) and populated by a background
     thread, in order; `wait_populated()` waits for a region (bounded)."""
 
-    def __init__(self, nbytes: int, name: str = "hybrid_opt", prefault: bool = True, later=(),
-                 defer: bool = False):
+    def __init__(
+        self, nbytes: int, name: str = "hybrid_opt", prefault: bool = True, later=(), defer: bool = False
+    ):
         """`defer`: the pages are reserved and populated by fill(), not here (the caller starts
         its worker first, so that its start-up overlaps the reservation)."""
         self.nbytes = align_up(max(nbytes, 1), PAGE)
         self.fd = _open_anonymous_fd(name, self.nbytes)
         try:
-            self.mm = mmap.mmap(self.fd, self.nbytes, mmap.MAP_SHARED,
-                                mmap.PROT_READ | mmap.PROT_WRITE)
+            self.mm = mmap.mmap(self.fd, self.nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         except OSError:
             os.close(self.fd)
             raise
         self._background = None
         self.populated = False
-        self.later: tuple = ()       # the (offset, nbytes) ranges fill() left to the background
+        self.later: tuple = ()  # the (offset, nbytes) ranges fill() left to the background
         self._pinned_ptr = self._runtime = self._pin_device = None
         self.closed = False
         self._fill_args = (name, prefault, later)
@@ -241,6 +252,7 @@ class SharedArena:
 
     def tensor(self, offset: int, numel: int, dtype):
         import torch
+
         itemsize = torch.empty((), dtype=dtype).element_size()
         if offset % itemsize or offset + numel * itemsize > self.nbytes:
             raise ValueError(f"region [{offset}, +{numel * itemsize}) does not fit the arena")
@@ -276,6 +288,7 @@ class SharedArena:
         if self._pinned_ptr is not None:
             return True
         import torch
+
         runtime = cuda_runtime()
         if runtime is None:
             if torch.cuda.is_available():
@@ -287,8 +300,9 @@ class SharedArena:
             if err != 0:
                 runtime.clear_error()
         if err != 0:
-            _warn_unpinned(f"cudaHostRegister of {self.nbytes} bytes failed: "
-                           f"{runtime.error_string(err)} (error {err})")
+            _warn_unpinned(
+                f"cudaHostRegister of {self.nbytes} bytes failed: {runtime.error_string(err)} (error {err})"
+            )
             return False
         self._pinned_ptr, self._runtime, self._pin_device = ptr, runtime, device
         return True

@@ -14,11 +14,12 @@ only that one), and — because torch's foreach in-place ops (clip_grad_norm_, a
 unscale_) bump neither — a content fingerprint, their sum of squares, compared at step()
 (grad_edits.py): a mismatch redoes the step from the live grads.
 """
+
 from __future__ import annotations
 
-import torch
-
 from typing import NamedTuple
+
+import torch
 
 from hybrid_opt.distributed import any_dtensor, grad_locals
 from hybrid_opt.distributed.grad_edits import GradFingerprints
@@ -31,8 +32,8 @@ from hybrid_opt.tiers.host import StepInputs
 class SpeculationConfig(NamedTuple):
     speculative: bool
     rollback: str
-    clipping: bool       # max_grad_norm is set
-    decoupled: bool      # AdamW's decoupled weight decay (Adam's L2 otherwise)
+    clipping: bool  # max_grad_norm is set
+    decoupled: bool  # AdamW's decoupled weight decay (Adam's L2 otherwise)
 
 
 class Speculator:
@@ -46,16 +47,16 @@ class Speculator:
         self.ledger = ledger
         self.config = config
         self.zero = zero
-        self.grad_scaler = None      # attach_grad_scaler's
-        self.boundary = True         # set_gradient_accumulation_boundary's
-        self.error = None            # a speculative step that failed during backward: step() raises it
+        self.grad_scaler = None  # attach_grad_scaler's
+        self.boundary = True  # set_gradient_accumulation_boundary's
+        self.error = None  # a speculative step that failed during backward: step() raises it
         self.closed = False
         self._hooks: list = []
-        self._members: dict = {}     # host subgroup index -> trainable param indices in it
-        self._param_sgs: dict = {}   # param index -> host subgroup indices it spans
+        self._members: dict = {}  # host subgroup index -> trainable param indices in it
+        self._param_sgs: dict = {}  # param index -> host subgroup indices it spans
         self._ready: dict = {}
-        self._staged: dict = {}      # host subgroup index -> the grad tensors its pending speculation read
-        self.fingerprints = None     # GradFingerprints where a host param is a DTensor (install)
+        self._staged: dict = {}  # host subgroup index -> the grad tensors its pending speculation read
+        self.fingerprints = None  # GradFingerprints where a host param is a DTensor (install)
         self._grad_locals = grad_locals  # how the host grads are named: install's
         self._deferred: list = []
         self._inv_scale_cache = None
@@ -202,8 +203,19 @@ class Speculator:
         gatherer = GradGatherer(sg, grads)
         if not ahead and ((stale and sg.index in self._staged) or self._grads_edited(sg, gatherer)):
             versions += ("edited since staged",)  # unscale_, or a foreach edit of DTensor grads: redone
-        return gatherer, StepInputs(step, hp.lr, hp.beta1, hp.beta2, hp.eps, hp.weight_decay, hp.decoupled,
-                                    scale * hp.grad_scale, versions, hp.amsgrad, runs)
+        return gatherer, StepInputs(
+            step,
+            hp.lr,
+            hp.beta1,
+            hp.beta2,
+            hp.eps,
+            hp.weight_decay,
+            hp.decoupled,
+            scale * hp.grad_scale,
+            versions,
+            hp.amsgrad,
+            runs,
+        )
 
     def _grads_edited(self, sg, gatherer: GradGatherer) -> bool:
         """At step(): whether a speculated subgroup's DTensor grads changed since it was
@@ -211,8 +223,9 @@ class Speculator:
         if sg.index not in self._staged or self.fingerprints is None:
             return False
         host, local = self.placement.host, self.placement.host_local[sg.index]
-        return self.fingerprints.is_edited(sg.index, gatherer, lambda: host.piece_stats(local),
-                                            host.grad_dtype)
+        return self.fingerprints.is_edited(
+            sg.index, gatherer, lambda: host.piece_stats(local), host.grad_dtype
+        )
 
     def grad_edit_checks(self) -> list:
         """At step(), once the reductions landed, speculated subgroups with DTensor grads
@@ -223,10 +236,12 @@ class Speculator:
         if not self._staged or self.fingerprints is None:
             return []
         sgs, host, local = self.layout.subgroups, self.placement.host, self.placement.host_local
-        return self.fingerprints.checks(lambda sgi: [sl for sl in sgs[sgi].slices if sl.param.grad is not None],
-                                         lambda sgi: gatherer_of(sgs[sgi]),
-                                         lambda sgi: host.piece_stats(local[sgi], wait=False),
-                                         host.grad_dtype)
+        return self.fingerprints.checks(
+            lambda sgi: [sl for sl in sgs[sgi].slices if sl.param.grad is not None],
+            lambda sgi: gatherer_of(sgs[sgi]),
+            lambda sgi: host.piece_stats(local[sgi], wait=False),
+            host.grad_dtype,
+        )
 
     def host_work(self, host_steps: dict, scale: float, edited: list, unscaled: bool = False) -> dict:
         """step()'s host work {host-tier subgroup: (its GradGatherer, its StepInputs)} for

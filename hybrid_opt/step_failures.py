@@ -25,6 +25,7 @@ called again; otherwise the error says which parameters stepped and to reload a 
 `StepChecks` is the optimizer's part that refuses bad input; `failure_of` the accounting of a
 step that failed part-way (the optimizer's ledger puts the counts back: ledger.py).
 """
+
 from __future__ import annotations
 
 from typing import NamedTuple
@@ -36,10 +37,11 @@ from hybrid_opt.distributed import rank_faults as RF
 from hybrid_opt.placement.plan import DEVICE
 from hybrid_opt.step_work import group_inputs
 
-
 _CPU = torch.device("cpu")
-NOTHING_STEPPED = ("Nothing was stepped (state and step counts are the previous step's): fix the "
-                   "cause and call step() again.")
+NOTHING_STEPPED = (
+    "Nothing was stepped (state and step counts are the previous step's): fix the "
+    "cause and call step() again."
+)
 
 
 class StepChecks:
@@ -48,9 +50,9 @@ class StepChecks:
     def __init__(self, layout, placement, owner: str, decoupled: bool):
         self.layout = layout
         self.placement = placement
-        self.owner = owner          # the optimizer's class name, for messages
+        self.owner = owner  # the optimizer's class name, for messages
         self.decoupled = decoupled
-        self._cache = None          # (plan, its tiers, params, {on device}, {off it}, {sharded}) of the layout now
+        self._cache = None  # (plan, its tiers, params, {on device}, {off it}, {sharded}) of the layout now
 
     def check_inputs(self, torch_state) -> list:
         """Before the ranks' decision; returns each param group's hyperparameters as the tiers
@@ -78,24 +80,32 @@ class StepChecks:
                         raise RuntimeError(f"{cls} does not support sparse gradients")
                     if i not in sharded:
                         if g.numel() != p.numel():
-                            self._refuse_grad(i, f"has shape {tuple(g.shape)} ({g.numel()} elements) "
-                                                 f"but the parameter has {tuple(p.shape)} ({p.numel()}): "
-                                                 f"give it a grad of its own shape", ValueError)
+                            self._refuse_grad(
+                                i,
+                                f"has shape {tuple(g.shape)} ({g.numel()} elements) "
+                                f"but the parameter has {tuple(p.shape)} ({p.numel()}): "
+                                f"give it a grad of its own shape",
+                                ValueError,
+                            )
                         # the usual grad (the param's dtype and device) needs no more checks
                         if i in on_device and (g.dtype is not p.dtype or g.get_device() != p.get_device()):
                             self._refuse_grad(i, device_tier.refuse_grad(g, p), TypeError)
                     live_on_device = live_on_device or i in on_device
                     live_off_device = live_off_device or i in off_device
                 i += 1
-            hp = group_inputs(group, self.decoupled)  # a Tensor lr of several elements raises here, not mid-step
+            hp = group_inputs(
+                group, self.decoupled
+            )  # a Tensor lr of several elements raises here, not mid-step
             hps.append(hp)
             # the host tier's CPU kernel takes what the device tier's kernels refuse (a NaN lr
             # set after construction): refused alike, wherever the group's live params are
             for tier, on, dev in (("device", live_on_device, device), ("host", live_off_device, _CPU)):
                 why = device_tier.refuse_hyper(hp, dev) if on else None
                 if why is not None:
-                    raise ValueError(f"{cls}.step(): param group {gi}: {why} (the {tier} tier's "
-                                     f"kernel refuses it). {NOTHING_STEPPED}")
+                    raise ValueError(
+                        f"{cls}.step(): param group {gi}: {why} (the {tier} tier's "
+                        f"kernel refuses it). {NOTHING_STEPPED}"
+                    )
         if i != len(laid_out):  # params removed (or every group: param_groups.clear())
             self._params_edited(max(len(self.layout.param_groups) - 1, 0), i)
         return hps
@@ -105,26 +115,32 @@ class StepChecks:
         torch restarts their moments then; here they stay in the tiers, and a step would
         silently keep them."""
         steps = self.layout.steps
-        lost = [i for i, p in enumerate(self.layout.laid_out) if steps[i] and "step" not in torch_state.get(p, {})]
+        lost = [
+            i for i, p in enumerate(self.layout.laid_out) if steps[i] and "step" not in torch_state.get(p, {})
+        ]
         if lost:
-            raise ValueError(f"{self.owner}.step(): opt.state lost the entries of stepped parameters "
-                             f"{lost} (cleared, replaced or deleted). torch restarts their moments then; "
-                             f"this optimizer keeps them in its tiers (opt.state mirrors the step "
-                             f"counts only). To restart them: sd = opt.state_dict(), delete their "
-                             f"entries from sd['state'] (sd['state'].clear() for all), "
-                             f"opt.load_state_dict(sd). To keep them: opt.load_state_dict("
-                             f"opt.state_dict()). {NOTHING_STEPPED}")
+            raise ValueError(
+                f"{self.owner}.step(): opt.state lost the entries of stepped parameters "
+                f"{lost} (cleared, replaced or deleted). torch restarts their moments then; "
+                f"this optimizer keeps them in its tiers (opt.state mirrors the step "
+                f"counts only). To restart them: sd = opt.state_dict(), delete their "
+                f"entries from sd['state'] (sd['state'].clear() for all), "
+                f"opt.load_state_dict(sd). To keep them: opt.load_state_dict("
+                f"opt.state_dict()). {NOTHING_STEPPED}"
+            )
 
     def _params_edited(self, gi: int, i: int) -> None:
         """param_groups[gi]["params"] no longer holds the params laid out (parameter i is
         another, or there are more or fewer): torch steps what the list holds now, this
         optimizer's state belongs to the params it laid out when they joined."""
-        raise ValueError(f"{self.owner}.step(): param_groups[{gi}]['params'] was edited after the "
-                         f"params joined the optimizer (parameter {i} is not the one laid out "
-                         f"there, or params were added or removed): this optimizer lays out each "
-                         f"param's state when it joins. Add params with add_param_group(), or "
-                         f"build a new optimizer for another set of params; put the list back "
-                         f"to step this one. {NOTHING_STEPPED}")
+        raise ValueError(
+            f"{self.owner}.step(): param_groups[{gi}]['params'] was edited after the "
+            f"params joined the optimizer (parameter {i} is not the one laid out "
+            f"there, or params were added or removed): this optimizer lays out each "
+            f"param's state when it joins. Add params with add_param_group(), or "
+            f"build a new optimizer for another set of params; put the list back "
+            f"to step this one. {NOTHING_STEPPED}"
+        )
 
     def _layout_sets(self) -> tuple:
         """({params with a slice on the device tier}, {... on the host or nvme tier}, {sharded
@@ -167,14 +183,26 @@ class StepChecks:
 class Failure(NamedTuple):
     """What a failed step left (module docstring): the params untouched (their counts go back),
     and whether nothing at all was stepped."""
+
     untouched: list
     nothing_stepped: bool
     error: Exception
 
 
-def failure_of(owner: str, e: BaseException, where: str | None, host_steps: dict, committed: set,
-               device_work: list, done: list, unsure: list, world: int, sharded: bool,
-               unreadable=None, cut: set = frozenset()) -> Failure:
+def failure_of(
+    owner: str,
+    e: BaseException,
+    where: str | None,
+    host_steps: dict,
+    committed: set,
+    device_work: list,
+    done: list,
+    unsure: list,
+    world: int,
+    sharded: bool,
+    unreadable=None,
+    cut: set = frozenset(),
+) -> Failure:
     """The accounting of a step that failed with `e` (module docstring), and the error to
     raise, explained. host_steps: {subgroup index: HostWork} of the host/nvme tiers
     (step_work.py), `committed` those that committed; device_work: the device tier's
@@ -201,28 +229,39 @@ def failure_of(owner: str, e: BaseException, where: str | None, host_steps: dict
     maybe = {device_work[k].slice.param_index for k in unsure}
     unsure_params = maybe | cut_params  # maybe written: neither whole nor untouched
     whole = sorted(i for i, n in total.items() if stepped.get(i, 0) == n and i not in unsure_params)
-    torn = sorted(i for i, n in total.items() if (0 < stepped.get(i, 0) < n or i in maybe)
-                  and i not in whole and i not in cut_params)
+    torn = sorted(
+        i
+        for i, n in total.items()
+        if (0 < stepped.get(i, 0) < n or i in maybe) and i not in whole and i not in cut_params
+    )
     # untouched: its count as before the call; with nothing stepped (an empty param, no
     # subgroup, too) every count and the step's scalars
     untouched = [i for i in total if not stepped.get(i, 0) and i not in unsure_params]
     nothing = not whole and not torn and not cut_params
     bad = unreadable() if nothing and where is not None and unreadable is not None else None
     if bad:
-        what = (f"Nothing was stepped (state and step counts are the previous step's), but the "
-                f"committed state of {bad} no longer reads back from its nvme file, so step() would "
-                f"fail the same way: load a checkpoint with load_state_dict() (it rewrites those "
-                f"files without reading them), then step again.")
+        what = (
+            f"Nothing was stepped (state and step counts are the previous step's), but the "
+            f"committed state of {bad} no longer reads back from its nvme file, so step() would "
+            f"fail the same way: load a checkpoint with load_state_dict() (it rewrites those "
+            f"files without reading them), then step again."
+        )
     elif nothing:
         what = NOTHING_STEPPED
     else:
-        what = ("The step was partly applied: "
-                + (f"parameters {whole} were stepped (their step counts advanced), " if whole else "")
-                + (f"parameters {torn} only in part (torn), " if torn else "")
-                + (f"parameters {sorted(cut_params)} may be torn (their in-place steps were cut "
-                   f"short; their step counts advanced), " if cut_params else "")
-                + "the others not (state and step counts as before). Reload a checkpoint: "
-                "stepping again would step the stepped ones twice.")
+        what = (
+            "The step was partly applied: "
+            + (f"parameters {whole} were stepped (their step counts advanced), " if whole else "")
+            + (f"parameters {torn} only in part (torn), " if torn else "")
+            + (
+                f"parameters {sorted(cut_params)} may be torn (their in-place steps were cut "
+                f"short; their step counts advanced), "
+                if cut_params
+                else ""
+            )
+            + "the others not (state and step counts as before). Reload a checkpoint: "
+            "stepping again would step the stepped ones twice."
+        )
     notes = RF.OUT_OF_STEP_NOTE * (world > 1) + RF.ZERO_PARAMS_NOTE * sharded
     if where is None:  # refused input (after the decision: the other ranks stepped)
         err = ValueError(f"{owner}.step(): {e}. {what}{notes}")

@@ -7,6 +7,7 @@ step's sample reaches the scheduler a step or two late instead of the step waiti
 
 The optimizer's StepStats part; a refit itself is the placement's (placement.py).
 """
+
 from __future__ import annotations
 
 import collections
@@ -27,12 +28,12 @@ class StepStats:
     def __init__(self, layout, state_format: StateFormat):
         self.layout = layout
         self.state_format = state_format
-        self.last: dict = {}         # the optimizer's `stats`: the last step's figures
-        self.clock = None            # the params' device's clock (clocks.py), made on first use
+        self.last: dict = {}  # the optimizer's `stats`: the last step's figures
+        self.clock = None  # the params' device's clock (clocks.py), made on first use
         self.unread_samples = collections.deque()  # steps whose marks the clock cannot read yet
-        self._measured = None        # the latest sample read: `stats["measured"]`
-        self._prev_worker_s = None   # the host tier's per-subgroup worker seconds at the last step
-        self._outcome = None         # the last host step's outcome counts (committed, redone, ...)
+        self._measured = None  # the latest sample read: `stats["measured"]`
+        self._prev_worker_s = None  # the host tier's per-subgroup worker seconds at the last step
+        self._outcome = None  # the last host step's outcome counts (committed, redone, ...)
         self.outcome_by_sg: dict = {}  # the last host step's outcome per subgroup index
         self._bwd_first = self._bwd_last = None
         self._hooks: list = []
@@ -43,12 +44,13 @@ class StepStats:
         on a CPU host, a CUDA event recorded on the current stream on a GPU."""
         if self.clock is None:
             from hybrid_opt.clocks import clock_for
+
             first = next(iter(self.layout.params()), None)
             self.clock = clock_for(first.device if first is not None else "cpu")
         return self.clock.mark()
 
     def time_backward(self) -> None:
-        """"auto": the scheduler times backward from the first grad accumulated to the last:
+        """ "auto": the scheduler times backward from the first grad accumulated to the last:
         hooks on the first and last trainable params only (grads complete in about reverse
         parameter order; a Python hook on every param would itself slow backward)."""
         self.remove_hooks()
@@ -78,22 +80,37 @@ class StepStats:
 
     def skipped(self, host, dropped: int) -> None:
         """Stats of a skipped step (an overflow), not of the last one that was taken."""
-        self.last = {"host": dict(host.stats) if host is not None else {},
-                     "speculation": dict(committed=0, redone=0, stepped=0, dropped=dropped)
-                     if host is not None else None,
-                     "grad_norm": None, "clip_coef": None}
+        self.last = {
+            "host": dict(host.stats) if host is not None else {},
+            "speculation": dict(committed=0, redone=0, stepped=0, dropped=dropped)
+            if host is not None
+            else None,
+            "grad_norm": None,
+            "clip_coef": None,
+        }
 
     def new_host_tier(self) -> None:
         """A move laid out a new host tier: its per-subgroup worker times start again."""
         self._prev_worker_s = None
 
-    def record(self, plan, host, host_local: dict, host_steps, device_work, host_wait_s, device_s,
-               norm, clip) -> None:
+    def record(
+        self, plan, host, host_local: dict, host_steps, device_work, host_wait_s, device_s, norm, clip
+    ) -> None:
         """Per-tier figures of this step: subgroups, state bytes, the trainer's time in it,
         the worker's time on it, and how much of the worker's time hid under backward."""
-        tiers = {t: {"subgroups": 0, "elements": 0, "state_bytes": 0, "worker_s": 0.0,
-                     "committed": 0, "redone": 0, "stepped": 0, "dropped": 0}
-                 for t in (DEVICE, HOST, NVME)}
+        tiers = {
+            t: {
+                "subgroups": 0,
+                "elements": 0,
+                "state_bytes": 0,
+                "worker_s": 0.0,
+                "committed": 0,
+                "redone": 0,
+                "stepped": 0,
+                "dropped": 0,
+            }
+            for t in (DEVICE, HOST, NVME)
+        }
         fmt = self.state_format
         for sg in self.layout.subgroups:
             tier = plan.tiers[sg.index]
@@ -103,7 +120,8 @@ class StepStats:
             # the master (none for an fp32 param on the device: its own), or a remainder, and
             # the moments, in the optimizer's state format; on nvme the file's bytes
             t["state_bytes"] += sg.numel * fmt.for_subgroup(sg.quantized).state_bytes(
-                sg.dtype, self.layout.amsgrad, own_master=tier == DEVICE)
+                sg.dtype, self.layout.amsgrad, own_master=tier == DEVICE
+            )
         if host is not None:
             prev = self._prev_worker_s or [0.0] * len(host.worker_seconds)
             now = list(host.worker_seconds)
@@ -118,29 +136,42 @@ class StepStats:
             tiers[name]["trainer_wait_s"] = host_wait_s * (tiers[name]["worker_s"] / off if off else 0.0)
         # the worker's time that did not make step() wait was hidden under backward
         hidden = max(0.0, off - host_wait_s)
-        self.last = {"tiers": tiers, "host_wait_s": host_wait_s, "device_s": device_s,
-                     "hidden_s": hidden, "worker_s": off,
-                     "speculation": self._outcome if host_steps else None,
-                     "grad_norm": norm, "clip_coef": clip}
+        self.last = {
+            "tiers": tiers,
+            "host_wait_s": host_wait_s,
+            "device_s": device_s,
+            "hidden_s": hidden,
+            "worker_s": off,
+            "speculation": self._outcome if host_steps else None,
+            "grad_norm": norm,
+            "clip_coef": clip,
+        }
 
     # ------------------------------------------------------------------ "auto"'s samples
     def queue_sample(self, steps_taken: int, device_work: list, step_s: float, device_marks: tuple) -> None:
         """This step's sample for the scheduler, read once the clock can (device_marks: the
         clock's marks around the device step)."""
         st, tiers = self.last, self.last["tiers"]
-        fields = dict(step_s=step_s, host_wait_s=st["host_wait_s"], device_host_s=st["device_s"],
-                      device_elements=sum(w.slice.numel for w in device_work),
-                      host_worker_s=tiers[HOST]["worker_s"], host_elements=tiers[HOST]["elements"],
-                      hidden_s=st["hidden_s"])
+        fields = dict(
+            step_s=step_s,
+            host_wait_s=st["host_wait_s"],
+            device_host_s=st["device_s"],
+            device_elements=sum(w.slice.numel for w in device_work),
+            host_worker_s=tiers[HOST]["worker_s"],
+            host_elements=tiers[HOST]["elements"],
+            hidden_s=st["hidden_s"],
+        )
         report = {"step_s": step_s, "worker_s": st["worker_s"], "host_wait_s": st["host_wait_s"]}
-        self.unread_samples.append((steps_taken, (self._bwd_first, self._bwd_last), device_marks,
-                                    fields, report))
+        self.unread_samples.append(
+            (steps_taken, (self._bwd_first, self._bwd_last), device_marks, fields, report)
+        )
         self._bwd_first = self._bwd_last = None
 
     def observe(self, auto) -> None:
         """Feeds the scheduler every unread step whose marks the clock can read now, oldest
         first (it never waits on the GPU: a step it cannot read yet is read at a later one)."""
         from hybrid_opt.placement.scheduler import Sample
+
         unread = self.unread_samples
         while unread:
             step, (b0, b1), (d0, d1), fields, report = unread[0]
@@ -165,10 +196,13 @@ class StepStats:
         for name in (HOST, NVME):
             tiers[name]["predicted_worker_s"] = off * tiers[name]["elements"] / e_off if e_off else 0.0
         tiers[DEVICE]["predicted_s"] = b["device_step"]
-        self.last["predicted"] = {"step_s": prediction.step_seconds,
-                                  "backward_s": b["backward"] + b["backward_contention"],
-                                  "device_s": b["device_step"], "worker_s": off,
-                                  "host_exposed_s": b["host_exposed"]}
+        self.last["predicted"] = {
+            "step_s": prediction.step_seconds,
+            "backward_s": b["backward"] + b["backward_contention"],
+            "device_s": b["device_step"],
+            "worker_s": off,
+            "host_exposed_s": b["host_exposed"],
+        }
         if self._measured is not None:
             # the latest step the clock could read: this one on a CPU host, on a GPU usually
             # the one before (its "step" says which)

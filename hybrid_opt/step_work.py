@@ -1,5 +1,6 @@
 """The work of one step, as named records: what step() hands the tiers and what a failed step's
 bookkeeping reads back (step_failures.py), instead of tuples unpacked by position."""
+
 from __future__ import annotations
 
 from typing import NamedTuple
@@ -12,6 +13,7 @@ from hybrid_opt.tiers.inputs import StepInputs
 class HostWork(NamedTuple):
     """A host or nvme subgroup's share of the step: the subgroup (layout.Subgroup), its slices
     whose params have a grad, and its param group's hyperparameters (tiers.inputs.StepInputs)."""
+
     sg: object
     live: list
     hp: object
@@ -20,6 +22,7 @@ class HostWork(NamedTuple):
 class DeviceWork(NamedTuple):
     """One param slice the device tier steps: its subgroup's index, the slice (layout.ParamSlice),
     its group's hyperparameters and the param's step count."""
+
     index: int
     slice: object
     hp: object
@@ -41,6 +44,15 @@ def group_inputs(group: dict, decoupled: bool, grad_sign: float | None = None) -
     if grad_sign is None:
         grad_sign = -1.0 if group["maximize"] else 1.0
     b1, b2 = group["betas"]
-    return StepInputs(0, _float_hyper(group["lr"], "lr"), _float_hyper(b1, "betas[0]"),
-                      _float_hyper(b2, "betas[1]"), float(group["eps"]), float(group["weight_decay"]),
-                      bool(group.get("decoupled_weight_decay", decoupled)), grad_sign, (), bool(group["amsgrad"]))
+    return StepInputs(
+        0,
+        _float_hyper(group["lr"], "lr"),
+        _float_hyper(b1, "betas[0]"),
+        _float_hyper(b2, "betas[1]"),
+        float(group["eps"]),
+        float(group["weight_decay"]),
+        bool(group.get("decoupled_weight_decay", decoupled)),
+        grad_sign,
+        (),
+        bool(group["amsgrad"]),
+    )

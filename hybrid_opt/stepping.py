@@ -3,6 +3,7 @@ over its stages — the checks, what it reads in one host sync, the decision all
 the work it hands the tiers, the host and device steps, the record — and the accounting of a
 step that fails part-way (step_failures.py). None of them keeps state of its own.
 """
+
 from __future__ import annotations
 
 import math
@@ -13,9 +14,9 @@ import torch
 
 from hybrid_opt import distributed as D
 from hybrid_opt.distributed import rank_faults as RF
+from hybrid_opt.placement.plan import DEVICE
 from hybrid_opt.state.checkpoint import looks_like_state_init_step
 from hybrid_opt.state.layout import subgroups_label
-from hybrid_opt.placement.plan import DEVICE
 from hybrid_opt.step_failures import failure_of
 from hybrid_opt.step_work import DeviceWork, HostWork
 from hybrid_opt.tiers.device import read_scalars
@@ -25,14 +26,15 @@ from hybrid_opt.worker.client import TornInterrupt, TornState
 class StepCall(NamedTuple):
     """What one step() is called with: the optimizer's settings, torch's `state` mirror and
     GradScaler's protocol values (set on the optimizer for the call: `found_inf`, `grad_scale`)."""
-    owner: str              # the class name errors speak of
-    decoupled: bool         # AdamW's decoupled weight decay (Adam's L2 otherwise)
-    max_grad_norm: object   # None: no clipping
-    overlap: bool           # overlap_param_gather
-    torch_state: dict       # the optimizer's `state`
-    found_inf: object       # GradScaler's, or None
+
+    owner: str  # the class name errors speak of
+    decoupled: bool  # AdamW's decoupled weight decay (Adam's L2 otherwise)
+    max_grad_norm: object  # None: no clipping
+    overlap: bool  # overlap_param_gather
+    torch_state: dict  # the optimizer's `state`
+    found_inf: object  # GradScaler's, or None
     grad_scale: object
-    key: int                # id(optimizer): GradScaler's per-optimizer state
+    key: int  # id(optimizer): GradScaler's per-optimizer state
     unscaled: bool = False  # step()'s: GradScaler.step found the grads unscaled by unscale_ (below)
 
 
@@ -51,8 +53,15 @@ def step(parts, call: StepCall) -> None:
         # GradScaler.step hands found_inf without grad_scale for grads the user's unscale_
         # unscaled in place after backward, which bumps no version: every speculation is stale
         unscaled = call.found_inf is not None and call.grad_scale is None
-        _taken(parts, call._replace(found_inf=found_t, unscaled=unscaled), t_step, failure, decides, hps,
-               edit_checks)
+        _taken(
+            parts,
+            call._replace(found_inf=found_t, unscaled=unscaled),
+            t_step,
+            failure,
+            decides,
+            hps,
+            edit_checks,
+        )
         stepped = True
     finally:
         parts.sharding.end_step(stepped)  # the next backward starts a new reduction
@@ -63,8 +72,9 @@ def begin_step(parts, call: StepCall, failure, decides: bool) -> tuple:
     so far). An error there joins the decision flagged, as precheck's do, so that no rank
     raises while the others wait for it in the decision all_reduce."""
     try:
-        return parts.sharding.begin_step(failure, call.found_inf, call.grad_scale,
-                                         parts.speculator.grad_scaler, call.key)
+        return parts.sharding.begin_step(
+            failure, call.found_inf, call.grad_scale, parts.speculator.grad_scaler, call.key
+        )
     except Exception as e:
         if not decides:
             raise
@@ -150,13 +160,17 @@ def precheck(parts, call: StepCall) -> tuple:
     failure = _speculation_failed(parts, parts.ledger.rank_failure)
     # process_group: always, so that a grad edit one rank refuses (zero_edits.py) stops every
     # rank at this step (one 5-value all_reduce beside the step's reduce-scatters)
-    decides = RF.decision_runs(call.max_grad_norm, call.found_inf) or (parts.sharding.active and D.world_size() > 1)
+    decides = RF.decision_runs(call.max_grad_norm, call.found_inf) or (
+        parts.sharding.active and D.world_size() > 1
+    )
     if failure is not None and not decides:
         raise failure
     hps = None
     try:
         parts.guard.check()  # a param whose memory was replaced is re-adopted (storage.py)
-        hps = parts.checks.check_inputs(call.torch_state)  # what a tier would fail on part-way (step_failures.py)
+        hps = parts.checks.check_inputs(
+            call.torch_state
+        )  # what a tier would fail on part-way (step_failures.py)
     except Exception as e:
         if not decides:
             raise
@@ -298,19 +312,40 @@ def gather_params(parts, overlap: bool) -> None:
         parts.sharding.wait_gathered()
 
 
-def fail(parts, call: StepCall, e: BaseException, where, host_steps: dict, committed: set,
-         device_work: list, done, unsure, undo) -> None:
+def fail(
+    parts,
+    call: StepCall,
+    e: BaseException,
+    where,
+    host_steps: dict,
+    committed: set,
+    device_work: list,
+    done,
+    unsure,
+    undo,
+) -> None:
     """Raises `e` explained, after putting back the step count of every parameter the failed
     step did not touch (step_failures.py)."""
     world = D.world_size()
-    f = failure_of(call.owner, e, where, host_steps, committed, device_work, done, unsure, world,
-                   parts.sharding.active, lambda: _unreadable(parts, e, host_steps),
-                   _torn_subgroups(parts, e, host_steps))
+    f = failure_of(
+        call.owner,
+        e,
+        where,
+        host_steps,
+        committed,
+        device_work,
+        done,
+        unsure,
+        world,
+        parts.sharding.active,
+        lambda: _unreadable(parts, e, host_steps),
+        _torn_subgroups(parts, e, host_steps),
+    )
     parts.ledger.put_back(undo, f.untouched, f.nothing_stepped)
     parts.ledger.sync_torch_state(call.torch_state)
     parts.guard.record()  # what was stepped was written by the step, not the user
     if not isinstance(e, Exception):  # KeyboardInterrupt and the like: counts fixed, as it is,
-        if hasattr(e, "add_note"):    # and what it left said (a checkpoint saved on Ctrl-C)
+        if hasattr(e, "add_note"):  # and what it left said (a checkpoint saved on Ctrl-C)
             e.add_note(str(f.error))
         raise e
     if world > 1:  # the others stepped: our next step() stops them all
@@ -355,8 +390,17 @@ def record_step(parts, times: tuple, host_steps: dict, device_work: list, norm, 
     clock's around the device step."""
     t_step, t_host, t_device, t_end = times
     placement, stats, steps = parts.placement, parts.stats, parts.ledger.steps_taken
-    stats.record(placement.plan, placement.host, placement.host_local, host_steps, device_work,
-                 t_device - t_host, t_end - t_device, norm, clip)
+    stats.record(
+        placement.plan,
+        placement.host,
+        placement.host_local,
+        host_steps,
+        device_work,
+        t_device - t_host,
+        t_end - t_device,
+        norm,
+        clip,
+    )
     if placement.auto is not None:
         stats.queue_sample(steps, device_work, t_end - t_step, marks)
         stats.observe(placement.auto)

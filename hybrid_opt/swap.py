@@ -12,6 +12,7 @@ node.global_rank()) each rank's directories live in `nvme_path/hybrid_opt-rank<R
 rank sweeps only there: ranks (on this node or, over a shared disk, on others, whose pids
 mean nothing here) never remove each other's files.
 """
+
 from __future__ import annotations
 
 import atexit
@@ -84,13 +85,19 @@ def check_nvme_path(nvme_path) -> str:
         raise ValueError("nvme_fraction > 0 needs nvme_path: a directory on a local disk")
     path = os.path.abspath(os.fspath(nvme_path))
     if not os.path.exists(path):
-        raise FileNotFoundError(errno.ENOENT, f"nvme_path {path} does not exist; create it (a "
-                                              f"directory on a local NVMe disk) or pass another", path)
+        raise FileNotFoundError(
+            errno.ENOENT,
+            f"nvme_path {path} does not exist; create it (a directory on a local NVMe disk) or pass another",
+            path,
+        )
     if not os.path.isdir(path):
         raise NotADirectoryError(errno.ENOTDIR, f"nvme_path {path} is not a directory", path)
     if not os.access(path, os.W_OK | os.X_OK):
-        raise PermissionError(errno.EACCES, f"nvme_path {path} is not writable by this user; "
-                                            f"pick a directory you can write", path)
+        raise PermissionError(
+            errno.EACCES,
+            f"nvme_path {path} is not writable by this user; pick a directory you can write",
+            path,
+        )
     return path
 
 

@@ -16,6 +16,7 @@ only as a NaN (payloads and signs are not portable: inf/inf is 0xFFC00000 on x86
 (the kernels' own rounding); a remainder-encoded master through its decoded value (its
 bits are the master's, a NaN's included); inputs bank mode must not touch, exactly.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -36,19 +37,42 @@ F32, BF16, F16, I16, U8 = "f32", "bf16", "f16", "i16", "u8"
 DT_CODE = {F32: 0, BF16: 1, F16: 2}
 SIZE = {F32: 4, BF16: 2, F16: 2, I16: 2, U8: 1}
 K_ADAM, K_GRAD_STATS, K_INVERSE, K_ENCODE, K_DECODE, K_AIO = range(6)
-SLOTS = ("param", "grad", "exp_avg", "exp_avg_sq", "max", "param_out", "exp_avg_out",
-         "exp_avg_sq_out", "max_out", "copy", "rem", "rem_out")
+SLOTS = (
+    "param",
+    "grad",
+    "exp_avg",
+    "exp_avg_sq",
+    "max",
+    "param_out",
+    "exp_avg_out",
+    "exp_avg_sq_out",
+    "max_out",
+    "copy",
+    "rem",
+    "rem_out",
+)
 PARAMS = struct.Struct("<12i6i2q6d")  # test_driver.c's case_params_t
 
 LENGTHS = (1, 3, 7, 8, 9, 15, 16, 17, 31, 32, 33, 63, 64, 65, 127, 128, 129, 255, 257, 511, 1000, 4099)
 BIG = 70001  # past dispatch.c's PARALLEL_MIN (65536): several threads, 16384-element chunks
-HYPERS = (dict(step=7, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01, grad_scale=0.7 / 1024),
-          dict(step=1, lr=3e-4, beta1=0.8, beta2=0.95, eps=1e-6, weight_decay=0.0, grad_scale=-1 / 512),
-          dict(step=1000, lr=1e-2, beta1=0.5, beta2=0.9999, eps=1e-12, weight_decay=0.1, grad_scale=1 / 64))
+HYPERS = (
+    dict(step=7, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01, grad_scale=0.7 / 1024),
+    dict(step=1, lr=3e-4, beta1=0.8, beta2=0.95, eps=1e-6, weight_decay=0.0, grad_scale=-1 / 512),
+    dict(step=1000, lr=1e-2, beta1=0.5, beta2=0.9999, eps=1e-12, weight_decay=0.1, grad_scale=1 / 64),
+)
 
 NAN32 = (0x7FC00000, 0xFFC00000, 0x7FC12345, 0xFFC00001, 0x7F800001, 0x7FFFFFFF)
-SPECIAL32 = NAN32 + (0x7F800000, 0xFF800000, 0x00000001, 0x807FFFFF, 0x00400000, 0x00000000,
-                     0x80000000, 0x7F7FFFFF, 0x00800000)
+SPECIAL32 = NAN32 + (
+    0x7F800000,
+    0xFF800000,
+    0x00000001,
+    0x807FFFFF,
+    0x00400000,
+    0x00000000,
+    0x80000000,
+    0x7F7FFFFF,
+    0x00800000,
+)
 SPECIAL_BF16 = (0x7FC0, 0xFFC0, 0x7FC1, 0x7F81, 0x7F80, 0xFF80, 0x0001, 0x807F, 0x0000, 0x8000, 0x7F7F)
 SPECIAL_F16 = (0x7E00, 0xFE01, 0x7C01, 0x7C00, 0xFC00, 0x0001, 0x83FF, 0x0000, 0x8000, 0x7BFF)
 
@@ -56,9 +80,9 @@ SPECIAL_F16 = (0x7E00, 0xFE01, 0x7C01, 0x7C00, 0xFC00, 0x0001, 0x83FF, 0x0000, 0
 @dataclasses.dataclass
 class Buf:
     data: bytes
-    dtype: str          # how its elements read: f32, bf16, f16, i16, u8
-    written: bool       # an output of the call (in place or bank); else must stay as it was
-    misalign: int = 0   # bytes past a 64-byte boundary
+    dtype: str  # how its elements read: f32, bf16, f16, i16, u8
+    written: bool  # an output of the call (in place or bank); else must stay as it was
+    misalign: int = 0  # bytes past a 64-byte boundary
 
 
 @dataclasses.dataclass
@@ -66,7 +90,7 @@ class Case:
     name: str
     kind: int
     bufs: list
-    slots: dict                     # slot name -> index into bufs
+    slots: dict  # slot name -> index into bufs
     n: int
     grad_dtype: str = F32
     moment_dtype: str = F32
@@ -74,15 +98,28 @@ class Case:
     copy_dtype: str = BF16
     decoupled: bool = True
     hyper: dict = dataclasses.field(default_factory=lambda: dict(HYPERS[0]))
-    rem_pairs: tuple = ()           # (param index, remainder index) of written encoded masters
+    rem_pairs: tuple = ()  # (param index, remainder index) of written encoded masters
 
     def params(self) -> bytes:
         idx = [self.slots.get(s, -1) for s in SLOTS]
         h = self.hyper
-        return PARAMS.pack(*idx, DT_CODE[self.grad_dtype], DT_CODE[self.moment_dtype],
-                           DT_CODE[self.exp_avg_sq_dtype], DT_CODE[self.copy_dtype],
-                           int(self.decoupled), 0, self.n, h["step"], h["lr"], h["beta1"],
-                           h["beta2"], h["eps"], h["weight_decay"], h["grad_scale"])
+        return PARAMS.pack(
+            *idx,
+            DT_CODE[self.grad_dtype],
+            DT_CODE[self.moment_dtype],
+            DT_CODE[self.exp_avg_sq_dtype],
+            DT_CODE[self.copy_dtype],
+            int(self.decoupled),
+            0,
+            self.n,
+            h["step"],
+            h["lr"],
+            h["beta1"],
+            h["beta2"],
+            h["eps"],
+            h["weight_decay"],
+            h["grad_scale"],
+        )
 
 
 # ------------------------------------------------------------------------------ values
@@ -130,10 +167,27 @@ def tie_values(rng, n) -> np.ndarray:
     hi = rng.integers(0, 0x7F80, n, dtype=np.uint32) | (rng.integers(0, 2, n, dtype=np.uint32) << 15)
     bf16_ties = (hi << 16) | 0x8000
     exp = rng.integers(103, 143, n, dtype=np.uint32)  # fp16's subnormal to top binades
-    f16_ties = (rng.integers(0, 2, n, dtype=np.uint32) << 31) | (exp << 23) | (
-        rng.integers(0, 1024, n, dtype=np.uint32) << 13) | 0x1000
-    edge = np.array([65520.0, 65519.996, -65520.0, 65504.0, 2.0 ** -25, 3 * 2.0 ** -25, 2.0 ** -24,
-                     5.960464477539063e-08, 3.3961776e38, 3.3895314e38], np.float32).view(np.uint32)
+    f16_ties = (
+        (rng.integers(0, 2, n, dtype=np.uint32) << 31)
+        | (exp << 23)
+        | (rng.integers(0, 1024, n, dtype=np.uint32) << 13)
+        | 0x1000
+    )
+    edge = np.array(
+        [
+            65520.0,
+            65519.996,
+            -65520.0,
+            65504.0,
+            2.0**-25,
+            3 * 2.0**-25,
+            2.0**-24,
+            5.960464477539063e-08,
+            3.3961776e38,
+            3.3895314e38,
+        ],
+        np.float32,
+    ).view(np.uint32)
     out = np.where(rng.random(n) < 0.5, bf16_ties, f16_ties).astype(np.uint32)
     out[: min(n, edge.size)] = edge[: min(n, edge.size)]
     return _sprinkle(out, SPECIAL32, rng, share=0.04)
@@ -148,7 +202,7 @@ def adam_case(rng, idx, n, gdt, mdt, vdt, rem, ams, decoupled, bank, copy, hyper
         bufs.append(Buf(data, dtype, written, mis))
         return slots[slot]
 
-    mis = (idx % 4)  # some calls with every buffer aligned, others at odd element offsets
+    mis = idx % 4  # some calls with every buffer aligned, others at odd element offsets
     if ties:
         master = tie_values(rng, n)
         grad = tie_values(rng, n).view(np.uint32).tobytes()
@@ -170,8 +224,7 @@ def adam_case(rng, idx, n, gdt, mdt, vdt, rem, ams, decoupled, bank, copy, hyper
     if ams:
         x = np.frombuffer(v0, np.uint32 if vdt == F32 else np.uint16).copy()
         # about half above v (the max keeps it), NaN, inf and zeros among them
-        x = np.where(rng.random(n) < 0.5, x, np.frombuffer(stream(rng, n, vdt, 2e-2, positive=True),
-                                                          x.dtype))
+        x = np.where(rng.random(n) < 0.5, x, np.frombuffer(stream(rng, n, vdt, 2e-2, positive=True), x.dtype))
         add("max", x.tobytes(), vdt, not bank, 0)
     if bank:
         omis = (idx // 4) % 3  # out views 0, 1 or 2 elements past a line
@@ -186,7 +239,10 @@ def adam_case(rng, idx, n, gdt, mdt, vdt, rem, ams, decoupled, bank, copy, hyper
             ir = add("rem_out", poison[2] * n, I16, True, omis * 2)
     else:
         slots["param_out"], slots["exp_avg_out"], slots["exp_avg_sq_out"] = (
-            slots["param"], slots["exp_avg"], slots["exp_avg_sq"])
+            slots["param"],
+            slots["exp_avg"],
+            slots["exp_avg_sq"],
+        )
         if ams:
             slots["max_out"] = slots["max"]
         if rem:
@@ -195,11 +251,14 @@ def adam_case(rng, idx, n, gdt, mdt, vdt, rem, ams, decoupled, bank, copy, hyper
         pairs.append((ip, ir))
     if copy:
         add("copy", b"\xff\x7f" * n, copy, True, (idx % 3) * 2)
-    name = (f"adam n={n} grad={gdt} m={mdt} v={vdt} {'remainders' if rem else 'fp32_master'} "
-            f"{'amsgrad' if ams else 'adam'} {'adamw' if decoupled else 'l2'} "
-            f"{'bank' if bank else 'in_place'} copy={copy}{' ties' if ties else ''}")
-    return Case(name, K_ADAM, bufs, slots, n, gdt, mdt, vdt, copy or BF16, decoupled, dict(hyper),
-                tuple(pairs))
+    name = (
+        f"adam n={n} grad={gdt} m={mdt} v={vdt} {'remainders' if rem else 'fp32_master'} "
+        f"{'amsgrad' if ams else 'adam'} {'adamw' if decoupled else 'l2'} "
+        f"{'bank' if bank else 'in_place'} copy={copy}{' ties' if ties else ''}"
+    )
+    return Case(
+        name, K_ADAM, bufs, slots, n, gdt, mdt, vdt, copy or BF16, decoupled, dict(hyper), tuple(pairs)
+    )
 
 
 def kernel_cases(seed=23) -> list:
@@ -213,20 +272,47 @@ def kernel_cases(seed=23) -> list:
                 for ams in (False, True):
                     for decoupled in (True, False):
                         for bank in (False, True):
-                            for copy in ((None,) if rem else (None, BF16, F16)):
+                            for copy in (None,) if rem else (None, BF16, F16):
                                 for shift in (0, 11):  # two lengths each, one short one not
                                     n = LENGTHS[(idx * 7 + shift) % len(LENGTHS)]
-                                    cases.append(adam_case(rng, idx, n, gdt, mdt, vdt, rem, ams, decoupled,
-                                                           bank, copy, HYPERS[(idx + shift) % len(HYPERS)]))
+                                    cases.append(
+                                        adam_case(
+                                            rng,
+                                            idx,
+                                            n,
+                                            gdt,
+                                            mdt,
+                                            vdt,
+                                            rem,
+                                            ams,
+                                            decoupled,
+                                            bank,
+                                            copy,
+                                            HYPERS[(idx + shift) % len(HYPERS)],
+                                        )
+                                    )
                                 idx += 1
     ties = dict(step=3, lr=0.0, beta1=0.0, beta2=0.999, eps=1e-8, weight_decay=0.01, grad_scale=1.0)
-    for k, (mdt, copy, rem, bank) in enumerate(((F32, BF16, False, False), (BF16, F16, False, True),
-                                                (BF16, BF16, False, True), (F32, F16, False, False),
-                                                (BF16, None, True, False), (BF16, None, True, True))):
-        cases.append(adam_case(rng, k, 4099 - k, F32, mdt, BF16, rem, k % 2 == 1, True, bank, copy,
-                               ties, ties=True))
-    for k, spec in enumerate(((F32, F32, F32, False, False, True, None), (BF16, BF16, BF16, True, True, False, None),
-                              (F16, F32, BF16, False, True, True, F16))):
+    for k, (mdt, copy, rem, bank) in enumerate(
+        (
+            (F32, BF16, False, False),
+            (BF16, F16, False, True),
+            (BF16, BF16, False, True),
+            (F32, F16, False, False),
+            (BF16, None, True, False),
+            (BF16, None, True, True),
+        )
+    ):
+        cases.append(
+            adam_case(rng, k, 4099 - k, F32, mdt, BF16, rem, k % 2 == 1, True, bank, copy, ties, ties=True)
+        )
+    for k, spec in enumerate(
+        (
+            (F32, F32, F32, False, False, True, None),
+            (BF16, BF16, BF16, True, True, False, None),
+            (F16, F32, BF16, False, True, True, F16),
+        )
+    ):
         gdt, mdt, vdt, rem, ams, bank, copy = spec
         cases.append(adam_case(rng, k, BIG + k, gdt, mdt, vdt, rem, ams, k != 1, bank, copy, HYPERS[k]))
     for gdt in (F32, BF16, F16):
@@ -238,31 +324,71 @@ def kernel_cases(seed=23) -> list:
                 b[::5] = 0x00000003
                 b[1::7] = 0x7F000000
                 data = b.tobytes()
-            cases.append(Case(f"grad_stats n={n} {gdt}", K_GRAD_STATS, [Buf(data, gdt, False)],
-                              {"grad": 0}, n, grad_dtype=gdt))
+            cases.append(
+                Case(
+                    f"grad_stats n={n} {gdt}",
+                    K_GRAD_STATS,
+                    [Buf(data, gdt, False)],
+                    {"grad": 0},
+                    n,
+                    grad_dtype=gdt,
+                )
+            )
     for gdt in (F32, BF16, F16):
         for decoupled in (True, False):
             for n in (5, 33, 1000):
-                bufs = [Buf(stream(rng, n, F32), F32, True), Buf(stream(rng, n, gdt, 64.0), gdt, False),
-                        Buf(stream(rng, n, F32, 0.1), F32, True),
-                        Buf(stream(rng, n, F32, 1e-2, positive=True), F32, True)]
-                cases.append(Case(f"inverse n={n} grad={gdt} {'adamw' if decoupled else 'l2'}", K_INVERSE,
-                                  bufs, dict(param=0, grad=1, exp_avg=2, exp_avg_sq=3), n, grad_dtype=gdt,
-                                  decoupled=decoupled, hyper=dict(HYPERS[0])))
+                bufs = [
+                    Buf(stream(rng, n, F32), F32, True),
+                    Buf(stream(rng, n, gdt, 64.0), gdt, False),
+                    Buf(stream(rng, n, F32, 0.1), F32, True),
+                    Buf(stream(rng, n, F32, 1e-2, positive=True), F32, True),
+                ]
+                cases.append(
+                    Case(
+                        f"inverse n={n} grad={gdt} {'adamw' if decoupled else 'l2'}",
+                        K_INVERSE,
+                        bufs,
+                        dict(param=0, grad=1, exp_avg=2, exp_avg_sq=3),
+                        n,
+                        grad_dtype=gdt,
+                        decoupled=decoupled,
+                        hyper=dict(HYPERS[0]),
+                    )
+                )
     for n in (1, 9, 17, 4099):
-        m = rng.integers(0, 2 ** 32, n, dtype=np.uint64).astype(np.uint32)
-        m[: min(n, 6)] = np.array([0x7F7F8000, 0x7FFF8000, 0xFFFF8000, 0x7F800001, 0x3F808000, 0x3F818000],
-                                  np.uint32)[: min(n, 6)]
-        cases.append(Case(f"encode n={n}", K_ENCODE, [Buf(m.tobytes(), U8, False), Buf(b"\0\0" * n, U8, True),
-                                                      Buf(b"\0\0" * n, U8, True, 2)],
-                          dict(param=0, param_out=1, rem_out=2), n))
+        m = rng.integers(0, 2**32, n, dtype=np.uint64).astype(np.uint32)
+        m[: min(n, 6)] = np.array(
+            [0x7F7F8000, 0x7FFF8000, 0xFFFF8000, 0x7F800001, 0x3F808000, 0x3F818000], np.uint32
+        )[: min(n, 6)]
+        cases.append(
+            Case(
+                f"encode n={n}",
+                K_ENCODE,
+                [Buf(m.tobytes(), U8, False), Buf(b"\0\0" * n, U8, True), Buf(b"\0\0" * n, U8, True, 2)],
+                dict(param=0, param_out=1, rem_out=2),
+                n,
+            )
+        )
         p16, r16 = encode_remainders(m)
-        cases.append(Case(f"decode n={n}", K_DECODE, [Buf(p16, U8, False), Buf(r16, U8, False, 2),
-                                                      Buf(b"\0\0\0\0" * n, U8, True)],
-                          dict(param=0, rem=1, param_out=2), n))
+        cases.append(
+            Case(
+                f"decode n={n}",
+                K_DECODE,
+                [Buf(p16, U8, False), Buf(r16, U8, False, 2), Buf(b"\0\0\0\0" * n, U8, True)],
+                dict(param=0, rem=1, param_out=2),
+                n,
+            )
+        )
     data = rng.integers(0, 256, 50000, dtype=np.uint8).tobytes()
-    cases.append(Case("aio write/read with CRC32C", K_AIO, [Buf(data, U8, False), Buf(b"\0" * len(data), U8, True)],
-                      dict(param=0, param_out=1), len(data)))
+    cases.append(
+        Case(
+            "aio write/read with CRC32C",
+            K_AIO,
+            [Buf(data, U8, False), Buf(b"\0" * len(data), U8, True)],
+            dict(param=0, param_out=1),
+            len(data),
+        )
+    )
     return cases
 
 
@@ -293,7 +419,7 @@ def read_outputs(path, cases):
         pos += 4
         bufs = []
         for b in c.bufs[:nbuf]:
-            bufs.append(raw[pos:pos + len(b.data)])
+            bufs.append(raw[pos : pos + len(b.data)])
             pos += len(b.data)
         scalar, status, _ = struct.unpack_from("<dii", raw, pos)
         pos += 16
@@ -313,6 +439,7 @@ def run_here(cases, level):
     `level`, in the driver's output layout."""
     import cpu_kernels
     from cpu_kernels import _lib
+
     lib = _lib.lib
     lib.hybrid_crc32c.argtypes = [ctypes.c_uint32, ctypes.c_void_p, ctypes.c_int64]
     lib.hybrid_crc32c.restype = ctypes.c_uint32
@@ -323,23 +450,39 @@ def run_here(cases, level):
         for c in cases:
             mem = [_aligned(len(b.data), b.misalign) for b in c.bufs]
             for (raw, off), b in zip(mem, c.bufs):
-                raw[off:off + len(b.data)] = np.frombuffer(b.data, np.uint8)
+                raw[off : off + len(b.data)] = np.frombuffer(b.data, np.uint8)
             ptr = {s: mem[i][0].ctypes.data + mem[i][1] for s, i in c.slots.items()}
             scalar, h = 0.0, c.hyper
             if c.kind in (K_ADAM, K_INVERSE):
                 a = _lib.AdamArgs() if c.kind == K_ADAM else _lib.InverseArgs()
                 a.n = c.n
-                for field, s in (("param", "param"), ("grad", "grad"), ("exp_avg", "exp_avg"),
-                                 ("exp_avg_sq", "exp_avg_sq")):
+                for field, s in (
+                    ("param", "param"),
+                    ("grad", "grad"),
+                    ("exp_avg", "exp_avg"),
+                    ("exp_avg_sq", "exp_avg_sq"),
+                ):
                     setattr(a, field, ptr.get(s))
                 a.grad_dtype, a.decoupled, a.step = DT_CODE[c.grad_dtype], int(c.decoupled), h["step"]
                 a.lr, a.beta1, a.beta2, a.eps, a.weight_decay, a.grad_scale = (
-                    h["lr"], h["beta1"], h["beta2"], h["eps"], h["weight_decay"], h["grad_scale"])
+                    h["lr"],
+                    h["beta1"],
+                    h["beta2"],
+                    h["eps"],
+                    h["weight_decay"],
+                    h["grad_scale"],
+                )
                 if c.kind == K_ADAM:
-                    for field, s in (("max_exp_avg_sq", "max"), ("param_out", "param_out"),
-                                     ("exp_avg_out", "exp_avg_out"), ("exp_avg_sq_out", "exp_avg_sq_out"),
-                                     ("max_exp_avg_sq_out", "max_out"), ("param_copy", "copy"),
-                                     ("remainder", "rem"), ("remainder_out", "rem_out")):
+                    for field, s in (
+                        ("max_exp_avg_sq", "max"),
+                        ("param_out", "param_out"),
+                        ("exp_avg_out", "exp_avg_out"),
+                        ("exp_avg_sq_out", "exp_avg_sq_out"),
+                        ("max_exp_avg_sq_out", "max_out"),
+                        ("param_copy", "copy"),
+                        ("remainder", "rem"),
+                        ("remainder_out", "rem_out"),
+                    ):
                         setattr(a, field, ptr.get(s))
                     a.moment_dtype, a.exp_avg_sq_dtype = DT_CODE[c.moment_dtype], DT_CODE[c.exp_avg_sq_dtype]
                     a.copy_dtype = DT_CODE[c.copy_dtype]
@@ -355,10 +498,11 @@ def run_here(cases, level):
             elif c.kind == K_DECODE:
                 lib.hybrid_remainder_decode(ptr["param"], ptr["rem"], ptr["param_out"], c.n)
             elif c.kind == K_AIO:
-                mem[1][0][mem[1][1]:mem[1][1] + c.n] = mem[0][0][mem[0][1]:mem[0][1] + c.n]
+                mem[1][0][mem[1][1] : mem[1][1] + c.n] = mem[0][0][mem[0][1] : mem[0][1] + c.n]
                 scalar = float(lib.hybrid_crc32c(0, ptr["param"], c.n))
-            results.append(([raw[off:off + len(b.data)].tobytes() for (raw, off), b in zip(mem, c.bufs)],
-                            scalar, 0))
+            results.append(
+                ([raw[off : off + len(b.data)].tobytes() for (raw, off), b in zip(mem, c.bufs)], scalar, 0)
+            )
         return results
     finally:
         cpu_kernels.set_simd_level(saved)
@@ -392,8 +536,10 @@ def compare(case, want, got, what):
         diff = (xu != yu) & ~(np.isnan(x) & np.isnan(y))
         if diff.any():
             k = np.flatnonzero(diff)[:4]
-            bad.append(f"{what}: {case.name}: decoded master differs at {k.tolist()}: "
-                       f"{[hex(v) for v in xu[k]]} vs {[hex(v) for v in yu[k]]}")
+            bad.append(
+                f"{what}: {case.name}: decoded master differs at {k.tolist()}: "
+                f"{[hex(v) for v in xu[k]]} vs {[hex(v) for v in yu[k]]}"
+            )
     for i, b in enumerate(case.bufs):
         if i in paired:
             continue
@@ -406,9 +552,11 @@ def compare(case, want, got, what):
                 bad.append(f"{what}: {case.name}: buffer {i} holds a bf16 NaN other than 0x7FC0")
         if diff.any():
             k = np.flatnonzero(diff)[:4]
-            bad.append(f"{what}: {case.name}: buffer {i} ({b.dtype}, {'written' if b.written else 'input'}) "
-                       f"differs in {int(diff.sum())} elements, first at {k.tolist()}: "
-                       f"{[hex(int(t)) for t in u[k]]} vs {[hex(int(t)) for t in v[k]]}")
+            bad.append(
+                f"{what}: {case.name}: buffer {i} ({b.dtype}, {'written' if b.written else 'input'}) "
+                f"differs in {int(diff.sum())} elements, first at {k.tolist()}: "
+                f"{[hex(int(t)) for t in u[k]]} vs {[hex(int(t)) for t in v[k]]}"
+            )
     if struct.pack("<d", ws) != struct.pack("<d", gs) and not (ws != ws and gs != gs):
         bad.append(f"{what}: {case.name}: scalar {ws!r} vs {gs!r}")
     return bad
@@ -423,20 +571,32 @@ def cross_build(out_path, timeout=300):
     """The driver and the library's C sources, cross-compiled with the library's own flags,
     linked statically (qemu-aarch64 then needs no aarch64 sysroot)."""
     import importlib.util
+
     spec = importlib.util.spec_from_file_location("_build", os.path.join(REPO, "cpu_kernels", "_build.py"))
     build = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(build)
-    cmd = [CROSS_CC, *build.COMPILE_ARGS, "-static", "-o", out_path, DRIVER,
-           *[os.path.join(REPO, s) for s in build.LIBRARY_SOURCES], *build.LINK_ARGS, "-lm"]
+    cmd = [
+        CROSS_CC,
+        *build.COMPILE_ARGS,
+        "-static",
+        "-o",
+        out_path,
+        DRIVER,
+        *[os.path.join(REPO, s) for s in build.LIBRARY_SOURCES],
+        *build.LINK_ARGS,
+        "-lm",
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=REPO)
     if proc.returncode != 0:
         raise RuntimeError(f"cross-compiling the driver failed:\n{' '.join(cmd)}\n{proc.stderr}")
-    return [line for line in proc.stderr.splitlines() if "warning" in line and "dlopen" not in line
-            and "libgomp" not in line and "oacc" not in line]
+    return [
+        line
+        for line in proc.stderr.splitlines()
+        if "warning" in line and "dlopen" not in line and "libgomp" not in line and "oacc" not in line
+    ]
 
 
 def emulate(driver, cpu, args, timeout=120):
     """qemu-aarch64 -cpu CPU DRIVER ARGS -> (returncode, stdout, stderr), bounded."""
-    proc = subprocess.run([QEMU, "-cpu", cpu, driver, *args], capture_output=True, text=True,
-                          timeout=timeout)
+    proc = subprocess.run([QEMU, "-cpu", cpu, driver, *args], capture_output=True, text=True, timeout=timeout)
     return proc.returncode, proc.stdout, proc.stderr

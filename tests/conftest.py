@@ -4,6 +4,7 @@ TRITON_INTERPRET is read when `@triton.jit` decorates a kernel, so it must be se
 gpu_kernels is first imported: without a CUDA device the Triton kernels run on CPU tensors
 through the interpreter.
 """
+
 import faulthandler
 import os
 import signal
@@ -21,6 +22,7 @@ GPU_TEST_LIMIT_S = 90
 def _cuda_available():
     try:
         import torch
+
         return torch.cuda.is_available()
     except Exception:
         return False
@@ -50,8 +52,10 @@ def _gpu_time_limit(request):
     name = request.node.nodeid
 
     def overran(signum, frame):
-        raise TimeoutError(f"{name} ran past its {GPU_TEST_LIMIT_S} s limit (tests/conftest.py "
-                           f"GPU_TEST_LIMIT_S): a wait that never ended, or a far too slow GPU path")
+        raise TimeoutError(
+            f"{name} ran past its {GPU_TEST_LIMIT_S} s limit (tests/conftest.py "
+            f"GPU_TEST_LIMIT_S): a wait that never ended, or a far too slow GPU path"
+        )
 
     previous = signal.signal(signal.SIGALRM, overran)
     signal.alarm(GPU_TEST_LIMIT_S)
@@ -69,6 +73,7 @@ def simd(request):
     """Runs the test at each SIMD level this CPU offers (cpu_kernels' dispatcher), restoring
     the level in use afterwards."""
     import cpu_kernels as ck
+
     saved = ck.simd_level()
     ck.set_simd_level(request.param)
     yield request.param
@@ -79,6 +84,7 @@ def simd(request):
 def restore_kernel_threads():
     """cpu_kernels' thread count as it was before the test."""
     import cpu_kernels as ck
+
     saved = ck.get_num_threads()
     yield
     ck.set_num_threads(saved)
@@ -87,4 +93,5 @@ def restore_kernel_threads():
 def pytest_generate_tests(metafunc):
     if "simd" in metafunc.fixturenames:
         import cpu_kernels as ck
+
         metafunc.parametrize("simd", ck.available_simd_levels(), indirect=True)

@@ -8,6 +8,7 @@ and the test fails with the ranks' output. Each rank writes its results with
 order. Both ranks and their workers share this machine's cores: rank scripts keep models
 tiny and set OMP_NUM_THREADS=1.
 """
+
 from __future__ import annotations
 
 import os
@@ -28,16 +29,21 @@ REPO = os.path.dirname(HERE)
 
 def _gloo() -> bool:
     import torch.distributed as dist
+
     return dist.is_available() and dist.is_gloo_available()
 
 
 def _dist_marks() -> list:
     import pytest
     import torch
+
     version = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
     return [
-        pytest.mark.skipif(version < (2, 6), reason=f"FSDP2 (fully_shard with post-accumulate-grad "
-                           f"hooks on the sharded params) needs torch >= 2.6, this is {torch.__version__}"),
+        pytest.mark.skipif(
+            version < (2, 6),
+            reason=f"FSDP2 (fully_shard with post-accumulate-grad "
+            f"hooks on the sharded params) needs torch >= 2.6, this is {torch.__version__}",
+        ),
         pytest.mark.skipif(not _gloo(), reason="torch.distributed with the gloo backend is not available"),
     ]
 
@@ -81,27 +87,63 @@ def _kill_tree(proc: subprocess.Popen) -> None:
     psutil.wait_procs(family, timeout=5)
 
 
-def _start(script: str, out_dir: str, args, *, nproc: int, nnodes: int, node_rank: int,
-           port: int | None, env: dict | None, tag: str = "") -> subprocess.Popen:
+def _start(
+    script: str,
+    out_dir: str,
+    args,
+    *,
+    nproc: int,
+    nnodes: int,
+    node_rank: int,
+    port: int | None,
+    env: dict | None,
+    tag: str = "",
+) -> subprocess.Popen:
     os.makedirs(out_dir, exist_ok=True)
     # no port: --standalone, whose store binds port 0 itself — concurrent launches (pytest-xdist,
     # two CI jobs on one machine) can never collide, as they could on a port chosen beforehand
-    where = (["--standalone"] if port is None else
-             [f"--nnodes={nnodes}", f"--node-rank={node_rank}", "--master-addr=127.0.0.1",
-              f"--master-port={port}"])
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", *where,
-           os.path.join(SCRIPTS, script), *map(str, args)]
-    full_env = dict(os.environ, DIST_OUT=out_dir, OMP_NUM_THREADS="1",
-                    PYTHONPATH=os.pathsep.join([HERE, REPO, os.environ.get("PYTHONPATH", "")]),
-                    TORCHELASTIC_ERROR_FILE=os.path.join(out_dir, f"error{tag}.json"))
+    where = (
+        ["--standalone"]
+        if port is None
+        else [
+            f"--nnodes={nnodes}",
+            f"--node-rank={node_rank}",
+            "--master-addr=127.0.0.1",
+            f"--master-port={port}",
+        ]
+    )
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nproc-per-node={nproc}",
+        *where,
+        os.path.join(SCRIPTS, script),
+        *map(str, args),
+    ]
+    full_env = dict(
+        os.environ,
+        DIST_OUT=out_dir,
+        OMP_NUM_THREADS="1",
+        PYTHONPATH=os.pathsep.join([HERE, REPO, os.environ.get("PYTHONPATH", "")]),
+        TORCHELASTIC_ERROR_FILE=os.path.join(out_dir, f"error{tag}.json"),
+    )
     full_env.update(env or {})
-    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=full_env, start_new_session=True, cwd=out_dir)
+    return subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=full_env,
+        start_new_session=True,
+        cwd=out_dir,
+    )
 
 
 def _load_results(script: str, out_dir: str, ranks, out: str) -> list:
     import pytest
     import torch
+
     results = []
     for r in ranks:
         path = os.path.join(out_dir, f"rank{r}.pt")
@@ -111,16 +153,26 @@ def _load_results(script: str, out_dir: str, ranks, out: str) -> list:
     return results
 
 
-def launch(script: str, out_dir: str, *args, nproc: int = 2, nnodes: int = 1, node_rank: int = 0,
-           port: int | None = None, timeout_s: float = 120.0, env: dict | None = None) -> list:
+def launch(
+    script: str,
+    out_dir: str,
+    *args,
+    nproc: int = 2,
+    nnodes: int = 1,
+    node_rank: int = 0,
+    port: int | None = None,
+    timeout_s: float = 120.0,
+    env: dict | None = None,
+) -> list:
     """Runs tests/dist_scripts/<script> on `nproc` ranks (per node; `nnodes` > 1: this call
     is node `node_rank` of a static rendezvous on localhost:`port`). Returns the ranks'
     saved results (those of this node), or fails with the output of every rank."""
     if nnodes > 1 and port is None:
-        raise ValueError("launch: a node of a several-node launch needs the port every node "
-                         "shares (launch_nodes picks one)")
-    proc = _start(script, out_dir, args, nproc=nproc, nnodes=nnodes, node_rank=node_rank,
-                  port=port, env=env)
+        raise ValueError(
+            "launch: a node of a several-node launch needs the port every node "
+            "shares (launch_nodes picks one)"
+        )
+    proc = _start(script, out_dir, args, nproc=nproc, nnodes=nnodes, node_rank=node_rank, port=port, env=env)
     out = wait_bounded(proc, f"{script} {' '.join(map(str, args))}", timeout_s)
     return _load_results(script, out_dir, range(node_rank * nproc, (node_rank + 1) * nproc), out)
 
@@ -130,22 +182,28 @@ def wait_bounded(proc: subprocess.Popen, what: str, timeout_s: float) -> str:
     exits 0; past `timeout_s` every process under it is killed; either failure fails the test
     with the ranks' output."""
     import pytest
+
     t0 = time.monotonic()
     try:
         out, _ = proc.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:
         _kill_tree(proc)
         out, _ = proc.communicate(timeout=10)
-        pytest.fail(f"{what}: no result within {timeout_s:.0f} s (every rank and worker killed); "
-                    f"the ranks' output:\n{out[-6000:]}")
+        pytest.fail(
+            f"{what}: no result within {timeout_s:.0f} s (every rank and worker killed); "
+            f"the ranks' output:\n{out[-6000:]}"
+        )
     if proc.returncode != 0:
-        pytest.fail(f"{what} failed (exit {proc.returncode}) after {time.monotonic() - t0:.1f} s; "
-                    f"the ranks' output:\n{out[-8000:]}")
+        pytest.fail(
+            f"{what} failed (exit {proc.returncode}) after {time.monotonic() - t0:.1f} s; "
+            f"the ranks' output:\n{out[-8000:]}"
+        )
     return out
 
 
-def launch_nodes(script: str, out_dir: str, *args, nnodes: int = 2, timeout_s: float = 120.0,
-                 env: dict | None = None) -> list:
+def launch_nodes(
+    script: str, out_dir: str, *args, nnodes: int = 2, timeout_s: float = 120.0, env: dict | None = None
+) -> list:
     """`nnodes` torchrun launches on localhost, one rank each, joined by a static rendezvous
     (node 0 hosts the store): how a multi-node job starts, one launcher per node. One deadline
     for all: past it, every launcher's whole tree is killed and the test fails with each
@@ -154,31 +212,41 @@ def launch_nodes(script: str, out_dir: str, *args, nnodes: int = 2, timeout_s: f
     PORT_ATTEMPTS times, within the same deadline). Returns the ranks' saved results in rank
     order."""
     import pytest
+
     deadline = time.monotonic() + timeout_s
     for attempt in range(PORT_ATTEMPTS):
         procs, outs = _run_nodes(script, out_dir, args, nnodes, free_port(), env, deadline)
         text = "\n".join(f"--- node {k}:\n{o[-4000:]}" for k, o in enumerate(outs))
         if procs is None:
-            pytest.fail(f"{script} on {nnodes} nodes: no result within {timeout_s:.0f} s (every "
-                        f"launcher, rank and worker killed); each node's output:\n{text}")
+            pytest.fail(
+                f"{script} on {nnodes} nodes: no result within {timeout_s:.0f} s (every "
+                f"launcher, rank and worker killed); each node's output:\n{text}"
+            )
         failed = any(proc.returncode != 0 for proc in procs)
         if failed and attempt + 1 < PORT_ATTEMPTS and any(_PORT_TAKEN.search(o) for o in outs):
             continue  # the store's port was taken between free_port() and its bind
         if failed:
-            pytest.fail(f"{script} on {nnodes} nodes failed (exits {[p.returncode for p in procs]}); "
-                        f"each node's output:\n{text}")
+            pytest.fail(
+                f"{script} on {nnodes} nodes failed (exits {[p.returncode for p in procs]}); "
+                f"each node's output:\n{text}"
+            )
         return _load_results(script, out_dir, range(nnodes), text)
 
 
 def _run_nodes(script, out_dir, args, nnodes, port, env, deadline):
     """(launchers, their outputs) once every launcher ended; (None, outputs) past the deadline,
     every launcher's tree killed."""
-    procs = [_start(script, out_dir, args, nproc=1, nnodes=nnodes, node_rank=k, port=port,
-                    env=env, tag=f"-node{k}") for k in range(nnodes)]
+    procs = [
+        _start(
+            script, out_dir, args, nproc=1, nnodes=nnodes, node_rank=k, port=port, env=env, tag=f"-node{k}"
+        )
+        for k in range(nnodes)
+    ]
     outs = [""] * nnodes
 
     def drain(k: int) -> None:  # each node's pipe drained at once: none blocks on a full pipe
         outs[k] = procs[k].communicate()[0]
+
     threads = [threading.Thread(target=drain, args=(k,), daemon=True) for k in range(nnodes)]
     for t in threads:
         t.start()

@@ -18,6 +18,7 @@ param order. Layout is free to change: Adam is elementwise.
 2-rank configurations (FSDP2, process_group) run in tests/dist_scripts/golden_train.py on the
 same model and grads (each rank its own G; the reduction averages them exactly).
 """
+
 from __future__ import annotations
 
 import os
@@ -38,15 +39,36 @@ CONFIGS = {
     "host_clip": ("AdamW", dict(offload_fraction=1.0), torch.float32, 0.05, False),
     "nvme_clip": ("AdamW", dict(offload_fraction=1.0, nvme_fraction=0.5), torch.float32, 0.05, False),
     "mixed_clip": ("AdamW", dict(offload_fraction=0.5, nvme_fraction=0.25), torch.float32, 0.05, False),
-    "mixed_noclip_adam": ("Adam", dict(offload_fraction=0.5, nvme_fraction=0.25, weight_decay=0.01),
-                          torch.float32, None, False),
-    "mixed_scaler_overflow": ("AdamW", dict(offload_fraction=0.5, nvme_fraction=0.25), torch.float32, 0.05, True),
+    "mixed_noclip_adam": (
+        "Adam",
+        dict(offload_fraction=0.5, nvme_fraction=0.25, weight_decay=0.01),
+        torch.float32,
+        None,
+        False,
+    ),
+    "mixed_scaler_overflow": (
+        "AdamW",
+        dict(offload_fraction=0.5, nvme_fraction=0.25),
+        torch.float32,
+        0.05,
+        True,
+    ),
     "host_amsgrad": ("AdamW", dict(offload_fraction=1.0, amsgrad=True), torch.float32, None, False),
     "host_inverse": ("AdamW", dict(offload_fraction=1.0, rollback="inverse"), torch.float32, None, False),
     "bf16_mixed": ("AdamW", dict(offload_fraction=0.5, nvme_fraction=0.25), torch.bfloat16, 0.05, False),
-    "bf16_compressed_mixed": ("AdamW", dict(offload_fraction=0.5, nvme_fraction=0.25,
-                                            exp_avg_dtype=torch.bfloat16, exp_avg_sq_dtype=torch.bfloat16,
-                                            store_param_remainders=True), torch.bfloat16, 0.05, True),
+    "bf16_compressed_mixed": (
+        "AdamW",
+        dict(
+            offload_fraction=0.5,
+            nvme_fraction=0.25,
+            exp_avg_dtype=torch.bfloat16,
+            exp_avg_sq_dtype=torch.bfloat16,
+            store_param_remainders=True,
+        ),
+        torch.bfloat16,
+        0.05,
+        True,
+    ),
 }
 SUBGROUP_NUMEL = 48  # several subgroups per param and params sharing subgroups
 
@@ -54,14 +76,17 @@ SUBGROUP_NUMEL = 48  # several subgroups per param and params sharing subgroups
 def build_params(dtype=torch.float32) -> list:
     """The model's params: values k / 64 for small integers k (exact in bf16 too)."""
     gen = torch.Generator().manual_seed(0)
-    return [torch.nn.Parameter((torch.randint(-64, 65, s, generator=gen).float() / 64).to(dtype))
-            for s in SHAPES]
+    return [
+        torch.nn.Parameter((torch.randint(-64, 65, s, generator=gen).float() / 64).to(dtype)) for s in SHAPES
+    ]
 
 
 def param_groups(params: list) -> list:
     """Weights decayed at one lr, biases (1-d) not decayed at another: two param groups."""
-    return [dict(params=[p for p in params if p.dim() > 1], lr=1e-2),
-            dict(params=[p for p in params if p.dim() == 1], lr=3e-2, weight_decay=0.0)]
+    return [
+        dict(params=[p for p in params if p.dim() > 1], lr=1e-2),
+        dict(params=[p for p in params if p.dim() == 1], lr=3e-2, weight_decay=0.0),
+    ]
 
 
 def grads(step: int, rank: int = 0, dtype=torch.float32, overflow: bool = False) -> list:
@@ -94,6 +119,7 @@ def _fp32_masters(entry: dict, param) -> dict:
     if "master_remainder" not in entry:
         return entry
     from hybrid_opt import fp32_master
+
     out = {n: v for n, v in entry.items() if n != "master_remainder"}
     out["master_param"] = fp32_master(entry, param)
     return out
@@ -105,16 +131,25 @@ def snapshot(opt, params: list) -> dict:
     last_grad_norm and step_was_skipped."""
     sd = opt.state_dict()
     ordered = [p for g in opt.param_groups for p in g["params"]]  # the state's indices
-    state = {k: {n: (_local(v) if isinstance(v, torch.Tensor) else v)
-                 for n, v in _fp32_masters(st, ordered[k]).items()}
-             for k, st in sd["state"].items()}
-    return dict(params=[_local(p) for p in params], state=state,
-                last_grad_norm=opt.last_grad_norm, step_was_skipped=opt.step_was_skipped)
+    state = {
+        k: {
+            n: (_local(v) if isinstance(v, torch.Tensor) else v)
+            for n, v in _fp32_masters(st, ordered[k]).items()
+        }
+        for k, st in sd["state"].items()
+    }
+    return dict(
+        params=[_local(p) for p in params],
+        state=state,
+        last_grad_norm=opt.last_grad_norm,
+        step_was_skipped=opt.step_was_skipped,
+    )
 
 
 def run(name: str, nvme_dir: str) -> list:
     """The per-step records of configuration `name` in one process."""
     from hybrid_opt import HybridAdam, HybridAdamW
+
     kind, hybrid, dtype, clip, use_scaler = CONFIGS[name]
     hybrid = dict(hybrid)
     if hybrid.get("nvme_fraction"):
@@ -123,7 +158,7 @@ def run(name: str, nvme_dir: str) -> list:
     params = build_params(dtype)
     records = []
     with cls(param_groups(params), max_grad_norm=clip, subgroup_numel=SUBGROUP_NUMEL, **hybrid) as opt:
-        scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8) if use_scaler else None
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8) if use_scaler else None
         if scaler is not None:
             opt.attach_grad_scaler(scaler)
         for step in range(STEPS):
@@ -149,9 +184,11 @@ def compare(actual: list, golden: list, what: str) -> None:
     for step, (a, g) in enumerate(zip(actual, golden)):
         where = f"{what} step {step}"
         assert a["step_was_skipped"] == g["step_was_skipped"], where
-        assert (a["last_grad_norm"] == g["last_grad_norm"]
-                or a["last_grad_norm"] != a["last_grad_norm"] and g["last_grad_norm"] != g["last_grad_norm"]), \
-            f"{where}: last_grad_norm {a['last_grad_norm']!r} != golden {g['last_grad_norm']!r}"
+        assert (
+            a["last_grad_norm"] == g["last_grad_norm"]
+            or a["last_grad_norm"] != a["last_grad_norm"]
+            and g["last_grad_norm"] != g["last_grad_norm"]
+        ), f"{where}: last_grad_norm {a['last_grad_norm']!r} != golden {g['last_grad_norm']!r}"
         for k, (x, y) in enumerate(zip(a["params"], g["params"])):
             assert x.dtype == y.dtype and torch.equal(x, y), f"{where}: param {k} differs"
         assert a["state"].keys() == g["state"].keys(), f"{where}: state keys {a['state'].keys()}"
@@ -171,6 +208,7 @@ DIST_CONFIGS = ("fsdp2_mixed", "zero_mixed", "zero_compressed_host")  # dist_scr
 def run_dist(out_dir: str) -> list:
     """Every 2-rank configuration in one launch: [rank 0's {name: records}, rank 1's]."""
     from dist_launch import launch
+
     return launch("golden_train.py", out_dir, *DIST_CONFIGS, timeout_s=170)
 
 

@@ -1,4 +1,5 @@
 """Helpers shared by several test modules (the tests directory is on sys.path)."""
+
 import os
 import time
 
@@ -7,7 +8,6 @@ import torch
 
 import cpu_kernels as ck
 from hybrid_opt.tiers.host import StepInputs
-
 
 # where gpu_kernels run in this process: CUDA where a GPU is present, else CPU tensors through
 # Triton's interpreter (conftest sets TRITON_INTERPRET=1 only without CUDA). Tests of the device
@@ -43,9 +43,11 @@ def make_states(numels, *, amsgrad=False, moment_dtype=torch.float32, seed=0):
     gen = torch.Generator().manual_seed(seed)
     states = []
     for n in numels:
-        s = dict(p=torch.randn(n, generator=gen),
-                 m=(torch.randn(n, generator=gen) * 0.1).to(moment_dtype),
-                 v=(torch.rand(n, generator=gen) * 1e-2).to(moment_dtype))
+        s = dict(
+            p=torch.randn(n, generator=gen),
+            m=(torch.randn(n, generator=gen) * 0.1).to(moment_dtype),
+            v=(torch.rand(n, generator=gen) * 1e-2).to(moment_dtype),
+        )
         if amsgrad:
             s["vmax"] = (s["v"].float() * 2 * torch.rand(n, generator=gen)).to(moment_dtype)
         states.append(s)
@@ -92,28 +94,42 @@ def ref_step(state, grad, inp: StepInputs, copy_dtype=None):
     n = state["p"].numel()
     copy = torch.zeros(n, dtype=copy_dtype) if copy_dtype else None
     for off, k, step in inp.ranges(n):
-        part = {key: t[off:off + k].clone() for key, t in state.items()}
+        part = {key: t[off : off + k].clone() for key, t in state.items()}
         c = torch.empty(k, dtype=copy_dtype) if copy_dtype else None
-        ck.adam_step_(part["p"], grad[off:off + k], part["m"], part["v"],
-                      max_exp_avg_sq=part["vmax"] if inp.amsgrad else None, param_copy=c,
-                      step=step, lr=inp.lr, beta1=inp.beta1, beta2=inp.beta2, eps=inp.eps,
-                      weight_decay=inp.weight_decay, decoupled=inp.decoupled,
-                      grad_scale=inp.grad_scale)
+        ck.adam_step_(
+            part["p"],
+            grad[off : off + k],
+            part["m"],
+            part["v"],
+            max_exp_avg_sq=part["vmax"] if inp.amsgrad else None,
+            param_copy=c,
+            step=step,
+            lr=inp.lr,
+            beta1=inp.beta1,
+            beta2=inp.beta2,
+            eps=inp.eps,
+            weight_decay=inp.weight_decay,
+            decoupled=inp.decoupled,
+            grad_scale=inp.grad_scale,
+        )
         for key, t in part.items():
-            state[key][off:off + k] = t
+            state[key][off : off + k] = t
         if copy is not None:
-            copy[off:off + k] = c
+            copy[off : off + k] = c
     return copy
 
 
 def assert_bitwise_equal(a, b, what):
-    assert a.dtype == b.dtype and a.shape == b.shape, \
+    assert a.dtype == b.dtype and a.shape == b.shape, (
         f"{what}: {a.dtype}{tuple(a.shape)} vs {b.dtype}{tuple(b.shape)}"
+    )
     ints = {4: torch.int32, 2: torch.int16}[a.element_size()]
     if not torch.equal(a.view(ints), b.view(ints)):
         bad = (a.view(ints) != b.view(ints)).nonzero().flatten()
-        raise AssertionError(f"{what}: {bad.numel()} of {a.numel()} elements differ, first at "
-                             f"{bad[0].item()}: {a[bad[0]].item()!r} vs {b[bad[0]].item()!r}")
+        raise AssertionError(
+            f"{what}: {bad.numel()} of {a.numel()} elements differ, first at "
+            f"{bad[0].item()}: {a[bad[0]].item()!r} vs {b[bad[0]].item()!r}"
+        )
 
 
 def run_compile_check(script: str) -> None:
@@ -124,11 +140,13 @@ def run_compile_check(script: str) -> None:
     import sys
 
     import pytest
+
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
-    out = subprocess.run([sys.executable, "-c", script], cwd=root, env=env, capture_output=True,
-                         text=True, timeout=300)
+    out = subprocess.run(
+        [sys.executable, "-c", script], cwd=root, env=env, capture_output=True, text=True, timeout=300
+    )
     assert out.returncode == 0, out.stdout + out.stderr
     if out.stdout.startswith("SKIP"):
         pytest.skip(out.stdout.strip())
@@ -159,6 +177,7 @@ def with_fp32_masters(state: dict, params) -> dict:
     Decode while the param still has the bits the state was taken with: a remainder is half of
     the master, the param the other half. `params`: the optimizer's params in index order."""
     from hybrid_opt import fp32_master
+
     params = list(params)
     out = {}
     for i, entry in state.items():

@@ -26,6 +26,7 @@ parameters must still be constexpr in the function Triton compiled (a rebuilt ke
 compiles them as runtime values: the first H200 run, 2026-12-04). Prints one line per kernel
 family and OK.
 """
+
 import argparse
 import inspect
 import itertools
@@ -52,8 +53,16 @@ def pointer_cases():
 
 
 def scalar_cases():
-    return list(itertools.product(("float", "tensor"), (None, "float", "tensor"), (False, True),
-                                  (True, False), (True, False), (0.0, 0.01)))
+    return list(
+        itertools.product(
+            ("float", "tensor"),
+            (None, "float", "tensor"),
+            (False, True),
+            (True, False),
+            (True, False),
+            (0.0, 0.01),
+        )
+    )
 
 
 def _tensor(numel, dtype, aligned):
@@ -68,8 +77,9 @@ def adam_call(case, scalars):
     grad_dtype, beside, exp_avg_dtype, exp_avg_sq_dtype, amsgrad = case
     lr_kind, scale_kind, found_inf, aligned, decoupled, weight_decay = scalars
     remainders = beside == "remainders"
-    lists = dict(params=[], grads=[], exp_avgs=[], exp_avg_sqs=[], max_exp_avg_sqs=[], param_copies=[],
-                 remainders=[])
+    lists = dict(
+        params=[], grads=[], exp_avgs=[], exp_avg_sqs=[], max_exp_avg_sqs=[], param_copies=[], remainders=[]
+    )
     for n in NUMELS:
         lists["params"].append(_tensor(n, torch.bfloat16 if remainders else torch.float32, aligned))
         lists["grads"].append(_tensor(n, grad_dtype, aligned))
@@ -79,43 +89,62 @@ def adam_call(case, scalars):
         if beside is not None and not remainders:
             lists["param_copies"].append(_tensor(n, beside, aligned))
         lists["remainders"].append(_tensor(n, torch.int16, aligned))
-    args = dict(params=lists["params"], grads=lists["grads"], exp_avgs=lists["exp_avgs"],
-                exp_avg_sqs=lists["exp_avg_sqs"],
-                max_exp_avg_sqs=lists["max_exp_avg_sqs"] if amsgrad else None,
-                param_copies=lists["param_copies"] or None,
-                remainders=lists["remainders"] if remainders else None,
-                step=3, lr=torch.tensor([1e-3]) if lr_kind == "tensor" else 1e-3, beta1=0.9, beta2=0.999,
-                eps=1e-8, weight_decay=weight_decay, decoupled=decoupled,
-                grad_scale={None: None, "float": 0.5, "tensor": torch.tensor([0.5])}[scale_kind],
-                found_inf=torch.zeros(1) if found_inf else None)
-    gpu_kernels.fused_adam_(args.pop("params"), args.pop("grads"), args.pop("exp_avgs"),
-                            args.pop("exp_avg_sqs"), **args)
+    args = dict(
+        params=lists["params"],
+        grads=lists["grads"],
+        exp_avgs=lists["exp_avgs"],
+        exp_avg_sqs=lists["exp_avg_sqs"],
+        max_exp_avg_sqs=lists["max_exp_avg_sqs"] if amsgrad else None,
+        param_copies=lists["param_copies"] or None,
+        remainders=lists["remainders"] if remainders else None,
+        step=3,
+        lr=torch.tensor([1e-3]) if lr_kind == "tensor" else 1e-3,
+        beta1=0.9,
+        beta2=0.999,
+        eps=1e-8,
+        weight_decay=weight_decay,
+        decoupled=decoupled,
+        grad_scale={None: None, "float": 0.5, "tensor": torch.tensor([0.5])}[scale_kind],
+        found_inf=torch.zeros(1) if found_inf else None,
+    )
+    gpu_kernels.fused_adam_(
+        args.pop("params"), args.pop("grads"), args.pop("exp_avgs"), args.pop("exp_avg_sqs"), **args
+    )
 
 
-Q8_MOMENTS = (("q8", "q8"), ("q8", torch.float32), ("q8", torch.bfloat16), (torch.float32, "q8"),
-              (torch.bfloat16, "q8"))
+Q8_MOMENTS = (
+    ("q8", "q8"),
+    ("q8", torch.float32),
+    ("q8", torch.bfloat16),
+    (torch.float32, "q8"),
+    (torch.bfloat16, "q8"),
+)
 
 
 def q8_cases():
     moments = list(itertools.product(Q8_MOMENTS, (False, True)))
     sources = list(itertools.product(GRAD_DTYPES, BESIDE))
-    scalars = list(itertools.product((None, "float", "tensor"), (False, True), (True, False), (True, False),
-                                     (0.0, 0.01)))
+    scalars = list(
+        itertools.product((None, "float", "tensor"), (False, True), (True, False), (True, False), (0.0, 0.01))
+    )
     return [(moments[i % len(moments)], sources[i % len(sources)], scalars[i]) for i in range(len(scalars))]
 
 
 def _q8_moment(fmt, numel, aligned):
     if fmt != "q8":
         return _tensor(numel, fmt, aligned)
-    return q8.Q8Blocks(_tensor(numel, torch.uint8, aligned), _tensor(-(-numel // q8.BLOCK), torch.float32, aligned))
+    return q8.Q8Blocks(
+        _tensor(numel, torch.uint8, aligned), _tensor(-(-numel // q8.BLOCK), torch.float32, aligned)
+    )
 
 
 def q8_call(case):
     ((exp_avg_fmt, exp_avg_sq_fmt), amsgrad), (grad_dtype, beside), scalars = case
     scale_kind, found_inf, aligned, decoupled, weight_decay = scalars
     remainders = beside == "remainders"
-    lists = dict(params=[], grads=[], exp_avgs=[], exp_avg_sqs=[], max_exp_avg_sqs=[], param_copies=[],
-                 remainders=[])
+    lists = dict(
+        params=[], grads=[], exp_avgs=[], exp_avg_sqs=[], max_exp_avg_sqs=[], param_copies=[], remainders=[]
+    )
     for n in NUMELS:
         lists["params"].append(_tensor(n, torch.bfloat16 if remainders else torch.float32, aligned))
         lists["grads"].append(_tensor(n, grad_dtype, aligned))
@@ -125,13 +154,24 @@ def q8_call(case):
         if beside is not None and not remainders:
             lists["param_copies"].append(_tensor(n, beside, aligned))
         lists["remainders"].append(_tensor(n, torch.int16, aligned))
-    q8.q8_adam_(lists["params"], lists["grads"], lists["exp_avgs"], lists["exp_avg_sqs"],
-                max_exp_avg_sqs=lists["max_exp_avg_sqs"] if amsgrad else None,
-                param_copies=lists["param_copies"] or None,
-                remainders=lists["remainders"] if remainders else None,
-                step=3, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=weight_decay,
-                decoupled=decoupled, grad_scale={None: None, "float": 0.5, "tensor": torch.tensor([0.5])}[scale_kind],
-                found_inf=torch.zeros(1) if found_inf else None)
+    q8.q8_adam_(
+        lists["params"],
+        lists["grads"],
+        lists["exp_avgs"],
+        lists["exp_avg_sqs"],
+        max_exp_avg_sqs=lists["max_exp_avg_sqs"] if amsgrad else None,
+        param_copies=lists["param_copies"] or None,
+        remainders=lists["remainders"] if remainders else None,
+        step=3,
+        lr=1e-3,
+        beta1=0.9,
+        beta2=0.999,
+        eps=1e-8,
+        weight_decay=weight_decay,
+        decoupled=decoupled,
+        grad_scale={None: None, "float": 0.5, "tensor": torch.tensor([0.5])}[scale_kind],
+        found_inf=torch.zeros(1) if found_inf else None,
+    )
 
 
 def stats_call(grad_dtype, aligned, sum_dtype):
@@ -166,8 +206,12 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--arch", default="90", help="compute capability: 80, 90, sm_90...")
     parser.add_argument("--limit", type=int, default=None, help="compile only the first N adam cases")
-    parser.add_argument("--only", choices=("q8",), default=None,
-                        help="compile one family only (q8: q8_adam_'s cases, for work on that kernel)")
+    parser.add_argument(
+        "--only",
+        choices=("q8",),
+        default=None,
+        help="compile one family only (q8: q8_adam_'s cases, for work on that kernel)",
+    )
     args = parser.parse_args(argv)
     if args.only == "q8":
         return main_q8(offline.parse_arch(args.arch))
@@ -189,13 +233,16 @@ def main(argv=None):
             # one launch per (dtype, alignment) group: here one
             assert len(compiled) == before + 1, (case, sc, len(compiled) - before)
         n_adam = len(compiled)
-        for grad_dtype, aligned, sum_dtype in itertools.product(GRAD_DTYPES, (True, False),
-                                                                 (torch.float32, torch.float64)):
+        for grad_dtype, aligned, sum_dtype in itertools.product(
+            GRAD_DTYPES, (True, False), (torch.float32, torch.float64)
+        ):
             try:
                 stats_call(grad_dtype, aligned, sum_dtype)
             except Exception as exc:
-                raise SystemExit(f"grad_stats {grad_dtype} aligned={aligned} {sum_dtype} failed to "
-                                 f"compile for sm_{arch}:\n{exc}") from exc
+                raise SystemExit(
+                    f"grad_stats {grad_dtype} aligned={aligned} {sum_dtype} failed to "
+                    f"compile for sm_{arch}:\n{exc}"
+                ) from exc
         n_stats = len(compiled) - n_adam
         n_q8 = compile_q8(arch, compiled)
         key = _runtime._mode(torch.device("cpu"))
@@ -203,10 +250,12 @@ def main(argv=None):
         checked = check_constexprs(key)
     check_ptx(kernels, arch)
     adam_programs = {k.hash for k in kernels[:n_adam]}
-    q8_programs = {k.hash for k in kernels[n_adam + n_stats:]}
-    print(f"sm_{arch}: fused_adam_ {len(cases)} cases -> {len(adam_programs)} distinct programs; "
-          f"grad_stats {n_stats} launches; q8_adam_ {n_q8} cases -> {len(q8_programs)} distinct programs; "
-          f"{checked} functions keep their constexprs; {time.perf_counter() - t0:.1f} s")
+    q8_programs = {k.hash for k in kernels[n_adam + n_stats :]}
+    print(
+        f"sm_{arch}: fused_adam_ {len(cases)} cases -> {len(adam_programs)} distinct programs; "
+        f"grad_stats {n_stats} launches; q8_adam_ {n_q8} cases -> {len(q8_programs)} distinct programs; "
+        f"{checked} functions keep their constexprs; {time.perf_counter() - t0:.1f} s"
+    )
     assert len(adam_programs) == len(cases), "two cases compiled to the same program: a choice is lost"
     assert len(q8_programs) == n_q8, "two q8 cases compiled to the same program: a choice is lost"
     print("OK")
@@ -243,8 +292,10 @@ def main_q8(arch):
         checked = check_constexprs(_runtime._mode(torch.device("cpu")), minimum=4)
     check_ptx(kernels, arch)
     programs = {k.hash for k in kernels}
-    print(f"sm_{arch}: q8_adam_ {n} cases -> {len(programs)} distinct programs; {checked} functions keep "
-          f"their constexprs; {time.perf_counter() - t0:.1f} s")
+    print(
+        f"sm_{arch}: q8_adam_ {n} cases -> {len(programs)} distinct programs; {checked} functions keep "
+        f"their constexprs; {time.perf_counter() - t0:.1f} s"
+    )
     assert len(programs) == n, "two q8 cases compiled to the same program: a choice is lost"
     print("OK")
     return 0

@@ -30,6 +30,7 @@ are unique in the package), and a record write is recognised by the attribute's 
 `python -m tests.ownership --write` regenerates tests/ownership_allowlist.py (the ratchet that
 tests/test_ownership.py holds the code to).
 """
+
 from __future__ import annotations
 
 import ast
@@ -55,7 +56,7 @@ LEGITIMATE_ATTRS = {
 # (module, name of the written object): locals of a foreign type filled for one call
 LEGITIMATE_OBJECTS = {
     ("hybrid_opt.worker.main", "a"): "the kernel's ctypes argument Structure (AdamArgs / "
-                                     "InverseArgs), filled field by field for one C call",
+    "InverseArgs), filled field by field for one C call",
 }
 
 
@@ -160,11 +161,19 @@ class _Class:
         self.bases = _base_names(node)
         record = "dataclass" in _decorator_names(node) or "NamedTuple" in self.bases
         # fields: annotated names of a dataclass / NamedTuple body (ClassVar excluded)
-        self.fields = {s.target.id for s in node.body if isinstance(s, ast.AnnAssign)
-                       and isinstance(s.target, ast.Name) and "ClassVar" not in ast.unparse(s.annotation)
-                       } if record else set()
+        self.fields = (
+            {
+                s.target.id
+                for s in node.body
+                if isinstance(s, ast.AnnAssign)
+                and isinstance(s.target, ast.Name)
+                and "ClassVar" not in ast.unparse(s.annotation)
+            }
+            if record
+            else set()
+        )
         self.class_names = {t.id for s in node.body for t in _targets(s) if isinstance(t, ast.Name)}
-        self.assigned: dict = defaultdict(list)   # attr -> [(method, line)] of self.attr stores
+        self.assigned: dict = defaultdict(list)  # attr -> [(method, line)] of self.attr stores
         self.methods = [s for s in node.body if isinstance(s, (ast.FunctionDef, ast.AsyncFunctionDef))]
 
     def self_name(self, fn) -> str | None:
@@ -247,8 +256,13 @@ def scan(root: str = PACKAGE_DIR) -> tuple[set, list]:
                 add(module, cls, f"{base}.{t.attr}", "foreign-write", path, t.lineno)
             if isinstance(n, ast.Call):
                 f = n.func
-                if (_is_name(f, "getattr") and len(n.args) == 3 and me is not None
-                        and _is_name(n.args[0], me) and isinstance(n.args[1], ast.Constant)):
+                if (
+                    _is_name(f, "getattr")
+                    and len(n.args) == 3
+                    and me is not None
+                    and _is_name(n.args[0], me)
+                    and isinstance(n.args[1], ast.Constant)
+                ):
                     add(module, cls, str(n.args[1].value), "lazy-getattr", path, n.lineno)
                 if _is_name(f, "vars") and n.args and not (me is not None and _is_name(n.args[0], me)):
                     add(module, cls, _expr(n.args[0]) + ".__dict__", "foreign-dict", path, n.lineno)
@@ -286,12 +300,14 @@ def _dict_key(node: ast.Attribute, fn) -> str:
 def _families(classes: dict) -> list:
     """Groups of the package's classes that share an MRO: each class with every package class
     it inherits from, merged where they overlap."""
+
     def ancestors(c, seen):
         for b in c.bases:
             if b in classes and b not in seen:
                 seen.add(b)
                 ancestors(classes[b], seen)
         return seen
+
     groups: list = []
     for c in classes.values():
         members = ancestors(c, {c.name})
@@ -319,11 +335,14 @@ def summary(violations: set) -> str:
 
 
 def allowlist_source(violations: set) -> str:
-    out = ['"""The ownership ratchet: every finding of tests/ownership.py in today\'s code, as',
-           "(module, class, attr, kind). tests/test_ownership.py fails on a finding not listed here",
-           "and on an entry no longer found, so the list only shrinks: delete the entries a change",
-           'fixes (regenerate: `PYTHONPATH=$PWD python -m tests.ownership --write`)."""', "",
-           "ALLOWLIST = {"]
+    out = [
+        '"""The ownership ratchet: every finding of tests/ownership.py in today\'s code, as',
+        "(module, class, attr, kind). tests/test_ownership.py fails on a finding not listed here",
+        "and on an entry no longer found, so the list only shrinks: delete the entries a change",
+        'fixes (regenerate: `PYTHONPATH=$PWD python -m tests.ownership --write`)."""',
+        "",
+        "ALLOWLIST = {",
+    ]
     for v in sorted(violations, key=lambda v: (v.module, v.kind, v.cls, v.attr)):
         out.append(f"    {tuple(v)!r},")
     out += ["}", ""]
@@ -332,6 +351,7 @@ def allowlist_source(violations: set) -> str:
 
 def main(argv=None) -> int:
     import argparse
+
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--write", action="store_true", help="regenerate tests/ownership_allowlist.py")
     ap.add_argument("--sites", action="store_true", help="list every finding with its file:line")

@@ -10,13 +10,13 @@ Needs `aarch64-linux-gnu-gcc` and `qemu-aarch64` (.ci/setup.sh installs them wit
 where it can); skipped, with a warning that says why, where they are missing. Emulation
 says nothing about speed: nothing here ran on Arm hardware.
 """
-import os
+
 import re
 import warnings
 
+import aarch64_emu as emu
 import pytest
 
-import aarch64_emu as emu
 import cpu_kernels as ck
 
 # qemu 7.2: sve-default-vector-length takes bytes; svcntw() then reports 4, 8, 16, 64 for the
@@ -31,14 +31,17 @@ QEMU_TIMEOUT_S = 180
 def rig(tmp_path_factory):
     missing = emu.missing_tools()
     if missing:
-        reason = (f"{' and '.join(missing)} not found: the aarch64 bitwise check did not run "
-                  "(.ci/setup.sh installs gcc-aarch64-linux-gnu and qemu-user with apt-get where "
-                  "apt is available; it printed why it could not)")
+        reason = (
+            f"{' and '.join(missing)} not found: the aarch64 bitwise check did not run "
+            "(.ci/setup.sh installs gcc-aarch64-linux-gnu and qemu-user with apt-get where "
+            "apt is available; it printed why it could not)"
+        )
         warnings.warn(reason)
         pytest.skip(reason)
     if not FMA_LEVELS:
-        pytest.skip("this x86 CPU has neither AVX2+FMA nor AVX-512: no FMA level to compare "
-                    "NEON and SVE with")
+        pytest.skip(
+            "this x86 CPU has neither AVX2+FMA nor AVX-512: no FMA level to compare NEON and SVE with"
+        )
     d = tmp_path_factory.mktemp("aarch64")
     driver = str(d / "test_driver")
     warnings_seen = emu.cross_build(driver)
@@ -46,14 +49,16 @@ def rig(tmp_path_factory):
     case_file = str(d / "cases.bin")
     emu.write_cases(case_file, cases)
     want = {lv: emu.run_here(cases, lv) for lv in ["portable"] + FMA_LEVELS}
-    return dict(dir=d, driver=driver, cases=cases, case_file=case_file, want=want,
-                build_warnings=warnings_seen)
+    return dict(
+        dir=d, driver=driver, cases=cases, case_file=case_file, want=want, build_warnings=warnings_seen
+    )
 
 
 def run_driver(rig, cpu, tag, *options):
     out = str(rig["dir"] / f"out-{tag}.bin")
-    rc, stdout, stderr = emu.emulate(rig["driver"], cpu, [rig["case_file"], out, *options],
-                                     timeout=QEMU_TIMEOUT_S)
+    rc, stdout, stderr = emu.emulate(
+        rig["driver"], cpu, [rig["case_file"], out, *options], timeout=QEMU_TIMEOUT_S
+    )
     assert rc == 0, f"driver under qemu -cpu {cpu} {options}: exit {rc}\n{stdout}\n{stderr}"
     return stdout, emu.read_outputs(out, rig["cases"])
 
@@ -75,8 +80,24 @@ def test_the_library_cross_compiles_for_aarch64_without_warnings(rig):
 
 def test_cases_cover_every_mode_and_the_x86_fma_levels_agree(rig):
     names = " | ".join(c.name for c in rig["cases"])
-    for word in ("grad=bf16", "grad=f16", "m=bf16 v=f32", "m=f32 v=bf16", "remainders", "amsgrad", "l2",
-                 "bank", "copy=f16", "ties", f"n={emu.BIG}", "grad_stats", "inverse", "encode", "decode", "aio"):
+    for word in (
+        "grad=bf16",
+        "grad=f16",
+        "m=bf16 v=f32",
+        "m=f32 v=bf16",
+        "remainders",
+        "amsgrad",
+        "l2",
+        "bank",
+        "copy=f16",
+        "ties",
+        f"n={emu.BIG}",
+        "grad_stats",
+        "inverse",
+        "encode",
+        "decode",
+        "aio",
+    ):
         assert word in names, word
     if len(FMA_LEVELS) == 2:
         assert_same_bits(rig, rig["want"]["avx512"], "avx2", "x86 avx512")
@@ -85,8 +106,12 @@ def test_cases_cover_every_mode_and_the_x86_fma_levels_agree(rig):
 def test_cortex_a72_dispatches_neon_and_refuses_sve(rig):
     rc, stdout, _ = emu.emulate(rig["driver"], "cortex-a72", ["--info"], timeout=QEMU_TIMEOUT_S)
     assert rc == 0 and info(stdout) == dict(levels="portable,neon,sve", max="neon", level="neon"), stdout
-    rc, stdout, _ = emu.emulate(rig["driver"], "cortex-a72", [rig["case_file"], str(rig["dir"] / "x.bin"),
-                                                              "--level", "sve"], timeout=QEMU_TIMEOUT_S)
+    rc, stdout, _ = emu.emulate(
+        rig["driver"],
+        "cortex-a72",
+        [rig["case_file"], str(rig["dir"] / "x.bin"), "--level", "sve"],
+        timeout=QEMU_TIMEOUT_S,
+    )
     assert rc == 3 and "refused level sve (max neon)" in stdout
 
 
@@ -106,9 +131,13 @@ def test_portable_is_bitwise_x86_portable(rig):
 @pytest.mark.parametrize("bits", sorted(SVE_LENGTHS))
 def test_sve_is_bitwise_the_x86_fma_levels_at_every_vector_length(rig, bits):
     cpu = f"max,sve-default-vector-length={SVE_LENGTHS[bits]}"
-    threads = {128: "2", 256: "3", 384: "2", 512: "2", 1024: "3", 2048: "1"}[bits]  # results never depend on it
+    threads = {128: "2", 256: "3", 384: "2", 512: "2", 1024: "3", 2048: "1"}[
+        bits
+    ]  # results never depend on it
     stdout, got = run_driver(rig, cpu, f"sve{bits}", "--threads", threads)
-    assert info(stdout) == dict(levels="portable,neon,sve", max="sve", level="sve", sve_bits=str(bits)), stdout
+    assert info(stdout) == dict(levels="portable,neon,sve", max="sve", level="sve", sve_bits=str(bits)), (
+        stdout
+    )
     for level in FMA_LEVELS:
         assert_same_bits(rig, got, level, f"sve at {bits} bits")
 
@@ -139,10 +168,12 @@ class _FakeArmLibrary:
         return 0
 
 
-@pytest.mark.parametrize("value,want", [("neon", "neon"), (" Portable ", "portable"), ("sve", "sve"),
-                                        ("avx2", "sve")])
+@pytest.mark.parametrize(
+    "value,want", [("neon", "neon"), (" Portable ", "portable"), ("sve", "sve"), ("avx2", "sve")]
+)
 def test_hybrid_opt_simd_lowers_the_aarch64_levels(monkeypatch, value, want):
     from cpu_kernels import _lib
+
     monkeypatch.setattr(_lib, "lib", _FakeArmLibrary())
     monkeypatch.setattr(_lib, "LEVELS", ("portable", "neon", "sve"))
     monkeypatch.setenv("HYBRID_OPT_SIMD", value)
@@ -150,4 +181,6 @@ def test_hybrid_opt_simd_lowers_the_aarch64_levels(monkeypatch, value, want):
         warnings.simplefilter("always")
         _lib._apply_env_level()
     assert _lib.simd_level() == want and _lib.available_simd_levels() == ["portable", "neon", "sve"]
-    assert any("is not one of ('portable', 'neon', 'sve')" in str(w.message) for w in seen) == (value == "avx2")
+    assert any("is not one of ('portable', 'neon', 'sve')" in str(w.message) for w in seen) == (
+        value == "avx2"
+    )

@@ -5,6 +5,7 @@ O_DIRECT really in use, the buffered fallback and its single warning, alignment 
 a full disk (RLIMIT_FSIZE in a child, SIGXFSZ ignored: EFBIG), short reads, bounded waits
 and closes, checksums, and no thread left behind.
 """
+
 import errno
 import fcntl
 import json
@@ -21,11 +22,19 @@ import textwrap
 import time
 
 import pytest
+from helpers import fs_type
 
 from cpu_kernels import aio
-from cpu_kernels.aio import (ALIGNMENT, AioAlignmentError, AioEngine, AioError, align_up,
-                             aligned_buffer, checksum, checksum_combine)
-from helpers import fs_type
+from cpu_kernels.aio import (
+    ALIGNMENT,
+    AioAlignmentError,
+    AioEngine,
+    AioError,
+    align_up,
+    aligned_buffer,
+    checksum,
+    checksum_combine,
+)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PAGE = ALIGNMENT
@@ -61,8 +70,14 @@ def _run_child(code: str, timeout=60) -> dict:
     """Runs code in a fresh interpreter (clean warning state, own rlimits); its last stdout
     line is JSON."""
     env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
     assert proc.returncode == 0, f"child failed ({proc.returncode}):\n{proc.stderr[-3000:]}"
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
@@ -91,11 +106,12 @@ def test_write_then_read_round_trips_bytes_and_checksum(engine, disk_dir, nbytes
 
 def test_int_addresses_and_buffer_objects_are_both_accepted(engine, disk_dir):
     import ctypes
+
     src = _random_buffer(2 * PAGE, 1)
     dst = aligned_buffer(2 * PAGE)
     holder = ctypes.c_char.from_buffer(dst)  # keeps dst mapped while we use its raw address
     fd = engine.open(disk_dir / "f.bin", "w+")
-    engine.write(fd, src)                                   # whole buffer, offset 0
+    engine.write(fd, src)  # whole buffer, offset 0
     engine.read(fd, ctypes.addressof(holder), 2 * PAGE, 0)  # raw address + nbytes
     del holder
     engine.close_fd(fd)
@@ -110,7 +126,7 @@ def test_many_concurrent_requests_land_at_their_offsets(disk_dir):
         fd = eng.open(disk_dir / "f.bin", "w+")
         order = list(range(n))
         random.Random(0).shuffle(order)  # submitted out of file order
-        views_w = [memoryview(src)[i * size:(i + 1) * size] for i in range(n)]
+        views_w = [memoryview(src)[i * size : (i + 1) * size] for i in range(n)]
         ids = [eng.submit_write(fd, views_w[i], size, i * size, checksum=True) for i in order]
         assert eng.outstanding == n
         results = eng.wait(timeout_s=30)  # every outstanding request
@@ -118,8 +134,7 @@ def test_many_concurrent_requests_land_at_their_offsets(disk_dir):
         for i, res in zip(order, results):
             assert res.crc == checksum(views_w[i])
         views_w = None
-        ids = [eng.submit_read(fd, memoryview(dst)[i * size:(i + 1) * size], size, i * size)
-               for i in order]
+        ids = [eng.submit_read(fd, memoryview(dst)[i * size : (i + 1) * size], size, i * size) for i in order]
         eng.wait(ids, timeout_s=30)
         eng.close_fd(fd)
     assert dst[:] == src[:]
@@ -141,8 +156,11 @@ def test_full_queue_refuses_the_next_submit_with_eagain(disk_dir):
 def test_sync_request_and_zero_byte_request_complete(engine, disk_dir):
     fd = engine.open(disk_dir / "f.bin", "w+")
     buf = aligned_buffer(PAGE)
-    ids = [engine.submit_write(fd, buf), engine.submit_sync(fd),
-           engine.submit_write(fd, buf, 0, PAGE, checksum=True)]
+    ids = [
+        engine.submit_write(fd, buf),
+        engine.submit_sync(fd),
+        engine.submit_write(fd, buf, 0, PAGE, checksum=True),
+    ]
     res = engine.wait(ids, timeout_s=10)
     assert [r.op for r in res] == ["write", "fdatasync", "write"]
     assert res[2].bytes_done == 0 and res[2].crc == 0
@@ -150,6 +168,7 @@ def test_sync_request_and_zero_byte_request_complete(engine, disk_dir):
 
 
 # --------------------------------------------------------------------------- O_DIRECT
+
 
 def test_o_direct_is_used_on_a_disk_filesystem(engine, disk_dir):
     fd = engine.open(disk_dir / "f.bin", "w+")
@@ -229,12 +248,16 @@ def test_misaligned_o_direct_request_raises_a_clear_error(engine, disk_dir, case
     buf = aligned_buffer(4 * PAGE)
     fd = engine.open(disk_dir / "f.bin", "w+")
     view = memoryview(buf)
-    args = {"address": (view[1:PAGE + 1], PAGE, 0),
-            "length": (buf, PAGE + 512, 0),
-            "offset": (buf, PAGE, 100)}[case]
-    expect = {"address": r"buffer address 0x[0-9a-f]+ is not a multiple of 4096",
-              "length": r"4608 bytes is not a multiple of 4096 \(pad to align_up\(nbytes\) = 8192\)",
-              "offset": r"offset 100 is not a multiple of 4096"}[case]
+    args = {
+        "address": (view[1 : PAGE + 1], PAGE, 0),
+        "length": (buf, PAGE + 512, 0),
+        "offset": (buf, PAGE, 100),
+    }[case]
+    expect = {
+        "address": r"buffer address 0x[0-9a-f]+ is not a multiple of 4096",
+        "length": r"4608 bytes is not a multiple of 4096 \(pad to align_up\(nbytes\) = 8192\)",
+        "offset": r"offset 100 is not a multiple of 4096",
+    }[case]
     for submit in (engine.submit_write, engine.submit_read):
         with pytest.raises(AioAlignmentError, match=expect) as e:
             submit(fd, *args)
@@ -309,9 +332,11 @@ def test_file_size_limit_reports_efbig_with_path_and_byte_counts(disk_dir, limit
     assert out["errno"] == errno.EFBIG
     assert out["bytes_done"] == limit and out["error_offset"] == limit
     assert out["path"] == path and out["nbytes"] == 8 * MiB
-    assert out["message"].startswith(f"write of 8388608 bytes at offset 0 to {path} failed at "
-                                      f"offset {limit}: File too large (EFBIG); {limit} bytes "
-                                      f"written"), out["message"]
+    assert out["message"].startswith(
+        f"write of 8388608 bytes at offset 0 to {path} failed at "
+        f"offset {limit}: File too large (EFBIG); {limit} bytes "
+        f"written"
+    ), out["message"]
     assert "RLIMIT_FSIZE" in out["message"]
     assert out["size"] == limit and out["intact"]
 
@@ -325,8 +350,10 @@ def test_short_read_past_end_of_file_is_an_error_with_byte_counts(engine, disk_d
     err = e.value
     assert err.errno == errno.ENODATA and err.bytes_done == 3 * PAGE
     assert err.error_offset == 3 * PAGE
-    assert str(err) == (f"read of 2097152 bytes at offset 0 from {disk_dir / 'f.bin'} failed: "
-                        f"short read, end of file at offset 12288 (ENODATA); 12288 bytes read")
+    assert str(err) == (
+        f"read of 2097152 bytes at offset 0 from {disk_dir / 'f.bin'} failed: "
+        f"short read, end of file at offset 12288 (ENODATA); 12288 bytes read"
+    )
     assert err.results[0].bytes_done == 3 * PAGE and err.failures == [err]
     assert engine.outstanding == 0
     engine.close_fd(fd)
@@ -345,14 +372,24 @@ def test_one_failure_in_a_wait_still_consumes_and_reports_every_request(engine, 
 
 
 def test_aio_error_pickles_with_its_fields():
-    e = AioError(errno.ENOSPC, "write of 8 bytes ... failed", path="/x", op="write", offset=0,
-                 nbytes=8, bytes_done=4, error_offset=4, request_id=3)
+    e = AioError(
+        errno.ENOSPC,
+        "write of 8 bytes ... failed",
+        path="/x",
+        op="write",
+        offset=0,
+        nbytes=8,
+        bytes_done=4,
+        error_offset=4,
+        request_id=3,
+    )
     e2 = pickle.loads(pickle.dumps(e))
     assert type(e2) is AioError and e2.errno == errno.ENOSPC and str(e2) == str(e)
     assert (e2.filename, e2.bytes_done, e2.error_offset) == ("/x", 4, 4)
 
 
 # ------------------------------------------------------------- bounded waits and close
+
 
 def _task_count() -> int:
     return len(os.listdir("/proc/self/task"))
@@ -371,17 +408,20 @@ def test_wait_on_a_request_that_never_completes_times_out(tmp_path):
         buf = bytearray(64)
         rid = eng.submit_read(fd, buf, 64, None)
         t0 = time.monotonic()
-        with pytest.raises(AioError, match=r"wait timed out after 0.2 s with 1 of 1 request\(s\) "
-                                           r"unfinished, first: read of 64 bytes at the "
-                                           r"descriptor's position from .*fifo") as e:
+        with pytest.raises(
+            AioError,
+            match=r"wait timed out after 0.2 s with 1 of 1 request\(s\) "
+            r"unfinished, first: read of 64 bytes at the "
+            r"descriptor's position from .*fifo",
+        ) as e:
             eng.wait([rid], timeout_s=0.2)
         assert e.value.errno == errno.ETIMEDOUT and 0.2 <= time.monotonic() - t0 < 2.0
         assert not eng.done(rid) and eng.outstanding == 1
-        os.write(fd, b"x" * 64)                        # now it can finish
+        os.write(fd, b"x" * 64)  # now it can finish
         assert eng.wait(rid, timeout_s=10)[0].bytes_done == 64 and buf == b"x" * 64
 
         rid = eng.submit_read(fd, bytearray(64), 64, None)  # stuck again, and never fed
-        with pytest.raises(AioError, match="timed out"):   # by now a thread is inside read()
+        with pytest.raises(AioError, match="timed out"):  # by now a thread is inside read()
             eng.wait(rid, timeout_s=0.2)
         t0 = time.monotonic()
         with pytest.warns(RuntimeWarning, match="1 I/O thread.*cancelled"):
@@ -446,6 +486,7 @@ def test_close_fd_is_refused_while_requests_on_it_are_outstanding(engine, tmp_pa
 
 # --------------------------------------------------------------------------- checksums
 
+
 def test_checksum_is_crc32c():
     assert checksum(b"123456789") == 0xE3069283  # the CRC-32C check value
     assert checksum(b"") == 0
@@ -476,6 +517,7 @@ def test_checksum_is_deterministic_and_detects_any_flipped_byte():
 
 def test_checksum_accepts_addresses_and_buffer_objects():
     import ctypes
+
     buf = _random_buffer(3 * PAGE, 11)
     holder = ctypes.c_char.from_buffer(buf)
     assert checksum(ctypes.addressof(holder), 3 * PAGE) == checksum(buf) == checksum(buf[:])
@@ -517,6 +559,11 @@ def test_an_engine_in_a_forked_child_is_closed_there_and_never_waits(tmp_path):
         eng.close_fd(fd); eng.close()
         print("OK")
     """)
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
-                         env=dict(os.environ, PYTHONPATH=os.getcwd()))
+    out = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=dict(os.environ, PYTHONPATH=os.getcwd()),
+    )
     assert out.returncode == 0 and out.stdout.strip() == "OK", out.stdout + out.stderr

@@ -2,6 +2,7 @@
 arena's size from the memfd behind it (`/proc/self/fd`) and its mapping (`/proc/self/smaps`),
 the nvme files' apparent sizes on disk, process_group's buffers, the device tier's state
 (8 B per fp32 element: its two moments), and nothing once closed."""
+
 import os
 
 import pytest
@@ -52,8 +53,13 @@ def _apparent(path) -> int:
 
 def test_host_and_nvme_bytes_are_what_the_os_reports(tmp_path):
     model = _model()
-    with HybridAdamW(model.parameters(), subgroup_numel=2048, offload_fraction=0.75,
-                     nvme_fraction=0.25, nvme_path=str(tmp_path)) as opt:
+    with HybridAdamW(
+        model.parameters(),
+        subgroup_numel=2048,
+        offload_fraction=0.75,
+        nvme_fraction=0.25,
+        nvme_path=str(tmp_path),
+    ) as opt:
         _step(model, opt)
         got = opt.allocated_bytes
         assert got["host"] == _memfd_sizes() == _mapped_sizes() > 0
@@ -66,8 +72,13 @@ def test_host_and_nvme_bytes_are_what_the_os_reports(tmp_path):
 
 def test_compressed_device_state_is_six_bytes_a_param():
     model = _model(torch.bfloat16)
-    with HybridAdamW(model.parameters(), offload_fraction=0.0, exp_avg_dtype=torch.bfloat16,
-                     exp_avg_sq_dtype=torch.bfloat16, store_param_remainders=True) as opt:
+    with HybridAdamW(
+        model.parameters(),
+        offload_fraction=0.0,
+        exp_avg_dtype=torch.bfloat16,
+        exp_avg_sq_dtype=torch.bfloat16,
+        store_param_remainders=True,
+    ) as opt:
         n = sum(p.numel() for p in model.parameters())
         # bf16 moments (2 + 2) and the int16 remainder (2); the bf16 param is the master's high half
         assert opt.allocated_bytes == {"device": 6 * n, "host": 0, "nvme": 0, "comm": 0}
@@ -75,13 +86,15 @@ def test_compressed_device_state_is_six_bytes_a_param():
 
 def test_process_group_buffers_are_counted_as_comm(tmp_path):
     import torch.distributed as dist
+
     if not (dist.is_available() and dist.is_gloo_available()):
         pytest.skip("torch.distributed with gloo is not available")
     dist.init_process_group("gloo", init_method=f"file://{tmp_path}/rdzv", rank=0, world_size=1)
     try:
         model = _model()
-        with HybridAdamW(model.parameters(), subgroup_numel=2048, offload_fraction=1.0,
-                         process_group=dist.group.WORLD) as opt:
+        with HybridAdamW(
+            model.parameters(), subgroup_numel=2048, offload_fraction=1.0, process_group=dist.group.WORLD
+        ) as opt:
             before = opt.allocated_bytes["comm"]
             _step(model, opt)
             got = opt.allocated_bytes["comm"]
@@ -111,8 +124,13 @@ PLACEMENTS = {
     "all-nvme": dict(offload_fraction=1.0, nvme_fraction=1.0),
     "inverse": dict(offload_fraction=1.0, rollback="inverse"),
     "amsgrad": dict(offload_fraction=0.75, amsgrad=True),
-    "bf16-remainders": dict(offload_fraction=1.0, dtype=torch.bfloat16, store_param_remainders=True,
-                            exp_avg_dtype=torch.bfloat16, exp_avg_sq_dtype=torch.bfloat16),
+    "bf16-remainders": dict(
+        offload_fraction=1.0,
+        dtype=torch.bfloat16,
+        store_param_remainders=True,
+        exp_avg_dtype=torch.bfloat16,
+        exp_avg_sq_dtype=torch.bfloat16,
+    ),
     "bf16-fp32-norm": dict(offload_fraction=1.0, dtype=torch.bfloat16, fp32_norm=True),
 }
 
@@ -134,7 +152,9 @@ def test_a_placement_is_counted_as_the_os_reports_it_before_it_is_allocated(tmp_
         assert got["host"] == _memfd_sizes() > 0
         assert counted["host"] == got["host"] + got["device"]  # one memory on a CPU-only host
         assert counted["device"] == got["device"]
-        estimate = opt.parts.placement.modelled_bytes(*opt.parts.placement.fractions, opt.plan.spare_banks)["host"]
+        estimate = opt.parts.placement.modelled_bytes(*opt.parts.placement.fractions, opt.plan.spare_banks)[
+            "host"
+        ]
         model_bytes = 2 * sum(p.numel() * p.element_size() for p in model.parameters())  # params + grads
         assert estimate - model_bytes >= 0.97 * counted["host"], (estimate - model_bytes, counted)
 
@@ -143,6 +163,7 @@ def test_a_fixed_placement_over_its_host_budget_raises_before_allocating_anythin
     """The budget one byte short of the arena the placement would map: refused at construction,
     saying how much it needs, and no arena was made (no memfd, no worker process)."""
     import psutil
+
     model = _wide()
     with HybridAdamW(model.parameters(), offload_fraction=1.0, spare_banks=1) as probe:
         need = probe.allocated_bytes["host"]

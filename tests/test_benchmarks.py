@@ -1,5 +1,6 @@
 """Benchmark scripts run end to end at tiny sizes: they finish, and what they report is
 consistent with what the optimizer stores (not the timings: those need a quiet machine)."""
+
 import importlib.util
 import json
 import os
@@ -17,9 +18,24 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def test_bench_compressed_tiny_run_reports_every_configuration_and_the_state_bytes(tmp_path):
     out_json, out_md = tmp_path / "c.json", tmp_path / "c.md"
     nvme_dir = os.path.join(REPO, "bench_out")  # git-ignored, on the disk (tmp_path may be tmpfs)
-    cmd = [sys.executable, os.path.join(REPO, "benchmarks", "bench_compressed.py"), "--params", "1e5",
-           "--rounds", "1", "--iters", "1", "--warmup", "1", "--dir", nvme_dir,
-           "--json", str(out_json), "--md", str(out_md)]
+    cmd = [
+        sys.executable,
+        os.path.join(REPO, "benchmarks", "bench_compressed.py"),
+        "--params",
+        "1e5",
+        "--rounds",
+        "1",
+        "--iters",
+        "1",
+        "--warmup",
+        "1",
+        "--dir",
+        nvme_dir,
+        "--json",
+        str(out_json),
+        "--md",
+        str(out_md),
+    ]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=180, cwd=REPO)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     records = json.loads(out_json.read_text())
@@ -45,7 +61,7 @@ def test_bench_compressed_tiny_run_reports_every_configuration_and_the_state_byt
             assert r[f"{tier}_state_B"] == want[fmt], (pl, fmt, tier)
         if pl == "device":
             assert r.get("bank_B_per_elem") is None  # no host tier
-            assert "subgroups_stepped" not in r      # no host step at all
+            assert "subgroups_stepped" not in r  # no host step at all
         else:
             # grads assigned, no backward: no hook fired, every host/nvme step ran inside step()
             assert r["subgroups_committed"] == 0 and r["subgroups_stepped"] > 0, (pl, fmt)
@@ -65,9 +81,24 @@ def test_bench_compressed_tiny_run_reports_every_configuration_and_the_state_byt
 
 def test_bench_compressed_backward_mode_speculates_and_times_the_iteration(tmp_path):
     out_json = tmp_path / "c.json"
-    cmd = [sys.executable, os.path.join(REPO, "benchmarks", "bench_compressed.py"), "--params", "1e5",
-           "--rounds", "1", "--iters", "2", "--warmup", "1", "--placements", "host", "--grads", "backward",
-           "--json", str(out_json)]
+    cmd = [
+        sys.executable,
+        os.path.join(REPO, "benchmarks", "bench_compressed.py"),
+        "--params",
+        "1e5",
+        "--rounds",
+        "1",
+        "--iters",
+        "2",
+        "--warmup",
+        "1",
+        "--placements",
+        "host",
+        "--grads",
+        "backward",
+        "--json",
+        str(out_json),
+    ]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=180, cwd=REPO)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     configs = [r for r in json.loads(out_json.read_text()) if r["kind"] == "config"]
@@ -78,8 +109,24 @@ def test_bench_compressed_backward_mode_speculates_and_times_the_iteration(tmp_p
         assert r["iter_median_ms"] >= r["median_ms"]
 
 
-PEERS_KEYS = {"impl", "config", "ranks", "median", "p20", "p80", "pss", "allocated", "nvme_bytes", "max_dev",
-              "subgroups", "speculation", "device", "versions", "timestamp", "skipped"}
+PEERS_KEYS = {
+    "impl",
+    "config",
+    "ranks",
+    "median",
+    "p20",
+    "p80",
+    "pss",
+    "allocated",
+    "nvme_bytes",
+    "max_dev",
+    "subgroups",
+    "speculation",
+    "device",
+    "versions",
+    "timestamp",
+    "skipped",
+}
 
 
 def test_bench_peers_tiny_run_writes_every_row_in_the_fixed_schema(tmp_path):
@@ -88,23 +135,63 @@ def test_bench_peers_tiny_run_writes_every_row_in_the_fixed_schema(tmp_path):
     launches); the release_grads row runs where HybridAdamW has the keyword, else is skipped
     saying so; a DeepSpeed row is skipped for want of --peer-python (no peer venv here)."""
     import inspect
+
     from hybrid_opt import HybridAdamW
-    has_release = any("release_grads" in inspect.signature(c.__init__).parameters
-                      for c in HybridAdamW.__mro__ if "__init__" in c.__dict__)
+
+    has_release = any(
+        "release_grads" in inspect.signature(c.__init__).parameters
+        for c in HybridAdamW.__mro__
+        if "__init__" in c.__dict__
+    )
     out = {k: tmp_path / f"peers.{k}" for k in ("json", "md", "png")}
     nvme_dir = os.path.join(REPO, "bench_out")  # git-ignored, on the disk (tmp_path may be tmpfs)
     rows = ["ddp-fused", "pg-bf16", "fsdp2-nvme0.5", "pg-inverse-release", "ds-zero2-cpu"]
-    cmd = [sys.executable, os.path.join(REPO, "benchmarks", "bench_peers.py"), "--d-model", "32", "--layers", "2",
-           "--vocab", "128", "--heads", "2", "--seq", "16", "--rounds", "1", "--steps", "3", "--warmup", "1",
-           "--ranks", "2", "--rows", ",".join(rows), "--nvme-dir", nvme_dir, "--timeout", "120",
-           "--json", str(out["json"]), "--md", str(out["md"]), "--png", str(out["png"])]
+    cmd = [
+        sys.executable,
+        os.path.join(REPO, "benchmarks", "bench_peers.py"),
+        "--d-model",
+        "32",
+        "--layers",
+        "2",
+        "--vocab",
+        "128",
+        "--heads",
+        "2",
+        "--seq",
+        "16",
+        "--rounds",
+        "1",
+        "--steps",
+        "3",
+        "--warmup",
+        "1",
+        "--ranks",
+        "2",
+        "--rows",
+        ",".join(rows),
+        "--nvme-dir",
+        nvme_dir,
+        "--timeout",
+        "120",
+        "--json",
+        str(out["json"]),
+        "--md",
+        str(out["md"]),
+        "--png",
+        str(out["png"]),
+    ]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=REPO)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     records = json.loads(out["json"].read_text())
     assert [set(r) for r in records] == [PEERS_KEYS] * len(rows)
     by = {r["config"]: r for r in records}
-    assert set(by) == {"DDP + AdamW(fused=True)", "process_group, bf16 moments", "FSDP2, nvme_fraction 0.5",
-                       'process_group, rollback="inverse", release_grads=True', "ZeRO-2 + CPU optimizer offload"}
+    assert set(by) == {
+        "DDP + AdamW(fused=True)",
+        "process_group, bf16 moments",
+        "FSDP2, nvme_fraction 0.5",
+        'process_group, rollback="inverse", release_grads=True',
+        "ZeRO-2 + CPU optimizer offload",
+    }
     ds = by["ZeRO-2 + CPU optimizer offload"]
     assert ds["impl"] == "DeepSpeed" and "--peer-python" in ds["skipped"] and ds["median"] is None
     release = by['process_group, rollback="inverse", release_grads=True']
@@ -114,7 +201,7 @@ def test_bench_peers_tiny_run_writes_every_row_in_the_fixed_schema(tmp_path):
     for r in ran:
         assert r["ranks"] == 2 and r["device"].startswith("cpu") and r["timestamp"]
         assert 0 < r["p20"] <= r["median"] <= r["p80"], r
-        assert len(r["pss"]) == 2 and all(p > 50 * 2 ** 20 for p in r["pss"]), r  # a torch process at least
+        assert len(r["pss"]) == 2 and all(p > 50 * 2**20 for p in r["pss"]), r  # a torch process at least
         assert len(r["nvme_bytes"]) == 2 and len(r["allocated"]) == 2
         assert r["versions"]["torch"] == torch.__version__ and r["versions"]["python"]
         assert r["max_dev"] is not None
@@ -137,7 +224,9 @@ def test_bench_peers_tiny_run_writes_every_row_in_the_fixed_schema(tmp_path):
         assert all(n >= 1 for n in r["subgroups"]) and any(r["speculation"]), r
     assert ddp["subgroups"] == [None, None]
     md = out["md"].read_text()
-    assert "| torch DDP + AdamW(fused=True) | 2 |" in md and "| HybridAdamW FSDP2, nvme_fraction 0.5 | 2 |" in md
+    assert (
+        "| torch DDP + AdamW(fused=True) | 2 |" in md and "| HybridAdamW FSDP2, nvme_fraction 0.5 | 2 |" in md
+    )
     assert "not a figure" in md and "Not measured (skipped" in md and "bench_peers.py" in md
     assert out["png"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert not [d for d in os.listdir(nvme_dir) if d.startswith("bench_peers-")]  # nvme dirs removed
@@ -145,14 +234,26 @@ def test_bench_peers_tiny_run_writes_every_row_in_the_fixed_schema(tmp_path):
 
 def test_bench_nvme_fds_tiny_run_reports_both_numberings_and_their_ratio(tmp_path):
     import resource
+
     import pytest
+
     if resource.getrlimit(resource.RLIMIT_NOFILE)[1] < 2400:
         pytest.skip("hard RLIMIT_NOFILE < 2400: the high numbering needs 1,100 spare descriptors")
     out_json = tmp_path / "fds.json"
     root = os.path.join(REPO, "bench_out")  # the benchmark's default: a disk (tmp_path may be tmpfs)
     before = set(os.listdir(root)) if os.path.isdir(root) else set()
-    cmd = [sys.executable, os.path.join(REPO, "benchmarks", "bench_nvme_fds.py"), "--subgroups", "2",
-           "--iters", "1", "--rounds", "2", "--json", str(out_json)]
+    cmd = [
+        sys.executable,
+        os.path.join(REPO, "benchmarks", "bench_nvme_fds.py"),
+        "--subgroups",
+        "2",
+        "--iters",
+        "1",
+        "--rounds",
+        "2",
+        "--json",
+        str(out_json),
+    ]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=REPO)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     got = json.loads(out_json.read_text())
@@ -166,15 +267,30 @@ def test_bench_gpu_kernels_launch_overhead_runs_without_a_gpu_and_reports_both_c
     """--launch-overhead times the host side of fused_adam_ and FusedAdam.step over a list; with
     no GPU every launch compiles for sm_90 instead (a fresh process: no interpreter in it)."""
     import importlib.util
+
     import pytest
+
     if importlib.util.find_spec("triton") is None:
         pytest.skip("triton is not installed")
     out = tmp_path / "o.json"
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_CACHE_DIR"] = str(tmp_path / "triton")
-    res = subprocess.run([sys.executable, os.path.join(REPO, "benchmarks", "bench_gpu_kernels.py"),
-                          "--launch-overhead", "--tensors", "50", "--json", str(out)],
-                         capture_output=True, text=True, timeout=300, cwd=REPO, env=env)
+    res = subprocess.run(
+        [
+            sys.executable,
+            os.path.join(REPO, "benchmarks", "bench_gpu_kernels.py"),
+            "--launch-overhead",
+            "--tensors",
+            "50",
+            "--json",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=REPO,
+        env=env,
+    )
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     records = {r["impl"]: r for r in json.loads(out.read_text())}
     names = [f"host time per call: gpu_kernels.{n} [50 tensors]" for n in ("fused_adam_", "FusedAdam.step")]
@@ -189,28 +305,94 @@ def test_bench_step_peer_rows_in_fresh_processes_give_every_row(tmp_path):
     """--fresh-rows (the default with CUDA): each peer row runs in its own interpreter
     (--one-row) and comes back as samples; the table has every row, as in one process."""
     out = tmp_path / "s.json"
-    res = subprocess.run([sys.executable, os.path.join(REPO, "benchmarks", "bench_step.py"), "--peers",
-                          "--layers", "2", "--width", "64", "--iters", "2", "--rounds", "1", "--sweep", "0", "1",
-                          "--subgroup-numel", "4096", "--worker-shares", "1", "--fresh-rows", "--json", str(out)],
-                         capture_output=True, text=True, timeout=600, cwd=REPO)
+    res = subprocess.run(
+        [
+            sys.executable,
+            os.path.join(REPO, "benchmarks", "bench_step.py"),
+            "--peers",
+            "--layers",
+            "2",
+            "--width",
+            "64",
+            "--iters",
+            "2",
+            "--rounds",
+            "1",
+            "--sweep",
+            "0",
+            "1",
+            "--subgroup-numel",
+            "4096",
+            "--worker-shares",
+            "1",
+            "--fresh-rows",
+            "--json",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=REPO,
+    )
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     rows = {r["impl"]: r for r in json.loads(out.read_text())}
-    assert set(rows) == {"device only: torch AdamW(fused=True)", 'HybridAdamW "auto"', "HybridAdamW offload 0",
-                         "HybridAdamW offload 1", "HybridAdamW offload 1, no speculation",
-                         "HybridAdamW offload 1, worker_share 1"}
+    assert set(rows) == {
+        "device only: torch AdamW(fused=True)",
+        'HybridAdamW "auto"',
+        "HybridAdamW offload 0",
+        "HybridAdamW offload 1",
+        "HybridAdamW offload 1, no speculation",
+        "HybridAdamW offload 1, worker_share 1",
+    }
     for r in rows.values():
         assert 0 < r["p20_ms"] <= r["median_ms"] <= r["p80_ms"], r
     assert rows["HybridAdamW offload 1"]["host_bytes_per_param"] > 0
-    bad = subprocess.run([sys.executable, os.path.join(REPO, "benchmarks", "bench_step.py"), "--peers",
-                          "--layers", "2", "--width", "64", "--one-row", "no such row", "--row-out",
-                          str(tmp_path / "r.json")], capture_output=True, text=True, timeout=300, cwd=REPO)
+    bad = subprocess.run(
+        [
+            sys.executable,
+            os.path.join(REPO, "benchmarks", "bench_step.py"),
+            "--peers",
+            "--layers",
+            "2",
+            "--width",
+            "64",
+            "--one-row",
+            "no such row",
+            "--row-out",
+            str(tmp_path / "r.json"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=REPO,
+    )
     assert bad.returncode == 2 and "no peer row 'no such row' here" in bad.stderr
 
 
-CHECKPOINT_KEYS = {"placement", "op", "op_key", "placement_key", "ranks", "rank", "extra_mib", "extra_mib_min",
-                   "extra_mib_max", "extra_pct", "rss_shmem_extra_mib", "pss_before_mib", "pss_after_mib",
-                   "seconds", "seconds_min", "seconds_max", "file_bytes", "state_bytes", "dir_bytes", "rounds",
-                   "per_round", "skipped"}
+CHECKPOINT_KEYS = {
+    "placement",
+    "op",
+    "op_key",
+    "placement_key",
+    "ranks",
+    "rank",
+    "extra_mib",
+    "extra_mib_min",
+    "extra_mib_max",
+    "extra_pct",
+    "rss_shmem_extra_mib",
+    "pss_before_mib",
+    "pss_after_mib",
+    "seconds",
+    "seconds_min",
+    "seconds_max",
+    "file_bytes",
+    "state_bytes",
+    "dir_bytes",
+    "rounds",
+    "per_round",
+    "skipped",
+}
 
 
 def test_bench_checkpoint_tiny_run_measures_each_operation_against_the_state_bytes(tmp_path):
@@ -222,8 +404,23 @@ def test_bench_checkpoint_tiny_run_measures_each_operation_against_the_state_byt
     work = os.path.join(REPO, "bench_out")  # git-ignored, on the disk (tmp_path may be tmpfs)
     before = set(os.listdir(work)) if os.path.isdir(work) else set()
     ops = ["torch_save", "save_state_dict", "load", "dcp_save"]
-    cmd = [sys.executable, os.path.join(REPO, "benchmarks", "bench_checkpoint.py"), "--layers", "2", "--width",
-           "1024", "--rounds", "1", "--placements", "torch", "offload1", "--ops", *ops, "--json", str(out_json)]
+    cmd = [
+        sys.executable,
+        os.path.join(REPO, "benchmarks", "bench_checkpoint.py"),
+        "--layers",
+        "2",
+        "--width",
+        "1024",
+        "--rounds",
+        "1",
+        "--placements",
+        "torch",
+        "offload1",
+        "--ops",
+        *ops,
+        "--json",
+        str(out_json),
+    ]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=REPO)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     rows = {(r["placement_key"], r["op_key"]): r for r in json.loads(out_json.read_text())}
@@ -235,7 +432,11 @@ def test_bench_checkpoint_tiny_run_measures_each_operation_against_the_state_byt
         assert r["skipped"] is None and r["rounds"] == len(r["per_round"]) == 1 and r["rank"] is None
         assert moments <= r["state_bytes"] <= moments + 64, r["state_bytes"]  # + a scalar step per param
         # torch.save's zip container and DCP's metadata add a few KiB
-        assert r["state_bytes"] <= r["file_bytes"] <= r["state_bytes"] + (64 << 10), (placement, op, r["file_bytes"])
+        assert r["state_bytes"] <= r["file_bytes"] <= r["state_bytes"] + (64 << 10), (
+            placement,
+            op,
+            r["file_bytes"],
+        )
         assert abs(r["extra_pct"] - 100 * r["extra_mib"] * 2**20 / r["state_bytes"]) < 1e-6
         assert r["extra_mib_min"] <= r["extra_mib"] <= r["extra_mib_max"]
         assert 0 < r["seconds_min"] <= r["seconds"] <= r["seconds_max"] < 60
@@ -249,7 +450,9 @@ def test_bench_checkpoint_tiny_run_measures_each_operation_against_the_state_byt
     assert rows[("torch", "torch_save")]["extra_pct"] < 10
     # state_dict() copies nothing: no more than torch's (DCP adds a few MiB of its own to both)
     for op in ("torch_save", "dcp_save"):
-        assert rows[("offload1", op)]["extra_mib"] <= rows[("torch", op)]["extra_mib"] + 1, rows[("offload1", op)]
+        assert rows[("offload1", op)]["extra_mib"] <= rows[("torch", op)]["extra_mib"] + 1, rows[
+            ("offload1", op)
+        ]
     # the sampler sees the loaded dict (most of it: memory the allocator kept may be reused)
     assert rows[("torch", "load")]["extra_mib"] > 0.75 * rows[("torch", "load")]["loaded_mib"]
     assert "| torch AdamW(fused=True) | torch.save(opt.state_dict(), f) |" in res.stdout
@@ -257,16 +460,33 @@ def test_bench_checkpoint_tiny_run_measures_each_operation_against_the_state_byt
     assert not [d for d in set(os.listdir(work)) - before if d.startswith("bench_checkpoint_")]  # removed
 
 
-@pytest.mark.skipif(not all(importlib.util.find_spec(m) for m in ("transformers", "lightning")),
-                    reason="needs transformers and lightning (the test extra)")
+@pytest.mark.skipif(
+    not all(importlib.util.find_spec(m) for m in ("transformers", "lightning")),
+    reason="needs transformers and lightning (the test extra)",
+)
 def test_bench_checkpoint_framework_saves_cost_no_ram(tmp_path):
     """Inside a real HF Trainer save_steps checkpoint and a Lightning save_checkpoint through
     hybrid_opt.lightning_io.DirectCheckpointIO, HybridAdamW offload 1 (8 x Linear(1024): 64 MiB
     of state) costs at most 5 % of its state's bytes in RAM, as the OS counts it."""
     out_json = tmp_path / "fw.json"
-    cmd = [sys.executable, os.path.join(REPO, "benchmarks", "bench_checkpoint.py"), "--layers", "8", "--width",
-           "1024", "--rounds", "1", "--placements", "offload1", "--ops", "--frameworks", "hf_trainer",
-           "lightning_direct", "--json", str(out_json)]
+    cmd = [
+        sys.executable,
+        os.path.join(REPO, "benchmarks", "bench_checkpoint.py"),
+        "--layers",
+        "8",
+        "--width",
+        "1024",
+        "--rounds",
+        "1",
+        "--placements",
+        "offload1",
+        "--ops",
+        "--frameworks",
+        "hf_trainer",
+        "lightning_direct",
+        "--json",
+        str(out_json),
+    ]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=400, cwd=REPO)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     rows = {r["op_key"]: r for r in json.loads(out_json.read_text())}
@@ -281,14 +501,32 @@ def test_bench_cpu_host_tiny_run_has_a_row_per_arrangement_and_clip(tmp_path):
     both arrangements, with and without clipping; each ratio is its time over torch's, and the
     losses are torch's within fp32 rounding."""
     out_json = tmp_path / "cpu.json"
-    cmd = [sys.executable, os.path.join(REPO, "benchmarks", "bench_cpu_host.py"), "--cores", "1", "--optimizers",
-           "host", "--rounds", "1", "--steps", "3", "--d-model", "64", "--layers", "1", "--vocab", "256",
-           "--json", str(out_json)]
+    cmd = [
+        sys.executable,
+        os.path.join(REPO, "benchmarks", "bench_cpu_host.py"),
+        "--cores",
+        "1",
+        "--optimizers",
+        "host",
+        "--rounds",
+        "1",
+        "--steps",
+        "3",
+        "--d-model",
+        "64",
+        "--layers",
+        "1",
+        "--vocab",
+        "256",
+        "--json",
+        str(out_json),
+    ]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=REPO)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     rows = json.loads(out_json.read_text())
     assert {(r["optimizer"], r["arrangement"], r["clip"]) for r in rows} == {
-        (o, a, c) for c in (False, True) for o, a in (("torch", "-"), ("host", "split"), ("host", "shared"))}
+        (o, a, c) for c in (False, True) for o, a in (("torch", "-"), ("host", "split"), ("host", "shared"))
+    }
     for r in rows:
         assert r["cores"] == 1 and r["threads"] == 1 and r["ms"] > 0
         assert r["ratio_min"] <= r["ratio"] <= r["ratio_max"]

@@ -15,22 +15,31 @@ torch.distributed.checkpoint (DCP) on a hybrid optimizer.
 Exact state is compared with torch.equal; numerics against torch.optim with the shared
 tolerances.
 """
+
 import collections
-import io
 import copy
-import weakref
+import io
 from contextlib import ExitStack
 
 import pytest
 import torch
+from helpers import backing
+from test_optimizer import (
+    BF16,
+    FP32,
+    assert_state_close,
+    lockstep,
+    loss_fn,
+    make_batches,
+    make_net,
+    save_load,
+    train,
+)
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 
 from hybrid_opt import HybridAdam, HybridAdamW
 from hybrid_opt.placement.plan import DEVICE
-from helpers import backing
-from test_optimizer import (BF16, FP32, assert_state_close, lockstep, loss_fn, make_batches,
-                            make_net, save_load, train)
 
 SUBGROUP = 64  # Net (724 elements): 12 subgroups; fc1.weight spans 8, fc1.bias shares one
 HYPER = dict(lr=1e-2, weight_decay=0.1)
@@ -41,9 +50,12 @@ def nvme_dir(tmp_path_factory):
     return str(tmp_path_factory.mktemp("nvme"))
 
 
-PLACEMENTS = {"device": dict(offload_fraction=0.0), "mixed": dict(offload_fraction=0.5),
-              "host": dict(offload_fraction=1.0),
-              "nvme": dict(offload_fraction=1.0, nvme_fraction=0.5)}
+PLACEMENTS = {
+    "device": dict(offload_fraction=0.0),
+    "mixed": dict(offload_fraction=0.5),
+    "host": dict(offload_fraction=1.0),
+    "nvme": dict(offload_fraction=1.0, nvme_fraction=0.5),
+}
 
 
 def hybrid(params, placement, nvme_dir, cls=HybridAdamW, **kw):
@@ -90,7 +102,9 @@ def test_device_tier_state_is_views_of_its_buffers(dtype, nvme_dir):
         for idx, st in sd["state"].items():
             parts = parts_of(opt, idx)
             assert {opt.plan.tiers[sg.index] for sg, _ in parts} == {DEVICE}
-            assert set(st) == {"step", "exp_avg", "exp_avg_sq"} | ({"master_param"} if dtype != FP32 else set())
+            assert set(st) == {"step", "exp_avg", "exp_avg_sq"} | (
+                {"master_param"} if dtype != FP32 else set()
+            )
             bufs = list(opt.parts.placement.device.master.values())  # an fp32 subgroup's master is its params
             bufs += [t for s in opt.parts.placement.device.state.values() for t in s.values()]
             for k, t in st.items():
@@ -99,8 +113,11 @@ def test_device_tier_state_is_views_of_its_buffers(dtype, nvme_dir):
                 assert t.shape == shapes[idx]
                 if len(parts) == 1:
                     sg, sl = parts[0]
-                    buf = (opt.parts.placement.device.master if k == "master_param" else
-                           {i: s[k] for i, s in opt.parts.placement.device.state.items()})[sg.index]
+                    buf = (
+                        opt.parts.placement.device.master
+                        if k == "master_param"
+                        else {i: s[k] for i, s in opt.parts.placement.device.state.items()}
+                    )[sg.index]
                     # the buffer's memory (on a CPU-only host mapped again: its own storage)
                     assert backing(t) == backing(buf) and t.untyped_storage().nbytes() == t.nbytes, (idx, k)
                     views.append((idx, k))
@@ -159,6 +176,7 @@ def test_nvme_slots_are_verified_once_and_mapped(nvme_dir, monkeypatch):
     """Every nvme subgroup's committed slot is checksum-verified once per state_dict() (not once
     per param), and its params' state is that slot's pages, mapped: no copy is read."""
     from hybrid_opt.tiers.host_views import HostViews
+
     model = make_net()
     with hybrid(model.parameters(), "nvme", nvme_dir, nvme_fraction=1.0) as opt:
         train(model, opt, make_batches(3))
@@ -228,7 +246,7 @@ def test_a_bf16_model_loaded_after_its_optimizer_keeps_the_saved_masters(placeme
             model2 = make_net(BF16, seed=5)
             opt2 = stack.enter_context(hybrid(model2.parameters(), placement, nvme_dir, **kw))
             loads = [lambda: model2.load_state_dict(weights), lambda: opt2.load_state_dict(sd)]
-            for load in (loads if order == "model_first" else loads[::-1]):
+            for load in loads if order == "model_first" else loads[::-1]:
                 load()
             train(model2, opt2, batches[4:])
             results[order] = all(torch.equal(a, b) for a, b in zip(model.parameters(), model2.parameters()))
@@ -292,10 +310,15 @@ def test_loaded_hyperparameters_are_the_loaders_own_as_in_torch(nvme_dir):
     """load_state_dict copies the checkpoint's param-group values, as torch's deep copy does: a
     Tensor lr (or betas) a scheduler then fills in place on the source optimizer, or on a second
     optimizer loaded from the same dict, is not shared."""
+
     def make(cls, model):
         kw = dict(lr=torch.tensor(0.01), betas=(torch.tensor(0.9), torch.tensor(0.999)))
-        return cls(model.parameters(), **kw) if cls is torch.optim.AdamW else hybrid(model.parameters(), "mixed",
-                                                                                   nvme_dir, **kw)
+        return (
+            cls(model.parameters(), **kw)
+            if cls is torch.optim.AdamW
+            else hybrid(model.parameters(), "mixed", nvme_dir, **kw)
+        )
+
     lrs = {}
     for cls in (torch.optim.AdamW, HybridAdamW):
         src, dst, other = (make(cls, make_net()) for _ in range(3))
@@ -385,14 +408,19 @@ def test_dcp_get_optimizer_state_dict_leaves_a_trained_optimizer_unchanged(place
                 assert torch.equal(osd["state"][names[i]][k], v), (i, k)
         (group,), (saved,) = osd["param_groups"], before["param_groups"]
         assert group["params"] == [names[i] for i in saved["params"]]
-        assert {k: v for k, v in group.items() if k != "params"} == \
-               {k: v for k, v in saved.items() if k != "params"}
+        assert {k: v for k, v in group.items() if k != "params"} == {
+            k: v for k, v in saved.items() if k != "params"
+        }
 
 
-@pytest.mark.parametrize("cls,reference,kw", [
-    (HybridAdamW, torch.optim.AdamW, dict(amsgrad=True)),
-    (HybridAdam, torch.optim.Adam, dict(weight_decay=0.1)),  # L2 decay: the dummy step moves the moments
-], ids=["AdamW", "Adam_l2"])
+@pytest.mark.parametrize(
+    "cls,reference,kw",
+    [
+        (HybridAdamW, torch.optim.AdamW, dict(amsgrad=True)),
+        (HybridAdam, torch.optim.Adam, dict(weight_decay=0.1)),  # L2 decay: the dummy step moves the moments
+    ],
+    ids=["AdamW", "Adam_l2"],
+)
 @pytest.mark.parametrize("placement", ["device", "host"])
 def test_dcp_on_a_fresh_optimizer_matches_torch(placement, cls, reference, kw, nvme_dir):
     """On a fresh optimizer DCP's dummy step (zero grads, lr 0) leaves what torch's leaves:
@@ -408,12 +436,18 @@ def test_dcp_on_a_fresh_optimizer_matches_torch(placement, cls, reference, kw, n
         for name, st in want["state"].items():
             assert got["state"][name].keys() == st.keys()
             assert float(got["state"][name]["step"]) == 1.0
-        assert_state_close(dict(state={i: got["state"][n] for i, n in enumerate(_fqns(model))}),
-                           dict(state={i: want["state"][n] for i, n in enumerate(_fqns(model))}))
+        assert_state_close(
+            dict(state={i: got["state"][n] for i, n in enumerate(_fqns(model))}),
+            dict(state={i: want["state"][n] for i, n in enumerate(_fqns(model))}),
+        )
         if cls is HybridAdamW:
             assert all(not t.any() for st in got["state"].values() for k, t in st.items() if k != "step")
             if opt.parts.placement.host is not None:
-                assert opt.parts.placement.host.stats["stepped"] == opt.parts.placement.host.stats["committed"] == 0
+                assert (
+                    opt.parts.placement.host.stats["stepped"]
+                    == opt.parts.placement.host.stats["committed"]
+                    == 0
+                )
         assert all(torch.equal(a, b) for a, b in zip(model.parameters(), ref_model.parameters()))
         assert all(p.grad is None for p in model.parameters())
         assert opt.param_groups[0]["lr"] == HYPER["lr"]  # DCP restores it
@@ -482,19 +516,27 @@ def test_remainders_are_handed_out_as_they_are_stored(monkeypatch):
     `master_remainder`, the int16 the tier stores (2 bytes an element, a storage of its own),
     in place of an fp32 master_param no tier holds; its checkpoint is that much smaller."""
     from hybrid_opt.tiers.device import DeviceTier
+
     decoded = []
     real = DeviceTier.master_of
 
     def counted(self, index):
         decoded.append(index)
         return real(self, index)
+
     monkeypatch.setattr(DeviceTier, "master_of", counted)
     sizes = {}
     for rem in (False, True):
         torch.manual_seed(0)
         params = [nn.Parameter(torch.randn(1000).to(BF16)) for _ in range(50)]
-        with HybridAdamW(params, offload_fraction=0.0, subgroup_numel=1 << 16, exp_avg_dtype=BF16,
-                         exp_avg_sq_dtype=BF16, store_param_remainders=rem) as opt:
+        with HybridAdamW(
+            params,
+            offload_fraction=0.0,
+            subgroup_numel=1 << 16,
+            exp_avg_dtype=BF16,
+            exp_avg_sq_dtype=BF16,
+            store_param_remainders=rem,
+        ) as opt:
             for p in params:
                 p.grad = torch.ones_like(p)
             opt.step()
@@ -503,7 +545,11 @@ def test_remainders_are_handed_out_as_they_are_stored(monkeypatch):
             assert decoded == []
             for st in sd["state"].values():
                 m = st.pop("master_remainder" if rem else "master_param")
-                assert m.dtype == (torch.int16 if rem else FP32) and set(st) == {"step", "exp_avg", "exp_avg_sq"}
+                assert m.dtype == (torch.int16 if rem else FP32) and set(st) == {
+                    "step",
+                    "exp_avg",
+                    "exp_avg_sq",
+                }
                 assert m.untyped_storage().nbytes() == m.numel() * m.element_size()
             sd = opt.state_dict()
             buf = io.BytesIO()

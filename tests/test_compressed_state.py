@@ -6,23 +6,31 @@ torch's format both ways, and convergence with bf16 moments.
 Grads come from a fixed stream (set on .grad), not from a forward, so every run steps the
 very same inputs and state can be compared with torch.equal.
 """
+
 import warnings
 
 import pytest
 import torch
+from helpers import with_fp32_masters
 from torch import nn
 
 import cpu_kernels
-from cpu_kernels.reference import (FUSED_MULTIPLY_ADD_LEVELS, adam_step_bitwise_reference,
-                                   encode_remainder_reference)
+from cpu_kernels.reference import (
+    FUSED_MULTIPLY_ADD_LEVELS,
+    adam_step_bitwise_reference,
+    encode_remainder_reference,
+)
 from hybrid_opt import HybridAdam, HybridAdamW, fp32_master
 from hybrid_opt.state.state_format import StateFormat
-from helpers import with_fp32_masters
 
 BF16, FP32 = torch.bfloat16, torch.float32
 HYPER = dict(lr=1e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.05)
-MOMENTS = {"fp32": (FP32, FP32), "exp_avg bf16": (BF16, FP32), "exp_avg_sq bf16": (FP32, BF16),
-           "both bf16": (BF16, BF16)}
+MOMENTS = {
+    "fp32": (FP32, FP32),
+    "exp_avg bf16": (BF16, FP32),
+    "exp_avg_sq bf16": (FP32, BF16),
+    "both bf16": (BF16, BF16),
+}
 
 
 def _params(dtype, seed=0, shapes=((37, 5), (19,), (3, 3, 4))):
@@ -44,8 +52,18 @@ def _set_grads(params, step):
 def _mixed_moments_supported():
     p, g = torch.zeros(2), torch.zeros(2)
     try:
-        cpu_kernels.adam_step_(p, g, torch.zeros(2, dtype=BF16), torch.zeros(2), step=1, lr=0.1,
-                               beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.0)
+        cpu_kernels.adam_step_(
+            p,
+            g,
+            torch.zeros(2, dtype=BF16),
+            torch.zeros(2),
+            step=1,
+            lr=0.1,
+            beta1=0.9,
+            beta2=0.99,
+            eps=1e-8,
+            weight_decay=0.0,
+        )
         return True
     except TypeError:
         return False
@@ -66,20 +84,32 @@ def test_default_state_format_is_torch_s_plain_one():
 def test_options_are_stored_as_one_state_format(cls):
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # bf16 params: remainders apply, no warning
-        opt = cls(_params(BF16), offload_fraction=0.0, exp_avg_dtype=BF16,
-                  exp_avg_sq_dtype=FP32, store_param_remainders=True)
+        opt = cls(
+            _params(BF16),
+            offload_fraction=0.0,
+            exp_avg_dtype=BF16,
+            exp_avg_sq_dtype=FP32,
+            store_param_remainders=True,
+        )
     assert opt.state_format == StateFormat(BF16, FP32, True)
 
 
 ERRORS = [
     (dict(exp_avg_dtype=torch.float16), TypeError, r"exp_avg_dtype must be torch.float32 or torch.bfloat16"),
-    (dict(exp_avg_sq_dtype=torch.float64), TypeError, r"exp_avg_sq_dtype must be torch.float32 or torch.bfloat16"),
+    (
+        dict(exp_avg_sq_dtype=torch.float64),
+        TypeError,
+        r"exp_avg_sq_dtype must be torch.float32 or torch.bfloat16",
+    ),
     (dict(exp_avg_dtype="bf16"), TypeError, r"exp_avg_dtype must be"),
     (dict(store_param_remainders=1), TypeError, r"store_param_remainders must be a bool, got int"),
     (dict(exp_avg_dtype=BF16, rollback="inverse"), ValueError, r"rounding to bf16 is not invertible"),
     (dict(exp_avg_sq_dtype=BF16, rollback="inverse"), ValueError, r"rollback='inverse' cannot undo"),
-    (dict(store_param_remainders=True, rollback="inverse"), ValueError,
-     r"rollback='inverse' cannot be combined with store_param_remainders"),
+    (
+        dict(store_param_remainders=True, rollback="inverse"),
+        ValueError,
+        r"rollback='inverse' cannot be combined with store_param_remainders",
+    ),
 ]
 
 
@@ -90,7 +120,9 @@ def test_bad_state_format_is_refused_at_construction(kwargs, error, match):
 
 
 def test_remainders_without_a_bf16_param_warn_and_change_nothing():
-    with pytest.warns(UserWarning, match="store_param_remainders=True has no effect here: no parameter is bf16"):
+    with pytest.warns(
+        UserWarning, match="store_param_remainders=True has no effect here: no parameter is bf16"
+    ):
         opt = HybridAdamW(_params(FP32), offload_fraction=0.0, store_param_remainders=True)
     assert not opt.parts.placement.device.remainder
     plain = HybridAdamW(_params(FP32), offload_fraction=0.0)
@@ -106,16 +138,33 @@ def _reference_run(params, steps, fmt: StateFormat, amsgrad=False, decoupled=Tru
         rem = fmt.remainders_for(p.dtype)
         master = p.detach().clone() if rem else p.detach().float().clone()
         z = lambda dt: torch.zeros(p.shape, dtype=dt)  # noqa: E731
-        state.append(dict(param=master, exp_avg=z(fmt.exp_avg_dtype), exp_avg_sq=z(fmt.exp_avg_sq_dtype),
-                          max_exp_avg_sq=z(fmt.exp_avg_sq_dtype) if amsgrad else None,
-                          remainder=z(torch.int16) if rem else None))
+        state.append(
+            dict(
+                param=master,
+                exp_avg=z(fmt.exp_avg_dtype),
+                exp_avg_sq=z(fmt.exp_avg_sq_dtype),
+                max_exp_avg_sq=z(fmt.exp_avg_sq_dtype) if amsgrad else None,
+                remainder=z(torch.int16) if rem else None,
+            )
+        )
     for k in range(steps):
         for st, g in zip(state, _grads(params, k)):
-            out = adam_step_bitwise_reference(st["param"], g, st["exp_avg"], st["exp_avg_sq"], step=k + 1,
-                                              lr=HYPER["lr"], beta1=HYPER["betas"][0], beta2=HYPER["betas"][1],
-                                              eps=HYPER["eps"], weight_decay=HYPER["weight_decay"],
-                                              decoupled=decoupled, max_exp_avg_sq=st["max_exp_avg_sq"],
-                                              remainder=st["remainder"], fma=fma)
+            out = adam_step_bitwise_reference(
+                st["param"],
+                g,
+                st["exp_avg"],
+                st["exp_avg_sq"],
+                step=k + 1,
+                lr=HYPER["lr"],
+                beta1=HYPER["betas"][0],
+                beta2=HYPER["betas"][1],
+                eps=HYPER["eps"],
+                weight_decay=HYPER["weight_decay"],
+                decoupled=decoupled,
+                max_exp_avg_sq=st["max_exp_avg_sq"],
+                remainder=st["remainder"],
+                fma=fma,
+            )
             for key, v in zip(("param", "exp_avg", "exp_avg_sq", "max_exp_avg_sq", "remainder"), out):
                 st[key] = v
     return state
@@ -124,9 +173,15 @@ def _reference_run(params, steps, fmt: StateFormat, amsgrad=False, decoupled=Tru
 def _hybrid_run(params, steps, fmt: StateFormat, cls=HybridAdamW, amsgrad=False, **kw):
     kw.setdefault("offload_fraction", 0.0)
     kw.setdefault("subgroup_numel", 64)
-    opt = cls(params, amsgrad=amsgrad, exp_avg_dtype=fmt.exp_avg_dtype,
-              exp_avg_sq_dtype=fmt.exp_avg_sq_dtype, store_param_remainders=fmt.store_param_remainders,
-              **HYPER, **kw)
+    opt = cls(
+        params,
+        amsgrad=amsgrad,
+        exp_avg_dtype=fmt.exp_avg_dtype,
+        exp_avg_sq_dtype=fmt.exp_avg_sq_dtype,
+        store_param_remainders=fmt.store_param_remainders,
+        **HYPER,
+        **kw,
+    )
     for k in range(steps):
         _set_grads(params, k)
         opt.step()
@@ -159,14 +214,20 @@ def test_device_tier_steps_the_reference_bitwise(model, moments, amsgrad):
             assert torch.equal(p.detach(), st["param"]), i  # the high half
             assert "master_param" not in sd[i] and sd[i]["master_remainder"].dtype == torch.int16, i
             assert torch.equal(sd[i]["master_remainder"], st["remainder"]), i  # the low half
-            assert torch.equal(fp32_master(sd[i], p),
-                               cpu_kernels.decode_remainder_reference(st["param"], st["remainder"])), i
+            assert torch.equal(
+                fp32_master(sd[i], p), cpu_kernels.decode_remainder_reference(st["param"], st["remainder"])
+            ), i
 
 
 def test_device_tier_bytes_are_what_the_format_says():
     params = _params(BF16)
     n = sum(p.numel() for p in params)
-    for fmt in (StateFormat(), StateFormat(BF16, BF16), StateFormat(BF16, BF16, True), StateFormat(FP32, BF16, True)):
+    for fmt in (
+        StateFormat(),
+        StateFormat(BF16, BF16),
+        StateFormat(BF16, BF16, True),
+        StateFormat(FP32, BF16, True),
+    ):
         _skip_unsupported(fmt.exp_avg_dtype, fmt.exp_avg_sq_dtype)
         opt = _hybrid_run(params, 0, fmt)
         assert opt.parts.placement.device.nbytes() == n * fmt.state_bytes(BF16), fmt
@@ -182,9 +243,15 @@ def test_budgets_count_at_least_what_a_mixed_fp32_bf16_host_tier_allocates(fmt):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(256, 256), nn.LayerNorm(256), nn.Linear(256, 256)).to(BF16)
     model[1].float()
-    opt = HybridAdamW(model.parameters(), offload_fraction=1.0, subgroup_numel=1 << 16,
-                      exp_avg_dtype=fmt.exp_avg_dtype, exp_avg_sq_dtype=fmt.exp_avg_sq_dtype,
-                      store_param_remainders=fmt.store_param_remainders, **HYPER)
+    opt = HybridAdamW(
+        model.parameters(),
+        offload_fraction=1.0,
+        subgroup_numel=1 << 16,
+        exp_avg_dtype=fmt.exp_avg_dtype,
+        exp_avg_sq_dtype=fmt.exp_avg_sq_dtype,
+        store_param_remainders=fmt.store_param_remainders,
+        **HYPER,
+    )
     try:
         assert {s.dtype for s in opt.parts.layout.subgroups} == {BF16, FP32}
         counted, dtype = opt.parts.placement.budget_format(opt.parts.layout.subgroups)
@@ -243,21 +310,29 @@ def _backward_grads(params, step):
     sum((p * g).sum() for p, g in zip(params, _grads(params, step))).backward()
 
 
-PLACED = {"host": dict(offload_fraction=1.0), "mixed": dict(offload_fraction=0.5),
-          "nvme": dict(offload_fraction=1.0, nvme_fraction=0.5)}
+PLACED = {
+    "host": dict(offload_fraction=1.0),
+    "mixed": dict(offload_fraction=0.5),
+    "nvme": dict(offload_fraction=1.0, nvme_fraction=0.5),
+}
 
 
 @pytest.mark.parametrize("placement", list(PLACED))
 def test_compressed_state_is_bitwise_the_same_at_every_placement(placement, tmp_path):
     """bf16 moments + remainders on the host / nvme tiers (speculated in backward) step the
     device tier's bits, and the master stays the fp32-master run's bit for bit."""
-    kw = dict(PLACED[placement], nvme_path=str(tmp_path)) if "nvme_fraction" in PLACED[placement] \
+    kw = (
+        dict(PLACED[placement], nvme_path=str(tmp_path))
+        if "nvme_fraction" in PLACED[placement]
         else dict(PLACED[placement])
+    )
     fmt = StateFormat(BF16, BF16, True)
     runs = {name: _params(BF16, seed=4) for name in ("device", "placed", "fp32 master")}
-    opts = {"device": _hybrid_run(runs["device"], 0, fmt),
-            "placed": _hybrid_run(runs["placed"], 0, fmt, **kw),
-            "fp32 master": _hybrid_run(runs["fp32 master"], 0, StateFormat(BF16, BF16, False))}
+    opts = {
+        "device": _hybrid_run(runs["device"], 0, fmt),
+        "placed": _hybrid_run(runs["placed"], 0, fmt, **kw),
+        "fp32 master": _hybrid_run(runs["fp32 master"], 0, StateFormat(BF16, BF16, False)),
+    }
     try:
         assert opts["placed"].parts.placement.host is not None
         for k in range(12):
@@ -270,8 +345,9 @@ def test_compressed_state_is_bitwise_the_same_at_every_placement(placement, tmp_
                 assert sds["placed"][i][key].dtype == sds["device"][i][key].dtype
                 assert torch.equal(sds["placed"][i][key], sds["device"][i][key]), (i, key)
             for name in ("device", "placed"):  # decoded with their params: the fp32 master's bits
-                assert torch.equal(fp32_master(sds[name][i], runs[name][i]),
-                                   sds["fp32 master"][i]["master_param"]), (name, i)
+                assert torch.equal(
+                    fp32_master(sds[name][i], runs[name][i]), sds["fp32 master"][i]["master_param"]
+                ), (name, i)
             assert torch.equal(runs["placed"][i].detach(), runs["device"][i].detach()), i
         assert opts["placed"].stats["speculation"] is not None
     finally:
@@ -373,13 +449,22 @@ def test_remainder_checkpoint_round_trip_keeps_the_master_bitwise(into):
 
 # ---------------------------------------------------------------------------- convergence
 def _demo_loss(exp_avg_dtype, exp_avg_sq_dtype, steps=40):
-    from hybrid_opt.demo import TinyGPT, bigram_batches
     import torch.nn.functional as F
+
+    from hybrid_opt.demo import TinyGPT, bigram_batches
+
     torch.manual_seed(0)
     model = TinyGPT(vocab=64, d=32, layers=2, heads=2, ctx=16)
     batches = bigram_batches(steps, 8, 16, 64, "cpu")
-    opt = HybridAdamW(model.parameters(), lr=3e-3, weight_decay=0.1, max_grad_norm=1.0,
-                      offload_fraction=0.0, exp_avg_dtype=exp_avg_dtype, exp_avg_sq_dtype=exp_avg_sq_dtype)
+    opt = HybridAdamW(
+        model.parameters(),
+        lr=3e-3,
+        weight_decay=0.1,
+        max_grad_norm=1.0,
+        offload_fraction=0.0,
+        exp_avg_dtype=exp_avg_dtype,
+        exp_avg_sq_dtype=exp_avg_sq_dtype,
+    )
     losses = []
     for seq in batches:
         logits = model(seq[:, :-1])
@@ -394,21 +479,27 @@ def _demo_loss(exp_avg_dtype, exp_avg_sq_dtype, steps=40):
 def test_bf16_moments_converge_within_half_a_percent_of_fp32_on_the_demo_model():
     fp32, first = _demo_loss(FP32, FP32)
     bf16, _ = _demo_loss(BF16, BF16)
-    print(f"demo model, final loss (mean of last 5 of 40 steps): fp32 moments {fp32:.5f}, "
-          f"bf16 moments {bf16:.5f} ({100 * (bf16 - fp32) / fp32:+.3f} %), from {first:.4f}")
+    print(
+        f"demo model, final loss (mean of last 5 of 40 steps): fp32 moments {fp32:.5f}, "
+        f"bf16 moments {bf16:.5f} ({100 * (bf16 - fp32) / fp32:+.3f} %), from {first:.4f}"
+    )
     assert fp32 < 0.9 * first  # it trained
     assert abs(bf16 - fp32) <= 0.005 * fp32
 
 
 def test_bf16_moments_and_remainders_converge_on_a_tiny_gpt2():
     transformers = pytest.importorskip("transformers")
-    cfg = transformers.GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=2,
-                                  bos_token_id=0, eos_token_id=0)
+    cfg = transformers.GPT2Config(
+        vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=2, bos_token_id=0, eos_token_id=0
+    )
     from hybrid_opt.demo import bigram_batches
+
     batches = bigram_batches(30, 8, 16, 64, "cpu")
     final = {}
-    for name, kw in (("fp32", {}), ("compressed", dict(exp_avg_dtype=BF16, exp_avg_sq_dtype=BF16,
-                                                      store_param_remainders=True))):
+    for name, kw in (
+        ("fp32", {}),
+        ("compressed", dict(exp_avg_dtype=BF16, exp_avg_sq_dtype=BF16, store_param_remainders=True)),
+    ):
         torch.manual_seed(0)
         model = transformers.GPT2LMHeadModel(cfg).to(BF16)
         opt = HybridAdamW(model.parameters(), lr=3e-3, offload_fraction=0.0, **kw)
@@ -427,9 +518,15 @@ def test_bf16_moments_and_remainders_converge_on_a_tiny_gpt2():
 
 # ---------------------------------------------------------------------------- CUDA (Triton)
 def _cuda_run(fmt, steps, params):
-    opt = HybridAdamW(params, offload_fraction=0.0, subgroup_numel=1 << 12, exp_avg_dtype=fmt.exp_avg_dtype,
-                      exp_avg_sq_dtype=fmt.exp_avg_sq_dtype, store_param_remainders=fmt.store_param_remainders,
-                      **HYPER)
+    opt = HybridAdamW(
+        params,
+        offload_fraction=0.0,
+        subgroup_numel=1 << 12,
+        exp_avg_dtype=fmt.exp_avg_dtype,
+        exp_avg_sq_dtype=fmt.exp_avg_sq_dtype,
+        store_param_remainders=fmt.store_param_remainders,
+        **HYPER,
+    )
     for k in range(steps):
         for p, g in zip(params, _grads(params, k)):
             p.grad = g.cuda()
@@ -463,6 +560,7 @@ def test_cuda_compressed_device_tier_follows_the_cpu_reference_within_bf16_round
     steps agrees with the bitwise CPU reference within the bf16 tolerance (moments) and the
     fp32 one (master)."""
     from tolerances import assert_close
+
     fmt = StateFormat(BF16, BF16, True)
     cpu = _params(BF16, seed=9)
     ref = _reference_run(cpu, 4, fmt)
@@ -480,14 +578,18 @@ def _triton_on_cpu(opt, monkeypatch):
     """The device tier's CUDA launch path (_step_cuda: one fused_adam_ per launch key, with
     remainders= or param_copies=) run on CPU tensors through TRITON_INTERPRET."""
     tier = opt.parts.placement.device
-    monkeypatch.setattr(tier, "step", lambda work, scale, found_inf=None:
-                        tier._step_cuda(work, float(scale), found_inf) if work else None)
+    monkeypatch.setattr(
+        tier,
+        "step",
+        lambda work, scale, found_inf=None: tier._step_cuda(work, float(scale), found_inf) if work else None,
+    )
 
 
 def test_cuda_launch_path_with_remainders_steps_the_fp32_master_s_bits_in_the_interpreter(monkeypatch):
     """Without a GPU: the launch path's remainders= list gives the same decoded master as its
     param_copies= launch (bitwise), and both follow the CPU kernel within fp32 rounding."""
     from tolerances import assert_close
+
     fmt_r, fmt_m = StateFormat(BF16, BF16, True), StateFormat(BF16, BF16, False)
     runs = {}
     for name, fmt, triton in (("remainders", fmt_r, True), ("master", fmt_m, True), ("cpu", fmt_m, False)):
@@ -505,7 +607,9 @@ def test_cuda_launch_path_with_remainders_steps_the_fp32_master_s_bits_in_the_in
         assert torch.equal(r["master_param"], m["master_param"]), i
         assert torch.equal(r["exp_avg_sq"], m["exp_avg_sq"]), i
         assert_close(r["master_param"], c["master_param"], FP32, msg=f"master {i}")
-        differ = runs["remainders"][0][i].detach().view(torch.int16) != runs["master"][0][i].detach().view(torch.int16)
+        differ = runs["remainders"][0][i].detach().view(torch.int16) != runs["master"][0][i].detach().view(
+            torch.int16
+        )
         assert torch.equal(differ, _ties(m["master_param"])), i
 
 
@@ -538,8 +642,11 @@ def test_compressed_checkpoint_loads_into_offloaded_tiers_bitwise(placement, tmp
     src = _hybrid_run(params, 4, fmt)
     sd = src.state_dict()
     fresh = [nn.Parameter(p.detach().clone()) for p in params]
-    kw = dict(offload_fraction=1.0) if placement == "host" else \
-        dict(offload_fraction=1.0, nvme_fraction=1.0, nvme_path=str(tmp_path))
+    kw = (
+        dict(offload_fraction=1.0)
+        if placement == "host"
+        else dict(offload_fraction=1.0, nvme_fraction=1.0, nvme_path=str(tmp_path))
+    )
     with _hybrid_run(fresh, 0, fmt, **kw) as dst:
         dst.load_state_dict(sd)
         back = dst.state_dict()["state"]

@@ -8,6 +8,7 @@
   its pages are populated with every core, the spare banks in the background; a step that
   needs a bank not populated yet waits for it.
 """
+
 import os
 import threading
 import time
@@ -15,12 +16,12 @@ import time
 import psutil
 import pytest
 import torch
+from helpers import thread_masks
 from torch import nn
 
 import cpu_kernels
 from hybrid_opt import HybridAdamW
 from hybrid_opt.tiers import host as host_mod
-from helpers import thread_masks
 
 SUBGROUP = 1 << 12
 TWO_CORES = pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two cores to split")
@@ -86,7 +87,9 @@ def test_two_optimizers_closed_in_either_order_restore_threads_and_affinity(orde
     a, b = _opt(_model(0), worker_share=0.5), _opt(_model(1), worker_share=0.5)
     first, second = (a, b) if order == "opening_order" else (b, a)
     first.close()
-    assert torch.get_num_threads() == len(second.parts.placement.host.cores.trainer)  # the other still runs split
+    assert torch.get_num_threads() == len(
+        second.parts.placement.host.cores.trainer
+    )  # the other still runs split
     assert os.sched_getaffinity(0) == set(second.parts.placement.host.cores.trainer)
     second.close()
     _assert_restored(before)
@@ -109,6 +112,7 @@ def test_a_failed_construction_in_between_leaves_nothing_applied(monkeypatch, wh
 
     def boom(*args, **kw):
         raise _Injected("injected")
+
     with monkeypatch.context() as m:
         if where == "host_tier":
             m.setattr(host_mod.HostIO, "probe_remote_gather", boom)
@@ -145,6 +149,7 @@ def test_no_spare_pool_per_subgroup_without_speculation_and_the_same_bits():
     is two banks, so the arena is smaller per parameter; the results are the same bits as
     speculative=True's and match torch within fp32 rounding."""
     from tolerances import assert_close
+
     models = [_bigger_model() for _ in range(3)]
     ref = torch.optim.AdamW(models[2].parameters(), lr=1e-2, foreach=False)
     n = sum(p.numel() for p in models[0].parameters())
@@ -155,7 +160,10 @@ def test_no_spare_pool_per_subgroup_without_speculation_and_the_same_bits():
         assert plain.plan.spare_banks == 2
         stride = plain.parts.placement.host.bank_stride
         assert plain.parts.placement.host.spare_bytes == 2 * stride
-        assert spec.parts.placement.host.arena.nbytes - plain.parts.placement.host.arena.nbytes == (resident - 2) * stride
+        assert (
+            spec.parts.placement.host.arena.nbytes - plain.parts.placement.host.arena.nbytes
+            == (resident - 2) * stride
+        )
         assert plain.parts.placement.host.arena.nbytes / n < spec.parts.placement.host.arena.nbytes / n
         _train(spec, models[0])
         _train(plain, models[1])
@@ -189,9 +197,11 @@ def test_spare_pool_only_where_it_can_be_used(case, tmp_path):
     """rollback="inverse" steps in place and an nvme step borrows the io banks: neither gets a
     spare pool; an explicit spare_banks is kept as asked, speculation or not."""
     model = _bigger_model()
-    kw = {"inverse": dict(rollback="inverse"),
-          "nvme_only": dict(nvme_fraction=1.0, nvme_path=str(tmp_path)),
-          "explicit": dict(speculative=False, spare_banks=3)}[case]
+    kw = {
+        "inverse": dict(rollback="inverse"),
+        "nvme_only": dict(nvme_fraction=1.0, nvme_path=str(tmp_path)),
+        "explicit": dict(speculative=False, spare_banks=3),
+    }[case]
     with _opt(model, **kw) as opt:
         want = 3 if case == "explicit" else 0
         assert opt.plan.spare_banks == want
@@ -219,6 +229,7 @@ def test_background_population_finishes_and_is_waited_for():
     """The `later` ranges are reserved at once and populated by a thread; wait_populated()
     returns only once the region asked for is in memory, and the whole arena ends populated."""
     from hybrid_opt import shm
+
     arena = shm.SharedArena(256 << 20, "hybrid_opt-test", later=[(64 << 20, 192 << 20)])
     try:
         if not arena.populated:
@@ -238,12 +249,14 @@ def _gate_background(monkeypatch):
     """Holds every background population thread (not the ones populating now) at its first
     chunk until the returned event is set (bounded)."""
     from hybrid_opt import populate as pop
+
     gate, real = threading.Event(), pop.madvise
 
     def held(addr, nbytes, advice=pop.MADV_POPULATE_WRITE):
         if threading.current_thread().name == "hybrid_opt-populate":
             gate.wait(30)
         return real(addr, nbytes, advice)
+
     monkeypatch.setattr(pop, "madvise", held)
     return gate
 
@@ -253,6 +266,7 @@ def test_a_step_that_needs_a_bank_not_yet_populated_waits_for_it(monkeypatch):
     step blocks until it is populated, and past the tier's timeout it raises, naming the
     cause, with the bank back in the pool."""
     from helpers import inputs
+
     gate = _gate_background(monkeypatch)
     tier = host_mod.HostTier([1 << 20] * 3, spare_banks=2, timeout_s=30.0)
     try:
@@ -286,12 +300,14 @@ def test_a_slow_population_that_makes_progress_is_waited_for_not_an_error(monkey
     and a step must not fail because the bank it needs comes late in the order."""
     from hybrid_opt import populate as pop
     from hybrid_opt import shm
+
     real = pop.madvise
 
     def slow(addr, nbytes, advice=pop.MADV_POPULATE_WRITE):
         if threading.current_thread().name == "hybrid_opt-populate":
             time.sleep(0.1)
         return real(addr, nbytes, advice)
+
     monkeypatch.setattr(pop, "madvise", slow)
     page = shm.PAGE
     arena = shm.SharedArena(17 * page, "hybrid_opt-test", later=[(k * page, page) for k in range(1, 17)])
@@ -310,6 +326,7 @@ def test_waiting_for_a_populated_region_does_not_scan_every_chunk():
     while it runs the chunk a region ends in is found by bisection, as the scan found it."""
     from hybrid_opt import populate as pop
     from hybrid_opt import shm
+
     page = shm.PAGE
     ranges = [(k * 3 * page + page, 2 * page) for k in range(40)]
     arena = shm.SharedArena(120 * page, "hybrid_opt-test", prefault=False)
@@ -317,13 +334,15 @@ def test_waiting_for_a_populated_region_does_not_scan_every_chunk():
         bp = pop.BackgroundPopulate(shm.address(arena.mm), ranges, name="hybrid_opt-populate-test")
         for off in range(0, 121 * page, page // 2):
             for n in (1, page, 3 * page, 7 * page):
-                linear = max([k for k, (a, m) in enumerate(bp._chunks) if a < off + n and off < a + m],
-                             default=-1)
+                linear = max(
+                    [k for k, (a, m) in enumerate(bp._chunks) if a < off + n and off < a + m], default=-1
+                )
                 assert bp._last_chunk(off, n) == linear, (off, n)
         bp.wait(timeout_s=30)
 
         def scan(*a):
             raise AssertionError("wait() looked for a chunk after the population had finished")
+
         bp._last_chunk = scan
         for k in range(40):
             bp.wait(k * 3 * page, 3 * page, timeout_s=1)
@@ -337,12 +356,14 @@ def test_close_during_background_population_stops_it(monkeypatch):
     unmapped memory, none keeps a trainer-only affinity). The population is slowed so that it
     is still running at close(): unslowed it ends before a small optimizer is built."""
     from hybrid_opt import populate as pop
+
     real = pop.madvise
 
     def slow(addr, nbytes, advice=pop.MADV_POPULATE_WRITE):
         if threading.current_thread().name == "hybrid_opt-populate":
             time.sleep(0.2)
         return real(addr, nbytes, advice)
+
     monkeypatch.setattr(pop, "madvise", slow)
     model = nn.Sequential(*[nn.Linear(512, 512) for _ in range(8)])  # 2.1M params, spare banks ~25 MB
     opt = HybridAdamW(model.parameters(), offload_fraction=1.0, subgroup_numel=1 << 18)
@@ -375,9 +396,13 @@ def test_missing_memory_is_a_memory_error_at_construction(monkeypatch):
             def fail(*a):
                 ctypes.set_errno(errno.ENOSPC)
                 return -1
+
             return fail
+
     monkeypatch.setattr(pop, "_libc", NoSpace())
-    with pytest.raises(MemoryError, match=r"cannot allocate .* GB of shared memory \(hybrid_opt-host\) .*spare_banks"):
+    with pytest.raises(
+        MemoryError, match=r"cannot allocate .* GB of shared memory \(hybrid_opt-host\) .*spare_banks"
+    ):
         HybridAdamW(_bigger_model().parameters(), offload_fraction=1.0, subgroup_numel=SUBGROUP)
 
 
@@ -388,12 +413,14 @@ def test_populating_now_uses_one_thread_per_core_over_page_aligned_chunks(monkey
 
     from hybrid_opt import populate as pop
     from hybrid_opt import shm
+
     seen, real = [], pop.madvise
 
     def recording(addr, nbytes, advice=pop.MADV_POPULATE_WRITE):
         seen.append((threading.current_thread().name, addr, nbytes))
         time.sleep(0.01)  # long enough that one thread cannot take every chunk alone
         return real(addr, nbytes, advice)
+
     monkeypatch.setattr(pop, "madvise", recording)
     arena = shm.SharedArena(pop.CHUNK * 4 + mmap.PAGESIZE, "hybrid_opt-test", prefault=False)
     try:
@@ -414,6 +441,7 @@ def test_a_pinned_arena_is_populated_whole_before_it_is_pinned():
     """cudaHostRegister locks every page: a pinned arena leaves nothing to the background
     (written against CUDA's documented semantics; runs only where CUDA is present)."""
     from hybrid_opt import shm
+
     tier = host_mod.HostTier([1 << 20] * 3, spare_banks=2, pin=True)
     try:
         assert tier.arena.pinned and not tier.arena.populating

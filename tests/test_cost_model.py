@@ -1,4 +1,5 @@
 """The cost model on synthetic rates, `best_plan`'s budgets and errors, and `hybrid-opt plan`."""
+
 import json
 import os
 import re
@@ -14,9 +15,17 @@ from hybrid_opt.placement.cost_model import GB, Machine, Workload, best_plan, me
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # round numbers: 1e9 params, 1 GPU, backward 1 s
-MACHINE = Machine(gpus=1, gpu_mem_bytes=100 * GB, host_mem_bytes=1000 * GB, device_adam_gbps=1000,
-                  host_adam_gelems_per_s=1.0, h2d_gbps=100, d2h_gbps=100,
-                  nvme_read_gbps=10, nvme_write_gbps=10)
+MACHINE = Machine(
+    gpus=1,
+    gpu_mem_bytes=100 * GB,
+    host_mem_bytes=1000 * GB,
+    device_adam_gbps=1000,
+    host_adam_gelems_per_s=1.0,
+    h2d_gbps=100,
+    d2h_gbps=100,
+    nvme_read_gbps=10,
+    nvme_write_gbps=10,
+)
 WORKLOAD = Workload(params=1e9, backward_seconds=1.0, subgroup_numel=1_000_000)
 
 
@@ -45,18 +54,24 @@ def test_device_step_counts_bytes_moved_over_device_bandwidth():
 
 def test_nvme_io_is_pipelined_with_host_compute_max_not_sum():
     # compute-bound: nvme I/O hides under compute
-    p = predict(_machine(host_adam_gelems_per_s=0.1, nvme_read_gbps=100, nvme_write_gbps=100),
-                WORKLOAD, 1.0, 0.5)
-    io, compute, link = p.breakdown["nvme_io"], p.breakdown["host_compute"], \
-        p.breakdown["d2h"] + p.breakdown["h2d"]
+    p = predict(
+        _machine(host_adam_gelems_per_s=0.1, nvme_read_gbps=100, nvme_write_gbps=100), WORKLOAD, 1.0, 0.5
+    )
+    io, compute, link = (
+        p.breakdown["nvme_io"],
+        p.breakdown["host_compute"],
+        p.breakdown["d2h"] + p.breakdown["h2d"],
+    )
     assert 0 < io < compute
     assert p.breakdown["host_work"] == pytest.approx(compute + link)
     # I/O-bound: compute hides under nvme I/O
-    q = predict(_machine(host_adam_gelems_per_s=100.0, nvme_read_gbps=1, nvme_write_gbps=1),
-                WORKLOAD, 1.0, 0.5)
+    q = predict(
+        _machine(host_adam_gelems_per_s=100.0, nvme_read_gbps=1, nvme_write_gbps=1), WORKLOAD, 1.0, 0.5
+    )
     assert q.breakdown["nvme_io"] == pytest.approx(0.5e9 * 12 / 1e9 * 2)
     assert q.breakdown["host_work"] == pytest.approx(
-        q.breakdown["nvme_io"] + q.breakdown["d2h"] + q.breakdown["h2d"])
+        q.breakdown["nvme_io"] + q.breakdown["d2h"] + q.breakdown["h2d"]
+    )
 
 
 def test_host_work_hides_under_backward_and_never_goes_negative():
@@ -86,15 +101,18 @@ def test_a_small_spare_pool_caps_the_work_hidden_under_backward():
     assert full.spare_banks == 1000 and four.spare_banks == 4
     h2d = full.breakdown["h2d"]
     assert full.breakdown["host_exposed"] - h2d < 1e-3
-    assert four.breakdown["host_exposed"] - h2d == pytest.approx((four.breakdown["host_work"] - h2d) * (1 - 4 / 1000))
+    assert four.breakdown["host_exposed"] - h2d == pytest.approx(
+        (four.breakdown["host_work"] - h2d) * (1 - 4 / 1000)
+    )
     assert four.memory_bytes["host"] < full.memory_bytes["host"]
     # rollback="inverse" needs no spares and hides it all
     inverse = predict(fast, _workload(backward_seconds=100.0, exact_rollback=False), 1.0, spare_banks=4)
     assert inverse.spare_banks == 0 and inverse.breakdown["host_exposed"] - h2d < 1e-3
     # best_plan takes the largest pool that fits the host budget (a bf16 model's bank: 12 B
     # of state + its 2 B bf16 copy)
-    budget = _machine(host_adam_gelems_per_s=100.0, gpu_mem_bytes=5 * GB,
-                      host_mem_bytes=14e9 + 600 * 1e6 * 14 + 1e8)
+    budget = _machine(
+        host_adam_gelems_per_s=100.0, gpu_mem_bytes=5 * GB, host_mem_bytes=14e9 + 600 * 1e6 * 14 + 1e8
+    )
     p = best_plan(budget, wl, headroom=0.0)
     assert 250 <= p.spare_banks < 1000 and p.memory_bytes["host"] <= budget.host_mem_bytes
 
@@ -118,6 +136,7 @@ def test_without_speculation_nothing_hides_and_backward_is_not_contended():
 def _plan_json(argv) -> str:
     import contextlib
     import io
+
     buf = io.StringIO()
     with contextlib.redirect_stdout(buf):
         assert planner.main(argv) == 0
@@ -136,7 +155,7 @@ def test_memory_accounting_sums_per_tier():
     none = memory_bytes(MACHINE, wl, 0.0, 0.0, spare_banks=4)
     assert none == {"device": 1e9 * (12 + 2 + 2), "host": 0.0, "nvme": 0.0}
     m = memory_bytes(MACHINE, wl, 0.75, 0.25, spare_banks=4)
-    state, bank, sub = 12, 14, 1000   # a host bank also holds the bf16 copy
+    state, bank, sub = 12, 14, 1000  # a host bank also holds the bf16 copy
     assert m["device"] == pytest.approx(0.25e9 * state + 1e9 * 4)
     assert m["host"] == pytest.approx(0.5e9 * bank + 4 * sub * bank + 4 * sub * 4 + 8 * sub * bank)
     assert m["nvme"] == pytest.approx(2 * 0.25e9 * state)
@@ -152,7 +171,7 @@ def test_amsgrad_and_fp32_change_state_bytes():
     ams = memory_bytes(MACHINE, _workload(state_bytes=16), 0.0, 0.0)
     assert ams["device"] == pytest.approx(1e9 * (16 + 4))
     fp32 = memory_bytes(MACHINE, _workload(model_bytes=4, grad_bytes=4), 0.0, 0.0)
-    assert fp32["device"] == pytest.approx(1e9 * (8 + 4 + 4))   # the fp32 param is the master
+    assert fp32["device"] == pytest.approx(1e9 * (8 + 4 + 4))  # the fp32 param is the master
 
 
 def test_a_gpu_with_room_for_everything_keeps_everything_on_it():
@@ -174,7 +193,7 @@ def test_best_plan_respects_device_and_host_budgets():
     m = _machine(gpu_mem_bytes=12 * GB, host_mem_bytes=1000 * GB, host_adam_gelems_per_s=0.01)
     p = best_plan(m, WORKLOAD, headroom=0.1)
     assert p.memory_bytes["device"] <= 10.8 * GB
-    assert p.offload_fraction == pytest.approx(0.45)   # the least offload that fits
+    assert p.offload_fraction == pytest.approx(0.45)  # the least offload that fits
     # host too small for the state: the rest goes to nvme
     m2 = _machine(gpu_mem_bytes=5 * GB, host_mem_bytes=5 * GB)
     q = best_plan(m2, WORKLOAD, headroom=0.0)
@@ -197,14 +216,17 @@ def test_predict_rejects_impossible_placements():
         predict(_machine(nvme_read_gbps=0), WORKLOAD, 1.0, 0.5)
 
 
-@pytest.mark.parametrize("text,value", [("70e9", 70e9), ("7B", 7e9), ("1.3e9", 1.3e9),
-                                        ("350M", 350e6), ("7b", 7e9)])
+@pytest.mark.parametrize(
+    "text,value", [("70e9", 70e9), ("7B", 7e9), ("1.3e9", 1.3e9), ("350M", 350e6), ("7b", 7e9)]
+)
 def test_parse_count_accepts_the_usual_spellings(text, value):
     assert planner.parse_count(text) == pytest.approx(value)
 
 
-@pytest.mark.parametrize("preset,params", [("h100-pcie5", "7B"), ("gh200", "13B"),
-                                           ("8xh100-node", "70e9"), ("this-machine", "1.3e9")])
+@pytest.mark.parametrize(
+    "preset,params",
+    [("h100-pcie5", "7B"), ("gh200", "13B"), ("8xh100-node", "70e9"), ("this-machine", "1.3e9")],
+)
 def test_planner_json_on_each_preset(preset, params, capsys):
     assert planner.main(["--params", params, "--preset", preset, "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
@@ -217,12 +239,33 @@ def test_planner_json_on_each_preset(preset, params, capsys):
 
 def test_planner_options_override_the_preset(capsys):
     # 7B does not fit 24 GB without a disk; with 200 GB and a faster host Adam it does
-    assert planner.main(["--params", "7B", "--preset", "this-machine", "--host-mem", "24",
-                         "--nvme-drives", "0", "--json"]) == 1
+    assert (
+        planner.main(
+            ["--params", "7B", "--preset", "this-machine", "--host-mem", "24", "--nvme-drives", "0", "--json"]
+        )
+        == 1
+    )
     capsys.readouterr()
-    assert planner.main(["--params", "7B", "--preset", "this-machine", "--host-mem", "200",
-                         "--host-adam", "4.6", "--nvme-drives", "0", "--backward-seconds", "1000",
-                         "--json"]) == 0
+    assert (
+        planner.main(
+            [
+                "--params",
+                "7B",
+                "--preset",
+                "this-machine",
+                "--host-mem",
+                "200",
+                "--host-adam",
+                "4.6",
+                "--nvme-drives",
+                "0",
+                "--backward-seconds",
+                "1000",
+                "--json",
+            ]
+        )
+        == 0
+    )
     out = json.loads(capsys.readouterr().out)
     assert out["machine"]["host_mem_bytes"] == 200 * GB
     assert out["machine"]["nvme_read_gbps"] == 0 and out["plan"]["nvme_fraction"] == 0
@@ -241,33 +284,58 @@ def test_planner_rejects_a_bad_parameter_count(capsys):
     assert "not a parameter count" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("text,value", [("80", 80e9), ("80GB", 80e9), ("80gb", 80e9),
-                                        ("80 GB", 80e9), ("80GiB", 80 * 2 ** 30),
-                                        ("2TB", 2e12), ("2tib", 2 * 2 ** 40), ("1.5TB", 1.5e12),
-                                        ("512MB", 512e6), ("512MiB", 512 * 2 ** 20),
-                                        ("64KB", 64e3), ("64KiB", 65536), ("4096B", 4096)])
+@pytest.mark.parametrize(
+    "text,value",
+    [
+        ("80", 80e9),
+        ("80GB", 80e9),
+        ("80gb", 80e9),
+        ("80 GB", 80e9),
+        ("80GiB", 80 * 2**30),
+        ("2TB", 2e12),
+        ("2tib", 2 * 2**40),
+        ("1.5TB", 1.5e12),
+        ("512MB", 512e6),
+        ("512MiB", 512 * 2**20),
+        ("64KB", 64e3),
+        ("64KiB", 65536),
+        ("4096B", 4096),
+    ],
+)
 def test_parse_size_takes_units_and_a_bare_number_is_gb(text, value):
     assert planner.parse_size(text) == pytest.approx(value)
 
 
 def test_planner_memory_options_take_units(capsys):
-    assert planner.main(["--params", "7B", "--preset", "h100-pcie5", "--gpu-mem", "80GiB",
-                         "--host-mem", "2TB", "--json"]) == 0
+    assert (
+        planner.main(
+            ["--params", "7B", "--preset", "h100-pcie5", "--gpu-mem", "80GiB", "--host-mem", "2TB", "--json"]
+        )
+        == 0
+    )
     machine = json.loads(capsys.readouterr().out)["machine"]
-    assert machine["gpu_mem_bytes"] == 80 * 2 ** 30
+    assert machine["gpu_mem_bytes"] == 80 * 2**30
     assert machine["host_mem_bytes"] == 2e12
     # a bare number keeps its old meaning: GB
-    assert planner.main(["--params", "7B", "--preset", "h100-pcie5", "--gpu-mem", "32",
-                         "--host-mem", "1500", "--json"]) == 0
+    assert (
+        planner.main(
+            ["--params", "7B", "--preset", "h100-pcie5", "--gpu-mem", "32", "--host-mem", "1500", "--json"]
+        )
+        == 0
+    )
     machine = json.loads(capsys.readouterr().out)["machine"]
     assert machine["gpu_mem_bytes"] == 32 * GB and machine["host_mem_bytes"] == 1500 * GB
 
 
-@pytest.mark.parametrize("option,text,message", [
-    ("--gpu-mem", "8XB", r"--gpu-mem: '8XB' is not a size; use e\.g\. 80GB, 80GiB, 2TB"),
-    ("--host-mem", "lots", r"--host-mem: 'lots' is not a size"),
-    ("--gpu-mem", "80G B", r"--gpu-mem: '80G B' is not a size"),
-    ("--host-mem", "0TB", r"--host-mem: must be > 0, got '0TB'")])
+@pytest.mark.parametrize(
+    "option,text,message",
+    [
+        ("--gpu-mem", "8XB", r"--gpu-mem: '8XB' is not a size; use e\.g\. 80GB, 80GiB, 2TB"),
+        ("--host-mem", "lots", r"--host-mem: 'lots' is not a size"),
+        ("--gpu-mem", "80G B", r"--gpu-mem: '80G B' is not a size"),
+        ("--host-mem", "0TB", r"--host-mem: must be > 0, got '0TB'"),
+    ],
+)
 def test_planner_rejects_a_bad_size(option, text, message, capsys):
     with pytest.raises(SystemExit) as e:
         planner.main(["--params", "7B", option, text, "--json"])
@@ -277,9 +345,14 @@ def test_planner_rejects_a_bad_size(option, text, message, capsys):
 
 def test_python_m_hybrid_opt_plan_prints_a_summary(tmp_path):
     env = dict(os.environ, PYTHONPATH=REPO)
-    out = subprocess.run([sys.executable, "-m", "hybrid_opt", "plan", "--params", "7B",
-                          "--preset", "gh200"], cwd=tmp_path, env=env, capture_output=True,
-                         text=True, timeout=60)
+    out = subprocess.run(
+        [sys.executable, "-m", "hybrid_opt", "plan", "--params", "7B", "--preset", "gh200"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode == 0, out.stderr
     for text in ("plan: offload_fraction=", "memory per GPU", "predicted:", "where the time goes"):
         assert text in out.stdout
@@ -296,6 +369,7 @@ NEW_WORKLOAD_KEYS = {"sharding", "bank_padding"}
 def _run_planner(argv):
     import contextlib
     import io
+
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         rc = planner.main(argv)
@@ -319,7 +393,9 @@ def test_planner_without_sharding_prints_what_it_printed_before():
             cores = [k for k, line in enumerate(lines) if line.startswith("cores: ")]
             offloads = rc == 0 and "offload_fraction=0.00," not in out
             assert len(cores) == int(offloads), (c["argv"], cores)
-            assert "".join(lines[:cores[0]] + lines[cores[0] + 1:] if cores else lines) == c["stdout"], c["argv"]
+            assert "".join(lines[: cores[0]] + lines[cores[0] + 1 :] if cores else lines) == c["stdout"], c[
+                "argv"
+            ]
             continue
         old, new = json.loads(c["stdout"]), json.loads(out)
         argv = c["argv"]
@@ -335,8 +411,14 @@ def test_planner_without_sharding_prints_what_it_printed_before():
         assert new == old, c["argv"]
 
 
-NODE = _machine(gpus=8, gpu_mem_bytes=1000 * GB, host_mem_bytes=8000 * GB, host_adam_gelems_per_s=8.0,
-                nvlink_gbps=100.0, ib_gbps=100.0)
+NODE = _machine(
+    gpus=8,
+    gpu_mem_bytes=1000 * GB,
+    host_mem_bytes=8000 * GB,
+    host_adam_gelems_per_s=8.0,
+    nvlink_gbps=100.0,
+    ib_gbps=100.0,
+)
 
 
 def test_fsdp_holds_what_the_default_holds_and_adds_the_collectives():
@@ -361,9 +443,18 @@ def test_replicated_state_needs_n_times_the_host_memory_and_host_work():
     assert zero.memory_bytes["device"] == none.memory_bytes["device"] == pytest.approx(1e9 * 4)
     assert fsdp.memory_bytes["device"] == pytest.approx(1e9 * 4 / 8)
     # host memory for the zero plan but not for eight copies: replicated does not fit
-    room = _machine(**{**vars(NODE), "host_mem_bytes": 8 * 3 * zero.memory_bytes["host"],
-                       "nvme_read_gbps": 0, "nvme_write_gbps": 0, "gpu_mem_bytes": 5 * GB})
-    assert best_plan(room, _workload(exact_rollback=False, sharding="zero"), headroom=0.0).offload_fraction > 0
+    room = _machine(
+        **{
+            **vars(NODE),
+            "host_mem_bytes": 8 * 3 * zero.memory_bytes["host"],
+            "nvme_read_gbps": 0,
+            "nvme_write_gbps": 0,
+            "gpu_mem_bytes": 5 * GB,
+        }
+    )
+    assert (
+        best_plan(room, _workload(exact_rollback=False, sharding="zero"), headroom=0.0).offload_fraction > 0
+    )
     with pytest.raises(ValueError, match="needs at least .* GB of host memory per GPU"):
         best_plan(room, _workload(exact_rollback=False, sharding="none"), headroom=0.0)
 
@@ -382,8 +473,9 @@ def test_collectives_time_grows_with_params_and_shrinks_with_rate():
     for sharding in cm.SHARDINGS:
         base = cm.collective_seconds(NODE, _workload(sharding=sharding))
         big = cm.collective_seconds(NODE, _workload(sharding=sharding, params=2e9))
-        fast = cm.collective_seconds(_machine(**{**vars(NODE), "nvlink_gbps": 200.0}),
-                                     _workload(sharding=sharding))
+        fast = cm.collective_seconds(
+            _machine(**{**vars(NODE), "nvlink_gbps": 200.0}), _workload(sharding=sharding)
+        )
         total = sum(base.values())
         assert total > 0
         assert sum(big.values()) == pytest.approx(2 * total)
@@ -392,8 +484,9 @@ def test_collectives_time_grows_with_params_and_shrinks_with_rate():
     # DDP: an all-reduce (2x a reduce-scatter) in backward
     zero = cm.collective_seconds(NODE, _workload(sharding="zero"))
     none = cm.collective_seconds(NODE, _workload(sharding="none"))
-    assert zero == pytest.approx({"forward": 0.0, "backward": 2e9 * 7 / 8 / 100e9,
-                                  "after_step": 2e9 * 7 / 8 / 100e9})
+    assert zero == pytest.approx(
+        {"forward": 0.0, "backward": 2e9 * 7 / 8 / 100e9, "after_step": 2e9 * 7 / 8 / 100e9}
+    )
     assert none["backward"] == pytest.approx(2 * zero["backward"]) and none["after_step"] == 0
     # across nodes the ring runs at the node's IB share per GPU: 16 GPUs, 8 per node
     two_nodes = _machine(**{**vars(NODE), "gpus": 16, "gpus_per_node": 8})
@@ -423,8 +516,20 @@ def test_host_figures_are_per_node_and_each_gpu_gets_its_share():
     two_nodes = predict(_machine(gpus=16, gpus_per_node=8), WORKLOAD, 1.0)
     # each GPU's rank gets 1/8 of its node's CPU Adam rate, not 1/16 of one machine's
     assert two_nodes.breakdown["host_compute"] == pytest.approx(one_node.breakdown["host_compute"] / 2)
-    rc, out, _ = _run_planner(["--params", "7B", "--preset", "8xh100-node", "--gpus", "16",
-                               "--gpus-per-node", "8", "--host-mem", "2TB"])
+    rc, out, _ = _run_planner(
+        [
+            "--params",
+            "7B",
+            "--preset",
+            "8xh100-node",
+            "--gpus",
+            "16",
+            "--gpus-per-node",
+            "8",
+            "--host-mem",
+            "2TB",
+        ]
+    )
     assert rc == 0
     assert "of 250.0 GB" in out and "per node, each shared by its 8 GPUs" in out
 
@@ -434,23 +539,33 @@ def test_planner_sharding_prints_its_assumption_and_the_collectives():
     assert rc == 0
     assert "sharding: zero: state sharded over the GPUs, whole model copy and grads on each" in out
     assert re.search(r"collectives \(exposed / total\)\s+\d+\.\d{3} / \d+\.\d{3}", out)
-    rc, out, _ = _run_planner(["--params", "7B", "--preset", "8xh100-node", "--sharding", "fsdp",
-                               "--nvlink-gbps", "45", "--json"])
+    rc, out, _ = _run_planner(
+        ["--params", "7B", "--preset", "8xh100-node", "--sharding", "fsdp", "--nvlink-gbps", "45", "--json"]
+    )
     d = json.loads(out)
     assert d["workload"]["sharding"] == "fsdp" and d["machine"]["nvlink_gbps"] == 45
     assert d["breakdown"]["collectives"] == pytest.approx(3 * 7e9 * 2 * 7 / 8 / 45e9)
 
 
-@pytest.mark.parametrize("argv,message", [
-    (["--sharding", "ddp"], r"--sharding: invalid choice: 'ddp'"),
-    (["--nvlink-gbps", "0"], r"--nvlink-gbps: must be > 0, got '0'"),
-    (["--ib-gbps", "-5"], r"--ib-gbps: must be > 0, got '-5'"),
-    (["--ib-gbps", "fast"], r"--ib-gbps: 'fast' is not a number"),
-    (["--gpus-per-node", "0"], r"--gpus-per-node must be >= 1, got 0"),
-    (["--gpus", "12", "--gpus-per-node", "8"], r"--gpus \(12\) must be a multiple of --gpus-per-node \(8\)"),
-    (["--gpus", "4", "--gpus-per-node", "8"], r"--gpus \(4\) must be a multiple of --gpus-per-node \(8\)"),
-    (["--gpus", "0", "--sharding", "zero"], r"--sharding and --gpus-per-node describe GPU ranks"),
-])
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["--sharding", "ddp"], r"--sharding: invalid choice: 'ddp'"),
+        (["--nvlink-gbps", "0"], r"--nvlink-gbps: must be > 0, got '0'"),
+        (["--ib-gbps", "-5"], r"--ib-gbps: must be > 0, got '-5'"),
+        (["--ib-gbps", "fast"], r"--ib-gbps: 'fast' is not a number"),
+        (["--gpus-per-node", "0"], r"--gpus-per-node must be >= 1, got 0"),
+        (
+            ["--gpus", "12", "--gpus-per-node", "8"],
+            r"--gpus \(12\) must be a multiple of --gpus-per-node \(8\)",
+        ),
+        (
+            ["--gpus", "4", "--gpus-per-node", "8"],
+            r"--gpus \(4\) must be a multiple of --gpus-per-node \(8\)",
+        ),
+        (["--gpus", "0", "--sharding", "zero"], r"--sharding and --gpus-per-node describe GPU ranks"),
+    ],
+)
 def test_planner_rejects_bad_sharding_and_node_values(argv, message, capsys):
     with pytest.raises(SystemExit) as e:
         planner.main(["--params", "7B", "--preset", "8xh100-node"] + argv)
@@ -477,6 +592,7 @@ def _fmt(m=FP32, v=FP32, rem=False):
     import torch
 
     from hybrid_opt.state.state_format import StateFormat
+
     dt = {FP32: torch.float32, BF16: torch.bfloat16}
     return StateFormat(dt[m], dt[v], rem)
 
@@ -497,7 +613,7 @@ TIER_BYTES = [
     ((BF16, BF16, True, BF16, False), (6, 8, 6, 18, 2)),
     ((BF16, BF16, True, BF16, True), (8, 10, 8, 22, 2)),
     ((FP32, BF16, True, BF16, True), (10, 12, 10, 26, 2)),
-    ((BF16, BF16, True, FP32, False), (4, 8, 8, 20, 0)),    # remainders: bf16 params only
+    ((BF16, BF16, True, FP32, False), (4, 8, 8, 20, 0)),  # remainders: bf16 params only
     ((BF16, BF16, False, FP32, True), (6, 10, 10, 24, 0)),
 ]
 
@@ -516,7 +632,9 @@ def test_the_issue_targets_in_bytes():
     """#16: nvme files 6 B/param (was 12), host bank <= 8, an Adam step 18 B (was 28)."""
     both, plain = _fmt(BF16, BF16, True), _fmt()
     b, p = _workload(state_format=both).tier_bytes(), _workload(state_format=plain).tier_bytes()
-    assert (b["nvme"], p["nvme"]) == (6, 12) and b["host"] <= 8 and (b["host_adam"], p["host_adam"]) == (18, 28)
+    assert (
+        (b["nvme"], p["nvme"]) == (6, 12) and b["host"] <= 8 and (b["host_adam"], p["host_adam"]) == (18, 28)
+    )
 
 
 def test_memory_per_tier_counts_the_format():
@@ -537,7 +655,10 @@ def test_compressed_state_moves_fewer_bytes_on_every_path():
     assert comp.breakdown["nvme_io"] == pytest.approx(plain.breakdown["nvme_io"] * 6 / 12)
     assert plain.breakdown["d2h"] == pytest.approx(1e9 * 2 / 100e9)
     assert comp.breakdown["d2h"] == pytest.approx((1e9 * 2 + 0.5e9 * 2) / 100e9)
-    dev_plain, dev_comp = predict(MACHINE, WORKLOAD, 0.0), predict(MACHINE, _workload(state_format=_fmt(BF16, BF16, True)), 0.0)
+    dev_plain, dev_comp = (
+        predict(MACHINE, WORKLOAD, 0.0),
+        predict(MACHINE, _workload(state_format=_fmt(BF16, BF16, True)), 0.0),
+    )
     assert dev_comp.breakdown["device_step"] == pytest.approx(dev_plain.breakdown["device_step"] * 18 / 28)
     # bf16 moments without remainders: no high half to copy
     moments = predict(MACHINE, _workload(state_format=_fmt(BF16, BF16)), 1.0, 0.5)
@@ -572,10 +693,20 @@ def test_planner_flags_count_the_compressed_state(capsys):
     rc, out, _ = _run_planner(base + flags + ["--json"])
     assert rc == 0
     d = json.loads(out)
-    assert d["bytes_per_param"] == {"device": 6, "host": 8, "nvme": 6, "host_adam": 18,
-                                    "device_adam": 18, "high_half": 2}
-    assert (d["workload"]["exp_avg_dtype"], d["workload"]["exp_avg_sq_dtype"],
-            d["workload"]["store_param_remainders"], d["workload"]["model_dtype"]) == ("bf16", "bf16", True, "bf16")
+    assert d["bytes_per_param"] == {
+        "device": 6,
+        "host": 8,
+        "nvme": 6,
+        "host_adam": 18,
+        "device_adam": 18,
+        "high_half": 2,
+    }
+    assert (
+        d["workload"]["exp_avg_dtype"],
+        d["workload"]["exp_avg_sq_dtype"],
+        d["workload"]["store_param_remainders"],
+        d["workload"]["model_dtype"],
+    ) == ("bf16", "bf16", True, "bf16")
     plain = json.loads(_run_planner(base + ["--json"])[1])
     assert plain["bytes_per_param"]["host"] == 14 and plain["workload"]["exp_avg_dtype"] == "fp32"
     # the issue's figure: most of the plain iteration is host Adam; compressed state is faster

@@ -4,6 +4,7 @@ What is exact is asserted with torch.equal (bank mode vs in place, thread counts
 levels for grad_stats, param_copy vs torch's cast, bf16 moments vs the fp32 result
 rounded); everything else with the per-dtype tolerances of tests/tolerances.py.
 """
+
 import math
 import os
 import subprocess
@@ -11,18 +12,18 @@ import sys
 
 import pytest
 import torch
+from helpers import _id
+from tolerances import RTOL, assert_close
 
 import cpu_kernels as ck
-from helpers import _id
 from cpu_kernels import adam_inverse_reference, adam_step_reference, grad_stats_reference
-from tolerances import RTOL, assert_close
 
 LEVELS = ck.available_simd_levels()
 SIZES = (1, 15, 16, 17, 4099)
-BIG = 1_000_003                      # spans many 2048-element blocks and every thread's range
+BIG = 1_000_003  # spans many 2048-element blocks and every thread's range
 GRAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 COPY_DTYPES = (torch.bfloat16, torch.float16)
-GRAD_SCALE = 0.7 / 1024              # 1/loss_scale x clip coefficient
+GRAD_SCALE = 0.7 / 1024  # 1/loss_scale x clip coefficient
 HYPER = dict(step=7, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01)
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -64,11 +65,21 @@ def run_adam(state, *, bank, param_copy_dtype=None, out_offset=0, **hyper):
     ams = s["max_exp_avg_sq"] is not None
     out = None
     if bank:
-        out = tuple(_filled(s[k], out_offset) for k in ("param", "exp_avg", "exp_avg_sq") +
-                    (("max_exp_avg_sq",) if ams else ()))
+        out = tuple(
+            _filled(s[k], out_offset)
+            for k in ("param", "exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if ams else ())
+        )
     copy = _filled(s["param"].to(param_copy_dtype)) if param_copy_dtype else None
-    ret = ck.adam_step_(s["param"], s["grad"], s["exp_avg"], s["exp_avg_sq"],
-                        max_exp_avg_sq=s["max_exp_avg_sq"], param_copy=copy, out=out, **hyper)
+    ret = ck.adam_step_(
+        s["param"],
+        s["grad"],
+        s["exp_avg"],
+        s["exp_avg_sq"],
+        max_exp_avg_sq=s["max_exp_avg_sq"],
+        param_copy=copy,
+        out=out,
+        **hyper,
+    )
     if bank:
         assert ret is out[0]
         new = out + (None,) * (4 - len(out))
@@ -80,8 +91,14 @@ def run_adam(state, *, bank, param_copy_dtype=None, out_offset=0, **hyper):
 
 def reference(state, **hyper):
     """fp64 reference on the values the kernel sees (grads widened to fp32 exactly)."""
-    return adam_step_reference(state["param"], state["grad"].float(), state["exp_avg"],
-                               state["exp_avg_sq"], max_exp_avg_sq=state["max_exp_avg_sq"], **hyper)
+    return adam_step_reference(
+        state["param"],
+        state["grad"].float(),
+        state["exp_avg"],
+        state["exp_avg_sq"],
+        max_exp_avg_sq=state["max_exp_avg_sq"],
+        **hyper,
+    )
 
 
 def assert_matches_reference(new, ref, moment_dtype=torch.float32):
@@ -117,12 +134,15 @@ def test_adam_step_matches_fp64_reference(simd, grad_dtype, grad_scale, decouple
 
 
 # The big size for a subset: every level x grad dtype, two opposite corners of the rest.
-@pytest.mark.parametrize("decoupled,amsgrad,bank,grad_scale", [
-    (True, False, False, GRAD_SCALE), (False, True, True, -GRAD_SCALE)],
-    ids=["adamw-in_place", "l2-amsgrad-bank-maximize"])
+@pytest.mark.parametrize(
+    "decoupled,amsgrad,bank,grad_scale",
+    [(True, False, False, GRAD_SCALE), (False, True, True, -GRAD_SCALE)],
+    ids=["adamw-in_place", "l2-amsgrad-bank-maximize"],
+)
 @pytest.mark.parametrize("grad_dtype", GRAD_DTYPES, ids=_id)
-def test_adam_step_matches_fp64_reference_on_a_million_elements(simd, grad_dtype, decoupled,
-                                                                 amsgrad, bank, grad_scale):
+def test_adam_step_matches_fp64_reference_on_a_million_elements(
+    simd, grad_dtype, decoupled, amsgrad, bank, grad_scale
+):
     state = make_state(BIG, grad_dtype, amsgrad=amsgrad, seed=1)
     hyper = dict(HYPER, decoupled=decoupled, grad_scale=grad_scale)
     new, _, _ = run_adam(state, bank=bank, **hyper)
@@ -146,13 +166,19 @@ def test_adam_step_first_step_from_zero_state_matches_reference(simd):
 
 
 # ------------------------------------------------------------------------ bf16 moments
-BF16_MOMENT_CASES = [(d, a, b, n) for n in (17, 4099) for d in (True, False) for a in (False, True)
-                     for b in (False, True)] + [(True, False, False, BIG), (False, True, True, BIG)]
+BF16_MOMENT_CASES = [
+    (d, a, b, n) for n in (17, 4099) for d in (True, False) for a in (False, True) for b in (False, True)
+] + [(True, False, False, BIG), (False, True, True, BIG)]
 
 
-@pytest.mark.parametrize("decoupled,amsgrad,bank,n", BF16_MOMENT_CASES,
-                         ids=[f"{'adamw' if d else 'l2'}-{'amsgrad' if a else 'adam'}-"
-                              f"{'bank' if b else 'in_place'}-{n}" for d, a, b, n in BF16_MOMENT_CASES])
+@pytest.mark.parametrize(
+    "decoupled,amsgrad,bank,n",
+    BF16_MOMENT_CASES,
+    ids=[
+        f"{'adamw' if d else 'l2'}-{'amsgrad' if a else 'adam'}-{'bank' if b else 'in_place'}-{n}"
+        for d, a, b, n in BF16_MOMENT_CASES
+    ],
+)
 def test_bf16_moments_match_reference_within_bf16_tolerance(simd, decoupled, amsgrad, bank, n):
     state = make_state(n, torch.bfloat16, amsgrad=amsgrad, moment_dtype=torch.bfloat16, seed=n)
     hyper = dict(HYPER, decoupled=decoupled, grad_scale=GRAD_SCALE)
@@ -173,8 +199,10 @@ def test_bf16_moments_are_the_fp32_result_rounded_to_nearest_even(simd, amsgrad,
     """The same step on the same values held in fp32 gives the fp32 moments; the bf16 run
     must store exactly torch's (round-to-nearest-even) cast of them, and the same param."""
     state16 = make_state(n, torch.float16, amsgrad=amsgrad, moment_dtype=torch.bfloat16, seed=3)
-    state32 = {k: (t.float() if k in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq") and t is not None
-                   else t) for k, t in state16.items()}
+    state32 = {
+        k: (t.float() if k in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq") and t is not None else t)
+        for k, t in state16.items()
+    }
     hyper = dict(HYPER, decoupled=False, grad_scale=GRAD_SCALE)
     new16, _, _ = run_adam(state16, bank=bank, **hyper)
     new32, _, _ = run_adam(state32, bank=bank, **hyper)
@@ -189,14 +217,17 @@ def test_bf16_moments_are_the_fp32_result_rounded_to_nearest_even(simd, amsgrad,
 @pytest.mark.parametrize("amsgrad", [False, True], ids=["adam", "amsgrad"])
 @pytest.mark.parametrize("bf16_moment", ["exp_avg", "exp_avg_sq"])
 def test_one_bf16_moment_beside_an_fp32_one_is_the_fp32_step_with_that_moment_rounded(
-        simd, bf16_moment, amsgrad, bank, n):
+    simd, bf16_moment, amsgrad, bank, n
+):
     """exp_avg and exp_avg_sq in different dtypes (max_exp_avg_sq in exp_avg_sq's): the same
     step on the same values held all in fp32 gives the same param and fp32 moment bits, and
     the bf16 moment(s) exactly torch's cast of the fp32 ones."""
     bf16_names = ("exp_avg",) if bf16_moment == "exp_avg" else ("exp_avg_sq", "max_exp_avg_sq")
     state = make_state(n, torch.bfloat16, amsgrad=amsgrad, moment_dtype=torch.bfloat16, seed=n + 1)
-    mixed = {k: (t.float() if k not in bf16_names and k != "grad" and t is not None else t)
-             for k, t in state.items()}
+    mixed = {
+        k: (t.float() if k not in bf16_names and k != "grad" and t is not None else t)
+        for k, t in state.items()
+    }
     fp32 = {k: (t.float() if k != "grad" and t is not None else t) for k, t in state.items()}
     hyper = dict(HYPER, decoupled=True, grad_scale=GRAD_SCALE)
     new_mixed, _, _ = run_adam(mixed, bank=bank, **hyper)
@@ -219,10 +250,11 @@ def test_one_bf16_moment_beside_an_fp32_one_is_the_fp32_step_with_that_moment_ro
 @pytest.mark.parametrize("copy_dtype", COPY_DTYPES, ids=_id)
 def test_param_copy_is_bitwise_torchs_cast_of_the_new_param(simd, copy_dtype, bank, n):
     state = make_state(n, torch.bfloat16, amsgrad=bank, seed=5)
-    state["param"][:: max(1, n // 7)] *= 1e5           # past fp16's range: must become inf
+    state["param"][:: max(1, n // 7)] *= 1e5  # past fp16's range: must become inf
     state["param"][n // 2] = float("-inf")
-    new, copy, _ = run_adam(state, bank=bank, param_copy_dtype=copy_dtype,
-                            **dict(HYPER, grad_scale=GRAD_SCALE))
+    new, copy, _ = run_adam(
+        state, bank=bank, param_copy_dtype=copy_dtype, **dict(HYPER, grad_scale=GRAD_SCALE)
+    )
     assert not torch.isnan(new[0]).any()
     assert_bitwise_equal(copy, new[0].to(copy_dtype), "param_copy vs param_after.to(dtype)")
 
@@ -231,16 +263,35 @@ def _rounding_edge_values(n=4099, seed=0):
     """Random fp32 bit patterns (NaN excluded), exact bf16 and fp16 ties, fp16 subnormals,
     the overflow thresholds of both formats, infinities and signed zeros."""
     gen = torch.Generator().manual_seed(seed)
-    bits = torch.randint(-2 ** 31, 2 ** 31, (n,), generator=gen, dtype=torch.int64).to(torch.int32)
-    bits[100:612] = (torch.randint(0, 2 ** 15, (512,), generator=gen, dtype=torch.int32) << 16) | 0x8000
+    bits = torch.randint(-(2**31), 2**31, (n,), generator=gen, dtype=torch.int64).to(torch.int32)
+    bits[100:612] = (torch.randint(0, 2**15, (512,), generator=gen, dtype=torch.int32) << 16) | 0x8000
     fp16_range = (0x33000000 >> 13, 0x47800000 >> 13)  # from fp16's smallest subnormal to inf
     bits[700:1212] = (torch.randint(*fp16_range, (512,), generator=gen, dtype=torch.int32) << 13) | 0x1000
     x = bits.view(torch.float32).clone()
-    specials = torch.tensor([float("inf"), -float("inf"), 0.0, -0.0, 65504.0, 65519.996, 65520.0,
-                             -65520.0, 3.3895314e38, 3.3961776e38, torch.finfo(torch.float32).max,
-                             5.9604645e-8, 2.9802322e-8, 2.9802326e-8, 6.1035156e-5, 6.097555e-5,
-                             1e-45, -1e-45, 1.1754942e-38])
-    x[1300:1300 + len(specials)] = specials
+    specials = torch.tensor(
+        [
+            float("inf"),
+            -float("inf"),
+            0.0,
+            -0.0,
+            65504.0,
+            65519.996,
+            65520.0,
+            -65520.0,
+            3.3895314e38,
+            3.3961776e38,
+            torch.finfo(torch.float32).max,
+            5.9604645e-8,
+            2.9802322e-8,
+            2.9802326e-8,
+            6.1035156e-5,
+            6.097555e-5,
+            1e-45,
+            -1e-45,
+            1.1754942e-38,
+        ]
+    )
+    x[1300 : 1300 + len(specials)] = specials
     x[torch.isnan(x)] = 1.0
     return x
 
@@ -252,10 +303,12 @@ def test_param_copy_rounds_ties_subnormals_and_overflow_like_torch(simd, copy_dt
     rounding edge case (ties to even, subnormals, overflow to inf) in vector and tail code."""
     x = _rounding_edge_values()
     n = x.numel()
-    state = dict(param=x, grad=torch.zeros(n), exp_avg=torch.zeros(n), exp_avg_sq=torch.zeros(n),
-                 max_exp_avg_sq=None)
-    new, copy, _ = run_adam(state, bank=bank, param_copy_dtype=copy_dtype,
-                            **dict(HYPER, lr=0.0, weight_decay=0.0))
+    state = dict(
+        param=x, grad=torch.zeros(n), exp_avg=torch.zeros(n), exp_avg_sq=torch.zeros(n), max_exp_avg_sq=None
+    )
+    new, copy, _ = run_adam(
+        state, bank=bank, param_copy_dtype=copy_dtype, **dict(HYPER, lr=0.0, weight_decay=0.0)
+    )
     assert_bitwise_equal(new[0], x, "param with lr=0")
     assert_bitwise_equal(copy, new[0].to(copy_dtype), "param_copy vs param_after.to(dtype)")
 
@@ -265,8 +318,9 @@ def check_bank_mode_matches_in_place(n, moment_dtype, amsgrad, out_offset):
     """Bank mode leaves every input bitwise unchanged and writes exactly the in-place result."""
     state = make_state(n, torch.bfloat16, amsgrad=amsgrad, moment_dtype=moment_dtype, seed=7)
     hyper = dict(HYPER, decoupled=not amsgrad, grad_scale=GRAD_SCALE)
-    banked, banked_copy, inputs_after = run_adam(state, bank=True, param_copy_dtype=torch.bfloat16,
-                                                 out_offset=out_offset, **hyper)
+    banked, banked_copy, inputs_after = run_adam(
+        state, bank=True, param_copy_dtype=torch.bfloat16, out_offset=out_offset, **hyper
+    )
     for name, t in state.items():
         if t is not None:
             assert_bitwise_equal(inputs_after[name], t, f"bank mode changed input {name}")
@@ -289,35 +343,53 @@ def test_bank_mode_leaves_inputs_bitwise_unchanged_and_matches_in_place(simd, mo
 def test_bank_mode_with_misaligned_out_views_matches_in_place(level):
     """Out tensors that are views at odd offsets into a larger buffer (as a flat state bank
     hands out). Run in a child process: a crash there fails this test instead of the run."""
-    code = (f"import sys; sys.path.insert(0, {os.path.dirname(os.path.abspath(__file__))!r})\n"
-            "import torch, cpu_kernels as ck, test_cpu_kernels as t\n"
-            f"ck.set_simd_level({level!r})\n"
-            "for n in (17, 4099):\n"
-            "    for md in (torch.float32, torch.bfloat16):\n"
-            "        for ams in (False, True):\n"
-            "            for off in (1, 4, 8, 15):\n"
-            "                t.check_bank_mode_matches_in_place(n, md, ams, off)\n")
-    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
-                          timeout=300)
+    code = (
+        f"import sys; sys.path.insert(0, {os.path.dirname(os.path.abspath(__file__))!r})\n"
+        "import torch, cpu_kernels as ck, test_cpu_kernels as t\n"
+        f"ck.set_simd_level({level!r})\n"
+        "for n in (17, 4099):\n"
+        "    for md in (torch.float32, torch.bfloat16):\n"
+        "        for ams in (False, True):\n"
+        "            for off in (1, 4, 8, 15):\n"
+        "                t.check_bank_mode_matches_in_place(n, md, ams, off)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, f"exit status {proc.returncode}\n{proc.stderr[-3000:]}"
 
 
 # ------------------------------------------------------------------ thread-count invariance
 ADAM_CONFIGS = {
-    "fp32-in_place": dict(grad_dtype=torch.float32, moment_dtype=torch.float32, amsgrad=False,
-                          bank=False, copy=None, decoupled=True),
-    "bf16grad-bank-copy": dict(grad_dtype=torch.bfloat16, moment_dtype=torch.float32, amsgrad=True,
-                               bank=True, copy=torch.bfloat16, decoupled=True),
-    "fp16grad-bf16moments-l2": dict(grad_dtype=torch.float16, moment_dtype=torch.bfloat16,
-                                    amsgrad=True, bank=False, copy=torch.float16, decoupled=False),
+    "fp32-in_place": dict(
+        grad_dtype=torch.float32,
+        moment_dtype=torch.float32,
+        amsgrad=False,
+        bank=False,
+        copy=None,
+        decoupled=True,
+    ),
+    "bf16grad-bank-copy": dict(
+        grad_dtype=torch.bfloat16,
+        moment_dtype=torch.float32,
+        amsgrad=True,
+        bank=True,
+        copy=torch.bfloat16,
+        decoupled=True,
+    ),
+    "fp16grad-bf16moments-l2": dict(
+        grad_dtype=torch.float16,
+        moment_dtype=torch.bfloat16,
+        amsgrad=True,
+        bank=False,
+        copy=torch.float16,
+        decoupled=False,
+    ),
 }
 
 
 @pytest.mark.parametrize("config", list(ADAM_CONFIGS))
 def test_adam_step_is_bitwise_identical_for_any_thread_count(simd, config):
     c = ADAM_CONFIGS[config]
-    state = make_state(BIG, c["grad_dtype"], amsgrad=c["amsgrad"], moment_dtype=c["moment_dtype"],
-                       seed=11)
+    state = make_state(BIG, c["grad_dtype"], amsgrad=c["amsgrad"], moment_dtype=c["moment_dtype"], seed=11)
     hyper = dict(HYPER, decoupled=c["decoupled"], grad_scale=GRAD_SCALE)
     results = {}
     for threads in (1, 2, 3):
@@ -381,11 +453,12 @@ def test_grad_stats_keeps_the_largest_finite_values_finite(simd):
         assert math.isclose(total, grad_stats_reference(grad)[0], rel_tol=1e-12)
 
 
-NON_FINITE_N = 16384 * 2 + 37        # three chunks, the last one with a 5-element tail
+NON_FINITE_N = 16384 * 2 + 37  # three chunks, the last one with a 5-element tail
 
 
-@pytest.mark.parametrize("position", [0, 1, 16384, NON_FINITE_N // 2, NON_FINITE_N - 5,
-                                      NON_FINITE_N - 3, NON_FINITE_N - 1])
+@pytest.mark.parametrize(
+    "position", [0, 1, 16384, NON_FINITE_N // 2, NON_FINITE_N - 5, NON_FINITE_N - 3, NON_FINITE_N - 1]
+)
 @pytest.mark.parametrize("bad", [float("inf"), -float("inf"), float("nan")], ids=["inf", "-inf", "nan"])
 @pytest.mark.parametrize("dtype", GRAD_DTYPES, ids=_id)
 def test_grad_stats_reports_a_non_finite_element_at_any_position(simd, dtype, bad, position):
@@ -450,17 +523,19 @@ def test_inverse_step_recovers_the_state_within_a_few_ulp(simd, decoupled):
     p1, m1, v1 = p.clone(), m.clone(), v.clone()
     ck.adam_inverse_(p, g, m, v, **hyper)
     g_eff = g.double() * GRAD_SCALE + (0.0 if decoupled else HYPER["weight_decay"] * p0.double())
-    scales = dict(p=torch.maximum(p0.abs(), p1.abs()),
-                  m=torch.maximum(torch.maximum(m0.abs(), m1.abs()),
-                                  ((1 - HYPER["beta1"]) * g_eff.abs()).float()),
-                  v=torch.maximum(v0, v1))
+    scales = dict(
+        p=torch.maximum(p0.abs(), p1.abs()),
+        m=torch.maximum(torch.maximum(m0.abs(), m1.abs()), ((1 - HYPER["beta1"]) * g_eff.abs()).float()),
+        v=torch.maximum(v0, v1),
+    )
     measured = {}
     for name, rec, orig in (("p", p, p0), ("m", m, m0), ("v", v, v0)):
         assert torch.isfinite(rec).all()
         measured[name] = ((rec.double() - orig.double()).abs() / _ulp32(scales[name])).max().item()
     bound = INVERSE_ULP_BOUND[decoupled]
-    assert all(measured[k] <= bound[k] for k in bound), \
+    assert all(measured[k] <= bound[k] for k in bound), (
         f"max ulp error of the recovered state {measured} exceeds {bound} at {simd}"
+    )
     assert (v >= 0).all()
 
 
@@ -472,8 +547,9 @@ def test_inverse_step_matches_fp64_reference(decoupled, grad_dtype, n):
     hyper = dict(HYPER, decoupled=decoupled, grad_scale=-GRAD_SCALE)
     p, m, v = state["param"].clone(), state["exp_avg"].clone(), state["exp_avg_sq"].clone()
     ck.adam_inverse_(p, state["grad"], m, v, **hyper)
-    ref = adam_inverse_reference(state["param"], state["grad"].float(), state["exp_avg"],
-                                 state["exp_avg_sq"], **hyper)
+    ref = adam_inverse_reference(
+        state["param"], state["grad"].float(), state["exp_avg"], state["exp_avg_sq"], **hyper
+    )
     for name, got, want in zip(("param", "exp_avg", "exp_avg_sq"), (p, m, v), ref):
         assert_close(got, want, dtype=torch.float32, msg=name)
 
@@ -488,8 +564,11 @@ def test_inverse_step_leaves_non_finite_grad_elements_unchanged(grad_dtype):
     hyper = dict(HYPER, decoupled=True, grad_scale=GRAD_SCALE)
     p, m, v = state["param"].clone(), state["exp_avg"].clone(), state["exp_avg_sq"].clone()
     ck.adam_inverse_(p, state["grad"], m, v, **hyper)
-    for name, after, before in (("param", p, state["param"]), ("exp_avg", m, state["exp_avg"]),
-                                ("exp_avg_sq", v, state["exp_avg_sq"])):
+    for name, after, before in (
+        ("param", p, state["param"]),
+        ("exp_avg", m, state["exp_avg"]),
+        ("exp_avg_sq", v, state["exp_avg_sq"]),
+    ):
         assert torch.isfinite(after).all(), f"{name} has a non-finite element"
         assert_bitwise_equal(after[bad_at], before[bad_at], f"{name} at non-finite grads")
         assert (after[bad_at] != 0).all(), f"{name} zeroed at non-finite grads"
@@ -551,15 +630,20 @@ def test_inverse_step_is_bitwise_identical_for_any_thread_count():
             assert_bitwise_equal(a, b, "inverse step across thread counts")
 
 
-@pytest.mark.parametrize("bad,match", [
-    (dict(beta1=0.0), "beta1 > 0"), (dict(beta2=0.0), "beta2 > 0"),
-    (dict(lr=0.5, weight_decay=2.0), "lr \\* weight_decay != 1"),
-])
+@pytest.mark.parametrize(
+    "bad,match",
+    [
+        (dict(beta1=0.0), "beta1 > 0"),
+        (dict(beta2=0.0), "beta2 > 0"),
+        (dict(lr=0.5, weight_decay=2.0), "lr \\* weight_decay != 1"),
+    ],
+)
 def test_inverse_step_rejects_non_invertible_hyperparameters(bad, match):
     state = make_state(8)
     with pytest.raises(ValueError, match=match):
-        ck.adam_inverse_(state["param"], state["grad"], state["exp_avg"], state["exp_avg_sq"],
-                         **dict(HYPER, **bad))
+        ck.adam_inverse_(
+            state["param"], state["grad"], state["exp_avg"], state["exp_avg_sq"], **dict(HYPER, **bad)
+        )
 
 
 def test_inverse_step_rejects_bf16_moments():
@@ -578,21 +662,33 @@ def test_twenty_steps_match_torch_optim_foreach_false(simd, optimizer, amsgrad, 
     gen = torch.Generator().manual_seed(13)
     p0 = torch.randn(n, generator=gen)
     ref = torch.nn.Parameter(p0.clone())
-    opt = optimizer([ref], lr=lr, betas=betas, eps=eps, weight_decay=wd, amsgrad=amsgrad,
-                    maximize=maximize, foreach=False)
+    opt = optimizer(
+        [ref], lr=lr, betas=betas, eps=eps, weight_decay=wd, amsgrad=amsgrad, maximize=maximize, foreach=False
+    )
     p, m, v = p0.clone(), torch.zeros(n), torch.zeros(n)
     vmax = torch.zeros(n) if amsgrad else None
     for t in range(1, steps + 1):
         grad = torch.randn(n, generator=gen) * (1 + t % 3)
         ref.grad = grad.clone()
         opt.step()
-        ck.adam_step_(p, grad, m, v, step=t, lr=lr, beta1=betas[0], beta2=betas[1], eps=eps,
-                      weight_decay=wd, decoupled=optimizer is torch.optim.AdamW,
-                      grad_scale=-1.0 if maximize else 1.0, max_exp_avg_sq=vmax)
+        ck.adam_step_(
+            p,
+            grad,
+            m,
+            v,
+            step=t,
+            lr=lr,
+            beta1=betas[0],
+            beta2=betas[1],
+            eps=eps,
+            weight_decay=wd,
+            decoupled=optimizer is torch.optim.AdamW,
+            grad_scale=-1.0 if maximize else 1.0,
+            max_exp_avg_sq=vmax,
+        )
     state = opt.state[ref]
     scale = ref.detach().abs().max().item()
-    torch.testing.assert_close(p, ref.detach(), rtol=RTOL[torch.float32],
-                               atol=RTOL[torch.float32] * scale)
+    torch.testing.assert_close(p, ref.detach(), rtol=RTOL[torch.float32], atol=RTOL[torch.float32] * scale)
     assert_close(m, state["exp_avg"], dtype=torch.float32, msg="exp_avg")
     assert_close(v, state["exp_avg_sq"], dtype=torch.float32, msg="exp_avg_sq")
     if amsgrad:
@@ -614,12 +710,14 @@ def _non_contiguous(t):
 def _set_arg(i, make):
     def edit(args, kwargs):
         args[i] = make(args[i])
+
     return edit
 
 
 def _set_kw(**values):
     def edit(args, kwargs):
         kwargs.update({k: (v(args, kwargs) if callable(v) else v) for k, v in values.items()})
+
     return edit
 
 
@@ -638,6 +736,7 @@ def _out(*makers):
     def make(args, kwargs):
         n = args[0].numel()
         return tuple(mk(args, kwargs) if callable(mk) else torch.empty(n, dtype=mk) for mk in makers)
+
     return make
 
 
@@ -648,38 +747,88 @@ ADAM_ERROR_INPUTS = [
     ("param non-contiguous", _set_arg(0, _non_contiguous), False, ValueError, "param must be contiguous"),
     ("grad non-contiguous", _set_arg(1, _non_contiguous), False, ValueError, "grad must be contiguous"),
     ("exp_avg non-contiguous", _set_arg(2, _non_contiguous), False, ValueError, "exp_avg must be contiguous"),
-    ("exp_avg_sq 2-d transposed", _set_arg(3, lambda t: torch.zeros(4, 2).t()), False, ValueError,
-     "exp_avg_sq must be contiguous"),
+    (
+        "exp_avg_sq 2-d transposed",
+        _set_arg(3, lambda t: torch.zeros(4, 2).t()),
+        False,
+        ValueError,
+        "exp_avg_sq must be contiguous",
+    ),
     ("param fp64", _set_arg(0, lambda t: t.double()), False, TypeError, "param must have dtype"),
     ("grad int32", _set_arg(1, lambda t: t.int()), False, TypeError, "grad must have dtype"),
     ("grad fp64", _set_arg(1, lambda t: t.double()), False, TypeError, "grad must have dtype"),
     ("exp_avg fp16", _set_arg(2, lambda t: t.half()), False, TypeError, "exp_avg must have dtype"),
     ("exp_avg_sq fp16", _set_arg(3, lambda t: t.half()), False, TypeError, "exp_avg_sq must have dtype"),
     # exp_avg_sq may differ from exp_avg; max_exp_avg_sq and the outputs follow their own input
-    ("max_exp_avg_sq dtype differs", _set_kw(max_exp_avg_sq=lambda a, k: k["max_exp_avg_sq"].bfloat16()),
-     True, TypeError, r"max_exp_avg_sq must have dtype in \['torch.float32'\]"),
-    ("max_exp_avg_sq fp32 beside a bf16 exp_avg_sq", _set_arg(3, lambda t: t.bfloat16()), True,
-     TypeError, r"max_exp_avg_sq must have dtype in \['torch.bfloat16'\]"),
-    ("out[2] in exp_avg's dtype, not exp_avg_sq's",
-     lambda a, k: (_set_arg(3, lambda t: t.bfloat16())(a, k), _set_kw(out=_out(F32, F32, F32))(a, k)),
-     False, TypeError, r"out\[2\] \(exp_avg_sq_out\) must have dtype in \['torch.bfloat16'\]"),
-    ("out[1] in exp_avg_sq's dtype, not exp_avg's",
-     lambda a, k: (_set_arg(3, lambda t: t.bfloat16())(a, k), _set_kw(out=_out(F32, BF16, BF16))(a, k)),
-     False, TypeError, r"out\[1\] \(exp_avg_out\) must have dtype in \['torch.float32'\]"),
-    ("out[3] in exp_avg's dtype, not exp_avg_sq's",
-     lambda a, k: (_set_arg(3, lambda t: t.bfloat16())(a, k),
-                   _set_kw(max_exp_avg_sq=lambda a, k: k["max_exp_avg_sq"].bfloat16(),
-                           out=_out(F32, F32, BF16, F32))(a, k)),
-     True, TypeError, r"out\[3\] \(max_exp_avg_sq_out\) must have dtype in \['torch.bfloat16'\]"),
+    (
+        "max_exp_avg_sq dtype differs",
+        _set_kw(max_exp_avg_sq=lambda a, k: k["max_exp_avg_sq"].bfloat16()),
+        True,
+        TypeError,
+        r"max_exp_avg_sq must have dtype in \['torch.float32'\]",
+    ),
+    (
+        "max_exp_avg_sq fp32 beside a bf16 exp_avg_sq",
+        _set_arg(3, lambda t: t.bfloat16()),
+        True,
+        TypeError,
+        r"max_exp_avg_sq must have dtype in \['torch.bfloat16'\]",
+    ),
+    (
+        "out[2] in exp_avg's dtype, not exp_avg_sq's",
+        lambda a, k: (_set_arg(3, lambda t: t.bfloat16())(a, k), _set_kw(out=_out(F32, F32, F32))(a, k)),
+        False,
+        TypeError,
+        r"out\[2\] \(exp_avg_sq_out\) must have dtype in \['torch.bfloat16'\]",
+    ),
+    (
+        "out[1] in exp_avg_sq's dtype, not exp_avg's",
+        lambda a, k: (_set_arg(3, lambda t: t.bfloat16())(a, k), _set_kw(out=_out(F32, BF16, BF16))(a, k)),
+        False,
+        TypeError,
+        r"out\[1\] \(exp_avg_out\) must have dtype in \['torch.float32'\]",
+    ),
+    (
+        "out[3] in exp_avg's dtype, not exp_avg_sq's",
+        lambda a, k: (
+            _set_arg(3, lambda t: t.bfloat16())(a, k),
+            _set_kw(
+                max_exp_avg_sq=lambda a, k: k["max_exp_avg_sq"].bfloat16(), out=_out(F32, F32, BF16, F32)
+            )(a, k),
+        ),
+        True,
+        TypeError,
+        r"out\[3\] \(max_exp_avg_sq_out\) must have dtype in \['torch.bfloat16'\]",
+    ),
     ("grad not a tensor", _set_arg(1, lambda t: t.tolist()), False, TypeError, "grad must be a torch.Tensor"),
-    ("grad sparse", _set_arg(1, lambda t: t.float().to_sparse()), False, TypeError,
-     "grad must be a dense strided tensor"),
-    ("grad size mismatch", _set_arg(1, lambda t: torch.zeros(9, dtype=t.dtype)), False, ValueError,
-     "grad has 9 elements, expected 8"),
-    ("exp_avg_sq size mismatch", _set_arg(3, lambda t: torch.zeros(7)), False, ValueError,
-     "exp_avg_sq has 7 elements"),
-    ("max_exp_avg_sq size mismatch", _set_kw(max_exp_avg_sq=torch.zeros(5)), True, ValueError,
-     "max_exp_avg_sq has 5 elements"),
+    (
+        "grad sparse",
+        _set_arg(1, lambda t: t.float().to_sparse()),
+        False,
+        TypeError,
+        "grad must be a dense strided tensor",
+    ),
+    (
+        "grad size mismatch",
+        _set_arg(1, lambda t: torch.zeros(9, dtype=t.dtype)),
+        False,
+        ValueError,
+        "grad has 9 elements, expected 8",
+    ),
+    (
+        "exp_avg_sq size mismatch",
+        _set_arg(3, lambda t: torch.zeros(7)),
+        False,
+        ValueError,
+        "exp_avg_sq has 7 elements",
+    ),
+    (
+        "max_exp_avg_sq size mismatch",
+        _set_kw(max_exp_avg_sq=torch.zeros(5)),
+        True,
+        ValueError,
+        "max_exp_avg_sq has 5 elements",
+    ),
     ("negative lr", _set_kw(lr=-1e-3), False, ValueError, "Invalid learning rate"),
     ("nan lr", _set_kw(lr=float("nan")), False, ValueError, "lr must be finite"),
     ("lr a string", _set_kw(lr="0.001"), False, TypeError, "lr must be a float"),
@@ -699,33 +848,70 @@ ADAM_ERROR_INPUTS = [
     ("amsgrad out of 3", _set_kw(out=_out(F32, F32, F32)), True, ValueError, "out must be a tuple of 4"),
     ("out a tensor", _set_kw(out=lambda a, k: torch.empty(8)), False, ValueError, "out must be a tuple"),
     ("out[0] wrong dtype", _set_kw(out=_out(BF16, F32, F32)), False, TypeError, r"out\[0\] \(param_out\)"),
-    ("out[2] wrong size", _set_kw(out=_out(F32, F32, lambda a, k: torch.empty(9))), False, ValueError,
-     r"out\[2\] \(exp_avg_sq_out\) has 9 elements"),
-    ("out[1] non-contiguous", _set_kw(out=_out(F32, lambda a, k: _non_contiguous(torch.empty(8)), F32)),
-     False, ValueError, r"out\[1\] \(exp_avg_out\) must be contiguous"),
-    ("out[0] is param", _set_kw(out=lambda a, k: (a[0], torch.empty(8), torch.empty(8))), False,
-     ValueError, r"out\[0\] \(param_out\) overlaps param"),
-    ("out[1] overlaps exp_avg", _out1_overlapping_exp_avg, False, ValueError,
-     r"out\[1\] \(exp_avg_out\) overlaps exp_avg"),
+    (
+        "out[2] wrong size",
+        _set_kw(out=_out(F32, F32, lambda a, k: torch.empty(9))),
+        False,
+        ValueError,
+        r"out\[2\] \(exp_avg_sq_out\) has 9 elements",
+    ),
+    (
+        "out[1] non-contiguous",
+        _set_kw(out=_out(F32, lambda a, k: _non_contiguous(torch.empty(8)), F32)),
+        False,
+        ValueError,
+        r"out\[1\] \(exp_avg_out\) must be contiguous",
+    ),
+    (
+        "out[0] is param",
+        _set_kw(out=lambda a, k: (a[0], torch.empty(8), torch.empty(8))),
+        False,
+        ValueError,
+        r"out\[0\] \(param_out\) overlaps param",
+    ),
+    (
+        "out[1] overlaps exp_avg",
+        _out1_overlapping_exp_avg,
+        False,
+        ValueError,
+        r"out\[1\] \(exp_avg_out\) overlaps exp_avg",
+    ),
     ("out[2] is grad", _out2_aliasing_grad, False, ValueError, r"out\[2\] \(exp_avg_sq_out\) overlaps grad"),
-    ("out[3] overlaps max_exp_avg_sq",
-     _set_kw(out=lambda a, k: (torch.empty(8), torch.empty(8), torch.empty(8), k["max_exp_avg_sq"])),
-     True, ValueError, r"out\[3\] \(max_exp_avg_sq_out\) overlaps max_exp_avg_sq"),
+    (
+        "out[3] overlaps max_exp_avg_sq",
+        _set_kw(out=lambda a, k: (torch.empty(8), torch.empty(8), torch.empty(8), k["max_exp_avg_sq"])),
+        True,
+        ValueError,
+        r"out\[3\] \(max_exp_avg_sq_out\) overlaps max_exp_avg_sq",
+    ),
     ("param_copy fp32", _set_kw(param_copy=torch.empty(8)), False, TypeError, "param_copy must have dtype"),
-    ("param_copy size mismatch", _set_kw(param_copy=torch.empty(9, dtype=BF16)), False, ValueError,
-     "param_copy has 9 elements"),
-    ("param_copy overlaps param", _set_kw(param_copy=lambda a, k: a[0].view(BF16)[:8]), False,
-     ValueError, "param_copy overlaps param"),
+    (
+        "param_copy size mismatch",
+        _set_kw(param_copy=torch.empty(9, dtype=BF16)),
+        False,
+        ValueError,
+        "param_copy has 9 elements",
+    ),
+    (
+        "param_copy overlaps param",
+        _set_kw(param_copy=lambda a, k: a[0].view(BF16)[:8]),
+        False,
+        ValueError,
+        "param_copy overlaps param",
+    ),
 ]
 
 
-@pytest.mark.parametrize("edit,amsgrad,exc,match", [c[1:] for c in ADAM_ERROR_INPUTS],
-                         ids=[c[0] for c in ADAM_ERROR_INPUTS])
+@pytest.mark.parametrize(
+    "edit,amsgrad,exc,match", [c[1:] for c in ADAM_ERROR_INPUTS], ids=[c[0] for c in ADAM_ERROR_INPUTS]
+)
 def test_adam_step_rejects_bad_input_naming_the_argument(edit, amsgrad, exc, match):
     args, kwargs = _good_args(8, amsgrad)
     edit(args, kwargs)
-    before = [t.clone() if isinstance(t, torch.Tensor) and t.device.type == "cpu" and not t.is_sparse
-              else None for t in args]
+    before = [
+        t.clone() if isinstance(t, torch.Tensor) and t.device.type == "cpu" and not t.is_sparse else None
+        for t in args
+    ]
     with pytest.raises(exc, match=match):
         ck.adam_step_(*args, **kwargs)
     for t, b in zip(args, before):  # a rejected call writes nothing
@@ -743,13 +929,17 @@ def test_adam_step_rejects_a_cuda_tensor(which):
         ck.adam_step_(*args, **kwargs)
 
 
-@pytest.mark.parametrize("grad,exc,match", [
-    (torch.zeros(16)[::2], ValueError, "grad must be contiguous"),
-    (torch.zeros(8, dtype=torch.int64), TypeError, "grad must have dtype"),
-    (torch.zeros(8, dtype=torch.float64), TypeError, "grad must have dtype"),
-    (torch.zeros(8, device="meta"), ValueError, "grad must be a CPU tensor"),
-    ([0.0, 1.0], TypeError, "grad must be a torch.Tensor"),
-], ids=["non-contiguous", "int64", "fp64", "meta", "list"])
+@pytest.mark.parametrize(
+    "grad,exc,match",
+    [
+        (torch.zeros(16)[::2], ValueError, "grad must be contiguous"),
+        (torch.zeros(8, dtype=torch.int64), TypeError, "grad must have dtype"),
+        (torch.zeros(8, dtype=torch.float64), TypeError, "grad must have dtype"),
+        (torch.zeros(8, device="meta"), ValueError, "grad must be a CPU tensor"),
+        ([0.0, 1.0], TypeError, "grad must be a torch.Tensor"),
+    ],
+    ids=["non-contiguous", "int64", "fp64", "meta", "list"],
+)
 def test_grad_stats_rejects_bad_input_naming_the_argument(grad, exc, match):
     with pytest.raises(exc, match=match):
         ck.grad_stats(grad)
@@ -768,7 +958,9 @@ ARCH_LEVELS = {"x86_64": ("portable", "avx2", "avx512"), "aarch64": ("portable",
 
 def test_simd_level_is_one_of_the_architectures_three_and_available():
     import platform
+
     from cpu_kernels import _lib
+
     arch = ARCH_LEVELS.get(platform.machine(), ("portable",))
     assert _lib.LEVELS == arch, (platform.machine(), _lib.LEVELS)
     assert LEVELS[0] == "portable" and ck.simd_level() in LEVELS
@@ -784,6 +976,7 @@ def test_set_simd_level_rejects_an_unknown_level():
 
 def _top_level():
     from cpu_kernels import _lib
+
     return _lib.LEVELS[-1]
 
 
@@ -799,8 +992,14 @@ def test_set_simd_level_switches_the_dispatcher(simd):
 
 def _simd_level_in_subprocess(value):
     env = dict(os.environ, HYBRID_OPT_SIMD=value)
-    proc = subprocess.run([sys.executable, "-c", "import cpu_kernels; print(cpu_kernels.simd_level())"],
-                          env=env, cwd=REPO, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-c", "import cpu_kernels; print(cpu_kernels.simd_level())"],
+        env=env,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr
     return proc.stdout.strip(), proc.stderr
 

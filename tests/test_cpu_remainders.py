@@ -9,24 +9,29 @@ emulated exactly) with torch.equal on the bits — never a tolerance. The remain
 is checked on every low half over a spread of high halves, and a bf16 param + remainder is
 stepped 50 times beside an fp32 master: the masters stay bitwise equal.
 """
+
 import os
 import subprocess
 import sys
 
 import pytest
 import torch
+from helpers import _id
 
 import cpu_kernels as ck
-from helpers import _id
-from cpu_kernels.reference import (FUSED_MULTIPLY_ADD_LEVELS, adam_step_bitwise_reference,
-                                   bf16_round_reference, decode_remainder_reference,
-                                   encode_remainder_reference)
+from cpu_kernels.reference import (
+    FUSED_MULTIPLY_ADD_LEVELS,
+    adam_step_bitwise_reference,
+    bf16_round_reference,
+    decode_remainder_reference,
+    encode_remainder_reference,
+)
 
 LEVELS = ck.available_simd_levels()
 GRAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 GRAD_SCALE = 0.7 / 1024
 HYPER = dict(step=7, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01)
-BIG = 1_000_003                      # many 16384-element chunks: every thread takes some
+BIG = 1_000_003  # many 16384-element chunks: every thread takes some
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STATE_NAMES = ("param", "exp_avg", "exp_avg_sq", "max_exp_avg_sq", "remainder")
 F32, BF16 = torch.float32, torch.bfloat16
@@ -47,11 +52,15 @@ def bits(t):
 
 
 def assert_bitwise_equal(a, b, what):
-    assert a.dtype == b.dtype and a.shape == b.shape, f"{what}: {a.dtype}{tuple(a.shape)} vs {b.dtype}{tuple(b.shape)}"
+    assert a.dtype == b.dtype and a.shape == b.shape, (
+        f"{what}: {a.dtype}{tuple(a.shape)} vs {b.dtype}{tuple(b.shape)}"
+    )
     if not torch.equal(bits(a), bits(b)):
         bad = (bits(a) != bits(b)).nonzero().flatten()
-        raise AssertionError(f"{what}: {bad.numel()} elements differ, first at {bad[:5].tolist()}: "
-                             f"{a[bad[:5]].tolist()} vs {b[bad[:5]].tolist()}")
+        raise AssertionError(
+            f"{what}: {bad.numel()} elements differ, first at {bad[:5].tolist()}: "
+            f"{a[bad[:5]].tolist()} vs {b[bad[:5]].tolist()}"
+        )
 
 
 def make_state(n, grad_dtype, *, amsgrad, moment_dtype, remainders, seed=0, exp_avg_sq_dtype=None):
@@ -65,8 +74,9 @@ def make_state(n, grad_dtype, *, amsgrad, moment_dtype, remainders, seed=0, exp_
     exp_avg = (torch.randn(n, generator=gen) * 0.1).to(moment_dtype)
     v = torch.rand(n, generator=gen) * 1e-2
     vmax = (v * 2 * torch.rand(n, generator=gen)).to(vdt) if amsgrad else None
-    state = dict(param=master, grad=grad, exp_avg=exp_avg, exp_avg_sq=v.to(vdt),
-                 max_exp_avg_sq=vmax, remainder=None)
+    state = dict(
+        param=master, grad=grad, exp_avg=exp_avg, exp_avg_sq=v.to(vdt), max_exp_avg_sq=vmax, remainder=None
+    )
     if remainders:
         state["param"], state["remainder"] = ck.encode_remainder(master)
     return state
@@ -87,9 +97,11 @@ def _clone(state):
 def shift_inputs(state, offset):
     """The same state with every tensor a view `offset` elements into a fresh buffer (not
     64-byte aligned when offset > 0)."""
+
     def shifted(t):
         buf = torch.empty(t.numel() + offset, dtype=t.dtype)
         return buf[offset:].copy_(t)
+
     return {k: (shifted(t) if t is not None else None) for k, t in state.items()}
 
 
@@ -107,8 +119,10 @@ def run_kernel(state, *, bank, out_offset=0, **hyper):
     ams, rem = s["max_exp_avg_sq"] is not None, s["remainder"] is not None
     kw = dict(max_exp_avg_sq=s["max_exp_avg_sq"], remainder=s["remainder"])
     if bank:
-        out = tuple(_poisoned(s[k], out_offset) for k in ("param", "exp_avg", "exp_avg_sq") +
-                    (("max_exp_avg_sq",) if ams else ()))
+        out = tuple(
+            _poisoned(s[k], out_offset)
+            for k in ("param", "exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if ams else ())
+        )
         kw.update(out=out, remainder_out=_poisoned(s["remainder"], out_offset) if rem else None)
         ret = ck.adam_step_(s["param"], s["grad"], s["exp_avg"], s["exp_avg_sq"], **kw, **hyper)
         assert ret is out[0]
@@ -121,10 +135,16 @@ def run_kernel(state, *, bank, out_offset=0, **hyper):
 
 
 def reference(state, level, **hyper):
-    return adam_step_bitwise_reference(state["param"], state["grad"], state["exp_avg"],
-                                       state["exp_avg_sq"], max_exp_avg_sq=state["max_exp_avg_sq"],
-                                       remainder=state["remainder"],
-                                       fma=level in FUSED_MULTIPLY_ADD_LEVELS, **hyper)
+    return adam_step_bitwise_reference(
+        state["param"],
+        state["grad"],
+        state["exp_avg"],
+        state["exp_avg_sq"],
+        max_exp_avg_sq=state["max_exp_avg_sq"],
+        remainder=state["remainder"],
+        fma=level in FUSED_MULTIPLY_ADD_LEVELS,
+        **hyper,
+    )
 
 
 def check_matches_reference(state, level, *, bank, out_offset=0, **hyper):
@@ -147,11 +167,17 @@ def check_matches_reference(state, level, *, bank, out_offset=0, **hyper):
 @pytest.mark.parametrize("bank", [False, True], ids=["in_place", "bank"])
 @pytest.mark.parametrize("decoupled", [True, False], ids=["adamw", "l2"])
 @pytest.mark.parametrize("grad_dtype", GRAD_DTYPES, ids=_id)
-def test_adam_step_is_bitwise_the_reference(simd, grad_dtype, decoupled, bank, amsgrad,
-                                            moments, remainders):
+def test_adam_step_is_bitwise_the_reference(simd, grad_dtype, decoupled, bank, amsgrad, moments, remainders):
     # 4099 = vector body + a 3-element tail at every level
-    state = make_state(4099, grad_dtype, amsgrad=amsgrad, moment_dtype=moments[0],
-                       exp_avg_sq_dtype=moments[1], remainders=remainders, seed=4099)
+    state = make_state(
+        4099,
+        grad_dtype,
+        amsgrad=amsgrad,
+        moment_dtype=moments[0],
+        exp_avg_sq_dtype=moments[1],
+        remainders=remainders,
+        seed=4099,
+    )
     hyper = dict(HYPER, decoupled=decoupled, grad_scale=GRAD_SCALE if decoupled else -GRAD_SCALE)
     check_matches_reference(state, simd, bank=bank, **hyper)
 
@@ -162,16 +188,30 @@ def test_adam_step_is_bitwise_the_reference(simd, grad_dtype, decoupled, bank, a
 @pytest.mark.parametrize("bank", [False, True], ids=["in_place", "bank"])
 def test_adam_step_short_tails_every_moment_pair(simd, bank, remainders, moments, n):
     """Lengths around the vector widths (8, 16) and the register loops' 32-element step."""
-    state = make_state(n, torch.bfloat16, amsgrad=True, moment_dtype=moments[0],
-                       exp_avg_sq_dtype=moments[1], remainders=remainders, seed=n)
+    state = make_state(
+        n,
+        torch.bfloat16,
+        amsgrad=True,
+        moment_dtype=moments[0],
+        exp_avg_sq_dtype=moments[1],
+        remainders=remainders,
+        seed=n,
+    )
     check_matches_reference(state, simd, bank=bank, **dict(HYPER, grad_scale=GRAD_SCALE))
 
 
 # the mixed pairs: one 4-byte and one 2-byte moment stream, each split at its own alignment
 @pytest.mark.parametrize("moments", MOMENT_PAIRS[2:], ids=_pair_id)
 def test_adam_step_with_remainders_on_a_million_elements_any_thread_count(simd, moments):
-    state = make_state(BIG, torch.bfloat16, amsgrad=False, moment_dtype=moments[0],
-                       exp_avg_sq_dtype=moments[1], remainders=True, seed=1)
+    state = make_state(
+        BIG,
+        torch.bfloat16,
+        amsgrad=False,
+        moment_dtype=moments[0],
+        exp_avg_sq_dtype=moments[1],
+        remainders=True,
+        seed=1,
+    )
     hyper = dict(HYPER, grad_scale=GRAD_SCALE)
     want = reference(state, simd, **hyper)
     for threads in (1, 2, 3):
@@ -187,15 +227,27 @@ def test_adam_step_with_remainders_on_a_million_elements_any_thread_count(simd, 
 @pytest.mark.parametrize("copy_dtype", [torch.bfloat16, torch.float16], ids=_id)
 def test_bf16_moments_with_param_copy_are_the_reference_and_the_copy_its_cast(simd, copy_dtype, bank):
     """fp32 master + bf16 moments + the model copy (the register loops' copy stores)."""
-    state = make_state(4099, torch.bfloat16, amsgrad=bank, moment_dtype=torch.bfloat16,
-                       remainders=False, seed=11)
-    state["param"][::97] *= 1e5                      # past fp16's range: the copy must be inf
+    state = make_state(
+        4099, torch.bfloat16, amsgrad=bank, moment_dtype=torch.bfloat16, remainders=False, seed=11
+    )
+    state["param"][::97] *= 1e5  # past fp16's range: the copy must be inf
     s = _clone(state)
-    out = (tuple(_poisoned(s[k], 1) for k in ("param", "exp_avg", "exp_avg_sq", "max_exp_avg_sq"))
-           if bank else None)
+    out = (
+        tuple(_poisoned(s[k], 1) for k in ("param", "exp_avg", "exp_avg_sq", "max_exp_avg_sq"))
+        if bank
+        else None
+    )
     copy = _poisoned(torch.empty(4099, dtype=copy_dtype))
-    ck.adam_step_(s["param"], s["grad"], s["exp_avg"], s["exp_avg_sq"], max_exp_avg_sq=s["max_exp_avg_sq"],
-                  param_copy=copy, out=out, **dict(HYPER, grad_scale=GRAD_SCALE))
+    ck.adam_step_(
+        s["param"],
+        s["grad"],
+        s["exp_avg"],
+        s["exp_avg_sq"],
+        max_exp_avg_sq=s["max_exp_avg_sq"],
+        param_copy=copy,
+        out=out,
+        **dict(HYPER, grad_scale=GRAD_SCALE),
+    )
     new = out if bank else (s["param"], s["exp_avg"], s["exp_avg_sq"])
     want = reference(state, simd, **dict(HYPER, grad_scale=GRAD_SCALE))
     for name, got, exp in zip(STATE_NAMES, new, want):
@@ -230,7 +282,7 @@ def _nans(dtype, bits32: list) -> torch.Tensor:
     f = torch.tensor(bits32, dtype=torch.int64).to(torch.int32).view(torch.float32)
     if dtype == torch.float32:
         return f
-    hi = (torch.tensor(bits32, dtype=torch.int64) >> 16)
+    hi = torch.tensor(bits32, dtype=torch.int64) >> 16
     hi = torch.where(hi >= 0x8000, hi - 0x10000, hi).to(torch.int16)
     return hi.view(torch.bfloat16) if dtype == torch.bfloat16 else f.to(dtype)
 
@@ -239,8 +291,15 @@ def make_special_state(n, moments, *, remainders, amsgrad, seed):
     """make_state plus the inputs vcvtne2ps2bf16 rounds differently, in a few 32-element steps
     (the others ordinary): subnormal moments with zero grads (the new moments stay subnormal),
     NaN and +-inf grads (NaN and inf moments and masters), a moment rounding up to inf."""
-    s = make_state(n, torch.bfloat16, amsgrad=amsgrad, moment_dtype=moments[0],
-                   exp_avg_sq_dtype=moments[1], remainders=False, seed=seed)
+    s = make_state(
+        n,
+        torch.bfloat16,
+        amsgrad=amsgrad,
+        moment_dtype=moments[0],
+        exp_avg_sq_dtype=moments[1],
+        remainders=False,
+        seed=seed,
+    )
     sub, nan, inf, ninf, big = [33, 34, 63, 300, n - 2], [64, 65, 500], [128, 900], [129], [1500]
     s["grad"][sub] = 0
     s["exp_avg"][sub] = torch.tensor([3e-39, -5e-39, 1e-45, 2e-40, -1e-40]).to(s["exp_avg"].dtype)
@@ -274,7 +333,9 @@ def test_nan_inf_and_subnormal_moments_round_as_the_reference(rounding, moments,
     check_matches_reference(state, rounding, bank=bank, **dict(HYPER, grad_scale=GRAD_SCALE))
 
 
-@pytest.mark.skipif(not _HAS_BF16_INSN, reason="no AVX-512 BF16 on this CPU: the integer rounding is the only one")
+@pytest.mark.skipif(
+    not _HAS_BF16_INSN, reason="no AVX-512 BF16 on this CPU: the integer rounding is the only one"
+)
 @pytest.mark.parametrize("amsgrad", [False, True], ids=["adam", "amsgrad"])
 @pytest.mark.parametrize("bank", [False, True], ids=["in_place", "bank"])
 @pytest.mark.parametrize("remainders", [False, True], ids=["fp32_master", "remainders"])
@@ -286,15 +347,28 @@ def test_avx512_integer_bf16_rounding_is_bitwise_the_reference(moments, remainde
     ck.set_simd_level("avx512")
     ck._lib._set_avx512_bf16(False)
     try:
-        state = make_state(4099, torch.bfloat16, amsgrad=amsgrad, moment_dtype=moments[0],
-                           exp_avg_sq_dtype=moments[1], remainders=remainders, seed=99)
+        state = make_state(
+            4099,
+            torch.bfloat16,
+            amsgrad=amsgrad,
+            moment_dtype=moments[0],
+            exp_avg_sq_dtype=moments[1],
+            remainders=remainders,
+            seed=99,
+        )
         check_matches_reference(state, "avx512", bank=bank, **dict(HYPER, grad_scale=GRAD_SCALE))
         copy = _poisoned(torch.empty(4099, dtype=torch.bfloat16))
         if not remainders:  # the bf16 model copy takes the same rounding
             s = _clone(state)
-            ck.adam_step_(s["param"], s["grad"], s["exp_avg"], s["exp_avg_sq"],
-                          max_exp_avg_sq=s["max_exp_avg_sq"], param_copy=copy,
-                          **dict(HYPER, grad_scale=GRAD_SCALE))
+            ck.adam_step_(
+                s["param"],
+                s["grad"],
+                s["exp_avg"],
+                s["exp_avg_sq"],
+                max_exp_avg_sq=s["max_exp_avg_sq"],
+                param_copy=copy,
+                **dict(HYPER, grad_scale=GRAD_SCALE),
+            )
             assert_bitwise_equal(copy, bf16_round_reference(s["param"]), "param_copy, integer rounding")
     finally:
         ck._lib._set_avx512_bf16(True)
@@ -304,8 +378,9 @@ def test_avx512_integer_bf16_rounding_is_bitwise_the_reference(moments, remainde
 def test_the_reference_tells_fused_from_unfused_multiply_adds():
     """The matrix can tell the levels' arithmetic apart: on its data, fused and unfused
     multiply-adds give different params (so a level rounding the other way would fail)."""
-    state = make_state(4099, torch.float32, amsgrad=False, moment_dtype=torch.float32,
-                       remainders=False, seed=4099)
+    state = make_state(
+        4099, torch.float32, amsgrad=False, moment_dtype=torch.float32, remainders=False, seed=4099
+    )
     args = (state["param"], state["grad"], state["exp_avg"], state["exp_avg_sq"])
     fused = adam_step_bitwise_reference(*args, **HYPER, fma=True)
     unfused = adam_step_bitwise_reference(*args, **HYPER, fma=False)
@@ -317,31 +392,51 @@ def test_misaligned_inputs_and_bank_outputs_match_the_reference():
     alignment or fall back; a stream's alignment differs by dtype), every moment pair, with
     and without remainders. In a child process: a crash there fails this test instead of
     the run."""
-    code = (f"import sys; sys.path.insert(0, {os.path.dirname(os.path.abspath(__file__))!r})\n"
-            "import torch, cpu_kernels as ck, test_cpu_remainders as t\n"
-            f"for level in {LEVELS!r}:\n"
-            "    ck.set_simd_level(level)\n"
-            "    for n in (17, 4099):\n"
-            "        for md, vd in t.MOMENT_PAIRS:\n"
-            "            for rem in (False, True):\n"
-            "                for off in (1, 3, 8, 15):\n"
-            "                    s = t.make_state(n, torch.bfloat16, amsgrad=off % 2 == 1, moment_dtype=md,\n"
-            "                                     exp_avg_sq_dtype=vd, remainders=rem, seed=off)\n"
-            "                    t.check_matches_reference(s, level, bank=True, out_offset=off, **t.HYPER)\n"
-            "                    s = t.shift_inputs(s, off + 1)\n"
-            "                    for bank in (False, True):\n"
-            "                        t.check_matches_reference(s, level, bank=bank, out_offset=off, **t.HYPER)\n")
-    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
-                          timeout=300)
+    code = (
+        f"import sys; sys.path.insert(0, {os.path.dirname(os.path.abspath(__file__))!r})\n"
+        "import torch, cpu_kernels as ck, test_cpu_remainders as t\n"
+        f"for level in {LEVELS!r}:\n"
+        "    ck.set_simd_level(level)\n"
+        "    for n in (17, 4099):\n"
+        "        for md, vd in t.MOMENT_PAIRS:\n"
+        "            for rem in (False, True):\n"
+        "                for off in (1, 3, 8, 15):\n"
+        "                    s = t.make_state(n, torch.bfloat16, amsgrad=off % 2 == 1, moment_dtype=md,\n"
+        "                                     exp_avg_sq_dtype=vd, remainders=rem, seed=off)\n"
+        "                    t.check_matches_reference(s, level, bank=True, out_offset=off, **t.HYPER)\n"
+        "                    s = t.shift_inputs(s, off + 1)\n"
+        "                    for bank in (False, True):\n"
+        "                        t.check_matches_reference(s, level, bank=bank, out_offset=off, **t.HYPER)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, f"exit status {proc.returncode}\n{proc.stderr[-3000:]}"
 
 
 # ------------------------------------------------------------------ the remainder encoding
-HIGH_HALVES = [0x0000, 0x0001, 0x0002, 0x007F, 0x0080, 0x0081, 0x3F7F, 0x3F80, 0x3F81, 0x4049,
-               0x7F7E, 0x7F7F,           # largest finite: its carry makes the param inf
-               0x7F80,                   # +inf (low 0) or a NaN whose payload is in the low half
-               0x7F81, 0x7FBF, 0x7FC0, 0x7FC1, 0x7FFE, 0x7FFF,  # NaNs; 0x7FFF's carry wraps
-               0x1234, 0x5555, 0x2AAA]
+HIGH_HALVES = [
+    0x0000,
+    0x0001,
+    0x0002,
+    0x007F,
+    0x0080,
+    0x0081,
+    0x3F7F,
+    0x3F80,
+    0x3F81,
+    0x4049,
+    0x7F7E,
+    0x7F7F,  # largest finite: its carry makes the param inf
+    0x7F80,  # +inf (low 0) or a NaN whose payload is in the low half
+    0x7F81,
+    0x7FBF,
+    0x7FC0,
+    0x7FC1,
+    0x7FFE,
+    0x7FFF,  # NaNs; 0x7FFF's carry wraps
+    0x1234,
+    0x5555,
+    0x2AAA,
+]
 HIGH_HALVES += [h | 0x8000 for h in HIGH_HALVES]  # the same with the sign bit: -0, -inf, ...
 
 
@@ -349,7 +444,7 @@ def every_low_half():
     """fp32 values: each of HIGH_HALVES joined with each of the 65536 low halves."""
     high = torch.tensor(HIGH_HALVES, dtype=torch.int64)[:, None] << 16
     u = (high | torch.arange(65536, dtype=torch.int64)[None, :]).flatten()
-    return torch.where(u >= 2 ** 31, u - 2 ** 32, u).to(torch.int32).view(torch.float32)
+    return torch.where(u >= 2**31, u - 2**32, u).to(torch.int32).view(torch.float32)
 
 
 def test_encode_decode_round_trips_every_low_half_at_every_level(simd):
@@ -363,10 +458,14 @@ def test_encode_decode_round_trips_every_low_half_at_every_level(simd):
     assert_bitwise_equal(ck.decode_remainder(p, r), x, "decode(encode(x)) vs x")
     assert_bitwise_equal(decode_remainder_reference(p_ref, r_ref), x, "reference decode(encode(x))")
     # decode of arbitrary (param, remainder) pairs agrees with the reference as well
-    pr = torch.randint(-2 ** 15, 2 ** 15, (2, 1 << 16), generator=torch.Generator().manual_seed(3),
-                       dtype=torch.int16)
-    assert_bitwise_equal(ck.decode_remainder(pr[0].view(torch.bfloat16), pr[1]),
-                         decode_remainder_reference(pr[0].view(torch.bfloat16), pr[1]), "decode")
+    pr = torch.randint(
+        -(2**15), 2**15, (2, 1 << 16), generator=torch.Generator().manual_seed(3), dtype=torch.int16
+    )
+    assert_bitwise_equal(
+        ck.decode_remainder(pr[0].view(torch.bfloat16), pr[1]),
+        decode_remainder_reference(pr[0].view(torch.bfloat16), pr[1]),
+        "decode",
+    )
 
 
 def test_encoded_param_is_the_high_half_rounded_ties_away_and_differs_from_rne_only_on_ties():
@@ -388,17 +487,26 @@ def test_encoded_param_is_the_high_half_rounded_ties_away_and_differs_from_rne_o
     assert torch.equal(bits(x[finite].to(torch.bfloat16)), bits(p[finite]))
 
 
-@pytest.mark.parametrize("master,param", [
-    (0x7F7F8000, 0x7F80), (0xFF7FFFFF, 0xFF80),   # largest finite magnitudes -> +-inf
-    (0x7F7F7FFF, 0x7F7F),                          # just below: the param stays finite
-    (0x7F800000, 0x7F80), (0x7F800001, 0x7F80),    # inf; a NaN with a low payload -> inf
-    (0x7F808000, 0x7F81),                          # ... whose carry keeps it a NaN
-    (0x7FFF8000, 0x8000), (0xFFFF8000, 0x0000),    # the carry wraps: a NaN master, a +-0 param
-    (0x7FC00000, 0x7FC0), (0x00008000, 0x0001),    # the default NaN; a subnormal tie -> away
-    (0x80000000, 0x8000), (0x00000001, 0x0000),    # -0; the smallest subnormal
-], ids=lambda v: f"{v:08x}")
+@pytest.mark.parametrize(
+    "master,param",
+    [
+        (0x7F7F8000, 0x7F80),
+        (0xFF7FFFFF, 0xFF80),  # largest finite magnitudes -> +-inf
+        (0x7F7F7FFF, 0x7F7F),  # just below: the param stays finite
+        (0x7F800000, 0x7F80),
+        (0x7F800001, 0x7F80),  # inf; a NaN with a low payload -> inf
+        (0x7F808000, 0x7F81),  # ... whose carry keeps it a NaN
+        (0x7FFF8000, 0x8000),
+        (0xFFFF8000, 0x0000),  # the carry wraps: a NaN master, a +-0 param
+        (0x7FC00000, 0x7FC0),
+        (0x00008000, 0x0001),  # the default NaN; a subnormal tie -> away
+        (0x80000000, 0x8000),
+        (0x00000001, 0x0000),  # -0; the smallest subnormal
+    ],
+    ids=lambda v: f"{v:08x}",
+)
 def test_documented_carry_cases(master, param):
-    x = torch.tensor([master - 2 ** 32 if master >= 2 ** 31 else master], dtype=torch.int32).view(torch.float32)
+    x = torch.tensor([master - 2**32 if master >= 2**31 else master], dtype=torch.int32).view(torch.float32)
     p, r = ck.encode_remainder(x)
     assert bits(p).item() & 0xFFFF == param
     assert bits(ck.decode_remainder(p, r)).item() & 0xFFFFFFFF == master
@@ -437,8 +545,9 @@ def test_fifty_steps_with_remainders_keep_the_fp32_masters_bits(simd, moment_dty
             o16 = (torch.empty_like(param),) + tuple(torch.empty_like(b) for b in o32[1:])
             r_out = torch.empty_like(rem)
             ck.adam_step_(master, grad, m32, v32, max_exp_avg_sq=x32, out=o32, **kw)
-            ck.adam_step_(param, grad, m16, v16, max_exp_avg_sq=x16, out=o16, remainder=rem,
-                          remainder_out=r_out, **kw)
+            ck.adam_step_(
+                param, grad, m16, v16, max_exp_avg_sq=x16, out=o16, remainder=rem, remainder_out=r_out, **kw
+            )
             master, m32, v32, x32 = o32
             param, m16, v16, x16 = o16
             rem = r_out
@@ -457,16 +566,18 @@ def test_fifty_steps_with_remainders_keep_the_fp32_masters_bits(simd, moment_dty
 
 # ---------------------------------------------------------------------------- bad input
 def _args(n=8, *, remainders=True, amsgrad=False):
-    s = make_state(n, torch.bfloat16, amsgrad=amsgrad, moment_dtype=torch.bfloat16,
-                   remainders=remainders)
+    s = make_state(n, torch.bfloat16, amsgrad=amsgrad, moment_dtype=torch.bfloat16, remainders=remainders)
     kw = dict(HYPER, max_exp_avg_sq=s["max_exp_avg_sq"], remainder=s["remainder"])
     return [s["param"], s["grad"], s["exp_avg"], s["exp_avg_sq"]], kw
 
 
 def _bank(args, kw, **over):
     n = args[0].numel()
-    out = (torch.empty(n, dtype=torch.bfloat16), torch.empty(n, dtype=torch.bfloat16),
-           torch.empty(n, dtype=torch.bfloat16))
+    out = (
+        torch.empty(n, dtype=torch.bfloat16),
+        torch.empty(n, dtype=torch.bfloat16),
+        torch.empty(n, dtype=torch.bfloat16),
+    )
     kw.update(out=out, remainder_out=torch.empty(n, dtype=torch.int16))
     kw.update({k: (v(args, kw) if callable(v) else v) for k, v in over.items()})
 
@@ -474,56 +585,135 @@ def _bank(args, kw, **over):
 I16, BF16 = torch.int16, torch.bfloat16
 # (id, edit of a valid remainder call, exception, message regex)
 REMAINDER_ERROR_INPUTS = [
-    ("remainder fp32", lambda a, k: k.update(remainder=torch.zeros(8)), TypeError,
-     "remainder must have dtype"),
-    ("remainder uint16-sized int32", lambda a, k: k.update(remainder=torch.zeros(8, dtype=torch.int32)),
-     TypeError, "remainder must have dtype"),
-    ("remainder size", lambda a, k: k.update(remainder=torch.zeros(9, dtype=I16)), ValueError,
-     "remainder has 9 elements, expected 8"),
-    ("remainder non-contiguous", lambda a, k: k.update(remainder=torch.zeros(16, dtype=I16)[::2]),
-     ValueError, "remainder must be contiguous"),
-    ("remainder a list", lambda a, k: k.update(remainder=[0] * 8), TypeError,
-     "remainder must be a torch.Tensor"),
-    ("fp32 param with remainder", lambda a, k: a.__setitem__(0, torch.zeros(8)), TypeError,
-     "param must have dtype"),
-    ("bf16 param without remainder", lambda a, k: k.update(remainder=None), TypeError,
-     "a bf16 param needs remainder="),
-    ("param_copy with remainder", lambda a, k: k.update(param_copy=torch.empty(8, dtype=BF16)),
-     ValueError, "param_copy cannot be combined with remainder"),
-    ("remainder overlaps param", lambda a, k: k.update(remainder=a[0].view(I16)), ValueError,
-     "remainder overlaps param"),
-    ("remainder overlaps exp_avg", lambda a, k: k.update(remainder=a[2].view(I16)), ValueError,
-     "remainder overlaps exp_avg"),
-    ("remainder_out without out", lambda a, k: k.update(remainder_out=torch.empty(8, dtype=I16)),
-     ValueError, "remainder_out is for bank mode only"),
-    ("out without remainder_out", lambda a, k: (_bank(a, k), k.update(remainder_out=None)), ValueError,
-     "bank mode with remainders needs remainder_out="),
-    ("remainder_out without remainder",
-     lambda a, k: (a.__setitem__(0, torch.zeros(8)), _bank(a, k, remainder=None,
-                                                           out=lambda a, k: (torch.empty(8),) + k["out"][1:])),
-     ValueError, "remainder_out needs remainder="),
-    ("out[0] fp32 with remainders", lambda a, k: _bank(a, k, out=lambda a, k: (torch.empty(8),) + k["out"][1:]),
-     TypeError, r"out\[0\] \(param_out\) must have dtype"),
-    ("remainder_out fp32", lambda a, k: _bank(a, k, remainder_out=torch.empty(8)), TypeError,
-     "remainder_out must have dtype"),
-    ("remainder_out size", lambda a, k: _bank(a, k, remainder_out=torch.empty(7, dtype=I16)), ValueError,
-     "remainder_out has 7 elements"),
-    ("remainder_out is remainder", lambda a, k: _bank(a, k, remainder_out=lambda a, k: k["remainder"]),
-     ValueError, "remainder_out overlaps remainder"),
-    ("remainder_out overlaps out[0]",
-     lambda a, k: _bank(a, k, remainder_out=lambda a, k: k["out"][0].view(I16)), ValueError,
-     r"remainder_out overlaps out\[0\]"),
-    ("remainder_out overlaps grad", lambda a, k: _bank(a, k, remainder_out=lambda a, k: a[1].view(I16)),
-     ValueError, "remainder_out overlaps grad"),
+    (
+        "remainder fp32",
+        lambda a, k: k.update(remainder=torch.zeros(8)),
+        TypeError,
+        "remainder must have dtype",
+    ),
+    (
+        "remainder uint16-sized int32",
+        lambda a, k: k.update(remainder=torch.zeros(8, dtype=torch.int32)),
+        TypeError,
+        "remainder must have dtype",
+    ),
+    (
+        "remainder size",
+        lambda a, k: k.update(remainder=torch.zeros(9, dtype=I16)),
+        ValueError,
+        "remainder has 9 elements, expected 8",
+    ),
+    (
+        "remainder non-contiguous",
+        lambda a, k: k.update(remainder=torch.zeros(16, dtype=I16)[::2]),
+        ValueError,
+        "remainder must be contiguous",
+    ),
+    (
+        "remainder a list",
+        lambda a, k: k.update(remainder=[0] * 8),
+        TypeError,
+        "remainder must be a torch.Tensor",
+    ),
+    (
+        "fp32 param with remainder",
+        lambda a, k: a.__setitem__(0, torch.zeros(8)),
+        TypeError,
+        "param must have dtype",
+    ),
+    (
+        "bf16 param without remainder",
+        lambda a, k: k.update(remainder=None),
+        TypeError,
+        "a bf16 param needs remainder=",
+    ),
+    (
+        "param_copy with remainder",
+        lambda a, k: k.update(param_copy=torch.empty(8, dtype=BF16)),
+        ValueError,
+        "param_copy cannot be combined with remainder",
+    ),
+    (
+        "remainder overlaps param",
+        lambda a, k: k.update(remainder=a[0].view(I16)),
+        ValueError,
+        "remainder overlaps param",
+    ),
+    (
+        "remainder overlaps exp_avg",
+        lambda a, k: k.update(remainder=a[2].view(I16)),
+        ValueError,
+        "remainder overlaps exp_avg",
+    ),
+    (
+        "remainder_out without out",
+        lambda a, k: k.update(remainder_out=torch.empty(8, dtype=I16)),
+        ValueError,
+        "remainder_out is for bank mode only",
+    ),
+    (
+        "out without remainder_out",
+        lambda a, k: (_bank(a, k), k.update(remainder_out=None)),
+        ValueError,
+        "bank mode with remainders needs remainder_out=",
+    ),
+    (
+        "remainder_out without remainder",
+        lambda a, k: (
+            a.__setitem__(0, torch.zeros(8)),
+            _bank(a, k, remainder=None, out=lambda a, k: (torch.empty(8),) + k["out"][1:]),
+        ),
+        ValueError,
+        "remainder_out needs remainder=",
+    ),
+    (
+        "out[0] fp32 with remainders",
+        lambda a, k: _bank(a, k, out=lambda a, k: (torch.empty(8),) + k["out"][1:]),
+        TypeError,
+        r"out\[0\] \(param_out\) must have dtype",
+    ),
+    (
+        "remainder_out fp32",
+        lambda a, k: _bank(a, k, remainder_out=torch.empty(8)),
+        TypeError,
+        "remainder_out must have dtype",
+    ),
+    (
+        "remainder_out size",
+        lambda a, k: _bank(a, k, remainder_out=torch.empty(7, dtype=I16)),
+        ValueError,
+        "remainder_out has 7 elements",
+    ),
+    (
+        "remainder_out is remainder",
+        lambda a, k: _bank(a, k, remainder_out=lambda a, k: k["remainder"]),
+        ValueError,
+        "remainder_out overlaps remainder",
+    ),
+    (
+        "remainder_out overlaps out[0]",
+        lambda a, k: _bank(a, k, remainder_out=lambda a, k: k["out"][0].view(I16)),
+        ValueError,
+        r"remainder_out overlaps out\[0\]",
+    ),
+    (
+        "remainder_out overlaps grad",
+        lambda a, k: _bank(a, k, remainder_out=lambda a, k: a[1].view(I16)),
+        ValueError,
+        "remainder_out overlaps grad",
+    ),
 ]
 
 
-@pytest.mark.parametrize("edit,exc,match", [c[1:] for c in REMAINDER_ERROR_INPUTS],
-                         ids=[c[0] for c in REMAINDER_ERROR_INPUTS])
+@pytest.mark.parametrize(
+    "edit,exc,match", [c[1:] for c in REMAINDER_ERROR_INPUTS], ids=[c[0] for c in REMAINDER_ERROR_INPUTS]
+)
 def test_adam_step_rejects_bad_remainder_input_naming_the_argument(edit, exc, match):
     args, kw = _args()
     edit(args, kw)
-    before = [t.clone() for t in args] + ([kw["remainder"].clone()] if isinstance(kw.get("remainder"), torch.Tensor) else [])
+    before = [t.clone() for t in args] + (
+        [kw["remainder"].clone()] if isinstance(kw.get("remainder"), torch.Tensor) else []
+    )
     with pytest.raises(exc, match=match):
         ck.adam_step_(*args, **kw)
     after = args + ([kw["remainder"]] if isinstance(kw.get("remainder"), torch.Tensor) else [])
@@ -531,16 +721,29 @@ def test_adam_step_rejects_bad_remainder_input_naming_the_argument(edit, exc, ma
         assert torch.equal(bits(t), bits(b))
 
 
-@pytest.mark.parametrize("call,exc,match", [
-    (lambda: ck.encode_remainder(torch.zeros(4, dtype=BF16)), TypeError, "master must have dtype"),
-    (lambda: ck.encode_remainder(torch.zeros(8)[::2]), ValueError, "master must be contiguous"),
-    (lambda: ck.decode_remainder(torch.zeros(4), torch.zeros(4, dtype=I16)), TypeError,
-     "param must have dtype"),
-    (lambda: ck.decode_remainder(torch.zeros(4, dtype=BF16), torch.zeros(4)), TypeError,
-     "remainder must have dtype"),
-    (lambda: ck.decode_remainder(torch.zeros(4, dtype=BF16), torch.zeros(5, dtype=I16)), ValueError,
-     "remainder has 5 elements, expected 4"),
-], ids=["encode bf16", "encode strided", "decode fp32 param", "decode fp32 remainder", "decode size"])
+@pytest.mark.parametrize(
+    "call,exc,match",
+    [
+        (lambda: ck.encode_remainder(torch.zeros(4, dtype=BF16)), TypeError, "master must have dtype"),
+        (lambda: ck.encode_remainder(torch.zeros(8)[::2]), ValueError, "master must be contiguous"),
+        (
+            lambda: ck.decode_remainder(torch.zeros(4), torch.zeros(4, dtype=I16)),
+            TypeError,
+            "param must have dtype",
+        ),
+        (
+            lambda: ck.decode_remainder(torch.zeros(4, dtype=BF16), torch.zeros(4)),
+            TypeError,
+            "remainder must have dtype",
+        ),
+        (
+            lambda: ck.decode_remainder(torch.zeros(4, dtype=BF16), torch.zeros(5, dtype=I16)),
+            ValueError,
+            "remainder has 5 elements, expected 4",
+        ),
+    ],
+    ids=["encode bf16", "encode strided", "decode fp32 param", "decode fp32 remainder", "decode size"],
+)
 def test_encode_and_decode_reject_bad_input_naming_the_argument(call, exc, match):
     with pytest.raises(exc, match=match):
         call()

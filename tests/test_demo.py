@@ -1,4 +1,5 @@
 """The main job runs: a few demo steps over all three tiers, from a fresh interpreter."""
+
 import os
 import subprocess
 import sys
@@ -8,13 +9,20 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def _run(args, tmp_path, timeout=300):
     env = dict(os.environ, PYTHONPATH=REPO, TMPDIR=str(tmp_path))
-    return subprocess.run([sys.executable, "-m", "hybrid_opt", *args], cwd=tmp_path, env=env,
-                          capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "hybrid_opt", *args],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def test_demo_trains_over_every_tier_and_writes_its_loss_curve(tmp_path):
-    out = _run(["demo", "--steps", "6", "--no-progress", "--layers", "2", "--out", str(tmp_path / "o")],
-               tmp_path)
+    out = _run(
+        ["demo", "--steps", "6", "--no-progress", "--layers", "2", "--out", str(tmp_path / "o")], tmp_path
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     text = out.stdout
     for tier in ("| device |", "| host |", "| nvme |"):
@@ -38,6 +46,7 @@ def test_cli_lists_its_commands_and_rejects_unknown_ones(tmp_path):
 
 def _row(text, tier):
     import re
+
     m = re.search(rf"^\| {tier} \| (\d+) \| ([\d.]+) \| ([\d.]+|-) \|", text, re.M)
     assert m, text
     return m.group(3)
@@ -47,14 +56,44 @@ def test_demo_takes_the_compressed_state_options_and_prints_bytes_per_param(tmp_
     """#16: bf16 model, bf16 moments and remainders: 6 B/param on the device, 8 in a host bank
     (remainder 2 + bf16 copy 2 + moments 4), 6 in an nvme file; the plain fp32 run beside it:
     8 (the fp32 param is its own master), 12 and 12."""
-    out = _run(["demo", "--steps", "4", "--no-progress", "--layers", "1", "--no-baseline",
-                "--out", str(tmp_path / "o"), "--dtype", "bf16", "--exp-avg-dtype", "bf16",
-                "--exp-avg-sq-dtype", "bf16", "--store-param-remainders"], tmp_path)
+    out = _run(
+        [
+            "demo",
+            "--steps",
+            "4",
+            "--no-progress",
+            "--layers",
+            "1",
+            "--no-baseline",
+            "--out",
+            str(tmp_path / "o"),
+            "--dtype",
+            "bf16",
+            "--exp-avg-dtype",
+            "bf16",
+            "--exp-avg-sq-dtype",
+            "bf16",
+            "--store-param-remainders",
+        ],
+        tmp_path,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     assert "exp_avg bf16, exp_avg_sq bf16, remainders True" in out.stdout
     assert [_row(out.stdout, t) for t in ("device", "host", "nvme")] == ["6.0", "8.0", "6.0"]
-    plain = _run(["demo", "--steps", "2", "--no-progress", "--layers", "1", "--no-baseline",
-                  "--out", str(tmp_path / "p")], tmp_path)
+    plain = _run(
+        [
+            "demo",
+            "--steps",
+            "2",
+            "--no-progress",
+            "--layers",
+            "1",
+            "--no-baseline",
+            "--out",
+            str(tmp_path / "p"),
+        ],
+        tmp_path,
+    )
     assert plain.returncode == 0, plain.stderr[-3000:]
     assert [_row(plain.stdout, t) for t in ("device", "host", "nvme")] == ["8.0", "12.0", "12.0"]
 
@@ -66,9 +105,14 @@ def test_tier_state_bytes_counts_each_subgroup_by_its_dtype_and_tier():
 
     from hybrid_opt.demo import tier_state_bytes
     from hybrid_opt.state.state_format import StateFormat
+
     sg = lambda i, n, dt: SimpleNamespace(index=i, numel=n, dtype=dt, quantized=False)  # noqa: E731
-    subgroups = [sg(0, 100, torch.bfloat16), sg(1, 10, torch.float32), sg(2, 100, torch.bfloat16),
-                 sg(3, 100, torch.bfloat16)]
+    subgroups = [
+        sg(0, 100, torch.bfloat16),
+        sg(1, 10, torch.float32),
+        sg(2, 100, torch.bfloat16),
+        sg(3, 100, torch.bfloat16),
+    ]
     fmt = StateFormat(torch.bfloat16, torch.bfloat16, True)
     got = tier_state_bytes(subgroups, ["device", "device", "host", "nvme"], fmt)
     # an fp32 norm beside bf16 weights keeps its own master: moments only on the device
@@ -81,11 +125,17 @@ def test_tier_state_bytes_counts_each_subgroup_by_its_dtype_and_tier():
 
 def test_the_time_summary_names_the_cost_and_the_arrangement():
     from hybrid_opt.demo import time_summary
-    tier = lambda n, worker, waited, trainer=0.0: dict(subgroups=n, worker_s=worker,  # noqa: E731
-                                                       trainer_wait_s=waited, trainer_s=trainer)
+
+    tier = lambda n, worker, waited, trainer=0.0: dict(
+        subgroups=n,
+        worker_s=worker,  # noqa: E731
+        trainer_wait_s=waited,
+        trainer_s=trainer,
+    )
     totals = {"device": tier(1, 0.0, 0.0, trainer=0.5), "host": tier(2, 2.0, 0.5), "nvme": tier(1, 1.0, 0.5)}
-    text = time_summary(totals, 100, [0.05] * 100, 5.0, [0.04] * 100, 4.0,
-                        "shared: the trainer keeps all 2 cores", clipped=7)
+    text = time_summary(
+        totals, 100, [0.05] * 100, 5.0, [0.04] * 100, 4.0, "shared: the trainer keeps all 2 cores", clipped=7
+    )
     assert "HybridAdamW 5.0 s, torch AdamW 4.0 s (1.25x)" in text
     assert "median iteration 50.0 ms against 40.0 ms (+10.0 ms)" in text
     assert "device tier: 5.00 ms" in text

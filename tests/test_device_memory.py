@@ -3,6 +3,7 @@ at most torch's): every tensor allocated on the params' device while the optimiz
 steps, seen by a TorchDispatchMode, and the same allocations as torch's CUDA caching allocator
 counts them (max_memory_allocated), replayed through a model of its rounding. On a CPU-only host
 the device tier is CPU memory and its code allocates as on CUDA, the kernel call aside."""
+
 import weakref
 from typing import NamedTuple
 
@@ -28,8 +29,11 @@ class AllocationTracker(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        inputs = {a.untyped_storage().data_ptr() for a in tree_flatten((args, kwargs))[0]
-                  if isinstance(a, torch.Tensor) and a.device == self.device}
+        inputs = {
+            a.untyped_storage().data_ptr()
+            for a in tree_flatten((args, kwargs))[0]
+            if isinstance(a, torch.Tensor) and a.device == self.device
+        }
         out = func(*args, **kwargs)
         for t in tree_flatten(out)[0]:
             if not isinstance(t, torch.Tensor) or t.device != self.device or t._is_view():
@@ -74,8 +78,9 @@ class CachingAllocatorModel:
         if size <= MiB:
             self.blocks[key] = (None, [size, False])
             return self._count(size)
-        fits = [(b[0], k, seg, b) for k, seg in enumerate(self.segments)
-                for b in seg if b[1] and b[0] >= size]
+        fits = [
+            (b[0], k, seg, b) for k, seg in enumerate(self.segments) for b in seg if b[1] and b[0] >= size
+        ]
         if fits:
             _, _, seg, block = min(fits, key=lambda f: f[:2])
         else:
@@ -125,8 +130,9 @@ def test_the_allocator_model_rounds_as_measured_on_an_h200():
     then moments and grads. torch's per-param moments cost their size; 98 moments of the 49
     subgroups HybridAdamW cuts them into (subgroup_numel 4Mi) cost 31.6 MiB more, as measured
     (peak 3,170 MiB against torch's 3,139), and none more when split off one freed block."""
+
     def peak(moments, one_block=False):
-        m, keys = CachingAllocatorModel(), iter(range(10 ** 6))
+        m, keys = CachingAllocatorModel(), iter(range(10**6))
         params = [4096 * 4096 * 4, 4096 * 4] * 12
         for n in params:
             m.alloc(next(keys), n)
@@ -137,6 +143,7 @@ def test_the_allocator_model_rounds_as_measured_on_an_h200():
         for n in moments + params:  # the moments, then the grads
             m.alloc(next(keys), n)
         return m.peak / MiB
+
     torch_moments = [4096 * 4096 * 4, 4096 * 4] * 24
     subgroups = [4109760 * 4] * 96 + [4107264 * 4] * 2
     assert sum(torch_moments) == sum(subgroups)
@@ -202,8 +209,9 @@ def test_offload_0_allocates_on_the_device_no_more_than_torch_fused_adamw(runs):
     ours, theirs = runs["ours"], runs["torch"]
     assert ours.state_bytes == 2 * ours.param_bytes
     assert ours.tracker.live_peak() <= theirs.tracker.live_peak()
-    assert _allocated_bytes(ours.tracker.events[ours.last_iteration:]) <= \
-        _allocated_bytes(theirs.tracker.events[theirs.last_iteration:])
+    assert _allocated_bytes(ours.tracker.events[ours.last_iteration :]) <= _allocated_bytes(
+        theirs.tracker.events[theirs.last_iteration :]
+    )
 
 
 def test_offload_0_peak_device_memory_as_cudas_caching_allocator_counts_it_is_at_most_torchs(runs):
@@ -211,5 +219,6 @@ def test_offload_0_peak_device_memory_as_cudas_caching_allocator_counts_it_is_at
     the 5 subgroups (9.6 MiB each: two to a 20 MiB block, the second handed out with the 0.8 MiB
     left, 4 MiB over torch's in all) cost their own size, as torch's per-parameter moments do."""
     ours, theirs = runs["ours"], runs["torch"]
-    assert CachingAllocatorModel().replay(ours.tracker.events) <= \
-        CachingAllocatorModel().replay(theirs.tracker.events)
+    assert CachingAllocatorModel().replay(ours.tracker.events) <= CachingAllocatorModel().replay(
+        theirs.tracker.events
+    )

@@ -7,29 +7,36 @@ grad scale and its bits, the clock chosen by device, the lazy reading of marks t
 injected clock); `gpu` tests count the syncs with torch.cuda.set_sync_debug_mode and check
 that "auto" measures GPU time.
 """
+
 import importlib
 import warnings
 
 import pytest
 import torch
+from helpers import KERNEL_DEVICE
+from tolerances import assert_close
 from torch import nn
 
 import gpu_kernels
 import hybrid_opt.stepping as stepping_module
 from hybrid_opt import HybridAdamW
-from hybrid_opt.state import layout as L
 from hybrid_opt.clocks import CudaClock, HostClock, clock_for
+from hybrid_opt.state import layout as L
 from hybrid_opt.step_stats import MAX_UNREAD_SAMPLES
 from hybrid_opt.tiers.device import DeviceTier, read_scalars
 from hybrid_opt.tiers.inputs import StepInputs
-from helpers import KERNEL_DEVICE
-from tolerances import assert_close
 
 # the scheduler's synthetic rates (as tests/test_scheduler.py): "auto" keeps everything on
 # the device tier and never measures the machine
-SLOW_HOST = dict(host_adam_gelems_per_s=0.001, device_adam_gbps=40.0, device_adam_gbps_with_worker=20.0,
-                 h2d_gbps=5.0, d2h_gbps=5.0, trainer_slowdown_with_worker=1.6,
-                 backward_slowdown_with_host_adam=1.1)
+SLOW_HOST = dict(
+    host_adam_gelems_per_s=0.001,
+    device_adam_gbps=40.0,
+    device_adam_gbps_with_worker=20.0,
+    h2d_gbps=5.0,
+    d2h_gbps=5.0,
+    trainer_slowdown_with_worker=1.6,
+    backward_slowdown_with_host_adam=1.1,
+)
 
 
 def _net(device="cpu", width=16):
@@ -112,8 +119,9 @@ def test_device_tier_passes_the_grad_scale_as_a_float(monkeypatch):
     step builds no tensor from Python values at all."""
     seen = []
     real = gpu_kernels.FusedAdam.step  # fused_adam_ and the tier's prepared launches step through it
-    monkeypatch.setattr(gpu_kernels.FusedAdam, "step",
-                        lambda self, **k: seen.append(k["grad_scale"]) or real(self, **k))
+    monkeypatch.setattr(
+        gpu_kernels.FusedAdam, "step", lambda self, **k: seen.append(k["grad_scale"]) or real(self, **k)
+    )
     tier, sgs, params = _device_tier()
     hp = StepInputs(0, 1e-2, 0.9, 0.999, 1e-8, 0.1, True, -1.0)
     work = [(sgs[0].index, sl, hp, 1) for sl in sgs[0].slices]
@@ -122,6 +130,7 @@ def test_device_tier_passes_the_grad_scale_as_a_float(monkeypatch):
 
     def no_tensor(*a, **k):
         raise AssertionError("torch.tensor called during a device step")
+
     monkeypatch.setattr(torch, "tensor", no_tensor)
     tier._step_cuda([(i, sl, hp, 2) for i, sl, _, _ in work], 0.25, None)
     assert seen == [-0.25, -0.25] and all(type(s) is float for s in seen)
@@ -142,14 +151,17 @@ def _two_tiers_stepped(steps, edit):
         for k in range(1, steps + 1):
             edit(params, k)
             tier._step_cuda([(sg.index, sl, hp, k) for sg in sgs for sl in sg.slices], 0.5, None)
-        out.append([p.detach().clone() for p in params] +
-                   [t.clone() for st in tier.state.values() for t in st.values()])
+        out.append(
+            [p.detach().clone() for p in params]
+            + [t.clone() for st in tier.state.values() for t in st.values()]
+        )
     return out
 
 
 def test_prepared_device_launches_step_the_bits_of_fresh_ones():
     """Grads rewritten in place (the prepared launch is found again) and grads made anew at
     other addresses (a new one is prepared): the bits of checking and launching afresh."""
+
     def edit(params, k):
         gen = torch.Generator().manual_seed(k)
         for p in params:
@@ -158,6 +170,7 @@ def test_prepared_device_launches_step_the_bits_of_fresh_ones():
                 p.grad.copy_(new)
             else:
                 p.grad = new.clone()  # new memory
+
     prepared, fresh = _two_tiers_stepped(4, edit)
     for a, b in zip(prepared, fresh):
         assert torch.equal(a, b)
@@ -169,6 +182,7 @@ def test_a_prepared_device_launch_makes_no_tensor_per_slice_and_holds_no_grad(mo
     subgroup empties the cache."""
     import gc
     import weakref
+
     tier, sgs, params = _device_tier((300, 77))
     hp = StepInputs(0, 1e-2, 0.9, 0.999, 1e-8, 0.1, True, 1.0)
     work = [(sg.index, sl, hp, 1) for sg in sgs for sl in sg.slices]
@@ -178,6 +192,7 @@ def test_a_prepared_device_launch_makes_no_tensor_per_slice_and_holds_no_grad(mo
 
     def refuse(*a, **k):
         raise AssertionError("a per-slice tensor in the steady state")
+
     with monkeypatch.context() as m:
         m.setattr(L.ParamSlice, "grad_view", refuse)
         m.setattr(DeviceTier, "_views", refuse)
@@ -203,8 +218,19 @@ def test_float_grad_scale_gives_the_bits_of_a_tensor_scale():
     results = []
     for scale in (0.1 * -1, torch.tensor([0.1 * -1], dtype=torch.float32, device=KERNEL_DEVICE)):
         p, m, v = (t.clone() for t in state)
-        gpu_kernels.fused_adam_([p], [g], [m], [v], step=3, lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8,
-                                weight_decay=0.1, grad_scale=scale)
+        gpu_kernels.fused_adam_(
+            [p],
+            [g],
+            [m],
+            [v],
+            step=3,
+            lr=1e-2,
+            beta1=0.9,
+            beta2=0.999,
+            eps=1e-8,
+            weight_decay=0.1,
+            grad_scale=scale,
+        )
         results.append((p, m, v))
     for a, b in zip(*results):
         assert torch.equal(a, b)
@@ -225,8 +251,10 @@ def test_committed_host_params_reach_the_model_in_one_batched_copy():
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             dst = args[0][0] if func is torch.ops.aten._foreach_copy_.default else args[0]
-            if func in (torch.ops.aten.copy_.default, torch.ops.aten._foreach_copy_.default) and \
-                    dst.untyped_storage().data_ptr() in self.ptrs:
+            if (
+                func in (torch.ops.aten.copy_.default, torch.ops.aten._foreach_copy_.default)
+                and dst.untyped_storage().data_ptr() in self.ptrs
+            ):
                 self.count += 1
             return func(*args, **(kwargs or {}))
 
@@ -273,8 +301,9 @@ class FakeClock:
 
 def test_auto_on_cpu_times_with_the_host_clock():
     model = _net()
-    with HybridAdamW(model.parameters(), lr=1e-2, offload_fraction="auto", subgroup_numel=64,
-                     calibration=SLOW_HOST) as opt:
+    with HybridAdamW(
+        model.parameters(), lr=1e-2, offload_fraction="auto", subgroup_numel=64, calibration=SLOW_HOST
+    ) as opt:
         for i in range(3):
             opt.zero_grad()
             _backward(model, seed=i)
@@ -292,12 +321,18 @@ def test_auto_reads_marks_only_once_complete_and_a_step_late():
     observed until they complete, then that step's sample is, exactly; the queue of unread
     steps stays bounded."""
     model = _net()
-    with HybridAdamW(model.parameters(), lr=1e-2, offload_fraction="auto", subgroup_numel=64,
-                     calibration=SLOW_HOST, refit_every=0) as opt:
+    with HybridAdamW(
+        model.parameters(),
+        lr=1e-2,
+        offload_fraction="auto",
+        subgroup_numel=64,
+        calibration=SLOW_HOST,
+        refit_every=0,
+    ) as opt:
         clock = opt.parts.stats.clock = FakeClock()
         opt.zero_grad()
         _backward(model)  # marks 1, 2: the hooks on the first and last params
-        opt.step()        # marks 3, 4 around the device step
+        opt.step()  # marks 3, 4 around the device step
         assert clock.n == 4
         assert opt.parts.placement.auto.samples == [] and "measured" not in opt.stats
         clock.done = 4
@@ -357,8 +392,9 @@ def test_device_step_without_clipping_or_scaler_never_syncs():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("clip,scaler", [(1e-3, False), (None, True), (1e-3, True)],
-                         ids=["clip", "scaler", "clip+scaler"])
+@pytest.mark.parametrize(
+    "clip,scaler", [(1e-3, False), (None, True), (1e-3, True)], ids=["clip", "scaler", "clip+scaler"]
+)
 def test_device_step_syncs_once_with_clipping_or_a_scaler(clip, scaler):
     model, ref_model = _cuda_model(), _cuda_model()
     ref = torch.optim.AdamW(ref_model.parameters(), lr=1e-2, foreach=False)
@@ -395,8 +431,14 @@ def test_auto_on_cuda_measures_gpu_time_not_launch_time():
     elements = sum(p.numel() for p in model.parameters())
     # an explicit device budget: without one, "auto" on CUDA keeps every state off the device
     # until a refit has measured the iterations' peak (refit_every=0: never)
-    with HybridAdamW(model.parameters(), lr=1e-4, offload_fraction="auto", calibration=SLOW_HOST,
-                     refit_every=0, device_memory_budget=16 << 30) as opt:
+    with HybridAdamW(
+        model.parameters(),
+        lr=1e-4,
+        offload_fraction="auto",
+        calibration=SLOW_HOST,
+        refit_every=0,
+        device_memory_budget=16 << 30,
+    ) as opt:
         assert opt.plan.summary()["device"]["share"] == 1.0, opt.plan
         for i in range(4):
             opt.zero_grad()

@@ -1,19 +1,21 @@
 """The launch harness itself (tests/dist_launch.py): launches that run at the same time as
 other launches on one machine (pytest-xdist, two CI jobs) never collide on a port."""
+
 import socket
 
-import pytest
-
 import dist_launch
+import pytest
 
 
 def _gloo() -> bool:
     import torch.distributed as dist
+
     return dist.is_available() and dist.is_gloo_available()
 
 
-pytestmark = pytest.mark.skipif(not _gloo(), reason="torch.distributed with the gloo backend "
-                                "is not available")
+pytestmark = pytest.mark.skipif(
+    not _gloo(), reason="torch.distributed with the gloo backend is not available"
+)
 
 
 def test_launches_survive_a_port_taken_before_torchrun_binds_it(tmp_path, monkeypatch):
@@ -31,6 +33,7 @@ def test_launches_survive_a_port_taken_before_torchrun_binds_it(tmp_path, monkey
         def taken_first():
             handed.append(real() if handed else taken)
             return handed[-1]
+
         monkeypatch.setattr(dist_launch, "free_port", taken_first)
         ranks = dist_launch.launch("ping.py", str(tmp_path / "one"), timeout_s=60)
         assert [r["total"] for r in ranks] == [3.0, 3.0]

@@ -7,12 +7,12 @@ Each launch (tests/dist_launch.py) runs one rank script over several configurati
 whole module costs two torchrun launches (about 25 s here); each is bounded and kills every
 rank and worker when it overruns.
 """
+
 import os
 import sys
 
 import pytest
 import torch
-
 from dist_launch import DIST_MARKS, SCRIPTS, launch
 from tolerances import DIST_RTOL
 
@@ -21,17 +21,37 @@ import common as C  # noqa: E402
 
 pytestmark = DIST_MARKS
 
-TRAIN = ["adamw_1d_nvme", "adam_1d_host", "adamw_hsdp_nvme", "adam_hsdp_host",
-         "adamw_cpu_offload", "adamw_swap_load"]
-CLIP = {"adamw_1d_nvme": 1.0, "adam_1d_host": 1.0, "adamw_hsdp_nvme": 0.5, "adam_hsdp_host": 1.0,
-        "adamw_cpu_offload": 1.0, "adamw_swap_load": 1.0}
+TRAIN = [
+    "adamw_1d_nvme",
+    "adam_1d_host",
+    "adamw_hsdp_nvme",
+    "adam_hsdp_host",
+    "adamw_cpu_offload",
+    "adamw_swap_load",
+]
+CLIP = {
+    "adamw_1d_nvme": 1.0,
+    "adam_1d_host": 1.0,
+    "adamw_hsdp_nvme": 0.5,
+    "adam_hsdp_host": 1.0,
+    "adamw_cpu_offload": 1.0,
+    "adamw_swap_load": 1.0,
+}
 
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     out = tmp_path_factory.mktemp("fsdp_train")
-    return launch("fsdp_train.py", str(out), *TRAIN, "adamw_overflow", "adamw_noclip",
-                  "plain_warn", "adamw_mixed_precision", timeout_s=150)
+    return launch(
+        "fsdp_train.py",
+        str(out),
+        *TRAIN,
+        "adamw_overflow",
+        "adamw_noclip",
+        "plain_warn",
+        "adamw_mixed_precision",
+        timeout_s=150,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -96,9 +116,11 @@ def test_plan_says_it_is_the_ranks_share(trained, zero_trained):
     process_group's dim-0 chunks)."""
     total = sum(p.numel() for p in C.build_model().parameters())
     for rank in range(2):
-        cases = [(trained[rank]["adamw_1d_nvme"], sum(trained[rank]["adamw_1d_nvme"]["local_numels"])),
-                 (trained[rank]["adamw_hsdp_nvme"], total),
-                 (zero_trained[rank]["adamw_nvme"], zero_trained[rank]["adamw_nvme"]["state_numel"])]
+        cases = [
+            (trained[rank]["adamw_1d_nvme"], sum(trained[rank]["adamw_1d_nvme"]["local_numels"])),
+            (trained[rank]["adamw_hsdp_nvme"], total),
+            (zero_trained[rank]["adamw_nvme"], zero_trained[rank]["adamw_nvme"]["state_numel"]),
+        ]
         for res, mine in cases:
             note = f"rank {rank} of 2: its share, {mine} of {total} elements"
             assert res["plan"].startswith(f"Plan({note}; device: "), res["plan"]
@@ -112,7 +134,7 @@ def test_speculation_starts_from_fsdp2_hooks(trained):
         for name in TRAIN:
             # swap_tensors drops a Parameter's hooks: the first step() re-adopts the shards and
             # hooks them again, so speculation resumes from the second step
-            specs = res[name]["speculation"][1 if name == "adamw_swap_load" else 0:]
+            specs = res[name]["speculation"][1 if name == "adamw_swap_load" else 0 :]
             for spec in specs:
                 assert spec["committed"] >= 1 and spec["redone"] == 0, (name, spec)
         assert res["adamw_swap_load"]["speculation"][0]["stepped"] >= 1
@@ -156,8 +178,11 @@ def test_dcp_state_is_dtensors_like_the_params(checkpointed):
     AdamW's under FSDP2) and plain step counts; the full state dict (cpu_offload) plain tensors."""
     _, (r0, r1) = checkpointed
     for res in (r0, r1):
-        assert res["kinds"] == {"step": ("Tensor", ()), "exp_avg": ("DTensor", ("S(0)",)),
-                                "exp_avg_sq": ("DTensor", ("S(0)",))}
+        assert res["kinds"] == {
+            "step": ("Tensor", ()),
+            "exp_avg": ("DTensor", ("S(0)",)),
+            "exp_avg_sq": ("DTensor", ("S(0)",)),
+        }
     assert r0["full_kinds"] == ["Tensor"]
 
 
@@ -200,14 +225,21 @@ def _resume_in_one_process(ckpt: str, ranks: list, into: str) -> None:
     state dict, trains the remaining batches and checks the uninterrupted trajectory."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+
     from hybrid_opt import HybridAdamW
 
     model = C.build_model()
     if into == "torch.optim.AdamW":
         opt = torch.optim.AdamW(model.parameters(), lr=C.LR, weight_decay=0.01, foreach=False)
     else:
-        opt = HybridAdamW(model.parameters(), lr=C.LR, weight_decay=0.01, max_grad_norm=1.0,
-                          subgroup_numel=32, offload_fraction=0.5)
+        opt = HybridAdamW(
+            model.parameters(),
+            lr=C.LR,
+            weight_decay=0.01,
+            max_grad_norm=1.0,
+            subgroup_numel=32,
+            offload_fraction=0.5,
+        )
     try:
         if into == "full_state_dict":
             full = torch.load(ckpt + "-full.pt", weights_only=True)
@@ -249,10 +281,15 @@ def test_fsdp2_on_cuda_one_rank(tmp_path):
     if torch.cuda.device_count() < 1:
         pytest.skip("needs a CUDA device")
     names = ["adamw_1d_nvme", "adam_1d_host", "adamw_overflow", "adamw_noclip"]
-    (res,) = launch("fsdp_train.py", str(tmp_path), *names, nproc=1, timeout_s=80,
-                    env={"DIST_DEVICE": "cuda"})
-    for name, clip, skip in (("adamw_1d_nvme", 1.0, ()), ("adam_1d_host", 1.0, ()),
-                             ("adamw_overflow", 1.0, ()), ("adamw_noclip", None, ())):
+    (res,) = launch(
+        "fsdp_train.py", str(tmp_path), *names, nproc=1, timeout_s=80, env={"DIST_DEVICE": "cuda"}
+    )
+    for name, clip, skip in (
+        ("adamw_1d_nvme", 1.0, ()),
+        ("adam_1d_host", 1.0, ()),
+        ("adamw_overflow", 1.0, ()),
+        ("adamw_noclip", None, ()),
+    ):
         kind = "AdamW" if name.startswith("adamw") else "Adam"
         ref_params, _ = C.reference(kind, max_grad_norm=clip, skip=skip)
         # one rank: its local batch is the global batch; the overflow is injected on rank 1 only
@@ -264,6 +301,7 @@ def test_launch_past_its_deadline_kills_ranks_and_workers(tmp_path):
     """The harness's bound: a launch that never ends fails at its deadline with the ranks'
     output, and every rank and HybridAdamW worker under it (in sessions of their own) is gone."""
     from helpers import wait_gone
+
     with pytest.raises(pytest.fail.Exception, match=r"(?s)no result within 20 s .*rank \d blocking"):
         launch("hang.py", str(tmp_path), timeout_s=20)
     pids = [int((tmp_path / f"worker{r}.pid").read_text()) for r in range(2)]
@@ -273,20 +311,35 @@ def test_launch_past_its_deadline_kills_ranks_and_workers(tmp_path):
 
 # ---------------------------------------------------------------- process_group (ZeRO-2 style)
 ZERO_TRAIN = {  # name: (optimizer, clip, steps skipped)
-    "adamw_nvme": ("AdamW", 1.0, ()), "adam_host": ("Adam", 1.0, ()),
-    "adamw_host_noclip": ("AdamW", None, ()), "adamw_overflow": ("AdamW", 1.0, (1,)),
-    "adamw_accum": ("AdamW", 1.0, ()), "adamw_accum_noflag": ("AdamW", 1.0, ()),
+    "adamw_nvme": ("AdamW", 1.0, ()),
+    "adam_host": ("Adam", 1.0, ()),
+    "adamw_host_noclip": ("AdamW", None, ()),
+    "adamw_overflow": ("AdamW", 1.0, (1,)),
+    "adamw_accum": ("AdamW", 1.0, ()),
+    "adamw_accum_noflag": ("AdamW", 1.0, ()),
     "adamw_ddp": ("AdamW", None, ()),
-    "adamw_sync": ("AdamW", None, ()), "adamw_sd_close": ("AdamW", None, ()),
-    "adamw_sync_rs": ("AdamW", None, ()), "adamw_overlap_ar": ("AdamW", None, ()),
-    "adamw_commit_order": ("AdamW", 1.0, ())}
+    "adamw_sync": ("AdamW", None, ()),
+    "adamw_sd_close": ("AdamW", None, ()),
+    "adamw_sync_rs": ("AdamW", None, ()),
+    "adamw_overlap_ar": ("AdamW", None, ()),
+    "adamw_commit_order": ("AdamW", 1.0, ()),
+}
 
 
 @pytest.fixture(scope="module")
 def zero_trained(tmp_path_factory):
     out = tmp_path_factory.mktemp("zero_train")
-    return launch("zero_train.py", str(out), *ZERO_TRAIN, "adamw_load", "adamw_unused",
-                  "adamw_unused_direct", "adamw_unused_lazy", "adamw_unused_direct_lazy", timeout_s=180)
+    return launch(
+        "zero_train.py",
+        str(out),
+        *ZERO_TRAIN,
+        "adamw_load",
+        "adamw_unused",
+        "adamw_unused_direct",
+        "adamw_unused_lazy",
+        "adamw_unused_direct_lazy",
+        timeout_s=180,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -328,7 +381,9 @@ def test_process_group_param_unused_on_one_rank_keeps_the_collectives_in_order(z
         _assert_trajectory(res["adamw_unused"]["params"], ref_params, f"adamw_unused rank {rank}")
         assert res["adamw_unused"]["norms"] == pytest.approx(ref_norms, rel=1e-5)
     assert torch.equal(ref_params[-1][-1], ref_params[-2][-1])  # the bias not stepped at the last
-    for a, b in zip(zero_trained[0]["adamw_unused"]["params"][-1], zero_trained[1]["adamw_unused"]["params"][-1]):
+    for a, b in zip(
+        zero_trained[0]["adamw_unused"]["params"][-1], zero_trained[1]["adamw_unused"]["params"][-1]
+    ):
         assert torch.equal(a, b)
 
 
@@ -340,10 +395,14 @@ def test_process_group_param_unused_on_one_rank_in_a_bucket_reduced_from_its_gra
     ref_params, ref_norms = C.reference_layer_unused("AdamW", max_grad_norm=1.0)
     for rank, res in enumerate(zero_trained):
         assert res["adamw_unused_direct"]["direct"] == [False, True, False, False]
-        _assert_trajectory(res["adamw_unused_direct"]["params"], ref_params, f"adamw_unused_direct rank {rank}")
+        _assert_trajectory(
+            res["adamw_unused_direct"]["params"], ref_params, f"adamw_unused_direct rank {rank}"
+        )
         assert res["adamw_unused_direct"]["norms"] == pytest.approx(ref_norms, rel=1e-5)
-    for a, b in zip(zero_trained[0]["adamw_unused_direct"]["params"][-1],
-                    zero_trained[1]["adamw_unused_direct"]["params"][-1]):
+    for a, b in zip(
+        zero_trained[0]["adamw_unused_direct"]["params"][-1],
+        zero_trained[1]["adamw_unused_direct"]["params"][-1],
+    ):
         assert torch.equal(a, b)
 
 
@@ -366,8 +425,9 @@ def test_process_group_has_grad_counts_read_lazily_in_step(zero_trained, name, u
         assert all(r <= 1 for r in reads), reads  # at most one copy a step
         if rank == 1:  # unused there at every step: one read a step, its grads None until step()
             assert reads == [1] * C.STEPS
-            assert all([i for i, none in enumerate(g) if none] == unused
-                       for g in lazy["grad_none_after_backward"])
+            assert all(
+                [i for i, none in enumerate(g) if none] == unused for g in lazy["grad_none_after_backward"]
+            )
             assert eager["count_reads_after_backward"][0] >= 1  # eager: read in backward
             assert not any(any(g) for g in eager["grad_none_after_backward"][:-1])
     assert res["adamw_sync"]["zero"]["count_reads"] == 0  # every param has its grad: no read
@@ -418,7 +478,9 @@ def test_process_group_waits_on_cuda_are_the_streams_not_the_hosts():
     (NCCL's wait with a timeout blocks the host until the collective is done); elsewhere
     bounded by the group's timeout. (The wait itself on NCCL needs a GPU: not run here.)"""
     import datetime
+
     from hybrid_opt.distributed.zero import wait_collective
+
     timeout = datetime.timedelta(seconds=7)
     calls = []
 
@@ -426,6 +488,7 @@ def test_process_group_waits_on_cuda_are_the_streams_not_the_hosts():
         def wait(self, **kw):
             calls.append(kw)
             return True
+
     wait_collective(Work(), "a reduction", timeout, True)
     wait_collective(Work(), "a reduction", timeout)
     assert calls == [{}, {"timeout": timeout}]
@@ -435,11 +498,13 @@ def test_process_group_failed_wait_names_its_bound():
     """A failed wait's message names the bound that applied: the process group's timeout, on
     gloo the host's wait, on CUDA (no timeout passed: the stream waits) NCCL's watchdog."""
     import datetime
+
     from hybrid_opt.distributed.zero import wait_collective
 
     class Failed:
         def wait(self, **kw):
             raise RuntimeError("NCCL communicator was aborted")
+
     for cuda in (True, False):
         with pytest.raises(RuntimeError, match=r"within the process group's timeout \(7 s\) or failed"):
             wait_collective(Failed(), "a reduction", datetime.timedelta(seconds=7), cuda)
@@ -456,8 +521,9 @@ def test_process_group_on_cuda_one_rank(tmp_path):
     if torch.cuda.device_count() < 1:
         pytest.skip("needs a CUDA device")
     names = ["adamw_sync", "adamw_host_noclip", "adamw_nvme", "adamw_unused"]
-    (res,) = launch("zero_train.py", str(tmp_path), *names, nproc=1, timeout_s=80,
-                    env={"DIST_DEVICE": "cuda"})
+    (res,) = launch(
+        "zero_train.py", str(tmp_path), *names, nproc=1, timeout_s=80, env={"DIST_DEVICE": "cuda"}
+    )
     for name in names[:3]:
         _, clip, skip = ZERO_TRAIN[name]
         ref_params, _ = C.reference("AdamW", max_grad_norm=clip, skip=skip)
@@ -568,8 +634,9 @@ def test_process_group_warns_once_under_ddp(zero_trained):
         assert len(msgs) == 1, res["adamw_ddp"]["warnings"]
         for name in ZERO_TRAIN:
             if name != "adamw_ddp":
-                assert not [m for m in res[name]["warnings"] if "DistributedDataParallel" in m
-                            or "replicated" in m]
+                assert not [
+                    m for m in res[name]["warnings"] if "DistributedDataParallel" in m or "replicated" in m
+                ]
 
 
 def test_process_group_dcp_state_is_shard0_dtensors(zero_checkpointed):

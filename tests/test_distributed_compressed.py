@@ -16,12 +16,12 @@ must then match bit for bit: params, decoded fp32 masters and bf16 moments at ev
 also proves no master was restarted from its param by a false write detection (FSDP2's lazy
 init, its all-gathers, process_group's param gathers): a restart drops the remainders' bits.
 """
+
 import os
 import sys
 
 import pytest
 import torch
-
 from dist_launch import DIST_MARKS, SCRIPTS, launch
 from helpers import with_fp32_masters
 from tolerances import RTOL
@@ -94,10 +94,19 @@ def _train_single(model, opt, xs, *, averaged=True, skip=(), first=0) -> list:
 
 def _hybrid(model):
     from hybrid_opt import HybridAdamW
+
     # speculative=False: the grads are set after backward (speculation would redo every step;
     # the bits are the same either way)
-    return HybridAdamW(model.parameters(), lr=C.LR, weight_decay=0.01, max_grad_norm=1.0,
-                       subgroup_numel=32, offload_fraction=0.5, speculative=False, **COMPRESSED)
+    return HybridAdamW(
+        model.parameters(),
+        lr=C.LR,
+        weight_decay=0.01,
+        max_grad_norm=1.0,
+        subgroup_numel=32,
+        offload_fraction=0.5,
+        speculative=False,
+        **COMPRESSED,
+    )
 
 
 _SINGLE = {}
@@ -217,7 +226,9 @@ def test_compressed_state_follows_torch_adamw_with_fp32_masters(compressed, name
                 for k, (x, y) in enumerate(zip(a[key], masters)):
                     err = C.rel_err(x.float(), y)
                     assert err <= BF16_RTOL, f"{name} rank {rank} step {step} {key} {k}: {err:.2e}"
-    moved = [C.rel_err(a, b) for a, b in zip(ref[-1], [p.detach().float() for p in _bf16_model().parameters()])]
+    moved = [
+        C.rel_err(a, b) for a, b in zip(ref[-1], [p.detach().float() for p in _bf16_model().parameters()])
+    ]
     assert min(moved) > 2 * BF16_RTOL
 
 
@@ -242,6 +253,7 @@ def _resume_hybrid(ckpt: str) -> list:
     model), then the remaining steps on the averaged grads."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+
     model = _bf16_model()
     with _hybrid(model) as opt:
         sd = {"model": model.state_dict(), "optim": get_optimizer_state_dict(model, opt)}
@@ -258,6 +270,7 @@ def test_dcp_compressed_2_ranks_load_1_resumes_bitwise(compressed, name):
     into one plain process's compressed HybridAdamW: the resumed steps are the uninterrupted
     ones, bit for bit."""
     import torch.distributed.checkpoint as dcp
+
     ckpt, ranks = compressed
     path = os.path.join(ckpt, name)
     meta = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
@@ -277,18 +290,22 @@ def test_dcp_compressed_2_ranks_load_into_torch_adamw(compressed, name):
     of the uninterrupted masters and params (torch keeps fp32 moments from there on)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+
     ckpt, ranks = compressed
     model, masters = _bf16_model(), C.build_model()
     opt = torch.optim.AdamW(masters.parameters(), lr=C.LR, weight_decay=0.01, foreach=False)
     sd = {"model": model.state_dict(), "optim": get_optimizer_state_dict(masters, opt)}
     from hybrid_opt import fp32_master
+
     for fqn, p in masters.named_parameters():
         sd["optim"]["state"][fqn]["master_remainder"] = torch.empty(p.shape, dtype=torch.int16)
     dcp.load(sd, checkpoint_id=os.path.join(ckpt, name))
     model.load_state_dict(sd["model"])
     with torch.no_grad():
         for (fqn, p), bf16 in zip(masters.named_parameters(), model.parameters()):
-            p.copy_(fp32_master({"master_remainder": sd["optim"]["state"][fqn].pop("master_remainder")}, bf16))
+            p.copy_(
+                fp32_master({"master_remainder": sd["optim"]["state"][fqn].pop("master_remainder")}, bf16)
+            )
     set_optimizer_state_dict(masters, opt, sd["optim"])
     uninterrupted = ranks[0][name]["steps"][SAVE_AT:]
     for i, x in enumerate(C.batches()[SAVE_AT:]):
@@ -300,7 +317,9 @@ def test_dcp_compressed_2_ranks_load_into_torch_adamw(compressed, name):
             for m, p in zip(masters.parameters(), model.parameters()):
                 p.copy_(m)
         for k, (m, p) in enumerate(zip(masters.parameters(), model.parameters())):
-            for ours, ref in ((m.detach(), uninterrupted[i]["master_param"][k]),
-                              (p.detach(), uninterrupted[i]["params"][k])):
+            for ours, ref in (
+                (m.detach(), uninterrupted[i]["master_param"][k]),
+                (p.detach(), uninterrupted[i]["params"][k]),
+            ):
                 err = C.rel_err(ours.float(), ref.float())
                 assert err <= BF16_RTOL, f"{name} step {SAVE_AT + i} param {k}: {err:.2e}"

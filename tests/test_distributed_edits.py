@@ -2,19 +2,39 @@
 unscale_, a framework's clipping) are refused on every rank at the same step, with nothing
 stepped (hybrid_opt/distributed/zero_edits.py); a DDP wrapper's own write of the averages is not an edit;
 one rank's checkpoint is refused on another rank. 2 gloo ranks (tests/dist_scripts/zero_edits.py)."""
+
 import pytest
 import torch
-
 from dist_launch import DIST_MARKS, launch
 
 pytestmark = DIST_MARKS
 
-CASES = ("clip", "clip_rank1", "mul", "ddp", "ddp_clip", "ddp_unbitten_clip", "unscale", "rank0_checkpoint",
-         "takeover", "ddp_unused", "ddp_unused_lazy", "ddp_bucket_view", "ddp_overflow", "grant_set",
-         "grant_set_lazy", "sparse_rank1")
+CASES = (
+    "clip",
+    "clip_rank1",
+    "mul",
+    "ddp",
+    "ddp_clip",
+    "ddp_unbitten_clip",
+    "unscale",
+    "rank0_checkpoint",
+    "takeover",
+    "ddp_unused",
+    "ddp_unused_lazy",
+    "ddp_bucket_view",
+    "ddp_overflow",
+    "grant_set",
+    "grant_set_lazy",
+    "sparse_rank1",
+)
 DDP_CASES = ("ddp", "ddp_unbitten_clip", "ddp_clip")
-RECIPE = ("HybridAdamW(..., max_grad_norm=", "attach_grad_scaler", "TrainingArguments(max_grad_norm=0)",
-          "gradient_clip_val=None", "accelerator.clip_grad_norm_")
+RECIPE = (
+    "HybridAdamW(..., max_grad_norm=",
+    "attach_grad_scaler",
+    "TrainingArguments(max_grad_norm=0)",
+    "gradient_clip_val=None",
+    "accelerator.clip_grad_norm_",
+)
 
 
 @pytest.fixture(scope="module")
@@ -98,8 +118,9 @@ def test_a_grad_refused_on_one_rank_stops_both_even_where_the_sharding_part_fail
 
 @pytest.fixture(scope="module")
 def edited_3_ranks(tmp_path_factory):
-    return launch("zero_edits.py", str(tmp_path_factory.mktemp("zero_edits3")), *DDP_CASES, nproc=3,
-                  timeout_s=170)
+    return launch(
+        "zero_edits.py", str(tmp_path_factory.mktemp("zero_edits3")), *DDP_CASES, nproc=3, timeout_s=170
+    )
 
 
 def test_ddp_averages_at_3_ranks_are_recognised_whatever_their_rounding(edited_3_ranks):
@@ -126,17 +147,25 @@ def test_a_refused_step_inside_scaler_step_leaves_the_next_step_unscaled_right(t
     import sys
 
     import torch.distributed as dist
-
     from dist_launch import SCRIPTS
+
     sys.path.insert(0, SCRIPTS)
     import common as C
+
     from hybrid_opt import GradsEditedError, HybridAdamW
+
     dist.init_process_group("gloo", init_method=f"file://{tmp_path}/rdzv", rank=0, world_size=1)
     try:
+
         def train(refuse_first: bool) -> list:
             model = C.build_model()
-            with HybridAdamW(model.parameters(), lr=C.LR, subgroup_numel=32, offload_fraction=0.5,
-                             process_group=dist.group.WORLD) as opt:
+            with HybridAdamW(
+                model.parameters(),
+                lr=C.LR,
+                subgroup_numel=32,
+                offload_fraction=0.5,
+                process_group=dist.group.WORLD,
+            ) as opt:
                 scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
                 opt.attach_grad_scaler(scaler)
                 for i, x in enumerate(C.batches()):
@@ -154,6 +183,7 @@ def test_a_refused_step_inside_scaler_step_leaves_the_next_step_unscaled_right(t
                     scaler.step(opt)
                     scaler.update()
                 return [p.detach().clone() for p in model.parameters()]
+
         for a, b in zip(train(True), train(False)):
             assert torch.equal(a, b)
     finally:
@@ -167,17 +197,24 @@ def test_a_user_hook_returning_a_tensor_gets_torchs_own_error(tmp_path):
     import sys
 
     import torch.distributed as dist
-
     from dist_launch import SCRIPTS
+
     sys.path.insert(0, SCRIPTS)
     import common as C
+
     from hybrid_opt import HybridAdamW
+
     dist.init_process_group("gloo", init_method=f"file://{tmp_path}/rdzv", rank=0, world_size=1)
     try:
         model = C.build_model()
         next(model.parameters()).register_post_accumulate_grad_hook(lambda p: p.grad.clamp_(-1, 1))
-        with HybridAdamW(model.parameters(), lr=C.LR, subgroup_numel=32, offload_fraction=0.5,
-                         process_group=dist.group.WORLD):
+        with HybridAdamW(
+            model.parameters(),
+            lr=C.LR,
+            subgroup_numel=32,
+            offload_fraction=0.5,
+            process_group=dist.group.WORLD,
+        ):
             with pytest.raises(RuntimeError, match="should return None"):
                 C.loss_fn(model, C.batches()[0]).backward()
     finally:
@@ -214,8 +251,10 @@ def test_a_ddp_wrapper_finding_unused_params_trains_like_torch(edited, case):
     import sys
 
     from dist_launch import SCRIPTS
+
     sys.path.insert(0, SCRIPTS)
     import common as C
+
     ref, _ = C.reference_bias_unused("AdamW")
     for rank, res in enumerate(edited):
         assert res[case]["error"] is None and len(res[case]["params"]) == len(ref)

@@ -12,12 +12,12 @@
 
 One launch each (about 8 s and 10 s here), bounded by the harness (tests/dist_launch.py).
 """
+
 import os
 import sys
 
 import pytest
 import torch
-
 from dist_launch import DIST_MARKS, SCRIPTS, launch, launch_nodes
 from tolerances import DIST_RTOL
 
@@ -26,8 +26,17 @@ import common as C  # noqa: E402
 
 pytestmark = DIST_MARKS
 
-SCENARIOS = ["plain", "kill_between", "kill_backward", "fail_speculation", "nvme_lost",
-             "zero_host_fails", "zero_check_fails", "zero_init", "rank_gone"]
+SCENARIOS = [
+    "plain",
+    "kill_between",
+    "kill_backward",
+    "fail_speculation",
+    "nvme_lost",
+    "zero_host_fails",
+    "zero_check_fails",
+    "zero_init",
+    "rank_gone",
+]
 PG_TIMEOUT_S = 20  # fsdp_faults.py's process group timeout
 # "no wait": well under the timeout a hang would reach, with room for a loaded 2-core CI machine
 # (4 processes there share 2 cores; the peer may be restarting its worker when it gets there)
@@ -72,7 +81,9 @@ def test_failure_before_the_decision_stops_every_rank_at_that_step(faults):
     (e1,) = r1["errors"]
     (e0,) = r0["errors"]
     assert e1["step"] == e0["step"] == 1
-    assert e1["type"] == "RuntimeError" and "injected fault: the swap file could not be written" in e1["message"]
+    assert (
+        e1["type"] == "RuntimeError" and "injected fault: the swap file could not be written" in e1["message"]
+    )
     assert "every rank of the group stops at this step" in e1["message"]
     assert e0["type"] == "PeerStepFailed" and e0["ranks"] == [1]
     assert e0["message"].startswith("rank 1's step failed") and e0["seconds"] < NO_HANG_S
@@ -123,8 +134,10 @@ def test_process_group_host_failure_after_the_decision_keeps_the_collectives_ali
     assert [e["step"] for e in r1["errors"]] == [1, 2, 3]
     assert "injected fault: the host step failed" in r1["errors"][0]["message"]
     assert "out of step" in r1["errors"][1]["message"]
-    assert [(e["step"], e["type"], e["ranks"]) for e in r0["errors"]] == [(2, "PeerStepFailed", [1]),
-                                                                         (3, "PeerStepFailed", [1])]
+    assert [(e["step"], e["type"], e["ranks"]) for e in r0["errors"]] == [
+        (2, "PeerStepFailed", [1]),
+        (3, "PeerStepFailed", [1]),
+    ]
     assert max(e["seconds"] for e in r0["errors"] + r1["errors"]) < NO_HANG_S
     ref_params, _ = C.reference("AdamW", max_grad_norm=1.0, n=2)
     _assert_trajectory(r0["params"][:1], ref_params, "zero_host_fails rank 0")
@@ -153,7 +166,9 @@ def test_state_init_step_is_one_decision_across_ranks(faults):
     the same step counts, params unchanged, no wait."""
     r0, r1 = faults[0]["zero_init"], faults[1]["zero_init"]
     assert [(e["step"], e["type"]) for e in r0["errors"]] == [("A", "PeerStepFailed")]
-    assert [e["step"] for e in r1["errors"]] == ["A"] and "injected: a failure kept" in r1["errors"][0]["message"]
+    assert [e["step"] for e in r1["errors"]] == ["A"] and "injected: a failure kept" in r1["errors"][0][
+        "message"
+    ]
     assert max(e["seconds"] for e in r0["errors"] + r1["errors"]) < NO_HANG_S
     assert r0["steps"][1] == r1["steps"][1] == [1] * 6
     initial = [p.detach() for p in C.build_model().parameters()]
@@ -211,6 +226,7 @@ def test_agree_in_one_process_is_the_local_decision_or_the_local_failure():
     """Without a world (no torch.distributed group) there is no collective: the decision is
     the rank's own values, and a failure is raised as is (the one-process behaviour)."""
     from hybrid_opt.distributed import rank_faults as RF
+
     assert RF.agree(2.5, None, None) == (2.5, None)
     assert not RF.decision_runs(1.0, torch.zeros(1))
     cause = RuntimeError("the worker died")

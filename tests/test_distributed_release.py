@@ -2,11 +2,11 @@
 and release_grads=True frees each full p.grad once its bucket is reduced, keeping only this
 rank's averaged chunk (hybrid_opt/distributed/zero_release.py) — both with the params bitwise those of the
 default run. 2 gloo ranks (tests/dist_scripts/zero_release.py), 4 buckets of the common model."""
+
 import sys
 
 import pytest
 import torch
-
 from dist_launch import DIST_MARKS, SCRIPTS, launch
 from tolerances import DIST_RTOL
 
@@ -15,15 +15,38 @@ import common as C  # noqa: E402
 
 pytestmark = DIST_MARKS
 
-NAMES = ("base", "release", "window1", "window1_overlap", "window1_rs", "window1_ar_overlap",
-         "release_window1_overlap", "scaler",
-         "release_scaler", "accumulate", "release_accumulate", "release_two_backwards",
-         "release_grad_set", "release_zero_grad_keep", "zero_grad_keep_unused",
-         "release_zero_grad_keep_unused", "release_zero_grad_keep_unused_lazy",
-         "release_zero_grad_keep_unused_rs", "release_zero_grad_keep_unused_ar", "late_edit_half", "release_late_edit_half",
-         "late_edit_inf", "release_late_edit_inf", "late_edit_replace", "release_late_edit_replace",
-         "grad_set", "grad_set_by_hand", "grad_zeroed_early", "retry_late_edit_replace",
-         "release_retry_late_edit_replace")
+NAMES = (
+    "base",
+    "release",
+    "window1",
+    "window1_overlap",
+    "window1_rs",
+    "window1_ar_overlap",
+    "release_window1_overlap",
+    "scaler",
+    "release_scaler",
+    "accumulate",
+    "release_accumulate",
+    "release_two_backwards",
+    "release_grad_set",
+    "release_zero_grad_keep",
+    "zero_grad_keep_unused",
+    "release_zero_grad_keep_unused",
+    "release_zero_grad_keep_unused_lazy",
+    "release_zero_grad_keep_unused_rs",
+    "release_zero_grad_keep_unused_ar",
+    "late_edit_half",
+    "release_late_edit_half",
+    "late_edit_inf",
+    "release_late_edit_inf",
+    "late_edit_replace",
+    "release_late_edit_replace",
+    "grad_set",
+    "grad_set_by_hand",
+    "grad_zeroed_early",
+    "retry_late_edit_replace",
+    "release_retry_late_edit_replace",
+)
 
 
 @pytest.fixture(scope="module")
@@ -38,13 +61,20 @@ def _assert_same_params(a, b, what):
             assert torch.equal(x, y), (what, step)
 
 
-@pytest.mark.parametrize("name,ref", [("release", "base"), ("window1", "base"),
-                                      ("window1_overlap", "base"), ("window1_rs", "base"),
-                                      ("window1_ar_overlap", "base"),
-                                      ("release_window1_overlap", "base"),
-                                      ("release_scaler", "scaler"),
-                                      ("release_accumulate", "accumulate"),
-                                      ("release_zero_grad_keep", "base")])
+@pytest.mark.parametrize(
+    "name,ref",
+    [
+        ("release", "base"),
+        ("window1", "base"),
+        ("window1_overlap", "base"),
+        ("window1_rs", "base"),
+        ("window1_ar_overlap", "base"),
+        ("release_window1_overlap", "base"),
+        ("release_scaler", "scaler"),
+        ("release_accumulate", "accumulate"),
+        ("release_zero_grad_keep", "base"),
+    ],
+)
 def test_params_match_the_default_run_bitwise(runs, name, ref):
     for rank, res in enumerate(runs):
         assert res[name]["error"] is None and res[ref]["error"] is None, (rank, res[name]["message"])
@@ -136,7 +166,11 @@ def test_an_edit_in_a_hook_after_the_reduction_read_the_grad_is_refused_with_rel
     for rank, res in enumerate(runs):
         for name in (f"late_edit_{how}", f"release_late_edit_{how}"):
             r = res[name]
-            assert r["error"] == ("GradsEditedError" if rank == 1 else "PeerStepFailed"), (rank, name, r["message"])
+            assert r["error"] == ("GradsEditedError" if rank == 1 else "PeerStepFailed"), (
+                rank,
+                name,
+                r["message"],
+            )
             assert r["failed_at"] == 1 and len(r["params"]) == 1, (rank, name)
             if rank == 1:
                 assert "changed in place after backward" in r["message"], r["message"]
@@ -150,7 +184,11 @@ def test_a_grad_replaced_on_one_rank_after_its_reduction_read_the_old_one_is_ref
     for rank, res in enumerate(runs):
         for name in ("late_edit_replace", "release_late_edit_replace"):
             r = res[name]
-            assert r["error"] == ("GradsEditedError" if rank == 1 else "PeerStepFailed"), (rank, name, r["message"])
+            assert r["error"] == ("GradsEditedError" if rank == 1 else "PeerStepFailed"), (
+                rank,
+                name,
+                r["message"],
+            )
             assert r["failed_at"] == 1 and len(r["params"]) == 1, (rank, name)
             if rank == 1:
                 assert "replaced after backward" in r["message"], r["message"]
@@ -183,7 +221,11 @@ def test_step_again_after_a_refused_step_with_released_grads_is_refused_not_part
     rank, and steps."""
     for rank, res in enumerate(runs):
         r = res["release_retry_late_edit_replace"]
-        assert r["retry"][0] == "RuntimeError" and "called again after a step that failed" in r["retry"][1], r["retry"]
+        assert r["retry"][0] == "RuntimeError" and "called again after a step that failed" in r["retry"][1], (
+            r["retry"]
+        )
         assert all(torch.equal(a, b) for a, b in zip(r["params"][0], r["params"][1])), rank
         k = res["retry_late_edit_replace"]
-        assert k["retry"] is None and not any(torch.equal(a, b) for a, b in zip(k["params"][0], k["params"][1]))
+        assert k["retry"] is None and not any(
+            torch.equal(a, b) for a, b in zip(k["params"][0], k["params"][1])
+        )

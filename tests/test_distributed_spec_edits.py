@@ -9,11 +9,11 @@ the same FSDP2 model; the rest runs in this process on a 1-rank gloo group (FSDP
 DTensors there too), so the fingerprint logic — the worker's piece sums on CPU, and the device
 path (gpu_kernels.grad_stats, run by Triton's interpreter on CPU tensors) — is tested here.
 """
+
 import sys
 
 import pytest
 import torch
-
 from dist_launch import DIST_MARKS, SCRIPTS, launch
 from tolerances import DIST_RTOL, RTOL
 
@@ -74,8 +74,9 @@ def test_fsdp2_on_cuda_edited_grads_match_torch(tmp_path):
     if torch.cuda.device_count() < 1:
         pytest.skip("needs a CUDA device")
     names = ["clip_host", "unscale_host", "noedit_host"]
-    (res,) = launch("fsdp_spec_edits.py", str(tmp_path), *names, nproc=1, timeout_s=80,
-                    env={"DIST_DEVICE": "cuda"})
+    (res,) = launch(
+        "fsdp_spec_edits.py", str(tmp_path), *names, nproc=1, timeout_s=80, env={"DIST_DEVICE": "cuda"}
+    )
     for name in names:
         r = res[name]
         _assert_matches(r["params"], r["torch_params"], DIST_RTOL, f"cuda {name}")
@@ -87,10 +88,12 @@ def test_fsdp2_on_cuda_edited_grads_match_torch(tmp_path):
 
 # ---------------------------------------------------------------- one process, 1-rank group
 
+
 @pytest.fixture(scope="module")
 def one_rank():
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
+
     if dist.is_initialized():
         pytest.skip("a process group is already initialised in this process")
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
@@ -102,6 +105,7 @@ def one_rank():
 
 def _fsdp2(mesh, model):
     from torch.distributed.fsdp import fully_shard
+
     for m in model:
         if isinstance(m, torch.nn.Linear):
             fully_shard(m, mesh=mesh)
@@ -126,7 +130,7 @@ def _edit(model, edit, scaler, opt):
 def _train(mesh, make_opt, edit, steps=C.STEPS):
     model = _fsdp2(mesh, C.build_model())
     opt = make_opt(model)
-    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8) if edit == "unscale" else None
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8) if edit == "unscale" else None
     outcomes = []
     try:
         for x in C.batches(steps):
@@ -149,8 +153,16 @@ def _train(mesh, make_opt, edit, steps=C.STEPS):
 
 def _hybrid(**kw):
     from hybrid_opt import HybridAdamW
-    return lambda model: HybridAdamW(model.parameters(), lr=C.LR, weight_decay=0.01,
-                                     offload_fraction=1.0, subgroup_numel=32, worker_share=0.5, **kw)
+
+    return lambda model: HybridAdamW(
+        model.parameters(),
+        lr=C.LR,
+        weight_decay=0.01,
+        offload_fraction=1.0,
+        subgroup_numel=32,
+        worker_share=0.5,
+        **kw,
+    )
 
 
 @pytest.fixture(params=["worker_sums", "device_path"])
@@ -162,9 +174,12 @@ def fingerprint_path(request, monkeypatch):
         if torch.cuda.is_available():
             # the kernels here compile for the GPU, and CPU tensors are not theirs; the path
             # runs for real on CUDA tensors in test_fsdp2_on_cuda_edited_grads_match_torch
-            pytest.skip("a CUDA device is here: the device path runs on CUDA tensors "
-                        "(test_fsdp2_on_cuda_edited_grads_match_torch), not forced on CPU ones")
+            pytest.skip(
+                "a CUDA device is here: the device path runs on CUDA tensors "
+                "(test_fsdp2_on_cuda_edited_grads_match_torch), not forced on CPU ones"
+            )
         import hybrid_opt.distributed.grad_edits as GE
+
         monkeypatch.setattr(GE, "on_device", lambda grad: True)
     return request.param
 
@@ -176,8 +191,9 @@ def test_edited_dtensor_grads_speculative_equals_sequential_bitwise(one_rank, fi
     torch.optim.AdamW(foreach=False), and speculated steps were redone."""
     spec, outcomes = _train(one_rank, _hybrid(), edit)
     seq, _ = _train(one_rank, _hybrid(speculative=False), edit)
-    ref, _ = _train(one_rank, lambda m: torch.optim.AdamW(m.parameters(), lr=C.LR, weight_decay=0.01,
-                                                          foreach=False), edit)
+    ref, _ = _train(
+        one_rank, lambda m: torch.optim.AdamW(m.parameters(), lr=C.LR, weight_decay=0.01, foreach=False), edit
+    )
     for k, (a, b, r) in enumerate(zip(spec, seq, ref)):
         assert torch.equal(a, b), f"{edit}: param {k} differs from speculative=False"
         assert C.rel_err(a, r) <= RTOL[torch.float32], f"{edit}: param {k} vs torch"
@@ -206,12 +222,14 @@ def test_piece_sums_are_the_workers_bitwise_and_see_a_foreach_edit(one_rank, mon
     from hybrid_opt import HybridAdamW
     from hybrid_opt.distributed.grad_edits import live_piece_sums
     from hybrid_opt.speculation import gatherer_of
+
     monkeypatch.setattr(arena_plan, "DEFAULT_SLOT_NUMEL", 1024)  # the slots sized there (arena_plan.py)
     monkeypatch.setenv("HYBRID_OPT_REMOTE_GATHER", remote)
     torch.manual_seed(0)
     model = _fsdp2(one_rank, torch.nn.Sequential(torch.nn.Linear(40, 70)))
-    opt = HybridAdamW(model.parameters(), lr=C.LR, offload_fraction=1.0, subgroup_numel=4096,
-                      worker_share=0.5)
+    opt = HybridAdamW(
+        model.parameters(), lr=C.LR, offload_fraction=1.0, subgroup_numel=4096, worker_share=0.5
+    )
     try:
         w = model[0].weight
         model(torch.randn(5, 40)).square().mean().backward()
@@ -238,15 +256,22 @@ def test_live_piece_sums_gathers_pieces_it_cannot_read_in_place():
     summed from the bytes staging would write (a gather into a buffer of the slot dtype)."""
     import cpu_kernels
     from hybrid_opt.distributed.grad_edits import live_piece_sums
-    from hybrid_opt.state.layout import ParamSlice, Subgroup
     from hybrid_opt.speculation import gatherer_of
+    from hybrid_opt.state.layout import ParamSlice, Subgroup
+
     a = torch.nn.Parameter(torch.zeros(300))
     b = torch.nn.Parameter(torch.zeros(200, dtype=torch.bfloat16))
     a.grad = torch.randn(300)
     b.grad = torch.randn(200).to(torch.bfloat16)
-    sg = Subgroup(0, 0, 500, torch.float32, torch.device("cpu"),
-                  [ParamSlice(0, a, 0, 0, 300), ParamSlice(1, b, 0, 300, 200)])
+    sg = Subgroup(
+        0,
+        0,
+        500,
+        torch.float32,
+        torch.device("cpu"),
+        [ParamSlice(0, a, 0, 0, 300), ParamSlice(1, b, 0, 300, 200)],
+    )
     pieces = [(0, 256, None), (256, 128, None), (384, 116, None)]
     got = live_piece_sums(gatherer_of(sg), pieces, torch.float32)
     staged = torch.cat([a.grad, b.grad.float()])
-    assert got == [cpu_kernels.grad_stats(staged[o:o + n].contiguous())[0] for o, n, _ in pieces]
+    assert got == [cpu_kernels.grad_stats(staged[o : o + n].contiguous())[0] for o, n, _ in pieces]

@@ -1,5 +1,6 @@
 """The README stays a page a user reads (issue #22): at most 300 lines, no line of prose over 120
 characters in it or in docs/, and every relative link in them pointing at a file that exists."""
+
 import pathlib
 import re
 
@@ -22,8 +23,11 @@ def test_readme_is_at_most_300_lines():
 @pytest.mark.parametrize("path", DOCS, ids=_name)
 def test_docs_prose_lines_are_at_most_120_characters(path):
     # table rows may be wider where a row cannot be split; everything else wraps at 120
-    long = [f"{_name(path)}:{n}: {len(line)} characters" for n, line in
-            enumerate(path.read_text().splitlines(), 1) if len(line) > 120 and not line.lstrip().startswith("|")]
+    long = [
+        f"{_name(path)}:{n}: {len(line)} characters"
+        for n, line in enumerate(path.read_text().splitlines(), 1)
+        if len(line) > 120 and not line.lstrip().startswith("|")
+    ]
     assert not long, "\n".join(long)
 
 

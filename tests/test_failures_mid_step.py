@@ -8,6 +8,7 @@ one does, and within fp32 rounding of torch.optim.AdamW(foreach=False); after a 
 step, reloading the checkpoint taken before it does. Placements: all on the device tier (the
 CPU kernel in the trainer here), mixed, all on the host tier (the worker process).
 """
+
 import copy
 import os
 import re
@@ -16,13 +17,20 @@ import time
 
 import pytest
 import torch
+from helpers import wait_gone
+from test_optimizer import (
+    SUBGROUP,
+    assert_params_close,
+    assert_state_close,
+    loss_fn,
+    make_batches,
+    make_net,
+    train,
+)
 
 import cpu_kernels
 from hybrid_opt import HybridAdamW
 from hybrid_opt.placement.plan import DEVICE
-from helpers import wait_gone
-from test_optimizer import (SUBGROUP, assert_params_close, assert_state_close, loss_fn,
-                            make_batches, make_net, train)
 
 OFFLOAD = {"device": 0.0, "mixed": 0.5, "host": 1.0}
 HYPER = dict(lr=1e-2, weight_decay=0.1)
@@ -42,6 +50,7 @@ def _fail_on_call(m, owner, name: str, n: int, error: Exception) -> list:
         if len(calls) == n:
             raise error
         return real(*a, **k)
+
     m.setattr(owner, name, failing)
     return calls
 
@@ -114,7 +123,7 @@ class _Trio:
     def finish(self):
         """The rest of the batches for all three; ours is the twin bitwise and torch within fp32."""
         for m, o in self._all():
-            train(m, o, self.batches[self.done:])
+            train(m, o, self.batches[self.done :])
         _assert_bitwise(self.model, self.ours, self.ref_model, self.ref)
         assert_state_close(self.ours.state_dict(), self.torch.state_dict())
         assert_params_close(self.model, self.torch_model)
@@ -129,8 +138,10 @@ def _counts(opt, model) -> list:
 
 
 # ============================================================================= bad input: nothing changes
-@pytest.mark.parametrize("placement,kind", [("device", "dtype"), ("mixed", "dtype"), ("device", "shape"),
-                                            ("mixed", "shape"), ("host", "shape")])
+@pytest.mark.parametrize(
+    "placement,kind",
+    [("device", "dtype"), ("mixed", "dtype"), ("device", "shape"), ("mixed", "shape"), ("host", "shape")],
+)
 def test_a_bad_grad_is_refused_before_anything_changes(placement, kind):
     """A grad the device tier's kernel refuses (float64: torch lets it through with
     grad_dtype=None or .data) or whose element count is not its param's (through .data; the
@@ -164,8 +175,13 @@ def test_a_group_hyperparameter_out_of_range_is_refused_before_any_group_steps()
     """A group's lr set out of range after construction (the kernels refuse it): before, the
     first group was stepped in place and every step count advanced before the second group's
     kernel call raised."""
-    t = _Trio("device", groups=lambda m: [dict(params=list(m.fc1.parameters())),
-                                          dict(params=list(m.fc2.parameters()) + list(m.tiny))])
+    t = _Trio(
+        "device",
+        groups=lambda m: [
+            dict(params=list(m.fc1.parameters())),
+            dict(params=list(m.fc2.parameters()) + list(m.tiny)),
+        ],
+    )
     try:
         t.backward()
         t.ours.param_groups[1]["lr"] = -1.0
@@ -241,8 +257,8 @@ def _reload_and_finish(t, sd, params):
 # fc2.weight (2) share 8, fc2.weight spans 8-10 with the tiny params; at mixed placement
 # subgroups 0-5 (fc1.weight only) are on the device tier. What each failure leaves:
 STEPPED_BEFORE_FAILING = {
-    ("device", 1): {},                                   # the first kernel call: nothing
-    ("device", 3): {0: "torn"},                          # 2 of fc1.weight's 8 slices
+    ("device", 1): {},  # the first kernel call: nothing
+    ("device", 3): {0: "torn"},  # 2 of fc1.weight's 8 slices
     ("device", 11): {0: "stepped", 1: "stepped", 2: "torn"},
     ("mixed", 1): {0: "torn", **{i: "stepped" for i in range(1, 16)}},  # the host tier committed
     ("mixed", 2): {0: "torn", **{i: "stepped" for i in range(1, 16)}},
@@ -250,7 +266,9 @@ STEPPED_BEFORE_FAILING = {
 
 
 @pytest.mark.parametrize("placement,fail_at", list(STEPPED_BEFORE_FAILING))
-def test_a_device_kernel_failing_part_way_leaves_each_param_stepped_or_untouched(monkeypatch, placement, fail_at):
+def test_a_device_kernel_failing_part_way_leaves_each_param_stepped_or_untouched(
+    monkeypatch, placement, fail_at
+):
     """cpu_kernels.adam_step_ raises on its `fail_at`-th call of one step (the device tier
     steps one slice per call, in place; at mixed placement after the host tier committed):
     each param ends stepped with its count advanced or untouched with its count as before,
@@ -263,8 +281,9 @@ def test_a_device_kernel_failing_part_way_leaves_each_param_stepped_or_untouched
         t.backward()
         state, counts = _state(t.ours), _counts(t.ours, t.model)
         with monkeypatch.context() as m:
-            calls = _fail_on_call(m, cpu_kernels, "adam_step_", fail_at,
-                                  RuntimeError("injected: the device kernel failed"))
+            calls = _fail_on_call(
+                m, cpu_kernels, "adam_step_", fail_at, RuntimeError("injected: the device kernel failed")
+            )
             with pytest.raises(RuntimeError) as err:
                 t.ours.step()
         assert len(calls) == fail_at
@@ -294,14 +313,21 @@ def test_a_worker_failing_in_step_leaves_each_param_stepped_or_untouched(monkeyp
 
     def armed():  # only our optimizer's worker carries the fault (read at its start)
         monkeypatch.setenv("HYBRID_OPT_WORKER_FAULT", f"raise:{2 * n_tasks + task}")
-    t = _Trio("host", ours_kw=dict(speculative=False), before_ours=armed,
-              after_ours=lambda: monkeypatch.delenv("HYBRID_OPT_WORKER_FAULT"))
+
+    t = _Trio(
+        "host",
+        ours_kw=dict(speculative=False),
+        before_ours=armed,
+        after_ours=lambda: monkeypatch.delenv("HYBRID_OPT_WORKER_FAULT"),
+    )
     try:
         assert len(t.ours.plan.tiers) >= n_tasks and set(t.ours.plan.tiers) == {"host"}
         sd, params = copy.deepcopy(t.ours.state_dict()), _params(t.model)
         t.backward()
         state, counts = _state(t.ours), _counts(t.ours, t.model)
-        with pytest.raises(RuntimeError, match="(?s)failed in the host/nvme tier.*HYBRID_OPT_WORKER_FAULT") as err:
+        with pytest.raises(
+            RuntimeError, match="(?s)failed in the host/nvme tier.*HYBRID_OPT_WORKER_FAULT"
+        ) as err:
             t.ours.step()
         kinds = _check_part_way(t, str(err.value), state, params, counts)
         if task == 1:
@@ -327,14 +353,22 @@ def test_inverse_mode_worker_killed_in_step_names_what_was_stepped_and_what_may_
 
     def armed():  # only our optimizer's worker carries the fault (read at its start)
         monkeypatch.setenv("HYBRID_OPT_WORKER_FAULT", f"before_step:{2 * n_tasks + task}")
-    t = _Trio("host", ours_kw=dict(speculative=False, rollback="inverse"), before_ours=armed,
-              after_ours=lambda: monkeypatch.delenv("HYBRID_OPT_WORKER_FAULT"))
+
+    t = _Trio(
+        "host",
+        ours_kw=dict(speculative=False, rollback="inverse"),
+        before_ours=armed,
+        after_ours=lambda: monkeypatch.delenv("HYBRID_OPT_WORKER_FAULT"),
+    )
     try:
         sd, params = copy.deepcopy(t.ours.state_dict()), _params(t.model)
         t.backward()
         state, counts = _state(t.ours), _counts(t.ours, t.model)
-        with pytest.raises(RuntimeError, match=r"(?s)failed in the host/nvme tier.*SIGKILL.*may be torn; "
-                                               r"restore them from a checkpoint") as err:
+        with pytest.raises(
+            RuntimeError,
+            match=r"(?s)failed in the host/nvme tier.*SIGKILL.*may be torn; "
+            r"restore them from a checkpoint",
+        ) as err:
             t.ours.step()
         msg = str(err.value)
         assert "Nothing was stepped" not in msg and "call step() again" not in msg
@@ -342,7 +376,9 @@ def test_inverse_mode_worker_killed_in_step_names_what_was_stepped_and_what_may_
         stepped, maybe = _listed(msg, "were stepped"), _listed(msg, "may be torn")
         assert stepped == ({0, 1} if task == 10 else set()) and maybe and not stepped & maybe
         t.others_step()
-        kinds = _classify(state, _state(t.ref), _state(t.ours), params, _params(t.ref_model), _params(t.model))
+        kinds = _classify(
+            state, _state(t.ref), _state(t.ours), params, _params(t.ref_model), _params(t.model)
+        )
         now = _counts(t.ours, t.model)
         for i, kind in kinds.items():
             if i in stepped:  # bitwise the twin's step
@@ -368,8 +404,11 @@ def test_a_worker_that_does_not_answer_is_replaced_and_the_step_goes_on():
         old = t.ours.worker_pid
         os.kill(old, signal.SIGSTOP)
         t.backward()  # speculates: the tasks wait at the stopped worker
-        with pytest.warns(RuntimeWarning, match=r"(?s)not stepped within 1 s: the worker \(pid \d+\) did "
-                                                r"not answer, so it was killed.*check the machine"):
+        with pytest.warns(
+            RuntimeWarning,
+            match=r"(?s)not stepped within 1 s: the worker \(pid \d+\) did "
+            r"not answer, so it was killed.*check the machine",
+        ):
             t.ours.step()
         assert wait_gone(old, 5) and t.ours.worker_pid not in (None, old)
         t.others_step()
@@ -387,9 +426,11 @@ def test_a_worker_that_does_not_answer_is_replaced_and_the_step_goes_on():
 # ============================================================================= add_param_group
 def _fail_layout(monkeypatch, opt):
     from hybrid_opt.state import layout
+
     # the new group's subgroups cannot be laid out (as a param whose memory cannot be viewed)
-    _fail_on_call(monkeypatch, layout, "_cut", 1,
-                  RuntimeError("injected: DefaultCPUAllocator: can't allocate memory"))
+    _fail_on_call(
+        monkeypatch, layout, "_cut", 1, RuntimeError("injected: DefaultCPUAllocator: can't allocate memory")
+    )
 
 
 def _fail_device_state(monkeypatch, opt):
@@ -397,17 +438,22 @@ def _fail_device_state(monkeypatch, opt):
 
     def oom(*a, **k):
         raise torch.OutOfMemoryError("injected: CUDA out of memory allocating the new group's state")
+
     monkeypatch.setattr(placement, "DeviceTier", oom)
 
 
 def _fail_placement(monkeypatch, opt):
     def broken(target):
         raise OSError("injected: reading the free memory failed")
+
     monkeypatch.setattr(opt.parts.placement, "room_to_move", broken)
 
 
-ADD_FAILURES = {"layout": (_fail_layout, RuntimeError), "device_state": (_fail_device_state, torch.OutOfMemoryError),
-                "placement": (_fail_placement, OSError)}
+ADD_FAILURES = {
+    "layout": (_fail_layout, RuntimeError),
+    "device_state": (_fail_device_state, torch.OutOfMemoryError),
+    "placement": (_fail_placement, OSError),
+}
 
 
 @pytest.mark.parametrize("placement", ["device", "host"])
@@ -428,7 +474,12 @@ def test_add_param_group_that_fails_adds_nothing_and_training_goes_on(monkeypatc
     with _hybrid(first(model), placement) as opt, _hybrid(first(ref_model), placement) as ref:
         train(model, opt, batches[:2])
         train(ref_model, ref, batches[:2])
-        state, tiers, worker, groups = _state(opt), list(opt.plan.tiers), opt.worker_pid, len(opt.param_groups)
+        state, tiers, worker, groups = (
+            _state(opt),
+            list(opt.plan.tiers),
+            opt.worker_pid,
+            len(opt.param_groups),
+        )
         new = list(model.fc2.parameters())
         values = [p.detach().clone() for p in new]
         with monkeypatch.context() as m:
@@ -437,7 +488,11 @@ def test_add_param_group_that_fails_adds_nothing_and_training_goes_on(monkeypatc
                 opt.add_param_group(dict(params=new, lr=5e-3))
         assert len(opt.param_groups) == groups and not any(p in opt.parts.layout.index for p in new)
         assert "the new group failed, so it was not added" in str(err.value) and "injected" in str(err.value)
-        assert opt.plan.tiers == tiers and len(opt.parts.layout.subgroups) == len(tiers) and opt.worker_pid == worker
+        assert (
+            opt.plan.tiers == tiers
+            and len(opt.parts.layout.subgroups) == len(tiers)
+            and opt.worker_pid == worker
+        )
         assert len(opt.parts.layout.steps) == len(list(opt.parts.layout.params()))
         _assert_state_equal(_state(opt), state)
         assert all(torch.equal(p, v) for p, v in zip(new, values))
@@ -458,14 +513,17 @@ def _two_launch_tier(device):
     from hybrid_opt.state import layout as L
     from hybrid_opt.tiers.device import DeviceTier
     from hybrid_opt.tiers.host import StepInputs
+
     params = [torch.nn.Parameter(torch.randn(256, device=device)) for _ in range(2)]
     sgs = []
     for g, p in enumerate(params):
         sgs += L.layout_group([p], g, g, 256, len(sgs))
         p.grad = torch.randn_like(p)
     tier = DeviceTier(sgs, amsgrad=False)
-    work = [(sg.index, sg.slices[0], StepInputs(0, lr, 0.9, 0.999, 1e-8, 0.0), 1)
-            for sg, lr in zip(sgs, (1e-2, 1e-3))]
+    work = [
+        (sg.index, sg.slices[0], StepInputs(0, lr, 0.9, 0.999, 1e-8, 0.0), 1)
+        for sg, lr in zip(sgs, (1e-2, 1e-3))
+    ]
     return tier, work, params
 
 
@@ -474,8 +532,10 @@ def test_cuda_path_reports_what_each_launch_wrote(monkeypatch):
     TRITON_INTERPRET): its progress has a launch that succeeded as done, the one that raised as
     unsure (a fused_adam_ call may launch more than once); the entries after it in neither,
     and their state is untouched."""
-    import gpu_kernels
     from helpers import KERNEL_DEVICE
+
+    import gpu_kernels
+
     tier, work, params = _two_launch_tier(KERNEL_DEVICE)
     before = [p.detach().clone() for p in params]
     _fail_on_call(monkeypatch, gpu_kernels.FusedAdam, "step", 2, RuntimeError("injected: launch failed"))
@@ -492,13 +552,16 @@ def test_cuda_a_bad_grad_and_a_failing_launch_leave_each_param_stepped_or_untouc
     advanced) and the second untouched (counts as before), the error naming them; step()
     after the float64 refusal continues bitwise as a twin that never saw it."""
     import gpu_kernels
+
     torch.manual_seed(0)
     make = lambda: [torch.nn.Parameter(torch.randn(1024, device="cuda")) for _ in range(2)]  # noqa: E731
     ps, qs = make(), None
     qs = [torch.nn.Parameter(p.detach().clone()) for p in ps]
     groups = lambda xs: [dict(params=[xs[0]]), dict(params=[xs[1]], lr=1e-3)]  # noqa: E731
-    with HybridAdamW(groups(ps), offload_fraction=0.0, **HYPER) as opt, \
-            HybridAdamW(groups(qs), offload_fraction=0.0, **HYPER) as ref:
+    with (
+        HybridAdamW(groups(ps), offload_fraction=0.0, **HYPER) as opt,
+        HybridAdamW(groups(qs), offload_fraction=0.0, **HYPER) as ref,
+    ):
         grads = [torch.randn(1024, device="cuda") for _ in range(2)]
         for o, xs in ((opt, ps), (ref, qs)):
             for x, g in zip(xs, grads):
@@ -517,8 +580,11 @@ def test_cuda_a_bad_grad_and_a_failing_launch_leave_each_param_stepped_or_untouc
         assert all(torch.equal(a, b) for a, b in zip(ps, qs))
         _assert_state_equal(_state(opt), _state(ref))
         _fail_on_call(monkeypatch, gpu_kernels.FusedAdam, "step", 2, RuntimeError("injected: launch failed"))
-        with pytest.raises(RuntimeError, match=r"(?s)failed in the device tier.*parameters \[0\] were stepped.*"
-                                               r"parameters \[1\] only in part"):
+        with pytest.raises(
+            RuntimeError,
+            match=r"(?s)failed in the device tier.*parameters \[0\] were stepped.*"
+            r"parameters \[1\] only in part",
+        ):
             opt.step()
         # the first launch wrote param 0 (stepped); the failing call's param 1 may have been
         # written in part (a call launches once per alignment group): reported as torn

@@ -8,6 +8,7 @@ The distributed cases run in two torchrun launches (tests/dist_scripts/hf_traine
 accelerate_train.py, 2 gloo ranks, about 10 s each here); each is bounded and kills every
 rank and worker when it overruns. Model, data and loops: tests/dist_scripts/hf_common.py.
 """
+
 import logging
 import os
 import re
@@ -16,7 +17,6 @@ import time
 
 import pytest
 import torch
-
 from dist_launch import DIST_MARKS, SCRIPTS, launch
 from tolerances import DIST_RTOL, assert_close
 
@@ -31,8 +31,12 @@ transformers.logging.set_verbosity_error()
 from hybrid_opt import HybridAdamW  # noqa: E402
 
 # what GradsEditedError's message must tell a user of each framework (hybrid_opt/distributed/zero_edits.py)
-RECIPE_PARTS = ("attach_grad_scaler", "TrainingArguments(max_grad_norm=0)", "gradient_clip_val=None",
-                "accelerator.clip_grad_norm_")
+RECIPE_PARTS = (
+    "attach_grad_scaler",
+    "TrainingArguments(max_grad_norm=0)",
+    "gradient_clip_val=None",
+    "accelerator.clip_grad_norm_",
+)
 
 
 def distributed(test):
@@ -70,18 +74,24 @@ def _assert_refused(results, name):
 
 # ---------------------------------------------------------------- HF Trainer, one process
 
+
 def _trainer_run(kind, how, out_dir, **args_kw):
     """(params, logged grad norms, the HybridAdamW or None) after STEPS steps of HF Trainer."""
     model = H.Tiny()
     if how == "optimizers":  # built by the user on model.parameters(), with a scheduler of theirs
         opt = H.make_optimizer(kind, model.parameters())
-        sched = transformers.get_cosine_schedule_with_warmup(opt, num_warmup_steps=2, num_training_steps=H.STEPS)
+        sched = transformers.get_cosine_schedule_with_warmup(
+            opt, num_warmup_steps=2, num_training_steps=H.STEPS
+        )
         handed = dict(optimizers=(opt, sched))
     else:  # built by Trainer: its decay / no-decay param groups, its linear schedule
-        cls_kw = (HybridAdamW, H.hybrid_kwargs()) if kind == "hybrid" else (torch.optim.AdamW, H.torch_kwargs())
+        cls_kw = (
+            (HybridAdamW, H.hybrid_kwargs()) if kind == "hybrid" else (torch.optim.AdamW, H.torch_kwargs())
+        )
         handed = dict(optimizer_cls_and_kwargs=cls_kw)
-    trainer = transformers.Trainer(model=model, args=H.training_args(out_dir, **args_kw),
-                                   train_dataset=H.dataset(), **handed)
+    trainer = transformers.Trainer(
+        model=model, args=H.training_args(out_dir, **args_kw), train_dataset=H.dataset(), **handed
+    )
     trainer.train()
     opt = H.unwrap_optimizer(trainer.optimizer)
     return H.params_of(model), H.grad_norms(trainer), opt
@@ -113,14 +123,19 @@ def test_trainers_built_in_a_loop_and_dropped_leave_no_worker(tmp_path):
     import warnings
 
     import psutil
+
     from hybrid_opt import UnclosedOptimizerWarning
+
     pids = []
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("default")
         for k in range(3):
             trainer = transformers.Trainer(
-                model=H.Tiny(), args=H.training_args(str(tmp_path / str(k)), max_steps=2),
-                train_dataset=H.dataset(), optimizer_cls_and_kwargs=(HybridAdamW, H.hybrid_kwargs()))
+                model=H.Tiny(),
+                args=H.training_args(str(tmp_path / str(k)), max_steps=2),
+                train_dataset=H.dataset(),
+                optimizer_cls_and_kwargs=(HybridAdamW, H.hybrid_kwargs()),
+            )
             trainer.train()
             pids.append(H.unwrap_optimizer(trainer.optimizer).worker_pid)
             del trainer
@@ -142,8 +157,12 @@ def test_trainer_grad_norm_log_redoes_speculation_unless_the_trainer_computes_no
     model = H.Tiny()
     opt = H.make_optimizer("hybrid", model.parameters())
     cls = transformers.Trainer if trainer_cls == "Trainer" else H.norm_free_trainer()
-    trainer = cls(model=model, args=H.training_args(str(tmp_path), max_grad_norm=0),
-                  train_dataset=H.dataset(), optimizers=(opt, None))
+    trainer = cls(
+        model=model,
+        args=H.training_args(str(tmp_path), max_grad_norm=0),
+        train_dataset=H.dataset(),
+        optimizers=(opt, None),
+    )
     try:
         trainer.train()
         spec = opt.stats["speculation"]  # the last step's
@@ -172,9 +191,18 @@ def _norm_at_inf_writes_the_grads(trainer) -> bool:
 
 def _tiny_gpt2():
     torch.manual_seed(0)
-    cfg = transformers.GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=2,
-                                  resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-                                  bos_token_id=0, eos_token_id=0)
+    cfg = transformers.GPT2Config(
+        vocab_size=64,
+        n_positions=16,
+        n_embd=32,
+        n_layer=2,
+        n_head=2,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
     return transformers.GPT2LMHeadModel(cfg)
 
 
@@ -204,8 +232,13 @@ def test_trainer_resume_from_checkpoint_is_bitwise_the_uninterrupted_run(tmp_pat
     out = str(tmp_path / "run")
 
     def trainer_for(model, **args_kw):
-        return transformers.Trainer(model=model, args=H.training_args(out, **args_kw), train_dataset=data,
-                                    optimizer_cls_and_kwargs=(HybridAdamW, H.hybrid_kwargs()))
+        return transformers.Trainer(
+            model=model,
+            args=H.training_args(out, **args_kw),
+            train_dataset=data,
+            optimizer_cls_and_kwargs=(HybridAdamW, H.hybrid_kwargs()),
+        )
+
     model = build()
     first = trainer_for(model, save_strategy="steps", save_steps=3)
     first.train()
@@ -225,13 +258,22 @@ def test_trainer_resume_from_checkpoint_is_bitwise_the_uninterrupted_run(tmp_pat
 
 # ---------------------------------------------------------------- HF Trainer, 2 ranks
 
-HF_CONFIGS = ["ddp_torch", "ddp_hybrid", "zero_trainer_clip", "zero_recipe", "zero_recipe_no_norm", "zero_resume",
-              "fsdp_cpu"]
+HF_CONFIGS = [
+    "ddp_torch",
+    "ddp_hybrid",
+    "zero_trainer_clip",
+    "zero_recipe",
+    "zero_recipe_no_norm",
+    "zero_resume",
+    "fsdp_cpu",
+]
 
 
 @pytest.fixture(scope="module")
 def hf_ranks(tmp_path_factory):
-    return launch("hf_trainer_train.py", str(tmp_path_factory.mktemp("hf_trainer")), *HF_CONFIGS, timeout_s=180)
+    return launch(
+        "hf_trainer_train.py", str(tmp_path_factory.mktemp("hf_trainer")), *HF_CONFIGS, timeout_s=180
+    )
 
 
 @distributed
@@ -242,7 +284,9 @@ def test_trainer_ddp_with_replicated_hybrid_adamw_matches_torch_adamw_ddp(hf_ran
     for rank, res in enumerate(hf_ranks):
         assert res["ddp_hybrid"]["wrapped"] == "DistributedDataParallel"
         assert min(res["ddp_torch"]["norms"]) > H.CLIP
-        _assert_params_within_dist_rtol(res["ddp_hybrid"]["params"], res["ddp_torch"]["params"], f"rank {rank}")
+        _assert_params_within_dist_rtol(
+            res["ddp_hybrid"]["params"], res["ddp_torch"]["params"], f"rank {rank}"
+        )
         assert any("process_group" in w and "replicated" in w for w in res["ddp_hybrid"]["warnings"])
 
 
@@ -260,7 +304,9 @@ def test_trainer_process_group_recipe_matches_ddp_torch_adamw_with_clipping(hf_r
     process_group=WORLD, max_grad_norm=1.0) equals Trainer's DDP + torch AdamW + clipping."""
     for rank, res in enumerate(hf_ranks):
         assert res["zero_recipe"]["error"] is None, res["zero_recipe"]["error"]
-        _assert_params_within_dist_rtol(res["zero_recipe"]["params"], res["ddp_torch"]["params"], f"rank {rank}")
+        _assert_params_within_dist_rtol(
+            res["zero_recipe"]["params"], res["ddp_torch"]["params"], f"rank {rank}"
+        )
 
 
 @distributed
@@ -294,13 +340,17 @@ def test_trainer_fsdp_on_cpu_runs_ddp(hf_ranks):
     (MULTI_GPU/NPU/XPU/...), never MULTI_CPU — so the run is DDP's, bit for bit."""
     for res in hf_ranks:
         r = res["fsdp_cpu"]
-        assert (r["wrapped"], r["fsdp_enabled"], r["distributed_type"]) == \
-            ("DistributedDataParallel", False, "DistributedType.MULTI_CPU")
+        assert (r["wrapped"], r["fsdp_enabled"], r["distributed_type"]) == (
+            "DistributedDataParallel",
+            False,
+            "DistributedType.MULTI_CPU",
+        )
         for a, b in zip(r["params"], res["ddp_torch"]["params"], strict=True):
             assert torch.equal(a, b)
 
 
 # ---------------------------------------------------------------- accelerate
+
 
 def _accelerate_run(kind):
     accelerator = accelerate.Accelerator(cpu=True)
@@ -326,13 +376,21 @@ def test_accelerate_loop_with_clip_grad_norm_matches_torch_adamw():
         opt.close()
 
 
-ACC_CONFIGS = ["acc_ddp_torch", "acc_zero_clip", "acc_zero_ddp_clip", "acc_zero_recipe", "acc_zero_recipe_eval_mode",
-               "acc_zero_ddp_noclip"]
+ACC_CONFIGS = [
+    "acc_ddp_torch",
+    "acc_zero_clip",
+    "acc_zero_ddp_clip",
+    "acc_zero_recipe",
+    "acc_zero_recipe_eval_mode",
+    "acc_zero_ddp_noclip",
+]
 
 
 @pytest.fixture(scope="module")
 def acc_ranks(tmp_path_factory):
-    return launch("accelerate_train.py", str(tmp_path_factory.mktemp("accelerate")), *ACC_CONFIGS, timeout_s=180)
+    return launch(
+        "accelerate_train.py", str(tmp_path_factory.mktemp("accelerate")), *ACC_CONFIGS, timeout_s=180
+    )
 
 
 @distributed
@@ -414,8 +472,10 @@ def test_accelerate_save_state_resumes_bitwise(tmp_path, caplog, safe):
     assert ("model.safetensors" if safe else "pytorch_model.bin") in os.listdir(ckpt)
     if safe:
         from safetensors.torch import load_file
+
         assert sorted(load_file(os.path.join(ckpt, "model.safetensors"))) == sorted(
-            n for n, _ in H.Tiny().named_parameters())
+            n for n, _ in H.Tiny().named_parameters()
+        )
     resumed = _accelerate_checkpointed(ckpt, save_at=3, load=True)
     for a, b in zip(resumed, uninterrupted, strict=True):
         assert torch.equal(a, b)
@@ -425,6 +485,7 @@ def test_accelerate_save_model_reloads_every_weight_exactly(tmp_path):
     """accelerator.save_model (safetensors) of a model trained with HybridAdamW, loaded into a
     fresh model: every weight is the trained one, bit for bit (none dropped as 'tied')."""
     from safetensors.torch import load_file
+
     accelerator = accelerate.Accelerator(cpu=True)
     model = H.Tiny()
     opt = HybridAdamW(model.parameters(), **H.hybrid_kwargs())
@@ -447,12 +508,16 @@ def test_accelerate_save_model_reloads_every_weight_exactly(tmp_path):
 
 # ---------------------------------------------------------------- torch.compile
 
-@pytest.mark.parametrize("backend", [
-    "aot_eager",
-    # inductor generates and compiles C++: measured 16-29 s with an empty inductor cache on
-    # these 2 shared cores (the first process ever: 29 s), 2-4 s warm
-    pytest.param("inductor", marks=pytest.mark.slow),
-])
+
+@pytest.mark.parametrize(
+    "backend",
+    [
+        "aot_eager",
+        # inductor generates and compiles C++: measured 16-29 s with an empty inductor cache on
+        # these 2 shared cores (the first process ever: 29 s), 2-4 s warm
+        pytest.param("inductor", marks=pytest.mark.slow),
+    ],
+)
 def test_torch_compiled_model_matches_torch_adamw(backend):
     """A torch.compile'd model, compiled and run (forward and backward) once before the optimizer
     is built: the params keep their memory (HybridAdamW copies none), and the compiled graph

@@ -12,6 +12,7 @@ Every run is compared with the same Lightning script run with torch.optim.AdamW(
 tolerance in one process, DIST_RTOL on 2 ranks (against the single-process run on the global
 batch), bitwise for a resumed run against an uninterrupted one.
 """
+
 import gc
 import os
 import subprocess
@@ -82,6 +83,7 @@ def test_fit_with_nvme_tier_keeps_files_while_training_and_removes_them(tmp_path
 def test_fit_with_step_interval_scheduler_dict_follows_torch():
     def lr(tr, m):
         return tr.optimizers[0].param_groups[0]["lr"]
+
     runs = {}
     for name, make in (("hybrid", LT.hybrid()), ("torch", LT.torch_adamw)):
         probe = Probe(lr)
@@ -95,19 +97,27 @@ def test_fit_with_step_interval_scheduler_dict_follows_torch():
 @pytest.mark.filterwarnings("ignore:Be aware that when using `ckpt_path`")
 def test_resume_from_model_checkpoint_is_bitwise_an_uninterrupted_run(tmp_path):
     from lightning.pytorch.callbacks import ModelCheckpoint
+
     # epochs of n batches, limits in epochs: Lightning resumes an end-of-epoch checkpoint under
     # max_steps as if mid-epoch, replaying a batch (its issue #19617, torch.optim.AdamW alike)
     n, epochs = 3, dict(max_steps=-1)
     data = lambda: LT.loader(steps=n)  # noqa: E731
     ckpt = ModelCheckpoint(dirpath=tmp_path, filename="half")
-    LT.fit(LT.Tiny(LT.hybrid()), data=data(), max_epochs=1, callbacks=[ckpt], enable_checkpointing=True,
-           **epochs)
+    LT.fit(
+        LT.Tiny(LT.hybrid()), data=data(), max_epochs=1, callbacks=[ckpt], enable_checkpointing=True, **epochs
+    )
     saved = torch.load(tmp_path / "half.ckpt", weights_only=True)
     assert [float(s["step"]) for s in saved["optimizer_states"][0]["state"].values()] == [n] * 4
 
     probe = Probe(lambda tr, m: tr.global_step)
-    _, resumed = LT.fit(LT.Tiny(LT.hybrid()), data=data(), max_epochs=2, callbacks=[probe],
-                        ckpt_path=tmp_path / "half.ckpt", **epochs)
+    _, resumed = LT.fit(
+        LT.Tiny(LT.hybrid()),
+        data=data(),
+        max_epochs=2,
+        callbacks=[probe],
+        ckpt_path=tmp_path / "half.ckpt",
+        **epochs,
+    )
     assert probe.seen == list(range(n + 1, 2 * n + 1)), "the resumed fit takes only the last n steps"
     _, whole = LT.fit(LT.Tiny(LT.hybrid()), data=data(), max_epochs=2, **epochs)
     for k, (a, b) in enumerate(zip(resumed, whole)):
@@ -119,22 +129,37 @@ def test_direct_checkpoint_io_writes_lightning_s_checkpoint_and_resumes_bitwise(
     file, not buffered in RAM first): the same checkpoint as Lightning's own CheckpointIO, no
     partial file left beside it, and a resume from it is bitwise the uninterrupted run."""
     from lightning.pytorch.callbacks import ModelCheckpoint
+
     from hybrid_opt.lightning_io import DirectCheckpointIO
+
     n, epochs = 3, dict(max_steps=-1)
     data = lambda: LT.loader(steps=n)  # noqa: E731
     for name, plugins in (("direct", [DirectCheckpointIO()]), ("own", [])):
         ckpt = ModelCheckpoint(dirpath=tmp_path / name, filename="half")
-        LT.fit(LT.Tiny(LT.hybrid()), data=data(), max_epochs=1, callbacks=[ckpt], enable_checkpointing=True,
-               plugins=plugins, **epochs)
+        LT.fit(
+            LT.Tiny(LT.hybrid()),
+            data=data(),
+            max_epochs=1,
+            callbacks=[ckpt],
+            enable_checkpointing=True,
+            plugins=plugins,
+            **epochs,
+        )
     assert os.listdir(tmp_path / "direct") == ["half.ckpt"]
     direct = torch.load(tmp_path / "direct" / "half.ckpt", weights_only=True)
     own = torch.load(tmp_path / "own" / "half.ckpt", weights_only=True)
-    assert direct.keys() == own.keys() and (direct["global_step"], direct["epoch"]) == (own["global_step"], own["epoch"])
+    assert direct.keys() == own.keys() and (direct["global_step"], direct["epoch"]) == (
+        own["global_step"],
+        own["epoch"],
+    )
     assert all(torch.equal(v, own["state_dict"][k]) for k, v in direct["state_dict"].items())
-    for a, b in zip(direct["optimizer_states"][0]["state"].values(), own["optimizer_states"][0]["state"].values()):
+    for a, b in zip(
+        direct["optimizer_states"][0]["state"].values(), own["optimizer_states"][0]["state"].values()
+    ):
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), "the same optimizer state"
-    _, resumed = LT.fit(LT.Tiny(LT.hybrid()), data=data(), max_epochs=2, ckpt_path=tmp_path / "direct" / "half.ckpt",
-                        **epochs)
+    _, resumed = LT.fit(
+        LT.Tiny(LT.hybrid()), data=data(), max_epochs=2, ckpt_path=tmp_path / "direct" / "half.ckpt", **epochs
+    )
     _, whole = LT.fit(LT.Tiny(LT.hybrid()), data=data(), max_epochs=2, **epochs)
     for k, (a, b) in enumerate(zip(resumed, whole)):
         assert torch.equal(a, b), f"param {k}: resumed differs from uninterrupted by {(a - b).abs().max()}"
@@ -154,6 +179,7 @@ class WrapperKeys(pl.Callback):
 
 def test_manual_optimization_through_the_wrapper_acts_on_the_optimizer():
     from hybrid_opt import HybridAdamW
+
     ref = LT.fit(LT.Tiny(LT.torch_adamw, manual=True))[1]
     keys = WrapperKeys()
     model, tr = LT.Tiny(LT.hybrid(), manual=True), LT.trainer(callbacks=[keys])
@@ -173,10 +199,11 @@ def test_manual_optimization_through_the_wrapper_acts_on_the_optimizer():
 
 
 def test_bf16_mixed_with_max_grad_norm_matches_torch_with_gradient_clip_val():
-    scale = 20.0   # grad norms well above 1: the clip acts at every step
+    scale = 20.0  # grad norms well above 1: the clip acts at every step
     probe = Probe(lambda tr, m: tr.optimizers[0].last_grad_norm)
-    _, params = LT.fit(LT.Tiny(LT.hybrid(max_grad_norm=1.0), scale=scale), precision="bf16-mixed",
-                       callbacks=[probe])
+    _, params = LT.fit(
+        LT.Tiny(LT.hybrid(max_grad_norm=1.0), scale=scale), precision="bf16-mixed", callbacks=[probe]
+    )
     assert all(norm > 2.0 for norm in probe.seen), probe.seen
     _, ref = LT.fit(LT.Tiny(LT.torch_adamw, scale=scale), precision="bf16-mixed", gradient_clip_val=1.0)
     _, unclipped = LT.fit(LT.Tiny(LT.torch_adamw, scale=scale), precision="bf16-mixed")
@@ -198,27 +225,41 @@ def test_32_bit_gradient_clip_val_clips_like_torch():
 def test_bf16_mixed_refuses_gradient_clip_val_with_hybrid_adamw():
     # Lightning's MixedPrecision.clip_gradients: an optimizer that declares
     # _step_supports_amp_scaling (HybridAdamW: torch's GradScaler protocol) is refused
-    with pytest.raises(RuntimeError, match="The current optimizer, HybridAdamW, does not allow for "
-                                           "gradient clipping because it performs unscaling"):
+    with pytest.raises(
+        RuntimeError,
+        match="The current optimizer, HybridAdamW, does not allow for "
+        "gradient clipping because it performs unscaling",
+    ):
         LT.fit(LT.Tiny(LT.hybrid()), precision="bf16-mixed", gradient_clip_val=1.0, max_steps=1)
 
 
 def test_trainer_and_module_dropped_after_fit_free_the_worker_at_gc():
     from hybrid_opt import UnclosedOptimizerWarning
+
     tr, model = LT.trainer(), LT.Tiny(LT.hybrid())
     tr.fit(model, LT.loader())
     pid = tr.optimizers[0].worker_pid
     assert psutil.pid_exists(pid)
     with pytest.warns(UnclosedOptimizerWarning, match=r"close\(\)"):
-        del tr, model   # a notebook cell run again: Lightning's objects hold each other in cycles
+        del tr, model  # a notebook cell run again: Lightning's objects hold each other in cycles
         gc.collect()
     assert not psutil.pid_exists(pid), "the collected optimizer reaped its worker"
 
 
 # --------------------------------------------------------------- 2 processes, Lightning's launcher
 
-LAUNCH_ENV = ("LOCAL_RANK", "LOCAL_WORLD_SIZE", "RANK", "WORLD_SIZE", "GROUP_RANK", "NODE_RANK",
-              "MASTER_ADDR", "MASTER_PORT", "PL_GLOBAL_SEED", "TORCHELASTIC_RUN_ID")
+LAUNCH_ENV = (
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "RANK",
+    "WORLD_SIZE",
+    "GROUP_RANK",
+    "NODE_RANK",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "PL_GLOBAL_SEED",
+    "TORCHELASTIC_RUN_ID",
+)
 
 
 def launch_lightning(mode: str, out_dir: str, timeout_s: float = 120.0) -> list:
@@ -227,9 +268,15 @@ def launch_lightning(mode: str, out_dir: str, timeout_s: float = 120.0) -> list:
     worker is killed and the test fails with their output. Returns both ranks' results."""
     env = {k: v for k, v in os.environ.items() if k not in LAUNCH_ENV}
     env.update(OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([HERE, REPO, env.get("PYTHONPATH", "")]))
-    proc = subprocess.Popen([sys.executable, os.path.join(SCRIPTS, "lightning_train.py"), mode, out_dir],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                            start_new_session=True, cwd=out_dir)
+    proc = subprocess.Popen(
+        [sys.executable, os.path.join(SCRIPTS, "lightning_train.py"), mode, out_dir],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+        start_new_session=True,
+        cwd=out_dir,
+    )
     out = wait_bounded(proc, f"lightning_train.py {mode}", timeout_s)
     return _load_results("lightning_train.py", out_dir, range(2), out)
 
@@ -244,11 +291,11 @@ def assert_two_ranks_like_torch(results, torch_run):
             assert err <= DIST_RTOL, f"rank {r['rank']} param {k}: relative error {err:.2e}"
     cores = [set(r["worker_cores"]) for r in results]
     assert all(cores) and not cores[0] & cores[1], f"the ranks' workers share cores: {cores}"
-    assert cores[0] | cores[1] <= os.sched_getaffinity(0)   # on 2 cores: one each
+    assert cores[0] | cores[1] <= os.sched_getaffinity(0)  # on 2 cores: one each
 
 
 def dist_marks(test):
-    for mark in DIST_MARKS:   # gloo available, torch >= 2.6 (FSDP2)
+    for mark in DIST_MARKS:  # gloo available, torch >= 2.6 (FSDP2)
         test = mark(test)
     return test
 
@@ -257,7 +304,7 @@ def dist_marks(test):
 def test_ddp_two_cpu_processes_without_local_world_size_split_the_node(tmp_path, torch_run):
     results = launch_lightning("ddp", str(tmp_path))
     assert_two_ranks_like_torch(results, torch_run)
-    for r in results:   # plain DDP: each rank steps the whole (replicated) state, and is told so
+    for r in results:  # plain DDP: each rank steps the whole (replicated) state, and is told so
         assert any("replicated" in w for w in r["warnings"]), r["warnings"]
 
 
@@ -265,5 +312,5 @@ def test_ddp_two_cpu_processes_without_local_world_size_split_the_node(tmp_path,
 def test_model_parallel_strategy_fsdp2_two_cpu_processes_like_torch(tmp_path, torch_run):
     results = launch_lightning("fsdp2", str(tmp_path))
     assert_two_ranks_like_torch(results, torch_run)
-    for r in results:   # DTensor shards: each rank steps its own share, no replication warning
+    for r in results:  # DTensor shards: each rank steps its own share, no replication warning
         assert not any("replicated" in w for w in r["warnings"]), r["warnings"]

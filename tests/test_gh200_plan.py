@@ -1,6 +1,7 @@
 """docs/placement.md's GH200 figures ("GH200: SuperOffload's published configuration, planned") are
 what `hybrid-opt plan` and the cost model predict: the Qwen3-14B and GPT-OSS-20B rows, the
 ZeRO-Offload stand-in and its ratio. Predictions, recomputed here so the docs cannot drift."""
+
 import contextlib
 import dataclasses
 import io
@@ -23,14 +24,18 @@ def plan(argv):
     return json.loads(out.getvalue())
 
 
-@pytest.mark.parametrize("argv,iteration,tflops,offload,exposed", [
-    (QWEN, 3.51, 392, 0.85, 0.053),
-    (QWEN + ["--gpu-tflops", "600"], 2.37, 582, 0.85, 0.053),
-    (QWEN + COMPRESSED, 3.51, 392, 0.65, 0.040),
-    (QWEN + ["--host-adam", "5"], 3.65, 377, 0.85, 0.19),
-    (QWEN + ["--host-adam", "5", "--gpu-tflops", "600"], 3.27, 421, 0.85, 0.96),
-    (GPT_OSS, 2.62, 135, 1.0, 1.73),
-    (GPT_OSS + COMPRESSED, 1.82, 194, 1.0, 0.94)])
+@pytest.mark.parametrize(
+    "argv,iteration,tflops,offload,exposed",
+    [
+        (QWEN, 3.51, 392, 0.85, 0.053),
+        (QWEN + ["--gpu-tflops", "600"], 2.37, 582, 0.85, 0.053),
+        (QWEN + COMPRESSED, 3.51, 392, 0.65, 0.040),
+        (QWEN + ["--host-adam", "5"], 3.65, 377, 0.85, 0.19),
+        (QWEN + ["--host-adam", "5", "--gpu-tflops", "600"], 3.27, 421, 0.85, 0.96),
+        (GPT_OSS, 2.62, 135, 1.0, 1.73),
+        (GPT_OSS + COMPRESSED, 1.82, 194, 1.0, 0.94),
+    ],
+)
 def test_the_readme_gh200_rows_are_the_planners_predictions(argv, iteration, tflops, offload, exposed):
     out = plan(argv)
     assert out["predicted_iteration_seconds"] == pytest.approx(iteration, abs=0.006)

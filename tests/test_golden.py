@@ -2,18 +2,19 @@
 last_grad_norm and step_was_skipped, step by step, bitwise those recorded on the code before
 the layout changed (issue #21) — in one process at every placement, and at 2 gloo ranks under
 FSDP2 and process_group."""
+
 import os
 
+import golden as G
 import pytest
 import torch
-
-import golden as G
 from dist_launch import DIST_MARKS
 
 pytestmark = pytest.mark.skipif(
     __import__("cpu_kernels").simd_level() == "portable",
     reason="the goldens are the FMA levels' bits (AVX2 / AVX-512 agree bitwise); the portable "
-           "level rounds a*b+c twice and differs in the last bits by design")
+    "level rounds a*b+c twice and differs in the last bits by design",
+)
 
 
 @pytest.mark.parametrize("name", list(G.CONFIGS))

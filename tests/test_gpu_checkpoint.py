@@ -8,6 +8,7 @@
 - a bf16 checkpoint loaded with map_location="cpu" resumes a CUDA model bitwise (the CPU
   master_param is compared with the CUDA param on the param's device).
 """
+
 import io
 
 import pytest
@@ -28,8 +29,11 @@ def nvme_dir(tmp_path_factory):
     return str(tmp_path_factory.mktemp("nvme"))
 
 
-PLACEMENTS = {"device": dict(offload_fraction=0.0), "host": dict(offload_fraction=1.0),
-              "mixed_nvme": dict(offload_fraction=0.5, nvme_fraction=0.25)}
+PLACEMENTS = {
+    "device": dict(offload_fraction=0.0),
+    "host": dict(offload_fraction=1.0),
+    "mixed_nvme": dict(offload_fraction=0.5, nvme_fraction=0.25),
+}
 
 
 def placement_kwargs(name, nvme_dir):
@@ -52,8 +56,9 @@ def train(params, opt, steps, seed):
     g = torch.Generator(device="cuda").manual_seed(seed)
     for _ in range(steps):
         opt.zero_grad()
-        loss = sum(((p.float() - torch.randn(p.shape, generator=g, device="cuda")) ** 2).mean()
-                   for p in params)
+        loss = sum(
+            ((p.float() - torch.randn(p.shape, generator=g, device="cuda")) ** 2).mean() for p in params
+        )
         loss.backward()  # post-accumulate hooks: host subgroups are speculated during it
         opt.step()
     torch.cuda.synchronize()
@@ -79,17 +84,26 @@ def test_state_dict_keeps_offloaded_state_off_the_gpu(placement, dtype, nvme_dir
         # (each rounded up to the caching allocator's 512 B blocks, as max_memory_allocated
         # counts it). A view's storage is a slice of a buffer's: told apart by its address
         device = opt.parts.placement.device
-        tier = [(b.data_ptr(), b.data_ptr() + b.nbytes()) for b in
-                {t.untyped_storage().data_ptr(): t.untyped_storage() for t in
-                 [*device.master.values(), *(t for st in device.state.values() for t in st.values())]}.values()]
+        tier = [
+            (b.data_ptr(), b.data_ptr() + b.nbytes())
+            for b in {
+                t.untyped_storage().data_ptr(): t.untyped_storage()
+                for t in [*device.master.values(), *(t for st in device.state.values() for t in st.values())]
+            }.values()
+        ]
 
         def in_tier(t):
             return any(lo <= t.data_ptr() < hi for lo, hi in tier)
-        copies = {t.untyped_storage().data_ptr(): -(-t.untyped_storage().nbytes() // 512) * 512
-                  for st in sd["state"].values() for t in st.values()
-                  if t.is_cuda and not in_tier(t)}
-        assert grown <= sum(copies.values()), (f"state_dict() took {grown} B of GPU memory, the copies "
-                                               f"it returns {sum(copies.values())} B")
+
+        copies = {
+            t.untyped_storage().data_ptr(): -(-t.untyped_storage().nbytes() // 512) * 512
+            for st in sd["state"].values()
+            for t in st.values()
+            if t.is_cuda and not in_tier(t)
+        }
+        assert grown <= sum(copies.values()), (
+            f"state_dict() took {grown} B of GPU memory, the copies it returns {sum(copies.values())} B"
+        )
         kinds = set()
         for idx, st in sd["state"].items():
             tiers = {opt.plan.tiers[sg.index] for sg, _ in parts_of(opt, idx)}
@@ -103,17 +117,23 @@ def test_state_dict_keeps_offloaded_state_off_the_gpu(placement, dtype, nvme_dir
         if placement != "host":
             # a device-only param in one subgroup: views of the tier's buffers, each with a
             # storage of its own (exactly its bytes: what torch.save writes)
-            views = [idx for idx in sd["state"] if len(parts_of(opt, idx)) == 1
-                     and opt.plan.tiers[parts_of(opt, idx)[0][0].index] == DEVICE]
+            views = [
+                idx
+                for idx in sd["state"]
+                if len(parts_of(opt, idx)) == 1 and opt.plan.tiers[parts_of(opt, idx)[0][0].index] == DEVICE
+            ]
             assert views
             for idx in views:
                 sg, sl = parts_of(opt, idx)[0]
                 buf = opt.parts.placement.device.state[sg.index]["exp_avg"]
                 t = sd["state"][idx]["exp_avg"]
-                assert t.data_ptr() == buf[sl.sub_offset:].data_ptr()
+                assert t.data_ptr() == buf[sl.sub_offset :].data_ptr()
                 for k, v in sd["state"][idx].items():
                     if k != "step":
-                        assert in_tier(v) and v.untyped_storage().nbytes() == v.numel() * v.element_size(), (idx, k)
+                        assert in_tier(v) and v.untyped_storage().nbytes() == v.numel() * v.element_size(), (
+                            idx,
+                            k,
+                        )
             # a device-only param over several subgroups: a copy (no view spans CUDA subgroups)
             for idx in sd["state"]:
                 parts = parts_of(opt, idx)

@@ -8,6 +8,7 @@ differs between the branches of a runtime `if`, and on shapes from runtime value
 architectures compile in parallel, each in a fresh interpreter (the interpreter patches
 triton.language in a process that has interpreted) with an empty Triton cache.
 """
+
 import importlib.util
 import os
 import subprocess
@@ -29,9 +30,15 @@ def test_every_specialization_compiles_for_sm80_and_sm90_through_the_launch_path
             env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
             env["TRITON_CACHE_DIR"] = os.path.join(cache, arch)
             env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
-            runs[arch] = subprocess.Popen([sys.executable, SCRIPT, "--arch", arch], cwd=ROOT, env=env,
-                                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                          start_new_session=True)
+            runs[arch] = subprocess.Popen(
+                [sys.executable, SCRIPT, "--arch", arch],
+                cwd=ROOT,
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+                start_new_session=True,
+            )
         outputs = {}
         try:
             for arch, proc in runs.items():
@@ -48,6 +55,7 @@ def test_every_specialization_compiles_for_sm80_and_sm90_through_the_launch_path
 
 def test_compile_for_refuses_an_unknown_architecture_and_nesting():
     from gpu_kernels import offline
+
     with pytest.raises(ValueError, match="compute capability"):
         offline.parse_arch("hopper")
     assert offline.parse_arch("sm_90") == offline.parse_arch(90) == offline.parse_arch("sm90") == 90
@@ -56,6 +64,7 @@ def test_compile_for_refuses_an_unknown_architecture_and_nesting():
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
 def test_an_architecture_s_own_launch_configuration_overrides_the_gpu_default():
     from gpu_kernels import _runtime, offline
+
     configs = {"cuda": {"BLOCK": 1}, "sm_90": {"BLOCK": 2}, "cpu": {"BLOCK": 3}}
     with offline.compile_for("sm_90"):
         assert _runtime.launch_config(configs, "cpu") == {"BLOCK": 2}

@@ -6,6 +6,7 @@ The same tests run on CUDA tensors when a GPU is present, else on CPU tensors th
 Triton's interpreter (conftest sets TRITON_INTERPRET=1). The interpreter costs ~0.7 ms per
 program, so sizes stay small; `gpu` tests need sizes or properties only a GPU has.
 """
+
 import contextlib
 import importlib
 import importlib.util
@@ -16,13 +17,11 @@ import sys
 
 import pytest
 import torch
-
 from helpers import run_compile_check
 from tolerances import assert_close
 
 import gpu_kernels
-from gpu_kernels import (clip_coef, fused_adam_, fused_adam_reference_, grad_stats,
-                         grad_stats_reference)
+from gpu_kernels import clip_coef, fused_adam_, fused_adam_reference_, grad_stats, grad_stats_reference
 
 adam_module = importlib.import_module("gpu_kernels.adam")
 stats_module = importlib.import_module("gpu_kernels.grad_stats")
@@ -66,9 +65,14 @@ def clone_state(state):
 
 
 def run(fn, state, **kwargs):
-    fn(state["params"], state["grads"], state["exp_avgs"], state["exp_avg_sqs"],
-       **{k: v for k, v in state.items() if k not in ("params", "grads", "exp_avgs", "exp_avg_sqs")},
-       **kwargs)
+    fn(
+        state["params"],
+        state["grads"],
+        state["exp_avgs"],
+        state["exp_avg_sqs"],
+        **{k: v for k, v in state.items() if k not in ("params", "grads", "exp_avgs", "exp_avg_sqs")},
+        **kwargs,
+    )
 
 
 def assert_state_close(actual, expected):
@@ -84,13 +88,16 @@ def assert_state_close(actual, expected):
 # fused_adam_
 # --------------------------------------------------------------------------------------------
 
+
 @needs_triton
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("grad_dtype", GRAD_DTYPES)
 @pytest.mark.parametrize("decoupled", [True, False], ids=["adamw", "adam_l2"])
 @pytest.mark.parametrize("amsgrad", [False, True], ids=["", "amsgrad"])
 def test_fused_adam_matches_reference_on_odd_sizes(device, grad_dtype, decoupled, amsgrad):
-    state = make_state(ODD_SIZES + [8192, 70001], device, grad_dtype, amsgrad=amsgrad, copy_dtype=torch.bfloat16)
+    state = make_state(
+        ODD_SIZES + [8192, 70001], device, grad_dtype, amsgrad=amsgrad, copy_dtype=torch.bfloat16
+    )
     expected = clone_state(state)
     scale = torch.tensor([0.5], device=device)
     run(fused_adam_, state, step=3, decoupled=decoupled, grad_scale=scale, **HYPER)
@@ -116,8 +123,16 @@ def test_fused_adam_matches_torch_optim_over_steps(device, grad_dtype, optimizer
             t.zero_()  # torch's fresh state
     torch_params = [p.clone().requires_grad_(True) for p in state["params"]]
     cls = getattr(torch.optim, optimizer)
-    opt = cls(torch_params, lr=HYPER["lr"], betas=(HYPER["beta1"], HYPER["beta2"]), eps=HYPER["eps"],
-              weight_decay=HYPER["weight_decay"], amsgrad=amsgrad, maximize=maximize, foreach=False)
+    opt = cls(
+        torch_params,
+        lr=HYPER["lr"],
+        betas=(HYPER["beta1"], HYPER["beta2"]),
+        eps=HYPER["eps"],
+        weight_decay=HYPER["weight_decay"],
+        amsgrad=amsgrad,
+        maximize=maximize,
+        foreach=False,
+    )
     # maximize is a negative grad scale; Adam's weight decay is L2 (decoupled=False)
     scale = torch.tensor([-1.0 if maximize else 1.0], device=device)
     gen = torch.Generator().manual_seed(1)
@@ -132,10 +147,15 @@ def test_fused_adam_matches_torch_optim_over_steps(device, grad_dtype, optimizer
             torch_state = opt.state[p]
             assert_close(state["params"][i], p.detach(), msg=f"step {step} params[{i}]")
             assert_close(state["exp_avgs"][i], torch_state["exp_avg"], msg=f"step {step} exp_avgs[{i}]")
-            assert_close(state["exp_avg_sqs"][i], torch_state["exp_avg_sq"], msg=f"step {step} exp_avg_sqs[{i}]")
+            assert_close(
+                state["exp_avg_sqs"][i], torch_state["exp_avg_sq"], msg=f"step {step} exp_avg_sqs[{i}]"
+            )
             if amsgrad:
-                assert_close(state["max_exp_avg_sqs"][i], torch_state["max_exp_avg_sq"],
-                             msg=f"step {step} max_exp_avg_sqs[{i}]")
+                assert_close(
+                    state["max_exp_avg_sqs"][i],
+                    torch_state["max_exp_avg_sq"],
+                    msg=f"step {step} max_exp_avg_sqs[{i}]",
+                )
 
 
 @needs_triton
@@ -180,11 +200,19 @@ def test_mixed_dtypes_none_copies_and_unaligned_views(device):
     """Rows are grouped by (grad dtype, copy dtype, alignment); results do not depend on it."""
     sizes = [15, 17, 4099, 33, 8]
     state = make_state(sizes, device)
-    state["grads"] = [g.to(dt) for g, dt in zip(state["grads"], [torch.float32, torch.bfloat16,
-                                                                    torch.float16, torch.bfloat16, torch.float32])]
-    state["param_copies"] = [torch.zeros(15, dtype=torch.bfloat16, device=device), None,
-                             torch.zeros(4099, dtype=torch.float16, device=device), None,
-                             torch.zeros(8, dtype=torch.bfloat16, device=device)]
+    state["grads"] = [
+        g.to(dt)
+        for g, dt in zip(
+            state["grads"], [torch.float32, torch.bfloat16, torch.float16, torch.bfloat16, torch.float32]
+        )
+    ]
+    state["param_copies"] = [
+        torch.zeros(15, dtype=torch.bfloat16, device=device),
+        None,
+        torch.zeros(4099, dtype=torch.float16, device=device),
+        None,
+        torch.zeros(8, dtype=torch.bfloat16, device=device),
+    ]
     # tensors 3 and 4 are views at odd element offsets of one flat buffer (not 16-byte aligned)
     flat = torch.randn(1 + 33 + 8 + 1, device=device)
     state["params"][3], state["params"][4] = flat[1:34], flat[34:42]
@@ -208,8 +236,9 @@ def test_unaligned_views_leave_neighbours_untouched(device):
     before = flat.clone()
     params = [flat[3:20]]
     grads = [torch.randn(17, device=device)]
-    fused_adam_(params, grads, [torch.zeros(17, device=device)], [torch.zeros(17, device=device)],
-                step=1, **HYPER)
+    fused_adam_(
+        params, grads, [torch.zeros(17, device=device)], [torch.zeros(17, device=device)], step=1, **HYPER
+    )
     assert torch.equal(flat[:3], before[:3]) and torch.equal(flat[20:], before[20:])
     assert not torch.equal(flat[3:20], before[3:20])
 
@@ -236,8 +265,14 @@ def test_found_inf_leaves_every_tensor_bitwise_unchanged(device, flag):
     state = make_state(ODD_SIZES, device, torch.bfloat16, amsgrad=True, copy_dtype=torch.bfloat16)
     before = clone_state(state)
     found_inf = torch.tensor([flag], device=device)
-    run(fused_adam_, state, step=7, found_inf=found_inf, grad_scale=torch.tensor([2.0], device=device),
-        **{**HYPER, "lr": torch.tensor(1e-2, device=device)})
+    run(
+        fused_adam_,
+        state,
+        step=7,
+        found_inf=found_inf,
+        grad_scale=torch.tensor([2.0], device=device),
+        **{**HYPER, "lr": torch.tensor(1e-2, device=device)},
+    )
     for key in state:
         for i, (a, b) in enumerate(zip(state[key], before[key])):
             assert torch.equal(a, b), f"{key}[{i}] changed although found_inf = {flag}"
@@ -266,46 +301,117 @@ def _bad_adam_inputs(device):
     def set_list(key, i, value):
         def mutate(state, kwargs):
             state[key][i] = value
+
         return mutate
 
     def set_kw(**updates):
         def mutate(state, kwargs):
             kwargs.update(updates)
+
         return mutate
 
     def drop(key):
         def mutate(state, kwargs):
             state[key] = state[key][:-1]
+
         return mutate
 
     return [
         ("short grads", drop("grads"), ValueError, r"grads has 1 tensors but params has 2"),
         ("short exp_avg_sqs", drop("exp_avg_sqs"), ValueError, r"exp_avg_sqs has 1 tensors but params has 2"),
-        ("numel mismatch", set_list("exp_avgs", 1, t(3)), ValueError,
-         r"exp_avgs\[1\] has 3 elements but params\[1\] has 4"),
-        ("non-contiguous", set_list("params", 0, t(4, 2)[:, 0]),
-         ValueError, r"params\[0\] is not contiguous"),
-        ("fp16 param", set_list("params", 0, t(4, dtype=torch.float16)), TypeError,
-         r"params\[0\] has dtype torch.float16"),
-        ("int grad", set_list("grads", 1, t(4, dtype=torch.int32)), TypeError, r"grads\[1\] has dtype torch.int32"),
-        ("fp16 moment", set_list("exp_avg_sqs", 0, t(4, dtype=torch.float16)), TypeError,
-         r"exp_avg_sqs\[0\] has dtype torch.float16; expected one of: float32, bfloat16"),
+        (
+            "numel mismatch",
+            set_list("exp_avgs", 1, t(3)),
+            ValueError,
+            r"exp_avgs\[1\] has 3 elements but params\[1\] has 4",
+        ),
+        (
+            "non-contiguous",
+            set_list("params", 0, t(4, 2)[:, 0]),
+            ValueError,
+            r"params\[0\] is not contiguous",
+        ),
+        (
+            "fp16 param",
+            set_list("params", 0, t(4, dtype=torch.float16)),
+            TypeError,
+            r"params\[0\] has dtype torch.float16",
+        ),
+        (
+            "int grad",
+            set_list("grads", 1, t(4, dtype=torch.int32)),
+            TypeError,
+            r"grads\[1\] has dtype torch.int32",
+        ),
+        (
+            "fp16 moment",
+            set_list("exp_avg_sqs", 0, t(4, dtype=torch.float16)),
+            TypeError,
+            r"exp_avg_sqs\[0\] has dtype torch.float16; expected one of: float32, bfloat16",
+        ),
         ("not a tensor", set_list("grads", 0, [0.0] * 4), TypeError, r"grads\[0\] must be a tensor"),
-        ("other device", set_list("grads", 0, torch.zeros(4, device="meta")), ValueError, r"grads\[0\] is on meta"),
-        ("params across devices", set_list("params", 1, torch.zeros(4, device="meta")), ValueError,
-         r"params\[1\] is on meta but params\[0\] is on \w+(:\d+)?; one launch needs every tensor "
-         r"on the same device"),
-        ("lr elsewhere", set_kw(lr=torch.tensor(1e-3, device="meta")), ValueError,
-         r"lr is on meta but the tensors are on"),
-        ("grad_scale elsewhere", set_kw(grad_scale=torch.ones(1, device="meta")), ValueError,
-         r"grad_scale is on meta but the tensors are on"),
-        ("copy dtype", set_kw(param_copies=[t(4, dtype=torch.int8), None]), TypeError, r"param_copies\[0\] has dtype"),
-        ("short copies", set_kw(param_copies=[t(4, dtype=torch.bfloat16)]), ValueError, r"param_copies has 1 tensors"),
-        ("short max_exp_avg_sqs", set_kw(max_exp_avg_sqs=[t(4)]), ValueError, r"max_exp_avg_sqs has 1 tensors"),
-        ("2-element grad_scale", set_kw(grad_scale=t(2)), ValueError, r"grad_scale must have exactly one element"),
-        ("int grad_scale", set_kw(grad_scale=t(1, dtype=torch.int32)), TypeError, r"grad_scale must be one of"),
+        (
+            "other device",
+            set_list("grads", 0, torch.zeros(4, device="meta")),
+            ValueError,
+            r"grads\[0\] is on meta",
+        ),
+        (
+            "params across devices",
+            set_list("params", 1, torch.zeros(4, device="meta")),
+            ValueError,
+            r"params\[1\] is on meta but params\[0\] is on \w+(:\d+)?; one launch needs every tensor "
+            r"on the same device",
+        ),
+        (
+            "lr elsewhere",
+            set_kw(lr=torch.tensor(1e-3, device="meta")),
+            ValueError,
+            r"lr is on meta but the tensors are on",
+        ),
+        (
+            "grad_scale elsewhere",
+            set_kw(grad_scale=torch.ones(1, device="meta")),
+            ValueError,
+            r"grad_scale is on meta but the tensors are on",
+        ),
+        (
+            "copy dtype",
+            set_kw(param_copies=[t(4, dtype=torch.int8), None]),
+            TypeError,
+            r"param_copies\[0\] has dtype",
+        ),
+        (
+            "short copies",
+            set_kw(param_copies=[t(4, dtype=torch.bfloat16)]),
+            ValueError,
+            r"param_copies has 1 tensors",
+        ),
+        (
+            "short max_exp_avg_sqs",
+            set_kw(max_exp_avg_sqs=[t(4)]),
+            ValueError,
+            r"max_exp_avg_sqs has 1 tensors",
+        ),
+        (
+            "2-element grad_scale",
+            set_kw(grad_scale=t(2)),
+            ValueError,
+            r"grad_scale must have exactly one element",
+        ),
+        (
+            "int grad_scale",
+            set_kw(grad_scale=t(1, dtype=torch.int32)),
+            TypeError,
+            r"grad_scale must be one of",
+        ),
         ("float found_inf", set_kw(found_inf=0.0), TypeError, r"found_inf must be a 1-element tensor"),
-        ("found_inf elsewhere", set_kw(found_inf=torch.zeros(1, device="meta")), ValueError, r"found_inf is on meta"),
+        (
+            "found_inf elsewhere",
+            set_kw(found_inf=torch.zeros(1, device="meta")),
+            ValueError,
+            r"found_inf is on meta",
+        ),
         ("step 0", set_kw(step=0), ValueError, r"step must be >= 1"),
         ("float step", set_kw(step=1.5), TypeError, r"step must be an int"),
         ("negative lr", set_kw(lr=-1.0), ValueError, r"Invalid learning rate"),
@@ -313,13 +419,20 @@ def _bad_adam_inputs(device):
         ("beta2 < 0", set_kw(beta2=-0.1), ValueError, r"Invalid beta parameter at index 1"),
         ("negative eps", set_kw(eps=-1e-8), ValueError, r"Invalid epsilon value"),
         ("negative weight_decay", set_kw(weight_decay=-1.0), ValueError, r"Invalid weight_decay value"),
-        ("params is a tensor", lambda s, k: s.update(params=s["params"][0]), TypeError,
-         r"params must be a list or tuple of tensors"),
+        (
+            "params is a tensor",
+            lambda s, k: s.update(params=s["params"][0]),
+            TypeError,
+            r"params must be a list or tuple of tensors",
+        ),
     ]
 
 
-@pytest.mark.parametrize("case", range(len(_bad_adam_inputs("cpu"))),
-                         ids=[case[0].replace(" ", "_") for case in _bad_adam_inputs("cpu")])
+@pytest.mark.parametrize(
+    "case",
+    range(len(_bad_adam_inputs("cpu"))),
+    ids=[case[0].replace(" ", "_") for case in _bad_adam_inputs("cpu")],
+)
 def test_fused_adam_rejects_bad_inputs(case):
     device = DEVICES[0]
     description, mutate, error, message = _bad_adam_inputs(device)[case]
@@ -355,17 +468,20 @@ def test_import_never_needs_triton_and_calls_say_why():
         "        assert 'needs triton' in str(e), e\n"
         "    else:\n"
         "        raise AssertionError('no RuntimeError')\n"
-        "print('ok')\n")
+        "print('ok')\n"
+    )
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": root}
-    out = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True,
-                         timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True, timeout=120
+    )
     assert out.returncode == 0 and "ok" in out.stdout, out.stderr
 
 
 # --------------------------------------------------------------------------------------------
 # grad_stats and clip_coef
 # --------------------------------------------------------------------------------------------
+
 
 def _grads(sizes, dtypes, device, seed=0, scale=1.0):
     gen = torch.Generator().manual_seed(seed)
@@ -374,8 +490,11 @@ def _grads(sizes, dtypes, device, seed=0, scale=1.0):
 
 @needs_triton
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("dtypes", [[torch.float32], [torch.bfloat16], [torch.float16],
-                                    [torch.float16, torch.float32, torch.bfloat16]], ids=["fp32", "bf16", "fp16", "mixed"])
+@pytest.mark.parametrize(
+    "dtypes",
+    [[torch.float32], [torch.bfloat16], [torch.float16], [torch.float16, torch.float32, torch.bfloat16]],
+    ids=["fp32", "bf16", "fp16", "mixed"],
+)
 def test_grad_stats_matches_reference(device, dtypes):
     sizes = ODD_SIZES + [70001, 3, 8192]
     grads = _grads(sizes, [dtypes[i % len(dtypes)] for i in range(len(sizes))], device)
@@ -408,8 +527,10 @@ def test_grad_stats_found_inf_matches_torch_nonfinite_check(device, dtype, bad, 
 @needs_triton
 @pytest.mark.parametrize("device", DEVICES)
 def test_grad_stats_large_finite_values_are_not_flagged(device):
-    grads = [torch.full((5,), 65504.0, dtype=torch.float16, device=device),
-             torch.full((3,), 3.0e38, dtype=torch.float32, device=device)]
+    grads = [
+        torch.full((5,), 65504.0, dtype=torch.float16, device=device),
+        torch.full((3,), 3.0e38, dtype=torch.float32, device=device),
+    ]
     sum_sq, found_inf = grad_stats(grads)
     assert found_inf.item() == 0.0
     assert sum_sq.isinf()  # the squares overflow fp32, as torch's norm does; the values are finite
@@ -459,15 +580,26 @@ def test_clip_matches_torch_clip_grad_norm(device, grad_dtype, max_norm):
     assert (coef.item() == 1.0) == (max_norm == 1e6)
 
 
-@pytest.mark.parametrize("call, error, message", [
-    (lambda d: grad_stats(torch.ones(3, device=d)), TypeError, r"grads must be a list or tuple"),
-    (lambda d: grad_stats([torch.ones(3, dtype=torch.int32, device=d)]), TypeError, r"grads\[0\] has dtype torch.int32"),
-    (lambda d: grad_stats([torch.ones(3, 2, device=d).t()]), ValueError, r"grads\[0\] is not contiguous"),
-    (lambda d: grad_stats([torch.ones(3, device=d), torch.ones(3, device="meta")]), ValueError, r"grads\[1\] is on meta"),
-    (lambda d: grad_stats([torch.ones(3, device=d)], sum_dtype=torch.float16), TypeError, r"sum_dtype"),
-    (lambda d: clip_coef(torch.ones((), device=d), -1.0), ValueError, r"max_norm must be >= 0"),
-    (lambda d: clip_coef(1.0, 1.0), TypeError, r"sum_sq must be a tensor"),
-])
+@pytest.mark.parametrize(
+    "call, error, message",
+    [
+        (lambda d: grad_stats(torch.ones(3, device=d)), TypeError, r"grads must be a list or tuple"),
+        (
+            lambda d: grad_stats([torch.ones(3, dtype=torch.int32, device=d)]),
+            TypeError,
+            r"grads\[0\] has dtype torch.int32",
+        ),
+        (lambda d: grad_stats([torch.ones(3, 2, device=d).t()]), ValueError, r"grads\[0\] is not contiguous"),
+        (
+            lambda d: grad_stats([torch.ones(3, device=d), torch.ones(3, device="meta")]),
+            ValueError,
+            r"grads\[1\] is on meta",
+        ),
+        (lambda d: grad_stats([torch.ones(3, device=d)], sum_dtype=torch.float16), TypeError, r"sum_dtype"),
+        (lambda d: clip_coef(torch.ones((), device=d), -1.0), ValueError, r"max_norm must be >= 0"),
+        (lambda d: clip_coef(1.0, 1.0), TypeError, r"sum_sq must be a tensor"),
+    ],
+)
 def test_grad_stats_rejects_bad_inputs(call, error, message):
     with pytest.raises(error, match=message):
         call(DEVICES[0])
@@ -477,6 +609,7 @@ def test_grad_stats_rejects_bad_inputs(call, error, message):
 # the tensors' device, not the current one (Triton launches on the current CUDA device and its
 # current stream)
 # --------------------------------------------------------------------------------------------
+
 
 def test_device_guard_selects_a_cuda_device_and_is_a_noop_on_cpu():
     guard = runtime.device_guard(torch.device("cuda", 1))
@@ -518,8 +651,11 @@ def test_every_table_build_and_launch_runs_under_the_tensors_device(device, monk
                     def launch(*args, **kwargs):
                         events.append((lazy.__name__, list(open_guards)))
                         return kernel[grid](*args, **kwargs)
+
                     return launch
+
             return Grid()
+
         monkeypatch.setattr(lazy, "for_device", for_device)
 
     def watch_builds(module):
@@ -528,11 +664,15 @@ def test_every_table_build_and_launch_runs_under_the_tensors_device(device, monk
         def build(*args):
             events.append((module.__name__ + "._build_table", list(open_guards)))
             return real_build(*args)
+
         monkeypatch.setattr(module, "_build_table", build)
 
     monkeypatch.setattr(runtime, "device_guard", recording_guard)
-    for lazy in (adam_module._fused_adam_kernel, stats_module._grad_stats_partials_kernel,
-                 stats_module._grad_stats_combine_kernel):
+    for lazy in (
+        adam_module._fused_adam_kernel,
+        stats_module._grad_stats_partials_kernel,
+        stats_module._grad_stats_combine_kernel,
+    ):
         watch_launches(lazy)
     for module in (adam_module, stats_module):
         watch_builds(module)
@@ -542,9 +682,13 @@ def test_every_table_build_and_launch_runs_under_the_tensors_device(device, monk
     grad_stats(state["grads"])
     expected = state["params"][0].device
     names = [name for name, _ in events]
-    assert names == ["gpu_kernels.adam._build_table", "_fused_adam_kernel",
-                     "gpu_kernels.grad_stats._build_table", "_grad_stats_partials_kernel",
-                     "_grad_stats_combine_kernel"]
+    assert names == [
+        "gpu_kernels.adam._build_table",
+        "_fused_adam_kernel",
+        "gpu_kernels.grad_stats._build_table",
+        "_grad_stats_partials_kernel",
+        "_grad_stats_combine_kernel",
+    ]
     for name, guards in events:
         assert guards and guards[-1] == expected, f"{name} ran under {guards}, not {expected}"
 
@@ -647,6 +791,7 @@ def test_kernels_compile_for_sm90_with_vector_accesses():
 # CUDA only
 # --------------------------------------------------------------------------------------------
 
+
 @pytest.mark.gpu
 def test_no_host_sync_in_steady_state():
     state = make_state([4099, 100000, 17], "cuda", torch.bfloat16, copy_dtype=torch.bfloat16)
@@ -657,8 +802,7 @@ def test_no_host_sync_in_steady_state():
     def one_step():
         sum_sq, flag = grad_stats(state["grads"])
         coef = clip_coef(sum_sq, 1.0)
-        run(fused_adam_, state, step=2, grad_scale=scale * coef, found_inf=flag,
-            **{**HYPER, "lr": lr})
+        run(fused_adam_, state, step=2, grad_scale=scale * coef, found_inf=flag, **{**HYPER, "lr": lr})
         return found_inf
 
     one_step()  # builds and caches the chunk tables (a pinned, non-blocking copy)
@@ -674,11 +818,11 @@ def test_no_host_sync_in_steady_state():
 @pytest.mark.gpu
 @pytest.mark.whole_gpu  # ~52 GiB: one at a time
 def test_tensors_past_2_pow_31_elements():
-    n = 2 ** 31 + 4099
+    n = 2**31 + 4099
     free, _ = torch.cuda.mem_get_info()
     if free < n * 24 + (8 << 30):
         pytest.skip(f"needs ~{n * 24 / 2**30:.0f} GiB of free device memory")
-    g = torch.randn(2 ** 20, device="cuda").to(torch.bfloat16).repeat(n // 2 ** 20 + 1)[:n]
+    g = torch.randn(2**20, device="cuda").to(torch.bfloat16).repeat(n // 2**20 + 1)[:n]
     p = torch.ones(n, device="cuda")
     m = torch.zeros(n, device="cuda")
     v = torch.zeros(n, device="cuda")
@@ -690,7 +834,7 @@ def test_tensors_past_2_pow_31_elements():
     assert_close(m[tail], expected[2])
     del p, m, v
     sum_sq, found_inf = grad_stats([g])
-    ref = sum(g[i:i + 2 ** 28].double().pow(2).sum() for i in range(0, n, 2 ** 28))
+    ref = sum(g[i : i + 2**28].double().pow(2).sum() for i in range(0, n, 2**28))
     assert_close(sum_sq, ref.float())
     g[-1] = float("nan")
     assert grad_stats([g])[1].item() == 1.0
@@ -715,8 +859,7 @@ def _on_cuda1_while_cuda0_is_current():
 @needs_two_gpus
 def test_fused_adam_steps_tensors_on_cuda1_while_cuda0_is_current():
     with _on_cuda1_while_cuda0_is_current() as dev:
-        state = make_state(ODD_SIZES + [100000], dev, torch.bfloat16, amsgrad=True,
-                           copy_dtype=torch.bfloat16)
+        state = make_state(ODD_SIZES + [100000], dev, torch.bfloat16, amsgrad=True, copy_dtype=torch.bfloat16)
         expected = clone_state(state)
         scale = torch.tensor([0.5], device=dev)
         found_inf = torch.zeros(1, device=dev)
@@ -726,8 +869,7 @@ def test_fused_adam_steps_tensors_on_cuda1_while_cuda0_is_current():
             # reuses the cached tables)
             for g in state["grads"]:
                 g.neg_()
-            run(fused_adam_, state, step=step, grad_scale=scale, found_inf=found_inf,
-                **{**HYPER, "lr": lr})
+            run(fused_adam_, state, step=step, grad_scale=scale, found_inf=found_inf, **{**HYPER, "lr": lr})
     for step in (1, 2, 3):
         for g in expected["grads"]:
             g.neg_()
@@ -749,8 +891,10 @@ def test_fused_adam_steps_tensors_on_cuda1_while_cuda0_is_current():
 def test_grad_stats_reads_grads_on_cuda1_while_cuda0_is_current():
     gen = torch.Generator().manual_seed(3)
     with _on_cuda1_while_cuda0_is_current() as dev:
-        grads = [(torch.randn(n, generator=gen) * 3).to(dev, dtype) for n, dtype in
-                 zip(ODD_SIZES + [300000], [torch.float32, torch.bfloat16, torch.float16] * 2)]
+        grads = [
+            (torch.randn(n, generator=gen) * 3).to(dev, dtype)
+            for n, dtype in zip(ODD_SIZES + [300000], [torch.float32, torch.bfloat16, torch.float16] * 2)
+        ]
         results = []
         for _ in range(2):  # the second call reuses the cached tables
             for g in grads:
@@ -773,6 +917,7 @@ def test_grad_stats_reads_grads_on_cuda1_while_cuda0_is_current():
 # FusedAdam: the same launch over tensors checked and tabled once
 # --------------------------------------------------------------------------------------------
 
+
 @needs_triton
 @pytest.mark.parametrize("device", DEVICES)
 def test_prepared_launch_steps_the_bits_of_fused_adam_over_steps(device):
@@ -780,8 +925,13 @@ def test_prepared_launch_steps_the_bits_of_fused_adam_over_steps(device):
     fused_adam_ gives on the same tensors; an overflow step writes nothing."""
     state = make_state([15, 4099, 1 << 14], device, torch.bfloat16, copy_dtype=torch.bfloat16)
     expected = clone_state(state)
-    launch = gpu_kernels.FusedAdam(state["params"], state["grads"], state["exp_avgs"], state["exp_avg_sqs"],
-                                   param_copies=state["param_copies"])
+    launch = gpu_kernels.FusedAdam(
+        state["params"],
+        state["grads"],
+        state["exp_avgs"],
+        state["exp_avg_sqs"],
+        param_copies=state["param_copies"],
+    )
     gen = torch.Generator().manual_seed(5)
     for step in (1, 2, 3):
         for a, b in zip(state["grads"], expected["grads"]):
@@ -808,6 +958,7 @@ def test_prepared_launch_step_does_no_per_tensor_work(device, monkeypatch):
 
     def refuse(*a, **k):
         raise AssertionError("per-tensor work during step()")
+
     for name in ("_checked_lists", "_check_tensor", "_groups", "_build_table"):
         monkeypatch.setattr(adam_module, name, refuse)
     before = adam_module._fused_adam_kernel.launches
@@ -819,8 +970,9 @@ def test_prepared_launch_step_does_no_per_tensor_work(device, monkeypatch):
 def test_prepared_launch_checks_its_tensors_once_with_fused_adam_s_messages():
     state = make_state([100, 200], DEVICES[0])
     with pytest.raises(ValueError, match=r"grads\[1\] has 100 elements but params\[1\] has 200"):
-        gpu_kernels.FusedAdam(state["params"], [state["grads"][0], state["grads"][0]], state["exp_avgs"],
-                              state["exp_avg_sqs"])
+        gpu_kernels.FusedAdam(
+            state["params"], [state["grads"][0], state["grads"][0]], state["exp_avgs"], state["exp_avg_sqs"]
+        )
     launch = gpu_kernels.FusedAdam(state["params"], state["grads"], state["exp_avgs"], state["exp_avg_sqs"])
     with pytest.raises(ValueError, match="Invalid beta parameter at index 0"):
         launch.step(step=1, **{**HYPER, "beta1": 1.5})

@@ -8,11 +8,11 @@ for bit; so must the compiled kernel on a GPU (built without multiply-add contra
 the fp64 reference a bf16 result is within one bf16 ulp. The remainder path is checked to be the fp32-master path
 exactly: same arithmetic, only the storage differs.
 """
+
 import importlib
 
 import pytest
 import torch
-
 from helpers import run_compile_check
 from tolerances import assert_bf16_within_ulps, assert_close
 
@@ -23,15 +23,21 @@ adam_module = importlib.import_module("gpu_kernels.adam")
 
 CUDA = torch.cuda.is_available()
 DEVICES = ["cuda"] if CUDA else ["cpu"]
-needs_triton = pytest.mark.skipif(gpu_kernels.unavailable_reason(DEVICES[0]) is not None,
-                                  reason=str(gpu_kernels.unavailable_reason(DEVICES[0])))
+needs_triton = pytest.mark.skipif(
+    gpu_kernels.unavailable_reason(DEVICES[0]) is not None,
+    reason=str(gpu_kernels.unavailable_reason(DEVICES[0])),
+)
 # bitwise equality with the fp32 reference holds for the interpreter's numpy arithmetic only
-needs_interpreter = pytest.mark.skipif(gpu_kernels.unavailable_reason("cpu") is not None,
-                                       reason=f"Triton's interpreter: {gpu_kernels.unavailable_reason('cpu')}")
+needs_interpreter = pytest.mark.skipif(
+    gpu_kernels.unavailable_reason("cpu") is not None,
+    reason=f"Triton's interpreter: {gpu_kernels.unavailable_reason('cpu')}",
+)
 # the interpreter computes in numpy, which warns where the non-finite inputs that tests give it
 # overflow or make NaNs
-pytestmark = [pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning"),
-              pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")]
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning"),
+    pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning"),
+]
 SIZES = [1, 15, 17, 4099, 8192]
 HYPER = dict(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01)
 F32, BF16 = torch.float32, torch.bfloat16
@@ -41,7 +47,9 @@ STATE_KEYS = ("params", "grads", "exp_avgs", "exp_avg_sqs")
 
 def bits(t):
     """A tensor's bits, so that torch.equal compares NaN payloads and the sign of zero."""
-    return t.contiguous().view({1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
+    return t.contiguous().view(
+        {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()]
+    )
 
 
 def make_state(sizes, device, *, grad_dtype=F32, moments=(F32, F32), remainders=False, amsgrad=False, seed=0):
@@ -52,10 +60,12 @@ def make_state(sizes, device, *, grad_dtype=F32, moments=(F32, F32), remainders=
         return torch.randn(n, generator=gen) * scale
 
     masters = [rand(n) for n in sizes]
-    state = dict(params=[m.clone() for m in masters],
-                 grads=[rand(n).to(grad_dtype) for n in sizes],
-                 exp_avgs=[rand(n, 0.1).to(moments[0]) for n in sizes],
-                 exp_avg_sqs=[rand(n, 0.01).abs().to(moments[1]) for n in sizes])
+    state = dict(
+        params=[m.clone() for m in masters],
+        grads=[rand(n).to(grad_dtype) for n in sizes],
+        exp_avgs=[rand(n, 0.1).to(moments[0]) for n in sizes],
+        exp_avg_sqs=[rand(n, 0.01).abs().to(moments[1]) for n in sizes],
+    )
     if amsgrad:
         state["max_exp_avg_sqs"] = [(v.float() * 1.5).to(moments[1]) for v in state["exp_avg_sqs"]]
     if remainders:
@@ -103,8 +113,26 @@ def assert_state_within_rounding(actual, expected):
 
 # ±0, subnormals, the smallest normal, 1.0, the largest finite, ±inf, NaNs (incl. the high
 # halves whose carry wraps), and a few ordinary values
-HIGH_HALVES = [0x0000, 0x0001, 0x007F, 0x0080, 0x3F80, 0x4049, 0x7F7F, 0x7F80, 0x7FC0, 0x7FFF,
-               0x8000, 0x8001, 0x807F, 0xBF80, 0xFF7F, 0xFF80, 0xFFC0, 0xFFFF]
+HIGH_HALVES = [
+    0x0000,
+    0x0001,
+    0x007F,
+    0x0080,
+    0x3F80,
+    0x4049,
+    0x7F7F,
+    0x7F80,
+    0x7FC0,
+    0x7FFF,
+    0x8000,
+    0x8001,
+    0x807F,
+    0xBF80,
+    0xFF7F,
+    0xFF80,
+    0xFFC0,
+    0xFFFF,
+]
 
 
 def every_low_half(high_halves):
@@ -171,9 +199,13 @@ def test_kernel_remainder_round_trip_is_bitwise_for_every_non_nan_pattern(device
     masters = every_low_half(HIGH_HALVES)
     masters = masters[~torch.isnan(masters)]
     param, remainder = encode_remainder(masters)
-    state = dict(params=[param.to(device)], grads=[torch.zeros_like(masters, device=device)],
-                 exp_avgs=[torch.zeros_like(masters, device=device)],
-                 exp_avg_sqs=[torch.zeros_like(masters, device=device)], remainders=[remainder.to(device)])
+    state = dict(
+        params=[param.to(device)],
+        grads=[torch.zeros_like(masters, device=device)],
+        exp_avgs=[torch.zeros_like(masters, device=device)],
+        exp_avg_sqs=[torch.zeros_like(masters, device=device)],
+        remainders=[remainder.to(device)],
+    )
     run(fused_adam_, state, step=1, **{**HYPER, "lr": 0.0, "weight_decay": 0.0})
     assert torch.equal(bits(state["params"][0].cpu()), bits(param))
     assert torch.equal(state["remainders"][0].cpu(), remainder)
@@ -183,14 +215,20 @@ def test_kernel_remainder_round_trip_is_bitwise_for_every_non_nan_pattern(device
 # the kernel against the reference
 # --------------------------------------------------------------------------------------------
 
+
 @needs_interpreter
 @pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("moments", MOMENT_DTYPES, ids=lambda m: "m%s_v%s" % tuple(str(d)[6:] for d in m))
 @pytest.mark.parametrize("remainders", [False, True], ids=["fp32_params", "remainders"])
-@pytest.mark.parametrize("amsgrad, decoupled", [(False, True), (True, False)], ids=["adamw", "adam_l2_amsgrad"])
-def test_interpreted_kernel_equals_fp32_reference_bitwise(grad_dtype, moments, remainders, amsgrad, decoupled):
-    state = make_state(SIZES, "cpu", grad_dtype=grad_dtype, moments=moments, remainders=remainders,
-                       amsgrad=amsgrad)
+@pytest.mark.parametrize(
+    "amsgrad, decoupled", [(False, True), (True, False)], ids=["adamw", "adam_l2_amsgrad"]
+)
+def test_interpreted_kernel_equals_fp32_reference_bitwise(
+    grad_dtype, moments, remainders, amsgrad, decoupled
+):
+    state = make_state(
+        SIZES, "cpu", grad_dtype=grad_dtype, moments=moments, remainders=remainders, amsgrad=amsgrad
+    )
     exact, rounded = clone_state(state), clone_state(state)
     kwargs = dict(step=3, decoupled=decoupled, grad_scale=torch.tensor([0.5]), **HYPER)
     run(fused_adam_, state, **kwargs)
@@ -216,17 +254,39 @@ def test_interpreted_kernel_equals_fp32_reference_with_float_scale_and_lr_tensor
 @pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("moments", [(F32, F32), (BF16, BF16)], ids=["fp32_moments", "bf16_moments"])
 @pytest.mark.parametrize("remainders", [False, True], ids=["fp32_params", "remainders"])
-@pytest.mark.parametrize("amsgrad, decoupled", [(False, True), (True, False)], ids=["adamw", "adam_l2_amsgrad"])
+@pytest.mark.parametrize(
+    "amsgrad, decoupled", [(False, True), (True, False)], ids=["adamw", "adam_l2_amsgrad"]
+)
 def test_compiled_kernel_equals_fp32_reference_bitwise(grad_dtype, moments, remainders, amsgrad, decoupled):
     """Compiled without multiply-add contraction, the kernel on the GPU rounds every operation
     once, as the reference's fp32 arithmetic does (computed on the CPU): the same bits, and so
     the same bits in every specialization (the fp32-master and remainder programs agree)."""
-    state = make_state(SIZES + [1 << 20], "cuda", grad_dtype=grad_dtype, moments=moments,
-                       remainders=remainders, amsgrad=amsgrad)
+    state = make_state(
+        SIZES + [1 << 20],
+        "cuda",
+        grad_dtype=grad_dtype,
+        moments=moments,
+        remainders=remainders,
+        amsgrad=amsgrad,
+    )
     exact = {k: [t.cpu() for t in v] for k, v in state.items()}
-    run(fused_adam_, state, step=3, decoupled=decoupled, grad_scale=torch.tensor([0.5], device="cuda"), **HYPER)
-    run(fused_adam_reference_, exact, arithmetic="fp32", step=3, decoupled=decoupled,
-        grad_scale=torch.tensor([0.5]), **HYPER)
+    run(
+        fused_adam_,
+        state,
+        step=3,
+        decoupled=decoupled,
+        grad_scale=torch.tensor([0.5], device="cuda"),
+        **HYPER,
+    )
+    run(
+        fused_adam_reference_,
+        exact,
+        arithmetic="fp32",
+        step=3,
+        decoupled=decoupled,
+        grad_scale=torch.tensor([0.5]),
+        **HYPER,
+    )
     assert_state_bitwise({k: [t.cpu() for t in v] for k, v in state.items()}, exact)
 
 
@@ -278,7 +338,9 @@ def _twenty_steps(device, *, moments, amsgrad, decoupled, grad_dtype, steps=20):
     remainder_run["remainders"] = [lo for _, lo in halves]
     gen = torch.Generator().manual_seed(7)
     for step in range(1, steps + 1):
-        grads = [(torch.randn(n, generator=gen) * 10.0 ** (step % 3 - 1)).to(grad_dtype).to(device) for n in SIZES]
+        grads = [
+            (torch.randn(n, generator=gen) * 10.0 ** (step % 3 - 1)).to(grad_dtype).to(device) for n in SIZES
+        ]
         master_run["grads"], remainder_run["grads"] = grads, grads
         kwargs = dict(step=step, decoupled=decoupled, grad_scale=0.5, **HYPER)
         run(fused_adam_, master_run, **kwargs)
@@ -299,15 +361,20 @@ def _twenty_steps(device, *, moments, amsgrad, decoupled, grad_dtype, steps=20):
 @needs_triton
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("moments", [(F32, F32), (BF16, BF16)], ids=["fp32_moments", "bf16_moments"])
-@pytest.mark.parametrize("amsgrad, decoupled", [(False, True), (True, False)], ids=["adamw", "adam_l2_amsgrad"])
+@pytest.mark.parametrize(
+    "amsgrad, decoupled", [(False, True), (True, False)], ids=["adamw", "adam_l2_amsgrad"]
+)
 def test_remainders_equal_the_fp32_master_run_over_20_steps(device, moments, amsgrad, decoupled):
     _twenty_steps(device, moments=moments, amsgrad=amsgrad, decoupled=decoupled, grad_dtype=BF16)
 
 
 @needs_triton
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("moments, amsgrad, decoupled", [((F32, BF16), True, False), ((BF16, F32), False, True)],
-                         ids=["m_fp32-v_bf16-adam_l2_amsgrad", "m_bf16-v_fp32-adamw"])
+@pytest.mark.parametrize(
+    "moments, amsgrad, decoupled",
+    [((F32, BF16), True, False), ((BF16, F32), False, True)],
+    ids=["m_fp32-v_bf16-adam_l2_amsgrad", "m_bf16-v_fp32-adamw"],
+)
 def test_remainders_equal_the_fp32_master_run_with_mixed_moment_dtypes(device, moments, amsgrad, decoupled):
     """exp_avg and exp_avg_sq of different dtypes (max_exp_avg_sq in exp_avg_sq's): the
     remainder run is still the fp32-master run bit for bit (8 steps: the mixed pairs' loads
@@ -321,20 +388,30 @@ def test_remainders_equal_the_fp32_master_run_with_mixed_moment_dtypes(device, m
 def test_found_inf_writes_no_compressed_state(device, flag):
     state = make_state(SIZES, device, grad_dtype=BF16, moments=(BF16, BF16), remainders=True, amsgrad=True)
     before = clone_state(state)
-    run(fused_adam_, state, step=4, found_inf=torch.tensor([flag], device=device),
-        grad_scale=torch.tensor([2.0], device=device), **{**HYPER, "lr": torch.tensor(1e-2, device=device)})
+    run(
+        fused_adam_,
+        state,
+        step=4,
+        found_inf=torch.tensor([flag], device=device),
+        grad_scale=torch.tensor([2.0], device=device),
+        **{**HYPER, "lr": torch.tensor(1e-2, device=device)},
+    )
     assert_state_bitwise(state, before)
     run(fused_adam_, state, step=4, found_inf=torch.zeros(1, device=device), **HYPER)
     for key in ("params", "remainders", "exp_avgs", "exp_avg_sqs"):
-        assert not torch.equal(bits(state[key][3]), bits(before[key][3])), f"{key} not stepped with found_inf = 0"
+        assert not torch.equal(bits(state[key][3]), bits(before[key][3])), (
+            f"{key} not stepped with found_inf = 0"
+        )
 
 
 # --------------------------------------------------------------------------------------------
 # bad inputs
 # --------------------------------------------------------------------------------------------
 
+
 def _bad_inputs():
     """(description, mutate(state, kwargs), exception, message regex)."""
+
     def t(n, dtype):
         return torch.zeros(n, dtype=dtype, device=DEVICES[0])
 
@@ -346,32 +423,70 @@ def _bad_inputs():
         def mutate(state, kwargs):
             for fn in fns:
                 fn(state, kwargs)
+
         return mutate
 
     return [
-        ("remainders with param_copies",
-         chain(with_remainders, lambda s, k: k.update(param_copies=[t(4, BF16), None])), ValueError,
-         r"param_copies must be None when remainders are given"),
-        ("fp32 param with remainders", chain(with_remainders, lambda s, k: s["params"].__setitem__(1, t(4, F32))),
-         TypeError, r"params\[1\] has dtype torch.float32; expected one of: bfloat16 \(with remainders"),
-        ("bf16 param without remainders", lambda s, k: s["params"].__setitem__(0, t(4, BF16)), TypeError,
-         r"params\[0\] has dtype torch.bfloat16; expected one of: float32 \(bf16 params need remainders="),
-        ("int32 remainder", chain(with_remainders, lambda s, k: k["remainders"].__setitem__(0, t(4, torch.int32))),
-         TypeError, r"remainders\[0\] has dtype torch.int32; expected one of: int16"),
-        ("short remainders", chain(with_remainders, lambda s, k: k["remainders"].pop()), ValueError,
-         r"remainders has 1 tensors but params has 2"),
-        ("remainder numel", chain(with_remainders, lambda s, k: k["remainders"].__setitem__(1, t(5, torch.int16))),
-         ValueError, r"remainders\[1\] has 5 elements but params\[1\] has 4"),
-        ("remainders not a list", chain(with_remainders, lambda s, k: k.update(remainders=t(4, torch.int16))),
-         TypeError, r"remainders must be a list or tuple of tensors"),
-        ("fp16 exp_avg", lambda s, k: s["exp_avgs"].__setitem__(0, t(4, torch.float16)), TypeError,
-         r"exp_avgs\[0\] has dtype torch.float16; expected one of: float32, bfloat16"),
-        ("max_exp_avg_sq dtype differs", lambda s, k: k.update(max_exp_avg_sqs=[t(4, BF16), t(4, F32)]), TypeError,
-         r"max_exp_avg_sqs\[0\] has dtype torch.bfloat16; expected one of: float32 \(exp_avg_sqs\[0\]'s dtype\)"),
+        (
+            "remainders with param_copies",
+            chain(with_remainders, lambda s, k: k.update(param_copies=[t(4, BF16), None])),
+            ValueError,
+            r"param_copies must be None when remainders are given",
+        ),
+        (
+            "fp32 param with remainders",
+            chain(with_remainders, lambda s, k: s["params"].__setitem__(1, t(4, F32))),
+            TypeError,
+            r"params\[1\] has dtype torch.float32; expected one of: bfloat16 \(with remainders",
+        ),
+        (
+            "bf16 param without remainders",
+            lambda s, k: s["params"].__setitem__(0, t(4, BF16)),
+            TypeError,
+            r"params\[0\] has dtype torch.bfloat16; expected one of: float32 \(bf16 params need remainders=",
+        ),
+        (
+            "int32 remainder",
+            chain(with_remainders, lambda s, k: k["remainders"].__setitem__(0, t(4, torch.int32))),
+            TypeError,
+            r"remainders\[0\] has dtype torch.int32; expected one of: int16",
+        ),
+        (
+            "short remainders",
+            chain(with_remainders, lambda s, k: k["remainders"].pop()),
+            ValueError,
+            r"remainders has 1 tensors but params has 2",
+        ),
+        (
+            "remainder numel",
+            chain(with_remainders, lambda s, k: k["remainders"].__setitem__(1, t(5, torch.int16))),
+            ValueError,
+            r"remainders\[1\] has 5 elements but params\[1\] has 4",
+        ),
+        (
+            "remainders not a list",
+            chain(with_remainders, lambda s, k: k.update(remainders=t(4, torch.int16))),
+            TypeError,
+            r"remainders must be a list or tuple of tensors",
+        ),
+        (
+            "fp16 exp_avg",
+            lambda s, k: s["exp_avgs"].__setitem__(0, t(4, torch.float16)),
+            TypeError,
+            r"exp_avgs\[0\] has dtype torch.float16; expected one of: float32, bfloat16",
+        ),
+        (
+            "max_exp_avg_sq dtype differs",
+            lambda s, k: k.update(max_exp_avg_sqs=[t(4, BF16), t(4, F32)]),
+            TypeError,
+            r"max_exp_avg_sqs\[0\] has dtype torch.bfloat16; expected one of: float32 \(exp_avg_sqs\[0\]'s dtype\)",
+        ),
     ]
 
 
-@pytest.mark.parametrize("case", range(len(_bad_inputs())), ids=[c[0].replace(" ", "_") for c in _bad_inputs()])
+@pytest.mark.parametrize(
+    "case", range(len(_bad_inputs())), ids=[c[0].replace(" ", "_") for c in _bad_inputs()]
+)
 def test_compressed_state_rejects_bad_inputs(case):
     description, mutate, error, message = _bad_inputs()[case]
     state = make_state([4, 4], DEVICES[0])
@@ -436,6 +551,7 @@ def test_compressed_kernels_compile_for_sm90_with_vector_accesses():
 # CUDA
 # --------------------------------------------------------------------------------------------
 
+
 @pytest.mark.gpu
 def test_compressed_state_on_cuda_within_bf16_rounding_of_the_reference():
     """The compiled kernel (it may contract multiply-adds) against the fp64 reference: masters
@@ -443,10 +559,18 @@ def test_compressed_state_on_cuda_within_bf16_rounding_of_the_reference():
     is the fp32-master run exactly over 20 steps, the kernel's decode/encode round trip is
     bitwise, and an overflow step writes nothing."""
     for grad_dtype, moments, remainders, amsgrad, decoupled in [
-            (BF16, (BF16, BF16), True, False, True), (torch.float16, (BF16, F32), False, True, False),
-            (F32, (F32, BF16), True, True, True)]:
-        state = make_state(SIZES + [1 << 20], "cuda", grad_dtype=grad_dtype, moments=moments,
-                           remainders=remainders, amsgrad=amsgrad)
+        (BF16, (BF16, BF16), True, False, True),
+        (torch.float16, (BF16, F32), False, True, False),
+        (F32, (F32, BF16), True, True, True),
+    ]:
+        state = make_state(
+            SIZES + [1 << 20],
+            "cuda",
+            grad_dtype=grad_dtype,
+            moments=moments,
+            remainders=remainders,
+            amsgrad=amsgrad,
+        )
         expected = clone_state(state)
         kwargs = dict(step=5, decoupled=decoupled, grad_scale=torch.tensor([0.5], device="cuda"), **HYPER)
         run(fused_adam_, state, **kwargs)

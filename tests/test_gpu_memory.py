@@ -7,6 +7,7 @@ allocator (memory_allocated / max_memory_allocated after reset_peak_memory_stats
 count this process's tensors only. Each test runs under the time limit tests/conftest.py
 sets for every `gpu` test.
 """
+
 import pytest
 import torch
 from torch import nn
@@ -19,8 +20,14 @@ pytestmark = [pytest.mark.gpu, pytest.mark.whole_gpu]
 MiB, GiB = 1 << 20, 1 << 30
 # "auto" plans from these instead of measuring: a GPU Adam far faster than the host's, so any
 # state that fits goes to the device
-RATES = dict(host_adam_gelems_per_s=1.0, device_adam_gbps=3000.0, h2d_gbps=20.0, d2h_gbps=20.0,
-             trainer_slowdown_with_worker=1.0, backward_slowdown_with_host_adam=1.0)
+RATES = dict(
+    host_adam_gelems_per_s=1.0,
+    device_adam_gbps=3000.0,
+    h2d_gbps=20.0,
+    d2h_gbps=20.0,
+    trainer_slowdown_with_worker=1.0,
+    backward_slowdown_with_host_adam=1.0,
+)
 
 
 @pytest.fixture(autouse=True)
@@ -55,6 +62,7 @@ def test_construction_copies_no_parameter():
 
 def test_the_default_device_budget_counts_torchs_cached_blocks():
     from hybrid_opt.placement import scheduler
+
     block = torch.empty(GiB, dtype=torch.uint8, device="cuda")
     del block  # back in torch's cache: reserved, not allocated, not free to the driver
     m = scheduler.cuda_memory(torch.device("cuda"))
@@ -67,6 +75,7 @@ def test_the_default_device_budget_counts_torchs_cached_blocks():
 
 def test_calibration_stays_within_the_memory_it_is_allowed():
     from hybrid_opt.placement import calibrate
+
     allowed = 64 * MiB
     rates, extra = _peak_since(lambda: calibrate._cuda_rates(torch.device("cuda"), allowed))
     assert rates["device_adam_gbps"] > 0 and rates["device_measure_numel"] == allowed // 16
@@ -95,8 +104,9 @@ def test_a_move_off_the_device_copies_state_to_the_host_not_on_the_device():
         _train(model, opt, 2)
         _, extra = _peak_since(lambda: opt.replan(1.0))
         assert opt.plan.summary()["host"]["share"] == 1.0
-        assert extra <= 16 * MiB, \
+        assert extra <= 16 * MiB, (
             f"the move took {extra / MiB:.0f} MiB of device memory (state: {8 * n / MiB:.0f} MiB)"
+        )
         _, extra = _peak_since(lambda: opt.replan(0.0))  # back: exactly the moments arrive
         assert extra <= 8 * n + 16 * MiB
         _train(model, opt, 2)
@@ -138,6 +148,7 @@ def test_auto_trains_a_model_whose_activations_need_more_than_the_headroom_at_co
     of memory. Budgeted from the measured peak, it starts with the state on the host and a refit
     moves to the device only what fits beside the activations: training runs without OOM."""
     from hybrid_opt.placement import scheduler
+
     width, depth, batch = 4096, 8, 16384
     layers = []
     for _ in range(depth):
@@ -149,6 +160,7 @@ def test_auto_trains_a_model_whose_activations_need_more_than_the_headroom_at_co
 
     def fwd_bwd():
         model(x).float().square().mean().backward()
+
     _, transient = _peak_since(fwd_bwd)  # activations, grads, temporaries
     model.zero_grad(set_to_none=True)
     state = 12 * n  # bf16 params: fp32 master and two moments on the device tier
@@ -159,13 +171,23 @@ def test_auto_trains_a_model_whose_activations_need_more_than_the_headroom_at_co
     filler = torch.empty(int(avail - headroom), dtype=torch.uint8, device="cuda")
     try:
         # the scenario: the construction-time budget holds every state on the device...
-        budget_then, _ = scheduler.default_budgets(list(model.parameters()), torch.device("cuda"), None, 64 * GiB)
-        assert budget_then >= 4 * n + state, \
+        budget_then, _ = scheduler.default_budgets(
+            list(model.parameters()), torch.device("cuda"), None, 64 * GiB
+        )
+        assert budget_then >= 4 * n + state, (
             "the test's premise: construction-time auto would put all state on the device"
+        )
         # ...where it would not leave the iteration its transient (headroom = transient + state / 2)
         # two spare banks: a small pinned arena (this test is about device memory)
-        with HybridAdamW(model.parameters(), lr=1e-4, offload_fraction="auto", refit_every=3,
-                         calibration=dict(RATES), subgroup_numel=1 << 22, spare_banks=2) as opt:
+        with HybridAdamW(
+            model.parameters(),
+            lr=1e-4,
+            offload_fraction="auto",
+            refit_every=3,
+            calibration=dict(RATES),
+            subgroup_numel=1 << 22,
+            spare_banks=2,
+        ) as opt:
             assert opt.plan.summary()["host"]["share"] == 1.0, opt.plan
             assert opt.parts.placement.auto.device_peak_pending
             for _ in range(7):
@@ -173,10 +195,14 @@ def test_auto_trains_a_model_whose_activations_need_more_than_the_headroom_at_co
                 fwd_bwd()
                 opt.step()
             assert not opt.parts.placement.auto.device_peak_pending
-            device_now = opt.parts.placement.modelled_bytes(*opt.parts.placement.fractions, opt.plan.spare_banks)["device"]
+            device_now = opt.parts.placement.modelled_bytes(
+                *opt.parts.placement.fractions, opt.plan.spare_banks
+            )["device"]
             assert device_now <= opt.parts.placement.auto.device_budget
-            print(f"\nheadroom {headroom / GiB:.2f} GiB, transient {transient / GiB:.2f} GiB, state "
-                  f"{state / GiB:.2f} GiB; measured budget {opt.parts.placement.auto.device_budget / GiB:.2f} GiB; "
-                  f"plan {opt.plan}")
+            print(
+                f"\nheadroom {headroom / GiB:.2f} GiB, transient {transient / GiB:.2f} GiB, state "
+                f"{state / GiB:.2f} GiB; measured budget {opt.parts.placement.auto.device_budget / GiB:.2f} GiB; "
+                f"plan {opt.plan}"
+            )
     finally:
         del filler

@@ -15,30 +15,38 @@ pinning failure and the staging streams (test_gpu_staging.py), device memory
 Each test runs under the time limit tests/conftest.py sets for every `gpu` test. The models
 are small: each test takes seconds on an H200.
 """
+
 import copy
 
 import pytest
 import torch
+from tolerances import ATOL, RTOL, assert_close
 from torch import nn
 
 from hybrid_opt import HybridAdamW
-from tolerances import ATOL, RTOL, assert_close
 
 pytestmark = pytest.mark.gpu
 
 FP32, BF16, FP16 = torch.float32, torch.bfloat16, torch.float16
 SUBGROUP = 1 << 16  # the small MLP's 427k elements: 7 subgroups
 # synthetic rates in calibrate.rates()'s shape: "auto" plans without measuring this machine
-RATES = dict(host_adam_gelems_per_s=1.0, device_adam_gbps=1000.0, device_adam_gbps_with_worker=900.0,
-             h2d_gbps=20.0, d2h_gbps=20.0, trainer_slowdown_with_worker=1.05,
-             backward_slowdown_with_host_adam=1.05)
+RATES = dict(
+    host_adam_gelems_per_s=1.0,
+    device_adam_gbps=1000.0,
+    device_adam_gbps_with_worker=900.0,
+    h2d_gbps=20.0,
+    d2h_gbps=20.0,
+    trainer_slowdown_with_worker=1.05,
+    backward_slowdown_with_host_adam=1.05,
+)
 
 
 # ============================================================================= helpers
 def mlp(dtype=FP32, device="cuda", seed=0, width=512):
     torch.manual_seed(seed)
-    model = nn.Sequential(nn.Linear(256, width), nn.GELU(), nn.Linear(width, width), nn.GELU(),
-                          nn.Linear(width, 64))
+    model = nn.Sequential(
+        nn.Linear(256, width), nn.GELU(), nn.Linear(width, width), nn.GELU(), nn.Linear(width, 64)
+    )
     return model.to(device=device, dtype=dtype)
 
 
@@ -129,7 +137,9 @@ def test_default_configuration_speculates_from_a_pinned_arena_and_commits():
         assert opt.worker_pid is not None
         arena = opt.parts.placement.host.arena
         assert arena.tensor(0, 1, torch.uint8).is_pinned(), "the host arena is not page-locked"
-        assert opt.parts.placement.host.staging_bytes > 0 and all(s.is_pinned() for s in opt.parts.placement.host.slots)
+        assert opt.parts.placement.host.staging_bytes > 0 and all(
+            s.is_pinned() for s in opt.parts.placement.host.slots
+        )
         committed = 0
         for i in range(8):
             opt.zero_grad()
@@ -155,8 +165,9 @@ def test_default_configuration_speculates_from_a_pinned_arena_and_commits():
 def test_placements_match_torch(offload):
     model = mlp()
     ref_model, ref = reference(model, lr=1e-2, weight_decay=0.1)
-    with HybridAdamW(model.parameters(), lr=1e-2, weight_decay=0.1, offload_fraction=offload,
-                     subgroup_numel=SUBGROUP) as opt:
+    with HybridAdamW(
+        model.parameters(), lr=1e-2, weight_decay=0.1, offload_fraction=offload, subgroup_numel=SUBGROUP
+    ) as opt:
         assert opt.plan.summary()["device"]["share"] == pytest.approx(1.0 - offload, abs=0.2)
         lockstep(model, opt, ref_model, ref, 8)
         assert_matches_torch(model, opt, ref_model, msg=f"offload {offload}")
@@ -167,10 +178,19 @@ def test_nvme_placement_matches_torch(tmp_path):
     """offload 0.5 with nvme 0.25: device, host and nvme tiers in one step."""
     model = mlp()
     ref_model, ref = reference(model, lr=1e-2, weight_decay=0.1)
-    with HybridAdamW(model.parameters(), lr=1e-2, weight_decay=0.1, offload_fraction=0.5,
-                     nvme_fraction=0.25, nvme_path=str(tmp_path), subgroup_numel=SUBGROUP) as opt:
+    with HybridAdamW(
+        model.parameters(),
+        lr=1e-2,
+        weight_decay=0.1,
+        offload_fraction=0.5,
+        nvme_fraction=0.25,
+        nvme_path=str(tmp_path),
+        subgroup_numel=SUBGROUP,
+    ) as opt:
         shares = opt.plan.summary()
-        assert shares["device"]["subgroups"] and shares["host"]["subgroups"] and shares["nvme"]["subgroups"], opt.plan
+        assert (
+            shares["device"]["subgroups"] and shares["host"]["subgroups"] and shares["nvme"]["subgroups"]
+        ), opt.plan
         lockstep(model, opt, ref_model, ref, 8)
         nvme = opt.stats["tiers"]["nvme"]
         assert nvme["committed"] + nvme["redone"] + nvme["stepped"] == shares["nvme"]["subgroups"], nvme
@@ -182,8 +202,9 @@ def test_nvme_placement_matches_torch(tmp_path):
 def test_bf16_model_matches_torch_on_an_fp32_master(offload):
     model = mlp(BF16)
     ref_model, ref = reference(model, lr=1e-2, weight_decay=0.1)
-    with HybridAdamW(model.parameters(), lr=1e-2, weight_decay=0.1, offload_fraction=offload,
-                     subgroup_numel=SUBGROUP) as opt:
+    with HybridAdamW(
+        model.parameters(), lr=1e-2, weight_decay=0.1, offload_fraction=offload, subgroup_numel=SUBGROUP
+    ) as opt:
         lockstep(model, opt, ref_model, ref, 8)
         assert all(p.dtype == BF16 for p in model.parameters())
         assert_matches_torch(model, opt, ref_model, BF16, msg=f"bf16 offload {offload}")
@@ -200,11 +221,12 @@ def test_fp16_grad_scaler_skips_an_overflow_step_like_torch(offload):
     and state bitwise unchanged, step_was_skipped), the scale backs off exactly as torch's."""
     model = mlp(FP16)
     ref_model, ref = reference(model, lr=1e-3, weight_decay=0.1)
-    scaler = torch.amp.GradScaler("cuda", init_scale=2.0 ** 12, growth_interval=2)
-    ref_scaler = torch.amp.GradScaler("cuda", init_scale=2.0 ** 12, growth_interval=2)
+    scaler = torch.amp.GradScaler("cuda", init_scale=2.0**12, growth_interval=2)
+    ref_scaler = torch.amp.GradScaler("cuda", init_scale=2.0**12, growth_interval=2)
     scales, skipped = [], []
-    with HybridAdamW(model.parameters(), lr=1e-3, weight_decay=0.1, offload_fraction=offload,
-                     subgroup_numel=SUBGROUP) as opt:
+    with HybridAdamW(
+        model.parameters(), lr=1e-3, weight_decay=0.1, offload_fraction=offload, subgroup_numel=SUBGROUP
+    ) as opt:
         opt.attach_grad_scaler(scaler)
         for i in range(8):
             opt.zero_grad()
@@ -215,8 +237,10 @@ def test_fp16_grad_scaler_skips_an_overflow_step_like_torch(offload):
                 model[0].weight.grad.view(-1)[7] = float("inf")
                 before_params = [p.detach().clone() for p in model.parameters()]
                 # cloned: device-tier state tensors are views of the live state, as torch's are
-                before_state = {k: {key: cpu(torch.as_tensor(v)).clone() for key, v in st.items()}
-                                for k, st in opt.state_dict()["state"].items()}
+                before_state = {
+                    k: {key: cpu(torch.as_tensor(v)).clone() for key, v in st.items()}
+                    for k, st in opt.state_dict()["state"].items()
+                }
             share_grads(model, ref_model)  # scaled by `scaler`, whose scale ref_scaler tracks
             ref_scaler.scale(torch.ones((), device="cuda"))  # (its scale is made on first use)
             scaler.step(opt)
@@ -247,16 +271,27 @@ def test_max_grad_norm_is_clip_grad_norm(offload):
     model = mlp()
     ref_model, ref = reference(model, lr=1e-2, weight_decay=0.1)
     ours_norms, coefs = [], []
-    with HybridAdamW(model.parameters(), lr=1e-2, weight_decay=0.1, offload_fraction=offload,
-                     max_grad_norm=max_norm, subgroup_numel=SUBGROUP) as opt:
+    with HybridAdamW(
+        model.parameters(),
+        lr=1e-2,
+        weight_decay=0.1,
+        offload_fraction=offload,
+        max_grad_norm=max_norm,
+        subgroup_numel=SUBGROUP,
+    ) as opt:
+
         def record(_):
             ours_norms.append(opt.last_grad_norm)
             coefs.append(opt.stats["clip_coef"])
+
         ref_norms = lockstep(model, opt, ref_model, ref, 6, clip=max_norm, on_step=record)
         assert min(coefs) < 1.0, "clipping never bit: the test proves nothing"
-        torch.testing.assert_close(torch.tensor(ours_norms, dtype=torch.float64),
-                                   torch.tensor(ref_norms, dtype=torch.float64),
-                                   rtol=RTOL[FP32], atol=ATOL[FP32])
+        torch.testing.assert_close(
+            torch.tensor(ours_norms, dtype=torch.float64),
+            torch.tensor(ref_norms, dtype=torch.float64),
+            rtol=RTOL[FP32],
+            atol=ATOL[FP32],
+        )
         assert_matches_torch(model, opt, ref_model, msg=f"clip offload {offload}")
 
 
@@ -265,8 +300,14 @@ def test_replan_mid_training_keeps_matching_torch(tmp_path):
     """host -> mixed -> device -> host+nvme between steps; torch's trajectory throughout."""
     model = mlp()
     ref_model, ref = reference(model, lr=1e-2, weight_decay=0.1)
-    with HybridAdamW(model.parameters(), lr=1e-2, weight_decay=0.1, offload_fraction=1.0,
-                     nvme_path=str(tmp_path), subgroup_numel=SUBGROUP) as opt:
+    with HybridAdamW(
+        model.parameters(),
+        lr=1e-2,
+        weight_decay=0.1,
+        offload_fraction=1.0,
+        nvme_path=str(tmp_path),
+        subgroup_numel=SUBGROUP,
+    ) as opt:
         step = 0
         for off, nv in ((0.5, 0.0), (0.0, 0.0), (1.0, 0.5)):
             lockstep(model, opt, ref_model, ref, 3, start=step)
@@ -286,10 +327,18 @@ def test_automatic_refit_moves_and_keeps_matching_torch(monkeypatch):
     measured CUDA times; where it keeps the plan the test makes it move anyway (to the other
     end of the range), so a move on CUDA happens mid-training in either case."""
     from hybrid_opt.placement.scheduler import Decision
+
     model = mlp()
     ref_model, ref = reference(model, lr=1e-2, weight_decay=0.1)
-    with HybridAdamW(model.parameters(), lr=1e-2, weight_decay=0.1, offload_fraction="auto",
-                     refit_every=2, calibration=dict(RATES), subgroup_numel=SUBGROUP) as opt:
+    with HybridAdamW(
+        model.parameters(),
+        lr=1e-2,
+        weight_decay=0.1,
+        offload_fraction="auto",
+        refit_every=2,
+        calibration=dict(RATES),
+        subgroup_numel=SUBGROUP,
+    ) as opt:
         real_refit = opt.parts.placement.auto.refit
         decisions = []
 
@@ -301,6 +350,7 @@ def test_automatic_refit_moves_and_keeps_matching_torch(monkeypatch):
                 d = Decision(target, 0.0, opt.parts.placement.auto.predict(target, 0.0), "test")
                 decisions.append(d)
             return d
+
         monkeypatch.setattr(opt.parts.placement.auto, "refit", refit)
         lockstep(model, opt, ref_model, ref, 12)
         assert decisions, "no refit was due in 12 steps with refit_every=2"
@@ -321,16 +371,22 @@ def test_params_on_a_non_current_device(offload):
     ref_model, ref = reference(model, lr=1e-2, weight_decay=0.1)
     torch.cuda.synchronize(0)
     on_0 = torch.cuda.memory_allocated(0)
-    with HybridAdamW(model.parameters(), lr=1e-2, weight_decay=0.1, offload_fraction=offload,
-                     subgroup_numel=SUBGROUP) as opt:
+    with HybridAdamW(
+        model.parameters(), lr=1e-2, weight_decay=0.1, offload_fraction=offload, subgroup_numel=SUBGROUP
+    ) as opt:
         lockstep(model, opt, ref_model, ref, 6)
         assert torch.cuda.current_device() == 0
         assert all(p.device == torch.device("cuda:1") for p in model.parameters())
         # pinned in cuda:1's context (cudaHostRegister would make a context on cuda:0)
-        assert opt.parts.placement.host.arena.pinned and opt.parts.placement.host.arena._pin_device == torch.device("cuda:1")
+        assert (
+            opt.parts.placement.host.arena.pinned
+            and opt.parts.placement.host.arena._pin_device == torch.device("cuda:1")
+        )
         if offload < 1.0:
             assert opt.plan.summary()["device"]["subgroups"] > 0
         assert_matches_torch(model, opt, ref_model, msg=f"cuda:1 offload {offload}")
         torch.cuda.synchronize(0)
-        assert torch.cuda.memory_allocated(0) == on_0, "the optimizer allocated on the current device, not the params'"
+        assert torch.cuda.memory_allocated(0) == on_0, (
+            "the optimizer allocated on the current device, not the params'"
+        )
     assert moved(model)

@@ -12,6 +12,7 @@ runs them):
   no error in the CUDA runtime (the next kernel launch check would report it), and training
   stays bitwise equal to the pinned run.
 """
+
 import ctypes
 
 import pytest
@@ -24,7 +25,7 @@ from hybrid_opt.tiers import staging
 
 pytestmark = pytest.mark.gpu
 
-WIDTH, DEPTH = 256, 6      # 394,752 elements: 7 subgroups of 64Ki
+WIDTH, DEPTH = 256, 6  # 394,752 elements: 7 subgroups of 64Ki
 HYPER = dict(lr=1e-2, weight_decay=0.1, subgroup_numel=1 << 16, spare_banks=16)
 
 
@@ -96,7 +97,9 @@ def test_speculation_stages_on_a_side_stream_and_matches_plain_bitwise(monkeypat
         def fill_and_note():
             streams.append((torch.cuda.current_stream(self.device), self.stream))
             fill()
+
         return copy(self, fill_and_note)
+
     monkeypatch.setattr(staging.CudaStager, "copy", watched)
     spec = train(True)
     monkeypatch.setattr(staging.CudaStager, "copy", copy)
@@ -118,8 +121,8 @@ def test_backward_with_speculation_never_synchronizes():
 
 
 def test_an_attached_grad_scaler_is_read_once_per_backward():
-    spec = train(True, scaler=torch.amp.GradScaler("cuda", init_scale=2.0 ** 10, growth_interval=1))
-    plain = train(False, scaler=torch.amp.GradScaler("cuda", init_scale=2.0 ** 10, growth_interval=1))
+    spec = train(True, scaler=torch.amp.GradScaler("cuda", init_scale=2.0**10, growth_interval=1))
+    plain = train(False, scaler=torch.amp.GradScaler("cuda", init_scale=2.0**10, growth_interval=1))
     assert spec["scale_reads"] == [1] * len(spec["spec"]), spec["scale_reads"]
     assert_all_committed(spec)
     assert_bitwise(spec, plain)
@@ -151,6 +154,7 @@ def test_a_failed_pin_clears_its_error_warns_and_training_stays_exact(monkeypatc
 
         def failing_register(self, _ptr, _nbytes):  # the real call, on the registered range
             return self.lib.cudaHostRegister(ptr, decoy.nbytes, shm.CUDA_HOST_REGISTER_PORTABLE)
+
         monkeypatch.setattr(shm.CudaRuntime, "register", failing_register)
         monkeypatch.setattr(shm, "_pin_warned", False)
         with pytest.warns(RuntimeWarning, match="could not be pinned"):

@@ -6,6 +6,7 @@ reference is `cpu_kernels.adam_step_` applied to clones of the state. Only the i
 rollback is judged with a tolerance. Worker faults are injected with
 HYBRID_OPT_WORKER_FAULT="STAGE:K" (read by the first worker a tier starts, at its start).
 """
+
 import gc
 import os
 import signal
@@ -18,13 +19,22 @@ import time
 import psutil
 import pytest
 import torch
+from helpers import (
+    _id,
+    assert_bitwise_equal,
+    inputs,
+    load,
+    make_grads,
+    make_states,
+    ref_step,
+    thread_masks,
+    wait_gone,
+)
 
 import cpu_kernels as ck
 from hybrid_opt.tiers.host import HostTier, StepInputs
 from hybrid_opt.tiers.host_io import TornState
 from hybrid_opt.worker.client import WorkerError, WorkerTimeout
-from helpers import (_id, thread_masks, assert_bitwise_equal, inputs, load, make_grads, make_states, ref_step,
-                     wait_gone)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SLOT = 4096
@@ -99,8 +109,15 @@ def run_script(tmp_path, name, source, timeout=60, **kw):
     path.write_text(textwrap.dedent(source))
     env = dict(os.environ, PYTHONPATH=REPO)
     env.pop(FAULT_ENV, None)
-    return subprocess.run([sys.executable, str(path)], cwd=tmp_path, env=env, capture_output=True,
-                          text=True, timeout=timeout, **kw)
+    return subprocess.run(
+        [sys.executable, str(path)],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        **kw,
+    )
 
 
 # ------------------------------------------------------------------ 1. exact rollback
@@ -128,10 +145,17 @@ def test_exact_rollback_after_overflow_is_bitwise_never_stepping(decoupled, amsg
 
 
 # ------------------------------------------------------------------ 2. redo and commit
-@pytest.mark.parametrize("change", [
-    dict(lr=5e-4), dict(grad_scale=0.5), dict(grad_version=(1, 2)), dict(step=8),
-    dict(weight_decay=0.0), dict(decoupled=False),
-])
+@pytest.mark.parametrize(
+    "change",
+    [
+        dict(lr=5e-4),
+        dict(grad_scale=0.5),
+        dict(grad_version=(1, 2)),
+        dict(step=8),
+        dict(weight_decay=0.0),
+        dict(decoupled=False),
+    ],
+)
 def test_redo_with_changed_inputs_is_bitwise_a_direct_step(change):
     tier = shared_tier(amsgrad=True)
     states = make_states(NUMELS, amsgrad=True, seed=2)
@@ -141,8 +165,9 @@ def test_redo_with_changed_inputs_is_bitwise_a_direct_step(change):
     b = StepInputs(**{**a.__dict__, **change})
     for sg, g in enumerate(grads):
         assert tier.speculate(sg, g, a)
-    assert tier.finish({sg: (g, b) for sg, g in enumerate(grads)}) == \
-        {sg: "redone" for sg in range(len(NUMELS))}
+    assert tier.finish({sg: (g, b) for sg, g in enumerate(grads)}) == {
+        sg: "redone" for sg in range(len(NUMELS))
+    }
     for s, g in zip(states, grads):
         ref_step(s, g, b)
     assert_tier_equals(tier, states, f"redone with {change}")
@@ -163,9 +188,11 @@ def test_redo_with_different_grads_at_finish_uses_the_final_grads():
     assert_tier_equals(tier, states)
 
 
-@pytest.mark.parametrize("copy_dtype,moment_dtype", [
-    (None, torch.float32), (torch.bfloat16, torch.float32), (torch.float16, torch.bfloat16)],
-    ids=["fp32", "bf16_copy", "fp16_copy_bf16_moments"])
+@pytest.mark.parametrize(
+    "copy_dtype,moment_dtype",
+    [(None, torch.float32), (torch.bfloat16, torch.float32), (torch.float16, torch.bfloat16)],
+    ids=["fp32", "bf16_copy", "fp16_copy_bf16_moments"],
+)
 def test_committed_trajectory_is_bitwise_the_direct_steps(copy_dtype, moment_dtype):
     tier = shared_tier(copy_dtype=copy_dtype, moment_dtype=moment_dtype)
     states = make_states(NUMELS, moment_dtype=moment_dtype, seed=5)
@@ -175,24 +202,28 @@ def test_committed_trajectory_is_bitwise_the_direct_steps(copy_dtype, moment_dty
         inp = inputs(step, lr=1e-2, grad_scale=1 / 64)
         for sg, g in enumerate(grads):
             assert tier.speculate(sg, g, inp)
-        assert tier.finish({sg: (g, inp) for sg, g in enumerate(grads)}) == \
-            {sg: "committed" for sg in range(len(NUMELS))}
+        assert tier.finish({sg: (g, inp) for sg, g in enumerate(grads)}) == {
+            sg: "committed" for sg in range(len(NUMELS))
+        }
         for sg, (s, g) in enumerate(zip(states, grads)):
             copy = ref_step(s, g, inp, copy_dtype)
             if copy_dtype is not None:
                 assert_bitwise_equal(tier.param_copy(sg), copy, f"step {step} param_copy {sg}")
-                assert_bitwise_equal(tier.param_copy(sg), tier.master(sg).to(copy_dtype),
-                                     f"step {step} param_copy {sg} vs master cast")
+                assert_bitwise_equal(
+                    tier.param_copy(sg),
+                    tier.master(sg).to(copy_dtype),
+                    f"step {step} param_copy {sg} vs master cast",
+                )
         assert_tier_equals(tier, states, f"step {step}")
 
 
 def _ref_runs(state, grad, inp: StepInputs):
     """The direct step of each (offset, numel, step) run on its slice; the rest untouched."""
     for off, n, step in inp.ranges(state["p"].numel()):
-        part = {k: t[off:off + n].clone() for k, t in state.items()}
-        ref_step(part, grad[off:off + n], StepInputs(**{**inp.__dict__, "step": step, "runs": ()}))
+        part = {k: t[off : off + n].clone() for k, t in state.items()}
+        ref_step(part, grad[off : off + n], StepInputs(**{**inp.__dict__, "step": step, "runs": ()}))
         for k, t in part.items():
-            state[k][off:off + n] = t
+            state[k][off : off + n] = t
 
 
 @pytest.mark.parametrize("path", ["committed", "redone", "stepped", "dropped"])
@@ -227,7 +258,7 @@ def test_a_callable_grad_provider_fills_each_piece():
 
     def gather(dst, offset, numel):
         calls.append((offset, numel))
-        dst.copy_(g[offset:offset + numel])
+        dst.copy_(g[offset : offset + numel])
 
     assert tier.speculate(0, gather, inputs(1))
     assert tier.finish({0: (gather, inputs(1))}) == {0: "committed"}
@@ -250,10 +281,10 @@ def test_speculative_and_plain_steps_are_bitwise_equal_over_mixed_outcomes():
         # (speculated subgroups, their inputs, stepped subgroups, final inputs, overflow)
         a = dict(amsgrad=True)
         plan = [
-            (all_sg, inputs(1, **a), all_sg, inputs(1, **a), False),                    # committed
-            (all_sg, inputs(2, **a), all_sg, inputs(2, **a), True),                     # skipped
-            (all_sg, inputs(2, **a), all_sg, inputs(2, grad_scale=0.25, **a), False),   # clipped: redone
-            ([0, 2, 4], inputs(3, **a), [1, 2, 3, 4], inputs(3, **a), False),           # mixed
+            (all_sg, inputs(1, **a), all_sg, inputs(1, **a), False),  # committed
+            (all_sg, inputs(2, **a), all_sg, inputs(2, **a), True),  # skipped
+            (all_sg, inputs(2, **a), all_sg, inputs(2, grad_scale=0.25, **a), False),  # clipped: redone
+            ([0, 2, 4], inputs(3, **a), [1, 2, 3, 4], inputs(3, **a), False),  # mixed
             ([1, 3], inputs(4, grad_version=(5,), **a), all_sg, inputs(4, grad_version=(6,), **a), False),
             (all_sg, inputs(5, lr=3e-3, **a), all_sg, inputs(5, lr=3e-3, **a), False),
         ]
@@ -343,6 +374,7 @@ def test_a_hooks_speculation_failing_before_it_sent_anything_does_not_wait_for_t
         def failing_poll(*a, **k):
             tier.client.poll = poll
             raise RuntimeError("injected: the worker's pipe failed")
+
         tier.client.poll = failing_poll
         with pytest.raises(RuntimeError, match="injected"):
             tier.speculate(1, grads[1], inp, wait=False)
@@ -359,8 +391,7 @@ def test_a_hooks_speculation_failing_before_it_sent_anything_does_not_wait_for_t
 # ------------------------------------------------------------------ 5. inverse rollback
 # atol: a few ulp of the largest term the step rounded at, which for a near-zero moment is
 # not the moment itself: |p| ~ 1, (1 - beta1)|g| <~ 0.4, beta2 v + (1 - beta2) g^2 <~ 0.03
-INVERSE_TOL = dict(p=dict(rtol=1e-6, atol=1e-7), m=dict(rtol=1e-6, atol=6e-8),
-                   v=dict(rtol=1e-6, atol=4e-9))
+INVERSE_TOL = dict(p=dict(rtol=1e-6, atol=1e-7), m=dict(rtol=1e-6, atol=6e-8), v=dict(rtol=1e-6, atol=4e-9))
 
 
 @pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16], ids=_id)
@@ -378,15 +409,26 @@ def test_inverse_rollback_restores_the_state_within_a_few_ulp(decoupled, grad_dt
         # the same two kernels, step then fp64 inverse, on clones give the same bits
         want = {k: t.clone() for k, t in orig.items()}
         ref_step(want, grads[sg], inp)
-        ck.adam_inverse_(want["p"], grads[sg], want["m"], want["v"], step=inp.step, lr=inp.lr,
-                         beta1=inp.beta1, beta2=inp.beta2, eps=inp.eps,
-                         weight_decay=inp.weight_decay, decoupled=inp.decoupled,
-                         grad_scale=inp.grad_scale)
+        ck.adam_inverse_(
+            want["p"],
+            grads[sg],
+            want["m"],
+            want["v"],
+            step=inp.step,
+            lr=inp.lr,
+            beta1=inp.beta1,
+            beta2=inp.beta2,
+            eps=inp.eps,
+            weight_decay=inp.weight_decay,
+            decoupled=inp.decoupled,
+            grad_scale=inp.grad_scale,
+        )
         for k in ("p", "m", "v"):
             assert torch.isfinite(got[k]).all(), f"subgroup {sg} {k} has a non-finite element"
             assert_bitwise_equal(got[k], want[k], f"subgroup {sg} {k} vs step+inverse on clones")
-            torch.testing.assert_close(got[k], orig[k], **INVERSE_TOL[k],
-                                       msg=lambda m: f"subgroup {sg} {k} not recovered: {m}")
+            torch.testing.assert_close(
+                got[k], orig[k], **INVERSE_TOL[k], msg=lambda m: f"subgroup {sg} {k} not recovered: {m}"
+            )
         assert (got["v"] >= 0).all()
 
 
@@ -419,7 +461,7 @@ def test_inverse_rollback_with_amsgrad_is_rejected_clearly():
 
 
 def test_inverse_rollback_leaves_a_subgroup_with_non_finite_grads_unstepped():
-    numels = [1000, 3000, 2000]   # one piece each
+    numels = [1000, 3000, 2000]  # one piece each
     tier = shared_tier(numels, rollback="inverse", staging_slots=4)
     states = make_states(numels, seed=10)
     load(tier, states)
@@ -476,11 +518,14 @@ def _faulty_trajectory(tier, numels, states):
 FAULT_NUMELS = [3000, 9000]  # 1 + 3 pieces: step tasks 1-4 speculate step 1, 9-12 redo step 2
 
 
-@pytest.mark.parametrize("stage,k,spare_banks", [
-    (stage, k, None) for stage in ("before_step", "mid_step", "after_step") for k in (1, 2, 9)
-] + [("mid_step", 2, 1), ("mid_step", 10, 1)])  # one spare: finish() waits for banks mid-redo
-def test_killed_worker_is_replaced_and_the_trajectory_is_bitwise_unchanged(monkeypatch, stage, k,
-                                                                           spare_banks):
+@pytest.mark.parametrize(
+    "stage,k,spare_banks",
+    [(stage, k, None) for stage in ("before_step", "mid_step", "after_step") for k in (1, 2, 9)]
+    + [("mid_step", 2, 1), ("mid_step", 10, 1)],
+)  # one spare: finish() waits for banks mid-redo
+def test_killed_worker_is_replaced_and_the_trajectory_is_bitwise_unchanged(
+    monkeypatch, stage, k, spare_banks
+):
     monkeypatch.setenv(FAULT_ENV, f"{stage}:{k}")
     tier = new_tier(FAULT_NUMELS, amsgrad=True, staging_slots=2, spare_banks=spare_banks)
     try:
@@ -556,7 +601,7 @@ def test_inverse_mode_worker_killed_mid_step_names_the_torn_subgroups(monkeypatc
     tier, states, grads = _inverse_tier_with_fault(monkeypatch, "mid_step:2", seed=14)
     try:
         assert tier.speculate(0, grads[0], inputs(1))
-        assert tier.speculate(1, grads[1], inputs(1))   # its step task is the one killed
+        assert tier.speculate(1, grads[1], inputs(1))  # its step task is the one killed
         with pytest.raises(RuntimeError, match=r"subgroups \[1\] may be torn") as info:
             tier.finish({sg: (g, inputs(1)) for sg, g in enumerate(grads)})
         assert "rollback='exact'" in str(info.value)
@@ -601,8 +646,10 @@ def test_inverse_mode_worker_killed_mid_step_commits_the_subgroups_it_finished(m
     try:
         committed = []
         with pytest.raises(TornState, match=r"SIGKILL.*may be torn; restore them") as info:
-            tier.finish({sg: (g, inputs(1)) for sg, g in enumerate(grads)},
-                        on_commit=lambda sg, views: committed.append(sg))
+            tier.finish(
+                {sg: (g, inputs(1)) for sg, g in enumerate(grads)},
+                on_commit=lambda sg, views: committed.append(sg),
+            )
         torn = info.value.subgroups
         assert committed == [0] and 1 in torn and 0 not in torn
         ref_step(states[0], grads[0], inputs(1))
@@ -645,8 +692,11 @@ def test_a_worker_that_does_not_answer_is_replaced_and_the_exact_step_goes_on():
     tier, states, grads, old = _speculated_at_a_stopped_worker()
     try:
         t0 = time.monotonic()
-        with pytest.warns(RuntimeWarning, match=r"not stepped within 1 s: the worker \(pid \d+\) did not "
-                                                r"answer, so it was killed and a new one was sent its tasks"):
+        with pytest.warns(
+            RuntimeWarning,
+            match=r"not stepped within 1 s: the worker \(pid \d+\) did not "
+            r"answer, so it was killed and a new one was sent its tasks",
+        ):
             out = tier.finish({sg: (g, inputs(1)) for sg, g in enumerate(grads)})
         assert out == {0: "committed", 1: "committed"} and time.monotonic() - t0 < 4.0
         assert wait_gone(old, 5) and tier.worker_pid != old and tier.stats["worker_restarts"] == 1
@@ -667,9 +717,18 @@ def test_a_worker_that_does_not_answer_is_killed_replaced_and_named(rollback):
     tier, states, grads, old = _speculated_at_a_stopped_worker(rollback=rollback)
     try:
         t0 = time.monotonic()
-        want = (WorkerTimeout, r"not stepped within 1 s: the worker \(pid \d+\) did not answer, so it "
-                r"was killed and a new one started") if rollback == "exact" else (
-                TornState, r"did not answer within 1 s and was killed \(SIGKILL\).*subgroups \[0, 1\] may be torn")
+        want = (
+            (
+                WorkerTimeout,
+                r"not stepped within 1 s: the worker \(pid \d+\) did not answer, so it "
+                r"was killed and a new one started",
+            )
+            if rollback == "exact"
+            else (
+                TornState,
+                r"did not answer within 1 s and was killed \(SIGKILL\).*subgroups \[0, 1\] may be torn",
+            )
+        )
         with pytest.raises(want[0], match=want[1]):
             tier.finish({sg: (g, inputs(1)) for sg, g in enumerate(grads)})
         assert time.monotonic() - t0 < 4.0
@@ -810,7 +869,9 @@ def test_a_cpu_only_host_shares_every_core_with_a_sleeping_worker():
         worker = psutil.Process(tier.worker_pid)
         assert sorted(worker.cpu_affinity()) == cpus
         env = worker.environ()
-        assert env["OMP_WAIT_POLICY"] == "PASSIVE" and env["OMP_NUM_THREADS"] == str(max(1, round(len(cpus) / 2)))
+        assert env["OMP_WAIT_POLICY"] == "PASSIVE" and env["OMP_NUM_THREADS"] == str(
+            max(1, round(len(cpus) / 2))
+        )
         states = make_states(NUMELS, seed=3)
         load(tier, states)
         grads, inp = make_grads(NUMELS, seed=3), inputs(1)
@@ -840,7 +901,10 @@ def test_a_step_the_trainer_waits_for_runs_on_every_shared_core():
         grads = make_grads(numels, seed=5)
         for sg, g in enumerate(grads):
             assert tier.speculate(sg, g, inputs(1))
-        assert tier.finish({sg: (g, inputs(1)) for sg, g in enumerate(grads)}) == {0: "committed", 1: "committed"}
+        assert tier.finish({sg: (g, inputs(1)) for sg, g in enumerate(grads)}) == {
+            0: "committed",
+            1: "committed",
+        }
         for sg, g in enumerate(grads):
             ref_step(states[sg], g, inputs(1))
         assert worker.num_threads() <= tier.cores.worker_threads
@@ -855,7 +919,10 @@ def test_a_step_the_trainer_waits_for_runs_on_every_shared_core():
 
 def test_a_raw_view_taken_before_close_stays_readable(tmp_path):
     # in a child process: if the view dangles, reading it kills the reader
-    r = run_script(tmp_path, "raw_view.py", """
+    r = run_script(
+        tmp_path,
+        "raw_view.py",
+        """
         import gc, torch
         from hybrid_opt.tiers.host import HostTier
         tier = HostTier([1000, 5000], slot_numel=4096)
@@ -867,7 +934,8 @@ def test_a_raw_view_taken_before_close_stays_readable(tmp_path):
         del tier
         gc.collect()
         print(float(view.sum()), torch.equal(view, torch.arange(1000, dtype=torch.float32)))
-    """)
+    """,
+    )
     assert r.returncode == 0, f"rc {r.returncode}; stderr:\n{r.stderr[-2000:]}"
     assert r.stdout.split() == ["499500.0", "499500.0", "True"]
 
@@ -875,17 +943,25 @@ def test_a_raw_view_taken_before_close_stays_readable(tmp_path):
 # ------------------------------------------------------------------ 10. no orphans
 def test_worker_exits_when_the_trainer_is_killed(tmp_path):
     script = tmp_path / "killed_trainer.py"
-    script.write_text(textwrap.dedent("""
+    script.write_text(
+        textwrap.dedent("""
         import sys, time
         from hybrid_opt.tiers.host import HostTier
         tier = HostTier([1000, 5000], slot_numel=4096)
         print(tier.worker_pid, flush=True)
         time.sleep(60)  # killed long before this ends
-    """))
+    """)
+    )
     env = dict(os.environ, PYTHONPATH=REPO)
     env.pop(FAULT_ENV, None)
-    trainer = subprocess.Popen([sys.executable, str(script)], cwd=tmp_path, env=env,
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    trainer = subprocess.Popen(
+        [sys.executable, str(script)],
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     worker = None
     try:
         line = trainer.stdout.readline()
@@ -910,7 +986,10 @@ def test_worker_exits_when_the_trainer_is_killed(tmp_path):
 
 # ------------------------------------------------------------------ 11. no main guard
 def test_a_training_script_without_a_main_guard_runs_once(tmp_path):
-    r = run_script(tmp_path, "train.py", """
+    r = run_script(
+        tmp_path,
+        "train.py",
+        """
         import torch
         from hybrid_opt.tiers.host import HostTier, StepInputs
         tier = HostTier([1000, 5000], slot_numel=4096)
@@ -923,7 +1002,8 @@ def test_a_training_script_without_a_main_guard_runs_once(tmp_path):
         assert set(tier.finish({sg: (g, inp) for sg, g in enumerate(grads)}).values()) == {"committed"}
         print("OK")
         tier.close()
-    """)
+    """,
+    )
     assert r.returncode == 0, r.stderr[-2000:]
     assert r.stdout.count("OK") == 1, r.stdout
 
@@ -977,28 +1057,60 @@ def test_worker_round_trip_median():
 
 
 # ------------------------------------------------------------------ 14. bad arguments
-@pytest.mark.parametrize("kwargs,exc,match", [
-    (dict(rollback="bogus"), ValueError, r"rollback must be 'exact' or 'inverse', got 'bogus'"),
-    (dict(spare_banks=0), ValueError, r"rollback='exact' needs at least one spare bank"),
-    (dict(staging_slots=0), ValueError, r"staging_slots must be >= 1"),
-    (dict(rollback="inverse", moment_dtype=torch.bfloat16), ValueError, r"cannot undo a step with bf16 moments"),
-    (dict(rollback="inverse", exp_avg_sq_dtype=torch.bfloat16), ValueError, r"cannot undo a step with bf16 moments"),
-    (dict(exp_avg_dtype=torch.float16), TypeError, r"exp_avg_dtype must be torch.float32 or torch.bfloat16"),
-    (dict(remainders=True, copy_dtype=torch.float16, params=[torch.zeros(10, dtype=torch.bfloat16)]),
-     ValueError, r"remainders=True with bf16 params needs a bf16 host tier"),
-    (dict(remainders=True, params=[torch.zeros(10, dtype=torch.bfloat16)]),
-     ValueError, r"remainders=True with bf16 params needs a bf16 host tier"),
-    (dict(remainders=True, copy_dtype=torch.bfloat16), ValueError, r"remainders=True needs params="),
-    (dict(remainders=True, copy_dtype=torch.bfloat16, params=[torch.zeros(9, dtype=torch.bfloat16)]),
-     ValueError, r"params\[0\] must be a contiguous tensor of 10 elements"),
-    (dict(remainders=True, copy_dtype=torch.bfloat16, rollback="inverse",
-          params=[torch.zeros(10, dtype=torch.bfloat16)]), ValueError, r"rollback='inverse' needs an fp32 master"),
-    (dict(grad_dtype=torch.float64), TypeError, r"grad_dtype must be one of"),
-    (dict(copy_dtype=torch.float32), TypeError, r"copy_dtype must be None"),
-    (dict(numels=[]), ValueError, r"at least one subgroup"),
-    (dict(numels=[10, 0]), ValueError, r"at least one element"),
-    (dict(worker_share=0.0), ValueError, r"worker_share must be in \(0, 1\]"),
-])
+@pytest.mark.parametrize(
+    "kwargs,exc,match",
+    [
+        (dict(rollback="bogus"), ValueError, r"rollback must be 'exact' or 'inverse', got 'bogus'"),
+        (dict(spare_banks=0), ValueError, r"rollback='exact' needs at least one spare bank"),
+        (dict(staging_slots=0), ValueError, r"staging_slots must be >= 1"),
+        (
+            dict(rollback="inverse", moment_dtype=torch.bfloat16),
+            ValueError,
+            r"cannot undo a step with bf16 moments",
+        ),
+        (
+            dict(rollback="inverse", exp_avg_sq_dtype=torch.bfloat16),
+            ValueError,
+            r"cannot undo a step with bf16 moments",
+        ),
+        (
+            dict(exp_avg_dtype=torch.float16),
+            TypeError,
+            r"exp_avg_dtype must be torch.float32 or torch.bfloat16",
+        ),
+        (
+            dict(remainders=True, copy_dtype=torch.float16, params=[torch.zeros(10, dtype=torch.bfloat16)]),
+            ValueError,
+            r"remainders=True with bf16 params needs a bf16 host tier",
+        ),
+        (
+            dict(remainders=True, params=[torch.zeros(10, dtype=torch.bfloat16)]),
+            ValueError,
+            r"remainders=True with bf16 params needs a bf16 host tier",
+        ),
+        (dict(remainders=True, copy_dtype=torch.bfloat16), ValueError, r"remainders=True needs params="),
+        (
+            dict(remainders=True, copy_dtype=torch.bfloat16, params=[torch.zeros(9, dtype=torch.bfloat16)]),
+            ValueError,
+            r"params\[0\] must be a contiguous tensor of 10 elements",
+        ),
+        (
+            dict(
+                remainders=True,
+                copy_dtype=torch.bfloat16,
+                rollback="inverse",
+                params=[torch.zeros(10, dtype=torch.bfloat16)],
+            ),
+            ValueError,
+            r"rollback='inverse' needs an fp32 master",
+        ),
+        (dict(grad_dtype=torch.float64), TypeError, r"grad_dtype must be one of"),
+        (dict(copy_dtype=torch.float32), TypeError, r"copy_dtype must be None"),
+        (dict(numels=[]), ValueError, r"at least one subgroup"),
+        (dict(numels=[10, 0]), ValueError, r"at least one element"),
+        (dict(worker_share=0.0), ValueError, r"worker_share must be in \(0, 1\]"),
+    ],
+)
 def test_bad_constructor_arguments_are_rejected_clearly(kwargs, exc, match):
     kwargs = dict(kwargs)
     numels = kwargs.pop("numels", [10])
@@ -1036,8 +1148,9 @@ def test_speculating_twice_on_a_subgroup_before_finish_is_rejected():
     load(tier, make_states(NUMELS, seed=20))
     g = make_grads(NUMELS, seed=20)[2]
     assert tier.speculate(2, g, inputs(1))
-    with pytest.raises(RuntimeError,
-                       match=r"subgroup 2 has a speculative step pending; call finish\(\) first"):
+    with pytest.raises(
+        RuntimeError, match=r"subgroup 2 has a speculative step pending; call finish\(\) first"
+    ):
         tier.speculate(2, g, inputs(1))
     with pytest.raises(RuntimeError, match=r"subgroup 2 has a speculative step pending"):
         tier.load_state(2, torch.zeros(NUMELS[2]))
@@ -1065,11 +1178,15 @@ def test_speculate_with_replace_cancels_the_pending_speculation_first(rollback):
 
 
 @pytest.mark.parametrize("call", ["speculate", "finish"])
-@pytest.mark.parametrize("bad,match", [
-    (dict(amsgrad=True), r"StepInputs.amsgrad=True on a host tier built with amsgrad=False"),
-    (dict(runs=((0, 50, 1), (90, 20, 1))), r"run \(90, 20\) is outside subgroup 1 of 100 elements"),
-    (dict(runs=((-1, 5, 1),)), r"run \(-1, 5\) is outside subgroup 1"),
-], ids=["amsgrad_without_layout", "run_past_the_end", "negative_run"])
+@pytest.mark.parametrize(
+    "bad,match",
+    [
+        (dict(amsgrad=True), r"StepInputs.amsgrad=True on a host tier built with amsgrad=False"),
+        (dict(runs=((0, 50, 1), (90, 20, 1))), r"run \(90, 20\) is outside subgroup 1 of 100 elements"),
+        (dict(runs=((-1, 5, 1),)), r"run \(-1, 5\) is outside subgroup 1"),
+    ],
+    ids=["amsgrad_without_layout", "run_past_the_end", "negative_run"],
+)
 def test_bad_step_inputs_are_rejected_before_anything_is_stepped(call, bad, match):
     tier = shared_tier()
     states = make_states(NUMELS, seed=23)
@@ -1170,6 +1287,7 @@ def test_memory_the_arena_cannot_get_is_an_error_at_construction(monkeypatch):
 
     class Libc:
         """libc as the populate module calls it, with one call failing for want of memory."""
+
         def __init__(self, failing):
             self.real, self.failing = pop._lib(), failing
 
@@ -1181,6 +1299,7 @@ def test_memory_the_arena_cannot_get_is_an_error_at_construction(monkeypatch):
             def fail(*a):
                 ctypes.set_errno(errno.ENOMEM if name == "madvise" else errno.ENOSPC)
                 return -1
+
             return fail
 
     fds = psutil.Process().num_fds()
@@ -1208,11 +1327,39 @@ def test_a_task_packs_every_field_in_declaration_order_and_unpacks_to_itself():
     dataclasses.astuple gave), then the gather list — and unpack gives the task back."""
     import struct
     from dataclasses import astuple
+
     from hybrid_opt.worker import protocol as P
-    tasks = [P.Task(P.OP_STEP, 7, 3, 65536, 1, 2, 64, 5, 1, 2, 1, 0, 1, 9, 1e-3, 0.9, 0.999, 1e-8,
-                    0.01, -0.5, 1, 0xDEADBEEF, 1, gather=P.pack_gather([(0, 4096, 256), (256, 0, 64)])),
-             P.Task(P.OP_SWAP_IN, 1 << 40, 12345, file_slot=1, crc=0xFFFFFFFF),
-             P.Task(P.OP_PING, 0)]
+
+    tasks = [
+        P.Task(
+            P.OP_STEP,
+            7,
+            3,
+            65536,
+            1,
+            2,
+            64,
+            5,
+            1,
+            2,
+            1,
+            0,
+            1,
+            9,
+            1e-3,
+            0.9,
+            0.999,
+            1e-8,
+            0.01,
+            -0.5,
+            1,
+            0xDEADBEEF,
+            1,
+            gather=P.pack_gather([(0, 4096, 256), (256, 0, 64)]),
+        ),
+        P.Task(P.OP_SWAP_IN, 1 << 40, 12345, file_slot=1, crc=0xFFFFFFFF),
+        P.Task(P.OP_PING, 0),
+    ]
     for t in tasks:
         want = struct.Struct(P.Task._STRUCT.format).pack(*astuple(t)[:-1]) + t.gather
         assert t.pack() == want
@@ -1225,7 +1372,9 @@ def test_write_task_sends_the_gather_entries_it_is_handed_as_the_tasks_gather_li
     list back as the Task's `gather`."""
     import os
     from dataclasses import replace
+
     from hybrid_opt.worker import protocol as P
+
     entries = [(0, 4096, 256), (256, 0, 64)]
     task = P.Task(P.OP_STEP, 7, 3, 80, slot=2, lr=1e-3)
     r, w = os.pipe()

@@ -10,11 +10,14 @@ it lives in a bank or in a swap file. Remainders are lossless: the decoded maste
 fp32-master tier's over many steps, and the params differ from that tier's bf16 copy only on
 exact ties (the encoding rounds ties away from zero, the cast to even).
 """
+
 import os
 from contextlib import ExitStack
 
 import pytest
 import torch
+from helpers import assert_bitwise_equal, inputs, make_grads, wait_gone, with_fp32_masters
+from test_nvme_tier import BIG, NUMELS, NVME_FLAGS, _trajectory_plan, nvme_dir  # noqa: F401
 
 import cpu_kernels as ck
 from cpu_kernels.reference import bf16_round_reference, encode_remainder_reference
@@ -23,25 +26,27 @@ from hybrid_opt.tiers.compressed import _independent_moment_dtypes
 from hybrid_opt.tiers.host import HostTier, StepInputs
 from hybrid_opt.worker import protocol as P
 
-from helpers import assert_bitwise_equal, inputs, make_grads, wait_gone, with_fp32_masters
-from test_nvme_tier import BIG, NUMELS, NVME_FLAGS, _trajectory_plan, nvme_dir  # noqa: F401
-
 SLOT = 4096
 TIMEOUT_S = 20.0
 FAULT_ENV = "HYBRID_OPT_WORKER_FAULT"
 BF16, F32 = torch.bfloat16, torch.float32
 
-mixed_moments = pytest.mark.skipif(not _independent_moment_dtypes(),
-                                   reason="this cpu_kernels build needs exp_avg and exp_avg_sq of one dtype")
+mixed_moments = pytest.mark.skipif(
+    not _independent_moment_dtypes(),
+    reason="this cpu_kernels build needs exp_avg and exp_avg_sq of one dtype",
+)
 
 FORMATS = [
     pytest.param(dict(exp_avg_dtype=BF16, exp_avg_sq_dtype=BF16), id="bf16_moments"),
-    pytest.param(dict(exp_avg_dtype=BF16, exp_avg_sq_dtype=F32, amsgrad=True), id="bf16_m_amsgrad",
-                 marks=mixed_moments),
+    pytest.param(
+        dict(exp_avg_dtype=BF16, exp_avg_sq_dtype=F32, amsgrad=True), id="bf16_m_amsgrad", marks=mixed_moments
+    ),
     pytest.param(dict(exp_avg_dtype=F32, exp_avg_sq_dtype=BF16), id="bf16_v", marks=mixed_moments),
     pytest.param(dict(remainders=True), id="remainders"),
-    pytest.param(dict(exp_avg_dtype=BF16, exp_avg_sq_dtype=BF16, remainders=True, amsgrad=True),
-                 id="bf16_moments_remainders_amsgrad"),
+    pytest.param(
+        dict(exp_avg_dtype=BF16, exp_avg_sq_dtype=BF16, remainders=True, amsgrad=True),
+        id="bf16_moments_remainders_amsgrad",
+    ),
 ]
 
 
@@ -62,8 +67,9 @@ def start_states(numels, config, seed, fp32_subgroups=()):
     states = []
     for sg, n in enumerate(numels):
         master = torch.randn(n, generator=gen)
-        s = dict(m=(torch.randn(n, generator=gen) * 0.1).to(m_dt),
-                 v=(torch.rand(n, generator=gen) * 1e-2).to(v_dt))
+        s = dict(
+            m=(torch.randn(n, generator=gen) * 0.1).to(m_dt), v=(torch.rand(n, generator=gen) * 1e-2).to(v_dt)
+        )
         if config.get("amsgrad"):
             s["vmax"] = (s["v"].float() * 2 * torch.rand(n, generator=gen)).to(v_dt)
         if config.get("remainders") and sg not in fp32_subgroups:
@@ -92,16 +98,24 @@ def ref_step(state, grad, inp: StepInputs):
     """The direct in-process step of each run on `state` (remainders: in place on hi + rem)."""
     n = state["m"].numel()
     for off, k, step in inp.ranges(n):
-        part = {key: t[off:off + k].clone() for key, t in state.items()}
-        kw = dict(max_exp_avg_sq=part["vmax"] if inp.amsgrad else None, step=step, lr=inp.lr,
-                  beta1=inp.beta1, beta2=inp.beta2, eps=inp.eps, weight_decay=inp.weight_decay,
-                  decoupled=inp.decoupled, grad_scale=inp.grad_scale)
+        part = {key: t[off : off + k].clone() for key, t in state.items()}
+        kw = dict(
+            max_exp_avg_sq=part["vmax"] if inp.amsgrad else None,
+            step=step,
+            lr=inp.lr,
+            beta1=inp.beta1,
+            beta2=inp.beta2,
+            eps=inp.eps,
+            weight_decay=inp.weight_decay,
+            decoupled=inp.decoupled,
+            grad_scale=inp.grad_scale,
+        )
         if "rem" in part:
-            ck.adam_step_(part["hi"], grad[off:off + k], part["m"], part["v"], remainder=part["rem"], **kw)
+            ck.adam_step_(part["hi"], grad[off : off + k], part["m"], part["v"], remainder=part["rem"], **kw)
         else:
-            ck.adam_step_(part["p"], grad[off:off + k], part["m"], part["v"], **kw)
+            ck.adam_step_(part["p"], grad[off : off + k], part["m"], part["v"], **kw)
         for key, t in part.items():
-            state[key][off:off + k] = t
+            state[key][off : off + k] = t
 
 
 def tier_state(tier, sg):
@@ -127,12 +141,16 @@ def assert_matches(tier, states, params, what):
 def committer(params, steps):
     """The optimizer's part of a commit: the new bf16 param (param_copy) into the model, for the
     elements each subgroup's runs stepped."""
+
     def on_commit(sg, views):
         if params is None or params[sg].dtype != BF16:
             return
-        assert set(views) == {"param_copy"}, f"subgroup {sg}: a remainder subgroup commits its bf16 param only"
+        assert set(views) == {"param_copy"}, (
+            f"subgroup {sg}: a remainder subgroup commits its bf16 param only"
+        )
         for off, k, _ in steps[sg][1].ranges(params[sg].numel()):
-            params[sg][off:off + k].copy_(views["param_copy"][off:off + k])
+            params[sg][off : off + k].copy_(views["param_copy"][off : off + k])
+
     return on_commit
 
 
@@ -173,8 +191,10 @@ def test_compressed_trajectory_is_bitwise_the_direct_steps_in_banks_and_files(nv
                 for sg in range(len(NUMELS)):
                     after = tier_state(nv, sg)
                     for key, t in before[sg].items():
-                        assert torch.equal(after[key].view(torch.int16 if t.element_size() == 2 else torch.int32),
-                                           t.view(torch.int16 if t.element_size() == 2 else torch.int32)), (k, sg, key)
+                        assert torch.equal(
+                            after[key].view(torch.int16 if t.element_size() == 2 else torch.int32),
+                            t.view(torch.int16 if t.element_size() == 2 else torch.int32),
+                        ), (k, sg, key)
             else:
                 for sg in step_sgs:
                     ref_step(states[sg], grads[sg], final[sg])
@@ -221,6 +241,7 @@ def test_remainders_give_the_fp32_masters_bits_over_many_steps_in_banks_and_file
                 assert_bitwise_equal(params[sg], ck.encode_remainder(b["master"])[0], f"{what} {sg} param")
                 assert torch.equal(params[sg][~tie].view(torch.int16), copies[sg][~tie].view(torch.int16))
                 ties[0] += int((params[sg][tie].view(torch.int16) != copies[sg][tie].view(torch.int16)).sum())
+
         check("loaded")
         for step in range(1, 26):
             grads = make_grads(numels, seed=100 + step)
@@ -235,6 +256,7 @@ def test_remainders_give_the_fp32_masters_bits_over_many_steps_in_banks_and_file
 
             def fp32_commit(sg, views):
                 copies[sg].copy_(views["param_copy"])
+
             assert out == full.finish(steps, overflow=overflow, on_commit=fp32_commit)
             check(f"step {step}")
         assert ties[0] > 0  # the tie rows above are exercised: those params do differ from the cast
@@ -273,9 +295,17 @@ def test_a_killed_worker_loses_nothing_with_compressed_state(monkeypatch, nvme_d
 
 
 # ------------------------------------------------------------------ 4. bytes per element
-@pytest.mark.parametrize("fmt", [StateFormat(), StateFormat(BF16, BF16), StateFormat(BF16, F32),
-                                 StateFormat(F32, F32, True), StateFormat(BF16, BF16, True)],
-                         ids=["fp32", "bf16_moments", "bf16_m", "remainders", "both"])
+@pytest.mark.parametrize(
+    "fmt",
+    [
+        StateFormat(),
+        StateFormat(BF16, BF16),
+        StateFormat(BF16, F32),
+        StateFormat(F32, F32, True),
+        StateFormat(BF16, BF16, True),
+    ],
+    ids=["fp32", "bf16_moments", "bf16_m", "remainders", "both"],
+)
 @pytest.mark.parametrize("amsgrad", [False, True], ids=["adam", "amsgrad"])
 def test_bank_file_and_spare_bytes_are_the_formats_state_bytes(nvme_dir, fmt, amsgrad):
     """Per element of a bf16 model: a bank (committed or spare) holds StateFormat.state_bytes
@@ -285,12 +315,21 @@ def test_bank_file_and_spare_bytes_are_the_formats_state_bytes(nvme_dir, fmt, am
         pytest.skip("this cpu_kernels build needs exp_avg and exp_avg_sq of one dtype")
     n = 1 << 16  # every region a whole number of pages: the bytes are exact
     params = [torch.zeros(n, dtype=BF16) for _ in range(3)]
-    tier = new_tier([n] * 3, [False, False, True], nvme_dir, params=params, amsgrad=amsgrad,
-                    exp_avg_dtype=fmt.exp_avg_dtype, exp_avg_sq_dtype=fmt.exp_avg_sq_dtype,
-                    remainders=fmt.store_param_remainders, spare_banks=2, io_banks=1)
+    tier = new_tier(
+        [n] * 3,
+        [False, False, True],
+        nvme_dir,
+        params=params,
+        amsgrad=amsgrad,
+        exp_avg_dtype=fmt.exp_avg_dtype,
+        exp_avg_sq_dtype=fmt.exp_avg_sq_dtype,
+        remainders=fmt.store_param_remainders,
+        spare_banks=2,
+        io_banks=1,
+    )
     try:
         state = fmt.state_bytes(BF16, amsgrad)
-        assert tier.bank_bytes == 2 * n * (state + 2)            # two resident subgroups
+        assert tier.bank_bytes == 2 * n * (state + 2)  # two resident subgroups
         assert tier.spare_bytes == (2 + 2 * 1) * n * (state + 2)  # spares + two per io bank
         assert tier.io_bytes == n * state
         assert os.path.getsize(tier.swap.file(2)) == 2 * n * state  # two slots
@@ -309,12 +348,19 @@ def test_load_state_rounds_moments_to_nearest_even_and_writes_the_encoded_param(
     gen = torch.Generator().manual_seed(5)
     master = torch.randn(n, generator=gen)
     special = torch.tensor([0.0, -0.0, 1e-40, -1e-40, float("inf"), float("-inf"), 3.4e38, -3.4e38])
-    master[:special.numel()] = special
+    master[: special.numel()] = special
     master.view(torch.int32)[100:200] = (master.view(torch.int32)[100:200] & ~0xFFFF) | 0x8000  # ties
     m, v = torch.randn(n, generator=gen), torch.rand(n, generator=gen)
     params = [torch.zeros(n, dtype=BF16), torch.zeros(n, dtype=BF16)]
-    tier = new_tier([n, n], [False, True], nvme_dir, params=params, remainders=True,
-                    exp_avg_dtype=BF16, exp_avg_sq_dtype=BF16)
+    tier = new_tier(
+        [n, n],
+        [False, True],
+        nvme_dir,
+        params=params,
+        remainders=True,
+        exp_avg_dtype=BF16,
+        exp_avg_sq_dtype=BF16,
+    )
     try:
         for sg in range(2):
             tier.load_state(sg, master, m, v)
@@ -325,8 +371,9 @@ def test_load_state_rounds_moments_to_nearest_even_and_writes_the_encoded_param(
             assert_bitwise_equal(st["exp_avg"], bf16_round_reference(m), f"subgroup {sg} rne")
             hi, _ = encode_remainder_reference(master)
             assert_bitwise_equal(params[sg], hi, f"subgroup {sg} model param")
-            assert not torch.equal(params[sg][100:200].view(torch.int16),
-                                   master[100:200].to(BF16).view(torch.int16))  # ties: away from zero
+            assert not torch.equal(
+                params[sg][100:200].view(torch.int16), master[100:200].to(BF16).view(torch.int16)
+            )  # ties: away from zero
         assert_bitwise_equal(tier.master(0), master, "master(0)")
         assert set(tier.moments(0)) == {"exp_avg", "exp_avg_sq"}
     finally:
@@ -355,6 +402,7 @@ def test_a_mixed_tier_keeps_fp32_masters_for_fp32_subgroups(nvme_dir):
                 committer(params, steps)(sg, views)
                 if sg == 2:
                     params[2].copy_(views["param"])
+
             tier.finish(steps, on_commit=on_commit)
             assert seen == {0: {"param_copy"}, 1: {"param_copy"}, 2: {"param", "param_copy"}}
             for s, g in zip(states, grads):
@@ -431,6 +479,7 @@ def test_an_nvme_step_waits_for_the_high_half_copy_before_its_tasks_go(nvme_dir)
         def logged(task, gather=()):
             sent.append(task.op)
             return send(task, gather)
+
         tier.client.send = logged
         grad = make_grads([n], seed=9)[0]
         assert tier.speculate(0, grad, inputs(1))
@@ -460,8 +509,17 @@ def test_cuda_params_and_grads_with_remainders_match_the_direct_steps(nvme_dir):
     config = dict(remainders=True, exp_avg_dtype=BF16, exp_avg_sq_dtype=BF16, amsgrad=True)
     states = start_states(numels, config, seed=21)
     params = [p.to(dev) for p in model_params(states)]
-    tier = new_tier(numels, flags, nvme_dir, params=params, grad_dtype=BF16, io_banks=2,
-                    staging_slots=4, pin=dev, **config)
+    tier = new_tier(
+        numels,
+        flags,
+        nvme_dir,
+        params=params,
+        grad_dtype=BF16,
+        io_banks=2,
+        staging_slots=4,
+        pin=dev,
+        **config,
+    )
     try:
         load(tier, states)
         for step in range(1, 6):
@@ -492,38 +550,58 @@ def _stream_grads(params, step):
 
 
 def test_every_placement_steps_the_same_bits_through_clipping_overflow_and_a_killed_worker(
-        monkeypatch, nvme_dir):
+    monkeypatch, nvme_dir
+):
     """HybridAdamW with bf16 moments + remainders at offload 0 (device tier, in-process kernel),
     1 (host, speculated in backward) and nvme 1: one grad stream through autograd, a clip that
     bites every third step (speculated steps redone), a GradScaler overflow (rolled back: the
     state equals the one before, bitwise) and, on the host and nvme runs, a worker killed with
     SIGKILL mid-step — params, decoded masters and moments stay torch.equal across the three."""
     from hybrid_opt import HybridAdamW, fp32_master
+
     monkeypatch.setenv(FAULT_ENV, "mid_step:4")
-    placements = {"device": dict(offload_fraction=0.0), "host": dict(offload_fraction=1.0),
-                  "nvme": dict(offload_fraction=1.0, nvme_fraction=1.0, nvme_path=nvme_dir)}
+    placements = {
+        "device": dict(offload_fraction=0.0),
+        "host": dict(offload_fraction=1.0),
+        "nvme": dict(offload_fraction=1.0, nvme_fraction=1.0, nvme_path=nvme_dir),
+    }
     runs, opts, scalers = {}, {}, {}
     try:
         for name, kw in placements.items():
             runs[name] = _model(7)
-            opts[name] = HybridAdamW(runs[name], lr=1e-2, weight_decay=0.05, max_grad_norm=1.0,
-                                     subgroup_numel=1024, exp_avg_dtype=BF16, exp_avg_sq_dtype=BF16,
-                                     store_param_remainders=True, **kw)
-            scalers[name] = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8, growth_interval=3)
+            opts[name] = HybridAdamW(
+                runs[name],
+                lr=1e-2,
+                weight_decay=0.05,
+                max_grad_norm=1.0,
+                subgroup_numel=1024,
+                exp_avg_dtype=BF16,
+                exp_avg_sq_dtype=BF16,
+                store_param_remainders=True,
+                **kw,
+            )
+            scalers[name] = torch.amp.GradScaler("cpu", init_scale=2.0**8, growth_interval=3)
             opts[name].attach_grad_scaler(scalers[name])
         assert opts["host"].parts.placement.host is not None and all(opts["nvme"].parts.placement.host.nvme)
         assert opts["device"].parts.placement.host is None
-        assert all(opts["host"].parts.placement.host.remainders) and all(opts["nvme"].parts.placement.host.remainders)
+        assert all(opts["host"].parts.placement.host.remainders) and all(
+            opts["nvme"].parts.placement.host.remainders
+        )
         for step in range(9):
             for name, params in runs.items():
                 opt, scaler = opts[name], scalers[name]
                 opt.zero_grad()
                 handle = None
                 if step == 5:  # one inf in one grad: the whole step is skipped
-                    handle = params[0].register_hook(lambda g: g.index_fill(0, torch.tensor([0]), float("inf")))
+                    handle = params[0].register_hook(
+                        lambda g: g.index_fill(0, torch.tensor([0]), float("inf"))
+                    )
                 # cloned: the device tier's state_dict gives views of its live state
-                before = ({i: {k: t.clone() for k, t in st.items()} for i, st in opt.state_dict()["state"].items()}
-                          if step == 5 else None)
+                before = (
+                    {i: {k: t.clone() for k, t in st.items()} for i, st in opt.state_dict()["state"].items()}
+                    if step == 5
+                    else None
+                )
                 loss = sum((p.float() * g.float()).sum() for p, g in zip(params, _stream_grads(params, step)))
                 scaler.scale(loss).backward()
                 if handle is not None:
@@ -546,8 +624,10 @@ def test_every_placement_steps_the_same_bits_through_clipping_overflow_and_a_kil
                     for name in ("host", "nvme"):
                         assert torch.equal(sds[name][i][key], sds["device"][i][key]), (step, name, i, key)
                 for name in ("host", "nvme"):  # so the decoded masters are equal
-                    assert torch.equal(fp32_master(sds[name][i], runs[name][i]),
-                                       fp32_master(sds["device"][i], runs["device"][i])), (step, name, i)
+                    assert torch.equal(
+                        fp32_master(sds[name][i], runs[name][i]),
+                        fp32_master(sds["device"][i], runs["device"][i]),
+                    ), (step, name, i)
         for name in ("host", "nvme"):
             assert opts[name].parts.placement.host.stats["worker_restarts"] >= 1, name
             assert opts[name].parts.placement.host.stats["redone"] > 0, name
@@ -561,8 +641,10 @@ def _mixed_model(seed):
     """bf16 weights beside fp32 params (norms, biases): a host tier holding both keeps fp32
     masters for the fp32 subgroups and remainders for the bf16 ones (its "some" layout)."""
     g = torch.Generator().manual_seed(seed)
-    return [torch.nn.Parameter(torch.randn(s, generator=g).to(dt))
-            for s, dt in (((64, 48), BF16), ((48,), F32), ((33, 17), BF16), ((500,), BF16), ((20,), F32))]
+    return [
+        torch.nn.Parameter(torch.randn(s, generator=g).to(dt))
+        for s, dt in (((64, 48), BF16), ((48,), F32), ((33, 17), BF16), ((500,), BF16), ((20,), F32))
+    ]
 
 
 def test_a_mixed_fp32_bf16_model_with_amsgrad_steps_the_same_bits_at_every_placement(nvme_dir):
@@ -573,19 +655,31 @@ def test_a_mixed_fp32_bf16_model_with_amsgrad_steps_the_same_bits_at_every_place
     masters, moments), and every master equals an fp32-master run's (remainders are lossless;
     the grads do not depend on the params, so the runs see the same grads)."""
     from hybrid_opt import HybridAdamW
-    placements = {"device": dict(offload_fraction=0.0), "host": dict(offload_fraction=1.0),
-                  "nvme": dict(offload_fraction=1.0, nvme_fraction=1.0, nvme_path=nvme_dir),
-                  "mix": dict(offload_fraction=0.7, nvme_fraction=0.35, nvme_path=nvme_dir),
-                  "fp32_master": dict(offload_fraction=1.0)}
+
+    placements = {
+        "device": dict(offload_fraction=0.0),
+        "host": dict(offload_fraction=1.0),
+        "nvme": dict(offload_fraction=1.0, nvme_fraction=1.0, nvme_path=nvme_dir),
+        "mix": dict(offload_fraction=0.7, nvme_fraction=0.35, nvme_path=nvme_dir),
+        "fp32_master": dict(offload_fraction=1.0),
+    }
     runs, opts, scalers = {}, {}, {}
     try:
         for name, kw in placements.items():
             runs[name] = _mixed_model(3)
-            opts[name] = HybridAdamW(runs[name], lr=1e-2, weight_decay=0.05, max_grad_norm=1.0,
-                                     amsgrad=True, subgroup_numel=512, exp_avg_dtype=BF16,
-                                     exp_avg_sq_dtype=BF16,
-                                     store_param_remainders=name != "fp32_master", **kw)
-            scalers[name] = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8, growth_interval=3)
+            opts[name] = HybridAdamW(
+                runs[name],
+                lr=1e-2,
+                weight_decay=0.05,
+                max_grad_norm=1.0,
+                amsgrad=True,
+                subgroup_numel=512,
+                exp_avg_dtype=BF16,
+                exp_avg_sq_dtype=BF16,
+                store_param_remainders=name != "fp32_master",
+                **kw,
+            )
+            scalers[name] = torch.amp.GradScaler("cpu", init_scale=2.0**8, growth_interval=3)
             opts[name].attach_grad_scaler(scalers[name])
         for name in ("host", "nvme", "mix"):  # both kinds of master on one tier
             assert set(opts[name].parts.placement.host.remainders) == {True, False}, name
@@ -598,8 +692,13 @@ def test_a_mixed_fp32_bf16_model_with_amsgrad_steps_the_same_bits_at_every_place
                 live = [i for i in range(len(params)) if not (i == 3 and step % 2 == 0)]
                 handle = None
                 if step == 5:  # one inf in one grad: the whole step is skipped
-                    handle = params[2].register_hook(lambda g: g.index_fill(0, torch.tensor([0]), float("inf")))
-                    before = {i: {k: t.clone() for k, t in st.items()} for i, st in opt.state_dict()["state"].items()}
+                    handle = params[2].register_hook(
+                        lambda g: g.index_fill(0, torch.tensor([0]), float("inf"))
+                    )
+                    before = {
+                        i: {k: t.clone() for k, t in st.items()}
+                        for i, st in opt.state_dict()["state"].items()
+                    }
                 loss = sum((params[i].float() * grads[i].float()).sum() for i in live)
                 scaler.scale(loss).backward()
                 if handle is not None:
@@ -643,20 +742,37 @@ def test_the_cost_models_bytes_per_param_are_what_the_host_tier_allocates(nvme_d
     own, none for fp32) allocates exactly the "host" bytes per element in every bank
     (committed, spare and nvme I/O alike) and the "nvme" bytes in each slot of a swap file."""
     from hybrid_opt.placement.cost_model import Workload
+
     n = 1 << 16  # every region a whole number of pages: the bytes are exact
     moments = [(F32, F32), (BF16, BF16)] + ([(BF16, F32)] if _independent_moment_dtypes() else [])
     size = torch.empty((), dtype=model).element_size()
     for (m, v), rem, amsgrad in [(mv, r, a) for mv in moments for r in (False, True) for a in (False, True)]:
-        want = Workload(params=1e9, model_bytes=size, grad_bytes=size, amsgrad=amsgrad,
-                        state_format=StateFormat(m, v, rem)).tier_bytes()
+        want = Workload(
+            params=1e9,
+            model_bytes=size,
+            grad_bytes=size,
+            amsgrad=amsgrad,
+            state_format=StateFormat(m, v, rem),
+        ).tier_bytes()
         params = [torch.zeros(n, dtype=model) for _ in range(2)]
-        tier = HostTier([n, n], grad_dtype=model, exp_avg_dtype=m, exp_avg_sq_dtype=v, remainders=rem,
-                        params=params, copy_dtype=None if model == F32 else model, amsgrad=amsgrad,
-                        nvme=[False, True], nvme_path=nvme_dir, spare_banks=1, io_banks=1,
-                        timeout_s=TIMEOUT_S)
+        tier = HostTier(
+            [n, n],
+            grad_dtype=model,
+            exp_avg_dtype=m,
+            exp_avg_sq_dtype=v,
+            remainders=rem,
+            params=params,
+            copy_dtype=None if model == F32 else model,
+            amsgrad=amsgrad,
+            nvme=[False, True],
+            nvme_path=nvme_dir,
+            spare_banks=1,
+            io_banks=1,
+            timeout_s=TIMEOUT_S,
+        )
         try:
             what = (m, v, rem, amsgrad)
-            assert tier.bank_bytes == n * want["host"], what       # one resident subgroup
+            assert tier.bank_bytes == n * want["host"], what  # one resident subgroup
             assert tier.spare_bytes == 3 * n * want["host"], what  # a spare + two io banks
             assert tier.io_bytes == n * want["nvme"], what
             assert os.path.getsize(tier.swap.file(1)) == 2 * n * want["nvme"], what

@@ -3,6 +3,7 @@ without close() is collected and frees everything the OS shows (its worker reape
 `memfd:hybrid_opt` mapping or descriptor, no nvme file), with a warning the default filters
 show; a wrapper that forwards attribute reads (Lightning's LightningOptimizer shape) acts on
 the optimizer it wraps and never closes it by being collected."""
+
 import gc
 import io
 import os
@@ -56,8 +57,9 @@ def _drop_and_collect(opt_holder: list):
     return ref, [w for w in caught if issubclass(w.category, UnclosedOptimizerWarning)]
 
 
-@pytest.mark.parametrize("placement", [dict(offload_fraction=1.0),
-                                       dict(offload_fraction=0.5, nvme_fraction=0.5)])
+@pytest.mark.parametrize(
+    "placement", [dict(offload_fraction=1.0), dict(offload_fraction=0.5, nvme_fraction=0.5)]
+)
 def test_an_optimizer_dropped_without_close_is_freed(tmp_path, placement):
     gc.collect()  # what earlier tests left in reference cycles (their tiers are closed)
     assert _arena_maps() == 0 and _arena_fds() == 0
@@ -83,13 +85,22 @@ def test_a_process_group_optimizer_dropped_without_close_is_freed(tmp_path):
     """process_group's reduce hooks and the global forward pre-hook of its param gathers hold
     the optimizer weakly too (a gloo world of one rank)."""
     import torch.distributed as dist
+
     if not (dist.is_available() and dist.is_gloo_available()):
         pytest.skip("torch.distributed with gloo is not available")
     dist.init_process_group("gloo", init_method=f"file://{tmp_path}/rdzv", rank=0, world_size=1)
     try:
         model = _model()
-        held = [HybridAdamW(model.parameters(), lr=1e-2, subgroup_numel=256, offload_fraction=1.0,
-                            process_group=dist.group.WORLD, overlap_param_gather=True)]
+        held = [
+            HybridAdamW(
+                model.parameters(),
+                lr=1e-2,
+                subgroup_numel=256,
+                offload_fraction=1.0,
+                process_group=dist.group.WORLD,
+                overlap_param_gather=True,
+            )
+        ]
         _train(model, held[0])
         pid = held[0].worker_pid
         ref, warned = _drop_and_collect(held)
@@ -139,7 +150,9 @@ def test_a_forwarding_wrapper_acts_on_the_optimizer_it_wraps():
         buf = io.BytesIO()
         wrapper.save_state_dict(buf)
         buf.seek(0)
-        assert torch.equal(torch.load(buf, weights_only=True)["state"][0]["exp_avg"], sd["state"][0]["exp_avg"])
+        assert torch.equal(
+            torch.load(buf, weights_only=True)["state"][0]["exp_avg"], sd["state"][0]["exp_avg"]
+        )
         wrapper.load_state_dict(sd)
         assert wrapper.__dict__ == own, set(wrapper.__dict__) - set(own)  # no write landed on it
         for a, b in zip(model.parameters(), twin_model.parameters()):
@@ -198,6 +211,12 @@ def test_a_forked_child_exiting_leaves_the_parents_nvme_tier_alone(tmp_path):
     child now exits at once and the parent's files, checkpoints and new groups are intact."""
     import subprocess
     import sys
-    out = subprocess.run([sys.executable, "-c", _FORK_SCRIPT, str(tmp_path)], capture_output=True,
-                         text=True, timeout=240, env=dict(os.environ, PYTHONPATH=os.getcwd()))
+
+    out = subprocess.run(
+        [sys.executable, "-c", _FORK_SCRIPT, str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env=dict(os.environ, PYTHONPATH=os.getcwd()),
+    )
     assert out.returncode == 0 and out.stdout.strip().endswith("OK"), out.stdout + out.stderr

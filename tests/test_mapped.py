@@ -5,13 +5,14 @@ that do not meet on page boundaries are refused (the caller copies); a snapshot 
 tensor and slice over a span at its values while the file changes; a private span never writes
 its file; a span goes with its last tensor.
 """
+
 import gc
 import io
 import os
 
 import torch
-
 from helpers import backing
+
 from hybrid_opt.mapped import PAGE, HeldViews, Piece, map_pieces, map_tensor, side_by_side
 from hybrid_opt.shm import SharedArena
 from hybrid_opt.state.checkpoint import _own_storage
@@ -31,11 +32,20 @@ def test_pieces_read_as_one_tensor_in_order():
     arena, full = arena_of(8)
     try:
         # the tail of page-run 1, the whole of page 4, the head of page 6: two page-aligned seams
-        pieces = [Piece(arena.fd, 4 * 100, 4 * (2 * PER_PAGE - 100)), Piece(arena.fd, 4 * 4 * PER_PAGE, PAGE),
-                  Piece(arena.fd, 4 * 6 * PER_PAGE, 4 * 10)]
+        pieces = [
+            Piece(arena.fd, 4 * 100, 4 * (2 * PER_PAGE - 100)),
+            Piece(arena.fd, 4 * 4 * PER_PAGE, PAGE),
+            Piece(arena.fd, 4 * 6 * PER_PAGE, 4 * 10),
+        ]
         assert side_by_side(pieces)
         t = map_tensor(pieces, F32, (2 * PER_PAGE - 100 + PER_PAGE + 10,))
-        want = torch.cat([full[100:2 * PER_PAGE], full[4 * PER_PAGE:5 * PER_PAGE], full[6 * PER_PAGE:6 * PER_PAGE + 10]])
+        want = torch.cat(
+            [
+                full[100 : 2 * PER_PAGE],
+                full[4 * PER_PAGE : 5 * PER_PAGE],
+                full[6 * PER_PAGE : 6 * PER_PAGE + 10],
+            ]
+        )
         assert torch.equal(t, want)
         assert t.untyped_storage().nbytes() == t.numel() * 4  # torch.save writes exactly these
         assert "test-mapped" in backing(t)
@@ -66,8 +76,10 @@ def test_a_released_span_keeps_its_values_in_every_tensor_over_it():
     arena, full = arena_of(4)
     held = HeldViews()
     try:
-        pieces = [Piece(arena.fd, 0, PAGE, held=held, key=("bank", 0)),
-                  Piece(arena.fd, 2 * PAGE, PAGE, held=held, key=("bank", 2))]
+        pieces = [
+            Piece(arena.fd, 0, PAGE, held=held, key=("bank", 0)),
+            Piece(arena.fd, 2 * PAGE, PAGE, held=held, key=("bank", 2)),
+        ]
         t = map_tensor(pieces, F32, (2 * PER_PAGE,))
         tail = t[-5:]  # a slice held on its own shares the span
         before = t.clone()

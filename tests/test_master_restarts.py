@@ -9,6 +9,7 @@ Also: a load_state_dict() that fails leaves the committed state as it was (nothi
 loaded), and the re-adoption of a param given new memory with the values it had keeps its
 master.
 """
+
 import pytest
 import torch
 from torch import nn
@@ -18,8 +19,12 @@ from hybrid_opt.state.storage import ParamGuard
 
 BF16, FP32 = torch.bfloat16, torch.float32
 HYPER = dict(lr=1e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.05)
-PLACED = {"device": dict(offload_fraction=0.0), "host": dict(offload_fraction=1.0),
-          "mixed": dict(offload_fraction=0.5), "nvme": dict(offload_fraction=1.0, nvme_fraction=0.5)}
+PLACED = {
+    "device": dict(offload_fraction=0.0),
+    "host": dict(offload_fraction=1.0),
+    "mixed": dict(offload_fraction=0.5),
+    "nvme": dict(offload_fraction=1.0, nvme_fraction=0.5),
+}
 # a bf16 model with one fp32 param (a norm), in one param group
 SHAPES = ((40, 9), (23,), (6, 7))
 DTYPES = (BF16, FP32, BF16)
@@ -46,6 +51,7 @@ def restarts(monkeypatch):
     def spied(self, sg, slices, only_changed):
         calls.append((sg.index, [sl.param_index for sl in slices]))
         return real(self, sg, slices, only_changed)
+
     monkeypatch.setattr(ParamGuard, "restart_masters", spied)
     return calls
 
@@ -58,7 +64,9 @@ def _masters(opt):
     return {i: fp32_master(st, params[i]) for i, st in opt.state_dict()["state"].items()}
 
 
-@pytest.mark.parametrize("cls,amsgrad", [(HybridAdamW, False), (HybridAdam, True)], ids=["adamw", "adam-amsgrad"])
+@pytest.mark.parametrize(
+    "cls,amsgrad", [(HybridAdamW, False), (HybridAdam, True)], ids=["adamw", "adam-amsgrad"]
+)
 @pytest.mark.parametrize("placement", list(PLACED))
 def test_training_without_user_writes_never_restarts_a_master(placement, cls, amsgrad, restarts, tmp_path):
     kw = dict(PLACED[placement])
@@ -68,8 +76,17 @@ def test_training_without_user_writes_never_restarts_a_master(placement, cls, am
     for name, rem in (("remainders", True), ("fp32 master", False)):
         params = _params()
         hyper = dict(HYPER, weight_decay=0.01) if cls is HybridAdam else HYPER
-        opt = cls(params, amsgrad=amsgrad, subgroup_numel=128, max_grad_norm=5.0,
-                  exp_avg_dtype=BF16, exp_avg_sq_dtype=BF16, store_param_remainders=rem, **hyper, **kw)
+        opt = cls(
+            params,
+            amsgrad=amsgrad,
+            subgroup_numel=128,
+            max_grad_norm=5.0,
+            exp_avg_dtype=BF16,
+            exp_avg_sq_dtype=BF16,
+            store_param_remainders=rem,
+            **hyper,
+            **kw,
+        )
         runs[name] = (params, opt)
     try:
         for k in range(8):
@@ -133,8 +150,16 @@ def test_new_memory_with_the_values_it_had_keeps_the_masters(placement, remainde
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(8, 24), nn.Tanh(), nn.Linear(24, 3)).to(BF16)
         models.append(model)
-        opts.append(HybridAdamW(model.parameters(), subgroup_numel=64, exp_avg_dtype=BF16,
-                                store_param_remainders=remainders, **HYPER, **kw))
+        opts.append(
+            HybridAdamW(
+                model.parameters(),
+                subgroup_numel=64,
+                exp_avg_dtype=BF16,
+                store_param_remainders=remainders,
+                **HYPER,
+                **kw,
+            )
+        )
     try:
         for k in range(6):
             for model, opt in zip(models, opts):
@@ -174,23 +199,32 @@ def test_a_load_that_fails_leaves_the_committed_state_as_it_was(placement, tmp_p
     if "nvme_fraction" in kw:
         kw["nvme_path"] = str(tmp_path)
     params = _params()
-    opt = HybridAdamW(params, subgroup_numel=128, exp_avg_dtype=BF16, store_param_remainders=True,
-                      **HYPER, **kw)
+    opt = HybridAdamW(
+        params, subgroup_numel=128, exp_avg_dtype=BF16, store_param_remainders=True, **HYPER, **kw
+    )
     with opt:
         for k in range(3):
             opt.zero_grad()
             _backward(params, k)
             opt.step()
         before = opt.state_dict()
-        before = {"state": {i: {k: v.clone() for k, v in st.items()} for i, st in before["state"].items()},
-                  "lr": before["param_groups"][0]["lr"]}
+        before = {
+            "state": {i: {k: v.clone() for k, v in st.items()} for i, st in before["state"].items()},
+            "lr": before["param_groups"][0]["lr"],
+        }
         bad = opt.state_dict()
-        bad = {"param_groups": [dict(g, lr=0.5) for g in bad["param_groups"]],
-               "state": {i: {k: (v * 0 + 1 if k != "step" else v * 0 + 9) for k, v in st.items()}
-                         for i, st in bad["state"].items()}}
+        bad = {
+            "param_groups": [dict(g, lr=0.5) for g in bad["param_groups"]],
+            "state": {
+                i: {k: (v * 0 + 1 if k != "step" else v * 0 + 9) for k, v in st.items()}
+                for i, st in bad["state"].items()
+            },
+        }
         bad["state"][2]["exp_avg"] = torch.zeros(5)
         values = [p.detach().clone() for p in params]
-        out_of_step = RuntimeError("a peer's step failed")  # rank_faults.py: only a load that completes clears it
+        out_of_step = RuntimeError(
+            "a peer's step failed"
+        )  # rank_faults.py: only a load that completes clears it
         opt.parts.ledger.rank_failure = out_of_step
         with pytest.raises(ValueError, match=r"parameter 2.*exp_avg.*5 elements.*42"):
             opt.load_state_dict(bad)
@@ -213,6 +247,7 @@ def test_a_load_that_fails_leaves_the_committed_state_as_it_was(placement, tmp_p
 def one_rank(tmp_path):
     """torch.distributed with one gloo rank in this process (FSDP2 on a "cpu" mesh)."""
     import torch.distributed as dist
+
     if dist.is_initialized():
         pytest.skip("a process group is already initialized in this process")
     dist.init_process_group("gloo", init_method=f"file://{tmp_path}/rdzv", rank=0, world_size=1)
@@ -225,6 +260,7 @@ def one_rank(tmp_path):
 def _fsdp2_model():
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
+
     mesh = init_device_mesh("cpu", (1,))
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(12, 13), nn.Tanh(), nn.Linear(13, 6)).to(BF16)
@@ -251,14 +287,26 @@ def test_fsdp2_shard_given_new_memory_keeps_remainders_consistent(placement, one
     if torch.__version__ < "2.6":
         pytest.skip("FSDP2 needs torch >= 2.6")
     from cpu_kernels.reference import encode_remainder_reference
+
     kw = dict(PLACED[placement])
     if "nvme_fraction" in kw:
         kw["nvme_path"] = str(tmp_path)
     runs = []
     for _ in range(2):
         model = _fsdp2_model()
-        runs.append((model, HybridAdamW(model.parameters(), lr=1e-2, subgroup_numel=32,
-                                         store_param_remainders=True, exp_avg_dtype=BF16, **kw)))
+        runs.append(
+            (
+                model,
+                HybridAdamW(
+                    model.parameters(),
+                    lr=1e-2,
+                    subgroup_numel=32,
+                    store_param_remainders=True,
+                    exp_avg_dtype=BF16,
+                    **kw,
+                ),
+            )
+        )
     try:
         for k in range(7):
             for model, opt in runs:
@@ -278,7 +326,9 @@ def test_fsdp2_shard_given_new_memory_keeps_remainders_consistent(placement, one
             assert torch.equal(pa.to_local(), pb.to_local()), i
             master = fp32_master(sb[i], pb).reshape(-1)  # the local shard's
             high, low = encode_remainder_reference(master.contiguous())
-            assert torch.equal(high, pb.to_local().detach().reshape(-1)), f"param {i} is not its master's high half"
+            assert torch.equal(high, pb.to_local().detach().reshape(-1)), (
+                f"param {i} is not its master's high half"
+            )
             assert torch.equal(low, rb.to_local().reshape(-1)), i
             assert torch.equal(fp32_master(sa[i], pa), fp32_master(sb[i], pb)), i
     finally:

@@ -1,13 +1,14 @@
 """Memory the optimizer takes while it builds and moves its tiers: params that keep their own
 memory in packed subgroups, the device budget (torch's caching allocator, the activations of "auto"), calibration sized by
 the budget, and moves that check room first and lose nothing when they fail."""
+
 import pytest
 import torch
+from test_optimizer import assert_state_close, make_batches, make_net, train
 from torch import nn
 
 from hybrid_opt import HybridAdamW
 from hybrid_opt.state import layout as L
-from test_optimizer import assert_state_close, make_batches, make_net, train
 
 
 # ============================================================================= the layout
@@ -15,11 +16,16 @@ def _storages(params) -> list:
     return [p.untyped_storage().data_ptr() for p in params]
 
 
-@pytest.mark.parametrize("kw", [dict(offload_fraction=0.0), dict(offload_fraction=1.0),
-                                dict(offload_fraction=1.0, nvme_fraction=0.5),
-                                dict(offload_fraction=0.5, dtype=torch.bfloat16,
-                                     store_param_remainders=True)],
-                         ids=["device", "host", "nvme", "bf16-remainders"])
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(offload_fraction=0.0),
+        dict(offload_fraction=1.0),
+        dict(offload_fraction=1.0, nvme_fraction=0.5),
+        dict(offload_fraction=0.5, dtype=torch.bfloat16, store_param_remainders=True),
+    ],
+    ids=["device", "host", "nvme", "bf16-remainders"],
+)
 def test_the_optimizer_introduces_no_sharing(tmp_path, kw):
     """Params with storages of their own keep them: construction copies no param into a
     buffer of the optimizer's (a checkpointer's tied-weight detection, accelerate's
@@ -60,7 +66,10 @@ def test_subgroups_pack_each_bucket_with_one_short_subgroup_at_most():
     for s in sgs:
         assert sum(sl.numel for sl in s.slices) == s.numel
         for sl in s.slices:
-            assert sl.view.untyped_storage().data_ptr() == params[sl.param_index - 10].untyped_storage().data_ptr()
+            assert (
+                sl.view.untyped_storage().data_ptr()
+                == params[sl.param_index - 10].untyped_storage().data_ptr()
+            )
             covered.setdefault(sl.param_index, []).append((sl.param_offset, sl.numel))
     for k, p in enumerate(params):
         runs = sorted(covered[10 + k])
@@ -76,12 +85,14 @@ def test_subgroups_of_a_bucket_are_one_size():
     assert [s.numel for s in sgs] == [256, 256, 256, 232]
 
 
-@pytest.mark.parametrize("numel, count", [(706, 1), (1 << 16, 1), (467_856, 8), (23_000_000, 8),
-                                          (200_000_000, 48)])
+@pytest.mark.parametrize(
+    "numel, count", [(706, 1), (1 << 16, 1), (467_856, 8), (23_000_000, 8), (200_000_000, 48)]
+)
 def test_automatic_subgroup_numel_keeps_eight_subgroups_where_it_can(numel, count):
     """subgroup_numel=None: 8 subgroups on this rank (speculation overlaps backward subgroup by
     subgroup), none below 64Ki elements, none above 4Mi."""
     from hybrid_opt.placement.cost_model import DEFAULT_SUBGROUP_NUMEL
+
     size = L.auto_subgroup_numel(numel, DEFAULT_SUBGROUP_NUMEL)
     assert len(L.layout_group([torch.empty(numel, device="meta")], 0, 0, size, 0)) == count
 
@@ -95,15 +106,15 @@ def test_the_default_subgroup_numel_is_resolved_for_this_rank():
 def test_subgroup_reads_and_writes_its_slices_in_place():
     a, b = torch.arange(5.0), torch.arange(10.0, 13.0)
     (sg,) = L.layout_group([a, b], 0, 0, subgroup_numel=64, first_subgroup=0)
-    assert torch.equal(sg.read(), torch.tensor([0., 1, 2, 3, 4, 10, 11, 12]))
+    assert torch.equal(sg.read(), torch.tensor([0.0, 1, 2, 3, 4, 10, 11, 12]))
     assert sg.read(1, 3).data_ptr() == a[1:].data_ptr()  # one slice: a view
     sg.write(torch.full((4,), -1.0), 3, 7)
-    assert torch.equal(a, torch.tensor([0., 1, 2, -1, -1])) and torch.equal(b, torch.tensor([-1., -1, 12]))
+    assert torch.equal(a, torch.tensor([0.0, 1, 2, -1, -1])) and torch.equal(b, torch.tensor([-1.0, -1, 12]))
     dst = torch.empty(8, dtype=torch.bfloat16)
     sg.read_into(dst)
     assert torch.equal(dst.float(), sg.read())
     sg.write(torch.zeros(8), slices=sg.slices[1:])  # only b's slice
-    assert torch.equal(a, torch.tensor([0., 1, 2, -1, -1])) and torch.equal(b, torch.zeros(3))
+    assert torch.equal(a, torch.tensor([0.0, 1, 2, -1, -1])) and torch.equal(b, torch.zeros(3))
 
 
 def test_a_non_contiguous_param_gets_contiguous_memory_of_its_own():
@@ -131,8 +142,14 @@ def test_any_subgroup_size_trains_bitwise_the_same():
     results = []
     for numel in (64, 200, 333):
         model = make_net()
-        with HybridAdamW(model.parameters(), lr=1e-2, weight_decay=0.1, offload_fraction=0.5,
-                         max_grad_norm=0.5, subgroup_numel=numel) as opt:
+        with HybridAdamW(
+            model.parameters(),
+            lr=1e-2,
+            weight_decay=0.1,
+            offload_fraction=0.5,
+            max_grad_norm=0.5,
+            subgroup_numel=numel,
+        ) as opt:
             train(model, opt, batches)
             results.append(([p.detach().clone() for p in model.parameters()], opt.state_dict()))
     for params, sd in results[1:]:
@@ -149,10 +166,12 @@ def _pair(dtype=torch.float32, offload=0.5, **kw):
     """(model, optimizer) to move, and a reference that never moves: every tier steps with the
     same CPU kernel, so the two stay bitwise equal whatever the moves."""
     ref_model, model = make_net(dtype), make_net(dtype)
-    ref = HybridAdamW(ref_model.parameters(), lr=1e-2, weight_decay=0.1, offload_fraction=offload,
-                      subgroup_numel=SUBGROUP)
-    opt = HybridAdamW(model.parameters(), lr=1e-2, weight_decay=0.1, offload_fraction=offload,
-                      subgroup_numel=SUBGROUP, **kw)
+    ref = HybridAdamW(
+        ref_model.parameters(), lr=1e-2, weight_decay=0.1, offload_fraction=offload, subgroup_numel=SUBGROUP
+    )
+    opt = HybridAdamW(
+        model.parameters(), lr=1e-2, weight_decay=0.1, offload_fraction=offload, subgroup_numel=SUBGROUP, **kw
+    )
     return ref_model, ref, model, opt
 
 
@@ -173,11 +192,13 @@ def _fail_host_tier(monkeypatch):
 
     def boom(*a, **k):
         raise RuntimeError("injected: the worker process did not start")
+
     monkeypatch.setattr(placement, "HostTier", boom)
 
 
 def _fail_host_load(monkeypatch):
     from hybrid_opt.tiers.host import HostTier
+
     real, calls = HostTier.load_state, []
 
     def flaky(self, *a, **k):
@@ -185,6 +206,7 @@ def _fail_host_load(monkeypatch):
         if len(calls) == 2:  # mid-way through filling the new tier
             raise OSError("injected: the swap file could not be written")
         return real(self, *a, **k)
+
     monkeypatch.setattr(HostTier, "load_state", flaky)
 
 
@@ -197,12 +219,14 @@ def _fail_device_tier(monkeypatch):
         if sgs:
             raise torch.OutOfMemoryError("injected: CUDA out of memory allocating the device tier")
         return real(sgs, *a, **k)
+
     monkeypatch.setattr(moves, "DeviceTier", oom)
 
 
 def _fail_after_device_alloc(monkeypatch):
     """The device tier allocated, then the copy into it fails: what it allocated must go."""
     from hybrid_opt.placement import moves
+
     real = moves.DeviceTier
 
     def late(sgs, *a, **k):
@@ -210,18 +234,23 @@ def _fail_after_device_alloc(monkeypatch):
         if sgs:
             raise RuntimeError("injected: device-side copy failed")
         return tier
+
     monkeypatch.setattr(moves, "DeviceTier", late)
 
 
 def _no_host_room(monkeypatch):
     from hybrid_opt.placement import scheduler
+
     monkeypatch.setattr(scheduler, "_free_host_bytes", lambda: 0.0)
 
 
-FAILURES = {"host_tier": (_fail_host_tier, RuntimeError), "host_load": (_fail_host_load, OSError),
-            "device_tier": (_fail_device_tier, torch.OutOfMemoryError),
-            "device_alloc_then_copy": (_fail_after_device_alloc, RuntimeError),
-            "no_host_room": (_no_host_room, MemoryError)}
+FAILURES = {
+    "host_tier": (_fail_host_tier, RuntimeError),
+    "host_load": (_fail_host_load, OSError),
+    "device_tier": (_fail_device_tier, torch.OutOfMemoryError),
+    "device_alloc_then_copy": (_fail_after_device_alloc, RuntimeError),
+    "no_host_room": (_no_host_room, MemoryError),
+}
 
 
 @pytest.mark.parametrize("target", [0.25, 1.0], ids=["more_on_device", "all_on_host"])
@@ -263,7 +292,9 @@ def _swapped(plan):
     """The plan with its device and host subgroups swapped: a move where some subgroups leave
     the device while others arrive (add_param_group's can)."""
     import dataclasses
+
     from hybrid_opt.placement.plan import DEVICE, HOST
+
     tiers = [HOST if t == DEVICE else DEVICE for t in plan.tiers]
     order = [i for i, t in enumerate(tiers) if t != DEVICE]
     return dataclasses.replace(plan, tiers=tiers, numels=list(plan.numels), speculation_order=order)
@@ -272,19 +303,25 @@ def _swapped(plan):
 def _fake_cuda(monkeypatch, opt, free):
     """The CUDA paths of a move on CPU tensors, with `free` bytes available on the "device"."""
     from hybrid_opt.placement import scheduler
+
     monkeypatch.setattr(opt.parts.layout, "cuda", lambda: True)
-    monkeypatch.setattr(scheduler, "cuda_memory", lambda device: {
-        "free": float(free), "total": 1e12, "reserved": 0.0, "allocated": 0.0, "peak": 0.0})
+    monkeypatch.setattr(
+        scheduler,
+        "cuda_memory",
+        lambda device: {"free": float(free), "total": 1e12, "reserved": 0.0, "allocated": 0.0, "peak": 0.0},
+    )
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("fail", [False, True], ids=["succeeds", "arrivals_fail"])
 def test_a_move_that_needs_the_leaving_memory_frees_it_first_and_puts_it_back_on_failure(
-        monkeypatch, dtype, fail):
+    monkeypatch, dtype, fail
+):
     """Subgroups leave the device while others arrive, and the arriving fit only in what the
     leaving free: the leaving are let go first. If the arriving then fail to allocate, the
     leaving come back from their host copies: every state tensor as before, training bitwise."""
     from hybrid_opt.placement import moves
+
     batches = make_batches(8)
     ref_model, ref, model, opt = _pair(dtype, offload=0.5)
     with ref, opt:
@@ -300,10 +337,15 @@ def test_a_move_that_needs_the_leaving_memory_frees_it_first_and_puts_it_back_on
 
         def device_tier(sgs, amsgrad, *state_format):
             if not released:  # the arrivals: the leaving were let go just before
-                released.extend(i for i in opt.parts.placement.device.subgroups if i not in opt.parts.placement.device.state)
+                released.extend(
+                    i
+                    for i in opt.parts.placement.device.subgroups
+                    if i not in opt.parts.placement.device.state
+                )
                 if fail:
                     raise torch.OutOfMemoryError("injected: CUDA out of memory")
             return real(sgs, amsgrad, *state_format)
+
         monkeypatch.setattr(moves, "DeviceTier", device_tier)
         assert opt.parts.placement.room_shortfall(plan) is None
         if fail:
@@ -332,7 +374,9 @@ def test_a_move_the_device_cannot_hold_is_refused_before_anything_changes(monkey
         snap, worker = _snapshot(opt), opt.worker_pid
         plan = opt.parts.placement.plan_for(_fixed(0.0))
         need = opt.parts.placement.move_memory(plan)["arriving"]
-        assert need == sum(p.numel() for p in model.parameters()) * 8  # fp32: m and v; the param is the master
+        assert (
+            need == sum(p.numel() for p in model.parameters()) * 8
+        )  # fp32: m and v; the param is the master
         _fake_cuda(monkeypatch, opt, free=need - 1)
         with pytest.raises(MemoryError, match="need .* GB of device memory"):
             opt.replan(0.0)
@@ -344,6 +388,7 @@ def test_a_move_the_device_cannot_hold_is_refused_before_anything_changes(monkey
 
 def _fixed(off, nv=0.0):
     from hybrid_opt.placement import Fixed
+
     return Fixed(off, nv)
 
 
@@ -352,6 +397,7 @@ def test_room_to_move_counts_the_state_copied_out_and_the_new_host_tier(monkeypa
     the new host tier beside the old — its arena exactly, as the OS reports it once made; on a
     CPU-only host also the device tier's arrivals."""
     from hybrid_opt.placement import scheduler
+
     ref_model, ref, model, opt = _pair(offload=0.0)
     with ref, opt:
         n = sum(p.numel() for p in model.parameters())
@@ -378,6 +424,7 @@ GiB = 1 << 30
 
 def test_available_device_memory_counts_torchs_cached_blocks():
     from hybrid_opt.placement.scheduler import available_device_bytes
+
     # the driver has 10 GiB free; torch reserved 8 GiB of which tensors use 5: 13 GiB can be had
     assert available_device_bytes(10 * GiB, 8 * GiB, 5 * GiB) == 13 * GiB
     assert available_device_bytes(10 * GiB, 5 * GiB, 5 * GiB) == 10 * GiB
@@ -386,13 +433,24 @@ def test_available_device_memory_counts_torchs_cached_blocks():
 
 def test_default_device_budget_on_cuda_includes_the_cached_blocks(monkeypatch):
     from hybrid_opt.placement import scheduler
+
     params = [torch.zeros(1 << 20)]  # 4 MiB of params, no grads
-    monkeypatch.setattr(scheduler, "cuda_memory", lambda device: {
-        "free": 10.0 * GiB, "total": 80.0 * GiB, "reserved": 8.0 * GiB, "allocated": 5.0 * GiB,
-        "peak": 6.0 * GiB})
+    monkeypatch.setattr(
+        scheduler,
+        "cuda_memory",
+        lambda device: {
+            "free": 10.0 * GiB,
+            "total": 80.0 * GiB,
+            "reserved": 8.0 * GiB,
+            "allocated": 5.0 * GiB,
+            "peak": 6.0 * GiB,
+        },
+    )
     device, _ = scheduler.default_budgets(params, torch.device("cuda"), None, 1 << 30)
     assert device == pytest.approx((13 * GiB + 4 * (1 << 20)) * (1 - scheduler.HEADROOM))
-    assert scheduler.default_budgets(params, torch.device("cuda"), 123, 1 << 30)[0] == 123  # explicit: as given
+    assert (
+        scheduler.default_budgets(params, torch.device("cuda"), 123, 1 << 30)[0] == 123
+    )  # explicit: as given
 
 
 def test_measured_device_budget_leaves_the_iterations_peak_free():
@@ -401,26 +459,48 @@ def test_measured_device_budget_leaves_the_iterations_peak_free():
     grads (4 GiB) are inside it. At the peak 20 + 30 - 28 = 22 GiB were still free; 10 % of
     what the placement could use (20 + 6 + 4 = 30 GiB) is kept: state may take 19 GiB."""
     from hybrid_opt.placement.scheduler import measured_device_budget
-    budget = measured_device_budget(free=20 * GiB, reserved=30 * GiB, allocated=24 * GiB,
-                                    peak=28 * GiB, counted=4 * GiB, floor=4 * GiB)
+
+    budget = measured_device_budget(
+        free=20 * GiB, reserved=30 * GiB, allocated=24 * GiB, peak=28 * GiB, counted=4 * GiB, floor=4 * GiB
+    )
     assert budget == pytest.approx(4 * GiB + 22 * GiB - 3 * GiB)
     # a peak that left no room: the budget is the model copy and grads alone (all state off)
-    assert measured_device_budget(free=0, reserved=30 * GiB, allocated=24 * GiB, peak=30 * GiB,
-                                  counted=4 * GiB, floor=4 * GiB) == 4 * GiB
+    assert (
+        measured_device_budget(
+            free=0, reserved=30 * GiB, allocated=24 * GiB, peak=30 * GiB, counted=4 * GiB, floor=4 * GiB
+        )
+        == 4 * GiB
+    )
     # state already on the device (counted) is inside the peak and planned again
-    assert measured_device_budget(free=10 * GiB, reserved=30 * GiB, allocated=30 * GiB, peak=30 * GiB,
-                                  counted=16 * GiB, floor=4 * GiB) == pytest.approx(16 * GiB + 10 * GiB - 2.6 * GiB)
+    assert measured_device_budget(
+        free=10 * GiB, reserved=30 * GiB, allocated=30 * GiB, peak=30 * GiB, counted=16 * GiB, floor=4 * GiB
+    ) == pytest.approx(16 * GiB + 10 * GiB - 2.6 * GiB)
 
 
-FAST_DEVICE = dict(host_adam_gelems_per_s=0.5, device_adam_gbps=4000.0, h2d_gbps=50.0, d2h_gbps=50.0,
-                   trainer_slowdown_with_worker=1.0, backward_slowdown_with_host_adam=1.0)
+FAST_DEVICE = dict(
+    host_adam_gelems_per_s=0.5,
+    device_adam_gbps=4000.0,
+    h2d_gbps=50.0,
+    d2h_gbps=50.0,
+    trainer_slowdown_with_worker=1.0,
+    backward_slowdown_with_host_adam=1.0,
+)
 
 
 def _cuda_planner(**kw):
     from hybrid_opt.placement.scheduler import AutoPlanner
-    base = dict(numels=[1 << 20] * 8, ready_ranks=list(range(7, -1, -1)), device=torch.device("cuda"),
-                model_bytes=2, state_bytes=12, subgroup_numel=1 << 20, device_budget=64.0 * GiB,
-                host_budget=64.0 * GiB, calibration=dict(FAST_DEVICE))
+
+    base = dict(
+        numels=[1 << 20] * 8,
+        ready_ranks=list(range(7, -1, -1)),
+        device=torch.device("cuda"),
+        model_bytes=2,
+        state_bytes=12,
+        subgroup_numel=1 << 20,
+        device_budget=64.0 * GiB,
+        host_budget=64.0 * GiB,
+        calibration=dict(FAST_DEVICE),
+    )
     base.update(kw)
     return AutoPlanner(**base)
 
@@ -438,13 +518,31 @@ def test_auto_on_cuda_keeps_state_off_the_device_until_the_peak_is_measured():
     # the peak left room for half the state, with 10 % of what the placement could use kept
     # free: 0.9 (free + counted) >= state / 2 + counted
     free = (state / 2 + counted) / 0.9 - counted + 1
-    ap.observe_device_memory({"free": free, "reserved": 40.0 * GiB, "allocated": 40.0 * GiB,
-                              "peak": 40.0 * GiB, "total": 80.0 * GiB}, counted=counted, floor=counted)
+    ap.observe_device_memory(
+        {
+            "free": free,
+            "reserved": 40.0 * GiB,
+            "allocated": 40.0 * GiB,
+            "peak": 40.0 * GiB,
+            "total": 80.0 * GiB,
+        },
+        counted=counted,
+        floor=counted,
+    )
     assert not ap.device_peak_pending
     assert ap.choose().offload_fraction == 0.5
     # no room beside the activations: everything stays on the host
-    ap.observe_device_memory({"free": 0.0, "reserved": 40.0 * GiB, "allocated": 40.0 * GiB,
-                              "peak": 40.0 * GiB, "total": 80.0 * GiB}, counted=counted, floor=counted)
+    ap.observe_device_memory(
+        {
+            "free": 0.0,
+            "reserved": 40.0 * GiB,
+            "allocated": 40.0 * GiB,
+            "peak": 40.0 * GiB,
+            "total": 80.0 * GiB,
+        },
+        counted=counted,
+        floor=counted,
+    )
     assert ap.choose().offload_fraction == 1.0
 
 
@@ -453,33 +551,57 @@ def test_refits_feed_the_measured_device_memory_to_auto(monkeypatch):
     gets the memory now, the cost model's device bytes of the plan that ran and of the model
     copy and grads alone; on a CPU-only host nothing of this runs."""
     from hybrid_opt.placement import scheduler
+
     model = make_net()
-    with HybridAdamW(model.parameters(), offload_fraction="auto", subgroup_numel=SUBGROUP,
-                     refit_every=3, calibration=dict(FAST_DEVICE)) as opt:
+    with HybridAdamW(
+        model.parameters(),
+        offload_fraction="auto",
+        subgroup_numel=SUBGROUP,
+        refit_every=3,
+        calibration=dict(FAST_DEVICE),
+    ) as opt:
         assert not opt.parts.placement.auto.device_from_peak  # CPU: behaviour unchanged
         seen = []
-        monkeypatch.setattr(scheduler, "cuda_memory", lambda device: {
-            "free": 1.0 * GiB, "total": 8.0 * GiB, "reserved": 2.0 * GiB, "allocated": 1.0 * GiB,
-            "peak": 1.5 * GiB})
+        monkeypatch.setattr(
+            scheduler,
+            "cuda_memory",
+            lambda device: {
+                "free": 1.0 * GiB,
+                "total": 8.0 * GiB,
+                "reserved": 2.0 * GiB,
+                "allocated": 1.0 * GiB,
+                "peak": 1.5 * GiB,
+            },
+        )
         real = opt.parts.placement.auto.observe_device_memory
-        monkeypatch.setattr(opt.parts.placement.auto, "observe_device_memory",
-                            lambda mem, counted, floor: seen.append((counted, floor)) or real(mem, counted, floor))
+        monkeypatch.setattr(
+            opt.parts.placement.auto,
+            "observe_device_memory",
+            lambda mem, counted, floor: seen.append((counted, floor)) or real(mem, counted, floor),
+        )
         train(model, opt, make_batches(4))
         assert seen == []
         opt.parts.placement.auto.device_from_peak = opt.parts.placement.auto.device_peak_pending = True
         train(model, opt, make_batches(4))
         assert len(seen) == 1 and not opt.parts.placement.auto.device_peak_pending  # the refit at step 6
         counted, floor = seen[0]
-        assert counted == opt.parts.placement.modelled_bytes(*opt.parts.placement.fractions, opt.plan.spare_banks)["device"]
+        assert (
+            counted
+            == opt.parts.placement.modelled_bytes(*opt.parts.placement.fractions, opt.plan.spare_banks)[
+                "device"
+            ]
+        )
         assert floor == opt.parts.placement.modelled_bytes(1.0, 0.0, opt.plan.spare_banks)["device"]
-        assert opt.parts.placement.auto.device_budget == pytest.approx(scheduler.measured_device_budget(
-            1.0 * GiB, 2.0 * GiB, 1.0 * GiB, 1.5 * GiB, counted, floor))
+        assert opt.parts.placement.auto.device_budget == pytest.approx(
+            scheduler.measured_device_budget(1.0 * GiB, 2.0 * GiB, 1.0 * GiB, 1.5 * GiB, counted, floor)
+        )
 
 
 # ============================================================================= calibration
 def test_calibration_takes_at_most_a_tenth_of_the_device_budget_and_what_it_leaves():
     from hybrid_opt.placement import calibrate
-    assert calibrate.device_bytes_allowed(80 * GiB, 10 * GiB) == 8 * GiB   # 10 % of the budget
+
+    assert calibrate.device_bytes_allowed(80 * GiB, 10 * GiB) == 8 * GiB  # 10 % of the budget
     assert calibrate.device_bytes_allowed(10 * GiB, 9.5 * GiB) == GiB // 2  # what it leaves
     assert calibrate.device_bytes_allowed(10 * GiB, 11 * GiB) == 0
     full = calibrate.cuda_measure_sizes(None)
@@ -491,8 +613,11 @@ def test_calibration_takes_at_most_a_tenth_of_the_device_budget_and_what_it_leav
     assert calibrate.cuda_measure_sizes(0) == (1, 1)
 
 
-def test_cuda_calibration_is_sized_by_the_budget_and_measured_again_when_more_is_allowed(tmp_path, monkeypatch):
+def test_cuda_calibration_is_sized_by_the_budget_and_measured_again_when_more_is_allowed(
+    tmp_path, monkeypatch
+):
     from hybrid_opt.placement import calibrate
+
     monkeypatch.setenv("HYBRID_OPT_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(calibrate, "machine_key", lambda device: "gpu-box")
     asked = []
@@ -501,9 +626,15 @@ def test_cuda_calibration_is_sized_by_the_budget_and_measured_again_when_more_is
         asked.append(device_bytes)
         n = calibrate.cuda_measure_sizes(device_bytes)[0]
         return dict(device_adam_gbps=float(n), device_measure_numel=n, h2d_gbps=1.0, d2h_gbps=1.0)
+
     monkeypatch.setattr(calibrate, "_cuda_rates", cuda_rates)
-    monkeypatch.setattr(calibrate, "measure", lambda device, share, device_bytes=None: dict(
-        host_adam_gelems_per_s=1.0, **cuda_rates(device, device_bytes)))
+    monkeypatch.setattr(
+        calibrate,
+        "measure",
+        lambda device, share, device_bytes=None: dict(
+            host_adam_gelems_per_s=1.0, **cuda_rates(device, device_bytes)
+        ),
+    )
     small = calibrate.rates("cuda", device_bytes=16 << 20)
     assert asked == [16 << 20] and small["device_measure_numel"] == 1 << 20
     assert calibrate.rates("cuda", device_bytes=16 << 20) == small and len(asked) == 1  # cached
@@ -515,11 +646,13 @@ def test_cuda_calibration_is_sized_by_the_budget_and_measured_again_when_more_is
 
 def test_auto_on_cuda_calibrates_within_its_device_budget(monkeypatch):
     from hybrid_opt.placement import calibrate
+
     got = {}
 
     def rates(device, nvme_path=None, worker_share=0.5, *, refresh=False, device_bytes=None):
         got["device_bytes"] = device_bytes
         return dict(FAST_DEVICE)
+
     monkeypatch.setattr(calibrate, "rates", rates)
     _cuda_planner(calibration=None, device_budget=10.0 * GiB)
     assert got["device_bytes"] == GiB  # 10 % of it (the bf16 model copy and grads are 32 MiB)

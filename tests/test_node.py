@@ -1,6 +1,7 @@
 """A node's resources split between its ranks (issue #15 item 6): cores, free host memory,
 nvme bandwidth, and nvme directories per global rank, from LOCAL_RANK / LOCAL_WORLD_SIZE /
 RANK as torchrun sets them (hybrid_opt/distributed/node.py)."""
+
 import json
 import os
 import select
@@ -15,12 +16,10 @@ import psutil
 import pytest
 import torch
 
-from hybrid_opt.distributed import node
-
-from hybrid_opt.placement import scheduler
-
 from hybrid_opt import swap
+from hybrid_opt.distributed import node
 from hybrid_opt.distributed.node import NodeInfo
+from hybrid_opt.placement import scheduler
 from hybrid_opt.worker.client import CoreSplit
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -50,12 +49,15 @@ def test_node_info_reads_torchrun_variables_and_defaults_to_one_rank(monkeypatch
     assert (node.local_rank(), node.local_world_size(), node.global_rank()) == (3, 4, 7)
 
 
-@pytest.mark.parametrize("env,message", [
-    ({"LOCAL_RANK": "2", "LOCAL_WORLD_SIZE": "2"}, r"local rank 2 of 2 ranks per node"),
-    ({"LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "0"}, r"0 <= LOCAL_RANK < LOCAL_WORLD_SIZE"),
-    ({"LOCAL_WORLD_SIZE": "two"}, r"LOCAL_WORLD_SIZE='two' is not an integer"),
-    ({"LOCAL_RANK": "1"}, r"LOCAL_RANK=1 but LOCAL_WORLD_SIZE is not set"),
-])
+@pytest.mark.parametrize(
+    "env,message",
+    [
+        ({"LOCAL_RANK": "2", "LOCAL_WORLD_SIZE": "2"}, r"local rank 2 of 2 ranks per node"),
+        ({"LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "0"}, r"0 <= LOCAL_RANK < LOCAL_WORLD_SIZE"),
+        ({"LOCAL_WORLD_SIZE": "two"}, r"LOCAL_WORLD_SIZE='two' is not an integer"),
+        ({"LOCAL_RANK": "1"}, r"LOCAL_RANK=1 but LOCAL_WORLD_SIZE is not set"),
+    ],
+)
 def test_bad_launcher_variables_are_rejected_naming_them(monkeypatch, env, message):
     for k, v in env.items():
         monkeypatch.setenv(k, v)
@@ -77,7 +79,7 @@ def test_core_slices_are_disjoint_across_local_ranks(cores, ranks):
         assert sorted(c for s in slices for c in s) == sorted(cpus * (ranks // cores))
         return
     slices = [node.core_slice(cpus, NodeInfo(r, ranks)) for r in range(ranks)]
-    assert sorted(c for s in slices for c in s) == cpus   # disjoint and covering
+    assert sorted(c for s in slices for c in s) == cpus  # disjoint and covering
     assert {len(s) for s in slices} == {cores // ranks}
 
 
@@ -141,15 +143,14 @@ def test_default_host_budget_is_the_ranks_share_of_free_memory(monkeypatch):
 
 
 def test_default_spare_banks_count_the_ranks_share(monkeypatch):
-    monkeypatch.setattr(scheduler, "_free_host_bytes", lambda: 100 * scheduler.SPARE_SHARE ** -1)
+    monkeypatch.setattr(scheduler, "_free_host_bytes", lambda: 100 * scheduler.SPARE_SHARE**-1)
     alone = scheduler.default_spare_banks(1000, 1)
     _ranks(monkeypatch, 0, 4)
     assert alone == 100 and scheduler.default_spare_banks(1000, 1) == 25
 
 
 def test_nvme_rates_the_cost_model_plans_with_are_the_ranks_share(monkeypatch):
-    rates = dict(device_adam_gbps=10.0, host_adam_gelems_per_s=1.0, nvme_read_gbps=8.0,
-                 nvme_write_gbps=4.0)
+    rates = dict(device_adam_gbps=10.0, host_adam_gelems_per_s=1.0, nvme_read_gbps=8.0, nvme_write_gbps=4.0)
     alone = scheduler.machine_from_rates(rates, "cpu")
     _ranks(monkeypatch, 1, 2)
     half = scheduler.machine_from_rates(rates, "cpu")
@@ -180,8 +181,8 @@ def test_each_rank_swaps_in_its_own_directory_and_sweeps_only_there(tmp_path, mo
     rank1_dir = tmp_path / "hybrid_opt-rank1"
     rank1_dir.mkdir(mode=0o700)
     rank0_dir.mkdir(mode=0o700)
-    stale0 = _stale_dir(rank0_dir, dead)    # rank 0's leftover: not rank 1's to remove
-    stale1 = _stale_dir(rank1_dir, dead)    # rank 1's own leftover
+    stale0 = _stale_dir(rank0_dir, dead)  # rank 0's leftover: not rank 1's to remove
+    stale1 = _stale_dir(rank1_dir, dead)  # rank 1's own leftover
     stale_top = _stale_dir(tmp_path, dead)  # a non-distributed run's leftover
     _ranks(monkeypatch, 1, 2, rank=1)
     d = swap.SwapDir(str(tmp_path))
@@ -268,8 +269,10 @@ def _read_line(proc, deadline) -> str:
             chunk = os.read(proc.stdout.fileno(), 4096)
             if not chunk:
                 proc.wait(timeout=10)
-                raise RuntimeError(f"rank process {proc.pid} exited with {proc.returncode}; its "
-                                   f"stderr: {proc.stderr.read().decode(errors='replace')[-3000:]}")
+                raise RuntimeError(
+                    f"rank process {proc.pid} exited with {proc.returncode}; its "
+                    f"stderr: {proc.stderr.read().decode(errors='replace')[-3000:]}"
+                )
             buf += chunk
     return buf.decode()
 
@@ -292,9 +295,17 @@ def test_two_ranks_on_one_node_pin_their_workers_to_disjoint_cores(tmp_path):
     try:
         for r in range(2):
             env = dict(os.environ, PYTHONPATH=REPO, LOCAL_RANK=str(r), LOCAL_WORLD_SIZE="2", RANK=str(r))
-            procs.append(subprocess.Popen([sys.executable, str(script)], cwd=tmp_path, env=env,
-                                          stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                          stderr=subprocess.PIPE, start_new_session=True))
+            procs.append(
+                subprocess.Popen(
+                    [sys.executable, str(script)],
+                    cwd=tmp_path,
+                    env=env,
+                    stdin=subprocess.PIPE,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.PIPE,
+                    start_new_session=True,
+                )
+            )
         deadline = time.monotonic() + 90
         reports = [json.loads(_read_line(p, deadline)) for p in procs]
         masks = [_worker_thread_affinities(rep["worker"]) for rep in reports]
@@ -302,8 +313,10 @@ def test_two_ranks_on_one_node_pin_their_workers_to_disjoint_cores(tmp_path):
             assert m, f"worker {rep['worker']} has no threads to read"
             assert all(a == set(rep["worker_cores"]) for a in m.values()), (rep, m)
             # the rank's trainer threads stay inside its own slice too
-            assert all(set(a) <= set(rep["trainer_cores"]) | set(rep["worker_cores"])
-                       for a in rep["trainer_threads"].values()), rep
+            assert all(
+                set(a) <= set(rep["trainer_cores"]) | set(rep["worker_cores"])
+                for a in rep["trainer_threads"].values()
+            ), rep
         union0 = set().union(*masks[0].values())
         union1 = set().union(*masks[1].values())
         assert not union0 & union1, f"workers of ranks 0 and 1 share cores: {union0} / {union1}"
@@ -322,13 +335,14 @@ def test_two_ranks_on_one_node_pin_their_workers_to_disjoint_cores(tmp_path):
 
 def test_a_node_group_and_an_initialised_default_group_take_precedence(tmp_path, monkeypatch):
     import torch.distributed as dist
+
     if not dist.is_available():
         pytest.skip("torch.distributed is not available")
     _ranks(monkeypatch, 1, 2, rank=5)
     dist.init_process_group("gloo", init_method=f"file://{tmp_path}/rdzv", rank=0, world_size=1)
     try:
-        assert node.global_rank() == 0            # the group's rank, not RANK
-        assert node.local_world_size() == 2        # no node group declared: the variables
+        assert node.global_rank() == 0  # the group's rank, not RANK
+        assert node.local_world_size() == 2  # no node group declared: the variables
         node.set_node_group(dist.group.WORLD)
         assert (node.local_rank(), node.local_world_size()) == (0, 1)
     finally:
@@ -338,11 +352,14 @@ def test_a_node_group_and_an_initialised_default_group_take_precedence(tmp_path,
 
 
 @pytest.mark.parametrize("case", ["no_local_world_size", "no_local_env"])
-def test_the_ranks_on_a_node_are_derived_from_torch_distributed_when_the_launcher_does_not_say(tmp_path, case):
+def test_the_ranks_on_a_node_are_derived_from_torch_distributed_when_the_launcher_does_not_say(
+    tmp_path, case
+):
     """Lightning's DDP launcher sets LOCAL_RANK but no LOCAL_WORLD_SIZE (rank 1 used to raise,
     rank 0 to take the whole node); mp.spawn sets neither. Derived from torch.distributed: 2
     ranks on this node, each worker on cores of its own rank's share."""
     from dist_launch import DIST_MARKS, launch
+
     for mark in DIST_MARKS:
         if mark.args[0]:
             pytest.skip(mark.kwargs["reason"])

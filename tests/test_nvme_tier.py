@@ -8,11 +8,12 @@ and worker restarts. Faults are real: a byte flipped in a swap file, a file-size
 (RLIMIT_FSIZE, in a child process: EFBIG, never a signal — Python ignores SIGXFSZ), bad
 nvme_paths, a trainer killed with SIGKILL. Swap files go to a real disk (O_DIRECT), never tmpfs.
 """
+
 import copy
 import errno
+import fcntl
 import io
 import json
-import fcntl
 import os
 import resource
 import shutil
@@ -27,18 +28,16 @@ from contextlib import ExitStack
 import psutil
 import pytest
 import torch
+from helpers import assert_bitwise_equal, fs_type, inputs, load, make_grads, make_states, ref_step, wait_gone
+from tolerances import assert_close
 from torch import nn
 
 from hybrid_opt import HybridAdamW
 from hybrid_opt.placement.plan import NVME
 from hybrid_opt.swap import PREFIX
-
-from helpers import (assert_bitwise_equal, fs_type, inputs, load, make_grads, make_states,
-                     ref_step, wait_gone)
 from hybrid_opt.tiers.host import HostTier, StepInputs
 from hybrid_opt.tiers.host_io import TornState
 from hybrid_opt.worker.client import WorkerError
-from tolerances import assert_close
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SLOT = 4096
@@ -155,13 +154,23 @@ def _trajectory_plan():
     runs4 = ((0, SLOT, 4), (8000, 2017, 2))
     runs5 = ((100, 9917, 5),)
     return [
-        (all_sg, each(inputs(1)), all_sg, each(inputs(1)), False),                     # committed
-        (all_sg, each(inputs(2)), all_sg, each(inputs(2)), True),                      # skipped
-        (all_sg, each(inputs(2)), all_sg, each(inputs(2, grad_scale=0.5)), False),     # clipped: redone
-        ([0, 2, 4], each(inputs(3), inputs(3, runs=runs3)),                            # mixed: 0 dropped,
-         [1, 2, 3, 4], each(inputs(3), inputs(3, runs=runs3)), False),                # 1, 3 stepped
-        ([1, 3, 4], each(inputs(4, grad_version=(5,)), inputs(4, grad_version=(5,), runs=runs4)),
-         all_sg, each(inputs(4, grad_version=(6,)), inputs(4, grad_version=(6,), runs=runs4)), False),
+        (all_sg, each(inputs(1)), all_sg, each(inputs(1)), False),  # committed
+        (all_sg, each(inputs(2)), all_sg, each(inputs(2)), True),  # skipped
+        (all_sg, each(inputs(2)), all_sg, each(inputs(2, grad_scale=0.5)), False),  # clipped: redone
+        (
+            [0, 2, 4],
+            each(inputs(3), inputs(3, runs=runs3)),  # mixed: 0 dropped,
+            [1, 2, 3, 4],
+            each(inputs(3), inputs(3, runs=runs3)),
+            False,
+        ),  # 1, 3 stepped
+        (
+            [1, 3, 4],
+            each(inputs(4, grad_version=(5,)), inputs(4, grad_version=(5,), runs=runs4)),
+            all_sg,
+            each(inputs(4, grad_version=(6,)), inputs(4, grad_version=(6,), runs=runs4)),
+            False,
+        ),
         ([], {}, all_sg, each(inputs(5, lr=3e-3), inputs(5, lr=3e-3, runs=runs5)), False),  # plain
     ]
 
@@ -170,8 +179,10 @@ TRAJECTORY_CONFIGS = [
     pytest.param(dict(), id="fp32"),
     pytest.param(dict(amsgrad=True), id="amsgrad"),
     pytest.param(dict(copy_dtype=torch.bfloat16), id="bf16_copy"),
-    pytest.param(dict(amsgrad=True, copy_dtype=torch.float16, moment_dtype=torch.bfloat16,
-                      grad_dtype=torch.bfloat16), id="amsgrad_fp16_copy_bf16_moments_grads"),
+    pytest.param(
+        dict(amsgrad=True, copy_dtype=torch.float16, moment_dtype=torch.bfloat16, grad_dtype=torch.bfloat16),
+        id="amsgrad_fp16_copy_bf16_moments_grads",
+    ),
 ]
 
 
@@ -186,8 +197,9 @@ def test_nvme_trajectory_is_bitwise_the_host_tiers_and_the_direct_steps(nvme_dir
         host = new_tier(NUMELS, None, None, **config)
         stack.callback(host.close)
         assert nv.nvme == NVME_FLAGS and nv.swap is not None and host.swap is None
-        states = make_states(NUMELS, amsgrad=amsgrad,
-                             moment_dtype=config.get("moment_dtype", torch.float32), seed=1)
+        states = make_states(
+            NUMELS, amsgrad=amsgrad, moment_dtype=config.get("moment_dtype", torch.float32), seed=1
+        )
         load(nv, states)
         load(host, states)
         assert_tier_equals(nv, states, "loaded")
@@ -206,6 +218,7 @@ def test_nvme_trajectory_is_bitwise_the_host_tiers_and_the_direct_steps(nvme_dir
                 def on_commit(sg, views):
                     assert sg not in commits[name], f"subgroup {sg} committed twice"
                     commits[name][sg] = {key: v.clone() for key, v in views.items()}
+
                 return on_commit
 
             steps = {sg: (grads[sg], final[sg]) for sg in step_sgs}
@@ -225,12 +238,18 @@ def test_nvme_trajectory_is_bitwise_the_host_tiers_and_the_direct_steps(nvme_dir
                 if copy_dtype is not None:
                     # elements outside every run were not stepped: their copy slot is not written
                     for off, n, _ in final[sg].ranges(NUMELS[sg]):
-                        got = views["param_copy"][off:off + n]
-                        assert_bitwise_equal(got, views["param"][off:off + n].to(copy_dtype),
-                                             f"{what} param_copy vs master cast")
-                        assert_bitwise_equal(got, copies[sg][off:off + n], f"{what} param_copy vs kernel")
-                        assert_bitwise_equal(got, commits["host"][sg]["param_copy"][off:off + n],
-                                             f"{what} param_copy vs host")
+                        got = views["param_copy"][off : off + n]
+                        assert_bitwise_equal(
+                            got,
+                            views["param"][off : off + n].to(copy_dtype),
+                            f"{what} param_copy vs master cast",
+                        )
+                        assert_bitwise_equal(got, copies[sg][off : off + n], f"{what} param_copy vs kernel")
+                        assert_bitwise_equal(
+                            got,
+                            commits["host"][sg]["param_copy"][off : off + n],
+                            f"{what} param_copy vs host",
+                        )
             for sg in range(len(NUMELS)):
                 got = read_state(nv, sg)
                 assert_state_equal(got, read_state(host, sg), f"iteration {k} subgroup {sg} nvme vs host")
@@ -263,8 +282,9 @@ def test_a_dropped_step_leaves_the_committed_slot_and_state_bitwise_unchanged(nv
             assert tier.speculated() == []
             assert tier.file_slots == slots, f"{how}: the slot map flipped for a dropped step"
             for sg in range(len(numels)):
-                assert slot_bytes(tier, sg, slots[sg]) == committed[sg], \
+                assert slot_bytes(tier, sg, slots[sg]) == committed[sg], (
                     f"{how}: subgroup {sg}'s committed slot was written"
+                )
                 # the dropped step did write the other slot: the rollback is the slot map alone
                 assert slot_bytes(tier, sg, 1 - slots[sg]) != other[sg]
             assert_tier_equals(tier, states, f"after the step dropped by {how}")
@@ -276,11 +296,19 @@ def test_a_dropped_step_leaves_the_committed_slot_and_state_bitwise_unchanged(nv
         assert_tier_equals(tier, states, "the step after the dropped ones")
 
 
-@pytest.mark.parametrize("change", [
-    dict(lr=5e-4), dict(grad_scale=0.5), dict(grad_version=(1, 2)), dict(step=8),
-    dict(weight_decay=0.0), dict(decoupled=False),
-    dict(runs=((0, 3000, 8), (5000, 5017, 2))),
-], ids=lambda c: next(iter(c)))
+@pytest.mark.parametrize(
+    "change",
+    [
+        dict(lr=5e-4),
+        dict(grad_scale=0.5),
+        dict(grad_version=(1, 2)),
+        dict(step=8),
+        dict(weight_decay=0.0),
+        dict(decoupled=False),
+        dict(runs=((0, 3000, 8), (5000, 5017, 2))),
+    ],
+    ids=lambda c: next(iter(c)),
+)
 def test_redo_with_changed_inputs_is_bitwise_a_direct_step(nvme_dir, change):
     numels, nvme = [SLOT + 1, 10_000 + 17], [True, True]
     with ExitStack() as stack:
@@ -305,8 +333,9 @@ def test_redo_with_changed_inputs_is_bitwise_a_direct_step(nvme_dir, change):
 
 # ------------------------------------------------------------------ 3. checksums
 @pytest.mark.parametrize("where,speculated", [("first_byte", False), ("last_byte", True)])
-def test_a_flipped_byte_in_a_committed_slot_fails_its_checksum_and_names_the_file(nvme_dir, where,
-                                                                                 speculated):
+def test_a_flipped_byte_in_a_committed_slot_fails_its_checksum_and_names_the_file(
+    nvme_dir, where, speculated
+):
     numels, nvme = [3000, 9000, 500], [True, True, False]
     bad = 1
     with ExitStack() as stack:
@@ -353,8 +382,9 @@ def test_a_flipped_byte_in_a_committed_slot_fails_its_checksum_and_names_the_fil
         for sg in range(len(numels)):
             if sg != bad:
                 got = read_state(tier, sg)
-                assert states_equal(got, after1[sg]) or states_equal(got, after2[sg]), \
+                assert states_equal(got, after1[sg]) or states_equal(got, after2[sg]), (
                     f"subgroup {sg} is neither its step-1 nor its step-2 state"
+                )
         # restored from a checkpoint, the subgroup steps on bitwise
         tier.load_state(bad, after1[bad]["p"], after1[bad]["m"], after1[bad]["v"])
         assert_state_equal(read_state(tier, bad), after1[bad], "restored")
@@ -456,8 +486,14 @@ print(json.dumps(out))
 
 
 def test_disk_full_names_the_file_and_bytes_and_keeps_the_committed_state(nvme_dir):
-    proc = subprocess.run([sys.executable, "-c", DISK_FULL_CHILD, nvme_dir], cwd=REPO,
-                          env=child_env(), capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-c", DISK_FULL_CHILD, nvme_dir],
+        cwd=REPO,
+        env=child_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0, f"child failed ({proc.returncode}):\n{proc.stderr[-3000:]}"
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     io_bytes, limit = out["io_bytes"], out["limit"]
@@ -536,8 +572,7 @@ BAD_PATHS = [
 
 @pytest.mark.parametrize("kind,exc,match", BAD_PATHS, ids=[b[0] for b in BAD_PATHS])
 @pytest.mark.parametrize("who", ["HostTier", "HybridAdamW"])
-def test_a_bad_nvme_path_fails_at_construction_before_any_worker_starts(nvme_dir, who, kind, exc,
-                                                                        match):
+def test_a_bad_nvme_path_fails_at_construction_before_any_worker_starts(nvme_dir, who, kind, exc, match):
     if kind == "missing":
         path = os.path.join(nvme_dir, "no", "such")
     elif kind == "a_file":
@@ -546,8 +581,10 @@ def test_a_bad_nvme_path_fails_at_construction_before_any_worker_starts(nvme_dir
     elif kind == "unwritable":
         path = _unwritable_dir(nvme_dir)
         if path is None:
-            pytest.skip("running as root with no read-only directory: permission bits do not "
-                        "stop root's writes, so there is no unwritable nvme_path to try")
+            pytest.skip(
+                "running as root with no read-only directory: permission bits do not "
+                "stop root's writes, so there is no unwritable nvme_path to try"
+            )
     else:
         path = None
     before, listing = child_pids(), sorted(os.listdir(nvme_dir))
@@ -556,8 +593,13 @@ def test_a_bad_nvme_path_fails_at_construction_before_any_worker_starts(nvme_dir
             if who == "HostTier":
                 new_tier([1000, 3000], [True, False], path)
             else:
-                HybridAdamW(nn.Linear(8, 8).parameters(), offload_fraction=1.0, nvme_fraction=0.25,
-                            nvme_path=path, subgroup_numel=16)
+                HybridAdamW(
+                    nn.Linear(8, 8).parameters(),
+                    offload_fraction=1.0,
+                    nvme_fraction=0.25,
+                    nvme_path=path,
+                    subgroup_numel=16,
+                )
     finally:
         os.chmod(nvme_dir, 0o700)
     if path is not None:
@@ -579,8 +621,11 @@ def test_close_leaves_nothing_in_nvme_path_and_is_idempotent(nvme_dir):
     assert wait_gone(pid, 5.0)
 
 
-@pytest.mark.parametrize("bad", [dict(worker_cores=[10_000]), dict(worker_share=0.0)],
-                         ids=["worker_fails_to_start", "bad_worker_share"])
+@pytest.mark.parametrize(
+    "bad",
+    [dict(worker_cores=[10_000]), dict(worker_share=0.0)],
+    ids=["worker_fails_to_start", "bad_worker_share"],
+)
 def test_a_constructor_that_fails_leaves_nothing_in_nvme_path(nvme_dir, bad):
     before = child_pids()
     with pytest.raises((ValueError, RuntimeError)) as info:
@@ -609,9 +654,14 @@ def _dead_pid():
 
 
 def test_a_killed_trainers_directory_is_removed_by_its_worker_or_swept_at_the_next_start(nvme_dir):
-    trainer = subprocess.Popen([sys.executable, "-c", KILLED_TRAINER, nvme_dir], cwd=REPO,
-                               env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                               text=True)
+    trainer = subprocess.Popen(
+        [sys.executable, "-c", KILLED_TRAINER, nvme_dir],
+        cwd=REPO,
+        env=child_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     workers, tiers = [], []
     try:
         line = trainer.stdout.readline().split()
@@ -627,8 +677,9 @@ def test_a_killed_trainers_directory_is_removed_by_its_worker_or_swept_at_the_ne
         assert wait_gone(workers[1], 5.0)
         trainer.kill()  # SIGKILL: no close(), no atexit, no finalizer runs
         trainer.wait(timeout=10)
-        assert wait_until(lambda: not os.path.exists(dir_a), 5.0), \
+        assert wait_until(lambda: not os.path.exists(dir_a), 5.0), (
             "the worker did not remove its dead trainer's swap directory"
+        )
         assert wait_gone(workers[0], 5.0), "the worker outlived its trainer"
         assert os.path.isdir(dir_b) and os.listdir(dir_b), "the stale directory to sweep is gone"
 
@@ -664,15 +715,20 @@ def test_a_killed_trainers_directory_is_removed_by_its_worker_or_swept_at_the_ne
 FAULT_NUMELS, FAULT_NVME = [3000, 9000, 500], [True, True, False]
 
 
-@pytest.mark.parametrize("fault,io_banks", [
-    ("before_step:2", 4), ("after_step:3", 4), ("mid_step:2", 4),
-    ("after_step:9", 1),  # one io bank pair: finish() waits for banks while the worker dies
-])
+@pytest.mark.parametrize(
+    "fault,io_banks",
+    [
+        ("before_step:2", 4),
+        ("after_step:3", 4),
+        ("mid_step:2", 4),
+        ("after_step:9", 1),  # one io bank pair: finish() waits for banks while the worker dies
+    ],
+)
 def test_a_killed_worker_is_replaced_and_the_nvme_trajectory_is_bitwise_unchanged(
-        monkeypatch, nvme_dir, fault, io_banks):
+    monkeypatch, nvme_dir, fault, io_banks
+):
     monkeypatch.setenv(FAULT_ENV, fault)
-    tier = new_tier(FAULT_NUMELS, FAULT_NVME, nvme_dir, amsgrad=True, staging_slots=2,
-                    io_banks=io_banks)
+    tier = new_tier(FAULT_NUMELS, FAULT_NVME, nvme_dir, amsgrad=True, staging_slots=2, io_banks=io_banks)
     try:
         first_pid, swap_dir = tier.worker_pid, tier.swap.path
         states = make_states(FAULT_NUMELS, amsgrad=True, seed=7)
@@ -707,7 +763,7 @@ def test_inverse_mode_nvme_speculations_survive_a_killed_worker_bitwise(nvme_dir
     again, as in exact mode: its speculation commits bitwise. Only the resident subgroup is
     named torn. Before, the nvme tasks were dropped with their speculations left pending: the
     error named 'subgroups []', and every later finish() and state() waited out the timeout."""
-    numels = [3000, 9000, 500][:len(nvme)]
+    numels = [3000, 9000, 500][: len(nvme)]
     tier = new_tier(numels, nvme, nvme_dir, rollback="inverse", timeout_s=5.0, staging_slots=8)
     try:
         states = make_states(numels, seed=23)
@@ -774,8 +830,9 @@ def train(model, opt, batches):
 
 
 def nvme_adamw(params, nvme_dir, nvme_fraction=0.5, **kw):
-    opt = HybridAdamW(params, offload_fraction=1.0, nvme_fraction=nvme_fraction, nvme_path=nvme_dir,
-                      subgroup_numel=64, **kw)
+    opt = HybridAdamW(
+        params, offload_fraction=1.0, nvme_fraction=nvme_fraction, nvme_path=nvme_dir, subgroup_numel=64, **kw
+    )
     tiers = opt.plan.tiers
     assert 0 < tiers.count(NVME) < len(tiers), f"not a mixed host/nvme placement: {opt.plan}"
     return opt
@@ -833,8 +890,14 @@ def test_thousands_of_nvme_files_train_under_the_usual_soft_limit_of_open_files(
     pipes got descriptors above select()'s 1,024 ('filedescriptor out of range'); and a
     configuration naming ~9,000 files no longer fit on the worker's command line (E2BIG:
     it now travels in a file the worker inherits). The soft limit is raised as needed."""
-    out = subprocess.run([sys.executable, "-c", MANY_FILES, nvme_dir, "1500"], cwd=REPO, env=child_env(),
-                         capture_output=True, text=True, timeout=240)
+    out = subprocess.run(
+        [sys.executable, "-c", MANY_FILES, nvme_dir, "1500"],
+        cwd=REPO,
+        env=child_env(),
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     files, soft, err = out.stdout.split()
     assert int(files) == 1500 and int(soft) > 1500, out.stdout
@@ -844,8 +907,14 @@ def test_thousands_of_nvme_files_train_under_the_usual_soft_limit_of_open_files(
 def test_nvme_files_that_fit_under_a_hard_limit_of_1024_still_train(nvme_dir):
     """800 nvme subgroups under soft = hard = 1,024 open files: they fit, so no error (the limit
     reservation first asked for 256 descriptors of room on top and refused them)."""
-    out = subprocess.run([sys.executable, "-c", MANY_FILES, nvme_dir, "800", "hard"], cwd=REPO, env=child_env(),
-                         capture_output=True, text=True, timeout=240)
+    out = subprocess.run(
+        [sys.executable, "-c", MANY_FILES, nvme_dir, "800", "hard"],
+        cwd=REPO,
+        env=child_env(),
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     files, soft, err = out.stdout.split()
     assert int(files) == 800 and int(soft) == 1024 and float(err) < 1e-5, out.stdout
@@ -906,6 +975,7 @@ def test_a_directory_whose_owner_holds_its_lock_is_not_swept_whatever_its_pid(tm
     """Another container sharing the disk has its own pid namespace: its owner's pid may be
     "dead" here, but the owner's flock on the lock file says it lives."""
     from hybrid_opt.swap import LOCK, sweep_stale
+
     proc = subprocess.Popen([sys.executable, "-c", "pass"])
     proc.wait()
     live = tmp_path / f"hybrid_opt-{proc.pid}-other"
@@ -923,10 +993,12 @@ def test_a_full_disk_during_step_rolls_back_the_step_counts_of_what_was_not_step
     """The worker's writes hit a file-size limit: step() raises naming the cause and what was
     applied; parameters no committed subgroup holds keep their previous state and step count."""
     import resource
+
     torch.manual_seed(0)
     params = [nn.Parameter(torch.randn(4096)) for _ in range(4)]
-    with HybridAdamW(params, lr=1e-3, offload_fraction=1.0, nvme_fraction=1.0, nvme_path=nvme_dir,
-                     subgroup_numel=4096) as opt:
+    with HybridAdamW(
+        params, lr=1e-3, offload_fraction=1.0, nvme_fraction=1.0, nvme_path=nvme_dir, subgroup_numel=4096
+    ) as opt:
         for _ in range(2):
             for p in params:
                 p.grad = torch.randn_like(p)
@@ -958,8 +1030,15 @@ def _four_nvme_params(nvme_dir, **kw):
     """Four params of one subgroup each, all on nvme."""
     torch.manual_seed(0)
     params = [nn.Parameter(torch.randn(4096)) for _ in range(4)]
-    opt = HybridAdamW(params, lr=1e-3, offload_fraction=1.0, nvme_fraction=1.0, nvme_path=nvme_dir,
-                      subgroup_numel=4096, **kw)
+    opt = HybridAdamW(
+        params,
+        lr=1e-3,
+        offload_fraction=1.0,
+        nvme_fraction=1.0,
+        nvme_path=nvme_dir,
+        subgroup_numel=4096,
+        **kw,
+    )
     assert opt.plan.tiers == [NVME] * 4
     return params, opt
 
@@ -1012,6 +1091,7 @@ def test_a_load_that_fails_part_way_leaves_every_subgroup_and_hyperparameter_as_
     subgroups written before the failure go back to their committed slots, no hyperparameter is
     set, and the same checkpoint loads once the disk takes it."""
     import resource
+
     params, opt = _four_nvme_params(nvme_dir)
     with opt:
         _grad_step(opt, params, 1)
@@ -1088,7 +1168,8 @@ def _worker_has_the_trainers_files(tier):
 
 @pytest.mark.parametrize("fault", ["mid_step:7", "killed_between_steps"])
 def test_a_worker_restarted_after_the_nvme_files_were_removed_from_outside_steps_them_bitwise(
-        monkeypatch, nvme_dir, fault):
+    monkeypatch, nvme_dir, fault
+):
     """A tmp cleaner removes the swap directory after step 1, then the worker dies: mid-step
     (its 7th step task, step 2's second) or killed between steps. The new worker inherits the
     trainer's descriptors of the removed files, as the first one did, so the trajectory is
@@ -1250,9 +1331,12 @@ def test_more_swap_ins_than_the_workers_read_queue_wait_their_turn(nvme_dir):
     torch.manual_seed(0)
     want = torch.randn(600 * 64)
     p, q = nn.Parameter(want.clone()), nn.Parameter(want.clone())
-    with HybridAdamW([p], lr=1e-3, subgroup_numel=64, offload_fraction=1.0, nvme_fraction=0.95,
-                     nvme_path=nvme_dir) as opt, \
-         HybridAdamW([q], lr=1e-3, subgroup_numel=64, offload_fraction=1.0) as ref:
+    with (
+        HybridAdamW(
+            [p], lr=1e-3, subgroup_numel=64, offload_fraction=1.0, nvme_fraction=0.95, nvme_path=nvme_dir
+        ) as opt,
+        HybridAdamW([q], lr=1e-3, subgroup_numel=64, offload_fraction=1.0) as ref,
+    ):
         assert len(opt.plan.subgroups("nvme")) == 570
         for i in range(4):
             g = torch.randn_like(p)

@@ -16,6 +16,7 @@ For Adam and AdamW, torch's table holds
 torch's test helpers import `expecttest` (the `test` extra installs it); without it this module
 is skipped with that reason.
 """
+
 import copy
 import warnings
 
@@ -24,11 +25,14 @@ import torch
 from torch import nn
 
 pytest.importorskip("expecttest", reason="torch.testing._internal needs expecttest: pip install -e '.[test]'")
+from tolerances import assert_close  # noqa: E402
 from torch.testing._internal.common_optimizers import (  # noqa: E402
-    OptimizerErrorEnum, _get_optim_inputs_including_global_cliquey_kwargs, optim_db)
+    OptimizerErrorEnum,
+    _get_optim_inputs_including_global_cliquey_kwargs,
+    optim_db,
+)
 
 from hybrid_opt import HybridAdam, HybridAdamW  # noqa: E402
-from tolerances import assert_close  # noqa: E402
 
 OURS = {torch.optim.Adam: HybridAdam, torch.optim.AdamW: HybridAdamW}
 INFOS = [info for info in optim_db if info.optim_cls in OURS]
@@ -37,17 +41,23 @@ SUBGROUP = 16  # the model's 35 elements span 3 subgroups
 
 # kwargs we reject on purpose, with the reason and the message our error carries
 REJECTED = {
-    "capturable": ("CUDA graph capture cannot record the host tier's steps in another process",
-                   r"does not support capturable=True"),
-    "differentiable": ("no autograd graph runs through the tiers' in-place kernels",
-                       r"does not support differentiable=True"),
+    "capturable": (
+        "CUDA graph capture cannot record the host tier's steps in another process",
+        r"does not support capturable=True",
+    ),
+    "differentiable": (
+        "no autograd graph runs through the tiers' in-place kernels",
+        r"does not support differentiable=True",
+    ),
 }
 
 
 def _error_cases():
     for info in INFOS:
         for e in info.optim_error_inputs_func(device="cpu", dtype=torch.float32):
-            yield pytest.param(info.optim_cls, e, id=f"{info.optim_cls.__name__}-{e.optimizer_error_input.desc}")
+            yield pytest.param(
+                info.optim_cls, e, id=f"{info.optim_cls.__name__}-{e.optimizer_error_input.desc}"
+            )
 
 
 def _optim_inputs(info):
@@ -63,8 +73,9 @@ def _input_cases():
     for info in INFOS:
         for oi in _optim_inputs(info):
             for offload in (0.0, 1.0):
-                yield pytest.param(info.optim_cls, oi, offload,
-                                   id=f"{info.optim_cls.__name__}-{oi.desc}-offload{offload:g}")
+                yield pytest.param(
+                    info.optim_cls, oi, offload, id=f"{info.optim_cls.__name__}-{oi.desc}-offload{offload:g}"
+                )
 
 
 def _sample_param():
@@ -110,9 +121,17 @@ def _batches(n=STEPS):
 
 def _reference_kwargs(kwargs):
     """torch's class with the same hyperparameters on its plain for-loop path."""
-    ref = {k: (v.clone() if isinstance(v, torch.Tensor) else
-               tuple(b.clone() if isinstance(b, torch.Tensor) else b for b in v) if isinstance(v, tuple) else v)
-           for k, v in kwargs.items() if k not in ("foreach", "fused", "differentiable")}
+    ref = {
+        k: (
+            v.clone()
+            if isinstance(v, torch.Tensor)
+            else tuple(b.clone() if isinstance(b, torch.Tensor) else b for b in v)
+            if isinstance(v, tuple)
+            else v
+        )
+        for k, v in kwargs.items()
+        if k not in ("foreach", "fused", "differentiable")
+    }
     return dict(ref, foreach=False)
 
 
@@ -144,10 +163,14 @@ def test_optim_inputs_train_like_torch_or_are_rejected_clearly(torch_cls, oi, of
 
 
 @pytest.mark.parametrize("torch_cls", list(OURS))
-@pytest.mark.parametrize("kwargs,error", [
-    (dict(fused=True, differentiable=True), "`fused` does not support `differentiable`"),
-    (dict(fused=True, foreach=True), "`fused` and `foreach` cannot be `True` together"),
-], ids=["fused_differentiable", "fused_foreach"])
+@pytest.mark.parametrize(
+    "kwargs,error",
+    [
+        (dict(fused=True, differentiable=True), "`fused` does not support `differentiable`"),
+        (dict(fused=True, foreach=True), "`fused` and `foreach` cannot be `True` together"),
+    ],
+    ids=["fused_differentiable", "fused_foreach"],
+)
 def test_fused_flag_errors_of_the_cuda_table_are_torchs(torch_cls, kwargs, error):
     """torch's table lists these two for CUDA devices only (its sample tensor is on the GPU),
     but torch raises them whatever the device: the same RuntimeError from ours, before our own
@@ -157,12 +180,16 @@ def test_fused_flag_errors_of_the_cuda_table_are_torchs(torch_cls, kwargs, error
             cls([_sample_param()], **kwargs)
 
 
-@pytest.mark.parametrize("kwargs,error", [
-    (dict(betas=(0.9, torch.tensor(0.99))), "betas must be either both floats or both Tensors"),
-    (dict(betas=(0.9, 1.0)), "Invalid beta parameter at index 1: 1.0"),
-    (dict(lr=torch.tensor(0.01), foreach=True), "lr as a Tensor is not supported"),
-    (dict(lr=-1.0), "Invalid learning rate: -1.0"),
-], ids=["mixed_betas", "beta2_of_1", "tensor_lr_foreach", "negative_lr"])
+@pytest.mark.parametrize(
+    "kwargs,error",
+    [
+        (dict(betas=(0.9, torch.tensor(0.99))), "betas must be either both floats or both Tensors"),
+        (dict(betas=(0.9, 1.0)), "Invalid beta parameter at index 1: 1.0"),
+        (dict(lr=torch.tensor(0.01), foreach=True), "lr as a Tensor is not supported"),
+        (dict(lr=-1.0), "Invalid learning rate: -1.0"),
+    ],
+    ids=["mixed_betas", "beta2_of_1", "tensor_lr_foreach", "negative_lr"],
+)
 def test_add_param_group_checks_a_groups_own_values_like_the_constructor(kwargs, error):
     with HybridAdamW([_sample_param()], offload_fraction=0.0) as opt:
         with pytest.raises(ValueError, match=error):
@@ -176,8 +203,9 @@ def test_tensor_betas_train_like_torch_and_are_kept_as_torch_keeps_them():
     model = _model()
     ref_model = copy.deepcopy(model)
     ref = torch.optim.AdamW(ref_model.parameters(), lr=0.01, betas=betas, foreach=False)
-    with HybridAdamW(model.parameters(), lr=0.01, betas=betas, offload_fraction=1.0,
-                     subgroup_numel=SUBGROUP) as opt:
+    with HybridAdamW(
+        model.parameters(), lr=0.01, betas=betas, offload_fraction=1.0, subgroup_numel=SUBGROUP
+    ) as opt:
         assert [b.dim() for b in opt.param_groups[0]["betas"]] == [0, 0]
         assert [b.dim() for b in ref.param_groups[0]["betas"]] == [0, 0]
         for x, y in _batches():

@@ -17,6 +17,7 @@ Every optimizer with offload_fraction > 0 starts a worker process: each test clo
 optimizers (`with` / ExitStack), and the models are tiny with small subgroups so that layouts
 still span several subgroups (a parameter larger than a subgroup, many tiny ones sharing one).
 """
+
 import copy
 import io
 import tempfile
@@ -26,10 +27,10 @@ from dataclasses import dataclass, field
 import psutil
 import pytest
 import torch
+from tolerances import ATOL, RTOL, assert_close
 from torch import nn
 
 from hybrid_opt import HybridAdam, HybridAdamW
-from tolerances import ATOL, RTOL, assert_close
 
 FP32, BF16 = torch.float32, torch.bfloat16
 STEPS = 30
@@ -40,6 +41,7 @@ SUBGROUP = 64  # Net has 724 elements: 12 subgroups, fc1.weight spans 8, the tin
 @dataclass(frozen=True)
 class Placement:
     """Where the state lives: shares of all elements off the device (host + nvme) and on nvme."""
+
     name: str
     offload: float
     nvme: float = 0.0
@@ -72,6 +74,7 @@ MIXED = PLACEMENTS[1]
 @dataclass(frozen=True)
 class OptimizerInfo:
     """Our class, torch's class it must match, and its decay semantics."""
+
     cls: type
     reference: type
     decoupled: bool
@@ -81,8 +84,10 @@ class OptimizerInfo:
         return self.cls.__name__
 
 
-OPTIMIZERS = [OptimizerInfo(HybridAdamW, torch.optim.AdamW, True),
-              OptimizerInfo(HybridAdam, torch.optim.Adam, False)]
+OPTIMIZERS = [
+    OptimizerInfo(HybridAdamW, torch.optim.AdamW, True),
+    OptimizerInfo(HybridAdam, torch.optim.Adam, False),
+]
 ADAMW, ADAM = OPTIMIZERS
 
 
@@ -90,6 +95,7 @@ ADAMW, ADAM = OPTIMIZERS
 class OptimInput:
     """Hyperparameters shared by ours and torch's (weight decay > 0 everywhere: Adam's default
     is 0, and decay on a param that got no grad is what several tests look for)."""
+
     name: str
     kwargs: dict = field(default_factory=dict)
 
@@ -107,9 +113,22 @@ def _table():
             for dtype in (FP32, BF16):
                 for clip in (None, 0.5):
                     for oi in OPTIM_INPUTS:
-                        yield pytest.param(pl, info, dtype, clip, oi, id="-".join(
-                            [pl.name, info.name, str(dtype).split(".")[-1],
-                             "clip" if clip else "noclip", oi.name]))
+                        yield pytest.param(
+                            pl,
+                            info,
+                            dtype,
+                            clip,
+                            oi,
+                            id="-".join(
+                                [
+                                    pl.name,
+                                    info.name,
+                                    str(dtype).split(".")[-1],
+                                    "clip" if clip else "noclip",
+                                    oi.name,
+                                ]
+                            ),
+                        )
 
 
 # ============================================================================= models and loops
@@ -121,8 +140,9 @@ class Net(nn.Module):
         super().__init__()
         self.fc1 = nn.Linear(16, 32)
         self.fc2 = nn.Linear(32, 4)
-        self.tiny = nn.ParameterList(nn.Parameter(0.1 * torch.randn(4 if k % 2 else 1))
-                                     for k in range(n_tiny))
+        self.tiny = nn.ParameterList(
+            nn.Parameter(0.1 * torch.randn(4 if k % 2 else 1)) for k in range(n_tiny)
+        )
 
     def forward(self, x):
         out = self.fc2(torch.relu(self.fc1(x)))
@@ -157,8 +177,7 @@ def train(model, opt, batches, clip=None):
         opt.step()
 
 
-def lockstep(ours_model, ours, ref_model, ref, batches, *, clip=None, share_grads=False,
-             after_step=None):
+def lockstep(ours_model, ours, ref_model, ref, batches, *, clip=None, share_grads=False, after_step=None):
     """Steps ours and torch's side by side. share_grads: torch gets our grads (as fp32)
     instead of running its own backward (bf16 models). Returns torch's pre-clip norms."""
     norms = []
@@ -222,18 +241,28 @@ def test_matches_torch_over_30_steps(placement, info, dtype, clip, oi):
     ref = info.reference(ref_model.parameters(), foreach=False, **oi.kwargs)
     clip_coefs, our_norms = [], []
     with hybrid(info, ours_model.parameters(), placement, max_grad_norm=clip, **oi.kwargs) as ours:
+
         def record(_):
             clip_coefs.append(ours.stats["clip_coef"])
             our_norms.append(ours.last_grad_norm)
 
-        ref_norms = lockstep(ours_model, ours, ref_model, ref, make_batches(), clip=clip,
-                             share_grads=dtype != FP32, after_step=record)
+        ref_norms = lockstep(
+            ours_model,
+            ours,
+            ref_model,
+            ref,
+            make_batches(),
+            clip=clip,
+            share_grads=dtype != FP32,
+            after_step=record,
+        )
         sd = ours.state_dict()
         assert_state_close(sd, ref.state_dict())
     if clip is not None:
         assert min(clip_coefs) < 1.0, "clipping never triggered: the test proves nothing"
-        torch.testing.assert_close(torch.tensor(our_norms), torch.tensor(ref_norms),
-                                   rtol=RTOL[FP32], atol=ATOL[FP32])
+        torch.testing.assert_close(
+            torch.tensor(our_norms), torch.tensor(ref_norms), rtol=RTOL[FP32], atol=ATOL[FP32]
+        )
     else:
         assert set(clip_coefs) == {1.0}
     if dtype == FP32:
@@ -262,15 +291,17 @@ def test_grad_scaler_skips_and_scales_like_torch(placement, clip_mode):
     kw = dict(lr=1e-2, weight_decay=0.1)
     ours_model, ref_model = make_net(), make_net()
     ref = torch.optim.AdamW(ref_model.parameters(), foreach=False, **kw)
-    ours_scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10, growth_interval=3)
-    ref_scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10, growth_interval=3)
+    ours_scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=3)
+    ref_scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=3)
     max_norm = None if clip_mode == "noclip" else 0.5
     fused = max_norm if clip_mode == "fused_clip" else None
     ours_scales, ref_scales, ours_skipped, ref_skipped = [], [], [], []
     with hybrid(ADAMW, ours_model.parameters(), placement, max_grad_norm=fused, **kw) as ours:
         for i, batch in enumerate(batches):
-            for model, opt, scaler, scales in ((ours_model, ours, ours_scaler, ours_scales),
-                                               (ref_model, ref, ref_scaler, ref_scales)):
+            for model, opt, scaler, scales in (
+                (ours_model, ours, ours_scaler, ours_scales),
+                (ref_model, ref, ref_scaler, ref_scales),
+            ):
                 opt.zero_grad()
                 scaler.scale(loss_fn(model, batch)).backward()
                 if i in INF_STEPS:
@@ -338,9 +369,11 @@ def test_checkpoint_round_trip_continues_bitwise(placement, dtype):
                 assert torch.equal(st["master_param"], st2["master_param"])
 
 
-@pytest.mark.parametrize("saved_at,loaded_at", [(PLACEMENTS[0], PLACEMENTS[2]),
-                                                (PLACEMENTS[2], PLACEMENTS[1])],
-                         ids=["device_to_host", "host_to_mixed"])
+@pytest.mark.parametrize(
+    "saved_at,loaded_at",
+    [(PLACEMENTS[0], PLACEMENTS[2]), (PLACEMENTS[2], PLACEMENTS[1])],
+    ids=["device_to_host", "host_to_mixed"],
+)
 def test_checkpoint_across_placements_continues_bitwise(saved_at, loaded_at):
     """The same CPU kernel steps every tier on a CPU-only host, so moving a checkpoint to
     another placement does not change a bit of the continuation."""
@@ -504,17 +537,26 @@ def test_tensor_lr_matches_torch(placement):
     ref = torch.optim.AdamW(ref_model.parameters(), lr=torch.tensor(1e-2), foreach=False)
     with hybrid(ADAMW, ours_model.parameters(), placement, lr=torch.tensor(1e-2)) as ours:
         scheds = [_step_lr(ours), _step_lr(ref)]
-        lockstep(ours_model, ours, ref_model, ref, make_batches(),
-                 after_step=lambda _: [s.step() for s in scheds])
+        lockstep(
+            ours_model, ours, ref_model, ref, make_batches(), after_step=lambda _: [s.step() for s in scheds]
+        )
         assert isinstance(ours.param_groups[0]["lr"], torch.Tensor)
         assert torch.equal(ours.param_groups[0]["lr"], ref.param_groups[0]["lr"])
     assert_params_close(ours_model, ref_model)
 
 
 def _groups(model):
-    return [dict(params=list(model.fc1.parameters()), lr=1e-2, weight_decay=0.1, betas=(0.9, 0.99)),
-            dict(params=list(model.fc2.parameters()) + list(model.tiny),
-                 lr=3e-3, weight_decay=0.0, betas=(0.8, 0.999), eps=1e-6, amsgrad=True)]
+    return [
+        dict(params=list(model.fc1.parameters()), lr=1e-2, weight_decay=0.1, betas=(0.9, 0.99)),
+        dict(
+            params=list(model.fc2.parameters()) + list(model.tiny),
+            lr=3e-3,
+            weight_decay=0.0,
+            betas=(0.8, 0.999),
+            eps=1e-6,
+            amsgrad=True,
+        ),
+    ]
 
 
 @pytest.mark.parametrize("info", OPTIMIZERS, ids=lambda i: i.name)
@@ -572,7 +614,11 @@ def test_adams_decoupled_weight_decay_per_group_and_through_a_checkpoint_as_torc
         ours.close()
         ours = hybrid(ADAM, ps, placement, weight_decay=0.1)
         ours.load_state_dict(sd)
-        assert ours.param_groups[0]["decoupled_weight_decay"] is ref.param_groups[0]["decoupled_weight_decay"] is True
+        assert (
+            ours.param_groups[0]["decoupled_weight_decay"]
+            is ref.param_groups[0]["decoupled_weight_decay"]
+            is True
+        )
         lockstep(ours_model, ours, ref_model, ref, batches[6:])
         assert_params_close(ours_model, ref_model)
     finally:
@@ -724,12 +770,13 @@ def test_non_contiguous_param():
 class ErrorInput:
     """A bad argument and the error it must raise; torch_raises: torch's class raises the
     same type and message (so the regex is torch's own)."""
+
     name: str
     kwargs: dict = field(default_factory=dict)
     error: type = ValueError
     match: str = ""
-    params: object = None        # callable -> params; default: one small Linear's
-    at_step: object = None       # callable(params) run before step(); the error comes from step()
+    params: object = None  # callable -> params; default: one small Linear's
+    at_step: object = None  # callable(params) run before step(); the error comes from step()
     torch_raises: bool = False
 
 
@@ -749,40 +796,100 @@ def _two_groups_sharing():
 ERROR_INPUTS = [
     ErrorInput("negative_lr", dict(lr=-1), ValueError, "Invalid learning rate", torch_raises=True),
     ErrorInput("negative_eps", dict(eps=-1), ValueError, "Invalid epsilon value", torch_raises=True),
-    ErrorInput("beta1_is_1", dict(betas=(1.0, 0.9)),
-               ValueError, "Invalid beta parameter at index 0", torch_raises=True),
-    ErrorInput("beta2_is_1", dict(betas=(0.9, 1.0)),
-               ValueError, "Invalid beta parameter at index 1", torch_raises=True),
-    ErrorInput("negative_weight_decay", dict(weight_decay=-1),
-               ValueError, "Invalid weight_decay value", torch_raises=True),
-    ErrorInput("tensor_lr_2_elements", dict(lr=torch.tensor([1e-2, 1e-2])), ValueError,
-               "Tensor lr must be 1-element", torch_raises=True),
-    ErrorInput("empty_params", error=ValueError, match="empty parameter list", params=list, torch_raises=True),
-    ErrorInput("group_params_as_set", error=TypeError, match="ordered collections",
-               params=lambda: [dict(params=set(_linear_params()))], torch_raises=True),
-    ErrorInput("param_in_two_groups", error=ValueError, match="more than one parameter group",
-               params=_two_groups_sharing, torch_raises=True),
-    ErrorInput("sparse_grad", error=RuntimeError, match="does not support sparse gradients",
-               at_step=_sparse_grad, torch_raises=True),
-    ErrorInput("lazy_module_param", error=ValueError, match=r"uninitialized \(a torch.nn.Lazy\* module\).*forward",
-               params=lambda: list(nn.LazyLinear(3).parameters())),
-    ErrorInput("complex_param", error=ValueError, match="complex parameters",
-               params=lambda: [nn.Parameter(torch.randn(3, dtype=torch.complex64))]),
-    ErrorInput("float64_param", error=TypeError, match="float32, bfloat16 and float16.*float64",
-               params=lambda: [nn.Parameter(torch.randn(3, dtype=torch.float64))]),
+    ErrorInput(
+        "beta1_is_1",
+        dict(betas=(1.0, 0.9)),
+        ValueError,
+        "Invalid beta parameter at index 0",
+        torch_raises=True,
+    ),
+    ErrorInput(
+        "beta2_is_1",
+        dict(betas=(0.9, 1.0)),
+        ValueError,
+        "Invalid beta parameter at index 1",
+        torch_raises=True,
+    ),
+    ErrorInput(
+        "negative_weight_decay",
+        dict(weight_decay=-1),
+        ValueError,
+        "Invalid weight_decay value",
+        torch_raises=True,
+    ),
+    ErrorInput(
+        "tensor_lr_2_elements",
+        dict(lr=torch.tensor([1e-2, 1e-2])),
+        ValueError,
+        "Tensor lr must be 1-element",
+        torch_raises=True,
+    ),
+    ErrorInput(
+        "empty_params", error=ValueError, match="empty parameter list", params=list, torch_raises=True
+    ),
+    ErrorInput(
+        "group_params_as_set",
+        error=TypeError,
+        match="ordered collections",
+        params=lambda: [dict(params=set(_linear_params()))],
+        torch_raises=True,
+    ),
+    ErrorInput(
+        "param_in_two_groups",
+        error=ValueError,
+        match="more than one parameter group",
+        params=_two_groups_sharing,
+        torch_raises=True,
+    ),
+    ErrorInput(
+        "sparse_grad",
+        error=RuntimeError,
+        match="does not support sparse gradients",
+        at_step=_sparse_grad,
+        torch_raises=True,
+    ),
+    ErrorInput(
+        "lazy_module_param",
+        error=ValueError,
+        match=r"uninitialized \(a torch.nn.Lazy\* module\).*forward",
+        params=lambda: list(nn.LazyLinear(3).parameters()),
+    ),
+    ErrorInput(
+        "complex_param",
+        error=ValueError,
+        match="complex parameters",
+        params=lambda: [nn.Parameter(torch.randn(3, dtype=torch.complex64))],
+    ),
+    ErrorInput(
+        "float64_param",
+        error=TypeError,
+        match="float32, bfloat16 and float16.*float64",
+        params=lambda: [nn.Parameter(torch.randn(3, dtype=torch.float64))],
+    ),
     ErrorInput("capturable", dict(capturable=True), ValueError, "capturable"),
     ErrorInput("differentiable", dict(differentiable=True), ValueError, "differentiable"),
-    ErrorInput("process_group_without_dist", dict(process_group=object()), RuntimeError,
-               r"process_group= needs torch.distributed initialised"),
+    ErrorInput(
+        "process_group_without_dist",
+        dict(process_group=object()),
+        RuntimeError,
+        r"process_group= needs torch.distributed initialised",
+    ),
     ErrorInput("rollback_bogus", dict(rollback="bogus"), ValueError, "rollback must be 'exact' or 'inverse'"),
     ErrorInput("rollback_inverse_amsgrad", dict(rollback="inverse", amsgrad=True), ValueError, "amsgrad"),
     ErrorInput("offload_fraction_1.5", dict(offload_fraction=1.5), ValueError, "offload_fraction"),
     ErrorInput("offload_fraction_negative", dict(offload_fraction=-0.1), ValueError, "offload_fraction"),
-    ErrorInput("nvme_above_offload_without_path", dict(offload_fraction=0.2, nvme_fraction=0.5),
-               ValueError, r"nvme_fraction.*must not exceed offload_fraction"),
-    ErrorInput("nvme_above_offload", dict(offload_fraction=0.2, nvme_fraction=0.5,
-                                          nvme_path=tempfile.gettempdir()),
-               ValueError, r"nvme_fraction.*must not exceed offload_fraction"),
+    ErrorInput(
+        "nvme_above_offload_without_path",
+        dict(offload_fraction=0.2, nvme_fraction=0.5),
+        ValueError,
+        r"nvme_fraction.*must not exceed offload_fraction",
+    ),
+    ErrorInput(
+        "nvme_above_offload",
+        dict(offload_fraction=0.2, nvme_fraction=0.5, nvme_path=tempfile.gettempdir()),
+        ValueError,
+        r"nvme_fraction.*must not exceed offload_fraction",
+    ),
     ErrorInput("nvme_without_path", dict(offload_fraction=1.0, nvme_fraction=0.25), ValueError, "nvme_path"),
     ErrorInput("max_grad_norm_negative", dict(max_grad_norm=-1), ValueError, "max_grad_norm"),
     ErrorInput("max_grad_norm_inf", dict(max_grad_norm=float("inf")), ValueError, "max_grad_norm"),
@@ -817,9 +924,11 @@ def test_error_inputs(case, info):
 
 def test_error_inputs_in_add_param_group():
     with hybrid(ADAMW, _linear_params(), PLACEMENTS[0]) as opt:
-        for group, match in ((dict(lr=-1), "Invalid learning rate"),
-                             (dict(betas=(0.9, 1.0)), "Invalid beta parameter at index 1"),
-                             (dict(lr=torch.tensor([1.0, 2.0])), "Tensor lr must be 1-element")):
+        for group, match in (
+            (dict(lr=-1), "Invalid learning rate"),
+            (dict(betas=(0.9, 1.0)), "Invalid beta parameter at index 1"),
+            (dict(lr=torch.tensor([1.0, 2.0])), "Tensor lr must be 1-element"),
+        ):
             with pytest.raises(ValueError, match=match):
                 opt.add_param_group(dict(params=[nn.Parameter(torch.randn(3))], **group))
         with pytest.raises(ValueError, match="amsgrad"):
@@ -894,7 +1003,9 @@ def test_attributes(placement):
             assert opt.worker_pid is None
         summary = opt.plan.summary()
         assert sum(v["elements"] for v in summary.values()) == sum(p.numel() for p in model.parameters())
-        assert summary["host"]["share"] + summary["nvme"]["share"] == pytest.approx(placement.offload, abs=0.1)
+        assert summary["host"]["share"] + summary["nvme"]["share"] == pytest.approx(
+            placement.offload, abs=0.1
+        )
         assert summary["nvme"]["share"] == pytest.approx(placement.nvme, abs=0.1)
         assert sum(v["subgroups"] for v in summary.values()) > 1
         assert "Plan(" in repr(opt)

@@ -6,17 +6,20 @@ mixin's shared attribute: fix it, do not list it); so does a listed entry no lon
 change fixed it: delete it from the list), so the list only shrinks. Issue #22 is done for
 ownership when the list holds none of kinds "outside-init", "foreign-write" and "shared-attr".
 """
+
 import textwrap
 
 import pytest
-
 from ownership import LEGITIMATE_ATTRS, Violation, scan, summary
 from ownership_allowlist import ALLOWLIST
 
 
 def _where(sites, found):
-    return "\n".join(f"  {s.path}:{s.line}: {tuple(s.violation)!r}"
-                     for s in sorted(sites, key=lambda s: (s.path, s.line)) if s.violation in found)
+    return "\n".join(
+        f"  {s.path}:{s.line}: {tuple(s.violation)!r}"
+        for s in sorted(sites, key=lambda s: (s.path, s.line))
+        if s.violation in found
+    )
 
 
 @pytest.fixture(scope="module")
@@ -29,20 +32,23 @@ def test_no_finding_outside_the_ratchet(package_scan):
     print()
     print(summary(found))
     new = found - ALLOWLIST
-    assert not new, (f"{len(new)} ownership finding(s) not in tests/ownership_allowlist.py (STYLE.md "
-                     f"rule 11; tests/ownership.py says what each kind means): give the attribute "
-                     f"one owner instead of listing it\n" + _where(sites, new))
+    assert not new, (
+        f"{len(new)} ownership finding(s) not in tests/ownership_allowlist.py (STYLE.md "
+        f"rule 11; tests/ownership.py says what each kind means): give the attribute "
+        f"one owner instead of listing it\n" + _where(sites, new)
+    )
 
 
 def test_the_ratchet_only_shrinks(package_scan):
     found, _ = package_scan
     gone = ALLOWLIST - found
-    assert not gone, (f"{len(gone)} entr(y/ies) of tests/ownership_allowlist.py no longer found: "
-                      f"delete them (the ratchet only shrinks)\n"
-                      + "\n".join(f"  {v!r}," for v in sorted(gone)))
+    assert not gone, (
+        f"{len(gone)} entr(y/ies) of tests/ownership_allowlist.py no longer found: "
+        f"delete them (the ratchet only shrinks)\n" + "\n".join(f"  {v!r}," for v in sorted(gone))
+    )
 
 
-_PKG = '''
+_PKG = """
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -87,8 +93,8 @@ class Owner:
 class Mixin:
     def setup(self):
         self.shared = 1                   # outside-init (no __init__) and shared-attr
-'''
-_OTHER = '''
+"""
+_OTHER = """
 from pkg.a import Mixin
 
 
@@ -99,7 +105,7 @@ class Facade(Mixin):
 
 def helper(opt):
     opt.flag = True                       # foreign-write from a module function
-'''
+"""
 
 
 def test_scanner_on_a_synthetic_package(tmp_path):

@@ -8,19 +8,23 @@ masters, given the same grads and the same writes. Grads come from a fixed strea
 autograd ((p * g).sum().backward() leaves p.grad == g), so the grad hooks and speculation run
 as in training.
 """
+
 import pytest
 import torch
+from tolerances import assert_bf16_within_ulps, assert_close
 from torch import nn
 
 from hybrid_opt import HybridAdamW, fp32_master
 from hybrid_opt.state.storage import ParamGuard
-from tolerances import assert_bf16_within_ulps, assert_close
 
 BF16, FP32 = torch.bfloat16, torch.float32
 HYPER = dict(lr=1e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.05)
 SHAPES = ((24, 10), (33,), (5, 7))
-PLACEMENTS = {"device": dict(offload_fraction=0.0), "host": dict(offload_fraction=1.0),
-              "nvme": dict(offload_fraction=1.0, nvme_fraction=1.0)}
+PLACEMENTS = {
+    "device": dict(offload_fraction=0.0),
+    "host": dict(offload_fraction=1.0),
+    "nvme": dict(offload_fraction=1.0, nvme_fraction=1.0),
+}
 
 
 def _kw(placement, tmp_path):
@@ -36,8 +40,9 @@ def _pair(dtype, placement, tmp_path, remainders=False, device="cpu"):
     init = [torch.randn(s, generator=g).to(device=device, dtype=dtype) for s in SHAPES]
     params = [nn.Parameter(t.clone()) for t in init]
     masters = [nn.Parameter(t.float()) for t in init]
-    opt = HybridAdamW(params, subgroup_numel=128, store_param_remainders=remainders,
-                      **HYPER, **_kw(placement, tmp_path))
+    opt = HybridAdamW(
+        params, subgroup_numel=128, store_param_remainders=remainders, **HYPER, **_kw(placement, tmp_path)
+    )
     ref = torch.optim.AdamW(masters, foreach=False, **HYPER)
     return params, opt, masters, ref
 
@@ -85,8 +90,9 @@ def test_a_param_written_outside_step_restarts_its_master_from_it(model, placeme
 def test_cuda_a_param_written_outside_step_restarts_its_master_from_it(model, placement, tmp_path):
     """On CUDA: the device tier's Triton launch (remainders= / param_copies=) and the pinned
     host tier see the write too."""
-    params, opt, masters, ref = _pair(BF16, placement, tmp_path, remainders="remainders" in model,
-                                      device="cuda")
+    params, opt, masters, ref = _pair(
+        BF16, placement, tmp_path, remainders="remainders" in model, device="cuda"
+    )
     _write_and_train(params, opt, masters, ref, BF16)
 
 
@@ -110,6 +116,7 @@ def _write_and_train(params, opt, masters, ref, dtype):
             with torch.no_grad():
                 params[2].copy_(new2)
                 masters[2].copy_(new2.float())
+
         _step(params, opt, masters, ref, 5, write=write)  # between backward and step()
         _step(params, opt, masters, ref, 6)
         _check(params, opt, masters, "after a write between backward and step()")
@@ -162,7 +169,9 @@ def test_with_remainders_a_rewritten_param_restarts_from_its_values(tmp_path):
     for sg in opt.parts.layout.subgroups:  # its remainders are 0: the master is the param's own value
         for sl in sg.slices:
             if sl.param_index == 1:
-                assert not opt.parts.placement.device.remainder[sg.index][sl.sub_offset:sl.sub_offset + sl.numel].any()
+                assert not opt.parts.placement.device.remainder[sg.index][
+                    sl.sub_offset : sl.sub_offset + sl.numel
+                ].any()
     # the params not written keep their masters' low halves
     assert not torch.equal(fp32_master(sd[0], params[0]), params[0].detach().float())
 
@@ -175,6 +184,7 @@ def test_the_check_costs_nothing_while_no_param_is_written(placement, tmp_path, 
     def counted(self):
         calls.append(1)
         return real(self)
+
     monkeypatch.setattr(ParamGuard, "check_written", counted)
     params, opt, masters, ref = _pair(BF16, placement, tmp_path)
     with opt:

@@ -1,5 +1,6 @@
 """Fixed fractions that the whole-subgroup placement misses are warned about once, at
 construction, with both figures and the fix (hybrid_opt/placement/plan.py fraction_miss)."""
+
 import warnings
 
 import pytest
@@ -22,25 +23,44 @@ def _build(**kw):
     return plan, [str(w.message) for w in caught if "subgroup is placed whole" in str(w.message)]
 
 
-@pytest.mark.parametrize("kw, says", [
-    (dict(offload_fraction=0.3), ["asked for 30% of the elements off the device", "the plan has 0% off",
-                                  "nothing on the host tier"]),
-    (dict(offload_fraction=0.5, nvme_fraction=0.25), ["the plan has 100% off the device (0% on nvme)",
-                                                      "nothing on the device or nvme tier"]),
-])
+@pytest.mark.parametrize(
+    "kw, says",
+    [
+        (
+            dict(offload_fraction=0.3),
+            [
+                "asked for 30% of the elements off the device",
+                "the plan has 0% off",
+                "nothing on the host tier",
+            ],
+        ),
+        (
+            dict(offload_fraction=0.5, nvme_fraction=0.25),
+            ["the plan has 100% off the device (0% on nvme)", "nothing on the device or nvme tier"],
+        ),
+    ],
+)
 def test_a_request_rounded_away_by_whole_subgroups_warns_once_with_the_fix(tmp_path, kw, says):
     if kw.get("nvme_fraction"):
         kw = dict(kw, nvme_path=str(tmp_path))
     _, warned = _build(**kw)
     assert len(warned) == 1, warned
-    for text in says + ["467,856 elements make 1 subgroup at subgroup_numel=4,194,304",
-                        "pass a smaller subgroup_numel (e.g. subgroup_numel=32,768)"]:
+    for text in says + [
+        "467,856 elements make 1 subgroup at subgroup_numel=4,194,304",
+        "pass a smaller subgroup_numel (e.g. subgroup_numel=32,768)",
+    ]:
         assert text in warned[0], (text, warned[0])
 
 
-@pytest.mark.parametrize("kw", [dict(offload_fraction=1.0), dict(offload_fraction=0.0),
-                                dict(offload_fraction=0.5, subgroup_numel=1 << 14),
-                                dict(offload_fraction="auto")])
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(offload_fraction=1.0),
+        dict(offload_fraction=0.0),
+        dict(offload_fraction=0.5, subgroup_numel=1 << 14),
+        dict(offload_fraction="auto"),
+    ],
+)
 def test_a_placement_close_to_the_request_or_chosen_by_auto_says_nothing(kw):
     assert _build(**kw)[1] == []
 

@@ -5,12 +5,12 @@ the reference q8 Adam step, and the Triton kernel bitwise equal to it under Trit
 References: `cpu_kernels.q8_reference` (the format and the step), `cpu_kernels.reference`
 (the fp32 step it reuses, and the fp64 one), and the map values pinned below.
 """
+
 import hashlib
 import math
 
 import pytest
 import torch
-
 from tolerances import assert_close
 
 import gpu_kernels
@@ -18,11 +18,15 @@ from cpu_kernels import q8_reference as q8
 from cpu_kernels.reference import adam_step_bitwise_reference, adam_step_reference, bf16_round_reference
 from gpu_kernels import q8 as gpu_q8
 
-needs_interpreter = pytest.mark.skipif(gpu_kernels.unavailable_reason("cpu") is not None,
-                                       reason=f"Triton's interpreter: {gpu_kernels.unavailable_reason('cpu')}")
-pytestmark = [pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning"),
-              pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning"),
-              pytest.mark.filterwarnings("ignore:divide by zero encountered:RuntimeWarning")]
+needs_interpreter = pytest.mark.skipif(
+    gpu_kernels.unavailable_reason("cpu") is not None,
+    reason=f"Triton's interpreter: {gpu_kernels.unavailable_reason('cpu')}",
+)
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning"),
+    pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning"),
+    pytest.mark.filterwarnings("ignore:divide by zero encountered:RuntimeWarning"),
+]
 
 F32, BF16 = torch.float32, torch.bfloat16
 HYPER = dict(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01)
@@ -36,7 +40,7 @@ def bits(t):
 def as_f32(u):
     """int64 bit patterns in [0, 2**32) -> fp32 tensor."""
     u = torch.as_tensor(u, dtype=torch.int64)
-    return torch.where(u >= 2 ** 31, u - 2 ** 32, u).to(torch.int32).view(torch.float32)
+    return torch.where(u >= 2**31, u - 2**32, u).to(torch.int32).view(torch.float32)
 
 
 # ------------------------------------------------------------------------------------- maps
@@ -45,12 +49,34 @@ def as_f32(u):
 # create_dynamic_map builds them with torch 2.13 on this AVX2 host (its linspace fusing
 # start + step·k). The last two per map are where torch's scalar (ATEN_CPU_CAPABILITY=default)
 # build rounds twice and lands one ulp away: 0xbf3d6667, 0xbf363333, 0x381fe867, 0x397c5048.
-MAP_SHA256 = {True: "e732639a65f497b4ad684bb166a4467708255edd5207757de8b8f0c7e1fda89c",
-              False: "305f002cc11278fb769d13b25b9fd0c7c83c8402c40a878fe086f4039fde6398"}
-MAP_VALUES = {True: {0: 0xBF7E3333, 1: 0xBF7A999A, 126: 0xB513A3B7, 127: 0x0, 128: 0x3513A3B7,
-                     254: 0x3F7E3333, 255: 0x3F800000, 18: 0xBF3D6666, 20: 0xBF363334},
-              False: {0: 0x0, 1: 0x34AE7BAA, 126: 0x3DCB5C29, 127: 0x3DD40000, 128: 0x3DE26666,
-                      254: 0x3F7F199A, 255: 0x3F800000, 9: 0x381FE868, 17: 0x397C5049}}
+MAP_SHA256 = {
+    True: "e732639a65f497b4ad684bb166a4467708255edd5207757de8b8f0c7e1fda89c",
+    False: "305f002cc11278fb769d13b25b9fd0c7c83c8402c40a878fe086f4039fde6398",
+}
+MAP_VALUES = {
+    True: {
+        0: 0xBF7E3333,
+        1: 0xBF7A999A,
+        126: 0xB513A3B7,
+        127: 0x0,
+        128: 0x3513A3B7,
+        254: 0x3F7E3333,
+        255: 0x3F800000,
+        18: 0xBF3D6666,
+        20: 0xBF363334,
+    },
+    False: {
+        0: 0x0,
+        1: 0x34AE7BAA,
+        126: 0x3DCB5C29,
+        127: 0x3DD40000,
+        128: 0x3DE26666,
+        254: 0x3F7F199A,
+        255: 0x3F800000,
+        9: 0x381FE868,
+        17: 0x397C5049,
+    },
+}
 
 
 @pytest.mark.parametrize("signed", SIGNS)
@@ -67,8 +93,10 @@ def test_dynamic_maps_are_bitsandbytes_maps_value_for_value(signed):
         assert torch.equal(qmap[1:127], -qmap[128:254].flip(0))
 
 
-@pytest.mark.skipif(torch.backends.cpu.get_cpu_capability() == "DEFAULT",
-                    reason="torch's scalar linspace rounds start + step*k twice; the maps are the fused ones")
+@pytest.mark.skipif(
+    torch.backends.cpu.get_cpu_capability() == "DEFAULT",
+    reason="torch's scalar linspace rounds start + step*k twice; the maps are the fused ones",
+)
 @pytest.mark.parametrize("signed", SIGNS)
 def test_dynamic_maps_equal_the_maps_torch_builds_from_linspace(signed):
     values = [0.0, 1.0]
@@ -83,12 +111,19 @@ def test_dynamic_maps_equal_the_maps_torch_builds_from_linspace(signed):
 
 def test_the_device_codebook_is_the_reference_maps_and_tables():
     book = gpu_q8.codebook("cpu")
-    want = torch.cat([bits(q8.dynamic_map(True)), bits(q8.dynamic_map(False)),
-                      q8.bucket_table(True).flatten(), q8.bucket_table(False).flatten()])
+    want = torch.cat(
+        [
+            bits(q8.dynamic_map(True)),
+            bits(q8.dynamic_map(False)),
+            q8.bucket_table(True).flatten(),
+            q8.bucket_table(False).flatten(),
+        ]
+    )
     assert torch.equal(book, want)
 
 
 # ---------------------------------------------------------------------------- the quantizers
+
 
 def nearest_code_oracle(x, signed):
     """Brute force: argmin over all 256 |x - map| in fp64, exact ties to the even code."""
@@ -105,8 +140,11 @@ def boundary_points(signed):
     either side of it, 0, -0, +-1."""
     qmap = q8.dynamic_map(signed)
     mids = ((qmap[:-1].double() + qmap[1:].double()) / 2).float()
-    around = [torch.nextafter(mids, torch.full_like(mids, -math.inf)), mids,
-              torch.nextafter(mids, torch.full_like(mids, math.inf))]
+    around = [
+        torch.nextafter(mids, torch.full_like(mids, -math.inf)),
+        mids,
+        torch.nextafter(mids, torch.full_like(mids, math.inf)),
+    ]
     return torch.cat([qmap, *around, torch.tensor([0.0, -0.0, 1.0, -1.0])])
 
 
@@ -146,8 +184,14 @@ def piece_ends(signed):
     points = []
     for sign in (0, 1):
         top = sign << 31
-        points += [top, top | ((q8.KEY_FIRST + 1) << 16) - 1,  # clamped to bucket 0
-                   top | 0x3F800000, top | 0x7F800000, top | 0x7F800001, top | 0x7FFFFFFF]
+        points += [
+            top,
+            top | ((q8.KEY_FIRST + 1) << 16) - 1,  # clamped to bucket 0
+            top | 0x3F800000,
+            top | 0x7F800000,
+            top | 0x7F800001,
+            top | 0x7FFFFFFF,
+        ]
         for key in range(q8.KEYS - 1):
             lo = (q8.KEY_FIRST + key) << 16
             step = int(table[sign, key]) & ((1 << q8.STEP_BITS) - 1)
@@ -177,6 +221,7 @@ def test_fast_quantizer_equals_reference_for_every_float32(signed):
 
 
 # ---------------------------------------------------------------------------- blocks of 256
+
 
 def test_blocks_have_one_absmax_each_and_a_partial_last_block():
     gen = torch.Generator().manual_seed(1)
@@ -236,8 +281,12 @@ def make_state(n, formats, *, amsgrad=False, remainders=False, grad_dtype=F32, s
     def moment(values, fmt, signed):
         return q8.quantize_blocks(values, signed) if fmt == "q8" else values.to(fmt)
 
-    state = dict(param=master, grad=torch.randn(n, generator=gen).to(grad_dtype),
-                 exp_avg=moment(m, formats[0], True), exp_avg_sq=moment(v, formats[1], False))
+    state = dict(
+        param=master,
+        grad=torch.randn(n, generator=gen).to(grad_dtype),
+        exp_avg=moment(m, formats[0], True),
+        exp_avg_sq=moment(v, formats[1], False),
+    )
     if amsgrad:
         state["max_exp_avg_sq"] = moment(v * 1.5, formats[1], False)
     if remainders:
@@ -263,18 +312,34 @@ def test_step_reference_updates_the_param_from_the_fresh_fp32_moments(formats, a
     # the fp32 step on the dequantized moments, fused multiply-adds off, is the param's and
     # each moment's value before it is stored
     fp32 = adam_step_bitwise_reference(
-        state["param"], state["grad"], widen(state["exp_avg"], True), widen(state["exp_avg_sq"], False),
-        step=4, max_exp_avg_sq=widen(state["max_exp_avg_sq"], False) if amsgrad else None, fma=False, **HYPER)
+        state["param"],
+        state["grad"],
+        widen(state["exp_avg"], True),
+        widen(state["exp_avg_sq"], False),
+        step=4,
+        max_exp_avg_sq=widen(state["max_exp_avg_sq"], False) if amsgrad else None,
+        fma=False,
+        **HYPER,
+    )
     assert torch.equal(bits(p), bits(fp32[0]))
-    for new, old, value, signed in ((m, state["exp_avg"], fp32[1], True), (v, state["exp_avg_sq"], fp32[2], False)):
+    for new, old, value, signed in (
+        (m, state["exp_avg"], fp32[1], True),
+        (v, state["exp_avg_sq"], fp32[2], False),
+    ):
         if isinstance(old, torch.Tensor):
             want = bf16_round_reference(value) if old.dtype == BF16 else value
             assert new.dtype == old.dtype and torch.equal(bits(new), bits(want))
         else:
             assert same_bits(new, q8.quantize_blocks(value, signed))
     if amsgrad:
-        assert same_bits(vmax, q8.quantize_blocks(fp32[3], False) if formats[1] == "q8"
-                         else bf16_round_reference(fp32[3]) if formats[1] == BF16 else fp32[3])
+        assert same_bits(
+            vmax,
+            q8.quantize_blocks(fp32[3], False)
+            if formats[1] == "q8"
+            else bf16_round_reference(fp32[3])
+            if formats[1] == BF16
+            else fp32[3],
+        )
     # the quantized moments differ from the fresh ones, so the param's bits tell them apart
     for new, value, signed in ((m, fp32[1], True), (v, fp32[2], False)):
         if not isinstance(new, torch.Tensor):
@@ -284,8 +349,14 @@ def test_step_reference_updates_the_param_from_the_fresh_fp32_moments(formats, a
 def test_step_reference_is_adam_within_the_quantization_error():
     state = make_state(3000, ("q8", "q8"), seed=3)
     p, m, v, _, _ = q8.q8_adam_step_reference(**state, step=2, **HYPER)
-    p64, m64, v64, _ = adam_step_reference(state["param"], state["grad"], widen(state["exp_avg"], True),
-                                           widen(state["exp_avg_sq"], False), step=2, **HYPER)
+    p64, m64, v64, _ = adam_step_reference(
+        state["param"],
+        state["grad"],
+        widen(state["exp_avg"], True),
+        widen(state["exp_avg_sq"], False),
+        step=2,
+        **HYPER,
+    )
     assert_close(p, p64, F32)
     for q, exact, signed, gap in ((m, m64, True, 0.0071), (v, v64, False, 0.0036)):
         scale = q.absmax.repeat_interleave(256)[: exact.numel()].double()
@@ -300,16 +371,24 @@ SIZES = [1, 255, 256, 257, 4096 + 300]  # partial blocks, one block, several pro
 def kernel_args(states):
     keys = ("param", "grad", "exp_avg", "exp_avg_sq", "max_exp_avg_sq", "remainder")
     lists = {k: [s[k] for s in states] for k in keys if k in states[0]}
-    return dict(params=lists["param"], grads=lists["grad"], exp_avgs=lists["exp_avg"],
-                exp_avg_sqs=lists["exp_avg_sq"], max_exp_avg_sqs=lists.get("max_exp_avg_sq"),
-                remainders=lists.get("remainder"))
+    return dict(
+        params=lists["param"],
+        grads=lists["grad"],
+        exp_avgs=lists["exp_avg"],
+        exp_avg_sqs=lists["exp_avg_sq"],
+        max_exp_avg_sqs=lists.get("max_exp_avg_sq"),
+        remainders=lists.get("remainder"),
+    )
 
 
 def to_device_format(state):
     out = {}
     for key, value in state.items():
-        out[key] = value.clone() if isinstance(value, torch.Tensor) else gpu_q8.Q8Blocks(value.codes.clone(),
-                                                                                          value.absmax.clone())
+        out[key] = (
+            value.clone()
+            if isinstance(value, torch.Tensor)
+            else gpu_q8.Q8Blocks(value.codes.clone(), value.absmax.clone())
+        )
     return out
 
 
@@ -339,9 +418,11 @@ def test_kernel_equals_reference_bitwise_over_three_steps(formats, amsgrad):
         gpu_q8.q8_adam_(**kernel_args(device_states), step=step, **HYPER)
         states = [with_result(s, reference_step(s, step=step, **HYPER)) for s in states]
         for i, (got, want) in enumerate(zip(device_states, states)):
-            assert_state_equals(got, [want.get(k) for k in ("param", "exp_avg", "exp_avg_sq",
-                                                            "max_exp_avg_sq", "remainder")],
-                                f"step {step} tensor {i} ({SIZES[i]} elements)")
+            assert_state_equals(
+                got,
+                [want.get(k) for k in ("param", "exp_avg", "exp_avg_sq", "max_exp_avg_sq", "remainder")],
+                f"step {step} tensor {i} ({SIZES[i]} elements)",
+            )
 
 
 def boundary_grads(absmax):
@@ -350,8 +431,13 @@ def boundary_grads(absmax):
     points = torch.cat([boundary_points(True), boundary_points(False).abs().sqrt()]).abs()
     points = points[points <= 1.0]
     scaled = (points.double() * absmax).float()
-    scaled = torch.cat([torch.nextafter(scaled, torch.zeros_like(scaled)), scaled,
-                        torch.nextafter(scaled, torch.full_like(scaled, 2 * absmax))]).clamp_max(absmax)
+    scaled = torch.cat(
+        [
+            torch.nextafter(scaled, torch.zeros_like(scaled)),
+            scaled,
+            torch.nextafter(scaled, torch.full_like(scaled, 2 * absmax)),
+        ]
+    ).clamp_max(absmax)
     signs = torch.where(torch.arange(scaled.numel()) % 2 == 0, 1.0, -1.0)
     blocks = (scaled * signs).split(255)
     return torch.cat([torch.cat([torch.tensor([absmax]), b]) for b in blocks])
@@ -389,10 +475,15 @@ VARIANTS = {
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_kernel_equals_reference_bitwise_for_each_input_kind(variant):
     options = dict(VARIANTS[variant])
-    remainders, grad_dtype, copy = (options.pop("remainders", False), options.pop("grad_dtype", F32),
-                                    options.pop("copy", None))
-    states = [make_state(n, ("q8", "q8"), remainders=remainders, grad_dtype=grad_dtype, seed=i)
-              for i, n in enumerate(SIZES)]
+    remainders, grad_dtype, copy = (
+        options.pop("remainders", False),
+        options.pop("grad_dtype", F32),
+        options.pop("copy", None),
+    )
+    states = [
+        make_state(n, ("q8", "q8"), remainders=remainders, grad_dtype=grad_dtype, seed=i)
+        for i, n in enumerate(SIZES)
+    ]
     device_states = [to_device_format(s) for s in states]
     copies = [torch.empty(s["param"].numel(), dtype=copy) for s in states] if copy else None
     hyper = {**HYPER, **options}
@@ -433,16 +524,33 @@ def test_kernel_equals_reference_on_zero_and_non_finite_blocks():
 
 
 @needs_interpreter
-@pytest.mark.parametrize("mutate, error, message", [
-    (lambda s: s.update(exp_avg=gpu_q8.Q8Blocks(s["exp_avg"].codes, s["exp_avg"].absmax[:-1])),
-     ValueError, r"exp_avgs\[0\]\.absmax has 2 elements; params\[0\]'s 600 elements need 3 \(one per block"),
-    (lambda s: s.update(exp_avg_sq=gpu_q8.Q8Blocks(s["exp_avg_sq"].codes.to(torch.int8), s["exp_avg_sq"].absmax)),
-     TypeError, r"exp_avg_sqs\[0\]\.codes must be a torch\.uint8 tensor, got torch\.int8"),
-    (lambda s: s.update(max_exp_avg_sq=torch.zeros(600)),
-     TypeError, r"max_exp_avg_sqs\[0\] must have exp_avg_sqs\[0\]'s format"),
-    (lambda s: s.update(exp_avg=torch.zeros(600, dtype=torch.float16)),
-     TypeError, r"exp_avgs\[0\] has dtype torch\.float16"),
-])
+@pytest.mark.parametrize(
+    "mutate, error, message",
+    [
+        (
+            lambda s: s.update(exp_avg=gpu_q8.Q8Blocks(s["exp_avg"].codes, s["exp_avg"].absmax[:-1])),
+            ValueError,
+            r"exp_avgs\[0\]\.absmax has 2 elements; params\[0\]'s 600 elements need 3 \(one per block",
+        ),
+        (
+            lambda s: s.update(
+                exp_avg_sq=gpu_q8.Q8Blocks(s["exp_avg_sq"].codes.to(torch.int8), s["exp_avg_sq"].absmax)
+            ),
+            TypeError,
+            r"exp_avg_sqs\[0\]\.codes must be a torch\.uint8 tensor, got torch\.int8",
+        ),
+        (
+            lambda s: s.update(max_exp_avg_sq=torch.zeros(600)),
+            TypeError,
+            r"max_exp_avg_sqs\[0\] must have exp_avg_sqs\[0\]'s format",
+        ),
+        (
+            lambda s: s.update(exp_avg=torch.zeros(600, dtype=torch.float16)),
+            TypeError,
+            r"exp_avgs\[0\] has dtype torch\.float16",
+        ),
+    ],
+)
 def test_kernel_refuses_bad_moments_naming_them(mutate, error, message):
     state = to_device_format(make_state(600, ("q8", "q8"), amsgrad=True))
     mutate(state)

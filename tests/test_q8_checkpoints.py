@@ -11,14 +11,15 @@ dynamic maps, blocks of 256) in bitsandbytes' layout: per param `step` (a Python
 `state2` for a param under 4,096 elements (its min_8bit_size); and, as bitsandbytes' state_dict()
 writes them today, those tensors nested under `__bnb_optimizer_quant_state__` (older releases: flat).
 """
+
 import pytest
 import torch
+from tolerances import assert_close
 from torch import nn
 
 from cpu_kernels.q8_reference import Q8Blocks, dequantize_blocks, dynamic_map, quantize_blocks
 from hybrid_opt import HybridAdamW, fp32_master
 from hybrid_opt.state.state_format import Q8, Q8_MIN_NUMEL
-from tolerances import assert_close
 
 FP32, BF16 = torch.float32, torch.bfloat16
 HYPER = dict(lr=1e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.05)
@@ -40,21 +41,26 @@ def _set_grads(params, step):
 
 
 def _placed(placement, tmp_path):
-    return {"device": dict(offload_fraction=0.0), "host": dict(offload_fraction=1.0),
-            "nvme": dict(offload_fraction=1.0, nvme_fraction=1.0, nvme_path=str(tmp_path))}[placement]
+    return {
+        "device": dict(offload_fraction=0.0),
+        "host": dict(offload_fraction=1.0),
+        "nvme": dict(offload_fraction=1.0, nvme_fraction=1.0, nvme_path=str(tmp_path)),
+    }[placement]
 
 
 def _hybrid(params, moments=Q8, **kw):
     kw.setdefault("offload_fraction", 0.0)
-    return HybridAdamW(params, exp_avg_dtype=moments, exp_avg_sq_dtype=moments, subgroup_numel=2048,
-                       **HYPER, **kw)
+    return HybridAdamW(
+        params, exp_avg_dtype=moments, exp_avg_sq_dtype=moments, subgroup_numel=2048, **HYPER, **kw
+    )
 
 
 def _moments(params, seed=5):
     """Per param (exp_avg, exp_avg_sq): what a few steps could leave (v >= 0)."""
     g = torch.Generator().manual_seed(seed)
-    return [(torch.randn(p.shape, generator=g) * 1e-2, torch.rand(p.shape, generator=g) * 1e-4)
-            for p in params]
+    return [
+        (torch.randn(p.shape, generator=g) * 1e-2, torch.rand(p.shape, generator=g) * 1e-4) for p in params
+    ]
 
 
 def bnb_state_dict(params, moments, step=3, nested=True):
@@ -66,12 +72,22 @@ def bnb_state_dict(params, moments, step=3, nested=True):
             quant = {"state1": m.clone(), "state2": v.clone()}
         else:
             qm, qv = quantize_blocks(m, True), quantize_blocks(v, False)
-            quant = {"state1": qm.codes.view(p.shape), "qmap1": dynamic_map(True),
-                     "state2": qv.codes.view(p.shape), "qmap2": dynamic_map(False),
-                     "absmax1": qm.absmax, "absmax2": qv.absmax}
+            quant = {
+                "state1": qm.codes.view(p.shape),
+                "qmap1": dynamic_map(True),
+                "state2": qv.codes.view(p.shape),
+                "qmap2": dynamic_map(False),
+                "absmax1": qm.absmax,
+                "absmax2": qv.absmax,
+            }
         state[i] = {"step": step, NESTED: quant} if nested else {"step": step, **quant}
-    group = {"lr": HYPER["lr"], "betas": HYPER["betas"], "eps": HYPER["eps"],
-             "weight_decay": HYPER["weight_decay"], "params": list(range(len(params)))}
+    group = {
+        "lr": HYPER["lr"],
+        "betas": HYPER["betas"],
+        "eps": HYPER["eps"],
+        "weight_decay": HYPER["weight_decay"],
+        "params": list(range(len(params))),
+    }
     return {"state": state, "param_groups": [group]}
 
 
@@ -80,6 +96,7 @@ def _quant(entry):
 
 
 # ----------------------------------------------------------------------------- bitsandbytes in
+
 
 @pytest.mark.parametrize("nested", [True, False], ids=["nested", "flat"])
 @pytest.mark.parametrize("placement", PLACEMENTS)
@@ -116,8 +133,12 @@ def test_a_bitsandbytes_resume_steps_as_our_own_q8_checkpoint_bitwise():
             for i, entry in sd["state"].items():
                 q = entry.pop(NESTED)
                 if q["state1"].dtype == torch.uint8:
-                    entry.update(exp_avg_q8=q["state1"], exp_avg_absmax=q["absmax1"],
-                                 exp_avg_sq_q8=q["state2"], exp_avg_sq_absmax=q["absmax2"])
+                    entry.update(
+                        exp_avg_q8=q["state1"],
+                        exp_avg_absmax=q["absmax1"],
+                        exp_avg_sq_q8=q["state2"],
+                        exp_avg_sq_absmax=q["absmax2"],
+                    )
                 else:
                     entry.update(exp_avg=q["state1"], exp_avg_sq=q["state2"])
         opt = _hybrid(params)
@@ -144,8 +165,10 @@ def test_bitsandbytes_codes_load_dequantized_into_float_moments(moments):
     mine = opt.state_dict()["state"]
     for i, p in enumerate(params):
         theirs = _quant(sd["state"][i])
-        for key, codes, absmax, signed in (("exp_avg", "state1", "absmax1", True),
-                                           ("exp_avg_sq", "state2", "absmax2", False)):
+        for key, codes, absmax, signed in (
+            ("exp_avg", "state1", "absmax1", True),
+            ("exp_avg_sq", "state2", "absmax2", False),
+        ):
             want = theirs[codes]
             if want.dtype == torch.uint8:  # map[code] * absmax of its block
                 want = dequantize_blocks(Q8Blocks(want.reshape(-1), theirs[absmax]), signed).view(p.shape)
@@ -170,12 +193,15 @@ def _broken(what):
     return params, sd
 
 
-@pytest.mark.parametrize("what, match", [
-    ("map", r"parameter 0's bitsandbytes state: its map 'qmap1' is not ours .*1 values differ"),
-    ("blocks of 2048", r"'absmax1' has torch.float32 with 3 elements, not 24 .*blocks of another size"),
-    ("not blockwise", r"not blockwise \('max1'"),
-    ("one state", r"not Adam's 'state1' and 'state2'"),
-])
+@pytest.mark.parametrize(
+    "what, match",
+    [
+        ("map", r"parameter 0's bitsandbytes state: its map 'qmap1' is not ours .*1 values differ"),
+        ("blocks of 2048", r"'absmax1' has torch.float32 with 3 elements, not 24 .*blocks of another size"),
+        ("not blockwise", r"not blockwise \('max1'"),
+        ("one state", r"not Adam's 'state1' and 'state2'"),
+    ],
+)
 def test_a_bitsandbytes_checkpoint_we_cannot_read_as_ours_is_refused_before_anything_loads(what, match):
     params, sd = _broken(what)
     opt = _hybrid(params)
@@ -192,6 +218,7 @@ def test_a_bitsandbytes_checkpoint_we_cannot_read_as_ours_is_refused_before_anyt
 
 
 # ----------------------------------------------------------------------------- fp32 out
+
 
 @pytest.mark.parametrize("placement", PLACEMENTS)
 def test_fp32_save_loads_into_torch_adamw_and_both_step_alike(placement, tmp_path):
@@ -214,7 +241,9 @@ def test_fp32_save_loads_into_torch_adamw_and_both_step_alike(placement, tmp_pat
         st = ref.state[torch_params[i]]
         assert st["exp_avg"].dtype == FP32 and float(st["step"]) == 3.0
         if p.numel() >= Q8_MIN_NUMEL:
-            want = dequantize_blocks(Q8Blocks(q8[i]["exp_avg_sq_q8"].reshape(-1), q8[i]["exp_avg_sq_absmax"]), False)
+            want = dequantize_blocks(
+                Q8Blocks(q8[i]["exp_avg_sq_q8"].reshape(-1), q8[i]["exp_avg_sq_absmax"]), False
+            )
             assert torch.equal(st["exp_avg_sq"].reshape(-1), want), i
         else:
             assert torch.equal(st["exp_avg_sq"], q8[i]["exp_avg_sq"]), i
@@ -231,8 +260,14 @@ def test_fp32_save_loads_into_torch_adamw_and_both_step_alike(placement, tmp_pat
 def test_fp32_save_of_a_bf16_remainder_model_carries_fp32_moments_and_master(tmp_path):
     params = _params(BF16, seed=3)
     opt = _hybrid(params, store_param_remainders=True)
-    exp_avg_sq_bf16 = HybridAdamW(_params(BF16, seed=3), exp_avg_dtype=Q8, exp_avg_sq_dtype=BF16,
-                                  subgroup_numel=2048, offload_fraction=0.0, **HYPER)
+    exp_avg_sq_bf16 = HybridAdamW(
+        _params(BF16, seed=3),
+        exp_avg_dtype=Q8,
+        exp_avg_sq_dtype=BF16,
+        subgroup_numel=2048,
+        offload_fraction=0.0,
+        **HYPER,
+    )
     for o, ps in ((opt, params), (exp_avg_sq_bf16, exp_avg_sq_bf16.param_groups[0]["params"])):
         for k in range(2):
             _set_grads(ps, k)
@@ -262,6 +297,7 @@ def test_fp32_save_goes_through_a_state_dict_post_hook_in_fp32(tmp_path):
     def hook(optimizer, sd):
         seen.update({i: sorted(e) for i, e in sd["state"].items()})
         return sd
+
     opt.register_state_dict_post_hook(hook)
     opt.save_state_dict(tmp_path / "h.pt", fp32=True)
     sd = torch.load(tmp_path / "h.pt", weights_only=True)
@@ -282,6 +318,7 @@ def test_a_real_bitsandbytes_checkpoint_loads_its_codes_bitwise():
     def model():
         torch.manual_seed(0)
         return torch.nn.Sequential(torch.nn.Linear(128, 128), torch.nn.Tanh(), torch.nn.Linear(128, 64))
+
     net = model()
     peer = bnb.optim.AdamW8bit(net.parameters(), lr=1e-3, weight_decay=0.01)
     for k in range(3):
@@ -298,8 +335,14 @@ def test_a_real_bitsandbytes_checkpoint_loads_its_codes_bitwise():
     for offload in (0.0, 1.0):
         ours = model()
         ours.load_state_dict(net.state_dict())
-        with HybridAdamW(ours.parameters(), lr=1e-3, weight_decay=0.01, exp_avg_dtype="q8",
-                         exp_avg_sq_dtype="q8", offload_fraction=offload) as opt:
+        with HybridAdamW(
+            ours.parameters(),
+            lr=1e-3,
+            weight_decay=0.01,
+            exp_avg_dtype="q8",
+            exp_avg_sq_dtype="q8",
+            offload_fraction=offload,
+        ) as opt:
             opt.load_state_dict(saved)
             state = opt.state_dict()["state"]
             for i, p in enumerate(net.parameters()):

@@ -4,23 +4,24 @@ parallel one, 1 and 2 threads, remainders, amsgrad, bank mode, zero / subnormal 
 and every code boundary; the C library's codebook is the reference's; bad arguments are refused
 with a message naming them.
 """
+
 import functools
 import math
 
 import pytest
 import torch
-
 from test_q8 import boundary_grads
 
 import cpu_kernels
-from cpu_kernels import _q8_lib, q8_codegen
+from cpu_kernels import _q8_lib, q8_adam_step_, q8_codegen
 from cpu_kernels import q8_reference as q8
-from cpu_kernels import q8_adam_step_
 from cpu_kernels.reference import bf16_round_reference, encode_remainder_reference
 
-pytestmark = [pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning"),
-              pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning"),
-              pytest.mark.filterwarnings("ignore:divide by zero encountered:RuntimeWarning")]
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning"),
+    pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning"),
+    pytest.mark.filterwarnings("ignore:divide by zero encountered:RuntimeWarning"),
+]
 
 F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16
 HYPER = dict(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01)
@@ -78,8 +79,12 @@ def make_state(n, formats, *, amsgrad=False, remainders=False, grad_dtype=F32, s
     def moment(values, fmt, signed):
         return q8.quantize_blocks(values, signed) if fmt == "q8" else values.to(fmt)
 
-    state = dict(param=master, grad=torch.randn(n, generator=gen).to(grad_dtype),
-                 exp_avg=moment(m, formats[0], True), exp_avg_sq=moment(v, formats[1], False))
+    state = dict(
+        param=master,
+        grad=torch.randn(n, generator=gen).to(grad_dtype),
+        exp_avg=moment(m, formats[0], True),
+        exp_avg_sq=moment(v, formats[1], False),
+    )
     if amsgrad:
         state["max_exp_avg_sq"] = moment(v * 1.5, formats[1], False)
     if remainders:
@@ -90,8 +95,15 @@ def make_state(n, formats, *, amsgrad=False, remainders=False, grad_dtype=F32, s
 def kernel_step(state, **kwargs):
     """q8_adam_step_ in place on a copy of state; returns the copy."""
     got = {k: clone(v) for k, v in state.items()}
-    q8_adam_step_(got["param"], got["grad"], got["exp_avg"], got["exp_avg_sq"],
-                  max_exp_avg_sq=got.get("max_exp_avg_sq"), remainder=got.get("remainder"), **kwargs)
+    q8_adam_step_(
+        got["param"],
+        got["grad"],
+        got["exp_avg"],
+        got["exp_avg_sq"],
+        max_exp_avg_sq=got.get("max_exp_avg_sq"),
+        remainder=got.get("remainder"),
+        **kwargs,
+    )
     return got
 
 
@@ -110,17 +122,22 @@ def case(n, formats, amsgrad, remainders=False, grad_dtype=F32, step=3, seed=0, 
 
 # ------------------------------------------------------------------------------- the codebook
 
+
 def test_generated_tables_file_is_what_the_generator_writes_now():
-    assert q8_codegen.PATH.read_text() == q8_codegen.source(), \
+    assert q8_codegen.PATH.read_text() == q8_codegen.source(), (
         "cpu_kernels/csrc/q8_tables.c is stale: run `python -m cpu_kernels.q8_codegen` and rebuild"
+    )
 
 
 @pytest.mark.parametrize("signed", [True, False], ids=["signed", "unsigned"])
 def test_the_libraries_codebook_is_the_reference_maps_and_tables(signed):
     qmap, table = _q8_lib.q8_codebook(signed)
-    assert torch.equal(torch.tensor(qmap, dtype=torch.int64),
-                       bits(q8.dynamic_map(signed)).to(torch.int64) & 0xFFFFFFFF)
-    assert torch.equal(torch.tensor(table, dtype=torch.int64), q8.bucket_table(signed).flatten().to(torch.int64))
+    assert torch.equal(
+        torch.tensor(qmap, dtype=torch.int64), bits(q8.dynamic_map(signed)).to(torch.int64) & 0xFFFFFFFF
+    )
+    assert torch.equal(
+        torch.tensor(table, dtype=torch.int64), q8.bucket_table(signed).flatten().to(torch.int64)
+    )
 
 
 def test_the_q8_step_runs_at_the_adam_dispatchers_level(level):
@@ -129,6 +146,7 @@ def test_the_q8_step_runs_at_the_adam_dispatchers_level(level):
 
 
 # ------------------------------------------------------------------------------- the Adam step
+
 
 @pytest.mark.parametrize("formats", MOMENT_FORMATS, ids=lambda f: "-".join(map(str, f)))
 @pytest.mark.parametrize("amsgrad", [False, True], ids=["", "amsgrad"])
@@ -157,8 +175,16 @@ def test_step_equals_reference_bitwise_for_each_input_kind(level, threads, varia
     kinds = {k: options.pop(k) for k in ("remainders", "grad_dtype", "amsgrad", "step") if k in options}
     step = kinds.get("step", 3)
     for i, n in enumerate(SIZES):
-        state, want = case(n, ("q8", "q8"), kinds.get("amsgrad", False), kinds.get("remainders", False),
-                           kinds.get("grad_dtype", F32), step, i, **options)
+        state, want = case(
+            n,
+            ("q8", "q8"),
+            kinds.get("amsgrad", False),
+            kinds.get("remainders", False),
+            kinds.get("grad_dtype", F32),
+            step,
+            i,
+            **options,
+        )
         got = kernel_step(state, step=step, **{**HYPER, **options})
         assert_state_equals(got, want, f"{variant} {level} {threads}T n={n}")
 
@@ -169,22 +195,35 @@ def test_param_copy_is_the_new_param_rounded_as_torch_casts(level, copy_dtype):
         state, want = case(n, ("q8", BF16), False, seed=i)
         copy = torch.empty(n, dtype=copy_dtype)
         got = {k: clone(v) for k, v in state.items()}
-        q8_adam_step_(got["param"], got["grad"], got["exp_avg"], got["exp_avg_sq"], param_copy=copy,
-                      step=3, **HYPER)
+        q8_adam_step_(
+            got["param"], got["grad"], got["exp_avg"], got["exp_avg_sq"], param_copy=copy, step=3, **HYPER
+        )
         assert_state_equals(got, want, f"n={n}")
         expected = bf16_round_reference(want[0]) if copy_dtype == BF16 else want[0].to(F16)
         assert torch.equal(bits(copy), bits(expected)), f"n={n}"
 
 
-@pytest.mark.parametrize("formats", [("q8", "q8"), ("q8", BF16), (F32, "q8")], ids=lambda f: "-".join(map(str, f)))
+@pytest.mark.parametrize(
+    "formats", [("q8", "q8"), ("q8", BF16), (F32, "q8")], ids=lambda f: "-".join(map(str, f))
+)
 def test_three_steps_in_place_equal_three_reference_steps(level, formats):
-    states = [make_state(n, formats, amsgrad=True, remainders=True, grad_dtype=BF16, seed=i)
-              for i, n in enumerate(SIZES[:5])]
+    states = [
+        make_state(n, formats, amsgrad=True, remainders=True, grad_dtype=BF16, seed=i)
+        for i, n in enumerate(SIZES[:5])
+    ]
     got = [{k: clone(v) for k, v in s.items()} for s in states]
     for step in (1, 2, 3):
         for i, (g, s) in enumerate(zip(got, states)):
-            q8_adam_step_(g["param"], g["grad"], g["exp_avg"], g["exp_avg_sq"], max_exp_avg_sq=g["max_exp_avg_sq"],
-                          remainder=g["remainder"], step=step, **HYPER)
+            q8_adam_step_(
+                g["param"],
+                g["grad"],
+                g["exp_avg"],
+                g["exp_avg_sq"],
+                max_exp_avg_sq=g["max_exp_avg_sq"],
+                remainder=g["remainder"],
+                step=step,
+                **HYPER,
+            )
             want = q8.q8_adam_step_reference(**s, step=step, **HYPER)
             states[i] = {**s, **{k: v for k, v in zip(NAMES, want) if v is not None}}
             assert_state_equals(g, want, f"step {step} n={SIZES[i]}")
@@ -197,9 +236,18 @@ def test_bank_mode_writes_the_outputs_and_leaves_the_inputs_untouched(level, thr
         before = {k: clone(v) for k, v in state.items()}
         out = tuple(garbage_like(state[k]) for k in ("param", "exp_avg", "exp_avg_sq", "max_exp_avg_sq"))
         remainder_out = garbage_like(state["remainder"]) if remainders else None
-        result = q8_adam_step_(state["param"], state["grad"], state["exp_avg"], state["exp_avg_sq"],
-                               max_exp_avg_sq=state["max_exp_avg_sq"], remainder=state.get("remainder"),
-                               out=out, remainder_out=remainder_out, step=3, **HYPER)
+        result = q8_adam_step_(
+            state["param"],
+            state["grad"],
+            state["exp_avg"],
+            state["exp_avg_sq"],
+            max_exp_avg_sq=state["max_exp_avg_sq"],
+            remainder=state.get("remainder"),
+            out=out,
+            remainder_out=remainder_out,
+            step=3,
+            **HYPER,
+        )
         assert result is out[0]
         for name in before:
             assert same_bits(state[name], before[name]), f"input {name} changed, n={n}"
@@ -226,7 +274,7 @@ def test_zero_subnormal_and_non_finite_blocks_equal_the_reference(level):
     assert_state_equals(got, want, f"{level} zero, subnormal and non-finite blocks")
 
 
-@pytest.mark.parametrize("absmax", [3.0, 1.0, 2.0 ** -100])
+@pytest.mark.parametrize("absmax", [3.0, 1.0, 2.0**-100])
 def test_every_code_boundary_quantizes_as_the_reference(level, absmax):
     # beta1 = beta2 = 0 and zero moments make the new moments g and g·g exactly, so the
     # quantizer sees x = g / absmax on and beside every boundary of both maps (absmax 3: the
@@ -239,9 +287,12 @@ def test_every_code_boundary_quantizes_as_the_reference(level, absmax):
     grad = torch.cat([grad, random])
     n = grad.numel()
     blocks = -(-n // 256)
-    state = dict(param=torch.randn(n), grad=grad,
-                 exp_avg=q8.Q8Blocks(torch.full((n,), 127, dtype=torch.uint8), torch.zeros(blocks)),
-                 exp_avg_sq=q8.Q8Blocks(torch.zeros(n, dtype=torch.uint8), torch.zeros(blocks)))
+    state = dict(
+        param=torch.randn(n),
+        grad=grad,
+        exp_avg=q8.Q8Blocks(torch.full((n,), 127, dtype=torch.uint8), torch.zeros(blocks)),
+        exp_avg_sq=q8.Q8Blocks(torch.zeros(n, dtype=torch.uint8), torch.zeros(blocks)),
+    )
     hyper = {**HYPER, "beta1": 0.0, "beta2": 0.0}
     want = q8.q8_adam_step_reference(**state, step=1, **hyper)
     assert torch.equal(want[1].absmax[:8], torch.full((8,), absmax))
@@ -255,57 +306,116 @@ def test_an_empty_tensor_is_a_no_op():
 
 # ------------------------------------------------------------------------------ bad arguments
 
+
 def _q8(n, fill=0):
     return q8.Q8Blocks(torch.full((n,), fill, dtype=torch.uint8), torch.zeros(-(-n // 256)))
 
 
 def q8_with(name, codes=None, absmax=None):
     """A mutation: the call's q8 moment `name` with its codes or absmax replaced (a function of it)."""
+
     def mutate(call):
         old = call[name]
-        call[name] = q8.Q8Blocks(codes(old.codes) if codes else old.codes, absmax(old.absmax) if absmax else old.absmax)
+        call[name] = q8.Q8Blocks(
+            codes(old.codes) if codes else old.codes, absmax(old.absmax) if absmax else old.absmax
+        )
+
     return mutate
 
 
 def set_args(**values):
     """A mutation: the call's arguments set, each a value or a function of the call."""
+
     def mutate(call):
         call.update({k: v(call) if callable(v) else v for k, v in values.items()})
+
     return mutate
 
 
 BAD_ARGUMENTS = {
-    "absmax-count": (q8_with("exp_avg", absmax=lambda a: a[:-1]), ValueError,
-                     r"exp_avg\.absmax has 2 elements; param's 600 elements need 3 \(one per block of 256\)"),
-    "codes-dtype": (q8_with("exp_avg_sq", codes=lambda c: c.to(torch.int8)), TypeError,
-                    r"exp_avg_sq\.codes must have dtype in \['torch\.uint8'\], got torch\.int8"),
-    "codes-count": (q8_with("exp_avg", codes=lambda c: c[:599]), ValueError,
-                    r"exp_avg\.codes has 599 elements, expected 600"),
-    "absmax-dtype": (q8_with("exp_avg", absmax=lambda a: a.double()), TypeError,
-                     r"exp_avg\.absmax must have dtype in \['torch\.float32'\], got torch\.float64"),
-    "codes-strided": (q8_with("exp_avg", codes=lambda c: torch.zeros(1200, dtype=torch.uint8)[::2]), ValueError,
-                      r"exp_avg\.codes must be contiguous"),
-    "max-format": (set_args(max_exp_avg_sq=torch.zeros(600)), TypeError,
-                   r"max_exp_avg_sq must have exp_avg_sq's format, Q8Blocks \(codes, absmax\); "
-                   r"got a torch\.float32 tensor"),
-    "moment-fp16": (set_args(exp_avg=torch.zeros(600, dtype=F16)), TypeError,
-                    r"exp_avg must have dtype in \['torch\.float32', 'torch\.bfloat16'\], got torch\.float16"),
-    "moment-list": (set_args(exp_avg=[0.0] * 600), TypeError,
-                    r"exp_avg must be a torch\.Tensor \(fp32 or bf16\) or Q8Blocks \(codes, absmax\), got list"),
-    "out-format": (set_args(out=(torch.zeros(600), torch.zeros(600), _q8(600), _q8(600))), TypeError,
-                   r"out\[1\] \(exp_avg_out\) must have exp_avg's format, Q8Blocks"),
-    "out-count": (set_args(out=(torch.zeros(600), _q8(600, 127), _q8(600))), ValueError,
-                  r"out must be a tuple of 4 \(param_out, exp_avg_out, exp_avg_sq_out, max_exp_avg_sq_out\)"),
+    "absmax-count": (
+        q8_with("exp_avg", absmax=lambda a: a[:-1]),
+        ValueError,
+        r"exp_avg\.absmax has 2 elements; param's 600 elements need 3 \(one per block of 256\)",
+    ),
+    "codes-dtype": (
+        q8_with("exp_avg_sq", codes=lambda c: c.to(torch.int8)),
+        TypeError,
+        r"exp_avg_sq\.codes must have dtype in \['torch\.uint8'\], got torch\.int8",
+    ),
+    "codes-count": (
+        q8_with("exp_avg", codes=lambda c: c[:599]),
+        ValueError,
+        r"exp_avg\.codes has 599 elements, expected 600",
+    ),
+    "absmax-dtype": (
+        q8_with("exp_avg", absmax=lambda a: a.double()),
+        TypeError,
+        r"exp_avg\.absmax must have dtype in \['torch\.float32'\], got torch\.float64",
+    ),
+    "codes-strided": (
+        q8_with("exp_avg", codes=lambda c: torch.zeros(1200, dtype=torch.uint8)[::2]),
+        ValueError,
+        r"exp_avg\.codes must be contiguous",
+    ),
+    "max-format": (
+        set_args(max_exp_avg_sq=torch.zeros(600)),
+        TypeError,
+        r"max_exp_avg_sq must have exp_avg_sq's format, Q8Blocks \(codes, absmax\); "
+        r"got a torch\.float32 tensor",
+    ),
+    "moment-fp16": (
+        set_args(exp_avg=torch.zeros(600, dtype=F16)),
+        TypeError,
+        r"exp_avg must have dtype in \['torch\.float32', 'torch\.bfloat16'\], got torch\.float16",
+    ),
+    "moment-list": (
+        set_args(exp_avg=[0.0] * 600),
+        TypeError,
+        r"exp_avg must be a torch\.Tensor \(fp32 or bf16\) or Q8Blocks \(codes, absmax\), got list",
+    ),
+    "out-format": (
+        set_args(out=(torch.zeros(600), torch.zeros(600), _q8(600), _q8(600))),
+        TypeError,
+        r"out\[1\] \(exp_avg_out\) must have exp_avg's format, Q8Blocks",
+    ),
+    "out-count": (
+        set_args(out=(torch.zeros(600), _q8(600, 127), _q8(600))),
+        ValueError,
+        r"out must be a tuple of 4 \(param_out, exp_avg_out, exp_avg_sq_out, max_exp_avg_sq_out\)",
+    ),
     "out-overlaps-input": (
-        set_args(out=lambda s: (torch.zeros(600), q8.Q8Blocks(s["exp_avg"].codes, torch.zeros(3)), _q8(600), _q8(600))),
-        ValueError, r"out\[1\] \(exp_avg_out\)\.codes overlaps exp_avg\.codes: bank mode"),
-    "outs-overlap": (set_args(out=lambda s: (torch.zeros(600), _q8(600, 127), *(2 * [_q8(600)]))), ValueError,
-                     r"out\[2\] \(exp_avg_sq_out\)\.codes overlaps out\[3\] \(max_exp_avg_sq_out\)\.codes"),
-    "remainder-out-alone": (set_args(remainder_out=torch.zeros(600, dtype=torch.int16)), ValueError,
-                            r"remainder_out needs remainder="),
-    "bf16-param-no-remainder": (set_args(param=lambda s: s["param"].to(BF16)), TypeError,
-                                r"a bf16 param needs remainder="),
-    "grad-count": (set_args(grad=lambda s: s["grad"][:500]), ValueError, r"grad has 500 elements, expected 600"),
+        set_args(
+            out=lambda s: (
+                torch.zeros(600),
+                q8.Q8Blocks(s["exp_avg"].codes, torch.zeros(3)),
+                _q8(600),
+                _q8(600),
+            )
+        ),
+        ValueError,
+        r"out\[1\] \(exp_avg_out\)\.codes overlaps exp_avg\.codes: bank mode",
+    ),
+    "outs-overlap": (
+        set_args(out=lambda s: (torch.zeros(600), _q8(600, 127), *(2 * [_q8(600)]))),
+        ValueError,
+        r"out\[2\] \(exp_avg_sq_out\)\.codes overlaps out\[3\] \(max_exp_avg_sq_out\)\.codes",
+    ),
+    "remainder-out-alone": (
+        set_args(remainder_out=torch.zeros(600, dtype=torch.int16)),
+        ValueError,
+        r"remainder_out needs remainder=",
+    ),
+    "bf16-param-no-remainder": (
+        set_args(param=lambda s: s["param"].to(BF16)),
+        TypeError,
+        r"a bf16 param needs remainder=",
+    ),
+    "grad-count": (
+        set_args(grad=lambda s: s["grad"][:500]),
+        ValueError,
+        r"grad has 500 elements, expected 600",
+    ),
     "lr": (set_args(lr=-1.0), ValueError, r"Invalid learning rate: -1\.0"),
     "step": (set_args(step=0), ValueError, r"step must be an int >= 1"),
 }
@@ -326,13 +436,23 @@ def test_bad_arguments_are_refused_naming_them(bad):
 
 def test_the_raw_entry_point_refuses_a_q8_moment_without_its_absmax():
     state = make_state(300, ("q8", "q8"))
-    args = _q8_lib.Q8AdamArgs(n=300, param=state["param"].data_ptr(), grad=state["grad"].data_ptr(),
-                              param_out=state["param"].data_ptr(), exp_avg=state["exp_avg"].codes.data_ptr(),
-                              exp_avg_out=state["exp_avg"].codes.data_ptr(),
-                              exp_avg_sq=state["exp_avg_sq"].codes.data_ptr(),
-                              exp_avg_sq_out=state["exp_avg_sq"].codes.data_ptr(),
-                              exp_avg_dtype=_q8_lib.DT_Q8, exp_avg_sq_dtype=_q8_lib.DT_Q8, step=1, lr=1e-3,
-                              beta1=0.9, beta2=0.999, eps=1e-8)
+    args = _q8_lib.Q8AdamArgs(
+        n=300,
+        param=state["param"].data_ptr(),
+        grad=state["grad"].data_ptr(),
+        param_out=state["param"].data_ptr(),
+        exp_avg=state["exp_avg"].codes.data_ptr(),
+        exp_avg_out=state["exp_avg"].codes.data_ptr(),
+        exp_avg_sq=state["exp_avg_sq"].codes.data_ptr(),
+        exp_avg_sq_out=state["exp_avg_sq"].codes.data_ptr(),
+        exp_avg_dtype=_q8_lib.DT_Q8,
+        exp_avg_sq_dtype=_q8_lib.DT_Q8,
+        step=1,
+        lr=1e-3,
+        beta1=0.9,
+        beta2=0.999,
+        eps=1e-8,
+    )
     before = state["param"].clone()
     with pytest.raises(ValueError, match="a q8 moment needs its absmax and absmax_out"):
         _q8_lib.q8_adam_step_raw(args)
@@ -341,8 +461,10 @@ def test_the_raw_entry_point_refuses_a_q8_moment_without_its_absmax():
 
 # ------------------------------------------------ the AVX-512 quantizer's lines against q8_code
 
+
 def _check_quant_avx512(signed, first, count):
     import ctypes
+
     fn = _q8_lib.lib.q8_check_quant_avx512
     fn.restype = ctypes.c_int64
     fn.argtypes = [ctypes.c_int, ctypes.c_uint32, ctypes.c_uint64, ctypes.POINTER(ctypes.c_int64)]

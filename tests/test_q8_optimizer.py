@@ -7,8 +7,10 @@ checkpoints (codes and absmaxes under documented keys, a torch checkpoint quanti
 Grads come from a fixed stream (set on .grad), so every run steps the same inputs and state is
 compared with torch.equal.
 """
+
 import pytest
 import torch
+from tolerances import Q8_TRAJECTORY_SHARE, assert_close
 from torch import nn
 
 import cpu_kernels
@@ -16,14 +18,18 @@ from cpu_kernels.q8_reference import Q8Blocks, dequantize_blocks, q8_adam_step_r
 from cpu_kernels.reference import FUSED_MULTIPLY_ADD_LEVELS, adam_step_bitwise_reference
 from hybrid_opt import HybridAdam, HybridAdamW
 from hybrid_opt.state.state_format import Q8, Q8_MIN_NUMEL, StateFormat
-from tolerances import Q8_TRAJECTORY_SHARE, assert_close
 
 BF16, FP32 = torch.bfloat16, torch.float32
 HYPER = dict(lr=1e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.05)
 # quantized: 6144 (24 blocks), 5000 (a partial last block), 5120; small: 185, 19, 36
 SHAPES = ((64, 96), (5000,), (37, 5), (80, 64), (19,), (3, 3, 4))
-MOMENTS = {"both q8": (Q8, Q8), "exp_avg q8": (Q8, FP32), "exp_avg_sq q8": (FP32, Q8),
-           "bf16 + q8": (BF16, Q8), "q8 + bf16": (Q8, BF16)}
+MOMENTS = {
+    "both q8": (Q8, Q8),
+    "exp_avg q8": (Q8, FP32),
+    "exp_avg_sq q8": (FP32, Q8),
+    "bf16 + q8": (BF16, Q8),
+    "q8 + bf16": (Q8, BF16),
+}
 
 
 def _params(dtype, seed=0, shapes=SHAPES):
@@ -44,8 +50,15 @@ def _set_grads(params, step):
 def _hybrid(params, fmt: StateFormat, cls=HybridAdamW, amsgrad=False, **kw):
     kw.setdefault("offload_fraction", 0.0)
     kw.setdefault("subgroup_numel", 2048)
-    return cls(params, amsgrad=amsgrad, exp_avg_dtype=fmt.exp_avg_dtype, exp_avg_sq_dtype=fmt.exp_avg_sq_dtype,
-               store_param_remainders=fmt.store_param_remainders, **HYPER, **kw)
+    return cls(
+        params,
+        amsgrad=amsgrad,
+        exp_avg_dtype=fmt.exp_avg_dtype,
+        exp_avg_sq_dtype=fmt.exp_avg_sq_dtype,
+        store_param_remainders=fmt.store_param_remainders,
+        **HYPER,
+        **kw,
+    )
 
 
 def _run(opt, params, steps, first=0):
@@ -70,15 +83,29 @@ def reference_run(params, steps, fmt: StateFormat, amsgrad=False, decoupled=True
         f = fmt.for_subgroup(n >= Q8_MIN_NUMEL)
         rem = f.remainders_for(p.dtype)
         master = p.detach().reshape(-1).clone() if rem else p.detach().reshape(-1).float().clone()
-        state.append(dict(fmt=f, param=master, exp_avg=_zero(n, f.exp_avg_dtype, True),
-                          exp_avg_sq=_zero(n, f.exp_avg_sq_dtype, False),
-                          max_exp_avg_sq=_zero(n, f.exp_avg_sq_dtype, False) if amsgrad else None,
-                          remainder=torch.zeros(n, dtype=torch.int16) if rem else None))
+        state.append(
+            dict(
+                fmt=f,
+                param=master,
+                exp_avg=_zero(n, f.exp_avg_dtype, True),
+                exp_avg_sq=_zero(n, f.exp_avg_sq_dtype, False),
+                max_exp_avg_sq=_zero(n, f.exp_avg_sq_dtype, False) if amsgrad else None,
+                remainder=torch.zeros(n, dtype=torch.int16) if rem else None,
+            )
+        )
     for k in range(steps):
         for st, g in zip(state, _grads(params, k)):
-            hp = dict(step=k + 1, lr=HYPER["lr"], beta1=HYPER["betas"][0], beta2=HYPER["betas"][1],
-                      eps=HYPER["eps"], weight_decay=HYPER["weight_decay"], decoupled=decoupled,
-                      max_exp_avg_sq=st["max_exp_avg_sq"], remainder=st["remainder"])
+            hp = dict(
+                step=k + 1,
+                lr=HYPER["lr"],
+                beta1=HYPER["betas"][0],
+                beta2=HYPER["betas"][1],
+                eps=HYPER["eps"],
+                weight_decay=HYPER["weight_decay"],
+                decoupled=decoupled,
+                max_exp_avg_sq=st["max_exp_avg_sq"],
+                remainder=st["remainder"],
+            )
             args = (st["param"], g.reshape(-1), st["exp_avg"], st["exp_avg_sq"])
             if st["fmt"].quantized_moments:
                 out = q8_adam_step_reference(*args, **hp)
@@ -98,7 +125,10 @@ def assert_state_equal(sd_state, ref, params, fmt, amsgrad=False):
             want = st[name]
             if isinstance(want, Q8Blocks):
                 assert name not in entry, (i, name)
-                assert entry[name + "_q8"].dtype == torch.uint8 and entry[name + "_q8"].shape == p.shape, (i, name)
+                assert entry[name + "_q8"].dtype == torch.uint8 and entry[name + "_q8"].shape == p.shape, (
+                    i,
+                    name,
+                )
                 assert torch.equal(entry[name + "_q8"].reshape(-1), want.codes), (i, name)
                 assert torch.equal(entry[name + "_absmax"], want.absmax), (i, name)
             else:
@@ -125,16 +155,28 @@ def test_q8_is_a_moment_format_of_its_own_bytes():
     assert fmt.unquantized() == StateFormat(FP32, FP32, True)
     assert StateFormat(BF16, Q8).unquantized() == StateFormat(BF16, FP32)
     assert StateFormat(Q8, Q8).stored_moments(True) == {
-        "exp_avg": torch.uint8, "exp_avg_absmax": FP32, "exp_avg_sq": torch.uint8,
-        "exp_avg_sq_absmax": FP32, "max_exp_avg_sq": torch.uint8, "max_exp_avg_sq_absmax": FP32}
+        "exp_avg": torch.uint8,
+        "exp_avg_absmax": FP32,
+        "exp_avg_sq": torch.uint8,
+        "exp_avg_sq_absmax": FP32,
+        "max_exp_avg_sq": torch.uint8,
+        "max_exp_avg_sq_absmax": FP32,
+    }
 
 
-@pytest.mark.parametrize("kwargs, error, match", [
-    (dict(exp_avg_dtype="q4"), TypeError, r"exp_avg_dtype must be torch.float32 or torch.bfloat16 \(or \"q8\""),
-    (dict(exp_avg_sq_dtype=Q8, rollback="inverse"), ValueError, "q8 moments"),
-    (dict(exp_avg_dtype=Q8, process_group=object()), ValueError, "not yet supported with process_group"),
-    (dict(exp_avg_dtype=Q8, offload_fraction=0.0, subgroup_numel=128), ValueError, "one q8 block"),
-])
+@pytest.mark.parametrize(
+    "kwargs, error, match",
+    [
+        (
+            dict(exp_avg_dtype="q4"),
+            TypeError,
+            r"exp_avg_dtype must be torch.float32 or torch.bfloat16 \(or \"q8\"",
+        ),
+        (dict(exp_avg_sq_dtype=Q8, rollback="inverse"), ValueError, "q8 moments"),
+        (dict(exp_avg_dtype=Q8, process_group=object()), ValueError, "not yet supported with process_group"),
+        (dict(exp_avg_dtype=Q8, offload_fraction=0.0, subgroup_numel=128), ValueError, "one q8 block"),
+    ],
+)
 def test_bad_q8_options_are_refused_at_construction(kwargs, error, match):
     with pytest.raises(error, match=match):
         HybridAdamW(_params(FP32), **kwargs)
@@ -221,8 +263,11 @@ def _triton_on_cpu(opt, monkeypatch):
     """The device tier's CUDA launch path (_step_cuda: gpu_kernels.q8_adam_ for q8 subgroups,
     the prepared fused_adam_ for the others) run on CPU tensors through TRITON_INTERPRET."""
     tier = opt.parts.placement.device
-    monkeypatch.setattr(tier, "step", lambda work, scale, found_inf=None:
-                        tier._step_cuda(work, float(scale), found_inf) if work else None)
+    monkeypatch.setattr(
+        tier,
+        "step",
+        lambda work, scale, found_inf=None: tier._step_cuda(work, float(scale), found_inf) if work else None,
+    )
 
 
 @pytest.mark.parametrize("model", ["fp32", "bf16 remainders"])
@@ -245,6 +290,7 @@ def test_q8_checkpoint_round_trip_is_bitwise():
     """state_dict() of a q8 optimizer loaded into a fresh one: the run continues bit for bit as
     the uninterrupted one, and the checkpoint loads with torch.load(weights_only=True)."""
     import io
+
     fmt = StateFormat(Q8, Q8, True)
     a_params, b_params = _params(BF16, seed=9), _params(BF16, seed=9)
     a = _run(_hybrid(a_params, fmt), a_params, 3)
@@ -277,8 +323,11 @@ def test_torch_adamw_checkpoint_loads_quantized(placement, tmp_path):
     _set_grads(params, 0)
     ref.step()
     sd = ref.state_dict()
-    kw = {"device": dict(offload_fraction=0.0), "host": dict(offload_fraction=1.0),
-          "nvme": dict(offload_fraction=1.0, nvme_fraction=1.0, nvme_path=str(tmp_path))}[placement]
+    kw = {
+        "device": dict(offload_fraction=0.0),
+        "host": dict(offload_fraction=1.0),
+        "nvme": dict(offload_fraction=1.0, nvme_fraction=1.0, nvme_path=str(tmp_path)),
+    }[placement]
     opt = _hybrid(params, StateFormat(Q8, Q8), **kw)
     opt.load_state_dict(sd)
     mine = opt.state_dict()["state"]
@@ -303,8 +352,9 @@ def test_q8_checkpoint_loads_dequantized_into_fp32_moments():
     st = f.state_dict()["state"]
     for i, p in enumerate(params):
         if p.numel() >= Q8_MIN_NUMEL:
-            want = dequantize_blocks(Q8Blocks(sd["state"][i]["exp_avg_q8"].reshape(-1),
-                                              sd["state"][i]["exp_avg_absmax"]), True)
+            want = dequantize_blocks(
+                Q8Blocks(sd["state"][i]["exp_avg_q8"].reshape(-1), sd["state"][i]["exp_avg_absmax"]), True
+            )
             assert torch.equal(st[i]["exp_avg"].reshape(-1), want), i
 
 
@@ -321,8 +371,11 @@ def test_a_q8_entry_of_the_wrong_size_is_refused_naming_the_key():
 FAULT_ENV = "HYBRID_OPT_WORKER_FAULT"
 
 
-PLACED = {"host": dict(offload_fraction=1.0), "nvme": dict(offload_fraction=1.0, nvme_fraction=0.6),
-          "mixed": dict(offload_fraction=0.5, nvme_fraction=0.25)}
+PLACED = {
+    "host": dict(offload_fraction=1.0),
+    "nvme": dict(offload_fraction=1.0, nvme_fraction=0.6),
+    "mixed": dict(offload_fraction=0.5, nvme_fraction=0.25),
+}
 
 
 @pytest.mark.parametrize("placement", list(PLACED))
@@ -337,8 +390,11 @@ def test_host_and_nvme_tiers_step_the_q8_reference_bitwise(model, moments, place
     fmt = StateFormat(m, v, model == "bf16 remainders")
     params = _params(FP32 if model == "fp32" else BF16, seed=3)
     ref = reference_run(params, 4, fmt, amsgrad=True)
-    kw = dict(PLACED[placement], nvme_path=str(tmp_path)) if "nvme_fraction" in PLACED[placement] \
+    kw = (
+        dict(PLACED[placement], nvme_path=str(tmp_path))
+        if "nvme_fraction" in PLACED[placement]
         else PLACED[placement]
+    )
     with _hybrid(params, fmt, amsgrad=True, **kw) as opt:
         host = opt.parts.placement.host
         assert host is not None and any(host.quantized(k) for k in range(len(host.numels)))
@@ -357,27 +413,33 @@ def test_host_and_nvme_tiers_step_the_q8_reference_bitwise(model, moments, place
 
 def _stream(params, step):
     g = torch.Generator().manual_seed(500 + step)
-    return [(torch.randn(p.shape, generator=g) * (8.0 if step % 3 == 1 else 0.01)).to(p.dtype) for p in params]
+    return [
+        (torch.randn(p.shape, generator=g) * (8.0 if step % 3 == 1 else 0.01)).to(p.dtype) for p in params
+    ]
 
 
 def test_speculative_plain_and_nvme_steps_are_bitwise_through_clipping_overflow_and_a_killed_worker(
-        monkeypatch, tmp_path):
+    monkeypatch, tmp_path
+):
     """q8 moments + remainders at offload 0 (device tier), 1 speculated, 1 plain and nvme 1: one grad
     stream through autograd, a clip that bites every third step (speculated steps redone), a
     GradScaler overflow (rolled back: the state equals the one before, bitwise) and a worker
     killed with SIGKILL mid-step on the host and nvme runs — params, codes, absmaxes and
     remainders stay torch.equal across the four."""
     monkeypatch.setenv(FAULT_ENV, "mid_step:4")
-    placements = {"device": dict(offload_fraction=0.0), "speculative": dict(offload_fraction=1.0),
-                  "plain": dict(offload_fraction=1.0, speculative=False),
-                  "nvme": dict(offload_fraction=1.0, nvme_fraction=1.0, nvme_path=str(tmp_path))}
+    placements = {
+        "device": dict(offload_fraction=0.0),
+        "speculative": dict(offload_fraction=1.0),
+        "plain": dict(offload_fraction=1.0, speculative=False),
+        "nvme": dict(offload_fraction=1.0, nvme_fraction=1.0, nvme_path=str(tmp_path)),
+    }
     fmt = StateFormat(Q8, Q8, True)
     runs, opts, scalers = {}, {}, {}
     try:
         for name, kw in placements.items():
             runs[name] = _params(BF16, seed=8)
             opts[name] = _hybrid(runs[name], fmt, max_grad_norm=1.0, **kw)
-            scalers[name] = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8, growth_interval=3)
+            scalers[name] = torch.amp.GradScaler("cpu", init_scale=2.0**8, growth_interval=3)
             opts[name].attach_grad_scaler(scalers[name])
         for step in range(9):
             for name, params in runs.items():
@@ -385,9 +447,14 @@ def test_speculative_plain_and_nvme_steps_are_bitwise_through_clipping_overflow_
                 opt.zero_grad()
                 handle = None
                 if step == 5:  # one inf in one grad: the whole step is skipped
-                    handle = params[0].register_hook(lambda g: g.index_fill(0, torch.tensor([0]), float("inf")))
-                before = ({i: {k: t.clone() for k, t in st.items()} for i, st in opt.state_dict()["state"].items()}
-                          if step == 5 else None)
+                    handle = params[0].register_hook(
+                        lambda g: g.index_fill(0, torch.tensor([0]), float("inf"))
+                    )
+                before = (
+                    {i: {k: t.clone() for k, t in st.items()} for i, st in opt.state_dict()["state"].items()}
+                    if step == 5
+                    else None
+                )
                 loss = sum((p.float() * g.float()).sum() for p, g in zip(params, _stream(params, step)))
                 scaler.scale(loss).backward()
                 if handle is not None:
@@ -422,8 +489,9 @@ def test_nvme_slot_checksums_cover_codes_and_absmaxes(region, tmp_path):
     """A byte flipped in a quantized nvme subgroup's committed slot — in its codes or in its
     absmaxes — fails that slot's CRC32C: state_dict() refuses it, naming the checksum."""
     params = _params(FP32, seed=12)
-    with _hybrid(params, StateFormat(Q8, Q8), offload_fraction=1.0, nvme_fraction=1.0,
-                 nvme_path=str(tmp_path)) as opt:
+    with _hybrid(
+        params, StateFormat(Q8, Q8), offload_fraction=1.0, nvme_fraction=1.0, nvme_path=str(tmp_path)
+    ) as opt:
         _run(opt, params, 2)
         host = opt.parts.placement.host
         sg = next(k for k in range(len(host.numels)) if host.quantized(k) and host.nvme[k])
@@ -466,17 +534,24 @@ def test_checkpoint_moves_between_placements_bitwise(placement, tmp_path):
     ref = reference_run(params, 5, fmt)
     first = _run(_hybrid(params, fmt), params, 2)
     sd = first.state_dict()
-    sd = {"state": {i: {k: t.clone() for k, t in st.items()} for i, st in sd["state"].items()},
-          "param_groups": sd["param_groups"]}
+    sd = {
+        "state": {i: {k: t.clone() for k, t in st.items()} for i, st in sd["state"].items()},
+        "param_groups": sd["param_groups"],
+    }
     first.close()
-    kw = dict(PLACED[placement], nvme_path=str(tmp_path)) if "nvme_fraction" in PLACED[placement] \
+    kw = (
+        dict(PLACED[placement], nvme_path=str(tmp_path))
+        if "nvme_fraction" in PLACED[placement]
         else PLACED[placement]
+    )
     with _hybrid(params, fmt, **kw) as second:
         second.load_state_dict(sd)
         _run(second, params, 2, first=2)
         sd = second.state_dict()
-        sd = {"state": {i: {k: t.clone() for k, t in st.items()} for i, st in sd["state"].items()},
-              "param_groups": sd["param_groups"]}
+        sd = {
+            "state": {i: {k: t.clone() for k, t in st.items()} for i, st in sd["state"].items()},
+            "param_groups": sd["param_groups"],
+        }
     with _hybrid(params, fmt) as third:
         third.load_state_dict(sd)
         _run(third, params, 1, first=4)
@@ -488,8 +563,11 @@ def _linear_model(seed):
     return nn.Sequential(nn.Linear(256, 512, bias=False), nn.Linear(512, 256, bias=False)).to(BF16)
 
 
-@pytest.mark.parametrize("fmt, bound", [(StateFormat(Q8, Q8, True), 0.40), (StateFormat(Q8, Q8), 0.55)],
-                         ids=["q8 + remainders", "q8 + fp32 master"])
+@pytest.mark.parametrize(
+    "fmt, bound",
+    [(StateFormat(Q8, Q8, True), 0.40), (StateFormat(Q8, Q8), 0.55)],
+    ids=["q8 + remainders", "q8 + fp32 master"],
+)
 def test_nvme_files_and_host_banks_hold_the_q8_bytes(fmt, bound, tmp_path):
     """Bytes measured by the OS for a bf16 model of large params: the nvme files
     (opt.allocated_bytes["nvme"]: their sizes) within issue 38's bounds of the fp32 format's,
@@ -498,8 +576,14 @@ def test_nvme_files_and_host_banks_hold_the_q8_bytes(fmt, bound, tmp_path):
     files = {}
     for name, f in (("q8", fmt), ("fp32", StateFormat())):
         model = _linear_model(0)
-        with _hybrid(list(model.parameters()), f, subgroup_numel=1 << 16, offload_fraction=1.0,
-                     nvme_fraction=1.0, nvme_path=str(tmp_path)) as opt:
+        with _hybrid(
+            list(model.parameters()),
+            f,
+            subgroup_numel=1 << 16,
+            offload_fraction=1.0,
+            nvme_fraction=1.0,
+            nvme_path=str(tmp_path),
+        ) as opt:
             files[name] = opt.allocated_bytes["nvme"]
     assert files["q8"] <= bound * files["fp32"], files
     model = _linear_model(0)
@@ -509,8 +593,10 @@ def test_nvme_files_and_host_banks_hold_the_q8_bytes(fmt, bound, tmp_path):
         per_element = host.bank_bytes / (len(host.numels) * host.capacity)
         page_slack = 2 * 4096 / host.capacity  # a bank's state block and the bank end on a page
         assert fmt.bank_bytes(BF16) <= per_element <= fmt.bank_bytes(BF16) + page_slack, per_element
-        print(f"{fmt}: host arena {opt.allocated_bytes['host'] / sum(p.numel() for p in model.parameters()):.2f} "
-              f"B/param, bank {per_element:.3f} B/element; nvme {files['q8']} B against fp32's {files['fp32']}")
+        print(
+            f"{fmt}: host arena {opt.allocated_bytes['host'] / sum(p.numel() for p in model.parameters()):.2f} "
+            f"B/param, bank {per_element:.3f} B/element; nvme {files['q8']} B against fp32's {files['fp32']}"
+        )
 
 
 # ---------------------------------------------------------------------------- planner, demo
@@ -519,10 +605,14 @@ def test_plan_counts_the_q8_bytes(capsys):
     about 4.03 B of state per param on the device (issue 38's Llama-2-7B figure, 28 GB), and a
     7B model that needs the host tier with fp32 state fits on an 80 GB GPU."""
     import json
+
     from hybrid_opt.placement import planner
+
     got = {}
-    for name, flags in (("fp32", []), ("q8", ["--exp-avg-dtype", "q8", "--exp-avg-sq-dtype", "q8",
-                                              "--store-param-remainders"])):
+    for name, flags in (
+        ("fp32", []),
+        ("q8", ["--exp-avg-dtype", "q8", "--exp-avg-sq-dtype", "q8", "--store-param-remainders"]),
+    ):
         assert planner.main(["--params", "7B", "--json", *flags]) == 0
         got[name] = json.loads(capsys.readouterr().out)
     assert got["fp32"]["plan"]["offload_fraction"] > 0
@@ -535,8 +625,10 @@ def test_params_written_between_steps_restart_the_master_beside_q8_moments():
     """Params written outside step() (a q8 host tier's masters restart from them, its codes and
     absmaxes kept as they are): the host run stays the device run's, bit for bit."""
     runs = {"device": _params(FP32, seed=15), "host": _params(FP32, seed=15)}
-    opts = {name: _hybrid(params, StateFormat(Q8, Q8), offload_fraction=0.0 if name == "device" else 1.0)
-            for name, params in runs.items()}
+    opts = {
+        name: _hybrid(params, StateFormat(Q8, Q8), offload_fraction=0.0 if name == "device" else 1.0)
+        for name, params in runs.items()
+    }
     try:
         for k in range(4):
             for name, params in runs.items():
@@ -599,20 +691,27 @@ def test_state_dict_codes_are_views_of_the_state(placement, tmp_path):
     memfd, a host bank, an nvme slot — not anonymous memory. (Its absmaxes, 1/256 of that, may
     be a copy where the pieces do not lie on pages.)"""
     from helpers import backing
+
     torch.manual_seed(0)
     # weights of 67584 elements (33 x 2048) and biases apart: subgroups of 32768, each a whole
     # number of pages of codes (a cut at 15 x 2048 would end a piece inside a page)
     model = nn.Sequential(nn.Linear(264, 256), nn.Linear(256, 264), nn.Linear(264, 256), nn.Linear(256, 264))
-    kw = {"device": dict(offload_fraction=0.0), "host": dict(offload_fraction=1.0),
-          "nvme": dict(offload_fraction=1.0, nvme_fraction=1.0, nvme_path=str(tmp_path))}[placement]
-    with HybridAdamW(model.parameters(), exp_avg_dtype=Q8, exp_avg_sq_dtype=Q8, subgroup_numel=1 << 15,
-                     **kw) as opt:
+    kw = {
+        "device": dict(offload_fraction=0.0),
+        "host": dict(offload_fraction=1.0),
+        "nvme": dict(offload_fraction=1.0, nvme_fraction=1.0, nvme_path=str(tmp_path)),
+    }[placement]
+    with HybridAdamW(
+        model.parameters(), exp_avg_dtype=Q8, exp_avg_sq_dtype=Q8, subgroup_numel=1 << 15, **kw
+    ) as opt:
         for k in range(2):
             model(torch.randn(8, 264)).square().mean().backward()
             opt.step()
             opt.zero_grad()
         sd = opt.state_dict()["state"]
-        spans = {i: sum(sl.param_index == i for sg in opt.parts.layout.subgroups for sl in sg.slices) for i in sd}
+        spans = {
+            i: sum(sl.param_index == i for sg in opt.parts.layout.subgroups for sl in sg.slices) for i in sd
+        }
         assert spans[0] == 3 and {sg.numel % 4096 for sg in opt.parts.layout.subgroups if sg.quantized} == {0}
         for i in (0, 2):
             for key in ("exp_avg_q8", "exp_avg_sq_q8"):

@@ -6,19 +6,24 @@ param changed, from what to what, and what to do.
 
 Each case runs beside torch.optim.AdamW(foreach=False) given the same replacement.
 """
+
 import tracemalloc
 from contextlib import contextmanager
 
 import pytest
 import torch
+from tolerances import assert_close
 from torch import nn
 
 from hybrid_opt import HybridAdamW
-from tolerances import assert_close
 
 SUBGROUP = 64
-PLACEMENTS = {"device": dict(offload_fraction=0.0), "mixed": dict(offload_fraction=0.5),
-              "host": dict(offload_fraction=1.0), "nvme": dict(offload_fraction=1.0, nvme_fraction=0.25)}
+PLACEMENTS = {
+    "device": dict(offload_fraction=0.0),
+    "mixed": dict(offload_fraction=0.5),
+    "host": dict(offload_fraction=1.0),
+    "nvme": dict(offload_fraction=1.0, nvme_fraction=0.25),
+}
 
 
 def _placement(name, tmp_path):
@@ -71,8 +76,14 @@ def test_replaced_param_trains_like_torch(placement, replace, tmp_path):
     ref = torch.optim.AdamW(ref_model.parameters(), lr=1e-2, weight_decay=0.1, foreach=False)
     g = torch.Generator().manual_seed(7)
     new_sd = {k: torch.randn(v.shape, generator=g) for k, v in model.state_dict().items()}
-    with HybridAdamW(model.parameters(), lr=1e-2, weight_decay=0.1, max_grad_norm=0.5,
-                     subgroup_numel=SUBGROUP, **_placement(placement, tmp_path)) as opt:
+    with HybridAdamW(
+        model.parameters(),
+        lr=1e-2,
+        weight_decay=0.1,
+        max_grad_norm=0.5,
+        subgroup_numel=SUBGROUP,
+        **_placement(placement, tmp_path),
+    ) as opt:
         for i in range(8):
             if i == 3:  # mid-training, moments non-zero: torch keeps them, so must we
                 replace(model, new_sd)
@@ -93,8 +104,9 @@ def test_replaced_bf16_param_restarts_its_master_from_the_new_values(placement, 
     """A bf16 model keeps an fp32 master: after `p.data = t` it restarts from t (an lr-0 step
     writes the master's rounding back into the param: t itself, bitwise)."""
     model = _net(torch.bfloat16)
-    with HybridAdamW(model.parameters(), lr=1e-2, subgroup_numel=SUBGROUP,
-                     **_placement(placement, tmp_path)) as opt:
+    with HybridAdamW(
+        model.parameters(), lr=1e-2, subgroup_numel=SUBGROUP, **_placement(placement, tmp_path)
+    ) as opt:
         for i in range(2):
             _iteration(model, opt, i)
         new = torch.randn(24, 8).to(torch.bfloat16)
@@ -131,16 +143,20 @@ def test_load_state_dict_assign_without_swap_gives_new_params_no_optimizer_holds
 @pytest.mark.parametrize("placement", ["device", "host"])
 def test_cast_after_construction_raises_and_says_what_to_do(placement, cast, tmp_path):
     model = _net()
-    opt = HybridAdamW(model.named_parameters(), lr=1e-2, subgroup_numel=SUBGROUP,
-                      **_placement(placement, tmp_path))
+    opt = HybridAdamW(
+        model.named_parameters(), lr=1e-2, subgroup_numel=SUBGROUP, **_placement(placement, tmp_path)
+    )
     with opt:
         _iteration(model, opt, 0)
         getattr(model, cast)()
         to = {"half": "torch.float16", "double": "torch.float64"}[cast]
-        with pytest.raises(RuntimeError, match=rf"parameter 0 \(0\.weight\) was moved or cast after "
-                           rf"HybridAdamW was built: its memory changed from torch.float32 \(24, 8\) "
-                           rf"on cpu to {to} \(24, 8\) on cpu\..*Build the optimizer after moving or "
-                           rf"casting the model.*load it into a new HybridAdamW"):
+        with pytest.raises(
+            RuntimeError,
+            match=rf"parameter 0 \(0\.weight\) was moved or cast after "
+            rf"HybridAdamW was built: its memory changed from torch.float32 \(24, 8\) "
+            rf"on cpu to {to} \(24, 8\) on cpu\..*Build the optimizer after moving or "
+            rf"casting the model.*load it into a new HybridAdamW",
+        ):
             _iteration(model, opt, 1)
         assert opt.state_dict()["state"][0]["step"] == 1  # the state is still there to carry over
 
@@ -187,8 +203,11 @@ def test_model_cuda_after_construction_raises():
     with HybridAdamW(model.parameters(), lr=1e-2, offload_fraction=0.0) as opt:
         _iteration(model, opt, 0)
         model.cuda()
-        with pytest.raises(RuntimeError, match=r"from torch.float32 \(24, 8\) on cpu to torch.float32 "
-                                               r"\(24, 8\) on cuda:0.*Build the optimizer after moving"):
+        with pytest.raises(
+            RuntimeError,
+            match=r"from torch.float32 \(24, 8\) on cpu to torch.float32 "
+            r"\(24, 8\) on cuda:0.*Build the optimizer after moving",
+        ):
             opt.step()
 
 
@@ -198,10 +217,12 @@ def test_a_checkpoint_loaded_after_params_were_replaced_keeps_its_masters(placem
     the optimizer's checkpoint loaded, then step(): the checkpoint's fp32 masters stand (the
     params are their rounding), as with params never replaced; re-adopting the new memory
     only at step() restarted the masters from the bf16 params, discarding the loaded ones."""
+
     def run(replace):
         model = _net(torch.bfloat16)
-        with HybridAdamW(model.parameters(), lr=1e-2, subgroup_numel=SUBGROUP,
-                         **_placement(placement, tmp_path)) as opt:
+        with HybridAdamW(
+            model.parameters(), lr=1e-2, subgroup_numel=SUBGROUP, **_placement(placement, tmp_path)
+        ) as opt:
             for i in range(3):
                 _iteration(model, opt, i)
             sd = {k: v for k, v in opt.state_dict().items()}
@@ -218,6 +239,7 @@ def test_a_checkpoint_loaded_after_params_were_replaced_keeps_its_masters(placem
             opt.load_state_dict(sd)
             _iteration(model, opt, 3)
             return [p.detach().clone() for p in model.parameters()], opt.state_dict()
+
     (want, want_sd), (got, got_sd) = run(False), run(True)
     for a, b in zip(got, want):
         assert torch.equal(a, b)

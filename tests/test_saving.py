@@ -9,6 +9,7 @@ at a time (hybrid_opt/state/saving.py).
   about one param's state where state_dict() + torch.save grows by all of it
   (benchmarks/bench_checkpoint.py measures larger states).
 """
+
 import gc
 import inspect
 import io
@@ -20,10 +21,10 @@ from contextlib import ExitStack
 
 import pytest
 import torch
-
-from hybrid_opt import HybridAdamW
 from test_checkpoint import PLACEMENTS, _assert_state_equal, hybrid
 from test_optimizer import BF16, FP32, make_batches, make_net, train
+
+from hybrid_opt import HybridAdamW
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -68,8 +69,14 @@ def test_the_file_loads_as_state_dict(placement, dtype, nvme_dir, tmp_path):
 @pytest.mark.parametrize("placement", ["device", "host", "nvme"])
 def test_compressed_state_and_remainders_load_as_state_dict(placement, nvme_dir, tmp_path):
     model = make_net(BF16)
-    with hybrid(model.parameters(), placement, nvme_dir, exp_avg_dtype=torch.bfloat16,
-                exp_avg_sq_dtype=torch.bfloat16, store_param_remainders=True) as opt:
+    with hybrid(
+        model.parameters(),
+        placement,
+        nvme_dir,
+        exp_avg_dtype=torch.bfloat16,
+        exp_avg_sq_dtype=torch.bfloat16,
+        store_param_remainders=True,
+    ) as opt:
         train(model, opt, make_batches(3))
         assert_same_dict(saved(opt, tmp_path), opt.state_dict())
 
@@ -88,6 +95,7 @@ def test_a_tensor_lr_and_post_hooks_are_kept(nvme_dir, tmp_path):
             sd["state"][0]["exp_avg"] = sd["state"][0]["exp_avg"] + 1
             sd["extra"] = "kept"
             return sd
+
         opt.register_state_dict_post_hook(post)
         got, want = saved(opt, tmp_path), opt.state_dict()
         assert got["extra"] == "kept" and torch.equal(got["state"][0]["exp_avg"], want["state"][0]["exp_avg"])
@@ -157,15 +165,17 @@ def test_a_symlinked_target_stays_a_link_and_a_file_keeps_its_mode(nvme_dir, tmp
 
 def test_it_imports_where_torch_writes_no_storage_alignment():
     """torch < 2.7 has no torch.serialization._get_storage_alignment (pyproject: torch >= 2.4)."""
-    code = ("import io, zipfile, torch, torch.serialization as s\n"
-            "kept = s._get_storage_alignment; del s._get_storage_alignment\n"
-            "from hybrid_opt import HybridAdamW\n"
-            "s._get_storage_alignment = kept  # torch's own zip writer reads it here (2.13)\n"
-            "from hybrid_opt.state import saving; assert saving._get_storage_alignment is None\n"
-            "p = torch.nn.Parameter(torch.randn(8)); opt = HybridAdamW([p], offload_fraction=0.0)\n"
-            "p.grad = torch.randn(8); opt.step(); b = io.BytesIO(); opt.save_state_dict(b); b.seek(0)\n"
-            "assert not [n for n in zipfile.ZipFile(b).namelist() if n.endswith('.storage_alignment')]; b.seek(0)\n"
-            "assert torch.equal(torch.load(b, weights_only=True)['state'][0]['exp_avg'], opt.state_dict()['state'][0]['exp_avg'])\n")
+    code = (
+        "import io, zipfile, torch, torch.serialization as s\n"
+        "kept = s._get_storage_alignment; del s._get_storage_alignment\n"
+        "from hybrid_opt import HybridAdamW\n"
+        "s._get_storage_alignment = kept  # torch's own zip writer reads it here (2.13)\n"
+        "from hybrid_opt.state import saving; assert saving._get_storage_alignment is None\n"
+        "p = torch.nn.Parameter(torch.randn(8)); opt = HybridAdamW([p], offload_fraction=0.0)\n"
+        "p.grad = torch.randn(8); opt.step(); b = io.BytesIO(); opt.save_state_dict(b); b.seek(0)\n"
+        "assert not [n for n in zipfile.ZipFile(b).namelist() if n.endswith('.storage_alignment')]; b.seek(0)\n"
+        "assert torch.equal(torch.load(b, weights_only=True)['state'][0]['exp_avg'], opt.state_dict()['state'][0]['exp_avg'])\n"
+    )
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
     assert out.returncode == 0, out.stderr
@@ -245,8 +255,13 @@ def test_the_peak_memory_of_a_save_is_about_one_params_state(placement, malloc, 
         path = tmp_path / f"{how}.pt"
         nvme = tmp_path / f"nvme-{how}"
         nvme.mkdir()
-        out = subprocess.run([sys.executable, "-c", _PEAK, how, placement, str(path), str(nvme)],
-                             capture_output=True, text=True, timeout=120, env=env)
+        out = subprocess.run(
+            [sys.executable, "-c", _PEAK, how, placement, str(path), str(nvme)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env=env,
+        )
         assert out.returncode == 0, out.stderr
         peaks[how], sizes[how] = float(out.stdout.split()[-1]), path.stat().st_size
     assert peaks["full"] > 60, peaks  # the 64 MiB of moments copied (the measure works)
@@ -258,6 +273,7 @@ def test_a_save_that_fails_part_way_leaves_the_file_that_was_there(nvme_dir, tmp
     """The file is written beside the path and renamed over it once complete; a failure part-way
     (a full disk, an interrupt) removes the partial file, and the optimizer is as it was."""
     from hybrid_opt.state import saving
+
     model = make_net()
     with hybrid(model.parameters(), "nvme", nvme_dir) as opt:
         train(model, opt, make_batches(2))
@@ -271,12 +287,16 @@ def test_a_save_that_fails_part_way_leaves_the_file_that_was_there(nvme_dir, tmp
             if len(calls) == 5:
                 raise OSError(28, "No space left on device")
             return write(self, value)
+
         monkeypatch.setattr(saving._Writer, "write", failing)
         with pytest.raises(OSError, match="No space left") as err:
             opt.save_state_dict(path)
         # the error kept holds no param's state: the state's generator was closed
-        assert not [g for g in gc.get_objects() if inspect.isgenerator(g) and g.__name__ == "iter_state"
-                    and g.gi_frame is not None], err
+        assert not [
+            g
+            for g in gc.get_objects()
+            if inspect.isgenerator(g) and g.__name__ == "iter_state" and g.gi_frame is not None
+        ], err
         assert path.read_bytes() == b"the previous checkpoint"
         assert sorted(os.listdir(tmp_path)) == ["opt.pt"]
         monkeypatch.setattr(saving._Writer, "write", write)

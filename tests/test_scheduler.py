@@ -1,5 +1,6 @@
 """The scheduler: calibration and its cache, offload_fraction / nvme_fraction = "auto",
 budgets, refits that move state between tiers without changing a bit."""
+
 import copy
 import dataclasses
 import json
@@ -9,50 +10,76 @@ import warnings
 
 import pytest
 import torch
+from test_optimizer import assert_state_close, make_batches, make_net, train
 
 from hybrid_opt import HybridAdamW
-
 from hybrid_opt.placement import calibrate
 from hybrid_opt.placement import cost_model as cm
 from hybrid_opt.placement.scheduler import AutoPlanner, Decision, Sample
-from test_optimizer import assert_state_close, make_batches, make_net, train
 
 SUBGROUP = 64
 
 # synthetic rates (the shape of calibrate.rates()): deterministic plans whatever the machine
-SLOW_HOST = dict(host_adam_gelems_per_s=0.001, device_adam_gbps=40.0, device_adam_gbps_with_worker=20.0,
-                 h2d_gbps=5.0, d2h_gbps=5.0, trainer_slowdown_with_worker=1.6,
-                 backward_slowdown_with_host_adam=1.1)
+SLOW_HOST = dict(
+    host_adam_gelems_per_s=0.001,
+    device_adam_gbps=40.0,
+    device_adam_gbps_with_worker=20.0,
+    h2d_gbps=5.0,
+    d2h_gbps=5.0,
+    trainer_slowdown_with_worker=1.6,
+    backward_slowdown_with_host_adam=1.1,
+)
 # a device tier so slow that the plan offloads everything it can
-SLOW_DEVICE = dict(SLOW_HOST, host_adam_gelems_per_s=10.0, device_adam_gbps=1e-6,
-                   device_adam_gbps_with_worker=1e-6, trainer_slowdown_with_worker=1.0,
-                   backward_slowdown_with_host_adam=1.0, h2d_gbps=0.0, d2h_gbps=0.0)
+SLOW_DEVICE = dict(
+    SLOW_HOST,
+    host_adam_gelems_per_s=10.0,
+    device_adam_gbps=1e-6,
+    device_adam_gbps_with_worker=1e-6,
+    trainer_slowdown_with_worker=1.0,
+    backward_slowdown_with_host_adam=1.0,
+    h2d_gbps=0.0,
+    d2h_gbps=0.0,
+)
 WITH_NVME = dict(SLOW_DEVICE, nvme_read_gbps=1.0, nvme_write_gbps=1.0)
 
 
 def _auto(model, calibration, params=None, **kw):
     kw.setdefault("lr", 1e-2)
     kw.setdefault("weight_decay", 0.1)
-    return HybridAdamW(params or model.parameters(), offload_fraction=kw.pop("offload_fraction", "auto"),
-                       subgroup_numel=SUBGROUP, calibration=calibration, **kw)
+    return HybridAdamW(
+        params or model.parameters(),
+        offload_fraction=kw.pop("offload_fraction", "auto"),
+        subgroup_numel=SUBGROUP,
+        calibration=calibration,
+        **kw,
+    )
 
 
 # ============================================================================= calibration
 def test_calibration_measures_once_and_caches(tmp_path, monkeypatch):
     monkeypatch.setenv("HYBRID_OPT_CACHE_DIR", str(tmp_path))
     first = calibrate.rates("cpu")
-    for key in ("host_adam_gelems_per_s", "device_adam_gbps", "device_adam_gbps_with_worker",
-                "h2d_gbps", "trainer_slowdown_with_worker", "backward_slowdown_with_host_adam"):
+    for key in (
+        "host_adam_gelems_per_s",
+        "device_adam_gbps",
+        "device_adam_gbps_with_worker",
+        "h2d_gbps",
+        "trainer_slowdown_with_worker",
+        "backward_slowdown_with_host_adam",
+    ):
         assert first[key] > 0, key
     assert first["trainer_slowdown_with_worker"] >= 1 and first["backward_slowdown_with_host_adam"] >= 1
     assert os.path.exists(tmp_path / "calibration.json")
 
     def fail(*a, **k):
         raise AssertionError("measured again despite the cache")
+
     monkeypatch.setattr(calibrate, "measure", fail)
     assert calibrate.rates("cpu") == first
     monkeypatch.setattr(calibrate, "measure", lambda *a, **k: dict(SLOW_HOST))
-    assert calibrate.rates("cpu", refresh=True)["host_adam_gelems_per_s"] == SLOW_HOST["host_adam_gelems_per_s"]
+    assert (
+        calibrate.rates("cpu", refresh=True)["host_adam_gelems_per_s"] == SLOW_HOST["host_adam_gelems_per_s"]
+    )
 
 
 def test_unreadable_cache_is_measured_again(tmp_path, monkeypatch):
@@ -92,6 +119,7 @@ def test_trainer_times_runs_each_condition_on_its_cores():
         run()
         seen.append((sorted(os.sched_getaffinity(0)), torch.get_num_threads(), threading.active_count()))
         return len(seen)
+
     assert calibrate.trainer_times(*split, timer=timer) == {"all": 1, "trainer": 2, "contended": 3}
     assert seen[0][:2] == (sorted(before[0]), len(before[0]))
     assert seen[1][:2] == (split[0], 1) and seen[1][2] == before[2]
@@ -165,7 +193,9 @@ def test_add_param_group_without_room_to_lay_out_again_stays_on_the_device(monke
         _add_unfrozen(ref_model, ref)
         n_new = sum(p.numel() for p in model.fc2.parameters())
         assert opt.plan.summary()["device"]["elements"] == n_new, opt.plan
-        assert opt.parts.placement.fractions[0] == pytest.approx(1 - n_new / sum(opt.plan.numels))  # what a refit reads
+        assert opt.parts.placement.fractions[0] == pytest.approx(
+            1 - n_new / sum(opt.plan.numels)
+        )  # what a refit reads
         train(model, opt, batches[3:])
         train(ref_model, ref, batches[3:])
         assert_state_close(opt.state_dict(), ref.state_dict())
@@ -195,8 +225,11 @@ def test_a_failed_layout_on_add_param_group_loses_nothing():
         before = copy.deepcopy(opt.state_dict())
         worker = opt.worker_pid
         extra = torch.nn.Parameter(torch.randn(8, dtype=torch.float16))
-        with pytest.warns(UserWarning, match="stay on the device tier: laying the tiers out again failed: "
-                                             "TypeError: host-tier parameters must share one low-precision dtype"):
+        with pytest.warns(
+            UserWarning,
+            match="stay on the device tier: laying the tiers out again failed: "
+            "TypeError: host-tier parameters must share one low-precision dtype",
+        ):
             opt.add_param_group(dict(params=[extra]))
         after = opt.state_dict()
         for i, st in before["state"].items():
@@ -210,9 +243,15 @@ def test_a_failed_layout_on_add_param_group_loses_nothing():
 def test_auto_without_speculation_offloads_only_what_pays_after_backward():
     # a host tier a little slower than the device tier: worth it while it runs during
     # backward (speculation); when it starts at step(), its time adds to the device's
-    rates = dict(SLOW_HOST, host_adam_gelems_per_s=1.0, device_adam_gbps_with_worker=40.0,
-                 trainer_slowdown_with_worker=1.0, backward_slowdown_with_host_adam=1.0,
-                 h2d_gbps=0.0, d2h_gbps=0.0)
+    rates = dict(
+        SLOW_HOST,
+        host_adam_gelems_per_s=1.0,
+        device_adam_gbps_with_worker=40.0,
+        trainer_slowdown_with_worker=1.0,
+        backward_slowdown_with_host_adam=1.0,
+        h2d_gbps=0.0,
+        d2h_gbps=0.0,
+    )
     shares = {}
     for speculative in (True, False):
         with _auto(make_net(), rates, speculative=speculative) as opt:
@@ -232,6 +271,7 @@ def test_auto_nvme_takes_what_the_host_budget_cannot_hold(tmp_path):
     def mlp():
         torch.manual_seed(0)
         return torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(4)])
+
     model, ref_model = mlp(), mlp()
     n = sum(p.numel() for p in model.parameters())
     wl = cm.Workload(params=float(n), model_bytes=4, grad_bytes=4, subgroup_numel=1024)
@@ -240,9 +280,18 @@ def test_auto_nvme_takes_what_the_host_budget_cannot_hold(tmp_path):
     ref = torch.optim.AdamW(ref_model.parameters(), lr=1e-2, weight_decay=0.1, foreach=False)
     g = torch.Generator().manual_seed(3)
     xs = [torch.randn(8, 64, generator=g) for _ in range(6)]
-    with HybridAdamW(model.parameters(), lr=1e-2, weight_decay=0.1, offload_fraction="auto",
-                     nvme_fraction="auto", nvme_path=str(tmp_path), spare_banks=1, subgroup_numel=1024,
-                     host_memory_budget=int(budget), calibration=WITH_NVME) as opt:
+    with HybridAdamW(
+        model.parameters(),
+        lr=1e-2,
+        weight_decay=0.1,
+        offload_fraction="auto",
+        nvme_fraction="auto",
+        nvme_path=str(tmp_path),
+        spare_banks=1,
+        subgroup_numel=1024,
+        host_memory_budget=int(budget),
+        calibration=WITH_NVME,
+    ) as opt:
         assert opt.plan.summary()["nvme"]["share"] >= 0.7, opt.plan
         assert opt.plan.prediction.memory_bytes["host"] <= budget
         for m, o in ((model, opt), (ref_model, ref)):
@@ -259,14 +308,17 @@ def test_auto_without_nvme_path_keeps_nvme_at_zero():
 
 
 def test_a_budget_too_small_says_how_much_is_needed():
-    with pytest.raises(ValueError, match=r'"auto": no placement fits.*needs at least \d+\.\d GB of host memory'):
+    with pytest.raises(
+        ValueError, match=r'"auto": no placement fits.*needs at least \d+\.\d GB of host memory'
+    ):
         _auto(make_net(), SLOW_HOST, host_memory_budget=1000)
 
 
 def test_fixed_fractions_with_a_budget_too_small_fail_clearly():
     with pytest.raises(ValueError, match="needs .* GB of host memory and host_memory_budget"):
-        HybridAdamW(make_net().parameters(), offload_fraction=1.0, subgroup_numel=SUBGROUP,
-                    host_memory_budget=1000)
+        HybridAdamW(
+            make_net().parameters(), offload_fraction=1.0, subgroup_numel=SUBGROUP, host_memory_budget=1000
+        )
 
 
 def test_fixed_fractions_size_the_spare_pool_from_memory():
@@ -277,8 +329,12 @@ def test_fixed_fractions_size_the_spare_pool_from_memory():
         base = opt.parts.placement.bytes_of(dataclasses.replace(opt.plan, spare_banks=0))["host"]
         bank = opt.parts.placement.bytes_of(dataclasses.replace(opt.plan, spare_banks=1))["host"] - base
     assert bank == 4096  # 64 elements x 12 B, in whole pages (shm.PAGE)
-    with HybridAdamW(make_net().parameters(), offload_fraction=1.0, subgroup_numel=SUBGROUP,
-                     host_memory_budget=int(base + 3.5 * bank)) as opt:
+    with HybridAdamW(
+        make_net().parameters(),
+        offload_fraction=1.0,
+        subgroup_numel=SUBGROUP,
+        host_memory_budget=int(base + 3.5 * bank),
+    ) as opt:
         assert opt.plan.spare_banks == 3  # what the explicit budget leaves
 
 
@@ -294,9 +350,17 @@ def test_replan_moves_state_without_changing_a_bit():
     same params and state as never moving (the same CPU kernel steps every tier)."""
     batches = make_batches(12)
     fixed_model, moved_model = make_net(), make_net()
-    with HybridAdamW(fixed_model.parameters(), lr=1e-2, weight_decay=0.1, max_grad_norm=0.5,
-                     offload_fraction=0.0, subgroup_numel=SUBGROUP) as fixed, \
-            _auto(moved_model, SLOW_HOST, max_grad_norm=0.5, refit_every=0) as moved:  # moves by replan() only
+    with (
+        HybridAdamW(
+            fixed_model.parameters(),
+            lr=1e-2,
+            weight_decay=0.1,
+            max_grad_norm=0.5,
+            offload_fraction=0.0,
+            subgroup_numel=SUBGROUP,
+        ) as fixed,
+        _auto(moved_model, SLOW_HOST, max_grad_norm=0.5, refit_every=0) as moved,
+    ):  # moves by replan() only
         assert moved.plan.summary()["device"]["share"] == 1.0
         worker_s = []
         for k, batch in enumerate(batches):
@@ -315,9 +379,12 @@ def test_replan_moves_state_without_changing_a_bit():
 def test_a_refit_that_pays_moves_and_numerics_stay_bitwise(monkeypatch):
     batches = make_batches(10)
     fixed_model, auto_model = make_net(), make_net()
-    with HybridAdamW(fixed_model.parameters(), lr=1e-2, weight_decay=0.1,
-                     offload_fraction=0.0, subgroup_numel=SUBGROUP) as fixed, \
-            _auto(auto_model, SLOW_HOST, refit_every=2) as opt:
+    with (
+        HybridAdamW(
+            fixed_model.parameters(), lr=1e-2, weight_decay=0.1, offload_fraction=0.0, subgroup_numel=SUBGROUP
+        ) as fixed,
+        _auto(auto_model, SLOW_HOST, refit_every=2) as opt,
+    ):
         to_host = opt.parts.placement.auto.predict(1.0, 0.0)
         monkeypatch.setattr(opt.parts.placement.auto, "refit", lambda *a: Decision(1.0, 0.0, to_host, "test"))
         train(fixed_model, fixed, batches)
@@ -337,15 +404,20 @@ def test_a_refit_whose_move_fails_keeps_the_plan_and_the_state(monkeypatch, tmp_
     blocker.write_text("")
     batches = make_batches(8)
     fixed_model, auto_model = make_net(), make_net()
-    with HybridAdamW(fixed_model.parameters(), lr=1e-2, weight_decay=0.1,
-                     offload_fraction=0.0, subgroup_numel=SUBGROUP) as fixed, \
-            _auto(auto_model, SLOW_HOST, refit_every=2) as opt:
+    with (
+        HybridAdamW(
+            fixed_model.parameters(), lr=1e-2, weight_decay=0.1, offload_fraction=0.0, subgroup_numel=SUBGROUP
+        ) as fixed,
+        _auto(auto_model, SLOW_HOST, refit_every=2) as opt,
+    ):
         opt.nvme_path = str(blocker / "swap")
         to_disk = opt.parts.placement.auto.predict(1.0, 0.0)  # a prediction to carry; the layout is 1.0 / 1.0
         monkeypatch.setattr(opt.parts.placement.auto, "refit", lambda *a: Decision(1.0, 1.0, to_disk, "test"))
         train(fixed_model, fixed, batches[:5])
-        with pytest.warns(UserWarning, match="refit: moving to offload_fraction=1, nvme_fraction=1 failed; "
-                                             "the plan stays as it was"):
+        with pytest.warns(
+            UserWarning,
+            match="refit: moving to offload_fraction=1, nvme_fraction=1 failed; the plan stays as it was",
+        ):
             train(auto_model, opt, batches[:5])
         assert opt.plan.summary()["device"]["share"] == 1.0 and opt.parts.placement.host is None, opt.plan
         assert opt.plan.reason.startswith("refit: a move failed")
@@ -362,6 +434,7 @@ def test_a_move_that_would_not_fit_in_memory_is_skipped(monkeypatch, measured):
     """The plan's reason says why the move was skipped, also once backward is measured (the
     kept plan's prediction is then recorded with that reason, not with "refit: kept")."""
     from hybrid_opt.placement import scheduler
+
     model = make_net()
     with _auto(model, SLOW_HOST, refit_every=2) as opt:
         to_host = opt.parts.placement.auto.predict(1.0, 0.0)
@@ -376,26 +449,47 @@ def test_a_move_that_would_not_fit_in_memory_is_skipped(monkeypatch, measured):
 
 def _planner(**kw):
     numels = [100] * 10
-    base = dict(numels=numels, ready_ranks=list(range(9, -1, -1)), device=torch.device("cpu"),
-                model_bytes=4, state_bytes=12, subgroup_numel=100, device_budget=1e12, host_budget=1e12,
-                refit_every=10, calibration=dict(SLOW_DEVICE, device_adam_gbps=1e-5,
-                                                 device_adam_gbps_with_worker=1e-5,
-                                                 host_adam_gelems_per_s=1e-6))
+    base = dict(
+        numels=numels,
+        ready_ranks=list(range(9, -1, -1)),
+        device=torch.device("cpu"),
+        model_bytes=4,
+        state_bytes=12,
+        subgroup_numel=100,
+        device_budget=1e12,
+        host_budget=1e12,
+        refit_every=10,
+        calibration=dict(
+            SLOW_DEVICE, device_adam_gbps=1e-5, device_adam_gbps_with_worker=1e-5, host_adam_gelems_per_s=1e-6
+        ),
+    )
     base.update(kw)
     return AutoPlanner(**base)
 
 
 def _sample(backward_s, **kw):
-    s = dict(backward_s=backward_s, step_s=0.0, device_s=0.0, host_wait_s=0.0, device_elements=0,
-             host_worker_s=0.0, host_elements=0, hidden_s=0.0)
+    s = dict(
+        backward_s=backward_s,
+        step_s=0.0,
+        device_s=0.0,
+        host_wait_s=0.0,
+        device_elements=0,
+        host_worker_s=0.0,
+        host_elements=0,
+        hidden_s=0.0,
+    )
     s.update(kw)
     return Sample(**s)
 
 
 def _hiding_planner(**kw):
     """Device-only step 2.8 s; the host would take 5 s for all of it: only worth it hidden."""
-    return _planner(calibration=dict(SLOW_DEVICE, device_adam_gbps=1e-5, device_adam_gbps_with_worker=1e-5,
-                                     host_adam_gelems_per_s=2e-7), **kw)
+    return _planner(
+        calibration=dict(
+            SLOW_DEVICE, device_adam_gbps=1e-5, device_adam_gbps_with_worker=1e-5, host_adam_gelems_per_s=2e-7
+        ),
+        **kw,
+    )
 
 
 def test_refit_uses_measured_backward():
@@ -434,6 +528,7 @@ def test_refit_takes_the_host_rate_from_measured_worker_time():
 
 def _compressed():
     from hybrid_opt.state.state_format import StateFormat
+
     return StateFormat(torch.bfloat16, torch.bfloat16, True)
 
 
@@ -452,9 +547,16 @@ def test_the_planner_counts_its_state_format():
 def test_a_compressed_state_keeps_more_on_a_device_budget():
     """A GPU whose budget holds the bf16 model, its grads and 6 B/param of state but not 12:
     the plain format offloads half, the compressed one keeps every subgroup on the device."""
-    kw = dict(numels=[1000] * 10, ready_ranks=list(range(9, -1, -1)), model_bytes=2,
-              device=torch.device("cuda"), calibration=dict(SLOW_HOST), subgroup_numel=1000,
-              device_budget=1e4 * 4 + 1e4 * 6 + 1e4, host_budget=1e12)
+    kw = dict(
+        numels=[1000] * 10,
+        ready_ranks=list(range(9, -1, -1)),
+        model_bytes=2,
+        device=torch.device("cuda"),
+        calibration=dict(SLOW_HOST),
+        subgroup_numel=1000,
+        device_budget=1e4 * 4 + 1e4 * 6 + 1e4,
+        host_budget=1e12,
+    )
     plain, comp = _planner(**kw).choose(), _planner(state_format=_compressed(), **kw).choose()
     assert plain.offload_fraction == 0.5 and comp.offload_fraction == 0.0
     assert comp.prediction.memory_bytes["device"] <= kw["device_budget"]
@@ -470,7 +572,11 @@ def test_refit_keeps_the_host_rate_at_the_reference_bytes():
     ap.refit(0.5, 0.0)
     assert ap.rates["host_adam_gelems_per_s"] == pytest.approx(1000 / 2.0 / 1e9 * 18 / 28)
     m = ap.machine()
-    per_elem = ap.workload().tier_bytes()["host_adam"] / cm.HOST_ADAM_REFERENCE_BYTES / (m.host_adam_gelems_per_s * 1e9)
+    per_elem = (
+        ap.workload().tier_bytes()["host_adam"]
+        / cm.HOST_ADAM_REFERENCE_BYTES
+        / (m.host_adam_gelems_per_s * 1e9)
+    )
     assert per_elem * 1000 == pytest.approx(2.0)
 
 
@@ -503,8 +609,15 @@ def test_candidates_are_subgroup_boundaries():
 
 
 def test_cpu_only_offload_costs_the_trainer_cores():
-    m = cm.Machine(gpus=0, device_adam_gbps=40, device_adam_gbps_with_worker=20, host_adam_gelems_per_s=1,
-                   h2d_gbps=0, d2h_gbps=0, trainer_slowdown_with_worker=1.5)
+    m = cm.Machine(
+        gpus=0,
+        device_adam_gbps=40,
+        device_adam_gbps_with_worker=20,
+        host_adam_gelems_per_s=1,
+        h2d_gbps=0,
+        d2h_gbps=0,
+        trainer_slowdown_with_worker=1.5,
+    )
     wl = cm.Workload(params=1e8, backward_seconds=1.0)
     none, some = cm.predict(m, wl, 0.0), cm.predict(m, wl, 0.5)
     assert none.forward_backward_seconds == pytest.approx(1.5)
@@ -546,8 +659,14 @@ def test_auto_calibrates_under_the_arrangement_its_host_tier_gets(monkeypatch):
 
     def rates(device, nvme_path=None, worker_share=0.5, *, refresh=False, device_bytes=None):
         got.append((torch.device(device).type, worker_share))
-        return dict(SLOW_DEVICE, device_adam_gbps=1e-5, device_adam_gbps_with_worker=1e-5,
-                    host_adam_gelems_per_s=1e-6, shared_cores=worker_share is None)
+        return dict(
+            SLOW_DEVICE,
+            device_adam_gbps=1e-5,
+            device_adam_gbps_with_worker=1e-5,
+            host_adam_gelems_per_s=1e-6,
+            shared_cores=worker_share is None,
+        )
+
     monkeypatch.setattr(calibrate, "rates", rates)
     shared = _planner(calibration=None)
     _planner(calibration=None, worker_share=0.25)
@@ -563,8 +682,8 @@ def test_calibration_caches_the_shared_arrangement_under_its_own_key(monkeypatch
 
     def measure(device, worker_share=0.5, device_bytes=None):
         measured.append(worker_share)
-        return {"host_adam_gelems_per_s": 1.0, "device_adam_gbps": 1.0,
-                "shared_cores": worker_share is None}
+        return {"host_adam_gelems_per_s": 1.0, "device_adam_gbps": 1.0, "shared_cores": worker_share is None}
+
     monkeypatch.setattr(calibrate, "measure", measure)
     monkeypatch.setattr(calibrate, "cache_path", lambda: str(tmp_path / "rates.json"))
     assert calibrate.rates("cpu", worker_share=None)["shared_cores"]

@@ -4,14 +4,15 @@ about one process's for the same model — not a bank and a file per shard at th
 subgroup's size. Targets: arenas <= 1.1x one process's plus each extra rank's fixed staging
 slots and io banks; nvme files <= 1.05x one process's; the whole state on nvme <= 1.05 x 2
 slots x its bytes."""
+
 import sys
 
 import pytest
-
 from dist_launch import DIST_MARKS, SCRIPTS, launch
 
 sys.path.insert(0, SCRIPTS)
 import sharded_memory_model as M  # noqa: E402
+
 from hybrid_opt import HybridAdamW  # noqa: E402
 
 pytestmark = DIST_MARKS
@@ -27,12 +28,17 @@ def ranks(tmp_path_factory):
 def single(tmp_path_factory):
     """The same model in one process, per nvme_fraction."""
     import torch
+
     out = {}
     for nv in ("0", "0.5", "1"):
         model = M.model()
         path = tmp_path_factory.mktemp(f"single{nv}")
-        with HybridAdamW(model.parameters(), offload_fraction=1.0, nvme_fraction=float(nv),
-                         nvme_path=str(path) if float(nv) else None) as opt:
+        with HybridAdamW(
+            model.parameters(),
+            offload_fraction=1.0,
+            nvme_fraction=float(nv),
+            nvme_path=str(path) if float(nv) else None,
+        ) as opt:
             M.loss(model, torch.randn(8, M.WIDTH)).backward()
             opt.step()
             out[nv] = M.figures(opt)

@@ -20,14 +20,15 @@ spanning parts of two or three params. `spare_banks` is raised above the number 
 subgroups so every one of them can be speculated (the default pool is 4 banks). Every optimizer
 with offload > 0 starts a worker process: each is closed (`with`).
 """
+
 from dataclasses import dataclass, field
 
 import pytest
 import torch
+from tolerances import assert_close
 from torch import nn
 
 from hybrid_opt import HybridAdamW
-from tolerances import assert_close
 
 WIDTH, DEPTH = 64, 6
 SUBGROUP = 4096
@@ -97,10 +98,10 @@ def host_layer(model):
 # ============================================================================= running and comparing
 @dataclass
 class Step:
-    spec: dict | None        # stats["speculation"] after this step()
+    spec: dict | None  # stats["speculation"] after this step()
     skipped: bool = False
     clip_coef: float | None = None
-    scale: float | None = None   # the GradScaler scale this step's backward used
+    scale: float | None = None  # the GradScaler scale this step's backward used
 
 
 @dataclass
@@ -108,14 +109,20 @@ class Run:
     params: list
     state: dict
     steps: list
-    n_host: int                                # host + nvme subgroups
+    n_host: int  # host + nvme subgroups
     plan: object = None
     extra: dict = field(default_factory=dict)
 
 
 def record(opt, log, scale=None):
-    log.append(Step(dict(opt.stats["speculation"]) if opt.stats.get("speculation") else None,
-                    opt.step_was_skipped, opt.stats.get("clip_coef"), scale))
+    log.append(
+        Step(
+            dict(opt.stats["speculation"]) if opt.stats.get("speculation") else None,
+            opt.step_was_skipped,
+            opt.stats.get("clip_coef"),
+            scale,
+        )
+    )
 
 
 def step(opt, log):
@@ -165,8 +172,9 @@ def compare(train, **kw) -> Run:
         if s.spec is not None:
             assert s.spec["committed"] == s.spec["redone"] == s.spec["dropped"] == 0, s
     assert len(spec.steps) == len(plain.steps) > 0
-    assert any(not torch.equal(p, q) for p, q in zip(spec.params, run_init(kw.get("model", make_mlp)))), \
+    assert any(not torch.equal(p, q) for p, q in zip(spec.params, run_init(kw.get("model", make_mlp)))), (
         "nothing trained: the comparison proves nothing"
+    )
     return spec
 
 
@@ -191,6 +199,7 @@ def plain_loop(n=STEPS):
             opt.zero_grad()
             loss_fn(net, batch).backward()
             step(opt, log)
+
     return train
 
 
@@ -215,7 +224,9 @@ def assert_close_to_torch(spec: Run, net, ref):
 SPLIT = 0.5  # worker_share: the worker on cores of its own (a GPU host's arrangement)
 
 
-@pytest.mark.parametrize("clip", [None, CLIP_NEVER, CLIP_BITES], ids=["noclip", "clip_never_bites", "clip_bites"])
+@pytest.mark.parametrize(
+    "clip", [None, CLIP_NEVER, CLIP_BITES], ids=["noclip", "clip_never_bites", "clip_bites"]
+)
 @pytest.mark.parametrize("offload", [0.7, 1.0])
 def test_speculative_equals_plain_bitwise_with_and_without_clipping(offload, clip):
     """On cores of its own the worker speculates whether or not clipping bit the last step."""
@@ -234,11 +245,13 @@ def test_speculative_equals_plain_bitwise_with_and_without_clipping(offload, cli
 def clipping_stops_loop(n=STEPS, bites=3):
     """The first `bites` steps' grad norms are far above CLIP_BITES; then the loss is scaled
     down until clipping leaves the grads alone."""
+
     def train(net, opt, log):
         for k, batch in enumerate(BATCHES[:n]):
             opt.zero_grad()
             (loss_fn(net, batch) * (1.0 if k < bites else 1e-5)).backward()
             step(opt, log)
+
     return train
 
 
@@ -323,6 +336,7 @@ def test_a_parameter_spanning_many_subgroups_has_them_all_speculated():
 
 def test_staging_slots_cover_the_largest_burst_within_bounds():
     from hybrid_opt.tiers.host import MAX_STAGING_SLOTS, STAGING_SLOTS, staging_slots_for
+
     assert staging_slots_for([[0], [1]], [100, 100]) == STAGING_SLOTS
     # 4Mi subgroups in 1Mi slots: bursts of 5 subgroups and of 1 need 20 + 4 slots
     assert staging_slots_for([[0, 1, 2, 3, 4], [5]], [4 << 20] * 6) == 24
@@ -354,16 +368,18 @@ SCALER_STEPS = 8
 def inject_inf(param):
     """A grad hook that puts one inf into `param`'s grad as backward accumulates it (only that
     subgroup is non-finite; the others speculate on finite grads and must still be dropped)."""
+
     def hook(g):
         g = g.clone()
         g.view(-1)[0] = float("inf")
         return g
+
     return param.register_hook(hook)
 
 
 def scaler_loop(attach, unscale_and_clip=None, inf_steps=INF_STEPS, n=SCALER_STEPS, unscale=False):
     def train(net, opt, log):
-        scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10, growth_interval=2)
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=2)
         if attach:
             opt.attach_grad_scaler(scaler)
         for i, batch in enumerate(BATCHES[:n]):
@@ -384,6 +400,7 @@ def scaler_loop(attach, unscale_and_clip=None, inf_steps=INF_STEPS, n=SCALER_STE
             if opt.step_was_skipped:
                 assert all(torch.equal(b, p) for b, p in zip(before, net.parameters()))
         return {"scales": [s.scale for s in log] + [scaler.get_scale()]}
+
     return train
 
 
@@ -393,8 +410,9 @@ def assert_skipped_steps_dropped(spec: Run, inf_steps=INF_STEPS):
         assert spec.steps[i].spec == dict(committed=0, redone=0, stepped=0, dropped=spec.n_host), i
 
 
-@pytest.mark.parametrize("offload,clip", [(0.7, None), (1.0, None), (0.7, CLIP_BITES)],
-                         ids=["mixed", "host", "mixed-clip_bites"])
+@pytest.mark.parametrize(
+    "offload,clip", [(0.7, None), (1.0, None), (0.7, CLIP_BITES)], ids=["mixed", "host", "mixed-clip_bites"]
+)
 def test_grad_scaler_attached_commits_through_scale_changes_and_drops_on_overflow(offload, clip):
     spec = compare(scaler_loop(attach=True), offload=offload, max_grad_norm=clip, worker_share=SPLIT)
     scales = spec.extra["scales"]
@@ -403,8 +421,10 @@ def test_grad_scaler_attached_commits_through_scale_changes_and_drops_on_overflo
     kind = "committed" if clip is None else "redone"
     for i, s in enumerate(spec.steps):
         if not s.skipped:  # the attached scaler tells speculation the scale that will apply
-            assert s.spec == dict(dict(committed=0, redone=0, stepped=0, dropped=0),
-                                  **{kind: spec.n_host}), (i, s)
+            assert s.spec == dict(dict(committed=0, redone=0, stepped=0, dropped=0), **{kind: spec.n_host}), (
+                i,
+                s,
+            )
 
 
 def test_grad_scaler_not_attached_redoes_after_a_scale_change():
@@ -427,7 +447,7 @@ def test_grad_scaler_attached_matches_torch_adamw():
     spec = run(scaler_loop(attach=True), True, offload=0.7)
 
     def train_ref(net, ref):
-        scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10, growth_interval=2)
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=2)
         for i, batch in enumerate(BATCHES[:SCALER_STEPS]):
             ref.zero_grad()
             handle = inject_inf(host_layer(net).weight) if i in INF_STEPS else None
@@ -446,6 +466,7 @@ def test_grad_scaler_attached_matches_torch_adamw():
 def test_users_clip_grad_norm_between_backward_and_step_is_redone(max_norm):
     """clip_grad_norm_ multiplies every grad in place (by 1.0 when it does not bite): the staged
     grads are stale, every speculation is redone."""
+
     def train(net, opt, log):
         for batch in BATCHES[:STEPS]:
             opt.zero_grad()
@@ -486,13 +507,16 @@ def test_scaler_unscale_alone_is_redone_and_overflow_dropped(attach, offload):
 def two_groups(net):
     """Layers 0-2 and 3-5 in two groups (different lr): 4 subgroups each, none spanning both."""
     linears = [m for m in net if isinstance(m, nn.Linear)]
-    return [{"params": [p for m in linears[:3] for p in m.parameters()]},
-            {"params": [p for m in linears[3:] for p in m.parameters()], "lr": 5e-3}]
+    return [
+        {"params": [p for m in linears[:3] for p in m.parameters()]},
+        {"params": [p for m in linears[3:] for p in m.parameters()], "lr": 5e-3},
+    ]
 
 
 def test_scheduler_between_steps_commits():
     """OneCycleLR changes lr and betas every step, before the next backward: speculation reads
     the values that will apply."""
+
     def train(net, opt, log):
         sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=2e-2, total_steps=STEPS + 1)
         lrs = []
@@ -562,8 +586,14 @@ def test_gradient_accumulation(annotated):
 # ============================================================================= 6. nvme
 @pytest.mark.parametrize("clip", [None, CLIP_BITES], ids=["noclip", "clip_bites"])
 def test_nvme_subgroups_are_speculated_too(tmp_path, clip):
-    spec = compare(plain_loop(), offload=1.0, nvme_fraction=0.5, nvme_path=str(tmp_path),
-                   max_grad_norm=clip, worker_share=SPLIT)
+    spec = compare(
+        plain_loop(),
+        offload=1.0,
+        nvme_fraction=0.5,
+        nvme_path=str(tmp_path),
+        max_grad_norm=clip,
+        worker_share=SPLIT,
+    )
     assert spec.plan.tiers.count("nvme") >= 3 and spec.plan.tiers.count("host") >= 3, spec.plan
     n = spec.n_host
     if clip is None:
@@ -629,8 +659,11 @@ def amp_recipe_loop(net, opt, log):
         record(opt, log)
 
 
-@pytest.mark.parametrize("train", [amp_recipe_loop, scaler_loop(attach=False, inf_steps=(), n=STEPS)],
-                         ids=["amp_recipe_unscale_then_clip", "first_step_scale_guess"])
+@pytest.mark.parametrize(
+    "train",
+    [amp_recipe_loop, scaler_loop(attach=False, inf_steps=(), n=STEPS)],
+    ids=["amp_recipe_unscale_then_clip", "first_step_scale_guess"],
+)
 def test_inverse_rollback_with_an_unattached_grad_scaler_is_within_fp32(train):
     """An algebraic undo of a step taken on grads still scaled by 2**16 (or clipped hard)
     would lose v: inverse mode declines to speculate where its guess cannot be trusted, so
@@ -676,6 +709,7 @@ FAULT_AT_STEP = 2
 def fault_loop(fault, raised):
     """Trains STEPS steps; at FAULT_AT_STEP the speculative run's step() must raise (once), the
     committed state must be intact, and calling step() again on the same grads continues."""
+
     def train(net, opt, log):
         for i, batch in enumerate(BATCHES[:STEPS]):
             opt.zero_grad()
@@ -691,6 +725,7 @@ def fault_loop(fault, raised):
                         if len(calls) == 2:
                             raise OSError("injected staging failure")
                         return real(*a, **kw)
+
                     opt.parts.placement.host.speculate = speculate
                 loss_fn(net, batch).backward()  # must not raise, whatever a hook hit
                 if fault == "hook":
@@ -703,6 +738,7 @@ def fault_loop(fault, raised):
             else:
                 loss_fn(net, batch).backward()
             step(opt, log)
+
     return train
 
 
@@ -740,6 +776,7 @@ def test_a_speculation_error_comes_first_and_is_not_left_for_the_next_step():
 
         def speculate(*a, **kw):
             raise OSError("injected staging failure")
+
         opt.parts.placement.host.speculate = speculate
         loss_fn(net, batches[1]).backward()
         del opt.parts.placement.host.speculate
@@ -765,6 +802,7 @@ def test_zero_grad_between_two_backwards_discards_the_first(how):
     commits. grads_replaced: the new grads are assigned, not accumulated (no hook fires), each
     allocated right after the old one was freed — at its address, with _version 0 again.
     boundary_off: the second backward is marked as not the last micro-batch (no hook acts)."""
+
     def train(net, opt, log):
         params = list(net.parameters())
         for i in range(STEPS):
@@ -795,6 +833,7 @@ def test_zero_grad_between_two_backwards_discards_the_first(how):
 def test_discarded_backward_that_skips_a_branch_redoes_its_subgroups():
     """The second backward does not use the branch: subgroups 2 and 3 (branch + l1 / l2) keep
     the first backward's speculation, which validation redoes with the live grads only."""
+
     def train(net, opt, log):
         for i in range(STEPS):
             opt.zero_grad()
@@ -812,6 +851,7 @@ def test_discarded_backward_that_skips_a_branch_redoes_its_subgroups():
 def test_state_dict_between_backward_and_step():
     """A checkpoint taken between backward and step() is the committed state; the step after
     it is still the plain run's."""
+
     def train(net, opt, log):
         for batch in BATCHES[:STEPS]:
             opt.zero_grad()
@@ -825,9 +865,12 @@ def test_state_dict_between_backward_and_step():
 
 
 # ============================================================================= known gap
-@pytest.mark.xfail(strict=True, reason="grads written without a version bump (`p.grad.data.mul_`, "
-                   "raw-pointer kernels such as apex multi_tensor_scale) are invisible to the "
-                   "_version check: the stale speculation is committed")
+@pytest.mark.xfail(
+    strict=True,
+    reason="grads written without a version bump (`p.grad.data.mul_`, "
+    "raw-pointer kernels such as apex multi_tensor_scale) are invisible to the "
+    "_version check: the stale speculation is committed",
+)
 def test_grads_modified_through_data_are_redone():
     def train(net, opt, log):
         for batch in BATCHES[:3]:

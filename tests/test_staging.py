@@ -10,12 +10,14 @@ exercised by tests/test_gpu_staging.py.
 Pinning: a CPU model never pins; a failed cudaHostRegister (a fake runtime standing in for
 CUDA) clears the error it set, warns once, and leaves the arena unpinned.
 """
+
 import contextlib
 import types
 import warnings
 
 import pytest
 import torch
+from helpers import assert_bitwise_equal, inputs, load, make_grads, make_states, ref_step
 from torch import nn
 
 import hybrid_opt.shm as shm
@@ -23,7 +25,6 @@ from hybrid_opt import HybridAdamW
 from hybrid_opt.shm import SharedArena
 from hybrid_opt.tiers.host import HostTier
 from hybrid_opt.worker import protocol as P
-from helpers import assert_bitwise_equal, inputs, load, make_grads, make_states, ref_step
 
 SLOT = 4096
 TIMEOUT_S = 20.0
@@ -67,6 +68,7 @@ def spy_sends(tier):
     def logged(task, gather=()):
         sent.append((task.op, task.subgroup, task.elem_offset))
         return send(task, gather)
+
     tier.client.send = logged
     return sent
 
@@ -159,6 +161,7 @@ def test_poll_if_copying_sends_the_pieces_that_landed_and_is_idle_without_copies
     finally:
         tier.close()
 
+
 def test_a_failed_launch_never_sends_its_queued_pieces_and_frees_their_slots_once_copied():
     numels = [3 * SLOT]
     states, grads = make_states(numels), make_grads(numels)
@@ -240,8 +243,13 @@ def test_a_refused_speculation_still_hands_over_the_pieces_whose_copies_landed(s
     a backward whose every hook completes a subgroup keeps the worker fed."""
     numels = [SLOT + 3, 3 * SLOT if short_of == "slots" else 100]  # 2 pieces; then 3 or 1
     states, grads = make_states(numels), make_grads(numels)
-    tier = HostTier(list(numels), slot_numel=SLOT, staging_slots=4, timeout_s=TIMEOUT_S,
-                    spare_banks=1 if short_of == "bank" else 2)
+    tier = HostTier(
+        list(numels),
+        slot_numel=SLOT,
+        staging_slots=4,
+        timeout_s=TIMEOUT_S,
+        spare_banks=1 if short_of == "bank" else 2,
+    )
     tier.remote_gather = False
     tier.copy_stager = FakeStager()
     try:
@@ -253,7 +261,10 @@ def test_a_refused_speculation_still_hands_over_the_pieces_whose_copies_landed(s
         assert steps_sent(sent) == []
         assert tier.speculate(1, grads[1], inputs(), wait=False) is False  # 2 slots free of 3
         assert steps_sent(sent) == [(0, 0), (0, SLOT)] and tier.copies_in_flight() == 0
-        assert tier.finish({sg: (g, inputs()) for sg, g in enumerate(grads)}) == {0: "committed", 1: "stepped"}
+        assert tier.finish({sg: (g, inputs()) for sg, g in enumerate(grads)}) == {
+            0: "committed",
+            1: "stepped",
+        }
         for sg, (st, g) in enumerate(zip(states, grads)):
             ref_step(st, g, inputs())
             assert_bitwise_equal(tier.master(sg), st["p"], f"subgroup {sg}")
@@ -290,8 +301,15 @@ def train(speculative, rollback="exact", steps=4, complete_in_hooks=False):
     only from later grad hooks (complete_in_hooks) or never (step() waits for them)."""
     net = make_mlp()
     log, hooks = [], []
-    with HybridAdamW(net.parameters(), lr=1e-2, offload_fraction=1.0, speculative=speculative,
-                     rollback=rollback, subgroup_numel=SUBGROUP, spare_banks=16) as opt:
+    with HybridAdamW(
+        net.parameters(),
+        lr=1e-2,
+        offload_fraction=1.0,
+        speculative=speculative,
+        rollback=rollback,
+        subgroup_numel=SUBGROUP,
+        spare_banks=16,
+    ) as opt:
         tier = opt.parts.placement.host
         stager = None
         if speculative:
@@ -302,14 +320,18 @@ def train(speculative, rollback="exact", steps=4, complete_in_hooks=False):
             def checked_send(task, gather=()):
                 if task.op == P.OP_STEP:  # one event per piece, handed over in order
                     sent.append(task)
-                    assert len(sent) <= sum(e.done for e in stager.events), \
+                    assert len(sent) <= sum(e.done for e in stager.events), (
                         "a piece went to the worker before its copy landed"
+                    )
                 return send(task, gather)
+
             tier.client.send = checked_send
             if complete_in_hooks:
+
                 def land_all(p):
                     for e in stager.events:
                         e.complete()
+
                 # runs after the optimizer's; removed at the end (the events it reaches name the
                 # params: a cycle through a tensor's hooks that gc does not collect)
                 hooks = [p.register_post_accumulate_grad_hook(land_all) for p in net.parameters()]
@@ -361,12 +383,13 @@ def test_later_hooks_hand_over_the_pieces_whose_copies_landed():
 
 def test_an_attached_grad_scaler_is_read_once_per_backward():
     net = make_mlp()
-    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8, growth_interval=1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8, growth_interval=1)
     reads = []
     get_scale = scaler.get_scale
     scaler.get_scale = lambda: reads.append(1) or get_scale()
-    with HybridAdamW(net.parameters(), lr=1e-2, offload_fraction=1.0, subgroup_numel=SUBGROUP,
-                     spare_banks=16) as opt:
+    with HybridAdamW(
+        net.parameters(), lr=1e-2, offload_fraction=1.0, subgroup_numel=SUBGROUP, spare_banks=16
+    ) as opt:
         opt.attach_grad_scaler(scaler)
         n_host = sum(1 for t in opt.plan.tiers if t != "device")
         scales = []
@@ -412,6 +435,7 @@ def spy_pin(monkeypatch):
     def logged(arena, *args, **kwargs):
         calls.append(arena)
         return pin(arena, *args, **kwargs)
+
     monkeypatch.setattr(SharedArena, "pin", logged)
     return calls
 
@@ -431,7 +455,9 @@ def test_a_cpu_model_never_pins(monkeypatch):
         tier.close()
     calls.clear()
     with HybridAdamW(make_mlp().parameters(), offload_fraction=1.0, subgroup_numel=SUBGROUP) as opt:
-        assert opt.parts.placement.host is not None and calls == [] and not opt.parts.placement.host.arena.pinned
+        assert (
+            opt.parts.placement.host is not None and calls == [] and not opt.parts.placement.host.arena.pinned
+        )
 
 
 def test_a_failed_pin_clears_the_error_warns_once_and_runs_unpinned(monkeypatch):
@@ -487,6 +513,7 @@ def test_the_arena_is_registered_and_unregistered_in_the_params_device_context(m
         def unregister(self, ptr):
             self.calls.append(("unregister", current[0]))
             return 0
+
     runtime = Recording(code=0)
     monkeypatch.setattr(shm, "cuda_runtime", lambda: runtime)
     monkeypatch.setattr(shm, "_in_context_of", lambda d: on(d) if d is not None else contextlib.nullcontext())
@@ -510,8 +537,13 @@ def test_register_asks_for_portable_pinning():
     def register(ptr, nbytes, flags):
         seen.append(flags)
         return 0
-    lib = types.SimpleNamespace(cudaHostRegister=register, cudaHostUnregister=lambda ptr: 0,
-                                cudaGetLastError=lambda: 0, cudaGetErrorString=lambda code: b"")
+
+    lib = types.SimpleNamespace(
+        cudaHostRegister=register,
+        cudaHostUnregister=lambda ptr: 0,
+        cudaGetLastError=lambda: 0,
+        cudaGetErrorString=lambda code: b"",
+    )
     assert shm.CudaRuntime(lib).register(4096, 4096) == 0 and seen == [1]
 
 
@@ -522,8 +554,9 @@ def test_a_gatherer_reads_the_grads_it_was_given_zeros_for_none_and_names_their_
     contiguous grad's memory at the slice's offset in it, and refuses (None) a piece touching
     the non-contiguous grad or of another dtype. A gatherer reads the grads it was handed,
     even after `p.grad` is replaced."""
-    from hybrid_opt.state import layout as L
     from hybrid_opt.speculation import gatherer_of
+    from hybrid_opt.state import layout as L
+
     params = [torch.zeros(2, 5), torch.zeros(4, 6), torch.zeros(7), torch.zeros(16)]
     first, second = L.layout_group(params, 0, 0, 32, 0)
     assert second.slices[0].param_index == 1 and second.slices[0].param_offset > 0
@@ -532,8 +565,8 @@ def test_a_gatherer_reads_the_grads_it_was_given_zeros_for_none_and_names_their_
     params[3].grad = torch.arange(100, 116, dtype=torch.float32)
     flat = torch.cat([params[0].grad.reshape(-1), params[1].grad.reshape(-1), torch.zeros(7), params[3].grad])
     for sg in (first, second):
-        start = sg.slices[0].param_offset + sum(p.numel() for p in params[:sg.slices[0].param_index])
-        want = flat[start:start + sg.numel]
+        start = sg.slices[0].param_offset + sum(p.numel() for p in params[: sg.slices[0].param_index])
+        want = flat[start : start + sg.numel]
         gather = gatherer_of(sg)
         dst = torch.full((sg.numel,), -1.0)
         gather(dst, 0, sg.numel)
@@ -558,4 +591,4 @@ def test_a_gatherer_reads_the_grads_it_was_given_zeros_for_none_and_names_their_
     params[3].grad = torch.full((16,), 7.0)  # replaced after the gatherer named the grads
     dst = torch.empty(last.numel)
     gather(dst, last.sub_offset, last.numel)
-    assert torch.equal(dst, held[last.param_offset:last.param_offset + last.numel])
+    assert torch.equal(dst, held[last.param_offset : last.param_offset + last.numel])

@@ -6,6 +6,7 @@ model a param spanning device subgroups is a copy (test_gpu_checkpoint.py measur
 as is, anywhere, a param over the device and host tiers; an fp32 device subgroup holding several params once made a copy of them all as its
 "master", which an fp32 param's entry has no key for.
 """
+
 import pytest
 import torch
 from torch import nn
@@ -16,8 +17,10 @@ from hybrid_opt import HybridAdamW
 from hybrid_opt.placement.plan import DEVICE
 
 SUBGROUP = 1 << 16  # test_gpu_checkpoint.py's layout: device subgroups of one and of two params
-PLACEMENTS = {"device": dict(offload_fraction=0.0),
-              "mixed_nvme": dict(offload_fraction=0.5, nvme_fraction=0.25)}
+PLACEMENTS = {
+    "device": dict(offload_fraction=0.0),
+    "mixed_nvme": dict(offload_fraction=0.5, nvme_fraction=0.25),
+}
 
 
 class NewStorages(TorchDispatchMode):
@@ -31,8 +34,11 @@ class NewStorages(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        inputs = {t.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs))[0]
-                  if isinstance(t, torch.Tensor)}
+        inputs = {
+            t.untyped_storage().data_ptr()
+            for t in tree_flatten((args, kwargs))[0]
+            if isinstance(t, torch.Tensor)
+        }
         for t in tree_flatten(out)[0]:
             if isinstance(t, torch.Tensor) and t.device == self.device:
                 storage = t.untyped_storage()
@@ -72,8 +78,13 @@ def test_state_dict_allocates_only_the_state_it_returns(placement, dtype, tmp_pa
         for sg in subgroups:
             for sl in sg.slices:
                 tiers_of.setdefault(sl.param_index, set()).add(tiers[sg.index] == DEVICE)
-        across = sum(t.untyped_storage().nbytes() for i, st in sd["state"].items() if len(tiers_of[i]) == 2
-                     for k, t in st.items() if k != "step")
+        across = sum(
+            t.untyped_storage().nbytes()
+            for i, st in sd["state"].items()
+            if len(tiers_of[i]) == 2
+            for k, t in st.items()
+            if k != "step"
+        )
         made = sum(n for n, _ in mode.made)
         assert made == across, f"state_dict() made {made} B on {params[0].device}: {sorted(mode.made)}"
         for st in sd["state"].values():

@@ -14,6 +14,7 @@ subgroups (their pieces mapped side by side: hybrid_opt/mapped.py).
 
 Sizes here cut subgroups on page boundaries (subgroup_numel >= layout.PAGE_CUT_FROM).
 """
+
 import json
 import os
 import subprocess
@@ -21,21 +22,27 @@ import sys
 
 import pytest
 import torch
+from helpers import backing
 from torch import nn
 
-from helpers import backing
 from hybrid_opt import HybridAdamW
 from hybrid_opt.placement.plan import DEVICE
 
 BF16 = torch.bfloat16
 SUBGROUP = 1 << 15
 HYPER = dict(lr=1e-2, weight_decay=0.1)
-PLACEMENTS = {"device": dict(offload_fraction=0.0), "host": dict(offload_fraction=1.0),
-              "nvme": dict(offload_fraction=1.0, nvme_fraction=1.0),
-              "mixed": dict(offload_fraction=0.5, nvme_fraction=0.25)}
+PLACEMENTS = {
+    "device": dict(offload_fraction=0.0),
+    "host": dict(offload_fraction=1.0),
+    "nvme": dict(offload_fraction=1.0, nvme_fraction=1.0),
+    "mixed": dict(offload_fraction=0.5, nvme_fraction=0.25),
+}
 COMPRESSED = dict(exp_avg_dtype=BF16, exp_avg_sq_dtype=BF16, store_param_remainders=True)
-FORMATS = {"fp32": (torch.float32, {}), "bf16-remainders": (BF16, COMPRESSED),
-           "bf16-master": (BF16, dict(exp_avg_dtype=BF16, exp_avg_sq_dtype=BF16))}
+FORMATS = {
+    "fp32": (torch.float32, {}),
+    "bf16-remainders": (BF16, COMPRESSED),
+    "bf16-master": (BF16, dict(exp_avg_dtype=BF16, exp_avg_sq_dtype=BF16)),
+}
 
 
 def make_model(dtype, seed=0):
@@ -78,8 +85,9 @@ def test_every_state_tensor_is_a_view_of_the_state(placement, fmt, tmp_path):
         train(model, opt, 3)
         sd = opt.state_dict()
         assert any(spans(opt, i) > 1 for i in sd["state"])  # pieces of several subgroups
-        assert {opt.plan.tiers[s.index] for s in opt.parts.layout.subgroups} == \
-            {DEVICE if placement == "device" else placement}
+        assert {opt.plan.tiers[s.index] for s in opt.parts.layout.subgroups} == {
+            DEVICE if placement == "device" else placement
+        }
         for idx, st in sd["state"].items():
             keys = {"step", "exp_avg", "exp_avg_sq"}
             if fmt != "fp32":
@@ -89,7 +97,7 @@ def test_every_state_tensor_is_a_view_of_the_state(placement, fmt, tmp_path):
                 if k == "step":
                     continue
                 where = backing(t)
-                assert ("hybrid_opt-" in where or where.startswith(str(tmp_path))), (idx, k, where)
+                assert "hybrid_opt-" in where or where.startswith(str(tmp_path)), (idx, k, where)
                 assert t.untyped_storage().nbytes() == t.numel() * t.element_size(), (idx, k)
         # the same values a fresh call reads (the mapping of pieces side by side is exact)
         again = opt.state_dict()
@@ -110,13 +118,19 @@ def test_a_state_dict_held_across_steps_keeps_its_values_or_follows_the_state(pl
         train(model, opt, 2)
         sd = opt.state_dict()
         taken = clone_state(sd)
-        slices = {(i, k): t.view(-1)[-5:] for i, st in sd["state"].items() for k, t in st.items() if k != "step"}
+        slices = {
+            (i, k): t.view(-1)[-5:] for i, st in sd["state"].items() for k, t in st.items() if k != "step"
+        }
         train(model, opt, 3, seed=2)
         now = clone_state(opt.state_dict())
         kinds, wants = set(), {}
         for idx, st in sd["state"].items():
-            on_device = {opt.plan.tiers[sg.index] for sg in opt.parts.layout.subgroups
-                         for sl in sg.slices if sl.param_index == idx} == {DEVICE}
+            on_device = {
+                opt.plan.tiers[sg.index]
+                for sg in opt.parts.layout.subgroups
+                for sl in sg.slices
+                if sl.param_index == idx
+            } == {DEVICE}
             for k, t in st.items():
                 if k == "step":
                     continue
@@ -125,7 +139,9 @@ def test_a_state_dict_held_across_steps_keeps_its_values_or_follows_the_state(pl
                 assert torch.equal(t, want), (idx, k, on_device)
                 assert torch.equal(slices[(idx, k)], want.view(-1)[-5:]), (idx, k)
                 kinds.add(on_device)
-        assert kinds == ({True} if placement == "device" else {False} if placement != "mixed" else {True, False})
+        assert kinds == (
+            {True} if placement == "device" else {False} if placement != "mixed" else {True, False}
+        )
     for (idx, k), want in wants.items():  # close() left them their values
         assert torch.equal(sd["state"][idx][k], want), (idx, k)
 
@@ -209,8 +225,13 @@ def test_a_checkpoint_costs_no_ram(placement, fmt, tmp_path):
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     nvme = tmp_path / "nvme"
     nvme.mkdir()
-    res = subprocess.run([sys.executable, "-c", _MEASURE, placement, fmt, str(tmp_path / "ck.pt"), str(nvme)],
-                         cwd=root, capture_output=True, text=True, timeout=300)
+    res = subprocess.run(
+        [sys.executable, "-c", _MEASURE, placement, fmt, str(tmp_path / "ck.pt"), str(nvme)],
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert res.returncode == 0, res.stderr[-3000:]
     got = json.loads(res.stdout.strip().splitlines()[-1])
     budget = 0.05 * got["state"]

@@ -6,6 +6,7 @@ case runs ours beside torch.optim.AdamW(foreach=False) (or beside a hybrid twin 
 saw the refused call) on the device tier (the CPU kernel in the trainer) and the host tier
 (the worker process).
 """
+
 import copy
 import pickle
 import re
@@ -13,10 +14,18 @@ import signal
 
 import pytest
 import torch
+from test_failures_mid_step import _assert_state_equal, _counts, _params, _state, _Trio
+from test_optimizer import (
+    SUBGROUP,
+    assert_params_close,
+    assert_state_close,
+    loss_fn,
+    make_batches,
+    make_net,
+    train,
+)
 
 from hybrid_opt import HybridAdamW
-from test_failures_mid_step import _Trio, _assert_state_equal, _counts, _params, _state
-from test_optimizer import SUBGROUP, assert_params_close, assert_state_close, loss_fn, make_batches, make_net, train
 
 OFFLOAD = {"device": 0.0, "host": 1.0}
 
@@ -24,7 +33,9 @@ OFFLOAD = {"device": 0.0, "host": 1.0}
 def _pair(placement):
     model = make_net()
     theirs = copy.deepcopy(model)
-    ours = HybridAdamW(model.parameters(), lr=1e-2, subgroup_numel=SUBGROUP, offload_fraction=OFFLOAD[placement])
+    ours = HybridAdamW(
+        model.parameters(), lr=1e-2, subgroup_numel=SUBGROUP, offload_fraction=OFFLOAD[placement]
+    )
     ref = torch.optim.AdamW(theirs.parameters(), lr=1e-2, foreach=False)
     return model, ours, theirs, ref
 
@@ -61,8 +72,11 @@ def test_state_dict_hooks_run_as_torch_runs_them(placement):
         assert all(sd["extra"] == 1 for sd in sds)
         for o, sd in zip((ours, ref), sds):
             o.load_state_dict(sd)
-        assert calls[id(ours)] == calls[id(ref)] == [
-            "pre", ("post", ["exp_avg", "exp_avg_sq", "step"]), "load_pre", "load_post"]
+        assert (
+            calls[id(ours)]
+            == calls[id(ref)]
+            == ["pre", ("post", ["exp_avg", "exp_avg_sq", "step"]), "load_pre", "load_post"]
+        )
         assert ours.param_groups[0]["lr"] == ref.param_groups[0]["lr"] == 5e-3
         for m, o in ((model, ours), (theirs, ref)):
             train(m, o, batches[2:])
@@ -105,8 +119,13 @@ def _clear_groups(opt, model):
     opt.param_groups.clear()  # raised a bare IndexError
 
 
-EDITS = {"append": _append, "remove": _remove, "replace": _replace, "new_group": _new_group,
-         "clear": _clear_groups}
+EDITS = {
+    "append": _append,
+    "remove": _remove,
+    "replace": _replace,
+    "new_group": _new_group,
+    "clear": _clear_groups,
+}
 
 
 @pytest.mark.parametrize("placement", ["device", "host"])
@@ -122,8 +141,11 @@ def test_params_edited_in_param_groups_are_refused_before_anything_changes(place
         groups = [dict(g, params=list(g["params"])) for g in t.ours.param_groups]
         state, params, counts = _state(t.ours), _params(t.model), _counts(t.ours, t.model)
         EDITS[edit](t.ours, t.model)
-        with pytest.raises(ValueError, match=r"(?s)param_groups\[\d\]\['params'\] was edited.*"
-                                             r"add_param_group.*Nothing was stepped"):
+        with pytest.raises(
+            ValueError,
+            match=r"(?s)param_groups\[\d\]\['params'\] was edited.*"
+            r"add_param_group.*Nothing was stepped",
+        ):
             t.ours.step()
         t.ours.param_groups[:] = [dict(g) for g in groups]
         for g, kept in zip(t.ours.param_groups, groups):  # the same dicts' lists, put back
@@ -150,8 +172,11 @@ def test_a_bad_lr_set_after_construction_is_refused_on_every_tier(placement, lr)
         t.backward()
         state, params, counts = _state(t.ours), _params(t.model), _counts(t.ours, t.model)
         t.ours.param_groups[0]["lr"] = lr
-        with pytest.raises(ValueError, match=rf"param group 0: .*(finite|Invalid learning rate).*"
-                                             rf"{placement} tier's kernel.*Nothing was stepped"):
+        with pytest.raises(
+            ValueError,
+            match=rf"param group 0: .*(finite|Invalid learning rate).*"
+            rf"{placement} tier's kernel.*Nothing was stepped",
+        ):
             t.ours.step()
         assert _counts(t.ours, t.model) == counts
         _assert_state_equal(_state(t.ours), state)
@@ -181,6 +206,7 @@ def test_ctrl_c_inside_step_says_what_it_left(monkeypatch):
             if len(writes) == 3:
                 signal.raise_signal(signal.SIGINT)
             return real(self, *a, **k)
+
         t.backward()
         monkeypatch.setattr(Subgroup, "write", interrupted)
         with pytest.raises(KeyboardInterrupt) as err:
@@ -200,6 +226,7 @@ def _clear(opt, model):
 
 def _rebind(opt, model):
     from collections import defaultdict
+
     opt.state = defaultdict(dict)
 
 
@@ -226,8 +253,11 @@ def test_resetting_opt_state_the_torch_way_is_refused_and_the_documented_way_res
         loss_fn(model, batches[2]).backward()
         before = _state(ours)
         RESETS[reset](ours, model)
-        with pytest.raises(ValueError, match=r"(?s)opt\.state lost the entries of stepped parameters.*"
-                                             r"load_state_dict.*Nothing was stepped"):
+        with pytest.raises(
+            ValueError,
+            match=r"(?s)opt\.state lost the entries of stepped parameters.*"
+            r"load_state_dict.*Nothing was stepped",
+        ):
             ours.step()
         sd = ours.state_dict()
         _assert_state_equal({i: {k: v for k, v in st.items()} for i, st in sd["state"].items()}, before)
@@ -255,10 +285,13 @@ def test_a_second_open_optimizer_over_the_same_params_is_warned_about():
     write). A param given to a second open one warns, naming the fix; disjoint params, or the
     first one closed, do not."""
     import warnings
+
     model = make_net()
     first = HybridAdamW(model.parameters(), subgroup_numel=SUBGROUP, offload_fraction=1.0)
     try:
-        with pytest.warns(UserWarning, match=r"an open HybridAdamW also steps.*Close the other first") as caught:
+        with pytest.warns(
+            UserWarning, match=r"an open HybridAdamW also steps.*Close the other first"
+        ) as caught:
             second = HybridAdamW(model.fc1.parameters(), subgroup_numel=SUBGROUP, offload_fraction=1.0)
         assert caught[0].filename == __file__  # points at the user's line
         with pytest.warns(UserWarning, match=r"an open HybridAdamW also steps"):

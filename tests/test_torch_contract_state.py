@@ -14,19 +14,32 @@ subgroup in files):
 - `param_groups.extend(param_groups)` (torch's test for pytorch#36831): state_dict(),
   save_state_dict() and load_state_dict() refuse it as step() does, before anything changes.
 """
+
 import copy
 import re
 
 import pytest
 import torch
+from test_optimizer import (
+    SUBGROUP,
+    Net,
+    assert_params_close,
+    assert_state_close,
+    lockstep,
+    loss_fn,
+    make_batches,
+    make_net,
+    save_load,
+)
 
 from hybrid_opt import HybridAdamW
-from test_optimizer import (SUBGROUP, Net, assert_params_close, assert_state_close, lockstep, loss_fn,
-                            make_batches, make_net, save_load)
 
 HYPER = dict(lr=1e-2, weight_decay=0.1)
-PLACEMENTS = {"device": dict(offload_fraction=0.0), "host": dict(offload_fraction=1.0),
-              "nvme": dict(offload_fraction=1.0, nvme_fraction=1.0)}
+PLACEMENTS = {
+    "device": dict(offload_fraction=0.0),
+    "host": dict(offload_fraction=1.0),
+    "nvme": dict(offload_fraction=1.0, nvme_fraction=1.0),
+}
 
 
 @pytest.fixture(scope="module")
@@ -52,8 +65,10 @@ def _params_only(sd: dict) -> dict:
 
 
 # ============================================================================= 1. param_names
-GROUPS = {"named": lambda m, prefix="": m.named_parameters(prefix=prefix),
-          "plain": lambda m, prefix="": m.parameters()}
+GROUPS = {
+    "named": lambda m, prefix="": m.named_parameters(prefix=prefix),
+    "plain": lambda m, prefix="": m.parameters(),
+}
 
 
 def _names(groups: list) -> list:
@@ -61,8 +76,9 @@ def _names(groups: list) -> list:
 
 
 @pytest.mark.parametrize("placement", sorted(PLACEMENTS))
-@pytest.mark.parametrize("saved, loaded", [("named", "plain"), ("plain", "named"), ("named", "named"),
-                                           ("plain", "plain")])
+@pytest.mark.parametrize(
+    "saved, loaded", [("named", "plain"), ("plain", "named"), ("named", "named"), ("plain", "plain")]
+)
 def test_param_names_go_through_a_checkpoint_as_torchs_do(placement, saved, loaded, nvme_dir):
     """torch keeps a named optimizer's `param_names` in its state dict's groups, and its
     load_state_dict gives each group the checkpoint's names where it has them, else keeps the
@@ -85,7 +101,9 @@ def test_param_names_go_through_a_checkpoint_as_torchs_do(placement, saved, load
         names = [n for n, _ in model.named_parameters(prefix="saved" if saved == "named" else "")]
         expected = [names] if "named" in (saved, loaded) else [None]
         assert _names(ours.param_groups) == _names(ref.param_groups) == expected
-        assert _names(ours.state_dict()["param_groups"]) == _names(ref.state_dict()["param_groups"]) == expected
+        assert (
+            _names(ours.state_dict()["param_groups"]) == _names(ref.state_dict()["param_groups"]) == expected
+        )
         lockstep(model, ours, ref_model, ref, batches[2:])
         assert_state_close(ours.state_dict(), ref.state_dict())
     assert_params_close(model, ref_model)
@@ -104,7 +122,9 @@ def _unowned(state) -> dict:
 
 
 @pytest.mark.parametrize("placement", sorted(PLACEMENTS))
-def test_state_entries_that_are_not_params_go_through_a_checkpoint_as_torchs_do(placement, nvme_dir, tmp_path):
+def test_state_entries_that_are_not_params_go_through_a_checkpoint_as_torchs_do(
+    placement, nvme_dir, tmp_path
+):
     """torch's state_dict() packs every entry of `opt.state`, a key that is not a param kept as
     it is, and its load_state_dict() keeps the checkpoint's such entries (replacing opt.state
     whole: one the checkpoint lacks is gone). Ours dropped them from state_dict() and from
@@ -120,7 +140,9 @@ def test_state_entries_that_are_not_params_go_through_a_checkpoint_as_torchs_do(
         assert list(_unowned(sd["state"])) == list(_unowned(ref_sd["state"])) == ["ema", "saves"]
         assert list(sd["state"]) == list(ref_sd["state"])  # the params' entries first, in torch's order
         assert sd["state"]["saves"] == ref_sd["state"]["saves"] == 1
-        assert sd["state"]["ema"]["warmup"] == 3 and torch.equal(sd["state"]["ema"]["decay"], torch.tensor(0.999))
+        assert sd["state"]["ema"]["warmup"] == 3 and torch.equal(
+            sd["state"]["ema"]["decay"], torch.tensor(0.999)
+        )
         assert_state_close(_params_only(sd), _params_only(ref_sd))
         # save_state_dict's file, streamed one param at a time, and with a post hook whole
         for post in (False, True):
@@ -165,7 +187,8 @@ def _materialise(model):
 
 @pytest.mark.parametrize("placement", sorted(PLACEMENTS))
 def test_meta_params_are_taken_on_the_device_tier_refused_offloaded_and_train_once_materialised(
-        placement, nvme_dir):
+    placement, nvme_dir
+):
     """torch builds an optimizer over meta params; so does ours at offload 0, while the host and
     nvme tiers, which copy each param's values into its fp32 master when they lay it out, raised
     a bare `NotImplementedError: Cannot copy out of meta tensor`. They refuse at construction
@@ -176,10 +199,13 @@ def test_meta_params_are_taken_on_the_device_tier_refused_offloaded_and_train_on
     if placement == "device":
         _ours(meta.named_parameters(), placement, nvme_dir).close()
     else:
-        with pytest.raises(ValueError, match=r"(?s)parameter 0 \(fc1\.weight\) is on the meta device.*"
-                                             r"offload_fraction=1\.0.*fp32 master.*"
-                                             r"Build the optimizer after materialising the model: "
-                                             r"model\.to_empty\(device=\.\.\.\)"):
+        with pytest.raises(
+            ValueError,
+            match=r"(?s)parameter 0 \(fc1\.weight\) is on the meta device.*"
+            r"offload_fraction=1\.0.*fp32 master.*"
+            r"Build the optimizer after materialising the model: "
+            r"model\.to_empty\(device=\.\.\.\)",
+        ):
             _ours(meta.named_parameters(), placement, nvme_dir)
     model, ref_model = _materialise(_meta_net()), _materialise(_meta_net())
     with _ours(model.parameters(), placement, nvme_dir) as ours:
@@ -232,14 +258,19 @@ def test_meta_params_at_offload_0_kept_by_to_empty_are_refused_at_step_as_a_move
             loss_fn(m, batch).backward()
         ref.step()
         assert ref.state_dict()["state"]  # torch stepped the materialised params
-        with pytest.raises(RuntimeError, match=r"parameter 0 was moved or cast after HybridAdamW was "
-                                               r"built.*on meta to .*on cpu.*Build the optimizer after"):
+        with pytest.raises(
+            RuntimeError,
+            match=r"parameter 0 was moved or cast after HybridAdamW was "
+            r"built.*on meta to .*on cpu.*Build the optimizer after",
+        ):
             ours.step()
 
 
 # ============================================================================= 4. param_groups.extend(param_groups)
 @pytest.mark.parametrize("placement", sorted(PLACEMENTS))
-def test_param_groups_extended_with_themselves_are_refused_by_checkpoints_as_by_step(placement, nvme_dir, tmp_path):
+def test_param_groups_extended_with_themselves_are_refused_by_checkpoints_as_by_step(
+    placement, nvme_dir, tmp_path
+):
     """torch's test for pytorch#36831 lists every param twice (`param_groups.extend(param_groups)`)
     and its state_dict() packs the second group as the first (the same indices). Ours lays each
     param out once, when it joins: step() refused the list, state_dict() raised a bare
@@ -256,19 +287,26 @@ def test_param_groups_extended_with_themselves_are_refused_by_checkpoints_as_by_
         assert [g["params"] for g in ref_sd["param_groups"]] == [ref_before["param_groups"][0]["params"]] * 2
         before = copy.deepcopy(ours.state_dict())
         ours.param_groups.extend(ours.param_groups)
-        calls = {"state_dict": ours.state_dict,
-                 "save_state_dict": lambda: ours.save_state_dict(tmp_path / "opt.pt"),
-                 "load_state_dict": lambda: ours.load_state_dict(before)}
+        calls = {
+            "state_dict": ours.state_dict,
+            "save_state_dict": lambda: ours.save_state_dict(tmp_path / "opt.pt"),
+            "load_state_dict": lambda: ours.load_state_dict(before),
+        }
         for name, call in calls.items():
-            with pytest.raises(ValueError, match=rf"(?s)HybridAdamW\.{name}\(\): param_groups\[1\]\['params'\] "
-                                                 rf"was edited.*add_param_group\(\).*put the list back to call "
-                                                 rf"{name}\(\) \(del opt\.param_groups\[n:\].*Nothing was changed"):
+            with pytest.raises(
+                ValueError,
+                match=rf"(?s)HybridAdamW\.{name}\(\): param_groups\[1\]\['params'\] "
+                rf"was edited.*add_param_group\(\).*put the list back to call "
+                rf"{name}\(\) \(del opt\.param_groups\[n:\].*Nothing was changed",
+            ):
                 call()
         assert not (tmp_path / "opt.pt").exists()
         for m, o in ((model, ours), (ref_model, ref)):
             o.zero_grad()
             loss_fn(m, batches[2]).backward()
-        with pytest.raises(ValueError, match=re.escape("HybridAdamW.step(): param_groups[1]['params'] was edited")):
+        with pytest.raises(
+            ValueError, match=re.escape("HybridAdamW.step(): param_groups[1]['params'] was edited")
+        ):
             ours.step()
         del ours.param_groups[1:]
         del ref.param_groups[1:]

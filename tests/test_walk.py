@@ -8,16 +8,16 @@ it lowers the ceiling in the same commit. #22's "each module at most twice" is M
 `visits` counts every hop into a module (a helper called once per param counts once per param);
 `passes` counts a run of consecutive hops into one module once.
 """
+
 import os
 import sys
 import textwrap
 
 import pytest
-
 from walk import OUTSIDE, Tracer, trace_walk
 
-MAX_HOPS = 42     # plain grads named in speculation; the slot count inside the staging
-MAX_VISITS = 2    # issue #22: each module at most twice
+MAX_HOPS = 42  # plain grads named in speculation; the slot count inside the staging
+MAX_VISITS = 2  # issue #22: each module at most twice
 MAX_PASSES = 2
 MAX_PHASE_VISITS = 2  # within backward's launch, and within step(): each module at most twice
 
@@ -41,12 +41,14 @@ def test_the_walk_is_no_longer_than_today(walk):
     assert walk.hops <= MAX_HOPS, f"{walk.hops} hops > {MAX_HOPS}:\n{walk.format()}"
     assert walk.max_visits <= MAX_VISITS, f"max visits {walk.max_visits} > {MAX_VISITS}: {walk.visits}"
     assert walk.max_passes <= MAX_PASSES, f"max passes {walk.max_passes} > {MAX_PASSES}: {walk.passes}"
-    assert walk.max_phase_visits <= MAX_PHASE_VISITS, f"max visits in one phase > {MAX_PHASE_VISITS}: {walk.phase_visits}"
+    assert walk.max_phase_visits <= MAX_PHASE_VISITS, (
+        f"max visits in one phase > {MAX_PHASE_VISITS}: {walk.phase_visits}"
+    )
     assert set(walk.phase_visits) == {"backward", "step"}, walk.phase_visits
 
 
 # ============================================================================= the tracer itself
-_A = '''
+_A = """
 from pkg import b
 import ext
 
@@ -68,8 +70,8 @@ def helper():
 def step():
     A().write()
     b.after()           # past the end: not in the walk
-'''
-_B = '''
+"""
+_B = """
 import ext
 
 
@@ -102,11 +104,11 @@ def cb():
 
 def after():
     return 3
-'''
-_EXT = '''
+"""
+_EXT = """
 def call(fn):
     return fn()
-'''
+"""
 
 
 def test_tracer_on_a_two_module_chain(tmp_path, monkeypatch):
@@ -121,8 +123,9 @@ def test_tracer_on_a_two_module_chain(tmp_path, monkeypatch):
         monkeypatch.delitem(sys.modules, name, raising=False)
     from pkg import a
 
-    tracer = Tracer(str(pkg), "pkg", spec_module_prefix="b", spec_function="spec",
-                    end_module="a", end_qualname="A.write")
+    tracer = Tracer(
+        str(pkg), "pkg", spec_module_prefix="b", spec_function="spec", end_module="a", end_qualname="A.write"
+    )
     previous = sys.getprofile()
     sys.setprofile(tracer)
     try:
@@ -144,8 +147,14 @@ def test_tracer_on_a_two_module_chain(tmp_path, monkeypatch):
         "b ~> b.cb",
     ]
     assert [(h.reentry, h.callback) for h in walk.sequence] == [
-        (False, False), (False, False), (True, False), (True, True), (True, False), (True, False),
-        (True, True)]
+        (False, False),
+        (False, False),
+        (True, False),
+        (True, True),
+        (True, False),
+        (True, False),
+        (True, True),
+    ]
     assert walk.hops == 7 and walk.modules == ["pkg.a", "pkg.b"]
     assert walk.visits == {"pkg.a": 3, "pkg.b": 4}
     assert walk.passes == {"pkg.a": 2, "pkg.b": 2}  # b.prepare + b.spec, b.leaf + b.cb: one pass each

@@ -1,4 +1,5 @@
 """The GitHub workflows' safety settings, read from the YAML files themselves."""
+
 import os
 import re
 
@@ -23,8 +24,11 @@ def _checkout_steps_text(text: str) -> list[tuple[int, str]]:
         assert start >= 0, f"line {i + 1}: a checkout step with no '- ' above it"
         dash = len(lines[start]) - len(lines[start].lstrip())
         end = start + 1
-        while end < len(lines) and (not lines[end].strip() or lines[end].lstrip().startswith("#")
-                                    or len(lines[end]) - len(lines[end].lstrip()) > dash):
+        while end < len(lines) and (
+            not lines[end].strip()
+            or lines[end].lstrip().startswith("#")
+            or len(lines[end]) - len(lines[end].lstrip()) > dash
+        ):
             end += 1
         steps.append((start + 1, "\n".join(lines[start:end])))
     return steps
@@ -38,8 +42,9 @@ def test_every_checkout_step_in_gpu_ci_drops_its_credentials():
     steps = _checkout_steps_text(text)
     assert len(steps) >= 2, "expected a checkout step in both the cpu and the gpu job"
     for line, step in steps:
-        assert re.search(r"^\s+with:\s*$(\n.*)*?\n\s+persist-credentials:\s*false\s*$", step,
-                         re.M), f"gpu-ci.yml line {line}: checkout without persist-credentials: false:\n{step}"
+        assert re.search(r"^\s+with:\s*$(\n.*)*?\n\s+persist-credentials:\s*false\s*$", step, re.M), (
+            f"gpu-ci.yml line {line}: checkout without persist-credentials: false:\n{step}"
+        )
 
 
 def test_every_checkout_step_in_gpu_ci_drops_its_credentials_per_yaml():
@@ -47,9 +52,12 @@ def test_every_checkout_step_in_gpu_ci_drops_its_credentials_per_yaml():
     with open(GPU_CI) as f:
         text = f.read()
     workflow = yaml.safe_load(text)
-    checkouts = [(name, step) for name, job in workflow["jobs"].items()
-                 for step in job.get("steps", [])
-                 if str(step.get("uses", "")).startswith("actions/checkout@")]
+    checkouts = [
+        (name, step)
+        for name, job in workflow["jobs"].items()
+        for step in job.get("steps", [])
+        if str(step.get("uses", "")).startswith("actions/checkout@")
+    ]
     # the plain-text reader sees the same steps
     assert len(checkouts) == len(_checkout_steps_text(text)) >= 2
     for name, step in checkouts:
@@ -57,10 +65,12 @@ def test_every_checkout_step_in_gpu_ci_drops_its_credentials_per_yaml():
 
 
 def test_the_plain_text_reader_finds_a_checkout_without_the_setting():
-    text = ("jobs:\n  a:\n    steps:\n      - uses: actions/checkout@v4\n"
-            "      - uses: actions/setup-python@v5\n        with:\n          persist-credentials: false\n"
-            "      - name: co\n        uses: actions/checkout@v4\n        with:\n"
-            "          persist-credentials: false\n")
+    text = (
+        "jobs:\n  a:\n    steps:\n      - uses: actions/checkout@v4\n"
+        "      - uses: actions/setup-python@v5\n        with:\n          persist-credentials: false\n"
+        "      - name: co\n        uses: actions/checkout@v4\n        with:\n"
+        "          persist-credentials: false\n"
+    )
     steps = _checkout_steps_text(text)
     assert [line for line, _ in steps] == [4, 8]
     assert "persist-credentials" not in steps[0][1]

@@ -3,11 +3,11 @@ is the storages the optimizer holds for its collectives — the comm window's sl
 (hybrid_opt/distributed/zero_pool.py) and each bucket's averaged chunks — and for a model of many buckets
 the window is a few buckets, not the model (it was ~3 fp32 copies of it); release_grads'
 argument errors (hybrid_opt/arguments.py)."""
+
 import pytest
 import torch
 
 from hybrid_opt import HybridAdamW
-
 from hybrid_opt.distributed import zero, zero_pool
 
 LAYERS, WIDTH = 12, 64
@@ -21,6 +21,7 @@ def _model():
 @pytest.fixture
 def world_of_one(tmp_path):
     import torch.distributed as dist
+
     if not (dist.is_available() and dist.is_gloo_available()):
         pytest.skip("torch.distributed with gloo is not available")
     dist.init_process_group("gloo", init_method=f"file://{tmp_path}/rdzv", rank=0, world_size=1)
@@ -34,8 +35,12 @@ def test_comm_bytes_are_the_storages_held_and_a_window_not_the_model(world_of_on
     monkeypatch.setattr(zero_pool, "WINDOW_FLOOR_BYTES", 0)  # the window is WINDOW buckets
     model = _model()
     fp32 = sum(p.numel() for p in model.parameters()) * 4
-    with HybridAdamW(model.parameters(), offload_fraction=0.5, process_group=world_of_one.group.WORLD,
-                     overlap_param_gather=overlap) as opt:
+    with HybridAdamW(
+        model.parameters(),
+        offload_fraction=0.5,
+        process_group=world_of_one.group.WORLD,
+        overlap_param_gather=overlap,
+    ) as opt:
         z = opt.parts.sharding
         assert len(z.buckets) == LAYERS
         for _ in range(2):
@@ -43,8 +48,11 @@ def test_comm_bytes_are_the_storages_held_and_a_window_not_the_model(world_of_on
             opt.step()
             opt.zero_grad()
             got = opt.allocated_bytes["comm"]
-            held = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
-                    for t in z.comm_tensors() if t is not None}
+            held = {
+                t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                for t in z.comm_tensors()
+                if t is not None
+            }
             assert got == sum(held.values())
             chunks = sum(b.buf.untyped_storage().nbytes() for b in z.buckets)  # a world of 1: all of it
             window = got - chunks - sum(t.untyped_storage().nbytes() for t in z.counts.tensors())

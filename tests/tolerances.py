@@ -1,4 +1,5 @@
 """Numeric tolerances, defined once and reused by every test (STYLE.md rule 3)."""
+
 import torch
 
 # relative tolerance against torch / fp64 references, by the dtype the result is stored in
@@ -9,8 +10,13 @@ ATOL = {torch.float32: 1e-6, torch.float16: 1e-3, torch.bfloat16: 4e-3}
 
 def assert_close(actual, expected, dtype=None, msg=""):
     dtype = dtype or actual.dtype
-    torch.testing.assert_close(actual.double(), expected.double(), rtol=RTOL[dtype],
-                               atol=ATOL[dtype], msg=lambda m: f"{msg}\n{m}" if msg else m)
+    torch.testing.assert_close(
+        actual.double(),
+        expected.double(),
+        rtol=RTOL[dtype],
+        atol=ATOL[dtype],
+        msg=lambda m: f"{msg}\n{m}" if msg else m,
+    )
 
 
 # a bf16 result computed from fp32 values that differ in their last bits may round to the
@@ -23,9 +29,11 @@ BF16_ULPS = 1
 def bf16_ulp_distance(actual, expected):
     """Per element, how many bf16 values lie between `actual` and `expected` (bf16 tensors;
     -0 and +0 are the same place)."""
+
     def ordered(t):
         bits = t.contiguous().view(torch.int16).to(torch.int32)
         return torch.where(bits < 0, -(bits & 0x7FFF), bits)
+
     return (ordered(actual) - ordered(expected)).abs()
 
 
@@ -33,8 +41,11 @@ def assert_bf16_within_ulps(actual, expected, ulps=BF16_ULPS, atol=ATOL[torch.fl
     far = (bf16_ulp_distance(actual, expected) > ulps) & ((actual.double() - expected.double()).abs() > atol)
     if bool(far.any()):
         worst = int(bf16_ulp_distance(actual, expected)[far].max())
-        raise AssertionError(f"{msg}: {int(far.sum())} of {far.numel()} bf16 values more than {ulps} ulp "
-                             f"and {atol} from the reference (worst {worst} ulp)")
+        raise AssertionError(
+            f"{msg}: {int(far.sum())} of {far.numel()} bf16 values more than {ulps} ulp "
+            f"and {atol} from the reference (worst {worst} ulp)"
+        )
+
 
 # distributed runs against single-process torch on the global batch: data-parallel averaging
 # rounds differently (torch's own AdamW under FSDP2 lands at 3e-6)

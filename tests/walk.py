@@ -22,6 +22,7 @@ a hop too, even back into the module it came from. A generator counts once, when
 
     PYTHONPATH=$PWD python -m tests.walk        # or: python tests/walk.py [--json PATH]
 """
+
 from __future__ import annotations
 
 import dis
@@ -38,13 +39,13 @@ _GEN_FLAGS = 0x20 | 0x80 | 0x200  # CO_GENERATOR | CO_COROUTINE | CO_ASYNC_GENER
 
 @dataclass(frozen=True)
 class Hop:
-    caller: str          # module of the nearest hybrid_opt frame below, or OUTSIDE
-    module: str          # the callee's module (hybrid_opt.x.y)
-    function: str        # the callee's qualified name
-    via_outside: bool    # its immediate caller was not hybrid_opt code (autograd, torch)
-    reentry: bool        # its module was entered earlier in the walk
-    callback: bool       # ... and is still running below it (a call back into it)
-    phase: str = ""      # "backward" (the hook's launch) or "step" (validation and commit)
+    caller: str  # module of the nearest hybrid_opt frame below, or OUTSIDE
+    module: str  # the callee's module (hybrid_opt.x.y)
+    function: str  # the callee's qualified name
+    via_outside: bool  # its immediate caller was not hybrid_opt code (autograd, torch)
+    reentry: bool  # its module was entered earlier in the walk
+    callback: bool  # ... and is still running below it (a call back into it)
+    phase: str = ""  # "backward" (the hook's launch) or "step" (validation and commit)
 
     def __str__(self) -> str:
         arrow = "~>" if self.via_outside else "->"
@@ -53,11 +54,11 @@ class Hop:
 
 @dataclass
 class Walk:
-    sequence: list = field(default_factory=list)   # [Hop], in call order
-    start: str = ""                                  # the hook call the walk starts at
-    end: str = ""                                    # the write it ends at
-    committed: int = 0                               # the traced step's committed host steps
-    speculations: int = 0                            # `speculate` entries during backward
+    sequence: list = field(default_factory=list)  # [Hop], in call order
+    start: str = ""  # the hook call the walk starts at
+    end: str = ""  # the write it ends at
+    committed: int = 0  # the traced step's committed host steps
+    speculations: int = 0  # `speculate` entries during backward
 
     @property
     def hops(self) -> int:
@@ -128,32 +129,49 @@ class Walk:
         return " > ".join(m if n == 1 else f"{m} x{n}" for m, n in out)
 
     def summary(self) -> dict:
-        return dict(hops=self.hops, modules=len(self.modules), returns_to_left=self.returns_to_left,
-                    callbacks=self.callbacks, max_visits=self.max_visits, max_passes=self.max_passes,
-                    max_phase_visits=self.max_phase_visits,
-                    committed=self.committed, speculations=self.speculations)
+        return dict(
+            hops=self.hops,
+            modules=len(self.modules),
+            returns_to_left=self.returns_to_left,
+            callbacks=self.callbacks,
+            max_visits=self.max_visits,
+            max_passes=self.max_passes,
+            max_phase_visits=self.max_phase_visits,
+            committed=self.committed,
+            speculations=self.speculations,
+        )
 
     def format(self) -> str:
         """A closing note's block: the figures, the hops in order, visits per module."""
         s = self.summary()
-        lines = [f"walk of one speculated host subgroup, hook to commit: {s['hops']} hops through "
-                 f"{s['modules']} modules, {s['returns_to_left']} back into a module already left "
-                 f"({s['callbacks']} of them calls back into a module still running), "
-                 f"max {s['max_visits']} visits to one module (max {s['max_passes']} passes: "
-                 f"consecutive hops into one module counted once; max {s['max_phase_visits']} "
-                 f"within backward or within step())",
-                 f"start: {self.start}", f"end:   return of {self.end}", "",
-                 "hops (~> reached through code outside hybrid_opt; * re-entry):"]
+        lines = [
+            f"walk of one speculated host subgroup, hook to commit: {s['hops']} hops through "
+            f"{s['modules']} modules, {s['returns_to_left']} back into a module already left "
+            f"({s['callbacks']} of them calls back into a module still running), "
+            f"max {s['max_visits']} visits to one module (max {s['max_passes']} passes: "
+            f"consecutive hops into one module counted once; max {s['max_phase_visits']} "
+            f"within backward or within step())",
+            f"start: {self.start}",
+            f"end:   return of {self.end}",
+            "",
+            "hops (~> reached through code outside hybrid_opt; * re-entry):",
+        ]
         for k, h in enumerate(self.sequence, 1):
             lines.append(f"{k:4d}{'*' if h.reentry else ' '} {h}")
-        lines += ["", "| module | visits | backward | step() | passes | functions entered |",
-                  "|---|---|---|---|---|---|"]
+        lines += [
+            "",
+            "| module | visits | backward | step() | passes | functions entered |",
+            "|---|---|---|---|---|---|",
+        ]
         passes, phases = self.passes, self.phase_visits
         for m, n in sorted(self.visits.items(), key=lambda kv: (-kv[1], kv[0])):
             fns = Counter(h.function for h in self.sequence if h.module == m)
-            lines.append(f"| {short(m)} | {n} | {phases.get('backward', {}).get(m, 0)} | "
-                         f"{phases.get('step', {}).get(m, 0)} | {passes[m]} | "
-                         + ", ".join(f if c == 1 else f"{f} x{c}" for f, c in fns.items()) + " |")
+            lines.append(
+                f"| {short(m)} | {n} | {phases.get('backward', {}).get(m, 0)} | "
+                f"{phases.get('step', {}).get(m, 0)} | {passes[m]} | "
+                + ", ".join(f if c == 1 else f"{f} x{c}" for f, c in fns.items())
+                + " |"
+            )
         lines += ["", "modules in order: " + self.module_path()]
         return "\n".join(lines)
 
@@ -173,24 +191,31 @@ class Tracer:
     and ends (`start_at`, `end_at`: indices into `calls`). `phase` is set by the driver:
     "backward" or "step"."""
 
-    def __init__(self, root: str, package: str = "hybrid_opt", *, spec_module_prefix: str = "tiers.",
-                 spec_function: str = "speculate", end_module: str = "state.layout",
-                 end_qualname: str = "Subgroup.write"):
+    def __init__(
+        self,
+        root: str,
+        package: str = "hybrid_opt",
+        *,
+        spec_module_prefix: str = "tiers.",
+        spec_function: str = "speculate",
+        end_module: str = "state.layout",
+        end_qualname: str = "Subgroup.write",
+    ):
         self.root = os.path.realpath(root)
         self.package = package
         self.spec_prefix = f"{package}.{spec_module_prefix}"
         self.spec_function = spec_function
         self.end_module = f"{package}.{end_module}"
         self.end_qualname = end_qualname
-        self.calls: list = []        # (module, qualname, caller module | None, via outside, modules below)
+        self.calls: list = []  # (module, qualname, caller module | None, via outside, modules below)
         self.phase = None
         self.start_at = None
         self.end_at = None
         self.speculations = 0
-        self._modules: dict = {}     # co_filename -> module, or None when outside the package
+        self._modules: dict = {}  # co_filename -> module, or None when outside the package
         self._first_resume: dict = {}
-        self._open_end = None        # the frame of the Subgroup.write now running, during step()
-        self._index: dict = {}       # id(frame) -> its latest entry in calls
+        self._open_end = None  # the frame of the Subgroup.write now running, during step()
+        self._index: dict = {}  # id(frame) -> its latest entry in calls
 
     def module_of(self, code) -> str | None:
         fn = code.co_filename
@@ -237,23 +262,33 @@ class Tracer:
             qual = getattr(frame.f_code, "co_qualname", frame.f_code.co_name)
             self._index[id(frame)] = len(self.calls)
             self.calls.append((mod, qual, below[0] if below else None, outside, frozenset(below), self.phase))
-            if (self.phase == "backward" and mod.startswith(self.spec_prefix)
-                    and frame.f_code.co_name == self.spec_function):
+            if (
+                self.phase == "backward"
+                and mod.startswith(self.spec_prefix)
+                and frame.f_code.co_name == self.spec_function
+            ):
                 outermost, nested, f = frame, False, frame.f_back
                 while f is not None:
                     m = self.module_of(f.f_code)
                     if m is not None:
                         outermost = f
                         # a speculate that delegates to another (a facade's to its part's)
-                        nested = nested or (m.startswith(self.spec_prefix)
-                                            and f.f_code.co_name == self.spec_function)
+                        nested = nested or (
+                            m.startswith(self.spec_prefix) and f.f_code.co_name == self.spec_function
+                        )
                     f = f.f_back
                 if not nested:
                     self.speculations += 1
                     self.start_at = self._index[id(outermost)]
-            elif (self.phase == "step" and mod == self.end_module and self._open_end is None
-                  and (qual == self.end_qualname  # before 3.11 no co_qualname: the name alone
-                       or (qual == frame.f_code.co_name == self.end_qualname.rsplit(".", 1)[-1]))):
+            elif (
+                self.phase == "step"
+                and mod == self.end_module
+                and self._open_end is None
+                and (
+                    qual == self.end_qualname  # before 3.11 no co_qualname: the name alone
+                    or (qual == frame.f_code.co_name == self.end_qualname.rsplit(".", 1)[-1])
+                )
+            ):
                 self._open_end = frame
         elif event == "return" and frame is self._open_end:
             self._open_end = None
@@ -261,27 +296,41 @@ class Tracer:
 
     def walk(self) -> Walk:
         if self.start_at is None:
-            raise RuntimeError(f"no {self.spec_prefix}*.{self.spec_function} entered during backward: "
-                               f"nothing was speculated (a clip that bites? speculative=False? "
-                               f"the subgroup not hooked?)")
+            raise RuntimeError(
+                f"no {self.spec_prefix}*.{self.spec_function} entered during backward: "
+                f"nothing was speculated (a clip that bites? speculative=False? "
+                f"the subgroup not hooked?)"
+            )
         if self.end_at is None or self.end_at <= self.start_at:
-            raise RuntimeError(f"no {self.end_module}.{self.end_qualname} returned during step() "
-                               f"after the speculation: the commit was not seen")
+            raise RuntimeError(
+                f"no {self.end_module}.{self.end_qualname} returned during step() "
+                f"after the speculation: the commit was not seen"
+            )
         seq, entered = [], []
-        for mod, qual, caller, outside, below, phase in self.calls[self.start_at:self.end_at]:
+        for mod, qual, caller, outside, below, phase in self.calls[self.start_at : self.end_at]:
             if caller == mod and not outside:
                 continue
             reentry = mod in entered
-            seq.append(Hop(caller if caller is not None else OUTSIDE, mod, qual, outside, reentry,
-                           reentry and mod in below, phase or ""))
+            seq.append(
+                Hop(
+                    caller if caller is not None else OUTSIDE,
+                    mod,
+                    qual,
+                    outside,
+                    reentry,
+                    reentry and mod in below,
+                    phase or "",
+                )
+            )
             if not reentry:
                 entered.append(mod)
         return Walk(seq)
 
 
 # ============================================================================= the run
-def trace_walk(*, width: int = 32, depth: int = 3, warmup: int = 3, seed: int = 0,
-               settle_s: float = 0.2) -> Walk:
+def trace_walk(
+    *, width: int = 32, depth: int = 3, warmup: int = 3, seed: int = 0, settle_s: float = 0.2
+) -> Walk:
     """Trains `depth` x Linear(width, width) on CPU with HybridAdamW(offload_fraction=1.0,
     speculative=True, one host subgroup, no clipping) for `warmup` steps, then traces one
     iteration's backward + step(); returns the walk.
@@ -314,8 +363,13 @@ def trace_walk(*, width: int = 32, depth: int = 3, warmup: int = 3, seed: int = 
     def loss_of():
         return ((model(x) - y) ** 2).mean()
 
-    with HybridAdamW(model.parameters(), lr=1e-3, offload_fraction=1.0, speculative=True,
-                     subgroup_numel=max(4096, 1 << (numel - 1).bit_length())) as opt:
+    with HybridAdamW(
+        model.parameters(),
+        lr=1e-3,
+        offload_fraction=1.0,
+        speculative=True,
+        subgroup_numel=max(4096, 1 << (numel - 1).bit_length()),
+    ) as opt:
         for _ in range(warmup):
             opt.zero_grad()
             loss_of().backward()
@@ -353,6 +407,7 @@ def trace_walk(*, width: int = 32, depth: int = 3, warmup: int = 3, seed: int = 
 
 def main(argv=None) -> int:
     import argparse
+
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", help="also write the walk's figures and hops as JSON here")
     args = ap.parse_args(argv)
@@ -360,8 +415,17 @@ def main(argv=None) -> int:
     print(walk.format())
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(dict(walk.summary(), visits=walk.visits, start=walk.start, end=walk.end,
-                           hops_in_order=[str(h) for h in walk.sequence]), f, indent=1)
+            json.dump(
+                dict(
+                    walk.summary(),
+                    visits=walk.visits,
+                    start=walk.start,
+                    end=walk.end,
+                    hops_in_order=[str(h) for h in walk.sequence],
+                ),
+                f,
+                indent=1,
+            )
     return 0
 
 

@@ -19,6 +19,7 @@ the product of the mesh dims whose placement is Replicate (HSDP's replicate dim)
 param under a world > 1 without process_group is replicated on every rank (weight 1/world).
 No collective runs on a step that needs neither clipping nor a scaler.
 """
+
 from __future__ import annotations
 
 import warnings
@@ -28,6 +29,7 @@ import torch
 
 def _dist():
     import torch.distributed as dist
+
     return dist if dist.is_available() and dist.is_initialized() else None
 
 
@@ -52,12 +54,13 @@ def is_dtensor(t) -> bool:
 # process_group mode (zero.py): plain params whose state this rank keeps for a dim-0 chunk
 # only, and the grads whose averaged chunk a reduce-scatter delivered (grad -> that chunk)
 _ZERO_PARAMS = []  # [WeakIdKeyDictionary param -> ZeroSpec], made on first use
-_ZERO_GRADS = []   # [WeakIdKeyDictionary grad -> reduced chunk]
+_ZERO_GRADS = []  # [WeakIdKeyDictionary grad -> reduced chunk]
 
 
 def _zero_maps():
     if not _ZERO_PARAMS:
         from torch.utils.weak import WeakIdKeyDictionary
+
         _ZERO_PARAMS.append(WeakIdKeyDictionary())
         _ZERO_GRADS.append(WeakIdKeyDictionary())
     return _ZERO_PARAMS[0], _ZERO_GRADS[0]
@@ -115,6 +118,7 @@ def replicas(p) -> int:
     if not is_dtensor(p):
         return world_size()
     from torch.distributed.tensor import Replicate
+
     n = 1
     for dim, placement in enumerate(p.placements):
         if isinstance(placement, Replicate):
@@ -138,8 +142,7 @@ def reduce_decision(norm_sq, found, group=None):
     so every rank clips by the same coefficient and skips the same steps. Either may be None
     (not needed this step); found may be a tensor (the scaler's), returned as a float."""
     dist = _dist()
-    values = [0.0 if norm_sq is None else float(norm_sq),
-              0.0 if found is None else float(found)]
+    values = [0.0 if norm_sq is None else float(norm_sq), 0.0 if found is None else float(found)]
     if dist is None or dist.get_world_size(group) == 1:
         return norm_sq, found
     # gloo reduces CPU tensors; nccl needs them on the rank's device
@@ -174,11 +177,14 @@ def warn_replicated(params, process_group) -> None:
         return
     plain = [p for p in params if not is_dtensor(p)]
     if plain:
-        warnings.warn(f"torch.distributed is initialised with {world_size()} ranks and "
-                      f"{len(plain)} parameters are plain tensors (not FSDP2 DTensors): every rank "
-                      f"keeps and steps their whole optimizer state (replicated). Shard them with "
-                      f"FSDP2's fully_shard, or pass process_group=torch.distributed.group.WORLD "
-                      f"to shard the state ZeRO-style across ranks", stacklevel=4)
+        warnings.warn(
+            f"torch.distributed is initialised with {world_size()} ranks and "
+            f"{len(plain)} parameters are plain tensors (not FSDP2 DTensors): every rank "
+            f"keeps and steps their whole optimizer state (replicated). Shard them with "
+            f"FSDP2's fully_shard, or pass process_group=torch.distributed.group.WORLD "
+            f"to shard the state ZeRO-style across ranks",
+            stacklevel=4,
+        )
 
 
 def dtensor_like(local: torch.Tensor, p):
@@ -186,13 +192,17 @@ def dtensor_like(local: torch.Tensor, p):
     DTensor with p's mesh, placements, global shape and stride — how torch.optim.AdamW's
     state looks under FSDP2 (zeros_like(p)), so DCP saves and reshards it."""
     from torch.distributed.tensor import DTensor
+
     spec = zero_spec(p)
     if spec is not None:  # process_group: laid out as FSDP2 would shard p (Shard(0) chunks)
         from torch.distributed.tensor import Shard
-        return DTensor.from_local(local, spec.mesh, [Shard(0)], run_check=False,
-                                  shape=p.shape, stride=p.stride())
-    return DTensor.from_local(local, p.device_mesh, p.placements, run_check=False,
-                              shape=p.shape, stride=p.stride())
+
+        return DTensor.from_local(
+            local, spec.mesh, [Shard(0)], run_check=False, shape=p.shape, stride=p.stride()
+        )
+    return DTensor.from_local(
+        local, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride()
+    )
 
 
 def local_shard_of(value, p):
@@ -205,6 +215,7 @@ def local_shard_of(value, p):
     if spec is not None:
         if is_dtensor(value):
             from torch.distributed.tensor import Shard
+
             if tuple(value.placements) != (Shard(0),) or value.device_mesh != spec.mesh:
                 value = value.redistribute(spec.mesh, [Shard(0)])
             return value.to_local()
@@ -212,10 +223,12 @@ def local_shard_of(value, p):
         if tuple(value.shape) != tuple(p.shape):
             if tuple(value.shape) == tuple(local.shape):
                 return value  # already this rank's chunk
-            raise ValueError(f"load_state_dict: a state tensor of shape {tuple(value.shape)} does "
-                             f"not fit a parameter of shape {tuple(p.shape)} sharded by "
-                             f"process_group (chunk {tuple(local.shape)}): load a state_dict "
-                             f"saved for this model")
+            raise ValueError(
+                f"load_state_dict: a state tensor of shape {tuple(value.shape)} does "
+                f"not fit a parameter of shape {tuple(p.shape)} sharded by "
+                f"process_group (chunk {tuple(local.shape)}): load a state_dict "
+                f"saved for this model"
+            )
         return zero_chunk(value, spec.rank, spec.world)
     if is_dtensor(value):
         if tuple(value.placements) != tuple(p.placements) or value.device_mesh != p.device_mesh:
@@ -225,10 +238,13 @@ def local_shard_of(value, p):
     if tuple(value.shape) == tuple(local.shape) and tuple(p.shape) != tuple(local.shape):
         return value  # already this rank's shard
     if tuple(value.shape) != tuple(p.shape):
-        raise ValueError(f"load_state_dict: a state tensor of shape {tuple(value.shape)} does not "
-                         f"fit a DTensor parameter of global shape {tuple(p.shape)} (local shard "
-                         f"{tuple(local.shape)}): load a state_dict saved for this model")
+        raise ValueError(
+            f"load_state_dict: a state tensor of shape {tuple(value.shape)} does not "
+            f"fit a DTensor parameter of global shape {tuple(p.shape)} (local shard "
+            f"{tuple(local.shape)}): load a state_dict saved for this model"
+        )
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
     shape, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
     out = value
     for dim, (n, o) in enumerate(zip(shape, offset)):
@@ -250,6 +266,7 @@ def grad_norm_sq(params: list):
         by_replicas.setdefault(replicas(p) if world > 1 else 1, []).append(local_of(p.grad))
     if params[0].is_cuda:
         import gpu_kernels
+
         total = None
         for r, grads in by_replicas.items():
             s, _ = gpu_kernels.grad_stats([g.contiguous() for g in grads], sum_dtype=torch.float64)
@@ -257,6 +274,7 @@ def grad_norm_sq(params: list):
             total = s if total is None else total + s
         return total
     import cpu_kernels
+
     partials = []
     for r, grads in by_replicas.items():
         total = 0.0
@@ -301,8 +319,13 @@ def grad_locals(grads) -> tuple:
     (data_ptr, _version) of its local memory, and a DTensor grad also by the DTensor's own
     version (`dtensor.mul_` bumps only that one)."""
     out = [local_of(g) for g in grads]
-    ids = [(local.data_ptr(), local._version, g._version) if is_dtensor(g) else (local.data_ptr(), local._version)
-           for g, local in zip(grads, out) if local is not None]
+    ids = [
+        (local.data_ptr(), local._version, g._version)
+        if is_dtensor(g)
+        else (local.data_ptr(), local._version)
+        for g, local in zip(grads, out)
+        if local is not None
+    ]
     return tuple(ids), out
 
 

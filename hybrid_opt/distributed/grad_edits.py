@@ -30,13 +30,14 @@ permutation, a sign flip): speculative=False, or clipping with max_grad_norm= (f
 validated exactly), avoid the question. Only DTensor grads, only when speculation is on
 and there are host subgroups: nothing is computed otherwise.
 """
+
 from __future__ import annotations
 
 import torch
 
 from hybrid_opt.distributed import any_dtensor
 
-WORKER = "worker"   # CPU grads: the worker's per-piece grad_stats are the launch fingerprint
+WORKER = "worker"  # CPU grads: the worker's per-piece grad_stats are the launch fingerprint
 
 
 def has_dtensor_grads(live: list) -> bool:
@@ -51,6 +52,7 @@ def on_device(grad) -> bool:
 
 def _device_sum_sq(live: list) -> torch.Tensor:
     import gpu_kernels
+
     grads = [sl.grad_view().contiguous() for sl in live]
     return gpu_kernels.grad_stats(grads, sum_dtype=torch.float64)[0]
 
@@ -68,6 +70,7 @@ def live_piece_sums(gather, pieces: list, dtype) -> list:
     `gather(dst, offset, numel)` (tiers/grads.py: GradGatherer) writes them in `dtype`, the
     staging slots' dtype; a piece lying in one grad of that dtype is read in place."""
     import cpu_kernels
+
     out = []
     for offset, numel, _ in pieces:
         src = None
@@ -76,7 +79,7 @@ def live_piece_sums(gather, pieces: list, dtype) -> list:
             sl, a, b = spans[0]
             g = sl.grad_view()
             if a == offset and b == offset + numel and g is not None and g.dtype == dtype:
-                src = g[a - sl.sub_offset:b - sl.sub_offset]
+                src = g[a - sl.sub_offset : b - sl.sub_offset]
         if src is None:
             src = torch.empty(numel, dtype=dtype)
             gather(src, offset, numel)
@@ -90,9 +93,9 @@ class GradFingerprints:
     which were found edited."""
 
     def __init__(self):
-        self._launch: dict = {}   # subgroup index -> WORKER | (device tensor, its event)
-        self._flags: dict = {}    # subgroup index -> 0-dim flag tensor queued for read_scalars
-        self._live: dict = {}     # subgroup index -> the live grads' piece sums (CPU), from checks()
+        self._launch: dict = {}  # subgroup index -> WORKER | (device tensor, its event)
+        self._flags: dict = {}  # subgroup index -> 0-dim flag tensor queued for read_scalars
+        self._live: dict = {}  # subgroup index -> the live grads' piece sums (CPU), from checks()
         self.edited: set = set()  # subgroup indices whose grads changed since launch
 
     def record(self, sgi: int, live: list) -> None:

@@ -20,6 +20,7 @@ The global rank is `torch.distributed.get_rank()` when the default group is init
 else the `RANK` variable, else None (not distributed). Nothing here imports torch at module
 level: the floor is the bottom one.
 """
+
 from __future__ import annotations
 
 import os
@@ -38,8 +39,10 @@ class NodeInfo:
 
     def __init__(self, local_rank: int, local_world_size: int):
         if local_world_size < 1 or not 0 <= local_rank < local_world_size:
-            raise ValueError(f"local rank {local_rank} of {local_world_size} ranks per node: need "
-                             f"0 <= LOCAL_RANK < LOCAL_WORLD_SIZE (as torchrun sets them)")
+            raise ValueError(
+                f"local rank {local_rank} of {local_world_size} ranks per node: need "
+                f"0 <= LOCAL_RANK < LOCAL_WORLD_SIZE (as torchrun sets them)"
+            )
         self.local_rank, self.local_world_size = int(local_rank), int(local_world_size)
 
     def __repr__(self) -> str:
@@ -60,8 +63,10 @@ def _env_int(name: str):
     try:
         return int(text)
     except ValueError:
-        raise ValueError(f"environment variable {name}={text!r} is not an integer; torchrun sets "
-                         f"it to one (unset it, or set a number)") from None
+        raise ValueError(
+            f"environment variable {name}={text!r} is not an integer; torchrun sets "
+            f"it to one (unset it, or set a number)"
+        ) from None
 
 
 def _dist():
@@ -83,8 +88,10 @@ def info() -> NodeInfo:
         if derived is not None:
             return derived
         if rank not in (None, 0):
-            raise ValueError(f"LOCAL_RANK={rank} but LOCAL_WORLD_SIZE is not set: set both (the "
-                             f"ranks on this node), as torchrun does")
+            raise ValueError(
+                f"LOCAL_RANK={rank} but LOCAL_WORLD_SIZE is not set: set both (the "
+                f"ranks on this node), as torchrun does"
+            )
         return NodeInfo(0, 1)
     return NodeInfo(0 if rank is None else rank, size)
 
@@ -155,14 +162,17 @@ def core_slice(cpus: list, node: NodeInfo | None = None) -> list:
         global _warned_shared_cores
         if not _warned_shared_cores:
             _warned_shared_cores = True
-            warnings.warn(f"{k} ranks on this node share {n} core{'s' if n != 1 else ''}: each "
-                          f"rank's trainer and worker get one core that other ranks use too, so "
-                          f"they contend; run fewer ranks per node or give the job more cores",
-                          RuntimeWarning, stacklevel=3)
+            warnings.warn(
+                f"{k} ranks on this node share {n} core{'s' if n != 1 else ''}: each "
+                f"rank's trainer and worker get one core that other ranks use too, so "
+                f"they contend; run fewer ranks per node or give the job more cores",
+                RuntimeWarning,
+                stacklevel=3,
+            )
         return [cpus[r % n]]
     base, extra = divmod(n, k)
     start = r * base + min(r, extra)
-    return cpus[start:start + base + (1 if r < extra else 0)]
+    return cpus[start : start + base + (1 if r < extra else 0)]
 
 
 def share(amount: float, node: NodeInfo | None = None) -> float:

@@ -27,6 +27,7 @@ The flag needs the decision collective, which runs only where the semantics need
 (clipping or a GradScaler, world > 1): without either there is no collective of ours per
 step, and the others learn of the failure from their next collective as above.
 """
+
 from __future__ import annotations
 
 import torch
@@ -43,6 +44,7 @@ class PeerStepFailed(RuntimeError):
 
 def _dist():
     import torch.distributed as dist
+
     return dist if dist.is_available() and dist.is_initialized() else None
 
 
@@ -67,18 +69,26 @@ def agree(norm_sq, found, failure: BaseException | None, init_vote: bool | None 
         return (norm_sq, found) if init_vote is None else (norm_sq, found, bool(init_vote))
     rank, world = dist.get_rank(), dist.get_world_size()
     failed = failure is not None
-    buf = torch.tensor([0.0 if norm_sq is None else float(norm_sq),
-                        0.0 if found is None else float(found),
-                        1.0 if failed else 0.0, float(rank) if failed else 0.0,
-                        0.0 if init_vote else 1.0],
-                       dtype=torch.float64, device=_device(dist))
+    buf = torch.tensor(
+        [
+            0.0 if norm_sq is None else float(norm_sq),
+            0.0 if found is None else float(found),
+            1.0 if failed else 0.0,
+            float(rank) if failed else 0.0,
+            0.0 if init_vote else 1.0,
+        ],
+        dtype=torch.float64,
+        device=_device(dist),
+    )
     try:
         dist.all_reduce(buf, op=dist.ReduceOp.SUM)
     except Exception as e:
-        raise RuntimeError(f"[rank {rank}] the step's decision all_reduce failed: another rank "
-                           f"exited (its process died or its script ended) or stopped calling "
-                           f"step() past the process group's timeout; check the other ranks' "
-                           f"output for the cause. {type(e).__name__}: {e}") from failure or e
+        raise RuntimeError(
+            f"[rank {rank}] the step's decision all_reduce failed: another rank "
+            f"exited (its process died or its script ended) or stopped calling "
+            f"step() past the process group's timeout; check the other ranks' "
+            f"output for the cause. {type(e).__name__}: {e}"
+        ) from failure or e
     total_sq, total_found, n_failed, rank_sum, not_init = buf.tolist()
     if n_failed == 0:
         out = (None if norm_sq is None else total_sq), (None if found is None else total_found)
@@ -93,16 +103,23 @@ def agree(norm_sq, found, failure: BaseException | None, init_vote: bool | None 
         ranks = [r for r, f in enumerate(flags.tolist()) if f]
     if failed:
         others = [r for r in ranks if r != rank]
-        raise _same_kind(failure, f"{failure}\n[rank {rank}] every rank of the group stops at this "
-                         f"step (the others raise PeerStepFailed naming rank {rank}"
-                         + (f"; ranks {others} failed too" if others else "") + ")") from failure
+        raise _same_kind(
+            failure,
+            f"{failure}\n[rank {rank}] every rank of the group stops at this "
+            f"step (the others raise PeerStepFailed naming rank {rank}"
+            + (f"; ranks {others} failed too" if others else "")
+            + ")",
+        ) from failure
     names = ", ".join(map(str, ranks))
-    raise PeerStepFailed(ranks, f"rank {names}'s step failed (its cause is raised on rank {names}); "
-                         f"rank {rank} did not step either (the step was dropped before any tier "
-                         f"stepped: state and step counts are the previous step's, unless this "
-                         f"rank's previous step already went through while rank {names}'s failed "
-                         f"after the decision). Fix the cause on rank {names}, then reload a "
-                         f"checkpoint on every rank")
+    raise PeerStepFailed(
+        ranks,
+        f"rank {names}'s step failed (its cause is raised on rank {names}); "
+        f"rank {rank} did not step either (the step was dropped before any tier "
+        f"stepped: state and step counts are the previous step's, unless this "
+        f"rank's previous step already went through while rank {names}'s failed "
+        f"after the decision). Fix the cause on rank {names}, then reload a "
+        f"checkpoint on every rank",
+    )
 
 
 def _same_kind(failure: BaseException, message: str) -> RuntimeError:
@@ -120,17 +137,22 @@ def decision_runs(max_grad_norm, found_t) -> bool:
     """Whether this step's decision all_reduce runs (the same answer on every rank: it depends
     on the optimizer's arguments and on the scaler, which every rank uses alike)."""
     from hybrid_opt import distributed as D
+
     return (found_t is not None or max_grad_norm is not None) and D.world_size() > 1
 
 
-OUT_OF_STEP_NOTE = ("\nUnder torch.distributed the other ranks have taken this step: the ranks "
-                    "are out of step. This rank's next step() makes every rank raise; reload a "
-                    "checkpoint on every rank.")
+OUT_OF_STEP_NOTE = (
+    "\nUnder torch.distributed the other ranks have taken this step: the ranks "
+    "are out of step. This rank's next step() makes every rank raise; reload a "
+    "checkpoint on every rank."
+)
 
 
-ZERO_PARAMS_NOTE = (" process_group mode: this rank still joined the params' all-gathers, so its "
-                    "params hold the other ranks' updated chunks and its own chunk as its tiers "
-                    "left it (the previous step's, or this one's for the subgroups that committed).")
+ZERO_PARAMS_NOTE = (
+    " process_group mode: this rank still joined the params' all-gathers, so its "
+    "params hold the other ranks' updated chunks and its own chunk as its tiers "
+    "left it (the previous step's, or this one's for the subgroups that committed)."
+)
 
 
 def with_cause(message: str, cause: BaseException) -> RuntimeError:
@@ -142,8 +164,11 @@ def with_cause(message: str, cause: BaseException) -> RuntimeError:
 def out_of_step(err: BaseException) -> RuntimeError:
     """The failure a rank keeps after its step failed once the others had stepped: raised by
     its next step() on every rank (cleared by load_state_dict)."""
-    return with_cause(f"this rank's previous step failed after the other ranks had stepped (the "
-                      f"ranks are out of step: reload a checkpoint on every rank): {err}", err)
+    return with_cause(
+        f"this rank's previous step failed after the other ranks had stepped (the "
+        f"ranks are out of step: reload a checkpoint on every rank): {err}",
+        err,
+    )
 
 
 def quietly(cleanup, failure: BaseException) -> None:

@@ -2,6 +2,7 @@
 NoSharding, so that single-process code carries no `if zero is None` branches — both answer
 the same calls, and NoSharding's do nothing.
 """
+
 from __future__ import annotations
 
 
@@ -11,11 +12,13 @@ def sharding_for(params: list, process_group, release_grads: bool):
     if process_group is None:
         return NoSharding()
     from hybrid_opt.distributed.zero import ZeroSharding
+
     return ZeroSharding(params, process_group, release_grads=release_grads)
 
 
 class NoSharding:
     """Every param whole on this rank: nothing to reduce, gather or check."""
+
     active = False
 
     def install(self, on_reduced, is_boundary) -> None:

@@ -66,6 +66,7 @@ all-gather (reduce_scatter_single / all_gather_single, or their older _tensor na
 backend that lacks reduce_scatter_tensor gets an all_reduce of the bucket instead (each rank
 keeps its chunk: twice the traffic), said once. Every path gives the same bits on 2 ranks.
 """
+
 from __future__ import annotations
 
 import warnings
@@ -106,6 +107,7 @@ _KINDS = ("all_to_all", "reduce_scatter", "all_reduce")
 class ZeroSpec:
     """Where a sharded plain param's chunk lives: this rank of `world` over `mesh`; `owner`: a
     weakref of the ZeroSharding whose reduce hooks it carries."""
+
     mesh: object
     rank: int
     world: int
@@ -123,11 +125,11 @@ class Bucket:
     reduction (zero_reduce.py) and read by the step."""
 
     def __init__(self, params: list, index: int, world: int):
-        self.params = params    # the params, in bucket order
-        self.index = index      # its place in the issue order
+        self.params = params  # the params, in bucket order
+        self.index = index  # its place in the issue order
         self.dtype, self.device = params[0].dtype, params[0].device
         self.numels = [[_chunk_numel(p, r, world) for r in range(world)] for p in params]  # [k][r]
-        self.offsets = []       # offsets[k][r]: param k's chunk offset within rank r's segment
+        self.offsets = []  # offsets[k][r]: param k's chunk offset within rank r's segment
         acc = [0] * world
         for n in self.numels:
             self.offsets.append(list(acc))
@@ -135,14 +137,14 @@ class Bucket:
         self.width = max(acc) if acc else 0  # elements per rank of the chunks (longest rank's)
         # the bucket's own: out, then one has-grad count per param
         self.buf = torch.zeros(self.seg, dtype=self.dtype, device=self.device)
-        self.out = self.buf[:self.width]  # this rank's averaged chunks (grad views point here)
+        self.out = self.buf[: self.width]  # this rank's averaged chunks (grad views point here)
         # one param whose dim-0 chunks split evenly IS its own rank-segmented buffer: reduced
         # straight from p.grad, no packing copy (its has-grad count rides a tiny collective of
         # its own); not under all_reduce, which would write the sum into p.grad
         self.direct = len(params) == 1 and params[0].numel() == world * self.width and self.width > 0
 
     @property
-    def seg(self) -> int:   # one rank's segment of a reduce-scatter: chunks, then has-grad counts
+    def seg(self) -> int:  # one rank's segment of a reduce-scatter: chunks, then has-grad counts
         return self.width + len(self.params)
 
 
@@ -151,8 +153,11 @@ def make_buckets(params: list, cap: int, world: int) -> list:
     most `cap` elements (a larger param alone)."""
     runs, run = [], []
     for p in reversed(params):
-        if run and (run[0].dtype != p.dtype or run[0].device != p.device
-                    or sum(q.numel() for q in run) + p.numel() > cap):
+        if run and (
+            run[0].dtype != p.dtype
+            or run[0].device != p.device
+            or sum(q.numel() for q in run) + p.numel() > cap
+        ):
             runs.append(run)
             run = []
         run.append(p)
@@ -175,32 +180,45 @@ class ZeroSharding:
 
     over shared records: `buckets` (their layout), `comm` (Collectives, zero_group.py: the group,
     rank, world and kind) and `reads` (GradReads: the grads each reduction read)."""
+
     active = True  # its twin, sharding.NoSharding, is not
 
     def __init__(self, params: list, group, bucket_numel: int | None = None, release_grads: bool = False):
         import torch.distributed as dist
+
         if not (dist.is_available() and dist.is_initialized()):
-            raise RuntimeError("process_group= needs torch.distributed initialised "
-                               "(torch.distributed.init_process_group) before the optimizer is built")
+            raise RuntimeError(
+                "process_group= needs torch.distributed initialised "
+                "(torch.distributed.init_process_group) before the optimizer is built"
+            )
         rank, world = dist.get_rank(group), dist.get_world_size(group)
         if world != dist.get_world_size():
-            raise NotImplementedError(f"process_group= over {world} of the "
-                                      f"{dist.get_world_size()} ranks: the step's one decision "
-                                      f"(norm, found_inf) is reduced over the default group; pass "
-                                      f"torch.distributed.group.WORLD (or a group of every rank)")
+            raise NotImplementedError(
+                f"process_group= over {world} of the "
+                f"{dist.get_world_size()} ranks: the step's one decision "
+                f"(norm, found_inf) is reduced over the default group; pass "
+                f"torch.distributed.group.WORLD (or a group of every rank)"
+            )
         for p in params:
             if D.is_dtensor(p):
-                raise ValueError("process_group= shards plain (replicated) parameters; this "
-                                 "optimizer got DTensor parameters (FSDP2), which are sharded "
-                                 "already: build it without process_group")
+                raise ValueError(
+                    "process_group= shards plain (replicated) parameters; this "
+                    "optimizer got DTensor parameters (FSDP2), which are sharded "
+                    "already: build it without process_group"
+                )
             if p.dim() == 0:
-                raise ValueError("process_group= shards each parameter on dim 0; a 0-dim "
-                                 "parameter has none: make it shape (1,)")
+                raise ValueError(
+                    "process_group= shards each parameter on dim 0; a 0-dim "
+                    "parameter has none: make it shape (1,)"
+                )
             if not p.is_contiguous():
-                raise ValueError(f"process_group= needs contiguous parameters (a dim-0 chunk is "
-                                 f"then one range of memory), got shape {tuple(p.shape)} stride "
-                                 f"{p.stride()}: make it contiguous before building the optimizer")
+                raise ValueError(
+                    f"process_group= needs contiguous parameters (a dim-0 chunk is "
+                    f"then one range of memory), got shape {tuple(p.shape)} stride "
+                    f"{p.stride()}: make it contiguous before building the optimizer"
+                )
         from torch.distributed.device_mesh import DeviceMesh
+
         device_type = params[0].device.type if params else "cpu"
         self.mesh = DeviceMesh.from_group(group, device_type)  # the state's DTensors: the user's group
         self.dist, self.rank, self.world = dist, rank, world
@@ -212,8 +230,9 @@ class ZeroSharding:
         # Its timeout is the user's group's (new_group's default is torch's, 30 min on gloo),
         # and so is each wait's bound (zero_group.py)
         timeout = group_timeout(dist, group, device_type)
-        self.group = dist.new_group(ranks=dist.get_process_group_ranks(group),
-                                    backend=dist.get_backend(group), timeout=timeout)
+        self.group = dist.new_group(
+            ranks=dist.get_process_group_ranks(group), backend=dist.get_backend(group), timeout=timeout
+        )
         spec = ZeroSpec(self.mesh, rank, world, weakref.ref(self))
         registry, _ = D._zero_maps()
         for p in params:
@@ -231,20 +250,22 @@ class ZeroSharding:
         self.params = list(params)
         self.buckets = make_buckets(params, bucket_numel or BUCKET_NUMEL, world)
         self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
-        self._arrived: dict = {}   # bucket id -> set of param ids whose grads arrived
-        self._fired: set = set()   # buckets whose grads all arrived, waiting for their turn
-        self._next = 0             # the next bucket to issue this step (buckets issue in order)
+        self._arrived: dict = {}  # bucket id -> set of param ids whose grads arrived
+        self._fired: set = set()  # buckets whose grads all arrived, waiting for their turn
+        self._next = 0  # the next bucket to issue this step (buckets issue in order)
         self._in_backward = False  # a reducing backward is running (its end callback queued)
         self._handles: list = []
         self._is_boundary = lambda: True
-        self._adopted = 0          # stats["adopted"]: replaced grads holding their average (finish)
+        self._adopted = 0  # stats["adopted"]: replaced grads holding their average (finish)
         self._replaced: list = []  # this step's replaced grads' params, refused (finish)
         kind = COLLECTIVES or ("all_to_all" if dist.get_backend(group) == "gloo" else "reduce_scatter")
         if kind not in _KINDS:
-            raise ValueError(f"hybrid_opt.distributed.zero.COLLECTIVES must be None or one of {_KINDS}, got {kind!r}")
+            raise ValueError(
+                f"hybrid_opt.distributed.zero.COLLECTIVES must be None or one of {_KINDS}, got {kind!r}"
+            )
         # the kind is fixed per backend: the same on every rank
         self.comm = Collectives(dist, self.group, rank, world, kind, timeout)
-        self.reads = GradReads()   # the grad each reduction read, and its version (zero_edits.py)
+        self.reads = GradReads()  # the grad each reduction read, and its version (zero_edits.py)
         self.release = GradRelease(self.buckets, self.reads, release_grads)
         self.counts = GradCounts(rank, world, self.reads, self.release)
         self.window = CommWindow(self.buckets, self.comm)  # the slots the collectives borrow
@@ -260,11 +281,15 @@ class ZeroSharding:
     @property
     def stats(self) -> dict:
         """Counts of this optimizer's collectives, and its comm buffers' bytes (a new dict)."""
-        return dict(reduce_scatters=self.reduction.launches, all_gathers=self.gathers.launches,
-                    adopted=self._adopted, collectives=self.comm.kind,
-                    all_gathers_landed_in_forward=self.gathers.landed_in_forward,
-                    buffer_bytes=self.window.nbytes() + self.counts.nbytes(),
-                    count_reads=self.counts.count_reads)
+        return dict(
+            reduce_scatters=self.reduction.launches,
+            all_gathers=self.gathers.launches,
+            adopted=self._adopted,
+            collectives=self.comm.kind,
+            all_gathers_landed_in_forward=self.gathers.landed_in_forward,
+            buffer_bytes=self.window.nbytes() + self.counts.nbytes(),
+            count_reads=self.counts.count_reads,
+        )
 
     # ------------------------------------------------------------------ grads
     def install(self, on_reduced, is_boundary) -> None:
@@ -324,7 +349,8 @@ class ZeroSharding:
         """Issues the fired buckets from the next one in order (every bucket before `upto`,
         fired or not): every rank then issues the same reduce-scatters in the same order."""
         while self._next < len(self.buckets) and (
-                self._next in self._fired or (upto is not None and self._next < upto)):
+            self._next in self._fired or (upto is not None and self._next < upto)
+        ):
             self._fired.discard(self._next)
             self._next += 1
             self.reduction.launch(self.buckets[self._next - 1])
@@ -355,8 +381,13 @@ class ZeroSharding:
     def _replaced_grads(self) -> list:
         """The params whose grads were replaced since their reduction read another (finish()),
         those holding their averaged chunk adopted: the others."""
-        replaced = [(p, b, k) for b in self.buckets if not self.release.has_released(b)
-                    for k, p in enumerate(b.params) if p.grad is not None and not self.reads.saw(p)]
+        replaced = [
+            (p, b, k)
+            for b in self.buckets
+            if not self.release.has_released(b)
+            for k, p in enumerate(b.params)
+            if p.grad is not None and not self.reads.saw(p)
+        ]
         if replaced and self.edits.hold_averages([p for p, _, _ in replaced]):
             for p, b, k in replaced:
                 self.counts.map_chunk(b, k, p.grad)
@@ -437,9 +468,11 @@ class ZeroSharding:
         try:
             self.wait_gathered()
         except RuntimeError as e:
-            warnings.warn(f"process_group: closing with an all-gather that failed ({e}); this "
-                          f"rank's params hold the other ranks' chunks of the step before",
-                          stacklevel=3)
+            warnings.warn(
+                f"process_group: closing with an all-gather that failed ({e}); this "
+                f"rank's params hold the other ranks' chunks of the step before",
+                stacklevel=3,
+            )
         finally:
             self.gathers.drop()
 

@@ -19,11 +19,12 @@ backward (a read of p.grad in between sees None: neither a norm nor unscale_ cha
 CPU host (gloo) a count is read as its bucket completes, as before. LAZY forces either way
 (tests run the lazy path on gloo).
 """
+
 from __future__ import annotations
 
-import torch
-
 from dataclasses import dataclass
+
+import torch
 
 from hybrid_opt import distributed as D
 
@@ -34,6 +35,7 @@ LAZY = None  # None: lazy on CUDA buckets only; True / False: always / never
 class KeptCounts:
     """A completed bucket's has-grad counts kept on its device until step() reads them: the
     grads its reduction read, the params without one here (indices), the counts themselves."""
+
     bucket: object
     grads: list
     missing: list
@@ -47,13 +49,13 @@ class GradCounts:
 
     def __init__(self, rank: int, world: int, reads, release):
         self._rank, self._world = rank, world
-        self._reads = reads          # GradReads (zero_edits.py): a granted grad is what was reduced
-        self._release = release      # GradRelease (zero_release.py): placeholders for release_grads
-        self._on_reduced = None      # the optimizer's speculation hook (install)
-        self._unread: dict = {}      # bucket index -> KeptCounts: not read yet (module docstring)
-        self._direct: dict = {}      # bucket index -> a direct bucket's counts (2 · world), kept
+        self._reads = reads  # GradReads (zero_edits.py): a granted grad is what was reduced
+        self._release = release  # GradRelease (zero_release.py): placeholders for release_grads
+        self._on_reduced = None  # the optimizer's speculation hook (install)
+        self._unread: dict = {}  # bucket index -> KeptCounts: not read yet (module docstring)
+        self._direct: dict = {}  # bucket index -> a direct bucket's counts (2 · world), kept
         self._nbytes = 0
-        self.count_reads = 0         # the reads of counts (stats["count_reads"]): each one a sync on CUDA
+        self.count_reads = 0  # the reads of counts (stats["count_reads"]): each one a sync on CUDA
 
     def install(self, on_reduced) -> None:
         """`on_reduced(p)` runs once p's averaged chunk is in place."""
@@ -88,16 +90,17 @@ class GradCounts:
         if b.direct and kind != "all_reduce":
             counts = self._direct[b.index]
             if kind == "all_to_all":
-                return counts[self._world:].sum().reshape(1)
-            return counts[self._world:self._world + 1].clone()
-        return b.buf[b.width:].clone()
+                return counts[self._world :].sum().reshape(1)
+            return counts[self._world : self._world + 1].clone()
+        return b.buf[b.width :].clone()
 
     def delivered(self, b, kind: str, grads: list) -> None:
         """A bucket's reduction is averaged into b.out: its params with a grad here get their
         chunk and the speculation hook; those without wait for their counts (module docstring)."""
         self._unread.pop(b.index, None)  # this reduction's counts replace an earlier one's
-        missing = [k for k, p in enumerate(b.params)
-                   if grads[k] is None and p.grad is None and p.requires_grad]
+        missing = [
+            k for k, p in enumerate(b.params) if grads[k] is None and p.grad is None and p.requires_grad
+        ]
         if missing and self._lazy(b):
             self._unread[b.index] = KeptCounts(b, grads, missing, self._counts(b, kind))
             return self._deliver(b, grads, [k for k in range(len(b.params)) if k not in missing])
@@ -117,7 +120,7 @@ class GradCounts:
         at = 0
         for c in kept:
             n = c.counts.numel()
-            self._grant(c.bucket, c.grads, c.missing, values[at:at + n])
+            self._grant(c.bucket, c.grads, c.missing, values[at : at + n])
             at += n
             self._deliver(c.bucket, c.grads, [k for k in c.missing if c.grads[k] is not None])
 
@@ -156,4 +159,4 @@ class GradCounts:
         p = b.params[k]
         a, n = b.offsets[k][self._rank], b.numels[k][self._rank]
         rows_a, rows_b = D.chunk_rows(p.shape[0], self._rank, self._world)
-        D._zero_maps()[1][grad] = b.out[a:a + n].view((rows_b - rows_a,) + tuple(p.shape[1:]))
+        D._zero_maps()[1][grad] = b.out[a : a + n].view((rows_b - rows_a,) + tuple(p.shape[1:]))

@@ -29,6 +29,7 @@ for its logged grad norm even at `max_grad_norm=0`. Those pass. A clip that bite
 values and is refused; so, under DDP, a framework's clipping is refused at the first step
 where it bites rather than at the first step (without DDP, at the first step: the version).
 """
+
 from __future__ import annotations
 
 import warnings
@@ -37,20 +38,24 @@ import torch
 
 from hybrid_opt import distributed as D
 
-RECIPE = ("Under process_group= clip and unscale inside the optimizer: HybridAdamW(..., "
-          "max_grad_norm=1.0) clips by the global norm of the averaged grads (as DDP + "
-          "clip_grad_norm_ does), and opt.attach_grad_scaler(scaler) with scaler.step(opt) "
-          "replaces scaler.unscale_(opt). In the frameworks, turn their clipping off: HF Trainer "
-          "TrainingArguments(max_grad_norm=0) (its default 1.0 clips after backward), Lightning "
-          "Trainer(gradient_clip_val=None), and no accelerator.clip_grad_norm_ call "
-          "(docs/frameworks.md)")
+RECIPE = (
+    "Under process_group= clip and unscale inside the optimizer: HybridAdamW(..., "
+    "max_grad_norm=1.0) clips by the global norm of the averaged grads (as DDP + "
+    "clip_grad_norm_ does), and opt.attach_grad_scaler(scaler) with scaler.step(opt) "
+    "replaces scaler.unscale_(opt). In the frameworks, turn their clipping off: HF Trainer "
+    "TrainingArguments(max_grad_norm=0) (its default 1.0 clips after backward), Lightning "
+    "Trainer(gradient_clip_val=None), and no accelerator.clip_grad_norm_ call "
+    "(docs/frameworks.md)"
+)
 
-DDP_NOTE = ("If the model is also wrapped in DistributedDataParallel (accelerate's prepare() and "
-            "HF Trainer add one in a multi-process launch): with process_group= the optimizer "
-            "averages the grads itself, so drop the DDP wrapper where you can "
-            "(docs/frameworks.md), and clip in the optimizer; if you keep it, leave its "
-            "gradient_as_bucket_view at False (with True its grads are views of its buckets, "
-            "divided by the world size before the optimizer reads them: refused). ")
+DDP_NOTE = (
+    "If the model is also wrapped in DistributedDataParallel (accelerate's prepare() and "
+    "HF Trainer add one in a multi-process launch): with process_group= the optimizer "
+    "averages the grads itself, so drop the DDP wrapper where you can "
+    "(docs/frameworks.md), and clip in the optimizer; if you keep it, leave its "
+    "gradient_as_bucket_view at False (with True its grads are views of its buckets, "
+    "divided by the world size before the optimizer reads them: refused). "
+)
 
 
 class GradsEditedError(RuntimeError):
@@ -69,8 +74,8 @@ class GradReads:
     it as it would the full grad's."""
 
     def __init__(self):
-        self._grad: dict = {}     # param id -> the grad tensor object its last reduction read
-        self._at: dict = {}       # param id -> version of the grad object its reduction read
+        self._grad: dict = {}  # param id -> the grad tensor object its last reduction read
+        self._at: dict = {}  # param id -> version of the grad object its reduction read
         self._carried: dict = {}  # param id -> versions the released full grad had moved by
 
     def note(self, p) -> None:
@@ -159,17 +164,21 @@ def edit_error(moved: list, ddp_like: bool, unscaled: bool) -> GradsEditedError 
             "rank. Under HF Trainer with fp16, accelerate's clip_grad_norm_ unscales even at "
             "TrainingArguments(max_grad_norm=0) (Trainer calls it for its logged grad norm): "
             "override Trainer._get_grad_norm to return its grad_norm argument "
-            "(docs/frameworks.md). " + RECIPE)
+            "(docs/frameworks.md). " + RECIPE
+        )
     if not moved or ddp_like:
         return None  # DDP's write of the averages, and edits that changed nothing (docstring)
     p, delta = moved[0]
-    what = (f"{len(moved)} grad{'s' if len(moved) != 1 else ''} (the first of shape "
-            f"{tuple(p.shape)}, version moved by {delta})")
+    what = (
+        f"{len(moved)} grad{'s' if len(moved) != 1 else ''} (the first of shape "
+        f"{tuple(p.shape)}, version moved by {delta})"
+    )
     return GradsEditedError(
         f"process_group: {what} changed in place after backward (clip_grad_norm_, a "
         f"framework's gradient clipping, an edit of p.grad), but HybridAdamW had already "
         f"reduce-scattered them during backward: the change would be silently ignored. "
-        f"Nothing was stepped, on any rank. " + DDP_NOTE + RECIPE)
+        f"Nothing was stepped, on any rank. " + DDP_NOTE + RECIPE
+    )
 
 
 def replaced_error(replaced: list) -> GradsEditedError:
@@ -185,7 +194,8 @@ def replaced_error(replaced: list) -> GradsEditedError:
         f"silently ignored. Nothing was stepped, on any rank. To step grads set by hand, run "
         f"the backward(s) before with opt.set_gradient_accumulation_boundary(False) (nothing "
         f"is reduced then: step() reduces p.grad as it is) and set it back to True after "
-        f"step(). " + DDP_NOTE + RECIPE)
+        f"step(). " + DDP_NOTE + RECIPE
+    )
 
 
 class GradEdits:
@@ -211,17 +221,20 @@ class GradEdits:
         grads = [p.grad for p in b.params if p.grad is not None]
         any_nonzero = bool(torch.stack([g.any() for g in grads]).any()) if grads else False
         if any(f is not None for f in same) and all_true(same) and any_nonzero and self._world > 1:
-            warnings.warn("process_group: the grads arrived already averaged over the ranks (the "
-                          "model looks wrapped in DistributedDataParallel): the result is correct, "
-                          "but grads are communicated twice. With process_group= the optimizer "
-                          "averages them itself: drop the DDP wrapper", stacklevel=4)
+            warnings.warn(
+                "process_group: the grads arrived already averaged over the ranks (the "
+                "model looks wrapped in DistributedDataParallel): the result is correct, "
+                "but grads are communicated twice. With process_group= the optimizer "
+                "averages them itself: drop the DDP wrapper",
+                stacklevel=4,
+            )
 
     def _equals_average(self, p):
         """Whether this rank's chunk of p.grad is p's averaged chunk (what DDP writes there): a
         0-dim bool tensor, not read (zero_edits.equals_average), or None (no chunk here)."""
         b, k = self._place_of[id(p)]
         a, n = b.offsets[k][self._rank], b.numels[k][self._rank]
-        return equals_average(p, b.out[a:a + n], self._rank, self._world)
+        return equals_average(p, b.out[a : a + n], self._rank, self._world)
 
     def hold_averages(self, params: list) -> bool:
         """Whether each param's grad holds its averaged chunk on this rank (what DDP writes):
@@ -238,6 +251,9 @@ class GradEdits:
         moved = self._reads.moved(self._params)
         # a released grad's edit (GradReads.released) is never DDP's write: DDP writes at the end
         # of backward, and its averages were not there to compare when the grad was dropped
-        ddp_like = (bool(moved) and not any(self._reads.carried(p) for p, _ in moved)
-                    and self.hold_averages([p for p, _ in moved]))
+        ddp_like = (
+            bool(moved)
+            and not any(self._reads.carried(p) for p, _ in moved)
+            and self.hold_averages([p for p, _ in moved])
+        )
         return edit_error(moved, ddp_like, unscaled)

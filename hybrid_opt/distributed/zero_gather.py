@@ -22,6 +22,7 @@ and a bucket goes out only once every bucket before it has: ranks that commit in
 orders (a subgroup redone on one rank only) still issue the same collectives in the same order.
 The end of step() (gather()) launches what is left, in that order.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -37,6 +38,7 @@ class PendingGather:
     staging slot of the comm window (`staging`) or in the param itself, and what each param
     was when its chunks left (`marks`: (version, data_ptr); a param written since keeps what
     was written)."""
+
     bucket: object
     staged: bool
     works: list
@@ -49,20 +51,20 @@ class ParamGather:
     global forward pre-hook that lands them, and a step's launch order and commit waits."""
 
     def __init__(self, buckets: list, comm, window):
-        self._comm = comm        # Collectives (zero_group.py)
-        self._window = window    # CommWindow (zero_pool.py): the staging slots
+        self._comm = comm  # Collectives (zero_group.py)
+        self._window = window  # CommWindow (zero_pool.py): the staging slots
         self._bucket_of = {id(p): b for b in buckets for p in b.params}
-        self._pending: dict = {}    # bucket id -> PendingGather: launched, not landed
+        self._pending: dict = {}  # bucket id -> PendingGather: launched, not landed
         self._gathering: dict = {}  # param id -> its bucket, while that bucket's gather is pending
-        self._forward_hook = None   # the global forward pre-hook, installed while any is pending
+        self._forward_hook = None  # the global forward pre-hook, installed while any is pending
         # a taken step's gathers, launched as its commits complete: in param order (the host
         # tier commits subgroups, and the next forward runs, in that order)
         self._order = list(reversed(buckets))
         self._direct = False
         self._next, self._blocked, self._waits = 0, None, {}
-        self._launcher = None       # set_launcher: what launches each bucket instead of launch()
-        self.launches = 0                # stats["all_gathers"]
-        self.landed_in_forward = 0       # stats["all_gathers_landed_in_forward"]
+        self._launcher = None  # set_launcher: what launches each bucket instead of launch()
+        self.launches = 0  # stats["all_gathers"]
+        self.landed_in_forward = 0  # stats["all_gathers_landed_in_forward"]
 
     def expect_commits(self, pending: dict, direct: bool) -> None:
         """A taken step is about to commit: `pending` maps each key (a host subgroup's index,
@@ -115,6 +117,7 @@ class ParamGather:
         self._blocked = None
         if self._pending and self._forward_hook is None:
             from torch.nn.modules.module import register_module_forward_pre_hook
+
             self._forward_hook = register_module_forward_pre_hook(self._before_forward)
 
     def reset(self) -> None:
@@ -131,16 +134,19 @@ class ParamGather:
         if id(b) in self._pending:
             self.land(b)  # a gather still pending (an earlier step's) must not race this one
         # an all-gather lands in place only where every rank's chunk has the same size
-        staged = not (direct and len(b.params) == 1 and (
-            comm.kind != "reduce_scatter" or b.params[0].numel() == comm.world * b.width))
+        staged = not (
+            direct
+            and len(b.params) == 1
+            and (comm.kind != "reduce_scatter" or b.params[0].numel() == comm.world * b.width)
+        )
         staging = None
         if staged:  # a slot of the comm window (zero_pool.py), given back as it lands
             full = staging = self._window.borrow(b, "gather", comm.world * b.width)
-            mine = full[comm.rank * b.width:(comm.rank + 1) * b.width]
+            mine = full[comm.rank * b.width : (comm.rank + 1) * b.width]
             for k, p in enumerate(b.params):
                 n, a = b.numels[k][comm.rank], b.offsets[k][comm.rank]
                 if n:
-                    mine[a:a + n].copy_(D.zero_chunk(p.data, comm.rank, comm.world).reshape(-1))
+                    mine[a : a + n].copy_(D.zero_chunk(p.data, comm.rank, comm.world).reshape(-1))
         else:
             full = b.params[0].data.view(-1)
         works = self._send_chunks(b, full, staged)
@@ -166,17 +172,32 @@ class ParamGather:
             me, other = comm.rank, 1 - comm.rank
             sent = [0 if r == me else seg[me] for r in range(2)]
             got = [0 if r == me else seg[other] for r in range(2)]
-            return [comm.dist.all_to_all_single(full[at[other]:at[other] + seg[other]],
-                                                full[at[me]:at[me] + seg[me]], got, sent,
-                                                group=comm.group, async_op=True)]
+            return [
+                comm.dist.all_to_all_single(
+                    full[at[other] : at[other] + seg[other]],
+                    full[at[me] : at[me] + seg[me]],
+                    got,
+                    sent,
+                    group=comm.group,
+                    async_op=True,
+                )
+            ]
         if comm.kind != "reduce_scatter":
-            return [comm.dist.broadcast(full[at[r]:at[r] + seg[r]], comm.dist.get_global_rank(comm.group, r),
-                                        group=comm.group, async_op=True)
-                    for r in range(world) if any(n[r] for n in b.numels)]
+            return [
+                comm.dist.broadcast(
+                    full[at[r] : at[r] + seg[r]],
+                    comm.dist.get_global_rank(comm.group, r),
+                    group=comm.group,
+                    async_op=True,
+                )
+                for r in range(world)
+                if any(n[r] for n in b.numels)
+            ]
         # in place (NCCL's documented in-place all-gather: the input is the output's own segment)
         ag = getattr(comm.dist, "all_gather_single", None) or comm.dist.all_gather_into_tensor
-        return [ag(full, full[comm.rank * b.width:(comm.rank + 1) * b.width], group=comm.group,
-                   async_op=True)]
+        return [
+            ag(full, full[comm.rank * b.width : (comm.rank + 1) * b.width], group=comm.group, async_op=True)
+        ]
 
     def _before_forward(self, module, args) -> None:
         """Global forward pre-hook while gathers are pending: lands the buckets holding the
@@ -219,7 +240,7 @@ class ParamGather:
                         n = b.numels[k][r]
                         if n and r != me:
                             base = r * b.width + b.offsets[k][r]
-                            flat[start:start + n].copy_(full[base:base + n])
+                            flat[start : start + n].copy_(full[base : base + n])
                         start += n
         finally:
             if g.staged:  # a gather that failed may still write its slot: a new one replaces it
@@ -256,10 +277,12 @@ def check_shard_owner(saved, zero) -> None:
         flag = torch.tensor([1.0 if wrong else 0.0], device=device)
         zero.dist.all_reduce(flag, op=zero.dist.ReduceOp.MAX, group=zero.group)
         if flag.item() and not wrong:
-            raise ValueError(f"load_state_dict: another rank was given a state_dict that is not "
-                             f"its own (a process_group= state_dict holds one rank's chunks); "
-                             f"every rank stops here. Nothing was loaded on this rank (rank "
-                             f"{zero.rank})")
+            raise ValueError(
+                f"load_state_dict: another rank was given a state_dict that is not "
+                f"its own (a process_group= state_dict holds one rank's chunks); "
+                f"every rank stops here. Nothing was loaded on this rank (rank "
+                f"{zero.rank})"
+            )
     if wrong:
         raise ValueError(
             f"load_state_dict: this state_dict holds rank {saved['rank']}'s chunks of a "
@@ -268,4 +291,5 @@ def check_shard_owner(saved, zero) -> None:
             f"chunks (Shard(0) DTensors), so one rank's file cannot resume another (HF Trainer "
             f"saves optimizer.pt from rank 0 only). Save and load each rank's own state_dict(), "
             f"or use torch.distributed.checkpoint (get_optimizer_state_dict + dcp.save, then "
-            f"dcp.load + set_optimizer_state_dict), which reshards. Nothing was loaded")
+            f"dcp.load + set_optimizer_state_dict), which reshards. Nothing was loaded"
+        )

@@ -8,6 +8,7 @@ The bound is the timeout of the process group the user gave (init_process_group(
 the default group, new_group(timeout=) for another): our own group is made with it, and each
 CPU wait is bounded by it, so a 20 s timeout fails in about 20 s and a 2 h one (a long
 evaluation or checkpoint on one rank) is not cut short."""
+
 from __future__ import annotations
 
 import datetime
@@ -20,6 +21,7 @@ def group_timeout(dist, group, device_type: str) -> datetime.timedelta:
     A backend without options (a third-party one) has torch's default for its kind, which is
     what its group was given unless the user passed one: that default."""
     import torch
+
     try:
         timeout = group._get_backend(torch.device(device_type)).options._timeout
     except (AttributeError, RuntimeError):
@@ -38,12 +40,15 @@ def wait_collective(work, what: str, timeout: datetime.timedelta, cuda: bool = F
     try:
         ok = work.wait() if cuda else work.wait(timeout=timeout)
     except RuntimeError as e:
-        raise RuntimeError(f"process_group: {what} did not complete within {bound} or "
-                           f"failed ({e}): a peer rank died or stopped stepping; every rank "
-                           f"must call backward() and step() alike") from e
+        raise RuntimeError(
+            f"process_group: {what} did not complete within {bound} or "
+            f"failed ({e}): a peer rank died or stopped stepping; every rank "
+            f"must call backward() and step() alike"
+        ) from e
     if ok is False:
-        raise RuntimeError(f"process_group: {what} did not complete within {bound}: a "
-                           f"peer rank died or stopped stepping")
+        raise RuntimeError(
+            f"process_group: {what} did not complete within {bound}: a peer rank died or stopped stepping"
+        )
 
 
 class Collectives:
@@ -76,6 +81,9 @@ class Collectives:
         """The backend has no reduce_scatter_tensor: all_reduce from now on (the same backend
         on every rank, so every rank falls back at the same bucket)."""
         self.kind = "all_reduce"
-        warnings.warn(f"process_group: the {self.dist.get_backend(self.group)} backend has no "
-                      f"reduce_scatter_tensor ({e}); each bucket is all-reduced instead (every "
-                      f"rank keeps its chunk: twice the traffic)", stacklevel=4)
+        warnings.warn(
+            f"process_group: the {self.dist.get_backend(self.group)} backend has no "
+            f"reduce_scatter_tensor ({e}); each bucket is all-reduced instead (every "
+            f"rank keeps its chunk: twice the traffic)",
+            stacklevel=4,
+        )

@@ -26,6 +26,7 @@ What stays per bucket: its `buf` — the averaged chunks (`out`: this rank's gra
 1/world of the model, read by the step as the grads) and one has-grad count per param — and a
 direct bucket's has-grad counts (2·world).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -34,8 +35,8 @@ import torch
 
 from hybrid_opt.distributed.zero_reduce import reduce_numels
 
-WINDOW = 2                      # slots per (dtype, device): buckets in flight at once
-WINDOW_FLOOR_BYTES = 4 << 20    # ... or as many as fit in this, for small buckets
+WINDOW = 2  # slots per (dtype, device): buckets in flight at once
+WINDOW_FLOOR_BYTES = 4 << 20  # ... or as many as fit in this, for small buckets
 
 
 class SlotPool:
@@ -47,17 +48,18 @@ class SlotPool:
 
     def __init__(self, numels: dict, counts: dict):
         self.numels, self.counts = numels, counts  # key -> elements per slot, slots
-        self.free: dict = {}                       # key -> [slot], made and not borrowed
-        self.made: dict = {}                       # key -> [slot]
+        self.free: dict = {}  # key -> [slot], made and not borrowed
+        self.made: dict = {}  # key -> [slot]
         self.held: dict = dict.fromkeys(counts, 0)  # key -> borrowed now (slots and own tensors)
-        self.own: dict = {}                        # id -> a tensor of its own, while borrowed
+        self.own: dict = {}  # id -> a tensor of its own, while borrowed
 
     def take(self, key, numel: int):
         """A free buffer of `key` of at least `numel` elements, or None when the bound is reached."""
         dtype, device = key
         if key not in self.made:
-            self.made[key] = [torch.zeros(self.numels[key], dtype=dtype, device=device)
-                              for _ in range(self.counts[key])]
+            self.made[key] = [
+                torch.zeros(self.numels[key], dtype=dtype, device=device) for _ in range(self.counts[key])
+            ]
             self.free[key] = list(self.made[key])
         fits = numel <= self.numels[key]
         if self.held[key] >= (self.counts[key] if fits else min(self.counts[key], WINDOW)):
@@ -91,6 +93,7 @@ class SlotPool:
 @dataclass(eq=False)
 class Holder:
     """A slot borrowed: for what ("reduce" or "gather"), by which bucket."""
+
     what: str
     bucket: object
     slot: torch.Tensor
@@ -153,8 +156,10 @@ class CommWindow:
             if (h.bucket.dtype, h.bucket.device) == key:
                 self._complete[h.what](h.bucket)
                 return
-        raise RuntimeError("process_group: no comm slot free and none borrowed (a slot per "
-                           "(dtype, device) is made for every bucket key)")
+        raise RuntimeError(
+            "process_group: no comm slot free and none borrowed (a slot per "
+            "(dtype, device) is made for every bucket key)"
+        )
 
     def holders(self, what: str) -> list:
         """The buckets holding a slot for `what` ("reduce" or "gather") now, oldest first

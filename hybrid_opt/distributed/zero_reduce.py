@@ -26,6 +26,7 @@ Hazard kept from before: the own term is read from the grads the bucket's hooks 
 completion rather than at launch — the same tensors, unchanged in between, since the end of
 backward (and finish()) waits for every pending reduction before anything can edit p.grad.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -56,6 +57,7 @@ class Flight:
     are, the grads its hooks saw (the own term is read from them: module docstring), what it
     sends (a view of a slot borrowed from the comm window, or of p.grad) and where its output
     lands (b.buf itself, or the slot)."""
+
     bucket: object
     works: list
     kind: str
@@ -71,13 +73,13 @@ class GradReduction:
     and the params delivered by GradCounts (zero_counts.py)."""
 
     def __init__(self, comm, window, counts, reads, release):
-        self._comm = comm        # Collectives (zero_group.py)
-        self._window = window    # CommWindow (zero_pool.py): the slots a reduction sends from
-        self._counts = counts    # GradCounts (zero_counts.py): a direct bucket's counts, delivery
-        self._reads = reads      # GradReads (zero_edits.py): which grads each reduction read
+        self._comm = comm  # Collectives (zero_group.py)
+        self._window = window  # CommWindow (zero_pool.py): the slots a reduction sends from
+        self._counts = counts  # GradCounts (zero_counts.py): a direct bucket's counts, delivery
+        self._reads = reads  # GradReads (zero_edits.py): which grads each reduction read
         self._release = release  # GradRelease (zero_release.py): the grads kept as zeros count
         self._flights: list = []  # [Flight] launched, not yet averaged, in launch order
-        self.launches = 0        # stats["reduce_scatters"]
+        self.launches = 0  # stats["reduce_scatters"]
 
     def in_flight(self) -> list:
         """The buckets whose reductions are launched and not averaged yet, in launch order."""
@@ -90,7 +92,7 @@ class GradReduction:
         ranks = list(ranks)
         for j, r in enumerate(ranks):  # the padding (a slot another bucket used: rewritten)
             used = sum(n[r] for n in b.numels)
-            dst[j * b.seg + used:j * b.seg + b.width].zero_()
+            dst[j * b.seg + used : j * b.seg + b.width].zero_()
         for k, g in enumerate(grads):
             flat = None if g is None else g.detach().reshape(-1)
             starts = [sum(b.numels[k][:r]) for r in range(self._comm.world)]
@@ -99,8 +101,8 @@ class GradReduction:
                 n = b.numels[k][r]
                 if n:
                     at = j * b.seg + b.offsets[k][r]
-                    region = dst[at:at + n]
-                    region.zero_() if flat is None else region.copy_(flat[starts[r]:starts[r] + n])
+                    region = dst[at : at + n]
+                    region.zero_() if flat is None else region.copy_(flat[starts[r] : starts[r] + n])
         return dst
 
     def launch(self, b) -> None:
@@ -150,15 +152,16 @@ class GradReduction:
                 src = slot[:sent].zero_() if world > 1 else None
             elif sent:  # a middle rank: the other ranks' rows are two ranges of p.grad
                 src = slot[:sent]
-                src[:me * w].copy_(flat[:me * w])
-                src[me * w:].copy_(flat[(me + 1) * w:])
+                src[: me * w].copy_(flat[: me * w])
+                src[me * w :].copy_(flat[(me + 1) * w :])
             else:
-                src = flat[w:] if me == 0 else flat[:(world - 1) * w]
+                src = flat[w:] if me == 0 else flat[: (world - 1) * w]
             red = src
             scratch = b.buf[:w] if world == 2 else (slot[sent:] if world > 2 else None)
             works = comm.all_to_all(scratch, src, w)
-            works.append(comm.dist.all_to_all_single(counts[world:], counts[:world],
-                                                     group=comm.group, async_op=True))
+            works.append(
+                comm.dist.all_to_all_single(counts[world:], counts[:world], group=comm.group, async_op=True)
+            )
         else:
             rs = comm.reduce_scatter()
             red = flat if flat is not None else slot[:sent].zero_()
@@ -169,7 +172,7 @@ class GradReduction:
                 comm.fall_back(e)
                 self._window.give_back(b, "reduce")
                 return self.launch(b)
-            works.append(rs(counts[world:world + 1], counts[:world], group=comm.group, async_op=True))
+            works.append(rs(counts[world : world + 1], counts[:world], group=comm.group, async_op=True))
         self._launched(Flight(b, works, comm.kind, grads, red, scratch, counted))
 
     def _launched(self, flight: Flight) -> None:
@@ -214,7 +217,7 @@ class GradReduction:
             n = b.numels[k][me]
             if n:
                 start = sum(b.numels[k][:me])
-                src = None if g is None else g.detach().reshape(-1)[start:start + n]
+                src = None if g is None else g.detach().reshape(-1)[start : start + n]
                 terms.append((b.offsets[k][me], n, src))
         return terms
 
@@ -224,9 +227,9 @@ class GradReduction:
         b, kind, grads, counted = f.bucket, f.kind, f.grads, f.counted
         world, me = self._comm.world, self._comm.rank
         if kind == "all_reduce":
-            total = f.red[me * b.seg:(me + 1) * b.seg]
-            torch.div(total[:b.width], world, out=b.out)
-            b.buf[b.width:].copy_(total[b.width:])
+            total = f.red[me * b.seg : (me + 1) * b.seg]
+            torch.div(total[: b.width], world, out=b.out)
+            b.buf[b.width :].copy_(total[b.width :])
             return
         if kind == "reduce_scatter":
             b.out.div_(world)
@@ -236,7 +239,7 @@ class GradReduction:
         own = self._own_terms(b, grads)
         if world == 2:  # the other rank's term landed in b.buf: s_other + s_own is s0 + s1
             for a, n, src in own:
-                b.out[a:a + n].add_(0 if src is None else src)
+                b.out[a : a + n].add_(0 if src is None else src)
             if not direct:
                 for k in range(len(grads)):
                     if counted[k]:
@@ -248,18 +251,18 @@ class GradReduction:
                     b.out.zero_()
                     for a, n, src in own:
                         if src is not None:
-                            b.out[a:a + n].copy_(src)
+                            b.out[a : a + n].copy_(src)
                 elif r == me:
                     for a, n, src in own:
-                        b.out[a:a + n].add_(0 if src is None else src)
+                        b.out[a : a + n].add_(0 if src is None else src)
                 else:
                     j = received.index(r) * seg
-                    term = f.scratch[j:j + b.width]
+                    term = f.scratch[j : j + b.width]
                     b.out.copy_(term) if r == 0 else b.out.add_(term)
             if not direct:
-                counts = b.buf[b.width:]
+                counts = b.buf[b.width :]
                 for k in range(len(grads)):
                     counts[k].fill_(1 if counted[k] else 0)
                 for j in range(len(received)):
-                    counts.add_(f.scratch[j * seg + b.width:(j + 1) * seg])
+                    counts.add_(f.scratch[j * seg + b.width : (j + 1) * seg])
         b.out.div_(world)

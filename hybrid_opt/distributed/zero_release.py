@@ -43,6 +43,7 @@ What that changes for users:
   which collectives run, and zero_grad() (set_to_none=True) drops it. model.zero_grad() is not
   seen: with set_to_none=False it keeps nothing here, and it does not drop the kept zeros.
 """
+
 from __future__ import annotations
 
 import torch
@@ -54,7 +55,8 @@ RELEASE_ACCUMULATE = (
     "the last backward's full grads were already released (only each rank's averaged chunk is "
     "kept), so the sum cannot be reduced. Call step() after each reducing backward, and on "
     "accumulation micro-batches call opt.set_gradient_accumulation_boundary(False) before their "
-    "backward (True again before the last): they reduce nothing and keep their full grads")
+    "backward (True again before the last): they reduce nothing and keep their full grads"
+)
 
 
 class GradRelease:
@@ -64,12 +66,12 @@ class GradRelease:
     def __init__(self, buckets: list, reads, release_grads: bool):
         self.enabled = bool(release_grads)
         self._buckets = buckets
-        self._reads = reads        # GradReads (zero_edits.py): a placeholder is what the step reads
+        self._reads = reads  # GradReads (zero_edits.py): a placeholder is what the step reads
         self._released: dict = {}  # param id -> (param, placeholder): released since the last step
-        self._foreign: list = []   # params of released buckets given a grad after backward
-        self._held: set = set()    # ids of the params the last step released (their grads hidden)
-        self._kept: set = set()    # ids of the params whose grads zero_grad(set_to_none=False) kept
-        self.lost = False          # a failed step released grads, and no grad came since (zero.py)
+        self._foreign: list = []  # params of released buckets given a grad after backward
+        self._held: set = set()  # ids of the params the last step released (their grads hidden)
+        self._kept: set = set()  # ids of the params whose grads zero_grad(set_to_none=False) kept
+        self.lost = False  # a failed step released grads, and no grad came since (zero.py)
 
     def placeholder(self, p) -> torch.Tensor:
         """p's shape over one element: what p.grad reads in its place (module docstring)."""
@@ -109,8 +111,11 @@ class GradRelease:
                 self._foreign.append(p)
         for b in self._buckets:
             if any(id(p) in self._released for p in b.params):
-                self._foreign += [p for p in b.params if id(p) not in self._released
-                                  and p.grad is not None and not self._reads.saw(p)]
+                self._foreign += [
+                    p
+                    for p in b.params
+                    if id(p) not in self._released and p.grad is not None and not self._reads.saw(p)
+                ]
 
     def zero_grad(self, set_to_none: bool) -> None:
         """The optimizer's zero_grad: set_to_none=False keeps the released grads as zeros (as
@@ -154,7 +159,8 @@ class GradRelease:
                 "process_group with release_grads=True: step() was called again after a step "
                 "that failed, with no backward since, but that step had released its grads (only "
                 "each rank's averaged chunk is kept, and the failed step dropped them): there is "
-                "nothing left to step. Run the backward again first. Nothing was stepped, on any rank")
+                "nothing left to step. Run the backward again first. Nothing was stepped, on any rank"
+            )
         if not self._foreign:
             return None
         p = self._foreign[0]
@@ -163,7 +169,8 @@ class GradRelease:
             f"shape {tuple(p.shape)}) were given a grad after backward had reduced their bucket "
             f"and released its full grads (p.grad = ..., or a DistributedDataParallel wrapper "
             f"writing its averages: drop it, the optimizer averages the grads itself); it cannot "
-            f"be reduced any more. Nothing was stepped, on any rank")
+            f"be reduced any more. Nothing was stepped, on any rank"
+        )
 
     def scaler_found_inf(self, found, scaler, key):
         """step(), release_grads with a GradScaler (its inf check saw no p.grad): `found` (the
@@ -177,7 +184,8 @@ class GradRelease:
                 "process_group with release_grads=True and a GradScaler: attach it with "
                 "opt.attach_grad_scaler(scaler) (its inf check sees no p.grad in this mode, so "
                 "the optimizer checks the reduced chunks and hands the scaler the result). "
-                "Nothing was stepped, on any rank")
+                "Nothing was stepped, on any rank"
+            )
         flags = [torch.isfinite(b.out).all() for b in self._buckets]
         device = found.device if isinstance(found, torch.Tensor) else flags[0].device
         mine = torch.stack(flags).logical_not().any().to(device=device, dtype=torch.float32)

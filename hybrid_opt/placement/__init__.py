@@ -8,6 +8,7 @@ move leaves the old plan and its state as they were, so it loses nothing. What a
 to the other parts (speculation dropped before, hooks and versions after) reaches them through
 the `TierEvents` the optimizer hands in.
 """
+
 from __future__ import annotations
 
 import copy
@@ -19,12 +20,12 @@ from typing import Callable, NamedTuple
 import torch
 
 from hybrid_opt import distributed as D
-from hybrid_opt.state import layout as L
 from hybrid_opt.placement import moves
 from hybrid_opt.placement.cost_model import NON_SPECULATIVE_SPARE_BANKS
-from hybrid_opt.state.state_format import absmaxes_of
 from hybrid_opt.placement.footprint import device_tier_bytes, host_tier_layout, plan_bytes
 from hybrid_opt.placement.plan import DEVICE, HOST, NVME, check_fractions, fraction_miss, fraction_plan
+from hybrid_opt.state import layout as L
+from hybrid_opt.state.state_format import absmaxes_of
 from hybrid_opt.swap import check_nvme_path
 from hybrid_opt.tiers.device import DeviceTier
 from hybrid_opt.tiers.host import HostTier
@@ -32,6 +33,7 @@ from hybrid_opt.tiers.host import HostTier
 
 class PlacementConfig(NamedTuple):
     """The placement arguments of the optimizer (README: one line per argument)."""
+
     offload_fraction: object
     nvme_fraction: object
     nvme_path: object
@@ -48,14 +50,16 @@ class PlacementConfig(NamedTuple):
 
 class TierEvents(NamedTuple):
     """What a change of the tiers asks of the optimizer's other parts."""
-    drop_speculation: Callable   # () -> None: pending host steps read the old tiers
-    wait_params: Callable        # () -> None: process_group's pending gathers landed first
-    rehook: Callable             # (host subgroups) -> None: speculation's grad hooks
-    laid_out: Callable           # () -> None: the tiers wrote the params (versions, stats)
+
+    drop_speculation: Callable  # () -> None: pending host steps read the old tiers
+    wait_params: Callable  # () -> None: process_group's pending gathers landed first
+    rehook: Callable  # (host subgroups) -> None: speculation's grad hooks
+    laid_out: Callable  # () -> None: the tiers wrote the params (versions, stats)
 
 
 class Fixed(NamedTuple):
     """A placement to lay out as it is (no scheduler decision)."""
+
     offload_fraction: float
     nvme_fraction: float
     prediction: object = None
@@ -64,6 +68,7 @@ class Fixed(NamedTuple):
 
 class Extension(NamedTuple):
     """What add_param_group's layout changes, as it was before (Placement.unextend)."""
+
     params: int
     subgroups: int
     plan: object
@@ -91,11 +96,11 @@ class Placement:
         self.state_format = state_format
         self.events = events
         self.plan = None
-        self.device = None           # the DeviceTier
-        self.host = None             # the HostTier (host and nvme subgroups), or None
-        self.host_local: dict = {}   # subgroup index -> its index in the host tier
+        self.device = None  # the DeviceTier
+        self.host = None  # the HostTier (host and nvme subgroups), or None
+        self.host_local: dict = {}  # subgroup index -> its index in the host tier
         self.fractions = (0.0, 0.0)  # (off the device, on nvme) as laid out
-        self.auto = None             # the AutoPlanner, when a fraction is "auto"
+        self.auto = None  # the AutoPlanner, when a fraction is "auto"
 
     # ------------------------------------------------------------------ reading it
     def host_subgroups(self) -> list:
@@ -119,23 +124,34 @@ class Placement:
         if self.plan.tiers[sg.index] == DEVICE:
             self.device.set_master(sg.index, st["master"])  # remainders: encoded back
         else:
-            self.host.load_state(self.host_local[sg.index], st["master"], st["exp_avg"],
-                                 st["exp_avg_sq"], st.get("max_exp_avg_sq"), **absmaxes_of(st))
+            self.host.load_state(
+                self.host_local[sg.index],
+                st["master"],
+                st["exp_avg"],
+                st["exp_avg_sq"],
+                st.get("max_exp_avg_sq"),
+                **absmaxes_of(st),
+            )
 
     # ------------------------------------------------------------------ laying out
     def build(self) -> None:
         """Lays the tiers out at construction, at the fractions asked for (or "auto"'s)."""
         sgs = self.layout.subgroups
         if self.state_format.store_param_remainders and not any(
-                self.state_format.remainders_for(s.dtype) for s in sgs):
-            warnings.warn("store_param_remainders=True has no effect here: no parameter is bf16 "
-                          "(only a bf16 param's master is kept as a remainder; fp32/fp16 params "
-                          "keep an fp32 master)", stacklevel=5)
+            self.state_format.remainders_for(s.dtype) for s in sgs
+        ):
+            warnings.warn(
+                "store_param_remainders=True has no effect here: no parameter is bf16 "
+                "(only a bf16 param's master is kept as a remainder; fp32/fp16 params "
+                "keep an fp32 master)",
+                stacklevel=5,
+            )
         self.plan = self.plan_for(None)
         self._warn_fraction_miss()
         self._refresh_fractions()
-        self.device = DeviceTier([s for s in sgs if self.plan.tiers[s.index] == DEVICE],
-                                 self.layout.amsgrad, self.state_format)
+        self.device = DeviceTier(
+            [s for s in sgs if self.plan.tiers[s.index] == DEVICE], self.layout.amsgrad, self.state_format
+        )
         host = self.host_subgroups()
         self.host_local = {s.index: k for k, s in enumerate(host)}
         if host:
@@ -168,15 +184,21 @@ class Placement:
         c = self.config
         layout = host_tier_layout(host, plan, self.state_format, self.layout.amsgrad, c.rollback, c.io_banks)
         nvme = layout["nvme"]
-        return HostTier(layout.pop("numels"), **layout, worker_share=c.worker_share,
-                        nvme_path=c.nvme_path if any(nvme) else None,
-                        pin=host[0].device if host[0].device.type == "cuda" else False)
+        return HostTier(
+            layout.pop("numels"),
+            **layout,
+            worker_share=c.worker_share,
+            nvme_path=c.nvme_path if any(nvme) else None,
+            pin=host[0].device if host[0].device.type == "cuda" else False,
+        )
 
     def _refresh_fractions(self) -> None:
         """The shares actually laid out (at subgroup boundaries)."""
         total = sum(self.plan.numels) or 1
-        self.fractions = ((self.plan.elements(HOST) + self.plan.elements(NVME)) / total,
-                          self.plan.elements(NVME) / total)
+        self.fractions = (
+            (self.plan.elements(HOST) + self.plan.elements(NVME)) / total,
+            self.plan.elements(NVME) / total,
+        )
 
     # ------------------------------------------------------------------ the fractions
     def fractions_now(self) -> tuple:
@@ -189,25 +211,35 @@ class Placement:
             return off, nv, None
         if self.auto is None:
             from hybrid_opt.placement.scheduler import AutoPlanner, default_budgets
+
             params = list(self.layout.params())
             device = params[0].device if params else torch.device("cpu")
             fmt, dtype = self.budget_format(sgs)
             budgets = default_budgets(params, device, c.device_memory_budget, c.host_memory_budget)
             self.auto = AutoPlanner(
-                [s.numel for s in sgs], [s.ready_rank for s in sgs], device,
+                [s.numel for s in sgs],
+                [s.ready_rank for s in sgs],
+                device,
                 model_bytes=torch.tensor([], dtype=dtype).element_size(),
                 state_bytes=16 if self.layout.amsgrad else 12,
-                state_format=fmt, model_dtype=dtype,
+                state_format=fmt,
+                model_dtype=dtype,
                 subgroup_numel=self.layout.subgroup_numel,
                 fixed_offload=None if c.offload_fraction == "auto" else float(c.offload_fraction),
                 fixed_nvme=None if c.nvme_fraction == "auto" else float(c.nvme_fraction),
-                nvme_path=c.nvme_path, worker_share=c.worker_share,
-                spare_banks=c.spare_banks, exact_rollback=c.rollback == "exact",
+                nvme_path=c.nvme_path,
+                worker_share=c.worker_share,
+                spare_banks=c.spare_banks,
+                exact_rollback=c.rollback == "exact",
                 speculative=bool(c.speculative),
-                device_budget=budgets[0], host_budget=budgets[1], refit_every=c.refit_every,
+                device_budget=budgets[0],
+                host_budget=budgets[1],
+                refit_every=c.refit_every,
                 calibration=c.calibration,
-                device_from_peak=(device.type == "cuda" and c.device_memory_budget is None
-                                  and c.offload_fraction == "auto"))
+                device_from_peak=(
+                    device.type == "cuda" and c.device_memory_budget is None and c.offload_fraction == "auto"
+                ),
+            )
             if self.auto.device_from_peak:
                 # the peak from here on is training's (activations), not flattening's or calibration's
                 torch.cuda.reset_peak_memory_stats(device)
@@ -224,12 +256,15 @@ class Placement:
         if len(dtypes) <= 1:
             return self.state_format, next(iter(dtypes), torch.float32)
         low = sorted(dtypes - {torch.float32}, key=str)
-        return (dataclasses.replace(self.state_format, store_param_remainders=False),
-                low[0] if low else torch.float32)
+        return (
+            dataclasses.replace(self.state_format, store_param_remainders=False),
+            low[0] if low else torch.float32,
+        )
 
     def modelled_bytes(self, off: float, nv: float, spare_banks) -> dict:
         """The cost model's bytes per tier for this optimizer's model at a placement."""
         from hybrid_opt.placement import cost_model as cm
+
         sgs = self.layout.subgroups
         params = list(self.layout.params())
         cuda = bool(params) and params[0].is_cuda
@@ -237,11 +272,16 @@ class Placement:
         fmt, dtype = self.budget_format(sgs)
         # a host tier mixing dtypes (fp32 norms beside bf16 weights) stages fp32 grads
         grads = 4 if len({s.dtype for s in sgs}) > 1 else size
-        wl = cm.Workload(params=float(sum(s.numel for s in sgs)), model_bytes=size,
-                         grad_bytes=grads, amsgrad=self.layout.amsgrad, state_format=fmt,
-                         model_dtype=dtype if sgs else None,
-                         subgroup_numel=self.layout.subgroup_numel,
-                         bank_padding=L.bank_padding([s.numel for s in sgs]))
+        wl = cm.Workload(
+            params=float(sum(s.numel for s in sgs)),
+            model_bytes=size,
+            grad_bytes=grads,
+            amsgrad=self.layout.amsgrad,
+            state_format=fmt,
+            model_dtype=dtype if sgs else None,
+            subgroup_numel=self.layout.subgroup_numel,
+            bank_padding=L.bank_padding([s.numel for s in sgs]),
+        )
         return cm.memory_bytes(cm.Machine(gpus=1 if cuda else 0), wl, off, nv, spare_banks)
 
     def _check_budgets(self, off: float, nv: float) -> None:
@@ -249,19 +289,29 @@ class Placement:
         anything is allocated. The spare pool is sized afterwards from what the budget leaves:
         counted here at its least (one bank where exact rollback needs one)."""
         from hybrid_opt.placement.scheduler import check_fixed_plan
+
         c, sgs = self.config, self.layout.subgroups
         plan = fraction_plan([s.numel for s in sgs], [s.ready_rank for s in sgs], off, nv, None)
         resident = sum(1 for t in plan.tiers if t == HOST)
-        plan.spare_banks = (0 if c.rollback != "exact" or not resident else
-                            c.spare_banks if c.spare_banks is not None else 1)
-        check_fixed_plan((c.device_memory_budget, c.host_memory_budget), self.bytes_of(plan),
-                         self.layout.cuda())
+        plan.spare_banks = (
+            0 if c.rollback != "exact" or not resident else c.spare_banks if c.spare_banks is not None else 1
+        )
+        check_fixed_plan(
+            (c.device_memory_budget, c.host_memory_budget), self.bytes_of(plan), self.layout.cuda()
+        )
 
     def bytes_of(self, plan) -> dict:
         """{"device", "host"} bytes the tiers of `plan` will allocate (footprint.py)."""
         c = self.config
-        return plan_bytes(self.layout.subgroups, plan, self.state_format, self.layout.amsgrad, c.rollback,
-                          c.io_banks, self.layout.cuda())
+        return plan_bytes(
+            self.layout.subgroups,
+            plan,
+            self.state_format,
+            self.layout.amsgrad,
+            c.rollback,
+            c.io_banks,
+            self.layout.cuda(),
+        )
 
     def device_bytes(self, sgs) -> int:
         """The bytes a device tier of subgroups `sgs` allocates."""
@@ -289,6 +339,7 @@ class Placement:
             plan.spare_banks = min(NON_SPECULATIVE_SPARE_BANKS, resident)
         elif spares is None:
             from hybrid_opt.placement.scheduler import default_spare_banks
+
             host = [s for s in sgs if plan.tiers[s.index] != DEVICE]
             plan.spare_banks = 0
             without = self.bytes_of(plan)["host"]
@@ -309,9 +360,12 @@ class Placement:
         if D.world_size() <= 1 or not any(D.is_sharded(p) for p in params):
             return ""
         import torch.distributed as dist
+
         mine = sum(s.numel for s in self.layout.subgroups)
-        return (f"rank {dist.get_rank()} of {dist.get_world_size()}: its share, {mine} of "
-                f"{sum(p.numel() for p in params)} elements")
+        return (
+            f"rank {dist.get_rank()} of {dist.get_world_size()}: its share, {mine} of "
+            f"{sum(p.numel() for p in params)} elements"
+        )
 
     # ------------------------------------------------------------------ moves
     def room_shortfall(self, plan) -> str | None:
@@ -335,9 +389,11 @@ class Placement:
         plan = self.plan_for(decision)
         short = self.room_shortfall(plan)
         if short is not None:
-            raise MemoryError(f"moving to offload_fraction={decision.offload_fraction:g}, "
-                              f"nvme_fraction={decision.nvme_fraction:g}: {short}; the placement "
-                              f"stays as it is")
+            raise MemoryError(
+                f"moving to offload_fraction={decision.offload_fraction:g}, "
+                f"nvme_fraction={decision.nvme_fraction:g}: {short}; the placement "
+                f"stays as it is"
+            )
         self.relayout(plan)
         if self.auto is not None:
             self.auto.moved(time.perf_counter() - t0)
@@ -365,8 +421,10 @@ class Placement:
             try:
                 old_host.close()
             except Exception as e:  # the new tiers hold every subgroup: nothing is lost
-                warnings.warn(f"closing the host tier of the previous placement failed: "
-                              f"{type(e).__name__}: {e}", stacklevel=3)
+                warnings.warn(
+                    f"closing the host tier of the previous placement failed: {type(e).__name__}: {e}",
+                    stacklevel=3,
+                )
 
     def replan(self, offload_fraction: float, nvme_fraction: float = 0.0) -> None:
         """The optimizer's replan(): a move to fixed fractions now."""
@@ -381,7 +439,7 @@ class Placement:
         self.move(Fixed(float(offload_fraction), float(nvme_fraction), prediction, "replan()"))
 
     def refit(self, steps_taken: int) -> None:
-        """"auto", after each step: moves subgroups between tiers when a refit says it pays
+        """ "auto", after each step: moves subgroups between tiers when a refit says it pays
         (the scheduler has the measured samples: step_stats.py)."""
         auto = self.auto
         if not auto.due(steps_taken):
@@ -390,16 +448,21 @@ class Placement:
         decision = auto.refit(*self.fractions, self.plan.spare_banks)
         kept = "refit: kept"
         if decision is not None and not self.room_to_move(decision):
-            kept = ("refit: a move would pay, but it does not fit in free memory: "
-                    f"{self.room_shortfall(self.plan_for(decision))}")
+            kept = (
+                "refit: a move would pay, but it does not fit in free memory: "
+                f"{self.room_shortfall(self.plan_for(decision))}"
+            )
             decision = None
         if decision is not None:
             try:
                 self.move(decision)
             except Exception as e:  # the plan before is back, state and all (see move)
-                warnings.warn(f"refit: moving to offload_fraction={decision.offload_fraction:g}, "
-                              f"nvme_fraction={decision.nvme_fraction:g} failed; the plan stays as it "
-                              f"was: {type(e).__name__}: {e}", stacklevel=3)
+                warnings.warn(
+                    f"refit: moving to offload_fraction={decision.offload_fraction:g}, "
+                    f"nvme_fraction={decision.nvme_fraction:g} failed; the plan stays as it "
+                    f"was: {type(e).__name__}: {e}",
+                    stacklevel=3,
+                )
                 self._note(f"refit: a move failed ({type(e).__name__})")
         elif auto.backward_s is not None:  # what the kept plan predicts, and why it is kept
             self._note(kept, prediction=auto.predict(*self.fractions, self.plan.spare_banks))
@@ -412,23 +475,32 @@ class Placement:
         self.plan = dataclasses.replace(self.plan, reason=reason, **fields)
 
     def _observe_device_memory(self) -> None:
-        """"auto" on CUDA without device_memory_budget: the device budget from the memory free
+        """ "auto" on CUDA without device_memory_budget: the device budget from the memory free
         now and the peak of the iterations so far (activations included), so a refit puts
         state on the device only where the next iterations will not need the memory
         (scheduler.measured_device_budget)."""
         if self.auto is None or not self.auto.device_from_peak or not self.layout.subgroups:
             return
         from hybrid_opt.placement.scheduler import cuda_memory
+
         spares = self.plan.spare_banks
-        self.auto.observe_device_memory(cuda_memory(self.layout.subgroups[0].device),
-                                        counted=self.modelled_bytes(*self.fractions, spares)["device"],
-                                        floor=self.modelled_bytes(1.0, 0.0, spares)["device"])
+        self.auto.observe_device_memory(
+            cuda_memory(self.layout.subgroups[0].device),
+            counted=self.modelled_bytes(*self.fractions, spares)["device"],
+            floor=self.modelled_bytes(1.0, 0.0, spares)["device"],
+        )
 
     # ------------------------------------------------------------------ add_param_group
     def extension_point(self) -> Extension:
         """What extend() changes, as it is now (for unextend)."""
-        return Extension(len(self.layout.steps), len(self.layout.subgroups), self.plan, self.fractions,
-                         self.auto, copy.copy(self.auto) if self.auto is not None else None)
+        return Extension(
+            len(self.layout.steps),
+            len(self.layout.subgroups),
+            self.plan,
+            self.fractions,
+            self.auto,
+            copy.copy(self.auto) if self.auto is not None else None,
+        )
 
     def unextend(self, before: Extension) -> None:
         """Undoes what extend() did of the new subgroups before it failed (the layout's are
@@ -456,9 +528,12 @@ class Placement:
         # either (a move below installs them again anyway)
         self.events.rehook(self.host_subgroups())
         if self.auto is not None:
-            self.auto.regrow([s.numel for s in self.layout.subgroups],
-                             [s.ready_rank for s in self.layout.subgroups])
-        stay = f"add_param_group: the new group's {sum(s.numel for s in sgs)} elements stay on the device tier"
+            self.auto.regrow(
+                [s.numel for s in self.layout.subgroups], [s.ready_rank for s in self.layout.subgroups]
+            )
+        stay = (
+            f"add_param_group: the new group's {sum(s.numel for s in sgs)} elements stay on the device tier"
+        )
         try:
             off, nv, decision = self.fractions_now()
         except ValueError as e:  # the grown model fits no placement within the budgets
@@ -468,8 +543,11 @@ class Placement:
             return  # everything on the device tier: where the new group already is
         target = decision or Fixed(off, nv, self.plan.prediction, "add_param_group: laid out again")
         if not self.room_to_move(target):
-            warnings.warn(f"{stay}: laying the tiers out again does not fit in free memory: "
-                          f"{self.room_shortfall(self.plan_for(target))}", stacklevel=4)
+            warnings.warn(
+                f"{stay}: laying the tiers out again does not fit in free memory: "
+                f"{self.room_shortfall(self.plan_for(target))}",
+                stacklevel=4,
+            )
             return
         if decision is not None:
             decision.reason = "add_param_group: " + decision.reason

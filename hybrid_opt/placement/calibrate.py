@@ -23,6 +23,7 @@ this process may use, SIMD level, torch version, GPU name; nvme figures by the d
 path lives on. A cache that cannot be read or written is re-measured (with a warning), never
 an error. The optimizer then refits the rates from its own measured steps.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -39,9 +40,9 @@ import torch
 from hybrid_opt.distributed import node
 
 CACHE_VERSION = 2
-MEASURE_NUMEL = 4 << 20          # Adam rates: 4Mi elements (16 MB per fp32 tensor)
-COPY_BYTES = 64 << 20            # copy rates
-NVME_BYTES = 128 << 20           # nvme scratch file
+MEASURE_NUMEL = 4 << 20  # Adam rates: 4Mi elements (16 MB per fp32 tensor)
+COPY_BYTES = 64 << 20  # copy rates
+NVME_BYTES = 128 << 20  # nvme scratch file
 NVME_CHUNK = 16 << 20
 REPS = 5
 # CUDA: Adam over four fp32 tensors of CUDA_ADAM_NUMEL (1 GiB) and copies of CUDA_COPY_NUMEL
@@ -54,7 +55,8 @@ CALIBRATION_BUDGET_SHARE = 0.1
 
 def cache_path() -> str:
     root = os.environ.get("HYBRID_OPT_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "hybrid_opt")
+        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "hybrid_opt"
+    )
     return os.path.join(root, "calibration.json")
 
 
@@ -71,9 +73,17 @@ def _cpu_model() -> str:
 
 def machine_key(device: torch.device) -> str:
     import cpu_kernels
+
     cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else [os.cpu_count()]
-    parts = [str(CACHE_VERSION), platform.node(), _cpu_model(), ",".join(map(str, cpus)),
-             cpu_kernels.simd_level(), torch.__version__, device.type]
+    parts = [
+        str(CACHE_VERSION),
+        platform.node(),
+        _cpu_model(),
+        ",".join(map(str, cpus)),
+        cpu_kernels.simd_level(),
+        torch.__version__,
+        device.type,
+    ]
     if device.type == "cuda":
         parts.append(torch.cuda.get_device_name(device))
     return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
@@ -92,8 +102,9 @@ def _load_cache(path: str) -> dict:
     except (FileNotFoundError, NotADirectoryError):
         return {}
     except (OSError, ValueError) as e:
-        warnings.warn(f"hybrid_opt: calibration cache {path} is unreadable ({e}); measuring again",
-                      stacklevel=3)
+        warnings.warn(
+            f"hybrid_opt: calibration cache {path} is unreadable ({e}); measuring again", stacklevel=3
+        )
         return {}
 
 
@@ -107,9 +118,11 @@ def _store_cache(path: str, key: str, entry: dict) -> None:
             json.dump(data, f, indent=1, sort_keys=True)
         os.replace(tmp, path)  # atomic: a concurrent reader sees the old or the new file
     except OSError as e:
-        warnings.warn(f"hybrid_opt: cannot write the calibration cache {path} ({e}); the next "
-                      f"run measures again (set HYBRID_OPT_CACHE_DIR to a writable directory)",
-                      stacklevel=3)
+        warnings.warn(
+            f"hybrid_opt: cannot write the calibration cache {path} ({e}); the next "
+            f"run measures again (set HYBRID_OPT_CACHE_DIR to a writable directory)",
+            stacklevel=3,
+        )
 
 
 def _best_time(fn, reps: int = REPS) -> float:
@@ -138,8 +151,12 @@ class _Threads:
 
     def __enter__(self):
         import cpu_kernels
-        self.saved = (cpu_kernels.get_num_threads(), torch.get_num_threads(),
-                      os.sched_getaffinity(0) if self.cpus and hasattr(os, "sched_setaffinity") else None)
+
+        self.saved = (
+            cpu_kernels.get_num_threads(),
+            torch.get_num_threads(),
+            os.sched_getaffinity(0) if self.cpus and hasattr(os, "sched_setaffinity") else None,
+        )
         cpu_kernels.set_num_threads(self.n)
         torch.set_num_threads(self.n)
         if self.saved[2] is not None:
@@ -148,6 +165,7 @@ class _Threads:
 
     def __exit__(self, *exc):
         import cpu_kernels
+
         cpu_kernels.set_num_threads(self.saved[0])
         torch.set_num_threads(self.saved[1])
         if self.saved[2] is not None:
@@ -157,6 +175,7 @@ class _Threads:
 def _cpu_adam_gbps(threads: int, bank: bool) -> float:
     """CPU Adam at `threads`, GB/s at 28 B/element (fp32 param, grad, m, v)."""
     import cpu_kernels
+
     n = MEASURE_NUMEL
     p, g, m, v = (torch.rand(n) for _ in range(4))
     out = tuple(torch.empty(n) for _ in range(3)) if bank else None
@@ -169,6 +188,7 @@ def _host_tier_gelems(worker_share: float | None) -> float:
     """G elements/s of a real host tier's worker: two subgroups stepped a few times, as steps
     the trainer waits for (HostTier.finish)."""
     from hybrid_opt.tiers.host import HostTier, StepInputs
+
     n = MEASURE_NUMEL
     grads = [torch.rand(n), torch.rand(n)]
     tier = HostTier([n, n], worker_share=worker_share, spare_banks=2)
@@ -207,6 +227,7 @@ def _fwd_bwd_probe():
         h.square().mean().backward()
         for w in ws:
             w.grad = None
+
     return run
 
 
@@ -217,6 +238,7 @@ def trainer_times(trainer: list, worker: list, run=None, timer=None) -> dict:
     the worker's cores}. `timer` defaults to the best of a few calls; a benchmark passes one
     that keeps every sample, to time its own model at the same moments as its rows."""
     import cpu_kernels
+
     run, timer = run or _fwd_bwd_probe(), timer or _best_time
     out = {}
     with _Threads(len(os.sched_getaffinity(0))):
@@ -252,8 +274,9 @@ def trainer_times(trainer: list, worker: list, run=None, timer=None) -> dict:
             stop.set()
             th.join(timeout=30)
     if failed:  # the contended time would be an uncontended one: not a figure to keep
-        raise RuntimeError(f"calibration: the Adam stream on cores {worker} failed: "
-                           f"{type(failed[0]).__name__}: {failed[0]}") from failed[0]
+        raise RuntimeError(
+            f"calibration: the Adam stream on cores {worker} failed: {type(failed[0]).__name__}: {failed[0]}"
+        ) from failed[0]
     return out
 
 
@@ -291,12 +314,14 @@ def _cuda_adam_gbps(device: torch.device, n: int) -> float:
     """The Triton fused Adam over four fp32 tensors of `n` elements, GB/s at 28 B/element (its
     tensors are freed on return)."""
     import gpu_kernels
+
     p, g, m, v = (torch.rand(n, device=device) for _ in range(4))
     scale = torch.ones(1, device=device)
 
     def adam():
         gpu_kernels.fused_adam_([p], [g], [m], [v], grad_scale=scale, **_adam_kwargs())
         torch.cuda.synchronize(device)
+
     return n * 28 / _best_time(adam) / 1e9
 
 
@@ -313,10 +338,15 @@ def _cuda_rates(device: torch.device, device_bytes=None) -> dict:
     def d2h():
         host.copy_(dev, non_blocking=True)
         torch.cuda.synchronize(device)
-    return {"device_adam_gbps": adam_gbps, "device_measure_numel": n,
-            "h2d_gbps": host.numel() * 4 / _best_time(h2d) / 1e9,
-            "d2h_gbps": host.numel() * 4 / _best_time(d2h) / 1e9,
-            "trainer_slowdown_with_worker": 1.0, "backward_slowdown_with_host_adam": 1.0}
+
+    return {
+        "device_adam_gbps": adam_gbps,
+        "device_measure_numel": n,
+        "h2d_gbps": host.numel() * 4 / _best_time(h2d) / 1e9,
+        "d2h_gbps": host.numel() * 4 / _best_time(d2h) / 1e9,
+        "trainer_slowdown_with_worker": 1.0,
+        "backward_slowdown_with_host_adam": 1.0,
+    }
 
 
 def measure(device, worker_share: float | None = 0.5, device_bytes=None) -> dict:
@@ -326,13 +356,18 @@ def measure(device, worker_share: float | None = 0.5, device_bytes=None) -> dict
     `device_bytes`: the most device memory the CUDA measurements may take (None: their full
     sizes)."""
     from hybrid_opt.worker.client import CoreSplit
+
     device = torch.device(device)
     split = CoreSplit(worker_share)
     trainer, worker = split.trainer or [0], split.worker or [0]
     t0 = time.perf_counter()
-    out = {"host_adam_gelems_per_s": _host_tier_gelems(worker_share),
-           "host_kernel_gelems_per_s": _cpu_adam_gbps(len(worker), bank=True) / 28,
-           "worker_cores": len(worker), "trainer_cores": len(trainer), "shared_cores": split.shared}
+    out = {
+        "host_adam_gelems_per_s": _host_tier_gelems(worker_share),
+        "host_kernel_gelems_per_s": _cpu_adam_gbps(len(worker), bank=True) / 28,
+        "worker_cores": len(worker),
+        "trainer_cores": len(trainer),
+        "shared_cores": split.shared,
+    }
     if device.type == "cuda":
         out.update(_cuda_rates(device, device_bytes))
     else:
@@ -354,6 +389,7 @@ def measure(device, worker_share: float | None = 0.5, device_bytes=None) -> dict
 def measure_nvme(nvme_path: str) -> dict:
     """O_DIRECT write then read of a scratch file in `nvme_path`, GB/s."""
     from cpu_kernels.aio import AioEngine, aligned_buffer
+
     fd_path = None
     eng = AioEngine(threads=4, queue_depth=32)
     buf = aligned_buffer(NVME_CHUNK)
@@ -365,8 +401,10 @@ def measure_nvme(nvme_path: str) -> dict:
         for op in ("write", "read"):
             fd = eng.open(fd_path, "w" if op == "write" else "r")
             t0 = time.perf_counter()
-            ids = [(eng.submit_write if op == "write" else eng.submit_read)(fd, buf, NVME_CHUNK, off)
-                   for off in range(0, NVME_BYTES, NVME_CHUNK)]
+            ids = [
+                (eng.submit_write if op == "write" else eng.submit_read)(fd, buf, NVME_CHUNK, off)
+                for off in range(0, NVME_BYTES, NVME_CHUNK)
+            ]
             if op == "write":
                 ids.append(eng.submit_sync(fd))
             eng.wait(ids)
@@ -382,8 +420,14 @@ def measure_nvme(nvme_path: str) -> dict:
                 pass
 
 
-def rates(device="cpu", nvme_path=None, worker_share: float | None = 0.5, *, refresh: bool = False,
-          device_bytes=None) -> dict:
+def rates(
+    device="cpu",
+    nvme_path=None,
+    worker_share: float | None = 0.5,
+    *,
+    refresh: bool = False,
+    device_bytes=None,
+) -> dict:
     """The machine's rates, from the cache when it has them (see the module docstring).
     `device_bytes`: the most device memory the CUDA measurements may take (None: their full
     sizes); a cached device Adam rate measured smaller than this allows (a tight budget
@@ -400,8 +444,10 @@ def rates(device="cpu", nvme_path=None, worker_share: float | None = 0.5, *, ref
     if not isinstance(out, dict) or "host_adam_gelems_per_s" not in out:
         out = measure(device, worker_share, device_bytes)
         _store_cache(path, key, out)
-    elif device.type == "cuda" and out.get("device_measure_numel", CUDA_ADAM_NUMEL) < \
-            cuda_measure_sizes(device_bytes)[0]:
+    elif (
+        device.type == "cuda"
+        and out.get("device_measure_numel", CUDA_ADAM_NUMEL) < cuda_measure_sizes(device_bytes)[0]
+    ):
         out = dict(out, **_cuda_rates(device, device_bytes))
         _store_cache(path, key, out)
     out = dict(out)

@@ -74,6 +74,7 @@ device state = master (none for an fp32 param: its own; 2 for a remainder) + mom
 host bank = that + the model-dtype copy (the high half, with remainders); an nvme file =
 master or remainder + moments (12 -> 6 B with bf16 moments and remainders).
 """
+
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
@@ -83,10 +84,10 @@ import torch
 from hybrid_opt.state.state_format import StateFormat
 
 GB = 1e9
-DEFAULT_SUBGROUP_NUMEL = 4 * 2 ** 20     # HybridAdamW's default unit of placement (its one definition)
-STAGING_SLOTS = 4                        # grad-in / param-out slots in flight per worker
-IO_BANKS = 4                             # nvme reads in flight (two buffers each)
-BACKWARD_SHARE = 2.0 / 3.0               # backward ~ 2x forward FLOPs
+DEFAULT_SUBGROUP_NUMEL = 4 * 2**20  # HybridAdamW's default unit of placement (its one definition)
+STAGING_SLOTS = 4  # grad-in / param-out slots in flight per worker
+IO_BANKS = 4  # nvme reads in flight (two buffers each)
+BACKWARD_SHARE = 2.0 / 3.0  # backward ~ 2x forward FLOPs
 # spare banks of exact rollback without speculation: one holds the step being written (the
 # committed bank is never torn), a second lets the next subgroup stage meanwhile (measured on a
 # 33.5M bf16 model here: one spare, 80-98 ms a step; two, 58-75; one per subgroup, 69-73)
@@ -102,18 +103,19 @@ class Machine:
     tier live in host memory, and the "device" tier is the trainer's own cores. Host-side
     figures (memory, Adam rate, nvme rates and capacity) are for the whole machine; GPU and
     link figures per GPU."""
+
     name: str = "custom"
     gpus: int = 1
     gpu_mem_bytes: float = 80 * GB
     host_mem_bytes: float = 512 * GB
-    device_adam_gbps: float = 1600.0         # achieved memory bandwidth of a device Adam step
-    host_adam_gelems_per_s: float = 2.0      # CPU Adam, G elements/s, the worker's cores
+    device_adam_gbps: float = 1600.0  # achieved memory bandwidth of a device Adam step
+    host_adam_gelems_per_s: float = 2.0  # CPU Adam, G elements/s, the worker's cores
     h2d_gbps: float = 50.0
     d2h_gbps: float = 50.0
-    nvme_read_gbps: float = 0.0              # aggregate; 0 = no nvme tier
+    nvme_read_gbps: float = 0.0  # aggregate; 0 = no nvme tier
     nvme_write_gbps: float = 0.0
-    nvme_bytes: float | None = None          # aggregate capacity; None = not limiting
-    gpu_tflops: float = 300.0                # achieved fwd+bwd rate per GPU (or the CPU's)
+    nvme_bytes: float | None = None  # aggregate capacity; None = not limiting
+    gpu_tflops: float = 300.0  # achieved fwd+bwd rate per GPU (or the CPU's)
     backward_slowdown_with_host_adam: float = 1.0
     # CPU-only hosts: the worker beside the trainer on every core (the default there), or on
     # cores taken from it; what the trainer loses to a worker process (the module docstring)
@@ -122,22 +124,28 @@ class Machine:
     device_adam_gbps_with_worker: float | None = None
     # several nodes: host-side figures above are per node, shared by its GPUs; None = all on one
     gpus_per_node: int | None = None
-    nvlink_gbps: float = 450.0               # per GPU, each way, within a node (H100 NVLink 4)
-    ib_gbps: float = 400.0                   # per node, each way, across nodes (8 x 400 Gb/s)
+    nvlink_gbps: float = 450.0  # per GPU, each way, within a node (H100 NVLink 4)
+    ib_gbps: float = 400.0  # per node, each way, across nodes (8 x 400 Gb/s)
 
 
 def arrangement(machine: Machine) -> str:
     """How the trainer and the worker use the CPU's cores, and why (a plan says it)."""
     if machine.gpus and not machine.shared_cores:
-        return ("split: the worker steps on cores of its own (worker_share of them), the trainer "
-                "keeps the rest to drive the GPU; host work hides under backward")
+        return (
+            "split: the worker steps on cores of its own (worker_share of them), the trainer "
+            "keeps the rest to drive the GPU; host work hides under backward"
+        )
     if machine.shared_cores:
-        return ("shared: the params live on the CPU, so the trainer keeps every core for forward "
-                "and backward; the worker runs beside it in sleeping threads, on all cores while "
-                "step() waits for it; host work during backward takes the backward's cores, so "
-                "it does not hide")
-    return ("split: the worker on cores taken from the trainer (worker_share=); forward and "
-            "backward run on the rest")
+        return (
+            "shared: the params live on the CPU, so the trainer keeps every core for forward "
+            "and backward; the worker runs beside it in sleeping threads, on all cores while "
+            "step() waits for it; host work during backward takes the backward's cores, so "
+            "it does not hide"
+        )
+    return (
+        "split: the worker on cores taken from the trainer (worker_share=); forward and "
+        "backward run on the rest"
+    )
 
 
 SHARDINGS = ("fsdp", "zero", "none")
@@ -148,21 +156,22 @@ class Workload:
     """The model: `params` in all; dtype sizes in bytes per element. fwd+bwd time is
     `backward_seconds * 1.5` when given, else `model_flops` (per iteration, all GPUs;
     default 6 x params x tokens_per_iteration) over the GPUs' achieved rate."""
+
     params: float
-    model_bytes: int = 2                     # bf16 model copy
-    state_bytes: int | None = None           # deprecated: 12, or 16 = amsgrad (use amsgrad=)
+    model_bytes: int = 2  # bf16 model copy
+    state_bytes: int | None = None  # deprecated: 12, or 16 = amsgrad (use amsgrad=)
     grad_bytes: int = 2
     backward_seconds: float | None = None
     model_flops: float | None = None
     tokens_per_iteration: float = 8192
     subgroup_numel: int = DEFAULT_SUBGROUP_NUMEL
-    step_overhead_seconds: float = 0.0       # fixed per step: norms, launches, bookkeeping
-    exact_rollback: bool = True              # spare banks hold speculated steps until validated
-    speculative: bool = True                 # host steps start during backward; False: after it
-    sharding: str | None = None              # None, "fsdp", "zero" or "none" (module docstring)
-    state_format: StateFormat = field(default_factory=StateFormat)   # moments' dtypes, remainders
-    amsgrad: bool = False                    # one more moment (exp_avg_sq's dtype)
-    model_dtype: torch.dtype | None = None   # None: fp32 for a 4-byte model, else bf16
+    step_overhead_seconds: float = 0.0  # fixed per step: norms, launches, bookkeeping
+    exact_rollback: bool = True  # spare banks hold speculated steps until validated
+    speculative: bool = True  # host steps start during backward; False: after it
+    sharding: str | None = None  # None, "fsdp", "zero" or "none" (module docstring)
+    state_format: StateFormat = field(default_factory=StateFormat)  # moments' dtypes, remainders
+    amsgrad: bool = False  # one more moment (exp_avg_sq's dtype)
+    model_dtype: torch.dtype | None = None  # None: fp32 for a 4-byte model, else bf16
     # host banks and nvme files per state element: every bank has the largest subgroup's
     # capacity, so n subgroups of capacity c over E elements hold n*c/E (layout.py: >= 1)
     bank_padding: float = 1.0
@@ -170,12 +179,16 @@ class Workload:
     def __post_init__(self):
         if self.state_bytes is not None:  # the plain fp32 state's count, from before state_format
             if self.state_bytes not in (12, 16):
-                raise ValueError(f"state_bytes must be 12 or 16 (fp32 state, 16 with amsgrad), got "
-                                 f"{self.state_bytes}: give state_format= and amsgrad= instead")
+                raise ValueError(
+                    f"state_bytes must be 12 or 16 (fp32 state, 16 with amsgrad), got "
+                    f"{self.state_bytes}: give state_format= and amsgrad= instead"
+                )
             self.amsgrad = self.amsgrad or self.state_bytes == 16
         if not isinstance(self.state_format, StateFormat):
-            raise TypeError(f"state_format must be a hybrid_opt.state.state_format.StateFormat, got "
-                            f"{type(self.state_format).__name__}")
+            raise TypeError(
+                f"state_format must be a hybrid_opt.state.state_format.StateFormat, got "
+                f"{type(self.state_format).__name__}"
+            )
 
     @property
     def master_is_model(self) -> bool:
@@ -194,9 +207,14 @@ class Workload:
         step moves, "high_half" read from the model per nvme element per step (remainders)."""
         fmt, dt, ams = self.state_format, self.param_dtype, self.amsgrad
         adam = fmt.adam_bytes(dt, self.grad_bytes, ams)
-        return {"device": fmt.state_bytes(dt, ams, own_master=True), "host": fmt.bank_bytes(dt, ams),
-                "nvme": fmt.state_bytes(dt, ams), "host_adam": adam, "device_adam": adam,
-                "high_half": 2 if fmt.remainders_for(dt) else 0}
+        return {
+            "device": fmt.state_bytes(dt, ams, own_master=True),
+            "host": fmt.bank_bytes(dt, ams),
+            "nvme": fmt.state_bytes(dt, ams),
+            "host_adam": adam,
+            "device_adam": adam,
+            "high_half": 2 if fmt.remainders_for(dt) else 0,
+        }
 
 
 @dataclass
@@ -212,12 +230,13 @@ class Prediction:
 
     def to_dict(self) -> dict:
         d = asdict(self)
-        return {"predicted_step_seconds": d.pop("step_seconds"),
-                "predicted_iteration_seconds": d.pop("iteration_seconds"),
-                "forward_backward_seconds": d.pop("forward_backward_seconds"),
-                "plan": {"offload_fraction": d.pop("offload_fraction"),
-                         "nvme_fraction": d.pop("nvme_fraction")},
-                **d}
+        return {
+            "predicted_step_seconds": d.pop("step_seconds"),
+            "predicted_iteration_seconds": d.pop("iteration_seconds"),
+            "forward_backward_seconds": d.pop("forward_backward_seconds"),
+            "plan": {"offload_fraction": d.pop("offload_fraction"), "nvme_fraction": d.pop("nvme_fraction")},
+            **d,
+        }
 
 
 def _ranks(machine: Machine) -> int:
@@ -236,19 +255,22 @@ def _nodes(machine: Machine) -> int:
 def check(machine: Machine, workload: Workload) -> None:
     """ValueError naming a sharding, node size or link rate the model cannot take."""
     if workload.sharding not in (None,) + SHARDINGS:
-        raise ValueError(f"sharding must be one of {', '.join(SHARDINGS)} (or None), got "
-                         f"{workload.sharding!r}")
+        raise ValueError(
+            f"sharding must be one of {', '.join(SHARDINGS)} (or None), got {workload.sharding!r}"
+        )
     if machine.gpus_per_node is not None and not 1 <= machine.gpus_per_node <= _ranks(machine):
-        raise ValueError(f"gpus_per_node must be between 1 and gpus ({machine.gpus}), got "
-                         f"{machine.gpus_per_node}")
+        raise ValueError(
+            f"gpus_per_node must be between 1 and gpus ({machine.gpus}), got {machine.gpus_per_node}"
+        )
     if machine.gpus_per_node is not None and _ranks(machine) % machine.gpus_per_node:
-        raise ValueError(f"gpus ({machine.gpus}) must be a multiple of gpus_per_node "
-                         f"({machine.gpus_per_node}): every node holds as many GPUs")
+        raise ValueError(
+            f"gpus ({machine.gpus}) must be a multiple of gpus_per_node "
+            f"({machine.gpus_per_node}): every node holds as many GPUs"
+        )
     if workload.sharding is not None and _ranks(machine) > 1:
         for name in ("nvlink_gbps", "ib_gbps"):
             if not getattr(machine, name) > 0:
-                raise ValueError(f"{name} must be > 0 to time the collectives, got "
-                                 f"{getattr(machine, name)}")
+                raise ValueError(f"{name} must be > 0 to time the collectives, got {getattr(machine, name)}")
 
 
 def state_elements(machine: Machine, workload: Workload) -> float:
@@ -278,14 +300,14 @@ def collective_seconds(machine: Machine, workload: Workload) -> dict:
     if workload.sharding is None or n <= 1:
         return out
     per_byte = (n - 1) / n / (link_gbps(machine) * GB)
-    params = workload.params * workload.model_bytes * per_byte   # one all-gather of the params
-    grads = workload.params * workload.grad_bytes * per_byte     # one reduce-scatter of the grads
+    params = workload.params * workload.model_bytes * per_byte  # one all-gather of the params
+    grads = workload.params * workload.grad_bytes * per_byte  # one reduce-scatter of the grads
     if workload.sharding == "fsdp":
         out.update(forward=params, backward=params + grads)
     elif workload.sharding == "zero":
         out.update(backward=grads, after_step=params)
     else:
-        out.update(backward=2 * grads)                             # all-reduce
+        out.update(backward=2 * grads)  # all-reduce
     return out
 
 
@@ -324,8 +346,13 @@ def _spares(machine, workload, offload_fraction, spare_banks) -> int:
     return n_off if spare_banks is None else min(spare_banks, n_off)
 
 
-def memory_bytes(machine: Machine, workload: Workload, offload_fraction: float,
-                 nvme_fraction: float, spare_banks: int | None = None) -> dict:
+def memory_bytes(
+    machine: Machine,
+    workload: Workload,
+    offload_fraction: float,
+    nvme_fraction: float,
+    spare_banks: int | None = None,
+) -> dict:
     """Bytes per GPU on each tier for this placement (`spare_banks=None`: one per offloaded
     subgroup). An estimate from element counts: a fixed placement's budgets are checked
     against the bytes its tiers will allocate (footprint.py), which this does not undercount
@@ -345,17 +372,27 @@ def memory_bytes(machine: Machine, workload: Workload, offload_fraction: float,
     if machine.gpus == 0:
         host += device
         device = 0.0
-    return {"device": float(device), "host": float(host),
-            "nvme": float(2 * nv * e * b["nvme"] * workload.bank_padding)}
+    return {
+        "device": float(device),
+        "host": float(host),
+        "nvme": float(2 * nv * e * b["nvme"] * workload.bank_padding),
+    }
 
 
-def predict(machine: Machine, workload: Workload, offload_fraction: float,
-            nvme_fraction: float = 0.0, spare_banks: int | None = None) -> Prediction:
+def predict(
+    machine: Machine,
+    workload: Workload,
+    offload_fraction: float,
+    nvme_fraction: float = 0.0,
+    spare_banks: int | None = None,
+) -> Prediction:
     """Predicted times and memory of one placement (see the module docstring for the model)."""
     off, nv = float(offload_fraction), float(nvme_fraction)
     if not (0.0 <= nv <= off <= 1.0):
-        raise ValueError(f"need 0 <= nvme_fraction <= offload_fraction <= 1, got "
-                         f"offload_fraction={off}, nvme_fraction={nv}")
+        raise ValueError(
+            f"need 0 <= nvme_fraction <= offload_fraction <= 1, got "
+            f"offload_fraction={off}, nvme_fraction={nv}"
+        )
     if nv > 0 and (machine.nvme_read_gbps <= 0 or machine.nvme_write_gbps <= 0):
         raise ValueError(f"machine {machine.name!r} has no nvme rates: nvme_fraction must be 0")
     check(machine, workload)
@@ -388,8 +425,9 @@ def predict(machine: Machine, workload: Workload, offload_fraction: float,
     host_rate = machine.host_adam_gelems_per_s * 1e9 / ranks
     compute_per_elem = tb["host_adam"] / HOST_ADAM_REFERENCE_BYTES / host_rate
     if nv > 0:
-        nvme_io = (nv * e * tb["nvme"] / (machine.nvme_read_gbps * GB / ranks)
-                   + nv * e * tb["nvme"] / (machine.nvme_write_gbps * GB / ranks))
+        nvme_io = nv * e * tb["nvme"] / (machine.nvme_read_gbps * GB / ranks) + nv * e * tb["nvme"] / (
+            machine.nvme_write_gbps * GB / ranks
+        )
     else:
         nvme_io = 0.0
     host_compute = e_off * compute_per_elem
@@ -427,18 +465,32 @@ def predict(machine: Machine, workload: Workload, offload_fraction: float,
     step = exposed_host + h2d + device_step + wl.step_overhead_seconds + comm["after_step"]
     iteration = t_fb + comm_forward + comm_backward + contention + step
     breakdown = {
-        "forward_backward": t_fb, "backward": t_b,
+        "forward_backward": t_fb,
+        "backward": t_b,
         "device_step": device_step,
-        "host_compute": host_compute, "nvme_io": nvme_io, "d2h": d2h, "h2d": h2d,
-        "host_work": host_work + h2d, "host_hidden": hidden_host, "host_exposed": exposed_host + h2d,
-        "backward_contention": contention, "step_overhead": wl.step_overhead_seconds,
+        "host_compute": host_compute,
+        "nvme_io": nvme_io,
+        "d2h": d2h,
+        "h2d": h2d,
+        "host_work": host_work + h2d,
+        "host_hidden": hidden_host,
+        "host_exposed": exposed_host + h2d,
+        "backward_contention": contention,
+        "step_overhead": wl.step_overhead_seconds,
     }
     if wl.sharding is not None:
         breakdown["collectives"] = comm["forward"] + comm["backward"] + comm["after_step"]
         breakdown["collectives_exposed"] = comm_forward + comm_backward + comm["after_step"]
-    return Prediction(off, nv, step, iteration, t_fb,
-                      memory_bytes(machine, wl, off, nv, spare_banks), breakdown,
-                      _spares(machine, wl, off, spare_banks))
+    return Prediction(
+        off,
+        nv,
+        step,
+        iteration,
+        t_fb,
+        memory_bytes(machine, wl, off, nv, spare_banks),
+        breakdown,
+        _spares(machine, wl, off, spare_banks),
+    )
 
 
 def _grid(step: float) -> list:
@@ -446,10 +498,18 @@ def _grid(step: float) -> list:
     return [i / n for i in range(n + 1)]
 
 
-def best_plan(machine: Machine, workload: Workload, spare_banks: int | None = None,
-              step: float = 0.05, headroom: float = 0.1, tolerance: float = 0.02,
-              offload_choices=None, nvme_choices=None, device_budget: float | None = None,
-              host_budget: float | None = None) -> Prediction:
+def best_plan(
+    machine: Machine,
+    workload: Workload,
+    spare_banks: int | None = None,
+    step: float = 0.05,
+    headroom: float = 0.1,
+    tolerance: float = 0.02,
+    offload_choices=None,
+    nvme_choices=None,
+    device_budget: float | None = None,
+    host_budget: float | None = None,
+) -> Prediction:
     """The placement with the least predicted iteration time whose memory fits `(1 - headroom)`
     of the GPU's and of the host's per-GPU share (and the nvme capacity).
 
@@ -501,8 +561,10 @@ def best_plan(machine: Machine, workload: Workload, spare_banks: int | None = No
                 break  # the largest pool that fits: more spares never cost time
     if fits:
         fastest = min(p.iteration_seconds for p in fits)
-        return min((p for p in fits if p.iteration_seconds <= fastest * (1 + tolerance)),
-                   key=lambda p: (p.offload_fraction, p.nvme_fraction, p.iteration_seconds))
+        return min(
+            (p for p in fits if p.iteration_seconds <= fastest * (1 + tolerance)),
+            key=lambda p: (p.offload_fraction, p.nvme_fraction, p.iteration_seconds),
+        )
     per = "per GPU " if machine.gpus > 1 else ""
     if need_host is None:
         whole = workload.sharding in ("zero", "none")
@@ -510,15 +572,20 @@ def best_plan(machine: Machine, workload: Workload, spare_banks: int | None = No
             f"needs at least {need_device / GB / (1 - headroom):.1f} GB of GPU memory {per}for "
             f"the model copy and grads of {workload.params:.3g} parameters (incl. "
             f"{headroom:.0%} headroom); have {device_budget / (1 - headroom) / GB:.1f} GB: "
-            + (f"with sharding {workload.sharding!r} every GPU holds the whole model copy and "
-               f"grads: shard them (fsdp), raise the device memory budget, or use a smaller "
-               f"model" if whole else
-               "add GPUs, raise the device memory budget, or use a smaller model"))
-    where = ("model copy, grads and optimizer state" if machine.gpus == 0
-             else "offloaded optimizer state") + ("" if has_nvme else " (no nvme tier given)")
+            + (
+                f"with sharding {workload.sharding!r} every GPU holds the whole model copy and "
+                f"grads: shard them (fsdp), raise the device memory budget, or use a smaller "
+                f"model"
+                if whole
+                else "add GPUs, raise the device memory budget, or use a smaller model"
+            )
+        )
+    where = (
+        "model copy, grads and optimizer state" if machine.gpus == 0 else "offloaded optimizer state"
+    ) + ("" if has_nvme else " (no nvme tier given)")
     raise ValueError(
         f"needs at least {need_host / GB / (1 - headroom):.1f} GB of host memory {per}for the "
         f"{where} of {workload.params:.3g} parameters (incl. {headroom:.0%} headroom); have "
         f"{host_budget / (1 - headroom) / GB:.1f} GB{' per GPU' if ranks > 1 else ''}"
-        + ("" if has_nvme else "; an nvme tier (nvme_path, or --nvme-read/--nvme-write) "
-                               "would need less"))
+        + ("" if has_nvme else "; an nvme tier (nvme_path, or --nvme-read/--nvme-write) would need less")
+    )

@@ -8,6 +8,7 @@ element counts and the state format. So a fixed placement that `allocated_bytes`
 over a budget raises before the first byte of it is allocated. ("auto" chooses with the cost
 model, whose estimate is at least these bytes: tests/test_allocated_bytes.py.)
 """
+
 from __future__ import annotations
 
 import torch
@@ -44,31 +45,50 @@ def host_tier_layout(host: list, plan, fmt, amsgrad: bool, rollback: str, io_ban
         bursts.setdefault(min(sl.param_index for sl in s.slices), []).append(k)
     numels = [s.numel for s in host]
     quantized = [s.quantized and fmt.quantized_moments for s in host]
-    return dict(numels=numels, grad_dtype=torch.float32 if len(dtypes) > 1 else next(iter(dtypes)),
-                staging_slots=staging_slots_for(list(bursts.values()), numels, quantized=any(quantized)),
-                quantized=quantized,
-                copy_dtype=copy_dtype, amsgrad=amsgrad, exp_avg_dtype=fmt.exp_avg_dtype,
-                exp_avg_sq_dtype=fmt.exp_avg_sq_dtype, remainders=remainders,
-                params=host if remainders else None, rollback=rollback,
-                spare_banks=plan.spare_banks, nvme=[plan.tiers[s.index] == NVME for s in host],
-                io_banks=io_banks)
+    return dict(
+        numels=numels,
+        grad_dtype=torch.float32 if len(dtypes) > 1 else next(iter(dtypes)),
+        staging_slots=staging_slots_for(list(bursts.values()), numels, quantized=any(quantized)),
+        quantized=quantized,
+        copy_dtype=copy_dtype,
+        amsgrad=amsgrad,
+        exp_avg_dtype=fmt.exp_avg_dtype,
+        exp_avg_sq_dtype=fmt.exp_avg_sq_dtype,
+        remainders=remainders,
+        params=host if remainders else None,
+        rollback=rollback,
+        spare_banks=plan.spare_banks,
+        nvme=[plan.tiers[s.index] == NVME for s in host],
+        io_banks=io_banks,
+    )
 
 
 def host_arena_bytes(layout: dict, fmt) -> int:
     """The arena a HostTier built with `layout` (host_tier_layout) maps, in bytes."""
     flags = [layout["remainders"] and fmt.remainders_for(s.dtype) for s in (layout["params"] or [])]
-    return plan_arena(layout["numels"], layout["nvme"], fmt=fmt, amsgrad=layout["amsgrad"],
-                      copy_dtype=layout["copy_dtype"], remainders=flags, grad_dtype=layout["grad_dtype"],
-                      rollback=layout["rollback"], spare_banks=layout["spare_banks"],
-                      io_banks=layout["io_banks"], staging_slots=layout["staging_slots"],
-                      slot_numel=None, quantized=layout["quantized"]).nbytes
+    return plan_arena(
+        layout["numels"],
+        layout["nvme"],
+        fmt=fmt,
+        amsgrad=layout["amsgrad"],
+        copy_dtype=layout["copy_dtype"],
+        remainders=flags,
+        grad_dtype=layout["grad_dtype"],
+        rollback=layout["rollback"],
+        spare_banks=layout["spare_banks"],
+        io_banks=layout["io_banks"],
+        staging_slots=layout["staging_slots"],
+        slot_numel=None,
+        quantized=layout["quantized"],
+    ).nbytes
 
 
-def plan_bytes(subgroups: list, plan, fmt, amsgrad: bool, rollback: str, io_banks: int,
-               cuda: bool) -> dict:
+def plan_bytes(subgroups: list, plan, fmt, amsgrad: bool, rollback: str, io_banks: int, cuda: bool) -> dict:
     """{"device", "host"}: the bytes the tiers of `plan` allocate (on a CPU-only host the
     device tier is host memory too: counted in both, as the budgets of such a host are one)."""
     dev = device_tier_bytes([s for s in subgroups if plan.tiers[s.index] == DEVICE], fmt, amsgrad)
     host = [s for s in subgroups if plan.tiers[s.index] != DEVICE]
-    arena = host_arena_bytes(host_tier_layout(host, plan, fmt, amsgrad, rollback, io_banks), fmt) if host else 0
+    arena = (
+        host_arena_bytes(host_tier_layout(host, plan, fmt, amsgrad, rollback, io_banks), fmt) if host else 0
+    )
     return {"device": float(dev), "host": float(arena + (0 if cuda else dev))}

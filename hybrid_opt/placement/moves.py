@@ -19,15 +19,16 @@ were (the error is raised after that):
 
 Functions of the Placement part (placement.py), which does step 4 itself.
 """
+
 from __future__ import annotations
 
 import traceback
 
 import torch
 
-from hybrid_opt.state.state_format import absmaxes_of
 from hybrid_opt.placement.footprint import plan_bytes
 from hybrid_opt.placement.plan import DEVICE
+from hybrid_opt.state.state_format import absmaxes_of
 from hybrid_opt.tiers.device import DeviceTier
 
 GB = 1e9
@@ -50,13 +51,25 @@ def move_memory(pl, plan) -> dict:
     """Bytes a move of Placement `pl` to `plan` needs and has, on the device and on the host
     (module docstring, step 1). On a CPU-only host the device tier is host memory: it counts there."""
     from hybrid_opt.placement import scheduler
+
     leaving, arriving = _leaving_arriving(pl, plan)
     # the new host tier's arena, exactly (footprint.py; the device tier is counted below)
-    new_host = plan_bytes(pl.layout.subgroups, plan, pl.state_format, pl.layout.amsgrad, pl.config.rollback,
-                          pl.config.io_banks, cuda=True)["host"]
+    new_host = plan_bytes(
+        pl.layout.subgroups,
+        plan,
+        pl.state_format,
+        pl.layout.amsgrad,
+        pl.config.rollback,
+        pl.config.io_banks,
+        cuda=True,
+    )["host"]
     copies = sum(s.numel for s in leaving) * _state_bytes_per_element(pl)
-    out = {"leaving": pl.device_bytes(leaving), "arriving": pl.device_bytes(arriving),
-           "host_need": float(new_host + copies), "host_free": scheduler._free_host_bytes()}
+    out = {
+        "leaving": pl.device_bytes(leaving),
+        "arriving": pl.device_bytes(arriving),
+        "host_need": float(new_host + copies),
+        "host_free": scheduler._free_host_bytes(),
+    }
     if pl.layout.cuda():
         m = scheduler.cuda_memory(pl.layout.subgroups[0].device)
         out["device_free"] = scheduler.available_device_bytes(m["free"], m["reserved"], m["allocated"])
@@ -69,14 +82,19 @@ def move_memory(pl, plan) -> dict:
 def room_shortfall(m: dict) -> str | None:
     """None when a move with move_memory() `m` fits (module docstring, step 1), else what does not."""
     from hybrid_opt.placement.scheduler import HEADROOM
+
     if m["device_free"] is not None and m["arriving"] > m["device_free"] + m["leaving"]:
-        return (f"the subgroups moving to the device need {m['arriving'] / GB:.2f} GB of device "
-                f"memory and {m['device_free'] / GB:.2f} GB is free (torch's cached blocks "
-                f"included) plus {m['leaving'] / GB:.2f} GB the subgroups leaving it free")
+        return (
+            f"the subgroups moving to the device need {m['arriving'] / GB:.2f} GB of device "
+            f"memory and {m['device_free'] / GB:.2f} GB is free (torch's cached blocks "
+            f"included) plus {m['leaving'] / GB:.2f} GB the subgroups leaving it free"
+        )
     if m["host_need"] > (1 - HEADROOM) * m["host_free"]:
-        return (f"laying the tiers out again needs {m['host_need'] / GB:.2f} GB of host memory (the "
-                f"state leaving the device copied out, the new host tier beside the old one) "
-                f"and {m['host_free'] / GB:.2f} GB is free (less 10 %)")
+        return (
+            f"laying the tiers out again needs {m['host_need'] / GB:.2f} GB of host memory (the "
+            f"state leaving the device copied out, the new host tier beside the old one) "
+            f"and {m['host_free'] / GB:.2f} GB is free (less 10 %)"
+        )
     return None
 
 
@@ -90,8 +108,9 @@ def build_tiers(pl, plan) -> tuple:
     leaving, arriving = _leaving_arriving(pl, plan)
     # 1. the leaving state copied out to host memory (a device tier's tensors are views
     # the tier owns; a copy on the device would need the room the move is making)
-    saved = {s.index: {k: v.detach().to("cpu", copy=True) for k, v in pl.state_of(s).items()}
-             for s in leaving}
+    saved = {
+        s.index: {k: v.detach().to("cpu", copy=True) for k, v in pl.state_of(s).items()} for s in leaving
+    }
     # 2. the new host tier beside the old one
     host = [s for s in pl.layout.subgroups if plan.tiers[s.index] != DEVICE]
     local = {s.index: k for k, s in enumerate(host)}
@@ -99,8 +118,14 @@ def build_tiers(pl, plan) -> tuple:
     try:
         for s in host:
             st = saved[s.index] if s.index in saved else pl.state_of(s)
-            new_host.load_state(local[s.index], st["master"], st["exp_avg"], st["exp_avg_sq"],
-                                st.get("max_exp_avg_sq"), **absmaxes_of(st))
+            new_host.load_state(
+                local[s.index],
+                st["master"],
+                st["exp_avg"],
+                st["exp_avg_sq"],
+                st.get("max_exp_avg_sq"),
+                **absmaxes_of(st),
+            )
     except BaseException:
         new_host.close()
         raise
@@ -122,13 +147,15 @@ def _device_arrivals(pl, arriving: list, leaving: list, saved: dict) -> DeviceTi
     first only when the arriving would not fit beside them; if the allocation fails after
     that, they are put back from `saved` before the error is raised."""
     from hybrid_opt.placement import scheduler
+
     dev, amsgrad, fmt = pl.device, pl.layout.amsgrad, pl.state_format
     gone = {s.index for s in leaving}
     released = []
     if pl.layout.cuda() and arriving and leaving:
         m = scheduler.cuda_memory(arriving[0].device)
         if pl.device_bytes(arriving) > scheduler.available_device_bytes(
-                m["free"], m["reserved"], m["allocated"]):
+            m["free"], m["reserved"], m["allocated"]
+        ):
             for s in leaving:
                 dev.drop(s.index, keep_subgroup=True)
                 released.append(s)

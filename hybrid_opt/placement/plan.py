@@ -5,6 +5,7 @@ steps can hide under the rest of backward; those ready last stay on the device. 
 host share, the earliest-ready go to nvme (their I/O has the most time to hide).
 Fractions are shares of all elements, so the plan is the same whatever the subgroup size.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -15,13 +16,13 @@ DEFAULT_SPARE_BANKS = 4
 
 @dataclass
 class Plan:
-    tiers: list                      # tier name per subgroup index
+    tiers: list  # tier name per subgroup index
     numels: list
     speculation_order: list = field(default_factory=list)  # host/nvme subgroups, ready order
     spare_banks: int = 0
-    prediction: object = None        # cost_model.Prediction when the scheduler chose the plan
-    reason: str = ""                 # why the scheduler chose it
-    shard: str = ""                  # under FSDP2 / process_group: whose share this plan lays out
+    prediction: object = None  # cost_model.Prediction when the scheduler chose the plan
+    reason: str = ""  # why the scheduler chose it
+    shard: str = ""  # under FSDP2 / process_group: whose share this plan lays out
 
     def subgroups(self, tier: str) -> list:
         return [i for i, t in enumerate(self.tiers) if t == tier]
@@ -31,15 +32,23 @@ class Plan:
 
     def summary(self) -> dict:
         total = sum(self.numels) or 1
-        return {t: {"subgroups": len(self.subgroups(t)), "elements": self.elements(t),
-                    "share": self.elements(t) / total} for t in (DEVICE, HOST, NVME)}
+        return {
+            t: {
+                "subgroups": len(self.subgroups(t)),
+                "elements": self.elements(t),
+                "share": self.elements(t) / total,
+            }
+            for t in (DEVICE, HOST, NVME)
+        }
 
     def __repr__(self) -> str:
         parts = [f"{t}: {v['subgroups']} subgroups, {v['share']:.0%}" for t, v in self.summary().items()]
         if self.prediction is not None:
             p = self.prediction
-            parts.append(f"predicted step {p.step_seconds * 1e3:.1f} ms, iteration "
-                         f"{p.iteration_seconds * 1e3:.1f} ms ({self.reason})")
+            parts.append(
+                f"predicted step {p.step_seconds * 1e3:.1f} ms, iteration "
+                f"{p.iteration_seconds * 1e3:.1f} ms ({self.reason})"
+            )
         return f"Plan({'; '.join(([self.shard] if self.shard else []) + parts)})"
 
 
@@ -56,20 +65,25 @@ def check_fractions(offload_fraction, nvme_fraction) -> tuple:
     off = _check_fraction("offload_fraction", offload_fraction, auto=True)
     nv = _check_fraction("nvme_fraction", nvme_fraction, auto=True)
     if "auto" not in (off, nv) and nv > off:
-        raise ValueError(f"nvme_fraction ({nv}) must not exceed offload_fraction ({off}): nvme "
-                         f"subgroups are part of the offloaded share")
+        raise ValueError(
+            f"nvme_fraction ({nv}) must not exceed offload_fraction ({off}): nvme "
+            f"subgroups are part of the offloaded share"
+        )
     return off, nv
 
 
-def fraction_plan(numels: list, ready_ranks: list, offload_fraction, nvme_fraction,
-                  spare_banks: int | None = None) -> Plan:
+def fraction_plan(
+    numels: list, ready_ranks: list, offload_fraction, nvme_fraction, spare_banks: int | None = None
+) -> Plan:
     """Host tiers take the earliest-ready subgroups until `offload_fraction` of all elements
     is off the device (nearest subgroup boundary); nvme the first `nvme_fraction` of them."""
     off = _check_fraction("offload_fraction", offload_fraction)
     nv = _check_fraction("nvme_fraction", nvme_fraction)
     if nv > off:
-        raise ValueError(f"nvme_fraction ({nv}) must not exceed offload_fraction ({off}): nvme "
-                         f"subgroups are part of the offloaded share")
+        raise ValueError(
+            f"nvme_fraction ({nv}) must not exceed offload_fraction ({off}): nvme "
+            f"subgroups are part of the offloaded share"
+        )
     total = sum(numels)
     order = sorted(range(len(numels)), key=lambda i: ready_ranks[i])
     tiers = [DEVICE] * len(numels)
@@ -115,11 +129,13 @@ def fraction_miss(plan: Plan, offload_fraction: float, nvme_fraction: float, sub
     smallest = min(share for share in asked.values() if share > 0)
     finer = max(1, int(min(total / 8, smallest * total / 2)))
     finer = 1 << (finer.bit_length() - 1)
-    return (f"offload_fraction={offload_fraction:g}, nvme_fraction={nvme_fraction:g} asked for "
-            f"{offload_fraction:.0%} of the elements off the device ({nvme_fraction:.0%} on nvme), but "
-            f"a subgroup is placed whole and the {total:,} elements make {n} subgroup"
-            f"{'s' if n != 1 else ''} at subgroup_numel={subgroup_numel:,}: the plan has "
-            f"{off:.0%} off the device ({nv:.0%} on nvme)"
-            + (f", and nothing on the {' or '.join(empty)} tier" if empty else "")
-            + f". For a placement closer to the fractions pass a smaller subgroup_numel "
-              f"(e.g. subgroup_numel={finer:,}); opt.plan shows the placement")
+    return (
+        f"offload_fraction={offload_fraction:g}, nvme_fraction={nvme_fraction:g} asked for "
+        f"{offload_fraction:.0%} of the elements off the device ({nvme_fraction:.0%} on nvme), but "
+        f"a subgroup is placed whole and the {total:,} elements make {n} subgroup"
+        f"{'s' if n != 1 else ''} at subgroup_numel={subgroup_numel:,}: the plan has "
+        f"{off:.0%} off the device ({nv:.0%} on nvme)"
+        + (f", and nothing on the {' or '.join(empty)} tier" if empty else "")
+        + f". For a placement closer to the fractions pass a smaller subgroup_numel "
+        f"(e.g. subgroup_numel={finer:,}); opt.plan shows the placement"
+    )

@@ -13,26 +13,26 @@ Bytes per element on each tier, and the bytes a step moves, are the optimizer's 
 measured host Adam rate is stored at the cost model's reference bytes (fp32 state, 28 B per
 element), so the rate of one format predicts another's.
 """
+
 from __future__ import annotations
 
 import dataclasses
-
 from dataclasses import dataclass, field
 
 import torch
 
-from hybrid_opt.placement import cost_model as cm
 from hybrid_opt.distributed import node
-from hybrid_opt.state.layout import bank_padding
-from hybrid_opt.worker.client import DEFAULT_WORKER_SHARE
+from hybrid_opt.placement import cost_model as cm
 from hybrid_opt.placement.plan import DEFAULT_SPARE_BANKS
+from hybrid_opt.state.layout import bank_padding
 from hybrid_opt.state.state_format import StateFormat
+from hybrid_opt.worker.client import DEFAULT_WORKER_SHARE
 
 MAX_CANDIDATES = 48
 HEADROOM = 0.1
 MIN_GAIN = 0.05
-SPARE_SHARE = 0.25        # default spare pool of fixed fractions: at most this share of free memory
-MOVE_FIXED_S = 0.3        # a new worker process, its shared memory; replaced by the measured cost
+SPARE_SHARE = 0.25  # default spare pool of fixed fractions: at most this share of free memory
+MOVE_FIXED_S = 0.3  # a new worker process, its shared memory; replaced by the measured cost
 
 
 def available_device_bytes(free: float, reserved: float, allocated: float) -> float:
@@ -46,14 +46,18 @@ def cuda_memory(device) -> dict:
     """The CUDA memory figures of `device` the budgets are computed from (bytes): the driver's
     free and total, and torch's reserved, allocated and peak allocated."""
     free, total = torch.cuda.mem_get_info(device)
-    return {"free": float(free), "total": float(total),
-            "reserved": float(torch.cuda.memory_reserved(device)),
-            "allocated": float(torch.cuda.memory_allocated(device)),
-            "peak": float(torch.cuda.max_memory_allocated(device))}
+    return {
+        "free": float(free),
+        "total": float(total),
+        "reserved": float(torch.cuda.memory_reserved(device)),
+        "allocated": float(torch.cuda.memory_allocated(device)),
+        "peak": float(torch.cuda.max_memory_allocated(device)),
+    }
 
 
-def measured_device_budget(free: float, reserved: float, allocated: float, peak: float,
-                           counted: float, floor: float) -> float:
+def measured_device_budget(
+    free: float, reserved: float, allocated: float, peak: float, counted: float, floor: float
+) -> float:
     """The device budget of "auto" on CUDA once an iteration ran: what the cost model may plan
     with (it counts the model copy, grads and device-tier state itself) beside everything else
     that iteration needed at its peak — activations, temporaries, other tensors.
@@ -72,6 +76,7 @@ def measured_device_budget(free: float, reserved: float, allocated: float, peak:
 def _free_host_bytes() -> float:
     try:
         import psutil
+
         return float(psutil.virtual_memory().available)
     except Exception:  # pragma: no cover - psutil is a dependency; /proc is the fallback
         with open("/proc/meminfo") as f:
@@ -90,12 +95,13 @@ def _free_host_share() -> float:
 @dataclass
 class Sample:
     """One step's measured times (seconds) and what was stepped where."""
+
     backward_s: float | None
     step_s: float
     device_s: float
     host_wait_s: float
     device_elements: int
-    host_worker_s: float      # worker time on host-tier (not nvme) subgroups
+    host_worker_s: float  # worker time on host-tier (not nvme) subgroups
     host_elements: int
     hidden_s: float
     # the trainer's own (host) time in the device step; on CUDA device_s is GPU time from
@@ -114,17 +120,17 @@ class Decision:
 
 @dataclass
 class AutoPlanner:
-    numels: list                      # per subgroup
+    numels: list  # per subgroup
     ready_ranks: list
     device: torch.device
     model_bytes: int
-    state_bytes: int                  # 12, or 16 with amsgrad (which moments exist; their bytes: state_format)
+    state_bytes: int  # 12, or 16 with amsgrad (which moments exist; their bytes: state_format)
     subgroup_numel: int
-    fixed_offload: float | None = None   # a number when only nvme_fraction is "auto"
-    fixed_nvme: float | None = None      # a number when only offload_fraction is "auto"
+    fixed_offload: float | None = None  # a number when only nvme_fraction is "auto"
+    fixed_nvme: float | None = None  # a number when only offload_fraction is "auto"
     nvme_path: str | None = None
     worker_share: float | None = None  # None: HostTier's default arrangement
-    spare_banks: int | None = None       # None: sized from the host budget (cost_model.best_plan)
+    spare_banks: int | None = None  # None: sized from the host budget (cost_model.best_plan)
     exact_rollback: bool = True
     speculative: bool = True
     device_budget: float | None = None
@@ -133,8 +139,8 @@ class AutoPlanner:
     calibration: dict | None = None
     samples: list = field(default_factory=list)
     move_cost_s: float | None = None
-    backward_s: float | None = None       # measured, normalised to "all cores, no host work"
-    overhead_s: float = 0.0               # measured step time outside the tiers' work
+    backward_s: float | None = None  # measured, normalised to "all cores, no host work"
+    overhead_s: float = 0.0  # measured step time outside the tiers' work
     refits: int = 0
     moves: int = 0
     # CUDA without an explicit device budget: state stays off the device until the peak of
@@ -142,24 +148,30 @@ class AutoPlanner:
     # the budget, at every refit
     device_from_peak: bool = False
     state_format: StateFormat = field(default_factory=StateFormat)
-    model_dtype: torch.dtype | None = None   # None: fp32 for 4-byte params, else bf16
+    model_dtype: torch.dtype | None = None  # None: fp32 for 4-byte params, else bf16
 
     def __post_init__(self):
         self.device_peak_pending = self.device_from_peak
         if self.calibration is None:
             from hybrid_opt.placement import calibrate
+
             device_bytes = None
             if torch.device(self.device).type == "cuda" and self.device_budget is not None:
                 # the measurement's buffers within the budget, beside the model and its grads
                 device_bytes = calibrate.device_bytes_allowed(
-                    self.device_budget, sum(self.numels) * 2 * self.model_bytes)
+                    self.device_budget, sum(self.numels) * 2 * self.model_bytes
+                )
             # the arrangement the host tier will have (HostTier: None splits a GPU host's
             # cores, and shares a CPU-only host's between the trainer and the worker)
             share = self.worker_share
             if share is None and torch.device(self.device).type == "cuda":
                 share = DEFAULT_WORKER_SHARE
-            self.calibration = calibrate.rates(self.device, self.nvme_path if self._nvme_allowed() else None,
-                                               share, device_bytes=device_bytes)
+            self.calibration = calibrate.rates(
+                self.device,
+                self.nvme_path if self._nvme_allowed() else None,
+                share,
+                device_bytes=device_bytes,
+            )
         self.rates = dict(self.calibration)
         self.total = sum(self.numels)
 
@@ -177,17 +189,24 @@ class AutoPlanner:
         return self.nvme_path is not None and self.fixed_nvme != 0.0
 
     def machine(self) -> cm.Machine:
-        return machine_from_rates(self.rates, self.device, self.device_budget, self.host_budget,
-                                  nvme=self._nvme_allowed())
+        return machine_from_rates(
+            self.rates, self.device, self.device_budget, self.host_budget, nvme=self._nvme_allowed()
+        )
 
     def workload(self) -> cm.Workload:
-        wl = cm.Workload(params=float(self.total), model_bytes=self.model_bytes, grad_bytes=self.model_bytes,
-                         state_bytes=self.state_bytes, state_format=self.state_format,
-                         model_dtype=self.model_dtype,
-                         subgroup_numel=min(self.subgroup_numel, max(self.numels or [1])),
-                         bank_padding=bank_padding(self.numels),
-                         step_overhead_seconds=self.overhead_s, exact_rollback=self.exact_rollback,
-                         speculative=self.speculative)
+        wl = cm.Workload(
+            params=float(self.total),
+            model_bytes=self.model_bytes,
+            grad_bytes=self.model_bytes,
+            state_bytes=self.state_bytes,
+            state_format=self.state_format,
+            model_dtype=self.model_dtype,
+            subgroup_numel=min(self.subgroup_numel, max(self.numels or [1])),
+            bank_padding=bank_padding(self.numels),
+            step_overhead_seconds=self.overhead_s,
+            exact_rollback=self.exact_rollback,
+            speculative=self.speculative,
+        )
         backward = self.backward_s
         if backward is None:
             # nothing measured yet: assume backward takes as long as a device-only Adam step
@@ -217,8 +236,9 @@ class AutoPlanner:
         """The device budget from memory measured after iterations ran (`mem`: cuda_memory()
         figures; `counted`, `floor`: see measured_device_budget); the next choice may put
         state on the device within it."""
-        self.device_budget = measured_device_budget(mem["free"], mem["reserved"], mem["allocated"],
-                                                    mem["peak"], counted, floor)
+        self.device_budget = measured_device_budget(
+            mem["free"], mem["reserved"], mem["allocated"], mem["peak"], counted, floor
+        )
         self.device_peak_pending = False
 
     def choose(self) -> Decision:
@@ -229,22 +249,38 @@ class AutoPlanner:
         nvs = [self._snap(self.fixed_nvme)] if self.fixed_nvme is not None else bounds
         machine = self.machine()
         try:
-            p = cm.best_plan(machine, self.workload(), spare_banks=self.spare_banks, headroom=HEADROOM,
-                             offload_choices=offs, nvme_choices=nvs, device_budget=self.device_budget,
-                             host_budget=self.host_budget)
+            p = cm.best_plan(
+                machine,
+                self.workload(),
+                spare_banks=self.spare_banks,
+                headroom=HEADROOM,
+                offload_choices=offs,
+                nvme_choices=nvs,
+                device_budget=self.device_budget,
+                host_budget=self.host_budget,
+            )
         except ValueError as e:
-            hint = "" if self.nvme_path is not None else (
-                '; or give nvme_path (with nvme_fraction="auto") so state can go to disk')
-            raise ValueError(f'offload_fraction="auto": no placement fits the memory budgets: {e}. '
-                             f"Pass device_memory_budget= / host_memory_budget= (bytes) if more "
-                             f"is free than was measured{hint}") from None
-        why = ("from calibrated rates, backward assumed as long as a device-only step"
-               if self.backward_s is None else
-               f"from rates and backward ({self.backward_s * 1e3:.1f} ms) measured over "
-               f"{len(self.samples)} steps")
+            hint = (
+                ""
+                if self.nvme_path is not None
+                else ('; or give nvme_path (with nvme_fraction="auto") so state can go to disk')
+            )
+            raise ValueError(
+                f'offload_fraction="auto": no placement fits the memory budgets: {e}. '
+                f"Pass device_memory_budget= / host_memory_budget= (bytes) if more "
+                f"is free than was measured{hint}"
+            ) from None
+        why = (
+            "from calibrated rates, backward assumed as long as a device-only step"
+            if self.backward_s is None
+            else f"from rates and backward ({self.backward_s * 1e3:.1f} ms) measured over "
+            f"{len(self.samples)} steps"
+        )
         if self.device_peak_pending:
-            why = ("all state off the device until the first iterations' peak device memory "
-                   "(activations included) is measured; " + why)
+            why = (
+                "all state off the device until the first iterations' peak device memory "
+                "(activations included) is measured; " + why
+            )
         if p.offload_fraction > 0:
             why += "; cores " + cm.arrangement(machine)
         return Decision(p.offload_fraction, p.nvme_fraction, p, why)
@@ -291,8 +327,12 @@ class AutoPlanner:
         # the device tier's own time: perf_counter on a CPU host, CUDA events (GPU time) on a GPU
         dev = [s for s in samples if s.device_elements and s.device_s > 0]
         if dev:
-            gbps = med([s.device_elements * cm.device_bytes_per_element(self.workload()) / s.device_s / 1e9
-                        for s in dev])
+            gbps = med(
+                [
+                    s.device_elements * cm.device_bytes_per_element(self.workload()) / s.device_s / 1e9
+                    for s in dev
+                ]
+            )
             if not cpu_only:  # the worker shares no memory system with the GPU's kernels
                 r["device_adam_gbps"] = r["device_adam_gbps_with_worker"] = gbps
             else:
@@ -302,9 +342,15 @@ class AutoPlanner:
                     r["device_adam_gbps_with_worker"], r["device_adam_gbps"] = gbps, gbps * alone / shared
                 else:
                     r["device_adam_gbps"], r["device_adam_gbps_with_worker"] = gbps, gbps * shared / alone
-        self.overhead_s = max(0.0, med([
-            s.step_s - (s.device_s if s.device_host_s is None else s.device_host_s) - s.host_wait_s
-            for s in samples]))
+        self.overhead_s = max(
+            0.0,
+            med(
+                [
+                    s.step_s - (s.device_s if s.device_host_s is None else s.device_host_s) - s.host_wait_s
+                    for s in samples
+                ]
+            ),
+        )
         host = [s for s in samples if s.host_elements and s.host_worker_s > 0]
         if host:
             # measured at this format's bytes; kept at the reference bytes the cost model divides by
@@ -314,38 +360,50 @@ class AutoPlanner:
         now = self.predict(current_off, current_nv, current_spares)
         best.current = now
         if (best.offload_fraction, best.nvme_fraction) == (current_off, current_nv) and (
-                current_spares is None or best.prediction.spare_banks <= current_spares):
+            current_spares is None or best.prediction.spare_banks <= current_spares
+        ):
             return None
         gain = now.iteration_seconds - best.prediction.iteration_seconds
         moved = abs(best.offload_fraction - current_off) + abs(best.nvme_fraction - current_nv)
         copy_gbps = r.get("d2h_gbps") or 1.0
-        cost = (self.move_cost_s if self.move_cost_s is not None else MOVE_FIXED_S) \
-            + moved * self.total * self.workload().tier_bytes()["host"] / (copy_gbps * 1e9)
+        cost = (
+            self.move_cost_s if self.move_cost_s is not None else MOVE_FIXED_S
+        ) + moved * self.total * self.workload().tier_bytes()["host"] / (copy_gbps * 1e9)
         if gain < MIN_GAIN * now.iteration_seconds or gain * self.refit_every < cost:
             return None
-        best.reason = (f"refit: predicted {now.iteration_seconds * 1e3:.1f} -> "
-                       f"{best.prediction.iteration_seconds * 1e3:.1f} ms per iteration, move "
-                       f"~{cost:.2f} s")
+        best.reason = (
+            f"refit: predicted {now.iteration_seconds * 1e3:.1f} -> "
+            f"{best.prediction.iteration_seconds * 1e3:.1f} ms per iteration, move "
+            f"~{cost:.2f} s"
+        )
         return best
 
 
-def machine_from_rates(rates: dict, device, device_budget=None, host_budget=None,
-                       nvme: bool = True) -> cm.Machine:
+def machine_from_rates(
+    rates: dict, device, device_budget=None, host_budget=None, nvme: bool = True
+) -> cm.Machine:
     """The cost model's Machine for the running machine, from calibrate.rates() (or rates
     refitted from measured steps). Memory figures are the budgets (0 when not given). The
     node's nvme bandwidth is shared by its ranks: each plans with its share (node.py)."""
     r = rates
-    kw = dict(name="this machine", gpus=1 if torch.device(device).type == "cuda" else 0,
-              gpu_mem_bytes=float(device_budget or 0.0), host_mem_bytes=float(host_budget or 0.0),
-              device_adam_gbps=r["device_adam_gbps"], host_adam_gelems_per_s=r["host_adam_gelems_per_s"],
-              h2d_gbps=r.get("h2d_gbps", 0.0), d2h_gbps=r.get("d2h_gbps", 0.0),
-              backward_slowdown_with_host_adam=r.get("backward_slowdown_with_host_adam", 1.0),
-              trainer_slowdown_with_worker=r.get("trainer_slowdown_with_worker", 1.0),
-              device_adam_gbps_with_worker=r.get("device_adam_gbps_with_worker"),
-              shared_cores=bool(r.get("shared_cores", False)))
+    kw = dict(
+        name="this machine",
+        gpus=1 if torch.device(device).type == "cuda" else 0,
+        gpu_mem_bytes=float(device_budget or 0.0),
+        host_mem_bytes=float(host_budget or 0.0),
+        device_adam_gbps=r["device_adam_gbps"],
+        host_adam_gelems_per_s=r["host_adam_gelems_per_s"],
+        h2d_gbps=r.get("h2d_gbps", 0.0),
+        d2h_gbps=r.get("d2h_gbps", 0.0),
+        backward_slowdown_with_host_adam=r.get("backward_slowdown_with_host_adam", 1.0),
+        trainer_slowdown_with_worker=r.get("trainer_slowdown_with_worker", 1.0),
+        device_adam_gbps_with_worker=r.get("device_adam_gbps_with_worker"),
+        shared_cores=bool(r.get("shared_cores", False)),
+    )
     if nvme and r.get("nvme_read_gbps") and r.get("nvme_write_gbps"):
-        kw.update(nvme_read_gbps=node.share(r["nvme_read_gbps"]),
-                  nvme_write_gbps=node.share(r["nvme_write_gbps"]))
+        kw.update(
+            nvme_read_gbps=node.share(r["nvme_read_gbps"]), nvme_write_gbps=node.share(r["nvme_write_gbps"])
+        )
     return cm.Machine(**kw)
 
 
@@ -370,7 +428,9 @@ def default_budgets(params: list, device: torch.device, device_budget, host_budg
     param_bytes = sum(p.numel() * p.element_size() for p in params)
     grad_bytes = sum(p.grad.numel() * p.grad.element_size() for p in params if p.grad is not None)
     if host_budget is None:
-        host_budget = (_free_host_share() + (param_bytes + grad_bytes if device.type != "cuda" else 0)) * (1 - HEADROOM)
+        host_budget = (_free_host_share() + (param_bytes + grad_bytes if device.type != "cuda" else 0)) * (
+            1 - HEADROOM
+        )
     if device.type == "cuda":
         if device_budget is None:
             m = cuda_memory(device)
@@ -388,10 +448,14 @@ def check_fixed_plan(machine_budgets: tuple, mem: dict, cuda: bool) -> None:
     """Fixed fractions with explicit budgets: a clear error when the plan needs more."""
     device_budget, host_budget = machine_budgets
     if cuda and device_budget is not None and mem["device"] > device_budget:
-        raise ValueError(f"this placement needs {mem['device'] / 1e9:.2f} GB of device memory and "
-                         f"device_memory_budget is {device_budget / 1e9:.2f} GB: raise "
-                         f'offload_fraction or use offload_fraction="auto"')
+        raise ValueError(
+            f"this placement needs {mem['device'] / 1e9:.2f} GB of device memory and "
+            f"device_memory_budget is {device_budget / 1e9:.2f} GB: raise "
+            f'offload_fraction or use offload_fraction="auto"'
+        )
     if host_budget is not None and mem["host"] > host_budget:
-        raise ValueError(f"this placement needs {mem['host'] / 1e9:.2f} GB of host memory and "
-                         f"host_memory_budget is {host_budget / 1e9:.2f} GB: raise nvme_fraction "
-                         f'(with nvme_path) or use nvme_fraction="auto"')
+        raise ValueError(
+            f"this placement needs {mem['host'] / 1e9:.2f} GB of host memory and "
+            f"host_memory_budget is {host_budget / 1e9:.2f} GB: raise nvme_fraction "
+            f'(with nvme_path) or use nvme_fraction="auto"'
+        )

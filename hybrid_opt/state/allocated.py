@@ -14,6 +14,7 @@ The model's params and grads are not counted: they are the model's. Issue #21 me
 `opt.stats`' element counts hid a host tier allocating about twice its state (every bank at
 the largest subgroup's capacity); these figures show it.
 """
+
 from __future__ import annotations
 
 import os

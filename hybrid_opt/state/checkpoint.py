@@ -18,24 +18,24 @@ A bitsandbytes `AdamW8bit` / `Adam8bit` checkpoint (blockwise) loads too (from_b
 data. `fp32_entries` goes the other way: each param's entry with its moments in fp32, for
 `save_state_dict(f, fp32=True)` (a checkpoint torch.optim.AdamW loads).
 """
+
 from __future__ import annotations
 
 import copy
 import math
-
 from collections import OrderedDict
 
 import torch
 
+from cpu_kernels.reference import decode_remainder_reference
 from hybrid_opt.distributed import dtensor_like, is_dtensor, is_sharded, local_of, local_shard_of
-from hybrid_opt.placement.plan import DEVICE, NVME
 from hybrid_opt.distributed.zero_gather import SHARD_KEY
 from hybrid_opt.mapped import Piece, map_tensor
-from cpu_kernels.reference import decode_remainder_reference
+from hybrid_opt.placement.plan import DEVICE, NVME
 from hybrid_opt.state.layout import subgroups_label
-from hybrid_opt.tiers.device import encode_remainder_on
 from hybrid_opt.state.state_format import ABSMAX, Q8_BLOCK, Q8_ZERO_CODE, q8_blocks
 from hybrid_opt.state.torch_extras import keep_unowned, unowned_entries
+from hybrid_opt.tiers.device import encode_remainder_on
 
 
 def _master_stands(saved: torch.Tensor, param: torch.Tensor) -> bool:
@@ -47,6 +47,7 @@ def _master_stands(saved: torch.Tensor, param: torch.Tensor) -> bool:
     if param.dtype != torch.bfloat16:
         return False
     from cpu_kernels.reference import encode_remainder_reference
+
     return torch.equal(encode_remainder_reference(saved.float().contiguous())[0], param)
 
 
@@ -56,45 +57,62 @@ def _check_saved_state(saved_state: dict, params: list) -> None:
     param, the key and what to do."""
     for idx, entry in saved_state.items():
         if not isinstance(entry, dict):
-            raise ValueError(f"loaded state dict: the state of parameter {idx} is a "
-                             f"{type(entry).__name__}, not a dict; load a state_dict() of this "
-                             f"model's optimizer")
+            raise ValueError(
+                f"loaded state dict: the state of parameter {idx} is a "
+                f"{type(entry).__name__}, not a dict; load a state_dict() of this "
+                f"model's optimizer"
+            )
         n = params[idx].numel()
         for key in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "master_param"):
             t = entry.get(key)
             if t is None:
                 continue
             if not isinstance(t, torch.Tensor) or not t.is_floating_point():
-                raise ValueError(f"loaded state dict: parameter {idx}'s {key!r} must be a float "
-                                 f"tensor, got {t.dtype if isinstance(t, torch.Tensor) else type(t).__name__}")
+                raise ValueError(
+                    f"loaded state dict: parameter {idx}'s {key!r} must be a float "
+                    f"tensor, got {t.dtype if isinstance(t, torch.Tensor) else type(t).__name__}"
+                )
             if t.numel() != n:
-                raise ValueError(f"loaded state dict: parameter {idx}'s {key!r} has {t.numel()} "
-                                 f"elements, the parameter {n} {tuple(params[idx].shape)}: the "
-                                 f"checkpoint is another model's (or its params are in another "
-                                 f"order); nothing was loaded")
+                raise ValueError(
+                    f"loaded state dict: parameter {idx}'s {key!r} has {t.numel()} "
+                    f"elements, the parameter {n} {tuple(params[idx].shape)}: the "
+                    f"checkpoint is another model's (or its params are in another "
+                    f"order); nothing was loaded"
+                )
         for key in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq"):
             codes, absmax = entry.get(key + Q8_KEY), entry.get(key + ABSMAX)
             if codes is None and absmax is None:
                 continue
-            if not (isinstance(codes, torch.Tensor) and codes.dtype == torch.uint8 and codes.numel() == n
-                    and isinstance(absmax, torch.Tensor) and absmax.dtype == torch.float32
-                    and absmax.numel() == q8_blocks(n)):
-                raise ValueError(f"loaded state dict: parameter {idx}'s q8 {key!r} must be "
-                                 f"{key + Q8_KEY!r} (uint8, {n} elements) and {key + ABSMAX!r} "
-                                 f"(float32, {q8_blocks(n)}: one per block of {Q8_BLOCK} of the "
-                                 f"parameter's {n} elements), got "
-                                 f"{_described(codes)} and {_described(absmax)}; nothing was loaded")
+            if not (
+                isinstance(codes, torch.Tensor)
+                and codes.dtype == torch.uint8
+                and codes.numel() == n
+                and isinstance(absmax, torch.Tensor)
+                and absmax.dtype == torch.float32
+                and absmax.numel() == q8_blocks(n)
+            ):
+                raise ValueError(
+                    f"loaded state dict: parameter {idx}'s q8 {key!r} must be "
+                    f"{key + Q8_KEY!r} (uint8, {n} elements) and {key + ABSMAX!r} "
+                    f"(float32, {q8_blocks(n)}: one per block of {Q8_BLOCK} of the "
+                    f"parameter's {n} elements), got "
+                    f"{_described(codes)} and {_described(absmax)}; nothing was loaded"
+                )
         rem = entry.get("master_remainder")
         if isinstance(rem, torch.Tensor) and rem.dtype == torch.int16 and rem.numel() != n:
-            raise ValueError(f"loaded state dict: parameter {idx}'s 'master_remainder' has "
-                             f"{rem.numel()} elements, the parameter {n} {tuple(params[idx].shape)}: "
-                             f"the checkpoint is another model's; nothing was loaded")
+            raise ValueError(
+                f"loaded state dict: parameter {idx}'s 'master_remainder' has "
+                f"{rem.numel()} elements, the parameter {n} {tuple(params[idx].shape)}: "
+                f"the checkpoint is another model's; nothing was loaded"
+            )
         if "step" in entry:
             try:
                 float(entry["step"])
             except (TypeError, ValueError, RuntimeError):
-                raise ValueError(f"loaded state dict: parameter {idx}'s 'step' must be a number or "
-                                 f"a 1-element tensor, got {entry['step']!r}") from None
+                raise ValueError(
+                    f"loaded state dict: parameter {idx}'s 'step' must be a number or "
+                    f"a 1-element tensor, got {entry['step']!r}"
+                ) from None
 
 
 Q8_KEY = "_q8"  # a q8 moment's codes in a state dict: the moment's key + this (its absmax: + ABSMAX)
@@ -158,7 +176,9 @@ def iter_state(layout, placement, state_format):
     for idx in (i for i in range(len(params)) if layout.steps[i]):
         p = local_of(params[idx])  # a DTensor's state is its local shard's, wrapped below
         entry = {"step": torch.tensor(float(layout.steps[idx]), dtype=torch.float32)}
-        laid = pieces[idx][0][0].dtype if pieces.get(idx) else p.dtype  # a param cast since keeps its layout's
+        laid = (
+            pieces[idx][0][0].dtype if pieces.get(idx) else p.dtype
+        )  # a param cast since keeps its layout's
         fmt = state_format.for_subgroup(bool(pieces.get(idx)) and pieces[idx][0][0].quantized)
         for key, name in _entry_keys(layout, idx, laid, fmt):
             t = _state_tensor(placement, pieces.get(idx, []), name, p, verified, fmt)
@@ -188,6 +208,7 @@ def fp32_entries(entries, params: list):
     `master_param` (decoded from `master_remainder`). Each is made when asked for, so a save
     holds one param's fp32 state at a time."""
     from cpu_kernels.q8_reference import Q8Blocks, dequantize_blocks
+
     for idx, entry in entries:
         out = {"step": entry["step"]}
         for name in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq"):
@@ -201,8 +222,11 @@ def fp32_entries(entries, params: list):
         master = fp32_master(entry, params[idx])
         if master is not None:
             master = master.float()
-            out["master_param"] = dtensor_like(master, params[idx]) if is_sharded(params[idx]) \
-                and not is_dtensor(master) else master
+            out["master_param"] = (
+                dtensor_like(master, params[idx])
+                if is_sharded(params[idx]) and not is_dtensor(master)
+                else master
+            )
         yield idx, out
 
 
@@ -216,8 +240,11 @@ def _entry_keys(layout, idx: int, dtype, state_format) -> list:
         else:
             keys.append((name, name))
     if dtype != torch.float32:
-        keys.append(("master_remainder", "remainder") if state_format.remainders_for(dtype)
-                    else ("master_param", "master"))
+        keys.append(
+            ("master_remainder", "remainder")
+            if state_format.remainders_for(dtype)
+            else ("master_param", "master")
+        )
     return keys
 
 
@@ -255,7 +282,7 @@ def _state_tensor(placement, parts: list, name: str, p, verified: set, fmt) -> t
     at = 0
     for x in located:
         src = x if isinstance(x, torch.Tensor) else map_tensor([x], dtype, (x.nbytes // dtype.itemsize,))
-        out[at:at + src.numel()].copy_(src)
+        out[at : at + src.numel()].copy_(src)
         at += src.numel()
         del src
     return out.view(shape)
@@ -267,7 +294,7 @@ def _own_storage(t: torch.Tensor) -> torch.Tensor:
     whole subgroup's tensor, and copies one param at a time off an accelerator."""
     nbytes = t.numel() * t.element_size()
     start = t.storage_offset() * t.element_size()
-    storage = t.untyped_storage()[start:start + nbytes]
+    storage = t.untyped_storage()[start : start + nbytes]
     return torch.empty(0, dtype=t.dtype, device=t.device).set_(storage, 0, (t.numel(),))
 
 
@@ -279,25 +306,44 @@ def saved_state_of(groups: list, state_dict: dict, params: list) -> dict:
     if len(groups) != len(saved_groups):
         raise ValueError("loaded state dict has a different number of parameter groups")
     if any(len(g["params"]) != len(s["params"]) for g, s in zip(groups, saved_groups)):
-        raise ValueError("loaded state dict contains a parameter group that doesn't match "
-                         "the size of optimizer's group")
+        raise ValueError(
+            "loaded state dict contains a parameter group that doesn't match the size of optimizer's group"
+        )
     # saved ids map to our positions in order (as torch does)
     id_map = {}
     for s in saved_groups:
         for pid in s["params"]:
             id_map[pid] = len(id_map)
-    saved_state = {id_map[k]: from_bitsandbytes(v, id_map[k], params[id_map[k]].numel())
-                   for k, v in state_dict["state"].items() if k in id_map}
+    saved_state = {
+        id_map[k]: from_bitsandbytes(v, id_map[k], params[id_map[k]].numel())
+        for k, v in state_dict["state"].items()
+        if k in id_map
+    }
     _check_saved_state(saved_state, params)
     return saved_state
 
 
 BNB_QUANT_STATE = "__bnb_optimizer_quant_state__"  # where bitsandbytes nests state1.. (hidden from FSDP)
 # bitsandbytes' per-param keys: (codes or fp32 moment, absmax, map, our moment, signed map)
-_BNB_MOMENTS = (("state1", "absmax1", "qmap1", "exp_avg", True),
-                ("state2", "absmax2", "qmap2", "exp_avg_sq", False))
-_BNB_KEYS = {"state1", "state2", "absmax1", "absmax2", "qmap1", "qmap2", "max1", "max2", "new_max1",
-             "new_max2", "gnorm_vec", "unorm_vec", BNB_QUANT_STATE}
+_BNB_MOMENTS = (
+    ("state1", "absmax1", "qmap1", "exp_avg", True),
+    ("state2", "absmax2", "qmap2", "exp_avg_sq", False),
+)
+_BNB_KEYS = {
+    "state1",
+    "state2",
+    "absmax1",
+    "absmax2",
+    "qmap1",
+    "qmap2",
+    "max1",
+    "max2",
+    "new_max1",
+    "new_max2",
+    "gnorm_vec",
+    "unorm_vec",
+    BNB_QUANT_STATE,
+}
 
 
 def from_bitsandbytes(entry, idx: int, numel: int):
@@ -317,13 +363,18 @@ def from_bitsandbytes(entry, idx: int, numel: int):
         flat.update(entry[BNB_QUANT_STATE])
     where = f"loaded state dict: parameter {idx}'s bitsandbytes state"
     if "state2" not in flat or "state1" not in flat:
-        raise ValueError(f"{where} has {sorted(k for k in flat if k in _BNB_KEYS)}, not Adam's "
-                         f"'state1' and 'state2': only an Adam/AdamW 8-bit checkpoint loads; nothing was loaded")
+        raise ValueError(
+            f"{where} has {sorted(k for k in flat if k in _BNB_KEYS)}, not Adam's "
+            f"'state1' and 'state2': only an Adam/AdamW 8-bit checkpoint loads; nothing was loaded"
+        )
     if "max1" in flat:
-        raise ValueError(f"{where} is not blockwise ('max1': block_wise=False): its codes share one "
-                         f"scale per tensor, ours one per block of {Q8_BLOCK}; nothing was loaded")
+        raise ValueError(
+            f"{where} is not blockwise ('max1': block_wise=False): its codes share one "
+            f"scale per tensor, ours one per block of {Q8_BLOCK}; nothing was loaded"
+        )
     out = {k: v for k, v in flat.items() if k not in _BNB_KEYS}
     from cpu_kernels.q8_reference import dynamic_map
+
     for state, absmax_key, qmap_key, name, signed in _BNB_MOMENTS:
         t = flat[state]
         if not (isinstance(t, torch.Tensor) and t.dtype == torch.uint8):
@@ -331,20 +382,27 @@ def from_bitsandbytes(entry, idx: int, numel: int):
             continue
         absmax, qmap = flat.get(absmax_key), flat.get(qmap_key)
         if not isinstance(absmax, torch.Tensor) or absmax.numel() != q8_blocks(numel):
-            raise ValueError(f"{where}: {absmax_key!r} has {_described(absmax)}, not "
-                             f"{q8_blocks(numel)} (one per block of {Q8_BLOCK} of the parameter's "
-                             f"{numel} elements): a checkpoint of bitsandbytes with blocks of another "
-                             f"size cannot load as codes; nothing was loaded")
+            raise ValueError(
+                f"{where}: {absmax_key!r} has {_described(absmax)}, not "
+                f"{q8_blocks(numel)} (one per block of {Q8_BLOCK} of the parameter's "
+                f"{numel} elements): a checkpoint of bitsandbytes with blocks of another "
+                f"size cannot load as codes; nothing was loaded"
+            )
         if qmap is not None:
             ours, theirs = dynamic_map(signed), qmap.detach().float().cpu().reshape(-1)
             if theirs.numel() != ours.numel() or not torch.equal(theirs, ours):
-                differ = (int((theirs != ours).sum()) if theirs.numel() == ours.numel()
-                          else f"{theirs.numel()} values against 256")
-                raise ValueError(f"{where}: its map {qmap_key!r} is not ours (bitsandbytes' "
-                                 f"create_dynamic_map(signed={signed}) as built on AVX2 x86; "
-                                 f"{differ} values differ), so its codes would mean other values "
-                                 f"here. Dequantize it ({qmap_key}[{state}] * {absmax_key} per block of "
-                                 f"{Q8_BLOCK}) into an fp32 {name!r} and load that; nothing was loaded")
+                differ = (
+                    int((theirs != ours).sum())
+                    if theirs.numel() == ours.numel()
+                    else f"{theirs.numel()} values against 256"
+                )
+                raise ValueError(
+                    f"{where}: its map {qmap_key!r} is not ours (bitsandbytes' "
+                    f"create_dynamic_map(signed={signed}) as built on AVX2 x86; "
+                    f"{differ} values differ), so its codes would mean other values "
+                    f"here. Dequantize it ({qmap_key}[{state}] * {absmax_key} per block of "
+                    f"{Q8_BLOCK}) into an fp32 {name!r} and load that; nothing was loaded"
+                )
         out[name + Q8_KEY], out[name + ABSMAX] = t, absmax
     return out
 
@@ -359,8 +417,10 @@ def saved_hyperparameters(groups: list, state_dict: dict, keep=()) -> list:
     copies, as torch's load_state_dict deep-copies them (a Tensor lr a scheduler fills in place
     stays the checkpoint's, not shared with its optimizer or another one loaded from it)."""
     skip = ("params", "param_names", *keep)  # `keep`: the keys the loader keeps its own of
-    return [{k: copy.deepcopy(v) for k, v in s.items() if k not in skip}
-            for s in state_dict["param_groups"][:len(groups)]]
+    return [
+        {k: copy.deepcopy(v) for k, v in s.items() if k not in skip}
+        for s in state_dict["param_groups"][: len(groups)]
+    ]
 
 
 def _saved(param, entry: dict, key: str):
@@ -396,10 +456,13 @@ def _source(param, entry: dict, key: str, held: dict, idx: int, q8: bool = False
         codes, absmax = entry.get(key + Q8_KEY), entry.get(key + ABSMAX)
         signed = key == "exp_avg"
         from cpu_kernels.q8_reference import Q8Blocks, dequantize_blocks, quantize_blocks
+
         if q8:  # the tier stores codes and absmaxes: a float moment (torch's AdamW) is quantized
             if codes is not None:
                 return Q8Blocks(codes.reshape(-1), absmax.reshape(-1))
-            return None if saved is None else quantize_blocks(saved.detach().reshape(-1).float().cpu(), signed)
+            return (
+                None if saved is None else quantize_blocks(saved.detach().reshape(-1).float().cpu(), signed)
+            )
         if saved is None and codes is not None:  # a q8 checkpoint into a float tier
             return dequantize_blocks(Q8Blocks(codes.reshape(-1).cpu(), absmax.reshape(-1).cpu()), signed)
         return None if saved is None else saved.reshape(-1)
@@ -468,8 +531,11 @@ def _fill(stored: dict, sg, sources: dict) -> None:
                 continue
             for c in range(0, sl.numel, _ENCODE_CHUNK):  # a remainder checkpoint into an fp32 master
                 n = min(_ENCODE_CHUNK, sl.numel - c)
-                stored[k][a + c:a + c + n].copy_(decode_remainder_reference(
-                    sl.view[c:c + n], rem[pa + c:pa + c + n].to(sl.view.device)))
+                stored[k][a + c : a + c + n].copy_(
+                    decode_remainder_reference(
+                        sl.view[c : c + n], rem[pa + c : pa + c + n].to(sl.view.device)
+                    )
+                )
         if "remainder" not in stored:
             continue
         high = stored.get("high")
@@ -480,10 +546,10 @@ def _fill(stored: dict, sg, sources: dict) -> None:
             continue
         for c in range(0, sl.numel, _ENCODE_CHUNK):
             n = min(_ENCODE_CHUNK, sl.numel - c)
-            h, r = encode_remainder_on(master[pa + c:pa + c + n], stored["remainder"].device)
-            stored["remainder"][a + c:a + c + n].copy_(r)
+            h, r = encode_remainder_on(master[pa + c : pa + c + n], stored["remainder"].device)
+            stored["remainder"][a + c : a + c + n].copy_(r)
             with torch.no_grad():
-                (high[a + c:a + c + n] if high is not None else sl.view[c:c + n]).copy_(h)
+                (high[a + c : a + c + n] if high is not None else sl.view[c : c + n]).copy_(h)
 
 
 def _state_keys(amsgrad: bool) -> tuple:
@@ -494,8 +560,11 @@ def _state_keys(amsgrad: bool) -> tuple:
 def _writes_params(sg, sources: dict) -> bool:
     """Whether loading `sg` (a subgroup that keeps remainders) writes its params: a saved master
     that is not the param itself is encoded, and its high half becomes the param."""
-    return any(sources[(sl.param_index, "remainder")] is None
-               and sources[(sl.param_index, "master")].data_ptr() != sl.view.data_ptr() for sl in sg.slices)
+    return any(
+        sources[(sl.param_index, "remainder")] is None
+        and sources[(sl.param_index, "master")].data_ptr() != sl.view.data_ptr()
+        for sl in sg.slices
+    )
 
 
 def scatter_state(layout, placement, sources: dict) -> None:
@@ -529,9 +598,12 @@ def scatter_state(layout, placement, sources: dict) -> None:
         host.restore_file_marks(marks)
         for done_sg, high in highs.values():
             done_sg.write(high)
-        _load_failed(e, f"load_state_dict failed writing nvme subgroup {sg.index}: {e}. Nothing was "
-                        f"loaded: every subgroup, step count and hyperparameter is as before the "
-                        f"call (each nvme file's committed slot was never written)")
+        _load_failed(
+            e,
+            f"load_state_dict failed writing nvme subgroup {sg.index}: {e}. Nothing was "
+            f"loaded: every subgroup, step count and hyperparameter is as before the "
+            f"call (each nvme file's committed slot was never written)",
+        )
     try:
         for sg in resident:
             if tiers[sg.index] == DEVICE:
@@ -545,11 +617,14 @@ def scatter_state(layout, placement, sources: dict) -> None:
             for done_sg, high in highs.values():
                 done_sg.write(high)
         rest = [s for s in resident if s not in done]
-        _load_failed(e, f"load_state_dict failed loading subgroup {sg.index} ({tiers[sg.index]} "
-                        f"tier): {e}. {subgroups_label(done)} already hold the checkpoint's state; "
-                        f"{subgroups_label(rest)}{' and the nvme tier' * bool(nvme)} are as before the "
-                        f"call, as are the step counts and hyperparameters: call "
-                        f"load_state_dict again")
+        _load_failed(
+            e,
+            f"load_state_dict failed loading subgroup {sg.index} ({tiers[sg.index]} "
+            f"tier): {e}. {subgroups_label(done)} already hold the checkpoint's state; "
+            f"{subgroups_label(rest)}{' and the nvme tier' * bool(nvme)} are as before the "
+            f"call, as are the step counts and hyperparameters: call "
+            f"load_state_dict again",
+        )
 
 
 def _load_failed(e: BaseException, message: str) -> None:
@@ -560,6 +635,7 @@ def _load_failed(e: BaseException, message: str) -> None:
             e.add_note(message)
         raise e
     from hybrid_opt.placement import restated
+
     raise restated(e, message) from e
 
 
@@ -584,7 +660,6 @@ def looks_like_state_init_step(layout, decoupled: bool) -> bool:
     if not grads or any(g.is_sparse for g in grads):
         return False
     return not bool(torch.stack([g.any() for g in grads]).any())  # one host sync on a GPU
-
 
 
 def load(parts, state_dict: dict, torch_state, keep=()) -> None:

@@ -31,6 +31,7 @@ subgroup's last). So every slice of it starts on a block of its param and of the
 cut never splits a block, and one q8 kernel call over a subgroup (or over any of its slices)
 gives each param's blocks bitwise.
 """
+
 from __future__ import annotations
 
 import mmap
@@ -57,10 +58,12 @@ def model_flat(p) -> torch.Tensor:
     if is_sharded(p):
         local = local_of(p)
         if not local.is_contiguous():
-            raise ValueError(f"a DTensor parameter's local shard must be contiguous (FSDP2's Shard(0) "
-                             f"shards are), got shape {tuple(local.shape)} stride {local.stride()} "
-                             f"with placements {tuple(p.placements) if is_dtensor(p) else '?'}: "
-                             f"shard it on dim 0")
+            raise ValueError(
+                f"a DTensor parameter's local shard must be contiguous (FSDP2's Shard(0) "
+                f"shards are), got shape {tuple(local.shape)} stride {local.stride()} "
+                f"with placements {tuple(p.placements) if is_dtensor(p) else '?'}: "
+                f"shard it on dim 0"
+            )
         return local.view(-1)
     return p.data.view(-1)
 
@@ -68,7 +71,8 @@ def model_flat(p) -> torch.Tensor:
 @dataclass
 class ParamSlice:
     """Elements [param_offset, param_offset + numel) of a parameter, at sub_offset in its subgroup."""
-    param_index: int          # torch's state_dict numbering: position over all groups
+
+    param_index: int  # torch's state_dict numbering: position over all groups
     param: torch.Tensor
     param_offset: int
     sub_offset: int
@@ -81,13 +85,13 @@ class ParamSlice:
 
     def repoint(self) -> None:
         """Views the param's memory now (it was given new memory: storage.py)."""
-        self.view = model_flat(self.param)[self.param_offset:self.param_offset + self.numel]
+        self.view = model_flat(self.param)[self.param_offset : self.param_offset + self.numel]
 
     def grad_view(self) -> torch.Tensor | None:
         g = local_of(self.param.grad)
         if g is None:
             return None
-        return g.reshape(-1)[self.param_offset:self.param_offset + self.numel]
+        return g.reshape(-1)[self.param_offset : self.param_offset + self.numel]
 
     def grad_address(self) -> tuple | None:
         """(address of this slice's first grad element, grad dtype) where the grad is
@@ -102,13 +106,13 @@ class ParamSlice:
 @dataclass
 class Subgroup:
     index: int
-    group: int                # param group index
+    group: int  # param group index
     numel: int
     dtype: torch.dtype
     device: torch.device
     slices: list = field(default_factory=list)
-    ready_rank: int = 0       # 0 = grads complete first in backward (about reverse param order)
-    quantized: bool = False   # its q8 moments are q8 (its params have at least Q8_MIN_NUMEL elements)
+    ready_rank: int = 0  # 0 = grads complete first in backward (about reverse param order)
+    quantized: bool = False  # its q8 moments are q8 (its params have at least Q8_MIN_NUMEL elements)
 
     def pieces(self, a: int = 0, b: int | None = None, slices=None):
         """(slice view part, start, end) of each slice overlapping subgroup elements [a, b),
@@ -117,7 +121,7 @@ class Subgroup:
         for sl in self.slices if slices is None else slices:
             lo, hi = max(a, sl.sub_offset), min(b, sl.sub_offset + sl.numel)
             if lo < hi:
-                yield sl.view[lo - sl.sub_offset:hi - sl.sub_offset], lo - a, hi - a
+                yield sl.view[lo - sl.sub_offset : hi - sl.sub_offset], lo - a, hi - a
 
     def read(self, a: int = 0, b: int | None = None) -> torch.Tensor:
         """Elements [a, b) of the model's params: a view where one slice holds them all (written
@@ -125,17 +129,22 @@ class Subgroup:
         parts = list(self.pieces(a, b))
         if len(parts) == 1:
             return parts[0][0]
-        return torch.cat([v for v, _, _ in parts]) if parts else torch.empty(0, dtype=self.dtype,
-                                                                             device=self.device)
+        return (
+            torch.cat([v for v, _, _ in parts])
+            if parts
+            else torch.empty(0, dtype=self.dtype, device=self.device)
+        )
 
-    def read_into(self, dst: torch.Tensor, a: int = 0, b: int | None = None,
-                  non_blocking: bool = False) -> None:
+    def read_into(
+        self, dst: torch.Tensor, a: int = 0, b: int | None = None, non_blocking: bool = False
+    ) -> None:
         """dst (b - a elements, any device and float dtype) takes the model's elements [a, b)."""
         parts = list(self.pieces(a, b))
         _copy([dst[lo:hi] for _, lo, hi in parts], [v for v, _, _ in parts], non_blocking)
 
-    def write(self, src: torch.Tensor, a: int = 0, b: int | None = None, slices=None,
-              non_blocking: bool = False) -> None:
+    def write(
+        self, src: torch.Tensor, a: int = 0, b: int | None = None, slices=None, non_blocking: bool = False
+    ) -> None:
         """The model's elements [a, b) (of `slices` only, when given) take src's (b - a elements,
         any device and float dtype: converted), in one batched copy."""
         src = src.reshape(-1)
@@ -149,8 +158,11 @@ def _copy(dsts: list, srcs: list, non_blocking: bool) -> None:
     GPU is queued asynchronously and waited for once: one host sync, not one per slice."""
     if not dsts:
         return
-    cross = (not non_blocking and dsts[0].device != srcs[0].device
-             and "cuda" in (dsts[0].device.type, srcs[0].device.type))
+    cross = (
+        not non_blocking
+        and dsts[0].device != srcs[0].device
+        and "cuda" in (dsts[0].device.type, srcs[0].device.type)
+    )
     if len(dsts) == 1:
         dsts[0].copy_(srcs[0], non_blocking=non_blocking or cross)
     else:
@@ -160,8 +172,14 @@ def _copy(dsts: list, srcs: list, non_blocking: bool) -> None:
         torch.cuda.current_stream(gpu).synchronize()
 
 
-def layout_group(params: list, group: int, first_index: int, subgroup_numel: int,
-                 first_subgroup: int, quantize: bool = False) -> list:
+def layout_group(
+    params: list,
+    group: int,
+    first_index: int,
+    subgroup_numel: int,
+    first_subgroup: int,
+    quantize: bool = False,
+) -> list:
     """The subgroups of one param group: its params of each (device, dtype) — and with
     `quantize` (a q8 moment format) of each (device, dtype, quantized) — in param order, cut
     over their concatenation (module docstring). Nothing is copied; a non-contiguous plain
@@ -172,11 +190,13 @@ def layout_group(params: list, group: int, first_index: int, subgroup_numel: int
         local = local_of(p)
         quantized = quantize and local.numel() >= Q8_MIN_NUMEL
         buckets.setdefault((local.device, local.dtype, quantized), []).append(
-            (first_index + k, p, local.numel()))
+            (first_index + k, p, local.numel())
+        )
     subgroups: list = []
     for (device, dtype, quantized), members in buckets.items():
-        subgroups.extend(_cut(members, group, device, dtype, subgroup_numel,
-                              first_subgroup + len(subgroups), quantized))
+        subgroups.extend(
+            _cut(members, group, device, dtype, subgroup_numel, first_subgroup + len(subgroups), quantized)
+        )
     return subgroups
 
 
@@ -218,8 +238,9 @@ def _cut_alignment(subgroup_numel: int) -> int:
     return PAGE_CUT if subgroup_numel >= PAGE_CUT_FROM else _ALIGN
 
 
-def _cut(members: list, group: int, device, dtype, subgroup_numel: int, first: int,
-         quantized: bool = False) -> list:
+def _cut(
+    members: list, group: int, device, dtype, subgroup_numel: int, first: int, quantized: bool = False
+) -> list:
     """Subgroups over the concatenation of `members` [(param index, param, local numel)]: as
     few as `subgroup_numel` allows, of one size (aligned: _cut_alignment), the last shorter by
     less than one alignment per subgroup — so the tiers' banks and files, sized for the largest, hold
@@ -233,8 +254,10 @@ def _cut(members: list, group: int, device, dtype, subgroup_numel: int, first: i
         # in several subgroups map side by side in state_dict() (mapped.side_by_side)
         a = 2 * PAGE_CUT if a == PAGE_CUT else max(a, Q8_BLOCK)
         if subgroup_numel < Q8_BLOCK:
-            raise ValueError(f"subgroup_numel={subgroup_numel} cannot hold one q8 block of {Q8_BLOCK} "
-                             f"elements: give subgroup_numel >= {Q8_BLOCK} with a q8 moment format")
+            raise ValueError(
+                f"subgroup_numel={subgroup_numel} cannot hold one q8 block of {Q8_BLOCK} "
+                f"elements: give subgroup_numel >= {Q8_BLOCK} with a q8 moment format"
+            )
     cap = subgroup_numel // a * a if a > _ALIGN else subgroup_numel
     count = -(-total // cap)
     size = min(cap, -(-(-(-total // count)) // a) * a) if count else cap
@@ -273,12 +296,12 @@ class Layout:
     def __init__(self, param_groups: list, subgroup_numel: int, amsgrad: bool, quantize: bool = False):
         self.param_groups = param_groups
         self.subgroup_numel = subgroup_numel
-        self.amsgrad = amsgrad      # whether the tiers lay out amsgrad's running max
-        self.quantize = quantize    # a q8 moment format: quantized and small params apart
+        self.amsgrad = amsgrad  # whether the tiers lay out amsgrad's running max
+        self.quantize = quantize  # a q8 moment format: quantized and small params apart
         self.subgroups: list = []
-        self.index: dict = {}       # param -> its index in the optimizer's order
-        self.laid_out: list = []    # the params, in that order (what param_groups must still hold)
-        self.steps: list = []       # per-parameter step counts
+        self.index: dict = {}  # param -> its index in the optimizer's order
+        self.laid_out: list = []  # the params, in that order (what param_groups must still hold)
+        self.steps: list = []  # per-parameter step counts
 
     def params(self):
         for g in self.param_groups:
@@ -309,19 +332,28 @@ class Layout:
     def check_joining(self, group: dict, defaults: dict, sharded: bool) -> None:
         """add_param_group after construction: refuses a group this layout cannot take."""
         if sharded:
-            raise NotImplementedError("add_param_group with process_group=: the new params "
-                                      "would need their chunks laid out on every rank; build "
-                                      "the optimizer with all its param groups")
+            raise NotImplementedError(
+                "add_param_group with process_group=: the new params "
+                "would need their chunks laid out on every rank; build "
+                "the optimizer with all its param groups"
+            )
         if group.get("amsgrad", defaults["amsgrad"]) and not self.amsgrad:
-            raise ValueError("add_param_group: an amsgrad group cannot join an optimizer built "
-                             "without amsgrad; construct it with amsgrad=True")
+            raise ValueError(
+                "add_param_group: an amsgrad group cannot join an optimizer built "
+                "without amsgrad; construct it with amsgrad=True"
+            )
         have = {p.device for p in self.params()}
-        new = {t.device for t in (i[1] if isinstance(i, tuple) else i for i in group["params"])
-               if isinstance(t, torch.Tensor)}
+        new = {
+            t.device
+            for t in (i[1] if isinstance(i, tuple) else i for i in group["params"])
+            if isinstance(t, torch.Tensor)
+        }
         if have and new - have:
-            raise ValueError(f"add_param_group: all parameters must be on one device; the "
-                             f"optimizer's are on {sorted(map(str, have))}, the new group's on "
-                             f"{sorted(map(str, new))}: move the group to that device first")
+            raise ValueError(
+                f"add_param_group: all parameters must be on one device; the "
+                f"optimizer's are on {sorted(map(str, have))}, the new group's on "
+                f"{sorted(map(str, new))}: move the group to that device first"
+            )
 
     def set_amsgrad(self, on: bool) -> None:
         self.amsgrad = on

@@ -6,6 +6,7 @@ step counts — and the undo of a step that fails with nothing stepped (step_fai
 The per-param step counts themselves are the layout's (layout.Layout.steps): the ledger
 advances them, puts them back, and mirrors them into torch's `state`.
 """
+
 from __future__ import annotations
 
 from typing import NamedTuple
@@ -15,6 +16,7 @@ import torch
 
 class StepUndo(NamedTuple):
     """What step() changes before the tiers step, to put back when nothing was stepped."""
+
     steps: list
     steps_taken: int
     last_inv_scale: float
@@ -28,14 +30,14 @@ class StepLedger:
 
     def __init__(self, layout):
         self.layout = layout
-        self.steps_taken = 0         # training steps taken (speculation's warm-up, refits)
-        self.last_inv_scale = 1.0    # the last step's 1 / loss scale: what speculation assumes
+        self.steps_taken = 0  # training steps taken (speculation's warm-up, refits)
+        self.last_inv_scale = 1.0  # the last step's 1 / loss scale: what speculation assumes
         self.last_grad_norm = None
-        self.last_clipped = False    # the last step's clip coefficient was below 1 (clipping bit)
+        self.last_clipped = False  # the last step's clip coefficient was below 1 (clipping bit)
         self.step_was_skipped = False
-        self.amp_seen = False        # a GradScaler has handed a step found_inf
-        self.rank_failure = None     # a step that failed after the ranks' decision (rank_faults.py)
-        self._step_counts = None     # the buffer torch's `state[p]["step"]` tensors view
+        self.amp_seen = False  # a GradScaler has handed a step found_inf
+        self.rank_failure = None  # a step that failed after the ranks' decision (rank_faults.py)
+        self._step_counts = None  # the buffer torch's `state[p]["step"]` tensors view
         self._stepped_params = None
 
     # ------------------------------------------------------------------ a step
@@ -50,8 +52,14 @@ class StepLedger:
         """A step is taken: its scalars recorded (`inv_scale` None without a loss scale;
         `clipped`: its clip coefficient is below 1) and the step counts of the params with a
         grad advanced; returns what puts it back."""
-        undo = StepUndo(list(self.layout.steps), self.steps_taken, self.last_inv_scale,
-                        self.last_grad_norm, self.last_clipped, self.step_was_skipped)
+        undo = StepUndo(
+            list(self.layout.steps),
+            self.steps_taken,
+            self.last_inv_scale,
+            self.last_grad_norm,
+            self.last_clipped,
+            self.step_was_skipped,
+        )
         self.step_was_skipped = False
         self.steps_taken += 1
         if inv_scale is not None:
@@ -85,6 +93,7 @@ class StepLedger:
     def out_of_step(self, err) -> None:
         """This rank failed after the others stepped: its next step() stops them all."""
         from hybrid_opt.distributed import rank_faults as RF
+
         self.rank_failure = RF.out_of_step(err)
 
     def back_in_step(self) -> None:

@@ -17,6 +17,7 @@ as its param's entry is made, and the pickle last, with each written tensor pick
 pickles one (`torch._utils._rebuild_tensor_v2` over a storage named by its record). The
 records' order is not part of the format: the reader finds each by name.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -39,6 +40,7 @@ _get_storage_alignment = getattr(torch.serialization, "_get_storage_alignment", 
 
 class _Record(NamedTuple):
     """A storage written as record `data/<key>`: what its pickle names (torch's persistent id)."""
+
     key: str
     dtype: torch.dtype
     numel: int
@@ -47,6 +49,7 @@ class _Record(NamedTuple):
 
 class _Written(NamedTuple):
     """A state tensor whose bytes are in the file already: pickled as torch pickles a tensor."""
+
     record: _Record
     shape: tuple
 
@@ -106,7 +109,7 @@ def _save(f, sd: dict, entries) -> None:
                 idx, entry = got
                 state[idx] = {k: writer.write(v) for k, v in entry.items()}
                 del got, entry  # written: dropped before the next param's is made,
-                _trim()         # and its memory given back to the OS
+                _trim()  # and its memory given back to the OS
         state.update((k, v) for k, v in sd["state"].items() if k not in state)
         writer.finish({**sd, "state": state})
 
@@ -126,8 +129,8 @@ class _Writer:
     def __init__(self, zf):
         self.zf = zf
         self.keys = 0
-        self.storages: dict = {}   # key -> a storage met while pickling, written after the pickle
-        self.ids: dict = {}        # a pickled storage's _cdata -> its key
+        self.storages: dict = {}  # key -> a storage met while pickling, written after the pickle
+        self.ids: dict = {}  # a pickled storage's _cdata -> its key
 
     def _key(self) -> str:
         key, self.keys = str(self.keys), self.keys + 1
@@ -141,8 +144,14 @@ class _Writer:
         t = value.detach()
         if t.numel() >= 2 and t.device.type != "cpu":
             t = t.cpu()  # one param's state on the host at a time (its own elements: no device copy)
-        if not t.is_contiguous() or t.storage_offset() or t.untyped_storage().nbytes() != t.numel() * t.element_size():
-            t = t.clone(memory_format=torch.contiguous_format)  # a view of a larger buffer (the device tier's)
+        if (
+            not t.is_contiguous()
+            or t.storage_offset()
+            or t.untyped_storage().nbytes() != t.numel() * t.element_size()
+        ):
+            t = t.clone(
+                memory_format=torch.contiguous_format
+            )  # a view of a larger buffer (the device tier's)
         if t.numel() < 2:
             return t  # a `step`, a one-element param's state: pickled whole on its device, its own storage
         storage = t.untyped_storage()
@@ -173,7 +182,11 @@ class _Writer:
         if isinstance(obj, _Record):
             return "storage", _storage_type(obj.dtype), obj.key, obj.location, obj.numel
         if isinstance(obj, torch.storage.TypedStorage):
-            storage, kind, numel = obj._untyped_storage, getattr(torch, obj._pickle_storage_type()), obj._size()
+            storage, kind, numel = (
+                obj._untyped_storage,
+                getattr(torch, obj._pickle_storage_type()),
+                obj._size(),
+            )
         elif isinstance(obj, torch.UntypedStorage):
             storage, kind, numel = obj, torch.UntypedStorage, obj.nbytes()
         else:
@@ -196,7 +209,7 @@ class _Pickler(pickle.Pickler):
     def reducer_override(self, obj):
         if isinstance(obj, _Written):
             n = len(obj.shape)
-            stride = tuple(int(torch.Size(obj.shape[i + 1:]).numel()) for i in range(n))
+            stride = tuple(int(torch.Size(obj.shape[i + 1 :]).numel()) for i in range(n))
             return torch._utils._rebuild_tensor_v2, (obj.record, 0, obj.shape, stride, False, OrderedDict())
         return NotImplemented
 

@@ -19,6 +19,7 @@ element. The param update uses the fresh fp32 moments before they are quantized 
 does). Params under Q8_MIN_NUMEL elements keep fp32 moments (`unquantized()`): the layout puts
 them in subgroups of their own, so every subgroup has one format (layout.py).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -67,11 +68,14 @@ class StateFormat:
         for name in ("exp_avg_dtype", "exp_avg_sq_dtype"):
             dt = getattr(self, name)
             if dt not in MOMENT_DTYPES:
-                raise TypeError(f"{name} must be torch.float32 or torch.bfloat16 (or \"q8\": 8-bit "
-                                f"blockwise moments), got {dt!r}")
+                raise TypeError(
+                    f'{name} must be torch.float32 or torch.bfloat16 (or "q8": 8-bit '
+                    f"blockwise moments), got {dt!r}"
+                )
         if not isinstance(self.store_param_remainders, bool):
-            raise TypeError("store_param_remainders must be a bool, got "
-                            f"{type(self.store_param_remainders).__name__}")
+            raise TypeError(
+                f"store_param_remainders must be a bool, got {type(self.store_param_remainders).__name__}"
+            )
 
     @property
     def compressed_moments(self) -> bool:
@@ -86,9 +90,11 @@ class StateFormat:
         """The format of a param too small to quantize: its q8 moments fp32."""
         if not self.quantized_moments:
             return self
-        return StateFormat(torch.float32 if self.exp_avg_dtype == Q8 else self.exp_avg_dtype,
-                           torch.float32 if self.exp_avg_sq_dtype == Q8 else self.exp_avg_sq_dtype,
-                           self.store_param_remainders)
+        return StateFormat(
+            torch.float32 if self.exp_avg_dtype == Q8 else self.exp_avg_dtype,
+            torch.float32 if self.exp_avg_sq_dtype == Q8 else self.exp_avg_sq_dtype,
+            self.store_param_remainders,
+        )
 
     def for_subgroup(self, quantized: bool) -> "StateFormat":
         """The format a subgroup keeps: this one where its params are quantized (layout's
@@ -120,9 +126,11 @@ class StateFormat:
         loses what it would need."""
         if rollback == "inverse" and self.compressed_moments:
             what = "q8 moments (quantizing" if self.quantized_moments else "bf16 moments (rounding to bf16"
-            raise ValueError(f"rollback='inverse' cannot undo a step with {what} is not invertible); "
-                             "use rollback='exact' (the default) or "
-                             "exp_avg_dtype=exp_avg_sq_dtype=torch.float32")
+            raise ValueError(
+                f"rollback='inverse' cannot undo a step with {what} is not invertible); "
+                "use rollback='exact' (the default) or "
+                "exp_avg_dtype=exp_avg_sq_dtype=torch.float32"
+            )
 
     def remainders_for(self, param_dtype: torch.dtype) -> bool:
         """Whether a param of `param_dtype` keeps its master as remainders (bf16 params only)."""
@@ -131,8 +139,13 @@ class StateFormat:
     def dtype_of(self, name: str) -> torch.dtype:
         """The dtype a tier stores state `name` in: "master" (fp32), "remainder" (int16: a
         master's low half), "exp_avg", "exp_avg_sq", "max_exp_avg_sq"."""
-        return {"master": torch.float32, "remainder": torch.int16, "exp_avg": self.exp_avg_dtype,
-                "exp_avg_sq": self.exp_avg_sq_dtype, "max_exp_avg_sq": self.exp_avg_sq_dtype}[name]
+        return {
+            "master": torch.float32,
+            "remainder": torch.int16,
+            "exp_avg": self.exp_avg_dtype,
+            "exp_avg_sq": self.exp_avg_sq_dtype,
+            "max_exp_avg_sq": self.exp_avg_sq_dtype,
+        }[name]
 
     def moment_bytes(self, amsgrad: bool = False) -> float:
         """Bytes per element of exp_avg, exp_avg_sq and (amsgrad) max_exp_avg_sq (a q8 moment:
@@ -183,16 +196,28 @@ DTYPE_NAMES = {"fp32": torch.float32, "bf16": torch.bfloat16, "q8": Q8}
 
 def add_arguments(ap, remainder_note: str = "") -> None:
     """The three options as command-line flags (`hybrid-opt plan`, the demo)."""
-    ap.add_argument("--exp-avg-dtype", choices=tuple(DTYPE_NAMES), default="fp32",
-                    help="HybridAdamW(exp_avg_dtype=): the first moment's dtype (default fp32)")
-    ap.add_argument("--exp-avg-sq-dtype", choices=tuple(DTYPE_NAMES), default="fp32",
-                    help="HybridAdamW(exp_avg_sq_dtype=): the second moment's dtype (default fp32)")
-    ap.add_argument("--store-param-remainders", action="store_true",
-                    help="HybridAdamW(store_param_remainders=True): a bf16 param's fp32 master kept "
-                         "as the bf16 param + an int16 remainder (2 B/param instead of 4)" + remainder_note)
+    ap.add_argument(
+        "--exp-avg-dtype",
+        choices=tuple(DTYPE_NAMES),
+        default="fp32",
+        help="HybridAdamW(exp_avg_dtype=): the first moment's dtype (default fp32)",
+    )
+    ap.add_argument(
+        "--exp-avg-sq-dtype",
+        choices=tuple(DTYPE_NAMES),
+        default="fp32",
+        help="HybridAdamW(exp_avg_sq_dtype=): the second moment's dtype (default fp32)",
+    )
+    ap.add_argument(
+        "--store-param-remainders",
+        action="store_true",
+        help="HybridAdamW(store_param_remainders=True): a bf16 param's fp32 master kept "
+        "as the bf16 param + an int16 remainder (2 B/param instead of 4)" + remainder_note,
+    )
 
 
 def from_arguments(args) -> StateFormat:
     """The StateFormat of flags parsed by add_arguments."""
-    return StateFormat(DTYPE_NAMES[args.exp_avg_dtype], DTYPE_NAMES[args.exp_avg_sq_dtype],
-                       args.store_param_remainders)
+    return StateFormat(
+        DTYPE_NAMES[args.exp_avg_dtype], DTYPE_NAMES[args.exp_avg_sq_dtype], args.store_param_remainders
+    )

@@ -39,13 +39,14 @@ are not seen: write through the param under torch.no_grad().
 
 The optimizer's ParamGuard part.
 """
+
 from __future__ import annotations
 
 import torch
 
 from hybrid_opt.distributed import local_of, moved_or_written, write_count, write_counts
-from hybrid_opt.state.layout import own_contiguous
 from hybrid_opt.placement.plan import DEVICE
+from hybrid_opt.state.layout import own_contiguous
 
 
 def _written_as(master: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
@@ -54,6 +55,7 @@ def _written_as(master: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
     same = master.to(param.dtype).view(_BITS[param.dtype]) == param.view(_BITS[param.dtype])
     if param.dtype == torch.bfloat16:
         from cpu_kernels.reference import encode_remainder_reference
+
         high = encode_remainder_reference(master.contiguous())[0]
         same |= high.view(torch.int16) == param.view(torch.int16)
     return same
@@ -71,14 +73,14 @@ class ParamGuard:
         self.layout = layout
         self.placement = placement
         self.state_format = state_format
-        self.owner = owner                   # the optimizer's class name, for messages
+        self.owner = owner  # the optimizer's class name, for messages
         self.drop_speculation = drop_speculation  # () -> None: pending host steps read old masters
-        self.rehook = rehook                 # (host subgroups) -> None: a swapped param lost its hooks
-        self.params: list = []               # the params, in the layout's order (Layout.params)
-        self.views: list = []                # per param: its memory at layout (a detached view)
-        self.ptrs: list = []                 # per param: that memory's data_ptr
-        self.versions: list = []             # per param: its version when step() last wrote it
-        self.held: dict = {}                 # param index -> a loaded fp32 master (hold_masters)
+        self.rehook = rehook  # (host subgroups) -> None: a swapped param lost its hooks
+        self.params: list = []  # the params, in the layout's order (Layout.params)
+        self.views: list = []  # per param: its memory at layout (a detached view)
+        self.ptrs: list = []  # per param: that memory's data_ptr
+        self.versions: list = []  # per param: its version when step() last wrote it
+        self.held: dict = {}  # param index -> a loaded fp32 master (hold_masters)
 
     def remember(self, first: int, params: list) -> None:
         """Params [first, first + len(params)) were just laid out: where their memory is."""
@@ -120,13 +122,20 @@ class ParamGuard:
         """Restarts the masters of the param elements written since the versions were
         recorded (module docstring); params whose memory was replaced are left to check()."""
         params = self.params
-        written = {i for i, p in enumerate(params) if write_count(p) != self.versions[i]
-                   and local_of(p).data_ptr() == self.ptrs[i]}
+        written = {
+            i
+            for i, p in enumerate(params)
+            if write_count(p) != self.versions[i] and local_of(p).data_ptr() == self.ptrs[i]
+        }
         if not written:
             return
         tiers = self.placement.plan.tiers
-        if any(tiers[sg.index] != DEVICE for sg in self.layout.subgroups
-               for sl in sg.slices if sl.param_index in written):
+        if any(
+            tiers[sg.index] != DEVICE
+            for sg in self.layout.subgroups
+            for sl in sg.slices
+            if sl.param_index in written
+        ):
             # a pending speculation read the old master (and the host tier's state must be idle)
             self.drop_speculation()
         for sg in self.layout.subgroups:
@@ -158,7 +167,9 @@ class ParamGuard:
                 before = None if previous is None else previous.get(sl.param_index)
                 if only_changed and (not remainders or before is not None):
                     if remainders:  # the decoded master's high half is `now`: compare it with the old one
-                        before = before.reshape(-1)[sl.param_offset:sl.param_offset + sl.numel].to(master.device)
+                        before = before.reshape(-1)[sl.param_offset : sl.param_offset + sl.numel].to(
+                            master.device
+                        )
                         diff = before.view(torch.int16) != now.view(torch.int16)
                     else:
                         diff = _written_as(master[a:b], now).logical_not_()
@@ -174,10 +185,13 @@ class ParamGuard:
                 if held is not None and held.dtype == torch.int16:
                     # a loaded remainder: the weights written are the high half it was saved with
                     from cpu_kernels.reference import decode_remainder_reference
-                    rem = held[sl.param_offset:sl.param_offset + sl.numel].to(master.device)
+
+                    rem = held[sl.param_offset : sl.param_offset + sl.numel].to(master.device)
                     master[a:b].copy_(decode_remainder_reference(now.to(torch.bfloat16), rem))
                 elif held is not None:  # written to a loaded master's rounding: that master stands
-                    saved = held[sl.param_offset:sl.param_offset + sl.numel].to(master.device, torch.float32)
+                    saved = held[sl.param_offset : sl.param_offset + sl.numel].to(
+                        master.device, torch.float32
+                    )
                     torch.where(_written_as(saved, now), saved, master[a:b], out=master[a:b])
                 changed = True
         if changed:
@@ -225,10 +239,12 @@ class ParamGuard:
 
     def _moved_message(self, i: int, p, view) -> str:
         cls = self.owner
-        return (f"{self.layout.param_label(i)} was moved or cast after {cls} was built: its memory changed "
-                f"from {view.dtype} {tuple(view.shape)} on {view.device} to {p.dtype} "
-                f"{tuple(p.shape)} on {p.device}. {cls} keeps each parameter in a buffer of the "
-                f"dtype and device it had at construction, so it cannot step this one. Build the "
-                f"optimizer after moving or casting the model (model.to(...) / .cuda() / .half() "
-                f"first), or save this optimizer's state_dict() and load it into a new {cls} "
-                f"built on the moved model.")
+        return (
+            f"{self.layout.param_label(i)} was moved or cast after {cls} was built: its memory changed "
+            f"from {view.dtype} {tuple(view.shape)} on {view.device} to {p.dtype} "
+            f"{tuple(p.shape)} on {p.device}. {cls} keeps each parameter in a buffer of the "
+            f"dtype and device it had at construction, so it cannot step this one. Build the "
+            f"optimizer after moving or casting the model (model.to(...) / .cuda() / .half() "
+            f"first), or save this optimizer's state_dict() and load it into a new {cls} "
+            f"built on the moved model."
+        )

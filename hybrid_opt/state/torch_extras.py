@@ -11,6 +11,7 @@ A state dict is of the params laid out when they joined (layout.py), in their or
 pytorch#36831, lists every param twice) it cannot be made or loaded, as step() cannot step:
 refused, saying what to do, before anything changes.
 """
+
 from __future__ import annotations
 
 import torch
@@ -47,10 +48,12 @@ def check_laid_out(layout, owner: str, call: str) -> None:
 
 
 def _edited(owner: str, call: str, gi: int, i: int) -> None:
-    raise ValueError(f"{owner}.{call}(): param_groups[{gi}]['params'] was edited after the params "
-                     f"joined the optimizer (parameter {i} is not the one laid out there, or params "
-                     f"were added or removed, as param_groups.extend(param_groups) adds each one a "
-                     f"second time): its state belongs to the params laid out when they joined, and a "
-                     f"state dict is of those. Add params with add_param_group(), or build a new "
-                     f"optimizer for another set of params; put the list back to call {call}() "
-                     f"(del opt.param_groups[n:] after an extend). Nothing was changed.")
+    raise ValueError(
+        f"{owner}.{call}(): param_groups[{gi}]['params'] was edited after the params "
+        f"joined the optimizer (parameter {i} is not the one laid out there, or params "
+        f"were added or removed, as param_groups.extend(param_groups) adds each one a "
+        f"second time): its state belongs to the params laid out when they joined, and a "
+        f"state dict is of those. Add params with add_param_group(), or build a new "
+        f"optimizer for another set of params; put the list back to call {call}() "
+        f"(del opt.param_groups[n:] after an extend). Nothing was changed."
+    )

@@ -11,6 +11,7 @@ a committed bank at a commit); packed subgroups (layout.py) make all but one per
 size. Each bank is laid out by tiers/compressed.bank_layout; the arena is page-aligned. The
 staging slots are sized here too (_slot_numel, staging_slots_for: the placement's count).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -23,8 +24,8 @@ from hybrid_opt.tiers.compressed import bank_layout
 
 _ALIGN_ELEMS = 64  # bank capacity and slot sizes in whole cache lines of fp32
 DEFAULT_SLOT_NUMEL = 1 << 20
-STAGING_SLOTS = 8         # default staging slots (two 4Mi subgroups of 1Mi pieces)
-MAX_STAGING_SLOTS = 32    # staging_slots_for(): at most 128 MB of fp32 grads
+STAGING_SLOTS = 8  # default staging slots (two 4Mi subgroups of 1Mi pieces)
+MAX_STAGING_SLOTS = 32  # staging_slots_for(): at most 128 MB of fp32 grads
 
 
 def _slot_numel(numels: list, slot_numel: int | None, quantized: bool = False) -> int:
@@ -36,8 +37,9 @@ def _slot_numel(numels: list, slot_numel: int | None, quantized: bool = False) -
     return align_up(min(slot_numel or DEFAULT_SLOT_NUMEL, align_up(max(numels), align)), align)
 
 
-def staging_slots_for(bursts: list, numels: list, slot_numel: int | None = None,
-                      quantized: bool = False) -> int:
+def staging_slots_for(
+    bursts: list, numels: list, slot_numel: int | None = None, quantized: bool = False
+) -> int:
     """Staging slots for a host tier whose subgroups become ready in `bursts` (lists of
     subgroup indices into `numels` that one grad hook completes together: a parameter that
     spans several subgroups completes them all at once). A speculated step takes all its
@@ -52,19 +54,19 @@ def staging_slots_for(bursts: list, numels: list, slot_numel: int | None = None,
 
 @dataclass(frozen=True)
 class ArenaPlan:
-    capacity: int           # elements per bank
-    slot_numel: int         # elements per staging slot
-    regions: dict           # {region: byte offset inside a bank} (compressed.bank_layout)
-    io_bytes: int           # a bank's state block: what a swap moves
+    capacity: int  # elements per bank
+    slot_numel: int  # elements per staging slot
+    regions: dict  # {region: byte offset inside a bank} (compressed.bank_layout)
+    io_bytes: int  # a bank's state block: what a swap moves
     bank_stride: int
-    resident: list          # the subgroups (indices into numels) with a committed bank
+    resident: list  # the subgroups (indices into numels) with a committed bank
     spares: int
-    io_banks: int           # nvme reads in flight (two banks each)
+    io_banks: int  # nvme reads in flight (two banks each)
     slot_stride: int
     staging_slots: int
     bank_offset: int
     slot_offset: int
-    nbytes: int             # the arena's size (page-aligned, as SharedArena truncates it)
+    nbytes: int  # the arena's size (page-aligned, as SharedArena truncates it)
 
     @property
     def n_banks(self) -> int:
@@ -83,9 +85,22 @@ class ArenaPlan:
         return self.slot_stride * self.staging_slots
 
 
-def plan_arena(numels: list, nvme: list, *, fmt, amsgrad: bool, copy_dtype, remainders: list,
-               grad_dtype, rollback: str, spare_banks: int | None, io_banks: int,
-               staging_slots: int, slot_numel: int | None, quantized: list | None = None) -> ArenaPlan:
+def plan_arena(
+    numels: list,
+    nvme: list,
+    *,
+    fmt,
+    amsgrad: bool,
+    copy_dtype,
+    remainders: list,
+    grad_dtype,
+    rollback: str,
+    spare_banks: int | None,
+    io_banks: int,
+    staging_slots: int,
+    slot_numel: int | None,
+    quantized: list | None = None,
+) -> ArenaPlan:
     """The arena of a host tier of subgroups `numels` (`nvme`, `remainders`, `quantized`: a flag
     each: on nvme, keeping its master as remainders, keeping q8 moments) — HostTier's
     arguments, checked by it."""
@@ -95,7 +110,9 @@ def plan_arena(numels: list, nvme: list, *, fmt, amsgrad: bool, copy_dtype, rema
     if q8_mode == "none":
         fmt = fmt.unquantized()
     resident = [i for i in range(len(numels)) if not nvme[i]]
-    spares = (len(resident) if spare_banks is None else spare_banks) if rollback == "exact" and resident else 0
+    spares = (
+        (len(resident) if spare_banks is None else spare_banks) if rollback == "exact" and resident else 0
+    )
     io = io_banks if any(nvme) else 0
     capacity = align_up(max(numels), _ALIGN_ELEMS)
     slot = _slot_numel(numels, slot_numel, q8_mode != "none")
@@ -104,5 +121,18 @@ def plan_arena(numels: list, nvme: list, *, fmt, amsgrad: bool, copy_dtype, rema
     arena = ArenaLayout()
     bank_offset = arena.add("banks", bank_stride * (len(resident) + spares + 2 * io), PAGE)
     slot_offset = arena.add("slots", slot_stride * staging_slots, PAGE)
-    return ArenaPlan(capacity, slot, regions, io_bytes, bank_stride, resident, spares, io, slot_stride,
-                     staging_slots, bank_offset, slot_offset, align_up(max(arena.nbytes, 1), PAGE))
+    return ArenaPlan(
+        capacity,
+        slot,
+        regions,
+        io_bytes,
+        bank_stride,
+        resident,
+        spares,
+        io,
+        slot_stride,
+        staging_slots,
+        bank_offset,
+        slot_offset,
+        align_up(max(arena.nbytes, 1), PAGE),
+    )

@@ -29,6 +29,7 @@ so a piece at element `off` finds its absmaxes at `off / 256`. A tier that also 
 params' subgroups (fp32 moments: `q8_mode` "some") keeps the 4-byte moment regions, the codes in
 their first quarter: correct, not smaller (as remainders' "some").
 """
+
 from __future__ import annotations
 
 import torch
@@ -58,6 +59,7 @@ def bank_layout(capacity: int, fmt, amsgrad: bool, copy_dtype, rem_mode: str, q8
         regions = {"p": bank.add("p", capacity * 4, align)}
         if rem_mode == "some":
             regions["rem"] = regions["p"]
+
     def size(dt):
         return 4 if dt == Q8 and q8_mode != "all" else 1 if dt == Q8 else dt.itemsize
 
@@ -98,26 +100,34 @@ def check_params(params, numels: list, fmt, copy_dtype) -> tuple:
     if not fmt.store_param_remainders:
         return [False] * len(numels), None
     if params is None or len(params) != len(numels):
-        raise ValueError(f"remainders=True needs params=: the model's elements of each of the "
-                         f"{len(numels)} subgroups, in numels' order (the masters' high halves), "
-                         f"got {None if params is None else len(params)}")
+        raise ValueError(
+            f"remainders=True needs params=: the model's elements of each of the "
+            f"{len(numels)} subgroups, in numels' order (the masters' high halves), "
+            f"got {None if params is None else len(params)}"
+        )
     seen = []
     for k, (p, n) in enumerate(zip(params, numels)):
         if isinstance(p, torch.Tensor):
             if p.numel() != n or not p.is_contiguous():
-                raise ValueError(f"params[{k}] must be a contiguous tensor of {n} elements "
-                                 f"(subgroup {k}'s params), got {tuple(p.shape)}")
+                raise ValueError(
+                    f"params[{k}] must be a contiguous tensor of {n} elements "
+                    f"(subgroup {k}'s params), got {tuple(p.shape)}"
+                )
             p = TensorParams(p)
         elif getattr(p, "numel", None) != n or not hasattr(p, "write"):
-            raise ValueError(f"params[{k}] must be a contiguous tensor or a layout.Subgroup of {n} "
-                             f"elements, got {type(p).__name__}")
+            raise ValueError(
+                f"params[{k}] must be a contiguous tensor or a layout.Subgroup of {n} "
+                f"elements, got {type(p).__name__}"
+            )
         seen.append(p)
     params = seen
     flags = [fmt.remainders_for(p.dtype) for p in params]
     if any(flags) and copy_dtype != torch.bfloat16:
-        raise ValueError(f"remainders=True with bf16 params needs a bf16 host tier "
-                         f"(copy_dtype=torch.bfloat16), got copy_dtype={copy_dtype}: the bank's "
-                         f"bf16 copy region holds the masters' high halves")
+        raise ValueError(
+            f"remainders=True with bf16 params needs a bf16 host tier "
+            f"(copy_dtype=torch.bfloat16), got copy_dtype={copy_dtype}: the bank's "
+            f"bf16 copy region holds the masters' high halves"
+        )
     return flags, (params if any(flags) else None)
 
 
@@ -126,9 +136,23 @@ class StateBanks:
     or remainders) and its encode/decode, and which banks are still unwritten (populated in
     the background: a bank's first use waits for its pages)."""
 
-    def __init__(self, arena, *, numels: list, fmt, amsgrad: bool, copy_dtype, remainders: list,
-                 params, regions: dict, bank_offset: int, bank_stride: int, io_bytes: int,
-                 n_banks: int, quantized: list | None = None):
+    def __init__(
+        self,
+        arena,
+        *,
+        numels: list,
+        fmt,
+        amsgrad: bool,
+        copy_dtype,
+        remainders: list,
+        params,
+        regions: dict,
+        bank_offset: int,
+        bank_stride: int,
+        io_bytes: int,
+        n_banks: int,
+        quantized: list | None = None,
+    ):
         self.arena = arena
         self.numels, self.fmt, self.amsgrad, self.copy_dtype = list(numels), fmt, amsgrad, copy_dtype
         # per subgroup, its format: q8 moments fp32 where its params are small (layout.py)
@@ -159,8 +183,9 @@ class StateBanks:
 
     def view(self, bank: int, region: str, numel: int, dtype) -> torch.Tensor:
         """`numel` elements of `dtype` at `region` of `bank` (a view into the arena)."""
-        return self.arena.tensor(self._bank_offset + bank * self._bank_stride + self._regions[region],
-                                 numel, dtype)
+        return self.arena.tensor(
+            self._bank_offset + bank * self._bank_stride + self._regions[region], numel, dtype
+        )
 
     def region_offset(self, region: str) -> int:
         """Byte offset of `region` inside a bank (and inside an nvme slot, laid out alike)."""
@@ -174,8 +199,9 @@ class StateBanks:
         """Banks the background population has not reached yet are waited for, so no step
         pays first-touch faults (for as long as the population progresses: a stall past the worker
         timeout raises); they are written from now on."""
-        self.arena.wait_populated_ranges([(self._bank_offset + b * self._bank_stride, self._bank_stride)
-                                          for b in banks], timeout_s)
+        self.arena.wait_populated_ranges(
+            [(self._bank_offset + b * self._bank_stride, self._bank_stride) for b in banks], timeout_s
+        )
         self._fresh.difference_update(banks)
 
     def take_fresh(self, bank: int) -> bool:
@@ -194,13 +220,15 @@ class StateBanks:
         uint8 codes under its name, its fp32 absmaxes under the name + "_absmax")."""
         n, fmt = self.numels[sg], self.formats[sg]
         if self._remainders[sg]:
-            out = {"high": self.view(bank, "copy", n, torch.bfloat16),
-                   "remainder": self.view(bank, "rem", n, torch.int16)}
+            out = {
+                "high": self.view(bank, "copy", n, torch.bfloat16),
+                "remainder": self.view(bank, "rem", n, torch.int16),
+            }
         else:
             out = {"param": self.view(bank, "p", n, torch.float32)}
         for name, dtype in fmt.stored_moments(self.amsgrad).items():
             if name.endswith(ABSMAX):
-                region = MOMENT_REGION[name[:-len(ABSMAX)]] + ABSMAX
+                region = MOMENT_REGION[name[: -len(ABSMAX)]] + ABSMAX
                 out[name] = self.view(bank, region, q8_blocks(n), dtype)
             else:
                 out[name] = self.view(bank, MOMENT_REGION[name], n, dtype)
@@ -221,6 +249,7 @@ class StateBanks:
         st = self.stored_state(bank, sg)
         if self._remainders[sg]:
             import cpu_kernels
+
             master = cpu_kernels.decode_remainder(st.pop("high"), st.pop("remainder"))
             st = {"param": master, **st}
         return st
@@ -251,6 +280,7 @@ class StateBanks:
             st["param"].copy_(master.reshape(-1))
             return None
         import cpu_kernels
+
         high, rem = cpu_kernels.encode_remainder(master.detach().reshape(-1).float().cpu().contiguous())
         st["remainder"].copy_(rem)
         st["high"].copy_(high)
@@ -285,4 +315,5 @@ def _independent_moment_dtypes() -> bool:
     """Whether this build of cpu_kernels steps exp_avg and exp_avg_sq of different dtypes
     (its AdamArgs has exp_avg_sq_dtype)."""
     from cpu_kernels import _lib
+
     return any(name == "exp_avg_sq_dtype" for name, *_ in _lib.AdamArgs._fields_)

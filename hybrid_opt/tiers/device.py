@@ -19,6 +19,7 @@ moment's name and its fp32 absmax (one per block of 256) under the name + "_absm
 subgroup is stepped by cpu_kernels.q8_adam_step_ (CPU) or gpu_kernels.q8_adam_ (CUDA), each
 slice on its own blocks (the layout starts every slice of it on a block).
 """
+
 from __future__ import annotations
 
 import collections
@@ -26,8 +27,7 @@ import math
 
 import torch
 
-from hybrid_opt.state.state_format import (ABSMAX, Q8_BLOCK, Q8_ZERO_CODE, StateFormat, q8_blocks,
-                                           stored_numel)
+from hybrid_opt.state.state_format import ABSMAX, Q8_BLOCK, Q8_ZERO_CODE, StateFormat, q8_blocks, stored_numel
 from hybrid_opt.tiers.device_memory import cpu_state_arena
 
 # prepared CUDA launches kept (_launch_for): one per launch group in the steady state; a few
@@ -77,8 +77,10 @@ def encode_remainder_on(master: torch.Tensor, device) -> tuple:
     m = master.to(device=device, dtype=torch.float32).contiguous()
     if m.device.type == "cpu":
         import cpu_kernels
+
         return cpu_kernels.encode_remainder(m)
     import gpu_kernels
+
     return gpu_kernels.encode_remainder(m)
 
 
@@ -136,8 +138,10 @@ class DeviceTier:
                 st = arena.tensors(sg.index)
                 self._cpu[sg.index] = arena
             else:
-                st = {k: torch.zeros(stored_numel(k, sg.numel), dtype=dt, device=sg.device)
-                      for k, dt in tensors.items()}
+                st = {
+                    k: torch.zeros(stored_numel(k, sg.numel), dtype=dt, device=sg.device)
+                    for k, dt in tensors.items()
+                }
             self.formats[sg.index] = state_format.for_subgroup(sg.quantized)
             if "exp_avg" + ABSMAX in st:  # a zero q8 exp_avg is the signed map's zero code, not code 0
                 st["exp_avg"].fill_(Q8_ZERO_CODE["exp_avg"])
@@ -152,16 +156,24 @@ class DeviceTier:
     # ------------------------------------------------------------------ bookkeeping
     def absorb(self, other: "DeviceTier") -> None:
         """Takes `other`'s subgroups, their tensors as they are (a move's arrivals)."""
-        for d, o in ((self.subgroups, other.subgroups), (self.master, other.master),
-                     (self.remainder, other.remainder), (self.state, other.state), (self._cpu, other._cpu),
-                     (self.formats, other.formats)):
+        for d, o in (
+            (self.subgroups, other.subgroups),
+            (self.master, other.master),
+            (self.remainder, other.remainder),
+            (self.state, other.state),
+            (self._cpu, other._cpu),
+            (self.formats, other.formats),
+        ):
             d.update(o)
         self._launches.clear()  # they read tensors of the subgroups as they were
 
     def drop(self, index: int, keep_subgroup: bool = False) -> None:
         """Lets subgroup `index`'s state go (it left the tier, or is about to be put back)."""
-        for d in ((self.master, self.remainder, self.state) if keep_subgroup
-                  else (self.subgroups, self.master, self.remainder, self.state, self.formats)):
+        for d in (
+            (self.master, self.remainder, self.state)
+            if keep_subgroup
+            else (self.subgroups, self.master, self.remainder, self.state, self.formats)
+        ):
             d.pop(index, None)
         arena = self._cpu.pop(index, None)
         if arena is not None:
@@ -221,8 +233,10 @@ class DeviceTier:
         flat, rem = sg.read(), self.remainder[index]
         if flat.device.type == "cpu":
             import cpu_kernels
+
             return cpu_kernels.decode_remainder(flat.detach().contiguous(), rem)
         import gpu_kernels
+
         return gpu_kernels.decode_remainder(flat.detach(), rem)
 
     def set_master(self, index: int, master: torch.Tensor, a: int = 0, b: int | None = None) -> None:
@@ -269,8 +283,10 @@ class DeviceTier:
         """Why this tier's kernel would refuse `grad` for `param` (None: it steps it). step()
         asks before anything changes, so bad input never leaves a step half applied."""
         if grad.dtype not in _GRAD_DTYPES:
-            return (f"is {grad.dtype}; the device tier steps float32, bfloat16 or float16 grads: "
-                    f"give it a grad of its parameter's dtype ({param.dtype})")
+            return (
+                f"is {grad.dtype}; the device tier steps float32, bfloat16 or float16 grads: "
+                f"give it a grad of its parameter's dtype ({param.dtype})"
+            )
         if grad.device != param.device:
             return f"is on {grad.device} and its parameter on {param.device}: move the grad there"
         if grad.layout != torch.strided:
@@ -281,14 +297,22 @@ class DeviceTier:
     def refuse_hyper(hp, device: torch.device) -> str | None:
         """Why the kernel would refuse a group's hyperparameters (`hp`: StepInputs-like), with
         torch's constructor messages; the CPU kernel also refuses non-finite values."""
-        values = (("lr", hp.lr), ("betas[0]", hp.beta1), ("betas[1]", hp.beta2), ("eps", hp.eps),
-                  ("weight_decay", hp.weight_decay))
+        values = (
+            ("lr", hp.lr),
+            ("betas[0]", hp.beta1),
+            ("betas[1]", hp.beta2),
+            ("eps", hp.eps),
+            ("weight_decay", hp.weight_decay),
+        )
         if device.type != "cuda":
             for name, v in values:
                 if not math.isfinite(v):
                     return f"{name} must be finite, got {v}"
-        for ok, what, v in ((0.0 <= hp.lr, "learning rate", hp.lr), (0.0 <= hp.eps, "epsilon value", hp.eps),
-                            (0.0 <= hp.weight_decay, "weight_decay value", hp.weight_decay)):
+        for ok, what, v in (
+            (0.0 <= hp.lr, "learning rate", hp.lr),
+            (0.0 <= hp.eps, "epsilon value", hp.eps),
+            (0.0 <= hp.weight_decay, "weight_decay value", hp.weight_decay),
+        ):
             if not ok:
                 return f"Invalid {what}: {v}"
         for k, b in enumerate((hp.beta1, hp.beta2)):
@@ -300,11 +324,16 @@ class DeviceTier:
     def refuse_scale(grad_scale, device: torch.device) -> str | None:
         """The CPU kernel refuses a non-finite combined grad scale (1/loss scale x clip
         coefficient); on CUDA it is a kernel argument that is not checked."""
-        if device.type != "cuda" and not isinstance(grad_scale, torch.Tensor) \
-                and not math.isfinite(grad_scale):
-            return (f"the combined grad scale (1/loss scale x clip coefficient) is {grad_scale}: "
-                    f"the grads' norm is not finite (inf/nan grads without a GradScaler to skip "
-                    f"the step); the device tier's kernel refuses it")
+        if (
+            device.type != "cuda"
+            and not isinstance(grad_scale, torch.Tensor)
+            and not math.isfinite(grad_scale)
+        ):
+            return (
+                f"the combined grad scale (1/loss scale x clip coefficient) is {grad_scale}: "
+                f"the grads' norm is not finite (inf/nan grads without a GradScaler to skip "
+                f"the step); the device tier's kernel refuses it"
+            )
         return None
 
     # ------------------------------------------------------------------ the step
@@ -339,9 +368,10 @@ class DeviceTier:
         if name + ABSMAX not in st:
             return st[name][a:b]
         from cpu_kernels.q8_reference import Q8Blocks
+
         if a % Q8_BLOCK:
             raise AssertionError(f"a q8 slice of subgroup {index} starts at element {a}, inside a block")
-        return Q8Blocks(st[name][a:b], st[name + ABSMAX][a // Q8_BLOCK:q8_blocks(b)])
+        return Q8Blocks(st[name][a:b], st[name + ABSMAX][a // Q8_BLOCK : q8_blocks(b)])
 
     def _views(self, index: int, sl):
         """(param, exp_avg, exp_avg_sq, max_exp_avg_sq, param_copy, remainder) of one slice:
@@ -357,6 +387,7 @@ class DeviceTier:
 
     def _step_cpu(self, work: list, grad_scale: float) -> None:
         import cpu_kernels
+
         done, _ = self.progress = ([], [])
         for k, (index, sl, hp, step) in enumerate(work):
             p, m, v, vmax, copy, rem = self._views(index, sl)
@@ -364,11 +395,23 @@ class DeviceTier:
             if not grad.is_contiguous():
                 grad = grad.contiguous()
             kernel = cpu_kernels.q8_adam_step_ if self.quantized(index) else cpu_kernels.adam_step_
-            kernel(p, grad, m, v, step=step, lr=hp.lr, beta1=hp.beta1, beta2=hp.beta2,
-                                   eps=hp.eps, weight_decay=hp.weight_decay, decoupled=hp.decoupled,
-                                   grad_scale=grad_scale * hp.grad_scale,
-                                   max_exp_avg_sq=vmax if hp.amsgrad else None, param_copy=copy,
-                                   remainder=rem)
+            kernel(
+                p,
+                grad,
+                m,
+                v,
+                step=step,
+                lr=hp.lr,
+                beta1=hp.beta1,
+                beta2=hp.beta2,
+                eps=hp.eps,
+                weight_decay=hp.weight_decay,
+                decoupled=hp.decoupled,
+                grad_scale=grad_scale * hp.grad_scale,
+                max_exp_avg_sq=vmax if hp.amsgrad else None,
+                param_copy=copy,
+                remainder=rem,
+            )
             done.append(k)
 
     def _launch_key(self, items: list, amsgrad: bool, rem: bool):
@@ -389,6 +432,7 @@ class DeviceTier:
         by `_launch_key` (holding no grad: the key checks the grads' addresses every step), or,
         without a key, made for this step over contiguous copies of the grads."""
         import gpu_kernels
+
         key = self._launch_key(items, amsgrad, rem)
         launch = self._launches.get(key) if key is not None else None
         if launch is not None:
@@ -401,9 +445,16 @@ class DeviceTier:
             for lst, t in ((ps, p), (gs, grad), (ms, m), (vs, v), (xs, vmax), (cs, copy), (rs, r)):
                 if t is not None:
                     lst.append(t)
-        launch = gpu_kernels.FusedAdam(ps, gs, ms, vs, max_exp_avg_sqs=xs if amsgrad else None,
-                                       param_copies=cs if len(cs) == len(ps) and not rem else None,
-                                       remainders=rs if rem else None, hold_grads=key is None)
+        launch = gpu_kernels.FusedAdam(
+            ps,
+            gs,
+            ms,
+            vs,
+            max_exp_avg_sqs=xs if amsgrad else None,
+            param_copies=cs if len(cs) == len(ps) and not rem else None,
+            remainders=rs if rem else None,
+            hold_grads=key is None,
+        )
         if key is not None:
             self._launches[key] = launch
             while len(self._launches) > _PREPARED_LAUNCHES:
@@ -414,18 +465,33 @@ class DeviceTier:
         """One gpu_kernels.q8_adam_ over `items`' slices (q8 subgroups: not prepared, its tables
         are cached by the launcher)."""
         import gpu_kernels.q8 as q8
+
         ps, gs, ms, vs, xs, cs, rs = [], [], [], [], [], [], []
         for _, index, sl in items:
             p, m, v, vmax, copy, r = self._views(index, sl)
             m, v, vmax = (q8.Q8Blocks(*x) if isinstance(x, tuple) else x for x in (m, v, vmax))
             grad = sl.grad_view()
-            for lst, t in ((ps, p), (gs, grad if grad.is_contiguous() else grad.contiguous()), (ms, m),
-                           (vs, v), (xs, vmax), (cs, copy), (rs, r)):
+            for lst, t in (
+                (ps, p),
+                (gs, grad if grad.is_contiguous() else grad.contiguous()),
+                (ms, m),
+                (vs, v),
+                (xs, vmax),
+                (cs, copy),
+                (rs, r),
+            ):
                 if t is not None:
                     lst.append(t)
-        q8.q8_adam_(ps, gs, ms, vs, max_exp_avg_sqs=xs if amsgrad else None,
-                    param_copies=cs if len(cs) == len(ps) and not rem else None,
-                    remainders=rs if rem else None, **scalars)
+        q8.q8_adam_(
+            ps,
+            gs,
+            ms,
+            vs,
+            max_exp_avg_sqs=xs if amsgrad else None,
+            param_copies=cs if len(cs) == len(ps) and not rem else None,
+            remainders=rs if rem else None,
+            **scalars,
+        )
 
     def _step_cuda(self, work: list, grad_scale, found_inf) -> None:
         done, unsure = self.progress = ([], [])
@@ -434,24 +500,61 @@ class DeviceTier:
         # slices share all of these: they are stepped by one call
         launches: dict = {}
         for k, (index, sl, hp, step) in enumerate(work):
-            launches.setdefault((hp.lr, hp.beta1, hp.beta2, hp.eps, hp.weight_decay, hp.decoupled,
-                                 hp.amsgrad, hp.grad_scale, step, self.subgroups[index].dtype,
-                                 index in self.remainder, self.quantized(index)), []).append((k, index, sl))
+            launches.setdefault(
+                (
+                    hp.lr,
+                    hp.beta1,
+                    hp.beta2,
+                    hp.eps,
+                    hp.weight_decay,
+                    hp.decoupled,
+                    hp.amsgrad,
+                    hp.grad_scale,
+                    step,
+                    self.subgroups[index].dtype,
+                    index in self.remainder,
+                    self.quantized(index),
+                ),
+                [],
+            ).append((k, index, sl))
         for (lr, b1, b2, eps, wd, decoupled, amsgrad, sign, step, _, rem, q8), items in launches.items():
             # a float scale is a kernel argument (fp32 inside the kernel, as a 1-element fp32
             # tensor would be): no per-step tensor, no host-to-device copy
-            scale = (grad_scale * sign).reshape(1) if isinstance(grad_scale, torch.Tensor) \
+            scale = (
+                (grad_scale * sign).reshape(1)
+                if isinstance(grad_scale, torch.Tensor)
                 else float(grad_scale) * sign
+            )
             unsure[:] = [k for k, _, _ in items]
             if q8:
-                self._launch_q8(items, amsgrad, rem, step=step, lr=lr, beta1=b1, beta2=b2, eps=eps,
-                                weight_decay=wd, decoupled=decoupled, grad_scale=scale, found_inf=found_inf)
+                self._launch_q8(
+                    items,
+                    amsgrad,
+                    rem,
+                    step=step,
+                    lr=lr,
+                    beta1=b1,
+                    beta2=b2,
+                    eps=eps,
+                    weight_decay=wd,
+                    decoupled=decoupled,
+                    grad_scale=scale,
+                    found_inf=found_inf,
+                )
                 done.extend(unsure)
                 unsure.clear()
                 continue
             # in the steady state a prepared launch: no per-slice tensor, no check
             self._launch_for(items, amsgrad, rem).step(
-                step=step, lr=lr, beta1=b1, beta2=b2, eps=eps, weight_decay=wd, decoupled=decoupled,
-                grad_scale=scale, found_inf=found_inf)
+                step=step,
+                lr=lr,
+                beta1=b1,
+                beta2=b2,
+                eps=eps,
+                weight_decay=wd,
+                decoupled=decoupled,
+                grad_scale=scale,
+                found_inf=found_inf,
+            )
             done.extend(unsure)
             unsure.clear()

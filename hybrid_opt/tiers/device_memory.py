@@ -8,6 +8,7 @@ a tensor of its own would. Its pages are allocated on first touch, as torch.zero
 Before a hole is punched, every state_dict() tensor still mapping those pages takes a copy of
 its own (HeldViews): it keeps the values it had.
 """
+
 from __future__ import annotations
 
 from hybrid_opt.mapped import HeldViews, Piece
@@ -33,8 +34,11 @@ class CpuStateArena:
 
     def tensors(self, index: int) -> dict:
         """{name: a zeroed tensor} of subgroup `index`, views into the arena."""
-        return {name: self.arena.tensor(off, n, dt) for (i, name), (off, n, dt) in self._regions.items()
-                if i == index}
+        return {
+            name: self.arena.tensor(off, n, dt)
+            for (i, name), (off, n, dt) in self._regions.items()
+            if i == index
+        }
 
     def piece(self, index: int, name: str, tensor, a: int, b: int) -> Piece | None:
         """Elements [a, b) of subgroup `index`'s tensor `name` as a file piece (mapped.py), or
@@ -46,8 +50,9 @@ class CpuStateArena:
         off, _, dtype = region
         if tensor.data_ptr() != address(self.arena.mm) + off:
             return None
-        return Piece(self.arena.fd, off + a * dtype.itemsize, (b - a) * dtype.itemsize,
-                     held=self.held, key=index)
+        return Piece(
+            self.arena.fd, off + a * dtype.itemsize, (b - a) * dtype.itemsize, held=self.held, key=index
+        )
 
     def free(self, index: int) -> None:
         """Subgroup `index` left the tier: held tensors over it take copies of their own, then
@@ -77,4 +82,3 @@ def cpu_state_arena(kinds: list) -> CpuStateArena | None:
     """The arena of `kinds`' CPU subgroups, or None where they are on an accelerator."""
     kinds = [(sg, t) for sg, t in kinds if sg.device.type == "cpu"]
     return CpuStateArena(kinds) if kinds else None
-

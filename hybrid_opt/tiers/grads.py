@@ -8,6 +8,7 @@ forbids it (Yama ptrace scope 2-3, seccomp) is found by `probe` at start, and th
 stages grads itself. host_io.py decides per piece (only while the worker has little queued)
 and hands the piece's gather list to the worker with its task (HostIO._remote_segments).
 """
+
 from __future__ import annotations
 
 import os
@@ -29,7 +30,7 @@ class GradGatherer:
     (distributed.local_of, resolved once by whoever names the grads: speculation.py), or None
     where the param has no grad."""
 
-    sg: object      # layout.Subgroup
+    sg: object  # layout.Subgroup
     grads: list
 
     def overlaps(self, offset: int, numel: int):
@@ -56,14 +57,14 @@ class GradGatherer:
     def __call__(self, dst: torch.Tensor, offset: int, numel: int, non_blocking: bool = False) -> None:
         for sl, a, b, g in self._overlapping(offset, numel):
             if g is None:
-                dst[a - offset:b - offset].zero_()
+                dst[a - offset : b - offset].zero_()
                 continue
             start = sl.param_offset - sl.sub_offset  # subgroup element -> grad element
-            src = g.reshape(-1)[start + a:start + b]
+            src = g.reshape(-1)[start + a : start + b]
             if non_blocking:  # on the side stream; the grad's memory is kept until the copy ran
-                copy_async(dst[a - offset:b - offset], src)
+                copy_async(dst[a - offset : b - offset], src)
             else:
-                dst[a - offset:b - offset].copy_(src, non_blocking=False)
+                dst[a - offset : b - offset].copy_(src, non_blocking=False)
 
     def segments(self, offset: int, numel: int, dtype):
         """Remote gather: [(element offset in the piece, address, elements)] (address 0: zeros)
@@ -89,7 +90,7 @@ def probe(send_and_wait, slot_view: torch.Tensor, slot: int) -> bool:
     if os.environ.get("HYBRID_OPT_REMOTE_GATHER", "1") == "0":
         return False
     probe_t = torch.arange(1, 65, dtype=torch.float32)
-    dst = slot_view.view(torch.uint8)[:probe_t.numel() * 4]
+    dst = slot_view.view(torch.uint8)[: probe_t.numel() * 4]
     dst.zero_()
     task = P.Task(P.OP_PING, 0, slot=slot)
     try:
@@ -99,4 +100,3 @@ def probe(send_and_wait, slot_view: torch.Tensor, slot: int) -> bool:
     ok = r.status == P.STATUS_OK and torch.equal(dst.view(torch.float32), probe_t)
     dst.zero_()
     return ok
-

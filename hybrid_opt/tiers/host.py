@@ -12,6 +12,7 @@ close(). HostTier owns parts, each owning its state and reached through its publ
     nvme_files.py NvmeFiles: the trainer's descriptors of the nvme files (open for its lifetime);
                   FileSlots: each nvme file's committed slot and CRCs
 """
+
 from __future__ import annotations
 
 import torch
@@ -20,14 +21,18 @@ from hybrid_opt.banks import BankPool
 from hybrid_opt.shm import PAGE, SharedArena, align_up
 from hybrid_opt.state.state_format import ABSMAX, Q8, StateFormat
 from hybrid_opt.swap import SwapDir, check_nvme_path
-# re-exported: the optimizer, calibration, tests and benchmarks import these from here
-from hybrid_opt.tiers.host_io import REMOTE_GATHER_QUEUE, _DT_CODE, HostIO, _Piece  # noqa: F401
-from hybrid_opt.tiers.arena_plan import (DEFAULT_SLOT_NUMEL, MAX_STAGING_SLOTS,  # noqa: F401
-                                         STAGING_SLOTS, plan_arena, staging_slots_for)
+from hybrid_opt.tiers.arena_plan import (
+    MAX_STAGING_SLOTS,  # noqa: F401
+    STAGING_SLOTS,
+    plan_arena,
+)
 from hybrid_opt.tiers.compressed import StateBanks, _independent_moment_dtypes, check_params
+
+# re-exported: the optimizer, calibration, tests and benchmarks import these from here
+from hybrid_opt.tiers.host_io import _DT_CODE, REMOTE_GATHER_QUEUE, HostIO, _Piece  # noqa: F401
 from hybrid_opt.tiers.host_step import HostStepping, _Speculation  # noqa: F401
-from hybrid_opt.tiers.inputs import StepInputs, _with_step  # noqa: F401
 from hybrid_opt.tiers.host_views import HostViews
+from hybrid_opt.tiers.inputs import StepInputs, _with_step  # noqa: F401
 from hybrid_opt.tiers.nvme_files import FileSlots, NvmeFiles
 from hybrid_opt.worker.client import DEFAULT_WORKER_SHARE, CoreSplit, WorkerClient
 
@@ -36,6 +41,7 @@ def _moment_code(dtype) -> int:
     """A moment dtype's code for the worker: _DT_CODE's, or the C library's DT_Q8 for "q8"."""
     if dtype == Q8:
         from cpu_kernels._q8_lib import DT_Q8
+
         return DT_Q8
     return _DT_CODE[dtype]
 
@@ -59,21 +65,41 @@ class HostTier:
     moments — codes and absmaxes in their banks (compressed.py), stepped by the q8 kernel; the
     others keep fp32 moments. None: none is quantized."""
 
-    def __init__(self, numels: list[int], *, grad_dtype=torch.float32, exp_avg_dtype=torch.float32,
-                 exp_avg_sq_dtype=torch.float32, remainders: bool = False, params: list | None = None,
-                 moment_dtype=None, copy_dtype=None, amsgrad: bool = False, rollback: str = "exact",
-                 spare_banks: int | None = None, staging_slots: int = STAGING_SLOTS,
-                 slot_numel: int | None = None, worker_share: float | None = None,
-                 worker_cores: list[int] | None = None, timeout_s: float = 120.0,
-                 nvme: list | None = None, nvme_path=None, io_banks: int = 4,
-                 nvme_threads: int = 4, pin: bool | torch.device = False, quantized: list | None = None):
+    def __init__(
+        self,
+        numels: list[int],
+        *,
+        grad_dtype=torch.float32,
+        exp_avg_dtype=torch.float32,
+        exp_avg_sq_dtype=torch.float32,
+        remainders: bool = False,
+        params: list | None = None,
+        moment_dtype=None,
+        copy_dtype=None,
+        amsgrad: bool = False,
+        rollback: str = "exact",
+        spare_banks: int | None = None,
+        staging_slots: int = STAGING_SLOTS,
+        slot_numel: int | None = None,
+        worker_share: float | None = None,
+        worker_cores: list[int] | None = None,
+        timeout_s: float = 120.0,
+        nvme: list | None = None,
+        nvme_path=None,
+        io_banks: int = 4,
+        nvme_threads: int = 4,
+        pin: bool | torch.device = False,
+        quantized: list | None = None,
+    ):
         if rollback not in ("exact", "inverse"):
             raise ValueError(f"rollback must be 'exact' or 'inverse', got {rollback!r}")
         # amsgrad=True lays out the running max of v; each step's StepInputs.amsgrad says
         # whether it is used (param groups may differ)
         if rollback == "inverse" and amsgrad:
-            raise ValueError("rollback='inverse' cannot undo amsgrad (its running max of v is not "
-                             "invertible); use rollback='exact' with amsgrad=True")
+            raise ValueError(
+                "rollback='inverse' cannot undo amsgrad (its running max of v is not "
+                "invertible); use rollback='exact' with amsgrad=True"
+            )
         if moment_dtype is not None:  # the older name: both moments
             exp_avg_dtype = exp_avg_sq_dtype = moment_dtype
         fmt = StateFormat(exp_avg_dtype, exp_avg_sq_dtype, bool(remainders))
@@ -86,23 +112,28 @@ class HostTier:
         if not fmt.quantized_moments:
             quantized = [False] * len(numels)
         if exp_avg_dtype != exp_avg_sq_dtype and not _independent_moment_dtypes():
-            raise TypeError("this build of cpu_kernels steps exp_avg and exp_avg_sq of one dtype "
-                            f"only (got {exp_avg_dtype} and {exp_avg_sq_dtype}); rebuild it "
-                            "(python setup.py build_ext --inplace) or give both one dtype")
+            raise TypeError(
+                "this build of cpu_kernels steps exp_avg and exp_avg_sq of one dtype "
+                f"only (got {exp_avg_dtype} and {exp_avg_sq_dtype}); rebuild it "
+                "(python setup.py build_ext --inplace) or give both one dtype"
+            )
         if copy_dtype not in (None, torch.bfloat16, torch.float16):
             raise TypeError(f"copy_dtype must be None, torch.bfloat16 or torch.float16, got {copy_dtype}")
         if not numels or min(numels) < 1:
             raise ValueError("the host tier needs at least one subgroup of at least one element")
-        if (rollback == "exact" and spare_banks is not None and spare_banks < 1
-                and not all(nvme or [False])):  # an nvme step borrows the io banks instead
+        if (
+            rollback == "exact" and spare_banks is not None and spare_banks < 1 and not all(nvme or [False])
+        ):  # an nvme step borrows the io banks instead
             raise ValueError(f"rollback='exact' needs at least one spare bank, got spare_banks={spare_banks}")
         if staging_slots < 1:
             raise ValueError(f"staging_slots must be >= 1, got {staging_slots}")
         self.numels = list(numels)
         remainders, params = check_params(params, self.numels, fmt, copy_dtype)
         if rollback == "inverse" and any(remainders):
-            raise ValueError("rollback='inverse' needs an fp32 master (its fp64 inverse reads and "
-                             "writes fp32 params); use rollback='exact' with remainders=True")
+            raise ValueError(
+                "rollback='inverse' needs an fp32 master (its fp64 inverse reads and "
+                "writes fp32 params); use rollback='exact' with remainders=True"
+            )
         self.state_format = fmt
         self.grad_dtype, self.copy_dtype = grad_dtype, copy_dtype
         self.exp_avg_dtype, self.exp_avg_sq_dtype = exp_avg_dtype, exp_avg_sq_dtype
@@ -124,10 +155,21 @@ class HostTier:
             worker_share = DEFAULT_WORKER_SHARE
         self.cores = CoreSplit(worker_share, worker_cores)
         self.swap = None
-        lay = plan_arena(self.numels, self.nvme, fmt=fmt, amsgrad=amsgrad, copy_dtype=copy_dtype,
-                         remainders=remainders, grad_dtype=grad_dtype, rollback=rollback,
-                         spare_banks=spare_banks, io_banks=io_banks, staging_slots=staging_slots,
-                         slot_numel=slot_numel, quantized=quantized)
+        lay = plan_arena(
+            self.numels,
+            self.nvme,
+            fmt=fmt,
+            amsgrad=amsgrad,
+            copy_dtype=copy_dtype,
+            remainders=remainders,
+            grad_dtype=grad_dtype,
+            rollback=rollback,
+            spare_banks=spare_banks,
+            io_banks=io_banks,
+            staging_slots=staging_slots,
+            slot_numel=slot_numel,
+            quantized=quantized,
+        )
         resident = lay.resident
         # an nvme step holds two banks (read, result) until it is committed or dropped
         self.io_banks = lay.io_banks
@@ -135,7 +177,11 @@ class HostTier:
         self.capacity, self.slot_numel, self.io_bytes = lay.capacity, lay.slot_numel, lay.io_bytes
         regions, bank_stride, slot_stride = lay.regions, lay.bank_stride, lay.slot_stride
         bank_offset, slot_offset = lay.bank_offset, lay.slot_offset
-        self.bank_bytes, self.spare_bytes, self.staging_bytes = lay.bank_bytes, lay.spare_bytes, lay.staging_bytes
+        self.bank_bytes, self.spare_bytes, self.staging_bytes = (
+            lay.bank_bytes,
+            lay.spare_bytes,
+            lay.staging_bytes,
+        )
         self.nvme_bytes = 2 * self.io_bytes * sum(self.nvme)
 
         # populated now: what construction writes (the committed masters: load_state) and the
@@ -143,52 +189,106 @@ class HostTier:
         # moments (zero: nothing writes them before a step), then the spare and io banks, in
         # the order the pool hands them out. A step waits for the banks it uses (_take_banks).
         # A pinned arena is populated whole: cudaHostRegister locks every page anyway.
-        later = [] if pin else [
-            (align_up(bank_offset + k * bank_stride + regions["m"], PAGE),
-             bank_offset + (k + 1) * bank_stride - align_up(bank_offset + k * bank_stride + regions["m"], PAGE))
-            for k in range(len(resident))]
+        later = (
+            []
+            if pin
+            else [
+                (
+                    align_up(bank_offset + k * bank_stride + regions["m"], PAGE),
+                    bank_offset
+                    + (k + 1) * bank_stride
+                    - align_up(bank_offset + k * bank_stride + regions["m"], PAGE),
+                )
+                for k in range(len(resident))
+            ]
+        )
         if not pin and self.pool.n_banks > len(resident):
-            later.append((bank_offset + bank_stride * len(resident), bank_stride * (self.pool.n_banks - len(resident))))
+            later.append(
+                (bank_offset + bank_stride * len(resident), bank_stride * (self.pool.n_banks - len(resident)))
+            )
         # its pages reserved and populated below, once the worker is starting (fill())
         self.arena = SharedArena(lay.nbytes, "hybrid_opt-host", later=later, defer=True)
-        self._banks = StateBanks(self.arena, numels=self.numels, fmt=fmt, amsgrad=amsgrad,
-                                 copy_dtype=copy_dtype, remainders=remainders, params=params,
-                                 regions=regions, bank_offset=bank_offset, bank_stride=bank_stride,
-                                 io_bytes=self.io_bytes, n_banks=self.pool.n_banks, quantized=quantized)
-        slots = [self.arena.tensor(slot_offset + k * slot_stride, self.slot_numel, grad_dtype)
-                 for k in range(staging_slots)]
-        layout = dict(bank_offset=bank_offset, bank_stride=bank_stride, bank_regions=regions,
-                      slot_offset=slot_offset, slot_stride=slot_stride,
-                      exp_avg_dtype=_moment_code(exp_avg_dtype),
-                      exp_avg_sq_dtype=_moment_code(exp_avg_sq_dtype),
-                      quantized=quantized,  # per subgroup: its q8 moments are codes (else fp32)
-                      populate_later=later)  # the worker maps these in the background
-        self._files = FileSlots(n)          # nvme: the committed slot of each subgroup's file
-        self._aio = None                    # the trainer's own engine (load_state / state)
-        self._fds = None                    # nvme: the trainer's descriptors (nvme_files.py)
+        self._banks = StateBanks(
+            self.arena,
+            numels=self.numels,
+            fmt=fmt,
+            amsgrad=amsgrad,
+            copy_dtype=copy_dtype,
+            remainders=remainders,
+            params=params,
+            regions=regions,
+            bank_offset=bank_offset,
+            bank_stride=bank_stride,
+            io_bytes=self.io_bytes,
+            n_banks=self.pool.n_banks,
+            quantized=quantized,
+        )
+        slots = [
+            self.arena.tensor(slot_offset + k * slot_stride, self.slot_numel, grad_dtype)
+            for k in range(staging_slots)
+        ]
+        layout = dict(
+            bank_offset=bank_offset,
+            bank_stride=bank_stride,
+            bank_regions=regions,
+            slot_offset=slot_offset,
+            slot_stride=slot_stride,
+            exp_avg_dtype=_moment_code(exp_avg_dtype),
+            exp_avg_sq_dtype=_moment_code(exp_avg_sq_dtype),
+            quantized=quantized,  # per subgroup: its q8 moments are codes (else fp32)
+            populate_later=later,
+        )  # the worker maps these in the background
+        self._files = FileSlots(n)  # nvme: the committed slot of each subgroup's file
+        self._aio = None  # the trainer's own engine (load_state / state)
+        self._fds = None  # nvme: the trainer's descriptors (nvme_files.py)
         if has_nvme:
             # made after the shared memory (sizing it can fail: RLIMIT_FSIZE, a full /dev/shm)
             # and filled inside the try below, so a failed constructor leaves no directory behind
             self.swap = SwapDir(nvme_path)
             self._fds = NvmeFiles(self.swap)
             layout["nvme"] = dict(dir=self.swap.path, io_bytes=self.io_bytes, threads=nvme_threads)
-        self.client = WorkerClient(self.arena, layout, cores=self.cores.worker or None,
-                                   threads=self.cores.worker_threads or None, passive=self.cores.shared,
-                                   timeout_s=timeout_s, files=self._fds)  # each worker inherits them
+        self.client = WorkerClient(
+            self.arena,
+            layout,
+            cores=self.cores.worker or None,
+            threads=self.cores.worker_threads or None,
+            passive=self.cores.shared,
+            timeout_s=timeout_s,
+            files=self._fds,
+        )  # each worker inherits them
         # the io part tells the stepping part (made next: `stepping` is read at call time)
         # which torn speculations to forget
         stepping = None
-        self._io = HostIO(self.client, slots, slot_numel=self.slot_numel, grad_dtype=grad_dtype,
-                          copy_dtype=copy_dtype, remainders=remainders, rollback=rollback,
-                          nvme=self.nvme, forget=lambda sg: stepping.forget(sg),
-                          waited_threads=self.cores.waited_threads)
+        self._io = HostIO(
+            self.client,
+            slots,
+            slot_numel=self.slot_numel,
+            grad_dtype=grad_dtype,
+            copy_dtype=copy_dtype,
+            remainders=remainders,
+            rollback=rollback,
+            nvme=self.nvme,
+            forget=lambda sg: stepping.forget(sg),
+            waited_threads=self.cores.waited_threads,
+        )
         # the committed state as pieces state_dict() maps; told of every write into it first
         # (a bank the pool hands out, a bank or nvme slot written in place)
-        self.views = HostViews(self.arena, self._banks, self.pool, self._files, self._fds,
-                               nvme=self.nvme, io_bytes=self.io_bytes)
-        stepping = HostStepping(self._io, self._banks, self.pool, self._files, self.client, self.views,
-                                numels=self.numels, nvme=self.nvme, rollback=rollback,
-                                amsgrad=amsgrad, slot_numel=self.slot_numel)
+        self.views = HostViews(
+            self.arena, self._banks, self.pool, self._files, self._fds, nvme=self.nvme, io_bytes=self.io_bytes
+        )
+        stepping = HostStepping(
+            self._io,
+            self._banks,
+            self.pool,
+            self._files,
+            self.client,
+            self.views,
+            numels=self.numels,
+            nvme=self.nvme,
+            rollback=rollback,
+            amsgrad=amsgrad,
+            slot_numel=self.slot_numel,
+        )
         self._step = stepping
         self.closed = False
         try:
@@ -212,6 +312,7 @@ class HostTier:
                 # a new file reads back as zeros: slot 0 already holds the all-zero state, so
                 # only its CRC is needed (nothing is written before load_state sets real state)
                 from cpu_kernels.aio import aligned_buffer, checksum
+
                 zeros = aligned_buffer(self.io_bytes)
                 zero_crc = checksum(zeros)
                 zeros.close()
@@ -235,8 +336,10 @@ class HostTier:
 
     def _resident(self, sg: int) -> int:
         if self.nvme[sg]:
-            raise RuntimeError(f"subgroup {sg} lives on nvme: its state is in files, read it with "
-                               f"state({sg}) and set it with load_state({sg}, ...)")
+            raise RuntimeError(
+                f"subgroup {sg} lives on nvme: its state is in files, read it with "
+                f"state({sg}) and set it with load_state({sg}, ...)"
+            )
         return self.pool.committed[sg]
 
     def quantized(self, sg: int) -> bool:
@@ -263,6 +366,7 @@ class HostTier:
     def _engine(self):
         if self._aio is None:
             from cpu_kernels.aio import AioEngine
+
             self._aio = AioEngine(threads=2, queue_depth=8)
             for sg, fd in self._fds.items():
                 self._aio.register(fd, self.swap.file(sg))  # its errors name the file
@@ -271,8 +375,10 @@ class HostTier:
     def _borrow_bank(self) -> int:
         banks = self.pool.acquire(1)
         if banks is None:
-            raise RuntimeError("no free bank to move nvme state through: every one is held by a "
-                               "step awaiting validation; call finish() first")
+            raise RuntimeError(
+                "no free bank to move nvme state through: every one is held by a "
+                "step awaiting validation; call finish() first"
+            )
         try:
             self.views.writing(banks=banks)
             self._banks.wait_populated(banks, self.client.timeout_s)
@@ -285,12 +391,14 @@ class HostTier:
         """Trainer-side swap of one slot (load_state, state, checkpoints) through `bank` (or the
         aligned buffer `buf`); returns its CRC32C."""
         from cpu_kernels.aio import AioError
+
         eng, fd = self._engine(), self._fds.fd(sg)
         self._fds.check(sg)
         addr = self._banks.state_block(bank).data_ptr() if buf is None else buf
         try:
-            rid = (eng.submit_write if write else eng.submit_read)(fd, addr, self.io_bytes,
-                                                                   slot * self.io_bytes, checksum=True)
+            rid = (eng.submit_write if write else eng.submit_read)(
+                fd, addr, self.io_bytes, slot * self.io_bytes, checksum=True
+            )
             (res,) = eng.wait([rid], timeout_s=self.client.timeout_s)
         except AioError as e:
             raise OSError(e.errno, f"nvme subgroup {sg}: {e}") from e
@@ -299,8 +407,11 @@ class HostTier:
     def file_marks(self) -> dict:
         """{nvme subgroup: (its committed slot, that slot's CRC32C)}: with restore_file_marks,
         how a load into the files is undone (load_state writes the other slot only)."""
-        return {sg: (self._files.slot(sg), self._files.crc(sg, self._files.slot(sg)))
-                for sg in range(len(self.numels)) if self.nvme[sg]}
+        return {
+            sg: (self._files.slot(sg), self._files.crc(sg, self._files.slot(sg)))
+            for sg in range(len(self.numels))
+            if self.nvme[sg]
+        }
 
     def restore_file_marks(self, marks: dict) -> None:
         """Each nvme subgroup's committed slot as file_marks() found it: its state as it was
@@ -314,6 +425,7 @@ class HostTier:
         way). Read into a buffer of its own: no bank, and a pending step only writes the other
         slot. A read that times out ends the scan (the disk is what failed, not a slot)."""
         from cpu_kernels.aio import aligned_buffer
+
         bad, buf = {}, aligned_buffer(self.io_bytes)
         try:
             for sg in sorted(subgroups):
@@ -351,17 +463,24 @@ class HostTier:
             slot = self._files.slot(sg)
             crc = self._swap_file(sg, bank, slot, write=False)
             if crc != self._files.crc(sg, slot):
-                raise OSError(f"checksum mismatch in {self.swap.file(sg)} slot {slot}: expected "
-                              f"CRC32C {self._files.crc(sg, slot):08x}, read {crc:08x}; the file is "
-                              f"corrupt — restore from a checkpoint")
-            if self._banks.keeps_remainders(sg):  # the file holds the low halves; the high half is the model's param
+                raise OSError(
+                    f"checksum mismatch in {self.swap.file(sg)} slot {slot}: expected "
+                    f"CRC32C {self._files.crc(sg, slot):08x}, read {crc:08x}; the file is "
+                    f"corrupt — restore from a checkpoint"
+                )
+            if self._banks.keeps_remainders(
+                sg
+            ):  # the file holds the low halves; the high half is the model's param
                 self._banks.read_high(sg, bank)
-            return {k: v.clone() for k, v in self._banks.bank_state(bank, sg).items() if master or k != "param"}
+            return {
+                k: v.clone() for k, v in self._banks.bank_state(bank, sg).items() if master or k != "param"
+            }
         finally:
             self.pool.release(bank)
 
-    def load_state(self, sg: int, param, exp_avg=None, exp_avg_sq=None, max_exp_avg_sq=None,
-                   **absmax) -> None:
+    def load_state(
+        self, sg: int, param, exp_avg=None, exp_avg_sq=None, max_exp_avg_sq=None, **absmax
+    ) -> None:
         """Sets subgroup `sg`'s committed state (moments default to zero). `param`: the fp32
         master, or the model's elements (a layout.Subgroup: read into the bank); moments are
         rounded to the tier's dtypes (to nearest even). A subgroup that keeps remainders
@@ -375,8 +494,14 @@ class HostTier:
             if self._banks.quantized(sg):
                 # the given moments may be views of this very bank (a master restarted in place:
                 # storage.py): copied, never zeroed first
-                missing = {k: t for k, t in stored.items() if k in given and given[k] is None
-                           or k.endswith(ABSMAX) and given.get(k[:-len(ABSMAX)]) is None}
+                missing = {
+                    k: t
+                    for k, t in stored.items()
+                    if k in given
+                    and given[k] is None
+                    or k.endswith(ABSMAX)
+                    and given.get(k[: -len(ABSMAX)]) is None
+                }
                 self._banks.zero_moments(missing, sg)
                 for name, src in given.items():
                     if src is not None and name in stored and src.data_ptr() != stored[name].data_ptr():
@@ -418,8 +543,7 @@ class HostTier:
                 self.pool.release(bank)
 
     # ------------------------------------------------------------------ steps (HostStepping)
-    def speculate(self, sg: int, grad, inputs: StepInputs, wait: bool = True,
-                  replace: bool = False) -> bool:
+    def speculate(self, sg: int, grad, inputs: StepInputs, wait: bool = True, replace: bool = False) -> bool:
         """Step `sg` now, to be validated by finish(); False when there is no room now, once
         the results that came back are collected (HostStepping.speculate). replace=True:
         cancel() a pending speculation of `sg` first."""

@@ -10,6 +10,7 @@ that subgroup is forgotten and the error (TornState) names it. A worker that doe
 within the timeout is treated as dead: killed, reaped and replaced the same way, and the wait
 raises WorkerTimeout saying so.
 """
+
 from __future__ import annotations
 
 import time
@@ -26,7 +27,7 @@ from hybrid_opt.worker import protocol as P
 from hybrid_opt.worker.client import UNANSWERED, TornState, WorkerDied, WorkerError, WorkerTimeout
 
 _DT_CODE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
-REMOTE_GATHER_QUEUE = 2   # pieces in flight below which the worker gathers grads itself
+REMOTE_GATHER_QUEUE = 2  # pieces in flight below which the worker gathers grads itself
 
 
 @dataclass
@@ -37,14 +38,14 @@ class _Piece:
     slot: int
     task: P.Task
     result: P.Result | None = None
-    freed: bool = False           # its staging slot is back in the ring
-    gather: tuple | list = ()     # remote gather: its gather list (protocol.pack_gather's entries)
-    keep: list | None = None      # remote gather: the grads the worker reads, alive until it has
-    copy_done: object = None      # the event of its staging copy while that is in flight (CUDA)
-    queued: bool = False          # waits in the CopyQueue to be sent
-    held: bool = False            # a speculated in-place step's: its slot (its grads) is kept
-                                  # after its result, until validation frees it (the undo reads it)
-    cancelled: bool = False       # its step was discarded while queued: never sent
+    freed: bool = False  # its staging slot is back in the ring
+    gather: tuple | list = ()  # remote gather: its gather list (protocol.pack_gather's entries)
+    keep: list | None = None  # remote gather: the grads the worker reads, alive until it has
+    copy_done: object = None  # the event of its staging copy while that is in flight (CUDA)
+    queued: bool = False  # waits in the CopyQueue to be sent
+    held: bool = False  # a speculated in-place step's: its slot (its grads) is kept
+    # after its result, until validation frees it (the undo reads it)
+    cancelled: bool = False  # its step was discarded while queued: never sent
 
     # the CopyQueue's marks (staging.py): it changes a piece only through these
     def enqueue(self) -> None:
@@ -66,8 +67,20 @@ class HostIO:
     is told through one callback, forget(sg), of a subgroup torn by a worker death (inverse
     mode), to be forgotten."""
 
-    def __init__(self, client, slots: list, *, slot_numel: int, grad_dtype, copy_dtype,
-                 remainders: list, rollback: str, nvme: list, forget, waited_threads: int = 0):
+    def __init__(
+        self,
+        client,
+        slots: list,
+        *,
+        slot_numel: int,
+        grad_dtype,
+        copy_dtype,
+        remainders: list,
+        rollback: str,
+        nvme: list,
+        forget,
+        waited_threads: int = 0,
+    ):
         """`waited_threads`: the kernel threads of a step the trainer waits for (stage_steps'
         waited=True), where the worker shares the trainer's cores (0: the worker's own count)."""
         self.client = client
@@ -76,29 +89,39 @@ class HostIO:
         self._remainders, self._rollback, self._nvme = list(remainders), rollback, list(nvme)
         self._forget = forget
         self._slots = list(slots)
-        self.slot_numel = slot_numel          # elements per staging slot: the most one piece has
+        self.slot_numel = slot_numel  # elements per staging slot: the most one piece has
         self._free_slots = list(range(len(slots)))[::-1]
         self._inflight: dict[int, _Piece] = {}
-        self._copies = CopyQueue()          # pieces whose staging copies are still landing (CUDA)
-        self._block_copies = False          # True inside finish(): step() may wait for them
-        self._stagers: dict = {}            # CUDA device -> its side-stream stager
-        self._copy_stager = None            # replaces the CUDA stagers (tests: events they complete)
+        self._copies = CopyQueue()  # pieces whose staging copies are still landing (CUDA)
+        self._block_copies = False  # True inside finish(): step() may wait for them
+        self._stagers: dict = {}  # CUDA device -> its side-stream stager
+        self._copy_stager = None  # replaces the CUDA stagers (tests: events they complete)
         self._error: WorkerError | None = None
         self.remote_gather = False
         self.worker_seconds = [0.0] * len(nvme)  # per subgroup, cumulative: compute and I/O in the worker
         self._counts = {"worker_restarts": 0, "worker_seconds": 0.0, "remote_gathered": 0}
 
     # ------------------------------------------------------------------ read-only views
-    counts = property(lambda self: dict(self._counts), doc="worker_restarts, worker_seconds (all subgroups), "
-                      "remote_gathered (pieces whose grads the worker read itself): a copy.")
-    slots = property(lambda self: tuple(self._slots), doc="The staging slots (grad_dtype tensors in the arena).")
+    counts = property(
+        lambda self: dict(self._counts),
+        doc="worker_restarts, worker_seconds (all subgroups), "
+        "remote_gathered (pieces whose grads the worker read itself): a copy.",
+    )
+    slots = property(
+        lambda self: tuple(self._slots), doc="The staging slots (grad_dtype tensors in the arena)."
+    )
     free_slots = property(lambda self: len(self._free_slots), doc="How many staging slots are free now.")
-    pieces_in_flight = property(lambda self: len(self._inflight),
-                                doc="Pieces sent to the worker whose results have not been collected.")
-    stagers = property(lambda self: dict(self._stagers),
-                       doc="{CUDA device: its side-stream CudaStager}, made on first use (a copy).")
-    copy_stager = property(lambda self: self._copy_stager,
-                           doc="The stager replacing the CUDA ones (use_stager), or None.")
+    pieces_in_flight = property(
+        lambda self: len(self._inflight),
+        doc="Pieces sent to the worker whose results have not been collected.",
+    )
+    stagers = property(
+        lambda self: dict(self._stagers),
+        doc="{CUDA device: its side-stream CudaStager}, made on first use (a copy).",
+    )
+    copy_stager = property(
+        lambda self: self._copy_stager, doc="The stager replacing the CUDA ones (use_stager), or None."
+    )
 
     def use_stager(self, stager) -> None:
         """Every asynchronous staging copy goes through `stager` (None: the CUDA stagers again);
@@ -115,7 +138,8 @@ class HostIO:
         remote_gather (tiers/grads.py)."""
         slot = self._free_slots[-1] if self._free_slots else None
         self.remote_gather = slot is not None and RG.probe(
-            lambda task, gather: self.client.wait([self.send_task(task, gather)])[0], self._slots[slot], slot)
+            lambda task, gather: self.client.wait([self.send_task(task, gather)])[0], self._slots[slot], slot
+        )
         return self.remote_gather
 
     def _remote_segments(self, grad, offset: int, numel: int):
@@ -134,19 +158,62 @@ class HostIO:
         return ((0, grad.data_ptr() + offset * es, numel * es),), [grad]
 
     # ------------------------------------------------------------------ tasks and slots
-    def _task(self, op, sg, inputs: StepInputs, in_bank, out_bank, offset, numel, slot, skip_nonfinite,
-              threads: int = 0):
-        return P.Task(op, 0, sg, numel, in_bank, P.NO_BANK if out_bank is None else out_bank,
-                      offset, slot, _DT_CODE[self.grad_dtype],
-                      _DT_CODE[self.copy_dtype] if self.copy_dtype is not None else P.NO_COPY,
-                      int(inputs.amsgrad), int(inputs.decoupled), int(skip_nonfinite), inputs.step,
-                      float(inputs.lr), float(inputs.beta1), float(inputs.beta2), float(inputs.eps),
-                      float(inputs.weight_decay), float(inputs.grad_scale),
-                      remainder=int(self._remainders[sg]), threads=threads)
+    def _task(
+        self,
+        op,
+        sg,
+        inputs: StepInputs,
+        in_bank,
+        out_bank,
+        offset,
+        numel,
+        slot,
+        skip_nonfinite,
+        threads: int = 0,
+    ):
+        return P.Task(
+            op,
+            0,
+            sg,
+            numel,
+            in_bank,
+            P.NO_BANK if out_bank is None else out_bank,
+            offset,
+            slot,
+            _DT_CODE[self.grad_dtype],
+            _DT_CODE[self.copy_dtype] if self.copy_dtype is not None else P.NO_COPY,
+            int(inputs.amsgrad),
+            int(inputs.decoupled),
+            int(skip_nonfinite),
+            inputs.step,
+            float(inputs.lr),
+            float(inputs.beta1),
+            float(inputs.beta2),
+            float(inputs.eps),
+            float(inputs.weight_decay),
+            float(inputs.grad_scale),
+            remainder=int(self._remainders[sg]),
+            threads=threads,
+        )
 
-    def stage_steps(self, pieces: list, sg: int, inputs: StepInputs, runs: tuple, in_bank, out_bank,
-                    skip_nonfinite: bool, grad, *, remote: bool, checked: bool, hold: bool,
-                    progress=None, need: int | None = None, waited: bool = False) -> bool:
+    def stage_steps(
+        self,
+        pieces: list,
+        sg: int,
+        inputs: StepInputs,
+        runs: tuple,
+        in_bank,
+        out_bank,
+        skip_nonfinite: bool,
+        grad,
+        *,
+        remote: bool,
+        checked: bool,
+        hold: bool,
+        progress=None,
+        need: int | None = None,
+        waited: bool = False,
+    ) -> bool:
         """Every piece of one subgroup's step: `runs` (inputs.ranges: (offset, numel, step)) cut
         into slot-sized pieces, each appended to `pieces` as soon as it holds a staging slot
         (every failure path frees it), and sent. checked: sent only once all are staged and
@@ -160,31 +227,68 @@ class HostIO:
         for run_off, run_n, step in runs:
             run_inputs = inputs if step == inputs.step else _with_step(inputs, step)
             for off in range(run_off, run_off + run_n, self.slot_numel):
-                self._stage_step(pieces, sg, run_inputs, in_bank, out_bank, off,
-                                 min(self.slot_numel, run_off + run_n - off), skip_nonfinite, grad,
-                                 remote=remote, send=not checked, hold=hold, progress=progress,
-                                 threads=self.waited_threads if waited else 0)
+                self._stage_step(
+                    pieces,
+                    sg,
+                    run_inputs,
+                    in_bank,
+                    out_bank,
+                    off,
+                    min(self.slot_numel, run_off + run_n - off),
+                    skip_nonfinite,
+                    grad,
+                    remote=remote,
+                    send=not checked,
+                    hold=hold,
+                    progress=progress,
+                    threads=self.waited_threads if waited else 0,
+                )
         if checked:
             self.send_checked(pieces)
         return True
 
-    def _stage_step(self, pieces: list, sg: int, inputs: StepInputs, in_bank, out_bank, offset: int,
-                    numel: int, skip_nonfinite: bool, grad, *, remote: bool, send: bool, hold: bool,
-                    progress, threads: int = 0) -> _Piece:
+    def _stage_step(
+        self,
+        pieces: list,
+        sg: int,
+        inputs: StepInputs,
+        in_bank,
+        out_bank,
+        offset: int,
+        numel: int,
+        skip_nonfinite: bool,
+        grad,
+        *,
+        remote: bool,
+        send: bool,
+        hold: bool,
+        progress,
+        threads: int = 0,
+    ) -> _Piece:
         """One piece (elements offset..offset+numel of `sg`): takes a staging slot (waiting for
         one if none is free; progress(): work to do meanwhile), appends the piece to `pieces`,
         has the worker gather its grads (remote) or stages them, and sends it (send=False: the
         caller sends the pieces later, send_checked)."""
         slot = self._acquire_slot(progress)
-        piece = _Piece(sg, offset, numel, slot, self._task(P.OP_STEP, sg, inputs, in_bank, out_bank,
-                                                          offset, numel, slot, skip_nonfinite, threads),
-                       held=hold)
+        piece = _Piece(
+            sg,
+            offset,
+            numel,
+            slot,
+            self._task(
+                P.OP_STEP, sg, inputs, in_bank, out_bank, offset, numel, slot, skip_nonfinite, threads
+            ),
+            held=hold,
+        )
         pieces.append(piece)  # owns the slot from here: every failure path frees it
         # the worker reads the grads itself only while it has little else queued: a
         # busy worker would finish later, so then the trainer copies them (its copy
         # overlaps the worker's compute) — the copying is shared by whichever core is free
-        seg = (self._remote_segments(grad, offset, numel)
-               if remote and len(self._inflight) < REMOTE_GATHER_QUEUE else None)
+        seg = (
+            self._remote_segments(grad, offset, numel)
+            if remote and len(self._inflight) < REMOTE_GATHER_QUEUE
+            else None
+        )
         if seg is not None:
             piece.gather, piece.keep = seg
             self._counts["remote_gathered"] += 1
@@ -197,8 +301,10 @@ class HostIO:
     def _acquire_slot(self, progress) -> int:
         while not self._free_slots:
             if not self._inflight and not len(self._copies):
-                raise RuntimeError("every staging slot is held by a speculated step awaiting "
-                                   "validation; call finish() (or use more staging_slots)")
+                raise RuntimeError(
+                    "every staging slot is held by a speculated step awaiting "
+                    "validation; call finish() (or use more staging_slots)"
+                )
             # progress(): work the trainer does while it waits for a staging slot (from finish())
             self.wait(lambda: (progress is not None and progress()) or bool(self._free_slots))
         return self._free_slots.pop()
@@ -212,12 +318,12 @@ class HostIO:
         if stager is not None:
             if callable(grad):
                 return stager.copy(lambda: grad(dst, offset, numel, non_blocking=True))
-            src = grad.reshape(-1)[offset:offset + numel]
+            src = grad.reshape(-1)[offset : offset + numel]
             return stager.copy(lambda: copy_async(dst, src))
         if callable(grad):  # a provider that gathers the subgroup's grads itself
             grad(dst, offset, numel)
         else:
-            dst.copy_(grad.reshape(-1)[offset:offset + numel])
+            dst.copy_(grad.reshape(-1)[offset : offset + numel])
         return None
 
     def stager_for(self, grad):
@@ -277,7 +383,8 @@ class HostIO:
 
     def _send_if_finite(self, pieces: list) -> None:
         import cpu_kernels
-        if all(cpu_kernels.grad_stats(self._slots[p.slot][:p.numel])[1] for p in pieces):
+
+        if all(cpu_kernels.grad_stats(self._slots[p.slot][: p.numel])[1] for p in pieces):
             self._send_all(pieces)
         else:
             for p in pieces:
@@ -374,8 +481,7 @@ class HostIO:
             piece.keep = None  # the worker has read its grads
             self._release_piece(piece)
             if r.status == P.STATUS_ERROR and self._error is None:
-                self._error = WorkerError(f"hybrid_opt worker failed on subgroup {r.subgroup}: "
-                                          f"{r.message}")
+                self._error = WorkerError(f"hybrid_opt worker failed on subgroup {r.subgroup}: {r.message}")
         return len(arrived)
 
     def raise_error(self) -> None:
@@ -440,16 +546,24 @@ class HostIO:
         err = self.client.unanswered_error(t)
         self._recover(err)  # inverse mode: raises TornState for the in-place steps it had
         if retry:
-            warnings.warn(f"{msg}: the worker (pid {pid}) did not answer, so it was killed and a new "
-                          f"one was sent its tasks again (exact: the wait goes on); {UNANSWERED}",
-                          RuntimeWarning, stacklevel=2)
+            warnings.warn(
+                f"{msg}: the worker (pid {pid}) did not answer, so it was killed and a new "
+                f"one was sent its tasks again (exact: the wait goes on); {UNANSWERED}",
+                RuntimeWarning,
+                stacklevel=2,
+            )
             return
-        raise WorkerTimeout(f"{msg}: the worker (pid {pid}) did not answer, so it was killed and a "
-                            f"new one started (the committed state is intact); {UNANSWERED}") from err
+        raise WorkerTimeout(
+            f"{msg}: the worker (pid {pid}) did not answer, so it was killed and a "
+            f"new one started (the committed state is intact); {UNANSWERED}"
+        ) from err
 
     def _in_place(self, piece: _Piece) -> bool:
-        return (self._rollback == "inverse" and not self._nvme[piece.subgroup]
-                and piece.task.op in (P.OP_STEP, P.OP_INVERSE))
+        return (
+            self._rollback == "inverse"
+            and not self._nvme[piece.subgroup]
+            and piece.task.op in (P.OP_STEP, P.OP_INVERSE)
+        )
 
     def _recover(self, err: WorkerDied) -> None:
         """A new worker, sent again every task the dead one left unfinished but those of the

@@ -18,6 +18,7 @@ writes that to the other file slot (OP_SWAP_OUT); commit flips the slot map, rol
 forgets the written slot. The worker starts each read as soon as the task arrives, so
 reads, compute and writes of consecutive subgroups overlap.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -25,22 +26,23 @@ from dataclasses import dataclass, field
 
 from hybrid_opt.state.state_format import ABSMAX, Q8_BLOCK, q8_blocks
 from hybrid_opt.tiers.host_io import TornState, _Piece
-from hybrid_opt.worker.client import TornInterrupt
 from hybrid_opt.tiers.inputs import StepInputs
 from hybrid_opt.worker import protocol as P
+from hybrid_opt.worker.client import TornInterrupt
 
 
 @dataclass
 class _Speculation:
     """One launched step of one subgroup (speculative, or after validation)."""
+
     inputs: StepInputs
-    bank: int | None                 # output bank: a spare (exact, nvme); None in place (inverse)
+    bank: int | None  # output bank: a spare (exact, nvme); None in place (inverse)
     pieces: list = field(default_factory=list)
-    aux_bank: int | None = None      # nvme: the bank the committed slot is read into
-    swap_in: _Piece | None = None    # nvme: the read of the committed slot (sent ahead: prefetch)
-    swap_out: _Piece | None = None   # nvme: the write of the new state (its result has the CRC)
-    file_slot: int = 0               # nvme: the slot it writes
-    launched: bool = False           # every task of it was handed to HostIO (_launch returned)
+    aux_bank: int | None = None  # nvme: the bank the committed slot is read into
+    swap_in: _Piece | None = None  # nvme: the read of the committed slot (sent ahead: prefetch)
+    swap_out: _Piece | None = None  # nvme: the write of the new state (its result has the CRC)
+    file_slot: int = 0  # nvme: the slot it writes
+    launched: bool = False  # every task of it was handed to HostIO (_launch returned)
 
     def done(self) -> bool:
         return all(p.result is not None for p in self.pieces)
@@ -49,22 +51,34 @@ class _Speculation:
         return all(p.result is not None and p.result.status == P.STATUS_OK for p in self.pieces)
 
 
-
 class HostStepping:
     """Speculation, validation, commit and rollback of a HostTier's steps: it owns the pending
     speculations and the step counters, and works through the tier's bank pool, its StateBanks
     (compressed.py), its FileSlots and its HostIO (staging slots and the worker). `client`, the
     WorkerClient, is read for its timeout_s only (every wait's bound, read at each use)."""
 
-    def __init__(self, io, banks, pool, files: FileSlots, client, views, *, numels: list, nvme: list,
-                 rollback: str, amsgrad: bool, slot_numel: int):
+    def __init__(
+        self,
+        io,
+        banks,
+        pool,
+        files: FileSlots,
+        client,
+        views,
+        *,
+        numels: list,
+        nvme: list,
+        rollback: str,
+        amsgrad: bool,
+        slot_numel: int,
+    ):
         self._io, self._banks, self._pool, self._files = io, banks, pool, files
         self._views = views  # HostViews: told of every bank and slot a step is about to write
         self._client = client
         self.numels, self.nvme = list(numels), list(nvme)
         self.rollback, self.amsgrad, self.slot_numel = rollback, amsgrad, slot_numel
         self._spec: dict[int, _Speculation] = {}
-        self._on_progress = None            # inside finish(): work to do while a slot is awaited
+        self._on_progress = None  # inside finish(): work to do while a slot is awaited
         self._counts = {"committed": 0, "redone": 0, "dropped": 0, "stepped": 0}
 
     @property
@@ -96,7 +110,9 @@ class HostStepping:
             if off > pos:
                 for name, dst in dst_state.items():
                     if name.endswith(ABSMAX):  # q8: runs start and end on blocks (layout.py)
-                        dst[pos // Q8_BLOCK:q8_blocks(off)].copy_(src_state[name][pos // Q8_BLOCK:q8_blocks(off)])
+                        dst[pos // Q8_BLOCK : q8_blocks(off)].copy_(
+                            src_state[name][pos // Q8_BLOCK : q8_blocks(off)]
+                        )
                     else:
                         dst[pos:off].copy_(src_state[name][pos:off])
             pos = max(pos, off + k)
@@ -105,9 +121,19 @@ class HostStepping:
         task = P.Task(op, 0, sg, in_bank=bank, file_slot=file_slot, crc=crc)
         return _Piece(sg, 0, 0, -1, task, freed=True)  # no staging slot
 
-    def _launch(self, sg: int, grad, inputs: StepInputs, runs: tuple, spec: _Speculation,
-                skip_nonfinite: bool, whole_subgroup_check: bool = False, remote: bool = False,
-                need: int | None = None, waited: bool = False) -> bool:
+    def _launch(
+        self,
+        sg: int,
+        grad,
+        inputs: StepInputs,
+        runs: tuple,
+        spec: _Speculation,
+        skip_nonfinite: bool,
+        whole_subgroup_check: bool = False,
+        remote: bool = False,
+        need: int | None = None,
+        waited: bool = False,
+    ) -> bool:
         """Stage and send every task of one subgroup's step (`runs`: inputs.ranges, as _check
         gave them); spec.bank (and, for nvme, spec.aux_bank) are already taken. remote: the
         worker reads the grads itself where it can (during backward, the trainer's core is
@@ -129,9 +155,22 @@ class HostStepping:
                 self._io.wait_for([swap_in])
             self._carry_over(sg, in_bank, spec.bank, runs)
         # inverse mode: stepped only if every grad is finite (checked), the grads held for the undo
-        if not self._io.stage_steps(pieces, sg, inputs, runs, in_bank, spec.bank, skip_nonfinite, grad,
-                                    remote=remote, checked=whole_subgroup_check, hold=whole_subgroup_check,
-                                    progress=self._on_progress, need=need, waited=waited):
+        if not self._io.stage_steps(
+            pieces,
+            sg,
+            inputs,
+            runs,
+            in_bank,
+            spec.bank,
+            skip_nonfinite,
+            grad,
+            remote=remote,
+            checked=whole_subgroup_check,
+            hold=whole_subgroup_check,
+            progress=self._on_progress,
+            need=need,
+            waited=waited,
+        ):
             return False
         if self.nvme[sg]:
             spec.file_slot = 1 - self._files.slot(sg)
@@ -155,14 +194,15 @@ class HostStepping:
         launched would leave a spare bank partly written, and a speculation finish() could commit.
         Returns the step's runs (inputs.ranges: (offset, numel, step)), checked."""
         if not 0 <= sg < len(self.numels):
-            raise IndexError(f"subgroup {sg} does not exist: this host tier has "
-                             f"{len(self.numels)} subgroups")
+            raise IndexError(f"subgroup {sg} does not exist: this host tier has {len(self.numels)} subgroups")
         n = self.numels[sg]
         if not callable(grad) and grad.numel() != n:
             raise ValueError(f"subgroup {sg} has {n} elements, its grad {grad.numel()}")
         if inputs.amsgrad and not self.amsgrad:
-            raise ValueError("StepInputs.amsgrad=True on a host tier built with amsgrad=False, which "
-                             "lays out no running max of v; build the tier with amsgrad=True")
+            raise ValueError(
+                "StepInputs.amsgrad=True on a host tier built with amsgrad=False, which "
+                "lays out no running max of v; build the tier with amsgrad=True"
+            )
         runs = inputs.ranges(n)
         for run_off, run_n, _ in runs:
             if run_off < 0 or run_n < 0 or run_off + run_n > n:
@@ -189,10 +229,12 @@ class HostStepping:
             in_place = [self._pool.committed[sg]] if not self.nvme[sg] and self.rollback != "exact" else []
             try:
                 if self._views.held.by_key:  # a state_dict() tensor is held: it keeps its values
-                    self._views.writing(banks=used + in_place,
-                                        slots=[(sg, 1 - self._files.slot(sg))] if self.nvme[sg] else [])
-                self._banks.wait_populated(used if self.nvme[sg] else [self._pool.committed[sg]] + used,
-                                           self._client.timeout_s)
+                    self._views.writing(
+                        banks=used + in_place, slots=[(sg, 1 - self._files.slot(sg))] if self.nvme[sg] else []
+                    )
+                self._banks.wait_populated(
+                    used if self.nvme[sg] else [self._pool.committed[sg]] + used, self._client.timeout_s
+                )
             except BaseException:
                 self._release_banks(spec)
                 raise
@@ -214,8 +256,7 @@ class HostStepping:
         spec.bank = spec.aux_bank = None
 
     # ------------------------------------------------------------------ speculation
-    def speculate(self, sg: int, grad, inputs: StepInputs, wait: bool = True,
-                  replace: bool = False) -> bool:
+    def speculate(self, sg: int, grad, inputs: StepInputs, wait: bool = True, replace: bool = False) -> bool:
         """Step `sg` now, into spare banks (exact, nvme) or in place (inverse), to be validated
         by finish(). Returns False, doing nothing, when no bank is free (or, in inverse mode
         or with wait=False, not every staging slot it needs): the subgroup is then stepped at
@@ -242,8 +283,17 @@ class HostStepping:
         spec.inputs = inputs
         self._spec[sg] = spec
         try:
-            staged = self._launch(sg, grad, inputs, runs, spec, True, whole_subgroup_check=in_place,
-                                  remote=True, need=None if self.nvme[sg] else need)
+            staged = self._launch(
+                sg,
+                grad,
+                inputs,
+                runs,
+                spec,
+                True,
+                whole_subgroup_check=in_place,
+                remote=True,
+                need=None if self.nvme[sg] else need,
+            )
         except BaseException:
             self._abandon(sg)  # a half-launched speculation must never be committed
             raise
@@ -259,8 +309,9 @@ class HostStepping:
             return
         if spec.pieces:  # something was sent (or queued): it ends before its buffers go back
             self._io.quiesce()
-        if spec.bank is None and any(p.result is not None and p.result.status == P.STATUS_OK
-                                     for p in spec.pieces):
+        if spec.bank is None and any(
+            p.result is not None and p.result.status == P.STATUS_OK for p in spec.pieces
+        ):
             try:
                 self._undo(sg, spec)
             except Exception:
@@ -303,8 +354,11 @@ class HostStepping:
             return None
         if wait:
             self._io.wait_for(spec.pieces)
-        return [(p.offset, p.numel, None if p.result is None else p.result.sum_sq)
-                for p in spec.pieces if p.task.op == P.OP_STEP]
+        return [
+            (p.offset, p.numel, None if p.result is None else p.result.sum_sq)
+            for p in spec.pieces
+            if p.task.op == P.OP_STEP
+        ]
 
     def require_idle(self, sg: int) -> None:
         """Raises when `sg` has a speculative step pending (its state is not settled)."""
@@ -318,11 +372,18 @@ class HostStepping:
         torn (HostIO._recover) rather than leaving a wait no result ends."""
         # the grads are in the slots already (held until validation): no gather; the slots
         # stay the step's pieces' (freed=True: the undo's results free nothing)
-        undo = [_Piece(sg, p.offset, p.numel, p.slot, freed=True,
-                       task=dataclasses.replace(p.task, op=P.OP_INVERSE, task_id=0,
-                                                threads=self._io.waited_threads))
-                for p in spec.pieces
-                if p.task.op == P.OP_STEP and p.result is not None and p.result.status == P.STATUS_OK]
+        undo = [
+            _Piece(
+                sg,
+                p.offset,
+                p.numel,
+                p.slot,
+                freed=True,
+                task=dataclasses.replace(p.task, op=P.OP_INVERSE, task_id=0, threads=self._io.waited_threads),
+            )
+            for p in spec.pieces
+            if p.task.op == P.OP_STEP and p.result is not None and p.result.status == P.STATUS_OK
+        ]
         try:
             for u in undo:
                 self._io.send(u)
@@ -410,9 +471,11 @@ class HostStepping:
             if torn and isinstance(e, Exception):
                 raise TornState(e.why if isinstance(e, TornState) else str(e), torn) from e
             if torn:  # KeyboardInterrupt and the like stay one (Ctrl-C still stops), the tear named
-                raise TornInterrupt(f"hybrid_opt host tier (rollback='inverse'): interrupted; the state "
-                                    f"of subgroups {torn} may be torn; restore them from a checkpoint",
-                                    torn) from e
+                raise TornInterrupt(
+                    f"hybrid_opt host tier (rollback='inverse'): interrupted; the state "
+                    f"of subgroups {torn} may be torn; restore them from a checkpoint",
+                    torn,
+                ) from e
             raise
         for v in outcome.values():
             self._counts[v] += 1
@@ -446,8 +509,10 @@ class HostStepping:
 
         def prefetch(k: int) -> None:
             # keep one bank for the next resident step; the rest may start nvme reads
-            reserve = 1 if self.rollback == "exact" and k + 1 < len(todo) and not self.nvme[todo[k + 1]] else 0
-            for nxt in todo[k + 1:]:
+            reserve = (
+                1 if self.rollback == "exact" and k + 1 < len(todo) and not self.nvme[todo[k + 1]] else 0
+            )
+            for nxt in todo[k + 1 :]:
                 if not self.nvme[nxt] or nxt in prefetched:
                     continue
                 if len(self._pool.free) < 2 + reserve:
@@ -480,8 +545,10 @@ class HostStepping:
             spec = prefetched.pop(sg, None) or self._take_banks(sg)
             while spec is None:  # the pool is spent: commit what has finished, then go on
                 if not waiting:
-                    raise RuntimeError(f"subgroup {sg} needs more banks than the pool has "
-                                       f"({self._pool.n_banks}); raise spare_banks/io_banks")
+                    raise RuntimeError(
+                        f"subgroup {sg} needs more banks than the pool has "
+                        f"({self._pool.n_banks}); raise spare_banks/io_banks"
+                    )
                 self._io.wait(lambda: any(w.done() for w in waiting.values()))
                 self._commit_finished(waiting, on_commit)
                 spec = self._take_banks(sg)

@@ -8,6 +8,7 @@ pool hands out, a committed bank stepped or loaded in place, an nvme slot about 
 written; the held tensors over it then take copies of their own (HeldViews), keeping the
 values they had when taken. close() does the same for all of them.
 """
+
 from __future__ import annotations
 
 import mmap
@@ -34,7 +35,7 @@ class HostViews:
         `verified` (the caller's set, one per state_dict() call): OSError where it is corrupt."""
         fmt = self._banks.formats[sg]
         if name.endswith(ABSMAX):  # a q8 moment's absmaxes: [a, b) count blocks
-            es, region = 4, self._banks.region_offset(_REGION[name[:-len(ABSMAX)]] + ABSMAX)
+            es, region = 4, self._banks.region_offset(_REGION[name[: -len(ABSMAX)]] + ABSMAX)
         else:
             es = 1 if fmt.is_q8(name) else fmt.dtype_of(name).itemsize
             region = self._banks.region_offset(_REGION[name])
@@ -48,20 +49,25 @@ class HostViews:
             self._verify(sg, slot)
             verified.add((sg, slot))
         off = slot * self._io_bytes + region + a * es
-        return Piece(self._fds.fd(sg), off, (b - a) * es, held=self.held, key=("slot", sg, slot),
-                     private=True)
+        return Piece(
+            self._fds.fd(sg), off, (b - a) * es, held=self.held, key=("slot", sg, slot), private=True
+        )
 
     def _verify(self, sg: int, slot: int) -> None:
         """The slot's CRC32C, read through the page cache (what the tensors will read), against
         the one its commit noted."""
         from cpu_kernels.aio import checksum
-        with mmap.mmap(self._fds.fd(sg), self._io_bytes, mmap.MAP_SHARED, mmap.PROT_READ,
-                       offset=slot * self._io_bytes) as mm:
+
+        with mmap.mmap(
+            self._fds.fd(sg), self._io_bytes, mmap.MAP_SHARED, mmap.PROT_READ, offset=slot * self._io_bytes
+        ) as mm:
             crc = checksum(mm)
         if crc != self._files.crc(sg, slot):
-            raise OSError(f"checksum mismatch in nvme subgroup {sg}'s file, slot {slot}: expected "
-                          f"CRC32C {self._files.crc(sg, slot):08x}, read {crc:08x}; the file is "
-                          f"corrupt — restore from a checkpoint")
+            raise OSError(
+                f"checksum mismatch in nvme subgroup {sg}'s file, slot {slot}: expected "
+                f"CRC32C {self._files.crc(sg, slot):08x}, read {crc:08x}; the file is "
+                f"corrupt — restore from a checkpoint"
+            )
 
     def writing(self, banks=(), slots=()) -> None:
         """`banks` and nvme `slots` [(subgroup, slot)] are about to be written: held tensors

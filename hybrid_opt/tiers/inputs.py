@@ -1,5 +1,6 @@
 """What a host step is given: `StepInputs`, everything its result depends on besides the
 state and the grads' values (imported from `hybrid_opt.tiers.host` too)."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
@@ -12,6 +13,7 @@ class StepInputs:
     grad_version identifies the grads (their tensors' `_version`), so a grad modified after
     it was staged makes a speculated step stale.
     """
+
     step: int
     lr: float
     beta1: float

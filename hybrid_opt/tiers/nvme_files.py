@@ -14,6 +14,7 @@ lowest-first they would take that range, and every descriptor the process opens 
 the worker's pipes, the user's sockets and data loaders' pipes — would land past it, where
 select() refuses them ('filedescriptor out of range') and poll() waits whole milliseconds.
 """
+
 from __future__ import annotations
 
 import errno
@@ -23,7 +24,7 @@ import warnings
 
 from hybrid_opt.worker.protocol import FD_SETSIZE  # select()'s bound on descriptor numbers
 
-MANY = 256         # files from which they are numbered past it
+MANY = 256  # files from which they are numbered past it
 
 
 class NvmeFiles:
@@ -33,7 +34,7 @@ class NvmeFiles:
         self.swap = swap
         self._fds: dict = {}
         self._gone: set = set()  # files found removed or replaced (warned once)
-        self._high = False       # the files are numbered from FD_SETSIZE up (reserve)
+        self._high = False  # the files are numbered from FD_SETSIZE up (reserve)
 
     def reserve(self, n: int) -> None:
         """Room for `n` more open files: the soft RLIMIT_NOFILE raised towards the hard one
@@ -41,6 +42,7 @@ class NvmeFiles:
         subgroup size, and the soft limit is often 1,024); where the hard one is short too, an
         error that says so before any file is made."""
         import resource
+
         soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
         try:
             fds = [int(fd) for fd in os.listdir("/proc/self/fd")]
@@ -54,10 +56,13 @@ class NvmeFiles:
         if soft == resource.RLIM_INFINITY or need <= soft:
             return
         if hard != resource.RLIM_INFINITY and now + n + 32 > hard:  # the files themselves do not fit
-            raise OSError(errno.EMFILE, f"hybrid_opt nvme tier: {n} state files (one per nvme subgroup) "
-                                        f"need about {need} open files, but the limit is {hard} (hard; "
-                                        f"`ulimit -Hn`): pass a larger subgroup_numel (fewer, larger "
-                                        f"subgroups) or raise the limit")
+            raise OSError(
+                errno.EMFILE,
+                f"hybrid_opt nvme tier: {n} state files (one per nvme subgroup) "
+                f"need about {need} open files, but the limit is {hard} (hard; "
+                f"`ulimit -Hn`): pass a larger subgroup_numel (fewer, larger "
+                f"subgroups) or raise the limit",
+            )
         try:
             room = need if hard == resource.RLIM_INFINITY else min(need, hard)
             resource.setrlimit(resource.RLIMIT_NOFILE, (room, hard))
@@ -66,6 +71,7 @@ class NvmeFiles:
 
     def open(self, sg: int) -> int:
         from cpu_kernels.aio import open_direct
+
         # the one open of the file: warns (once per process) where it cannot be O_DIRECT
         fd = open_direct(self.swap.file(sg), os.O_RDWR | os.O_CLOEXEC)
         if self._high and fd < FD_SETSIZE:
@@ -102,7 +108,9 @@ class NvmeFiles:
                 f"inherits them too), so nothing is lost yet; but a new optimizer or a restarted "
                 f"program cannot open it, and its disk space is freed only at close(). Save a "
                 f"checkpoint now (state_dict()) and keep nvme_path out of tmp cleaners",
-                RuntimeWarning, stacklevel=2)
+                RuntimeWarning,
+                stacklevel=2,
+            )
 
     def close(self) -> None:
         for fd in self._fds.values():

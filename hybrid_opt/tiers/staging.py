@@ -11,6 +11,7 @@ for at `step()`. Everything the queue does depends only on an event's `query()` 
 `synchronize()`, so its logic is tested on the CPU with a stager whose events the test
 completes (the fake stands in for CUDA, not for this code).
 """
+
 from __future__ import annotations
 
 from collections import deque

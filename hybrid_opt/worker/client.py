@@ -5,6 +5,7 @@ pipe closes, so the read side reports EOF), one that hangs past `timeout_s` rais
 WorkerTimeout naming the subgroups still outstanding (the host tier then kills and replaces it:
 unanswered_error()).
 """
+
 from __future__ import annotations
 
 import json
@@ -38,8 +39,10 @@ class WorkerTimeout(RuntimeError):
 
 
 # why a worker does not answer, and what to look at (HybridAdamW has no timeout argument)
-UNANSWERED = ("it may be starved of CPU, swapped out or stopped (SIGSTOP, a debugger): check the "
-              "machine's load and memory")
+UNANSWERED = (
+    "it may be starved of CPU, swapped out or stopped (SIGSTOP, a debugger): check the "
+    "machine's load and memory"
+)
 
 
 class TornState(RuntimeError):
@@ -49,9 +52,11 @@ class TornState(RuntimeError):
 
     def __init__(self, why: str, subgroups: list):
         self.why, self.subgroups = why, sorted(subgroups)
-        super().__init__(f"{why}. rollback='inverse' steps in place, so the state of subgroups "
-                         f"{self.subgroups} may be torn; restore them from a checkpoint "
-                         f"(rollback='exact' survives this)")
+        super().__init__(
+            f"{why}. rollback='inverse' steps in place, so the state of subgroups "
+            f"{self.subgroups} may be torn; restore them from a checkpoint "
+            f"(rollback='exact' survives this)"
+        )
 
 
 class TornInterrupt(KeyboardInterrupt):
@@ -65,6 +70,7 @@ class TornInterrupt(KeyboardInterrupt):
 
 def _package_root() -> str:
     import hybrid_opt
+
     return os.path.dirname(os.path.dirname(os.path.abspath(hybrid_opt.__file__)))
 
 
@@ -74,6 +80,7 @@ def _allow_reads_by(pid: int) -> None:
     where it forbids this, nothing changes; the host tier's probe then decides."""
     try:
         import ctypes
+
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(0x59616D61, ctypes.c_ulong(pid), 0, 0, 0)  # PR_SET_PTRACER
     except Exception:
@@ -82,16 +89,20 @@ def _allow_reads_by(pid: int) -> None:
 
 def _thread_counts() -> tuple:
     """(torch's, cpu_kernels') intra-op thread counts, read together before either changes."""
-    import cpu_kernels
     import torch
+
+    import cpu_kernels
+
     return torch.get_num_threads(), cpu_kernels.get_num_threads()
 
 
 def _set_thread_counts(counts: tuple) -> None:
     # cpu_kernels first, torch last: where both share one OpenMP runtime, the last call sets
     # both, and torch's own bookkeeping must hold its count
-    import cpu_kernels
     import torch
+
+    import cpu_kernels
+
     cpu_kernels.set_num_threads(max(1, int(counts[1])))
     torch.set_num_threads(max(1, int(counts[0])))
 
@@ -129,11 +140,17 @@ class CoreSplit:
 
     # while any split is applied, later splits divide the process's original CPUs, not the
     # trainer's share of them (a second optimizer in the same process gets its own worker core)
-    _applied: list = []   # the applied splits, oldest first
+    _applied: list = []  # the applied splits, oldest first
     _original: set | None = None
 
-    def __init__(self, worker_share: float | None = 0.5, worker_cores: list[int] | None = None, *,
-                 allowed: list[int] | None = None, node: NodeInfo | None = None):
+    def __init__(
+        self,
+        worker_share: float | None = 0.5,
+        worker_cores: list[int] | None = None,
+        *,
+        allowed: list[int] | None = None,
+        node: NodeInfo | None = None,
+    ):
         """`worker_share`: the worker's fraction of the cores; None: trainer and worker share
         every core (a CPU-only host, where the forward and backward need them all and the host
         step fills the trainer's idle moments). `allowed`: the process's cores (default: its
@@ -166,7 +183,9 @@ class CoreSplit:
         # sleep when idle: on 2 cores (bench GPT, offload 1) its one thread beside the trainer's
         # two ran an iteration at 1.09x torch's, two spinning threads at 1.5x, two sleeping 1.13x
         self.shared = worker_cores is None and worker_share is None and len(cpus) > 1
-        self.worker_threads = max(1, round(len(cpus) * DEFAULT_WORKER_SHARE)) if self.shared else len(self.worker)
+        self.worker_threads = (
+            max(1, round(len(cpus) * DEFAULT_WORKER_SHARE)) if self.shared else len(self.worker)
+        )
         # a step the trainer waits for (after backward) runs on every shared core: the trainer
         # sleeps meanwhile (0: the worker's own count, its cores being its own)
         self.waited_threads = len(cpus) if self.shared else 0
@@ -181,12 +200,16 @@ class CoreSplit:
     def describe(self) -> str:
         """The arrangement in words (the demo's summary says it)."""
         if self.shared:
-            return (f"shared: the trainer keeps all {len(self.trainer)} cores for forward and backward; the "
-                    f"worker steps beside it in {self.worker_threads} sleeping thread(s) during backward, "
-                    f"and on all {self.waited_threads} while step() waits for it")
+            return (
+                f"shared: the trainer keeps all {len(self.trainer)} cores for forward and backward; the "
+                f"worker steps beside it in {self.worker_threads} sleeping thread(s) during backward, "
+                f"and on all {self.waited_threads} while step() waits for it"
+            )
         if self.separate:
-            return (f"split: the trainer on cores {_ranges(self.trainer)}, the worker on cores "
-                    f"{_ranges(self.worker)}")
+            return (
+                f"split: the trainer on cores {_ranges(self.trainer)}, the worker on cores "
+                f"{_ranges(self.worker)}"
+            )
         return f"one core ({_ranges(self.worker)}): the trainer and the worker take turns on it"
 
     @property
@@ -199,8 +222,11 @@ class CoreSplit:
     def pins(self) -> bool:
         """Whether `apply()` pins the trainer: its cores differ from the worker's, or this
         rank's slice of the node is narrower than the process's cores."""
-        return hasattr(os, "sched_setaffinity") and bool(self.trainer) and (
-            self.trainer != self.worker or self.sliced)
+        return (
+            hasattr(os, "sched_setaffinity")
+            and bool(self.trainer)
+            and (self.trainer != self.worker or self.sliced)
+        )
 
     def apply(self) -> None:
         if not self.pins:
@@ -259,11 +285,12 @@ def _config_file(data: bytes) -> int:
         fd = os.memfd_create("hybrid_opt-worker-config")  # CLOEXEC: pass_fds hands it on alone
     else:
         import tempfile
+
         with tempfile.TemporaryFile() as f:  # held open until its descriptor is duplicated
             fd = os.dup(f.fileno())
     view = memoryview(data)
     while view:
-        view = view[os.write(fd, view):]
+        view = view[os.write(fd, view) :]
     os.lseek(fd, 0, os.SEEK_SET)
     return fd
 
@@ -282,8 +309,18 @@ class WorkerClient:
     the same open files, O_DIRECT kept) and never opens a file by path, so a file removed from
     outside (a tmp cleaner) stays reachable for a restarted worker too."""
 
-    def __init__(self, arena, layout: dict, *, cores: list[int] | None = None, threads: int | None = None,
-                 passive: bool = False, timeout_s: float = 120.0, start_timeout_s: float = 30.0, files=None):
+    def __init__(
+        self,
+        arena,
+        layout: dict,
+        *,
+        cores: list[int] | None = None,
+        threads: int | None = None,
+        passive: bool = False,
+        timeout_s: float = 120.0,
+        start_timeout_s: float = 30.0,
+        files=None,
+    ):
         """`cores`: the worker's affinity; `threads`: its OpenMP threads (default: one per core);
         `passive`: its idle threads sleep instead of spinning (cores it shares with the trainer)."""
         self.arena = arena
@@ -324,11 +361,21 @@ class WorkerClient:
         resp_r, resp_w = os.pipe()
         self._stderr_fd = os.memfd_create("hybrid_opt-worker-stderr") if hasattr(os, "memfd_create") else None
         files = {int(sg): fd for sg, fd in self.files.items()} if self.files is not None else {}
-        cfg = dict(self.layout, arena_fd=self.arena.fd, arena_nbytes=self.arena.nbytes,
-                   req_fd=req_r, resp_fd=resp_w, cores=self.cores, trainer_pid=os.getpid(),
-                   threads=self.threads, file_fds=files)
+        cfg = dict(
+            self.layout,
+            arena_fd=self.arena.fd,
+            arena_nbytes=self.arena.nbytes,
+            req_fd=req_r,
+            resp_fd=resp_w,
+            cores=self.cores,
+            trainer_pid=os.getpid(),
+            threads=self.threads,
+            file_fds=files,
+        )
         env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join([_package_root()] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+        env["PYTHONPATH"] = os.pathsep.join(
+            [_package_root()] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+        )
         if self.threads:
             env["OMP_NUM_THREADS"] = str(self.threads)
         if self.passive:  # OpenMP threads spinning between steps would take the trainer's cores
@@ -341,9 +388,12 @@ class WorkerClient:
         try:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "hybrid_opt.worker.main", "--config-fd", str(cfg_fd)],
-                pass_fds=(self.arena.fd, req_r, resp_w, cfg_fd, *files.values()), env=env,
-                stdin=subprocess.DEVNULL, stderr=self._stderr_fd if self._stderr_fd is not None else None,
-                start_new_session=True)  # the terminal's Ctrl-C goes to the trainer alone
+                pass_fds=(self.arena.fd, req_r, resp_w, cfg_fd, *files.values()),
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stderr=self._stderr_fd if self._stderr_fd is not None else None,
+                start_new_session=True,
+            )  # the terminal's Ctrl-C goes to the trainer alone
         except OSError:
             os.close(req_w)
             os.close(resp_r)
@@ -384,15 +434,22 @@ class WorkerClient:
                     code = self.proc.wait(timeout=1.0)
                 except subprocess.TimeoutExpired:
                     code = None
-            how = (f"killed by signal {signal.Signals(-code).name}" if code is not None and code < 0
-                   else f"exited with code {code}" if code is not None else "stopped answering")
+            how = (
+                f"killed by signal {signal.Signals(-code).name}"
+                if code is not None and code < 0
+                else f"exited with code {code}"
+                if code is not None
+                else "stopped answering"
+            )
         self._take_written()
         tail = self._stderr_tail()
         pending = list(self.pending.values())
         subgroups = sorted({t.subgroup for t in pending if t.op in (P.OP_STEP, P.OP_INVERSE)})
-        msg = (f"hybrid_opt worker (pid {self.pid}) {how}"
-               + (f" with subgroups {subgroups} in flight" if subgroups else "")
-               + (f"; its last output:\n{tail}" if tail else ""))
+        msg = (
+            f"hybrid_opt worker (pid {self.pid}) {how}"
+            + (f" with subgroups {subgroups} in flight" if subgroups else "")
+            + (f"; its last output:\n{tail}" if tail else "")
+        )
         self._reap()
         return WorkerDied(msg, pending)
 
@@ -400,8 +457,7 @@ class WorkerClient:
         """The results a worker that is gone wrote before its end and nobody read yet (a death
         met by send(), not drain()): taken, so a task it finished is not counted lost."""
         try:
-            while (self._resp is not None and not self._reader.eof
-                   and P.readable(self._resp, 0)):
+            while self._resp is not None and not self._reader.eof and P.readable(self._resp, 0):
                 for r in self._reader.read_results():
                     self.pending.pop(r.task_id, None)
                     self.results[r.task_id] = r
@@ -506,11 +562,17 @@ class WorkerClient:
             left = deadline - time.monotonic()
             if left <= 0:
                 waited = self.timeout_s if timeout_s is None else timeout_s
-                outstanding = sorted({self.pending[t].subgroup for t in task_ids if t in self.pending
-                                      and self.pending[t].op in (P.OP_STEP, P.OP_INVERSE)})
+                outstanding = sorted(
+                    {
+                        self.pending[t].subgroup
+                        for t in task_ids
+                        if t in self.pending and self.pending[t].op in (P.OP_STEP, P.OP_INVERSE)
+                    }
+                )
                 what = f"did not finish subgroups {outstanding}" if outstanding else "did not answer"
-                raise WorkerTimeout(f"hybrid_opt worker (pid {self.pid}) {what} within {waited:.0f} s; "
-                                    f"{UNANSWERED}")
+                raise WorkerTimeout(
+                    f"hybrid_opt worker (pid {self.pid}) {what} within {waited:.0f} s; {UNANSWERED}"
+                )
             self.drain(min(_POLL_S, left))
         out = [self.results.pop(t) for t in task_ids]
         for r in out:

@@ -29,6 +29,7 @@ Test-only fault injection: HYBRID_OPT_WORKER_FAULT="STAGE:K" kills the worker wi
 STAGE (before_step | mid_step | after_step) of its K-th step task; STAGE "raise" makes that
 task raise instead (an error that must come back to the trainer naming the subgroup).
 """
+
 from __future__ import annotations
 
 import collections
@@ -57,8 +58,14 @@ class _IoVec(ctypes.Structure):
 def _libc():
     libc = ctypes.CDLL(None, use_errno=True)
     fn = libc.process_vm_readv
-    fn.argtypes = [ctypes.c_int, ctypes.POINTER(_IoVec), ctypes.c_ulong, ctypes.POINTER(_IoVec),
-                   ctypes.c_ulong, ctypes.c_ulong]
+    fn.argtypes = [
+        ctypes.c_int,
+        ctypes.POINTER(_IoVec),
+        ctypes.c_ulong,
+        ctypes.POINTER(_IoVec),
+        ctypes.c_ulong,
+        ctypes.c_ulong,
+    ]
     fn.restype = ctypes.c_ssize_t
     return libc
 
@@ -88,6 +95,7 @@ class Worker:
             # before the C library loads: OpenMP's threads inherit this thread's affinity
             os.sched_setaffinity(0, cores)
         from cpu_kernels import _lib  # noqa: PLC0415  (after the affinity is set)
+
         self.lib = _lib.lib
         self.AdamArgs, self.InverseArgs = _lib.AdamArgs, _lib.InverseArgs
         # the kernels' threads: the worker's own count, or a task's (Task.threads: a step the
@@ -96,15 +104,18 @@ class Worker:
         self._threads_now = self.threads
         _lib.set_num_threads(self.threads)
         self._set_threads = _lib.set_num_threads
-        self.mm = mmap.mmap(cfg["arena_fd"], cfg["arena_nbytes"], mmap.MAP_SHARED,
-                            mmap.PROT_READ | mmap.PROT_WRITE)
+        self.mm = mmap.mmap(
+            cfg["arena_fd"], cfg["arena_nbytes"], mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE
+        )
         # the trainer allocated the pages; map them all now rather than a fault per 4 KB in
         # the first steps on each bank; the ranges it populates in the background (spare
         # banks) are mapped here in the background too, in the same order, so the two threads
         # share the pages' first touch
         later = [tuple(r) for r in cfg.get("populate_later") or ()]
         populate(self.mm, skip=later)
-        self._populating = BackgroundPopulate(address(self.mm), later, "the worker's arena") if later else None
+        self._populating = (
+            BackgroundPopulate(address(self.mm), later, "the worker's arena") if later else None
+        )
         self.base = ctypes.addressof(ctypes.c_char.from_buffer(self.mm))
         self.bank_offset, self.bank_stride = cfg["bank_offset"], cfg["bank_stride"]
         self.regions = cfg["bank_regions"]
@@ -114,10 +125,15 @@ class Worker:
         self.q8_lib = None
         if any(self.quantized):
             from cpu_kernels import _q8_lib  # noqa: PLC0415  (torch-free, as _lib)
+
             self.q8_lib = _q8_lib
         # a cpu_kernels build without exp_avg_sq_dtype steps both moments in exp_avg's dtype
         self.sq_dtype_field = any(f[0] == "exp_avg_sq_dtype" for f in self.AdamArgs._fields_)
-        if self.m_dtype != self.v_dtype and not self.sq_dtype_field and DT_Q8 not in (self.m_dtype, self.v_dtype):
+        if (
+            self.m_dtype != self.v_dtype
+            and not self.sq_dtype_field
+            and DT_Q8 not in (self.m_dtype, self.v_dtype)
+        ):
             raise ValueError("this build of cpu_kernels steps exp_avg and exp_avg_sq of one dtype only")
         self.req, self.resp = P.low_numbered(cfg["req_fd"]), cfg["resp_fd"]
         self.fault = _Fault(os.environ.get("HYBRID_OPT_WORKER_FAULT"))
@@ -130,6 +146,7 @@ class Worker:
         self.fds = {int(sg): fd for sg, fd in (cfg.get("file_fds") or {}).items()}
         if self.nvme:
             from cpu_kernels.aio import AioEngine  # noqa: PLC0415
+
             # reads and writes on engines of their own: a swap-out does not queue behind the
             # prefetched swap-ins (nor they behind it), so the disk sees both streams at once
             threads = int(self.nvme.get("threads", 4))
@@ -144,9 +161,11 @@ class Worker:
     def _file(self, sg: int) -> int:
         fd = self.fds.get(sg)
         if fd is None:
-            raise ValueError(f"subgroup {sg} has no nvme file: the trainer handed this worker "
-                             f"descriptors for subgroups {sorted(self.fds)} only (a task for a "
-                             f"subgroup not on the nvme tier; a bug in hybrid_opt, please report it)")
+            raise ValueError(
+                f"subgroup {sg} has no nvme file: the trainer handed this worker "
+                f"descriptors for subgroups {sorted(self.fds)} only (a task for a "
+                f"subgroup not on the nvme tier; a bug in hybrid_opt, please report it)"
+            )
         return fd
 
     def _submit_swap(self, t: P.Task) -> int:
@@ -159,21 +178,34 @@ class Worker:
 
     def _finish_swap(self, t: P.Task, req) -> P.Result:
         from cpu_kernels.aio import AioError  # noqa: PLC0415
+
         engine, rid = req
         try:
             (res,) = engine.wait([rid], timeout_s=60.0)
         except AioError as e:
             return P.Result(t.op, t.task_id, P.STATUS_ERROR, t.subgroup, message=f"AioError: {e}")
         if t.op == P.OP_SWAP_IN and res.crc != t.crc:
-            return P.Result(t.op, t.task_id, P.STATUS_ERROR, t.subgroup, message=(
-                f"checksum mismatch in {res.path} slot {t.file_slot}: expected CRC32C "
-                f"{t.crc:08x}, read {res.crc:08x}; the file is corrupt (disk fault or outside "
-                f"write) — restore from a checkpoint"))
+            return P.Result(
+                t.op,
+                t.task_id,
+                P.STATUS_ERROR,
+                t.subgroup,
+                message=(
+                    f"checksum mismatch in {res.path} slot {t.file_slot}: expected CRC32C "
+                    f"{t.crc:08x}, read {res.crc:08x}; the file is corrupt (disk fault or outside "
+                    f"write) — restore from a checkpoint"
+                ),
+            )
         return P.Result(t.op, t.task_id, P.STATUS_OK, t.subgroup, crc=res.crc or 0)
 
     def _bank(self, bank: int, region: str, elem_offset: int, elem_size: int) -> int:
-        return (self.base + self.bank_offset + bank * self.bank_stride + self.regions[region]
-                + elem_offset * elem_size)
+        return (
+            self.base
+            + self.bank_offset
+            + bank * self.bank_stride
+            + self.regions[region]
+            + elem_offset * elem_size
+        )
 
     def _grad_stats(self, t: P.Task, grad: int) -> tuple[float, bool]:
         out = ctypes.c_double(0.0)
@@ -195,15 +227,18 @@ class Worker:
             elif nbytes:
                 reads.append((dst + off, addr, nbytes))
         for k in range(0, len(reads), IOV_BATCH):
-            batch = reads[k:k + IOV_BATCH]
+            batch = reads[k : k + IOV_BATCH]
             local = (_IoVec * len(batch))(*[_IoVec(d, n) for d, _, n in batch])
             remote = (_IoVec * len(batch))(*[_IoVec(a, n) for _, a, n in batch])
             want = sum(n for _, _, n in batch)
             got = self.libc.process_vm_readv(self.trainer, local, len(batch), remote, len(batch), 0)
             if got != want:
                 err = ctypes.get_errno()
-                raise OSError(err, f"process_vm_readv from the trainer (pid {self.trainer}) read "
-                                   f"{got} of {want} bytes: {os.strerror(err) if got < 0 else 'short read'}")
+                raise OSError(
+                    err,
+                    f"process_vm_readv from the trainer (pid {self.trainer}) read "
+                    f"{got} of {want} bytes: {os.strerror(err) if got < 0 else 'short read'}",
+                )
 
     def step(self, t: P.Task) -> P.Result:
         self.fault.count()
@@ -240,12 +275,17 @@ class Worker:
         a.exp_avg_out = self._bank(out_bank, "m", off, ms)
         a.exp_avg_sq_out = self._bank(out_bank, "v", off, vs)
         a.max_exp_avg_sq_out = self._bank(out_bank, "vmax", off, vs) if t.amsgrad else None
-        a.grad_dtype, a.moment_dtype, a.decoupled, a.step = (t.grad_dtype, m_dtype,
-                                                             t.decoupled, t.step)
+        a.grad_dtype, a.moment_dtype, a.decoupled, a.step = (t.grad_dtype, m_dtype, t.decoupled, t.step)
         if self.sq_dtype_field:
             a.exp_avg_sq_dtype = v_dtype
         a.lr, a.beta1, a.beta2, a.eps, a.weight_decay, a.grad_scale = (
-            t.lr, t.beta1, t.beta2, t.eps, t.weight_decay, t.grad_scale)
+            t.lr,
+            t.beta1,
+            t.beta2,
+            t.eps,
+            t.weight_decay,
+            t.grad_scale,
+        )
         if self.fault.stage == "mid_step" and self.fault.steps == self.fault.at:
             a.n = t.numel // 2  # half the piece written, then killed: a torn write
             self.lib.hybrid_adam_step(ctypes.byref(a))
@@ -255,18 +295,24 @@ class Worker:
         self.fault.maybe_die("after_step")
         return P.Result(t.op, t.task_id, P.STATUS_OK, t.subgroup, sum_sq, int(finite))
 
-    def _step_q8(self, t: P.Task, grad: int, out_bank: int, m_dtype: int, v_dtype: int,
-                 sum_sq: float, finite: bool) -> P.Result:
+    def _step_q8(
+        self, t: P.Task, grad: int, out_bank: int, m_dtype: int, v_dtype: int, sum_sq: float, finite: bool
+    ) -> P.Result:
         """One piece of a quantized subgroup through cpu_kernels' q8 entry, bank mode: codes and
         absmaxes read from the in bank, written to the out bank (in place without one)."""
         off = t.elem_offset
         if off % Q8_BLOCK:
-            raise ValueError(f"a q8 piece of subgroup {t.subgroup} starts at element {off}, inside a "
-                             f"block of {Q8_BLOCK} (a bug in hybrid_opt, please report it)")
+            raise ValueError(
+                f"a q8 piece of subgroup {t.subgroup} starts at element {off}, inside a "
+                f"block of {Q8_BLOCK} (a bug in hybrid_opt, please report it)"
+            )
         a = self.q8_lib.Q8AdamArgs()
         if t.remainder:
             a.param, a.param_out = self._bank(t.in_bank, "copy", off, 2), self._bank(out_bank, "copy", off, 2)
-            a.remainder, a.remainder_out = self._bank(t.in_bank, "rem", off, 2), self._bank(out_bank, "rem", off, 2)
+            a.remainder, a.remainder_out = (
+                self._bank(t.in_bank, "rem", off, 2),
+                self._bank(out_bank, "rem", off, 2),
+            )
         else:
             a.param, a.param_out = self._bank(t.in_bank, "p", off, 4), self._bank(out_bank, "p", off, 4)
             if t.copy_dtype != P.NO_COPY:
@@ -286,7 +332,13 @@ class Worker:
         a.grad_dtype, a.exp_avg_dtype, a.exp_avg_sq_dtype = t.grad_dtype, m_dtype, v_dtype
         a.decoupled, a.step = t.decoupled, t.step
         a.lr, a.beta1, a.beta2, a.eps, a.weight_decay, a.grad_scale = (
-            t.lr, t.beta1, t.beta2, t.eps, t.weight_decay, t.grad_scale)
+            t.lr,
+            t.beta1,
+            t.beta2,
+            t.eps,
+            t.weight_decay,
+            t.grad_scale,
+        )
         if self.fault.stage == "mid_step" and self.fault.steps == self.fault.at:
             a.n = t.numel // 2  # half the piece written, then killed: a torn write
             self.q8_lib.q8_adam_step_raw(a)
@@ -308,7 +360,13 @@ class Worker:
         a.grad = self.base + self.slot_offset + t.slot * self.slot_stride
         a.grad_dtype, a.decoupled, a.step = t.grad_dtype, t.decoupled, t.step
         a.lr, a.beta1, a.beta2, a.eps, a.weight_decay, a.grad_scale = (
-            t.lr, t.beta1, t.beta2, t.eps, t.weight_decay, t.grad_scale)
+            t.lr,
+            t.beta1,
+            t.beta2,
+            t.eps,
+            t.weight_decay,
+            t.grad_scale,
+        )
         self.lib.hybrid_adam_inverse(ctypes.byref(a))
         return P.Result(t.op, t.task_id, P.STATUS_OK, t.subgroup)
 
@@ -332,16 +390,15 @@ class Worker:
             else:
                 r = P.Result(t.op, t.task_id, P.STATUS_OK, t.subgroup)
         except Exception as e:  # comes back to the trainer as an exception there
-            r = P.Result(t.op, t.task_id, P.STATUS_ERROR, t.subgroup,
-                         message=f"{type(e).__name__}: {e}")
+            r = P.Result(t.op, t.task_id, P.STATUS_ERROR, t.subgroup, message=f"{type(e).__name__}: {e}")
         r.elapsed_ns = time.perf_counter_ns() - t0
         return r
 
     def serve(self) -> int:
         reader = P.FrameReader(self.req)
         queue: collections.deque = collections.deque()  # tasks not yet run, arrival order
-        io: dict = {}            # task_id -> (task, aio request id, start ns)
-        reading: set = set()     # banks whose swap-in has not been verified yet
+        io: dict = {}  # task_id -> (task, aio request id, start ns)
+        reading: set = set()  # banks whose swap-in has not been verified yet
         held: collections.deque = collections.deque()  # swap-ins waiting for room to be read
         while True:
             if not reader.eof:
@@ -372,7 +429,9 @@ class Worker:
             # run what is runnable, in order; a task waits only for earlier work on its banks
             blocked: set = set()
             for t in list(queue):
-                banks = {t.in_bank} if t.op != P.OP_STEP or t.out_bank == P.NO_BANK else {t.in_bank, t.out_bank}
+                banks = (
+                    {t.in_bank} if t.op != P.OP_STEP or t.out_bank == P.NO_BANK else {t.in_bank, t.out_bank}
+                )
                 if t.op in (P.OP_PING, P.OP_EXIT):
                     banks = set()
                 if banks & (blocked | reading) or (t.op == P.OP_SWAP_OUT and self._full(self.aio_write)):
@@ -406,8 +465,9 @@ class Worker:
             io[t.task_id] = (t, self._submit_swap(t), time.perf_counter_ns())
             return True
         except Exception as e:
-            self._reply(P.Result(t.op, t.task_id, P.STATUS_ERROR, t.subgroup,
-                                 message=f"{type(e).__name__}: {e}"))
+            self._reply(
+                P.Result(t.op, t.task_id, P.STATUS_ERROR, t.subgroup, message=f"{type(e).__name__}: {e}")
+            )
             return False
 
     def _parent_gone(self, within_s: float = 1.0) -> bool:

@@ -7,6 +7,7 @@ The payload of a request is a Task, plus its gather list; of a reply a Result, p
 UTF-8 message on error.
 Task and result name the subgroup, so every error can say which one failed.
 """
+
 from __future__ import annotations
 
 import os
@@ -17,8 +18,8 @@ from operator import attrgetter
 
 OP_STEP, OP_INVERSE, OP_PING, OP_EXIT, OP_SWAP_IN, OP_SWAP_OUT = 1, 2, 3, 4, 5, 6
 STATUS_OK, STATUS_NONFINITE, STATUS_ERROR = 0, 1, 2
-NO_BANK = -1   # out_bank for an in-place step
-NO_COPY = -1   # copy_dtype when no param copy is written
+NO_BANK = -1  # out_bank for an in-place step
+NO_COPY = -1  # copy_dtype when no param copy is written
 
 _HEADER = struct.Struct("<I")
 
@@ -28,11 +29,11 @@ class Task:
     op: int
     task_id: int
     subgroup: int = 0
-    numel: int = 0           # elements of this piece
+    numel: int = 0  # elements of this piece
     in_bank: int = 0
     out_bank: int = NO_BANK  # spare bank (exact mode) or NO_BANK (in place)
-    elem_offset: int = 0     # first element of this piece inside the subgroup's bank
-    slot: int = 0            # staging slot holding this piece's grads (from its start)
+    elem_offset: int = 0  # first element of this piece inside the subgroup's bank
+    slot: int = 0  # staging slot holding this piece's grads (from its start)
     grad_dtype: int = 0
     copy_dtype: int = NO_COPY
     amsgrad: int = 0
@@ -45,10 +46,10 @@ class Task:
     eps: float = 0.0
     weight_decay: float = 0.0
     grad_scale: float = 1.0
-    file_slot: int = 0       # swap ops: which of the subgroup's two file slots
-    crc: int = 0             # OP_SWAP_IN: the CRC32C the slot must have
-    remainder: int = 0       # OP_STEP: the master is the bank's copy region (bf16) + int16 "rem"
-    threads: int = 0         # OP_STEP / OP_INVERSE: the kernel's threads (0: the worker's own count)
+    file_slot: int = 0  # swap ops: which of the subgroup's two file slots
+    crc: int = 0  # OP_SWAP_IN: the CRC32C the slot must have
+    remainder: int = 0  # OP_STEP: the master is the bank's copy region (bf16) + int16 "rem"
+    threads: int = 0  # OP_STEP / OP_INVERSE: the kernel's threads (0: the worker's own count)
     # remote gather: GATHER entries (byte offset in the slot, trainer address, bytes) the
     # worker reads from the trainer's memory into the slot first (address 0: zeros); the
     # trainer hands the entries to write_task, the worker reads them packed here
@@ -83,17 +84,28 @@ class Result:
     task_id: int
     status: int
     subgroup: int = 0
-    sum_sq: float = 0.0      # grad_stats of this piece's grads (scaled by nothing)
+    sum_sq: float = 0.0  # grad_stats of this piece's grads (scaled by nothing)
     finite: int = 1
     elapsed_ns: int = 0
-    crc: int = 0             # OP_SWAP_OUT: the CRC32C of the slot just written
+    crc: int = 0  # OP_SWAP_OUT: the CRC32C of the slot just written
     message: str = ""
 
     _STRUCT = struct.Struct("<BqbqdbqI")
 
     def pack(self) -> bytes:
-        return self._STRUCT.pack(self.op, self.task_id, self.status, self.subgroup, self.sum_sq,
-                                 self.finite, self.elapsed_ns, self.crc) + self.message.encode()
+        return (
+            self._STRUCT.pack(
+                self.op,
+                self.task_id,
+                self.status,
+                self.subgroup,
+                self.sum_sq,
+                self.finite,
+                self.elapsed_ns,
+                self.crc,
+            )
+            + self.message.encode()
+        )
 
     @classmethod
     def unpack(cls, payload: bytes) -> "Result":
@@ -165,8 +177,8 @@ class FrameReader:
             (n,) = _HEADER.unpack_from(self.buf)
             if len(self.buf) < _HEADER.size + n:
                 break
-            payload = bytes(self.buf[_HEADER.size:_HEADER.size + n])
-            del self.buf[:_HEADER.size + n]
+            payload = bytes(self.buf[_HEADER.size : _HEADER.size + n])
+            del self.buf[: _HEADER.size + n]
             yield payload
 
     def read_results(self, timeout_s: float | None = None) -> list | None:

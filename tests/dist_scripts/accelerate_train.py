@@ -17,12 +17,12 @@
 Saves per configuration the params, the clip norms, the error (type, is-RuntimeError,
 message) if training raised, the optimizer's step count, the model's wrapper and the warnings.
 """
-import warnings
 
-import torch.distributed as dist
+import warnings
 
 import common as C
 import hf_common as H
+import torch.distributed as dist
 
 CONFIGS = {
     # name: (optimizer, HybridAdamW kwargs, how the model is prepared, accelerator.clip_grad_norm_)
@@ -30,14 +30,19 @@ CONFIGS = {
     "acc_zero_clip": ("hybrid", {"process_group": "WORLD"}, "move", H.CLIP),
     "acc_zero_ddp_clip": ("hybrid", {"process_group": "WORLD"}, "prepare", H.CLIP),
     "acc_zero_recipe": ("hybrid", {"process_group": "WORLD", "max_grad_norm": H.CLIP}, "move", None),
-    "acc_zero_recipe_eval_mode": ("hybrid", {"process_group": "WORLD", "max_grad_norm": H.CLIP},
-                                  "evaluation_mode", None),
+    "acc_zero_recipe_eval_mode": (
+        "hybrid",
+        {"process_group": "WORLD", "max_grad_norm": H.CLIP},
+        "evaluation_mode",
+        None,
+    ),
     "acc_zero_ddp_noclip": ("hybrid", {"process_group": "WORLD", "max_grad_norm": H.CLIP}, "prepare", None),
 }
 
 
 def run(name: str, rank: int, world: int, tmp: str) -> dict:
     from accelerate import Accelerator
+
     kind, hybrid, model_by, clip = CONFIGS[name]
     if hybrid.get("process_group") == "WORLD":
         hybrid = dict(hybrid, process_group=dist.group.WORLD)
@@ -53,9 +58,17 @@ def run(name: str, rank: int, world: int, tmp: str) -> dict:
             norms = H.accelerate_train(accelerator, wrapped, accelerated, loader, clip=clip)
         except Exception as e:  # noqa: BLE001 - the test judges the type and message
             error = (type(e).__name__, isinstance(e, RuntimeError), str(e))
-    out = dict(params=H.params_of(model), init=init, norms=norms, error=error, steps=H.step_count(opt),
-               wrapped=type(wrapped).__name__, last_grad_norm=getattr(opt, "last_grad_norm", None),
-               registered=len(accelerator._models), warnings=[str(w.message) for w in caught])
+    out = dict(
+        params=H.params_of(model),
+        init=init,
+        norms=norms,
+        error=error,
+        steps=H.step_count(opt),
+        wrapped=type(wrapped).__name__,
+        last_grad_norm=getattr(opt, "last_grad_norm", None),
+        registered=len(accelerator._models),
+        warnings=[str(w.message) for w in caught],
+    )
     H.close(opt)
     accelerator.free_memory()
     return out

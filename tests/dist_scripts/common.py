@@ -1,21 +1,27 @@
 """Shared by the rank scripts and tests/test_distributed.py: the model, the data and the
 single-process reference on the global batch."""
+
 from __future__ import annotations
 
 import os
 
 import torch
 
-IN, HID, OUT = 12, 13, 6   # 13: odd, so dim-0 shards are uneven over 2 ranks
-BATCH = 8                  # global batch, split evenly over the ranks
+IN, HID, OUT = 12, 13, 6  # 13: odd, so dim-0 shards are uneven over 2 ranks
+BATCH = 8  # global batch, split evenly over the ranks
 STEPS = 4
 LR = 1e-2
 
 
 def build_model() -> torch.nn.Module:
     torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(IN, HID), torch.nn.Tanh(), torch.nn.Linear(HID, OUT),
-                               torch.nn.Tanh(), torch.nn.Linear(OUT, 3))
+    return torch.nn.Sequential(
+        torch.nn.Linear(IN, HID),
+        torch.nn.Tanh(),
+        torch.nn.Linear(HID, OUT),
+        torch.nn.Tanh(),
+        torch.nn.Linear(OUT, 3),
+    )
 
 
 def batches(n: int = STEPS, seed: int = 1) -> list:
@@ -38,9 +44,13 @@ def loss_bias_unused(model, x, rank: int, world: int, step: int):
 
 def reference_bias_unused(kind: str, world: int = 2, **kw) -> tuple:
     """reference() with loss_bias_unused: the mean over the ranks of their losses."""
+
     def loss(model, x, step):
-        return sum(loss_bias_unused(model, local_batch(x, r, world), r, world, step)
-                   for r in range(world)) / world
+        return (
+            sum(loss_bias_unused(model, local_batch(x, r, world), r, world, step) for r in range(world))
+            / world
+        )
+
     return reference(kind, loss=loss, **kw)
 
 
@@ -54,9 +64,13 @@ def loss_layer_unused(model, x, rank: int, world: int, step: int):
 
 def reference_layer_unused(kind: str, world: int = 2, **kw) -> tuple:
     """reference() with loss_layer_unused: the mean over the ranks of their losses."""
+
     def loss(model, x, step):
-        return sum(loss_layer_unused(model, local_batch(x, r, world), r, world, step)
-                   for r in range(world)) / world
+        return (
+            sum(loss_layer_unused(model, local_batch(x, r, world), r, world, step) for r in range(world))
+            / world
+        )
+
     return reference(kind, loss=loss, **kw)
 
 
@@ -73,19 +87,29 @@ def loss_unused_everywhere(model, x, rank: int, world: int, step: int):
 def reference_ranked(ranked_loss, kind: str, world: int = 2, **kw) -> tuple:
     """reference() with `ranked_loss(model, x, rank, world, step)`: the mean over the ranks of
     their losses."""
+
     def loss(model, x, step):
-        return sum(ranked_loss(model, local_batch(x, r, world), r, world, step)
-                   for r in range(world)) / world
+        return sum(ranked_loss(model, local_batch(x, r, world), r, world, step) for r in range(world)) / world
+
     return reference(kind, loss=loss, **kw)
 
 
 def local_batch(x, rank: int, world: int):
     n = x.shape[0] // world
-    return x[rank * n:(rank + 1) * n]
+    return x[rank * n : (rank + 1) * n]
 
 
-def reference(kind: str, n: int = STEPS, *, max_grad_norm=None, weight_decay=0.01, skip=(),
-              seed: int = 1, loss=None, set_to_none: bool = True) -> tuple:
+def reference(
+    kind: str,
+    n: int = STEPS,
+    *,
+    max_grad_norm=None,
+    weight_decay=0.01,
+    skip=(),
+    seed: int = 1,
+    loss=None,
+    set_to_none: bool = True,
+) -> tuple:
     """(params after each step, grad norms) of torch.optim.AdamW / Adam (foreach=False) on the
     global batch, clip_grad_norm_ when asked, the steps in `skip` not taken (an overflow);
     zero_grad(set_to_none) before each backward."""
@@ -165,6 +189,7 @@ def rank_main(run) -> None:
     import time
 
     import torch.distributed as dist
+
     device = os.environ.get("DIST_DEVICE", "cpu")
     if device == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))

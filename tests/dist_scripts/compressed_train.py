@@ -9,23 +9,23 @@ a write it took for the user's; a false positive would drop the remainders' bits
 overflow-free runs (clip 1.0, never biting here) save a DCP checkpoint (model + optimizer)
 after SAVE_AT steps and train on — the uninterrupted trajectory — and end with a real user
 write (model.load_state_dict of its own state_dict), which must be seen as one."""
+
 import os
 import sys
 import tempfile
 
+import common as C
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from fsdp_train import shard
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 
-import common as C
-from fsdp_train import shard
 from hybrid_opt import HybridAdamW, fp32_master
 
 SAVE_AT = 2
-COMPRESSED = dict(exp_avg_dtype=torch.bfloat16, exp_avg_sq_dtype=torch.bfloat16,
-                  store_param_remainders=True)
+COMPRESSED = dict(exp_avg_dtype=torch.bfloat16, exp_avg_sq_dtype=torch.bfloat16, store_param_remainders=True)
 CONFIGS = {
     # name: (mode, placement, clip, overflow step on rank 1)
     "fsdp2": ("fsdp2", dict(offload_fraction=0.5, nvme_fraction=0.25), 1.0, None),
@@ -54,9 +54,11 @@ def full_master(entry: dict, p) -> torch.Tensor:
     if not hasattr(rem, "full_tensor"):
         return master
     from torch.distributed.tensor import DTensor
+
     local = master.reshape(rem.to_local().shape)
-    return DTensor.from_local(local, rem.device_mesh, rem.placements, shape=rem.shape,
-                              stride=rem.stride()).full_tensor()
+    return DTensor.from_local(
+        local, rem.device_mesh, rem.placements, shape=rem.shape, stride=rem.stride()
+    ).full_tensor()
 
 
 def snapshot(model, opt) -> dict:
@@ -80,22 +82,34 @@ def run(name: str, rank: int, world: int, tmp: str, ckpt: str) -> dict:
         kw["process_group"] = dist.group.WORLD
     # process_group refuses an edit after backward (zero_edits.py): its overflow is injected during it
     overflow = C.OverflowInBackward(model) if overflow_at is not None and mode == "zero" else None
-    opt = HybridAdamW(model.parameters(), lr=C.LR, weight_decay=0.01, max_grad_norm=clip,
-                      subgroup_numel=32, worker_share=0.5, **COMPRESSED, **kw)
+    opt = HybridAdamW(
+        model.parameters(),
+        lr=C.LR,
+        weight_decay=0.01,
+        max_grad_norm=clip,
+        subgroup_numel=32,
+        worker_share=0.5,
+        **COMPRESSED,
+        **kw,
+    )
     restarts = []  # (step, param indices) of every master restarted from its param
     orig_restart = opt.parts.guard.restart_masters
 
     def counted(sg, slices, only_changed):
         restarts.append((len(out["steps"]), sorted(sl.param_index for sl in slices)))
         return orig_restart(sg, slices, only_changed)
+
     opt.parts.guard.restart_masters = counted
     scaler = None
     if overflow_at is not None:
-        scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8)
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
         opt.attach_grad_scaler(scaler)
-    out = dict(steps=[], skipped=[], scales=[],
-               local_numels=[(p.to_local() if hasattr(p, "to_local") else p).numel()
-                             for p in model.parameters()])
+    out = dict(
+        steps=[],
+        skipped=[],
+        scales=[],
+        local_numels=[(p.to_local() if hasattr(p, "to_local") else p).numel() for p in model.parameters()],
+    )
     for i, x in enumerate(C.batches()):
         opt.zero_grad()
         if i == overflow_at and rank == 1 and overflow is not None:
@@ -115,8 +129,10 @@ def run(name: str, rank: int, world: int, tmp: str, ckpt: str) -> dict:
         out["skipped"].append(opt.step_was_skipped)
         out["steps"].append(snapshot(model, opt))
         if i + 1 == SAVE_AT and name in ("fsdp2", "zero"):
-            dcp.save({"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)},
-                     checkpoint_id=os.path.join(ckpt, name))
+            dcp.save(
+                {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)},
+                checkpoint_id=os.path.join(ckpt, name),
+            )
     out["restarts"] = list(restarts)  # over the training steps
     # this rank's share: elements laid out, opt.stats' state bytes (in the state format)
     out["laid_out"] = sum(sg.numel for sg in opt.parts.layout.subgroups)
@@ -124,7 +140,7 @@ def run(name: str, rank: int, world: int, tmp: str, ckpt: str) -> dict:
     if overflow_at is None:  # a user's write: every master restarts from its param
         model.load_state_dict(model.state_dict())
         opt.state_dict()  # (it checks for written params first)
-        out["restarts_after_load"] = restarts[len(out["restarts"]):]
+        out["restarts_after_load"] = restarts[len(out["restarts"]) :]
     opt.close()
     return out
 

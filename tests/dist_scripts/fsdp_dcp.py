@@ -6,19 +6,24 @@ trains on (the uninterrupted trajectory). A fresh model and a fresh optimizer at
 placement then take DCP's lr-0 initialisation step (get_optimizer_state_dict on a fresh
 optimizer), load the checkpoint with dcp.load + set_*_state_dict and train the same steps:
 their params are saved for comparison with the uninterrupted ones."""
+
 import os
 import sys
 
+import common as C
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
-                                                     get_optimizer_state_dict, set_model_state_dict,
-                                                     set_optimizer_state_dict)
+from fsdp_train import shard
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
 from torch.distributed.device_mesh import init_device_mesh
 
-import common as C
-from fsdp_train import shard
 from hybrid_opt import HybridAdamW
 
 SAVE_AT, TOTAL = 2, 4
@@ -26,8 +31,9 @@ SAVE_AT, TOTAL = 2, 4
 
 def make(mesh, **hybrid):
     model = shard(C.build_model(), mesh)
-    opt = HybridAdamW(model.parameters(), lr=C.LR, weight_decay=0.01, max_grad_norm=1.0,
-                      subgroup_numel=32, **hybrid)
+    opt = HybridAdamW(
+        model.parameters(), lr=C.LR, weight_decay=0.01, max_grad_norm=1.0, subgroup_numel=32, **hybrid
+    )
     return model, opt
 
 
@@ -52,19 +58,26 @@ def main():
     # for load_state_dict of full (plain) tensors: this rank's shards and the gathered state
     shards_at_save = [p.to_local().clone() for p in model.parameters()]
     plain_sd = opt.state_dict()
-    plain_sd["state"] = {i: {k: (v.full_tensor() if hasattr(v, "full_tensor") else v)
-                             for k, v in st.items()} for i, st in plain_sd["state"].items()}
+    plain_sd["state"] = {
+        i: {k: (v.full_tensor() if hasattr(v, "full_tensor") else v) for k, v in st.items()}
+        for i, st in plain_sd["state"].items()
+    }
     osd = get_optimizer_state_dict(model, opt)
-    kinds = {k: (type(v).__name__, tuple(map(str, getattr(v, "placements", ()))))
-             for k, v in osd["state"]["0.weight"].items()}
+    kinds = {
+        k: (type(v).__name__, tuple(map(str, getattr(v, "placements", ()))))
+        for k, v in osd["state"]["0.weight"].items()
+    }
     dcp.save({"model": get_model_state_dict(model), "optim": osd}, checkpoint_id=ckpt)
     full = StateDictOptions(full_state_dict=True, cpu_offload=True)
     full_osd = get_optimizer_state_dict(model, opt, options=full)
     full_msd = get_model_state_dict(model, options=full)
     if rank == 0:
         torch.save({"model": full_msd, "optim": full_osd}, ckpt + "-full.pt")
-    full_kinds = sorted({type(v).__name__ for st in full_osd.get("state", {}).values()
-                         for v in st.values()}) if rank == 0 else None
+    full_kinds = (
+        sorted({type(v).__name__ for st in full_osd.get("state", {}).values() for v in st.values()})
+        if rank == 0
+        else None
+    )
     uninterrupted = train(model, opt, xs[SAVE_AT:], rank, world)
     opt.close()
 
@@ -72,8 +85,10 @@ def main():
     model2, opt2 = make(mesh, offload_fraction=1.0)
     before = [p.full_tensor().detach().clone() for p in model2.parameters()]
     fresh = get_optimizer_state_dict(model2, opt2)
-    fresh_state = {k: {n: (v.full_tensor() if hasattr(v, "full_tensor") else v).clone()
-                       for n, v in st.items()} for k, st in fresh["state"].items()}
+    fresh_state = {
+        k: {n: (v.full_tensor() if hasattr(v, "full_tensor") else v).clone() for n, v in st.items()}
+        for k, st in fresh["state"].items()
+    }
     after_init = [p.full_tensor().detach().clone() for p in model2.parameters()]
     sd = {"model": get_model_state_dict(model2), "optim": fresh}
     dcp.load(sd, checkpoint_id=ckpt)
@@ -90,8 +105,18 @@ def main():
     opt3.load_state_dict(plain_sd)
     resumed_from_full = train(model3, opt3, xs[SAVE_AT:], rank, world)
     opt3.close()
-    C.save_result(dict(kinds=kinds, full_kinds=full_kinds, uninterrupted=uninterrupted,
-                       resumed=resumed, resumed_from_full=resumed_from_full, fresh_state=fresh_state, before=before, after_init=after_init))
+    C.save_result(
+        dict(
+            kinds=kinds,
+            full_kinds=full_kinds,
+            uninterrupted=uninterrupted,
+            resumed=resumed,
+            resumed_from_full=resumed_from_full,
+            fresh_state=fresh_state,
+            before=before,
+            after_init=after_init,
+        )
+    )
     dist.destroy_process_group()
 
 

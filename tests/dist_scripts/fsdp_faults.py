@@ -22,6 +22,7 @@
   waits in the decision all_reduce. Must be last (rank 1 exits there).
 The process group's timeout is 20 s, so nothing here can wait longer than that.
 """
+
 import datetime
 import glob
 import os
@@ -30,13 +31,13 @@ import sys
 import tempfile
 import time
 
+import common as C
 import psutil
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
-import common as C
 from hybrid_opt import HybridAdamW
 from hybrid_opt.distributed import node
 
@@ -63,10 +64,25 @@ def run(name: str, rank: int, world: int, tmp: str) -> dict:
     model = shard(C.build_model(), mesh)
     nvme = os.path.join(tmp, f"{name}-rank{rank}")
     os.makedirs(nvme)
-    opt = HybridAdamW(model.parameters(), lr=C.LR, weight_decay=0.01, max_grad_norm=1.0,
-                      subgroup_numel=32, worker_share=0.5, offload_fraction=1.0,
-                      nvme_fraction=0.5, nvme_path=nvme)
-    out = dict(params=[], errors=[], restarts=[], worker_pids=[], killed=[], node=(node.local_rank(), node.local_world_size()))
+    opt = HybridAdamW(
+        model.parameters(),
+        lr=C.LR,
+        weight_decay=0.01,
+        max_grad_norm=1.0,
+        subgroup_numel=32,
+        worker_share=0.5,
+        offload_fraction=1.0,
+        nvme_fraction=0.5,
+        nvme_path=nvme,
+    )
+    out = dict(
+        params=[],
+        errors=[],
+        restarts=[],
+        worker_pids=[],
+        killed=[],
+        node=(node.local_rank(), node.local_world_size()),
+    )
     out["worker_cpus"] = sorted(psutil.Process(opt.worker_pid).cpu_affinity())
     hook = None
     if name == "fail_speculation" and rank == 1:
@@ -77,11 +93,14 @@ def run(name: str, rank: int, world: int, tmp: str) -> dict:
                 fired.append(True)
                 raise OSError(5, "injected fault: the swap file could not be written")
             return real(*args, **kwargs)
+
         opt.parts.placement.host.speculate = failing
     if name == "kill_backward" and rank == 1:
+
         def kill_in_backward(p):
             if opt.parts.ledger.steps_taken == 1 and not out["killed"]:
                 out["killed"].append(kill_worker(opt))
+
         hook = model[2].weight.register_post_accumulate_grad_hook(kill_in_backward)
     for i, x in enumerate(C.batches()):
         opt.zero_grad()
@@ -95,9 +114,15 @@ def run(name: str, rank: int, world: int, tmp: str) -> dict:
         try:
             opt.step()
         except Exception as e:  # a rank that catches the error and goes on
-            out["errors"].append(dict(step=i, type=type(e).__name__, message=str(e),
-                                      ranks=getattr(e, "ranks", None),
-                                      seconds=time.monotonic() - t0))
+            out["errors"].append(
+                dict(
+                    step=i,
+                    type=type(e).__name__,
+                    message=str(e),
+                    ranks=getattr(e, "ranks", None),
+                    seconds=time.monotonic() - t0,
+                )
+            )
             print(f"rank {rank} step {i}: {type(e).__name__}: {str(e)[:300]}", flush=True)
             if name == "rank_gone":
                 break  # the group is broken: no collective can run any more
@@ -121,8 +146,15 @@ def run(name: str, rank: int, world: int, tmp: str) -> dict:
 
 
 def record(out, i, e, t0, rank):
-    out["errors"].append(dict(step=i, type=type(e).__name__, message=str(e),
-                              ranks=getattr(e, "ranks", None), seconds=time.monotonic() - t0))
+    out["errors"].append(
+        dict(
+            step=i,
+            type=type(e).__name__,
+            message=str(e),
+            ranks=getattr(e, "ranks", None),
+            seconds=time.monotonic() - t0,
+        )
+    )
     print(f"rank {rank} step {i}: {type(e).__name__}: {str(e)[:300]}", flush=True)
 
 
@@ -131,9 +163,16 @@ def run_zero(name: str, rank: int, world: int) -> dict:
     if name == "zero_init":
         for phase in ("A", "B"):
             model = C.build_model()
-            opt = HybridAdamW(model.parameters(), lr=0.0, weight_decay=0.01, max_grad_norm=1.0,
-                              subgroup_numel=32, worker_share=0.5, offload_fraction=0.5,
-                              process_group=dist.group.WORLD)
+            opt = HybridAdamW(
+                model.parameters(),
+                lr=0.0,
+                weight_decay=0.01,
+                max_grad_norm=1.0,
+                subgroup_numel=32,
+                worker_share=0.5,
+                offload_fraction=0.5,
+                process_group=dist.group.WORLD,
+            )
             if phase == "A" and rank == 1:
                 opt.parts.ledger.rank_failure = RuntimeError("injected: a failure kept from an earlier step")
             if phase == "A":
@@ -141,7 +180,7 @@ def run_zero(name: str, rank: int, world: int) -> dict:
             else:  # set by hand on both ranks, zero in rank 0's rows: its chunk of the mean is
                 for p in model.parameters():  # zero (an "init step"), rank 1's is not
                     p.grad = torch.zeros_like(p)
-                    p.grad[-(-p.shape[0] // 2):] = 1.0
+                    p.grad[-(-p.shape[0] // 2) :] = 1.0
             t0 = time.monotonic()
             try:
                 opt.step()
@@ -152,9 +191,16 @@ def run_zero(name: str, rank: int, world: int) -> dict:
             opt.close()
         return out
     model = C.build_model()
-    opt = HybridAdamW(model.parameters(), lr=C.LR, weight_decay=0.01, max_grad_norm=1.0,
-                      subgroup_numel=32, worker_share=0.5, offload_fraction=1.0,
-                      process_group=dist.group.WORLD)
+    opt = HybridAdamW(
+        model.parameters(),
+        lr=C.LR,
+        weight_decay=0.01,
+        max_grad_norm=1.0,
+        subgroup_numel=32,
+        worker_share=0.5,
+        offload_fraction=1.0,
+        process_group=dist.group.WORLD,
+    )
     if name == "zero_host_fails" and rank == 1:
         real = opt.parts.placement.host.finish
 
@@ -162,6 +208,7 @@ def run_zero(name: str, rank: int, world: int) -> dict:
             if opt.parts.ledger.steps_taken == 2:  # step 2's host step, after the decision
                 raise OSError(5, "injected fault: the host step failed")
             return real(*args, **kwargs)
+
         opt.parts.placement.host.finish = failing
     for i, x in enumerate(C.batches()):
         opt.zero_grad()
@@ -187,8 +234,9 @@ def main():
     results = RESULTS
     with tempfile.TemporaryDirectory() as tmp:
         for name in sys.argv[1:]:
-            results[name] = (run_zero(name, rank, world) if name.startswith("zero_")
-                             else run(name, rank, world, tmp))
+            results[name] = (
+                run_zero(name, rank, world) if name.startswith("zero_") else run(name, rank, world, tmp)
+            )
             C.save_result(results)
     if "rank_gone" in results:
         sys.stdout.flush()

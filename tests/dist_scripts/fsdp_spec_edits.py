@@ -8,13 +8,14 @@ HybridAdamW speculates its host/nvme steps during backward.
 Per configuration it saves the full params after each step of HybridAdamW and of
 torch.optim.AdamW(foreach=False) run over an identical FSDP2 model with the same edits, and
 speculation's outcome counts per step. "noedit": no edit at all (speculation must commit)."""
+
 import os
 
+import common as C
 import torch
+from fsdp_train import shard
 from torch.distributed.device_mesh import init_device_mesh
 
-import common as C
-from fsdp_train import shard
 from hybrid_opt import HybridAdamW
 
 DEVICE = os.environ.get("DIST_DEVICE", "cpu")  # "cuda": the gpu test (one rank per GPU)
@@ -29,8 +30,8 @@ CONFIGS = {
     "mul_host": (HOST, "mul"),
     "noedit_host": (HOST, None),
 }
-CLIP = 0.01          # far below the grads' norm here: clipping bites at every step
-INIT_SCALE = 2.0 ** 8
+CLIP = 0.01  # far below the grads' norm here: clipping bites at every step
+INIT_SCALE = 2.0**8
 
 
 def train(model, opt, edit: str | None, rank: int, world: int) -> tuple:
@@ -62,8 +63,9 @@ def run(name: str, rank: int, world: int, tmp: str) -> dict:
     if kw.get("nvme_fraction"):
         kw["nvme_path"] = os.path.join(tmp, f"{name}-rank{rank}")
         os.makedirs(kw["nvme_path"])
-    opt = HybridAdamW(model.parameters(), lr=C.LR, weight_decay=0.01, subgroup_numel=32,
-                      worker_share=0.5, **kw)
+    opt = HybridAdamW(
+        model.parameters(), lr=C.LR, weight_decay=0.01, subgroup_numel=32, worker_share=0.5, **kw
+    )
     try:
         params, outcomes = train(model, opt, edit, rank, world)
         host_stats = dict(opt.parts.placement.host.stats) if opt.parts.placement.host is not None else {}
@@ -72,8 +74,7 @@ def run(name: str, rank: int, world: int, tmp: str) -> dict:
     ref_model = shard(C.build_model().to(DEVICE), mesh)
     ref = torch.optim.AdamW(ref_model.parameters(), lr=C.LR, weight_decay=0.01, foreach=False)
     torch_params, _ = train(ref_model, ref, edit, rank, world)
-    return dict(params=params, speculation=outcomes, torch_params=torch_params,
-                host_stats=host_stats)
+    return dict(params=params, speculation=outcomes, torch_params=torch_params, host_stats=host_stats)
 
 
 def main():

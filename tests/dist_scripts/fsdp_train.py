@@ -1,16 +1,17 @@
 """Rank script: trains the common model under FSDP2 with HybridAdamW / HybridAdam in the
 configurations named on the command line and saves, per configuration, the full params after
 each step, last_grad_norm, step_was_skipped, the scaler's scale and speculation's stats."""
+
 import os
 import warnings
 
+import common as C
 import psutil
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
-import common as C
 from hybrid_opt import HybridAdam, HybridAdamW
 
 DEVICE = os.environ.get("DIST_DEVICE", "cpu")  # "cuda": the gpu test (one rank per GPU)
@@ -36,6 +37,7 @@ CONFIGS = {
 
 def mixed_precision():
     from torch.distributed.fsdp import MixedPrecisionPolicy
+
     return dict(mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))
 
 
@@ -67,6 +69,7 @@ class CountAllReduce:
         def counted(*args, **kwargs):
             self.calls += 1
             return self.orig(*args, **kwargs)
+
         dist.all_reduce = counted
         return self
 
@@ -94,11 +97,15 @@ def shard(model, mesh, **policy):
 
 def run(name: str, rank: int, world: int, tmp: str) -> dict:
     kind, mesh_kind, hybrid, clip, overflow_at = CONFIGS[name]
-    mesh = (init_device_mesh(DEVICE, (world,)) if mesh_kind == "1d" else
-            init_device_mesh(DEVICE, (world, 1), mesh_dim_names=("replicate", "shard")))
+    mesh = (
+        init_device_mesh(DEVICE, (world,))
+        if mesh_kind == "1d"
+        else init_device_mesh(DEVICE, (world, 1), mesh_dim_names=("replicate", "shard"))
+    )
     policy = {}
     if name == "adamw_cpu_offload":
         from torch.distributed.fsdp import CPUOffloadPolicy
+
         policy = dict(offload_policy=CPUOffloadPolicy(pin_memory=DEVICE == "cuda"))
     if name == "adamw_mixed_precision":
         policy = mixed_precision()
@@ -109,8 +116,15 @@ def run(name: str, rank: int, world: int, tmp: str) -> dict:
         os.makedirs(hybrid["nvme_path"])
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        opt = cls(model.parameters(), lr=C.LR, weight_decay=0.01, max_grad_norm=clip,
-                  subgroup_numel=32, worker_share=0.5, **hybrid)
+        opt = cls(
+            model.parameters(),
+            lr=C.LR,
+            weight_decay=0.01,
+            max_grad_norm=clip,
+            subgroup_numel=32,
+            worker_share=0.5,
+            **hybrid,
+        )
     if name == "adamw_swap_load":
         state = {k: v.clone() for k, v in model.state_dict().items()}
         torch.__future__.set_swap_module_params_on_conversion(True)
@@ -120,10 +134,17 @@ def run(name: str, rank: int, world: int, tmp: str) -> dict:
             torch.__future__.set_swap_module_params_on_conversion(False)
     scaler = None
     if overflow_at is not None:
-        scaler = torch.amp.GradScaler(DEVICE, init_scale=2.0 ** 8)
+        scaler = torch.amp.GradScaler(DEVICE, init_scale=2.0**8)
         opt.attach_grad_scaler(scaler)
-    out = dict(params=[], norms=[], skipped=[], scales=[], speculation=[], all_reduces=[],
-               warnings=[str(w.message) for w in caught])
+    out = dict(
+        params=[],
+        norms=[],
+        skipped=[],
+        scales=[],
+        speculation=[],
+        all_reduces=[],
+        warnings=[str(w.message) for w in caught],
+    )
     for i, x in enumerate(C.batches()):
         opt.zero_grad()
         loss = C.loss_fn(model, C.local_batch(x, rank, world).to(DEVICE))
@@ -146,6 +167,7 @@ def run(name: str, rank: int, world: int, tmp: str) -> dict:
     out["placements"] = [tuple(map(str, p.placements)) for p in model.parameters()]
     # what node.py saw (torchrun's LOCAL_RANK / LOCAL_WORLD_SIZE) and the cores it gave the worker
     from hybrid_opt.distributed import node
+
     out["node"] = (node.local_rank(), node.local_world_size())
     out["worker_cpus"] = sorted(psutil.Process(opt.worker_pid).cpu_affinity())
     out["local_numels"] = [p.to_local().numel() for p in model.parameters()]
@@ -158,8 +180,11 @@ def run(name: str, rank: int, world: int, tmp: str) -> dict:
 
 
 def main():
-    C.rank_main(lambda name, rank, world, tmp: plain_params_warning(rank, world) if name == "plain_warn"
-                else run(name, rank, world, tmp))
+    C.rank_main(
+        lambda name, rank, world, tmp: (
+            plain_params_warning(rank, world) if name == "plain_warn" else run(name, rank, world, tmp)
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@ FSDP2 (each param's holder sharded) or as plain params with process_group=WORLD,
 feeding its own exact grads (the reduction averages them exactly), clipping on and an
 overflow on rank 1 only at golden.OVERFLOW_STEP; saves {name: per-step records of this rank}
 (its shards' params and state)."""
+
 import os
 import sys
 
@@ -17,9 +18,16 @@ import golden as G  # noqa: E402
 CONFIGS = {
     "fsdp2_mixed": ("fsdp2", dict(offload_fraction=0.5, nvme_fraction=0.25), torch.float32),
     "zero_mixed": ("zero", dict(offload_fraction=0.5, nvme_fraction=0.25), torch.float32),
-    "zero_compressed_host": ("zero", dict(offload_fraction=1.0, exp_avg_dtype=torch.bfloat16,
-                                          exp_avg_sq_dtype=torch.bfloat16, store_param_remainders=True),
-                             torch.bfloat16),
+    "zero_compressed_host": (
+        "zero",
+        dict(
+            offload_fraction=1.0,
+            exp_avg_dtype=torch.bfloat16,
+            exp_avg_sq_dtype=torch.bfloat16,
+            store_param_remainders=True,
+        ),
+        torch.bfloat16,
+    ),
 }
 
 
@@ -46,6 +54,7 @@ class Golden(torch.nn.Module):
 
 def run(name: str, rank: int, world: int, tmp: str) -> list:
     from hybrid_opt import HybridAdamW
+
     sharding, hybrid, dtype = CONFIGS[name]
     model = Golden(dtype)
     hybrid = dict(hybrid)
@@ -55,6 +64,7 @@ def run(name: str, rank: int, world: int, tmp: str) -> list:
     if sharding == "fsdp2":
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
+
         mesh = init_device_mesh("cpu", (world,))
         for h in model.holders:
             fully_shard(h, mesh=mesh)
@@ -63,9 +73,10 @@ def run(name: str, rank: int, world: int, tmp: str) -> list:
         hybrid["process_group"] = dist.group.WORLD
     params = list(model.parameters())
     records = []
-    with HybridAdamW(G.param_groups(params), max_grad_norm=0.05, subgroup_numel=G.SUBGROUP_NUMEL,
-                     **hybrid) as opt:
-        scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8)
+    with HybridAdamW(
+        G.param_groups(params), max_grad_norm=0.05, subgroup_numel=G.SUBGROUP_NUMEL, **hybrid
+    ) as opt:
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
         opt.attach_grad_scaler(scaler)
         for step in range(G.STEPS):
             opt.zero_grad()

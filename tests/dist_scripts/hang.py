@@ -1,5 +1,6 @@
 """Rank script that never finishes: builds a HybridAdamW (its worker runs), writes the
 worker's pid, then blocks — for the harness's deadline test."""
+
 import os
 import time
 

@@ -7,17 +7,18 @@ GPT-2 is not used for the numeric comparisons: its attention's key bias gets a g
 rounding noise (softmax ignores it; |grad| ~ 1e-11), which Adam turns into full lr-sized steps
 of either sign, so even torch's own fused and foreach=False AdamW end 5e-4 apart there.
 """
+
 from __future__ import annotations
 
 import torch
 
-IN, HID, OUT = 8, 16, 4     # 212 elements
-SUBGROUP = 64               # 4 subgroups, each on the host tier (offload_fraction's default 1.0)
+IN, HID, OUT = 8, 16, 4  # 212 elements
+SUBGROUP = 64  # 4 subgroups, each on the host tier (offload_fraction's default 1.0)
 ROWS = 48
-BATCH = 4                   # per device
+BATCH = 4  # per device
 STEPS = 6
 LR, WD = 1e-2, 0.01
-CLIP = 1.0                  # HF Trainer's default max_grad_norm; the grads' norm is 3-6 here
+CLIP = 1.0  # HF Trainer's default max_grad_norm; the grads' norm is 3-6 here
 
 
 class Tiny(torch.nn.Module):
@@ -34,8 +35,10 @@ class Tiny(torch.nn.Module):
 
 def dataset() -> list:
     gen = torch.Generator().manual_seed(1)
-    return [{"x": torch.randn(IN, generator=gen), "labels": 3 * torch.randn(OUT, generator=gen)}
-            for _ in range(ROWS)]
+    return [
+        {"x": torch.randn(IN, generator=gen), "labels": 3 * torch.randn(OUT, generator=gen)}
+        for _ in range(ROWS)
+    ]
 
 
 def batches(n: int = STEPS, batch: int = BATCH) -> list:
@@ -60,6 +63,7 @@ def make_optimizer(kind: str, params, **hybrid):
     if kind == "torch":
         return torch.optim.AdamW(params, **torch_kwargs())
     from hybrid_opt import HybridAdamW
+
     return HybridAdamW(params, **hybrid_kwargs(**hybrid))
 
 
@@ -67,9 +71,21 @@ def training_args(out_dir: str, **kw):
     """HF TrainingArguments for these runs: CPU, no reporting, no progress bar, no checkpoints
     unless asked, the grad norm logged every step."""
     from transformers import TrainingArguments
-    args = dict(output_dir=out_dir, max_steps=STEPS, per_device_train_batch_size=BATCH,
-                learning_rate=LR, weight_decay=WD, report_to="none", disable_tqdm=True, use_cpu=True,
-                save_strategy="no", logging_strategy="steps", logging_steps=1, seed=0)
+
+    args = dict(
+        output_dir=out_dir,
+        max_steps=STEPS,
+        per_device_train_batch_size=BATCH,
+        learning_rate=LR,
+        weight_decay=WD,
+        report_to="none",
+        disable_tqdm=True,
+        use_cpu=True,
+        save_strategy="no",
+        logging_strategy="steps",
+        logging_steps=1,
+        seed=0,
+    )
     args.update(kw)
     return TrainingArguments(**args)
 
@@ -117,7 +133,6 @@ def step_count(opt) -> float:
     """The largest per-param step count in the optimizer's state (0 where nothing stepped)."""
     steps = [float(s["step"]) for s in unwrap_optimizer(opt).state.values() if "step" in s]
     return max(steps, default=0.0)
-
 
 
 def accelerate_prepare(accelerator, model, opt, *, model_by: str = "prepare") -> tuple:

@@ -20,14 +20,14 @@ Saves per configuration the params after training, the grad norms Trainer logged
 (type, is-RuntimeError, message) if train() raised, the optimizer's step count and
 last_grad_norm, the model's wrapper and accelerate's distributed type, and the warnings given.
 """
+
 import os
 import warnings
 
-import torch
-import torch.distributed as dist
-
 import common as C
 import hf_common as H
+import torch
+import torch.distributed as dist
 
 CONFIGS = {
     # name: (optimizer, HybridAdamW kwargs, TrainingArguments kwargs)
@@ -35,7 +35,11 @@ CONFIGS = {
     "ddp_hybrid": ("hybrid", {}, {}),
     "zero_trainer_clip": ("hybrid", {"process_group": "WORLD"}, {}),
     "zero_recipe": ("hybrid", {"process_group": "WORLD", "max_grad_norm": H.CLIP}, {"max_grad_norm": 0}),
-    "zero_recipe_no_norm": ("hybrid", {"process_group": "WORLD", "max_grad_norm": H.CLIP}, {"max_grad_norm": 0}),
+    "zero_recipe_no_norm": (
+        "hybrid",
+        {"process_group": "WORLD", "max_grad_norm": H.CLIP},
+        {"max_grad_norm": 0},
+    ),
     "zero_resume": ("hybrid", {"process_group": "WORLD", "max_grad_norm": H.CLIP}, {"max_grad_norm": 0}),
     "fsdp_cpu": ("torch", {}, {"fsdp": True}),
 }
@@ -43,22 +47,31 @@ CONFIGS = {
 
 def run(name: str, rank: int, world: int, tmp: str) -> dict:
     import transformers
+
     from hybrid_opt import HybridAdamW
+
     transformers.logging.set_verbosity_error()
     kind, hybrid, args_kw = CONFIGS[name]
     if hybrid.get("process_group") == "WORLD":
         hybrid = dict(hybrid, process_group=dist.group.WORLD)
     model = H.Tiny()
     init = H.params_of(model)
-    opt_cls_kw = ((HybridAdamW, H.hybrid_kwargs(**hybrid)) if kind == "hybrid"
-                  else (torch.optim.AdamW, H.torch_kwargs()))
+    opt_cls_kw = (
+        (HybridAdamW, H.hybrid_kwargs(**hybrid))
+        if kind == "hybrid"
+        else (torch.optim.AdamW, H.torch_kwargs())
+    )
     cls = H.norm_free_trainer() if name in ("zero_recipe_no_norm", "zero_resume") else transformers.Trainer
     # checkpoints in the launch's directory: rank 0 writes them, every rank resumes from them
     out_dir = os.path.join(os.environ["DIST_OUT"] if name == "zero_resume" else tmp, name)
     if name == "zero_resume":
         args_kw = dict(args_kw, save_strategy="steps", save_steps=3)
-    trainer = cls(model=model, args=H.training_args(out_dir, **args_kw),
-                  train_dataset=H.dataset(), optimizer_cls_and_kwargs=opt_cls_kw)
+    trainer = cls(
+        model=model,
+        args=H.training_args(out_dir, **args_kw),
+        train_dataset=H.dataset(),
+        optimizer_cls_and_kwargs=opt_cls_kw,
+    )
     error = None
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -67,17 +80,28 @@ def run(name: str, rank: int, world: int, tmp: str) -> dict:
         except Exception as e:  # noqa: BLE001 - the test judges the type and message
             error = (type(e).__name__, isinstance(e, RuntimeError), str(e))
     opt = H.unwrap_optimizer(trainer.optimizer)
-    out = dict(params=H.params_of(model), init=init, norms=H.grad_norms(trainer), error=error,
-               steps=H.step_count(opt), global_step=trainer.state.global_step,
-               wrapped=type(trainer.model_wrapped).__name__, fsdp_enabled=trainer.is_fsdp_enabled,
-               distributed_type=str(trainer.accelerator.distributed_type),
-               last_grad_norm=getattr(opt, "last_grad_norm", None),
-               warnings=[str(w.message) for w in caught])
+    out = dict(
+        params=H.params_of(model),
+        init=init,
+        norms=H.grad_norms(trainer),
+        error=error,
+        steps=H.step_count(opt),
+        global_step=trainer.state.global_step,
+        wrapped=type(trainer.model_wrapped).__name__,
+        fsdp_enabled=trainer.is_fsdp_enabled,
+        distributed_type=str(trainer.accelerator.distributed_type),
+        last_grad_norm=getattr(opt, "last_grad_norm", None),
+        warnings=[str(w.message) for w in caught],
+    )
     H.close(opt)
     if name == "zero_resume":
         model = H.Tiny()
-        resumed = cls(model=model, args=H.training_args(out_dir, max_grad_norm=0), train_dataset=H.dataset(),
-                      optimizer_cls_and_kwargs=opt_cls_kw)
+        resumed = cls(
+            model=model,
+            args=H.training_args(out_dir, max_grad_norm=0),
+            train_dataset=H.dataset(),
+            optimizer_cls_and_kwargs=opt_cls_kw,
+        )
         try:  # rank 0's optimizer.pt on every rank: refused on all of them
             resumed.train(resume_from_checkpoint=os.path.join(out_dir, "checkpoint-3"))
             out["resume_error"] = None

@@ -8,6 +8,7 @@ LOCAL_WORLD_SIZE not. Each rank saves {rank, env, node, worker_pid, worker_cores
 to OUT_DIR/rank<R>.pt; rank 0 exits only after rank 1 has (so both files exist once the
 process the test started ends).
 """
+
 from __future__ import annotations
 
 import os
@@ -17,9 +18,9 @@ import warnings
 import lightning.pytorch as pl
 import torch
 
-IN, HID, OUT = 8, 16, 4     # 212 elements
-SUBGROUP = 53               # 4 subgroups, so nvme_fraction=0.5 is 2 of them
-BATCH = 8                   # global batch
+IN, HID, OUT = 8, 16, 4  # 212 elements
+SUBGROUP = 53  # 4 subgroups, so nvme_fraction=0.5 is 2 of them
+BATCH = 8  # global batch
 STEPS = 6
 LR, WD = 1e-2, 0.01
 
@@ -34,9 +35,12 @@ def torch_adamw(params):
 
 def hybrid(**kw):
     """A factory of HybridAdamW over the given params (offload_fraction 1.0 unless told)."""
+
     def make(params):
         from hybrid_opt import HybridAdamW
+
         return HybridAdamW(params, lr=LR, weight_decay=WD, subgroup_numel=SUBGROUP, **kw)
+
     return make
 
 
@@ -67,6 +71,7 @@ class Tiny(pl.LightningModule):
         if not self.fsdp2:
             return
         from torch.distributed.fsdp import fully_shard
+
         mesh = self.device_mesh["data_parallel"]
         for layer in self.net:
             if isinstance(layer, torch.nn.Linear):
@@ -91,16 +96,24 @@ def loader(steps: int = STEPS, rank: int = 0, world: int = 1):
 
 
 def trainer(**kw) -> pl.Trainer:
-    args = dict(accelerator="cpu", devices=1, max_steps=STEPS, enable_progress_bar=False, logger=False,
-                enable_model_summary=False, enable_checkpointing=False)
+    args = dict(
+        accelerator="cpu",
+        devices=1,
+        max_steps=STEPS,
+        enable_progress_bar=False,
+        logger=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+    )
     args.update(kw)
     return pl.Trainer(**args)
 
 
 def full_params(model) -> list:
     """Each param whole (a DTensor gathered: collective, every rank calls it)."""
-    return [(p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
-            for p in model.parameters()]
+    return [
+        (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone() for p in model.parameters()
+    ]
 
 
 def fit(model, *, data=None, ckpt_path=None, **trainer_kw) -> tuple:
@@ -119,6 +132,7 @@ def rank_main(mode: str, out_dir: str) -> None:
     from lightning.pytorch.strategies import ModelParallelStrategy
 
     from hybrid_opt.distributed import node
+
     if mode == "ddp":
         strategy, model = "ddp", Tiny(hybrid(process_group=None))
     elif mode == "fsdp2":
@@ -136,16 +150,22 @@ def rank_main(mode: str, out_dir: str) -> None:
     opt = tr.optimizers[0]
     # read after fit: Lightning's launcher sets rank 0's LOCAL_RANK when it starts rank 1
     env = {k: os.environ.get(k) for k in ("LOCAL_RANK", "LOCAL_WORLD_SIZE")}
-    here = node.info()   # who shares this node, as the optimizer found out at construction
-    result = dict(rank=tr.global_rank, world=tr.world_size, env=env,
-                  node=(here.local_rank, here.local_world_size), worker_pid=opt.worker_pid,
-                  worker_cores=sorted(os.sched_getaffinity(opt.worker_pid)), params=full_params(model),
-                  warnings=[str(w.message) for w in caught])
+    here = node.info()  # who shares this node, as the optimizer found out at construction
+    result = dict(
+        rank=tr.global_rank,
+        world=tr.world_size,
+        env=env,
+        node=(here.local_rank, here.local_world_size),
+        worker_pid=opt.worker_pid,
+        worker_cores=sorted(os.sched_getaffinity(opt.worker_pid)),
+        params=full_params(model),
+        warnings=[str(w.message) for w in caught],
+    )
     opt.close()
     path = os.path.join(out_dir, f"rank{tr.global_rank}.pt")
     torch.save(result, path + ".tmp")
     os.replace(path + ".tmp", path)
-    if tr.global_rank == 0:   # Lightning's launcher does not wait for the ranks it started
+    if tr.global_rank == 0:  # Lightning's launcher does not wait for the ranks it started
         codes = [p.wait() for p in getattr(tr.strategy.launcher, "procs", [])]
         if any(codes):
             raise SystemExit(f"rank(s) started by Lightning exited with {codes}")

@@ -1,9 +1,9 @@
 """Rank script: the smallest launch — one all_reduce of the ranks' numbers, saved (for the
 harness's own tests: ports, several launches at once)."""
-import torch
-import torch.distributed as dist
 
 import common as C
+import torch
+import torch.distributed as dist
 
 dist.init_process_group("gloo")
 t = torch.tensor([float(dist.get_rank() + 1)])

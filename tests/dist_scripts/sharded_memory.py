@@ -3,6 +3,7 @@
 configuration named on the command line: build memory.model(), shard it, take one step at
 offload 1.0 with the configuration's nvme_fraction, and save opt.allocated_bytes (host: the
 arena's fstat, nvme: the files' sizes) and the arena's fixed parts (staging slots, io banks)."""
+
 import os
 import sys
 
@@ -12,6 +13,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import common as C  # noqa: E402
 import sharded_memory_model as M  # noqa: E402
+
 from hybrid_opt import HybridAdamW  # noqa: E402
 
 
@@ -22,6 +24,7 @@ def run(name: str, rank: int, world: int, tmp: str) -> dict:
     if sharding == "fsdp2":
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
+
         mesh = init_device_mesh("cpu", (world,))
         for m in model:
             fully_shard(m, mesh=mesh)
@@ -30,8 +33,13 @@ def run(name: str, rank: int, world: int, tmp: str) -> dict:
         kw["process_group"] = dist.group.WORLD
     path = os.path.join(tmp, f"{name}-rank{rank}")
     os.makedirs(path, exist_ok=True)
-    opt = HybridAdamW(model.parameters(), offload_fraction=1.0, nvme_fraction=float(nvme),
-                      nvme_path=path if float(nvme) else None, **kw)
+    opt = HybridAdamW(
+        model.parameters(),
+        offload_fraction=1.0,
+        nvme_fraction=float(nvme),
+        nvme_path=path if float(nvme) else None,
+        **kw,
+    )
     try:
         M.loss(model, torch.randn(8, M.WIDTH, generator=torch.Generator().manual_seed(rank))).backward()
         opt.step()

@@ -1,4 +1,5 @@
 """The model of tests/test_sharded_memory.py, shared by its one-process run and its ranks."""
+
 import torch
 
 WIDTH = 256
@@ -9,7 +10,11 @@ def model() -> torch.nn.Sequential:
     torch.manual_seed(0)
     layers = []
     for _ in range(3):
-        layers += [torch.nn.Linear(WIDTH, 4 * WIDTH), torch.nn.Linear(4 * WIDTH, WIDTH), torch.nn.LayerNorm(WIDTH)]
+        layers += [
+            torch.nn.Linear(WIDTH, 4 * WIDTH),
+            torch.nn.Linear(4 * WIDTH, WIDTH),
+            torch.nn.LayerNorm(WIDTH),
+        ]
     return torch.nn.Sequential(*layers)
 
 
@@ -21,6 +26,10 @@ def figures(opt) -> dict:
     """The tiers' bytes as the OS reports them (opt.allocated_bytes), the arena's fixed parts
     (staging slots; io banks: two per nvme read in flight) and the state's own bytes."""
     host = opt.parts.placement.host
-    return dict(allocated=opt.allocated_bytes, staging=host.staging_bytes,
-                io_banks=2 * host.io_banks * host.bank_stride,
-                state=sum(s.numel for s in opt.parts.layout.subgroups) * 12, subgroups=len(opt.parts.layout.subgroups))
+    return dict(
+        allocated=opt.allocated_bytes,
+        staging=host.staging_bytes,
+        io_banks=2 * host.io_banks * host.bank_stride,
+        state=sum(s.numel for s in opt.parts.layout.subgroups) * 12,
+        subgroups=len(opt.parts.layout.subgroups),
+    )

@@ -6,17 +6,22 @@ rank 0 torch.saves it), then trains on (the uninterrupted trajectory). A fresh m
 optimizer at another placement take DCP's lr-0 step, load the checkpoint with dcp.load +
 set_*_state_dict and train the same steps; so does one loaded with load_state_dict from the
 gathered (plain, full-size) state."""
+
 import os
 import sys
 
+import common as C
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
-                                                     get_optimizer_state_dict, set_model_state_dict,
-                                                     set_optimizer_state_dict)
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
 
-import common as C
 from hybrid_opt import HybridAdamW
 
 SAVE_AT, TOTAL = 2, 4
@@ -24,8 +29,15 @@ SAVE_AT, TOTAL = 2, 4
 
 def make(**hybrid):
     model = C.build_model()
-    opt = HybridAdamW(model.parameters(), lr=C.LR, weight_decay=0.01, max_grad_norm=1.0,
-                      subgroup_numel=32, process_group=dist.group.WORLD, **hybrid)
+    opt = HybridAdamW(
+        model.parameters(),
+        lr=C.LR,
+        weight_decay=0.01,
+        max_grad_norm=1.0,
+        subgroup_numel=32,
+        process_group=dist.group.WORLD,
+        **hybrid,
+    )
     return model, opt
 
 
@@ -49,12 +61,19 @@ def main():
     train(model, opt, xs[:SAVE_AT], rank, world)
     params_at_save = [p.detach().clone() for p in model.parameters()]
     plain_sd = opt.state_dict()
-    plain_sd["state"] = {i: {k: (v.full_tensor() if hasattr(v, "full_tensor") else v)
-                             for k, v in st.items()} for i, st in plain_sd["state"].items()}
+    plain_sd["state"] = {
+        i: {k: (v.full_tensor() if hasattr(v, "full_tensor") else v) for k, v in st.items()}
+        for i, st in plain_sd["state"].items()
+    }
     osd = get_optimizer_state_dict(model, opt)
-    kinds = {k: (type(v).__name__, tuple(map(str, getattr(v, "placements", ()))),
-                 tuple(getattr(v, "to_local", lambda: v)().shape))
-             for k, v in osd["state"]["0.weight"].items()}
+    kinds = {
+        k: (
+            type(v).__name__,
+            tuple(map(str, getattr(v, "placements", ()))),
+            tuple(getattr(v, "to_local", lambda: v)().shape),
+        )
+        for k, v in osd["state"]["0.weight"].items()
+    }
     dcp.save({"model": get_model_state_dict(model), "optim": osd}, checkpoint_id=ckpt)
     full = StateDictOptions(full_state_dict=True, cpu_offload=True)
     full_osd = get_optimizer_state_dict(model, opt, options=full)
@@ -79,8 +98,9 @@ def main():
     opt3.load_state_dict(plain_sd)
     resumed_from_full = train(model3, opt3, xs[SAVE_AT:], rank, world)
     opt3.close()
-    C.save_result(dict(kinds=kinds, uninterrupted=uninterrupted, resumed=resumed,
-                       resumed_from_full=resumed_from_full))
+    C.save_result(
+        dict(kinds=kinds, uninterrupted=uninterrupted, resumed=resumed, resumed_from_full=resumed_from_full)
+    )
     dist.destroy_process_group()
 
 

@@ -4,10 +4,11 @@ with nothing stepped), and one rank's checkpoint loaded on every rank (rank0_che
 refused on the others) — in the configurations named on the command line; saves per
 configuration the error each rank raised (type and message), the optimizer's step count and
 the params (unchanged by a refused step)."""
+
+import common as C
 import torch
 import torch.distributed as dist
 
-import common as C
 from hybrid_opt import GradsEditedError, HybridAdamW
 
 
@@ -32,11 +33,13 @@ def _edit(name: str, model, opt, rank: int) -> None:
 def rank0_checkpoint(rank: int, tmp: str) -> dict:
     """HF Trainer's way: rank 0 saves its optimizer's state_dict, every rank loads that file."""
     import os
+
     model = C.build_model()
     path = os.path.join(os.environ["DIST_OUT"], "optimizer.pt")  # shared by the ranks (tmp is each rank's)
     out = dict(error=None, message=None)
-    with HybridAdamW(model.parameters(), lr=C.LR, subgroup_numel=32, offload_fraction=0.5,
-                     process_group=dist.group.WORLD) as opt:
+    with HybridAdamW(
+        model.parameters(), lr=C.LR, subgroup_numel=32, offload_fraction=0.5, process_group=dist.group.WORLD
+    ) as opt:
         C.loss_fn(model, C.local_batch(C.batches(1)[0], rank, 2)).backward()
         opt.step()
         own = opt.state_dict()
@@ -50,8 +53,10 @@ def rank0_checkpoint(rank: int, tmp: str) -> dict:
             out.update(error=type(e).__name__, message=str(e))
         after = opt.state_dict()
         opt.load_state_dict(own)  # each rank's own file loads (and agrees on it)
-        out["state_kept"] = all(torch.equal(a["exp_avg"].to_local(), b["exp_avg"].to_local())
-                                for a, b in zip(own["state"].values(), after["state"].values()))
+        out["state_kept"] = all(
+            torch.equal(a["exp_avg"].to_local(), b["exp_avg"].to_local())
+            for a, b in zip(own["state"].values(), after["state"].values())
+        )
         dist.barrier()
     return out
 
@@ -61,13 +66,23 @@ def takeover(rank: int, world: int) -> dict:
     until the cyclic gc runs, which rank 0 does here and rank 1 does not; a new optimizer on
     the same model takes its hooks over at construction, so the ranks' collectives still pair."""
     import gc
+
     model = C.build_model()
     x = C.local_batch(C.batches(1)[0], rank, world)
 
     class Holder:  # a Trainer-like object in a cycle
         def __init__(self):
-            self.me, self.opt = self, HybridAdamW(model.parameters(), lr=C.LR, subgroup_numel=32,
-                                                  offload_fraction=0.5, process_group=dist.group.WORLD)
+            self.me, self.opt = (
+                self,
+                HybridAdamW(
+                    model.parameters(),
+                    lr=C.LR,
+                    subgroup_numel=32,
+                    offload_fraction=0.5,
+                    process_group=dist.group.WORLD,
+                ),
+            )
+
     holder = Holder()
     C.loss_fn(model, x).backward()
     holder.opt.step()
@@ -77,13 +92,18 @@ def takeover(rank: int, world: int) -> dict:
     del holder
     if rank == 0:
         gc.collect()
-    with HybridAdamW(model.parameters(), lr=C.LR, subgroup_numel=32, offload_fraction=0.5,
-                     process_group=dist.group.WORLD) as opt:
+    with HybridAdamW(
+        model.parameters(), lr=C.LR, subgroup_numel=32, offload_fraction=0.5, process_group=dist.group.WORLD
+    ) as opt:
         for _ in range(2):
             opt.zero_grad()
             C.loss_fn(model, x).backward()
             opt.step()
-        out = dict(error=None, steps=opt.parts.ledger.steps_taken, params=[p.detach().clone() for p in model.parameters()])
+        out = dict(
+            error=None,
+            steps=opt.parts.ledger.steps_taken,
+            params=[p.detach().clone() for p in model.parameters()],
+        )
     gc.enable()
     return out
 
@@ -94,6 +114,7 @@ def ddp_unused(name: str, rank: int, world: int) -> dict:
     buckets; "_lazy": the has-grad counts read in step() (CUDA's way), after DDP has written
     its average into that bias's grad. Saves the params after each step."""
     from hybrid_opt.distributed import zero, zero_counts
+
     saved = zero.BUCKET_NUMEL, zero_counts.LAZY
     zero.BUCKET_NUMEL, zero_counts.LAZY = 64, (True if name.endswith("_lazy") else None)
 
@@ -104,12 +125,18 @@ def ddp_unused(name: str, rank: int, world: int) -> dict:
 
         def forward(self, x, step):
             return C.loss_bias_unused(self.model, x, rank, world, step)
+
     model = C.build_model()
     ddp = torch.nn.parallel.DistributedDataParallel(Loss(model), find_unused_parameters=True)
     out = dict(error=None, params=[])
     try:
-        with HybridAdamW(model.parameters(), lr=C.LR, subgroup_numel=32, offload_fraction=0.5,
-                         process_group=dist.group.WORLD) as opt:
+        with HybridAdamW(
+            model.parameters(),
+            lr=C.LR,
+            subgroup_numel=32,
+            offload_fraction=0.5,
+            process_group=dist.group.WORLD,
+        ) as opt:
             for i, x in enumerate(C.batches()):
                 opt.zero_grad()
                 ddp(C.local_batch(x, rank, world), i).backward()
@@ -128,9 +155,10 @@ def ddp_overflow(rank: int, world: int) -> dict:
     ddp = torch.nn.parallel.DistributedDataParallel(model)
     overflow = C.OverflowInBackward(model)
     out = dict(error=None, message=None, skipped=[])
-    with HybridAdamW(model.parameters(), lr=C.LR, subgroup_numel=32, offload_fraction=0.5,
-                     process_group=dist.group.WORLD) as opt:
-        scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8)
+    with HybridAdamW(
+        model.parameters(), lr=C.LR, subgroup_numel=32, offload_fraction=0.5, process_group=dist.group.WORLD
+    ) as opt:
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
         opt.attach_grad_scaler(scaler)
         try:
             for i, x in enumerate(C.batches(3)):
@@ -151,13 +179,19 @@ def grant_set(name: str, rank: int, world: int) -> dict:
     bias's grad by hand after backward, once its reduction had counted it absent. "_lazy": the
     has-grad counts read in step() (CUDA's way), after the grad was set."""
     from hybrid_opt.distributed import zero, zero_counts
+
     saved = zero.BUCKET_NUMEL, zero_counts.LAZY
     zero.BUCKET_NUMEL, zero_counts.LAZY = 64, (True if name.endswith("_lazy") else False)
     model = C.build_model()
     out = dict(error=None, message=None, steps=0)
     try:
-        with HybridAdamW(model.parameters(), lr=C.LR, subgroup_numel=32, offload_fraction=0.5,
-                         process_group=dist.group.WORLD) as opt:
+        with HybridAdamW(
+            model.parameters(),
+            lr=C.LR,
+            subgroup_numel=32,
+            offload_fraction=0.5,
+            process_group=dist.group.WORLD,
+        ) as opt:
             C.loss_bias_unused(model, C.local_batch(C.batches(1)[0], rank, world), rank, world, 0).backward()
             bias = list(model.parameters())[-1]
             if rank == 1:
@@ -186,10 +220,14 @@ def run(name: str, rank: int, world: int, tmp: str) -> dict:
     model = C.build_model()
     before = [p.detach().clone() for p in model.parameters()]
     # gradient_as_bucket_view: DDP's averages land in grads of its own, views of its buckets
-    forward = (torch.nn.parallel.DistributedDataParallel(model, gradient_as_bucket_view=name == "ddp_bucket_view")
-               if name.startswith("ddp") else model)
-    opt = HybridAdamW(model.parameters(), lr=C.LR, subgroup_numel=32, offload_fraction=0.5,
-                      process_group=dist.group.WORLD)
+    forward = (
+        torch.nn.parallel.DistributedDataParallel(model, gradient_as_bucket_view=name == "ddp_bucket_view")
+        if name.startswith("ddp")
+        else model
+    )
+    opt = HybridAdamW(
+        model.parameters(), lr=C.LR, subgroup_numel=32, offload_fraction=0.5, process_group=dist.group.WORLD
+    )
     scaler = torch.amp.GradScaler("cpu", init_scale=4.0) if name == "unscale" else None
     out = dict(error=None, message=None)
     x = C.local_batch(C.batches(1)[0], rank, world)

@@ -4,20 +4,22 @@ line. Each trains C.STEPS steps of the common model (buckets of 64 elements: 4 o
 saves per step the params (after wait_params), the grads held after backward (p.grad storage
 bytes, and the averaged chunks' bytes), opt.allocated_bytes["comm"] against the storages of
 the tensors the comm window holds, and the error a refused case raised."""
+
+import common as C
 import torch
 import torch.distributed as dist
 
-import common as C
 from hybrid_opt import HybridAdamW
 
 # name: (HybridAdamW kwargs, window slots or None (the defaults), case)
 from hybrid_opt.distributed import zero, zero_counts, zero_pool
+
 CONFIGS = {
     "base": (dict(), None, None),
     "release": (dict(release_grads=True), None, None),
     "window1": (dict(), 1, None),
     "window1_overlap": (dict(overlap_param_gather=True), 1, None),
-    "window1_rs": (dict(), 1, None),                                # reduce_scatter + all-gather
+    "window1_rs": (dict(), 1, None),  # reduce_scatter + all-gather
     "window1_ar_overlap": (dict(overlap_param_gather=True), 1, None),  # all_reduce + broadcasts
     "release_window1_overlap": (dict(release_grads=True, overlap_param_gather=True), 1, None),
     "scaler": (dict(), None, "overflow"),
@@ -45,8 +47,12 @@ CONFIGS = {
     "release_retry_late_edit_replace": (dict(release_grads=True), None, "late_edit_replace"),
     "release_late_edit_replace": (dict(release_grads=True), None, "late_edit_replace"),
 }
-PATHS = {"window1_rs": "reduce_scatter", "window1_ar_overlap": "all_reduce",
-         "release_zero_grad_keep_unused_rs": "reduce_scatter", "release_zero_grad_keep_unused_ar": "all_reduce"}
+PATHS = {
+    "window1_rs": "reduce_scatter",
+    "window1_ar_overlap": "all_reduce",
+    "release_zero_grad_keep_unused_rs": "reduce_scatter",
+    "release_zero_grad_keep_unused_ar": "all_reduce",
+}
 LAZY_COUNTS = {"release_zero_grad_keep_unused_lazy"}  # has-grad counts read in step(), as on CUDA
 OVERFLOW_STEP = 1
 LATE_EDIT_STEP = 1
@@ -83,7 +89,13 @@ def _storage_bytes(tensors) -> int:
 
 def run(name: str, rank: int, world: int, tmp: str) -> dict:
     hybrid, window, case = CONFIGS[name]
-    saved = zero.BUCKET_NUMEL, zero.COLLECTIVES, zero_pool.WINDOW, zero_pool.WINDOW_FLOOR_BYTES, zero_counts.LAZY
+    saved = (
+        zero.BUCKET_NUMEL,
+        zero.COLLECTIVES,
+        zero_pool.WINDOW,
+        zero_pool.WINDOW_FLOOR_BYTES,
+        zero_counts.LAZY,
+    )
     zero.BUCKET_NUMEL = 64
     zero.COLLECTIVES = PATHS.get(name)
     zero_counts.LAZY = True if name in LAZY_COUNTS else None
@@ -91,23 +103,46 @@ def run(name: str, rank: int, world: int, tmp: str) -> dict:
         zero_pool.WINDOW, zero_pool.WINDOW_FLOOR_BYTES = window, 0
     model = C.build_model()
     params = list(model.parameters())
-    out = dict(params=[], grad_bytes=[], chunk_bytes=[], comm=[], held=[], skipped=[], error=None,
-               message=None, grad_none_after_backward=[], grad_none_after_step=[], slots=[],
-               full_bytes=_storage_bytes(params))
+    out = dict(
+        params=[],
+        grad_bytes=[],
+        chunk_bytes=[],
+        comm=[],
+        held=[],
+        skipped=[],
+        error=None,
+        message=None,
+        grad_none_after_backward=[],
+        grad_none_after_step=[],
+        slots=[],
+        full_bytes=_storage_bytes(params),
+    )
     overflow = C.OverflowInBackward(model) if case == "overflow" else None
     late_step = [None]
     if case == "grad_zeroed_early":  # a hook before the optimizer's: its reduction reads the zeros
+
         def zero_early(p):
             if late_step[0] == 1:
                 p.grad.zero_()
+
         params[0].register_post_accumulate_grad_hook(zero_early)
     try:
-        opt = HybridAdamW(params, lr=C.LR, weight_decay=0.01, max_grad_norm=1.0, subgroup_numel=32,
-                          offload_fraction=0.5, process_group=dist.group.WORLD, **hybrid)
-        late = LateEdit(params[0], rank, case.rsplit("_", 1)[1]) if str(case).startswith("late_edit") else None
+        opt = HybridAdamW(
+            params,
+            lr=C.LR,
+            weight_decay=0.01,
+            max_grad_norm=1.0,
+            subgroup_numel=32,
+            offload_fraction=0.5,
+            process_group=dist.group.WORLD,
+            **hybrid,
+        )
+        late = (
+            LateEdit(params[0], rank, case.rsplit("_", 1)[1]) if str(case).startswith("late_edit") else None
+        )
         scaler = None
         if case in ("overflow", "late_edit_inf"):
-            scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8)
+            scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
             opt.attach_grad_scaler(scaler)
         out["slots"] = list(opt.parts.sharding.window.slot_counts().values())
         for i, x in enumerate(C.batches()):
@@ -129,7 +164,7 @@ def run(name: str, rank: int, world: int, tmp: str) -> dict:
                     if case == "zero_grad_keep_unused":
                         loss = C.loss_unused_everywhere(model, local, rank, world, i)
                     else:
-                        loss = C.loss_fn(model, local[m * n:(m + 1) * n]) / micro
+                        loss = C.loss_fn(model, local[m * n : (m + 1) * n]) / micro
                     (scaler.scale(loss) if scaler else loss).backward()
                 out["grad_bytes"].append(_storage_bytes(p.grad for p in params))
                 out["chunk_bytes"].append(_storage_bytes(b.out for b in opt.parts.sharding.buckets))
@@ -160,7 +195,13 @@ def run(name: str, rank: int, world: int, tmp: str) -> dict:
         out["zero"] = dict(opt.parts.sharding.stats)
         opt.close()
     finally:
-        zero.BUCKET_NUMEL, zero.COLLECTIVES, zero_pool.WINDOW, zero_pool.WINDOW_FLOOR_BYTES, zero_counts.LAZY = saved
+        (
+            zero.BUCKET_NUMEL,
+            zero.COLLECTIVES,
+            zero_pool.WINDOW,
+            zero_pool.WINDOW_FLOOR_BYTES,
+            zero_counts.LAZY,
+        ) = saved
     return out
 
 

@@ -9,14 +9,15 @@
   the start of that backward to the error (rank 1: the reduction's wait, at the timeout) and
   its message. Last: the groups have failed.
 """
+
 import datetime
 import sys
 import time
 
+import common as C
 import torch
 import torch.distributed as dist
 
-import common as C
 from hybrid_opt import HybridAdamW
 
 LONG = datetime.timedelta(hours=2)
@@ -26,8 +27,10 @@ def _timeouts(opt) -> dict:
     zero = opt.parts.sharding
     backend = zero.group._get_backend(torch.device("cpu"))
     wait = getattr(zero.comm, "timeout", None)  # None: no bound of the group's (a fixed one, before)
-    return dict(group_s=backend.options._timeout.total_seconds(),
-                wait_s=None if wait is None else wait.total_seconds())
+    return dict(
+        group_s=backend.options._timeout.total_seconds(),
+        wait_s=None if wait is None else wait.total_seconds(),
+    )
 
 
 def run(name: str, rank: int, world: int, timeout_s: float) -> dict:

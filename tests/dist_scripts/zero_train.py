@@ -3,13 +3,14 @@ HybridAdam(process_group=WORLD) — ZeRO-2 style sharded state — in the config
 the command line; saves per configuration the params after each step (every rank's own copy,
 refreshed by the all-gather), last_grad_norm, skips, the scaler's scale, speculation's stats,
 the state elements this rank keeps and the warnings given."""
+
 import os
 import warnings
 
+import common as C
 import torch
 import torch.distributed as dist
 
-import common as C
 from hybrid_opt import HybridAdam, HybridAdamW
 from hybrid_opt.distributed import zero, zero_counts
 from hybrid_opt.distributed.zero import BUCKET_NUMEL
@@ -54,9 +55,20 @@ CONFIGS = {
     # rank 0 commits it first; the launches and commits are logged
     "adamw_commit_order": ("AdamW", dict(offload_fraction=1.0), 1.0, None, 1),
 }
-SMALL_BUCKETS = ("adamw_host_noclip", "adamw_sync", "adamw_sd_close", "adamw_load", "adamw_unused",
-                 "adamw_sync_rs", "adamw_overlap_ar", "adamw_accum_noflag", "adamw_unused_direct",
-                 "adamw_unused_lazy", "adamw_unused_direct_lazy", "adamw_commit_order")
+SMALL_BUCKETS = (
+    "adamw_host_noclip",
+    "adamw_sync",
+    "adamw_sd_close",
+    "adamw_load",
+    "adamw_unused",
+    "adamw_sync_rs",
+    "adamw_overlap_ar",
+    "adamw_accum_noflag",
+    "adamw_unused_direct",
+    "adamw_unused_lazy",
+    "adamw_unused_direct_lazy",
+    "adamw_commit_order",
+)
 PATHS = {"adamw_sync_rs": "reduce_scatter", "adamw_overlap_ar": "all_reduce"}
 
 
@@ -77,24 +89,49 @@ def run(name: str, rank: int, world: int, tmp: str) -> dict:
     overflow = C.OverflowInBackward(model) if overflow_at is not None else None
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        opt = cls(model.parameters(), lr=C.LR, weight_decay=0.01, max_grad_norm=clip,
-                  subgroup_numel=32, worker_share=0.5, process_group=dist.group.WORLD, **hybrid)
+        opt = cls(
+            model.parameters(),
+            lr=C.LR,
+            weight_decay=0.01,
+            max_grad_norm=clip,
+            subgroup_numel=32,
+            worker_share=0.5,
+            process_group=dist.group.WORLD,
+            **hybrid,
+        )
         scaler = None
         if overflow_at is not None:
-            scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8)
+            scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
             opt.attach_grad_scaler(scaler)
-        out = dict(params=[], norms=[], skipped=[], scales=[], speculation=[], worker=[],
-                   probe=[], pending_after_step=[], buffer_bytes=[], buckets=len(opt.parts.sharding.buckets),
-                   direct=[b.direct for b in opt.parts.sharding.buckets],
-                   state_numel=opt.parts.sharding.state_numel(), plan=repr(opt.plan), opt_repr=repr(opt),
-                   laid_out=sum(sg.numel for sg in opt.parts.layout.subgroups), events=[],
-                   bucket_params=[[opt.parts.layout.index[p] for p in b.params] for b in opt.parts.sharding.buckets],
-                   sg_params=[sorted({sl.param_index for sl in sg.slices}) for sg in opt.parts.layout.subgroups],
-                   count_reads_after_backward=[], count_reads_after_step=[], grad_none_after_backward=[])
+        out = dict(
+            params=[],
+            norms=[],
+            skipped=[],
+            scales=[],
+            speculation=[],
+            worker=[],
+            probe=[],
+            pending_after_step=[],
+            buffer_bytes=[],
+            buckets=len(opt.parts.sharding.buckets),
+            direct=[b.direct for b in opt.parts.sharding.buckets],
+            state_numel=opt.parts.sharding.state_numel(),
+            plan=repr(opt.plan),
+            opt_repr=repr(opt),
+            laid_out=sum(sg.numel for sg in opt.parts.layout.subgroups),
+            events=[],
+            bucket_params=[[opt.parts.layout.index[p] for p in b.params] for b in opt.parts.sharding.buckets],
+            sg_params=[sorted({sl.param_index for sl in sg.slices}) for sg in opt.parts.layout.subgroups],
+            count_reads_after_backward=[],
+            count_reads_after_step=[],
+            grad_none_after_backward=[],
+        )
         if name == "adamw_commit_order":  # logs each host commit and each bucket's gather launch
             committed, launch = opt.parts.sharding.committed, opt.parts.sharding.gathers.launch
             opt.parts.sharding.committed = lambda i: (out["events"][-1].append(("commit", i)), committed(i))
-            opt.parts.sharding.gathers.set_launcher(lambda b, d: (out["events"][-1].append(("gather", b.index)), launch(b, d)))
+            opt.parts.sharding.gathers.set_launcher(
+                lambda b, d: (out["events"][-1].append(("gather", b.index)), launch(b, d))
+            )
         for i, x in enumerate(C.batches()):
             opt.zero_grad()
             local = C.local_batch(x, rank, world).to(DEVICE)
@@ -109,13 +146,15 @@ def run(name: str, rank: int, world: int, tmp: str) -> dict:
                 elif name.startswith("adamw_unused_direct"):
                     loss = C.loss_layer_unused(model, local, rank, world, i)
                 else:
-                    loss = C.loss_fn(stepped_model, local[m * n:(m + 1) * n]) / micro
+                    loss = C.loss_fn(stepped_model, local[m * n : (m + 1) * n]) / micro
                 (scaler.scale(loss) if scaler else loss).backward()
             out["count_reads_after_backward"].append(opt.parts.sharding.stats["count_reads"])
             out["grad_none_after_backward"].append([p.grad is None for p in model.parameters()])
             out["events"].append([])
             if name == "adamw_commit_order" and rank == 1:
-                opt.parts.placement.host.cancel(opt.parts.placement.host_local[0])  # stepped in step(), after the others commit
+                opt.parts.placement.host.cancel(
+                    opt.parts.placement.host_local[0]
+                )  # stepped in step(), after the others commit
             if scaler is not None:
                 scaler.step(opt)
                 scaler.update()
@@ -126,8 +165,9 @@ def run(name: str, rank: int, world: int, tmp: str) -> dict:
             out["count_reads_after_step"].append(opt.parts.sharding.stats["count_reads"])
             out["buffer_bytes"].append(opt.parts.sharding.stats["buffer_bytes"])
             if name == "adamw_load" and i == 2:  # written after step(), before the gathers land
-                model.load_state_dict({k: torch.full_like(v, 0.25 + j)
-                                       for j, (k, v) in enumerate(model.state_dict().items())})
+                model.load_state_dict(
+                    {k: torch.full_like(v, 0.25 + j) for j, (k, v) in enumerate(model.state_dict().items())}
+                )
             if name == "adamw_sync":
                 opt.wait_params()
             elif name == "adamw_sd_close":  # the params read before any forward
