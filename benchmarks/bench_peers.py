@@ -155,7 +155,7 @@ def probe_peer(args) -> tuple[dict | None, str | None]:
         )
     except subprocess.TimeoutExpired:
         return None, f"{args.peer_python} did not import deepspeed within 300 s"
-    lines = [l for l in res.stdout.splitlines() if l.startswith("PEER ")]
+    lines = [ln for ln in res.stdout.splitlines() if ln.startswith("PEER ")]
     if res.returncode != 0 or not lines:
         last = (res.stderr.strip().splitlines() or ["?"])[-1]
         return None, f"{args.peer_python} cannot import torch + deepspeed + psutil: {last}"
@@ -234,9 +234,9 @@ def launch(args, row: dict, ranks: int, workdir: str, tag: str) -> dict:
     for r in range(ranks):
         path = os.path.join(out, f"rank{r}.json")
         if rc != 0 or not os.path.exists(path):
-            lines = [l for l in _tail(log, 20000).splitlines() if l.strip()]
+            lines = [ln for ln in _tail(log, 20000).splitlines() if ln.strip()]
             cause = next(
-                (l for l in reversed(lines) if "Error" in l or "error" in l), lines[-1] if lines else "?"
+                (ln for ln in reversed(lines) if "Error" in ln or "error" in ln), lines[-1] if lines else "?"
             )
             return dict(error=f"launch failed (exit {rc}): {cause.strip()[:300]}; log {log}", seconds=secs)
         with open(path) as f:

@@ -139,8 +139,8 @@ def adam_step_(
     param: fp32 master; grad: fp32/bf16/fp16, multiplied by `grad_scale` in the same pass
     (1/loss_scale x clip coefficient; negative for maximize); exp_avg and exp_avg_sq: each
     fp32 or bf16, independently (rounded to nearest even; the fp32 value before rounding
-    feeds the param update); max_exp_avg_sq (amsgrad) in exp_avg_sq's dtype. `param_copy`: a bf16/fp16 tensor receiving the
-    updated param, rounded exactly as torch's cast.
+    feeds the param update); max_exp_avg_sq (amsgrad) in exp_avg_sq's dtype. `param_copy`: a
+    bf16/fp16 tensor receiving the updated param, rounded exactly as torch's cast.
     `out=(param_out, exp_avg_out, exp_avg_sq_out[, max_exp_avg_sq_out])`: bank mode, the
     new state is written there (non-temporal stores) and the inputs stay bitwise unchanged.
     `remainder`: int16 low halves of the fp32 master; `param` is then the bf16 model param

@@ -55,7 +55,7 @@ def line_tables(signed: bool):
     top = len(firsts)
     # the last boundary (to +1.0, the map's lopsided top) is nearer than the grid's: that corner is
     # convex, so its segment is no line of the minimum; the kernel sets the top rank by one compare
-    (a0, a1), (b0, b1) = groups[-2], groups[-1]
+    (a0, _), (b0, b1) = groups[-2], groups[-1]
     assert b1 - b0 == 1 and slopes[b0] > slopes[a0]
     groups.pop()
     out = [[[0.0] * LINE_KEYS, [0.0] * LINE_KEYS] for _ in range(LINES)]
@@ -102,7 +102,8 @@ def source() -> str:
     parts += [
         "};",
         "",
-        "/* the vector quantizer's lines (q8_codegen.line_tables): [map][line][slope, offset][octave], fp32 bits */",
+        "/* the vector quantizer's lines (q8_codegen.line_tables): [map][line][slope, offset]"
+        "[octave], fp32 bits */",
         "/* the smallest |x| of the top rank, [0] signed, [1] unsigned */",
         "const uint32_t q8_top_first[2] = {"
         + ", ".join(f"0x{q8._first_of_each_rank(signed)[0][-1]:08x}u" for signed in (True, False))

@@ -123,7 +123,8 @@ def tier_table(totals: dict, steps: int) -> str:
     from hybrid_opt.placement.plan import DEVICE, HOST, NVME
 
     lines = [
-        "| tier | subgroups | state MB | state B/param | worker ms/step | step() waited ms/step | hidden ms/step | committed | redone | stepped |",
+        "| tier | subgroups | state MB | state B/param | worker ms/step | step() waited ms/step "
+        "| hidden ms/step | committed | redone | stepped |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name in (DEVICE, HOST, NVME):

@@ -23,9 +23,12 @@ import errno
 import mmap
 import os
 import weakref
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 from hybrid_opt.shm import PAGE, address
+
+if TYPE_CHECKING:
+    import torch
 
 _MAP_FIXED = 0x10
 _MAP_NORESERVE = getattr(mmap, "MAP_NORESERVE", 0x4000)

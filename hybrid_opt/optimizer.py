@@ -359,7 +359,8 @@ class _HybridBase(torch.optim.Optimizer):
                 ),
             )
         except BaseException:
-            # GradScaler.step deletes them only after a return: a step that raised would scale the next by them
+            # GradScaler.step deletes them only after a return: a step that raised would scale the next
+            # by them
             for name in ("grad_scale", "found_inf"):
                 with contextlib.suppress(AttributeError):  # set for this call, or not at all
                     delattr(self, name)

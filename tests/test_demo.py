@@ -126,12 +126,9 @@ def test_tier_state_bytes_counts_each_subgroup_by_its_dtype_and_tier():
 def test_the_time_summary_names_the_cost_and_the_arrangement():
     from hybrid_opt.demo import time_summary
 
-    tier = lambda n, worker, waited, trainer=0.0: dict(
-        subgroups=n,
-        worker_s=worker,  # noqa: E731
-        trainer_wait_s=waited,
-        trainer_s=trainer,
-    )
+    def tier(n, worker, waited, trainer=0.0):
+        return dict(subgroups=n, worker_s=worker, trainer_wait_s=waited, trainer_s=trainer)
+
     totals = {"device": tier(1, 0.0, 0.0, trainer=0.5), "host": tier(2, 2.0, 0.5), "nvme": tier(1, 1.0, 0.5)}
     text = time_summary(
         totals, 100, [0.05] * 100, 5.0, [0.04] * 100, 4.0, "shared: the trainer keeps all 2 cores", clipped=7

@@ -597,7 +597,10 @@ def test_adams_decoupled_weight_decay_per_group_and_through_a_checkpoint_as_torc
     value, and an AdamW checkpoint (its groups say True) loaded into Adam, as torch does."""
     ours_model, ref_model = make_net(), make_net()
     ps, rs = list(ours_model.parameters()), list(ref_model.parameters())
-    groups = lambda params: [{"params": params[:2]}, {"params": params[2:], "decoupled_weight_decay": False}]
+
+    def groups(params):
+        return [{"params": params[:2]}, {"params": params[2:], "decoupled_weight_decay": False}]
+
     ours = hybrid(ADAM, groups(ps), placement, weight_decay=0.1, decoupled_weight_decay=True)
     ref = torch.optim.Adam(groups(rs), weight_decay=0.1, decoupled_weight_decay=True, foreach=False)
     try:

@@ -38,8 +38,9 @@ backward ends:
   memory-bound and quoted for fp32 state (HOST_ADAM_REFERENCE_BYTES), so a format that moves
   fewer bytes steps proportionally faster; nvme I/O is the file's bytes read and written, and
   with remainders the nvme tier reads the param's bf16 high half from the model (a D2H copy
-  on CUDA, a memcpy into shared memory on a CPU host) instead of storing it. The nvme read and write of a subgroup pipeline with the CPU step of
-  its neighbours (max, not sum); the grads' copy in is counted in series with the step.
+  on CUDA, a memcpy into shared memory on a CPU host) instead of storing it. The nvme read and
+  write of a subgroup pipeline with the CPU step of its neighbours (max, not sum); the grads'
+  copy in is counted in series with the step.
   Host work that can run during backward: `H = Eo * w`. The new params' copy back
   (`Eo * model bytes / h2d`) waits for step()'s validation: it is always exposed;
 - hiding under backward: grads become ready uniformly over backward (`T_b`), in reverse

@@ -21,8 +21,8 @@ from hybrid_opt.tiers.host import staging_slots_for
 
 def device_tier_bytes(sgs, fmt, amsgrad: bool) -> int:
     """What DeviceTier allocates for `sgs`: the moments in the format's dtypes (a q8 one: codes
-    and absmaxes; fp32 for a subgroup of small params), and an fp32 master for a bf16/fp16 subgroup (2 bytes of remainder with remainders; an fp32 model's
-    params are their own master)."""
+    and absmaxes; fp32 for a subgroup of small params), and an fp32 master for a bf16/fp16
+    subgroup (2 bytes of remainder with remainders; an fp32 model's params are their own master)."""
     total = 0
     for s in sgs:  # a q8 moment: its codes and one absmax per block (the last may be partial)
         moments = fmt.for_subgroup(s.quantized).stored_moments(amsgrad)

@@ -30,7 +30,8 @@ PRESETS = {
         "practical H2D/D2H (64 GB/s theoretical per direction); device Adam at 80%% of "
         "HBM bandwidth; 40%% MFU (300 TFLOPS); 512 GB host memory; CPU Adam 2e9 "
         "elem/s (conservative: the DRAM-bound rate of our 2-core dev machine; 8 DDR5 "
-        "channels may allow several times more); one PCIe 4 NVMe drive at 7 GB/s read / 5 GB/s write, 3.84 TB. "
+        "channels may allow several times more); one PCIe 4 NVMe drive at 7 GB/s read / "
+        "5 GB/s write, 3.84 TB. "
         "With --gpus > 1 (collectives): NVLink bridge 600 GB/s (datasheet, both ways: "
         "300 GB/s each way; it pairs two GPUs, more talk over PCIe: pass --nvlink-gbps "
         "50); across nodes one 400 Gb/s NIC per GPU (assumed)",
@@ -472,7 +473,8 @@ def _summary(machine: Machine, workload: Workload, p, headroom: float) -> str:
             (
                 f"  device {_gb(d['memory_bytes']['device'])} of {_gb(machine.gpu_mem_bytes)}"
                 if machine.gpus
-                else "  (no GPU: the 'device' share is stepped by the trainer's own cores; all in host memory)"
+                else "  (no GPU: the 'device' share is stepped by the trainer's own cores; "
+                "all in host memory)"
             ),
             f"  host   {_gb(d['memory_bytes']['host'])} of {_gb(machine.host_mem_bytes / ranks)}",
             f"  nvme   {_gb(d['memory_bytes']['nvme'])}",

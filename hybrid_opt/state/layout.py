@@ -280,7 +280,8 @@ def _cut(
 
 def subgroups_label(sgs) -> str:
     """'subgroups [..] (params [..])' of subgroups `sgs`, for messages."""
-    return f"subgroups {[sg.index for sg in sgs]} (params {sorted({sl.param_index for sg in sgs for sl in sg.slices})})"
+    params = sorted({sl.param_index for sg in sgs for sl in sg.slices})
+    return f"subgroups {[sg.index for sg in sgs]} (params {params})"
 
 
 def assign_ready_ranks(subgroups: list) -> None:

@@ -217,7 +217,7 @@ class _Pickler(pickle.Pickler):
 def _trim() -> None:
     """glibc's malloc keeps freed blocks below its dynamic mmap threshold (up to 32 MiB) for
     reuse, in pieces the next param's state may not fit: without this, 64-192 MiB stayed held
-    at 16 MiB params (benchmarks/bench_save.py, since folded into bench_checkpoint.py; 31.7 with it). malloc_trim gives them back;
+    at 16 MiB params (benchmarks/bench_checkpoint.py; 31.7 with it). malloc_trim gives them back;
     elsewhere (musl, macOS) nothing is done."""
     if _LIBC is not None:
         _LIBC.malloc_trim(0)

@@ -21,14 +21,16 @@ from hybrid_opt.banks import BankPool
 from hybrid_opt.shm import PAGE, SharedArena, align_up
 from hybrid_opt.state.state_format import ABSMAX, Q8, StateFormat
 from hybrid_opt.swap import SwapDir, check_nvme_path
-from hybrid_opt.tiers.arena_plan import (
-    MAX_STAGING_SLOTS,  # noqa: F401
-    STAGING_SLOTS,
-    plan_arena,
-)
-from hybrid_opt.tiers.compressed import StateBanks, _independent_moment_dtypes, check_params
 
 # re-exported: the optimizer, calibration, tests and benchmarks import these from here
+from hybrid_opt.tiers.arena_plan import (  # noqa: F401
+    DEFAULT_SLOT_NUMEL,
+    MAX_STAGING_SLOTS,
+    STAGING_SLOTS,
+    plan_arena,
+    staging_slots_for,
+)
+from hybrid_opt.tiers.compressed import StateBanks, _independent_moment_dtypes, check_params
 from hybrid_opt.tiers.host_io import _DT_CODE, REMOTE_GATHER_QUEUE, HostIO, _Piece  # noqa: F401
 from hybrid_opt.tiers.host_step import HostStepping, _Speculation  # noqa: F401
 from hybrid_opt.tiers.host_views import HostViews

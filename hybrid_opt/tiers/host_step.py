@@ -23,12 +23,16 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from hybrid_opt.state.state_format import ABSMAX, Q8_BLOCK, q8_blocks
 from hybrid_opt.tiers.host_io import TornState, _Piece
 from hybrid_opt.tiers.inputs import StepInputs
 from hybrid_opt.worker import protocol as P
 from hybrid_opt.worker.client import TornInterrupt
+
+if TYPE_CHECKING:
+    from hybrid_opt.tiers.nvme_files import FileSlots
 
 
 @dataclass
