@@ -317,6 +317,10 @@ class Speculator:
         self._deferred.clear()
         return outcome
 
+    def staged_subgroups(self) -> frozenset:
+        """The subgroups (layout indices) whose speculation is pending validation."""
+        return frozenset(self._staged)
+
     def forget_staged(self) -> None:
         host = self.placement.host
         pending = set(host.speculated()) if host is not None else set()
