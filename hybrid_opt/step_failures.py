@@ -190,6 +190,7 @@ class Failure(NamedTuple):
     untouched: list
     nothing_stepped: bool
     error: Exception
+    others_stepped: bool  # other ranks took the step: this one is out of step with them
 
 
 def failure_of(
@@ -255,9 +256,10 @@ def failure_of(
             + "the others not (state and step counts as before). Reload a checkpoint: "
             "stepping again would step the stepped ones twice."
         )
-    notes = RF.OUT_OF_STEP_NOTE * (plan.world > 1) + RF.ZERO_PARAMS_NOTE * plan.sharded
+    world = D.world_size()
+    notes = RF.OUT_OF_STEP_NOTE * (world > 1) + RF.ZERO_PARAMS_NOTE * plan.sharded
     if where is None:  # refused input (after the decision: the other ranks stepped)
         err = ValueError(f"{owner}.step(): {e}. {what}{notes}")
     else:
         err = RuntimeError(f"{owner}.step() failed in {where}: {e}\n{what}{notes}")
-    return Failure(untouched, nothing, err)
+    return Failure(untouched, nothing, err, world > 1)

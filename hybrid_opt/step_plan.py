@@ -19,8 +19,13 @@ SKIP = "skip"  # GradScaler found inf/nan: nothing steps, every speculation is d
 STATE_INIT = "state_init"  # torch.distributed.checkpoint's lr-0 step: the counts advance only
 
 # what a plan does with one host subgroup
-VALIDATE = "validate"  # a speculation is pending: committed if it holds, redone if not
+COMMIT = "commit"  # its speculation stepped with the final inputs: committed (redone if it failed)
+REDO = "redo"  # its speculation's inputs are not the final ones: dropped, stepped again
 STEP = "step"  # no speculation: stepped now
+
+
+def _empty() -> Mapping:
+    return MappingProxyType({})
 
 
 @dataclass(frozen=True)
@@ -40,38 +45,29 @@ class StepInputs:
     # in place after backward, which bumps no version, so every speculation is stale
     unscaled: bool = False
 
-    @property
-    def clipping(self) -> bool:
-        return self.max_grad_norm is not None
-
 
 @dataclass(frozen=True)
 class StepPlan:
     """The step decided, once, for all ranks: whether it is taken, the global grad norm, the clip
     coefficient and the loss scale, and for every subgroup with a grad the tier's work — the
-    device tier's slices, and per host/nvme subgroup whether a pending speculation is validated
-    or the subgroup is stepped now. `world` and `sharded` say what a failure must tell the user."""
+    device tier's slices; per host/nvme subgroup its final inputs and whether its speculation
+    is committed, redone, or it is stepped now. `sharded` says what a failure must tell the
+    user."""
 
     kind: str  # TAKE, SKIP or STATE_INIT
-    world: int = 1
-    sharded: bool = False
+    sharded: bool = False  # process_group / FSDP2: the params are shards
     norm: float | None = None  # the global grad norm, unscaled (None without clipping)
     clip: float = 1.0  # the clip coefficient (<= 1; NaN stays NaN, as torch's)
     inv_scale: float = 1.0  # 1 / the loss scale (1.0 without a GradScaler)
     scaled: bool = False  # a GradScaler's loss scale was handed in
+    scale: float = 1.0  # what every grad is multiplied by: inv_scale * clip
     device_work: tuple[DeviceWork, ...] = ()
-    host_work: Mapping[int, HostWork] = field(default_factory=lambda: MappingProxyType({}))
-    host_actions: Mapping[int, str] = field(default_factory=lambda: MappingProxyType({}))
-    edited: tuple = ()  # the DTensor grad-edit flags read with the step's scalars (grad_edits.py)
-
-    @property
-    def scale(self) -> float:
-        """What every grad is multiplied by: the loss scale's inverse times the clip coefficient."""
-        return self.inv_scale * self.clip
-
-    @property
-    def taken(self) -> bool:
-        return self.kind == TAKE
+    host_work: Mapping[int, HostWork] = field(default_factory=_empty)  # subgroup index -> its work
+    host_steps: Mapping = field(default_factory=_empty)  # the host tier's: (GradGatherer, final inputs)
+    host_actions: Mapping[int, str] = field(default_factory=_empty)  # subgroup index -> COMMIT | REDO | STEP
+    # deciding the host work failed (the worker, asked for a DTensor grad's staged sums): the
+    # step fails in the host tier as it begins, accounted as any host failure
+    host_error: BaseException | None = None
 
 
 @dataclass(frozen=True)
@@ -81,7 +77,7 @@ class StepOutcome:
     subgroups whose new params reached the model, the device tier's work positions written and
     maybe written, and the host subgroups that in-place steps cut short may have torn."""
 
-    host: Mapping[int, str] = field(default_factory=lambda: MappingProxyType({}))
+    host: Mapping[int, str] = field(default_factory=_empty)
     committed: frozenset[int] = frozenset()
     device_done: tuple[int, ...] = ()
     device_unsure: tuple[int, ...] = ()

@@ -19,7 +19,7 @@ from hybrid_opt.placement.plan import DEVICE
 from hybrid_opt.state.checkpoint import looks_like_state_init_step
 from hybrid_opt.state.layout import subgroups_label
 from hybrid_opt.step_failures import failure_of
-from hybrid_opt.step_plan import SKIP, STATE_INIT, STEP, TAKE, VALIDATE, StepInputs, StepOutcome, StepPlan
+from hybrid_opt.step_plan import SKIP, STATE_INIT, TAKE, StepInputs, StepOutcome, StepPlan
 from hybrid_opt.step_work import DeviceWork, HostWork
 from hybrid_opt.tiers.device import read_scalars
 from hybrid_opt.worker.client import TornInterrupt, TornState
@@ -68,39 +68,44 @@ def plan_step(parts, inputs: StepInputs, failure, decides: bool, hps, edit_check
     """The step decided once (step_plan.StepPlan): read the scalars in one host sync, agree on
     them with the other ranks, and lay out every subgroup's work. A rank that failed raises
     here, on every rank, in the decision (rank_faults.py)."""
-    world, sharded = D.world_size(), parts.sharding.active
+    sharded = parts.sharding.active
     # torch.distributed.checkpoint's lr-0 step on a fresh optimizer: decided here from this
     # rank's grads when no decision all_reduce runs (no collective either way); else every
     # rank's vote rides it, so no rank skips the collective that another enters
     init = failure is None and looks_like_state_init_step(parts.layout, inputs.decoupled)
     if init and not decides:
-        return StepPlan(STATE_INIT, world, sharded)
+        return StepPlan(STATE_INIT, sharded)
     parts.ledger.saw_amp(inputs.found_inf)  # GradScaler.step sets found_inf
     found, scale_v, norm_sq, edited = step_scalars(parts, inputs, failure, edit_checks)
     if decides:
         norm_sq, found, all_init = decide(parts, inputs, norm_sq, found, failure, init)
         if all_init:
-            return StepPlan(STATE_INIT, world, sharded)
+            return StepPlan(STATE_INIT, sharded)
     if found is not None and found != 0.0:  # GradScaler saw inf/nan: skipped, as torch does
-        return StepPlan(SKIP, world, sharded)
+        return StepPlan(SKIP, sharded)
     scaled = inputs.grad_scale is not None
     inv_scale = 1.0 / scale_v if scaled else 1.0
     norm, clip = clipped(parts, norm_sq, inv_scale, inputs.max_grad_norm)
     device_work, host_work = collect_work(parts, hps)
-    staged = parts.speculator.staged_subgroups()
-    actions = {i: VALIDATE if i in staged else STEP for i in host_work}
+    scale = inv_scale * clip
+    host_steps, actions, host_error = {}, {}, None
+    try:
+        host_steps, actions = parts.speculator.host_work(host_work, scale, edited, inputs.unscaled)
+    except BaseException as e:  # the worker, asked for a DTensor grad's staged sums, failed
+        host_error = e
     return StepPlan(
         TAKE,
-        world,
         sharded,
         norm,
         clip,
         inv_scale,
         scaled,
+        scale,
         tuple(device_work),
         MappingProxyType(host_work),
+        MappingProxyType(host_steps),
         MappingProxyType(actions),
-        tuple(edited),
+        host_error,
     )
 
 
@@ -129,7 +134,9 @@ def execute(parts, inputs: StepInputs, plan: StepPlan, t_step: float) -> None:
     committed: set = set()
     if plan.host_work:
         try:
-            host_outcome = step_host(parts, inputs, plan, committed)
+            if plan.host_error is not None:
+                raise plan.host_error
+            host_outcome = step_host(parts, plan, committed)
         except BaseException as e:  # each param stepped or untouched (step_failures.py)
             outcome = StepOutcome(committed=frozenset(committed), torn=_torn_subgroups(parts, e, plan))
             fail(parts, inputs, plan, outcome, e, "the host/nvme tier")
@@ -167,7 +174,7 @@ def _state_init_step(parts, inputs: StepInputs) -> None:
     """The state-init step (checkpoint.looks_like_state_init_step): the step counts advance,
     the tiers (all zeros, masters equal to the params) stay as they are."""
     parts.speculator.drop_pending()
-    parts.ledger.state_init_step(inputs.torch_state, clipping=inputs.clipping)
+    parts.ledger.state_init_step(inputs.torch_state, clipping=(inputs.max_grad_norm is not None))
 
 
 # ---------------------------------------------------------------------- the checks and reads
@@ -233,7 +240,7 @@ def step_scalars(parts, inputs: StepInputs, failure, edit_checks: list) -> tuple
     reach the host in one small copy (docs/usage.md: host syncs), with the flags of DTensor
     grads edited since speculation staged them (CUDA; grad_edits.py: Speculator.host_work)."""
     layout = parts.layout
-    queue_norm = inputs.clipping and failure is None and layout.cuda()
+    queue_norm = (inputs.max_grad_norm is not None) and failure is None and layout.cuda()
     norm_sq = D.grad_norm_sq(layout.params()) if queue_norm else None
     found, scale_v, norm_sq, *edited = read_scalars(
         (inputs.found_inf, inputs.grad_scale, norm_sq, *edit_checks)
@@ -245,7 +252,7 @@ def decide(parts, inputs: StepInputs, norm_sq, found, failure, init: bool) -> tu
     """One decision for all ranks: norm² and found_inf summed in one all_reduce, with every
     rank's failure flag and state-init vote (rank_faults.py); (norm², found, all_init). A
     rank that failed (or a collective that did) raises here on every rank, nothing stepped."""
-    if inputs.clipping and norm_sq is None:
+    if (inputs.max_grad_norm is not None) and norm_sq is None:
         norm_sq = D.grad_norm_sq(parts.layout.params()) if failure is None else 0.0
     try:
         norm_sq, found, all_init = RF.agree(norm_sq, found, failure, init_vote=init)
@@ -299,16 +306,14 @@ def expect_gathers(parts, plan: StepPlan, overlap: bool) -> None:
         parts.sharding.expect_commits(pending, direct=not overlap)
 
 
-def step_host(parts, inputs: StepInputs, plan: StepPlan, committed: set) -> dict:
+def step_host(parts, plan: StepPlan, committed: set) -> dict:
     """The host and nvme tiers' step: each speculated subgroup validated (committed, or redone
     from the live grads), the others stepped; each subgroup's new params written into the model
     as its step commits (`committed` gathers their indices). Returns {subgroup index:
     "committed" | "redone" | "stepped" | "dropped"}."""
     placement, spec, sharding = parts.placement, parts.speculator, parts.sharding
     local = placement.host_local
-    host_work = plan.host_work
-    work = spec.host_work(host_work, plan.scale, list(plan.edited), inputs.unscaled)
-    by_local = {local[i]: w for i, w in host_work.items()}
+    by_local = {local[i]: w for i, w in plan.host_work.items()}
 
     def copy_params(k: int, views: dict) -> None:
         # the new params reach the model only once their step is committed
@@ -321,7 +326,7 @@ def step_host(parts, inputs: StepInputs, plan: StepPlan, committed: set) -> dict
         sharding.committed(sg.index)  # process_group: its buckets' gathers may start (zero_gather.py)
 
     try:
-        outcome = placement.host.finish(work, on_commit=copy_params)
+        outcome = placement.host.finish(dict(plan.host_steps), on_commit=copy_params)
     finally:
         spec.forget_staged()
     spec.stepped()
@@ -350,7 +355,7 @@ def fail(parts, inputs: StepInputs, plan: StepPlan, outcome: StepOutcome, e: Bas
         if hasattr(e, "add_note"):  # and what it left said (a checkpoint saved on Ctrl-C)
             e.add_note(str(f.error))
         raise e
-    if plan.world > 1:  # the others stepped: our next step() stops them all
+    if f.others_stepped:  # our next step() stops them all
         parts.ledger.out_of_step(f.error)
     if plan.sharded:
         # the others all-gather their stepped chunks now: this rank joins (its params then
