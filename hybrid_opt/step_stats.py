@@ -39,6 +39,8 @@ class StepStats:
         self._prev_worker_s = None  # the host tier's per-subgroup worker seconds at the last step
         self._outcome = None  # the last host step's outcome counts (committed, redone, ...)
         self.outcome_by_sg: dict = {}  # the last host step's outcome per subgroup index
+        self.last_plan: StepPlan | None = None  # the last step taken, as decided (step_plan.py)
+        self.last_outcome: StepOutcome | None = None  # ... and as its tiers did it
         self._bwd_first = self._bwd_last = None
         self._hooks: list = []
 
@@ -100,6 +102,7 @@ class StepStats:
         for v in outcome.host.values():
             counts[v] += 1
         self._outcome, self.outcome_by_sg = counts, dict(outcome.host)
+        self.last_plan, self.last_outcome = step, outcome
         tiers = {
             t: {
                 "subgroups": 0,
