@@ -11,14 +11,11 @@ The optimizer's StepStats part; a refit itself is the placement's (placement.py)
 from __future__ import annotations
 
 import collections
-from typing import TYPE_CHECKING
 
 from hybrid_opt.lifetime import weak_method
 from hybrid_opt.placement.plan import DEVICE, HOST, NVME
 from hybrid_opt.state.state_format import StateFormat
-
-if TYPE_CHECKING:
-    from hybrid_opt.step_plan import StepOutcome, StepPlan
+from hybrid_opt.step_plan import StepOutcome, StepPlan
 
 # steps whose CUDA-event marks may wait to be read; past that the oldest sample is dropped
 # (the GPU is that far behind the trainer: a sample lost, never an unbounded queue)
@@ -77,8 +74,9 @@ class StepStats:
         self._bwd_last = now
 
     # ------------------------------------------------------------------ a step's figures
-    def skipped(self, host, dropped: int) -> None:
-        """Stats of a skipped step (an overflow), not of the last one that was taken."""
+    def skipped(self, host, dropped: int, step: StepPlan) -> None:
+        """Stats of a skipped step (an overflow, `step`), not of the last one that was taken."""
+        self.last_plan, self.last_outcome = step, StepOutcome()
         self.last = {
             "host": dict(host.stats) if host is not None else {},
             "speculation": dict(committed=0, redone=0, stepped=0, dropped=dropped)

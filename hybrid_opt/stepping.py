@@ -118,7 +118,7 @@ def execute(parts, inputs: StepInputs, plan: StepPlan, t_step: float) -> None:
     ledger, placement, stats = parts.ledger, parts.placement, parts.stats
     if plan.kind == SKIP:
         ledger.skipped()
-        stats.skipped(placement.host, len(parts.speculator.drop_pending()))
+        stats.skipped(placement.host, len(parts.speculator.drop_pending()), plan)
         return None
     # the step counts advance; put back if the step fails with nothing stepped
     ledger.begin(inputs.torch_state, plan)
