@@ -32,6 +32,7 @@ from hybrid_opt.placement import PlacementConfig
 from hybrid_opt.state import checkpoint as C
 from hybrid_opt.state import saving as SV
 from hybrid_opt.state import torch_extras as TX
+from hybrid_opt.step_plan import StepInputs
 
 
 class _HybridBase(torch.optim.Optimizer):
@@ -347,7 +348,7 @@ class _HybridBase(torch.optim.Optimizer):
             # GradScaler.step sets found_inf / grad_scale on the optimizer for this call
             S.step(
                 self._parts,
-                S.StepCall(
+                StepInputs(
                     type(self).__name__,
                     self._decoupled,
                     self.max_grad_norm,

@@ -24,6 +24,7 @@ import torch
 from hybrid_opt.distributed import any_dtensor, grad_locals
 from hybrid_opt.distributed.grad_edits import GradFingerprints
 from hybrid_opt.lifetime import weak_call, weak_method
+from hybrid_opt.step_plan import COMMIT, REDO, STEP
 from hybrid_opt.step_work import group_inputs
 from hybrid_opt.tiers.grads import GradGatherer
 from hybrid_opt.tiers.host import StepInputs
@@ -55,7 +56,8 @@ class Speculator:
         self._members: dict = {}  # host subgroup index -> trainable param indices in it
         self._param_sgs: dict = {}  # param index -> host subgroup indices it spans
         self._ready: dict = {}
-        self._staged: dict = {}  # host subgroup index -> the grad tensors its pending speculation read
+        # subgroup index -> (the grad tensors its pending speculation read, the inputs it stepped with)
+        self._staged: dict = {}
         self.fingerprints = None  # GradFingerprints where a host param is a DTensor (install)
         self._grad_locals = grad_locals  # how the host grads are named: install's
         self._deferred: list = []
@@ -189,19 +191,21 @@ class Speculator:
         self._inv_scale_cache = (key, inv)
         return inv
 
-    def step_of(self, sg, live: list, hp: StepInputs, scale: float, ahead: int, stale: bool = False) -> tuple:
-        """(the subgroup's GradGatherer, the inputs its step depends on) — ahead=1 during
-        backward: the step counts it will have. The inputs name the grads, so a changed grad
+    def step_of(
+        self, sg, live: list, hp: StepInputs, scale: float, at_step: bool = False, stale: bool = False
+    ) -> tuple:
+        """(the subgroup's GradGatherer, the inputs its step depends on), with the step counts
+        the params will have once the step begins. The inputs name the grads, so a changed grad
         makes the step stale; their local memory is resolved once for both (the DTensor
-        fingerprints resolve it again, at the same moment). `live`: the
-        subgroup's slices whose param has a grad."""
-        runs = _runs(self.layout.steps, sg, live, ahead)
-        step = runs[0][2] if runs else self.layout.steps[live[0].param_index] + ahead
+        fingerprints resolve it again, at the same moment). `live`: the subgroup's slices whose
+        param has a grad; `at_step`: step()'s final inputs (edits since staged then show)."""
+        runs = _runs(self.layout.steps, sg, live, 1)
+        step = runs[0][2] if runs else self.layout.steps[live[0].param_index] + 1
         # a DTensor grad (FSDP2) is named by its local shard (the memory the step reads) and
         # the versions of both: `dtensor.mul_` bumps only the DTensor's
         versions, grads = self._grad_locals([sl.param.grad for sl in sg.slices])
         gatherer = GradGatherer(sg, grads)
-        if not ahead and ((stale and sg.index in self._staged) or self._grads_edited(sg, gatherer)):
+        if at_step and ((stale and sg.index in self._staged) or self._grads_edited(sg, gatherer)):
             versions += ("edited since staged",)  # unscale_, or a foreach edit of DTensor grads: redone
         return gatherer, StepInputs(
             step,
@@ -243,16 +247,24 @@ class Speculator:
             host.grad_dtype,
         )
 
-    def host_work(self, host_steps: dict, scale: float, edited: list, unscaled: bool = False) -> dict:
-        """step()'s host work {host-tier subgroup: (its GradGatherer, its StepInputs)} for
-        host_steps {subgroup index: step_work.HostWork}; `edited`: the values read back of
-        grad_edit_checks()' (the same order), so a speculation whose DTensor grads
-        changed since staged is redone from the live grads; `unscaled`: the user's
-        scaler.unscale_ rewrote every grad in place (no version shows it): each is redone."""
+    def host_work(self, host_work, scale: float, edited: list, unscaled: bool = False) -> tuple:
+        """step()'s decision for the host tiers, before the step counts advance: ({host-tier
+        subgroup: (its GradGatherer, its final StepInputs)}, {subgroup index: COMMIT | REDO |
+        STEP}) for host_work {subgroup index: step_work.HostWork}. A speculation whose inputs
+        are the final ones is committed (redone after all if it failed: the outcome says);
+        one whose inputs differ (clipping bit, the scale changed, a grad was edited since
+        staged: `edited`, the values read back of grad_edit_checks(), in the same order;
+        `unscaled`: the user's scaler.unscale_ rewrote every grad in place, which no version
+        shows) is redone from the live grads; a subgroup with none is stepped."""
         if self.fingerprints is not None:
             self.fingerprints.note(edited)
         local = self.placement.host_local
-        return {local[i]: self.step_of(w.sg, w.live, w.hp, scale, 0, unscaled) for i, w in host_steps.items()}
+        steps, actions = {}, {}
+        for i, w in host_work.items():
+            steps[local[i]] = work = self.step_of(w.sg, w.live, w.hp, scale, True, unscaled)
+            staged = self._staged.get(i)
+            actions[i] = STEP if staged is None else COMMIT if staged[1] == work[1] else REDO
+        return steps, actions
 
     def _speculate(self, sgi: int) -> bool:
         sg = self.layout.subgroups[sgi]
@@ -261,7 +273,7 @@ class Speculator:
             return True  # a sparse grad: step() refuses it, in its own words (step_failures.py)
         hp = group_inputs(self.layout.param_groups[sg.group], self.config.decoupled)
         # clipping is assumed not to bite (coefficient 1): validation redoes it when it does
-        gatherer, inputs = self.step_of(sg, live, hp, self.predicted_inv_scale(), 1)
+        gatherer, inputs = self.step_of(sg, live, hp, self.predicted_inv_scale())
         host, local = self.placement.host, self.placement.host_local[sgi]
         self._staged.pop(sgi, None)
         if self.fingerprints is not None:
@@ -271,7 +283,7 @@ class Speculator:
             # the grads it read stay referenced until it is validated: a grad tensor made after
             # one was discarded (zero_grad, `p.grad = None`) can then never take its address, so
             # (data_ptr, _version) names the same grad for as long as the speculation is pending
-            self._staged[sgi] = [sl.param.grad for sl in live]
+            self._staged[sgi] = ([sl.param.grad for sl in live], inputs)
             if self.fingerprints is not None:
                 self.fingerprints.record(sgi, live)
             return True

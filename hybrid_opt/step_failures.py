@@ -28,7 +28,7 @@ step that failed part-way (the optimizer's ledger puts the counts back: ledger.p
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
@@ -36,6 +36,9 @@ from hybrid_opt import distributed as D
 from hybrid_opt.distributed import rank_faults as RF
 from hybrid_opt.placement.plan import DEVICE
 from hybrid_opt.step_work import group_inputs
+
+if TYPE_CHECKING:
+    from hybrid_opt.step_plan import StepOutcome, StepPlan
 
 _CPU = torch.device("cpu")
 NOTHING_STEPPED = (
@@ -187,35 +190,26 @@ class Failure(NamedTuple):
     untouched: list
     nothing_stepped: bool
     error: Exception
+    others_stepped: bool  # other ranks took the step: this one is out of step with them
 
 
 def failure_of(
-    owner: str,
-    e: BaseException,
-    where: str | None,
-    host_steps: dict,
-    committed: set,
-    device_work: list,
-    done: list,
-    unsure: list,
-    world: int,
-    sharded: bool,
-    unreadable=None,
-    cut: set = frozenset(),
+    owner: str, plan: StepPlan, outcome: StepOutcome, e: BaseException, where: str | None, unreadable=None
 ) -> Failure:
     """The accounting of a step that failed with `e` (module docstring), and the error to
-    raise, explained. host_steps: {subgroup index: HostWork} of the host/nvme tiers
-    (step_work.py), `committed` those that committed; device_work: the device tier's
-    DeviceWork entries, `done` / `unsure` the positions written / maybe written. where: the
-    failing tier, None for input refused. unreadable: () -> the subgroups and params whose
-    committed nvme slot no longer reads back (a label, or None), asked only when nothing was
-    stepped: then stepping again would fail the same way. cut: the host subgroups whose
-    in-place steps (rollback="inverse") were cut short: their params may be torn, and count as
-    stepped (their counts advance; only a checkpoint restores them)."""
+    raise, explained: what the plan gave the tiers against what they did (`outcome`: the host
+    subgroups committed, the device tier's work positions written / maybe written, the host
+    subgroups whose in-place steps (rollback="inverse") were cut short: their params may be
+    torn, and count as stepped — their counts advance; only a checkpoint restores them).
+    where: the failing tier, None for input refused. unreadable: () -> the subgroups and params
+    whose committed nvme slot no longer reads back (a label, or None), asked only when nothing
+    was stepped: then stepping again would fail the same way."""
+    host_work, device_work = plan.host_work, plan.device_work
+    committed, cut = outcome.committed, outcome.torn
     total: dict = {}
     stepped: dict = {}
     cut_params = set()
-    for w in host_steps.values():
+    for w in host_work.values():
         for sl in w.live:
             total[sl.param_index] = total.get(sl.param_index, 0) + 1
             stepped[sl.param_index] = stepped.get(sl.param_index, 0) + (w.sg.index in committed)
@@ -223,10 +217,10 @@ def failure_of(
                 cut_params.add(sl.param_index)
     for w in device_work:
         total[w.slice.param_index] = total.get(w.slice.param_index, 0) + 1
-    for k in done:
+    for k in outcome.device_done:
         idx = device_work[k].slice.param_index
         stepped[idx] = stepped.get(idx, 0) + 1
-    maybe = {device_work[k].slice.param_index for k in unsure}
+    maybe = {device_work[k].slice.param_index for k in outcome.device_unsure}
     unsure_params = maybe | cut_params  # maybe written: neither whole nor untouched
     whole = sorted(i for i, n in total.items() if stepped.get(i, 0) == n and i not in unsure_params)
     torn = sorted(
@@ -262,9 +256,10 @@ def failure_of(
             + "the others not (state and step counts as before). Reload a checkpoint: "
             "stepping again would step the stepped ones twice."
         )
-    notes = RF.OUT_OF_STEP_NOTE * (world > 1) + RF.ZERO_PARAMS_NOTE * sharded
+    world = D.world_size()
+    notes = RF.OUT_OF_STEP_NOTE * (world > 1) + RF.ZERO_PARAMS_NOTE * plan.sharded
     if where is None:  # refused input (after the decision: the other ranks stepped)
         err = ValueError(f"{owner}.step(): {e}. {what}{notes}")
     else:
         err = RuntimeError(f"{owner}.step() failed in {where}: {e}\n{what}{notes}")
-    return Failure(untouched, nothing, err)
+    return Failure(untouched, nothing, err, world > 1)

@@ -15,6 +15,7 @@ import collections
 from hybrid_opt.lifetime import weak_method
 from hybrid_opt.placement.plan import DEVICE, HOST, NVME
 from hybrid_opt.state.state_format import StateFormat
+from hybrid_opt.step_plan import StepOutcome, StepPlan
 
 # steps whose CUDA-event marks may wait to be read; past that the oldest sample is dropped
 # (the GPU is that far behind the trainer: a sample lost, never an unbounded queue)
@@ -35,6 +36,8 @@ class StepStats:
         self._prev_worker_s = None  # the host tier's per-subgroup worker seconds at the last step
         self._outcome = None  # the last host step's outcome counts (committed, redone, ...)
         self.outcome_by_sg: dict = {}  # the last host step's outcome per subgroup index
+        self.last_plan: StepPlan | None = None  # the last step taken, as decided (step_plan.py)
+        self.last_outcome: StepOutcome | None = None  # ... and as its tiers did it
         self._bwd_first = self._bwd_last = None
         self._hooks: list = []
 
@@ -71,15 +74,9 @@ class StepStats:
         self._bwd_last = now
 
     # ------------------------------------------------------------------ a step's figures
-    def note_outcome(self, outcome_by_sg: dict) -> None:
-        """The host step's outcome per subgroup index ("committed", "redone", ...)."""
-        counts = {k: 0 for k in ("committed", "redone", "stepped", "dropped")}
-        for v in outcome_by_sg.values():
-            counts[v] += 1
-        self._outcome, self.outcome_by_sg = counts, outcome_by_sg
-
-    def skipped(self, host, dropped: int) -> None:
-        """Stats of a skipped step (an overflow), not of the last one that was taken."""
+    def skipped(self, host, dropped: int, step: StepPlan) -> None:
+        """Stats of a skipped step (an overflow, `step`), not of the last one that was taken."""
+        self.last_plan, self.last_outcome = step, StepOutcome()
         self.last = {
             "host": dict(host.stats) if host is not None else {},
             "speculation": dict(committed=0, redone=0, stepped=0, dropped=dropped)
@@ -93,11 +90,17 @@ class StepStats:
         """A move laid out a new host tier: its per-subgroup worker times start again."""
         self._prev_worker_s = None
 
-    def record(
-        self, plan, host, host_local: dict, host_steps, device_work, host_wait_s, device_s, norm, clip
-    ) -> None:
-        """Per-tier figures of this step: subgroups, state bytes, the trainer's time in it,
-        the worker's time on it, and how much of the worker's time hid under backward."""
+    def record(self, plan, host, host_local: dict, step: StepPlan, outcome: StepOutcome) -> None:
+        """Per-tier figures of a step taken (`step`, and `outcome`: what its tiers did): subgroups,
+        state bytes, the trainer's time in it, the worker's time on it, and how much of the
+        worker's time hid under backward. `plan`: the placement's."""
+        t_step, t_host, t_device, t_end = outcome.times
+        host_wait_s, device_s = t_device - t_host, t_end - t_device
+        counts = {k: 0 for k in ("committed", "redone", "stepped", "dropped")}
+        for v in outcome.host.values():
+            counts[v] += 1
+        self._outcome, self.outcome_by_sg = counts, dict(outcome.host)
+        self.last_plan, self.last_outcome = step, outcome
         tiers = {
             t: {
                 "subgroups": 0,
@@ -142,9 +145,9 @@ class StepStats:
             "device_s": device_s,
             "hidden_s": hidden,
             "worker_s": off,
-            "speculation": self._outcome if host_steps else None,
-            "grad_norm": norm,
-            "clip_coef": clip,
+            "speculation": self._outcome if step.host_work else None,
+            "grad_norm": step.norm,
+            "clip_coef": step.clip,
         }
 
     # ------------------------------------------------------------------ "auto"'s samples

@@ -6,9 +6,10 @@ step that fails part-way (step_failures.py). None of them keeps state of its own
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
-from typing import NamedTuple
+from types import MappingProxyType
 
 import torch
 
@@ -18,140 +19,166 @@ from hybrid_opt.placement.plan import DEVICE
 from hybrid_opt.state.checkpoint import looks_like_state_init_step
 from hybrid_opt.state.layout import subgroups_label
 from hybrid_opt.step_failures import failure_of
+from hybrid_opt.step_plan import SKIP, STATE_INIT, TAKE, StepInputs, StepOutcome, StepPlan
 from hybrid_opt.step_work import DeviceWork, HostWork
 from hybrid_opt.tiers.device import read_scalars
 from hybrid_opt.worker.client import TornInterrupt, TornState
 
 
-class StepCall(NamedTuple):
-    """What one step() is called with: the optimizer's settings, torch's `state` mirror and
-    GradScaler's protocol values (set on the optimizer for the call: `found_inf`, `grad_scale`)."""
-
-    owner: str  # the class name errors speak of
-    decoupled: bool  # AdamW's decoupled weight decay (Adam's L2 otherwise)
-    max_grad_norm: object  # None: no clipping
-    overlap: bool  # overlap_param_gather
-    torch_state: dict  # the optimizer's `state`
-    found_inf: object  # GradScaler's, or None
-    grad_scale: object
-    key: int  # id(optimizer): GradScaler's per-optimizer state
-    unscaled: bool = False  # step()'s: GradScaler.step found the grads unscaled by unscale_ (below)
-
-
-def step(parts, call: StepCall) -> None:
-    """One step, top to bottom: check, read the step's scalars (one sync), decide, clip,
-    collect the work, host step with on-commit gathers, device step, record and refit."""
+def step(parts, inputs: StepInputs) -> None:
+    """One step, top to bottom: check, read the step's scalars (one sync), decide the plan,
+    let the tiers execute it (host tiers with on-commit gathers, then the device tier), record
+    the outcome and refit."""
     t_step = time.perf_counter()
-    failure, decides, hps = precheck(parts, call)
+    failure, decides, hps = precheck(parts, inputs)
     stepped = False
     try:
-        found_t, failure = begin_step(parts, call, failure, decides)
+        found_t, failure = begin_step(parts, inputs, failure, decides)
         failure, edit_checks = after_backward(parts, failure, decides)
         if failure is not None and not decides:
             raise failure
         # found_inf from here on is the sharding part's (release_grads adds this rank's flag).
         # GradScaler.step hands found_inf without grad_scale for grads the user's unscale_
         # unscaled in place after backward, which bumps no version: every speculation is stale
-        unscaled = call.found_inf is not None and call.grad_scale is None
-        _taken(
-            parts,
-            call._replace(found_inf=found_t, unscaled=unscaled),
-            t_step,
-            failure,
-            decides,
-            hps,
-            edit_checks,
-        )
+        unscaled = inputs.found_inf is not None and inputs.grad_scale is None
+        inputs = dataclasses.replace(inputs, found_inf=found_t, unscaled=unscaled)
+        plan = plan_step(parts, inputs, failure, decides, hps, edit_checks)
+        execute(parts, inputs, plan, t_step)
         stepped = True
     finally:
         parts.sharding.end_step(stepped)  # the next backward starts a new reduction
 
 
-def begin_step(parts, call: StepCall, failure, decides: bool) -> tuple:
+def begin_step(parts, inputs: StepInputs, failure, decides: bool) -> tuple:
     """The sharding part's start of the step (its reductions landed): (found_inf, the failure
     so far). An error there joins the decision flagged, as precheck's do, so that no rank
     raises while the others wait for it in the decision all_reduce."""
     try:
         return parts.sharding.begin_step(
-            failure, call.found_inf, call.grad_scale, parts.speculator.grad_scaler, call.key
+            failure, inputs.found_inf, inputs.grad_scale, parts.speculator.grad_scaler, inputs.key
         )
     except Exception as e:
         if not decides:
             raise
-        return call.found_inf, failure or e
+        return inputs.found_inf, failure or e
 
 
-def _taken(parts, call: StepCall, t_step: float, failure, decides: bool, hps, edit_checks) -> None:
-    ledger, placement, stats = parts.ledger, parts.placement, parts.stats
-    found_t, scale_t = call.found_inf, call.grad_scale
+# ---------------------------------------------------------------------- the decision
+def plan_step(parts, inputs: StepInputs, failure, decides: bool, hps, edit_checks: list) -> StepPlan:
+    """The step decided once (step_plan.StepPlan): read the scalars in one host sync, agree on
+    them with the other ranks, and lay out every subgroup's work. A rank that failed raises
+    here, on every rank, in the decision (rank_faults.py)."""
+    sharded = parts.sharding.active
     # torch.distributed.checkpoint's lr-0 step on a fresh optimizer: decided here from this
     # rank's grads when no decision all_reduce runs (no collective either way); else every
     # rank's vote rides it, so no rank skips the collective that another enters
-    init = failure is None and looks_like_state_init_step(parts.layout, call.decoupled)
+    init = failure is None and looks_like_state_init_step(parts.layout, inputs.decoupled)
     if init and not decides:
-        return _state_init_step(parts, call)
-    ledger.saw_amp(found_t)  # GradScaler.step sets found_inf
-    clipping = call.max_grad_norm is not None
-    found, scale_v, norm_sq, edited = step_scalars(parts, found_t, scale_t, clipping, failure, edit_checks)
+        return StepPlan(STATE_INIT, sharded)
+    parts.ledger.saw_amp(inputs.found_inf)  # GradScaler.step sets found_inf
+    found, scale_v, norm_sq, edited = step_scalars(parts, inputs, failure, edit_checks)
     if decides:
-        norm_sq, found, all_init = decide(parts, call.key, norm_sq, found, failure, init, clipping)
+        norm_sq, found, all_init = decide(parts, inputs, norm_sq, found, failure, init)
         if all_init:
-            return _state_init_step(parts, call)
-    if found is not None and found != 0.0:
-        # GradScaler saw inf/nan: the whole step is skipped, exactly as torch does
-        ledger.skipped()
-        stats.skipped(placement.host, len(parts.speculator.drop_pending()))
-        return None
-    inv_scale = 1.0 / scale_v if scale_t is not None else 1.0
-    norm, clip = clipped(parts, norm_sq, inv_scale, call.max_grad_norm)
-    # put back if the step fails with nothing stepped; the params with a grad advance
-    undo = ledger.begin(call.torch_state, inv_scale if scale_t is not None else None, norm, clip < 1.0)
+            return StepPlan(STATE_INIT, sharded)
+    if found is not None and found != 0.0:  # GradScaler saw inf/nan: skipped, as torch does
+        return StepPlan(SKIP, sharded)
+    scaled = inputs.grad_scale is not None
+    inv_scale = 1.0 / scale_v if scaled else 1.0
+    norm, clip = clipped(parts, norm_sq, inv_scale, inputs.max_grad_norm)
+    device_work, host_work = collect_work(parts, hps)
     scale = inv_scale * clip
-    device_work, host_steps = collect_work(parts, hps)
+    host_steps, actions, host_error = {}, {}, None
+    try:
+        host_steps, actions = parts.speculator.host_work(host_work, scale, edited, inputs.unscaled)
+    except BaseException as e:  # the worker, asked for a DTensor grad's staged sums, failed
+        host_error = e
+    return StepPlan(
+        TAKE,
+        sharded,
+        norm,
+        clip,
+        inv_scale,
+        scaled,
+        scale,
+        tuple(device_work),
+        MappingProxyType(host_work),
+        MappingProxyType(host_steps),
+        MappingProxyType(actions),
+        host_error,
+    )
 
-    def failed(e, where, host: dict, committed: set, done=(), unsure=()):
-        fail(parts, call, e, where, host, committed, device_work, done, unsure, undo)
 
-    why = parts.checks.device_scale_error(device_work, scale)
+# ---------------------------------------------------------------------- the execution
+def execute(parts, inputs: StepInputs, plan: StepPlan, t_step: float) -> None:
+    """The tiers execute the plan: host tiers first, then the device tier; the outcome goes to
+    the stats, or with the plan to the failure's accounting."""
+    if plan.kind == STATE_INIT:
+        return _state_init_step(parts, inputs)
+    ledger, placement, stats = parts.ledger, parts.placement, parts.stats
+    if plan.kind == SKIP:
+        ledger.skipped()
+        stats.skipped(placement.host, len(parts.speculator.drop_pending()), plan)
+        return None
+    # the step counts advance; put back if the step fails with nothing stepped
+    ledger.begin(inputs.torch_state, plan)
+    why = parts.checks.device_scale_error(plan.device_work, plan.scale)
     if why is not None:
-        failed(ValueError(why), None, {}, set())
+        fail(parts, inputs, plan, StepOutcome(), ValueError(why), None)
     # host tiers first: a failure there (a full disk, a worker error) then leaves the device
     # tier unstepped, and the step counts of every parameter no committed subgroup holds
     # are put back, so a checkpoint taken afterwards is the previous step for them
     t_host = time.perf_counter()
-    expect_gathers(parts, host_steps, device_work, call.overlap)
-    if host_steps:
-        committed: set = set()
+    expect_gathers(parts, plan, inputs.overlap)
+    host_outcome: dict = {}
+    committed: set = set()
+    if plan.host_work:
         try:
-            step_host(parts, host_steps, scale, edited, committed, call.unscaled)
+            if plan.host_error is not None:
+                raise plan.host_error
+            host_outcome = step_host(parts, plan, committed)
         except BaseException as e:  # each param stepped or untouched (step_failures.py)
-            failed(e, "the host/nvme tier", host_steps, committed)
+            outcome = StepOutcome(committed=frozenset(committed), torn=_torn_subgroups(parts, e, plan))
+            fail(parts, inputs, plan, outcome, e, "the host/nvme tier")
     t_device = time.perf_counter()
     # "auto" times the device step on the device's clock (GPU time on CUDA: clocks.py)
     auto, device = placement.auto, placement.device
     d0 = stats.mark() if auto is not None else None
     try:
-        device.step(device_work, scale)  # after the host tiers committed every subgroup
+        device.step(list(plan.device_work), plan.scale)  # after the host tiers committed
     except BaseException as e:
-        failed(e, "the device tier", host_steps, set(host_steps), *device.progress)
+        done, unsure = device.progress
+        outcome = StepOutcome(
+            MappingProxyType(host_outcome), frozenset(plan.host_work), tuple(done), tuple(unsure)
+        )
+        fail(parts, inputs, plan, outcome, e, "the device tier")
     parts.guard.record()  # this step's writes to the params are not the user's (storage.py)
     d1 = stats.mark() if auto is not None else None
     t_end = time.perf_counter()
-    if parts.sharding.active:
-        gather_params(parts, call.overlap)
+    if plan.sharded:
+        gather_params(parts, inputs.overlap)
         t_end = time.perf_counter()
-    record_step(parts, (t_step, t_host, t_device, t_end), host_steps, device_work, norm, clip, (d0, d1))
+    done = tuple(range(len(plan.device_work)))
+    outcome = StepOutcome(
+        MappingProxyType(host_outcome),
+        frozenset(committed),
+        done,
+        times=(t_step, t_host, t_device, t_end),
+        device_marks=(d0, d1),
+    )
+    record_step(parts, plan, outcome)
     return None
 
 
-def _state_init_step(parts, call: StepCall) -> None:
+def _state_init_step(parts, inputs: StepInputs) -> None:
     """The state-init step (checkpoint.looks_like_state_init_step): the step counts advance,
     the tiers (all zeros, masters equal to the params) stay as they are."""
     parts.speculator.drop_pending()
-    parts.ledger.state_init_step(call.torch_state, clipping=call.max_grad_norm is not None)
+    parts.ledger.state_init_step(inputs.torch_state, clipping=(inputs.max_grad_norm is not None))
 
 
-def precheck(parts, call: StepCall) -> tuple:
+# ---------------------------------------------------------------------- the checks and reads
+def precheck(parts, inputs: StepInputs) -> tuple:
     """(this rank's failure so far or None, whether the ranks' decision all_reduce runs, each
     param group's hyperparameters — None when the checks refused them) at the start of step().
     A failure on this rank joins the decision flagged, so every rank raises at this step
@@ -160,7 +187,7 @@ def precheck(parts, call: StepCall) -> tuple:
     failure = _speculation_failed(parts, parts.ledger.rank_failure)
     # process_group: always, so that a grad edit one rank refuses (zero_edits.py) stops every
     # rank at this step (one 5-value all_reduce beside the step's reduce-scatters)
-    decides = RF.decision_runs(call.max_grad_norm, call.found_inf) or (
+    decides = RF.decision_runs(inputs.max_grad_norm, inputs.found_inf) or (
         parts.sharding.active and D.world_size() > 1
     )
     if failure is not None and not decides:
@@ -168,9 +195,8 @@ def precheck(parts, call: StepCall) -> tuple:
     hps = None
     try:
         parts.guard.check()  # a param whose memory was replaced is re-adopted (storage.py)
-        hps = parts.checks.check_inputs(
-            call.torch_state
-        )  # what a tier would fail on part-way (step_failures.py)
+        # what a tier would fail on part-way (step_failures.py)
+        hps = parts.checks.check_inputs(inputs.torch_state)
     except Exception as e:
         if not decides:
             raise
@@ -208,22 +234,25 @@ def after_backward(parts, failure, decides: bool) -> tuple:
         return e, []
 
 
-def step_scalars(parts, found_t, scale_t, clipping: bool, failure, edit_checks: list) -> tuple:
+def step_scalars(parts, inputs: StepInputs, failure, edit_checks: list) -> tuple:
     """(found_inf, loss scale, norm² or None, the grad-edit flags) as floats, read in one host
     sync: on a GPU, clipping's norm² is queued first so that it, found_inf and the loss scale
     reach the host in one small copy (docs/usage.md: host syncs), with the flags of DTensor
     grads edited since speculation staged them (CUDA; grad_edits.py: Speculator.host_work)."""
     layout = parts.layout
-    norm_sq = D.grad_norm_sq(layout.params()) if clipping and failure is None and layout.cuda() else None
-    found, scale_v, norm_sq, *edited = read_scalars((found_t, scale_t, norm_sq, *edit_checks))
+    queue_norm = (inputs.max_grad_norm is not None) and failure is None and layout.cuda()
+    norm_sq = D.grad_norm_sq(layout.params()) if queue_norm else None
+    found, scale_v, norm_sq, *edited = read_scalars(
+        (inputs.found_inf, inputs.grad_scale, norm_sq, *edit_checks)
+    )
     return found, scale_v, norm_sq, edited
 
 
-def decide(parts, key: int, norm_sq, found, failure, init: bool, clipping: bool) -> tuple:
+def decide(parts, inputs: StepInputs, norm_sq, found, failure, init: bool) -> tuple:
     """One decision for all ranks: norm² and found_inf summed in one all_reduce, with every
     rank's failure flag and state-init vote (rank_faults.py); (norm², found, all_init). A
     rank that failed (or a collective that did) raises here on every rank, nothing stepped."""
-    if clipping and norm_sq is None:
+    if (inputs.max_grad_norm is not None) and norm_sq is None:
         norm_sq = D.grad_norm_sq(parts.layout.params()) if failure is None else 0.0
     try:
         norm_sq, found, all_init = RF.agree(norm_sq, found, failure, init_vote=init)
@@ -232,7 +261,7 @@ def decide(parts, key: int, norm_sq, found, failure, init: bool, clipping: bool)
         parts.speculator.clear_ready()
         raise
     if not all_init and found is not None:
-        D.globalize_scaler_found_inf(parts.speculator.grad_scaler, key, found)
+        D.globalize_scaler_found_inf(parts.speculator.grad_scaler, inputs.key, found)
     return norm_sq, found, all_init
 
 
@@ -253,36 +282,38 @@ def collect_work(parts, groups: list) -> tuple:
     `groups`: each param group's hyperparameters (StepChecks.check_inputs)."""
     layout = parts.layout
     tiers, steps = parts.placement.plan.tiers, layout.steps
-    device_work, host_steps = [], {}
+    device_work, host_work = [], {}
     for sg in layout.subgroups:
         live = [sl for sl in sg.slices if sl.param.grad is not None]
         if not live:
             continue
         hp = groups[sg.group]
         if tiers[sg.index] == DEVICE:
-            device_work.extend(DeviceWork(sg.index, sl, hp, steps[sl.param_index]) for sl in live)
+            # the count after this step: the ledger advances it as the step begins
+            device_work.extend(DeviceWork(sg.index, sl, hp, steps[sl.param_index] + 1) for sl in live)
         else:
-            host_steps[sg.index] = HostWork(sg, live, hp)
-    return device_work, host_steps
+            host_work[sg.index] = HostWork(sg, live, hp)
+    return device_work, host_work
 
 
-def expect_gathers(parts, host_steps: dict, device_work: list, overlap: bool) -> None:
+# ---------------------------------------------------------------------- the tiers' work
+def expect_gathers(parts, plan: StepPlan, overlap: bool) -> None:
     """process_group: each bucket's gather starts as the subgroups holding its chunks commit;
     the device tier's params count as committed when step() gathers what is left."""
-    if parts.sharding.active:
-        pending = {i: [sl.param for sl in w.live] for i, w in host_steps.items()}
-        pending["device"] = [w.slice.param for w in device_work]
+    if plan.sharded:
+        pending = {i: [sl.param for sl in w.live] for i, w in plan.host_work.items()}
+        pending["device"] = [w.slice.param for w in plan.device_work]
         parts.sharding.expect_commits(pending, direct=not overlap)
 
 
-def step_host(parts, host_steps: dict, scale: float, edited: list, committed: set, unscaled: bool) -> None:
+def step_host(parts, plan: StepPlan, committed: set) -> dict:
     """The host and nvme tiers' step: each speculated subgroup validated (committed, or redone
-    from the live grads: `edited`, step_scalars'), the others stepped; each subgroup's new
-    params written into the model as its step commits (`committed` gathers their indices)."""
+    from the live grads), the others stepped; each subgroup's new params written into the model
+    as its step commits (`committed` gathers their indices). Returns {subgroup index:
+    "committed" | "redone" | "stepped" | "dropped"}."""
     placement, spec, sharding = parts.placement, parts.speculator, parts.sharding
     local = placement.host_local
-    work = spec.host_work(host_steps, scale, edited, unscaled)
-    by_local = {local[i]: w for i, w in host_steps.items()}
+    by_local = {local[i]: w for i, w in plan.host_work.items()}
 
     def copy_params(k: int, views: dict) -> None:
         # the new params reach the model only once their step is committed
@@ -295,12 +326,12 @@ def step_host(parts, host_steps: dict, scale: float, edited: list, committed: se
         sharding.committed(sg.index)  # process_group: its buckets' gathers may start (zero_gather.py)
 
     try:
-        outcome = placement.host.finish(work, on_commit=copy_params)
+        outcome = placement.host.finish(dict(plan.host_steps), on_commit=copy_params)
     finally:
         spec.forget_staged()
     spec.stepped()
     index_of = {k: i for i, k in local.items()}
-    parts.stats.note_outcome({index_of[k]: v for k, v in outcome.items()})
+    return {index_of[k]: v for k, v in outcome.items()}
 
 
 def gather_params(parts, overlap: bool) -> None:
@@ -312,53 +343,29 @@ def gather_params(parts, overlap: bool) -> None:
         parts.sharding.wait_gathered()
 
 
-def fail(
-    parts,
-    call: StepCall,
-    e: BaseException,
-    where,
-    host_steps: dict,
-    committed: set,
-    device_work: list,
-    done,
-    unsure,
-    undo,
-) -> None:
+# ---------------------------------------------------------------------- a failed step
+def fail(parts, inputs: StepInputs, plan: StepPlan, outcome: StepOutcome, e: BaseException, where) -> None:
     """Raises `e` explained, after putting back the step count of every parameter the failed
-    step did not touch (step_failures.py)."""
-    world = D.world_size()
-    f = failure_of(
-        call.owner,
-        e,
-        where,
-        host_steps,
-        committed,
-        device_work,
-        done,
-        unsure,
-        world,
-        parts.sharding.active,
-        lambda: _unreadable(parts, e, host_steps),
-        _torn_subgroups(parts, e, host_steps),
-    )
-    parts.ledger.put_back(undo, f.untouched, f.nothing_stepped)
-    parts.ledger.sync_torch_state(call.torch_state)
+    step did not touch (step_failures.py). `where`: the failing tier, None for input refused."""
+    f = failure_of(inputs.owner, plan, outcome, e, where, lambda: _unreadable(parts, e, plan))
+    parts.ledger.put_back(f.untouched, f.nothing_stepped)
+    parts.ledger.sync_torch_state(inputs.torch_state)
     parts.guard.record()  # what was stepped was written by the step, not the user
     if not isinstance(e, Exception):  # KeyboardInterrupt and the like: counts fixed, as it is,
         if hasattr(e, "add_note"):  # and what it left said (a checkpoint saved on Ctrl-C)
             e.add_note(str(f.error))
         raise e
-    if world > 1:  # the others stepped: our next step() stops them all
+    if f.others_stepped:  # our next step() stops them all
         parts.ledger.out_of_step(f.error)
-    if parts.sharding.active:
+    if plan.sharded:
         # the others all-gather their stepped chunks now: this rank joins (its params then
         # hold their new chunks and its own chunk as its tiers left it), so the next
         # collectives still pair in order and its next step() stops every rank
-        RF.quietly(lambda: gather_params(parts, call.overlap), f.error)
+        RF.quietly(lambda: gather_params(parts, inputs.overlap), f.error)
     raise f.error from e
 
 
-def _unreadable(parts, e: BaseException, host_steps: dict) -> str | None:
+def _unreadable(parts, e: BaseException, plan: StepPlan) -> str | None:
     """'subgroups [..] (params [..])' of this step's nvme subgroups whose committed slot no
     longer reads back (corrupt, cut short), or None: stepping again cannot mend those. Asked
     only after a host-tier error (not an interrupt); never raises over the step's own error."""
@@ -366,7 +373,7 @@ def _unreadable(parts, e: BaseException, host_steps: dict) -> str | None:
     if not isinstance(e, Exception) or host is None or host.swap is None or host.closed:
         return None
     try:
-        bad = host.unreadable([local[i] for i in host_steps])
+        bad = host.unreadable([local[i] for i in plan.host_work])
     except Exception:
         return None
     if not bad:
@@ -375,34 +382,23 @@ def _unreadable(parts, e: BaseException, host_steps: dict) -> str | None:
     return subgroups_label([parts.layout.subgroups[index_of[k]] for k in sorted(bad)])
 
 
-def _torn_subgroups(parts, e: BaseException, host_steps: dict) -> set:
+def _torn_subgroups(parts, e: BaseException, plan: StepPlan) -> frozenset:
     """The subgroups of this step (layout indices) that rollback='inverse' in-place steps,
     cut short, may have torn: the host tier names them (TornState)."""
     if not isinstance(e, (TornState, TornInterrupt)):  # Ctrl-C stays a KeyboardInterrupt: TornInterrupt
-        return set()
+        return frozenset()
     index_of = {k: i for i, k in parts.placement.host_local.items()}
-    return {index_of[k] for k in e.subgroups if index_of.get(k) in host_steps}
+    return frozenset(index_of[k] for k in e.subgroups if index_of.get(k) in plan.host_work)
 
 
-def record_step(parts, times: tuple, host_steps: dict, device_work: list, norm, clip, marks: tuple) -> None:
-    """This step's `stats`; under "auto" its measured times to the scheduler, which may refit.
-    times: perf_counter at (step() entered, host step, device step, end); marks: the device
-    clock's around the device step."""
-    t_step, t_host, t_device, t_end = times
+# ---------------------------------------------------------------------- the record
+def record_step(parts, plan: StepPlan, outcome: StepOutcome) -> None:
+    """This step's `stats`; under "auto" its measured times to the scheduler, which may refit."""
+    t_step, _, _, t_end = outcome.times
     placement, stats, steps = parts.placement, parts.stats, parts.ledger.steps_taken
-    stats.record(
-        placement.plan,
-        placement.host,
-        placement.host_local,
-        host_steps,
-        device_work,
-        t_device - t_host,
-        t_end - t_device,
-        norm,
-        clip,
-    )
+    stats.record(placement.plan, placement.host, placement.host_local, plan, outcome)
     if placement.auto is not None:
-        stats.queue_sample(steps, device_work, t_end - t_step, marks)
+        stats.queue_sample(steps, list(plan.device_work), t_end - t_step, outcome.device_marks)
         stats.observe(placement.auto)
         placement.refit(steps)
         stats.predicted(placement.plan.prediction)

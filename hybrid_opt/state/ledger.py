@@ -9,9 +9,12 @@ advances them, puts them back, and mirrors them into torch's `state`.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
+
+if TYPE_CHECKING:
+    from hybrid_opt.step_plan import StepPlan
 
 
 class StepUndo(NamedTuple):
@@ -39,6 +42,7 @@ class StepLedger:
         self.rank_failure = None  # a step that failed after the ranks' decision (rank_faults.py)
         self._step_counts = None  # the buffer torch's `state[p]["step"]` tensors view
         self._stepped_params = None
+        self._undo: StepUndo | None = None  # what puts back the step begun last
 
     # ------------------------------------------------------------------ a step
     def saw_amp(self, found_inf) -> None:
@@ -48,11 +52,11 @@ class StepLedger:
         """An overflow skipped the whole step, as torch does."""
         self.step_was_skipped = True
 
-    def begin(self, torch_state, inv_scale, norm, clipped: bool = False) -> StepUndo:
-        """A step is taken: its scalars recorded (`inv_scale` None without a loss scale;
-        `clipped`: its clip coefficient is below 1) and the step counts of the params with a
-        grad advanced; returns what puts it back."""
-        undo = StepUndo(
+    def begin(self, torch_state, plan: StepPlan) -> None:
+        """A step is taken (`plan`: its loss scale, norm and clip coefficient): its scalars
+        recorded and the step counts of the params with a grad advanced; what puts it back is
+        kept until the next step begins (put_back)."""
+        self._undo = StepUndo(
             list(self.layout.steps),
             self.steps_taken,
             self.last_inv_scale,
@@ -62,17 +66,16 @@ class StepLedger:
         )
         self.step_was_skipped = False
         self.steps_taken += 1
-        if inv_scale is not None:
-            self.last_inv_scale = inv_scale
-        self.last_grad_norm, self.last_clipped = norm, clipped
+        if plan.scaled:
+            self.last_inv_scale = plan.inv_scale
+        self.last_grad_norm, self.last_clipped = plan.norm, plan.clip < 1.0
         self.layout.advance_steps()
         self.sync_torch_state(torch_state)
-        return undo
 
-    def put_back(self, undo: StepUndo, untouched: list, nothing_stepped: bool) -> None:
-        """A step failed: the params `untouched` get their counts back; with nothing stepped,
-        every count and the step's scalars too."""
-        steps = self.layout.steps
+    def put_back(self, untouched: list, nothing_stepped: bool) -> None:
+        """The step begun last failed: the params `untouched` get their counts back; with
+        nothing stepped, every count and the step's scalars too."""
+        undo, steps = self._undo, self.layout.steps
         for i in untouched:
             steps[i] = undo.steps[i]
         if nothing_stepped:
