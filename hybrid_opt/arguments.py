@@ -9,7 +9,7 @@ import warnings
 
 import torch
 
-from hybrid_opt.distributed import is_dtensor
+from hybrid_opt.distributed.local_shards import is_dtensor
 from hybrid_opt.placement.plan import check_fractions
 from hybrid_opt.state.state_format import StateFormat
 from hybrid_opt.swap import check_nvme_path

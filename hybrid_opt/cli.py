@@ -22,7 +22,7 @@ def main(argv=None) -> int:
 
         return demo(argv[1:])
     if argv[0] == "plan":
-        from hybrid_opt.placement.planner import main as plan
+        from hybrid_opt.placement.plan_report import main as plan
 
         return plan(argv[1:])
     return 2

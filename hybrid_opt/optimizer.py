@@ -21,11 +21,11 @@ import contextlib
 import torch
 
 from hybrid_opt import arguments as A
-from hybrid_opt import distributed as D
 from hybrid_opt import lifetime
 from hybrid_opt import parts as P
 from hybrid_opt import stepping as S
 from hybrid_opt.distributed import node
+from hybrid_opt.distributed.local_shards import warn_replicated
 from hybrid_opt.distributed.sharding import sharding_for
 from hybrid_opt.distributed.zero_gather import SHARD_KEY, check_shard_owner
 from hybrid_opt.placement import PlacementConfig
@@ -134,7 +134,7 @@ class _HybridBase(torch.optim.Optimizer):
         node.derive_from_dist()  # the ranks on this node, where the launcher did not say (Lightning's DDP)
         params = [p for g in self.param_groups for p in g["params"]]
         lifetime.claim(self, params)
-        D.warn_replicated(params, process_group)
+        warn_replicated(params, process_group)
         sharding = sharding_for(params, process_group, release_grads)
         config = PlacementConfig(
             offload_fraction,

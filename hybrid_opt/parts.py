@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from hybrid_opt import distributed as D
+from hybrid_opt.distributed.local_shards import local_of
 from hybrid_opt.placement import Placement, TierEvents, restated
 from hybrid_opt.placement.cost_model import DEFAULT_SUBGROUP_NUMEL
 from hybrid_opt.speculation import SpeculationConfig, Speculator
@@ -57,7 +57,7 @@ def compose(
     """The parts of an optimizer over `param_groups`, wired, nothing laid out yet (build())."""
     if subgroup_numel is None:  # automatic: >= 8 subgroups on this rank where it can (layout.py)
         subgroup_numel = L.auto_subgroup_numel(
-            sum(D.local_of(p).numel() for g in param_groups for p in g["params"]), DEFAULT_SUBGROUP_NUMEL
+            sum(local_of(p).numel() for g in param_groups for p in g["params"]), DEFAULT_SUBGROUP_NUMEL
         )
     layout = L.Layout(
         param_groups,

@@ -21,8 +21,8 @@ from typing import NamedTuple
 
 import torch
 
-from hybrid_opt.distributed import any_dtensor, grad_locals
 from hybrid_opt.distributed.grad_edits import GradFingerprints
+from hybrid_opt.distributed.local_shards import any_dtensor, grad_locals
 from hybrid_opt.lifetime import weak_call, weak_method
 from hybrid_opt.step_plan import COMMIT, REDO, STEP
 from hybrid_opt.step_work import group_inputs

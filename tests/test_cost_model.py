@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from hybrid_opt.placement import cost_model as cm
-from hybrid_opt.placement import planner
+from hybrid_opt.placement import plan_report
 from hybrid_opt.placement.cost_model import GB, Machine, Workload, best_plan, memory_bytes, predict
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -139,7 +139,7 @@ def _plan_json(argv) -> str:
 
     buf = io.StringIO()
     with contextlib.redirect_stdout(buf):
-        assert planner.main(argv) == 0
+        assert plan_report.main(argv) == 0
     return buf.getvalue()
 
 
@@ -220,7 +220,7 @@ def test_predict_rejects_impossible_placements():
     "text,value", [("70e9", 70e9), ("7B", 7e9), ("1.3e9", 1.3e9), ("350M", 350e6), ("7b", 7e9)]
 )
 def test_parse_count_accepts_the_usual_spellings(text, value):
-    assert planner.parse_count(text) == pytest.approx(value)
+    assert plan_report.parse_count(text) == pytest.approx(value)
 
 
 @pytest.mark.parametrize(
@@ -228,7 +228,7 @@ def test_parse_count_accepts_the_usual_spellings(text, value):
     [("h100-pcie5", "7B"), ("gh200", "13B"), ("8xh100-node", "70e9"), ("this-machine", "1.3e9")],
 )
 def test_planner_json_on_each_preset(preset, params, capsys):
-    assert planner.main(["--params", params, "--preset", preset, "--json"]) == 0
+    assert plan_report.main(["--params", params, "--preset", preset, "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["predicted_step_seconds"] >= 0
     assert out["predicted_iteration_seconds"] >= out["predicted_step_seconds"]
@@ -240,14 +240,14 @@ def test_planner_json_on_each_preset(preset, params, capsys):
 def test_planner_options_override_the_preset(capsys):
     # 7B does not fit 24 GB without a disk; with 200 GB and a faster host Adam it does
     assert (
-        planner.main(
+        plan_report.main(
             ["--params", "7B", "--preset", "this-machine", "--host-mem", "24", "--nvme-drives", "0", "--json"]
         )
         == 1
     )
     capsys.readouterr()
     assert (
-        planner.main(
+        plan_report.main(
             [
                 "--params",
                 "7B",
@@ -273,13 +273,13 @@ def test_planner_options_override_the_preset(capsys):
 
 
 def test_planner_reports_when_nothing_fits(capsys):
-    assert planner.main(["--params", "70e9", "--preset", "gh200"]) == 1
+    assert plan_report.main(["--params", "70e9", "--preset", "gh200"]) == 1
     assert "needs at least" in capsys.readouterr().err
 
 
 def test_planner_rejects_a_bad_parameter_count(capsys):
     with pytest.raises(SystemExit) as e:
-        planner.main(["--params", "seventy", "--json"])
+        plan_report.main(["--params", "seventy", "--json"])
     assert e.value.code == 2
     assert "not a parameter count" in capsys.readouterr().err
 
@@ -303,12 +303,12 @@ def test_planner_rejects_a_bad_parameter_count(capsys):
     ],
 )
 def test_parse_size_takes_units_and_a_bare_number_is_gb(text, value):
-    assert planner.parse_size(text) == pytest.approx(value)
+    assert plan_report.parse_size(text) == pytest.approx(value)
 
 
 def test_planner_memory_options_take_units(capsys):
     assert (
-        planner.main(
+        plan_report.main(
             ["--params", "7B", "--preset", "h100-pcie5", "--gpu-mem", "80GiB", "--host-mem", "2TB", "--json"]
         )
         == 0
@@ -318,7 +318,7 @@ def test_planner_memory_options_take_units(capsys):
     assert machine["host_mem_bytes"] == 2e12
     # a bare number keeps its old meaning: GB
     assert (
-        planner.main(
+        plan_report.main(
             ["--params", "7B", "--preset", "h100-pcie5", "--gpu-mem", "32", "--host-mem", "1500", "--json"]
         )
         == 0
@@ -338,7 +338,7 @@ def test_planner_memory_options_take_units(capsys):
 )
 def test_planner_rejects_a_bad_size(option, text, message, capsys):
     with pytest.raises(SystemExit) as e:
-        planner.main(["--params", "7B", option, text, "--json"])
+        plan_report.main(["--params", "7B", option, text, "--json"])
     assert e.value.code == 2
     assert re.search(message, capsys.readouterr().err)
 
@@ -372,7 +372,7 @@ def _run_planner(argv):
 
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        rc = planner.main(argv)
+        rc = plan_report.main(argv)
     return rc, out.getvalue(), err.getvalue()
 
 
@@ -568,7 +568,7 @@ def test_planner_sharding_prints_its_assumption_and_the_collectives():
 )
 def test_planner_rejects_bad_sharding_and_node_values(argv, message, capsys):
     with pytest.raises(SystemExit) as e:
-        planner.main(["--params", "7B", "--preset", "8xh100-node"] + argv)
+        plan_report.main(["--params", "7B", "--preset", "8xh100-node"] + argv)
     assert e.value.code == 2
     assert re.search(message, capsys.readouterr().err)
 
@@ -725,7 +725,7 @@ def test_planner_flags_count_the_compressed_state(capsys):
 
 def test_planner_rejects_a_moment_dtype_it_has_no_kernel_for(capsys):
     with pytest.raises(SystemExit) as e:
-        planner.main(["--params", "7B", "--exp-avg-dtype", "fp16"])
+        plan_report.main(["--params", "7B", "--exp-avg-dtype", "fp16"])
     assert e.value.code == 2
     assert re.search(r"--exp-avg-dtype: invalid choice: 'fp16'", capsys.readouterr().err)
 

@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from hybrid_opt.placement import planner
+from hybrid_opt.placement import plan_report
 from hybrid_opt.placement.cost_model import predict
 
 QWEN = ["--params", "14e9", "--preset", "gh200", "--tokens", "16384"]
@@ -20,7 +20,7 @@ COMPRESSED = ["--exp-avg-dtype", "bf16", "--exp-avg-sq-dtype", "bf16", "--store-
 def plan(argv):
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        assert planner.main(argv + ["--json"]) == 0
+        assert plan_report.main(argv + ["--json"]) == 0
     return json.loads(out.getvalue())
 
 
@@ -56,7 +56,7 @@ def test_gpt_oss_with_the_dense_formula_would_overstate_its_tflops():
 @pytest.mark.parametrize("tflops,zero_offload,ratio", [(None, 4.97, 1.41), ("600", 3.82, 1.61)])
 def test_the_zero_offload_stand_in_and_its_ratio(tflops, zero_offload, ratio):
     argv = QWEN + (["--gpu-tflops", tflops] if tflops else [])
-    machine, workload = planner.build(planner._parser().parse_args(argv))
+    machine, workload = plan_report.build(plan_report._parser().parse_args(argv))
     stand_in = predict(machine, dataclasses.replace(workload, speculative=False), 1.0, 0.0)
     ours = plan(argv)["predicted_iteration_seconds"]
     assert stand_in.iteration_seconds == pytest.approx(zero_offload, abs=0.006)

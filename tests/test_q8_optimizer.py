@@ -606,14 +606,14 @@ def test_plan_counts_the_q8_bytes(capsys):
     7B model that needs the host tier with fp32 state fits on an 80 GB GPU."""
     import json
 
-    from hybrid_opt.placement import planner
+    from hybrid_opt.placement import plan_report
 
     got = {}
     for name, flags in (
         ("fp32", []),
         ("q8", ["--exp-avg-dtype", "q8", "--exp-avg-sq-dtype", "q8", "--store-param-remainders"]),
     ):
-        assert planner.main(["--params", "7B", "--json", *flags]) == 0
+        assert plan_report.main(["--params", "7B", "--json", *flags]) == 0
         got[name] = json.loads(capsys.readouterr().out)
     assert got["fp32"]["plan"]["offload_fraction"] > 0
     assert got["q8"]["plan"]["offload_fraction"] == 0.0

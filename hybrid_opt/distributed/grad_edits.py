@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import torch
 
-from hybrid_opt.distributed import any_dtensor
+from hybrid_opt.distributed.local_shards import any_dtensor
 
 WORKER = "worker"  # CPU grads: the worker's per-piece grad_stats are the launch fingerprint
 

@@ -32,6 +32,8 @@ from __future__ import annotations
 
 import torch
 
+from hybrid_opt.distributed.ranks import torch_dist, world_size
+
 
 class PeerStepFailed(RuntimeError):
     """Raised on the ranks whose own step was fine when another rank's step failed; `ranks`
@@ -42,12 +44,6 @@ class PeerStepFailed(RuntimeError):
         self.ranks = list(ranks)
 
 
-def _dist():
-    import torch.distributed as dist
-
-    return dist if dist.is_available() and dist.is_initialized() else None
-
-
 def _device(dist):
     # gloo reduces CPU tensors; nccl needs them on the rank's device
     if dist.get_backend() == "nccl" and torch.cuda.is_available():
@@ -56,13 +52,13 @@ def _device(dist):
 
 
 def agree(norm_sq, found, failure: BaseException | None, init_vote: bool | None = None):
-    """The decision all_reduce (distributed.reduce_decision's norm² and found_inf) with each
+    """The decision all_reduce (decision.py's norm² and found_inf) with each
     rank's failure flag beside them: returns (global norm², global found_inf) when no rank
     failed; otherwise raises on every rank — `failure` itself on a failing rank, PeerStepFailed
     on the others. norm_sq / found may be None (not needed this step). With `init_vote` (this
     rank's local verdict that the step is torch.distributed.checkpoint's state-init step) a
     third value is returned: whether every rank voted so — one answer for all ranks."""
-    dist = _dist()
+    dist = torch_dist()
     if dist is None or dist.get_world_size() == 1:
         if failure is not None:
             raise failure
@@ -136,9 +132,7 @@ def _same_kind(failure: BaseException, message: str) -> RuntimeError:
 def decision_runs(max_grad_norm, found_t) -> bool:
     """Whether this step's decision all_reduce runs (the same answer on every rank: it depends
     on the optimizer's arguments and on the scaler, which every rank uses alike)."""
-    from hybrid_opt import distributed as D
-
-    return (found_t is not None or max_grad_norm is not None) and D.world_size() > 1
+    return (found_t is not None or max_grad_norm is not None) and world_size() > 1
 
 
 OUT_OF_STEP_NOTE = (

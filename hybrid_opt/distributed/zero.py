@@ -75,7 +75,7 @@ from dataclasses import dataclass
 
 import torch
 
-from hybrid_opt import distributed as D
+from hybrid_opt.distributed.local_shards import chunk_rows, is_dtensor, zero_maps
 from hybrid_opt.distributed.zero_counts import GradCounts
 from hybrid_opt.distributed.zero_edits import GradEdits, GradReads
 from hybrid_opt.distributed.zero_gather import ParamGather
@@ -115,7 +115,7 @@ class ZeroSpec:
 
 
 def _chunk_numel(p: torch.Tensor, rank: int, world: int) -> int:
-    a, b = D.chunk_rows(p.shape[0], rank, world)
+    a, b = chunk_rows(p.shape[0], rank, world)
     return (b - a) * (p.numel() // p.shape[0] if p.shape[0] else 0)
 
 
@@ -200,7 +200,7 @@ class ZeroSharding:
                 f"torch.distributed.group.WORLD (or a group of every rank)"
             )
         for p in params:
-            if D.is_dtensor(p):
+            if is_dtensor(p):
                 raise ValueError(
                     "process_group= shards plain (replicated) parameters; this "
                     "optimizer got DTensor parameters (FSDP2), which are sharded "
@@ -234,7 +234,7 @@ class ZeroSharding:
             ranks=dist.get_process_group_ranks(group), backend=dist.get_backend(group), timeout=timeout
         )
         spec = ZeroSpec(self.mesh, rank, world, weakref.ref(self))
-        registry, _ = D._zero_maps()
+        registry, _ = zero_maps()
         for p in params:
             # a param still hooked by an older ZeroSharding (an optimizer dropped but not
             # collected yet: one in a reference cycle, as a Trainer's is, lives until the cyclic

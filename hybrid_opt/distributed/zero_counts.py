@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from hybrid_opt import distributed as D
+from hybrid_opt.distributed.local_shards import chunk_rows, zero_maps
 
 LAZY = None  # None: lazy on CUDA buckets only; True / False: always / never
 
@@ -158,5 +158,5 @@ class GradCounts:
         """`grad` of b's param k reads as its averaged chunk (distributed.local_of)."""
         p = b.params[k]
         a, n = b.offsets[k][self._rank], b.numels[k][self._rank]
-        rows_a, rows_b = D.chunk_rows(p.shape[0], self._rank, self._world)
-        D._zero_maps()[1][grad] = b.out[a : a + n].view((rows_b - rows_a,) + tuple(p.shape[1:]))
+        rows_a, rows_b = chunk_rows(p.shape[0], self._rank, self._world)
+        zero_maps()[1][grad] = b.out[a : a + n].view((rows_b - rows_a,) + tuple(p.shape[1:]))

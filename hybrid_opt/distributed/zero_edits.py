@@ -36,7 +36,7 @@ import warnings
 
 import torch
 
-from hybrid_opt import distributed as D
+from hybrid_opt.distributed.local_shards import zero_chunk
 
 RECIPE = (
     "Under process_group= clip and unscale inside the optimizer: HybridAdamW(..., "
@@ -136,7 +136,7 @@ def equals_average(p, average: torch.Tensor, rank: int, world: int):
     this rank's chunk is empty."""
     if p.grad is None or average.numel() == 0:
         return None
-    mine = D.zero_chunk(p.grad, rank, world).reshape(-1).float()
+    mine = zero_chunk(p.grad, rank, world).reshape(-1).float()
     avg = average.float()
     eps = torch.finfo(torch.float32).eps * _ULPS_PER_RANK * world
     size = avg.abs().nan_to_num(0.0, 0.0, 0.0)  # an overflow's inf or nan sets no tolerance

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-from hybrid_opt import distributed as D
+from hybrid_opt.distributed.local_shards import zero_chunk
 
 
 @dataclass(eq=False)
@@ -146,7 +146,7 @@ class ParamGather:
             for k, p in enumerate(b.params):
                 n, a = b.numels[k][comm.rank], b.offsets[k][comm.rank]
                 if n:
-                    mine[a : a + n].copy_(D.zero_chunk(p.data, comm.rank, comm.world).reshape(-1))
+                    mine[a : a + n].copy_(zero_chunk(p.data, comm.rank, comm.world).reshape(-1))
         else:
             full = b.params[0].data.view(-1)
         works = self._send_chunks(b, full, staged)

@@ -28,7 +28,8 @@ from collections import OrderedDict
 import torch
 
 from cpu_kernels.reference import decode_remainder_reference
-from hybrid_opt.distributed import dtensor_like, is_dtensor, is_sharded, local_of, local_shard_of
+from hybrid_opt.distributed.dtensor_state import dtensor_like, local_shard_of
+from hybrid_opt.distributed.local_shards import is_dtensor, is_sharded, local_of
 from hybrid_opt.distributed.zero_gather import SHARD_KEY
 from hybrid_opt.mapped import Piece, map_tensor
 from hybrid_opt.placement.plan import DEVICE, NVME

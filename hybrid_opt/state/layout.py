@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from hybrid_opt.distributed import is_dtensor, is_sharded, local_of
+from hybrid_opt.distributed.local_shards import is_dtensor, is_sharded, local_of
 from hybrid_opt.state.state_format import Q8_BLOCK, Q8_MIN_NUMEL
 
 

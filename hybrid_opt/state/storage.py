@@ -44,7 +44,7 @@ from __future__ import annotations
 
 import torch
 
-from hybrid_opt.distributed import local_of, moved_or_written, write_count, write_counts
+from hybrid_opt.distributed.local_shards import local_of, moved_or_written, write_count, write_counts
 from hybrid_opt.placement.plan import DEVICE
 from hybrid_opt.state.layout import own_contiguous
 
