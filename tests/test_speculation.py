@@ -1,10 +1,10 @@
 """Speculation: host/nvme subgroups stepped during backward, validated at step().
 
-DESIGN.md's bitwise promise: `speculative=True` and `speculative=False` give identical bits in
+The bitwise promise: `speculative=True` and `speculative=False` give identical bits in
 exact rollback mode, because a speculated step that is committed ran the same kernel on the same
 inputs as the plain step would, and any other is redone from the committed bank (or dropped
 on overflow). Every scenario here runs one training loop twice — once speculative, once not —
-and compares params and every `state_dict()` tensor with `torch.equal` (STYLE.md rule 3).
+and compares params and every `state_dict()` tensor with `torch.equal` (CONTRIBUTING.md, Tolerances).
 
 A test that only compared results could pass with speculation never happening, so each one
 also checks `stats["speculation"]` (the last step's committed / redone / stepped / dropped
