@@ -1328,11 +1328,11 @@ def test_a_task_packs_every_field_in_declaration_order_and_unpacks_to_itself():
     import struct
     from dataclasses import astuple
 
-    from hybrid_opt.worker import protocol as P
+    from hybrid_opt.worker import protocol as proto
 
     tasks = [
-        P.Task(
-            P.OP_STEP,
+        proto.Task(
+            proto.OP_STEP,
             7,
             3,
             65536,
@@ -1355,15 +1355,15 @@ def test_a_task_packs_every_field_in_declaration_order_and_unpacks_to_itself():
             1,
             0xDEADBEEF,
             1,
-            gather=P.pack_gather([(0, 4096, 256), (256, 0, 64)]),
+            gather=proto.pack_gather([(0, 4096, 256), (256, 0, 64)]),
         ),
-        P.Task(P.OP_SWAP_IN, 1 << 40, 12345, file_slot=1, crc=0xFFFFFFFF),
-        P.Task(P.OP_PING, 0),
+        proto.Task(proto.OP_SWAP_IN, 1 << 40, 12345, file_slot=1, crc=0xFFFFFFFF),
+        proto.Task(proto.OP_PING, 0),
     ]
     for t in tasks:
-        want = struct.Struct(P.Task._STRUCT.format).pack(*astuple(t)[:-1]) + t.gather
+        want = struct.Struct(proto.Task._STRUCT.format).pack(*astuple(t)[:-1]) + t.gather
         assert t.pack() == want
-        assert P.Task.unpack(t.pack()) == t
+        assert proto.Task.unpack(t.pack()) == t
 
 
 def test_write_task_sends_the_gather_entries_it_is_handed_as_the_tasks_gather_list():
@@ -1373,18 +1373,18 @@ def test_write_task_sends_the_gather_entries_it_is_handed_as_the_tasks_gather_li
     import os
     from dataclasses import replace
 
-    from hybrid_opt.worker import protocol as P
+    from hybrid_opt.worker import protocol as proto
 
     entries = [(0, 4096, 256), (256, 0, 64)]
-    task = P.Task(P.OP_STEP, 7, 3, 80, slot=2, lr=1e-3)
+    task = proto.Task(proto.OP_STEP, 7, 3, 80, slot=2, lr=1e-3)
     r, w = os.pipe()
     try:
-        P.write_task(w, task, entries)
-        P.write_task(w, replace(task, gather=P.pack_gather(entries)))
-        P.write_task(w, task)
+        proto.write_task(w, task, entries)
+        proto.write_task(w, replace(task, gather=proto.pack_gather(entries)))
+        proto.write_task(w, task)
         os.close(w)
         w = -1
-        reader = P.FrameReader(r)
+        reader = proto.FrameReader(r)
         while not reader.eof:
             reader.feed()
         frames = list(reader.frames())
@@ -1393,6 +1393,6 @@ def test_write_task_sends_the_gather_entries_it_is_handed_as_the_tasks_gather_li
         if w >= 0:
             os.close(w)
     assert len(frames) == 3 and frames[0] == frames[1] != frames[2]
-    got = P.Task.unpack(frames[0])
-    assert list(P.GATHER.iter_unpack(got.gather)) == entries
-    assert replace(got, gather=b"") == task and P.Task.unpack(frames[2]) == task
+    got = proto.Task.unpack(frames[0])
+    assert list(proto.GATHER.iter_unpack(got.gather)) == entries
+    assert replace(got, gather=b"") == task and proto.Task.unpack(frames[2]) == task

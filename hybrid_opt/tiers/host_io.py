@@ -23,7 +23,7 @@ import torch
 from hybrid_opt.tiers import grads as RG
 from hybrid_opt.tiers.inputs import StepInputs, _with_step
 from hybrid_opt.tiers.staging import CopyQueue, CudaStager, copy_async, staging_device
-from hybrid_opt.worker import protocol as P
+from hybrid_opt.worker import protocol as proto
 from hybrid_opt.worker.client import UNANSWERED, TornState, WorkerDied, WorkerError, WorkerTimeout
 
 _DT_CODE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
@@ -36,8 +36,8 @@ class _Piece:
     offset: int
     numel: int
     slot: int
-    task: P.Task
-    result: P.Result | None = None
+    task: proto.Task
+    result: proto.Result | None = None
     freed: bool = False  # its staging slot is back in the ring
     gather: tuple | list = ()  # remote gather: its gather list (protocol.pack_gather's entries)
     keep: list | None = None  # remote gather: the grads the worker reads, alive until it has
@@ -171,17 +171,17 @@ class HostIO:
         skip_nonfinite,
         threads: int = 0,
     ):
-        return P.Task(
+        return proto.Task(
             op,
             0,
             sg,
             numel,
             in_bank,
-            P.NO_BANK if out_bank is None else out_bank,
+            proto.NO_BANK if out_bank is None else out_bank,
             offset,
             slot,
             _DT_CODE[self.grad_dtype],
-            _DT_CODE[self.copy_dtype] if self.copy_dtype is not None else P.NO_COPY,
+            _DT_CODE[self.copy_dtype] if self.copy_dtype is not None else proto.NO_COPY,
             int(inputs.amsgrad),
             int(inputs.decoupled),
             int(skip_nonfinite),
@@ -276,7 +276,7 @@ class HostIO:
             numel,
             slot,
             self._task(
-                P.OP_STEP, sg, inputs, in_bank, out_bank, offset, numel, slot, skip_nonfinite, threads
+                proto.OP_STEP, sg, inputs, in_bank, out_bank, offset, numel, slot, skip_nonfinite, threads
             ),
             held=hold,
         )
@@ -388,7 +388,7 @@ class HostIO:
             self._send_all(pieces)
         else:
             for p in pieces:
-                p.result = P.Result(P.OP_STEP, 0, P.STATUS_NONFINITE, p.subgroup, float("inf"), 0)
+                p.result = proto.Result(proto.OP_STEP, 0, proto.STATUS_NONFINITE, p.subgroup, float("inf"), 0)
 
     def _send_copied(self, block: bool = False) -> None:
         """Sends the queued pieces whose staging copies have landed, in launch order. block:
@@ -430,7 +430,7 @@ class HostIO:
                 pass  # a failed device: nothing more is copied into the arena
         self._copies = CopyQueue()
 
-    def send_task(self, task: P.Task, gather=()) -> int:
+    def send_task(self, task: proto.Task, gather=()) -> int:
         """Sends one task with its gather list (a new worker first if this one died); returns
         its task id."""
         try:
@@ -480,7 +480,7 @@ class HostIO:
             self.worker_seconds[piece.subgroup] += r.elapsed_ns * 1e-9
             piece.keep = None  # the worker has read its grads
             self._release_piece(piece)
-            if r.status == P.STATUS_ERROR and self._error is None:
+            if r.status == proto.STATUS_ERROR and self._error is None:
                 self._error = WorkerError(f"hybrid_opt worker failed on subgroup {r.subgroup}: {r.message}")
         return len(arrived)
 
@@ -562,7 +562,7 @@ class HostIO:
         return (
             self._rollback == "inverse"
             and not self._nvme[piece.subgroup]
-            and piece.task.op in (P.OP_STEP, P.OP_INVERSE)
+            and piece.task.op in (proto.OP_STEP, proto.OP_INVERSE)
         )
 
     def _recover(self, err: WorkerDied) -> None:
