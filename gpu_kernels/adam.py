@@ -43,7 +43,9 @@ from .adam_reference import fused_adam_reference_  # noqa: F401  (the kernel's r
 
 tl = _runtime.language()
 
-_GRAD_DTYPES = _COPY_DTYPES = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 3}  # the kernel's codes
+# the kernel's dtype codes, one table per argument (they coincide)
+_GRAD_DTYPES = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 3}
+_COPY_DTYPES = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 3}
 _MOMENT_DTYPES = {torch.float32: 1, torch.bfloat16: 2}
 _SCALE_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 _FOUND_INF_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int32, torch.int64)

@@ -40,7 +40,9 @@ from .adam import _check_hyperparameters, _check_tensor, _seven_lists
 tl = _runtime.language()
 
 BLOCK = 256  # elements per absmax
-_GRAD_DTYPES = _COPY_DTYPES = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 3}  # the kernel's codes
+# the kernel's dtype codes, one table per argument (they coincide)
+_GRAD_DTYPES = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 3}
+_COPY_DTYPES = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 3}
 _MOMENT_DTYPES = {torch.float32: 1, torch.bfloat16: 2}
 Q8 = 3  # a moment's code when it is Q8Blocks
 _SCALE_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)

@@ -49,7 +49,7 @@ REPS = 5
 # fp32 (256 MiB; the device buffer of the copies is allocated after the Adam tensors are
 # freed) — at most these, and within the device memory the caller allows
 CUDA_ADAM_NUMEL = 16 * MEASURE_NUMEL
-CUDA_COPY_NUMEL = COPY_BYTES
+CUDA_COPY_NUMEL = 64 << 20  # fp32 elements: 256 MiB
 CALIBRATION_BUDGET_SHARE = 0.1
 
 

@@ -102,26 +102,36 @@ class HostIO:
         self._counts = {"worker_restarts": 0, "worker_seconds": 0.0, "remote_gathered": 0}
 
     # ------------------------------------------------------------------ read-only views
-    counts = property(
-        lambda self: dict(self._counts),
-        doc="worker_restarts, worker_seconds (all subgroups), "
-        "remote_gathered (pieces whose grads the worker read itself): a copy.",
-    )
-    slots = property(
-        lambda self: tuple(self._slots), doc="The staging slots (grad_dtype tensors in the arena)."
-    )
-    free_slots = property(lambda self: len(self._free_slots), doc="How many staging slots are free now.")
-    pieces_in_flight = property(
-        lambda self: len(self._inflight),
-        doc="Pieces sent to the worker whose results have not been collected.",
-    )
-    stagers = property(
-        lambda self: dict(self._stagers),
-        doc="{CUDA device: its side-stream CudaStager}, made on first use (a copy).",
-    )
-    copy_stager = property(
-        lambda self: self._copy_stager, doc="The stager replacing the CUDA ones (use_stager), or None."
-    )
+    @property
+    def counts(self):
+        """worker_restarts, worker_seconds (all subgroups), remote_gathered (pieces whose grads the
+        worker read itself): a copy."""
+        return dict(self._counts)
+
+    @property
+    def slots(self):
+        """The staging slots (grad_dtype tensors in the arena)."""
+        return tuple(self._slots)
+
+    @property
+    def free_slots(self):
+        """How many staging slots are free now."""
+        return len(self._free_slots)
+
+    @property
+    def pieces_in_flight(self):
+        """Pieces sent to the worker whose results have not been collected."""
+        return len(self._inflight)
+
+    @property
+    def stagers(self):
+        """{CUDA device: its side-stream CudaStager}, made on first use (a copy)."""
+        return dict(self._stagers)
+
+    @property
+    def copy_stager(self):
+        """The stager replacing the CUDA ones (use_stager), or None."""
+        return self._copy_stager
 
     def use_stager(self, stager) -> None:
         """Every asynchronous staging copy goes through `stager` (None: the CUDA stagers again);

@@ -47,7 +47,8 @@ from hybrid_opt.shm import address, populate
 from hybrid_opt.worker import protocol as proto
 
 _DTYPE_SIZE = {0: 4, 1: 2, 2: 2, 3: 1}  # 3: DT_Q8, a code
-DT_Q8, Q8_BLOCK = 3, 256
+DT_Q8 = 3  # a q8 moment's dtype code (cpu_kernels' DT_Q8)
+Q8_BLOCK = 256  # elements per absmax (state_format.Q8_BLOCK)
 IOV_BATCH = 512  # iovecs per process_vm_readv call (the kernel's limit is 1024)
 
 
