@@ -1,18 +1,10 @@
 """HybridAdamW / HybridAdam: drop-in torch.optim optimizers whose state is divided by subgroup
 between the device, host and nvme tiers.
 
-Real torch.optim.Optimizer subclasses: param groups, named parameters, lr schedulers, hooks
-and GradScaler work through torch's own protocols; the numerics follow torch.optim.AdamW(
-foreach=False) / Adam within fp32 rounding whatever the placement. Moments and masters live in
-the tiers; `self.state` holds, as torch's does, each stepped param's `step` (a 0-dim float32
-tensor), so tools that read it (torch.distributed.checkpoint) see a trained optimizer.
-`state_dict()` gathers the full state in torch's format (`save_state_dict(f)` writes it one param
-at a time), `load_state_dict()` scatters it back.
-
-The class is a facade over parts that own their state (docs/code-map.md): the Layout, the
-Placement (tiers, planner, moves), the Speculator, the ParamGuard, the StepChecks, the
-StepLedger, the StepStats and the distributed part (ZeroSharding or its no-op twin).
-"""
+Real torch.optim.Optimizer subclasses, following torch.optim.AdamW(foreach=False) / Adam within
+fp32 rounding whatever the placement; `state_dict()` is torch's format. The class is a facade over
+parts that own their state (docs/code-map.md); `self.state` holds only each stepped param's `step`,
+as torch's does. Design notes: docs/internals.md."""
 
 from __future__ import annotations
 
