@@ -1,15 +1,10 @@
-"""Staging slots, pieces and the traffic with the worker: how a host step's grads reach the
-worker's shared memory (staged by the trainer, or gathered by the worker itself) and how its
-results come back, within a bounded wait.
+"""Staging slots, pieces and the traffic with the worker: how a host step's grads reach the worker's
+shared memory (staged by the trainer, or gathered by the worker itself) and how its results come
+back, within a bounded wait.
 
-Faults: a worker that dies is replaced and its unfinished tasks are sent again (their grads are
-still in the trainer's staging slots, and a task that reads a committed bank or file slot
-writes only a buffer nobody else does), so training continues on the same trajectory — but an
-in-place step or undo (inverse mode) it left unfinished may have written part of its subgroup:
-that subgroup is forgotten and the error (TornState) names it. A worker that does not answer
-within the timeout is treated as dead: killed, reaped and replaced the same way, and the wait
-raises WorkerTimeout saying so.
-"""
+A worker that dies or does not answer is replaced and its unfinished tasks sent again, so training
+continues on the same trajectory; a subgroup an in-place step left half-written is forgotten and
+named (TornState). Design notes: docs/internals.md."""
 
 from __future__ import annotations
 

@@ -1,23 +1,10 @@
-"""Speculation, validation, commit and rollback of host steps: how speculate() and finish()
-launch a subgroup's step into the banks, check it against the final inputs and make it stand
-or undo it.
+"""Speculation, validation, commit and rollback of host steps: `speculate()` launches a subgroup's
+step into the banks, `finish()` commits it, redoes it from the committed bank, or drops it.
 
-Speculation protocol (used by the optimizer):
-    tier.speculate(sg, grad, inputs)   # when sg's grads are complete; False if no room now
-    outcome = tier.finish({sg: (grad, final_inputs)}, overflow=...)
-finish() drops every speculated step on overflow; otherwise it commits a speculated step
-whose recorded inputs equal the final ones and redoes the rest from the committed bank.
-In exact mode a step always reads the committed bank and writes a spare one, so a
-speculated step, a redo and a plain step are the same kernel on the same inputs: the same
-bits whichever path ran. In inverse mode steps run in place and are undone with the fp64
-inverse kernel (no spare memory; not bitwise, and not available with amsgrad).
-
-NVMe subgroups (nvme=[...]) keep no state in memory: a step borrows two banks, swaps the
-committed file slot into one (OP_SWAP_IN, CRC32C verified), steps it into the other and
-writes that to the other file slot (OP_SWAP_OUT); commit flips the slot map, rollback
-forgets the written slot. The worker starts each read as soon as the task arrives, so
-reads, compute and writes of consecutive subgroups overlap.
-"""
+Invariant (exact mode): a step always reads the committed bank and writes a spare one, so a
+speculated step, a redo and a plain step are the same kernel on the same inputs: the same bits.
+nvme subgroups borrow two banks and flip the file slot on commit. The protocol and the inverse
+mode: docs/internals.md."""
 
 from __future__ import annotations
 

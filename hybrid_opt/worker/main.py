@@ -1,34 +1,10 @@
 """The worker process: steps host-tier subgroups on shared memory it is handed by descriptor.
 
-Started by WorkerClient as a fresh interpreter (`python -m hybrid_opt.worker.main CONFIG`),
-never through multiprocessing, so a user's unguarded training script is not re-imported.
-It imports no torch: it maps the trainer's arena and calls the C kernels on raw addresses.
-It owns nothing that must survive it — every byte of state is the trainer's — and exits
-when its request pipe reports EOF, i.e. when the trainer has gone.
-
-CONFIG (JSON): arena_fd, arena_nbytes, req_fd, resp_fd, cores, and the layout: bank_offset,
-bank_stride, bank_regions {p or rem, m, v, vmax, copy: byte offsets inside a bank}, slot_offset,
-slot_stride, exp_avg_dtype, exp_avg_sq_dtype (dtype codes; v and vmax take exp_avg_sq's); for
-the nvme tier also nvme {dir, io_bytes, threads} and file_fds {subgroup: fd}. A step task with
-`remainder` set steps a master stored as remainders: the bf16 high half in the copy region, the
-int16 low half in rem (hybrid_opt/tiers/compressed.py has the layout). q8 moments (issue 38):
-a moment dtype code DT_Q8 and `quantized` (a flag per subgroup): a quantized subgroup's pieces
-are stepped by the q8 kernel (codes in the moment's region, absmaxes in "<region>_absmax", a
-piece starting on a block), the others' q8 moments are fp32.
-
-NVMe subgroups: each file is read and written through the trainer's own descriptor of it,
-inherited at start (file_fds: the trainer's NvmeFiles), never opened here by path: a file a tmp
-cleaner removed meanwhile is still the same file for a restarted worker. OP_SWAP_IN reads a
-file slot into a bank asynchronously (verifying its CRC32C), OP_STEP then reads that bank and
-writes another, OP_SWAP_OUT writes the result to the other file slot asynchronously. Tasks
-run in arrival order except that a task waits only for earlier work on its own banks, so reads
-of later subgroups and the write of the previous one proceed while this one computes: the I/O
-pipeline.
-
-Test-only fault injection: HYBRID_OPT_WORKER_FAULT="STAGE:K" kills the worker with SIGKILL at
-STAGE (before_step | mid_step | after_step) of its K-th step task; STAGE "raise" makes that
-task raise instead (an error that must come back to the trainer naming the subgroup).
-"""
+Started by WorkerClient as a fresh interpreter (`python -m hybrid_opt.worker.main CONFIG`), never
+through multiprocessing. It imports no torch: it maps the trainer's arena and calls the C kernels
+on raw addresses. Invariant: it owns nothing that must survive it (every byte of state is the
+trainer's) and exits when its request pipe reports EOF. CONFIG, the nvme pipeline and the test-only
+fault injection: docs/internals.md."""
 
 from __future__ import annotations
 
