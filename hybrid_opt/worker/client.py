@@ -132,8 +132,8 @@ class CoreSplit:
     (reading cpu_kernels' count after the split and restoring it last left torch at one
     thread). Splits may be restored in any order: one restored while a
     later one is still applied hands what it saved to that later one, so the process gets
-    its own masks back when the last one goes (restored out of order, the process used to
-    stay pinned to the trainer's share). Several ranks on one node (node.py) each split only
+    its own masks back when the last one goes (restored out of order otherwise, the process
+    would stay pinned to the trainer's share). Several ranks on one node (node.py) each split only
     their own slice of the cores, so no two ranks' workers share a core while the node has
     at least as many cores as ranks.
     """
