@@ -111,7 +111,7 @@ def tier_rows(args, workdir: str, nbytes: int, raw: list) -> list[dict]:
     import torch
 
     from hybrid_opt.tiers.host import HostTier, StepInputs
-    from hybrid_opt.worker import protocol as P
+    from hybrid_opt.worker import protocol as proto
 
     n_sub = args.subgroups
     numel = max(4096, nbytes // (12 * n_sub) // 4096 * 4096)
@@ -138,13 +138,15 @@ def tier_rows(args, workdir: str, nbytes: int, raw: list) -> list[dict]:
         def run(op):
             ids = []
             for sg, b in enumerate(banks):
-                ids.append(tier.client.send(P.Task(op, 0, sg, in_bank=b, file_slot=1, crc=crcs.get(sg, 0))))
+                ids.append(
+                    tier.client.send(proto.Task(op, 0, sg, in_bank=b, file_slot=1, crc=crcs.get(sg, 0)))
+                )
             for r in tier.client.wait(ids):
-                if op == P.OP_SWAP_OUT:
+                if op == proto.OP_SWAP_OUT:
                     crcs[r.subgroup] = r.crc
 
-        t_out = time_ms(lambda: run(P.OP_SWAP_OUT), reps=args.reps, warmup=1)
-        t_in = time_ms(lambda: run(P.OP_SWAP_IN), reps=args.reps, warmup=1)
+        t_out = time_ms(lambda: run(proto.OP_SWAP_OUT), reps=args.reps, warmup=1)
+        t_in = time_ms(lambda: run(proto.OP_SWAP_IN), reps=args.reps, warmup=1)
         rows += [
             record("tier swap_out", io_bytes, 4, "write", t_out),
             record("tier swap_in", io_bytes, 4, "read", t_in),

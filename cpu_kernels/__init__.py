@@ -1,20 +1,10 @@
-"""cpu_kernels: the host tier's SIMD kernels (Adam/AdamW step, grad statistics, inverse step).
+"""cpu_kernels: the host tier's SIMD kernels (Adam/AdamW step, grad statistics, inverse step, q8),
+built by `pip install` without torch headers and loaded through ctypes.
 
-The C library is built by `pip install` (a plain compiler call, no torch headers) and
-loaded through ctypes. The SIMD level (x86-64: avx512 / avx2 / portable; AArch64: sve / neon /
-portable) is picked at run time; `HYBRID_OPT_SIMD=avx2|neon|portable|...` or `set_simd_level()`
-forces a lower one. Threads are
-OpenMP's, sized by `set_num_threads()`; results are bitwise the same for any thread count.
-Moments may be bf16, and a bf16 param may carry its fp32 master's low halves
-(`remainder=`, `encode_remainder` / `decode_remainder`): 2 + 2 bytes instead of 4 + 4.
-
-Formulas (torch.optim.AdamW / Adam, with bias correction, t = step):
-    g  = grad * grad_scale            (+ weight_decay * p for Adam's L2 decay)
-    m  = m + (1 - beta1) * (g - m)
-    v  = beta2 * v + (1 - beta2) * g^2
-    p  = p * (1 - lr * weight_decay)  (AdamW only)
-    p  = p - lr / (1 - beta1^t) * m / (sqrt(max(v) if amsgrad else v) / sqrt(1 - beta2^t) + eps)
-"""
+The SIMD level (avx512 / avx2 / portable on x86-64, sve / neon / portable on AArch64) is picked at
+run time; `HYBRID_OPT_SIMD` or `set_simd_level()` forces a lower one. Invariant: results are
+bitwise the same for any thread count. The step is torch.optim.AdamW / Adam's with bias correction;
+the formulas: docs/internals.md."""
 
 from __future__ import annotations
 

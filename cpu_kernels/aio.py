@@ -1,38 +1,10 @@
-"""cpu_kernels.aio: asynchronous O_DIRECT file I/O and CRC32C checksums, without torch. The
-engine is here; its errors, buffers, alignment and checksums are aio_buffers.py (re-exported).
+"""cpu_kernels.aio: asynchronous O_DIRECT file I/O and CRC32C checksums, without torch. The engine is
+here; its errors, buffers, alignment and checksums are aio_buffers.py (re-exported).
 
-The engine is a C pool of pread/pwrite threads (cpu_kernels/csrc/aio.c). A request reads or
-writes one file range into or out of one caller-owned buffer; it is submitted at once and
-returns an id, split into `chunk_bytes` chunks that the threads run concurrently, and
-waited for later, with a bounded timeout, by id.
-
-    from cpu_kernels.aio import AioEngine, aligned_buffer, align_up, checksum
-
-    with AioEngine(threads=4, queue_depth=32) as eng:
-        fd = eng.open("/nvme/state.bin", "w+")          # O_DIRECT, or buffered + one warning
-        buf = aligned_buffer(align_up(nbytes))           # page-aligned anonymous mmap
-        ...fill buf...
-        rid = eng.submit_write(fd, buf, len(buf), 0, checksum=True)
-        (res,) = eng.wait([rid], timeout_s=30)           # AioError on failure or timeout
-        slot_crc = res.crc                               # CRC32C computed by the I/O threads
-        eng.close_fd(fd)
-
-Buffers: an int address (the caller keeps the memory alive, e.g. a tensor's data_ptr()),
-or any object exposing the buffer protocol (bytearray, mmap, numpy array, memoryview): the
-engine then holds a buffer export on it until the request is waited for, so an mmap cannot
-be closed under an in-flight request. Pinning for CUDA copies is the caller's business
-(register the aligned buffer with cudaHostRegister); this module never imports torch.
-
-O_DIRECT rules (checked at submit, before any I/O, with an `AioAlignmentError`): buffer
-address, byte count and file offset multiples of `alignment` (4096 by default — a page,
-a multiple of every logical block size we run on). Pad tails with `align_up`.
-
-Errors: a failed request raises `AioError` (an OSError with `errno` set) whose message
-names the operation, the path, the offset and the bytes requested vs done, e.g.
-"write of 8388608 bytes at offset 0 to /x/y failed at offset 4194304: File too large
-(EFBIG); 4194304 bytes written". A read that meets end of file early is an error too
-(errno ENODATA, "short read"). Disk full shows as ENOSPC, a file-size limit as EFBIG.
-"""
+A C pool of pread/pwrite threads runs each request (one file range into or out of one caller-owned
+buffer) in chunks; it is submitted at once and waited for later by id, with a bounded timeout.
+Alignment is checked at submit, before any I/O; a failed request raises `AioError` naming the
+operation, path, offset and bytes done. Usage and rules: docs/internals.md."""
 
 from __future__ import annotations
 

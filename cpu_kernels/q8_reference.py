@@ -1,57 +1,10 @@
-"""Owns the q8 format of Adam's moments in pure torch: bitsandbytes' and torchao's dynamic maps,
-blocks of 256 with one fp32 absmax each, the reference and the fast quantizer, and the bit-exact
-reference of a q8 Adam step (the ground truth of every tier's q8 kernel, issue 38).
+"""Owns the q8 format of Adam's moments in pure torch: bitsandbytes' dynamic maps, blocks of 256 with
+one fp32 absmax each, the reference and the fast quantizer, and the bit-exact reference of a q8
+Adam step (issue 38).
 
-The format, for one flat tensor of n elements (a param's flat index; the trailing block may be
-partial):
-
-    block b        elements [256·b, min(256·b + 256, n))
-    absmax[b]      the largest magnitude in the block, taken on the bit patterns with the sign
-                   cleared (an integer max: exact, deterministic, and a NaN in the block is the
-                   absmax, so the block dequantizes to NaN instead of hiding it)
-    x              v / absmax[b], one correctly rounded fp32 division (|x| <= 1); x = 0 when
-                   absmax[b] is 0
-    code           the index of the map value nearest to x; on an exact tie (x halfway between
-                   two adjacent map values, in real arithmetic) the even index of the two
-    dequantized    map[code] · absmax[b], one fp32 multiply
-
-exp_avg uses the signed map, exp_avg_sq (and amsgrad's max_exp_avg_sq) the unsigned one.
-
-The maps (`dynamic_map`) are bitsandbytes' `create_dynamic_map(signed)` (torchao's is a copy): per
-decade 10^(i-6), i = 0..6, the midpoints of `torch.linspace(0.1, 1, k)` (k = 2^i + 1 signed,
-2^(i+1) + 1 unsigned) times 10^(i-6), negated too when signed, plus 0 and 1.0, sorted. Signed:
-127 negative values, 0 at index 127, 127 positive and 1.0 (lopsided: +1.0 on top, -0.99297 at the
-bottom). Unsigned: 0 at index 0, 1.0 at 255. Built here in exact arithmetic, each value the
-correctly rounded fp32 result of torch's operations, so the maps are constants that do not depend on
-the machine. torch's `linspace` is not: its vectorised CPU kernels (AVX2, AVX-512) fuse
-`start + step·k` into one rounding, its scalar `ATEN_CPU_CAPABILITY=default` build rounds twice and
-then 42 signed / 31 unsigned values differ by an ulp (measured with torch 2.13). The maps here are
-the fused ones: bitsandbytes' and torchao's maps on any x86-64 with AVX2.
-
-The fast quantizer (`quantize_fast`, what the kernels compute) takes the code from the fp32 bits
-of x: a table indexed by the exponent and the 7 leading fraction bits of |x| (2,945 buckets from
-2^-23 to 1.0 per sign, 23 KiB for both maps) gives the rank at the bucket's start and the low 16
-bits at which the rank steps once inside it (no bucket holds two code boundaries):
-
-    mag   = bits(x) & 0x7FFFFFFF;  neg = bits(x) >> 31
-    key   = clamp((mag >> 16) - 0x3400, 0, 2944)
-    entry = table[neg][key]                               # rank << 17 | step (17 bits)
-    rank  = (entry >> 17) + ((mag & 0xFFFF) >= (entry & 0x1FFFF))
-    code  = zero_code - rank if neg else zero_code + rank  # zero_code: 127 signed, 0 unsigned
-
-Every code boundary's tie is resolved in the table, so it is the reference's code for every fp32
-x: NaN and |x| > 1 saturate at the sign's end of the map (code 0 or 255); the unsigned map gives 0
-for every x <= 0. `tests/test_q8.py` proves it for all 2^32 bit patterns (each piece the table
-makes constant is checked at both ends, and the reference is monotone).
-
-The q8 Adam step (`q8_adam_step_reference`): each moment is dequantized, the fp32 step is
-`reference.adam_step_bitwise_reference`'s with every multiply and add rounded on its own
-(`fma=False`: the portable C level, every SIMD level, and Triton built with
-`enable_fp_fusion=False` compute exactly that, so every tier gives the same bits; the step is
-memory-bound, so the roundings cost nothing), the param update uses the fresh fp32 moments before
-they are quantized (as torchao does), and each q8 moment is quantized again with a fresh absmax per
-block.
-"""
+Invariant: this is the ground truth every tier's q8 kernel matches bitwise; the maps are built in
+exact arithmetic, so they do not depend on the machine. The format, the maps, the fast
+quantizer's table and the step: docs/internals.md."""
 
 from __future__ import annotations
 

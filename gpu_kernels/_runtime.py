@@ -1,21 +1,9 @@
-"""Owns what every Triton kernel here shares: loading triton lazily, choosing the compiled
-or the interpreted kernel for a device, and the multi-tensor chunk tables.
+"""Owns what every Triton kernel here shares: loading triton lazily, choosing the compiled or the
+interpreted kernel for a device, and the multi-tensor chunk tables.
 
-Importing this module never needs triton or a GPU. A kernel is compiled (or wrapped for
-Triton's interpreter) on its first launch, so `TRITON_INTERPRET` is read when a CPU tensor
-is first stepped, not when `gpu_kernels` is imported.
-
-Triton launches on the *current* CUDA device and that device's current stream, not on the
-tensors' device: every launch and every table copy here runs under `device_guard(tensors'
-device)`, so a list on cuda:1 stepped while cuda:0 is current runs on cuda:1, on cuda:1's
-current stream (the stream the caller queued its work on).
-
-Multi-tensor launches (as apex's `multi_tensor_apply`): the launcher writes one int64 row
-per tensor (`numel` and the tensors' addresses) and one row per program (`tensor index`,
-`chunk index within that tensor`); a program loads its row, casts the addresses to typed
-pointers and steps `CHUNK` elements. A list of 1,000 small tensors is then one launch, and
-every offset is int64 (tensors past 2**31 elements).
-"""
+Importing it never needs triton or a GPU; `TRITON_INTERPRET` is read at a kernel's first launch.
+Invariant: every launch and table copy runs under `device_guard(tensors' device)`, on that device's
+current stream. Design notes: docs/internals.md."""
 
 import collections
 import contextlib

@@ -1,36 +1,11 @@
-"""Fused multi-tensor Adam / AdamW: the Triton kernel, its launcher and a pure-torch reference.
+"""Fused multi-tensor Adam / AdamW: the Triton kernel, its launcher (`fused_adam_`) and a pure-torch
+reference.
 
-One launch steps a whole list of tensors (see `_runtime` for the chunk table). Per element, with g
-the gradient read in its own dtype and widened to fp32, and `s` the grad scale (1/loss_scale × clip
-coefficient, negative for maximize):
-
-    g  = s·g
-    p  = p·(1 − lr·wd)                       AdamW (decoupled=True), when wd != 0
-    g  = g + wd·p                            Adam (decoupled=False, L2), when wd != 0
-    m  = m + (1 − β1)·(g − m)                torch's lerp_
-    v  = β2·v + (1 − β2)·g²
-    v̂  = max(v̂, v)                           amsgrad only; v̂ is max_exp_avg_sq
-    p  = p − lr/(1 − β1^t) · m / (√v̂ / √(1 − β2^t) + ε)      (v̂ = v without amsgrad)
-    param_copy = bf16/fp16(p)                round to nearest even, as torch's `.to()`
-
-which is `torch.optim.AdamW(foreach=False)` / `torch.optim.Adam` with bias correction, computed in
-fp32. `grad_scale`, `found_inf` and a tensor `lr` are read inside the kernel, so a step queues no
-host synchronisation; `found_inf != 0` masks every store off.
-
-Compiled without floating-point contraction (`enable_fp_fusion=False`): each multiply and add
-rounds once, as written and as the interpreter computes them. With contraction the compiler
-chose multiply-adds per specialization, so the fp32-master and the remainder programs gave
-different masters from the same inputs on an H200; now every specialization, and the
-`arithmetic="fp32"` reference, computes the same bits. The kernel is memory-bound: the
-separate roundings cost no time.
-
-Compressed state (off by default; the fp32 path compiles exactly as without it):
-- bf16 moments (`exp_avg`, `exp_avg_sq`, `max_exp_avg_sq` each bf16 or fp32, per tensor): read and
-  widened to fp32; the fp32 value before rounding feeds the update; stored rounded to nearest even.
-- remainders (Transformer Engine's `store_param_remainders`, see `remainders.py`): the fp32 master
-  is decoded from a bf16 param (its high half, rounded to nearest, ties away) and an int16
-  remainder (its low half), stepped, and encoded back; lossless.
-"""
+One launch steps a whole list of tensors: `torch.optim.AdamW(foreach=False)` / `Adam` with bias
+correction, in fp32, with optional bf16 moments and remainders. `grad_scale`, `found_inf` and a
+tensor `lr` are read inside the kernel, so a step queues no host sync. Invariant: compiled without
+floating-point contraction, so every specialization and the reference give the same bits. The
+formula: docs/internals.md."""
 
 import math
 import numbers
@@ -43,7 +18,9 @@ from .adam_reference import fused_adam_reference_  # noqa: F401  (the kernel's r
 
 tl = _runtime.language()
 
-_GRAD_DTYPES = _COPY_DTYPES = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 3}  # the kernel's codes
+# the kernel's dtype codes, one table per argument (they coincide)
+_GRAD_DTYPES = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 3}
+_COPY_DTYPES = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 3}
 _MOMENT_DTYPES = {torch.float32: 1, torch.bfloat16: 2}
 _SCALE_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 _FOUND_INF_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int32, torch.int64)

@@ -1,18 +1,8 @@
-"""Gradient statistics for validation: global sum of squares and a non-finite flag over a
-list of grads, bitwise reproducible; torch's clip coefficient from them, on the device.
+"""Gradient statistics for validation: global sum of squares and a non-finite flag over a list of
+grads, bitwise reproducible; torch's clip coefficient from them, on the device.
 
-    sum_of_squares = Σ_tensors Σ_i g_i²          (g widened to fp32, summed as below)
-    found_inf      = 1.0 if any g_i is ±inf or NaN else 0.0
-    clip_coef      = min(1, max_norm / (√sum_of_squares + 1e-6))   (torch.nn.utils.clip_grad_norm_)
-
-Two stages, no float atomics, so the bits never depend on which program finishes first:
-stage 1 (one program per CHUNK of a chunk table covering every grad) squares and adds in
-fp32 per lane — at most ITERS values per lane — then sums the BLOCK lanes in fp64 and
-writes one fp64 partial and one int flag per chunk to its own slot; stage 2 (one program)
-adds the partials in slot order in fp64. The same list gives the same chunks, the same
-tree and the same bits on every run; compiled without multiply-add contraction, those bits
-are the interpreter's too.
-"""
+Invariant: two stages and no float atomics (fp32 per lane, fp64 partials per chunk, summed in slot
+order), so the bits never depend on which program finishes first. Design notes: docs/internals.md."""
 
 import torch
 

@@ -1,18 +1,10 @@
-"""Compiles the kernels for a GPU this machine does not have: every launch inside
-`compile_for(arch)` goes through its launcher as usual (argument checks, grouping, chunk
-tables, the same constexprs and alignment facts) and is then compiled by Triton for `arch` —
-TTIR, PTX and a cubin — instead of running. No GPU and no CUDA driver are needed.
+"""Compiles the kernels for a GPU this machine does not have: every launch inside `compile_for(arch)`
+goes through its launcher as usual and is then compiled by Triton for `arch` instead of running.
+No GPU and no CUDA driver are needed; CI uses it to check what Triton's interpreter accepts but the
+compiler would reject. Run it in a process that has not interpreted a kernel.
 
     with compile_for("sm_90") as compiled:
-        fused_adam_(params, grads, ...)   # CPU tensors stand in for the GPU's memory
-    compiled[0].asm["ptx"]
-
-This is how CI checks the program a GPU would build, where Triton's interpreter only checks
-values: the interpreter accepts code the compiler rejects (parameters that lost their
-`tl.constexpr`, a variable whose type differs between the branches of a runtime `if`,
-shapes from runtime values). Run it in a process that has not interpreted a kernel: the
-interpreter patches `triton.language` while it runs.
-"""
+        fused_adam_(params, grads, ...)  # CPU tensors stand in for the GPU's memory"""
 
 import contextlib
 import re

@@ -1,29 +1,10 @@
-"""Adam / AdamW over 8-bit blockwise moments ("q8", issue 38): the Triton kernel and its launcher.
+"""Adam / AdamW over 8-bit blockwise moments ("q8", issue 38): the Triton kernel and its launcher
+(`q8_adam_`).
 
-The format and the step are defined by `cpu_kernels.q8_reference` (the one reference every tier
-matches bitwise; the kernel packages do not import each other, so this module builds the same
-codebook itself and the tests hold it, and the kernel's bits, against that reference). In short:
-blocks of 256 along each tensor's flat index (the last may be partial), one fp32 absmax per block
-(the largest magnitude, an integer max on the bits with the sign cleared), codes into bitsandbytes'
-dynamic maps (signed for exp_avg, unsigned for exp_avg_sq and max_exp_avg_sq), nearest value, ties
-to the even code. Per element, with every multiply and add rounded on its own (built with
-`enable_fp_fusion=False`, and no `tl.fma`: the host's C levels compute the same operations):
-
-    m, v, v̂  = map[code]·absmax (q8), or the fp32 / bf16 value
-    g  = s·g                                 s: the grad scale
-    g  = p·wd + g                            Adam (L2), when wd != 0
-    m  = (g − m)·(1 − β1) + m
-    v  = (g·g)·(1 − β2) + v·β2
-    v̂  = v̂ > v ? v̂ : v                       amsgrad
-    p  = p·(1 − lr·wd) + (m / (√v̂·ib + ε))·nss      ib = 1/√(1 − β2^t), nss = −lr/(1 − β1^t)
-    m, v, v̂ stored: each q8 block quantized again with a fresh absmax; bf16 rounded to nearest even
-
-The update uses the fp32 moments before they are quantized (as torchao does). Quantizing costs one
-table entry per element, indexed by the exponent and 7 leading fraction bits of x = value/absmax
-(`cpu_kernels.q8_reference.quantize_fast` gives the formula); dequantizing one map value.
-
-One program steps QBLOCKS whole blocks of one tensor (a multi-tensor chunk table, see `_runtime`).
-"""
+The format and the step are `cpu_kernels.q8_reference`'s; the kernel packages do not import each
+other, so this module builds the same codebook itself and the tests hold it to the reference.
+Invariant: every multiply and add rounds on its own (`enable_fp_fusion=False`, no `tl.fma`), so
+the bits are the reference's. The formula: docs/internals.md."""
 
 import functools
 import math
@@ -40,7 +21,9 @@ from .adam import _check_hyperparameters, _check_tensor, _seven_lists
 tl = _runtime.language()
 
 BLOCK = 256  # elements per absmax
-_GRAD_DTYPES = _COPY_DTYPES = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 3}  # the kernel's codes
+# the kernel's dtype codes, one table per argument (they coincide)
+_GRAD_DTYPES = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 3}
+_COPY_DTYPES = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 3}
 _MOMENT_DTYPES = {torch.float32: 1, torch.bfloat16: 2}
 Q8 = 3  # a moment's code when it is Q8Blocks
 _SCALE_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)

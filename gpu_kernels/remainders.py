@@ -1,21 +1,9 @@
-"""Owns the bf16 encodings of fp32 optimizer state in pure torch, bit for bit what `adam.py`'s
-kernel stores: `round_to_bf16` (a bf16 moment) and the remainder encoding of an fp32 master
-(Transformer Engine's `store_param_remainders`): a bf16 param plus an int16 remainder, 2 bytes
-per param instead of a 4-byte master beside the param.
+"""Owns the bf16 encodings of fp32 optimizer state in pure torch, bit for bit what `adam.py`'s kernel
+stores: `round_to_bf16` (a bf16 moment) and the remainder encoding of an fp32 master (a bf16 param
+plus an int16 remainder, 2 bytes instead of a 4-byte master).
 
-    encode: lo = the master's low 16 bits; hi = its high 16 bits + 1 when lo's top bit is set
-            (mod 2**16) — the master rounded to bf16 to nearest, ties away from zero
-    decode: hi - 1 when lo's top bit is set (mod 2**16), joined with lo
-
-decode(encode(x)) is x for every one of the 2**32 fp32 bit patterns (±0, subnormals, ±inf, NaN
-payloads). The param `hi` equals `master.to(torch.bfloat16)` (ties to even) except on exact
-ties (low half 0x8000 and an even high half: `hi` is one ulp further from zero) and on NaNs.
-A NaN master's param is a NaN, except when its payload lies in the low 15 bits only (±inf
-param) or its high half is 0x7FFF / 0xFFFF with lo's top bit set (the carry wraps to -0 / +0);
-the master still decodes bitwise, and Adam's own NaNs (0x7FC00000 / 0xFFC00000) give NaN
-params. Masters above bf16's largest finite value plus half an ulp give ±inf params, as the
-cast does.
-"""
+Invariant: decode(encode(x)) is x for every one of the 2**32 fp32 bit patterns. The encoding and
+where the param differs from `master.to(torch.bfloat16)`: docs/internals.md."""
 
 import torch
 

@@ -1,25 +1,10 @@
-"""Who holds the optimizer and who acts on it: only the user holds it, and only the optimizer
-that built the tiers closes them.
+"""Who holds the optimizer and who acts on it: only the user holds it, and only the optimizer that
+built the tiers closes them.
 
-Two hazards the frameworks meet (tests/test_lifetime.py, tests/test_frameworks_lightning.py):
-
-- *Hooks that keep it alive.* A grad hook registered as a bound method (`p.
-  register_post_accumulate_grad_hook(self._on_grad)`) is held by the param, which the model
-  holds: an optimizer dropped without `close()` — a notebook cell run again, a loop building
-  three Trainers, `optimizer_cls_and_kwargs`, where the user never holds it — would keep its
-  worker process and shared memory until the interpreter exits. Every hook and callback that
-  outlives a call holds the optimizer weakly (`weak_method`): once nothing else holds it the
-  gc collects it, and its `__del__` closes it (worker reaped, arena unmapped, nvme files
-  removed) with an `UnclosedOptimizerWarning` naming `close()`.
-- *Wrappers that forward reads.* Lightning's `LightningOptimizer` makes a class inheriting from
-  both itself and the user's optimizer class and forwards attribute reads to the real
-  optimizer. An inherited method then runs with `self` = the wrapper: its reads reach the real
-  optimizer, its writes land on the wrapper (measured: `wrapper.zero_grad()` wrote `_staged`
-  into the wrapper; `wrapper.close()` shut the real host tier while `opt._closed` stayed
-  False, and an old wrapper's `__del__`, collected, did that at Lightning's first step). So the
-  public methods act on `owner(self)` (`acts_on_owner`), and `__del__` does nothing unless
-  `self` is the optimizer itself.
-"""
+Every hook and callback that outlives a call holds the optimizer weakly (`weak_method`), so one
+dropped without close() is collected and closed with an `UnclosedOptimizerWarning`. A wrapper that
+forwards reads (Lightning's `LightningOptimizer`) must not act as the optimizer: public methods act
+on `owner(self)`. Design notes: docs/internals.md."""
 
 from __future__ import annotations
 

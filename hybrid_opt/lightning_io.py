@@ -1,16 +1,10 @@
 """Lightning checkpoints written straight into their file: `DirectCheckpointIO`.
 
-Lightning's own CheckpointIO (`TorchCheckpointIO`, through `_atomic_save`) pickles the whole
-checkpoint into an in-memory buffer before writing it: the model's weights and the optimizer's
-state once more in RAM, for any optimizer (+150 % of the file for torch.optim.AdamW in
-benchmarks/bench_checkpoint.py). This one `torch.save`s into a new file beside the target and
-renames it over the target once synced (state/saving.written_whole), so a save is still whole or
-not at all, and costs no RAM: HybridAdamW's state_dict() hands out views of its state.
+Lightning's own CheckpointIO buffers the whole checkpoint in RAM before writing it; this one
+`torch.save`s into a new file beside the target and renames it over the target once synced, so a
+save is whole or not at all and costs no RAM. Local paths only; a URL goes Lightning's own way.
 
-    trainer = lightning.pytorch.Trainer(plugins=[DirectCheckpointIO()], ...)
-
-Local paths; a URL (s3://, gs://, ...) goes to Lightning's own way.
-"""
+    trainer = lightning.pytorch.Trainer(plugins=[DirectCheckpointIO()], ...)"""
 
 from __future__ import annotations
 

@@ -1,20 +1,10 @@
-"""Tensors over pieces of files, mapped side by side: how state_dict() hands out a param's
-state without copying it, wherever that state lies (the host arena's banks, nvme slots, the
-CPU device tier's memory) and however many subgroups it spans.
+"""Tensors over pieces of files, mapped side by side: how state_dict() hands out a param's state
+without copying it, wherever it lies (arena banks, nvme slots, the CPU device tier's memory).
 
-A `Span` reserves address space and maps each piece (a byte range of a file: a memfd arena or
-an nvme swap file) at the next address (MAP_FIXED), so pieces from several banks or files read
-as one contiguous range; a tensor over it has a storage of its own. Every piece but the first
-must start on a page boundary of its file and every piece but the last end on one
-(`side_by_side`): the layout cuts subgroups and lays regions out so that they do.
-
-The one invariant: a span never reads memory that was written after it was handed out for
-something else. `HeldViews` keeps weak references to the spans handed out, under the memory
-they read (a bank, an nvme slot, a device subgroup). Before that memory is written again, the
-owner calls `release(keys)`: each live span over it takes a private copy of its bytes
-(`Span.snapshot`: one copy, swapped in atomically with mremap), so every tensor over it keeps
-its values. A span nobody holds costs nothing: it is unmapped with its last tensor.
-"""
+A `Span` maps each piece (a byte range of a memfd or swap file) at the next address, so pieces read
+as one range. Invariant: a span never reads memory written after it was handed out; before the
+owner writes it again, `HeldViews.release` gives each live span a private copy. Design notes:
+docs/internals.md."""
 
 from __future__ import annotations
 

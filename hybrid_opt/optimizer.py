@@ -1,18 +1,10 @@
 """HybridAdamW / HybridAdam: drop-in torch.optim optimizers whose state is divided by subgroup
 between the device, host and nvme tiers.
 
-Real torch.optim.Optimizer subclasses: param groups, named parameters, lr schedulers, hooks
-and GradScaler work through torch's own protocols; the numerics follow torch.optim.AdamW(
-foreach=False) / Adam within fp32 rounding whatever the placement. Moments and masters live in
-the tiers; `self.state` holds, as torch's does, each stepped param's `step` (a 0-dim float32
-tensor), so tools that read it (torch.distributed.checkpoint) see a trained optimizer.
-`state_dict()` gathers the full state in torch's format (`save_state_dict(f)` writes it one param
-at a time), `load_state_dict()` scatters it back.
-
-The class is a facade over parts that own their state (docs/code-map.md): the Layout, the
-Placement (tiers, planner, moves), the Speculator, the ParamGuard, the StepChecks, the
-StepLedger, the StepStats and the distributed part (ZeroSharding or its no-op twin).
-"""
+Real torch.optim.Optimizer subclasses, following torch.optim.AdamW(foreach=False) / Adam within
+fp32 rounding whatever the placement; `state_dict()` is torch's format. The class is a facade over
+parts that own their state (docs/code-map.md); `self.state` holds only each stepped param's `step`,
+as torch's does. Design notes: docs/internals.md."""
 
 from __future__ import annotations
 
@@ -43,7 +35,9 @@ class _HybridBase(torch.optim.Optimizer):
     # GradScaler sets grad_scale / found_inf on the optimizer for one step() call, which skips on
     # overflow itself (torch's protocol: absent otherwise, no class default: it multiplies one it finds)
     _step_supports_amp_scaling = True
-    _closed, _built = True, False  # until the tiers exist (a constructor that raised: __del__)
+    # until the tiers exist (a constructor that raised: __del__)
+    _closed = True
+    _built = False
 
     def __init__(
         self,
@@ -191,26 +185,36 @@ class _HybridBase(torch.optim.Optimizer):
             lifetime.claim(self, self.param_groups[-1]["params"])
 
     # ------------------------------------------------------------------ properties
-    parts = property(
-        lambda self: self._parts,
-        doc="The parts this optimizer is composed of (docs/code-map.md), "
-        "for introspection and tests: each part's public attributes and methods are its interface.",
-    )
-    plan = property(
-        lambda self: self._parts.placement.plan, doc="The placement now: which tier holds each subgroup."
-    )
-    stats = property(
-        lambda self: self._parts.stats.last, doc="The last step's figures per tier (docs/usage.md)."
-    )
-    step_was_skipped = property(
-        lambda self: self._parts.ledger.step_was_skipped,
-        doc="Whether the last step() was skipped (a GradScaler's inf/nan: nothing stepped).",
-    )
-    last_grad_norm = property(
-        lambda self: self._parts.ledger.last_grad_norm,
-        doc="The global grad norm the last step clipped by (unscaled); None without clipping.",
-    )
-    closed = property(lambda self: self._closed, doc="Whether close() ran (or the end of its `with` block).")
+    @property
+    def parts(self):
+        """The parts this optimizer is composed of (docs/code-map.md), for introspection and tests:
+        each part's public attributes and methods are its interface."""
+        return self._parts
+
+    @property
+    def plan(self):
+        """The placement now: which tier holds each subgroup."""
+        return self._parts.placement.plan
+
+    @property
+    def stats(self):
+        """The last step's figures per tier (docs/usage.md)."""
+        return self._parts.stats.last
+
+    @property
+    def step_was_skipped(self):
+        """Whether the last step() was skipped (a GradScaler's inf/nan: nothing stepped)."""
+        return self._parts.ledger.step_was_skipped
+
+    @property
+    def last_grad_norm(self):
+        """The global grad norm the last step clipped by (unscaled); None without clipping."""
+        return self._parts.ledger.last_grad_norm
+
+    @property
+    def closed(self):
+        """Whether close() ran (or the end of its `with` block)."""
+        return self._closed
 
     @property
     def allocated_bytes(self) -> dict:
@@ -222,14 +226,12 @@ class _HybridBase(torch.optim.Optimizer):
             return allocated_bytes(None, None, None)
         return allocated_bytes(self._parts.placement.device, self._parts.placement.host, self._parts.sharding)
 
-    worker_pid = property(
-        lambda self: (
-            None
-            if self._closed or self._parts.placement.host is None
-            else self._parts.placement.host.worker_pid
-        ),
-        doc="The host tier's worker process, or None.",
-    )
+    @property
+    def worker_pid(self):
+        """The host tier's worker process, or None."""
+        if self._closed or self._parts.placement.host is None:
+            return None
+        return self._parts.placement.host.worker_pid
 
     def _check_open(
         self, cannot="step again: build a new one (its load_state_dict takes this one's last state_dict())"
@@ -399,7 +401,8 @@ class HybridAdamW(_HybridBase):
 
     See the README (one line per argument) and docs/usage.md for the hybrid arguments."""
 
-    _decoupled, _keeps_on_load = True, ("decoupled_weight_decay",)  # as torch's AdamW.__setstate__
+    _decoupled = True
+    _keeps_on_load = ("decoupled_weight_decay",)  # as torch's AdamW.__setstate__
 
     def __init__(
         self,

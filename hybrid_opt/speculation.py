@@ -1,19 +1,10 @@
-"""Speculation: grad hooks that step a host/nvme subgroup in the worker as soon as its grads
-are complete during backward, and the inputs such a step records so that validation can
-commit, redo or drop it.
+"""Speculation: grad hooks that step a host/nvme subgroup in the worker as soon as its grads are
+complete during backward, and the inputs such a step records so that validation can commit, redo
+or drop it.
 
-The optimizer's Speculator part. It names each subgroup's grads once per step it hands the
-host tier: their local memory (distributed.local_of; in one process a plain grad is its own)
-both for the ids its inputs record and for the tier's GradGatherer (tiers/grads.py), which
-reads them.
-
-A speculated step stands only if its grads were not modified since they were staged. Plain
-grads are named by (data_ptr, _version): every in-place op, foreach included, bumps the
-version. DTensor grads (FSDP2) also record the DTensor's own version (`dtensor.mul_` bumps
-only that one), and — because torch's foreach in-place ops (clip_grad_norm_, a GradScaler's
-unscale_) bump neither — a content fingerprint, their sum of squares, compared at step()
-(grad_edits.py): a mismatch redoes the step from the live grads.
-"""
+The optimizer's Speculator part. Invariant: a speculated step stands only if its grads were not
+modified since they were staged, seen by (data_ptr, _version), and for DTensor grads also by a
+fingerprint (grad_edits.py). Design notes: docs/internals.md."""
 
 from __future__ import annotations
 

@@ -1,17 +1,10 @@
 """NVMe swap files: a private directory of ours under nvme_path, two slots per subgroup.
 
-Each nvme subgroup's state (fp32 master, m, v, [max v]) is one page-aligned block, stored in
-a file with two slots. A step reads the committed slot and writes the other; the slot map
-flips only on commit, so rollback and a crash mid-write cost no extra I/O and never tear
-committed state. Every slot carries a CRC32C, verified on read.
-
-The directory is ours alone (0700, files 0600), removed at close() and at interpreter exit;
-the worker removes it when the trainer dies; a directory left by a process that died
-without either is swept at the next start. Under torch.distributed (a global rank known:
-node.global_rank()) each rank's directories live in `nvme_path/hybrid_opt-rank<R>/`, and a
-rank sweeps only there: ranks (on this node or, over a shared disk, on others, whose pids
-mean nothing here) never remove each other's files.
-"""
+A step reads the committed slot and writes the other; the slot map flips only on commit, so
+rollback and a crash mid-write never tear committed state. Every slot carries a CRC32C, verified
+on read. The directory is ours alone, removed at close(), at exit, or by the worker when the
+trainer dies; under torch.distributed each rank sweeps only its own. Design notes:
+docs/internals.md."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""Who writes which attribute: an AST scan of every module under hybrid_opt/ (STYLE.md rule 11,
-issue #22: "No attribute is written outside the part that owns it").
+"""Who writes which attribute: an AST scan of every module under hybrid_opt/ (CONTRIBUTING.md,
+"State has one owner"; issue #22: "No attribute is written outside the part that owns it").
 
 Each finding is a `Violation(module, cls, attr, kind)`; `kind` is one of
 

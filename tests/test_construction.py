@@ -67,9 +67,8 @@ def _opt(model, **kw):
 # ----------------------------------------------------------------- 1. close() gives back
 @TWO_CORES
 def test_close_restores_torch_threads_and_every_affinity():
-    """One optimizer: torch's thread count used to stay at the trainer's share (1 here)
-    after close(), because cpu_kernels' count was read after the split and restored last
-    through the same libgomp."""
+    """One optimizer: close() gives torch back its thread count, not the trainer's share (1
+    here), although torch and cpu_kernels share one libgomp's count."""
     before = _snapshot()
     opt = _opt(_model(), worker_share=0.5)  # a GPU host's split (a CPU-only host shares every core)
     assert torch.get_num_threads() == len(opt.parts.placement.host.cores.trainer) < before[0]

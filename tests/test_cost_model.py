@@ -629,7 +629,7 @@ def test_bytes_per_param_per_tier_for_each_option_combination(case, want):
 
 
 def test_the_issue_targets_in_bytes():
-    """#16: nvme files 6 B/param (was 12), host bank <= 8, an Adam step 18 B (was 28)."""
+    """#16: nvme files 6 B/param (fp32 state: 12), host bank <= 8, an Adam step 18 B (fp32: 28)."""
     both, plain = _fmt(BF16, BF16, True), _fmt()
     b, p = _workload(state_format=both).tier_bytes(), _workload(state_format=plain).tier_bytes()
     assert (

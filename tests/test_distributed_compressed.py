@@ -176,8 +176,8 @@ def test_a_user_write_restarts_the_masters_in_both_modes(compressed):
     """model.load_state_dict (a write through every param) after training restarts every
     param's master (with remainders: from the bf16 param) in both modes, on every rank — so
     the restart counter the bitwise test reads does see restarts. Under FSDP2 such a write
-    bumps only the DTensor's version counter, not its local shard's: it went unseen (the
-    masters on the host tier kept the old values) until storage.py counted both."""
+    bumps only the DTensor's version counter, not its local shard's, so storage.py counts both
+    (one alone would leave the host tier's masters at the old values)."""
     _, ranks = compressed
     n = len(list(_bf16_model().parameters()))
     for rank, res in enumerate(ranks):

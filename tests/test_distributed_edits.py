@@ -77,9 +77,8 @@ def test_ddp_writing_its_averages_and_a_clip_that_does_not_bite_are_not_edits(ed
 
 def test_ddp_with_grads_as_bucket_views_is_refused_naming_the_wrapper(edited):
     """DDP(gradient_as_bucket_view=True): its grads are views of its buckets, averaged in place
-    while our reduction reads them, and one is a grad of its own (a replacement). It passed only
-    because that replacement was reduced again over the one bucket; now every rank refuses it,
-    nothing stepped, the message naming the wrapper."""
+    while our reduction reads them, and one is a grad of its own (a replacement). Every rank
+    refuses it, nothing stepped, the message naming the wrapper."""
     for res in edited:
         r = res["ddp_bucket_view"]
         assert r["is_edit"] and r["steps"] == 0 and r["unchanged"], r
@@ -87,9 +86,9 @@ def test_ddp_with_grads_as_bucket_views_is_refused_naming_the_wrapper(edited):
 
 
 def test_ddp_with_a_grad_scaler_skips_an_overflow_on_one_rank(edited):
-    """accelerate's prepare() + fp16: DDP's average of an inf is inf. It was taken for a clip
-    that bit (inf - inf is nan, never within the tolerance): the first overflow failed the
-    step on every rank instead of skipping it."""
+    """accelerate's prepare() + fp16: DDP's average of an inf is inf, which must not pass for a
+    clip that bit (inf - inf is nan, never within the tolerance): the overflow skips the step on
+    every rank instead of failing it."""
     for res in edited:
         r = res["ddp_overflow"]
         assert r["error"] is None, r["message"]
@@ -99,8 +98,8 @@ def test_ddp_with_a_grad_scaler_skips_an_overflow_on_one_rank(edited):
 @pytest.mark.parametrize("case", ["grant_set", "grant_set_lazy"])
 def test_a_grad_set_by_hand_for_a_param_unused_here_is_refused_with_either_counts(edited, case):
     """Rank 1 sets a grad by hand for a param it did not use, after backward. With the counts
-    read in step() (CUDA's way) it was taken for the averaged grad another rank's use grants
-    and silently dropped; now refused on every rank, as with the counts read in backward."""
+    read in step() (CUDA's way) it could pass for the averaged grad another rank's use grants;
+    it is refused on every rank, as with the counts read in backward."""
     for rank, res in enumerate(edited):
         r = res[case]
         assert r["error"] == ("GradsEditedError" if rank == 1 else "PeerStepFailed"), (rank, r["message"])
@@ -134,7 +133,7 @@ def test_ddp_averages_at_3_ranks_are_recognised_whatever_their_rounding(edited_3
 
 def test_a_dropped_optimizer_in_a_cycle_is_taken_over_by_the_next(edited):
     """Rank 0 collects the dropped optimizer, rank 1 does not: the new one took its hooks over
-    at construction, so no rank issues the old one's reductions (it hung before)."""
+    at construction, so no rank issues the old one's reductions (which would hang)."""
     for res in edited:
         assert res["takeover"]["error"] is None and res["takeover"]["steps"] == 2
     for a, b in zip(edited[0]["takeover"]["params"], edited[1]["takeover"]["params"]):
@@ -245,9 +244,9 @@ def test_one_ranks_checkpoint_loaded_on_another_rank_is_refused(edited):
 @pytest.mark.parametrize("case", ["ddp_unused", "ddp_unused_lazy"])
 def test_a_ddp_wrapper_finding_unused_params_trains_like_torch(edited, case):
     """HF Trainer's DDP finds unused params: with a bias unused on rank 1, DDP's collectives and
-    ours interleave differently on each rank (gloo reported a collective mismatch: ours now run
-    on a group of their own), and with lazy counts DDP's average written into that bias's
-    grad was taken for a replaced grad and reduced again on rank 1 alone (a hang)."""
+    ours interleave differently on each rank (ours run on a group of their own, so gloo sees no
+    collective mismatch), and with lazy counts DDP's average written into that bias's grad must
+    not pass for a replaced grad reduced again on rank 1 alone (a hang)."""
     import sys
 
     from dist_launch import SCRIPTS

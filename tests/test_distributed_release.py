@@ -161,8 +161,8 @@ def test_an_edit_in_a_hook_after_the_reduction_read_the_grad_is_refused_with_rel
     """A user's grad hook registered after the optimizer's edits rank 1's grad once its
     reduction has read it (halves it; or writes an inf, GradScaler attached): refused as with
     release_grads=False — GradsEditedError on rank 1, PeerStepFailed on rank 0, nothing stepped.
-    The released grad's version was overwritten by its placeholder's before: the halving was
-    silently ignored, and the inf lost (the step taken, the scale kept)."""
+    The released grad's version carries over to its placeholder, so the halving is not ignored
+    and the inf not lost."""
     for rank, res in enumerate(runs):
         for name in (f"late_edit_{how}", f"release_late_edit_{how}"):
             r = res[name]
@@ -177,10 +177,10 @@ def test_an_edit_in_a_hook_after_the_reduction_read_the_grad_is_refused_with_rel
 
 
 def test_a_grad_replaced_on_one_rank_after_its_reduction_read_the_old_one_is_refused(runs):
-    """`p.grad = p.grad * 0.5` in a hook registered after the optimizer's, on rank 1 only: it
-    was reduced again on rank 1 alone, a collective rank 0 never entered (no result within
-    60 s, with or without release_grads). Now refused as an in-place edit is: GradsEditedError
-    on rank 1, PeerStepFailed on rank 0, nothing stepped, no hang."""
+    """`p.grad = p.grad * 0.5` in a hook registered after the optimizer's, on rank 1 only (reducing
+    it again on rank 1 alone would be a collective rank 0 never enters): refused as an in-place
+    edit is, with or without release_grads: GradsEditedError on rank 1, PeerStepFailed on rank 0,
+    nothing stepped, no hang."""
     for rank, res in enumerate(runs):
         for name in ("late_edit_replace", "release_late_edit_replace"):
             r = res[name]
@@ -215,9 +215,9 @@ def test_the_recipe_for_grads_set_by_hand_steps_them(runs):
 
 def test_step_again_after_a_refused_step_with_released_grads_is_refused_not_partial(runs):
     """release_grads=True, a refused step, then step() again with no backward: the refused
-    step's grads were released, so the retry reduced zeros for every param but the replaced
-    one and stepped that one alone from half a grad, silently. Now refused on every rank,
-    nothing stepped; without release_grads the retry reduces the grads as they are, on every
+    step's grads were released (a retry would reduce zeros for every param but the replaced
+    one and step that one alone from half a grad), so it is refused on every rank, nothing
+    stepped; without release_grads the retry reduces the grads as they are, on every
     rank, and steps."""
     for rank, res in enumerate(runs):
         r = res["release_retry_late_edit_replace"]

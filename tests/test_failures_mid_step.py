@@ -145,7 +145,7 @@ def _counts(opt, model) -> list:
 def test_a_bad_grad_is_refused_before_anything_changes(placement, kind):
     """A grad the device tier's kernel refuses (float64: torch lets it through with
     grad_dtype=None or .data) or whose element count is not its param's (through .data; the
-    host tier used to step the first elements of a larger one silently): step() raises naming
+    host tier must not step the first elements of a larger one silently): step() raises naming
     the param before any tier steps — state, params and step counts torch.equal to before —
     and once the grad is fixed, step() continues bitwise as if the call never happened."""
     t = _Trio(placement)
@@ -172,9 +172,9 @@ def test_a_bad_grad_is_refused_before_anything_changes(placement, kind):
 
 
 def test_a_group_hyperparameter_out_of_range_is_refused_before_any_group_steps():
-    """A group's lr set out of range after construction (the kernels refuse it): before, the
-    first group was stepped in place and every step count advanced before the second group's
-    kernel call raised."""
+    """A group's lr set out of range after construction (the kernels refuse it) is refused before
+    any group steps: the first group is not stepped in place and no step count advances before
+    the second group's kernel call would raise."""
     t = _Trio(
         "device",
         groups=lambda m: [
@@ -274,7 +274,7 @@ def test_a_device_kernel_failing_part_way_leaves_each_param_stepped_or_untouched
     each param ends stepped with its count advanced or untouched with its count as before,
     a param whose slices were stepped only in part is named as torn, and the error lists
     them. Nothing stepped (device, first call): step() again continues bitwise; otherwise
-    reloading the checkpoint from before the step does. Before, every count advanced."""
+    reloading the checkpoint from before the step does."""
     t = _Trio(placement)
     try:
         sd, params = copy.deepcopy(t.ours.state_dict()), _params(t.model)
@@ -347,8 +347,8 @@ def test_inverse_mode_worker_killed_in_step_names_what_was_stepped_and_what_may_
     of the third step. The subgroups it finished were stepped in place: they are committed,
     their params (tenth: fc1.weight and fc1.bias, subgroups 0-8) stepped with counts advanced;
     those it had in flight may be torn, and the error says so and to reload a checkpoint —
-    never 'Nothing was stepped ... call step() again' (it said that, while subgroup 0 had been
-    stepped with its count put back: calling step() again stepped it twice)."""
+    never 'Nothing was stepped ... call step() again' (calling step() again would step the
+    finished subgroups twice)."""
     n_tasks = -(-sum(p.numel() for p in make_net().parameters()) // SUBGROUP)
 
     def armed():  # only our optimizer's worker carries the fault (read at its start)
@@ -395,9 +395,8 @@ def test_inverse_mode_worker_killed_in_step_names_what_was_stepped_and_what_may_
 def test_a_worker_that_does_not_answer_is_replaced_and_the_step_goes_on():
     """A stopped worker (SIGSTOP; in life one swapped out or stuck): after the timeout step()
     kills and replaces it, sends its tasks again and goes on, warned of — bitwise torch's
-    trajectory; the next backward does not wait for the worker and state_dict() works. Before,
-    the hung worker stayed (each later backward waited the timeout once per subgroup,
-    state_dict() raised TimeoutError), then the step failed once although nothing was lost."""
+    trajectory; the next backward does not wait for the worker (not the timeout once per
+    subgroup), state_dict() works, and the step does not fail since nothing was lost."""
     t = _Trio("host")
     try:
         t.ours.parts.placement.host.client.timeout_s = 1.0  # the default two minutes, lowered
@@ -463,8 +462,8 @@ def test_add_param_group_that_fails_adds_nothing_and_training_goes_on(monkeypatc
     its device state, choosing where the grown model goes): the error (of the cause's type)
     says the group was not added; param_groups, the plan, the worker and every state tensor
     are as before, and training goes on bitwise with a twin that never tried; adding the
-    group again then works, bitwise with the twin adding it. Before, the group stayed in
-    param_groups with part of a layout and the next step() failed or misbehaved."""
+    group again then works, bitwise with the twin adding it: the group never stays in
+    param_groups with part of a layout."""
     if failure == "placement" and placement == "device":
         pytest.skip("offload 0 never lays the grown model out again")
     inject, error = ADD_FAILURES[failure]

@@ -327,7 +327,7 @@ def test_trainer_process_group_recipe_without_trainers_grad_norm_matches_ddp_tor
 @distributed
 def test_trainer_checkpoint_under_process_group_is_refused_on_every_rank(hf_ranks):
     """HF Trainer writes optimizer.pt from rank 0 only (rank 0's Shard(0) chunks): resuming
-    from it is refused on every rank (it used to load silently, 1.2e-2 off after 3 steps)."""
+    from it is refused on every rank, not loaded silently (which drifts 1.2e-2 in 3 steps)."""
     msgs = [res["zero_resume"]["resume_error"] for res in hf_ranks]
     assert msgs[1] is not None and "holds rank 0's chunks" in msgs[1], msgs
     assert msgs[0] is not None and "another rank was given a state_dict" in msgs[0], msgs

@@ -5,7 +5,7 @@ runs them):
   default one) and gives the same bits as speculative=False, each speculation committed;
 - backward with speculation never synchronizes: torch.cuda.set_sync_debug_mode("error")
   makes any synchronizing CUDA call in a grad hook raise (the hook's error then fails
-  step()); the old blocking D2H copy in the hook was such a call;
+  step()); a blocking D2H copy in the hook would be such a call;
 - an attached GradScaler's scale is read once per backward, and its speculations commit;
 - a CPU model never pins its arena, even with CUDA present; a CUDA model's arena is pinned;
 - a failed cudaHostRegister (forced for real: the range is already registered) warns, leaves

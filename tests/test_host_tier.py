@@ -613,8 +613,8 @@ def test_inverse_mode_worker_killed_mid_step_names_the_torn_subgroups(monkeypatc
 
 def test_inverse_mode_worker_killed_idle_is_replaced_and_loses_nothing():
     """A worker that dies between steps has nothing in flight: it is replaced and the next
-    step runs as if nothing happened (before, inverse mode raised 'subgroups [] may be torn'
-    and the speculations it dropped were undone a few ulp off)."""
+    step runs as if nothing happened: no TornState, and the speculations it dropped are undone
+    bitwise."""
     numels = [1000, 2000]
     tier = new_tier(numels, rollback="inverse", staging_slots=4)
     try:
@@ -640,8 +640,7 @@ def test_inverse_mode_worker_killed_idle_is_replaced_and_loses_nothing():
 def test_inverse_mode_worker_killed_mid_step_commits_the_subgroups_it_finished(monkeypatch):
     """A plain step (no speculation): the worker dies before its second task. Subgroup 0 was
     stepped in place, so it is committed (on_commit: the caller counts it stepped) and the
-    error names only what may be torn; before, subgroup 0 was stepped but reported with the
-    rest, and the optimizer said 'Nothing was stepped ... call step() again'."""
+    error names only what may be torn, not subgroup 0."""
     tier, states, grads = _inverse_tier_with_fault(monkeypatch, "before_step:2", seed=17)
     try:
         committed = []
@@ -686,8 +685,8 @@ def _speculated_at_a_stopped_worker(**kw):
 def test_a_worker_that_does_not_answer_is_replaced_and_the_exact_step_goes_on():
     """A worker stopped (SIGSTOP: as one swapped out or stuck) after speculation, exact mode:
     after the timeout it is killed and replaced like a dead one, its tasks sent again, and
-    finish() goes on, warned of — the speculations commit bitwise the direct step (before, the
-    step failed once although nothing was lost). (A replacement that did not answer either
+    finish() goes on, warned of — the speculations commit bitwise the direct step, with no
+    failure since nothing was lost. (A replacement that did not answer either
     would fail the wait: two timeouts, never more.)"""
     tier, states, grads, old = _speculated_at_a_stopped_worker()
     try:
@@ -711,9 +710,8 @@ def test_a_worker_that_does_not_answer_is_replaced_and_the_exact_step_goes_on():
 def test_a_worker_that_does_not_answer_is_killed_replaced_and_named(rollback):
     """A worker stopped (SIGSTOP: as one swapped out or stuck) after in-place speculation
     (inverse): finish() fails after the timeout naming the torn subgroups, and the worker is
-    killed and replaced like a dead one, so the pending speculations end at once (before, each
-    later cancel waited the timeout again: backward blocked subgroups x timeout) and the next
-    step is the direct step."""
+    killed and replaced like a dead one, so the pending speculations end at once (no later
+    cancel waits the timeout again) and the next step is the direct step."""
     tier, states, grads, old = _speculated_at_a_stopped_worker(rollback=rollback)
     try:
         t0 = time.monotonic()
@@ -837,8 +835,7 @@ def test_close_is_idempotent_and_leaves_no_process_fd_shm_or_core_change_behind(
 @pytest.mark.parametrize("order", ["first_opened_first", "last_opened_first"])
 def test_two_tiers_closed_in_either_order_give_the_process_its_cores_back(order):
     """Two optimizers in one process (a GAN's pair): whichever closes first, the process
-    ends with its own masks and thread count (closing in opening order used to leave it
-    pinned to the trainer's share)."""
+    ends with its own masks and thread count, not pinned to the trainer's share."""
     close_shared_tiers()
     masks, threads = thread_masks(), torch.get_num_threads()
     a = new_tier(worker_share=0.5)  # a GPU host's split (a CPU-only host's default shares every core)
@@ -1328,11 +1325,11 @@ def test_a_task_packs_every_field_in_declaration_order_and_unpacks_to_itself():
     import struct
     from dataclasses import astuple
 
-    from hybrid_opt.worker import protocol as P
+    from hybrid_opt.worker import protocol as proto
 
     tasks = [
-        P.Task(
-            P.OP_STEP,
+        proto.Task(
+            proto.OP_STEP,
             7,
             3,
             65536,
@@ -1355,15 +1352,15 @@ def test_a_task_packs_every_field_in_declaration_order_and_unpacks_to_itself():
             1,
             0xDEADBEEF,
             1,
-            gather=P.pack_gather([(0, 4096, 256), (256, 0, 64)]),
+            gather=proto.pack_gather([(0, 4096, 256), (256, 0, 64)]),
         ),
-        P.Task(P.OP_SWAP_IN, 1 << 40, 12345, file_slot=1, crc=0xFFFFFFFF),
-        P.Task(P.OP_PING, 0),
+        proto.Task(proto.OP_SWAP_IN, 1 << 40, 12345, file_slot=1, crc=0xFFFFFFFF),
+        proto.Task(proto.OP_PING, 0),
     ]
     for t in tasks:
-        want = struct.Struct(P.Task._STRUCT.format).pack(*astuple(t)[:-1]) + t.gather
+        want = struct.Struct(proto.Task._STRUCT.format).pack(*astuple(t)[:-1]) + t.gather
         assert t.pack() == want
-        assert P.Task.unpack(t.pack()) == t
+        assert proto.Task.unpack(t.pack()) == t
 
 
 def test_write_task_sends_the_gather_entries_it_is_handed_as_the_tasks_gather_list():
@@ -1373,18 +1370,18 @@ def test_write_task_sends_the_gather_entries_it_is_handed_as_the_tasks_gather_li
     import os
     from dataclasses import replace
 
-    from hybrid_opt.worker import protocol as P
+    from hybrid_opt.worker import protocol as proto
 
     entries = [(0, 4096, 256), (256, 0, 64)]
-    task = P.Task(P.OP_STEP, 7, 3, 80, slot=2, lr=1e-3)
+    task = proto.Task(proto.OP_STEP, 7, 3, 80, slot=2, lr=1e-3)
     r, w = os.pipe()
     try:
-        P.write_task(w, task, entries)
-        P.write_task(w, replace(task, gather=P.pack_gather(entries)))
-        P.write_task(w, task)
+        proto.write_task(w, task, entries)
+        proto.write_task(w, replace(task, gather=proto.pack_gather(entries)))
+        proto.write_task(w, task)
         os.close(w)
         w = -1
-        reader = P.FrameReader(r)
+        reader = proto.FrameReader(r)
         while not reader.eof:
             reader.feed()
         frames = list(reader.frames())
@@ -1393,6 +1390,6 @@ def test_write_task_sends_the_gather_entries_it_is_handed_as_the_tasks_gather_li
         if w >= 0:
             os.close(w)
     assert len(frames) == 3 and frames[0] == frames[1] != frames[2]
-    got = P.Task.unpack(frames[0])
-    assert list(P.GATHER.iter_unpack(got.gather)) == entries
-    assert replace(got, gather=b"") == task and P.Task.unpack(frames[2]) == task
+    got = proto.Task.unpack(frames[0])
+    assert list(proto.GATHER.iter_unpack(got.gather)) == entries
+    assert replace(got, gather=b"") == task and proto.Task.unpack(frames[2]) == task

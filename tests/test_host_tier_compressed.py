@@ -24,7 +24,7 @@ from cpu_kernels.reference import bf16_round_reference, encode_remainder_referen
 from hybrid_opt.state.state_format import StateFormat
 from hybrid_opt.tiers.compressed import _independent_moment_dtypes
 from hybrid_opt.tiers.host import HostTier, StepInputs
-from hybrid_opt.worker import protocol as P
+from hybrid_opt.worker import protocol as proto
 
 SLOT = 4096
 TIMEOUT_S = 20.0
@@ -487,10 +487,10 @@ def test_an_nvme_step_waits_for_the_high_half_copy_before_its_tasks_go(nvme_dir)
         for ev in stager.events[1:]:
             ev.complete()
         tier.poll()
-        assert P.OP_STEP not in sent and P.OP_PING not in sent  # held behind the high half
+        assert proto.OP_STEP not in sent and proto.OP_PING not in sent  # held behind the high half
         stager.events[0].complete()
         tier.poll()
-        assert sent.count(P.OP_STEP) == 3 and sent.index(P.OP_PING) < sent.index(P.OP_STEP)
+        assert sent.count(proto.OP_STEP) == 3 and sent.index(proto.OP_PING) < sent.index(proto.OP_STEP)
         steps = {0: (grad, inputs(1))}
         assert tier.finish(steps, on_commit=committer(params, steps)) == {0: "committed"}
         ref_step(states[0], grad, inputs(1))

@@ -205,10 +205,10 @@ print("OK")
 
 
 def test_a_forked_child_exiting_leaves_the_parents_nvme_tier_alone(tmp_path):
-    """os.fork() copies the optimizer's exit hooks into the child: its interpreter exit used to
-    remove the parent's nvme directory (the swap directory's atexit) and could hang for ever
-    shutting down I/O threads that stayed in the parent (the aio engine's finalizer). The
-    child now exits at once and the parent's files, checkpoints and new groups are intact."""
+    """os.fork() copies the optimizer's exit hooks into the child: the child's interpreter exit
+    must neither remove the parent's nvme directory (the swap directory's atexit) nor wait on
+    I/O threads that stayed in the parent (the aio engine's finalizer). The child exits at once
+    and the parent's files, checkpoints and new groups are intact."""
     import subprocess
     import sys
 

@@ -606,7 +606,7 @@ def test_calibration_takes_at_most_a_tenth_of_the_device_budget_and_what_it_leav
     assert calibrate.device_bytes_allowed(10 * GiB, 11 * GiB) == 0
     full = calibrate.cuda_measure_sizes(None)
     assert full == (calibrate.CUDA_ADAM_NUMEL, calibrate.CUDA_COPY_NUMEL)
-    assert full[0] * 16 == GiB and full[1] * 4 == GiB // 4  # the old fixed sizes: 1 GiB, then 256 MiB
+    assert full[0] * 16 == GiB and full[1] * 4 == GiB // 4  # no budget: 1 GiB, then 256 MiB
     assert calibrate.cuda_measure_sizes(8 * GiB) == full
     adam, copy = calibrate.cuda_measure_sizes(64 << 20)
     assert adam * 16 <= 64 << 20 and copy * 4 <= 64 << 20 and adam == (64 << 20) // 16

@@ -355,8 +355,8 @@ def test_a_node_group_and_an_initialised_default_group_take_precedence(tmp_path,
 def test_the_ranks_on_a_node_are_derived_from_torch_distributed_when_the_launcher_does_not_say(
     tmp_path, case
 ):
-    """Lightning's DDP launcher sets LOCAL_RANK but no LOCAL_WORLD_SIZE (rank 1 used to raise,
-    rank 0 to take the whole node); mp.spawn sets neither. Derived from torch.distributed: 2
+    """Lightning's DDP launcher sets LOCAL_RANK but no LOCAL_WORLD_SIZE (neither rank may raise or
+    take the whole node); mp.spawn sets neither. Derived from torch.distributed: 2
     ranks on this node, each worker on cores of its own rank's share."""
     from dist_launch import DIST_MARKS, launch
 

@@ -761,8 +761,7 @@ def test_inverse_mode_nvme_speculations_survive_a_killed_worker_bitwise(nvme_dir
     """rollback='inverse' steps only resident subgroups in place; an nvme subgroup's step reads
     its committed file slot and writes the other, so the tasks a dead worker left of it are sent
     again, as in exact mode: its speculation commits bitwise. Only the resident subgroup is
-    named torn. Before, the nvme tasks were dropped with their speculations left pending: the
-    error named 'subgroups []', and every later finish() and state() waited out the timeout."""
+    named torn, and no later finish() or state() waits out the timeout."""
     numels = [3000, 9000, 500][: len(nvme)]
     tier = new_tier(numels, nvme, nvme_dir, rollback="inverse", timeout_s=5.0, staging_slots=8)
     try:
@@ -886,10 +885,9 @@ with HybridAdamW([ours], lr=1e-2, subgroup_numel=64, offload_fraction=1.0, nvme_
 @pytest.mark.skipif(resource.getrlimit(resource.RLIMIT_NOFILE)[1] < 4000, reason="hard RLIMIT_NOFILE < 4000")
 def test_thousands_of_nvme_files_train_under_the_usual_soft_limit_of_open_files(nvme_dir):
     """1,500 nvme subgroups (a 6B-param model's state at the default subgroup size) under a soft
-    RLIMIT_NOFILE of 1,024: opening them failed (EMFILE); with the limit raised, the worker's
-    pipes got descriptors above select()'s 1,024 ('filedescriptor out of range'); and a
-    configuration naming ~9,000 files no longer fit on the worker's command line (E2BIG:
-    it now travels in a file the worker inherits). The soft limit is raised as needed."""
+    RLIMIT_NOFILE of 1,024: the files open (the soft limit is raised as needed, no EMFILE), the
+    worker's pipes keep descriptors below select()'s 1,024, and the configuration naming them
+    travels in a file the worker inherits (not on its command line: E2BIG)."""
     out = subprocess.run(
         [sys.executable, "-c", MANY_FILES, nvme_dir, "1500"],
         cwd=REPO,
@@ -1173,8 +1171,8 @@ def test_a_worker_restarted_after_the_nvme_files_were_removed_from_outside_steps
     """A tmp cleaner removes the swap directory after step 1, then the worker dies: mid-step
     (its 7th step task, step 2's second) or killed between steps. The new worker inherits the
     trainer's descriptors of the removed files, as the first one did, so the trajectory is
-    bitwise unchanged and stays O_DIRECT. Before, a restarted worker opened the files by path:
-    every later step failed with FileNotFoundError naming a file nobody could bring back."""
+    bitwise unchanged and stays O_DIRECT (a worker opening the files by path would fail every
+    later step with FileNotFoundError)."""
     if fault != "killed_between_steps":
         monkeypatch.setenv(FAULT_ENV, fault)
     tier = new_tier(FAULT_NUMELS, FAULT_NVME, nvme_dir, amsgrad=True, staging_slots=2)

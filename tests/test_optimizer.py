@@ -1,6 +1,6 @@
 """HybridAdamW / HybridAdam against torch.optim.AdamW / Adam (foreach=False), at every placement.
 
-One table drives the numerics (STYLE.md rule 4, torch/optim's OptimizerInfo style):
+One table drives the numerics (CONTRIBUTING.md, Tests; torch/optim's OptimizerInfo style):
 placements × optimizer class × model dtype × clipping × optimizer inputs, each run for 30 steps
 beside torch (+ `clip_grad_norm_` before torch's step). fp32 models run their own forward and
 backward beside torch's and must stay within fp32 rounding (tests/tolerances.py). A bf16 model

@@ -1,5 +1,5 @@
-"""STYLE.md rule 11 held as a ratchet: tests/ownership.py's AST scan of hybrid_opt/ against the
-checked-in list of today's findings (tests/ownership_allowlist.py).
+"""CONTRIBUTING.md's "State has one owner" held as a ratchet: tests/ownership.py's AST scan of
+hybrid_opt/ against the checked-in list of today's findings (tests/ownership_allowlist.py).
 
 A finding not in the list fails (an attribute written outside its owner, a lazy getattr, a
 mixin's shared attribute: fix it, do not list it); so does a listed entry no longer found (the
@@ -33,8 +33,8 @@ def test_no_finding_outside_the_ratchet(package_scan):
     print(summary(found))
     new = found - ALLOWLIST
     assert not new, (
-        f"{len(new)} ownership finding(s) not in tests/ownership_allowlist.py (STYLE.md "
-        f"rule 11; tests/ownership.py says what each kind means): give the attribute "
+        f"{len(new)} ownership finding(s) not in tests/ownership_allowlist.py (CONTRIBUTING.md, "
+        f"State has one owner; tests/ownership.py says what each kind means): give the attribute "
         f"one owner instead of listing it\n" + _where(sites, new)
     )
 

@@ -1,10 +1,10 @@
 """Speculation: host/nvme subgroups stepped during backward, validated at step().
 
-DESIGN.md's bitwise promise: `speculative=True` and `speculative=False` give identical bits in
+The bitwise promise: `speculative=True` and `speculative=False` give identical bits in
 exact rollback mode, because a speculated step that is committed ran the same kernel on the same
 inputs as the plain step would, and any other is redone from the committed bank (or dropped
 on overflow). Every scenario here runs one training loop twice — once speculative, once not —
-and compares params and every `state_dict()` tensor with `torch.equal` (STYLE.md rule 3).
+and compares params and every `state_dict()` tensor with `torch.equal` (CONTRIBUTING.md, Tolerances).
 
 A test that only compared results could pass with speculation never happening, so each one
 also checks `stats["speculation"]` (the last step's committed / redone / stepped / dropped
@@ -326,7 +326,7 @@ def make_wide(seed=0):
 def test_a_parameter_spanning_many_subgroups_has_them_all_speculated():
     """The weight's 16 subgroups become ready in one hook: more than the default 8 staging
     slots. The tier gets slots for the two largest bursts, so none waits for step() (with 8,
-    the half of the burst that found no slot was stepped at step(), after backward)."""
+    the half of the burst that found no slot would be stepped at step(), after backward)."""
     spec = compare(plain_loop(3), model=make_wide, spare_banks=64)
     assert spec.n_host == 17
     assert_all(spec, committed=17, redone=0, stepped=0, dropped=0)

@@ -24,7 +24,7 @@ import hybrid_opt.shm as shm
 from hybrid_opt import HybridAdamW
 from hybrid_opt.shm import SharedArena
 from hybrid_opt.tiers.host import HostTier
-from hybrid_opt.worker import protocol as P
+from hybrid_opt.worker import protocol as proto
 
 SLOT = 4096
 TIMEOUT_S = 20.0
@@ -74,7 +74,7 @@ def spy_sends(tier):
 
 
 def steps_sent(sent):
-    return [(sg, off) for op, sg, off in sent if op == P.OP_STEP]
+    return [(sg, off) for op, sg, off in sent if op == proto.OP_STEP]
 
 
 def assert_committed_state_still_steps(tier, states, grads) -> None:
@@ -318,7 +318,7 @@ def train(speculative, rollback="exact", steps=4, complete_in_hooks=False):
             sent, send = [], tier.client.send
 
             def checked_send(task, gather=()):
-                if task.op == P.OP_STEP:  # one event per piece, handed over in order
+                if task.op == proto.OP_STEP:  # one event per piece, handed over in order
                     sent.append(task)
                     assert len(sent) <= sum(e.done for e in stager.events), (
                         "a piece went to the worker before its copy landed"

@@ -3,8 +3,8 @@ counted on the CPU with a dispatch mode: nothing. Every tensor it returns is a v
 memory that holds the state (a param spanning subgroups cut on page boundaries too: its pieces
 mapped side by side), an nvme subgroup's included (its committed slot, mapped). On a CUDA
 model a param spanning device subgroups is a copy (test_gpu_checkpoint.py measures it there),
-as is, anywhere, a param over the device and host tiers; an fp32 device subgroup holding several params once made a copy of them all as its
-"master", which an fp32 param's entry has no key for.
+as is, anywhere, a param over the device and host tiers. An fp32 device subgroup holding several
+params makes no copy of them as a "master": an fp32 param's entry has no key for one.
 """
 
 import pytest

@@ -132,9 +132,9 @@ EDITS = {
 @pytest.mark.parametrize("edit", sorted(EDITS))
 def test_params_edited_in_param_groups_are_refused_before_anything_changes(placement, edit):
     """torch steps whatever param_groups holds now; ours lays each param's state out when it
-    joins. An appended param used to raise a bare KeyError after the step counts advanced; a
-    removed one was stepped on. Now step() refuses before anything changes, and with the list
-    put back continues bitwise as the twin that never saw the edit."""
+    joins. A param appended or removed is refused by step() before anything changes (no bare
+    KeyError, no step counts advanced, no removed param stepped), and with the list put back
+    training continues bitwise as the twin that never saw the edit."""
     t = _Trio(placement)
     try:
         t.backward()
@@ -164,9 +164,9 @@ def test_params_edited_in_param_groups_are_refused_before_anything_changes(place
 @pytest.mark.parametrize("placement", ["device", "host"])
 @pytest.mark.parametrize("lr", [float("nan"), -1.0])
 def test_a_bad_lr_set_after_construction_is_refused_on_every_tier(placement, lr):
-    """The device tier's kernel refused a NaN or negative lr set after construction; the host
-    tier's stepped with it (NaN masters, no way back). Both refuse it now, before anything
-    changes, and step() with the lr fixed continues bitwise."""
+    """A NaN or negative lr set after construction is refused on either tier (stepping with it
+    would leave NaN masters, no way back), before anything changes, and step() with the lr
+    fixed continues bitwise."""
     t = _Trio(placement)
     try:
         t.backward()

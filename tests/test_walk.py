@@ -1,9 +1,7 @@
 """Issue #22's walk: one speculated host subgroup, hook to commit, measured by tests/walk.py.
 
-The ceilings are ratchets: today's measured figures (3 x Linear(32, 32): six params in one host
-subgroup; 119 hops and at most 48 visits to one module with the mixins at 77fcd6b, 71 and 8 when
-session 9 ended, 48 and 4 when session 12 ended, 47 and 3 when session 13 ended, 46 and 3 when
-session 14 ended, 42 and 2 now). A change that lengthens the walk fails here; one that shortens
+The ceilings are ratchets at today's measured figures (3 x Linear(32, 32): six params in one host
+subgroup; 42 hops, each module visited at most twice; the git log has the earlier figures). A change that lengthens the walk fails here; one that shortens
 it lowers the ceiling in the same commit. #22's "each module at most twice" is MAX_VISITS = 2.
 `visits` counts every hop into a module (a helper called once per param counts once per param);
 `passes` counts a run of consecutive hops into one module once.

@@ -1,4 +1,4 @@
-"""Numeric tolerances, defined once and reused by every test (STYLE.md rule 3)."""
+"""Numeric tolerances, defined once and reused by every test (CONTRIBUTING.md, Tolerances)."""
 
 import torch
 

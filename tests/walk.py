@@ -12,7 +12,7 @@ functions defined under hybrid_opt/. The walk is the stretch
   commit of the subgroup's new params into the model.
 
 Both markers are found by module and function name, never by the optimizer's private names,
-so the tool measures the code before and after the optimizer is recomposed from its mixins.
+so the tool measures any composition of the optimizer.
 
 A hop is a call into a function defined in another hybrid_opt module than its caller's (the
 caller: the nearest hybrid_opt frame below it). A call that reaches hybrid_opt from code outside

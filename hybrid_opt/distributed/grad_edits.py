@@ -1,35 +1,10 @@
-"""Fingerprints of the DTensor grads a speculated host step read: in-place edits of FSDP2
-grads between backward and step() that no version counter sees.
+"""Fingerprints of the DTensor grads a speculated host step read: in-place edits of FSDP2 grads
+between backward and step() that no version counter sees.
 
-Why: speculation (speculation.py) commits a step only if its grads were not modified since
-they were staged, and names them by (data_ptr, _version). Under FSDP2 the grads are DTensors
-and torch's foreach in-place ops on them — clip_grad_norm_'s multiply, a GradScaler's
-unscale_, any torch._foreach_*_ — bump NEITHER the DTensor's nor its local tensor's version
-(torch 2.13, measured: `_foreach_mul_([dtensor], 0.5)` leaves both at 0; `dtensor.mul_` bumps
-only the DTensor's, which speculation.py now records too). Plain tensors are fine: foreach
-bumps their version, and they keep the free version check alone.
-
-What: for a speculated subgroup with DTensor grads, the sum of squares of the grads it was
-stepped with, recorded at launch, and the same function of the live grads at step(); any
-difference is treated as an edit and the step is redone from the live grads (the ordinary
-redo path: the final StepInputs differ). Bitwise equality is meaningful because both sides
-are one deterministic function of the same bytes:
-  - CPU grads: the worker already computes cpu_kernels' grad_stats of every piece it steps
-    (fixed 16384-element chunks, fixed order: the same bits for any thread count, SIMD level
-    or alignment), from the very bytes it stepped — even where it read them itself, late
-    (remote gather): a piece read after the user's edit then matches and its step used the
-    edited grads, which is right. So launch costs nothing; step() recomputes each piece's
-    sum from the live grads on the trainer (one read of the speculated DTensor grads).
-  - CUDA grads: gpu_kernels.grad_stats (fp64, deterministic two-stage reduction) of the
-    subgroup's grads is queued on the device at launch and again at step(); the comparison
-    runs on the device and its 0/1 flag joins the values step() already reads back in one
-    copy (tiers/device.py read_scalars): no sync of its own.
-Caught: any scaling (clipping, unscaling), zeroing, and any edit that changes a sum of
-squares. Not caught: an edit that keeps every piece's sum of squares bit for bit (a
-permutation, a sign flip): speculative=False, or clipping with max_grad_norm= (fused,
-validated exactly), avoid the question. Only DTensor grads, only when speculation is on
-and there are host subgroups: nothing is computed otherwise.
-"""
+For a speculated subgroup with DTensor grads, a deterministic sum of squares of the grads is
+recorded at launch and recomputed from the live grads at step(); any difference redoes the step
+from the live grads. Invariant: both sides are one deterministic function of the same bytes, so
+bitwise equality means "not edited". Design notes: docs/internals.md."""
 
 from __future__ import annotations
 

@@ -1,25 +1,9 @@
 """Who this process is on its node: its local rank, the ranks sharing the node, its global rank.
 
-Ranks on one node share its cores, free host memory and nvme bandwidth; the worker's cores
-(worker/client.py CoreSplit), the default host budgets (scheduler.py) and the nvme rates the
-cost model plans with divide those by `local_world_size()`, and each rank keeps its nvme
-files in a directory named by `global_rank()` (swap.py). Read, in this order:
-
-- a node-local process group given to `set_node_group(group)` (its rank and size);
-- torchrun's `LOCAL_RANK` / `LOCAL_WORLD_SIZE` environment variables;
-- where the launcher set no `LOCAL_WORLD_SIZE` (Lightning's DDP launcher sets only
-  `LOCAL_RANK`; `mp.spawn` neither) and torch.distributed is initialised with more than one
-  rank: derived from it by `derive_from_dist()`, which the optimizer's constructor calls (a
-  point every rank reaches): each rank's node key — hostname plus the kernel's boot id, so two
-  containers or hosts of one name differ — gathered once per process group with
-  `all_gather_object` (bounded by the group's timeout) and cached; the ranks sharing a key
-  are this node's, the local rank their order by global rank;
-- otherwise one rank on the node (rank 0 of 1).
-
-The global rank is `torch.distributed.get_rank()` when the default group is initialised,
-else the `RANK` variable, else None (not distributed). Nothing here imports torch at module
-level: the floor is the bottom one.
-"""
+Ranks on one node share its cores, host memory and nvme bandwidth, so the worker's cores, the
+default budgets and the nvme rates are divided by `local_world_size()`. Read from a node group given
+to `set_node_group`, else torchrun's variables, else derived once from torch.distributed, else one
+rank. Nothing here imports torch at module level. Design notes: docs/internals.md."""
 
 from __future__ import annotations
 

@@ -1,32 +1,9 @@
-"""One rank's failed step, made every rank's: the "I failed" flag that rides in the step's
-one decision all_reduce, so that a failure on one rank never leaves the others waiting in a
-collective while the failing rank is alive.
+"""One rank's failed step, made every rank's: the "I failed" flag that rides in the step's one
+decision all_reduce, so a failure on one rank never leaves the others waiting in a collective.
 
-Where a rank's host tier can fail, and what every rank sees:
-
-- *before the decision* (a speculative host step during backward failed: a worker error, a
-  swap file that failed its read or checksum, a worker that could not be restarted): the
-  failing rank still joins the decision all_reduce, with its flag set; then every rank raises
-  at the same step — the failing rank its own cause, the others `PeerStepFailed` naming the
-  rank(s) — and no rank has stepped anything (speculated banks dropped, step counts kept).
-- *after the decision* (the host/nvme step in step() itself failed): the other ranks have
-  already stepped. The failing rank raises its cause at once (in process_group mode after
-  joining the params' all-gathers, which the others run now, so the ranks' collectives stay
-  paired; its params then hold the others' new chunks and its own chunk as its tiers left it)
-  and keeps the failure: if it
-  goes on (the user caught the error), its next step() joins the decision all_reduce with the
-  flag set and every rank raises there. If it exits instead, the others' next collective
-  (FSDP2's own all-gather, or ours) fails: gloo reports the closed connection at once, torchrun
-  stops the other ranks of a failed group, and a rank that is alive but never calls step()
-  again is bounded by the process group's timeout (`init_process_group(timeout=...)`).
-
-An error step() itself finds before the decision (a param whose memory was moved or cast, a
-sparse grad) rides the flag too, as a failure before the decision.
-
-The flag needs the decision collective, which runs only where the semantics need it
-(clipping or a GradScaler, world > 1): without either there is no collective of ours per
-step, and the others learn of the failure from their next collective as above.
-"""
+A failure before the decision makes every rank raise at the same step with nothing stepped; one
+after it raises on the failing rank at once and rides the flag into its next step(). Invariant:
+the failing rank still joins the collectives the others run. Design notes: docs/internals.md."""
 
 from __future__ import annotations
 

@@ -1,71 +1,10 @@
-"""process_group mode (ZeRO-2 style) over plain, replicated params: the grads averaged by a
-bucketed reduce-scatter during backward, each rank stepping only its dim-0 chunk of every
-param, and the updated chunks sent back to every rank after the step (zero_gather.py).
+"""process_group mode (ZeRO-2 style) over plain, replicated params: `ZeroSharding` owns the buckets,
+the order of a backward's reductions, and the parts that reduce grads and gather params.
 
-Sharding: each param's state is split the way FSDP2 shards params — rank r keeps rows
-[r·c, (r+1)·c) of dim 0, c = ceil(rows / world) (torch.chunk semantics: the last chunks may
-be smaller or empty) — so state_dict() gives DTensors with Shard(0) over a DeviceMesh made
-from the group, and the same DCP path serves FSDP2 and this mode. A chunk of a contiguous
-param is a contiguous range of its storage: the layout views it directly (distributed.
-local_of); the full param stays the model's own storage on every rank.
-
-Grads: params are cut into buckets (reverse param order: grads complete about last param
-first) of one dtype and about BUCKET_NUMEL elements. A post-accumulate-grad hook marks each
-param; a bucket whose params all have their grads is packed into a slot of the comm window
-(zero_pool.py: a few buckets' worth, reused as buckets complete; each rank's chunks side by
-side, padded to the longest rank's; a copy, so p.grad is never touched) — or, a bucket of one
-param whose dim-0 chunks split evenly, reduced straight from p.grad —
-and reduce-scattered asynchronously (COLLECTIVES: on gloo an all_to_all_single of the
-segments, summed by their owner in rank order), the result landing in the bucket's own chunk
-buffer where the collective allows (zero_reduce.py: on gloo at 2 ranks a slot holds only the
-segment sent, this rank's own being added from its grads) — strictly in bucket
-order: a bucket is issued only once every earlier bucket has been, and the end of backward
-(autograd's final callback; step() if it did not run) issues the ones that never fired (a
-param that got no grad on this rank), in order, so every rank issues the
-same collectives in the same order (gloo/NCCL pair them by order; a param unused on one rank
-only must not reorder them). A param without a grad on this rank counts as zeros in the sum
-and, when some rank had a grad for it, gets the averaged grad here too (a zero grad whose
-reduced chunk is the average: DDP's find_unused_parameters semantics, so every rank steps its
-chunk); one that no rank had a grad for keeps grad None everywhere (not stepped, as torch).
-Each rank's segment carries one has-grad count per param after its chunks, read only for a
-param without a grad here — on CUDA not in backward but in step(), all buckets' in one copy
-(zero_counts.py); completed buckets are polled from the hooks, their sum divided by the world
-size into a buffer of their own, and the optimizer's speculation hook runs for their params —
-speculation starts from the reduced chunk. `p.grad` keeps this rank's local grad (never
-overwritten; with release_grads=True it is dropped instead: zero_release.py): accumulating
-over several backwards without the boundary flag stays correct (each backward issues every
-bucket once, the next reducing the accumulated grads again: redundant traffic, like DDP
-without no_sync; a bucket still in flight is waited for before its buffer is reused), and with
-`set_gradient_accumulation_boundary(False)` the micro-steps reduce nothing and the
-boundary backward reduces the sum once (divided by the world size, as DDP averages).
-A reduction sees p.grad as it was when its hook fired: in-place changes to p.grad after
-backward are not seen (as under DDP): the end of backward waits for the pending reductions
-(bounded), as DDP's does (step() too, if that callback did not run) — on CUDA the stream
-waits, not the host (zero_group.wait_collective). The
-window's slots are made once, on first use (no first touch per step): stats["buffer_bytes"].
-
-Params (zero_gather.py): after a step that was taken, every bucket's chunks are sent to every
-rank, each bucket launched as soon as step() has committed the subgroups holding its chunks
-here (in one fixed order on every rank), the rest at the end of step(); by default step()
-waits for them (a one-param bucket then
-lands in the param itself). With overlap_param_gather they are not waited there, so they
-overlap what follows (zero_grad, the data, the next forward), and a bucket lands — bounded
-wait, then the other ranks' chunks copied from its staging buffer into this rank's params —
-when it is next needed: a global module forward pre-hook (installed
-while any gather is pending) lands the buckets holding the module's own params (recurse=
-False) before its forward; the optimizer's next step(), state_dict(), load_state_dict(), a
-move between tiers (replan, refits) and close() land them all, and so does wait_params() for
-a param read outside any module's forward (an EMA, model.state_dict(), a functional call on
-another module's weight). A param written since its chunks left (model.load_state_dict,
-assign=True) keeps what was written: its gathered chunks are dropped. A skipped step
-(overflow) changes no param: nothing is gathered.
-
-Backends (COLLECTIVES below): NCCL and other backends run the real reduce-scatter and
-all-gather (reduce_scatter_single / all_gather_single, or their older _tensor names); gloo
-(checked on torch 2.13, CPU) runs all_to_all_single + broadcasts, measured cheaper there; a
-backend that lacks reduce_scatter_tensor gets an all_reduce of the bucket instead (each rank
-keeps its chunk: twice the traffic), said once. Every path gives the same bits on 2 ranks.
-"""
+Each rank steps only its dim-0 chunk of every param (FSDP2's sharding, so one DCP path serves
+both); grads are reduce-scattered per bucket during backward and the updated chunks sent back after
+the step. Invariant: every rank issues the same collectives in the same order (buckets strictly in
+order, the missing ones issued at the end of backward). Design notes: docs/internals.md."""
 
 from __future__ import annotations
 

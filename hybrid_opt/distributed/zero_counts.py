@@ -1,24 +1,8 @@
 """process_group mode's has-grad counts (zero.py): which params got a grad on some rank.
 
-Each bucket's reduction carries, per param, the number of ranks that had a grad for it. The
-count matters only for a param that has no grad on this rank: if another rank had one, this
-rank gets the averaged grad too (a zero p.grad whose reduced chunk is the average, DDP's
-find_unused_parameters) and steps its chunk; if none had, it keeps grad None. So a bucket
-whose params all have their grads here reads no count at all.
-
-When one is needed, reading it is a device-to-host copy: on CUDA a host sync, which inside
-backward (a bucket completes in a grad hook) would stall the CPU until the device has caught
-up, once per bucket. On CUDA the counts are therefore read lazily: a completed bucket keeps
-its counts on the device (its latest reduction's, replacing an earlier one's), the params
-that have their grads are delivered at once (their chunk mapped, the speculation hook run),
-and step() reads every bucket's kept counts in one small copy (GradCounts.read, from
-ZeroSharding.finish, before anything reads the grads) and delivers the params that another
-rank had a grad for. So backward never blocks on the device for them; the price, on CUDA
-only, is that such a param's zero p.grad appears in step() rather than at the end of
-backward (a read of p.grad in between sees None: neither a norm nor unscale_ changes). On a
-CPU host (gloo) a count is read as its bucket completes, as before. LAZY forces either way
-(tests run the lazy path on gloo).
-"""
+A param without a grad here gets the averaged grad (and is stepped) when another rank had one,
+and keeps grad None when none had. On CUDA the counts are read lazily, all buckets' in one copy at
+step(), so backward never waits on the device for them. Design notes: docs/internals.md."""
 
 from __future__ import annotations
 

@@ -1,34 +1,10 @@
-"""process_group mode: grads changed in place after backward, seen at step() and refused on
-every rank at the same step.
+"""process_group mode: grads changed in place after backward, seen at step() and refused on every
+rank at the same step.
 
-Under process_group= each bucket is reduce-scattered during backward, from p.grad as it is
-when its hook fires, and the step reads the averaged chunk; p.grad keeps this rank's local
-grad. An edit of p.grad after backward — `clip_grad_norm_` (HF Trainer's default
-`max_grad_norm=1.0`, Lightning's `gradient_clip_val`, `accelerator.clip_grad_norm_`), a
-GradScaler's `unscale_` — therefore cannot reach the step, and clipping cannot be honoured
-with DDP's meaning there: DDP clips by the norm of the averaged grad, which the rank-local
-p.grad does not hold (that would need the full averaged grad on every rank: an all-reduce, not
-ZeRO-2). So such an edit is refused rather than silently ignored.
-
-Seen by each grad's `_version`, recorded when its reduction read it: every in-place op bumps
-it, and `clip_grad_norm_` always multiplies in place, so a coefficient of 1 is seen too. A
-GradScaler's unscale_ does not bump it (`_amp_foreach_non_finite_check_and_unscale_` has no
-ADInplaceOrView kernel, where versions are bumped, on any device: torch 2.13's dispatch table;
-so GradScaler.step's own inf check is no edit either), but GradScaler.step then hands no
-`grad_scale` (the protocol's "already unscaled"): that is the sign. The error joins step()'s
-decision all_reduce as this rank's failure flag (rank_faults.py), so every rank raises at
-the same step and nothing is stepped anywhere.
-
-A model also wrapped in DistributedDataParallel — accelerate's prepare() and HF Trainer wrap one
-in every multi-process launch, with no switch in Trainer — writes DDP's averaged grads into
-p.grad at the end of backward, moving every version. Where each moved grad's chunk then equals
-the average our reduction made, the step is exactly DDP's: DDP's write alone (correct, twice the
-traffic, warned about by GradEdits.check_ddp), or followed by edits that changed nothing — a
-clip whose coefficient is 1, such as HF Trainer's `clip_grad_norm_(params, inf)`, which it runs
-for its logged grad norm even at `max_grad_norm=0`. Those pass. A clip that bites changes the
-values and is refused; so, under DDP, a framework's clipping is refused at the first step
-where it bites rather than at the first step (without DDP, at the first step: the version).
-"""
+Each reduction reads p.grad during backward, so a later edit (a framework's clipping, unscale_)
+cannot reach the step; it is refused rather than ignored, seen by each grad's `_version` (or, for
+unscale_, by the missing `grad_scale`). A DDP wrapper's write that equals our average passes.
+Design notes: docs/internals.md."""
 
 from __future__ import annotations
 

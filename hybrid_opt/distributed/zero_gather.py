@@ -1,27 +1,9 @@
-"""process_group mode's params side (zero.py): the updated dim-0 chunks sent back to every
-rank after a step, landed either at once in the params or, overlapped, when next used; and the
-optimizer's wait_params() lands them all.
+"""process_group mode's params side (zero.py): the updated dim-0 chunks sent back to every rank
+after a step, landed at once in the params or, overlapped, when next used; wait_params() lands all.
 
-Each bucket's chunks go out as one broadcast per rank from the chunk's owner (the gloo path,
-cheaper there than its all-gather: measured in zero.py; at 2 ranks one all_to_all_single
-instead, each rank's chunks to the other: half the collectives, the bench GPT's step 108 ->
-97 ms) or one all-gather (NCCL). When step()
-waits for them at once (the default), a bucket of one param lands in the param's own memory
-(no staging buffer, no copy: no one can write the param in between); otherwise (overlap_param_
-gather=True, or several params in a bucket) in a staging slot of the comm window (zero_pool.py:
-a bounded few, the oldest pending gather landed to free one), copied into each param not
-written since its chunks left.
-
-When: a taken step's buckets are launched as the step commits them, not after the whole step
-(expect_commits / committed): the optimizer names, before its host tier commits, the params
-whose chunks each host subgroup (and the device tier) will write, and a bucket goes out as soon
-as none of its params waits for a commit — so its broadcasts overlap the remaining host steps
-and commits. Launches follow one fixed order on every rank (GATHER order: the buckets in
-param order, the order the host tier commits subgroups in and the next forward needs them),
-and a bucket goes out only once every bucket before it has: ranks that commit in different
-orders (a subgroup redone on one rank only) still issue the same collectives in the same order.
-The end of step() (gather()) launches what is left, in that order.
-"""
+A bucket is launched as soon as the step has committed its params here. Invariant: launches follow
+one fixed order on every rank (a bucket only after every bucket before it), so ranks that commit in
+different orders still issue the same collectives. Design notes: docs/internals.md."""
 
 from __future__ import annotations
 

@@ -1,13 +1,9 @@
-"""process_group mode's collectives record (zero.py): the group our collectives run on, this
-rank of the world, which collectives carry a bucket (the kind, fixed per backend, and the same
-on every rank), and the bounded wait on each. Every part of ZeroSharding issues its
-collectives through one Collectives: the kind one part falls back to (all_reduce, where a
-backend turns out to lack reduce_scatter_tensor) is the one every part then uses.
+"""process_group mode's collectives (zero.py): the group ours run on, this rank of the world, the
+collective kind that carries a bucket, and the bounded wait on each.
 
-The bound is the timeout of the process group the user gave (init_process_group(timeout=) for
-the default group, new_group(timeout=) for another): our own group is made with it, and each
-CPU wait is bounded by it, so a 20 s timeout fails in about 20 s and a 2 h one (a long
-evaluation or checkpoint on one rank) is not cut short."""
+Invariant: every part of ZeroSharding issues collectives through one `Collectives`, so a fallback
+(all_reduce where reduce_scatter is missing) is the same for every part and every rank. Each wait is
+bounded by the timeout of the process group the user gave."""
 
 from __future__ import annotations
 

@@ -1,31 +1,9 @@
-"""process_group mode's collective buffers (zero.py): a bounded window of slots that the
-reductions (what they send) and the gathers (staging) borrow, each slot given back as its
-bucket completes — reduced and averaged, or landed — so the comm memory covers the buckets in
-flight, not the whole model.
+"""process_group mode's collective buffers (zero.py): a bounded window of slots that the reductions
+and the gathers borrow, each given back as its bucket completes.
 
-Before (#21) every bucket kept its own for the optimizer's life: the packed grads, the
-reduction's output and the gather staging, about one fp32 model each (292 MiB per rank of the
-23.1M-param bench GPT at 2 gloo ranks, with this rank's averaged chunks); then a window of
-slots each a bucket's reduction input + output (92.2 MiB). Now a reduction's output lands in
-the bucket's own chunk buffer and, on gloo at 2 ranks, a slot holds only the segment sent
-(zero_reduce.py), so a slot holds the largest need of any bucket of its (dtype, device): that,
-or a gather's staging where it is always staged (a bucket of several params: zero_gather.py)
-— and a bucket of one param (most of a model's elements, at BUCKET_NUMEL = 512Ki) needs none.
-There are WINDOW slots per (dtype, device), or as many as fit in WINDOW_FLOOR_BYTES where
-buckets are small, never more than there are buckets; all made at the key's first use (zeroed
-once: no first touch per step). A need larger than a slot (overlap_param_gather's staging of a
-one-param bucket; zeros for a one-param bucket without a grad here) gets a tensor of its own
-while borrowed, within the same bound (SlotPool). A bucket that finds no slot free completes
-the oldest holder first: the oldest pending reduction is waited and averaged, the oldest
-pending gather landed — bounded waits on collectives this rank has issued already, which every
-rank issues in the same order (zero.py), so no rank waits on one that another has not issued.
-The bench GPT at 2 gloo ranks: 39 buckets (27 of one param), 3 slots of 1.0 MiB, comm 47.1 MiB
-per rank (44.1 of them its chunks).
-
-What stays per bucket: its `buf` — the averaged chunks (`out`: this rank's grads for the step,
-1/world of the model, read by the step as the grads) and one has-grad count per param — and a
-direct bucket's has-grad counts (2·world).
-"""
+The comm memory covers the buckets in flight, not the whole model. A bucket that finds no slot free
+completes the oldest holder first: a bounded wait on a collective every rank has already issued in
+the same order. Design notes: docs/internals.md."""
 
 from __future__ import annotations
 

@@ -1,31 +1,8 @@
-"""process_group mode's gradient reductions (zero.py): one bucket's collective, where its input
-and output live, and its sum divided by the world size into the bucket's chunk storage.
+"""process_group mode's gradient reductions (zero.py): one bucket's collective, where its input and
+output live, and its sum divided by the world size into the bucket's chunk storage.
 
-Each bucket keeps one buffer of its own, `buf`: this rank's averaged chunks (`out`, its first
-`width` elements: the grads the step reads) followed by one has-grad count per param. The
-reduction's output lands in it wherever the collective allows, so a comm slot (zero_pool.py)
-holds only what is sent:
-
-- all_to_all (gloo): each rank sends every other rank that rank's segment and nothing to
-  itself (split size 0): its own segment never leaves, so it is never packed either — it is
-  added from the grads themselves when the reduction completes. At 2 ranks the one segment
-  received lands in `buf` itself; from 3 on the received segments go to the slot after the
-  sent ones and are summed from there. A slot then holds (world - 1) segments (half the
-  bucket at 2 ranks), and a bucket of one param whose chunks split evenly sends straight from
-  p.grad (the other ranks' rows are one range on the first and last rank): no slot at all.
-- reduce_scatter (NCCL): every rank's segment in, this rank's segment out, into `buf`.
-- all_reduce: in place over every rank's segment in a slot; this rank's segment is then
-  divided into `out` and its counts copied after it.
-
-The sum is in rank order, as before: at 2 ranks `received + own` is `s0 + s1` bitwise (IEEE
-addition commutes), from 3 ranks the terms are taken in rank order; a param without a grad
-here adds zeros (not nothing: -0 + 0 is +0, as when its zeros were packed). So every path gives
-the same bits as packing every segment did (tests/test_golden.py, test_distributed*.py).
-
-Hazard kept from before: the own term is read from the grads the bucket's hooks saw, at
-completion rather than at launch — the same tensors, unchanged in between, since the end of
-backward (and finish()) waits for every pending reduction before anything can edit p.grad.
-"""
+Invariant: every collective path (all_to_all on gloo, reduce_scatter, all_reduce) sums the ranks'
+segments in rank order, so all give the same bits. Design notes: docs/internals.md."""
 
 from __future__ import annotations
 

@@ -1,48 +1,9 @@
-"""process_group mode's `release_grads=True` (zero.py): ZeRO-2's gradient partitioning. Once a
-bucket is reduced and a param's averaged chunk taken, the param's full p.grad is dropped; only
-this rank's chunk (its bucket's `out`, 1/world of the grad) is kept for the step. The default
-(False) keeps every full p.grad, as frameworks and users read it.
+"""process_group mode's `release_grads=True` (zero.py): ZeRO-2's gradient partitioning. Once a bucket
+is reduced, each param's full p.grad is dropped and only this rank's chunk is kept for the step.
 
-How the step still finds the grads: p.grad becomes a placeholder — p's shape over one element
-(an expanded 0-dim zero, 1 element of memory), which distributed.local_of maps to the chunk as
-it maps any reduced grad — and at the end of backward the placeholder is hidden: **p.grad
-reads None after backward**, and after step(). step() puts the placeholders back while it
-runs (finish(); the host tier's speculation during backward already read them), so every
-part of the step sees the same grads, versions and chunks as with release_grads=False: the
-same bits (tests/test_distributed_release.py). An in-place edit of a full grad after its
-reduction read it (a grad hook registered after the optimizer's) is carried over to its
-placeholder when it is released (GradReads.released), so it is refused as with False; a
-param's own bucket is not delivered from its own hook (zero.py _on_grad), so the hooks after
-ours still edit the full grad.
-
-What that changes for users:
-- nothing is left to clip after backward: `clip_grad_norm_` sees no grads (returns 0, changes
-  nothing). Clip with `HybridAdamW(max_grad_norm=...)`, the norm of the averaged grads.
-- a GradScaler's inf check (GradScaler.step) sees no grads either: step() checks this rank's
-  chunks instead (a non-finite element there is one in some rank's local grad) and adds it to
-  the scaler's found_inf, which the step's decision makes global. The scaler must be attached
-  (opt.attach_grad_scaler(scaler)): its per-device found_inf is then given the decision, so
-  scaler.update() backs off as usual; unattached, the step refuses (GradScaler.update would
-  otherwise fail with "No inf checks were recorded").
-- a grad given to a released param after backward (p.grad = t, a DDP wrapper writing its
-  averages) cannot be reduced any more — the bucket's other grads are gone — so it is refused
-  as an edit (GradsEditedError on every rank, nothing stepped). A DDP wrapper does that every
-  step: drop it.
-- a second reducing backward before step() (unannotated accumulation) would reduce only its
-  own grads, the earlier ones being gone: refused in its first grad hook (RuntimeError, the same
-  on every rank). Accumulate with set_gradient_accumulation_boundary(False) on the micro-batches
-  before the last (they reduce nothing and keep their full grads; the boundary backward
-  reduces the sum once and releases it). zero_grad() between backward and step() is not seen
-  (p.grad is None already): call step() after each reducing backward.
-- zero_grad(set_to_none=False) keeps the released grads as zeros though p.grad reads None:
-  the optimizer's zero_grad tells this part (zero_grad), and its next reductions count each
-  kept param as a grad of zeros here (counted: zeros in the sum, a has-grad count of 1), so a
-  param no rank uses at a step is granted a zero grad and stepped, as torch steps it from its
-  kept zero grad — bitwise release_grads=False. The kept set (the last step's released params,
-  the same on every rank: they follow the global counts) changes only what is sent, never
-  which collectives run, and zero_grad() (set_to_none=True) drops it. model.zero_grad() is not
-  seen: with set_to_none=False it keeps nothing here, and it does not drop the kept zeros.
-"""
+p.grad reads None after backward; step() puts placeholders back while it runs, so the step sees
+the same grads, versions and chunks as with release_grads=False: the same bits. What that changes
+for users (clipping, GradScaler, accumulation): docs/internals.md."""
 
 from __future__ import annotations
 

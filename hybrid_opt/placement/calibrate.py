@@ -1,28 +1,10 @@
 """Calibration: the rates the cost model needs, measured on the running machine and cached.
 
-`rates()` measures, once per machine, what `offload_fraction="auto"` plans from:
-
-- host Adam: a real host tier (worker process, shared memory, staging) stepping two
-  subgroups; the rate is elements over the worker's busy time, G elements/s (the trainer's
-  copies into and out of shared memory are the D2H/H2D figures below);
-- device Adam: on a GPU the Triton fused kernel, on a CPU-only host the CPU kernel in place
-  on all cores and on the cores a worker would leave the trainer, GB/s at 28 B/element; on a
-  GPU its buffers (at most 1 GiB, then 256 MiB for the copies) stay within what the caller
-  allows: at most 10 % of the device budget and what the budget leaves beside the model;
-- D2H / H2D: pinned copies on a GPU; on a CPU-only host the trainer's copies into and out
-  of the worker's shared memory (single-threaded memcpy-like copies);
-- CPU-only hosts: how much slower a small fwd+bwd gets on the trainer's cores alone
-  (`trainer_slowdown_with_worker`) and while the worker's Adam streams on the other cores
-  (`backward_slowdown_with_host_adam`, the shared-memory-bandwidth contention);
-- nvme: O_DIRECT write and read of a scratch file in `nvme_path` (per filesystem).
-
-Each figure is the best of a few repetitions (the least disturbed); the whole calibration takes a second or
-two. Results are cached in `$HYBRID_OPT_CACHE_DIR` (default `~/.cache/hybrid_opt`),
-`calibration.json`, keyed by what makes the figures stale: host name, CPU model, the CPUs
-this process may use, SIMD level, torch version, GPU name; nvme figures by the device the
-path lives on. A cache that cannot be read or written is re-measured (with a warning), never
-an error. The optimizer then refits the rates from its own measured steps.
-"""
+`rates()` measures host and device Adam, the D2H / H2D copies, the CPU-only slowdowns and nvme
+I/O, each the best of a few repetitions, and caches them under `$HYBRID_OPT_CACHE_DIR`, keyed by
+what makes them stale (host, CPU, SIMD level, torch, GPU; nvme by device). Invariant: a cache that
+cannot be read or written is re-measured with a warning, never an error. Design notes:
+docs/internals.md."""
 
 from __future__ import annotations
 
@@ -49,7 +31,7 @@ REPS = 5
 # fp32 (256 MiB; the device buffer of the copies is allocated after the Adam tensors are
 # freed) — at most these, and within the device memory the caller allows
 CUDA_ADAM_NUMEL = 16 * MEASURE_NUMEL
-CUDA_COPY_NUMEL = COPY_BYTES
+CUDA_COPY_NUMEL = 64 << 20  # fp32 elements: 256 MiB
 CALIBRATION_BUDGET_SHARE = 0.1
 
 

@@ -1,80 +1,9 @@
 """Cost model: predicted step time and memory per tier of a placement, and the best placement.
 
-Deterministic and closed-form, so it answers for machines we do not have (`hybrid-opt
-plan`). Rates are inputs; nothing here measures. All figures are per GPU (per trainer
-process where there is no GPU), and the host-side rates and capacities in `Machine` are
-per-node figures shared evenly by the node's GPUs (`gpus_per_node`; by default every GPU is
-on one node). What each GPU holds depends on `Workload.sharding`:
-
-- None (the default, the model before `sharding` existed): optimizer state, grads and model
-  copy partitioned over the GPUs (fsdp's memory), and no collectives counted;
-- "fsdp" (FSDP2 / ZeRO-3): the same memory, plus the collectives: params all-gathered
-  before forward and again in backward (FSDP2's reshard_after_forward=True), grads
-  reduce-scattered in backward;
-- "zero" (ZeRO-2, HybridAdamW(process_group=)): optimizer state partitioned, but every GPU
-  holds the whole model copy and whole grads; grads reduce-scattered in backward, updated
-  params all-gathered after the step;
-- "none" (replicated, DDP): every GPU holds all state, the whole model copy and grads, and
-  steps every element (N x host memory and host Adam work per node); grads all-reduced in
-  backward. DDP's hooks fire before its all-reduce, so a speculated host step is redone
-  (measured, DESIGN "Facts"): nothing hides under backward.
-
-Collectives (bandwidth only, no latency; ring algorithms, NCCL's "bus bandwidth" model): a
-reduce-scatter or all-gather of B bytes over N GPUs takes `B (N-1)/N / link`, an all-reduce
-twice that; link = NVLink per GPU within a node, across nodes the node's IB rate per GPU
-(`min(nvlink, ib / gpus_per_node)`). They run beside compute: those of forward and of
-backward lengthen them only by what exceeds them; a longer backward collective also spreads
-the grads' readiness, which is the window host work hides in; zero's all-gather of updated
-params follows the step and is exposed whole.
-
-Time of one iteration = forward + backward + step, where the step is what is left after
-backward ends:
-
-- device tier, after backward: `Ed * (read + written) / device_adam_gbps`, the bytes
-  `StateFormat.adam_bytes` counts (fp32 master and m, v read and written, bf16 grad read,
-  bf16 copy written: 28 B/element; bf16 moments + remainders: 18);
-- host tiers, per offloaded element: `w = max(adam bytes / (host rate x 28 B), nvme I/O per
-  element) + (grad bytes [+ 2 for an nvme element's high half]) / d2h`: the CPU Adam rate is
-  memory-bound and quoted for fp32 state (HOST_ADAM_REFERENCE_BYTES), so a format that moves
-  fewer bytes steps proportionally faster; nvme I/O is the file's bytes read and written, and
-  with remainders the nvme tier reads the param's bf16 high half from the model (a D2H copy
-  on CUDA, a memcpy into shared memory on a CPU host) instead of storing it. The nvme read and
-  write of a subgroup pipeline with the CPU step of its neighbours (max, not sum); the grads'
-  copy in is counted in series with the step.
-  Host work that can run during backward: `H = Eo * w`. The new params' copy back
-  (`Eo * model bytes / h2d`) waits for step()'s validation: it is always exposed;
-- hiding under backward: grads become ready uniformly over backward (`T_b`), in reverse
-  parameter order, and host tiers take the earliest-ready share `f` of the elements. That
-  share arrives over `[0, f*T_b]`; a queue fed at that rate and served at `1/w` per element
-  finishes at `max(f*T_b + s*w, s*T_b/E + H)` (s = one subgroup: the last one cannot start
-  before its grads are ready, the first one not before it is whole). Host time exposed after
-  backward = `max(0, finish - T_b)`: the whole of backward is the window when the host is
-  the bottleneck, because it is busy from the first subgroup on;
-  Without speculation (`Workload.speculative=False`) nothing hides: host steps start in
-  step(), after backward;
-- step() = exposed host time + the params' copy back + device step + a fixed per-step
-  overhead (measured by the optimizer), in series: HybridAdamW finishes the host tiers
-  before it steps the device tier, so a host failure leaves the device tier unstepped;
-- contention (CPU-only hosts, DESIGN "Facts"): backward itself runs on the same memory
-  system, and is `backward_slowdown_with_host_adam` times slower while host Adam runs, so
-  each second of host work hidden under backward lengthens backward by `(1 - 1/c)` s.
-  Where the worker shares the trainer's cores (`shared_cores`, a CPU-only host's default
-  arrangement: see `arrangement`), host work hidden under backward runs on the cores the
-  backward runs on, and lengthens it by all of its time: nothing hides.
-- CPU-only hosts (`gpus=0`): the "device" tier is the trainer's own cores, stepping in
-  process after backward; host tiers are a worker process on cores taken from the trainer.
-  So any offload makes forward+backward `trainer_slowdown_with_worker` times longer and the
-  in-process step run at `device_adam_gbps_with_worker`; D2H/H2D are the trainer's copies
-  into and out of the worker's shared memory.
-
-Memory per GPU: device = state of the device share + model copy + grads (activations are
-not counted: budgets keep `headroom`); host = banks of the host share + spare banks +
-staging slots (+ nvme I/O banks); nvme = two slots x the file's state of the nvme share.
-Bytes per element come from the workload's `StateFormat` (hybrid_opt/state/state_format.py):
-device state = master (none for an fp32 param: its own; 2 for a remainder) + moments; a
-host bank = that + the model-dtype copy (the high half, with remainders); an nvme file =
-master or remainder + moments (12 -> 6 B with bf16 moments and remainders).
-"""
+Deterministic and closed-form, so it answers for machines we do not have (`hybrid-opt plan`).
+Rates are inputs; nothing here measures. All figures are per GPU (per trainer process without a
+GPU); host-side rates in `Machine` are per node, shared evenly by its GPUs. The formulas (sharding
+modes, collectives, hiding under backward, contention, bytes per element): docs/internals.md."""
 
 from __future__ import annotations
 

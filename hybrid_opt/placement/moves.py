@@ -1,24 +1,10 @@
-"""Moves: laying the tiers out again at another plan (a refit of "auto", replan(),
-add_param_group after construction, a checkpoint that needs amsgrad's running max) without
-ever leaving the optimizer half-built.
+"""Moves: laying the tiers out again at another plan (a refit of "auto", replan(), add_param_group
+after construction, a checkpoint that needs amsgrad's running max).
 
-Order of a move, so that a failure at any point leaves the old tiers and their state as they
-were (the error is raised after that):
-1. room: the device must fit the subgroups arriving there (in what is free on it, torch's
-   cached blocks included, plus what the subgroups leaving it free), and host memory the
-   state leaving the device (copied out to host memory, never cloned on the device) plus the
-   new host tier beside the old one; else MemoryError before anything is touched;
-2. the new host tier is built beside the old one and filled from it and from the copies: a
-   worker or an arena that cannot start closes the new tier, the old one was never touched;
-3. the device tier keeps the subgroups staying on it (their tensors are not copied) and
-   allocates only the arriving ones; it lets the leaving ones go first only when the arriving
-   would not fit beside them. A failure here (device out of memory) frees what was allocated,
-   puts the leaving subgroups back from their copies (torch's allocator still caches the
-   blocks they just freed) and closes the new host tier;
-4. the switch: plan, host tier, hooks — nothing that allocates; then the old host tier closes.
-
-Functions of the Placement part (placement.py), which does step 4 itself.
-"""
+Invariant: a failure at any point leaves the old tiers and their state as they were. Room is
+checked first, the new host tier is built beside the old one, the device tier allocates only the
+arriving subgroups, and the switch allocates nothing. Functions of the Placement part, which does
+the switch itself. The order step by step: docs/internals.md."""
 
 from __future__ import annotations
 

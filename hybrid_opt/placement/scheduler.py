@@ -1,18 +1,10 @@
-"""`offload_fraction="auto"` / `nvme_fraction="auto"`: the placement the cost model predicts
-fastest within the memory budgets, from calibrated rates (hybrid_opt/placement/calibrate.py) and, once
-steps have run, from their measured times; refitted every `refit_every` steps.
+"""`offload_fraction="auto"` / `nvme_fraction="auto"`: the placement the cost model predicts fastest
+within the memory budgets, from calibrated rates and then measured steps; refitted every
+`refit_every` steps.
 
-Candidates are the optimizer's own subgroup boundaries in ready order (host tiers take the
-earliest-ready subgroups, nvme the earliest of those), so a predicted plan is exactly a plan
-the optimizer can lay out. A refit moves subgroups between tiers only when the predicted
-gain over the next `refit_every` steps outweighs the measured (or estimated) cost of the
-move, and the gain is above `min_gain` of the step: noise never makes the plan flap.
-
-Bytes per element on each tier, and the bytes a step moves, are the optimizer's `StateFormat`
-(bf16 moments, remainders: hybrid_opt/state/state_format.py) as the cost model counts them; a
-measured host Adam rate is stored at the cost model's reference bytes (fp32 state, 28 B per
-element), so the rate of one format predicts another's.
-"""
+Candidates are the optimizer's own subgroup boundaries in ready order, so a predicted plan is one
+the optimizer can lay out. A refit moves state only when the predicted gain beats the move's cost
+and `min_gain` of the step: noise never makes the plan flap. Design notes: docs/internals.md."""
 
 from __future__ import annotations
 

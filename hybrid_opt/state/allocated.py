@@ -1,19 +1,9 @@
-"""`opt.allocated_bytes`: the bytes the optimizer holds now, per kind, read from what the OS
-and the allocator report, never from element counts.
+"""`opt.allocated_bytes`: the bytes the optimizer holds now, per kind (host, nvme, comm, device),
+read from what the OS and the allocator report, never from element counts.
 
-- host: the shared arena's size as `os.fstat` on its descriptor reports it (committed, spare
-  and io banks, staging slots: everything the worker maps);
-- nvme: the swap files' apparent sizes (`os.stat`), both slots;
-- comm: process_group's collective buffers (each bucket's averaged chunk and has-grad counts,
-  and the comm window's slots: what a reduction sends, gather staging; zero_pool.py), by
-  their storages' sizes;
-- device: the device tier's own state tensors (moments, fp32 masters beside low-precision
-  params, remainders; an fp32 param is its own master), by their storages' sizes.
-
-The model's params and grads are not counted: they are the model's. Issue #21 measured that
-`opt.stats`' element counts hid a host tier allocating about twice its state (every bank at
-the largest subgroup's capacity); these figures show it.
-"""
+Host is the arena's `os.fstat` size, nvme the swap files' sizes, comm and device the storages'
+sizes. The model's params and grads are not counted: they are the model's. Design notes:
+docs/internals.md."""
 
 from __future__ import annotations
 

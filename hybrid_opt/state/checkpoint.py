@@ -1,23 +1,11 @@
 """Checkpoints: state_dict() gathers every tier's state into torch.optim.AdamW's format, and
 load_state_dict() scatters such a state dict back into the tiers.
 
-Functions of (layout, placement, param groups) the optimizer's state_dict() and
-load_state_dict() call. The fp32 master of a bf16/fp16 param travels under the
-extra key `master_param`, which torch ignores.
-
-A q8 moment (issue 38) travels as it is stored, never expanded: `exp_avg` as `exp_avg_q8`
-(uint8 codes shaped like the param) and `exp_avg_absmax` (fp32, one per block of 256 along the
-param's flat index: ceil(numel / 256)), and alike `exp_avg_sq_q8` / `exp_avg_sq_absmax` and
-`max_exp_avg_sq_q8` / `max_exp_avg_sq_absmax` (the unsigned map). A param under Q8_MIN_NUMEL
-elements keeps fp32 moments under torch's keys. A load quantizes a float moment (a torch AdamW
-checkpoint) into a q8 tier, and dequantizes a q8 one into a float tier.
-
-A bitsandbytes `AdamW8bit` / `Adam8bit` checkpoint (blockwise) loads too (from_bitsandbytes): its
-`state1` / `state2` codes and `absmax1` / `absmax2` are our q8 format (the same maps, blocks of
-256), so they become `exp_avg_q8` / `exp_avg_absmax` and `exp_avg_sq_q8` / `exp_avg_sq_absmax` as
-data. `fp32_entries` goes the other way: each param's entry with its moments in fp32, for
-`save_state_dict(f, fp32=True)` (a checkpoint torch.optim.AdamW loads).
-"""
+Functions of (layout, placement, param groups). A bf16/fp16 param's fp32 master travels under
+`master_param`, which torch ignores; a q8 moment travels as stored (codes and absmaxes), never
+expanded; a bitsandbytes 8-bit Adam checkpoint loads as q8 (`from_bitsandbytes`), and
+`fp32_entries` gives the fp32 form for `save_state_dict(f, fp32=True)`. Design notes:
+docs/internals.md."""
 
 from __future__ import annotations
 

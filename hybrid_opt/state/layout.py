@@ -1,36 +1,10 @@
-"""Subgroup layout: each param group's parameters of one (device, dtype), cut into subgroups
-over their concatenation — packed, and never copied.
+"""Subgroup layout: each param group's parameters of one (device, dtype), cut into subgroups over
+their concatenation — packed, and never copied.
 
-A subgroup is consecutive elements of that concatenation — at most `subgroup_numel`, the
-bucket cut into equal parts — held as a list of parameter slices (param, offset, numel), not
-one contiguous view. A parameter larger than a
-subgroup spans several; many small parameters share one. Subgroups never span param groups
-(hyperparameters are per group) nor (device, dtype) buckets, so each bucket ends in at most
-one short subgroup: a rank has at most one per (group, device, dtype), and the tiers' banks
-and swap files are full of elements, not of padding.
-
-Every parameter keeps its own memory: the tiers read and write each slice in place through a
-1-D view of it (`ParamSlice.view`), so no parameter shares a storage with another (a
-checkpointer's tied-weight detection sees none) and construction copies nothing. The only
-param rebound is a non-contiguous one (a channels_last weight): it gets contiguous memory of
-its own, since a slice must be one 1-D range. A sharded param's slices are of its local part:
-a DTensor's local shard (FSDP2, which all-gathers from that very memory: distributed.py), or a
-process_group param's dim-0 chunk — sharded and plain params of one bucket pack together.
-
-Copies between a subgroup's contiguous buffers (banks, masters) and its slices go through
-`Subgroup.read` / `write`: one batched `torch._foreach_copy_` call for all the slices, not one
-call (and on CUDA one sync) per slice.
-
-With q8 moments (state_format.py, `quantize=True`) the buckets are (device, dtype, quantized):
-params of at least Q8_MIN_NUMEL elements are quantized, smaller ones keep fp32 moments, and no
-subgroup mixes the two, so every subgroup has one format. A quantized subgroup's blocks of 256
-along its own index are its params' blocks along theirs: its size is a multiple of 256 (of
-4096 where subgroups are cut on pages: a page of 1-byte codes), and a
-param whose element count is not ends the subgroup it ends in (its partial last block is the
-subgroup's last). So every slice of it starts on a block of its param and of the subgroup, a
-cut never splits a block, and one q8 kernel call over a subgroup (or over any of its slices)
-gives each param's blocks bitwise.
-"""
+A subgroup is at most `subgroup_numel` consecutive elements, held as a list of param slices
+(param, offset, numel); it never spans param groups or (device, dtype) buckets. Invariant: every
+param keeps its own memory, read and written in place through its slices (`Subgroup.read` /
+`write`); with q8 moments a cut never splits a block of 256. Design notes: docs/internals.md."""
 
 from __future__ import annotations
 

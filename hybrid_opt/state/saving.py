@@ -1,22 +1,9 @@
-"""`save_state_dict(f)`: what `torch.save(opt.state_dict(), f)` writes, one param's state in
-memory at a time.
+"""`save_state_dict(f)`: what `torch.save(opt.state_dict(), f)` writes, one param's state in memory
+at a time.
 
-state_dict() gives every stepped param CPU tensors of its own for what the host and nvme tiers
-hold: the whole optimizer state once more in RAM, read back from disk for the nvme tier, just
-to be written out. Here each param's entry is made (checkpoint.iter_state), written into the
-file and dropped before the next is made, so a checkpoint of a state larger than RAM can be
-taken (not of DTensor state, FSDP2's or process_group's: torch pickles a DTensor whole, at the
-end, and it is held until then; nor with a state_dict post hook, handed the whole dict). The
-file is torch's zip format, read by `torch.load` (`weights_only=True`, `mmap=True`
-included) into the dict state_dict() returns; `load_state_dict(torch.load(f, mmap=True))` then
-copies each tensor from the file's mapping into the tiers. A path is written whole or not at
-all (save).
-
-torch.save writes the pickle first and then the tensors' bytes; here the bytes come first, each
-as its param's entry is made, and the pickle last, with each written tensor pickled as torch
-pickles one (`torch._utils._rebuild_tensor_v2` over a storage named by its record). The
-records' order is not part of the format: the reader finds each by name.
-"""
+Each param's entry is made, written into the file and dropped before the next, so a checkpoint of
+a state larger than RAM can be taken; the file is torch's zip format, read by `torch.load`. A path
+is written whole or not at all. Design notes: docs/internals.md."""
 
 from __future__ import annotations
 

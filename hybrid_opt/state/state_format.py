@@ -1,24 +1,9 @@
-"""How the optimizer state is stored: the moments' dtypes and the fp32 master's encoding.
+"""How the optimizer state is stored: the moments' dtypes (fp32, bf16, `"q8"`) and the fp32 master's
+encoding (`store_param_remainders`).
 
-Megatron-Core's and Transformer Engine's names: `exp_avg_dtype` / `exp_avg_sq_dtype`
-(torch.float32 or torch.bfloat16, each on its own; amsgrad's running max of v takes
-exp_avg_sq's) and `store_param_remainders`: a bf16 param's fp32 master kept as the bf16 param
-(its high half, rounded to nearest, ties away from zero) plus the master's low 16 bits
-(int16) — lossless, 2 bytes per element instead of 4 (cpu_kernels.encode_remainder). fp32
-params in the same model (norms) keep their fp32 master; fp16 params have no remainder
-encoding and keep theirs too.
-
-A bf16 moment is rounded to nearest even when stored; the fp32 value before rounding feeds
-the update (every kernel, every tier). One StateFormat serves every tier; the byte counts
-here are what the scheduler, the cost model and `hybrid-opt plan` count.
-
-`"q8"` (issue 38) stores a moment as 8-bit codes of bitsandbytes' dynamic map (signed for
-exp_avg, unsigned for exp_avg_sq and amsgrad's max), blocks of 256 elements along each param's
-flat index with one fp32 absmax per block (cpu_kernels/q8_reference.py): 1 + 4/256 bytes per
-element. The param update uses the fresh fp32 moments before they are quantized (as torchao
-does). Params under Q8_MIN_NUMEL elements keep fp32 moments (`unquantized()`): the layout puts
-them in subgroups of their own, so every subgroup has one format (layout.py).
-"""
+One StateFormat serves every tier; its byte counts are what the scheduler, the cost model and
+`hybrid-opt plan` count. Invariant: the update always uses the fp32 moments before they are
+rounded or quantized for storage. Design notes: docs/internals.md."""
 
 from __future__ import annotations
 

@@ -1,44 +1,10 @@
-"""Parameter storage: each param keeps its own memory, which the tiers read and write in
-place through its subgroups' slices (layout.py), and step() checks that it is still there.
+"""Parameter storage: each param keeps its own memory, which the tiers read and write in place
+through its subgroups' slices (layout.py), and step() checks that it is still there.
 
-A param whose memory is replaced after construction — `p.data = t`, or a module's
-`load_state_dict(sd, assign=True)` with torch.__future__.set_swap_module_params_on_conversion
-(True), or FSDP2 re-padding a DTensor's local shard — would otherwise silently stop
-training: the tiers would step memory the param no longer has. torch.optim keeps training
-such a param with its moments, so we do too: when the new memory has the param's dtype,
-device and shape, its slices are pointed at the new memory (the param is never rebound), and
-the fp32 master of each element given a new value restarts from it (moments and step count
-kept, as torch keeps them); an element that holds what it held keeps its master — new
-memory with the same values (a swap_tensors reload of the same weights) is no user write. A
-param moved or cast (`model.cuda()`, `.half()` after building the optimizer) cannot be
-re-adopted — the tiers were laid out for its old dtype and device — and step() raises saying
-which param changed and what to do.
-
-The check compares each param's data_ptr with the one recorded at layout: no allocation
-and one int comparison per param per step. A DTensor param (FSDP2) is checked by its local
-shard.
-
-A param whose VALUES were written outside step() — `model.load_state_dict(sd)`, an EMA
-swap, `with torch.no_grad(): p.copy_(...)` — is detected by its version counter: the tiers
-write a plain param through a view of `p.data` (a counter of its own), so every in-place
-write through the param (or its `.detach()`) bumps the param's counter and step()'s own
-writes do not; a DTensor param (FSDP2) counts its DTensor's version too, which writes
-through the DTensor bump instead of its local shard's (_version). The versions are recorded
-at layout and after every write step(), load_state_dict() and a move make; step() (and
-state_dict(), load_state_dict()) compare them first — ints only, nothing allocated, no param
-read. A param whose version moved is compared with what the last step left (its fp32 master
-rounded to the param's dtype, to nearest even as the kernels write it, or ties away from
-zero as the remainder encoding does): elements written with new values restart their master
-from them (moments and step kept, as above); elements written with the values they had keep
-their master. With `store_param_remainders` the param IS the master's high half and no other
-copy of it is kept (that is the point of remainders), so a written bf16 param restarts its
-whole master from its values (remainder 0: the master loses at most half a bf16 ulp where a
-value was rewritten unchanged). fp32 params on the device tier are their own master: nothing
-to do. Writes through `p.data` bypass version counters (as they bypass autograd's checks) and
-are not seen: write through the param under torch.no_grad().
-
-The optimizer's ParamGuard part.
-"""
+The optimizer's ParamGuard part. Memory replaced after construction (`p.data = t`) is re-adopted;
+values written outside step() are seen by the version counter and restart those elements' masters;
+a param moved or cast raises, naming it. The checks compare ints only, nothing allocated. Design
+notes: docs/internals.md."""
 
 from __future__ import annotations
 

@@ -1,16 +1,9 @@
 """What torch.optim's state dict holds besides the params' state the tiers keep: `state` entries
 under keys that name no param, and the check that `param_groups` still lists the params laid out.
 
-torch's `Optimizer.state_dict()` packs every entry of `opt.state`, a key that is not a param kept
-as it is (a hook's or the user's bookkeeping), and its `load_state_dict()` keeps the checkpoint's
-entries under keys that name none of its params, replacing `opt.state` whole. The tiers hold the
-params' state only: checkpoint.py gathers and scatters that, and these entries go beside it.
-
-A state dict is of the params laid out when they joined (layout.py), in their order; after
-`param_groups` was edited in place (`param_groups.extend(param_groups)`, torch's test for
-pytorch#36831, lists every param twice) it cannot be made or loaded, as step() cannot step:
-refused, saying what to do, before anything changes.
-"""
+These entries go beside what checkpoint.py gathers and scatters, as torch keeps them. A state dict
+is of the params laid out, in their order: after `param_groups` was edited in place it cannot be
+made or loaded, refused before anything changes."""
 
 from __future__ import annotations
 

@@ -1,16 +1,10 @@
-"""The host tier's shared arena, laid out before anything is allocated: one function that
-HostTier builds its arena from and that the budgets count, so that what a placement is
-checked against is the bytes the OS will report (`os.fstat` on the arena's descriptor, which
-`opt.allocated_bytes["host"]` reads), not an estimate from element counts.
+"""The host tier's shared arena, laid out before anything is allocated: one function that HostTier
+builds its arena from and that the budgets count, so a placement is checked against the bytes the
+OS will report, not an estimate.
 
-    | committed banks (one per resident subgroup) | spare banks | 2 io banks per nvme read |
-    | staging slots |
+    | committed banks | spare banks | 2 io banks per nvme read | staging slots |
 
-Every bank has the largest subgroup's capacity (any bank serves any subgroup: a spare becomes
-a committed bank at a commit); packed subgroups (layout.py) make all but one per bucket that
-size. Each bank is laid out by tiers/compressed.bank_layout; the arena is page-aligned. The
-staging slots are sized here too (_slot_numel, staging_slots_for: the placement's count).
-"""
+Every bank has the largest subgroup's capacity, so any bank serves any subgroup."""
 
 from __future__ import annotations
 

@@ -1,34 +1,11 @@
-"""The host tier's compressed state: how a bank is laid out for a StateFormat, and a bf16
-subgroup's fp32 master kept as remainders (its bf16 high half + int16 low half) in banks,
-swap files and the model's own param.
+"""The host tier's compressed state: how a bank is laid out for a StateFormat, and a bf16 subgroup's
+fp32 master kept as remainders (bf16 high half + int16 low half) in banks, swap files and the
+model's own param.
 
-Bank layout (byte offsets inside one bank; all banks have one capacity, so any bank serves
-any subgroup):
+    master | m | v | [vmax]  (page-aligned: the state block a swap moves)  | [copy]
 
-    master | m | v | [vmax]  (page-aligned: the state block a swap moves, io_bytes)  | [copy]
-
-`master` is "p" (the fp32 master, 4 B) or, when every subgroup of the tier keeps remainders,
-"rem" (int16, 2 B); m takes exp_avg's dtype, v and vmax exp_avg_sq's. `copy` is the model-dtype
-param the step writes — with remainders it is also the master's high half the step reads
-(cpu_kernels' `remainder=` mode: param = the bf16 bits). It lies after the state block, so an
-nvme file never stores it: the high half is the model's param, copied into the read bank
-before each step (on CUDA a D2H copy of 2 B per element per nvme step, on the grads' side
-stream). A tier that mixes remainder subgroups with fp32 ones (fp32 norms beside bf16 weights)
-keeps the 4-byte "p" region and a remainder subgroup uses its first half ("rem" at the same
-offset): correct, not smaller.
-
-Bytes per element (bf16 model, no amsgrad): fp32 state 4+4+4 + 2 copy = 14 per bank, nvme
-file 12; bf16 moments 4+2+2 + 2 = 10, file 8; bf16 moments + remainders 2+2+2 + 2 = 8, file 6
-— StateFormat.state_bytes plus the 2-byte copy (the file: state_bytes alone).
-
-q8 moments (issue 38): a q8 moment's region holds its uint8 codes and a region of its own,
-"m_absmax" / "v_absmax" / "vmax_absmax" (fp32, one per block of 256 of the capacity), holds the
-absmaxes; both lie in the state block, so a swap moves them and the nvme slots' CRCs cover
-them. A quantized subgroup's pieces start on blocks (layout.py; staging slots are whole blocks),
-so a piece at element `off` finds its absmaxes at `off / 256`. A tier that also holds small
-params' subgroups (fp32 moments: `q8_mode` "some") keeps the 4-byte moment regions, the codes in
-their first quarter: correct, not smaller (as remainders' "some").
-"""
+All banks have one capacity, so any bank serves any subgroup. Bytes per element and q8's absmax
+regions: docs/internals.md."""
 
 from __future__ import annotations
 

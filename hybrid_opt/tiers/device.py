@@ -1,24 +1,9 @@
 """The device tier: subgroups whose fp32 master and moments stay where the model is.
 
-On CUDA one gpu_kernels.fused_adam_ launch per step count steps every device subgroup; the
-combined grad scale is a kernel argument (or a device tensor) and nothing here reads the
-device back (no host sync). On a CPU-only host the same subgroups are stepped in the
-trainer by the CPU kernel. An fp32 model's params are their own master (stepped in place
-through the subgroups' slices, nothing copied); a bf16/fp16 model keeps an fp32 master here
-and gets its params written in the same pass. `read_scalars` reads what a step must know on
-the host in one copy.
-
-The StateFormat (state_format.py) sets the moments' dtypes (bf16: rounded to nearest even
-when stored) and, with `store_param_remainders`, a bf16 subgroup keeps no fp32 master: the
-model's bf16 param is the master's high half and an int16 remainder its low half, decoded,
-stepped and encoded in the kernel's one pass. `master_of` gives every subgroup's fp32 master
-(decoded for those: a new tensor), `set_master` writes one (encoded: the param is written).
-
-A q8 moment (issue 38) of a quantized subgroup is two tensors: its uint8 codes under the
-moment's name and its fp32 absmax (one per block of 256) under the name + "_absmax"; such a
-subgroup is stepped by cpu_kernels.q8_adam_step_ (CPU) or gpu_kernels.q8_adam_ (CUDA), each
-slice on its own blocks (the layout starts every slice of it on a block).
-"""
+On CUDA one `gpu_kernels.fused_adam_` launch per step count steps every device subgroup (q8
+subgroups: `q8_adam_`); on a CPU-only host the CPU kernel steps them in the trainer. Invariant:
+nothing here reads the device back except `read_scalars`, the step's one copy to the host. An fp32
+model's params are their own master. Design notes: docs/internals.md."""
 
 from __future__ import annotations
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from hybrid_opt.tiers.staging import copy_async
-from hybrid_opt.worker import protocol as P
+from hybrid_opt.worker import protocol as proto
 
 
 @dataclass(eq=False)  # compared by identity, as any object
@@ -92,11 +92,11 @@ def probe(send_and_wait, slot_view: torch.Tensor, slot: int) -> bool:
     probe_t = torch.arange(1, 65, dtype=torch.float32)
     dst = slot_view.view(torch.uint8)[: probe_t.numel() * 4]
     dst.zero_()
-    task = P.Task(P.OP_PING, 0, slot=slot)
+    task = proto.Task(proto.OP_PING, 0, slot=slot)
     try:
         r = send_and_wait(task, [(0, probe_t.data_ptr(), probe_t.numel() * 4)])
     except Exception:
         return False
-    ok = r.status == P.STATUS_OK and torch.equal(dst.view(torch.float32), probe_t)
+    ok = r.status == proto.STATUS_OK and torch.equal(dst.view(torch.float32), probe_t)
     dst.zero_()
     return ok

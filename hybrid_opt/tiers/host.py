@@ -1,17 +1,9 @@
-"""The host tier: subgroups' fp32 master and moments in trainer-owned shared memory, stepped
-by the worker process, speculatively during backward, with exact or inverse rollback.
+"""The host tier: subgroups' fp32 master and moments in trainer-owned shared memory, stepped by the
+worker process, speculatively during backward, with exact or inverse rollback.
 
-This module owns the tier itself: construction (the arena of state banks and staging slots,
-the worker, the nvme swap files), views of the committed state, state()/load_state() and
-close(). HostTier owns parts, each owning its state and reached through its public methods:
-    compressed.py StateBanks: the banks' regions, the stored state (remainders), fresh banks
-    host_io.py    HostIO: staging slots, pieces and worker traffic (remote gather, worker faults)
-    host_step.py  HostStepping: speculation, validation, commit and rollback (the speculation
-                  protocol)
-    inputs.py     StepInputs: what a step's result depends on
-    nvme_files.py NvmeFiles: the trainer's descriptors of the nvme files (open for its lifetime);
-                  FileSlots: each nvme file's committed slot and CRCs
-"""
+`HostTier` owns construction (arena, worker, nvme files), views of the committed state,
+state()/load_state() and close(), and the parts it is made of: StateBanks (compressed.py), HostIO
+(host_io.py), HostStepping (host_step.py), NvmeFiles and FileSlots (nvme_files.py)."""
 
 from __future__ import annotations
 

@@ -1,15 +1,10 @@
-"""Staging slots, pieces and the traffic with the worker: how a host step's grads reach the
-worker's shared memory (staged by the trainer, or gathered by the worker itself) and how its
-results come back, within a bounded wait.
+"""Staging slots, pieces and the traffic with the worker: how a host step's grads reach the worker's
+shared memory (staged by the trainer, or gathered by the worker itself) and how its results come
+back, within a bounded wait.
 
-Faults: a worker that dies is replaced and its unfinished tasks are sent again (their grads are
-still in the trainer's staging slots, and a task that reads a committed bank or file slot
-writes only a buffer nobody else does), so training continues on the same trajectory — but an
-in-place step or undo (inverse mode) it left unfinished may have written part of its subgroup:
-that subgroup is forgotten and the error (TornState) names it. A worker that does not answer
-within the timeout is treated as dead: killed, reaped and replaced the same way, and the wait
-raises WorkerTimeout saying so.
-"""
+A worker that dies or does not answer is replaced and its unfinished tasks sent again, so training
+continues on the same trajectory; a subgroup an in-place step left half-written is forgotten and
+named (TornState). Design notes: docs/internals.md."""
 
 from __future__ import annotations
 
@@ -23,7 +18,7 @@ import torch
 from hybrid_opt.tiers import grads as RG
 from hybrid_opt.tiers.inputs import StepInputs, _with_step
 from hybrid_opt.tiers.staging import CopyQueue, CudaStager, copy_async, staging_device
-from hybrid_opt.worker import protocol as P
+from hybrid_opt.worker import protocol as proto
 from hybrid_opt.worker.client import UNANSWERED, TornState, WorkerDied, WorkerError, WorkerTimeout
 
 _DT_CODE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
@@ -36,8 +31,8 @@ class _Piece:
     offset: int
     numel: int
     slot: int
-    task: P.Task
-    result: P.Result | None = None
+    task: proto.Task
+    result: proto.Result | None = None
     freed: bool = False  # its staging slot is back in the ring
     gather: tuple | list = ()  # remote gather: its gather list (protocol.pack_gather's entries)
     keep: list | None = None  # remote gather: the grads the worker reads, alive until it has
@@ -102,26 +97,36 @@ class HostIO:
         self._counts = {"worker_restarts": 0, "worker_seconds": 0.0, "remote_gathered": 0}
 
     # ------------------------------------------------------------------ read-only views
-    counts = property(
-        lambda self: dict(self._counts),
-        doc="worker_restarts, worker_seconds (all subgroups), "
-        "remote_gathered (pieces whose grads the worker read itself): a copy.",
-    )
-    slots = property(
-        lambda self: tuple(self._slots), doc="The staging slots (grad_dtype tensors in the arena)."
-    )
-    free_slots = property(lambda self: len(self._free_slots), doc="How many staging slots are free now.")
-    pieces_in_flight = property(
-        lambda self: len(self._inflight),
-        doc="Pieces sent to the worker whose results have not been collected.",
-    )
-    stagers = property(
-        lambda self: dict(self._stagers),
-        doc="{CUDA device: its side-stream CudaStager}, made on first use (a copy).",
-    )
-    copy_stager = property(
-        lambda self: self._copy_stager, doc="The stager replacing the CUDA ones (use_stager), or None."
-    )
+    @property
+    def counts(self):
+        """worker_restarts, worker_seconds (all subgroups), remote_gathered (pieces whose grads the
+        worker read itself): a copy."""
+        return dict(self._counts)
+
+    @property
+    def slots(self):
+        """The staging slots (grad_dtype tensors in the arena)."""
+        return tuple(self._slots)
+
+    @property
+    def free_slots(self):
+        """How many staging slots are free now."""
+        return len(self._free_slots)
+
+    @property
+    def pieces_in_flight(self):
+        """Pieces sent to the worker whose results have not been collected."""
+        return len(self._inflight)
+
+    @property
+    def stagers(self):
+        """{CUDA device: its side-stream CudaStager}, made on first use (a copy)."""
+        return dict(self._stagers)
+
+    @property
+    def copy_stager(self):
+        """The stager replacing the CUDA ones (use_stager), or None."""
+        return self._copy_stager
 
     def use_stager(self, stager) -> None:
         """Every asynchronous staging copy goes through `stager` (None: the CUDA stagers again);
@@ -171,17 +176,17 @@ class HostIO:
         skip_nonfinite,
         threads: int = 0,
     ):
-        return P.Task(
+        return proto.Task(
             op,
             0,
             sg,
             numel,
             in_bank,
-            P.NO_BANK if out_bank is None else out_bank,
+            proto.NO_BANK if out_bank is None else out_bank,
             offset,
             slot,
             _DT_CODE[self.grad_dtype],
-            _DT_CODE[self.copy_dtype] if self.copy_dtype is not None else P.NO_COPY,
+            _DT_CODE[self.copy_dtype] if self.copy_dtype is not None else proto.NO_COPY,
             int(inputs.amsgrad),
             int(inputs.decoupled),
             int(skip_nonfinite),
@@ -276,7 +281,7 @@ class HostIO:
             numel,
             slot,
             self._task(
-                P.OP_STEP, sg, inputs, in_bank, out_bank, offset, numel, slot, skip_nonfinite, threads
+                proto.OP_STEP, sg, inputs, in_bank, out_bank, offset, numel, slot, skip_nonfinite, threads
             ),
             held=hold,
         )
@@ -388,7 +393,7 @@ class HostIO:
             self._send_all(pieces)
         else:
             for p in pieces:
-                p.result = P.Result(P.OP_STEP, 0, P.STATUS_NONFINITE, p.subgroup, float("inf"), 0)
+                p.result = proto.Result(proto.OP_STEP, 0, proto.STATUS_NONFINITE, p.subgroup, float("inf"), 0)
 
     def _send_copied(self, block: bool = False) -> None:
         """Sends the queued pieces whose staging copies have landed, in launch order. block:
@@ -430,7 +435,7 @@ class HostIO:
                 pass  # a failed device: nothing more is copied into the arena
         self._copies = CopyQueue()
 
-    def send_task(self, task: P.Task, gather=()) -> int:
+    def send_task(self, task: proto.Task, gather=()) -> int:
         """Sends one task with its gather list (a new worker first if this one died); returns
         its task id."""
         try:
@@ -480,7 +485,7 @@ class HostIO:
             self.worker_seconds[piece.subgroup] += r.elapsed_ns * 1e-9
             piece.keep = None  # the worker has read its grads
             self._release_piece(piece)
-            if r.status == P.STATUS_ERROR and self._error is None:
+            if r.status == proto.STATUS_ERROR and self._error is None:
                 self._error = WorkerError(f"hybrid_opt worker failed on subgroup {r.subgroup}: {r.message}")
         return len(arrived)
 
@@ -562,7 +567,7 @@ class HostIO:
         return (
             self._rollback == "inverse"
             and not self._nvme[piece.subgroup]
-            and piece.task.op in (P.OP_STEP, P.OP_INVERSE)
+            and piece.task.op in (proto.OP_STEP, proto.OP_INVERSE)
         )
 
     def _recover(self, err: WorkerDied) -> None:

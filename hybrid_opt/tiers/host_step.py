@@ -1,23 +1,10 @@
-"""Speculation, validation, commit and rollback of host steps: how speculate() and finish()
-launch a subgroup's step into the banks, check it against the final inputs and make it stand
-or undo it.
+"""Speculation, validation, commit and rollback of host steps: `speculate()` launches a subgroup's
+step into the banks, `finish()` commits it, redoes it from the committed bank, or drops it.
 
-Speculation protocol (used by the optimizer):
-    tier.speculate(sg, grad, inputs)   # when sg's grads are complete; False if no room now
-    outcome = tier.finish({sg: (grad, final_inputs)}, overflow=...)
-finish() drops every speculated step on overflow; otherwise it commits a speculated step
-whose recorded inputs equal the final ones and redoes the rest from the committed bank.
-In exact mode a step always reads the committed bank and writes a spare one, so a
-speculated step, a redo and a plain step are the same kernel on the same inputs: the same
-bits whichever path ran. In inverse mode steps run in place and are undone with the fp64
-inverse kernel (no spare memory; not bitwise, and not available with amsgrad).
-
-NVMe subgroups (nvme=[...]) keep no state in memory: a step borrows two banks, swaps the
-committed file slot into one (OP_SWAP_IN, CRC32C verified), steps it into the other and
-writes that to the other file slot (OP_SWAP_OUT); commit flips the slot map, rollback
-forgets the written slot. The worker starts each read as soon as the task arrives, so
-reads, compute and writes of consecutive subgroups overlap.
-"""
+Invariant (exact mode): a step always reads the committed bank and writes a spare one, so a
+speculated step, a redo and a plain step are the same kernel on the same inputs: the same bits.
+nvme subgroups borrow two banks and flip the file slot on commit. The protocol and the inverse
+mode: docs/internals.md."""
 
 from __future__ import annotations
 
@@ -28,7 +15,7 @@ from typing import TYPE_CHECKING
 from hybrid_opt.state.state_format import ABSMAX, Q8_BLOCK, q8_blocks
 from hybrid_opt.tiers.host_io import TornState, _Piece
 from hybrid_opt.tiers.inputs import StepInputs
-from hybrid_opt.worker import protocol as P
+from hybrid_opt.worker import protocol as proto
 from hybrid_opt.worker.client import TornInterrupt
 
 if TYPE_CHECKING:
@@ -52,7 +39,7 @@ class _Speculation:
         return all(p.result is not None for p in self.pieces)
 
     def ok(self) -> bool:
-        return all(p.result is not None and p.result.status == P.STATUS_OK for p in self.pieces)
+        return all(p.result is not None and p.result.status == proto.STATUS_OK for p in self.pieces)
 
 
 class HostStepping:
@@ -122,7 +109,7 @@ class HostStepping:
             pos = max(pos, off + k)
 
     def _swap_piece(self, op: int, sg: int, bank: int, file_slot: int, crc: int = 0) -> _Piece:
-        task = P.Task(op, 0, sg, in_bank=bank, file_slot=file_slot, crc=crc)
+        task = proto.Task(op, 0, sg, in_bank=bank, file_slot=file_slot, crc=crc)
         return _Piece(sg, 0, 0, -1, task, freed=True)  # no staging slot
 
     def _launch(
@@ -178,7 +165,7 @@ class HostStepping:
             return False
         if self.nvme[sg]:
             spec.file_slot = 1 - self._files.slot(sg)
-            spec.swap_out = self._swap_piece(P.OP_SWAP_OUT, sg, spec.bank, spec.file_slot)
+            spec.swap_out = self._swap_piece(proto.OP_SWAP_OUT, sg, spec.bank, spec.file_slot)
             pieces.append(spec.swap_out)
             self._io.send(spec.swap_out)
         spec.launched = True
@@ -189,7 +176,7 @@ class HostStepping:
         flight (CUDA) holds the step's tasks back behind a no-op task that waits for it."""
         landed = self._banks.fill_high(sg, bank, self._io.stager_for)
         if landed is not None:
-            piece = _Piece(sg, 0, 0, -1, P.Task(P.OP_PING, 0, sg), freed=True, copy_done=landed)
+            piece = _Piece(sg, 0, 0, -1, proto.Task(proto.OP_PING, 0, sg), freed=True, copy_done=landed)
             spec.pieces.append(piece)
             self._io.send(piece)
 
@@ -216,7 +203,7 @@ class HostStepping:
     def _send_swap_in(self, sg: int, spec: _Speculation) -> _Piece:
         """The worker starts reading the committed slot into spec.aux_bank at once."""
         slot = self._files.slot(sg)
-        spec.swap_in = self._swap_piece(P.OP_SWAP_IN, sg, spec.aux_bank, slot, self._files.crc(sg, slot))
+        spec.swap_in = self._swap_piece(proto.OP_SWAP_IN, sg, spec.aux_bank, slot, self._files.crc(sg, slot))
         spec.pieces.append(spec.swap_in)
         self._io.send(spec.swap_in)
         return spec.swap_in
@@ -314,7 +301,7 @@ class HostStepping:
         if spec.pieces:  # something was sent (or queued): it ends before its buffers go back
             self._io.quiesce()
         if spec.bank is None and any(
-            p.result is not None and p.result.status == P.STATUS_OK for p in spec.pieces
+            p.result is not None and p.result.status == proto.STATUS_OK for p in spec.pieces
         ):
             try:
                 self._undo(sg, spec)
@@ -343,7 +330,7 @@ class HostStepping:
         self._io.wait_for(spec.pieces)
         total, finite = 0.0, True
         for p in spec.pieces:
-            if p.task.op == P.OP_STEP:
+            if p.task.op == proto.OP_STEP:
                 total += p.result.sum_sq
                 finite = finite and bool(p.result.finite)
         return total, finite
@@ -361,7 +348,7 @@ class HostStepping:
         return [
             (p.offset, p.numel, None if p.result is None else p.result.sum_sq)
             for p in spec.pieces
-            if p.task.op == P.OP_STEP
+            if p.task.op == proto.OP_STEP
         ]
 
     def require_idle(self, sg: int) -> None:
@@ -383,10 +370,12 @@ class HostStepping:
                 p.numel,
                 p.slot,
                 freed=True,
-                task=dataclasses.replace(p.task, op=P.OP_INVERSE, task_id=0, threads=self._io.waited_threads),
+                task=dataclasses.replace(
+                    p.task, op=proto.OP_INVERSE, task_id=0, threads=self._io.waited_threads
+                ),
             )
             for p in spec.pieces
-            if p.task.op == P.OP_STEP and p.result is not None and p.result.status == P.STATUS_OK
+            if p.task.op == proto.OP_STEP and p.result is not None and p.result.status == proto.STATUS_OK
         ]
         try:
             for u in undo:
@@ -500,7 +489,7 @@ class HostStepping:
                     self._io.release_slots(spec.pieces)
                     self._release_banks(spec)
                     torn.append(sg)  # stepped in place, its params not written: only a checkpoint mends it
-            elif any(p.result is not None and p.result.status == P.STATUS_OK for p in spec.pieces):
+            elif any(p.result is not None and p.result.status == proto.STATUS_OK for p in spec.pieces):
                 torn.append(sg)
         return torn
 

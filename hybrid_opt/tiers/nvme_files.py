@@ -1,19 +1,9 @@
 """The trainer's own descriptors of a host tier's nvme files, open for the tier's lifetime.
 
-Opened once at construction, never again by path: the trainer's reads and writes (load_state,
-state: checkpoints) go through them, and every worker, the first and each one started after a
-death, inherits them at its start (WorkerClient's `files`: pass_fds) and steps through them. A
-file removed from outside (a tmp cleaner) or replaced then stays one file for the trainer and
-every worker: nothing is lost while the optimizer lives, worker restarts included, and `check`
-warns, once per file, naming it and what to do. Opened as cpu_kernels.aio opens files:
-O_DIRECT, or buffered (one warning) where the filesystem refuses it; an inherited descriptor
-shares its open file, flags included, so a worker's I/O is O_DIRECT exactly where this is.
-
-Many files are numbered past select()'s FD_SETSIZE (1,024) where the limit allows: opened
-lowest-first they would take that range, and every descriptor the process opens after them —
-the worker's pipes, the user's sockets and data loaders' pipes — would land past it, where
-select() refuses them ('filedescriptor out of range') and poll() waits whole milliseconds.
-"""
+Opened once, never again by path: the trainer's reads and writes go through them, and every worker
+inherits them, so a file removed from outside stays one file for the optimizer's life (`check`
+warns once). Many are numbered past select()'s FD_SETSIZE so the process's later descriptors stay
+below it. Design notes: docs/internals.md."""
 
 from __future__ import annotations
 

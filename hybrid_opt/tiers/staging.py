@@ -1,16 +1,9 @@
-"""Asynchronous grad staging: CUDA grads copied D2H on a side stream into the host tier's
-staging slots, and the in-order queue of pieces that wait for their copies to land before the
-worker may read them.
+"""Asynchronous grad staging: CUDA grads copied D2H on a side stream into the host tier's staging
+slots, and the in-order queue of pieces that wait for their copies to land.
 
-A grad hook must not synchronize: a blocking D2H copy on the compute stream drains the GPU
-pipeline once per host subgroup, and no copy then overlaps backward. So the copy runs on a
-side stream of the grads' device (one per host tier and device) that waits on the work queued
-so far on the stream the hook runs on, and its completion is an event. The piece goes to the
-worker only once that event has completed — polled with `query()` from later hooks, waited
-for at `step()`. Everything the queue does depends only on an event's `query()` and
-`synchronize()`, so its logic is tested on the CPU with a stager whose events the test
-completes (the fake stands in for CUDA, not for this code).
-"""
+Invariant: a grad hook never synchronizes; a piece goes to the worker only once its copy's event
+has completed (polled from later hooks, waited at step()). The queue depends only on an event's
+`query()` / `synchronize()`, so it is tested on the CPU with a fake stager."""
 
 from __future__ import annotations
 

@@ -17,7 +17,7 @@ import time
 
 from hybrid_opt.distributed.node import NodeInfo, core_slice
 from hybrid_opt.distributed.node import info as node_info
-from hybrid_opt.worker import protocol as P
+from hybrid_opt.worker import protocol as proto
 
 _POLL_S = 0.1
 
@@ -29,7 +29,7 @@ class WorkerError(RuntimeError):
 class WorkerDied(RuntimeError):
     """The worker process is gone (killed, crashed, or exited)."""
 
-    def __init__(self, message: str, pending: list[P.Task]):
+    def __init__(self, message: str, pending: list[proto.Task]):
         super().__init__(message)
         self.pending = pending
 
@@ -132,8 +132,8 @@ class CoreSplit:
     (reading cpu_kernels' count after the split and restoring it last left torch at one
     thread). Splits may be restored in any order: one restored while a
     later one is still applied hands what it saved to that later one, so the process gets
-    its own masks back when the last one goes (restored out of order, the process used to
-    stay pinned to the trainer's share). Several ranks on one node (node.py) each split only
+    its own masks back when the last one goes (restored out of order otherwise, the process
+    would stay pinned to the trainer's share). Several ranks on one node (node.py) each split only
     their own slice of the cores, so no two ranks' workers share a core while the node has
     at least as many cores as ranks.
     """
@@ -333,8 +333,8 @@ class WorkerClient:
         self.start_timeout_s = start_timeout_s
         self.proc = None
         self.next_id = 1
-        self.pending: dict[int, P.Task] = {}
-        self.results: dict[int, P.Result] = {}
+        self.pending: dict[int, proto.Task] = {}
+        self.results: dict[int, proto.Result] = {}
         self.restarts = 0
         self._req = self._resp = None
         self._reader = None
@@ -403,7 +403,7 @@ class WorkerClient:
             os.close(resp_w)
             os.close(cfg_fd)
         self._req, self._resp = req_w, resp_r
-        self._reader = P.FrameReader(resp_r)
+        self._reader = proto.FrameReader(resp_r)
         _allow_reads_by(self.proc.pid)
 
     def _stderr_tail(self) -> str:
@@ -444,7 +444,7 @@ class WorkerClient:
         self._take_written()
         tail = self._stderr_tail()
         pending = list(self.pending.values())
-        subgroups = sorted({t.subgroup for t in pending if t.op in (P.OP_STEP, P.OP_INVERSE)})
+        subgroups = sorted({t.subgroup for t in pending if t.op in (proto.OP_STEP, proto.OP_INVERSE)})
         msg = (
             f"hybrid_opt worker (pid {self.pid}) {how}"
             + (f" with subgroups {subgroups} in flight" if subgroups else "")
@@ -457,7 +457,7 @@ class WorkerClient:
         """The results a worker that is gone wrote before its end and nobody read yet (a death
         met by send(), not drain()): taken, so a task it finished is not counted lost."""
         try:
-            while self._resp is not None and not self._reader.eof and P.readable(self._resp, 0):
+            while self._resp is not None and not self._reader.eof and proto.readable(self._resp, 0):
                 for r in self._reader.read_results():
                     self.pending.pop(r.task_id, None)
                     self.results[r.task_id] = r
@@ -489,7 +489,7 @@ class WorkerClient:
                     pass
         self._req = self._resp = self._stderr_fd = None
 
-    def restart(self) -> list[P.Task]:
+    def restart(self) -> list[proto.Task]:
         """Start a fresh worker; returns the tasks the dead one left unfinished (not resent)."""
         pending = list(self.pending.values())
         self._reap()
@@ -503,7 +503,7 @@ class WorkerClient:
             return
         if self.proc.poll() is None and self._req is not None:
             try:
-                P.write_frame(self._req, P.Task(P.OP_EXIT, 0).pack())
+                proto.write_frame(self._req, proto.Task(proto.OP_EXIT, 0).pack())
                 self.proc.wait(timeout=timeout_s)
             except (OSError, subprocess.TimeoutExpired):
                 pass
@@ -514,7 +514,7 @@ class WorkerClient:
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None and self._req is not None
 
-    def send(self, task: P.Task, gather=()) -> int:
+    def send(self, task: proto.Task, gather=()) -> int:
         """Sends `task` (with its gather list: protocol.write_task) and returns its task id."""
         if not self.alive():
             raise self.death_error()
@@ -522,7 +522,7 @@ class WorkerClient:
         self.next_id += 1
         self.pending[task.task_id] = task
         try:
-            P.write_task(self._req, task, gather)
+            proto.write_task(self._req, task, gather)
         except BrokenPipeError:
             raise self.death_error() from None
         return task.task_id
@@ -547,12 +547,12 @@ class WorkerClient:
     def poll(self) -> None:
         """Collect whatever results have arrived, without waiting."""
         if self._resp is not None:
-            while P.readable(self._resp, 0):
+            while proto.readable(self._resp, 0):
                 self.drain(0)
                 if self._resp is None:
                     break
 
-    def wait(self, task_ids, timeout_s: float | None = None) -> list[P.Result]:
+    def wait(self, task_ids, timeout_s: float | None = None) -> list[proto.Result]:
         """Results of `task_ids` (in that order); raises on error, death or timeout."""
         task_ids = list(task_ids)
         deadline = time.monotonic() + (self.timeout_s if timeout_s is None else timeout_s)
@@ -566,7 +566,7 @@ class WorkerClient:
                     {
                         self.pending[t].subgroup
                         for t in task_ids
-                        if t in self.pending and self.pending[t].op in (P.OP_STEP, P.OP_INVERSE)
+                        if t in self.pending and self.pending[t].op in (proto.OP_STEP, proto.OP_INVERSE)
                     }
                 )
                 what = f"did not finish subgroups {outstanding}" if outstanding else "did not answer"
@@ -576,13 +576,13 @@ class WorkerClient:
             self.drain(min(_POLL_S, left))
         out = [self.results.pop(t) for t in task_ids]
         for r in out:
-            if r.status == P.STATUS_ERROR:
+            if r.status == proto.STATUS_ERROR:
                 raise WorkerError(f"hybrid_opt worker failed on subgroup {r.subgroup}: {r.message}")
         return out
 
     def ping(self, timeout_s: float | None = None) -> float:
         """One empty round trip; returns its duration in seconds."""
         t0 = time.perf_counter()
-        tid = self.send(P.Task(P.OP_PING, 0))
+        tid = self.send(proto.Task(proto.OP_PING, 0))
         self.wait([tid], timeout_s)
         return time.perf_counter() - t0

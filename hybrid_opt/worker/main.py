@@ -1,34 +1,10 @@
 """The worker process: steps host-tier subgroups on shared memory it is handed by descriptor.
 
-Started by WorkerClient as a fresh interpreter (`python -m hybrid_opt.worker.main CONFIG`),
-never through multiprocessing, so a user's unguarded training script is not re-imported.
-It imports no torch: it maps the trainer's arena and calls the C kernels on raw addresses.
-It owns nothing that must survive it — every byte of state is the trainer's — and exits
-when its request pipe reports EOF, i.e. when the trainer has gone.
-
-CONFIG (JSON): arena_fd, arena_nbytes, req_fd, resp_fd, cores, and the layout: bank_offset,
-bank_stride, bank_regions {p or rem, m, v, vmax, copy: byte offsets inside a bank}, slot_offset,
-slot_stride, exp_avg_dtype, exp_avg_sq_dtype (dtype codes; v and vmax take exp_avg_sq's); for
-the nvme tier also nvme {dir, io_bytes, threads} and file_fds {subgroup: fd}. A step task with
-`remainder` set steps a master stored as remainders: the bf16 high half in the copy region, the
-int16 low half in rem (hybrid_opt/tiers/compressed.py has the layout). q8 moments (issue 38):
-a moment dtype code DT_Q8 and `quantized` (a flag per subgroup): a quantized subgroup's pieces
-are stepped by the q8 kernel (codes in the moment's region, absmaxes in "<region>_absmax", a
-piece starting on a block), the others' q8 moments are fp32.
-
-NVMe subgroups: each file is read and written through the trainer's own descriptor of it,
-inherited at start (file_fds: the trainer's NvmeFiles), never opened here by path: a file a tmp
-cleaner removed meanwhile is still the same file for a restarted worker. OP_SWAP_IN reads a
-file slot into a bank asynchronously (verifying its CRC32C), OP_STEP then reads that bank and
-writes another, OP_SWAP_OUT writes the result to the other file slot asynchronously. Tasks
-run in arrival order except that a task waits only for earlier work on its own banks, so reads
-of later subgroups and the write of the previous one proceed while this one computes: the I/O
-pipeline.
-
-Test-only fault injection: HYBRID_OPT_WORKER_FAULT="STAGE:K" kills the worker with SIGKILL at
-STAGE (before_step | mid_step | after_step) of its K-th step task; STAGE "raise" makes that
-task raise instead (an error that must come back to the trainer naming the subgroup).
-"""
+Started by WorkerClient as a fresh interpreter (`python -m hybrid_opt.worker.main CONFIG`), never
+through multiprocessing. It imports no torch: it maps the trainer's arena and calls the C kernels
+on raw addresses. Invariant: it owns nothing that must survive it (every byte of state is the
+trainer's) and exits when its request pipe reports EOF. CONFIG, the nvme pipeline and the test-only
+fault injection: docs/internals.md."""
 
 from __future__ import annotations
 
@@ -44,10 +20,11 @@ import time
 
 from hybrid_opt.populate import BackgroundPopulate
 from hybrid_opt.shm import address, populate
-from hybrid_opt.worker import protocol as P
+from hybrid_opt.worker import protocol as proto
 
 _DTYPE_SIZE = {0: 4, 1: 2, 2: 2, 3: 1}  # 3: DT_Q8, a code
-DT_Q8, Q8_BLOCK = 3, 256
+DT_Q8 = 3  # a q8 moment's dtype code (cpu_kernels' DT_Q8)
+Q8_BLOCK = 256  # elements per absmax (state_format.Q8_BLOCK)
 IOV_BATCH = 512  # iovecs per process_vm_readv call (the kernel's limit is 1024)
 
 
@@ -135,7 +112,7 @@ class Worker:
             and DT_Q8 not in (self.m_dtype, self.v_dtype)
         ):
             raise ValueError("this build of cpu_kernels steps exp_avg and exp_avg_sq of one dtype only")
-        self.req, self.resp = P.low_numbered(cfg["req_fd"]), cfg["resp_fd"]
+        self.req, self.resp = proto.low_numbered(cfg["req_fd"]), cfg["resp_fd"]
         self.fault = _Fault(os.environ.get("HYBRID_OPT_WORKER_FAULT"))
         self.nvme = cfg.get("nvme")
         self.parent = os.getppid()
@@ -168,27 +145,27 @@ class Worker:
             )
         return fd
 
-    def _submit_swap(self, t: P.Task) -> int:
+    def _submit_swap(self, t: proto.Task) -> int:
         io = self.nvme["io_bytes"]
         addr = self.base + self.bank_offset + t.in_bank * self.bank_stride
         fd = self._file(t.subgroup)
-        if t.op == P.OP_SWAP_IN:
+        if t.op == proto.OP_SWAP_IN:
             return self.aio, self.aio.submit_read(fd, addr, io, t.file_slot * io, checksum=True)
         return self.aio_write, self.aio_write.submit_write(fd, addr, io, t.file_slot * io, checksum=True)
 
-    def _finish_swap(self, t: P.Task, req) -> P.Result:
+    def _finish_swap(self, t: proto.Task, req) -> proto.Result:
         from cpu_kernels.aio import AioError  # noqa: PLC0415
 
         engine, rid = req
         try:
             (res,) = engine.wait([rid], timeout_s=60.0)
         except AioError as e:
-            return P.Result(t.op, t.task_id, P.STATUS_ERROR, t.subgroup, message=f"AioError: {e}")
-        if t.op == P.OP_SWAP_IN and res.crc != t.crc:
-            return P.Result(
+            return proto.Result(t.op, t.task_id, proto.STATUS_ERROR, t.subgroup, message=f"AioError: {e}")
+        if t.op == proto.OP_SWAP_IN and res.crc != t.crc:
+            return proto.Result(
                 t.op,
                 t.task_id,
-                P.STATUS_ERROR,
+                proto.STATUS_ERROR,
                 t.subgroup,
                 message=(
                     f"checksum mismatch in {res.path} slot {t.file_slot}: expected CRC32C "
@@ -196,7 +173,7 @@ class Worker:
                     f"write) — restore from a checkpoint"
                 ),
             )
-        return P.Result(t.op, t.task_id, P.STATUS_OK, t.subgroup, crc=res.crc or 0)
+        return proto.Result(t.op, t.task_id, proto.STATUS_OK, t.subgroup, crc=res.crc or 0)
 
     def _bank(self, bank: int, region: str, elem_offset: int, elem_size: int) -> int:
         return (
@@ -207,19 +184,19 @@ class Worker:
             + elem_offset * elem_size
         )
 
-    def _grad_stats(self, t: P.Task, grad: int) -> tuple[float, bool]:
+    def _grad_stats(self, t: proto.Task, grad: int) -> tuple[float, bool]:
         out = ctypes.c_double(0.0)
         if t.numel and self.lib.hybrid_grad_stats(grad, t.grad_dtype, t.numel, ctypes.byref(out)) != 0:
             raise MemoryError("grad_stats could not allocate its partial sums")
         s = out.value
         return s, s == s and s not in (float("inf"), float("-inf"))
 
-    def gather(self, t: P.Task) -> None:
+    def gather(self, t: proto.Task) -> None:
         """Reads a piece's grads from the trainer's memory into its staging slot (remote
         gather: the trainer's backward does not spend its own core copying them)."""
         dst = self.base + self.slot_offset + t.slot * self.slot_stride
         reads = []
-        for off, addr, nbytes in P.GATHER.iter_unpack(t.gather):
+        for off, addr, nbytes in proto.GATHER.iter_unpack(t.gather):
             if off < 0 or nbytes < 0 or off + nbytes > self.slot_stride:
                 raise ValueError(f"gather entry ({off}, {nbytes}) outside the staging slot")
             if addr == 0:
@@ -240,16 +217,16 @@ class Worker:
                     f"{got} of {want} bytes: {os.strerror(err) if got < 0 else 'short read'}",
                 )
 
-    def step(self, t: P.Task) -> P.Result:
+    def step(self, t: proto.Task) -> proto.Result:
         self.fault.count()
         self.fault.maybe_die("before_step")
         self.fault.maybe_die("raise")
         grad = self.base + self.slot_offset + t.slot * self.slot_stride
         sum_sq, finite = self._grad_stats(t, grad)
         if not finite and t.skip_nonfinite:
-            return P.Result(t.op, t.task_id, P.STATUS_NONFINITE, t.subgroup, sum_sq, 0)
+            return proto.Result(t.op, t.task_id, proto.STATUS_NONFINITE, t.subgroup, sum_sq, 0)
         off = t.elem_offset
-        out_bank = t.in_bank if t.out_bank == P.NO_BANK else t.out_bank
+        out_bank = t.in_bank if t.out_bank == proto.NO_BANK else t.out_bank
         q8 = t.subgroup < len(self.quantized) and self.quantized[t.subgroup]
         # a q8 moment of a subgroup too small to quantize is fp32
         m_dtype, v_dtype = ((code if q8 or code != DT_Q8 else 0) for code in (self.m_dtype, self.v_dtype))
@@ -265,7 +242,7 @@ class Worker:
         else:
             a.param = self._bank(t.in_bank, "p", off, 4)
             a.param_out = self._bank(out_bank, "p", off, 4)
-            if t.copy_dtype != P.NO_COPY:
+            if t.copy_dtype != proto.NO_COPY:
                 a.param_copy = self._bank(out_bank, "copy", off, 2)
                 a.copy_dtype = t.copy_dtype
         a.grad = grad
@@ -293,11 +270,11 @@ class Worker:
         a.n = t.numel
         self.lib.hybrid_adam_step(ctypes.byref(a))
         self.fault.maybe_die("after_step")
-        return P.Result(t.op, t.task_id, P.STATUS_OK, t.subgroup, sum_sq, int(finite))
+        return proto.Result(t.op, t.task_id, proto.STATUS_OK, t.subgroup, sum_sq, int(finite))
 
     def _step_q8(
-        self, t: P.Task, grad: int, out_bank: int, m_dtype: int, v_dtype: int, sum_sq: float, finite: bool
-    ) -> P.Result:
+        self, t: proto.Task, grad: int, out_bank: int, m_dtype: int, v_dtype: int, sum_sq: float, finite: bool
+    ) -> proto.Result:
         """One piece of a quantized subgroup through cpu_kernels' q8 entry, bank mode: codes and
         absmaxes read from the in bank, written to the out bank (in place without one)."""
         off = t.elem_offset
@@ -315,7 +292,7 @@ class Worker:
             )
         else:
             a.param, a.param_out = self._bank(t.in_bank, "p", off, 4), self._bank(out_bank, "p", off, 4)
-            if t.copy_dtype != P.NO_COPY:
+            if t.copy_dtype != proto.NO_COPY:
                 a.param_copy = self._bank(out_bank, "copy", off, 2)
                 a.copy_dtype = t.copy_dtype
         a.grad = grad
@@ -346,9 +323,9 @@ class Worker:
         a.n = t.numel
         self.q8_lib.q8_adam_step_raw(a)
         self.fault.maybe_die("after_step")
-        return P.Result(t.op, t.task_id, P.STATUS_OK, t.subgroup, sum_sq, int(finite))
+        return proto.Result(t.op, t.task_id, proto.STATUS_OK, t.subgroup, sum_sq, int(finite))
 
-    def inverse(self, t: P.Task) -> P.Result:
+    def inverse(self, t: proto.Task) -> proto.Result:
         if self.m_dtype != 0 or self.v_dtype != 0 or t.remainder:
             raise ValueError("the inverse step needs fp32 moments and an fp32 master")
         a = self.InverseArgs()
@@ -368,34 +345,36 @@ class Worker:
             t.grad_scale,
         )
         self.lib.hybrid_adam_inverse(ctypes.byref(a))
-        return P.Result(t.op, t.task_id, P.STATUS_OK, t.subgroup)
+        return proto.Result(t.op, t.task_id, proto.STATUS_OK, t.subgroup)
 
-    def _use_threads(self, t: P.Task) -> None:
+    def _use_threads(self, t: proto.Task) -> None:
         want = t.threads or self.threads
         if want != self._threads_now:
             self._set_threads(want)
             self._threads_now = want
 
-    def _run(self, t: P.Task) -> P.Result:
+    def _run(self, t: proto.Task) -> proto.Result:
         t0 = time.perf_counter_ns()
         try:
-            if t.op in (P.OP_STEP, P.OP_INVERSE):
+            if t.op in (proto.OP_STEP, proto.OP_INVERSE):
                 self._use_threads(t)
             if t.gather:
                 self.gather(t)
-            if t.op == P.OP_STEP:
+            if t.op == proto.OP_STEP:
                 r = self.step(t)
-            elif t.op == P.OP_INVERSE:
+            elif t.op == proto.OP_INVERSE:
                 r = self.inverse(t)
             else:
-                r = P.Result(t.op, t.task_id, P.STATUS_OK, t.subgroup)
+                r = proto.Result(t.op, t.task_id, proto.STATUS_OK, t.subgroup)
         except Exception as e:  # comes back to the trainer as an exception there
-            r = P.Result(t.op, t.task_id, P.STATUS_ERROR, t.subgroup, message=f"{type(e).__name__}: {e}")
+            r = proto.Result(
+                t.op, t.task_id, proto.STATUS_ERROR, t.subgroup, message=f"{type(e).__name__}: {e}"
+            )
         r.elapsed_ns = time.perf_counter_ns() - t0
         return r
 
     def serve(self) -> int:
-        reader = P.FrameReader(self.req)
+        reader = proto.FrameReader(self.req)
         queue: collections.deque = collections.deque()  # tasks not yet run, arrival order
         io: dict = {}  # task_id -> (task, aio request id, start ns)
         reading: set = set()  # banks whose swap-in has not been verified yet
@@ -403,13 +382,13 @@ class Worker:
         while True:
             if not reader.eof:
                 wait_s = None if not (queue or io or held) else (0.0005 if io else 0.0)
-                if P.readable(self.req, wait_s):
+                if proto.readable(self.req, wait_s):
                     reader.feed()
                     for payload in reader.frames():
-                        t = P.Task.unpack(payload)
-                        if t.op == P.OP_EXIT:
+                        t = proto.Task.unpack(payload)
+                        if t.op == proto.OP_EXIT:
                             return 0
-                        if t.op == P.OP_SWAP_IN:  # read at once (the prefetch), as there is room
+                        if t.op == proto.OP_SWAP_IN:  # read at once (the prefetch), as there is room
                             reading.add(t.in_bank)
                             held.append(t)
                         else:
@@ -430,15 +409,17 @@ class Worker:
             blocked: set = set()
             for t in list(queue):
                 banks = (
-                    {t.in_bank} if t.op != P.OP_STEP or t.out_bank == P.NO_BANK else {t.in_bank, t.out_bank}
+                    {t.in_bank}
+                    if t.op != proto.OP_STEP or t.out_bank == proto.NO_BANK
+                    else {t.in_bank, t.out_bank}
                 )
-                if t.op in (P.OP_PING, P.OP_EXIT):
+                if t.op in (proto.OP_PING, proto.OP_EXIT):
                     banks = set()
-                if banks & (blocked | reading) or (t.op == P.OP_SWAP_OUT and self._full(self.aio_write)):
+                if banks & (blocked | reading) or (t.op == proto.OP_SWAP_OUT and self._full(self.aio_write)):
                     blocked |= banks  # what follows on its banks waits for it
                     continue
                 queue.remove(t)
-                if t.op == P.OP_SWAP_OUT:
+                if t.op == proto.OP_SWAP_OUT:
                     self._submit(t, io)
                 else:
                     self._reply(self._run(t))
@@ -458,7 +439,7 @@ class Worker:
             if not self._submit(t, io):
                 reading.discard(t.in_bank)
 
-    def _submit(self, t: P.Task, io: dict) -> bool:
+    def _submit(self, t: proto.Task, io: dict) -> bool:
         """Submits swap task `t` (in flight in `io` from now); a refusal goes back to the
         trainer as its result (False)."""
         try:
@@ -466,7 +447,9 @@ class Worker:
             return True
         except Exception as e:
             self._reply(
-                P.Result(t.op, t.task_id, P.STATUS_ERROR, t.subgroup, message=f"{type(e).__name__}: {e}")
+                proto.Result(
+                    t.op, t.task_id, proto.STATUS_ERROR, t.subgroup, message=f"{type(e).__name__}: {e}"
+                )
             )
             return False
 
@@ -479,8 +462,8 @@ class Worker:
             time.sleep(0.02)
         return True
 
-    def _reply(self, r: P.Result) -> None:
-        P.write_frame(self.resp, r.pack())
+    def _reply(self, r: proto.Result) -> None:
+        proto.write_frame(self.resp, r.pack())
 
 
 def main(argv=None) -> int:
