@@ -280,13 +280,11 @@ def step_host(parts, host_steps: dict, scale: float, edited: list, committed: se
     from the live grads: `edited`, step_scalars'), the others stepped; each subgroup's new
     params written into the model as its step commits (`committed` gathers their indices)."""
     placement, spec, sharding = parts.placement, parts.speculator, parts.sharding
-    local = placement.host_local
     work = spec.host_work(host_steps, scale, edited, unscaled)
-    by_local = {local[i]: w for i, w in host_steps.items()}
 
     def copy_params(k: int, views: dict) -> None:
         # the new params reach the model only once their step is committed
-        sg, live = by_local[k].sg, by_local[k].live
+        sg, live = host_steps[k].sg, host_steps[k].live
         src = views["param_copy"] if (sg.dtype != torch.float32 and "param_copy" in views) else views["param"]
         # one blocking batched copy into the live slices (an nvme subgroup's buffer is
         # reused as soon as this returns): on CUDA one host sync, not one per slice
@@ -299,8 +297,7 @@ def step_host(parts, host_steps: dict, scale: float, edited: list, committed: se
     finally:
         spec.forget_staged()
     spec.stepped()
-    index_of = {k: i for i, k in local.items()}
-    parts.stats.note_outcome({index_of[k]: v for k, v in outcome.items()})
+    parts.stats.note_outcome(outcome)
 
 
 def gather_params(parts, overlap: bool) -> None:
@@ -362,17 +359,16 @@ def _unreadable(parts, e: BaseException, host_steps: dict) -> str | None:
     """'subgroups [..] (params [..])' of this step's nvme subgroups whose committed slot no
     longer reads back (corrupt, cut short), or None: stepping again cannot mend those. Asked
     only after a host-tier error (not an interrupt); never raises over the step's own error."""
-    host, local = parts.placement.host, parts.placement.host_local
+    host = parts.placement.host
     if not isinstance(e, Exception) or host is None or host.swap is None or host.closed:
         return None
     try:
-        bad = host.unreadable([local[i] for i in host_steps])
+        bad = host.unreadable(list(host_steps))
     except Exception:
         return None
     if not bad:
         return None
-    index_of = {k: i for i, k in local.items()}
-    return subgroups_label([parts.layout.subgroups[index_of[k]] for k in sorted(bad)])
+    return subgroups_label([parts.layout.subgroups[i] for i in sorted(bad)])
 
 
 def _torn_subgroups(parts, e: BaseException, host_steps: dict) -> set:
@@ -380,8 +376,7 @@ def _torn_subgroups(parts, e: BaseException, host_steps: dict) -> set:
     cut short, may have torn: the host tier names them (TornState)."""
     if not isinstance(e, (TornState, TornInterrupt)):  # Ctrl-C stays a KeyboardInterrupt: TornInterrupt
         return set()
-    index_of = {k: i for i, k in parts.placement.host_local.items()}
-    return {index_of[k] for k in e.subgroups if index_of.get(k) in host_steps}
+    return {i for i in e.subgroups if i in host_steps}
 
 
 def record_step(parts, times: tuple, host_steps: dict, device_work: list, norm, clip, marks: tuple) -> None:
@@ -393,7 +388,6 @@ def record_step(parts, times: tuple, host_steps: dict, device_work: list, norm, 
     stats.record(
         placement.plan,
         placement.host,
-        placement.host_local,
         host_steps,
         device_work,
         t_device - t_host,

@@ -2,8 +2,9 @@
 "auto", and moving state between tiers (a refit, replan(), add_param_group after
 construction, a checkpoint that needs amsgrad's running max; the move's steps in moves.py).
 
-The optimizer's Placement part: it owns `plan`, the device tier, the host tier (`host`, and
-`host_local`: a subgroup's index in it), the fractions laid out and the AutoPlanner. A failed
+The optimizer's Placement part: it owns `plan`, the device tier, the host tier (`host`: it names
+each subgroup by its `Subgroup.index`, as every tier does), the fractions laid out and the
+AutoPlanner. A failed
 move leaves the old plan and its state as they were, so it loses nothing. What a move means
 to the other parts (speculation dropped before, hooks and versions after) reaches them through
 the `TierEvents` the optimizer hands in.
@@ -98,7 +99,6 @@ class Placement:
         self.plan = None
         self.device = None  # the DeviceTier
         self.host = None  # the HostTier (host and nvme subgroups), or None
-        self.host_local: dict = {}  # subgroup index -> its index in the host tier
         self.fractions = (0.0, 0.0)  # (off the device, on nvme) as laid out
         self.auto = None  # the AutoPlanner, when a fraction is "auto"
 
@@ -114,7 +114,7 @@ class Placement:
         and a copy of the file's on nvme: neither is made)."""
         if self.plan.tiers[sg.index] == DEVICE:
             return self.device.state_of(sg.index, master)
-        st = self.host.state(self.host_local[sg.index], master)
+        st = self.host.state(sg.index, master)
         if master:
             st["master"] = st.pop("param")
         return st
@@ -125,7 +125,7 @@ class Placement:
             self.device.set_master(sg.index, st["master"])  # remainders: encoded back
         else:
             self.host.load_state(
-                self.host_local[sg.index],
+                sg.index,
                 st["master"],
                 st["exp_avg"],
                 st["exp_avg_sq"],
@@ -153,14 +153,13 @@ class Placement:
             [s for s in sgs if self.plan.tiers[s.index] == DEVICE], self.layout.amsgrad, self.state_format
         )
         host = self.host_subgroups()
-        self.host_local = {s.index: k for k, s in enumerate(host)}
         if host:
             self.host = self.make_host_tier(host, self.plan)
             # the tier's CoreSplit sized torch's and cpu_kernels' thread counts to the trainer's
             # cores, and its close() restores both
             try:
                 for s in host:
-                    self.host.load_state(self.host_local[s.index], s)  # read into its bank
+                    self.host.load_state(s.index, s)  # read into its bank
             except BaseException:
                 # the optimizer is not built yet, so its close() would not reach this tier
                 self.host.close()
@@ -187,6 +186,7 @@ class Placement:
         return HostTier(
             layout.pop("numels"),
             **layout,
+            ids=[s.index for s in host],
             worker_share=c.worker_share,
             nvme_path=c.nvme_path if any(nvme) else None,
             pin=host[0].device if host[0].device.type == "cuda" else False,
@@ -407,13 +407,13 @@ class Placement:
     def relayout(self, plan) -> None:
         """Lays the tiers out as `plan` with the committed state now (moves.py: steps 2-4)."""
         self.events.wait_params()
-        new_host, local, extra, leaving = moves.build_tiers(self, plan)
+        new_host, extra, leaving = moves.build_tiers(self, plan)
         # 4. the switch: nothing below allocates device or host memory
         for s in leaving:
             self.device.drop(s.index)
         self.device.absorb(extra)
         old_host, self.host = self.host, new_host
-        self.plan, self.host_local = plan, local
+        self.plan = plan
         self._refresh_fractions()
         self.events.rehook(self.host_subgroups())
         self.events.laid_out()

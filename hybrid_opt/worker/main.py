@@ -12,7 +12,7 @@ slot_stride, exp_avg_dtype, exp_avg_sq_dtype (dtype codes; v and vmax take exp_a
 the nvme tier also nvme {dir, io_bytes, threads} and file_fds {subgroup: fd}. A step task with
 `remainder` set steps a master stored as remainders: the bf16 high half in the copy region, the
 int16 low half in rem (hybrid_opt/tiers/compressed.py has the layout). q8 moments (issue 38):
-a moment dtype code DT_Q8 and `quantized` (a flag per subgroup): a quantized subgroup's pieces
+a moment dtype code DT_Q8 and `quantized` (the ids of the quantized subgroups): their pieces
 are stepped by the q8 kernel (codes in the moment's region, absmaxes in "<region>_absmax", a
 piece starting on a block), the others' q8 moments are fp32.
 
@@ -121,9 +121,9 @@ class Worker:
         self.regions = cfg["bank_regions"]
         self.slot_offset, self.slot_stride = cfg["slot_offset"], cfg["slot_stride"]
         self.m_dtype, self.v_dtype = cfg["exp_avg_dtype"], cfg["exp_avg_sq_dtype"]
-        self.quantized = [bool(q) for q in cfg.get("quantized") or ()]
+        self.quantized = {int(sg) for sg in cfg.get("quantized") or ()}  # subgroup ids
         self.q8_lib = None
-        if any(self.quantized):
+        if self.quantized:
             from cpu_kernels import _q8_lib  # noqa: PLC0415  (torch-free, as _lib)
 
             self.q8_lib = _q8_lib
@@ -250,7 +250,7 @@ class Worker:
             return P.Result(t.op, t.task_id, P.STATUS_NONFINITE, t.subgroup, sum_sq, 0)
         off = t.elem_offset
         out_bank = t.in_bank if t.out_bank == P.NO_BANK else t.out_bank
-        q8 = t.subgroup < len(self.quantized) and self.quantized[t.subgroup]
+        q8 = t.subgroup in self.quantized
         # a q8 moment of a subgroup too small to quantize is fp32
         m_dtype, v_dtype = ((code if q8 or code != DT_Q8 else 0) for code in (self.m_dtype, self.v_dtype))
         ms, vs = _DTYPE_SIZE[m_dtype], _DTYPE_SIZE[v_dtype]
