@@ -4,10 +4,9 @@ construction, a checkpoint that needs amsgrad's running max; the move's steps in
 
 The optimizer's Placement part: it owns `plan`, the device tier, the host tier (`host`: it names
 each subgroup by its `Subgroup.index`, as every tier does), the fractions laid out and the
-AutoPlanner. A failed
-move leaves the old plan and its state as they were, so it loses nothing. What a move means
-to the other parts (speculation dropped before, hooks and versions after) reaches them through
-the `TierEvents` the optimizer hands in.
+AutoPlanner. A failed move leaves the old plan and its state as they were, so it loses nothing.
+What a move means to the other parts (speculation dropped before, hooks and versions after)
+reaches them through the `TierEvents` the optimizer hands in.
 """
 
 from __future__ import annotations
