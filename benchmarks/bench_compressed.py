@@ -120,13 +120,13 @@ def _bytes_info(opt, numel: int) -> dict:
             info[f"{name}_elements"] = t["elements"]
     host = opt.parts.placement.host
     if host is not None:
-        resident = sum(n for n, on_nvme in zip(host.numels, host.nvme) if not on_nvme)
-        offloaded = sum(host.numels)
+        resident = sum(n for sg, n in host.numels.items() if not host.nvme[sg])
+        offloaded = sum(host.numels.values())
         on_nvme = offloaded - resident
         info["bank_B_per_elem"] = host.bank_stride / host.capacity
         info["banks_B_per_host_param"] = host.bank_bytes / resident if resident else None
         info["spare_pool_B_per_offloaded_param"] = host.spare_bytes / offloaded
-        info["spare_banks"] = host.pool.n_banks - sum(1 for x in host.nvme if not x)
+        info["spare_banks"] = host.pool.n_banks - sum(1 for x in host.nvme.values() if not x)
         info["nvme_slot_B_per_param"] = host.nvme_bytes / 2 / on_nvme if on_nvme else None
         info["arena_B_per_param"] = host.arena.nbytes / numel
     return info

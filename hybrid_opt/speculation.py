@@ -217,9 +217,9 @@ class Speculator:
         staged in a way no version counter shows (grad_edits.py)."""
         if sg.index not in self._staged or self.fingerprints is None:
             return False
-        host, local = self.placement.host, self.placement.host_local[sg.index]
+        host = self.placement.host
         return self.fingerprints.is_edited(
-            sg.index, gatherer, lambda: host.piece_stats(local), host.grad_dtype
+            sg.index, gatherer, lambda: host.piece_stats(sg.index), host.grad_dtype
         )
 
     def grad_edit_checks(self) -> list:
@@ -230,11 +230,11 @@ class Speculator:
         live piece sums, computed now while the worker may still be stepping."""
         if not self._staged or self.fingerprints is None:
             return []
-        sgs, host, local = self.layout.subgroups, self.placement.host, self.placement.host_local
+        sgs, host = self.layout.subgroups, self.placement.host
         return self.fingerprints.checks(
             lambda sgi: [sl for sl in sgs[sgi].slices if sl.param.grad is not None],
             lambda sgi: gatherer_of(sgs[sgi]),
-            lambda sgi: host.piece_stats(local[sgi], wait=False),
+            lambda sgi: host.piece_stats(sgi, wait=False),
             host.grad_dtype,
         )
 
@@ -249,10 +249,9 @@ class Speculator:
         shows) is redone from the live grads; a subgroup with none is stepped."""
         if self.fingerprints is not None:
             self.fingerprints.note(edited)
-        local = self.placement.host_local
         steps, actions = {}, {}
         for i, w in host_work.items():
-            steps[local[i]] = work = self.step_of(w.sg, w.live, w.hp, scale, True, unscaled)
+            steps[i] = work = self.step_of(w.sg, w.live, w.hp, scale, True, unscaled)
             staged = self._staged.get(i)
             actions[i] = STEP if staged is None else COMMIT if staged[1] == work[1] else REDO
         return steps, actions
@@ -265,12 +264,12 @@ class Speculator:
         hp = group_inputs(self.layout.param_groups[sg.group], self.config.decoupled)
         # clipping is assumed not to bite (coefficient 1): validation redoes it when it does
         gatherer, inputs = self.step_of(sg, live, hp, self.predicted_inv_scale())
-        host, local = self.placement.host, self.placement.host_local[sgi]
+        host = self.placement.host
         self._staged.pop(sgi, None)
         if self.fingerprints is not None:
             self.fingerprints.forget(sgi)
         # any pending speculation of it cancelled first (replace=True)
-        if host.speculate(local, gatherer, inputs, wait=False, replace=True):
+        if host.speculate(sgi, gatherer, inputs, wait=False, replace=True):
             # the grads it read stay referenced until it is validated: a grad tensor made after
             # one was discarded (zero_grad, `p.grad = None`) can then never take its address, so
             # (data_ptr, _version) names the same grad for as long as the speculation is pending
@@ -323,7 +322,7 @@ class Speculator:
     def forget_staged(self) -> None:
         host = self.placement.host
         pending = set(host.speculated()) if host is not None else set()
-        self._staged = {k: v for k, v in self._staged.items() if self.placement.host_local[k] in pending}
+        self._staged = {k: v for k, v in self._staged.items() if k in pending}
         if self.fingerprints is not None:
             self.fingerprints.keep_only(self._staged)
 

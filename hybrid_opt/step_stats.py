@@ -90,7 +90,7 @@ class StepStats:
         """A move laid out a new host tier: its per-subgroup worker times start again."""
         self._prev_worker_s = None
 
-    def record(self, plan, host, host_local: dict, step: StepPlan, outcome: StepOutcome) -> None:
+    def record(self, plan, host, step: StepPlan, outcome: StepOutcome) -> None:
         """Per-tier figures of a step taken (`step`, and `outcome`: what its tiers did): subgroups,
         state bytes, the trainer's time in it, the worker's time on it, and how much of the
         worker's time hid under backward. `plan`: the placement's."""
@@ -126,13 +126,13 @@ class StepStats:
                 sg.dtype, self.layout.amsgrad, own_master=tier == DEVICE
             )
         if host is not None:
-            prev = self._prev_worker_s or [0.0] * len(host.worker_seconds)
-            now = list(host.worker_seconds)
-            for index, local in host_local.items():
-                tiers[plan.tiers[index]]["worker_s"] += now[local] - prev[local]
+            prev = self._prev_worker_s or {}
+            now = dict(host.worker_seconds)
+            for index, seconds in now.items():
+                tiers[plan.tiers[index]]["worker_s"] += seconds - prev.get(index, 0.0)
             self._prev_worker_s = now
-            for index, outcome in self.outcome_by_sg.items():
-                tiers[plan.tiers[index]][outcome] += 1
+            for index, result in self.outcome_by_sg.items():
+                tiers[plan.tiers[index]][result] += 1
         tiers[DEVICE]["trainer_s"] = device_s
         off = tiers[HOST]["worker_s"] + tiers[NVME]["worker_s"]
         for name in (HOST, NVME):

@@ -312,12 +312,10 @@ def step_host(parts, plan: StepPlan, committed: set) -> dict:
     as its step commits (`committed` gathers their indices). Returns {subgroup index:
     "committed" | "redone" | "stepped" | "dropped"}."""
     placement, spec, sharding = parts.placement, parts.speculator, parts.sharding
-    local = placement.host_local
-    by_local = {local[i]: w for i, w in plan.host_work.items()}
 
     def copy_params(k: int, views: dict) -> None:
         # the new params reach the model only once their step is committed
-        sg, live = by_local[k].sg, by_local[k].live
+        sg, live = plan.host_work[k].sg, plan.host_work[k].live
         src = views["param_copy"] if (sg.dtype != torch.float32 and "param_copy" in views) else views["param"]
         # one blocking batched copy into the live slices (an nvme subgroup's buffer is
         # reused as soon as this returns): on CUDA one host sync, not one per slice
@@ -330,8 +328,7 @@ def step_host(parts, plan: StepPlan, committed: set) -> dict:
     finally:
         spec.forget_staged()
     spec.stepped()
-    index_of = {k: i for i, k in local.items()}
-    return {index_of[k]: v for k, v in outcome.items()}
+    return dict(outcome)
 
 
 def gather_params(parts, overlap: bool) -> None:
@@ -369,17 +366,16 @@ def _unreadable(parts, e: BaseException, plan: StepPlan) -> str | None:
     """'subgroups [..] (params [..])' of this step's nvme subgroups whose committed slot no
     longer reads back (corrupt, cut short), or None: stepping again cannot mend those. Asked
     only after a host-tier error (not an interrupt); never raises over the step's own error."""
-    host, local = parts.placement.host, parts.placement.host_local
+    host = parts.placement.host
     if not isinstance(e, Exception) or host is None or host.swap is None or host.closed:
         return None
     try:
-        bad = host.unreadable([local[i] for i in plan.host_work])
+        bad = host.unreadable(list(plan.host_work))
     except Exception:
         return None
     if not bad:
         return None
-    index_of = {k: i for i, k in local.items()}
-    return subgroups_label([parts.layout.subgroups[index_of[k]] for k in sorted(bad)])
+    return subgroups_label([parts.layout.subgroups[i] for i in sorted(bad)])
 
 
 def _torn_subgroups(parts, e: BaseException, plan: StepPlan) -> frozenset:
@@ -387,8 +383,7 @@ def _torn_subgroups(parts, e: BaseException, plan: StepPlan) -> frozenset:
     cut short, may have torn: the host tier names them (TornState)."""
     if not isinstance(e, (TornState, TornInterrupt)):  # Ctrl-C stays a KeyboardInterrupt: TornInterrupt
         return frozenset()
-    index_of = {k: i for i, k in parts.placement.host_local.items()}
-    return frozenset(index_of[k] for k in e.subgroups if index_of.get(k) in plan.host_work)
+    return frozenset(i for i in e.subgroups if i in plan.host_work)
 
 
 # ---------------------------------------------------------------------- the record
@@ -396,7 +391,7 @@ def record_step(parts, plan: StepPlan, outcome: StepOutcome) -> None:
     """This step's `stats`; under "auto" its measured times to the scheduler, which may refit."""
     t_step, _, _, t_end = outcome.times
     placement, stats, steps = parts.placement, parts.stats, parts.ledger.steps_taken
-    stats.record(placement.plan, placement.host, placement.host_local, plan, outcome)
+    stats.record(placement.plan, placement.host, plan, outcome)
     if placement.auto is not None:
         stats.queue_sample(steps, list(plan.device_work), t_end - t_step, outcome.device_marks)
         stats.observe(placement.auto)

@@ -433,7 +433,7 @@ def _fail_layout(monkeypatch, opt):
 
 
 def _fail_device_state(monkeypatch, opt):
-    from hybrid_opt import placement
+    from hybrid_opt.placement import placement
 
     def oom(*a, **k):
         raise torch.OutOfMemoryError("injected: CUDA out of memory allocating the new group's state")

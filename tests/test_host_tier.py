@@ -47,7 +47,7 @@ TIMEOUT_S = 20.0  # a hung worker fails the test in seconds, not the default two
 # ----------------------------------------------------------------------------- helpers
 def snapshot(tier):
     out = []
-    for sg in range(len(tier.numels)):
+    for sg in tier.numels:
         mo = tier.moments(sg)
         s = dict(p=tier.master(sg).clone(), m=mo["exp_avg"].clone(), v=mo["exp_avg_sq"].clone())
         if "max_exp_avg_sq" in mo:
@@ -990,10 +990,10 @@ def test_a_training_script_without_a_main_guard_runs_once(tmp_path):
         import torch
         from hybrid_opt.tiers.host import HostTier, StepInputs
         tier = HostTier([1000, 5000], slot_numel=4096)
-        for sg, n in enumerate(tier.numels):
+        for sg, n in tier.numels.items():
             tier.load_state(sg, torch.randn(n))
         inp = StepInputs(1, 1e-3, 0.9, 0.999, 1e-8, 0.01)
-        grads = [torch.randn(n) for n in tier.numels]
+        grads = [torch.randn(n) for n in tier.numels.values()]
         for sg, g in enumerate(grads):
             tier.speculate(sg, g, inp)
         assert set(tier.finish({sg: (g, inp) for sg, g in enumerate(grads)}).values()) == {"committed"}

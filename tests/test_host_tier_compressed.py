@@ -582,10 +582,12 @@ def test_every_placement_steps_the_same_bits_through_clipping_overflow_and_a_kil
             )
             scalers[name] = torch.amp.GradScaler("cpu", init_scale=2.0**8, growth_interval=3)
             opts[name].attach_grad_scaler(scalers[name])
-        assert opts["host"].parts.placement.host is not None and all(opts["nvme"].parts.placement.host.nvme)
+        assert opts["host"].parts.placement.host is not None and all(
+            opts["nvme"].parts.placement.host.nvme.values()
+        )
         assert opts["device"].parts.placement.host is None
-        assert all(opts["host"].parts.placement.host.remainders) and all(
-            opts["nvme"].parts.placement.host.remainders
+        assert all(opts["host"].parts.placement.host.remainders.values()) and all(
+            opts["nvme"].parts.placement.host.remainders.values()
         )
         for step in range(9):
             for name, params in runs.items():
@@ -682,7 +684,7 @@ def test_a_mixed_fp32_bf16_model_with_amsgrad_steps_the_same_bits_at_every_place
             scalers[name] = torch.amp.GradScaler("cpu", init_scale=2.0**8, growth_interval=3)
             opts[name].attach_grad_scaler(scalers[name])
         for name in ("host", "nvme", "mix"):  # both kinds of master on one tier
-            assert set(opts[name].parts.placement.host.remainders) == {True, False}, name
+            assert set(opts[name].parts.placement.host.remainders.values()) == {True, False}, name
         assert set(opts["mix"].plan.tiers) == {"device", "host", "nvme"}
         for step in range(8):
             for name, params in runs.items():

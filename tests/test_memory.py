@@ -188,7 +188,7 @@ def _assert_same(opt, snap):
 
 
 def _fail_host_tier(monkeypatch):
-    from hybrid_opt import placement
+    from hybrid_opt.placement import placement
 
     def boom(*a, **k):
         raise RuntimeError("injected: the worker process did not start")

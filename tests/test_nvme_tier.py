@@ -196,7 +196,7 @@ def test_nvme_trajectory_is_bitwise_the_host_tiers_and_the_direct_steps(nvme_dir
         stack.callback(nv.close)
         host = new_tier(NUMELS, None, None, **config)
         stack.callback(host.close)
-        assert nv.nvme == NVME_FLAGS and nv.swap is not None and host.swap is None
+        assert list(nv.nvme.values()) == NVME_FLAGS and nv.swap is not None and host.swap is None
         states = make_states(
             NUMELS, amsgrad=amsgrad, moment_dtype=config.get("moment_dtype", torch.float32), seed=1
         )
@@ -270,7 +270,7 @@ def test_a_dropped_step_leaves_the_committed_slot_and_state_bitwise_unchanged(nv
         inp = inputs(7, amsgrad=True, grad_scale=1 / 1024)
         for r, how in enumerate(("overflow", "not_in_steps")):
             grads = make_grads(numels, seed=2 + r, scale=1024.0)
-            slots = list(tier.file_slots)
+            slots = tier.file_slots
             committed = [slot_bytes(tier, sg, slots[sg]) for sg in range(len(numels))]
             other = [slot_bytes(tier, sg, 1 - slots[sg]) for sg in range(len(numels))]
             for sg, g in enumerate(grads):
@@ -319,13 +319,15 @@ def test_redo_with_changed_inputs_is_bitwise_a_direct_step(nvme_dir, change):
         grads = make_grads(numels, seed=3)
         a = inputs(7, grad_version=(1, 1), amsgrad=True)
         b = StepInputs(**{**a.__dict__, **change})
-        slots = list(tier.file_slots)
+        slots = tier.file_slots
         for sg, g in enumerate(grads):
             assert tier.speculate(sg, g, a)
         final = {sg: (g, b if "runs" not in change or sg == 1 else a) for sg, g in enumerate(grads)}
         expect = {sg: "redone" if final[sg][1] != a else "committed" for sg in final}
         assert tier.finish(final) == expect
-        assert tier.file_slots == [1 - s for s in slots], "commit and redo both flip the slot map"
+        assert tier.file_slots == {sg: 1 - s for sg, s in slots.items()}, (
+            "commit and redo both flip the slot map"
+        )
         for sg, (g, inp) in final.items():
             ref_step(states[sg], g, inp)
         assert_tier_equals(tier, states, f"redone with {change}")
@@ -448,7 +450,7 @@ except Exception as e:
 
 out["failed_at"] = None
 for s in (2, 3, 4):
-    slots = list(tier.file_slots)
+    slots = tier.file_slots
     try:
         step(s)
     except Exception as e:
@@ -508,7 +510,7 @@ def test_disk_full_names_the_file_and_bytes_and_keeps_the_committed_state(nvme_d
 
     # slot 0 still fits under the limit, slot 1 does not: the first write into slot 1 fails
     assert out["failed_at"] is not None, "no write failed under the file-size limit"
-    assert out["failed_slots"] == [0, 0], out
+    assert out["failed_slots"] == {"0": 0, "1": 0}, out  # json's keys: the subgroup ids
     err = out["error"]
     assert err["type"] == "WorkerError", err
     msg = err["message"]
@@ -612,7 +614,7 @@ def test_a_bad_nvme_path_fails_at_construction_before_any_worker_starts(nvme_dir
 def test_close_leaves_nothing_in_nvme_path_and_is_idempotent(nvme_dir):
     tier = new_tier([1000, 9000], [True, True], nvme_dir, amsgrad=True)
     pid, d = tier.worker_pid, tier.swap.path
-    grads = make_grads(tier.numels, seed=6)
+    grads = make_grads(list(tier.numels.values()), seed=6)
     for sg, g in enumerate(grads):
         tier.speculate(sg, g, inputs(1, amsgrad=True))  # left pending: close() must cope
     tier.close()
@@ -1072,8 +1074,7 @@ def test_a_checkpoint_replaces_a_corrupt_nvme_slot_and_the_step_error_says_so(nv
         ckpt = copy.deepcopy(opt.state_dict())
         _grad_step(opt, params, 2)
         host = opt.parts.placement.host
-        local = opt.parts.placement.host_local[2]
-        flip_byte(host.swap.file(local), host.file_slots[local] * host.io_bytes + 100)
+        flip_byte(host.swap.file(2), host.file_slots[2] * host.io_bytes + 100)
         with pytest.raises(RuntimeError, match="checksum mismatch") as info:
             _grad_step(opt, params, 3)
         msg = str(info.value)
@@ -1097,7 +1098,7 @@ def test_a_load_that_fails_part_way_leaves_every_subgroup_and_hyperparameter_as_
         ckpt["param_groups"][0]["lr"] = 0.5
         _grad_step(opt, params, 2, which=(0, 1))  # their slots flip, the others' do not
         host = opt.parts.placement.host
-        assert host.file_slots == [1, 1, 0, 0]
+        assert host.file_slots == {0: 1, 1: 1, 2: 0, 3: 0}
         before = _snapshot(opt)
         # a load writes each file's other slot: slot 0 (subgroups 0, 1) is let in, slot 1 is not
         old = resource.getrlimit(resource.RLIMIT_FSIZE)
@@ -1109,7 +1110,7 @@ def test_a_load_that_fails_part_way_leaves_every_subgroup_and_hyperparameter_as_
         finally:
             resource.setrlimit(resource.RLIMIT_FSIZE, old)
             signal.signal(signal.SIGXFSZ, handler)
-        assert host.file_slots == [1, 1, 0, 0]
+        assert host.file_slots == {0: 1, 1: 1, 2: 0, 3: 0}
         assert opt.param_groups[0]["lr"] == 1e-3
         _assert_state_is(opt, before, "after a failed load")
         opt.load_state_dict(ckpt)
@@ -1134,7 +1135,7 @@ def test_an_nvme_file_removed_from_outside_keeps_its_state_and_says_so(nvme_dir,
     params, opt, twin_params, twin = _stepped_twins(nvme_dir)
     with opt, twin:
         host = opt.parts.placement.host
-        path = host.swap.file(opt.parts.placement.host_local[1])
+        path = host.swap.file(1)
         if how == "unlink":
             os.unlink(path)
         else:

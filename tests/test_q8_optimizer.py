@@ -397,11 +397,11 @@ def test_host_and_nvme_tiers_step_the_q8_reference_bitwise(model, moments, place
     )
     with _hybrid(params, fmt, amsgrad=True, **kw) as opt:
         host = opt.parts.placement.host
-        assert host is not None and any(host.quantized(k) for k in range(len(host.numels)))
+        assert host is not None and any(host.quantized(k) for k in host.numels)
         if placement == "host":
-            assert not all(host.quantized(k) for k in range(len(host.numels)))  # a mixed tier
+            assert not all(host.quantized(k) for k in host.numels)  # a mixed tier
         if placement != "host":
-            assert any(host.quantized(k) and host.nvme[k] for k in range(len(host.numels)))
+            assert any(host.quantized(k) and host.nvme[k] for k in host.numels)
         for k in range(4):
             for p in params:
                 p.grad = None
@@ -475,7 +475,7 @@ def test_speculative_plain_and_nvme_steps_are_bitwise_through_clipping_overflow_
                     for key, t in sds["device"][i].items():
                         assert torch.equal(sds[name][i][key], t), (step, name, i, key)
         assert "exp_avg_q8" in sds["device"][0] and "exp_avg" in sds["device"][2]
-        assert all(opts["nvme"].parts.placement.host.nvme)
+        assert all(opts["nvme"].parts.placement.host.nvme.values())
         for name in ("speculative", "plain", "nvme"):
             assert opts[name].parts.placement.host.stats["worker_restarts"] >= 1, name
         assert opts["speculative"].parts.placement.host.stats["redone"] > 0
@@ -494,7 +494,7 @@ def test_nvme_slot_checksums_cover_codes_and_absmaxes(region, tmp_path):
     ) as opt:
         _run(opt, params, 2)
         host = opt.parts.placement.host
-        sg = next(k for k in range(len(host.numels)) if host.quantized(k) and host.nvme[k])
+        sg = next(k for k in host.numels if host.quantized(k) and host.nvme[k])
         assert host.region_offset(region) < host.io_bytes  # inside the block a swap moves
         opt.state_dict()  # reads back whole before the flip
         path, slot = host.swap.file(sg), host.file_slots[sg]
@@ -517,7 +517,7 @@ def test_replan_moves_codes_and_absmaxes_between_tiers_bitwise(tmp_path):
     with _hybrid(params, fmt, nvme_path=str(tmp_path)) as opt:
         _run(opt, params, 2)
         opt.replan(1.0, 0.5)
-        assert opt.parts.placement.host is not None and any(opt.parts.placement.host.nvme)
+        assert opt.parts.placement.host is not None and any(opt.parts.placement.host.nvme.values())
         _run(opt, params, 2, first=2)
         opt.replan(0.0)
         assert opt.parts.placement.host is None
@@ -589,7 +589,7 @@ def test_nvme_files_and_host_banks_hold_the_q8_bytes(fmt, bound, tmp_path):
     model = _linear_model(0)
     with _hybrid(list(model.parameters()), fmt, subgroup_numel=1 << 16, offload_fraction=1.0) as opt:
         host = opt.parts.placement.host
-        assert all(host.quantized(k) for k in range(len(host.numels)))
+        assert all(host.quantized(k) for k in host.numels)
         per_element = host.bank_bytes / (len(host.numels) * host.capacity)
         page_slack = 2 * 4096 / host.capacity  # a bank's state block and the bank end on a page
         assert fmt.bank_bytes(BF16) <= per_element <= fmt.bank_bytes(BF16) + page_slack, per_element

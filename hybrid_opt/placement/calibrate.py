@@ -179,9 +179,9 @@ def _host_tier_gelems(worker_share: float | None) -> float:
             tier.load_state(k, torch.rand(n))
         rates = []
         for step in range(1, REPS + 2):
-            before = sum(tier.worker_seconds)
+            before = sum(tier.worker_seconds.values())
             tier.finish({k: (grads[k], StepInputs(step, 1e-3, 0.9, 0.999, 1e-8, 0.01)) for k in range(2)})
-            rates.append(2 * n / max(1e-9, sum(tier.worker_seconds) - before))
+            rates.append(2 * n / max(1e-9, sum(tier.worker_seconds.values()) - before))
     finally:
         tier.close()
     return max(rates[1:]) / 1e9  # the first step touches fresh pages

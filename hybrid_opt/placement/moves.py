@@ -89,8 +89,8 @@ def build_tiers(pl, plan) -> tuple:
     """Steps 1-3 of a move of Placement `pl` to `plan` (module docstring), with the committed
     state now; also lays out state the layout now needs and the old tiers lack (amsgrad's
     running max after load_state_dict turned it on): zeros. Returns (new host tier or None,
-    {subgroup index: its index there}, the device tier of the arriving subgroups, the leaving
-    subgroups) for the switch; a failure leaves the old tiers as they were."""
+    the device tier of the arriving subgroups, the leaving subgroups) for the switch; a failure
+    leaves the old tiers as they were."""
     leaving, arriving = _leaving_arriving(pl, plan)
     # 1. the leaving state copied out to host memory (a device tier's tensors are views
     # the tier owns; a copy on the device would need the room the move is making)
@@ -99,13 +99,12 @@ def build_tiers(pl, plan) -> tuple:
     }
     # 2. the new host tier beside the old one
     host = [s for s in pl.layout.subgroups if plan.tiers[s.index] != DEVICE]
-    local = {s.index: k for k, s in enumerate(host)}
     new_host = pl.make_host_tier(host, plan) if host else None
     try:
         for s in host:
             st = saved[s.index] if s.index in saved else pl.state_of(s)
             new_host.load_state(
-                local[s.index],
+                s.index,
                 st["master"],
                 st["exp_avg"],
                 st["exp_avg_sq"],
@@ -124,7 +123,7 @@ def build_tiers(pl, plan) -> tuple:
         if new_host is not None:
             new_host.close()
         raise
-    return new_host, local, extra, leaving
+    return new_host, extra, leaving
 
 
 def _device_arrivals(pl, arriving: list, leaving: list, saved: dict) -> DeviceTier:

@@ -252,7 +252,7 @@ def _state_tensor(placement, parts: list, name: str, p, verified: set, fmt) -> t
             piece = placement.device.piece(sg.index, name, a, b)
             located.append(piece if piece is not None else placement.device.tensor(sg.index, name)[a:b])
         else:
-            located.append(placement.host.views.piece(placement.host_local[sg.index], name, a, b, verified))
+            located.append(placement.host.views.piece(sg.index, name, a, b, verified))
     dtype = torch.float32 if per_block else torch.uint8 if fmt.is_q8(name) else fmt.dtype_of(name)
     if not located:
         return torch.zeros(shape, dtype=dtype, device=p.device)
@@ -579,10 +579,9 @@ def scatter_state(layout, placement, sources: dict) -> None:
 
     try:
         for sg in nvme:
-            local = placement.host_local[sg.index]
-            if host.remainders[local] and _writes_params(sg, sources):
+            if host.remainders[sg.index] and _writes_params(sg, sources):
                 highs[sg.index] = (sg, sg.read().clone())
-            host.fill_state(local, fill(sg))
+            host.fill_state(sg.index, fill(sg))
     except BaseException as e:
         host.restore_file_marks(marks)
         for done_sg, high in highs.values():
@@ -598,7 +597,7 @@ def scatter_state(layout, placement, sources: dict) -> None:
             if tiers[sg.index] == DEVICE:
                 _fill(placement.device.stored(sg.index), sg, sources)
             else:
-                host.fill_state(placement.host_local[sg.index], fill(sg))
+                host.fill_state(sg.index, fill(sg))
             done.append(sg)
     except BaseException as e:
         if nvme:

@@ -53,7 +53,7 @@ class ArenaPlan:
     regions: dict  # {region: byte offset inside a bank} (compressed.bank_layout)
     io_bytes: int  # a bank's state block: what a swap moves
     bank_stride: int
-    resident: list  # the subgroups (indices into numels) with a committed bank
+    resident: list  # the subgroups (their ids: plan_arena's `ids`) with a committed bank
     spares: int
     io_banks: int  # nvme reads in flight (two banks each)
     slot_stride: int
@@ -94,16 +94,19 @@ def plan_arena(
     staging_slots: int,
     slot_numel: int | None,
     quantized: list | None = None,
+    ids: list | None = None,
 ) -> ArenaPlan:
     """The arena of a host tier of subgroups `numels` (`nvme`, `remainders`, `quantized`: a flag
     each: on nvme, keeping its master as remainders, keeping q8 moments) — HostTier's
-    arguments, checked by it."""
+    arguments, checked by it. `ids`: the subgroups' ids, in numels' order (default 0..n-1):
+    `resident` names them so."""
     rem_mode = ("all" if all(remainders) else "some") if any(remainders) else "none"
     quantized = list(quantized or [False] * len(numels))
     q8_mode = ("all" if all(quantized) else "some") if any(quantized) and fmt.quantized_moments else "none"
     if q8_mode == "none":
         fmt = fmt.unquantized()
-    resident = [i for i in range(len(numels)) if not nvme[i]]
+    ids = list(range(len(numels))) if ids is None else list(ids)
+    resident = [ids[k] for k in range(len(numels)) if not nvme[k]]
     spares = (
         (len(resident) if spare_banks is None else spare_banks) if rollback == "exact" and resident else 0
     )

@@ -117,24 +117,25 @@ class StateBanks:
         self,
         arena,
         *,
-        numels: list,
+        numels: dict,
         fmt,
         amsgrad: bool,
         copy_dtype,
-        remainders: list,
-        params,
+        remainders: dict,
+        params: dict | None,
         regions: dict,
         bank_offset: int,
         bank_stride: int,
         io_bytes: int,
         n_banks: int,
-        quantized: list | None = None,
+        quantized: dict,
     ):
+        """`numels`, `remainders`, `params`, `quantized`: by subgroup id (HostTier's)."""
         self.arena = arena
-        self.numels, self.fmt, self.amsgrad, self.copy_dtype = list(numels), fmt, amsgrad, copy_dtype
+        self.numels, self.fmt, self.amsgrad, self.copy_dtype = dict(numels), fmt, amsgrad, copy_dtype
         # per subgroup, its format: q8 moments fp32 where its params are small (layout.py)
-        self.formats = [fmt.for_subgroup(q) for q in (quantized or [False] * len(numels))]
-        self._remainders, self._params = list(remainders), params
+        self.formats = {sg: fmt.for_subgroup(q) for sg, q in quantized.items()}
+        self._remainders, self._params = dict(remainders), params
         self._regions, self._bank_offset, self._bank_stride = dict(regions), bank_offset, bank_stride
         self.io_bytes = io_bytes
         # banks no one has written yet: the arena's pages are zero, load_state need not zero them
@@ -151,9 +152,9 @@ class StateBanks:
         return self._bank_stride
 
     @property
-    def remainders(self) -> list:
-        """Per subgroup, whether it keeps its master as remainders (a copy)."""
-        return list(self._remainders)
+    def remainders(self) -> dict:
+        """{subgroup id: whether it keeps its master as remainders} (a copy)."""
+        return dict(self._remainders)
 
     def keeps_remainders(self, sg: int) -> bool:
         return self._remainders[sg]

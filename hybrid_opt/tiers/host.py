@@ -57,7 +57,12 @@ class HostTier:
     exp_avg_dtype / exp_avg_sq_dtype may be "q8" (issue 38): `quantized` (a flag per subgroup:
     its params have at least Q8_MIN_NUMEL elements, layout.py) says which subgroups keep q8
     moments — codes and absmaxes in their banks (compressed.py), stepped by the q8 kernel; the
-    others keep fp32 moments. None: none is quantized."""
+    others keep fp32 moments. None: none is quantized.
+
+    `ids`: each subgroup's id (the layout's `Subgroup.index`), in numels' order; every method
+    takes a subgroup by its id and everything the tier hands back (outcomes, errors, counters,
+    flags) names it by its id (default: 0..n-1). The per-subgroup lists (`nvme`, `quantized`,
+    `params`) are in numels' order."""
 
     def __init__(
         self,
@@ -84,6 +89,7 @@ class HostTier:
         nvme_threads: int = 4,
         pin: bool | torch.device = False,
         quantized: list | None = None,
+        ids: list | None = None,
     ):
         if rollback not in ("exact", "inverse"):
             raise ValueError(f"rollback must be 'exact' or 'inverse', got {rollback!r}")
@@ -121,9 +127,16 @@ class HostTier:
             raise ValueError(f"rollback='exact' needs at least one spare bank, got spare_banks={spare_banks}")
         if staging_slots < 1:
             raise ValueError(f"staging_slots must be >= 1, got {staging_slots}")
-        self.numels = list(numels)
-        remainders, params = check_params(params, self.numels, fmt, copy_dtype)
-        if rollback == "inverse" and any(remainders):
+        ids = list(range(len(numels))) if ids is None else [int(i) for i in ids]
+        if len(ids) != len(numels) or len(set(ids)) != len(ids) or min(ids) < 0:
+            raise ValueError(f"ids must be {len(numels)} distinct subgroup ids >= 0, got {ids}")
+        # per subgroup, by its id: every part of the tier keys its subgroups so
+        self.numels = dict(zip(ids, numels))
+        flags, params = check_params(params, list(numels), fmt, copy_dtype)
+        remainders = dict(zip(ids, flags))
+        params = dict(zip(ids, params)) if params is not None else None
+        quantized = dict(zip(ids, quantized))
+        if rollback == "inverse" and any(remainders.values()):
             raise ValueError(
                 "rollback='inverse' needs an fp32 master (its fp64 inverse reads and "
                 "writes fp32 params); use rollback='exact' with remainders=True"
@@ -133,10 +146,11 @@ class HostTier:
         self.exp_avg_dtype, self.exp_avg_sq_dtype = exp_avg_dtype, exp_avg_sq_dtype
         self.amsgrad, self.rollback = amsgrad, rollback
         n = len(numels)
-        self.nvme = [bool(x) for x in nvme] if nvme is not None else [False] * n
-        if len(self.nvme) != n:
-            raise ValueError(f"nvme has {len(self.nvme)} flags for {n} subgroups")
-        has_nvme = any(self.nvme)
+        nvme = [bool(x) for x in nvme] if nvme is not None else [False] * n
+        if len(nvme) != n:
+            raise ValueError(f"nvme has {len(nvme)} flags for {n} subgroups")
+        self.nvme = dict(zip(ids, nvme))
+        has_nvme = any(nvme)
         if has_nvme and io_banks < 1:
             raise ValueError(f"the nvme tier needs io_banks >= 1, got {io_banks}")
         if has_nvme:
@@ -150,19 +164,20 @@ class HostTier:
         self.cores = CoreSplit(worker_share, worker_cores)
         self.swap = None
         lay = plan_arena(
-            self.numels,
-            self.nvme,
+            list(numels),
+            nvme,
             fmt=fmt,
             amsgrad=amsgrad,
             copy_dtype=copy_dtype,
-            remainders=remainders,
+            remainders=flags,
             grad_dtype=grad_dtype,
             rollback=rollback,
             spare_banks=spare_banks,
             io_banks=io_banks,
             staging_slots=staging_slots,
             slot_numel=slot_numel,
-            quantized=quantized,
+            quantized=list(quantized.values()),
+            ids=ids,
         )
         resident = lay.resident
         # an nvme step holds two banks (read, result) until it is committed or dropped
@@ -176,7 +191,7 @@ class HostTier:
             lay.spare_bytes,
             lay.staging_bytes,
         )
-        self.nvme_bytes = 2 * self.io_bytes * sum(self.nvme)
+        self.nvme_bytes = 2 * self.io_bytes * sum(nvme)
 
         # populated now: what construction writes (the committed masters: load_state) and the
         # staging slots; behind the first forward/backward, in this order: the committed banks'
@@ -229,10 +244,11 @@ class HostTier:
             slot_stride=slot_stride,
             exp_avg_dtype=_moment_code(exp_avg_dtype),
             exp_avg_sq_dtype=_moment_code(exp_avg_sq_dtype),
-            quantized=quantized,  # per subgroup: its q8 moments are codes (else fp32)
+            # the subgroups whose q8 moments are codes (the others' are fp32)
+            quantized=[sg for sg, q in quantized.items() if q],
             populate_later=later,
         )  # the worker maps these in the background
-        self._files = FileSlots(n)  # nvme: the committed slot of each subgroup's file
+        self._files = FileSlots(ids)  # nvme: the committed slot of each subgroup's file
         self._aio = None  # the trainer's own engine (load_state / state)
         self._fds = None  # nvme: the trainer's descriptors (nvme_files.py)
         if has_nvme:
@@ -287,8 +303,8 @@ class HostTier:
         self.closed = False
         try:
             if has_nvme:
-                self._fds.reserve(sum(map(bool, self.nvme)))  # RLIMIT_NOFILE: raised where short
-            for sg in range(n):
+                self._fds.reserve(sum(nvme))  # RLIMIT_NOFILE: raised where short
+            for sg in ids:
                 if self.nvme[sg]:
                     self.swap.create(sg, 2 * self.io_bytes)
                     self._fds.open(sg)
@@ -310,7 +326,7 @@ class HostTier:
                 zeros = aligned_buffer(self.io_bytes)
                 zero_crc = checksum(zeros)
                 zeros.close()
-                for sg in range(n):
+                for sg in ids:
                     if self.nvme[sg]:
                         self._files.note_crc(sg, 0, zero_crc)
         except BaseException:
@@ -403,7 +419,7 @@ class HostTier:
         how a load into the files is undone (load_state writes the other slot only)."""
         return {
             sg: (self._files.slot(sg), self._files.crc(sg, self._files.slot(sg)))
-            for sg in range(len(self.numels))
+            for sg in self.numels
             if self.nvme[sg]
         }
 
@@ -589,8 +605,8 @@ class HostTier:
         return self._io.copies_in_flight()
 
     @property
-    def worker_seconds(self) -> list:
-        """Per subgroup, cumulative: the worker's compute and I/O seconds (read-only)."""
+    def worker_seconds(self) -> dict:
+        """{subgroup id: cumulative seconds}: the worker's compute and I/O (read-only)."""
         return self._io.worker_seconds
 
     @property
@@ -625,13 +641,13 @@ class HostTier:
         return self._banks.bank_stride
 
     @property
-    def remainders(self) -> list:
-        """Per subgroup, whether it keeps its fp32 master as remainders (a copy)."""
+    def remainders(self) -> dict:
+        """{subgroup id: whether it keeps its fp32 master as remainders} (a copy)."""
         return self._banks.remainders
 
     @property
-    def file_slots(self) -> list:
-        """nvme: the committed slot (0 or 1) of each subgroup's file (a copy)."""
+    def file_slots(self) -> dict:
+        """nvme: {subgroup id: the committed slot (0 or 1) of its file} (a copy)."""
         return self._files.committed
 
     @property

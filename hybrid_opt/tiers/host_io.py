@@ -70,9 +70,9 @@ class HostIO:
         slot_numel: int,
         grad_dtype,
         copy_dtype,
-        remainders: list,
+        remainders: dict,
         rollback: str,
-        nvme: list,
+        nvme: dict,
         forget,
         waited_threads: int = 0,
     ):
@@ -81,7 +81,8 @@ class HostIO:
         self.client = client
         self.waited_threads = waited_threads
         self.grad_dtype, self.copy_dtype = grad_dtype, copy_dtype
-        self._remainders, self._rollback, self._nvme = list(remainders), rollback, list(nvme)
+        # by subgroup id (HostTier's)
+        self._remainders, self._rollback, self._nvme = dict(remainders), rollback, dict(nvme)
         self._forget = forget
         self._slots = list(slots)
         self.slot_numel = slot_numel  # elements per staging slot: the most one piece has
@@ -93,7 +94,8 @@ class HostIO:
         self._copy_stager = None  # replaces the CUDA stagers (tests: events they complete)
         self._error: WorkerError | None = None
         self.remote_gather = False
-        self.worker_seconds = [0.0] * len(nvme)  # per subgroup, cumulative: compute and I/O in the worker
+        # {subgroup id: cumulative seconds}: compute and I/O in the worker
+        self.worker_seconds = dict.fromkeys(nvme, 0.0)
         self._counts = {"worker_restarts": 0, "worker_seconds": 0.0, "remote_gathered": 0}
 
     # ------------------------------------------------------------------ read-only views

@@ -57,8 +57,8 @@ class HostStepping:
         client,
         views,
         *,
-        numels: list,
-        nvme: list,
+        numels: dict,
+        nvme: dict,
         rollback: str,
         amsgrad: bool,
         slot_numel: int,
@@ -66,7 +66,7 @@ class HostStepping:
         self._io, self._banks, self._pool, self._files = io, banks, pool, files
         self._views = views  # HostViews: told of every bank and slot a step is about to write
         self._client = client
-        self.numels, self.nvme = list(numels), list(nvme)
+        self.numels, self.nvme = dict(numels), dict(nvme)  # by subgroup id (HostTier's)
         self.rollback, self.amsgrad, self.slot_numel = rollback, amsgrad, slot_numel
         self._spec: dict[int, _Speculation] = {}
         self._on_progress = None  # inside finish(): work to do while a slot is awaited
@@ -184,8 +184,10 @@ class HostStepping:
         """Rejects a bad step before any bank, slot or task is taken: a step that failed half
         launched would leave a spare bank partly written, and a speculation finish() could commit.
         Returns the step's runs (inputs.ranges: (offset, numel, step)), checked."""
-        if not 0 <= sg < len(self.numels):
-            raise IndexError(f"subgroup {sg} does not exist: this host tier has {len(self.numels)} subgroups")
+        if sg not in self.numels:
+            raise IndexError(
+                f"subgroup {sg} does not exist: this host tier has subgroups {sorted(self.numels)}"
+            )
         n = self.numels[sg]
         if not callable(grad) and grad.numel() != n:
             raise ValueError(f"subgroup {sg} has {n} elements, its grad {grad.numel()}")

@@ -23,9 +23,10 @@ _REGION = {"master": "p", "remainder": "rem", "exp_avg": "m", "exp_avg_sq": "v",
 class HostViews:
     """Pieces of a HostTier's committed state, and the HeldViews over them."""
 
-    def __init__(self, arena, banks, pool, files, fds, *, nvme: list, io_bytes: int):
+    def __init__(self, arena, banks, pool, files, fds, *, nvme: dict, io_bytes: int):
+        """`nvme`: {subgroup id: whether it lives on nvme} (HostTier's)."""
         self._arena, self._banks, self._pool, self._files, self._fds = arena, banks, pool, files, fds
-        self._nvme, self._io_bytes = list(nvme), io_bytes
+        self._nvme, self._io_bytes = dict(nvme), io_bytes
         self.held = HeldViews()
 
     def piece(self, sg: int, name: str, a: int, b: int, verified: set) -> Piece:

@@ -112,14 +112,15 @@ class FileSlots:
     """nvme: which of each subgroup's two file slots holds its committed state, and the CRC32C
     of each slot (what a read is verified against)."""
 
-    def __init__(self, n: int):
-        self._committed = [0] * n
-        self._crc = [[0, 0] for _ in range(n)]
+    def __init__(self, ids: list):
+        """`ids`: the tier's subgroup ids (HostTier's)."""
+        self._committed = dict.fromkeys(ids, 0)
+        self._crc = {sg: [0, 0] for sg in ids}
 
     @property
-    def committed(self) -> list:
-        """The committed slot of each subgroup's file (a copy)."""
-        return list(self._committed)
+    def committed(self) -> dict:
+        """{subgroup id: the committed slot of its file} (a copy)."""
+        return dict(self._committed)
 
     def slot(self, sg: int) -> int:
         return self._committed[sg]

@@ -46,7 +46,7 @@ UNANSWERED = (
 
 
 class TornState(RuntimeError):
-    """rollback='inverse': in-place steps of `subgroups` (the tier's indices) may have written
+    """rollback='inverse': in-place steps of `subgroups` (their ids) may have written
     part of their state when `why` happened (a worker that died or did not answer, a failed
     piece): only a checkpoint restores them."""
 
@@ -61,7 +61,7 @@ class TornState(RuntimeError):
 
 class TornInterrupt(KeyboardInterrupt):
     """A KeyboardInterrupt (Ctrl-C) that cut rollback='inverse' in-place steps short: still one
-    (the program stops), naming the `subgroups` (the tier's indices) that may be torn."""
+    (the program stops), naming the `subgroups` (their ids) that may be torn."""
 
     def __init__(self, message: str, subgroups: list):
         self.subgroups = sorted(subgroups)

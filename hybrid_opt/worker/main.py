@@ -98,9 +98,9 @@ class Worker:
         self.regions = cfg["bank_regions"]
         self.slot_offset, self.slot_stride = cfg["slot_offset"], cfg["slot_stride"]
         self.m_dtype, self.v_dtype = cfg["exp_avg_dtype"], cfg["exp_avg_sq_dtype"]
-        self.quantized = [bool(q) for q in cfg.get("quantized") or ()]
+        self.quantized = {int(sg) for sg in cfg.get("quantized") or ()}  # subgroup ids
         self.q8_lib = None
-        if any(self.quantized):
+        if self.quantized:
             from cpu_kernels import _q8_lib  # noqa: PLC0415  (torch-free, as _lib)
 
             self.q8_lib = _q8_lib
@@ -227,7 +227,7 @@ class Worker:
             return proto.Result(t.op, t.task_id, proto.STATUS_NONFINITE, t.subgroup, sum_sq, 0)
         off = t.elem_offset
         out_bank = t.in_bank if t.out_bank == proto.NO_BANK else t.out_bank
-        q8 = t.subgroup < len(self.quantized) and self.quantized[t.subgroup]
+        q8 = t.subgroup in self.quantized
         # a q8 moment of a subgroup too small to quantize is fp32
         m_dtype, v_dtype = ((code if q8 or code != DT_Q8 else 0) for code in (self.m_dtype, self.v_dtype))
         ms, vs = _DTYPE_SIZE[m_dtype], _DTYPE_SIZE[v_dtype]
