@@ -13,37 +13,12 @@ from __future__ import annotations
 import torch
 
 from hybrid_opt.distributed.local_shards import local_of, replicas
-from hybrid_opt.distributed.ranks import torch_dist, world_size
+from hybrid_opt.distributed.ranks import world_size
 
 
 def weighted_norm_sq(partials) -> float:
     """Σ norm² / replicas over [(norm², replicas)], in the order given (fixed: subgroup order)."""
     return sum(s / r if r != 1 else s for s, r in partials)
-
-
-def needs_reduction(params) -> bool:
-    """True when the grads of `params` live on more than one rank (a world > 1)."""
-    return world_size() > 1 and any(True for _ in params)
-
-
-def reduce_decision(norm_sq, found, group=None):
-    """(global norm², global found_inf) — one all_reduce(SUM) of both over `group` (default: the
-    default group),
-    so every rank clips by the same coefficient and skips the same steps. Either may be None
-    (not needed this step); found may be a tensor (the scaler's), returned as a float."""
-    dist = torch_dist()
-    values = [0.0 if norm_sq is None else float(norm_sq), 0.0 if found is None else float(found)]
-    if dist is None or dist.get_world_size(group) == 1:
-        return norm_sq, found
-    # gloo reduces CPU tensors; nccl needs them on the rank's device
-    backend = dist.get_backend(group)
-    device = torch.device("cpu")
-    if backend == "nccl" and torch.cuda.is_available():
-        device = torch.device("cuda", torch.cuda.current_device())
-    buf = torch.tensor(values, dtype=torch.float64, device=device)
-    dist.all_reduce(buf, op=dist.ReduceOp.SUM, group=group)
-    total_sq, total_found = buf.tolist()
-    return (None if norm_sq is None else total_sq), (None if found is None else total_found)
 
 
 def globalize_scaler_found_inf(scaler, key: int, found: float) -> None:
