@@ -35,6 +35,7 @@ from torch import nn
 from hybrid_opt import HybridAdamW
 from hybrid_opt.placement.plan import NVME
 from hybrid_opt.swap import PREFIX
+from hybrid_opt.testing import debug_view
 from hybrid_opt.tiers.host import HostTier, StepInputs
 from hybrid_opt.tiers.host_io import TornState
 from hybrid_opt.worker.client import WorkerError
@@ -1005,8 +1006,8 @@ def test_a_full_disk_during_step_rolls_back_the_step_counts_of_what_was_not_step
             opt.step()
         before = opt.state_dict()
         # the next write goes to the slot after the committed one: let only its first page in
-        nxt = 1 - opt.parts.placement.host.file_slots[0]
-        limit = nxt * opt.parts.placement.host.io_bytes + 4096
+        nxt = 1 - debug_view(opt).host.file_slots[0]
+        limit = nxt * debug_view(opt).host.io_bytes + 4096
         old = resource.prlimit(opt.worker_pid, resource.RLIMIT_FSIZE)
         resource.prlimit(opt.worker_pid, resource.RLIMIT_FSIZE, (limit, old[1]))  # soft only
         try:
@@ -1073,8 +1074,8 @@ def test_a_checkpoint_replaces_a_corrupt_nvme_slot_and_the_step_error_says_so(nv
         _grad_step(opt, params, 1)
         ckpt = copy.deepcopy(opt.state_dict())
         _grad_step(opt, params, 2)
-        host = opt.parts.placement.host
-        local = opt.parts.placement.host_local[2]
+        host = debug_view(opt).host
+        local = debug_view(opt).host_index(2)
         flip_byte(host.swap.file(local), host.file_slots[local] * host.io_bytes + 100)
         with pytest.raises(RuntimeError, match="checksum mismatch") as info:
             _grad_step(opt, params, 3)
@@ -1098,7 +1099,7 @@ def test_a_load_that_fails_part_way_leaves_every_subgroup_and_hyperparameter_as_
         ckpt = copy.deepcopy(opt.state_dict())
         ckpt["param_groups"][0]["lr"] = 0.5
         _grad_step(opt, params, 2, which=(0, 1))  # their slots flip, the others' do not
-        host = opt.parts.placement.host
+        host = debug_view(opt).host
         assert host.file_slots == [1, 1, 0, 0]
         before = _snapshot(opt)
         # a load writes each file's other slot: slot 0 (subgroups 0, 1) is let in, slot 1 is not
@@ -1135,8 +1136,8 @@ def test_an_nvme_file_removed_from_outside_keeps_its_state_and_says_so(nvme_dir,
     nvme tier and what to do."""
     params, opt, twin_params, twin = _stepped_twins(nvme_dir)
     with opt, twin:
-        host = opt.parts.placement.host
-        path = host.swap.file(opt.parts.placement.host_local[1])
+        host = debug_view(opt).host
+        path = host.swap.file(debug_view(opt).host_index(1))
         if how == "unlink":
             os.unlink(path)
         else:
@@ -1214,7 +1215,7 @@ def test_nvme_files_removed_from_outside_survive_a_killed_worker_and_a_checkpoin
     optimizer (written through the same descriptors) steps on bitwise."""
     params, opt, twin_params, twin = _stepped_twins(nvme_dir)
     with opt, twin:
-        host = opt.parts.placement.host
+        host = debug_view(opt).host
         if how == "unlink":
             for name in os.listdir(host.swap.path):
                 if name.endswith(".state"):

@@ -14,6 +14,7 @@ import torch.distributed as dist
 from hybrid_opt import HybridAdam, HybridAdamW
 from hybrid_opt.distributed import zero, zero_counts
 from hybrid_opt.distributed.zero import BUCKET_NUMEL
+from hybrid_opt.testing import debug_view
 
 DEVICE = os.environ.get("DIST_DEVICE", "cpu")  # "cuda": the gpu test (NCCL, one rank per GPU)
 
@@ -113,23 +114,28 @@ def run(name: str, rank: int, world: int, tmp: str) -> dict:
             probe=[],
             pending_after_step=[],
             buffer_bytes=[],
-            buckets=len(opt.parts.sharding.buckets),
-            direct=[b.direct for b in opt.parts.sharding.buckets],
-            state_numel=opt.parts.sharding.state_numel(),
+            buckets=len(debug_view(opt).sharding.buckets),
+            direct=[b.direct for b in debug_view(opt).sharding.buckets],
+            state_numel=debug_view(opt).sharding.state_numel(),
             plan=repr(opt.plan),
             opt_repr=repr(opt),
-            laid_out=sum(sg.numel for sg in opt.parts.layout.subgroups),
+            laid_out=sum(sg.numel for sg in debug_view(opt).subgroups),
             events=[],
-            bucket_params=[[opt.parts.layout.index[p] for p in b.params] for b in opt.parts.sharding.buckets],
-            sg_params=[sorted({sl.param_index for sl in sg.slices}) for sg in opt.parts.layout.subgroups],
+            bucket_params=[
+                [debug_view(opt).param_index[p] for p in b.params] for b in debug_view(opt).sharding.buckets
+            ],
+            sg_params=[sorted({sl.param_index for sl in sg.slices}) for sg in debug_view(opt).subgroups],
             count_reads_after_backward=[],
             count_reads_after_step=[],
             grad_none_after_backward=[],
         )
         if name == "adamw_commit_order":  # logs each host commit and each bucket's gather launch
-            committed, launch = opt.parts.sharding.committed, opt.parts.sharding.gathers.launch
-            opt.parts.sharding.committed = lambda i: (out["events"][-1].append(("commit", i)), committed(i))
-            opt.parts.sharding.gathers.set_launcher(
+            committed, launch = debug_view(opt).sharding.committed, debug_view(opt).sharding.gathers.launch
+            debug_view(opt).sharding.committed = lambda i: (
+                out["events"][-1].append(("commit", i)),
+                committed(i),
+            )
+            debug_view(opt).sharding.gathers.set_launcher(
                 lambda b, d: (out["events"][-1].append(("gather", b.index)), launch(b, d))
             )
         for i, x in enumerate(C.batches()):
@@ -148,12 +154,12 @@ def run(name: str, rank: int, world: int, tmp: str) -> dict:
                 else:
                     loss = C.loss_fn(stepped_model, local[m * n : (m + 1) * n]) / micro
                 (scaler.scale(loss) if scaler else loss).backward()
-            out["count_reads_after_backward"].append(opt.parts.sharding.stats["count_reads"])
+            out["count_reads_after_backward"].append(debug_view(opt).sharding.stats["count_reads"])
             out["grad_none_after_backward"].append([p.grad is None for p in model.parameters()])
             out["events"].append([])
             if name == "adamw_commit_order" and rank == 1:
-                opt.parts.placement.host.cancel(
-                    opt.parts.placement.host_local[0]
+                debug_view(opt).host.cancel(
+                    debug_view(opt).host_index(0)
                 )  # stepped in step(), after the others commit
             if scaler is not None:
                 scaler.step(opt)
@@ -161,9 +167,9 @@ def run(name: str, rank: int, world: int, tmp: str) -> dict:
                 out["scales"].append(float(scaler.get_scale()))
             else:
                 opt.step()
-            out["pending_after_step"].append(len(opt.parts.sharding.gathers.pending()))
-            out["count_reads_after_step"].append(opt.parts.sharding.stats["count_reads"])
-            out["buffer_bytes"].append(opt.parts.sharding.stats["buffer_bytes"])
+            out["pending_after_step"].append(len(debug_view(opt).sharding.gathers.pending()))
+            out["count_reads_after_step"].append(debug_view(opt).sharding.stats["count_reads"])
+            out["buffer_bytes"].append(debug_view(opt).sharding.stats["buffer_bytes"])
             if name == "adamw_load" and i == 2:  # written after step(), before the gathers land
                 model.load_state_dict(
                     {k: torch.full_like(v, 0.25 + j) for j, (k, v) in enumerate(model.state_dict().items())}
@@ -185,7 +191,7 @@ def run(name: str, rank: int, world: int, tmp: str) -> dict:
             out["worker"].append((opt.stats.get("worker_s", 0.0), opt.stats.get("hidden_s", 0.0)))
         out["state_bytes"] = sum(t["state_bytes"] for t in opt.stats["tiers"].values())
         out["device_elements"] = opt.stats["tiers"]["device"]["elements"]
-        out["zero"] = dict(opt.parts.sharding.stats)
+        out["zero"] = dict(debug_view(opt).sharding.stats)
     out["warnings"] = [str(w.message) for w in caught]
     opt.close()
     return out
