@@ -98,6 +98,31 @@ class DebugView:
         host = self._parts.placement.host
         return {} if host is None else dict(host.stats)
 
+    def host_subgroups(self) -> list:
+        """The layout subgroups the host tier holds (host and nvme), in the tier's own order."""
+        local = self._parts.placement.host_local
+        return sorted(local, key=local.get)
+
+    def on_nvme(self, sg: int) -> bool:
+        """Whether host-tier subgroup `sg` (a layout index) lives in an nvme file."""
+        return bool(self.host.nvme[self.host_index(sg)])
+
+    def host_quantized(self, sg: int) -> bool:
+        """Whether host-tier subgroup `sg` keeps q8 moments."""
+        return self.host.quantized(self.host_index(sg))
+
+    def nvme_file(self, sg: int) -> str:
+        """The path of nvme subgroup `sg`'s state file."""
+        return self.host.swap.file(self.host_index(sg))
+
+    def file_slot(self, sg: int) -> int:
+        """The slot of nvme subgroup `sg`'s file that holds its committed state (0 or 1)."""
+        return self.host.file_slots[self.host_index(sg)]
+
+    def committed_bank(self, sg: int) -> int:
+        """The bank that holds host-tier subgroup `sg`'s committed state."""
+        return self.host.pool.committed[self.host_index(sg)]
+
     # ------------------------------------------------------------------ device tier
     @property
     def device(self):

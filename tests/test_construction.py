@@ -183,12 +183,12 @@ def test_a_non_speculative_exact_step_writes_a_spare_bank_and_flips():
     two banks are what it needs."""
     model = _bigger_model()
     with _opt(model, speculative=False) as opt:
-        host = debug_view(opt).host
-        banks = dict(host.pool.committed)
+        view = debug_view(opt)
+        banks = {sg: view.committed_bank(sg) for sg in view.host_subgroups()}
         _train(opt, model, steps=1)
-        assert host.stats["stepped"] == len(banks) and host.stats["committed"] == 0
+        assert view.host_stats["stepped"] == len(banks) and view.host_stats["committed"] == 0
         for sg, bank in banks.items():
-            assert host.pool.committed[sg] != bank, sg
+            assert view.committed_bank(sg) != bank, sg
 
 
 @pytest.mark.parametrize("case", ["inverse", "nvme_only", "explicit"])

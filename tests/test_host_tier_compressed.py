@@ -583,7 +583,10 @@ def test_every_placement_steps_the_same_bits_through_clipping_overflow_and_a_kil
             )
             scalers[name] = torch.amp.GradScaler("cpu", init_scale=2.0**8, growth_interval=3)
             opts[name].attach_grad_scaler(scalers[name])
-        assert debug_view(opts["host"]).host is not None and all(debug_view(opts["nvme"]).host.nvme)
+        nvme = debug_view(opts["nvme"])
+        assert debug_view(opts["host"]).host is not None and all(
+            nvme.on_nvme(sg) for sg in nvme.host_subgroups()
+        )
         assert debug_view(opts["device"]).host is None
         assert all(debug_view(opts["host"]).host.remainders) and all(debug_view(opts["nvme"]).host.remainders)
         for step in range(9):

@@ -399,12 +399,13 @@ def test_host_and_nvme_tiers_step_the_q8_reference_bitwise(model, moments, place
         else PLACED[placement]
     )
     with _hybrid(params, fmt, amsgrad=True, **kw) as opt:
-        host = debug_view(opt).host
-        assert host is not None and any(host.quantized(k) for k in range(len(host.numels)))
+        view = debug_view(opt)
+        host = view.host
+        assert host is not None and any(view.host_quantized(sg) for sg in view.host_subgroups())
         if placement == "host":
-            assert not all(host.quantized(k) for k in range(len(host.numels)))  # a mixed tier
+            assert not all(view.host_quantized(sg) for sg in view.host_subgroups())  # a mixed tier
         if placement != "host":
-            assert any(host.quantized(k) and host.nvme[k] for k in range(len(host.numels)))
+            assert any(view.host_quantized(sg) and view.on_nvme(sg) for sg in view.host_subgroups())
         for k in range(4):
             for p in params:
                 p.grad = None
@@ -478,7 +479,8 @@ def test_speculative_plain_and_nvme_steps_are_bitwise_through_clipping_overflow_
                     for key, t in sds["device"][i].items():
                         assert torch.equal(sds[name][i][key], t), (step, name, i, key)
         assert "exp_avg_q8" in sds["device"][0] and "exp_avg" in sds["device"][2]
-        assert all(debug_view(opts["nvme"]).host.nvme)
+        nvme = debug_view(opts["nvme"])
+        assert all(nvme.on_nvme(sg) for sg in nvme.host_subgroups())
         for name in ("speculative", "plain", "nvme"):
             assert debug_view(opts[name]).host_stats["worker_restarts"] >= 1, name
         assert debug_view(opts["speculative"]).host_stats["redone"] > 0
@@ -496,11 +498,12 @@ def test_nvme_slot_checksums_cover_codes_and_absmaxes(region, tmp_path):
         params, StateFormat(Q8, Q8), offload_fraction=1.0, nvme_fraction=1.0, nvme_path=str(tmp_path)
     ) as opt:
         _run(opt, params, 2)
-        host = debug_view(opt).host
-        sg = next(k for k in range(len(host.numels)) if host.quantized(k) and host.nvme[k])
+        view = debug_view(opt)
+        host = view.host
+        sg = next(k for k in view.host_subgroups() if view.host_quantized(k) and view.on_nvme(k))
         assert host.region_offset(region) < host.io_bytes  # inside the block a swap moves
         opt.state_dict()  # reads back whole before the flip
-        path, slot = host.swap.file(sg), host.file_slots[sg]
+        path, slot = view.nvme_file(sg), view.file_slot(sg)
         with open(path, "r+b") as f:
             f.seek(slot * host.io_bytes + host.region_offset(region) + 1)
             b = f.read(1)
@@ -520,7 +523,8 @@ def test_replan_moves_codes_and_absmaxes_between_tiers_bitwise(tmp_path):
     with _hybrid(params, fmt, nvme_path=str(tmp_path)) as opt:
         _run(opt, params, 2)
         opt.replan(1.0, 0.5)
-        assert debug_view(opt).host is not None and any(debug_view(opt).host.nvme)
+        view = debug_view(opt)
+        assert view.host is not None and any(view.on_nvme(sg) for sg in view.host_subgroups())
         _run(opt, params, 2, first=2)
         opt.replan(0.0)
         assert debug_view(opt).host is None
@@ -591,8 +595,9 @@ def test_nvme_files_and_host_banks_hold_the_q8_bytes(fmt, bound, tmp_path):
     assert files["q8"] <= bound * files["fp32"], files
     model = _linear_model(0)
     with _hybrid(list(model.parameters()), fmt, subgroup_numel=1 << 16, offload_fraction=1.0) as opt:
-        host = debug_view(opt).host
-        assert all(host.quantized(k) for k in range(len(host.numels)))
+        view = debug_view(opt)
+        host = view.host
+        assert all(view.host_quantized(sg) for sg in view.host_subgroups())
         per_element = host.bank_bytes / (len(host.numels) * host.capacity)
         page_slack = 2 * 4096 / host.capacity  # a bank's state block and the bank end on a page
         assert fmt.bank_bytes(BF16) <= per_element <= fmt.bank_bytes(BF16) + page_slack, per_element
