@@ -202,10 +202,11 @@ def test_spare_pool_only_where_it_can_be_used(case, tmp_path):
         "explicit": dict(speculative=False, spare_banks=3),
     }[case]
     with _opt(model, **kw) as opt:
+        view = debug_view(opt)
         want = 3 if case == "explicit" else 0
         assert opt.plan.spare_banks == want
-        io = 2 * debug_view(opt).host.io_banks
-        assert debug_view(opt).host.spare_bytes == (want + io) * debug_view(opt).host.bank_stride
+        io = 2 * view.host.io_banks
+        assert view.host.spare_bytes == (want + io) * view.host.bank_stride
         _train(opt, model, steps=2)
 
 

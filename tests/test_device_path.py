@@ -305,16 +305,17 @@ def test_auto_on_cpu_times_with_the_host_clock():
     with HybridAdamW(
         model.parameters(), lr=1e-2, offload_fraction="auto", subgroup_numel=64, calibration=SLOW_HOST
     ) as opt:
+        view = debug_view(opt)
         for i in range(3):
             opt.zero_grad()
             _backward(model, seed=i)
             opt.step()
-        assert isinstance(debug_view(opt).clock, HostClock)
+        assert isinstance(view.clock, HostClock)
         measured = opt.stats["measured"]
         assert measured["step"] == 3  # read at once on a CPU host
         assert measured["device_s"] > 0 and measured["backward_s"] > 0
         assert opt.stats["device_s"] > 0 and opt.stats["tiers"]["device"]["trainer_s"] > 0
-        assert len(debug_view(opt).planner.samples) == 3
+        assert len(view.planner.samples) == 3
 
 
 def test_auto_reads_marks_only_once_complete_and_a_step_late():
@@ -330,17 +331,18 @@ def test_auto_reads_marks_only_once_complete_and_a_step_late():
         calibration=SLOW_HOST,
         refit_every=0,
     ) as opt:
-        clock = debug_view(opt).step_stats.clock = FakeClock()
+        view = debug_view(opt)
+        clock = view.step_stats.clock = FakeClock()
         opt.zero_grad()
         _backward(model)  # marks 1, 2: the hooks on the first and last params
         opt.step()  # marks 3, 4 around the device step
         assert clock.n == 4
-        assert debug_view(opt).planner.samples == [] and "measured" not in opt.stats
+        assert view.planner.samples == [] and "measured" not in opt.stats
         clock.done = 4
         opt.zero_grad()
         _backward(model, seed=1)
         opt.step()  # reads step 1 now; step 2's marks (5..8) are not complete
-        (sample,) = debug_view(opt).planner.samples
+        (sample,) = view.planner.samples
         assert sample.device_s == pytest.approx(1e-3) and sample.backward_s == pytest.approx(1e-3)
         assert opt.stats["measured"]["step"] == 1
         assert opt.stats["measured"]["device_s"] == pytest.approx(1e-3)
@@ -348,13 +350,13 @@ def test_auto_reads_marks_only_once_complete_and_a_step_late():
             opt.zero_grad()
             _backward(model, seed=2 + i)
             opt.step()
-        assert len(debug_view(opt).unread_samples) == MAX_UNREAD_SAMPLES
+        assert len(view.unread_samples) == MAX_UNREAD_SAMPLES
         clock.done = clock.n  # the GPU caught up with every step so far, not the next one
         opt.zero_grad()
         _backward(model, seed=99)
         opt.step()
-        assert [entry[0] for entry in debug_view(opt).unread_samples] == [debug_view(opt).steps_taken]
-        assert opt.stats["measured"]["step"] == debug_view(opt).steps_taken - 1
+        assert [entry[0] for entry in view.unread_samples] == [view.steps_taken]
+        assert opt.stats["measured"]["step"] == view.steps_taken - 1
 
 
 # ============================================================================= on a GPU

@@ -267,6 +267,7 @@ def test_a_move_that_fails_at_any_point_leaves_the_optimizer_as_it_was(monkeypat
         pytest.skip("nothing arrives on the device in this move")
     batches = make_batches(9)
     ref_model, ref, model, opt = _pair(offload=0.5)
+    view = debug_view(opt)
     with ref, opt:
         train(ref_model, ref, batches[:3])
         train(model, opt, batches[:3])
@@ -276,12 +277,12 @@ def test_a_move_that_fails_at_any_point_leaves_the_optimizer_as_it_was(monkeypat
             with pytest.raises(error, match="injected|does not fit|needs"):
                 opt.replan(target)
         assert opt.plan.tiers == tiers and opt.worker_pid == worker
-        assert debug_view(opt).host is not None and debug_view(opt).host.client is not None
+        assert view.host is not None and view.host.client is not None
         _assert_same(opt, snap)
         train(ref_model, ref, batches[3:6])
         train(model, opt, batches[3:6])
         opt.replan(target)
-        assert debug_view(opt).fractions[0] == pytest.approx(target, abs=0.15) and opt.plan.tiers != tiers
+        assert view.fractions[0] == pytest.approx(target, abs=0.15) and opt.plan.tiers != tiers
         train(ref_model, ref, batches[6:])
         train(model, opt, batches[6:])
         for a, b in zip(ref_model.parameters(), model.parameters()):
@@ -325,12 +326,13 @@ def test_a_move_that_needs_the_leaving_memory_frees_it_first_and_puts_it_back_on
 
     batches = make_batches(8)
     ref_model, ref, model, opt = _pair(dtype, offload=0.5)
+    view = debug_view(opt)
     with ref, opt:
         train(ref_model, ref, batches[:3])
         train(model, opt, batches[:3])
         snap, before = _snapshot(opt), opt.plan
         plan = _swapped(before)
-        m = debug_view(opt).placement.move_memory(plan)
+        m = view.placement.move_memory(plan)
         assert m["leaving"] > 0 and m["arriving"] > 0
         _fake_cuda(monkeypatch, opt, free=m["arriving"] // 2)  # fits only with the leaving gone
         released = []
@@ -338,21 +340,19 @@ def test_a_move_that_needs_the_leaving_memory_frees_it_first_and_puts_it_back_on
 
         def device_tier(sgs, amsgrad, *state_format):
             if not released:  # the arrivals: the leaving were let go just before
-                released.extend(
-                    i for i in debug_view(opt).device.subgroups if i not in debug_view(opt).device.state
-                )
+                released.extend(i for i in view.device.subgroups if i not in view.device.state)
                 if fail:
                     raise torch.OutOfMemoryError("injected: CUDA out of memory")
             return real(sgs, amsgrad, *state_format)
 
         monkeypatch.setattr(moves, "DeviceTier", device_tier)
-        assert debug_view(opt).placement.room_shortfall(plan) is None
+        assert view.placement.room_shortfall(plan) is None
         if fail:
             with pytest.raises(torch.OutOfMemoryError):
-                debug_view(opt).placement.relayout(plan)
+                view.placement.relayout(plan)
             assert opt.plan is before
         else:
-            debug_view(opt).placement.relayout(plan)
+            view.placement.relayout(plan)
             assert opt.plan.tiers == plan.tiers
         assert sorted(released) == sorted(i for i, t in enumerate(before.tiers) if t == "device")
         monkeypatch.undo()
@@ -368,11 +368,12 @@ def test_a_move_the_device_cannot_hold_is_refused_before_anything_changes(monkey
     """The device room check: the subgroups arriving on the device must fit in what is free
     there (torch's cached blocks included) plus what the leaving ones free."""
     ref_model, ref, model, opt = _pair(offload=1.0)
+    view = debug_view(opt)
     with ref, opt:
         train(model, opt, make_batches(2))
         snap, worker = _snapshot(opt), opt.worker_pid
-        plan = debug_view(opt).placement.plan_for(_fixed(0.0))
-        need = debug_view(opt).placement.move_memory(plan)["arriving"]
+        plan = view.placement.plan_for(_fixed(0.0))
+        need = view.placement.move_memory(plan)["arriving"]
         assert (
             need == sum(p.numel() for p in model.parameters()) * 8
         )  # fp32: m and v; the param is the master
@@ -382,7 +383,7 @@ def test_a_move_the_device_cannot_hold_is_refused_before_anything_changes(monkey
         assert opt.worker_pid == worker and opt.plan.summary()["host"]["share"] == 1.0
         _assert_same(opt, snap)
         _fake_cuda(monkeypatch, opt, free=need)
-        assert debug_view(opt).placement.room_to_move(_fixed(0.0))
+        assert view.placement.room_to_move(_fixed(0.0))
 
 
 def _fixed(off, nv=0.0):
@@ -398,22 +399,23 @@ def test_room_to_move_counts_the_state_copied_out_and_the_new_host_tier(monkeypa
     from hybrid_opt.placement import scheduler
 
     ref_model, ref, model, opt = _pair(offload=0.0)
+    view = debug_view(opt)
     with ref, opt:
         n = sum(p.numel() for p in model.parameters())
-        to_host = debug_view(opt).placement.plan_for(_fixed(1.0))
-        m = debug_view(opt).placement.move_memory(to_host)
+        to_host = view.placement.plan_for(_fixed(1.0))
+        m = view.placement.move_memory(to_host)
         tier = m["host_need"] - 12 * n  # the new host tier's arena, counted before it exists
         assert m["arriving"] == 0
         # (the plan held fixed: its spare pool is sized from the free memory too)
         monkeypatch.setattr(scheduler, "_free_host_bytes", lambda: m["host_need"] / 0.9 * 1.001)
-        assert debug_view(opt).placement.room_shortfall(to_host) is None
+        assert view.placement.room_shortfall(to_host) is None
         monkeypatch.setattr(scheduler, "_free_host_bytes", lambda: m["host_need"] / 0.9 * 0.999)
-        assert "needs" in debug_view(opt).placement.room_shortfall(to_host)
+        assert "needs" in view.placement.room_shortfall(to_host)
         monkeypatch.undo()
         opt.replan(1.0)
         assert opt.plan.spare_banks == to_host.spare_banks
         assert opt.allocated_bytes["host"] == tier  # what the OS reports of the arena it made
-        back = debug_view(opt).placement.move_memory(debug_view(opt).placement.plan_for(_fixed(0.0)))
+        back = view.placement.move_memory(view.placement.plan_for(_fixed(0.0)))
         assert back["host_need"] == 8 * n and back["leaving"] == 0  # the device tier is host memory here
 
 
@@ -559,7 +561,8 @@ def test_refits_feed_the_measured_device_memory_to_auto(monkeypatch):
         refit_every=3,
         calibration=dict(FAST_DEVICE),
     ) as opt:
-        assert not debug_view(opt).planner.device_from_peak  # CPU: behaviour unchanged
+        view = debug_view(opt)
+        assert not view.planner.device_from_peak  # CPU: behaviour unchanged
         seen = []
         monkeypatch.setattr(
             scheduler,
@@ -572,26 +575,21 @@ def test_refits_feed_the_measured_device_memory_to_auto(monkeypatch):
                 "peak": 1.5 * GiB,
             },
         )
-        real = debug_view(opt).planner.observe_device_memory
+        real = view.planner.observe_device_memory
         monkeypatch.setattr(
-            debug_view(opt).planner,
+            view.planner,
             "observe_device_memory",
             lambda mem, counted, floor: seen.append((counted, floor)) or real(mem, counted, floor),
         )
         train(model, opt, make_batches(4))
         assert seen == []
-        debug_view(opt).planner.device_from_peak = debug_view(opt).planner.device_peak_pending = True
+        view.planner.device_from_peak = view.planner.device_peak_pending = True
         train(model, opt, make_batches(4))
-        assert len(seen) == 1 and not debug_view(opt).planner.device_peak_pending  # the refit at step 6
+        assert len(seen) == 1 and not view.planner.device_peak_pending  # the refit at step 6
         counted, floor = seen[0]
-        assert (
-            counted
-            == debug_view(opt).placement.modelled_bytes(*debug_view(opt).fractions, opt.plan.spare_banks)[
-                "device"
-            ]
-        )
-        assert floor == debug_view(opt).placement.modelled_bytes(1.0, 0.0, opt.plan.spare_banks)["device"]
-        assert debug_view(opt).planner.device_budget == pytest.approx(
+        assert counted == view.placement.modelled_bytes(*view.fractions, opt.plan.spare_banks)["device"]
+        assert floor == view.placement.modelled_bytes(1.0, 0.0, opt.plan.spare_banks)["device"]
+        assert view.planner.device_budget == pytest.approx(
             scheduler.measured_device_budget(1.0 * GiB, 2.0 * GiB, 1.0 * GiB, 1.5 * GiB, counted, floor)
         )
 

@@ -386,11 +386,12 @@ def test_a_refit_that_pays_moves_and_numerics_stay_bitwise(monkeypatch):
         ) as fixed,
         _auto(auto_model, SLOW_HOST, refit_every=2) as opt,
     ):
-        to_host = debug_view(opt).planner.predict(1.0, 0.0)
-        monkeypatch.setattr(debug_view(opt).planner, "refit", lambda *a: Decision(1.0, 0.0, to_host, "test"))
+        view = debug_view(opt)
+        to_host = view.planner.predict(1.0, 0.0)
+        monkeypatch.setattr(view.planner, "refit", lambda *a: Decision(1.0, 0.0, to_host, "test"))
         train(fixed_model, fixed, batches)
         train(auto_model, opt, batches)
-        assert debug_view(opt).planner.moves >= 1 and opt.plan.summary()["host"]["share"] == 1.0
+        assert view.planner.moves >= 1 and opt.plan.summary()["host"]["share"] == 1.0
         assert opt.worker_pid is not None
         for a, b in zip(fixed_model.parameters(), auto_model.parameters()):
             assert torch.equal(a, b)
@@ -411,16 +412,17 @@ def test_a_refit_whose_move_fails_keeps_the_plan_and_the_state(monkeypatch, tmp_
         ) as fixed,
         _auto(auto_model, SLOW_HOST, refit_every=2) as opt,
     ):
+        view = debug_view(opt)
         opt.nvme_path = str(blocker / "swap")
-        to_disk = debug_view(opt).planner.predict(1.0, 0.0)  # a prediction to carry; the layout is 1.0 / 1.0
-        monkeypatch.setattr(debug_view(opt).planner, "refit", lambda *a: Decision(1.0, 1.0, to_disk, "test"))
+        to_disk = view.planner.predict(1.0, 0.0)  # a prediction to carry; the layout is 1.0 / 1.0
+        monkeypatch.setattr(view.planner, "refit", lambda *a: Decision(1.0, 1.0, to_disk, "test"))
         train(fixed_model, fixed, batches[:5])
         with pytest.warns(
             UserWarning,
             match="refit: moving to offload_fraction=1, nvme_fraction=1 failed; the plan stays as it was",
         ):
             train(auto_model, opt, batches[:5])
-        assert opt.plan.summary()["device"]["share"] == 1.0 and debug_view(opt).host is None, opt.plan
+        assert opt.plan.summary()["device"]["share"] == 1.0 and view.host is None, opt.plan
         assert opt.plan.reason.startswith("refit: a move failed")
         monkeypatch.undo()
         train(fixed_model, fixed, batches[5:])
@@ -438,13 +440,14 @@ def test_a_move_that_would_not_fit_in_memory_is_skipped(monkeypatch, measured):
 
     model = make_net()
     with _auto(model, SLOW_HOST, refit_every=2) as opt:
-        to_host = debug_view(opt).planner.predict(1.0, 0.0)
-        monkeypatch.setattr(debug_view(opt).planner, "refit", lambda *a: Decision(1.0, 0.0, to_host, "test"))
+        view = debug_view(opt)
+        to_host = view.planner.predict(1.0, 0.0)
+        monkeypatch.setattr(view.planner, "refit", lambda *a: Decision(1.0, 0.0, to_host, "test"))
         if measured:  # what the real refit sets from its samples
-            monkeypatch.setattr(debug_view(opt).planner, "backward_s", 0.01)
+            monkeypatch.setattr(view.planner, "backward_s", 0.01)
         monkeypatch.setattr(scheduler, "_free_host_bytes", lambda: 0.0)
         train(model, opt, make_batches(6))
-        assert debug_view(opt).planner.moves == 0 and opt.plan.summary()["device"]["share"] == 1.0
+        assert view.planner.moves == 0 and opt.plan.summary()["device"]["share"] == 1.0
         assert "does not fit in free memory" in opt.plan.reason
 
 

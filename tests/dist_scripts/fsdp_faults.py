@@ -86,20 +86,21 @@ def run(name: str, rank: int, world: int, tmp: str) -> dict:
     )
     out["worker_cpus"] = sorted(psutil.Process(opt.worker_pid).cpu_affinity())
     hook = None
+    view = debug_view(opt)
     if name == "fail_speculation" and rank == 1:
-        real, fired = debug_view(opt).host.speculate, []
+        real, fired = view.host.speculate, []
 
         def failing(*args, **kwargs):
-            if debug_view(opt).steps_taken == 1 and not fired:  # step 2's backward, once
+            if view.steps_taken == 1 and not fired:  # step 2's backward, once
                 fired.append(True)
                 raise OSError(5, "injected fault: the swap file could not be written")
             return real(*args, **kwargs)
 
-        debug_view(opt).host.speculate = failing
+        view.host.speculate = failing
     if name == "kill_backward" and rank == 1:
 
         def kill_in_backward(p):
-            if debug_view(opt).steps_taken == 1 and not out["killed"]:
+            if view.steps_taken == 1 and not out["killed"]:
                 out["killed"].append(kill_worker(opt))
 
         hook = model[2].weight.register_post_accumulate_grad_hook(kill_in_backward)
@@ -128,7 +129,7 @@ def run(name: str, rank: int, world: int, tmp: str) -> dict:
             if name == "rank_gone":
                 break  # the group is broken: no collective can run any more
         out["params"].append([p.full_tensor().detach().clone() for p in model.parameters()])
-        out["restarts"].append(debug_view(opt).host_stats["worker_restarts"])
+        out["restarts"].append(view.host_stats["worker_restarts"])
         out["worker_pids"].append(opt.worker_pid)
         if name == "kill_between" and i == 0 and rank == 1:
             out["killed"].append(kill_worker(opt))
