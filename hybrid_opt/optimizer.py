@@ -192,8 +192,8 @@ class _HybridBase(torch.optim.Optimizer):
     # ------------------------------------------------------------------ properties
     parts = property(
         lambda self: self._parts,
-        doc="The parts this optimizer is composed of (docs/code-map.md), "
-        "for introspection and tests: each part's public attributes and methods are its interface.",
+        doc="The parts this optimizer is composed of (docs/code-map.md); tests and tools look inside "
+        "through hybrid_opt.testing.debug_view(opt), the one documented introspection surface.",
     )
     plan = property(
         lambda self: self._parts.placement.plan, doc="The placement now: which tier holds each subgroup."
