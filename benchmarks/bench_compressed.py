@@ -64,6 +64,7 @@ from _common import fs_type, host_description, markdown_table, write_json  # noq
 
 import cpu_kernels  # noqa: E402
 from hybrid_opt import HybridAdamW  # noqa: E402
+from hybrid_opt.testing import debug_view
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PLACEMENTS = {
@@ -118,7 +119,7 @@ def _bytes_info(opt, numel: int) -> dict:
         if t.get("elements"):
             info[f"{name}_state_B"] = t["state_bytes"] / t["elements"]
             info[f"{name}_elements"] = t["elements"]
-    host = opt.parts.placement.host
+    host = debug_view(opt).host
     if host is not None:
         resident = sum(n for sg, n in host.numels.items() if not host.nvme[sg])
         offloaded = sum(host.numels.values())

@@ -26,6 +26,8 @@ from torch import nn
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import host_description, markdown_table, write_json  # noqa: E402
 
+from hybrid_opt.testing import debug_view
+
 
 def gpt2_shaped(width: int = 768, layers: int = 12, vocab: int = 50257) -> nn.Module:
     mods = [nn.Embedding(vocab, width)]
@@ -70,11 +72,11 @@ def run(offload: float, runs: int, **kw) -> dict:
         t0 = time.perf_counter()
         opt = HybridAdamW(model.parameters(), offload_fraction=offload, **kw)
         times.append(time.perf_counter() - t0)
-        if opt.parts.placement.host is not None:
+        if debug_view(opt).host is not None:
             t1 = time.perf_counter()
-            opt.parts.placement.host.arena.wait_populated(timeout_s=600)
+            debug_view(opt).host.arena.wait_populated(timeout_s=600)
             background.append(time.perf_counter() - t1)
-            arena_gb = opt.parts.placement.host.arena.nbytes / 1e9
+            arena_gb = debug_view(opt).host.arena.nbytes / 1e9
         opt.close()
         del opt, model
         gc.collect()

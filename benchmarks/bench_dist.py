@@ -35,6 +35,8 @@ import subprocess
 import sys
 import time
 
+from hybrid_opt.testing import debug_view
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.dirname(HERE))
@@ -162,10 +164,10 @@ def rank_main(args) -> None:
             iter_ms=run["iter_ms"],
             step_ms=run["step_ms"],
             host_state_bytes=tiers[HOST]["state_bytes"] + tiers[NVME]["state_bytes"],
-            host_arena_bytes=opt.parts.placement.host.arena.nbytes
-            if opt.parts.placement.host is not None
+            host_arena_bytes=debug_view(opt).host.arena.nbytes if debug_view(opt).host is not None else 0,
+            comm_buffer_bytes=debug_view(opt).sharding.stats["buffer_bytes"]
+            if debug_view(opt).sharding.active
             else 0,
-            comm_buffer_bytes=opt.parts.sharding.stats["buffer_bytes"] if opt.parts.sharding.active else 0,
             **spec,
             commit_rate=spec["committed"] / host_steps if host_steps else None,
             hidden_share=run["hidden_s"] / run["worker_s"] if run["worker_s"] else None,

@@ -45,6 +45,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import markdown_table, write_json  # noqa: E402
 
 from hybrid_opt import HybridAdamW  # noqa: E402
+from hybrid_opt.testing import debug_view
 
 
 def make_model(layers: int, width: int, device):
@@ -169,21 +170,21 @@ def _hybrid_samples(runner, args, device, n_params, warmup=3, **kw) -> tuple[dic
         samples = runner.samples(model, opt, warmup, record)
         samples.update(worker=worker, hidden=hidden)
         spec = opt.stats.get("speculation") or {}
-        host_bytes = opt.parts.placement.host.arena.nbytes if opt.parts.placement.host is not None else 0
+        host_bytes = debug_view(opt).host.arena.nbytes if debug_view(opt).host is not None else 0
         if device.type != "cuda":
-            host_bytes += opt.parts.placement.device.nbytes()
+            host_bytes += debug_view(opt).device.nbytes()
         info = {
             "committed": spec.get("committed", 0),
             "redone": spec.get("redone", 0),
             "host_bytes_per_param": host_bytes / n_params,
             "peak_device_mb": _peak_device_mb(device),
             "plan": repr(opt.plan),
-            "fractions": list(opt.parts.placement.fractions),
+            "fractions": list(debug_view(opt).fractions),
             "spare_banks": opt.plan.spare_banks,
             "speculative": opt.speculative,
         }
-        if opt.parts.placement.auto is not None:
-            info["refit_moves"] = opt.parts.placement.auto.moves
+        if debug_view(opt).planner is not None:
+            info["refit_moves"] = debug_view(opt).planner.moves
     _release(model)
     del model
     return samples, info
@@ -579,7 +580,7 @@ def _paired(runner, args, device, configs, n) -> dict:
             else:
                 kw = {k: v for k, v in hybrid.items() if k != "warmup"}
                 opt = HybridAdamW(model.parameters(), lr=1e-4, subgroup_numel=args.subgroup_numel, **kw)
-                if opt.parts.placement.host is not None:  # "auto" chose a worker here: not an in-process row
+                if debug_view(opt).host is not None:  # "auto" chose a worker here: not an in-process row
                     opt.close()
                     continue
             live.append((label, model, opt))

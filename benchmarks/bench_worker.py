@@ -29,6 +29,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import markdown_table, parse_size, time_ms, write_json  # noqa: E402
 
 import cpu_kernels  # noqa: E402
+from hybrid_opt.testing import debug_view
 from hybrid_opt.tiers.host import HostTier, StepInputs  # noqa: E402
 
 HP = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=1e-2)
@@ -108,9 +109,9 @@ def memory_child(what: str, n: int) -> dict:
         for _ in range(2):
             opt.step()
         gc.collect()
-        opt.parts.placement.host.arena.wait_populated()  # the spare banks are populated in the background
+        debug_view(opt).host.arena.wait_populated()  # the spare banks are populated in the background
         total = pss_bytes(os.getpid()) - base + pss_bytes(opt.worker_pid)
-        spare = opt.parts.placement.host.spare_bytes
+        spare = debug_view(opt).host.spare_bytes
         opt.close()
     return {
         "impl": f"memory_{what}",

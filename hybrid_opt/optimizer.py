@@ -20,7 +20,7 @@ from hybrid_opt.distributed import node
 from hybrid_opt.distributed.local_shards import warn_replicated
 from hybrid_opt.distributed.sharding import sharding_for
 from hybrid_opt.distributed.zero_gather import SHARD_KEY, check_shard_owner
-from hybrid_opt.placement import PlacementConfig
+from hybrid_opt.placement.placement import PlacementConfig
 from hybrid_opt.state import checkpoint as C
 from hybrid_opt.state import saving as SV
 from hybrid_opt.state import torch_extras as TX
@@ -187,8 +187,8 @@ class _HybridBase(torch.optim.Optimizer):
     # ------------------------------------------------------------------ properties
     @property
     def parts(self):
-        """The parts this optimizer is composed of (docs/code-map.md), for introspection and tests:
-        each part's public attributes and methods are its interface."""
+        """The parts this optimizer is composed of (docs/code-map.md); tests and tools look inside
+        through hybrid_opt.testing.debug_view(opt), the one documented introspection surface."""
         return self._parts
 
     @property

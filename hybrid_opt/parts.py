@@ -9,8 +9,8 @@ from __future__ import annotations
 from typing import NamedTuple
 
 from hybrid_opt.distributed.local_shards import local_of
-from hybrid_opt.placement import Placement, TierEvents, restated
 from hybrid_opt.placement.cost_model import DEFAULT_SUBGROUP_NUMEL
+from hybrid_opt.placement.placement import Placement, TierEvents, restated
 from hybrid_opt.speculation import SpeculationConfig, Speculator
 from hybrid_opt.state import layout as L
 from hybrid_opt.state.ledger import StepLedger

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from hybrid_opt import HybridAdamW
+from hybrid_opt.testing import debug_view
 
 
 def _model(dtype=torch.float32):
@@ -98,7 +99,7 @@ def test_process_group_buffers_are_counted_as_comm(tmp_path):
             before = opt.allocated_bytes["comm"]
             _step(model, opt)
             got = opt.allocated_bytes["comm"]
-            buffers = opt.parts.sharding.comm_tensors()  # the comm window's slots, chunks, counts
+            buffers = debug_view(opt).sharding.comm_tensors()  # the comm window's slots, chunks, counts
             assert got == sum(t.untyped_storage().nbytes() for t in buffers if t is not None)
             # the averaged chunks (one fp32 grad copy of this rank's share) exist from
             # construction; the comm window's slots are allocated on first use
@@ -147,12 +148,12 @@ def test_a_placement_is_counted_as_the_os_reports_it_before_it_is_allocated(tmp_
     if kw.get("nvme_fraction"):
         kw["nvme_path"] = str(tmp_path)
     with HybridAdamW(model.parameters(), **kw) as opt:
-        counted = opt.parts.placement.bytes_of(opt.plan)
+        counted = debug_view(opt).placement.bytes_of(opt.plan)
         got = opt.allocated_bytes
         assert got["host"] == _memfd_sizes() > 0
         assert counted["host"] == got["host"] + got["device"]  # one memory on a CPU-only host
         assert counted["device"] == got["device"]
-        estimate = opt.parts.placement.modelled_bytes(*opt.parts.placement.fractions, opt.plan.spare_banks)[
+        estimate = debug_view(opt).placement.modelled_bytes(*debug_view(opt).fractions, opt.plan.spare_banks)[
             "host"
         ]
         model_bytes = 2 * sum(p.numel() * p.element_size() for p in model.parameters())  # params + grads

@@ -40,6 +40,7 @@ from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, se
 
 from hybrid_opt import HybridAdam, HybridAdamW
 from hybrid_opt.placement.plan import DEVICE
+from hybrid_opt.testing import debug_view
 
 SUBGROUP = 64  # Net (724 elements): 12 subgroups; fc1.weight spans 8, fc1.bias shares one
 HYPER = dict(lr=1e-2, weight_decay=0.1)
@@ -66,7 +67,7 @@ def hybrid(params, placement, nvme_dir, cls=HybridAdamW, **kw):
 
 
 def parts_of(opt, idx):
-    return [(sg, sl) for sg in opt.parts.layout.subgroups for sl in sg.slices if sl.param_index == idx]
+    return [(sg, sl) for sg in debug_view(opt).subgroups for sl in sg.slices if sl.param_index == idx]
 
 
 def within(t, buf) -> bool:
@@ -76,7 +77,7 @@ def within(t, buf) -> bool:
 
 
 def arena_range(opt):
-    arena = opt.parts.placement.host.arena
+    arena = debug_view(opt).host.arena
     base = arena.tensor(0, 1, torch.uint8).data_ptr()
     return base, base + arena.nbytes
 
@@ -105,8 +106,8 @@ def test_device_tier_state_is_views_of_its_buffers(dtype, nvme_dir):
             assert set(st) == {"step", "exp_avg", "exp_avg_sq"} | (
                 {"master_param"} if dtype != FP32 else set()
             )
-            bufs = list(opt.parts.placement.device.master.values())  # an fp32 subgroup's master is its params
-            bufs += [t for s in opt.parts.placement.device.state.values() for t in s.values()]
+            bufs = list(debug_view(opt).device.master.values())  # an fp32 subgroup's master is its params
+            bufs += [t for s in debug_view(opt).device.state.values() for t in s.values()]
             for k, t in st.items():
                 if k == "step":
                     continue
@@ -114,9 +115,9 @@ def test_device_tier_state_is_views_of_its_buffers(dtype, nvme_dir):
                 if len(parts) == 1:
                     sg, sl = parts[0]
                     buf = (
-                        opt.parts.placement.device.master
+                        debug_view(opt).device.master
                         if k == "master_param"
-                        else {i: s[k] for i, s in opt.parts.placement.device.state.items()}
+                        else {i: s[k] for i, s in debug_view(opt).device.state.items()}
                     )[sg.index]
                     # the buffer's memory (on a CPU-only host mapped again: its own storage)
                     assert backing(t) == backing(buf) and t.untyped_storage().nbytes() == t.nbytes, (idx, k)
@@ -181,7 +182,7 @@ def test_nvme_slots_are_verified_once_and_mapped(nvme_dir, monkeypatch):
     with hybrid(model.parameters(), "nvme", nvme_dir, nvme_fraction=1.0) as opt:
         train(model, opt, make_batches(3))
         want = {i: {k: v.clone() for k, v in st.items()} for i, st in opt.state_dict()["state"].items()}
-        host = opt.parts.placement.host
+        view = debug_view(opt)
         verified = collections.Counter()
         real = HostViews._verify
 
@@ -191,7 +192,10 @@ def test_nvme_slots_are_verified_once_and_mapped(nvme_dir, monkeypatch):
 
         monkeypatch.setattr(HostViews, "_verify", counting)
         got = opt.state_dict()
-        assert all(host.nvme.values()) and sorted(sg for sg, _ in verified) == sorted(host.nvme)
+        on_host = view.host_subgroups()
+        assert all(view.on_nvme(sg) for sg in on_host)
+        # HostViews counts by the host tier's own numbers
+        assert sorted(sg for sg, _ in verified) == sorted(on_host)
         assert set(verified.values()) == {1}, verified
         assert got["state"].keys() == want.keys()
         for i, st in got["state"].items():
@@ -442,12 +446,8 @@ def test_dcp_on_a_fresh_optimizer_matches_torch(placement, cls, reference, kw, n
         )
         if cls is HybridAdamW:
             assert all(not t.any() for st in got["state"].values() for k, t in st.items() if k != "step")
-            if opt.parts.placement.host is not None:
-                assert (
-                    opt.parts.placement.host.stats["stepped"]
-                    == opt.parts.placement.host.stats["committed"]
-                    == 0
-                )
+            if debug_view(opt).host is not None:
+                assert debug_view(opt).host_stats["stepped"] == debug_view(opt).host_stats["committed"] == 0
         assert all(torch.equal(a, b) for a, b in zip(model.parameters(), ref_model.parameters()))
         assert all(p.grad is None for p in model.parameters())
         assert opt.param_groups[0]["lr"] == HYPER["lr"]  # DCP restores it

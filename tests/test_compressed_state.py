@@ -22,6 +22,7 @@ from cpu_kernels.reference import (
 )
 from hybrid_opt import HybridAdam, HybridAdamW, fp32_master
 from hybrid_opt.state.state_format import StateFormat
+from hybrid_opt.testing import debug_view
 
 BF16, FP32 = torch.bfloat16, torch.float32
 HYPER = dict(lr=1e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.05)
@@ -124,9 +125,9 @@ def test_remainders_without_a_bf16_param_warn_and_change_nothing():
         UserWarning, match="store_param_remainders=True has no effect here: no parameter is bf16"
     ):
         opt = HybridAdamW(_params(FP32), offload_fraction=0.0, store_param_remainders=True)
-    assert not opt.parts.placement.device.remainder
+    assert not debug_view(opt).device.remainder
     plain = HybridAdamW(_params(FP32), offload_fraction=0.0)
-    assert opt.parts.placement.device.nbytes() == plain.parts.placement.device.nbytes()
+    assert debug_view(opt).device.nbytes() == debug_view(plain).device.nbytes()
 
 
 # ---------------------------------------------------------------------------- device tier
@@ -230,8 +231,10 @@ def test_device_tier_bytes_are_what_the_format_says():
     ):
         _skip_unsupported(fmt.exp_avg_dtype, fmt.exp_avg_sq_dtype)
         opt = _hybrid_run(params, 0, fmt)
-        assert opt.parts.placement.device.nbytes() == n * fmt.state_bytes(BF16), fmt
-        assert opt.parts.placement.device_bytes(opt.parts.layout.subgroups) == n * fmt.state_bytes(BF16), fmt
+        assert debug_view(opt).device.nbytes() == n * fmt.state_bytes(BF16), fmt
+        assert debug_view(opt).placement.device_bytes(debug_view(opt).subgroups) == n * fmt.state_bytes(
+            BF16
+        ), fmt
     assert StateFormat(BF16, BF16, True).state_bytes(BF16) == 6  # 2 + 2 + 2 instead of 12
 
 
@@ -253,9 +256,9 @@ def test_budgets_count_at_least_what_a_mixed_fp32_bf16_host_tier_allocates(fmt):
         **HYPER,
     )
     try:
-        assert {s.dtype for s in opt.parts.layout.subgroups} == {BF16, FP32}
-        counted, dtype = opt.parts.placement.budget_format(opt.parts.layout.subgroups)
-        host = opt.parts.placement.host
+        assert {s.dtype for s in debug_view(opt).subgroups} == {BF16, FP32}
+        counted, dtype = debug_view(opt).placement.budget_format(debug_view(opt).subgroups)
+        host = debug_view(opt).host
         allocated = host.bank_bytes / (len(host.numels) * host.capacity)  # bytes per element of a bank
         page_slack = 2 * 4096 / host.capacity  # a bank's state block and the bank end on a page
         assert counted.bank_bytes(dtype) + page_slack >= allocated, (counted, dtype, allocated)
@@ -334,7 +337,7 @@ def test_compressed_state_is_bitwise_the_same_at_every_placement(placement, tmp_
         "fp32 master": _hybrid_run(runs["fp32 master"], 0, StateFormat(BF16, BF16, False)),
     }
     try:
-        assert opts["placed"].parts.placement.host is not None
+        assert debug_view(opts["placed"]).host is not None
         for k in range(12):
             for name, params in runs.items():
                 _backward_grads(params, k)
@@ -546,7 +549,7 @@ def test_cuda_remainders_step_the_same_master_as_an_fp32_master_bitwise(moments)
     b = [nn.Parameter(p.detach().cuda()) for p in _params(BF16, seed=8, shapes=shapes)]
     oa, ob = _cuda_run(StateFormat(m, v, False), 30, a), _cuda_run(StateFormat(m, v, True), 30, b)
     sa, sb = oa.state_dict()["state"], ob.state_dict()["state"]
-    assert ob.parts.placement.device.remainder and not oa.parts.placement.device.remainder
+    assert debug_view(ob).device.remainder and not debug_view(oa).device.remainder
     for i in range(len(a)):
         assert torch.equal(sa[i]["master_param"], fp32_master(sb[i], b[i])), i  # b: remainders
         assert torch.equal(sa[i]["exp_avg"], sb[i]["exp_avg"]), i
@@ -577,7 +580,7 @@ def test_cuda_compressed_device_tier_follows_the_cpu_reference_within_bf16_round
 def _triton_on_cpu(opt, monkeypatch):
     """The device tier's CUDA launch path (_step_cuda: one fused_adam_ per launch key, with
     remainders= or param_copies=) run on CPU tensors through TRITON_INTERPRET."""
-    tier = opt.parts.placement.device
+    tier = debug_view(opt).device
     monkeypatch.setattr(
         tier,
         "step",
@@ -601,7 +604,7 @@ def test_cuda_launch_path_with_remainders_steps_the_fp32_master_s_bits_in_the_in
             _set_grads(params, k)
             opt.step()
         runs[name] = (params, with_fp32_masters(opt.state_dict()["state"], params), opt)
-    assert runs["remainders"][2].parts.placement.device.remainder
+    assert debug_view(runs["remainders"][2]).device.remainder
     for i in range(len(runs["cpu"][0])):
         r, m, c = (runs[n][1][i] for n in ("remainders", "master", "cpu"))  # masters decoded
         assert torch.equal(r["master_param"], m["master_param"]), i

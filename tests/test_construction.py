@@ -21,6 +21,7 @@ from torch import nn
 
 import cpu_kernels
 from hybrid_opt import HybridAdamW
+from hybrid_opt.testing import debug_view
 from hybrid_opt.tiers import host as host_mod
 
 SUBGROUP = 1 << 12
@@ -71,8 +72,8 @@ def test_close_restores_torch_threads_and_every_affinity():
     here), although torch and cpu_kernels share one libgomp's count."""
     before = _snapshot()
     opt = _opt(_model(), worker_share=0.5)  # a GPU host's split (a CPU-only host shares every core)
-    assert torch.get_num_threads() == len(opt.parts.placement.host.cores.trainer) < before[0]
-    assert os.sched_getaffinity(0) == set(opt.parts.placement.host.cores.trainer)
+    assert torch.get_num_threads() == len(debug_view(opt).host.cores.trainer) < before[0]
+    assert os.sched_getaffinity(0) == set(debug_view(opt).host.cores.trainer)
     opt.close()
     _assert_restored(before)
     opt.close()  # idempotent: nothing changes the second time
@@ -86,10 +87,8 @@ def test_two_optimizers_closed_in_either_order_restore_threads_and_affinity(orde
     a, b = _opt(_model(0), worker_share=0.5), _opt(_model(1), worker_share=0.5)
     first, second = (a, b) if order == "opening_order" else (b, a)
     first.close()
-    assert torch.get_num_threads() == len(
-        second.parts.placement.host.cores.trainer
-    )  # the other still runs split
-    assert os.sched_getaffinity(0) == set(second.parts.placement.host.cores.trainer)
+    assert torch.get_num_threads() == len(debug_view(second).host.cores.trainer)  # the other still runs split
+    assert os.sched_getaffinity(0) == set(debug_view(second).host.cores.trainer)
     second.close()
     _assert_restored(before)
 
@@ -120,7 +119,7 @@ def test_a_failed_construction_in_between_leaves_nothing_applied(monkeypatch, wh
         with pytest.raises(_Injected):
             _opt(_model(2))
     assert {p.pid for p in psutil.Process().children()} <= children
-    assert os.sched_getaffinity(0) == set(a.parts.placement.host.cores.trainer)
+    assert os.sched_getaffinity(0) == set(debug_view(a).host.cores.trainer)
     b = _opt(_model(1))
     first, second = (a, b) if order == "opening_order" else (b, a)
     first.close()
@@ -153,21 +152,21 @@ def test_no_spare_pool_per_subgroup_without_speculation_and_the_same_bits():
     ref = torch.optim.AdamW(models[2].parameters(), lr=1e-2, foreach=False)
     n = sum(p.numel() for p in models[0].parameters())
     with _opt(models[0], speculative=True) as spec, _opt(models[1], speculative=False) as plain:
-        resident = len(spec.parts.placement.host.numels)
+        resident = len(debug_view(spec).host.numels)
         assert resident >= 5
         assert spec.plan.spare_banks == resident
         assert plain.plan.spare_banks == 2
-        stride = plain.parts.placement.host.bank_stride
-        assert plain.parts.placement.host.spare_bytes == 2 * stride
+        stride = debug_view(plain).host.bank_stride
+        assert debug_view(plain).host.spare_bytes == 2 * stride
         assert (
-            spec.parts.placement.host.arena.nbytes - plain.parts.placement.host.arena.nbytes
+            debug_view(spec).host.arena.nbytes - debug_view(plain).host.arena.nbytes
             == (resident - 2) * stride
         )
-        assert plain.parts.placement.host.arena.nbytes / n < spec.parts.placement.host.arena.nbytes / n
+        assert debug_view(plain).host.arena.nbytes / n < debug_view(spec).host.arena.nbytes / n
         _train(spec, models[0])
         _train(plain, models[1])
         _train(ref, models[2])
-        assert spec.parts.placement.host.stats["committed"] > 0  # speculation did run on one side
+        assert debug_view(spec).host_stats["committed"] > 0  # speculation did run on one side
         for a, b, c in zip(models[0].parameters(), models[1].parameters(), models[2].parameters()):
             assert torch.equal(a, b)
             assert_close(a, c, dtype=torch.float32)
@@ -183,12 +182,12 @@ def test_a_non_speculative_exact_step_writes_a_spare_bank_and_flips():
     two banks are what it needs."""
     model = _bigger_model()
     with _opt(model, speculative=False) as opt:
-        host = opt.parts.placement.host
-        banks = dict(host.pool.committed)
+        view = debug_view(opt)
+        banks = {sg: view.committed_bank(sg) for sg in view.host_subgroups()}
         _train(opt, model, steps=1)
-        assert host.stats["stepped"] == len(banks) and host.stats["committed"] == 0
+        assert view.host_stats["stepped"] == len(banks) and view.host_stats["committed"] == 0
         for sg, bank in banks.items():
-            assert host.pool.committed[sg] != bank, sg
+            assert view.committed_bank(sg) != bank, sg
 
 
 @pytest.mark.parametrize("case", ["inverse", "nvme_only", "explicit"])
@@ -202,10 +201,11 @@ def test_spare_pool_only_where_it_can_be_used(case, tmp_path):
         "explicit": dict(speculative=False, spare_banks=3),
     }[case]
     with _opt(model, **kw) as opt:
+        view = debug_view(opt)
         want = 3 if case == "explicit" else 0
         assert opt.plan.spare_banks == want
-        io = 2 * opt.parts.placement.host.io_banks
-        assert opt.parts.placement.host.spare_bytes == (want + io) * opt.parts.placement.host.bank_stride
+        io = 2 * view.host.io_banks
+        assert view.host.spare_bytes == (want + io) * view.host.bank_stride
         _train(opt, model, steps=2)
 
 
@@ -366,10 +366,10 @@ def test_close_during_background_population_stops_it(monkeypatch):
     monkeypatch.setattr(pop, "madvise", slow)
     model = nn.Sequential(*[nn.Linear(512, 512) for _ in range(8)])  # 2.1M params, spare banks ~25 MB
     opt = HybridAdamW(model.parameters(), offload_fraction=1.0, subgroup_numel=1 << 18)
-    if not opt.parts.placement.host.arena.populated:
+    if not debug_view(opt).host.arena.populated:
         opt.close()
         pytest.skip("this kernel has no MADV_POPULATE_WRITE (Linux < 5.14)")
-    assert opt.parts.placement.host.arena.populating  # close() below runs mid-population
+    assert debug_view(opt).host.arena.populating  # close() below runs mid-population
     t0 = time.perf_counter()
     opt.close()
     assert time.perf_counter() - t0 < 10.0

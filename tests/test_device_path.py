@@ -23,6 +23,7 @@ from hybrid_opt import HybridAdamW
 from hybrid_opt.clocks import CudaClock, HostClock, clock_for
 from hybrid_opt.state import layout as L
 from hybrid_opt.step_stats import MAX_UNREAD_SAMPLES
+from hybrid_opt.testing import debug_view
 from hybrid_opt.tiers.device import DeviceTier, read_scalars
 from hybrid_opt.tiers.inputs import StepInputs
 
@@ -260,7 +261,7 @@ def test_committed_host_params_reach_the_model_in_one_batched_copy():
 
     model = nn.Sequential(nn.Linear(8, 16), nn.Linear(16, 16), nn.Linear(16, 4))  # 6 params
     with HybridAdamW(model.parameters(), lr=1e-2, offload_fraction=1.0, speculative=False) as opt:
-        assert len(opt.parts.layout.subgroups) == 1 and len(opt.parts.layout.subgroups[0].slices) == 6
+        assert len(debug_view(opt).subgroups) == 1 and len(debug_view(opt).subgroups[0].slices) == 6
         ptrs = {p.untyped_storage().data_ptr() for p in model.parameters()}
         for frozen in (None, model[1].bias):
             opt.zero_grad()
@@ -304,16 +305,17 @@ def test_auto_on_cpu_times_with_the_host_clock():
     with HybridAdamW(
         model.parameters(), lr=1e-2, offload_fraction="auto", subgroup_numel=64, calibration=SLOW_HOST
     ) as opt:
+        view = debug_view(opt)
         for i in range(3):
             opt.zero_grad()
             _backward(model, seed=i)
             opt.step()
-        assert isinstance(opt.parts.stats.clock, HostClock)
+        assert isinstance(view.clock, HostClock)
         measured = opt.stats["measured"]
         assert measured["step"] == 3  # read at once on a CPU host
         assert measured["device_s"] > 0 and measured["backward_s"] > 0
         assert opt.stats["device_s"] > 0 and opt.stats["tiers"]["device"]["trainer_s"] > 0
-        assert len(opt.parts.placement.auto.samples) == 3
+        assert len(view.planner.samples) == 3
 
 
 def test_auto_reads_marks_only_once_complete_and_a_step_late():
@@ -329,17 +331,18 @@ def test_auto_reads_marks_only_once_complete_and_a_step_late():
         calibration=SLOW_HOST,
         refit_every=0,
     ) as opt:
-        clock = opt.parts.stats.clock = FakeClock()
+        view = debug_view(opt)
+        clock = view.step_stats.clock = FakeClock()
         opt.zero_grad()
         _backward(model)  # marks 1, 2: the hooks on the first and last params
         opt.step()  # marks 3, 4 around the device step
         assert clock.n == 4
-        assert opt.parts.placement.auto.samples == [] and "measured" not in opt.stats
+        assert view.planner.samples == [] and "measured" not in opt.stats
         clock.done = 4
         opt.zero_grad()
         _backward(model, seed=1)
         opt.step()  # reads step 1 now; step 2's marks (5..8) are not complete
-        (sample,) = opt.parts.placement.auto.samples
+        (sample,) = view.planner.samples
         assert sample.device_s == pytest.approx(1e-3) and sample.backward_s == pytest.approx(1e-3)
         assert opt.stats["measured"]["step"] == 1
         assert opt.stats["measured"]["device_s"] == pytest.approx(1e-3)
@@ -347,13 +350,13 @@ def test_auto_reads_marks_only_once_complete_and_a_step_late():
             opt.zero_grad()
             _backward(model, seed=2 + i)
             opt.step()
-        assert len(opt.parts.stats.unread_samples) == MAX_UNREAD_SAMPLES
+        assert len(view.unread_samples) == MAX_UNREAD_SAMPLES
         clock.done = clock.n  # the GPU caught up with every step so far, not the next one
         opt.zero_grad()
         _backward(model, seed=99)
         opt.step()
-        assert [entry[0] for entry in opt.parts.stats.unread_samples] == [opt.parts.ledger.steps_taken]
-        assert opt.stats["measured"]["step"] == opt.parts.ledger.steps_taken - 1
+        assert [entry[0] for entry in view.unread_samples] == [view.steps_taken]
+        assert opt.stats["measured"]["step"] == view.steps_taken - 1
 
 
 # ============================================================================= on a GPU
@@ -445,7 +448,7 @@ def test_auto_on_cuda_measures_gpu_time_not_launch_time():
             model(torch.randn(16, 8192, device="cuda")).square().mean().backward()
             opt.step()
             torch.cuda.synchronize()
-        assert isinstance(opt.parts.stats.clock, CudaClock)
+        assert isinstance(debug_view(opt).clock, CudaClock)
         measured = opt.stats["measured"]
         assert measured["step"] in (3, 4)
         floor = elements * 28 / 5e12

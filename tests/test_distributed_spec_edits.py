@@ -20,6 +20,8 @@ from tolerances import DIST_RTOL, RTOL
 sys.path.insert(0, SCRIPTS)
 import common as C  # noqa: E402
 
+from hybrid_opt.testing import debug_view
+
 pytestmark = DIST_MARKS
 
 EDITED = ["clip_host", "clip_nvme", "unscale_host", "unscale_nvme", "mul_host"]
@@ -233,19 +235,19 @@ def test_piece_sums_are_the_workers_bitwise_and_see_a_foreach_edit(one_rank, mon
     try:
         w = model[0].weight
         model(torch.randn(5, 40)).square().mean().backward()
-        sg = next(s for s in opt.parts.layout.subgroups if any(sl.param is w for sl in s.slices))
-        pieces = opt.parts.placement.host.piece_stats(sg.index)
+        sg = next(s for s in debug_view(opt).subgroups if any(sl.param is w for sl in s.slices))
+        pieces = debug_view(opt).host.piece_stats(sg.index)
         assert pieces is not None and len(pieces) == 3  # 2800 elements: 1024 + 1024 + 752
-        live = live_piece_sums(gatherer_of(sg), pieces, opt.parts.placement.host.grad_dtype)
+        live = live_piece_sums(gatherer_of(sg), pieces, debug_view(opt).host.grad_dtype)
         assert live == [s for _, _, s in pieces]
         versions = (w.grad._version, w.grad._local_tensor._version)
         torch._foreach_mul_([w.grad], 0.5)
         # the torch behaviour this guards against: no version counter moved
         assert (w.grad._version, w.grad._local_tensor._version) == versions
-        edited = live_piece_sums(gatherer_of(sg), pieces, opt.parts.placement.host.grad_dtype)
+        edited = live_piece_sums(gatherer_of(sg), pieces, debug_view(opt).host.grad_dtype)
         assert all(a != b for a, (_, _, b) in zip(edited, pieces))
         opt.step()
-        assert opt.parts.stats.outcome_by_sg[sg.index] == "redone"
+        assert debug_view(opt).outcomes[sg.index] == "redone"
     finally:
         opt.close()
 

@@ -31,6 +31,7 @@ from test_optimizer import (
 import cpu_kernels
 from hybrid_opt import HybridAdamW
 from hybrid_opt.placement.plan import DEVICE
+from hybrid_opt.testing import debug_view
 
 OFFLOAD = {"device": 0.0, "mixed": 0.5, "host": 1.0}
 HYPER = dict(lr=1e-2, weight_decay=0.1)
@@ -80,7 +81,7 @@ def _assert_bitwise(model, opt, ref_model, ref) -> None:
 def _param_in(opt, device: bool) -> int:
     """Index of the first param with a slice on the device tier (device), or with none."""
     where: dict = {}
-    for sg in opt.parts.layout.subgroups:
+    for sg in debug_view(opt).subgroups:
         for sl in sg.slices:
             where.setdefault(sl.param_index, set()).add(opt.plan.tiers[sg.index] == DEVICE)
     return min(i for i, s in where.items() if (True in s) == device)
@@ -399,7 +400,7 @@ def test_a_worker_that_does_not_answer_is_replaced_and_the_step_goes_on():
     subgroup), state_dict() works, and the step does not fail since nothing was lost."""
     t = _Trio("host")
     try:
-        t.ours.parts.placement.host.client.timeout_s = 1.0  # the default two minutes, lowered
+        debug_view(t.ours).host.client.timeout_s = 1.0  # the default two minutes, lowered
         old = t.ours.worker_pid
         os.kill(old, signal.SIGSTOP)
         t.backward()  # speculates: the tasks wait at the stopped worker
@@ -445,7 +446,7 @@ def _fail_placement(monkeypatch, opt):
     def broken(target):
         raise OSError("injected: reading the free memory failed")
 
-    monkeypatch.setattr(opt.parts.placement, "room_to_move", broken)
+    monkeypatch.setattr(debug_view(opt).placement, "room_to_move", broken)
 
 
 ADD_FAILURES = {
@@ -485,14 +486,14 @@ def test_add_param_group_that_fails_adds_nothing_and_training_goes_on(monkeypatc
             inject(m, opt)
             with pytest.raises(error) as err:
                 opt.add_param_group(dict(params=new, lr=5e-3))
-        assert len(opt.param_groups) == groups and not any(p in opt.parts.layout.index for p in new)
+        assert len(opt.param_groups) == groups and not any(p in debug_view(opt).param_index for p in new)
         assert "the new group failed, so it was not added" in str(err.value) and "injected" in str(err.value)
         assert (
             opt.plan.tiers == tiers
-            and len(opt.parts.layout.subgroups) == len(tiers)
+            and len(debug_view(opt).subgroups) == len(tiers)
             and opt.worker_pid == worker
         )
-        assert len(opt.parts.layout.steps) == len(list(opt.parts.layout.params()))
+        assert len(debug_view(opt).param_steps) == len(list(debug_view(opt).params()))
         _assert_state_equal(_state(opt), state)
         assert all(torch.equal(p, v) for p, v in zip(new, values))
         train(model, opt, batches[2:4])

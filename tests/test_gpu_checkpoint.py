@@ -17,6 +17,7 @@ from torch import nn
 
 from hybrid_opt import HybridAdamW
 from hybrid_opt.placement.plan import DEVICE
+from hybrid_opt.testing import debug_view
 
 pytestmark = pytest.mark.gpu
 
@@ -65,7 +66,7 @@ def train(params, opt, steps, seed):
 
 
 def parts_of(opt, idx):
-    return [(sg, sl) for sg in opt.parts.layout.subgroups for sl in sg.slices if sl.param_index == idx]
+    return [(sg, sl) for sg in debug_view(opt).subgroups for sl in sg.slices if sl.param_index == idx]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
@@ -83,7 +84,7 @@ def test_state_dict_keeps_offloaded_state_off_the_gpu(placement, dtype, nvme_dir
         # the copies it returns: CUDA state in memory of its own, not within the tier's buffers
         # (each rounded up to the caching allocator's 512 B blocks, as max_memory_allocated
         # counts it). A view's storage is a slice of a buffer's: told apart by its address
-        device = opt.parts.placement.device
+        device = debug_view(opt).device
         tier = [
             (b.data_ptr(), b.data_ptr() + b.nbytes())
             for b in {
@@ -125,7 +126,7 @@ def test_state_dict_keeps_offloaded_state_off_the_gpu(placement, dtype, nvme_dir
             assert views
             for idx in views:
                 sg, sl = parts_of(opt, idx)[0]
-                buf = opt.parts.placement.device.state[sg.index]["exp_avg"]
+                buf = debug_view(opt).device.state[sg.index]["exp_avg"]
                 t = sd["state"][idx]["exp_avg"]
                 assert t.data_ptr() == buf[sl.sub_offset :].data_ptr()
                 for k, v in sd["state"][idx].items():

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from hybrid_opt import HybridAdamW
+from hybrid_opt.testing import debug_view
 
 # whole_gpu: these measure and fill the GPU's memory; gpu_check.sh runs them one at a time
 pytestmark = [pytest.mark.gpu, pytest.mark.whole_gpu]
@@ -121,7 +122,7 @@ def test_a_device_out_of_memory_during_a_move_leaves_the_optimizer_as_it_was(mon
         _train(model, opt, 2)
         before = {i: {k: v.clone() for k, v in st.items()} for i, st in opt.state_dict()["state"].items()}
         worker, tiers = opt.worker_pid, list(opt.plan.tiers)
-        monkeypatch.setattr(opt.parts.placement, "room_shortfall", lambda plan: None)
+        monkeypatch.setattr(debug_view(opt).placement, "room_shortfall", lambda plan: None)
         torch.cuda.empty_cache()
         free, _ = torch.cuda.mem_get_info()
         filler = torch.empty(max(0, free - 64 * MiB), dtype=torch.uint8, device="cuda")
@@ -189,19 +190,19 @@ def test_auto_trains_a_model_whose_activations_need_more_than_the_headroom_at_co
             spare_banks=2,
         ) as opt:
             assert opt.plan.summary()["host"]["share"] == 1.0, opt.plan
-            assert opt.parts.placement.auto.device_peak_pending
+            assert debug_view(opt).planner.device_peak_pending
             for _ in range(7):
                 opt.zero_grad(set_to_none=True)
                 fwd_bwd()
                 opt.step()
-            assert not opt.parts.placement.auto.device_peak_pending
-            device_now = opt.parts.placement.modelled_bytes(
-                *opt.parts.placement.fractions, opt.plan.spare_banks
+            assert not debug_view(opt).planner.device_peak_pending
+            device_now = debug_view(opt).placement.modelled_bytes(
+                *debug_view(opt).fractions, opt.plan.spare_banks
             )["device"]
-            assert device_now <= opt.parts.placement.auto.device_budget
+            assert device_now <= debug_view(opt).planner.device_budget
             print(
                 f"\nheadroom {headroom / GiB:.2f} GiB, transient {transient / GiB:.2f} GiB, state "
-                f"{state / GiB:.2f} GiB; measured budget {opt.parts.placement.auto.device_budget / GiB:.2f} GiB; "
+                f"{state / GiB:.2f} GiB; measured budget {debug_view(opt).planner.device_budget / GiB:.2f} GiB; "
                 f"plan {opt.plan}"
             )
     finally:

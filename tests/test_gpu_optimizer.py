@@ -24,6 +24,7 @@ from tolerances import ATOL, RTOL, assert_close
 from torch import nn
 
 from hybrid_opt import HybridAdamW
+from hybrid_opt.testing import debug_view
 
 pytestmark = pytest.mark.gpu
 
@@ -135,10 +136,10 @@ def test_default_configuration_speculates_from_a_pinned_arena_and_commits():
         n_host = opt.plan.summary()["host"]["subgroups"]
         assert opt.plan.summary()["host"]["share"] == 1.0 and n_host >= 4, opt.plan
         assert opt.worker_pid is not None
-        arena = opt.parts.placement.host.arena
+        arena = debug_view(opt).host.arena
         assert arena.tensor(0, 1, torch.uint8).is_pinned(), "the host arena is not page-locked"
-        assert opt.parts.placement.host.staging_bytes > 0 and all(
-            s.is_pinned() for s in opt.parts.placement.host.slots
+        assert debug_view(opt).host.staging_bytes > 0 and all(
+            s.is_pinned() for s in debug_view(opt).host.slots
         )
         committed = 0
         for i in range(8):
@@ -339,7 +340,7 @@ def test_automatic_refit_moves_and_keeps_matching_torch(monkeypatch):
         calibration=dict(RATES),
         subgroup_numel=SUBGROUP,
     ) as opt:
-        real_refit = opt.parts.placement.auto.refit
+        real_refit = debug_view(opt).planner.refit
         decisions = []
 
         def refit(off, nv, *rest):
@@ -347,14 +348,14 @@ def test_automatic_refit_moves_and_keeps_matching_torch(monkeypatch):
             decisions.append(d)
             if d is None and not any(isinstance(x, Decision) and x.reason == "test" for x in decisions):
                 target = 1.0 if off < 0.5 else 0.0
-                d = Decision(target, 0.0, opt.parts.placement.auto.predict(target, 0.0), "test")
+                d = Decision(target, 0.0, debug_view(opt).planner.predict(target, 0.0), "test")
                 decisions.append(d)
             return d
 
-        monkeypatch.setattr(opt.parts.placement.auto, "refit", refit)
+        monkeypatch.setattr(debug_view(opt).planner, "refit", refit)
         lockstep(model, opt, ref_model, ref, 12)
         assert decisions, "no refit was due in 12 steps with refit_every=2"
-        assert opt.parts.placement.auto.moves >= 1, (decisions, opt.plan)
+        assert debug_view(opt).planner.moves >= 1, (decisions, opt.plan)
         assert "predicted" in opt.stats
         assert_matches_torch(model, opt, ref_model, msg="after refits")
     assert moved(model)
@@ -378,9 +379,8 @@ def test_params_on_a_non_current_device(offload):
         assert torch.cuda.current_device() == 0
         assert all(p.device == torch.device("cuda:1") for p in model.parameters())
         # pinned in cuda:1's context (cudaHostRegister would make a context on cuda:0)
-        assert (
-            opt.parts.placement.host.arena.pinned
-            and opt.parts.placement.host.arena._pin_device == torch.device("cuda:1")
+        assert debug_view(opt).host.arena.pinned and debug_view(opt).host.arena._pin_device == torch.device(
+            "cuda:1"
         )
         if offload < 1.0:
             assert opt.plan.summary()["device"]["subgroups"] > 0

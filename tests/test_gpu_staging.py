@@ -21,6 +21,7 @@ from torch import nn
 
 import hybrid_opt.shm as shm
 from hybrid_opt import HybridAdamW
+from hybrid_opt.testing import debug_view
 from hybrid_opt.tiers import staging
 
 pytestmark = pytest.mark.gpu
@@ -59,7 +60,7 @@ def train(speculative, steps=5, *, no_sync=False, scaler=None, watch_streams=Non
                 loss.backward()
             finally:
                 torch.cuda.set_sync_debug_mode("default")
-            assert opt.parts.speculator.error is None, opt.parts.speculator.error
+            assert debug_view(opt).speculation_error is None, debug_view(opt).speculation_error
             if scaler is not None:
                 out["scale_reads"].append(len(reads))
                 scaler.step(opt)
@@ -68,9 +69,9 @@ def train(speculative, steps=5, *, no_sync=False, scaler=None, watch_streams=Non
                 opt.step()
             out["spec"].append(dict(opt.stats["speculation"]))
         torch.cuda.synchronize()
-        out["pinned"] = opt.parts.placement.host.arena.pinned
+        out["pinned"] = debug_view(opt).host.arena.pinned
         out["n_host"] = sum(1 for t in opt.plan.tiers if t != "device")
-        out["stagers"] = opt.parts.placement.host.stagers
+        out["stagers"] = debug_view(opt).host.stagers
         out["state"] = opt.state_dict()
     out["params"] = [p.detach().cpu() for p in net.parameters()]
     return out
@@ -131,7 +132,7 @@ def test_an_attached_grad_scaler_is_read_once_per_backward():
 def test_a_cpu_model_never_pins_even_with_cuda_present():
     net = make_model("cpu")
     with HybridAdamW(net.parameters(), offload_fraction=1.0, **HYPER) as opt:
-        assert opt.parts.placement.host is not None and not opt.parts.placement.host.arena.pinned
+        assert debug_view(opt).host is not None and not debug_view(opt).host.arena.pinned
 
 
 def _peek(runtime):

@@ -22,6 +22,7 @@ from test_nvme_tier import BIG, NUMELS, NVME_FLAGS, _trajectory_plan, nvme_dir  
 import cpu_kernels as ck
 from cpu_kernels.reference import bf16_round_reference, encode_remainder_reference
 from hybrid_opt.state.state_format import StateFormat
+from hybrid_opt.testing import debug_view
 from hybrid_opt.tiers.compressed import _independent_moment_dtypes
 from hybrid_opt.tiers.host import HostTier, StepInputs
 from hybrid_opt.worker import protocol as proto
@@ -582,13 +583,12 @@ def test_every_placement_steps_the_same_bits_through_clipping_overflow_and_a_kil
             )
             scalers[name] = torch.amp.GradScaler("cpu", init_scale=2.0**8, growth_interval=3)
             opts[name].attach_grad_scaler(scalers[name])
-        assert opts["host"].parts.placement.host is not None and all(
-            opts["nvme"].parts.placement.host.nvme.values()
+        nvme = debug_view(opts["nvme"])
+        assert debug_view(opts["host"]).host is not None and all(
+            nvme.on_nvme(sg) for sg in nvme.host_subgroups()
         )
-        assert opts["device"].parts.placement.host is None
-        assert all(opts["host"].parts.placement.host.remainders.values()) and all(
-            opts["nvme"].parts.placement.host.remainders.values()
-        )
+        assert debug_view(opts["device"]).host is None
+        assert all(debug_view(opts["host"]).host.remainders) and all(debug_view(opts["nvme"]).host.remainders)
         for step in range(9):
             for name, params in runs.items():
                 opt, scaler = opts[name], scalers[name]
@@ -631,8 +631,8 @@ def test_every_placement_steps_the_same_bits_through_clipping_overflow_and_a_kil
                         fp32_master(sds["device"][i], runs["device"][i]),
                     ), (step, name, i)
         for name in ("host", "nvme"):
-            assert opts[name].parts.placement.host.stats["worker_restarts"] >= 1, name
-            assert opts[name].parts.placement.host.stats["redone"] > 0, name
+            assert debug_view(opts[name]).host_stats["worker_restarts"] >= 1, name
+            assert debug_view(opts[name]).host_stats["redone"] > 0, name
     finally:
         for o in opts.values():
             o.close()
@@ -684,7 +684,7 @@ def test_a_mixed_fp32_bf16_model_with_amsgrad_steps_the_same_bits_at_every_place
             scalers[name] = torch.amp.GradScaler("cpu", init_scale=2.0**8, growth_interval=3)
             opts[name].attach_grad_scaler(scalers[name])
         for name in ("host", "nvme", "mix"):  # both kinds of master on one tier
-            assert set(opts[name].parts.placement.host.remainders.values()) == {True, False}, name
+            assert set(debug_view(opts[name]).host.remainders) == {True, False}, name
         assert set(opts["mix"].plan.tiers) == {"device", "host", "nvme"}
         for step in range(8):
             for name, params in runs.items():
@@ -731,7 +731,7 @@ def test_a_mixed_fp32_bf16_model_with_amsgrad_steps_the_same_bits_at_every_place
                     if key != "master_param" or p.dtype == BF16:
                         assert torch.equal(masters["fp32_master"][i][key], t), (step, i, key)
         for name in ("host", "nvme", "mix"):
-            assert opts[name].parts.placement.host.stats["redone"] > 0, name
+            assert debug_view(opts[name]).host_stats["redone"] > 0, name
     finally:
         for o in opts.values():
             o.close()

@@ -16,6 +16,7 @@ from torch import nn
 
 from hybrid_opt import HybridAdam, HybridAdamW, fp32_master
 from hybrid_opt.state.storage import ParamGuard
+from hybrid_opt.testing import debug_view
 
 BF16, FP32 = torch.bfloat16, torch.float32
 HYPER = dict(lr=1e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.05)
@@ -225,11 +226,11 @@ def test_a_load_that_fails_leaves_the_committed_state_as_it_was(placement, tmp_p
         out_of_step = RuntimeError(
             "a peer's step failed"
         )  # rank_faults.py: only a load that completes clears it
-        opt.parts.ledger.rank_failure = out_of_step
+        debug_view(opt).ledger.rank_failure = out_of_step
         with pytest.raises(ValueError, match=r"parameter 2.*exp_avg.*5 elements.*42"):
             opt.load_state_dict(bad)
-        assert opt.parts.ledger.rank_failure is out_of_step
-        opt.parts.ledger.rank_failure = None
+        assert debug_view(opt).rank_failure is out_of_step
+        debug_view(opt).ledger.rank_failure = None
         after = opt.state_dict()
         assert after["param_groups"][0]["lr"] == before["lr"]
         for i, st in before["state"].items():

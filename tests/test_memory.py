@@ -9,6 +9,7 @@ from torch import nn
 
 from hybrid_opt import HybridAdamW
 from hybrid_opt.state import layout as L
+from hybrid_opt.testing import debug_view
 
 
 # ============================================================================= the layout
@@ -41,7 +42,7 @@ def test_the_optimizer_introduces_no_sharing(tmp_path, kw):
     assert len(set(before)) == len(params)
     opt = HybridAdamW(params, lr=1e-2, subgroup_numel=64, **kw)
     try:
-        assert any(len(s.slices) > 1 for s in opt.parts.layout.subgroups)  # packed: params share subgroups
+        assert any(len(s.slices) > 1 for s in debug_view(opt).subgroups)  # packed: params share subgroups
         assert _storages(params) == before
         train(model, opt, make_batches(3))
         opt.state_dict()
@@ -100,7 +101,7 @@ def test_automatic_subgroup_numel_keeps_eight_subgroups_where_it_can(numel, coun
 def test_the_default_subgroup_numel_is_resolved_for_this_rank():
     model = nn.Sequential(nn.Linear(512, 512), nn.Linear(512, 400))  # 467,856 elements
     with HybridAdamW(model.parameters(), offload_fraction=1.0) as opt:
-        assert len(opt.parts.layout.subgroups) == 8 and opt.subgroup_numel == 65_536
+        assert len(debug_view(opt).subgroups) == 8 and opt.subgroup_numel == 65_536
 
 
 def test_subgroup_reads_and_writes_its_slices_in_place():
@@ -266,6 +267,7 @@ def test_a_move_that_fails_at_any_point_leaves_the_optimizer_as_it_was(monkeypat
         pytest.skip("nothing arrives on the device in this move")
     batches = make_batches(9)
     ref_model, ref, model, opt = _pair(offload=0.5)
+    view = debug_view(opt)
     with ref, opt:
         train(ref_model, ref, batches[:3])
         train(model, opt, batches[:3])
@@ -275,12 +277,12 @@ def test_a_move_that_fails_at_any_point_leaves_the_optimizer_as_it_was(monkeypat
             with pytest.raises(error, match="injected|does not fit|needs"):
                 opt.replan(target)
         assert opt.plan.tiers == tiers and opt.worker_pid == worker
-        assert opt.parts.placement.host is not None and opt.parts.placement.host.client is not None
+        assert view.host is not None and view.host.client is not None
         _assert_same(opt, snap)
         train(ref_model, ref, batches[3:6])
         train(model, opt, batches[3:6])
         opt.replan(target)
-        assert opt.parts.placement.fractions[0] == pytest.approx(target, abs=0.15) and opt.plan.tiers != tiers
+        assert view.fractions[0] == pytest.approx(target, abs=0.15) and opt.plan.tiers != tiers
         train(ref_model, ref, batches[6:])
         train(model, opt, batches[6:])
         for a, b in zip(ref_model.parameters(), model.parameters()):
@@ -304,7 +306,7 @@ def _fake_cuda(monkeypatch, opt, free):
     """The CUDA paths of a move on CPU tensors, with `free` bytes available on the "device"."""
     from hybrid_opt.placement import scheduler
 
-    monkeypatch.setattr(opt.parts.layout, "cuda", lambda: True)
+    monkeypatch.setattr(debug_view(opt).layout, "cuda", lambda: True)
     monkeypatch.setattr(
         scheduler,
         "cuda_memory",
@@ -324,12 +326,13 @@ def test_a_move_that_needs_the_leaving_memory_frees_it_first_and_puts_it_back_on
 
     batches = make_batches(8)
     ref_model, ref, model, opt = _pair(dtype, offload=0.5)
+    view = debug_view(opt)
     with ref, opt:
         train(ref_model, ref, batches[:3])
         train(model, opt, batches[:3])
         snap, before = _snapshot(opt), opt.plan
         plan = _swapped(before)
-        m = opt.parts.placement.move_memory(plan)
+        m = view.placement.move_memory(plan)
         assert m["leaving"] > 0 and m["arriving"] > 0
         _fake_cuda(monkeypatch, opt, free=m["arriving"] // 2)  # fits only with the leaving gone
         released = []
@@ -337,23 +340,19 @@ def test_a_move_that_needs_the_leaving_memory_frees_it_first_and_puts_it_back_on
 
         def device_tier(sgs, amsgrad, *state_format):
             if not released:  # the arrivals: the leaving were let go just before
-                released.extend(
-                    i
-                    for i in opt.parts.placement.device.subgroups
-                    if i not in opt.parts.placement.device.state
-                )
+                released.extend(i for i in view.device.subgroups if i not in view.device.state)
                 if fail:
                     raise torch.OutOfMemoryError("injected: CUDA out of memory")
             return real(sgs, amsgrad, *state_format)
 
         monkeypatch.setattr(moves, "DeviceTier", device_tier)
-        assert opt.parts.placement.room_shortfall(plan) is None
+        assert view.placement.room_shortfall(plan) is None
         if fail:
             with pytest.raises(torch.OutOfMemoryError):
-                opt.parts.placement.relayout(plan)
+                view.placement.relayout(plan)
             assert opt.plan is before
         else:
-            opt.parts.placement.relayout(plan)
+            view.placement.relayout(plan)
             assert opt.plan.tiers == plan.tiers
         assert sorted(released) == sorted(i for i, t in enumerate(before.tiers) if t == "device")
         monkeypatch.undo()
@@ -369,11 +368,12 @@ def test_a_move_the_device_cannot_hold_is_refused_before_anything_changes(monkey
     """The device room check: the subgroups arriving on the device must fit in what is free
     there (torch's cached blocks included) plus what the leaving ones free."""
     ref_model, ref, model, opt = _pair(offload=1.0)
+    view = debug_view(opt)
     with ref, opt:
         train(model, opt, make_batches(2))
         snap, worker = _snapshot(opt), opt.worker_pid
-        plan = opt.parts.placement.plan_for(_fixed(0.0))
-        need = opt.parts.placement.move_memory(plan)["arriving"]
+        plan = view.placement.plan_for(_fixed(0.0))
+        need = view.placement.move_memory(plan)["arriving"]
         assert (
             need == sum(p.numel() for p in model.parameters()) * 8
         )  # fp32: m and v; the param is the master
@@ -383,11 +383,11 @@ def test_a_move_the_device_cannot_hold_is_refused_before_anything_changes(monkey
         assert opt.worker_pid == worker and opt.plan.summary()["host"]["share"] == 1.0
         _assert_same(opt, snap)
         _fake_cuda(monkeypatch, opt, free=need)
-        assert opt.parts.placement.room_to_move(_fixed(0.0))
+        assert view.placement.room_to_move(_fixed(0.0))
 
 
 def _fixed(off, nv=0.0):
-    from hybrid_opt.placement import Fixed
+    from hybrid_opt.placement.placement import Fixed
 
     return Fixed(off, nv)
 
@@ -399,22 +399,23 @@ def test_room_to_move_counts_the_state_copied_out_and_the_new_host_tier(monkeypa
     from hybrid_opt.placement import scheduler
 
     ref_model, ref, model, opt = _pair(offload=0.0)
+    view = debug_view(opt)
     with ref, opt:
         n = sum(p.numel() for p in model.parameters())
-        to_host = opt.parts.placement.plan_for(_fixed(1.0))
-        m = opt.parts.placement.move_memory(to_host)
+        to_host = view.placement.plan_for(_fixed(1.0))
+        m = view.placement.move_memory(to_host)
         tier = m["host_need"] - 12 * n  # the new host tier's arena, counted before it exists
         assert m["arriving"] == 0
         # (the plan held fixed: its spare pool is sized from the free memory too)
         monkeypatch.setattr(scheduler, "_free_host_bytes", lambda: m["host_need"] / 0.9 * 1.001)
-        assert opt.parts.placement.room_shortfall(to_host) is None
+        assert view.placement.room_shortfall(to_host) is None
         monkeypatch.setattr(scheduler, "_free_host_bytes", lambda: m["host_need"] / 0.9 * 0.999)
-        assert "needs" in opt.parts.placement.room_shortfall(to_host)
+        assert "needs" in view.placement.room_shortfall(to_host)
         monkeypatch.undo()
         opt.replan(1.0)
         assert opt.plan.spare_banks == to_host.spare_banks
         assert opt.allocated_bytes["host"] == tier  # what the OS reports of the arena it made
-        back = opt.parts.placement.move_memory(opt.parts.placement.plan_for(_fixed(0.0)))
+        back = view.placement.move_memory(view.placement.plan_for(_fixed(0.0)))
         assert back["host_need"] == 8 * n and back["leaving"] == 0  # the device tier is host memory here
 
 
@@ -560,7 +561,8 @@ def test_refits_feed_the_measured_device_memory_to_auto(monkeypatch):
         refit_every=3,
         calibration=dict(FAST_DEVICE),
     ) as opt:
-        assert not opt.parts.placement.auto.device_from_peak  # CPU: behaviour unchanged
+        view = debug_view(opt)
+        assert not view.planner.device_from_peak  # CPU: behaviour unchanged
         seen = []
         monkeypatch.setattr(
             scheduler,
@@ -573,26 +575,21 @@ def test_refits_feed_the_measured_device_memory_to_auto(monkeypatch):
                 "peak": 1.5 * GiB,
             },
         )
-        real = opt.parts.placement.auto.observe_device_memory
+        real = view.planner.observe_device_memory
         monkeypatch.setattr(
-            opt.parts.placement.auto,
+            view.planner,
             "observe_device_memory",
             lambda mem, counted, floor: seen.append((counted, floor)) or real(mem, counted, floor),
         )
         train(model, opt, make_batches(4))
         assert seen == []
-        opt.parts.placement.auto.device_from_peak = opt.parts.placement.auto.device_peak_pending = True
+        view.planner.device_from_peak = view.planner.device_peak_pending = True
         train(model, opt, make_batches(4))
-        assert len(seen) == 1 and not opt.parts.placement.auto.device_peak_pending  # the refit at step 6
+        assert len(seen) == 1 and not view.planner.device_peak_pending  # the refit at step 6
         counted, floor = seen[0]
-        assert (
-            counted
-            == opt.parts.placement.modelled_bytes(*opt.parts.placement.fractions, opt.plan.spare_banks)[
-                "device"
-            ]
-        )
-        assert floor == opt.parts.placement.modelled_bytes(1.0, 0.0, opt.plan.spare_banks)["device"]
-        assert opt.parts.placement.auto.device_budget == pytest.approx(
+        assert counted == view.placement.modelled_bytes(*view.fractions, opt.plan.spare_banks)["device"]
+        assert floor == view.placement.modelled_bytes(1.0, 0.0, opt.plan.spare_banks)["device"]
+        assert view.planner.device_budget == pytest.approx(
             scheduler.measured_device_budget(1.0 * GiB, 2.0 * GiB, 1.0 * GiB, 1.5 * GiB, counted, floor)
         )
 
@@ -679,13 +676,13 @@ def test_a_checkpoint_that_needs_amsgrad_and_a_host_tier_that_cannot_start_chang
             _fail_host_tier(m)
             with pytest.raises(RuntimeError, match="injected"):
                 opt.load_state_dict(donor.state_dict())
-        assert not opt.parts.layout.amsgrad and opt.worker_pid == worker
-        assert all("max_exp_avg_sq" not in st for st in opt.parts.placement.device.state.values())
+        assert not debug_view(opt).amsgrad and opt.worker_pid == worker
+        assert all("max_exp_avg_sq" not in st for st in debug_view(opt).device.state.values())
         _assert_same(opt, snap)
         train(ref_model, ref, batches[3:])
         train(model, opt, batches[3:])
         for a, b in zip(ref_model.parameters(), model.parameters()):
             assert torch.equal(a, b)
         opt.load_state_dict(donor.state_dict())
-        assert opt.parts.layout.amsgrad and opt.worker_pid != worker
+        assert debug_view(opt).amsgrad and opt.worker_pid != worker
         assert_state_close(opt.state_dict(), donor.state_dict())

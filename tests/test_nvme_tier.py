@@ -35,6 +35,7 @@ from torch import nn
 from hybrid_opt import HybridAdamW
 from hybrid_opt.placement.plan import NVME
 from hybrid_opt.swap import PREFIX
+from hybrid_opt.testing import debug_view
 from hybrid_opt.tiers.host import HostTier, StepInputs
 from hybrid_opt.tiers.host_io import TornState
 from hybrid_opt.worker.client import WorkerError
@@ -1005,8 +1006,8 @@ def test_a_full_disk_during_step_rolls_back_the_step_counts_of_what_was_not_step
             opt.step()
         before = opt.state_dict()
         # the next write goes to the slot after the committed one: let only its first page in
-        nxt = 1 - opt.parts.placement.host.file_slots[0]
-        limit = nxt * opt.parts.placement.host.io_bytes + 4096
+        nxt = 1 - debug_view(opt).file_slot(0)
+        limit = nxt * debug_view(opt).host.io_bytes + 4096
         old = resource.prlimit(opt.worker_pid, resource.RLIMIT_FSIZE)
         resource.prlimit(opt.worker_pid, resource.RLIMIT_FSIZE, (limit, old[1]))  # soft only
         try:
@@ -1073,8 +1074,8 @@ def test_a_checkpoint_replaces_a_corrupt_nvme_slot_and_the_step_error_says_so(nv
         _grad_step(opt, params, 1)
         ckpt = copy.deepcopy(opt.state_dict())
         _grad_step(opt, params, 2)
-        host = opt.parts.placement.host
-        flip_byte(host.swap.file(2), host.file_slots[2] * host.io_bytes + 100)
+        view = debug_view(opt)
+        flip_byte(view.nvme_file(2), view.file_slot(2) * view.host.io_bytes + 100)
         with pytest.raises(RuntimeError, match="checksum mismatch") as info:
             _grad_step(opt, params, 3)
         msg = str(info.value)
@@ -1097,8 +1098,9 @@ def test_a_load_that_fails_part_way_leaves_every_subgroup_and_hyperparameter_as_
         ckpt = copy.deepcopy(opt.state_dict())
         ckpt["param_groups"][0]["lr"] = 0.5
         _grad_step(opt, params, 2, which=(0, 1))  # their slots flip, the others' do not
-        host = opt.parts.placement.host
-        assert host.file_slots == {0: 1, 1: 1, 2: 0, 3: 0}
+        view = debug_view(opt)
+        host = view.host
+        assert [view.file_slot(sg) for sg in view.host_subgroups()] == [1, 1, 0, 0]
         before = _snapshot(opt)
         # a load writes each file's other slot: slot 0 (subgroups 0, 1) is let in, slot 1 is not
         old = resource.getrlimit(resource.RLIMIT_FSIZE)
@@ -1110,7 +1112,7 @@ def test_a_load_that_fails_part_way_leaves_every_subgroup_and_hyperparameter_as_
         finally:
             resource.setrlimit(resource.RLIMIT_FSIZE, old)
             signal.signal(signal.SIGXFSZ, handler)
-        assert host.file_slots == {0: 1, 1: 1, 2: 0, 3: 0}
+        assert [view.file_slot(sg) for sg in view.host_subgroups()] == [1, 1, 0, 0]
         assert opt.param_groups[0]["lr"] == 1e-3
         _assert_state_is(opt, before, "after a failed load")
         opt.load_state_dict(ckpt)
@@ -1134,8 +1136,8 @@ def test_an_nvme_file_removed_from_outside_keeps_its_state_and_says_so(nvme_dir,
     nvme tier and what to do."""
     params, opt, twin_params, twin = _stepped_twins(nvme_dir)
     with opt, twin:
-        host = opt.parts.placement.host
-        path = host.swap.file(1)
+        host = debug_view(opt).host
+        path = debug_view(opt).nvme_file(1)
         if how == "unlink":
             os.unlink(path)
         else:
@@ -1213,7 +1215,7 @@ def test_nvme_files_removed_from_outside_survive_a_killed_worker_and_a_checkpoin
     optimizer (written through the same descriptors) steps on bitwise."""
     params, opt, twin_params, twin = _stepped_twins(nvme_dir)
     with opt, twin:
-        host = opt.parts.placement.host
+        host = debug_view(opt).host
         if how == "unlink":
             for name in os.listdir(host.swap.path):
                 if name.endswith(".state"):

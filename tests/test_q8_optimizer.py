@@ -18,6 +18,7 @@ from cpu_kernels.q8_reference import Q8Blocks, dequantize_blocks, q8_adam_step_r
 from cpu_kernels.reference import FUSED_MULTIPLY_ADD_LEVELS, adam_step_bitwise_reference
 from hybrid_opt import HybridAdam, HybridAdamW
 from hybrid_opt.state.state_format import Q8, Q8_MIN_NUMEL, StateFormat
+from hybrid_opt.testing import debug_view
 
 BF16, FP32 = torch.bfloat16, torch.float32
 HYPER = dict(lr=1e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.05)
@@ -187,7 +188,7 @@ def test_bad_q8_options_are_refused_at_construction(kwargs, error, match):
 def test_layout_keeps_small_params_apart_and_never_splits_a_block(subgroup_numel):
     params = _params(FP32)
     opt = _hybrid(params, StateFormat(Q8, Q8), subgroup_numel=subgroup_numel)
-    sgs = opt.parts.layout.subgroups
+    sgs = debug_view(opt).subgroups
     assert {sg.quantized for sg in sgs} == {True, False}
     for sg in sgs:
         assert {params[sl.param_index].numel() >= Q8_MIN_NUMEL for sl in sg.slices} == {sg.quantized}
@@ -200,7 +201,7 @@ def test_layout_keeps_small_params_apart_and_never_splits_a_block(subgroup_numel
             if sl.numel % 256:  # a partial block: the param's last, and the subgroup's
                 assert ends_param and k == len(sg.slices) - 1, (sg.index, k)
     # without q8 the small and large params share subgroups, as before
-    plain = _hybrid(_params(FP32), StateFormat(), subgroup_numel=1 << 16).parts.layout.subgroups
+    plain = debug_view(_hybrid(_params(FP32), StateFormat(), subgroup_numel=1 << 16)).subgroups
     assert len(plain) == 1 and not plain[0].quantized
 
 
@@ -214,7 +215,7 @@ def test_device_tier_steps_the_q8_reference_bitwise(model, moments, amsgrad):
     params = _params(FP32 if model == "fp32" else BF16)
     ref = reference_run(params, 5, fmt, amsgrad=amsgrad)
     opt = _run(_hybrid(params, fmt, amsgrad=amsgrad), params, 5)
-    assert any(opt.parts.placement.device.quantized(sg.index) for sg in opt.parts.layout.subgroups)
+    assert any(debug_view(opt).device.quantized(sg.index) for sg in debug_view(opt).subgroups)
     assert_state_equal(opt.state_dict()["state"], ref, params, fmt, amsgrad)
 
 
@@ -232,10 +233,12 @@ def test_device_tier_bytes_are_codes_and_absmaxes():
     opt = _hybrid(params, fmt)
     big = sum(p.numel() for p in params if p.numel() >= Q8_MIN_NUMEL)
     small = sum(p.numel() for p in params if p.numel() < Q8_MIN_NUMEL)
-    blocks = sum(-(-sg.numel // 256) for sg in opt.parts.layout.subgroups if sg.quantized)
-    assert opt.parts.placement.device.nbytes() == big * (2 + 2) + blocks * 2 * 4 + small * (2 + 8)
+    blocks = sum(-(-sg.numel // 256) for sg in debug_view(opt).subgroups if sg.quantized)
+    assert debug_view(opt).device.nbytes() == big * (2 + 2) + blocks * 2 * 4 + small * (2 + 8)
     # what the budgets count (footprint.py) is what the tier allocated
-    assert opt.parts.placement.device_bytes(opt.parts.layout.subgroups) == opt.parts.placement.device.nbytes()
+    assert (
+        debug_view(opt).placement.device_bytes(debug_view(opt).subgroups) == debug_view(opt).device.nbytes()
+    )
 
 
 def test_q8_trajectory_follows_torch_adamw_loosely():
@@ -262,7 +265,7 @@ def test_q8_trajectory_follows_torch_adamw_loosely():
 def _triton_on_cpu(opt, monkeypatch):
     """The device tier's CUDA launch path (_step_cuda: gpu_kernels.q8_adam_ for q8 subgroups,
     the prepared fused_adam_ for the others) run on CPU tensors through TRITON_INTERPRET."""
-    tier = opt.parts.placement.device
+    tier = debug_view(opt).device
     monkeypatch.setattr(
         tier,
         "step",
@@ -396,12 +399,13 @@ def test_host_and_nvme_tiers_step_the_q8_reference_bitwise(model, moments, place
         else PLACED[placement]
     )
     with _hybrid(params, fmt, amsgrad=True, **kw) as opt:
-        host = opt.parts.placement.host
-        assert host is not None and any(host.quantized(k) for k in host.numels)
+        view = debug_view(opt)
+        host = view.host
+        assert host is not None and any(view.host_quantized(sg) for sg in view.host_subgroups())
         if placement == "host":
-            assert not all(host.quantized(k) for k in host.numels)  # a mixed tier
+            assert not all(view.host_quantized(sg) for sg in view.host_subgroups())  # a mixed tier
         if placement != "host":
-            assert any(host.quantized(k) and host.nvme[k] for k in host.numels)
+            assert any(view.host_quantized(sg) and view.on_nvme(sg) for sg in view.host_subgroups())
         for k in range(4):
             for p in params:
                 p.grad = None
@@ -475,10 +479,11 @@ def test_speculative_plain_and_nvme_steps_are_bitwise_through_clipping_overflow_
                     for key, t in sds["device"][i].items():
                         assert torch.equal(sds[name][i][key], t), (step, name, i, key)
         assert "exp_avg_q8" in sds["device"][0] and "exp_avg" in sds["device"][2]
-        assert all(opts["nvme"].parts.placement.host.nvme.values())
+        nvme = debug_view(opts["nvme"])
+        assert all(nvme.on_nvme(sg) for sg in nvme.host_subgroups())
         for name in ("speculative", "plain", "nvme"):
-            assert opts[name].parts.placement.host.stats["worker_restarts"] >= 1, name
-        assert opts["speculative"].parts.placement.host.stats["redone"] > 0
+            assert debug_view(opts[name]).host_stats["worker_restarts"] >= 1, name
+        assert debug_view(opts["speculative"]).host_stats["redone"] > 0
     finally:
         for o in opts.values():
             o.close()
@@ -493,11 +498,12 @@ def test_nvme_slot_checksums_cover_codes_and_absmaxes(region, tmp_path):
         params, StateFormat(Q8, Q8), offload_fraction=1.0, nvme_fraction=1.0, nvme_path=str(tmp_path)
     ) as opt:
         _run(opt, params, 2)
-        host = opt.parts.placement.host
-        sg = next(k for k in host.numels if host.quantized(k) and host.nvme[k])
+        view = debug_view(opt)
+        host = view.host
+        sg = next(k for k in view.host_subgroups() if view.host_quantized(k) and view.on_nvme(k))
         assert host.region_offset(region) < host.io_bytes  # inside the block a swap moves
         opt.state_dict()  # reads back whole before the flip
-        path, slot = host.swap.file(sg), host.file_slots[sg]
+        path, slot = view.nvme_file(sg), view.file_slot(sg)
         with open(path, "r+b") as f:
             f.seek(slot * host.io_bytes + host.region_offset(region) + 1)
             b = f.read(1)
@@ -517,10 +523,11 @@ def test_replan_moves_codes_and_absmaxes_between_tiers_bitwise(tmp_path):
     with _hybrid(params, fmt, nvme_path=str(tmp_path)) as opt:
         _run(opt, params, 2)
         opt.replan(1.0, 0.5)
-        assert opt.parts.placement.host is not None and any(opt.parts.placement.host.nvme.values())
+        view = debug_view(opt)
+        assert view.host is not None and any(view.on_nvme(sg) for sg in view.host_subgroups())
         _run(opt, params, 2, first=2)
         opt.replan(0.0)
-        assert opt.parts.placement.host is None
+        assert debug_view(opt).host is None
         _run(opt, params, 2, first=4)
         assert_state_equal(opt.state_dict()["state"], ref, params, fmt)
 
@@ -588,8 +595,9 @@ def test_nvme_files_and_host_banks_hold_the_q8_bytes(fmt, bound, tmp_path):
     assert files["q8"] <= bound * files["fp32"], files
     model = _linear_model(0)
     with _hybrid(list(model.parameters()), fmt, subgroup_numel=1 << 16, offload_fraction=1.0) as opt:
-        host = opt.parts.placement.host
-        assert all(host.quantized(k) for k in host.numels)
+        view = debug_view(opt)
+        host = view.host
+        assert all(view.host_quantized(sg) for sg in view.host_subgroups())
         per_element = host.bank_bytes / (len(host.numels) * host.capacity)
         page_slack = 2 * 4096 / host.capacity  # a bank's state block and the bank end on a page
         assert fmt.bank_bytes(BF16) <= per_element <= fmt.bank_bytes(BF16) + page_slack, per_element
@@ -679,7 +687,7 @@ def test_add_param_group_lays_out_q8_and_small_params_apart():
     ref = reference_run(params, 3, fmt)
     with _hybrid(params[:2], fmt) as opt:
         opt.add_param_group({"params": params[2:]})
-        assert {sg.quantized for sg in opt.parts.layout.subgroups if sg.group == 1} == {True, False}
+        assert {sg.quantized for sg in debug_view(opt).subgroups if sg.group == 1} == {True, False}
         _run(opt, params, 3)
         assert_state_equal(opt.state_dict()["state"], ref, params, fmt)
 
@@ -710,9 +718,9 @@ def test_state_dict_codes_are_views_of_the_state(placement, tmp_path):
             opt.zero_grad()
         sd = opt.state_dict()["state"]
         spans = {
-            i: sum(sl.param_index == i for sg in opt.parts.layout.subgroups for sl in sg.slices) for i in sd
+            i: sum(sl.param_index == i for sg in debug_view(opt).subgroups for sl in sg.slices) for i in sd
         }
-        assert spans[0] == 3 and {sg.numel % 4096 for sg in opt.parts.layout.subgroups if sg.quantized} == {0}
+        assert spans[0] == 3 and {sg.numel % 4096 for sg in debug_view(opt).subgroups if sg.quantized} == {0}
         for i in (0, 2):
             for key in ("exp_avg_q8", "exp_avg_sq_q8"):
                 t = sd[i][key]

@@ -16,6 +16,7 @@ from tolerances import assert_close
 from torch import nn
 
 from hybrid_opt import HybridAdamW
+from hybrid_opt.testing import debug_view
 
 SUBGROUP = 64
 PLACEMENTS = {
@@ -184,13 +185,13 @@ def test_storage_check_costs_no_allocation():
     (a list of 2,000 data_ptrs alone would be tens of KB)."""
     params = [nn.Parameter(torch.randn(3)) for _ in range(2000)]
     with HybridAdamW(params, lr=1e-2, offload_fraction=0.0) as opt:
-        opt.parts.guard.check()
+        debug_view(opt).guard.check()
         tracemalloc.start()
         try:
             base = tracemalloc.get_traced_memory()[0]
             tracemalloc.reset_peak()
             for _ in range(20):
-                opt.parts.guard.check()
+                debug_view(opt).guard.check()
             peak = tracemalloc.get_traced_memory()[1] - base
         finally:
             tracemalloc.stop()

@@ -16,6 +16,7 @@ from hybrid_opt import HybridAdamW
 from hybrid_opt.placement import calibrate
 from hybrid_opt.placement import cost_model as cm
 from hybrid_opt.placement.scheduler import AutoPlanner, Decision, Sample
+from hybrid_opt.testing import debug_view
 
 SUBGROUP = 64
 
@@ -173,7 +174,7 @@ def test_add_param_group_under_auto_lays_out_the_grown_model_and_matches_torch()
         # the whole grown model on the host, as "auto" would place it from the start
         assert opt.plan.summary()["host"]["share"] == 1.0, opt.plan
         assert opt.plan.reason.startswith("add_param_group: "), opt.plan.reason
-        assert opt.parts.placement.auto.total == sum(p.numel() for p in model.parameters())
+        assert debug_view(opt).planner.total == sum(p.numel() for p in model.parameters())
         train(model, opt, batches[4:])
         train(ref_model, ref, batches[4:])
         assert_state_close(opt.state_dict(), ref.state_dict())
@@ -187,13 +188,13 @@ def test_add_param_group_without_room_to_lay_out_again_stays_on_the_device(monke
     with _auto(model, SLOW_DEVICE, params=first(model)) as opt:
         train(model, opt, batches[:3])
         train(ref_model, ref, batches[:3])
-        monkeypatch.setattr(opt.parts.placement, "room_to_move", lambda target: False)
+        monkeypatch.setattr(debug_view(opt).placement, "room_to_move", lambda target: False)
         with pytest.warns(UserWarning, match="stay on the device tier.*does not fit in free memory"):
             _add_unfrozen(model, opt)
         _add_unfrozen(ref_model, ref)
         n_new = sum(p.numel() for p in model.fc2.parameters())
         assert opt.plan.summary()["device"]["elements"] == n_new, opt.plan
-        assert opt.parts.placement.fractions[0] == pytest.approx(
+        assert debug_view(opt).fractions[0] == pytest.approx(
             1 - n_new / sum(opt.plan.numels)
         )  # what a refit reads
         train(model, opt, batches[3:])
@@ -256,7 +257,7 @@ def test_auto_without_speculation_offloads_only_what_pays_after_backward():
     for speculative in (True, False):
         with _auto(make_net(), rates, speculative=speculative) as opt:
             shares[speculative] = opt.plan.summary()["host"]["share"]
-            assert opt.parts.placement.auto.workload().speculative is speculative
+            assert debug_view(opt).planner.workload().speculative is speculative
     assert shares[False] == 0 < shares[True], shares
 
 
@@ -326,8 +327,8 @@ def test_fixed_fractions_size_the_spare_pool_from_memory():
         n_host = len(opt.plan.subgroups("host"))
         assert opt.plan.spare_banks == n_host  # they fit in a quarter of the free memory
         # the arena without spares and one bank, counted as the tiers will allocate them
-        base = opt.parts.placement.bytes_of(dataclasses.replace(opt.plan, spare_banks=0))["host"]
-        bank = opt.parts.placement.bytes_of(dataclasses.replace(opt.plan, spare_banks=1))["host"] - base
+        base = debug_view(opt).placement.bytes_of(dataclasses.replace(opt.plan, spare_banks=0))["host"]
+        bank = debug_view(opt).placement.bytes_of(dataclasses.replace(opt.plan, spare_banks=1))["host"] - base
     assert bank == 4096  # 64 elements x 12 B, in whole pages (shm.PAGE)
     with HybridAdamW(
         make_net().parameters(),
@@ -369,7 +370,7 @@ def test_replan_moves_state_without_changing_a_bit():
             train(fixed_model, fixed, [batch])
             train(moved_model, moved, [batch])
             worker_s += [t["worker_s"] for t in moved.stats["tiers"].values()]
-        assert moved.parts.placement.auto.moves == 3
+        assert debug_view(moved).planner.moves == 3
         assert min(worker_s) >= 0 and max(worker_s) > 0  # per-tier stats survive the moves
         for a, b in zip(fixed_model.parameters(), moved_model.parameters()):
             assert torch.equal(a, b)
@@ -385,11 +386,12 @@ def test_a_refit_that_pays_moves_and_numerics_stay_bitwise(monkeypatch):
         ) as fixed,
         _auto(auto_model, SLOW_HOST, refit_every=2) as opt,
     ):
-        to_host = opt.parts.placement.auto.predict(1.0, 0.0)
-        monkeypatch.setattr(opt.parts.placement.auto, "refit", lambda *a: Decision(1.0, 0.0, to_host, "test"))
+        view = debug_view(opt)
+        to_host = view.planner.predict(1.0, 0.0)
+        monkeypatch.setattr(view.planner, "refit", lambda *a: Decision(1.0, 0.0, to_host, "test"))
         train(fixed_model, fixed, batches)
         train(auto_model, opt, batches)
-        assert opt.parts.placement.auto.moves >= 1 and opt.plan.summary()["host"]["share"] == 1.0
+        assert view.planner.moves >= 1 and opt.plan.summary()["host"]["share"] == 1.0
         assert opt.worker_pid is not None
         for a, b in zip(fixed_model.parameters(), auto_model.parameters()):
             assert torch.equal(a, b)
@@ -410,16 +412,17 @@ def test_a_refit_whose_move_fails_keeps_the_plan_and_the_state(monkeypatch, tmp_
         ) as fixed,
         _auto(auto_model, SLOW_HOST, refit_every=2) as opt,
     ):
+        view = debug_view(opt)
         opt.nvme_path = str(blocker / "swap")
-        to_disk = opt.parts.placement.auto.predict(1.0, 0.0)  # a prediction to carry; the layout is 1.0 / 1.0
-        monkeypatch.setattr(opt.parts.placement.auto, "refit", lambda *a: Decision(1.0, 1.0, to_disk, "test"))
+        to_disk = view.planner.predict(1.0, 0.0)  # a prediction to carry; the layout is 1.0 / 1.0
+        monkeypatch.setattr(view.planner, "refit", lambda *a: Decision(1.0, 1.0, to_disk, "test"))
         train(fixed_model, fixed, batches[:5])
         with pytest.warns(
             UserWarning,
             match="refit: moving to offload_fraction=1, nvme_fraction=1 failed; the plan stays as it was",
         ):
             train(auto_model, opt, batches[:5])
-        assert opt.plan.summary()["device"]["share"] == 1.0 and opt.parts.placement.host is None, opt.plan
+        assert opt.plan.summary()["device"]["share"] == 1.0 and view.host is None, opt.plan
         assert opt.plan.reason.startswith("refit: a move failed")
         monkeypatch.undo()
         train(fixed_model, fixed, batches[5:])
@@ -437,13 +440,14 @@ def test_a_move_that_would_not_fit_in_memory_is_skipped(monkeypatch, measured):
 
     model = make_net()
     with _auto(model, SLOW_HOST, refit_every=2) as opt:
-        to_host = opt.parts.placement.auto.predict(1.0, 0.0)
-        monkeypatch.setattr(opt.parts.placement.auto, "refit", lambda *a: Decision(1.0, 0.0, to_host, "test"))
+        view = debug_view(opt)
+        to_host = view.planner.predict(1.0, 0.0)
+        monkeypatch.setattr(view.planner, "refit", lambda *a: Decision(1.0, 0.0, to_host, "test"))
         if measured:  # what the real refit sets from its samples
-            monkeypatch.setattr(opt.parts.placement.auto, "backward_s", 0.01)
+            monkeypatch.setattr(view.planner, "backward_s", 0.01)
         monkeypatch.setattr(scheduler, "_free_host_bytes", lambda: 0.0)
         train(model, opt, make_batches(6))
-        assert opt.parts.placement.auto.moves == 0 and opt.plan.summary()["device"]["share"] == 1.0
+        assert view.planner.moves == 0 and opt.plan.summary()["device"]["share"] == 1.0
         assert "does not fit in free memory" in opt.plan.reason
 
 

@@ -29,6 +29,7 @@ from tolerances import assert_close
 from torch import nn
 
 from hybrid_opt import HybridAdamW
+from hybrid_opt.testing import debug_view
 
 WIDTH, DEPTH = 64, 6
 SUBGROUP = 4096
@@ -141,10 +142,10 @@ def run(train, speculative, *, model=make_mlp, params=None, **kw) -> Run:
     with hybrid(params(net) if params else net.parameters(), speculative, **kw) as opt:
         log: list = []
         extra = train(net, opt, log) or {}
-        if opt.parts.placement.host is not None:
-            extra.setdefault("remote_gathered", opt.parts.placement.host.stats["remote_gathered"])
-            extra.setdefault("remote_gather", opt.parts.placement.host.remote_gather)
-            extra.setdefault("shared", opt.parts.placement.host.cores.shared)
+        if debug_view(opt).host is not None:
+            extra.setdefault("remote_gathered", debug_view(opt).host_stats["remote_gathered"])
+            extra.setdefault("remote_gather", debug_view(opt).host.remote_gather)
+            extra.setdefault("shared", debug_view(opt).host.cores.shared)
         state = opt.state_dict()
         n_host = sum(1 for t in opt.plan.tiers if t != "device")
         plan = opt.plan
@@ -331,7 +332,7 @@ def test_a_parameter_spanning_many_subgroups_has_them_all_speculated():
     assert spec.n_host == 17
     assert_all(spec, committed=17, redone=0, stepped=0, dropped=0)
     with hybrid(make_wide().parameters(), True, spare_banks=64) as opt:
-        assert len(opt.parts.placement.host.slots) == 17
+        assert len(debug_view(opt).host.slots) == 17
 
 
 def test_staging_slots_cover_the_largest_burst_within_bounds():
@@ -571,7 +572,7 @@ def test_gradient_accumulation(annotated):
                     opt.set_gradient_accumulation_boundary(k == MICRO - 1)
                 (loss_fn(net, BATCHES[MICRO * i + k]) / MICRO).backward()
                 if opt.speculative:  # what the host tier holds unvalidated after this micro-batch
-                    pending.append(len(opt.parts.placement.host.speculated()))
+                    pending.append(len(debug_view(opt).host.speculated()))
             step(opt, log)
 
     spec = compare(train, offload=0.7)
@@ -718,7 +719,7 @@ def fault_loop(fault, raised):
                 state0 = opt.state_dict()
                 if fault == "hook":
                     calls = []
-                    real = opt.parts.placement.host.speculate
+                    real = debug_view(opt).host.speculate
 
                     def speculate(*a, **kw):
                         calls.append(1)
@@ -726,10 +727,10 @@ def fault_loop(fault, raised):
                             raise OSError("injected staging failure")
                         return real(*a, **kw)
 
-                    opt.parts.placement.host.speculate = speculate
+                    debug_view(opt).host.speculate = speculate
                 loss_fn(net, batch).backward()  # must not raise, whatever a hook hit
                 if fault == "hook":
-                    del opt.parts.placement.host.speculate
+                    del debug_view(opt).host.speculate
                 with pytest.raises(RuntimeError) as err:
                     opt.step()
                 raised.append(str(err.value))
@@ -777,15 +778,15 @@ def test_a_speculation_error_comes_first_and_is_not_left_for_the_next_step():
         def speculate(*a, **kw):
             raise OSError("injected staging failure")
 
-        opt.parts.placement.host.speculate = speculate
+        debug_view(opt).host.speculate = speculate
         loss_fn(net, batches[1]).backward()
-        del opt.parts.placement.host.speculate
+        del debug_view(opt).host.speculate
         lr = opt.param_groups[0]["lr"]
         opt.param_groups[0]["lr"] = torch.tensor([lr, lr])  # refused by the input checks too
         params0 = [p.detach().clone() for p in net.parameters()]
         with pytest.raises(RuntimeError, match="a speculative host step during backward failed"):
             opt.step()
-        assert opt.parts.speculator.error is None and not opt.parts.placement.host.speculated()
+        assert debug_view(opt).speculation_error is None and not debug_view(opt).host.speculated()
         assert all(torch.equal(a, b) for a, b in zip(params0, net.parameters()))
         opt.param_groups[0]["lr"] = lr
         opt.zero_grad()

@@ -23,6 +23,7 @@ from torch import nn
 import hybrid_opt.shm as shm
 from hybrid_opt import HybridAdamW
 from hybrid_opt.shm import SharedArena
+from hybrid_opt.testing import debug_view
 from hybrid_opt.tiers.host import HostTier
 from hybrid_opt.worker import protocol as proto
 
@@ -310,7 +311,7 @@ def train(speculative, rollback="exact", steps=4, complete_in_hooks=False):
         subgroup_numel=SUBGROUP,
         spare_banks=16,
     ) as opt:
-        tier = opt.parts.placement.host
+        tier = debug_view(opt).host
         stager = None
         if speculative:
             tier.remote_gather = False
@@ -455,9 +456,7 @@ def test_a_cpu_model_never_pins(monkeypatch):
         tier.close()
     calls.clear()
     with HybridAdamW(make_mlp().parameters(), offload_fraction=1.0, subgroup_numel=SUBGROUP) as opt:
-        assert (
-            opt.parts.placement.host is not None and calls == [] and not opt.parts.placement.host.arena.pinned
-        )
+        assert debug_view(opt).host is not None and calls == [] and not debug_view(opt).host.arena.pinned
 
 
 def test_a_failed_pin_clears_the_error_warns_once_and_runs_unpinned(monkeypatch):

@@ -15,6 +15,7 @@ from torch.utils._pytree import tree_flatten
 
 from hybrid_opt import HybridAdamW
 from hybrid_opt.placement.plan import DEVICE
+from hybrid_opt.testing import debug_view
 
 SUBGROUP = 1 << 16  # test_gpu_checkpoint.py's layout: device subgroups of one and of two params
 PLACEMENTS = {
@@ -67,7 +68,7 @@ def test_state_dict_allocates_only_the_state_it_returns(placement, dtype, tmp_pa
             opt.zero_grad()
             sum(((p.float() - torch.randn(p.shape, generator=g)) ** 2).mean() for p in params).backward()
             opt.step()
-        subgroups, tiers = opt.parts.layout.subgroups, opt.plan.tiers
+        subgroups, tiers = debug_view(opt).subgroups, opt.plan.tiers
         # what the bound is about: a device subgroup shared by params (whose fp32 master would
         # be a copy) and a param spanning device subgroups
         assert any(tiers[sg.index] == DEVICE and len(sg.slices) > 1 for sg in subgroups)

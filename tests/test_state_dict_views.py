@@ -27,6 +27,7 @@ from torch import nn
 
 from hybrid_opt import HybridAdamW
 from hybrid_opt.placement.plan import DEVICE
+from hybrid_opt.testing import debug_view
 
 BF16 = torch.bfloat16
 SUBGROUP = 1 << 15
@@ -68,7 +69,7 @@ def train(model, opt, steps, seed=1):
 
 
 def spans(opt, idx) -> int:
-    return sum(sl.param_index == idx for sg in opt.parts.layout.subgroups for sl in sg.slices)
+    return sum(sl.param_index == idx for sg in debug_view(opt).subgroups for sl in sg.slices)
 
 
 def clone_state(sd):
@@ -85,7 +86,7 @@ def test_every_state_tensor_is_a_view_of_the_state(placement, fmt, tmp_path):
         train(model, opt, 3)
         sd = opt.state_dict()
         assert any(spans(opt, i) > 1 for i in sd["state"])  # pieces of several subgroups
-        assert {opt.plan.tiers[s.index] for s in opt.parts.layout.subgroups} == {
+        assert {opt.plan.tiers[s.index] for s in debug_view(opt).subgroups} == {
             DEVICE if placement == "device" else placement
         }
         for idx, st in sd["state"].items():
@@ -127,7 +128,7 @@ def test_a_state_dict_held_across_steps_keeps_its_values_or_follows_the_state(pl
         for idx, st in sd["state"].items():
             on_device = {
                 opt.plan.tiers[sg.index]
-                for sg in opt.parts.layout.subgroups
+                for sg in debug_view(opt).subgroups
                 for sl in sg.slices
                 if sl.param_index == idx
             } == {DEVICE}

@@ -9,6 +9,7 @@ from torch import nn
 
 from hybrid_opt import HybridAdamW
 from hybrid_opt.step_plan import COMMIT, REDO, SKIP, STEP, TAKE, StepOutcome, StepPlan
+from hybrid_opt.testing import debug_view
 
 SPLIT = 0.5  # the worker on cores of its own: it speculates whatever the last step did
 DONE = {COMMIT: "committed", REDO: "redone", STEP: "stepped"}
@@ -20,8 +21,8 @@ def make_mlp(seed=0):
 
 
 def last_step(opt) -> tuple[StepPlan, StepOutcome]:
-    stats = opt.parts.stats
-    return stats.last_plan, stats.last_outcome
+    view = debug_view(opt)
+    return view.last_plan, view.last_outcome
 
 
 def train_step(model, opt, seed: int, scaler=None) -> None:
@@ -39,7 +40,7 @@ def train_step(model, opt, seed: int, scaler=None) -> None:
 
 
 def host_subgroups(opt) -> set:
-    return {sg.index for sg in opt.parts.layout.subgroups}
+    return {sg.index for sg in debug_view(opt).subgroups}
 
 
 @pytest.mark.parametrize("spare_banks", [None, 2], ids=["all-speculated", "two-banks"])
@@ -59,8 +60,9 @@ def test_each_host_subgroup_is_done_as_the_plan_says(spare_banks):
             assert {i: DONE[a] for i, a in plan.host_actions.items()} == dict(outcome.host)
             assert outcome.committed == frozenset(plan.host_work)
             actions = set(plan.host_actions.values())
-            if spare_banks is None and i > 0:
-                assert actions == {COMMIT}, plan.host_actions
+            # nothing changes a speculation's inputs here: none is redone (a subgroup that found
+            # no free staging slot while the worker was busy is stepped at step())
+            assert REDO not in actions and (i == 0 or COMMIT in actions), plan.host_actions
             if spare_banks == 2:
                 assert STEP in actions and list(plan.host_actions.values()).count(COMMIT) <= 2
 

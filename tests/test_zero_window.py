@@ -9,6 +9,7 @@ import torch
 
 from hybrid_opt import HybridAdamW
 from hybrid_opt.distributed import zero, zero_pool
+from hybrid_opt.testing import debug_view
 
 LAYERS, WIDTH = 12, 64
 
@@ -41,7 +42,7 @@ def test_comm_bytes_are_the_storages_held_and_a_window_not_the_model(world_of_on
         process_group=world_of_one.group.WORLD,
         overlap_param_gather=overlap,
     ) as opt:
-        z = opt.parts.sharding
+        z = debug_view(opt).sharding
         assert len(z.buckets) == LAYERS
         for _ in range(2):
             model(torch.randn(4, WIDTH)).square().mean().backward()

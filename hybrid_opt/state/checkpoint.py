@@ -622,7 +622,7 @@ def _load_failed(e: BaseException, message: str) -> None:
         if hasattr(e, "add_note"):
             e.add_note(message)
         raise e
-    from hybrid_opt.placement import restated
+    from hybrid_opt.placement.placement import restated
 
     raise restated(e, message) from e
 

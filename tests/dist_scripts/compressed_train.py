@@ -23,6 +23,7 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_op
 from torch.distributed.device_mesh import init_device_mesh
 
 from hybrid_opt import HybridAdamW, fp32_master
+from hybrid_opt.testing import debug_view
 
 SAVE_AT = 2
 COMPRESSED = dict(exp_avg_dtype=torch.bfloat16, exp_avg_sq_dtype=torch.bfloat16, store_param_remainders=True)
@@ -93,13 +94,13 @@ def run(name: str, rank: int, world: int, tmp: str, ckpt: str) -> dict:
         **kw,
     )
     restarts = []  # (step, param indices) of every master restarted from its param
-    orig_restart = opt.parts.guard.restart_masters
+    orig_restart = debug_view(opt).guard.restart_masters
 
     def counted(sg, slices, only_changed):
         restarts.append((len(out["steps"]), sorted(sl.param_index for sl in slices)))
         return orig_restart(sg, slices, only_changed)
 
-    opt.parts.guard.restart_masters = counted
+    debug_view(opt).guard.restart_masters = counted
     scaler = None
     if overflow_at is not None:
         scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
@@ -135,7 +136,7 @@ def run(name: str, rank: int, world: int, tmp: str, ckpt: str) -> dict:
             )
     out["restarts"] = list(restarts)  # over the training steps
     # this rank's share: elements laid out, opt.stats' state bytes (in the state format)
-    out["laid_out"] = sum(sg.numel for sg in opt.parts.layout.subgroups)
+    out["laid_out"] = sum(sg.numel for sg in debug_view(opt).subgroups)
     out["state_bytes"] = sum(t["state_bytes"] for t in opt.stats["tiers"].values())
     if overflow_at is None:  # a user's write: every master restarts from its param
         model.load_state_dict(model.state_dict())

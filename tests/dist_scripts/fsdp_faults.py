@@ -40,6 +40,7 @@ from torch.distributed.fsdp import fully_shard
 
 from hybrid_opt import HybridAdamW
 from hybrid_opt.distributed import node
+from hybrid_opt.testing import debug_view
 
 PG_TIMEOUT_S = 20
 RESULTS = {}  # the scenarios run so far (rank_gone's rank 1 saves them before it exits)
@@ -85,20 +86,21 @@ def run(name: str, rank: int, world: int, tmp: str) -> dict:
     )
     out["worker_cpus"] = sorted(psutil.Process(opt.worker_pid).cpu_affinity())
     hook = None
+    view = debug_view(opt)
     if name == "fail_speculation" and rank == 1:
-        real, fired = opt.parts.placement.host.speculate, []
+        real, fired = view.host.speculate, []
 
         def failing(*args, **kwargs):
-            if opt.parts.ledger.steps_taken == 1 and not fired:  # step 2's backward, once
+            if view.steps_taken == 1 and not fired:  # step 2's backward, once
                 fired.append(True)
                 raise OSError(5, "injected fault: the swap file could not be written")
             return real(*args, **kwargs)
 
-        opt.parts.placement.host.speculate = failing
+        view.host.speculate = failing
     if name == "kill_backward" and rank == 1:
 
         def kill_in_backward(p):
-            if opt.parts.ledger.steps_taken == 1 and not out["killed"]:
+            if view.steps_taken == 1 and not out["killed"]:
                 out["killed"].append(kill_worker(opt))
 
         hook = model[2].weight.register_post_accumulate_grad_hook(kill_in_backward)
@@ -127,7 +129,7 @@ def run(name: str, rank: int, world: int, tmp: str) -> dict:
             if name == "rank_gone":
                 break  # the group is broken: no collective can run any more
         out["params"].append([p.full_tensor().detach().clone() for p in model.parameters()])
-        out["restarts"].append(opt.parts.placement.host.stats["worker_restarts"])
+        out["restarts"].append(view.host_stats["worker_restarts"])
         out["worker_pids"].append(opt.worker_pid)
         if name == "kill_between" and i == 0 and rank == 1:
             out["killed"].append(kill_worker(opt))
@@ -174,7 +176,9 @@ def run_zero(name: str, rank: int, world: int) -> dict:
                 process_group=dist.group.WORLD,
             )
             if phase == "A" and rank == 1:
-                opt.parts.ledger.rank_failure = RuntimeError("injected: a failure kept from an earlier step")
+                debug_view(opt).ledger.rank_failure = RuntimeError(
+                    "injected: a failure kept from an earlier step"
+                )
             if phase == "A":
                 (C.loss_fn(model, C.local_batch(C.batches()[0], rank, world)) * 0.0).backward()
             else:  # set by hand on both ranks, zero in rank 0's rows: its chunk of the mean is
@@ -186,7 +190,7 @@ def run_zero(name: str, rank: int, world: int) -> dict:
                 opt.step()
             except Exception as e:
                 record(out, phase, e, t0, rank)
-            out["steps"].append(list(opt.parts.layout.steps))
+            out["steps"].append(list(debug_view(opt).param_steps))
             out["params"].append([p.detach().clone() for p in model.parameters()])
             opt.close()
         return out
@@ -202,14 +206,14 @@ def run_zero(name: str, rank: int, world: int) -> dict:
         process_group=dist.group.WORLD,
     )
     if name == "zero_host_fails" and rank == 1:
-        real = opt.parts.placement.host.finish
+        real = debug_view(opt).host.finish
 
         def failing(*args, **kwargs):
-            if opt.parts.ledger.steps_taken == 2:  # step 2's host step, after the decision
+            if debug_view(opt).steps_taken == 2:  # step 2's host step, after the decision
                 raise OSError(5, "injected fault: the host step failed")
             return real(*args, **kwargs)
 
-        opt.parts.placement.host.finish = failing
+        debug_view(opt).host.finish = failing
     for i, x in enumerate(C.batches()):
         opt.zero_grad()
         C.loss_fn(model, C.local_batch(x, rank, world)).backward()

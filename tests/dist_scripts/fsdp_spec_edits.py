@@ -17,6 +17,7 @@ from fsdp_train import shard
 from torch.distributed.device_mesh import init_device_mesh
 
 from hybrid_opt import HybridAdamW
+from hybrid_opt.testing import debug_view
 
 DEVICE = os.environ.get("DIST_DEVICE", "cpu")  # "cuda": the gpu test (one rank per GPU)
 HOST = dict(offload_fraction=1.0)
@@ -68,7 +69,7 @@ def run(name: str, rank: int, world: int, tmp: str) -> dict:
     )
     try:
         params, outcomes = train(model, opt, edit, rank, world)
-        host_stats = dict(opt.parts.placement.host.stats) if opt.parts.placement.host is not None else {}
+        host_stats = dict(debug_view(opt).host_stats) if debug_view(opt).host is not None else {}
     finally:
         opt.close()
     ref_model = shard(C.build_model().to(DEVICE), mesh)

@@ -11,6 +11,7 @@ import torch.distributed as dist
 
 from hybrid_opt import HybridAdamW
 from hybrid_opt.distributed import node
+from hybrid_opt.testing import debug_view
 
 
 def run(name: str, rank: int, world: int, tmp: str) -> dict:
@@ -29,7 +30,7 @@ def run(name: str, rank: int, world: int, tmp: str) -> dict:
             local_world_size=info.local_world_size,
             worker_cores=sorted(os.sched_getaffinity(opt.worker_pid)),
             trainer_cores=sorted(os.sched_getaffinity(0)),
-            steps=opt.parts.ledger.steps_taken,
+            steps=debug_view(opt).steps_taken,
         )
 
 

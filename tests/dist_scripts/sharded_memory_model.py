@@ -2,6 +2,8 @@
 
 import torch
 
+from hybrid_opt.testing import debug_view
+
 WIDTH = 256
 
 
@@ -25,11 +27,11 @@ def loss(model, x):
 def figures(opt) -> dict:
     """The tiers' bytes as the OS reports them (opt.allocated_bytes), the arena's fixed parts
     (staging slots; io banks: two per nvme read in flight) and the state's own bytes."""
-    host = opt.parts.placement.host
+    host = debug_view(opt).host
     return dict(
         allocated=opt.allocated_bytes,
         staging=host.staging_bytes,
         io_banks=2 * host.io_banks * host.bank_stride,
-        state=sum(s.numel for s in opt.parts.layout.subgroups) * 12,
-        subgroups=len(opt.parts.layout.subgroups),
+        state=sum(s.numel for s in debug_view(opt).subgroups) * 12,
+        subgroups=len(debug_view(opt).subgroups),
     )

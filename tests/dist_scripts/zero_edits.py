@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 from hybrid_opt import GradsEditedError, HybridAdamW
+from hybrid_opt.testing import debug_view
 
 
 def _edit(name: str, model, opt, rank: int) -> None:
@@ -101,7 +102,7 @@ def takeover(rank: int, world: int) -> dict:
             opt.step()
         out = dict(
             error=None,
-            steps=opt.parts.ledger.steps_taken,
+            steps=debug_view(opt).steps_taken,
             params=[p.detach().clone() for p in model.parameters()],
         )
     gc.enable()
@@ -200,7 +201,7 @@ def grant_set(name: str, rank: int, world: int) -> dict:
                 opt.step()
             except RuntimeError as e:
                 out.update(error=type(e).__name__, message=str(e))
-            out["steps"] = opt.parts.ledger.steps_taken
+            out["steps"] = debug_view(opt).steps_taken
     finally:
         zero.BUCKET_NUMEL, zero_counts.LAZY = saved
     return out
@@ -238,7 +239,7 @@ def run(name: str, rank: int, world: int, tmp: str) -> dict:
         C.step_after_unscale(opt, scaler)
     except (RuntimeError, ValueError, TypeError) as e:
         out.update(error=type(e).__name__, message=str(e), is_edit=isinstance(e, GradsEditedError))
-    out["steps"] = opt.parts.ledger.steps_taken
+    out["steps"] = debug_view(opt).steps_taken
     out["params"] = [p.detach().clone() for p in model.parameters()]
     out["unchanged"] = all(torch.equal(a, p.detach()) for a, p in zip(before, model.parameters()))
     opt.close()

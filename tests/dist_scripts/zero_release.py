@@ -13,6 +13,7 @@ from hybrid_opt import HybridAdamW
 
 # name: (HybridAdamW kwargs, window slots or None (the defaults), case)
 from hybrid_opt.distributed import zero, zero_counts, zero_pool
+from hybrid_opt.testing import debug_view
 
 CONFIGS = {
     "base": (dict(), None, None),
@@ -144,7 +145,7 @@ def run(name: str, rank: int, world: int, tmp: str) -> dict:
         if case in ("overflow", "late_edit_inf"):
             scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
             opt.attach_grad_scaler(scaler)
-        out["slots"] = list(opt.parts.sharding.window.slot_counts().values())
+        out["slots"] = list(debug_view(opt).sharding.window.slot_counts().values())
         for i, x in enumerate(C.batches()):
             opt.zero_grad(set_to_none=not str(case).startswith("zero_grad_keep"))
             if late is not None:
@@ -167,7 +168,7 @@ def run(name: str, rank: int, world: int, tmp: str) -> dict:
                         loss = C.loss_fn(model, local[m * n : (m + 1) * n]) / micro
                     (scaler.scale(loss) if scaler else loss).backward()
                 out["grad_bytes"].append(_storage_bytes(p.grad for p in params))
-                out["chunk_bytes"].append(_storage_bytes(b.out for b in opt.parts.sharding.buckets))
+                out["chunk_bytes"].append(_storage_bytes(b.out for b in debug_view(opt).sharding.buckets))
                 out["grad_none_after_backward"].append([p.grad is None for p in params])
                 if case in ("grad_set", "grad_set_by_hand") and i == 1:
                     params[0].grad = torch.zeros_like(params[0])
@@ -189,10 +190,10 @@ def run(name: str, rank: int, world: int, tmp: str) -> dict:
             out["skipped"].append(opt.step_was_skipped)
             out["grad_none_after_step"].append([p.grad is None for p in params])
             out["comm"].append(opt.allocated_bytes["comm"])
-            out["held"].append(_storage_bytes(opt.parts.sharding.comm_tensors()))
+            out["held"].append(_storage_bytes(debug_view(opt).sharding.comm_tensors()))
             opt.wait_params()
             out["params"].append([p.detach().clone() for p in params])
-        out["zero"] = dict(opt.parts.sharding.stats)
+        out["zero"] = dict(debug_view(opt).sharding.stats)
         opt.close()
     finally:
         (

@@ -14,6 +14,7 @@ import torch.distributed as dist
 from hybrid_opt import HybridAdam, HybridAdamW
 from hybrid_opt.distributed import zero, zero_counts
 from hybrid_opt.distributed.zero import BUCKET_NUMEL
+from hybrid_opt.testing import debug_view
 
 DEVICE = os.environ.get("DIST_DEVICE", "cpu")  # "cuda": the gpu test (NCCL, one rank per GPU)
 
@@ -99,6 +100,7 @@ def run(name: str, rank: int, world: int, tmp: str) -> dict:
             process_group=dist.group.WORLD,
             **hybrid,
         )
+        view = debug_view(opt)
         scaler = None
         if overflow_at is not None:
             scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
@@ -113,23 +115,26 @@ def run(name: str, rank: int, world: int, tmp: str) -> dict:
             probe=[],
             pending_after_step=[],
             buffer_bytes=[],
-            buckets=len(opt.parts.sharding.buckets),
-            direct=[b.direct for b in opt.parts.sharding.buckets],
-            state_numel=opt.parts.sharding.state_numel(),
+            buckets=len(view.sharding.buckets),
+            direct=[b.direct for b in view.sharding.buckets],
+            state_numel=view.sharding.state_numel(),
             plan=repr(opt.plan),
             opt_repr=repr(opt),
-            laid_out=sum(sg.numel for sg in opt.parts.layout.subgroups),
+            laid_out=sum(sg.numel for sg in view.subgroups),
             events=[],
-            bucket_params=[[opt.parts.layout.index[p] for p in b.params] for b in opt.parts.sharding.buckets],
-            sg_params=[sorted({sl.param_index for sl in sg.slices}) for sg in opt.parts.layout.subgroups],
+            bucket_params=[[view.param_index[p] for p in b.params] for b in view.sharding.buckets],
+            sg_params=[sorted({sl.param_index for sl in sg.slices}) for sg in view.subgroups],
             count_reads_after_backward=[],
             count_reads_after_step=[],
             grad_none_after_backward=[],
         )
         if name == "adamw_commit_order":  # logs each host commit and each bucket's gather launch
-            committed, launch = opt.parts.sharding.committed, opt.parts.sharding.gathers.launch
-            opt.parts.sharding.committed = lambda i: (out["events"][-1].append(("commit", i)), committed(i))
-            opt.parts.sharding.gathers.set_launcher(
+            committed, launch = view.sharding.committed, view.sharding.gathers.launch
+            view.sharding.committed = lambda i: (
+                out["events"][-1].append(("commit", i)),
+                committed(i),
+            )
+            view.sharding.gathers.set_launcher(
                 lambda b, d: (out["events"][-1].append(("gather", b.index)), launch(b, d))
             )
         for i, x in enumerate(C.batches()):
@@ -148,20 +153,20 @@ def run(name: str, rank: int, world: int, tmp: str) -> dict:
                 else:
                     loss = C.loss_fn(stepped_model, local[m * n : (m + 1) * n]) / micro
                 (scaler.scale(loss) if scaler else loss).backward()
-            out["count_reads_after_backward"].append(opt.parts.sharding.stats["count_reads"])
+            out["count_reads_after_backward"].append(view.sharding.stats["count_reads"])
             out["grad_none_after_backward"].append([p.grad is None for p in model.parameters()])
             out["events"].append([])
             if name == "adamw_commit_order" and rank == 1:
-                opt.parts.placement.host.cancel(0)  # stepped in step(), after the others commit
+                view.host.cancel(0)  # stepped in step(), after the others commit
             if scaler is not None:
                 scaler.step(opt)
                 scaler.update()
                 out["scales"].append(float(scaler.get_scale()))
             else:
                 opt.step()
-            out["pending_after_step"].append(len(opt.parts.sharding.gathers.pending()))
-            out["count_reads_after_step"].append(opt.parts.sharding.stats["count_reads"])
-            out["buffer_bytes"].append(opt.parts.sharding.stats["buffer_bytes"])
+            out["pending_after_step"].append(len(view.sharding.gathers.pending()))
+            out["count_reads_after_step"].append(view.sharding.stats["count_reads"])
+            out["buffer_bytes"].append(view.sharding.stats["buffer_bytes"])
             if name == "adamw_load" and i == 2:  # written after step(), before the gathers land
                 model.load_state_dict(
                     {k: torch.full_like(v, 0.25 + j) for j, (k, v) in enumerate(model.state_dict().items())}
@@ -183,7 +188,7 @@ def run(name: str, rank: int, world: int, tmp: str) -> dict:
             out["worker"].append((opt.stats.get("worker_s", 0.0), opt.stats.get("hidden_s", 0.0)))
         out["state_bytes"] = sum(t["state_bytes"] for t in opt.stats["tiers"].values())
         out["device_elements"] = opt.stats["tiers"]["device"]["elements"]
-        out["zero"] = dict(opt.parts.sharding.stats)
+        out["zero"] = dict(view.sharding.stats)
     out["warnings"] = [str(w.message) for w in caught]
     opt.close()
     return out
