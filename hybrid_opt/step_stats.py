@@ -11,10 +11,14 @@ The optimizer's StepStats part; a refit itself is the placement's (placement.py)
 from __future__ import annotations
 
 import collections
+from typing import TYPE_CHECKING
 
 from hybrid_opt.lifetime import weak_method
 from hybrid_opt.placement.plan import DEVICE, HOST, NVME
 from hybrid_opt.state.state_format import StateFormat
+
+if TYPE_CHECKING:
+    from hybrid_opt.seams import Clock
 
 # steps whose CUDA-event marks may wait to be read; past that the oldest sample is dropped
 # (the GPU is that far behind the trainer: a sample lost, never an unbounded queue)
@@ -29,8 +33,9 @@ class StepStats:
         self.layout = layout
         self.state_format = state_format
         self.last: dict = {}  # the optimizer's `stats`: the last step's figures
-        self.clock = None  # the params' device's clock (clocks.py), made on first use
-        self.unread_samples = collections.deque()  # steps whose marks the clock cannot read yet
+        self.clock: Clock | None = None  # the params' device's clock (clocks.py), made on first use
+        # steps whose marks the clock cannot read yet
+        self.unread_samples: collections.deque = collections.deque()
         self._measured = None  # the latest sample read: `stats["measured"]`
         self._prev_worker_s = None  # the host tier's per-subgroup worker seconds at the last step
         self._outcome = None  # the last host step's outcome counts (committed, redone, ...)

@@ -23,10 +23,14 @@ CPU host (gloo) a count is read as its bucket completes, as before. LAZY forces 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from hybrid_opt import distributed as D
+
+if TYPE_CHECKING:
+    from hybrid_opt.distributed.zero import Bucket
 
 LAZY = None  # None: lazy on CUDA buckets only; True / False: always / never
 
@@ -36,7 +40,7 @@ class KeptCounts:
     """A completed bucket's has-grad counts kept on its device until step() reads them: the
     grads its reduction read, the params without one here (indices), the counts themselves."""
 
-    bucket: object
+    bucket: Bucket
     grads: list
     missing: list
     counts: torch.Tensor

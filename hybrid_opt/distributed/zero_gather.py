@@ -26,10 +26,14 @@ The end of step() (gather()) launches what is left, in that order.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from hybrid_opt import distributed as D
+
+if TYPE_CHECKING:
+    from hybrid_opt.distributed.zero import Bucket, ZeroSharding
 
 
 @dataclass(eq=False)
@@ -39,7 +43,7 @@ class PendingGather:
     was when its chunks left (`marks`: (version, data_ptr); a param written since keeps what
     was written)."""
 
-    bucket: object
+    bucket: Bucket
     staged: bool
     works: list
     marks: list
@@ -261,13 +265,11 @@ class ParamGather:
 SHARD_KEY = "process_group_shard"
 
 
-def check_shard_owner(saved, zero) -> None:
+def check_shard_owner(saved: dict | None, zero: ZeroSharding) -> None:
     """A process_group state_dict() holds one rank's chunks: loading it on another rank would
     take them as its own, silently (HF Trainer saves optimizer.pt from rank 0 only). Agreed by
     every rank (one all_reduce of a flag: every rank loads, as every rank steps), so all raise
     together instead of one rank training on while another stopped."""
-    if zero is None:
-        return  # a plain optimizer: a state_dict is whole
     # None: a full or DCP-made state (resharded to this rank)
     wrong = saved is not None and (saved["rank"], saved["world"]) != (zero.rank, zero.world)
     if zero.world > 1:

@@ -30,10 +30,14 @@ direct bucket's has-grad counts (2·world).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from hybrid_opt.distributed.zero_reduce import reduce_numels
+
+if TYPE_CHECKING:
+    from hybrid_opt.distributed.zero import Bucket
 
 WINDOW = 2  # slots per (dtype, device): buckets in flight at once
 WINDOW_FLOOR_BYTES = 4 << 20  # ... or as many as fit in this, for small buckets
@@ -95,7 +99,7 @@ class Holder:
     """A slot borrowed: for what ("reduce" or "gather"), by which bucket."""
 
     what: str
-    bucket: object
+    bucket: Bucket
     slot: torch.Tensor
 
 

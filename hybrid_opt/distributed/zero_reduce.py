@@ -30,8 +30,12 @@ backward (and finish()) waits for every pending reduction before anything can ed
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from hybrid_opt.distributed.zero import Bucket
 
 
 def reduce_numels(b, comm, zeros: bool = False) -> tuple:
@@ -58,7 +62,7 @@ class Flight:
     sends (a view of a slot borrowed from the comm window, or of p.grad) and where its output
     lands (b.buf itself, or the slot)."""
 
-    bucket: object
+    bucket: Bucket
     works: list
     kind: str
     grads: list

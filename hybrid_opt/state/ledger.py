@@ -20,7 +20,7 @@ class StepUndo(NamedTuple):
     steps: list
     steps_taken: int
     last_inv_scale: float
-    last_grad_norm: object
+    last_grad_norm: float | None
     last_clipped: bool
     step_was_skipped: bool
 
