@@ -71,6 +71,10 @@ def compose(
     c = placement_config
 
     # the callbacks below name parts made after them (spec, guard, parts): closures, bound at call
+    spec: Speculator
+    guard: ParamGuard
+    parts: Parts
+
     def laid_out() -> None:  # a move wrote the params (versions) and made a new host tier (its times)
         stats.new_host_tier()
         guard.record()

@@ -52,14 +52,16 @@ class Speculator:
         self.sharding = sharding  # NoSharding (its install does nothing) or process_group's
         self.grad_scaler = None  # attach_grad_scaler's
         self.boundary = True  # set_gradient_accumulation_boundary's
-        self.error = None  # a speculative step that failed during backward: step() raises it
+        self.error: Exception | None = (
+            None  # a speculative step that failed during backward: step() raises it
+        )
         self.closed = False
         self._hooks: list = []
         self._members: dict = {}  # host subgroup index -> trainable param indices in it
         self._param_sgs: dict = {}  # param index -> host subgroup indices it spans
         self._ready: dict = {}
         self._staged: dict = {}  # host subgroup index -> the grad tensors its pending speculation read
-        self.fingerprints = None  # GradFingerprints where a host param is a DTensor (install)
+        self.fingerprints: GradFingerprints | None = None  # where a host param is a DTensor (install)
         self._grad_locals = grad_locals  # how the host grads are named: install's
         self._deferred: list = []
         self._inv_scale_cache = None
@@ -337,7 +339,7 @@ class Speculator:
 def _runs(steps: list, sg, live: list, ahead: int) -> tuple:
     """(offset, numel, step) ranges of a subgroup's live slices (their step counts `steps`,
     plus `ahead`), merged where contiguous; () when one run covers the whole subgroup."""
-    runs = []
+    runs: list[tuple] = []
     for sl in live:
         step = steps[sl.param_index] + ahead
         if runs and runs[-1][0] + runs[-1][1] == sl.sub_offset and runs[-1][2] == step:

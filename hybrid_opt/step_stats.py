@@ -36,9 +36,10 @@ class StepStats:
         self.clock: Clock | None = None  # the params' device's clock (clocks.py), made on first use
         # steps whose marks the clock cannot read yet
         self.unread_samples: collections.deque = collections.deque()
-        self._measured = None  # the latest sample read: `stats["measured"]`
-        self._prev_worker_s = None  # the host tier's per-subgroup worker seconds at the last step
-        self._outcome = None  # the last host step's outcome counts (committed, redone, ...)
+        self._measured: dict | None = None  # the latest sample read: `stats["measured"]`
+        # the host tier's per-subgroup worker seconds at the last step
+        self._prev_worker_s: list | None = None
+        self._outcome: dict | None = None  # the last host step's outcome counts (committed, redone, ...)
         self.outcome_by_sg: dict = {}  # the last host step's outcome per subgroup index
         self._bwd_first = self._bwd_last = None
         self._hooks: list = []
@@ -177,11 +178,12 @@ class StepStats:
         first (it never waits on the GPU: a step it cannot read yet is read at a later one)."""
         from hybrid_opt.placement.scheduler import Sample
 
-        unread = self.unread_samples
+        unread, clock = self.unread_samples, self.clock
         while unread:
+            assert clock is not None  # a sample holds marks the clock made
             step, (b0, b1), (d0, d1), fields, report = unread[0]
-            device_s = self.clock.seconds(d0, d1)
-            backward_s = None if b0 is None else self.clock.seconds(b0, b1)
+            device_s = clock.seconds(d0, d1)
+            backward_s = None if b0 is None else clock.seconds(b0, b1)
             if device_s is None or (b0 is not None and backward_s is None):
                 break
             unread.popleft()

@@ -38,23 +38,24 @@ def world_size() -> int:
     return dist.get_world_size() if dist is not None else 1
 
 
-_DTENSOR = []  # [DTensor class or None], imported once
+_DTENSOR: list = []  # [DTensor class or None], imported once
 
 
 def is_dtensor(t) -> bool:
     if not _DTENSOR:
         try:
             from torch.distributed.tensor import DTensor
+
+            _DTENSOR.append(DTensor)
         except ImportError:  # torch without DTensor (or without distributed): nothing is one
-            DTensor = None
-        _DTENSOR.append(DTensor)
+            _DTENSOR.append(None)
     return _DTENSOR[0] is not None and isinstance(t, _DTENSOR[0])
 
 
 # process_group mode (zero.py): plain params whose state this rank keeps for a dim-0 chunk
 # only, and the grads whose averaged chunk a reduce-scatter delivered (grad -> that chunk)
-_ZERO_PARAMS = []  # [WeakIdKeyDictionary param -> ZeroSpec], made on first use
-_ZERO_GRADS = []  # [WeakIdKeyDictionary grad -> reduced chunk]
+_ZERO_PARAMS: list = []  # [WeakIdKeyDictionary param -> ZeroSpec], made on first use
+_ZERO_GRADS: list = []  # [WeakIdKeyDictionary grad -> reduced chunk]
 
 
 def _zero_maps():

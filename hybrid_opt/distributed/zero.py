@@ -155,7 +155,8 @@ class Bucket:
 def make_buckets(params: list, cap: int, world: int) -> list:
     """The buckets, in issue order: reverse param order, each of one dtype and device and at
     most `cap` elements (a larger param alone)."""
-    runs, run = [], []
+    runs: list[list] = []
+    run: list = []
     for p in reversed(params):
         if run and (
             run[0].dtype != p.dtype

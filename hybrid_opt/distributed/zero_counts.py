@@ -146,7 +146,7 @@ class GradCounts:
                 self._reads.note(p)
                 grads[k] = p.grad
 
-    def _deliver(self, b, grads: list, ks: list) -> None:
+    def _deliver(self, b, grads: list, ks: list[int] | range) -> None:
         """Each param k in `ks` still holding the grad its reduction read: its averaged chunk
         mapped (distributed.local_of reads it), then the optimizer's speculation hook."""
         live = [k for k in ks if grads[k] is not None and b.params[k].grad is grads[k]]

@@ -33,6 +33,8 @@ import torch
 from hybrid_opt import distributed as D
 
 if TYPE_CHECKING:
+    from torch.utils.hooks import RemovableHandle
+
     from hybrid_opt.distributed.zero import Bucket, ZeroSharding
 
 
@@ -47,7 +49,7 @@ class PendingGather:
     staged: bool
     works: list
     marks: list
-    staging: torch.Tensor = None
+    staging: torch.Tensor | None = None
 
 
 class ParamGather:
@@ -60,12 +62,15 @@ class ParamGather:
         self._bucket_of = {id(p): b for b in buckets for p in b.params}
         self._pending: dict = {}  # bucket id -> PendingGather: launched, not landed
         self._gathering: dict = {}  # param id -> its bucket, while that bucket's gather is pending
-        self._forward_hook = None  # the global forward pre-hook, installed while any is pending
+        # the global forward pre-hook, installed while any is pending
+        self._forward_hook: RemovableHandle | None = None
         # a taken step's gathers, launched as its commits complete: in param order (the host
         # tier commits subgroups, and the next forward runs, in that order)
         self._order = list(reversed(buckets))
         self._direct = False
-        self._next, self._blocked, self._waits = 0, None, {}
+        self._next = 0
+        self._blocked: list[int] | None = None  # expect_commits's
+        self._waits: dict = {}
         self._launcher = None  # set_launcher: what launches each bucket instead of launch()
         self.launches = 0  # stats["all_gathers"]
         self.landed_in_forward = 0  # stats["all_gathers_landed_in_forward"]
@@ -89,7 +94,7 @@ class ParamGather:
         """The commit of `key` (expect_commits) has written its params: the buckets it held back
         go out, in order."""
         for i in self._waits.pop(key, ()):
-            self._blocked[i] -= 1
+            self._blocked[i] -= 1  # type: ignore[index]  # a key waited for: expect_commits set it
         self._launch_ready()
 
     def set_launcher(self, launcher) -> None:
@@ -286,6 +291,7 @@ def check_shard_owner(saved: dict | None, zero: ZeroSharding) -> None:
                 f"{zero.rank})"
             )
     if wrong:
+        assert saved is not None  # `wrong` says so
         raise ValueError(
             f"load_state_dict: this state_dict holds rank {saved['rank']}'s chunks of a "
             f"{saved['world']}-rank process_group= optimizer, and this is rank {zero.rank} of "

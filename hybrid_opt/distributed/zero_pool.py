@@ -109,7 +109,8 @@ class CommWindow:
 
     def __init__(self, buckets: list, comm):
         self._comm = comm  # Collectives (zero_group.py): the kind and world a slot is sized by
-        numels, per_key = {}, {}
+        numels: dict = {}
+        per_key: dict = {}
         for b in buckets:
             key = (b.dtype, b.device)
             numels[key] = max(numels.get(key, 0), self.slot_numel(b))
