@@ -254,7 +254,6 @@ class GradReduction:
                     if counted[k]:
                         b.buf[b.width + k].add_(1)
         else:
-            assert f.scratch is not None  # world > 2: where the other ranks' segments landed
             received = [r for r in range(world) if r != me]
             for r in range(world):
                 if r == me and r == 0:
@@ -267,12 +266,12 @@ class GradReduction:
                         b.out[a : a + n].add_(0 if src is None else src)
                 else:
                     j = received.index(r) * seg
-                    term = f.scratch[j : j + b.width]
+                    term = f.scratch[j : j + b.width]  # type: ignore[index]  # world > 2: it is set
                     b.out.copy_(term) if r == 0 else b.out.add_(term)
             if not direct:
                 counts = b.buf[b.width :]
                 for k in range(len(grads)):
                     counts[k].fill_(1 if counted[k] else 0)
                 for j in range(len(received)):
-                    counts.add_(f.scratch[j * seg + b.width : (j + 1) * seg])
+                    counts.add_(f.scratch[j * seg + b.width : (j + 1) * seg])  # type: ignore[index]  # as above
         b.out.div_(world)
