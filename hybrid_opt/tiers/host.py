@@ -130,8 +130,8 @@ class HostTier:
         if staging_slots < 1:
             raise ValueError(f"staging_slots must be >= 1, got {staging_slots}")
         self.numels = list(numels)
-        remainders, params = check_params(params, self.numels, fmt, copy_dtype)
-        if rollback == "inverse" and any(remainders):
+        sg_remainders, params = check_params(params, self.numels, fmt, copy_dtype)  # per subgroup
+        if rollback == "inverse" and any(sg_remainders):
             raise ValueError(
                 "rollback='inverse' needs an fp32 master (its fp64 inverse reads and "
                 "writes fp32 params); use rollback='exact' with remainders=True"
@@ -163,7 +163,7 @@ class HostTier:
             fmt=fmt,
             amsgrad=amsgrad,
             copy_dtype=copy_dtype,
-            remainders=remainders,
+            remainders=sg_remainders,
             grad_dtype=grad_dtype,
             rollback=rollback,
             spare_banks=spare_banks,
@@ -216,7 +216,7 @@ class HostTier:
             fmt=fmt,
             amsgrad=amsgrad,
             copy_dtype=copy_dtype,
-            remainders=remainders,
+            remainders=sg_remainders,
             params=params,
             regions=regions,
             bank_offset=bank_offset,
@@ -260,14 +260,14 @@ class HostTier:
         )  # each worker inherits them
         # the io part tells the stepping part (made next: `stepping` is read at call time)
         # which torn speculations to forget
-        stepping = None
+        stepping: HostStepping
         self._io = HostIO(
             self.client,
             slots,
             slot_numel=self.slot_numel,
             grad_dtype=grad_dtype,
             copy_dtype=copy_dtype,
-            remainders=remainders,
+            remainders=sg_remainders,
             rollback=rollback,
             nvme=self.nvme,
             forget=lambda sg: stepping.forget(sg),
@@ -295,11 +295,11 @@ class HostTier:
         self.closed = False
         try:
             if has_nvme:
-                self._fds.reserve(sum(map(bool, self.nvme)))  # RLIMIT_NOFILE: raised where short
+                self._fds.reserve(sum(map(bool, self.nvme)))  # type: ignore[union-attr]  # has_nvme: made
             for sg in range(n):
                 if self.nvme[sg]:
-                    self.swap.create(sg, 2 * self.io_bytes)
-                    self._fds.open(sg)
+                    self.swap.create(sg, 2 * self.io_bytes)  # type: ignore[union-attr]  # as above
+                    self._fds.open(sg)  # type: ignore[union-attr]
             # the worker's start-up (an interpreter, its imports) overlaps reserving the arena's
             # pages (fallocate: most of construction, ~0.2 s per GB here)
             self.client.launch()
@@ -389,14 +389,17 @@ class HostTier:
             raise
         return banks[0]
 
-    def _swap_file(self, sg: int, bank: int, slot: int, write: bool, buf=None) -> int:
+    def _swap_file(self, sg: int, bank: int | None, slot: int, write: bool, buf=None) -> int:
         """Trainer-side swap of one slot (load_state, state, checkpoints) through `bank` (or the
         aligned buffer `buf`); returns its CRC32C."""
         from cpu_kernels.aio import AioError
 
-        eng, fd = self._engine(), self._fds.fd(sg)
-        self._fds.check(sg)
-        addr = self._banks.state_block(bank).data_ptr() if buf is None else buf
+        fds = self._fds
+        assert fds is not None  # an nvme subgroup's: the tier has its files
+        eng, fd = self._engine(), fds.fd(sg)
+        fds.check(sg)
+        # a bank is given where no buffer is
+        addr = self._banks.state_block(bank).data_ptr() if buf is None else buf  # type: ignore[arg-type]
         try:
             rid = (eng.submit_write if write else eng.submit_read)(
                 fd, addr, self.io_bytes, slot * self.io_bytes, checksum=True
@@ -466,7 +469,7 @@ class HostTier:
             crc = self._swap_file(sg, bank, slot, write=False)
             if crc != self._files.crc(sg, slot):
                 raise OSError(
-                    f"checksum mismatch in {self.swap.file(sg)} slot {slot}: expected "
+                    f"checksum mismatch in {self.swap.file(sg)} slot {slot}: expected "  # type: ignore[union-attr]
                     f"CRC32C {self._files.crc(sg, slot):08x}, read {crc:08x}; the file is "
                     f"corrupt — restore from a checkpoint"
                 )
