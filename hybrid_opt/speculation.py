@@ -52,9 +52,8 @@ class Speculator:
         self.sharding = sharding  # NoSharding (its install does nothing) or process_group's
         self.grad_scaler = None  # attach_grad_scaler's
         self.boundary = True  # set_gradient_accumulation_boundary's
-        self.error: Exception | None = (
-            None  # a speculative step that failed during backward: step() raises it
-        )
+        # a speculative step that failed during backward: step() raises it
+        self.error: Exception | None = None
         self.closed = False
         self._hooks: list = []
         self._members: dict = {}  # host subgroup index -> trainable param indices in it
