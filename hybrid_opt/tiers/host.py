@@ -294,8 +294,8 @@ class HostTier:
         self._step = stepping
         self.closed = False
         try:
-            if has_nvme:
-                self._fds.reserve(sum(map(bool, self.nvme)))  # type: ignore[union-attr]  # has_nvme: made
+            if has_nvme:  # RLIMIT_NOFILE: raised where short (the files: made where has_nvme)
+                self._fds.reserve(sum(map(bool, self.nvme)))  # type: ignore[union-attr]
             for sg in range(n):
                 if self.nvme[sg]:
                     self.swap.create(sg, 2 * self.io_bytes)  # type: ignore[union-attr]  # as above
