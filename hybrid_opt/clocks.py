@@ -12,8 +12,12 @@ measurement is taken a step late rather than adding a host synchronisation to th
 from __future__ import annotations
 
 import time
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from hybrid_opt.seams import Clock
 
 
 class HostClock:
@@ -22,7 +26,7 @@ class HostClock:
     def mark(self) -> float:
         return time.perf_counter()
 
-    def seconds(self, start, end) -> float | None:
+    def seconds(self, start: float, end: float) -> float | None:
         """Seconds from `start` to `end`; always known at once."""
         return end - start
 
@@ -30,15 +34,15 @@ class HostClock:
 class CudaClock:
     """CUDA-event marks on the current stream of `device`: GPU time between them."""
 
-    def __init__(self, device):
+    def __init__(self, device: torch.device | str):
         self.device = torch.device(device)
 
-    def mark(self):
+    def mark(self) -> torch.cuda.Event:
         event = torch.cuda.Event(enable_timing=True)
         event.record(torch.cuda.current_stream(self.device))
         return event
 
-    def seconds(self, start, end) -> float | None:
+    def seconds(self, start: torch.cuda.Event, end: torch.cuda.Event) -> float | None:
         """Seconds of GPU time from `start` to `end`, or None while the GPU has not reached
         them yet (ask again later: this never waits)."""
         if not (end.query() and start.query()):
@@ -46,7 +50,7 @@ class CudaClock:
         return start.elapsed_time(end) / 1e3
 
 
-def clock_for(device) -> HostClock | CudaClock:
+def clock_for(device: torch.device | str) -> Clock:
     """The clock that measures work on `device`: GPU time on CUDA, host time elsewhere."""
     device = torch.device(device)
     return CudaClock(device) if device.type == "cuda" else HostClock()

@@ -260,7 +260,7 @@ def main(argv=None) -> int:
         f"{args.exp_avg_dtype}, exp_avg_sq {args.exp_avg_sq_dtype}, remainders "
         f"{args.store_param_remainders}, {args.steps} steps"
     )
-    totals = None
+    totals: dict[str, dict] | None = None
     try:
         with HybridAdamW(
             model.parameters(),

@@ -118,7 +118,7 @@ def claim(opt, params) -> None:
         _STEPPED_BY[k] = [r for r in _STEPPED_BY[k] if r() is not None and not r().closed]
         if not _STEPPED_BY[k]:
             del _STEPPED_BY[k]
-    others = set()
+    others: set[str] = set()
     for p in params:
         refs = _STEPPED_BY.setdefault(id(p), [])
         others.update(type(r()).__name__ for r in refs if r() is not opt)

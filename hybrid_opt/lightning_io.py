@@ -15,7 +15,7 @@ import torch
 try:
     from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 except ImportError:  # the standalone pytorch_lightning package
-    from lightning_fabric.plugins.io.torch_io import TorchCheckpointIO
+    from lightning_fabric.plugins.io.torch_io import TorchCheckpointIO  # type: ignore[assignment]  # the same class
 
 from hybrid_opt.state.saving import written_whole
 

@@ -13,6 +13,7 @@ import errno
 import mmap
 import os
 import weakref
+from collections.abc import Hashable
 from typing import TYPE_CHECKING, NamedTuple
 
 from hybrid_opt.shm import PAGE, address
@@ -48,7 +49,7 @@ class Piece(NamedTuple):
     offset: int
     nbytes: int
     held: "HeldViews | None" = None
-    key: object = None
+    key: Hashable = None  # HeldViews' key of the memory it reads (a subgroup index, ("bank", k))
     private: bool = False
 
 

@@ -18,8 +18,8 @@ from hybrid_opt import parts as P
 from hybrid_opt import stepping as S
 from hybrid_opt.distributed import node
 from hybrid_opt.distributed.local_shards import warn_replicated
-from hybrid_opt.distributed.sharding import sharding_for
-from hybrid_opt.distributed.zero_gather import SHARD_KEY, check_shard_owner
+from hybrid_opt.distributed.sharding import NoSharding, sharding_for
+from hybrid_opt.distributed.zero_gather import SHARD_KEY
 from hybrid_opt.placement.placement import PlacementConfig
 from hybrid_opt.state import checkpoint as C
 from hybrid_opt.state import saving as SV
@@ -223,7 +223,7 @@ class _HybridBase(torch.optim.Optimizer):
         from hybrid_opt.state.allocated import allocated_bytes
 
         if self._closed:
-            return allocated_bytes(None, None, None)
+            return allocated_bytes(None, None, NoSharding())  # nothing held, comm included
         return allocated_bytes(self._parts.placement.device, self._parts.placement.host, self._parts.sharding)
 
     @property
@@ -321,9 +321,7 @@ class _HybridBase(torch.optim.Optimizer):
     def load_state_dict(self, state_dict: dict) -> None:
         self.wait_params()
         state_dict = _through(self._optimizer_load_state_dict_pre_hooks, self, state_dict.copy())
-        check_shard_owner(
-            state_dict.get(SHARD_KEY), self._parts.sharding if self._parts.sharding.active else None
-        )
+        self._parts.sharding.check_owner(state_dict.get(SHARD_KEY))
         self._check_open()
         TX.check_laid_out(self._parts.layout, type(self).__name__, "load_state_dict")
         C.load(self._parts, state_dict, self.state, keep=self._keeps_on_load)

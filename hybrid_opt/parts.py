@@ -11,6 +11,7 @@ from typing import NamedTuple
 from hybrid_opt.distributed.local_shards import local_of
 from hybrid_opt.placement.cost_model import DEFAULT_SUBGROUP_NUMEL
 from hybrid_opt.placement.placement import Placement, TierEvents, restated
+from hybrid_opt.seams import Sharding
 from hybrid_opt.speculation import SpeculationConfig, Speculator
 from hybrid_opt.state import layout as L
 from hybrid_opt.state.ledger import StepLedger
@@ -29,7 +30,7 @@ class Parts(NamedTuple):
     checks: StepChecks  # input a tier would refuse part-way
     ledger: StepLedger  # steps taken, scale, norm, skip, rank failure, torch's state
     stats: StepStats  # `stats`, the clock, "auto"'s samples
-    sharding: object  # zero.ZeroSharding (process_group=), or sharding.NoSharding
+    sharding: Sharding  # zero.ZeroSharding (process_group=), or sharding.NoSharding
 
     def install_hooks(self, host: list) -> None:
         """Speculation's grad hooks on the host subgroups `host`, and "auto"'s timing hooks."""
@@ -51,7 +52,7 @@ def compose(
     state_format,
     placement_config,
     max_grad_norm,
-    sharding,
+    sharding: Sharding,
     subgroup_numel,
 ) -> Parts:
     """The parts of an optimizer over `param_groups`, wired, nothing laid out yet (build())."""
@@ -70,6 +71,10 @@ def compose(
     c = placement_config
 
     # the callbacks below name parts made after them (spec, guard, parts): closures, bound at call
+    spec: Speculator
+    guard: ParamGuard
+    parts: Parts
+
     def laid_out() -> None:  # a move wrote the params (versions) and made a new host tier (its times)
         stats.new_host_tier()
         guard.record()
@@ -87,7 +92,7 @@ def compose(
         placement,
         ledger,
         SpeculationConfig(bool(c.speculative), c.rollback, max_grad_norm is not None, decoupled),
-        sharding if sharding.active else None,
+        sharding,
     )
     guard = ParamGuard(
         layout, placement, state_format, owner, spec.drop, lambda host: parts.install_hooks(host)

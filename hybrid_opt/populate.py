@@ -134,7 +134,7 @@ class BackgroundPopulate:
         self._stop = False
         self._cond = threading.Condition()
         self._addr = addr
-        self.seconds = None  # how long it took, once finished
+        self.seconds: float | None = None  # how long it took, once finished
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 

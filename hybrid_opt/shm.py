@@ -219,12 +219,14 @@ class SharedArena:
         except OSError:
             os.close(self.fd)
             raise
-        self._background = None
+        self._background: BackgroundPopulate | None = None
         self.populated = False
         self.later: tuple = ()  # the (offset, nbytes) ranges fill() left to the background
-        self._pinned_ptr = self._runtime = self._pin_device = None
+        self._pinned_ptr: int | None = None
+        self._runtime: CudaRuntime | None = None
+        self._pin_device = None
         self.closed = False
-        self._fill_args = (name, prefault, later)
+        self._fill_args: tuple | None = (name, prefault, later)
         if not defer:
             try:
                 self.fill()
@@ -313,7 +315,7 @@ class SharedArena:
         self.closed = True
         if self._background is not None:
             self._background.stop()  # it holds no buffer export: unmapping below is safe after
-        if self._pinned_ptr is not None:
+        if self._pinned_ptr is not None and self._runtime is not None:  # set together (pin)
             try:
                 with _in_context_of(self._pin_device):
                     if self._runtime.unregister(self._pinned_ptr) != 0:

@@ -8,7 +8,7 @@ fingerprint (grad_edits.py). Design notes: docs/internals.md."""
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
@@ -19,6 +19,9 @@ from hybrid_opt.step_plan import COMMIT, REDO, STEP
 from hybrid_opt.step_work import group_inputs
 from hybrid_opt.tiers.grads import GradGatherer
 from hybrid_opt.tiers.host import StepInputs
+
+if TYPE_CHECKING:
+    from hybrid_opt.seams import Sharding
 
 
 class SpeculationConfig(NamedTuple):
@@ -33,15 +36,16 @@ class Speculator:
     ready and staged sets, the grad fingerprints of DTensor grads, the subgroups deferred for
     a free bank, the attached GradScaler and the accumulation boundary."""
 
-    def __init__(self, layout, placement, ledger, config: SpeculationConfig, zero=None):
+    def __init__(self, layout, placement, ledger, config: SpeculationConfig, sharding: Sharding):
         self.layout = layout
         self.placement = placement
         self.ledger = ledger
         self.config = config
-        self.zero = zero
+        self.sharding = sharding  # NoSharding (its install does nothing) or process_group's
         self.grad_scaler = None  # attach_grad_scaler's
         self.boundary = True  # set_gradient_accumulation_boundary's
-        self.error = None  # a speculative step that failed during backward: step() raises it
+        # a speculative step that failed during backward: step() raises it
+        self.error: Exception | None = None
         self.closed = False
         self._hooks: list = []
         self._members: dict = {}  # host subgroup index -> trainable param indices in it
@@ -49,7 +53,7 @@ class Speculator:
         self._ready: dict = {}
         # subgroup index -> (the grad tensors its pending speculation read, the inputs it stepped with)
         self._staged: dict = {}
-        self.fingerprints = None  # GradFingerprints where a host param is a DTensor (install)
+        self.fingerprints: GradFingerprints | None = None  # where a host param is a DTensor (install)
         self._grad_locals = grad_locals  # how the host grads are named: install's
         self._deferred: list = []
         self._inv_scale_cache = None
@@ -66,14 +70,13 @@ class Speculator:
         # (grad_edits.py); plain grads need none, and nothing is computed for them
         dtensors = any_dtensor(sl.param for sg in host for sl in sg.slices)
         self.fingerprints = GradFingerprints() if dtensors else None
-        zero = self.zero
+        reduced = self.sharding.active
         # one process, no process_group: each grad is its own memory (distributed.local_of)
-        self._grad_locals = grad_locals if dtensors or zero is not None else _own_memory
-        if zero is not None:
-            # process_group (zero.py): speculation starts once a param's averaged chunk is in
-            # place, from zero.py's reduce hooks, not from the raw local grad
-            # hooks and callbacks hold the speculator weakly: only the optimizer keeps it (lifetime.py)
-            zero.install(weak_method(self._on_chunk_reduced), weak_call(self, lambda o: o.boundary))
+        self._grad_locals = grad_locals if dtensors or reduced else _own_memory
+        # process_group (zero.py): speculation starts once a param's averaged chunk is in
+        # place, from zero.py's reduce hooks, not from the raw local grad (NoSharding: no hooks)
+        # hooks and callbacks hold the speculator weakly: only the optimizer keeps it (lifetime.py)
+        self.sharding.install(weak_method(self._on_chunk_reduced), weak_call(self, lambda o: o.boundary))
         if timing is not None:
             timing()
         if not self.config.speculative or not host:
@@ -90,7 +93,7 @@ class Speculator:
         for sg in host:
             for sl in sg.slices:
                 p = sl.param
-                if p.requires_grad and p not in hooked and zero is None:
+                if p.requires_grad and p not in hooked and not reduced:
                     hooked.add(p)
                     self._hooks.append(p.register_post_accumulate_grad_hook(weak_method(self._on_grad_ready)))
 
@@ -337,7 +340,7 @@ class Speculator:
 def _runs(steps: list, sg, live: list, ahead: int) -> tuple:
     """(offset, numel, step) ranges of a subgroup's live slices (their step counts `steps`,
     plus `ahead`), merged where contiguous; () when one run covers the whole subgroup."""
-    runs = []
+    runs: list[tuple] = []
     for sl in live:
         step = steps[sl.param_index] + ahead
         if runs and runs[-1][0] + runs[-1][1] == sl.sub_offset and runs[-1][2] == step:

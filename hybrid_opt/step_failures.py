@@ -55,7 +55,9 @@ class StepChecks:
         self.placement = placement
         self.owner = owner  # the optimizer's class name, for messages
         self.decoupled = decoupled
-        self._cache = None  # (plan, its tiers, params, {on device}, {off it}, {sharded}) of the layout now
+        self._cache: tuple | None = (
+            None  # (plan, its tiers, params, {on device}, {off it}, {sharded}) of the layout now
+        )
 
     def check_inputs(self, torch_state) -> list:
         """Before the ranks' decision; returns each param group's hyperparameters as the tiers
@@ -152,7 +154,8 @@ class StepChecks:
         plan, n = self.placement.plan, len(self.layout.steps)
         cache = self._cache
         if cache is None or cache[0] is not plan or cache[1] != plan.tiers or cache[2] != n:
-            on, off = set(), set()
+            on: set[int] = set()
+            off: set[int] = set()
             for sg in self.layout.subgroups:
                 (on if plan.tiers[sg.index] == DEVICE else off).update(sl.param_index for sl in sg.slices)
             sharded = {i for i, p in enumerate(self.layout.params()) if D.is_sharded(p)}
@@ -215,8 +218,8 @@ def failure_of(
             stepped[sl.param_index] = stepped.get(sl.param_index, 0) + (w.sg.index in committed)
             if w.sg.index in cut:
                 cut_params.add(sl.param_index)
-    for w in device_work:
-        total[w.slice.param_index] = total.get(w.slice.param_index, 0) + 1
+    for d in device_work:
+        total[d.slice.param_index] = total.get(d.slice.param_index, 0) + 1
     for k in outcome.device_done:
         idx = device_work[k].slice.param_index
         stepped[idx] = stepped.get(idx, 0) + 1
@@ -258,6 +261,7 @@ def failure_of(
         )
     world = D.world_size()
     notes = RF.OUT_OF_STEP_NOTE * (world > 1) + RF.ZERO_PARAMS_NOTE * plan.sharded
+    err: Exception
     if where is None:  # refused input (after the decision: the other ranks stepped)
         err = ValueError(f"{owner}.step(): {e}. {what}{notes}")
     else:

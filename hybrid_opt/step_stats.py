@@ -11,11 +11,15 @@ The optimizer's StepStats part; a refit itself is the placement's (placement.py)
 from __future__ import annotations
 
 import collections
+from typing import TYPE_CHECKING
 
 from hybrid_opt.lifetime import weak_method
 from hybrid_opt.placement.plan import DEVICE, HOST, NVME
 from hybrid_opt.state.state_format import StateFormat
 from hybrid_opt.step_plan import StepOutcome, StepPlan
+
+if TYPE_CHECKING:
+    from hybrid_opt.seams import Clock
 
 # steps whose CUDA-event marks may wait to be read; past that the oldest sample is dropped
 # (the GPU is that far behind the trainer: a sample lost, never an unbounded queue)
@@ -30,11 +34,13 @@ class StepStats:
         self.layout = layout
         self.state_format = state_format
         self.last: dict = {}  # the optimizer's `stats`: the last step's figures
-        self.clock = None  # the params' device's clock (clocks.py), made on first use
-        self.unread_samples = collections.deque()  # steps whose marks the clock cannot read yet
-        self._measured = None  # the latest sample read: `stats["measured"]`
-        self._prev_worker_s = None  # the host tier's per-subgroup worker seconds at the last step
-        self._outcome = None  # the last host step's outcome counts (committed, redone, ...)
+        self.clock: Clock | None = None  # the params' device's clock (clocks.py), made on first use
+        # steps whose marks the clock cannot read yet
+        self.unread_samples: collections.deque = collections.deque()
+        self._measured: dict | None = None  # the latest sample read: `stats["measured"]`
+        # the host tier's per-subgroup worker seconds at the last step
+        self._prev_worker_s: dict | None = None
+        self._outcome: dict | None = None  # the last host step's outcome counts (committed, redone, ...)
         self.outcome_by_sg: dict = {}  # the last host step's outcome per subgroup index
         self.last_plan: StepPlan | None = None  # the last step taken, as decided (step_plan.py)
         self.last_outcome: StepOutcome | None = None  # ... and as its tiers did it
@@ -175,11 +181,12 @@ class StepStats:
         first (it never waits on the GPU: a step it cannot read yet is read at a later one)."""
         from hybrid_opt.placement.scheduler import Sample
 
-        unread = self.unread_samples
+        unread, clock = self.unread_samples, self.clock
         while unread:
+            assert clock is not None  # a sample holds marks the clock made
             step, (b0, b1), (d0, d1), fields, report = unread[0]
-            device_s = self.clock.seconds(d0, d1)
-            backward_s = None if b0 is None else self.clock.seconds(b0, b1)
+            device_s = clock.seconds(d0, d1)
+            backward_s = None if b0 is None else clock.seconds(b0, b1)
             if device_s is None or (b0 is not None and backward_s is None):
                 break
             unread.popleft()

@@ -3,29 +3,34 @@ bookkeeping reads back (step_failures.py), instead of tuples unpacked by positio
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
 from hybrid_opt.tiers.inputs import StepInputs
+
+if TYPE_CHECKING:
+    from hybrid_opt.state.layout import ParamSlice, Subgroup
 
 
 class HostWork(NamedTuple):
     """A host or nvme subgroup's share of the step: the subgroup (layout.Subgroup), its slices
     whose params have a grad, and its param group's hyperparameters (tiers.inputs.StepInputs)."""
 
-    sg: object
+    sg: Subgroup
     live: list
-    hp: object
+    hp: StepInputs
 
 
 class DeviceWork(NamedTuple):
     """One param slice the device tier steps: its subgroup's index, the slice (layout.ParamSlice),
     its group's hyperparameters and the param's step count."""
 
-    index: int
-    slice: object
-    hp: object
+    # a field named as tuple's index() method (mypy: an override of another type); the name is
+    # what stepping and step_failures read
+    index: int  # type: ignore[assignment]
+    slice: ParamSlice
+    hp: StepInputs
     step: int
 
 

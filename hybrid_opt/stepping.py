@@ -282,7 +282,8 @@ def collect_work(parts, groups: list) -> tuple:
     `groups`: each param group's hyperparameters (StepChecks.check_inputs)."""
     layout = parts.layout
     tiers, steps = parts.placement.plan.tiers, layout.steps
-    device_work, host_work = [], {}
+    device_work: list[DeviceWork] = []
+    host_work: dict[int, HostWork] = {}
     for sg in layout.subgroups:
         live = [sl for sl in sg.slices if sl.param.grad is not None]
         if not live:
@@ -301,7 +302,7 @@ def expect_gathers(parts, plan: StepPlan, overlap: bool) -> None:
     """process_group: each bucket's gather starts as the subgroups holding its chunks commit;
     the device tier's params count as committed when step() gathers what is left."""
     if plan.sharded:
-        pending = {i: [sl.param for sl in w.live] for i, w in plan.host_work.items()}
+        pending: dict[int | str, list] = {i: [sl.param for sl in w.live] for i, w in plan.host_work.items()}
         pending["device"] = [w.slice.param for w in plan.device_work]
         parts.sharding.expect_commits(pending, direct=not overlap)
 

@@ -52,7 +52,7 @@ def _owner_alive(path: str, pid: int) -> bool:
 
 def sweep_stale(nvme_path: str) -> list[str]:
     """Removes directories of ours whose owning process is gone; returns what it removed."""
-    removed = []
+    removed: list[str] = []
     try:
         entries = os.listdir(nvme_path)
     except OSError:

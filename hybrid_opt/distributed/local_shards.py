@@ -25,23 +25,24 @@ import torch
 
 from hybrid_opt.distributed.ranks import world_size
 
-_DTENSOR = []  # [DTensor class or None], imported once
+_DTENSOR: list = []  # [DTensor class or None], imported once
 
 
 def is_dtensor(t) -> bool:
     if not _DTENSOR:
         try:
             from torch.distributed.tensor import DTensor
+
+            _DTENSOR.append(DTensor)
         except ImportError:  # torch without DTensor (or without distributed): nothing is one
-            DTensor = None
-        _DTENSOR.append(DTensor)
+            _DTENSOR.append(None)
     return _DTENSOR[0] is not None and isinstance(t, _DTENSOR[0])
 
 
 # process_group mode (zero.py): plain params whose state this rank keeps for a dim-0 chunk
 # only, and the grads whose averaged chunk a reduce-scatter delivered (grad -> that chunk)
-_ZERO_PARAMS = []  # [WeakIdKeyDictionary param -> ZeroSpec], made on first use
-_ZERO_GRADS = []  # [WeakIdKeyDictionary grad -> reduced chunk]
+_ZERO_PARAMS: list = []  # [WeakIdKeyDictionary param -> ZeroSpec], made on first use
+_ZERO_GRADS: list = []  # [WeakIdKeyDictionary grad -> reduced chunk]
 
 
 def zero_maps():

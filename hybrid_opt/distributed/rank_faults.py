@@ -74,7 +74,7 @@ def agree(norm_sq, found, failure: BaseException | None, init_vote: bool | None 
         flags[rank] = 1.0 if failed else 0.0
         dist.all_reduce(flags, op=dist.ReduceOp.SUM)
         ranks = [r for r, f in enumerate(flags.tolist()) if f]
-    if failed:
+    if failure is not None:  # `failed`
         others = [r for r in ranks if r != rank]
         raise _same_kind(
             failure,

@@ -5,8 +5,13 @@ the same calls, and NoSharding's do nothing.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
 
-def sharding_for(params: list, process_group, release_grads: bool):
+if TYPE_CHECKING:
+    from hybrid_opt.seams import Sharding
+
+
+def sharding_for(params: list, process_group, release_grads: bool) -> Sharding:
     """ZeroSharding over `params` where a process_group is given (registered before the
     layout: each param's slices are then of its dim-0 chunk), else NoSharding."""
     if process_group is None:
@@ -48,9 +53,12 @@ class NoSharding:
     def comm_tensors(self) -> list:
         return []
 
-    def shard(self):
+    def shard(self) -> dict | None:
         """(rank, world) whose chunks this optimizer's state holds; None: whole params."""
         return None
+
+    def check_owner(self, saved: dict | None) -> None:
+        pass  # a plain optimizer: a state_dict is whole
 
     def close(self) -> None:
         pass

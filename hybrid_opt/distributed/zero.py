@@ -11,17 +11,21 @@ from __future__ import annotations
 import warnings
 import weakref
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from hybrid_opt.distributed.local_shards import chunk_rows, is_dtensor, zero_maps
 from hybrid_opt.distributed.zero_counts import GradCounts
 from hybrid_opt.distributed.zero_edits import GradEdits, GradReads
-from hybrid_opt.distributed.zero_gather import ParamGather
+from hybrid_opt.distributed.zero_gather import ParamGather, check_shard_owner
 from hybrid_opt.distributed.zero_group import Collectives, group_timeout, wait_collective  # noqa: F401 (re-exported)
 from hybrid_opt.distributed.zero_pool import CommWindow
 from hybrid_opt.distributed.zero_reduce import GradReduction
 from hybrid_opt.distributed.zero_release import GradRelease
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
 
 # elements per reduce-scatter / all-gather bucket (2 MiB of fp32): a comm slot holds about one
 # (zero_pool.py), so this sizes the window; a larger param is a bucket of its own, reduced
@@ -47,10 +51,10 @@ class ZeroSpec:
     """Where a sharded plain param's chunk lives: this rank of `world` over `mesh`; `owner`: a
     weakref of the ZeroSharding whose reduce hooks it carries."""
 
-    mesh: object
+    mesh: DeviceMesh
     rank: int
     world: int
-    owner: object = None
+    owner: weakref.ref[ZeroSharding] | None = None
 
 
 def _chunk_numel(p: torch.Tensor, rank: int, world: int) -> int:
@@ -90,7 +94,8 @@ class Bucket:
 def make_buckets(params: list, cap: int, world: int) -> list:
     """The buckets, in issue order: reverse param order, each of one dtype and device and at
     most `cap` elements (a larger param alone)."""
-    runs, run = [], []
+    runs: list[list] = []
+    run: list = []
     for p in reversed(params):
         if run and (
             run[0].dtype != p.dtype
@@ -362,9 +367,13 @@ class ZeroSharding:
         grads as zeros for the reductions to count (zero_release.py)."""
         self.release.zero_grad(set_to_none)
 
-    def shard(self):
+    def shard(self) -> dict | None:
         """(rank, world) whose chunks this optimizer's state holds."""
         return {"rank": self.rank, "world": self.world}
+
+    def check_owner(self, saved: dict | None) -> None:
+        """load_state_dict: check_shard_owner (zero_gather.py), agreed by every rank."""
+        check_shard_owner(saved, self)
 
     def end_step(self, stepped: bool = True) -> None:
         """After step() (taken or skipped: `stepped`; or failed): the next backward starts a new

@@ -7,10 +7,14 @@ step(), so backward never waits on the device for them. Design notes: docs/inter
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from hybrid_opt.distributed.local_shards import chunk_rows, zero_maps
+
+if TYPE_CHECKING:
+    from hybrid_opt.distributed.zero import Bucket
 
 LAZY = None  # None: lazy on CUDA buckets only; True / False: always / never
 
@@ -20,7 +24,7 @@ class KeptCounts:
     """A completed bucket's has-grad counts kept on its device until step() reads them: the
     grads its reduction read, the params without one here (indices), the counts themselves."""
 
-    bucket: object
+    bucket: Bucket
     grads: list
     missing: list
     counts: torch.Tensor
@@ -126,7 +130,7 @@ class GradCounts:
                 self._reads.note(p)
                 grads[k] = p.grad
 
-    def _deliver(self, b, grads: list, ks: list) -> None:
+    def _deliver(self, b, grads: list, ks: list[int] | range) -> None:
         """Each param k in `ks` still holding the grad its reduction read: its averaged chunk
         mapped (distributed.local_of reads it), then the optimizer's speculation hook."""
         live = [k for k in ks if grads[k] is not None and b.params[k].grad is grads[k]]

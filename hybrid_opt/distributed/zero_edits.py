@@ -217,7 +217,7 @@ class GradEdits:
         one read for all of them."""
         return all_true([self._equals_average(p) for p in params])
 
-    def error(self, unscaled: bool, replaced: list = ()):
+    def error(self, unscaled: bool, replaced: list | tuple[()] = ()):
         """After finish(): the refusal of this step (module docstring) — a grad changed in place
         since its reduction read it, a grad replaced since (`replaced`: those holding no
         average, zero.py finish), or (`unscaled`) GradScaler.step found it unscaled — or None.

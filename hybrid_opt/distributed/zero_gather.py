@@ -8,10 +8,16 @@ different orders still issue the same collectives. Design notes: docs/internals.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from hybrid_opt.distributed.local_shards import zero_chunk
+
+if TYPE_CHECKING:
+    from torch.utils.hooks import RemovableHandle
+
+    from hybrid_opt.distributed.zero import Bucket, ZeroSharding
 
 
 @dataclass(eq=False)
@@ -21,11 +27,11 @@ class PendingGather:
     was when its chunks left (`marks`: (version, data_ptr); a param written since keeps what
     was written)."""
 
-    bucket: object
+    bucket: Bucket
     staged: bool
     works: list
     marks: list
-    staging: torch.Tensor = None
+    staging: torch.Tensor | None = None
 
 
 class ParamGather:
@@ -38,12 +44,15 @@ class ParamGather:
         self._bucket_of = {id(p): b for b in buckets for p in b.params}
         self._pending: dict = {}  # bucket id -> PendingGather: launched, not landed
         self._gathering: dict = {}  # param id -> its bucket, while that bucket's gather is pending
-        self._forward_hook = None  # the global forward pre-hook, installed while any is pending
+        # the global forward pre-hook, installed while any is pending
+        self._forward_hook: RemovableHandle | None = None
         # a taken step's gathers, launched as its commits complete: in param order (the host
         # tier commits subgroups, and the next forward runs, in that order)
         self._order = list(reversed(buckets))
         self._direct = False
-        self._next, self._blocked, self._waits = 0, None, {}
+        self._next = 0
+        self._blocked: list[int] | None = None  # expect_commits's
+        self._waits: dict = {}
         self._launcher = None  # set_launcher: what launches each bucket instead of launch()
         self.launches = 0  # stats["all_gathers"]
         self.landed_in_forward = 0  # stats["all_gathers_landed_in_forward"]
@@ -67,7 +76,7 @@ class ParamGather:
         """The commit of `key` (expect_commits) has written its params: the buckets it held back
         go out, in order."""
         for i in self._waits.pop(key, ()):
-            self._blocked[i] -= 1
+            self._blocked[i] -= 1  # type: ignore[index]  # a key waited for: expect_commits set it
         self._launch_ready()
 
     def set_launcher(self, launcher) -> None:
@@ -243,13 +252,11 @@ class ParamGather:
 SHARD_KEY = "process_group_shard"
 
 
-def check_shard_owner(saved, zero) -> None:
+def check_shard_owner(saved: dict | None, zero: ZeroSharding) -> None:
     """A process_group state_dict() holds one rank's chunks: loading it on another rank would
     take them as its own, silently (HF Trainer saves optimizer.pt from rank 0 only). Agreed by
     every rank (one all_reduce of a flag: every rank loads, as every rank steps), so all raise
     together instead of one rank training on while another stopped."""
-    if zero is None:
-        return  # a plain optimizer: a state_dict is whole
     # None: a full or DCP-made state (resharded to this rank)
     wrong = saved is not None and (saved["rank"], saved["world"]) != (zero.rank, zero.world)
     if zero.world > 1:
@@ -266,6 +273,7 @@ def check_shard_owner(saved, zero) -> None:
                 f"{zero.rank})"
             )
     if wrong:
+        assert saved is not None  # `wrong` says so
         raise ValueError(
             f"load_state_dict: this state_dict holds rank {saved['rank']}'s chunks of a "
             f"{saved['world']}-rank process_group= optimizer, and this is rank {zero.rank} of "

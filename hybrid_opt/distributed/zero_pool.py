@@ -8,10 +8,14 @@ the same order. Design notes: docs/internals.md."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from hybrid_opt.distributed.zero_reduce import reduce_numels
+
+if TYPE_CHECKING:
+    from hybrid_opt.distributed.zero import Bucket
 
 WINDOW = 2  # slots per (dtype, device): buckets in flight at once
 WINDOW_FLOOR_BYTES = 4 << 20  # ... or as many as fit in this, for small buckets
@@ -73,7 +77,7 @@ class Holder:
     """A slot borrowed: for what ("reduce" or "gather"), by which bucket."""
 
     what: str
-    bucket: object
+    bucket: Bucket
     slot: torch.Tensor
 
 
@@ -83,7 +87,8 @@ class CommWindow:
 
     def __init__(self, buckets: list, comm):
         self._comm = comm  # Collectives (zero_group.py): the kind and world a slot is sized by
-        numels, per_key = {}, {}
+        numels: dict = {}
+        per_key: dict = {}
         for b in buckets:
             key = (b.dtype, b.device)
             numels[key] = max(numels.get(key, 0), self.slot_numel(b))

@@ -7,8 +7,12 @@ segments in rank order, so all give the same bits. Design notes: docs/internals.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from hybrid_opt.distributed.zero import Bucket
 
 
 def reduce_numels(b, comm, zeros: bool = False) -> tuple:
@@ -35,13 +39,13 @@ class Flight:
     sends (a view of a slot borrowed from the comm window, or of p.grad) and where its output
     lands (b.buf itself, or the slot)."""
 
-    bucket: object
+    bucket: Bucket
     works: list
     kind: str
     grads: list
-    red: torch.Tensor = None
-    scratch: torch.Tensor = None
-    counted: list = None  # per param: counted as having a grad here (GradRelease.counted)
+    red: torch.Tensor | None
+    scratch: torch.Tensor | None
+    counted: list  # per param: counted as having a grad here (GradRelease.counted)
 
 
 class GradReduction:
@@ -92,15 +96,17 @@ class GradReduction:
         if b.direct and comm.kind != "all_reduce":
             return self._launch_direct(b, grads, counted)
         sent, received = reduce_numels(b, comm)
+        # None only where nothing is sent or received (a world of 1), and then never read: the
+        # `type: ignore`s below, which mypy cannot follow
         slot = self._window.borrow(b, "reduce", sent + received) if sent + received else None
         kind = comm.kind
         if kind == "all_to_all":  # a world of 1 sends nothing: no slot
             others = [r for r in range(comm.world) if r != comm.rank]
-            red = self._pack(b, grads, counted, others, slot[:sent]) if others else None
-            scratch = b.buf if comm.world == 2 else (slot[sent:] if others else None)
+            red = self._pack(b, grads, counted, others, slot[:sent]) if others else None  # type: ignore[index]
+            scratch = b.buf if comm.world == 2 else (slot[sent:] if others else None)  # type: ignore[index]
             works = comm.all_to_all(scratch, red, b.seg)
         else:
-            red = self._pack(b, grads, counted, range(comm.world), slot)
+            red = self._pack(b, grads, counted, range(comm.world), slot)  # type: ignore[arg-type]
         if kind == "reduce_scatter":
             scratch = b.buf
             try:
@@ -121,27 +127,29 @@ class GradReduction:
         g, w, me, world = grads[0], b.width, comm.rank, comm.world
         flat = None if g is None else g.detach().reshape(-1)
         sent, received = reduce_numels(b, comm, zeros=flat is None)
+        # None only where nothing is sent or received (a world of 1), and then never read: the
+        # `type: ignore`s below, which mypy cannot follow
         slot = self._window.borrow(b, "reduce", sent + received) if sent + received else None
         counts = self._counts.buffer(b)
         counts[:world].fill_(1 if counted[0] else 0)
         if comm.kind == "all_to_all":
             if flat is None:
-                src = slot[:sent].zero_() if world > 1 else None
+                src = slot[:sent].zero_() if world > 1 else None  # type: ignore[index]
             elif sent:  # a middle rank: the other ranks' rows are two ranges of p.grad
-                src = slot[:sent]
+                src = slot[:sent]  # type: ignore[index]
                 src[: me * w].copy_(flat[: me * w])
                 src[me * w :].copy_(flat[(me + 1) * w :])
             else:
                 src = flat[w:] if me == 0 else flat[: (world - 1) * w]
             red = src
-            scratch = b.buf[:w] if world == 2 else (slot[sent:] if world > 2 else None)
+            scratch = b.buf[:w] if world == 2 else (slot[sent:] if world > 2 else None)  # type: ignore[index]
             works = comm.all_to_all(scratch, src, w)
             works.append(
                 comm.dist.all_to_all_single(counts[world:], counts[:world], group=comm.group, async_op=True)
             )
         else:
             rs = comm.reduce_scatter()
-            red = flat if flat is not None else slot[:sent].zero_()
+            red = flat if flat is not None else slot[:sent].zero_()  # type: ignore[index]
             scratch = b.out
             try:
                 works = [rs(b.out, red, group=comm.group, async_op=True)]
@@ -204,6 +212,7 @@ class GradReduction:
         b, kind, grads, counted = f.bucket, f.kind, f.grads, f.counted
         world, me = self._comm.world, self._comm.rank
         if kind == "all_reduce":
+            assert f.red is not None  # what an all_reduce sent, and summed in place
             total = f.red[me * b.seg : (me + 1) * b.seg]
             torch.div(total[: b.width], world, out=b.out)
             b.buf[b.width :].copy_(total[b.width :])
@@ -234,12 +243,12 @@ class GradReduction:
                         b.out[a : a + n].add_(0 if src is None else src)
                 else:
                     j = received.index(r) * seg
-                    term = f.scratch[j : j + b.width]
+                    term = f.scratch[j : j + b.width]  # type: ignore[index]  # world > 2: it is set
                     b.out.copy_(term) if r == 0 else b.out.add_(term)
             if not direct:
                 counts = b.buf[b.width :]
                 for k in range(len(grads)):
                     counts[k].fill_(1 if counted[k] else 0)
                 for j in range(len(received)):
-                    counts.add_(f.scratch[j * seg + b.width : (j + 1) * seg])
+                    counts.add_(f.scratch[j * seg + b.width : (j + 1) * seg])  # type: ignore[index]  # as above
         b.out.div_(world)

@@ -343,7 +343,7 @@ def measure(device, worker_share: float | None = 0.5, device_bytes=None) -> dict
     split = CoreSplit(worker_share)
     trainer, worker = split.trainer or [0], split.worker or [0]
     t0 = time.perf_counter()
-    out = {
+    out: dict[str, float | str] = {
         "host_adam_gelems_per_s": _host_tier_gelems(worker_share),
         "host_kernel_gelems_per_s": _cpu_adam_gbps(len(worker), bank=True) / 28,
         "worker_cores": len(worker),

@@ -470,6 +470,7 @@ def best_plan(
             if nv > off:
                 continue
             n_off = offloaded_subgroups(machine, workload, off)
+            pools: list[int | None]
             if spare_banks is not None:
                 pools = [spare_banks]
             else:
@@ -499,7 +500,8 @@ def best_plan(
     if need_host is None:
         whole = workload.sharding in ("zero", "none")
         raise ValueError(
-            f"needs at least {need_device / GB / (1 - headroom):.1f} GB of GPU memory {per}for "
+            # need_device is None only where no plan was tried (empty choices): a TypeError, as ever
+            f"needs at least {need_device / GB / (1 - headroom):.1f} GB of GPU memory {per}for "  # type: ignore[operator]
             f"the model copy and grads of {workload.params:.3g} parameters (incl. "
             f"{headroom:.0%} headroom); have {device_budget / (1 - headroom) / GB:.1f} GB: "
             + (

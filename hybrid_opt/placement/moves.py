@@ -103,7 +103,7 @@ def build_tiers(pl, plan) -> tuple:
     try:
         for s in host:
             st = saved[s.index] if s.index in saved else pl.state_of(s)
-            new_host.load_state(
+            new_host.load_state(  # type: ignore[union-attr]  # host is not empty here: nor is new_host
                 s.index,
                 st["master"],
                 st["exp_avg"],
@@ -112,7 +112,7 @@ def build_tiers(pl, plan) -> tuple:
                 **absmaxes_of(st),
             )
     except BaseException:
-        new_host.close()
+        new_host.close()  # type: ignore[union-attr]  # as above
         raise
     # 3. the device tier: staying subgroups kept, arriving ones allocated
     try:

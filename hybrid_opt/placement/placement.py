@@ -13,9 +13,10 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import os
 import time
 import warnings
-from typing import Callable, NamedTuple
+from typing import TYPE_CHECKING, Callable, NamedTuple
 
 import torch
 
@@ -30,22 +31,27 @@ from hybrid_opt.swap import check_nvme_path
 from hybrid_opt.tiers.device import DeviceTier
 from hybrid_opt.tiers.host import HostTier
 
+if TYPE_CHECKING:
+    from hybrid_opt.placement.cost_model import Prediction
+    from hybrid_opt.placement.plan import Plan
+    from hybrid_opt.placement.scheduler import AutoPlanner
+
 
 class PlacementConfig(NamedTuple):
     """The placement arguments of the optimizer (README: one line per argument)."""
 
-    offload_fraction: object
-    nvme_fraction: object
-    nvme_path: object
+    offload_fraction: float | str  # a fraction, or "auto"
+    nvme_fraction: float | str
+    nvme_path: str | os.PathLike | None
     speculative: bool
     rollback: str
-    device_memory_budget: object
-    host_memory_budget: object
-    worker_share: float
-    spare_banks: object
+    device_memory_budget: int | None
+    host_memory_budget: int | None
+    worker_share: float | None  # None: the arrangement's default
+    spare_banks: int | None
     io_banks: int
     refit_every: int
-    calibration: object
+    calibration: dict | None
 
 
 class TierEvents(NamedTuple):
@@ -62,7 +68,7 @@ class Fixed(NamedTuple):
 
     offload_fraction: float
     nvme_fraction: float
-    prediction: object = None
+    prediction: Prediction | None = None
     reason: str = ""
 
 
@@ -71,10 +77,10 @@ class Extension(NamedTuple):
 
     params: int
     subgroups: int
-    plan: object
+    plan: Plan | None
     fractions: tuple
-    auto: object
-    auto_copy: object
+    auto: AutoPlanner | None
+    auto_copy: AutoPlanner | None
 
 
 def restated(e: Exception, message: str) -> Exception:

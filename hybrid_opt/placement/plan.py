@@ -9,6 +9,10 @@ Fractions are shares of all elements, so the plan is the same whatever the subgr
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from hybrid_opt.placement.cost_model import Prediction
 
 DEVICE, HOST, NVME = "device", "host", "nvme"
 DEFAULT_SPARE_BANKS = 4
@@ -20,7 +24,7 @@ class Plan:
     numels: list
     speculation_order: list = field(default_factory=list)  # host/nvme subgroups, ready order
     spare_banks: int = 0
-    prediction: object = None  # cost_model.Prediction when the scheduler chose the plan
+    prediction: Prediction | None = None  # when the scheduler chose the plan
     reason: str = ""  # why the scheduler chose it
     shard: str = ""  # under FSDP2 / process_group: whose share this plan lays out
 

@@ -23,7 +23,7 @@ _DTYPES = state_format.DTYPE_NAMES
 _NAMES = {v: k for k, v in _DTYPES.items()}
 
 # nvme figures are per drive; the machine's aggregate is drives x per-drive rate.
-PRESETS = {
+PRESETS: dict[str, dict] = {
     "h100-pcie5": dict(
         about="one H100 PCIe 80GB on PCIe 5.0 x16, 32-core Xeon host",
         sources="datasheet: 80 GB HBM2e at 2.0 TB/s, 756 bf16 dense TFLOPS. Assumed: 50 GB/s "
@@ -150,7 +150,7 @@ def parse_size(text: str) -> float:
             f"{text!r} is not a size; use e.g. 80GB, 80GiB, 2TB "
             "(decimal GB/TB, binary GiB/TiB; a bare number is GB)"
         )
-    value = float(m.group(1)) * unit
+    value = float(m.group(1)) * unit  # type: ignore[union-attr]  # unit is None where m is
     if value <= 0:
         raise argparse.ArgumentTypeError(f"must be > 0, got {text!r}")
     return value

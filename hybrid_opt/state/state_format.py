@@ -45,8 +45,8 @@ def _itemsize(dt) -> float:
 
 @dataclass(frozen=True)
 class StateFormat:
-    exp_avg_dtype: torch.dtype = torch.float32
-    exp_avg_sq_dtype: torch.dtype = torch.float32
+    exp_avg_dtype: torch.dtype | str = torch.float32  # str: Q8
+    exp_avg_sq_dtype: torch.dtype | str = torch.float32
     store_param_remainders: bool = False
 
     def __post_init__(self):
@@ -93,7 +93,7 @@ class StateFormat:
     def stored_moments(self, amsgrad: bool) -> dict:
         """{name: dtype} of the moment tensors a tier stores: a q8 moment `name` is its uint8
         codes under `name` and its fp32 absmax under `name + "_absmax"` (`stored_numel`)."""
-        out = {}
+        out: dict[str, torch.dtype | str] = {}
         for name in ("exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if amsgrad else ()):
             if self.is_q8(name):
                 out[name], out[name + ABSMAX] = torch.uint8, torch.float32
@@ -121,7 +121,7 @@ class StateFormat:
         """Whether a param of `param_dtype` keeps its master as remainders (bf16 params only)."""
         return self.store_param_remainders and param_dtype == torch.bfloat16
 
-    def dtype_of(self, name: str) -> torch.dtype:
+    def dtype_of(self, name: str) -> torch.dtype | str:
         """The dtype a tier stores state `name` in: "master" (fp32), "remainder" (int16: a
         master's low half), "exp_avg", "exp_avg_sq", "max_exp_avg_sq"."""
         return {
@@ -176,7 +176,7 @@ class StateFormat:
 
 
 # ---------------------------------------------------------------- command-line flags
-DTYPE_NAMES = {"fp32": torch.float32, "bf16": torch.bfloat16, "q8": Q8}
+DTYPE_NAMES: dict[str, torch.dtype | str] = {"fp32": torch.float32, "bf16": torch.bfloat16, "q8": Q8}
 
 
 def add_arguments(ap, remainder_note: str = "") -> None:

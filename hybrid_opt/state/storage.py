@@ -133,6 +133,7 @@ class ParamGuard:
                 before = None if previous is None else previous.get(sl.param_index)
                 if only_changed and (not remainders or before is not None):
                     if remainders:  # the decoded master's high half is `now`: compare it with the old one
+                        assert before is not None  # the condition above: remainders need the old memory
                         before = before.reshape(-1)[sl.param_offset : sl.param_offset + sl.numel].to(
                             master.device
                         )
@@ -180,12 +181,12 @@ class ParamGuard:
         for i in changed:
             previous[i] = self.views[i]
             self._repoint(i, params[i])
-        changed = set(changed)
+        changed_set = set(changed)
         for sg in self.layout.subgroups:
-            slices = [sl for sl in sg.slices if sl.param_index in changed]
+            slices = [sl for sl in sg.slices if sl.param_index in changed_set]
             if slices:
                 self.restart_masters(sg, slices, only_changed=True, previous=previous)
-        for i in changed:  # rebound: the new memory's version is the one to watch
+        for i in changed_set:  # rebound: the new memory's version is the one to watch
             self.versions[i] = write_count(params[i])
         # swapping a Parameter's contents (load_state_dict with swap_tensors) drops its hooks
         self.rehook(self.placement.host_subgroups())

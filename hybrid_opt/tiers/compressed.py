@@ -135,7 +135,9 @@ class StateBanks:
         self.numels, self.fmt, self.amsgrad, self.copy_dtype = dict(numels), fmt, amsgrad, copy_dtype
         # per subgroup, its format: q8 moments fp32 where its params are small (layout.py)
         self.formats = {sg: fmt.for_subgroup(q) for sg, q in quantized.items()}
-        self._remainders, self._params = dict(remainders), params
+        self._remainders = dict(remainders)
+        # each remainder subgroup's model param (the high halves); {} when none keeps remainders
+        self._params: dict = params if params is not None else {}
         self._regions, self._bank_offset, self._bank_stride = dict(regions), bank_offset, bank_stride
         self.io_bytes = io_bytes
         # banks no one has written yet: the arena's pages are zero, load_state need not zero them

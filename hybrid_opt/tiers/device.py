@@ -28,7 +28,7 @@ def read_scalars(values) -> list:
     float / None), the tensors of each device read in one small device-to-host copy: the
     values a step must know on the host (found_inf, the loss scale, the grads' norm²) cost
     one host synchronisation together instead of one each."""
-    out = [None] * len(values)
+    out: list[float | None] = [None] * len(values)
     by_device: dict = {}
     for i, v in enumerate(values):
         if isinstance(v, torch.Tensor):
@@ -110,7 +110,7 @@ class DeviceTier:
     def __init__(self, subgroups: list, amsgrad: bool, state_format: StateFormat = StateFormat()):
         self.format, self.amsgrad = state_format, amsgrad
         self.progress: tuple = ([], [])  # (done, unsure) of the last step (step())
-        self._launches = collections.OrderedDict()  # _launch_for's prepared launches, LRU
+        self._launches: collections.OrderedDict = collections.OrderedDict()  # _launch_for's, LRU
         self.subgroups, self.master, self.remainder, self.state = {}, {}, {}, {}
         self._cpu: dict = {}  # subgroup index -> the CpuStateArena of its tensors (a CPU-only host)
         self.formats: dict = {}  # subgroup index -> its StateFormat (q8 moments fp32 for small params)
@@ -120,6 +120,7 @@ class DeviceTier:
         for sg, tensors in kinds:
             self.subgroups[sg.index] = sg
             if sg.device.type == "cpu":
+                assert arena is not None  # made where any subgroup is on the CPU, as this one
                 st = arena.tensors(sg.index)
                 self._cpu[sg.index] = arena
             else:
@@ -404,7 +405,7 @@ class DeviceTier:
         tensor: the tier's own tensors (fixed while its subgroups are: the cache is emptied when
         they change), each slice's param view address and grad address and dtype. None where a
         grad is not contiguous (or missing): the launch then reads a contiguous copy."""
-        key = [amsgrad, rem]
+        key: list = [amsgrad, rem]
         for _, index, sl in items:
             grad = sl.grad_address()
             if grad is None:
@@ -423,7 +424,8 @@ class DeviceTier:
         if launch is not None:
             self._launches.move_to_end(key)
             return launch
-        ps, gs, ms, vs, xs, cs, rs = [], [], [], [], [], [], []
+        lists: tuple[list, ...] = ([], [], [], [], [], [], [])
+        ps, gs, ms, vs, xs, cs, rs = lists
         for _, index, sl in items:
             p, m, v, vmax, copy, r = self._views(index, sl)
             grad = sl.grad_view() if key is not None else sl.grad_view().contiguous()
@@ -451,7 +453,8 @@ class DeviceTier:
         are cached by the launcher)."""
         import gpu_kernels.q8 as q8
 
-        ps, gs, ms, vs, xs, cs, rs = [], [], [], [], [], [], []
+        lists: tuple[list, ...] = ([], [], [], [], [], [], [])
+        ps, gs, ms, vs, xs, cs, rs = lists
         for _, index, sl in items:
             p, m, v, vmax, copy, r = self._views(index, sl)
             m, v, vmax = (q8.Q8Blocks(*x) if isinstance(x, tuple) else x for x in (m, v, vmax))

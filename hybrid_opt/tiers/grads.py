@@ -13,11 +13,15 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from hybrid_opt.tiers.staging import copy_async
 from hybrid_opt.worker import protocol as proto
+
+if TYPE_CHECKING:
+    from hybrid_opt.state.layout import Subgroup
 
 
 @dataclass(eq=False)  # compared by identity, as any object
@@ -30,7 +34,7 @@ class GradGatherer:
     (distributed.local_of, resolved once by whoever names the grads: speculation.py), or None
     where the param has no grad."""
 
-    sg: object  # layout.Subgroup
+    sg: Subgroup
     grads: list
 
     def overlaps(self, offset: int, numel: int):

@@ -132,11 +132,11 @@ class HostTier:
             raise ValueError(f"ids must be {len(numels)} distinct subgroup ids >= 0, got {ids}")
         # per subgroup, by its id: every part of the tier keys its subgroups so
         self.numels = dict(zip(ids, numels))
-        flags, params = check_params(params, list(numels), fmt, copy_dtype)
-        remainders = dict(zip(ids, flags))
-        params = dict(zip(ids, params)) if params is not None else None
-        quantized = dict(zip(ids, quantized))
-        if rollback == "inverse" and any(remainders.values()):
+        flags, checked = check_params(params, list(numels), fmt, copy_dtype)
+        sg_remainders = dict(zip(ids, flags))
+        sg_params = dict(zip(ids, checked)) if checked is not None else None
+        sg_quantized = dict(zip(ids, quantized))
+        if rollback == "inverse" and any(sg_remainders.values()):
             raise ValueError(
                 "rollback='inverse' needs an fp32 master (its fp64 inverse reads and "
                 "writes fp32 params); use rollback='exact' with remainders=True"
@@ -176,7 +176,7 @@ class HostTier:
             io_banks=io_banks,
             staging_slots=staging_slots,
             slot_numel=slot_numel,
-            quantized=list(quantized.values()),
+            quantized=list(sg_quantized.values()),
             ids=ids,
         )
         resident = lay.resident
@@ -223,14 +223,14 @@ class HostTier:
             fmt=fmt,
             amsgrad=amsgrad,
             copy_dtype=copy_dtype,
-            remainders=remainders,
-            params=params,
+            remainders=sg_remainders,
+            params=sg_params,
             regions=regions,
             bank_offset=bank_offset,
             bank_stride=bank_stride,
             io_bytes=self.io_bytes,
             n_banks=self.pool.n_banks,
-            quantized=quantized,
+            quantized=sg_quantized,
         )
         slots = [
             self.arena.tensor(slot_offset + k * slot_stride, self.slot_numel, grad_dtype)
@@ -245,7 +245,7 @@ class HostTier:
             exp_avg_dtype=_moment_code(exp_avg_dtype),
             exp_avg_sq_dtype=_moment_code(exp_avg_sq_dtype),
             # the subgroups whose q8 moments are codes (the others' are fp32)
-            quantized=[sg for sg, q in quantized.items() if q],
+            quantized=[sg for sg, q in sg_quantized.items() if q],
             populate_later=later,
         )  # the worker maps these in the background
         self._files = FileSlots(ids)  # nvme: the committed slot of each subgroup's file
@@ -268,14 +268,14 @@ class HostTier:
         )  # each worker inherits them
         # the io part tells the stepping part (made next: `stepping` is read at call time)
         # which torn speculations to forget
-        stepping = None
+        stepping: HostStepping
         self._io = HostIO(
             self.client,
             slots,
             slot_numel=self.slot_numel,
             grad_dtype=grad_dtype,
             copy_dtype=copy_dtype,
-            remainders=remainders,
+            remainders=sg_remainders,
             rollback=rollback,
             nvme=self.nvme,
             forget=lambda sg: stepping.forget(sg),
@@ -302,12 +302,12 @@ class HostTier:
         self._step = stepping
         self.closed = False
         try:
-            if has_nvme:
-                self._fds.reserve(sum(nvme))  # RLIMIT_NOFILE: raised where short
+            if has_nvme:  # RLIMIT_NOFILE: raised where short (the files: made where has_nvme)
+                self._fds.reserve(sum(nvme))  # type: ignore[union-attr]
             for sg in ids:
                 if self.nvme[sg]:
-                    self.swap.create(sg, 2 * self.io_bytes)
-                    self._fds.open(sg)
+                    self.swap.create(sg, 2 * self.io_bytes)  # type: ignore[union-attr]  # as above
+                    self._fds.open(sg)  # type: ignore[union-attr]
             # the worker's start-up (an interpreter, its imports) overlaps reserving the arena's
             # pages (fallocate: most of construction, ~0.2 s per GB here)
             self.client.launch()
@@ -397,14 +397,17 @@ class HostTier:
             raise
         return banks[0]
 
-    def _swap_file(self, sg: int, bank: int, slot: int, write: bool, buf=None) -> int:
+    def _swap_file(self, sg: int, bank: int | None, slot: int, write: bool, buf=None) -> int:
         """Trainer-side swap of one slot (load_state, state, checkpoints) through `bank` (or the
         aligned buffer `buf`); returns its CRC32C."""
         from cpu_kernels.aio import AioError
 
-        eng, fd = self._engine(), self._fds.fd(sg)
-        self._fds.check(sg)
-        addr = self._banks.state_block(bank).data_ptr() if buf is None else buf
+        fds = self._fds
+        assert fds is not None  # an nvme subgroup's: the tier has its files
+        eng, fd = self._engine(), fds.fd(sg)
+        fds.check(sg)
+        # a bank is given where no buffer is
+        addr = self._banks.state_block(bank).data_ptr() if buf is None else buf  # type: ignore[arg-type]
         try:
             rid = (eng.submit_write if write else eng.submit_read)(
                 fd, addr, self.io_bytes, slot * self.io_bytes, checksum=True
@@ -474,7 +477,7 @@ class HostTier:
             crc = self._swap_file(sg, bank, slot, write=False)
             if crc != self._files.crc(sg, slot):
                 raise OSError(
-                    f"checksum mismatch in {self.swap.file(sg)} slot {slot}: expected "
+                    f"checksum mismatch in {self.swap.file(sg)} slot {slot}: expected "  # type: ignore[union-attr]
                     f"CRC32C {self._files.crc(sg, slot):08x}, read {crc:08x}; the file is "
                     f"corrupt — restore from a checkpoint"
                 )

@@ -36,7 +36,7 @@ class _Piece:
     freed: bool = False  # its staging slot is back in the ring
     gather: tuple | list = ()  # remote gather: its gather list (protocol.pack_gather's entries)
     keep: list | None = None  # remote gather: the grads the worker reads, alive until it has
-    copy_done: object = None  # the event of its staging copy while that is in flight (CUDA)
+    copy_done: torch.cuda.Event | None = None  # the event of its staging copy while that is in flight (CUDA)
     queued: bool = False  # waits in the CopyQueue to be sent
     held: bool = False  # a speculated in-place step's: its slot (its grads) is kept
     # after its result, until validation frees it (the undo reads it)

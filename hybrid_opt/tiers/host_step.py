@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 from hybrid_opt.state.state_format import ABSMAX, Q8_BLOCK, q8_blocks
 from hybrid_opt.tiers.host_io import TornState, _Piece
@@ -26,7 +26,7 @@ if TYPE_CHECKING:
 class _Speculation:
     """One launched step of one subgroup (speculative, or after validation)."""
 
-    inputs: StepInputs
+    inputs: StepInputs | None  # None until _launch sets them
     bank: int | None  # output bank: a spare (exact, nvme); None in place (inverse)
     pieces: list = field(default_factory=list)
     aux_bank: int | None = None  # nvme: the bank the committed slot is read into
@@ -69,7 +69,8 @@ class HostStepping:
         self.numels, self.nvme = dict(numels), dict(nvme)  # by subgroup id (HostTier's)
         self.rollback, self.amsgrad, self.slot_numel = rollback, amsgrad, slot_numel
         self._spec: dict[int, _Speculation] = {}
-        self._on_progress = None  # inside finish(): work to do while a slot is awaited
+        # inside finish(): work to do while a slot is awaited
+        self._on_progress: Callable[[], None] | None = None
         self._counts = {"committed": 0, "redone": 0, "dropped": 0, "stepped": 0}
 
     @property
@@ -138,13 +139,13 @@ class HostStepping:
             in_bank = spec.aux_bank
             swap_in = spec.swap_in or self._send_swap_in(sg, spec)
             if self._banks.keeps_remainders(sg):
-                self._send_high_half(sg, spec, in_bank)
+                self._send_high_half(sg, spec, in_bank)  # type: ignore[arg-type]  # nvme: aux_bank is taken
         else:
             in_bank = self._pool.committed[sg]
         if inputs.runs and spec.bank is not None:
             if swap_in is not None:
                 self._io.wait_for([swap_in])
-            self._carry_over(sg, in_bank, spec.bank, runs)
+            self._carry_over(sg, in_bank, spec.bank, runs)  # type: ignore[arg-type]  # nvme: aux_bank too
         # inverse mode: stepped only if every grad is finite (checked), the grads held for the undo
         if not self._io.stage_steps(
             pieces,
@@ -165,7 +166,7 @@ class HostStepping:
             return False
         if self.nvme[sg]:
             spec.file_slot = 1 - self._files.slot(sg)
-            spec.swap_out = self._swap_piece(proto.OP_SWAP_OUT, sg, spec.bank, spec.file_slot)
+            spec.swap_out = self._swap_piece(proto.OP_SWAP_OUT, sg, spec.bank, spec.file_slot)  # type: ignore[arg-type]  # nvme: a bank
             pieces.append(spec.swap_out)
             self._io.send(spec.swap_out)
         spec.launched = True
@@ -205,7 +206,8 @@ class HostStepping:
     def _send_swap_in(self, sg: int, spec: _Speculation) -> _Piece:
         """The worker starts reading the committed slot into spec.aux_bank at once."""
         slot = self._files.slot(sg)
-        spec.swap_in = self._swap_piece(proto.OP_SWAP_IN, sg, spec.aux_bank, slot, self._files.crc(sg, slot))
+        crc = self._files.crc(sg, slot)
+        spec.swap_in = self._swap_piece(proto.OP_SWAP_IN, sg, spec.aux_bank, slot, crc)  # type: ignore[arg-type]  # nvme: a bank
         spec.pieces.append(spec.swap_in)
         self._io.send(spec.swap_in)
         return spec.swap_in
@@ -401,7 +403,7 @@ class HostStepping:
         if spec.bank is None and not self.nvme[sg]:
             self._io.release_slots(spec.pieces)
         if self.nvme[sg]:
-            self._files.commit(sg, spec.file_slot, spec.swap_out.result.crc)
+            self._files.commit(sg, spec.file_slot, spec.swap_out.result.crc)  # type: ignore[union-attr]  # nvme: written
             if on_commit is not None:
                 on_commit(sg, self._banks.commit_views(spec.bank, sg))
             self._release_banks(spec)
@@ -514,7 +516,7 @@ class HostStepping:
                     break
                 ahead = self._take_banks(nxt)
                 waiting[nxt] = ahead  # tracked with the in-flight work, for the error path
-                self._send_swap_in(nxt, ahead)
+                self._send_swap_in(nxt, ahead)  # type: ignore[arg-type]  # two banks were free
                 prefetched[nxt] = waiting.pop(nxt)
 
         def progress() -> None:

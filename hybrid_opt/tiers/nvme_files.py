@@ -35,7 +35,7 @@ class NvmeFiles:
 
         soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
         try:
-            fds = [int(fd) for fd in os.listdir("/proc/self/fd")]
+            fds: list[int] | range = [int(fd) for fd in os.listdir("/proc/self/fd")]
         except OSError:
             fds = range(64)
         now = len(fds)

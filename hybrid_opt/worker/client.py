@@ -112,7 +112,8 @@ DEFAULT_WORKER_SHARE = 0.5  # the worker's cores on a GPU host, where its params
 
 def _ranges(cpus: list) -> str:
     """[0, 1, 2, 5] -> "0-2,5"."""
-    out, cpus = [], sorted(cpus)
+    out: list[list[int]] = []
+    cpus = sorted(cpus)
     for k, c in enumerate(cpus):
         if k and c == cpus[k - 1] + 1:
             out[-1][1] = c
@@ -160,7 +161,7 @@ class CoreSplit:
         if worker_share is not None and not 0.0 < worker_share <= 1.0:
             raise ValueError(f"worker_share must be in (0, 1], got {worker_share}")
         self.saved_masks: dict[int, set[int]] = {}
-        self.saved_thread_counts = None
+        self.saved_thread_counts: tuple | None = None
         self.applied = False
         if allowed is not None:
             base = sorted(allowed)
@@ -331,14 +332,15 @@ class WorkerClient:
         self.passive = passive
         self.timeout_s = timeout_s
         self.start_timeout_s = start_timeout_s
-        self.proc = None
+        self.proc: subprocess.Popen | None = None
         self.next_id = 1
         self.pending: dict[int, proto.Task] = {}
         self.results: dict[int, proto.Result] = {}
         self.restarts = 0
-        self._req = self._resp = None
-        self._reader = None
-        self._stderr_fd = None
+        self._req: int | None = None
+        self._resp: int | None = None
+        self._reader: proto.FrameReader | None = None
+        self._stderr_fd: int | None = None
 
     # ------------------------------------------------------------------ lifecycle
     @property
@@ -457,8 +459,9 @@ class WorkerClient:
         """The results a worker that is gone wrote before its end and nobody read yet (a death
         met by send(), not drain()): taken, so a task it finished is not counted lost."""
         try:
-            while self._resp is not None and not self._reader.eof and proto.readable(self._resp, 0):
-                for r in self._reader.read_results():
+            # the reader is made with _resp; read_results() without a timeout gives a list
+            while self._resp is not None and not self._reader.eof and proto.readable(self._resp, 0):  # type: ignore[union-attr]
+                for r in self._reader.read_results():  # type: ignore[union-attr]
                     self.pending.pop(r.task_id, None)
                     self.results[r.task_id] = r
         except OSError:
@@ -522,7 +525,7 @@ class WorkerClient:
         self.next_id += 1
         self.pending[task.task_id] = task
         try:
-            proto.write_task(self._req, task, gather)
+            proto.write_task(self._req, task, gather)  # type: ignore[arg-type]  # alive(): an open pipe
         except BrokenPipeError:
             raise self.death_error() from None
         return task.task_id
@@ -533,6 +536,7 @@ class WorkerClient:
         one already reaped: not `connected`)."""
         if self._resp is None:
             raise self.death_error()
+        assert self._reader is not None and self.proc is not None  # started with _resp
         results = self._reader.read_results(timeout)
         if results is None:  # nothing within `timeout`
             if self.proc.poll() is not None:

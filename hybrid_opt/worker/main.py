@@ -17,10 +17,14 @@ import shutil
 import signal
 import sys
 import time
+from typing import TYPE_CHECKING
 
 from hybrid_opt.populate import BackgroundPopulate
 from hybrid_opt.shm import address, populate
 from hybrid_opt.worker import protocol as proto
+
+if TYPE_CHECKING:
+    from cpu_kernels.aio import AioEngine
 
 _DTYPE_SIZE = {0: 4, 1: 2, 2: 2, 3: 1}  # 3: DT_Q8, a code
 DT_Q8 = 3  # a q8 moment's dtype code (cpu_kernels' DT_Q8)
@@ -118,7 +122,8 @@ class Worker:
         self.parent = os.getppid()
         self.trainer = int(cfg.get("trainer_pid") or self.parent)
         self.libc = _libc()
-        self.aio = self.aio_write = None
+        self.aio: AioEngine | None = None
+        self.aio_write: AioEngine | None = None
         # the trainer's descriptors of the nvme files, inherited (O_DIRECT as it opened them)
         self.fds = {int(sg): fd for sg, fd in (cfg.get("file_fds") or {}).items()}
         if self.nvme:
@@ -145,7 +150,9 @@ class Worker:
             )
         return fd
 
-    def _submit_swap(self, t: proto.Task) -> int:
+    def _submit_swap(self, t: proto.Task) -> tuple:
+        """(the engine, its request) of swap task `t` (a worker with an nvme tier)."""
+        assert self.nvme is not None and self.aio is not None and self.aio_write is not None
         io = self.nvme["io_bytes"]
         addr = self.base + self.bank_offset + t.in_bank * self.bank_stride
         fd = self._file(t.subgroup)
@@ -283,7 +290,9 @@ class Worker:
                 f"a q8 piece of subgroup {t.subgroup} starts at element {off}, inside a "
                 f"block of {Q8_BLOCK} (a bug in hybrid_opt, please report it)"
             )
-        a = self.q8_lib.Q8AdamArgs()
+        lib = self.q8_lib
+        assert lib is not None  # loaded where any subgroup is quantized, as this one is
+        a = lib.Q8AdamArgs()
         if t.remainder:
             a.param, a.param_out = self._bank(t.in_bank, "copy", off, 2), self._bank(out_bank, "copy", off, 2)
             a.remainder, a.remainder_out = (
@@ -318,10 +327,10 @@ class Worker:
         )
         if self.fault.stage == "mid_step" and self.fault.steps == self.fault.at:
             a.n = t.numel // 2  # half the piece written, then killed: a torn write
-            self.q8_lib.q8_adam_step_raw(a)
+            lib.q8_adam_step_raw(a)
             self.fault.maybe_die("mid_step")
         a.n = t.numel
-        self.q8_lib.q8_adam_step_raw(a)
+        lib.q8_adam_step_raw(a)
         self.fault.maybe_die("after_step")
         return proto.Result(t.op, t.task_id, proto.STATUS_OK, t.subgroup, sum_sq, int(finite))
 

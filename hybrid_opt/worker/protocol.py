@@ -65,7 +65,8 @@ class Task:
     @classmethod
     def unpack(cls, payload: bytes) -> "Task":
         head = cls._STRUCT.size
-        return cls(*cls._STRUCT.unpack(payload[:head]), gather=payload[head:])
+        # the struct's fields are those before `gather` (mypy cannot count a starred tuple)
+        return cls(*cls._STRUCT.unpack(payload[:head]), gather=payload[head:])  # type: ignore[misc]
 
 
 _TASK_FIELDS = attrgetter(*[f.name for f in fields(Task)][:-1])  # the struct's, in order
@@ -110,7 +111,9 @@ class Result:
     @classmethod
     def unpack(cls, payload: bytes) -> "Result":
         head = cls._STRUCT.size
-        return cls(*cls._STRUCT.unpack(payload[:head]), message=payload[head:].decode(errors="replace"))
+        # the struct's fields are those before `message` (mypy cannot count a starred tuple)
+        fields = cls._STRUCT.unpack(payload[:head])
+        return cls(*fields, message=payload[head:].decode(errors="replace"))  # type: ignore[misc]
 
 
 FD_SETSIZE = 1024  # select()'s bound on descriptor numbers
