@@ -564,7 +564,7 @@ def _device_tier_overhead(device, rounds):
     one step (its prepared launches found again)."""
     from hybrid_opt.state import layout as L
     from hybrid_opt.tiers.device import DeviceTier
-    from hybrid_opt.tiers.inputs import StepInputs
+    from hybrid_opt.tiers.inputs import AdamInputs
 
     params = []
     for _ in range(12):
@@ -576,7 +576,7 @@ def _device_tier_overhead(device, rounds):
     for p in params:
         p.grad = torch.randn_like(p)
     tier = DeviceTier(sgs, amsgrad=False)
-    hp = StepInputs(0, 1e-3, 0.9, 0.999, 1e-8, 0.01, True, 1.0)
+    hp = AdamInputs(0, 1e-3, 0.9, 0.999, 1e-8, 0.01, True, 1.0)
     work = [(sg.index, sl, hp, 2) for sg in sgs for sl in sg.slices]
     t = time_ms(lambda: tier._step_cuda(work, 0.5, None), reps=rounds, warmup=1)
     median, p20, p80 = (t[k] * 1e3 for k in ("median_ms", "p20_ms", "p80_ms"))

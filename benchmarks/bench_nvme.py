@@ -110,7 +110,7 @@ def tier_rows(args, workdir: str, nbytes: int, raw: list) -> list[dict]:
       all-at-once swaps is printed too (they run 8 requests deep, the pipeline fewer)."""
     import torch
 
-    from hybrid_opt.tiers.host import HostTier, StepInputs
+    from hybrid_opt.tiers.host import AdamInputs, HostTier
     from hybrid_opt.worker import protocol as proto
 
     n_sub = args.subgroups
@@ -169,7 +169,7 @@ def tier_rows(args, workdir: str, nbytes: int, raw: list) -> list[dict]:
         def one_step(t):
             step[0] += 1
             t.finish(
-                {sg: (grads[sg], StepInputs(step[0], 1e-3, 0.9, 0.999, 1e-8, 0.01)) for sg in range(n_sub)}
+                {sg: (grads[sg], AdamInputs(step[0], 1e-3, 0.9, 0.999, 1e-8, 0.01)) for sg in range(n_sub)}
             )
 
         t_pipe = time_ms(lambda: one_step(tier), reps=args.reps, warmup=1)
@@ -216,7 +216,7 @@ def compressed_rows(args, workdir: str, nbytes: int) -> list[dict]:
     commit does (the remainder tier reads its next high half from them)."""
     import torch
 
-    from hybrid_opt.tiers.host import HostTier, StepInputs
+    from hybrid_opt.tiers.host import AdamInputs, HostTier
 
     n_sub = args.subgroups
     numel = max(4096, nbytes // (12 * n_sub) // 4096 * 4096)
@@ -260,7 +260,7 @@ def compressed_rows(args, workdir: str, nbytes: int) -> list[dict]:
                 step[name] += 1
                 tier.finish(
                     {
-                        sg: (grads[sg], StepInputs(step[name], 1e-3, 0.9, 0.999, 1e-8, 0.01))
+                        sg: (grads[sg], AdamInputs(step[name], 1e-3, 0.9, 0.999, 1e-8, 0.01))
                         for sg in range(n_sub)
                     },
                     on_commit=land,

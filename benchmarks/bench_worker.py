@@ -30,7 +30,7 @@ from _common import markdown_table, parse_size, time_ms, write_json  # noqa: E40
 
 import cpu_kernels  # noqa: E402
 from hybrid_opt.testing import debug_view
-from hybrid_opt.tiers.host import HostTier, StepInputs  # noqa: E402
+from hybrid_opt.tiers.host import AdamInputs, HostTier  # noqa: E402
 
 HP = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=1e-2)
 
@@ -87,7 +87,7 @@ def memory_child(what: str, n: int) -> dict:
             slot_numel=1 << 18,
         )
         for step in (1, 2):
-            tier.finish({sg: (g, StepInputs(step, **hp)) for sg in range(S)})
+            tier.finish({sg: (g, AdamInputs(step, **hp)) for sg in range(S)})
         tier.arena.wait_populated()  # the spare banks are populated in the background
         total = pss_bytes(os.getpid()) - base + pss_bytes(tier.worker_pid)
         spare = tier.spare_bytes
@@ -167,7 +167,7 @@ def main(argv=None) -> int:
     it = [0]
 
     def inputs():
-        return StepInputs(it[0], HP["lr"], HP["beta1"], HP["beta2"], HP["eps"], HP["weight_decay"])
+        return AdamInputs(it[0], HP["lr"], HP["beta1"], HP["beta2"], HP["eps"], HP["weight_decay"])
 
     def worker_step_alone():
         it[0] += 1

@@ -40,7 +40,7 @@ class Parts(NamedTuple):
     def zero_grad(self, set_to_none: bool) -> None:
         """The optimizer's zero_grad, after torch's: speculation's ready grads dropped, and the
         sharding told (release_grads keeps the released grads as zeros: zero_release.py)."""
-        self.speculator.clear_ready()
+        self.speculator.forget_ready()
         self.sharding.zero_grad(set_to_none)
 
 

@@ -18,7 +18,7 @@ from hybrid_opt.lifetime import weak_call, weak_method
 from hybrid_opt.step_plan import COMMIT, REDO, STEP
 from hybrid_opt.step_work import group_inputs
 from hybrid_opt.tiers.grads import GradGatherer
-from hybrid_opt.tiers.host import StepInputs
+from hybrid_opt.tiers.host import AdamInputs
 
 if TYPE_CHECKING:
     from hybrid_opt.seams import Sharding
@@ -186,7 +186,7 @@ class Speculator:
         return inv
 
     def step_of(
-        self, sg, live: list, hp: StepInputs, scale: float, at_step: bool = False, stale: bool = False
+        self, sg, live: list, hp: AdamInputs, scale: float, at_step: bool = False, stale: bool = False
     ) -> tuple:
         """(the subgroup's GradGatherer, the inputs its step depends on), with the step counts
         the params will have once the step begins. The inputs name the grads, so a changed grad
@@ -201,7 +201,7 @@ class Speculator:
         gatherer = GradGatherer(sg, grads)
         if at_step and ((stale and sg.index in self._staged) or self._grads_edited(sg, gatherer)):
             versions += ("edited since staged",)  # unscale_, or a foreach edit of DTensor grads: redone
-        return gatherer, StepInputs(
+        return gatherer, AdamInputs(
             step,
             hp.lr,
             hp.beta1,
@@ -243,7 +243,7 @@ class Speculator:
 
     def host_work(self, host_work, scale: float, edited: list, unscaled: bool = False) -> tuple:
         """step()'s decision for the host tiers, before the step counts advance: ({host-tier
-        subgroup: (its GradGatherer, its final StepInputs)}, {subgroup index: COMMIT | REDO |
+        subgroup: (its GradGatherer, its final AdamInputs)}, {subgroup index: COMMIT | REDO |
         STEP}) for host_work {subgroup index: step_work.HostWork}. A speculation whose inputs
         are the final ones is committed (redone after all if it failed: the outcome says);
         one whose inputs differ (clipping bit, the scale changed, a grad was edited since
@@ -292,7 +292,7 @@ class Speculator:
             self._deferred.pop(0)
 
     # ------------------------------------------------------------------ after a step
-    def clear_ready(self) -> None:
+    def forget_ready(self) -> None:
         """Forgets which subgroups' grads were ready: the step they were for is over (or
         zero_grad() discarded them)."""
         for ready in self._ready.values():
@@ -301,14 +301,14 @@ class Speculator:
     def stepped(self) -> None:
         """step()'s host step finished: nothing is staged, ready or deferred any more."""
         self.forget_staged()
-        self.clear_ready()
+        self.forget_ready()
         self._deferred.clear()
 
     def drop_pending(self) -> dict:
         """Drops every pending speculation and the ready sets (a step skipped or taken without
         host work); returns finish()'s outcome."""
         outcome = self.drop()
-        self.clear_ready()
+        self.forget_ready()
         return outcome
 
     def drop(self) -> dict:

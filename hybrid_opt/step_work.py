@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
-from hybrid_opt.tiers.inputs import StepInputs
+from hybrid_opt.tiers.inputs import AdamInputs
 
 if TYPE_CHECKING:
     from hybrid_opt.state.layout import ParamSlice, Subgroup
@@ -15,11 +15,11 @@ if TYPE_CHECKING:
 
 class HostWork(NamedTuple):
     """A host or nvme subgroup's share of the step: the subgroup (layout.Subgroup), its slices
-    whose params have a grad, and its param group's hyperparameters (tiers.inputs.StepInputs)."""
+    whose params have a grad, and its param group's hyperparameters (tiers.inputs.AdamInputs)."""
 
     sg: Subgroup
     live: list
-    hp: StepInputs
+    hp: AdamInputs
 
 
 class DeviceWork(NamedTuple):
@@ -30,7 +30,7 @@ class DeviceWork(NamedTuple):
     # what stepping and step_failures read
     index: int  # type: ignore[assignment]
     slice: ParamSlice
-    hp: StepInputs
+    hp: AdamInputs
     step: int
 
 
@@ -42,14 +42,14 @@ def _float_hyper(value, name: str) -> float:
     return float(value)
 
 
-def group_inputs(group: dict, decoupled: bool, grad_sign: float | None = None) -> StepInputs:
+def group_inputs(group: dict, decoupled: bool, grad_sign: float | None = None) -> AdamInputs:
     """A param group's hyperparameters as the tiers take them (step and grads left out);
     grad_sign: -1 for a maximizing group (its default), else 1; `decoupled`: the optimizer's,
     where the group does not say (its "decoupled_weight_decay", as torch's Adam reads it)."""
     if grad_sign is None:
         grad_sign = -1.0 if group["maximize"] else 1.0
     b1, b2 = group["betas"]
-    return StepInputs(
+    return AdamInputs(
         0,
         _float_hyper(group["lr"], "lr"),
         _float_hyper(b1, "betas[0]"),

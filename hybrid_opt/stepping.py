@@ -258,7 +258,7 @@ def decide(parts, inputs: StepInputs, norm_sq, found, failure, init: bool) -> tu
         norm_sq, found, all_init = RF.agree(norm_sq, found, failure, init_vote=init)
     except Exception as e:
         RF.quietly(parts.speculator.drop, e)
-        parts.speculator.clear_ready()
+        parts.speculator.forget_ready()
         raise
     if not all_init and found is not None:
         D.globalize_scaler_found_inf(parts.speculator.grad_scaler, inputs.key, found)

@@ -7,7 +7,7 @@ import psutil
 import torch
 
 import cpu_kernels as ck
-from hybrid_opt.tiers.host import StepInputs
+from hybrid_opt.tiers.host import AdamInputs
 
 # where gpu_kernels run in this process: CUDA where a GPU is present, else CPU tensors through
 # Triton's interpreter (conftest sets TRITON_INTERPRET=1 only without CUDA). Tests of the device
@@ -80,7 +80,7 @@ def _id(v):
 def inputs(step=1, **over):
     kw = dict(step=step, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01)
     kw.update(over)
-    return StepInputs(**kw)
+    return AdamInputs(**kw)
 
 
 def load(tier, states):
@@ -88,7 +88,7 @@ def load(tier, states):
         tier.load_state(sg, s["p"], s["m"], s["v"], s.get("vmax"))
 
 
-def ref_step(state, grad, inp: StepInputs, copy_dtype=None):
+def ref_step(state, grad, inp: AdamInputs, copy_dtype=None):
     """The direct step of each run (the whole subgroup without runs), in place on `state`;
     returns the param copy of the stepped elements (others zero) when asked for one."""
     n = state["p"].numel()

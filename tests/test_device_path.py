@@ -25,7 +25,7 @@ from hybrid_opt.state import layout as L
 from hybrid_opt.step_stats import MAX_UNREAD_SAMPLES
 from hybrid_opt.testing import debug_view
 from hybrid_opt.tiers.device import DeviceTier, read_scalars
-from hybrid_opt.tiers.inputs import StepInputs
+from hybrid_opt.tiers.inputs import AdamInputs
 
 # the scheduler's synthetic rates (as tests/test_scheduler.py): "auto" keeps everything on
 # the device tier and never measures the machine
@@ -124,7 +124,7 @@ def test_device_tier_passes_the_grad_scale_as_a_float(monkeypatch):
         gpu_kernels.FusedAdam, "step", lambda self, **k: seen.append(k["grad_scale"]) or real(self, **k)
     )
     tier, sgs, params = _device_tier()
-    hp = StepInputs(0, 1e-2, 0.9, 0.999, 1e-8, 0.1, True, -1.0)
+    hp = AdamInputs(0, 1e-2, 0.9, 0.999, 1e-8, 0.1, True, -1.0)
     work = [(sgs[0].index, sl, hp, 1) for sl in sgs[0].slices]
     tier._step_cuda(work, 0.25, None)  # the first launch builds (and caches) its table
     before = [p.clone() for p in params]
@@ -148,7 +148,7 @@ def _two_tiers_stepped(steps, edit):
         tier, sgs, params = _device_tier((300, 77, 4099))
         if not prepared:  # no key: every step checks the tensors and launches over grad copies
             tier._launch_key = lambda *a, **k: None
-        hp = StepInputs(0, 1e-2, 0.9, 0.999, 1e-8, 0.1, True, 1.0)
+        hp = AdamInputs(0, 1e-2, 0.9, 0.999, 1e-8, 0.1, True, 1.0)
         for k in range(1, steps + 1):
             edit(params, k)
             tier._step_cuda([(sg.index, sl, hp, k) for sg in sgs for sl in sg.slices], 0.5, None)
@@ -185,7 +185,7 @@ def test_a_prepared_device_launch_makes_no_tensor_per_slice_and_holds_no_grad(mo
     import weakref
 
     tier, sgs, params = _device_tier((300, 77))
-    hp = StepInputs(0, 1e-2, 0.9, 0.999, 1e-8, 0.1, True, 1.0)
+    hp = AdamInputs(0, 1e-2, 0.9, 0.999, 1e-8, 0.1, True, 1.0)
     work = [(sg.index, sl, hp, 1) for sg in sgs for sl in sg.slices]
     tier._step_cuda(work, 0.25, None)
     adam = importlib.import_module("gpu_kernels.adam")

@@ -512,7 +512,7 @@ def _two_launch_tier(device):
     fused_adam_ call (launch) each on CUDA."""
     from hybrid_opt.state import layout as L
     from hybrid_opt.tiers.device import DeviceTier
-    from hybrid_opt.tiers.host import StepInputs
+    from hybrid_opt.tiers.host import AdamInputs
 
     params = [torch.nn.Parameter(torch.randn(256, device=device)) for _ in range(2)]
     sgs = []
@@ -521,7 +521,7 @@ def _two_launch_tier(device):
         p.grad = torch.randn_like(p)
     tier = DeviceTier(sgs, amsgrad=False)
     work = [
-        (sg.index, sg.slices[0], StepInputs(0, lr, 0.9, 0.999, 1e-8, 0.0), 1)
+        (sg.index, sg.slices[0], AdamInputs(0, lr, 0.9, 0.999, 1e-8, 0.0), 1)
         for sg, lr in zip(sgs, (1e-2, 1e-3))
     ]
     return tier, work, params

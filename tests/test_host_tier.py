@@ -32,7 +32,7 @@ from helpers import (
 )
 
 import cpu_kernels as ck
-from hybrid_opt.tiers.host import HostTier, StepInputs
+from hybrid_opt.tiers.host import AdamInputs, HostTier
 from hybrid_opt.tiers.host_io import TornState
 from hybrid_opt.worker.client import WorkerError, WorkerTimeout
 
@@ -162,7 +162,7 @@ def test_redo_with_changed_inputs_is_bitwise_a_direct_step(change):
     load(tier, states)
     grads = make_grads(NUMELS, seed=2)
     a = inputs(7, grad_version=(1, 1), amsgrad=True)
-    b = StepInputs(**{**a.__dict__, **change})
+    b = AdamInputs(**{**a.__dict__, **change})
     for sg, g in enumerate(grads):
         assert tier.speculate(sg, g, a)
     assert tier.finish({sg: (g, b) for sg, g in enumerate(grads)}) == {
@@ -217,11 +217,11 @@ def test_committed_trajectory_is_bitwise_the_direct_steps(copy_dtype, moment_dty
         assert_tier_equals(tier, states, f"step {step}")
 
 
-def _ref_runs(state, grad, inp: StepInputs):
+def _ref_runs(state, grad, inp: AdamInputs):
     """The direct step of each (offset, numel, step) run on its slice; the rest untouched."""
     for off, n, step in inp.ranges(state["p"].numel()):
         part = {k: t[off : off + n].clone() for k, t in state.items()}
-        ref_step(part, grad[off : off + n], StepInputs(**{**inp.__dict__, "step": step, "runs": ()}))
+        ref_step(part, grad[off : off + n], AdamInputs(**{**inp.__dict__, "step": step, "runs": ()}))
         for k, t in part.items():
             state[k][off : off + n] = t
 
@@ -441,7 +441,7 @@ def test_inverse_rollback_commit_and_redo_match_direct_steps():
         inp = inputs(step)
         for sg, g in enumerate(grads):
             assert tier.speculate(sg, g, inp)
-        final = StepInputs(**{**inp.__dict__, **change})
+        final = AdamInputs(**{**inp.__dict__, **change})
         out = tier.finish({sg: (g, final) for sg, g in enumerate(grads)})
         assert set(out.values()) == {"committed" if not change else "redone"}
         for s, g in zip(states, grads):
@@ -507,7 +507,7 @@ def _faulty_trajectory(tier, numels, states):
         if spec:
             for sg, g in enumerate(grads):
                 tier.speculate(sg, g, inp)  # False when the spare pool is empty
-        final = StepInputs(**{**inp.__dict__, **change})
+        final = AdamInputs(**{**inp.__dict__, **change})
         outcomes.append(tier.finish({sg: (g, final) for sg, g in enumerate(grads)}))
         for s, g in zip(states, grads):
             ref_step(s, g, final)
@@ -988,11 +988,11 @@ def test_a_training_script_without_a_main_guard_runs_once(tmp_path):
         "train.py",
         """
         import torch
-        from hybrid_opt.tiers.host import HostTier, StepInputs
+        from hybrid_opt.tiers.host import HostTier, AdamInputs
         tier = HostTier([1000, 5000], slot_numel=4096)
         for sg, n in tier.numels.items():
             tier.load_state(sg, torch.randn(n))
-        inp = StepInputs(1, 1e-3, 0.9, 0.999, 1e-8, 0.01)
+        inp = AdamInputs(1, 1e-3, 0.9, 0.999, 1e-8, 0.01)
         grads = [torch.randn(n) for n in tier.numels.values()]
         for sg, g in enumerate(grads):
             tier.speculate(sg, g, inp)
@@ -1178,7 +1178,7 @@ def test_speculate_with_replace_cancels_the_pending_speculation_first(rollback):
 @pytest.mark.parametrize(
     "bad,match",
     [
-        (dict(amsgrad=True), r"StepInputs.amsgrad=True on a host tier built with amsgrad=False"),
+        (dict(amsgrad=True), r"AdamInputs.amsgrad=True on a host tier built with amsgrad=False"),
         (dict(runs=((0, 50, 1), (90, 20, 1))), r"run \(90, 20\) is outside subgroup 1 of 100 elements"),
         (dict(runs=((-1, 5, 1),)), r"run \(-1, 5\) is outside subgroup 1"),
     ],
@@ -1216,7 +1216,7 @@ def test_inverse_mode_worker_death_during_speculation_leaves_the_tier_usable(mon
     monkeypatch.setenv("HYBRID_OPT_WORKER_FAULT", "before_step:1")
     tier = HostTier([100, 100], rollback="inverse", timeout_s=20)
     try:
-        inputs = StepInputs(1, 1e-3, 0.9, 0.999, 1e-8, 0.0)
+        inputs = AdamInputs(1, 1e-3, 0.9, 0.999, 1e-8, 0.0)
         g = torch.randn(100)
         tier.speculate(0, g, inputs)
         time.sleep(0.3)  # the worker dies on its first step

@@ -24,7 +24,7 @@ from cpu_kernels.reference import bf16_round_reference, encode_remainder_referen
 from hybrid_opt.state.state_format import StateFormat
 from hybrid_opt.testing import debug_view
 from hybrid_opt.tiers.compressed import _independent_moment_dtypes
-from hybrid_opt.tiers.host import HostTier, StepInputs
+from hybrid_opt.tiers.host import AdamInputs, HostTier
 from hybrid_opt.worker import protocol as proto
 
 SLOT = 4096
@@ -95,7 +95,7 @@ def load(tier, states):
         tier.load_state(sg, master_of(s), s["m"], s["v"], s.get("vmax"))
 
 
-def ref_step(state, grad, inp: StepInputs):
+def ref_step(state, grad, inp: AdamInputs):
     """The direct in-process step of each run on `state` (remainders: in place on hi + rem)."""
     n = state["m"].numel()
     for off, k, step in inp.ranges(n):
@@ -156,7 +156,7 @@ def committer(params, steps):
 
 
 def with_amsgrad(inp, amsgrad):
-    return {sg: StepInputs(**{**i.__dict__, "amsgrad": amsgrad}) for sg, i in inp.items()}
+    return {sg: AdamInputs(**{**i.__dict__, "amsgrad": amsgrad}) for sg, i in inp.items()}
 
 
 # ------------------------------------------------------------------ 1. trajectories, host and nvme
@@ -283,7 +283,7 @@ def test_a_killed_worker_loses_nothing_with_compressed_state(monkeypatch, nvme_d
             if spec:
                 for sg, g in enumerate(grads):
                     tier.speculate(sg, g, inp)
-            final = StepInputs(**{**inp.__dict__, **change})
+            final = AdamInputs(**{**inp.__dict__, **change})
             steps = {sg: (g, final) for sg, g in enumerate(grads)}
             tier.finish(steps, on_commit=committer(params, steps))
             for s, g in zip(states, grads):

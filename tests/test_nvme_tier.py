@@ -36,7 +36,7 @@ from hybrid_opt import HybridAdamW
 from hybrid_opt.placement.plan import NVME
 from hybrid_opt.swap import PREFIX
 from hybrid_opt.testing import debug_view
-from hybrid_opt.tiers.host import HostTier, StepInputs
+from hybrid_opt.tiers.host import AdamInputs, HostTier
 from hybrid_opt.tiers.host_io import TornState
 from hybrid_opt.worker.client import WorkerError
 
@@ -208,8 +208,8 @@ def test_nvme_trajectory_is_bitwise_the_host_tiers_and_the_direct_steps(nvme_dir
         for k, (spec_sgs, spec_inp, step_sgs, final, overflow) in enumerate(_trajectory_plan()):
             grads = make_grads(NUMELS, grad_dtype, seed=10 + k, scale=4.0)
             if amsgrad:
-                spec_inp = {sg: StepInputs(**{**i.__dict__, "amsgrad": True}) for sg, i in spec_inp.items()}
-                final = {sg: StepInputs(**{**i.__dict__, "amsgrad": True}) for sg, i in final.items()}
+                spec_inp = {sg: AdamInputs(**{**i.__dict__, "amsgrad": True}) for sg, i in spec_inp.items()}
+                final = {sg: AdamInputs(**{**i.__dict__, "amsgrad": True}) for sg, i in final.items()}
             for sg in spec_sgs:
                 assert nv.speculate(sg, grads[sg], spec_inp[sg]), f"iteration {k}: nvme subgroup {sg}"
                 assert host.speculate(sg, grads[sg], spec_inp[sg])
@@ -319,7 +319,7 @@ def test_redo_with_changed_inputs_is_bitwise_a_direct_step(nvme_dir, change):
         load(tier, states)
         grads = make_grads(numels, seed=3)
         a = inputs(7, grad_version=(1, 1), amsgrad=True)
-        b = StepInputs(**{**a.__dict__, **change})
+        b = AdamInputs(**{**a.__dict__, **change})
         slots = tier.file_slots
         for sg, g in enumerate(grads):
             assert tier.speculate(sg, g, a)
@@ -401,7 +401,7 @@ import json, os, resource, signal, sys
 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # as the Python that starts the worker does
 import torch
 import cpu_kernels as ck
-from hybrid_opt.tiers.host import HostTier, StepInputs
+from hybrid_opt.tiers.host import HostTier, AdamInputs
 
 nvme_path = sys.argv[1]
 PAGE = 4096
@@ -424,7 +424,7 @@ for sg, r in enumerate(refs):
     tier.load_state(sg, *r)
 grads = {s: [torch.randn(n, generator=gen) for n in numels] for s in range(1, 5)}
 def step(s):
-    return tier.finish({sg: (grads[s][sg], StepInputs(s, 1e-3, 0.9, 0.999, 1e-8, 0.01))
+    return tier.finish({sg: (grads[s][sg], AdamInputs(s, 1e-3, 0.9, 0.999, 1e-8, 0.01))
                         for sg in range(len(numels))})
 step(1)
 for sg in range(len(numels)):
@@ -744,7 +744,7 @@ def test_a_killed_worker_is_replaced_and_the_nvme_trajectory_is_bitwise_unchange
             if spec:
                 for sg, g in enumerate(grads):
                     tier.speculate(sg, g, inp)  # False when the bank pool is spent
-            final = StepInputs(**{**inp.__dict__, **change})
+            final = AdamInputs(**{**inp.__dict__, **change})
             outcomes.append(tier.finish({sg: (g, final) for sg, g in enumerate(grads)}))
             for s, g in zip(states, grads):
                 ref_step(s, g, final)

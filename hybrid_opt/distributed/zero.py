@@ -422,7 +422,7 @@ class ZeroSharding:
                 stacklevel=3,
             )
         finally:
-            self.gathers.drop()
+            self.gathers.forget_pending()
 
     def comm_tensors(self) -> list:
         """Every tensor of the comm figure (allocated.py): the slots (and tensors of their own

@@ -235,12 +235,12 @@ class ParamGather:
                         start += n
         finally:
             if g.staged:  # a gather that failed may still write its slot: a new one replaces it
-                self._window.give_back(b, "gather", lost=not landed)
+                self._window.release(b, "gather", lost=not landed)
             if not self._pending and self._forward_hook is not None:
                 self._forward_hook.remove()
                 self._forward_hook = None
 
-    def drop(self) -> None:
+    def forget_pending(self) -> None:
         """close(): the pending gathers forgotten (landed or failed before), the hook off."""
         self._pending.clear()
         self._gathering.clear()

@@ -126,7 +126,7 @@ class CommWindow:
         self._holders.append(Holder(what, b, slot))
         return slot[:numel]
 
-    def give_back(self, b, what: str, lost: bool = False) -> None:
+    def release(self, b, what: str, lost: bool = False) -> None:
         """b's slot for `what` back (none held: nothing to do); `lost`: SlotPool.give."""
         for i, h in enumerate(self._holders):
             if h.what == what and h.bucket is b:

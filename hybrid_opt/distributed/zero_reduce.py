@@ -155,7 +155,7 @@ class GradReduction:
                 works = [rs(b.out, red, group=comm.group, async_op=True)]
             except (RuntimeError, NotImplementedError) as e:
                 comm.fall_back(e)
-                self._window.give_back(b, "reduce")
+                self._window.release(b, "reduce")
                 return self.launch(b)
             works.append(rs(counts[world : world + 1], counts[:world], group=comm.group, async_op=True))
         self._launched(Flight(b, works, comm.kind, grads, red, scratch, counted))
@@ -185,7 +185,7 @@ class GradReduction:
             self._counts.delivered(b, f.kind, f.grads)  # chunks mapped, hooks run (zero_counts.py)
             # its counts were copied out: the slot is free, and no reference to p.grad is kept
             # (release_grads' full grads, replaced by placeholders in delivered, are freed here)
-            self._window.give_back(b, "reduce")
+            self._window.release(b, "reduce")
             del f
 
     def complete(self, b) -> None:

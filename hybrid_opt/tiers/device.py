@@ -163,7 +163,7 @@ class DeviceTier:
             d.pop(index, None)
         arena = self._cpu.pop(index, None)
         if arena is not None:
-            arena.free(index)  # its pages go back now, as a tensor of its own would
+            arena.release(index)  # its pages go back now, as a tensor of its own would
         self._launches.clear()  # a prepared launch may read the state just let go
 
     def close(self) -> None:
@@ -281,7 +281,7 @@ class DeviceTier:
 
     @staticmethod
     def refuse_hyper(hp, device: torch.device) -> str | None:
-        """Why the kernel would refuse a group's hyperparameters (`hp`: StepInputs-like), with
+        """Why the kernel would refuse a group's hyperparameters (`hp`: AdamInputs-like), with
         torch's constructor messages; the CPU kernel also refuses non-finite values."""
         values = (
             ("lr", hp.lr),
@@ -324,7 +324,7 @@ class DeviceTier:
 
     # ------------------------------------------------------------------ the step
     def step(self, work: list, grad_scale, found_inf=None) -> None:
-        """work: [(subgroup index, slice, StepInputs-like hyperparameters, step)] (step_work.
+        """work: [(subgroup index, slice, AdamInputs-like hyperparameters, step)] (step_work.
         DeviceWork, or a plain tuple of its fields) — one entry per parameter slice to step.
         grad_scale: float (CPU) or 1-element device tensor.
         Steps are in place, so a failure part-way says what it wrote: `progress` is (done,

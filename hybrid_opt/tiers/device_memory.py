@@ -54,7 +54,7 @@ class CpuStateArena:
             self.arena.fd, off + a * dtype.itemsize, (b - a) * dtype.itemsize, held=self.held, key=index
         )
 
-    def free(self, index: int) -> None:
+    def release(self, index: int) -> None:
         """Subgroup `index` left the tier: held tensors over it take copies of their own, then
         its pages go back to the system (the arena itself when it was the last)."""
         self.held.release([index])

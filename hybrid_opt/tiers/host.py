@@ -26,7 +26,7 @@ from hybrid_opt.tiers.compressed import StateBanks, _independent_moment_dtypes, 
 from hybrid_opt.tiers.host_io import _DT_CODE, REMOTE_GATHER_QUEUE, HostIO, _Piece  # noqa: F401
 from hybrid_opt.tiers.host_step import HostStepping, _Speculation  # noqa: F401
 from hybrid_opt.tiers.host_views import HostViews
-from hybrid_opt.tiers.inputs import StepInputs, _with_step  # noqa: F401
+from hybrid_opt.tiers.inputs import AdamInputs, _with_step  # noqa: F401
 from hybrid_opt.tiers.nvme_files import FileSlots, NvmeFiles
 from hybrid_opt.worker.client import DEFAULT_WORKER_SHARE, CoreSplit, WorkerClient
 
@@ -93,7 +93,7 @@ class HostTier:
     ):
         if rollback not in ("exact", "inverse"):
             raise ValueError(f"rollback must be 'exact' or 'inverse', got {rollback!r}")
-        # amsgrad=True lays out the running max of v; each step's StepInputs.amsgrad says
+        # amsgrad=True lays out the running max of v; each step's AdamInputs.amsgrad says
         # whether it is used (param groups may differ)
         if rollback == "inverse" and amsgrad:
             raise ValueError(
@@ -556,7 +556,7 @@ class HostTier:
                 self.pool.release(bank)
 
     # ------------------------------------------------------------------ steps (HostStepping)
-    def speculate(self, sg: int, grad, inputs: StepInputs, wait: bool = True, replace: bool = False) -> bool:
+    def speculate(self, sg: int, grad, inputs: AdamInputs, wait: bool = True, replace: bool = False) -> bool:
         """Step `sg` now, to be validated by finish(); False when there is no room now, once
         the results that came back are collected (HostStepping.speculate). replace=True:
         cancel() a pending speculation of `sg` first."""
@@ -566,9 +566,9 @@ class HostTier:
         """The subgroups with a speculative step pending, sorted."""
         return self._step.speculated()
 
-    def cancel(self, sg: int) -> None:
+    def drop(self, sg: int) -> None:
         """Drop a pending speculation of `sg` (its grads changed: a new one follows)."""
-        self._step.cancel(sg)
+        self._step.drop(sg)
 
     def grad_stats(self, sg: int):
         """(sum of squares, all finite) of the grads `sg` was speculated with (HostStepping)."""
@@ -583,7 +583,7 @@ class HostTier:
         """Validate and complete this iteration's host steps (HostStepping.finish)."""
         return self._step.finish(steps, overflow, on_commit)
 
-    def step(self, sg: int, grad, inputs: StepInputs, on_commit=None) -> str:
+    def step(self, sg: int, grad, inputs: AdamInputs, on_commit=None) -> str:
         """A plain (non-speculative) step of one subgroup."""
         return self._step.step(sg, grad, inputs, on_commit)
 
@@ -685,7 +685,7 @@ class HostTier:
             return
         self.closed = True
         self.views.close()  # held state_dict() tensors take copies: the arena and files go below
-        self._step.clear()
+        self._step.forget_all()
         self._io.close()  # staging copies land before the arena is unmapped under them
         try:
             self.client.close()

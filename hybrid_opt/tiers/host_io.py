@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from hybrid_opt.tiers import grads as RG
-from hybrid_opt.tiers.inputs import StepInputs, _with_step
+from hybrid_opt.tiers.inputs import AdamInputs, _with_step
 from hybrid_opt.tiers.staging import CopyQueue, CudaStager, copy_async, staging_device
 from hybrid_opt.worker import protocol as proto
 from hybrid_opt.worker.client import UNANSWERED, TornState, WorkerDied, WorkerError, WorkerTimeout
@@ -169,7 +169,7 @@ class HostIO:
         self,
         op,
         sg,
-        inputs: StepInputs,
+        inputs: AdamInputs,
         in_bank,
         out_bank,
         offset,
@@ -207,7 +207,7 @@ class HostIO:
         self,
         pieces: list,
         sg: int,
-        inputs: StepInputs,
+        inputs: AdamInputs,
         runs: tuple,
         in_bank,
         out_bank,
@@ -258,7 +258,7 @@ class HostIO:
         self,
         pieces: list,
         sg: int,
-        inputs: StepInputs,
+        inputs: AdamInputs,
         in_bank,
         out_bank,
         offset: int,
@@ -405,7 +405,7 @@ class HostIO:
         for pieces, whole in self._copies.ready(block):
             if any(p.cancelled for p in pieces):
                 for p in pieces:  # their step was discarded: the slots are free now the copies landed
-                    self.free_slot(p)
+                    self.release_slot(p)
             elif whole:
                 self._send_if_finite(pieces)
             else:
@@ -447,11 +447,11 @@ class HostIO:
             return self.client.send(task, gather)
 
     def release_slots(self, pieces: list) -> None:
-        """free_slot() of each of `pieces`."""
+        """release_slot() of each of `pieces`."""
         for p in pieces:
-            self.free_slot(p)
+            self.release_slot(p)
 
-    def free_slot(self, piece: _Piece) -> None:
+    def release_slot(self, piece: _Piece) -> None:
         """Returns a piece's staging slot to the ring, once (every path may call it)."""
         if piece.queued:
             # never sent: its step is being discarded. A copy may still be writing the slot:
@@ -475,7 +475,7 @@ class HostIO:
         # a speculated in-place piece keeps its grads until validation (the undo needs them)
         if piece.held:
             return
-        self.free_slot(piece)
+        self.release_slot(piece)
 
     def _collect(self) -> int:
         """Takes the results that arrived for the pieces in flight; returns how many."""
@@ -580,7 +580,7 @@ class HostIO:
         lost = {tid: p for tid, p in self._inflight.items() if tid not in self.client.results}
         torn = sorted({p.subgroup for p in lost.values() if self._in_place(p)})
         for tid in [t for t, p in lost.items() if p.subgroup in torn]:
-            self.free_slot(self._inflight.pop(tid))
+            self.release_slot(self._inflight.pop(tid))
             del lost[tid]
         for sg in torn:
             self._forget(sg)

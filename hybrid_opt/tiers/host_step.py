@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Callable
 
 from hybrid_opt.state.state_format import ABSMAX, Q8_BLOCK, q8_blocks
 from hybrid_opt.tiers.host_io import TornState, _Piece
-from hybrid_opt.tiers.inputs import StepInputs
+from hybrid_opt.tiers.inputs import AdamInputs
 from hybrid_opt.worker import protocol as proto
 from hybrid_opt.worker.client import TornInterrupt
 
@@ -26,7 +26,7 @@ if TYPE_CHECKING:
 class _Speculation:
     """One launched step of one subgroup (speculative, or after validation)."""
 
-    inputs: StepInputs | None  # None until _launch sets them
+    inputs: AdamInputs | None  # None until _launch sets them
     bank: int | None  # output bank: a spare (exact, nvme); None in place (inverse)
     pieces: list = field(default_factory=list)
     aux_bank: int | None = None  # nvme: the bank the committed slot is read into
@@ -85,7 +85,7 @@ class HostStepping:
         if spec is not None:
             self._io.release_slots(spec.pieces)
 
-    def clear(self) -> None:
+    def forget_all(self) -> None:
         """The tier closes: every pending speculation is forgotten."""
         self._spec.clear()
 
@@ -117,7 +117,7 @@ class HostStepping:
         self,
         sg: int,
         grad,
-        inputs: StepInputs,
+        inputs: AdamInputs,
         runs: tuple,
         spec: _Speculation,
         skip_nonfinite: bool,
@@ -181,7 +181,7 @@ class HostStepping:
             spec.pieces.append(piece)
             self._io.send(piece)
 
-    def _check(self, sg: int, grad, inputs: StepInputs) -> tuple:
+    def _check(self, sg: int, grad, inputs: AdamInputs) -> tuple:
         """Rejects a bad step before any bank, slot or task is taken: a step that failed half
         launched would leave a spare bank partly written, and a speculation finish() could commit.
         Returns the step's runs (inputs.ranges: (offset, numel, step)), checked."""
@@ -194,7 +194,7 @@ class HostStepping:
             raise ValueError(f"subgroup {sg} has {n} elements, its grad {grad.numel()}")
         if inputs.amsgrad and not self.amsgrad:
             raise ValueError(
-                "StepInputs.amsgrad=True on a host tier built with amsgrad=False, which "
+                "AdamInputs.amsgrad=True on a host tier built with amsgrad=False, which "
                 "lays out no running max of v; build the tier with amsgrad=True"
             )
         runs = inputs.ranges(n)
@@ -251,7 +251,7 @@ class HostStepping:
         spec.bank = spec.aux_bank = None
 
     # ------------------------------------------------------------------ speculation
-    def speculate(self, sg: int, grad, inputs: StepInputs, wait: bool = True, replace: bool = False) -> bool:
+    def speculate(self, sg: int, grad, inputs: AdamInputs, wait: bool = True, replace: bool = False) -> bool:
         """Step `sg` now, into spare banks (exact, nvme) or in place (inverse), to be validated
         by finish(). Returns False, doing nothing, when no bank is free (or, in inverse mode
         or with wait=False, not every staging slot it needs): the subgroup is then stepped at
@@ -259,7 +259,7 @@ class HostStepping:
         a pending speculation of `sg` is cancelled first (else it raises: require_idle). The
         results that came back are collected first: they free slots and banks."""
         if replace:
-            self.cancel(sg)
+            self.drop(sg)
         runs = self._check(sg, grad, inputs)
         self.require_idle(sg)
         in_place = self.rollback == "inverse" and not self.nvme[sg]
@@ -317,7 +317,7 @@ class HostStepping:
     def speculated(self) -> list[int]:
         return sorted(self._spec)
 
-    def cancel(self, sg: int) -> None:
+    def drop(self, sg: int) -> None:
         """Drop a pending speculation of `sg` (its grads changed: a new one follows)."""
         spec = self._spec.get(sg)
         if spec is None:
@@ -417,7 +417,7 @@ class HostStepping:
     def finish(self, steps: dict, overflow: bool = False, on_commit=None) -> dict[int, str]:
         """Validate and complete this iteration's host steps.
 
-        steps: {sg: (grad, final StepInputs)} for every subgroup to be stepped now.
+        steps: {sg: (grad, final AdamInputs)} for every subgroup to be stepped now.
         overflow: the step is skipped — every speculated step is dropped, nothing changes.
         on_commit(sg, {"param": fp32 view[, "param_copy": model-dtype view]}; only param_copy for
         a subgroup that keeps remainders): called as each
@@ -570,6 +570,6 @@ class HostStepping:
                 raise RuntimeError(f"hybrid_opt host tier: subgroup {sg}'s step did not complete")
             self._commit(sg, waiting.pop(sg), on_commit)
 
-    def step(self, sg: int, grad, inputs: StepInputs, on_commit=None) -> str:
+    def step(self, sg: int, grad, inputs: AdamInputs, on_commit=None) -> str:
         """A plain (non-speculative) step of one subgroup."""
         return self.finish({sg: (grad, inputs)}, on_commit=on_commit)[sg]

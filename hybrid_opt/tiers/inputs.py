@@ -1,4 +1,4 @@
-"""What a host step is given: `StepInputs`, everything its result depends on besides the
+"""What a host step is given: `AdamInputs`, everything its result depends on besides the
 state and the grads' values (imported from `hybrid_opt.tiers.host` too)."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ from dataclasses import dataclass, replace
 
 
 @dataclass(frozen=True)
-class StepInputs:
+class AdamInputs:
     """Everything a step's result depends on besides the state and the grads' values.
 
     grad_version identifies the grads (their tensors' `_version`), so a grad modified after
@@ -33,5 +33,5 @@ class StepInputs:
         return self.runs or ((0, numel, self.step),)
 
 
-def _with_step(inputs: StepInputs, step: int) -> StepInputs:
+def _with_step(inputs: AdamInputs, step: int) -> AdamInputs:
     return replace(inputs, step=step, runs=())
