@@ -47,6 +47,19 @@ class StepInputs:
 
 
 @dataclass(frozen=True)
+class StepStart:
+    """What step() finds before it decides: this rank's failure so far (where the ranks'
+    decision all_reduce runs it joins it flagged, so every rank raises at this step together),
+    whether that decision runs, each param group's hyperparameters (None where the checks
+    refused them), and the grad-edit checks of speculated DTensor grads (grad_edits.py)."""
+
+    failure: BaseException | None
+    decides: bool
+    groups: list | None
+    edit_checks: tuple = ()
+
+
+@dataclass(frozen=True)
 class StepPlan:
     """The step decided, once, for all ranks: whether it is taken, the global grad norm, the clip
     coefficient and the loss scale, and for every subgroup with a grad the tier's work — the

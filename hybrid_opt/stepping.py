@@ -19,7 +19,7 @@ from hybrid_opt.placement.plan import DEVICE
 from hybrid_opt.state.checkpoint import looks_like_state_init_step
 from hybrid_opt.state.layout import subgroups_label
 from hybrid_opt.step_failures import failure_of
-from hybrid_opt.step_plan import SKIP, STATE_INIT, TAKE, StepInputs, StepOutcome, StepPlan
+from hybrid_opt.step_plan import SKIP, STATE_INIT, TAKE, StepInputs, StepOutcome, StepPlan, StepStart
 from hybrid_opt.step_work import DeviceWork, HostWork
 from hybrid_opt.tiers.device import read_scalars
 from hybrid_opt.worker.client import TornInterrupt, TornState
@@ -30,41 +30,43 @@ def step(parts, inputs: StepInputs) -> None:
     let the tiers execute it (host tiers with on-commit gathers, then the device tier), record
     the outcome and refit."""
     t_step = time.perf_counter()
-    failure, decides, hps = precheck(parts, inputs)
+    start = precheck(parts, inputs)
     stepped = False
     try:
-        found_t, failure = begin_step(parts, inputs, failure, decides)
-        failure, edit_checks = after_backward(parts, failure, decides)
-        if failure is not None and not decides:
-            raise failure
-        # found_inf from here on is the sharding part's (release_grads adds this rank's flag).
-        # GradScaler.step hands found_inf without grad_scale for grads the user's unscale_
-        # unscaled in place after backward, which bumps no version: every speculation is stale
-        unscaled = inputs.found_inf is not None and inputs.grad_scale is None
-        inputs = dataclasses.replace(inputs, found_inf=found_t, unscaled=unscaled)
-        plan = plan_step(parts, inputs, failure, decides, hps, edit_checks)
+        inputs, start = begin_step(parts, inputs, start)
+        start = after_backward(parts, start)
+        if start.failure is not None and not start.decides:
+            raise start.failure
+        plan = plan_step(parts, inputs, start)
         execute(parts, inputs, plan, t_step)
         stepped = True
     finally:
         parts.sharding.end_step(stepped)  # the next backward starts a new reduction
 
 
-def begin_step(parts, inputs: StepInputs, failure, decides: bool) -> tuple:
-    """The sharding part's start of the step (its reductions landed): (found_inf, the failure
-    so far). An error there joins the decision flagged, as precheck's do, so that no rank
-    raises while the others wait for it in the decision all_reduce."""
+def begin_step(parts, inputs: StepInputs, start: StepStart) -> tuple:
+    """The sharding part's start of the step (its reductions landed): (the inputs with its
+    found_inf, the start with its failure). An error there joins the decision flagged, as
+    precheck's do, so that no rank raises while the others wait for it in the decision."""
+    found_inf = inputs.found_inf
     try:
-        return parts.sharding.begin_step(
-            failure, inputs.found_inf, inputs.grad_scale, parts.speculator.grad_scaler, inputs.key
+        found_inf, failure = parts.sharding.begin_step(
+            start.failure, inputs.found_inf, inputs.grad_scale, parts.speculator.grad_scaler, inputs.key
         )
+        start = dataclasses.replace(start, failure=failure)
     except Exception as e:
-        if not decides:
+        if not start.decides:
             raise
-        return inputs.found_inf, failure or e
+        start = dataclasses.replace(start, failure=start.failure or e)
+    # found_inf from here on is the sharding part's (release_grads adds this rank's flag).
+    # GradScaler.step hands found_inf without grad_scale for grads the user's unscale_
+    # unscaled in place after backward, which bumps no version: every speculation is stale
+    unscaled = inputs.found_inf is not None and inputs.grad_scale is None
+    return dataclasses.replace(inputs, found_inf=found_inf, unscaled=unscaled), start
 
 
 # ---------------------------------------------------------------------- the decision
-def plan_step(parts, inputs: StepInputs, failure, decides: bool, hps, edit_checks: list) -> StepPlan:
+def plan_step(parts, inputs: StepInputs, start: StepStart) -> StepPlan:
     """The step decided once (step_plan.StepPlan): read the scalars in one host sync, agree on
     them with the other ranks, and lay out every subgroup's work. A rank that failed raises
     here, on every rank, in the decision (rank_faults.py)."""
@@ -72,13 +74,13 @@ def plan_step(parts, inputs: StepInputs, failure, decides: bool, hps, edit_check
     # torch.distributed.checkpoint's lr-0 step on a fresh optimizer: decided here from this
     # rank's grads when no decision all_reduce runs (no collective either way); else every
     # rank's vote rides it, so no rank skips the collective that another enters
-    init = failure is None and looks_like_state_init_step(parts.layout, inputs.decoupled)
-    if init and not decides:
+    init = start.failure is None and looks_like_state_init_step(parts.layout, inputs.decoupled)
+    if init and not start.decides:
         return StepPlan(STATE_INIT, sharded)
     parts.ledger.saw_amp(inputs.found_inf)  # GradScaler.step sets found_inf
-    found, scale_v, norm_sq, edited = step_scalars(parts, inputs, failure, edit_checks)
-    if decides:
-        norm_sq, found, all_init = decide(parts, inputs, norm_sq, found, failure, init)
+    found, scale_v, norm_sq, edited = step_scalars(parts, inputs, start)
+    if start.decides:
+        norm_sq, found, all_init = decide(parts, inputs, start.failure, norm_sq, found, init)
         if all_init:
             return StepPlan(STATE_INIT, sharded)
     if found is not None and found != 0.0:  # GradScaler saw inf/nan: skipped, as torch does
@@ -86,7 +88,8 @@ def plan_step(parts, inputs: StepInputs, failure, decides: bool, hps, edit_check
     scaled = inputs.grad_scale is not None
     inv_scale = 1.0 / scale_v if scaled else 1.0
     norm, clip = clipped(parts, norm_sq, inv_scale, inputs.max_grad_norm)
-    device_work, host_work = collect_work(parts, hps)
+    assert start.groups is not None  # the checks refused nothing, or the decision raised
+    device_work, host_work = collect_work(parts, start.groups)
     scale = inv_scale * clip
     host_steps, actions, host_error = {}, {}, None
     try:
@@ -178,12 +181,12 @@ def _state_init_step(parts, inputs: StepInputs) -> None:
 
 
 # ---------------------------------------------------------------------- the checks and reads
-def precheck(parts, inputs: StepInputs) -> tuple:
-    """(this rank's failure so far or None, whether the ranks' decision all_reduce runs, each
-    param group's hyperparameters — None when the checks refused them) at the start of step().
-    A failure on this rank joins the decision flagged, so every rank raises at this step
-    instead of waiting for this one in a collective (rank_faults.py); with no decision to join
-    it is raised here, as in one process."""
+def precheck(parts, inputs: StepInputs) -> StepStart:
+    """The start of step() (step_plan.StepStart): this rank's failure so far, whether the ranks'
+    decision all_reduce runs, each param group's hyperparameters. A failure on this rank joins
+    the decision flagged, so every rank raises at this step instead of waiting for this one in
+    a collective (rank_faults.py); with no decision to join it is raised here, as in one
+    process."""
     failure = _speculation_failed(parts, parts.ledger.rank_failure)
     # process_group: always, so that a grad edit one rank refuses (zero_edits.py) stops every
     # rank at this step (one 5-value all_reduce beside the step's reduce-scatters)
@@ -201,7 +204,7 @@ def precheck(parts, inputs: StepInputs) -> tuple:
         if not decides:
             raise
         failure = failure or e  # the step's collectives still run here, the error in the flag
-    return failure, decides, hps
+    return StepStart(failure, decides, hps)
 
 
 def _speculation_failed(parts, failure):
@@ -217,38 +220,39 @@ def _speculation_failed(parts, failure):
     return failure
 
 
-def after_backward(parts, failure, decides: bool) -> tuple:
-    """What backward left, once the reductions landed: (the failure so far — a speculative
-    step launched by the reductions' last hooks that failed included —, the grad-edit checks
-    of the speculated DTensor grads for step_scalars' one read: none on a failed step, none
-    for other grads, whose versions show every edit). A check that raises joins the decision
+def after_backward(parts, start: StepStart) -> StepStart:
+    """What backward left, once the reductions landed: the failure so far (a speculative step
+    launched by the reductions' last hooks that failed included), and the grad-edit checks of
+    the speculated DTensor grads for step_scalars' one read (none on a failed step, none for
+    other grads, whose versions show every edit). A check that raises joins the decision
     flagged, as precheck's do."""
-    failure = _speculation_failed(parts, failure)
+    failure = _speculation_failed(parts, start.failure)
     if failure is not None or parts.speculator.fingerprints is None:
-        return failure, []
+        return dataclasses.replace(start, failure=failure)
     try:
-        return failure, parts.speculator.grad_edit_checks()
+        checks = tuple(parts.speculator.grad_edit_checks())
     except Exception as e:
-        if not decides:
+        if not start.decides:
             raise
-        return e, []
+        return dataclasses.replace(start, failure=e)
+    return dataclasses.replace(start, edit_checks=checks)
 
 
-def step_scalars(parts, inputs: StepInputs, failure, edit_checks: list) -> tuple:
+def step_scalars(parts, inputs: StepInputs, start: StepStart) -> tuple:
     """(found_inf, loss scale, norm² or None, the grad-edit flags) as floats, read in one host
     sync: on a GPU, clipping's norm² is queued first so that it, found_inf and the loss scale
     reach the host in one small copy (docs/usage.md: host syncs), with the flags of DTensor
     grads edited since speculation staged them (CUDA; grad_edits.py: Speculator.host_work)."""
     layout = parts.layout
-    queue_norm = (inputs.max_grad_norm is not None) and failure is None and layout.cuda()
+    queue_norm = (inputs.max_grad_norm is not None) and start.failure is None and layout.cuda()
     norm_sq = D.grad_norm_sq(layout.params()) if queue_norm else None
     found, scale_v, norm_sq, *edited = read_scalars(
-        (inputs.found_inf, inputs.grad_scale, norm_sq, *edit_checks)
+        (inputs.found_inf, inputs.grad_scale, norm_sq, *start.edit_checks)
     )
     return found, scale_v, norm_sq, edited
 
 
-def decide(parts, inputs: StepInputs, norm_sq, found, failure, init: bool) -> tuple:
+def decide(parts, inputs: StepInputs, failure, norm_sq, found, init: bool) -> tuple:
     """One decision for all ranks: norm² and found_inf summed in one all_reduce, with every
     rank's failure flag and state-init vote (rank_faults.py); (norm², found, all_init). A
     rank that failed (or a collective that did) raises here on every rank, nothing stepped."""
