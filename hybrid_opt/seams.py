@@ -1,16 +1,7 @@
-"""The seams with more than one implementation, as typing.Protocols: what the other parts call on
-the optimizer's sharding part, on a clock and on a tier, so that each implementation answers the
-same calls (mypy checks them: [tool.mypy] in pyproject.toml) and no caller branches on which one
-it holds.
-
-- `Sharding`: distributed/zero.py's ZeroSharding (process_group=) or its no-op twin
-  distributed/sharding.py's NoSharding. FSDP2 (DTensor params) needs no sharding part of its
-  own: its params arrive sharded, and the optimizer holds a NoSharding beside them
-  (distributed/__init__.py resolves their local shards).
-- `Clock`: clocks.py's HostClock (perf_counter) or CudaClock (CUDA events).
-- `Tier`: what tiers/device.py's DeviceTier and tiers/host.py's HostTier both answer.
-
-Nothing here is imported at run time by the implementations: they match these by shape.
+"""The seams with more than one implementation, as typing.Protocols, checked by mypy: the
+sharding part (ZeroSharding for process_group=, else NoSharding; FSDP2's params arrive sharded
+and need none), a clock (HostClock, CudaClock), a tier (what DeviceTier and HostTier share).
+The implementations match them by shape and import nothing from here.
 """
 
 from __future__ import annotations

@@ -1,29 +1,8 @@
-"""A step that fails: its inputs refused before anything changes, and what a failure part-way
-leaves behind, said in the error.
-
-step() checks what the tiers' kernels would refuse before any state changes
-(`_check_step_inputs`, before the ranks' decision, so under torch.distributed it rides the
-failure flag; `_check_device_scale` after it, as the clip coefficient is known only then): a
-sparse grad, a grad whose element count is not its param's, and for the params the device
-tier steps a grad of a dtype or device its kernel refuses, a group's hyperparameter out of
-range (set after construction) or a non-finite grad scale. Such an error changes nothing: fix
-the cause, call step() again, and training continues bitwise as if the failed call never
-happened.
-
-What can still fail comes after some work may be done: the host/nvme tier (a worker error, a
-full disk, a slot that failed its checksum) commits each subgroup as its step completes, and
-the device tier steps in place (a kernel that fails after another call wrote). Neither can be
-undone bitwise without a second copy of the state, memory not spent on failures that checked
-input makes rare. Instead each parameter is left either *stepped* (all its elements, its step
-count advanced) or *untouched* (its state and step count as before the call); only a
-parameter whose elements span several subgroups (several kernel calls) can be *torn* — some
-elements stepped, others not, its count advanced — and the error names it. When nothing was
-stepped (a host tier that fails before its first commit, a device kernel in its first call)
-the step counts and the step's bookkeeping are as before the call and step() can simply be
-called again; otherwise the error says which parameters stepped and to reload a checkpoint.
-
-`StepChecks` is the optimizer's part that refuses bad input; `failure_of` the accounting of a
-step that failed part-way (the optimizer's ledger puts the counts back: ledger.py).
+"""A step that fails: its inputs refused before anything changes (`StepChecks`, an optimizer
+part), and the accounting of a failure part-way (`failure_of`, from the step's plan and outcome).
+Invariant: after a failed step() each parameter is stepped (all its elements, its count
+advanced), untouched (state and count as before), or named torn in the error; with nothing
+stepped, calling step() again continues bitwise. The cases: docs/internals.md.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Tests come in by the front door (issue #39 item 7, STYLE.md rule 15): they check behaviour
+"""Tests come in by the front door (issue #39 item 7; CONTRIBUTING.md, Tests): they check behaviour
 through the public API and `hybrid_opt.testing.debug_view`, the one documented introspection
 surface; none reaches through `opt.parts`, so an internal move breaks one module, not the suite."""
 

@@ -1,20 +1,7 @@
 """This rank's part of a tensor: a DTensor param's local shard (FSDP2), a process_group
 param's dim-0 chunk (zero.py), or the tensor itself — and the addresses and write counts by
-which the step tells whether that memory moved or was written.
-
-How DTensor params are laid out (state/layout.py): each rank lays out and steps its *local
-shards*. A DTensor param is never rebound to optimizer memory (FSDP2 keeps each sharded param's
-local tensor as a view of its own padded buffer, `_sharded_param_data`, which it all-gathers
-from and re-pads at lazy init; rebinding it would cut FSDP2 off from the updates). Instead
-its subgroups' slices view `p.to_local()`, so the tiers write the new params straight into
-FSDP2's storage, no copy and no extra memory — the same way torch.optim steps `p` in place.
-The user's Parameter objects stay in param_groups (DCP maps state by identity), and
-storage.py's check compares the local shard's address, re-pointing the slices (never the
-param) when a load gave the shard new memory.
-
-The write counts live beside `local_of`: storage.ParamGuard.check runs `moved_or_written` over
-every param each step, and a call per param into another module would lengthen the walk that
-tests/test_walk.py bounds.
+which the step tells whether that memory moved or was written. Invariant: a DTensor param is
+never rebound to optimizer memory; its slices view `p.to_local()` (docs/internals.md).
 """
 
 from __future__ import annotations
