@@ -55,7 +55,8 @@ def compose(
     sharding: Sharding,
     subgroup_numel,
 ) -> Parts:
-    """The parts of an optimizer over `param_groups`, wired, nothing laid out yet (build())."""
+    """The parts of an optimizer over `param_groups`, wired: every param group and the tiers laid
+    out (the Placement lays the tiers out as it is made), no hooks yet (build())."""
     if subgroup_numel is None:  # automatic: >= 8 subgroups on this rank where it can (layout.py)
         subgroup_numel = L.auto_subgroup_numel(
             sum(local_of(p).numel() for g in param_groups for p in g["params"]), DEFAULT_SUBGROUP_NUMEL
@@ -69,6 +70,13 @@ def compose(
     ledger = StepLedger(layout)
     stats = StepStats(layout, state_format)
     c = placement_config
+    devices = {p.device for p in layout.params()}
+    if len(devices) > 1:
+        raise ValueError(f"all parameters must be on one device, got {sorted(map(str, devices))}")
+    firsts = []  # per param group: the index of its first param in the layout
+    for gi in range(len(layout.param_groups)):
+        firsts.append(len(layout.steps))
+        layout.add_group(gi)
 
     # the callbacks below name parts made after them (spec, guard, parts): closures, bound at call
     spec: Speculator
@@ -98,21 +106,14 @@ def compose(
         layout, placement, state_format, owner, spec.drop, lambda host: parts.install_hooks(host)
     )
     checks = StepChecks(layout, placement, owner, decoupled)
+    for first, group in zip(firsts, layout.param_groups):
+        guard.remember(first, group["params"])  # step() checks the params keep it
     parts = Parts(layout, placement, spec, guard, checks, ledger, stats, sharding)
     return parts
 
 
 def build(parts: Parts) -> None:
-    """Lays out every param group and the tiers (construction)."""
-    layout = parts.layout
-    devices = {p.device for p in layout.params()}
-    if len(devices) > 1:
-        raise ValueError(f"all parameters must be on one device, got {sorted(map(str, devices))}")
-    for gi, group in enumerate(layout.param_groups):
-        first = len(layout.steps)
-        layout.add_group(gi)
-        parts.guard.remember(first, group["params"])  # step() checks the params keep it
-    parts.placement.build()
+    """The end of construction: the hooks on the host subgroups, the params' versions recorded."""
     parts.install_hooks(parts.placement.host_subgroups())
     parts.guard.record()  # with remainders the host tier writes the params' high halves
 

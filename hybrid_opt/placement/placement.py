@@ -77,7 +77,7 @@ class Extension(NamedTuple):
 
     params: int
     subgroups: int
-    plan: Plan | None
+    plan: Plan
     fractions: tuple
     auto: AutoPlanner | None
     auto_copy: AutoPlanner | None
@@ -94,18 +94,43 @@ def restated(e: Exception, message: str) -> Exception:
 
 
 class Placement:
-    """Lays the tiers out and moves subgroups between them."""
+    """Lays the tiers out (at construction) and moves subgroups between them."""
 
     def __init__(self, layout, config: PlacementConfig, state_format, events: TierEvents):
+        """Lays the tiers out at construction, at the fractions asked for (or "auto"'s): every
+        param group of `layout` is laid out already."""
         self.layout = layout
         self.config = config
         self.state_format = state_format
         self.events = events
-        self.plan = None
-        self.device = None  # the DeviceTier
-        self.host = None  # the HostTier (host and nvme subgroups), or None
-        self.fractions = (0.0, 0.0)  # (off the device, on nvme) as laid out
-        self.auto = None  # the AutoPlanner, when a fraction is "auto"
+        self.auto: AutoPlanner | None = None  # when a fraction is "auto": fractions_now makes it
+        sgs = layout.subgroups
+        if state_format.store_param_remainders and not any(state_format.remainders_for(s.dtype) for s in sgs):
+            warnings.warn(
+                "store_param_remainders=True has no effect here: no parameter is bf16 "
+                "(only a bf16 param's master is kept as a remainder; fp32/fp16 params "
+                "keep an fp32 master)",
+                stacklevel=5,
+            )
+        self.plan: Plan = self.plan_for(None)
+        self._warn_fraction_miss()
+        self.fractions = self._laid_out_shares()  # (off the device, on nvme) as laid out
+        self.device = DeviceTier(
+            [s for s in sgs if self.plan.tiers[s.index] == DEVICE], layout.amsgrad, state_format
+        )
+        self.host: HostTier | None = None  # the host and nvme subgroups' tier, where there are any
+        host = self.host_subgroups()
+        if host:
+            self.host = self.make_host_tier(host, self.plan)
+            # the tier's CoreSplit sized torch's and cpu_kernels' thread counts to the trainer's
+            # cores, and its close() restores both
+            try:
+                for s in host:
+                    self.host.load_state(s.index, s)  # read into its bank
+            except BaseException:
+                # the optimizer is not built, so its close() would not reach this tier
+                self.host.close()
+                raise
 
     # ------------------------------------------------------------------ reading it
     def host_subgroups(self) -> list:
@@ -119,6 +144,7 @@ class Placement:
         and a copy of the file's on nvme: neither is made)."""
         if self.plan.tiers[sg.index] == DEVICE:
             return self.device.state_of(sg.index, master)
+        assert self.host is not None  # the plan has a subgroup off the device: a host tier holds it
         st = self.host.state(sg.index, master)
         if master:
             st["master"] = st.pop("param")
@@ -129,6 +155,7 @@ class Placement:
         if self.plan.tiers[sg.index] == DEVICE:
             self.device.set_master(sg.index, st["master"])  # remainders: encoded back
         else:
+            assert self.host is not None  # the plan has a subgroup off the device: a host tier holds it
             self.host.load_state(
                 sg.index,
                 st["master"],
@@ -139,44 +166,13 @@ class Placement:
             )
 
     # ------------------------------------------------------------------ laying out
-    def build(self) -> None:
-        """Lays the tiers out at construction, at the fractions asked for (or "auto"'s)."""
-        sgs = self.layout.subgroups
-        if self.state_format.store_param_remainders and not any(
-            self.state_format.remainders_for(s.dtype) for s in sgs
-        ):
-            warnings.warn(
-                "store_param_remainders=True has no effect here: no parameter is bf16 "
-                "(only a bf16 param's master is kept as a remainder; fp32/fp16 params "
-                "keep an fp32 master)",
-                stacklevel=5,
-            )
-        self.plan = self.plan_for(None)
-        self._warn_fraction_miss()
-        self._refresh_fractions()
-        self.device = DeviceTier(
-            [s for s in sgs if self.plan.tiers[s.index] == DEVICE], self.layout.amsgrad, self.state_format
-        )
-        host = self.host_subgroups()
-        if host:
-            self.host = self.make_host_tier(host, self.plan)
-            # the tier's CoreSplit sized torch's and cpu_kernels' thread counts to the trainer's
-            # cores, and its close() restores both
-            try:
-                for s in host:
-                    self.host.load_state(s.index, s)  # read into its bank
-            except BaseException:
-                # the optimizer is not built yet, so its close() would not reach this tier
-                self.host.close()
-                self.host = None
-                raise
-
     def _warn_fraction_miss(self) -> None:
         """Once, at construction: fixed fractions the whole-subgroup placement misses (plan.py)."""
         c = self.config
         if "auto" in (c.offload_fraction, c.nvme_fraction):
             return
-        why = fraction_miss(self.plan, c.offload_fraction, c.nvme_fraction, self.layout.subgroup_numel)
+        off, nv = float(c.offload_fraction), float(c.nvme_fraction)  # numbers: neither is "auto"
+        why = fraction_miss(self.plan, off, nv, self.layout.subgroup_numel)
         if why is not None:
             warnings.warn(why, stacklevel=6)
 
@@ -197,10 +193,11 @@ class Placement:
             pin=host[0].device if host[0].device.type == "cuda" else False,
         )
 
-    def _refresh_fractions(self) -> None:
-        """The shares actually laid out (at subgroup boundaries)."""
+    def _laid_out_shares(self) -> tuple[float, float]:
+        """(off the device, on nvme): the shares of the plan's elements, as laid out (at subgroup
+        boundaries)."""
         total = sum(self.plan.numels) or 1
-        self.fractions = (
+        return (
             (self.plan.elements(HOST) + self.plan.elements(NVME)) / total,
             self.plan.elements(NVME) / total,
         )
@@ -322,7 +319,7 @@ class Placement:
         """The bytes a device tier of subgroups `sgs` allocates."""
         return device_tier_bytes(sgs, self.state_format, self.layout.amsgrad)
 
-    def plan_for(self, decision):
+    def plan_for(self, decision) -> Plan:
         """The plan at `decision`'s fractions (or those asked for), its spare pool sized."""
         c, sgs = self.config, self.layout.subgroups
         if decision is None:
@@ -419,7 +416,7 @@ class Placement:
         self.device.absorb(extra)
         old_host, self.host = self.host, new_host
         self.plan = plan
-        self._refresh_fractions()
+        self.fractions = self._laid_out_shares()
         self.events.rehook(self.host_subgroups())
         self.events.laid_out()
         if old_host is not None:
@@ -447,6 +444,7 @@ class Placement:
         """ "auto", after each step: moves subgroups between tiers when a refit says it pays
         (the scheduler has the measured samples: step_stats.py)."""
         auto = self.auto
+        assert auto is not None  # the optimizer refits only under "auto" (stepping.record_step)
         if not auto.due(steps_taken):
             return
         self._observe_device_memory()  # "auto" on CUDA: the device budget beside the activations
@@ -528,7 +526,7 @@ class Placement:
             self.plan.tiers.append(DEVICE)
             self.plan.numels.append(s.numel)
         self.device.absorb(DeviceTier(sgs, self.layout.amsgrad, self.state_format))
-        self._refresh_fractions()
+        self.fractions = self._laid_out_shares()
         # the timing hooks sit on the first and last trainable params: the new group's may be
         # either (a move below installs them again anyway)
         self.events.rehook(self.host_subgroups())
@@ -562,7 +560,6 @@ class Placement:
             warnings.warn(f"{stay}: laying the tiers out again failed: {type(e).__name__}: {e}", stacklevel=4)
 
     def close(self) -> None:
-        if self.device is not None:
-            self.device.close()
+        self.device.close()
         if self.host is not None:
             self.host.close()  # restores the cores and both thread counts (CoreSplit)

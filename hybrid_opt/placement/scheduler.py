@@ -9,6 +9,7 @@ and `min_gain` of the step: noise never makes the plan flap. Design notes: docs/
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass, field
 
 import torch
@@ -120,7 +121,7 @@ class AutoPlanner:
     subgroup_numel: int
     fixed_offload: float | None = None  # a number when only nvme_fraction is "auto"
     fixed_nvme: float | None = None  # a number when only offload_fraction is "auto"
-    nvme_path: str | None = None
+    nvme_path: str | os.PathLike | None = None
     worker_share: float | None = None  # None: HostTier's default arrangement
     spare_banks: int | None = None  # None: sized from the host budget (cost_model.best_plan)
     exact_rollback: bool = True
