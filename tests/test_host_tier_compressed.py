@@ -591,8 +591,8 @@ def test_every_placement_steps_the_same_bits_through_clipping_overflow_and_a_kil
             nvme.on_nvme(sg) for sg in nvme.host_subgroups()
         )
         assert debug_view(opts["device"]).host is None
-        assert all(debug_view(opts["host"]).host.banks.remainders) and all(
-            debug_view(opts["nvme"]).host.banks.remainders
+        assert all(debug_view(opts["host"]).host.banks.remainders.values()) and all(
+            debug_view(opts["nvme"]).host.banks.remainders.values()
         )
         for step in range(9):
             for name, params in runs.items():
@@ -689,7 +689,7 @@ def test_a_mixed_fp32_bf16_model_with_amsgrad_steps_the_same_bits_at_every_place
             scalers[name] = torch.amp.GradScaler("cpu", init_scale=2.0**8, growth_interval=3)
             opts[name].attach_grad_scaler(scalers[name])
         for name in ("host", "nvme", "mix"):  # both kinds of master on one tier
-            assert set(debug_view(opts[name]).host.banks.remainders) == {True, False}, name
+            assert set(debug_view(opts[name]).host.banks.remainders.values()) == {True, False}, name
         assert set(opts["mix"].plan.tiers) == {"device", "host", "nvme"}
         for step in range(8):
             for name, params in runs.items():
