@@ -124,7 +124,7 @@ def _bytes_info(opt, numel: int) -> dict:
         resident = sum(n for sg, n in host.numels.items() if not host.nvme[sg])
         offloaded = sum(host.numels.values())
         on_nvme = offloaded - resident
-        info["bank_B_per_elem"] = host.bank_stride / host.capacity
+        info["bank_B_per_elem"] = host.banks.bank_stride / host.capacity
         info["banks_B_per_host_param"] = host.bank_bytes / resident if resident else None
         info["spare_pool_B_per_offloaded_param"] = host.spare_bytes / offloaded
         info["spare_banks"] = host.pool.n_banks - sum(1 for x in host.nvme.values() if not x)

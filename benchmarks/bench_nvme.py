@@ -132,7 +132,7 @@ def tier_rows(args, workdir: str, nbytes: int, raw: list) -> list[dict]:
         io_bytes = tier.io_bytes * n_sub
         banks = tier.pool.acquire(n_sub)
         for b in banks:  # incompressible state, every page touched before timing
-            tier.view(b, "p", tier.io_bytes // 4, torch.float32).normal_(generator=gen)
+            tier.banks.view(b, "p", tier.io_bytes // 4, torch.float32).normal_(generator=gen)
         crcs = {}
 
         def run(op):
@@ -168,7 +168,7 @@ def tier_rows(args, workdir: str, nbytes: int, raw: list) -> list[dict]:
 
         def one_step(t):
             step[0] += 1
-            t.finish(
+            t.stepping.finish(
                 {sg: (grads[sg], AdamInputs(step[0], 1e-3, 0.9, 0.999, 1e-8, 0.01)) for sg in range(n_sub)}
             )
 
@@ -258,7 +258,7 @@ def compressed_rows(args, workdir: str, nbytes: int) -> list[dict]:
 
             def one():
                 step[name] += 1
-                tier.finish(
+                tier.stepping.finish(
                     {
                         sg: (grads[sg], AdamInputs(step[name], 1e-3, 0.9, 0.999, 1e-8, 0.01))
                         for sg in range(n_sub)

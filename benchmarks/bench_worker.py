@@ -87,9 +87,9 @@ def memory_child(what: str, n: int) -> dict:
             slot_numel=1 << 18,
         )
         for step in (1, 2):
-            tier.finish({sg: (g, AdamInputs(step, **hp)) for sg in range(S)})
+            tier.stepping.finish({sg: (g, AdamInputs(step, **hp)) for sg in range(S)})
         tier.arena.wait_populated()  # the spare banks are populated in the background
-        total = pss_bytes(os.getpid()) - base + pss_bytes(tier.worker_pid)
+        total = pss_bytes(os.getpid()) - base + pss_bytes(tier.client.pid)
         spare = tier.spare_bytes
         tier.close()
     else:
@@ -171,7 +171,7 @@ def main(argv=None) -> int:
 
     def worker_step_alone():
         it[0] += 1
-        tier.finish({sg: (grads[sg], inputs()) for sg in range(S)})
+        tier.stepping.finish({sg: (grads[sg], inputs()) for sg in range(S)})
 
     try:
         for sg, p in enumerate(init):
@@ -197,13 +197,13 @@ def main(argv=None) -> int:
         def worker_sequential():
             it[0] += 1
             backward.run()
-            tier.finish({sg: (grads[sg], inputs()) for sg in range(S)})
+            tier.stepping.finish({sg: (grads[sg], inputs()) for sg in range(S)})
 
         def worker_speculative():
             it[0] += 1
             # grads become ready in reverse order during backward: the last layer's first
-            backward.run(lambda s: tier.speculate(S - 1 - s, grads[S - 1 - s], inputs()))
-            out = tier.finish({sg: (grads[sg], inputs()) for sg in range(S)})
+            backward.run(lambda s: tier.stepping.speculate(S - 1 - s, grads[S - 1 - s], inputs()))
+            out = tier.stepping.finish({sg: (grads[sg], inputs()) for sg in range(S)})
             assert all(v == "committed" for v in out.values()), out
 
         record("worker_step_alone", time_ms(worker_step_alone, reps=args.iters))

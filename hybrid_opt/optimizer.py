@@ -231,7 +231,7 @@ class _HybridBase(torch.optim.Optimizer):
         """The host tier's worker process, or None."""
         if self._closed or self._parts.placement.host is None:
             return None
-        return self._parts.placement.host.worker_pid
+        return self._parts.placement.host.client.pid
 
     def _check_open(
         self, cannot="step again: build a new one (its load_state_dict takes this one's last state_dict())"

@@ -147,8 +147,8 @@ class Speculator:
         if not now:
             try:
                 # the pieces whose CUDA copies have landed go to the worker (a speculation
-                # below collects the results that came back itself: HostTier.speculate)
-                self.placement.host.poll_if_copying()
+                # below collects the results that came back itself: HostStepping.speculate)
+                self.placement.host.io.poll_if_copying()
             except Exception as e:  # never break the user's backward: step() reports it
                 self.error = self.error or e
             return
@@ -222,7 +222,7 @@ class Speculator:
             return False
         host = self.placement.host
         return self.fingerprints.is_edited(
-            sg.index, gatherer, lambda: host.piece_stats(sg.index), host.grad_dtype
+            sg.index, gatherer, lambda: host.stepping.piece_stats(sg.index), host.grad_dtype
         )
 
     def grad_edit_checks(self) -> list:
@@ -237,7 +237,7 @@ class Speculator:
         return self.fingerprints.checks(
             lambda sgi: [sl for sl in sgs[sgi].slices if sl.param.grad is not None],
             lambda sgi: gatherer_of(sgs[sgi]),
-            lambda sgi: host.piece_stats(sgi, wait=False),
+            lambda sgi: host.stepping.piece_stats(sgi, wait=False),
             host.grad_dtype,
         )
 
@@ -272,7 +272,7 @@ class Speculator:
         if self.fingerprints is not None:
             self.fingerprints.forget(sgi)
         # any pending speculation of it cancelled first (replace=True)
-        if host.speculate(sgi, gatherer, inputs, wait=False, replace=True):
+        if host.stepping.speculate(sgi, gatherer, inputs, wait=False, replace=True):
             # the grads it read stay referenced until it is validated: a grad tensor made after
             # one was discarded (zero_grad, `p.grad = None`) can then never take its address, so
             # (data_ptr, _version) names the same grad for as long as the speculation is pending
@@ -316,15 +316,15 @@ class Speculator:
         outcome."""
         outcome = {}
         host = self.placement.host
-        if host is not None and host.speculated():
-            outcome = host.finish({}, overflow=True)
+        if host is not None and host.stepping.speculated():
+            outcome = host.stepping.finish({}, overflow=True)
         self.forget_staged()
         self._deferred.clear()
         return outcome
 
     def forget_staged(self) -> None:
         host = self.placement.host
-        pending = set(host.speculated()) if host is not None else set()
+        pending = set(host.stepping.speculated()) if host is not None else set()
         self._staged = {k: v for k, v in self._staged.items() if k in pending}
         if self.fingerprints is not None:
             self.fingerprints.keep_only(self._staged)

@@ -133,7 +133,7 @@ class StepStats:
             )
         if host is not None:
             prev = self._prev_worker_s or {}
-            now = dict(host.worker_seconds)
+            now = dict(host.io.worker_seconds)
             for index, seconds in now.items():
                 tiers[plan.tiers[index]]["worker_s"] += seconds - prev.get(index, 0.0)
             self._prev_worker_s = now

@@ -329,7 +329,7 @@ def step_host(parts, plan: StepPlan, committed: set) -> dict:
         sharding.committed(sg.index)  # process_group: its buckets' gathers may start (zero_gather.py)
 
     try:
-        outcome = placement.host.finish(dict(plan.host_steps), on_commit=copy_params)
+        outcome = placement.host.stepping.finish(dict(plan.host_steps), on_commit=copy_params)
     finally:
         spec.forget_staged()
     spec.stepped()

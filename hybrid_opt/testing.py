@@ -113,7 +113,7 @@ class DebugView:
 
     def file_slot(self, sg: int) -> int:
         """The slot of nvme subgroup `sg`'s file that holds its committed state (0 or 1)."""
-        return self.host.file_slots[sg]
+        return self.host.file_slots.slot(sg)
 
     def committed_bank(self, sg: int) -> int:
         """The bank that holds host-tier subgroup `sg`'s committed state."""

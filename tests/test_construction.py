@@ -156,7 +156,7 @@ def test_no_spare_pool_per_subgroup_without_speculation_and_the_same_bits():
         assert resident >= 5
         assert spec.plan.spare_banks == resident
         assert plain.plan.spare_banks == 2
-        stride = debug_view(plain).host.bank_stride
+        stride = debug_view(plain).host.banks.bank_stride
         assert debug_view(plain).host.spare_bytes == 2 * stride
         assert (
             debug_view(spec).host.arena.nbytes - debug_view(plain).host.arena.nbytes
@@ -205,7 +205,7 @@ def test_spare_pool_only_where_it_can_be_used(case, tmp_path):
         want = 3 if case == "explicit" else 0
         assert opt.plan.spare_banks == want
         io = 2 * view.host.io_banks
-        assert view.host.spare_bytes == (want + io) * view.host.bank_stride
+        assert view.host.spare_bytes == (want + io) * view.host.banks.bank_stride
         _train(opt, model, steps=2)
 
 
@@ -276,11 +276,11 @@ def test_a_step_that_needs_a_bank_not_yet_populated_waits_for_it(monkeypatch):
         free = list(tier.pool.free)
         tier.client.timeout_s = 0.3
         with pytest.raises(TimeoutError, match=r"GB of shared memory .* still not populated, none of it for"):
-            tier.step(0, grad, inputs(1))
+            tier.stepping.step(0, grad, inputs(1))
         assert sorted(tier.pool.free) == sorted(free)
         tier.client.timeout_s = 30.0
         done = []
-        t = threading.Thread(target=lambda: done.append(tier.step(0, grad, inputs(1))))
+        t = threading.Thread(target=lambda: done.append(tier.stepping.step(0, grad, inputs(1))))
         t.start()
         t.join(0.5)
         assert not done and t.is_alive()  # waiting for its bank

@@ -236,7 +236,7 @@ def test_piece_sums_are_the_workers_bitwise_and_see_a_foreach_edit(one_rank, mon
         w = model[0].weight
         model(torch.randn(5, 40)).square().mean().backward()
         sg = next(s for s in debug_view(opt).subgroups if any(sl.param is w for sl in s.slices))
-        pieces = debug_view(opt).host.piece_stats(sg.index)
+        pieces = debug_view(opt).host.stepping.piece_stats(sg.index)
         assert pieces is not None and len(pieces) == 3  # 2800 elements: 1024 + 1024 + 752
         live = live_piece_sums(gatherer_of(sg), pieces, debug_view(opt).host.grad_dtype)
         assert live == [s for _, _, s in pieces]

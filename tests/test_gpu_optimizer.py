@@ -139,7 +139,7 @@ def test_default_configuration_speculates_from_a_pinned_arena_and_commits():
         arena = debug_view(opt).host.arena
         assert arena.tensor(0, 1, torch.uint8).is_pinned(), "the host arena is not page-locked"
         assert debug_view(opt).host.staging_bytes > 0 and all(
-            s.is_pinned() for s in debug_view(opt).host.slots
+            s.is_pinned() for s in debug_view(opt).host.io.slots
         )
         committed = 0
         for i in range(8):

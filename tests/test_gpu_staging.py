@@ -71,7 +71,7 @@ def train(speculative, steps=5, *, no_sync=False, scaler=None, watch_streams=Non
         torch.cuda.synchronize()
         out["pinned"] = debug_view(opt).host.arena.pinned
         out["n_host"] = sum(1 for t in opt.plan.tiers if t != "device")
-        out["stagers"] = debug_view(opt).host.stagers
+        out["stagers"] = debug_view(opt).host.io.stagers
         out["state"] = opt.state_dict()
     out["params"] = [p.detach().cpu() for p in net.parameters()]
     return out

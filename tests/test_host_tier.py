@@ -86,8 +86,8 @@ def shared_tier(numels=NUMELS, **kw):
     tier = _SHARED.get(key)
     if tier is None or tier.closed:
         tier = _SHARED[key] = new_tier(numels, **kw)
-    elif tier.speculated():  # a previous test failed mid-step: start this one clean
-        tier.finish({}, overflow=True)
+    elif tier.stepping.speculated():  # a previous test failed mid-step: start this one clean
+        tier.stepping.finish({}, overflow=True)
     return tier
 
 
@@ -131,13 +131,13 @@ def test_exact_rollback_after_overflow_is_bitwise_never_stepping(decoupled, amsg
     grads = make_grads(NUMELS, grad_dtype, seed=1, scale=1024.0)
     inp = inputs(7, decoupled=decoupled, grad_scale=1 / 1024, amsgrad=amsgrad)
     for sg, g in enumerate(grads):
-        assert tier.speculate(sg, g, inp), f"subgroup {sg} was not speculated"
-    assert tier.speculated() == list(range(len(NUMELS)))
-    assert tier.finish({}, overflow=True) == {sg: "dropped" for sg in range(len(NUMELS))}
-    assert tier.speculated() == []
+        assert tier.stepping.speculate(sg, g, inp), f"subgroup {sg} was not speculated"
+    assert tier.stepping.speculated() == list(range(len(NUMELS)))
+    assert tier.stepping.finish({}, overflow=True) == {sg: "dropped" for sg in range(len(NUMELS))}
+    assert tier.stepping.speculated() == []
     assert_tier_equals(tier, states, "after the dropped step")
     # the dropped spare banks left nothing behind: the next step starts from the original
-    out = tier.finish({sg: (g, inp) for sg, g in enumerate(grads)})
+    out = tier.stepping.finish({sg: (g, inp) for sg, g in enumerate(grads)})
     assert set(out.values()) == {"stepped"}
     for s, g in zip(states, grads):
         ref_step(s, g, inp)
@@ -164,8 +164,8 @@ def test_redo_with_changed_inputs_is_bitwise_a_direct_step(change):
     a = inputs(7, grad_version=(1, 1), amsgrad=True)
     b = AdamInputs(**{**a.__dict__, **change})
     for sg, g in enumerate(grads):
-        assert tier.speculate(sg, g, a)
-    assert tier.finish({sg: (g, b) for sg, g in enumerate(grads)}) == {
+        assert tier.stepping.speculate(sg, g, a)
+    assert tier.stepping.finish({sg: (g, b) for sg, g in enumerate(grads)}) == {
         sg: "redone" for sg in range(len(NUMELS))
     }
     for s, g in zip(states, grads):
@@ -180,8 +180,8 @@ def test_redo_with_different_grads_at_finish_uses_the_final_grads():
     load(tier, states)
     early, final = make_grads(NUMELS, seed=3), make_grads(NUMELS, seed=4)
     for sg, g in enumerate(early):
-        assert tier.speculate(sg, g, inputs(2, grad_version=(0,)))
-    out = tier.finish({sg: (g, inputs(2, grad_version=(1,))) for sg, g in enumerate(final)})
+        assert tier.stepping.speculate(sg, g, inputs(2, grad_version=(0,)))
+    out = tier.stepping.finish({sg: (g, inputs(2, grad_version=(1,))) for sg, g in enumerate(final)})
     assert set(out.values()) == {"redone"}
     for s, g in zip(states, final):
         ref_step(s, g, inputs(2, grad_version=(1,)))
@@ -201,8 +201,8 @@ def test_committed_trajectory_is_bitwise_the_direct_steps(copy_dtype, moment_dty
         grads = make_grads(NUMELS, seed=10 + step, scale=64.0)
         inp = inputs(step, lr=1e-2, grad_scale=1 / 64)
         for sg, g in enumerate(grads):
-            assert tier.speculate(sg, g, inp)
-        assert tier.finish({sg: (g, inp) for sg, g in enumerate(grads)}) == {
+            assert tier.stepping.speculate(sg, g, inp)
+        assert tier.stepping.finish({sg: (g, inp) for sg, g in enumerate(grads)}) == {
             sg: "committed" for sg in range(len(NUMELS))
         }
         for sg, (s, g) in enumerate(zip(states, grads)):
@@ -238,11 +238,13 @@ def test_runs_step_only_their_ranges_each_at_its_own_step(path):
     runs = ((0, 5000, 3), (6000, 1, 7), (7000, 3017, 3))
     inp = inputs(3, amsgrad=True, runs=runs)
     if path != "stepped":
-        assert tier.speculate(0, g, inputs(3, amsgrad=True, runs=runs, lr=1e-2 if path == "redone" else 1e-3))
+        assert tier.stepping.speculate(
+            0, g, inputs(3, amsgrad=True, runs=runs, lr=1e-2 if path == "redone" else 1e-3)
+        )
     if path == "dropped":
-        assert tier.finish({}, overflow=True) == {0: "dropped"}
+        assert tier.stepping.finish({}, overflow=True) == {0: "dropped"}
     else:
-        assert tier.finish({0: (g, inp)}) == {0: path}
+        assert tier.stepping.finish({0: (g, inp)}) == {0: path}
         _ref_runs(states[0], g, inp)
     assert_tier_equals(tier, states, path)
 
@@ -260,8 +262,8 @@ def test_a_callable_grad_provider_fills_each_piece():
         calls.append((offset, numel))
         dst.copy_(g[offset : offset + numel])
 
-    assert tier.speculate(0, gather, inputs(1))
-    assert tier.finish({0: (gather, inputs(1))}) == {0: "committed"}
+    assert tier.stepping.speculate(0, gather, inputs(1))
+    assert tier.stepping.finish({0: (gather, inputs(1))}) == {0: "committed"}
     assert calls == [(0, SLOT), (SLOT, SLOT), (2 * SLOT, numels[0] - 2 * SLOT)]
     ref_step(states[0], g, inputs(1))
     assert_tier_equals(tier, states)
@@ -291,11 +293,11 @@ def test_speculative_and_plain_steps_are_bitwise_equal_over_mixed_outcomes():
         for k, (spec_sgs, spec_inp, step_sgs, final, overflow) in enumerate(plan):
             grads = make_grads(numels, seed=20 + k)
             for sg in spec_sgs:
-                spec.speculate(sg, grads[sg], spec_inp)  # False (no spare) is allowed
+                spec.stepping.speculate(sg, grads[sg], spec_inp)  # False (no spare) is allowed
             steps = {sg: (grads[sg], final) for sg in step_sgs}
-            outcomes.append(spec.finish(steps, overflow=overflow))
+            outcomes.append(spec.stepping.finish(steps, overflow=overflow))
             if not overflow:
-                plain.finish(steps)
+                plain.stepping.finish(steps)
             assert_tier_equals(spec, snapshot(plain), f"iteration {k}")
         seen = {o for out in outcomes for o in out.values()}
         assert seen == {"committed", "redone", "stepped", "dropped"}, outcomes
@@ -311,18 +313,18 @@ def test_spare_pool_of_one_bank_bounds_speculation_and_finish_steps_all():
     load(tier, states)
     grads = make_grads(numels, seed=7)
     inp = inputs(3)
-    assert tier.speculate(0, grads[0], inp) is True
-    assert tier.speculate(1, grads[1], inp) is False
-    assert tier.speculate(2, grads[2], inp) is False
-    assert tier.speculated() == [0]
-    out = tier.finish({sg: (g, inp) for sg, g in enumerate(grads)})
+    assert tier.stepping.speculate(0, grads[0], inp) is True
+    assert tier.stepping.speculate(1, grads[1], inp) is False
+    assert tier.stepping.speculate(2, grads[2], inp) is False
+    assert tier.stepping.speculated() == [0]
+    out = tier.stepping.finish({sg: (g, inp) for sg, g in enumerate(grads)})
     assert out == {0: "committed", 1: "stepped", 2: "stepped"}
     for s, g in zip(states, grads):
         ref_step(s, g, inp)
     assert_tier_equals(tier, states)
     # with the spare back in the pool, the next step can speculate again
-    assert tier.speculate(2, grads[2], inputs(4)) is True
-    tier.finish({}, overflow=True)
+    assert tier.stepping.speculate(2, grads[2], inputs(4)) is True
+    tier.stepping.finish({}, overflow=True)
 
 
 @pytest.mark.parametrize("mode", ["exact", "inverse", "nvme"])
@@ -344,11 +346,14 @@ def test_a_hooks_speculation_short_of_staging_slots_sends_nothing_and_keeps_no_b
         sent, send = [], tier.client.send
         tier.client.send = lambda task, gather=(): sent.append(task.op) or send(task, gather)
         free_banks = list(tier.pool.free)
-        assert tier.speculate(0, grads[0], inp, wait=False) is False
-        assert sent == [] and tier.speculated() == [] and tier.pool.free == free_banks
-        assert tier.free_slots == 2 and tier.pieces_in_flight == 0
-        assert tier.speculate(1, grads[1], inp, wait=False) is True  # one piece: it fits
-        assert tier.finish({sg: (g, inp) for sg, g in enumerate(grads)}) == {0: "stepped", 1: "committed"}
+        assert tier.stepping.speculate(0, grads[0], inp, wait=False) is False
+        assert sent == [] and tier.stepping.speculated() == [] and tier.pool.free == free_banks
+        assert tier.io.free_slots == 2 and tier.io.pieces_in_flight == 0
+        assert tier.stepping.speculate(1, grads[1], inp, wait=False) is True  # one piece: it fits
+        assert tier.stepping.finish({sg: (g, inp) for sg, g in enumerate(grads)}) == {
+            0: "stepped",
+            1: "committed",
+        }
         for sg, (st, g) in enumerate(zip(states, grads)):
             ref_step(st, g, inp)
             got = tier.state(sg)
@@ -367,8 +372,8 @@ def test_a_hooks_speculation_failing_before_it_sent_anything_does_not_wait_for_t
     try:
         states, grads, inp = make_states(numels, seed=4), make_grads(numels, seed=4), inputs(1)
         load(tier, states)
-        assert tier.speculate(0, grads[0], inp, wait=False) is True
-        in_flight, free_banks, poll = tier.pieces_in_flight, list(tier.pool.free), tier.client.poll
+        assert tier.stepping.speculate(0, grads[0], inp, wait=False) is True
+        in_flight, free_banks, poll = tier.io.pieces_in_flight, list(tier.pool.free), tier.client.poll
         assert in_flight == 2
 
         def failing_poll(*a, **k):
@@ -377,10 +382,13 @@ def test_a_hooks_speculation_failing_before_it_sent_anything_does_not_wait_for_t
 
         tier.client.poll = failing_poll
         with pytest.raises(RuntimeError, match="injected"):
-            tier.speculate(1, grads[1], inp, wait=False)
-        assert tier.pieces_in_flight == in_flight and tier.speculated() == [0]
+            tier.stepping.speculate(1, grads[1], inp, wait=False)
+        assert tier.io.pieces_in_flight == in_flight and tier.stepping.speculated() == [0]
         assert tier.pool.free == free_banks
-        assert tier.finish({sg: (g, inp) for sg, g in enumerate(grads)}) == {0: "committed", 1: "stepped"}
+        assert tier.stepping.finish({sg: (g, inp) for sg, g in enumerate(grads)}) == {
+            0: "committed",
+            1: "stepped",
+        }
         for st, g in zip(states, grads):
             ref_step(st, g, inp)
         assert_tier_equals(tier, states)
@@ -402,9 +410,9 @@ def test_inverse_rollback_restores_the_state_within_a_few_ulp(decoupled, grad_dt
     load(tier, states)
     grads = make_grads(NUMELS, grad_dtype, seed=8, scale=1024.0)
     inp = inputs(9, decoupled=decoupled, grad_scale=1 / 1024)
-    speculated = [sg for sg, g in enumerate(grads) if tier.speculate(sg, g, inp)]
+    speculated = [sg for sg, g in enumerate(grads) if tier.stepping.speculate(sg, g, inp)]
     assert speculated == list(range(len(NUMELS)))
-    assert set(tier.finish({}, overflow=True).values()) == {"dropped"}
+    assert set(tier.stepping.finish({}, overflow=True).values()) == {"dropped"}
     for sg, (got, orig) in enumerate(zip(snapshot(tier), states)):
         # the same two kernels, step then fp64 inverse, on clones give the same bits
         want = {k: t.clone() for k, t in orig.items()}
@@ -440,9 +448,9 @@ def test_inverse_rollback_commit_and_redo_match_direct_steps():
         grads = make_grads(NUMELS, seed=30 + step)
         inp = inputs(step)
         for sg, g in enumerate(grads):
-            assert tier.speculate(sg, g, inp)
+            assert tier.stepping.speculate(sg, g, inp)
         final = AdamInputs(**{**inp.__dict__, **change})
-        out = tier.finish({sg: (g, final) for sg, g in enumerate(grads)})
+        out = tier.stepping.finish({sg: (g, final) for sg, g in enumerate(grads)})
         assert set(out.values()) == {"committed" if not change else "redone"}
         for s, g in zip(states, grads):
             ref_step(s, g, final)
@@ -471,10 +479,10 @@ def test_inverse_rollback_leaves_a_subgroup_with_non_finite_grads_unstepped():
     grads[2][-1] = -float("inf")
     inp = inputs(4)
     for sg, g in enumerate(grads):
-        assert tier.speculate(sg, g, inp)
-    stats = [tier.grad_stats(sg) for sg in range(3)]
+        assert tier.stepping.speculate(sg, g, inp)
+    stats = [tier.stepping.grad_stats(sg) for sg in range(3)]
     assert [finite for _, finite in stats] == [True, False, False]
-    assert tier.finish({}, overflow=True) == {0: "dropped", 1: "dropped", 2: "dropped"}
+    assert tier.stepping.finish({}, overflow=True) == {0: "dropped", 1: "dropped", 2: "dropped"}
     after = snapshot(tier)
     for sg in (1, 2):  # not stepped at all: nothing to undo, not even an ulp
         for k in ("p", "m", "v"):
@@ -491,8 +499,8 @@ def test_inverse_rollback_leaves_a_multi_piece_subgroup_with_one_bad_piece_unste
     load(tier, states)
     (g,) = make_grads(numels, seed=11)
     g[-1] = float("inf")  # in the last piece only
-    assert tier.speculate(0, g, inputs(2))
-    tier.finish({}, overflow=True)
+    assert tier.stepping.speculate(0, g, inputs(2))
+    tier.stepping.finish({}, overflow=True)
     for k, t in snapshot(tier)[0].items():
         assert_bitwise_equal(t, states[0][k], f"subgroup 0 {k}")
 
@@ -506,9 +514,9 @@ def _faulty_trajectory(tier, numels, states):
         inp = inputs(step, amsgrad=tier.amsgrad)
         if spec:
             for sg, g in enumerate(grads):
-                tier.speculate(sg, g, inp)  # False when the spare pool is empty
+                tier.stepping.speculate(sg, g, inp)  # False when the spare pool is empty
         final = AdamInputs(**{**inp.__dict__, **change})
-        outcomes.append(tier.finish({sg: (g, final) for sg, g in enumerate(grads)}))
+        outcomes.append(tier.stepping.finish({sg: (g, final) for sg, g in enumerate(grads)}))
         for s, g in zip(states, grads):
             ref_step(s, g, final)
         assert_tier_equals(tier, states, f"step {step}")
@@ -529,13 +537,13 @@ def test_killed_worker_is_replaced_and_the_trajectory_is_bitwise_unchanged(
     monkeypatch.setenv(FAULT_ENV, f"{stage}:{k}")
     tier = new_tier(FAULT_NUMELS, amsgrad=True, staging_slots=2, spare_banks=spare_banks)
     try:
-        first_pid = tier.worker_pid
+        first_pid = tier.client.pid
         states = make_states(FAULT_NUMELS, amsgrad=True, seed=12)
         load(tier, states)
         outcomes = _faulty_trajectory(tier, FAULT_NUMELS, states)
         if spare_banks is None:
             assert [set(o.values()) for o in outcomes] == [{"committed"}, {"redone"}, {"stepped"}]
-        assert tier.worker_pid != first_pid
+        assert tier.client.pid != first_pid
         assert not psutil.pid_exists(first_pid) or wait_gone(first_pid, 5)
         assert tier.stats["worker_restarts"] == 1
     finally:
@@ -546,11 +554,11 @@ def test_fault_injection_without_a_fault_restarts_nothing():
     """The control for the test above: the same trajectory, no restart."""
     tier = new_tier(FAULT_NUMELS, amsgrad=True, staging_slots=2)
     try:
-        pid = tier.worker_pid
+        pid = tier.client.pid
         states = make_states(FAULT_NUMELS, amsgrad=True, seed=12)
         load(tier, states)
         _faulty_trajectory(tier, FAULT_NUMELS, states)
-        assert tier.worker_pid == pid and tier.stats["worker_restarts"] == 0
+        assert tier.client.pid == pid and tier.stats["worker_restarts"] == 0
     finally:
         tier.close()
 
@@ -564,15 +572,15 @@ def test_worker_killed_externally_is_detected_within_a_second(when):
         _faulty_trajectory(tier, FAULT_NUMELS, states)
         grads = make_grads(FAULT_NUMELS, seed=50)
         inp = inputs(4)
-        old = tier.worker_pid
+        old = tier.client.pid
         if when == "while_speculating":  # subgroup 0 is out, then the worker dies
-            assert tier.speculate(0, grads[0], inp)
+            assert tier.stepping.speculate(0, grads[0], inp)
         os.kill(old, signal.SIGKILL)
         t0 = time.perf_counter()
         for sg, g in enumerate(grads):
-            if sg not in tier.speculated():
-                assert tier.speculate(sg, g, inp)
-        out = tier.finish({sg: (g, inp) for sg, g in enumerate(grads)})
+            if sg not in tier.stepping.speculated():
+                assert tier.stepping.speculate(sg, g, inp)
+        out = tier.stepping.finish({sg: (g, inp) for sg, g in enumerate(grads)})
         elapsed = time.perf_counter() - t0
         print(f"kill {when}: detected, worker restarted and step finished in {elapsed * 1e3:.0f} ms")
         assert elapsed < 1.0, f"a killed worker took {elapsed:.2f} s to be noticed and replaced"
@@ -580,7 +588,7 @@ def test_worker_killed_externally_is_detected_within_a_second(when):
         for s, g in zip(states, grads):
             ref_step(s, g, inp)
         assert_tier_equals(tier, states, f"after a kill {when}")
-        assert tier.worker_pid != old and tier.stats["worker_restarts"] == 1
+        assert tier.client.pid != old and tier.stats["worker_restarts"] == 1
     finally:
         tier.close()
 
@@ -600,10 +608,10 @@ def _inverse_tier_with_fault(monkeypatch, fault: str, seed: int):
 def test_inverse_mode_worker_killed_mid_step_names_the_torn_subgroups(monkeypatch):
     tier, states, grads = _inverse_tier_with_fault(monkeypatch, "mid_step:2", seed=14)
     try:
-        assert tier.speculate(0, grads[0], inputs(1))
-        assert tier.speculate(1, grads[1], inputs(1))  # its step task is the one killed
+        assert tier.stepping.speculate(0, grads[0], inputs(1))
+        assert tier.stepping.speculate(1, grads[1], inputs(1))  # its step task is the one killed
         with pytest.raises(RuntimeError, match=r"subgroups \[1\] may be torn") as info:
-            tier.finish({sg: (g, inputs(1)) for sg, g in enumerate(grads)})
+            tier.stepping.finish({sg: (g, inputs(1)) for sg, g in enumerate(grads)})
         assert "rollback='exact'" in str(info.value)
         assert "SIGKILL" in str(info.value)
         assert tier.stats["worker_restarts"] == 1
@@ -621,18 +629,18 @@ def test_inverse_mode_worker_killed_idle_is_replaced_and_loses_nothing():
         states = make_states(numels, seed=16)
         load(tier, states)
         for step in (1, 2):
-            old = tier.worker_pid
+            old = tier.client.pid
             if step == 2:
                 os.kill(old, signal.SIGKILL)
                 assert wait_gone(old, 5)
             grads = make_grads(numels, seed=16 + step)
-            assert all(tier.speculate(sg, g, inputs(step)) for sg, g in enumerate(grads))
-            out = tier.finish({sg: (g, inputs(step)) for sg, g in enumerate(grads)})
+            assert all(tier.stepping.speculate(sg, g, inputs(step)) for sg, g in enumerate(grads))
+            out = tier.stepping.finish({sg: (g, inputs(step)) for sg, g in enumerate(grads)})
             assert set(out.values()) == {"committed"}
             for s, g in zip(states, grads):
                 ref_step(s, g, inputs(step))
             assert_tier_equals(tier, states, f"step {step}")
-        assert tier.stats["worker_restarts"] == 1 and tier.worker_pid != old
+        assert tier.stats["worker_restarts"] == 1 and tier.client.pid != old
     finally:
         tier.close()
 
@@ -645,7 +653,7 @@ def test_inverse_mode_worker_killed_mid_step_commits_the_subgroups_it_finished(m
     try:
         committed = []
         with pytest.raises(TornState, match=r"SIGKILL.*may be torn; restore them") as info:
-            tier.finish(
+            tier.stepping.finish(
                 {sg: (g, inputs(1)) for sg, g in enumerate(grads)},
                 on_commit=lambda sg, views: committed.append(sg),
             )
@@ -657,10 +665,10 @@ def test_inverse_mode_worker_killed_mid_step_commits_the_subgroups_it_finished(m
             if sg not in torn:  # stepped and committed (0), or never sent (2)
                 for k in ("p", "m", "v"):
                     assert torch.equal(want[sg][k], states[sg][k]), (sg, k)
-        assert tier.speculated() == [] and tier.pieces_in_flight == 0
+        assert tier.stepping.speculated() == [] and tier.io.pieces_in_flight == 0
         assert tier.stats["worker_restarts"] == 1
         # the tier goes on: a step of the subgroups not torn is the direct step
-        out = tier.finish({0: (grads[0], inputs(2))})
+        out = tier.stepping.finish({0: (grads[0], inputs(2))})
         assert out == {0: "stepped"}
         ref_step(states[0], grads[0], inputs(2))
         assert torch.equal(tier.master(0), states[0]["p"])
@@ -676,9 +684,9 @@ def _speculated_at_a_stopped_worker(**kw):
     states = make_states(numels, seed=18)
     load(tier, states)
     grads = make_grads(numels, seed=18)
-    old = tier.worker_pid
+    old = tier.client.pid
     os.kill(old, signal.SIGSTOP)
-    assert all(tier.speculate(sg, g, inputs(1)) for sg, g in enumerate(grads))
+    assert all(tier.stepping.speculate(sg, g, inputs(1)) for sg, g in enumerate(grads))
     return tier, states, grads, old
 
 
@@ -696,9 +704,9 @@ def test_a_worker_that_does_not_answer_is_replaced_and_the_exact_step_goes_on():
             match=r"not stepped within 1 s: the worker \(pid \d+\) did not "
             r"answer, so it was killed and a new one was sent its tasks",
         ):
-            out = tier.finish({sg: (g, inputs(1)) for sg, g in enumerate(grads)})
+            out = tier.stepping.finish({sg: (g, inputs(1)) for sg, g in enumerate(grads)})
         assert out == {0: "committed", 1: "committed"} and time.monotonic() - t0 < 4.0
-        assert wait_gone(old, 5) and tier.worker_pid != old and tier.stats["worker_restarts"] == 1
+        assert wait_gone(old, 5) and tier.client.pid != old and tier.stats["worker_restarts"] == 1
         for s, g in zip(states, grads):
             ref_step(s, g, inputs(1))
         assert_tier_equals(tier, states, "the step the new worker finished")
@@ -728,14 +736,16 @@ def test_a_worker_that_does_not_answer_is_killed_replaced_and_named(rollback):
             )
         )
         with pytest.raises(want[0], match=want[1]):
-            tier.finish({sg: (g, inputs(1)) for sg, g in enumerate(grads)})
+            tier.stepping.finish({sg: (g, inputs(1)) for sg, g in enumerate(grads)})
         assert time.monotonic() - t0 < 4.0
-        assert wait_gone(old, 5) and tier.worker_pid != old and tier.stats["worker_restarts"] == 1
+        assert wait_gone(old, 5) and tier.client.pid != old and tier.stats["worker_restarts"] == 1
         t0 = time.monotonic()
         for sg, g in enumerate(grads):  # backward's speculation of the retried step
-            assert tier.speculate(sg, g, inputs(1), replace=True)
+            assert tier.stepping.speculate(sg, g, inputs(1), replace=True)
         assert time.monotonic() - t0 < 0.9  # less than one timeout: nothing waited one out
-        assert set(tier.finish({sg: (g, inputs(1)) for sg, g in enumerate(grads)}).values()) == {"committed"}
+        assert set(tier.stepping.finish({sg: (g, inputs(1)) for sg, g in enumerate(grads)}).values()) == {
+            "committed"
+        }
         if rollback == "exact":  # the committed state survived: the retried step is the direct one
             for s, g in zip(states, grads):
                 ref_step(s, g, inputs(1))
@@ -749,7 +759,7 @@ def test_a_ping_the_worker_does_not_answer_says_what_to_check():
     HybridAdamW does not have (it said 'raise timeout_s')."""
     tier = new_tier([100])
     try:
-        os.kill(tier.worker_pid, signal.SIGSTOP)
+        os.kill(tier.client.pid, signal.SIGSTOP)
         with pytest.raises(WorkerTimeout, match=r"did not answer within 1 s.*check the machine") as info:
             tier.client.ping(timeout_s=1.0)
         assert "timeout_s" not in str(info.value)
@@ -770,11 +780,11 @@ def test_worker_exception_names_the_subgroup_and_leaves_committed_state_intact(m
         inp = inputs(1)
         if speculated:
             for sg, g in enumerate(grads):
-                assert tier.speculate(sg, g, inp)
+                assert tier.stepping.speculate(sg, g, inp)
         with pytest.raises(WorkerError, match=r"subgroup 1: RuntimeError: fault injected"):
-            tier.finish({sg: (g, inp) for sg, g in enumerate(grads)})
+            tier.stepping.finish({sg: (g, inp) for sg, g in enumerate(grads)})
         assert_tier_equals(tier, states, "after the failed step")
-        out = tier.finish({sg: (g, inp) for sg, g in enumerate(grads)})
+        out = tier.stepping.finish({sg: (g, inp) for sg, g in enumerate(grads)})
         assert set(out.values()) <= {"committed", "redone", "stepped"}
         for s, g in zip(states, grads):
             ref_step(s, g, inp)
@@ -797,7 +807,7 @@ def test_close_is_idempotent_and_leaves_no_process_fd_shm_or_core_change_behind(
     masks, threads = thread_masks(), torch.get_num_threads()
 
     tier = new_tier(amsgrad=True, copy_dtype=torch.bfloat16, worker_share=0.5)  # a GPU host's split
-    pid = tier.worker_pid
+    pid = tier.client.pid
     assert pid in {c.pid for c in me.children()}
     if len(os.sched_getaffinity(0)) >= 2:  # the split took effect, so the restore below is real
         assert os.sched_getaffinity(0) == set(tier.cores.trainer)
@@ -808,8 +818,8 @@ def test_close_is_idempotent_and_leaves_no_process_fd_shm_or_core_change_behind(
     grads = make_grads(NUMELS, seed=16)
     inp = inputs(1, amsgrad=True)
     for sg, g in enumerate(grads):
-        tier.speculate(sg, g, inp)
-    tier.finish({sg: (g, inp) for sg, g in enumerate(grads)})
+        tier.stepping.speculate(sg, g, inp)
+    tier.stepping.finish({sg: (g, inp) for sg, g in enumerate(grads)})
     kept = tier.master(0).clone()
     for s, g in zip(states, grads):
         ref_step(s, g, inp)
@@ -863,7 +873,7 @@ def test_a_cpu_only_host_shares_every_core_with_a_sleeping_worker():
         cpus = sorted(os.sched_getaffinity(0))
         assert tier.cores.shared and tier.cores.trainer == tier.cores.worker == cpus
         assert thread_masks()[os.getpid()] == masks[os.getpid()] and torch.get_num_threads() == threads
-        worker = psutil.Process(tier.worker_pid)
+        worker = psutil.Process(tier.client.pid)
         assert sorted(worker.cpu_affinity()) == cpus
         env = worker.environ()
         assert env["OMP_WAIT_POLICY"] == "PASSIVE" and env["OMP_NUM_THREADS"] == str(
@@ -873,7 +883,7 @@ def test_a_cpu_only_host_shares_every_core_with_a_sleeping_worker():
         load(tier, states)
         grads, inp = make_grads(NUMELS, seed=3), inputs(1)
         for sg, g in enumerate(grads):
-            tier.step(sg, g, inp)
+            tier.stepping.step(sg, g, inp)
             ref_step(states[sg], g, inp)
         assert_tier_equals(tier, states, "shared cores")
     finally:
@@ -892,13 +902,13 @@ def test_a_step_the_trainer_waits_for_runs_on_every_shared_core():
     try:
         if not tier.cores.shared or tier.cores.waited_threads <= tier.cores.worker_threads:
             pytest.skip("one core: no core the trainer leaves the worker")
-        worker = psutil.Process(tier.worker_pid)
+        worker = psutil.Process(tier.client.pid)
         states = make_states(numels, seed=5)
         load(tier, states)
         grads = make_grads(numels, seed=5)
         for sg, g in enumerate(grads):
-            assert tier.speculate(sg, g, inputs(1))
-        assert tier.finish({sg: (g, inputs(1)) for sg, g in enumerate(grads)}) == {
+            assert tier.stepping.speculate(sg, g, inputs(1))
+        assert tier.stepping.finish({sg: (g, inputs(1)) for sg, g in enumerate(grads)}) == {
             0: "committed",
             1: "committed",
         }
@@ -906,7 +916,7 @@ def test_a_step_the_trainer_waits_for_runs_on_every_shared_core():
             ref_step(states[sg], g, inputs(1))
         assert worker.num_threads() <= tier.cores.worker_threads
         for sg, g in enumerate(grads):
-            tier.step(sg, g, inputs(2))
+            tier.stepping.step(sg, g, inputs(2))
             ref_step(states[sg], g, inputs(2))
         assert worker.num_threads() == tier.cores.waited_threads == len(os.sched_getaffinity(0))
         assert_tier_equals(tier, states, "waited steps on every core")
@@ -945,7 +955,7 @@ def test_worker_exits_when_the_trainer_is_killed(tmp_path):
         import sys, time
         from hybrid_opt.tiers.host import HostTier
         tier = HostTier([1000, 5000], slot_numel=4096)
-        print(tier.worker_pid, flush=True)
+        print(tier.client.pid, flush=True)
         time.sleep(60)  # killed long before this ends
     """)
     )
@@ -995,8 +1005,8 @@ def test_a_training_script_without_a_main_guard_runs_once(tmp_path):
         inp = AdamInputs(1, 1e-3, 0.9, 0.999, 1e-8, 0.01)
         grads = [torch.randn(n) for n in tier.numels.values()]
         for sg, g in enumerate(grads):
-            tier.speculate(sg, g, inp)
-        assert set(tier.finish({sg: (g, inp) for sg, g in enumerate(grads)}).values()) == {"committed"}
+            tier.stepping.speculate(sg, g, inp)
+        assert set(tier.stepping.finish({sg: (g, inp) for sg, g in enumerate(grads)}).values()) == {"committed"}
         print("OK")
         tier.close()
     """,
@@ -1015,8 +1025,8 @@ def test_a_thousand_small_subgroups_speculated_and_committed_bitwise():
         load(tier, states)
         grads = make_grads(numels, seed=17)
         inp = inputs(1)
-        assert all(tier.speculate(sg, g, inp) for sg, g in enumerate(grads))
-        out = tier.finish({sg: (g, inp) for sg, g in enumerate(grads)})
+        assert all(tier.stepping.speculate(sg, g, inp) for sg, g in enumerate(grads))
+        out = tier.stepping.finish({sg: (g, inp) for sg, g in enumerate(grads)})
         assert len(out) == 1000 and set(out.values()) == {"committed"}
         for s, g in zip(states, grads):
             ref_step(s, g, inp)
@@ -1033,12 +1043,12 @@ def test_a_subgroup_larger_than_the_staging_slot_is_stepped_in_pieces():
     load(tier, states)
     for step in (1, 2):
         (g,) = make_grads(numels, seed=18 + step)
-        assert tier.speculate(0, g, inputs(step))
-        assert tier.finish({0: (g, inputs(step))}) == {0: "committed"}
+        assert tier.stepping.speculate(0, g, inputs(step))
+        assert tier.stepping.finish({0: (g, inputs(step))}) == {0: "committed"}
         ref_step(states[0], g, inputs(step))
         assert_tier_equals(tier, states, f"step {step}")
     (g,) = make_grads(numels, seed=30)
-    assert tier.step(0, g, inputs(3)) == "stepped"
+    assert tier.stepping.step(0, g, inputs(3)) == "stepped"
     ref_step(states[0], g, inputs(3))
     assert_tier_equals(tier, states, "plain step")
 
@@ -1126,15 +1136,17 @@ def test_a_grad_of_the_wrong_numel_is_rejected_and_changes_nothing(call):
     bad = torch.randn(NUMELS[1] - 1)
     with pytest.raises(ValueError, match=r"subgroup 1 has 100 elements, its grad 99"):
         if call == "speculate":
-            tier.speculate(1, bad, inputs(1))
+            tier.stepping.speculate(1, bad, inputs(1))
         else:
-            tier.finish({0: (grads[0], inputs(1)), 1: (bad, inputs(1))})
-    assert tier.speculated() == []
+            tier.stepping.finish({0: (grads[0], inputs(1)), 1: (bad, inputs(1))})
+    assert tier.stepping.speculated() == []
     assert_tier_equals(tier, states, f"after a bad grad to {call}")
     # and the tier still works, the bad call having left no bank or slot held
     for sg, g in enumerate(grads):
-        assert tier.speculate(sg, g, inputs(1))
-    assert set(tier.finish({sg: (g, inputs(1)) for sg, g in enumerate(grads)}).values()) == {"committed"}
+        assert tier.stepping.speculate(sg, g, inputs(1))
+    assert set(tier.stepping.finish({sg: (g, inputs(1)) for sg, g in enumerate(grads)}).values()) == {
+        "committed"
+    }
     for s, g in zip(states, grads):
         ref_step(s, g, inputs(1))
     assert_tier_equals(tier, states)
@@ -1144,14 +1156,14 @@ def test_speculating_twice_on_a_subgroup_before_finish_is_rejected():
     tier = shared_tier()
     load(tier, make_states(NUMELS, seed=20))
     g = make_grads(NUMELS, seed=20)[2]
-    assert tier.speculate(2, g, inputs(1))
+    assert tier.stepping.speculate(2, g, inputs(1))
     with pytest.raises(
         RuntimeError, match=r"subgroup 2 has a speculative step pending; call finish\(\) first"
     ):
-        tier.speculate(2, g, inputs(1))
+        tier.stepping.speculate(2, g, inputs(1))
     with pytest.raises(RuntimeError, match=r"subgroup 2 has a speculative step pending"):
         tier.load_state(2, torch.zeros(NUMELS[2]))
-    tier.finish({}, overflow=True)
+    tier.stepping.finish({}, overflow=True)
 
 
 @pytest.mark.parametrize("rollback", ["exact", "inverse"])
@@ -1160,18 +1172,18 @@ def test_speculate_with_replace_cancels_the_pending_speculation_first(rollback):
     states = make_states(NUMELS, seed=21)
     load(tier, states)
     first, second = make_grads(NUMELS, seed=21)[3], make_grads(NUMELS, seed=22)[3]
-    assert tier.speculate(3, first, inputs(1))
-    assert tier.speculate(3, second, inputs(1), replace=True)  # cancel() + speculate()
-    assert tier.speculated() == [3]
-    assert tier.finish({3: (second, inputs(1))}) == {3: "committed"}
+    assert tier.stepping.speculate(3, first, inputs(1))
+    assert tier.stepping.speculate(3, second, inputs(1), replace=True)  # cancel() + speculate()
+    assert tier.stepping.speculated() == [3]
+    assert tier.stepping.finish({3: (second, inputs(1))}) == {3: "committed"}
     ref_step(states[3], second, inputs(1))
     got = tier.master(3)
     if rollback == "exact":
         assert_bitwise_equal(got, states[3]["p"], "replaced speculation, committed")
     else:  # the first step was undone with the fp64 inverse: a few ulp
         torch.testing.assert_close(got, states[3]["p"], **INVERSE_TOL["p"])
-    assert tier.speculate(3, first, inputs(2), replace=True)  # nothing pending: a plain speculate
-    tier.finish({}, overflow=True)
+    assert tier.stepping.speculate(3, first, inputs(2), replace=True)  # nothing pending: a plain speculate
+    tier.stepping.finish({}, overflow=True)
 
 
 @pytest.mark.parametrize("call", ["speculate", "finish"])
@@ -1191,13 +1203,13 @@ def test_bad_step_inputs_are_rejected_before_anything_is_stepped(call, bad, matc
     grads = make_grads(NUMELS, seed=23)
     with pytest.raises(ValueError, match=match):
         if call == "speculate":
-            tier.speculate(1, grads[1], inputs(1, **bad))
+            tier.stepping.speculate(1, grads[1], inputs(1, **bad))
         else:
-            tier.finish({0: (grads[0], inputs(1)), 1: (grads[1], inputs(1, **bad))})
-    assert tier.speculated() == []
+            tier.stepping.finish({0: (grads[0], inputs(1)), 1: (grads[1], inputs(1, **bad))})
+    assert tier.stepping.speculated() == []
     assert_tier_equals(tier, states, f"after bad inputs to {call}")
     # nothing half-launched is left to be committed by the next finish()
-    assert tier.finish({1: (grads[1], inputs(1))}) == {1: "stepped"}
+    assert tier.stepping.finish({1: (grads[1], inputs(1))}) == {1: "stepped"}
     ref_step(states[1], grads[1], inputs(1))
     assert_tier_equals(tier, states)
 
@@ -1206,8 +1218,8 @@ def test_bad_step_inputs_are_rejected_before_anything_is_stepped(call, bad, matc
 def test_an_unknown_subgroup_is_rejected(sg):
     tier = shared_tier()
     with pytest.raises((IndexError, ValueError), match=r"subgroup"):
-        tier.speculate(sg, torch.randn(10), inputs(1))
-    assert tier.speculated() == []
+        tier.stepping.speculate(sg, torch.randn(10), inputs(1))
+    assert tier.stepping.speculated() == []
 
 
 def test_inverse_mode_worker_death_during_speculation_leaves_the_tier_usable(monkeypatch):
@@ -1218,13 +1230,13 @@ def test_inverse_mode_worker_death_during_speculation_leaves_the_tier_usable(mon
     try:
         inputs = AdamInputs(1, 1e-3, 0.9, 0.999, 1e-8, 0.0)
         g = torch.randn(100)
-        tier.speculate(0, g, inputs)
+        tier.stepping.speculate(0, g, inputs)
         time.sleep(0.3)  # the worker dies on its first step
         with pytest.raises(RuntimeError, match=r"subgroups \[0\] may be torn"):
-            tier.speculate(1, g, inputs)
-        assert tier.speculated() == []
+            tier.stepping.speculate(1, g, inputs)
+        assert tier.stepping.speculated() == []
         t0 = time.monotonic()
-        assert tier.finish({0: (g, inputs), 1: (g, inputs)}) == {0: "stepped", 1: "stepped"}
+        assert tier.stepping.finish({0: (g, inputs), 1: (g, inputs)}) == {0: "stepped", 1: "stepped"}
         assert time.monotonic() - t0 < 5.0
     finally:
         tier.close()
@@ -1257,16 +1269,16 @@ def test_the_arena_is_mapped_in_both_processes_before_the_first_step():
         tier.client.ping()  # the worker maps and populates before it serves
         # all but the ranges left to the background (the banks' moments and the spare banks),
         # at once, in both processes (the background may have done more: a lower bound)
-        spare_at = tier.bank_offset + 2 * tier.bank_stride
+        spare_at = tier.banks.bank_offset + 2 * tier.banks.bank_stride
         later = sum(n for _, n in tier.arena.later)  # none where the arena is pinned (CUDA)
-        for pid in (os.getpid(), tier.worker_pid):
+        for pid in (os.getpid(), tier.client.pid):
             assert _rss_kb_of_mapping(pid, tier.arena.nbytes) * 1024 >= tier.arena.nbytes - later, pid
         # the spare banks behind: the trainer's thread is waited for, the worker's polled
         tier.arena.wait_populated(timeout_s=TIMEOUT_S)
         assert not tier.arena.populating and spare_at > 0
         assert _rss_kb_of_mapping(os.getpid(), tier.arena.nbytes) * 1024 == tier.arena.nbytes
         deadline = time.monotonic() + TIMEOUT_S
-        while _rss_kb_of_mapping(tier.worker_pid, tier.arena.nbytes) * 1024 < tier.arena.nbytes:
+        while _rss_kb_of_mapping(tier.client.pid, tier.arena.nbytes) * 1024 < tier.arena.nbytes:
             assert time.monotonic() < deadline, "the worker did not map its spare banks"
             time.sleep(0.05)
     finally:

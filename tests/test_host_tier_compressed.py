@@ -182,11 +182,13 @@ def test_compressed_trajectory_is_bitwise_the_direct_steps_in_banks_and_files(nv
             spec_inp, final = with_amsgrad(spec_inp, amsgrad), with_amsgrad(final, amsgrad)
             before = [tier_state(nv, sg) for sg in range(len(NUMELS))]
             for sg in spec_sgs:
-                assert nv.speculate(sg, grads[sg], spec_inp[sg]), f"iteration {k}: subgroup {sg}"
-                assert host.speculate(sg, grads[sg], spec_inp[sg])
+                assert nv.stepping.speculate(sg, grads[sg], spec_inp[sg]), f"iteration {k}: subgroup {sg}"
+                assert host.stepping.speculate(sg, grads[sg], spec_inp[sg])
             steps = {sg: (grads[sg], final[sg]) for sg in step_sgs}
-            out = nv.finish(steps, overflow=overflow, on_commit=committer(params_nv, steps))
-            assert out == host.finish(steps, overflow=overflow, on_commit=committer(params_host, steps))
+            out = nv.stepping.finish(steps, overflow=overflow, on_commit=committer(params_nv, steps))
+            assert out == host.stepping.finish(
+                steps, overflow=overflow, on_commit=committer(params_host, steps)
+            )
             seen |= set(out.values())
             if overflow:  # exact rollback: nothing changed, bit for bit
                 for sg in range(len(NUMELS)):
@@ -251,14 +253,14 @@ def test_remainders_give_the_fp32_masters_bits_over_many_steps_in_banks_and_file
             overflow = step % 7 == 0
             for tier in (rem, full):
                 for sg, g in enumerate(grads):
-                    tier.speculate(sg, g, inp)
+                    tier.stepping.speculate(sg, g, inp)
             steps = {sg: (g, final) for sg, g in enumerate(grads)}
-            out = rem.finish(steps, overflow=overflow, on_commit=committer(params, steps))
+            out = rem.stepping.finish(steps, overflow=overflow, on_commit=committer(params, steps))
 
             def fp32_commit(sg, views):
                 copies[sg].copy_(views["param_copy"])
 
-            assert out == full.finish(steps, overflow=overflow, on_commit=fp32_commit)
+            assert out == full.stepping.finish(steps, overflow=overflow, on_commit=fp32_commit)
             check(f"step {step}")
         assert ties[0] > 0  # the tie rows above are exercised: those params do differ from the cast
 
@@ -275,21 +277,21 @@ def test_a_killed_worker_loses_nothing_with_compressed_state(monkeypatch, nvme_d
     params = model_params(states)
     tier = new_tier(numels, flags, nvme_dir, params=params, staging_slots=2, io_banks=2, **config)
     try:
-        first_pid = tier.worker_pid
+        first_pid = tier.client.pid
         load(tier, states)
         for step, (spec, change) in enumerate(((True, {}), (True, dict(lr=2e-3)), (False, {})), 1):
             grads = make_grads(numels, seed=40 + step)
             inp = inputs(step, amsgrad=True)
             if spec:
                 for sg, g in enumerate(grads):
-                    tier.speculate(sg, g, inp)
+                    tier.stepping.speculate(sg, g, inp)
             final = AdamInputs(**{**inp.__dict__, **change})
             steps = {sg: (g, final) for sg, g in enumerate(grads)}
-            tier.finish(steps, on_commit=committer(params, steps))
+            tier.stepping.finish(steps, on_commit=committer(params, steps))
             for s, g in zip(states, grads):
                 ref_step(s, g, final)
             assert_matches(tier, states, params, f"step {step}")
-        assert tier.stats["worker_restarts"] == 1 and tier.worker_pid != first_pid
+        assert tier.stats["worker_restarts"] == 1 and tier.client.pid != first_pid
         assert wait_gone(first_pid, 5)
     finally:
         tier.close()
@@ -404,7 +406,7 @@ def test_a_mixed_tier_keeps_fp32_masters_for_fp32_subgroups(nvme_dir):
                 if sg == 2:
                     params[2].copy_(views["param"])
 
-            tier.finish(steps, on_commit=on_commit)
+            tier.stepping.finish(steps, on_commit=on_commit)
             assert seen == {0: {"param_copy"}, 1: {"param_copy"}, 2: {"param", "param_copy"}}
             for s, g in zip(states, grads):
                 ref_step(s, g, inputs(step))
@@ -429,7 +431,7 @@ def test_remainders_on_a_tier_without_bf16_params_change_nothing():
             load(tier, states)
         grads = make_grads([n, n], seed=2)
         for tier in (rem, plain):
-            tier.finish({sg: (g, inputs(1)) for sg, g in enumerate(grads)})
+            tier.stepping.finish({sg: (g, inputs(1)) for sg, g in enumerate(grads)})
         for s, g in zip(states, grads):
             ref_step(s, g, inputs(1))
         assert_matches(rem, states, params, "fp32 tier with remainders=True")
@@ -473,8 +475,9 @@ def test_an_nvme_step_waits_for_the_high_half_copy_before_its_tasks_go(nvme_dir)
     tier = new_tier([n], [True], nvme_dir, params=params, staging_slots=4, **config)
     try:
         load(tier, states)
-        tier.remote_gather = False
-        tier.copy_stager = stager = _Stager()
+        tier.io.set_remote_gather(False)
+        stager = _Stager()
+        tier.io.use_stager(stager)
         sent, send = [], tier.client.send
 
         def logged(task, gather=()):
@@ -483,17 +486,17 @@ def test_an_nvme_step_waits_for_the_high_half_copy_before_its_tasks_go(nvme_dir)
 
         tier.client.send = logged
         grad = make_grads([n], seed=9)[0]
-        assert tier.speculate(0, grad, inputs(1))
+        assert tier.stepping.speculate(0, grad, inputs(1))
         assert len(stager.events) == 4  # the high half, then three pieces of grads
         for ev in stager.events[1:]:
             ev.complete()
-        tier.poll()
+        tier.io.poll()
         assert proto.OP_STEP not in sent and proto.OP_PING not in sent  # held behind the high half
         stager.events[0].complete()
-        tier.poll()
+        tier.io.poll()
         assert sent.count(proto.OP_STEP) == 3 and sent.index(proto.OP_PING) < sent.index(proto.OP_STEP)
         steps = {0: (grad, inputs(1))}
-        assert tier.finish(steps, on_commit=committer(params, steps)) == {0: "committed"}
+        assert tier.stepping.finish(steps, on_commit=committer(params, steps)) == {0: "committed"}
         ref_step(states[0], grad, inputs(1))
         assert_matches(tier, states, params, "after the async high half")
     finally:
@@ -528,9 +531,9 @@ def test_cuda_params_and_grads_with_remainders_match_the_direct_steps(nvme_dir):
             inp = inputs(step, amsgrad=True)
             final = inputs(step, amsgrad=True, grad_scale=0.5) if step == 3 else inp
             for sg, g in enumerate(grads):
-                tier.speculate(sg, g, inp, wait=False)
+                tier.stepping.speculate(sg, g, inp, wait=False)
             steps = {sg: (g, final) for sg, g in enumerate(grads)}
-            tier.finish(steps, overflow=step == 4, on_commit=committer(params, steps))
+            tier.stepping.finish(steps, overflow=step == 4, on_commit=committer(params, steps))
             if step != 4:
                 for s, g in zip(states, grads):
                     ref_step(s, g.cpu(), final)
@@ -588,7 +591,9 @@ def test_every_placement_steps_the_same_bits_through_clipping_overflow_and_a_kil
             nvme.on_nvme(sg) for sg in nvme.host_subgroups()
         )
         assert debug_view(opts["device"]).host is None
-        assert all(debug_view(opts["host"]).host.remainders) and all(debug_view(opts["nvme"]).host.remainders)
+        assert all(debug_view(opts["host"]).host.banks.remainders.values()) and all(
+            debug_view(opts["nvme"]).host.banks.remainders.values()
+        )
         for step in range(9):
             for name, params in runs.items():
                 opt, scaler = opts[name], scalers[name]
@@ -684,7 +689,7 @@ def test_a_mixed_fp32_bf16_model_with_amsgrad_steps_the_same_bits_at_every_place
             scalers[name] = torch.amp.GradScaler("cpu", init_scale=2.0**8, growth_interval=3)
             opts[name].attach_grad_scaler(scalers[name])
         for name in ("host", "nvme", "mix"):  # both kinds of master on one tier
-            assert set(debug_view(opts[name]).host.remainders) == {True, False}, name
+            assert set(debug_view(opts[name]).host.banks.remainders.values()) == {True, False}, name
         assert set(opts["mix"].plan.tiers) == {"device", "host", "nvme"}
         for step in range(8):
             for name, params in runs.items():

@@ -242,15 +242,15 @@ tier = HostTier(numels, slot_numel=4096, timeout_s=30.0)
 load(tier, make_states(numels))
 grads = make_grads(numels)
 for sg, g in enumerate(grads):  # the worker's thread pool runs
-    tier.speculate(sg, g, inputs(1))
-tier.finish({{sg: (g, inputs(1)) for sg, g in enumerate(grads)}})
+    tier.stepping.speculate(sg, g, inputs(1))
+tier.stepping.finish({{sg: (g, inputs(1)) for sg, g in enumerate(grads)}})
 trainer = {{}}
 for tid in os.listdir("/proc/self/task"):
     try:
         trainer[tid] = sorted(os.sched_getaffinity(int(tid)))
     except OSError:
         pass
-print(json.dumps(dict(worker=tier.worker_pid, worker_cores=tier.cores.worker,
+print(json.dumps(dict(worker=tier.client.pid, worker_cores=tier.cores.worker,
                       trainer_cores=tier.cores.trainer, trainer_threads=trainer)), flush=True)
 sys.stdin.readline()  # the test reads the worker's affinity meanwhile
 tier.close()

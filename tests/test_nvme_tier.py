@@ -211,8 +211,10 @@ def test_nvme_trajectory_is_bitwise_the_host_tiers_and_the_direct_steps(nvme_dir
                 spec_inp = {sg: AdamInputs(**{**i.__dict__, "amsgrad": True}) for sg, i in spec_inp.items()}
                 final = {sg: AdamInputs(**{**i.__dict__, "amsgrad": True}) for sg, i in final.items()}
             for sg in spec_sgs:
-                assert nv.speculate(sg, grads[sg], spec_inp[sg]), f"iteration {k}: nvme subgroup {sg}"
-                assert host.speculate(sg, grads[sg], spec_inp[sg])
+                assert nv.stepping.speculate(sg, grads[sg], spec_inp[sg]), (
+                    f"iteration {k}: nvme subgroup {sg}"
+                )
+                assert host.stepping.speculate(sg, grads[sg], spec_inp[sg])
             commits = {"nvme": {}, "host": {}}
 
             def recorder(name):
@@ -223,8 +225,8 @@ def test_nvme_trajectory_is_bitwise_the_host_tiers_and_the_direct_steps(nvme_dir
                 return on_commit
 
             steps = {sg: (grads[sg], final[sg]) for sg in step_sgs}
-            out = nv.finish(steps, overflow=overflow, on_commit=recorder("nvme"))
-            assert out == host.finish(steps, overflow=overflow, on_commit=recorder("host")), k
+            out = nv.stepping.finish(steps, overflow=overflow, on_commit=recorder("nvme"))
+            assert out == host.stepping.finish(steps, overflow=overflow, on_commit=recorder("host")), k
             outcomes.append(out)
             copies = {}
             if not overflow:
@@ -271,17 +273,17 @@ def test_a_dropped_step_leaves_the_committed_slot_and_state_bitwise_unchanged(nv
         inp = inputs(7, amsgrad=True, grad_scale=1 / 1024)
         for r, how in enumerate(("overflow", "not_in_steps")):
             grads = make_grads(numels, seed=2 + r, scale=1024.0)
-            slots = tier.file_slots
+            slots = tier.file_slots.committed
             committed = [slot_bytes(tier, sg, slots[sg]) for sg in range(len(numels))]
             other = [slot_bytes(tier, sg, 1 - slots[sg]) for sg in range(len(numels))]
             for sg, g in enumerate(grads):
-                assert tier.speculate(sg, g, inp)
+                assert tier.stepping.speculate(sg, g, inp)
             if how == "overflow":
-                assert tier.finish({}, overflow=True) == {0: "dropped", 1: "dropped"}
+                assert tier.stepping.finish({}, overflow=True) == {0: "dropped", 1: "dropped"}
             else:
-                assert tier.finish({}) == {0: "dropped", 1: "dropped"}
-            assert tier.speculated() == []
-            assert tier.file_slots == slots, f"{how}: the slot map flipped for a dropped step"
+                assert tier.stepping.finish({}) == {0: "dropped", 1: "dropped"}
+            assert tier.stepping.speculated() == []
+            assert tier.file_slots.committed == slots, f"{how}: the slot map flipped for a dropped step"
             for sg in range(len(numels)):
                 assert slot_bytes(tier, sg, slots[sg]) == committed[sg], (
                     f"{how}: subgroup {sg}'s committed slot was written"
@@ -291,7 +293,7 @@ def test_a_dropped_step_leaves_the_committed_slot_and_state_bitwise_unchanged(nv
             assert_tier_equals(tier, states, f"after the step dropped by {how}")
         # the step after the dropped ones starts from the original state
         grads = make_grads(numels, seed=9, scale=1024.0)
-        assert set(tier.finish({sg: (g, inp) for sg, g in enumerate(grads)}).values()) == {"stepped"}
+        assert set(tier.stepping.finish({sg: (g, inp) for sg, g in enumerate(grads)}).values()) == {"stepped"}
         for s, g in zip(states, grads):
             ref_step(s, g, inp)
         assert_tier_equals(tier, states, "the step after the dropped ones")
@@ -320,13 +322,13 @@ def test_redo_with_changed_inputs_is_bitwise_a_direct_step(nvme_dir, change):
         grads = make_grads(numels, seed=3)
         a = inputs(7, grad_version=(1, 1), amsgrad=True)
         b = AdamInputs(**{**a.__dict__, **change})
-        slots = tier.file_slots
+        slots = tier.file_slots.committed
         for sg, g in enumerate(grads):
-            assert tier.speculate(sg, g, a)
+            assert tier.stepping.speculate(sg, g, a)
         final = {sg: (g, b if "runs" not in change or sg == 1 else a) for sg, g in enumerate(grads)}
         expect = {sg: "redone" if final[sg][1] != a else "committed" for sg in final}
-        assert tier.finish(final) == expect
-        assert tier.file_slots == {sg: 1 - s for sg, s in slots.items()}, (
+        assert tier.stepping.finish(final) == expect
+        assert tier.file_slots.committed == {sg: 1 - s for sg, s in slots.items()}, (
             "commit and redo both flip the slot map"
         )
         for sg, (g, inp) in final.items():
@@ -348,8 +350,10 @@ def test_a_flipped_byte_in_a_committed_slot_fails_its_checksum_and_names_the_fil
         load(tier, states)
         g1, g2 = make_grads(numels, seed=4), make_grads(numels, seed=5)
         for sg, g in enumerate(g1):
-            assert tier.speculate(sg, g, inputs(1))
-        assert set(tier.finish({sg: (g, inputs(1)) for sg, g in enumerate(g1)}).values()) == {"committed"}
+            assert tier.stepping.speculate(sg, g, inputs(1))
+        assert set(tier.stepping.finish({sg: (g, inputs(1)) for sg, g in enumerate(g1)}).values()) == {
+            "committed"
+        }
         for s, g in zip(states, g1):
             ref_step(s, g, inputs(1))
         after1 = clone_states(states)
@@ -357,27 +361,27 @@ def test_a_flipped_byte_in_a_committed_slot_fails_its_checksum_and_names_the_fil
         for s, g in zip(after2, g2):
             ref_step(s, g, inputs(2))
 
-        path, slot = tier.swap.file(bad), tier.file_slots[bad]
+        path, slot = tier.swap.file(bad), tier.file_slots.committed[bad]
         k = 0 if where == "first_byte" else tier.io_bytes - 1  # the CRC covers the padding too
         flip_byte(path, slot * tier.io_bytes + k)
         # the control: a flipped byte in the slot nobody reads (the next step overwrites it)
-        flip_byte(tier.swap.file(0), (1 - tier.file_slots[0]) * tier.io_bytes + 7)
+        flip_byte(tier.swap.file(0), (1 - tier.file_slots.committed[0]) * tier.io_bytes + 7)
 
         with pytest.raises(WorkerError) as info:
             if speculated:  # the swap-in starts at once: its error may surface in speculate()
                 for sg, g in enumerate(g2):
-                    assert tier.speculate(sg, g, inputs(2))
-            tier.finish({sg: (g, inputs(2)) for sg, g in enumerate(g2)})
+                    assert tier.stepping.speculate(sg, g, inputs(2))
+            tier.stepping.finish({sg: (g, inputs(2)) for sg, g in enumerate(g2)})
         msg = str(info.value)
         assert "checksum mismatch" in msg and path in msg and f"slot {slot}" in msg, msg
         assert f"subgroup {bad}" in msg, msg
-        if tier.speculated():
+        if tier.stepping.speculated():
             # a failed speculate()/finish() keeps the other speculations for a retry; the
             # state is read once they are dropped
             with pytest.raises(RuntimeError, match="speculative step pending"):
-                tier.state(tier.speculated()[0])
-            tier.finish({}, overflow=True)
-        assert tier.speculated() == []
+                tier.state(tier.stepping.speculated()[0])
+            tier.stepping.finish({}, overflow=True)
+        assert tier.stepping.speculated() == []
         with pytest.raises(OSError, match="checksum mismatch") as info:
             tier.state(bad)
         assert path in str(info.value)
@@ -391,7 +395,7 @@ def test_a_flipped_byte_in_a_committed_slot_fails_its_checksum_and_names_the_fil
         # restored from a checkpoint, the subgroup steps on bitwise
         tier.load_state(bad, after1[bad]["p"], after1[bad]["m"], after1[bad]["v"])
         assert_state_equal(read_state(tier, bad), after1[bad], "restored")
-        assert tier.finish({bad: (g2[bad], inputs(2))}) == {bad: "stepped"}
+        assert tier.stepping.finish({bad: (g2[bad], inputs(2))}) == {bad: "stepped"}
         assert_state_equal(read_state(tier, bad), after2[bad], "restored, then stepped")
 
 
@@ -424,7 +428,7 @@ for sg, r in enumerate(refs):
     tier.load_state(sg, *r)
 grads = {s: [torch.randn(n, generator=gen) for n in numels] for s in range(1, 5)}
 def step(s):
-    return tier.finish({sg: (grads[s][sg], AdamInputs(s, 1e-3, 0.9, 0.999, 1e-8, 0.01))
+    return tier.stepping.finish({sg: (grads[s][sg], AdamInputs(s, 1e-3, 0.9, 0.999, 1e-8, 0.01))
                         for sg in range(len(numels))})
 step(1)
 for sg in range(len(numels)):
@@ -437,7 +441,7 @@ out["step1_ok"] = same(tier, refs)
 limit = io + 2 * PAGE
 hard = resource.getrlimit(resource.RLIMIT_FSIZE)[1]
 resource.setrlimit(resource.RLIMIT_FSIZE, (limit, hard))
-resource.prlimit(tier.worker_pid, resource.RLIMIT_FSIZE, (limit, hard))
+resource.prlimit(tier.client.pid, resource.RLIMIT_FSIZE, (limit, hard))
 out["limit"] = limit
 
 # a tier built now cannot size its memory or files
@@ -451,7 +455,7 @@ except Exception as e:
 
 out["failed_at"] = None
 for s in (2, 3, 4):
-    slots = tier.file_slots
+    slots = tier.file_slots.committed
     try:
         step(s)
     except Exception as e:
@@ -460,7 +464,7 @@ for s in (2, 3, 4):
         break
     for sg in range(len(numels)):
         ref_step(refs[sg], grads[s][sg], s)
-out["slot_map_kept"] = tier.file_slots == out.get("failed_slots")
+out["slot_map_kept"] = tier.file_slots.committed == out.get("failed_slots")
 out["files"] = [tier.swap.file(sg) for sg in range(len(numels))]
 out["intact_after_failure"] = same(tier, refs)
 
@@ -474,7 +478,7 @@ out["intact_after_load_error"] = same(tier, refs)
 
 # space again: the failed step is taken again and lands bitwise
 resource.setrlimit(resource.RLIMIT_FSIZE, (hard, hard))
-resource.prlimit(tier.worker_pid, resource.RLIMIT_FSIZE, (hard, hard))
+resource.prlimit(tier.client.pid, resource.RLIMIT_FSIZE, (hard, hard))
 s = out["failed_at"]
 if s is not None:
     out["retry"] = sorted(set(step(s).values()))
@@ -614,10 +618,10 @@ def test_a_bad_nvme_path_fails_at_construction_before_any_worker_starts(nvme_dir
 # ------------------------------------------------------------------ 6. nothing left behind
 def test_close_leaves_nothing_in_nvme_path_and_is_idempotent(nvme_dir):
     tier = new_tier([1000, 9000], [True, True], nvme_dir, amsgrad=True)
-    pid, d = tier.worker_pid, tier.swap.path
+    pid, d = tier.client.pid, tier.swap.path
     grads = make_grads(list(tier.numels.values()), seed=6)
     for sg, g in enumerate(grads):
-        tier.speculate(sg, g, inputs(1, amsgrad=True))  # left pending: close() must cope
+        tier.stepping.speculate(sg, g, inputs(1, amsgrad=True))  # left pending: close() must cope
     tier.close()
     tier.close()
     assert os.listdir(nvme_dir) == [] and not os.path.exists(d)
@@ -645,7 +649,7 @@ from hybrid_opt.tiers.host import HostTier
 # two tiers: the test kills b's worker first, so only a's worker is left to clean up
 a = HostTier([1000, 3000], nvme=[True, True], nvme_path=sys.argv[1], slot_numel=4096)
 b = HostTier([1000, 3000], nvme=[True, False], nvme_path=sys.argv[1], slot_numel=4096)
-print(a.swap.path, a.worker_pid, b.swap.path, b.worker_pid, flush=True)
+print(a.swap.path, a.client.pid, b.swap.path, b.client.pid, flush=True)
 time.sleep(120)  # killed long before this ends
 """
 
@@ -691,7 +695,7 @@ def test_a_killed_trainers_directory_is_removed_by_its_worker_or_swept_at_the_ne
         os.mkdir(fake)
         with open(os.path.join(fake, "sg0.state"), "wb") as f:
             f.write(b"\0" * 4096)
-        alive = os.path.join(nvme_dir, f"{PREFIX}{tiers[0].worker_pid}-abc")  # a live process
+        alive = os.path.join(nvme_dir, f"{PREFIX}{tiers[0].client.pid}-abc")  # a live process
         keep = [alive, os.path.join(nvme_dir, f"{PREFIX}notapid"), os.path.join(nvme_dir, "keep-me")]
         for d in keep:
             os.mkdir(d)
@@ -733,7 +737,7 @@ def test_a_killed_worker_is_replaced_and_the_nvme_trajectory_is_bitwise_unchange
     monkeypatch.setenv(FAULT_ENV, fault)
     tier = new_tier(FAULT_NUMELS, FAULT_NVME, nvme_dir, amsgrad=True, staging_slots=2, io_banks=io_banks)
     try:
-        first_pid, swap_dir = tier.worker_pid, tier.swap.path
+        first_pid, swap_dir = tier.client.pid, tier.swap.path
         states = make_states(FAULT_NUMELS, amsgrad=True, seed=7)
         load(tier, states)
         outcomes = []
@@ -743,16 +747,16 @@ def test_a_killed_worker_is_replaced_and_the_nvme_trajectory_is_bitwise_unchange
             inp = inputs(step, amsgrad=True)
             if spec:
                 for sg, g in enumerate(grads):
-                    tier.speculate(sg, g, inp)  # False when the bank pool is spent
+                    tier.stepping.speculate(sg, g, inp)  # False when the bank pool is spent
             final = AdamInputs(**{**inp.__dict__, **change})
-            outcomes.append(tier.finish({sg: (g, final) for sg, g in enumerate(grads)}))
+            outcomes.append(tier.stepping.finish({sg: (g, final) for sg, g in enumerate(grads)}))
             for s, g in zip(states, grads):
                 ref_step(s, g, final)
             assert_tier_equals(tier, states, f"{fault}: step {step}")
         if io_banks == 4:
             assert [set(o.values()) for o in outcomes] == [{"committed"}, {"redone"}, {"stepped"}]
         assert tier.stats["worker_restarts"] == 1
-        assert tier.worker_pid != first_pid and wait_gone(first_pid, 5.0)
+        assert tier.client.pid != first_pid and wait_gone(first_pid, 5.0)
         assert sorted(os.listdir(swap_dir)) == [".owner.lock", "sg0.state", "sg1.state"]
     finally:
         tier.close()
@@ -771,23 +775,23 @@ def test_inverse_mode_nvme_speculations_survive_a_killed_worker_bitwise(nvme_dir
         states = make_states(numels, seed=23)
         load(tier, states)
         grads = make_grads(numels, seed=23)
-        old = tier.worker_pid
+        old = tier.client.pid
         os.kill(old, signal.SIGSTOP)  # every task of the speculation is still queued at the kill
-        assert all(tier.speculate(sg, g, inputs(1)) for sg, g in enumerate(grads))
+        assert all(tier.stepping.speculate(sg, g, inputs(1)) for sg, g in enumerate(grads))
         os.kill(old, signal.SIGKILL)
         assert wait_gone(old, 5.0)
         steps = {sg: (g, inputs(1)) for sg, g in enumerate(grads)}
         t0 = time.monotonic()
         if len(nvme) == 3:
             with pytest.raises(TornState, match=r"SIGKILL.*subgroups \[2\] may be torn"):
-                tier.finish(steps)
+                tier.stepping.finish(steps)
             del steps[2]
-        assert tier.finish(steps) == {0: "committed", 1: "committed"}
+        assert tier.stepping.finish(steps) == {0: "committed", 1: "committed"}
         assert time.monotonic() - t0 < 4.0
         for sg in (0, 1):
             ref_step(states[sg], grads[sg], inputs(1))
             assert_state_equal(read_state(tier, sg), states[sg], f"subgroup {sg}")
-        assert tier.stats["worker_restarts"] == 1 and tier.speculated() == []
+        assert tier.stats["worker_restarts"] == 1 and tier.stepping.speculated() == []
     finally:
         tier.close()
 
@@ -927,11 +931,11 @@ def test_a_worker_configuration_over_a_command_lines_limit_reaches_the_worker(nv
     tier = new_tier([100], [True], nvme_dir)
     try:
         tier.client.layout["padding"] = "x" * (200 * 1024)  # read at each launch: a restart
-        old = tier.worker_pid
+        old = tier.client.pid
         os.kill(old, signal.SIGKILL)
         assert wait_gone(old, 5.0)
         tier.client.restart()
-        assert tier.worker_pid != old and tier.client.ping(timeout_s=30.0) is not None
+        assert tier.client.pid != old and tier.client.ping(timeout_s=30.0) is not None
     finally:
         tier.close()
 
@@ -1156,9 +1160,9 @@ def test_an_nvme_file_removed_from_outside_keeps_its_state_and_says_so(nvme_dir,
 def _worker_has_the_trainers_files(tier):
     """Each nvme file's descriptor in the worker is the trainer's own open file (inherited:
     the same inode, removed or not), with the trainer's O_DIRECT flag."""
-    pid = tier.worker_pid
+    pid = tier.client.pid
     for sg in [s for s in range(len(tier.numels)) if tier.nvme[s]]:
-        fd = tier._fds.fd(sg)
+        fd = tier.files.fd(sg)
         assert os.path.samestat(os.stat(f"/proc/{pid}/fd/{fd}"), os.fstat(fd)), f"subgroup {sg}"
         with open(f"/proc/{pid}/fdinfo/{fd}") as f:
             flags = int(next(ln for ln in f if ln.startswith("flags:")).split()[1], 8)
@@ -1180,7 +1184,7 @@ def test_a_worker_restarted_after_the_nvme_files_were_removed_from_outside_steps
         monkeypatch.setenv(FAULT_ENV, fault)
     tier = new_tier(FAULT_NUMELS, FAULT_NVME, nvme_dir, amsgrad=True, staging_slots=2)
     try:
-        first_pid = tier.worker_pid
+        first_pid = tier.client.pid
         _worker_has_the_trainers_files(tier)
         states = make_states(FAULT_NUMELS, amsgrad=True, seed=11)
         load(tier, states)
@@ -1192,7 +1196,9 @@ def test_a_worker_restarted_after_the_nvme_files_were_removed_from_outside_steps
                     assert wait_gone(first_pid, 5.0)
             grads = make_grads(FAULT_NUMELS, seed=40 + step)
             inp = inputs(step, amsgrad=True)
-            assert set(tier.finish({sg: (g, inp) for sg, g in enumerate(grads)}).values()) == {"stepped"}
+            assert set(tier.stepping.finish({sg: (g, inp) for sg, g in enumerate(grads)}).values()) == {
+                "stepped"
+            }
             for s, g in zip(states, grads):
                 ref_step(s, g, inp)
             # the first read of a removed file warns, once per file
@@ -1200,7 +1206,7 @@ def test_a_worker_restarted_after_the_nvme_files_were_removed_from_outside_steps
             with warned if step == 2 else ExitStack():
                 assert_tier_equals(tier, states, f"{fault}: step {step}")
         assert tier.stats["worker_restarts"] == 1
-        assert tier.worker_pid != first_pid and wait_gone(first_pid, 5.0)
+        assert tier.client.pid != first_pid and wait_gone(first_pid, 5.0)
         _worker_has_the_trainers_files(tier)
     finally:
         tier.close()
@@ -1222,7 +1228,7 @@ def test_nvme_files_removed_from_outside_survive_a_killed_worker_and_a_checkpoin
                     os.unlink(os.path.join(host.swap.path, name))
         else:
             shutil.rmtree(host.swap.path)
-        old = host.worker_pid
+        old = host.client.pid
         os.kill(old, signal.SIGKILL)
         assert wait_gone(old, 5.0)
         with pytest.warns(RuntimeWarning, match="removed or replaced from outside"):
@@ -1230,7 +1236,7 @@ def test_nvme_files_removed_from_outside_survive_a_killed_worker_and_a_checkpoin
                 for o, ps in ((opt, params), (twin, twin_params)):
                     _grad_step(o, ps, seed)
             _assert_state_is(opt, _snapshot(twin), "after the files were removed and the worker killed")
-        assert host.stats["worker_restarts"] == 1 and host.worker_pid != old
+        assert host.stats["worker_restarts"] == 1 and host.client.pid != old
         for a, b in zip(params, twin_params):
             assert torch.equal(a, b)
         ckpt = copy.deepcopy(opt.state_dict())
@@ -1257,9 +1263,9 @@ def test_a_worker_whose_request_pipe_is_numbered_past_select_waits_on_a_low_dupl
         held.extend(os.open(os.devnull, os.O_RDONLY) for _ in range(1100))
         tier = new_tier([100, 100], [True, True], nvme_dir)
         reads = []  # the worker's pipe descriptors opened for reading: its request pipe
-        for fd in os.listdir(f"/proc/{tier.worker_pid}/fd"):
-            if os.readlink(f"/proc/{tier.worker_pid}/fd/{fd}").startswith("pipe:"):
-                with open(f"/proc/{tier.worker_pid}/fdinfo/{fd}") as f:
+        for fd in os.listdir(f"/proc/{tier.client.pid}/fd"):
+            if os.readlink(f"/proc/{tier.client.pid}/fd/{fd}").startswith("pipe:"):
+                with open(f"/proc/{tier.client.pid}/fdinfo/{fd}") as f:
                     flags = int(next(line for line in f if line.startswith("flags:")).split()[1], 8)
                 if flags & os.O_ACCMODE == os.O_RDONLY:
                     reads.append(int(fd))
@@ -1299,7 +1305,7 @@ def test_many_nvme_files_are_numbered_past_select_leaving_the_low_numbers_free(n
         load(tier, states)
         grads = make_grads([64] * 300, seed=4)
         inp = inputs(1)
-        assert set(tier.finish({sg: (g, inp) for sg, g in enumerate(grads)}).values()) == {"stepped"}
+        assert set(tier.stepping.finish({sg: (g, inp) for sg, g in enumerate(grads)}).values()) == {"stepped"}
         for s, g in zip(states, grads):
             ref_step(s, g, inp)
         assert_tier_equals(tier, states, "300 files numbered past select's range")

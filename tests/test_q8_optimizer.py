@@ -501,11 +501,11 @@ def test_nvme_slot_checksums_cover_codes_and_absmaxes(region, tmp_path):
         view = debug_view(opt)
         host = view.host
         sg = next(k for k in view.host_subgroups() if view.host_quantized(k) and view.on_nvme(k))
-        assert host.region_offset(region) < host.io_bytes  # inside the block a swap moves
+        assert host.banks.region_offset(region) < host.io_bytes  # inside the block a swap moves
         opt.state_dict()  # reads back whole before the flip
         path, slot = view.nvme_file(sg), view.file_slot(sg)
         with open(path, "r+b") as f:
-            f.seek(slot * host.io_bytes + host.region_offset(region) + 1)
+            f.seek(slot * host.io_bytes + host.banks.region_offset(region) + 1)
             b = f.read(1)
             f.seek(-1, 1)
             f.write(bytes([b[0] ^ 0x10]))

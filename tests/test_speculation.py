@@ -144,7 +144,7 @@ def run(train, speculative, *, model=make_mlp, params=None, **kw) -> Run:
         extra = train(net, opt, log) or {}
         if debug_view(opt).host is not None:
             extra.setdefault("remote_gathered", debug_view(opt).host_stats["remote_gathered"])
-            extra.setdefault("remote_gather", debug_view(opt).host.remote_gather)
+            extra.setdefault("remote_gather", debug_view(opt).host.io.remote_gather)
             extra.setdefault("shared", debug_view(opt).host.cores.shared)
         state = opt.state_dict()
         n_host = sum(1 for t in opt.plan.tiers if t != "device")
@@ -332,7 +332,7 @@ def test_a_parameter_spanning_many_subgroups_has_them_all_speculated():
     assert spec.n_host == 17
     assert_all(spec, committed=17, redone=0, stepped=0, dropped=0)
     with hybrid(make_wide().parameters(), True, spare_banks=64) as opt:
-        assert len(debug_view(opt).host.slots) == 17
+        assert len(debug_view(opt).host.io.slots) == 17
 
 
 def test_staging_slots_cover_the_largest_burst_within_bounds():
@@ -572,7 +572,7 @@ def test_gradient_accumulation(annotated):
                     opt.set_gradient_accumulation_boundary(k == MICRO - 1)
                 (loss_fn(net, BATCHES[MICRO * i + k]) / MICRO).backward()
                 if opt.speculative:  # what the host tier holds unvalidated after this micro-batch
-                    pending.append(len(debug_view(opt).host.speculated()))
+                    pending.append(len(debug_view(opt).host.stepping.speculated()))
             step(opt, log)
 
     spec = compare(train, offload=0.7)
@@ -719,7 +719,7 @@ def fault_loop(fault, raised):
                 state0 = opt.state_dict()
                 if fault == "hook":
                     calls = []
-                    real = debug_view(opt).host.speculate
+                    real = debug_view(opt).host.stepping.speculate
 
                     def speculate(*a, **kw):
                         calls.append(1)
@@ -727,10 +727,10 @@ def fault_loop(fault, raised):
                             raise OSError("injected staging failure")
                         return real(*a, **kw)
 
-                    debug_view(opt).host.speculate = speculate
+                    debug_view(opt).host.stepping.speculate = speculate
                 loss_fn(net, batch).backward()  # must not raise, whatever a hook hit
                 if fault == "hook":
-                    del debug_view(opt).host.speculate
+                    del debug_view(opt).host.stepping.speculate
                 with pytest.raises(RuntimeError) as err:
                     opt.step()
                 raised.append(str(err.value))
@@ -778,15 +778,15 @@ def test_a_speculation_error_comes_first_and_is_not_left_for_the_next_step():
         def speculate(*a, **kw):
             raise OSError("injected staging failure")
 
-        debug_view(opt).host.speculate = speculate
+        debug_view(opt).host.stepping.speculate = speculate
         loss_fn(net, batches[1]).backward()
-        del debug_view(opt).host.speculate
+        del debug_view(opt).host.stepping.speculate
         lr = opt.param_groups[0]["lr"]
         opt.param_groups[0]["lr"] = torch.tensor([lr, lr])  # refused by the input checks too
         params0 = [p.detach().clone() for p in net.parameters()]
         with pytest.raises(RuntimeError, match="a speculative host step during backward failed"):
             opt.step()
-        assert debug_view(opt).speculation_error is None and not debug_view(opt).host.speculated()
+        assert debug_view(opt).speculation_error is None and not debug_view(opt).host.stepping.speculated()
         assert all(torch.equal(a, b) for a, b in zip(params0, net.parameters()))
         opt.param_groups[0]["lr"] = lr
         opt.zero_grad()

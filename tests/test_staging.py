@@ -81,16 +81,16 @@ def steps_sent(sent):
 def assert_committed_state_still_steps(tier, states, grads) -> None:
     """After an abandoned launch the committed state is untouched and subgroup 0 still steps
     (synchronously, no stager) bitwise like the reference."""
-    tier.copy_stager = None
-    assert tier.step(0, grads[0], inputs()) == "stepped"
+    tier.io.use_stager(None)
+    assert tier.stepping.step(0, grads[0], inputs()) == "stepped"
     ref_step(states[0], grads[0], inputs())
     assert_bitwise_equal(tier.master(0), states[0]["p"], "param after the abandoned launch")
 
 
 def async_tier(numels, **kw):
     tier = HostTier(list(numels), slot_numel=SLOT, staging_slots=8, timeout_s=TIMEOUT_S, **kw)
-    tier.remote_gather = False  # the worker would read CPU grads itself, bypassing staging
-    tier.copy_stager = FakeStager()
+    tier.io.set_remote_gather(False)  # the worker would read CPU grads itself, bypassing staging
+    tier.io.use_stager(FakeStager())
     return tier
 
 
@@ -102,34 +102,34 @@ def test_pieces_go_to_the_worker_only_once_their_copies_landed_and_in_order():
     try:
         load(tier, states)
         sent = spy_sends(tier)
-        free_before = tier.free_slots
-        assert tier.speculate(0, grads[0], inputs(), wait=False)
-        assert tier.speculate(1, grads[1], inputs(), wait=False)
-        events = tier.copy_stager.events
+        free_before = tier.io.free_slots
+        assert tier.stepping.speculate(0, grads[0], inputs(), wait=False)
+        assert tier.stepping.speculate(1, grads[1], inputs(), wait=False)
+        events = tier.io.copy_stager.events
         order = [(0, 0), (0, SLOT), (0, 2 * SLOT), (1, 0), (1, SLOT)]
-        assert len(events) == len(order) and tier.copies_in_flight() == len(order)
-        tier.poll()
-        assert steps_sent(sent) == [] and tier.pieces_in_flight == 0, "sent before any copy landed"
+        assert len(events) == len(order) and tier.io.copies_in_flight() == len(order)
+        tier.io.poll()
+        assert steps_sent(sent) == [] and tier.io.pieces_in_flight == 0, "sent before any copy landed"
         # every queued piece holds its slot: none can be reused before the worker is done
-        assert tier.free_slots == free_before - len(order)
+        assert tier.io.free_slots == free_before - len(order)
 
         events[1].complete()  # out of order: the first piece still blocks the rest
-        tier.poll()
+        tier.io.poll()
         assert steps_sent(sent) == []
         events[0].complete()
-        tier.poll()
+        tier.io.poll()
         assert steps_sent(sent) == order[:2]
         events[4].complete()
         events[2].complete()
-        tier.poll()
+        tier.io.poll()
         assert steps_sent(sent) == order[:3]  # piece 3 has not landed: 4 waits behind it
 
         # finish() (step()) waits for the rest itself
-        outcome = tier.finish({sg: (grads[sg], inputs()) for sg in range(2)})
+        outcome = tier.stepping.finish({sg: (grads[sg], inputs()) for sg in range(2)})
         assert outcome == {0: "committed", 1: "committed"}
         assert steps_sent(sent) == order
         assert events[3].synchronized and all(e.done for e in events)
-        assert tier.copies_in_flight() == 0 and tier.free_slots == free_before
+        assert tier.io.copies_in_flight() == 0 and tier.io.free_slots == free_before
         for sg in range(2):
             ref_step(states[sg], grads[sg], inputs())
             for k, name in (("p", "param"), ("m", "exp_avg"), ("v", "exp_avg_sq")):
@@ -145,18 +145,18 @@ def test_poll_if_copying_sends_the_pieces_that_landed_and_is_idle_without_copies
     try:
         load(tier, states)
         sent = spy_sends(tier)
-        tier.poll_if_copying()  # nothing copying: nothing to do
-        assert tier.speculate(0, grads[0], inputs(), wait=False)
-        events = tier.copy_stager.events
-        tier.poll_if_copying()
-        assert steps_sent(sent) == [] and tier.copies_in_flight() == 2
+        tier.io.poll_if_copying()  # nothing copying: nothing to do
+        assert tier.stepping.speculate(0, grads[0], inputs(), wait=False)
+        events = tier.io.copy_stager.events
+        tier.io.poll_if_copying()
+        assert steps_sent(sent) == [] and tier.io.copies_in_flight() == 2
         events[0].complete()
-        tier.poll_if_copying()  # what a grad hook calls: copies_in_flight() + poll()
-        assert steps_sent(sent) == [(0, 0)] and tier.copies_in_flight() == 1
+        tier.io.poll_if_copying()  # what a grad hook calls: copies_in_flight() + poll()
+        assert steps_sent(sent) == [(0, 0)] and tier.io.copies_in_flight() == 1
         events[1].complete()
-        tier.poll_if_copying()
-        assert steps_sent(sent) == [(0, 0), (0, SLOT)] and tier.copies_in_flight() == 0
-        assert tier.finish({0: (grads[0], inputs())}) == {0: "committed"}
+        tier.io.poll_if_copying()
+        assert steps_sent(sent) == [(0, 0), (0, SLOT)] and tier.io.copies_in_flight() == 0
+        assert tier.stepping.finish({0: (grads[0], inputs())}) == {0: "committed"}
         ref_step(states[0], grads[0], inputs())
         assert_bitwise_equal(tier.master(0), states[0]["p"], "param after poll_if_copying")
     finally:
@@ -167,20 +167,20 @@ def test_a_failed_launch_never_sends_its_queued_pieces_and_frees_their_slots_onc
     numels = [3 * SLOT]
     states, grads = make_states(numels), make_grads(numels)
     tier = async_tier(numels, spare_banks=1)
-    tier.copy_stager = FakeStager(fail_at=1)  # the second piece's copy fails
+    tier.io.use_stager(FakeStager(fail_at=1))  # the second piece's copy fails
     try:
         load(tier, states)
         sent = spy_sends(tier)
-        free_before = tier.free_slots
+        free_before = tier.io.free_slots
         with pytest.raises(RuntimeError, match="injected copy failure"):
-            tier.speculate(0, grads[0], inputs(), wait=False)
-        assert tier.speculated() == []
-        first = tier.copy_stager.events[0]
+            tier.stepping.speculate(0, grads[0], inputs(), wait=False)
+        assert tier.stepping.speculated() == []
+        first = tier.io.copy_stager.events[0]
         # the first piece's copy may still be writing its slot: the slot stays out of the ring
-        assert tier.free_slots == free_before - 1
+        assert tier.io.free_slots == free_before - 1
         first.complete()
-        tier.poll()
-        assert tier.free_slots == free_before and tier.copies_in_flight() == 0
+        tier.io.poll()
+        assert tier.io.free_slots == free_before and tier.io.copies_in_flight() == 0
         assert steps_sent(sent) == [], "a piece of an abandoned step reached the worker"
         # the committed state is untouched and the tier still steps (synchronously now)
         assert_committed_state_still_steps(tier, states, grads)
@@ -195,17 +195,17 @@ def test_an_inverse_mode_launch_failing_mid_subgroup_frees_no_slot_a_copy_still_
     numels = [3 * SLOT]
     states, grads = make_states(numels), make_grads(numels)
     tier = async_tier(numels, rollback="inverse")
-    tier.copy_stager = FakeStager(fail_at=1)
+    tier.io.use_stager(FakeStager(fail_at=1))
     try:
         load(tier, states)
         sent = spy_sends(tier)
-        free_before = tier.free_slots
+        free_before = tier.io.free_slots
         with pytest.raises(RuntimeError, match="injected copy failure"):
-            tier.speculate(0, grads[0], inputs(), wait=False)
-        first = tier.copy_stager.events[0]
+            tier.stepping.speculate(0, grads[0], inputs(), wait=False)
+        first = tier.io.copy_stager.events[0]
         assert first.synchronized and first.done, "the slot was freed while its copy was in flight"
-        assert tier.free_slots == free_before and tier.copies_in_flight() == 0
-        assert steps_sent(sent) == [] and tier.speculated() == []
+        assert tier.io.free_slots == free_before and tier.io.copies_in_flight() == 0
+        assert steps_sent(sent) == [] and tier.stepping.speculated() == []
         assert_committed_state_still_steps(tier, states, grads)
     finally:
         tier.close()
@@ -219,17 +219,17 @@ def test_inverse_mode_checks_finiteness_once_the_copies_landed():
     try:
         load(tier, states)
         sent = spy_sends(tier)
-        assert tier.speculate(0, grads[0], inputs(), wait=False)
-        assert tier.speculate(1, grads[1], inputs(), wait=False)
+        assert tier.stepping.speculate(0, grads[0], inputs(), wait=False)
+        assert tier.stepping.speculate(1, grads[1], inputs(), wait=False)
         assert steps_sent(sent) == []  # checked as a whole subgroup: nothing before all landed
-        for ev in tier.copy_stager.events[:2]:
+        for ev in tier.io.copy_stager.events[:2]:
             ev.complete()
-        tier.poll()
+        tier.io.poll()
         assert steps_sent(sent) == [(0, 0), (0, SLOT)]
-        tier.copy_stager.events[2].complete()
-        tier.poll()
+        tier.io.copy_stager.events[2].complete()
+        tier.io.poll()
         assert steps_sent(sent) == [(0, 0), (0, SLOT)]  # subgroup 1's grads are not finite
-        outcome = tier.finish({0: (grads[0], inputs())}, overflow=False)
+        outcome = tier.stepping.finish({0: (grads[0], inputs())}, overflow=False)
         assert outcome[0] == "committed"
         ref_step(states[0], grads[0], inputs())
         assert_bitwise_equal(tier.master(0), states[0]["p"], "inverse-mode speculated param")
@@ -251,18 +251,18 @@ def test_a_refused_speculation_still_hands_over_the_pieces_whose_copies_landed(s
         timeout_s=TIMEOUT_S,
         spare_banks=1 if short_of == "bank" else 2,
     )
-    tier.remote_gather = False
-    tier.copy_stager = FakeStager()
+    tier.io.set_remote_gather(False)
+    tier.io.use_stager(FakeStager())
     try:
         load(tier, states)
         sent = spy_sends(tier)
-        assert tier.speculate(0, grads[0], inputs(), wait=False)
-        for event in tier.copy_stager.events:
+        assert tier.stepping.speculate(0, grads[0], inputs(), wait=False)
+        for event in tier.io.copy_stager.events:
             event.complete()  # subgroup 0's staging copies have landed, none sent yet
         assert steps_sent(sent) == []
-        assert tier.speculate(1, grads[1], inputs(), wait=False) is False  # 2 slots free of 3
-        assert steps_sent(sent) == [(0, 0), (0, SLOT)] and tier.copies_in_flight() == 0
-        assert tier.finish({sg: (g, inputs()) for sg, g in enumerate(grads)}) == {
+        assert tier.stepping.speculate(1, grads[1], inputs(), wait=False) is False  # 2 slots free of 3
+        assert steps_sent(sent) == [(0, 0), (0, SLOT)] and tier.io.copies_in_flight() == 0
+        assert tier.stepping.finish({sg: (g, inputs()) for sg, g in enumerate(grads)}) == {
             0: "committed",
             1: "stepped",
         }
@@ -277,8 +277,8 @@ def test_close_lets_copies_in_flight_land_before_the_arena_goes():
     numels = [SLOT]
     tier = async_tier(numels, spare_banks=1)
     load(tier, make_states(numels))
-    assert tier.speculate(0, make_grads(numels)[0], inputs(), wait=False)
-    (event,) = tier.copy_stager.events
+    assert tier.stepping.speculate(0, make_grads(numels)[0], inputs(), wait=False)
+    (event,) = tier.io.copy_stager.events
     tier.close()
     assert event.synchronized and event.done
 
@@ -314,8 +314,9 @@ def train(speculative, rollback="exact", steps=4, complete_in_hooks=False):
         tier = debug_view(opt).host
         stager = None
         if speculative:
-            tier.remote_gather = False
-            stager = tier.copy_stager = FakeStager()
+            tier.io.set_remote_gather(False)
+            stager = FakeStager()
+            tier.io.use_stager(stager)
             sent, send = [], tier.client.send
 
             def checked_send(task, gather=()):
@@ -341,7 +342,7 @@ def train(speculative, rollback="exact", steps=4, complete_in_hooks=False):
             ((net(x) - y) ** 2).mean().backward()
             if speculative:
                 before = len(sent)
-                log.append(dict(in_flight=tier.copies_in_flight(), sent_in_backward=before))
+                log.append(dict(in_flight=tier.io.copies_in_flight(), sent_in_backward=before))
                 sent.clear()
             opt.step()
             if speculative:

@@ -168,7 +168,7 @@ def _cpu_adam_gbps(threads: int, bank: bool) -> float:
 
 def _host_tier_gelems(worker_share: float | None) -> float:
     """G elements/s of a real host tier's worker: two subgroups stepped a few times, as steps
-    the trainer waits for (HostTier.finish)."""
+    the trainer waits for (HostStepping.finish)."""
     from hybrid_opt.tiers.host import AdamInputs, HostTier
 
     n = MEASURE_NUMEL
@@ -179,9 +179,11 @@ def _host_tier_gelems(worker_share: float | None) -> float:
             tier.load_state(k, torch.rand(n))
         rates = []
         for step in range(1, REPS + 2):
-            before = sum(tier.worker_seconds.values())
-            tier.finish({k: (grads[k], AdamInputs(step, 1e-3, 0.9, 0.999, 1e-8, 0.01)) for k in range(2)})
-            rates.append(2 * n / max(1e-9, sum(tier.worker_seconds.values()) - before))
+            before = sum(tier.io.worker_seconds.values())
+            tier.stepping.finish(
+                {k: (grads[k], AdamInputs(step, 1e-3, 0.9, 0.999, 1e-8, 0.01)) for k in range(2)}
+            )
+            rates.append(2 * n / max(1e-9, sum(tier.io.worker_seconds.values()) - before))
     finally:
         tier.close()
     return max(rates[1:]) / 1e9  # the first step touches fresh pages

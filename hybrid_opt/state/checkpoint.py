@@ -583,7 +583,7 @@ def scatter_state(layout, placement, sources: dict) -> None:
 
     try:
         for sg in nvme:
-            if host.remainders[sg.index] and _writes_params(sg, sources):
+            if host.banks.keeps_remainders(sg.index) and _writes_params(sg, sources):
                 highs[sg.index] = (sg, sg.read().clone())
             host.fill_state(sg.index, fill(sg))
     except BaseException as e:

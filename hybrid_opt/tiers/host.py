@@ -2,8 +2,10 @@
 worker process, speculatively during backward, with exact or inverse rollback.
 
 `HostTier` owns construction (arena, worker, nvme files), views of the committed state,
-state()/load_state() and close(), and the parts it is made of: StateBanks (compressed.py), HostIO
-(host_io.py), HostStepping (host_step.py), NvmeFiles and FileSlots (nvme_files.py)."""
+state()/load_state() and close(), and the parts it is made of, which callers reach as its
+read-only attributes: `banks` StateBanks (compressed.py), `io` HostIO (host_io.py), `stepping`
+HostStepping (host_step.py), `views` HostViews (host_views.py), `files` NvmeFiles and
+`file_slots` FileSlots (nvme_files.py), `pool` BankPool (banks.py), `client` WorkerClient."""
 
 from __future__ import annotations
 
@@ -42,9 +44,14 @@ def _moment_code(dtype) -> int:
 
 class HostTier:
     """Subgroups' optimizer state in shared memory, stepped by a worker process (module
-    docstring); it owns its parts: speculation in HostStepping, staging and worker traffic in
-    HostIO, the banks' layout and remainders in StateBanks (tiers/compressed.py), the nvme
-    files' slot map in FileSlots.
+    docstring); it owns its parts, each a read-only attribute its callers use directly:
+    `stepping` (HostStepping: speculate, finish, step, drop, piece_stats), `io` (HostIO: staging
+    and worker traffic, poll, worker_seconds), `banks` (StateBanks, tiers/compressed.py: the
+    banks' layout, views and remainders), `pool` (BankPool), `views` (HostViews), `file_slots`
+    (FileSlots: the nvme files' committed slots), `files` (NvmeFiles, or None without nvme) and
+    `client` (the WorkerClient). What stays here works across parts: construction, the state
+    (state, load_state, fill_state, master, moments, param_copy), moves of nvme state, counters
+    (stats) and close().
 
     exp_avg_dtype / exp_avg_sq_dtype: each torch.float32 or torch.bfloat16 (`moment_dtype`:
     the older name, setting both). remainders=True: each subgroup whose `params` entry is bf16
@@ -217,7 +224,7 @@ class HostTier:
             )
         # its pages reserved and populated below, once the worker is starting (fill())
         self.arena = SharedArena(lay.nbytes, "hybrid_opt-host", later=later, defer=True)
-        self._banks = StateBanks(
+        self.banks = StateBanks(
             self.arena,
             numels=self.numels,
             fmt=fmt,
@@ -248,14 +255,14 @@ class HostTier:
             quantized=[sg for sg, q in sg_quantized.items() if q],
             populate_later=later,
         )  # the worker maps these in the background
-        self._files = FileSlots(ids)  # nvme: the committed slot of each subgroup's file
+        self.file_slots = FileSlots(ids)  # nvme: the committed slot of each subgroup's file
         self._aio = None  # the trainer's own engine (load_state / state)
-        self._fds = None  # nvme: the trainer's descriptors (nvme_files.py)
+        self.files = None  # nvme: the trainer's descriptors (nvme_files.py)
         if has_nvme:
             # made after the shared memory (sizing it can fail: RLIMIT_FSIZE, a full /dev/shm)
             # and filled inside the try below, so a failed constructor leaves no directory behind
             self.swap = SwapDir(nvme_path)
-            self._fds = NvmeFiles(self.swap)
+            self.files = NvmeFiles(self.swap)
             layout["nvme"] = dict(dir=self.swap.path, io_bytes=self.io_bytes, threads=nvme_threads)
         self.client = WorkerClient(
             self.arena,
@@ -264,12 +271,12 @@ class HostTier:
             threads=self.cores.worker_threads or None,
             passive=self.cores.shared,
             timeout_s=timeout_s,
-            files=self._fds,
+            files=self.files,
         )  # each worker inherits them
         # the io part tells the stepping part (made next: `stepping` is read at call time)
         # which torn speculations to forget
         stepping: HostStepping
-        self._io = HostIO(
+        self.io = HostIO(
             self.client,
             slots,
             slot_numel=self.slot_numel,
@@ -284,13 +291,19 @@ class HostTier:
         # the committed state as pieces state_dict() maps; told of every write into it first
         # (a bank the pool hands out, a bank or nvme slot written in place)
         self.views = HostViews(
-            self.arena, self._banks, self.pool, self._files, self._fds, nvme=self.nvme, io_bytes=self.io_bytes
+            self.arena,
+            self.banks,
+            self.pool,
+            self.file_slots,
+            self.files,
+            nvme=self.nvme,
+            io_bytes=self.io_bytes,
         )
         stepping = HostStepping(
-            self._io,
-            self._banks,
+            self.io,
+            self.banks,
             self.pool,
-            self._files,
+            self.file_slots,
             self.client,
             self.views,
             numels=self.numels,
@@ -299,15 +312,15 @@ class HostTier:
             amsgrad=amsgrad,
             slot_numel=self.slot_numel,
         )
-        self._step = stepping
+        self.stepping = stepping
         self.closed = False
         try:
             if has_nvme:  # RLIMIT_NOFILE: raised where short (the files: made where has_nvme)
-                self._fds.reserve(sum(nvme))  # type: ignore[union-attr]
+                self.files.reserve(sum(nvme))  # type: ignore[union-attr]
             for sg in ids:
                 if self.nvme[sg]:
                     self.swap.create(sg, 2 * self.io_bytes)  # type: ignore[union-attr]  # as above
-                    self._fds.open(sg)  # type: ignore[union-attr]
+                    self.files.open(sg)  # type: ignore[union-attr]
             # the worker's start-up (an interpreter, its imports) overlaps reserving the arena's
             # pages (fallocate: most of construction, ~0.2 s per GB here)
             self.client.launch()
@@ -317,7 +330,7 @@ class HostTier:
                 self.arena.pin(pin if isinstance(pin, torch.device) else None)
             self.client.wait_started()
             self.cores.apply()
-            self._io.probe_remote_gather()
+            self.io.probe_remote_gather()
             if has_nvme:
                 # a new file reads back as zeros: slot 0 already holds the all-zero state, so
                 # only its CRC is needed (nothing is written before load_state sets real state)
@@ -328,22 +341,12 @@ class HostTier:
                 zeros.close()
                 for sg in ids:
                     if self.nvme[sg]:
-                        self._files.note_crc(sg, 0, zero_crc)
+                        self.file_slots.note_crc(sg, 0, zero_crc)
         except BaseException:
             self.close()
             raise
 
     # ------------------------------------------------------------------ state views
-    def view(self, bank: int, region: str, numel: int, dtype) -> torch.Tensor:
-        """`numel` elements of `dtype` at `region` ("p", "rem", "m", "v", "vmax", "copy") of
-        `bank`: a raw view into the arena (benchmarks fill banks through it)."""
-        return self._banks.view(bank, region, numel, dtype)
-
-    def region_offset(self, region: str) -> int:
-        """Byte offset of `region` inside a bank and inside an nvme slot (laid out alike):
-        "p", "rem", "m", "v", "vmax", a q8 moment's "m_absmax" / "v_absmax" / "vmax_absmax"."""
-        return self._banks.region_offset(region)
-
     def _resident(self, sg: int) -> int:
         if self.nvme[sg]:
             raise RuntimeError(
@@ -354,15 +357,15 @@ class HostTier:
 
     def quantized(self, sg: int) -> bool:
         """Whether subgroup `sg` keeps q8 moments (codes and absmaxes in its banks)."""
-        return self._banks.quantized(sg)
+        return self.banks.quantized(sg)
 
     def master(self, sg: int) -> torch.Tensor:
         """The committed fp32 master of a resident subgroup (a view: valid until the next commit;
         decoded into a new tensor for a subgroup that keeps remainders)."""
-        return self._banks.bank_state(self._resident(sg), sg)["param"]
+        return self.banks.bank_state(self._resident(sg), sg)["param"]
 
     def moments(self, sg: int) -> dict:
-        st = self._banks.stored_state(self._resident(sg), sg)
+        st = self.banks.stored_state(self._resident(sg), sg)
         for k in ("param", "high", "remainder"):
             st.pop(k, None)
         return st
@@ -371,14 +374,14 @@ class HostTier:
         """The committed step's model-dtype copy of the master (written by the last step)."""
         if self.copy_dtype is None:
             raise RuntimeError("this tier writes no param copy (copy_dtype=None)")
-        return self._banks.view(self._resident(sg), "copy", self.numels[sg], self.copy_dtype)
+        return self.banks.view(self._resident(sg), "copy", self.numels[sg], self.copy_dtype)
 
     def _engine(self):
         if self._aio is None:
             from cpu_kernels.aio import AioEngine
 
             self._aio = AioEngine(threads=2, queue_depth=8)
-            for sg, fd in self._fds.items():
+            for sg, fd in self.files.items():
                 self._aio.register(fd, self.swap.file(sg))  # its errors name the file
         return self._aio
 
@@ -391,7 +394,7 @@ class HostTier:
             )
         try:
             self.views.writing(banks=banks)
-            self._banks.wait_populated(banks, self.client.timeout_s)
+            self.banks.wait_populated(banks, self.client.timeout_s)
         except BaseException:
             self.pool.release(banks[0])
             raise
@@ -402,12 +405,12 @@ class HostTier:
         aligned buffer `buf`); returns its CRC32C."""
         from cpu_kernels.aio import AioError
 
-        fds = self._fds
+        fds = self.files
         assert fds is not None  # an nvme subgroup's: the tier has its files
         eng, fd = self._engine(), fds.fd(sg)
         fds.check(sg)
         # a bank is given where no buffer is
-        addr = self._banks.state_block(bank).data_ptr() if buf is None else buf  # type: ignore[arg-type]
+        addr = self.banks.state_block(bank).data_ptr() if buf is None else buf  # type: ignore[arg-type]
         try:
             rid = (eng.submit_write if write else eng.submit_read)(
                 fd, addr, self.io_bytes, slot * self.io_bytes, checksum=True
@@ -421,7 +424,7 @@ class HostTier:
         """{nvme subgroup: (its committed slot, that slot's CRC32C)}: with restore_file_marks,
         how a load into the files is undone (load_state writes the other slot only)."""
         return {
-            sg: (self._files.slot(sg), self._files.crc(sg, self._files.slot(sg)))
+            sg: (self.file_slots.slot(sg), self.file_slots.crc(sg, self.file_slots.slot(sg)))
             for sg in self.numels
             if self.nvme[sg]
         }
@@ -430,7 +433,7 @@ class HostTier:
         """Each nvme subgroup's committed slot as file_marks() found it: its state as it was
         then, provided only load_state wrote since (its write leaves that slot untouched)."""
         for sg, (slot, crc) in marks.items():
-            self._files.commit(sg, slot, crc)
+            self.file_slots.commit(sg, slot, crc)
 
     def unreadable(self, subgroups) -> dict:
         """{nvme subgroup: why} of each of `subgroups` whose committed slot does not read back
@@ -443,7 +446,7 @@ class HostTier:
         try:
             for sg in sorted(subgroups):
                 if self.nvme[sg] and not self.closed:
-                    slot = self._files.slot(sg)
+                    slot = self.file_slots.slot(sg)
                     try:
                         crc = self._swap_file(sg, None, slot, write=False, buf=buf)
                     except OSError as e:
@@ -451,7 +454,7 @@ class HostTier:
                             return {}
                         bad[sg] = str(e)
                         continue
-                    if crc != self._files.crc(sg, slot):
+                    if crc != self.file_slots.crc(sg, slot):
                         bad[sg] = f"checksum mismatch in slot {slot}"
         finally:
             try:
@@ -465,28 +468,28 @@ class HostTier:
         checksum-verified) from its file for an nvme one. Keys: param (the fp32 master; left
         out with `master=False`: a reader of fp32 params' moments need not copy it), exp_avg,
         exp_avg_sq[, max_exp_avg_sq]."""
-        self._step.require_idle(sg)
+        self.stepping.require_idle(sg)
         if not self.nvme[sg]:
-            st = self._banks.bank_state(self._resident(sg), sg)
+            st = self.banks.bank_state(self._resident(sg), sg)
             if not master:
                 del st["param"]
             return st
         bank = self._borrow_bank()
         try:
-            slot = self._files.slot(sg)
+            slot = self.file_slots.slot(sg)
             crc = self._swap_file(sg, bank, slot, write=False)
-            if crc != self._files.crc(sg, slot):
+            if crc != self.file_slots.crc(sg, slot):
                 raise OSError(
                     f"checksum mismatch in {self.swap.file(sg)} slot {slot}: expected "  # type: ignore[union-attr]
-                    f"CRC32C {self._files.crc(sg, slot):08x}, read {crc:08x}; the file is "
+                    f"CRC32C {self.file_slots.crc(sg, slot):08x}, read {crc:08x}; the file is "
                     f"corrupt — restore from a checkpoint"
                 )
-            if self._banks.keeps_remainders(
+            if self.banks.keeps_remainders(
                 sg
             ):  # the file holds the low halves; the high half is the model's param
-                self._banks.read_high(sg, bank)
+                self.banks.read_high(sg, bank)
             return {
-                k: v.clone() for k, v in self._banks.bank_state(bank, sg).items() if master or k != "param"
+                k: v.clone() for k, v in self.banks.bank_state(bank, sg).items() if master or k != "param"
             }
         finally:
             self.pool.release(bank)
@@ -503,8 +506,8 @@ class HostTier:
         given = {"exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq, "max_exp_avg_sq": max_exp_avg_sq, **absmax}
 
         def fill(bank: int, stored: dict, fresh: bool) -> None:
-            self._banks.store_master(bank, sg, param)
-            if self._banks.quantized(sg):
+            self.banks.store_master(bank, sg, param)
+            if self.banks.quantized(sg):
                 # the given moments may be views of this very bank (a master restarted in place:
                 # storage.py): copied, never zeroed first
                 missing = {
@@ -515,7 +518,7 @@ class HostTier:
                     or k.endswith(ABSMAX)
                     and given.get(k[: -len(ABSMAX)]) is None
                 }
-                self._banks.zero_moments(missing, sg)
+                self.banks.zero_moments(missing, sg)
                 for name, src in given.items():
                     if src is not None and name in stored and src.data_ptr() != stored[name].data_ptr():
                         stored[name].copy_(src.reshape(-1))
@@ -537,147 +540,34 @@ class HostTier:
         was never written (all zero). Resident: the committed bank, in place; nvme: a borrowed
         bank, written to the file's other slot, which is then committed. A subgroup that keeps
         remainders: its model param takes the bank's high half once the state stands."""
-        self._step.require_idle(sg)
+        self.stepping.require_idle(sg)
         bank = self._borrow_bank() if self.nvme[sg] else self._resident(sg)
         try:
-            self.views.writing(banks=[bank], slots=[(sg, 1 - self._files.slot(sg))] if self.nvme[sg] else [])
+            self.views.writing(
+                banks=[bank], slots=[(sg, 1 - self.file_slots.slot(sg))] if self.nvme[sg] else []
+            )
             if self.nvme[sg]:  # the whole block is written: no stale bytes in the checksum
-                self._banks.state_block(bank).zero_()
-            fresh = self._banks.take_fresh(bank)
-            stored = self._banks.stored_state(bank, sg)
+                self.banks.state_block(bank).zero_()
+            fresh = self.banks.take_fresh(bank)
+            stored = self.banks.stored_state(bank, sg)
             fill(bank, stored, fresh)
             if self.nvme[sg]:
-                slot = 1 - self._files.slot(sg)  # the committed slot stays valid until this lands
-                self._files.commit(sg, slot, self._swap_file(sg, bank, slot, write=True))
-            if self._banks.keeps_remainders(sg):
-                self._banks.write_param(sg, stored["high"])
+                slot = 1 - self.file_slots.slot(sg)  # the committed slot stays valid until this lands
+                self.file_slots.commit(sg, slot, self._swap_file(sg, bank, slot, write=True))
+            if self.banks.keeps_remainders(sg):
+                self.banks.write_param(sg, stored["high"])
         finally:
             if self.nvme[sg]:
                 self.pool.release(bank)
 
-    # ------------------------------------------------------------------ steps (HostStepping)
-    def speculate(self, sg: int, grad, inputs: AdamInputs, wait: bool = True, replace: bool = False) -> bool:
-        """Step `sg` now, to be validated by finish(); False when there is no room now, once
-        the results that came back are collected (HostStepping.speculate). replace=True:
-        cancel() a pending speculation of `sg` first."""
-        return self._step.speculate(sg, grad, inputs, wait, replace)
-
-    def speculated(self) -> list[int]:
-        """The subgroups with a speculative step pending, sorted."""
-        return self._step.speculated()
-
-    def drop(self, sg: int) -> None:
-        """Drop a pending speculation of `sg` (its grads changed: a new one follows)."""
-        self._step.drop(sg)
-
-    def grad_stats(self, sg: int):
-        """(sum of squares, all finite) of the grads `sg` was speculated with (HostStepping)."""
-        return self._step.grad_stats(sg)
-
-    def piece_stats(self, sg: int, wait: bool = True):
-        """[(offset, numel, sum of squares)] of each grad piece `sg`'s pending speculation
-        stepped (HostStepping.piece_stats)."""
-        return self._step.piece_stats(sg, wait)
-
-    def finish(self, steps: dict, overflow: bool = False, on_commit=None) -> dict[int, str]:
-        """Validate and complete this iteration's host steps (HostStepping.finish)."""
-        return self._step.finish(steps, overflow, on_commit)
-
-    def step(self, sg: int, grad, inputs: AdamInputs, on_commit=None) -> str:
-        """A plain (non-speculative) step of one subgroup."""
-        return self._step.step(sg, grad, inputs, on_commit)
-
+    # ------------------------------------------------------------------ counters (HostStepping + HostIO)
     @property
     def stats(self) -> dict:
         """Counters (a new dict each read): committed, redone, dropped, stepped (HostStepping),
         worker_restarts, worker_seconds, remote_gathered (HostIO)."""
-        return {**self._step.counts, **self._io.counts}
-
-    # ------------------------------------------------------------------ worker traffic (HostIO)
-    def poll(self) -> None:
-        """Collect the results that have arrived, without waiting (frees slots and banks)."""
-        self._io.poll()
-
-    def poll_if_copying(self) -> None:
-        """poll() when copies_in_flight(), in one call: what a grad hook that speculates
-        nothing does (HostIO)."""
-        self._io.poll_if_copying()
-
-    def copies_in_flight(self) -> int:
-        """Pieces still waiting for their staging copies (poll() sends those that landed)."""
-        return self._io.copies_in_flight()
-
-    @property
-    def worker_seconds(self) -> dict:
-        """{subgroup id: cumulative seconds}: the worker's compute and I/O (read-only)."""
-        return self._io.worker_seconds
-
-    @property
-    def remote_gather(self) -> bool:
-        """Whether the worker reads grads from this process itself (probed at construction);
-        setting it False makes the trainer stage every piece (tests of the staging path)."""
-        return self._io.remote_gather
-
-    @remote_gather.setter
-    def remote_gather(self, on: bool) -> None:
-        self._io.set_remote_gather(on)
-
-    @property
-    def copy_stager(self):
-        """The stager replacing the CUDA ones, or None; tests set one whose events they
-        complete themselves (HostIO.use_stager)."""
-        return self._io.copy_stager
-
-    @copy_stager.setter
-    def copy_stager(self, stager) -> None:
-        self._io.use_stager(stager)
-
-    # ------------------------------------------------------------------ read-only hooks
-    @property
-    def bank_offset(self) -> int:
-        """Byte offset of bank 0 in the arena."""
-        return self._banks.bank_offset
-
-    @property
-    def bank_stride(self) -> int:
-        """Bytes per bank in the arena (every bank has one capacity)."""
-        return self._banks.bank_stride
-
-    @property
-    def remainders(self) -> dict:
-        """{subgroup id: whether it keeps its fp32 master as remainders} (a copy)."""
-        return self._banks.remainders
-
-    @property
-    def file_slots(self) -> dict:
-        """nvme: {subgroup id: the committed slot (0 or 1) of its file} (a copy)."""
-        return self._files.committed
-
-    @property
-    def slots(self) -> tuple:
-        """The staging slots: grad_dtype tensors in the arena, by index."""
-        return self._io.slots
-
-    @property
-    def free_slots(self) -> int:
-        """How many staging slots are free now."""
-        return self._io.free_slots
-
-    @property
-    def pieces_in_flight(self) -> int:
-        """Pieces sent to the worker whose results have not been collected yet."""
-        return self._io.pieces_in_flight
-
-    @property
-    def stagers(self) -> dict:
-        """{CUDA device: its side-stream stager}, made on first use (a copy)."""
-        return self._io.stagers
+        return {**self.stepping.counts, **self.io.counts}
 
     # ------------------------------------------------------------------ lifecycle
-    @property
-    def worker_pid(self):
-        return self.client.pid
-
     def close(self) -> None:
         """Idempotent: stops the worker, restores the trainer's cores, frees shared memory,
         removes the nvme swap directory."""
@@ -685,16 +575,16 @@ class HostTier:
             return
         self.closed = True
         self.views.close()  # held state_dict() tensors take copies: the arena and files go below
-        self._step.forget_all()
-        self._io.close()  # staging copies land before the arena is unmapped under them
+        self.stepping.forget_all()
+        self.io.close()  # staging copies land before the arena is unmapped under them
         try:
             self.client.close()
         finally:
             self.cores.restore()
             if self._aio is not None:
                 self._aio.close()
-            if self._fds is not None:
-                self._fds.close()
+            if self.files is not None:
+                self.files.close()
             if self.swap is not None:
                 self.swap.remove()
             self.arena.close()

@@ -88,7 +88,7 @@ def run(name: str, rank: int, world: int, tmp: str) -> dict:
     hook = None
     view = debug_view(opt)
     if name == "fail_speculation" and rank == 1:
-        real, fired = view.host.speculate, []
+        real, fired = view.host.stepping.speculate, []
 
         def failing(*args, **kwargs):
             if view.steps_taken == 1 and not fired:  # step 2's backward, once
@@ -96,7 +96,7 @@ def run(name: str, rank: int, world: int, tmp: str) -> dict:
                 raise OSError(5, "injected fault: the swap file could not be written")
             return real(*args, **kwargs)
 
-        view.host.speculate = failing
+        view.host.stepping.speculate = failing
     if name == "kill_backward" and rank == 1:
 
         def kill_in_backward(p):
@@ -206,14 +206,14 @@ def run_zero(name: str, rank: int, world: int) -> dict:
         process_group=dist.group.WORLD,
     )
     if name == "zero_host_fails" and rank == 1:
-        real = debug_view(opt).host.finish
+        real = debug_view(opt).host.stepping.finish
 
         def failing(*args, **kwargs):
             if debug_view(opt).steps_taken == 2:  # step 2's host step, after the decision
                 raise OSError(5, "injected fault: the host step failed")
             return real(*args, **kwargs)
 
-        debug_view(opt).host.finish = failing
+        debug_view(opt).host.stepping.finish = failing
     for i, x in enumerate(C.batches()):
         opt.zero_grad()
         C.loss_fn(model, C.local_batch(x, rank, world)).backward()

@@ -31,7 +31,7 @@ def figures(opt) -> dict:
     return dict(
         allocated=opt.allocated_bytes,
         staging=host.staging_bytes,
-        io_banks=2 * host.io_banks * host.bank_stride,
+        io_banks=2 * host.io_banks * host.banks.bank_stride,
         state=sum(s.numel for s in debug_view(opt).subgroups) * 12,
         subgroups=len(debug_view(opt).subgroups),
     )

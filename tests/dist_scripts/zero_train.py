@@ -157,7 +157,7 @@ def run(name: str, rank: int, world: int, tmp: str) -> dict:
             out["grad_none_after_backward"].append([p.grad is None for p in model.parameters()])
             out["events"].append([])
             if name == "adamw_commit_order" and rank == 1:
-                view.host.drop(0)  # stepped in step(), after the others commit
+                view.host.stepping.drop(0)  # stepped in step(), after the others commit
             if scaler is not None:
                 scaler.step(opt)
                 scaler.update()
