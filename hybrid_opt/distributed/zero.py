@@ -304,7 +304,7 @@ class ZeroSharding:
         `until`, up to and including that bucket's): GradReduction.poll."""
         self.reduction.poll(wait, until)
 
-    def finish(self) -> None:
+    def complete_reductions(self) -> None:
         """Before step(): the buckets not issued yet are issued, in order (fired or not: a
         param without a grad here may have one on another rank), and every pending reduction
         is waited for. A grad replaced since its reduction read the one before (`p.grad = t`
@@ -347,7 +347,7 @@ class ZeroSharding:
         reductions did not see included: zero_edits.py). `found`, `grad_scale`: GradScaler's
         for optimizer `key` (its id)."""
         self.wait_gathered()
-        self.finish()
+        self.complete_reductions()
         found, refused = self.release.scaler_found_inf(found, scaler, key)
         failure = failure or refused
         # GradScaler.step hands no grad_scale for grads unscaled already (unscale_)

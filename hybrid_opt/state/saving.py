@@ -88,7 +88,7 @@ def _save(f, sd: dict, entries) -> None:
     with _open_zipfile_writer(f) as zf:
         writer = _Writer(zf)
         if entries is None:
-            return writer.finish(sd)
+            return writer.write_pickle(sd)
         state = {}
         # closed on the way out: a save that raised holds no param's state through its traceback
         with contextlib.closing(iter(entries)) as it:
@@ -98,7 +98,7 @@ def _save(f, sd: dict, entries) -> None:
                 del got, entry  # written: dropped before the next param's is made,
                 _trim()  # and its memory given back to the OS
         state.update((k, v) for k, v in sd["state"].items() if k not in state)
-        writer.finish({**sd, "state": state})
+        writer.write_pickle({**sd, "state": state})
 
 
 def _fsync(path: str) -> None:
@@ -146,7 +146,8 @@ class _Writer:
         self.zf.write_record(f"data/{record.key}", storage, storage.nbytes())
         return _Written(record, tuple(t.shape))
 
-    def finish(self, obj: dict) -> None:
+    def write_pickle(self, obj: dict) -> None:
+        """The checkpoint's pickle (`data.pkl`, every tensor a record already written) and its end."""
         buf = io.BytesIO()
         _Pickler(buf, self).dump(obj)
         data = buf.getvalue()
