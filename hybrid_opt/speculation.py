@@ -254,9 +254,16 @@ class Speculator:
             self.fingerprints.note(edited)
         steps, actions = {}, {}
         for i, w in host_work.items():
-            steps[i] = work = self.step_of(w.sg, w.live, w.hp, scale, True, unscaled)
+            gatherer, final = self.step_of(w.sg, w.live, w.hp, scale, True, unscaled)
             staged = self._staged.get(i)
-            actions[i] = STEP if staged is None else COMMIT if staged[1] == work[1] else REDO
+            if staged is None:
+                actions[i] = STEP
+            elif staged[1] == final:
+                # the very inputs it stepped with: finish() sees them as its own, compared once
+                actions[i], final = COMMIT, staged[1]
+            else:
+                actions[i] = REDO
+            steps[i] = (gatherer, final)
         return steps, actions
 
     def _speculate(self, sgi: int) -> bool:

@@ -11,6 +11,8 @@ The optimizer's StepStats part; a refit itself is the placement's (placement.py)
 from __future__ import annotations
 
 import collections
+import dataclasses
+from types import MappingProxyType
 from typing import TYPE_CHECKING
 
 from hybrid_opt.lifetime import weak_method
@@ -106,7 +108,10 @@ class StepStats:
         for v in outcome.host.values():
             counts[v] += 1
         self._outcome, self.outcome_by_sg = counts, dict(outcome.host)
-        self.last_plan, self.last_outcome = step, outcome
+        # kept for introspection without its gatherers, which hold this step's grads: kept, they
+        # would outlive zero_grad() and keep a second set of grads allocated into the next step
+        self.last_plan = dataclasses.replace(step, host_steps=MappingProxyType({}))
+        self.last_outcome = outcome
         tiers = {
             t: {
                 "subgroups": 0,

@@ -3,6 +3,9 @@ subgroup, whether its speculation is committed, redone or the subgroup is steppe
 outcome the tiers report is that plan carried out; a skipped step plans nothing; the plan's
 norm and clip coefficient are the ones the step used."""
 
+import gc
+import weakref
+
 import pytest
 import torch
 from torch import nn
@@ -118,3 +121,18 @@ def test_the_plan_and_its_inputs_are_immutable():
         device = {w.index for w in plan.device_work}
         assert device and device.isdisjoint(plan.host_work)
         assert device | set(plan.host_work) == host_subgroups(opt)
+
+
+@pytest.mark.parametrize("offload", [0.5, 1.0])
+def test_the_plan_kept_for_introspection_holds_no_grad(offload):
+    """The last plan stays readable, but not its grads: once zero_grad() lets them go, they are
+    freed, as under torch.optim (kept, a second set of grads would stay allocated)."""
+    model = make_mlp()
+    with HybridAdamW(model.parameters(), lr=1e-3, offload_fraction=offload, subgroup_numel=1024) as opt:
+        for i in range(2):
+            train_step(model, opt, i)
+        grads = [weakref.ref(p.grad) for p in model.parameters()]
+        opt.zero_grad()
+        gc.collect()
+        assert debug_view(opt).last_plan.host_work
+        assert [r() is None for r in grads] == [True] * len(grads)
