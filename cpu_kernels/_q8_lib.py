@@ -52,6 +52,11 @@ class Q8AdamArgs(ctypes.Structure):
         + [(name, ctypes.c_double) for name in ("lr", "beta1", "beta2", "eps", "weight_decay", "grad_scale")]
     )
 
+    def __init__(self, **fields):
+        # an unscaled grad unless told: a zeroed grad_scale would step every grad as 0
+        fields.setdefault("grad_scale", 1.0)
+        super().__init__(**fields)
+
 
 lib.hybrid_q8_adam_step.argtypes = [ctypes.POINTER(Q8AdamArgs)]
 lib.hybrid_q8_adam_step.restype = ctypes.c_int

@@ -500,3 +500,13 @@ def test_avx512_quantizer_equals_q8_code_for_every_fp32_pattern(signed):
         bad, near = _check_quant_avx512(signed, first, 1 << 31)
         assert bad == 0, (signed, first)
         assert near < 1 << 20  # the scalar path stays rare
+
+
+def test_a_raw_q8_args_struct_steps_unscaled_grads_unless_told():
+    """The raw entry's argument struct (the worker fills it field by field) defaults grad_scale
+    to 1.0, not ctypes' zero, which would step every grad as 0; any field can still be given."""
+    from cpu_kernels._q8_lib import Q8AdamArgs
+
+    assert Q8AdamArgs().grad_scale == 1.0
+    assert Q8AdamArgs(grad_scale=0.5, n=7).grad_scale == 0.5
+    assert Q8AdamArgs(n=7).n == 7 and Q8AdamArgs().lr == 0.0
