@@ -42,7 +42,6 @@ class StepStats:
         self._measured: dict | None = None  # the latest sample read: `stats["measured"]`
         # the host tier's per-subgroup worker seconds at the last step
         self._prev_worker_s: dict | None = None
-        self._outcome: dict | None = None  # the last host step's outcome counts (committed, redone, ...)
         self.outcome_by_sg: dict = {}  # the last host step's outcome per subgroup index
         self.last_plan: StepPlan | None = None  # the last step taken, as decided (step_plan.py)
         self.last_outcome: StepOutcome | None = None  # ... and as its tiers did it
@@ -107,7 +106,7 @@ class StepStats:
         counts = {k: 0 for k in ("committed", "redone", "stepped", "dropped")}
         for v in outcome.host.values():
             counts[v] += 1
-        self._outcome, self.outcome_by_sg = counts, dict(outcome.host)
+        self.outcome_by_sg = dict(outcome.host)
         # kept for introspection without its gatherers, which hold this step's grads: kept, they
         # would outlive zero_grad() and keep a second set of grads allocated into the next step
         self.last_plan = dataclasses.replace(step, host_steps=MappingProxyType({}))
@@ -156,7 +155,7 @@ class StepStats:
             "device_s": device_s,
             "hidden_s": hidden,
             "worker_s": off,
-            "speculation": self._outcome if step.host_work else None,
+            "speculation": counts if step.host_work else None,
             "grad_norm": step.norm,
             "clip_coef": step.clip,
         }
