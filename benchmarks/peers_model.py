@@ -112,7 +112,13 @@ def build_model(cfg: ModelConfig, device="cpu") -> GPT:
     """The same initial params in every row and interpreter (same torch: same CPU generator)."""
     torch.manual_seed(0)
     model = GPT(cfg)
-    with torch.no_grad():  # small init, GPT-2 style, so 16 steps at lr 1e-3 stay well-behaved
+    init_weights(model, cfg)
+    return model.to(device)
+
+
+def init_weights(model: GPT, cfg: ModelConfig) -> None:
+    """Small init, GPT-2 style (so 16 steps at lr 1e-3 stay well-behaved), from torch's generator."""
+    with torch.no_grad():
         for name, p in model.named_parameters():
             if p.dim() >= 2:
                 p.normal_(
@@ -121,7 +127,6 @@ def build_model(cfg: ModelConfig, device="cpu") -> GPT:
                 )
             elif name.endswith("bias"):
                 p.zero_()
-    return model.to(device)
 
 
 def n_params(cfg: ModelConfig) -> int:
