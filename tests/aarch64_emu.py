@@ -228,6 +228,15 @@ def tie_values(rng, n) -> np.ndarray:
 
 
 # ------------------------------------------------------------------------------- cases
+def step_name(kind, n, gdt, mdt, vdt, rem, ams, decoupled, bank, copy) -> str:
+    """An Adam or q8 step case's name: its length and every mode, in words the tests look for."""
+    return (
+        f"{kind} n={n} grad={gdt} m={mdt} v={vdt} {'remainders' if rem else 'fp32_master'} "
+        f"{'amsgrad' if ams else 'adam'} {'adamw' if decoupled else 'l2'} "
+        f"{'bank' if bank else 'in_place'} copy={copy}"
+    )
+
+
 def adam_case(rng, idx, n, gdt, mdt, vdt, rem, ams, decoupled, bank, copy, hyper, ties=False):
     bufs, slots, pairs = [], {}, []
 
@@ -285,11 +294,7 @@ def adam_case(rng, idx, n, gdt, mdt, vdt, rem, ams, decoupled, bank, copy, hyper
         pairs.append((ip, ir))
     if copy:
         add("copy", b"\xff\x7f" * n, copy, True, (idx % 3) * 2)
-    name = (
-        f"adam n={n} grad={gdt} m={mdt} v={vdt} {'remainders' if rem else 'fp32_master'} "
-        f"{'amsgrad' if ams else 'adam'} {'adamw' if decoupled else 'l2'} "
-        f"{'bank' if bank else 'in_place'} copy={copy}{' ties' if ties else ''}"
-    )
+    name = step_name("adam", n, gdt, mdt, vdt, rem, ams, decoupled, bank, copy) + (" ties" if ties else "")
     return Case(
         name, K_ADAM, bufs, slots, n, gdt, mdt, vdt, copy or BF16, decoupled, dict(hyper), tuple(pairs)
     )
@@ -306,7 +311,7 @@ def q8_case(rng, idx, n, gdt, mdt, vdt, rem, ams, decoupled, bank, copy, hyper):
     """A q8 step's buffers; each block of 256 is of one kind: plain (finite), zero (param, grad and
     moments 0: a zero block out), tiny (subnormal grads, params and absmaxes: subnormal absmaxes
     out), nonfinite (NaN / inf grads) or absmax (a q8 moment's absmax from ABSMAX_SPECIAL)."""
-    bufs, slots, pairs, q8_pairs = [], {}, [], []
+    bufs, slots, q8_pairs = [], {}, []
 
     def add(slot, data, dtype, written, mis=0):
         slots[slot] = len(bufs)
@@ -383,15 +388,10 @@ def q8_case(rng, idx, n, gdt, mdt, vdt, rem, ams, decoupled, bank, copy, hyper):
         slots["param_out"] = slots["param"]
         if rem:
             slots["rem_out"] = slots["rem"]
-    if rem:
-        pairs.append((ip, ir))
     if copy:
         add("copy", b"\xff\x7f" * n, copy, True, (idx % 3) * 2)
-    name = (
-        f"q8 n={n} grad={gdt} m={mdt} v={vdt} {'remainders' if rem else 'fp32_master'} "
-        f"{'amsgrad' if ams else 'adam'} {'adamw' if decoupled else 'l2'} "
-        f"{'bank' if bank else 'in_place'} copy={copy}"
-    )
+    name = step_name("q8", n, gdt, mdt, vdt, rem, ams, decoupled, bank, copy)
+    rem_pairs = ((ip, ir),) if rem else ()
     return Case(
         name,
         K_Q8,
@@ -404,7 +404,7 @@ def q8_case(rng, idx, n, gdt, mdt, vdt, rem, ams, decoupled, bank, copy, hyper):
         copy or BF16,
         decoupled,
         dict(hyper),
-        tuple(pairs),
+        rem_pairs,
         tuple(q8_pairs),
     )
 

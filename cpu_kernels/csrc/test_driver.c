@@ -122,33 +122,46 @@ static void *slot(unsigned char **bufs, const case_params_t *c, int k)
     return c->buf[k] < 0 ? NULL : bufs[c->buf[k]];
 }
 
+/* The fields adam_args_t, adam_inverse_args_t and q8_args_t share, from the case. */
+#define SET_HYPERPARAMETERS(a, c)                                                                    \
+    do {                                                                                             \
+        (a).n = (c)->n;                                                                              \
+        (a).grad_dtype = (c)->grad_dtype;                                                            \
+        (a).decoupled = (c)->decoupled;                                                              \
+        (a).step = (c)->step;                                                                        \
+        (a).lr = (c)->lr; (a).beta1 = (c)->beta1; (a).beta2 = (c)->beta2; (a).eps = (c)->eps;       \
+        (a).weight_decay = (c)->weight_decay; (a).grad_scale = (c)->grad_scale;                     \
+    } while (0)
+
+/* ... and those adam_args_t and q8_args_t share: the step's buffers but the absmaxes, the dtypes
+ * but exp_avg's (moment_dtype / exp_avg_dtype). */
+#define SET_STEP_FIELDS(a, bufs, c)                                                                  \
+    do {                                                                                             \
+        SET_HYPERPARAMETERS(a, c);                                                                   \
+        (a).param = slot(bufs, c, B_PARAM);                                                          \
+        (a).grad = slot(bufs, c, B_GRAD);                                                            \
+        (a).exp_avg = slot(bufs, c, B_EXP_AVG);                                                      \
+        (a).exp_avg_sq = slot(bufs, c, B_EXP_AVG_SQ);                                                \
+        (a).max_exp_avg_sq = slot(bufs, c, B_MAX);                                                   \
+        (a).param_out = slot(bufs, c, B_PARAM_OUT);                                                  \
+        (a).exp_avg_out = slot(bufs, c, B_EXP_AVG_OUT);                                              \
+        (a).exp_avg_sq_out = slot(bufs, c, B_EXP_AVG_SQ_OUT);                                        \
+        (a).max_exp_avg_sq_out = slot(bufs, c, B_MAX_OUT);                                           \
+        (a).param_copy = slot(bufs, c, B_COPY);                                                      \
+        (a).remainder = slot(bufs, c, B_REM);                                                        \
+        (a).remainder_out = slot(bufs, c, B_REM_OUT);                                                \
+        (a).exp_avg_sq_dtype = (c)->exp_avg_sq_dtype;                                                \
+        (a).copy_dtype = (c)->copy_dtype;                                                            \
+    } while (0)
+
 static int run_case(uint32_t kind, unsigned char **bufs, const case_params_t *c, double *scalar)
 {
     switch (kind) {
     case K_ADAM: {
         adam_args_t a;
         memset(&a, 0, sizeof(a));
-        a.n = c->n;
-        a.param = slot(bufs, c, B_PARAM);
-        a.grad = slot(bufs, c, B_GRAD);
-        a.exp_avg = slot(bufs, c, B_EXP_AVG);
-        a.exp_avg_sq = slot(bufs, c, B_EXP_AVG_SQ);
-        a.max_exp_avg_sq = slot(bufs, c, B_MAX);
-        a.param_out = slot(bufs, c, B_PARAM_OUT);
-        a.exp_avg_out = slot(bufs, c, B_EXP_AVG_OUT);
-        a.exp_avg_sq_out = slot(bufs, c, B_EXP_AVG_SQ_OUT);
-        a.max_exp_avg_sq_out = slot(bufs, c, B_MAX_OUT);
-        a.param_copy = slot(bufs, c, B_COPY);
-        a.remainder = slot(bufs, c, B_REM);
-        a.remainder_out = slot(bufs, c, B_REM_OUT);
-        a.grad_dtype = c->grad_dtype;
+        SET_STEP_FIELDS(a, bufs, c);
         a.moment_dtype = c->moment_dtype;
-        a.exp_avg_sq_dtype = c->exp_avg_sq_dtype;
-        a.copy_dtype = c->copy_dtype;
-        a.decoupled = c->decoupled;
-        a.step = c->step;
-        a.lr = c->lr; a.beta1 = c->beta1; a.beta2 = c->beta2; a.eps = c->eps;
-        a.weight_decay = c->weight_decay; a.grad_scale = c->grad_scale;
         hybrid_adam_step(&a);
         return 0;
     }
@@ -157,16 +170,11 @@ static int run_case(uint32_t kind, unsigned char **bufs, const case_params_t *c,
     case K_INVERSE: {
         adam_inverse_args_t a;
         memset(&a, 0, sizeof(a));
-        a.n = c->n;
+        SET_HYPERPARAMETERS(a, c);
         a.param = slot(bufs, c, B_PARAM);
         a.grad = slot(bufs, c, B_GRAD);
         a.exp_avg = slot(bufs, c, B_EXP_AVG);
         a.exp_avg_sq = slot(bufs, c, B_EXP_AVG_SQ);
-        a.grad_dtype = c->grad_dtype;
-        a.decoupled = c->decoupled;
-        a.step = c->step;
-        a.lr = c->lr; a.beta1 = c->beta1; a.beta2 = c->beta2; a.eps = c->eps;
-        a.weight_decay = c->weight_decay; a.grad_scale = c->grad_scale;
         hybrid_adam_inverse(&a);
         return 0;
     }
@@ -181,33 +189,14 @@ static int run_case(uint32_t kind, unsigned char **bufs, const case_params_t *c,
     case K_Q8: {
         q8_args_t a;
         memset(&a, 0, sizeof(a));
-        a.n = c->n;
-        a.param = slot(bufs, c, B_PARAM);
-        a.grad = slot(bufs, c, B_GRAD);
-        a.exp_avg = slot(bufs, c, B_EXP_AVG);
-        a.exp_avg_absmax = slot(bufs, c, B_EXP_AVG_ABSMAX);
-        a.exp_avg_sq = slot(bufs, c, B_EXP_AVG_SQ);
-        a.exp_avg_sq_absmax = slot(bufs, c, B_EXP_AVG_SQ_ABSMAX);
-        a.max_exp_avg_sq = slot(bufs, c, B_MAX);
-        a.max_exp_avg_sq_absmax = slot(bufs, c, B_MAX_ABSMAX);
-        a.param_out = slot(bufs, c, B_PARAM_OUT);
-        a.exp_avg_out = slot(bufs, c, B_EXP_AVG_OUT);
-        a.exp_avg_absmax_out = slot(bufs, c, B_EXP_AVG_ABSMAX_OUT);
-        a.exp_avg_sq_out = slot(bufs, c, B_EXP_AVG_SQ_OUT);
-        a.exp_avg_sq_absmax_out = slot(bufs, c, B_EXP_AVG_SQ_ABSMAX_OUT);
-        a.max_exp_avg_sq_out = slot(bufs, c, B_MAX_OUT);
-        a.max_exp_avg_sq_absmax_out = slot(bufs, c, B_MAX_ABSMAX_OUT);
-        a.param_copy = slot(bufs, c, B_COPY);
-        a.remainder = slot(bufs, c, B_REM);
-        a.remainder_out = slot(bufs, c, B_REM_OUT);
-        a.grad_dtype = c->grad_dtype;
+        SET_STEP_FIELDS(a, bufs, c);
         a.exp_avg_dtype = c->moment_dtype;
-        a.exp_avg_sq_dtype = c->exp_avg_sq_dtype;
-        a.copy_dtype = c->copy_dtype;
-        a.decoupled = c->decoupled;
-        a.step = c->step;
-        a.lr = c->lr; a.beta1 = c->beta1; a.beta2 = c->beta2; a.eps = c->eps;
-        a.weight_decay = c->weight_decay; a.grad_scale = c->grad_scale;
+        a.exp_avg_absmax = slot(bufs, c, B_EXP_AVG_ABSMAX);
+        a.exp_avg_sq_absmax = slot(bufs, c, B_EXP_AVG_SQ_ABSMAX);
+        a.max_exp_avg_sq_absmax = slot(bufs, c, B_MAX_ABSMAX);
+        a.exp_avg_absmax_out = slot(bufs, c, B_EXP_AVG_ABSMAX_OUT);
+        a.exp_avg_sq_absmax_out = slot(bufs, c, B_EXP_AVG_SQ_ABSMAX_OUT);
+        a.max_exp_avg_sq_absmax_out = slot(bufs, c, B_MAX_ABSMAX_OUT);
         return hybrid_q8_adam_step(&a) ? 40 : 0;
     }
     }
