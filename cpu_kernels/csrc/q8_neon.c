@@ -25,7 +25,8 @@ __attribute__((constructor)) static void q8_planes_init(void)
             for (int c = 0; c < 256; c++) q8_planes[m][k][c] = (uint8_t)(q8_maps[m][c] >> (8 * k));
 }
 
-/* byte `plane` of map[code] for 16 codes: each TBL/TBX answers the codes in its 64, keeps the rest */
+/* one plane's byte of map[code] for 16 codes (t: the plane's 256 bytes as four tables of 64): TBL
+ * answers codes 0-63, each TBX the next 64 and keeps what the others answered */
 static inline uint8x16_t q8_plane16(const uint8x16x4_t *t, uint8x16_t idx)
 {
     const uint8x16_t q = vdupq_n_u8(64);
@@ -54,8 +55,11 @@ static inline void q8_dequant_block(float *restrict dst, const uint8_t *codes, f
     for (int i = 0; i < vec; i += 16) {
         const uint8x16_t b0 = vld1q_u8(bytes[0] + i), b1 = vld1q_u8(bytes[1] + i);
         const uint8x16_t b2 = vld1q_u8(bytes[2] + i), b3 = vld1q_u8(bytes[3] + i);
-        const uint16x8_t lo01 = vreinterpretq_u16_u8(vzip1q_u8(b0, b1)), hi01 = vreinterpretq_u16_u8(vzip2q_u8(b0, b1));
-        const uint16x8_t lo23 = vreinterpretq_u16_u8(vzip1q_u8(b2, b3)), hi23 = vreinterpretq_u16_u8(vzip2q_u8(b2, b3));
+        /* byte pairs (planes 0-1, 2-3) into halfwords, then halfword pairs into words */
+        const uint16x8_t lo01 = vreinterpretq_u16_u8(vzip1q_u8(b0, b1));
+        const uint16x8_t hi01 = vreinterpretq_u16_u8(vzip2q_u8(b0, b1));
+        const uint16x8_t lo23 = vreinterpretq_u16_u8(vzip1q_u8(b2, b3));
+        const uint16x8_t hi23 = vreinterpretq_u16_u8(vzip2q_u8(b2, b3));
         const uint16x8_t w[4] = {vzip1q_u16(lo01, lo23), vzip2q_u16(lo01, lo23), vzip1q_u16(hi01, hi23),
                                  vzip2q_u16(hi01, hi23)};
         for (int j = 0; j < 4; j++) vst1q_f32(dst + i + 4 * j, vmulq_f32(vreinterpretq_f32_u16(w[j]), s));
@@ -78,7 +82,8 @@ static inline uint32x4_t q8_code4(float32x4_t xq, const uint32_t *table, uint32x
     entry = vld1q_lane_u32(table + vgetq_lane_u32(row, 2), entry, 2);
     entry = vld1q_lane_u32(table + vgetq_lane_u32(row, 3), entry, 3);
     /* rank = entry >> 17, + 1 where |x|'s low 16 bits reach the step (a true compare is all ones) */
-    const uint32x4_t reached = vcgeq_u32(vandq_u32(mag, vdupq_n_u32(0xffffu)), vandq_u32(entry, vdupq_n_u32(0x1ffffu)));
+    const uint32x4_t reached =
+        vcgeq_u32(vandq_u32(mag, vdupq_n_u32(0xffffu)), vandq_u32(entry, vdupq_n_u32(0x1ffffu)));
     const uint32x4_t rank = vsubq_u32(vshrq_n_u32(entry, 17), reached);
     return vbslq_u32(neg, vsubq_u32(zero, rank), vaddq_u32(zero, rank));
 }
