@@ -29,6 +29,8 @@ SOURCES = [
         "q8_portable.c",
         "q8_avx2.c",
         "q8_avx512.c",
+        "q8_neon.c",
+        "q8_sve.c",
     )
 ]
 HEADERS = [f"{CSRC}/{name}" for name in ("kernels.h", "adam_body.h", "aio.h", "q8.h", "q8_body.h")]

@@ -70,8 +70,8 @@ lib.hybrid_q8_keys.restype = ctypes.c_int
 
 
 def q8_simd_level() -> str:
-    """The level the q8 step runs at now: the Adam dispatcher's where it has a q8 kernel
-    ("avx512", "avx2"), else "portable" (NEON and SVE for now)."""
+    """The level the q8 step runs at now: the Adam dispatcher's ("avx512", "avx2", "portable" on
+    x86-64; "sve", "neon", "portable" on AArch64), each with a q8 kernel of its own."""
     return lib.hybrid_q8_level().decode()
 
 

@@ -8,13 +8,20 @@ or fp16 param copy) at ragged lengths and misaligned buffers, with NaNs (quiet, 
 negative, with payloads), +-inf, subnormals and zeros sprinkled in; rounding ties of bf16
 and fp16 (a step with lr = 0 and beta1 = 0 passes them through to the copy and exp_avg);
 lengths past the thread split; grad_stats, the fp64 inverse, remainder encode/decode and
-the aio engine's write/read with CRC32C.
+the aio engine's write/read with CRC32C; and the q8 step (issue 38: each moment format pair with
+a q8 one, grads fp32/bf16/fp16, remainders, amsgrad, Adam L2 / AdamW, in place / bank, ragged
+lengths and one past the thread split, blocks of zeros, of subnormals, with NaN / inf, and
+absmaxes that are zero, subnormal, huge, inf or NaN), whose x86 results are also held to
+cpu_kernels.q8_reference.
 
 What must agree (the issue's rules): every non-NaN output bit for bit; an fp32 or fp16 NaN
 only as a NaN (payloads and signs are not portable: inf/inf is 0xFFC00000 on x86 and
 0x7FC00000 on Arm, and fma's NaN-operand priority differs); a bf16 NaN as 0x7FC0 exactly
 (the kernels' own rounding); a remainder-encoded master through its decoded value (its
-bits are the master's, a NaN's included); inputs bank mode must not touch, exactly.
+bits are the master's, a NaN's included); inputs bank mode must not touch, exactly. q8 codes
+bit for bit, except in a block whose absmax is a NaN or an inf on both sides: there x / absmax
+is a NaN (a NaN in the block, or inf / inf), whose code is the map's end (0 or 255) of its sign,
+and a NaN's sign is not portable (inf / inf as above), so there either end matches either end.
 """
 
 from __future__ import annotations
@@ -33,10 +40,10 @@ DRIVER = os.path.join(REPO, "cpu_kernels", "csrc", "test_driver.c")
 CROSS_CC = "aarch64-linux-gnu-gcc"
 QEMU = "qemu-aarch64"
 
-F32, BF16, F16, I16, U8 = "f32", "bf16", "f16", "i16", "u8"
-DT_CODE = {F32: 0, BF16: 1, F16: 2}
-SIZE = {F32: 4, BF16: 2, F16: 2, I16: 2, U8: 1}
-K_ADAM, K_GRAD_STATS, K_INVERSE, K_ENCODE, K_DECODE, K_AIO = range(6)
+F32, BF16, F16, I16, U8, Q8 = "f32", "bf16", "f16", "i16", "u8", "q8"
+DT_CODE = {F32: 0, BF16: 1, F16: 2, Q8: 3}
+SIZE = {F32: 4, BF16: 2, F16: 2, I16: 2, U8: 1, Q8: 1}  # a q8 moment's buffer holds its codes
+K_ADAM, K_GRAD_STATS, K_INVERSE, K_ENCODE, K_DECODE, K_AIO, K_Q8 = range(7)
 SLOTS = (
     "param",
     "grad",
@@ -50,8 +57,34 @@ SLOTS = (
     "copy",
     "rem",
     "rem_out",
+    "exp_avg_absmax",
+    "exp_avg_sq_absmax",
+    "max_absmax",
+    "exp_avg_absmax_out",
+    "exp_avg_sq_absmax_out",
+    "max_absmax_out",
 )
-PARAMS = struct.Struct("<12i6i2q6d")  # test_driver.c's case_params_t
+PARAMS = struct.Struct("<18i6i2q6d")  # test_driver.c's case_params_t
+Q8_FIELDS = (  # q8_args_t's pointers (cpu_kernels/_q8_lib.Q8AdamArgs) and the slots they take
+    ("param", "param"),
+    ("grad", "grad"),
+    ("exp_avg", "exp_avg"),
+    ("exp_avg_absmax", "exp_avg_absmax"),
+    ("exp_avg_sq", "exp_avg_sq"),
+    ("exp_avg_sq_absmax", "exp_avg_sq_absmax"),
+    ("max_exp_avg_sq", "max"),
+    ("max_exp_avg_sq_absmax", "max_absmax"),
+    ("param_out", "param_out"),
+    ("exp_avg_out", "exp_avg_out"),
+    ("exp_avg_absmax_out", "exp_avg_absmax_out"),
+    ("exp_avg_sq_out", "exp_avg_sq_out"),
+    ("exp_avg_sq_absmax_out", "exp_avg_sq_absmax_out"),
+    ("max_exp_avg_sq_out", "max_out"),
+    ("max_exp_avg_sq_absmax_out", "max_absmax_out"),
+    ("param_copy", "copy"),
+    ("remainder", "rem"),
+    ("remainder_out", "rem_out"),
+)
 
 LENGTHS = (1, 3, 7, 8, 9, 15, 16, 17, 31, 32, 33, 63, 64, 65, 127, 128, 129, 255, 257, 511, 1000, 4099)
 BIG = 70001  # past dispatch.c's PARALLEL_MIN (65536): several threads, 16384-element chunks
@@ -99,6 +132,7 @@ class Case:
     decoupled: bool = True
     hyper: dict = dataclasses.field(default_factory=lambda: dict(HYPERS[0]))
     rem_pairs: tuple = ()  # (param index, remainder index) of written encoded masters
+    q8_pairs: tuple = ()  # (codes index, absmax index) of written q8 moments
 
     def params(self) -> bytes:
         idx = [self.slots.get(s, -1) for s in SLOTS]
@@ -194,6 +228,15 @@ def tie_values(rng, n) -> np.ndarray:
 
 
 # ------------------------------------------------------------------------------- cases
+def step_name(kind, n, gdt, mdt, vdt, rem, ams, decoupled, bank, copy) -> str:
+    """An Adam or q8 step case's name: its length and every mode, in words the tests look for."""
+    return (
+        f"{kind} n={n} grad={gdt} m={mdt} v={vdt} {'remainders' if rem else 'fp32_master'} "
+        f"{'amsgrad' if ams else 'adam'} {'adamw' if decoupled else 'l2'} "
+        f"{'bank' if bank else 'in_place'} copy={copy}"
+    )
+
+
 def adam_case(rng, idx, n, gdt, mdt, vdt, rem, ams, decoupled, bank, copy, hyper, ties=False):
     bufs, slots, pairs = [], {}, []
 
@@ -251,14 +294,168 @@ def adam_case(rng, idx, n, gdt, mdt, vdt, rem, ams, decoupled, bank, copy, hyper
         pairs.append((ip, ir))
     if copy:
         add("copy", b"\xff\x7f" * n, copy, True, (idx % 3) * 2)
-    name = (
-        f"adam n={n} grad={gdt} m={mdt} v={vdt} {'remainders' if rem else 'fp32_master'} "
-        f"{'amsgrad' if ams else 'adam'} {'adamw' if decoupled else 'l2'} "
-        f"{'bank' if bank else 'in_place'} copy={copy}{' ties' if ties else ''}"
-    )
+    name = step_name("adam", n, gdt, mdt, vdt, rem, ams, decoupled, bank, copy) + (" ties" if ties else "")
     return Case(
         name, K_ADAM, bufs, slots, n, gdt, mdt, vdt, copy or BF16, decoupled, dict(hyper), tuple(pairs)
     )
+
+
+Q8_LENGTHS = (1, 17, 255, 256, 257, 300, 511, 512, 777, 1000, 1279, 4099)
+Q8_FORMATS = ((Q8, Q8), (Q8, F32), (Q8, BF16), (F32, Q8), (BF16, Q8))  # (exp_avg, exp_avg_sq)
+# absmaxes a block may carry in: zero, subnormal (a large one and the smallest), huge, inf, NaNs
+ABSMAX_SPECIAL = (0x00000000, 0x000AE398, 0x00000001, 0x7F7FFFFF, 0x7F800000, 0x7FC00000, 0x7F800001)
+BLOCK_KINDS = ("plain", "zero", "tiny", "nonfinite", "absmax")
+
+
+def q8_case(rng, idx, n, gdt, mdt, vdt, rem, ams, decoupled, bank, copy, hyper):
+    """A q8 step's buffers; each block of 256 is of one kind: plain (finite), zero (param, grad and
+    moments 0: a zero block out), tiny (subnormal grads, params and absmaxes: subnormal absmaxes
+    out), nonfinite (NaN / inf grads) or absmax (a q8 moment's absmax from ABSMAX_SPECIAL)."""
+    bufs, slots, q8_pairs = [], {}, []
+
+    def add(slot, data, dtype, written, mis=0):
+        slots[slot] = len(bufs)
+        bufs.append(Buf(data, dtype, written, mis))
+        return slots[slot]
+
+    blocks = -(-n // 256)
+    kinds = rng.choice(len(BLOCK_KINDS), size=blocks, p=(0.6, 0.1, 0.1, 0.1, 0.1))
+    kind = np.repeat(kinds, 256)[:n]
+    zero, tiny, nonfinite = (kind == BLOCK_KINDS.index(k) for k in ("zero", "tiny", "nonfinite"))
+    master = rng.standard_normal(n).astype(np.float32)
+    master[zero], master[tiny] = 0.0, master[tiny] * np.float32(1e-38)
+    g = rng.standard_normal(n).astype(np.float32) * np.float32(64.0)
+    g[zero], g[tiny] = 0.0, g[tiny] * np.float32(1e-40)
+    if gdt == F32:
+        gbits = g.view(np.uint32).copy()
+        gbits[nonfinite] = _sprinkle(gbits[nonfinite], SPECIAL32, rng)
+    elif gdt == BF16:
+        gbits = bf16_bits(g)
+        gbits[nonfinite] = _sprinkle(gbits[nonfinite], SPECIAL_BF16, rng)
+    else:
+        gbits = np.clip(g, -60000, 60000).astype(np.float16).view(np.uint16).copy()
+        gbits[nonfinite] = _sprinkle(gbits[nonfinite], SPECIAL_F16, rng)
+
+    def moment(fmt, signed, scale):
+        """(the moment's bytes, its absmax's bytes or None)"""
+        if fmt == Q8:
+            absmax = (rng.lognormal(0.0, 1.0, blocks) * scale).astype(np.float32).view(np.uint32)
+            absmax[kinds == BLOCK_KINDS.index("zero")] = 0
+            small = kinds == BLOCK_KINDS.index("tiny")
+            absmax[small] = rng.integers(1, 0x800000, int(small.sum()), dtype=np.uint32)
+            odd = kinds == BLOCK_KINDS.index("absmax")
+            absmax[odd] = rng.choice(np.array(ABSMAX_SPECIAL, np.uint32), size=int(odd.sum()))
+            return rng.integers(0, 256, n, dtype=np.uint8).tobytes(), absmax.tobytes()
+        x = rng.standard_normal(n).astype(np.float32) * np.float32(scale)
+        x = x if signed else np.abs(x)
+        x[zero], x[tiny] = 0.0, x[tiny] * np.float32(1e-38)
+        if fmt == F32:
+            return x.tobytes(), None
+        return bf16_bits(x).tobytes(), None
+
+    mis = idx % 4
+    if rem:
+        p16, r16 = encode_remainders(master.view(np.uint32))
+        ip = add("param", p16, BF16, not bank, mis * 2)
+        ir = add("rem", r16, I16, not bank, mis * 2)
+    else:
+        add("param", master.tobytes(), F32, not bank, mis * 4)
+    add("grad", gbits.tobytes(), gdt, False, (mis * SIZE[gdt]) % 64)
+    moments = [("exp_avg", mdt, True, 0.1), ("exp_avg_sq", vdt, False, 1e-2)]
+    if ams:
+        moments.append(("max", vdt, False, 2e-2))
+    poison = {4: b"\x01\x00\xc0\x7f", 2: b"\xff\x7f", 1: b"\x55"}
+    for name, fmt, signed, scale in moments:
+        data, absmax = moment(fmt, signed, scale)
+        ic = add(name, data, fmt, not bank, mis * SIZE[fmt])
+        ia = add(f"{name}_absmax", absmax, F32, not bank, 4 * (mis % 2)) if absmax else None
+        if bank:
+            omis = (idx // 4) % 3  # out views 0, 1 or 2 elements past a line
+            ic = add(f"{name}_out", poison[SIZE[fmt]] * n, fmt, True, omis * SIZE[fmt])
+            if absmax:
+                ia = add(f"{name}_absmax_out", poison[4] * (len(absmax) // 4), F32, True, 4 * omis)
+        else:
+            slots[f"{name}_out"] = ic
+            if absmax:
+                slots[f"{name}_absmax_out"] = ia
+        if fmt == Q8:
+            q8_pairs.append((ic, ia))
+    if bank:
+        ip = add("param_out", poison[2 if rem else 4] * n, BF16 if rem else F32, True, 0)
+        if rem:
+            ir = add("rem_out", poison[2] * n, I16, True, 2)
+    else:
+        slots["param_out"] = slots["param"]
+        if rem:
+            slots["rem_out"] = slots["rem"]
+    if copy:
+        add("copy", b"\xff\x7f" * n, copy, True, (idx % 3) * 2)
+    name = step_name("q8", n, gdt, mdt, vdt, rem, ams, decoupled, bank, copy)
+    rem_pairs = ((ip, ir),) if rem else ()
+    return Case(
+        name,
+        K_Q8,
+        bufs,
+        slots,
+        n,
+        gdt,
+        mdt,
+        vdt,
+        copy or BF16,
+        decoupled,
+        dict(hyper),
+        rem_pairs,
+        tuple(q8_pairs),
+    )
+
+
+def q8_boundary_case(rng, signed):
+    """Values on and beside every code boundary of one map, both moments q8 and in place: with
+    beta1 = 0 the new exp_avg is the grad, with beta2 = 0 the new exp_avg_sq is grad·grad, and each
+    block's first grad is 1.0 (its absmax), so the signed map sees the fp32 values nearest each
+    midpoint between its codes, 2 ulps either side, and the unsigned map the squares of those
+    around each of its midpoints' square roots."""
+    from cpu_kernels import q8_reference as q8
+
+    qmap = q8.dynamic_map(signed).double().numpy()
+    mids = (qmap[:-1] + qmap[1:]) / 2
+    centre = (mids if signed else np.sqrt(mids)).astype(np.float32).view(np.uint32)
+    near = (centre[:, None].astype(np.int64) + np.arange(-2, 3)).astype(np.uint32).ravel().view(np.float32)
+    rows = [np.concatenate([[np.float32(1.0)], near[k : k + 255]]) for k in range(0, near.size, 255)]
+    g = np.concatenate(rows).astype(np.float32)
+    n, blocks = g.size, -(-g.size // 256)
+    bufs = [
+        Buf(rng.standard_normal(n).astype(np.float32).tobytes(), F32, True),
+        Buf(g.tobytes(), F32, False),
+        Buf(rng.integers(0, 256, n, dtype=np.uint8).tobytes(), Q8, True, 3),
+        Buf(np.zeros(blocks, np.float32).tobytes(), F32, True),  # m = map[code] · 0
+        Buf(rng.integers(0, 256, n, dtype=np.uint8).tobytes(), Q8, True, 1),
+        Buf(np.zeros(blocks, np.float32).tobytes(), F32, True),
+    ]
+    slots = dict(param=0, grad=1, exp_avg=2, exp_avg_absmax=3, exp_avg_sq=4, exp_avg_sq_absmax=5)
+    slots.update(param_out=0, exp_avg_out=2, exp_avg_absmax_out=3, exp_avg_sq_out=4, exp_avg_sq_absmax_out=5)
+    hyper = dict(step=3, lr=1e-3, beta1=0.0, beta2=0.0, eps=1e-8, weight_decay=0.0, grad_scale=1.0)
+    name = f"q8 n={n} boundaries of the {'signed' if signed else 'unsigned'} map"
+    return Case(name, K_Q8, bufs, slots, n, F32, Q8, Q8, BF16, True, hyper, (), ((2, 3), (4, 5)))
+
+
+def q8_cases(rng) -> list:
+    """Every q8 moment format pair x grad dtype x (amsgrad, bank), remainders / L2 / copies and
+    the hyperparameters rotating; two past the thread split (BIG); each map's code boundaries."""
+    cases, idx = [], 0
+    for mdt, vdt in Q8_FORMATS:
+        for gdt in (F32, BF16, F16):
+            for ams, bank in ((False, False), (True, True), (False, True), (True, False)):
+                rem = idx % 3 == 1
+                copy = None if rem else (None, BF16, F16)[(idx // 3) % 3]
+                n = Q8_LENGTHS[(idx * 5) % len(Q8_LENGTHS)]
+                cases.append(
+                    q8_case(rng, idx, n, gdt, mdt, vdt, rem, ams, idx % 2 == 0, bank, copy, HYPERS[idx % 3])
+                )
+                idx += 1
+    cases.append(q8_case(rng, 1, BIG, F32, Q8, Q8, False, True, True, True, BF16, HYPERS[0]))
+    cases.append(q8_case(rng, 2, BIG + 1, BF16, Q8, BF16, True, False, False, False, None, HYPERS[2]))
+    return cases + [q8_boundary_case(rng, signed) for signed in (True, False)]
 
 
 def kernel_cases(seed=23) -> list:
@@ -389,7 +586,7 @@ def kernel_cases(seed=23) -> list:
             len(data),
         )
     )
-    return cases
+    return cases + q8_cases(rng)
 
 
 # --------------------------------------------------------------------------- file format
@@ -438,7 +635,7 @@ def run_here(cases, level):
     """Every case through this machine's cpu_kernels library (the installed build) at
     `level`, in the driver's output layout."""
     import cpu_kernels
-    from cpu_kernels import _lib
+    from cpu_kernels import _lib, _q8_lib
 
     lib = _lib.lib
     lib.hybrid_crc32c.argtypes = [ctypes.c_uint32, ctypes.c_void_p, ctypes.c_int64]
@@ -452,7 +649,7 @@ def run_here(cases, level):
             for (raw, off), b in zip(mem, c.bufs):
                 raw[off : off + len(b.data)] = np.frombuffer(b.data, np.uint8)
             ptr = {s: mem[i][0].ctypes.data + mem[i][1] for s, i in c.slots.items()}
-            scalar, h = 0.0, c.hyper
+            scalar, status, h = 0.0, 0, c.hyper
             if c.kind in (K_ADAM, K_INVERSE):
                 a = _lib.AdamArgs() if c.kind == K_ADAM else _lib.InverseArgs()
                 a.n = c.n
@@ -500,12 +697,84 @@ def run_here(cases, level):
             elif c.kind == K_AIO:
                 mem[1][0][mem[1][1] : mem[1][1] + c.n] = mem[0][0][mem[0][1] : mem[0][1] + c.n]
                 scalar = float(lib.hybrid_crc32c(0, ptr["param"], c.n))
+            elif c.kind == K_Q8:
+                q = _q8_lib.Q8AdamArgs(**{field: ptr.get(s) for field, s in Q8_FIELDS})
+                q.n, q.grad_dtype, q.decoupled, q.step = (
+                    c.n,
+                    DT_CODE[c.grad_dtype],
+                    int(c.decoupled),
+                    h["step"],
+                )
+                q.exp_avg_dtype, q.exp_avg_sq_dtype = DT_CODE[c.moment_dtype], DT_CODE[c.exp_avg_sq_dtype]
+                q.copy_dtype = DT_CODE[c.copy_dtype]
+                for k in ("lr", "beta1", "beta2", "eps", "weight_decay", "grad_scale"):
+                    setattr(q, k, h[k])
+                status = 40 if lib.hybrid_q8_adam_step(ctypes.byref(q)) else 0  # as the driver says it
             results.append(
-                ([raw[off : off + len(b.data)].tobytes() for (raw, off), b in zip(mem, c.bufs)], scalar, 0)
+                (
+                    [raw[off : off + len(b.data)].tobytes() for (raw, off), b in zip(mem, c.bufs)],
+                    scalar,
+                    status,
+                )
             )
         return results
     finally:
         cpu_kernels.set_simd_level(saved)
+
+
+def run_reference(cases):
+    """The q8 cases through cpu_kernels.q8_reference (pure torch; the copy as torch casts), in the
+    driver's output layout; None for every other case."""
+    import torch
+
+    from cpu_kernels import q8_reference as q8
+    from cpu_kernels.reference import bf16_round_reference
+
+    dtypes = {F32: torch.float32, BF16: torch.bfloat16, F16: torch.float16, Q8: torch.uint8, I16: torch.int16}
+    results = []
+    for c in cases:
+        if c.kind != K_Q8:
+            results.append(None)
+            continue
+        data = [bytearray(b.data) for b in c.bufs]
+
+        def tensor(slot, dtype):
+            return torch.frombuffer(bytearray(c.bufs[c.slots[slot]].data), dtype=dtypes[dtype])
+
+        def moment(name, fmt):
+            if name not in c.slots:
+                return None
+            if fmt == Q8:
+                return q8.Q8Blocks(tensor(name, Q8), tensor(f"{name}_absmax", F32))
+            return tensor(name, fmt)
+
+        def put(slot, t):
+            data[c.slots[slot]][:] = t.contiguous().view(torch.uint8).numpy().tobytes()
+
+        rem = tensor("rem", I16) if "rem" in c.slots else None
+        p, m, v, x, r = q8.q8_adam_step_reference(
+            tensor("param", F32 if rem is None else BF16),
+            tensor("grad", c.grad_dtype),
+            moment("exp_avg", c.moment_dtype),
+            moment("exp_avg_sq", c.exp_avg_sq_dtype),
+            max_exp_avg_sq=moment("max", c.exp_avg_sq_dtype),
+            remainder=rem,
+            decoupled=c.decoupled,
+            **c.hyper,
+        )
+        put("param_out", p)
+        if r is not None:
+            put("rem_out", r)
+        for name, new in (("exp_avg", m), ("exp_avg_sq", v), ("max", x)):
+            if isinstance(new, q8.Q8Blocks):
+                put(f"{name}_out", new.codes)
+                put(f"{name}_absmax_out", new.absmax)
+            elif new is not None:
+                put(f"{name}_out", new)
+        if "copy" in c.slots:
+            put("copy", bf16_round_reference(p) if c.copy_dtype == BF16 else p.to(torch.float16))
+        results.append(([bytes(d) for d in data], 0.0, 0))
+    return results
 
 
 # ------------------------------------------------------------------------- comparison
@@ -529,7 +798,7 @@ def compare(case, want, got, what):
     bad = []
     if gstat != 0:
         bad.append(f"{what}: {case.name}: the driver's own checks failed (status {gstat})")
-    paired = {i for pair in case.rem_pairs for i in pair}
+    paired = {i for pair in case.rem_pairs for i in pair} | {ic for ic, _ in case.q8_pairs}
     for ip, ir in case.rem_pairs:
         x, y = decode_remainders(wb[ip], wb[ir]), decode_remainders(gb[ip], gb[ir])
         xu, yu = x.view(np.uint32), y.view(np.uint32)
@@ -539,6 +808,18 @@ def compare(case, want, got, what):
             bad.append(
                 f"{what}: {case.name}: decoded master differs at {k.tolist()}: "
                 f"{[hex(v) for v in xu[k]]} vs {[hex(v) for v in yu[k]]}"
+            )
+    for ic, ia in case.q8_pairs:
+        u, v = _elements(wb[ic], Q8), _elements(gb[ic], Q8)
+        wa, ga = np.frombuffer(wb[ia], np.float32), np.frombuffer(gb[ia], np.float32)
+        nan_block = ~np.isfinite(wa) & ~np.isfinite(ga)  # absmax >= 0: a NaN or +inf
+        ends = np.isin(u, (0, 255)) & np.isin(v, (0, 255)) & np.repeat(nan_block, 256)[: u.size]
+        diff = (u != v) & ~ends
+        if diff.any():
+            k = np.flatnonzero(diff)[:4]
+            bad.append(
+                f"{what}: {case.name}: q8 codes (buffer {ic}) differ in {int(diff.sum())} elements, first at "
+                f"{k.tolist()}: {u[k].tolist()} vs {v[k].tolist()}"
             )
     for i, b in enumerate(case.bufs):
         if i in paired:

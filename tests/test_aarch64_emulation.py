@@ -4,7 +4,8 @@ qemu-aarch64 — NEON-only on a Cortex-A72 model (no SVE: the SVE level must be 
 never dispatched to), SVE at 128, 256, 384, 512, 1024 and 2048 bits on qemu's `max` CPU — on the
 kernel test vectors of tests/aarch64_emu.py; every output compared bit for bit with this
 machine's x86 build on the same inputs (NEON/SVE with the FMA levels avx2/avx512, portable
-with portable), under the NaN rules stated there.
+with portable), under the NaN rules stated there; the q8 step's outputs (its own kernels
+q8_neon.c and q8_sve.c at those levels) also with cpu_kernels.q8_reference.
 
 Needs `aarch64-linux-gnu-gcc` and `qemu-aarch64` (.ci/setup.sh installs them with apt-get
 where it can); skipped, with a warning that says why, where they are missing. Emulation
@@ -49,6 +50,7 @@ def rig(tmp_path_factory):
     case_file = str(d / "cases.bin")
     emu.write_cases(case_file, cases)
     want = {lv: emu.run_here(cases, lv) for lv in ["portable"] + FMA_LEVELS}
+    want["q8_reference"] = emu.run_reference(cases)
     return dict(
         dir=d, driver=driver, cases=cases, case_file=case_file, want=want, build_warnings=warnings_seen
     )
@@ -64,9 +66,12 @@ def run_driver(rig, cpu, tag, *options):
 
 
 def assert_same_bits(rig, got, level, what):
+    """got has x86 `level`'s bits, and on the q8 cases q8_reference's."""
     bad = []
-    for case, w, g in zip(rig["cases"], rig["want"][level], got):
+    for case, w, g, r in zip(rig["cases"], rig["want"][level], got, rig["want"]["q8_reference"]):
         bad += emu.compare(case, w, g, f"{what} vs x86 {level}")
+        if r is not None:
+            bad += emu.compare(case, r, g, f"{what} vs q8_reference")
     assert not bad, f"{len(bad)} mismatches:\n" + "\n".join(bad[:20])
 
 
@@ -97,15 +102,28 @@ def test_cases_cover_every_mode_and_the_x86_fma_levels_agree(rig):
         "encode",
         "decode",
         "aio",
+        "q8 ",
+        "m=q8 v=q8",
+        "m=q8 v=f32",
+        "m=q8 v=bf16",
+        "m=f32 v=q8",
+        "m=bf16 v=q8",
     ):
         assert word in names, word
+    q8_names = [c.name for c in rig["cases"] if c.kind == emu.K_Q8]
+    for word in ("grad=bf16", "grad=f16", "remainders", "amsgrad", "l2", "bank", "copy=f16", f"n={emu.BIG}"):
+        assert any(word in name for name in q8_names), f"q8 {word}"
+    for level in ["portable"] + FMA_LEVELS:
+        assert_same_bits(rig, rig["want"][level], level, f"x86 {level}")  # the q8 cases vs q8_reference
     if len(FMA_LEVELS) == 2:
         assert_same_bits(rig, rig["want"]["avx512"], "avx2", "x86 avx512")
 
 
 def test_cortex_a72_dispatches_neon_and_refuses_sve(rig):
     rc, stdout, _ = emu.emulate(rig["driver"], "cortex-a72", ["--info"], timeout=QEMU_TIMEOUT_S)
-    assert rc == 0 and info(stdout) == dict(levels="portable,neon,sve", max="neon", level="neon"), stdout
+    assert rc == 0 and info(stdout) == dict(
+        levels="portable,neon,sve", max="neon", level="neon", q8="neon"
+    ), stdout
     rc, stdout, _ = emu.emulate(
         rig["driver"],
         "cortex-a72",
@@ -117,14 +135,14 @@ def test_cortex_a72_dispatches_neon_and_refuses_sve(rig):
 
 def test_neon_is_bitwise_the_x86_fma_levels(rig):
     stdout, got = run_driver(rig, "cortex-a72", "neon", "--threads", "2")  # the level it detected
-    assert info(stdout)["level"] == "neon"
+    assert info(stdout)["level"] == info(stdout)["q8"] == "neon"
     for level in FMA_LEVELS:
         assert_same_bits(rig, got, level, "neon (cortex-a72)")
 
 
 def test_portable_is_bitwise_x86_portable(rig):
     stdout, got = run_driver(rig, "cortex-a72", "portable", "--level", "portable", "--threads", "2")
-    assert info(stdout)["level"] == "portable"
+    assert info(stdout)["level"] == info(stdout)["q8"] == "portable"
     assert_same_bits(rig, got, "portable", "aarch64 portable")
 
 
@@ -135,9 +153,9 @@ def test_sve_is_bitwise_the_x86_fma_levels_at_every_vector_length(rig, bits):
         bits
     ]  # results never depend on it
     stdout, got = run_driver(rig, cpu, f"sve{bits}", "--threads", threads)
-    assert info(stdout) == dict(levels="portable,neon,sve", max="sve", level="sve", sve_bits=str(bits)), (
-        stdout
-    )
+    assert info(stdout) == dict(
+        levels="portable,neon,sve", max="sve", level="sve", q8="sve", sve_bits=str(bits)
+    ), stdout
     for level in FMA_LEVELS:
         assert_same_bits(rig, got, level, f"sve at {bits} bits")
 

@@ -154,24 +154,32 @@ static void thread_range(int64_t n, int64_t *b, int64_t *e)
     *e = u1 * SPLIT_ALIGN < n ? u1 * SPLIT_ALIGN : n;
 }
 
+void adam_consts_init(adam_consts_t *c, int64_t step, double lr, double beta1, double beta2, double eps,
+                      double weight_decay, double grad_scale, int decoupled, int amsgrad)
+{
+    /* Bias corrections in double, as torch.optim computes them in Python floats. */
+    const double bc1 = 1.0 - pow(beta1, (double)step);
+    const double bc2 = 1.0 - pow(beta2, (double)step);
+    c->grad_scale = (float)grad_scale;
+    c->beta1 = (float)beta1;
+    c->one_minus_beta1 = (float)(1.0 - beta1);
+    c->beta2 = (float)beta2;
+    c->one_minus_beta2 = (float)(1.0 - beta2);
+    c->eps = (float)eps;
+    c->neg_step_size = (float)(-(lr / bc1));
+    c->inv_bias_correction2_sqrt = (float)(1.0 / sqrt(bc2));
+    c->decay = decoupled ? (float)(1.0 - lr * weight_decay) : 1.0f;
+    c->l2 = decoupled ? 0.0f : (float)weight_decay;
+    c->l2_mode = !decoupled && weight_decay != 0.0;
+    c->amsgrad = amsgrad;
+    c->out_of_place = 0;
+}
+
 void hybrid_adam_step(const adam_args_t *a)
 {
     adam_consts_t c;
-    /* Bias corrections in double, as torch.optim computes them in Python floats. */
-    const double bc1 = 1.0 - pow(a->beta1, (double)a->step);
-    const double bc2 = 1.0 - pow(a->beta2, (double)a->step);
-    c.grad_scale = (float)a->grad_scale;
-    c.beta1 = (float)a->beta1;
-    c.one_minus_beta1 = (float)(1.0 - a->beta1);
-    c.beta2 = (float)a->beta2;
-    c.one_minus_beta2 = (float)(1.0 - a->beta2);
-    c.eps = (float)a->eps;
-    c.neg_step_size = (float)(-(a->lr / bc1));
-    c.inv_bias_correction2_sqrt = (float)(1.0 / sqrt(bc2));
-    c.decay = a->decoupled ? (float)(1.0 - a->lr * a->weight_decay) : 1.0f;
-    c.l2 = a->decoupled ? 0.0f : (float)a->weight_decay;
-    c.l2_mode = !a->decoupled && a->weight_decay != 0.0;
-    c.amsgrad = a->max_exp_avg_sq != NULL;
+    adam_consts_init(&c, a->step, a->lr, a->beta1, a->beta2, a->eps, a->weight_decay, a->grad_scale, a->decoupled,
+                     a->max_exp_avg_sq != NULL);
     c.out_of_place = a->param_out != a->param;  /* with remainders: param and param_out bf16 */
 
     const level_t *fns = level_fns();

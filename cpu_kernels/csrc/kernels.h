@@ -45,6 +45,11 @@ typedef struct {
     int amsgrad, l2_mode, out_of_place;
 } adam_consts_t;
 
+/* An Adam call's constants from its hyperparameters (dispatch.c), out_of_place left 0: the one
+ * computation hybrid_adam_step and the q8 step (q8_dispatch.c) share. */
+void adam_consts_init(adam_consts_t *c, int64_t step, double lr, double beta1, double beta2, double eps,
+                      double weight_decay, double grad_scale, int decoupled, int amsgrad);
+
 typedef struct {
     int64_t n;
     float *param;                  /* post-step fp32 master, restored in place */

@@ -13,7 +13,7 @@
  *
  * The param update uses the fp32 moments before they are quantized. Threads split the work on
  * block boundaries (a block's absmax needs all of it); the kernels hold no state between calls.
- * Levels: portable (plain C, also NEON's and SVE's for now), avx2, avx512; q8_dispatch.c follows
+ * Levels: portable (plain C), avx2, avx512 on x86-64, neon, sve on AArch64; q8_dispatch.c follows
  * the level the Adam dispatcher uses (hybrid_get_level).
  */
 #ifndef HYBRID_OPT_Q8_H
@@ -57,12 +57,8 @@ typedef struct {
     double lr, beta1, beta2, eps, weight_decay, grad_scale;
 } q8_args_t;
 
-/* The call's constants in fp32, computed once as hybrid_adam_step computes them. */
-typedef struct {
-    float grad_scale, one_minus_beta1, beta2, one_minus_beta2, eps;
-    float neg_step_size, inv_bias_correction2_sqrt, decay, l2;
-    int amsgrad, l2_mode;
-} q8_consts_t;
+/* The call's constants in fp32: the Adam dispatcher's (adam_consts_init), the same computation. */
+typedef adam_consts_t q8_consts_t;
 
 /* The codebook (q8_tables.c, generated): the maps' fp32 bits, [0] signed, [1] unsigned; each
  * map's bucket table, a row for x >= +0 then one for x <= -0. */
@@ -94,6 +90,11 @@ void q8_range_portable(const q8_args_t *a, const q8_consts_t *c, int64_t begin, 
 #if defined(__x86_64__)
 void q8_range_avx2(const q8_args_t *a, const q8_consts_t *c, int64_t begin, int64_t end);
 void q8_range_avx512(const q8_args_t *a, const q8_consts_t *c, int64_t begin, int64_t end);
+#elif defined(__aarch64__)
+void q8_range_neon(const q8_args_t *a, const q8_consts_t *c, int64_t begin, int64_t end);
+#ifdef HYBRID_HAVE_SVE
+void q8_range_sve(const q8_args_t *a, const q8_consts_t *c, int64_t begin, int64_t end);
+#endif
 #endif
 
 #endif

@@ -1,11 +1,11 @@
-/* cpu_kernels: the q8 Adam step's entry point (q8.h): its constants, the level and the threads.
+/* cpu_kernels: the q8 Adam step's entry point (q8.h): the level and the threads; the constants are
+ * the Adam dispatcher's (adam_consts_init in dispatch.c).
  *
  * The level is the Adam dispatcher's (hybrid_get_level: detected once, lowered by
- * cpu_kernels.set_simd_level or HYBRID_OPT_SIMD); levels without a q8 kernel of their own
- * (NEON, SVE) run the portable one. Threads take interleaved chunks of whole blocks, so a
- * block's absmax is one thread's and the bits do not depend on the thread count.
+ * cpu_kernels.set_simd_level or HYBRID_OPT_SIMD); every level has a q8 kernel of its own. Threads
+ * take interleaved chunks of whole blocks, so a block's absmax is one thread's and the bits do not
+ * depend on the thread count.
  */
-#include <math.h>
 #include <string.h>
 #ifdef _OPENMP
 #include <omp.h>
@@ -21,25 +21,37 @@ typedef void (*q8_range_fn)(const q8_args_t *, const q8_consts_t *, int64_t, int
 #define Q8_PARALLEL_MIN 65536  /* below this a fork/join costs more than it saves */
 #define Q8_CHUNK 16384         /* a thread's unit of work: 64 blocks */
 
+/* The q8 kernel of each of dispatch.c's levels on this architecture, by the level's name. */
+static const struct {
+    const char *name;
+    q8_range_fn range;
+} Q8_LEVELS[] = {
+    {"portable", q8_range_portable},
+#if defined(__x86_64__)
+    {"avx2", q8_range_avx2},
+    {"avx512", q8_range_avx512},
+#elif defined(__aarch64__)
+    {"neon", q8_range_neon},
+#ifdef HYBRID_HAVE_SVE
+    {"sve", q8_range_sve},
+#endif
+#endif
+};
+
 static q8_range_fn q8_level(const char **name)
 {
     const char *level = hybrid_level_name(hybrid_get_level());
-#if defined(__x86_64__)
-    if (level && strcmp(level, "avx512") == 0) {
-        *name = "avx512";
-        return q8_range_avx512;
+    for (size_t k = 1; level && k < sizeof(Q8_LEVELS) / sizeof(Q8_LEVELS[0]); k++) {
+        if (strcmp(level, Q8_LEVELS[k].name) == 0) {
+            *name = Q8_LEVELS[k].name;
+            return Q8_LEVELS[k].range;
+        }
     }
-    if (level && strcmp(level, "avx2") == 0) {
-        *name = "avx2";
-        return q8_range_avx2;
-    }
-#endif
-    (void)level;
-    *name = "portable";
-    return q8_range_portable;
+    *name = Q8_LEVELS[0].name;
+    return Q8_LEVELS[0].range;
 }
 
-/* The level the q8 step runs at now: "avx512", "avx2" or "portable". */
+/* The level the q8 step runs at now: "avx512", "avx2", "neon", "sve" or "portable". */
 const char *hybrid_q8_level(void)
 {
     const char *name;
@@ -78,20 +90,8 @@ int hybrid_q8_adam_step(const q8_args_t *a)
     if (a->param_copy && a->copy_dtype != DT_BF16 && a->copy_dtype != DT_F16) return -1;
 
     q8_consts_t c;
-    /* as hybrid_adam_step: bias corrections in double, as torch.optim computes them */
-    const double bc1 = 1.0 - pow(a->beta1, (double)a->step);
-    const double bc2 = 1.0 - pow(a->beta2, (double)a->step);
-    c.grad_scale = (float)a->grad_scale;
-    c.one_minus_beta1 = (float)(1.0 - a->beta1);
-    c.beta2 = (float)a->beta2;
-    c.one_minus_beta2 = (float)(1.0 - a->beta2);
-    c.eps = (float)a->eps;
-    c.neg_step_size = (float)(-(a->lr / bc1));
-    c.inv_bias_correction2_sqrt = (float)(1.0 / sqrt(bc2));
-    c.decay = a->decoupled ? (float)(1.0 - a->lr * a->weight_decay) : 1.0f;
-    c.l2 = a->decoupled ? 0.0f : (float)a->weight_decay;
-    c.l2_mode = !a->decoupled && a->weight_decay != 0.0;
-    c.amsgrad = a->max_exp_avg_sq != NULL;
+    adam_consts_init(&c, a->step, a->lr, a->beta1, a->beta2, a->eps, a->weight_decay, a->grad_scale, a->decoupled,
+                     a->max_exp_avg_sq != NULL);
 
     const char *name;
     const q8_range_fn range = q8_level(&name);

@@ -1,5 +1,5 @@
-/* cpu_kernels, q8 Adam step, portable level: plain C, one table entry per element. It is also the
- * q8 step of the Arm levels (NEON, SVE) until they have their own. */
+/* cpu_kernels, q8 Adam step, portable level: plain C, one table entry per element (the same bits on
+ * every architecture). */
 #include "q8.h"
 #define Q8_LEVEL portable
 

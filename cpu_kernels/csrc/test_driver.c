@@ -4,7 +4,7 @@
  * library; tests/test_aarch64_emulation.py cross-compiles it with the library's own sources
  * and flags (cpu_kernels/_build.py) and runs it under qemu-aarch64.
  *
- *   test_driver --info                 prints the levels, the detected one and SVE's length
+ *   test_driver --info                 prints the levels, the detected one, the q8 step's and SVE's length
  *   test_driver CASES OUT [--level NAME] [--threads N] [--streaming-stores]
  *
  * Case file (little-endian): "HOKCASE1", u32 ncases, u32 0; per case u32 kind, u32 nbuf,
@@ -12,6 +12,7 @@
  * a case_params_t. Each buffer is placed `misalign` bytes past a 64-byte boundary. Outputs:
  * "HOKOUT01", u32 ncases, u32 0; per case every buffer's bytes after the call, then a double
  * (grad_stats' sum; the CRC32C of the aio case) and an i32 status (0 ok), i32 0.
+ * Kinds: Adam, grad_stats, the fp64 inverse, remainder encode / decode, the aio engine, the q8 step.
  * Exit status: 0, 2 bad usage or file, 3 level refused, 4 a case failed its own checks.
  */
 #define _GNU_SOURCE
@@ -22,6 +23,7 @@
 
 #include "aio.h"
 #include "kernels.h"
+#include "q8.h"
 
 int hybrid_max_level(void);
 int hybrid_get_level(void);
@@ -35,11 +37,14 @@ void hybrid_adam_inverse(const adam_inverse_args_t *a);
 int hybrid_grad_stats(const void *g, int dt, int64_t n, double *out);
 void hybrid_remainder_encode(const float *m, uint16_t *p, int16_t *r, int64_t n);
 void hybrid_remainder_decode(const uint16_t *p, const int16_t *r, float *m, int64_t n);
+int hybrid_q8_adam_step(const q8_args_t *a);
+const char *hybrid_q8_level(void);
 
-enum { K_ADAM = 0, K_GRAD_STATS = 1, K_INVERSE = 2, K_ENCODE = 3, K_DECODE = 4, K_AIO = 5 };
-/* buffer slots of case_params_t.buf (-1: none) */
+enum { K_ADAM = 0, K_GRAD_STATS = 1, K_INVERSE = 2, K_ENCODE = 3, K_DECODE = 4, K_AIO = 5, K_Q8 = 6 };
+/* buffer slots of case_params_t.buf (-1: none); the absmax ones are the q8 step's */
 enum { B_PARAM, B_GRAD, B_EXP_AVG, B_EXP_AVG_SQ, B_MAX, B_PARAM_OUT, B_EXP_AVG_OUT, B_EXP_AVG_SQ_OUT,
-       B_MAX_OUT, B_COPY, B_REM, B_REM_OUT, B_SLOTS };
+       B_MAX_OUT, B_COPY, B_REM, B_REM_OUT, B_EXP_AVG_ABSMAX, B_EXP_AVG_SQ_ABSMAX, B_MAX_ABSMAX,
+       B_EXP_AVG_ABSMAX_OUT, B_EXP_AVG_SQ_ABSMAX_OUT, B_MAX_ABSMAX_OUT, B_SLOTS };
 
 typedef struct {
     int32_t buf[B_SLOTS];
@@ -76,6 +81,7 @@ static void print_info(void)
     printf("levels=");
     for (int k = 0; k < hybrid_level_count(); k++) printf("%s%s", k ? "," : "", hybrid_level_name(k));
     printf(" max=%s level=%s", hybrid_level_name(hybrid_max_level()), hybrid_level_name(hybrid_get_level()));
+    printf(" q8=%s", hybrid_q8_level());
 #ifdef HYBRID_HAVE_SVE
     if (!strcmp(hybrid_level_name(hybrid_max_level()), "sve")) printf(" sve_bits=%d", hybrid_sve_vector_bits());
 #endif
@@ -116,33 +122,46 @@ static void *slot(unsigned char **bufs, const case_params_t *c, int k)
     return c->buf[k] < 0 ? NULL : bufs[c->buf[k]];
 }
 
+/* The fields adam_args_t, adam_inverse_args_t and q8_args_t share, from the case. */
+#define SET_HYPERPARAMETERS(a, c)                                                                    \
+    do {                                                                                             \
+        (a).n = (c)->n;                                                                              \
+        (a).grad_dtype = (c)->grad_dtype;                                                            \
+        (a).decoupled = (c)->decoupled;                                                              \
+        (a).step = (c)->step;                                                                        \
+        (a).lr = (c)->lr; (a).beta1 = (c)->beta1; (a).beta2 = (c)->beta2; (a).eps = (c)->eps;       \
+        (a).weight_decay = (c)->weight_decay; (a).grad_scale = (c)->grad_scale;                     \
+    } while (0)
+
+/* ... and those adam_args_t and q8_args_t share: the step's buffers but the absmaxes, the dtypes
+ * but exp_avg's (moment_dtype / exp_avg_dtype). */
+#define SET_STEP_FIELDS(a, bufs, c)                                                                  \
+    do {                                                                                             \
+        SET_HYPERPARAMETERS(a, c);                                                                   \
+        (a).param = slot(bufs, c, B_PARAM);                                                          \
+        (a).grad = slot(bufs, c, B_GRAD);                                                            \
+        (a).exp_avg = slot(bufs, c, B_EXP_AVG);                                                      \
+        (a).exp_avg_sq = slot(bufs, c, B_EXP_AVG_SQ);                                                \
+        (a).max_exp_avg_sq = slot(bufs, c, B_MAX);                                                   \
+        (a).param_out = slot(bufs, c, B_PARAM_OUT);                                                  \
+        (a).exp_avg_out = slot(bufs, c, B_EXP_AVG_OUT);                                              \
+        (a).exp_avg_sq_out = slot(bufs, c, B_EXP_AVG_SQ_OUT);                                        \
+        (a).max_exp_avg_sq_out = slot(bufs, c, B_MAX_OUT);                                           \
+        (a).param_copy = slot(bufs, c, B_COPY);                                                      \
+        (a).remainder = slot(bufs, c, B_REM);                                                        \
+        (a).remainder_out = slot(bufs, c, B_REM_OUT);                                                \
+        (a).exp_avg_sq_dtype = (c)->exp_avg_sq_dtype;                                                \
+        (a).copy_dtype = (c)->copy_dtype;                                                            \
+    } while (0)
+
 static int run_case(uint32_t kind, unsigned char **bufs, const case_params_t *c, double *scalar)
 {
     switch (kind) {
     case K_ADAM: {
         adam_args_t a;
         memset(&a, 0, sizeof(a));
-        a.n = c->n;
-        a.param = slot(bufs, c, B_PARAM);
-        a.grad = slot(bufs, c, B_GRAD);
-        a.exp_avg = slot(bufs, c, B_EXP_AVG);
-        a.exp_avg_sq = slot(bufs, c, B_EXP_AVG_SQ);
-        a.max_exp_avg_sq = slot(bufs, c, B_MAX);
-        a.param_out = slot(bufs, c, B_PARAM_OUT);
-        a.exp_avg_out = slot(bufs, c, B_EXP_AVG_OUT);
-        a.exp_avg_sq_out = slot(bufs, c, B_EXP_AVG_SQ_OUT);
-        a.max_exp_avg_sq_out = slot(bufs, c, B_MAX_OUT);
-        a.param_copy = slot(bufs, c, B_COPY);
-        a.remainder = slot(bufs, c, B_REM);
-        a.remainder_out = slot(bufs, c, B_REM_OUT);
-        a.grad_dtype = c->grad_dtype;
+        SET_STEP_FIELDS(a, bufs, c);
         a.moment_dtype = c->moment_dtype;
-        a.exp_avg_sq_dtype = c->exp_avg_sq_dtype;
-        a.copy_dtype = c->copy_dtype;
-        a.decoupled = c->decoupled;
-        a.step = c->step;
-        a.lr = c->lr; a.beta1 = c->beta1; a.beta2 = c->beta2; a.eps = c->eps;
-        a.weight_decay = c->weight_decay; a.grad_scale = c->grad_scale;
         hybrid_adam_step(&a);
         return 0;
     }
@@ -151,16 +170,11 @@ static int run_case(uint32_t kind, unsigned char **bufs, const case_params_t *c,
     case K_INVERSE: {
         adam_inverse_args_t a;
         memset(&a, 0, sizeof(a));
-        a.n = c->n;
+        SET_HYPERPARAMETERS(a, c);
         a.param = slot(bufs, c, B_PARAM);
         a.grad = slot(bufs, c, B_GRAD);
         a.exp_avg = slot(bufs, c, B_EXP_AVG);
         a.exp_avg_sq = slot(bufs, c, B_EXP_AVG_SQ);
-        a.grad_dtype = c->grad_dtype;
-        a.decoupled = c->decoupled;
-        a.step = c->step;
-        a.lr = c->lr; a.beta1 = c->beta1; a.beta2 = c->beta2; a.eps = c->eps;
-        a.weight_decay = c->weight_decay; a.grad_scale = c->grad_scale;
         hybrid_adam_inverse(&a);
         return 0;
     }
@@ -172,6 +186,19 @@ static int run_case(uint32_t kind, unsigned char **bufs, const case_params_t *c,
         return 0;
     case K_AIO:
         return run_aio(slot(bufs, c, B_PARAM), slot(bufs, c, B_PARAM_OUT), c->n, scalar);
+    case K_Q8: {
+        q8_args_t a;
+        memset(&a, 0, sizeof(a));
+        SET_STEP_FIELDS(a, bufs, c);
+        a.exp_avg_dtype = c->moment_dtype;
+        a.exp_avg_absmax = slot(bufs, c, B_EXP_AVG_ABSMAX);
+        a.exp_avg_sq_absmax = slot(bufs, c, B_EXP_AVG_SQ_ABSMAX);
+        a.max_exp_avg_sq_absmax = slot(bufs, c, B_MAX_ABSMAX);
+        a.exp_avg_absmax_out = slot(bufs, c, B_EXP_AVG_ABSMAX_OUT);
+        a.exp_avg_sq_absmax_out = slot(bufs, c, B_EXP_AVG_SQ_ABSMAX_OUT);
+        a.max_exp_avg_sq_absmax_out = slot(bufs, c, B_MAX_ABSMAX_OUT);
+        return hybrid_q8_adam_step(&a) ? 40 : 0;
+    }
     }
     return 30;
 }
