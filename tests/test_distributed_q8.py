@@ -38,8 +38,25 @@ QUANTIZED = {"0.weight": 0, "1.g": 2, "3.weight": 3}  # fqn -> param index (>= 4
 def q8_runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("q8_train")
     ckpt = os.path.join(str(out), "ckpt")
-    names = NAMES + ["zero_refused", "fsdp2_refused"]
+    _save_one(os.path.join(ckpt, "one"), str(out))
+    names = NAMES + ["zero_refused", "fsdp2_refused", "zero_from1", "fsdp2_from1"]
     return ckpt, launch("q8_train.py", str(out), ckpt, *names, timeout_s=300)
+
+
+def _save_one(path: str, tmp: str) -> None:
+    """One process's checkpoint after SAVE_AT steps on the averaged grads: dcp.save of model
+    and optimizer under path/dcp, torch.save of both state dicts (full tensors) as path/sd.pt."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    model = Q.build_model()
+    with _hybrid(model, tmp) as opt:
+        _train_single(model, opt, Q.batches()[: Q.SAVE_AT])
+        dcp.save(
+            {"model": model.state_dict(), "optim": get_optimizer_state_dict(model, opt)},
+            checkpoint_id=os.path.join(path, "dcp"),
+        )
+        torch.save({"model": model.state_dict(), "optim": opt.state_dict()}, os.path.join(path, "sd.pt"))
 
 
 def _averaged_grads(model, x) -> list:
@@ -226,3 +243,18 @@ def test_q8_param_cut_inside_a_block_is_refused_on_every_rank(q8_runs, mode):
         assert "parameter 0 of shape (9, 1000)" in msg, msg
         assert "part 1 of 2 starts at element 5000, inside block 19" in msg, msg
         assert "torch.bfloat16 moments" in msg
+
+
+@pytest.mark.parametrize("mode", ["fsdp2", "zero"])
+def test_q8_checkpoint_of_1_process_resumes_at_2_ranks_bitwise(q8_runs, mode, tmp_path):
+    """One process's q8 checkpoint after SAVE_AT steps, resumed at 2 ranks — dcp.load into
+    the ranks' DTensors (both modes) and, for process_group, load_state_dict of the full state
+    dict (each rank slices its elements and blocks): every remaining step is the single
+    process's uninterrupted one, bit for bit, on both ranks."""
+    _, ranks = q8_runs
+    ref = single((), tmp_path)[Q.SAVE_AT :]
+    for rank, res in enumerate(ranks):
+        runs = res[f"{mode}_from1"]
+        assert set(runs) == ({"dcp", "full"} if mode == "zero" else {"dcp"})
+        for how, steps in runs.items():
+            _assert_bitwise(steps, ref, f"{mode} rank {rank} from 1 ({how})")

@@ -7,7 +7,8 @@ state from opt.state_dict() (codes and absmaxes of the q8 params, fp32 moments o
 step_was_skipped, the scaler's scale; and the absmax DTensors' global shapes. The overflow-free
 speculative runs save a DCP checkpoint (model + optimizer) after SAVE_AT steps and train on. The
 "refused" configurations build the optimizer over a param whose dim-0 cut falls inside a block
-and keep the error's message."""
+and keep the error's message; the "from1" ones resume from a checkpoint one process saved
+(<checkpoint directory>/one, written by the test before the launch)."""
 
 import os
 import sys
@@ -149,6 +150,55 @@ def run(name: str, rank: int, world: int, tmp: str, ckpt: str) -> dict:
     return out
 
 
+def from_one(mode: str, rank: int, world: int, tmp: str, one: str) -> dict:
+    """Resumes at 2 ranks from the checkpoint one process saved after SAVE_AT steps (`one`: its
+    DCP directory "dcp" and its torch.save'd "sd.pt"): dcp.load into get_optimizer_state_dict's
+    DTensors and, for process_group, load_state_dict of the full state dict (each rank takes its
+    elements and blocks); the snapshot after each remaining step."""
+    from torch.distributed.checkpoint.state_dict import (
+        get_model_state_dict,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    out = {}
+    for how in ("dcp", "full") if mode == "zero" else ("dcp",):
+        model = build_model()
+        if mode == "fsdp2":
+            from torch.distributed.fsdp import fully_shard
+
+            mesh = init_device_mesh("cpu", (world,))
+            for m in model:
+                if isinstance(m, (torch.nn.Linear, Gain)):
+                    fully_shard(m, mesh=mesh)
+            fully_shard(model, mesh=mesh)
+        kw = dict(PLACEMENT, nvme_path=os.path.join(tmp, f"{mode}-{how}-from1-rank{rank}"))
+        os.makedirs(kw["nvme_path"])
+        if mode == "zero":
+            kw["process_group"] = dist.group.WORLD
+        opt = HybridAdamW(model.parameters(), lr=C.LR, weight_decay=0.01, max_grad_norm=CLIP, **Q8, **kw)
+        if how == "dcp":
+            sd = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}
+            dcp.load(sd, checkpoint_id=os.path.join(one, "dcp"))
+            set_model_state_dict(model, sd["model"])
+            set_optimizer_state_dict(model, opt, sd["optim"])
+        else:
+            saved = torch.load(os.path.join(one, "sd.pt"), weights_only=True)
+            model.load_state_dict(saved["model"])
+            opt.load_state_dict(saved["optim"])
+        steps = []
+        for x in batches()[SAVE_AT:]:
+            opt.zero_grad()
+            C.loss_fn(model, C.local_batch(x, rank, world)).backward()
+            opt.step()
+            if mode == "zero":
+                opt.wait_params()
+            steps.append(snapshot(model, opt))
+        opt.close()
+        out[how] = steps
+    return out
+
+
 def refused(mode: str, world: int) -> str:
     """The constructor's error for a q8 param whose dim-0 cut falls inside a block: 9 x 1000,
     cut after 5 rows = 5,000 elements."""
@@ -176,6 +226,8 @@ def main():
         for name in sys.argv[2:]:
             if name.endswith("_refused"):
                 results[name] = refused(name.split("_")[0], world)
+            elif name.endswith("_from1"):
+                results[name] = from_one(name.split("_")[0], rank, world, tmp, os.path.join(ckpt, "one"))
             else:
                 results[name] = run(name, rank, world, tmp, ckpt)
     C.save_result(results)
