@@ -258,3 +258,26 @@ def test_q8_checkpoint_of_1_process_resumes_at_2_ranks_bitwise(q8_runs, mode, tm
         assert set(runs) == ({"dcp", "full"} if mode == "zero" else {"dcp"})
         for how, steps in runs.items():
             _assert_bitwise(steps, ref, f"{mode} rank {rank} from 1 ({how})")
+
+
+@pytest.mark.parametrize("mode", ["fsdp2", "zero"])
+def test_q8_fp32_save_at_2_ranks_dequantizes_each_ranks_blocks(q8_runs, mode):
+    """save_state_dict(f, fp32=True) on each rank: every moment an fp32 DTensor like the param
+    (what torch.optim.AdamW keeps under FSDP2), a q8 one the dequantization of the param's own
+    codes and blocks (map[code] * absmax), gathered; the small params' moments as they are."""
+    from cpu_kernels.q8_reference import Q8Blocks, dequantize_blocks
+
+    _, ranks = q8_runs
+    for rank, res in enumerate(ranks):
+        last = res[mode]["steps"][-1]["state"]
+        for i, entry in res[mode]["fp32"].items():
+            assert set(entry) == {"exp_avg", "exp_avg_sq"}, (rank, i, set(entry))
+            for m, (kind, got) in entry.items():
+                assert kind == "DTensor" and got.dtype == torch.float32, (rank, i, m, kind)
+                if m + "_q8" in last[i]:
+                    codes, absmax = last[i][m + "_q8"], last[i][m + "_absmax"]
+                    want = dequantize_blocks(Q8Blocks(codes.reshape(-1), absmax.reshape(-1)), m == "exp_avg")
+                    want = want.view(codes.shape)
+                else:
+                    want = last[i][m]
+                assert torch.equal(got, want), (mode, rank, i, m)

@@ -144,6 +144,14 @@ def run(name: str, rank: int, world: int, tmp: str, ckpt: str) -> dict:
                 {"model": get_model_state_dict(model), "optim": optim},
                 checkpoint_id=os.path.join(ckpt, name),
             )
+    if name in ("fsdp2", "zero"):  # save_state_dict(fp32=True): each rank's moments dequantized
+        path = os.path.join(tmp, f"{name}-fp32-rank{rank}.pt")
+        opt.save_state_dict(path, fp32=True)
+        saved = torch.load(path, weights_only=False)["state"]
+        out["fp32"] = {
+            i: {k: (type(v).__name__, full(v).clone()) for k, v in e.items() if k != "step"}
+            for i, e in saved.items()
+        }
     out["quantized"] = [sg.quantized for sg in debug_view(opt).subgroups]
     out["host_stats"] = debug_view(opt).host_stats
     opt.close()
