@@ -154,13 +154,13 @@ def check_state_format(exp_avg_dtype, exp_avg_sq_dtype, store_param_remainders, 
     return fmt
 
 
-def check_q8_placement(fmt: StateFormat, process_group, params) -> None:
+def check_q8_placement(fmt: StateFormat, process_group, params, first: int = 0) -> None:
     """q8 moments of sharded params (FSDP2's DTensors, process_group's chunks), before anything
     is laid out: a q8 param whose dim-0 cut falls inside one of its blocks of 256 is refused,
-    naming it (distributed/q8_shards.py)."""
+    naming it (its index: `first` + its place in `params`; distributed/q8_shards.py)."""
     from hybrid_opt.distributed.q8_shards import check_q8_shards
 
-    check_q8_shards(params, process_group, fmt, lambda i: f"parameter {i}")
+    check_q8_shards(params, process_group, fmt, lambda i: f"parameter {first + i}")
 
 
 def check_group_params(name: str, param_group: dict) -> dict:

@@ -207,22 +207,35 @@ def from_one(mode: str, rank: int, world: int, tmp: str, one: str) -> dict:
     return out
 
 
-def refused(mode: str, world: int) -> str:
-    """The constructor's error for a q8 param whose dim-0 cut falls inside a block: 9 x 1000,
-    cut after 5 rows = 5,000 elements."""
+def refused(mode: str, world: int) -> dict:
+    """The constructor's error for a q8 param whose dim-0 cut falls inside a block (9 x 1000,
+    cut after 5 rows = 5,000 elements) and, under FSDP2, add_param_group's for it joining an
+    optimizer built over a 1-D param of 8,192 (cut at 4,096)."""
     model = torch.nn.Sequential(torch.nn.Linear(1000, 9))
+    good = torch.nn.Linear(1, 8192)
     kw = {}
     if mode == "fsdp2":
         from torch.distributed.fsdp import fully_shard
 
-        fully_shard(model, mesh=init_device_mesh("cpu", (world,)))
+        mesh = init_device_mesh("cpu", (world,))
+        fully_shard(model, mesh=mesh)
+        fully_shard(good, mesh=mesh)
     else:
         kw["process_group"] = dist.group.WORLD
+    out = {}
     try:
         HybridAdamW(model.parameters(), lr=C.LR, offload_fraction=0.0, **Q8, **kw).close()
+        out["construct"] = "built"
     except ValueError as e:
-        return str(e)
-    return "built"
+        out["construct"] = str(e)
+    if mode == "fsdp2":
+        with HybridAdamW([good.bias], lr=C.LR, offload_fraction=0.0, **Q8) as opt:
+            try:
+                opt.add_param_group({"params": [model[0].weight]})
+                out["add_param_group"] = "added"
+            except ValueError as e:
+                out["add_param_group"] = str(e)
+    return out
 
 
 def main():
