@@ -9,7 +9,6 @@ import warnings
 
 import torch
 
-from hybrid_opt.distributed.local_shards import is_dtensor
 from hybrid_opt.placement.plan import check_fractions
 from hybrid_opt.state.state_format import StateFormat
 from hybrid_opt.swap import check_nvme_path
@@ -155,17 +154,13 @@ def check_state_format(exp_avg_dtype, exp_avg_sq_dtype, store_param_remainders, 
     return fmt
 
 
-def check_q8_placement(fmt: StateFormat, process_group, params) -> None:
-    """q8 moments (issue 38) where they are wired so far: refused, before anything is laid out,
-    where they are not yet — with the limitation named."""
-    if not fmt.quantized_moments:
-        return
-    if process_group is not None or any(is_dtensor(p) for p in params):
-        raise ValueError(
-            "q8 moments (exp_avg_dtype / exp_avg_sq_dtype='q8') are not yet supported "
-            "with process_group= or FSDP2 (DTensor) params: a shard's blocks of 256 "
-            "would not be the param's; use torch.float32 or torch.bfloat16 moments"
-        )
+def check_q8_placement(fmt: StateFormat, process_group, params, first: int = 0) -> None:
+    """q8 moments of sharded params (FSDP2's DTensors, process_group's chunks), before anything
+    is laid out: a q8 param whose dim-0 cut falls inside one of its blocks of 256 is refused,
+    naming it (its index: `first` + its place in `params`; distributed/q8_shards.py)."""
+    from hybrid_opt.distributed.q8_shards import check_q8_shards
+
+    check_q8_shards(params, process_group, fmt, lambda i: f"parameter {first + i}")
 
 
 def check_group_params(name: str, param_group: dict) -> dict:

@@ -179,6 +179,10 @@ class _HybridBase(torch.optim.Optimizer):
         if self._built:
             self._check_open()
             self._parts.layout.check_joining(param_group, self.defaults, self._parts.sharding.active)
+            # a joining FSDP2 param cut inside one of its q8 blocks, refused as at construction
+            first = sum(len(g["params"]) for g in self.param_groups)
+            joining = [i[1] if isinstance(i, tuple) else i for i in param_group["params"]]
+            A.check_q8_placement(self.state_format, None, joining, first)
         super().add_param_group(param_group)
         if self._built:
             P.extend(self._parts, len(self.param_groups) - 1)

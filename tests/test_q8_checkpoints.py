@@ -355,3 +355,48 @@ def test_a_real_bitsandbytes_checkpoint_loads_its_codes_bitwise():
                 else:
                     assert torch.equal(state[i]["exp_avg"], st["state1"]), i
                     assert torch.equal(state[i]["exp_avg_sq"], st["state2"]), i
+
+
+@pytest.mark.parametrize("placement", PLACEMENTS)
+def test_absmax_is_shaped_like_the_param_where_its_last_dim_holds_whole_blocks(placement, tmp_path):
+    """A q8 moment's absmax in state_dict(): the param's shape with its last dim counted in
+    blocks where that dim is a multiple of 256 (16 x 512: (16, 2), absmax[i, k] scaling
+    codes[i, 256k : 256k + 256]) or the param is 1-D (5000: (20,)), else one per block of the
+    flat index (64 x 96: (24,)) — on every tier. It loads back bitwise, and so does the same
+    checkpoint with every absmax flattened (as bitsandbytes' are)."""
+    from hybrid_opt.state.state_format import q8_absmax_shape
+
+    shapes = ((16, 512), (5000,), (64, 96))
+    g = torch.Generator().manual_seed(0)
+    params = [nn.Parameter(torch.randn(s, generator=g)) for s in shapes]
+    with _hybrid(params, **_placed(placement, tmp_path)) as opt:
+        for step in range(2):
+            _set_grads(params, step)
+            opt.step()
+        saved = {i: {k: v.clone() for k, v in e.items()} for i, e in opt.state_dict()["state"].items()}
+        sd = opt.state_dict()
+    want = {0: (16, 2), 1: (20,), 2: (24,)}
+    for i, shape in want.items():
+        assert q8_absmax_shape(shapes[i]) == shape
+        for m in ("exp_avg", "exp_avg_sq"):
+            assert tuple(saved[i][m + "_absmax"].shape) == shape, (i, m)
+            assert tuple(saved[i][m + "_q8"].shape) == shapes[i]
+    # blockwise: absmax[i, k] is the largest |m| of block (i, k) — up to the signed map's lopsided
+    # bottom (-0.99297): dequantized, that block's largest magnitude is 0.99297 to 1 x absmax[i, k]
+    codes, absmax = saved[0]["exp_avg_q8"], saved[0]["exp_avg_absmax"]
+    m = dequantize_blocks(Q8Blocks(codes.reshape(-1), absmax.reshape(-1)), True)
+    rows = m.view(16, 2, 256).abs().amax(-1)
+    assert bool((rows <= absmax).all()) and bool((rows >= 0.99 * absmax).all())
+    assert not torch.equal(absmax[:, 0], absmax[:, 1])
+    for flatten in (False, True):
+        if flatten:
+            for e in sd["state"].values():
+                for k in [k for k in e if k.endswith("_absmax")]:
+                    e[k] = e[k].reshape(-1).clone()
+        fresh = [nn.Parameter(p.detach().clone()) for p in params]
+        with _hybrid(fresh, **_placed(placement, tmp_path)) as opt2:
+            opt2.load_state_dict(sd)
+            back = opt2.state_dict()["state"]
+            for i in saved:
+                for k, v in saved[i].items():
+                    assert torch.equal(back[i][k], v), (flatten, i, k)

@@ -174,7 +174,6 @@ def test_q8_is_a_moment_format_of_its_own_bytes():
             r"exp_avg_dtype must be torch.float32 or torch.bfloat16 \(or \"q8\"",
         ),
         (dict(exp_avg_sq_dtype=Q8, rollback="inverse"), ValueError, "q8 moments"),
-        (dict(exp_avg_dtype=Q8, process_group=object()), ValueError, "not yet supported with process_group"),
         (dict(exp_avg_dtype=Q8, offload_fraction=0.0, subgroup_numel=128), ValueError, "one q8 block"),
     ],
 )

@@ -18,6 +18,13 @@ import torch
 from cpu_kernels.reference import decode_remainder_reference
 from hybrid_opt.distributed.dtensor_state import dtensor_like, local_shard_of
 from hybrid_opt.distributed.local_shards import is_dtensor, is_sharded, local_of
+from hybrid_opt.distributed.q8_shards import (
+    absmax_dtensor,
+    absmax_local_shape,
+    local_absmax_of,
+    local_codes_of,
+    quantizes,
+)
 from hybrid_opt.distributed.zero_gather import SHARD_KEY
 from hybrid_opt.mapped import Piece, map_tensor
 from hybrid_opt.placement.plan import DEVICE, NVME
@@ -168,11 +175,17 @@ def iter_state(layout, placement, state_format):
         laid = (
             pieces[idx][0][0].dtype if pieces.get(idx) else p.dtype
         )  # a param cast since keeps its layout's
-        fmt = state_format.for_subgroup(bool(pieces.get(idx)) and pieces[idx][0][0].quantized)
+        # by the param's global size, as the layout decides: every rank gives the same keys
+        fmt = state_format.for_subgroup(quantizes(params[idx], state_format))
+        blocks = absmax_local_shape(params[idx])
         for key, name in _entry_keys(layout, idx, laid, fmt):
-            t = _state_tensor(placement, pieces.get(idx, []), name, p, verified, fmt)
-            # torch.optim.AdamW's state under FSDP2 is zeros_like(p): DTensors like the param
-            entry[key] = dtensor_like(t, params[idx]) if is_sharded(params[idx]) else t
+            t = _state_tensor(placement, pieces.get(idx, []), name, p, verified, fmt, blocks)
+            if not is_sharded(params[idx]):
+                entry[key] = t
+            elif name.endswith(ABSMAX):  # a DTensor of the absmax's own global shape (q8_shards.py)
+                entry[key] = absmax_dtensor(t, params[idx])
+            else:  # torch.optim.AdamW's state under FSDP2 is zeros_like(p): DTensors like the param
+                entry[key] = dtensor_like(t, params[idx])
         yield idx, entry
 
 
@@ -202,10 +215,13 @@ def fp32_entries(entries, params: list):
         out = {"step": entry["step"]}
         for name in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq"):
             if name + Q8_KEY in entry:
-                codes = entry[name + Q8_KEY]
+                # a sharded param's: this rank's codes and blocks (its blocks are the param's:
+                # q8_shards.py), dequantized into a DTensor like the param
+                codes, absmax = (_local(entry[name + k]) for k in (Q8_KEY, ABSMAX))
                 # on the CPU, where the map is (the file's bytes go through it anyway)
-                q = Q8Blocks(codes.reshape(-1).cpu(), entry[name + ABSMAX].reshape(-1).cpu())
-                out[name] = dequantize_blocks(q, name == "exp_avg").view(codes.shape)
+                q = Q8Blocks(codes.reshape(-1).cpu(), absmax.reshape(-1).cpu())
+                moment = dequantize_blocks(q, name == "exp_avg").view(codes.shape)
+                out[name] = dtensor_like(moment, params[idx]) if is_sharded(params[idx]) else moment
             elif name in entry:
                 out[name] = entry[name].float()
         master = fp32_master(entry, params[idx])
@@ -217,6 +233,11 @@ def fp32_entries(entries, params: list):
                 else master
             )
         yield idx, out
+
+
+def _local(t):
+    """A DTensor's local tensor, or `t` itself."""
+    return t.to_local() if is_dtensor(t) else t
 
 
 def _entry_keys(layout, idx: int, dtype, state_format) -> list:
@@ -237,13 +258,15 @@ def _entry_keys(layout, idx: int, dtype, state_format) -> list:
     return keys
 
 
-def _state_tensor(placement, parts: list, name: str, p, verified: set, fmt) -> torch.Tensor:
+def _state_tensor(
+    placement, parts: list, name: str, p, verified: set, fmt, absmax_shape: tuple
+) -> torch.Tensor:
     """Param `p`'s state `name` over its `parts` [(subgroup, slice)], shaped like p (a q8
-    absmax: one per block of p's flat index), in `fmt` (the param's format): a view where one
-    can exist (iter_state), else a copy."""
+    absmax: `absmax_shape`, one per block of p's flat index), in `fmt` (the param's format): a
+    view where one can exist (iter_state), else a copy."""
     located = []  # per part: a mapped.Piece, or the device tier's tensor slice
     per_block = name.endswith(ABSMAX)
-    shape = (q8_blocks(p.numel()),) if per_block else p.shape
+    shape = absmax_shape if per_block else p.shape
     for sg, sl in parts:
         a, b = sl.sub_offset, sl.sub_offset + sl.numel
         if per_block:  # the layout starts each slice of a q8 subgroup on a block
@@ -446,6 +469,11 @@ def _source(param, entry: dict, key: str, held: dict, idx: int, q8: bool = False
     if key != "master":
         saved = _saved(param, entry, key)
         codes, absmax = entry.get(key + Q8_KEY), entry.get(key + ABSMAX)
+        if codes is not None and is_sharded(param):  # this rank's codes and its blocks' absmaxes
+            codes, absmax = local_codes_of(codes, param), local_absmax_of(absmax, param)
+        elif codes is not None and is_dtensor(codes):  # a sharded checkpoint into a plain param
+            codes = codes.full_tensor()
+            absmax = absmax.full_tensor() if is_dtensor(absmax) else absmax  # type: ignore[union-attr]
         signed = key == "exp_avg"
         from cpu_kernels.q8_reference import Q8Blocks, dequantize_blocks, quantize_blocks
 

@@ -162,7 +162,8 @@ def layout_group(
     for k, p in enumerate(params):
         own_contiguous(p)
         local = local_of(p)
-        quantized = quantize and local.numel() >= Q8_MIN_NUMEL
+        # by the param's global size: every rank of a sharded one keeps one process's format
+        quantized = quantize and p.numel() >= Q8_MIN_NUMEL
         buckets.setdefault((local.device, local.dtype, quantized), []).append(
             (first_index + k, p, local.numel())
         )

@@ -23,6 +23,21 @@ def q8_blocks(numel: int) -> int:
     return -(-numel // Q8_BLOCK)
 
 
+def q8_absmax_shape(shape) -> tuple:
+    """The shape of a q8 moment's absmax for a param of `shape`, shaped like the param where its
+    blocks allow: a param whose last dim holds whole blocks (or a 1-D one) gets the param's shape
+    with that dim counted in blocks — absmax[..., k] scales codes[..., 256k : 256k + 256], and a
+    dim-0 cut of the param at any world size cuts its absmax alike (a DTensor's state reshards
+    with it); any other param one absmax per block of its flat index, (ceil(numel / 256),)."""
+    shape = tuple(shape)
+    numel = 1
+    for n in shape:
+        numel *= n
+    if len(shape) == 1 or (len(shape) > 1 and shape[-1] % Q8_BLOCK == 0):
+        return shape[:-1] + (q8_blocks(shape[-1]),)
+    return (q8_blocks(numel),)
+
+
 # a zero moment's code: the index of 0.0 in the signed map (exp_avg) and the unsigned one
 Q8_ZERO_CODE = {"exp_avg": 127, "exp_avg_sq": 0, "max_exp_avg_sq": 0}
 ABSMAX = "_absmax"  # a q8 moment's absmax tensor: the moment's name + this
