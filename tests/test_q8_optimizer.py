@@ -638,6 +638,25 @@ def test_small_params_do_not_widen_the_q8_banks(fmt):
     assert with_bias <= 1.05 * without, (with_bias, without)
 
 
+@pytest.mark.parametrize("placement", ["host", "nvme"])
+def test_a_small_subgroup_larger_than_a_quarter_bank_widens_its_regions(placement, tmp_path):
+    """A host tier whose small params' subgroup (2,000 elements of fp32 moments: 8,000 bytes a
+    moment) outgrows the codes of its largest quantized one (4,096: 4,096 bytes): each q8 moment
+    region holds the larger, and both step the reference's bits (a region too small would let the
+    small subgroup's exp_avg run into its exp_avg_sq)."""
+    fmt = StateFormat(Q8, Q8)
+    params = _params(FP32, seed=18, shapes=((4096,), (1000,), (1000,)))
+    ref = reference_run(params, 3, fmt)
+    kw = dict(PLACED[placement], subgroup_numel=8192)
+    if placement == "nvme":
+        kw["nvme_path"] = str(tmp_path)
+    with _hybrid(params, fmt, **kw) as opt:
+        view = debug_view(opt)
+        assert sorted(sg.numel for sg in view.subgroups) == [2000, 4096]
+        _run(opt, params, 3)
+        assert_state_equal(opt.state_dict()["state"], ref, params, fmt)
+
+
 @pytest.mark.xfail(
     strict=True,
     reason="issue 38 item 4 not met for the arena: every bank keeps a 2-byte bf16 copy region (the "
