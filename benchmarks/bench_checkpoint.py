@@ -1,7 +1,7 @@
 """What a checkpoint of the optimizer costs: RAM as the OS counts it, seconds, bytes on disk.
 
     python benchmarks/bench_checkpoint.py [--layers 12] [--width 2048] [--rounds 3]
-        [--placements torch offload0 offload1 nvme1 compressed1 compressed0]
+        [--placements torch offload0 offload1 nvme1 compressed1 compressed0 q8rem1 q8master1 q8rem0]
         [--ops torch_save save_state_dict load load_mmap dcp_save]
         [--frameworks] [--ranks 2] [--dir DIR] [--json out.json]
 
@@ -10,7 +10,9 @@ params), AdamW lr 1e-3, two steps on random data, HybridAdamW's default subgroup
 
 Placements: torch.optim.AdamW(fused=True) (the control); HybridAdamW at offload_fraction 0 and
 1.0; offload 1.0 with nvme_fraction 1.0 (nvme_path under --dir); compressed state (the model in
-bf16, bf16 moments, fp32 masters kept as int16 remainders) at offload 1.0 and 0.
+bf16, bf16 moments, fp32 masters kept as int16 remainders) at offload 1.0 and 0; q8 moments (issue
+38: the model in bf16, 8-bit codes + an absmax per block of 256) with remainders at offload 1.0
+and 0, and with an fp32 master at offload 1.0.
 
 Operations, each measured on its own:
   torch_save       `torch.save(opt.state_dict(), f)`, then the dict dropped
@@ -100,7 +102,9 @@ class Placement:
     label: str
     offload: float | None = None  # None: torch.optim.AdamW(fused=True), the control
     nvme: float = 0.0
-    compressed: bool = False  # a bf16 model, bf16 moments, fp32 masters as remainders
+    compressed: bool = False  # a bf16 model, `moments`, fp32 masters as remainders where `remainders`
+    moments: str = "bf16"  # compressed: "bf16" or "q8"
+    remainders: bool = True  # compressed: the fp32 master as int16 remainders beside the bf16 param
     fsdp2: bool = False  # --ranks: the model fully_shard'ed
     process_group: bool = False  # --ranks: HybridAdamW(process_group=WORLD) over plain params
 
@@ -112,6 +116,11 @@ PLACEMENTS = {
     "nvme1": Placement("HybridAdamW offload 1, nvme 1", 1.0, 1.0),
     "compressed1": Placement("HybridAdamW compressed, offload 1", 1.0, compressed=True),
     "compressed0": Placement("HybridAdamW compressed, offload 0", 0.0, compressed=True),
+    "q8rem1": Placement("HybridAdamW q8 + remainders, offload 1", 1.0, compressed=True, moments="q8"),
+    "q8master1": Placement(
+        "HybridAdamW q8 + fp32 master, offload 1", 1.0, compressed=True, moments="q8", remainders=False
+    ),
+    "q8rem0": Placement("HybridAdamW q8 + remainders, offload 0", 0.0, compressed=True, moments="q8"),
 }
 RANK_PLACEMENTS = {
     "fsdp2-torch": Placement("FSDP2 + torch AdamW(fused=True)", fsdp2=True),
@@ -151,7 +160,10 @@ def build_optimizer(params, placement: Placement, nvme_dir: str):
     if placement.nvme:
         kw.update(nvme_fraction=placement.nvme, nvme_path=nvme_dir)
     if placement.compressed:
-        kw.update(exp_avg_dtype=torch.bfloat16, exp_avg_sq_dtype=torch.bfloat16, store_param_remainders=True)
+        moments = torch.bfloat16 if placement.moments == "bf16" else placement.moments
+        kw.update(
+            exp_avg_dtype=moments, exp_avg_sq_dtype=moments, store_param_remainders=placement.remainders
+        )
     if placement.process_group:
         kw.update(process_group=dist.group.WORLD)
     return HybridAdamW(params, lr=1e-3, **kw)

@@ -606,6 +606,77 @@ def test_nvme_files_and_host_banks_hold_the_q8_bytes(fmt, bound, tmp_path):
         )
 
 
+def _arena_bytes_per_param(model, fmt, **kw):
+    """The host arena's bytes per param as the OS reports them: os.fstat on its memfd (and
+    opt.allocated_bytes["host"], which reads the same)."""
+    import os
+
+    with _hybrid(list(model.parameters()), fmt, offload_fraction=1.0, **kw) as opt:
+        arena = os.fstat(debug_view(opt).host.arena.fd).st_size
+        assert opt.allocated_bytes["host"] == arena
+    return arena / sum(p.numel() for p in model.parameters())
+
+
+def _wide_model(bias: bool):
+    torch.manual_seed(0)
+    return nn.Sequential(*[nn.Linear(512, 512, bias=bias) for _ in range(8)]).to(BF16)
+
+
+@pytest.mark.parametrize(
+    "fmt", [StateFormat(Q8, Q8, True), StateFormat(Q8, Q8)], ids=["q8 + rem", "q8 + master"]
+)
+def test_small_params_do_not_widen_the_q8_banks(fmt):
+    """A bf16 model whose weights are quantized and whose biases (512 elements: small) keep fp32
+    moments: the biases' subgroup is cut at a quarter of the size, its fp32 moments fit the
+    banks' 1-byte code regions, and the host arena (os.fstat) costs at most 5 % more per param
+    than the same model without biases (before: every bank's moment regions were 4 bytes wide,
+    2.0x for q8 + remainders, 1.8x with an fp32 master)."""
+    kw = dict(subgroup_numel=1 << 16)
+    with_bias = _arena_bytes_per_param(_wide_model(True), fmt, **kw)
+    without = _arena_bytes_per_param(_wide_model(False), fmt, **kw)
+    assert with_bias <= 1.05 * without, (with_bias, without)
+
+
+@pytest.mark.parametrize("placement", ["host", "nvme"])
+def test_a_small_subgroup_larger_than_a_quarter_bank_widens_its_regions(placement, tmp_path):
+    """A host tier whose small params' subgroup (2,000 elements of fp32 moments: 8,000 bytes a
+    moment) outgrows the codes of its largest quantized one (4,096: 4,096 bytes): each q8 moment
+    region holds the larger, and both step the reference's bits (a region too small would let the
+    small subgroup's exp_avg run into its exp_avg_sq)."""
+    fmt = StateFormat(Q8, Q8)
+    params = _params(FP32, seed=18, shapes=((4096,), (1000,), (1000,)))
+    ref = reference_run(params, 3, fmt)
+    kw = dict(PLACED[placement], subgroup_numel=8192)
+    if placement == "nvme":
+        kw["nvme_path"] = str(tmp_path)
+    with _hybrid(params, fmt, **kw) as opt:
+        view = debug_view(opt)
+        assert sorted(sg.numel for sg in view.subgroups) == [2000, 4096]
+        _run(opt, params, 3)
+        assert_state_equal(opt.state_dict()["state"], ref, params, fmt)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="issue 38 item 4 not met for the arena: every bank keeps a 2-byte bf16 copy region (the "
+    "remainders' high half, or the fp32 master's bf16 copy), as the fp32 format's does: 6.03 / 14 B "
+    "per element (0.43x) and 8.03 / 14 (0.57x); see docs/internals.md, 'q8 host arena'",
+)
+@pytest.mark.parametrize(
+    "fmt, bound",
+    [(StateFormat(Q8, Q8, True), 0.40), (StateFormat(Q8, Q8), 0.55)],
+    ids=["q8 + remainders", "q8 + fp32 master"],
+)
+def test_the_host_arena_holds_issue_38s_share_of_the_fp32_formats(fmt, bound):
+    """Issue 38 item 4: the host arena of a bf16 model of large params (8 x Linear(512), 2.1M
+    params, subgroups of 64Ki: banks, spare banks, staging), as os.fstat reports it, within
+    `bound` x the fp32 format's for the same model."""
+    kw = dict(subgroup_numel=1 << 16)
+    q8 = _arena_bytes_per_param(_wide_model(False), fmt, **kw)
+    fp32 = _arena_bytes_per_param(_wide_model(False), StateFormat(), **kw)
+    assert q8 <= bound * fp32, (q8, fp32, q8 / fp32)
+
+
 # ---------------------------------------------------------------------------- planner, demo
 def test_plan_counts_the_q8_bytes(capsys):
     """`hybrid-opt plan --exp-avg-dtype q8 --exp-avg-sq-dtype q8 --store-param-remainders`:

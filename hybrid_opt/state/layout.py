@@ -169,8 +169,12 @@ def layout_group(
         )
     subgroups: list = []
     for (device, dtype, quantized), members in buckets.items():
+        # small params beside quantized ones keep fp32 in place of q8 moments: cut at a quarter,
+        # their moments fit a bank's 1-byte code regions (compressed.bank_layout) — else every
+        # bank of the host tier would need 4-byte ones
+        numel = max(_ALIGN, subgroup_numel // 4) if quantize and not quantized else subgroup_numel
         subgroups.extend(
-            _cut(members, group, device, dtype, subgroup_numel, first_subgroup + len(subgroups), quantized)
+            _cut(members, group, device, dtype, numel, first_subgroup + len(subgroups), quantized)
         )
     return subgroups
 

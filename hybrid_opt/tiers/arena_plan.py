@@ -113,7 +113,13 @@ def plan_arena(
     io = io_banks if any(nvme) else 0
     capacity = align_up(max(numels), _ALIGN_ELEMS)
     slot = _slot_numel(numels, slot_numel, q8_mode != "none")
-    regions, io_bytes, bank_stride = bank_layout(capacity, fmt, amsgrad, copy_dtype, rem_mode, q8_mode)
+    # the largest subgroup of small params (fp32 in place of q8 moments): it sizes the moment
+    # regions only where it outgrows the codes of the largest quantized one (bank_layout)
+    small = [n for n, q in zip(numels, quantized) if not q]
+    small_capacity = align_up(max(small), _ALIGN_ELEMS) if small else 0
+    regions, io_bytes, bank_stride = bank_layout(
+        capacity, fmt, amsgrad, copy_dtype, rem_mode, q8_mode, small_capacity
+    )
     slot_stride = align_up(slot * torch.empty((), dtype=grad_dtype).element_size(), PAGE)
     arena = ArenaLayout()
     bank_offset = arena.add("banks", bank_stride * (len(resident) + spares + 2 * io), PAGE)

@@ -19,12 +19,24 @@ from hybrid_opt.state.state_format import ABSMAX, Q8, Q8_ZERO_CODE, q8_blocks
 MOMENT_REGION = {"exp_avg": "m", "exp_avg_sq": "v", "max_exp_avg_sq": "vmax"}
 
 
-def bank_layout(capacity: int, fmt, amsgrad: bool, copy_dtype, rem_mode: str, q8_mode: str = "none"):
+def bank_layout(
+    capacity: int,
+    fmt,
+    amsgrad: bool,
+    copy_dtype,
+    rem_mode: str,
+    q8_mode: str = "none",
+    small_capacity: int | None = None,
+):
     """(regions {name: byte offset}, io_bytes, bank bytes) for banks of `capacity` elements.
     rem_mode: "none", "all" (every subgroup keeps remainders: no fp32 region) or "some".
     q8_mode: "none" (no quantized subgroup: q8 moments are fp32), "all" (every subgroup is
-    quantized: 1-byte code regions) or "some" (4-byte regions); with "all"/"some" each q8
-    moment has an absmax region beside."""
+    quantized: 1-byte code regions) or "some": subgroups of small params (at most
+    `small_capacity` elements, default `capacity`) keep fp32 in place of q8 moments, in the same
+    region, so a q8 moment's region holds `capacity` codes or `small_capacity` fp32 elements,
+    whichever is larger (the layout cuts small params' subgroups at a quarter of the size, so
+    the codes' width decides: layout.py). With "all"/"some" each q8 moment has an absmax region
+    beside."""
     bank = ArenaLayout()
     # where the layout cuts subgroups on pages (layout.PAGE_CUT), every region starts on one, at
     # no cost (each region is whole pages): state_dict() maps a param's pieces of several banks
@@ -37,13 +49,19 @@ def bank_layout(capacity: int, fmt, amsgrad: bool, copy_dtype, rem_mode: str, q8
         if rem_mode == "some":
             regions["rem"] = regions["p"]
 
-    def size(dt):
-        return 4 if dt == Q8 and q8_mode != "all" else 1 if dt == Q8 else dt.itemsize
+    small = capacity if small_capacity is None else small_capacity
 
-    ms, vs = size(fmt.exp_avg_dtype), size(fmt.exp_avg_sq_dtype)
-    regions["m"] = bank.add("m", capacity * ms, align)
-    regions["v"] = bank.add("v", capacity * vs, align)
-    regions["vmax"] = bank.add("vmax", capacity * vs, align) if amsgrad else 0
+    def nbytes(dt):
+        if dt != Q8:
+            return capacity * dt.itemsize
+        if q8_mode == "none":
+            return capacity * 4
+        return max(capacity, 4 * small) if q8_mode == "some" else capacity
+
+    ms, vs = nbytes(fmt.exp_avg_dtype), nbytes(fmt.exp_avg_sq_dtype)
+    regions["m"] = bank.add("m", ms, align)
+    regions["v"] = bank.add("v", vs, align)
+    regions["vmax"] = bank.add("vmax", vs, align) if amsgrad else 0
     if q8_mode != "none":
         for name in ("exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if amsgrad else ()):
             if fmt.is_q8(name):
