@@ -119,16 +119,19 @@ static inline void encode_block(uint16_t *p, int16_t *r, int64_t off, const floa
  * 32 and leaves the tail to the block path, which rounds identically.
  * It is compute-bound at one thread. Measured on a 2-core Zen 5 VM, AVX2 forced, one thread,
  * ns an element (L2-resident 32Ki elements / 16Mi from DRAM), bf16 grads and moments with
- * remainders: the correctly rounded vsqrtps + vdivps pair alone costs 0.22 (1.77 ns per 8
- * lanes; the bits need both); this loop with the math replaced by adds, i.e. the widening,
- * the remainder decode / encode and the bf16 rounding alone, 0.23 / 0.32; the whole step
- * 0.36 / 0.40, where the fp32 step is 0.24 / 0.44 and 18 B at this machine's one-thread
- * DRAM speed would be 0.29. The loop before this one took 0.42 / 0.44 (its constants
- * reloaded after every store, since a store through a vector pointer may alias them; its
- * options tested inside the loop; four live copies of every stream, spilled). So the
- * constants are broadcast once into locals, the stream pointers copied out of adam_args_t,
- * the moment dtypes, remainders and amsgrad are constants of each instance, and each 16
- * elements go from load to store while the next 16 start. */
+ * remainders: the correctly rounded vsqrtps + vdivps pair alone costs 0.22-0.26 (1.8-2.1 ns
+ * per 8 lanes; the bits need both); the step with both replaced by multiplies 0.34, so the
+ * rest (~110 vector instructions per 32 elements: widening, the remainder decode / encode,
+ * the bf16 rounding, the arithmetic) is what bounds it, and the divider overlaps it. The
+ * whole step 0.35 / 0.37, where the fp32 step is 0.26 / 0.47 and 18 B at this machine's
+ * one-thread DRAM speed would be 0.30. Earlier versions took 0.42 / 0.44 (constants
+ * reloaded after every store, since a store through a vector pointer may alias them; options
+ * tested inside the loop; four live copies of every stream, spilled), then 0.37 / 0.41 (a
+ * software pipeline across iterations that spilled, 262 instructions per 32 elements where
+ * this loop has 177, callgrind). So the constants are broadcast once into locals, the stream
+ * pointers copied out of adam_args_t, the moment dtypes, remainders and amsgrad are constants
+ * of each instance (and the grad dtype, L2 mode and outputs of the common ones), and each 32
+ * elements run as two halves whose divisions are in flight together. */
 #define HAVE_ADAM_C16_REGS 1
 
 typedef struct {
@@ -393,9 +396,10 @@ static inline __attribute__((always_inline)) void adam_c16_body(
     const char *pm = (const char *)s.m, *pv = (const char *)s.v, *pg = (const char *)s.grad;
     const char *pp = (const char *)s.param, *pr = (const char *)s.rin, *px = (const char *)s.x;
     for (int64_t i = begin; i + 32 <= end; i += 32) {
-        /* software prefetch 1 KiB of a 16-bit stream ahead: one line per 16-bit stream per
-         * step, two per fp32 stream */
-        const int64_t ahead = i + 512;
+        /* software prefetch 1024 elements ahead (2 KiB of a 16-bit stream): one line per
+         * 16-bit stream per step, two per fp32 stream. 512 ahead was 2-8 % slower from DRAM
+         * at one thread (16Mi elements, min of 11 calls, three rounds; 768 and 1536 between) */
+        const int64_t ahead = i + 1024;
         _mm_prefetch(pm + ahead * msz, _MM_HINT_T0);
         if (msz == 4) _mm_prefetch(pm + ahead * msz + 64, _MM_HINT_T0);
         _mm_prefetch(pv + ahead * vsz, _MM_HINT_T0);
