@@ -119,16 +119,19 @@ static inline void encode_block(uint16_t *p, int16_t *r, int64_t off, const floa
  * 32 and leaves the tail to the block path, which rounds identically.
  * It is compute-bound at one thread. Measured on a 2-core Zen 5 VM, AVX2 forced, one thread,
  * ns an element (L2-resident 32Ki elements / 16Mi from DRAM), bf16 grads and moments with
- * remainders: the correctly rounded vsqrtps + vdivps pair alone costs 0.22 (1.77 ns per 8
- * lanes; the bits need both); this loop with the math replaced by adds, i.e. the widening,
- * the remainder decode / encode and the bf16 rounding alone, 0.23 / 0.32; the whole step
- * 0.36 / 0.40, where the fp32 step is 0.24 / 0.44 and 18 B at this machine's one-thread
- * DRAM speed would be 0.29. The loop before this one took 0.42 / 0.44 (its constants
- * reloaded after every store, since a store through a vector pointer may alias them; its
- * options tested inside the loop; four live copies of every stream, spilled). So the
- * constants are broadcast once into locals, the stream pointers copied out of adam_args_t,
- * the moment dtypes, remainders and amsgrad are constants of each instance, and each 16
- * elements go from load to store while the next 16 start. */
+ * remainders: the correctly rounded vsqrtps + vdivps pair alone costs 0.22-0.26 (1.8-2.1 ns
+ * per 8 lanes; the bits need both); the step with both replaced by multiplies 0.34, so the
+ * rest (~110 vector instructions per 32 elements: widening, the remainder decode / encode,
+ * the bf16 rounding, the arithmetic) is what bounds it, and the divider overlaps it. The
+ * whole step 0.35 / 0.37, where the fp32 step is 0.26 / 0.47 and 18 B at this machine's
+ * one-thread DRAM speed would be 0.30. Earlier versions took 0.42 / 0.44 (constants
+ * reloaded after every store, since a store through a vector pointer may alias them; options
+ * tested inside the loop; four live copies of every stream, spilled), then 0.37 / 0.41 (a
+ * software pipeline across iterations that spilled, 262 instructions per 32 elements where
+ * this loop has 177, callgrind). So the constants are broadcast once into locals, the stream
+ * pointers copied out of adam_args_t, the moment dtypes, remainders and amsgrad are constants
+ * of each instance (and the grad dtype, L2 mode and outputs of the common ones), and each 32
+ * elements run as two halves whose divisions are in flight together. */
 #define HAVE_ADAM_C16_REGS 1
 
 typedef struct {
@@ -218,20 +221,18 @@ static inline void store_f32_eo(float *d, __m256 e, __m256 o, int nt)
 
 /* to_bf16_8's rounding (nearest even) of E and O, joined: 16 bf16 in order. No NaN handling:
  * the loop tests each 16 elements for NaN once and takes bf16_eo_nan where one is.
- * Vector shifts issue on two pipes, shared with the float adds and compares (measured on Zen
- * 5: a shift and an addps share them; and / add / compare / word blend issue on all four), so
- * the rounding bit is a compare mask (-1 where bit 16 is set) subtracted, not a shift:
- * u + 0x7fff + lsb = u + 0x7fff - mask, as many instructions and two fewer shifts per pair
- * (the loop's time did not move: it is bound by its instruction count and the divider). */
+ * In 16-bit lanes, both halves at once: h = the high halves (truncated bf16), l = the low
+ * halves; the carry is l + lsb(h) + 0x7fff >= 0x10000, bit 15 of vpavgw(l, 0x7ffe | lsb(h))
+ * = (l + lsb + 0x7fff) >> 1 (17-bit sum, no overflow). 9 instructions a pair, where rounding
+ * each fp32 lane (u + 0x7fff + bit 16) and joining the halves took 10. The same bits as
+ * to_bf16_8 for every one of the 2^32 inputs but NaNs (checked exhaustively when written). */
 static inline __m256i bf16_eo(__m256 e, __m256 o)
 {
     const __m256i ue = _mm256_castps_si256(e), uo = _mm256_castps_si256(o);
-    const __m256i bit = _mm256_set1_epi32(0x10000), half = _mm256_set1_epi32(0x7fff);
-    const __m256i le = _mm256_cmpeq_epi32(_mm256_and_si256(ue, bit), bit);
-    const __m256i lo = _mm256_cmpeq_epi32(_mm256_and_si256(uo, bit), bit);
-    const __m256i re = _mm256_sub_epi32(_mm256_add_epi32(ue, half), le);
-    const __m256i ro = _mm256_sub_epi32(_mm256_add_epi32(uo, half), lo);
-    return _mm256_blend_epi16(ro, _mm256_srli_epi32(re, 16), 0x55);  /* low words from E, high from O */
+    const __m256i h = _mm256_blend_epi16(uo, _mm256_srli_epi32(ue, 16), 0x55);
+    const __m256i l = _mm256_blend_epi16(_mm256_slli_epi32(uo, 16), ue, 0x55);
+    const __m256i x = _mm256_or_si256(_mm256_and_si256(h, _mm256_set1_epi16(1)), _mm256_set1_epi16(0x7ffe));
+    return _mm256_add_epi16(h, _mm256_srli_epi16(_mm256_avg_epu16(l, x), 15));
 }
 
 /* bf16_eo with torch's NaN -> 0x7FC0 */
@@ -309,14 +310,22 @@ static inline c16_streams_t c16_streams(const adam_args_t *a)
     return s;
 }
 
-/* 16 elements in flight: the params and the moments up to the quotient (c16_front), then
- * the rest and the stores (c16_back). The loop runs the front of the next 16 before the back
- * of these, so their square roots and divisions start while the conversions and stores of
- * these issue (a 16-element step is ~70 vector instructions, about what the FP scheduler
- * holds): 0.38 -> 0.36 ns an element in L2, one thread. */
+/* Each 32 elements in two halves: both fronts (loads, the moments up to the quotient
+ * q = m / (sqrt(v) * ib + eps)) before both backs (the params, the conversions, the stores),
+ * so the two halves' square roots and divisions are in flight together. Measured at one
+ * thread, L2-resident (min of 4000 calls, 32Ki elements, bf16 moments + remainders): 0.359 ns
+ * an element where the loop ran the front of the next 16 before the back of these (a
+ * software pipeline across iterations, whose state spilled: 16 vector registers), 0.393 with
+ * each 16 front-to-back, 0.344 this way; four halves (64 elements) spilled more, 0.399. */
 typedef struct {
     __m256 p[2], mi[2], vi[2], vv[2], q[2];
 } c16_inflight_t;
+
+/* How the outputs leave: streaming stores for the param (and remainder), the moments, the
+ * param copy; the copy's dtype (cpk: 0 when there is none). */
+typedef struct {
+    int ntp, ntm, ntc, cpk;
+} c16_out_t;
 
 /* Compile-time constants of both halves: the moment dtypes (mdt exp_avg's, vdt exp_avg_sq's),
  * the grad dtype where it is bf16 (else read per step), remainders, amsgrad; l2, the param
@@ -341,11 +350,11 @@ static inline __attribute__((always_inline)) c16_inflight_t c16_front(
 
 static inline __attribute__((always_inline)) void c16_back(
     const c16_streams_t *s, const consts8_t *k, int64_t j, const c16_inflight_t *f, const int mdt,
-    const int vdt, const int rem, const int ams, const nt_streams_t nt)
+    const int vdt, const int rem, const int ams, const c16_out_t o)
 {
-    const int ntp = nt.param, ntm = nt.moments;  /* never in place (nt_streams) */
-    uint16_t *cp = rem ? NULL : s->cp;  /* a param copy never comes with remainders */
-    const int cp16 = cp && s->cp_bf16;
+    const int ntp = o.ntp, ntm = o.ntm;  /* never in place (nt_streams) */
+    uint16_t *cp = o.cpk ? s->cp : NULL;  /* a param copy never comes with remainders */
+    const int cp16 = o.cpk == DT_BF16;
     const __m256 pn[2] = {adam8_param(k, f->p[0], f->q[0]), adam8_param(k, f->p[1], f->q[1])};
     if (rem) {
         __m256i ph, rh;
@@ -367,33 +376,30 @@ static inline __attribute__((always_inline)) void c16_back(
         store_moment16(s->mo, mdt, j, f->mi[0], f->mi[1], ntm, 1);
         store_moment16(s->vo, vdt, j, f->vi[0], f->vi[1], ntm, 1);
         if (ams) store_moment16(s->xo, vdt, j, f->vv[0], f->vv[1], ntm, 1);
-        if (cp16) store_u16x16(cp + j, bf16_eo_nan(pn[0], pn[1]), nt.copy);
+        if (cp16) store_u16x16(cp + j, bf16_eo_nan(pn[0], pn[1]), o.ntc);
     } else {
         store_moment16(s->mo, mdt, j, f->mi[0], f->mi[1], ntm, 0);
         store_moment16(s->vo, vdt, j, f->vi[0], f->vi[1], ntm, 0);
         if (ams) store_moment16(s->xo, vdt, j, f->vv[0], f->vv[1], ntm, 0);
-        if (cp16) store_u16x16(cp + j, bf16_eo(pn[0], pn[1]), nt.copy);
+        if (cp16) store_u16x16(cp + j, bf16_eo(pn[0], pn[1]), o.ntc);
     }
-    if (cp && !cp16) store_u16x16(cp + j, f16_eo(pn[0], pn[1]), nt.copy);
+    if (cp && !cp16) store_u16x16(cp + j, f16_eo(pn[0], pn[1]), o.ntc);
 }
 
 static inline __attribute__((always_inline)) void adam_c16_body(
     const adam_args_t *a, const adam_consts_t *c, int64_t begin, int64_t end, const int mdt, const int vdt,
-    const int gdt, const int rem, const int ams)
+    const int gdt, const int rem, const int ams, const int l2, const c16_out_t nt)
 {
     const consts8_t k = consts8(c);
     const c16_streams_t s = c16_streams(a);
-    const int l2 = c->l2_mode;
     const int msz = mdt == DT_F32 ? 4 : 2, vsz = vdt == DT_F32 ? 4 : 2, gsz = gdt == DT_F32 ? 4 : 2;
-    const nt_streams_t nt = nt_streams(a, c->out_of_place, ams, begin, msz, vsz);
     const char *pm = (const char *)s.m, *pv = (const char *)s.v, *pg = (const char *)s.grad;
     const char *pp = (const char *)s.param, *pr = (const char *)s.rin, *px = (const char *)s.x;
-    if (end - begin < 32) return;
-    c16_inflight_t f = c16_front(&s, &k, begin, mdt, vdt, gdt, rem, ams, l2);
     for (int64_t i = begin; i + 32 <= end; i += 32) {
-        /* software prefetch 1 KiB of a 16-bit stream ahead: one line per 16-bit stream per
-         * step, two per fp32 stream */
-        const int64_t ahead = i + 512;
+        /* software prefetch 1024 elements ahead (2 KiB of a 16-bit stream): one line per
+         * 16-bit stream per step, two per fp32 stream. 512 ahead was 2-8 % slower from DRAM
+         * at one thread (16Mi elements, min of 11 calls, three rounds; 768 and 1536 between) */
+        const int64_t ahead = i + 1024;
         _mm_prefetch(pm + ahead * msz, _MM_HINT_T0);
         if (msz == 4) _mm_prefetch(pm + ahead * msz + 64, _MM_HINT_T0);
         _mm_prefetch(pv + ahead * vsz, _MM_HINT_T0);
@@ -411,37 +417,58 @@ static inline __attribute__((always_inline)) void adam_c16_body(
             _mm_prefetch(px + ahead * vsz, _MM_HINT_T0);
             if (vsz == 4) _mm_prefetch(px + ahead * vsz + 64, _MM_HINT_T0);
         }
+        const c16_inflight_t f0 = c16_front(&s, &k, i, mdt, vdt, gdt, rem, ams, l2);
         const c16_inflight_t f1 = c16_front(&s, &k, i + 16, mdt, vdt, gdt, rem, ams, l2);
-        c16_back(&s, &k, i, &f, mdt, vdt, rem, ams, nt);
-        if (i + 48 <= end) {
-            f = c16_front(&s, &k, i + 32, mdt, vdt, gdt, rem, ams, l2);
-            c16_back(&s, &k, i + 16, &f1, mdt, vdt, rem, ams, nt);
-        } else {
-            c16_back(&s, &k, i + 16, &f1, mdt, vdt, rem, ams, nt);
-        }
+        c16_back(&s, &k, i, &f0, mdt, vdt, rem, ams, nt);
+        c16_back(&s, &k, i + 16, &f1, mdt, vdt, rem, ams, nt);
     }
 }
 
-/* one instance per (exp_avg dtype, exp_avg_sq dtype, remainders, amsgrad); the grad dtype is
- * read per step (a loop-invariant branch: a bf16-grads instance of its own measured the same) */
-#define C16_GRADS(mdt, vdt, rem, ams) adam_c16_body(a, c, begin, end, mdt, vdt, a->grad_dtype, rem, ams)
-#define C16_MODES(mdt, vdt, rem)                                                             \
-    do {                                                                                     \
-        if (c->amsgrad) C16_GRADS(mdt, vdt, rem, 1); else C16_GRADS(mdt, vdt, rem, 0);       \
-    } while (0)
+/* One instance per (exp_avg dtype, exp_avg_sq dtype, remainders, amsgrad) with the grad dtype,
+ * L2 mode and the outputs read per call (loop-invariant branches the compiler leaves in the
+ * loop), and for the common calls (bf16 grads, AdamW, no amsgrad) instances where those are
+ * constants too, so the loop has no branch but its own. */
+static inline __attribute__((always_inline)) void adam_c16_modes(
+    const adam_args_t *a, const adam_consts_t *c, int64_t begin, int64_t end, const int mdt, const int vdt,
+    const int rem)
+{
+    const int msz = mdt == DT_F32 ? 4 : 2, vsz = vdt == DT_F32 ? 4 : 2;
+    const nt_streams_t nt = nt_streams(a, c->out_of_place, c->amsgrad, begin, msz, vsz);
+    const int cpk = rem || !a->param_copy ? 0 : a->copy_dtype;
+    const c16_out_t o = {nt.param, nt.moments, nt.copy, cpk};
+    const int gdt = a->grad_dtype, l2 = c->l2_mode;
+    if (!c->amsgrad && gdt == DT_BF16 && !l2 && nt.param == nt.moments && (!cpk || nt.copy)) {
+#define C16_FAST(ntv, cpv) \
+    adam_c16_body(a, c, begin, end, mdt, vdt, DT_BF16, rem, 0, 0, (c16_out_t){ntv, ntv, 1, cpv})
+        if (nt.param) {
+            if (cpk == DT_BF16) C16_FAST(1, DT_BF16);
+            else if (cpk == DT_F16) C16_FAST(1, DT_F16);
+            else C16_FAST(1, 0);
+        } else {
+            if (cpk == DT_BF16) C16_FAST(0, DT_BF16);
+            else if (cpk == DT_F16) C16_FAST(0, DT_F16);
+            else C16_FAST(0, 0);
+        }
+#undef C16_FAST
+    } else if (c->amsgrad) {
+        adam_c16_body(a, c, begin, end, mdt, vdt, gdt, rem, 1, l2, o);
+    } else {
+        adam_c16_body(a, c, begin, end, mdt, vdt, gdt, rem, 0, l2, o);
+    }
+}
 
 static void adam_c16_regs(const adam_args_t *a, const adam_consts_t *c, int64_t begin, int64_t end)
 {
     const int mb = a->moment_dtype == DT_BF16, vb = a->exp_avg_sq_dtype == DT_BF16;
     if (a->remainder) {
-        if (mb && vb) C16_MODES(DT_BF16, DT_BF16, 1);
-        else if (mb) C16_MODES(DT_BF16, DT_F32, 1);
-        else if (vb) C16_MODES(DT_F32, DT_BF16, 1);
-        else C16_MODES(DT_F32, DT_F32, 1);
+        if (mb && vb) adam_c16_modes(a, c, begin, end, DT_BF16, DT_BF16, 1);
+        else if (mb) adam_c16_modes(a, c, begin, end, DT_BF16, DT_F32, 1);
+        else if (vb) adam_c16_modes(a, c, begin, end, DT_F32, DT_BF16, 1);
+        else adam_c16_modes(a, c, begin, end, DT_F32, DT_F32, 1);
     } else {
-        if (mb && vb) C16_MODES(DT_BF16, DT_BF16, 0);
-        else if (mb) C16_MODES(DT_BF16, DT_F32, 0);
-        else C16_MODES(DT_F32, DT_BF16, 0);
+        if (mb && vb) adam_c16_modes(a, c, begin, end, DT_BF16, DT_BF16, 0);
+        else if (mb) adam_c16_modes(a, c, begin, end, DT_BF16, DT_F32, 0);
+        else adam_c16_modes(a, c, begin, end, DT_F32, DT_BF16, 0);
     }
 }
 
