@@ -54,11 +54,30 @@ def garbage_like(value):
     return q8.Q8Blocks(torch.full_like(value.codes, 0x55), torch.full_like(value.absmax, math.nan))
 
 
-@pytest.fixture(params=LEVELS)
+def use_vbmi(on: int) -> int:
+    """The AVX-512 kernel's VBMI map lookup: on < 0 asks whether it is in use, 0 / 1 turn it off
+    / on (-1: this CPU lacks VBMI). Without it the kernel takes the path of CPUs that lack it."""
+    import ctypes
+
+    fn = _q8_lib.lib.q8_avx512_use_vbmi
+    fn.restype, fn.argtypes = ctypes.c_int, [ctypes.c_int]
+    return fn(on)
+
+
+# each kernel path this CPU runs: every level, and at avx512 both map lookups where it has VBMI
+PATHS = [(lv, True) for lv in LEVELS] + ([("avx512", False)] if "avx512" in LEVELS and use_vbmi(-1) else [])
+
+
+@pytest.fixture(params=PATHS, ids=lambda p: p[0] if p[1] else f"{p[0]}-novbmi")
 def level(request):
+    name, vbmi = request.param
     before = cpu_kernels.simd_level()
-    cpu_kernels.set_simd_level(request.param)
-    yield request.param
+    cpu_kernels.set_simd_level(name)
+    if not vbmi:
+        assert use_vbmi(0) == 0
+    yield name
+    if not vbmi:
+        assert use_vbmi(1) == 1
     cpu_kernels.set_simd_level(before)
 
 

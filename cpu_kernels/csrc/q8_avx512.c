@@ -22,8 +22,65 @@ static inline __m512 q8_lookup16(__m512i idx, const __m512 *t)
     return _mm512_mask_blend_ps(b7, c0, c1);
 }
 
-static inline void q8_dequant_block(float *restrict dst, const uint8_t *codes, float absmax,
-                                    const uint32_t *map, int len)
+/* AVX512-VBMI (Ice Lake, Zen 4 and later; not Skylake-X): the map as 4 byte planes of 256 bytes,
+ * each looked up for 64 codes by 2 vpermt2b (128 entries each) and a blend on the code's top bit,
+ * then interleaved back to dwords. The unpacks put byte 16L + 4j + i of a 128-bit lane L into
+ * dword vector j, so the codes are first transposed as 4x4 blocks of dwords (vpermd): vector j
+ * then holds codes 16j .. 16j + 15 in order. Detected once at run time; q8_avx512_use_vbmi turns
+ * it off (and on again) so the tests hold both paths to the reference. */
+static int q8_vbmi;
+static uint8_t q8_planes[2][4][256] __attribute__((aligned(64)));  /* [map][byte][code] */
+
+__attribute__((constructor)) static void q8_avx512_init(void)
+{
+    for (int m = 0; m < 2; m++)
+        for (int b = 0; b < 4; b++)
+            for (int c = 0; c < 256; c++) q8_planes[m][b][c] = (uint8_t)(q8_maps[m][c] >> (8 * b));
+    __builtin_cpu_init();
+    q8_vbmi = __builtin_cpu_supports("avx512vbmi") ? 1 : 0;
+}
+
+/* on < 0: whether the VBMI dequantizer is in use; 0 / 1: turn it off / on (-1: this CPU lacks VBMI).
+ * Not while a step runs. */
+int q8_avx512_use_vbmi(int on)
+{
+    if (on < 0) return q8_vbmi;
+    if (on && !__builtin_cpu_supports("avx512vbmi")) return -1;
+    q8_vbmi = on ? 1 : 0;
+    return q8_vbmi;
+}
+
+__attribute__((target("avx512f,avx512bw,avx512vbmi"), noinline)) static void q8_dequant_vbmi(
+    float *restrict dst, const uint8_t *codes, float absmax, const uint8_t (*planes)[256], int len)
+{
+    __m512i t[4][4];
+    for (int b = 0; b < 4; b++)
+        for (int j = 0; j < 4; j++) t[b][j] = _mm512_load_si512((const void *)(planes[b] + 64 * j));
+    const __m512i transpose = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+    const __m512 s = _mm512_set1_ps(absmax);
+    int i = 0;
+    for (; i + 64 <= len; i += 64) {
+        const __m512i idx = _mm512_permutexvar_epi32(transpose, _mm512_loadu_si512((const void *)(codes + i)));
+        const __mmask64 top = _mm512_movepi8_mask(idx);
+        __m512i p[4];
+        for (int b = 0; b < 4; b++)
+            p[b] = _mm512_mask_blend_epi8(top, _mm512_permutex2var_epi8(t[b][0], idx, t[b][1]),
+                                          _mm512_permutex2var_epi8(t[b][2], idx, t[b][3]));
+        const __m512i lo01 = _mm512_unpacklo_epi8(p[0], p[1]), hi01 = _mm512_unpackhi_epi8(p[0], p[1]);
+        const __m512i lo23 = _mm512_unpacklo_epi8(p[2], p[3]), hi23 = _mm512_unpackhi_epi8(p[2], p[3]);
+        _mm512_store_ps(dst + i, _mm512_mul_ps(_mm512_castsi512_ps(_mm512_unpacklo_epi16(lo01, lo23)), s));
+        _mm512_store_ps(dst + i + 16, _mm512_mul_ps(_mm512_castsi512_ps(_mm512_unpackhi_epi16(lo01, lo23)), s));
+        _mm512_store_ps(dst + i + 32, _mm512_mul_ps(_mm512_castsi512_ps(_mm512_unpacklo_epi16(hi01, hi23)), s));
+        _mm512_store_ps(dst + i + 48, _mm512_mul_ps(_mm512_castsi512_ps(_mm512_unpackhi_epi16(hi01, hi23)), s));
+    }
+    for (; i < len; i++) {
+        const uint8_t c = codes[i];
+        dst[i] = bits_f32((uint32_t)planes[0][c] | (uint32_t)planes[1][c] << 8 | (uint32_t)planes[2][c] << 16 |
+                          (uint32_t)planes[3][c] << 24) * absmax;
+    }
+}
+
+static void q8_dequant_perm(float *restrict dst, const uint8_t *codes, float absmax, const uint32_t *map, int len)
 {
     __m512 t[16];
     for (int j = 0; j < 16; j++) t[j] = _mm512_load_ps((const float *)map + 16 * j);
@@ -36,6 +93,14 @@ static inline void q8_dequant_block(float *restrict dst, const uint8_t *codes, f
     for (; i < len; i++) dst[i] = bits_f32(map[codes[i]]) * absmax;
 }
 
+static inline void q8_dequant_block(float *restrict dst, const uint8_t *codes, float absmax,
+                                    const uint32_t *map, int len)
+{
+    /* map is q8_maps[0] (signed) or q8_maps[1]: q8_body.h passes the codebook's rows */
+    if (q8_vbmi) q8_dequant_vbmi(dst, codes, absmax, q8_planes[map == q8_maps[0] ? 0 : 1], len);
+    else q8_dequant_perm(dst, codes, absmax, map, len);
+}
+
 /* The vector quantizer (no gather): per octave of |x| (the exponent keys vpermt2ps over 32-entry
  * tables) up to Q8_LINES lines whose minimum t interpolates the rank through every code boundary
  * (q8_codegen.line_tables); rank = floor(t) where t lies 2^-10 or more from an integer, the lanes
@@ -43,7 +108,7 @@ static inline void q8_dequant_block(float *restrict dst, const uint8_t *codes, f
  * more than the negative (+1.0), the unsigned map none below 0: the rank is clamped per sign. */
 typedef struct {
     __m512 line[Q8_LINES][4];  /* slope lo/hi half, offset lo/hi half */
-    __m512i zero_code, pos_max, neg_max, top_first;
+    __m512i zero_code, pos_max, neg_max, top_first, top_lo;
 } q8_quant16_t;
 
 static inline void q8_quant16_init(q8_quant16_t *q, int zero)
@@ -55,6 +120,7 @@ static inline void q8_quant16_init(q8_quant16_t *q, int zero)
     q->pos_max = _mm512_set1_epi32(255 - zero);
     q->neg_max = _mm512_set1_epi32(zero);
     q->top_first = _mm512_set1_epi32((int)q8_top_first[map]);
+    q->top_lo = _mm512_set1_epi32((int)q8_top_first[map] - Q8_SLACK);
 }
 
 static inline __m512i q8_quant16(const q8_quant16_t *q, __m512 xq, __mmask16 *near)
@@ -73,7 +139,9 @@ static inline __m512i q8_quant16(const q8_quant16_t *q, __m512 xq, __mmask16 *ne
         t = _mm512_min_ps(t, _mm512_fmadd_ps(ax, _mm512_permutex2var_ps(q->line[k][0], key, q->line[k][1]),
                                              _mm512_permutex2var_ps(q->line[k][2], key, q->line[k][3])));
     const __m512 dist = _mm512_abs_ps(_mm512_sub_ps(t, _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)));
-    *near = _mm512_cmp_ps_mask(dist, _mm512_set1_ps(Q8_NEAR), _CMP_LT_OQ);
+    /* the top rank's compare is exact on |x| itself: a lane within Q8_SLACK of it takes q8_code too */
+    const __mmask16 top_near = _mm512_cmplt_epu32_mask(_mm512_sub_epi32(mag, q->top_lo), _mm512_set1_epi32(2 * Q8_SLACK));
+    *near = _mm512_cmp_ps_mask(dist, _mm512_set1_ps(Q8_NEAR), _CMP_LT_OQ) | top_near;
     __m512i rank = _mm512_cvttps_epi32(t);
     rank = _mm512_mask_mov_epi32(rank, _mm512_cmpge_epu32_mask(mag, q->top_first), q->pos_max);
     rank = _mm512_min_epi32(rank, _mm512_mask_blend_epi32(neg, q->pos_max, q->neg_max));
@@ -85,11 +153,13 @@ static inline void q8_quant_block(uint8_t *restrict codes, const float *restrict
 {
     q8_quant16_t q;
     q8_quant16_init(&q, zero);
-    const __m512 s = _mm512_set1_ps(absmax);
+    const int recip = q8_recip_ok(absmax);
+    const __m512 s = _mm512_set1_ps(recip ? 1.0f / absmax : absmax);
     int i = 0;
     for (; i + 16 <= len; i += 16) {
         __mmask16 near;
-        const __m512i code = q8_quant16(&q, _mm512_div_ps(_mm512_load_ps(x + i), s), &near);
+        const __m512 xv = _mm512_load_ps(x + i);
+        const __m512i code = q8_quant16(&q, recip ? _mm512_mul_ps(xv, s) : _mm512_div_ps(xv, s), &near);
         _mm_storeu_si128((__m128i *)(codes + i), _mm512_cvtepi32_epi8(code));
         for (unsigned m = near; m; m &= m - 1) {
             const int j = i + __builtin_ctz(m);
@@ -100,8 +170,8 @@ static inline void q8_quant_block(uint8_t *restrict codes, const float *restrict
 }
 
 /* Test hook (tests/test_q8_cpu.py): the vector quantizer on the fp32 bit patterns [first, first +
- * count) of map (0 signed, 1 unsigned) against q8_code; returns the mismatches, *near_lanes the
- * lanes that took q8_code. */
+ * count) of map (0 signed, 1 unsigned) against q8_code at every pattern within Q8_SLACK of each
+ * (q8_slack_agrees); returns the mismatches, *near_lanes the lanes that took q8_code. */
 int64_t q8_check_quant_avx512(int map, uint32_t first, uint64_t count, int64_t *near_lanes)
 {
     q8_quant16_t q;
@@ -119,7 +189,7 @@ int64_t q8_check_quant_avx512(int map, uint32_t first, uint64_t count, int64_t *
         nears += __builtin_popcount(near);
         for (int j = 0; j < 16 && k + (uint64_t)j < count; j++) {
             if (near >> j & 1) continue;
-            bad += c[j] != q8_code(bits_f32(base + (uint32_t)j), q8_buckets[map], zero);
+            bad += !q8_slack_agrees(c[j], base + (uint32_t)j, q8_buckets[map], zero);
         }
     }
     *near_lanes = nears;
