@@ -138,14 +138,17 @@ static inline __m512i q8_quant16(const q8_quant16_t *q, __m512 xq, __mmask16 *ne
     for (int k = 1; k < Q8_LINES; k++)
         t = _mm512_min_ps(t, _mm512_fmadd_ps(ax, _mm512_permutex2var_ps(q->line[k][0], key, q->line[k][1]),
                                              _mm512_permutex2var_ps(q->line[k][2], key, q->line[k][3])));
-    const __m512 dist = _mm512_abs_ps(_mm512_sub_ps(t, _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)));
+    /* t - round(t) in one vreduceps */
+    const __m512 dist = _mm512_abs_ps(_mm512_reduce_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
     /* the top rank's compare is exact on |x| itself: a lane within Q8_SLACK of it takes q8_code too */
     const __mmask16 top_near = _mm512_cmplt_epu32_mask(_mm512_sub_epi32(mag, q->top_lo), _mm512_set1_epi32(2 * Q8_SLACK));
     *near = _mm512_cmp_ps_mask(dist, _mm512_set1_ps(Q8_NEAR), _CMP_LT_OQ) | top_near;
     __m512i rank = _mm512_cvttps_epi32(t);
     rank = _mm512_mask_mov_epi32(rank, _mm512_cmpge_epu32_mask(mag, q->top_first), q->pos_max);
-    rank = _mm512_min_epi32(rank, _mm512_mask_blend_epi32(neg, q->pos_max, q->neg_max));
-    return _mm512_mask_blend_epi32(neg, _mm512_add_epi32(q->zero_code, rank), _mm512_sub_epi32(q->zero_code, rank));
+    /* a negative x's rank is at most neg_max; a positive one's lines stay within pos_max (the test
+     * hook holds every pattern to q8_code) */
+    rank = _mm512_mask_min_epi32(rank, neg, rank, q->neg_max);
+    return _mm512_mask_sub_epi32(_mm512_add_epi32(q->zero_code, rank), neg, q->zero_code, rank);
 }
 
 static inline void q8_quant_block(uint8_t *restrict codes, const float *restrict x, float absmax,
