@@ -1,5 +1,6 @@
-/* cpu_kernels, q8 Adam step, AVX-512 level (F, BW, VL, DQ): 16 lanes, the map and the bucket
- * table read by gathers. */
+/* cpu_kernels, q8 Adam step, AVX-512 level (F, BW, VL, DQ; VBMI where present): 16 lanes, no
+ * gathers. The map by byte-plane vpermt2b (VBMI) or by vpermt2ps from registers; codes from
+ * per-octave lines of x·(1/absmax), the lanes near a boundary by q8_code. */
 #include "q8.h"
 #define Q8_LEVEL avx512
 
