@@ -11,7 +11,8 @@ absmax per 256 rounds to 0.03), fp32 and torch 28. GB/s is those bytes over the 
 ratio column is fp32's median over the row's (issue 38's target for q8: >= 1.3). With --trials N the
 interleaved timing runs N times: a row's median is the median of the trial medians and its spread
 the lowest and highest trial median. bitsandbytes' and torchao's 8-bit AdamW run when importable
-(neither is installed in this environment; issue 38 measured them 30-41x slower than torch fused).
+(issue 38 measured them 30-41x slower than torch fused); then "bnb / this" and "torchao / this"
+say how many times faster than each a row steps (issue 38's target for q8: >= 25).
 """
 
 from __future__ import annotations
@@ -121,6 +122,11 @@ def main() -> None:
             steppers = _steppers(n)
             trials = [time_ms_interleaved(steppers, reps=args.reps) for _ in range(args.trials)]
             base = statistics.median(t["fp32"]["median_ms"] for t in trials)
+            anchors = {
+                key: statistics.median(t[name]["median_ms"] for t in trials)
+                for key, name in (("vs_bnb", "bnb_adamw8bit"), ("vs_torchao", "torchao_adamw8bit"))
+                if name in steppers
+            }
             for name in steppers:
                 medians = [t[name]["median_ms"] for t in trials]
                 ms = statistics.median(medians)
@@ -138,6 +144,7 @@ def main() -> None:
                         bytes_per_elem=BYTES[name],
                         gbps=BYTES[name] * n / ms / 1e6,
                         vs_fp32=base / ms,
+                        **{key: anchor / ms for key, anchor in anchors.items()},
                     )
                 )
     print(
@@ -154,6 +161,8 @@ def main() -> None:
                 ("bytes_per_elem", "B/elem", ".2f"),
                 ("gbps", "GB/s", ".1f"),
                 ("vs_fp32", "fp32 / this", ".2f"),
+                ("vs_bnb", "bnb / this", ".1f"),
+                ("vs_torchao", "torchao / this", ".1f"),
             ],
         )
     )

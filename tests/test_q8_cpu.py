@@ -54,11 +54,30 @@ def garbage_like(value):
     return q8.Q8Blocks(torch.full_like(value.codes, 0x55), torch.full_like(value.absmax, math.nan))
 
 
-@pytest.fixture(params=LEVELS)
+def use_vbmi(on: int) -> int:
+    """The AVX-512 kernel's VBMI map lookup: on < 0 asks whether it is in use, 0 / 1 turn it off
+    / on (-1: this CPU lacks VBMI). Without it the kernel takes the path of CPUs that lack it."""
+    import ctypes
+
+    fn = _q8_lib.lib.q8_avx512_use_vbmi
+    fn.restype, fn.argtypes = ctypes.c_int, [ctypes.c_int]
+    return fn(on)
+
+
+# each kernel path this CPU runs: every level, and at avx512 both map lookups where it has VBMI
+PATHS = [(lv, True) for lv in LEVELS] + ([("avx512", False)] if "avx512" in LEVELS and use_vbmi(-1) else [])
+
+
+@pytest.fixture(params=PATHS, ids=lambda p: p[0] if p[1] else f"{p[0]}-novbmi")
 def level(request):
+    name, vbmi = request.param
     before = cpu_kernels.simd_level()
-    cpu_kernels.set_simd_level(request.param)
-    yield request.param
+    cpu_kernels.set_simd_level(name)
+    if not vbmi:
+        assert use_vbmi(0) == 0
+    yield name
+    if not vbmi:
+        assert use_vbmi(1) == 1
     cpu_kernels.set_simd_level(before)
 
 
@@ -255,11 +274,15 @@ def test_bank_mode_writes_the_outputs_and_leaves_the_inputs_untouched(level, thr
         assert_state_equals(got, want, f"bank mode n={n}")
 
 
-def test_zero_subnormal_and_non_finite_blocks_equal_the_reference(level):
-    state = make_state(2048, ("q8", "q8"), amsgrad=True, seed=7)
+@pytest.mark.parametrize("amsgrad", [False, True], ids=["", "amsgrad"])
+def test_zero_subnormal_and_non_finite_blocks_equal_the_reference(level, amsgrad):
+    # without amsgrad x86's fused loop steps these blocks, with it the generic one
+    state = make_state(2048, ("q8", "q8"), amsgrad=amsgrad, seed=7)
     zero_m = q8.Q8Blocks(torch.full((2048,), 127, dtype=torch.uint8), torch.zeros(8))
     zero_v = q8.Q8Blocks(torch.zeros(2048, dtype=torch.uint8), torch.zeros(8))
-    state.update(exp_avg=zero_m, exp_avg_sq=zero_v, max_exp_avg_sq=clone(zero_v))
+    state.update(exp_avg=zero_m, exp_avg_sq=zero_v)
+    if amsgrad:
+        state["max_exp_avg_sq"] = clone(zero_v)
     state["grad"][:256] = 0.0  # with zero moments: all-zero blocks, absmax 0
     state["grad"][256:512] = torch.linspace(-1e-40, 1e-40, 256)  # subnormal moments and absmax
     state["grad"][600] = math.inf

@@ -85,6 +85,31 @@ static inline uint8_t q8_code(float x, const uint32_t *table, int zero_code)
     return (uint8_t)(neg ? zero_code - rank : zero_code + rank);
 }
 
+/* The vector quantizers take x·(1/absmax) for x / absmax where both absmax and 1/absmax are normal
+ * (q8_recip_ok): two roundings put it within 3 ulps of the rounded quotient, so within Q8_SLACK bit
+ * patterns of it on the same side of 0 (8 covers a binade's edge, where ulps halve). A lane the
+ * quantizer does not send to q8_code (x / absmax) must be right for every pattern that near:
+ * q8_code is monotone in |x|, so agreeing at both ends of the span suffices. The test hooks hold
+ * every fp32 pattern to this. */
+#define Q8_SLACK 8
+
+static inline int q8_recip_ok(float absmax)
+{
+    const uint32_t e = (f32_bits(absmax) >> 23) & 0xffu;  /* absmax in [2^-126, 2^126) */
+    return e >= 1 && e <= 252;
+}
+
+/* code (the vector quantizer's for the pattern u) is q8_code's for every pattern within Q8_SLACK
+ * of u, on u's side of 0 */
+static inline int q8_slack_agrees(uint32_t code, uint32_t u, const uint32_t *table, int zero_code)
+{
+    const uint32_t sign = u & 0x80000000u, mag = u & 0x7fffffffu;
+    const uint32_t lo = mag < Q8_SLACK ? 0 : mag - Q8_SLACK;
+    const uint32_t hi = mag > 0x7fffffffu - Q8_SLACK ? 0x7fffffffu : mag + Q8_SLACK;
+    return code == q8_code(bits_f32(sign | lo), table, zero_code) &&
+           code == q8_code(bits_f32(sign | hi), table, zero_code);
+}
+
 /* Per-level ranges: [begin, end) with begin a multiple of Q8_BLOCK, end too or n. */
 void q8_range_portable(const q8_args_t *a, const q8_consts_t *c, int64_t begin, int64_t end);
 #if defined(__x86_64__)

@@ -1,5 +1,6 @@
-/* cpu_kernels, q8 Adam step, AVX-512 level (F, BW, VL, DQ): 16 lanes, the map and the bucket
- * table read by gathers. */
+/* cpu_kernels, q8 Adam step, AVX-512 level (F, BW, VL, DQ; VBMI where present): 16 lanes, no
+ * gathers. The map by byte-plane vpermt2b (VBMI) or by vpermt2ps from registers; codes from
+ * per-octave lines of x·(1/absmax), the lanes near a boundary by q8_code. */
 #include "q8.h"
 #define Q8_LEVEL avx512
 
@@ -22,8 +23,65 @@ static inline __m512 q8_lookup16(__m512i idx, const __m512 *t)
     return _mm512_mask_blend_ps(b7, c0, c1);
 }
 
-static inline void q8_dequant_block(float *restrict dst, const uint8_t *codes, float absmax,
-                                    const uint32_t *map, int len)
+/* AVX512-VBMI (Ice Lake, Zen 4 and later; not Skylake-X): the map as 4 byte planes of 256 bytes,
+ * each looked up for 64 codes by 2 vpermt2b (128 entries each) and a blend on the code's top bit,
+ * then interleaved back to dwords. The unpacks put byte 16L + 4j + i of a 128-bit lane L into
+ * dword vector j, so the codes are first transposed as 4x4 blocks of dwords (vpermd): vector j
+ * then holds codes 16j .. 16j + 15 in order. Detected once at run time; q8_avx512_use_vbmi turns
+ * it off (and on again) so the tests hold both paths to the reference. */
+static int q8_vbmi;
+static uint8_t q8_planes[2][4][256] __attribute__((aligned(64)));  /* [map][byte][code] */
+
+__attribute__((constructor)) static void q8_avx512_init(void)
+{
+    for (int m = 0; m < 2; m++)
+        for (int b = 0; b < 4; b++)
+            for (int c = 0; c < 256; c++) q8_planes[m][b][c] = (uint8_t)(q8_maps[m][c] >> (8 * b));
+    __builtin_cpu_init();
+    q8_vbmi = __builtin_cpu_supports("avx512vbmi") ? 1 : 0;
+}
+
+/* on < 0: whether the VBMI dequantizer is in use; 0 / 1: turn it off / on (-1: this CPU lacks VBMI).
+ * Not while a step runs. */
+int q8_avx512_use_vbmi(int on)
+{
+    if (on < 0) return q8_vbmi;
+    if (on && !__builtin_cpu_supports("avx512vbmi")) return -1;
+    q8_vbmi = on ? 1 : 0;
+    return q8_vbmi;
+}
+
+__attribute__((target("avx512f,avx512bw,avx512vbmi"), noinline)) static void q8_dequant_vbmi(
+    float *restrict dst, const uint8_t *codes, float absmax, const uint8_t (*planes)[256], int len)
+{
+    __m512i t[4][4];
+    for (int b = 0; b < 4; b++)
+        for (int j = 0; j < 4; j++) t[b][j] = _mm512_load_si512((const void *)(planes[b] + 64 * j));
+    const __m512i transpose = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+    const __m512 s = _mm512_set1_ps(absmax);
+    int i = 0;
+    for (; i + 64 <= len; i += 64) {
+        const __m512i idx = _mm512_permutexvar_epi32(transpose, _mm512_loadu_si512((const void *)(codes + i)));
+        const __mmask64 top = _mm512_movepi8_mask(idx);
+        __m512i p[4];
+        for (int b = 0; b < 4; b++)
+            p[b] = _mm512_mask_blend_epi8(top, _mm512_permutex2var_epi8(t[b][0], idx, t[b][1]),
+                                          _mm512_permutex2var_epi8(t[b][2], idx, t[b][3]));
+        const __m512i lo01 = _mm512_unpacklo_epi8(p[0], p[1]), hi01 = _mm512_unpackhi_epi8(p[0], p[1]);
+        const __m512i lo23 = _mm512_unpacklo_epi8(p[2], p[3]), hi23 = _mm512_unpackhi_epi8(p[2], p[3]);
+        _mm512_store_ps(dst + i, _mm512_mul_ps(_mm512_castsi512_ps(_mm512_unpacklo_epi16(lo01, lo23)), s));
+        _mm512_store_ps(dst + i + 16, _mm512_mul_ps(_mm512_castsi512_ps(_mm512_unpackhi_epi16(lo01, lo23)), s));
+        _mm512_store_ps(dst + i + 32, _mm512_mul_ps(_mm512_castsi512_ps(_mm512_unpacklo_epi16(hi01, hi23)), s));
+        _mm512_store_ps(dst + i + 48, _mm512_mul_ps(_mm512_castsi512_ps(_mm512_unpackhi_epi16(hi01, hi23)), s));
+    }
+    for (; i < len; i++) {
+        const uint8_t c = codes[i];
+        dst[i] = bits_f32((uint32_t)planes[0][c] | (uint32_t)planes[1][c] << 8 | (uint32_t)planes[2][c] << 16 |
+                          (uint32_t)planes[3][c] << 24) * absmax;
+    }
+}
+
+static void q8_dequant_perm(float *restrict dst, const uint8_t *codes, float absmax, const uint32_t *map, int len)
 {
     __m512 t[16];
     for (int j = 0; j < 16; j++) t[j] = _mm512_load_ps((const float *)map + 16 * j);
@@ -36,6 +94,14 @@ static inline void q8_dequant_block(float *restrict dst, const uint8_t *codes, f
     for (; i < len; i++) dst[i] = bits_f32(map[codes[i]]) * absmax;
 }
 
+static inline void q8_dequant_block(float *restrict dst, const uint8_t *codes, float absmax,
+                                    const uint32_t *map, int len)
+{
+    /* map is q8_maps[0] (signed) or q8_maps[1]: q8_body.h passes the codebook's rows */
+    if (q8_vbmi) q8_dequant_vbmi(dst, codes, absmax, q8_planes[map == q8_maps[0] ? 0 : 1], len);
+    else q8_dequant_perm(dst, codes, absmax, map, len);
+}
+
 /* The vector quantizer (no gather): per octave of |x| (the exponent keys vpermt2ps over 32-entry
  * tables) up to Q8_LINES lines whose minimum t interpolates the rank through every code boundary
  * (q8_codegen.line_tables); rank = floor(t) where t lies 2^-10 or more from an integer, the lanes
@@ -43,7 +109,7 @@ static inline void q8_dequant_block(float *restrict dst, const uint8_t *codes, f
  * more than the negative (+1.0), the unsigned map none below 0: the rank is clamped per sign. */
 typedef struct {
     __m512 line[Q8_LINES][4];  /* slope lo/hi half, offset lo/hi half */
-    __m512i zero_code, pos_max, neg_max, top_first;
+    __m512i zero_code, pos_max, neg_max, top_first, top_lo;
 } q8_quant16_t;
 
 static inline void q8_quant16_init(q8_quant16_t *q, int zero)
@@ -55,6 +121,7 @@ static inline void q8_quant16_init(q8_quant16_t *q, int zero)
     q->pos_max = _mm512_set1_epi32(255 - zero);
     q->neg_max = _mm512_set1_epi32(zero);
     q->top_first = _mm512_set1_epi32((int)q8_top_first[map]);
+    q->top_lo = _mm512_set1_epi32((int)q8_top_first[map] - Q8_SLACK);
 }
 
 static inline __m512i q8_quant16(const q8_quant16_t *q, __m512 xq, __mmask16 *near)
@@ -72,12 +139,17 @@ static inline __m512i q8_quant16(const q8_quant16_t *q, __m512 xq, __mmask16 *ne
     for (int k = 1; k < Q8_LINES; k++)
         t = _mm512_min_ps(t, _mm512_fmadd_ps(ax, _mm512_permutex2var_ps(q->line[k][0], key, q->line[k][1]),
                                              _mm512_permutex2var_ps(q->line[k][2], key, q->line[k][3])));
-    const __m512 dist = _mm512_abs_ps(_mm512_sub_ps(t, _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)));
-    *near = _mm512_cmp_ps_mask(dist, _mm512_set1_ps(Q8_NEAR), _CMP_LT_OQ);
+    /* t - round(t) in one vreduceps */
+    const __m512 dist = _mm512_abs_ps(_mm512_reduce_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    /* the top rank's compare is exact on |x| itself: a lane within Q8_SLACK of it takes q8_code too */
+    const __mmask16 top_near = _mm512_cmplt_epu32_mask(_mm512_sub_epi32(mag, q->top_lo), _mm512_set1_epi32(2 * Q8_SLACK));
+    *near = _mm512_cmp_ps_mask(dist, _mm512_set1_ps(Q8_NEAR), _CMP_LT_OQ) | top_near;
     __m512i rank = _mm512_cvttps_epi32(t);
     rank = _mm512_mask_mov_epi32(rank, _mm512_cmpge_epu32_mask(mag, q->top_first), q->pos_max);
-    rank = _mm512_min_epi32(rank, _mm512_mask_blend_epi32(neg, q->pos_max, q->neg_max));
-    return _mm512_mask_blend_epi32(neg, _mm512_add_epi32(q->zero_code, rank), _mm512_sub_epi32(q->zero_code, rank));
+    /* a negative x's rank is at most neg_max; a positive one's lines stay within pos_max (the test
+     * hook holds every pattern to q8_code) */
+    rank = _mm512_mask_min_epi32(rank, neg, rank, q->neg_max);
+    return _mm512_mask_sub_epi32(_mm512_add_epi32(q->zero_code, rank), neg, q->zero_code, rank);
 }
 
 static inline void q8_quant_block(uint8_t *restrict codes, const float *restrict x, float absmax,
@@ -85,11 +157,13 @@ static inline void q8_quant_block(uint8_t *restrict codes, const float *restrict
 {
     q8_quant16_t q;
     q8_quant16_init(&q, zero);
-    const __m512 s = _mm512_set1_ps(absmax);
+    const int recip = q8_recip_ok(absmax);
+    const __m512 s = _mm512_set1_ps(recip ? 1.0f / absmax : absmax);
     int i = 0;
     for (; i + 16 <= len; i += 16) {
         __mmask16 near;
-        const __m512i code = q8_quant16(&q, _mm512_div_ps(_mm512_load_ps(x + i), s), &near);
+        const __m512 xv = _mm512_load_ps(x + i);
+        const __m512i code = q8_quant16(&q, recip ? _mm512_mul_ps(xv, s) : _mm512_div_ps(xv, s), &near);
         _mm_storeu_si128((__m128i *)(codes + i), _mm512_cvtepi32_epi8(code));
         for (unsigned m = near; m; m &= m - 1) {
             const int j = i + __builtin_ctz(m);
@@ -100,8 +174,8 @@ static inline void q8_quant_block(uint8_t *restrict codes, const float *restrict
 }
 
 /* Test hook (tests/test_q8_cpu.py): the vector quantizer on the fp32 bit patterns [first, first +
- * count) of map (0 signed, 1 unsigned) against q8_code; returns the mismatches, *near_lanes the
- * lanes that took q8_code. */
+ * count) of map (0 signed, 1 unsigned) against q8_code at every pattern within Q8_SLACK of each
+ * (q8_slack_agrees); returns the mismatches, *near_lanes the lanes that took q8_code. */
 int64_t q8_check_quant_avx512(int map, uint32_t first, uint64_t count, int64_t *near_lanes)
 {
     q8_quant16_t q;
@@ -119,12 +193,118 @@ int64_t q8_check_quant_avx512(int map, uint32_t first, uint64_t count, int64_t *
         nears += __builtin_popcount(near);
         for (int j = 0; j < 16 && k + (uint64_t)j < count; j++) {
             if (near >> j & 1) continue;
-            bad += c[j] != q8_code(bits_f32(base + (uint32_t)j), q8_buckets[map], zero);
+            bad += !q8_slack_agrees(c[j], base + (uint32_t)j, q8_buckets[map], zero);
         }
     }
     *near_lanes = nears;
     return bad;
 }
 
+/* The generic loop (q8_body.h) serves every format; the common one below fuses its passes. */
+#undef Q8_LEVEL
+#define Q8_LEVEL avx512_generic
 #include "q8_body.h"
+
+/* q8 exp_avg and exp_avg_sq, no amsgrad, no param copy, fp32 / bf16 grads, whole blocks: one pass
+ * does the arithmetic, stores the param where it goes (fp32 in place or out, or via remainders)
+ * and takes both moments' absmax on the way; the moments wait in L1 for their quantizer. Same
+ * operations in the same order as q8_math, so the same bits. */
+static inline int q8_fusable(const q8_args_t *a, const q8_consts_t *c)
+{
+    return a->exp_avg_dtype == DT_Q8 && a->exp_avg_sq_dtype == DT_Q8 && !c->amsgrad && !a->param_copy &&
+           (a->grad_dtype == DT_F32 || a->grad_dtype == DT_BF16);
+}
+
+static inline void q8_quant_out(uint8_t *codes, float *absmax_out, const float *restrict x, __m512i mx,
+                                int map)
+{
+    const uint32_t m = (uint32_t)_mm512_reduce_max_epu32(mx);
+    *absmax_out = bits_f32(m);
+    const int zero = map == 0 ? 127 : 0;
+    if (m == 0) memset(codes, zero, Q8_BLOCK);  /* x = 0 when the absmax is 0 */
+    else q8_quant_block(codes, x, bits_f32(m), q8_buckets[map], zero, Q8_BLOCK);
+}
+
+static inline __attribute__((always_inline)) void q8_fused_block(const q8_args_t *a, const q8_consts_t *c,
+                                                                 int64_t off, const int l2, const int bf16_grad,
+                                                                 const int remainders)
+{
+    float mb[Q8_BLOCK] __attribute__((aligned(64))), vb[Q8_BLOCK] __attribute__((aligned(64)));
+    float pb[Q8_BLOCK] __attribute__((aligned(64)));
+    const int64_t blk = off / Q8_BLOCK;
+    q8_dequant_block(mb, (const uint8_t *)a->exp_avg + off, a->exp_avg_absmax[blk], q8_maps[0], Q8_BLOCK);
+    q8_dequant_block(vb, (const uint8_t *)a->exp_avg_sq + off, a->exp_avg_sq_absmax[blk], q8_maps[1], Q8_BLOCK);
+    const float *pin = (const float *)a->param + off;
+    float *pout = (float *)a->param_out + off;
+    if (remainders) {
+        const uint16_t *p16 = (const uint16_t *)a->param + off, *r = (const uint16_t *)(const void *)a->remainder + off;
+#pragma omp simd
+        for (int i = 0; i < Q8_BLOCK; i++) pb[i] = remainder_decode(p16[i], r[i]);
+        pin = pout = pb;
+    }
+    const __m512 w1 = _mm512_set1_ps(c->one_minus_beta1), b2 = _mm512_set1_ps(c->beta2);
+    const __m512 w2 = _mm512_set1_ps(c->one_minus_beta2), eps = _mm512_set1_ps(c->eps);
+    const __m512 nss = _mm512_set1_ps(c->neg_step_size), ib = _mm512_set1_ps(c->inv_bias_correction2_sqrt);
+    const __m512 decay = _mm512_set1_ps(c->decay), wd = _mm512_set1_ps(c->l2);
+    const __m512 gscale = _mm512_set1_ps(c->grad_scale);
+    const __m512i abs_mask = _mm512_set1_epi32(0x7fffffff);
+    __m512i mx_m = _mm512_setzero_si512(), mx_v = _mm512_setzero_si512();
+    for (int i = 0; i < Q8_BLOCK; i += 16) {
+        const __m512 p = _mm512_loadu_ps(pin + i);
+        __m512 g;
+        if (bf16_grad) {
+            const __m256i h = _mm256_loadu_si256((const __m256i *)((const uint16_t *)a->grad + off + i));
+            g = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+        } else {
+            g = _mm512_loadu_ps((const float *)a->grad + off + i);
+        }
+        g = _mm512_mul_ps(g, gscale);
+        if (l2) g = _mm512_add_ps(_mm512_mul_ps(p, wd), g);
+        const __m512 m0 = _mm512_load_ps(mb + i), v0 = _mm512_load_ps(vb + i);
+        const __m512 m = _mm512_add_ps(_mm512_mul_ps(_mm512_sub_ps(g, m0), w1), m0);
+        const __m512 v = _mm512_add_ps(_mm512_mul_ps(_mm512_mul_ps(g, g), w2), _mm512_mul_ps(v0, b2));
+        const __m512 denom = _mm512_add_ps(_mm512_mul_ps(_mm512_sqrt_ps(v), ib), eps);
+        _mm512_storeu_ps(pout + i, _mm512_add_ps(_mm512_mul_ps(p, decay), _mm512_mul_ps(_mm512_div_ps(m, denom), nss)));
+        _mm512_store_ps(mb + i, m);
+        _mm512_store_ps(vb + i, v);
+        mx_m = _mm512_max_epu32(mx_m, _mm512_and_si512(_mm512_castps_si512(m), abs_mask));
+        mx_v = _mm512_max_epu32(mx_v, _mm512_and_si512(_mm512_castps_si512(v), abs_mask));
+    }
+    if (remainders) {
+        uint16_t *po = (uint16_t *)a->param_out + off;
+        int16_t *ro = a->remainder_out + off;
+#pragma omp simd
+        for (int i = 0; i < Q8_BLOCK; i++) {
+            const uint32_t u = f32_bits(pb[i]);
+            po[i] = remainder_param_bits(u);
+            ro[i] = (int16_t)(uint16_t)u;
+        }
+    }
+    q8_quant_out((uint8_t *)a->exp_avg_out + off, a->exp_avg_absmax_out + blk, mb, mx_m, 0);
+    q8_quant_out((uint8_t *)a->exp_avg_sq_out + off, a->exp_avg_sq_absmax_out + blk, vb, mx_v, 1);
+}
+
+void q8_range_avx512(const q8_args_t *a, const q8_consts_t *c, int64_t begin, int64_t end)
+{
+    if (!q8_fusable(a, c)) {
+        q8_range_avx512_generic(a, c, begin, end);
+        return;
+    }
+    const int64_t whole = begin + (end - begin) / Q8_BLOCK * Q8_BLOCK;
+    const int l2 = c->l2_mode, bf16 = a->grad_dtype == DT_BF16, rem = a->remainder != NULL;
+    for (int64_t off = begin; off < whole; off += Q8_BLOCK) {
+        /* the flags as constants: one loop per combination */
+        if (rem) {
+            if (bf16) q8_fused_block(a, c, off, l2, 1, 1);
+            else q8_fused_block(a, c, off, l2, 0, 1);
+        } else if (l2) {
+            if (bf16) q8_fused_block(a, c, off, 1, 1, 0);
+            else q8_fused_block(a, c, off, 1, 0, 0);
+        } else {
+            if (bf16) q8_fused_block(a, c, off, 0, 1, 0);
+            else q8_fused_block(a, c, off, 0, 0, 0);
+        }
+    }
+    if (whole < end) q8_range_avx512_generic(a, c, whole, end);
+}
 #endif
