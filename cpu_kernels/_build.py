@@ -33,7 +33,9 @@ SOURCES = [
         "q8_sve.c",
     )
 ]
-HEADERS = [f"{CSRC}/{name}" for name in ("kernels.h", "adam_body.h", "aio.h", "q8.h", "q8_body.h")]
+HEADERS = [
+    f"{CSRC}/{name}" for name in ("kernels.h", "adam_body.h", "aio.h", "q8.h", "q8_body.h", "q8_fused.h")
+]
 COMPILE_ARGS = [
     "-O3",
     "-std=gnu11",

@@ -70,107 +70,44 @@ static inline void q8_quant_block(uint8_t *restrict codes, const float *restrict
 #define Q8_LEVEL avx2_generic
 #include "q8_body.h"
 
-/* q8 exp_avg and exp_avg_sq, no amsgrad, no param copy, fp32 / bf16 grads, whole blocks: as
- * q8_avx512.c's fused loop, 8 lanes. Same operations in the same order as q8_math. */
-static inline int q8_fusable(const q8_args_t *a, const q8_consts_t *c)
+/* The fused pass (q8_fused.h) over 8 lanes. */
+#undef Q8_LEVEL
+#define Q8_LEVEL avx2
+#define Q8_GENERIC q8_range_avx2_generic
+#define Q8_W 8
+typedef __m256 q8_vf;
+typedef __m256i q8_vi;
+#define q8f_set1 _mm256_set1_ps
+#define q8f_load _mm256_load_ps
+#define q8f_loadu _mm256_loadu_ps
+#define q8f_store _mm256_store_ps
+#define q8f_storeu _mm256_storeu_ps
+#define q8f_add _mm256_add_ps
+#define q8f_sub _mm256_sub_ps
+#define q8f_mul _mm256_mul_ps
+#define q8f_div _mm256_div_ps
+#define q8f_sqrt _mm256_sqrt_ps
+#define q8i_zero _mm256_setzero_si256
+#define q8i_max_u32 _mm256_max_epu32
+
+static inline q8_vf q8f_bf16(const uint16_t *s)
 {
-    return a->exp_avg_dtype == DT_Q8 && a->exp_avg_sq_dtype == DT_Q8 && !c->amsgrad && !a->param_copy &&
-           (a->grad_dtype == DT_F32 || a->grad_dtype == DT_BF16);
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)s)), 16));
 }
 
-static inline void q8_quant_out(uint8_t *codes, float *absmax_out, const float *restrict x, __m256i mx,
-                                int map)
+static inline q8_vi q8i_abs_bits(q8_vf x)
+{
+    return _mm256_and_si256(_mm256_castps_si256(x), _mm256_set1_epi32(0x7fffffff));
+}
+
+static inline uint32_t q8i_hmax_u32(q8_vi x)
 {
     uint32_t lanes[8];
-    _mm256_storeu_si256((__m256i *)lanes, mx);
+    _mm256_storeu_si256((__m256i *)lanes, x);
     uint32_t m = 0;
     for (int j = 0; j < 8; j++) m = lanes[j] > m ? lanes[j] : m;
-    *absmax_out = bits_f32(m);
-    const int zero = map == 0 ? 127 : 0;
-    if (m == 0) memset(codes, zero, Q8_BLOCK);  /* x = 0 when the absmax is 0 */
-    else q8_quant_block(codes, x, bits_f32(m), q8_buckets[map], zero, Q8_BLOCK);
+    return m;
 }
 
-static inline __attribute__((always_inline)) void q8_fused_block(const q8_args_t *a, const q8_consts_t *c,
-                                                                 int64_t off, const int l2, const int bf16_grad,
-                                                                 const int remainders)
-{
-    float mb[Q8_BLOCK] __attribute__((aligned(64))), vb[Q8_BLOCK] __attribute__((aligned(64)));
-    float pb[Q8_BLOCK] __attribute__((aligned(64)));
-    const int64_t blk = off / Q8_BLOCK;
-    q8_dequant_block(mb, (const uint8_t *)a->exp_avg + off, a->exp_avg_absmax[blk], q8_maps[0], Q8_BLOCK);
-    q8_dequant_block(vb, (const uint8_t *)a->exp_avg_sq + off, a->exp_avg_sq_absmax[blk], q8_maps[1], Q8_BLOCK);
-    const float *pin = (const float *)a->param + off;
-    float *pout = (float *)a->param_out + off;
-    if (remainders) {
-        const uint16_t *p16 = (const uint16_t *)a->param + off, *r = (const uint16_t *)(const void *)a->remainder + off;
-#pragma omp simd
-        for (int i = 0; i < Q8_BLOCK; i++) pb[i] = remainder_decode(p16[i], r[i]);
-        pin = pout = pb;
-    }
-    const __m256 w1 = _mm256_set1_ps(c->one_minus_beta1), b2 = _mm256_set1_ps(c->beta2);
-    const __m256 w2 = _mm256_set1_ps(c->one_minus_beta2), eps = _mm256_set1_ps(c->eps);
-    const __m256 nss = _mm256_set1_ps(c->neg_step_size), ib = _mm256_set1_ps(c->inv_bias_correction2_sqrt);
-    const __m256 decay = _mm256_set1_ps(c->decay), wd = _mm256_set1_ps(c->l2);
-    const __m256 gscale = _mm256_set1_ps(c->grad_scale);
-    const __m256i abs_mask = _mm256_set1_epi32(0x7fffffff);
-    __m256i mx_m = _mm256_setzero_si256(), mx_v = _mm256_setzero_si256();
-    for (int i = 0; i < Q8_BLOCK; i += 8) {
-        const __m256 p = _mm256_loadu_ps(pin + i);
-        __m256 g;
-        if (bf16_grad) {
-            const __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)a->grad + off + i));
-            g = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-        } else {
-            g = _mm256_loadu_ps((const float *)a->grad + off + i);
-        }
-        g = _mm256_mul_ps(g, gscale);
-        if (l2) g = _mm256_add_ps(_mm256_mul_ps(p, wd), g);
-        const __m256 m0 = _mm256_load_ps(mb + i), v0 = _mm256_load_ps(vb + i);
-        const __m256 m = _mm256_add_ps(_mm256_mul_ps(_mm256_sub_ps(g, m0), w1), m0);
-        const __m256 v = _mm256_add_ps(_mm256_mul_ps(_mm256_mul_ps(g, g), w2), _mm256_mul_ps(v0, b2));
-        const __m256 denom = _mm256_add_ps(_mm256_mul_ps(_mm256_sqrt_ps(v), ib), eps);
-        _mm256_storeu_ps(pout + i, _mm256_add_ps(_mm256_mul_ps(p, decay), _mm256_mul_ps(_mm256_div_ps(m, denom), nss)));
-        _mm256_store_ps(mb + i, m);
-        _mm256_store_ps(vb + i, v);
-        mx_m = _mm256_max_epu32(mx_m, _mm256_and_si256(_mm256_castps_si256(m), abs_mask));
-        mx_v = _mm256_max_epu32(mx_v, _mm256_and_si256(_mm256_castps_si256(v), abs_mask));
-    }
-    if (remainders) {
-        uint16_t *po = (uint16_t *)a->param_out + off;
-        int16_t *ro = a->remainder_out + off;
-#pragma omp simd
-        for (int i = 0; i < Q8_BLOCK; i++) {
-            const uint32_t u = f32_bits(pb[i]);
-            po[i] = remainder_param_bits(u);
-            ro[i] = (int16_t)(uint16_t)u;
-        }
-    }
-    q8_quant_out((uint8_t *)a->exp_avg_out + off, a->exp_avg_absmax_out + blk, mb, mx_m, 0);
-    q8_quant_out((uint8_t *)a->exp_avg_sq_out + off, a->exp_avg_sq_absmax_out + blk, vb, mx_v, 1);
-}
-
-void q8_range_avx2(const q8_args_t *a, const q8_consts_t *c, int64_t begin, int64_t end)
-{
-    if (!q8_fusable(a, c)) {
-        q8_range_avx2_generic(a, c, begin, end);
-        return;
-    }
-    const int64_t whole = begin + (end - begin) / Q8_BLOCK * Q8_BLOCK;
-    const int l2 = c->l2_mode, bf16 = a->grad_dtype == DT_BF16, rem = a->remainder != NULL;
-    for (int64_t off = begin; off < whole; off += Q8_BLOCK) {
-        /* the flags as constants: one loop per combination */
-        if (rem) {
-            if (bf16) q8_fused_block(a, c, off, l2, 1, 1);
-            else q8_fused_block(a, c, off, l2, 0, 1);
-        } else if (l2) {
-            if (bf16) q8_fused_block(a, c, off, 1, 1, 0);
-            else q8_fused_block(a, c, off, 1, 0, 0);
-        } else {
-            if (bf16) q8_fused_block(a, c, off, 0, 1, 0);
-            else q8_fused_block(a, c, off, 0, 0, 0);
-        }
-    }
-    if (whole < end) q8_range_avx2_generic(a, c, whole, end);
-}
+#include "q8_fused.h"
 #endif

@@ -205,106 +205,37 @@ int64_t q8_check_quant_avx512(int map, uint32_t first, uint64_t count, int64_t *
 #define Q8_LEVEL avx512_generic
 #include "q8_body.h"
 
-/* q8 exp_avg and exp_avg_sq, no amsgrad, no param copy, fp32 / bf16 grads, whole blocks: one pass
- * does the arithmetic, stores the param where it goes (fp32 in place or out, or via remainders)
- * and takes both moments' absmax on the way; the moments wait in L1 for their quantizer. Same
- * operations in the same order as q8_math, so the same bits. */
-static inline int q8_fusable(const q8_args_t *a, const q8_consts_t *c)
+/* The fused pass (q8_fused.h) over 16 lanes. */
+#undef Q8_LEVEL
+#define Q8_LEVEL avx512
+#define Q8_GENERIC q8_range_avx512_generic
+#define Q8_W 16
+typedef __m512 q8_vf;
+typedef __m512i q8_vi;
+#define q8f_set1 _mm512_set1_ps
+#define q8f_load _mm512_load_ps
+#define q8f_loadu _mm512_loadu_ps
+#define q8f_store _mm512_store_ps
+#define q8f_storeu _mm512_storeu_ps
+#define q8f_add _mm512_add_ps
+#define q8f_sub _mm512_sub_ps
+#define q8f_mul _mm512_mul_ps
+#define q8f_div _mm512_div_ps
+#define q8f_sqrt _mm512_sqrt_ps
+#define q8i_zero _mm512_setzero_si512
+#define q8i_max_u32 _mm512_max_epu32
+
+static inline q8_vf q8f_bf16(const uint16_t *s)
 {
-    return a->exp_avg_dtype == DT_Q8 && a->exp_avg_sq_dtype == DT_Q8 && !c->amsgrad && !a->param_copy &&
-           (a->grad_dtype == DT_F32 || a->grad_dtype == DT_BF16);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)s)), 16));
 }
 
-static inline void q8_quant_out(uint8_t *codes, float *absmax_out, const float *restrict x, __m512i mx,
-                                int map)
+static inline q8_vi q8i_abs_bits(q8_vf x)
 {
-    const uint32_t m = (uint32_t)_mm512_reduce_max_epu32(mx);
-    *absmax_out = bits_f32(m);
-    const int zero = map == 0 ? 127 : 0;
-    if (m == 0) memset(codes, zero, Q8_BLOCK);  /* x = 0 when the absmax is 0 */
-    else q8_quant_block(codes, x, bits_f32(m), q8_buckets[map], zero, Q8_BLOCK);
+    return _mm512_and_si512(_mm512_castps_si512(x), _mm512_set1_epi32(0x7fffffff));
 }
 
-static inline __attribute__((always_inline)) void q8_fused_block(const q8_args_t *a, const q8_consts_t *c,
-                                                                 int64_t off, const int l2, const int bf16_grad,
-                                                                 const int remainders)
-{
-    float mb[Q8_BLOCK] __attribute__((aligned(64))), vb[Q8_BLOCK] __attribute__((aligned(64)));
-    float pb[Q8_BLOCK] __attribute__((aligned(64)));
-    const int64_t blk = off / Q8_BLOCK;
-    q8_dequant_block(mb, (const uint8_t *)a->exp_avg + off, a->exp_avg_absmax[blk], q8_maps[0], Q8_BLOCK);
-    q8_dequant_block(vb, (const uint8_t *)a->exp_avg_sq + off, a->exp_avg_sq_absmax[blk], q8_maps[1], Q8_BLOCK);
-    const float *pin = (const float *)a->param + off;
-    float *pout = (float *)a->param_out + off;
-    if (remainders) {
-        const uint16_t *p16 = (const uint16_t *)a->param + off, *r = (const uint16_t *)(const void *)a->remainder + off;
-#pragma omp simd
-        for (int i = 0; i < Q8_BLOCK; i++) pb[i] = remainder_decode(p16[i], r[i]);
-        pin = pout = pb;
-    }
-    const __m512 w1 = _mm512_set1_ps(c->one_minus_beta1), b2 = _mm512_set1_ps(c->beta2);
-    const __m512 w2 = _mm512_set1_ps(c->one_minus_beta2), eps = _mm512_set1_ps(c->eps);
-    const __m512 nss = _mm512_set1_ps(c->neg_step_size), ib = _mm512_set1_ps(c->inv_bias_correction2_sqrt);
-    const __m512 decay = _mm512_set1_ps(c->decay), wd = _mm512_set1_ps(c->l2);
-    const __m512 gscale = _mm512_set1_ps(c->grad_scale);
-    const __m512i abs_mask = _mm512_set1_epi32(0x7fffffff);
-    __m512i mx_m = _mm512_setzero_si512(), mx_v = _mm512_setzero_si512();
-    for (int i = 0; i < Q8_BLOCK; i += 16) {
-        const __m512 p = _mm512_loadu_ps(pin + i);
-        __m512 g;
-        if (bf16_grad) {
-            const __m256i h = _mm256_loadu_si256((const __m256i *)((const uint16_t *)a->grad + off + i));
-            g = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-        } else {
-            g = _mm512_loadu_ps((const float *)a->grad + off + i);
-        }
-        g = _mm512_mul_ps(g, gscale);
-        if (l2) g = _mm512_add_ps(_mm512_mul_ps(p, wd), g);
-        const __m512 m0 = _mm512_load_ps(mb + i), v0 = _mm512_load_ps(vb + i);
-        const __m512 m = _mm512_add_ps(_mm512_mul_ps(_mm512_sub_ps(g, m0), w1), m0);
-        const __m512 v = _mm512_add_ps(_mm512_mul_ps(_mm512_mul_ps(g, g), w2), _mm512_mul_ps(v0, b2));
-        const __m512 denom = _mm512_add_ps(_mm512_mul_ps(_mm512_sqrt_ps(v), ib), eps);
-        _mm512_storeu_ps(pout + i, _mm512_add_ps(_mm512_mul_ps(p, decay), _mm512_mul_ps(_mm512_div_ps(m, denom), nss)));
-        _mm512_store_ps(mb + i, m);
-        _mm512_store_ps(vb + i, v);
-        mx_m = _mm512_max_epu32(mx_m, _mm512_and_si512(_mm512_castps_si512(m), abs_mask));
-        mx_v = _mm512_max_epu32(mx_v, _mm512_and_si512(_mm512_castps_si512(v), abs_mask));
-    }
-    if (remainders) {
-        uint16_t *po = (uint16_t *)a->param_out + off;
-        int16_t *ro = a->remainder_out + off;
-#pragma omp simd
-        for (int i = 0; i < Q8_BLOCK; i++) {
-            const uint32_t u = f32_bits(pb[i]);
-            po[i] = remainder_param_bits(u);
-            ro[i] = (int16_t)(uint16_t)u;
-        }
-    }
-    q8_quant_out((uint8_t *)a->exp_avg_out + off, a->exp_avg_absmax_out + blk, mb, mx_m, 0);
-    q8_quant_out((uint8_t *)a->exp_avg_sq_out + off, a->exp_avg_sq_absmax_out + blk, vb, mx_v, 1);
-}
+static inline uint32_t q8i_hmax_u32(q8_vi x) { return (uint32_t)_mm512_reduce_max_epu32(x); }
 
-void q8_range_avx512(const q8_args_t *a, const q8_consts_t *c, int64_t begin, int64_t end)
-{
-    if (!q8_fusable(a, c)) {
-        q8_range_avx512_generic(a, c, begin, end);
-        return;
-    }
-    const int64_t whole = begin + (end - begin) / Q8_BLOCK * Q8_BLOCK;
-    const int l2 = c->l2_mode, bf16 = a->grad_dtype == DT_BF16, rem = a->remainder != NULL;
-    for (int64_t off = begin; off < whole; off += Q8_BLOCK) {
-        /* the flags as constants: one loop per combination */
-        if (rem) {
-            if (bf16) q8_fused_block(a, c, off, l2, 1, 1);
-            else q8_fused_block(a, c, off, l2, 0, 1);
-        } else if (l2) {
-            if (bf16) q8_fused_block(a, c, off, 1, 1, 0);
-            else q8_fused_block(a, c, off, 1, 0, 0);
-        } else {
-            if (bf16) q8_fused_block(a, c, off, 0, 1, 0);
-            else q8_fused_block(a, c, off, 0, 0, 0);
-        }
-    }
-    if (whole < end) q8_range_avx512_generic(a, c, whole, end);
-}
+#include "q8_fused.h"
 #endif

@@ -1,0 +1,106 @@
+/* The fused q8 pass (q8.h) for the x86 levels, written once over a level's vector primitives.
+ *
+ * q8 exp_avg and exp_avg_sq, no amsgrad, no param copy, fp32 / bf16 grads, whole blocks: one pass
+ * does the arithmetic, stores the param where it goes (fp32 in place or out, or via remainders)
+ * and takes both moments' absmax on the way; the moments wait in L1 for their quantizer. Same
+ * operations in the same order as q8_body.h's q8_math, so the same bits. Other formats, and a
+ * range's last partial block, take the generic loop.
+ *
+ * A level file includes q8_body.h (as Q8_GENERIC's level), defines Q8_LEVEL again and these, then
+ * includes this file:
+ *   Q8_W lanes; q8_vf / q8_vi its float / int vector; Q8_GENERIC the generic range function;
+ *   q8f_set1 load loadu store storeu add sub mul div sqrt (floats), q8f_bf16 (Q8_W bf16 widened),
+ *   q8i_zero max_u32 and (ints), q8i_abs_bits (|x|'s bits as ints), q8i_hmax_u32 (largest lane),
+ *   and q8_dequant_block / q8_quant_block, as q8_body.h asks.
+ */
+
+static inline int q8_fusable(const q8_args_t *a, const q8_consts_t *c)
+{
+    return a->exp_avg_dtype == DT_Q8 && a->exp_avg_sq_dtype == DT_Q8 && !c->amsgrad && !a->param_copy &&
+           (a->grad_dtype == DT_F32 || a->grad_dtype == DT_BF16);
+}
+
+static inline void q8_quant_out(uint8_t *codes, float *absmax_out, const float *restrict x, q8_vi mx, int map)
+{
+    const uint32_t m = q8i_hmax_u32(mx);
+    *absmax_out = bits_f32(m);
+    const int zero = map == 0 ? 127 : 0;
+    if (m == 0) memset(codes, zero, Q8_BLOCK);  /* x = 0 when the absmax is 0 */
+    else q8_quant_block(codes, x, bits_f32(m), q8_buckets[map], zero, Q8_BLOCK);
+}
+
+static inline __attribute__((always_inline)) void q8_fused_block(const q8_args_t *a, const q8_consts_t *c,
+                                                                 int64_t off, const int l2, const int bf16_grad,
+                                                                 const int remainders)
+{
+    float mb[Q8_BLOCK] __attribute__((aligned(64))), vb[Q8_BLOCK] __attribute__((aligned(64)));
+    float pb[Q8_BLOCK] __attribute__((aligned(64)));
+    const int64_t blk = off / Q8_BLOCK;
+    q8_dequant_block(mb, (const uint8_t *)a->exp_avg + off, a->exp_avg_absmax[blk], q8_maps[0], Q8_BLOCK);
+    q8_dequant_block(vb, (const uint8_t *)a->exp_avg_sq + off, a->exp_avg_sq_absmax[blk], q8_maps[1], Q8_BLOCK);
+    const float *pin = (const float *)a->param + off;
+    float *pout = (float *)a->param_out + off;
+    if (remainders) {
+        const uint16_t *p16 = (const uint16_t *)a->param + off, *r = (const uint16_t *)(const void *)a->remainder + off;
+#pragma omp simd
+        for (int i = 0; i < Q8_BLOCK; i++) pb[i] = remainder_decode(p16[i], r[i]);
+        pin = pout = pb;
+    }
+    const q8_vf w1 = q8f_set1(c->one_minus_beta1), b2 = q8f_set1(c->beta2);
+    const q8_vf w2 = q8f_set1(c->one_minus_beta2), eps = q8f_set1(c->eps);
+    const q8_vf nss = q8f_set1(c->neg_step_size), ib = q8f_set1(c->inv_bias_correction2_sqrt);
+    const q8_vf decay = q8f_set1(c->decay), wd = q8f_set1(c->l2);
+    const q8_vf gscale = q8f_set1(c->grad_scale);
+    q8_vi mx_m = q8i_zero(), mx_v = q8i_zero();
+    for (int i = 0; i < Q8_BLOCK; i += Q8_W) {
+        const q8_vf p = q8f_loadu(pin + i);
+        q8_vf g = bf16_grad ? q8f_bf16((const uint16_t *)a->grad + off + i) : q8f_loadu((const float *)a->grad + off + i);
+        g = q8f_mul(g, gscale);
+        if (l2) g = q8f_add(q8f_mul(p, wd), g);
+        const q8_vf m0 = q8f_load(mb + i), v0 = q8f_load(vb + i);
+        const q8_vf m = q8f_add(q8f_mul(q8f_sub(g, m0), w1), m0);
+        const q8_vf v = q8f_add(q8f_mul(q8f_mul(g, g), w2), q8f_mul(v0, b2));
+        const q8_vf denom = q8f_add(q8f_mul(q8f_sqrt(v), ib), eps);
+        q8f_storeu(pout + i, q8f_add(q8f_mul(p, decay), q8f_mul(q8f_div(m, denom), nss)));
+        q8f_store(mb + i, m);
+        q8f_store(vb + i, v);
+        mx_m = q8i_max_u32(mx_m, q8i_abs_bits(m));
+        mx_v = q8i_max_u32(mx_v, q8i_abs_bits(v));
+    }
+    if (remainders) {
+        uint16_t *po = (uint16_t *)a->param_out + off;
+        int16_t *ro = a->remainder_out + off;
+#pragma omp simd
+        for (int i = 0; i < Q8_BLOCK; i++) {
+            const uint32_t u = f32_bits(pb[i]);
+            po[i] = remainder_param_bits(u);
+            ro[i] = (int16_t)(uint16_t)u;
+        }
+    }
+    q8_quant_out((uint8_t *)a->exp_avg_out + off, a->exp_avg_absmax_out + blk, mb, mx_m, 0);
+    q8_quant_out((uint8_t *)a->exp_avg_sq_out + off, a->exp_avg_sq_absmax_out + blk, vb, mx_v, 1);
+}
+
+void Q8_FN(q8_range)(const q8_args_t *a, const q8_consts_t *c, int64_t begin, int64_t end)
+{
+    if (!q8_fusable(a, c)) {
+        Q8_GENERIC(a, c, begin, end);
+        return;
+    }
+    const int64_t whole = begin + (end - begin) / Q8_BLOCK * Q8_BLOCK;
+    const int l2 = c->l2_mode, bf16 = a->grad_dtype == DT_BF16, rem = a->remainder != NULL;
+    for (int64_t off = begin; off < whole; off += Q8_BLOCK) {
+        /* the flags as constants: one loop per combination */
+        if (rem) {
+            if (bf16) q8_fused_block(a, c, off, l2, 1, 1);
+            else q8_fused_block(a, c, off, l2, 0, 1);
+        } else if (l2) {
+            if (bf16) q8_fused_block(a, c, off, 1, 1, 0);
+            else q8_fused_block(a, c, off, 1, 0, 0);
+        } else {
+            if (bf16) q8_fused_block(a, c, off, 0, 1, 0);
+            else q8_fused_block(a, c, off, 0, 0, 0);
+        }
+    }
+    if (whole < end) Q8_GENERIC(a, c, whole, end);
+}
