@@ -84,8 +84,8 @@ def snapshot(model, opt) -> dict:
     return dict(params=[full(p).detach().clone() for p in model.parameters()], state=state)
 
 
-def run(name: str, rank: int, world: int, tmp: str, ckpt: str) -> dict:
-    mode, speculative, overflow_at = CONFIGS[name]
+def sharded_model(mode: str, world: int):
+    """The test model, each Linear and Gain and the whole under fully_shard for "fsdp2"."""
     model = build_model()
     if mode == "fsdp2":
         from torch.distributed.fsdp import fully_shard
@@ -95,6 +95,12 @@ def run(name: str, rank: int, world: int, tmp: str, ckpt: str) -> dict:
             if isinstance(m, (torch.nn.Linear, Gain)):
                 fully_shard(m, mesh=mesh)
         fully_shard(model, mesh=mesh)
+    return model
+
+
+def run(name: str, rank: int, world: int, tmp: str, ckpt: str) -> dict:
+    mode, speculative, overflow_at = CONFIGS[name]
+    model = sharded_model(mode, world)
     kw = dict(PLACEMENT, nvme_path=os.path.join(tmp, f"{name}-rank{rank}"))
     os.makedirs(kw["nvme_path"])
     if mode == "zero":
@@ -171,15 +177,7 @@ def from_one(mode: str, rank: int, world: int, tmp: str, one: str) -> dict:
 
     out = {}
     for how in ("dcp", "full") if mode == "zero" else ("dcp",):
-        model = build_model()
-        if mode == "fsdp2":
-            from torch.distributed.fsdp import fully_shard
-
-            mesh = init_device_mesh("cpu", (world,))
-            for m in model:
-                if isinstance(m, (torch.nn.Linear, Gain)):
-                    fully_shard(m, mesh=mesh)
-            fully_shard(model, mesh=mesh)
+        model = sharded_model(mode, world)
         kw = dict(PLACEMENT, nvme_path=os.path.join(tmp, f"{mode}-{how}-from1-rank{rank}"))
         os.makedirs(kw["nvme_path"])
         if mode == "zero":
