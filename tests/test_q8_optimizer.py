@@ -599,7 +599,13 @@ def test_nvme_files_and_host_banks_hold_the_q8_bytes(fmt, bound, tmp_path):
         assert all(view.host_quantized(sg) for sg in view.host_subgroups())
         per_element = host.bank_bytes / (len(host.numels) * host.capacity)
         page_slack = 2 * 4096 / host.capacity  # a bank's state block and the bank end on a page
-        assert fmt.bank_bytes(BF16) <= per_element <= fmt.bank_bytes(BF16) + page_slack, per_element
+        # with an fp32 master the bf16 copy is in copy slots, one per spare bank: a committed bank
+        # holds the state alone, a spare bank and its slot what bank_bytes counts
+        copy = 0 if fmt.store_param_remainders else 2
+        want = fmt.bank_bytes(BF16) - copy
+        assert want <= per_element <= want + page_slack, per_element
+        spare = host.spare_bytes / (len(host.numels) * host.capacity)  # one spare per subgroup
+        assert fmt.bank_bytes(BF16) <= spare <= fmt.bank_bytes(BF16) + page_slack, spare
         print(
             f"{fmt}: host arena {opt.allocated_bytes['host'] / sum(p.numel() for p in model.parameters()):.2f} "
             f"B/param, bank {per_element:.3f} B/element; nvme {files['q8']} B against fp32's {files['fp32']}"
@@ -656,15 +662,21 @@ def test_a_small_subgroup_larger_than_a_quarter_bank_widens_its_regions(placemen
         assert_state_equal(opt.state_dict()["state"], ref, params, fmt)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="issue 38 item 4 not met for the arena: every bank keeps a 2-byte bf16 copy region (the "
-    "remainders' high half, or the fp32 master's bf16 copy), as the fp32 format's does: 6.03 / 14 B "
-    "per element (0.43x) and 8.03 / 14 (0.57x); see docs/internals.md, 'q8 host arena'",
-)
 @pytest.mark.parametrize(
     "fmt, bound",
-    [(StateFormat(Q8, Q8, True), 0.40), (StateFormat(Q8, Q8), 0.55)],
+    [
+        pytest.param(
+            StateFormat(Q8, Q8, True),
+            0.40,
+            marks=pytest.mark.xfail(
+                strict=True,
+                reason="issue 38 item 4 not met with remainders: every bank keeps the 2-byte bf16 "
+                "high half (the step reads the committed one from the committed bank): 6.03 / 14 B "
+                "per element (0.44x); see docs/internals.md, 'q8 host arena'",
+            ),
+        ),
+        (StateFormat(Q8, Q8), 0.55),
+    ],
     ids=["q8 + remainders", "q8 + fp32 master"],
 )
 def test_the_host_arena_holds_issue_38s_share_of_the_fp32_formats(fmt, bound):

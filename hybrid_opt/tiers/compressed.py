@@ -27,8 +27,11 @@ def bank_layout(
     rem_mode: str,
     q8_mode: str = "none",
     small_capacity: int | None = None,
+    pooled_copy: bool = False,
 ):
     """(regions {name: byte offset}, io_bytes, bank bytes) for banks of `capacity` elements.
+    pooled_copy: the model-dtype copy is not a bank region (its "copy" offset is -1) but one of the
+    arena's copy slots, lent to the banks no subgroup has committed (BankPool.copy_of).
     rem_mode: "none", "all" (every subgroup keeps remainders: no fp32 region) or "some".
     q8_mode: "none" (no quantized subgroup: q8 moments are fp32), "all" (every subgroup is
     quantized: 1-byte code regions) or "some": subgroups of small params (at most
@@ -69,7 +72,10 @@ def bank_layout(
                 regions[region] = bank.add(region, q8_blocks(capacity) * 4, CACHE_LINE)
     # the state block (master..vmax) is what a swap moves: page-aligned for O_DIRECT
     io_bytes = bank.pad(PAGE)
-    regions["copy"] = bank.add("copy", capacity * 2) if copy_dtype is not None else 0
+    if pooled_copy:
+        regions["copy"] = -1
+    else:
+        regions["copy"] = bank.add("copy", capacity * 2) if copy_dtype is not None else 0
     return regions, io_bytes, align_up(bank.nbytes, PAGE)
 
 
@@ -147,8 +153,13 @@ class StateBanks:
         io_bytes: int,
         n_banks: int,
         quantized: dict,
+        copy_of: dict | None = None,
+        copy_offset: int = 0,
+        copy_stride: int = 0,
     ):
-        """`numels`, `remainders`, `params`, `quantized`: by subgroup id (HostTier's)."""
+        """`numels`, `remainders`, `params`, `quantized`: by subgroup id (HostTier's). `copy_of`:
+        the pool's {bank: copy slot} (BankPool.copy_of, kept by it) where the copies are in copy
+        slots at `copy_offset` + slot x `copy_stride` of the arena, not in the banks."""
         self.arena = arena
         self.numels, self.fmt, self.amsgrad, self.copy_dtype = dict(numels), fmt, amsgrad, copy_dtype
         # per subgroup, its format: q8 moments fp32 where its params are small (layout.py)
@@ -158,6 +169,7 @@ class StateBanks:
         self._params: dict = params if params is not None else {}
         self._regions, self._bank_offset, self._bank_stride = dict(regions), bank_offset, bank_stride
         self.io_bytes = io_bytes
+        self._copy_of, self._copy_offset, self._copy_stride = copy_of, copy_offset, copy_stride
         # banks no one has written yet: the arena's pages are zero, load_state need not zero them
         self._fresh = set(range(n_banks))
 
@@ -184,6 +196,19 @@ class StateBanks:
         return self.arena.tensor(
             self._bank_offset + bank * self._bank_stride + self._regions[region], numel, dtype
         )
+
+    def copy_addr(self, bank: int | None) -> int:
+        """Byte offset in the arena of the copy slot `bank` holds; -1 where the copies are bank
+        regions (no copy slots), or for no bank (in place)."""
+        if self._copy_of is None or bank is None:
+            return -1
+        return self._copy_offset + self._copy_of[bank] * self._copy_stride
+
+    def _copy_view(self, bank: int, numel: int, dtype) -> torch.Tensor:
+        """The model-dtype copy `bank` holds (its region, or the copy slot lent to it)."""
+        if self._copy_of is None:
+            return self.view(bank, "copy", numel, dtype)
+        return self.arena.tensor(self.copy_addr(bank), numel, dtype)
 
     def region_offset(self, region: str) -> int:
         """Byte offset of `region` inside a bank (and inside an nvme slot, laid out alike)."""
@@ -259,8 +284,8 @@ class StateBanks:
         if self._remainders[sg]:
             return {"param_copy": self.view(bank, "copy", self.numels[sg], torch.bfloat16)}
         out = {"param": self.view(bank, "p", self.numels[sg], torch.float32)}
-        if self.copy_dtype is not None:
-            out["param_copy"] = self.view(bank, "copy", self.numels[sg], self.copy_dtype)
+        if self.copy_dtype is not None:  # copy slots: taken before the commit hands the slot on
+            out["param_copy"] = self._copy_view(bank, self.numels[sg], self.copy_dtype)
         return out
 
     def store_master(self, bank: int, sg: int, master) -> torch.Tensor | None:

@@ -189,7 +189,7 @@ class HostTier:
         resident = lay.resident
         # an nvme step holds two banks (read, result) until it is committed or dropped
         self.io_banks = lay.io_banks
-        self.pool = BankPool(resident, lay.spares + 2 * self.io_banks)
+        self.pool = BankPool(resident, lay.spares + 2 * self.io_banks, copy_slots=lay.copy_slots)
         self.capacity, self.slot_numel, self.io_bytes = lay.capacity, lay.slot_numel, lay.io_bytes
         regions, bank_stride, slot_stride = lay.regions, lay.bank_stride, lay.slot_stride
         bank_offset, slot_offset = lay.bank_offset, lay.slot_offset
@@ -238,6 +238,9 @@ class HostTier:
             io_bytes=self.io_bytes,
             n_banks=self.pool.n_banks,
             quantized=sg_quantized,
+            copy_of=self.pool.copy_of,
+            copy_offset=lay.copy_offset,
+            copy_stride=lay.copy_stride,
         )
         slots = [
             self.arena.tensor(slot_offset + k * slot_stride, self.slot_numel, grad_dtype)
@@ -287,6 +290,7 @@ class HostTier:
             nvme=self.nvme,
             forget=lambda sg: stepping.forget(sg),
             waited_threads=self.cores.waited_threads,
+            copy_addr=self.banks.copy_addr,
         )
         # the committed state as pieces state_dict() maps; told of every write into it first
         # (a bank the pool hands out, a bank or nvme slot written in place)
@@ -374,6 +378,11 @@ class HostTier:
         """The committed step's model-dtype copy of the master (written by the last step)."""
         if self.copy_dtype is None:
             raise RuntimeError("this tier writes no param copy (copy_dtype=None)")
+        if self.pool.copy_of is not None:
+            raise RuntimeError(
+                "this tier keeps its param copies in copy slots until their commit: the committed "
+                "copy is the model's param (on_commit wrote it there)"
+            )
         return self.banks.view(self._resident(sg), "copy", self.numels[sg], self.copy_dtype)
 
     def _engine(self):

@@ -75,15 +75,18 @@ class HostIO:
         nvme: dict,
         forget,
         waited_threads: int = 0,
+        copy_addr=None,
     ):
         """`waited_threads`: the kernel threads of a step the trainer waits for (stage_steps'
-        waited=True), where the worker shares the trainer's cores (0: the worker's own count)."""
+        waited=True), where the worker shares the trainer's cores (0: the worker's own count).
+        `copy_addr(out bank)`: the arena offset of its copy slot, -1 for none (StateBanks')."""
         self.client = client
         self.waited_threads = waited_threads
         self.grad_dtype, self.copy_dtype = grad_dtype, copy_dtype
         # by subgroup id (HostTier's)
         self._remainders, self._rollback, self._nvme = dict(remainders), rollback, dict(nvme)
         self._forget = forget
+        self._copy_addr = copy_addr or (lambda bank: -1)
         self._slots = list(slots)
         self.slot_numel = slot_numel  # elements per staging slot: the most one piece has
         self._free_slots = list(range(len(slots)))[::-1]
@@ -201,6 +204,7 @@ class HostIO:
             float(inputs.grad_scale),
             remainder=int(self._remainders[sg]),
             threads=threads,
+            out_copy=self._copy_addr(out_bank),
         )
 
     def stage_steps(

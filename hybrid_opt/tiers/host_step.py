@@ -408,11 +408,13 @@ class HostStepping:
                 on_commit(sg, self._banks.commit_views(spec.bank, sg))
             self._release_banks(spec)
             return
+        # the views before the pool's commit, which hands the new bank's copy slot on (copy slots)
+        views = self._banks.commit_views(self._pool.committed[sg] if spec.bank is None else spec.bank, sg)
         if spec.bank is not None:
             self._pool.commit(sg, spec.bank)
             spec.bank = None
         if on_commit is not None:
-            on_commit(sg, self._banks.commit_views(self._pool.committed[sg], sg))
+            on_commit(sg, views)
 
     def finish(self, steps: dict, overflow: bool = False, on_commit=None) -> dict[int, str]:
         """Validate and complete this iteration's host steps.

@@ -191,6 +191,12 @@ class Worker:
             + elem_offset * elem_size
         )
 
+    def _copy(self, t: proto.Task, out_bank: int, elem_offset: int) -> int:
+        """The address of a step's model-dtype copy: its copy slot, or its out bank's region."""
+        if t.out_copy >= 0:
+            return self.base + t.out_copy + elem_offset * 2
+        return self._bank(out_bank, "copy", elem_offset, 2)
+
     def _grad_stats(self, t: proto.Task, grad: int) -> tuple[float, bool]:
         out = ctypes.c_double(0.0)
         if t.numel and self.lib.hybrid_grad_stats(grad, t.grad_dtype, t.numel, ctypes.byref(out)) != 0:
@@ -250,7 +256,7 @@ class Worker:
             a.param = self._bank(t.in_bank, "p", off, 4)
             a.param_out = self._bank(out_bank, "p", off, 4)
             if t.copy_dtype != proto.NO_COPY:
-                a.param_copy = self._bank(out_bank, "copy", off, 2)
+                a.param_copy = self._copy(t, out_bank, off)
                 a.copy_dtype = t.copy_dtype
         a.grad = grad
         a.exp_avg = self._bank(t.in_bank, "m", off, ms)
@@ -302,7 +308,7 @@ class Worker:
         else:
             a.param, a.param_out = self._bank(t.in_bank, "p", off, 4), self._bank(out_bank, "p", off, 4)
             if t.copy_dtype != proto.NO_COPY:
-                a.param_copy = self._bank(out_bank, "copy", off, 2)
+                a.param_copy = self._copy(t, out_bank, off)
                 a.copy_dtype = t.copy_dtype
         a.grad = grad
         moments = [("exp_avg", "m", m_dtype), ("exp_avg_sq", "v", v_dtype)]
