@@ -599,10 +599,9 @@ def test_nvme_files_and_host_banks_hold_the_q8_bytes(fmt, bound, tmp_path):
         assert all(view.host_quantized(sg) for sg in view.host_subgroups())
         per_element = host.bank_bytes / (len(host.numels) * host.capacity)
         page_slack = 2 * 4096 / host.capacity  # a bank's state block and the bank end on a page
-        # with an fp32 master the bf16 copy is in copy slots, one per spare bank: a committed bank
-        # holds the state alone, a spare bank and its slot what bank_bytes counts
-        copy = 0 if fmt.store_param_remainders else 2
-        want = fmt.bank_bytes(BF16) - copy
+        # the bf16 copy (with remainders the high half) is in copy slots, one per spare bank: a
+        # committed bank holds the state alone, a spare bank and its slot what bank_bytes counts
+        want = fmt.state_bytes(BF16)
         assert want <= per_element <= want + page_slack, per_element
         spare = host.spare_bytes / (len(host.numels) * host.capacity)  # one spare per subgroup
         assert fmt.bank_bytes(BF16) <= spare <= fmt.bank_bytes(BF16) + page_slack, spare
@@ -665,16 +664,7 @@ def test_a_small_subgroup_larger_than_a_quarter_bank_widens_its_regions(placemen
 @pytest.mark.parametrize(
     "fmt, bound",
     [
-        pytest.param(
-            StateFormat(Q8, Q8, True),
-            0.40,
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason="issue 38 item 4 not met with remainders: every bank keeps the 2-byte bf16 "
-                "high half (the step reads the committed one from the committed bank): 6.03 / 14 B "
-                "per element (0.44x); see docs/internals.md, 'q8 host arena'",
-            ),
-        ),
+        (StateFormat(Q8, Q8, True), 0.40),
         (StateFormat(Q8, Q8), 0.55),
     ],
     ids=["q8 + remainders", "q8 + fp32 master"],

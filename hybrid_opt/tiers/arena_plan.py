@@ -5,9 +5,10 @@ OS will report, not an estimate.
     | committed banks | spare banks | 2 io banks per nvme read | [copy slots] | staging slots |
 
 Every bank has the largest subgroup's capacity, so any bank serves any subgroup. A tier of q8
-moments and fp32 masters with exact rollback keeps the model-dtype copies (written by a step, read
-once by its commit into the model's param) in copy slots, one per spare and io bank, not in every
-bank: a committed bank's copy is the model's param already (BankPool.copy_of)."""
+moments with exact rollback keeps the model-dtype copies (written by a step, read once by its
+commit into the model's param; with remainders the masters' high halves) in copy slots, one per
+spare and io bank, not in every bank: a committed bank's copy is the model's param already
+(BankPool.copy_of); a step of a remainder subgroup reads its high half from there (fill_high)."""
 
 from __future__ import annotations
 
@@ -127,9 +128,7 @@ def plan_arena(
     # regions only where it outgrows the codes of the largest quantized one (bank_layout)
     small = [n for n, q in zip(numels, quantized) if not q]
     small_capacity = align_up(max(small), _ALIGN_ELEMS) if small else 0
-    pooled = (
-        q8_mode != "none" and rem_mode == "none" and rollback == "exact" and copy_dtype is not None
-    ) and spares + 2 * io > 0
+    pooled = q8_mode != "none" and rollback == "exact" and copy_dtype is not None and spares + 2 * io > 0
     regions, io_bytes, bank_stride = bank_layout(
         capacity, fmt, amsgrad, copy_dtype, rem_mode, q8_mode, small_capacity, pooled_copy=pooled
     )

@@ -237,16 +237,32 @@ class StateBanks:
         """Whether subgroup `sg` keeps a q8 moment (its pieces are stepped by the q8 kernel)."""
         return self.formats[sg].quantized_moments
 
-    def stored_state(self, bank: int, sg: int) -> dict:
+    def has_copy(self, bank: int) -> bool:
+        """Whether `bank` holds a model-dtype copy: its region, or a copy slot (copy slots: the
+        banks no subgroup has committed)."""
+        return self._copy_of is None or bank in self._copy_of
+
+    def copy_addrs(self, in_bank: int, out_bank: int | None) -> tuple:
+        """A step's (in, out) copy: arena offsets of the copy slots it reads the high half from
+        and writes the new copy to (-1: the banks' regions). A committed in bank holds none: the
+        step's out slot holds the committed high half then (fill_high), stepped in place."""
+        out = self.copy_addr(out_bank)
+        return (self.copy_addr(in_bank) if self.has_copy(in_bank) else out), out
+
+    def stored_state(self, bank: int, sg: int, high: bool = True) -> dict:
         """The regions a subgroup's state occupies in `bank`, as stored: param (fp32 master) or
         high (bf16 high half, the copy region) + remainder (int16); the moments (a q8 one: its
-        uint8 codes under its name, its fp32 absmaxes under the name + "_absmax")."""
+        uint8 codes under its name, its fp32 absmaxes under the name + "_absmax"). A committed
+        bank with no copy slot: high is a new tensor, the model's param read (where the committed
+        high half is); `high=False` leaves it out."""
         n, fmt = self.numels[sg], self.formats[sg]
         if self._remainders[sg]:
-            out = {
-                "high": self.view(bank, "copy", n, torch.bfloat16),
-                "remainder": self.view(bank, "rem", n, torch.int16),
-            }
+            out = {"remainder": self.view(bank, "rem", n, torch.int16)}
+            if high and self.has_copy(bank):
+                out["high"] = self._copy_view(bank, n, torch.bfloat16)
+            elif high:
+                out["high"] = torch.empty(n, dtype=torch.bfloat16)
+                self._params[sg].read_into(out["high"])
         else:
             out = {"param": self.view(bank, "p", n, torch.float32)}
         for name, dtype in fmt.stored_moments(self.amsgrad).items():
@@ -282,7 +298,7 @@ class StateBanks:
         subgroup that keeps remainders gives only param_copy (the bf16 param: the master's high
         half) — decoding its master at every commit would cost a pass nobody reads."""
         if self._remainders[sg]:
-            return {"param_copy": self.view(bank, "copy", self.numels[sg], torch.bfloat16)}
+            return {"param_copy": self._copy_view(bank, self.numels[sg], torch.bfloat16)}
         out = {"param": self.view(bank, "p", self.numels[sg], torch.float32)}
         if self.copy_dtype is not None:  # copy slots: taken before the commit hands the slot on
             out["param_copy"] = self._copy_view(bank, self.numels[sg], self.copy_dtype)
@@ -317,7 +333,15 @@ class StateBanks:
     def read_high(self, sg: int, bank: int) -> None:
         """A remainder subgroup's high half (the model's param) into `bank`'s copy region, now:
         its file holds only the low halves."""
-        self._params[sg].read_into(self.view(bank, "copy", self.numels[sg], torch.bfloat16))
+        self._params[sg].read_into(self._copy_view(bank, self.numels[sg], torch.bfloat16))
+
+    def refill_high(self, sg: int, addr: int, offset: int, numel: int) -> None:
+        """Elements [offset, offset + numel) of the committed high half (the model's param) into
+        the copy slot at arena offset `addr`: a piece stepped in place there is sent again to a
+        new worker (the one that died may have written part of it)."""
+        high = torch.empty(self.numels[sg], dtype=torch.bfloat16)
+        self._params[sg].read_into(high)
+        self.arena.tensor(addr + offset * 2, numel, torch.bfloat16).copy_(high[offset : offset + numel])
 
     def fill_high(self, sg: int, bank: int, stager_for):
         """nvme with remainders: the model's param (the committed master's high half; the file
@@ -325,7 +349,7 @@ class StateBanks:
         copy now (returns None); CUDA: a D2H copy on the grads' side stream (returns its event;
         the caller sends the step's tasks only once it has landed). stager_for(src): the
         stager for the param's device, or None (HostIO.stager_for)."""
-        dst = self.view(bank, "copy", self.numels[sg], torch.bfloat16)
+        dst = self._copy_view(bank, self.numels[sg], torch.bfloat16)
         src = self._params[sg]
         stager = stager_for(src)
         if stager is None:

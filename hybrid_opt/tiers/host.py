@@ -290,7 +290,8 @@ class HostTier:
             nvme=self.nvme,
             forget=lambda sg: stepping.forget(sg),
             waited_threads=self.cores.waited_threads,
-            copy_addr=self.banks.copy_addr,
+            copy_addrs=self.banks.copy_addrs,
+            refill_high=self.banks.refill_high,
         )
         # the committed state as pieces state_dict() maps; told of every write into it first
         # (a bank the pool hands out, a bank or nvme slot written in place)

@@ -197,6 +197,13 @@ class Worker:
             return self.base + t.out_copy + elem_offset * 2
         return self._bank(out_bank, "copy", elem_offset, 2)
 
+    def _high(self, t: proto.Task, elem_offset: int) -> int:
+        """The address of the committed high half a remainder step reads: its copy slot (the
+        out one, stepped in place, where the in bank is a committed one), or the in bank's region."""
+        if t.in_copy >= 0:
+            return self.base + t.in_copy + elem_offset * 2
+        return self._bank(t.in_bank, "copy", elem_offset, 2)
+
     def _grad_stats(self, t: proto.Task, grad: int) -> tuple[float, bool]:
         out = ctypes.c_double(0.0)
         if t.numel and self.lib.hybrid_grad_stats(grad, t.grad_dtype, t.numel, ctypes.byref(out)) != 0:
@@ -248,8 +255,7 @@ class Worker:
             return self._step_q8(t, grad, out_bank, m_dtype, v_dtype, sum_sq, finite)
         a = self.AdamArgs()
         if t.remainder:  # the kernel's param is the bf16 high half, decoded with the remainder
-            a.param = self._bank(t.in_bank, "copy", off, 2)
-            a.param_out = self._bank(out_bank, "copy", off, 2)
+            a.param, a.param_out = self._high(t, off), self._copy(t, out_bank, off)
             a.remainder = self._bank(t.in_bank, "rem", off, 2)
             a.remainder_out = self._bank(out_bank, "rem", off, 2)
         else:
@@ -300,7 +306,7 @@ class Worker:
         assert lib is not None  # loaded where any subgroup is quantized, as this one is
         a = lib.Q8AdamArgs()
         if t.remainder:
-            a.param, a.param_out = self._bank(t.in_bank, "copy", off, 2), self._bank(out_bank, "copy", off, 2)
+            a.param, a.param_out = self._high(t, off), self._copy(t, out_bank, off)
             a.remainder, a.remainder_out = (
                 self._bank(t.in_bank, "rem", off, 2),
                 self._bank(out_bank, "rem", off, 2),
