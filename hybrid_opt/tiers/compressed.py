@@ -304,12 +304,13 @@ class StateBanks:
             out["param_copy"] = self._copy_view(bank, self.numels[sg], self.copy_dtype)
         return out
 
-    def store_master(self, bank: int, sg: int, master) -> torch.Tensor | None:
+    def store_master(self, bank: int, sg: int, master, stored: dict | None = None) -> torch.Tensor | None:
         """Writes an fp32 master into `bank` (`master`: a tensor, or the model's elements —
         layout.Subgroup — read straight into the bank); returns the bf16 high half for the
         model's param when the subgroup keeps remainders (the caller writes it once the state
-        stands)."""
-        st = self.stored_state(bank, sg)
+        stands). `stored`: stored_state(bank, sg) as the caller holds it (a committed bank's high
+        half, with copy slots, is a tensor of its own: the caller writes that one into the model)."""
+        st = self.stored_state(bank, sg) if stored is None else stored
         if not isinstance(master, torch.Tensor):
             if not self._remainders[sg]:
                 master.read_into(st["param"])  # no gathered copy of the params first

@@ -516,7 +516,7 @@ class HostTier:
         given = {"exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq, "max_exp_avg_sq": max_exp_avg_sq, **absmax}
 
         def fill(bank: int, stored: dict, fresh: bool) -> None:
-            self.banks.store_master(bank, sg, param)
+            self.banks.store_master(bank, sg, param, stored)
             if self.banks.quantized(sg):
                 # the given moments may be views of this very bank (a master restarted in place:
                 # storage.py): copied, never zeroed first
