@@ -249,19 +249,23 @@ class StateBanks:
         out = self.copy_addr(out_bank)
         return (self.copy_addr(in_bank) if self.has_copy(in_bank) else out), out
 
-    def stored_state(self, bank: int, sg: int, high: bool = True) -> dict:
+    def stored_state(self, bank: int, sg: int, high: bool = True, high_bank: int | None = None) -> dict:
         """The regions a subgroup's state occupies in `bank`, as stored: param (fp32 master) or
         high (bf16 high half, the copy region) + remainder (int16); the moments (a q8 one: its
         uint8 codes under its name, its fp32 absmaxes under the name + "_absmax"). A committed
-        bank with no copy slot: high is a new tensor, the model's param read (where the committed
-        high half is); `high=False` leaves it out."""
+        bank with no copy slot: high is the model's param (where the committed high half is) read
+        into `high_bank`'s copy slot (a free bank's, lent by the caller), else into a new tensor;
+        `high=False` leaves it out."""
         n, fmt = self.numels[sg], self.formats[sg]
         if self._remainders[sg]:
             out = {"remainder": self.view(bank, "rem", n, torch.int16)}
             if high and self.has_copy(bank):
                 out["high"] = self._copy_view(bank, n, torch.bfloat16)
             elif high:
-                out["high"] = torch.empty(n, dtype=torch.bfloat16)
+                if high_bank is not None:
+                    out["high"] = self._copy_view(high_bank, n, torch.bfloat16)
+                else:
+                    out["high"] = torch.empty(n, dtype=torch.bfloat16)
                 self._params[sg].read_into(out["high"])
         else:
             out = {"param": self.view(bank, "p", n, torch.float32)}

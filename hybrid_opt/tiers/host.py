@@ -370,7 +370,7 @@ class HostTier:
         return self.banks.bank_state(self._resident(sg), sg)["param"]
 
     def moments(self, sg: int) -> dict:
-        st = self.banks.stored_state(self._resident(sg), sg)
+        st = self.banks.stored_state(self._resident(sg), sg, high=False)
         for k in ("param", "high", "remainder"):
             st.pop(k, None)
         return st
@@ -552,6 +552,12 @@ class HostTier:
         remainders: its model param takes the bank's high half once the state stands."""
         self.stepping.require_idle(sg)
         bank = self._borrow_bank() if self.nvme[sg] else self._resident(sg)
+        # copy slots: a resident remainder subgroup's high half is written in a free bank's slot
+        # (none free: a tensor of its own), then into the model
+        scratch: int | None = None
+        if not self.nvme[sg] and self.pool.copy_of is not None and self.banks.keeps_remainders(sg):
+            got = self.pool.acquire(1)
+            scratch = got[0] if got else None
         try:
             self.views.writing(
                 banks=[bank], slots=[(sg, 1 - self.file_slots.slot(sg))] if self.nvme[sg] else []
@@ -559,7 +565,7 @@ class HostTier:
             if self.nvme[sg]:  # the whole block is written: no stale bytes in the checksum
                 self.banks.state_block(bank).zero_()
             fresh = self.banks.take_fresh(bank)
-            stored = self.banks.stored_state(bank, sg)
+            stored = self.banks.stored_state(bank, sg, high_bank=scratch)
             fill(bank, stored, fresh)
             if self.nvme[sg]:
                 slot = 1 - self.file_slots.slot(sg)  # the committed slot stays valid until this lands
@@ -569,6 +575,8 @@ class HostTier:
         finally:
             if self.nvme[sg]:
                 self.pool.release(bank)
+            if scratch is not None:
+                self.pool.release(scratch)
 
     # ------------------------------------------------------------------ counters (HostStepping + HostIO)
     @property
