@@ -16,10 +16,14 @@ class BankPool:
     for the duration of a step.
     """
 
-    def __init__(self, resident: list[int], n_spares: int):
+    def __init__(self, resident: list[int], n_spares: int, copy_slots: bool = False):
+        """copy_slots: the arena keeps the model-dtype copies in n_spares copy slots, not in the
+        banks: every bank no subgroup has committed holds one (copy_of), and a commit hands the
+        new committed bank's slot to the old one (its copy is in the model's param by then)."""
         self.committed = {sg: k for k, sg in enumerate(resident)}
         self.free = list(range(len(resident), len(resident) + n_spares))[::-1]
         self.n_banks = len(resident) + n_spares
+        self.copy_of: dict | None = {len(resident) + k: k for k in range(n_spares)} if copy_slots else None
 
     def acquire(self, k: int = 1) -> list[int] | None:
         """k free banks, or None (taking nothing) when fewer are free."""
@@ -35,4 +39,6 @@ class BankPool:
         """The subgroup's state is now `bank`; its old committed bank joins the pool."""
         old = self.committed[subgroup]
         self.committed[subgroup] = bank
+        if self.copy_of is not None:
+            self.copy_of[old] = self.copy_of.pop(bank)
         self.free.append(old)

@@ -2,9 +2,13 @@
 builds its arena from and that the budgets count, so a placement is checked against the bytes the
 OS will report, not an estimate.
 
-    | committed banks | spare banks | 2 io banks per nvme read | staging slots |
+    | committed banks | spare banks | 2 io banks per nvme read | [copy slots] | staging slots |
 
-Every bank has the largest subgroup's capacity, so any bank serves any subgroup."""
+Every bank has the largest subgroup's capacity, so any bank serves any subgroup. A tier of q8
+moments with exact rollback keeps the model-dtype copies (written by a step, read once by its
+commit into the model's param; with remainders the masters' high halves) in copy slots, one per
+spare and io bank, not in every bank: a committed bank's copy is the model's param already
+(BankPool.copy_of); a step of a remainder subgroup reads its high half from there (fill_high)."""
 
 from __future__ import annotations
 
@@ -61,6 +65,12 @@ class ArenaPlan:
     bank_offset: int
     slot_offset: int
     nbytes: int  # the arena's size (page-aligned, as SharedArena truncates it)
+    copy_offset: int = 0  # the copy slots (regions["copy"] == -1), one per spare and io bank
+    copy_stride: int = 0
+
+    @property
+    def copy_slots(self) -> bool:
+        return self.regions["copy"] == -1
 
     @property
     def n_banks(self) -> int:
@@ -72,7 +82,8 @@ class ArenaPlan:
 
     @property
     def spare_bytes(self) -> int:
-        return self.bank_stride * (self.spares + 2 * self.io_banks)
+        """The spare and io banks, and their copy slots."""
+        return (self.bank_stride + self.copy_stride) * (self.spares + 2 * self.io_banks)
 
     @property
     def staging_bytes(self) -> int:
@@ -117,12 +128,15 @@ def plan_arena(
     # regions only where it outgrows the codes of the largest quantized one (bank_layout)
     small = [n for n, q in zip(numels, quantized) if not q]
     small_capacity = align_up(max(small), _ALIGN_ELEMS) if small else 0
+    pooled = q8_mode != "none" and rollback == "exact" and copy_dtype is not None and spares + 2 * io > 0
     regions, io_bytes, bank_stride = bank_layout(
-        capacity, fmt, amsgrad, copy_dtype, rem_mode, q8_mode, small_capacity
+        capacity, fmt, amsgrad, copy_dtype, rem_mode, q8_mode, small_capacity, pooled_copy=pooled
     )
+    copy_stride = align_up(capacity * 2, PAGE) if pooled else 0
     slot_stride = align_up(slot * torch.empty((), dtype=grad_dtype).element_size(), PAGE)
     arena = ArenaLayout()
     bank_offset = arena.add("banks", bank_stride * (len(resident) + spares + 2 * io), PAGE)
+    copy_offset = arena.add("copies", copy_stride * (spares + 2 * io), PAGE) if pooled else 0
     slot_offset = arena.add("slots", slot_stride * staging_slots, PAGE)
     return ArenaPlan(
         capacity,
@@ -138,4 +152,6 @@ def plan_arena(
         bank_offset,
         slot_offset,
         align_up(max(arena.nbytes, 1), PAGE),
+        copy_offset,
+        copy_stride,
     )

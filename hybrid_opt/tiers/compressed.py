@@ -27,8 +27,11 @@ def bank_layout(
     rem_mode: str,
     q8_mode: str = "none",
     small_capacity: int | None = None,
+    pooled_copy: bool = False,
 ):
     """(regions {name: byte offset}, io_bytes, bank bytes) for banks of `capacity` elements.
+    pooled_copy: the model-dtype copy is not a bank region (its "copy" offset is -1) but one of the
+    arena's copy slots, lent to the banks no subgroup has committed (BankPool.copy_of).
     rem_mode: "none", "all" (every subgroup keeps remainders: no fp32 region) or "some".
     q8_mode: "none" (no quantized subgroup: q8 moments are fp32), "all" (every subgroup is
     quantized: 1-byte code regions) or "some": subgroups of small params (at most
@@ -69,7 +72,10 @@ def bank_layout(
                 regions[region] = bank.add(region, q8_blocks(capacity) * 4, CACHE_LINE)
     # the state block (master..vmax) is what a swap moves: page-aligned for O_DIRECT
     io_bytes = bank.pad(PAGE)
-    regions["copy"] = bank.add("copy", capacity * 2) if copy_dtype is not None else 0
+    if pooled_copy:
+        regions["copy"] = -1
+    else:
+        regions["copy"] = bank.add("copy", capacity * 2) if copy_dtype is not None else 0
     return regions, io_bytes, align_up(bank.nbytes, PAGE)
 
 
@@ -147,8 +153,13 @@ class StateBanks:
         io_bytes: int,
         n_banks: int,
         quantized: dict,
+        copy_of: dict | None = None,
+        copy_offset: int = 0,
+        copy_stride: int = 0,
     ):
-        """`numels`, `remainders`, `params`, `quantized`: by subgroup id (HostTier's)."""
+        """`numels`, `remainders`, `params`, `quantized`: by subgroup id (HostTier's). `copy_of`:
+        the pool's {bank: copy slot} (BankPool.copy_of, kept by it) where the copies are in copy
+        slots at `copy_offset` + slot x `copy_stride` of the arena, not in the banks."""
         self.arena = arena
         self.numels, self.fmt, self.amsgrad, self.copy_dtype = dict(numels), fmt, amsgrad, copy_dtype
         # per subgroup, its format: q8 moments fp32 where its params are small (layout.py)
@@ -158,6 +169,7 @@ class StateBanks:
         self._params: dict = params if params is not None else {}
         self._regions, self._bank_offset, self._bank_stride = dict(regions), bank_offset, bank_stride
         self.io_bytes = io_bytes
+        self._copy_of, self._copy_offset, self._copy_stride = copy_of, copy_offset, copy_stride
         # banks no one has written yet: the arena's pages are zero, load_state need not zero them
         self._fresh = set(range(n_banks))
 
@@ -184,6 +196,19 @@ class StateBanks:
         return self.arena.tensor(
             self._bank_offset + bank * self._bank_stride + self._regions[region], numel, dtype
         )
+
+    def copy_addr(self, bank: int | None) -> int:
+        """Byte offset in the arena of the copy slot `bank` holds; -1 where the copies are bank
+        regions (no copy slots), or for no bank (in place)."""
+        if self._copy_of is None or bank is None:
+            return -1
+        return self._copy_offset + self._copy_of[bank] * self._copy_stride
+
+    def _copy_view(self, bank: int, numel: int, dtype) -> torch.Tensor:
+        """The model-dtype copy `bank` holds (its region, or the copy slot lent to it)."""
+        if self._copy_of is None:
+            return self.view(bank, "copy", numel, dtype)
+        return self.arena.tensor(self.copy_addr(bank), numel, dtype)
 
     def region_offset(self, region: str) -> int:
         """Byte offset of `region` inside a bank (and inside an nvme slot, laid out alike)."""
@@ -212,16 +237,36 @@ class StateBanks:
         """Whether subgroup `sg` keeps a q8 moment (its pieces are stepped by the q8 kernel)."""
         return self.formats[sg].quantized_moments
 
-    def stored_state(self, bank: int, sg: int) -> dict:
+    def has_copy(self, bank: int) -> bool:
+        """Whether `bank` holds a model-dtype copy: its region, or a copy slot (copy slots: the
+        banks no subgroup has committed)."""
+        return self._copy_of is None or bank in self._copy_of
+
+    def copy_addrs(self, in_bank: int, out_bank: int | None) -> tuple:
+        """A step's (in, out) copy: arena offsets of the copy slots it reads the high half from
+        and writes the new copy to (-1: the banks' regions). A committed in bank holds none: the
+        step's out slot holds the committed high half then (fill_high), stepped in place."""
+        out = self.copy_addr(out_bank)
+        return (self.copy_addr(in_bank) if self.has_copy(in_bank) else out), out
+
+    def stored_state(self, bank: int, sg: int, high: bool = True, high_bank: int | None = None) -> dict:
         """The regions a subgroup's state occupies in `bank`, as stored: param (fp32 master) or
         high (bf16 high half, the copy region) + remainder (int16); the moments (a q8 one: its
-        uint8 codes under its name, its fp32 absmaxes under the name + "_absmax")."""
+        uint8 codes under its name, its fp32 absmaxes under the name + "_absmax"). A committed
+        bank with no copy slot: high is the model's param (where the committed high half is) read
+        into `high_bank`'s copy slot (a free bank's, lent by the caller), else into a new tensor;
+        `high=False` leaves it out."""
         n, fmt = self.numels[sg], self.formats[sg]
         if self._remainders[sg]:
-            out = {
-                "high": self.view(bank, "copy", n, torch.bfloat16),
-                "remainder": self.view(bank, "rem", n, torch.int16),
-            }
+            out = {"remainder": self.view(bank, "rem", n, torch.int16)}
+            if high and self.has_copy(bank):
+                out["high"] = self._copy_view(bank, n, torch.bfloat16)
+            elif high:
+                if high_bank is not None:
+                    out["high"] = self._copy_view(high_bank, n, torch.bfloat16)
+                else:
+                    out["high"] = torch.empty(n, dtype=torch.bfloat16)
+                self._params[sg].read_into(out["high"])
         else:
             out = {"param": self.view(bank, "p", n, torch.float32)}
         for name, dtype in fmt.stored_moments(self.amsgrad).items():
@@ -257,18 +302,19 @@ class StateBanks:
         subgroup that keeps remainders gives only param_copy (the bf16 param: the master's high
         half) — decoding its master at every commit would cost a pass nobody reads."""
         if self._remainders[sg]:
-            return {"param_copy": self.view(bank, "copy", self.numels[sg], torch.bfloat16)}
+            return {"param_copy": self._copy_view(bank, self.numels[sg], torch.bfloat16)}
         out = {"param": self.view(bank, "p", self.numels[sg], torch.float32)}
-        if self.copy_dtype is not None:
-            out["param_copy"] = self.view(bank, "copy", self.numels[sg], self.copy_dtype)
+        if self.copy_dtype is not None:  # copy slots: taken before the commit hands the slot on
+            out["param_copy"] = self._copy_view(bank, self.numels[sg], self.copy_dtype)
         return out
 
-    def store_master(self, bank: int, sg: int, master) -> torch.Tensor | None:
+    def store_master(self, bank: int, sg: int, master, stored: dict | None = None) -> torch.Tensor | None:
         """Writes an fp32 master into `bank` (`master`: a tensor, or the model's elements —
         layout.Subgroup — read straight into the bank); returns the bf16 high half for the
         model's param when the subgroup keeps remainders (the caller writes it once the state
-        stands)."""
-        st = self.stored_state(bank, sg)
+        stands). `stored`: stored_state(bank, sg) as the caller holds it (a committed bank's high
+        half, with copy slots, is a tensor of its own: the caller writes that one into the model)."""
+        st = self.stored_state(bank, sg) if stored is None else stored
         if not isinstance(master, torch.Tensor):
             if not self._remainders[sg]:
                 master.read_into(st["param"])  # no gathered copy of the params first
@@ -292,7 +338,15 @@ class StateBanks:
     def read_high(self, sg: int, bank: int) -> None:
         """A remainder subgroup's high half (the model's param) into `bank`'s copy region, now:
         its file holds only the low halves."""
-        self._params[sg].read_into(self.view(bank, "copy", self.numels[sg], torch.bfloat16))
+        self._params[sg].read_into(self._copy_view(bank, self.numels[sg], torch.bfloat16))
+
+    def refill_high(self, sg: int, addr: int, offset: int, numel: int) -> None:
+        """Elements [offset, offset + numel) of the committed high half (the model's param) into
+        the copy slot at arena offset `addr`: a piece stepped in place there is sent again to a
+        new worker (the one that died may have written part of it)."""
+        high = torch.empty(self.numels[sg], dtype=torch.bfloat16)
+        self._params[sg].read_into(high)
+        self.arena.tensor(addr + offset * 2, numel, torch.bfloat16).copy_(high[offset : offset + numel])
 
     def fill_high(self, sg: int, bank: int, stager_for):
         """nvme with remainders: the model's param (the committed master's high half; the file
@@ -300,7 +354,7 @@ class StateBanks:
         copy now (returns None); CUDA: a D2H copy on the grads' side stream (returns its event;
         the caller sends the step's tasks only once it has landed). stager_for(src): the
         stager for the param's device, or None (HostIO.stager_for)."""
-        dst = self.view(bank, "copy", self.numels[sg], torch.bfloat16)
+        dst = self._copy_view(bank, self.numels[sg], torch.bfloat16)
         src = self._params[sg]
         stager = stager_for(src)
         if stager is None:

@@ -189,7 +189,7 @@ class HostTier:
         resident = lay.resident
         # an nvme step holds two banks (read, result) until it is committed or dropped
         self.io_banks = lay.io_banks
-        self.pool = BankPool(resident, lay.spares + 2 * self.io_banks)
+        self.pool = BankPool(resident, lay.spares + 2 * self.io_banks, copy_slots=lay.copy_slots)
         self.capacity, self.slot_numel, self.io_bytes = lay.capacity, lay.slot_numel, lay.io_bytes
         regions, bank_stride, slot_stride = lay.regions, lay.bank_stride, lay.slot_stride
         bank_offset, slot_offset = lay.bank_offset, lay.slot_offset
@@ -238,6 +238,9 @@ class HostTier:
             io_bytes=self.io_bytes,
             n_banks=self.pool.n_banks,
             quantized=sg_quantized,
+            copy_of=self.pool.copy_of,
+            copy_offset=lay.copy_offset,
+            copy_stride=lay.copy_stride,
         )
         slots = [
             self.arena.tensor(slot_offset + k * slot_stride, self.slot_numel, grad_dtype)
@@ -287,6 +290,8 @@ class HostTier:
             nvme=self.nvme,
             forget=lambda sg: stepping.forget(sg),
             waited_threads=self.cores.waited_threads,
+            copy_addrs=self.banks.copy_addrs,
+            refill_high=self.banks.refill_high,
         )
         # the committed state as pieces state_dict() maps; told of every write into it first
         # (a bank the pool hands out, a bank or nvme slot written in place)
@@ -365,7 +370,7 @@ class HostTier:
         return self.banks.bank_state(self._resident(sg), sg)["param"]
 
     def moments(self, sg: int) -> dict:
-        st = self.banks.stored_state(self._resident(sg), sg)
+        st = self.banks.stored_state(self._resident(sg), sg, high=False)
         for k in ("param", "high", "remainder"):
             st.pop(k, None)
         return st
@@ -374,6 +379,11 @@ class HostTier:
         """The committed step's model-dtype copy of the master (written by the last step)."""
         if self.copy_dtype is None:
             raise RuntimeError("this tier writes no param copy (copy_dtype=None)")
+        if self.pool.copy_of is not None:
+            raise RuntimeError(
+                "this tier keeps its param copies in copy slots until their commit: the committed "
+                "copy is the model's param (on_commit wrote it there)"
+            )
         return self.banks.view(self._resident(sg), "copy", self.numels[sg], self.copy_dtype)
 
     def _engine(self):
@@ -506,7 +516,7 @@ class HostTier:
         given = {"exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq, "max_exp_avg_sq": max_exp_avg_sq, **absmax}
 
         def fill(bank: int, stored: dict, fresh: bool) -> None:
-            self.banks.store_master(bank, sg, param)
+            self.banks.store_master(bank, sg, param, stored)
             if self.banks.quantized(sg):
                 # the given moments may be views of this very bank (a master restarted in place:
                 # storage.py): copied, never zeroed first
@@ -542,6 +552,12 @@ class HostTier:
         remainders: its model param takes the bank's high half once the state stands."""
         self.stepping.require_idle(sg)
         bank = self._borrow_bank() if self.nvme[sg] else self._resident(sg)
+        # copy slots: a resident remainder subgroup's high half is written in a free bank's slot
+        # (none free: a tensor of its own), then into the model
+        scratch: int | None = None
+        if not self.nvme[sg] and self.pool.copy_of is not None and self.banks.keeps_remainders(sg):
+            got = self.pool.acquire(1)
+            scratch = got[0] if got else None
         try:
             self.views.writing(
                 banks=[bank], slots=[(sg, 1 - self.file_slots.slot(sg))] if self.nvme[sg] else []
@@ -549,7 +565,7 @@ class HostTier:
             if self.nvme[sg]:  # the whole block is written: no stale bytes in the checksum
                 self.banks.state_block(bank).zero_()
             fresh = self.banks.take_fresh(bank)
-            stored = self.banks.stored_state(bank, sg)
+            stored = self.banks.stored_state(bank, sg, high_bank=scratch)
             fill(bank, stored, fresh)
             if self.nvme[sg]:
                 slot = 1 - self.file_slots.slot(sg)  # the committed slot stays valid until this lands
@@ -559,6 +575,8 @@ class HostTier:
         finally:
             if self.nvme[sg]:
                 self.pool.release(bank)
+            if scratch is not None:
+                self.pool.release(scratch)
 
     # ------------------------------------------------------------------ counters (HostStepping + HostIO)
     @property

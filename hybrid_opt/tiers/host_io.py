@@ -75,15 +75,22 @@ class HostIO:
         nvme: dict,
         forget,
         waited_threads: int = 0,
+        copy_addrs=None,
+        refill_high=None,
     ):
         """`waited_threads`: the kernel threads of a step the trainer waits for (stage_steps'
-        waited=True), where the worker shares the trainer's cores (0: the worker's own count)."""
+        waited=True), where the worker shares the trainer's cores (0: the worker's own count).
+        `copy_addrs(in bank, out bank)`: a step's (in, out) copy slots, -1 for none;
+        `refill_high(sg, addr, offset, numel)`: a piece's committed high half into its copy slot
+        again, before the piece goes to a new worker (StateBanks')."""
         self.client = client
         self.waited_threads = waited_threads
         self.grad_dtype, self.copy_dtype = grad_dtype, copy_dtype
         # by subgroup id (HostTier's)
         self._remainders, self._rollback, self._nvme = dict(remainders), rollback, dict(nvme)
         self._forget = forget
+        self._copy_addrs = copy_addrs or (lambda in_bank, out_bank: (-1, -1))
+        self._refill_high = refill_high
         self._slots = list(slots)
         self.slot_numel = slot_numel  # elements per staging slot: the most one piece has
         self._free_slots = list(range(len(slots)))[::-1]
@@ -178,6 +185,7 @@ class HostIO:
         skip_nonfinite,
         threads: int = 0,
     ):
+        in_copy, out_copy = self._copy_addrs(in_bank, out_bank)
         return proto.Task(
             op,
             0,
@@ -201,6 +209,8 @@ class HostIO:
             float(inputs.grad_scale),
             remainder=int(self._remainders[sg]),
             threads=threads,
+            out_copy=out_copy,
+            in_copy=in_copy,
         )
 
     def stage_steps(
@@ -592,9 +602,14 @@ class HostIO:
             raise
         self._counts["worker_restarts"] += 1
         # every other task reads state nobody writes until commit (a committed bank, a committed
-        # file slot, a read bank) and writes a buffer only it writes: sending it again is exact
+        # file slot, a read bank) and writes a buffer only it writes: sending it again is exact;
+        # a remainder step's high half stepped in place in a copy slot is read again first
         for tid, piece in lost.items():
             del self._inflight[tid]
+            t = piece.task
+            if t.op == proto.OP_STEP and t.remainder and t.in_copy >= 0 and t.in_copy == t.out_copy:
+                # its high half stepped in place in a copy slot: read from the model's param again
+                self._refill_high(t.subgroup, t.in_copy, t.elem_offset, t.numel)
             self._inflight[self.client.send(piece.task, piece.gather)] = piece
         if torn:
             raise TornState(str(err), torn) from err

@@ -94,9 +94,10 @@ class HostStepping:
         """Elements no run steps keep their committed state in the new bank (an nvme subgroup's
         high half is the model's param, never saved from a bank: not copied)."""
         n = self.numels[sg]
-        src_state, dst_state = self._banks.stored_state(src, sg), self._banks.stored_state(out_bank, sg)
-        if self.nvme[sg]:
-            dst_state.pop("high", None)
+        # the high half of an nvme subgroup, or in copy slots, was filled whole (fill_high)
+        high = not (self.nvme[sg] or self._pool.copy_of is not None)
+        src_state = self._banks.stored_state(src, sg, high=high)
+        dst_state = self._banks.stored_state(out_bank, sg, high=high)
         pos = 0
         for off, k, _ in sorted(runs) + [(n, 0, 0)]:
             if off > pos:
@@ -142,6 +143,10 @@ class HostStepping:
                 self._send_high_half(sg, spec, in_bank)  # type: ignore[arg-type]  # nvme: aux_bank is taken
         else:
             in_bank = self._pool.committed[sg]
+            if self._pool.copy_of is not None and self._banks.keeps_remainders(sg):
+                # copy slots: the committed high half is the model's param, into the out bank's
+                # slot (the step reads and writes it there)
+                self._send_high_half(sg, spec, spec.bank)  # type: ignore[arg-type]  # exact: a bank
         if inputs.runs and spec.bank is not None:
             if swap_in is not None:
                 self._io.wait_for([swap_in])
@@ -408,11 +413,13 @@ class HostStepping:
                 on_commit(sg, self._banks.commit_views(spec.bank, sg))
             self._release_banks(spec)
             return
+        # the views before the pool's commit, which hands the new bank's copy slot on (copy slots)
+        views = self._banks.commit_views(self._pool.committed[sg] if spec.bank is None else spec.bank, sg)
         if spec.bank is not None:
             self._pool.commit(sg, spec.bank)
             spec.bank = None
         if on_commit is not None:
-            on_commit(sg, self._banks.commit_views(self._pool.committed[sg], sg))
+            on_commit(sg, views)
 
     def finish(self, steps: dict, overflow: bool = False, on_commit=None) -> dict[int, str]:
         """Validate and complete this iteration's host steps.

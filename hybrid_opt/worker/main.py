@@ -191,6 +191,19 @@ class Worker:
             + elem_offset * elem_size
         )
 
+    def _copy(self, t: proto.Task, out_bank: int, elem_offset: int) -> int:
+        """The address of a step's model-dtype copy: its copy slot, or its out bank's region."""
+        if t.out_copy >= 0:
+            return self.base + t.out_copy + elem_offset * 2
+        return self._bank(out_bank, "copy", elem_offset, 2)
+
+    def _high(self, t: proto.Task, elem_offset: int) -> int:
+        """The address of the committed high half a remainder step reads: its copy slot (the
+        out one, stepped in place, where the in bank is a committed one), or the in bank's region."""
+        if t.in_copy >= 0:
+            return self.base + t.in_copy + elem_offset * 2
+        return self._bank(t.in_bank, "copy", elem_offset, 2)
+
     def _grad_stats(self, t: proto.Task, grad: int) -> tuple[float, bool]:
         out = ctypes.c_double(0.0)
         if t.numel and self.lib.hybrid_grad_stats(grad, t.grad_dtype, t.numel, ctypes.byref(out)) != 0:
@@ -242,15 +255,14 @@ class Worker:
             return self._step_q8(t, grad, out_bank, m_dtype, v_dtype, sum_sq, finite)
         a = self.AdamArgs()
         if t.remainder:  # the kernel's param is the bf16 high half, decoded with the remainder
-            a.param = self._bank(t.in_bank, "copy", off, 2)
-            a.param_out = self._bank(out_bank, "copy", off, 2)
+            a.param, a.param_out = self._high(t, off), self._copy(t, out_bank, off)
             a.remainder = self._bank(t.in_bank, "rem", off, 2)
             a.remainder_out = self._bank(out_bank, "rem", off, 2)
         else:
             a.param = self._bank(t.in_bank, "p", off, 4)
             a.param_out = self._bank(out_bank, "p", off, 4)
             if t.copy_dtype != proto.NO_COPY:
-                a.param_copy = self._bank(out_bank, "copy", off, 2)
+                a.param_copy = self._copy(t, out_bank, off)
                 a.copy_dtype = t.copy_dtype
         a.grad = grad
         a.exp_avg = self._bank(t.in_bank, "m", off, ms)
@@ -294,7 +306,7 @@ class Worker:
         assert lib is not None  # loaded where any subgroup is quantized, as this one is
         a = lib.Q8AdamArgs()
         if t.remainder:
-            a.param, a.param_out = self._bank(t.in_bank, "copy", off, 2), self._bank(out_bank, "copy", off, 2)
+            a.param, a.param_out = self._high(t, off), self._copy(t, out_bank, off)
             a.remainder, a.remainder_out = (
                 self._bank(t.in_bank, "rem", off, 2),
                 self._bank(out_bank, "rem", off, 2),
@@ -302,7 +314,7 @@ class Worker:
         else:
             a.param, a.param_out = self._bank(t.in_bank, "p", off, 4), self._bank(out_bank, "p", off, 4)
             if t.copy_dtype != proto.NO_COPY:
-                a.param_copy = self._bank(out_bank, "copy", off, 2)
+                a.param_copy = self._copy(t, out_bank, off)
                 a.copy_dtype = t.copy_dtype
         a.grad = grad
         moments = [("exp_avg", "m", m_dtype), ("exp_avg_sq", "v", v_dtype)]

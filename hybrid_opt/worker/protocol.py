@@ -50,12 +50,14 @@ class Task:
     crc: int = 0  # OP_SWAP_IN: the CRC32C the slot must have
     remainder: int = 0  # OP_STEP: the master is the bank's copy region (bf16) + int16 "rem"
     threads: int = 0  # OP_STEP / OP_INVERSE: the kernel's threads (0: the worker's own count)
+    out_copy: int = -1  # OP_STEP: arena byte offset of the out bank's copy slot (-1: its "copy" region)
+    in_copy: int = -1  # OP_STEP, remainder: the copy slot the high half is read from (-1: in bank's region)
     # remote gather: GATHER entries (byte offset in the slot, trainer address, bytes) the
     # worker reads from the trainer's memory into the slot first (address 0: zeros); the
     # trainer hands the entries to write_task, the worker reads them packed here
     gather: bytes = b""
 
-    _STRUCT = struct.Struct("<B" + "q" * 7 + "i" * 5 + "q" + "d" * 6 + "iIii")
+    _STRUCT = struct.Struct("<B" + "q" * 7 + "i" * 5 + "q" + "d" * 6 + "iIiiqq")
 
     def pack(self) -> bytes:
         # the fields read directly (dataclasses.astuple deep-copies each one: ~20 us a task
