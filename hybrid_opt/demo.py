@@ -100,8 +100,9 @@ MODEL_DTYPES = ("fp32", "bf16")  # the model's; "q8" is a moment format only
 def tier_state_bytes(subgroups, tiers, state_format, amsgrad: bool = False) -> dict:
     """Bytes of optimizer state each tier holds for `subgroups` (dtype, numel, index) placed
     as `tiers` (plan.tiers), from the state format (hybrid_opt/state/state_format.py): the device
-    tier's state (an fp32 param is its own master), a host bank (with the bf16 copy it
-    keeps), the nvme file (one slot; the high half of a remainder is the model's param)."""
+    tier's state (an fp32 param is its own master), a committed host bank (with the bf16 copy it
+    keeps, but under q8 moments), the nvme file (one slot; the high half of a remainder is the
+    model's param)."""
     from hybrid_opt.placement.plan import DEVICE, HOST, NVME
 
     out = {t: {"elements": 0, "state_bytes": 0} for t in (DEVICE, HOST, NVME)}
@@ -110,6 +111,10 @@ def tier_state_bytes(subgroups, tiers, state_format, amsgrad: bool = False) -> d
         fmt = state_format.for_subgroup(sg.quantized)  # small params keep fp32 moments for q8
         if tier == DEVICE:
             per = fmt.state_bytes(sg.dtype, amsgrad, own_master=True)
+        elif tier == HOST and state_format.quantized_moments:
+            # a q8 tier's committed bank keeps no model-dtype copy (its high half is the model's
+            # param; a step's new copy borrows a pooled slot): the state alone
+            per = fmt.state_bytes(sg.dtype, amsgrad)
         elif tier == HOST:
             per = fmt.bank_bytes(sg.dtype, amsgrad)
         else:
