@@ -197,6 +197,12 @@ class StateBanks:
             self._bank_offset + bank * self._bank_stride + self._regions[region], numel, dtype
         )
 
+    @property
+    def pools_copies(self) -> bool:
+        """Whether the model-dtype copies are pooled slots lent to banks (a q8 tier with exact
+        rollback), not bank regions."""
+        return self._copy_of is not None
+
     def copy_addr(self, bank: int | None) -> int:
         """Byte offset in the arena of the copy slot `bank` holds; -1 where the copies are bank
         regions (no copy slots), or for no bank (in place)."""

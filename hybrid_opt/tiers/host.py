@@ -290,7 +290,8 @@ class HostTier:
             nvme=self.nvme,
             forget=lambda sg: stepping.forget(sg),
             waited_threads=self.cores.waited_threads,
-            copy_addrs=self.banks.copy_addrs,
+            # asked only where copies are pooled: elsewhere every task reads the bank's region
+            copy_addrs=self.banks.copy_addrs if self.banks.pools_copies else None,
             refill_high=self.banks.refill_high,
         )
         # the committed state as pieces state_dict() maps; told of every write into it first
