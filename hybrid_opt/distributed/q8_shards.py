@@ -12,17 +12,12 @@ Design notes: docs/distributed.md#q8-moments."""
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from hybrid_opt.distributed.local_shards import chunk_rows, is_dtensor, local_of, zero_spec
-from hybrid_opt.state.state_format import Q8_BLOCK, Q8_MIN_NUMEL, q8_absmax_shape, q8_blocks
-
-
-def quantizes(p, state_format) -> bool:
-    """Whether param `p`'s q8 moments are q8: by its global element count, so that every rank —
-    one whose part is small or empty too — keeps the same format and state_dict keys as one
-    process does (DCP pairs them by key)."""
-    return state_format.quantized_moments and p.numel() >= Q8_MIN_NUMEL
+from hybrid_opt.state.state_format import Q8_BLOCK, q8_absmax_shape, q8_blocks, q8_quantized
 
 
 def _shard_count(p, process_group) -> int:
@@ -58,14 +53,9 @@ def _cut_problem(shape: tuple, parts: int) -> str | None:
     """Why a param of `shape` cut on dim 0 into `parts` chunks (torch.chunk's rows) has a part
     whose blocks are not the param's, or whose absmax is not torch.chunk's cut of the
     absmax's dim 0 (DCP places a DTensor's chunks so); None when every part is a block cut."""
-    rows = shape[0]
-    row = 1
-    for n in shape[1:]:
-        row *= n
+    rows, row = shape[0], math.prod(shape[1:])
     ashape = q8_absmax_shape(shape)
-    arow = 1
-    for n in ashape[1:]:
-        arow *= n
+    arow = math.prod(ashape[1:])
     cuts = [(s, chunk_rows(rows, s, parts)) for s in range(parts)]
     for s, (a, b) in cuts:
         if a < b and (a * row) % Q8_BLOCK:
@@ -89,7 +79,7 @@ def check_q8_shards(params: list, process_group, state_format, label) -> None:
     if not state_format.quantized_moments:
         return
     for i, p in enumerate(params):
-        if not quantizes(p, state_format) or p.dim() == 0:
+        if not q8_quantized(p, state_format.quantized_moments) or p.dim() == 0:
             continue
         parts = _shard_count(p, process_group)
         if parts == 1:
@@ -119,18 +109,25 @@ def absmax_local_shape(p) -> tuple:
     return (q8_blocks(local.numel()),)
 
 
+def _placed_as(p) -> tuple:
+    """(mesh, placements) of sharded param `p`'s parts: process_group's dim-0 chunks (Shard(0)
+    over its mesh) or the DTensor's own."""
+    from torch.distributed.tensor import Shard
+
+    spec = zero_spec(p)
+    if spec is not None:
+        return spec.mesh, [Shard(0)]
+    return p.device_mesh, list(p.placements)
+
+
 def absmax_dtensor(local: torch.Tensor, p):
     """This rank's absmax `local` of sharded q8 param `p` as a DTensor of the absmax's global
     shape, placed as p's part is (Shard(0) where p is cut), so DCP saves and reshards it."""
-    from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.tensor import DTensor
 
     shape = q8_absmax_shape(p.shape)
     stride = torch.empty(shape, device="meta").stride()
-    spec = zero_spec(p)
-    if spec is not None:
-        mesh, placements = spec.mesh, [Shard(0)]
-    else:
-        mesh, placements = p.device_mesh, list(p.placements)
+    mesh, placements = _placed_as(p)
     return DTensor.from_local(
         local.view(absmax_local_shape(p)),
         mesh,
@@ -146,12 +143,7 @@ def local_absmax_of(value, p) -> torch.Tensor:
     redistributed to p's cut, or the rank's blocks of a full tensor (the param's blocks, in any
     shape of their count)."""
     if is_dtensor(value):
-        from torch.distributed.tensor import Shard
-
-        spec = zero_spec(p)
-        mesh, placements = (
-            (spec.mesh, [Shard(0)]) if spec is not None else (p.device_mesh, list(p.placements))
-        )
+        mesh, placements = _placed_as(p)
         if tuple(value.shape) != q8_absmax_shape(p.shape):
             return local_absmax_of(value.full_tensor(), p)
         if tuple(value.placements) != tuple(placements) or value.device_mesh != mesh:

@@ -23,13 +23,12 @@ from hybrid_opt.distributed.q8_shards import (
     absmax_local_shape,
     local_absmax_of,
     local_codes_of,
-    quantizes,
 )
 from hybrid_opt.distributed.zero_gather import SHARD_KEY
 from hybrid_opt.mapped import Piece, map_tensor
 from hybrid_opt.placement.plan import DEVICE, NVME
 from hybrid_opt.state.layout import subgroups_label
-from hybrid_opt.state.state_format import ABSMAX, Q8_BLOCK, Q8_ZERO_CODE, q8_blocks
+from hybrid_opt.state.state_format import ABSMAX, Q8_BLOCK, Q8_ZERO_CODE, q8_blocks, q8_quantized
 from hybrid_opt.state.torch_extras import keep_unowned, unowned_entries
 from hybrid_opt.tiers.device import encode_remainder_on
 
@@ -186,7 +185,7 @@ def iter_state(layout, placement, state_format):
             pieces[idx][0][0].dtype if pieces.get(idx) else p.dtype
         )  # a param cast since keeps its layout's
         # by the param's global size, as the layout decides: every rank gives the same keys
-        fmt = state_format.for_subgroup(quantizes(params[idx], state_format))
+        fmt = state_format.for_subgroup(q8_quantized(params[idx], state_format.quantized_moments))
         blocks = absmax_local_shape(params[idx])
         for key, name in _entry_keys(layout, idx, laid, fmt):
             t = _state_tensor(placement, pieces.get(idx, []), name, p, verified, fmt, blocks)
@@ -227,7 +226,7 @@ def fp32_entries(entries, params: list):
             if name + Q8_KEY in entry:
                 # a sharded param's: this rank's codes and blocks (its blocks are the param's:
                 # q8_shards.py), dequantized into a DTensor like the param
-                codes, absmax = (_local(entry[name + k]) for k in (Q8_KEY, ABSMAX))
+                codes, absmax = (local_of(entry[name + k]) for k in (Q8_KEY, ABSMAX))
                 # on the CPU, where the map is (the file's bytes go through it anyway)
                 q = Q8Blocks(codes.reshape(-1).cpu(), absmax.reshape(-1).cpu())
                 moment = dequantize_blocks(q, name == "exp_avg").view(codes.shape)
@@ -243,11 +242,6 @@ def fp32_entries(entries, params: list):
                 else master
             )
         yield idx, out
-
-
-def _local(t):
-    """A DTensor's local tensor, or `t` itself."""
-    return t.to_local() if is_dtensor(t) else t
 
 
 def _entry_keys(layout, idx: int, dtype, state_format) -> list:

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from hybrid_opt.distributed.local_shards import is_dtensor, is_sharded, local_of
-from hybrid_opt.state.state_format import Q8_BLOCK, Q8_MIN_NUMEL
+from hybrid_opt.state.state_format import Q8_BLOCK, q8_quantized
 
 
 def own_contiguous(p) -> None:
@@ -162,8 +162,7 @@ def layout_group(
     for k, p in enumerate(params):
         own_contiguous(p)
         local = local_of(p)
-        # by the param's global size: every rank of a sharded one keeps one process's format
-        quantized = quantize and p.numel() >= Q8_MIN_NUMEL
+        quantized = q8_quantized(p, quantize)
         buckets.setdefault((local.device, local.dtype, quantized), []).append(
             (first_index + k, p, local.numel())
         )

@@ -7,6 +7,7 @@ rounded or quantized for storage. Design notes: docs/internals.md."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -23,6 +24,13 @@ def q8_blocks(numel: int) -> int:
     return -(-numel // Q8_BLOCK)
 
 
+def q8_quantized(p, quantize: bool) -> bool:
+    """Whether param `p`'s q8 moments are q8 under a q8 format (`quantize`): by its global element
+    count, so every rank of a sharded param (one whose part is small or empty too) keeps one
+    process's format and state_dict keys (DCP pairs them by key)."""
+    return quantize and p.numel() >= Q8_MIN_NUMEL
+
+
 def q8_absmax_shape(shape) -> tuple:
     """The shape of a q8 moment's absmax for a param of `shape`, shaped like the param where its
     blocks allow: a param whose last dim holds whole blocks (or a 1-D one) gets the param's shape
@@ -30,12 +38,9 @@ def q8_absmax_shape(shape) -> tuple:
     dim-0 cut of the param at any world size cuts its absmax alike (a DTensor's state reshards
     with it); any other param one absmax per block of its flat index, (ceil(numel / 256),)."""
     shape = tuple(shape)
-    numel = 1
-    for n in shape:
-        numel *= n
     if len(shape) == 1 or (len(shape) > 1 and shape[-1] % Q8_BLOCK == 0):
         return shape[:-1] + (q8_blocks(shape[-1]),)
-    return (q8_blocks(numel),)
+    return (q8_blocks(math.prod(shape)),)
 
 
 # a zero moment's code: the index of 0.0 in the signed map (exp_avg) and the unsigned one
