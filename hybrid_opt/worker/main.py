@@ -204,6 +204,22 @@ class Worker:
             return self.base + t.in_copy + elem_offset * 2
         return self._bank(t.in_bank, "copy", elem_offset, 2)
 
+    def _point_master(self, a, t: proto.Task, out_bank: int, off: int) -> None:
+        """A step's master in its argument struct (the Adam or the q8 kernel's, alike in these
+        fields): the bf16 high half and the remainder with remainders (decoded by the kernel),
+        else the fp32 master and the model-dtype copy it writes."""
+        if t.remainder:
+            a.param, a.param_out = self._high(t, off), self._copy(t, out_bank, off)
+            a.remainder, a.remainder_out = (
+                self._bank(t.in_bank, "rem", off, 2),
+                self._bank(out_bank, "rem", off, 2),
+            )
+        else:
+            a.param, a.param_out = self._bank(t.in_bank, "p", off, 4), self._bank(out_bank, "p", off, 4)
+            if t.copy_dtype != proto.NO_COPY:
+                a.param_copy = self._copy(t, out_bank, off)
+                a.copy_dtype = t.copy_dtype
+
     def _grad_stats(self, t: proto.Task, grad: int) -> tuple[float, bool]:
         out = ctypes.c_double(0.0)
         if t.numel and self.lib.hybrid_grad_stats(grad, t.grad_dtype, t.numel, ctypes.byref(out)) != 0:
@@ -254,16 +270,7 @@ class Worker:
         if q8:
             return self._step_q8(t, grad, out_bank, m_dtype, v_dtype, sum_sq, finite)
         a = self.AdamArgs()
-        if t.remainder:  # the kernel's param is the bf16 high half, decoded with the remainder
-            a.param, a.param_out = self._high(t, off), self._copy(t, out_bank, off)
-            a.remainder = self._bank(t.in_bank, "rem", off, 2)
-            a.remainder_out = self._bank(out_bank, "rem", off, 2)
-        else:
-            a.param = self._bank(t.in_bank, "p", off, 4)
-            a.param_out = self._bank(out_bank, "p", off, 4)
-            if t.copy_dtype != proto.NO_COPY:
-                a.param_copy = self._copy(t, out_bank, off)
-                a.copy_dtype = t.copy_dtype
+        self._point_master(a, t, out_bank, off)
         a.grad = grad
         a.exp_avg = self._bank(t.in_bank, "m", off, ms)
         a.exp_avg_sq = self._bank(t.in_bank, "v", off, vs)
@@ -271,17 +278,10 @@ class Worker:
         a.exp_avg_out = self._bank(out_bank, "m", off, ms)
         a.exp_avg_sq_out = self._bank(out_bank, "v", off, vs)
         a.max_exp_avg_sq_out = self._bank(out_bank, "vmax", off, vs) if t.amsgrad else None
-        a.grad_dtype, a.moment_dtype, a.decoupled, a.step = (t.grad_dtype, m_dtype, t.decoupled, t.step)
+        a.grad_dtype, a.moment_dtype = t.grad_dtype, m_dtype
         if self.sq_dtype_field:
             a.exp_avg_sq_dtype = v_dtype
-        a.lr, a.beta1, a.beta2, a.eps, a.weight_decay, a.grad_scale = (
-            t.lr,
-            t.beta1,
-            t.beta2,
-            t.eps,
-            t.weight_decay,
-            t.grad_scale,
-        )
+        _set_hyperparameters(a, t)
         if self.fault.stage == "mid_step" and self.fault.steps == self.fault.at:
             a.n = t.numel // 2  # half the piece written, then killed: a torn write
             self.lib.hybrid_adam_step(ctypes.byref(a))
@@ -305,17 +305,7 @@ class Worker:
         lib = self.q8_lib
         assert lib is not None  # loaded where any subgroup is quantized, as this one is
         a = lib.Q8AdamArgs()
-        if t.remainder:
-            a.param, a.param_out = self._high(t, off), self._copy(t, out_bank, off)
-            a.remainder, a.remainder_out = (
-                self._bank(t.in_bank, "rem", off, 2),
-                self._bank(out_bank, "rem", off, 2),
-            )
-        else:
-            a.param, a.param_out = self._bank(t.in_bank, "p", off, 4), self._bank(out_bank, "p", off, 4)
-            if t.copy_dtype != proto.NO_COPY:
-                a.param_copy = self._copy(t, out_bank, off)
-                a.copy_dtype = t.copy_dtype
+        self._point_master(a, t, out_bank, off)
         a.grad = grad
         moments = [("exp_avg", "m", m_dtype), ("exp_avg_sq", "v", v_dtype)]
         if t.amsgrad:
@@ -328,15 +318,7 @@ class Worker:
                 setattr(a, name + "_absmax", self._bank(t.in_bank, region + "_absmax", off // Q8_BLOCK, 4))
                 setattr(a, name + "_absmax_out", self._bank(out_bank, region + "_absmax", off // Q8_BLOCK, 4))
         a.grad_dtype, a.exp_avg_dtype, a.exp_avg_sq_dtype = t.grad_dtype, m_dtype, v_dtype
-        a.decoupled, a.step = t.decoupled, t.step
-        a.lr, a.beta1, a.beta2, a.eps, a.weight_decay, a.grad_scale = (
-            t.lr,
-            t.beta1,
-            t.beta2,
-            t.eps,
-            t.weight_decay,
-            t.grad_scale,
-        )
+        _set_hyperparameters(a, t)
         if self.fault.stage == "mid_step" and self.fault.steps == self.fault.at:
             a.n = t.numel // 2  # half the piece written, then killed: a torn write
             lib.q8_adam_step_raw(a)
@@ -485,6 +467,19 @@ class Worker:
 
     def _reply(self, r: proto.Result) -> None:
         proto.write_frame(self.resp, r.pack())
+
+
+def _set_hyperparameters(a, t: proto.Task) -> None:
+    """A step task's hyperparameters and step count in its kernel's argument struct."""
+    a.decoupled, a.step = t.decoupled, t.step
+    a.lr, a.beta1, a.beta2, a.eps, a.weight_decay, a.grad_scale = (
+        t.lr,
+        t.beta1,
+        t.beta2,
+        t.eps,
+        t.weight_decay,
+        t.grad_scale,
+    )
 
 
 def main(argv=None) -> int:
