@@ -41,6 +41,30 @@ static inline const float *q8_moment_in(float *restrict buf, const void *src, co
     return buf;
 }
 
+/* A block's codes of its new moment x (fp32, in L1) in map (0 signed, 1 unsigned), given the bits
+ * of its absmax (the largest |x|, taken by the caller), and the absmax. */
+static inline void q8_codes_out(uint8_t *codes, float *absmax_out, const float *restrict x, uint32_t mx, int map,
+                                int len)
+{
+    *absmax_out = bits_f32(mx);
+    const int zero = map == 0 ? 127 : 0;
+    if (mx == 0) memset(codes, zero, (size_t)len);  /* x = 0 when the absmax is 0 */
+    else q8_quant_block(codes, x, bits_f32(mx), q8_buckets[map], zero, len);
+}
+
+/* The block's new fp32 master p stored as the bf16 param (its high half) and the remainder. */
+static inline void q8_remainders_out(const q8_args_t *a, const float *restrict p, int64_t off, int len)
+{
+    uint16_t *po = (uint16_t *)a->param_out + off;
+    int16_t *ro = a->remainder_out + off;
+#pragma omp simd
+    for (int i = 0; i < len; i++) {
+        const uint32_t u = f32_bits(p[i]);
+        po[i] = remainder_param_bits(u);
+        ro[i] = (int16_t)(uint16_t)u;
+    }
+}
+
 /* The block's new moment (fp32, in L1) stored in its format. */
 static inline void q8_moment_out(void *dst, float *absmax_out, const float *restrict x, int dt, int map,
                                  int64_t off, int len)
@@ -58,11 +82,7 @@ static inline void q8_moment_out(void *dst, float *absmax_out, const float *rest
             const uint32_t m = f32_bits(x[i]) & 0x7fffffffu;
             mx = m > mx ? m : mx;
         }
-        absmax_out[off / Q8_BLOCK] = bits_f32(mx);
-        uint8_t *codes = (uint8_t *)dst + off;
-        const int zero = map == 0 ? 127 : 0;
-        if (mx == 0) memset(codes, zero, (size_t)len);  /* x = 0 when the absmax is 0 */
-        else q8_quant_block(codes, x, bits_f32(mx), q8_buckets[map], zero, len);
+        q8_codes_out((uint8_t *)dst + off, absmax_out + off / Q8_BLOCK, x, mx, map, len);
     }
 }
 
@@ -132,14 +152,7 @@ void Q8_FN(q8_range)(const q8_args_t *a, const q8_consts_t *c, int64_t begin, in
         }
 
         if (a->remainder) {
-            uint16_t *po = (uint16_t *)a->param_out + off;
-            int16_t *ro = a->remainder_out + off;
-#pragma omp simd
-            for (int i = 0; i < len; i++) {
-                const uint32_t u = f32_bits(pob[i]);
-                po[i] = remainder_param_bits(u);
-                ro[i] = (int16_t)(uint16_t)u;
-            }
+            q8_remainders_out(a, pob, off, len);
         } else {
             memcpy((float *)a->param_out + off, pob, (size_t)len * sizeof(float));
         }

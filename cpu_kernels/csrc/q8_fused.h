@@ -11,22 +11,14 @@
  *   Q8_W lanes; q8_vf / q8_vi its float / int vector; Q8_GENERIC the generic range function;
  *   q8f_set1 load loadu store storeu add sub mul div sqrt (floats), q8f_bf16 (Q8_W bf16 widened),
  *   q8i_zero max_u32 and (ints), q8i_abs_bits (|x|'s bits as ints), q8i_hmax_u32 (largest lane),
- *   and q8_dequant_block / q8_quant_block, as q8_body.h asks.
+ *   and q8_dequant_block / q8_quant_block, as q8_body.h asks; it stores as q8_body.h does
+ *   (q8_codes_out, q8_remainders_out).
  */
 
 static inline int q8_fusable(const q8_args_t *a, const q8_consts_t *c)
 {
     return a->exp_avg_dtype == DT_Q8 && a->exp_avg_sq_dtype == DT_Q8 && !c->amsgrad && !a->param_copy &&
            (a->grad_dtype == DT_F32 || a->grad_dtype == DT_BF16);
-}
-
-static inline void q8_quant_out(uint8_t *codes, float *absmax_out, const float *restrict x, q8_vi mx, int map)
-{
-    const uint32_t m = q8i_hmax_u32(mx);
-    *absmax_out = bits_f32(m);
-    const int zero = map == 0 ? 127 : 0;
-    if (m == 0) memset(codes, zero, Q8_BLOCK);  /* x = 0 when the absmax is 0 */
-    else q8_quant_block(codes, x, bits_f32(m), q8_buckets[map], zero, Q8_BLOCK);
 }
 
 static inline __attribute__((always_inline)) void q8_fused_block(const q8_args_t *a, const q8_consts_t *c,
@@ -67,18 +59,10 @@ static inline __attribute__((always_inline)) void q8_fused_block(const q8_args_t
         mx_m = q8i_max_u32(mx_m, q8i_abs_bits(m));
         mx_v = q8i_max_u32(mx_v, q8i_abs_bits(v));
     }
-    if (remainders) {
-        uint16_t *po = (uint16_t *)a->param_out + off;
-        int16_t *ro = a->remainder_out + off;
-#pragma omp simd
-        for (int i = 0; i < Q8_BLOCK; i++) {
-            const uint32_t u = f32_bits(pb[i]);
-            po[i] = remainder_param_bits(u);
-            ro[i] = (int16_t)(uint16_t)u;
-        }
-    }
-    q8_quant_out((uint8_t *)a->exp_avg_out + off, a->exp_avg_absmax_out + blk, mb, mx_m, 0);
-    q8_quant_out((uint8_t *)a->exp_avg_sq_out + off, a->exp_avg_sq_absmax_out + blk, vb, mx_v, 1);
+    if (remainders) q8_remainders_out(a, pb, off, Q8_BLOCK);
+    q8_codes_out((uint8_t *)a->exp_avg_out + off, a->exp_avg_absmax_out + blk, mb, q8i_hmax_u32(mx_m), 0, Q8_BLOCK);
+    q8_codes_out((uint8_t *)a->exp_avg_sq_out + off, a->exp_avg_sq_absmax_out + blk, vb, q8i_hmax_u32(mx_v), 1,
+                 Q8_BLOCK);
 }
 
 void Q8_FN(q8_range)(const q8_args_t *a, const q8_consts_t *c, int64_t begin, int64_t end)
