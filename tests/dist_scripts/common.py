@@ -158,6 +158,49 @@ def step_after_unscale(opt, scaler) -> None:
     scaler.update()
 
 
+class OverflowRun:
+    """The 2-rank scripts' training loop with an overflow in rank 1's grads at step `at` (None:
+    none, and no GradScaler): under process_group= (`mode` "zero") it is written during backward
+    (OverflowInBackward: an edit after backward is refused), else after it; the step goes
+    through a GradScaler where there is an overflow to skip, and process_group's params are
+    gathered after it. `out` collects per step what the scripts compare: "skipped" and
+    "scales" (the scaler's after its update)."""
+
+    def __init__(self, model, mode: str, at: int | None, rank: int, world: int):
+        """Before the optimizer: OverflowInBackward's hook must run before the optimizer's."""
+        self.model, self.mode, self.at, self.rank, self.world = model, mode, at, rank, world
+        self.overflow = OverflowInBackward(model) if at is not None and mode == "zero" else None
+        self.opt = self.scaler = None
+
+    def attach(self, opt) -> None:
+        """The optimizer to step, and a GradScaler attached to it where there is an overflow."""
+        self.opt = opt
+        if self.at is not None:
+            self.scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
+            opt.attach_grad_scaler(self.scaler)
+
+    def step(self, i: int, x, out: dict, dtype: torch.dtype | None = None) -> None:
+        """Step `i` on this rank's share of the global batch `x` (cast to `dtype` if given)."""
+        opt, scaler, overflows = self.opt, self.scaler, i == self.at and self.rank == 1
+        opt.zero_grad()
+        if overflows and self.overflow is not None:
+            self.overflow.arm()
+        batch = local_batch(x, self.rank, self.world)
+        loss = loss_fn(self.model, batch if dtype is None else batch.to(dtype))
+        (scaler.scale(loss) if scaler else loss).backward()
+        if overflows and self.overflow is None:  # an overflow in this rank's local grads only
+            overflow_local_grad(self.model)
+        if scaler is not None:
+            scaler.step(opt)
+            scaler.update()
+            out["scales"].append(float(scaler.get_scale()))
+        else:
+            opt.step()
+        if self.mode == "zero":
+            opt.wait_params()
+        out["skipped"].append(opt.step_was_skipped)
+
+
 class OverflowInBackward:
     """overflow_local_grad during backward, for process_group= (where an edit of p.grad after
     backward is refused: hybrid_opt/distributed/zero_edits.py): a hook on the first param, registered

@@ -81,8 +81,7 @@ def run(name: str, rank: int, world: int, tmp: str, ckpt: str) -> dict:
         os.makedirs(kw["nvme_path"])
     if mode == "zero":
         kw["process_group"] = dist.group.WORLD
-    # process_group refuses an edit after backward (zero_edits.py): its overflow is injected during it
-    overflow = C.OverflowInBackward(model) if overflow_at is not None and mode == "zero" else None
+    steps = C.OverflowRun(model, mode, overflow_at, rank, world)
     opt = HybridAdamW(
         model.parameters(),
         lr=C.LR,
@@ -101,10 +100,7 @@ def run(name: str, rank: int, world: int, tmp: str, ckpt: str) -> dict:
         return orig_restart(sg, slices, only_changed)
 
     debug_view(opt).guard.restart_masters = counted
-    scaler = None
-    if overflow_at is not None:
-        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
-        opt.attach_grad_scaler(scaler)
+    steps.attach(opt)
     out = dict(
         steps=[],
         skipped=[],
@@ -112,22 +108,7 @@ def run(name: str, rank: int, world: int, tmp: str, ckpt: str) -> dict:
         local_numels=[(p.to_local() if hasattr(p, "to_local") else p).numel() for p in model.parameters()],
     )
     for i, x in enumerate(C.batches()):
-        opt.zero_grad()
-        if i == overflow_at and rank == 1 and overflow is not None:
-            overflow.arm()
-        loss = C.loss_fn(model, C.local_batch(x, rank, world).to(torch.bfloat16))
-        (scaler.scale(loss) if scaler else loss).backward()
-        if i == overflow_at and rank == 1 and overflow is None:  # an overflow in this rank's local grads only
-            C.overflow_local_grad(model)
-        if scaler is not None:
-            scaler.step(opt)
-            scaler.update()
-            out["scales"].append(float(scaler.get_scale()))
-        else:
-            opt.step()
-        if mode == "zero":
-            opt.wait_params()
-        out["skipped"].append(opt.step_was_skipped)
+        steps.step(i, x, out, torch.bfloat16)
         out["steps"].append(snapshot(model, opt))
         if i + 1 == SAVE_AT and name in ("fsdp2", "zero"):
             dcp.save(

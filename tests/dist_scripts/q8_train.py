@@ -105,7 +105,7 @@ def run(name: str, rank: int, world: int, tmp: str, ckpt: str) -> dict:
     os.makedirs(kw["nvme_path"])
     if mode == "zero":
         kw["process_group"] = dist.group.WORLD
-    overflow = C.OverflowInBackward(model) if overflow_at is not None and mode == "zero" else None
+    steps = C.OverflowRun(model, mode, overflow_at, rank, world)
     opt = HybridAdamW(
         model.parameters(),
         lr=C.LR,
@@ -116,28 +116,10 @@ def run(name: str, rank: int, world: int, tmp: str, ckpt: str) -> dict:
         **Q8,
         **kw,
     )
-    scaler = None
-    if overflow_at is not None:
-        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
-        opt.attach_grad_scaler(scaler)
+    steps.attach(opt)
     out = dict(steps=[], skipped=[], scales=[], norms=[])
     for i, x in enumerate(batches()):
-        opt.zero_grad()
-        if i == overflow_at and rank == 1 and overflow is not None:
-            overflow.arm()
-        loss = C.loss_fn(model, C.local_batch(x, rank, world))
-        (scaler.scale(loss) if scaler else loss).backward()
-        if i == overflow_at and rank == 1 and overflow is None:
-            C.overflow_local_grad(model)
-        if scaler is not None:
-            scaler.step(opt)
-            scaler.update()
-            out["scales"].append(float(scaler.get_scale()))
-        else:
-            opt.step()
-        if mode == "zero":
-            opt.wait_params()
-        out["skipped"].append(opt.step_was_skipped)
+        steps.step(i, x, out)
         out["norms"].append(opt.last_grad_norm)
         out["steps"].append(snapshot(model, opt))
         if i + 1 == SAVE_AT and name in ("fsdp2", "zero"):
