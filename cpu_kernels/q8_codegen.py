@@ -29,20 +29,33 @@ def _rows(words):
 
 LINES = 4  # lines per octave: the rank's interpolant is their minimum
 LINE_KEYS = 32  # octaves 2^-31 .. 2^0 (key = biased exponent - 96, clamped to 0..31)
+NEAR = Fraction(1, 2**13)  # q8.h's Q8_NEAR: a t whose fraction is below 2·NEAR takes q8_code
+# the top rank's line (see top_line): steeper than the last boundary's spacing (so it stays under the
+# lines below the top boundary), flatter than the top bucket's width (so it stays under top + 1 up to
+# 1.0), and flat enough that its near band spans more than Q8_SLACK patterns either side
+TOP_SLOPE = {True: 160, False: 196}
 
 
 def _f32(q) -> float:
     return q8._round32(Fraction(q))
 
 
+def _bias(signed: bool) -> Fraction:
+    """What every line adds to the rank: NEAR (so floor(t) is the rank and the near test one
+    compare of t's fraction), and for the signed map the zero code 127 (so t is the positive
+    code, 255 - t the negative one)."""
+    return NEAR + (127 if signed else 0)
+
+
 def line_tables(signed: bool):
     """[LINES][2][LINE_KEYS] fp32: per octave of |x|, LINES lines (slope A, offset B) whose minimum
-    interpolates |x|'s rank (codes away from the zero code) through each code boundary: the rank
-    steps from r to r + 1 at the boundary firsts[r], so the points (firsts[r], r + 1) joined by
-    segments, from (0, 1/2); consecutive segments of nearly one slope share a line. Away from an
-    integer the floor of the minimum is the rank; a lane near one takes the exact scalar path
-    (q8_code). tests/test_q8_cpu.py holds the vector path to q8_code for every |x|."""
+    interpolates |x|'s rank (codes away from the zero code) through each code boundary, plus
+    _bias: the rank steps from r to r + 1 at the boundary firsts[r], so the points (firsts[r], r +
+    1) joined by segments, from (0, 1/2); consecutive segments of nearly one slope share a line.
+    Away from an integer the floor of the minimum is the rank; a lane near one takes the exact
+    scalar path (q8_code). tests/test_q8_cpu.py holds the vector path to q8_code for every |x|."""
     firsts = q8._first_of_each_rank(signed)[0]
+    bias = _bias(signed)
     pts = [(Fraction(0), Fraction(1, 2))] + [
         (Fraction(q8._from_bits32(u)), Fraction(r + 1)) for r, u in enumerate(firsts)
     ]
@@ -54,7 +67,7 @@ def line_tables(signed: bool):
             a = i
     top = len(firsts)
     # the last boundary (to +1.0, the map's lopsided top) is nearer than the grid's: that corner is
-    # convex, so its segment is no line of the minimum; the kernel sets the top rank by one compare
+    # convex, so its segment is no line of the minimum; top_line's maximum sets the top rank
     (a0, _), (b0, b1) = groups[-2], groups[-1]
     assert b1 - b0 == 1 and slopes[b0] > slopes[a0]
     groups.pop()
@@ -66,14 +79,33 @@ def line_tables(signed: bool):
             (x0, r0), (x1, r1) = pts[g0], pts[g1]
             if x1 >= lo and x0 < hi:
                 slope = (r1 - r0) / (x1 - x0)
-                lines.append((_f32(slope), _f32(r0 - slope * x0)))
+                lines.append((_f32(slope), _f32(r0 - slope * x0 + bias)))
         if pts[-2][0] < hi:
-            lines.append((0.0, _f32(Fraction(2 * top + 1, 2))))
+            lines.append((0.0, _f32(Fraction(2 * top + 1, 2) + bias)))
         assert 1 <= len(lines) <= LINES, (signed, key, len(lines))
         lines += [lines[-1]] * (LINES - len(lines))
         for k, (slope, offset) in enumerate(lines):
             out[k][0][key], out[k][1][key] = slope, offset
     return out
+
+
+def top_line(signed: bool):
+    """(slope, offsets[LINE_KEYS]) fp32: the line through (first |x| of the top rank, top rank +
+    _bias) in the octaves that hold the top rank's step (up to 1.0), far below every rank in the
+    others; the kernel raises line_tables' minimum to it, which makes the top rank's step, near
+    band included (that corner is convex: no line of a minimum)."""
+    firsts = q8._first_of_each_rank(signed)[0]
+    first, below = Fraction(q8._from_bits32(firsts[-1])), Fraction(q8._from_bits32(firsts[-2]))
+    slope = TOP_SLOPE[signed]
+    # steeper than the last step, flatter than the top bucket, and under the rank where it starts
+    assert slope * (first - below) > 1 + 4 * NEAR and slope * (1 - first) < 1 - 4 * NEAR
+    offset = len(firsts) + _bias(signed) - slope * first
+    start = LINE_KEYS - 2  # the octave [1/2, 1) and 1.0's
+    lo = Fraction(2) ** (start + 96 - 127)
+    rank_lo = sum(1 for u in firsts if Fraction(q8._from_bits32(u)) <= lo)
+    assert slope * lo + offset < rank_lo + _bias(signed) - 4 * NEAR
+    offsets = [_f32(offset) if key >= start else -1024.0 for key in range(LINE_KEYS)]
+    return _f32(slope), offsets
 
 
 def source() -> str:
@@ -102,13 +134,20 @@ def source() -> str:
     parts += [
         "};",
         "",
+        "/* the vector quantizer's top line (q8_codegen.top_line): [map] slope; [map][octave] offset,"
+        " fp32 bits */",
+        "const uint32_t q8_top_slope[2] = {"
+        + ", ".join(f"0x{q8._bits32(top_line(signed)[0]):08x}u" for signed in (True, False))
+        + "};",
+        "const uint32_t q8_top_offset[2][32] __attribute__((aligned(64))) = {",
+    ]
+    for signed in (True, False):
+        parts += ["  {", _rows([q8._bits32(v) for v in top_line(signed)[1]]), "  },"]
+    parts += [
+        "};",
+        "",
         "/* the vector quantizer's lines (q8_codegen.line_tables): [map][line][slope, offset]"
         "[octave], fp32 bits */",
-        "/* the smallest |x| of the top rank, [0] signed, [1] unsigned */",
-        "const uint32_t q8_top_first[2] = {"
-        + ", ".join(f"0x{q8._first_of_each_rank(signed)[0][-1]:08x}u" for signed in (True, False))
-        + "};",
-        "",
         f"const uint32_t q8_lines[2][{LINES}][2][{LINE_KEYS}] __attribute__((aligned(64))) = {{",
     ]
     for signed in (True, False):
