@@ -104,35 +104,58 @@ static inline void q8_dequant_block(float *restrict dst, const uint8_t *codes, f
 
 /* The vector quantizer (no gather): per octave of |x| (the exponent keys vpermt2ps over 32-entry
  * tables) up to Q8_LINES lines whose minimum, raised to the top line, is t (q8.h): floor(t) is the
- * code where t's fraction is 2·Q8_NEAR or more, the lanes below are returned in *near for q8_code.
- * Per 16 lanes and map: 9 permutes, 5 FMAs, 4 min/max, a reduce and a compare; the clamps of |x|
- * (to [2^-31, 1.0]: the octaves the tables cover; NaN takes the top) fold the unsigned map's x <= -0
- * (rank 0) into one signed max, and the signed map's negative codes are 255 - t (the lines carry
- * the zero code: t = 127 + rank + Q8_NEAR), so neither map clamps ranks per sign. */
-static inline __attribute__((always_inline)) __m512i q8_quant16(__m512 xq, const int map, __mmask16 *near)
+ * code where t's fraction is 2·Q8_NEAR or more, the lanes below take q8_code. Per 16 lanes: 5
+ * permutes, 3 FMAs, 2 min/max (signed map; unsigned one line more), then a reduce for the fraction. |x| is clamped to the octaves the
+ * tables cover, [2^-31, 1.0] (NaN takes the top), and the unsigned map's x <= -0 (rank 0) to 2^-31 by
+ * the same signed max; the signed map's negative codes are 255 - t (the lines carry the zero code:
+ * t = 127 + rank + Q8_NEAR), so neither map clamps ranks per sign. bounded: the caller guarantees a
+ * finite |x| <= 1 + 2^-23 (x·(1/absmax) with |x| <= absmax, both normal: q8_recip_ok), so |x| needs
+ * no upper clamp, and the signed map's |x| and lower clamp are one vrangeps. */
+static inline __attribute__((always_inline)) __m512 q8_rank16(__m512 xq, const int map, const int bounded)
 {
     const float (*line)[2][32] = (const float (*)[2][32])(const void *)q8_lines[map];
-    const __m512i u = _mm512_castps_si512(xq);
-    __m512i mag = map == 0 ? _mm512_max_epu32(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)),
-                                              _mm512_set1_epi32(0x30000000))
-                           : _mm512_max_epi32(u, _mm512_set1_epi32(0x30000000));
-    mag = _mm512_min_epu32(mag, _mm512_set1_epi32(0x3f800000));
+    const __m512i u = _mm512_castps_si512(xq), lowest = _mm512_set1_epi32(0x30000000);
+    __m512i mag;
+    if (map == 0 && bounded) {
+        mag = _mm512_castps_si512(_mm512_range_ps(xq, _mm512_castsi512_ps(lowest), 0x0b));  /* max |.|, sign 0 */
+    } else {
+        mag = map == 0 ? _mm512_max_epu32(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)), lowest)
+                       : _mm512_max_epi32(u, lowest);
+        if (!bounded) mag = _mm512_min_epu32(mag, _mm512_set1_epi32(0x3f800000));
+    }
     const __m512 ax = _mm512_castsi512_ps(mag);
-    const __m512i key = _mm512_srli_epi32(mag, 23);
+    const int shift = map == 0 ? Q8_LINE_SHIFT_SIGNED : Q8_LINE_SHIFT_UNSIGNED;
+    const __m512i key = _mm512_srli_epi32(shift ? _mm512_add_epi32(mag, _mm512_set1_epi32(shift)) : mag, 23);
 #define Q8_LINE(k)                                                                                       \
     _mm512_fmadd_ps(ax, _mm512_permutex2var_ps(_mm512_load_ps(line[k][0]), key, _mm512_load_ps(line[k][0] + 16)), \
                     _mm512_permutex2var_ps(_mm512_load_ps(line[k][1]), key, _mm512_load_ps(line[k][1] + 16)))
-    __m512 t = _mm512_min_ps(_mm512_min_ps(Q8_LINE(0), Q8_LINE(1)), _mm512_min_ps(Q8_LINE(2), Q8_LINE(3)));
+    __m512 t = Q8_LINE(0);
+    for (int k = 1; k < (map == 0 ? Q8_LINES_SIGNED : Q8_LINES_UNSIGNED); k++) t = _mm512_min_ps(t, Q8_LINE(k));
 #undef Q8_LINE
     const float *top = (const float *)(const void *)q8_top_offset[map];
-    t = _mm512_max_ps(t, _mm512_fmadd_ps(ax, _mm512_set1_ps(bits_f32(q8_top_slope[map])),
-                                         _mm512_permutex2var_ps(_mm512_load_ps(top), key, _mm512_load_ps(top + 16))));
-    /* t - floor(t) in one vreduceps */
-    *near = _mm512_cmp_ps_mask(_mm512_reduce_ps(t, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC),
-                               _mm512_set1_ps(2 * Q8_NEAR), _CMP_LT_OQ);
-    /* negative: 127 - rank = floor(255 - t) away from an integer, and 0 for t in [255, 256) */
-    if (map == 0) t = _mm512_mask_sub_ps(t, _mm512_movepi32_mask(u), _mm512_set1_ps(255.0f), t);
+    return _mm512_max_ps(t, _mm512_fmadd_ps(ax, _mm512_set1_ps(bits_f32(q8_top_slope[map])),
+                                            _mm512_permutex2var_ps(_mm512_load_ps(top), key, _mm512_load_ps(top + 16))));
+}
+
+/* t's fraction (t - floor(t), one vreduceps): below 2·Q8_NEAR, the lane takes q8_code */
+static inline __m512 q8_frac16(__m512 t) { return _mm512_reduce_ps(t, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC); }
+
+static inline __mmask16 q8_near16(__m512 frac) { return _mm512_cmp_ps_mask(frac, _mm512_set1_ps(2 * Q8_NEAR), _CMP_LT_OQ); }
+
+/* the codes (int32 lanes) of t for x: negative x's signed code is 127 - rank = floor(255 - t) away
+ * from an integer, and 0 for t in [255, 256) */
+static inline __attribute__((always_inline)) __m512i q8_code16(__m512 t, __m512 xq, const int map)
+{
+    if (map == 0) t = _mm512_mask_sub_ps(t, _mm512_movepi32_mask(_mm512_castps_si512(xq)), _mm512_set1_ps(255.0f), t);
     return _mm512_cvttps_epi32(t);
+}
+
+static inline __attribute__((always_inline)) __m512i q8_quant16(__m512 xq, const int map, const int bounded,
+                                                                __mmask16 *near)
+{
+    const __m512 t = q8_rank16(xq, map, bounded);
+    *near = q8_near16(q8_frac16(t));
+    return q8_code16(t, xq, map);
 }
 
 static inline void q8_store16(uint8_t *codes, __m512i code)
@@ -158,7 +181,8 @@ static inline __attribute__((always_inline)) void q8_quant_map(uint8_t *restrict
     for (; i + 16 <= len; i += 16) {
         __mmask16 near;
         const __m512 xv = _mm512_load_ps(x + i);
-        q8_store16(codes + i, q8_quant16(recip ? _mm512_mul_ps(xv, s) : _mm512_div_ps(xv, s), map, &near));
+        if (recip) q8_store16(codes + i, q8_quant16(_mm512_mul_ps(xv, s), map, 1, &near));
+        else q8_store16(codes + i, q8_quant16(_mm512_div_ps(xv, s), map, 0, &near));
         if (__builtin_expect(near != 0, 0)) q8_fix_near(codes + i, x + i, near, absmax, map);
     }
     for (; i < len; i++) codes[i] = q8_code(x[i] / absmax, q8_buckets[map], map == 0 ? 127 : 0);
@@ -173,9 +197,11 @@ static inline void q8_quant_block(uint8_t *restrict codes, const float *restrict
 }
 
 /* Test hook (tests/test_q8_cpu.py): the vector quantizer on the fp32 bit patterns [first, first +
- * count) of map (0 signed, 1 unsigned) against q8_code at every pattern within Q8_SLACK of each
- * (q8_slack_agrees); returns the mismatches, *near_lanes the lanes that took q8_code. */
-static inline __attribute__((always_inline)) int64_t q8_check_quant_map(const int map, uint32_t first, uint64_t count,
+ * count) of map (0 signed, 1 unsigned; + 2: its bounded form, for the patterns it may see) against
+ * q8_code at every pattern within Q8_SLACK of each (q8_slack_agrees); returns the mismatches,
+ * *near_lanes the lanes that took q8_code. */
+static inline __attribute__((always_inline)) int64_t q8_check_quant_map(const int map, const int bounded,
+                                                                       uint32_t first, uint64_t count,
                                                                        int64_t *near_lanes)
 {
     const int zero = map == 0 ? 127 : 0;
@@ -185,7 +211,7 @@ static inline __attribute__((always_inline)) int64_t q8_check_quant_map(const in
         const uint32_t base = first + (uint32_t)k;
         const __m512i u = _mm512_add_epi32(_mm512_set1_epi32((int)base), lane);
         __mmask16 near;
-        const __m512i code = q8_quant16(_mm512_castsi512_ps(u), map, &near);
+        const __m512i code = q8_quant16(_mm512_castsi512_ps(u), map, bounded, &near);
         uint32_t c[16];
         _mm512_storeu_si512(c, code);
         nears += __builtin_popcount(near);
@@ -200,7 +226,12 @@ static inline __attribute__((always_inline)) int64_t q8_check_quant_map(const in
 
 int64_t q8_check_quant_avx512(int map, uint32_t first, uint64_t count, int64_t *near_lanes)
 {
-    return map == 0 ? q8_check_quant_map(0, first, count, near_lanes) : q8_check_quant_map(1, first, count, near_lanes);
+    switch (map) {
+    case 0: return q8_check_quant_map(0, 0, first, count, near_lanes);
+    case 1: return q8_check_quant_map(1, 0, first, count, near_lanes);
+    case 2: return q8_check_quant_map(0, 1, first, count, near_lanes);
+    default: return q8_check_quant_map(1, 1, first, count, near_lanes);
+    }
 }
 
 /* The generic loop (q8_body.h) serves every format; the common one below fuses its passes. */
@@ -255,13 +286,20 @@ static inline void q8_codes_out_pair(uint8_t *mc, float *ma_out, const float *re
     *ma_out = ma;
     *va_out = va;
     const __m512 sm = _mm512_set1_ps(1.0f / ma), sv = _mm512_set1_ps(1.0f / va);
+    /* after the two packs each 128-bit lane holds 4 m codes, 4 v codes, and those again: gather m's */
+    const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 0, 0, 0, 0, 0, 0, 0, 0);
     for (int i = 0; i < Q8_BLOCK; i += 16) {
-        __mmask16 nm, nv;
-        q8_store16(mc + i, q8_quant16(_mm512_mul_ps(_mm512_load_ps(mb + i), sm), 0, &nm));
-        q8_store16(vc + i, q8_quant16(_mm512_mul_ps(_mm512_load_ps(vb + i), sv), 1, &nv));
-        if (__builtin_expect((nm | nv) != 0, 0)) {
-            q8_fix_near(mc + i, mb + i, nm, ma, 0);
-            q8_fix_near(vc + i, vb + i, nv, va, 1);
+        const __m512 xm = _mm512_mul_ps(_mm512_load_ps(mb + i), sm), xv = _mm512_mul_ps(_mm512_load_ps(vb + i), sv);
+        const __m512 tm = q8_rank16(xm, 0, 1), tv = q8_rank16(xv, 1, 1);
+        /* one near test for both: a lane near in either takes q8_code in both */
+        const __mmask16 near = q8_near16(_mm512_min_ps(q8_frac16(tm), q8_frac16(tv)));
+        const __m512i words = _mm512_packus_epi32(q8_code16(tm, xm, 0), q8_code16(tv, xv, 1));
+        const __m512i codes = _mm512_permutexvar_epi32(order, _mm512_packus_epi16(words, words));
+        _mm_storeu_si128((__m128i *)(mc + i), _mm512_castsi512_si128(codes));
+        _mm_storeu_si128((__m128i *)(vc + i), _mm512_extracti32x4_epi32(codes, 1));
+        if (__builtin_expect(near != 0, 0)) {
+            q8_fix_near(mc + i, mb + i, near, ma, 0);
+            q8_fix_near(vc + i, vb + i, near, va, 1);
         }
     }
 }
