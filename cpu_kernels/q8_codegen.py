@@ -48,9 +48,10 @@ def _f32(q) -> float:
 
 def _bias(signed: bool) -> Fraction:
     """What every line adds to the rank: NEAR (so floor(t) is the rank and the near test one
-    compare of t's fraction), and for the signed map the zero code 127 (so t is the positive
-    code, 255 - t the negative one)."""
-    return NEAR + (127 if signed else 0)
+    compare of t's fraction), 256 (so t lies in [256, 512), where its fraction is its low 15 bits),
+    and for the signed map the zero code 127 (so t is 256 + the positive code, 511 - t the negative
+    one)."""
+    return NEAR + 256 + (127 if signed else 0)
 
 
 def _bucket(signed: bool, key: int):

@@ -105,7 +105,7 @@ static inline void q8_dequant_block(float *restrict dst, const uint8_t *codes, f
 /* The vector quantizer (no gather): per octave of |x| (the exponent keys vpermt2ps over 32-entry
  * tables) up to Q8_LINES lines whose minimum, raised to the top line, is t (q8.h): floor(t) is the
  * code where t's fraction is 2·Q8_NEAR or more, the lanes below take q8_code. Per 16 lanes: 5
- * permutes, 3 FMAs, 2 min/max (signed map; unsigned one line more), then a reduce for the fraction. |x| is clamped to the octaves the
+ * permutes, 3 FMAs, 2 min/max (signed map; unsigned one line more), a bit test for the fraction. |x| is clamped to the octaves the
  * tables cover, [2^-31, 1.0] (NaN takes the top), and the unsigned map's x <= -0 (rank 0) to 2^-31 by
  * the same signed max; the signed map's negative codes are 255 - t (the lines carry the zero code:
  * t = 127 + rank + Q8_NEAR), so neither map clamps ranks per sign. bounded: the caller guarantees a
@@ -137,16 +137,18 @@ static inline __attribute__((always_inline)) __m512 q8_rank16(__m512 xq, const i
                                             _mm512_permutex2var_ps(_mm512_load_ps(top), key, _mm512_load_ps(top + 16))));
 }
 
-/* t's fraction (t - floor(t), one vreduceps): below 2·Q8_NEAR, the lane takes q8_code */
-static inline __m512 q8_frac16(__m512 t) { return _mm512_reduce_ps(t, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC); }
+/* t lies in [256, 512) (the lines carry 256), so its fraction is its low 15 bits: below 2·Q8_NEAR
+ * (8 of them) the lane takes q8_code */
+static inline __mmask16 q8_near16(__m512 t)
+{
+    return _mm512_testn_epi32_mask(_mm512_castps_si512(t), _mm512_set1_epi32(0x7ff8));
+}
 
-static inline __mmask16 q8_near16(__m512 frac) { return _mm512_cmp_ps_mask(frac, _mm512_set1_ps(2 * Q8_NEAR), _CMP_LT_OQ); }
-
-/* the codes (int32 lanes) of t for x: negative x's signed code is 127 - rank = floor(255 - t) away
- * from an integer, and 0 for t in [255, 256) */
+/* the codes (the low byte of int32 lanes) of t for x: 256 + the code; negative x's signed code is
+ * 127 - rank = floor(511 - t) away from an integer, and 0 for t in [511, 512) */
 static inline __attribute__((always_inline)) __m512i q8_code16(__m512 t, __m512 xq, const int map)
 {
-    if (map == 0) t = _mm512_mask_sub_ps(t, _mm512_movepi32_mask(_mm512_castps_si512(xq)), _mm512_set1_ps(255.0f), t);
+    if (map == 0) t = _mm512_mask_sub_ps(t, _mm512_movepi32_mask(_mm512_castps_si512(xq)), _mm512_set1_ps(511.0f), t);
     return _mm512_cvttps_epi32(t);
 }
 
@@ -154,7 +156,7 @@ static inline __attribute__((always_inline)) __m512i q8_quant16(__m512 xq, const
                                                                 __mmask16 *near)
 {
     const __m512 t = q8_rank16(xq, map, bounded);
-    *near = q8_near16(q8_frac16(t));
+    *near = q8_near16(t);
     return q8_code16(t, xq, map);
 }
 
@@ -217,7 +219,7 @@ static inline __attribute__((always_inline)) int64_t q8_check_quant_map(const in
         nears += __builtin_popcount(near);
         for (int j = 0; j < 16 && k + (uint64_t)j < count; j++) {
             if (near >> j & 1) continue;
-            bad += !q8_slack_agrees(c[j], base + (uint32_t)j, q8_buckets[map], zero);
+            bad += !q8_slack_agrees(c[j] & 0xffu, base + (uint32_t)j, q8_buckets[map], zero);
         }
     }
     *near_lanes = nears;
@@ -286,17 +288,17 @@ static inline void q8_codes_out_pair(uint8_t *mc, float *ma_out, const float *re
     *ma_out = ma;
     *va_out = va;
     const __m512 sm = _mm512_set1_ps(1.0f / ma), sv = _mm512_set1_ps(1.0f / va);
-    /* after the two packs each 128-bit lane holds 4 m codes, 4 v codes, and those again: gather m's */
-    const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 0, 0, 0, 0, 0, 0, 0, 0);
+    /* after the pack to words each 128-bit lane holds 4 m codes then 4 v codes: gather m's */
+    const __m256i order = _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7);
     for (int i = 0; i < Q8_BLOCK; i += 16) {
         const __m512 xm = _mm512_mul_ps(_mm512_load_ps(mb + i), sm), xv = _mm512_mul_ps(_mm512_load_ps(vb + i), sv);
         const __m512 tm = q8_rank16(xm, 0, 1), tv = q8_rank16(xv, 1, 1);
-        /* one near test for both: a lane near in either takes q8_code in both */
-        const __mmask16 near = q8_near16(_mm512_min_ps(q8_frac16(tm), q8_frac16(tv)));
+        /* a lane near in either moment takes q8_code in both */
+        const __mmask16 near = q8_near16(tm) | q8_near16(tv);
         const __m512i words = _mm512_packus_epi32(q8_code16(tm, xm, 0), q8_code16(tv, xv, 1));
-        const __m512i codes = _mm512_permutexvar_epi32(order, _mm512_packus_epi16(words, words));
-        _mm_storeu_si128((__m128i *)(mc + i), _mm512_castsi512_si128(codes));
-        _mm_storeu_si128((__m128i *)(vc + i), _mm512_extracti32x4_epi32(codes, 1));
+        const __m256i codes = _mm256_permutevar8x32_epi32(_mm512_cvtepi16_epi8(words), order);
+        _mm_storeu_si128((__m128i *)(mc + i), _mm256_castsi256_si128(codes));
+        _mm_storeu_si128((__m128i *)(vc + i), _mm256_extracti128_si256(codes, 1));
         if (__builtin_expect(near != 0, 0)) {
             q8_fix_near(mc + i, mb + i, near, ma, 0);
             q8_fix_near(vc + i, vb + i, near, va, 1);
