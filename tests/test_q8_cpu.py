@@ -533,3 +533,48 @@ def test_a_raw_q8_args_struct_steps_unscaled_grads_unless_told():
     assert Q8AdamArgs().grad_scale == 1.0
     assert Q8AdamArgs(grad_scale=0.5, n=7).grad_scale == 0.5
     assert Q8AdamArgs(n=7).n == 7 and Q8AdamArgs().lr == 0.0
+
+
+# ------------------------------------------------ the AVX2 quantizer's bucket table against q8_code
+
+
+def _check_quant_avx2(signed, first, count):
+    import ctypes
+
+    fn = _q8_lib.lib.q8_check_quant_avx2
+    fn.restype = ctypes.c_int64
+    fn.argtypes = [ctypes.c_int, ctypes.c_uint32, ctypes.c_uint64, ctypes.POINTER(ctypes.c_int64)]
+    near = ctypes.c_int64()
+    return fn(0 if signed else 1, first, count, ctypes.byref(near)), near.value
+
+
+needs_avx2 = pytest.mark.skipif("avx2" not in LEVELS, reason="no AVX2 on this CPU")
+
+
+@needs_avx2
+@pytest.mark.parametrize("signed", [True, False])
+def test_avx2_quantizer_equals_q8_code_around_every_code_boundary(signed):
+    # the AVX2 level quantizes x·(1/absmax): a lane whose pattern lies within Q8_SLACK of its
+    # bucket's step or edge takes q8_code, every other must give q8_code's code for every pattern
+    # within Q8_SLACK of it. 2^16 patterns either side of every boundary, both signs, plus the
+    # octave of 1.0 and the patterns above it (inf, NaN)
+    for side in (0, 1 << 31):
+        for u in q8._first_of_each_rank(signed)[0]:
+            bad, near = _check_quant_avx2(signed, side | (u - (1 << 16)), 1 << 17)
+            assert bad == 0, f"signed={signed} side={side:#x} boundary {u:#x}"
+            assert near < 1 << 8  # the lanes near this boundary and the edges of its buckets
+        for first, count in ((0x3F000000, (1 << 23) + 64), (0x7F7FFFF0, 64), (0x7FFFFFC0, 64)):
+            bad, _ = _check_quant_avx2(signed, side | first, count)
+            assert bad == 0, f"signed={signed} side={side:#x} from {first:#x}"
+
+
+@needs_avx2
+@pytest.mark.slow
+@pytest.mark.parametrize("signed", [True, False])
+def test_avx2_quantizer_equals_q8_code_for_every_fp32_pattern(signed):
+    # all 2^32 patterns (about 30 s per map): the proof that the near band gives q8_code's code
+    # for every x whatever the 3 ulps between x·(1/absmax) and x / absmax
+    for first in (0, 1 << 31):
+        bad, near = _check_quant_avx2(signed, first, 1 << 31)
+        assert bad == 0, (signed, first)
+        assert near < 1 << 20  # the scalar path stays rare
