@@ -176,9 +176,10 @@ int64_t q8_check_quant_avx2(int map, uint32_t first, uint64_t count, int64_t *ne
 #define Q8_LEVEL avx2_generic
 #include "q8_body.h"
 
-/* The fused pass (q8_fused.h) over 8 lanes. */
+/* The fused pass (q8_fused.h) over 8 lanes, as q8_range_avx2_fused; q8_range_avx2 below runs it
+ * a few blocks at a time with the next blocks' inputs prefetched. */
 #undef Q8_LEVEL
-#define Q8_LEVEL avx2
+#define Q8_LEVEL avx2_fused
 #define Q8_GENERIC q8_range_avx2_generic
 #define Q8_W 8
 typedef __m256 q8_vf;
@@ -216,4 +217,33 @@ static inline uint32_t q8i_hmax_u32(q8_vi x)
 }
 
 #include "q8_fused.h"
+
+/* Blocks ahead whose inputs are prefetched: at 16Mi elements, one thread, Zen 5, the fused pass
+ * took 2.05 ns an element without, 1.6-1.7 with 2 to 4 (1.25 with everything in L1): the hardware
+ * prefetchers alone leave each block's misses in series with its arithmetic. */
+#define Q8_PF_AHEAD 4
+
+static inline void q8_prefetch_span(const void *p, size_t bytes)
+{
+    for (size_t o = 0; o < bytes; o += 64) __builtin_prefetch((const char *)p + o, 0, 3);
+}
+
+void q8_range_avx2(const q8_args_t *a, const q8_consts_t *c, int64_t begin, int64_t end)
+{
+    /* the streams a block reads (in place, the ones it writes): the moments' codes, the param
+     * (fp32, or bf16 and its remainders) and the grad; a block's absmax shares its line with 15 */
+    const size_t gsz = a->grad_dtype == DT_F32 ? 4 : 2, psz = a->remainder ? 2 : 4;
+    for (int64_t off = begin; off < end; off += Q8_BLOCK) {
+        const int64_t e = off + Q8_BLOCK < end ? off + Q8_BLOCK : end;
+        const int64_t pf = off + Q8_PF_AHEAD * Q8_BLOCK;
+        if (pf + Q8_BLOCK <= end) {
+            q8_prefetch_span((const char *)a->param + pf * psz, Q8_BLOCK * psz);
+            q8_prefetch_span((const char *)a->grad + pf * gsz, Q8_BLOCK * gsz);
+            if (a->remainder) q8_prefetch_span(a->remainder + pf, Q8_BLOCK * 2);
+            if (a->exp_avg_dtype == DT_Q8) q8_prefetch_span((const uint8_t *)a->exp_avg + pf, Q8_BLOCK);
+            if (a->exp_avg_sq_dtype == DT_Q8) q8_prefetch_span((const uint8_t *)a->exp_avg_sq + pf, Q8_BLOCK);
+        }
+        q8_range_avx2_fused(a, c, off, e);
+    }
+}
 #endif
