@@ -58,19 +58,6 @@ static inline __m256i q8_key8(__m256i u)
     return _mm256_add_epi32(key, _mm256_and_si256(neg, _mm256_set1_epi32(Q8_KEYS)));
 }
 
-/* table[keys[j]] for 8 keys: the keys come from memory into general registers, 4 a load (moving
- * them out of a vector register, vpextrd, cost Zen 5 more than the whole lookup). */
-static inline __m256i q8_lookup_keys(const uint32_t *table, const uint16_t *keys)
-{
-    uint64_t k03, k47;
-    memcpy(&k03, keys, 8);
-    memcpy(&k47, keys + 4, 8);
-    const uint32_t k[8] = {(uint32_t)k03 & 0xffffu, (uint32_t)(k03 >> 16) & 0xffffu, (uint32_t)(k03 >> 32) & 0xffffu,
-                           (uint32_t)(k03 >> 48),           (uint32_t)k47 & 0xffffu, (uint32_t)(k47 >> 16) & 0xffffu,
-                           (uint32_t)(k47 >> 32) & 0xffffu, (uint32_t)(k47 >> 48)};
-    return q8_lookup8(table, k);
-}
-
 /* The rank of 8 quotients u (fp32 bits), negated where u < 0, from their entries in
  * q8x2_entries; *near marks the lanes whose |u| lies within Q8_SLACK patterns of the bucket's step
  * or of an edge of the bucket (where a rank may change with no step). Every pattern within Q8_SLACK
@@ -92,10 +79,11 @@ static inline __m256i q8_rank8(__m256i u, __m256i entry, __m256i *near)
 }
 
 /* codes[i] = the code of x[i] / absmax: quotients x·(1/absmax) where both are normal (recip),
- * else x / absmax; lanes near a step take q8_code. Two passes over the block (len <= Q8_BLOCK):
- * the keys into an L1 buffer, then the quotients again, their entries, ranks and codes, 32 lanes
- * a round packed to bytes at once. Measured on Zen 5 in L1: 0.28 ns an element, against 0.49 for
- * one pass that divided and took its keys out of the vector (vpextrd). */
+ * else x / absmax; lanes near a step or edge take q8_code. Two passes over the block (len <=
+ * Q8_BLOCK): the keys into an L1 buffer, then the quotients again, their entries (the keys read
+ * back by scalar loads), ranks and codes, 32 lanes a round packed to bytes at once. Measured on
+ * Zen 5 in L1: 0.28 ns an element, against 0.49 for one pass that divided and moved its keys out
+ * of the vector register by vpextrd (gcc's code for q8_lookup8 on a vector just stored). */
 static inline __attribute__((always_inline)) void q8_quant_run(uint8_t *restrict codes, const float *restrict x,
                                                                float absmax, const uint32_t *table, int zero,
                                                                int len, const int recip)
@@ -103,17 +91,14 @@ static inline __attribute__((always_inline)) void q8_quant_run(uint8_t *restrict
     const uint32_t *entries = q8x2_entries[zero ? 0 : 1];
     const __m256 s = _mm256_set1_ps(recip ? 1.0f / absmax : absmax);
     const __m256i zv = _mm256_set1_epi32(zero), order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
-    uint16_t kb[Q8_BLOCK] __attribute__((aligned(64)));
+    uint32_t kb[Q8_BLOCK] __attribute__((aligned(64)));
 #define Q8_QUOT(v) _mm256_castps_si256(recip ? _mm256_mul_ps((v), s) : _mm256_div_ps((v), s))
     const int whole = len & ~31;
-    for (int i = 0; i < whole; i += 16) {
-        const __m256i k0 = q8_key8(Q8_QUOT(_mm256_load_ps(x + i))), k1 = q8_key8(Q8_QUOT(_mm256_load_ps(x + i + 8)));
-        _mm256_store_si256((__m256i *)(kb + i), _mm256_permute4x64_epi64(_mm256_packus_epi32(k0, k1), 0xd8));
-    }
+    for (int i = 0; i < whole; i += 8) _mm256_store_si256((__m256i *)(kb + i), q8_key8(Q8_QUOT(_mm256_load_ps(x + i))));
     for (int i = 0; i < whole; i += 32) {
         __m256i n0, n1, n2, n3;
 #define Q8_CODE8(j, n) _mm256_add_epi32(zv, q8_rank8(Q8_QUOT(_mm256_load_ps(x + i + (j))), \
-                                                        q8_lookup_keys(entries, kb + i + (j)), &(n)))
+                                                        q8_lookup8(entries, kb + i + (j)), &(n)))
         const __m256i c0 = Q8_CODE8(0, n0), c1 = Q8_CODE8(8, n1), c2 = Q8_CODE8(16, n2), c3 = Q8_CODE8(24, n3);
 #undef Q8_CODE8
         /* bytes c0[0..3] c1[0..3] c2[0..3] c3[0..3] | c0[4..7] ..: vpermd puts the dwords in order */
@@ -154,10 +139,10 @@ int64_t q8_check_quant_avx2(int map, uint32_t first, uint64_t count, int64_t *ne
         const uint32_t base = first + (uint32_t)k;
         const __m256i u = _mm256_add_epi32(_mm256_set1_epi32((int)base), lane);
         const __m256i key = q8_key8(u);
-        uint16_t kb[8] __attribute__((aligned(16)));
-        _mm_store_si128((__m128i *)kb, _mm_packus_epi32(_mm256_castsi256_si128(key), _mm256_extracti128_si256(key, 1)));
+        uint32_t kb[8] __attribute__((aligned(32)));
+        _mm256_store_si256((__m256i *)kb, key);
         __m256i near;
-        const __m256i code = _mm256_add_epi32(zv, q8_rank8(u, q8_lookup_keys(q8x2_entries[map], kb), &near));
+        const __m256i code = _mm256_add_epi32(zv, q8_rank8(u, q8_lookup8(q8x2_entries[map], kb), &near));
         uint32_t c[8];
         _mm256_storeu_si256((__m256i *)c, code);
         const int nm = _mm256_movemask_ps(_mm256_castsi256_ps(near));
