@@ -133,6 +133,13 @@ static inline void encode_block(uint16_t *p, int16_t *r, int64_t off, const floa
  * of each instance (and the grad dtype, L2 mode and outputs of the common ones), and each 32
  * elements run as two halves whose divisions are in flight together. */
 #define HAVE_ADAM_C16_REGS 1
+/* fp32 state goes through the register loop too (split halves: no shuffle for fp32 streams)
+ * in bank mode and with 16-bit grads, where the block path's L1 round trips cost more than the
+ * loop's conversions: one thread, ns an element, L2-resident (32Ki elements, min of 3000 calls)
+ * / from DRAM (16Mi, median of 15): bank mode 0.425 -> 0.354 / 0.623 -> 0.581, bf16 grads +
+ * bf16 copy in place 0.437 -> 0.395 / 0.524 -> 0.456. fp32 grads in place stay in the blocks
+ * (0.285 there, 0.363 here in L2: its fp32 grads cost two inserts a vector more). */
+#define C16_TAKES_FP32_STATE(a, c) ((c)->out_of_place || (a)->grad_dtype != DT_F32)
 
 typedef struct {
     __m256 gs, wd, w1, w2, b2, ib, eps, decay, nss;
@@ -523,7 +530,8 @@ static void adam_c16_regs(const adam_args_t *a, const adam_consts_t *c, int64_t 
     } else {
         if (mb && vb) adam_c16_modes(a, c, begin, end, DT_BF16, DT_BF16, 0);
         else if (mb) adam_c16_modes(a, c, begin, end, DT_BF16, DT_F32, 0);
-        else adam_c16_modes(a, c, begin, end, DT_F32, DT_BF16, 0);
+        else if (vb) adam_c16_modes(a, c, begin, end, DT_F32, DT_BF16, 0);
+        else adam_c16_modes(a, c, begin, end, DT_F32, DT_F32, 0);
     }
 }
 
