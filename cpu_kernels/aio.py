@@ -486,6 +486,19 @@ class AioEngine:
             request_id=rid,
         )
 
+    def set_notify(self, fd: int) -> None:
+        """From now on each request that finishes writes 8 bytes holding 1 to `fd` (an eventfd:
+        os.eventfd), so a caller can sleep in select()/poll() on it and on its other descriptors
+        until a result is there, instead of polling done() on a timer. -1 stops it. The engine
+        does not own `fd`: close it after close()."""
+        s = self._s
+        with s.lock:
+            if s.closed:
+                raise ValueError("AioEngine is closed")
+            rc = lib.hybrid_aio_set_notify(s.handle, fd)
+        if rc != 0:
+            raise ValueError(f"set_notify: fd must be -1 or a descriptor, got {fd}")
+
     def done(self, rid: int) -> bool:
         """Whether request `rid` has finished (its result still awaits `wait`)."""
         s = self._s

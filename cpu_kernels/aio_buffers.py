@@ -72,6 +72,7 @@ def _declare():
         "hybrid_aio_submit": (c_i64, [c_vp, c_int, c_int, c_vp, c_i64, c_i64, c_int]),
         "hybrid_aio_wait": (c_int, [c_vp, ctypes.POINTER(c_i64), c_int, c_i64, ctypes.POINTER(_Result)]),
         "hybrid_aio_done": (c_int, [c_vp, c_i64]),
+        "hybrid_aio_set_notify": (c_int, [c_vp, c_int]),
         "hybrid_aio_outstanding": (c_int, [c_vp]),
         "hybrid_aio_shutdown": (None, [c_vp]),
         "hybrid_aio_destroy": (c_int, [c_vp, c_i64]),

@@ -11,6 +11,7 @@ library's loaded tables to the reference. Regenerate with
 
 from __future__ import annotations
 
+import itertools
 import pathlib
 from fractions import Fraction
 
@@ -27,22 +28,90 @@ def _rows(words):
     return "\n".join(lines)
 
 
-LINES = 4  # lines per octave: the rank's interpolant is their minimum
+LINES = 3  # table rows per octave, the most either map needs (q8.h's Q8_LINES)
+USED = {True: 2, False: 3}  # the rows each map's buckets need (q8.h's Q8_LINES_SIGNED / _UNSIGNED)
 LINE_KEYS = 32  # octaves 2^-31 .. 2^0 (key = biased exponent - 96, clamped to 0..31)
+# added to |x|'s bits before the key is taken (q8.h's Q8_LINE_SHIFT_*): the signed map's buckets
+# run from 1.75 · 2^e, which keeps its 0.01 edge and the boundary at 2^-6 in different buckets
+LINE_SHIFT = {True: 0x200000, False: 0}
+SLACK = 16  # boundaries this many patterns outside a bucket count as in it (q8.h's Q8_SLACK, doubled)
+NEAR = Fraction(1, 2**13)  # q8.h's Q8_NEAR: a t whose fraction is below 2·NEAR takes q8_code
+# the top rank's line (see top_line): steeper than the last boundary's spacing (so it stays under the
+# lines below the top boundary), flatter than the top bucket's width (so it stays under top + 1 up to
+# 1.0), and flat enough that its near band spans more than Q8_SLACK patterns either side
+TOP_SLOPE = {True: 160, False: 196}
 
 
 def _f32(q) -> float:
     return q8._round32(Fraction(q))
 
 
+def _bias(signed: bool) -> Fraction:
+    """What every line adds to the rank: NEAR (so floor(t) is the rank and the near test one
+    compare of t's fraction), 256 (so t lies in [256, 512), where its fraction is its low 15 bits),
+    and for the signed map the zero code 127 (so t is 256 + the positive code, 511 - t the negative
+    one)."""
+    return NEAR + 256 + (127 if signed else 0)
+
+
+def _bucket(signed: bool, key: int):
+    """The bit patterns [lo, hi) of |x| that take the key (the line tables' column)."""
+    return ((key + 96) << 23) - LINE_SHIFT[signed], ((key + 97) << 23) - LINE_SHIFT[signed]
+
+
+def _fewest_through(pts, bits, groups, lo_bits, hi_bits):
+    """The fewest of the groups near the bucket (index ranges into the boundary points pts, whose
+    magnitudes' patterns are bits) whose lines pass through every boundary point of the bucket
+    [lo_bits, hi_bits) or within SLACK patterns of it, and stay below the next point's rank up to
+    the bucket's end. That is
+    all the minimum needs: each line lies on or above the interpolant (which is concave: every
+    segment's line lies above it) and the lines rise, so a minimum through every boundary point of a
+    bucket floors to the rank across it; a segment whose line is left out is crossed by its
+    neighbours' lines within its own rank."""
+    inside = [j for j in range(1, len(pts) - 1) if lo_bits - SLACK <= bits[j] < hi_bits + SLACK]
+    after = [j for j in range(1, len(pts) - 1) if bits[j] >= hi_bits + SLACK]
+    hi = Fraction(q8._from_bits32(hi_bits))
+    lo = Fraction(q8._from_bits32(lo_bits))
+    groups = [
+        g
+        for g in groups
+        if pts[g[1]][0] >= lo and pts[g[0]][0] < hi or any(g[0] <= j <= g[1] for j in inside)
+    ]
+    if not groups:  # past the last boundary: the flat line alone
+        return []
+
+    def line_at(g, x):
+        (x0, r0), (x1, r1) = pts[g[0]], pts[g[1]]
+        return r0 + (r1 - r0) / (x1 - x0) * (x - x0)
+
+    def enough(subset):
+        if not all(any(g0 <= j <= g1 for g0, g1 in subset) for j in inside):
+            return False
+        j = after[0] if after else None
+        return (
+            j is None
+            or any(g0 <= j <= g1 for g0, g1 in subset)
+            or min(line_at(g, hi) for g in subset) < pts[j][1] - 8 * NEAR
+        )
+
+    for size in range(1, len(groups) + 1):
+        for subset in itertools.combinations(groups, size):
+            if enough(subset):
+                return list(subset)
+    raise AssertionError("no groups through every boundary point")
+
+
 def line_tables(signed: bool):
-    """[LINES][2][LINE_KEYS] fp32: per octave of |x|, LINES lines (slope A, offset B) whose minimum
-    interpolates |x|'s rank (codes away from the zero code) through each code boundary: the rank
+    """[LINES][2][LINE_KEYS] fp32: per bucket of |x| (an octave, from 1.75 · 2^e in the signed
+    map: _bucket), up to USED lines (slope A, offset B; unused rows repeat the last) whose minimum
+    crosses |x|'s rank (codes away from the zero code), plus _bias, at each code boundary: the rank
     steps from r to r + 1 at the boundary firsts[r], so the points (firsts[r], r + 1) joined by
-    segments, from (0, 1/2); consecutive segments of nearly one slope share a line. Away from an
-    integer the floor of the minimum is the rank; a lane near one takes the exact scalar path
-    (q8_code). tests/test_q8_cpu.py holds the vector path to q8_code for every |x|."""
+    segments, from (0, 1/2); consecutive segments of nearly one slope share a line, and a bucket
+    takes the fewest lines through its points (_fewest_through). Away from an integer the floor of
+    the minimum is the rank; a lane near one takes the exact scalar path (q8_code).
+    tests/test_q8_cpu.py holds the vector path to q8_code for every |x|."""
     firsts = q8._first_of_each_rank(signed)[0]
+    bias = _bias(signed)
     pts = [(Fraction(0), Fraction(1, 2))] + [
         (Fraction(q8._from_bits32(u)), Fraction(r + 1)) for r, u in enumerate(firsts)
     ]
@@ -54,26 +123,46 @@ def line_tables(signed: bool):
             a = i
     top = len(firsts)
     # the last boundary (to +1.0, the map's lopsided top) is nearer than the grid's: that corner is
-    # convex, so its segment is no line of the minimum; the kernel sets the top rank by one compare
+    # convex, so its segment is no line of the minimum; top_line's maximum sets the top rank
     (a0, _), (b0, b1) = groups[-2], groups[-1]
     assert b1 - b0 == 1 and slopes[b0] > slopes[a0]
     groups.pop()
     out = [[[0.0] * LINE_KEYS, [0.0] * LINE_KEYS] for _ in range(LINES)]
+    bits = [0, *firsts]
     for key in range(LINE_KEYS):
-        lo, hi = Fraction(2) ** (key + 96 - 127), Fraction(2) ** (key + 96 - 126)
+        lo_bits, hi_bits = _bucket(signed, key)
+        hi = Fraction(q8._from_bits32(hi_bits))
         lines = []
-        for g0, g1 in groups:
+        for g0, g1 in _fewest_through(pts, bits, groups, lo_bits, hi_bits):
             (x0, r0), (x1, r1) = pts[g0], pts[g1]
-            if x1 >= lo and x0 < hi:
-                slope = (r1 - r0) / (x1 - x0)
-                lines.append((_f32(slope), _f32(r0 - slope * x0)))
+            slope = (r1 - r0) / (x1 - x0)
+            lines.append((_f32(slope), _f32(r0 - slope * x0 + bias)))
         if pts[-2][0] < hi:
-            lines.append((0.0, _f32(Fraction(2 * top + 1, 2))))
-        assert 1 <= len(lines) <= LINES, (signed, key, len(lines))
+            lines.append((0.0, _f32(Fraction(2 * top + 1, 2) + bias)))
+        assert 1 <= len(lines) <= USED[signed] <= LINES, (signed, key, len(lines))
         lines += [lines[-1]] * (LINES - len(lines))
         for k, (slope, offset) in enumerate(lines):
             out[k][0][key], out[k][1][key] = slope, offset
     return out
+
+
+def top_line(signed: bool):
+    """(slope, offsets[LINE_KEYS]) fp32: the line through (first |x| of the top rank, top rank +
+    _bias) in the octaves that hold the top rank's step (up to 1.0), far below every rank in the
+    others; the kernel raises line_tables' minimum to it, which makes the top rank's step, near
+    band included (that corner is convex: no line of a minimum)."""
+    firsts = q8._first_of_each_rank(signed)[0]
+    first, below = Fraction(q8._from_bits32(firsts[-1])), Fraction(q8._from_bits32(firsts[-2]))
+    slope = TOP_SLOPE[signed]
+    # steeper than the last step, flatter than the top bucket, and under the rank where it starts
+    assert slope * (first - below) > 1 + 4 * NEAR and slope * (1 - first) < 1 - 4 * NEAR
+    offset = len(firsts) + _bias(signed) - slope * first
+    start = LINE_KEYS - 2  # the bucket below 1.0's and 1.0's
+    lo = Fraction(q8._from_bits32(_bucket(signed, start)[0]))
+    rank_lo = sum(1 for u in firsts if Fraction(q8._from_bits32(u)) <= lo)
+    assert slope * lo + offset < rank_lo + _bias(signed) - 4 * NEAR
+    offsets = [_f32(offset) if key >= start else -1024.0 for key in range(LINE_KEYS)]
+    return _f32(slope), offsets
 
 
 def source() -> str:
@@ -88,7 +177,10 @@ def source() -> str:
         " * rank steps once in the bucket (65536: it does not). tests/test_q8_cpu.py checks both. */",
         '#include "q8.h"',
         "",
-        f"#if Q8_KEY_FIRST != 0x{q8.KEY_FIRST:x} || Q8_KEYS != {q8.KEYS}",
+        f"#if Q8_KEY_FIRST != 0x{q8.KEY_FIRST:x} || Q8_KEYS != {q8.KEYS} || Q8_LINES != {LINES} || "
+        f"Q8_LINES_SIGNED != {USED[True]} || Q8_LINES_UNSIGNED != {USED[False]} || "
+        f"Q8_LINE_SHIFT_SIGNED != 0x{LINE_SHIFT[True]:x} || "
+        f"Q8_LINE_SHIFT_UNSIGNED != 0x{LINE_SHIFT[False]:x}",
         '#error "q8.h disagrees with q8_reference: regenerate this file"',
         "#endif",
         "",
@@ -102,13 +194,20 @@ def source() -> str:
     parts += [
         "};",
         "",
+        "/* the vector quantizer's top line (q8_codegen.top_line): [map] slope; [map][octave] offset,"
+        " fp32 bits */",
+        "const uint32_t q8_top_slope[2] = {"
+        + ", ".join(f"0x{q8._bits32(top_line(signed)[0]):08x}u" for signed in (True, False))
+        + "};",
+        "const uint32_t q8_top_offset[2][32] __attribute__((aligned(64))) = {",
+    ]
+    for signed in (True, False):
+        parts += ["  {", _rows([q8._bits32(v) for v in top_line(signed)[1]]), "  },"]
+    parts += [
+        "};",
+        "",
         "/* the vector quantizer's lines (q8_codegen.line_tables): [map][line][slope, offset]"
         "[octave], fp32 bits */",
-        "/* the smallest |x| of the top rank, [0] signed, [1] unsigned */",
-        "const uint32_t q8_top_first[2] = {"
-        + ", ".join(f"0x{q8._first_of_each_rank(signed)[0][-1]:08x}u" for signed in (True, False))
-        + "};",
-        "",
         f"const uint32_t q8_lines[2][{LINES}][2][{LINE_KEYS}] __attribute__((aligned(64))) = {{",
     ]
     for signed in (True, False):

@@ -71,7 +71,10 @@ def bigram_batches(steps: int, batch: int, ctx: int, vocab: int, device, seed: i
     return out
 
 
-def train(model, opt, batches, desc: str, *, progress: bool = True, after_step=None):
+def train(model, opt, batches, desc: str, *, progress: bool = True, after_step=None, phases=None):
+    """Trains on `batches`; returns (losses, iteration seconds). `phases`, a list, gets each
+    iteration's (forward with zero_grad, backward, step()) seconds (on a GPU, the launches'
+    time only: the device is synchronized once per iteration, at its end)."""
     from tqdm import tqdm
 
     losses, step_times = [], []
@@ -81,13 +84,18 @@ def train(model, opt, batches, desc: str, *, progress: bool = True, after_step=N
         logits = model(seq[:, :-1])
         loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), seq[:, 1:].reshape(-1))
         opt.zero_grad(set_to_none=True)
+        t1 = time.perf_counter()
         loss.backward()
+        t2 = time.perf_counter()
         opt.step()
+        t3 = time.perf_counter()
         if after_step is not None:
             after_step()
         if seq.is_cuda:
             torch.cuda.synchronize()
         step_times.append(time.perf_counter() - t0)
+        if phases is not None:
+            phases.append((t1 - t0, t2 - t1, t3 - t2))
         losses.append(loss.item())
         bar.set_postfix(loss=f"{losses[-1]:.3f}", ms=f"{step_times[-1] * 1e3:.0f}")
     return losses, step_times
@@ -129,21 +137,21 @@ def tier_table(totals: dict, steps: int) -> str:
 
     lines = [
         "| tier | subgroups | state MB | state B/param | worker ms/step | step() waited ms/step "
-        "| hidden ms/step | committed | redone | stepped |",
+        "| during backward ms/step | committed | redone | stepped |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name in (DEVICE, HOST, NVME):
         t = totals[name]
         per = f"{t['state_bytes'] / t['elements']:.1f}" if t["elements"] else "-"
         if name == DEVICE:
-            work, waited, hidden = "-", f"{t['trainer_s'] / steps * 1e3:.2f} (in trainer)", "-"
+            work, waited, during = "-", f"{t['trainer_s'] / steps * 1e3:.2f} (in trainer)", "-"
         else:
             work = f"{t['worker_s'] / steps * 1e3:.2f}"
             waited = f"{t['trainer_wait_s'] / steps * 1e3:.2f}"
-            hidden = f"{max(0.0, t['worker_s'] - t['trainer_wait_s']) / steps * 1e3:.2f}"
+            during = f"{max(0.0, t['worker_s'] - t['trainer_wait_s']) / steps * 1e3:.2f}"
         lines.append(
             f"| {name} | {t['subgroups']} | {t['state_bytes'] / 1e6:.1f} | {per} | {work} | {waited} | "
-            f"{hidden} | {t['committed']} | {t['redone']} | {t['stepped']} |"
+            f"{during} | {t['committed']} | {t['redone']} | {t['stepped']} |"
         )
     return "\n".join(lines)
 
@@ -152,12 +160,44 @@ def _median_ms(times: list) -> float:
     return sorted(times)[len(times) // 2] * 1e3
 
 
+PHASES = ("forward", "backward", "step()")
+
+
+def phase_medians(phases: list) -> tuple:
+    """Median ms of each of train()'s phases (forward with zero_grad, backward, step())."""
+    return tuple(_median_ms([p[k] for p in phases]) for k in range(len(PHASES)))
+
+
+def process_cpu_s(pid) -> float | None:
+    """User + system CPU seconds of every thread of process `pid` so far (Linux /proc), or
+    None where it cannot be read."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 def time_summary(
-    totals: dict, steps: int, times: list, wall_s: float, base_times, base_s, cores: str | None, clipped: int
+    totals: dict,
+    steps: int,
+    times: list,
+    wall_s: float,
+    base_times,
+    base_s,
+    cores: str | None,
+    clipped: int,
+    *,
+    phases: tuple | None = None,
+    base_phases: tuple | None = None,
+    worker_cpu_s: float | None = None,
 ) -> str:
-    """Where the time went: both runs' wall time and median iteration, what the host tiers'
-    steps cost the worker, how much of it backward hid and step() waited for, the device
-    tier's step in the trainer, and the arrangement of the cores that explains it."""
+    """Where the time went: both runs' wall time and median iteration, each phase of the
+    iteration in both runs (`phases`, `base_phases`: phase_medians()), what the host tiers'
+    steps cost the worker (its tasks' time, and `worker_cpu_s`: its CPU time over the run), how
+    much of it step() waited for, the device tier's step in the trainer, and the arrangement of
+    the cores that explains it."""
     from hybrid_opt.placement.plan import DEVICE, HOST, NVME
 
     host = [totals[t] for t in (HOST, NVME) if totals.get(t, {}).get("subgroups")]
@@ -175,19 +215,41 @@ def time_summary(
         )
     else:
         lines.append(f"  wall time: HybridAdamW {wall_s:.1f} s; median iteration {med:.1f} ms")
+    if phases is not None:
+        if base_phases is not None:
+            each = [
+                f"{name} {a:.1f} against {b:.1f} ({a - b:+.1f})"
+                for name, a, b in zip(PHASES, phases, base_phases)
+            ]
+        else:
+            each = [f"{name} {a:.1f}" for name, a in zip(PHASES, phases)]
+        lines.append("  median ms: " + "; ".join(each))
     lines.append(f"  device tier: {device:.2f} ms stepped by the trainer after backward")
     if host:
         lines.append(
             f"  host and nvme tiers: {worker:.2f} ms of the worker's time; step() waited "
             f"{waited:.2f} ms for it, the rest ran during backward"
         )
+        lines.append(
+            "    (a task's time from its start to its result: an nvme swap's counts its read or "
+            "write in flight, when the worker's threads sleep)"
+        )
+        if worker_cpu_s is not None:
+            lines.append(
+                f"  the worker's CPU: {worker_cpu_s / steps * 1e3:.2f} ms per step, all its threads "
+                f"(the Adam steps, the grads it reads, the nvme tier's system calls and checksums)"
+            )
     if cores is not None:
         lines.append(f"  cores: {cores}")
         if cores.startswith("shared"):
+            grew = ""
+            if phases is not None and base_phases is not None:
+                grew = f" (here backward {phases[1] - base_phases[1]:+.1f} ms against torch's)"
             lines.append(
-                "    so what runs during backward takes cores the backward needs: on this "
-                "host the host tiers cost about their worker time; on a GPU host the worker "
-                "has cores of its own and the same work hides under backward"
+                "    so what runs during backward takes cores the backward needs: nothing of it is "
+                f"hidden on this host{grew}, and a core taken from one of torch's threads stalls "
+                "its other thread too, so backward can grow by more than the worker's CPU time; "
+                "on a GPU host the worker has cores of its own and the same work hides under backward"
             )
     if clipped:
         lines.append(
@@ -283,8 +345,10 @@ def main(argv=None) -> int:
             host_tier = opt.parts.placement.host
             cores = host_tier.cores.describe() if host_tier is not None else None
             held = tier_state_bytes(opt.parts.layout.subgroups, opt.plan.tiers, opt.state_format)
+            hooks_stats: list = []
+            phases: list = []
+            worker_cpu0 = process_cpu_s(opt.worker_pid) if opt.worker_pid else None
             t0 = time.perf_counter()
-            hooks_stats = []
             losses, times = train(
                 model,
                 opt,
@@ -292,8 +356,13 @@ def main(argv=None) -> int:
                 "HybridAdamW",
                 progress=not args.no_progress,
                 after_step=lambda: hooks_stats.append(opt.stats),
+                phases=phases,
             )
             hybrid_s = time.perf_counter() - t0
+            worker_cpu1 = process_cpu_s(opt.worker_pid) if worker_cpu0 is not None else None
+            worker_cpu_s = (
+                worker_cpu1 - worker_cpu0 if worker_cpu0 is not None and worker_cpu1 is not None else None
+            )
         totals = {}
         for st in hooks_stats:
             for name, t in st["tiers"].items():
@@ -310,6 +379,7 @@ def main(argv=None) -> int:
             tmp.cleanup()
 
     base_losses = base_times = base_s = None
+    base_phases: list = []
     if not args.no_baseline:
         model = fresh()
         ref = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1)
@@ -324,7 +394,7 @@ def main(argv=None) -> int:
 
         t0 = time.perf_counter()
         base_losses, base_times = train(
-            model, _Clipped(), batches, "torch AdamW", progress=not args.no_progress
+            model, _Clipped(), batches, "torch AdamW", progress=not args.no_progress, phases=base_phases
         )
         base_s = time.perf_counter() - t0
 
@@ -342,7 +412,20 @@ def main(argv=None) -> int:
     print("\nPer tier (totals over the run, per-step averages):")
     print(tier_table(totals, len(losses)))
     clipped = sum(1 for st in hooks_stats if (st.get("clip_coef") or 1.0) < 1.0)
-    print("\n" + time_summary(totals, len(losses), times, hybrid_s, base_times, base_s, cores, clipped))
+    summary = time_summary(
+        totals,
+        len(losses),
+        times,
+        hybrid_s,
+        base_times,
+        base_s,
+        cores,
+        clipped,
+        phases=phase_medians(phases),
+        base_phases=phase_medians(base_phases) if base_phases else None,
+        worker_cpu_s=worker_cpu_s,
+    )
+    print("\n" + summary)
     os.makedirs(args.out, exist_ok=True)
     png = os.path.join(args.out, "demo_loss.png")
     import matplotlib

@@ -104,6 +104,40 @@ def test_write_then_read_round_trips_bytes_and_checksum(engine, disk_dir, nbytes
     assert os.path.getsize(disk_dir / "f.bin") == offset + nbytes
 
 
+def test_set_notify_counts_each_finished_request_on_an_eventfd(engine, disk_dir):
+    """What the nvme worker sleeps on between requests: every request that finishes (a
+    multi-chunk one once, when its last chunk lands) adds 1 to the eventfd, and select()
+    sees it readable; -1 stops it."""
+    if not hasattr(os, "eventfd"):
+        pytest.skip("no eventfd on this platform")
+    import select
+
+    efd = os.eventfd(0, os.EFD_NONBLOCK)
+    fd = engine.open(disk_dir / "n.bin", "w+")
+    try:
+        engine.set_notify(efd)
+        nbytes = 3 * MiB + PAGE  # 4 chunks of the fixture's 1 MiB: one wake-up all the same
+        src, dst = _random_buffer(nbytes, 7), aligned_buffer(nbytes)
+        ids = [engine.submit_write(fd, src, nbytes, 0), engine.submit_write(fd, src, PAGE, nbytes)]
+        engine.wait(ids)
+        assert select.select([efd], [], [], 5.0)[0] == [efd]
+        assert os.eventfd_read(efd) == 2
+        rid = engine.submit_read(fd, dst, nbytes, 0)
+        assert select.select([efd], [], [], 5.0)[0] == [efd]  # before wait(): it says when
+        assert engine.done(rid)
+        engine.wait([rid])
+        assert os.eventfd_read(efd) == 1
+        engine.set_notify(-1)
+        engine.read(fd, dst, PAGE, 0)
+        with pytest.raises(BlockingIOError):
+            os.eventfd_read(efd)
+        with pytest.raises(ValueError, match="fd must be -1"):
+            engine.set_notify(-2)
+    finally:
+        engine.close_fd(fd)
+        os.close(efd)
+
+
 def test_int_addresses_and_buffer_objects_are_both_accepted(engine, disk_dir):
     import ctypes
 

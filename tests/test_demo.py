@@ -3,6 +3,9 @@
 import os
 import subprocess
 import sys
+import time
+
+import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -141,3 +144,49 @@ def test_the_time_summary_names_the_cost_and_the_arrangement():
     assert "clipping bit in 7 of 100 steps" in text and "speculates nothing after a clipped step" in text
     split = time_summary(totals, 100, [0.05] * 100, 5.0, None, None, "split: the trainer on cores 0", 0)
     assert "GPU host" not in split and "clipping" not in split and "torch" not in split
+
+
+def test_the_time_summary_gives_each_phase_of_both_runs_and_the_workers_cpu():
+    """Where the time goes (issue #37, item 3): each phase of the iteration against torch's, the
+    worker's CPU beside its tasks' time, and on shared cores that nothing ran hidden."""
+    from hybrid_opt.demo import phase_medians, time_summary
+
+    totals = {
+        "device": dict(subgroups=1, worker_s=0.0, trainer_wait_s=0.0, trainer_s=0.1),
+        "nvme": dict(subgroups=2, worker_s=0.8, trainer_wait_s=0.2),
+    }
+    hybrid = phase_medians([(0.013, 0.032, 0.002)] * 9 + [(0.5, 0.5, 0.5)])
+    torch_ = phase_medians([(0.013, 0.025, 0.003)] * 10)
+    assert hybrid == (13.0, 32.0, 2.0) and torch_ == (13.0, 25.0, 3.0)
+    text = time_summary(
+        totals,
+        100,
+        [0.047] * 100,
+        4.7,
+        [0.041] * 100,
+        4.1,
+        "shared: the trainer keeps all 2 cores",
+        0,
+        phases=hybrid,
+        base_phases=torch_,
+        worker_cpu_s=0.35,
+    )
+    assert "median ms: forward 13.0 against 13.0 (+0.0); backward 32.0 against 25.0 (+7.0)" in text
+    assert "step() 2.0 against 3.0 (-1.0)" in text
+    assert "the worker's CPU: 3.50 ms per step" in text
+    assert "nothing of it is hidden on this host (here backward +7.0 ms against torch's)" in text
+    alone = time_summary(totals, 100, [0.047] * 100, 4.7, None, None, "split: the trainer on cores 0", 0)
+    assert "median ms" not in alone and "worker's CPU" not in alone and "hidden" not in alone
+
+
+def test_process_cpu_s_reads_a_process_cpu_time():
+    from hybrid_opt.demo import process_cpu_s
+
+    t0 = process_cpu_s(os.getpid())
+    if t0 is None:
+        pytest.skip("no /proc here")
+    end = time.process_time() + 0.05
+    while time.process_time() < end:  # spends CPU the count must see
+        pass
+    assert process_cpu_s(os.getpid()) >= t0 + 0.03
+    assert process_cpu_s(2**22 + 12345) is None

@@ -485,14 +485,18 @@ def test_the_raw_entry_point_refuses_a_q8_moment_without_its_absmax():
 # ------------------------------------------------ the AVX-512 quantizer's lines against q8_code
 
 
-def _check_quant_avx512(signed, first, count):
+def _check_quant_avx512(signed, first, count, bounded=False):
     import ctypes
 
     fn = _q8_lib.lib.q8_check_quant_avx512
     fn.restype = ctypes.c_int64
     fn.argtypes = [ctypes.c_int, ctypes.c_uint32, ctypes.c_uint64, ctypes.POINTER(ctypes.c_int64)]
     near = ctypes.c_int64()
-    return fn(0 if signed else 1, first, count, ctypes.byref(near)), near.value
+    return fn((0 if signed else 1) + (2 if bounded else 0), first, count, ctypes.byref(near)), near.value
+
+
+# The bounded form (x·(1/absmax), |x| <= absmax, both normal) sees finite |x| <= 1 + 2^-23 only.
+BOUNDED_LAST = 0x3F800001
 
 
 needs_avx512 = pytest.mark.skipif("avx512" not in LEVELS, reason="no AVX-512 on this CPU")
@@ -508,21 +512,30 @@ def test_avx512_quantizer_equals_q8_code_around_every_code_boundary(signed):
         for u in q8._first_of_each_rank(signed)[0]:
             bad, _ = _check_quant_avx512(signed, side | (u - (1 << 16)), 1 << 17)
             assert bad == 0, f"signed={signed} side={side:#x} boundary {u:#x}"
+            bad, _ = _check_quant_avx512(
+                signed, side | (u - (1 << 16)), min(1 << 17, BOUNDED_LAST + 1 - (u - (1 << 16))), True
+            )
+            assert bad == 0, f"signed={signed} side={side:#x} boundary {u:#x} bounded"
         for first, count in ((0x3F000000, (1 << 23) + 64), (0x7F7FFFF0, 64), (0x7FFFFFC0, 64)):
             bad, _ = _check_quant_avx512(signed, side | first, count)
             assert bad == 0, f"signed={signed} side={side:#x} from {first:#x}"
+        bad, _ = _check_quant_avx512(signed, side | 0x3F000000, BOUNDED_LAST + 1 - 0x3F000000, bounded=True)
+        assert bad == 0, f"signed={signed} side={side:#x} bounded, the top octave"
 
 
 @needs_avx512
 @pytest.mark.slow
 @pytest.mark.parametrize("signed", [True, False])
 def test_avx512_quantizer_equals_q8_code_for_every_fp32_pattern(signed):
-    # all 2^32 patterns (about 10 s per map): the proof that the generated lines and the near band
-    # (Q8_NEAR) give q8_code's code for every x
+    # all 2^32 patterns (about 10 s per map), and the bounded form's 2^31 (the fused pass's): the
+    # proof that the generated lines and the near band (Q8_NEAR) give q8_code's code for every x
     for first in (0, 1 << 31):
         bad, near = _check_quant_avx512(signed, first, 1 << 31)
         assert bad == 0, (signed, first)
         assert near < 1 << 20  # the scalar path stays rare
+        bad, near = _check_quant_avx512(signed, first, BOUNDED_LAST + 1, bounded=True)
+        assert bad == 0, (signed, first, "bounded")
+        assert near < 1 << 20
 
 
 def test_a_raw_q8_args_struct_steps_unscaled_grads_unless_told():
@@ -533,3 +546,48 @@ def test_a_raw_q8_args_struct_steps_unscaled_grads_unless_told():
     assert Q8AdamArgs().grad_scale == 1.0
     assert Q8AdamArgs(grad_scale=0.5, n=7).grad_scale == 0.5
     assert Q8AdamArgs(n=7).n == 7 and Q8AdamArgs().lr == 0.0
+
+
+# ------------------------------------------------ the AVX2 quantizer's bucket table against q8_code
+
+
+def _check_quant_avx2(signed, first, count):
+    import ctypes
+
+    fn = _q8_lib.lib.q8_check_quant_avx2
+    fn.restype = ctypes.c_int64
+    fn.argtypes = [ctypes.c_int, ctypes.c_uint32, ctypes.c_uint64, ctypes.POINTER(ctypes.c_int64)]
+    near = ctypes.c_int64()
+    return fn(0 if signed else 1, first, count, ctypes.byref(near)), near.value
+
+
+needs_avx2 = pytest.mark.skipif("avx2" not in LEVELS, reason="no AVX2 on this CPU")
+
+
+@needs_avx2
+@pytest.mark.parametrize("signed", [True, False])
+def test_avx2_quantizer_equals_q8_code_around_every_code_boundary(signed):
+    # the AVX2 level quantizes x·(1/absmax): a lane whose pattern lies within Q8_SLACK of its
+    # bucket's step or edge takes q8_code, every other must give q8_code's code for every pattern
+    # within Q8_SLACK of it. 2^16 patterns either side of every boundary, both signs, plus the
+    # octave of 1.0 and the patterns above it (inf, NaN)
+    for side in (0, 1 << 31):
+        for u in q8._first_of_each_rank(signed)[0]:
+            bad, near = _check_quant_avx2(signed, side | (u - (1 << 16)), 1 << 17)
+            assert bad == 0, f"signed={signed} side={side:#x} boundary {u:#x}"
+            assert near < 1 << 8  # the lanes near this boundary and the edges of its buckets
+        for first, count in ((0x3F000000, (1 << 23) + 64), (0x7F7FFFF0, 64), (0x7FFFFFC0, 64)):
+            bad, _ = _check_quant_avx2(signed, side | first, count)
+            assert bad == 0, f"signed={signed} side={side:#x} from {first:#x}"
+
+
+@needs_avx2
+@pytest.mark.slow
+@pytest.mark.parametrize("signed", [True, False])
+def test_avx2_quantizer_equals_q8_code_for_every_fp32_pattern(signed):
+    # all 2^32 patterns (about 30 s per map): the proof that the near band gives q8_code's code
+    # for every x whatever the 3 ulps between x·(1/absmax) and x / absmax
+    for first in (0, 1 << 31):
+        bad, near = _check_quant_avx2(signed, first, 1 << 31)
+        assert bad == 0, (signed, first)
+        assert near < 1 << 20  # the scalar path stays rare

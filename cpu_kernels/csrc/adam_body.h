@@ -14,7 +14,9 @@
  * (moment_dtype, exp_avg_sq_dtype); the pair is fixed for a call.
  * Compressed state (bf16 moments, remainders) runs in the level's register loop
  * (adam_c16_regs, HAVE_ADAM_C16_REGS: AVX-512, AVX2) over whole 32-element steps and in the
- * blocks below for the tail: the same arithmetic and rounding, so the same bits. The Arm
+ * blocks below for the tail: the same arithmetic and rounding, so the same bits. A level may
+ * send some fp32-state calls there too (C16_TAKES_FP32_STATE: AVX2's bank mode and 16-bit
+ * grads). The Arm
  * levels (HAVE_ADAM_RANGE_REGS: NEON, SVE) run every call in their own register loop.
  */
 #define BLK 128
@@ -77,7 +79,11 @@ void FN(adam_range)(const adam_args_t *a, const adam_consts_t *c, int64_t begin,
     const int mdt = a->moment_dtype, vdt = a->exp_avg_sq_dtype;
     const int oop = c->out_of_place, ams = c->amsgrad, l2 = c->l2_mode;
 #ifdef HAVE_ADAM_C16_REGS
-    if (a->remainder || mdt != DT_F32 || vdt != DT_F32) {  /* the level's register loop; the tail below */
+#ifndef C16_TAKES_FP32_STATE
+#define C16_TAKES_FP32_STATE(a, c) 0
+#endif
+    /* the level's register loop; the tail below */
+    if (a->remainder || mdt != DT_F32 || vdt != DT_F32 || C16_TAKES_FP32_STATE(a, c)) {
         const int64_t vec_end = begin + ((end - begin) & ~(int64_t)31);
         adam_c16_regs(a, c, begin, vec_end);
         begin = vec_end;

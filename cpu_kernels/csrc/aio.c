@@ -213,6 +213,7 @@ struct hybrid_aio {
     request_t *reqs;
     int *fifo, fifo_head, fifo_count;  /* slots with chunks not yet handed out */
     int64_t chunk_bytes, alignment;
+    int notify_fd;  /* told of each finished request (hybrid_aio_set_notify), or -1 */
 };
 
 typedef struct {
@@ -242,6 +243,14 @@ static void finish_request(hybrid_aio_t *e, request_t *r)
     }
     r->state = SLOT_DONE;
     pthread_cond_broadcast(&e->done_cv);
+    if (e->notify_fd >= 0) {
+        /* an eventfd's counter: never blocks short of 2^64 - 1 finished requests unread,
+         * and a failed write only costs the waiter its wake-up (it still bounds its wait) */
+        const uint64_t one = 1;
+        ssize_t rc;
+        do rc = write(e->notify_fd, &one, sizeof(one));
+        while (rc < 0 && errno == EINTR);
+    }
 }
 
 /* Called with the mutex held. The lowest failing offset wins: it says how much of the
@@ -399,6 +408,7 @@ hybrid_aio_t *hybrid_aio_create(int threads, int queue_depth, int64_t chunk_byte
     pthread_cond_init(&e->done_cv, &ca);
     pthread_condattr_destroy(&ca);
     e->nthreads = threads;
+    e->notify_fd = -1;
     e->qd = queue_depth;
     e->chunk_bytes = chunk_bytes;
     e->alignment = alignment;
@@ -596,6 +606,15 @@ int hybrid_aio_wait(hybrid_aio_t *e, const int64_t *ids, int n, int64_t timeout_
     if (e->stop) pthread_cond_broadcast(&e->done_cv);  /* destroy waits for waiters to leave */
     pthread_mutex_unlock(&e->mu);
     return rc;
+}
+
+int hybrid_aio_set_notify(hybrid_aio_t *e, int fd)
+{
+    if (fd < -1) return -EINVAL;
+    pthread_mutex_lock(&e->mu);
+    e->notify_fd = fd;
+    pthread_mutex_unlock(&e->mu);
+    return 0;
 }
 
 int hybrid_aio_done(hybrid_aio_t *e, int64_t id)

@@ -66,6 +66,13 @@ int64_t hybrid_aio_submit(hybrid_aio_t *e, int op, int fd, void *buf, int64_t nb
 int hybrid_aio_wait(hybrid_aio_t *e, const int64_t *ids, int n, int64_t timeout_ns,
                     hybrid_aio_result_t *out);
 
+/* A descriptor told of every request that finishes: 8 bytes holding 1 are written to it
+ * (an eventfd adds them up) once the request's result can be waited for without blocking.
+ * -1 (the default) tells nothing. A caller that waits on it and on other descriptors at
+ * once (the worker's request pipe) sleeps until there is something to do, instead of
+ * polling done() on a timer. Returns 0, or -EINVAL for fd < -1. */
+int hybrid_aio_set_notify(hybrid_aio_t *e, int fd);
+
 /* 1 finished, 0 still running, -EINVAL unknown id. Releases nothing. */
 int hybrid_aio_done(hybrid_aio_t *e, int64_t id);
 

@@ -133,6 +133,13 @@ static inline void encode_block(uint16_t *p, int16_t *r, int64_t off, const floa
  * of each instance (and the grad dtype, L2 mode and outputs of the common ones), and each 32
  * elements run as two halves whose divisions are in flight together. */
 #define HAVE_ADAM_C16_REGS 1
+/* fp32 state goes through the register loop too (split halves: no shuffle for fp32 streams)
+ * in bank mode and with 16-bit grads, where the block path's L1 round trips cost more than the
+ * loop's conversions: one thread, ns an element, L2-resident (32Ki elements, min of 3000 calls)
+ * / from DRAM (16Mi, median of 15): bank mode 0.425 -> 0.354 / 0.623 -> 0.581, bf16 grads +
+ * bf16 copy in place 0.437 -> 0.395 / 0.524 -> 0.456. fp32 grads in place stay in the blocks
+ * (0.285 there, 0.363 here in L2: its fp32 grads cost two inserts a vector more). */
+#define C16_TAKES_FP32_STATE(a, c) ((c)->out_of_place || (a)->grad_dtype != DT_F32)
 
 typedef struct {
     __m256 gs, wd, w1, w2, b2, ib, eps, decay, nss;
@@ -166,82 +173,120 @@ static inline __m256 adam8_param(const consts8_t *k, __m256 p, __m256 q)
     return _mm256_fmadd_ps(p, k->decay, _mm256_mul_ps(k->nss, q));
 }
 
-/* The register loop holds each 16 elements as two vectors in even/odd order: E = elements
- * 0,2,..,14 and O = 1,3,..,15. A 16-bit stream then needs no shuffle at all: its 32-bit lane
- * k holds elements 2k (low half) and 2k+1 (high half), so widening is a shift / a mask, and
- * narrowing a shift and a word blend (port 5, AVX2's only shuffle port on Intel, was this
- * loop's bottleneck: 32 shuffles per 32 elements in pack16 / permutes / vpmovzxwd). An fp32
- * stream is gathered by two 128-bit loads per vector (rows 0-3|8-11 and 4-7|12-15) and two
- * shufps, scattered by two unpacks and four 128-bit stores (or two vperm2f128 for streaming
- * stores). The arithmetic is per element: same bits as any order. */
+/* The register loop holds each 16 elements as a pair of vectors in one of two layouts, fixed
+ * per instance (the arithmetic is per element: same bits in any order):
+ * - even/odd (EO), where every stream is 16-bit: vector 0 = elements 0,2,..,14, vector 1 =
+ *   1,3,..,15. A 16-bit stream's 32-bit lane k holds elements 2k (low half) and 2k+1 (high
+ *   half), so widening is a shift / a mask and narrowing a shift and a word blend: no shuffle
+ *   (port 5, AVX2's only shuffle port on Intel, was this loop's bottleneck: 32 shuffles per 32
+ *   elements in pack16 / permutes / vpmovzxwd). An fp32 stream costs two shufps a vector more.
+ * - split halves (AB), where an fp32 stream is (fp32 master or moments): vector 0 = elements
+ *   0-3|8-11, vector 1 = 4-7|12-15, so an fp32 stream is two 128-bit loads / stores per vector
+ *   and a 16-bit one an unpack against zero to widen, a vpshufb and a 64-bit unpack pair to
+ *   narrow. Measured at one thread in L2 (32Ki elements, min of 3000 calls): fp32 master +
+ *   bf16 moments + bf16 copy 0.417 -> 0.388 ns an element, remainders with fp32 moments 0.334
+ *   -> 0.290; bf16 moments + remainders 0.349 -> 0.353 (no fp32 stream: EO kept). */
 #define HI16 _mm256_set1_epi32((int)0xffff0000u)
+/* per 128-bit lane: the low words of its four 32-bit lanes to bytes 0-7, the high words to 8-15 */
+#define SPLIT_WORDS                                                                                  \
+    _mm256_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15, 0, 1, 4, 5, 8, 9, 12, 13, 2, \
+                     3, 6, 7, 10, 11, 14, 15)
 
 static inline __m256 loadu2x128(const float *lo, const float *hi)
 {
     return _mm256_insertf128_ps(_mm256_castps128_ps256(_mm_loadu_ps(lo)), _mm_loadu_ps(hi), 1);
 }
 
-/* [e0-3|e8-11], [e4-7|e12-15] -> E, O */
+/* AB [e0-3|e8-11], [e4-7|e12-15] -> EO */
 static inline void split_eo(__m256 a, __m256 b, __m256 *e, __m256 *o)
 {
     *e = _mm256_shuffle_ps(a, b, 0x88);
     *o = _mm256_shuffle_ps(a, b, 0xDD);
 }
 
-static inline __attribute__((always_inline)) void load16_eo(const void *src, const int dt, int64_t j,
-                                                            __m256 *e, __m256 *o)
+/* 16 words in element order -> the pair with each word the high half of its element's lane */
+static inline void widen16(__m256i x, const int ab, __m256 *v0, __m256 *v1)
+{
+    if (ab) {
+        *v0 = _mm256_castsi256_ps(_mm256_unpacklo_epi16(_mm256_setzero_si256(), x));
+        *v1 = _mm256_castsi256_ps(_mm256_unpackhi_epi16(_mm256_setzero_si256(), x));
+    } else {
+        *v0 = _mm256_castsi256_ps(_mm256_slli_epi32(x, 16));
+        *v1 = _mm256_castsi256_ps(_mm256_and_si256(x, HI16));
+    }
+}
+
+/* the pair's high and low 16-bit halves, each as 16 words in element order */
+static inline void halves16(__m256 v0, __m256 v1, const int ab, __m256i *hi, __m256i *lo)
+{
+    const __m256i a = _mm256_castps_si256(v0), b = _mm256_castps_si256(v1);
+    if (ab) {
+        const __m256i sa = _mm256_shuffle_epi8(a, SPLIT_WORDS), sb = _mm256_shuffle_epi8(b, SPLIT_WORDS);
+        *hi = _mm256_unpackhi_epi64(sa, sb);
+        *lo = _mm256_unpacklo_epi64(sa, sb);
+    } else {
+        *hi = _mm256_blend_epi16(b, _mm256_srli_epi32(a, 16), 0x55);
+        *lo = _mm256_blend_epi16(_mm256_slli_epi32(b, 16), a, 0x55);
+    }
+}
+
+static inline __attribute__((always_inline)) void load16(const void *src, const int dt, int64_t j, const int ab,
+                                                         __m256 *v0, __m256 *v1)
 {
     if (dt == DT_F32) {
         const float *s = (const float *)src + j;
-        split_eo(loadu2x128(s, s + 8), loadu2x128(s + 4, s + 12), e, o);
+        const __m256 a = loadu2x128(s, s + 8), b = loadu2x128(s + 4, s + 12);
+        if (ab) *v0 = a, *v1 = b;
+        else split_eo(a, b, v0, v1);
     } else if (dt == DT_BF16) {
-        const __m256i x = _mm256_loadu_si256((const __m256i *)((const uint16_t *)src + j));
-        *e = _mm256_castsi256_ps(_mm256_slli_epi32(x, 16));
-        *o = _mm256_castsi256_ps(_mm256_and_si256(x, HI16));
+        widen16(_mm256_loadu_si256((const __m256i *)((const uint16_t *)src + j)), ab, v0, v1);
     } else {
         const __m128i *s = (const __m128i *)((const uint16_t *)src + j);
-        const __m256 a = _mm256_cvtph_ps(_mm_loadu_si128(s)), b = _mm256_cvtph_ps(_mm_loadu_si128(s + 1));
-        split_eo(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31), e, o);
+        const __m256 x = _mm256_cvtph_ps(_mm_loadu_si128(s)), y = _mm256_cvtph_ps(_mm_loadu_si128(s + 1));
+        const __m256 a = _mm256_permute2f128_ps(x, y, 0x20), b = _mm256_permute2f128_ps(x, y, 0x31);
+        if (ab) *v0 = a, *v1 = b;
+        else split_eo(a, b, v0, v1);
     }
 }
 
-static inline void store_f32_eo(float *d, __m256 e, __m256 o, int nt)
+static inline void store_f32x16(float *d, __m256 v0, __m256 v1, int nt, const int ab)
 {
-    const __m256 l = _mm256_unpacklo_ps(e, o), h = _mm256_unpackhi_ps(e, o);  /* 0-3|8-11, 4-7|12-15 */
+    /* EO -> AB: 0-3|8-11, 4-7|12-15 */
+    const __m256 a = ab ? v0 : _mm256_unpacklo_ps(v0, v1), b = ab ? v1 : _mm256_unpackhi_ps(v0, v1);
     if (nt) {
-        _mm256_stream_ps(d, _mm256_permute2f128_ps(l, h, 0x20));
-        _mm256_stream_ps(d + 8, _mm256_permute2f128_ps(l, h, 0x31));
+        _mm256_stream_ps(d, _mm256_permute2f128_ps(a, b, 0x20));
+        _mm256_stream_ps(d + 8, _mm256_permute2f128_ps(a, b, 0x31));
     } else {
-        _mm_storeu_ps(d, _mm256_castps256_ps128(l));
-        _mm_storeu_ps(d + 4, _mm256_castps256_ps128(h));
-        _mm_storeu_ps(d + 8, _mm256_extractf128_ps(l, 1));
-        _mm_storeu_ps(d + 12, _mm256_extractf128_ps(h, 1));
+        _mm_storeu_ps(d, _mm256_castps256_ps128(a));
+        _mm_storeu_ps(d + 4, _mm256_castps256_ps128(b));
+        _mm_storeu_ps(d + 8, _mm256_extractf128_ps(a, 1));
+        _mm_storeu_ps(d + 12, _mm256_extractf128_ps(b, 1));
     }
 }
 
-/* to_bf16_8's rounding (nearest even) of E and O, joined: 16 bf16 in order. No NaN handling:
- * the loop tests each 16 elements for NaN once and takes bf16_eo_nan where one is.
- * In 16-bit lanes, both halves at once: h = the high halves (truncated bf16), l = the low
- * halves; the carry is l + lsb(h) + 0x7fff >= 0x10000, bit 15 of vpavgw(l, 0x7ffe | lsb(h))
- * = (l + lsb + 0x7fff) >> 1 (17-bit sum, no overflow). 9 instructions a pair, where rounding
- * each fp32 lane (u + 0x7fff + bit 16) and joining the halves took 10. The same bits as
- * to_bf16_8 for every one of the 2^32 inputs but NaNs (checked exhaustively when written). */
-static inline __m256i bf16_eo(__m256 e, __m256 o)
+/* to_bf16_8's rounding (nearest even) of the pair: 16 bf16 in order. No NaN handling: the
+ * loop tests each 16 elements for NaN once and takes bf16x16_nan where one is.
+ * In 16-bit lanes: h = the high halves (truncated bf16), l = the low halves; the carry is
+ * l + lsb(h) + 0x7fff >= 0x10000, bit 15 of vpavgw(l, 0x7ffe | lsb(h)) = (l + lsb + 0x7fff) >> 1
+ * (17-bit sum, no overflow). 9 instructions a pair (EO), where rounding each fp32 lane
+ * (u + 0x7fff + bit 16) and joining the halves took 10. The same bits as to_bf16_8 for every
+ * one of the 2^32 inputs but NaNs (checked exhaustively when written). */
+static inline __m256i bf16x16(__m256 v0, __m256 v1, const int ab)
 {
-    const __m256i ue = _mm256_castps_si256(e), uo = _mm256_castps_si256(o);
-    const __m256i h = _mm256_blend_epi16(uo, _mm256_srli_epi32(ue, 16), 0x55);
-    const __m256i l = _mm256_blend_epi16(_mm256_slli_epi32(uo, 16), ue, 0x55);
+    __m256i h, l;
+    halves16(v0, v1, ab, &h, &l);
     const __m256i x = _mm256_or_si256(_mm256_and_si256(h, _mm256_set1_epi16(1)), _mm256_set1_epi16(0x7ffe));
     return _mm256_add_epi16(h, _mm256_srli_epi16(_mm256_avg_epu16(l, x), 15));
 }
 
-/* bf16_eo with torch's NaN -> 0x7FC0 */
-static inline __m256i bf16_eo_nan(__m256 e, __m256 o)
+/* bf16x16 with torch's NaN -> 0x7FC0 */
+static inline __m256i bf16x16_nan(__m256 v0, __m256 v1, const int ab)
 {
-    const __m256i r = bf16_eo(e, o);
-    const __m256i ne = _mm256_castps_si256(_mm256_cmp_ps(e, e, _CMP_UNORD_Q));
-    const __m256i no = _mm256_castps_si256(_mm256_cmp_ps(o, o, _CMP_UNORD_Q));
-    const __m256i nan = _mm256_blend_epi16(no, ne, 0x55);
+    const __m256i r = bf16x16(v0, v1, ab);
+    const __m256i n0 = _mm256_castps_si256(_mm256_cmp_ps(v0, v0, _CMP_UNORD_Q));
+    const __m256i n1 = _mm256_castps_si256(_mm256_cmp_ps(v1, v1, _CMP_UNORD_Q));
+    /* per element, as 16-bit masks in order (packs keeps -1 and 0) */
+    const __m256i nan = ab ? _mm256_packs_epi32(n0, n1) : _mm256_blend_epi16(n1, n0, 0x55);
     return _mm256_blendv_epi8(r, _mm256_set1_epi16(0x7fc0), nan);
 }
 
@@ -250,39 +295,47 @@ static inline void store_u16x16(void *dst, __m256i x, int nt)
     if (nt) _mm256_stream_si256((__m256i *)dst, x); else _mm256_storeu_si256((__m256i *)dst, x);
 }
 
-/* 16 masters from 16 (param, remainder) pairs: the carry subtracted in 16-bit lanes, each
- * 32-bit lane's halves moved to the top (param) or bottom (remainder) of its own lane */
-static inline void decode16_eo(const uint16_t *p, const int16_t *r, int64_t j, __m256 *e, __m256 *o)
+/* 16 masters from 16 (param, remainder) pairs: the carry subtracted in 16-bit lanes, then
+ * each element's param word as the high half of its lane, its remainder word as the low */
+static inline void decode16(const uint16_t *p, const int16_t *r, int64_t j, const int ab, __m256 *v0, __m256 *v1)
 {
     const __m256i pp = _mm256_loadu_si256((const __m256i *)(p + j));
     const __m256i rr = _mm256_loadu_si256((const __m256i *)(r + j));
     /* the carry as a mask (-1 where the remainder's top bit is set): a compare, not a shift */
     const __m256i h = _mm256_add_epi16(pp, _mm256_cmpgt_epi16(_mm256_setzero_si256(), rr));
-    *e = _mm256_castsi256_ps(_mm256_blend_epi16(_mm256_slli_epi32(h, 16), rr, 0x55));
-    *o = _mm256_castsi256_ps(_mm256_blend_epi16(h, _mm256_srli_epi32(rr, 16), 0x55));
+    if (ab) {
+        *v0 = _mm256_castsi256_ps(_mm256_unpacklo_epi16(rr, h));
+        *v1 = _mm256_castsi256_ps(_mm256_unpackhi_epi16(rr, h));
+    } else {
+        *v0 = _mm256_castsi256_ps(_mm256_blend_epi16(_mm256_slli_epi32(h, 16), rr, 0x55));
+        *v1 = _mm256_castsi256_ps(_mm256_blend_epi16(h, _mm256_srli_epi32(rr, 16), 0x55));
+    }
 }
 
 /* the inverse: remainder words = low halves in order; param words = high halves plus the
  * remainder's top bit, added in 16-bit lanes (wraps as remainder_param_bits' & 0xffff) */
-static inline void encode16_eo(__m256 e, __m256 o, __m256i *ph, __m256i *rh)
+static inline void encode16(__m256 v0, __m256 v1, const int ab, __m256i *ph, __m256i *rh)
 {
-    const __m256i ue = _mm256_castps_si256(e), uo = _mm256_castps_si256(o);
-    *rh = _mm256_blend_epi16(_mm256_slli_epi32(uo, 16), ue, 0x55);
-    const __m256i t = _mm256_blend_epi16(uo, _mm256_srli_epi32(ue, 16), 0x55);
+    __m256i t;
+    halves16(v0, v1, ab, &t, rh);
     *ph = _mm256_sub_epi16(t, _mm256_cmpgt_epi16(_mm256_setzero_si256(), *rh));
 }
 
-static inline __m256i f16_eo(__m256 e, __m256 o)
+static inline __m256i f16x16(__m256 v0, __m256 v1, const int ab)
 {
-    const __m128i he = _mm256_cvtps_ph(e, _MM_FROUND_TO_NEAREST_INT), ho = _mm256_cvtps_ph(o, _MM_FROUND_TO_NEAREST_INT);
-    return _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_unpacklo_epi16(he, ho)), _mm_unpackhi_epi16(he, ho), 1);
+    const __m128i h0 = _mm256_cvtps_ph(v0, _MM_FROUND_TO_NEAREST_INT);
+    const __m128i h1 = _mm256_cvtps_ph(v1, _MM_FROUND_TO_NEAREST_INT);
+    /* AB: h0 = elements 0-3, 8-11, h1 = 4-7, 12-15; EO: h0 = evens, h1 = odds */
+    const __m128i lo = ab ? _mm_unpacklo_epi64(h0, h1) : _mm_unpacklo_epi16(h0, h1);
+    const __m128i hi = ab ? _mm_unpackhi_epi64(h0, h1) : _mm_unpackhi_epi16(h0, h1);
+    return _mm256_inserti128_si256(_mm256_castsi128_si256(lo), hi, 1);
 }
 
-static inline __attribute__((always_inline)) void store_moment16(void *dst, const int dt, int64_t j, __m256 e,
-                                                                 __m256 o, int nt, const int nan)
+static inline __attribute__((always_inline)) void store_moment16(void *dst, const int dt, int64_t j, __m256 v0,
+                                                                 __m256 v1, int nt, const int nan, const int ab)
 {
-    if (dt == DT_F32) store_f32_eo((float *)dst + j, e, o, nt);
-    else store_u16x16((uint16_t *)dst + j, nan ? bf16_eo_nan(e, o) : bf16_eo(e, o), nt);
+    if (dt == DT_F32) store_f32x16((float *)dst + j, v0, v1, nt, ab);
+    else store_u16x16((uint16_t *)dst + j, nan ? bf16x16_nan(v0, v1, ab) : bf16x16(v0, v1, ab), nt);
 }
 
 /* One call's streams, copied out of adam_args_t into locals: a vector store may alias
@@ -327,6 +380,14 @@ typedef struct {
     int ntp, ntm, ntc, cpk;
 } c16_out_t;
 
+/* The layout of an instance (the two described above the helpers): split halves (AB) where a
+ * stream is fp32 (the master without remainders, or a moment), even/odd (EO) where all are
+ * 16-bit. */
+static inline int c16_ab(const int mdt, const int vdt, const int rem)
+{
+    return !rem || mdt == DT_F32 || vdt == DT_F32;
+}
+
 /* Compile-time constants of both halves: the moment dtypes (mdt exp_avg's, vdt exp_avg_sq's),
  * the grad dtype where it is bf16 (else read per step), remainders, amsgrad; l2, the param
  * copy and the streaming stores (bank mode) are tested per step (loop-invariant). */
@@ -334,14 +395,15 @@ static inline __attribute__((always_inline)) c16_inflight_t c16_front(
     const c16_streams_t *s, const consts8_t *k, int64_t j, const int mdt, const int vdt, const int gdt,
     const int rem, const int ams, const int l2)
 {
+    const int ab = c16_ab(mdt, vdt, rem);
     c16_inflight_t f;
     __m256 g[2], m[2], v[2], x[2];
-    if (rem) decode16_eo(s->p16, s->rin, j, &f.p[0], &f.p[1]);
-    else load16_eo(s->param, DT_F32, j, &f.p[0], &f.p[1]);
-    load16_eo(s->grad, gdt, j, &g[0], &g[1]);
-    load16_eo(s->m, mdt, j, &m[0], &m[1]);
-    load16_eo(s->v, vdt, j, &v[0], &v[1]);
-    if (ams) load16_eo(s->x, vdt, j, &x[0], &x[1]);
+    if (rem) decode16(s->p16, s->rin, j, ab, &f.p[0], &f.p[1]);
+    else load16(s->param, DT_F32, j, ab, &f.p[0], &f.p[1]);
+    load16(s->grad, gdt, j, ab, &g[0], &g[1]);
+    load16(s->m, mdt, j, ab, &m[0], &m[1]);
+    load16(s->v, vdt, j, ab, &v[0], &v[1]);
+    if (ams) load16(s->x, vdt, j, ab, &x[0], &x[1]);
     else x[0] = x[1] = _mm256_setzero_ps();
     for (int h = 0; h < 2; h++)
         adam8_moments(k, l2, ams, f.p[h], g[h], m[h], v[h], x[h], &f.mi[h], &f.vi[h], &f.vv[h], &f.q[h]);
@@ -354,15 +416,15 @@ static inline __attribute__((always_inline)) void c16_back(
 {
     const int ntp = o.ntp, ntm = o.ntm;  /* never in place (nt_streams) */
     uint16_t *cp = o.cpk ? s->cp : NULL;  /* a param copy never comes with remainders */
-    const int cp16 = o.cpk == DT_BF16;
+    const int cp16 = o.cpk == DT_BF16, ab = c16_ab(mdt, vdt, rem);
     const __m256 pn[2] = {adam8_param(k, f->p[0], f->q[0]), adam8_param(k, f->p[1], f->q[1])};
     if (rem) {
         __m256i ph, rh;
-        encode16_eo(pn[0], pn[1], &ph, &rh);
+        encode16(pn[0], pn[1], ab, &ph, &rh);
         store_u16x16(s->po16 + j, ph, ntp);
         store_u16x16(s->rout + j, rh, ntp);
     } else {
-        store_f32_eo(s->pout + j, pn[0], pn[1], ntp);
+        store_f32x16(s->pout + j, pn[0], pn[1], ntp, ab);
     }
     /* A NaN in exp_avg or exp_avg_sq (or amsgrad's max, which is a NaN only where exp_avg_sq
      * is) makes the new param a NaN: mi / denom, sqrt and max all pass it on. So one unordered
@@ -373,17 +435,17 @@ static inline __attribute__((always_inline)) void c16_back(
         nan = !_mm256_testz_ps(un, un);
     }
     if (__builtin_expect(nan, 0)) {
-        store_moment16(s->mo, mdt, j, f->mi[0], f->mi[1], ntm, 1);
-        store_moment16(s->vo, vdt, j, f->vi[0], f->vi[1], ntm, 1);
-        if (ams) store_moment16(s->xo, vdt, j, f->vv[0], f->vv[1], ntm, 1);
-        if (cp16) store_u16x16(cp + j, bf16_eo_nan(pn[0], pn[1]), o.ntc);
+        store_moment16(s->mo, mdt, j, f->mi[0], f->mi[1], ntm, 1, ab);
+        store_moment16(s->vo, vdt, j, f->vi[0], f->vi[1], ntm, 1, ab);
+        if (ams) store_moment16(s->xo, vdt, j, f->vv[0], f->vv[1], ntm, 1, ab);
+        if (cp16) store_u16x16(cp + j, bf16x16_nan(pn[0], pn[1], ab), o.ntc);
     } else {
-        store_moment16(s->mo, mdt, j, f->mi[0], f->mi[1], ntm, 0);
-        store_moment16(s->vo, vdt, j, f->vi[0], f->vi[1], ntm, 0);
-        if (ams) store_moment16(s->xo, vdt, j, f->vv[0], f->vv[1], ntm, 0);
-        if (cp16) store_u16x16(cp + j, bf16_eo(pn[0], pn[1]), o.ntc);
+        store_moment16(s->mo, mdt, j, f->mi[0], f->mi[1], ntm, 0, ab);
+        store_moment16(s->vo, vdt, j, f->vi[0], f->vi[1], ntm, 0, ab);
+        if (ams) store_moment16(s->xo, vdt, j, f->vv[0], f->vv[1], ntm, 0, ab);
+        if (cp16) store_u16x16(cp + j, bf16x16(pn[0], pn[1], ab), o.ntc);
     }
-    if (cp && !cp16) store_u16x16(cp + j, f16_eo(pn[0], pn[1]), o.ntc);
+    if (cp && !cp16) store_u16x16(cp + j, f16x16(pn[0], pn[1], ab), o.ntc);
 }
 
 static inline __attribute__((always_inline)) void adam_c16_body(
@@ -468,7 +530,8 @@ static void adam_c16_regs(const adam_args_t *a, const adam_consts_t *c, int64_t 
     } else {
         if (mb && vb) adam_c16_modes(a, c, begin, end, DT_BF16, DT_BF16, 0);
         else if (mb) adam_c16_modes(a, c, begin, end, DT_BF16, DT_F32, 0);
-        else adam_c16_modes(a, c, begin, end, DT_F32, DT_BF16, 0);
+        else if (vb) adam_c16_modes(a, c, begin, end, DT_F32, DT_BF16, 0);
+        else adam_c16_modes(a, c, begin, end, DT_F32, DT_F32, 0);
     }
 }
 

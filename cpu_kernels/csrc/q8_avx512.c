@@ -103,101 +103,137 @@ static inline void q8_dequant_block(float *restrict dst, const uint8_t *codes, f
 }
 
 /* The vector quantizer (no gather): per octave of |x| (the exponent keys vpermt2ps over 32-entry
- * tables) up to Q8_LINES lines whose minimum t interpolates the rank through every code boundary
- * (q8_codegen.line_tables); rank = floor(t) where t lies 2^-10 or more from an integer, the lanes
- * nearer are returned in *near for q8_code. The positive side of the signed map has one boundary
- * more than the negative (+1.0), the unsigned map none below 0: the rank is clamped per sign. */
-typedef struct {
-    __m512 line[Q8_LINES][4];  /* slope lo/hi half, offset lo/hi half */
-    __m512i zero_code, pos_max, neg_max, top_first, top_lo;
-} q8_quant16_t;
-
-static inline void q8_quant16_init(q8_quant16_t *q, int zero)
+ * tables) up to Q8_LINES lines whose minimum, raised to the top line, is t (q8.h): floor(t) is the
+ * code where t's fraction is 2·Q8_NEAR or more, the lanes below take q8_code. Per 16 lanes: 5
+ * permutes, 3 FMAs, 2 min/max (signed map; unsigned one line more), a bit test for the fraction. |x| is clamped to the octaves the
+ * tables cover, [2^-31, 1.0] (NaN takes the top), and the unsigned map's x <= -0 (rank 0) to 2^-31 by
+ * the same signed max; the signed map's negative codes are 255 - t (the lines carry the zero code:
+ * t = 127 + rank + Q8_NEAR), so neither map clamps ranks per sign. bounded: the caller guarantees a
+ * finite |x| <= 1 + 2^-23 (x·(1/absmax) with |x| <= absmax, both normal: q8_recip_ok), so |x| needs
+ * no upper clamp, and the signed map's |x| and lower clamp are one vrangeps. */
+static inline __attribute__((always_inline)) __m512 q8_rank16(__m512 xq, const int map, const int bounded)
 {
-    const int map = zero ? 0 : 1;
-    for (int k = 0; k < Q8_LINES; k++)
-        for (int j = 0; j < 4; j++) q->line[k][j] = _mm512_load_ps((const float *)q8_lines[map][k][j >> 1] + 16 * (j & 1));
-    q->zero_code = _mm512_set1_epi32(zero);
-    q->pos_max = _mm512_set1_epi32(255 - zero);
-    q->neg_max = _mm512_set1_epi32(zero);
-    q->top_first = _mm512_set1_epi32((int)q8_top_first[map]);
-    q->top_lo = _mm512_set1_epi32((int)q8_top_first[map] - Q8_SLACK);
-}
-
-static inline __m512i q8_quant16(const q8_quant16_t *q, __m512 xq, __mmask16 *near)
-{
-    const __m512i u = _mm512_castps_si512(xq);
-    const __mmask16 neg = _mm512_movepi32_mask(u);
-    /* |x| clamped to [2^-31, 1.0] (rank 0 below, the top rank above, NaN included): its exponent's
-     * low 5 bits are the octave */
-    __m512i mag = _mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff));
-    mag = _mm512_min_epu32(_mm512_max_epu32(mag, _mm512_set1_epi32(0x30000000)), _mm512_set1_epi32(0x3f800000));
+    const float (*line)[2][32] = (const float (*)[2][32])(const void *)q8_lines[map];
+    const __m512i u = _mm512_castps_si512(xq), lowest = _mm512_set1_epi32(0x30000000);
+    __m512i mag;
+    if (map == 0 && bounded) {
+        mag = _mm512_castps_si512(_mm512_range_ps(xq, _mm512_castsi512_ps(lowest), 0x0b));  /* max |.|, sign 0 */
+    } else {
+        mag = map == 0 ? _mm512_max_epu32(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)), lowest)
+                       : _mm512_max_epi32(u, lowest);
+        if (!bounded) mag = _mm512_min_epu32(mag, _mm512_set1_epi32(0x3f800000));
+    }
     const __m512 ax = _mm512_castsi512_ps(mag);
-    const __m512i key = _mm512_srli_epi32(mag, 23);
-    __m512 t = _mm512_fmadd_ps(ax, _mm512_permutex2var_ps(q->line[0][0], key, q->line[0][1]),
-                               _mm512_permutex2var_ps(q->line[0][2], key, q->line[0][3]));
-    for (int k = 1; k < Q8_LINES; k++)
-        t = _mm512_min_ps(t, _mm512_fmadd_ps(ax, _mm512_permutex2var_ps(q->line[k][0], key, q->line[k][1]),
-                                             _mm512_permutex2var_ps(q->line[k][2], key, q->line[k][3])));
-    /* t - round(t) in one vreduceps */
-    const __m512 dist = _mm512_abs_ps(_mm512_reduce_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-    /* the top rank's compare is exact on |x| itself: a lane within Q8_SLACK of it takes q8_code too */
-    const __mmask16 top_near = _mm512_cmplt_epu32_mask(_mm512_sub_epi32(mag, q->top_lo), _mm512_set1_epi32(2 * Q8_SLACK));
-    *near = _mm512_cmp_ps_mask(dist, _mm512_set1_ps(Q8_NEAR), _CMP_LT_OQ) | top_near;
-    __m512i rank = _mm512_cvttps_epi32(t);
-    rank = _mm512_mask_mov_epi32(rank, _mm512_cmpge_epu32_mask(mag, q->top_first), q->pos_max);
-    /* a negative x's rank is at most neg_max; a positive one's lines stay within pos_max (the test
-     * hook holds every pattern to q8_code) */
-    rank = _mm512_mask_min_epi32(rank, neg, rank, q->neg_max);
-    return _mm512_mask_sub_epi32(_mm512_add_epi32(q->zero_code, rank), neg, q->zero_code, rank);
+    const int shift = map == 0 ? Q8_LINE_SHIFT_SIGNED : Q8_LINE_SHIFT_UNSIGNED;
+    const __m512i key = _mm512_srli_epi32(shift ? _mm512_add_epi32(mag, _mm512_set1_epi32(shift)) : mag, 23);
+#define Q8_LINE(k)                                                                                       \
+    _mm512_fmadd_ps(ax, _mm512_permutex2var_ps(_mm512_load_ps(line[k][0]), key, _mm512_load_ps(line[k][0] + 16)), \
+                    _mm512_permutex2var_ps(_mm512_load_ps(line[k][1]), key, _mm512_load_ps(line[k][1] + 16)))
+    __m512 t = Q8_LINE(0);
+    for (int k = 1; k < (map == 0 ? Q8_LINES_SIGNED : Q8_LINES_UNSIGNED); k++) t = _mm512_min_ps(t, Q8_LINE(k));
+#undef Q8_LINE
+    const float *top = (const float *)(const void *)q8_top_offset[map];
+    return _mm512_max_ps(t, _mm512_fmadd_ps(ax, _mm512_set1_ps(bits_f32(q8_top_slope[map])),
+                                            _mm512_permutex2var_ps(_mm512_load_ps(top), key, _mm512_load_ps(top + 16))));
 }
 
-static inline void q8_quant_block(uint8_t *restrict codes, const float *restrict x, float absmax,
-                                  const uint32_t *table, int zero, int len)
+/* t lies in [256, 512) (the lines carry 256), so its fraction is its low 15 bits: below 2·Q8_NEAR
+ * (8 of them) the lane takes q8_code */
+static inline __mmask16 q8_near16(__m512 t)
 {
-    q8_quant16_t q;
-    q8_quant16_init(&q, zero);
+    return _mm512_testn_epi32_mask(_mm512_castps_si512(t), _mm512_set1_epi32(0x7ff8));
+}
+
+/* the codes (the low byte of int32 lanes) of t for x: 256 + the code; negative x's signed code is
+ * 127 - rank = floor(511 - t) away from an integer, and 0 for t in [511, 512) */
+static inline __attribute__((always_inline)) __m512i q8_code16(__m512 t, __m512 xq, const int map)
+{
+    if (map == 0) t = _mm512_mask_sub_ps(t, _mm512_movepi32_mask(_mm512_castps_si512(xq)), _mm512_set1_ps(511.0f), t);
+    return _mm512_cvttps_epi32(t);
+}
+
+static inline __attribute__((always_inline)) __m512i q8_quant16(__m512 xq, const int map, const int bounded,
+                                                                __mmask16 *near)
+{
+    const __m512 t = q8_rank16(xq, map, bounded);
+    *near = q8_near16(t);
+    return q8_code16(t, xq, map);
+}
+
+static inline void q8_store16(uint8_t *codes, __m512i code)
+{
+    _mm_storeu_si128((__m128i *)codes, _mm512_cvtepi32_epi8(code));
+}
+
+/* the lanes of near (16 from x) by the scalar quantizer */
+static inline void q8_fix_near(uint8_t *codes, const float *x, unsigned near, float absmax, int map)
+{
+    for (; near; near &= near - 1) {
+        const int j = __builtin_ctz(near);
+        codes[j] = q8_code(x[j] / absmax, q8_buckets[map], map == 0 ? 127 : 0);
+    }
+}
+
+static inline __attribute__((always_inline)) void q8_quant_map(uint8_t *restrict codes, const float *restrict x,
+                                                               float absmax, const int map, int len)
+{
     const int recip = q8_recip_ok(absmax);
     const __m512 s = _mm512_set1_ps(recip ? 1.0f / absmax : absmax);
     int i = 0;
     for (; i + 16 <= len; i += 16) {
         __mmask16 near;
         const __m512 xv = _mm512_load_ps(x + i);
-        const __m512i code = q8_quant16(&q, recip ? _mm512_mul_ps(xv, s) : _mm512_div_ps(xv, s), &near);
-        _mm_storeu_si128((__m128i *)(codes + i), _mm512_cvtepi32_epi8(code));
-        for (unsigned m = near; m; m &= m - 1) {
-            const int j = i + __builtin_ctz(m);
-            codes[j] = q8_code(x[j] / absmax, table, zero);
-        }
+        if (recip) q8_store16(codes + i, q8_quant16(_mm512_mul_ps(xv, s), map, 1, &near));
+        else q8_store16(codes + i, q8_quant16(_mm512_div_ps(xv, s), map, 0, &near));
+        if (__builtin_expect(near != 0, 0)) q8_fix_near(codes + i, x + i, near, absmax, map);
     }
-    for (; i < len; i++) codes[i] = q8_code(x[i] / absmax, table, zero);
+    for (; i < len; i++) codes[i] = q8_code(x[i] / absmax, q8_buckets[map], map == 0 ? 127 : 0);
+}
+
+static inline void q8_quant_block(uint8_t *restrict codes, const float *restrict x, float absmax,
+                                  const uint32_t *table, int zero, int len)
+{
+    (void)table;  /* q8_buckets[map]: q8_body.h passes the codebook's rows */
+    if (zero) q8_quant_map(codes, x, absmax, 0, len);
+    else q8_quant_map(codes, x, absmax, 1, len);
 }
 
 /* Test hook (tests/test_q8_cpu.py): the vector quantizer on the fp32 bit patterns [first, first +
- * count) of map (0 signed, 1 unsigned) against q8_code at every pattern within Q8_SLACK of each
- * (q8_slack_agrees); returns the mismatches, *near_lanes the lanes that took q8_code. */
-int64_t q8_check_quant_avx512(int map, uint32_t first, uint64_t count, int64_t *near_lanes)
+ * count) of map (0 signed, 1 unsigned; + 2: its bounded form, for the patterns it may see) against
+ * q8_code at every pattern within Q8_SLACK of each (q8_slack_agrees); returns the mismatches,
+ * *near_lanes the lanes that took q8_code. */
+static inline __attribute__((always_inline)) int64_t q8_check_quant_map(const int map, const int bounded,
+                                                                       uint32_t first, uint64_t count,
+                                                                       int64_t *near_lanes)
 {
-    q8_quant16_t q;
     const int zero = map == 0 ? 127 : 0;
-    q8_quant16_init(&q, zero);
     const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     int64_t bad = 0, nears = 0;
     for (uint64_t k = 0; k < count; k += 16) {
         const uint32_t base = first + (uint32_t)k;
         const __m512i u = _mm512_add_epi32(_mm512_set1_epi32((int)base), lane);
         __mmask16 near;
-        const __m512i code = q8_quant16(&q, _mm512_castsi512_ps(u), &near);
+        const __m512i code = q8_quant16(_mm512_castsi512_ps(u), map, bounded, &near);
         uint32_t c[16];
         _mm512_storeu_si512(c, code);
         nears += __builtin_popcount(near);
         for (int j = 0; j < 16 && k + (uint64_t)j < count; j++) {
             if (near >> j & 1) continue;
-            bad += !q8_slack_agrees(c[j], base + (uint32_t)j, q8_buckets[map], zero);
+            bad += !q8_slack_agrees(c[j] & 0xffu, base + (uint32_t)j, q8_buckets[map], zero);
         }
     }
     *near_lanes = nears;
     return bad;
+}
+
+int64_t q8_check_quant_avx512(int map, uint32_t first, uint64_t count, int64_t *near_lanes)
+{
+    switch (map) {
+    case 0: return q8_check_quant_map(0, 0, first, count, near_lanes);
+    case 1: return q8_check_quant_map(1, 0, first, count, near_lanes);
+    case 2: return q8_check_quant_map(0, 1, first, count, near_lanes);
+    default: return q8_check_quant_map(1, 1, first, count, near_lanes);
+    }
 }
 
 /* The generic loop (q8_body.h) serves every format; the common one below fuses its passes. */
@@ -236,6 +272,40 @@ static inline q8_vi q8i_abs_bits(q8_vf x)
 }
 
 static inline uint32_t q8i_hmax_u32(q8_vi x) { return (uint32_t)_mm512_reduce_max_epu32(x); }
+
+/* Both moments' codes in one loop (q8_fused.h's Q8_CODES_OUT_PAIR): two independent chains per 16
+ * lanes for the scheduler, one loop's overhead and one near-lane branch. A block whose absmax is 0 or
+ * takes the division (q8_recip_ok) goes the one-moment way. */
+static inline void q8_codes_out_pair(uint8_t *mc, float *ma_out, const float *restrict mb, uint32_t mx_m, uint8_t *vc,
+                                     float *va_out, const float *restrict vb, uint32_t mx_v, int len)
+{
+    const float ma = bits_f32(mx_m), va = bits_f32(mx_v);
+    if (len != Q8_BLOCK || !q8_recip_ok(ma) || !q8_recip_ok(va)) {
+        q8_codes_out(mc, ma_out, mb, mx_m, 0, len);
+        q8_codes_out(vc, va_out, vb, mx_v, 1, len);
+        return;
+    }
+    *ma_out = ma;
+    *va_out = va;
+    const __m512 sm = _mm512_set1_ps(1.0f / ma), sv = _mm512_set1_ps(1.0f / va);
+    /* after the pack to words each 128-bit lane holds 4 m codes then 4 v codes: gather m's */
+    const __m256i order = _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7);
+    for (int i = 0; i < Q8_BLOCK; i += 16) {
+        const __m512 xm = _mm512_mul_ps(_mm512_load_ps(mb + i), sm), xv = _mm512_mul_ps(_mm512_load_ps(vb + i), sv);
+        const __m512 tm = q8_rank16(xm, 0, 1), tv = q8_rank16(xv, 1, 1);
+        /* a lane near in either moment takes q8_code in both */
+        const __mmask16 near = q8_near16(tm) | q8_near16(tv);
+        const __m512i words = _mm512_packus_epi32(q8_code16(tm, xm, 0), q8_code16(tv, xv, 1));
+        const __m256i codes = _mm256_permutevar8x32_epi32(_mm512_cvtepi16_epi8(words), order);
+        _mm_storeu_si128((__m128i *)(mc + i), _mm256_castsi256_si128(codes));
+        _mm_storeu_si128((__m128i *)(vc + i), _mm256_extracti128_si256(codes, 1));
+        if (__builtin_expect(near != 0, 0)) {
+            q8_fix_near(mc + i, mb + i, near, ma, 0);
+            q8_fix_near(vc + i, vb + i, near, va, 1);
+        }
+    }
+}
+#define Q8_CODES_OUT_PAIR q8_codes_out_pair
 
 #include "q8_fused.h"
 #endif

@@ -12,7 +12,8 @@
  *   q8f_set1 load loadu store storeu add sub mul div sqrt (floats), q8f_bf16 (Q8_W bf16 widened),
  *   q8i_zero max_u32 and (ints), q8i_abs_bits (|x|'s bits as ints), q8i_hmax_u32 (largest lane),
  *   and q8_dequant_block / q8_quant_block, as q8_body.h asks; it stores as q8_body.h does
- *   (q8_codes_out, q8_remainders_out).
+ *   (q8_codes_out, q8_remainders_out). Optional: Q8_CODES_OUT_PAIR(m codes, m absmax out, m, m's
+ *   absmax bits, v codes, v absmax out, v, v's absmax bits, len), both moments' q8_codes_out at once.
  */
 
 static inline int q8_fusable(const q8_args_t *a, const q8_consts_t *c)
@@ -60,9 +61,15 @@ static inline __attribute__((always_inline)) void q8_fused_block(const q8_args_t
         mx_v = q8i_max_u32(mx_v, q8i_abs_bits(v));
     }
     if (remainders) q8_remainders_out(a, pb, off, Q8_BLOCK);
+#ifdef Q8_CODES_OUT_PAIR
+    Q8_CODES_OUT_PAIR((uint8_t *)a->exp_avg_out + off, a->exp_avg_absmax_out + blk, mb, q8i_hmax_u32(mx_m),
+                      (uint8_t *)a->exp_avg_sq_out + off, a->exp_avg_sq_absmax_out + blk, vb, q8i_hmax_u32(mx_v),
+                      Q8_BLOCK);
+#else
     q8_codes_out((uint8_t *)a->exp_avg_out + off, a->exp_avg_absmax_out + blk, mb, q8i_hmax_u32(mx_m), 0, Q8_BLOCK);
     q8_codes_out((uint8_t *)a->exp_avg_sq_out + off, a->exp_avg_sq_absmax_out + blk, vb, q8i_hmax_u32(mx_v), 1,
                  Q8_BLOCK);
+#endif
 }
 
 void Q8_FN(q8_range)(const q8_args_t *a, const q8_consts_t *c, int64_t begin, int64_t end)

@@ -13,6 +13,7 @@ import ctypes
 import json
 import mmap
 import os
+import select
 import shutil
 import signal
 import sys
@@ -30,6 +31,10 @@ _DTYPE_SIZE = {0: 4, 1: 2, 2: 2, 3: 1}  # 3: DT_Q8, a code
 DT_Q8 = 3  # a q8 moment's dtype code (cpu_kernels' DT_Q8)
 Q8_BLOCK = 256  # elements per absmax (state_format.Q8_BLOCK)
 IOV_BATCH = 512  # iovecs per process_vm_readv call (the kernel's limit is 1024)
+IO_POLL_S = 0.0005  # between looks at the nvme I/O in flight, where no eventfd tells of it
+# the longest sleep with nvme I/O in flight and its eventfd set: a bound, never reached while
+# the engines tell of each finished request (a lost wake-up would cost this much, no more)
+IO_WAIT_S = 0.05
 
 
 class _IoVec(ctypes.Structure):
@@ -124,6 +129,8 @@ class Worker:
         self.libc = _libc()
         self.aio: AioEngine | None = None
         self.aio_write: AioEngine | None = None
+        self.notify = -1  # the nvme engines' eventfd (_notify_fd), or -1: their I/O is polled
+        self._waiter: select.poll | None = None  # polls the request pipe and `notify` at once
         # the trainer's descriptors of the nvme files, inherited (O_DIRECT as it opened them)
         self.fds = {int(sg): fd for sg, fd in (cfg.get("file_fds") or {}).items()}
         if self.nvme:
@@ -138,6 +145,16 @@ class Worker:
                 path = os.path.join(self.nvme["dir"], f"sg{sg}.state")
                 self.aio.register(fd, path)
                 self.aio_write.register(fd, path)
+            # a finished read or write wakes the serve loop through this eventfd: it sleeps until
+            # a request or a result is there (polling done() every 0.5 ms cost a wake-up each,
+            # each one taking a core from the trainer's forward and backward on a CPU-only host)
+            self.notify = _notify_fd()
+            if self.notify >= 0:
+                self._waiter = select.poll()
+                for fd in (self.req, self.notify):
+                    self._waiter.register(fd, select.POLLIN | select.POLLHUP | select.POLLERR)
+                for engine in (self.aio, self.aio_write):
+                    engine.set_notify(self.notify)
 
     # ------------------------------------------------------------------ nvme swap
     def _file(self, sg: int) -> int:
@@ -382,10 +399,18 @@ class Worker:
         io: dict = {}  # task_id -> (task, aio request id, start ns)
         reading: set = set()  # banks whose swap-in has not been verified yet
         held: collections.deque = collections.deque()  # swap-ins waiting for room to be read
+        ran = False  # the last turn ran a task from the queue
         while True:
             if not reader.eof:
-                wait_s = None if not (queue or io or held) else (0.0005 if io else 0.0)
-                if proto.readable(self.req, wait_s):
+                # a queue the last turn ran from may hold more that can run: look again at once;
+                # one waiting for I/O (or none) sleeps until a request or a result comes
+                if not (queue or io or held):
+                    wait_s = None
+                elif (queue and ran) or not io:
+                    wait_s = 0.0
+                else:
+                    wait_s = IO_POLL_S if self.notify < 0 else IO_WAIT_S
+                if self._readable(wait_s, io):
                     reader.feed()
                     for payload in reader.frames():
                         t = proto.Task.unpack(payload)
@@ -410,6 +435,7 @@ class Worker:
             self._start_swap_ins(held, io, reading)
             # run what is runnable, in order; a task waits only for earlier work on its banks
             blocked: set = set()
+            ran = False
             for t in list(queue):
                 banks = (
                     {t.in_bank}
@@ -426,7 +452,22 @@ class Worker:
                     self._submit(t, io)
                 else:
                     self._reply(self._run(t))
+                ran = True
                 break  # one compute task per turn: new requests and finished I/O come first
+
+    def _readable(self, wait_s: float | None, io: dict) -> bool:
+        """Whether the request pipe has data (or EOF) within `wait_s` seconds (None: no bound).
+        With the nvme engines' eventfd, a finished read or write ends the wait too (the count
+        is taken: the caller looks at every request in flight next)."""
+        if self._waiter is None or not io:
+            return proto.readable(self.req, wait_s)
+        ready = dict(self._waiter.poll(None if wait_s is None else wait_s * 1000.0))
+        if self.notify in ready:
+            try:
+                os.read(self.notify, 8)
+            except BlockingIOError:
+                pass
+        return self.req in ready
 
     @staticmethod
     def _full(engine) -> bool:
@@ -467,6 +508,17 @@ class Worker:
 
     def _reply(self, r: proto.Result) -> None:
         proto.write_frame(self.resp, r.pack())
+
+
+def _notify_fd() -> int:
+    """A non-blocking eventfd for the nvme engines to tell of finished requests, or -1 where
+    the platform has none (the serve loop then polls them)."""
+    if not hasattr(os, "eventfd"):
+        return -1
+    try:
+        return os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+    except OSError:
+        return -1
 
 
 def _set_hyperparameters(a, t: proto.Task) -> None:
