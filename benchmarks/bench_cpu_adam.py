@@ -301,8 +301,8 @@ def main(argv=None) -> int:
             fns = {name: fn for name, (_, _, fn) in table.items()}
             # the roofline: Adam's 28 bytes/element in place, no arithmetic, timed in the same
             # rounds as the impls so drift on this shared machine hits them alike; split over
-            # threads as our kernels split (interleaved chunks) and as torch splits (one range
-            # a thread): the faster of the two is the roof
+            # threads as our kernels split (a run of whole 16Ki chunks a thread) and as torch
+            # splits (one range a thread): the faster of the two is the roof
             for split in ("chunks", "contiguous"):
                 fns[f"roofline_{split}"] = lambda pr=probe, s=split: cpu_kernels.bandwidth_probe_(
                     pr.param, pr.grad, pr.exp_avg, pr.exp_avg_sq, split=s

@@ -338,8 +338,8 @@ def bandwidth_probe_(param, grad, exp_avg, exp_avg_sq, *, split="chunks"):
     """The roofline: Adam's memory traffic (read 4 fp32 arrays, write 3 in place, 28 bytes
     per element) with trivial arithmetic, streamed as the level's kernels stream (32 elements
     a step, software prefetch 1 KiB ahead). `split`: "chunks" splits the work over threads as
-    the kernels do (interleaved 16Ki-element chunks), "contiguous" gives each thread one range
-    (torch's split); the faster of the two is the roof."""
+    the kernels do (a run of whole 16Ki-element chunks a thread), "contiguous" gives each thread
+    one range on 64-element bounds (torch's split); the faster of the two is the roof."""
     if split not in ("chunks", "contiguous"):
         raise ValueError(f"split must be 'chunks' or 'contiguous', got {split!r}")
     n = _check_tensor(param, "param", (torch.float32,)).numel()

@@ -34,6 +34,7 @@ LINE_KEYS = 32  # octaves 2^-31 .. 2^0 (key = biased exponent - 96, clamped to 0
 # added to |x|'s bits before the key is taken (q8.h's Q8_LINE_SHIFT_*): the signed map's buckets
 # run from 1.75 · 2^e, which keeps its 0.01 edge and the boundary at 2^-6 in different buckets
 LINE_SHIFT = {True: 0x200000, False: 0}
+TOP_BUCKET = LINE_KEYS - 2  # the top line's first bucket (q8.h's Q8_TOP_BUCKET): below 1.0's, and 1.0's
 SLACK = 16  # boundaries this many patterns outside a bucket count as in it (q8.h's Q8_SLACK, doubled)
 NEAR = Fraction(1, 2**13)  # q8.h's Q8_NEAR: a t whose fraction is below 2·NEAR takes q8_code
 # the top rank's line (see top_line): steeper than the last boundary's spacing (so it stays under the
@@ -147,22 +148,20 @@ def line_tables(signed: bool):
 
 
 def top_line(signed: bool):
-    """(slope, offsets[LINE_KEYS]) fp32: the line through (first |x| of the top rank, top rank +
-    _bias) in the octaves that hold the top rank's step (up to 1.0), far below every rank in the
-    others; the kernel raises line_tables' minimum to it, which makes the top rank's step, near
-    band included (that corner is convex: no line of a minimum)."""
+    """(slope, offset) fp32: the line through (first |x| of the top rank, top rank + _bias), which
+    the kernel raises line_tables' minimum to in the buckets from TOP_BUCKET on (up to 1.0's):
+    that makes the top rank's step, near band included (the corner is convex: no line of a
+    minimum). From that bucket's first |x| on it lies below every rank but the top one."""
     firsts = q8._first_of_each_rank(signed)[0]
     first, below = Fraction(q8._from_bits32(firsts[-1])), Fraction(q8._from_bits32(firsts[-2]))
     slope = TOP_SLOPE[signed]
     # steeper than the last step, flatter than the top bucket, and under the rank where it starts
     assert slope * (first - below) > 1 + 4 * NEAR and slope * (1 - first) < 1 - 4 * NEAR
     offset = len(firsts) + _bias(signed) - slope * first
-    start = LINE_KEYS - 2  # the bucket below 1.0's and 1.0's
-    lo = Fraction(q8._from_bits32(_bucket(signed, start)[0]))
+    lo = Fraction(q8._from_bits32(_bucket(signed, TOP_BUCKET)[0]))
     rank_lo = sum(1 for u in firsts if Fraction(q8._from_bits32(u)) <= lo)
     assert slope * lo + offset < rank_lo + _bias(signed) - 4 * NEAR
-    offsets = [_f32(offset) if key >= start else -1024.0 for key in range(LINE_KEYS)]
-    return _f32(slope), offsets
+    return _f32(slope), _f32(offset)
 
 
 def source() -> str:
@@ -180,7 +179,7 @@ def source() -> str:
         f"#if Q8_KEY_FIRST != 0x{q8.KEY_FIRST:x} || Q8_KEYS != {q8.KEYS} || Q8_LINES != {LINES} || "
         f"Q8_LINES_SIGNED != {USED[True]} || Q8_LINES_UNSIGNED != {USED[False]} || "
         f"Q8_LINE_SHIFT_SIGNED != 0x{LINE_SHIFT[True]:x} || "
-        f"Q8_LINE_SHIFT_UNSIGNED != 0x{LINE_SHIFT[False]:x}",
+        f"Q8_LINE_SHIFT_UNSIGNED != 0x{LINE_SHIFT[False]:x} || Q8_TOP_BUCKET != {TOP_BUCKET}",
         '#error "q8.h disagrees with q8_reference: regenerate this file"',
         "#endif",
         "",
@@ -194,17 +193,13 @@ def source() -> str:
     parts += [
         "};",
         "",
-        "/* the vector quantizer's top line (q8_codegen.top_line): [map] slope; [map][octave] offset,"
-        " fp32 bits */",
-        "const uint32_t q8_top_slope[2] = {"
-        + ", ".join(f"0x{q8._bits32(top_line(signed)[0]):08x}u" for signed in (True, False))
+        "/* the vector quantizer's top line (q8_codegen.top_line): [map][slope, offset], fp32 bits */",
+        "const uint32_t q8_top_line[2][2] = {"
+        + ", ".join(
+            "{" + ", ".join(f"0x{q8._bits32(v):08x}u" for v in top_line(signed)) + "}"
+            for signed in (True, False)
+        )
         + "};",
-        "const uint32_t q8_top_offset[2][32] __attribute__((aligned(64))) = {",
-    ]
-    for signed in (True, False):
-        parts += ["  {", _rows([q8._bits32(v) for v in top_line(signed)[1]]), "  },"]
-    parts += [
-        "};",
         "",
         "/* the vector quantizer's lines (q8_codegen.line_tables): [map][line][slope, offset]"
         "[octave], fp32 bits */",

@@ -154,6 +154,19 @@ static void thread_range(int64_t n, int64_t *b, int64_t *e)
     *e = u1 * SPLIT_ALIGN < n ? u1 * SPLIT_ALIGN : n;
 }
 
+/* This thread's share [k0, k1) of `units` in one contiguous run (all of them outside a
+ * parallel region). */
+static void chunk_range(int64_t units, int64_t *k0, int64_t *k1)
+{
+#ifdef _OPENMP
+    const int64_t nt = omp_get_num_threads(), t = omp_get_thread_num();
+#else
+    const int64_t nt = 1, t = 0;
+#endif
+    *k0 = units * t / nt;
+    *k1 = units * (t + 1) / nt;
+}
+
 void adam_consts_init(adam_consts_t *c, int64_t step, double lr, double beta1, double beta2, double eps,
                       double weight_decay, double grad_scale, int decoupled, int amsgrad)
 {
@@ -187,11 +200,16 @@ void hybrid_adam_step(const adam_args_t *a)
     if (fns->adam_range == adam_range_avx512) (void)hybrid_get_avx512_bf16();  /* its lazy CPU check, before the threads read it */
 #pragma omp parallel if (n >= PARALLEL_MIN)
     {
-        /* threads take interleaved chunks (not one half each): their streams then stay in
-         * nearby pages, which the memory controller serves with fewer row switches */
+        /* each thread one contiguous run of whole chunks (torch's split), not every other
+         * chunk: on a 2-core Zen 5 VM, 2 threads, 16Mi elements, interleaved rounds, 3-4 % faster
+         * for every AVX2 kernel (fp32 0.424 -> 0.408 ns an element, fused 0.453 -> 0.433,
+         * bf16 moments + remainders 0.278 -> 0.260, bf16 moments + copy 0.326 -> 0.308) — each
+         * thread's streams run on without a jump every 16Ki elements, which the hardware
+         * prefetchers restart at; the bench's roofline probe was already faster split so */
         const int64_t chunks = (n + ADAM_CHUNK - 1) / ADAM_CHUNK;
-#pragma omp for schedule(static, 1)
-        for (int64_t k = 0; k < chunks; k++) {
+        int64_t k0, k1;
+        chunk_range(chunks, &k0, &k1);
+        for (int64_t k = k0; k < k1; k++) {
             const int64_t b = k * ADAM_CHUNK, e = b + ADAM_CHUNK < n ? b + ADAM_CHUNK : n;
             fns->adam_range(a, &c, b, e);
         }
@@ -250,9 +268,9 @@ int hybrid_grad_stats(const void *g, int dt, int64_t n, double *out)
 
 /* The roofline probes (adam_body.h): Adam's 28 bytes an element in place, and bank mode's
  * pattern (read p, g, m, v, write three other arrays as the level's bank mode writes them).
- * Split over threads as hybrid_adam_step splits its work (interleaved ADAM_CHUNKs), or, for
- * the in-place probe with contiguous = 1, one contiguous range per thread (torch's split):
- * which of the two streams faster depends on the machine, and the roof is the better one. */
+ * Split over threads as hybrid_adam_step splits its work (a run of whole ADAM_CHUNKs a
+ * thread), or, for the in-place probe with contiguous = 1, one range per thread on 64-element
+ * bounds (torch's split); the bench takes the faster as the roof. */
 void hybrid_bw_inplace(float *p, const float *g, float *m, float *v, int64_t n, int contiguous)
 {
     const level_t *fns = level_fns();
@@ -264,8 +282,9 @@ void hybrid_bw_inplace(float *p, const float *g, float *m, float *v, int64_t n, 
             if (b < e) fns->bw_inplace(p, g, m, v, b, e);
         } else {
             const int64_t chunks = (n + ADAM_CHUNK - 1) / ADAM_CHUNK;
-#pragma omp for schedule(static, 1)
-            for (int64_t k = 0; k < chunks; k++) {
+            int64_t k0, k1;
+            chunk_range(chunks, &k0, &k1);
+            for (int64_t k = k0; k < k1; k++) {
                 const int64_t b = k * ADAM_CHUNK, e = b + ADAM_CHUNK < n ? b + ADAM_CHUNK : n;
                 fns->bw_inplace(p, g, m, v, b, e);
             }
@@ -280,8 +299,9 @@ void hybrid_bw_bank(const float *p, const float *g, const float *m, const float 
 #pragma omp parallel if (n >= PARALLEL_MIN)
     {
         const int64_t chunks = (n + ADAM_CHUNK - 1) / ADAM_CHUNK;
-#pragma omp for schedule(static, 1)
-        for (int64_t k = 0; k < chunks; k++) {
+        int64_t k0, k1;
+        chunk_range(chunks, &k0, &k1);
+        for (int64_t k = k0; k < k1; k++) {
             const int64_t b = k * ADAM_CHUNK, e = b + ADAM_CHUNK < n ? b + ADAM_CHUNK : n;
             fns->bw_bank(p, g, m, v, po, mo, vo, b, e);
         }

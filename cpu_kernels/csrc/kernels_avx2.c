@@ -135,7 +135,7 @@ static inline void encode_block(uint16_t *p, int16_t *r, int64_t off, const floa
 #define HAVE_ADAM_C16_REGS 1
 /* fp32 state goes through the register loop too (split halves: no shuffle for fp32 streams)
  * in bank mode and with 16-bit grads, where the block path's L1 round trips cost more than the
- * loop's conversions: one thread, ns an element, L2-resident (32Ki elements, min of 3000 calls)
+ * loop's conversions: one thread, ns an element, L2-resident (64Ki elements, median of 3000)
  * / from DRAM (16Mi, median of 15): bank mode 0.425 -> 0.354 / 0.623 -> 0.581, bf16 grads +
  * bf16 copy in place 0.437 -> 0.395 / 0.524 -> 0.456. fp32 grads in place stay in the blocks
  * (0.285 there, 0.363 here in L2: its fp32 grads cost two inserts a vector more). */
@@ -183,9 +183,11 @@ static inline __m256 adam8_param(const consts8_t *k, __m256 p, __m256 q)
  * - split halves (AB), where an fp32 stream is (fp32 master or moments): vector 0 = elements
  *   0-3|8-11, vector 1 = 4-7|12-15, so an fp32 stream is two 128-bit loads / stores per vector
  *   and a 16-bit one an unpack against zero to widen, a vpshufb and a 64-bit unpack pair to
- *   narrow. Measured at one thread in L2 (32Ki elements, min of 3000 calls): fp32 master +
- *   bf16 moments + bf16 copy 0.417 -> 0.388 ns an element, remainders with fp32 moments 0.334
- *   -> 0.290; bf16 moments + remainders 0.349 -> 0.353 (no fp32 stream: EO kept). */
+ *   narrow. Measured at one thread in L2 (64Ki elements, min of 3000 calls), EO -> AB: fp32
+ *   master + bf16 moments + bf16 copy 0.418 -> 0.385 ns an element, remainders with fp32
+ *   moments 0.334 -> 0.291 (callgrind: 188.5 -> 178.5 and 166.4 -> 143.4 instructions per 32
+ *   elements); bf16 moments + remainders would go 0.349 -> 0.353 (AB's vpshufb / unpacks cost
+ *   more than EO's shifts and blends), so the all-16-bit instances keep EO. */
 #define HI16 _mm256_set1_epi32((int)0xffff0000u)
 /* per 128-bit lane: the low words of its four 32-bit lanes to bytes 0-7, the high words to 8-15 */
 #define SPLIT_WORDS                                                                                  \

@@ -67,20 +67,21 @@ extern const uint32_t q8_buckets[2][2 * Q8_KEYS];
 /* The vector quantizer's lines (q8_codegen.line_tables), fp32 bits: [map][line][slope, offset][bucket
  * of |x|: an octave 2^-31 .. 2^0, from 1.75 · 2^e in the signed map], in each bucket the fewest
  * whose minimum crosses every one of its code boundaries. Their minimum, raised to the top line
- * (q8_top_slope, q8_top_offset[map][bucket]), is t = 256 + |x|'s rank away from the zero code +
- * Q8_NEAR (+ 127 in the signed map) wherever that lies Q8_NEAR or more from an integer: floor(t) -
- * 256 is then the rank (the signed map's positive code; 511 - t floors to the negative one), and
- * t's fraction below 2·Q8_NEAR (its low 15 bits below 8) marks a lane near a boundary, which takes
- * q8_code. */
+ * (q8_top_line[map]: slope, offset) from bucket Q8_TOP_BUCKET on, is t = 256 + |x|'s rank away from
+ * the zero code + Q8_NEAR (+ 127 in the signed map) wherever that lies Q8_NEAR or more from an
+ * integer: floor(t) - 256 is then the rank (the signed map's positive code; 511 - t floors to the
+ * negative one), and t's fraction below 2·Q8_NEAR (its low 15 bits below 8) marks a lane near a
+ * boundary, which takes q8_code. */
 #define Q8_LINES 3           /* table rows: the most lines a bucket of either map needs */
 #define Q8_LINES_SIGNED 2    /* the rows the signed map's buckets use */
 #define Q8_LINES_UNSIGNED 3
 #define Q8_LINE_SHIFT_SIGNED 0x200000  /* added to |x|'s bits before its bucket (octave) is taken */
 #define Q8_LINE_SHIFT_UNSIGNED 0
+#define Q8_TOP_BUCKET 30  /* the top line's first bucket */
 #define Q8_NEAR 0x1p-13f  /* q8_codegen.NEAR */
 
 extern const uint32_t q8_lines[2][Q8_LINES][2][32];
-extern const uint32_t q8_top_slope[2], q8_top_offset[2][32];
+extern const uint32_t q8_top_line[2][2];
 
 /* x -> its code in the signed (zero code 127) or unsigned (0) map: the fast quantizer of
  * q8_reference. NaN and |x| > 1 saturate at the sign's end; the unsigned map gives 0 for x <= 0. */

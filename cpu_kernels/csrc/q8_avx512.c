@@ -104,7 +104,7 @@ static inline void q8_dequant_block(float *restrict dst, const uint8_t *codes, f
 
 /* The vector quantizer (no gather): per octave of |x| (the exponent keys vpermt2ps over 32-entry
  * tables) up to Q8_LINES lines whose minimum, raised to the top line, is t (q8.h): floor(t) is the
- * code where t's fraction is 2·Q8_NEAR or more, the lanes below take q8_code. Per 16 lanes: 5
+ * code where t's fraction is 2·Q8_NEAR or more, the lanes below take q8_code. Per 16 lanes: 4
  * permutes, 3 FMAs, 2 min/max (signed map; unsigned one line more), a bit test for the fraction. |x| is clamped to the octaves the
  * tables cover, [2^-31, 1.0] (NaN takes the top), and the unsigned map's x <= -0 (rank 0) to 2^-31 by
  * the same signed max; the signed map's negative codes are 255 - t (the lines carry the zero code:
@@ -132,9 +132,10 @@ static inline __attribute__((always_inline)) __m512 q8_rank16(__m512 xq, const i
     __m512 t = Q8_LINE(0);
     for (int k = 1; k < (map == 0 ? Q8_LINES_SIGNED : Q8_LINES_UNSIGNED); k++) t = _mm512_min_ps(t, Q8_LINE(k));
 #undef Q8_LINE
-    const float *top = (const float *)(const void *)q8_top_offset[map];
-    return _mm512_max_ps(t, _mm512_fmadd_ps(ax, _mm512_set1_ps(bits_f32(q8_top_slope[map])),
-                                            _mm512_permutex2var_ps(_mm512_load_ps(top), key, _mm512_load_ps(top + 16))));
+    /* the top line from its first bucket on: there, and only there, it may lie above the minimum */
+    const __mmask16 top = _mm512_cmpge_epu32_mask(mag, _mm512_set1_epi32((int)(((Q8_TOP_BUCKET + 96u) << 23) - shift)));
+    return _mm512_mask_max_ps(t, top, t, _mm512_fmadd_ps(ax, _mm512_set1_ps(bits_f32(q8_top_line[map][0])),
+                                                         _mm512_set1_ps(bits_f32(q8_top_line[map][1]))));
 }
 
 /* t lies in [256, 512) (the lines carry 256), so its fraction is its low 15 bits: below 2·Q8_NEAR

@@ -5,7 +5,7 @@
  * rank steps once in the bucket (65536: it does not). tests/test_q8_cpu.py checks both. */
 #include "q8.h"
 
-#if Q8_KEY_FIRST != 0x3400 || Q8_KEYS != 2945 || Q8_LINES != 3 || Q8_LINES_SIGNED != 2 || Q8_LINES_UNSIGNED != 3 || Q8_LINE_SHIFT_SIGNED != 0x200000 || Q8_LINE_SHIFT_UNSIGNED != 0x0
+#if Q8_KEY_FIRST != 0x3400 || Q8_KEYS != 2945 || Q8_LINES != 3 || Q8_LINES_SIGNED != 2 || Q8_LINES_UNSIGNED != 3 || Q8_LINE_SHIFT_SIGNED != 0x200000 || Q8_LINE_SHIFT_UNSIGNED != 0x0 || Q8_TOP_BUCKET != 30
 #error "q8.h disagrees with q8_reference: regenerate this file"
 #endif
 
@@ -1561,22 +1561,8 @@ const uint32_t q8_buckets[2][2 * Q8_KEYS] __attribute__((aligned(64))) = {
   },
 };
 
-/* the vector quantizer's top line (q8_codegen.top_line): [map] slope; [map][octave] offset, fp32 bits */
-const uint32_t q8_top_slope[2] = {0x43200000u, 0x43440000u};
-const uint32_t q8_top_offset[2][32] __attribute__((aligned(64))) = {
-  {
-    0xc4800000u, 0xc4800000u, 0xc4800000u, 0xc4800000u, 0xc4800000u, 0xc4800000u, 0xc4800000u, 0xc4800000u,
-    0xc4800000u, 0xc4800000u, 0xc4800000u, 0xc4800000u, 0xc4800000u, 0xc4800000u, 0xc4800000u, 0xc4800000u,
-    0xc4800000u, 0xc4800000u, 0xc4800000u, 0xc4800000u, 0xc4800000u, 0xc4800000u, 0xc4800000u, 0xc4800000u,
-    0xc4800000u, 0xc4800000u, 0xc4800000u, 0xc4800000u, 0xc4800000u, 0xc4800000u, 0x43afc804u, 0x43afc804u,
-  },
-  {
-    0xc4800000u, 0xc4800000u, 0xc4800000u, 0xc4800000u, 0xc4800000u, 0xc4800000u, 0xc4800000u, 0xc4800000u,
-    0xc4800000u, 0xc4800000u, 0xc4800000u, 0xc4800000u, 0xc4800000u, 0xc4800000u, 0xc4800000u, 0xc4800000u,
-    0xc4800000u, 0xc4800000u, 0xc4800000u, 0xc4800000u, 0xc4800000u, 0xc4800000u, 0xc4800000u, 0xc4800000u,
-    0xc4800000u, 0xc4800000u, 0xc4800000u, 0xc4800000u, 0xc4800000u, 0xc4800000u, 0x439dac1du, 0x439dac1du,
-  },
-};
+/* the vector quantizer's top line (q8_codegen.top_line): [map][slope, offset], fp32 bits */
+const uint32_t q8_top_line[2][2] = {{0x43200000u, 0x43afc804u}, {0x43440000u, 0x439dac1du}};
 
 /* the vector quantizer's lines (q8_codegen.line_tables): [map][line][slope, offset][octave], fp32 bits */
 const uint32_t q8_lines[2][3][2][32] __attribute__((aligned(64))) = {
