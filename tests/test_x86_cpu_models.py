@@ -1,5 +1,6 @@
 """cpu_kernels on x86-64 CPUs below this one's, emulated: qemu-x86_64 -cpu Haswell (AVX2 + FMA, no
-AVX-512: most cloud hosts and desktops) and -cpu Nehalem (SSE4.2, no AVX: the portable level) run
+AVX-512: most cloud hosts and desktops) and -cpu SandyBridge (AVX without AVX2 or FMA: the portable
+level; numpy 2.4 itself needs more than Nehalem's SSE4.2) run
 tests/x86_model_probe.py. The library must load there (nothing runs at load that the CPU lacks: a
 table built by a constructor compiled for AVX-512 killed every AVX2-only host with SIGILL), pick
 the level the CPU has, and step fp32 Adam and q8 ranges to the bits this host gives at that level
@@ -18,7 +19,7 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROBE = os.path.join(ROOT, "tests", "x86_model_probe.py")
 QEMU = shutil.which("qemu-x86_64")
-MODELS = {"Haswell": "avx2", "Nehalem": "portable"}  # qemu's CPU model -> the level it supports
+MODELS = {"Haswell": "avx2", "SandyBridge": "portable"}  # qemu's CPU model -> the level it supports
 
 pytestmark = [
     pytest.mark.skipif(platform.machine() != "x86_64", reason="x86-64 CPU models are emulated on x86-64"),
@@ -35,7 +36,9 @@ def _probe(prefix: list, env: dict) -> dict:
         cwd=ROOT,
         env={**os.environ, "PYTHONPATH": ROOT, **env},
     )
-    assert run.returncode == 0, f"{prefix or 'native'}: exit {run.returncode}\n{run.stdout}\n{run.stderr[-3000:]}"
+    assert run.returncode == 0, (
+        f"{prefix or 'native'}: exit {run.returncode}\n{run.stdout}\n{run.stderr[-3000:]}"
+    )
     return json.loads(run.stdout.strip().splitlines()[-1])
 
 

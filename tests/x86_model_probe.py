@@ -53,7 +53,12 @@ def q8(rng: np.random.Generator) -> str:
     for step in (1, 2, 3):
         g = rng.standard_normal(N, dtype=np.float32)
         a = Q8AdamArgs(n=N, param=_ptr(p), grad=_ptr(g), param_out=_ptr(p), step=step)
-        a.exp_avg, a.exp_avg_absmax, a.exp_avg_out, a.exp_avg_absmax_out = _ptr(m), _ptr(ma), _ptr(m), _ptr(ma)
+        a.exp_avg, a.exp_avg_absmax, a.exp_avg_out, a.exp_avg_absmax_out = (
+            _ptr(m),
+            _ptr(ma),
+            _ptr(m),
+            _ptr(ma),
+        )
         a.exp_avg_sq, a.exp_avg_sq_absmax = _ptr(v), _ptr(va)
         a.exp_avg_sq_out, a.exp_avg_sq_absmax_out = _ptr(v), _ptr(va)
         a.grad_dtype, a.exp_avg_dtype, a.exp_avg_sq_dtype, a.decoupled = DT_F32, DT_Q8, DT_Q8, 1

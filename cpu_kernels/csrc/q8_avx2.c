@@ -3,6 +3,21 @@
 #define Q8_LEVEL avx2
 
 #if defined(__x86_64__)
+/* Above the target pragma: plain x86-64 code, as it runs at load on every CPU (an AVX2 build of
+ * a constructor would kill a CPU without AVX2 with SIGILL; tests/test_x86_cpu_models.py). */
+/* The quantizer's bucket table (q8_buckets) with the rank's + 1 folded in: (rank + 1) << 17 | step,
+ * so a lane's rank is entry >> 17, less one while |x|'s low 16 bits lie below the step. */
+static uint32_t q8x2_entries[2][2 * Q8_KEYS] __attribute__((aligned(64)));
+
+__attribute__((constructor)) static void q8_avx2_init(void)
+{
+    for (int m = 0; m < 2; m++)
+        for (int k = 0; k < 2 * Q8_KEYS; k++) {
+            const uint32_t e = q8_buckets[m][k];
+            q8x2_entries[m][k] = ((e >> 17) + 1) << 17 | (e & 0x1ffffu);
+        }
+}
+
 #pragma GCC target("avx2,fma,f16c")
 #include <immintrin.h>
 
@@ -33,19 +48,6 @@ static inline void q8_dequant_block(float *restrict dst, const uint8_t *codes, f
         _mm256_store_ps(dst + i, _mm256_mul_ps(_mm256_castsi256_ps(q8_lookup8(map, k)), s));
     }
     for (; i < len; i++) dst[i] = bits_f32(map[codes[i]]) * absmax;
-}
-
-/* The quantizer's bucket table (q8_buckets) with the rank's + 1 folded in: (rank + 1) << 17 | step,
- * so a lane's rank is entry >> 17, less one while |x|'s low 16 bits lie below the step. */
-static uint32_t q8x2_entries[2][2 * Q8_KEYS] __attribute__((aligned(64)));
-
-__attribute__((constructor)) static void q8_avx2_init(void)
-{
-    for (int m = 0; m < 2; m++)
-        for (int k = 0; k < 2 * Q8_KEYS; k++) {
-            const uint32_t e = q8_buckets[m][k];
-            q8x2_entries[m][k] = ((e >> 17) + 1) << 17 | (e & 0x1ffffu);
-        }
 }
 
 /* The keys of 8 quotients u (fp32 bits) into the bucket table: Q8_KEYS per sign. */

@@ -5,24 +5,8 @@
 #define Q8_LEVEL avx512
 
 #if defined(__x86_64__)
-#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")
-#include <immintrin.h>
-
-/* map[code] for 16 codes without a gather: the map's 256 values are 16 registers; permutex2var
- * picks within each pair of them (the code's low 5 bits), the top 3 bits pick the pair */
-static inline __m512 q8_lookup16(__m512i idx, const __m512 *t)
-{
-    const __mmask16 b5 = _mm512_test_epi32_mask(idx, _mm512_set1_epi32(32));
-    const __mmask16 b6 = _mm512_test_epi32_mask(idx, _mm512_set1_epi32(64));
-    const __mmask16 b7 = _mm512_test_epi32_mask(idx, _mm512_set1_epi32(128));
-    __m512 r[8];
-    for (int j = 0; j < 8; j++) r[j] = _mm512_permutex2var_ps(t[2 * j], idx, t[2 * j + 1]);
-    const __m512 a0 = _mm512_mask_blend_ps(b5, r[0], r[1]), a1 = _mm512_mask_blend_ps(b5, r[2], r[3]);
-    const __m512 a2 = _mm512_mask_blend_ps(b5, r[4], r[5]), a3 = _mm512_mask_blend_ps(b5, r[6], r[7]);
-    const __m512 c0 = _mm512_mask_blend_ps(b6, a0, a1), c1 = _mm512_mask_blend_ps(b6, a2, a3);
-    return _mm512_mask_blend_ps(b7, c0, c1);
-}
-
+/* Above the target pragma: plain x86-64 code, as it runs at load on every CPU (an AVX-512 build
+ * of the constructor killed AVX2-only hosts with SIGILL; tests/test_x86_cpu_models.py). */
 /* AVX512-VBMI (Ice Lake, Zen 4 and later; not Skylake-X): the map as 4 byte planes of 256 bytes,
  * each looked up for 64 codes by 2 vpermt2b (128 entries each) and a blend on the code's top bit,
  * then interleaved back to dwords. The unpacks put byte 16L + 4j + i of a 128-bit lane L into
@@ -49,6 +33,24 @@ int q8_avx512_use_vbmi(int on)
     if (on && !__builtin_cpu_supports("avx512vbmi")) return -1;
     q8_vbmi = on ? 1 : 0;
     return q8_vbmi;
+}
+
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")
+#include <immintrin.h>
+
+/* map[code] for 16 codes without a gather: the map's 256 values are 16 registers; permutex2var
+ * picks within each pair of them (the code's low 5 bits), the top 3 bits pick the pair */
+static inline __m512 q8_lookup16(__m512i idx, const __m512 *t)
+{
+    const __mmask16 b5 = _mm512_test_epi32_mask(idx, _mm512_set1_epi32(32));
+    const __mmask16 b6 = _mm512_test_epi32_mask(idx, _mm512_set1_epi32(64));
+    const __mmask16 b7 = _mm512_test_epi32_mask(idx, _mm512_set1_epi32(128));
+    __m512 r[8];
+    for (int j = 0; j < 8; j++) r[j] = _mm512_permutex2var_ps(t[2 * j], idx, t[2 * j + 1]);
+    const __m512 a0 = _mm512_mask_blend_ps(b5, r[0], r[1]), a1 = _mm512_mask_blend_ps(b5, r[2], r[3]);
+    const __m512 a2 = _mm512_mask_blend_ps(b5, r[4], r[5]), a3 = _mm512_mask_blend_ps(b5, r[6], r[7]);
+    const __m512 c0 = _mm512_mask_blend_ps(b6, a0, a1), c1 = _mm512_mask_blend_ps(b6, a2, a3);
+    return _mm512_mask_blend_ps(b7, c0, c1);
 }
 
 __attribute__((target("avx512f,avx512bw,avx512vbmi"), noinline)) static void q8_dequant_vbmi(
