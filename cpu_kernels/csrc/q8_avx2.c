@@ -215,27 +215,21 @@ static inline void q8_prefetch_span(const void *p, size_t bytes)
     for (size_t o = 0; o < bytes; o += 64) __builtin_prefetch((const char *)p + o, 0, 3);
 }
 
-/* The streams the block at off reads (in place, the ones it writes): the param (fp32, or bf16 and
- * its remainders), the grad, the moments' codes; a block's absmax shares its line with 15 others. */
-static inline void q8_prefetch_block(const q8_args_t *a, int64_t off, size_t gsz, size_t psz)
-{
-    q8_prefetch_span((const char *)a->param + off * (int64_t)psz, Q8_BLOCK * psz);
-    q8_prefetch_span((const char *)a->grad + off * (int64_t)gsz, Q8_BLOCK * gsz);
-    if (a->remainder) q8_prefetch_span(a->remainder + off, Q8_BLOCK * 2);
-    if (a->exp_avg_dtype == DT_Q8) q8_prefetch_span((const uint8_t *)a->exp_avg + off, Q8_BLOCK);
-    if (a->exp_avg_sq_dtype == DT_Q8) q8_prefetch_span((const uint8_t *)a->exp_avg_sq + off, Q8_BLOCK);
-}
-
 void q8_range_avx2(const q8_args_t *a, const q8_consts_t *c, int64_t begin, int64_t end)
 {
+    /* the streams a block reads (in place, the ones it writes): the moments' codes, the param
+     * (fp32, or bf16 and its remainders) and the grad; a block's absmax shares its line with 15 */
     const size_t gsz = a->grad_dtype == DT_F32 ? 4 : 2, psz = a->remainder ? 2 : 4;
-    /* a range (a thread's chunk) starts with its first blocks' inputs on their way too */
-    for (int64_t pf = begin + Q8_BLOCK; pf < begin + Q8_PF_AHEAD * Q8_BLOCK && pf + Q8_BLOCK <= end; pf += Q8_BLOCK)
-        q8_prefetch_block(a, pf, gsz, psz);
     for (int64_t off = begin; off < end; off += Q8_BLOCK) {
         const int64_t e = off + Q8_BLOCK < end ? off + Q8_BLOCK : end;
         const int64_t pf = off + Q8_PF_AHEAD * Q8_BLOCK;
-        if (pf + Q8_BLOCK <= end) q8_prefetch_block(a, pf, gsz, psz);
+        if (pf + Q8_BLOCK <= end) {
+            q8_prefetch_span((const char *)a->param + pf * psz, Q8_BLOCK * psz);
+            q8_prefetch_span((const char *)a->grad + pf * gsz, Q8_BLOCK * gsz);
+            if (a->remainder) q8_prefetch_span(a->remainder + pf, Q8_BLOCK * 2);
+            if (a->exp_avg_dtype == DT_Q8) q8_prefetch_span((const uint8_t *)a->exp_avg + pf, Q8_BLOCK);
+            if (a->exp_avg_sq_dtype == DT_Q8) q8_prefetch_span((const uint8_t *)a->exp_avg_sq + pf, Q8_BLOCK);
+        }
         q8_range_avx2_fused(a, c, off, e);
     }
 }
