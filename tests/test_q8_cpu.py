@@ -485,14 +485,20 @@ def test_the_raw_entry_point_refuses_a_q8_moment_without_its_absmax():
 # ------------------------------------------------ the AVX-512 quantizer's lines against q8_code
 
 
-def _check_quant_avx512(signed, first, count, bounded=False):
+def _check_quant(level, signed, first, count, bounded=False):
+    """The level's test hook (q8_check_quant_<level>): its vector quantizer on the fp32 patterns
+    [first, first + count) against q8_code -> (mismatches, lanes that took q8_code)."""
     import ctypes
 
-    fn = _q8_lib.lib.q8_check_quant_avx512
+    fn = getattr(_q8_lib.lib, f"q8_check_quant_{level}")
     fn.restype = ctypes.c_int64
     fn.argtypes = [ctypes.c_int, ctypes.c_uint32, ctypes.c_uint64, ctypes.POINTER(ctypes.c_int64)]
     near = ctypes.c_int64()
     return fn((0 if signed else 1) + (2 if bounded else 0), first, count, ctypes.byref(near)), near.value
+
+
+def _check_quant_avx512(signed, first, count, bounded=False):
+    return _check_quant("avx512", signed, first, count, bounded)
 
 
 # The bounded form (x·(1/absmax), |x| <= absmax, both normal) sees finite |x| <= 1 + 2^-23 only.
@@ -552,13 +558,7 @@ def test_a_raw_q8_args_struct_steps_unscaled_grads_unless_told():
 
 
 def _check_quant_avx2(signed, first, count):
-    import ctypes
-
-    fn = _q8_lib.lib.q8_check_quant_avx2
-    fn.restype = ctypes.c_int64
-    fn.argtypes = [ctypes.c_int, ctypes.c_uint32, ctypes.c_uint64, ctypes.POINTER(ctypes.c_int64)]
-    near = ctypes.c_int64()
-    return fn(0 if signed else 1, first, count, ctypes.byref(near)), near.value
+    return _check_quant("avx2", signed, first, count)
 
 
 needs_avx2 = pytest.mark.skipif("avx2" not in LEVELS, reason="no AVX2 on this CPU")

@@ -355,15 +355,8 @@ class Worker:
         a.exp_avg = self._bank(t.in_bank, "m", off, 4)
         a.exp_avg_sq = self._bank(t.in_bank, "v", off, 4)
         a.grad = self.base + self.slot_offset + t.slot * self.slot_stride
-        a.grad_dtype, a.decoupled, a.step = t.grad_dtype, t.decoupled, t.step
-        a.lr, a.beta1, a.beta2, a.eps, a.weight_decay, a.grad_scale = (
-            t.lr,
-            t.beta1,
-            t.beta2,
-            t.eps,
-            t.weight_decay,
-            t.grad_scale,
-        )
+        a.grad_dtype = t.grad_dtype
+        _set_hyperparameters(a, t)
         self.lib.hybrid_adam_inverse(ctypes.byref(a))
         return proto.Result(t.op, t.task_id, proto.STATUS_OK, t.subgroup)
 
