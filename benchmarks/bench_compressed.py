@@ -11,8 +11,8 @@ on a CPU-only host the in-process CPU kernel), "host" (offload 1: the host tier,
 the worker), "nvme" (offload 1, nvme 1: swap files under --dir, which must be on a disk, not
 tmpfs), "mixed" (offload 0.5, nvme 0.25: all three tiers in one optimizer). Formats: "fp32
 state" (fp32 master + moments) and "bf16 moments + remainders" (exp_avg_dtype =
-exp_avg_sq_dtype = torch.bfloat16, store_param_remainders=True). Speculation is on (its
-default).
+exp_avg_sq_dtype = torch.bfloat16, store_param_remainders=True). Speculation is on
+(speculative=True, where a CPU-only host's "auto" would step the host tier in step()).
 
 Grads come from a fixed stream of --grad-sets bf16 grad sets generated once and shared by
 every configuration (step k of a run uses set k mod --grad-sets), so every configuration
@@ -143,7 +143,9 @@ def run_config(args, base, grads, placement: str, fmt: str, workdir: str) -> tup
         kw["nvme_path"] = workdir
     step_ms, iter_ms = [], []
     outcomes = {}  # host/nvme subgroups committed (speculated), redone, stepped (in step()), dropped
-    with HybridAdamW(params, lr=1e-4, subgroup_numel=args.subgroup_numel, **kw) as opt:
+    # speculative=True: the --grads backward mode shows host steps during backward, which
+    # "auto" turns off on a CPU-only host (the worker shares the backward's cores)
+    with HybridAdamW(params, lr=1e-4, subgroup_numel=args.subgroup_numel, speculative=True, **kw) as opt:
         for k in range(args.warmup + args.iters):
             g = grads[k % len(grads)]
             t0 = time.perf_counter()

@@ -140,6 +140,13 @@ def check_release_grads(release_grads, process_group) -> None:
         )
 
 
+def check_speculative(speculative) -> None:
+    """speculative: True (host steps during backward), False (in step()), or "auto" (the
+    default: during backward where the worker has cores of its own; speculation.speculates)."""
+    if not (isinstance(speculative, bool) or speculative == "auto"):
+        raise ValueError(f'speculative must be True, False or "auto", got {speculative!r}')
+
+
 def check_state_format(exp_avg_dtype, exp_avg_sq_dtype, store_param_remainders, rollback) -> StateFormat:
     """The compressed-state options (#16) as one StateFormat: its dtype and flag errors, then
     rollback='inverse' refused with bf16 moments (rounding to bf16 is not invertible)."""

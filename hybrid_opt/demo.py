@@ -246,21 +246,14 @@ def time_summary(
             if phases is not None and base_phases is not None:
                 grew = f" (here backward {phases[1] - base_phases[1]:+.1f} ms against torch's)"
             lines.append(
-                "    so what runs during backward takes cores the backward needs: nothing of it is "
-                f"hidden on this host{grew}, and a core taken from one of torch's threads stalls "
-                "its other thread too, so backward can grow by more than the worker's CPU time; "
-                "on a GPU host the worker has cores of its own and the same work hides under backward"
+                "    so work during backward would take cores the backward needs and hide nothing "
+                "(a core taken from one of torch's threads stalls its other thread too): "
+                'speculative="auto" steps the host and nvme tiers in step() on this host'
+                f"{grew}; on a GPU host the worker has cores of its own and the same work hides "
+                "under backward"
             )
-    if clipped:
-        lines.append(
-            f"  clipping bit in {clipped} of {steps} steps: a speculated step is redone "
-            f"then"
-            + (
-                "; sharing the trainer's cores, the worker speculates nothing after a clipped step"
-                if cores is not None and cores.startswith("shared")
-                else ""
-            )
-        )
+    if clipped and not (cores is not None and cores.startswith("shared")):
+        lines.append(f"  clipping bit in {clipped} of {steps} steps: a speculated step is redone then")
     return "\n".join(lines)
 
 

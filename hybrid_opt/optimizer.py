@@ -95,6 +95,7 @@ class _HybridBase(torch.optim.Optimizer):
             refit_every=refit_every,
         )
         A.check_release_grads(release_grads, process_group)
+        A.check_speculative(speculative)
         self.state_format = A.check_state_format(
             exp_avg_dtype, exp_avg_sq_dtype, store_param_remainders, rollback
         )
@@ -425,7 +426,7 @@ class HybridAdamW(_HybridBase):
         nvme_fraction=0.0,
         nvme_path=None,
         subgroup_numel=None,
-        speculative=True,
+        speculative="auto",
         rollback="exact",
         device_memory_budget=None,
         host_memory_budget=None,
@@ -482,7 +483,7 @@ class HybridAdam(_HybridBase):
         nvme_fraction=0.0,
         nvme_path=None,
         subgroup_numel=None,
-        speculative=True,
+        speculative="auto",
         rollback="exact",
         device_memory_budget=None,
         host_memory_budget=None,

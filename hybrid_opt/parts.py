@@ -8,11 +8,13 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+import torch
+
 from hybrid_opt.distributed.local_shards import local_of
 from hybrid_opt.placement.cost_model import DEFAULT_SUBGROUP_NUMEL
 from hybrid_opt.placement.placement import Placement, TierEvents, restated
 from hybrid_opt.seams import Sharding
-from hybrid_opt.speculation import SpeculationConfig, Speculator
+from hybrid_opt.speculation import SpeculationConfig, Speculator, speculates
 from hybrid_opt.state import layout as L
 from hybrid_opt.state.ledger import StepLedger
 from hybrid_opt.state.storage import ParamGuard
@@ -69,10 +71,14 @@ def compose(
     )
     ledger = StepLedger(layout)
     stats = StepStats(layout, state_format)
-    c = placement_config
     devices = {p.device for p in layout.params()}
     if len(devices) > 1:
         raise ValueError(f"all parameters must be on one device, got {sorted(map(str, devices))}")
+    # speculative="auto" becomes True or False here, once the params' device is known
+    device = next(iter(devices), torch.device("cpu"))
+    c = placement_config._replace(
+        speculative=speculates(placement_config.speculative, device, placement_config.worker_share)
+    )
     firsts = []  # per param group: the index of its first param in the layout
     for gi in range(len(layout.param_groups)):
         firsts.append(len(layout.steps))
@@ -99,7 +105,7 @@ def compose(
         layout,
         placement,
         ledger,
-        SpeculationConfig(bool(c.speculative), c.rollback, max_grad_norm is not None, decoupled),
+        SpeculationConfig(c.speculative, c.rollback, max_grad_norm is not None, decoupled),
         sharding,
     )
     guard = ParamGuard(

@@ -141,9 +141,12 @@ def test_the_time_summary_names_the_cost_and_the_arrangement():
     assert "device tier: 5.00 ms" in text
     assert "host and nvme tiers: 30.00 ms of the worker's time; step() waited 10.00 ms" in text
     assert "on a GPU host the worker has cores of its own" in text
-    assert "clipping bit in 7 of 100 steps" in text and "speculates nothing after a clipped step" in text
+    # shared cores: speculative="auto" speculates nothing, so clipping redoes nothing
+    assert "in step() on this host" in text and "clipping" not in text
     split = time_summary(totals, 100, [0.05] * 100, 5.0, None, None, "split: the trainer on cores 0", 0)
     assert "GPU host" not in split and "clipping" not in split and "torch" not in split
+    split = time_summary(totals, 100, [0.05] * 100, 5.0, None, None, "split: the trainer on cores 0", 7)
+    assert "clipping bit in 7 of 100 steps: a speculated step is redone then" in split
 
 
 def test_the_time_summary_gives_each_phase_of_both_runs_and_the_workers_cpu():
@@ -174,7 +177,7 @@ def test_the_time_summary_gives_each_phase_of_both_runs_and_the_workers_cpu():
     assert "median ms: forward 13.0 against 13.0 (+0.0); backward 32.0 against 25.0 (+7.0)" in text
     assert "step() 2.0 against 3.0 (-1.0)" in text
     assert "the worker's CPU: 3.50 ms per step" in text
-    assert "nothing of it is hidden on this host (here backward +7.0 ms against torch's)" in text
+    assert "tiers in step() on this host (here backward +7.0 ms against torch's)" in text
     alone = time_summary(totals, 100, [0.047] * 100, 4.7, None, None, "split: the trainer on cores 0", 0)
     assert "median ms" not in alone and "worker's CPU" not in alone and "hidden" not in alone
 

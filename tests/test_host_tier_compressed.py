@@ -566,8 +566,8 @@ def test_every_placement_steps_the_same_bits_through_clipping_overflow_and_a_kil
     monkeypatch.setenv(FAULT_ENV, "mid_step:4")
     placements = {
         "device": dict(offload_fraction=0.0),
-        "host": dict(offload_fraction=1.0),
-        "nvme": dict(offload_fraction=1.0, nvme_fraction=1.0, nvme_path=nvme_dir),
+        "host": dict(offload_fraction=1.0, speculative=True),
+        "nvme": dict(offload_fraction=1.0, nvme_fraction=1.0, nvme_path=nvme_dir, speculative=True),
     }
     runs, opts, scalers = {}, {}, {}
     try:
@@ -665,10 +665,10 @@ def test_a_mixed_fp32_bf16_model_with_amsgrad_steps_the_same_bits_at_every_place
 
     placements = {
         "device": dict(offload_fraction=0.0),
-        "host": dict(offload_fraction=1.0),
-        "nvme": dict(offload_fraction=1.0, nvme_fraction=1.0, nvme_path=nvme_dir),
-        "mix": dict(offload_fraction=0.7, nvme_fraction=0.35, nvme_path=nvme_dir),
-        "fp32_master": dict(offload_fraction=1.0),
+        "host": dict(offload_fraction=1.0, speculative=True),
+        "nvme": dict(offload_fraction=1.0, nvme_fraction=1.0, nvme_path=nvme_dir, speculative=True),
+        "mix": dict(offload_fraction=0.7, nvme_fraction=0.35, nvme_path=nvme_dir, speculative=True),
+        "fp32_master": dict(offload_fraction=1.0, speculative=True),
     }
     runs, opts, scalers = {}, {}, {}
     try:

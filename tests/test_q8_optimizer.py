@@ -373,10 +373,10 @@ def test_a_q8_entry_of_the_wrong_size_is_refused_naming_the_key():
 FAULT_ENV = "HYBRID_OPT_WORKER_FAULT"
 
 
-PLACED = {
-    "host": dict(offload_fraction=1.0),
-    "nvme": dict(offload_fraction=1.0, nvme_fraction=0.6),
-    "mixed": dict(offload_fraction=0.5, nvme_fraction=0.25),
+PLACED = {  # speculative=True: on this CPU-only host "auto" would step them in step() alone
+    "host": dict(offload_fraction=1.0, speculative=True),
+    "nvme": dict(offload_fraction=1.0, nvme_fraction=0.6, speculative=True),
+    "mixed": dict(offload_fraction=0.5, nvme_fraction=0.25, speculative=True),
 }
 
 
@@ -432,9 +432,9 @@ def test_speculative_plain_and_nvme_steps_are_bitwise_through_clipping_overflow_
     monkeypatch.setenv(FAULT_ENV, "mid_step:4")
     placements = {
         "device": dict(offload_fraction=0.0),
-        "speculative": dict(offload_fraction=1.0),
+        "speculative": dict(offload_fraction=1.0, speculative=True),
         "plain": dict(offload_fraction=1.0, speculative=False),
-        "nvme": dict(offload_fraction=1.0, nvme_fraction=1.0, nvme_path=str(tmp_path)),
+        "nvme": dict(offload_fraction=1.0, nvme_fraction=1.0, nvme_path=str(tmp_path), speculative=True),
     }
     fmt = StateFormat(Q8, Q8, True)
     runs, opts, scalers = {}, {}, {}
@@ -593,7 +593,10 @@ def test_nvme_files_and_host_banks_hold_the_q8_bytes(fmt, bound, tmp_path):
             files[name] = opt.allocated_bytes["nvme"]
     assert files["q8"] <= bound * files["fp32"], files
     model = _linear_model(0)
-    with _hybrid(list(model.parameters()), fmt, subgroup_numel=1 << 16, offload_fraction=1.0) as opt:
+    # one spare bank per subgroup, as speculation sizes the pool
+    with _hybrid(
+        list(model.parameters()), fmt, subgroup_numel=1 << 16, offload_fraction=1.0, speculative=True
+    ) as opt:
         view = debug_view(opt)
         host = view.host
         assert all(view.host_quantized(sg) for sg in view.host_subgroups())

@@ -323,7 +323,10 @@ def test_fixed_fractions_with_a_budget_too_small_fail_clearly():
 
 
 def test_fixed_fractions_size_the_spare_pool_from_memory():
-    with HybridAdamW(make_net().parameters(), offload_fraction=1.0, subgroup_numel=SUBGROUP) as opt:
+    # speculating: a spare per host subgroup where memory allows (without, two: the next test)
+    with HybridAdamW(
+        make_net().parameters(), offload_fraction=1.0, subgroup_numel=SUBGROUP, speculative=True
+    ) as opt:
         n_host = len(opt.plan.subgroups("host"))
         assert opt.plan.spare_banks == n_host  # they fit in a quarter of the free memory
         # the arena without spares and one bank, counted as the tiers will allocate them
@@ -335,6 +338,7 @@ def test_fixed_fractions_size_the_spare_pool_from_memory():
         offload_fraction=1.0,
         subgroup_numel=SUBGROUP,
         host_memory_budget=int(base + 3.5 * bank),
+        speculative=True,
     ) as opt:
         assert opt.plan.spare_banks == 3  # what the explicit budget leaves
 
@@ -696,3 +700,18 @@ def test_calibration_caches_the_shared_arrangement_under_its_own_key(monkeypatch
     assert measured == [None, 0.5]
     keys = json.load(open(tmp_path / "rates.json"))
     assert any(k.endswith("-wshared") for k in keys) and any(k.endswith("-w0.5") for k in keys)
+
+
+def test_without_speculation_the_spare_pool_is_two_banks_or_what_the_budget_leaves():
+    """speculative="auto" on this CPU-only host steps the host tier in step(): no step waits for
+    validation, so two spare banks do (a step writes one, the next stages into the other), and
+    one where the host budget leaves room for one only."""
+    with HybridAdamW(make_net().parameters(), offload_fraction=1.0, subgroup_numel=SUBGROUP) as opt:
+        assert len(opt.plan.subgroups("host")) > 2 and opt.plan.spare_banks == 2
+        base = debug_view(opt).placement.bytes_of(dataclasses.replace(opt.plan, spare_banks=0))["host"]
+        bank = debug_view(opt).placement.bytes_of(dataclasses.replace(opt.plan, spare_banks=1))["host"] - base
+    budget = int(base + 1.5 * bank)
+    with HybridAdamW(
+        make_net().parameters(), offload_fraction=1.0, subgroup_numel=SUBGROUP, host_memory_budget=budget
+    ) as opt:
+        assert opt.plan.spare_banks == 1 and opt.allocated_bytes["host"] <= budget

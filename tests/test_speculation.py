@@ -882,3 +882,45 @@ def test_grads_modified_through_data_are_redone():
             step(opt, log)
 
     compare(train, offload=1.0)
+
+
+# ============================================================================= speculative="auto"
+def test_auto_speculates_where_the_worker_has_cores_of_its_own():
+    """speculation.speculates: "auto" speculates where the params live on a device (a GPU host
+    splits its cores) or worker_share= gives the worker cores; not on a CPU-only host, whose
+    worker shares the backward's cores. True and False are taken as they are."""
+    from hybrid_opt.speculation import speculates
+
+    cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
+    assert speculates("auto", cuda, None) and speculates("auto", cpu, 0.5)
+    assert not speculates("auto", cpu, None)
+    assert speculates(True, cpu, None) and not speculates(False, cuda, None)
+
+
+@pytest.mark.parametrize("bad", ["yes", 1, None])
+def test_speculative_takes_true_false_or_auto(bad):
+    with pytest.raises(ValueError, match='speculative must be True, False or "auto"'):
+        HybridAdamW(make_mlp().parameters(), speculative=bad)
+
+
+@pytest.mark.parametrize("worker_share", [None, 0.5])
+def test_auto_on_a_cpu_host_steps_in_step_unless_the_worker_has_cores(worker_share):
+    """The default on this CPU-only host: the host subgroups are stepped in step(), none during
+    backward, and the trajectory is bitwise the speculative one; with worker_share= the worker
+    has cores of its own and "auto" speculates."""
+
+    def train(net, opt, log):
+        for b in make_batches(3):
+            opt.zero_grad()
+            loss_fn(net, b).backward()
+            step(opt, log)
+
+    auto = run(train, "auto", worker_share=worker_share)
+    spec = run(train, True, worker_share=worker_share)
+    for a, b in zip(auto.params, spec.params):
+        assert torch.equal(a, b)
+    last = auto.steps[-1].spec
+    if worker_share is None:
+        assert auto.extra["shared"] and last["committed"] == 0 and last["stepped"] == auto.n_host, last
+    else:
+        assert not auto.extra["shared"] and last["committed"] == auto.n_host, last

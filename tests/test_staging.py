@@ -390,7 +390,12 @@ def test_an_attached_grad_scaler_is_read_once_per_backward():
     get_scale = scaler.get_scale
     scaler.get_scale = lambda: reads.append(1) or get_scale()
     with HybridAdamW(
-        net.parameters(), lr=1e-2, offload_fraction=1.0, subgroup_numel=SUBGROUP, spare_banks=16
+        net.parameters(),
+        lr=1e-2,
+        offload_fraction=1.0,
+        subgroup_numel=SUBGROUP,
+        spare_banks=16,
+        speculative=True,  # "auto" would not speculate on this CPU-only host
     ) as opt:
         opt.attach_grad_scaler(scaler)
         n_host = sum(1 for t in opt.plan.tiers if t != "device")

@@ -68,9 +68,9 @@ def arrangement(machine: Machine) -> str:
     if machine.shared_cores:
         return (
             "shared: the params live on the CPU, so the trainer keeps every core for forward "
-            "and backward; the worker runs beside it in sleeping threads, on all cores while "
-            "step() waits for it; host work during backward takes the backward's cores, so "
-            "it does not hide"
+            "and backward; host work during backward would take the backward's cores and hide "
+            'nothing, so speculative="auto" (the default) steps the host tiers in step(), on every '
+            "core (the trainer sleeps meanwhile)"
         )
     return (
         "split: the worker on cores taken from the trainer (worker_share=); forward and "

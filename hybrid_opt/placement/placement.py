@@ -43,7 +43,7 @@ class PlacementConfig(NamedTuple):
     offload_fraction: float | str  # a fraction, or "auto"
     nvme_fraction: float | str
     nvme_path: str | os.PathLike | None
-    speculative: bool
+    speculative: bool | str  # True, False or "auto": parts.compose makes it True or False
     rollback: str
     device_memory_budget: int | None
     host_memory_budget: int | None
@@ -334,11 +334,6 @@ class Placement:
         if c.rollback != "exact" or not resident:
             # inverse steps in place; an nvme step borrows the io banks: no spare would be used
             plan.spare_banks = 0
-        elif spares is None and not c.speculative:
-            # no step waits for validation, so the pool needs no bank per subgroup: a step
-            # writes one spare (a step failing mid-way must not tear committed state) and a
-            # second lets the next subgroup stage while the worker steps this one
-            plan.spare_banks = min(NON_SPECULATIVE_SPARE_BANKS, resident)
         elif spares is None:
             from hybrid_opt.placement.scheduler import default_spare_banks
 
@@ -350,7 +345,15 @@ class Placement:
             budget = c.host_memory_budget
             if budget is not None:  # what the placement leaves of it
                 budget = max(0, budget - without)
-            plan.spare_banks = default_spare_banks(len(host), bank, budget)
+            if c.speculative:
+                plan.spare_banks = default_spare_banks(len(host), bank, budget)
+            else:
+                # no step waits for validation, so the pool needs no bank per subgroup: a step
+                # writes one spare (a step failing mid-way must not tear committed state) and a
+                # second lets the next subgroup stage while the worker steps this one, where
+                # the budget leaves room for it
+                fit = NON_SPECULATIVE_SPARE_BANKS if budget is None else max(1, budget // max(1, bank))
+                plan.spare_banks = min(NON_SPECULATIVE_SPARE_BANKS, resident, fit)
         why = {} if decision is None else {"prediction": decision.prediction, "reason": decision.reason}
         return dataclasses.replace(plan, shard=self._shard_note(), **why)
 

@@ -289,7 +289,8 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument(
         "--no-speculation",
         action="store_true",
-        help="host steps start after backward (HybridAdamW(speculative=False)): none hide",
+        help="host steps start after backward (HybridAdamW(speculative=False)): none hide; "
+        'with --gpus 0 they do so anyway (speculative="auto" on shared cores)',
     )
     ap.add_argument(
         "--spare-banks",
@@ -390,7 +391,8 @@ def build(args) -> tuple[Machine, Workload]:
         backward_seconds=args.backward_seconds,
         model_flops=args.model_flops,
         tokens_per_iteration=args.tokens,
-        speculative=not args.no_speculation,
+        # speculative="auto" (speculation.speculates): not where the worker shares the cores
+        speculative=not args.no_speculation and not machine.shared_cores,
         sharding=args.sharding,
     )
     return machine, workload

@@ -203,8 +203,8 @@ class CoreSplit:
         if self.shared:
             return (
                 f"shared: the trainer keeps all {len(self.trainer)} cores for forward and backward; the "
-                f"worker steps beside it in {self.worker_threads} sleeping thread(s) during backward, "
-                f"and on all {self.waited_threads} while step() waits for it"
+                f"worker steps on all {self.waited_threads} while step() waits for it, and in "
+                f"{self.worker_threads} sleeping thread(s) during backward where it speculates"
             )
         if self.separate:
             return (
