@@ -332,12 +332,14 @@ class Speculator:
         return outcome
 
     def drop(self) -> dict:
-        """Drops every pending speculation (the committed state is untouched); returns finish()'s
-        outcome."""
+        """Drops every pending speculation and read ahead (the committed state is untouched);
+        returns finish()'s outcome."""
         outcome = {}
         host = self.placement.host
         if host is not None and host.stepping.speculated():
             outcome = host.stepping.finish({}, overflow=True)
+        if host is not None:
+            host.stepping.release_reads()  # reads ahead of the next step (read_ahead) too
         self.forget_staged()
         self._deferred.clear()
         return outcome

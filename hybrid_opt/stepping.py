@@ -333,6 +333,10 @@ def step_host(parts, plan: StepPlan, committed: set) -> dict:
     finally:
         spec.forget_staged()
     spec.stepped()
+    if not spec.config.speculative:
+        # no step reads the nvme slots during backward: the next step's reads start now, under
+        # the next forward and backward (a speculated step reads its own during backward)
+        placement.host.stepping.read_ahead()
     return dict(outcome)
 
 

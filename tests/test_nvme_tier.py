@@ -1079,6 +1079,10 @@ def test_a_checkpoint_replaces_a_corrupt_nvme_slot_and_the_step_error_says_so(nv
         ckpt = copy.deepcopy(opt.state_dict())
         _grad_step(opt, params, 2)
         view = debug_view(opt)
+        if not speculative:  # the next step's reads started after this one (read_ahead): the
+            # corruption must come before they read the slot, so they are dropped first
+            assert 2 in view.host.stepping._ahead
+            view.host.stepping.release_reads()
         flip_byte(view.nvme_file(2), view.file_slot(2) * view.host.io_bytes + 100)
         with pytest.raises(RuntimeError, match="checksum mismatch") as info:
             _grad_step(opt, params, 3)
@@ -1088,6 +1092,34 @@ def test_a_checkpoint_replaces_a_corrupt_nvme_slot_and_the_step_error_says_so(nv
         opt.load_state_dict(ckpt)
         _assert_state_is(opt, ckpt["state"], "loaded over a corrupt slot")
         _grad_step(opt, params, 3)  # and it steps on
+
+
+def test_plain_steps_read_the_next_steps_slots_ahead_and_a_load_drops_those_reads(nvme_dir):
+    """Without speculation a step ends by reading the nvme slots its successor will step from
+    (HostStepping.read_ahead: under the next forward and backward, not in step()). The next step
+    steps from them bitwise as from a read of its own; load_state_dict in between drops them, so
+    the step after it steps from the loaded state."""
+    params, opt = _four_nvme_params(nvme_dir, speculative=False)
+    os.makedirs(os.path.join(nvme_dir, "ref"))
+    ref_params, ref = _four_nvme_params(os.path.join(nvme_dir, "ref"), speculative=True)
+    with opt, ref:
+        _grad_step(opt, params, 1)
+        _grad_step(ref, ref_params, 1)
+        stepping = debug_view(opt).host.stepping
+        assert stepping._ahead, "no read ahead of the next step"
+        ckpt = copy.deepcopy(opt.state_dict())  # state_dict() drops them (Speculator.drop)
+        for seed in (2, 3):
+            _grad_step(opt, params, seed)
+            _grad_step(ref, ref_params, seed)
+        assert stepping._ahead
+        opt.load_state_dict(ckpt)
+        ref.load_state_dict(ckpt)
+        assert not stepping._ahead  # read before the load wrote the slots: dropped
+        _grad_step(opt, params, 4)
+        _grad_step(ref, ref_params, 4)
+        _assert_state_is(opt, _snapshot(ref), "steps from the slots read ahead, then the loaded state")
+        for p, q in zip(params, ref_params):
+            assert torch.equal(p, q)
 
 
 def test_a_load_that_fails_part_way_leaves_every_subgroup_and_hyperparameter_as_it_was(nvme_dir):

@@ -398,6 +398,9 @@ class HostTier:
 
     def _borrow_bank(self) -> int:
         banks = self.pool.acquire(1)
+        if banks is None:  # the reads ahead of the next step hold the rest: they give way
+            self.stepping.release_reads()
+            banks = self.pool.acquire(1)
         if banks is None:
             raise RuntimeError(
                 "no free bank to move nvme state through: every one is held by a "
@@ -552,6 +555,8 @@ class HostTier:
         bank, written to the file's other slot, which is then committed. A subgroup that keeps
         remainders: its model param takes the bank's high half once the state stands."""
         self.stepping.require_idle(sg)
+        if self.nvme[sg]:
+            self.stepping.release_reads()  # one of them may read the slot this replaces
         bank = self._borrow_bank() if self.nvme[sg] else self._resident(sg)
         # copy slots: a resident remainder subgroup's high half is written in a free bank's slot
         # (none free: a tensor of its own), then into the model

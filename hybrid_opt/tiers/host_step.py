@@ -69,6 +69,8 @@ class HostStepping:
         self.numels, self.nvme = dict(numels), dict(nvme)  # by subgroup id (HostTier's)
         self.rollback, self.amsgrad, self.slot_numel = rollback, amsgrad, slot_numel
         self._spec: dict[int, _Speculation] = {}
+        # nvme subgroups whose committed slot is being read ahead of their next step (read_ahead)
+        self._ahead: dict[int, _Speculation] = {}
         # inside finish(): work to do while a slot is awaited
         self._on_progress: Callable[[], None] | None = None
         self._counts = {"committed": 0, "redone": 0, "dropped": 0, "stepped": 0}
@@ -86,8 +88,75 @@ class HostStepping:
             self._io.release_slots(spec.pieces)
 
     def forget_all(self) -> None:
-        """The tier closes: every pending speculation is forgotten."""
+        """The tier closes: every pending speculation and read is forgotten."""
         self._spec.clear()
+        self._ahead.clear()
+
+    # ------------------------------------------------------------------ reading ahead
+    def read_ahead(self) -> None:
+        """Without speculation, after a step: the nvme subgroups' committed slots are read into
+        banks now, under the next forward and backward, so that the next step() does not wait
+        for the disk's reads (only for its writes). Each read holds the two banks its step
+        uses; a bank is kept free for each resident step, so those never wait for a read.
+        The committed slots change only at a step's commit, which the next step() itself
+        does after these reads; whatever else writes them (load_state_dict, a move) drops
+        the reads first (release_reads). Best effort: a read that cannot start is left to
+        step(), which reads it itself and reports what went wrong."""
+        try:
+            for sg in sorted(s for s, on in self.nvme.items() if on):
+                if sg in self._spec or sg in self._ahead:
+                    continue
+                # two banks stay free: a resident step's result, and the result of the first
+                # nvme step (each read holds the bank it reads into; its step takes the bank
+                # it writes when it starts: _step_loop)
+                if len(self._pool.free) < 3:
+                    break
+                spec = self._take_read_bank(sg)
+                self._ahead[sg] = spec
+                self._send_swap_in(sg, spec)
+        except Exception:
+            self.release_reads()
+
+    def _take_read_bank(self, sg: int) -> _Speculation:
+        """The bank an nvme step of `sg` reads its committed slot into (a free one: the caller
+        checked), once populated; the bank it writes is taken when the step starts."""
+        banks = self._pool.acquire(1)
+        assert banks is not None  # the caller saw free banks
+        spec = _Speculation(None, None, aux_bank=banks[0])
+        try:
+            if self._views.held.by_key:  # a state_dict() tensor is held: it keeps its values
+                self._views.writing(banks=banks)
+            self._banks.wait_populated(banks, self._client.timeout_s)
+        except BaseException:
+            self._release_banks(spec)
+            raise
+        return spec
+
+    def _take_write_bank(self, sg: int, spec: _Speculation) -> bool:
+        """A read-ahead nvme step (`spec`, its read bank taken) gets the bank it writes, and
+        the file slot it writes is announced; False when the pool has none free now."""
+        banks = self._pool.acquire(1)
+        if banks is None:
+            return False
+        try:
+            if self._views.held.by_key:
+                self._views.writing(banks=banks, slots=[(sg, 1 - self._files.slot(sg))])
+            self._banks.wait_populated(banks, self._client.timeout_s)
+        except BaseException:
+            self._pool.release(banks[0])
+            raise
+        spec.bank = banks[0]
+        return True
+
+    def release_reads(self) -> None:
+        """Reads started by read_ahead end and give their banks back (their slot may be about
+        to change, or the banks are needed)."""
+        ahead, self._ahead = self._ahead, {}
+        for sg, spec in ahead.items():
+            try:
+                self._io.wait_for(spec.pieces)
+            finally:
+                self._drop(spec, sg)
 
     # ------------------------------------------------------------------ launching
     def _carry_over(self, sg: int, src: int, out_bank: int, runs: tuple) -> None:
@@ -509,7 +578,9 @@ class HostStepping:
         # resident subgroups first (no I/O): their compute hides the first nvme reads; the
         # nvme reads are sent ahead of their steps as far as the bank pool allows (prefetch)
         todo = [sg for sg in todo if not self.nvme[sg]] + [sg for sg in todo if self.nvme[sg]]
-        prefetched: dict = {}
+        # the reads read_ahead started after the last step are this step's (the slots stand)
+        prefetched: dict = {sg: self._ahead.pop(sg) for sg in todo if sg in self._ahead}
+        self.release_reads()  # those of subgroups this step leaves alone hold banks it may need
         position = [0]
 
         def prefetch(k: int) -> None:
@@ -548,15 +619,22 @@ class HostStepping:
             position[0] = k
             grad, final = steps[sg]
             spec = prefetched.pop(sg, None) or self._take_banks(sg)
-            while spec is None:  # the pool is spent: commit what has finished, then go on
+            # the pool is spent: commit what has finished, then go on (a step read ahead holds
+            # its read bank: it waits for the bank it writes)
+            while spec is None or (
+                spec.bank is None and self.nvme[sg] and not self._take_write_bank(sg, spec)
+            ):
                 if not waiting:
+                    if spec is not None:
+                        waiting[sg] = spec  # the caller's handler waits for its read, frees its bank
                     raise RuntimeError(
                         f"subgroup {sg} needs more banks than the pool has "
                         f"({self._pool.n_banks}); raise spare_banks/io_banks"
                     )
                 self._io.wait(lambda: any(w.done() for w in waiting.values()))
                 self._commit_finished(waiting, on_commit)
-                spec = self._take_banks(sg)
+                if spec is None:
+                    spec = self._take_banks(sg)
             spec.inputs = final
             waiting[sg] = spec
             if self.nvme[sg] and spec.swap_in is None:
