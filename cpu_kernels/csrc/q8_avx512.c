@@ -310,7 +310,7 @@ static inline void q8_codes_out_pair(uint8_t *mc, float *ma_out, const float *re
 #define Q8_CODES_OUT_PAIR q8_codes_out_pair
 
 #ifndef Q8_AHEAD
-#define Q8_AHEAD 2  /* blocks */
+#define Q8_AHEAD 4  /* blocks: 1 KiB of codes, 4 KiB of fp32 param ahead */
 #endif
 /* A software prefetch of the streams of the block Q8_AHEAD blocks on (fp32 param and grad 1 KiB
  * each, bf16 half of it, each moment's codes 256 bytes): the pass spends most of its time computing,
