@@ -147,15 +147,18 @@ static inline __mmask16 q8_near16(__m512 t)
     return _mm512_testn_epi32_mask(_mm512_castps_si512(t), _mm512_set1_epi32(0x7ff8));
 }
 
-/* the codes (the low byte of int32 lanes) of t for x: 256 + the code; negative x's signed code is
- * 127 - rank = floor(511 - t) away from an integer, and 0 for t in [511, 512) */
-static inline __attribute__((always_inline)) __m512i q8_code16(__m512 t, __m512 xq, const int map)
+/* the 16 codes (bytes) of t for x, by integer ops (no float-to-int conversion, no packing): t lies
+ * in [256, 512), where its bits are 256's with floor(t) - 256 = the code in bits 15..22, so a shift
+ * and the truncation to bytes give it. A negative x's signed code is 127 - rank = 254 - that, away
+ * from an integer, and 0 for t in [511, 512): a saturating byte subtraction. */
+static inline __attribute__((always_inline)) __m128i q8_code16(__m512 t, __m512 xq, const int map)
 {
-    if (map == 0) t = _mm512_mask_sub_ps(t, _mm512_movepi32_mask(_mm512_castps_si512(xq)), _mm512_set1_ps(511.0f), t);
-    return _mm512_cvttps_epi32(t);
+    const __m128i c = _mm512_cvtepi32_epi8(_mm512_srli_epi32(_mm512_castps_si512(t), 15));
+    if (map != 0) return c;
+    return _mm_mask_subs_epu8(c, _mm512_movepi32_mask(_mm512_castps_si512(xq)), _mm_set1_epi8((char)254), c);
 }
 
-static inline __attribute__((always_inline)) __m512i q8_quant16(__m512 xq, const int map, const int bounded,
+static inline __attribute__((always_inline)) __m128i q8_quant16(__m512 xq, const int map, const int bounded,
                                                                 __mmask16 *near)
 {
     const __m512 t = q8_rank16(xq, map, bounded);
@@ -163,9 +166,9 @@ static inline __attribute__((always_inline)) __m512i q8_quant16(__m512 xq, const
     return q8_code16(t, xq, map);
 }
 
-static inline void q8_store16(uint8_t *codes, __m512i code)
+static inline void q8_store16(uint8_t *codes, __m128i code)
 {
-    _mm_storeu_si128((__m128i *)codes, _mm512_cvtepi32_epi8(code));
+    _mm_storeu_si128((__m128i *)codes, code);
 }
 
 /* the lanes of near (16 from x) by the scalar quantizer */
@@ -216,7 +219,7 @@ static inline __attribute__((always_inline)) int64_t q8_check_quant_map(const in
         const uint32_t base = first + (uint32_t)k;
         const __m512i u = _mm512_add_epi32(_mm512_set1_epi32((int)base), lane);
         __mmask16 near;
-        const __m512i code = q8_quant16(_mm512_castsi512_ps(u), map, bounded, &near);
+        const __m512i code = _mm512_cvtepu8_epi32(q8_quant16(_mm512_castsi512_ps(u), map, bounded, &near));
         uint32_t c[16];
         _mm512_storeu_si512(c, code);
         nears += __builtin_popcount(near);
@@ -291,17 +294,13 @@ static inline void q8_codes_out_pair(uint8_t *mc, float *ma_out, const float *re
     *ma_out = ma;
     *va_out = va;
     const __m512 sm = _mm512_set1_ps(1.0f / ma), sv = _mm512_set1_ps(1.0f / va);
-    /* after the pack to words each 128-bit lane holds 4 m codes then 4 v codes: gather m's */
-    const __m256i order = _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7);
     for (int i = 0; i < Q8_BLOCK; i += 16) {
         const __m512 xm = _mm512_mul_ps(_mm512_load_ps(mb + i), sm), xv = _mm512_mul_ps(_mm512_load_ps(vb + i), sv);
         const __m512 tm = q8_rank16(xm, 0, 1), tv = q8_rank16(xv, 1, 1);
         /* a lane near in either moment takes q8_code in both */
         const __mmask16 near = q8_near16(tm) | q8_near16(tv);
-        const __m512i words = _mm512_packus_epi32(q8_code16(tm, xm, 0), q8_code16(tv, xv, 1));
-        const __m256i codes = _mm256_permutevar8x32_epi32(_mm512_cvtepi16_epi8(words), order);
-        _mm_storeu_si128((__m128i *)(mc + i), _mm256_castsi256_si128(codes));
-        _mm_storeu_si128((__m128i *)(vc + i), _mm256_extracti128_si256(codes, 1));
+        _mm_storeu_si128((__m128i *)(mc + i), q8_code16(tm, xm, 0));
+        _mm_storeu_si128((__m128i *)(vc + i), q8_code16(tv, xv, 1));
         if (__builtin_expect(near != 0, 0)) {
             q8_fix_near(mc + i, mb + i, near, ma, 0);
             q8_fix_near(vc + i, vb + i, near, va, 1);
@@ -309,6 +308,34 @@ static inline void q8_codes_out_pair(uint8_t *mc, float *ma_out, const float *re
     }
 }
 #define Q8_CODES_OUT_PAIR q8_codes_out_pair
+
+#ifndef Q8_AHEAD
+#define Q8_AHEAD 4  /* blocks: 1 KiB of codes, 4 KiB of fp32 param ahead */
+#endif
+/* A software prefetch of the streams of the block Q8_AHEAD blocks on (fp32 param and grad 1 KiB
+ * each, bf16 half of it, each moment's codes 256 bytes): the pass spends most of its time computing,
+ * and at two threads its memory traffic must keep up all the same. Past the end it never faults. */
+static inline void q8_block_ahead(const q8_args_t *a, int64_t off)
+{
+#if Q8_AHEAD > 0
+    const int64_t next = off + Q8_AHEAD * Q8_BLOCK;
+    const char *p = (const char *)a->param + next * (a->remainder ? 2 : 4);
+    const char *g = (const char *)a->grad + next * (a->grad_dtype == DT_F32 ? 4 : 2);
+    const int pl = a->remainder ? 8 : 16, gl = a->grad_dtype == DT_F32 ? 16 : 8;
+    for (int k = 0; k < pl; k++) _mm_prefetch(p + 64 * k, _MM_HINT_T0);
+    for (int k = 0; k < gl; k++) _mm_prefetch(g + 64 * k, _MM_HINT_T0);
+    if (a->remainder)
+        for (int k = 0; k < 8; k++) _mm_prefetch((const char *)(a->remainder + next) + 64 * k, _MM_HINT_T0);
+    for (int k = 0; k < 4; k++) {
+        _mm_prefetch((const char *)a->exp_avg + next + 64 * k, _MM_HINT_T0);
+        _mm_prefetch((const char *)a->exp_avg_sq + next + 64 * k, _MM_HINT_T0);
+    }
+#else
+    (void)a;
+    (void)off;
+#endif
+}
+#define Q8_BLOCK_AHEAD q8_block_ahead
 
 #include "q8_fused.h"
 #endif

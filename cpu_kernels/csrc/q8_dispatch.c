@@ -2,9 +2,9 @@
  * the Adam dispatcher's (adam_consts_init in dispatch.c).
  *
  * The level is the Adam dispatcher's (hybrid_get_level: detected once, lowered by
- * cpu_kernels.set_simd_level or HYBRID_OPT_SIMD); every level has a q8 kernel of its own. Threads
- * take interleaved chunks of whole blocks, so a block's absmax is one thread's and the bits do not
- * depend on the thread count.
+ * cpu_kernels.set_simd_level or HYBRID_OPT_SIMD); every level has a q8 kernel of its own. Each
+ * thread takes one contiguous run of whole chunks of whole blocks, so a block's absmax is one
+ * thread's and the bits do not depend on the thread count.
  */
 #include <string.h>
 #ifdef _OPENMP
@@ -19,7 +19,7 @@ const char *hybrid_level_name(int rank);
 typedef void (*q8_range_fn)(const q8_args_t *, const q8_consts_t *, int64_t, int64_t);
 
 #define Q8_PARALLEL_MIN 65536  /* below this a fork/join costs more than it saves */
-#define Q8_CHUNK 16384         /* a thread's unit of work: 64 blocks */
+#define Q8_CHUNK 16384         /* the unit a thread's run is made of: 64 blocks */
 
 /* The q8 kernel of each of dispatch.c's levels on this architecture, by the level's name. */
 static const struct {
@@ -98,12 +98,18 @@ int hybrid_q8_adam_step(const q8_args_t *a)
     const int64_t n = a->n;
 #pragma omp parallel if (n >= Q8_PARALLEL_MIN)
     {
+        /* each thread one contiguous run of whole chunks, not every other chunk: on a 2-core Zen 5
+         * VM, 16 Mi elements, AVX-512, the busier thread's CPU time per step 6.4 -> 4.9 ms at 2
+         * threads (the hardware prefetchers restart at every jump; one thread unchanged) */
         const int64_t chunks = (n + Q8_CHUNK - 1) / Q8_CHUNK;
-#pragma omp for schedule(static, 1)
-        for (int64_t k = 0; k < chunks; k++) {
-            const int64_t b = k * Q8_CHUNK, e = b + Q8_CHUNK < n ? b + Q8_CHUNK : n;
-            range(a, &c, b, e);
-        }
+#ifdef _OPENMP
+        const int64_t nt = omp_get_num_threads(), t = omp_get_thread_num();
+#else
+        const int64_t nt = 1, t = 0;
+#endif
+        const int64_t k0 = chunks * t / nt, k1 = chunks * (t + 1) / nt;
+        const int64_t b = k0 * Q8_CHUNK, e = k1 * Q8_CHUNK < n ? k1 * Q8_CHUNK : n;
+        if (b < e) range(a, &c, b, e);
     }
     return 0;
 }
