@@ -557,8 +557,8 @@ def test_a_raw_q8_args_struct_steps_unscaled_grads_unless_told():
 # ------------------------------------------------ the AVX2 quantizer's bucket table against q8_code
 
 
-def _check_quant_avx2(signed, first, count):
-    return _check_quant("avx2", signed, first, count)
+def _check_quant_avx2(signed, first, count, bounded=False):
+    return _check_quant("avx2", signed, first, count, bounded)
 
 
 needs_avx2 = pytest.mark.skipif("avx2" not in LEVELS, reason="no AVX2 on this CPU")
@@ -579,6 +579,15 @@ def test_avx2_quantizer_equals_q8_code_around_every_code_boundary(signed):
         for first, count in ((0x3F000000, (1 << 23) + 64), (0x7F7FFFF0, 64), (0x7FFFFFC0, 64)):
             bad, _ = _check_quant_avx2(signed, side | first, count)
             assert bad == 0, f"signed={signed} side={side:#x} from {first:#x}"
+        # the bounded form (the fused pass's, by its own table): every boundary, the top octave,
+        # and the smallest magnitudes (clamped to one bucket)
+        for u in q8._first_of_each_rank(signed)[0]:
+            bad, near = _check_quant_avx2(signed, side | (u - (1 << 16)), 1 << 17, bounded=True)
+            assert bad == 0, f"signed={signed} side={side:#x} boundary {u:#x} bounded"
+            assert near < 1 << 6
+        for first, count in ((0x3F000000, BOUNDED_LAST + 1 - 0x3F000000), (0, 1 << 20)):
+            bad, _ = _check_quant_avx2(signed, side | first, count, bounded=True)
+            assert bad == 0, f"signed={signed} side={side:#x} from {first:#x} bounded"
 
 
 @needs_avx2
@@ -591,3 +600,6 @@ def test_avx2_quantizer_equals_q8_code_for_every_fp32_pattern(signed):
         bad, near = _check_quant_avx2(signed, first, 1 << 31)
         assert bad == 0, (signed, first)
         assert near < 1 << 20  # the scalar path stays rare
+        bad, near = _check_quant_avx2(signed, first, BOUNDED_LAST + 1, bounded=True)
+        assert bad == 0, (signed, first, "bounded")
+        assert near < 1 << 13
