@@ -2,6 +2,7 @@
 DeepSpeedCPUAdam when importable, against Adam's own memory roofline measured in the same run.
 
     python benchmarks/bench_cpu_adam.py [--sizes 16Mi 64Mi] [--reps 15] [--trials 3] [--json out.json]
+        [--impls ours ours_remainders ...]
 
 Each row steps the same tensors in the same process; the impls and the roofline probe are
 timed in interleaved rounds, and each row's % of roofline is against the probe of its own
@@ -277,6 +278,12 @@ def main(argv=None) -> int:
         help="repeat the interleaved timing; rows report the median of the trial medians",
     )
     ap.add_argument("--json", default=None, help="write the records here")
+    ap.add_argument(
+        "--impls",
+        nargs="+",
+        default=None,
+        help="time only these rows (e.g. ours ours_remainders torch_fused); the roofline probes always run",
+    )
     args = ap.parse_args(argv)
 
     all_threads = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
@@ -297,7 +304,14 @@ def main(argv=None) -> int:
             job = Job(n)
             probe = Job(n)  # the roofline probe scribbles on its own tensors
             bank = (torch.empty(n), torch.empty(n), torch.empty(n))
-            table = {name: (gdt, bpe, fn) for name, gdt, bpe, fn in impls(job, bank)}
+            table = {
+                name: (gdt, bpe, fn)
+                for name, gdt, bpe, fn in impls(job, bank)
+                if args.impls is None or name in args.impls
+            }
+            if args.impls is not None and len(table) < len(set(args.impls)):
+                unknown = sorted(set(args.impls) - set(table))
+                ap.error(f"--impls: no row named {', '.join(unknown)} at this level")
             fns = {name: fn for name, (_, _, fn) in table.items()}
             # the roofline: Adam's 28 bytes/element in place, no arithmetic, timed in the same
             # rounds as the impls so drift on this shared machine hits them alike; split over
@@ -424,12 +438,12 @@ def main(argv=None) -> int:
         )
     )
     by = {(r["impl"], r["numel"], r["threads"]): r for r in records if r["impl"] != "roofline"}
-    for (impl, n, th), r in sorted(by.items(), key=lambda kv: (kv[0][2], kv[0][1])):
-        if impl == "ours":
-            base = by.get(("torch_fused", n, th))
-            comp, fused = by.get(("torch_composite", n, th)), by.get(("ours_fused", n, th))
-            rems = by.get(("ours_remainders", n, th))
-            roof = 28 * n / (times_of[(n, th)]["roofline"]["median_ms"] * 1e6)
+    for n, th in sorted(times_of, key=lambda k: (k[1], k[0])):
+        r, base = by.get(("ours", n, th)), by.get(("torch_fused", n, th))
+        comp, fused = by.get(("torch_composite", n, th)), by.get(("ours_fused", n, th))
+        rems = by.get(("ours_remainders", n, th))
+        roof = 28 * n / (times_of[(n, th)]["roofline"]["median_ms"] * 1e6)
+        if None not in (r, base, comp, fused, rems):  # all there unless --impls left some out
             print(
                 f"numel {n} threads {th}: ours / torch fused = "
                 f"{base['median_ms'] / r['median_ms']:.2f}x; ours_fused / torch composite = "
@@ -439,7 +453,7 @@ def main(argv=None) -> int:
                 f"{100 * base['gb_per_s'] / roof:.0f} % of the roofline"
                 + (" (above it: the probe is not a roof here)" if base["gb_per_s"] > roof else "")
             )
-            print(f"numel {n} threads {th}: {_roof_check(by, n, th, roof)}")
+        print(f"numel {n} threads {th}: {_roof_check(by, n, th, roof)}")
     write_json(args.json, records)
     return 0
 

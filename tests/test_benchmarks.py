@@ -534,3 +534,32 @@ def test_bench_cpu_host_tiny_run_has_a_row_per_arrangement_and_clip(tmp_path):
         if r["optimizer"] == "torch":
             assert r["ratio"] == 1.0
     assert "| 1 | HybridAdamW offload 1 | shared | yes |" in res.stdout
+
+
+def test_bench_cpu_adam_impls_times_only_the_named_rows_beside_the_probes(tmp_path):
+    out_json = tmp_path / "a.json"
+    script = os.path.join(REPO, "benchmarks", "bench_cpu_adam.py")
+    args = ["--sizes", "4Ki", "--threads", "1", "--reps", "2", "--json", str(out_json)]
+    picked = ["ours_remainders", "torch_fused"]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")]))
+    res = subprocess.run(
+        [sys.executable, script, *args, "--impls", *picked],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        cwd=REPO,
+        env=env,
+    )
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    rows = {r["impl"] for r in json.loads(out_json.read_text())}
+    assert rows == set(picked) | {"roofline_inplace", "roofline_bank", "roofline"}
+    assert "under 90 % of the roofline" in res.stdout
+    bad = subprocess.run(
+        [sys.executable, script, *args, "--impls", "ours", "no_such_row"],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        cwd=REPO,
+        env=env,
+    )
+    assert bad.returncode != 0 and "no row named no_such_row" in bad.stderr
