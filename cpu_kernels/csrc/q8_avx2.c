@@ -388,9 +388,6 @@ static inline void q8x2_codes_pair(uint8_t *mc, float *ma_out, const float *rest
     }
 }
 
-#define Q8_CODES_OUT_PAIR q8x2_codes_pair
-#include "q8_fused.h"
-
 /* 8 codes' map values, each code by its own byte load: the step in L1 took 0.91 ns an element so,
  * 0.95 with one 8-byte load split by shifts (Zen 5; docs/kernels.md) */
 static inline __m256 q8x2_map8(const uint32_t *map, const uint8_t *k)
@@ -405,69 +402,10 @@ static inline __m256 q8x2_map8(const uint32_t *map, const uint8_t *k)
     return _mm256_castsi256_ps(_mm256_set_m128i(hi, lo));
 }
 
-/* q8_fused.h's block with the moments dequantized inside the arithmetic loop (no L1 round trip
- * for the inputs); the same operations in the same order, so the same bits */
-static inline __attribute__((always_inline)) void q8x2_fused_block(const q8_args_t *a, const q8_consts_t *c,
-                                                                   int64_t off, const int l2, const int bf16_grad,
-                                                                   const int remainders)
-{
-    float mb[Q8_BLOCK] __attribute__((aligned(64))), vb[Q8_BLOCK] __attribute__((aligned(64)));
-    float pb[Q8_BLOCK] __attribute__((aligned(64)));
-    const int64_t blk = off / Q8_BLOCK;
-    const uint8_t *mcodes = (const uint8_t *)a->exp_avg + off, *vcodes = (const uint8_t *)a->exp_avg_sq + off;
-    const __m256 ma = _mm256_set1_ps(a->exp_avg_absmax[blk]), va = _mm256_set1_ps(a->exp_avg_sq_absmax[blk]);
-    const float *pin = (const float *)a->param + off;
-    float *pout = (float *)a->param_out + off;
-    if (remainders) {
-        const uint16_t *p16 = (const uint16_t *)a->param + off, *r = (const uint16_t *)(const void *)a->remainder + off;
-#pragma omp simd
-        for (int i = 0; i < Q8_BLOCK; i++) pb[i] = remainder_decode(p16[i], r[i]);
-        pin = pout = pb;
-    }
-    const __m256 w1 = _mm256_set1_ps(c->one_minus_beta1), b2 = _mm256_set1_ps(c->beta2);
-    const __m256 w2 = _mm256_set1_ps(c->one_minus_beta2), eps = _mm256_set1_ps(c->eps);
-    const __m256 nss = _mm256_set1_ps(c->neg_step_size), ib = _mm256_set1_ps(c->inv_bias_correction2_sqrt);
-    const __m256 decay = _mm256_set1_ps(c->decay), wd = _mm256_set1_ps(c->l2);
-    const __m256 gscale = _mm256_set1_ps(c->grad_scale);
-    __m256i mx_m = _mm256_setzero_si256(), mx_v = _mm256_setzero_si256();
-    for (int i = 0; i < Q8_BLOCK; i += 8) {
-        const __m256 m0 = _mm256_mul_ps(q8x2_map8(q8_maps[0], mcodes + i), ma);
-        const __m256 v0 = _mm256_mul_ps(q8x2_map8(q8_maps[1], vcodes + i), va);
-        const __m256 p = _mm256_loadu_ps(pin + i);
-        __m256 g = bf16_grad ? q8f_bf16((const uint16_t *)a->grad + off + i)
-                             : _mm256_loadu_ps((const float *)a->grad + off + i);
-        g = _mm256_mul_ps(g, gscale);
-        if (l2) g = _mm256_add_ps(_mm256_mul_ps(p, wd), g);
-        const __m256 m = _mm256_add_ps(_mm256_mul_ps(_mm256_sub_ps(g, m0), w1), m0);
-        const __m256 v = _mm256_add_ps(_mm256_mul_ps(_mm256_mul_ps(g, g), w2), _mm256_mul_ps(v0, b2));
-        const __m256 denom = _mm256_add_ps(_mm256_mul_ps(_mm256_sqrt_ps(v), ib), eps);
-        _mm256_storeu_ps(pout + i, _mm256_add_ps(_mm256_mul_ps(p, decay), _mm256_mul_ps(_mm256_div_ps(m, denom), nss)));
-        _mm256_store_ps(mb + i, m);
-        _mm256_store_ps(vb + i, v);
-        mx_m = _mm256_max_epu32(mx_m, q8i_abs_bits(m));
-        mx_v = _mm256_max_epu32(mx_v, q8i_abs_bits(v));
-    }
-    if (remainders) q8_remainders_out(a, pb, off, Q8_BLOCK);
-    q8x2_codes_pair((uint8_t *)a->exp_avg_out + off, a->exp_avg_absmax_out + blk, mb, q8i_hmax_u32(mx_m),
-                    (uint8_t *)a->exp_avg_sq_out + off, a->exp_avg_sq_absmax_out + blk, vb, q8i_hmax_u32(mx_v),
-                    Q8_BLOCK);
-}
-
-/* a whole block of the fused formats (q8_fusable) */
-static void q8x2_block(const q8_args_t *a, const q8_consts_t *c, int64_t off)
-{
-    const int l2 = c->l2_mode, bf16 = a->grad_dtype == DT_BF16, rem = a->remainder != NULL;
-    if (rem) {
-        if (bf16) q8x2_fused_block(a, c, off, l2, 1, 1);
-        else q8x2_fused_block(a, c, off, l2, 0, 1);
-    } else if (l2) {
-        if (bf16) q8x2_fused_block(a, c, off, 1, 1, 0);
-        else q8x2_fused_block(a, c, off, 1, 0, 0);
-    } else {
-        if (bf16) q8x2_fused_block(a, c, off, 0, 1, 0);
-        else q8x2_fused_block(a, c, off, 0, 0, 0);
-    }
-}
+#define Q8_CODES_OUT_PAIR q8x2_codes_pair
+/* the moments dequantized inside the arithmetic loop: no L1 round trip for the block's inputs */
+#define Q8_MOMENT_IN(k, codes, absmax) _mm256_mul_ps(q8x2_map8(q8_maps[k], (codes)), _mm256_set1_ps(absmax))
+#include "q8_fused.h"
 
 /* Blocks ahead whose inputs are prefetched: at 16Mi elements, one thread, Zen 5, the fused pass
  * took 2.05 ns an element without, 1.6-1.7 with 2 to 4 (1.25 with everything in L1): the hardware
@@ -495,7 +433,7 @@ void q8_range_avx2(const q8_args_t *a, const q8_consts_t *c, int64_t begin, int6
             if (a->exp_avg_dtype == DT_Q8) q8_prefetch_span((const uint8_t *)a->exp_avg + pf, Q8_BLOCK);
             if (a->exp_avg_sq_dtype == DT_Q8) q8_prefetch_span((const uint8_t *)a->exp_avg_sq + pf, Q8_BLOCK);
         }
-        if (fused && e - off == Q8_BLOCK) q8x2_block(a, c, off);
+        if (fused && e - off == Q8_BLOCK) q8_block_avx2_fused(a, c, off);
         else q8_range_avx2_fused(a, c, off, e);
     }
 }

@@ -14,7 +14,11 @@
  *   and q8_dequant_block / q8_quant_block, as q8_body.h asks; it stores as q8_body.h does
  *   (q8_codes_out, q8_remainders_out). Optional: Q8_CODES_OUT_PAIR(m codes, m absmax out, m, m's
  *   absmax bits, v codes, v absmax out, v, v's absmax bits, len), both moments' q8_codes_out at once;
- *   Q8_BLOCK_AHEAD(a, off), called as block off starts (a prefetch of the blocks after it).
+ *   Q8_BLOCK_AHEAD(a, off), called as block off starts (a prefetch of the blocks after it);
+ *   Q8_MOMENT_IN(k, codes, absmax), Q8_W lanes of moment k (0 exp_avg, 1 exp_avg_sq) dequantized from
+ *   their codes inside the arithmetic loop (without it, each moment is dequantized into L1 first).
+ * Q8_FN(q8_block)(a, c, off) steps one whole block of a fusable step (a level's own range loop may
+ * call it); Q8_FN(q8_range) steps a range.
  */
 
 static inline int q8_fusable(const q8_args_t *a, const q8_consts_t *c)
@@ -33,8 +37,13 @@ static inline __attribute__((always_inline)) void q8_fused_block(const q8_args_t
 #ifdef Q8_BLOCK_AHEAD
     Q8_BLOCK_AHEAD(a, off);
 #endif
+#ifdef Q8_MOMENT_IN
+    const uint8_t *mcodes = (const uint8_t *)a->exp_avg + off, *vcodes = (const uint8_t *)a->exp_avg_sq + off;
+    const float mabs = a->exp_avg_absmax[blk], vabs = a->exp_avg_sq_absmax[blk];
+#else
     q8_dequant_block(mb, (const uint8_t *)a->exp_avg + off, a->exp_avg_absmax[blk], q8_maps[0], Q8_BLOCK);
     q8_dequant_block(vb, (const uint8_t *)a->exp_avg_sq + off, a->exp_avg_sq_absmax[blk], q8_maps[1], Q8_BLOCK);
+#endif
     const float *pin = (const float *)a->param + off;
     float *pout = (float *)a->param_out + off;
     if (remainders) {
@@ -57,7 +66,11 @@ static inline __attribute__((always_inline)) void q8_fused_block(const q8_args_t
         q8_vf g = bf16_grad ? q8f_bf16((const uint16_t *)a->grad + off + i) : q8f_loadu((const float *)a->grad + off + i);
         if (scaled) g = q8f_mul(g, gscale);
         if (l2) g = q8f_add(q8f_mul(p, wd), g);
+#ifdef Q8_MOMENT_IN
+        const q8_vf m0 = Q8_MOMENT_IN(0, mcodes + i, mabs), v0 = Q8_MOMENT_IN(1, vcodes + i, vabs);
+#else
         const q8_vf m0 = q8f_load(mb + i), v0 = q8f_load(vb + i);
+#endif
         const q8_vf m = q8f_add(q8f_mul(q8f_sub(g, m0), w1), m0);
         const q8_vf v = q8f_add(q8f_mul(q8f_mul(g, g), w2), q8f_mul(v0, b2));
         const q8_vf denom = q8f_add(q8f_mul(q8f_sqrt(v), ib), eps);
@@ -79,6 +92,22 @@ static inline __attribute__((always_inline)) void q8_fused_block(const q8_args_t
 #endif
 }
 
+static inline void Q8_FN(q8_block)(const q8_args_t *a, const q8_consts_t *c, int64_t off)
+{
+    const int l2 = c->l2_mode, bf16 = a->grad_dtype == DT_BF16, rem = a->remainder != NULL;
+    /* the flags as constants: one loop per combination */
+    if (rem) {
+        if (bf16) q8_fused_block(a, c, off, l2, 1, 1);
+        else q8_fused_block(a, c, off, l2, 0, 1);
+    } else if (l2) {
+        if (bf16) q8_fused_block(a, c, off, 1, 1, 0);
+        else q8_fused_block(a, c, off, 1, 0, 0);
+    } else {
+        if (bf16) q8_fused_block(a, c, off, 0, 1, 0);
+        else q8_fused_block(a, c, off, 0, 0, 0);
+    }
+}
+
 void Q8_FN(q8_range)(const q8_args_t *a, const q8_consts_t *c, int64_t begin, int64_t end)
 {
     if (!q8_fusable(a, c)) {
@@ -86,19 +115,6 @@ void Q8_FN(q8_range)(const q8_args_t *a, const q8_consts_t *c, int64_t begin, in
         return;
     }
     const int64_t whole = begin + (end - begin) / Q8_BLOCK * Q8_BLOCK;
-    const int l2 = c->l2_mode, bf16 = a->grad_dtype == DT_BF16, rem = a->remainder != NULL;
-    for (int64_t off = begin; off < whole; off += Q8_BLOCK) {
-        /* the flags as constants: one loop per combination */
-        if (rem) {
-            if (bf16) q8_fused_block(a, c, off, l2, 1, 1);
-            else q8_fused_block(a, c, off, l2, 0, 1);
-        } else if (l2) {
-            if (bf16) q8_fused_block(a, c, off, 1, 1, 0);
-            else q8_fused_block(a, c, off, 1, 0, 0);
-        } else {
-            if (bf16) q8_fused_block(a, c, off, 0, 1, 0);
-            else q8_fused_block(a, c, off, 0, 0, 0);
-        }
-    }
+    for (int64_t off = begin; off < whole; off += Q8_BLOCK) Q8_FN(q8_block)(a, c, off);
     if (whole < end) Q8_GENERIC(a, c, whole, end);
 }
