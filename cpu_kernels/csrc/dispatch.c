@@ -143,28 +143,10 @@ int hybrid_get_num_threads(void)
 
 static void thread_range(int64_t n, int64_t *b, int64_t *e)
 {
-#ifdef _OPENMP
-    const int64_t nt = omp_get_num_threads(), t = omp_get_thread_num();
-#else
-    const int64_t nt = 1, t = 0;
-#endif
-    const int64_t units = (n + SPLIT_ALIGN - 1) / SPLIT_ALIGN;
-    const int64_t u0 = units * t / nt, u1 = units * (t + 1) / nt;
+    int64_t u0, u1;
+    chunk_range((n + SPLIT_ALIGN - 1) / SPLIT_ALIGN, &u0, &u1);
     *b = u0 * SPLIT_ALIGN;
     *e = u1 * SPLIT_ALIGN < n ? u1 * SPLIT_ALIGN : n;
-}
-
-/* This thread's share [k0, k1) of `units` in one contiguous run (all of them outside a
- * parallel region). */
-static void chunk_range(int64_t units, int64_t *k0, int64_t *k1)
-{
-#ifdef _OPENMP
-    const int64_t nt = omp_get_num_threads(), t = omp_get_thread_num();
-#else
-    const int64_t nt = 1, t = 0;
-#endif
-    *k0 = units * t / nt;
-    *k1 = units * (t + 1) / nt;
 }
 
 void adam_consts_init(adam_consts_t *c, int64_t step, double lr, double beta1, double beta2, double eps,
@@ -249,12 +231,8 @@ int hybrid_grad_stats(const void *g, int dt, int64_t n, double *out)
     const level_t *fns = level_fns();
 #pragma omp parallel if (n >= 2 * GRAD_STATS_CHUNK)
     {
-#ifdef _OPENMP
-        const int64_t nt = omp_get_num_threads(), t = omp_get_thread_num();
-#else
-        const int64_t nt = 1, t = 0;
-#endif
-        const int64_t c0 = chunks * t / nt, c1 = chunks * (t + 1) / nt;
+        int64_t c0, c1;
+        chunk_range(chunks, &c0, &c1);
         if (c0 < c1) {
             fns->grad_chunk_sums(g, dt, n, c0, c1, partials);
         }

@@ -9,6 +9,23 @@
 
 #include <stdint.h>
 #include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+/* This thread's share [k0, k1) of `units` in one contiguous run (all of them outside a parallel
+ * region): the dispatchers' one split (a contiguous run keeps the hardware prefetchers on their
+ * streams; an interleaved one restarted them at every jump). */
+static inline void chunk_range(int64_t units, int64_t *k0, int64_t *k1)
+{
+#ifdef _OPENMP
+    const int64_t nt = omp_get_num_threads(), t = omp_get_thread_num();
+#else
+    const int64_t nt = 1, t = 0;
+#endif
+    *k0 = units * t / nt;
+    *k1 = units * (t + 1) / nt;
+}
 
 enum { DT_F32 = 0, DT_BF16 = 1, DT_F16 = 2 };
 
