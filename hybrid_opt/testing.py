@@ -119,6 +119,17 @@ class DebugView:
         """The bank that holds host-tier subgroup `sg`'s committed state."""
         return self.host.pool.committed[sg]
 
+    def reads_ahead(self) -> list:
+        """The nvme subgroups whose committed slot is being read ahead of the next step
+        (HostStepping.read_ahead), sorted; [] without a host tier."""
+        host = self._parts.placement.host
+        return [] if host is None else sorted(host.stepping.reads_ahead)
+
+    def drop_reads_ahead(self) -> None:
+        """Acts: ends the reads ahead of the next step and frees their banks (a test that
+        changes a slot behind the optimizer's back does so first, as load_state_dict does)."""
+        self.host.stepping.release_reads()
+
     # ------------------------------------------------------------------ device tier
     @property
     def device(self):

@@ -542,24 +542,15 @@ def test_bench_cpu_adam_impls_times_only_the_named_rows_beside_the_probes(tmp_pa
     args = ["--sizes", "4Ki", "--threads", "1", "--reps", "2", "--json", str(out_json)]
     picked = ["ours_remainders", "torch_fused"]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")]))
-    res = subprocess.run(
-        [sys.executable, script, *args, "--impls", *picked],
-        capture_output=True,
-        text=True,
-        timeout=180,
-        cwd=REPO,
-        env=env,
-    )
+
+    def run(*impls):
+        cmd = [sys.executable, script, *args, "--impls", *impls]
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=180, cwd=REPO, env=env)
+
+    res = run(*picked)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     rows = {r["impl"] for r in json.loads(out_json.read_text())}
     assert rows == set(picked) | {"roofline_inplace", "roofline_bank", "roofline"}
     assert "under 90 % of the roofline" in res.stdout
-    bad = subprocess.run(
-        [sys.executable, script, *args, "--impls", "ours", "no_such_row"],
-        capture_output=True,
-        text=True,
-        timeout=180,
-        cwd=REPO,
-        env=env,
-    )
+    bad = run("ours", "no_such_row")
     assert bad.returncode != 0 and "no row named no_such_row" in bad.stderr

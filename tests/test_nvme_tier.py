@@ -1081,8 +1081,8 @@ def test_a_checkpoint_replaces_a_corrupt_nvme_slot_and_the_step_error_says_so(nv
         view = debug_view(opt)
         if not speculative:  # the next step's reads started after this one (read_ahead): the
             # corruption must come before they read the slot, so they are dropped first
-            assert 2 in view.host.stepping._ahead
-            view.host.stepping.release_reads()
+            assert 2 in view.reads_ahead()
+            view.drop_reads_ahead()
         flip_byte(view.nvme_file(2), view.file_slot(2) * view.host.io_bytes + 100)
         with pytest.raises(RuntimeError, match="checksum mismatch") as info:
             _grad_step(opt, params, 3)
@@ -1105,16 +1105,16 @@ def test_plain_steps_read_the_next_steps_slots_ahead_and_a_load_drops_those_read
     with opt, ref:
         _grad_step(opt, params, 1)
         _grad_step(ref, ref_params, 1)
-        stepping = debug_view(opt).host.stepping
-        assert stepping._ahead, "no read ahead of the next step"
+        view = debug_view(opt)
+        assert view.reads_ahead(), "no read ahead of the next step"
         ckpt = copy.deepcopy(opt.state_dict())  # state_dict() drops them (Speculator.drop)
         for seed in (2, 3):
             _grad_step(opt, params, seed)
             _grad_step(ref, ref_params, seed)
-        assert stepping._ahead
+        assert view.reads_ahead()
         opt.load_state_dict(ckpt)
         ref.load_state_dict(ckpt)
-        assert not stepping._ahead  # read before the load wrote the slots: dropped
+        assert not view.reads_ahead()  # read before the load wrote the slots: dropped
         _grad_step(opt, params, 4)
         _grad_step(ref, ref_params, 4)
         _assert_state_is(opt, _snapshot(ref), "steps from the slots read ahead, then the loaded state")

@@ -529,21 +529,6 @@ def test_avx512_quantizer_equals_q8_code_around_every_code_boundary(signed):
         assert bad == 0, f"signed={signed} side={side:#x} bounded, the top octave"
 
 
-@needs_avx512
-@pytest.mark.slow
-@pytest.mark.parametrize("signed", [True, False])
-def test_avx512_quantizer_equals_q8_code_for_every_fp32_pattern(signed):
-    # all 2^32 patterns (about 10 s per map), and the bounded form's 2^31 (the fused pass's): the
-    # proof that the generated lines and the near band (Q8_NEAR) give q8_code's code for every x
-    for first in (0, 1 << 31):
-        bad, near = _check_quant_avx512(signed, first, 1 << 31)
-        assert bad == 0, (signed, first)
-        assert near < 1 << 20  # the scalar path stays rare
-        bad, near = _check_quant_avx512(signed, first, BOUNDED_LAST + 1, bounded=True)
-        assert bad == 0, (signed, first, "bounded")
-        assert near < 1 << 20
-
-
 def test_a_raw_q8_args_struct_steps_unscaled_grads_unless_told():
     """The raw entry's argument struct (the worker fills it field by field) defaults grad_scale
     to 1.0, not ctypes' zero, which would step every grad as 0; any field can still be given."""
@@ -590,16 +575,21 @@ def test_avx2_quantizer_equals_q8_code_around_every_code_boundary(signed):
             assert bad == 0, f"signed={signed} side={side:#x} from {first:#x} bounded"
 
 
-@needs_avx2
 @pytest.mark.slow
+@pytest.mark.parametrize(
+    "level, bounded_near",
+    [pytest.param("avx512", 1 << 20, marks=needs_avx512), pytest.param("avx2", 1 << 13, marks=needs_avx2)],
+)
 @pytest.mark.parametrize("signed", [True, False])
-def test_avx2_quantizer_equals_q8_code_for_every_fp32_pattern(signed):
-    # all 2^32 patterns (about 30 s per map): the proof that the near band gives q8_code's code
-    # for every x whatever the 3 ulps between x·(1/absmax) and x / absmax
+def test_quantizer_equals_q8_code_for_every_fp32_pattern(level, bounded_near, signed):
+    # all 2^32 patterns (about 10 s per map at AVX-512, 30 at AVX2), and the bounded form's 2^31
+    # (the fused pass's): the proof that AVX-512's generated lines and near band (Q8_NEAR), and
+    # AVX2's near band whatever the 3 ulps between x·(1/absmax) and x / absmax, give q8_code's
+    # code for every x
     for first in (0, 1 << 31):
-        bad, near = _check_quant_avx2(signed, first, 1 << 31)
+        bad, near = _check_quant(level, signed, first, 1 << 31)
         assert bad == 0, (signed, first)
         assert near < 1 << 20  # the scalar path stays rare
-        bad, near = _check_quant_avx2(signed, first, BOUNDED_LAST + 1, bounded=True)
+        bad, near = _check_quant(level, signed, first, BOUNDED_LAST + 1, bounded=True)
         assert bad == 0, (signed, first, "bounded")
-        assert near < 1 << 13
+        assert near < bounded_near

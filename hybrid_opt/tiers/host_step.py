@@ -96,57 +96,53 @@ class HostStepping:
     def read_ahead(self) -> None:
         """Without speculation, after a step: the nvme subgroups' committed slots are read into
         banks now, under the next forward and backward, so that the next step() does not wait
-        for the disk's reads (only for its writes). Each read holds the two banks its step
-        uses; a bank is kept free for each resident step, so those never wait for a read.
-        The committed slots change only at a step's commit, which the next step() itself
-        does after these reads; whatever else writes them (load_state_dict, a move) drops
-        the reads first (release_reads). Best effort: a read that cannot start is left to
-        step(), which reads it itself and reports what went wrong."""
+        for the disk's reads (only for its writes). Each read holds the bank it reads into; its
+        step takes the bank it writes when it starts, and two banks stay free for that and for a
+        resident step, so neither waits for a read. The committed slots change only at a step's
+        commit, which the next step() itself does after these reads; whatever else writes them
+        (load_state_dict, a move) drops the reads first (release_reads). Best effort: a read
+        that cannot start is left to step(), which reads it itself and reports what went wrong."""
         try:
             for sg in sorted(s for s, on in self.nvme.items() if on):
                 if sg in self._spec or sg in self._ahead:
                     continue
                 # two banks stay free: a resident step's result, and the result of the first
-                # nvme step (each read holds the bank it reads into; its step takes the bank
-                # it writes when it starts: _step_loop)
+                # nvme step (_step_loop: _take_write_bank)
                 if len(self._pool.free) < 3:
                     break
-                spec = self._take_read_bank(sg)
+                read = self._take_one_bank()
+                assert read is not None  # the pool had free banks
+                spec = _Speculation(None, None, aux_bank=read)
                 self._ahead[sg] = spec
                 self._send_swap_in(sg, spec)
         except Exception:
             self.release_reads()
 
-    def _take_read_bank(self, sg: int) -> _Speculation:
-        """The bank an nvme step of `sg` reads its committed slot into (a free one: the caller
-        checked), once populated; the bank it writes is taken when the step starts."""
-        banks = self._pool.acquire(1)
-        assert banks is not None  # the caller saw free banks
-        spec = _Speculation(None, None, aux_bank=banks[0])
-        try:
-            if self._views.held.by_key:  # a state_dict() tensor is held: it keeps its values
-                self._views.writing(banks=banks)
-            self._banks.wait_populated(banks, self._client.timeout_s)
-        except BaseException:
-            self._release_banks(spec)
-            raise
-        return spec
-
-    def _take_write_bank(self, sg: int, spec: _Speculation) -> bool:
-        """A read-ahead nvme step (`spec`, its read bank taken) gets the bank it writes, and
-        the file slot it writes is announced; False when the pool has none free now."""
+    def _take_one_bank(self, slots: tuple = ()) -> int | None:
+        """A free bank, once populated, with the nvme `slots` a step will write announced to
+        held state_dict() tensors (they keep their values); None when the pool has none free."""
         banks = self._pool.acquire(1)
         if banks is None:
-            return False
+            return None
         try:
             if self._views.held.by_key:
-                self._views.writing(banks=banks, slots=[(sg, 1 - self._files.slot(sg))])
+                self._views.writing(banks=banks, slots=slots)
             self._banks.wait_populated(banks, self._client.timeout_s)
         except BaseException:
             self._pool.release(banks[0])
             raise
-        spec.bank = banks[0]
-        return True
+        return banks[0]
+
+    def _take_write_bank(self, sg: int, spec: _Speculation) -> bool:
+        """A read-ahead nvme step (`spec`, its read bank taken) gets the bank it writes; False
+        when the pool has none free now."""
+        spec.bank = self._take_one_bank(((sg, 1 - self._files.slot(sg)),))
+        return spec.bank is not None
+
+    @property
+    def reads_ahead(self) -> list:
+        """The subgroups read_ahead is reading (a copy)."""
+        return list(self._ahead)
 
     def release_reads(self) -> None:
         """Reads started by read_ahead end and give their banks back (their slot may be about

@@ -190,15 +190,20 @@ class OverflowRun:
         (scaler.scale(loss) if scaler else loss).backward()
         if overflows and self.overflow is None:  # an overflow in this rank's local grads only
             overflow_local_grad(self.model)
-        if scaler is not None:
-            scaler.step(opt)
-            scaler.update()
-            out["scales"].append(float(scaler.get_scale()))
-        else:
-            opt.step()
+        scaled_step(opt, scaler, out)
         if self.mode == "zero":
             opt.wait_params()
         out["skipped"].append(opt.step_was_skipped)
+
+
+def scaled_step(opt, scaler, out: dict) -> None:
+    """opt.step(), through the GradScaler where there is one (its new scale to out["scales"])."""
+    if scaler is not None:
+        scaler.step(opt)
+        scaler.update()
+        out["scales"].append(float(scaler.get_scale()))
+    else:
+        opt.step()
 
 
 class OverflowInBackward:

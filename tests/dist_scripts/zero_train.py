@@ -158,12 +158,7 @@ def run(name: str, rank: int, world: int, tmp: str) -> dict:
             out["events"].append([])
             if name == "adamw_commit_order" and rank == 1:
                 view.host.stepping.drop(0)  # stepped in step(), after the others commit
-            if scaler is not None:
-                scaler.step(opt)
-                scaler.update()
-                out["scales"].append(float(scaler.get_scale()))
-            else:
-                opt.step()
+            C.scaled_step(opt, scaler, out)
             out["pending_after_step"].append(len(view.sharding.gathers.pending()))
             out["count_reads_after_step"].append(view.sharding.stats["count_reads"])
             out["buffer_bytes"].append(view.sharding.stats["buffer_bytes"])
