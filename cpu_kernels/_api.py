@@ -382,9 +382,10 @@ _PROBE_KINDS = ("read", "update", "write", "write_nt")  # kernels.h's BW_READ ..
 _PROBE_DTYPES = (torch.float32, torch.int32, torch.bfloat16, torch.float16, torch.int16)
 
 
-def bandwidth_probe_pattern_(*, read=(), update=(), write=(), write_nt=(), split="chunks"):
+def bandwidth_probe_pattern_(*, read=(), update=(), write=(), write_nt=(), split="chunks", prefetch=1024):
     """The roofline of one access pattern: a kernel's own streams, moved as its register loop
-    moves them (32 elements a step, reads prefetched ahead, `write_nt` streams with
+    moves them (32 elements a step, the read and updated streams prefetched `prefetch` elements
+    ahead: the kernels' 1024 by default, 0 to 65536), `write_nt` streams with
     non-temporal stores where line-aligned, as bank mode and the param copy leave) with
     trivial arithmetic, split over threads as the kernels split their work (`split="chunks"`)
     or as torch does ("contiguous"). Each argument is a sequence of 1-D tensors of one numel,
@@ -395,6 +396,8 @@ def bandwidth_probe_pattern_(*, read=(), update=(), write=(), write_nt=(), split
     check that each was read)."""
     if split not in ("chunks", "contiguous"):
         raise ValueError(f"split must be 'chunks' or 'contiguous', got {split!r}")
+    if isinstance(prefetch, bool) or not isinstance(prefetch, int) or not 0 <= prefetch <= 65536:
+        raise ValueError(f"prefetch must be an int of elements in [0, 65536], got {prefetch!r}")
     groups = dict(zip(_PROBE_KINDS, (read, update, write, write_nt)))
     streams = [(kind, t) for kind, ts in groups.items() for t in ts]
     if not streams:
@@ -414,7 +417,7 @@ def bandwidth_probe_pattern_(*, read=(), update=(), write=(), write_nt=(), split
     ptrs = (ctypes.c_void_p * ns)(*(t.data_ptr() for _, t in streams))
     sizes = (ctypes.c_int * ns)(*(t.element_size() for _, t in streams))
     kinds = (ctypes.c_int * ns)(*(_PROBE_KINDS.index(kind) for kind, _ in streams))
-    x = lib.hybrid_bw_pattern(ptrs, sizes, kinds, ns, n, 1 if split == "contiguous" else 0)
+    x = lib.hybrid_bw_pattern(ptrs, sizes, kinds, ns, n, 1 if split == "contiguous" else 0, prefetch)
     if x < 0:  # the checks above should have caught it
         raise RuntimeError("hybrid_bw_pattern refused the stream list")
     return x

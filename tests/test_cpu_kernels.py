@@ -459,17 +459,18 @@ def test_bandwidth_probe_pattern_reads_updates_and_writes_every_element_of_its_s
         torch.rand(n, generator=g),
     ]
     read0, update0 = [_int_view(t).clone() for t in read], [_int_view(t).clone() for t in update]
-    for split in ("chunks", "contiguous"):
+    runs = (("chunks", 1024), ("contiguous", 2048), ("chunks", 0))
+    for split, prefetch in runs:
         write = [torch.zeros(n, dtype=torch.int16)]
         write_nt = [torch.zeros(n), torch.zeros(n, dtype=torch.bfloat16)]
         got = ck.bandwidth_probe_pattern_(
-            read=read, update=update, write=write, write_nt=write_nt, split=split
+            read=read, update=update, write=write, write_nt=write_nt, split=split, prefetch=prefetch
         )
         assert got == _xor16(read), split
         assert all(bool((_int_view(t) == -1).all()) for t in write + write_nt), split
     assert all(torch.equal(_int_view(t), t0) for t, t0 in zip(read, read0))
-    for t, t0 in zip(update, update0):  # two probes, each +1 with the width's wrap-around
-        assert torch.equal(_int_view(t), t0 + 2), t.dtype
+    for t, t0 in zip(update, update0):  # each probe +1 with the width's wrap-around
+        assert torch.equal(_int_view(t), t0 + len(runs)), t.dtype
 
 
 def test_bandwidth_probe_pattern_error_inputs():
@@ -478,6 +479,8 @@ def test_bandwidth_probe_pattern_error_inputs():
         ck.bandwidth_probe_pattern_()
     with pytest.raises(ValueError, match="split must be"):
         ck.bandwidth_probe_pattern_(read=[a], split="halves")
+    with pytest.raises(ValueError, match="prefetch must be"):
+        ck.bandwidth_probe_pattern_(read=[a], prefetch=-1)
     with pytest.raises(ValueError, match="expected 64"):
         ck.bandwidth_probe_pattern_(read=[a], update=[torch.zeros(65)])
     with pytest.raises(TypeError, match="dtype"):

@@ -232,15 +232,11 @@ void FN(bw_bank)(const float *p, const float *g, const float *m, const float *v,
  * bytes it moves, read/write mix and store kind included (one core streams a mix that reads
  * less faster: its reads in flight are the limit). Moved as the register loops move them: 32
  * elements a step (one 64-byte line of a 16-bit stream, two of an fp32 one), every read and
- * updated stream prefetched BW_AHEAD elements ahead, BW_WRITE_NT streams written non-temporal
+ * updated stream prefetched `ahead` elements ahead, BW_WRITE_NT streams written non-temporal
  * where line-aligned at `begin`. What it does to the data, so a
  * test can tell every element was moved: a BW_UPDATE element goes up by one (an integer of its
  * width, wrapping), every byte of a BW_WRITE(_NT) element becomes 0xFF, and it returns the XOR
  * of every 16-bit word of the BW_READ streams over [begin, end) (which keeps the reads live). */
-/* 2048 elements ahead: 1-2 % faster than the c16 loops' 1024 for the probe of remainders + fp32
- * moments at one thread on the 2-core Zen 5 VM (16Mi elements, AVX2, alternating with the kernel,
- * which beat the probe at 1024 by 1-3 % in every run), 1536 about the same, 512 slower */
-#define BW_AHEAD 2048
 #ifdef BW_PATTERN_M256
 /* x86 (AVX2, AVX-512): 32-byte vectors; a step of a stream of width w is w of them */
 typedef __m256i bw_acc_t;
@@ -270,9 +266,9 @@ static inline void bw_write_step(char *q, const int w, const int nt)
     }
 }
 
-static inline void bw_prefetch_step(const char *q, const int w)
+static inline void bw_prefetch_step(const char *q, const int w, int64_t ahead)
 {
-    for (int l = 0; l < w; l += 2) _mm_prefetch(q + BW_AHEAD * w + 32 * l, _MM_HINT_T0);
+    for (int l = 0; l < w; l += 2) _mm_prefetch(q + ahead * w + 32 * l, _MM_HINT_T0);
 }
 
 static inline uint16_t bw_acc_fold(bw_acc_t acc)
@@ -320,12 +316,13 @@ static inline void bw_write_step(char *q, const int w, const int nt)
     memset(q, 0xff, (size_t)(32 * w));
 }
 
-static inline void bw_prefetch_step(const char *q, const int w) { (void)q; (void)w; }
+static inline void bw_prefetch_step(const char *q, const int w, int64_t ahead) { (void)q; (void)w; (void)ahead; }
 static inline uint16_t bw_acc_fold(bw_acc_t acc) { return acc; }
 static inline void bw_fence(void) {}
 #endif
 
-uint32_t FN(bw_pattern)(void *const *ptrs, const int *bytes, const int *kinds, int ns, int64_t begin, int64_t end)
+uint32_t FN(bw_pattern)(void *const *ptrs, const int *bytes, const int *kinds, int ns, int64_t ahead, int64_t begin,
+                        int64_t end)
 {
     /* the streams by kind, each at this range's start (loops over a few streams of one kind
      * each step: the branches repeat every step, and the step stays far under memory time) */
@@ -350,12 +347,12 @@ uint32_t FN(bw_pattern)(void *const *ptrs, const int *bytes, const int *kinds, i
     for (; i + 32 <= len; i += 32) {
         for (int k = 0; k < nr; k++) {
             const char *q = rd[k] + i * rdw[k];
-            bw_prefetch_step(q, rdw[k]);
+            bw_prefetch_step(q, rdw[k], ahead);
             bw_read_step(q, rdw[k], &acc);
         }
         for (int k = 0; k < nu; k++) {
             char *q = up[k] + i * upw[k];
-            bw_prefetch_step(q, upw[k]);
+            bw_prefetch_step(q, upw[k], ahead);
             bw_update_step(q, upw[k]);
         }
         for (int k = 0; k < nw; k++) bw_write_step(wr[k] + i * wrw[k], wrw[k], wrnt[k]);

@@ -169,7 +169,8 @@ enum { BW_READ = 0, BW_UPDATE = 1, BW_WRITE = 2, BW_WRITE_NT = 3 };
                      float *mo, float *vo, int64_t b, int64_t e);                         \
     void remainder_encode_##L(const float *m, uint16_t *p, int16_t *r, int64_t b, int64_t e); \
     void remainder_decode_##L(const uint16_t *p, const int16_t *r, float *m, int64_t b, int64_t e); \
-    uint32_t bw_pattern_##L(void *const *ptrs, const int *bytes, const int *kinds, int ns, int64_t b, int64_t e);
+    uint32_t bw_pattern_##L(void *const *ptrs, const int *bytes, const int *kinds, int ns, int64_t ahead, int64_t b, \
+                            int64_t e);
 DECLARE_LEVEL(avx512)
 DECLARE_LEVEL(avx2)
 DECLARE_LEVEL(portable)
