@@ -21,6 +21,7 @@ __all__ = [
     "adam_inverse_",
     "bandwidth_probe_",
     "bandwidth_probe_bank_",
+    "bandwidth_probe_pattern_",
     "encode_remainder",
     "decode_remainder",
     "adam_step_reference",
@@ -40,6 +41,7 @@ _API = {
     "adam_inverse_",
     "bandwidth_probe_",
     "bandwidth_probe_bank_",
+    "bandwidth_probe_pattern_",
     "encode_remainder",
     "decode_remainder",
 }

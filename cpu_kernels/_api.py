@@ -376,3 +376,48 @@ def bandwidth_probe_bank_(param, grad, exp_avg, exp_avg_sq, out):
         out[2].data_ptr(),
         n,
     )
+
+
+_PROBE_KINDS = ("read", "update", "write", "write_nt")  # kernels.h's BW_READ ... BW_WRITE_NT
+_PROBE_DTYPES = (torch.float32, torch.int32, torch.bfloat16, torch.float16, torch.int16)
+
+
+def bandwidth_probe_pattern_(*, read=(), update=(), write=(), write_nt=(), split="chunks", prefetch=1024):
+    """The roofline of one access pattern: a kernel's own streams, moved as its register loop
+    moves them (32 elements a step, the read and updated streams prefetched `prefetch` elements
+    ahead: the kernels' 1024 by default, 0 to 65536), `write_nt` streams with
+    non-temporal stores where line-aligned, as bank mode and the param copy leave) with
+    trivial arithmetic, split over threads as the kernels split their work (`split="chunks"`)
+    or as torch does ("contiguous"). Each argument is a sequence of 1-D tensors of one numel,
+    2- or 4-byte elements: `read` is read only (a grad, bank mode's inputs), `update` read and
+    written back in place (+1 to each element as an integer of its width, wrapping), `write`
+    and `write_nt` written only (every byte set to 0xFF). Returns the XOR of every 16-bit word
+    of the `read` tensors, which keeps the reads from being optimised away (and lets a test
+    check that each was read)."""
+    if split not in ("chunks", "contiguous"):
+        raise ValueError(f"split must be 'chunks' or 'contiguous', got {split!r}")
+    if isinstance(prefetch, bool) or not isinstance(prefetch, int) or not 0 <= prefetch <= 65536:
+        raise ValueError(f"prefetch must be an int of elements in [0, 65536], got {prefetch!r}")
+    groups = dict(zip(_PROBE_KINDS, (read, update, write, write_nt)))
+    streams = [(kind, t) for kind, ts in groups.items() for t in ts]
+    if not streams:
+        raise ValueError("the pattern needs at least one stream")
+    if len(streams) > 12:
+        raise ValueError(f"at most 12 streams (kernels.h's BW_MAX_STREAMS), got {len(streams)}")
+    n = None
+    for k, (kind, t) in enumerate(streams):
+        _check_tensor(t, f"{kind} stream {k}", _PROBE_DTYPES, n)
+        n = t.numel()
+    for k, (kind, t) in enumerate(streams):  # only read streams may share bytes
+        for j, (other, u) in enumerate(streams[:k]):
+            (tb, te), (ub, ue) = _span(t), _span(u)
+            if (kind, other) != ("read", "read") and tb < ue and ub < te:
+                raise ValueError(f"{kind} stream {k} overlaps {other} stream {j}")
+    ns = len(streams)
+    ptrs = (ctypes.c_void_p * ns)(*(t.data_ptr() for _, t in streams))
+    sizes = (ctypes.c_int * ns)(*(t.element_size() for _, t in streams))
+    kinds = (ctypes.c_int * ns)(*(_PROBE_KINDS.index(kind) for kind, _ in streams))
+    x = lib.hybrid_bw_pattern(ptrs, sizes, kinds, ns, n, 1 if split == "contiguous" else 0, prefetch)
+    if x < 0:  # the checks above should have caught it
+        raise RuntimeError("hybrid_bw_pattern refused the stream list")
+    return x

@@ -79,6 +79,13 @@ def _load_library():
     lib.hybrid_bw_inplace.restype = None
     lib.hybrid_bw_bank.argtypes = [ctypes.c_void_p] * 7 + [ctypes.c_int64]
     lib.hybrid_bw_bank.restype = None
+    lib.hybrid_bw_pattern.argtypes = [ctypes.c_void_p] * 3 + [
+        ctypes.c_int,
+        ctypes.c_int64,
+        ctypes.c_int,
+        ctypes.c_int64,
+    ]
+    lib.hybrid_bw_pattern.restype = ctypes.c_int64
     for name in ("hybrid_remainder_encode", "hybrid_remainder_decode"):
         getattr(lib, name).argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64]
         getattr(lib, name).restype = None

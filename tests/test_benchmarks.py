@@ -551,6 +551,6 @@ def test_bench_cpu_adam_impls_times_only_the_named_rows_beside_the_probes(tmp_pa
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     rows = {r["impl"] for r in json.loads(out_json.read_text())}
     assert rows == set(picked) | {"roofline_inplace", "roofline_bank", "roofline"}
-    assert "under 90 % of the roofline" in res.stdout
+    assert "under 90 % of its own roof" in res.stdout
     bad = run("ours", "no_such_row")
     assert bad.returncode != 0 and "no row named no_such_row" in bad.stderr

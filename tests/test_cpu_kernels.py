@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import torch
 from helpers import _id
@@ -427,6 +428,68 @@ def test_bandwidth_probes_write_every_element_and_the_bank_probe_leaves_its_inpu
             assert_close(written, old * 0.999 + ins[1], dtype=torch.float32)
     with pytest.raises(ValueError, match="split must be"):
         ck.bandwidth_probe_(p, grad, m, v, split="halves")
+
+
+def _xor16(tensors) -> int:
+    """The XOR of every 16-bit word of the tensors (what the pattern probe returns)."""
+    words = torch.cat([t.view(torch.int16) for t in tensors]).numpy()
+    return int(np.bitwise_xor.reduce(words)) & 0xFFFF
+
+
+def _int_view(t):
+    return t.view(torch.int16 if t.element_size() == 2 else torch.int32)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("n", [1, 45, 4 * 16384 + 45], ids=["1", "45", "4_chunks_and_45"])
+def test_bandwidth_probe_pattern_reads_updates_and_writes_every_element_of_its_streams(simd, n, threads):
+    """The per-pattern roofline probe (bench_cpu_adam.py's roof of each row) moves every element
+    of every stream at every level and thread count, in both splits: it returns the XOR of the
+    read streams' 16-bit words, adds one to each updated element (as an integer of its width),
+    sets every written element's bytes to 0xFF, and leaves the read streams as they were."""
+    ck.set_num_threads(threads)
+    g = torch.Generator().manual_seed(5)
+    read = [
+        torch.randint(-(2**15), 2**15, (n,), dtype=torch.int16, generator=g).view(torch.bfloat16),
+        torch.rand(n, generator=g),
+    ]
+    update = [
+        torch.randint(-(2**31), 2**31 - 1, (n,), dtype=torch.int32, generator=g),
+        torch.randint(-(2**15), 2**15, (n,), dtype=torch.int16, generator=g),
+        torch.rand(n, generator=g),
+    ]
+    read0, update0 = [_int_view(t).clone() for t in read], [_int_view(t).clone() for t in update]
+    runs = (("chunks", 1024), ("contiguous", 2048), ("chunks", 0))
+    for split, prefetch in runs:
+        write = [torch.zeros(n, dtype=torch.int16)]
+        write_nt = [torch.zeros(n), torch.zeros(n, dtype=torch.bfloat16)]
+        got = ck.bandwidth_probe_pattern_(
+            read=read, update=update, write=write, write_nt=write_nt, split=split, prefetch=prefetch
+        )
+        assert got == _xor16(read), split
+        assert all(bool((_int_view(t) == -1).all()) for t in write + write_nt), split
+    assert all(torch.equal(_int_view(t), t0) for t, t0 in zip(read, read0))
+    for t, t0 in zip(update, update0):  # each probe +1 with the width's wrap-around
+        assert torch.equal(_int_view(t), t0 + len(runs)), t.dtype
+
+
+def test_bandwidth_probe_pattern_error_inputs():
+    a, b = torch.zeros(64), torch.zeros(64, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="at least one stream"):
+        ck.bandwidth_probe_pattern_()
+    with pytest.raises(ValueError, match="split must be"):
+        ck.bandwidth_probe_pattern_(read=[a], split="halves")
+    with pytest.raises(ValueError, match="prefetch must be"):
+        ck.bandwidth_probe_pattern_(read=[a], prefetch=-1)
+    with pytest.raises(ValueError, match="expected 64"):
+        ck.bandwidth_probe_pattern_(read=[a], update=[torch.zeros(65)])
+    with pytest.raises(TypeError, match="dtype"):
+        ck.bandwidth_probe_pattern_(read=[torch.zeros(64, dtype=torch.float64)])
+    with pytest.raises(ValueError, match="overlaps"):
+        ck.bandwidth_probe_pattern_(read=[a], update=[a])
+    with pytest.raises(ValueError, match="at most 12"):
+        ck.bandwidth_probe_pattern_(read=[b] * 13)
+    assert ck.bandwidth_probe_pattern_(read=[a, a]) == 0  # reads may share bytes
 
 
 # --------------------------------------------------------------------------- grad_stats

@@ -226,3 +226,151 @@ void FN(bw_bank)(const float *p, const float *g, const float *m, const float *v,
     }
 }
 #endif
+
+/* The per-pattern roofline probe: a kernel's own streams (kernels.h, BW_READ ... BW_WRITE_NT)
+ * with trivial arithmetic, so that "% of roof" compares a kernel with the best streaming of the
+ * bytes it moves, read/write mix and store kind included (one core streams a mix that reads
+ * less faster: its reads in flight are the limit). Moved as the register loops move them: 32
+ * elements a step (one 64-byte line of a 16-bit stream, two of an fp32 one), every read and
+ * updated stream prefetched `ahead` elements ahead, BW_WRITE_NT streams written non-temporal
+ * where line-aligned at `begin`. What it does to the data, so a
+ * test can tell every element was moved: a BW_UPDATE element goes up by one (an integer of its
+ * width, wrapping), every byte of a BW_WRITE(_NT) element becomes 0xFF, and it returns the XOR
+ * of every 16-bit word of the BW_READ streams over [begin, end) (which keeps the reads live). */
+#ifdef BW_PATTERN_M256
+/* x86 (AVX2, AVX-512): 32-byte vectors; a step of a stream of width w is w of them */
+typedef __m256i bw_acc_t;
+static inline bw_acc_t bw_acc_zero(void) { return _mm256_setzero_si256(); }
+
+static inline void bw_read_step(const char *q, const int w, bw_acc_t *acc)
+{
+    for (int l = 0; l < w; l++) *acc = _mm256_xor_si256(*acc, _mm256_loadu_si256((const __m256i *)(q + 32 * l)));
+}
+
+static inline void bw_update_step(char *q, const int w)
+{
+    for (int l = 0; l < w; l++) {
+        __m256i *d = (__m256i *)(q + 32 * l);
+        const __m256i x = _mm256_loadu_si256(d);
+        _mm256_storeu_si256(d, w == 2 ? _mm256_add_epi16(x, _mm256_set1_epi16(1))
+                                      : _mm256_add_epi32(x, _mm256_set1_epi32(1)));
+    }
+}
+
+static inline void bw_write_step(char *q, const int w, const int nt)
+{
+    const __m256i ones = _mm256_set1_epi32(-1);
+    for (int l = 0; l < w; l++) {
+        if (nt) _mm256_stream_si256((__m256i *)(q + 32 * l), ones);
+        else _mm256_storeu_si256((__m256i *)(q + 32 * l), ones);
+    }
+}
+
+static inline void bw_prefetch_step(const char *q, const int w, int64_t ahead)
+{
+    for (int l = 0; l < w; l += 2) _mm_prefetch(q + ahead * w + 32 * l, _MM_HINT_T0);
+}
+
+static inline uint16_t bw_acc_fold(bw_acc_t acc)
+{
+    uint16_t u[16];
+    _mm256_storeu_si256((__m256i *)u, acc);
+    uint16_t x = 0;
+    for (int k = 0; k < 16; k++) x ^= u[k];
+    return x;
+}
+
+static inline void bw_fence(void) { _mm_sfence(); }
+#else
+/* other levels: plain loops the compiler vectorises, no prefetch, no streaming stores */
+typedef uint16_t bw_acc_t;
+static inline bw_acc_t bw_acc_zero(void) { return 0; }
+
+static inline void bw_read_step(const char *q, const int w, bw_acc_t *acc)
+{
+    uint16_t u[64];
+    memcpy(u, q, (size_t)(32 * w));
+    uint16_t x = *acc;
+    for (int k = 0; k < 16 * w; k++) x ^= u[k];
+    *acc = x;
+}
+
+static inline void bw_update_step(char *q, const int w)
+{
+    if (w == 2) {
+        uint16_t u[32];
+        memcpy(u, q, sizeof u);
+        for (int k = 0; k < 32; k++) u[k]++;
+        memcpy(q, u, sizeof u);
+    } else {
+        uint32_t u[32];
+        memcpy(u, q, sizeof u);
+        for (int k = 0; k < 32; k++) u[k]++;
+        memcpy(q, u, sizeof u);
+    }
+}
+
+static inline void bw_write_step(char *q, const int w, const int nt)
+{
+    (void)nt;
+    memset(q, 0xff, (size_t)(32 * w));
+}
+
+static inline void bw_prefetch_step(const char *q, const int w, int64_t ahead) { (void)q; (void)w; (void)ahead; }
+static inline uint16_t bw_acc_fold(bw_acc_t acc) { return acc; }
+static inline void bw_fence(void) {}
+#endif
+
+uint32_t FN(bw_pattern)(void *const *ptrs, const int *bytes, const int *kinds, int ns, int64_t ahead, int64_t begin,
+                        int64_t end)
+{
+    /* the streams by kind, each at this range's start (loops over a few streams of one kind
+     * each step: the branches repeat every step, and the step stays far under memory time) */
+    char *rd[BW_MAX_STREAMS], *up[BW_MAX_STREAMS], *wr[BW_MAX_STREAMS];
+    int rdw[BW_MAX_STREAMS], upw[BW_MAX_STREAMS], wrw[BW_MAX_STREAMS], wrnt[BW_MAX_STREAMS];
+    int nr = 0, nu = 0, nw = 0, any_nt = 0;
+    for (int k = 0; k < ns && k < BW_MAX_STREAMS; k++) {
+        char *q = (char *)ptrs[k] + begin * bytes[k];
+        if (kinds[k] == BW_READ) {
+            rd[nr] = q, rdw[nr++] = bytes[k];
+        } else if (kinds[k] == BW_UPDATE) {
+            up[nu] = q, upw[nu++] = bytes[k];
+        } else {
+            wrnt[nw] = kinds[k] == BW_WRITE_NT && LINE_ALIGNED(q);
+            any_nt |= wrnt[nw];
+            wr[nw] = q, wrw[nw++] = bytes[k];
+        }
+    }
+    bw_acc_t acc = bw_acc_zero();
+    const int64_t len = end - begin;
+    int64_t i = 0;
+    for (; i + 32 <= len; i += 32) {
+        for (int k = 0; k < nr; k++) {
+            const char *q = rd[k] + i * rdw[k];
+            bw_prefetch_step(q, rdw[k], ahead);
+            bw_read_step(q, rdw[k], &acc);
+        }
+        for (int k = 0; k < nu; k++) {
+            char *q = up[k] + i * upw[k];
+            bw_prefetch_step(q, upw[k], ahead);
+            bw_update_step(q, upw[k]);
+        }
+        for (int k = 0; k < nw; k++) bw_write_step(wr[k] + i * wrw[k], wrw[k], wrnt[k]);
+    }
+    uint16_t x = bw_acc_fold(acc);
+    for (; i < len; i++) {
+        for (int k = 0; k < nr; k++) {
+            uint16_t u[2];
+            memcpy(u, rd[k] + i * rdw[k], (size_t)rdw[k]);
+            x ^= u[0];
+            if (rdw[k] == 4) x ^= u[1];
+        }
+        for (int k = 0; k < nu; k++) {
+            if (upw[k] == 2) ((uint16_t *)(void *)up[k])[i]++;
+            else ((uint32_t *)(void *)up[k])[i]++;
+        }
+        for (int k = 0; k < nw; k++) memset(wr[k] + i * wrw[k], 0xff, (size_t)wrw[k]);
+    }
+    if (any_nt) bw_fence();
+    return x;
+}

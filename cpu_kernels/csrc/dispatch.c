@@ -24,10 +24,11 @@ typedef struct {
                     int64_t, int64_t);
     void (*remainder_encode)(const float *, uint16_t *, int16_t *, int64_t, int64_t);
     void (*remainder_decode)(const uint16_t *, const int16_t *, float *, int64_t, int64_t);
+    uint32_t (*bw_pattern)(void *const *, const int *, const int *, int, int64_t, int64_t, int64_t);
 } level_t;
 
 #define LEVEL_ROW(L) {#L, adam_range_##L, grad_chunk_sums_##L, bw_inplace_##L, bw_bank_##L, \
-                      remainder_encode_##L, remainder_decode_##L}
+                      remainder_encode_##L, remainder_decode_##L, bw_pattern_##L}
 
 static const level_t LEVEL_TABLE[] = {
     LEVEL_ROW(portable),
@@ -284,6 +285,39 @@ void hybrid_bw_bank(const float *p, const float *g, const float *m, const float 
             fns->bw_bank(p, g, m, v, po, mo, vo, b, e);
         }
     }
+}
+
+/* The per-pattern probe (adam_body.h, bw_pattern): `ns` streams of `bytes[k]`-byte elements
+ * (2 or 4), each of kind kinds[k] (kernels.h), n elements, split over threads as
+ * hybrid_adam_step splits its work (a run of whole ADAM_CHUNKs a thread), or with
+ * contiguous = 1 one range per thread on 64-element bounds (torch's split); the read and updated
+ * streams prefetched `ahead` elements ahead (0 to 65536). Returns the XOR of the BW_READ streams'
+ * 16-bit words, or -1 for a bad stream list. */
+int64_t hybrid_bw_pattern(void *const *ptrs, const int *bytes, const int *kinds, int ns, int64_t n, int contiguous,
+                          int64_t ahead)
+{
+    if (ns < 1 || ns > BW_MAX_STREAMS || ahead < 0 || ahead > 65536) return -1;
+    for (int k = 0; k < ns; k++)
+        if ((bytes[k] != 2 && bytes[k] != 4) || kinds[k] < BW_READ || kinds[k] > BW_WRITE_NT) return -1;
+    const level_t *fns = level_fns();
+    uint32_t x = 0;
+#pragma omp parallel if (n >= PARALLEL_MIN) reduction(^ : x)
+    {
+        if (contiguous) {
+            int64_t b, e;
+            thread_range(n, &b, &e);
+            if (b < e) x ^= fns->bw_pattern(ptrs, bytes, kinds, ns, ahead, b, e);
+        } else {
+            const int64_t chunks = (n + ADAM_CHUNK - 1) / ADAM_CHUNK;
+            int64_t k0, k1;
+            chunk_range(chunks, &k0, &k1);
+            for (int64_t k = k0; k < k1; k++) {
+                const int64_t b = k * ADAM_CHUNK, e = b + ADAM_CHUNK < n ? b + ADAM_CHUNK : n;
+                x ^= fns->bw_pattern(ptrs, bytes, kinds, ns, ahead, b, e);
+            }
+        }
+    }
+    return (int64_t)x;
 }
 
 /* Undo one Adam/AdamW step in place, in fp64, from the post-step state and the same grads

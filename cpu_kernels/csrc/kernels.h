@@ -152,6 +152,13 @@ static inline void store_scalar(void *p, int dt, int64_t i, float v) {
     }
 }
 
+/* The per-pattern roofline probe (adam_body.h, bw_pattern): up to BW_MAX_STREAMS streams of
+ * 2- or 4-byte elements, each of one kind. A kernel's access pattern is a list of them: bank
+ * mode reads p, g, m, v (BW_READ) and writes three other arrays (BW_WRITE_NT); in place the state
+ * is BW_UPDATE; a param copy is BW_WRITE_NT (the kernels stream it wherever it is line-aligned). */
+enum { BW_READ = 0, BW_UPDATE = 1, BW_WRITE = 2, BW_WRITE_NT = 3 };
+#define BW_MAX_STREAMS 12
+
 /* ---- per-level entry points (kernels_<level>.c) ---- */
 #define DECLARE_LEVEL(L)                                                                  \
     void adam_range_##L(const adam_args_t *a, const adam_consts_t *c, int64_t b, int64_t e); \
@@ -161,7 +168,9 @@ static inline void store_scalar(void *p, int dt, int64_t i, float v) {
     void bw_bank_##L(const float *p, const float *g, const float *m, const float *v, float *po, \
                      float *mo, float *vo, int64_t b, int64_t e);                         \
     void remainder_encode_##L(const float *m, uint16_t *p, int16_t *r, int64_t b, int64_t e); \
-    void remainder_decode_##L(const uint16_t *p, const int16_t *r, float *m, int64_t b, int64_t e);
+    void remainder_decode_##L(const uint16_t *p, const int16_t *r, float *m, int64_t b, int64_t e); \
+    uint32_t bw_pattern_##L(void *const *ptrs, const int *bytes, const int *kinds, int ns, int64_t ahead, int64_t b, \
+                            int64_t e);
 DECLARE_LEVEL(avx512)
 DECLARE_LEVEL(avx2)
 DECLARE_LEVEL(portable)

@@ -666,6 +666,7 @@ void bw_bank_avx2(const float *p, const float *g, const float *m, const float *v
     _mm_sfence();
 }
 
+#define BW_PATTERN_M256 1  /* the per-pattern probe in 32-byte vectors */
 #include "adam_body.h"
 
 #else  /* not x86: never dispatched to */
@@ -676,4 +677,6 @@ void bw_bank_avx2(const float *p, const float *g, const float *m, const float *v
 { (void)p; (void)g; (void)m; (void)v; (void)po; (void)mo; (void)vo; (void)b; (void)e; }
 void remainder_encode_avx2(const float *m, uint16_t *p, int16_t *r, int64_t b, int64_t e) { (void)m; (void)p; (void)r; (void)b; (void)e; }
 void remainder_decode_avx2(const uint16_t *p, const int16_t *r, float *m, int64_t b, int64_t e) { (void)p; (void)r; (void)m; (void)b; (void)e; }
+uint32_t bw_pattern_avx2(void *const *ptrs, const int *bytes, const int *kinds, int ns, int64_t ahead, int64_t b, int64_t e)
+{ (void)ptrs; (void)bytes; (void)kinds; (void)ns; (void)ahead; (void)b; (void)e; return 0; }
 #endif

@@ -533,6 +533,7 @@ void bw_bank_avx512(const float *p, const float *g, const float *m, const float 
     _mm_sfence();
 }
 
+#define BW_PATTERN_M256 1  /* the per-pattern probe in 32-byte vectors */
 #include "adam_body.h"
 
 #else  /* not x86-64: never dispatched to */
@@ -544,6 +545,8 @@ void grad_chunk_sums_avx512(const void *g, int dt, int64_t n, int64_t c0, int64_
 void bw_inplace_avx512(float *p, const float *g, float *m, float *v, int64_t b, int64_t e) { (void)p; (void)g; (void)m; (void)v; (void)b; (void)e; }
 void remainder_encode_avx512(const float *m, uint16_t *p, int16_t *r, int64_t b, int64_t e) { (void)m; (void)p; (void)r; (void)b; (void)e; }
 void remainder_decode_avx512(const uint16_t *p, const int16_t *r, float *m, int64_t b, int64_t e) { (void)p; (void)r; (void)m; (void)b; (void)e; }
+uint32_t bw_pattern_avx512(void *const *ptrs, const int *bytes, const int *kinds, int ns, int64_t ahead, int64_t b, int64_t e)
+{ (void)ptrs; (void)bytes; (void)kinds; (void)ns; (void)ahead; (void)b; (void)e; return 0; }
 int hybrid_set_avx512_bf16(int on) { return on ? -1 : 0; }
 int hybrid_get_avx512_bf16(void) { return 0; }
 #endif
