@@ -405,6 +405,12 @@ static inline __m256 q8x2_map8(const uint32_t *map, const uint8_t *k)
 #define Q8_CODES_OUT_PAIR q8x2_codes_pair
 /* the moments dequantized inside the arithmetic loop: no L1 round trip for the block's inputs */
 #define Q8_MOMENT_IN(k, codes, absmax) _mm256_mul_ps(q8x2_map8(q8_maps[k], (codes)), _mm256_set1_ps(absmax))
+/* Declared always_inline before q8_fused.h defines it, so that q8_range_avx2 compiles the block once
+ * with c->grad_scale a constant 1.0f (its unscaled copy): gcc left the block's test of it (scaled) in
+ * its loop, both floats reloaded from the stack each 8 lanes (16 vector registers do not hold the
+ * loop's constants). */
+static inline __attribute__((always_inline)) void Q8_FN(q8_block)(const q8_args_t *a, const q8_consts_t *c,
+                                                                  int64_t off);
 #include "q8_fused.h"
 
 /* Blocks ahead whose inputs are prefetched: at 16Mi elements, one thread, Zen 5, the fused pass
@@ -433,8 +439,20 @@ void q8_range_avx2(const q8_args_t *a, const q8_consts_t *c, int64_t begin, int6
             if (a->exp_avg_dtype == DT_Q8) q8_prefetch_span((const uint8_t *)a->exp_avg + pf, Q8_BLOCK);
             if (a->exp_avg_sq_dtype == DT_Q8) q8_prefetch_span((const uint8_t *)a->exp_avg_sq + pf, Q8_BLOCK);
         }
-        if (fused && e - off == Q8_BLOCK) q8_block_avx2_fused(a, c, off);
-        else q8_range_avx2_fused(a, c, off, e);
+        if (fused && e - off == Q8_BLOCK) {
+            if (c->grad_scale == 1.0f) {
+                /* c with grad_scale 1.0f stored where the inlined block reads it: a constant there,
+                 * so this block (the common case) has no per-iteration test of it. The same bits:
+                 * the block skips the multiply by 1.0f either way. */
+                q8_consts_t unscaled = *c;
+                unscaled.grad_scale = 1.0f;
+                q8_block_avx2_fused(a, &unscaled, off);
+            } else {
+                q8_block_avx2_fused(a, c, off);
+            }
+        } else {
+            q8_range_avx2_fused(a, c, off, e);
+        }
     }
 }
 #endif
