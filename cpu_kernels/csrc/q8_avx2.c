@@ -433,14 +433,6 @@ static inline void q8_prefetch_span(const void *p, size_t bytes)
     for (size_t o = 0; o < bytes; o += 64) __builtin_prefetch((const char *)p + o, 0, 3);
 }
 
-/* one block of a stream of 2- or 4-byte elements: a constant size, so the loop unrolls (as a loop
- * it took 4 instructions a line, about 3 % of the fused pass's) */
-static inline __attribute__((always_inline)) void q8_prefetch_block(const void *p, size_t elem)
-{
-    if (elem == 4) q8_prefetch_span(p, Q8_BLOCK * 4);
-    else q8_prefetch_span(p, Q8_BLOCK * 2);
-}
-
 void q8_range_avx2(const q8_args_t *a, const q8_consts_t *c, int64_t begin, int64_t end)
 {
     /* the streams a block reads (in place, the ones it writes): the moments' codes, the param
@@ -451,8 +443,8 @@ void q8_range_avx2(const q8_args_t *a, const q8_consts_t *c, int64_t begin, int6
         const int64_t e = off + Q8_BLOCK < end ? off + Q8_BLOCK : end;
         const int64_t pf = off + Q8_PF_AHEAD * Q8_BLOCK;
         if (pf + Q8_BLOCK <= end) {
-            q8_prefetch_block((const char *)a->param + pf * psz, psz);
-            q8_prefetch_block((const char *)a->grad + pf * gsz, gsz);
+            q8_prefetch_span((const char *)a->param + pf * psz, Q8_BLOCK * psz);
+            q8_prefetch_span((const char *)a->grad + pf * gsz, Q8_BLOCK * gsz);
             if (a->remainder) q8_prefetch_span(a->remainder + pf, Q8_BLOCK * 2);
             if (a->exp_avg_dtype == DT_Q8) q8_prefetch_span((const uint8_t *)a->exp_avg + pf, Q8_BLOCK);
             if (a->exp_avg_sq_dtype == DT_Q8) q8_prefetch_span((const uint8_t *)a->exp_avg_sq + pf, Q8_BLOCK);
