@@ -212,16 +212,22 @@ static inline void q8_quant_block(uint8_t *restrict codes, const float *restrict
 }
 
 /* The codes of 8 bounded quotients u (fp32 bits; keys their q8x2_fast keys) from their entries:
- * code + the sign of u times (low < step ? -1 : 0); *near marks the lanes within Q8_SLACK of a step
- * (q8x2_fast). A lane not near lies in the same bucket on the same side of the step as every
- * pattern within Q8_SLACK of it, or its bucket stores the neighbour's step that the span meets: the
- * test hook holds every bounded pattern to q8_code's code over its whole span. */
-static inline __m256i q8x2_fast_code8(__m256i u, __m256i entry, __m256i *near)
+ * code + the sign of u times (low < step ? -1 : 0); *dist is |low - step|, and a lane is near
+ * (q8x2_near8) when that is Q8_SLACK or less (q8x2_fast). A lane not near lies in the same bucket
+ * on the same side of the step as every pattern within Q8_SLACK of it, or its bucket stores the
+ * neighbour's step that the span meets: the test hook holds every bounded pattern to q8_code's
+ * code over its whole span. */
+static inline __m256i q8x2_fast_code8(__m256i u, __m256i entry, __m256i *dist)
 {
     const __m256i step = _mm256_srai_epi32(entry, 8), code = _mm256_and_si256(entry, _mm256_set1_epi32(0xff));
     const __m256i c = _mm256_sub_epi32(_mm256_and_si256(u, _mm256_set1_epi32(0xffff)), step);
-    *near = _mm256_cmpgt_epi32(_mm256_set1_epi32(Q8_SLACK + 1), _mm256_abs_epi32(c));
+    *dist = _mm256_abs_epi32(c);
     return _mm256_add_epi32(code, _mm256_sign_epi32(_mm256_srai_epi32(c, 31), u));
+}
+
+static inline __m256i q8x2_near8(__m256i dist)
+{
+    return _mm256_cmpgt_epi32(_mm256_set1_epi32(Q8_SLACK + 1), dist);
 }
 
 static inline __m256i q8x2_fast_key8(__m256i u)
@@ -260,13 +266,15 @@ static inline __m256i q8x2_lookup_pairs(const int32_t *table, const uint32_t *ke
 static inline __attribute__((always_inline)) __m256i q8x2_fast_code32(const float *x, __m256 s, const int32_t *table,
                                                                      const uint32_t *keys, int *near)
 {
-    __m256i c[4], n[4];
+    __m256i c[4], d[4];
     for (int j = 0; j < 4; j++) {
         const __m256i u = _mm256_castps_si256(_mm256_mul_ps(_mm256_load_ps(x + 8 * j), s));
-        c[j] = q8x2_fast_code8(u, q8x2_lookup_pairs(table, keys + 8 * j), &n[j]);
+        c[j] = q8x2_fast_code8(u, q8x2_lookup_pairs(table, keys + 8 * j), &d[j]);
     }
-    const __m256i any = _mm256_or_si256(_mm256_or_si256(n[0], n[1]), _mm256_or_si256(n[2], n[3]));
-    *near = !_mm256_testz_si256(any, any);
+    /* the nearest of the 32 lanes tested once: 3 minimums and a compare, not a compare per 8 lanes
+     * (gcc makes each a minimum and an equality) and 3 ors */
+    const __m256i dmin = _mm256_min_epi32(_mm256_min_epi32(d[0], d[1]), _mm256_min_epi32(d[2], d[3]));
+    *near = _mm256_movemask_ps(_mm256_castsi256_ps(q8x2_near8(dmin))) != 0;
     /* bytes c0[0..3] c1[0..3] c2[0..3] c3[0..3] | c0[4..7] ..: vpermd puts the dwords in order */
     const __m256i b = _mm256_packus_epi16(_mm256_packus_epi32(c[0], c[1]), _mm256_packus_epi32(c[2], c[3]));
     return _mm256_permutevar8x32_epi32(b, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
@@ -291,7 +299,9 @@ int64_t q8_check_quant_avx2(int map, uint32_t first, uint64_t count, int64_t *ne
         __m256i near, code;
         if (bounded) {
             _mm256_store_si256((__m256i *)kb, q8x2_fast_key8(u));
-            code = q8x2_fast_code8(u, q8_lookup8((const uint32_t *)fast, kb), &near);
+            __m256i dist;
+            code = q8x2_fast_code8(u, q8_lookup8((const uint32_t *)fast, kb), &dist);
+            near = q8x2_near8(dist);
         } else {
             _mm256_store_si256((__m256i *)kb, q8_key8(u));
             code = _mm256_add_epi32(zv, q8_rank8(u, q8_lookup8(q8x2_entries[map], kb), &near));
@@ -405,6 +415,12 @@ static inline __m256 q8x2_map8(const uint32_t *map, const uint8_t *k)
 #define Q8_CODES_OUT_PAIR q8x2_codes_pair
 /* the moments dequantized inside the arithmetic loop: no L1 round trip for the block's inputs */
 #define Q8_MOMENT_IN(k, codes, absmax) _mm256_mul_ps(q8x2_map8(q8_maps[k], (codes)), _mm256_set1_ps(absmax))
+/* Declared always_inline before q8_fused.h defines it, so that q8_range_avx2 compiles the block once
+ * with c->grad_scale a constant 1.0f (its unscaled copy): gcc left the block's test of it (scaled) in
+ * its loop, both floats reloaded from the stack each 8 lanes (16 vector registers do not hold the
+ * loop's constants). */
+static inline __attribute__((always_inline)) void Q8_FN(q8_block)(const q8_args_t *a, const q8_consts_t *c,
+                                                                  int64_t off);
 #include "q8_fused.h"
 
 /* Blocks ahead whose inputs are prefetched: at 16Mi elements, one thread, Zen 5, the fused pass
@@ -433,8 +449,20 @@ void q8_range_avx2(const q8_args_t *a, const q8_consts_t *c, int64_t begin, int6
             if (a->exp_avg_dtype == DT_Q8) q8_prefetch_span((const uint8_t *)a->exp_avg + pf, Q8_BLOCK);
             if (a->exp_avg_sq_dtype == DT_Q8) q8_prefetch_span((const uint8_t *)a->exp_avg_sq + pf, Q8_BLOCK);
         }
-        if (fused && e - off == Q8_BLOCK) q8_block_avx2_fused(a, c, off);
-        else q8_range_avx2_fused(a, c, off, e);
+        if (fused && e - off == Q8_BLOCK) {
+            if (c->grad_scale == 1.0f) {
+                /* c with grad_scale 1.0f stored where the inlined block reads it: a constant there,
+                 * so this block (the common case) has no per-iteration test of it. The same bits:
+                 * the block skips the multiply by 1.0f either way. */
+                q8_consts_t unscaled = *c;
+                unscaled.grad_scale = 1.0f;
+                q8_block_avx2_fused(a, &unscaled, off);
+            } else {
+                q8_block_avx2_fused(a, c, off);
+            }
+        } else {
+            q8_range_avx2_fused(a, c, off, e);
+        }
     }
 }
 #endif
