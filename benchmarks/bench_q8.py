@@ -2,7 +2,13 @@
 process, interleaved rounds, at each SIMD level this CPU runs.
 
     python benchmarks/bench_q8.py [--sizes 16Mi] [--reps 15] [--trials 3] [--levels avx512 avx2]
-                                  [--threads 2] [--json out.json]
+                                  [--threads 2] [--json out.json] [--one-process]
+
+Each level runs as on a host that has no higher one: in a process of its own, with torch's kernels
+(and so torch fused AdamW's, bitsandbytes' torch ops and the code torchao's torch.compile generates)
+at the same level (ATEN_CPU_CAPABILITY=avx2 for avx2; `torch_level` in the records says which ran).
+bitsandbytes' own C library picks AVX-512 by its own CPU check wherever the CPU has it.
+--one-process times every level in this process against torch at the host's own level.
 
 Rows (fp32 grads, fp32 master, in place): q8_q8 (both moments q8), fp32 (cpu_kernels.adam_step_),
 torch_fused (torch.optim.AdamW fused=True, on torch's own threads). bytes_per_elem is what a row
@@ -18,9 +24,12 @@ say how many times faster than each a row steps (issue 38's target for q8: >= 25
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
+import subprocess
 import sys
+import tempfile
 
 import torch
 
@@ -31,6 +40,8 @@ from _common import host_description, markdown_table, parse_size, time_ms_interl
 import cpu_kernels  # noqa: E402
 from cpu_kernels import q8_reference as q8  # noqa: E402
 
+# the torch kernels (ATEN_CPU_CAPABILITY) of a host whose best level is ours
+TORCH_LEVEL = {"avx512": "avx512", "avx2": "avx2", "portable": "default"}
 HP = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=1e-2)
 BYTES = {"q8_q8": 16.0 + 8.0 / 256, "fp32": 28.0, "torch_fused": 28.0}
 
@@ -94,6 +105,69 @@ def _eight_bit_baselines():
     return out
 
 
+def _level_in_own_process(level: str, args) -> list:
+    """One level's records, timed by this script in a process whose torch runs at that level."""
+    env = dict(os.environ, HYBRID_OPT_SIMD=level)
+    if level in TORCH_LEVEL:
+        env["ATEN_CPU_CAPABILITY"] = TORCH_LEVEL[level]
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "records.json")
+        cmd = [
+            sys.executable,
+            os.path.abspath(__file__),
+            "--one-process",
+            "--levels",
+            level,
+            "--sizes",
+            *args.sizes,
+        ]
+        cmd += ["--reps", str(args.reps), "--trials", str(args.trials), "--threads", str(args.threads)]
+        run = subprocess.run([*cmd, "--json", out], env=env, capture_output=True, text=True)
+        if run.returncode != 0:
+            raise SystemExit(f"bench_q8: level {level} failed ({run.returncode}):\n{run.stdout}{run.stderr}")
+        with open(out) as f:
+            return json.load(f)
+
+
+def _time_levels(levels: list, sizes: list, reps: int, trials: int, threads: int) -> list:
+    """Every level's records, timed in this process."""
+    records = []
+    for size in sizes:
+        n = parse_size(size)
+        for level in levels:
+            cpu_kernels.set_simd_level(level)
+            steppers = _steppers(n)
+            runs = [time_ms_interleaved(steppers, reps=reps) for _ in range(trials)]
+            base = statistics.median(t["fp32"]["median_ms"] for t in runs)
+            anchors = {
+                key: statistics.median(t[name]["median_ms"] for t in runs)
+                for key, name in (("vs_bnb", "bnb_adamw8bit"), ("vs_torchao", "torchao_adamw8bit"))
+                if name in steppers
+            }
+            for name in steppers:
+                medians = [t[name]["median_ms"] for t in runs]
+                ms = statistics.median(medians)
+                records.append(
+                    dict(
+                        impl=name,
+                        n=n,
+                        size=size,
+                        level=level,
+                        q8_level=cpu_kernels.q8_simd_level(),
+                        torch_level=torch.backends.cpu.get_cpu_capability(),
+                        threads=threads,
+                        median_ms=ms,
+                        lo_ms=min(medians),
+                        hi_ms=max(medians),
+                        bytes_per_elem=BYTES[name],
+                        gbps=BYTES[name] * n / ms / 1e6,
+                        vs_fp32=base / ms,
+                        **{key: anchor / ms for key, anchor in anchors.items()},
+                    )
+                )
+    return records
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--sizes", nargs="+", default=["16Mi"])
@@ -102,6 +176,7 @@ def main() -> None:
     ap.add_argument("--levels", nargs="+", default=None, help="default: every level this CPU runs")
     ap.add_argument("--threads", type=int, default=cpu_kernels.get_num_threads())
     ap.add_argument("--json", default=None)
+    ap.add_argument("--one-process", action="store_true", help="every level here, torch at the host's level")
     args = ap.parse_args()
     levels = (
         args.levels
@@ -114,39 +189,10 @@ def main() -> None:
     cpu_kernels.set_num_threads(args.threads)
     torch.set_num_threads(args.threads)
     print(f"host: {host_description()}; threads {args.threads}; torch {torch.__version__}")
-    records = []
-    for size in args.sizes:
-        n = parse_size(size)
-        for level in levels:
-            cpu_kernels.set_simd_level(level)
-            steppers = _steppers(n)
-            trials = [time_ms_interleaved(steppers, reps=args.reps) for _ in range(args.trials)]
-            base = statistics.median(t["fp32"]["median_ms"] for t in trials)
-            anchors = {
-                key: statistics.median(t[name]["median_ms"] for t in trials)
-                for key, name in (("vs_bnb", "bnb_adamw8bit"), ("vs_torchao", "torchao_adamw8bit"))
-                if name in steppers
-            }
-            for name in steppers:
-                medians = [t[name]["median_ms"] for t in trials]
-                ms = statistics.median(medians)
-                records.append(
-                    dict(
-                        impl=name,
-                        n=n,
-                        size=size,
-                        level=level,
-                        q8_level=cpu_kernels.q8_simd_level(),
-                        threads=args.threads,
-                        median_ms=ms,
-                        lo_ms=min(medians),
-                        hi_ms=max(medians),
-                        bytes_per_elem=BYTES[name],
-                        gbps=BYTES[name] * n / ms / 1e6,
-                        vs_fp32=base / ms,
-                        **{key: anchor / ms for key, anchor in anchors.items()},
-                    )
-                )
+    if args.one_process:
+        records = _time_levels(levels, args.sizes, args.reps, args.trials, args.threads)
+    else:
+        records = [r for level in levels for r in _level_in_own_process(level, args)]
     print(
         markdown_table(
             records,
@@ -154,6 +200,7 @@ def main() -> None:
                 ("impl", "impl", "s"),
                 ("size", "size", "s"),
                 ("level", "level", "s"),
+                ("torch_level", "torch level", "s"),
                 ("threads", "threads", "d"),
                 ("median_ms", "median ms", ".2f"),
                 ("lo_ms", "lo", ".2f"),

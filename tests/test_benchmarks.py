@@ -554,3 +554,27 @@ def test_bench_cpu_adam_impls_times_only_the_named_rows_beside_the_probes(tmp_pa
     assert "under 90 % of its own roof" in res.stdout
     bad = run("ours", "no_such_row")
     assert bad.returncode != 0 and "no row named no_such_row" in bad.stderr
+
+
+def test_bench_q8_times_each_level_in_a_process_whose_torch_runs_at_that_level(tmp_path):
+    import cpu_kernels
+
+    levels = [lv for lv in ("avx2", "portable") if lv in cpu_kernels.available_simd_levels()]
+    out_json = tmp_path / "q.json"
+    script = os.path.join(REPO, "benchmarks", "bench_q8.py")
+    cmd = [sys.executable, script, "--sizes", "8Ki", "--reps", "1", "--trials", "1", "--levels", *levels]
+    # the peers' packages (when a developer has them on PYTHONPATH) would only slow this down
+    env = dict(os.environ, PYTHONPATH=REPO)
+    res = subprocess.run(
+        [*cmd, "--json", str(out_json)], capture_output=True, text=True, timeout=300, env=env
+    )
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    records = json.loads(out_json.read_text())
+    assert {(r["level"], r["impl"]) for r in records} == {
+        (lv, impl) for lv in levels for impl in ("q8_q8", "fp32", "torch_fused")
+    }
+    torch_level = {"avx2": "AVX2", "portable": "DEFAULT"}
+    for r in records:
+        assert r["q8_level"] == r["level"]
+        assert r["torch_level"] == torch_level[r["level"]], r
+    assert "| torch level |" in res.stdout
