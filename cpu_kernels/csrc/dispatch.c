@@ -150,6 +150,18 @@ static void thread_range(int64_t n, int64_t *b, int64_t *e)
     *e = u1 * SPLIT_ALIGN < n ? u1 * SPLIT_ALIGN : n;
 }
 
+/* This thread's run of whole ADAM_CHUNKs of [0, n) (chunk_range), as chunk indices [k0, k1):
+ * chunk k covers [k * ADAM_CHUNK, chunk_end(k, n)). */
+static void thread_chunks(int64_t n, int64_t *k0, int64_t *k1)
+{
+    chunk_range((n + ADAM_CHUNK - 1) / ADAM_CHUNK, k0, k1);
+}
+
+static inline int64_t chunk_end(int64_t k, int64_t n)
+{
+    return (k + 1) * ADAM_CHUNK < n ? (k + 1) * ADAM_CHUNK : n;
+}
+
 void adam_consts_init(adam_consts_t *c, int64_t step, double lr, double beta1, double beta2, double eps,
                       double weight_decay, double grad_scale, int decoupled, int amsgrad)
 {
@@ -189,13 +201,9 @@ void hybrid_adam_step(const adam_args_t *a)
          * bf16 moments + remainders 0.278 -> 0.260, bf16 moments + copy 0.326 -> 0.308) — each
          * thread's streams run on without a jump every 16Ki elements, which the hardware
          * prefetchers restart at; the bench's roofline probe was already faster split so */
-        const int64_t chunks = (n + ADAM_CHUNK - 1) / ADAM_CHUNK;
         int64_t k0, k1;
-        chunk_range(chunks, &k0, &k1);
-        for (int64_t k = k0; k < k1; k++) {
-            const int64_t b = k * ADAM_CHUNK, e = b + ADAM_CHUNK < n ? b + ADAM_CHUNK : n;
-            fns->adam_range(a, &c, b, e);
-        }
+        thread_chunks(n, &k0, &k1);
+        for (int64_t k = k0; k < k1; k++) fns->adam_range(a, &c, k * ADAM_CHUNK, chunk_end(k, n));
     }
 }
 
@@ -260,13 +268,9 @@ void hybrid_bw_inplace(float *p, const float *g, float *m, float *v, int64_t n, 
             thread_range(n, &b, &e);
             if (b < e) fns->bw_inplace(p, g, m, v, b, e);
         } else {
-            const int64_t chunks = (n + ADAM_CHUNK - 1) / ADAM_CHUNK;
             int64_t k0, k1;
-            chunk_range(chunks, &k0, &k1);
-            for (int64_t k = k0; k < k1; k++) {
-                const int64_t b = k * ADAM_CHUNK, e = b + ADAM_CHUNK < n ? b + ADAM_CHUNK : n;
-                fns->bw_inplace(p, g, m, v, b, e);
-            }
+            thread_chunks(n, &k0, &k1);
+            for (int64_t k = k0; k < k1; k++) fns->bw_inplace(p, g, m, v, k * ADAM_CHUNK, chunk_end(k, n));
         }
     }
 }
@@ -277,13 +281,9 @@ void hybrid_bw_bank(const float *p, const float *g, const float *m, const float 
     const level_t *fns = level_fns();
 #pragma omp parallel if (n >= PARALLEL_MIN)
     {
-        const int64_t chunks = (n + ADAM_CHUNK - 1) / ADAM_CHUNK;
         int64_t k0, k1;
-        chunk_range(chunks, &k0, &k1);
-        for (int64_t k = k0; k < k1; k++) {
-            const int64_t b = k * ADAM_CHUNK, e = b + ADAM_CHUNK < n ? b + ADAM_CHUNK : n;
-            fns->bw_bank(p, g, m, v, po, mo, vo, b, e);
-        }
+        thread_chunks(n, &k0, &k1);
+        for (int64_t k = k0; k < k1; k++) fns->bw_bank(p, g, m, v, po, mo, vo, k * ADAM_CHUNK, chunk_end(k, n));
     }
 }
 
@@ -308,13 +308,10 @@ int64_t hybrid_bw_pattern(void *const *ptrs, const int *bytes, const int *kinds,
             thread_range(n, &b, &e);
             if (b < e) x ^= fns->bw_pattern(ptrs, bytes, kinds, ns, ahead, b, e);
         } else {
-            const int64_t chunks = (n + ADAM_CHUNK - 1) / ADAM_CHUNK;
             int64_t k0, k1;
-            chunk_range(chunks, &k0, &k1);
-            for (int64_t k = k0; k < k1; k++) {
-                const int64_t b = k * ADAM_CHUNK, e = b + ADAM_CHUNK < n ? b + ADAM_CHUNK : n;
-                x ^= fns->bw_pattern(ptrs, bytes, kinds, ns, ahead, b, e);
-            }
+            thread_chunks(n, &k0, &k1);
+            for (int64_t k = k0; k < k1; k++)
+                x ^= fns->bw_pattern(ptrs, bytes, kinds, ns, ahead, k * ADAM_CHUNK, chunk_end(k, n));
         }
     }
     return (int64_t)x;
