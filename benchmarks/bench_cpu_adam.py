@@ -352,8 +352,10 @@ def main(argv=None) -> int:
     all_threads = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     thread_counts = args.threads or sorted({1, all_threads})
     level, machine = cpu_kernels.simd_level(), platform.machine()
+    # torch's rows run at torch's own level: ATEN_CPU_CAPABILITY=avx2 gives an AVX2 host's torch
+    torch_level = torch.backends.cpu.get_cpu_capability()
     print(
-        f"cpu_kernels SIMD level: {level} ({machine}); torch {torch.__version__}; "
+        f"cpu_kernels SIMD level: {level} ({machine}); torch {torch.__version__}, its kernels at {torch_level}; "
         f"thread counts {thread_counts}"
     )
     records, rows = [], []
@@ -436,6 +438,7 @@ def main(argv=None) -> int:
                     "threads": threads,
                     "grad_dtype": gdt,
                     "simd_level": level,
+                    "torch_level": torch_level,
                     "machine": machine,
                     **t,
                     "gelem_per_s": n / (t["median_ms"] * 1e6),
