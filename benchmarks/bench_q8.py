@@ -2,7 +2,7 @@
 process, interleaved rounds, at each SIMD level this CPU runs.
 
     python benchmarks/bench_q8.py [--sizes 16Mi] [--reps 15] [--trials 3] [--levels avx512 avx2]
-                                  [--threads 2] [--json out.json] [--one-process]
+                                  [--threads 2] [--json out.json] [--one-process] [--timeout 900]
 
 Each level runs as on a host that has no higher one: in a process of its own, with torch's kernels
 (and so torch fused AdamW's, bitsandbytes' torch ops and the code torchao's torch.compile generates)
@@ -122,7 +122,14 @@ def _level_in_own_process(level: str, args) -> list:
             *args.sizes,
         ]
         cmd += ["--reps", str(args.reps), "--trials", str(args.trials), "--threads", str(args.threads)]
-        run = subprocess.run([*cmd, "--json", out], env=env, capture_output=True, text=True)
+        try:
+            run = subprocess.run(
+                [*cmd, "--json", out], env=env, capture_output=True, text=True, timeout=args.timeout
+            )
+        except subprocess.TimeoutExpired:
+            raise SystemExit(
+                f"bench_q8: level {level} gave no result within {args.timeout:g} s (killed)"
+            ) from None
         if run.returncode != 0:
             raise SystemExit(f"bench_q8: level {level} failed ({run.returncode}):\n{run.stdout}{run.stderr}")
         with open(out) as f:
@@ -177,6 +184,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=cpu_kernels.get_num_threads())
     ap.add_argument("--json", default=None)
     ap.add_argument("--one-process", action="store_true", help="every level here, torch at the host's level")
+    ap.add_argument("--timeout", type=float, default=900, help="seconds each level's process may take")
     args = ap.parse_args()
     levels = (
         args.levels
