@@ -68,16 +68,20 @@ class Job:
         self.param = torch.randn(n, generator=g)
         self.grad = torch.randn(n, generator=g)
         self.grad_bf16 = self.grad.bfloat16()
-        self.exp_avg = torch.zeros(n)
-        self.exp_avg_sq = torch.zeros(n)
+        # Moments start as normal numbers, not zeros: each row's roofline probe runs on the row's
+        # own tensors (see main) and adds one to every element's bits, which keeps a normal
+        # number normal but would make a zero a subnormal.
+        self.exp_avg = 0.1 * self.grad
+        self.exp_avg_sq = 1e-3 * self.grad * self.grad
         self.param_bf16 = torch.empty(n, dtype=torch.bfloat16)
         # compressed state: bf16 moments beside an fp32 master; a bf16 param + remainder
         self.master_c = self.param.clone()
-        self.exp_avg_c, self.exp_avg_sq_c = (torch.zeros(n, dtype=torch.bfloat16) for _ in range(2))
+        self.exp_avg_c, self.exp_avg_sq_c = self.exp_avg.bfloat16(), self.exp_avg_sq.bfloat16()
         self.param_r, self.remainder = cpu_kernels.encode_remainder(self.param)
-        self.exp_avg_r, self.exp_avg_sq_r = (torch.zeros(n, dtype=torch.bfloat16) for _ in range(2))
-        self.exp_avg_r32, self.exp_avg_sq_r32 = torch.zeros(n), torch.zeros(n)  # remainders alone
-        self.exp_avg_sq_r16 = torch.zeros(n, dtype=torch.bfloat16)  # beside the fp32 exp_avg_r32
+        self.exp_avg_r, self.exp_avg_sq_r = self.exp_avg.bfloat16(), self.exp_avg_sq.bfloat16()
+        # remainders alone: fp32 moments
+        self.exp_avg_r32, self.exp_avg_sq_r32 = self.exp_avg.clone(), self.exp_avg_sq.clone()
+        self.exp_avg_sq_r16 = self.exp_avg_sq.bfloat16()  # beside the fp32 exp_avg_r32
         self.step = 0
 
     def bump(self) -> int:
@@ -115,33 +119,25 @@ def pattern_bytes(pattern: str) -> int:
     return sum(int(t[1:]) * (2 if t[0] == "u" else 1) for t in pattern.split())
 
 
-def pattern_probe(pattern: str, probe: Job, bank: tuple, prefetch: int):
-    """bandwidth_probe_pattern_ over `pattern`'s streams, every stream its own tensor: fp32 ones
-    read from the 28 B probes' inputs (left as they are, so their floats stay normal numbers),
-    fp32 ones written to the probe's three spare ones and bank mode's outputs, 16-bit ones from
-    the probe's nine 16-bit tensors."""
-    wide_read = [probe.grad, probe.param, probe.exp_avg, probe.exp_avg_sq]
-    wide_written = [probe.master_c, probe.exp_avg_r32, probe.exp_avg_sq_r32, *bank]
-    narrow = [
-        probe.grad_bf16,
-        probe.param_bf16,
-        probe.exp_avg_c,
-        probe.exp_avg_sq_c,
-        probe.param_r,
-        probe.remainder,
-        probe.exp_avg_r,
-        probe.exp_avg_sq_r,
-        probe.exp_avg_sq_r16,
-    ]
-    streams: dict[str, list] = {kind: [] for kind in _KINDS.values()}
-    for token in pattern.split():
-        wide = wide_read if token[0] == "r" else wide_written
-        streams[_KINDS[token[0]]].append((wide if token[1:] == "4" else narrow).pop(0))
-    return lambda: cpu_kernels.bandwidth_probe_pattern_(**streams, prefetch=prefetch)
+def pattern_probe(pattern: str, streams: tuple, prefetch: int):
+    """bandwidth_probe_pattern_ over `pattern`'s streams: `streams`, the row's own tensors, one a
+    token in the pattern's order. Where a page of one tensor lies in physical memory against the
+    same page of the others changes a step's time by up to a third on a 2-core Zen 3 (the same
+    kernel, the same sizes, other tensors), so a roof is only a roof on the tensors it is
+    compared with; and torch's rows step them too."""
+    tokens = pattern.split()
+    if len(tokens) != len(streams) or any(int(t[1:]) != s.element_size() for t, s in zip(tokens, streams)):
+        raise AssertionError(f"pattern {pattern}: streams of {[s.element_size() for s in streams]} B")
+    by_kind: dict[str, list] = {kind: [] for kind in _KINDS.values()}
+    for token, tensor in zip(tokens, streams):
+        by_kind[_KINDS[token[0]]].append(tensor)
+    return lambda: cpu_kernels.bandwidth_probe_pattern_(**by_kind, prefetch=prefetch)
 
 
 def impls(job: Job, bank: tuple):
-    """(name, grad dtype, bytes/elem, callable) for every implementation available."""
+    """(name, grad dtype, bytes/elem, callable, streams) for every implementation available:
+    streams are the tensors the row moves, in the order of its pattern (PATTERNS; None where it
+    has none)."""
 
     def ours_fp32():
         cpu_kernels.adam_step_(job.param, job.grad, job.exp_avg, job.exp_avg_sq, step=job.bump(), **HP)
@@ -213,6 +209,22 @@ def impls(job: Job, bank: tuple):
 
     rbank = tuple(torch.empty(job.n, dtype=torch.bfloat16) for _ in range(3))
     rbank_rem = torch.empty(job.n, dtype=torch.int16)
+    fp32_state = (job.grad, job.param, job.exp_avg, job.exp_avg_sq)
+    rem_state = (job.grad_bf16, job.param_r, job.remainder)
+    streams = {
+        "ours": fp32_state,
+        "ours_bank": (*fp32_state, *bank),
+        "ours_fused": (job.grad_bf16, *fp32_state[1:], job.param_bf16),
+        "ours_bf16_moments": (job.grad_bf16, job.master_c, job.exp_avg_c, job.exp_avg_sq_c, job.param_bf16),
+        "ours_remainders": (*rem_state, job.exp_avg_r, job.exp_avg_sq_r),
+        "ours_remainders_bank": (*rem_state, job.exp_avg_r, job.exp_avg_sq_r, *rbank, rbank_rem),
+        "ours_remainders_fp32_moments": (*rem_state, job.exp_avg_r32, job.exp_avg_sq_r32),
+        "ours_remainders_bf16_sq": (*rem_state, job.exp_avg_r32, job.exp_avg_sq_r16),
+        "torch_fused": fp32_state,
+        "deepspeed_cpu_adam": fp32_state,
+    }
+    streams["ours_bank_stnt"] = streams["ours_bank"]
+    streams["ours_remainders_bank_stnt"] = streams["ours_remainders_bank"]
 
     def ours_remainders_bank():
         cpu_kernels.adam_step_(
@@ -240,18 +252,36 @@ def impls(job: Job, bank: tuple):
         return run
 
     arm_vector_level = cpu_kernels.simd_level() in ("neon", "sve")
-    yield "ours", "float32", 28, ours_fp32
-    yield "ours_bank", "float32", 28, ours_bank
+    yield "ours", "float32", 28, ours_fp32, streams.get("ours")
+    yield "ours_bank", "float32", 28, ours_bank, streams.get("ours_bank")
     if arm_vector_level:
-        yield "ours_bank_stnt", "float32", 28, streaming(ours_bank)
-    yield "ours_fused", "bfloat16", 28, ours_fused
-    yield "ours_bf16_moments", "bfloat16", 20, ours_bf16_moments
-    yield "ours_remainders", "bfloat16", 18, ours_remainders
-    yield "ours_remainders_bank", "bfloat16", 18, ours_remainders_bank
+        yield "ours_bank_stnt", "float32", 28, streaming(ours_bank), streams.get("ours_bank_stnt")
+    yield "ours_fused", "bfloat16", 28, ours_fused, streams.get("ours_fused")
+    yield "ours_bf16_moments", "bfloat16", 20, ours_bf16_moments, streams.get("ours_bf16_moments")
+    yield "ours_remainders", "bfloat16", 18, ours_remainders, streams.get("ours_remainders")
+    yield "ours_remainders_bank", "bfloat16", 18, ours_remainders_bank, streams.get("ours_remainders_bank")
     if arm_vector_level:
-        yield "ours_remainders_bank_stnt", "bfloat16", 18, streaming(ours_remainders_bank)
-    yield "ours_remainders_fp32_moments", "bfloat16", 26, ours_remainders_fp32_moments
-    yield "ours_remainders_bf16_sq", "bfloat16", 22, ours_remainders_bf16_sq
+        yield (
+            "ours_remainders_bank_stnt",
+            "bfloat16",
+            18,
+            streaming(ours_remainders_bank),
+            streams.get("ours_remainders_bank_stnt"),
+        )
+    yield (
+        "ours_remainders_fp32_moments",
+        "bfloat16",
+        26,
+        ours_remainders_fp32_moments,
+        streams.get("ours_remainders_fp32_moments"),
+    )
+    yield (
+        "ours_remainders_bf16_sq",
+        "bfloat16",
+        22,
+        ours_remainders_bf16_sq,
+        streams.get("ours_remainders_bf16_sq"),
+    )
 
     tparam = torch.nn.Parameter(job.param)  # shares storage: no extra copy
     tparam.grad = job.grad
@@ -263,7 +293,9 @@ def impls(job: Job, bank: tuple):
         weight_decay=HP["weight_decay"],
         fused=True,
     )
-    yield "torch_fused", "float32", 28, opt.step
+    # torch steps our tensors: its state is the Job's moments (page placement: pattern_probe)
+    opt.state[tparam] = {"step": torch.tensor(0.0), "exp_avg": job.exp_avg, "exp_avg_sq": job.exp_avg_sq}
+    yield "torch_fused", "float32", 28, opt.step, streams.get("torch_fused")
 
     gbuf = torch.empty(job.n)  # preallocated: a fresh fp32 grad per step measures page faults
 
@@ -273,7 +305,7 @@ def impls(job: Job, bank: tuple):
         opt.step()
         job.param_bf16.copy_(tparam.detach())
 
-    yield "torch_composite", "bfloat16", 48, torch_composite
+    yield "torch_composite", "bfloat16", 48, torch_composite, streams.get("torch_composite")
 
     try:
         from deepspeed.ops.adam import DeepSpeedCPUAdam  # noqa: F401
@@ -290,7 +322,8 @@ def impls(job: Job, bank: tuple):
             weight_decay=HP["weight_decay"],
             adamw_mode=True,
         )
-        yield "deepspeed_cpu_adam", "float32", 28, dopt.step
+        dopt.state[dparam] = {"step": 0, "exp_avg": job.exp_avg, "exp_avg_sq": job.exp_avg_sq}
+        yield "deepspeed_cpu_adam", "float32", 28, dopt.step, streams.get("deepspeed_cpu_adam")
 
 
 def _trials(fns: dict, reps: int, trials: int) -> dict:
@@ -366,37 +399,44 @@ def main(argv=None) -> int:
         roof = 0.0
         for size in args.sizes:
             n = parse_size(size)
+            # every row and every probe on the same tensors (pattern_probe says why); the probes
+            # add one to each updated element's bits and fill the written ones
             job = Job(n)
-            probe = Job(n)  # the roofline probe scribbles on its own tensors
             bank = (torch.empty(n), torch.empty(n), torch.empty(n))
             table = {
-                name: (gdt, bpe, fn)
-                for name, gdt, bpe, fn in impls(job, bank)
+                name: (gdt, bpe, fn, streams)
+                for name, gdt, bpe, fn, streams in impls(job, bank)
                 if args.impls is None or name in args.impls
             }
             if args.impls is not None and len(table) < len(set(args.impls)):
                 unknown = sorted(set(args.impls) - set(table))
                 ap.error(f"--impls: no row named {', '.join(unknown)} at this level")
-            fns = {name: fn for name, (_, _, fn) in table.items()}
+            fns = {name: fn for name, (_, _, fn, _) in table.items()}
             # the roofline: Adam's 28 bytes/element in place, no arithmetic, timed in the same
             # rounds as the impls so drift on this shared machine hits them alike; split over
             # threads as our kernels split (a run of whole 16Ki chunks a thread) and as torch
             # splits (one range a thread): the faster of the two is the roof
             for split in ("chunks", "contiguous"):
-                fns[f"roofline_{split}"] = lambda pr=probe, s=split: cpu_kernels.bandwidth_probe_(
-                    pr.param, pr.grad, pr.exp_avg, pr.exp_avg_sq, split=s
+                fns[f"roofline_{split}"] = lambda j=job, s=split: cpu_kernels.bandwidth_probe_(
+                    j.param, j.grad, j.exp_avg, j.exp_avg_sq, split=s
                 )
             # bank mode's own access pattern (4 reads, 3 non-temporal writes elsewhere), for
             # telling the kernel's overhead from what the memory system gives that pattern
-            fns["roofline_bank"] = lambda pr=probe, out=bank: cpu_kernels.bandwidth_probe_bank_(
-                pr.param, pr.grad, pr.exp_avg, pr.exp_avg_sq, out
+            fns["roofline_bank"] = lambda j=job, out=bank: cpu_kernels.bandwidth_probe_bank_(
+                j.param, j.grad, j.exp_avg, j.exp_avg_sq, out
             )
             # every other row's own pattern, in the same rounds, prefetching as far ahead as the
             # kernels (1024 elements) and twice as far: the faster is the roof
             own = {name: PATTERNS[name] for name in table if name in PATTERNS}
-            for pattern in sorted(set(own.values())):
+            own_streams = {}  # a pattern's tensors: the same for every row of that pattern
+            for name, pattern in own.items():
+                streams = table[name][3]
+                first = own_streams.setdefault(pattern, streams)
+                if [t.data_ptr() for t in first] != [t.data_ptr() for t in streams]:
+                    raise AssertionError(f"{name}: pattern {pattern} on other tensors than another row's")
+            for pattern in sorted(own_streams):
                 for ahead in PATTERN_PREFETCH:
-                    fns[f"roofline {pattern} @{ahead}"] = pattern_probe(pattern, probe, bank, ahead)
+                    fns[f"roofline {pattern} @{ahead}"] = pattern_probe(pattern, own_streams[pattern], ahead)
             times = _trials(fns, args.reps, args.trials)
             probes = {s: times.pop(f"roofline_{s}") for s in ("chunks", "contiguous")}
             split = min(probes, key=lambda s: probes[s]["median_ms"])
@@ -426,7 +466,7 @@ def main(argv=None) -> int:
                         **t,
                     }
                 )
-            for name, (gdt, bpe, _) in table.items():
+            for name, (gdt, bpe, _, _) in table.items():
                 t = times[name]
                 if name in own and pattern_bytes(own[name]) != bpe:
                     raise AssertionError(
@@ -507,7 +547,7 @@ def main(argv=None) -> int:
                     "machine": machine,
                 }
             )
-            del job, probe, bank, table, fns
+            del job, bank, table, fns
         records.append(
             {
                 "impl": "roofline",

@@ -133,13 +133,18 @@ static inline void encode_block(uint16_t *p, int16_t *r, int64_t off, const floa
  * of each instance (and the grad dtype, L2 mode and outputs of the common ones), and each 32
  * elements run as two halves whose divisions are in flight together. */
 #define HAVE_ADAM_C16_REGS 1
-/* fp32 state goes through the register loop too (split halves: no shuffle for fp32 streams)
- * in bank mode and with 16-bit grads, where the block path's L1 round trips cost more than the
- * loop's conversions: one thread, ns an element, L2-resident (64Ki elements, median of 3000)
- * / from DRAM (16Mi, median of 15): bank mode 0.425 -> 0.354 / 0.623 -> 0.581, bf16 grads +
- * bf16 copy in place 0.437 -> 0.395 / 0.524 -> 0.456. fp32 grads in place stay in the blocks
- * (0.285 there, 0.363 here in L2: its fp32 grads cost two inserts a vector more). */
-#define C16_TAKES_FP32_STATE(a, c) ((c)->out_of_place || (a)->grad_dtype != DT_F32)
+/* fp32 state updated in place with 16-bit grads goes through the register loop too (split
+ * halves: no shuffle for fp32 streams), where the block path's L1 round trips cost more than
+ * the loop's conversions: one thread, ns an element, L2-resident (64Ki elements, median of
+ * 3000) / from DRAM (16Mi, median of 15), a Zen 5 at AVX2: bf16 grads + bf16 copy 0.437 -> 0.395 /
+ * 0.524 -> 0.456; on a Zen 3 (EPYC, AVX2 its best level; 16Mi, in-process A/B, interleaved
+ * rounds) 18.3 -> 14.4 ms at one thread, 7.7 -> 7.2 at two. fp32 grads in place stay in the
+ * blocks (0.285 there, 0.363 here in L2 on the Zen 5: its fp32 grads cost two inserts a vector
+ * more), and so does bank mode (outputs elsewhere, non-temporal): on the Zen 5 the loop was
+ * faster there too (0.623 -> 0.581 from DRAM), but on the Zen 3, a host whose best level this
+ * is, the blocks are 15-25 % faster: fp32 grads 23.2 -> 18.8 ms at one thread and 16.4 -> 13.1
+ * at two; bf16 grads with a bf16 copy 24.4 -> 19.2 and 15.3 -> 12.4. */
+#define C16_TAKES_FP32_STATE(a, c) (!(c)->out_of_place && (a)->grad_dtype != DT_F32)
 
 typedef struct {
     __m256 gs, wd, w1, w2, b2, ib, eps, decay, nss;
@@ -435,43 +440,58 @@ static inline __attribute__((always_inline)) int c16_any_nan(const c16_inflight_
     return !_mm256_testz_ps(un, un);
 }
 
-/* the stores of one half, its params new (c16_params); nan: c16_any_nan's answer, or -1 to
- * test this half here */
+static inline __attribute__((always_inline)) void store_u16x16_pair(void *dst, int64_t j, __m256i x0, __m256i x1,
+                                                                    int nt)
+{
+    store_u16x16((uint16_t *)dst + j, x0, nt);
+    store_u16x16((uint16_t *)dst + j + 16, x1, nt);
+}
+
+/* one moment (or the bf16 param copy) of both halves: a then b, 16 elements each */
+static inline __attribute__((always_inline)) void store_moment16_pair(void *dst, const int dt, int64_t j,
+                                                                      const __m256 *a, const __m256 *b, int nt,
+                                                                      const int nan, const int ab)
+{
+    if (dt == DT_F32) {
+        store_f32x16((float *)dst + j, a[0], a[1], nt, ab);
+        store_f32x16((float *)dst + j + 16, b[0], b[1], nt, ab);
+    } else {
+        const __m256i x0 = nan ? bf16x16_nan(a[0], a[1], ab) : bf16x16(a[0], a[1], ab);
+        const __m256i x1 = nan ? bf16x16_nan(b[0], b[1], ab) : bf16x16(b[0], b[1], ab);
+        store_u16x16_pair(dst, j, x0, x1, nt);
+    }
+}
+
+/* The stores of a step's 32 elements, the params of both halves new (c16_params); nan:
+ * c16_any_nan's answer where a 16-bit stream is rounded. Stream by stream, each stream's two
+ * halves back to back: a 16-bit stream's 64-byte line is its two halves, and leaves as two
+ * consecutive stores. Measured on a 2-core Zen 3 (EPYC, AVX2, 16Mi elements, in-process A/B of
+ * both libraries, interleaved rounds): where each half stored all its streams in turn, a line's
+ * two halves were three non-temporal stores apart, and bank mode with remainders and bf16
+ * moments took 26.9 ms at one thread, 13.9 at two, against 18.1 and 10.6 with plain stores
+ * (Zen 5 showed nothing of it). */
 static inline __attribute__((always_inline)) void c16_back(
-    const c16_streams_t *s, int64_t j, const c16_inflight_t *f, const int mdt, const int vdt, const int rem,
-    const int ams, const c16_out_t o, int nan)
+    const c16_streams_t *s, int64_t j, const c16_inflight_t *f0, const c16_inflight_t *f1, const int mdt,
+    const int vdt, const int rem, const int ams, const c16_out_t o, const int nan)
 {
     const int ntp = o.ntp, ntm = o.ntm;  /* never in place (nt_streams) */
     uint16_t *cp = o.cpk ? s->cp : NULL;  /* a param copy never comes with remainders */
-    const int cp16 = o.cpk == DT_BF16, ab = c16_ab(mdt, vdt, rem);
-    const __m256 pn[2] = {f->p[0], f->p[1]};
+    const int ab = c16_ab(mdt, vdt, rem);
     if (rem) {
-        __m256i ph, rh;
-        encode16(pn[0], pn[1], ab, &ph, &rh);
-        store_u16x16(s->po16 + j, ph, ntp);
-        store_u16x16(s->rout + j, rh, ntp);
+        __m256i ph0, rh0, ph1, rh1;
+        encode16(f0->p[0], f0->p[1], ab, &ph0, &rh0);
+        encode16(f1->p[0], f1->p[1], ab, &ph1, &rh1);
+        store_u16x16_pair(s->po16, j, ph0, ph1, ntp);
+        store_u16x16_pair(s->rout, j, rh0, rh1, ntp);
     } else {
-        store_f32x16(s->pout + j, pn[0], pn[1], ntp, ab);
+        store_f32x16(s->pout + j, f0->p[0], f0->p[1], ntp, ab);
+        store_f32x16(s->pout + j + 16, f1->p[0], f1->p[1], ntp, ab);
     }
-    if (nan < 0) {  /* this half's own test */
-        nan = 0;
-        if (mdt == DT_BF16 || vdt == DT_BF16 || cp16) {
-            const __m256 un = _mm256_cmp_ps(pn[0], pn[1], _CMP_UNORD_Q);
-            nan = !_mm256_testz_ps(un, un);
-        }
-    }
-    if (__builtin_expect(nan, 0)) {
-        store_moment16(s->mo, mdt, j, f->mi[0], f->mi[1], ntm, 1, ab);
-        store_moment16(s->vo, vdt, j, f->vi[0], f->vi[1], ntm, 1, ab);
-        if (ams) store_moment16(s->xo, vdt, j, f->vv[0], f->vv[1], ntm, 1, ab);
-        if (cp16) store_u16x16(cp + j, bf16x16_nan(pn[0], pn[1], ab), o.ntc);
-    } else {
-        store_moment16(s->mo, mdt, j, f->mi[0], f->mi[1], ntm, 0, ab);
-        store_moment16(s->vo, vdt, j, f->vi[0], f->vi[1], ntm, 0, ab);
-        if (ams) store_moment16(s->xo, vdt, j, f->vv[0], f->vv[1], ntm, 0, ab);
-        if (cp16) store_u16x16(cp + j, bf16x16(pn[0], pn[1], ab), o.ntc);
-    }
-    if (cp && !cp16) store_u16x16(cp + j, f16x16(pn[0], pn[1], ab), o.ntc);
+    store_moment16_pair(s->mo, mdt, j, f0->mi, f1->mi, ntm, nan, ab);
+    store_moment16_pair(s->vo, vdt, j, f0->vi, f1->vi, ntm, nan, ab);
+    if (ams) store_moment16_pair(s->xo, vdt, j, f0->vv, f1->vv, ntm, nan, ab);
+    if (o.cpk == DT_BF16) store_moment16_pair(cp, DT_BF16, j, f0->p, f1->p, o.ntc, nan, ab);
+    else if (cp) store_u16x16_pair(cp, j, f16x16(f0->p[0], f0->p[1], ab), f16x16(f1->p[0], f1->p[1], ab), o.ntc);
 }
 
 static inline __attribute__((always_inline)) void adam_c16_body(
@@ -507,23 +527,11 @@ static inline __attribute__((always_inline)) void adam_c16_body(
         }
         c16_inflight_t f0 = c16_front(&s, &k, i, mdt, vdt, gdt, rem, ams, l2);
         c16_inflight_t f1 = c16_front(&s, &k, i + 16, mdt, vdt, gdt, rem, ams, l2);
-        if (rem) {
-            c16_params(&k, &f0);
-            c16_back(&s, i, &f0, mdt, vdt, rem, ams, nt, -1);
-            c16_params(&k, &f1);
-            c16_back(&s, i + 16, &f1, mdt, vdt, rem, ams, nt, -1);
-            continue;
-        }
         c16_params(&k, &f0);
         c16_params(&k, &f1);
         const int rounds16 = mdt == DT_BF16 || vdt == DT_BF16 || nt.cpk == DT_BF16;
-        if (rounds16 && __builtin_expect(c16_any_nan(&f0, &f1), 0)) {
-            c16_back(&s, i, &f0, mdt, vdt, rem, ams, nt, 1);
-            c16_back(&s, i + 16, &f1, mdt, vdt, rem, ams, nt, 1);
-        } else {
-            c16_back(&s, i, &f0, mdt, vdt, rem, ams, nt, 0);
-            c16_back(&s, i + 16, &f1, mdt, vdt, rem, ams, nt, 0);
-        }
+        if (rounds16 && __builtin_expect(c16_any_nan(&f0, &f1), 0)) c16_back(&s, i, &f0, &f1, mdt, vdt, rem, ams, nt, 1);
+        else c16_back(&s, i, &f0, &f1, mdt, vdt, rem, ams, nt, 0);
     }
 }
 
