@@ -15,7 +15,7 @@
  * Compressed state (bf16 moments, remainders) runs in the level's register loop
  * (adam_c16_regs, HAVE_ADAM_C16_REGS: AVX-512, AVX2) over whole 32-element steps and in the
  * blocks below for the tail: the same arithmetic and rounding, so the same bits. A level may
- * send some fp32-state calls there too (C16_TAKES_FP32_STATE: AVX2's bank mode and 16-bit
+ * send some fp32-state calls there too (C16_TAKES_FP32_STATE: AVX2's in-place steps with 16-bit
  * grads). The Arm
  * levels (HAVE_ADAM_RANGE_REGS: NEON, SVE) run every call in their own register loop.
  */

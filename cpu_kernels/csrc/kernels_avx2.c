@@ -426,13 +426,13 @@ static inline __attribute__((always_inline)) void c16_params(const consts8_t *k,
 
 /* A NaN in exp_avg or exp_avg_sq (or amsgrad's max, which is a NaN only where exp_avg_sq is)
  * makes the new param a NaN: mi / denom, sqrt and max all pass it on. So unordered compares
- * of the new params tell whether anything rounded to bf16 needs torch's NaN. Without
- * remainders (an fp32 master) the loop tests its 32 elements at once, one test and branch
- * for both halves; with remainders each half tests its own 16 (c16_back, nan < 0), after
- * encoding its param. Measured at one thread in L2 (32Ki elements, min of 5 x 3000 calls,
- * both builds alternately; callgrind instructions an element): fp32 master + bf16 moments +
- * bf16 copy 0.365 -> 0.348 ns (5.66 -> 5.44), fp32 bank mode 0.289 -> 0.284 (5.69 -> 5.34);
- * the remainder instances one test for both halves were 1-2 % slower, so they keep theirs. */
+ * of the new params tell whether anything rounded to bf16 needs torch's NaN: the loop tests
+ * its 32 elements at once, one test and branch for both halves. Measured at one thread in L2
+ * (32Ki elements, min of 5 x 3000 calls, both builds alternately; callgrind instructions an
+ * element), a Zen 5 at AVX2: fp32 master + bf16 moments + bf16 copy 0.365 -> 0.348 ns (5.66 ->
+ * 5.44), fp32 bank mode 0.289 -> 0.284 (5.69 -> 5.34). The remainder instances kept one test
+ * per half there (one for both was 1-2 % slower) until the stores went stream by stream
+ * (c16_back), which needs both halves' params before the first store. */
 static inline __attribute__((always_inline)) int c16_any_nan(const c16_inflight_t *f0, const c16_inflight_t *f1)
 {
     const __m256 un = _mm256_or_ps(_mm256_cmp_ps(f0->p[0], f0->p[1], _CMP_UNORD_Q),
