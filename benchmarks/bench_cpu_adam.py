@@ -255,37 +255,22 @@ def impls(job: Job, bank: tuple):
 
         return run
 
+    def row(name, grad_dtype, bpe, fn):
+        return name, grad_dtype, bpe, fn, streams.get(name)
+
     arm_vector_level = cpu_kernels.simd_level() in ("neon", "sve")
-    yield "ours", "float32", 28, ours_fp32, streams.get("ours")
-    yield "ours_bank", "float32", 28, ours_bank, streams.get("ours_bank")
+    yield row("ours", "float32", 28, ours_fp32)
+    yield row("ours_bank", "float32", 28, ours_bank)
     if arm_vector_level:
-        yield "ours_bank_stnt", "float32", 28, streaming(ours_bank), streams.get("ours_bank_stnt")
-    yield "ours_fused", "bfloat16", 28, ours_fused, streams.get("ours_fused")
-    yield "ours_bf16_moments", "bfloat16", 20, ours_bf16_moments, streams.get("ours_bf16_moments")
-    yield "ours_remainders", "bfloat16", 18, ours_remainders, streams.get("ours_remainders")
-    yield "ours_remainders_bank", "bfloat16", 18, ours_remainders_bank, streams.get("ours_remainders_bank")
+        yield row("ours_bank_stnt", "float32", 28, streaming(ours_bank))
+    yield row("ours_fused", "bfloat16", 28, ours_fused)
+    yield row("ours_bf16_moments", "bfloat16", 20, ours_bf16_moments)
+    yield row("ours_remainders", "bfloat16", 18, ours_remainders)
+    yield row("ours_remainders_bank", "bfloat16", 18, ours_remainders_bank)
     if arm_vector_level:
-        yield (
-            "ours_remainders_bank_stnt",
-            "bfloat16",
-            18,
-            streaming(ours_remainders_bank),
-            streams.get("ours_remainders_bank_stnt"),
-        )
-    yield (
-        "ours_remainders_fp32_moments",
-        "bfloat16",
-        26,
-        ours_remainders_fp32_moments,
-        streams.get("ours_remainders_fp32_moments"),
-    )
-    yield (
-        "ours_remainders_bf16_sq",
-        "bfloat16",
-        22,
-        ours_remainders_bf16_sq,
-        streams.get("ours_remainders_bf16_sq"),
-    )
+        yield row("ours_remainders_bank_stnt", "bfloat16", 18, streaming(ours_remainders_bank))
+    yield row("ours_remainders_fp32_moments", "bfloat16", 26, ours_remainders_fp32_moments)
+    yield row("ours_remainders_bf16_sq", "bfloat16", 22, ours_remainders_bf16_sq)
 
     tparam = torch.nn.Parameter(job.param)  # shares storage: no extra copy
     tparam.grad = job.grad
@@ -299,7 +284,7 @@ def impls(job: Job, bank: tuple):
     )
     # torch steps our tensors: its state is the Job's moments (page placement: pattern_probe)
     opt.state[tparam] = {"step": torch.tensor(0.0), "exp_avg": job.exp_avg, "exp_avg_sq": job.exp_avg_sq}
-    yield "torch_fused", "float32", 28, opt.step, streams.get("torch_fused")
+    yield row("torch_fused", "float32", 28, opt.step)
 
     gbuf = torch.empty(job.n)  # preallocated: a fresh fp32 grad per step measures page faults
 
@@ -309,7 +294,7 @@ def impls(job: Job, bank: tuple):
         opt.step()
         job.param_bf16.copy_(tparam.detach())
 
-    yield "torch_composite", "bfloat16", 48, torch_composite, streams.get("torch_composite")
+    yield row("torch_composite", "bfloat16", 48, torch_composite)
 
     try:
         from deepspeed.ops.adam import DeepSpeedCPUAdam  # noqa: F401
@@ -327,7 +312,7 @@ def impls(job: Job, bank: tuple):
             adamw_mode=True,
         )
         dopt.state[dparam] = {"step": 0, "exp_avg": job.exp_avg, "exp_avg_sq": job.exp_avg_sq}
-        yield "deepspeed_cpu_adam", "float32", 28, dopt.step, streams.get("deepspeed_cpu_adam")
+        yield row("deepspeed_cpu_adam", "float32", 28, dopt.step)
 
 
 def _trials(fns: dict, reps: int, trials: int) -> dict:

@@ -556,6 +556,55 @@ def test_bench_cpu_adam_impls_times_only_the_named_rows_beside_the_probes(tmp_pa
     assert bad.returncode != 0 and "no row named no_such_row" in bad.stderr
 
 
+def test_bench_cpu_adam_times_each_row_and_its_roof_on_the_same_tensors(tmp_path):
+    """Where a tensor's pages lie moved a row by up to a third on a Zen 3, so every row's roof is a
+    probe of the row's own streams (torch's fused AdamW steps the ours row's tensors), and a level
+    whose kernel writes a row's streams otherwise says so (LEVEL_PATTERNS)."""
+    sys.path.insert(0, os.path.join(REPO, "benchmarks"))
+    try:
+        import bench_cpu_adam as bench
+    finally:
+        sys.path.pop(0)
+    import cpu_kernels
+
+    job = bench.Job(4096)
+    bank = tuple(torch.empty(4096) for _ in range(3))
+    rows = {name: streams for name, _, _, _, streams in bench.impls(job, bank)}
+    assert [t.data_ptr() for t in rows["torch_fused"]] == [t.data_ptr() for t in rows["ours"]]
+    for name, pattern in bench.PATTERNS.items():
+        if name in rows:
+            assert bench.pattern_bytes(pattern) == sum(
+                t.element_size() * (2 if k[0] == "u" else 1) for k, t in zip(pattern.split(), rows[name])
+            ), name
+    with pytest.raises(AssertionError, match="streams of"):
+        bench.pattern_probe("r4 u4", rows["ours"], 1024)
+
+    out_json = tmp_path / "a.json"
+    picked = ["ours", "ours_remainders_bank", "torch_fused"]
+    cmd = [
+        sys.executable,
+        os.path.join(REPO, "benchmarks", "bench_cpu_adam.py"),
+        "--sizes",
+        "4Ki",
+        "--threads",
+        "1",
+    ]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")]))
+    res = subprocess.run(
+        [*cmd, "--reps", "2", "--json", str(out_json), "--impls", *picked],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        cwd=REPO,
+        env=env,
+    )
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    by = {r["impl"]: r for r in json.loads(out_json.read_text())}
+    patterns = {**bench.PATTERNS, **bench.LEVEL_PATTERNS.get(cpu_kernels.simd_level(), {})}
+    assert by["ours_remainders_bank"]["pattern"] == patterns["ours_remainders_bank"]
+    assert by["ours"]["pattern_roofline_gb_per_s"] == by["torch_fused"]["pattern_roofline_gb_per_s"]
+
+
 def test_bench_q8_times_each_level_in_a_process_whose_torch_runs_at_that_level(tmp_path):
     import cpu_kernels
 

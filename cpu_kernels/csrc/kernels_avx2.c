@@ -455,10 +455,9 @@ static inline __attribute__((always_inline)) void store_moment16_pair(void *dst,
  * c16_any_nan's answer where a 16-bit stream is rounded. Stream by stream, each stream's two
  * halves back to back: a 16-bit stream's 64-byte line is its two halves, and leaves as two
  * consecutive stores. Measured on a 2-core Zen 3 (EPYC, AVX2, 16Mi elements, in-process A/B of
- * both libraries, interleaved rounds): where each half stored all its streams in turn, a line's
- * two halves were three non-temporal stores apart, and bank mode with remainders and bf16
- * moments took 26.9 ms at one thread, 13.9 at two, against 18.1 and 10.6 with plain stores
- * (Zen 5 showed nothing of it). */
+ * both libraries, interleaved rounds, one thread / two): where each half stored all its streams
+ * in turn, a line's two halves three other stores apart, remainders with bf16 moments took
+ * 14.9 / 7.4 ms in place against 12.1 / 6.5 now (the Zen 5 showed nothing of it). */
 static inline __attribute__((always_inline)) void c16_back(
     const c16_streams_t *s, int64_t j, const c16_inflight_t *f0, const c16_inflight_t *f1, const int mdt,
     const int vdt, const int rem, const int ams, const c16_out_t o, const int nan)
