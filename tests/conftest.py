@@ -44,6 +44,26 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+def pytest_collection_finish(session):
+    """The launch-path compile test goes last, its compiles started now in the background
+    (tests/gpu_compile_jobs.py): they use the cores the rest of the suite leaves idle."""
+    import importlib.util
+
+    import gpu_compile_jobs
+
+    compile_tests = [item for item in session.items if item.nodeid.endswith(gpu_compile_jobs.TEST_ID)]
+    if not compile_tests or session.config.option.collectonly or importlib.util.find_spec("triton") is None:
+        return
+    session.items[:] = [item for item in session.items if item not in compile_tests] + compile_tests
+    gpu_compile_jobs.start_in_background()
+
+
+def pytest_sessionfinish(session):
+    import gpu_compile_jobs
+
+    gpu_compile_jobs.stop()
+
+
 @pytest.fixture(autouse=True)
 def _gpu_time_limit(request):
     if "gpu" not in request.node.keywords:

@@ -6,51 +6,28 @@ Triton's interpreter (the value tests) runs programs the compiler rejects; this 
 on any kernel whose constexprs are lost on the way to the compiler, on a variable whose type
 differs between the branches of a runtime `if`, and on shapes from runtime values. The two
 architectures compile in parallel, each in a fresh interpreter (the interpreter patches
-triton.language in a process that has interpreted) with an empty Triton cache.
+triton.language in a process that has interpreted) with an empty Triton cache, started in the
+background as the session begins and collected last (tests/gpu_compile_jobs.py).
 """
 
 import importlib.util
-import os
-import subprocess
-import sys
-import tempfile
 
+import gpu_compile_jobs
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SCRIPT = os.path.join(ROOT, "tests", "kernel_specializations.py")
+# from when the test starts waiting: by then the suite's other tests are done (conftest.py runs this
+# one last), and the compiles have the machine
 DEADLINE_S = 600
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
 def test_every_specialization_compiles_for_sm80_and_sm90_through_the_launch_path():
-    runs = {}
-    with tempfile.TemporaryDirectory() as cache:
-        for arch in ("80", "90"):
-            env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-            env["TRITON_CACHE_DIR"] = os.path.join(cache, arch)
-            env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
-            runs[arch] = subprocess.Popen(
-                [sys.executable, SCRIPT, "--arch", arch],
-                cwd=ROOT,
-                env=env,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                text=True,
-                start_new_session=True,
-            )
-        outputs = {}
-        try:
-            for arch, proc in runs.items():
-                outputs[arch] = proc.communicate(timeout=DEADLINE_S)[0]
-        finally:
-            for proc in runs.values():
-                if proc.poll() is None:
-                    os.killpg(proc.pid, 9)
-                    proc.wait()
-    for arch, proc in runs.items():
-        assert proc.returncode == 0 and "OK" in outputs[arch], f"sm_{arch}:\n{outputs[arch][-6000:]}"
-        print(outputs[arch].strip().splitlines()[-2])
+    results = gpu_compile_jobs.take().collect(DEADLINE_S)
+    for arch, (code, output) in results.items():
+        assert code == 0 and "OK" in output, (
+            f"sm_{arch} (exit {code}, None: past {DEADLINE_S} s):\n{output[-6000:]}"
+        )
+        print(output.strip().splitlines()[-2])
 
 
 def test_compile_for_refuses_an_unknown_architecture_and_nesting():

@@ -7,6 +7,7 @@ with a message naming them.
 
 import functools
 import math
+import os
 
 import pytest
 import torch
@@ -487,14 +488,27 @@ def test_the_raw_entry_point_refuses_a_q8_moment_without_its_absmax():
 
 def _check_quant(level, signed, first, count, bounded=False):
     """The level's test hook (q8_check_quant_<level>): its vector quantizer on the fp32 patterns
-    [first, first + count) against q8_code -> (mismatches, lanes that took q8_code)."""
+    [first, first + count) against q8_code -> (mismatches, lanes that took q8_code). A long range
+    is cut into spans checked on every core at once (ctypes lets go of the GIL for the call)."""
     import ctypes
+    from concurrent.futures import ThreadPoolExecutor
 
     fn = getattr(_q8_lib.lib, f"q8_check_quant_{level}")
     fn.restype = ctypes.c_int64
     fn.argtypes = [ctypes.c_int, ctypes.c_uint32, ctypes.c_uint64, ctypes.POINTER(ctypes.c_int64)]
-    near = ctypes.c_int64()
-    return fn((0 if signed else 1) + (2 if bounded else 0), first, count, ctypes.byref(near)), near.value
+    mode = (0 if signed else 1) + (2 if bounded else 0)
+
+    def check(span):
+        near = ctypes.c_int64()
+        return fn(mode, span[0], span[1], ctypes.byref(near)), near.value
+
+    piece = 1 << 26  # a multiple of the hook's 8 (or 16) lanes a round
+    spans = [(first + at, min(piece, count - at)) for at in range(0, count, piece)]
+    if len(spans) == 1:
+        return check(spans[0])
+    with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+        results = list(pool.map(check, spans))
+    return sum(bad for bad, _ in results), sum(near for _, near in results)
 
 
 def _check_quant_avx512(signed, first, count, bounded=False):
