@@ -10,6 +10,7 @@ import sys
 import pytest
 import torch
 
+import cpu_kernels
 from hybrid_opt.state.state_format import StateFormat
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -603,6 +604,28 @@ def test_bench_cpu_adam_times_each_row_and_its_roof_on_the_same_tensors(tmp_path
     patterns = {**bench.PATTERNS, **bench.LEVEL_PATTERNS.get(cpu_kernels.simd_level(), {})}
     assert by["ours_remainders_bank"]["pattern"] == patterns["ours_remainders_bank"]
     assert by["ours"]["pattern_roofline_gb_per_s"] == by["torch_fused"]["pattern_roofline_gb_per_s"]
+
+
+@pytest.mark.skipif("avx2" not in cpu_kernels.available_simd_levels(), reason="the floors are AVX2's")
+def test_bench_cpu_floors_times_each_probe_at_each_thread_count_and_derives_the_floors(tmp_path):
+    out_json = tmp_path / "f.json"
+    cmd = [sys.executable, os.path.join(REPO, "benchmarks", "bench_cpu_floors.py"), "--threads", "1", "2"]
+    res = subprocess.run(
+        [*cmd, "--size", "1Mi", "--json", str(out_json)], capture_output=True, text=True, timeout=300
+    )
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    records = json.loads(out_json.read_text())
+    assert [r["threads"] for r in records] == [1, 2]
+    for r in records:
+        ns = {p: r[f"{p}_ns_per_elem_core"] for p in ("sqrt_div", "lookup", "gather")}
+        # a probe the compiler emptied would take a few hundredths of a ns an element
+        assert all(0.05 < v < 100 for v in ns.values()), ns
+        per_core_ms = (1 << 20) / r["threads"] / 1e6
+        assert r["adam_floor_ms"] == pytest.approx(ns["sqrt_div"] * per_core_ms)
+        assert r["q8_floor_ms"] == pytest.approx(
+            (4 * min(ns["lookup"], ns["gather"]) + ns["sqrt_div"]) * per_core_ms
+        )
+    assert "| threads | sqrt+div ns/elem/core |" in res.stdout
 
 
 def test_bench_q8_times_each_level_in_a_process_whose_torch_runs_at_that_level(tmp_path):
