@@ -13,6 +13,7 @@ other tests run), and is killed with its group when the test gives up or the ses
 
 from __future__ import annotations
 
+import ctypes
 import os
 import shutil
 import signal
@@ -27,9 +28,19 @@ ARCHS = ("80", "90")
 TEST_ID = "test_gpu_compile.py::test_every_specialization_compiles_for_sm80_and_sm90_through_the_launch_path"
 
 
-def _lowest_priority() -> None:
-    """In the child before exec: its own process group (killed as one), the idle CPU class."""
+def _own_group() -> None:
+    """In the child before exec: its own process group (killed as one), and killed with pytest
+    if pytest is killed first (PR_SET_PDEATHSIG), so no compile outlives the session."""
     os.setpgid(0, 0)
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG
+    except (AttributeError, OSError):
+        pass
+
+
+def _lowest_priority() -> None:
+    """_own_group, and the idle CPU class."""
+    _own_group()
     try:
         os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
     except (AttributeError, OSError):
@@ -57,7 +68,7 @@ class CompileJobs:
                     env=env,
                     stdout=log,
                     stderr=subprocess.STDOUT,
-                    preexec_fn=_lowest_priority if background else lambda: os.setpgid(0, 0),
+                    preexec_fn=_lowest_priority if background else _own_group,
                 )
 
     def collect(self, deadline_s: float) -> dict[str, tuple[int | None, str]]:
