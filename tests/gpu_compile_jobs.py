@@ -52,8 +52,6 @@ class CompileJobs:
 
     def __init__(self, background: bool):
         self.workdir = tempfile.mkdtemp(prefix="hybrid_opt-gpu-compile-")
-        self.background = background
-        self.started = time.monotonic()
         self.procs: dict[str, subprocess.Popen] = {}
         self.logs: dict[str, str] = {}
         for arch in ARCHS:
@@ -86,7 +84,7 @@ class CompileJobs:
         for arch in self.procs:
             with open(self.logs[arch]) as log:
                 results[arch] = (codes[arch], log.read())
-        shutil.rmtree(self.workdir, ignore_errors=True)
+        self.close()
         return results
 
     def kill(self) -> None:
@@ -97,6 +95,11 @@ class CompileJobs:
                 except ProcessLookupError:
                     pass
                 proc.wait()
+
+    def close(self) -> None:
+        """Every job killed, and its logs and Triton caches removed."""
+        self.kill()
+        shutil.rmtree(self.workdir, ignore_errors=True)
 
 
 _jobs: CompileJobs | None = None
@@ -120,6 +123,5 @@ def stop() -> None:
     """conftest.py, as the session ends: nothing outlives it."""
     global _jobs
     if _jobs is not None:
-        _jobs.kill()
-        shutil.rmtree(_jobs.workdir, ignore_errors=True)
+        _jobs.close()
         _jobs = None

@@ -566,7 +566,6 @@ def test_bench_cpu_adam_times_each_row_and_its_roof_on_the_same_tensors(tmp_path
         import bench_cpu_adam as bench
     finally:
         sys.path.pop(0)
-    import cpu_kernels
 
     job = bench.Job(4096)
     bank = tuple(torch.empty(4096) for _ in range(3))
@@ -629,8 +628,6 @@ def test_bench_cpu_floors_times_each_probe_at_each_thread_count_and_derives_the_
 
 
 def test_bench_q8_times_each_level_in_a_process_whose_torch_runs_at_that_level(tmp_path):
-    import cpu_kernels
-
     levels = [lv for lv in ("avx2", "portable") if lv in cpu_kernels.available_simd_levels()]
     out_json = tmp_path / "q.json"
     script = os.path.join(REPO, "benchmarks", "bench_q8.py")
