@@ -11,7 +11,8 @@
 #   bash benchmarks/gpu_check.sh                 # log in bench_out/gpu_check.log
 #   OUT=/some/dir bash benchmarks/gpu_check.sh   # log and JSON under $OUT (the device tool's folder)
 #   PEERS=1 bash benchmarks/gpu_check.sh         # also the one-round peer study, each row in a fresh
-#                                                #   process (+3 min 30 s)
+#                                                #   process, and the worker's waited step rate
+#                                                #   against the in-process kernel's (+4 min 10 s)
 #   SWEEP=1 bash benchmarks/gpu_check.sh         # also the kernels' launch-configuration sweep (+2 min)
 #   SUITE=1 bash benchmarks/gpu_check.sh         # also the demo, HF Trainer, benchmark and planner tests
 #                                                #   on the GPU (up to 5 min more; not timed on an H200 yet)
@@ -29,7 +30,8 @@ OUT_DIR="${OUT:-bench_out}"
 mkdir -p "$OUT_DIR"
 LOG="$OUT_DIR/gpu_check.log"
 # the summary table reads these: a previous run's must not stand in for a step that fails now
-rm -f "$OUT_DIR/bench_gpu_kernels.json" "$OUT_DIR/bench_step.json" "$OUT_DIR/gpu_memory.json"
+rm -f "$OUT_DIR/bench_gpu_kernels.json" "$OUT_DIR/bench_step.json" "$OUT_DIR/gpu_memory.json" \
+    "$OUT_DIR/bench_worker_rate.json"
 exec > >(tee "$LOG") 2>&1
 
 failed=()
@@ -76,6 +78,8 @@ if [[ "${PEERS:-0}" == 1 ]]; then
     if compgen -G ".wheels/torchao-*.whl" > /dev/null; then
         step torchao 30 python -m pip install --no-deps --no-index .wheels/torchao-*.whl
     fi
+    # the worker's step that step() waits for on every core, against the in-process kernel
+    step worker-rate 40 python benchmarks/bench_worker_rate.py --rounds 3 --json "$OUT_DIR/bench_worker_rate.json"
     step peers 240 python benchmarks/bench_step.py --peers --rounds 1 --iters 5 --sweep 0 0.5 1 --worker-shares 0.875 \
         --json "$OUT_DIR/bench_peers.json" --png "$OUT_DIR/bench_peers.png"
 fi

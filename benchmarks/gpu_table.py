@@ -143,6 +143,8 @@ def memory_rows(records: list) -> list:
 # issue #35's goals, each measured, pass or fail
 # ------------------------------------------------------------------------------------------
 PEERS_JSON = "bench_peers.json"
+WORKER_RATE_JSON = "bench_worker_rate.json"  # PEERS=1: benchmarks/bench_worker_rate.py
+WORKER_RATE_SHARE = 0.9  # the worker's waited step reaches the in-process kernel's rate, within noise
 TORCH_ROW, TORCHAO_ROW = "device only: torch AdamW(fused=True)", "torchao CPUOffloadOptimizer"
 ROOF = 0.90  # of the D2D copy bandwidth measured in the same run
 
@@ -300,6 +302,24 @@ def peer_goals(records: list) -> list:
     return rows
 
 
+def worker_rate_goals(records: list) -> list:
+    """The worker's step that step() waits for, split (a GPU host's default), against the
+    in-process kernel on every core (torchao's CPUOffloadOptimizer steps in process)."""
+    by = {str(r.get("impl", "")): r for r in records}
+    split, base = by.get("split"), by.get("in_process")
+    if not split or not base or not split.get("gelems_per_s") or not base.get("gelems_per_s"):
+        raise Missing(f"no split / in_process rows in {WORKER_RATE_JSON}")
+    ratio = split.get("vs_in_process") or split["gelems_per_s"] / base["gelems_per_s"]
+    return [
+        (
+            f"worker's waited host step >= {WORKER_RATE_SHARE:.0%} of the in-process kernel's rate",
+            f"{ratio:.2f}x ({split['gelems_per_s']:.2f} vs {base['gelems_per_s']:.2f} G elem/s, "
+            f"grads on {split.get('grads_on', '?')})",
+            _verdict(ratio >= WORKER_RATE_SHARE),
+        )
+    ]
+
+
 def goals(out_dir: str) -> str:
     """Issue #35's goals as a markdown table: measured value, pass / FAIL, or "-" with why not."""
     rows = []
@@ -308,6 +328,7 @@ def goals(out_dir: str) -> str:
         (MEMORY_JSON, memory_goals, "peak device memory at offload 0"),
         (STEP_JSON, speculation_goals, "speculation"),
         (PEERS_JSON, peer_goals, "iteration vs torch and torchao (PEERS=1)"),
+        (WORKER_RATE_JSON, worker_rate_goals, "the worker's waited step vs the in-process kernel (PEERS=1)"),
     ):
         try:
             rows += make(load(out_dir, name))

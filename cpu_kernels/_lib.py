@@ -102,6 +102,8 @@ def _load_library():
     lib.hybrid_set_level.restype = ctypes.c_int
     lib.hybrid_set_num_threads.argtypes = [ctypes.c_int]
     lib.hybrid_set_num_threads.restype = None
+    lib.hybrid_set_thread_cpus.argtypes = [ctypes.POINTER(ctypes.c_int), ctypes.c_int, ctypes.c_int]
+    lib.hybrid_set_thread_cpus.restype = ctypes.c_int
     lib.hybrid_set_avx512_bf16.argtypes = [ctypes.c_int]
     lib.hybrid_set_avx512_bf16.restype = ctypes.c_int
     lib.hybrid_get_avx512_bf16.argtypes = []
@@ -173,6 +175,16 @@ def set_num_threads(n: int) -> None:
 
 def get_num_threads() -> int:
     return lib.hybrid_get_num_threads()
+
+
+def set_thread_cpus(cpus, threads: int) -> int:
+    """Allows the first `threads` OpenMP threads (the caller's and the pool's that every region
+    of up to that many threads runs on) on the cores `cpus` from now on. Returns how many threads
+    the OS refused to move (0: all moved), or -1 where threads have no affinity (not Linux)."""
+    cpus = sorted({int(c) for c in cpus})
+    if not cpus or not isinstance(threads, int) or threads < 1:
+        raise ValueError(f"set_thread_cpus: needs cores and threads >= 1, got {cpus!r}, {threads!r}")
+    return lib.hybrid_set_thread_cpus((ctypes.c_int * len(cpus))(*cpus), len(cpus), threads)
 
 
 def _apply_env_level():

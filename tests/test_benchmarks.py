@@ -647,3 +647,24 @@ def test_bench_q8_times_each_level_in_a_process_whose_torch_runs_at_that_level(t
         assert r["q8_level"] == r["level"]
         assert r["torch_level"] == torch_level[r["level"]], r
     assert "| torch level |" in res.stdout
+
+
+def test_bench_worker_rate_tiny_run_times_every_arrangement_against_the_in_process_kernel(tmp_path):
+    out_json = tmp_path / "rate.json"
+    cmd = [
+        sys.executable,
+        os.path.join(REPO, "benchmarks", "bench_worker_rate.py"),
+        *("--numel", "512Ki", "--subgroups", "2", "--rounds", "2", "--steps", "1", "--device", "cpu"),
+        *("--json", str(out_json)),
+    ]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=REPO)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    got = {r["impl"]: r for r in json.loads(out_json.read_text())}
+    assert set(got) == {"in_process", "split_own", "split", "shared"}
+    assert got["in_process"]["vs_in_process"] == 1.0 and "worker_gelems_per_s" not in got["in_process"]
+    for name in ("split_own", "split", "shared"):
+        r = got[name]
+        assert r["numel"] == 512 << 10 and r["grads_on"] == "cpu" and r["gelems_per_s"] > 0
+        # the wall time holds the worker's: its own rate is never below the wall rate
+        assert r["worker_gelems_per_s"] >= r["gelems_per_s"] * 0.999
+    assert "| split |" in res.stdout and "vs in_process" in res.stdout

@@ -92,6 +92,25 @@ def test_host_work_hides_under_backward_and_never_goes_negative():
             assert p.iteration_seconds >= p.forward_backward_seconds
 
 
+def test_a_split_worker_hides_at_its_own_cores_rate_and_steps_the_rest_at_every_cores():
+    """speculated_host_share: split, the worker steps during backward on its own cores, at that
+    share of host_adam's rate (a step on every core, as step() waits for it); what is left when
+    backward ends runs at the full rate."""
+    m = _machine(host_adam_gelems_per_s=0.1)
+    half = _machine(host_adam_gelems_per_s=0.1, speculated_host_share=0.5)
+    full_p, half_p = predict(m, WORKLOAD, 1.0), predict(half, WORKLOAD, 1.0)
+    assert half_p.breakdown["host_work"] == pytest.approx(full_p.breakdown["host_work"])
+    # the 1 s backward hides 1 s of work at the full rate, half that at half of it
+    assert full_p.breakdown["host_hidden"] == pytest.approx(1.0, rel=2e-2)
+    assert half_p.breakdown["host_hidden"] == pytest.approx(0.5, rel=2e-2)
+    assert half_p.step_seconds == pytest.approx(full_p.step_seconds + 0.5, rel=1e-2)
+    # a backward longer than the speculated work hides all but the last subgroup either way
+    long = _workload(backward_seconds=1e3)
+    assert predict(half, long, 1.0).breakdown["host_exposed"] == pytest.approx(
+        predict(m, long, 1.0).breakdown["host_exposed"]
+    )
+
+
 def test_a_small_spare_pool_caps_the_work_hidden_under_backward():
     # exact rollback: a speculated step holds a spare bank until step(); 1000 subgroups of 1e6
     wl = _workload(backward_seconds=100.0)
@@ -362,7 +381,7 @@ def test_python_m_hybrid_opt_plan_prints_a_summary(tmp_path):
 # (issue #15, "Planner"): --sharding zero|fsdp|none, NVLink / IB rates, per-node host figures
 
 GOLDEN = os.path.join(REPO, "tests", "data", "planner_before_sharding.json")
-NEW_MACHINE_KEYS = {"gpus_per_node", "nvlink_gbps", "ib_gbps", "shared_cores"}
+NEW_MACHINE_KEYS = {"gpus_per_node", "nvlink_gbps", "ib_gbps", "shared_cores", "speculated_host_share"}
 NEW_WORKLOAD_KEYS = {"sharding", "bank_padding"}
 
 

@@ -1079,3 +1079,32 @@ def test_hybrid_opt_simd_env_with_an_unknown_level_warns_and_keeps_the_detected_
     level, stderr = _simd_level_in_subprocess("bogus")
     assert level == LEVELS[-1]
     assert "HYBRID_OPT_SIMD='bogus' is not one of" in stderr
+
+
+def test_set_thread_cpus_moves_the_threads_a_region_runs_on_and_refuses_nonsense():
+    """The worker moves its OpenMP threads between its own cores and every core (hybrid_opt's
+    split): each thread of a team of `threads` is allowed on the named cores afterwards, as the OS
+    reports; the caller's thread (the team's first) too."""
+    from cpu_kernels import _lib
+
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2 or not hasattr(os, "sched_setaffinity"):
+        pytest.skip("one core: nowhere to move a thread")
+    before = ck.get_num_threads()
+    threads = len(cores)
+    try:
+        assert _lib.set_thread_cpus([cores[-1]], threads) == 0
+        p = torch.rand(1 << 20)
+        ck.set_num_threads(threads)
+        # a parallel region now runs on the moved pool: its threads stay on the one core
+        ck.adam_step_(p, p.clone(), torch.zeros_like(p), torch.zeros_like(p), **HYPER)
+        masks = [os.sched_getaffinity(int(t)) for t in os.listdir("/proc/self/task")]
+        assert sum(m == {cores[-1]} for m in masks) >= threads
+        assert os.sched_getaffinity(0) == {cores[-1]}  # this thread took part
+    finally:
+        assert _lib.set_thread_cpus(cores, threads) == 0
+        ck.set_num_threads(before)
+    assert os.sched_getaffinity(0) == set(cores)
+    for bad in (([], 1), ([0], 0), ([0], 1.5)):
+        with pytest.raises(ValueError, match="set_thread_cpus"):
+            _lib.set_thread_cpus(*bad)

@@ -146,7 +146,7 @@ def test_table_command_prints_it_and_exits_0_with_nothing_there(tmp_path):
         timeout=60,
     )
     assert out.returncode == 0, out.stderr
-    assert out.stdout.count("missing: no ") == 3 + 4  # the figures, then the goals
+    assert out.stdout.count("missing: no ") == 3 + 5  # the figures, then the goals
 
 
 def test_memory_command_without_cuda_says_so(tmp_path):
@@ -168,7 +168,11 @@ def test_gpu_check_fits_eight_minutes_and_makes_the_peer_study_opt_in():
     steps = _steps(script)
     assert {"gpu-tests", "benchmark", "end-to-end", "memory", "table"} <= set(steps), steps
     grace = int(re.search(r"--kill-after=(\d+)", script).group(1))
-    default = {k: v for k, v in steps.items() if k not in ("peers", "torchao", "sweep", "cuda-suite-long")}
+    default = {
+        k: v
+        for k, v in steps.items()
+        if k not in ("peers", "torchao", "worker-rate", "sweep", "cuda-suite-long")
+    }
     assert sum(default.values()) + grace * len(default) <= 8 * 60, default
     assert re.search(r'if \[\[ "\$\{PEERS:-0\}" == 1 \]\]', script), "the peer study must be opt-in (PEERS=1)"
     assert re.search(r'if \[\[ "\$\{SUITE:-0\}" == 1 \]\]', script), (
@@ -205,6 +209,13 @@ PEERS = [
 ]
 
 
+# bench_worker_rate.py's rows, at the H200's figures of 2026-12-04 (the worker on 8 of 16 cores)
+WORKER_RATE = [
+    {"impl": "in_process", "gelems_per_s": 4.96, "vs_in_process": 1.0, "grads_on": "cuda"},
+    {"impl": "split", "gelems_per_s": 2.75, "vs_in_process": 0.5544, "grads_on": "cuda"},
+]
+
+
 def test_goals_give_each_goal_its_figure_and_verdict(tmp_path):
     kernels = KERNELS + [
         {"impl": "gpu_kernels.grad_stats", "numel": 16 << 20, "median_ms": 0.05},
@@ -228,6 +239,7 @@ def test_goals_give_each_goal_its_figure_and_verdict(tmp_path):
             gpu_table.STEP_JSON: step,
             gpu_table.MEMORY_JSON: MEMORY,
             gpu_table.PEERS_JSON: PEERS,
+            gpu_table.WORKER_RATE_JSON: WORKER_RATE,
         },
     )
     table = gpu_table.goals(str(tmp_path))
@@ -256,6 +268,17 @@ def test_goals_give_each_goal_its_figure_and_verdict(tmp_path):
     )
     assert got["peak device MB at offload 1.0 <= torchao's"] == ("1700.0 vs 1602.0", "FAIL")
     assert got["host B/param at offload 1.0 <= torchao's"] == ("13.0 vs 16.0", "pass")
+    assert got["worker's waited host step >= 90% of the in-process kernel's rate"] == (
+        "0.55x (2.75 vs 4.96 G elem/s, grads on cuda)",
+        "FAIL",
+    )
+    write(tmp_path, **{gpu_table.WORKER_RATE_JSON: [dict(r, vs_in_process=0.95) for r in WORKER_RATE]})
+    assert (
+        rows(gpu_table.goals(str(tmp_path)))[
+            "worker's waited host step >= 90% of the in-process kernel's rate"
+        ][1]
+        == "pass"
+    )
 
 
 def test_goals_say_what_was_not_measured(tmp_path):
@@ -263,4 +286,7 @@ def test_goals_say_what_was_not_measured(tmp_path):
     got = rows(gpu_table.goals(str(tmp_path)))
     assert got["kernels at the roof"][1] == "-" and got["kernels at the roof"][0].startswith("missing: no ")
     assert got["iteration vs torch and torchao (PEERS=1)"][0].startswith("missing: no bench_peers.json")
+    assert got["the worker's waited step vs the in-process kernel (PEERS=1)"][0].startswith(
+        "missing: no bench_worker_rate.json"
+    )
     assert got["speculation never slower than without (iteration)"][1] == "pass"

@@ -34,6 +34,7 @@ from helpers import (
 import cpu_kernels as ck
 from hybrid_opt.tiers.host import AdamInputs, HostTier
 from hybrid_opt.tiers.host_io import TornState
+from hybrid_opt.worker import client as worker_client
 from hybrid_opt.worker.client import WorkerError, WorkerTimeout
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -920,6 +921,56 @@ def test_a_step_the_trainer_waits_for_runs_on_every_shared_core():
             ref_step(states[sg], g, inputs(2))
         assert worker.num_threads() == tier.cores.waited_threads == len(os.sched_getaffinity(0))
         assert_tier_equals(tier, states, "waited steps on every core")
+    finally:
+        tier.close()
+
+
+def _thread_cores(pid: int) -> dict:
+    """{thread id: its allowed cores} of every thread of process `pid`, from the OS."""
+    return {int(t): frozenset(os.sched_getaffinity(int(t))) for t in os.listdir(f"/proc/{pid}/task")}
+
+
+def test_a_split_worker_steps_on_the_trainers_cores_too_while_step_waits(monkeypatch):
+    """Split (worker_share), the worker speculates on its own cores and steps on every core while
+    the trainer waits in step(): its OpenMP threads move onto the trainer's cores for such a step
+    and back before the next speculated one (the H200's worker stepped on 8 of 16 cores at 0.55x
+    the in-process kernel's rate). The OS's masks and thread count show where they are; the bits
+    are the sequential reference's throughout. No core is left to the trainer's thread here, so
+    that 2 cores widen (test_node.py holds the default's count)."""
+    close_shared_tiers()
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("one core: nothing to split")
+    monkeypatch.setattr(worker_client, "WAITED_TRAINER_CORES", 0)
+    numels, slot = [1 << 20, 1 << 20], 1 << 20  # pieces the kernels step in parallel
+    tier = new_tier(numels, slot_numel=slot, worker_share=0.5)
+    try:
+        split = tier.cores
+        assert split.widens and not split.shared
+        own, every = frozenset(split.worker), frozenset(split.waited_cores)
+        assert own < every and every == frozenset(os.sched_getaffinity(0)) | own
+        assert "threads on cores" in split.describe()
+        pid = tier.client.pid
+        states = make_states(numels, seed=6)
+        load(tier, states)
+        grads = make_grads(numels, seed=6)
+        for speculated, waited in ((1, 2), (3, 4)):
+            for sg, g in enumerate(grads):
+                assert tier.stepping.speculate(sg, g, inputs(speculated))
+            assert tier.stepping.finish({sg: (g, inputs(speculated)) for sg, g in enumerate(grads)}) == {
+                0: "committed",
+                1: "committed",
+            }
+            for sg, g in enumerate(grads):
+                ref_step(states[sg], g, inputs(speculated))
+            # speculated: every thread on the worker's own cores (step 3: moved back there)
+            assert set(_thread_cores(pid).values()) == {own}, f"step {speculated}"
+            for sg, g in enumerate(grads):
+                tier.stepping.step(sg, g, inputs(waited))
+                ref_step(states[sg], g, inputs(waited))
+            cores = _thread_cores(pid)
+            assert len(cores) >= split.waited_threads == len(every)
+            assert sum(c == every for c in cores.values()) >= split.waited_threads, f"step {waited}"
+            assert_tier_equals(tier, states, f"split, step {waited}")
     finally:
         tier.close()
 

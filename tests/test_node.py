@@ -115,6 +115,26 @@ def test_core_split_workers_of_different_ranks_never_share_cores(cores, ranks):
         assert all(s.pins and not s.separate for s in splits)
 
 
+def test_a_step_the_trainer_waits_for_takes_every_core_of_the_ranks_slice_but_the_trainers_one():
+    """Split on a 16-core host (the H200's): 8 worker cores during backward, 15 threads on all 16
+    while step() waits (one core left to the trainer's thread); each of two ranks the same on its
+    8; shared, all of them; named worker cores, or too few cores to widen, the worker's own."""
+    one = NodeInfo(0, 1)
+    split = CoreSplit(0.5, allowed=list(range(16)), node=one)
+    assert len(split.worker) == 8 and split.waited_cores == list(range(16))
+    assert split.waited_threads == 15 and split.widens
+    assert "15 threads on cores 0-15 while step() waits" in split.describe()
+    for r in range(2):
+        rank = CoreSplit(0.5, allowed=list(range(16)), node=NodeInfo(r, 2))
+        assert rank.waited_cores == list(range(8 * r, 8 * r + 8)) and rank.waited_threads == 7
+    shared = CoreSplit(None, allowed=list(range(16)), node=one)
+    assert shared.waited_threads == 16 and not shared.widens
+    named = CoreSplit(None, worker_cores=[12, 13, 14, 15], allowed=list(range(16)), node=one)
+    assert named.waited_threads == 0 and not named.widens
+    two = CoreSplit(0.5, allowed=[0, 1], node=one)  # one worker core; the trainer keeps the other
+    assert two.waited_threads == 0 and not two.widens and "while step() waits" not in two.describe()
+
+
 def test_core_split_reads_the_node_from_the_environment(monkeypatch):
     _ranks(monkeypatch, 1, 2)
     split = CoreSplit(0.5, allowed=list(range(8)))

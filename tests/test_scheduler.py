@@ -70,6 +70,8 @@ def test_calibration_measures_once_and_caches(tmp_path, monkeypatch):
     ):
         assert first[key] > 0, key
     assert first["trainer_slowdown_with_worker"] >= 1 and first["backward_slowdown_with_host_adam"] >= 1
+    # split (worker_share 0.5): speculated on the worker's own cores, slower than on every core
+    assert 0 < first["speculated_host_share"] <= 1
     assert os.path.exists(tmp_path / "calibration.json")
 
     def fail(*a, **k):

@@ -6,8 +6,12 @@
  * work by element ranges for Adam (elementwise: any split gives the same bits) and by
  * fixed chunks for grad_stats (see kernels.h), so results never depend on thread count.
  */
+#define _GNU_SOURCE /* cpu_set_t, sched_setaffinity: hybrid_set_thread_cpus */
 #include <math.h>
 #include <stdlib.h>
+#ifdef __linux__
+#include <sched.h>
+#endif
 #ifdef _OPENMP
 #include <omp.h>
 #endif
@@ -132,6 +136,35 @@ int hybrid_get_num_threads(void)
     return omp_get_max_threads();
 #else
     return 1;
+#endif
+}
+
+/* The cores the first n OpenMP threads may run on from now on: the calling thread and the pool
+ * threads that every parallel region of up to n threads runs on, each allowed on all of
+ * cpus[0 .. ncpus) (the OS places them within it). A worker steps on its own cores during
+ * backward and on the trainer's too while step() waits for it (hybrid_opt/worker/main.py).
+ * Returns how many threads kept their cores (refused: a cpuset without those cores), or -1
+ * where threads have no affinity (not Linux). Results never depend on where threads run. */
+int hybrid_set_thread_cpus(const int *cpus, int ncpus, int n)
+{
+#ifdef __linux__
+    cpu_set_t set;
+    CPU_ZERO(&set);
+    for (int k = 0; k < ncpus; k++)
+        if (cpus[k] >= 0 && cpus[k] < CPU_SETSIZE) CPU_SET(cpus[k], &set);
+    int refused = 0;
+#ifdef _OPENMP
+#pragma omp parallel num_threads(n > 0 ? n : 1) reduction(+ : refused)
+#else
+    (void)n;
+#endif
+    refused += sched_setaffinity(0, sizeof set, &set) != 0; /* 0: the calling thread */
+    return refused;
+#else
+    (void)cpus;
+    (void)ncpus;
+    (void)n;
+    return -1;
 #endif
 }
 

@@ -21,7 +21,7 @@ import torch
 
 from hybrid_opt.distributed import node
 
-CACHE_VERSION = 2
+CACHE_VERSION = 3  # 3: a split worker's waited steps run on every core (speculated_host_share)
 MEASURE_NUMEL = 4 << 20  # Adam rates: 4Mi elements (16 MB per fp32 tensor)
 COPY_BYTES = 64 << 20  # copy rates
 NVME_BYTES = 128 << 20  # nvme scratch file
@@ -345,12 +345,18 @@ def measure(device, worker_share: float | None = 0.5, device_bytes=None) -> dict
     split = CoreSplit(worker_share)
     trainer, worker = split.trainer or [0], split.worker or [0]
     t0 = time.perf_counter()
+    own = _cpu_adam_gbps(len(worker), bank=True) / 28
     out: dict[str, float | str] = {
         "host_adam_gelems_per_s": _host_tier_gelems(worker_share),
-        "host_kernel_gelems_per_s": _cpu_adam_gbps(len(worker), bank=True) / 28,
+        "host_kernel_gelems_per_s": own,
         "worker_cores": len(worker),
         "trainer_cores": len(trainer),
         "shared_cores": split.shared,
+        # split: a speculated step runs on the worker's own cores, one that step() waits for
+        # (host_adam_gelems_per_s) on every core; the kernel's rate on each says how much slower
+        "speculated_host_share": (
+            min(1.0, own / (_cpu_adam_gbps(split.waited_threads, bank=True) / 28)) if split.widens else 1.0
+        ),
     }
     if device.type == "cuda":
         out.update(_cuda_rates(device, device_bytes))

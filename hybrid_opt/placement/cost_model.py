@@ -51,6 +51,9 @@ class Machine:
     # cores taken from it; what the trainer loses to a worker process (the module docstring)
     shared_cores: bool = False
     trainer_slowdown_with_worker: float = 1.0
+    # split cores: a host step speculated during backward runs on the worker's own cores, one
+    # that step() waits for on every core (host_adam_gelems_per_s); the first's rate over that
+    speculated_host_share: float = 1.0
     device_adam_gbps_with_worker: float | None = None
     # several nodes: host-side figures above are per node, shared by its GPUs; None = all on one
     gpus_per_node: int | None = None
@@ -62,8 +65,9 @@ def arrangement(machine: Machine) -> str:
     """How the trainer and the worker use the CPU's cores, and why (a plan says it)."""
     if machine.gpus and not machine.shared_cores:
         return (
-            "split: the worker steps on cores of its own (worker_share of them), the trainer "
-            "keeps the rest to drive the GPU; host work hides under backward"
+            "split: the worker steps on cores of its own (worker_share of them) during backward, "
+            "the trainer keeps the rest to drive the GPU; host work hides under backward, and what "
+            "is left when step() waits runs on every core"
         )
     if machine.shared_cores:
         return (
@@ -74,7 +78,7 @@ def arrangement(machine: Machine) -> str:
         )
     return (
         "split: the worker on cores taken from the trainer (worker_share=); forward and "
-        "backward run on the rest"
+        "backward run on the rest, and a step that step() waits for on every core"
     )
 
 
@@ -373,8 +377,13 @@ def predict(
         # before the all-reduce, so a speculated step is redone)
         exposed_host = host_work
     elif e_off > 0:
-        finish = max(off * t_window + s * w, s * t_window / e + host_work)
-        exposed_host = max(0.0, finish - t_window)
+        # during backward the host work runs at the speculated rate; what is left when the
+        # window ends runs at step()'s (every core), in proportion
+        share = min(1.0, max(1e-3, machine.speculated_host_share))
+        spec_work = max(host_compute / share, nvme_io) + d2h
+        w_s = spec_work / e_off
+        finish = max(off * t_window + s * w_s, s * t_window / e + spec_work)
+        exposed_host = max(0.0, finish - t_window) * host_work / spec_work
         spares = _spares(machine, wl, off, spare_banks)
         if wl.exact_rollback and spares < offloaded_subgroups(machine, wl, off):
             # each speculated step holds a spare bank until step() validates it: at most

@@ -392,6 +392,7 @@ def machine_from_rates(
         trainer_slowdown_with_worker=r.get("trainer_slowdown_with_worker", 1.0),
         device_adam_gbps_with_worker=r.get("device_adam_gbps_with_worker"),
         shared_cores=bool(r.get("shared_cores", False)),
+        speculated_host_share=float(r.get("speculated_host_share", 1.0)),
     )
     if nvme and r.get("nvme_read_gbps") and r.get("nvme_write_gbps"):
         kw.update(

@@ -273,6 +273,7 @@ class HostTier:
             cores=self.cores.worker or None,
             threads=self.cores.worker_threads or None,
             passive=self.cores.shared,
+            waited_cores=self.cores.waited_cores if self.cores.widens else None,
             timeout_s=timeout_s,
             files=self.files,
         )  # each worker inherits them

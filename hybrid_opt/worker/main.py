@@ -90,6 +90,12 @@ class Worker:
         self._threads_now = self.threads
         _lib.set_num_threads(self.threads)
         self._set_threads = _lib.set_num_threads
+        # split cores: such a step runs on the trainer's cores too (waited_cores), its threads
+        # moved there for it and back to the worker's own (`cores`) for the next speculated step
+        self.cores = list(cores or ())
+        self.waited_cores = list(cfg.get("waited_cores") or ()) or None
+        self._wide = False
+        self._set_cpus = _lib.set_thread_cpus
         self.mm = mmap.mmap(
             cfg["arena_fd"], cfg["arena_nbytes"], mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE
         )
@@ -362,6 +368,12 @@ class Worker:
 
     def _use_threads(self, t: proto.Task) -> None:
         want = t.threads or self.threads
+        wide = bool(t.threads) and self.waited_cores is not None and bool(self.cores)
+        if wide != self._wide and self.waited_cores is not None:
+            # every pool thread a region may take (the widest team's worth) moves; a core the
+            # OS refuses leaves a thread where it was: slower, the same bits
+            self._set_cpus(self.waited_cores if wide else self.cores, len(self.waited_cores))
+            self._wide = wide
         if want != self._threads_now:
             self._set_threads(want)
             self._threads_now = want
