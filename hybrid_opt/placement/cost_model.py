@@ -22,6 +22,11 @@ BACKWARD_SHARE = 2.0 / 3.0  # backward ~ 2x forward FLOPs
 # committed bank is never torn), a second lets the next subgroup stage meanwhile (measured on a
 # 33.5M bf16 model here: one spare, 80-98 ms a step; two, 58-75; one per subgroup, 69-73)
 NON_SPECULATIVE_SPARE_BANKS = 2
+# the spare pool best_plan picks: the fewest spares (halving from one per offloaded subgroup) whose
+# iteration is within this of the largest pool's. A spare holds a speculated step until step():
+# where backward is short next to the host step (the H200's 201M bench: 2.7 against ~40 ms), one
+# per subgroup doubles the host state for nothing (24.7 B/param against torchao's 16)
+SPARE_TOLERANCE = 0.005
 # bytes per element at which host_adam_gelems_per_s is measured (calibrate.py: fp32 param,
 # grad, m, v) and quoted (presets): a step moving other bytes takes time in proportion
 HOST_ADAM_REFERENCE_BYTES = 28
@@ -454,8 +459,9 @@ def best_plan(
 
     Candidates: `offload_choices` x `nvme_choices` (fractions; e.g. a model's subgroup
     boundaries), by default a grid of `step`; `spare_banks=None` also picks the spare-bank
-    pool: one per offloaded subgroup (every host step can hide under backward) when memory
-    allows, else the most that fit (halving). `device_budget` / `host_budget` (bytes, per
+    pool: the fewest (one per offloaded subgroup, halving) whose iteration is within
+    SPARE_TOLERANCE of the largest pool's that fits (a spare is worth its memory only where
+    backward is long enough to hide the step it holds). `device_budget` / `host_budget` (bytes, per
     GPU) replace the headroom-reduced machine figures when given. Among plans within
     `tolerance` (relative) of the fastest, the one with the least offloaded, then least nvme,
     share wins: moving state off the device costs host memory, link bandwidth and a worker,
@@ -482,11 +488,14 @@ def best_plan(
             pools: list[int | None]
             if spare_banks is not None:
                 pools = [spare_banks]
+            elif not workload.speculative:
+                pools = [None, 1]  # NON_SPECULATIVE_SPARE_BANKS, or one where they do not fit
             else:
                 pools, k = [None], n_off // 2
                 while k >= 1:
                     pools.append(k)
                     k //= 2
+            largest = chosen = None
             for pool in pools:
                 mem = memory_bytes(machine, workload, off, nv, pool)
                 need_device = mem["device"] if need_device is None else min(need_device, mem["device"])
@@ -497,8 +506,16 @@ def best_plan(
                 need_host = mem["host"] if need_host is None else min(need_host, mem["host"])
                 if mem["host"] > host_budget:
                     continue  # fewer spares may fit
-                fits.append(predict(machine, workload, off, nv, pool))
-                break  # the largest pool that fits: more spares never cost time
+                p = predict(machine, workload, off, nv, pool)
+                if largest is None:
+                    largest = p  # more spares never cost time: the fastest pool that fits
+                elif not workload.speculative or p.iteration_seconds > largest.iteration_seconds * (
+                    1 + SPARE_TOLERANCE
+                ):
+                    break  # fewer spares would expose host work backward could hide
+                chosen = p
+            if chosen is not None:
+                fits.append(chosen)
     if fits:
         fastest = min(p.iteration_seconds for p in fits)
         return min(
