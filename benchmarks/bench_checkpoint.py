@@ -496,6 +496,7 @@ def child_argv(args, job: Job, path: str) -> list[str]:
             "-m",
             "torch.distributed.run",
             f"--nproc-per-node={job.ranks}",
+            f"--log-dir={os.path.join(args.run_dir, 'torchelastic')}",  # not a /tmp/torchelastic_* per launch
             "--standalone",
             os.path.abspath(__file__),
             "--rank-main",

@@ -279,6 +279,7 @@ def main() -> None:
             "-m",
             "torch.distributed.run",
             "--nproc-per-node=2",
+            f"--log-dir={os.path.join(out, 'torchelastic')}",  # not a /tmp/torchelastic_* per launch
             "--standalone",
             os.path.abspath(__file__),
             "--rank-main",

@@ -209,6 +209,7 @@ def launch(args, row: dict, ranks: int, workdir: str, tag: str) -> dict:
         "-m",
         "torch.distributed.run",
         f"--nproc-per-node={ranks}",
+        f"--log-dir={os.path.join(out, 'torchelastic')}",  # not a /tmp/torchelastic_* per launch
         "--standalone",
         os.path.abspath(__file__),
         "--rank-main",

@@ -7,6 +7,7 @@ through the interpreter.
 
 import faulthandler
 import os
+import shutil
 import signal
 import tempfile
 
@@ -31,8 +32,11 @@ def _cuda_available():
 if not _cuda_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-# the scheduler's calibration cache: one fresh measurement per test session, never the user's
-os.environ.setdefault("HYBRID_OPT_CACHE_DIR", tempfile.mkdtemp(prefix="hybrid_opt-test-cache-"))
+# the scheduler's calibration cache: one fresh measurement per test session, never the user's;
+# removed when the session ends (pytest_unconfigure) unless the caller named one
+_OWN_CACHE_DIR = None
+if "HYBRID_OPT_CACHE_DIR" not in os.environ:
+    _OWN_CACHE_DIR = os.environ["HYBRID_OPT_CACHE_DIR"] = tempfile.mkdtemp(prefix="hybrid_opt-test-cache-")
 
 
 def pytest_collection_modifyitems(config, items):
@@ -62,6 +66,11 @@ def pytest_sessionfinish(session):
     import gpu_compile_jobs
 
     gpu_compile_jobs.stop()
+
+
+def pytest_unconfigure(config):
+    if _OWN_CACHE_DIR is not None:
+        shutil.rmtree(_OWN_CACHE_DIR, ignore_errors=True)
 
 
 @pytest.fixture(autouse=True)

@@ -117,6 +117,9 @@ def _start(
         "-m",
         "torch.distributed.run",
         f"--nproc-per-node={nproc}",
+        # the agent's per-run log directory under the test's own folder, not a new /tmp/torchelastic_*
+        # left behind by every launch
+        f"--log-dir={os.path.join(out_dir, f'torchelastic{tag}')}",
         *where,
         os.path.join(SCRIPTS, script),
         *map(str, args),

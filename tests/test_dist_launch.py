@@ -1,6 +1,7 @@
 """The launch harness itself (tests/dist_launch.py): launches that run at the same time as
 other launches on one machine (pytest-xdist, two CI jobs) never collide on a port."""
 
+import os
 import socket
 
 import dist_launch
@@ -41,3 +42,17 @@ def test_launches_survive_a_port_taken_before_torchrun_binds_it(tmp_path, monkey
         ranks = dist_launch.launch_nodes("ping.py", str(tmp_path / "two"), timeout_s=90)
         assert [r["total"] for r in ranks] == [3.0, 3.0]
         assert handed[0] == taken and len(handed) == 2  # one launch lost its port, one retry
+
+
+def test_a_launch_leaves_its_agents_logs_in_its_own_folder_not_in_tmp(tmp_path):
+    """torchrun's agent makes a per-run log directory; unnamed, a new /tmp/torchelastic_* that
+    nothing removes, one per launch (hundreds per suite run). Named, it lies in the test's folder."""
+    import glob
+    import tempfile
+
+    pattern = os.path.join(tempfile.gettempdir(), "torchelastic_*")
+    before = set(glob.glob(pattern))
+    ranks = dist_launch.launch("ping.py", str(tmp_path / "one"), timeout_s=60)
+    assert [r["total"] for r in ranks] == [3.0, 3.0]
+    assert set(glob.glob(pattern)) <= before
+    assert os.path.isdir(tmp_path / "one" / "torchelastic")
