@@ -892,6 +892,16 @@ def test_a_cpu_only_host_shares_every_core_with_a_sleeping_worker():
     assert thread_masks()[os.getpid()] == masks[os.getpid()] and torch.get_num_threads() == threads
 
 
+def _run_during_backward(tier) -> None:
+    """Until the worker has answered every task sent, polled as the grad hooks do: a blocking
+    wait (a ping) would tell it the trainer waits, and its queued speculations would widen."""
+    deadline = time.monotonic() + TIMEOUT_S
+    while tier.client.pending:
+        assert time.monotonic() < deadline, "the worker did not finish the speculated steps"
+        tier.client.poll()
+        time.sleep(0.002)
+
+
 def test_a_step_the_trainer_waits_for_runs_on_every_shared_core():
     """Sharing the trainer's cores, a speculated step (during backward) runs on the worker's
     own threads, half of the cores; a step the trainer waits for (finish(): after backward,
@@ -909,13 +919,14 @@ def test_a_step_the_trainer_waits_for_runs_on_every_shared_core():
         grads = make_grads(numels, seed=5)
         for sg, g in enumerate(grads):
             assert tier.stepping.speculate(sg, g, inputs(1))
+        _run_during_backward(tier)
+        assert worker.num_threads() <= tier.cores.worker_threads
         assert tier.stepping.finish({sg: (g, inputs(1)) for sg, g in enumerate(grads)}) == {
             0: "committed",
             1: "committed",
         }
         for sg, g in enumerate(grads):
             ref_step(states[sg], g, inputs(1))
-        assert worker.num_threads() <= tier.cores.worker_threads
         for sg, g in enumerate(grads):
             tier.stepping.step(sg, g, inputs(2))
             ref_step(states[sg], g, inputs(2))
@@ -956,14 +967,15 @@ def test_a_split_worker_steps_on_the_trainers_cores_too_while_step_waits(monkeyp
         for speculated, waited in ((1, 2), (3, 4)):
             for sg, g in enumerate(grads):
                 assert tier.stepping.speculate(sg, g, inputs(speculated))
+            _run_during_backward(tier)
+            # speculated: every thread on the worker's own cores (step 3: moved back there)
+            assert set(_thread_cores(pid).values()) == {own}, f"step {speculated}"
             assert tier.stepping.finish({sg: (g, inputs(speculated)) for sg, g in enumerate(grads)}) == {
                 0: "committed",
                 1: "committed",
             }
             for sg, g in enumerate(grads):
                 ref_step(states[sg], g, inputs(speculated))
-            # speculated: every thread on the worker's own cores (step 3: moved back there)
-            assert set(_thread_cores(pid).values()) == {own}, f"step {speculated}"
             for sg, g in enumerate(grads):
                 tier.stepping.step(sg, g, inputs(waited))
                 ref_step(states[sg], g, inputs(waited))
@@ -971,6 +983,46 @@ def test_a_split_worker_steps_on_the_trainers_cores_too_while_step_waits(monkeyp
             assert len(cores) >= split.waited_threads == len(every)
             assert sum(c == every for c in cores.values()) >= split.waited_threads, f"step {waited}"
             assert_tier_equals(tier, states, f"split, step {waited}")
+    finally:
+        tier.close()
+
+
+@pytest.mark.parametrize("arrangement", ["split", "shared"])
+def test_speculated_steps_still_queued_when_step_waits_run_on_the_waited_threads(arrangement, monkeypatch):
+    """Speculated steps the worker has not run when the trainer starts waiting in step() (a
+    backward shorter than the host step: the H200's 2.7 against ~40 ms) run as the steps step()
+    sends do, on every core: finish() tells the worker (OP_TRAINER_WAITS), which gives its queued
+    ones the waited threads. 32 pieces queued at once; the last run shows it in the OS's masks
+    (split) or thread count (shared: OpenMP starts a thread only for a region that asks for it).
+    Bitwise the reference."""
+    close_shared_tiers()
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("one core: no core beyond the worker's")
+    monkeypatch.setattr(worker_client, "WAITED_TRAINER_CORES", 0)  # 2 cores widen (see above)
+    numels = [4 << 20, 4 << 20]
+    share = {"worker_share": 0.5} if arrangement == "split" else {}
+    tier = new_tier(numels, slot_numel=1 << 18, staging_slots=32, **share)
+    try:
+        every = frozenset(os.sched_getaffinity(0)) | frozenset(tier.cores.worker)
+        assert tier.cores.waited_threads == len(every) > tier.cores.worker_threads
+        states = make_states(numels, seed=7)
+        load(tier, states)
+        grads = make_grads(numels, seed=7)
+        for sg, g in enumerate(grads):
+            assert tier.stepping.speculate(sg, g, inputs(1))
+        assert tier.stepping.finish({sg: (g, inputs(1)) for sg, g in enumerate(grads)}) == {
+            0: "committed",
+            1: "committed",
+        }
+        for sg, g in enumerate(grads):
+            ref_step(states[sg], g, inputs(1))
+        pid = tier.client.pid
+        if arrangement == "split":
+            cores = _thread_cores(pid)
+            assert sum(c == every for c in cores.values()) >= tier.cores.waited_threads, cores
+        else:
+            assert psutil.Process(pid).num_threads() >= tier.cores.waited_threads
+        assert_tier_equals(tier, states, f"{arrangement}: speculated, then waited for")
     finally:
         tier.close()
 

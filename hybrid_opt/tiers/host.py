@@ -274,6 +274,7 @@ class HostTier:
             threads=self.cores.worker_threads or None,
             passive=self.cores.shared,
             waited_cores=self.cores.waited_cores if self.cores.widens else None,
+            waited_threads=self.cores.waited_threads,
             timeout_s=timeout_s,
             files=self.files,
         )  # each worker inherits them

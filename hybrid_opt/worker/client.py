@@ -342,6 +342,7 @@ class WorkerClient:
         threads: int | None = None,
         passive: bool = False,
         waited_cores: list[int] | None = None,
+        waited_threads: int = 0,
         timeout_s: float = 120.0,
         start_timeout_s: float = 30.0,
         files=None,
@@ -349,7 +350,8 @@ class WorkerClient:
         """`cores`: the worker's affinity; `threads`: its OpenMP threads (default: one per core);
         `passive`: its idle threads sleep instead of spinning (cores it shares with the trainer);
         `waited_cores`: where a task with `threads` set (a step the trainer waits for) runs, when
-        wider than `cores` (CoreSplit.widens)."""
+        wider than `cores` (CoreSplit.widens); `waited_threads`: the threads the steps sent
+        before a blocking drain() get (OP_TRAINER_WAITS; 0: none)."""
         self.arena = arena
         self.layout = dict(layout)
         self.files = files
@@ -357,6 +359,10 @@ class WorkerClient:
         self.threads = threads if threads is not None else (len(cores) if cores else None)
         self.passive = passive
         self.waited_cores = waited_cores
+        self.waited_threads = waited_threads
+        # a step sent on the worker's own threads (a speculation) since the last OP_TRAINER_WAITS
+        self._unwaited = False
+        self._waits_frame = proto.frame(proto.Task(proto.OP_TRAINER_WAITS, 0).pack())
         self.timeout_s = timeout_s
         self.start_timeout_s = start_timeout_s
         self.proc: subprocess.Popen | None = None
@@ -398,6 +404,7 @@ class WorkerClient:
             resp_fd=resp_w,
             cores=self.cores,
             waited_cores=self.waited_cores,
+            waited_threads=self.waited_threads,
             trainer_pid=os.getpid(),
             threads=self.threads,
             file_fds=files,
@@ -552,6 +559,8 @@ class WorkerClient:
         task.task_id = self.next_id
         self.next_id += 1
         self.pending[task.task_id] = task
+        if task.op in (proto.OP_STEP, proto.OP_INVERSE) and not task.threads:
+            self._unwaited = True
         try:
             proto.write_task(self._req, task, gather)  # type: ignore[arg-type]  # alive(): an open pipe
         except BrokenPipeError:
@@ -561,10 +570,20 @@ class WorkerClient:
     def drain(self, timeout: float) -> None:
         """Waits up to `timeout` seconds for results and moves those that arrived into
         `results`; raises death_error() when the worker is gone (EOF, an exited process, or
-        one already reaped: not `connected`)."""
+        one already reaped: not `connected`). A wait (timeout > 0) after speculated steps were
+        sent tells the worker first that the trainer waits (waited_threads)."""
         if self._resp is None:
             raise self.death_error()
         assert self._reader is not None and self.proc is not None  # started with _resp
+        if timeout > 0 and self._unwaited and self.waited_threads:
+            # the trainer blocks on the worker now (step(), a ping): the speculated steps still
+            # queued there run on the waited step's threads (OP_TRAINER_WAITS, no reply); a
+            # worker gone is found by the read below
+            self._unwaited = False
+            try:  # one write: a frame shorter than PIPE_BUF goes whole into the pipe
+                os.write(self._req, self._waits_frame)  # type: ignore[arg-type]  # open with _resp
+            except BrokenPipeError:
+                pass
         results = self._reader.read_results(timeout)
         if results is None:  # nothing within `timeout`
             if self.proc.poll() is not None:

@@ -94,6 +94,9 @@ class Worker:
         # moved there for it and back to the worker's own (`cores`) for the next speculated step
         self.cores = list(cores or ())
         self.waited_cores = list(cfg.get("waited_cores") or ()) or None
+        # a step the trainer waits for: its threads (OP_TRAINER_WAITS gives them to steps queued
+        # during backward once step() waits for them; 0: none beyond the worker's own)
+        self.waited_threads = int(cfg.get("waited_threads") or 0)
         self._wide = False
         self._set_cpus = _lib.set_thread_cpus
         self.mm = mmap.mmap(
@@ -421,6 +424,9 @@ class Worker:
                         t = proto.Task.unpack(payload)
                         if t.op == proto.OP_EXIT:
                             return 0
+                        if t.op == proto.OP_TRAINER_WAITS:
+                            self._trainer_waits(queue)
+                            continue
                         if t.op == proto.OP_SWAP_IN:  # read at once (the prefetch), as there is room
                             reading.add(t.in_bank)
                             held.append(t)
@@ -459,6 +465,14 @@ class Worker:
                     self._reply(self._run(t))
                 ran = True
                 break  # one compute task per turn: new requests and finished I/O come first
+
+    def _trainer_waits(self, queue) -> None:
+        """The trainer waits in step() now: the steps it queued during backward (speculated, on the
+        worker's own threads) run on the waited step's, as the ones step() sends do."""
+        if self.waited_threads:
+            for t in queue:
+                if t.op in (proto.OP_STEP, proto.OP_INVERSE) and not t.threads:
+                    t.threads = self.waited_threads
 
     def _readable(self, wait_s: float | None, io: dict) -> bool:
         """Whether the request pipe has data (or EOF) within `wait_s` seconds (None: no bound).

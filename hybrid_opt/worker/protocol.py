@@ -17,6 +17,9 @@ from dataclasses import dataclass, fields
 from operator import attrgetter
 
 OP_STEP, OP_INVERSE, OP_PING, OP_EXIT, OP_SWAP_IN, OP_SWAP_OUT = 1, 2, 3, 4, 5, 6
+# no reply: the trainer waits in step() from now on, so every step queued before this one runs
+# on the waited step's threads (Task.threads: the worker's `waited_threads`), not its own count
+OP_TRAINER_WAITS = 7
 STATUS_OK, STATUS_NONFINITE, STATUS_ERROR = 0, 1, 2
 NO_BANK = -1  # out_bank for an in-place step
 NO_COPY = -1  # copy_dtype when no param copy is written
@@ -149,8 +152,13 @@ def low_numbered(fd: int) -> int:
     return low
 
 
+def frame(payload: bytes) -> bytes:
+    """`payload` as one frame: its length, then itself."""
+    return _HEADER.pack(len(payload)) + payload
+
+
 def write_frame(fd: int, payload: bytes) -> None:
-    data = _HEADER.pack(len(payload)) + payload
+    data = frame(payload)
     while data:
         n = os.write(fd, data)
         data = data[n:]
