@@ -654,7 +654,7 @@ def test_bench_worker_rate_tiny_run_times_every_arrangement_against_the_in_proce
     cmd = [
         sys.executable,
         os.path.join(REPO, "benchmarks", "bench_worker_rate.py"),
-        *("--numel", "512Ki", "--subgroups", "2", "--rounds", "2", "--steps", "1", "--device", "cpu"),
+        *("--numel", "512Ki", "--subgroups", "2", "--rounds", "1", "--steps", "1", "--device", "cpu"),
         *("--json", str(out_json)),
     ]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=REPO)
