@@ -9,6 +9,13 @@ import statistics
 import time
 
 
+def spread(xs) -> tuple[float, float, float]:
+    """(median, p20, p80) of `xs` (a single sample is all three)."""
+    xs = sorted(xs)
+    q = statistics.quantiles(xs, n=10, method="inclusive") if len(xs) > 1 else xs * 9
+    return statistics.median(xs), q[1], q[7]
+
+
 def time_ms(fn, *, reps: int, warmup: int = 2) -> dict:
     """Median and p20/p80 of `reps` timed calls, in milliseconds (noisy machines: never a mean)."""
     for _ in range(warmup):
@@ -18,9 +25,8 @@ def time_ms(fn, *, reps: int, warmup: int = 2) -> dict:
         t0 = time.perf_counter()
         fn()
         samples.append((time.perf_counter() - t0) * 1e3)
-    samples.sort()
-    q = statistics.quantiles(samples, n=10, method="inclusive") if len(samples) > 1 else samples * 9
-    return {"median_ms": statistics.median(samples), "p20_ms": q[1], "p80_ms": q[7]}
+    median, p20, p80 = spread(samples)
+    return {"median_ms": median, "p20_ms": p20, "p80_ms": p80}
 
 
 def time_ms_interleaved(fns: dict, *, reps: int, warmup: int = 2) -> dict:
@@ -37,9 +43,8 @@ def time_ms_interleaved(fns: dict, *, reps: int, warmup: int = 2) -> dict:
             samples[name].append((time.perf_counter() - t0) * 1e3)
     out = {}
     for name, xs in samples.items():
-        xs.sort()
-        q = statistics.quantiles(xs, n=10, method="inclusive") if len(xs) > 1 else xs * 9
-        out[name] = {"median_ms": statistics.median(xs), "p20_ms": q[1], "p80_ms": q[7]}
+        median, p20, p80 = spread(xs)
+        out[name] = {"median_ms": median, "p20_ms": p20, "p80_ms": p80}
     return out
 
 

@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import host_description, markdown_table, write_json  # noqa: E402
+from _common import host_description, markdown_table, spread, write_json  # noqa: E402
 
 from hybrid_opt.testing import debug_view
 
@@ -42,9 +42,8 @@ def gpt2_shaped(width: int = 768, layers: int = 12, vocab: int = 50257) -> nn.Mo
 
 
 def _quantiles(xs: list) -> dict:
-    xs = sorted(xs)
-    q = statistics.quantiles(xs, n=10, method="inclusive") if len(xs) > 1 else xs * 9
-    return {"median_s": statistics.median(xs), "p20_s": q[1], "p80_s": q[7]}
+    median, p20, p80 = spread(xs)
+    return {"median_s": median, "p20_s": p20, "p80_s": p80}
 
 
 def materialise_s(params: int, runs: int) -> float:

@@ -26,14 +26,13 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
 import time
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import host_description, markdown_table, parse_size, write_json  # noqa: E402
+from _common import host_description, markdown_table, parse_size, spread, write_json  # noqa: E402
 
 import cpu_kernels  # noqa: E402
 from hybrid_opt.tiers.host import AdamInputs, HostTier  # noqa: E402
@@ -85,12 +84,6 @@ def worker_seconds(arrangement: str, sizes, grads, steps: int, pin) -> tuple[flo
         tier.close()
 
 
-def _summary(xs: list) -> dict:
-    xs = sorted(xs)
-    q = statistics.quantiles(xs, n=10, method="inclusive") if len(xs) > 1 else xs * 9
-    return {"median": statistics.median(xs), "p20": q[1], "p80": q[7]}
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--numel", default="8Mi", help="elements in all, cut into --subgroups")
@@ -122,7 +115,7 @@ def main(argv=None) -> int:
             samples[name]["ratio"].append(n / wall / 1e9 / base)
     records = []
     for name, s in samples.items():
-        wall, ratio = _summary(s["wall"]), _summary(s["ratio"])
+        wall, wall_p20, wall_p80 = spread(s["wall"])
         rec = {
             "impl": name,
             "numel": n,
@@ -130,13 +123,13 @@ def main(argv=None) -> int:
             "grads_on": device.type,
             "cores": len(os.sched_getaffinity(0)),
             "simd": cpu_kernels.simd_level(),
-            "gelems_per_s": wall["median"],
-            "gelems_per_s_p20": wall["p20"],
-            "gelems_per_s_p80": wall["p80"],
-            "vs_in_process": ratio["median"],
+            "gelems_per_s": wall,
+            "gelems_per_s_p20": wall_p20,
+            "gelems_per_s_p80": wall_p80,
+            "vs_in_process": spread(s["ratio"])[0],
         }
         if s["worker"]:
-            rec["worker_gelems_per_s"] = _summary(s["worker"])["median"]
+            rec["worker_gelems_per_s"] = spread(s["worker"])[0]
         records.append(rec)
     print(
         f"{host_description()}; {len(os.sched_getaffinity(0))} cores, cpu_kernels at {cpu_kernels.simd_level()}; "

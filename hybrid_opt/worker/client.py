@@ -234,7 +234,7 @@ class CoreSplit:
     def widens(self) -> bool:
         """Whether a step the trainer waits for runs on cores beyond the worker's own (split
         by worker_share: the trainer's too)."""
-        return self.waited_threads > len(self.worker) and set(self.waited_cores) != set(self.worker)
+        return self.waited_threads > 0 and not self.shared
 
     @property
     def separate(self) -> bool:
