@@ -119,6 +119,12 @@ def take() -> CompileJobs:
     return jobs if jobs is not None else CompileJobs(background=False)
 
 
+def groups() -> set[int]:
+    """The process groups of the jobs running in the background (each job leads its own): tests
+    that count this process's children leave them out, as they come and go (ptxas) meanwhile."""
+    return {proc.pid for proc in _jobs.procs.values()} if _jobs is not None else set()
+
+
 def stop() -> None:
     """conftest.py, as the session ends: nothing outlives it."""
     global _jobs

@@ -26,6 +26,21 @@ def thread_masks() -> dict:
     return masks
 
 
+def child_pids() -> set:
+    """The pids of this process's children and theirs (workers, launchers), but for the
+    background compile jobs' (gpu_compile_jobs.py), whose ptxas processes come and go meanwhile."""
+    import gpu_compile_jobs
+
+    jobs, out = gpu_compile_jobs.groups(), set()
+    for c in psutil.Process().children(recursive=True):
+        try:
+            if os.getpgid(c.pid) not in jobs:
+                out.add(c.pid)
+        except ProcessLookupError:
+            pass  # ended meanwhile
+    return out
+
+
 def fs_type(path: str) -> str:
     """Filesystem type of the mount holding path (longest mount-point prefix)."""
     path, best, kind = os.path.realpath(path), "", "?"

@@ -7,6 +7,7 @@ import os
 
 import pytest
 import torch
+from helpers import child_pids
 
 from hybrid_opt import HybridAdamW
 from hybrid_opt.testing import debug_view
@@ -163,15 +164,13 @@ def test_a_placement_is_counted_as_the_os_reports_it_before_it_is_allocated(tmp_
 def test_a_fixed_placement_over_its_host_budget_raises_before_allocating_anything():
     """The budget one byte short of the arena the placement would map: refused at construction,
     saying how much it needs, and no arena was made (no memfd, no worker process)."""
-    import psutil
-
     model = _wide()
     with HybridAdamW(model.parameters(), offload_fraction=1.0, spare_banks=1) as probe:
         need = probe.allocated_bytes["host"]
-    children = len(psutil.Process().children(recursive=True))
+    children = child_pids()
     arenas = _memfd_sizes()
     with pytest.raises(ValueError, match="this placement needs .* of host memory and host_memory_budget"):
         HybridAdamW(model.parameters(), offload_fraction=1.0, host_memory_budget=need - 1)
-    assert _memfd_sizes() == arenas and len(psutil.Process().children(recursive=True)) == children
+    assert _memfd_sizes() == arenas and child_pids() == children
     with HybridAdamW(model.parameters(), offload_fraction=1.0, host_memory_budget=need) as opt:
         assert opt.allocated_bytes["host"] == need and opt.plan.spare_banks == 1

@@ -22,6 +22,7 @@ import torch
 from helpers import (
     _id,
     assert_bitwise_equal,
+    child_pids,
     inputs,
     load,
     make_grads,
@@ -802,7 +803,7 @@ def test_close_is_idempotent_and_leaves_no_process_fd_shm_or_core_change_behind(
     close_shared_tiers()  # measure against a trainer that no other tier has touched
     gc.collect()
     me = psutil.Process()
-    children = {c.pid for c in me.children(recursive=True)}
+    children = child_pids()
     fds = me.num_fds()
     shm = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
     masks, threads = thread_masks(), torch.get_num_threads()
@@ -832,7 +833,7 @@ def test_close_is_idempotent_and_leaves_no_process_fd_shm_or_core_change_behind(
     assert wait_gone(pid, 5.0), f"worker {pid} still running after close()"
     with pytest.raises(ProcessLookupError):
         os.kill(pid, 0)
-    assert {c.pid for c in me.children(recursive=True)} == children
+    assert child_pids() == children
     assert me.num_fds() == fds
     if os.path.isdir("/dev/shm"):
         assert set(os.listdir("/dev/shm")) - shm == set()

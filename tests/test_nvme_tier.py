@@ -25,10 +25,19 @@ import tempfile
 import time
 from contextlib import ExitStack
 
-import psutil
 import pytest
 import torch
-from helpers import assert_bitwise_equal, fs_type, inputs, load, make_grads, make_states, ref_step, wait_gone
+from helpers import (
+    assert_bitwise_equal,
+    child_pids,
+    fs_type,
+    inputs,
+    load,
+    make_grads,
+    make_states,
+    ref_step,
+    wait_gone,
+)
 from tolerances import assert_close
 from torch import nn
 
@@ -119,10 +128,6 @@ def flip_byte(path, offset):
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-def child_pids():
-    return {c.pid for c in psutil.Process().children(recursive=True)}
 
 
 def wait_until(cond, timeout_s):
