@@ -182,9 +182,9 @@ def _hybrid_samples(runner, args, device, n_params, warmup=3, **kw) -> tuple[dic
         samples = runner.samples(model, opt, warmup, record)
         samples.update(worker=worker, hidden=hidden)
         spec = opt.stats.get("speculation") or {}
-        host_bytes = debug_view(opt).host.arena.nbytes if debug_view(opt).host is not None else 0
-        if device.type != "cuda":
-            host_bytes += debug_view(opt).device.nbytes()
+        # as the OS reports them (the arena's allocated pages: dormant spare banks have none)
+        held = opt.allocated_bytes
+        host_bytes = held["host"] + (held["device"] if device.type != "cuda" else 0)
         info = {
             "committed": spec.get("committed", 0),
             "redone": spec.get("redone", 0),
@@ -193,6 +193,7 @@ def _hybrid_samples(runner, args, device, n_params, warmup=3, **kw) -> tuple[dic
             "plan": repr(opt.plan),
             "fractions": list(debug_view(opt).fractions),
             "spare_banks": opt.plan.spare_banks,
+            "spares_awake": debug_view(opt).host.spares_awake if debug_view(opt).host is not None else 0,
             "speculative": opt.speculative,
         }
         if debug_view(opt).planner is not None:

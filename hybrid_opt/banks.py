@@ -16,12 +16,16 @@ class BankPool:
     for the duration of a step.
     """
 
-    def __init__(self, resident: list[int], n_spares: int, copy_slots: bool = False):
+    def __init__(self, resident: list[int], n_spares: int, copy_slots: bool = False, dormant=()):
         """copy_slots: the arena keeps the model-dtype copies in n_spares copy slots, not in the
         banks: every bank no subgroup has committed holds one (copy_of), and a commit hands the
-        new committed bank's slot to the old one (its copy is in the model's param by then)."""
+        new committed bank's slot to the old one (its copy is in the model's param by then).
+        dormant: spare banks not handed out until wake() (their memory is not allocated yet)."""
         self.committed = {sg: k for k, sg in enumerate(resident)}
-        self.free = list(range(len(resident), len(resident) + n_spares))[::-1]
+        self.dormant = sorted(dormant)
+        self.free = [b for b in range(len(resident), len(resident) + n_spares) if b not in set(self.dormant)][
+            ::-1
+        ]
         self.n_banks = len(resident) + n_spares
         self.copy_of: dict | None = {len(resident) + k: k for k in range(n_spares)} if copy_slots else None
 
@@ -30,6 +34,12 @@ class BankPool:
         if len(self.free) < k:
             return None
         return [self.free.pop() for _ in range(k)]
+
+    def wake(self, banks: list[int]) -> None:
+        """Dormant `banks` join the pool (their memory is in use now: HostTier.wake_spares)."""
+        for b in banks:
+            self.dormant.remove(b)
+            self.free.insert(0, b)  # handed out after the banks already in use
 
     def release(self, bank: int) -> None:
         assert bank not in self.free and bank not in self.committed.values(), f"bank {bank} released twice"

@@ -17,7 +17,7 @@ import os
 import tempfile
 import warnings
 
-from hybrid_opt.populate import BackgroundPopulate, memory_error, populate_now, reserve
+from hybrid_opt.populate import BackgroundPopulate, memory_error, populate_now, punch_hole, reserve
 
 PAGE = mmap.PAGESIZE
 CACHE_LINE = 64
@@ -205,10 +205,18 @@ class SharedArena:
     prefault: populate the pages at construction (see populate()). `later`: page-aligned
     (offset, nbytes) ranges no step needs at once (spare banks): their memory is reserved now
     (fallocate: missing memory is still a MemoryError here) and populated by a background
-    thread, in order; `wait_populated()` waits for a region (bounded)."""
+    thread, in order; `wait_populated()` waits for a region (bounded). `dormant`: page-aligned
+    ranges no step may use until `wake()` hands them out (spare banks backward has not shown it
+    can fill): neither reserved, populated nor pinned, so they cost no memory until then."""
 
     def __init__(
-        self, nbytes: int, name: str = "hybrid_opt", prefault: bool = True, later=(), defer: bool = False
+        self,
+        nbytes: int,
+        name: str = "hybrid_opt",
+        prefault: bool = True,
+        later=(),
+        defer: bool = False,
+        dormant=(),
     ):
         """`defer`: the pages are reserved and populated by fill(), not here (the caller starts
         its worker first, so that its start-up overlaps the reservation)."""
@@ -222,7 +230,11 @@ class SharedArena:
         self._background: BackgroundPopulate | None = None
         self.populated = False
         self.later: tuple = ()  # the (offset, nbytes) ranges fill() left to the background
-        self._pinned_ptr: int | None = None
+        self.dormant: list = sorted((off, n) for off, n in dormant if n > 0)  # wake() takes them out
+        if any(off % PAGE or n % PAGE for off, n in self.dormant):
+            os.close(self.fd)
+            raise ValueError(f"dormant: ranges must be page-aligned, got {self.dormant}")
+        self._pinned: list = []  # the (address, nbytes) ranges registered with CUDA (pin, wake)
         self._runtime: CudaRuntime | None = None
         self._pin_device = None
         self.closed = False
@@ -247,7 +259,7 @@ class SharedArena:
             raise ValueError(f"later: ranges must be page-aligned, got {later}")
         if later and not reserve(self.fd, later, what):
             later = []  # nothing reserves the memory: populate it all now (the error promise)
-        self.populated = prefault and populate(self.mm, what, skip=later)
+        self.populated = prefault and populate(self.mm, what, skip=later + self.dormant)
         if self.populated and later:
             self.later = tuple(later)
             self._background = BackgroundPopulate(address(self.mm), later, what)
@@ -280,14 +292,26 @@ class SharedArena:
 
     @property
     def pinned(self) -> bool:
-        return self._pinned_ptr is not None
+        return bool(self._pinned)
+
+    def _awake_ranges(self) -> list:
+        """(offset, nbytes) ranges of the arena outside the dormant ones, in order."""
+        out, at = [], 0
+        for off, n in self.dormant:
+            if off > at:
+                out.append((at, off - at))
+            at = max(at, off + n)
+        if at < self.nbytes:
+            out.append((at, self.nbytes - at))
+        return out
 
     def pin(self, device=None) -> bool:
         """Page-lock the arena for every CUDA context (async H2D/D2H copies); True when it is
         pinned. `device`: the CUDA device whose context registers it (the params'; None: the
         current one). A failure clears the CUDA error it set, warns once per process and leaves
-        the arena unpinned (slower copies, same results)."""
-        if self._pinned_ptr is not None:
+        the arena unpinned (slower copies, same results). Dormant ranges are left out (their
+        pages would be allocated): wake() registers each as it wakes."""
+        if self._pinned:
             return True
         import torch
 
@@ -296,18 +320,80 @@ class SharedArena:
             if torch.cuda.is_available():
                 _warn_unpinned("the CUDA runtime library this process uses was not found")
             return False
-        ptr = self.tensor(0, self.nbytes, torch.uint8).data_ptr()
-        with _in_context_of(device):
-            err = runtime.register(ptr, self.nbytes)
+        base = address(self.mm)
+        self._runtime, self._pin_device = runtime, device
+        for off, n in self._awake_ranges():
+            err = self._register(base + off, n)
             if err != 0:
-                runtime.clear_error()
-        if err != 0:
-            _warn_unpinned(
-                f"cudaHostRegister of {self.nbytes} bytes failed: {runtime.error_string(err)} (error {err})"
-            )
-            return False
-        self._pinned_ptr, self._runtime, self._pin_device = ptr, runtime, device
+                self._unregister_all()
+                _warn_unpinned(
+                    f"cudaHostRegister of {n} bytes failed: {runtime.error_string(err)} (error {err})"
+                )
+                return False
         return True
+
+    def _register(self, ptr: int, nbytes: int) -> int:
+        """cudaHostRegister of one range in the pinning device's context; 0, or the error
+        (cleared)."""
+        assert self._runtime is not None  # set by pin() first
+        with _in_context_of(self._pin_device):
+            err = self._runtime.register(ptr, nbytes)
+            if err != 0:
+                self._runtime.clear_error()
+        if err == 0:
+            self._pinned.append((ptr, nbytes))
+        return err
+
+    def _unregister_all(self) -> None:
+        if self._runtime is not None:
+            for ptr, _ in self._pinned:
+                try:
+                    with _in_context_of(self._pin_device):
+                        if self._runtime.unregister(ptr) != 0:
+                            self._runtime.clear_error()  # the memory goes with the mapping anyway
+                except Exception:
+                    pass  # a device gone (interpreter shutdown): the mapping is closed all the same
+        self._pinned = []
+        self._runtime = self._pin_device = None
+
+    def wake(self, ranges) -> None:
+        """Takes dormant `ranges` (each one of them, whole) into use: their pages reserved,
+        populated now and, in a pinned arena, registered. Raises MemoryError where the memory
+        is not there, and RuntimeError where a pinned arena cannot pin them; the ranges then
+        stay dormant (what was allocated of them is given back)."""
+        ranges = sorted((off, n) for off, n in ranges if n > 0)
+        for r in ranges:
+            if r not in self.dormant:
+                raise ValueError(f"{r} is not a dormant range of this arena ({self.dormant})")
+        what = "shared memory (spare banks)"
+        try:
+            reserve(self.fd, ranges, what)
+            err = populate_now(address(self.mm), ranges, 1, MADV_POPULATE_WRITE)
+            if err and err not in (errno.EINVAL, errno.ENOSYS, errno.EPERM):
+                raise memory_error(sum(n for _, n in ranges), what, err)
+            if self._pinned:
+                base = address(self.mm)
+                for off, n in ranges:
+                    err = self._register(base + off, n)
+                    if err != 0:
+                        assert self._runtime is not None
+                        raise RuntimeError(
+                            f"cudaHostRegister of {n} bytes failed: {self._runtime.error_string(err)} "
+                            f"(error {err})"
+                        )
+        except BaseException:
+            base = address(self.mm)
+            woken = {base + off for off, _ in ranges}
+            for ptr, _ in [p for p in self._pinned if p[0] in woken]:
+                assert self._runtime is not None
+                with _in_context_of(self._pin_device):
+                    if self._runtime.unregister(ptr) != 0:
+                        self._runtime.clear_error()
+            self._pinned = [p for p in self._pinned if p[0] not in woken]
+            for off, n in ranges:
+                punch_hole(self.fd, off, n)
+            raise
+        self.dormant = [r for r in self.dormant if r not in ranges]
 
     def close(self) -> None:
         if self.closed:
@@ -315,14 +401,7 @@ class SharedArena:
         self.closed = True
         if self._background is not None:
             self._background.stop()  # it holds no buffer export: unmapping below is safe after
-        if self._pinned_ptr is not None and self._runtime is not None:  # set together (pin)
-            try:
-                with _in_context_of(self._pin_device):
-                    if self._runtime.unregister(self._pinned_ptr) != 0:
-                        self._runtime.clear_error()  # the memory goes with the mapping anyway
-            except Exception:
-                pass  # a device gone (interpreter shutdown): the mapping is closed below all the same
-            self._pinned_ptr = self._runtime = self._pin_device = None
+        self._unregister_all()
         try:
             self.mm.close()
         except BufferError:

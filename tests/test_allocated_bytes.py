@@ -23,28 +23,29 @@ def _step(model, opt):
     opt.step()
 
 
-def _memfd_sizes() -> int:
-    """Sizes of the hybrid_opt arenas this process holds a descriptor of (each memfd once, by
-    inode: one may be open twice), as the OS reports them."""
+def _memfd_sizes(field="st_blocks") -> int:
+    """Allocated bytes (st_blocks) or sizes (st_size) of the hybrid_opt arenas this process holds
+    a descriptor of (each memfd once, by inode: one may be open twice), as the OS reports them."""
     sizes = {}
     for fd in os.listdir("/proc/self/fd"):
         try:
             if "memfd:hybrid_opt-host" in os.readlink(f"/proc/self/fd/{fd}"):
                 st = os.stat(f"/proc/self/fd/{fd}")
-                sizes[(st.st_dev, st.st_ino)] = st.st_size
+                sizes[(st.st_dev, st.st_ino)] = st.st_blocks * 512 if field == "st_blocks" else st.st_size
         except OSError:
             pass
     return sum(sizes.values())
 
 
-def _mapped_sizes() -> int:
-    """kB of this process's mappings of the arena (smaps' Size), in bytes."""
+def _mapped_sizes(field="Rss:") -> int:
+    """kB of this process's mappings of the arena (smaps' Rss: the pages it has in memory; or
+    Size:), in bytes."""
     total, inside = 0, False
     with open("/proc/self/smaps") as f:
         for line in f:
             if not line[0].isupper() or "-" in line.split()[0]:  # a mapping's header line
                 inside = "memfd:hybrid_opt-host" in line
-            elif inside and line.startswith("Size:"):
+            elif inside and line.startswith(field):
                 total += int(line.split()[1]) * 1024
     return total
 
@@ -63,13 +64,33 @@ def test_host_and_nvme_bytes_are_what_the_os_reports(tmp_path):
         nvme_path=str(tmp_path),
     ) as opt:
         _step(model, opt)
+        debug_view(opt).host.arena.wait_populated(timeout_s=60)
         got = opt.allocated_bytes
-        assert got["host"] == _memfd_sizes() == _mapped_sizes() > 0
+        assert got["host"] == _memfd_sizes() == _mapped_sizes() == _memfd_sizes("st_size") > 0
         assert got["nvme"] == _apparent(tmp_path) > 0
         assert got["comm"] == 0
         device = sum(opt.plan.numels[i] for i in opt.plan.subgroups("device"))
         assert device > 0 and got["device"] == 8 * device  # fp32: its own master, two fp32 moments
     assert opt.allocated_bytes == {"device": 0, "host": 0, "nvme": 0, "comm": 0}
+
+
+def test_dormant_spare_banks_are_not_counted_until_they_wake():
+    """Speculating at a fixed fraction lays out a spare per host subgroup, two awake
+    (tests/test_spare_growth.py): the host bytes are the pages the OS allocated, which the
+    trainer's mapping holds, less than the arena's size by the dormant banks."""
+    model = _model()
+    kw = dict(subgroup_numel=2048, offload_fraction=1.0, speculative=True, worker_share=0.5)
+    with HybridAdamW(model.parameters(), **kw) as opt:
+        host = debug_view(opt).host
+        for stepped in (False, True):  # before the first step; after it (some may have woken)
+            if stepped:
+                _step(model, opt)
+            host.arena.wait_populated(timeout_s=60)
+            got = opt.allocated_bytes["host"]
+            dormant = len(host.pool.dormant)
+            assert dormant > 0 or stepped, "no dormant spare bank at construction"
+            assert got == _memfd_sizes() == _mapped_sizes()
+            assert got == _memfd_sizes("st_size") - dormant * host.banks.bank_stride
 
 
 def test_compressed_device_state_is_six_bytes_a_param():

@@ -58,6 +58,7 @@ def host_tier_layout(host: list, plan, fmt, amsgrad: bool, rollback: str, io_ban
         params=host if remainders else None,
         rollback=rollback,
         spare_banks=plan.spare_banks,
+        spares_awake=plan.spares_awake,
         nvme=[plan.tiers[s.index] == NVME for s in host],
         io_banks=io_banks,
     )

@@ -326,7 +326,7 @@ class Placement:
             off, nv, decision = self.fractions_now()
         else:
             off, nv = decision.offload_fraction, decision.nvme_fraction
-        spares = c.spare_banks
+        spares, awake = c.spare_banks, None  # awake: None, every spare from the start
         if spares is None and decision is not None and decision.prediction is not None:
             spares = decision.prediction.spare_banks
         plan = fraction_plan([s.numel for s in sgs], [s.ready_rank for s in sgs], off, nv, spares)
@@ -347,6 +347,10 @@ class Placement:
                 budget = max(0, budget - without)
             if c.speculative:
                 plan.spare_banks = default_spare_banks(len(host), bank, budget)
+                # the pool starts as a step without speculation needs it and grows by what
+                # backward shows it can fill (HostStepping.finish): where backward is shorter
+                # than the host step, the other spares would be memory for nothing
+                awake = min(plan.spare_banks, NON_SPECULATIVE_SPARE_BANKS)
             else:
                 # no step waits for validation, so the pool needs no bank per subgroup: a step
                 # writes one spare (a step failing mid-way must not tear committed state) and a
@@ -355,7 +359,7 @@ class Placement:
                 fit = NON_SPECULATIVE_SPARE_BANKS if budget is None else max(1, budget // max(1, bank))
                 plan.spare_banks = min(NON_SPECULATIVE_SPARE_BANKS, resident, fit)
         why = {} if decision is None else {"prediction": decision.prediction, "reason": decision.reason}
-        return dataclasses.replace(plan, shard=self._shard_note(), **why)
+        return dataclasses.replace(plan, shard=self._shard_note(), spares_awake=awake, **why)
 
     def _shard_note(self) -> str:
         """'rank r of N: its share, e of E elements' where this rank lays out only its part

@@ -24,6 +24,9 @@ class Plan:
     numels: list
     speculation_order: list = field(default_factory=list)  # host/nvme subgroups, ready order
     spare_banks: int = 0
+    # the spare banks handed out from the start (None: all); the others stay dormant, costing
+    # no memory, until speculation shows backward could fill them (HostStepping.finish)
+    spares_awake: int | None = None
     prediction: Prediction | None = None  # when the scheduler chose the plan
     reason: str = ""  # why the scheduler chose it
     shard: str = ""  # under FSDP2 / process_group: whose share this plan lays out

@@ -1,8 +1,9 @@
 """`opt.allocated_bytes`: the bytes the optimizer holds now, per kind (host, nvme, comm, device),
 read from what the OS and the allocator report, never from element counts.
 
-Host is the arena's `os.fstat` size, nvme the swap files' sizes, comm and device the storages'
-sizes. The model's params and grads are not counted: they are the model's. Design notes:
+Host is the arena's allocated pages (`os.fstat`'s st_blocks: dormant spare banks have none),
+nvme the swap files' sizes, comm and device the storages' sizes. The model's params and grads are
+not counted: they are the model's. Design notes:
 docs/internals.md."""
 
 from __future__ import annotations
@@ -38,7 +39,8 @@ def _device_tensors(device) -> list:
 
 
 def _arena_bytes(host) -> int:
-    return os.fstat(host.arena.fd).st_size
+    """The arena's allocated pages (dormant spare banks have none until woken)."""
+    return os.fstat(host.arena.fd).st_blocks * 512
 
 
 def _swap_bytes(host) -> int:

@@ -85,6 +85,7 @@ class HostTier:
         amsgrad: bool = False,
         rollback: str = "exact",
         spare_banks: int | None = None,
+        spares_awake: int | None = None,
         staging_slots: int = STAGING_SLOTS,
         slot_numel: int | None = None,
         worker_share: float | None = None,
@@ -189,7 +190,14 @@ class HostTier:
         resident = lay.resident
         # an nvme step holds two banks (read, result) until it is committed or dropped
         self.io_banks = lay.io_banks
-        self.pool = BankPool(resident, lay.spares + 2 * self.io_banks, copy_slots=lay.copy_slots)
+        # spares_awake: the spare banks the pool hands out from the start; the others stay
+        # dormant (no memory) until wake_spares() takes them into use
+        awake = lay.spares if spares_awake is None else min(lay.spares, max(1, spares_awake))
+        dormant_banks = list(range(len(resident) + awake, len(resident) + lay.spares))
+        self.pool = BankPool(
+            resident, lay.spares + 2 * self.io_banks, copy_slots=lay.copy_slots, dormant=dormant_banks
+        )
+        self._lay = lay
         self.capacity, self.slot_numel, self.io_bytes = lay.capacity, lay.slot_numel, lay.io_bytes
         regions, bank_stride, slot_stride = lay.regions, lay.bank_stride, lay.slot_stride
         bank_offset, slot_offset = lay.bank_offset, lay.slot_offset
@@ -219,11 +227,15 @@ class HostTier:
             ]
         )
         if not pin and self.pool.n_banks > len(resident):
-            later.append(
-                (bank_offset + bank_stride * len(resident), bank_stride * (self.pool.n_banks - len(resident)))
-            )
+            first, end = len(resident), len(resident) + awake  # the awake spares, then the io banks
+            later += [
+                (bank_offset + bank_stride * a, bank_stride * (b - a))
+                for a, b in ((first, end), (len(resident) + lay.spares, self.pool.n_banks))
+                if b > a
+            ]
+        dormant = [r for b in dormant_banks for r in self._bank_ranges(b)]
         # its pages reserved and populated below, once the worker is starting (fill())
-        self.arena = SharedArena(lay.nbytes, "hybrid_opt-host", later=later, defer=True)
+        self.arena = SharedArena(lay.nbytes, "hybrid_opt-host", later=later, defer=True, dormant=dormant)
         self.banks = StateBanks(
             self.arena,
             numels=self.numels,
@@ -257,6 +269,7 @@ class HostTier:
             # the subgroups whose q8 moments are codes (the others' are fp32)
             quantized=[sg for sg, q in sg_quantized.items() if q],
             populate_later=later,
+            dormant=dormant,  # neither reserved nor populated (wake_spares)
         )  # the worker maps these in the background
         self.file_slots = FileSlots(ids)  # nvme: the committed slot of each subgroup's file
         self._aio = None  # the trainer's own engine (load_state / state)
@@ -319,6 +332,7 @@ class HostTier:
             rollback=rollback,
             amsgrad=amsgrad,
             slot_numel=self.slot_numel,
+            wake_spares=self.wake_spares,
         )
         self.stepping = stepping
         self.closed = False
@@ -585,6 +599,36 @@ class HostTier:
                 self.pool.release(bank)
             if scratch is not None:
                 self.pool.release(scratch)
+
+    # ------------------------------------------------------------------ the spare pool
+    def _bank_ranges(self, bank: int) -> list:
+        """The arena's (offset, nbytes) ranges that spare `bank` alone uses: the bank, and its
+        copy slot where copies are pooled (BankPool.copy_of: spare k has slot k at first)."""
+        lay = self._lay
+        out = [(lay.bank_offset + bank * lay.bank_stride, lay.bank_stride)]
+        if lay.copy_slots and lay.copy_stride:
+            out.append((lay.copy_offset + (bank - len(lay.resident)) * lay.copy_stride, lay.copy_stride))
+        return out
+
+    @property
+    def spares_awake(self) -> int:
+        """Spare banks the pool may hand out now (dormant ones excluded)."""
+        return self._lay.spares - len(self.pool.dormant)
+
+    def wake_spares(self, k: int) -> int:
+        """Takes up to `k` dormant spare banks into use (their memory reserved, populated and,
+        in a pinned arena, registered) and gives them to the pool; returns how many. Memory
+        that is not there (or cannot be pinned) wakes none and leaves the pool as it was: a
+        larger pool only lets speculation run further ahead."""
+        banks = self.pool.dormant[:k]
+        if not banks:
+            return 0
+        try:
+            self.arena.wake([r for b in banks for r in self._bank_ranges(b)])
+        except (MemoryError, RuntimeError):
+            return 0
+        self.pool.wake(banks)
+        return len(banks)
 
     # ------------------------------------------------------------------ counters (HostStepping + HostIO)
     @property

@@ -62,8 +62,15 @@ class HostStepping:
         rollback: str,
         amsgrad: bool,
         slot_numel: int,
+        wake_spares: Callable[[int], int] | None = None,
     ):
         self._io, self._banks, self._pool, self._files = io, banks, pool, files
+        # HostTier.wake_spares: dormant spare banks into the pool (their memory allocated then)
+        self._wake_spares = wake_spares
+        # the subgroups whose speculation found no free bank while the worker idled (it had
+        # sent back every result it was given), since the last finish()
+        self._starved: set[int] = set()
+        self._starved_before: int | None = None  # that count at the finish() before
         self._views = views  # HostViews: told of every bank and slot a step is about to write
         self._client = client
         self.numels, self.nvme = dict(numels), dict(nvme)  # by subgroup id (HostTier's)
@@ -344,6 +351,8 @@ class HostStepping:
         spec = self._take_banks(sg)
         if spec is None:
             self._io.poll()  # refused all the same: the results that came back are collected
+            if self._pool.dormant and self._worker_idle():
+                self._starved.add(sg)
             return False
         spec.inputs = inputs
         self._spec[sg] = spec
@@ -498,9 +507,30 @@ class HostStepping:
         Returns {sg: "committed" | "redone" | "stepped" | "dropped"}.
         """
         runs = {sg: self._check(sg, grad, final) for sg, (grad, final) in steps.items()}
+        grow = self._spares_wanted()
         # step(): the staging copies still landing may be waited for; every speculation ends first
         with self._io.finishing([p for s in self._spec.values() for p in s.pieces]):
-            return self._finish(steps, runs, overflow, on_commit)
+            outcome = self._finish(steps, runs, overflow, on_commit)
+        if grow and self._wake_spares is not None:
+            self._wake_spares(grow)
+        return outcome
+
+    def _spares_wanted(self) -> int:
+        """Dormant spare banks the pool should wake after this step: one for each subgroup
+        whose speculation found no free bank while the worker idled, having finished every step
+        it was given (more banks would have hidden those steps under backward), counted in
+        this iteration and the one before, whichever count is smaller: a first iteration's
+        backward (allocations, warm-up) can be many times the next ones', and the memory, once
+        woken, stays. A refusal while the worker is busy counts for nothing: more banks would
+        only hold queued steps."""
+        now, before = len(self._starved), self._starved_before
+        self._starved, self._starved_before = set(), now
+        return min(now, before) if before is not None and self._pool.dormant else 0
+
+    def _worker_idle(self) -> bool:
+        """Every speculated piece's result is back (as last polled): the worker has nothing of
+        this iteration's left to do."""
+        return all(p.result is not None for spec in self._spec.values() for p in spec.pieces)
 
     def _finish(self, steps: dict, runs: dict, overflow: bool, on_commit) -> dict[int, str]:
         outcome = {}

@@ -105,9 +105,11 @@ class Worker:
         # the trainer allocated the pages; map them all now rather than a fault per 4 KB in
         # the first steps on each bank; the ranges it populates in the background (spare
         # banks) are mapped here in the background too, in the same order, so the two threads
-        # share the pages' first touch
+        # share the pages' first touch. Dormant spare banks are left alone: their memory is
+        # allocated when the trainer wakes them (HostTier.wake_spares), and this side faults
+        # their pages in on first use
         later = [tuple(r) for r in cfg.get("populate_later") or ()]
-        populate(self.mm, skip=later)
+        populate(self.mm, skip=later + [tuple(r) for r in cfg.get("dormant") or ()])
         self._populating = (
             BackgroundPopulate(address(self.mm), later, "the worker's arena") if later else None
         )
