@@ -49,23 +49,22 @@ def pytest_collection_modifyitems(config, items):
 
 
 def pytest_collection_finish(session):
-    """The launch-path compile test goes last, its compiles started now in the background
-    (tests/gpu_compile_jobs.py): they use the cores the rest of the suite leaves idle."""
-    import importlib.util
+    """The tests that collect a background job (the launch-path compile, the q8 quantizers'
+    exhaustive proofs) go last, their jobs started now (tests/background_jobs.py): they use the
+    cores the rest of the suite leaves idle."""
+    import background_jobs
 
-    import gpu_compile_jobs
-
-    compile_tests = [item for item in session.items if item.nodeid.endswith(gpu_compile_jobs.TEST_ID)]
-    if not compile_tests or session.config.option.collectonly or importlib.util.find_spec("triton") is None:
+    last = background_jobs.tests_with_jobs(session.items)
+    if not last or session.config.option.collectonly:
         return
-    session.items[:] = [item for item in session.items if item not in compile_tests] + compile_tests
-    gpu_compile_jobs.start_in_background()
+    session.items[:] = [item for item in session.items if item not in last] + last
+    background_jobs.start_in_background(last)
 
 
 def pytest_sessionfinish(session):
-    import gpu_compile_jobs
+    import background_jobs
 
-    gpu_compile_jobs.stop()
+    background_jobs.stop()
 
 
 def pytest_unconfigure(config):

@@ -28,10 +28,10 @@ def thread_masks() -> dict:
 
 def child_pids() -> set:
     """The pids of this process's children and theirs (workers, launchers), but for the
-    background compile jobs' (gpu_compile_jobs.py), whose ptxas processes come and go meanwhile."""
-    import gpu_compile_jobs
+    background jobs' (background_jobs.py), whose processes (ptxas) come and go meanwhile."""
+    import background_jobs
 
-    jobs, out = gpu_compile_jobs.groups(), set()
+    jobs, out = background_jobs.groups(), set()
     for c in psutil.Process().children(recursive=True):
         try:
             if os.getpgid(c.pid) not in jobs:

@@ -7,12 +7,12 @@ on any kernel whose constexprs are lost on the way to the compiler, on a variabl
 differs between the branches of a runtime `if`, and on shapes from runtime values. The two
 architectures compile in parallel, each in a fresh interpreter (the interpreter patches
 triton.language in a process that has interpreted) with an empty Triton cache, started in the
-background as the session begins and collected last (tests/gpu_compile_jobs.py).
+background as the session begins and collected last (tests/background_jobs.py).
 """
 
 import importlib.util
 
-import gpu_compile_jobs
+import background_jobs
 import pytest
 
 # from when the test starts waiting: by then the suite's other tests are done (conftest.py runs this
@@ -22,7 +22,7 @@ DEADLINE_S = 600
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
 def test_every_specialization_compiles_for_sm80_and_sm90_through_the_launch_path():
-    results = gpu_compile_jobs.take().collect(DEADLINE_S)
+    results = {arch: background_jobs.result(f"sm_{arch}", DEADLINE_S) for arch in background_jobs.ARCHS}
     for arch, (code, output) in results.items():
         assert code == 0 and "OK" in output, (
             f"sm_{arch} (exit {code}, None: past {DEADLINE_S} s):\n{output[-6000:]}"

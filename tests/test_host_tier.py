@@ -14,6 +14,7 @@ import statistics
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
 import psutil
@@ -1009,15 +1010,24 @@ def test_speculated_steps_still_queued_when_step_waits_run_on_the_waited_threads
         states = make_states(numels, seed=7)
         load(tier, states)
         grads = make_grads(numels, seed=7)
-        for sg, g in enumerate(grads):
-            assert tier.stepping.speculate(sg, g, inputs(1))
-        assert tier.stepping.finish({sg: (g, inputs(1)) for sg, g in enumerate(grads)}) == {
-            0: "committed",
-            1: "committed",
-        }
+        # the worker is stopped until finish() has told it the trainer waits: on a loaded host it
+        # could otherwise run every piece on its own threads before step() comes
+        pid = tier.client.pid
+        os.kill(pid, signal.SIGSTOP)
+        resume = threading.Timer(0.5, os.kill, (pid, signal.SIGCONT))
+        try:
+            for sg, g in enumerate(grads):
+                assert tier.stepping.speculate(sg, g, inputs(1))
+            resume.start()
+            assert tier.stepping.finish({sg: (g, inputs(1)) for sg, g in enumerate(grads)}) == {
+                0: "committed",
+                1: "committed",
+            }
+        finally:
+            resume.cancel()
+            os.kill(pid, signal.SIGCONT)
         for sg, g in enumerate(grads):
             ref_step(states[sg], g, inputs(1))
-        pid = tier.client.pid
         if arrangement == "split":
             cores = _thread_cores(pid)
             assert sum(c == every for c in cores.values()) >= tier.cores.waited_threads, cores

@@ -22,7 +22,14 @@ CONFIGS = {
     # name: (optimizer, hybrid kwargs, clip, overflow step on rank 1, micro-batches per step)
     "adamw_nvme": ("AdamW", dict(offload_fraction=0.5, nvme_fraction=0.25), 1.0, None, 1),
     "adam_host": ("Adam", dict(offload_fraction=1.0), 1.0, None, 1),
-    "adamw_host_noclip": ("AdamW", dict(offload_fraction=1.0, overlap_param_gather=True), None, None, 1),
+    # a spare bank per subgroup awake (spare_banks=): speculation's commits, not the pool's size
+    "adamw_host_noclip": (
+        "AdamW",
+        dict(offload_fraction=1.0, overlap_param_gather=True, spare_banks=64),
+        None,
+        None,
+        1,
+    ),
     "adamw_overflow": ("AdamW", dict(offload_fraction=0.5), 1.0, 1, 1),
     "adamw_accum": ("AdamW", dict(offload_fraction=0.5, nvme_fraction=0.25), 1.0, None, 2),
     # the same accumulation without the boundary flag: each backward reduces every bucket (the
