@@ -185,12 +185,12 @@ def test_a_pinned_arena_registers_what_is_awake_and_each_bank_as_it_wakes(monkey
     assert sorted(unregistered) == sorted(p for op, p, *_ in runtime.calls if op == "register")
 
 
-def _model():
+def _model(dtype=torch.float32):
     torch.manual_seed(0)
     layers = []
     for _ in range(6):
         layers += [torch.nn.Linear(256, 256), torch.nn.Tanh()]
-    return torch.nn.Sequential(*layers)
+    return torch.nn.Sequential(*layers).to(dtype)
 
 
 def _slow_backward(model, seconds):
@@ -202,30 +202,43 @@ def _slow_backward(model, seconds):
 
 def _train(opt, model, steps):
     torch.manual_seed(1)
+    dtype = next(model.parameters()).dtype
     for _ in range(steps):
         opt.zero_grad()
-        model(torch.randn(8, 256)).square().mean().backward()
+        model(torch.randn(8, 256, dtype=dtype)).float().square().mean().backward()
         opt.step()
 
 
+# q8: a bf16 model with q8 moments and remainders, whose spare banks' copy slots are pooled (a
+# dormant bank's slot is dormant with it)
+FORMATS = {
+    "fp32": (torch.float32, {}),
+    "q8": (torch.bfloat16, dict(exp_avg_dtype="q8", exp_avg_sq_dtype="q8", store_param_remainders=True)),
+}
+
+
+@pytest.mark.parametrize("fmt", list(FORMATS))
 @pytest.mark.parametrize("slow", [True, False], ids=["long_backward", "plain"])
-def test_a_fixed_offload_starts_with_two_awake_spares_and_grows_under_a_long_backward(slow):
-    model, ref = _model(), _model()
+def test_a_fixed_offload_starts_with_two_awake_spares_and_grows_under_a_long_backward(slow, fmt):
+    dtype, state = FORMATS[fmt]
+    model, ref = _model(dtype), _model(dtype)
     if slow:
         _slow_backward(model, 0.02)
-    kw = dict(offload_fraction=1.0, subgroup_numel=256 * 257, worker_share=0.5, lr=1e-3)
+    kw = dict(offload_fraction=1.0, subgroup_numel=256 * 257, worker_share=0.5, lr=1e-3, **state)
     with HybridAdamW(model.parameters(), speculative=True, **kw) as opt:
         host = debug_view(opt).host
         n_host = len(opt.plan.subgroups("host"))
         assert opt.plan.spare_banks == n_host > 4 and opt.plan.spares_awake == 2
         assert host.spares_awake == 2
+        if fmt == "q8":
+            assert host.spare_bank_bytes > host.banks.bank_stride  # its copy slot too
         before = opt.allocated_bytes["host"]
         assert before == os.fstat(host.arena.fd).st_blocks * 512
         _train(opt, model, steps=4)
         if slow:
             assert host.spares_awake > 2, "a long backward left the worker idle: spares should wake"
             grown = host.spares_awake - 2
-            assert opt.allocated_bytes["host"] == before + grown * host.banks.bank_stride
+            assert opt.allocated_bytes["host"] == before + grown * host.spare_bank_bytes
         with HybridAdamW(ref.parameters(), speculative=False, **kw) as plain:
             _train(plain, ref, steps=4)
         for a, b in zip(model.parameters(), ref.parameters()):

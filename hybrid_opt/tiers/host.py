@@ -611,6 +611,12 @@ class HostTier:
         return out
 
     @property
+    def spare_bank_bytes(self) -> int:
+        """The arena bytes one spare bank uses (its bank, and its copy slot where copies are
+        pooled): what waking one allocates."""
+        return sum(n for _, n in self._bank_ranges(len(self._lay.resident)))
+
+    @property
     def spares_awake(self) -> int:
         """Spare banks the pool may hand out now (dormant ones excluded)."""
         return self._lay.spares - len(self.pool.dormant)
