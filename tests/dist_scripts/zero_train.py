@@ -60,8 +60,9 @@ CONFIGS = {
     "adamw_unused_direct_lazy": ("AdamW", dict(offload_fraction=0.5), 1.0, None, 1),
     # the params' gathers launched as step() commits: rank 1 drops its first host subgroup's
     # speculation before each step, so it commits that subgroup last (stepped in step()) while
-    # rank 0 commits it first; the launches and commits are logged
-    "adamw_commit_order": ("AdamW", dict(offload_fraction=1.0), 1.0, None, 1),
+    # rank 0 commits it first; the launches and commits are logged. Every spare awake
+    # (spare_banks=): every subgroup speculated, whatever the default pool would have woken
+    "adamw_commit_order": ("AdamW", dict(offload_fraction=1.0, spare_banks=64), 1.0, None, 1),
 }
 SMALL_BUCKETS = (
     "adamw_host_noclip",
