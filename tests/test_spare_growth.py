@@ -43,7 +43,7 @@ def _wait_for_worker(tier, deadline_s=TIMEOUT_S):
     end = time.monotonic() + deadline_s
     while time.monotonic() < end:
         tier.io.poll()
-        if all(p.result is not None for s in tier.stepping._spec.values() for p in s.pieces):
+        if tier.stepping.worker_idle():
             return
         time.sleep(0.01)
     raise AssertionError("the worker did not finish its speculated steps")

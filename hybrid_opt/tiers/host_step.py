@@ -351,7 +351,7 @@ class HostStepping:
         spec = self._take_banks(sg)
         if spec is None:
             self._io.poll()  # refused all the same: the results that came back are collected
-            if self._pool.dormant and self._worker_idle():
+            if self._pool.dormant and self.worker_idle():
                 self._starved.add(sg)
             return False
         spec.inputs = inputs
@@ -527,7 +527,7 @@ class HostStepping:
         self._starved, self._starved_before = set(), now
         return min(now, before) if before is not None and self._pool.dormant else 0
 
-    def _worker_idle(self) -> bool:
+    def worker_idle(self) -> bool:
         """Every speculated piece's result is back (as last polled): the worker has nothing of
         this iteration's left to do."""
         return all(p.result is not None for spec in self._spec.values() for p in spec.pieces)
