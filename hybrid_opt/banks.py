@@ -23,9 +23,8 @@ class BankPool:
         dormant: spare banks not handed out until wake() (their memory is not allocated yet)."""
         self.committed = {sg: k for k, sg in enumerate(resident)}
         self.dormant = sorted(dormant)
-        self.free = [b for b in range(len(resident), len(resident) + n_spares) if b not in set(self.dormant)][
-            ::-1
-        ]
+        asleep = set(self.dormant)
+        self.free = [b for b in range(len(resident), len(resident) + n_spares) if b not in asleep][::-1]
         self.n_banks = len(resident) + n_spares
         self.copy_of: dict | None = {len(resident) + k: k for k in range(n_spares)} if copy_slots else None
 

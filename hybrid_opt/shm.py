@@ -33,6 +33,18 @@ def address(mm: mmap.mmap) -> int:
         del buf  # the buffer export would keep close() from unmapping
 
 
+def outside(ranges, nbytes: int) -> list:
+    """The (offset, nbytes) ranges of [0, nbytes) that none of `ranges` covers, in order."""
+    out, at = [], 0
+    for off, n in sorted(ranges):
+        if off > at:
+            out.append((at, off - at))
+        at = max(at, off + n)
+    if at < nbytes:
+        out.append((at, nbytes - at))
+    return out
+
+
 def populate(mm: mmap.mmap, what: str = "shared memory", skip=(), threads: int | None = None) -> bool:
     """Fault in every page of a shared mapping now (but the page-aligned (offset, nbytes)
     ranges in `skip`), writable, allocating the pages the first time, with one thread per
@@ -42,15 +54,8 @@ def populate(mm: mmap.mmap, what: str = "shared memory", skip=(), threads: int |
     up front also turns memory that is not there into an error here, not a SIGBUS
     mid-training. Returns False where the kernel cannot (before 5.14): pages then come on
     first touch."""
-    ranges, at = [], 0
-    for off, n in sorted(skip):
-        if off > at:
-            ranges.append((at, off - at))
-        at = max(at, off + n)
-    if at < len(mm):
-        ranges.append((at, len(mm) - at))
     try:
-        err = populate_now(address(mm), ranges, threads, MADV_POPULATE_WRITE)
+        err = populate_now(address(mm), outside(skip, len(mm)), threads, MADV_POPULATE_WRITE)
     except (AttributeError, TypeError, OSError):  # no libc madvise to call
         return False
     if err in (errno.EINVAL, errno.ENOSYS, errno.EPERM):
@@ -294,17 +299,6 @@ class SharedArena:
     def pinned(self) -> bool:
         return bool(self._pinned)
 
-    def _awake_ranges(self) -> list:
-        """(offset, nbytes) ranges of the arena outside the dormant ones, in order."""
-        out, at = [], 0
-        for off, n in self.dormant:
-            if off > at:
-                out.append((at, off - at))
-            at = max(at, off + n)
-        if at < self.nbytes:
-            out.append((at, self.nbytes - at))
-        return out
-
     def pin(self, device=None) -> bool:
         """Page-lock the arena for every CUDA context (async H2D/D2H copies); True when it is
         pinned. `device`: the CUDA device whose context registers it (the params'; None: the
@@ -322,7 +316,7 @@ class SharedArena:
             return False
         base = address(self.mm)
         self._runtime, self._pin_device = runtime, device
-        for off, n in self._awake_ranges():
+        for off, n in outside(self.dormant, self.nbytes):
             err = self._register(base + off, n)
             if err != 0:
                 self._unregister_all()
@@ -344,16 +338,20 @@ class SharedArena:
             self._pinned.append((ptr, nbytes))
         return err
 
-    def _unregister_all(self) -> None:
+    def _unregister(self, ptrs) -> None:
+        """cudaHostUnregister of the registered ranges starting at `ptrs`, which leave _pinned."""
         if self._runtime is not None:
-            for ptr, _ in self._pinned:
+            for ptr, _ in [p for p in self._pinned if p[0] in ptrs]:
                 try:
                     with _in_context_of(self._pin_device):
                         if self._runtime.unregister(ptr) != 0:
                             self._runtime.clear_error()  # the memory goes with the mapping anyway
                 except Exception:
                     pass  # a device gone (interpreter shutdown): the mapping is closed all the same
-        self._pinned = []
+        self._pinned = [p for p in self._pinned if p[0] not in ptrs]
+
+    def _unregister_all(self) -> None:
+        self._unregister({ptr for ptr, _ in self._pinned})
         self._runtime = self._pin_device = None
 
     def wake(self, ranges) -> None:
@@ -365,7 +363,7 @@ class SharedArena:
         for r in ranges:
             if r not in self.dormant:
                 raise ValueError(f"{r} is not a dormant range of this arena ({self.dormant})")
-        what = "shared memory (spare banks)"
+        what, base = "shared memory (spare banks)", address(self.mm)
         try:
             reserve(self.fd, ranges, what)
             # every core: the step that wakes them waits (once; ~2 GB/s on a 2-core VM)
@@ -373,7 +371,6 @@ class SharedArena:
             if err and err not in (errno.EINVAL, errno.ENOSYS, errno.EPERM):
                 raise memory_error(sum(n for _, n in ranges), what, err)
             if self._pinned:
-                base = address(self.mm)
                 for off, n in ranges:
                     err = self._register(base + off, n)
                     if err != 0:
@@ -383,14 +380,7 @@ class SharedArena:
                             f"(error {err})"
                         )
         except BaseException:
-            base = address(self.mm)
-            woken = {base + off for off, _ in ranges}
-            for ptr, _ in [p for p in self._pinned if p[0] in woken]:
-                assert self._runtime is not None
-                with _in_context_of(self._pin_device):
-                    if self._runtime.unregister(ptr) != 0:
-                        self._runtime.clear_error()
-            self._pinned = [p for p in self._pinned if p[0] not in woken]
+            self._unregister({base + off for off, _ in ranges})
             for off, n in ranges:
                 punch_hole(self.fd, off, n)
             raise

@@ -1,6 +1,9 @@
 """Helpers shared by several test modules (the tests directory is on sys.path)."""
 
+import contextlib
 import os
+import signal
+import threading
 import time
 
 import psutil
@@ -202,3 +205,36 @@ def with_fp32_masters(state: dict, params) -> dict:
             st["master_param"] = master
         out[i] = st
     return out
+
+
+def arena_rss(pid="self") -> int:
+    """Rss bytes of process `pid`'s mappings of host arenas (smaps: the pages it has in memory)."""
+    total, inside = 0, False
+    with open(f"/proc/{pid}/smaps") as f:
+        for line in f:
+            head = line.split()
+            if "-" in head[0] and len(head) >= 5:  # a mapping's header line
+                inside = "memfd:hybrid_opt-host" in line
+            elif inside and head[0] == "Rss:":
+                total += int(head[1]) * 1024
+    return total
+
+
+@contextlib.contextmanager
+def stopped(pid):
+    """Process `pid` (a worker) stopped by SIGSTOP inside the block, so it is busy for certain;
+    the block gets `resume_in(seconds)`, which continues it from a timer (a call that waits for it
+    can start first). It is continued at the end whatever happens."""
+    timers = []
+
+    def resume_in(seconds: float) -> None:
+        timers.append(threading.Timer(seconds, os.kill, (pid, signal.SIGCONT)))
+        timers[-1].start()
+
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        yield resume_in
+    finally:
+        for t in timers:
+            t.cancel()
+        os.kill(pid, signal.SIGCONT)

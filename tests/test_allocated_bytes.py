@@ -7,7 +7,7 @@ import os
 
 import pytest
 import torch
-from helpers import child_pids
+from helpers import arena_rss, child_pids
 
 from hybrid_opt import HybridAdamW
 from hybrid_opt.testing import debug_view
@@ -37,19 +37,6 @@ def _memfd_sizes(field="st_blocks") -> int:
     return sum(sizes.values())
 
 
-def _mapped_sizes(field="Rss:") -> int:
-    """kB of this process's mappings of the arena (smaps' Rss: the pages it has in memory; or
-    Size:), in bytes."""
-    total, inside = 0, False
-    with open("/proc/self/smaps") as f:
-        for line in f:
-            if not line[0].isupper() or "-" in line.split()[0]:  # a mapping's header line
-                inside = "memfd:hybrid_opt-host" in line
-            elif inside and line.startswith(field):
-                total += int(line.split()[1]) * 1024
-    return total
-
-
 def _apparent(path) -> int:
     return sum(os.stat(os.path.join(d, f)).st_size for d, _, fs in os.walk(path) for f in fs)
 
@@ -66,7 +53,7 @@ def test_host_and_nvme_bytes_are_what_the_os_reports(tmp_path):
         _step(model, opt)
         debug_view(opt).host.arena.wait_populated(timeout_s=60)
         got = opt.allocated_bytes
-        assert got["host"] == _memfd_sizes() == _mapped_sizes() == _memfd_sizes("st_size") > 0
+        assert got["host"] == _memfd_sizes() == arena_rss() == _memfd_sizes("st_size") > 0
         assert got["nvme"] == _apparent(tmp_path) > 0
         assert got["comm"] == 0
         device = sum(opt.plan.numels[i] for i in opt.plan.subgroups("device"))
@@ -89,7 +76,7 @@ def test_dormant_spare_banks_are_not_counted_until_they_wake():
             got = opt.allocated_bytes["host"]
             dormant = len(host.pool.dormant)
             assert dormant > 0 or stepped, "no dormant spare bank at construction"
-            assert got == _memfd_sizes() == _mapped_sizes()
+            assert got == _memfd_sizes() == arena_rss()
             assert got == _memfd_sizes("st_size") - dormant * host.banks.bank_stride
 
 

@@ -14,7 +14,6 @@ import statistics
 import subprocess
 import sys
 import textwrap
-import threading
 import time
 
 import psutil
@@ -29,6 +28,7 @@ from helpers import (
     make_grads,
     make_states,
     ref_step,
+    stopped,
     thread_masks,
     wait_gone,
 )
@@ -1013,19 +1013,14 @@ def test_speculated_steps_still_queued_when_step_waits_run_on_the_waited_threads
         # the worker is stopped until finish() has told it the trainer waits: on a loaded host it
         # could otherwise run every piece on its own threads before step() comes
         pid = tier.client.pid
-        os.kill(pid, signal.SIGSTOP)
-        resume = threading.Timer(0.5, os.kill, (pid, signal.SIGCONT))
-        try:
+        with stopped(pid) as resume_in:
             for sg, g in enumerate(grads):
                 assert tier.stepping.speculate(sg, g, inputs(1))
-            resume.start()
+            resume_in(0.5)
             assert tier.stepping.finish({sg: (g, inputs(1)) for sg, g in enumerate(grads)}) == {
                 0: "committed",
                 1: "committed",
             }
-        finally:
-            resume.cancel()
-            os.kill(pid, signal.SIGCONT)
         for sg, g in enumerate(grads):
             ref_step(states[sg], g, inputs(1))
         if arrangement == "split":

@@ -5,13 +5,11 @@ pinned arena registers only what is awake, and a fixed offload_fraction starts a
 spares without changing a bit of the trajectory."""
 
 import os
-import signal
-import threading
 import time
 
 import pytest
 import torch
-from helpers import assert_bitwise_equal, inputs, load, make_grads, make_states, ref_step
+from helpers import arena_rss, assert_bitwise_equal, inputs, load, make_grads, make_states, ref_step, stopped
 
 from hybrid_opt import HybridAdamW, shm
 from hybrid_opt.testing import debug_view
@@ -23,19 +21,6 @@ N = 1 << 18  # elements a subgroup: a bank of ~3 MB, whole pages
 
 def _allocated(tier) -> int:
     return os.fstat(tier.arena.fd).st_blocks * 512
-
-
-def _mapped_rss(pid) -> int:
-    """Rss bytes of process `pid`'s mappings of a host arena (smaps)."""
-    total, inside = 0, False
-    with open(f"/proc/{pid}/smaps") as f:
-        for line in f:
-            head = line.split()
-            if "-" in head[0] and len(head) >= 5:
-                inside = "memfd:hybrid_opt-host" in line
-            elif inside and head[0] == "Rss:":
-                total += int(head[1]) * 1024
-    return total
 
 
 def _wait_for_worker(tier, deadline_s=TIMEOUT_S):
@@ -63,13 +48,13 @@ def test_dormant_spares_are_neither_allocated_nor_mapped_until_woken():
         assert _allocated(tier) == full - 4 * stride
         pid = tier.client.pid
         deadline = time.monotonic() + 60
-        while _mapped_rss(pid) < full - 4 * stride and time.monotonic() < deadline:
+        while arena_rss(pid) < full - 4 * stride and time.monotonic() < deadline:
             time.sleep(0.05)  # the worker maps its part in the background
-        assert _mapped_rss(pid) == full - 4 * stride, "the worker touched dormant banks"
-        assert _mapped_rss("self") == full - 4 * stride, "the trainer touched dormant banks"
+        assert arena_rss(pid) == full - 4 * stride, "the worker touched dormant banks"
+        assert arena_rss("self") == full - 4 * stride, "the trainer touched dormant banks"
         assert tier.wake_spares(3) == 3 and tier.spares_awake == 5
         assert _allocated(tier) == full - stride
-        assert _mapped_rss("self") == full - stride
+        assert arena_rss("self") == full - stride
         assert tier.wake_spares(5) == 1 and tier.wake_spares(1) == 0  # one left, then none
         assert _allocated(tier) == full
     finally:
@@ -124,18 +109,13 @@ def test_a_worker_still_busy_when_speculation_finds_no_bank_wakes_nothing():
         grads = make_grads(numels, seed=4)
         pid = tier.client.pid
         for step in (1, 2):
-            os.kill(pid, signal.SIGSTOP)
-            resume = threading.Timer(1.0, os.kill, (pid, signal.SIGCONT))
-            try:
+            with stopped(pid) as resume_in:
                 took = [
                     tier.stepping.speculate(sg, g, inputs(step), wait=False) for sg, g in enumerate(grads)
                 ]
                 assert took == [True, True, False, False, False, False]
-                resume.start()
+                resume_in(1.0)
                 tier.stepping.finish({sg: (g, inputs(step)) for sg, g in enumerate(grads)})
-            finally:
-                resume.cancel()
-                os.kill(pid, signal.SIGCONT)
         assert tier.spares_awake == 2 and len(tier.pool.dormant) == 4
         assert _allocated(tier) == tier.arena.nbytes - 4 * tier.banks.bank_stride
     finally:
