@@ -112,7 +112,9 @@ class DebugView:
         return self.host.swap.file(sg)
 
     def file_slot(self, sg: int) -> int:
-        """The slot of nvme subgroup `sg`'s file that holds its committed state (0 or 1)."""
+        """The slot of nvme subgroup `sg`'s file that holds its committed state (0 or 1). Acts:
+        the writes behind the last step land first (settle_writes)."""
+        self.settle_writes()
         return self.host.file_slots.slot(sg)
 
     def committed_bank(self, sg: int) -> int:
@@ -125,9 +127,22 @@ class DebugView:
         host = self._parts.placement.host
         return [] if host is None else sorted(host.stepping.reads_ahead)
 
+    def writes_behind(self) -> list:
+        """The nvme subgroups committed while the write behind their last step may still be
+        landing (their state is in a bank until it has), sorted; [] without a host tier."""
+        host = self._parts.placement.host
+        return [] if host is None else sorted(host.stepping.writes_behind)
+
+    def settle_writes(self) -> None:
+        """Acts: the writes behind the last step land (a bounded wait; one that failed is sent
+        again, and raises if it fails again), and their slots become the committed ones."""
+        self.host.stepping.settle_writes()
+
     def drop_reads_ahead(self) -> None:
-        """Acts: ends the reads ahead of the next step and frees their banks (a test that
-        changes a slot behind the optimizer's back does so first, as load_state_dict does)."""
+        """Acts: ends the reads ahead of the next step and the writes behind the last one, and
+        frees their banks, so the next step reads every nvme slot from its file (a test that
+        changes a slot behind the optimizer's back does so first)."""
+        self.host.stepping.settle_writes()
         self.host.stepping.release_reads()
 
     # ------------------------------------------------------------------ device tier

@@ -333,6 +333,7 @@ def test_redo_with_changed_inputs_is_bitwise_a_direct_step(nvme_dir, change):
         final = {sg: (g, b if "runs" not in change or sg == 1 else a) for sg, g in enumerate(grads)}
         expect = {sg: "redone" if final[sg][1] != a else "committed" for sg in final}
         assert tier.stepping.finish(final) == expect
+        tier.stepping.settle_writes()  # the writes behind the step land
         assert tier.file_slots.committed == {sg: 1 - s for sg, s in slots.items()}, (
             "commit and redo both flip the slot map"
         )
@@ -366,6 +367,7 @@ def test_a_flipped_byte_in_a_committed_slot_fails_its_checksum_and_names_the_fil
         for s, g in zip(after2, g2):
             ref_step(s, g, inputs(2))
 
+        tier.stepping.settle_writes()  # the writes land, their banks go: step 2 reads the slots
         path, slot = tier.swap.file(bad), tier.file_slots.committed[bad]
         k = 0 if where == "first_byte" else tier.io_bytes - 1  # the CRC covers the padding too
         flip_byte(path, slot * tier.io_bytes + k)
@@ -1000,8 +1002,10 @@ def test_a_directory_whose_owner_holds_its_lock_is_not_swept_whatever_its_pid(tm
 
 
 def test_a_full_disk_during_step_rolls_back_the_step_counts_of_what_was_not_stepped(nvme_dir):
-    """The worker's writes hit a file-size limit: step() raises naming the cause and what was
-    applied; parameters no committed subgroup holds keep their previous state and step count."""
+    """The worker's writes hit a file-size limit. A step commits before its writes land, so its
+    own writes fail behind it: its state stays committed, in memory. The next step sends them
+    again first; when they fail again it raises naming the cause, and changes nothing (params,
+    state, step counts). Once the disk takes them, training steps on."""
     import resource
 
     torch.manual_seed(0)
@@ -1013,26 +1017,31 @@ def test_a_full_disk_during_step_rolls_back_the_step_counts_of_what_was_not_step
             for p in params:
                 p.grad = torch.randn_like(p)
             opt.step()
-        before = opt.state_dict()
         # the next write goes to the slot after the committed one: let only its first page in
         nxt = 1 - debug_view(opt).file_slot(0)
         limit = nxt * debug_view(opt).host.io_bytes + 4096
         old = resource.prlimit(opt.worker_pid, resource.RLIMIT_FSIZE)
-        resource.prlimit(opt.worker_pid, resource.RLIMIT_FSIZE, (limit, old[1]))  # soft only
+        resource.prlimit(opt.worker_pid, resource.RLIMIT_FSIZE, (limit, old[1]))
         try:
+            for p in params:
+                p.grad = torch.randn_like(p)
+            opt.step()  # committed; its writes fail behind it
+            assert debug_view(opt).writes_behind() == [0, 1, 2, 3]
+            before = _snapshot(opt)  # the committed state, read from memory
+            values = [p.detach().clone() for p in params]
             for p in params:
                 p.grad = torch.randn_like(p)
             with pytest.raises(RuntimeError, match=r"(?s)failed in the host/nvme tier.*File too large"):
                 opt.step()
         finally:
             resource.prlimit(opt.worker_pid, resource.RLIMIT_FSIZE, old)
-        after = opt.state_dict()
-        for idx, st in before["state"].items():
-            written = int(after["state"][idx]["step"]) == 3
-            # a parameter is either wholly stepped (its subgroup committed) or wholly not
-            same = all(torch.equal(st[k], after["state"][idx][k]) for k in ("exp_avg", "exp_avg_sq"))
-            assert written != same, idx
-        assert any(int(s["step"]) == 2 for s in after["state"].values())
+        _assert_state_is(opt, before, "after a step whose writes could not land")
+        assert all(int(s["step"]) == 3 for s in before.values())
+        assert all(torch.equal(p, v) for p, v in zip(params, values))
+        opt.step()  # the disk takes the writes now: the same step goes through
+        assert all(int(s["step"]) == 4 for s in opt.state_dict()["state"].values())
+        debug_view(opt).settle_writes()
+        assert debug_view(opt).writes_behind() == []
 
 
 # ------------------------------------------------------------------ 9. restoring a bad nvme state
@@ -1084,10 +1093,10 @@ def test_a_checkpoint_replaces_a_corrupt_nvme_slot_and_the_step_error_says_so(nv
         ckpt = copy.deepcopy(opt.state_dict())
         _grad_step(opt, params, 2)
         view = debug_view(opt)
-        if not speculative:  # the next step's reads started after this one (read_ahead): the
-            # corruption must come before they read the slot, so they are dropped first
-            assert 2 in view.reads_ahead()
-            view.drop_reads_ahead()
+        # the next step finds its state in memory (read ahead, or the bank the write behind this
+        # one writes from): the corruption must come before it reads the slot, so those go first
+        assert speculative or 2 in view.reads_ahead()
+        view.drop_reads_ahead()
         flip_byte(view.nvme_file(2), view.file_slot(2) * view.host.io_bytes + 100)
         with pytest.raises(RuntimeError, match="checksum mismatch") as info:
             _grad_step(opt, params, 3)
@@ -1097,6 +1106,46 @@ def test_a_checkpoint_replaces_a_corrupt_nvme_slot_and_the_step_error_says_so(nv
         opt.load_state_dict(ckpt)
         _assert_state_is(opt, ckpt["state"], "loaded over a corrupt slot")
         _grad_step(opt, params, 3)  # and it steps on
+
+
+def test_a_steps_writes_land_behind_it_and_the_next_step_reads_their_banks(nvme_dir, monkeypatch):
+    """finish() commits an nvme step before its write lands: the slot map flips once it has (the
+    next finish() settles it first). Meanwhile state() reads the bank the step wrote, and the next
+    step reads that bank, not the file: no read at all while the pool holds every subgroup, and
+    bitwise the direct steps throughout."""
+    from hybrid_opt.tiers.host_step import HostStepping
+
+    reads = []
+    real = HostStepping._send_swap_in
+    monkeypatch.setattr(
+        HostStepping, "_send_swap_in", lambda self, sg, spec: reads.append(sg) or real(self, sg, spec)
+    )
+    numels = [3000, 9000]
+    with ExitStack() as stack:
+        tier = new_tier(numels, [True, True], nvme_dir, io_banks=3)
+        stack.callback(tier.close)
+        states = make_states(numels, seed=21)
+        load(tier, states)
+        for step in (1, 2, 3):
+            slots = tier.file_slots.committed
+            grads = make_grads(numels, seed=60 + step)
+            inp = inputs(step)
+            del reads[:]
+            assert set(tier.stepping.finish({sg: (g, inp) for sg, g in enumerate(grads)}).values()) == {
+                "stepped"
+            }
+            assert reads == ([0, 1] if step == 1 else []), f"step {step} read {reads}"
+            # step 1's writes were settled by step 2's finish(): each step flips the map once
+            assert tier.stepping.writes_behind == [0, 1]
+            assert tier.file_slots.committed == (
+                slots if step == 1 else {sg: 1 - s for sg, s in slots.items()}
+            )
+            for s, g in zip(states, grads):
+                ref_step(s, g, inp)
+            assert_tier_equals(tier, states, f"step {step}, from the banks")
+        tier.stepping.settle_writes()
+        assert tier.stepping.writes_behind == []
+        assert_tier_equals(tier, states, "from the slots")
 
 
 def test_plain_steps_read_the_next_steps_slots_ahead_and_a_load_drops_those_reads(nvme_dir):
@@ -1186,6 +1235,7 @@ def test_an_nvme_file_removed_from_outside_keeps_its_state_and_says_so(nvme_dir,
         with pytest.warns(RuntimeWarning, match="removed or replaced from outside") as rec:
             for o, ps in ((opt, params), (twin, twin_params)):
                 _grad_step(o, ps, 2)
+            debug_view(opt).drop_reads_ahead()  # the writes land: state_dict() reads the files
             _assert_state_is(opt, _snapshot(twin), "after the file was removed")
         (msg,) = [str(w.message) for w in rec if path in str(w.message)]  # once per file
         assert "nvme tier" in msg and "nvme_path" in msg and "tmp cleaners" in msg, msg
@@ -1238,6 +1288,7 @@ def test_a_worker_restarted_after_the_nvme_files_were_removed_from_outside_steps
             }
             for s, g in zip(states, grads):
                 ref_step(s, g, inp)
+            tier.stepping.settle_writes()  # the writes land: state() reads the files
             # the first read of a removed file warns, once per file
             warned = pytest.warns(RuntimeWarning, match="removed or replaced from outside")
             with warned if step == 2 else ExitStack():
@@ -1272,6 +1323,7 @@ def test_nvme_files_removed_from_outside_survive_a_killed_worker_and_a_checkpoin
             for seed in (2, 3):
                 for o, ps in ((opt, params), (twin, twin_params)):
                     _grad_step(o, ps, seed)
+            debug_view(opt).drop_reads_ahead()  # the writes land: state_dict() reads the files
             _assert_state_is(opt, _snapshot(twin), "after the files were removed and the worker killed")
         assert host.stats["worker_restarts"] == 1 and host.client.pid != old
         for a, b in zip(params, twin_params):

@@ -319,6 +319,7 @@ class HostTier:
             self.files,
             nvme=self.nvme,
             io_bytes=self.io_bytes,
+            written_bank=lambda sg: stepping.written_bank(sg),
         )
         stepping = HostStepping(
             self.io,
@@ -417,6 +418,9 @@ class HostTier:
         if banks is None:  # the reads ahead of the next step hold the rest: they give way
             self.stepping.release_reads()
             banks = self.pool.acquire(1)
+        if banks is None:  # then the writes behind the last step, once they landed
+            self.stepping.settle_writes()
+            banks = self.pool.acquire(1)
         if banks is None:
             raise RuntimeError(
                 "no free bank to move nvme state through: every one is held by a "
@@ -453,6 +457,7 @@ class HostTier:
     def file_marks(self) -> dict:
         """{nvme subgroup: (its committed slot, that slot's CRC32C)}: with restore_file_marks,
         how a load into the files is undone (load_state writes the other slot only)."""
+        self.stepping.settle_writes()
         return {
             sg: (self.file_slots.slot(sg), self.file_slots.crc(sg, self.file_slots.slot(sg)))
             for sg in self.numels
@@ -475,7 +480,8 @@ class HostTier:
         bad, buf = {}, aligned_buffer(self.io_bytes)
         try:
             for sg in sorted(subgroups):
-                if self.nvme[sg] and not self.closed:
+                # a write-behind's subgroup: its committed state is in memory, not in a slot
+                if self.nvme[sg] and not self.closed and self.stepping.written_bank(sg) is None:
                     slot = self.file_slots.slot(sg)
                     try:
                         crc = self._swap_file(sg, None, slot, write=False, buf=buf)
@@ -506,9 +512,10 @@ class HostTier:
             return st
         bank = self._borrow_bank()
         try:
-            slot = self.file_slots.slot(sg)
-            crc = self._swap_file(sg, bank, slot, write=False)
-            if crc != self.file_slots.crc(sg, slot):
+            slot, held = self.file_slots.slot(sg), self.stepping.written_bank(sg)
+            if held is not None:  # a write-behind's: the bank it writes holds what the slot will
+                self.banks.state_block(bank).copy_(self.banks.state_block(held))
+            elif (crc := self._swap_file(sg, bank, slot, write=False)) != self.file_slots.crc(sg, slot):
                 raise OSError(
                     f"checksum mismatch in {self.swap.file(sg)} slot {slot}: expected "  # type: ignore[union-attr]
                     f"CRC32C {self.file_slots.crc(sg, slot):08x}, read {crc:08x}; the file is "
@@ -573,6 +580,7 @@ class HostTier:
         self.stepping.require_idle(sg)
         if self.nvme[sg]:
             self.stepping.release_reads()  # one of them may read the slot this replaces
+            self.stepping.land_write(sg)  # a write still landing writes the slot this would
         bank = self._borrow_bank() if self.nvme[sg] else self._resident(sg)
         # copy slots: a resident remainder subgroup's high half is written in a free bank's slot
         # (none free: a tensor of its own), then into the model
@@ -592,6 +600,7 @@ class HostTier:
             if self.nvme[sg]:
                 slot = 1 - self.file_slots.slot(sg)  # the committed slot stays valid until this lands
                 self.file_slots.commit(sg, slot, self._swap_file(sg, bank, slot, write=True))
+                self.stepping.replaced(sg)  # a failed write-behind's state, in memory, is replaced
             if self.banks.keeps_remainders(sg):
                 self.banks.write_param(sg, stored["high"])
         finally:

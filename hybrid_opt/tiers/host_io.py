@@ -41,6 +41,9 @@ class _Piece:
     held: bool = False  # a speculated in-place step's: its slot (its grads) is kept
     # after its result, until validation frees it (the undo reads it)
     cancelled: bool = False  # its step was discarded while queued: never sent
+    # an nvme write behind a committed step: its failure is its owner's to handle (the write is
+    # sent again: HostStepping._settle), never an error of whatever wait collects it
+    quiet: bool = False
 
     # the CopyQueue's marks (staging.py): it changes a piece only through these
     def enqueue(self) -> None:
@@ -497,7 +500,7 @@ class HostIO:
             self.worker_seconds[piece.subgroup] += r.elapsed_ns * 1e-9
             piece.keep = None  # the worker has read its grads
             self._release_piece(piece)
-            if r.status == proto.STATUS_ERROR and self._error is None:
+            if r.status == proto.STATUS_ERROR and self._error is None and not piece.quiet:
                 self._error = WorkerError(f"hybrid_opt worker failed on subgroup {r.subgroup}: {r.message}")
         return len(arrived)
 

@@ -16,7 +16,7 @@ from hybrid_opt.state.state_format import ABSMAX, Q8_BLOCK, q8_blocks
 from hybrid_opt.tiers.host_io import TornState, _Piece
 from hybrid_opt.tiers.inputs import AdamInputs
 from hybrid_opt.worker import protocol as proto
-from hybrid_opt.worker.client import TornInterrupt
+from hybrid_opt.worker.client import TornInterrupt, WorkerError
 
 if TYPE_CHECKING:
     from hybrid_opt.tiers.nvme_files import FileSlots
@@ -34,12 +34,22 @@ class _Speculation:
     swap_out: _Piece | None = None  # nvme: the write of the new state (its result has the CRC)
     file_slot: int = 0  # nvme: the slot it writes
     launched: bool = False  # every task of it was handed to HostIO (_launch returned)
+    # nvme: aux_bank holds the committed state already (the bank the subgroup's last step
+    # wrote, kept: write-behind), so nothing is read from the file
+    in_memory: bool = False
 
     def done(self) -> bool:
-        return all(p.result is not None for p in self.pieces)
+        """Every piece has its result but the write of an nvme step (a plain step commits
+        before its write lands: write-behind)."""
+        return all(p.result is not None for p in self.pieces if p is not self.swap_out)
 
     def ok(self) -> bool:
-        return all(p.result is not None and p.result.status == proto.STATUS_OK for p in self.pieces)
+        """done(), and each of those pieces succeeded."""
+        return all(
+            p.result is not None and p.result.status == proto.STATUS_OK
+            for p in self.pieces
+            if p is not self.swap_out
+        )
 
 
 class HostStepping:
@@ -76,8 +86,12 @@ class HostStepping:
         self.numels, self.nvme = dict(numels), dict(nvme)  # by subgroup id (HostTier's)
         self.rollback, self.amsgrad, self.slot_numel = rollback, amsgrad, slot_numel
         self._spec: dict[int, _Speculation] = {}
-        # nvme subgroups whose committed slot is being read ahead of their next step (read_ahead)
+        # nvme subgroups whose committed slot is being read ahead of their next step (read_ahead),
+        # or whose state is in memory already (a settled write-behind's bank: in_memory)
         self._ahead: dict[int, _Speculation] = {}
+        # nvme subgroups committed while their write may still be landing (write-behind): the
+        # bank the step wrote (spec.bank) holds the committed state until _settle flips the slot
+        self._written: dict[int, _Speculation] = {}
         # inside finish(): work to do while a slot is awaited
         self._on_progress: Callable[[], None] | None = None
         self._counts = {"committed": 0, "redone": 0, "dropped": 0, "stepped": 0}
@@ -95,9 +109,87 @@ class HostStepping:
             self._io.release_slots(spec.pieces)
 
     def forget_all(self) -> None:
-        """The tier closes: every pending speculation and read is forgotten."""
+        """The tier closes: every pending speculation, read and write is forgotten."""
         self._spec.clear()
         self._ahead.clear()
+        self._written.clear()
+
+    # ------------------------------------------------------------------ writing behind
+    def _landed(self, spec: _Speculation) -> bool:
+        r = spec.swap_out.result  # type: ignore[union-attr]  # written: a write piece
+        return r is not None and r.status == proto.STATUS_OK
+
+    def _settle(self, sg: int) -> _Speculation:
+        """`sg`'s write-behind lands (bounded wait): its slot becomes the committed one, and the
+        bank, which holds the same state, is returned as a read already done (in_memory) for
+        the caller to keep or release. A write that failed is sent again first (its bank still
+        holds the committed state); one that fails again raises the worker's error, naming the
+        file and the bytes, and the state stays in the bank, committed, for the next try."""
+        spec = self._written[sg]
+        out = spec.swap_out
+        assert out is not None  # a committed nvme step's write
+        if out.result is not None and out.result.status != proto.STATUS_OK:
+            out = spec.swap_out = self._swap_piece(proto.OP_SWAP_OUT, sg, spec.bank, spec.file_slot)  # type: ignore[arg-type]  # a bank
+            self._io.send(out)
+        self._io.wait_for([out])
+        if out.result.status != proto.STATUS_OK:  # type: ignore[union-attr]  # waited for
+            raise WorkerError(
+                f"hybrid_opt worker failed on subgroup {sg}: {out.result.message} (writing the "  # type: ignore[union-attr]
+                f"state its last step committed, sent again now; that state stays in memory, "
+                f"committed, and is written again at the next step)"
+            )
+        del self._written[sg]
+        self._files.commit(sg, spec.file_slot, out.result.crc)  # type: ignore[union-attr]
+        return _Speculation(None, None, aux_bank=spec.bank, in_memory=True)
+
+    def settle_writes(self, keep: bool = False) -> None:
+        """Every write-behind lands (each a bounded wait; a failure raises as _settle says).
+        keep: each bank stays, as a read ahead of its subgroup's next step; else it goes back
+        to the pool."""
+        for sg in list(self._written):
+            spec = self._settle(sg)
+            if keep:
+                self._ahead[sg] = spec
+            else:
+                self._release_banks(spec)
+
+    def _evict(self, wait: bool) -> bool:
+        """One bank back to the pool from a write-behind of this step (the oldest, once its
+        write landed; wait: waiting for it); False when there is none to take."""
+        for sg, spec in list(self._written.items()):
+            if wait or self._landed(spec):
+                self._release_banks(self._settle(sg))
+                return True
+        return False
+
+    def written_bank(self, sg: int) -> int | None:
+        """The bank that holds `sg`'s committed state while the write behind its last step is
+        landing (or failed); None when its committed slot holds it."""
+        spec = self._written.get(sg)
+        return None if spec is None else spec.bank
+
+    def land_write(self, sg: int) -> None:
+        """`sg`'s write-behind ends, not sent again (bounded wait): landed, its slot is the
+        committed one and its bank goes back; failed, it stays (its bank the committed state)
+        until replaced() or the next settle."""
+        spec = self._written.get(sg)
+        if spec is None:
+            return
+        self._io.wait_for([spec.swap_out])
+        if self._landed(spec):
+            self._release_banks(self._settle(sg))
+
+    def replaced(self, sg: int) -> None:
+        """`sg`'s committed state was replaced (a load wrote and committed a slot): a failed
+        write-behind of it is forgotten, its bank back in the pool."""
+        spec = self._written.pop(sg, None)
+        if spec is not None:
+            self._release_banks(spec)
+
+    @property
+    def writes_behind(self) -> list:
+        """The nvme subgroups committed while their write may still be landing (a copy)."""
+        return list(self._written)
 
     # ------------------------------------------------------------------ reading ahead
     def read_ahead(self) -> None:
@@ -111,11 +203,11 @@ class HostStepping:
         that cannot start is left to step(), which reads it itself and reports what went wrong."""
         try:
             for sg in sorted(s for s, on in self.nvme.items() if on):
-                if sg in self._spec or sg in self._ahead:
-                    continue
-                # two banks stay free: a resident step's result, and the result of the first
-                # nvme step (_step_loop: _take_write_bank)
-                if len(self._pool.free) < 3:
+                if sg in self._spec or sg in self._ahead or sg in self._written:
+                    continue  # the state of a write-behind is in its bank already
+                # banks stay free for the next step's first results: a resident step's, and
+                # the first nvme step's (_step_loop: _take_write_bank)
+                if len(self._pool.free) < 2 + (not all(self.nvme.values())):
                     break
                 read = self._take_one_bank()
                 assert read is not None  # the pool had free banks
@@ -148,8 +240,9 @@ class HostStepping:
 
     @property
     def reads_ahead(self) -> list:
-        """The subgroups read_ahead is reading (a copy)."""
-        return list(self._ahead)
+        """The nvme subgroups whose next step finds their state in memory: read ahead
+        (read_ahead), or still in the bank their last step wrote (write-behind) (a copy)."""
+        return list(self._ahead) + list(self._written)
 
     def release_reads(self) -> None:
         """Reads started by read_ahead end and give their banks back (their slot may be about
@@ -184,7 +277,8 @@ class HostStepping:
 
     def _swap_piece(self, op: int, sg: int, bank: int, file_slot: int, crc: int = 0) -> _Piece:
         task = proto.Task(op, 0, sg, in_bank=bank, file_slot=file_slot, crc=crc)
-        return _Piece(sg, 0, 0, -1, task, freed=True)  # no staging slot
+        # no staging slot; a write is settled by its owner (_settle), whatever wait collects it
+        return _Piece(sg, 0, 0, -1, task, freed=True, quiet=op == proto.OP_SWAP_OUT)
 
     def _launch(
         self,
@@ -210,7 +304,7 @@ class HostStepping:
         swap_in = None
         if self.nvme[sg]:
             in_bank = spec.aux_bank
-            swap_in = spec.swap_in or self._send_swap_in(sg, spec)
+            swap_in = None if spec.in_memory else (spec.swap_in or self._send_swap_in(sg, spec))
             if self._banks.keeps_remainders(sg):
                 self._send_high_half(sg, spec, in_bank)  # type: ignore[arg-type]  # nvme: aux_bank is taken
         else:
@@ -313,6 +407,13 @@ class HostStepping:
         return spec
 
     def _bank_spec(self, sg: int) -> _Speculation | None:
+        if self.nvme[sg] and sg in self._ahead:  # its state is in memory, or being read there
+            out = self._pool.acquire(1)
+            if out is None:
+                return None
+            spec = self._ahead.pop(sg)
+            spec.bank = out[0]
+            return spec
         if self.nvme[sg]:
             banks = self._pool.acquire(2)
             return None if banks is None else _Speculation(None, banks[1], aux_bank=banks[0])
@@ -348,6 +449,10 @@ class HostStepping:
         need = sum(-(-k // self.slot_numel) for _, k, _ in runs) if (in_place or not wait) else 0
         if self.nvme[sg] and self._io.poll() < need:
             return False
+        if sg in self._written:  # its last step's write-behind: the step reads its bank, once it landed
+            if not self._landed(self._written[sg]):
+                return False  # still landing (or failed): stepped at finish(), which settles it
+            self._ahead[sg] = self._settle(sg)
         spec = self._take_banks(sg)
         if spec is None:
             self._io.poll()  # refused all the same: the results that came back are collected
@@ -482,10 +587,14 @@ class HostStepping:
         if spec.bank is None and not self.nvme[sg]:
             self._io.release_slots(spec.pieces)
         if self.nvme[sg]:
-            self._files.commit(sg, spec.file_slot, spec.swap_out.result.crc)  # type: ignore[union-attr]  # nvme: written
             if on_commit is not None:
                 on_commit(sg, self._banks.commit_views(spec.bank, sg))
-            self._release_banks(spec)
+            # write-behind: the bank it wrote holds the committed state until its write lands
+            # (_settle flips the slot then); the bank it read goes back now
+            if spec.aux_bank is not None:
+                self._pool.release(spec.aux_bank)
+                spec.aux_bank = None
+            self._written[sg] = spec
             return
         # the views before the pool's commit, which hands the new bank's copy slot on (copy slots)
         views = self._banks.commit_views(self._pool.committed[sg] if spec.bank is None else spec.bank, sg)
@@ -540,6 +649,10 @@ class HostStepping:
                 outcome[sg] = "dropped"
             self._counts["dropped"] += len(outcome)
             return outcome
+        # the last step's writes behind land (they had the forward and backward; one that
+        # failed is sent again, and fails this step, changing nothing, if it fails again): their
+        # banks stay, this step's reads of those subgroups
+        self.settle_writes(keep=True)
         for sg in [s for s in self._spec if s not in steps]:
             self._drop(self._spec.pop(sg), sg)
             outcome[sg] = "dropped"
@@ -601,27 +714,34 @@ class HostStepping:
         return torn
 
     def _step_all(self, todo: list, steps: dict, runs: dict, waiting: dict, on_commit) -> None:
-        # resident subgroups first (no I/O): their compute hides the first nvme reads; the
-        # nvme reads are sent ahead of their steps as far as the bank pool allows (prefetch)
-        todo = [sg for sg in todo if not self.nvme[sg]] + [sg for sg in todo if self.nvme[sg]]
+        # resident subgroups first (no I/O): their compute hides the first nvme reads; then the
+        # nvme subgroups whose state is in memory or being read (read ahead), then the rest,
+        # whose reads are sent ahead of their steps as far as the bank pool allows (prefetch)
+        nvme = [sg for sg in todo if self.nvme[sg]]
+        todo = (
+            [sg for sg in todo if not self.nvme[sg]]
+            + [sg for sg in nvme if sg in self._ahead]
+            + [sg for sg in nvme if sg not in self._ahead]
+        )
         # the reads read_ahead started after the last step are this step's (the slots stand)
         prefetched: dict = {sg: self._ahead.pop(sg) for sg in todo if sg in self._ahead}
         self.release_reads()  # those of subgroups this step leaves alone hold banks it may need
         position = [0]
 
         def prefetch(k: int) -> None:
-            # keep one bank for the next resident step; the rest may start nvme reads
-            reserve = (
-                1 if self.rollback == "exact" and k + 1 < len(todo) and not self.nvme[todo[k + 1]] else 0
-            )
+            # nvme reads start into free banks, one each (its step takes the bank it writes at
+            # its turn), always leaving one bank for the next step's result
             for nxt in todo[k + 1 :]:
                 if not self.nvme[nxt] or nxt in prefetched:
                     continue
-                if len(self._pool.free) < 2 + reserve:
+                # a write-behind of this step that landed gives its bank to a read
+                while len(self._pool.free) < 2 and self._evict(wait=False):
+                    pass
+                if len(self._pool.free) < 2:
                     break
-                ahead = self._take_banks(nxt)
-                waiting[nxt] = ahead  # tracked with the in-flight work, for the error path
-                self._send_swap_in(nxt, ahead)  # type: ignore[arg-type]  # two banks were free
+                read = self._take_one_bank()
+                ahead = waiting[nxt] = _Speculation(None, None, aux_bank=read)  # the error path's
+                self._send_swap_in(nxt, ahead)
                 prefetched[nxt] = waiting.pop(nxt)
 
         def progress() -> None:
@@ -650,20 +770,29 @@ class HostStepping:
             while spec is None or (
                 spec.bank is None and self.nvme[sg] and not self._take_write_bank(sg, spec)
             ):
-                if not waiting:
-                    if spec is not None:
-                        waiting[sg] = spec  # the caller's handler waits for its read, frees its bank
-                    raise RuntimeError(
-                        f"subgroup {sg} needs more banks than the pool has "
-                        f"({self._pool.n_banks}); raise spare_banks/io_banks"
-                    )
-                self._io.wait(lambda: any(w.done() for w in waiting.values()))
-                self._commit_finished(waiting, on_commit)
+                # a bank comes back: a write-behind's that landed, a step's that finished (or,
+                # with neither in flight, a write-behind's once it lands, a later subgroup's read)
+                if not self._evict(wait=False):
+                    if waiting:
+                        self._io.wait(
+                            lambda: (
+                                any(w.done() for w in waiting.values())
+                                or any(self._landed(w) for w in self._written.values())
+                            )
+                        )
+                        self._commit_finished(waiting, on_commit)
+                    elif not (self._evict(wait=True) or self._give_up_read(prefetched)):
+                        if spec is not None:
+                            waiting[sg] = spec  # the caller's handler waits for its read, frees its bank
+                        raise RuntimeError(
+                            f"subgroup {sg} needs more banks than the pool has "
+                            f"({self._pool.n_banks}); raise spare_banks/io_banks"
+                        )
                 if spec is None:
                     spec = self._take_banks(sg)
             spec.inputs = final
             waiting[sg] = spec
-            if self.nvme[sg] and spec.swap_in is None:
+            if self.nvme[sg] and spec.swap_in is None and not spec.in_memory:
                 self._send_swap_in(sg, spec)  # its own read goes ahead of any prefetch
             prefetch(k)
             try:
@@ -672,8 +801,20 @@ class HostStepping:
                 for sgp, sp in prefetched.items():
                     waiting.setdefault(sgp, sp)  # the handler waits for their reads, frees banks
                 raise
-        self._io.wait_for([p for w in waiting.values() for p in w.pieces])
+        # the steps, not the writes: those land behind (settled at the next step, or sooner)
+        self._io.wait(lambda: all(w.done() for w in waiting.values()))
         self._commit_finished(waiting, on_commit)
+
+    def _give_up_read(self, prefetched: dict) -> bool:
+        """The pool is spent: the read of the subgroup this step reaches last gives its bank
+        back (it is read again at its turn); False when no read is held."""
+        if not prefetched:
+            return False
+        sg = list(prefetched)[-1]
+        spec = prefetched.pop(sg)
+        self._io.wait_for(spec.pieces)
+        self._drop(spec, sg)
+        return True
 
     def _commit_finished(self, waiting: dict, on_commit) -> None:
         for sg in [s for s, w in waiting.items() if w.done()]:

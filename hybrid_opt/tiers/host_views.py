@@ -1,6 +1,7 @@
 """The host tier's committed state as file pieces state_dict() maps without copying (mapped.py):
 a resident subgroup's in its committed bank of the arena, an nvme subgroup's in the committed
-slot of its file (checksum-verified first, mapped copy-on-write).
+slot of its file (checksum-verified first, mapped copy-on-write), or in the bank its last step
+wrote while that write lands behind the step.
 
 The invariant this part keeps: a held state_dict() tensor never reads bytes written after it
 was taken. Every write into a bank or a slot is announced here first (`writing`): a bank the
@@ -23,10 +24,12 @@ _REGION = {"master": "p", "remainder": "rem", "exp_avg": "m", "exp_avg_sq": "v",
 class HostViews:
     """Pieces of a HostTier's committed state, and the HeldViews over them."""
 
-    def __init__(self, arena, banks, pool, files, fds, *, nvme: dict, io_bytes: int):
-        """`nvme`: {subgroup id: whether it lives on nvme} (HostTier's)."""
+    def __init__(self, arena, banks, pool, files, fds, *, nvme: dict, io_bytes: int, written_bank):
+        """`nvme`: {subgroup id: whether it lives on nvme} (HostTier's). `written_bank(sg)`: the
+        bank holding an nvme subgroup's committed state while the write behind its last step
+        lands, else None (HostStepping.written_bank)."""
         self._arena, self._banks, self._pool, self._files, self._fds = arena, banks, pool, files, fds
-        self._nvme, self._io_bytes = dict(nvme), io_bytes
+        self._nvme, self._io_bytes, self._written_bank = dict(nvme), io_bytes, written_bank
         self.held = HeldViews()
 
     def piece(self, sg: int, name: str, a: int, b: int, verified: set) -> Piece:
@@ -40,8 +43,9 @@ class HostViews:
         else:
             es = 1 if fmt.is_q8(name) else fmt.dtype_of(name).itemsize
             region = self._banks.region_offset(_REGION[name])
-        if not self._nvme[sg]:
-            bank = self._pool.committed[sg]
+        held = self._written_bank(sg) if self._nvme[sg] else None
+        if not self._nvme[sg] or held is not None:
+            bank = self._pool.committed[sg] if held is None else held
             off = self._banks.bank_offset + bank * self._banks.bank_stride + region + a * es
             return Piece(self._arena.fd, off, (b - a) * es, held=self.held, key=("bank", bank))
         slot = self._files.slot(sg)
