@@ -1148,6 +1148,33 @@ def test_a_steps_writes_land_behind_it_and_the_next_step_reads_their_banks(nvme_
         assert_tier_equals(tier, states, "from the slots")
 
 
+def test_a_speculation_short_of_banks_takes_a_landed_write_behinds_bank(nvme_dir):
+    """Two nvme subgroups, a pool of two banks: after a step, the bank the last write came from
+    holds its subgroup's state. Once that write has landed, a speculation that finds no other
+    bank takes it (the state is in the slot), instead of waiting for finish(); bitwise."""
+    numels = [3000, 3000]
+    with ExitStack() as stack:
+        tier = new_tier(numels, [True, True], nvme_dir, io_banks=1)
+        stack.callback(tier.close)
+        states = make_states(numels, seed=23)
+        load(tier, states)
+        for step in (1, 2):
+            grads = make_grads(numels, seed=70 + step)
+            inp = inputs(step)
+            if step == 2:
+                assert tier.stepping.writes_behind, "no write behind step 1"
+                assert wait_until(lambda: tier.io.poll() is not None and not tier.io.pieces_in_flight, 10.0)
+                # subgroup 1's write came last: its bank is the pool's second; subgroup 0's
+                # speculation needs two banks
+                assert tier.stepping.writes_behind == [1]
+                assert tier.stepping.speculate(0, grads[0], inp), "the speculation found no bank"
+            out = tier.stepping.finish({sg: (g, inp) for sg, g in enumerate(grads)})
+            assert out == ({0: "stepped", 1: "stepped"} if step == 1 else {0: "committed", 1: "stepped"}), out
+            for s, g in zip(states, grads):
+                ref_step(s, g, inp)
+            assert_tier_equals(tier, states, f"step {step}")
+
+
 def test_plain_steps_read_the_next_steps_slots_ahead_and_a_load_drops_those_reads(nvme_dir):
     """Without speculation a step ends by reading the nvme slots its successor will step from
     (HostStepping.read_ahead: under the next forward and backward, not in step()). The next step

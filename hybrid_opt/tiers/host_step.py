@@ -454,6 +454,9 @@ class HostStepping:
                 return False  # still landing (or failed): stepped at finish(), which settles it
             self._ahead[sg] = self._settle(sg)
         spec = self._take_banks(sg)
+        # a write behind the last step that landed gives its bank back (its state is in the slot)
+        while spec is None and self._evict(wait=False):
+            spec = self._take_banks(sg)
         if spec is None:
             self._io.poll()  # refused all the same: the results that came back are collected
             if self._pool.dormant and self.worker_idle():
