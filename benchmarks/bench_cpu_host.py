@@ -2,7 +2,7 @@
 each arrangement of the trainer's and the worker's cores (issue #37).
 
     python benchmarks/bench_cpu_host.py [--cores 2 1] [--arrangements split shared] [--rounds 3]
-        [--steps 12] [--json out.json]
+        [--steps 12] [--json out.json] [--subgroup-numel N] [--io-banks K]
 
 The model: benchmarks/peers_model.py's GPT (23M params at its defaults; its --d-model, --layers,
 ... flags), AdamW lr 1e-3, weight decay 0.01, in one process on the CPU. Rows, each with and without clipping at 1.0:
@@ -52,6 +52,7 @@ if opt_kind == "torch":
 else:
     share = {"split": 0.5, "shared": None}[arrangement]
     kw = dict(offload_fraction=1.0, nvme_fraction=1.0, nvme_path=nvme) if opt_kind == "nvme" else dict(offload_fraction=1.0)
+    kw.update(json.loads(sys.argv[9]))  # --subgroup-numel, --io-banks
     opt = HybridAdamW(model.parameters(), lr=1e-3, weight_decay=0.01, worker_share=share,
                       max_grad_norm=1.0 if clip else None, **kw)
 times = []
@@ -73,7 +74,15 @@ print(json.dumps({"median_ms": 1000 * statistics.median(times[2:]), "loss": floa
 
 
 def _run(
-    cores: int, kind: str, arrangement: str, clip: bool, steps: int, work: str, timeout: float, cfg: dict
+    cores: int,
+    kind: str,
+    arrangement: str,
+    clip: bool,
+    steps: int,
+    work: str,
+    timeout: float,
+    cfg: dict,
+    hybrid: dict,
 ) -> dict:
     res = subprocess.run(
         [
@@ -88,6 +97,7 @@ def _run(
             HERE,
             work,
             json.dumps(cfg),
+            json.dumps(hybrid),
         ],
         capture_output=True,
         text=True,
@@ -118,9 +128,16 @@ def main(argv=None) -> None:
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--timeout", type=float, default=600, help="seconds each fresh process may take")
     ap.add_argument("--json")
+    ap.add_argument("--subgroup-numel", type=int, help="HybridAdamW's subgroup_numel (default: its own)")
+    ap.add_argument("--io-banks", type=int, help="HybridAdamW's io_banks (default: its own)")
     M.add_model_args(ap)
     args = ap.parse_args(argv)
     cfg = dataclasses.asdict(M.config_from_args(args))
+    hybrid = {
+        k: v
+        for k, v in (("subgroup_numel", args.subgroup_numel), ("io_banks", args.io_banks))
+        if v is not None
+    }
     rows = rows_for(args)
     got: dict = {r: [] for r in rows}
     os.makedirs(os.path.join(os.path.dirname(HERE), "bench_out"), exist_ok=True)
@@ -130,7 +147,7 @@ def main(argv=None) -> None:
         for k in range(args.rounds):
             for r in rows if k % 2 == 0 else rows[::-1]:
                 print(f"round {k + 1}/{args.rounds}: {r}", file=sys.stderr, flush=True)
-                got[r].append(_run(*r, args.steps, work, args.timeout, cfg))
+                got[r].append(_run(*r, args.steps, work, args.timeout, cfg, hybrid))
     out = []
     for cores, kind, arrangement, clip in rows:
         runs = got[(cores, kind, arrangement, clip)]
@@ -160,6 +177,7 @@ def main(argv=None) -> None:
     print(
         f"bench GPT ({M.n_params(M.ModelConfig(**cfg)):,} params), one process, {args.steps} steps (median of the last "
         f"{args.steps - 2}), {args.rounds} rounds of fresh processes alternating"
+        + "".join(f", {k}={v}" for k, v in hybrid.items())
     )
     print(
         "\n| cores | optimizer | arrangement | clip 1.0 | iteration, ms (median) | vs torch (median, range) | loss - torch's |"

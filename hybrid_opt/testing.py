@@ -122,8 +122,9 @@ class DebugView:
         return self.host.pool.committed[sg]
 
     def reads_ahead(self) -> list:
-        """The nvme subgroups whose committed slot is being read ahead of the next step
-        (HostStepping.read_ahead), sorted; [] without a host tier."""
+        """The nvme subgroups whose next step finds their state in memory: their committed slot
+        read ahead of it (HostStepping.read_ahead), or the bank their last step wrote, its write
+        landing behind it; sorted; [] without a host tier."""
         host = self._parts.placement.host
         return [] if host is None else sorted(host.stepping.reads_ahead)
 

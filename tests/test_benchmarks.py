@@ -519,11 +519,14 @@ def test_bench_cpu_host_tiny_run_has_a_row_per_arrangement_and_clip(tmp_path):
         "1",
         "--vocab",
         "256",
+        "--subgroup-numel",
+        "4096",
         "--json",
         str(out_json),
     ]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=REPO)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    assert "subgroup_numel=4096" in res.stdout.splitlines()[0]  # passed to HybridAdamW, and said
     rows = json.loads(out_json.read_text())
     assert {(r["optimizer"], r["arrangement"], r["clip"]) for r in rows} == {
         (o, a, c) for c in (False, True) for o, a in (("torch", "-"), ("host", "split"), ("host", "shared"))

@@ -306,6 +306,8 @@ class HostStepping:
             in_bank = spec.aux_bank
             swap_in = None if spec.in_memory else (spec.swap_in or self._send_swap_in(sg, spec))
             if self._banks.keeps_remainders(sg):
+                if spec.in_memory and self._views.held.by_key:  # a state_dict() tensor may map it
+                    self._views.writing(banks=[in_bank])
                 self._send_high_half(sg, spec, in_bank)  # type: ignore[arg-type]  # nvme: aux_bank is taken
         else:
             in_bank = self._pool.committed[sg]
