@@ -317,21 +317,31 @@ def step_host(parts, plan: StepPlan, committed: set) -> dict:
     as its step commits (`committed` gathers their indices). Returns {subgroup index:
     "committed" | "redone" | "stepped" | "dropped"}."""
     placement, spec, sharding = parts.placement, parts.speculator, parts.sharding
+    stepping = placement.host.stepping
+    queued: set = set()  # the CUDA devices with copies into the model queued, not waited for
 
     def copy_params(k: int, views: dict) -> None:
         # the new params reach the model only once their step is committed
         sg, live = plan.host_work[k].sg, plan.host_work[k].live
         src = views["param_copy"] if (sg.dtype != torch.float32 and "param_copy" in views) else views["param"]
-        # one blocking batched copy into the live slices (an nvme subgroup's buffer is
-        # reused as soon as this returns): on CUDA one host sync, not one per slice
-        sg.write(src, slices=live)
+        # one batched copy into the live slices. On CUDA from memory that stays as it is until
+        # finish() returns (a committed bank), it is queued and waited for once, after the last
+        # commit: the trainer goes on staging grads meanwhile. Otherwise (an nvme bank a later
+        # step may take back, a pooled copy slot) it is waited for now: one host sync per
+        # subgroup, not per slice
+        lazy = sg.device.type == "cuda" and stepping.views_outlive_commit(k)
+        sg.write(src, slices=live, non_blocking=lazy)
+        if lazy:
+            queued.add(sg.device)
         committed.add(sg.index)
         sharding.committed(sg.index)  # process_group: its buckets' gathers may start (zero_gather.py)
 
     try:
-        outcome = placement.host.stepping.finish(dict(plan.host_steps), on_commit=copy_params)
+        outcome = stepping.finish(dict(plan.host_steps), on_commit=copy_params)
     finally:
         spec.forget_staged()
+        for device in queued:  # the queued copies land before step() returns (failed or not)
+            torch.cuda.current_stream(device).synchronize()
     spec.stepped()
     if not spec.config.speculative:
         # no step reads the nvme slots during backward: the next step's reads start now, under

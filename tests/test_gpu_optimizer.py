@@ -361,6 +361,44 @@ def test_automatic_refit_moves_and_keeps_matching_torch(monkeypatch):
     assert moved(model)
 
 
+def test_host_params_reach_the_model_with_one_sync_a_step(tmp_path, monkeypatch):
+    """The copies of committed params into the model: from a resident subgroup's bank queued
+    without a wait (the bank keeps its bytes until step() returns), from an nvme subgroup's bank
+    waited for at once (a later step may take that bank back); every copy has landed when
+    step() returns, and the trajectory is torch's."""
+    from hybrid_opt.state.layout import Subgroup
+
+    calls = []
+    real = Subgroup.write
+
+    def spy(self, src, a=0, b=None, slices=None, non_blocking=False):
+        calls.append((self.index, non_blocking))
+        return real(self, src, a, b, slices=slices, non_blocking=non_blocking)
+
+    monkeypatch.setattr(Subgroup, "write", spy)
+    model = mlp()
+    ref_model, ref = reference(model, lr=1e-3)
+    opt = HybridAdamW(
+        model.parameters(),
+        lr=1e-3,
+        offload_fraction=1.0,
+        nvme_fraction=0.5,
+        nvme_path=str(tmp_path),
+        subgroup_numel=SUBGROUP,
+        speculative=False,
+    )
+    with opt:
+        view = debug_view(opt)
+        nvme = {sg for sg in view.host_subgroups() if view.on_nvme(sg)}
+        assert nvme and set(view.host_subgroups()) - nvme
+        for i in range(3):
+            del calls[:]
+            lockstep(model, opt, ref_model, ref, 1, start=i)
+            assert torch.cuda.current_stream().query(), "a copy into the model was still in flight"
+            assert calls and all(lazy == (sg not in nvme) for sg, lazy in calls), calls
+        assert_matches_torch(model, opt, ref_model)
+
+
 # ============================================================================= two GPUs
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
 @pytest.mark.parametrize("offload", [0.5, 1.0])

@@ -1175,6 +1175,31 @@ def test_a_speculation_short_of_banks_takes_a_landed_write_behinds_bank(nvme_dir
             assert_tier_equals(tier, states, f"step {step}")
 
 
+def test_only_a_committed_banks_views_outlive_the_commit(nvme_dir):
+    """step() queues a CUDA copy into the model without waiting only from views that keep their
+    bytes until finish() returns: a resident subgroup's committed bank, not an nvme bank (a later
+    step may take it back) nor a pooled q8 copy slot (the commit hands it on)."""
+    with ExitStack() as stack:
+        tier = new_tier([3000, 3000], [True, False], nvme_dir)
+        stack.callback(tier.close)
+        assert not tier.stepping.views_outlive_commit(0)
+        assert tier.stepping.views_outlive_commit(1)
+        params = [torch.zeros(4096, dtype=torch.bfloat16)]
+        q8 = HostTier(
+            [4096],
+            exp_avg_dtype="q8",
+            exp_avg_sq_dtype="q8",
+            remainders=True,
+            params=params,
+            copy_dtype=torch.bfloat16,
+            quantized=[True],
+            slot_numel=4096,
+            timeout_s=TIMEOUT_S,
+        )
+        stack.callback(q8.close)
+        assert q8.pool.copy_of is not None and not q8.stepping.views_outlive_commit(0)
+
+
 def test_plain_steps_read_the_next_steps_slots_ahead_and_a_load_drops_those_reads(nvme_dir):
     """Without speculation a step ends by reading the nvme slots its successor will step from
     (HostStepping.read_ahead: under the next forward and backward, not in step()). The next step

@@ -162,6 +162,13 @@ class HostStepping:
                 return True
         return False
 
+    def views_outlive_commit(self, sg: int) -> bool:
+        """Whether the views finish() hands on_commit for `sg` keep their bytes until finish()
+        returns: a resident subgroup's committed bank does (its next write comes with its next
+        step); an nvme subgroup's bank does not (a later step of the same finish() may take it
+        back: _evict), nor a pooled copy slot (the commit hands it on to the pool)."""
+        return not self.nvme[sg] and self._pool.copy_of is None
+
     def written_bank(self, sg: int) -> int | None:
         """The bank that holds `sg`'s committed state while the write behind its last step is
         landing (or failed); None when its committed slot holds it."""
