@@ -1148,6 +1148,33 @@ def test_a_steps_writes_land_behind_it_and_the_next_step_reads_their_banks(nvme_
         assert_tier_equals(tier, states, "from the slots")
 
 
+def test_a_worker_killed_while_the_writes_behind_a_step_land_writes_them_again(nvme_dir):
+    """The worker dies (SIGKILL) right after finish() returned, its writes still in flight: the
+    state stays in the banks, the new worker writes them again, and every slot then holds the
+    committed state; bitwise the direct steps."""
+    numels = [3000, 9000]
+    with ExitStack() as stack:
+        tier = new_tier(numels, [True, True], nvme_dir, io_banks=3)
+        stack.callback(tier.close)
+        states = make_states(numels, seed=29)
+        load(tier, states)
+        for step in (1, 2):
+            grads = make_grads(numels, seed=80 + step)
+            inp = inputs(step)
+            tier.stepping.finish({sg: (g, inp) for sg, g in enumerate(grads)})
+            for s, g in zip(states, grads):
+                ref_step(s, g, inp)
+            if step == 1:
+                pid = tier.client.pid
+                os.kill(pid, signal.SIGKILL)
+                assert wait_gone(pid, 5.0)
+                assert tier.stepping.writes_behind == [0, 1]
+                assert_tier_equals(tier, states, "from the banks, the worker dead")
+        tier.stepping.settle_writes()
+        assert tier.stats["worker_restarts"] == 1
+        assert_tier_equals(tier, states, "from the slots")
+
+
 def test_a_speculation_short_of_banks_takes_a_landed_write_behinds_bank(nvme_dir):
     """Two nvme subgroups, a pool of two banks: after a step, the bank the last write came from
     holds its subgroup's state. Once that write has landed, a speculation that finds no other
