@@ -1108,6 +1108,24 @@ def test_a_checkpoint_replaces_a_corrupt_nvme_slot_and_the_step_error_says_so(nv
         _grad_step(opt, params, 3)  # and it steps on
 
 
+def _loaded_nvme_tier(stack, nvme_dir, numels, seed, **kw):
+    """An all-nvme tier (closed with `stack`) loaded with make_states(numels, seed): (tier, states)."""
+    tier = new_tier(numels, [True] * len(numels), nvme_dir, **kw)
+    stack.callback(tier.close)
+    states = make_states(numels, seed=seed)
+    load(tier, states)
+    return tier, states
+
+
+def _step_every_subgroup(tier, states, grads, inp):
+    """finish() of every subgroup with `grads` and `inp`, and the same step of `states` by the
+    reference; returns finish()'s outcome."""
+    out = tier.stepping.finish({sg: (g, inp) for sg, g in enumerate(grads)})
+    for s, g in zip(states, grads):
+        ref_step(s, g, inp)
+    return out
+
+
 def test_a_steps_writes_land_behind_it_and_the_next_step_reads_their_banks(nvme_dir, monkeypatch):
     """finish() commits an nvme step before its write lands: the slot map flips once it has (the
     next finish() settles it first). Meanwhile state() reads the bank the step wrote, and the next
@@ -1122,26 +1140,18 @@ def test_a_steps_writes_land_behind_it_and_the_next_step_reads_their_banks(nvme_
     )
     numels = [3000, 9000]
     with ExitStack() as stack:
-        tier = new_tier(numels, [True, True], nvme_dir, io_banks=3)
-        stack.callback(tier.close)
-        states = make_states(numels, seed=21)
-        load(tier, states)
+        tier, states = _loaded_nvme_tier(stack, nvme_dir, numels, 21, io_banks=3)
         for step in (1, 2, 3):
             slots = tier.file_slots.committed
-            grads = make_grads(numels, seed=60 + step)
-            inp = inputs(step)
             del reads[:]
-            assert set(tier.stepping.finish({sg: (g, inp) for sg, g in enumerate(grads)}).values()) == {
-                "stepped"
-            }
+            out = _step_every_subgroup(tier, states, make_grads(numels, seed=60 + step), inputs(step))
+            assert set(out.values()) == {"stepped"}
             assert reads == ([0, 1] if step == 1 else []), f"step {step} read {reads}"
             # step 1's writes were settled by step 2's finish(): each step flips the map once
             assert tier.stepping.writes_behind == [0, 1]
             assert tier.file_slots.committed == (
                 slots if step == 1 else {sg: 1 - s for sg, s in slots.items()}
             )
-            for s, g in zip(states, grads):
-                ref_step(s, g, inp)
             assert_tier_equals(tier, states, f"step {step}, from the banks")
         tier.stepping.settle_writes()
         assert tier.stepping.writes_behind == []
@@ -1154,16 +1164,9 @@ def test_a_worker_killed_while_the_writes_behind_a_step_land_writes_them_again(n
     committed state; bitwise the direct steps."""
     numels = [3000, 9000]
     with ExitStack() as stack:
-        tier = new_tier(numels, [True, True], nvme_dir, io_banks=3)
-        stack.callback(tier.close)
-        states = make_states(numels, seed=29)
-        load(tier, states)
+        tier, states = _loaded_nvme_tier(stack, nvme_dir, numels, 29, io_banks=3)
         for step in (1, 2):
-            grads = make_grads(numels, seed=80 + step)
-            inp = inputs(step)
-            tier.stepping.finish({sg: (g, inp) for sg, g in enumerate(grads)})
-            for s, g in zip(states, grads):
-                ref_step(s, g, inp)
+            _step_every_subgroup(tier, states, make_grads(numels, seed=80 + step), inputs(step))
             if step == 1:
                 pid = tier.client.pid
                 os.kill(pid, signal.SIGKILL)
@@ -1181,10 +1184,7 @@ def test_a_speculation_short_of_banks_takes_a_landed_write_behinds_bank(nvme_dir
     bank takes it (the state is in the slot), instead of waiting for finish(); bitwise."""
     numels = [3000, 3000]
     with ExitStack() as stack:
-        tier = new_tier(numels, [True, True], nvme_dir, io_banks=1)
-        stack.callback(tier.close)
-        states = make_states(numels, seed=23)
-        load(tier, states)
+        tier, states = _loaded_nvme_tier(stack, nvme_dir, numels, 23, io_banks=1)
         for step in (1, 2):
             grads = make_grads(numels, seed=70 + step)
             inp = inputs(step)
@@ -1195,10 +1195,8 @@ def test_a_speculation_short_of_banks_takes_a_landed_write_behinds_bank(nvme_dir
                 # speculation needs two banks
                 assert tier.stepping.writes_behind == [1]
                 assert tier.stepping.speculate(0, grads[0], inp), "the speculation found no bank"
-            out = tier.stepping.finish({sg: (g, inp) for sg, g in enumerate(grads)})
+            out = _step_every_subgroup(tier, states, grads, inp)
             assert out == ({0: "stepped", 1: "stepped"} if step == 1 else {0: "committed", 1: "stepped"}), out
-            for s, g in zip(states, grads):
-                ref_step(s, g, inp)
             assert_tier_equals(tier, states, f"step {step}")
 
 
