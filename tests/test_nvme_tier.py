@@ -22,6 +22,7 @@ import stat
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from contextlib import ExitStack
 
@@ -1198,6 +1199,45 @@ def test_a_speculation_short_of_banks_takes_a_landed_write_behinds_bank(nvme_dir
             out = _step_every_subgroup(tier, states, grads, inp)
             assert out == ({0: "stepped", 1: "stepped"} if step == 1 else {0: "committed", 1: "stepped"}), out
             assert_tier_equals(tier, states, f"step {step}")
+
+
+def test_a_speculation_that_may_wait_waits_for_the_write_behind_its_last_step(nvme_dir):
+    """Subgroup 0's 48 MB write goes out behind its step, the small subgroup 1 steps meanwhile,
+    and the worker is stopped (SIGSTOP) as subgroup 1 commits: finish() returns with that write
+    in flight. speculate(wait=False), as inside backward, is refused for subgroup 0;
+    speculate(wait=True) waits for the write (the worker resumes 0.3 s later) and speculates, and
+    the step commits. Both steps bitwise the direct steps, the first read from the banks."""
+    numels = [1 << 22, 3000]
+    with ExitStack() as stack:
+        tier, states = _loaded_nvme_tier(stack, nvme_dir, numels, 31, io_banks=3)
+        pid = tier.client.pid
+        stack.callback(os.kill, pid, signal.SIGCONT)  # never left stopped
+
+        def stop_the_worker(sg, views):
+            if sg == 1:
+                os.kill(pid, signal.SIGSTOP)
+
+        grads = make_grads(numels, seed=91)
+        out = tier.stepping.finish(
+            {sg: (g, inputs(1)) for sg, g in enumerate(grads)}, on_commit=stop_the_worker
+        )
+        assert out == {0: "stepped", 1: "stepped"}
+        for st, g in zip(states, grads):
+            ref_step(st, g, inputs(1))
+        assert tier.stepping.writes_behind == [0, 1]
+        assert tier.io.pieces_in_flight, "subgroup 0's write landed before the worker stopped"
+        assert_tier_equals(tier, states, "step 1, from the banks, the worker stopped")
+
+        grads = make_grads(numels, seed=92)
+        assert not tier.stepping.speculate(0, grads[0], inputs(2), wait=False)
+        resume = threading.Timer(0.3, os.kill, (pid, signal.SIGCONT))
+        resume.start()
+        for sg in (0, 1):
+            assert tier.stepping.speculate(sg, grads[sg], inputs(2)), f"subgroup {sg} refused"
+        resume.join()
+        out = _step_every_subgroup(tier, states, grads, inputs(2))
+        assert out == {0: "committed", 1: "committed"}
+        assert_tier_equals(tier, states, "step 2")
 
 
 def test_only_a_committed_banks_views_outlive_the_commit(nvme_dir):

@@ -442,7 +442,9 @@ class HostStepping:
         """Step `sg` now, into spare banks (exact, nvme) or in place (inverse), to be validated
         by finish(). Returns False, doing nothing, when no bank is free (or, in inverse mode
         or with wait=False, not every staging slot it needs): the subgroup is then stepped at
-        finish(). With wait=True it may wait for the worker to free staging slots. replace:
+        finish(). With wait=True it may wait for the worker to free staging slots, and for the
+        write behind `sg`'s last step to land (with wait=False that write still landing refuses
+        it, as one that failed always does). replace:
         a pending speculation of `sg` is cancelled first (else it raises: require_idle). The
         results that came back are collected first: they free slots and banks."""
         if replace:
@@ -459,8 +461,10 @@ class HostStepping:
         if self.nvme[sg] and self._io.poll() < need:
             return False
         if sg in self._written:  # its last step's write-behind: the step reads its bank, once it landed
+            if wait and self._written[sg].swap_out.result is None:  # type: ignore[union-attr]  # a write piece
+                self._io.wait_for([self._written[sg].swap_out])  # wait=True may wait for the worker
             if not self._landed(self._written[sg]):
-                return False  # still landing (or failed): stepped at finish(), which settles it
+                return False  # still landing (wait=False) or failed: stepped at finish(), which settles it
             self._ahead[sg] = self._settle(sg)
         spec = self._take_banks(sg)
         # a write behind the last step that landed gives its bank back (its state is in the slot)
