@@ -339,7 +339,7 @@ class Speculator:
         if host is not None and host.stepping.speculated():
             outcome = host.stepping.finish({}, overflow=True)
         if host is not None:
-            host.stepping.release_reads()  # reads ahead of the next step (read_ahead) too
+            host.held.release_reads()  # reads ahead of the next step (read_ahead) too
         self.forget_staged()
         self._deferred.clear()
         return outcome

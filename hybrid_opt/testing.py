@@ -126,25 +126,25 @@ class DebugView:
         read ahead of it (HostStepping.read_ahead), or the bank their last step wrote, its write
         landing behind it; sorted; [] without a host tier."""
         host = self._parts.placement.host
-        return [] if host is None else sorted(host.stepping.reads_ahead)
+        return [] if host is None else sorted(host.held.reads_ahead)
 
     def writes_behind(self) -> list:
         """The nvme subgroups committed while the write behind their last step may still be
         landing (their state is in a bank until it has), sorted; [] without a host tier."""
         host = self._parts.placement.host
-        return [] if host is None else sorted(host.stepping.writes_behind)
+        return [] if host is None else sorted(host.held.writes_behind)
 
     def settle_writes(self) -> None:
         """Acts: the writes behind the last step land (a bounded wait; one that failed is sent
         again, and raises if it fails again), and their slots become the committed ones."""
-        self.host.stepping.settle_writes()
+        self.host.held.settle_writes()
 
     def drop_reads_ahead(self) -> None:
         """Acts: ends the reads ahead of the next step and the writes behind the last one, and
         frees their banks, so the next step reads every nvme slot from its file (a test that
         changes a slot behind the optimizer's back does so first)."""
-        self.host.stepping.settle_writes()
-        self.host.stepping.release_reads()
+        self.host.held.settle_writes()
+        self.host.held.release_reads()
 
     # ------------------------------------------------------------------ device tier
     @property

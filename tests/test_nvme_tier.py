@@ -334,7 +334,7 @@ def test_redo_with_changed_inputs_is_bitwise_a_direct_step(nvme_dir, change):
         final = {sg: (g, b if "runs" not in change or sg == 1 else a) for sg, g in enumerate(grads)}
         expect = {sg: "redone" if final[sg][1] != a else "committed" for sg in final}
         assert tier.stepping.finish(final) == expect
-        tier.stepping.settle_writes()  # the writes behind the step land
+        tier.held.settle_writes()  # the writes behind the step land
         assert tier.file_slots.committed == {sg: 1 - s for sg, s in slots.items()}, (
             "commit and redo both flip the slot map"
         )
@@ -368,7 +368,7 @@ def test_a_flipped_byte_in_a_committed_slot_fails_its_checksum_and_names_the_fil
         for s, g in zip(after2, g2):
             ref_step(s, g, inputs(2))
 
-        tier.stepping.settle_writes()  # the writes land, their banks go: step 2 reads the slots
+        tier.held.settle_writes()  # the writes land, their banks go: step 2 reads the slots
         path, slot = tier.swap.file(bad), tier.file_slots.committed[bad]
         k = 0 if where == "first_byte" else tier.io_bytes - 1  # the CRC covers the padding too
         flip_byte(path, slot * tier.io_bytes + k)
@@ -1149,13 +1149,13 @@ def test_a_steps_writes_land_behind_it_and_the_next_step_reads_their_banks(nvme_
             assert set(out.values()) == {"stepped"}
             assert reads == ([0, 1] if step == 1 else []), f"step {step} read {reads}"
             # step 1's writes were settled by step 2's finish(): each step flips the map once
-            assert tier.stepping.writes_behind == [0, 1]
+            assert tier.held.writes_behind == [0, 1]
             assert tier.file_slots.committed == (
                 slots if step == 1 else {sg: 1 - s for sg, s in slots.items()}
             )
             assert_tier_equals(tier, states, f"step {step}, from the banks")
-        tier.stepping.settle_writes()
-        assert tier.stepping.writes_behind == []
+        tier.held.settle_writes()
+        assert tier.held.writes_behind == []
         assert_tier_equals(tier, states, "from the slots")
 
 
@@ -1172,9 +1172,9 @@ def test_a_worker_killed_while_the_writes_behind_a_step_land_writes_them_again(n
                 pid = tier.client.pid
                 os.kill(pid, signal.SIGKILL)
                 assert wait_gone(pid, 5.0)
-                assert tier.stepping.writes_behind == [0, 1]
+                assert tier.held.writes_behind == [0, 1]
                 assert_tier_equals(tier, states, "from the banks, the worker dead")
-        tier.stepping.settle_writes()
+        tier.held.settle_writes()
         assert tier.stats["worker_restarts"] == 1
         assert_tier_equals(tier, states, "from the slots")
 
@@ -1190,11 +1190,11 @@ def test_a_speculation_short_of_banks_takes_a_landed_write_behinds_bank(nvme_dir
             grads = make_grads(numels, seed=70 + step)
             inp = inputs(step)
             if step == 2:
-                assert tier.stepping.writes_behind, "no write behind step 1"
+                assert tier.held.writes_behind, "no write behind step 1"
                 assert wait_until(lambda: tier.io.poll() is not None and not tier.io.pieces_in_flight, 10.0)
                 # subgroup 1's write came last: its bank is the pool's second; subgroup 0's
                 # speculation needs two banks
-                assert tier.stepping.writes_behind == [1]
+                assert tier.held.writes_behind == [1]
                 assert tier.stepping.speculate(0, grads[0], inp), "the speculation found no bank"
             out = _step_every_subgroup(tier, states, grads, inp)
             assert out == ({0: "stepped", 1: "stepped"} if step == 1 else {0: "committed", 1: "stepped"}), out
@@ -1224,7 +1224,7 @@ def test_a_speculation_that_may_wait_waits_for_the_write_behind_its_last_step(nv
         assert out == {0: "stepped", 1: "stepped"}
         for st, g in zip(states, grads):
             ref_step(st, g, inputs(1))
-        assert tier.stepping.writes_behind == [0, 1]
+        assert tier.held.writes_behind == [0, 1]
         assert tier.io.pieces_in_flight, "subgroup 0's write landed before the worker stopped"
         assert_tier_equals(tier, states, "step 1, from the banks, the worker stopped")
 
@@ -1405,7 +1405,7 @@ def test_a_worker_restarted_after_the_nvme_files_were_removed_from_outside_steps
             }
             for s, g in zip(states, grads):
                 ref_step(s, g, inp)
-            tier.stepping.settle_writes()  # the writes land: state() reads the files
+            tier.held.settle_writes()  # the writes land: state() reads the files
             # the first read of a removed file warns, once per file
             warned = pytest.warns(RuntimeWarning, match="removed or replaced from outside")
             with warned if step == 2 else ExitStack():

@@ -4,8 +4,9 @@ worker process, speculatively during backward, with exact or inverse rollback.
 `HostTier` owns construction (arena, worker, nvme files), views of the committed state,
 state()/load_state() and close(), and the parts it is made of, which callers reach as its
 read-only attributes: `banks` StateBanks (compressed.py), `io` HostIO (host_io.py), `stepping`
-HostStepping (host_step.py), `views` HostViews (host_views.py), `files` NvmeFiles and
-`file_slots` FileSlots (nvme_files.py), `pool` BankPool (banks.py), `client` WorkerClient."""
+HostStepping (host_step.py), `held` NvmeHeld (nvme_held.py: nvme state in memory between steps),
+`views` HostViews (host_views.py), `files` NvmeFiles and `file_slots` FileSlots (nvme_files.py),
+`pool` BankPool (banks.py), `client` WorkerClient."""
 
 from __future__ import annotations
 
@@ -30,6 +31,7 @@ from hybrid_opt.tiers.host_step import HostStepping, _Speculation  # noqa: F401
 from hybrid_opt.tiers.host_views import HostViews
 from hybrid_opt.tiers.inputs import AdamInputs, _with_step  # noqa: F401
 from hybrid_opt.tiers.nvme_files import FileSlots, NvmeFiles
+from hybrid_opt.tiers.nvme_held import NvmeHeld
 from hybrid_opt.worker.client import DEFAULT_WORKER_SHARE, CoreSplit, WorkerClient
 
 
@@ -309,6 +311,8 @@ class HostTier:
             copy_addrs=self.banks.copy_addrs if self.banks.pools_copies else None,
             refill_high=self.banks.refill_high,
         )
+        # nvme state in memory between steps: the reads ahead of a step, the writes behind it
+        self.held = NvmeHeld(self.io, self.pool, self.file_slots, self.nvme)
         # the committed state as pieces state_dict() maps; told of every write into it first
         # (a bank the pool hands out, a bank or nvme slot written in place)
         self.views = HostViews(
@@ -319,7 +323,7 @@ class HostTier:
             self.files,
             nvme=self.nvme,
             io_bytes=self.io_bytes,
-            written_bank=lambda sg: stepping.written_bank(sg),
+            written_bank=self.held.written_bank,
         )
         stepping = HostStepping(
             self.io,
@@ -328,6 +332,7 @@ class HostTier:
             self.file_slots,
             self.client,
             self.views,
+            self.held,
             numels=self.numels,
             nvme=self.nvme,
             rollback=rollback,
@@ -416,10 +421,10 @@ class HostTier:
     def _borrow_bank(self) -> int:
         banks = self.pool.acquire(1)
         if banks is None:  # the reads ahead of the next step hold the rest: they give way
-            self.stepping.release_reads()
+            self.held.release_reads()
             banks = self.pool.acquire(1)
         if banks is None:  # then the writes behind the last step, once they landed
-            self.stepping.settle_writes()
+            self.held.settle_writes()
             banks = self.pool.acquire(1)
         if banks is None:
             raise RuntimeError(
@@ -457,7 +462,7 @@ class HostTier:
     def file_marks(self) -> dict:
         """{nvme subgroup: (its committed slot, that slot's CRC32C)}: with restore_file_marks,
         how a load into the files is undone (load_state writes the other slot only)."""
-        self.stepping.settle_writes()
+        self.held.settle_writes()
         return {
             sg: (self.file_slots.slot(sg), self.file_slots.crc(sg, self.file_slots.slot(sg)))
             for sg in self.numels
@@ -481,7 +486,7 @@ class HostTier:
         try:
             for sg in sorted(subgroups):
                 # a write-behind's subgroup: its committed state is in memory, not in a slot
-                if self.nvme[sg] and not self.closed and self.stepping.written_bank(sg) is None:
+                if self.nvme[sg] and not self.closed and self.held.written_bank(sg) is None:
                     slot = self.file_slots.slot(sg)
                     try:
                         crc = self._swap_file(sg, None, slot, write=False, buf=buf)
@@ -512,7 +517,7 @@ class HostTier:
             return st
         bank = self._borrow_bank()
         try:
-            slot, held = self.file_slots.slot(sg), self.stepping.written_bank(sg)
+            slot, held = self.file_slots.slot(sg), self.held.written_bank(sg)
             if held is not None:  # a write-behind's: the bank it writes holds what the slot will
                 self.banks.state_block(bank).copy_(self.banks.state_block(held))
             elif (crc := self._swap_file(sg, bank, slot, write=False)) != self.file_slots.crc(sg, slot):
@@ -579,8 +584,8 @@ class HostTier:
         remainders: its model param takes the bank's high half once the state stands."""
         self.stepping.require_idle(sg)
         if self.nvme[sg]:
-            self.stepping.release_reads()  # one of them may read the slot this replaces
-            self.stepping.land_write(sg)  # a write still landing writes the slot this would
+            self.held.release_reads()  # one of them may read the slot this replaces
+            self.held.land_write(sg)  # a write still landing writes the slot this would
         bank = self._borrow_bank() if self.nvme[sg] else self._resident(sg)
         # copy slots: a resident remainder subgroup's high half is written in a free bank's slot
         # (none free: a tensor of its own), then into the model
@@ -600,7 +605,7 @@ class HostTier:
             if self.nvme[sg]:
                 slot = 1 - self.file_slots.slot(sg)  # the committed slot stays valid until this lands
                 self.file_slots.commit(sg, slot, self._swap_file(sg, bank, slot, write=True))
-                self.stepping.replaced(sg)  # a failed write-behind's state, in memory, is replaced
+                self.held.replaced(sg)  # a failed write-behind's state, in memory, is replaced
             if self.banks.keeps_remainders(sg):
                 self.banks.write_param(sg, stored["high"])
         finally:
@@ -661,6 +666,7 @@ class HostTier:
         self.closed = True
         self.views.close()  # held state_dict() tensors take copies: the arena and files go below
         self.stepping.forget_all()
+        self.held.forget_all()
         self.io.close()  # staging copies land before the arena is unmapped under them
         try:
             self.client.close()

@@ -15,8 +15,9 @@ from typing import TYPE_CHECKING, Callable
 from hybrid_opt.state.state_format import ABSMAX, Q8_BLOCK, q8_blocks
 from hybrid_opt.tiers.host_io import TornState, _Piece
 from hybrid_opt.tiers.inputs import AdamInputs
+from hybrid_opt.tiers.nvme_held import HeldRead, NvmeHeld, swap_piece
 from hybrid_opt.worker import protocol as proto
-from hybrid_opt.worker.client import TornInterrupt, WorkerError
+from hybrid_opt.worker.client import TornInterrupt
 
 if TYPE_CHECKING:
     from hybrid_opt.tiers.nvme_files import FileSlots
@@ -38,6 +39,13 @@ class _Speculation:
     # wrote, kept: write-behind), so nothing is read from the file
     in_memory: bool = False
 
+    @classmethod
+    def reading(cls, held: HeldRead, bank: int | None = None) -> _Speculation:
+        """A step of an nvme subgroup whose state is held in memory, or being read there
+        (`held`, NvmeHeld's), writing `bank`."""
+        pieces = [] if held.piece is None else [held.piece]
+        return cls(None, bank, pieces, aux_bank=held.bank, swap_in=held.piece, in_memory=held.piece is None)
+
     def done(self) -> bool:
         """Every piece has its result but the write of an nvme step (a plain step commits
         before its write lands: write-behind)."""
@@ -55,8 +63,9 @@ class _Speculation:
 class HostStepping:
     """Speculation, validation, commit and rollback of a HostTier's steps: it owns the pending
     speculations and the step counters, and works through the tier's bank pool, its StateBanks
-    (compressed.py), its FileSlots and its HostIO (staging slots and the worker). `client`, the
-    WorkerClient, is read for its timeout_s only (every wait's bound, read at each use)."""
+    (compressed.py), its FileSlots, its HostIO (staging slots and the worker) and its NvmeHeld
+    (nvme state held in memory between steps). `client`, the WorkerClient, is read for its
+    timeout_s only (every wait's bound, read at each use)."""
 
     def __init__(
         self,
@@ -66,6 +75,7 @@ class HostStepping:
         files: FileSlots,
         client,
         views,
+        held: NvmeHeld,
         *,
         numels: dict,
         nvme: dict,
@@ -75,6 +85,7 @@ class HostStepping:
         wake_spares: Callable[[int], int] | None = None,
     ):
         self._io, self._banks, self._pool, self._files = io, banks, pool, files
+        self._held = held  # the nvme reads ahead of a step and the writes behind it
         # HostTier.wake_spares: dormant spare banks into the pool (their memory allocated then)
         self._wake_spares = wake_spares
         # the subgroups whose speculation found no free bank while the worker idled (it had
@@ -86,12 +97,6 @@ class HostStepping:
         self.numels, self.nvme = dict(numels), dict(nvme)  # by subgroup id (HostTier's)
         self.rollback, self.amsgrad, self.slot_numel = rollback, amsgrad, slot_numel
         self._spec: dict[int, _Speculation] = {}
-        # nvme subgroups whose committed slot is being read ahead of their next step (read_ahead),
-        # or whose state is in memory already (a settled write-behind's bank: in_memory)
-        self._ahead: dict[int, _Speculation] = {}
-        # nvme subgroups committed while their write may still be landing (write-behind): the
-        # bank the step wrote (spec.bank) holds the committed state until _settle flips the slot
-        self._written: dict[int, _Speculation] = {}
         # inside finish(): work to do while a slot is awaited
         self._on_progress: Callable[[], None] | None = None
         self._counts = {"committed": 0, "redone": 0, "dropped": 0, "stepped": 0}
@@ -109,120 +114,27 @@ class HostStepping:
             self._io.release_slots(spec.pieces)
 
     def forget_all(self) -> None:
-        """The tier closes: every pending speculation, read and write is forgotten."""
+        """The tier closes: every pending speculation is forgotten."""
         self._spec.clear()
-        self._ahead.clear()
-        self._written.clear()
-
-    # ------------------------------------------------------------------ writing behind
-    def _landed(self, spec: _Speculation) -> bool:
-        r = spec.swap_out.result  # type: ignore[union-attr]  # written: a write piece
-        return r is not None and r.status == proto.STATUS_OK
-
-    def _settle(self, sg: int) -> _Speculation:
-        """`sg`'s write-behind lands (bounded wait): its slot becomes the committed one, and the
-        bank, which holds the same state, is returned as a read already done (in_memory) for
-        the caller to keep or release. A write that failed is sent again first (its bank still
-        holds the committed state); one that fails again raises the worker's error, naming the
-        file and the bytes, and the state stays in the bank, committed, for the next try."""
-        spec = self._written[sg]
-        out = spec.swap_out
-        assert out is not None  # a committed nvme step's write
-        if out.result is not None and out.result.status != proto.STATUS_OK:
-            out = spec.swap_out = self._swap_piece(proto.OP_SWAP_OUT, sg, spec.bank, spec.file_slot)  # type: ignore[arg-type]  # a bank
-            self._io.send(out)
-        self._io.wait_for([out])
-        if out.result.status != proto.STATUS_OK:  # type: ignore[union-attr]  # waited for
-            raise WorkerError(
-                f"hybrid_opt worker failed on subgroup {sg}: {out.result.message} (writing the "  # type: ignore[union-attr]
-                f"state its last step committed, sent again now; that state stays in memory, "
-                f"committed, and is written again at the next step)"
-            )
-        del self._written[sg]
-        self._files.commit(sg, spec.file_slot, out.result.crc)  # type: ignore[union-attr]
-        return _Speculation(None, None, aux_bank=spec.bank, in_memory=True)
-
-    def settle_writes(self, keep: bool = False) -> None:
-        """Every write-behind lands (each a bounded wait; a failure raises as _settle says).
-        keep: each bank stays, as a read ahead of its subgroup's next step; else it goes back
-        to the pool."""
-        for sg in list(self._written):
-            spec = self._settle(sg)
-            if keep:
-                self._ahead[sg] = spec
-            else:
-                self._release_banks(spec)
-
-    def _evict(self, wait: bool) -> bool:
-        """One bank back to the pool from a write-behind of this step (the oldest, once its
-        write landed; wait: waiting for it); False when there is none to take."""
-        for sg, spec in list(self._written.items()):
-            if wait or self._landed(spec):
-                self._release_banks(self._settle(sg))
-                return True
-        return False
 
     def views_outlive_commit(self, sg: int) -> bool:
         """Whether the views finish() hands on_commit for `sg` keep their bytes until finish()
         returns: a resident subgroup's committed bank does (its next write comes with its next
         step); an nvme subgroup's bank does not (a later step of the same finish() may take it
-        back: _evict), nor a pooled copy slot (the commit hands it on to the pool)."""
+        back: NvmeHeld.evict), nor a pooled copy slot (the commit hands it on to the pool)."""
         return not self.nvme[sg] and self._pool.copy_of is None
 
-    def written_bank(self, sg: int) -> int | None:
-        """The bank that holds `sg`'s committed state while the write behind its last step is
-        landing (or failed); None when its committed slot holds it."""
-        spec = self._written.get(sg)
-        return None if spec is None else spec.bank
-
-    def land_write(self, sg: int) -> None:
-        """`sg`'s write-behind ends, not sent again (bounded wait): landed, its slot is the
-        committed one and its bank goes back; failed, it stays (its bank the committed state)
-        until replaced() or the next settle."""
-        spec = self._written.get(sg)
-        if spec is None:
-            return
-        self._io.wait_for([spec.swap_out])
-        if self._landed(spec):
-            self._release_banks(self._settle(sg))
-
-    def replaced(self, sg: int) -> None:
-        """`sg`'s committed state was replaced (a load wrote and committed a slot): a failed
-        write-behind of it is forgotten, its bank back in the pool."""
-        spec = self._written.pop(sg, None)
-        if spec is not None:
-            self._release_banks(spec)
-
-    @property
-    def writes_behind(self) -> list:
-        """The nvme subgroups committed while their write may still be landing (a copy)."""
-        return list(self._written)
-
-    # ------------------------------------------------------------------ reading ahead
+    # ------------------------------------------------------------------ banks, and reads ahead
     def read_ahead(self) -> None:
         """Without speculation, after a step: the nvme subgroups' committed slots are read into
-        banks now, under the next forward and backward, so that the next step() does not wait
-        for the disk's reads (only for its writes). Each read holds the bank it reads into; its
-        step takes the bank it writes when it starts, and two banks stay free for that and for a
-        resident step, so neither waits for a read. The committed slots change only at a step's
-        commit, which the next step() itself does after these reads; whatever else writes them
-        (load_state_dict, a move) drops the reads first (release_reads). Best effort: a read
-        that cannot start is left to step(), which reads it itself and reports what went wrong."""
-        try:
-            for sg in sorted(s for s, on in self.nvme.items() if on):
-                if sg in self._spec or sg in self._ahead or sg in self._written:
-                    continue  # the state of a write-behind is in its bank already
-                # banks stay free for the next step's first results: a resident step's, and
-                # the first nvme step's (_step_loop: _take_write_bank)
-                if len(self._pool.free) < 2 + (not all(self.nvme.values())):
-                    break
-                read = self._take_one_bank()
-                assert read is not None  # the pool had free banks
-                spec = _Speculation(None, None, aux_bank=read)
-                self._ahead[sg] = spec
-                self._send_swap_in(sg, spec)
-        except Exception:
-            self.release_reads()
+        banks now (NvmeHeld.read_ahead), under the next forward and backward, so that the next
+        step() does not wait for the disk's reads (only for its writes). Each read holds the bank
+        it reads into; its step takes the bank it writes when it starts, and banks stay free for
+        that and for a resident step, so neither waits for a read. The committed slots change
+        only at a step's commit, which the next step() itself does after these reads; whatever
+        else writes them (load_state_dict, a move) drops the reads first (NvmeHeld.release_reads)."""
+        resident = not all(self.nvme.values())
+        self._held.read_ahead(self._take_one_bank, skip=set(self._spec), keep_free=1 + resident)
 
     def _take_one_bank(self, slots: tuple = ()) -> int | None:
         """A free bank, once populated, with the nvme `slots` a step will write announced to
@@ -245,22 +157,6 @@ class HostStepping:
         spec.bank = self._take_one_bank(((sg, 1 - self._files.slot(sg)),))
         return spec.bank is not None
 
-    @property
-    def reads_ahead(self) -> list:
-        """The nvme subgroups whose next step finds their state in memory: read ahead
-        (read_ahead), or still in the bank their last step wrote (write-behind) (a copy)."""
-        return list(self._ahead) + list(self._written)
-
-    def release_reads(self) -> None:
-        """Reads started by read_ahead end and give their banks back (their slot may be about
-        to change, or the banks are needed)."""
-        ahead, self._ahead = self._ahead, {}
-        for sg, spec in ahead.items():
-            try:
-                self._io.wait_for(spec.pieces)
-            finally:
-                self._drop(spec, sg)
-
     # ------------------------------------------------------------------ launching
     def _carry_over(self, sg: int, src: int, out_bank: int, runs: tuple) -> None:
         """Elements no run steps keep their committed state in the new bank (an nvme subgroup's
@@ -281,11 +177,6 @@ class HostStepping:
                     else:
                         dst[pos:off].copy_(src_state[name][pos:off])
             pos = max(pos, off + k)
-
-    def _swap_piece(self, op: int, sg: int, bank: int, file_slot: int, crc: int = 0) -> _Piece:
-        task = proto.Task(op, 0, sg, in_bank=bank, file_slot=file_slot, crc=crc)
-        # no staging slot; a write is settled by its owner (_settle), whatever wait collects it
-        return _Piece(sg, 0, 0, -1, task, freed=True, quiet=op == proto.OP_SWAP_OUT)
 
     def _launch(
         self,
@@ -346,7 +237,7 @@ class HostStepping:
             return False
         if self.nvme[sg]:
             spec.file_slot = 1 - self._files.slot(sg)
-            spec.swap_out = self._swap_piece(proto.OP_SWAP_OUT, sg, spec.bank, spec.file_slot)  # type: ignore[arg-type]  # nvme: a bank
+            spec.swap_out = swap_piece(proto.OP_SWAP_OUT, sg, spec.bank, spec.file_slot)  # type: ignore[arg-type]  # nvme: a bank
             pieces.append(spec.swap_out)
             self._io.send(spec.swap_out)
         spec.launched = True
@@ -385,11 +276,8 @@ class HostStepping:
 
     def _send_swap_in(self, sg: int, spec: _Speculation) -> _Piece:
         """The worker starts reading the committed slot into spec.aux_bank at once."""
-        slot = self._files.slot(sg)
-        crc = self._files.crc(sg, slot)
-        spec.swap_in = self._swap_piece(proto.OP_SWAP_IN, sg, spec.aux_bank, slot, crc)  # type: ignore[arg-type]  # nvme: a bank
+        spec.swap_in = self._held.read(sg, spec.aux_bank)  # type: ignore[arg-type]  # nvme: a bank
         spec.pieces.append(spec.swap_in)
-        self._io.send(spec.swap_in)
         return spec.swap_in
 
     def _take_banks(self, sg: int) -> _Speculation | None:
@@ -416,13 +304,11 @@ class HostStepping:
         return spec
 
     def _bank_spec(self, sg: int) -> _Speculation | None:
-        if self.nvme[sg] and sg in self._ahead:  # its state is in memory, or being read there
+        if self.nvme[sg] and self._held.holds_read(sg):  # its state is in memory, or being read there
             out = self._pool.acquire(1)
             if out is None:
                 return None
-            spec = self._ahead.pop(sg)
-            spec.bank = out[0]
-            return spec
+            return _Speculation.reading(self._held.take(sg), out[0])  # type: ignore[arg-type]  # held
         if self.nvme[sg]:
             banks = self._pool.acquire(2)
             return None if banks is None else _Speculation(None, banks[1], aux_bank=banks[0])
@@ -460,15 +346,13 @@ class HostStepping:
         need = sum(-(-k // self.slot_numel) for _, k, _ in runs) if (in_place or not wait) else 0
         if self.nvme[sg] and self._io.poll() < need:
             return False
-        if sg in self._written:  # its last step's write-behind: the step reads its bank, once it landed
-            if wait and self._written[sg].swap_out.result is None:  # type: ignore[union-attr]  # a write piece
-                self._io.wait_for([self._written[sg].swap_out])  # wait=True may wait for the worker
-            if not self._landed(self._written[sg]):
+        if self._held.written_bank(sg) is not None:  # its last step's write-behind: the step reads its bank
+            if not self._held.write_landed(sg, wait=wait):  # wait=True may wait for the worker
                 return False  # still landing (wait=False) or failed: stepped at finish(), which settles it
-            self._ahead[sg] = self._settle(sg)
+            self._held.keep(sg, self._held.settle(sg))
         spec = self._take_banks(sg)
         # a write behind the last step that landed gives its bank back (its state is in the slot)
-        while spec is None and self._evict(wait=False):
+        while spec is None and self._held.evict(wait=False):
             spec = self._take_banks(sg)
         if spec is None:
             self._io.poll()  # refused all the same: the results that came back are collected
@@ -606,11 +490,12 @@ class HostStepping:
             if on_commit is not None:
                 on_commit(sg, self._banks.commit_views(spec.bank, sg))
             # write-behind: the bank it wrote holds the committed state until its write lands
-            # (_settle flips the slot then); the bank it read goes back now
+            # (NvmeHeld.settle flips the slot then); the bank it read goes back now
             if spec.aux_bank is not None:
                 self._pool.release(spec.aux_bank)
                 spec.aux_bank = None
-            self._written[sg] = spec
+            self._held.hold_write(sg, spec.bank, spec.file_slot, spec.swap_out)  # type: ignore[arg-type]  # nvme: a bank, a write
+            spec.bank = None
             return
         # the views before the pool's commit, which hands the new bank's copy slot on (copy slots)
         views = self._banks.commit_views(self._pool.committed[sg] if spec.bank is None else spec.bank, sg)
@@ -668,7 +553,7 @@ class HostStepping:
         # the last step's writes behind land (they had the forward and backward; one that
         # failed is sent again, and fails this step, changing nothing, if it fails again): their
         # banks stay, this step's reads of those subgroups
-        self.settle_writes(keep=True)
+        self._held.settle_writes(keep=True)
         for sg in [s for s in self._spec if s not in steps]:
             self._drop(self._spec.pop(sg), sg)
             outcome[sg] = "dropped"
@@ -736,12 +621,16 @@ class HostStepping:
         nvme = [sg for sg in todo if self.nvme[sg]]
         todo = (
             [sg for sg in todo if not self.nvme[sg]]
-            + [sg for sg in nvme if sg in self._ahead]
-            + [sg for sg in nvme if sg not in self._ahead]
+            + [sg for sg in nvme if self._held.holds_read(sg)]
+            + [sg for sg in nvme if not self._held.holds_read(sg)]
         )
         # the reads read_ahead started after the last step are this step's (the slots stand)
-        prefetched: dict = {sg: self._ahead.pop(sg) for sg in todo if sg in self._ahead}
-        self.release_reads()  # those of subgroups this step leaves alone hold banks it may need
+        prefetched: dict = {
+            sg: _Speculation.reading(self._held.take(sg))  # type: ignore[arg-type]  # held
+            for sg in todo
+            if self._held.holds_read(sg)
+        }
+        self._held.release_reads()  # those of subgroups this step leaves alone hold banks it may need
         position = [0]
 
         def prefetch(k: int) -> None:
@@ -751,7 +640,7 @@ class HostStepping:
                 if not self.nvme[nxt] or nxt in prefetched:
                     continue
                 # a write-behind of this step that landed gives its bank to a read
-                while len(self._pool.free) < 2 and self._evict(wait=False):
+                while len(self._pool.free) < 2 and self._held.evict(wait=False):
                     pass
                 if len(self._pool.free) < 2:
                     break
@@ -788,16 +677,13 @@ class HostStepping:
             ):
                 # a bank comes back: a write-behind's that landed, a step's that finished (or,
                 # with neither in flight, a write-behind's once it lands, a later subgroup's read)
-                if not self._evict(wait=False):
+                if not self._held.evict(wait=False):
                     if waiting:
                         self._io.wait(
-                            lambda: (
-                                any(w.done() for w in waiting.values())
-                                or any(self._landed(w) for w in self._written.values())
-                            )
+                            lambda: any(w.done() for w in waiting.values()) or self._held.any_write_landed()
                         )
                         self._commit_finished(waiting, on_commit)
-                    elif not (self._evict(wait=True) or self._give_up_read(prefetched)):
+                    elif not (self._held.evict(wait=True) or self._give_up_read(prefetched)):
                         if spec is not None:
                             waiting[sg] = spec  # the caller's handler waits for its read, frees its bank
                         raise RuntimeError(
