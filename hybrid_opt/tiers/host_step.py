@@ -346,7 +346,9 @@ class HostStepping:
         need = sum(-(-k // self.slot_numel) for _, k, _ in runs) if (in_place or not wait) else 0
         if self.nvme[sg] and self._io.poll() < need:
             return False
-        if self._held.written_bank(sg) is not None:  # its last step's write-behind: the step reads its bank
+        if (
+            self.nvme[sg] and self._held.written_bank(sg) is not None
+        ):  # its last step's write: the step reads its bank
             if not self._held.write_landed(sg, wait=wait):  # wait=True may wait for the worker
                 return False  # still landing (wait=False) or failed: stepped at finish(), which settles it
             self._held.keep(sg, self._held.settle(sg))
@@ -553,7 +555,8 @@ class HostStepping:
         # the last step's writes behind land (they had the forward and backward; one that
         # failed is sent again, and fails this step, changing nothing, if it fails again): their
         # banks stay, this step's reads of those subgroups
-        self._held.settle_writes(keep=True)
+        if any(self.nvme.values()):
+            self._held.settle_writes(keep=True)
         for sg in [s for s in self._spec if s not in steps]:
             self._drop(self._spec.pop(sg), sg)
             outcome[sg] = "dropped"
