@@ -78,13 +78,18 @@ def make_grads(numels, dtype=torch.float32, *, seed=0, scale=1.0):
 
 
 def wait_gone(pid, timeout_s):
-    """True once `pid` no longer runs (gone, or a zombie awaiting its reaper)."""
+    """True once `pid` no longer runs: gone, or a zombie its parent can reap. A killed process's
+    leader shows as a zombie while its other threads still exit (a worker's I/O threads, under
+    load); until they have, its pipes stay open and waitpid() does not see it dead."""
     deadline = time.monotonic() + timeout_s
     while True:
         try:
-            if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
+            if (
+                psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+                and len(os.listdir(f"/proc/{pid}/task")) <= 1
+            ):
                 return True
-        except psutil.NoSuchProcess:
+        except (psutil.NoSuchProcess, FileNotFoundError):
             return True
         if time.monotonic() >= deadline:
             return False
