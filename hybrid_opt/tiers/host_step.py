@@ -346,9 +346,8 @@ class HostStepping:
         need = sum(-(-k // self.slot_numel) for _, k, _ in runs) if (in_place or not wait) else 0
         if self.nvme[sg] and self._io.poll() < need:
             return False
-        if (
-            self.nvme[sg] and self._held.written_bank(sg) is not None
-        ):  # its last step's write: the step reads its bank
+        # the write behind its last step: this step reads the bank it came from
+        if self.nvme[sg] and self._held.written_bank(sg) is not None:
             if not self._held.write_landed(sg, wait=wait):  # wait=True may wait for the worker
                 return False  # still landing (wait=False) or failed: stepped at finish(), which settles it
             self._held.keep(sg, self._held.settle(sg))
