@@ -57,8 +57,7 @@ class _HeldWrite:
 class NvmeHeld:
     """The reads ahead of the nvme subgroups' next steps and the writes behind their last ones,
     each holding one bank of the tier's pool. Works through the pool, the FileSlots (the slot
-    map, flipped as a write lands) and HostIO (the worker); `client` is read for its timeout_s
-    only. Every wait is HostIO's, bounded."""
+    map, flipped as a write lands) and HostIO (the worker). Every wait is HostIO's, bounded."""
 
     def __init__(self, io, pool, files: FileSlots, nvme: dict):
         self._io, self._pool, self._files = io, pool, files
