@@ -131,10 +131,11 @@ PEERS_KEYS = {
 
 
 def test_bench_peers_tiny_run_writes_every_row_in_the_fixed_schema(tmp_path):
-    """bench_peers.py end to end on a tiny model, 2 gloo ranks, one round: the DDP reference, a
-    process_group row with bf16 moments and an FSDP2 row with half the state on nvme (three
-    launches); the release_grads row runs where HybridAdamW has the keyword, else is skipped
-    saying so; a DeepSpeed row is skipped for want of --peer-python (no peer venv here)."""
+    """bench_peers.py end to end on a tiny model, 2 gloo ranks, one round: the DDP reference and
+    an FSDP2 row with half the state on nvme (two launches); the process_group row with
+    release_grads runs where HybridAdamW has the keyword, else is skipped saying so; a DeepSpeed
+    row is skipped for want of --peer-python (no peer venv here). Each row is a launch of its own
+    (about 10 s here), so the bf16-moment rows are left to tests/test_distributed_compressed.py."""
     import inspect
 
     from hybrid_opt import HybridAdamW
@@ -146,7 +147,7 @@ def test_bench_peers_tiny_run_writes_every_row_in_the_fixed_schema(tmp_path):
     )
     out = {k: tmp_path / f"peers.{k}" for k in ("json", "md", "png")}
     nvme_dir = os.path.join(REPO, "bench_out")  # git-ignored, on the disk (tmp_path may be tmpfs)
-    rows = ["ddp-fused", "pg-bf16", "fsdp2-nvme0.5", "pg-inverse-release", "ds-zero2-cpu"]
+    rows = ["ddp-fused", "fsdp2-nvme0.5", "pg-inverse-release", "ds-zero2-cpu"]
     cmd = [
         sys.executable,
         os.path.join(REPO, "benchmarks", "bench_peers.py"),
@@ -188,7 +189,6 @@ def test_bench_peers_tiny_run_writes_every_row_in_the_fixed_schema(tmp_path):
     by = {r["config"]: r for r in records}
     assert set(by) == {
         "DDP + AdamW(fused=True)",
-        "process_group, bf16 moments",
         "FSDP2, nvme_fraction 0.5",
         'process_group, rollback="inverse", release_grads=True',
         "ZeRO-2 + CPU optimizer offload",
@@ -198,7 +198,7 @@ def test_bench_peers_tiny_run_writes_every_row_in_the_fixed_schema(tmp_path):
     release = by['process_group, rollback="inverse", release_grads=True']
     assert (release["skipped"] is None) == has_release, release["skipped"]
     ran = [r for r in records if r["skipped"] is None]
-    assert len(ran) == 3 + has_release
+    assert len(ran) == 2 + has_release
     for r in ran:
         assert r["ranks"] == 2 and r["device"].startswith("cpu") and r["timestamp"]
         assert 0 < r["p20"] <= r["median"] <= r["p80"], r
@@ -209,12 +209,11 @@ def test_bench_peers_tiny_run_writes_every_row_in_the_fixed_schema(tmp_path):
     ddp = by["DDP + AdamW(fused=True)"]
     assert ddp["impl"] == "torch" and ddp["max_dev"] == 0.0 and ddp["allocated"] == [None, None]
     assert ddp["nvme_bytes"] == [0, 0]
-    # the same trajectory: fp32 state within fp32 rounding of DDP's, bf16 moments within bf16's
+    # the same trajectory: fp32 state within fp32 rounding of DDP's
     assert by["FSDP2, nvme_fraction 0.5"]["max_dev"] < 1e-4
-    assert by["process_group, bf16 moments"]["max_dev"] < 2e-2
     nvme = by["FSDP2, nvme_fraction 0.5"]
     assert all(b > 0 for b in nvme["nvme_bytes"])
-    for r in (nvme, by["process_group, bf16 moments"]):
+    for r in [nvme] + [release] * has_release:
         assert r["impl"] == "HybridAdamW"
         if hasattr(HybridAdamW, "allocated_bytes"):
             assert all(set(a) == {"device", "host", "nvme", "comm"} for a in r["allocated"]), r["allocated"]
@@ -251,14 +250,14 @@ def test_bench_nvme_fds_tiny_run_reports_both_numberings_and_their_ratio(tmp_pat
         "--iters",
         "1",
         "--rounds",
-        "2",
+        "1",
         "--json",
         str(out_json),
     ]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=REPO)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     got = json.loads(out_json.read_text())
-    assert len(got["ms"]["low"]) == len(got["ms"]["high"]) == len(got["ratios"]) == 2
+    assert len(got["ms"]["low"]) == len(got["ms"]["high"]) == len(got["ratios"]) == 1
     assert all(v > 0 for v in got["ms"]["low"] + got["ms"]["high"])
     assert "| low |" in res.stdout and "| high |" in res.stdout and "high / low:" in res.stdout
     assert not [d for d in set(os.listdir(root)) - before if d.startswith("bench_nvme_fds_")]  # removed
@@ -304,7 +303,8 @@ def test_bench_gpu_kernels_launch_overhead_runs_without_a_gpu_and_reports_both_c
 
 def test_bench_step_peer_rows_in_fresh_processes_give_every_row(tmp_path):
     """--fresh-rows (the default with CUDA): each peer row runs in its own interpreter
-    (--one-row) and comes back as samples; the table has every row, as in one process."""
+    (--one-row) and comes back as samples; the table has every row, as in one process. One
+    offload fraction and no worker-share rows: each row costs a fresh torch (seconds here)."""
     out = tmp_path / "s.json"
     res = subprocess.run(
         [
@@ -320,12 +320,9 @@ def test_bench_step_peer_rows_in_fresh_processes_give_every_row(tmp_path):
             "--rounds",
             "1",
             "--sweep",
-            "0",
             "1",
             "--subgroup-numel",
             "4096",
-            "--worker-shares",
-            "1",
             "--fresh-rows",
             "--json",
             str(out),
@@ -340,10 +337,8 @@ def test_bench_step_peer_rows_in_fresh_processes_give_every_row(tmp_path):
     assert set(rows) == {
         "device only: torch AdamW(fused=True)",
         'HybridAdamW "auto"',
-        "HybridAdamW offload 0",
         "HybridAdamW offload 1",
         "HybridAdamW offload 1, no speculation",
-        "HybridAdamW offload 1, worker_share 1",
     }
     for r in rows.values():
         assert 0 < r["p20_ms"] <= r["median_ms"] <= r["p80_ms"], r
@@ -399,12 +394,14 @@ CHECKPOINT_KEYS = {
 def test_bench_checkpoint_tiny_run_measures_each_operation_against_the_state_bytes(tmp_path):
     """bench_checkpoint.py at 2 x Linear(1024) (16 MiB of fp32 state), one round, torch's control and
     HybridAdamW offload 1: a row per operation, files the size of the state, the loaded dict's bytes
-    the state's, and the sampler sees what it must: nothing for torch's torch.save (its state_dict
-    copies nothing), the whole loaded dict for torch's load."""
+    the state's, and the sampler sees what it must: the whole loaded dict for torch's load, no more
+    for our DCP save than for torch's. torch_save is left out to keep this run short (each row is
+    a fresh process, most of its time importing torch): the reference run that every placement
+    makes first is that same torch.save(opt.state_dict(), f), unmeasured."""
     out_json = tmp_path / "ck.json"
     work = os.path.join(REPO, "bench_out")  # git-ignored, on the disk (tmp_path may be tmpfs)
     before = set(os.listdir(work)) if os.path.isdir(work) else set()
-    ops = ["torch_save", "save_state_dict", "load", "dcp_save"]
+    ops = ["save_state_dict", "load", "dcp_save"]
     cmd = [
         sys.executable,
         os.path.join(REPO, "benchmarks", "bench_checkpoint.py"),
@@ -448,15 +445,13 @@ def test_bench_checkpoint_tiny_run_measures_each_operation_against_the_state_byt
         if op == "load":
             assert abs(r["loaded_mib"] * 2**20 - r["state_bytes"]) < 1 << 10
             assert r["extra_above_loaded_mib"] == r["extra_mib"] - r["loaded_mib"]
-    assert rows[("torch", "torch_save")]["extra_pct"] < 10
     # state_dict() copies nothing: no more than torch's (DCP adds a few MiB of its own to both)
-    for op in ("torch_save", "dcp_save"):
-        assert rows[("offload1", op)]["extra_mib"] <= rows[("torch", op)]["extra_mib"] + 1, rows[
-            ("offload1", op)
-        ]
+    assert rows[("offload1", "dcp_save")]["extra_mib"] <= rows[("torch", "dcp_save")]["extra_mib"] + 1, rows[
+        ("offload1", "dcp_save")
+    ]
     # the sampler sees the loaded dict (most of it: memory the allocator kept may be reused)
     assert rows[("torch", "load")]["extra_mib"] > 0.75 * rows[("torch", "load")]["loaded_mib"]
-    assert "| torch AdamW(fused=True) | torch.save(opt.state_dict(), f) |" in res.stdout
+    assert "| torch AdamW(fused=True) | opt.load_state_dict(torch.load(f)) |" in res.stdout
     assert "| HybridAdamW offload 1 | opt.save_state_dict(f) |" in res.stdout
     assert not [d for d in set(os.listdir(work)) - before if d.startswith("bench_checkpoint_")]  # removed
 
@@ -499,8 +494,9 @@ def test_bench_checkpoint_framework_saves_cost_no_ram(tmp_path):
 
 def test_bench_cpu_host_tiny_run_has_a_row_per_arrangement_and_clip(tmp_path):
     """bench_cpu_host.py on a tiny GPT, one core, one round: torch's rows and HybridAdamW's under
-    both arrangements, with and without clipping; each ratio is its time over torch's, and the
-    losses are torch's within fp32 rounding."""
+    the shared arrangement (a CPU host's default; split differs by one keyword and each row is a
+    fresh torch), with and without clipping; each ratio is its time over torch's, and the losses
+    are torch's within fp32 rounding."""
     out_json = tmp_path / "cpu.json"
     cmd = [
         sys.executable,
@@ -509,6 +505,8 @@ def test_bench_cpu_host_tiny_run_has_a_row_per_arrangement_and_clip(tmp_path):
         "1",
         "--optimizers",
         "host",
+        "--arrangements",
+        "shared",
         "--rounds",
         "1",
         "--steps",
@@ -529,7 +527,7 @@ def test_bench_cpu_host_tiny_run_has_a_row_per_arrangement_and_clip(tmp_path):
     assert "subgroup_numel=4096" in res.stdout.splitlines()[0]  # passed to HybridAdamW, and said
     rows = json.loads(out_json.read_text())
     assert {(r["optimizer"], r["arrangement"], r["clip"]) for r in rows} == {
-        (o, a, c) for c in (False, True) for o, a in (("torch", "-"), ("host", "split"), ("host", "shared"))
+        (o, a, c) for c in (False, True) for o, a in (("torch", "-"), ("host", "shared"))
     }
     for r in rows:
         assert r["cores"] == 1 and r["threads"] == 1 and r["ms"] > 0

@@ -413,53 +413,90 @@ from hybrid_opt import HybridAdamW
 from hybrid_opt.testing import debug_view
 sys.path.insert(0, os.path.join(os.getcwd(), "benchmarks"))
 from ram_sampler import RamSampler, wait_until_steady
-placement, remainders, path, nvme = sys.argv[1], sys.argv[2] == "1", sys.argv[3], sys.argv[4]
-torch.manual_seed(0)
-model = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(8)]).to(torch.bfloat16)
-kw = {"device": dict(offload_fraction=0.0), "host": dict(offload_fraction=1.0),
-      "nvme": dict(offload_fraction=1.0, nvme_fraction=1.0, nvme_path=nvme)}[placement]
-opt = HybridAdamW(model.parameters(), lr=1e-3, exp_avg_dtype="q8", exp_avg_sq_dtype="q8",
-                  store_param_remainders=remainders, subgroup_numel=1 << 20, **kw)
-def backward():
-    x = torch.randn(4, 1024, dtype=torch.bfloat16)
-    model(x).float().square().mean().backward()
-for _ in range(2):
+def peaks(placement, remainders, path, nvme):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(8)]).to(torch.bfloat16)
+    kw = {"device": dict(offload_fraction=0.0), "host": dict(offload_fraction=1.0),
+          "nvme": dict(offload_fraction=1.0, nvme_fraction=1.0, nvme_path=nvme)}[placement]
+    opt = HybridAdamW(model.parameters(), lr=1e-3, exp_avg_dtype="q8", exp_avg_sq_dtype="q8",
+                      store_param_remainders=remainders, subgroup_numel=1 << 20, **kw)
+    def backward():
+        x = torch.randn(4, 1024, dtype=torch.bfloat16)
+        model(x).float().square().mean().backward()
+    for _ in range(2):
+        backward()
+        opt.step()
+        opt.zero_grad()
     backward()
-    opt.step()
+    grads = [p.grad for p in model.parameters()]
     opt.zero_grad()
-backward()
-grads = [p.grad for p in model.parameters()]
-opt.zero_grad()
-for p, g in zip(model.parameters(), grads):
-    p.grad = g  # set, not accumulated: no hook speculates, step() does all the work
-pids = [os.getpid(), opt.worker_pid]
-out = {"subgroup": max(sg.numel for sg in debug_view(opt).subgroups)}
-def measured(key, run):
+    for p, g in zip(model.parameters(), grads):
+        p.grad = g  # set, not accumulated: no hook speculates, step() does all the work
+    del grads
+    pids = [os.getpid(), opt.worker_pid]
+    out = {"subgroup": max(sg.numel for sg in debug_view(opt).subgroups)}
+    def measured(key, run):
+        gc.collect()
+        ctypes.CDLL("libc.so.6").malloc_trim(0)  # freed heap back to the OS: a reuse shows
+        wait_until_steady(pids)
+        with RamSampler(pids) as w:
+            run()
+        out[key] = w.result["anon_peak"]
+    measured("step", opt.step)
+    def save():
+        sd = opt.state_dict()
+        torch.save(sd, path)
+        del sd
+    measured("save", save)
+    loaded = torch.load(path, weights_only=True)
+    out["loaded"] = sum(t.nbytes for st in loaded["state"].values() for t in st.values())
+    del loaded
+    measured("load", lambda: opt.load_state_dict(torch.load(path, weights_only=True)))
+    measured("load_mmap", lambda: opt.load_state_dict(torch.load(path, weights_only=True, mmap=True)))
+    opt.close()
+    os.unlink(path)
+    return out
+root = sys.argv[1]
+got = {}
+for case in sys.argv[2:]:  # one optimizer after another, each closed and its memory freed first
+    placement, remainders = case.split(":")
+    nvme = os.path.join(root, case.replace(":", "-"))
+    os.mkdir(nvme)
+    got[case] = peaks(placement, remainders == "1", os.path.join(root, "ck.pt"), nvme)
     gc.collect()
-    ctypes.CDLL("libc.so.6").malloc_trim(0)  # freed heap back to the OS: a reuse shows
-    wait_until_steady(pids)
-    with RamSampler(pids) as w:
-        run()
-    out[key] = w.result["anon_peak"]
-measured("step", opt.step)
-def save():
-    sd = opt.state_dict()
-    torch.save(sd, path)
-    del sd
-measured("save", save)
-loaded = torch.load(path, weights_only=True)
-out["loaded"] = sum(t.nbytes for st in loaded["state"].values() for t in st.values())
-del loaded
-measured("load", lambda: opt.load_state_dict(torch.load(path, weights_only=True)))
-measured("load_mmap", lambda: opt.load_state_dict(torch.load(path, weights_only=True, mmap=True)))
-opt.close()
-print(json.dumps(out))
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
+print(json.dumps(got))
 """
+REMAINDERS = {"q8 + remainders": True, "q8 + fp32 master": False}
 
 
-@pytest.mark.parametrize("remainders", [True, False], ids=["q8 + remainders", "q8 + fp32 master"])
+@pytest.fixture(scope="module")
+def q8_peaks(tmp_path_factory):
+    """_PEAKS over every (placement, remainders) in one fresh process, one optimizer after
+    another: each case's figures are rises within its own windows, after the case before it was
+    closed and its memory handed back, and a fresh interpreter per case would cost a torch
+    import each (seconds on a CI runner) for nothing the windows can see."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    cases = [f"{p}:{int(r)}" for p in PLACEMENTS for r in REMAINDERS.values()]
+    # glibc returns every block of 256 KiB or more to the OS when it is freed (a fixed threshold,
+    # not its adaptive one): RssAnon follows what is allocated, not what the heap kept, and no
+    # case reuses what the one before it freed
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_=str(1 << 18))
+    res = subprocess.run(
+        [sys.executable, "-c", _PEAKS, str(tmp_path_factory.mktemp("q8_peaks")), *cases],
+        cwd=root,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert res.returncode == 0, res.stderr[-3000:]
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("remainders", list(REMAINDERS))
 @pytest.mark.parametrize("placement", PLACEMENTS)
-def test_no_step_or_checkpoint_expands_a_subgroups_moments_to_fp32(placement, remainders, tmp_path):
+def test_no_step_or_checkpoint_expands_a_subgroups_moments_to_fp32(placement, remainders, q8_peaks):
     """Issue 38 item 4, measured by the OS in a fresh process: a bf16 model of 8 x Linear(1024)
     (8.4M params, subgroups of 1Mi), q8 moments. Over step() (all subgroups stepped there),
     torch.save(state_dict()), load_state_dict(torch.load(f)) and a load from
@@ -467,22 +504,7 @@ def test_no_step_or_checkpoint_expands_a_subgroups_moments_to_fp32(placement, re
     sampled every 2 ms by another process) rises by less than 3/8 of one subgroup's two
     moments in fp32 (3 MiB of 8) — above the loaded dict's own bytes for a plain load. An fp32 copy
     of one subgroup's moments (8 MiB), or of one moment, would show."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    nvme = tmp_path / "nvme"
-    nvme.mkdir()
-    # glibc returns every block of 256 KiB or more to the OS when it is freed (a fixed threshold,
-    # not its adaptive one): RssAnon follows what is allocated, not what the heap kept
-    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_=str(1 << 18))
-    res = subprocess.run(
-        [sys.executable, "-c", _PEAKS, placement, str(int(remainders)), str(tmp_path / "ck.pt"), str(nvme)],
-        cwd=root,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert res.returncode == 0, res.stderr[-3000:]
-    got = json.loads(res.stdout.strip().splitlines()[-1])
+    got = q8_peaks[f"{placement}:{int(REMAINDERS[remainders])}"]
     budget = got["subgroup"] * 3  # 3/8 of its moments in fp32: less than one of them
     assert got["step"] <= budget, got
     assert got["save"] <= budget, got
