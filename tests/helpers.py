@@ -243,3 +243,45 @@ def stopped(pid):
         for t in timers:
             t.cancel()
         os.kill(pid, signal.SIGCONT)
+
+
+# The end of a script that cases_in_one_process() runs: `measure(*fields, path, nvme)`, which the
+# script defines, for each case "a:b:..." in turn, with a file path and an nvme directory of its own.
+_CASES_DRIVER = r"""
+import ctypes as _ctypes, gc as _gc, json as _json, os as _os, sys as _sys
+_root, _got = _sys.argv[1], {}
+for _case in _sys.argv[2:]:  # one optimizer after another, each closed and its memory freed first
+    _nvme = _os.path.join(_root, _case.replace(":", "-"))
+    _os.mkdir(_nvme)
+    _got[_case] = measure(*_case.split(":"), _os.path.join(_root, "ck.pt"), _nvme)
+    _gc.collect()
+    _ctypes.CDLL("libc.so.6").malloc_trim(0)
+print(_json.dumps(_got))
+"""
+
+
+def cases_in_one_process(script: str, cases: list, root: str) -> dict:
+    """{case: what `measure` returned} from one fresh interpreter running `script` (which
+    defines measure(*fields, path, nvme)) over every case, one after another, under `root`.
+
+    Memory tests measure rises within windows, so cases can follow one another once each has
+    closed its optimizer and handed its memory back: a fresh interpreter per case would cost a
+    torch import each (4-5 s on a CI runner) for nothing the windows can see. glibc returns
+    every block of 256 KiB or more to the OS when it is freed (a fixed threshold, not its
+    adaptive one), so RssAnon follows what is allocated and no case reuses what one before it
+    freed."""
+    import json
+    import subprocess
+    import sys
+
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    res = subprocess.run(
+        [sys.executable, "-c", script + _CASES_DRIVER, root, *cases],
+        cwd=repo,
+        env=dict(os.environ, MALLOC_MMAP_THRESHOLD_=str(1 << 18)),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert res.returncode == 0, res.stderr[-3000:]
+    return json.loads(res.stdout.strip().splitlines()[-1])

@@ -12,13 +12,9 @@ dynamic maps, blocks of 256) in bitsandbytes' layout: per param `step` (a Python
 writes them today, those tensors nested under `__bnb_optimizer_quant_state__` (older releases: flat).
 """
 
-import json
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
+from helpers import cases_in_one_process
 from tolerances import assert_close
 from torch import nn
 
@@ -413,7 +409,8 @@ from hybrid_opt import HybridAdamW
 from hybrid_opt.testing import debug_view
 sys.path.insert(0, os.path.join(os.getcwd(), "benchmarks"))
 from ram_sampler import RamSampler, wait_until_steady
-def peaks(placement, remainders, path, nvme):
+def measure(placement, remainders, path, nvme):
+    remainders = remainders == "1"
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(8)]).to(torch.bfloat16)
     kw = {"device": dict(offload_fraction=0.0), "host": dict(offload_fraction=1.0),
@@ -456,42 +453,16 @@ def peaks(placement, remainders, path, nvme):
     opt.close()
     os.unlink(path)
     return out
-root = sys.argv[1]
-got = {}
-for case in sys.argv[2:]:  # one optimizer after another, each closed and its memory freed first
-    placement, remainders = case.split(":")
-    nvme = os.path.join(root, case.replace(":", "-"))
-    os.mkdir(nvme)
-    got[case] = peaks(placement, remainders == "1", os.path.join(root, "ck.pt"), nvme)
-    gc.collect()
-    ctypes.CDLL("libc.so.6").malloc_trim(0)
-print(json.dumps(got))
 """
 REMAINDERS = {"q8 + remainders": True, "q8 + fp32 master": False}
 
 
 @pytest.fixture(scope="module")
 def q8_peaks(tmp_path_factory):
-    """_PEAKS over every (placement, remainders) in one fresh process, one optimizer after
-    another: each case's figures are rises within its own windows, after the case before it was
-    closed and its memory handed back, and a fresh interpreter per case would cost a torch
-    import each (seconds on a CI runner) for nothing the windows can see."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    """_PEAKS over every (placement, remainders), one optimizer after another in one fresh
+    process (helpers.cases_in_one_process)."""
     cases = [f"{p}:{int(r)}" for p in PLACEMENTS for r in REMAINDERS.values()]
-    # glibc returns every block of 256 KiB or more to the OS when it is freed (a fixed threshold,
-    # not its adaptive one): RssAnon follows what is allocated, not what the heap kept, and no
-    # case reuses what the one before it freed
-    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_=str(1 << 18))
-    res = subprocess.run(
-        [sys.executable, "-c", _PEAKS, str(tmp_path_factory.mktemp("q8_peaks")), *cases],
-        cwd=root,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert res.returncode == 0, res.stderr[-3000:]
-    return json.loads(res.stdout.strip().splitlines()[-1])
+    return cases_in_one_process(_PEAKS, cases, str(tmp_path_factory.mktemp("q8_peaks")))
 
 
 @pytest.mark.parametrize("remainders", list(REMAINDERS))

@@ -15,14 +15,9 @@ subgroups (their pieces mapped side by side: hybrid_opt/mapped.py).
 Sizes here cut subgroups on page boundaries (subgroup_numel >= layout.PAGE_CUT_FROM).
 """
 
-import json
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
-from helpers import backing
+from helpers import backing, cases_in_one_process
 from torch import nn
 
 from hybrid_opt import HybridAdamW
@@ -220,15 +215,6 @@ def measure(placement, fmt, path, nvme):
     opt.close()
     os.unlink(path)
     return out
-root = sys.argv[1]
-got = {}
-for case in sys.argv[2:]:  # one optimizer after another, each closed and its memory freed first
-    placement, fmt = case.split(":")
-    nvme = os.path.join(root, case.replace(":", "-"))
-    os.mkdir(nvme)
-    got[case] = measure(placement, fmt, os.path.join(root, "ck.pt"), nvme)
-    released()
-print(json.dumps(got))
 """
 PEAK_FORMATS = ["fp32", "bf16-remainders"]
 PEAK_PLACEMENTS = ["device", "host", "nvme"]
@@ -236,30 +222,10 @@ PEAK_PLACEMENTS = ["device", "host", "nvme"]
 
 @pytest.fixture(scope="module")
 def checkpoint_peaks(tmp_path_factory):
-    """_MEASURE over every (placement, format) in one fresh process, one optimizer after another:
-    each case's figures are rises within its own windows, after the case before it was closed
-    and its memory handed back (a fresh interpreter per case would cost a torch import each,
-    seconds on a CI runner, for nothing the windows can see)."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    # glibc returns every block of 256 KiB or more to the OS when it is freed (a fixed threshold,
-    # not its adaptive one): no case reuses what the one before it freed
-    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_=str(1 << 18))
-    res = subprocess.run(
-        [
-            sys.executable,
-            "-c",
-            _MEASURE,
-            str(tmp_path_factory.mktemp("checkpoint_peaks")),
-            *[f"{p}:{f}" for p in PEAK_PLACEMENTS for f in PEAK_FORMATS],
-        ],
-        cwd=root,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert res.returncode == 0, res.stderr[-3000:]
-    return json.loads(res.stdout.strip().splitlines()[-1])
+    """_MEASURE over every (placement, format), one optimizer after another in one fresh process
+    (helpers.cases_in_one_process)."""
+    cases = [f"{p}:{f}" for p in PEAK_PLACEMENTS for f in PEAK_FORMATS]
+    return cases_in_one_process(_MEASURE, cases, str(tmp_path_factory.mktemp("checkpoint_peaks")))
 
 
 @pytest.mark.parametrize("fmt", PEAK_FORMATS)
