@@ -245,24 +245,31 @@ def stopped(pid):
         os.kill(pid, signal.SIGCONT)
 
 
-# The end of a script that cases_in_one_process() runs: `measure(*fields, path, nvme)`, which the
-# script defines, for each case "a:b:..." in turn, with a file path and an nvme directory of its own.
+# The start of a script that cases_in_one_process() runs: released(), for the script's windows too.
+_CASES_PRELUDE = r"""
+import ctypes as _ctypes, gc as _gc
+def released():
+    _gc.collect()
+    _ctypes.CDLL("libc.so.6").malloc_trim(0)  # freed heap back to the OS: a reuse shows
+"""
+# Its end: `measure(*fields, path, nvme)`, which the script defines, for each case "a:b:..." in
+# turn, with a file path and an nvme directory of its own.
 _CASES_DRIVER = r"""
-import ctypes as _ctypes, gc as _gc, json as _json, os as _os, sys as _sys
+import json as _json, os as _os, sys as _sys
 _root, _got = _sys.argv[1], {}
 for _case in _sys.argv[2:]:  # one optimizer after another, each closed and its memory freed first
     _nvme = _os.path.join(_root, _case.replace(":", "-"))
     _os.mkdir(_nvme)
     _got[_case] = measure(*_case.split(":"), _os.path.join(_root, "ck.pt"), _nvme)
-    _gc.collect()
-    _ctypes.CDLL("libc.so.6").malloc_trim(0)
+    released()
 print(_json.dumps(_got))
 """
 
 
 def cases_in_one_process(script: str, cases: list, root: str) -> dict:
     """{case: what `measure` returned} from one fresh interpreter running `script` (which
-    defines measure(*fields, path, nvme)) over every case, one after another, under `root`.
+    defines measure(*fields, path, nvme) and may call released(): gc, then malloc_trim) over
+    every case, one after another, under `root`.
 
     Memory tests measure rises within windows, so cases can follow one another once each has
     closed its optimizer and handed its memory back: a fresh interpreter per case would cost a
@@ -276,7 +283,7 @@ def cases_in_one_process(script: str, cases: list, root: str) -> dict:
 
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     res = subprocess.run(
-        [sys.executable, "-c", script + _CASES_DRIVER, root, *cases],
+        [sys.executable, "-c", _CASES_PRELUDE + script + _CASES_DRIVER, root, *cases],
         cwd=repo,
         env=dict(os.environ, MALLOC_MMAP_THRESHOLD_=str(1 << 18)),
         capture_output=True,

@@ -404,7 +404,7 @@ def test_absmax_is_shaped_like_the_param_where_its_last_dim_holds_whole_blocks(p
 
 
 _PEAKS = r"""
-import ctypes, gc, json, os, sys, torch
+import os, sys, torch
 from hybrid_opt import HybridAdamW
 from hybrid_opt.testing import debug_view
 sys.path.insert(0, os.path.join(os.getcwd(), "benchmarks"))
@@ -433,8 +433,7 @@ def measure(placement, remainders, path, nvme):
     pids = [os.getpid(), opt.worker_pid]
     out = {"subgroup": max(sg.numel for sg in debug_view(opt).subgroups)}
     def measured(key, run):
-        gc.collect()
-        ctypes.CDLL("libc.so.6").malloc_trim(0)  # freed heap back to the OS: a reuse shows
+        released()
         wait_until_steady(pids)
         with RamSampler(pids) as w:
             run()

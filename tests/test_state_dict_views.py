@@ -173,13 +173,10 @@ def test_a_saved_checkpoint_resumes_bitwise(placement, fmt, tmp_path):
 
 
 _MEASURE = r"""
-import ctypes, gc, json, os, subprocess, sys, time, torch
+import os, sys, torch
 from hybrid_opt import HybridAdamW
 sys.path.insert(0, os.path.join(os.getcwd(), "benchmarks"))
 from ram_sampler import RamSampler, wait_until_steady
-def released():
-    gc.collect()
-    ctypes.CDLL("libc.so.6").malloc_trim(0)  # freed heap back to the OS: a reuse shows
 def measure(placement, fmt, path, nvme):
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024, bias=False) for _ in range(12)])
