@@ -28,16 +28,16 @@ alternate the order of the runs.
 
 RAM: the peak over the operation of RssAnon(trainer) + RssAnon(worker) + the system's Shmem
 (/proc/meminfo), above its value just before, sampled every 2 ms by a separate process
-(ram_sampler.py); also the same peak as RssAnon + RssShmem of both processes (the kernel counts
-a shared page once per mapping there), and PSS (trainer + worker) before and after. Before the
-first sample the trainer runs gc and malloc_trim(0), so memory the allocator kept from set-up
-is not reused for free, and waits (up to 60 s) until RssAnon + RssShmem of both processes held
-still for 0.5 s, so the arena's background population is not counted as the operation's. The
-extra is in MiB and in % of the state's bytes: the nbytes of the tensors in the placement's own
-`state_dict()["state"]` (for fp32 state what torch's AdamW holds: exp_avg, exp_avg_sq, step),
-counted once in the reference run. Shmem is system-wide: another process's shared memory coming
-or going in the window counts (run on a quiet machine; `per_round[].sampled.system_shmem_peak`
-in the JSON shows it).
+(ram_sampler.py); also the same peak as RssAnon + RssShmem of both processes (the kernel counts a
+shared page once per mapping there), and PSS (trainer + worker) before and after. Before the first
+sample the trainer runs gc and malloc_trim(0), so memory the allocator kept from set-up is not
+reused for free (torch._dynamo, which DCP imports on first use, is loaded by then), and waits (up to
+60 s) until RssAnon + RssShmem of both processes held still for 0.5 s, so the arena's background
+population is not counted as the operation's. The extra is in MiB and in % of the state's bytes: the
+nbytes of the tensors in the placement's own `state_dict()["state"]` (for fp32 state what torch's
+AdamW holds: exp_avg, exp_avg_sq, step), counted once in the reference run. Shmem is system-wide:
+another process's shared memory coming or going in the window counts (run on a quiet machine;
+`per_round[].sampled.system_shmem_peak` in the JSON shows it).
 Seconds: the operation's wall time, median and range over rounds. File: bytes on disk.
 
 --frameworks adds a real HF `transformers.Trainer` (our optimizer via `optimizers=(opt, None)`,
@@ -276,6 +276,10 @@ OP_FUNCS = {
 def measure(run, pids: list[int | None], path: str) -> dict:
     """RAM (sampled, PSS), seconds and the file's bytes of `run()`, which returns facts of its own;
     `steady_before` says whether the processes' memory held still before it (else it timed out)."""
+    # torch._dynamo loaded first: DCP's get_optimizer_state_dict imports it on its first call (about
+    # 80 MiB of modules, once a process). torch.optim.AdamW's construction loaded it already, and
+    # HybridAdamW's does not (hybrid_opt/torch_methods.py): an import is not the operation's RAM.
+    importlib.import_module("torch._dynamo")
     release_free_memory()
     steady = wait_until_steady(pids)
     pss_before = pss_bytes(pids)

@@ -13,7 +13,7 @@ import contextlib
 import torch
 
 from hybrid_opt import arguments as A
-from hybrid_opt import lifetime
+from hybrid_opt import lifetime, torch_methods
 from hybrid_opt import parts as P
 from hybrid_opt import stepping as S
 from hybrid_opt.distributed import node
@@ -184,7 +184,7 @@ class _HybridBase(torch.optim.Optimizer):
             first = sum(len(g["params"]) for g in self.param_groups)
             joining = [i[1] if isinstance(i, tuple) else i for i in param_group["params"]]
             A.check_q8_placement(self.state_format, None, joining, first)
-        super().add_param_group(param_group)
+        torch_methods.base(super().add_param_group)(param_group)
         if self._built:
             P.extend(self._parts, len(self.param_groups) - 1)
             lifetime.claim(self, self.param_groups[-1]["params"])
@@ -266,7 +266,7 @@ class _HybridBase(torch.optim.Optimizer):
 
     @lifetime.acts_on_owner
     def zero_grad(self, set_to_none: bool = True) -> None:
-        super().zero_grad(set_to_none)
+        torch_methods.base(super().zero_grad)(set_to_none)
         self._parts.zero_grad(set_to_none)
 
     @lifetime.acts_on_owner
@@ -320,7 +320,9 @@ class _HybridBase(torch.optim.Optimizer):
             "before it closes (inside its `with` block)"
         )
         TX.check_laid_out(self._parts.layout, type(self).__name__, call)
-        return C.committed_shell(self._parts, self._optimizer_state_dict_post_hooks, super().state_dict)
+        return C.committed_shell(
+            self._parts, self._optimizer_state_dict_post_hooks, torch_methods.base(super().state_dict)
+        )
 
     @lifetime.acts_on_owner
     def load_state_dict(self, state_dict: dict) -> None:

@@ -6,24 +6,25 @@ never rebound to optimizer memory; its slices view `p.to_local()` (docs/internal
 
 from __future__ import annotations
 
+import sys
 import warnings
 
 import torch
 
 from hybrid_opt.distributed.ranks import world_size
 
-_DTENSOR: list = []  # [DTensor class or None], imported once
+_DTENSOR: list = []  # [the DTensor class], once torch.distributed.tensor is loaded
 
 
 def is_dtensor(t) -> bool:
+    # No tensor is a DTensor before torch.distributed.tensor is loaded (FSDP2 and DTensor's users
+    # load it), so a process without one does not pay its import: 1.2-1.7 s, sympy through torch.fx.
     if not _DTENSOR:
-        try:
-            from torch.distributed.tensor import DTensor
-
-            _DTENSOR.append(DTensor)
-        except ImportError:  # torch without DTensor (or without distributed): nothing is one
-            _DTENSOR.append(None)
-    return _DTENSOR[0] is not None and isinstance(t, _DTENSOR[0])
+        dtensor = getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)
+        if dtensor is None:  # not loaded (or still loading, or a torch without it)
+            return False
+        _DTENSOR.append(dtensor)
+    return isinstance(t, _DTENSOR[0])
 
 
 # process_group mode (zero.py): plain params whose state this rank keeps for a dim-0 chunk
