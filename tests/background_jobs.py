@@ -1,8 +1,9 @@
 """The suite's long CPU-bound checks as background jobs, started as the test session begins and
 collected by their tests, which run last: the launch-path compile of every kernel specialization
 (tests/kernel_specializations.py, one job per GPU architecture: four CPU-minutes of Triton and
-ptxas) and the exhaustive proofs of the q8 quantizers (tests/q8_proof.py, one job per SIMD level
-and map: 2^32 fp32 patterns each, about 24 s of both cores at AVX2).
+ptxas), the exhaustive proofs of the q8 quantizers (tests/q8_proof.py, one job per SIMD level
+and map: 2^32 fp32 patterns each, about 24 s of both cores at AVX2), and mypy's type check of
+hybrid_opt/ (about 50 s of one core without its cache: it reads torch's types).
 
 The rest of the suite leaves much of the machine idle while it waits on processes, pipes and
 disks. So conftest.py starts the jobs of the tests a session runs, at the lowest CPU priority
@@ -31,6 +32,7 @@ COMPILE_TEST = (
     "test_gpu_compile.py::test_every_specialization_compiles_for_sm80_and_sm90_through_the_launch_path"
 )
 Q8_TEST = "test_q8_cpu.py::test_quantizer_equals_q8_code_for_every_fp32_pattern"
+MYPY_TEST = "test_types.py::test_hybrid_opt_passes_mypy"
 
 
 @dataclass(frozen=True)
@@ -61,6 +63,7 @@ def specs() -> list[JobSpec]:
         for level in ("avx512", "avx2")
         for signed in (True, False)
     ]
+    out.append(JobSpec("mypy", MYPY_TEST, ("-m", "mypy")))  # [tool.mypy] in pyproject.toml
     return out
 
 
