@@ -41,7 +41,7 @@ def test_a_fresh_process_uses_hybrid_adamw_without_loading_dynamo_or_dtensor():
     assert res.returncode == 0, res.stderr[-3000:]
     loaded, built = res.stdout.strip().rsplit(" ", 1)
     assert loaded == "[]", loaded
-    assert float(built) < 1.0, built  # the worker's start; torch._dynamo alone takes 1.7-2.9 s here
+    assert float(built) < 1.5, built  # the worker's start; torch._dynamo alone takes 1.7-2.9 s here
 
 
 class _Probe(torch.optim.Optimizer):
