@@ -300,6 +300,46 @@ def test_zero_subnormal_and_non_finite_blocks_equal_the_reference(level, amsgrad
     assert_state_equals(got, want, f"{level} zero, subnormal and non-finite blocks")
 
 
+@pytest.mark.parametrize("variant", ["fp32", "remainders", "bf16_grad"])
+def test_blocks_without_a_reciprocal_between_blocks_with_one_equal_the_reference(level, threads, variant):
+    # AVX-512 writes a block's codes in the next block's loop where both absmaxes take the reciprocal,
+    # and at once where one does not: zero blocks (absmax 0) and subnormal ones at the start, between
+    # others and at each end of the threads' runs (blocks 0-127 and 128-255 at two threads), so the
+    # pipeline starts, stops and restarts; the last block takes the reciprocal (written after the loop)
+    state = make_state(
+        256 * 256,
+        ("q8", "q8"),
+        remainders=variant == "remainders",
+        grad_dtype=BF16 if variant == "bf16_grad" else F32,
+    )
+    codes_m, codes_v = state["exp_avg"].codes.clone(), state["exp_avg_sq"].codes.clone()
+    absmax_m, absmax_v = state["exp_avg"].absmax.clone(), state["exp_avg_sq"].absmax.clone()
+    grad = state["grad"]
+    dead = (
+        (0, "zero"),
+        (3, "zero"),
+        (4, "subnormal"),
+        (7, "zero"),
+        (8, "zero"),
+        (127, "zero"),
+        (128, "subnormal"),
+    )
+    for blk, kind in dead:
+        lanes = slice(256 * blk, 256 * (blk + 1))
+        codes_m[lanes], codes_v[lanes], absmax_m[blk], absmax_v[blk] = 127, 0, 0.0, 0.0
+        if kind == "zero":
+            grad[lanes] = 0.0
+        else:
+            grad[lanes] = torch.linspace(-1e-40, 1e-40, 256).to(grad.dtype)
+    state.update(exp_avg=q8.Q8Blocks(codes_m, absmax_m), exp_avg_sq=q8.Q8Blocks(codes_v, absmax_v))
+    hyper = {**HYPER, "beta1": 0.0}
+    want = q8.q8_adam_step_reference(**state, step=2, **hyper)
+    assert float(want[1].absmax[3]) == 0.0 and float(want[1].absmax[2]) > 1e-30
+    assert_state_equals(
+        kernel_step(state, step=2, **hyper), want, f"{level} {variant} blocks without a reciprocal"
+    )
+
+
 @pytest.mark.parametrize("absmax", [3.0, 1.0, 2.0**-100])
 def test_every_code_boundary_quantizes_as_the_reference(level, absmax):
     # beta1 = beta2 = 0 and zero moments make the new moments g and g·g exactly, so the

@@ -279,8 +279,24 @@ static inline q8_vi q8i_abs_bits(q8_vf x)
 
 static inline uint32_t q8i_hmax_u32(q8_vi x) { return (uint32_t)_mm512_reduce_max_epu32(x); }
 
-/* Both moments' codes in one loop (q8_fused.h's Q8_CODES_OUT_PAIR): two independent chains per 16
- * lanes for the scheduler, one loop's overhead and one near-lane branch. A block whose absmax is 0 or
+/* 16 lanes of both moments' codes: mb and vb their new values, sm and sv the reciprocals of their
+ * absmaxes ma and va (both q8_recip_ok). Two independent chains for the scheduler and one near-lane
+ * branch: a lane near in either moment takes q8_code in both. */
+static inline __attribute__((always_inline)) void q8_pair16(uint8_t *mc, const float *mb, __m512 sm, float ma,
+                                                            uint8_t *vc, const float *vb, __m512 sv, float va)
+{
+    const __m512 xm = _mm512_mul_ps(_mm512_load_ps(mb), sm), xv = _mm512_mul_ps(_mm512_load_ps(vb), sv);
+    const __m512 tm = q8_rank16(xm, 0, 1), tv = q8_rank16(xv, 1, 1);
+    const __mmask16 near = q8_near16(tm) | q8_near16(tv);
+    _mm_storeu_si128((__m128i *)mc, q8_code16(tm, xm, 0));
+    _mm_storeu_si128((__m128i *)vc, q8_code16(tv, xv, 1));
+    if (__builtin_expect(near != 0, 0)) {
+        q8_fix_near(mc, mb, near, ma, 0);
+        q8_fix_near(vc, vb, near, va, 1);
+    }
+}
+
+/* Both moments' codes of a whole block (q8_fused.h's Q8_CODES_OUT_PAIR). A block whose absmax is 0 or
  * takes the division (q8_recip_ok) goes the one-moment way. */
 static inline void q8_codes_out_pair(uint8_t *mc, float *ma_out, const float *restrict mb, uint32_t mx_m, uint8_t *vc,
                                      float *va_out, const float *restrict vb, uint32_t mx_v, int len)
@@ -294,48 +310,16 @@ static inline void q8_codes_out_pair(uint8_t *mc, float *ma_out, const float *re
     *ma_out = ma;
     *va_out = va;
     const __m512 sm = _mm512_set1_ps(1.0f / ma), sv = _mm512_set1_ps(1.0f / va);
-    for (int i = 0; i < Q8_BLOCK; i += 16) {
-        const __m512 xm = _mm512_mul_ps(_mm512_load_ps(mb + i), sm), xv = _mm512_mul_ps(_mm512_load_ps(vb + i), sv);
-        const __m512 tm = q8_rank16(xm, 0, 1), tv = q8_rank16(xv, 1, 1);
-        /* a lane near in either moment takes q8_code in both */
-        const __mmask16 near = q8_near16(tm) | q8_near16(tv);
-        _mm_storeu_si128((__m128i *)(mc + i), q8_code16(tm, xm, 0));
-        _mm_storeu_si128((__m128i *)(vc + i), q8_code16(tv, xv, 1));
-        if (__builtin_expect(near != 0, 0)) {
-            q8_fix_near(mc + i, mb + i, near, ma, 0);
-            q8_fix_near(vc + i, vb + i, near, va, 1);
-        }
-    }
+    for (int i = 0; i < Q8_BLOCK; i += 16) q8_pair16(mc + i, mb + i, sm, ma, vc + i, vb + i, sv, va);
 }
 #define Q8_CODES_OUT_PAIR q8_codes_out_pair
+/* a block's codes written by the next block's arithmetic loop, beside its divisions */
+#define Q8_PAIR_CHUNK q8_pair16
 
-#ifndef Q8_AHEAD
-#define Q8_AHEAD 4  /* blocks: 1 KiB of codes, 4 KiB of fp32 param ahead */
-#endif
-/* A software prefetch of the streams of the block Q8_AHEAD blocks on (fp32 param and grad 1 KiB
- * each, bf16 half of it, each moment's codes 256 bytes): the pass spends most of its time computing,
- * and at two threads its memory traffic must keep up all the same. Past the end it never faults. */
-static inline void q8_block_ahead(const q8_args_t *a, int64_t off)
-{
-#if Q8_AHEAD > 0
-    const int64_t next = off + Q8_AHEAD * Q8_BLOCK;
-    const char *p = (const char *)a->param + next * (a->remainder ? 2 : 4);
-    const char *g = (const char *)a->grad + next * (a->grad_dtype == DT_F32 ? 4 : 2);
-    const int pl = a->remainder ? 8 : 16, gl = a->grad_dtype == DT_F32 ? 16 : 8;
-    for (int k = 0; k < pl; k++) _mm_prefetch(p + 64 * k, _MM_HINT_T0);
-    for (int k = 0; k < gl; k++) _mm_prefetch(g + 64 * k, _MM_HINT_T0);
-    if (a->remainder)
-        for (int k = 0; k < 8; k++) _mm_prefetch((const char *)(a->remainder + next) + 64 * k, _MM_HINT_T0);
-    for (int k = 0; k < 4; k++) {
-        _mm_prefetch((const char *)a->exp_avg + next + 64 * k, _MM_HINT_T0);
-        _mm_prefetch((const char *)a->exp_avg_sq + next + 64 * k, _MM_HINT_T0);
-    }
-#else
-    (void)a;
-    (void)off;
-#endif
-}
-#define Q8_BLOCK_AHEAD q8_block_ahead
+/* The streams prefetched 2048 lanes ahead, a line of each as the arithmetic loop reaches it (q8_fused.h):
+ * 2 threads, 16 Mi elements, an Intel Xeon with AVX-512 (docs/benchmarks.md). Forty prefetches at
+ * each block's start (4 blocks ahead) left the pipelined loop waiting on its loads from DRAM. */
+#define Q8_LANES_AHEAD 2048
 
 #include "q8_fused.h"
 #endif
