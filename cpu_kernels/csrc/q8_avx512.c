@@ -1,6 +1,7 @@
 /* cpu_kernels, q8 Adam step, AVX-512 level (F, BW, VL, DQ; VBMI where present): 16 lanes, no
  * gathers. The map by byte-plane vpermt2b (VBMI) or by vpermt2ps from registers; codes from
- * per-octave lines of x·(1/absmax), the lanes near a boundary by q8_code. */
+ * per-octave lines of x·(1/absmax), the lanes near a boundary by q8_code; a block's codes written
+ * inside the next block's Adam loop (q8_fused.h's pipeline). */
 #include "q8.h"
 #define Q8_LEVEL avx512
 
