@@ -93,6 +93,63 @@ def test_two_optimizers_closed_in_either_order_restore_threads_and_affinity(orde
     _assert_restored(before)
 
 
+def _threads_in_finish(opt, monkeypatch, fail=False):
+    """Steps once; returns torch's and cpu_kernels' thread counts as the host tier's finish()
+    began. The real finish() runs (fail: it raises _Injected after it)."""
+    stepping = debug_view(opt).host.stepping
+    seen, real = [], stepping.finish
+
+    def finish(*args, **kwargs):
+        seen.append((torch.get_num_threads(), cpu_kernels.get_num_threads()))
+        out = real(*args, **kwargs)
+        if fail:
+            raise _Injected("after finish")
+        return out
+
+    monkeypatch.setattr(stepping, "finish", finish)
+    for p in (q for g in opt.param_groups for q in g["params"]):
+        p.grad = torch.randn_like(p)
+    if fail:
+        with pytest.raises(Exception, match="after finish"):
+            opt.step()
+    else:
+        opt.step()
+    assert len(seen) == 1
+    return seen[0]
+
+
+@TWO_CORES
+@pytest.mark.parametrize("fail", [False, True], ids=["ok", "failed"])
+def test_a_waited_step_sharing_the_cores_runs_the_trainers_torch_on_one_thread(monkeypatch, fail):
+    """Sharing every core with the worker (a CPU-only host), the trainer's torch runs on one thread
+    while step() waits for the worker (cpu_kernels' too: one OpenMP runtime), and both get their
+    counts back after, failed or not."""
+    before = _snapshot()
+    opt = _opt(_model(), worker_share=None)
+    try:
+        assert debug_view(opt).host.cores.shared
+        counts = (torch.get_num_threads(), cpu_kernels.get_num_threads())
+        assert counts[0] > 1
+        assert _threads_in_finish(opt, monkeypatch, fail) == (1, 1)
+        assert (torch.get_num_threads(), cpu_kernels.get_num_threads()) == counts
+    finally:
+        opt.close()
+    _assert_restored(before)
+
+
+@TWO_CORES
+def test_a_waited_step_on_split_cores_keeps_the_trainers_thread_count(monkeypatch):
+    before = _snapshot()
+    opt = _opt(_model(), worker_share=0.5)
+    try:
+        trainer = len(debug_view(opt).host.cores.trainer)
+        assert _threads_in_finish(opt, monkeypatch) == (trainer, cpu_kernels.get_num_threads())
+        assert torch.get_num_threads() == trainer
+    finally:
+        opt.close()
+    _assert_restored(before)
+
+
 class _Injected(RuntimeError):
     pass
 
