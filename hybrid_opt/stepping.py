@@ -337,8 +337,7 @@ def step_host(parts, plan: StepPlan, committed: set) -> dict:
         sharding.committed(sg.index)  # process_group: its buckets' gathers may start (zero_gather.py)
 
     try:
-        with placement.host.cores.trainer_waiting():  # sharing the cores: the trainer's torch on one
-            outcome = stepping.finish(dict(plan.host_steps), on_commit=copy_params)
+        outcome = stepping.finish(dict(plan.host_steps), on_commit=copy_params)
     finally:
         spec.forget_staged()
         for device in queued:  # the queued copies land before step() returns (failed or not)

@@ -9,6 +9,7 @@
   needs a bank not populated yet waits for it.
 """
 
+import contextlib
 import os
 import threading
 import time
@@ -95,22 +96,24 @@ def test_two_optimizers_closed_in_either_order_restore_threads_and_affinity(orde
 
 def _threads_in_finish(opt, monkeypatch, fail=False):
     """Steps once; returns torch's and cpu_kernels' thread counts as the host tier's finish()
-    began. The real finish() runs (fail: it raises _Injected after it)."""
-    stepping = debug_view(opt).host.stepping
-    seen, real = [], stepping.finish
+    waited for the worker (HostIO.finishing entered). The real finishing() runs (fail: it
+    raises _Injected after it)."""
+    io = debug_view(opt).host.io
+    seen, real = [], io.finishing
 
-    def finish(*args, **kwargs):
+    @contextlib.contextmanager
+    def finishing(pieces):
         seen.append((torch.get_num_threads(), cpu_kernels.get_num_threads()))
-        out = real(*args, **kwargs)
+        with real(pieces):
+            yield
         if fail:
-            raise _Injected("after finish")
-        return out
+            raise _Injected("after finishing")
 
-    monkeypatch.setattr(stepping, "finish", finish)
+    monkeypatch.setattr(io, "finishing", finishing)
     for p in (q for g in opt.param_groups for q in g["params"]):
         p.grad = torch.randn_like(p)
     if fail:
-        with pytest.raises(Exception, match="after finish"):
+        with pytest.raises(Exception, match="after finishing"):
             opt.step()
     else:
         opt.step()

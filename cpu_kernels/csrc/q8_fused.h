@@ -145,37 +145,36 @@ static inline __attribute__((always_inline)) void q8_fused_block(const q8_args_t
 #endif
 }
 
-/* One whole block of a fusable step: its flags as constants, one loop per combination. With
- * Q8_PAIR_CHUNK, prev (live) is the block before, whose codes this block's loop writes. */
-static inline __attribute__((always_inline)) void Q8_FN(q8_block_into)(const q8_args_t *a, const q8_consts_t *c, int64_t off,
-                                        Q8_FN(q8_pending_t) *now, const Q8_FN(q8_pending_t) *prev)
+/* One whole block of a fusable step: its flags as constants, one loop per combination. quant: prev
+ * (live) is the block before, whose codes this block's loop writes. */
+static inline __attribute__((always_inline)) void q8_block_flags(const q8_args_t *a, const q8_consts_t *c,
+                                                                 int64_t off, Q8_FN(q8_pending_t) *now,
+                                                                 const Q8_FN(q8_pending_t) *prev, const int quant)
 {
     const int l2 = c->l2_mode, bf16 = a->grad_dtype == DT_BF16, rem = a->remainder != NULL;
+    if (rem) {
+        if (bf16) q8_fused_block(a, c, off, l2, 1, 1, now, prev, quant);
+        else q8_fused_block(a, c, off, l2, 0, 1, now, prev, quant);
+    } else if (l2) {
+        if (bf16) q8_fused_block(a, c, off, 1, 1, 0, now, prev, quant);
+        else q8_fused_block(a, c, off, 1, 0, 0, now, prev, quant);
+    } else {
+        if (bf16) q8_fused_block(a, c, off, 0, 1, 0, now, prev, quant);
+        else q8_fused_block(a, c, off, 0, 0, 0, now, prev, quant);
+    }
+}
+
+static inline __attribute__((always_inline)) void Q8_FN(q8_block_into)(const q8_args_t *a, const q8_consts_t *c,
+                                                                       int64_t off, Q8_FN(q8_pending_t) *now,
+                                                                       const Q8_FN(q8_pending_t) *prev)
+{
 #ifdef Q8_PAIR_CHUNK
     if (prev->live) {
-        if (rem) {
-            if (bf16) q8_fused_block(a, c, off, l2, 1, 1, now, prev, 1);
-            else q8_fused_block(a, c, off, l2, 0, 1, now, prev, 1);
-        } else if (l2) {
-            if (bf16) q8_fused_block(a, c, off, 1, 1, 0, now, prev, 1);
-            else q8_fused_block(a, c, off, 1, 0, 0, now, prev, 1);
-        } else {
-            if (bf16) q8_fused_block(a, c, off, 0, 1, 0, now, prev, 1);
-            else q8_fused_block(a, c, off, 0, 0, 0, now, prev, 1);
-        }
+        q8_block_flags(a, c, off, now, prev, 1);
         return;
     }
 #endif
-    if (rem) {
-        if (bf16) q8_fused_block(a, c, off, l2, 1, 1, now, prev, 0);
-        else q8_fused_block(a, c, off, l2, 0, 1, now, prev, 0);
-    } else if (l2) {
-        if (bf16) q8_fused_block(a, c, off, 1, 1, 0, now, prev, 0);
-        else q8_fused_block(a, c, off, 1, 0, 0, now, prev, 0);
-    } else {
-        if (bf16) q8_fused_block(a, c, off, 0, 1, 0, now, prev, 0);
-        else q8_fused_block(a, c, off, 0, 0, 0, now, prev, 0);
-    }
+    q8_block_flags(a, c, off, now, prev, 0);
 }
 
 #ifndef Q8_PAIR_CHUNK

@@ -339,6 +339,7 @@ class HostTier:
             amsgrad=amsgrad,
             slot_numel=self.slot_numel,
             wake_spares=self.wake_spares,
+            one_thread_waiting=self.cores.shared,
         )
         self.stepping = stepping
         self.closed = False

@@ -12,6 +12,9 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable
 
+import torch
+
+import cpu_kernels
 from hybrid_opt.state.state_format import ABSMAX, Q8_BLOCK, q8_blocks
 from hybrid_opt.tiers.host_io import TornState, _Piece
 from hybrid_opt.tiers.inputs import AdamInputs
@@ -83,8 +86,12 @@ class HostStepping:
         amsgrad: bool,
         slot_numel: int,
         wake_spares: Callable[[int], int] | None = None,
+        one_thread_waiting: bool = False,
     ):
         self._io, self._banks, self._pool, self._files = io, banks, pool, files
+        # the trainer shares every core with the worker (CoreSplit.shared): finish() runs its torch
+        # on one thread (_one_thread)
+        self._one_thread_waiting = one_thread_waiting
         self._held = held  # the nvme reads ahead of a step and the writes behind it
         # HostTier.wake_spares: dormant spare banks into the pool (their memory allocated then)
         self._wake_spares = wake_spares
@@ -519,12 +526,36 @@ class HostStepping:
         """
         runs = {sg: self._check(sg, grad, final) for sg, (grad, final) in steps.items()}
         grow = self._spares_wanted()
-        # step(): the staging copies still landing may be waited for; every speculation ends first
-        with self._io.finishing([p for s in self._spec.values() for p in s.pieces]):
-            outcome = self._finish(steps, runs, overflow, on_commit)
+        saved = self._one_thread()
+        try:
+            # step(): the staging copies still landing may be waited for; every speculation ends first
+            with self._io.finishing([p for s in self._spec.values() for p in s.pieces]):
+                outcome = self._finish(steps, runs, overflow, on_commit)
+        finally:
+            self._threads_back(saved)
         if grow and self._wake_spares is not None:
             self._wake_spares(grow)
         return outcome
+
+    def _one_thread(self) -> tuple | None:
+        """Sharing every core with the worker, the trainer's torch (and cpu_kernels: one libgomp)
+        on one thread for finish(); returns the counts to put back (None: nothing changed). The
+        trainer then only stages grads and copies params back, which one thread does at memory
+        speed; a second one took a core from the worker's and left the first spinning at each
+        copy's barrier (Intel Xeon, 2 cores, bench GPT, offload 1: step() 60-64 -> 44-47 ms;
+        docs/benchmarks.md). Split cores (a GPU host) keep their counts."""
+        if not self._one_thread_waiting:
+            return None
+        saved = torch.get_num_threads(), cpu_kernels.get_num_threads()
+        cpu_kernels.set_num_threads(1)  # cpu_kernels first, torch last, as CoreSplit sets them
+        torch.set_num_threads(1)
+        return saved
+
+    @staticmethod
+    def _threads_back(saved: tuple | None) -> None:
+        if saved is not None:
+            cpu_kernels.set_num_threads(saved[1])
+            torch.set_num_threads(saved[0])
 
     def _spares_wanted(self) -> int:
         """Dormant spare banks the pool should wake after this step: one for each subgroup

@@ -14,7 +14,6 @@ import signal
 import subprocess
 import sys
 import time
-from contextlib import contextmanager
 
 from hybrid_opt.distributed.node import NodeInfo, core_slice
 from hybrid_opt.distributed.node import info as node_info
@@ -252,24 +251,6 @@ class CoreSplit:
             and bool(self.trainer)
             and (self.trainer != self.worker or self.sliced)
         )
-
-    @contextmanager
-    def trainer_waiting(self):
-        """While a step the trainer waits for runs (finish()), sharing every core with the worker:
-        torch's (and cpu_kernels') threads drop to one, and are put back after, failed or not. The trainer
-        then only stages grads and copies params back, which one thread does at memory speed; a
-        second one took a core from the worker's two and left the first spinning at each copy's
-        barrier (Intel Xeon, 2 cores, bench GPT, offload 1: step() 60-64 -> 46-47 ms; docs/
-        benchmarks.md). Split cores and a GPU host keep their counts."""
-        if not self.shared:
-            yield
-            return
-        saved = _thread_counts()
-        _set_thread_counts((1, 1))  # one libgomp: cpu_kernels' count follows torch's anyway
-        try:
-            yield
-        finally:
-            _set_thread_counts(saved)
 
     def apply(self) -> None:
         if not self.pins:
