@@ -204,6 +204,19 @@ def plain_loop(n=STEPS):
     return train
 
 
+def settled_loop(n=STEPS):
+    """plain_loop, with the writes behind each step landed before the next backward."""
+
+    def train(net, opt, log):
+        for batch in BATCHES[:n]:
+            opt.zero_grad()
+            loss_fn(net, batch).backward()
+            step(opt, log)
+            debug_view(opt).settle_writes()
+
+    return train
+
+
 def torch_run(train_ref, model=make_mlp):
     net = model()
     ref = torch.optim.AdamW(net.parameters(), foreach=False, **HYPER)
@@ -591,8 +604,12 @@ def test_gradient_accumulation(annotated):
 # ============================================================================= 6. nvme
 @pytest.mark.parametrize("clip", [None, CLIP_BITES], ids=["noclip", "clip_bites"])
 def test_nvme_subgroups_are_speculated_too(tmp_path, clip):
+    """Every nvme subgroup is speculated once the write behind its last step has landed.
+    Backward never waits for that write (a subgroup whose write is still landing is stepped
+    at step() instead), so the loop lets the writes land after each step: on a loaded host
+    they may still be landing when the next backward reaches the subgroup."""
     spec = compare(
-        plain_loop(),
+        settled_loop(),
         offload=1.0,
         nvme_fraction=0.5,
         nvme_path=str(tmp_path),
