@@ -55,8 +55,10 @@ LEGITIMATE_ATTRS = {
 }
 # (module, name of the written object): locals of a foreign type filled for one call
 LEGITIMATE_OBJECTS = {
-    ("hybrid_opt.worker.main", "a"): "the kernel's ctypes argument Structure (AdamArgs / "
-    "InverseArgs), filled field by field for one C call",
+    ("hybrid_opt.worker.arena_steps", "a"): "the kernel's ctypes argument Structure (AdamArgs / "
+    "InverseArgs / Q8AdamArgs), filled field by field for one C call",
+    ("hybrid_opt.worker.main", "a"): "the kernel's ctypes argument Structure, its length set for the "
+    "fault injection's half call",
 }
 
 

@@ -317,7 +317,9 @@ def test_a_worker_failing_in_step_leaves_each_param_stepped_or_untouched(monkeyp
 
     t = _Trio(
         "host",
-        ours_kw=dict(speculative=False),
+        # the worker's cores split off: sharing them all (a CPU-only host), the trainer would
+        # run these steps itself (tiers/inline_steps.py), and no worker could fail in them
+        ours_kw=dict(speculative=False, worker_share=0.5),
         before_ours=armed,
         after_ours=lambda: monkeypatch.delenv("HYBRID_OPT_WORKER_FAULT"),
     )
@@ -357,7 +359,7 @@ def test_inverse_mode_worker_killed_in_step_names_what_was_stepped_and_what_may_
 
     t = _Trio(
         "host",
-        ours_kw=dict(speculative=False, rollback="inverse"),
+        ours_kw=dict(speculative=False, rollback="inverse", worker_share=0.5),  # as above
         before_ours=armed,
         after_ours=lambda: monkeypatch.delenv("HYBRID_OPT_WORKER_FAULT"),
     )
@@ -398,7 +400,7 @@ def test_a_worker_that_does_not_answer_is_replaced_and_the_step_goes_on():
     kills and replaces it, sends its tasks again and goes on, warned of — bitwise torch's
     trajectory; the next backward does not wait for the worker (not the timeout once per
     subgroup), state_dict() works, and the step does not fail since nothing was lost."""
-    t = _Trio("host")
+    t = _Trio("host", ours_kw=dict(worker_share=0.5))  # split: the worker steps (as above)
     try:
         debug_view(t.ours).host.client.timeout_s = 1.0  # the default two minutes, lowered
         old = t.ours.worker_pid

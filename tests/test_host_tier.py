@@ -538,7 +538,9 @@ def test_killed_worker_is_replaced_and_the_trajectory_is_bitwise_unchanged(
     monkeypatch, stage, k, spare_banks
 ):
     monkeypatch.setenv(FAULT_ENV, f"{stage}:{k}")
-    tier = new_tier(FAULT_NUMELS, amsgrad=True, staging_slots=2, spare_banks=spare_banks)
+    # inline=False: the worker steps what finish() waits for (sharing every core, the trainer
+    # would itself: tiers/inline_steps.py), so it can die in those steps too
+    tier = new_tier(FAULT_NUMELS, amsgrad=True, staging_slots=2, spare_banks=spare_banks, inline=False)
     try:
         first_pid = tier.client.pid
         states = make_states(FAULT_NUMELS, amsgrad=True, seed=12)
@@ -602,7 +604,7 @@ def _inverse_tier_with_fault(monkeypatch, fault: str, seed: int):
     (tier, states, grads)."""
     monkeypatch.setenv(FAULT_ENV, fault)
     numels = [1000, 2000, 500]
-    tier = new_tier(numels, rollback="inverse", staging_slots=4)
+    tier = new_tier(numels, rollback="inverse", staging_slots=4, inline=False)  # the worker steps it all
     states = make_states(numels, seed=seed)
     load(tier, states)
     return tier, states, make_grads(numels, seed=seed)
@@ -775,7 +777,7 @@ def test_a_ping_the_worker_does_not_answer_says_what_to_check():
 def test_worker_exception_names_the_subgroup_and_leaves_committed_state_intact(monkeypatch, speculated):
     monkeypatch.setenv(FAULT_ENV, "raise:2")
     numels = [1000, 2000]
-    tier = new_tier(numels)
+    tier = new_tier(numels, inline=False)  # the worker steps what finish() waits for (as above)
     try:
         states = make_states(numels, seed=15)
         load(tier, states)
@@ -911,7 +913,7 @@ def test_a_step_the_trainer_waits_for_runs_on_every_shared_core():
     which: OpenMP starts a thread only for a parallel region that asks for it."""
     close_shared_tiers()
     numels, slot = [1 << 20, 1 << 20], 1 << 20  # pieces the kernels step in parallel
-    tier = new_tier(numels, slot_numel=slot)
+    tier = new_tier(numels, slot_numel=slot, inline=False)  # the worker's waited steps
     try:
         if not tier.cores.shared or tier.cores.waited_threads <= tier.cores.worker_threads:
             pytest.skip("one core: no core the trainer leaves the worker")

@@ -424,16 +424,18 @@ def _stream(params, step):
 def test_speculative_plain_and_nvme_steps_are_bitwise_through_clipping_overflow_and_a_killed_worker(
     monkeypatch, tmp_path
 ):
-    """q8 moments + remainders at offload 0 (device tier), 1 speculated, 1 plain and nvme 1: one grad
-    stream through autograd, a clip that bites every third step (speculated steps redone), a
-    GradScaler overflow (rolled back: the state equals the one before, bitwise) and a worker
-    killed with SIGKILL mid-step on the host and nvme runs — params, codes, absmaxes and
-    remainders stay torch.equal across the four."""
+    """q8 moments + remainders at offload 0 (device tier), 1 speculated and 1 plain (the worker on
+    cores of its own), 1 stepped by the trainer (every core shared: tiers/inline_steps.py) and nvme 1:
+    one grad stream through autograd, a clip that bites every third step (speculated steps
+    redone), a GradScaler overflow (rolled back: the state equals the one before, bitwise) and a
+    worker killed with SIGKILL mid-step on the worker's runs — params, codes, absmaxes and
+    remainders stay torch.equal across the five."""
     monkeypatch.setenv(FAULT_ENV, "mid_step:4")
     placements = {
         "device": dict(offload_fraction=0.0),
-        "speculative": dict(offload_fraction=1.0, speculative=True),
-        "plain": dict(offload_fraction=1.0, speculative=False),
+        "speculative": dict(offload_fraction=1.0, speculative=True, worker_share=0.5),
+        "plain": dict(offload_fraction=1.0, speculative=False, worker_share=0.5),
+        "trainer": dict(offload_fraction=1.0, speculative=False),
         "nvme": dict(offload_fraction=1.0, nvme_fraction=1.0, nvme_path=str(tmp_path), speculative=True),
     }
     fmt = StateFormat(Q8, Q8, True)
@@ -473,7 +475,7 @@ def test_speculative_plain_and_nvme_steps_are_bitwise_through_clipping_overflow_
             sds = {name: o.state_dict()["state"] for name, o in opts.items()}
             for i in range(len(SHAPES)):
                 assert set(sds["speculative"][i]) == set(sds["device"][i]), i
-                for name in ("speculative", "plain", "nvme"):
+                for name in ("speculative", "plain", "trainer", "nvme"):
                     assert torch.equal(runs[name][i], runs["device"][i]), (step, name, i)
                     for key, t in sds["device"][i].items():
                         assert torch.equal(sds[name][i][key], t), (step, name, i, key)
@@ -482,6 +484,8 @@ def test_speculative_plain_and_nvme_steps_are_bitwise_through_clipping_overflow_
         assert all(nvme.on_nvme(sg) for sg in nvme.host_subgroups())
         for name in ("speculative", "plain", "nvme"):
             assert debug_view(opts[name]).host_stats["worker_restarts"] >= 1, name
+        if debug_view(opts["trainer"]).host.cores.shared:  # more than one core
+            assert debug_view(opts["trainer"]).host.inline.count > 0
         assert debug_view(opts["speculative"]).host_stats["redone"] > 0
     finally:
         for o in opts.values():

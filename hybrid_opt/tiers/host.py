@@ -29,6 +29,7 @@ from hybrid_opt.tiers.compressed import StateBanks, _independent_moment_dtypes, 
 from hybrid_opt.tiers.host_io import _DT_CODE, REMOTE_GATHER_QUEUE, HostIO, _Piece  # noqa: F401
 from hybrid_opt.tiers.host_step import HostStepping, _Speculation  # noqa: F401
 from hybrid_opt.tiers.host_views import HostViews
+from hybrid_opt.tiers.inline_steps import InlineSteps
 from hybrid_opt.tiers.inputs import AdamInputs, _with_step  # noqa: F401
 from hybrid_opt.tiers.nvme_files import FileSlots, NvmeFiles
 from hybrid_opt.tiers.nvme_held import NvmeHeld
@@ -71,7 +72,13 @@ class HostTier:
     `ids`: each subgroup's id (the layout's `Subgroup.index`), in numels' order; every method
     takes a subgroup by its id and everything the tier hands back (outcomes, errors, counters,
     flags) names it by its id (default: 0..n-1). The per-subgroup lists (`nvme`, `quantized`,
-    `params`) are in numels' order."""
+    `params`) are in numels' order.
+
+    `inline`: whether the steps the trainer waits for (finish()'s) run in the trainer itself
+    (inline_steps.py) rather than at the worker. None: where the trainer and the worker share
+    every core (a CPU-only host, CoreSplit.shared, or one with one core), the params are not
+    on a GPU (`pin`) and no subgroup is on nvme. Speculated steps,
+    nvme subgroups and inverse mode's checked steps go to the worker either way."""
 
     def __init__(
         self,
@@ -100,6 +107,7 @@ class HostTier:
         pin: bool | torch.device = False,
         quantized: list | None = None,
         ids: list | None = None,
+        inline: bool | None = None,
     ):
         if rollback not in ("exact", "inverse"):
             raise ValueError(f"rollback must be 'exact' or 'inverse', got {rollback!r}")
@@ -296,6 +304,13 @@ class HostTier:
         # the io part tells the stepping part (made next: `stepping` is read at call time)
         # which torn speculations to forget
         stepping: HostStepping
+        # a CPU-only host whose trainer and worker share every core (or have one core to take
+        # turns on): the steps step() waits for run in the trainer, on its own mapping, with no
+        # copy of the grads (inline_steps.py); an nvme tier keeps them all at the worker, whose
+        # swaps they would otherwise contend with
+        if inline is None:
+            inline = not pin and not has_nvme and set(self.cores.worker) == set(self.cores.trainer)
+        self.inline = InlineSteps(self.arena, layout) if inline else None
         self.io = HostIO(
             self.client,
             slots,
@@ -310,6 +325,7 @@ class HostTier:
             # asked only where copies are pooled: elsewhere every task reads the bank's region
             copy_addrs=self.banks.copy_addrs if self.banks.pools_copies else None,
             refill_high=self.banks.refill_high,
+            inline=self.inline,
         )
         # nvme state in memory between steps: the reads ahead of a step, the writes behind it
         self.held = NvmeHeld(self.io, self.pool, self.file_slots, self.nvme)
@@ -339,7 +355,8 @@ class HostTier:
             amsgrad=amsgrad,
             slot_numel=self.slot_numel,
             wake_spares=self.wake_spares,
-            one_thread_waiting=self.cores.shared,
+            # the trainer only copies while the worker steps (inline: it steps, on every core)
+            one_thread_waiting=self.cores.shared and self.inline is None,
         )
         self.stepping = stepping
         self.closed = False

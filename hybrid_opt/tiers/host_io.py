@@ -80,12 +80,14 @@ class HostIO:
         waited_threads: int = 0,
         copy_addrs=None,
         refill_high=None,
+        inline=None,
     ):
         """`waited_threads`: the kernel threads of a step the trainer waits for (stage_steps'
         waited=True), where the worker shares the trainer's cores (0: the worker's own count).
         `copy_addrs(in bank, out bank)`: a step's (in, out) copy slots, -1 for none;
         `refill_high(sg, addr, offset, numel)`: a piece's committed high half into its copy slot
-        again, before the piece goes to a new worker (StateBanks')."""
+        again, before the piece goes to a new worker (StateBanks'). `inline`: an InlineSteps where
+        the trainer runs the steps it waits for itself (a CPU-only host: inline_steps.py)."""
         self.client = client
         self.waited_threads = waited_threads
         self.grad_dtype, self.copy_dtype = grad_dtype, copy_dtype
@@ -94,6 +96,7 @@ class HostIO:
         self._forget = forget
         self._copy_addrs = copy_addrs or (lambda in_bank, out_bank: (-1, -1))
         self._refill_high = refill_high
+        self.inline = inline
         self._slots = list(slots)
         self.slot_numel = slot_numel  # elements per staging slot: the most one piece has
         self._free_slots = list(range(len(slots)))[::-1]
@@ -261,7 +264,7 @@ class HostIO:
                     send=not checked,
                     hold=hold,
                     progress=progress,
-                    threads=self.waited_threads if waited else 0,
+                    waited=waited,
                 )
         if checked:
             self.send_checked(pieces)
@@ -283,12 +286,14 @@ class HostIO:
         send: bool,
         hold: bool,
         progress,
-        threads: int = 0,
+        waited: bool = False,
     ) -> _Piece:
         """One piece (elements offset..offset+numel of `sg`): takes a staging slot (waiting for
         one if none is free; progress(): work to do meanwhile), appends the piece to `pieces`,
         has the worker gather its grads (remote) or stages them, and sends it (send=False: the
-        caller sends the pieces later, send_checked)."""
+        caller sends the pieces later, send_checked). waited: the trainer waits for it, so
+        where it steps such pieces itself (inline) it does so now."""
+        threads = self.waited_threads if waited else 0
         slot = self._acquire_slot(progress)
         piece = _Piece(
             sg,
@@ -301,6 +306,9 @@ class HostIO:
             held=hold,
         )
         pieces.append(piece)  # owns the slot from here: every failure path frees it
+        if waited and send and not hold and self.inline is not None and not self._nvme[sg]:
+            self._step_inline(piece, grad)
+            return piece
         # the worker reads the grads itself only while it has little else queued: a
         # busy worker would finish later, so then the trainer copies them (its copy
         # overlaps the worker's compute) — the copying is shared by whichever core is free
@@ -317,6 +325,22 @@ class HostIO:
         if send:
             self.send(piece)
         return piece
+
+    def _step_inline(self, piece: _Piece, grad) -> None:
+        """A piece the trainer waits for, stepped here (InlineSteps): its grads read where they
+        lie where they are the kernel's dtype and contiguous (a q8 piece: in one run), else
+        copied into its slot first. Its result is taken at once, and its slot freed."""
+        assert self.inline is not None
+        seg = self._remote_segments(grad, piece.offset, piece.numel)
+        where = None
+        if seg is not None and all(addr for _, addr, _ in seg[0]):
+            if len(seg[0]) == 1 or not self.inline.quantized(piece.subgroup):
+                where = seg[0]
+        if where is None:
+            landing = self._stage(piece.slot, grad, piece.offset, piece.numel)
+            if landing is not None:  # CUDA grads (never on a CPU-only host): the copy lands first
+                landing.synchronize()
+        self._take(piece, self.inline.step(piece.task, where), "host step in the trainer")
 
     def _acquire_slot(self, progress) -> int:
         while not self._free_slots:
@@ -494,15 +518,19 @@ class HostIO:
         """Takes the results that arrived for the pieces in flight; returns how many."""
         arrived = [t for t in self._inflight if t in self.client.results]
         for tid in arrived:
-            piece = self._inflight.pop(tid)
-            piece.result = r = self.client.results.pop(tid)
-            self._counts["worker_seconds"] += r.elapsed_ns * 1e-9
-            self.worker_seconds[piece.subgroup] += r.elapsed_ns * 1e-9
-            piece.keep = None  # the worker has read its grads
-            self._release_piece(piece)
-            if r.status == proto.STATUS_ERROR and self._error is None and not piece.quiet:
-                self._error = WorkerError(f"hybrid_opt worker failed on subgroup {r.subgroup}: {r.message}")
+            self._take(self._inflight.pop(tid), self.client.results.pop(tid), "worker")
         return len(arrived)
+
+    def _take(self, piece: _Piece, r: proto.Result, who: str) -> None:
+        """A piece's result: its time counted, its slot freed (a held one's stays), its error
+        kept for raise_error()."""
+        piece.result = r
+        self._counts["worker_seconds"] += r.elapsed_ns * 1e-9
+        self.worker_seconds[piece.subgroup] += r.elapsed_ns * 1e-9
+        piece.keep = None  # the worker has read its grads
+        self._release_piece(piece)
+        if r.status == proto.STATUS_ERROR and self._error is None and not piece.quiet:
+            self._error = WorkerError(f"hybrid_opt {who} failed on subgroup {r.subgroup}: {r.message}")
 
     def raise_error(self) -> None:
         """Raises the worker's first error since the last one raised (it names the subgroup)."""

@@ -23,13 +23,11 @@ from typing import TYPE_CHECKING
 from hybrid_opt.populate import BackgroundPopulate
 from hybrid_opt.shm import address, populate
 from hybrid_opt.worker import protocol as proto
+from hybrid_opt.worker.arena_steps import ArenaSteps
 
 if TYPE_CHECKING:
     from cpu_kernels.aio import AioEngine
 
-_DTYPE_SIZE = {0: 4, 1: 2, 2: 2, 3: 1}  # 3: DT_Q8, a code
-DT_Q8 = 3  # a q8 moment's dtype code (cpu_kernels' DT_Q8)
-Q8_BLOCK = 256  # elements per absmax (state_format.Q8_BLOCK)
 IOV_BATCH = 512  # iovecs per process_vm_readv call (the kernel's limit is 1024)
 IO_POLL_S = 0.0005  # between looks at the nvme I/O in flight, where no eventfd tells of it
 # the longest sleep with nvme I/O in flight and its eventfd set: a bound, never reached while
@@ -82,8 +80,6 @@ class Worker:
             os.sched_setaffinity(0, cores)
         from cpu_kernels import _lib  # noqa: PLC0415  (after the affinity is set)
 
-        self.lib = _lib.lib
-        self.AdamArgs, self.InverseArgs = _lib.AdamArgs, _lib.InverseArgs
         # the kernels' threads: the worker's own count, or a task's (Task.threads: a step the
         # trainer waits for, on cores the trainer shares with it and does not use meanwhile)
         self.threads = int(cfg.get("threads") or 0) or _lib.get_num_threads()
@@ -113,25 +109,8 @@ class Worker:
         self._populating = (
             BackgroundPopulate(address(self.mm), later, "the worker's arena") if later else None
         )
-        self.base = ctypes.addressof(ctypes.c_char.from_buffer(self.mm))
-        self.bank_offset, self.bank_stride = cfg["bank_offset"], cfg["bank_stride"]
-        self.regions = cfg["bank_regions"]
-        self.slot_offset, self.slot_stride = cfg["slot_offset"], cfg["slot_stride"]
-        self.m_dtype, self.v_dtype = cfg["exp_avg_dtype"], cfg["exp_avg_sq_dtype"]
-        self.quantized = {int(sg) for sg in cfg.get("quantized") or ()}  # subgroup ids
-        self.q8_lib = None
-        if self.quantized:
-            from cpu_kernels import _q8_lib  # noqa: PLC0415  (torch-free, as _lib)
-
-            self.q8_lib = _q8_lib
-        # a cpu_kernels build without exp_avg_sq_dtype steps both moments in exp_avg's dtype
-        self.sq_dtype_field = any(f[0] == "exp_avg_sq_dtype" for f in self.AdamArgs._fields_)
-        if (
-            self.m_dtype != self.v_dtype
-            and not self.sq_dtype_field
-            and DT_Q8 not in (self.m_dtype, self.v_dtype)
-        ):
-            raise ValueError("this build of cpu_kernels steps exp_avg and exp_avg_sq of one dtype only")
+        # the kernels over this mapping (the trainer's inline steps use the same class)
+        self.steps = ArenaSteps(cfg, ctypes.addressof(ctypes.c_char.from_buffer(self.mm)), self._kernel)
         self.req, self.resp = proto.low_numbered(cfg["req_fd"]), cfg["resp_fd"]
         self.fault = _Fault(os.environ.get("HYBRID_OPT_WORKER_FAULT"))
         self.nvme = cfg.get("nvme")
@@ -182,7 +161,7 @@ class Worker:
         """(the engine, its request) of swap task `t` (a worker with an nvme tier)."""
         assert self.nvme is not None and self.aio is not None and self.aio_write is not None
         io = self.nvme["io_bytes"]
-        addr = self.base + self.bank_offset + t.in_bank * self.bank_stride
+        addr = self.steps.bank_start(t.in_bank)
         fd = self._file(t.subgroup)
         if t.op == proto.OP_SWAP_IN:
             return self.aio, self.aio.submit_read(fd, addr, io, t.file_slot * io, checksum=True)
@@ -210,58 +189,13 @@ class Worker:
             )
         return proto.Result(t.op, t.task_id, proto.STATUS_OK, t.subgroup, crc=res.crc or 0)
 
-    def _bank(self, bank: int, region: str, elem_offset: int, elem_size: int) -> int:
-        return (
-            self.base
-            + self.bank_offset
-            + bank * self.bank_stride
-            + self.regions[region]
-            + elem_offset * elem_size
-        )
-
-    def _copy(self, t: proto.Task, out_bank: int, elem_offset: int) -> int:
-        """The address of a step's model-dtype copy: its copy slot, or its out bank's region."""
-        if t.out_copy >= 0:
-            return self.base + t.out_copy + elem_offset * 2
-        return self._bank(out_bank, "copy", elem_offset, 2)
-
-    def _high(self, t: proto.Task, elem_offset: int) -> int:
-        """The address of the committed high half a remainder step reads: its copy slot (the
-        out one, stepped in place, where the in bank is a committed one), or the in bank's region."""
-        if t.in_copy >= 0:
-            return self.base + t.in_copy + elem_offset * 2
-        return self._bank(t.in_bank, "copy", elem_offset, 2)
-
-    def _point_master(self, a, t: proto.Task, out_bank: int, off: int) -> None:
-        """A step's master in its argument struct (the Adam or the q8 kernel's, alike in these
-        fields): the bf16 high half and the remainder with remainders (decoded by the kernel),
-        else the fp32 master and the model-dtype copy it writes."""
-        if t.remainder:
-            a.param, a.param_out = self._high(t, off), self._copy(t, out_bank, off)
-            a.remainder, a.remainder_out = (
-                self._bank(t.in_bank, "rem", off, 2),
-                self._bank(out_bank, "rem", off, 2),
-            )
-        else:
-            a.param, a.param_out = self._bank(t.in_bank, "p", off, 4), self._bank(out_bank, "p", off, 4)
-            if t.copy_dtype != proto.NO_COPY:
-                a.param_copy = self._copy(t, out_bank, off)
-                a.copy_dtype = t.copy_dtype
-
-    def _grad_stats(self, t: proto.Task, grad: int) -> tuple[float, bool]:
-        out = ctypes.c_double(0.0)
-        if t.numel and self.lib.hybrid_grad_stats(grad, t.grad_dtype, t.numel, ctypes.byref(out)) != 0:
-            raise MemoryError("grad_stats could not allocate its partial sums")
-        s = out.value
-        return s, s == s and s not in (float("inf"), float("-inf"))
-
     def gather(self, t: proto.Task) -> None:
         """Reads a piece's grads from the trainer's memory into its staging slot (remote
         gather: the trainer's backward does not spend its own core copying them)."""
-        dst = self.base + self.slot_offset + t.slot * self.slot_stride
+        dst = self.steps.slot(t.slot)
         reads = []
         for off, addr, nbytes in proto.GATHER.iter_unpack(t.gather):
-            if off < 0 or nbytes < 0 or off + nbytes > self.slot_stride:
+            if off < 0 or nbytes < 0 or off + nbytes > self.steps.slot_stride:
                 raise ValueError(f"gather entry ({off}, {nbytes}) outside the staging slot")
             if addr == 0:
                 ctypes.memset(dst + off, 0, nbytes)
@@ -285,91 +219,20 @@ class Worker:
         self.fault.count()
         self.fault.maybe_die("before_step")
         self.fault.maybe_die("raise")
-        grad = self.base + self.slot_offset + t.slot * self.slot_stride
-        sum_sq, finite = self._grad_stats(t, grad)
-        if not finite and t.skip_nonfinite:
-            return proto.Result(t.op, t.task_id, proto.STATUS_NONFINITE, t.subgroup, sum_sq, 0)
-        off = t.elem_offset
-        out_bank = t.in_bank if t.out_bank == proto.NO_BANK else t.out_bank
-        q8 = t.subgroup in self.quantized
-        # a q8 moment of a subgroup too small to quantize is fp32
-        m_dtype, v_dtype = ((code if q8 or code != DT_Q8 else 0) for code in (self.m_dtype, self.v_dtype))
-        ms, vs = _DTYPE_SIZE[m_dtype], _DTYPE_SIZE[v_dtype]
-        if q8:
-            return self._step_q8(t, grad, out_bank, m_dtype, v_dtype, sum_sq, finite)
-        a = self.AdamArgs()
-        self._point_master(a, t, out_bank, off)
-        a.grad = grad
-        a.exp_avg = self._bank(t.in_bank, "m", off, ms)
-        a.exp_avg_sq = self._bank(t.in_bank, "v", off, vs)
-        a.max_exp_avg_sq = self._bank(t.in_bank, "vmax", off, vs) if t.amsgrad else None
-        a.exp_avg_out = self._bank(out_bank, "m", off, ms)
-        a.exp_avg_sq_out = self._bank(out_bank, "v", off, vs)
-        a.max_exp_avg_sq_out = self._bank(out_bank, "vmax", off, vs) if t.amsgrad else None
-        a.grad_dtype, a.moment_dtype = t.grad_dtype, m_dtype
-        if self.sq_dtype_field:
-            a.exp_avg_sq_dtype = v_dtype
-        _set_hyperparameters(a, t)
-        if self.fault.stage == "mid_step" and self.fault.steps == self.fault.at:
-            a.n = t.numel // 2  # half the piece written, then killed: a torn write
-            self.lib.hybrid_adam_step(ctypes.byref(a))
-            self.fault.maybe_die("mid_step")
-        a.n = t.numel
-        self.lib.hybrid_adam_step(ctypes.byref(a))
-        self.fault.maybe_die("after_step")
-        return proto.Result(t.op, t.task_id, proto.STATUS_OK, t.subgroup, sum_sq, int(finite))
+        r = self.steps.step(t)
+        if r.status == proto.STATUS_OK:
+            self.fault.maybe_die("after_step")
+        return r
 
-    def _step_q8(
-        self, t: proto.Task, grad: int, out_bank: int, m_dtype: int, v_dtype: int, sum_sq: float, finite: bool
-    ) -> proto.Result:
-        """One piece of a quantized subgroup through cpu_kernels' q8 entry, bank mode: codes and
-        absmaxes read from the in bank, written to the out bank (in place without one)."""
-        off = t.elem_offset
-        if off % Q8_BLOCK:
-            raise ValueError(
-                f"a q8 piece of subgroup {t.subgroup} starts at element {off}, inside a "
-                f"block of {Q8_BLOCK} (a bug in hybrid_opt, please report it)"
-            )
-        lib = self.q8_lib
-        assert lib is not None  # loaded where any subgroup is quantized, as this one is
-        a = lib.Q8AdamArgs()
-        self._point_master(a, t, out_bank, off)
-        a.grad = grad
-        moments = [("exp_avg", "m", m_dtype), ("exp_avg_sq", "v", v_dtype)]
-        if t.amsgrad:
-            moments.append(("max_exp_avg_sq", "vmax", v_dtype))
-        for name, region, code in moments:
-            size = _DTYPE_SIZE[code]
-            setattr(a, name, self._bank(t.in_bank, region, off, size))
-            setattr(a, name + "_out", self._bank(out_bank, region, off, size))
-            if code == DT_Q8:
-                setattr(a, name + "_absmax", self._bank(t.in_bank, region + "_absmax", off // Q8_BLOCK, 4))
-                setattr(a, name + "_absmax_out", self._bank(out_bank, region + "_absmax", off // Q8_BLOCK, 4))
-        a.grad_dtype, a.exp_avg_dtype, a.exp_avg_sq_dtype = t.grad_dtype, m_dtype, v_dtype
-        _set_hyperparameters(a, t)
+    def _kernel(self, call, a, numel: int) -> None:
+        """One kernel call over a piece (ArenaSteps' run_kernel): the mid_step fault writes half
+        of it, then kills the worker: a torn write."""
         if self.fault.stage == "mid_step" and self.fault.steps == self.fault.at:
-            a.n = t.numel // 2  # half the piece written, then killed: a torn write
-            lib.q8_adam_step_raw(a)
+            a.n = numel // 2
+            call(a)
             self.fault.maybe_die("mid_step")
-        a.n = t.numel
-        lib.q8_adam_step_raw(a)
-        self.fault.maybe_die("after_step")
-        return proto.Result(t.op, t.task_id, proto.STATUS_OK, t.subgroup, sum_sq, int(finite))
-
-    def inverse(self, t: proto.Task) -> proto.Result:
-        if self.m_dtype != 0 or self.v_dtype != 0 or t.remainder:
-            raise ValueError("the inverse step needs fp32 moments and an fp32 master")
-        a = self.InverseArgs()
-        off = t.elem_offset
-        a.n = t.numel
-        a.param = self._bank(t.in_bank, "p", off, 4)
-        a.exp_avg = self._bank(t.in_bank, "m", off, 4)
-        a.exp_avg_sq = self._bank(t.in_bank, "v", off, 4)
-        a.grad = self.base + self.slot_offset + t.slot * self.slot_stride
-        a.grad_dtype = t.grad_dtype
-        _set_hyperparameters(a, t)
-        self.lib.hybrid_adam_inverse(ctypes.byref(a))
-        return proto.Result(t.op, t.task_id, proto.STATUS_OK, t.subgroup)
+        a.n = numel
+        call(a)
 
     def _use_threads(self, t: proto.Task) -> None:
         want = t.threads or self.threads
@@ -393,7 +256,7 @@ class Worker:
             if t.op == proto.OP_STEP:
                 r = self.step(t)
             elif t.op == proto.OP_INVERSE:
-                r = self.inverse(t)
+                r = self.steps.inverse(t)
             else:
                 r = proto.Result(t.op, t.task_id, proto.STATUS_OK, t.subgroup)
         except Exception as e:  # comes back to the trainer as an exception there
@@ -540,19 +403,6 @@ def _notify_fd() -> int:
         return os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
     except OSError:
         return -1
-
-
-def _set_hyperparameters(a, t: proto.Task) -> None:
-    """A step task's hyperparameters and step count in its kernel's argument struct."""
-    a.decoupled, a.step = t.decoupled, t.step
-    a.lr, a.beta1, a.beta2, a.eps, a.weight_decay, a.grad_scale = (
-        t.lr,
-        t.beta1,
-        t.beta2,
-        t.eps,
-        t.weight_decay,
-        t.grad_scale,
-    )
 
 
 def main(argv=None) -> int:

@@ -23,6 +23,8 @@ OP_TRAINER_WAITS = 7
 STATUS_OK, STATUS_NONFINITE, STATUS_ERROR = 0, 1, 2
 NO_BANK = -1  # out_bank for an in-place step
 NO_COPY = -1  # copy_dtype when no param copy is written
+# a task's dtype codes (grad_dtype, the moments'): bytes per element; 3 is a q8 code
+DTYPE_SIZES = {0: 4, 1: 2, 2: 2, 3: 1}
 
 _HEADER = struct.Struct("<I")
 

@@ -1,0 +1,67 @@
+"""Host steps the trainer runs itself: on a CPU-only host, a step that step() waits for.
+
+There the trainer and the worker share every core, and the trainer sleeps while the worker steps.
+Sent to the worker, a step costs two copies on top of its kernel: the grads into a staging slot
+and the new params back out of the bank. Run here, the same kernel (worker/arena_steps.py, the
+same bits) reads each grad where backward left it and writes the bank in place; only the params'
+copy back remains (Intel Xeon, 2 cores, the bench GPT at offload 1: docs/benchmarks.md).
+
+The worker keeps everything else: speculated steps during backward, nvme swaps, inverse mode's
+checked steps, and every step on a host whose cores are split (a GPU host)."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+from hybrid_opt.shm import address
+from hybrid_opt.worker import protocol as proto
+from hybrid_opt.worker.arena_steps import ArenaSteps
+
+
+class InlineSteps:
+    """Runs step tasks on the trainer's own mapping of the arena, each to its Result as the
+    worker would send it back (an error, too, comes back as a Result: HostIO raises it)."""
+
+    def __init__(self, arena, layout: dict):
+        self._steps = ArenaSteps(layout, address(arena.mm))
+        self.count = 0  # pieces stepped here
+
+    def quantized(self, sg: int) -> bool:
+        """Whether `sg`'s moments are q8 codes (its pieces' grads must be whole in a slot: a
+        block of 256 is never split across two kernel calls)."""
+        return sg in self._steps.quantized
+
+    def step(self, t: proto.Task, segments=None) -> proto.Result:
+        """Step task `t`. segments: [(byte offset in the piece, address, bytes)] of its grads
+        where they lie (every one nonzero), each stepped by one kernel call; None: the grads
+        are in its staging slot. Where t.skip_nonfinite says so, a piece whose grads are not
+        all finite is not stepped at all; elsewhere its grads' stats are not measured (sum_sq
+        NaN): only a speculation's are read (HostStepping.piece_stats), and these are the
+        steps the trainer waits for."""
+        t0 = time.perf_counter_ns()
+        try:
+            r = self._step(t, segments)
+        except Exception as e:  # the worker's way (Worker._run): HostIO raises it, naming it
+            r = proto.Result(
+                t.op, t.task_id, proto.STATUS_ERROR, t.subgroup, message=f"{type(e).__name__}: {e}"
+            )
+        self.count += 1
+        return dataclasses.replace(r, elapsed_ns=time.perf_counter_ns() - t0)
+
+    def _step(self, t: proto.Task, segments) -> proto.Result:
+        es = proto.DTYPE_SIZES[t.grad_dtype]
+        runs = [(0, self._steps.slot(t.slot), t.numel * es)] if segments is None else segments
+        total, finite = float("nan"), True
+        if t.skip_nonfinite:
+            total = 0.0
+            for _, addr, nbytes in runs:
+                s, ok = self._steps.grad_stats(addr, t.grad_dtype, nbytes // es)
+                total, finite = total + s, finite and ok
+            if not finite:
+                return proto.Result(t.op, t.task_id, proto.STATUS_NONFINITE, t.subgroup, total, 0)
+        for off, addr, nbytes in runs:
+            # elementwise: each run of the piece steps alone, bit for bit as the whole would
+            part = dataclasses.replace(t, elem_offset=t.elem_offset + off // es, numel=nbytes // es)
+            self._steps.adam(part, addr)
+        return proto.Result(t.op, t.task_id, proto.STATUS_OK, t.subgroup, total, int(finite))

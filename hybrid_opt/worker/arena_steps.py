@@ -1,0 +1,202 @@
+"""A step task's kernels on one mapping of the arena: where the task's bank regions, staging slot and
+copy slots lie, and the Adam, q8 and inverse kernels run over them. Torch-free.
+
+The worker process steps on its mapping of the trainer's arena (worker/main.py). The trainer steps
+on its own mapping where it runs a host step itself: a step it waits for on a CPU-only host, where
+the worker would only take the same cores and add two copies (tiers/host_io.py, HostIO's inline
+steps). Both go through this one class, so the two give the same bits."""
+
+from __future__ import annotations
+
+import ctypes
+
+from hybrid_opt.worker import protocol as proto
+
+DT_Q8 = 3  # a q8 moment's dtype code (cpu_kernels' DT_Q8)
+Q8_BLOCK = 256  # elements per absmax (state_format.Q8_BLOCK)
+
+
+def _run_whole(call, a, numel: int) -> None:
+    a.n = numel
+    call(a)
+
+
+class ArenaSteps:
+    """The kernels of step and inverse tasks at the mapping that starts at `base`, laid out as
+    `cfg` says (HostTier's layout: bank and slot offsets, regions, moment dtypes, quantized
+    subgroups). `run_kernel(call, args, numel)` runs one kernel call over a task's elements
+    (default: all at once); the worker's fault injection puts its own there."""
+
+    def __init__(self, cfg: dict, base: int, run_kernel=None):
+        from cpu_kernels import _lib  # noqa: PLC0415  (the worker sets its affinity first)
+
+        self.lib = _lib.lib
+        self.AdamArgs, self.InverseArgs = _lib.AdamArgs, _lib.InverseArgs
+        self.base = base
+        self.bank_offset, self.bank_stride = cfg["bank_offset"], cfg["bank_stride"]
+        self.regions = cfg["bank_regions"]
+        self.slot_offset, self.slot_stride = cfg["slot_offset"], cfg["slot_stride"]
+        self.m_dtype, self.v_dtype = cfg["exp_avg_dtype"], cfg["exp_avg_sq_dtype"]
+        self.quantized = {int(sg) for sg in cfg.get("quantized") or ()}  # subgroup ids
+        self.q8_lib = None
+        if self.quantized:
+            from cpu_kernels import _q8_lib  # noqa: PLC0415  (torch-free, as _lib)
+
+            self.q8_lib = _q8_lib
+        # a cpu_kernels build without exp_avg_sq_dtype steps both moments in exp_avg's dtype
+        self.sq_dtype_field = any(f[0] == "exp_avg_sq_dtype" for f in self.AdamArgs._fields_)
+        if (
+            self.m_dtype != self.v_dtype
+            and not self.sq_dtype_field
+            and DT_Q8 not in (self.m_dtype, self.v_dtype)
+        ):
+            raise ValueError("this build of cpu_kernels steps exp_avg and exp_avg_sq of one dtype only")
+        self._run_kernel = run_kernel or _run_whole
+
+    # ------------------------------------------------------------------ addresses
+    def bank(self, bank: int, region: str, elem_offset: int, elem_size: int) -> int:
+        return (
+            self.base
+            + self.bank_offset
+            + bank * self.bank_stride
+            + self.regions[region]
+            + elem_offset * elem_size
+        )
+
+    def bank_start(self, bank: int) -> int:
+        """The address of a whole bank (an nvme swap reads or writes it all)."""
+        return self.base + self.bank_offset + bank * self.bank_stride
+
+    def slot(self, slot: int) -> int:
+        """The address of a staging slot."""
+        return self.base + self.slot_offset + slot * self.slot_stride
+
+    def _copy(self, t: proto.Task, out_bank: int, elem_offset: int) -> int:
+        """The address of a step's model-dtype copy: its copy slot, or its out bank's region."""
+        if t.out_copy >= 0:
+            return self.base + t.out_copy + elem_offset * 2
+        return self.bank(out_bank, "copy", elem_offset, 2)
+
+    def _high(self, t: proto.Task, elem_offset: int) -> int:
+        """The address of the committed high half a remainder step reads: its copy slot (the
+        out one, stepped in place, where the in bank is a committed one), or the in bank's region."""
+        if t.in_copy >= 0:
+            return self.base + t.in_copy + elem_offset * 2
+        return self.bank(t.in_bank, "copy", elem_offset, 2)
+
+    def _point_master(self, a, t: proto.Task, out_bank: int, off: int) -> None:
+        """A step's master in its argument struct (the Adam or the q8 kernel's, alike in these
+        fields): the bf16 high half and the remainder with remainders (decoded by the kernel),
+        else the fp32 master and the model-dtype copy it writes."""
+        if t.remainder:
+            a.param, a.param_out = self._high(t, off), self._copy(t, out_bank, off)
+            a.remainder, a.remainder_out = (
+                self.bank(t.in_bank, "rem", off, 2),
+                self.bank(out_bank, "rem", off, 2),
+            )
+        else:
+            a.param, a.param_out = self.bank(t.in_bank, "p", off, 4), self.bank(out_bank, "p", off, 4)
+            if t.copy_dtype != proto.NO_COPY:
+                a.param_copy = self._copy(t, out_bank, off)
+                a.copy_dtype = t.copy_dtype
+
+    # ------------------------------------------------------------------ kernels
+    def grad_stats(self, grad: int, grad_dtype: int, numel: int) -> tuple[float, bool]:
+        """(sum of squares, all finite) of `numel` grads at `grad`."""
+        out = ctypes.c_double(0.0)
+        if numel and self.lib.hybrid_grad_stats(grad, grad_dtype, numel, ctypes.byref(out)) != 0:
+            raise MemoryError("grad_stats could not allocate its partial sums")
+        s = out.value
+        return s, s == s and s not in (float("inf"), float("-inf"))
+
+    def step(self, t: proto.Task, grad: int | None = None) -> proto.Result:
+        """Step task `t` with the grads at `grad` (default: its staging slot); a piece whose grads
+        are not all finite is not stepped where t.skip_nonfinite says so."""
+        grad = self.slot(t.slot) if grad is None else grad
+        sum_sq, finite = self.grad_stats(grad, t.grad_dtype, t.numel)
+        if not finite and t.skip_nonfinite:
+            return proto.Result(t.op, t.task_id, proto.STATUS_NONFINITE, t.subgroup, sum_sq, 0)
+        self.adam(t, grad)
+        return proto.Result(t.op, t.task_id, proto.STATUS_OK, t.subgroup, sum_sq, int(finite))
+
+    def adam(self, t: proto.Task, grad: int) -> None:
+        """The Adam (or q8) kernel over task `t`'s elements, its grads at `grad`, unchecked."""
+        off = t.elem_offset
+        out_bank = t.in_bank if t.out_bank == proto.NO_BANK else t.out_bank
+        q8 = t.subgroup in self.quantized
+        # a q8 moment of a subgroup too small to quantize is fp32
+        m_dtype, v_dtype = ((code if q8 or code != DT_Q8 else 0) for code in (self.m_dtype, self.v_dtype))
+        if q8:
+            self._q8(t, grad, out_bank, m_dtype, v_dtype)
+            return
+        ms, vs = proto.DTYPE_SIZES[m_dtype], proto.DTYPE_SIZES[v_dtype]
+        a = self.AdamArgs()
+        self._point_master(a, t, out_bank, off)
+        a.grad = grad
+        a.exp_avg = self.bank(t.in_bank, "m", off, ms)
+        a.exp_avg_sq = self.bank(t.in_bank, "v", off, vs)
+        a.max_exp_avg_sq = self.bank(t.in_bank, "vmax", off, vs) if t.amsgrad else None
+        a.exp_avg_out = self.bank(out_bank, "m", off, ms)
+        a.exp_avg_sq_out = self.bank(out_bank, "v", off, vs)
+        a.max_exp_avg_sq_out = self.bank(out_bank, "vmax", off, vs) if t.amsgrad else None
+        a.grad_dtype, a.moment_dtype = t.grad_dtype, m_dtype
+        if self.sq_dtype_field:
+            a.exp_avg_sq_dtype = v_dtype
+        _set_hyperparameters(a, t)
+        self._run_kernel(lambda args: self.lib.hybrid_adam_step(ctypes.byref(args)), a, t.numel)
+
+    def _q8(self, t: proto.Task, grad: int, out_bank: int, m_dtype: int, v_dtype: int) -> None:
+        """One piece of a quantized subgroup through cpu_kernels' q8 entry, bank mode: codes and
+        absmaxes read from the in bank, written to the out bank (in place without one)."""
+        off = t.elem_offset
+        if off % Q8_BLOCK:
+            raise ValueError(
+                f"a q8 piece of subgroup {t.subgroup} starts at element {off}, inside a "
+                f"block of {Q8_BLOCK} (a bug in hybrid_opt, please report it)"
+            )
+        lib = self.q8_lib
+        assert lib is not None  # loaded where any subgroup is quantized, as this one is
+        a = lib.Q8AdamArgs()
+        self._point_master(a, t, out_bank, off)
+        a.grad = grad
+        moments = [("exp_avg", "m", m_dtype), ("exp_avg_sq", "v", v_dtype)]
+        if t.amsgrad:
+            moments.append(("max_exp_avg_sq", "vmax", v_dtype))
+        for name, region, code in moments:
+            size = proto.DTYPE_SIZES[code]
+            setattr(a, name, self.bank(t.in_bank, region, off, size))
+            setattr(a, name + "_out", self.bank(out_bank, region, off, size))
+            if code == DT_Q8:
+                setattr(a, name + "_absmax", self.bank(t.in_bank, region + "_absmax", off // Q8_BLOCK, 4))
+                setattr(a, name + "_absmax_out", self.bank(out_bank, region + "_absmax", off // Q8_BLOCK, 4))
+        a.grad_dtype, a.exp_avg_dtype, a.exp_avg_sq_dtype = t.grad_dtype, m_dtype, v_dtype
+        _set_hyperparameters(a, t)
+        self._run_kernel(lib.q8_adam_step_raw, a, t.numel)
+
+    def inverse(self, t: proto.Task) -> proto.Result:
+        if self.m_dtype != 0 or self.v_dtype != 0 or t.remainder:
+            raise ValueError("the inverse step needs fp32 moments and an fp32 master")
+        a = self.InverseArgs()
+        off = t.elem_offset
+        a.n = t.numel
+        a.param = self.bank(t.in_bank, "p", off, 4)
+        a.exp_avg = self.bank(t.in_bank, "m", off, 4)
+        a.exp_avg_sq = self.bank(t.in_bank, "v", off, 4)
+        a.grad = self.slot(t.slot)
+        a.grad_dtype = t.grad_dtype
+        _set_hyperparameters(a, t)
+        self.lib.hybrid_adam_inverse(ctypes.byref(a))
+        return proto.Result(t.op, t.task_id, proto.STATUS_OK, t.subgroup)
+
+
+def _set_hyperparameters(a, t: proto.Task) -> None:
+    """A step task's hyperparameters and step count in its kernel's argument struct."""
+    a.decoupled, a.step = t.decoupled, t.step
+    a.lr, a.beta1, a.beta2, a.eps, a.weight_decay, a.grad_scale = (
+        t.lr,
+        t.beta1,
+        t.beta2,
+        t.eps,
+        t.weight_decay,
+        t.grad_scale,
+    )
