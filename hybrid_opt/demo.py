@@ -192,12 +192,14 @@ def time_summary(
     phases: tuple | None = None,
     base_phases: tuple | None = None,
     worker_cpu_s: float | None = None,
+    trainer_steps: bool = False,
 ) -> str:
     """Where the time went: both runs' wall time and median iteration, each phase of the
     iteration in both runs (`phases`, `base_phases`: phase_medians()), what the host tiers'
     steps cost the worker (its tasks' time, and `worker_cpu_s`: its CPU time over the run), how
     much of it step() waited for, the device tier's step in the trainer, and the arrangement of
-    the cores that explains it."""
+    the cores that explains it. trainer_steps: the trainer ran the host steps step() waited for
+    itself (HostTier.inline), so their time is its own."""
     from hybrid_opt.placement.plan import DEVICE, HOST, NVME
 
     host = [totals[t] for t in (HOST, NVME) if totals.get(t, {}).get("subgroups")]
@@ -226,8 +228,11 @@ def time_summary(
         lines.append("  median ms: " + "; ".join(each))
     lines.append(f"  device tier: {device:.2f} ms stepped by the trainer after backward")
     if host:
+        whose = (
+            "steps in the trainer (speculated ones at the worker)" if trainer_steps else "the worker's time"
+        )
         lines.append(
-            f"  host and nvme tiers: {worker:.2f} ms of the worker's time; step() waited "
+            f"  host and nvme tiers: {worker:.2f} ms of {whose}; step() waited "
             f"{waited:.2f} ms for it, the rest ran during backward"
         )
         lines.append(
@@ -336,7 +341,8 @@ def main(argv=None) -> int:
         ) as opt:
             print(opt.plan)
             host_tier = opt.parts.placement.host
-            cores = host_tier.cores.describe() if host_tier is not None else None
+            cores = host_tier.describe() if host_tier is not None else None
+            trainer_steps = host_tier is not None and host_tier.inline is not None
             held = tier_state_bytes(opt.parts.layout.subgroups, opt.plan.tiers, opt.state_format)
             hooks_stats: list = []
             phases: list = []
@@ -417,6 +423,7 @@ def main(argv=None) -> int:
         phases=phase_medians(phases),
         base_phases=phase_medians(base_phases) if base_phases else None,
         worker_cpu_s=worker_cpu_s,
+        trainer_steps=trainer_steps,
     )
     print("\n" + summary)
     os.makedirs(args.out, exist_ok=True)

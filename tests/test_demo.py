@@ -147,6 +147,9 @@ def test_the_time_summary_names_the_cost_and_the_arrangement():
     assert "GPU host" not in split and "clipping" not in split and "torch" not in split
     split = time_summary(totals, 100, [0.05] * 100, 5.0, None, None, "split: the trainer on cores 0", 7)
     assert "clipping bit in 7 of 100 steps: a speculated step is redone then" in split
+    # a CPU-only host without nvme: the trainer ran the waited host steps itself (HostTier.inline)
+    own = time_summary(totals, 100, [0.05] * 100, 5.0, None, None, "shared: x", 0, trainer_steps=True)
+    assert "30.00 ms of steps in the trainer (speculated ones at the worker); step() waited 10.00 ms" in own
 
 
 def test_the_time_summary_gives_each_phase_of_both_runs_and_the_workers_cpu():

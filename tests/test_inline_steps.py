@@ -64,6 +64,8 @@ def test_a_shared_core_tier_steps_in_the_trainer_with_the_workers_bits(fmt):
     inline, worker = HostTier(NUMELS, **kw), HostTier(NUMELS, inline=False, **kw)
     try:
         assert inline.cores.shared and inline.inline is not None and worker.inline is None
+        assert "runs the host steps step() waits for itself" in inline.describe()
+        assert "the worker steps on all" in worker.describe()
         moment_dtype = fmt.get("exp_avg_dtype", torch.float32)
         states = make_states(NUMELS, amsgrad=amsgrad, moment_dtype=moment_dtype, seed=4)
         load(inline, states)
@@ -170,6 +172,43 @@ def test_hybrid_adamw_on_a_cpu_only_host_steps_in_the_trainer_with_the_workers_b
         for k, v in st.items():
             w = split_state["state"][i][k]
             assert torch.equal(v, w) if isinstance(v, torch.Tensor) else v == w, f"state[{i}][{k}]"
+
+
+@TWO_CORES
+@pytest.mark.parametrize("clip", [None, 1e-3], ids=["committed", "clip_bites_redone"])
+def test_speculated_at_the_worker_then_committed_or_redone_in_the_trainer_bitwise(clip):
+    """speculative=True on shared cores: the worker steps during backward; step() commits those
+    steps, or redoes them in the trainer where clipping bit. The same bits as the split run."""
+    kw = dict(max_grad_norm=clip) if clip else {}
+    counts = []
+
+    def run(**more):
+        torch.manual_seed(0)
+        net = Two(torch.float32)
+        g = torch.Generator().manual_seed(1)
+        opt = HybridAdamW(net.parameters(), lr=1e-2, offload_fraction=1.0, subgroup_numel=8192, **kw, **more)
+        with opt:
+            spec = {"committed": 0, "redone": 0}
+            for _ in range(4):
+                opt.zero_grad()
+                x, y = torch.randn(16, 64, generator=g), torch.randn(16, 64, generator=g)
+                ((net(x) - y) ** 2).mean().backward()
+                opt.step()
+                for k in spec:
+                    spec[k] += opt.stats["speculation"][k]
+            inline = debug_view(opt).host.inline
+            counts.append((spec, None if inline is None else inline.count))
+            return [p.detach().clone() for p in net.parameters()], opt.state_dict()["state"]
+
+    params, state = run(speculative=True)
+    split_params, split_state = run(worker_share=0.5, speculative=False)
+    (spec, inline), _ = counts
+    if clip:
+        assert spec["redone"] > 0 and inline > 0
+    else:
+        assert spec["committed"] > 0 and spec["redone"] == 0 and inline == 0
+    assert all(torch.equal(a, b) for a, b in zip(params, split_params))
+    assert _state_equal({"state": state}, {"state": split_state})
 
 
 def _grads(net, seed):

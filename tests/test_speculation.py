@@ -194,25 +194,16 @@ def assert_all(spec: Run, **want):
         assert got == want, f"step {i}: {s.spec}"
 
 
-def plain_loop(n=STEPS):
-    def train(net, opt, log):
-        for batch in BATCHES[:n]:
-            opt.zero_grad()
-            loss_fn(net, batch).backward()
-            step(opt, log)
-
-    return train
-
-
-def settled_loop(n=STEPS):
-    """plain_loop, with the writes behind each step landed before the next backward."""
+def plain_loop(n=STEPS, settle=False):
+    """settle: the nvme writes behind each step land before the next backward."""
 
     def train(net, opt, log):
         for batch in BATCHES[:n]:
             opt.zero_grad()
             loss_fn(net, batch).backward()
             step(opt, log)
-            debug_view(opt).settle_writes()
+            if settle:
+                debug_view(opt).settle_writes()
 
     return train
 
@@ -609,7 +600,7 @@ def test_nvme_subgroups_are_speculated_too(tmp_path, clip):
     at step() instead), so the loop lets the writes land after each step: on a loaded host
     they may still be landing when the next backward reaches the subgroup."""
     spec = compare(
-        settled_loop(),
+        plain_loop(settle=True),
         offload=1.0,
         nvme_fraction=0.5,
         nvme_path=str(tmp_path),

@@ -668,6 +668,11 @@ class HostTier:
         self.pool.wake(banks)
         return len(banks)
 
+    def describe(self) -> str:
+        """The arrangement in words (the demo's summary says it): the cores', and who runs the
+        steps step() waits for."""
+        return self.cores.describe(trainer_steps=self.inline is not None)
+
     # ------------------------------------------------------------------ counters (HostStepping + HostIO)
     @property
     def stats(self) -> dict:

@@ -209,8 +209,15 @@ class CoreSplit:
         except OSError:
             return [0]
 
-    def describe(self) -> str:
-        """The arrangement in words (the demo's summary says it)."""
+    def describe(self, trainer_steps: bool = False) -> str:
+        """The arrangement in words (the demo's summary says it). trainer_steps: the trainer runs
+        the steps step() waits for itself (HostTier.inline)."""
+        if self.shared and trainer_steps:
+            return (
+                f"shared: the trainer keeps all {len(self.trainer)} cores for forward and backward, and "
+                f"runs the host steps step() waits for itself on all of them (no grad copied); the "
+                f"worker's {self.worker_threads} sleeping thread(s) speculate during backward where asked"
+            )
         if self.shared:
             return (
                 f"shared: the trainer keeps all {len(self.trainer)} cores for forward and backward; the "
