@@ -229,7 +229,9 @@ def time_summary(
     lines.append(f"  device tier: {device:.2f} ms stepped by the trainer after backward")
     if host:
         whose = (
-            "steps in the trainer (speculated ones at the worker)" if trainer_steps else "the worker's time"
+            "steps (the host tier's in the trainer, nvme's and speculated ones at the worker)"
+            if trainer_steps
+            else "the worker's time"
         )
         lines.append(
             f"  host and nvme tiers: {worker:.2f} ms of {whose}; step() waited "

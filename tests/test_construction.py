@@ -126,12 +126,12 @@ def _threads_in_finish(opt, monkeypatch, fail=False):
 def test_a_waited_step_sharing_the_cores_runs_the_trainers_torch_on_one_thread(monkeypatch, tmp_path, fail):
     """Sharing every core with the worker (a CPU-only host), the trainer's torch runs on one thread
     while step() waits for the worker (cpu_kernels' too: one OpenMP runtime), and both get their
-    counts back after, failed or not. The worker steps there where a subgroup is on nvme (without
-    one the trainer steps itself, on its own count: test_inline_steps.py)."""
+    counts back after, failed or not. The worker steps there where a subgroup is on nvme (the
+    others the trainer steps itself, its kernels on every core: test_inline_steps.py)."""
     before = _snapshot()
     opt = _opt(_model(), worker_share=None, nvme_fraction=0.5, nvme_path=str(tmp_path))
     try:
-        assert debug_view(opt).host.cores.shared and debug_view(opt).host.inline is None
+        assert debug_view(opt).host.cores.shared
         counts = (torch.get_num_threads(), cpu_kernels.get_num_threads())
         assert counts[0] > 1
         assert _threads_in_finish(opt, monkeypatch, fail) == (1, 1)

@@ -36,10 +36,11 @@ NUMELS = [1, 100, SLOT, SLOT + 1, 10_000 + 17]  # one element, a slot, a slot + 
 
 # ----------------------------------------------------------------------------- the host tier
 def _tier_states(tier) -> list:
+    """Each subgroup's committed state (an nvme one's read from its file), sorted by key."""
     out = []
     for sg in range(len(tier.numels)):
-        mo = tier.moments(sg)
-        out.append([tier.master(sg).clone()] + [mo[k].clone() for k in sorted(mo)])
+        st = tier.state(sg)
+        out.append([st[k].clone() for k in sorted(st)])
     return out
 
 
@@ -93,17 +94,57 @@ def test_a_shared_core_tier_steps_in_the_trainer_with_the_workers_bits(fmt):
 
 
 @TWO_CORES
-def test_a_tier_with_nvme_or_split_cores_leaves_every_step_to_the_worker(tmp_path):
+def test_a_split_tier_leaves_every_step_to_the_worker():
     split = HostTier([SLOT], slot_numel=SLOT, worker_share=0.5, timeout_s=20.0)
-    nvme = HostTier(
-        [SLOT, SLOT], slot_numel=SLOT, nvme=[False, True], nvme_path=str(tmp_path), timeout_s=20.0
-    )
     try:
         assert split.inline is None and not split.cores.shared
-        assert nvme.inline is None and nvme.cores.shared
+        assert "the trainer runs" not in split.describe()
     finally:
         split.close()
-        nvme.close()
+
+
+@TWO_CORES
+def test_with_nvme_subgroups_the_trainer_steps_the_others_on_every_core_beside_the_worker(
+    tmp_path, monkeypatch
+):
+    """A tier with nvme subgroups on shared cores: the worker steps those (their swaps are its), the
+    trainer the others, bitwise the worker's steps. torch runs on one thread in finish() (the
+    trainer copies beside the worker: test_construction.py), its kernels on every core all the
+    same, and both counts come back after."""
+    numels, nvme = [SLOT, SLOT + 1, 3000], [False, True, False]
+    kw = dict(slot_numel=SLOT, staging_slots=3, timeout_s=20.0, nvme=nvme)
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    inline = HostTier(numels, nvme_path=str(tmp_path / "a"), **kw)
+    worker = HostTier(numels, nvme_path=str(tmp_path / "b"), inline=False, **kw)
+    seen = []
+    real = arena_steps.ArenaSteps.adam
+
+    def spy(self, t, grad):
+        seen.append((t.subgroup, torch.get_num_threads(), cpu_kernels.get_num_threads()))
+        return real(self, t, grad)
+
+    monkeypatch.setattr(arena_steps.ArenaSteps, "adam", spy)
+    try:
+        assert inline.inline is not None and inline.cores.shared
+        states = make_states(numels, seed=9)
+        load(inline, states)
+        load(worker, states)
+        for step in (1, 2, 3):
+            grads = make_grads(numels, seed=step)
+            for t in (inline, worker):
+                t.stepping.finish({sg: (g, inputs(step)) for sg, g in enumerate(grads)})
+        wide = inline.cores.waited_threads
+        assert wide == len(os.sched_getaffinity(0))
+        # (torch reads the same count: one OpenMP runtime; test_construction.py sees it at one)
+        assert sorted({sg for sg, _, _ in seen}) == [0, 2] and {b for _, _, b in seen} == {wide}
+        assert cpu_kernels.get_num_threads() == torch.get_num_threads() == wide
+        for sg, (a, b) in enumerate(zip(_tier_states(inline), _tier_states(worker))):
+            for k, (x, y) in enumerate(zip(a, b)):
+                assert_bitwise_equal(x, y, f"subgroup {sg} tensor {k}")
+    finally:
+        inline.close()
+        worker.close()
 
 
 # ----------------------------------------------------------------------------- the optimizer

@@ -6,14 +6,15 @@ and the new params back out of the bank. Run here, the same kernel (worker/arena
 same bits) reads each grad where backward left it and writes the bank in place; only the params'
 copy back remains (Intel Xeon, 2 cores, the bench GPT at offload 1: docs/benchmarks.md).
 
-The worker keeps everything else: speculated steps during backward, nvme swaps, inverse mode's
-checked steps, and every step on a host whose cores are split (a GPU host)."""
+The worker keeps everything else: speculated steps during backward, the nvme subgroups' steps and
+swaps, and every step on a host whose cores are split (a GPU host)."""
 
 from __future__ import annotations
 
 import dataclasses
 import time
 
+from cpu_kernels import _lib
 from hybrid_opt.shm import address
 from hybrid_opt.worker import protocol as proto
 from hybrid_opt.worker.arena_steps import ArenaSteps
@@ -23,8 +24,11 @@ class InlineSteps:
     """Runs step tasks on the trainer's own mapping of the arena, each to its Result as the
     worker would send it back (an error, too, comes back as a Result: HostIO raises it)."""
 
-    def __init__(self, arena, layout: dict):
+    def __init__(self, arena, layout: dict, threads: int = 0):
+        """`threads`: the kernels' thread count (0: the trainer's count as it is). finish() may
+        have dropped the trainer's to one while the worker steps nvme subgroups beside it."""
         self._steps = ArenaSteps(layout, address(arena.mm))
+        self._threads = threads
         self.count = 0  # pieces stepped here
 
     def quantized(self, sg: int) -> bool:
@@ -40,12 +44,19 @@ class InlineSteps:
         NaN): only a speculation's are read (HostStepping.piece_stats), and these are the
         steps the trainer waits for."""
         t0 = time.perf_counter_ns()
+        now = _lib.get_num_threads()
+        widen = bool(self._threads) and now != self._threads
         try:
+            if widen:
+                _lib.set_num_threads(self._threads)
             r = self._step(t, segments)
         except Exception as e:  # the worker's way (Worker._run): HostIO raises it, naming it
             r = proto.Result(
                 t.op, t.task_id, proto.STATUS_ERROR, t.subgroup, message=f"{type(e).__name__}: {e}"
             )
+        finally:
+            if widen:
+                _lib.set_num_threads(now)
         self.count += 1
         return dataclasses.replace(r, elapsed_ns=time.perf_counter_ns() - t0)
 
