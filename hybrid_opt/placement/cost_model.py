@@ -371,10 +371,10 @@ def predict(
     else:
         nvme_io = 0.0
     host_compute = e_off * compute_per_elem
-    # a CPU-only host sharing its cores, nothing on nvme: the trainer runs the host steps itself,
-    # reading the grads where backward left them (tiers/inline_steps.py): none is copied
-    grads_read_in_place = machine.shared_cores and not machine.gpus and nv == 0
-    d2h_bytes = (0 if grads_read_in_place else e_off * wl.grad_bytes) + nv * e * tb["high_half"]
+    # a CPU-only host sharing its cores: the trainer runs the host steps itself, reading the grads
+    # where backward left them (tiers/inline_steps.py); only the nvme share's go to the worker
+    staged = nv * e if machine.shared_cores and not machine.gpus else e_off
+    d2h_bytes = staged * wl.grad_bytes + nv * e * tb["high_half"]
     d2h = d2h_bytes / (machine.d2h_gbps * GB) if machine.d2h_gbps > 0 else 0.0
     h2d = e_off * wl.model_bytes / (machine.h2d_gbps * GB) if machine.h2d_gbps > 0 else 0.0
     # what can run during backward: the step and the grads' way in; the new params go out
