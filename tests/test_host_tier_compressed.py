@@ -275,7 +275,11 @@ def test_a_killed_worker_loses_nothing_with_compressed_state(monkeypatch, nvme_d
     config = dict(exp_avg_dtype=BF16, exp_avg_sq_dtype=BF16, remainders=True, amsgrad=True)
     states = start_states(numels, config, seed=12)
     params = model_params(states)
-    tier = new_tier(numels, flags, nvme_dir, params=params, staging_slots=2, io_banks=2, **config)
+    # inline=False: the worker steps the resident subgroup too (sharing every core, the trainer
+    # would step it itself: tiers/inline_steps.py), so the kill can land in its steps
+    tier = new_tier(
+        numels, flags, nvme_dir, params=params, staging_slots=2, io_banks=2, inline=False, **config
+    )
     try:
         first_pid = tier.client.pid
         load(tier, states)
