@@ -136,7 +136,7 @@ def tier_table(totals: dict, steps: int) -> str:
     from hybrid_opt.placement.plan import DEVICE, HOST, NVME
 
     lines = [
-        "| tier | subgroups | state MB | state B/param | worker ms/step | step() waited ms/step "
+        "| tier | subgroups | state MB | state B/param | host steps ms/step | step() waited ms/step "
         "| during backward ms/step | committed | redone | stepped |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]

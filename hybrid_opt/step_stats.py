@@ -99,8 +99,9 @@ class StepStats:
 
     def record(self, plan, host, step: StepPlan, outcome: StepOutcome) -> None:
         """Per-tier figures of a step taken (`step`, and `outcome`: what its tiers did): subgroups,
-        state bytes, the trainer's time in it, the worker's time on it, and how much of the
-        worker's time hid under backward. `plan`: the placement's."""
+        state bytes, the trainer's time in it, the host steps' time on it (`worker_s`: the
+        worker's tasks, and the trainer's own steps where it runs them, tiers/inline_steps.py),
+        and how much of that hid under backward. `plan`: the placement's."""
         t_step, t_host, t_device, t_end = outcome.times
         host_wait_s, device_s = t_device - t_host, t_end - t_device
         counts = {k: 0 for k in ("committed", "redone", "stepped", "dropped")}

@@ -79,8 +79,8 @@ def arrangement(machine: Machine) -> str:
             "shared: the params live on the CPU, so the trainer keeps every core for forward "
             "and backward; host work during backward would take the backward's cores and hide "
             'nothing, so speculative="auto" (the default) steps the host tiers in step(), on every '
-            "core: the trainer itself where nothing is on nvme (no grad copied), else the worker "
-            "(the trainer sleeps meanwhile)"
+            "core: the host tier's by the trainer itself (no grad copied), the nvme tier's by the "
+            "worker (the trainer sleeps meanwhile)"
         )
     return (
         "split: the worker on cores taken from the trainer (worker_share=); forward and "

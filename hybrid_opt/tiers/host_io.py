@@ -114,8 +114,9 @@ class HostIO:
     # ------------------------------------------------------------------ read-only views
     @property
     def counts(self):
-        """worker_restarts, worker_seconds (all subgroups), remote_gathered (pieces whose grads the
-        worker read itself): a copy."""
+        """worker_restarts, worker_seconds (all subgroups: the worker's tasks' time, and the
+        trainer's own steps' where it runs them, InlineSteps), remote_gathered (pieces whose grads
+        the worker read itself): a copy."""
         return dict(self._counts)
 
     @property
