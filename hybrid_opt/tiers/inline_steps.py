@@ -39,17 +39,15 @@ class InlineSteps:
     def step(self, t: proto.Task, segments=None) -> proto.Result:
         """Step task `t`. segments: [(byte offset in the piece, address, bytes)] of its grads
         where they lie (every one nonzero), each stepped by one kernel call; None: the grads
-        are in its staging slot. Where t.skip_nonfinite says so, a piece whose grads are not
-        all finite is not stepped at all; elsewhere its grads' stats are not measured (sum_sq
-        NaN): only a speculation's are read (HostStepping.piece_stats), and these are the
-        steps the trainer waits for."""
+        are in its staging slot (ArenaSteps.step: a step the trainer waits for measures no grad
+        stats; only a speculation's are read, HostStepping.piece_stats)."""
         t0 = time.perf_counter_ns()
         now = _lib.get_num_threads()
         widen = bool(self._threads) and now != self._threads
         try:
             if widen:
                 _lib.set_num_threads(self._threads)
-            r = self._step(t, segments)
+            r = self._steps.step(t, segments)
         except Exception as e:  # the worker's way (Worker._run): HostIO raises it, naming it
             r = proto.Result(
                 t.op, t.task_id, proto.STATUS_ERROR, t.subgroup, message=f"{type(e).__name__}: {e}"
@@ -59,20 +57,3 @@ class InlineSteps:
                 _lib.set_num_threads(now)
         self.count += 1
         return dataclasses.replace(r, elapsed_ns=time.perf_counter_ns() - t0)
-
-    def _step(self, t: proto.Task, segments) -> proto.Result:
-        es = proto.DTYPE_SIZES[t.grad_dtype]
-        runs = [(0, self._steps.slot(t.slot), t.numel * es)] if segments is None else segments
-        total, finite = float("nan"), True
-        if t.skip_nonfinite:
-            total = 0.0
-            for _, addr, nbytes in runs:
-                s, ok = self._steps.grad_stats(addr, t.grad_dtype, nbytes // es)
-                total, finite = total + s, finite and ok
-            if not finite:
-                return proto.Result(t.op, t.task_id, proto.STATUS_NONFINITE, t.subgroup, total, 0)
-        for off, addr, nbytes in runs:
-            # elementwise: each run of the piece steps alone, bit for bit as the whole would
-            part = dataclasses.replace(t, elem_offset=t.elem_offset + off // es, numel=nbytes // es)
-            self._steps.adam(part, addr)
-        return proto.Result(t.op, t.task_id, proto.STATUS_OK, t.subgroup, total, int(finite))

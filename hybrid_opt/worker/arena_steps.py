@@ -9,6 +9,7 @@ steps). Both go through this one class, so the two give the same bits."""
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 
 from hybrid_opt.worker import protocol as proto
 
@@ -109,15 +110,33 @@ class ArenaSteps:
         s = out.value
         return s, s == s and s not in (float("inf"), float("-inf"))
 
-    def step(self, t: proto.Task, grad: int | None = None) -> proto.Result:
-        """Step task `t` with the grads at `grad` (default: its staging slot); a piece whose grads
-        are not all finite is not stepped where t.skip_nonfinite says so."""
-        grad = self.slot(t.slot) if grad is None else grad
-        sum_sq, finite = self.grad_stats(grad, t.grad_dtype, t.numel)
-        if not finite and t.skip_nonfinite:
-            return proto.Result(t.op, t.task_id, proto.STATUS_NONFINITE, t.subgroup, sum_sq, 0)
-        self.adam(t, grad)
-        return proto.Result(t.op, t.task_id, proto.STATUS_OK, t.subgroup, sum_sq, int(finite))
+    def step(self, t: proto.Task, runs=None) -> proto.Result:
+        """Step task `t`. runs: [(byte offset in the piece, address, bytes)] where its grads lie,
+        each stepped by one kernel call (elementwise: bit for bit as the whole piece); None: its
+        staging slot, whole. Where t.skip_nonfinite says so (a speculation) the grads' stats are
+        measured first, and a piece whose grads are not all finite is not stepped at all;
+        elsewhere (a step the trainer waits for) nothing reads them, and they are not measured:
+        sum_sq NaN (a pass over the grads saved, a seventh of the step's traffic in fp32)."""
+        es = proto.DTYPE_SIZES[t.grad_dtype]
+        if runs is None:
+            runs = [(0, self.slot(t.slot), t.numel * es)]
+        total, finite = float("nan"), True
+        if t.skip_nonfinite:
+            total = 0.0
+            for _, addr, nbytes in runs:
+                s, ok = self.grad_stats(addr, t.grad_dtype, nbytes // es)
+                total, finite = total + s, finite and ok
+            if not finite:
+                return proto.Result(t.op, t.task_id, proto.STATUS_NONFINITE, t.subgroup, total, 0)
+        for off, addr, nbytes in runs:
+            whole = off == 0 and nbytes == t.numel * es
+            self.adam(
+                t
+                if whole
+                else dataclasses.replace(t, elem_offset=t.elem_offset + off // es, numel=nbytes // es),
+                addr,
+            )
+        return proto.Result(t.op, t.task_id, proto.STATUS_OK, t.subgroup, total, int(finite))
 
     def adam(self, t: proto.Task, grad: int) -> None:
         """The Adam (or q8) kernel over task `t`'s elements, its grads at `grad`, unchecked."""
