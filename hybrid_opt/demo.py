@@ -229,7 +229,7 @@ def time_summary(
     lines.append(f"  device tier: {device:.2f} ms stepped by the trainer after backward")
     if host:
         whose = (
-            "steps (the host tier's in the trainer, nvme's and speculated ones at the worker)"
+            "steps in the trainer (speculated ones, and nvme's reads and writes, at the worker)"
             if trainer_steps
             else "the worker's time"
         )

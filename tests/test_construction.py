@@ -123,21 +123,42 @@ def _threads_in_finish(opt, monkeypatch, fail=False):
 
 @TWO_CORES
 @pytest.mark.parametrize("fail", [False, True], ids=["ok", "failed"])
-def test_a_waited_step_sharing_the_cores_runs_the_trainers_torch_on_one_thread(monkeypatch, tmp_path, fail):
-    """Sharing every core with the worker (a CPU-only host), the trainer's torch runs on one thread
-    while step() waits for the worker (cpu_kernels' too: one OpenMP runtime), and both get their
-    counts back after, failed or not. The worker steps there where a subgroup is on nvme (the
-    others the trainer steps itself, its kernels on every core: test_inline_steps.py)."""
+def test_a_waited_step_the_worker_runs_on_shared_cores_leaves_the_trainers_torch_one_thread(
+    monkeypatch, fail
+):
+    """Sharing every core with the worker while the worker steps what step() waits for
+    (HostTier(inline=False): by default the trainer steps it itself, tests/test_inline_steps.py),
+    the trainer's torch runs on one thread meanwhile (cpu_kernels' too: one OpenMP runtime), and
+    both get their counts back after, failed or not."""
     before = _snapshot()
-    opt = _opt(_model(), worker_share=None, nvme_fraction=0.5, nvme_path=str(tmp_path))
+    tier = host_mod.HostTier([SUBGROUP, SUBGROUP], inline=False)
     try:
-        assert debug_view(opt).host.cores.shared
+        assert tier.cores.shared and tier.inline is None
         counts = (torch.get_num_threads(), cpu_kernels.get_num_threads())
         assert counts[0] > 1
-        assert _threads_in_finish(opt, monkeypatch, fail) == (1, 1)
+        seen, real = [], tier.io.finishing
+
+        @contextlib.contextmanager
+        def finishing(pieces):
+            seen.append((torch.get_num_threads(), cpu_kernels.get_num_threads()))
+            with real(pieces):
+                yield
+            if fail:
+                raise _Injected("after finishing")
+
+        monkeypatch.setattr(tier.io, "finishing", finishing)
+        steps = {
+            sg: (torch.randn(SUBGROUP), host_mod.AdamInputs(1, 1e-3, 0.9, 0.999, 1e-8, 0.0)) for sg in (0, 1)
+        }
+        if fail:
+            with pytest.raises(_Injected, match="after finishing"):
+                tier.stepping.finish(steps)
+        else:
+            tier.stepping.finish(steps)
+        assert seen == [(1, 1)]
         assert (torch.get_num_threads(), cpu_kernels.get_num_threads()) == counts
     finally:
-        opt.close()
+        tier.close()
     _assert_restored(before)
 
 

@@ -35,9 +35,7 @@ def test_demo_trains_over_every_tier_and_writes_its_loss_curve(tmp_path):
     # issue #37: where the time went, both runs, the worker's time and the cores' arrangement
     assert "wall time: HybridAdamW" in text and "torch AdamW" in text.split("Where the time goes")[1]
     # a CPU-only host: the trainer steps the host tier itself (tiers/inline_steps.py)
-    whose = (
-        "of the worker's time" if torch.cuda.is_available() else "of steps (the host tier's in the trainer"
-    )
+    whose = "of the worker's time" if torch.cuda.is_available() else "of steps in the trainer"
     assert "host and nvme tiers:" in text and whose in text and "; step() waited" in text
     assert "\n  cores: " in text
     assert os.path.getsize(tmp_path / "o" / "demo_loss.png") > 1000
@@ -155,7 +153,8 @@ def test_the_time_summary_names_the_cost_and_the_arrangement():
     # a CPU-only host without nvme: the trainer ran the waited host steps itself (HostTier.inline)
     own = time_summary(totals, 100, [0.05] * 100, 5.0, None, None, "shared: x", 0, trainer_steps=True)
     assert (
-        "30.00 ms of steps (the host tier's in the trainer, nvme's and speculated ones at the worker)" in own
+        "30.00 ms of steps in the trainer (speculated ones, and nvme's reads and writes, at the worker)"
+        in own
     )
 
 

@@ -743,7 +743,11 @@ def test_a_killed_worker_is_replaced_and_the_nvme_trajectory_is_bitwise_unchange
     monkeypatch, nvme_dir, fault, io_banks
 ):
     monkeypatch.setenv(FAULT_ENV, fault)
-    tier = new_tier(FAULT_NUMELS, FAULT_NVME, nvme_dir, amsgrad=True, staging_slots=2, io_banks=io_banks)
+    # inline=False: the worker steps what finish() waits for (sharing every core, the trainer
+    # would: tiers/inline_steps.py), so the kill can land in those steps too
+    tier = new_tier(
+        FAULT_NUMELS, FAULT_NVME, nvme_dir, amsgrad=True, staging_slots=2, io_banks=io_banks, inline=False
+    )
     try:
         first_pid, swap_dir = tier.client.pid, tier.swap.path
         states = make_states(FAULT_NUMELS, amsgrad=True, seed=7)
@@ -1386,7 +1390,9 @@ def test_a_worker_restarted_after_the_nvme_files_were_removed_from_outside_steps
     later step with FileNotFoundError)."""
     if fault != "killed_between_steps":
         monkeypatch.setenv(FAULT_ENV, fault)
-    tier = new_tier(FAULT_NUMELS, FAULT_NVME, nvme_dir, amsgrad=True, staging_slots=2)
+    tier = new_tier(
+        FAULT_NUMELS, FAULT_NVME, nvme_dir, amsgrad=True, staging_slots=2, inline=False
+    )  # as above
     try:
         first_pid = tier.client.pid
         _worker_has_the_trainers_files(tier)

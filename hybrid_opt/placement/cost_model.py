@@ -79,8 +79,8 @@ def arrangement(machine: Machine) -> str:
             "shared: the params live on the CPU, so the trainer keeps every core for forward "
             "and backward; host work during backward would take the backward's cores and hide "
             'nothing, so speculative="auto" (the default) steps the host tiers in step(), on every '
-            "core: the host tier's by the trainer itself (no grad copied), the nvme tier's by the "
-            "worker (the trainer sleeps meanwhile)"
+            "core, by the trainer itself (no grad copied); the worker reads and writes the nvme "
+            "tier's state around them"
         )
     return (
         "split: the worker on cores taken from the trainer (worker_share=); forward and "
@@ -371,9 +371,9 @@ def predict(
     else:
         nvme_io = 0.0
     host_compute = e_off * compute_per_elem
-    # a CPU-only host sharing its cores: the trainer runs the host steps itself, reading the grads
-    # where backward left them (tiers/inline_steps.py); only the nvme share's go to the worker
-    staged = nv * e if machine.shared_cores and not machine.gpus else e_off
+    # a CPU-only host sharing its cores: the trainer runs the host and nvme steps itself, reading
+    # the grads where backward left them (tiers/inline_steps.py): none is copied
+    staged = 0.0 if machine.shared_cores and not machine.gpus else e_off
     d2h_bytes = staged * wl.grad_bytes + nv * e * tb["high_half"]
     d2h = d2h_bytes / (machine.d2h_gbps * GB) if machine.d2h_gbps > 0 else 0.0
     h2d = e_off * wl.model_bytes / (machine.h2d_gbps * GB) if machine.h2d_gbps > 0 else 0.0

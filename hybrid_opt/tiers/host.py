@@ -77,7 +77,7 @@ class HostTier:
     `inline`: whether the steps the trainer waits for (finish()'s) run in the trainer itself
     (inline_steps.py) rather than at the worker. None: where the trainer and the worker share
     every core (a CPU-only host, CoreSplit.shared, or one with one core) and the params are not
-    on a GPU (`pin`). Speculated steps and nvme subgroups' steps go to the worker either way."""
+    on a GPU (`pin`). Speculated steps and the nvme subgroups' swaps stay the worker's."""
 
     def __init__(
         self,
@@ -305,12 +305,10 @@ class HostTier:
         stepping: HostStepping
         # a CPU-only host whose trainer and worker share every core (or have one core to take
         # turns on): the steps step() waits for run in the trainer, on its own mapping, with no
-        # copy of the grads (inline_steps.py); the nvme subgroups' stay the worker's (their swaps)
+        # copy of the grads (inline_steps.py); the worker keeps the nvme subgroups' swaps
         if inline is None:
             inline = not pin and set(self.cores.worker) == set(self.cores.trainer)
-        # with nvme subgroups the worker steps too, and the trainer's torch runs on one thread in
-        # finish() (HostStepping._one_thread); its own kernels take every core all the same
-        self.inline = InlineSteps(self.arena, layout, threads=self.cores.waited_threads) if inline else None
+        self.inline = InlineSteps(self.arena, layout) if inline else None
         self.io = HostIO(
             self.client,
             slots,
@@ -355,9 +353,8 @@ class HostTier:
             amsgrad=amsgrad,
             slot_numel=self.slot_numel,
             wake_spares=self.wake_spares,
-            # the trainer only copies while the worker steps (inline: it steps, on every core,
-            # unless an nvme subgroup keeps the worker stepping beside it)
-            one_thread_waiting=self.cores.shared and (self.inline is None or has_nvme),
+            # the trainer only copies while the worker steps (inline: it steps, on every core)
+            one_thread_waiting=self.cores.shared and self.inline is None,
         )
         self.stepping = stepping
         self.closed = False

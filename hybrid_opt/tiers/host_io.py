@@ -307,7 +307,7 @@ class HostIO:
             held=hold,
         )
         pieces.append(piece)  # owns the slot from here: every failure path frees it
-        if waited and send and not hold and self.inline is not None and not self._nvme[sg]:
+        if waited and send and not hold and self.inline is not None:
             self._step_inline(piece, grad)
             return piece
         # the worker reads the grads itself only while it has little else queued: a

@@ -220,6 +220,10 @@ class HostStepping:
                 # copy slots: the committed high half is the model's param, into the out bank's
                 # slot (the step reads and writes it there)
                 self._send_high_half(sg, spec, spec.bank)  # type: ignore[arg-type]  # exact: a bank
+        if swap_in is not None and waited and self._io.inline is not None:
+            # the trainer steps it itself (inline_steps.py): its read lands first, as the worker's
+            # step waits for it
+            self._io.wait_for([swap_in])
         if inputs.runs and spec.bank is not None:
             if swap_in is not None:
                 self._io.wait_for([swap_in])

@@ -6,15 +6,15 @@ and the new params back out of the bank. Run here, the same kernel (worker/arena
 same bits) reads each grad where backward left it and writes the bank in place; only the params'
 copy back remains (Intel Xeon, 2 cores, the bench GPT at offload 1: docs/benchmarks.md).
 
-The worker keeps everything else: speculated steps during backward, the nvme subgroups' steps and
-swaps, and every step on a host whose cores are split (a GPU host)."""
+The worker keeps everything else: speculated steps during backward, the nvme subgroups' swaps (a
+step's read lands before the trainer steps it; its write goes after), and every step on a host
+whose cores are split (a GPU host)."""
 
 from __future__ import annotations
 
 import dataclasses
 import time
 
-from cpu_kernels import _lib
 from hybrid_opt.shm import address
 from hybrid_opt.worker import protocol as proto
 from hybrid_opt.worker.arena_steps import ArenaSteps
@@ -24,11 +24,8 @@ class InlineSteps:
     """Runs step tasks on the trainer's own mapping of the arena, each to its Result as the
     worker would send it back (an error, too, comes back as a Result: HostIO raises it)."""
 
-    def __init__(self, arena, layout: dict, threads: int = 0):
-        """`threads`: the kernels' thread count (0: the trainer's count as it is). finish() may
-        have dropped the trainer's to one while the worker steps nvme subgroups beside it."""
+    def __init__(self, arena, layout: dict):
         self._steps = ArenaSteps(layout, address(arena.mm))
-        self._threads = threads
         self.count = 0  # pieces stepped here
 
     def quantized(self, sg: int) -> bool:
@@ -42,18 +39,11 @@ class InlineSteps:
         are in its staging slot (ArenaSteps.step: a step the trainer waits for measures no grad
         stats; only a speculation's are read, HostStepping.piece_stats)."""
         t0 = time.perf_counter_ns()
-        now = _lib.get_num_threads()
-        widen = bool(self._threads) and now != self._threads
         try:
-            if widen:
-                _lib.set_num_threads(self._threads)
             r = self._steps.step(t, segments)
         except Exception as e:  # the worker's way (Worker._run): HostIO raises it, naming it
             r = proto.Result(
                 t.op, t.task_id, proto.STATUS_ERROR, t.subgroup, message=f"{type(e).__name__}: {e}"
             )
-        finally:
-            if widen:
-                _lib.set_num_threads(now)
         self.count += 1
         return dataclasses.replace(r, elapsed_ns=time.perf_counter_ns() - t0)
