@@ -94,11 +94,10 @@ def test_two_optimizers_closed_in_either_order_restore_threads_and_affinity(orde
     _assert_restored(before)
 
 
-def _threads_in_finish(opt, monkeypatch, fail=False):
-    """Steps once; returns torch's and cpu_kernels' thread counts as the host tier's finish()
-    waited for the worker (HostIO.finishing entered). The real finishing() runs (fail: it
-    raises _Injected after it)."""
-    io = debug_view(opt).host.io
+def _threads_in_finish(io, step, monkeypatch, fail=False):
+    """Runs step(); returns torch's and cpu_kernels' thread counts as the host tier's finish()
+    waited for the worker (HostIO `io`'s finishing entered). The real finishing() runs (fail: it
+    raises _Injected after it, and step() must raise it)."""
     seen, real = [], io.finishing
 
     @contextlib.contextmanager
@@ -110,15 +109,24 @@ def _threads_in_finish(opt, monkeypatch, fail=False):
             raise _Injected("after finishing")
 
     monkeypatch.setattr(io, "finishing", finishing)
-    for p in (q for g in opt.param_groups for q in g["params"]):
-        p.grad = torch.randn_like(p)
     if fail:
         with pytest.raises(Exception, match="after finishing"):
-            opt.step()
+            step()
     else:
-        opt.step()
+        step()
     assert len(seen) == 1
     return seen[0]
+
+
+def _opt_step(opt):
+    """step() of `opt` on random grads (for _threads_in_finish)."""
+
+    def step():
+        for p in (q for g in opt.param_groups for q in g["params"]):
+            p.grad = torch.randn_like(p)
+        opt.step()
+
+    return step
 
 
 @TWO_CORES
@@ -136,26 +144,10 @@ def test_a_waited_step_the_worker_runs_on_shared_cores_leaves_the_trainers_torch
         assert tier.cores.shared and tier.inline is None
         counts = (torch.get_num_threads(), cpu_kernels.get_num_threads())
         assert counts[0] > 1
-        seen, real = [], tier.io.finishing
-
-        @contextlib.contextmanager
-        def finishing(pieces):
-            seen.append((torch.get_num_threads(), cpu_kernels.get_num_threads()))
-            with real(pieces):
-                yield
-            if fail:
-                raise _Injected("after finishing")
-
-        monkeypatch.setattr(tier.io, "finishing", finishing)
-        steps = {
-            sg: (torch.randn(SUBGROUP), host_mod.AdamInputs(1, 1e-3, 0.9, 0.999, 1e-8, 0.0)) for sg in (0, 1)
-        }
-        if fail:
-            with pytest.raises(_Injected, match="after finishing"):
-                tier.stepping.finish(steps)
-        else:
-            tier.stepping.finish(steps)
-        assert seen == [(1, 1)]
+        inputs = host_mod.AdamInputs(1, 1e-3, 0.9, 0.999, 1e-8, 0.0)
+        steps = {sg: (torch.randn(SUBGROUP), inputs) for sg in (0, 1)}
+        seen = _threads_in_finish(tier.io, lambda: tier.stepping.finish(steps), monkeypatch, fail)
+        assert seen == (1, 1)
         assert (torch.get_num_threads(), cpu_kernels.get_num_threads()) == counts
     finally:
         tier.close()
@@ -168,7 +160,10 @@ def test_a_waited_step_on_split_cores_keeps_the_trainers_thread_count(monkeypatc
     opt = _opt(_model(), worker_share=0.5)
     try:
         trainer = len(debug_view(opt).host.cores.trainer)
-        assert _threads_in_finish(opt, monkeypatch) == (trainer, cpu_kernels.get_num_threads())
+        assert _threads_in_finish(debug_view(opt).host.io, _opt_step(opt), monkeypatch) == (
+            trainer,
+            cpu_kernels.get_num_threads(),
+        )
         assert torch.get_num_threads() == trainer
     finally:
         opt.close()
