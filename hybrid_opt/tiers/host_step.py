@@ -89,8 +89,8 @@ class HostStepping:
         one_thread_waiting: bool = False,
     ):
         self._io, self._banks, self._pool, self._files = io, banks, pool, files
-        # the trainer shares every core with the worker (CoreSplit.shared): finish() runs its torch
-        # on one thread (_one_thread)
+        # the worker steps on cores it shares with the trainer (CoreSplit.shared, HostTier's
+        # inline=False): finish() runs the trainer's torch on one thread (_one_thread)
         self._one_thread_waiting = one_thread_waiting
         self._held = held  # the nvme reads ahead of a step and the writes behind it
         # HostTier.wake_spares: dormant spare banks into the pool (their memory allocated then)
@@ -220,13 +220,13 @@ class HostStepping:
                 # copy slots: the committed high half is the model's param, into the out bank's
                 # slot (the step reads and writes it there)
                 self._send_high_half(sg, spec, spec.bank)  # type: ignore[arg-type]  # exact: a bank
-        if swap_in is not None and waited and self._io.inline is not None:
-            # the trainer steps it itself (inline_steps.py): its read lands first, as the worker's
-            # step waits for it
+        carries = inputs.runs and spec.bank is not None
+        # the read lands first where the trainer touches the bank before the worker would: the
+        # state it carries over, or a step it runs itself (inline_steps.py), as the worker's step
+        # waits for it
+        if swap_in is not None and (carries or (waited and self._io.inline is not None)):
             self._io.wait_for([swap_in])
-        if inputs.runs and spec.bank is not None:
-            if swap_in is not None:
-                self._io.wait_for([swap_in])
+        if carries:
             self._carry_over(sg, in_bank, spec.bank, runs)  # type: ignore[arg-type]  # nvme: aux_bank too
         # inverse mode: stepped only if every grad is finite (checked), the grads held for the undo
         if not self._io.stage_steps(

@@ -55,18 +55,13 @@ class ArenaSteps:
         self._run_kernel = run_kernel or _run_whole
 
     # ------------------------------------------------------------------ addresses
-    def bank(self, bank: int, region: str, elem_offset: int, elem_size: int) -> int:
-        return (
-            self.base
-            + self.bank_offset
-            + bank * self.bank_stride
-            + self.regions[region]
-            + elem_offset * elem_size
-        )
-
     def bank_start(self, bank: int) -> int:
         """The address of a whole bank (an nvme swap reads or writes it all)."""
         return self.base + self.bank_offset + bank * self.bank_stride
+
+    def bank(self, bank: int, region: str, elem_offset: int, elem_size: int) -> int:
+        """The address of element `elem_offset` of a bank's region."""
+        return self.bank_start(bank) + self.regions[region] + elem_offset * elem_size
 
     def slot(self, slot: int) -> int:
         """The address of a staging slot."""
