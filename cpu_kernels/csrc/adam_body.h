@@ -59,6 +59,27 @@ static inline __attribute__((always_inline)) void adam_math(
     }
 }
 
+#ifdef BLOCK_AHEAD
+/* In place, the streams a block reads where they lie (the grad at its width; the fp32 param and
+ * moments) are prefetched BLOCK_AHEAD elements ahead, a block of each (a prefetch never faults,
+ * past the end either). always_inline: gcc (12.2) finds a function of prefetches alone free of
+ * side effects (pure-const) and deletes its calls before a plain inline would place it. */
+#define PREFETCH_LINES(at, bytes, rw) \
+    for (int h_ = 0; h_ < (bytes); h_ += 64) __builtin_prefetch((const char *)(at) + h_, (rw), 3)
+
+static inline __attribute__((always_inline)) void prefetch_block(const adam_args_t *a, int64_t at, const int ams)
+{
+    if (a->grad_dtype == DT_F32) PREFETCH_LINES((const float *)a->grad + at, 4 * BLK, 0);
+    else PREFETCH_LINES((const uint16_t *)a->grad + at, 2 * BLK, 0);
+    if (!a->remainder) PREFETCH_LINES(a->param + at, 4 * BLK, 1);
+    if (a->moment_dtype == DT_F32) PREFETCH_LINES((const float *)a->exp_avg + at, 4 * BLK, 1);
+    if (a->exp_avg_sq_dtype == DT_F32) {
+        PREFETCH_LINES((const float *)a->exp_avg_sq + at, 4 * BLK, 1);
+        if (ams) PREFETCH_LINES((const float *)a->max_exp_avg_sq + at, 4 * BLK, 1);
+    }
+}
+#endif
+
 #ifdef HAVE_ADAM_RANGE_REGS
 /* The level steps every dtype and mode in its own register loop (the Arm levels: widening
  * loads and narrowing stores are single instructions there, tails predicated or padded), so
@@ -101,6 +122,9 @@ void FN(adam_range)(const adam_args_t *a, const adam_consts_t *c, int64_t begin,
             load_block(gb, a->grad, a->grad_dtype, off, len, 1.0f);
             gi = gb;
         }
+#ifdef BLOCK_AHEAD
+        if (!oop) prefetch_block(a, off + BLOCK_AHEAD, ams);
+#endif
         const float *pin = a->param + off;
         if (rem) {  /* the fp32 master, decoded into L1 */
             decode_block(rb, (const uint16_t *)(const void *)a->param, a->remainder, off, len);

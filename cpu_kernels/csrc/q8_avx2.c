@@ -426,10 +426,11 @@ static inline __attribute__((always_inline)) void Q8_FN(q8_block)(const q8_args_
 
 /* Blocks ahead whose inputs are prefetched: at 16Mi elements, one thread, Zen 5, the fused pass
  * took 2.05 ns an element without, 1.6-1.7 with 2 to 4 (1.25 with everything in L1): the hardware
- * prefetchers alone leave each block's misses in series with its arithmetic. */
+ * prefetchers alone leave each block's misses in series with its arithmetic. q8_prefetch_span is
+ * always_inline, as adam_body.h's prefetch_block (gcc deletes calls of a prefetch-only function). */
 #define Q8_PF_AHEAD 4
 
-static inline void q8_prefetch_span(const void *p, size_t bytes)
+static inline __attribute__((always_inline)) void q8_prefetch_span(const void *p, size_t bytes)
 {
     for (size_t o = 0; o < bytes; o += 64) __builtin_prefetch((const char *)p + o, 0, 3);
 }
