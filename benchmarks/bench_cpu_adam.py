@@ -23,7 +23,7 @@ probe that moves exactly the streams its kernel moves, with trivial arithmetic, 
 threads as the kernels split their work. A pattern is written as one token a stream, the
 kind then the element's bytes: r read only, u read and written back in place, n written
 only with non-temporal stores (bank mode's outputs, the param copy), w written only with plain
-stores (AVX2's register loop in bank mode: LEVEL_PATTERNS); ours_remainders is
+stores (AVX2's register loop in bank mode off Intel CPUs: level_patterns); ours_remainders is
 "r2 u2 u2 u2 u2" (grad; param, remainder, exp_avg, exp_avg_sq). One core streams a mix that
 reads a smaller share of its bytes faster (its reads in flight are the limit), so a single
 28 B probe was no roof for the 16-bit rows: they beat it at one thread. Each pattern runs in
@@ -109,13 +109,21 @@ PATTERNS = {
     "deepspeed_cpu_adam": INPLACE_28,
 }
 # where a level's kernel moves a row's streams otherwise: AVX2's register loop writes bank mode's
-# 16-bit outputs with plain stores (kernels_avx2.c, adam_c16_modes)
-LEVEL_PATTERNS = {"avx2": {"ours_remainders_bank": "r2 r2 r2 r2 r2 w2 w2 w2 w2"}}
+# 16-bit outputs with plain stores off Intel CPUs (kernels_avx2.c, adam_c16_modes; level_patterns)
+PLAIN_BANK_PATTERNS = {"avx2": {"ours_remainders_bank": "r2 r2 r2 r2 r2 w2 w2 w2 w2"}}
 _KINDS = {"r": "read", "u": "update", "n": "write_nt", "w": "write"}
 # elements the pattern probes prefetch ahead, each timed; the faster is the roof (1-2 % apart at one
 # thread on a 2-core Zen 5 VM, either way round by pattern: further for in-place, nearer with
 # non-temporal writes)
 PATTERN_PREFETCH = (1024, 2048)
+
+
+def level_patterns(level: str) -> dict:
+    """The rows whose pattern differs at `level`: AVX2's bank mode stores plainly unless the library
+    chose non-temporal stores for this CPU (an Intel one: cpu_kernels._lib._avx2_bank_nt)."""
+    if level == "avx2" and cpu_kernels._lib._avx2_bank_nt():
+        return {}
+    return PLAIN_BANK_PATTERNS.get(level, {})
 
 
 def pattern_bytes(pattern: str) -> int:
@@ -416,7 +424,7 @@ def main(argv=None) -> int:
             )
             # every other row's own pattern, in the same rounds, prefetching as far ahead as the
             # kernels (1024 elements) and twice as far: the faster is the roof
-            patterns = {**PATTERNS, **LEVEL_PATTERNS.get(level, {})}
+            patterns = {**PATTERNS, **level_patterns(level)}
             own = {name: patterns[name] for name in table if name in patterns}
             own_streams = {}  # a pattern's tensors: the same for every row of that pattern
             for name, pattern in own.items():

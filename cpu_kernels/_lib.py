@@ -95,6 +95,7 @@ def _load_library():
         "hybrid_get_num_threads",
         "hybrid_level_count",
         "hybrid_get_arm_streaming_stores",
+        "hybrid_get_avx2_bank_nt",
     ):
         getattr(lib, name).restype = ctypes.c_int
         getattr(lib, name).argtypes = []
@@ -112,6 +113,8 @@ def _load_library():
     lib.hybrid_level_name.restype = ctypes.c_char_p
     lib.hybrid_set_arm_streaming_stores.argtypes = [ctypes.c_int]
     lib.hybrid_set_arm_streaming_stores.restype = ctypes.c_int
+    lib.hybrid_set_avx2_bank_nt.argtypes = [ctypes.c_int]
+    lib.hybrid_set_avx2_bank_nt.restype = ctypes.c_int
     return lib
 
 
@@ -164,6 +167,18 @@ def _arm_streaming_stores() -> bool:
 def _set_arm_streaming_stores(on: bool) -> None:
     if lib.hybrid_set_arm_streaming_stores(1 if on else 0) != 0:
         raise ValueError("streaming stores are an option of the Arm levels (neon, sve) only")
+
+
+def _avx2_bank_nt() -> bool:
+    """Whether the AVX2 level writes bank mode's outputs with non-temporal stores: on where the CPU
+    is an Intel one, off on AMD and others (kernels.h says what each measured). Same bits."""
+    return bool(lib.hybrid_get_avx2_bank_nt())
+
+
+def _set_avx2_bank_nt(on: bool) -> None:
+    """Tests and benchmarks: the other store kind than the CPU's vendor chose."""
+    if lib.hybrid_set_avx2_bank_nt(1 if on else 0) != 0:
+        raise ValueError("non-temporal bank stores are an option of the AVX2 level (x86-64) only")
 
 
 def set_num_threads(n: int) -> None:

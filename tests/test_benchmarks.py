@@ -561,7 +561,8 @@ def test_bench_cpu_adam_impls_times_only_the_named_rows_beside_the_probes(tmp_pa
 def test_bench_cpu_adam_times_each_row_and_its_roof_on_the_same_tensors(tmp_path):
     """Where a tensor's pages lie moved a row by up to a third on a Zen 3, so every row's roof is a
     probe of the row's own streams (torch's fused AdamW steps the ours row's tensors), and a level
-    whose kernel writes a row's streams otherwise says so (LEVEL_PATTERNS)."""
+    whose kernel writes a row's streams otherwise says so (level_patterns: AVX2's bank mode stores
+    plainly off Intel CPUs)."""
     sys.path.insert(0, os.path.join(REPO, "benchmarks"))
     try:
         import bench_cpu_adam as bench
@@ -601,7 +602,7 @@ def test_bench_cpu_adam_times_each_row_and_its_roof_on_the_same_tensors(tmp_path
     )
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     by = {r["impl"]: r for r in json.loads(out_json.read_text())}
-    patterns = {**bench.PATTERNS, **bench.LEVEL_PATTERNS.get(cpu_kernels.simd_level(), {})}
+    patterns = {**bench.PATTERNS, **bench.level_patterns(cpu_kernels.simd_level())}
     assert by["ours_remainders_bank"]["pattern"] == patterns["ours_remainders_bank"]
     assert by["ours"]["pattern_roofline_gb_per_s"] == by["torch_fused"]["pattern_roofline_gb_per_s"]
 

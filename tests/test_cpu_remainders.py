@@ -375,6 +375,48 @@ def test_avx512_integer_bf16_rounding_is_bitwise_the_reference(moments, remainde
         ck.set_simd_level(saved_level)
 
 
+# The AVX2 register loop writes bank mode's outputs with non-temporal stores on Intel CPUs and with
+# plain ones elsewhere (kernels.h, hybrid_get_avx2_bank_nt), and fp32 state in bank mode goes through
+# the loop on Intel CPUs, through the blocks elsewhere: every way must give the reference's bits,
+# with the outputs line-aligned (where the stores stream) and not.
+@pytest.mark.skipif("avx2" not in LEVELS, reason="this CPU has no AVX2")
+@pytest.mark.parametrize("non_temporal", [False, True], ids=["plain", "non_temporal"])
+@pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16], ids=_id)
+@pytest.mark.parametrize("amsgrad", [False, True], ids=["adam", "amsgrad"])
+@pytest.mark.parametrize("remainders", [False, True], ids=["fp32_master", "remainders"])
+@pytest.mark.parametrize("moments", MOMENT_PAIRS, ids=_pair_id)
+def test_avx2_bank_mode_is_the_reference_with_either_store_kind(
+    moments, remainders, amsgrad, grad_dtype, non_temporal
+):
+    saved_level, saved_nt = ck.simd_level(), ck._lib._avx2_bank_nt()
+    ck.set_simd_level("avx2")
+    ck._lib._set_avx2_bank_nt(non_temporal)
+    try:
+        for off in (0, 3, 16):
+            state = make_state(
+                4099,
+                grad_dtype,
+                amsgrad=amsgrad,
+                moment_dtype=moments[0],
+                exp_avg_sq_dtype=moments[1],
+                remainders=remainders,
+                seed=off,
+            )
+            check_matches_reference(
+                state, "avx2", bank=True, out_offset=off, **dict(HYPER, grad_scale=GRAD_SCALE)
+            )
+    finally:
+        ck.set_simd_level(saved_level)
+        ck._lib._set_avx2_bank_nt(saved_nt)
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/cpuinfo") or "avx2" not in LEVELS, reason="x86-64 Linux")
+def test_avx2_bank_stores_are_non_temporal_on_intel_cpus_only():
+    with open("/proc/cpuinfo") as f:
+        vendor = next((line.split(":", 1)[1].strip() for line in f if line.startswith("vendor_id")), "")
+    assert ck._lib._avx2_bank_nt() == (vendor == "GenuineIntel"), vendor
+
+
 def test_the_reference_tells_fused_from_unfused_multiply_adds():
     """The matrix can tell the levels' arithmetic apart: on its data, fused and unfused
     multiply-adds give different params (so a level rounding the other way would fail)."""

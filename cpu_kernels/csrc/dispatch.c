@@ -119,6 +119,33 @@ int hybrid_set_arm_streaming_stores(int on)
 
 int hybrid_get_arm_streaming_stores(void) { return hybrid_arm_streaming_stores_on; }
 
+/* kernels.h: -1 until first asked, then the CPU's vendor decides; plain x86-64 code (no target
+ * pragma), as it may run on any CPU */
+static int g_avx2_bank_nt = -1;
+
+int hybrid_get_avx2_bank_nt(void)
+{
+#if defined(__x86_64__)
+    if (g_avx2_bank_nt < 0) {
+        __builtin_cpu_init();
+        g_avx2_bank_nt = __builtin_cpu_is("intel") ? 1 : 0;
+    }
+    return g_avx2_bank_nt;
+#else
+    return 0;
+#endif
+}
+
+int hybrid_set_avx2_bank_nt(int on)
+{
+#if defined(__x86_64__)
+    g_avx2_bank_nt = on ? 1 : 0;
+    return 0;
+#else
+    return on ? -1 : 0;
+#endif
+}
+
 static const level_t *level_fns(void) { return &LEVEL_TABLE[hybrid_get_level()]; }
 
 void hybrid_set_num_threads(int n)

@@ -187,6 +187,12 @@ int hybrid_sve_vector_bits(void);  /* svcntb() * 8; call only where the CPU has 
  * help on a given Arm core has not been measured (no Arm hardware here); the same bits
  * either way. Set through hybrid_set_arm_streaming_stores (dispatch.c). */
 extern int hybrid_arm_streaming_stores_on;
+/* AVX2 level: whether its register loop writes bank mode's outputs (the param or its halves, the
+ * moments) with non-temporal stores. The CPU's vendor decides: on for Intel, whose cores stream them
+ * faster (an Intel Xeon: 0.60x the time), off for AMD and others (a Zen 3: 1.37x). The same bits
+ * either way. set returns -1 when asked to turn it on off x86-64. */
+int hybrid_get_avx2_bank_nt(void);
+int hybrid_set_avx2_bank_nt(int on);
 /* AVX-512 level: whether its compressed-state loop rounds with vcvtne2ps2bf16 (AVX-512 BF16;
  * the same bits either way). set returns -1 when asked to turn it on without CPU support. */
 int hybrid_set_avx512_bf16(int on);

@@ -143,8 +143,11 @@ static inline void encode_block(uint16_t *p, int16_t *r, int64_t off, const floa
  * more), and so does bank mode (outputs elsewhere, non-temporal): on the Zen 5 the loop was
  * faster there too (0.623 -> 0.581 from DRAM), but on the Zen 3, a host whose best level this
  * is, the blocks are 15-25 % faster: fp32 grads 23.2 -> 18.8 ms at one thread and 16.4 -> 13.1
- * at two; bf16 grads with a bf16 copy 24.4 -> 19.2 and 15.3 -> 12.4. */
-#define C16_TAKES_FP32_STATE(a, c) (!(c)->out_of_place && (a)->grad_dtype != DT_F32)
+ * at two; bf16 grads with a bf16 copy 24.4 -> 19.2 and 15.3 -> 12.4. Where the loop's bank stores
+ * are non-temporal (an Intel CPU: hybrid_get_avx2_bank_nt), bank mode takes the loop again: on an
+ * Intel Xeon at AVX2, fp32 grads, 25.1 -> 21.6 ms at one thread and 13.2 -> 11.4 at two. */
+#define C16_TAKES_FP32_STATE(a, c) \
+    ((!(c)->out_of_place && (a)->grad_dtype != DT_F32) || ((c)->out_of_place && hybrid_get_avx2_bank_nt()))
 
 typedef struct {
     __m256 gs, wd, w1, w2, b2, ib, eps, decay, nss;
@@ -256,14 +259,18 @@ static inline __attribute__((always_inline)) void load16(const void *src, const 
     }
 }
 
-static inline void store_f32x16(float *d, __m256 v0, __m256 v1, const int ab)
+/* 16 fp32 elements: one 64-byte line, four 16-byte stores in address order (non-temporal: nt, d
+ * line-aligned) */
+static inline void store_f32x16(float *d, __m256 v0, __m256 v1, const int ab, const int nt)
 {
     /* EO -> AB: 0-3|8-11, 4-7|12-15 */
     const __m256 a = ab ? v0 : _mm256_unpacklo_ps(v0, v1), b = ab ? v1 : _mm256_unpackhi_ps(v0, v1);
-    _mm_storeu_ps(d, _mm256_castps256_ps128(a));
-    _mm_storeu_ps(d + 4, _mm256_castps256_ps128(b));
-    _mm_storeu_ps(d + 8, _mm256_extractf128_ps(a, 1));
-    _mm_storeu_ps(d + 12, _mm256_extractf128_ps(b, 1));
+    const __m128 q[4] = {_mm256_castps256_ps128(a), _mm256_castps256_ps128(b), _mm256_extractf128_ps(a, 1),
+                         _mm256_extractf128_ps(b, 1)};
+    for (int k = 0; k < 4; k++) {
+        if (nt) _mm_stream_ps(d + 4 * k, q[k]);
+        else _mm_storeu_ps(d + 4 * k, q[k]);
+    }
 }
 
 /* to_bf16_8's rounding (nearest even) of the pair: 16 bf16 in order. No NaN handling: the
@@ -373,7 +380,7 @@ typedef struct {
  * param (and remainder) and the moments leave by plain stores, in place or in bank mode
  * (adam_c16_modes says why). */
 typedef struct {
-    int ntc, cpk;
+    int ntc, cpk, ntp, ntm;
 } c16_out_t;
 
 /* The layout of an instance (the two described above the helpers): split halves (AB) where a
@@ -442,8 +449,8 @@ static inline __attribute__((always_inline)) void store_moment16_pair(void *dst,
                                                                       const int nan, const int ab)
 {
     if (dt == DT_F32) {
-        store_f32x16((float *)dst + j, a[0], a[1], ab);
-        store_f32x16((float *)dst + j + 16, b[0], b[1], ab);
+        store_f32x16((float *)dst + j, a[0], a[1], ab, nt);
+        store_f32x16((float *)dst + j + 16, b[0], b[1], ab, nt);
     } else {
         const __m256i x0 = nan ? bf16x16_nan(a[0], a[1], ab) : bf16x16(a[0], a[1], ab);
         const __m256i x1 = nan ? bf16x16_nan(b[0], b[1], ab) : bf16x16(b[0], b[1], ab);
@@ -468,15 +475,15 @@ static inline __attribute__((always_inline)) void c16_back(
         __m256i ph0, rh0, ph1, rh1;
         encode16(f0->p[0], f0->p[1], ab, &ph0, &rh0);
         encode16(f1->p[0], f1->p[1], ab, &ph1, &rh1);
-        store_u16x16_pair(s->po16, j, ph0, ph1, 0);
-        store_u16x16_pair(s->rout, j, rh0, rh1, 0);
+        store_u16x16_pair(s->po16, j, ph0, ph1, o.ntp);
+        store_u16x16_pair(s->rout, j, rh0, rh1, o.ntp);
     } else {
-        store_f32x16(s->pout + j, f0->p[0], f0->p[1], ab);
-        store_f32x16(s->pout + j + 16, f1->p[0], f1->p[1], ab);
+        store_f32x16(s->pout + j, f0->p[0], f0->p[1], ab, o.ntp);
+        store_f32x16(s->pout + j + 16, f1->p[0], f1->p[1], ab, o.ntp);
     }
-    store_moment16_pair(s->mo, mdt, j, f0->mi, f1->mi, 0, nan, ab);
-    store_moment16_pair(s->vo, vdt, j, f0->vi, f1->vi, 0, nan, ab);
-    if (ams) store_moment16_pair(s->xo, vdt, j, f0->vv, f1->vv, 0, nan, ab);
+    store_moment16_pair(s->mo, mdt, j, f0->mi, f1->mi, o.ntm, nan, ab);
+    store_moment16_pair(s->vo, vdt, j, f0->vi, f1->vi, o.ntm, nan, ab);
+    if (ams) store_moment16_pair(s->xo, vdt, j, f0->vv, f1->vv, o.ntm, nan, ab);
     if (o.cpk == DT_BF16) store_moment16_pair(cp, DT_BF16, j, f0->p, f1->p, o.ntc, nan, ab);
     else if (cp) store_u16x16_pair(cp, j, f16x16(f0->p[0], f0->p[1], ab), f16x16(f1->p[0], f1->p[1], ab), o.ntc);
 }
@@ -531,18 +538,22 @@ static inline __attribute__((always_inline)) void adam_c16_modes(
     const int rem)
 {
     const int msz = mdt == DT_F32 ? 4 : 2, vsz = vdt == DT_F32 ? 4 : 2;
-    /* Bank mode's outputs (the param or its two halves, the moments) leave by plain stores, not
-     * non-temporal ones: on a Zen 3 (AVX2 its best level; 16Mi elements, in-process A/B,
-     * interleaved rounds, one thread / two) remainders with bf16 moments took 19.2 / 10.3 ms
-     * non-temporal and take 14.0 / 7.8 plainly, an fp32 master with bf16 moments 16.3 / 9.0
-     * against 12.7 / 8.0. The param copy beside an in-place step stays non-temporal where
-     * line-aligned: plain, that step was 3-6 % slower. */
-    const int ntc = nt_streams(a, c->out_of_place, c->amsgrad, begin, msz, vsz).copy;
+    /* Bank mode's outputs (the param or its two halves, the moments): non-temporal stores where
+     * the CPU is an Intel one, plain ones elsewhere (hybrid_get_avx2_bank_nt, dispatch.c). On a Zen 3
+     * (AVX2 its best level; 16Mi elements, in-process A/B, interleaved rounds, one thread / two)
+     * remainders with bf16 moments took 19.2 / 10.3 ms non-temporal and 14.0 / 7.8 plainly, an fp32
+     * master with bf16 moments 16.3 / 9.0 against 12.7 / 8.0. On an Intel Xeon at AVX2 the same
+     * remainders row took 23.9 / 12.2 ms plainly and 14.4 / 7.6 non-temporal. The param copy
+     * beside an in-place step is non-temporal where line-aligned, on both: plain, that step was
+     * 3-6 % slower on the Zen 3. */
+    const nt_streams_t nts = nt_streams(a, c->out_of_place, c->amsgrad, begin, msz, vsz);
+    const int ntc = nts.copy, bank_nt = hybrid_get_avx2_bank_nt();
     const int cpk = rem || !a->param_copy ? 0 : a->copy_dtype;
-    const c16_out_t o = {ntc, cpk};
+    const int ntp = bank_nt && nts.param, ntm = bank_nt && nts.moments;
+    const c16_out_t o = {ntc, cpk, ntp, ntm};
     const int gdt = a->grad_dtype, l2 = c->l2_mode;
     if (!c->amsgrad && gdt == DT_BF16 && !l2 && (!cpk || ntc)) {
-#define C16_FAST(cpv) adam_c16_body(a, c, begin, end, mdt, vdt, DT_BF16, rem, 0, 0, (c16_out_t){1, cpv})
+#define C16_FAST(cpv) adam_c16_body(a, c, begin, end, mdt, vdt, DT_BF16, rem, 0, 0, (c16_out_t){1, cpv, ntp, ntm})
         if (cpk == DT_BF16) C16_FAST(DT_BF16);
         else if (cpk == DT_F16) C16_FAST(DT_F16);
         else C16_FAST(0);
