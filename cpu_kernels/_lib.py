@@ -96,6 +96,7 @@ def _load_library():
         "hybrid_level_count",
         "hybrid_get_arm_streaming_stores",
         "hybrid_get_avx2_bank_nt",
+        "hybrid_get_block_prefetch",
     ):
         getattr(lib, name).restype = ctypes.c_int
         getattr(lib, name).argtypes = []
@@ -115,6 +116,8 @@ def _load_library():
     lib.hybrid_set_arm_streaming_stores.restype = ctypes.c_int
     lib.hybrid_set_avx2_bank_nt.argtypes = [ctypes.c_int]
     lib.hybrid_set_avx2_bank_nt.restype = ctypes.c_int
+    lib.hybrid_set_block_prefetch.argtypes = [ctypes.c_int]
+    lib.hybrid_set_block_prefetch.restype = ctypes.c_int
     return lib
 
 
@@ -179,6 +182,18 @@ def _set_avx2_bank_nt(on: bool) -> None:
     """Tests and benchmarks: the other store kind than the CPU's vendor chose."""
     if lib.hybrid_set_avx2_bank_nt(1 if on else 0) != 0:
         raise ValueError("non-temporal bank stores are an option of the AVX2 level (x86-64) only")
+
+
+def _block_prefetch() -> bool:
+    """Whether the x86 levels' in-place blocks prefetch their streams: on where the CPU is an Intel
+    one, off on AMD and others (kernels.h says what each measured). Same bits."""
+    return bool(lib.hybrid_get_block_prefetch())
+
+
+def _set_block_prefetch(on: bool) -> None:
+    """Benchmarks: the other choice than the CPU's vendor made."""
+    if lib.hybrid_set_block_prefetch(1 if on else 0) != 0:
+        raise ValueError("the blocks' prefetch is an option of the x86 levels only")
 
 
 def set_num_threads(n: int) -> None:

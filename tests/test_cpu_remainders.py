@@ -411,10 +411,11 @@ def test_avx2_bank_mode_is_the_reference_with_either_store_kind(
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/cpuinfo") or "avx2" not in LEVELS, reason="x86-64 Linux")
-def test_avx2_bank_stores_are_non_temporal_on_intel_cpus_only():
+def test_avx2_bank_stores_are_non_temporal_and_in_place_blocks_prefetch_on_intel_cpus_only():
     with open("/proc/cpuinfo") as f:
         vendor = next((line.split(":", 1)[1].strip() for line in f if line.startswith("vendor_id")), "")
     assert ck._lib._avx2_bank_nt() == (vendor == "GenuineIntel"), vendor
+    assert ck._lib._block_prefetch() == (vendor == "GenuineIntel"), vendor
 
 
 def test_the_reference_tells_fused_from_unfused_multiply_adds():

@@ -60,9 +60,9 @@ static inline __attribute__((always_inline)) void adam_math(
 }
 
 #ifdef BLOCK_AHEAD
-/* In place, the streams a block reads where they lie (the grad at its width; the fp32 param and
- * moments) are prefetched BLOCK_AHEAD elements ahead, a block of each (a prefetch never faults,
- * past the end either). always_inline: gcc (12.2) finds a function of prefetches alone free of
+/* In place, on CPUs that gain by it (kernels.h, hybrid_get_block_prefetch), the streams a block
+ * reads where they lie (the grad at its width; the fp32 param and moments) are prefetched
+ * BLOCK_AHEAD elements ahead, a block of each (a prefetch never faults, past the end either). always_inline: gcc (12.2) finds a function of prefetches alone free of
  * side effects (pure-const) and deletes its calls before a plain inline would place it. */
 #define PREFETCH_LINES(at, bytes, rw) \
     for (int h_ = 0; h_ < (bytes); h_ += 64) __builtin_prefetch((const char *)(at) + h_, (rw), 3)
@@ -114,6 +114,9 @@ void FN(adam_range)(const adam_args_t *a, const adam_consts_t *c, int64_t begin,
     const int mdirect = (mdt == DT_F32) && !oop, vdirect = (vdt == DT_F32) && !oop;
     const int rem = a->remainder != NULL;       /* param: bf16 high half + int16 remainder */
     float rb[BLK] __attribute__((aligned(64)));
+#ifdef BLOCK_AHEAD
+    const int ahead = !oop && hybrid_get_block_prefetch();  /* in place, where the CPU gains by it */
+#endif
 
     for (int64_t off = begin; off < end; off += BLK) {
         const int len = (int)((end - off) < BLK ? (end - off) : BLK);
@@ -123,7 +126,7 @@ void FN(adam_range)(const adam_args_t *a, const adam_consts_t *c, int64_t begin,
             gi = gb;
         }
 #ifdef BLOCK_AHEAD
-        if (!oop) prefetch_block(a, off + BLOCK_AHEAD, ams);
+        if (ahead) prefetch_block(a, off + BLOCK_AHEAD, ams);
 #endif
         const float *pin = a->param + off;
         if (rem) {  /* the fp32 master, decoded into L1 */

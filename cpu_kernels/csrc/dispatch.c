@@ -119,20 +119,39 @@ int hybrid_set_arm_streaming_stores(int on)
 
 int hybrid_get_arm_streaming_stores(void) { return hybrid_arm_streaming_stores_on; }
 
-/* kernels.h: -1 until first asked, then the CPU's vendor decides; plain x86-64 code (no target
- * pragma), as it may run on any CPU */
-static int g_avx2_bank_nt = -1;
+/* kernels.h: the two choices an x86 CPU's vendor makes, -1 until first asked; plain x86-64 code (no
+ * target pragma), as it may run on any CPU */
+static int g_avx2_bank_nt = -1, g_block_prefetch = -1;
+
+static int cpu_is_intel(void)
+{
+#if defined(__x86_64__)
+    __builtin_cpu_init();
+    return __builtin_cpu_is("intel") ? 1 : 0;
+#else
+    return 0;
+#endif
+}
 
 int hybrid_get_avx2_bank_nt(void)
 {
-#if defined(__x86_64__)
-    if (g_avx2_bank_nt < 0) {
-        __builtin_cpu_init();
-        g_avx2_bank_nt = __builtin_cpu_is("intel") ? 1 : 0;
-    }
+    if (g_avx2_bank_nt < 0) g_avx2_bank_nt = cpu_is_intel();
     return g_avx2_bank_nt;
-#else
+}
+
+int hybrid_get_block_prefetch(void)
+{
+    if (g_block_prefetch < 0) g_block_prefetch = cpu_is_intel();
+    return g_block_prefetch;
+}
+
+int hybrid_set_block_prefetch(int on)
+{
+#if defined(__x86_64__)
+    g_block_prefetch = on ? 1 : 0;
     return 0;
+#else
+    return on ? -1 : 0;
 #endif
 }
 

@@ -193,6 +193,12 @@ extern int hybrid_arm_streaming_stores_on;
  * either way. set returns -1 when asked to turn it on off x86-64. */
 int hybrid_get_avx2_bank_nt(void);
 int hybrid_set_avx2_bank_nt(int on);
+/* x86 levels: whether the blocks that step state in place prefetch their streams (adam_body.h,
+ * prefetch_block). The CPU's vendor decides: on for Intel (an Intel Xeon: 0.85-0.92x the time at
+ * AVX-512 and AVX2), off for AMD and others (a Zen 3 measured a prefetch in the blocks 4-7 %
+ * slower). set returns -1 when asked to turn it on off x86-64. */
+int hybrid_get_block_prefetch(void);
+int hybrid_set_block_prefetch(int on);
 /* AVX-512 level: whether its compressed-state loop rounds with vcvtne2ps2bf16 (AVX-512 BF16;
  * the same bits either way). set returns -1 when asked to turn it on without CPU support. */
 int hybrid_set_avx512_bf16(int on);
