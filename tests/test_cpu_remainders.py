@@ -63,10 +63,15 @@ def assert_bitwise_equal(a, b, what):
         )
 
 
-def make_state(n, grad_dtype, *, amsgrad, moment_dtype, remainders, seed=0, exp_avg_sq_dtype=None):
+def make_state(
+    n, grad_dtype, *, amsgrad, remainders, moment_dtype=None, seed=0, exp_avg_sq_dtype=None, moments=None
+):
     """A mid-training state (non-zero moments, loss-scaled grads, max_exp_avg_sq above v
     for about half the elements); with remainders the master is held as (bf16, int16).
-    moment_dtype is exp_avg's, exp_avg_sq_dtype (default: the same) exp_avg_sq's and the max's."""
+    moment_dtype is exp_avg's, exp_avg_sq_dtype (default: the same) exp_avg_sq's and the max's;
+    moments, a MOMENT_PAIRS entry, gives both."""
+    if moments is not None:
+        moment_dtype, exp_avg_sq_dtype = moments
     vdt = moment_dtype if exp_avg_sq_dtype is None else exp_avg_sq_dtype
     gen = torch.Generator().manual_seed(seed)
     master = torch.randn(n, generator=gen)
@@ -169,15 +174,7 @@ def check_matches_reference(state, level, *, bank, out_offset=0, **hyper):
 @pytest.mark.parametrize("grad_dtype", GRAD_DTYPES, ids=_id)
 def test_adam_step_is_bitwise_the_reference(simd, grad_dtype, decoupled, bank, amsgrad, moments, remainders):
     # 4099 = vector body + a 3-element tail at every level
-    state = make_state(
-        4099,
-        grad_dtype,
-        amsgrad=amsgrad,
-        moment_dtype=moments[0],
-        exp_avg_sq_dtype=moments[1],
-        remainders=remainders,
-        seed=4099,
-    )
+    state = make_state(4099, grad_dtype, amsgrad=amsgrad, moments=moments, remainders=remainders, seed=4099)
     hyper = dict(HYPER, decoupled=decoupled, grad_scale=GRAD_SCALE if decoupled else -GRAD_SCALE)
     check_matches_reference(state, simd, bank=bank, **hyper)
 
@@ -188,30 +185,14 @@ def test_adam_step_is_bitwise_the_reference(simd, grad_dtype, decoupled, bank, a
 @pytest.mark.parametrize("bank", [False, True], ids=["in_place", "bank"])
 def test_adam_step_short_tails_every_moment_pair(simd, bank, remainders, moments, n):
     """Lengths around the vector widths (8, 16) and the register loops' 32-element step."""
-    state = make_state(
-        n,
-        torch.bfloat16,
-        amsgrad=True,
-        moment_dtype=moments[0],
-        exp_avg_sq_dtype=moments[1],
-        remainders=remainders,
-        seed=n,
-    )
+    state = make_state(n, torch.bfloat16, amsgrad=True, moments=moments, remainders=remainders, seed=n)
     check_matches_reference(state, simd, bank=bank, **dict(HYPER, grad_scale=GRAD_SCALE))
 
 
 # the mixed pairs: one 4-byte and one 2-byte moment stream, each split at its own alignment
 @pytest.mark.parametrize("moments", MOMENT_PAIRS[2:], ids=_pair_id)
 def test_adam_step_with_remainders_on_a_million_elements_any_thread_count(simd, moments):
-    state = make_state(
-        BIG,
-        torch.bfloat16,
-        amsgrad=False,
-        moment_dtype=moments[0],
-        exp_avg_sq_dtype=moments[1],
-        remainders=True,
-        seed=1,
-    )
+    state = make_state(BIG, torch.bfloat16, amsgrad=False, moments=moments, remainders=True, seed=1)
     hyper = dict(HYPER, grad_scale=GRAD_SCALE)
     want = reference(state, simd, **hyper)
     for threads in (1, 2, 3):
@@ -291,15 +272,7 @@ def make_special_state(n, moments, *, remainders, amsgrad, seed):
     """make_state plus the inputs vcvtne2ps2bf16 rounds differently, in a few 32-element steps
     (the others ordinary): subnormal moments with zero grads (the new moments stay subnormal),
     NaN and +-inf grads (NaN and inf moments and masters), a moment rounding up to inf."""
-    s = make_state(
-        n,
-        torch.bfloat16,
-        amsgrad=amsgrad,
-        moment_dtype=moments[0],
-        exp_avg_sq_dtype=moments[1],
-        remainders=False,
-        seed=seed,
-    )
+    s = make_state(n, torch.bfloat16, amsgrad=amsgrad, moments=moments, remainders=False, seed=seed)
     sub, nan, inf, ninf, big = [33, 34, 63, 300, n - 2], [64, 65, 500], [128, 900], [129], [1500]
     s["grad"][sub] = 0
     s["exp_avg"][sub] = torch.tensor([3e-39, -5e-39, 1e-45, 2e-40, -1e-40]).to(s["exp_avg"].dtype)
@@ -348,13 +321,7 @@ def test_avx512_integer_bf16_rounding_is_bitwise_the_reference(moments, remainde
     ck._lib._set_avx512_bf16(False)
     try:
         state = make_state(
-            4099,
-            torch.bfloat16,
-            amsgrad=amsgrad,
-            moment_dtype=moments[0],
-            exp_avg_sq_dtype=moments[1],
-            remainders=remainders,
-            seed=99,
+            4099, torch.bfloat16, amsgrad=amsgrad, moments=moments, remainders=remainders, seed=99
         )
         check_matches_reference(state, "avx512", bank=bank, **dict(HYPER, grad_scale=GRAD_SCALE))
         copy = _poisoned(torch.empty(4099, dtype=torch.bfloat16))
@@ -394,13 +361,7 @@ def test_avx2_bank_mode_is_the_reference_with_either_store_kind(
     try:
         for off in (0, 3, 16):
             state = make_state(
-                4099,
-                grad_dtype,
-                amsgrad=amsgrad,
-                moment_dtype=moments[0],
-                exp_avg_sq_dtype=moments[1],
-                remainders=remainders,
-                seed=off,
+                4099, grad_dtype, amsgrad=amsgrad, moments=moments, remainders=remainders, seed=off
             )
             check_matches_reference(
                 state, "avx2", bank=True, out_offset=off, **dict(HYPER, grad_scale=GRAD_SCALE)

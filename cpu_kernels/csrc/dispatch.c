@@ -145,25 +145,21 @@ int hybrid_get_block_prefetch(void)
     return g_block_prefetch;
 }
 
-int hybrid_set_block_prefetch(int on)
+/* 0, or -1 when asked to turn a choice on off x86-64 */
+static int set_x86_choice(int *choice, int on)
 {
 #if defined(__x86_64__)
-    g_block_prefetch = on ? 1 : 0;
+    *choice = on ? 1 : 0;
     return 0;
 #else
+    (void)choice;
     return on ? -1 : 0;
 #endif
 }
 
-int hybrid_set_avx2_bank_nt(int on)
-{
-#if defined(__x86_64__)
-    g_avx2_bank_nt = on ? 1 : 0;
-    return 0;
-#else
-    return on ? -1 : 0;
-#endif
-}
+int hybrid_set_block_prefetch(int on) { return set_x86_choice(&g_block_prefetch, on); }
+
+int hybrid_set_avx2_bank_nt(int on) { return set_x86_choice(&g_avx2_bank_nt, on); }
 
 static const level_t *level_fns(void) { return &LEVEL_TABLE[hybrid_get_level()]; }
 
