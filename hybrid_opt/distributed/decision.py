@@ -58,11 +58,12 @@ def grad_norm_sq(params: list):
         return total
     import cpu_kernels
 
+    grad_stats = cpu_kernels.grad_stats  # once: the package resolves its names lazily (__getattr__)
     partials = []
     for r, grads in by_replicas.items():
         total = 0.0
         for g in grads:
-            s, _ = cpu_kernels.grad_stats(g.contiguous())
+            s, _ = grad_stats(g.contiguous())
             total += s
         partials.append((total, r))
     return weighted_norm_sq(partials)

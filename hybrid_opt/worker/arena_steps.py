@@ -9,7 +9,6 @@ steps). Both go through this one class, so the two give the same bits."""
 from __future__ import annotations
 
 import ctypes
-import dataclasses
 
 from hybrid_opt.worker import protocol as proto
 
@@ -124,24 +123,20 @@ class ArenaSteps:
             if not finite:
                 return proto.Result(t.op, t.task_id, proto.STATUS_NONFINITE, t.subgroup, total, 0)
         for off, addr, nbytes in runs:
-            whole = off == 0 and nbytes == t.numel * es
-            self.adam(
-                t
-                if whole
-                else dataclasses.replace(t, elem_offset=t.elem_offset + off // es, numel=nbytes // es),
-                addr,
-            )
+            self.adam(t, addr, t.elem_offset + off // es, nbytes // es)
         return proto.Result(t.op, t.task_id, proto.STATUS_OK, t.subgroup, total, int(finite))
 
-    def adam(self, t: proto.Task, grad: int) -> None:
-        """The Adam (or q8) kernel over task `t`'s elements, its grads at `grad`, unchecked."""
-        off = t.elem_offset
+    def adam(self, t: proto.Task, grad: int, off: int | None = None, numel: int | None = None) -> None:
+        """The Adam (or q8) kernel over task `t`'s elements, its grads at `grad`, unchecked; or over
+        `numel` of them from subgroup element `off` (one run of a piece: no Task built for it)."""
+        off = t.elem_offset if off is None else off
+        numel = t.numel if numel is None else numel
         out_bank = t.in_bank if t.out_bank == proto.NO_BANK else t.out_bank
         q8 = t.subgroup in self.quantized
         # a q8 moment of a subgroup too small to quantize is fp32
         m_dtype, v_dtype = ((code if q8 or code != DT_Q8 else 0) for code in (self.m_dtype, self.v_dtype))
         if q8:
-            self._q8(t, grad, out_bank, m_dtype, v_dtype)
+            self._q8(t, grad, out_bank, m_dtype, v_dtype, off, numel)
             return
         ms, vs = proto.DTYPE_SIZES[m_dtype], proto.DTYPE_SIZES[v_dtype]
         a = self.AdamArgs()
@@ -157,12 +152,14 @@ class ArenaSteps:
         if self.sq_dtype_field:
             a.exp_avg_sq_dtype = v_dtype
         _set_hyperparameters(a, t)
-        self._run_kernel(lambda args: self.lib.hybrid_adam_step(ctypes.byref(args)), a, t.numel)
+        self._run_kernel(lambda args: self.lib.hybrid_adam_step(ctypes.byref(args)), a, numel)
 
-    def _q8(self, t: proto.Task, grad: int, out_bank: int, m_dtype: int, v_dtype: int) -> None:
-        """One piece of a quantized subgroup through cpu_kernels' q8 entry, bank mode: codes and
-        absmaxes read from the in bank, written to the out bank (in place without one)."""
-        off = t.elem_offset
+    def _q8(
+        self, t: proto.Task, grad: int, out_bank: int, m_dtype: int, v_dtype: int, off: int, numel: int
+    ) -> None:
+        """`numel` elements from `off` of a quantized subgroup's piece through cpu_kernels' q8 entry,
+        bank mode: codes and absmaxes read from the in bank, written to the out bank (in place
+        without one)."""
         if off % Q8_BLOCK:
             raise ValueError(
                 f"a q8 piece of subgroup {t.subgroup} starts at element {off}, inside a "
@@ -185,7 +182,7 @@ class ArenaSteps:
                 setattr(a, name + "_absmax_out", self.bank(out_bank, region + "_absmax", off // Q8_BLOCK, 4))
         a.grad_dtype, a.exp_avg_dtype, a.exp_avg_sq_dtype = t.grad_dtype, m_dtype, v_dtype
         _set_hyperparameters(a, t)
-        self._run_kernel(lib.q8_adam_step_raw, a, t.numel)
+        self._run_kernel(lib.q8_adam_step_raw, a, numel)
 
     def inverse(self, t: proto.Task) -> proto.Result:
         if self.m_dtype != 0 or self.v_dtype != 0 or t.remainder:
