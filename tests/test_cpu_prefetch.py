@@ -28,15 +28,19 @@ def _library() -> str:
     return spec.origin
 
 
-def _prefetches(symbol: str) -> int:
-    """prefetch instructions in `symbol`'s disassembly (its inlined helpers included)."""
-    out = subprocess.run(
+def _disassembly(symbol: str) -> str:
+    return subprocess.run(
         [OBJDUMP, "-d", "--no-show-raw-insn", f"--disassemble={symbol}", _library()],
         capture_output=True,
         text=True,
         timeout=120,
         check=True,
     ).stdout
+
+
+def _prefetches(symbol: str) -> int:
+    """prefetch instructions in `symbol`'s disassembly (its inlined helpers included)."""
+    out = _disassembly(symbol)
     assert f"<{symbol}>:" in out, f"{symbol} is not in the library"
     return sum("prefetch" in line for line in out.splitlines())
 
@@ -52,4 +56,6 @@ def test_the_avx512_register_loop_prefetches_both_lines_of_an_fp32_stream():
     """adam_c16_insn (kernels_avx512.c, the AVX-512 BF16 instances of the register loop): its
     prefetch32 helper lost every prefetch when it was not always_inline, and before it fetched one
     line of an fp32 stream per 32 elements the four instances held 24 prefetches; with both, 46."""
+    if "<adam_c16_insn>:" not in _disassembly("adam_c16_insn"):
+        pytest.skip("this compiler built no AVX-512 BF16 instances (HAVE_BF16_INSN)")
     assert _prefetches("adam_c16_insn") >= 36

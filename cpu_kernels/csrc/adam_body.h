@@ -62,8 +62,9 @@ static inline __attribute__((always_inline)) void adam_math(
 #ifdef BLOCK_AHEAD
 /* In place, on CPUs that gain by it (kernels.h, hybrid_get_block_prefetch), the streams a block
  * reads where they lie (the grad at its width; the fp32 param and moments) are prefetched
- * BLOCK_AHEAD elements ahead, a block of each (a prefetch never faults, past the end either). always_inline: gcc (12.2) finds a function of prefetches alone free of
- * side effects (pure-const) and deletes its calls before a plain inline would place it. */
+ * BLOCK_AHEAD elements ahead, a block of each (a prefetch never faults, past the end either).
+ * always_inline: gcc (12.2) finds a function of prefetches alone free of side effects
+ * (pure-const) and deletes its calls before a plain inline would place it. */
 #define PREFETCH_LINES(at, bytes, rw) \
     for (int h_ = 0; h_ < (bytes); h_ += 64) __builtin_prefetch((const char *)(at) + h_, (rw), 3)
 

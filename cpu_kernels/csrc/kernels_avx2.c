@@ -377,8 +377,8 @@ typedef struct {
 } c16_inflight_t;
 
 /* The param copy: streaming stores or not (ntc), its dtype (cpk: 0 when there is none). The
- * param (and remainder) and the moments leave by plain stores, in place or in bank mode
- * (adam_c16_modes says why). */
+ * param (and remainder) and the moments: streaming stores or not (ntp, ntm), plain in place, in
+ * bank mode as the CPU's vendor chose (adam_c16_modes says why). */
 typedef struct {
     int ntc, cpk, ntp, ntm;
 } c16_out_t;
@@ -682,10 +682,10 @@ void bw_bank_avx2(const float *p, const float *g, const float *m, const float *v
 }
 
 #define BW_PATTERN_M256 1  /* the per-pattern probe in 32-byte vectors */
-/* adam_body.h prefetches in-place blocks this many elements ahead (2 KiB of an fp32 stream) on Intel
- * CPUs (kernels.h, hybrid_get_block_prefetch): on an
- * Intel Xeon at AVX2 (16 Mi elements, in-process A/B) fp32 state with fp32 grads stepped in 0.90-0.91x
- * the time, 256 and 512 alike (docs/kernels.md, "Software prefetch of the fp32 streams") */
+/* adam_body.h prefetches in-place blocks this many elements ahead (2 KiB of an fp32 stream) on
+ * Intel CPUs (kernels.h, hybrid_get_block_prefetch): on an Intel Xeon at AVX2 (16 Mi elements,
+ * in-process A/B) fp32 state with fp32 grads stepped in 0.90-0.91x the time, 256 and 512 alike
+ * (docs/kernels.md, "Software prefetch of the fp32 streams") */
 #ifndef BLOCK_AHEAD
 #define BLOCK_AHEAD 512
 #endif

@@ -551,10 +551,10 @@ void bw_bank_avx512(const float *p, const float *g, const float *m, const float 
 }
 
 #define BW_PATTERN_M256 1  /* the per-pattern probe in 32-byte vectors */
-/* adam_body.h prefetches in-place blocks this many elements ahead (2 KiB of an fp32 stream) on Intel
- * CPUs (kernels.h, hybrid_get_block_prefetch): on an
- * Intel Xeon (16 Mi elements, in-process A/B) fp32 state stepped in 0.85-0.92x the time with fp32 or
- * bf16 grads, 256 and 512 alike (docs/kernels.md, "Software prefetch of the fp32 streams") */
+/* adam_body.h prefetches in-place blocks this many elements ahead (2 KiB of an fp32 stream) on
+ * Intel CPUs (kernels.h, hybrid_get_block_prefetch): on an Intel Xeon (16 Mi elements, in-process
+ * A/B) fp32 state stepped in 0.85-0.92x the time with fp32 or bf16 grads, 256 and 512 alike
+ * (docs/kernels.md, "Software prefetch of the fp32 streams") */
 #ifndef BLOCK_AHEAD
 #define BLOCK_AHEAD 512
 #endif
