@@ -10,7 +10,7 @@ import subprocess
 
 import pytest
 
-import cpu_kernels._lib  # noqa: F401  (the library is built)
+import cpu_kernels._lib
 
 OBJDUMP = shutil.which("objdump")
 
@@ -21,11 +21,7 @@ pytestmark = [
 
 
 def _library() -> str:
-    import importlib.util
-
-    spec = importlib.util.find_spec("cpu_kernels._native")
-    assert spec is not None and spec.origin is not None
-    return spec.origin
+    return cpu_kernels._lib.lib._name  # the path _lib loaded
 
 
 def _disassembly(symbol: str) -> str:

@@ -126,11 +126,9 @@ class ArenaSteps:
             self.adam(t, addr, t.elem_offset + off // es, nbytes // es)
         return proto.Result(t.op, t.task_id, proto.STATUS_OK, t.subgroup, total, int(finite))
 
-    def adam(self, t: proto.Task, grad: int, off: int | None = None, numel: int | None = None) -> None:
-        """The Adam (or q8) kernel over task `t`'s elements, its grads at `grad`, unchecked; or over
-        `numel` of them from subgroup element `off` (one run of a piece: no Task built for it)."""
-        off = t.elem_offset if off is None else off
-        numel = t.numel if numel is None else numel
+    def adam(self, t: proto.Task, grad: int, off: int, numel: int) -> None:
+        """The Adam (or q8) kernel over `numel` of task `t`'s elements from subgroup element `off`
+        (one run of its piece, or all of it), their grads at `grad`, unchecked."""
         out_bank = t.in_bank if t.out_bank == proto.NO_BANK else t.out_bank
         q8 = t.subgroup in self.quantized
         # a q8 moment of a subgroup too small to quantize is fp32
