@@ -17,7 +17,10 @@ __all__ = [
     "set_num_threads",
     "get_num_threads",
     "adam_step_",
+    "adam_call",
+    "adam_steps_",
     "grad_stats",
+    "grad_stats_many",
     "adam_inverse_",
     "bandwidth_probe_",
     "bandwidth_probe_bank_",
@@ -37,7 +40,10 @@ __all__ = [
 
 _API = {
     "adam_step_",
+    "adam_call",
+    "adam_steps_",
     "grad_stats",
+    "grad_stats_many",
     "adam_inverse_",
     "bandwidth_probe_",
     "bandwidth_probe_bank_",

@@ -149,52 +149,101 @@ def adam_step_(
     `remainder_out` (int16). `param_copy` has no meaning then (param already is the copy).
     `step` is the step count after this update (1 on the first).
     """
-    _check_hyper(lr, beta1, beta2, eps, weight_decay, step, grad_scale)
-    rem = _check_param(param, remainder, param_copy, out, remainder_out)
-    n = param.numel()
-    _check_tensor(grad, "grad", _GRAD_DTYPES, n)
-    _check_tensor(exp_avg, "exp_avg", _STATE_DTYPES, n)
-    _check_tensor(exp_avg_sq, "exp_avg_sq", _STATE_DTYPES, n)
-    if max_exp_avg_sq is not None:  # the running max of exp_avg_sq, held in its dtype
-        _check_tensor(max_exp_avg_sq, "max_exp_avg_sq", (exp_avg_sq.dtype,), n)
-    if param_copy is not None:
-        _check_tensor(param_copy, "param_copy", _COPY_DTYPES, n)
-    ins = [("param", param), ("grad", grad), ("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)]
-    if max_exp_avg_sq is not None:
-        ins.append(("max_exp_avg_sq", max_exp_avg_sq))
-    if rem:  # in place too: remainder is written, so it must not alias anything it reads
-        _check_no_overlap([("remainder", remainder)], ins)
-        ins.append(("remainder", remainder))
-    if out is None:
-        outs = [param, exp_avg, exp_avg_sq, max_exp_avg_sq]
-    else:
-        want = 4 if max_exp_avg_sq is not None else 3
-        if not isinstance(out, (tuple, list)) or len(out) != want:
-            raise ValueError(
-                f"out must be a tuple of {want} tensors (param_out, exp_avg_out, "
-                f"exp_avg_sq_out{', max_exp_avg_sq_out' if want == 4 else ''})"
-            )
-        names = (
-            "out[0] (param_out)",
-            "out[1] (exp_avg_out)",
-            "out[2] (exp_avg_sq_out)",
-            "out[3] (max_exp_avg_sq_out)",
-        )
-        like = (param, exp_avg, exp_avg_sq, exp_avg_sq)  # each output in its input's dtype
-        for k, t in enumerate(out):
-            _check_tensor(t, names[k], (like[k].dtype,), n)
-        written = [(names[k], t) for k, t in enumerate(out)]
-        if rem:
-            _check_tensor(remainder_out, "remainder_out", (torch.int16,), n)
-            _check_no_overlap([("remainder_out", remainder_out)], written)
-            written.append(("remainder_out", remainder_out))
-        _check_no_overlap(written, ins)
-        outs = list(out) + [None] * (4 - len(out))
-    if param_copy is not None:
-        _check_no_overlap([("param_copy", param_copy)], ins)
-    if n == 0:
-        return param if out is None else out[0]
+    a = adam_call(
+        param,
+        grad,
+        exp_avg,
+        exp_avg_sq,
+        step=step,
+        lr=lr,
+        beta1=beta1,
+        beta2=beta2,
+        eps=eps,
+        weight_decay=weight_decay,
+        decoupled=decoupled,
+        grad_scale=grad_scale,
+        max_exp_avg_sq=max_exp_avg_sq,
+        param_copy=param_copy,
+        out=out,
+        remainder=remainder,
+        remainder_out=remainder_out,
+    )
+    if a.n:
+        lib.hybrid_adam_step(ctypes.byref(a))
+    return param if out is None else out[0]
 
+
+def adam_call(
+    param,
+    grad,
+    exp_avg,
+    exp_avg_sq,
+    *,
+    step,
+    lr,
+    beta1,
+    beta2,
+    eps,
+    weight_decay,
+    decoupled=True,
+    grad_scale=1.0,
+    max_exp_avg_sq=None,
+    param_copy=None,
+    out=None,
+    remainder=None,
+    remainder_out=None,
+    check=True,
+):
+    """adam_step_'s arguments as one C call, made but not run: `adam_steps_` runs a list of them
+    at once. Checked as adam_step_ checks them; with check=False taken as they are, for a caller
+    that checks its tensors once and steps them every step (the device tier on a CPU host). The
+    call holds raw addresses: the tensors must outlive its run."""
+    if check:
+        _check_hyper(lr, beta1, beta2, eps, weight_decay, step, grad_scale)
+        rem = _check_param(param, remainder, param_copy, out, remainder_out)
+        n = param.numel()
+        _check_tensor(grad, "grad", _GRAD_DTYPES, n)
+        _check_tensor(exp_avg, "exp_avg", _STATE_DTYPES, n)
+        _check_tensor(exp_avg_sq, "exp_avg_sq", _STATE_DTYPES, n)
+        if max_exp_avg_sq is not None:  # the running max of exp_avg_sq, held in its dtype
+            _check_tensor(max_exp_avg_sq, "max_exp_avg_sq", (exp_avg_sq.dtype,), n)
+        if param_copy is not None:
+            _check_tensor(param_copy, "param_copy", _COPY_DTYPES, n)
+        ins = [("param", param), ("grad", grad), ("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)]
+        if max_exp_avg_sq is not None:
+            ins.append(("max_exp_avg_sq", max_exp_avg_sq))
+        if rem:  # in place too: remainder is written, so it must not alias anything it reads
+            _check_no_overlap([("remainder", remainder)], ins)
+            ins.append(("remainder", remainder))
+        if out is not None:
+            want = 4 if max_exp_avg_sq is not None else 3
+            if not isinstance(out, (tuple, list)) or len(out) != want:
+                raise ValueError(
+                    f"out must be a tuple of {want} tensors (param_out, exp_avg_out, "
+                    f"exp_avg_sq_out{', max_exp_avg_sq_out' if want == 4 else ''})"
+                )
+            names = (
+                "out[0] (param_out)",
+                "out[1] (exp_avg_out)",
+                "out[2] (exp_avg_sq_out)",
+                "out[3] (max_exp_avg_sq_out)",
+            )
+            like = (param, exp_avg, exp_avg_sq, exp_avg_sq)  # each output in its input's dtype
+            for k, t in enumerate(out):
+                _check_tensor(t, names[k], (like[k].dtype,), n)
+            written = [(names[k], t) for k, t in enumerate(out)]
+            if rem:
+                _check_tensor(remainder_out, "remainder_out", (torch.int16,), n)
+                _check_no_overlap([("remainder_out", remainder_out)], written)
+                written.append(("remainder_out", remainder_out))
+            _check_no_overlap(written, ins)
+        if param_copy is not None:
+            _check_no_overlap([("param_copy", param_copy)], ins)
+    n = param.numel()
+    rem = remainder is not None
+    outs = (
+        [param, exp_avg, exp_avg_sq, max_exp_avg_sq] if out is None else list(out) + [None] * (4 - len(out))
+    )
     a = AdamArgs()
     a.n = n
     a.param, a.grad, a.exp_avg, a.exp_avg_sq = (
@@ -224,8 +273,17 @@ def adam_step_(
     if rem:
         a.remainder = remainder.data_ptr()
         a.remainder_out = (remainder if out is None else remainder_out).data_ptr()
-    lib.hybrid_adam_step(ctypes.byref(a))
-    return param if out is None else out[0]
+    return a
+
+
+def adam_steps_(calls) -> None:
+    """Runs `adam_call`'s calls as one: a single parallel region whose threads split the calls'
+    elements taken end to end, so a list of small tensors shares the cores and pays one fork and
+    join (each call bit for bit as adam_step_ would step it). No call may write what another
+    reads or writes."""
+    calls = list(calls)
+    if calls and lib.hybrid_adam_step_many((AdamArgs * len(calls))(*calls), len(calls)) != 0:
+        raise MemoryError("adam_steps_: could not allocate the calls' constants")
 
 
 def encode_remainder(master):
@@ -270,6 +328,24 @@ def grad_stats(grad):
     ):
         raise MemoryError("grad_stats: could not allocate the per-chunk partial sums")
     return out.value, math.isfinite(out.value)
+
+
+def grad_stats_many(grads) -> list:
+    """grad_stats of each of `grads` (contiguous CPU tensors), bit for bit, in one parallel region
+    whose threads split all their chunks: a list of small grads shares the cores."""
+    grads = list(grads)
+    for k, g in enumerate(grads):
+        _check_tensor(g, f"grads[{k}]", _GRAD_DTYPES)
+    count = len(grads)
+    if not count:
+        return []
+    ptrs = (ctypes.c_void_p * count)(*(g.data_ptr() for g in grads))
+    dts = (ctypes.c_int32 * count)(*(_DTYPE_CODES[g.dtype] for g in grads))
+    ns = (ctypes.c_int64 * count)(*(g.numel() for g in grads))
+    out = (ctypes.c_double * count)()
+    if lib.hybrid_grad_stats_many(ptrs, dts, ns, count, out) != 0:
+        raise MemoryError("grad_stats_many: could not allocate the per-chunk partial sums")
+    return [(s, math.isfinite(s)) for s in out]
 
 
 def adam_inverse_(

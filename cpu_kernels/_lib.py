@@ -66,6 +66,8 @@ def _load_library():
     lib = ctypes.CDLL(spec.origin)
     lib.hybrid_adam_step.argtypes = [ctypes.POINTER(AdamArgs)]
     lib.hybrid_adam_step.restype = None
+    lib.hybrid_adam_step_many.argtypes = [ctypes.POINTER(AdamArgs), ctypes.c_int64]
+    lib.hybrid_adam_step_many.restype = ctypes.c_int
     lib.hybrid_adam_inverse.argtypes = [ctypes.POINTER(InverseArgs)]
     lib.hybrid_adam_inverse.restype = None
     lib.hybrid_grad_stats.argtypes = [
@@ -75,6 +77,14 @@ def _load_library():
         ctypes.POINTER(ctypes.c_double),
     ]
     lib.hybrid_grad_stats.restype = ctypes.c_int
+    lib.hybrid_grad_stats_many.argtypes = [
+        ctypes.POINTER(ctypes.c_void_p),
+        ctypes.POINTER(ctypes.c_int32),
+        ctypes.POINTER(ctypes.c_int64),
+        ctypes.c_int64,
+        ctypes.POINTER(ctypes.c_double),
+    ]
+    lib.hybrid_grad_stats_many.restype = ctypes.c_int
     lib.hybrid_bw_inplace.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64, ctypes.c_int]
     lib.hybrid_bw_inplace.restype = None
     lib.hybrid_bw_bank.argtypes = [ctypes.c_void_p] * 7 + [ctypes.c_int64]

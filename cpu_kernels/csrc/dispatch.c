@@ -258,28 +258,100 @@ void adam_consts_init(adam_consts_t *c, int64_t step, double lr, double beta1, d
     c->out_of_place = 0;
 }
 
-void hybrid_adam_step(const adam_args_t *a)
+/* Where boundary `at` of the calls' elements taken end to end falls: the call it lies in (count
+ * past the end) and the element there, rounded down to a whole ADAM_CHUNK of the call (a call
+ * smaller than one goes whole to one thread). starts: each call's first element, end to end. */
+static void many_cut(const int64_t *starts, const adam_args_t *args, int64_t count, int64_t at,
+                     int64_t *call, int64_t *elem)
 {
-    adam_consts_t c;
-    adam_consts_init(&c, a->step, a->lr, a->beta1, a->beta2, a->eps, a->weight_decay, a->grad_scale, a->decoupled,
-                     a->max_exp_avg_sq != NULL);
-    c.out_of_place = a->param_out != a->param;  /* with remainders: param and param_out bf16 */
+    int64_t lo = 0, hi = count;  /* the last call that starts at or before `at` */
+    while (hi - lo > 1) {
+        const int64_t mid = (lo + hi) / 2;
+        if (starts[mid] <= at) lo = mid;
+        else hi = mid;
+    }
+    const int64_t off = (at - starts[lo]) / ADAM_CHUNK * ADAM_CHUNK;
+    if (off >= args[lo].n) {  /* at the end of the call: the next one's start */
+        *call = lo + 1;
+        *elem = 0;
+    } else {
+        *call = lo;
+        *elem = off;
+    }
+}
 
+/* `count` independent Adam calls in one parallel region, each bit for bit as hybrid_adam_step
+ * steps it (the kernels are elementwise): the threads split the calls' elements taken end to end,
+ * each one contiguous run, so a list of small tensors (a model's biases and norms, below
+ * PARALLEL_MIN each) shares the cores and pays one fork and join, not one call each. Returns 0,
+ * or -1 when out of memory (nothing stepped). */
+int hybrid_adam_step_many(const adam_args_t *args, int64_t count)
+{
+    if (count <= 0) return 0;
+    adam_consts_t stack_consts[64];
+    int64_t stack_starts[65];
+    adam_consts_t *consts = stack_consts;
+    int64_t *starts = stack_starts;
+    if (count > 64) {
+        consts = (adam_consts_t *)malloc((size_t)count * sizeof *consts);
+        starts = (int64_t *)malloc((size_t)(count + 1) * sizeof *starts);
+        if (!consts || !starts) {
+            free(consts);
+            free(starts);
+            return -1;
+        }
+    }
+    int64_t total = 0;
+    for (int64_t i = 0; i < count; i++) {
+        const adam_args_t *a = &args[i];
+        adam_consts_init(&consts[i], a->step, a->lr, a->beta1, a->beta2, a->eps, a->weight_decay, a->grad_scale,
+                         a->decoupled, a->max_exp_avg_sq != NULL);
+        consts[i].out_of_place = a->param_out != a->param;
+        starts[i] = total;
+        total += a->n;
+    }
+    starts[count] = total;
     const level_t *fns = level_fns();
-    const int64_t n = a->n;
-    if (fns->adam_range == adam_range_avx512) (void)hybrid_get_avx512_bf16();  /* its lazy CPU check, before the threads read it */
-#pragma omp parallel if (n >= PARALLEL_MIN)
+    if (fns->adam_range == adam_range_avx512) (void)hybrid_get_avx512_bf16();  /* as hybrid_adam_step */
+#pragma omp parallel if (total >= PARALLEL_MIN)
     {
-        /* each thread one contiguous run of whole chunks (torch's split), not every other
-         * chunk: on a 2-core Zen 5 VM, 2 threads, 16Mi elements, interleaved rounds, 3-4 % faster
-         * for every AVX2 kernel (fp32 0.424 -> 0.408 ns an element, fused 0.453 -> 0.433,
+#ifdef _OPENMP
+        const int64_t nt = omp_get_num_threads(), t = omp_get_thread_num();
+#else
+        const int64_t nt = 1, t = 0;
+#endif
+        /* this thread's one contiguous run of the elements end to end (torch's split), not every
+         * other chunk: on a 2-core Zen 5 VM, 2 threads, 16Mi elements, interleaved rounds, 3-4 %
+         * faster for every AVX2 kernel (fp32 0.424 -> 0.408 ns an element, fused 0.453 -> 0.433,
          * bf16 moments + remainders 0.278 -> 0.260, bf16 moments + copy 0.326 -> 0.308) — each
          * thread's streams run on without a jump every 16Ki elements, which the hardware
-         * prefetchers restart at; the bench's roofline probe was already faster split so */
-        int64_t k0, k1;
-        thread_chunks(n, &k0, &k1);
-        for (int64_t k = k0; k < k1; k++) fns->adam_range(a, &c, k * ADAM_CHUNK, chunk_end(k, n));
+         * prefetchers restart at. Its ends are cut as the neighbours' are, so the runs tile
+         * every call. */
+        int64_t i0, o0, i1, o1;
+        many_cut(starts, args, count, total * t / nt, &i0, &o0);
+        if (t + 1 == nt) {
+            i1 = count;
+            o1 = 0;
+        } else {
+            many_cut(starts, args, count, total * (t + 1) / nt, &i1, &o1);
+        }
+        for (int64_t i = i0; i <= i1 && i < count; i++) {
+            const int64_t b = i == i0 ? o0 : 0, e = i == i1 ? o1 : args[i].n;
+            for (int64_t k = b; k < e; k += ADAM_CHUNK)
+                fns->adam_range(&args[i], &consts[i], k, e - k > ADAM_CHUNK ? k + ADAM_CHUNK : e);
+        }
     }
+    if (consts != stack_consts) {
+        free(consts);
+        free(starts);
+    }
+    return 0;
+}
+
+/* One Adam call: each thread a contiguous run of whole ADAM_CHUNKs (hybrid_adam_step_many). */
+void hybrid_adam_step(const adam_args_t *a)
+{
+    (void)hybrid_adam_step_many(a, 1);  /* one call needs no allocation: it cannot fail */
 }
 
 /* Remainder encoding (kernels.h) of n fp32 values into bf16 bits + int16, and back. */
@@ -305,27 +377,55 @@ void hybrid_remainder_decode(const uint16_t *p, const int16_t *r, float *m, int6
     }
 }
 
-/* Returns 0 and the sum of squares in *out, or -1 when out of memory. */
-int hybrid_grad_stats(const void *g, int dt, int64_t n, double *out)
+/* The sums of squares of `count` grads (ptrs[i]: ns[i] elements of dtype dts[i]) into out, in
+ * one parallel region: the threads split all the grads' chunks end to end. Each grad's chunks
+ * are summed in chunk order: the same bits for every split. Returns 0, or -1 when out of memory
+ * (out untouched). */
+int hybrid_grad_stats_many(const void *const *ptrs, const int32_t *dts, const int64_t *ns, int64_t count,
+                           double *out)
 {
-    const int64_t chunks = (n + GRAD_STATS_CHUNK - 1) / GRAD_STATS_CHUNK;
-    double stack_partials[64];
-    double *partials = chunks <= 64 ? stack_partials : (double *)malloc((size_t)chunks * sizeof(double));
-    if (!partials) return -1;
+    if (count <= 0) return 0;
+    int64_t stack_bases[65];
+    int64_t *bases = count <= 64 ? stack_bases : (int64_t *)malloc((size_t)(count + 1) * sizeof *bases);
+    if (!bases) return -1;
+    int64_t chunks = 0, total = 0;  /* bases[i]: tensor i's first chunk, end to end */
+    for (int64_t i = 0; i < count; i++) {
+        bases[i] = chunks;
+        chunks += (ns[i] + GRAD_STATS_CHUNK - 1) / GRAD_STATS_CHUNK;
+        total += ns[i];
+    }
+    bases[count] = chunks;
+    double stack_partials[256];
+    double *partials = chunks <= 256 ? stack_partials : (double *)malloc((size_t)chunks * sizeof(double));
+    if (!partials) {
+        if (bases != stack_bases) free(bases);
+        return -1;
+    }
     const level_t *fns = level_fns();
-#pragma omp parallel if (n >= 2 * GRAD_STATS_CHUNK)
+#pragma omp parallel if (total >= 2 * GRAD_STATS_CHUNK)
     {
         int64_t c0, c1;
         chunk_range(chunks, &c0, &c1);
-        if (c0 < c1) {
-            fns->grad_chunk_sums(g, dt, n, c0, c1, partials);
+        for (int64_t i = 0; i < count && bases[i] < c1; i++) {
+            const int64_t lo = c0 > bases[i] ? c0 : bases[i], hi = c1 < bases[i + 1] ? c1 : bases[i + 1];
+            if (lo < hi) fns->grad_chunk_sums(ptrs[i], dts[i], ns[i], lo - bases[i], hi - bases[i], partials + bases[i]);
         }
     }
-    double s = 0.0;
-    for (int64_t k = 0; k < chunks; k++) s += partials[k];  /* fixed order */
+    for (int64_t i = 0; i < count; i++) {
+        double s = 0.0;
+        for (int64_t k = bases[i]; k < bases[i + 1]; k++) s += partials[k];  /* hybrid_grad_stats' order */
+        out[i] = s;
+    }
     if (partials != stack_partials) free(partials);
-    *out = s;
+    if (bases != stack_bases) free(bases);
     return 0;
+}
+
+/* Returns 0 and the sum of squares in *out, or -1 when out of memory. */
+int hybrid_grad_stats(const void *g, int dt, int64_t n, double *out)
+{
+    const int32_t d = dt;
+    return hybrid_grad_stats_many(&g, &d, &n, 1, out);
 }
 
 /* The roofline probes (adam_body.h): Adam's 28 bytes an element in place, and bank mode's

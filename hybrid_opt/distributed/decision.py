@@ -58,12 +58,10 @@ def grad_norm_sq(params: list):
         return total
     import cpu_kernels
 
-    grad_stats = cpu_kernels.grad_stats  # once: the package resolves its names lazily (__getattr__)
     partials = []
     for r, grads in by_replicas.items():
         total = 0.0
-        for g in grads:
-            s, _ = grad_stats(g.contiguous())
+        for s, _ in cpu_kernels.grad_stats_many([g.contiguous() for g in grads]):  # one call, all cores
             total += s
         partials.append((total, r))
     return weighted_norm_sq(partials)

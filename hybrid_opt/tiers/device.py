@@ -375,17 +375,14 @@ class DeviceTier:
         import cpu_kernels
 
         done, _ = self.progress = ([], [])
+        calls, positions, keep = [], [], []  # the Adam slices go as one call (adam_steps_)
         for k, (index, sl, hp, step) in enumerate(work):
             p, m, v, vmax, copy, rem = self._views(index, sl)
             grad = sl.grad_view()
             if not grad.is_contiguous():
                 grad = grad.contiguous()
-            kernel = cpu_kernels.q8_adam_step_ if self.quantized(index) else cpu_kernels.adam_step_
-            kernel(
-                p,
-                grad,
-                m,
-                v,
+                keep.append(grad)  # the call holds its address
+            args = dict(
                 step=step,
                 lr=hp.lr,
                 beta1=hp.beta1,
@@ -398,7 +395,15 @@ class DeviceTier:
                 param_copy=copy,
                 remainder=rem,
             )
-            done.append(k)
+            if self.quantized(index):
+                cpu_kernels.q8_adam_step_(p, grad, m, v, **args)
+                done.append(k)
+            else:
+                # the tier's own tensors; the grads checked by the optimizer (step_failures)
+                calls.append(cpu_kernels.adam_call(p, grad, m, v, check=False, **args))
+                positions.append(k)
+        cpu_kernels.adam_steps_(calls)
+        done.extend(positions)
 
     def _launch_key(self, items: list, amsgrad: bool, rem: bool):
         """What a prepared launch over `items`' slices reads, read every step without making a

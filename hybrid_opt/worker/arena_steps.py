@@ -9,6 +9,7 @@ steps). Both go through this one class, so the two give the same bits."""
 from __future__ import annotations
 
 import ctypes
+import math
 
 from hybrid_opt.worker import protocol as proto
 
@@ -16,16 +17,16 @@ DT_Q8 = 3  # a q8 moment's dtype code (cpu_kernels' DT_Q8)
 Q8_BLOCK = 256  # elements per absmax (state_format.Q8_BLOCK)
 
 
-def _run_whole(call, a, numel: int) -> None:
-    a.n = numel
-    call(a)
+def _run_all(call, argv: list) -> None:
+    call(argv)
 
 
 class ArenaSteps:
     """The kernels of step and inverse tasks at the mapping that starts at `base`, laid out as
     `cfg` says (HostTier's layout: bank and slot offsets, regions, moment dtypes, quantized
-    subgroups). `run_kernel(call, args, numel)` runs one kernel call over a task's elements
-    (default: all at once); the worker's fault injection puts its own there."""
+    subgroups). `run_kernel(call, argv)` runs a task's kernel calls, `call(argv)` over the list of
+    argument structs (each with its count of elements); the worker's fault injection puts its own
+    there."""
 
     def __init__(self, cfg: dict, base: int, run_kernel=None):
         from cpu_kernels import _lib  # noqa: PLC0415  (the worker sets its affinity first)
@@ -51,7 +52,7 @@ class ArenaSteps:
             and DT_Q8 not in (self.m_dtype, self.v_dtype)
         ):
             raise ValueError("this build of cpu_kernels steps exp_avg and exp_avg_sq of one dtype only")
-        self._run_kernel = run_kernel or _run_whole
+        self._run_kernel = run_kernel or _run_all
 
     # ------------------------------------------------------------------ addresses
     def bank_start(self, bank: int) -> int:
@@ -96,13 +97,16 @@ class ArenaSteps:
                 a.copy_dtype = t.copy_dtype
 
     # ------------------------------------------------------------------ kernels
-    def grad_stats(self, grad: int, grad_dtype: int, numel: int) -> tuple[float, bool]:
-        """(sum of squares, all finite) of `numel` grads at `grad`."""
-        out = ctypes.c_double(0.0)
-        if numel and self.lib.hybrid_grad_stats(grad, grad_dtype, numel, ctypes.byref(out)) != 0:
+    def grad_sums(self, grads: list, grad_dtype: int) -> list:
+        """The sum of squares of each of `grads`, (address, elements) of `grad_dtype`, in one call."""
+        count = len(grads)
+        out = (ctypes.c_double * count)()
+        ptrs = (ctypes.c_void_p * count)(*(addr for addr, _ in grads))
+        dts = (ctypes.c_int32 * count)(*([grad_dtype] * count))
+        ns = (ctypes.c_int64 * count)(*(numel for _, numel in grads))
+        if count and self.lib.hybrid_grad_stats_many(ptrs, dts, ns, count, out) != 0:
             raise MemoryError("grad_stats could not allocate its partial sums")
-        s = out.value
-        return s, s == s and s not in (float("inf"), float("-inf"))
+        return list(out)
 
     def step(self, t: proto.Task, runs=None) -> proto.Result:
         """Step task `t`. runs: [(byte offset in the piece, address, bytes)] where its grads lie,
@@ -117,27 +121,50 @@ class ArenaSteps:
         total, finite = float("nan"), True
         if t.skip_nonfinite:
             total = 0.0
-            for _, addr, nbytes in runs:
-                s, ok = self.grad_stats(addr, t.grad_dtype, nbytes // es)
-                total, finite = total + s, finite and ok
+            for s in self.grad_sums([(addr, nbytes // es) for _, addr, nbytes in runs], t.grad_dtype):
+                total, finite = total + s, finite and math.isfinite(s)
             if not finite:
                 return proto.Result(t.op, t.task_id, proto.STATUS_NONFINITE, t.subgroup, total, 0)
-        for off, addr, nbytes in runs:
-            self.adam(t, addr, t.elem_offset + off // es, nbytes // es)
+        self.adam(t, [(addr, t.elem_offset + off // es, nbytes // es) for off, addr, nbytes in runs])
         return proto.Result(t.op, t.task_id, proto.STATUS_OK, t.subgroup, total, int(finite))
 
-    def adam(self, t: proto.Task, grad: int, off: int, numel: int) -> None:
-        """The Adam (or q8) kernel over `numel` of task `t`'s elements from subgroup element `off`
-        (one run of its piece, or all of it), their grads at `grad`, unchecked."""
+    def adam(self, t: proto.Task, runs: list) -> None:
+        """The Adam (or q8) kernel over task `t`'s `runs`, each (address of its grads, subgroup
+        element it starts at, elements): the runs of its piece, or all of it as one, unchecked.
+        The Adam runs go as one call (hybrid_adam_step_many: one parallel region, the threads
+        splitting the runs' elements end to end); q8 runs one call each."""
         out_bank = t.in_bank if t.out_bank == proto.NO_BANK else t.out_bank
         q8 = t.subgroup in self.quantized
         # a q8 moment of a subgroup too small to quantize is fp32
         m_dtype, v_dtype = ((code if q8 or code != DT_Q8 else 0) for code in (self.m_dtype, self.v_dtype))
         if q8:
-            self._q8(t, grad, out_bank, m_dtype, v_dtype, off, numel)
-            return
+            argv = [
+                self._q8_args(t, grad, out_bank, m_dtype, v_dtype, off, numel) for grad, off, numel in runs
+            ]
+            self._run_kernel(self._q8_calls, argv)
+        else:
+            argv = [
+                self._adam_args(t, grad, out_bank, m_dtype, v_dtype, off, numel) for grad, off, numel in runs
+            ]
+            self._run_kernel(self._adam_calls, argv)
+
+    def _adam_calls(self, argv: list) -> None:
+        if argv and self.lib.hybrid_adam_step_many((self.AdamArgs * len(argv))(*argv), len(argv)) != 0:
+            raise MemoryError("hybrid_adam_step_many could not allocate its per-call constants")
+
+    def _q8_calls(self, argv: list) -> None:
+        assert self.q8_lib is not None  # loaded where any subgroup is quantized
+        for a in argv:
+            self.q8_lib.q8_adam_step_raw(a)
+
+    def _adam_args(
+        self, t: proto.Task, grad: int, out_bank: int, m_dtype: int, v_dtype: int, off: int, numel: int
+    ):
+        """One Adam call's arguments: `numel` elements from subgroup element `off`, their grads
+        at `grad`."""
         ms, vs = proto.DTYPE_SIZES[m_dtype], proto.DTYPE_SIZES[v_dtype]
         a = self.AdamArgs()
+        a.n = numel
         self._point_master(a, t, out_bank, off)
         a.grad = grad
         a.exp_avg = self.bank(t.in_bank, "m", off, ms)
@@ -150,14 +177,14 @@ class ArenaSteps:
         if self.sq_dtype_field:
             a.exp_avg_sq_dtype = v_dtype
         _set_hyperparameters(a, t)
-        self._run_kernel(lambda args: self.lib.hybrid_adam_step(ctypes.byref(args)), a, numel)
+        return a
 
-    def _q8(
+    def _q8_args(
         self, t: proto.Task, grad: int, out_bank: int, m_dtype: int, v_dtype: int, off: int, numel: int
-    ) -> None:
-        """`numel` elements from `off` of a quantized subgroup's piece through cpu_kernels' q8 entry,
-        bank mode: codes and absmaxes read from the in bank, written to the out bank (in place
-        without one)."""
+    ):
+        """The q8 call's arguments for `numel` elements from `off` of a quantized subgroup's piece
+        (cpu_kernels' q8 entry), bank mode: codes and absmaxes read from the in bank, written to
+        the out bank (in place without one)."""
         if off % Q8_BLOCK:
             raise ValueError(
                 f"a q8 piece of subgroup {t.subgroup} starts at element {off}, inside a "
@@ -166,6 +193,7 @@ class ArenaSteps:
         lib = self.q8_lib
         assert lib is not None  # loaded where any subgroup is quantized, as this one is
         a = lib.Q8AdamArgs()
+        a.n = numel
         self._point_master(a, t, out_bank, off)
         a.grad = grad
         moments = [("exp_avg", "m", m_dtype), ("exp_avg_sq", "v", v_dtype)]
@@ -180,7 +208,7 @@ class ArenaSteps:
                 setattr(a, name + "_absmax_out", self.bank(out_bank, region + "_absmax", off // Q8_BLOCK, 4))
         a.grad_dtype, a.exp_avg_dtype, a.exp_avg_sq_dtype = t.grad_dtype, m_dtype, v_dtype
         _set_hyperparameters(a, t)
-        self._run_kernel(lib.q8_adam_step_raw, a, numel)
+        return a
 
     def inverse(self, t: proto.Task) -> proto.Result:
         if self.m_dtype != 0 or self.v_dtype != 0 or t.remainder:

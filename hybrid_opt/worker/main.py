@@ -224,15 +224,15 @@ class Worker:
             self.fault.maybe_die("after_step")
         return r
 
-    def _kernel(self, call, a, numel: int) -> None:
-        """One kernel call over a piece (ArenaSteps' run_kernel): the mid_step fault writes half
-        of it, then kills the worker: a torn write."""
+    def _kernel(self, call, argv: list) -> None:
+        """A piece's kernel calls (ArenaSteps' run_kernel): the mid_step fault writes the first
+        half of each, then kills the worker: a torn write."""
         if self.fault.stage == "mid_step" and self.fault.steps == self.fault.at:
-            a.n = numel // 2
-            call(a)
-            self.fault.maybe_die("mid_step")
-        a.n = numel
-        call(a)
+            for a in argv:
+                a.n //= 2
+            call(argv)
+            self.fault.maybe_die("mid_step")  # never returns: the stage and step are this one's
+        call(argv)
 
     def _use_threads(self, t: proto.Task) -> None:
         want = t.threads or self.threads
