@@ -65,20 +65,24 @@ _Q8 = {"q8_adam_step_": "_q8_api", "q8_simd_level": "_q8_lib"}  # issue 38's q8 
 
 def __getattr__(name):
     # The tensor API imports torch on first use, so the worker process (which calls the C
-    # library through cpu_kernels._lib on raw shared memory) starts without torch.
+    # library through cpu_kernels._lib on raw shared memory) starts without torch. A name found
+    # is kept in the module: later lookups skip this function (0.75 us each, per kernel call).
     if name in _API:
         from . import _api
 
-        return getattr(_api, name)
-    if name in _Q8:
+        value = getattr(_api, name)
+    elif name in _Q8:
         import importlib
 
-        return getattr(importlib.import_module(f".{_Q8[name]}", __name__), name)
-    if name in _REFERENCES:
+        value = getattr(importlib.import_module(f".{_Q8[name]}", __name__), name)
+    elif name in _REFERENCES:
         from . import reference
 
-        return getattr(reference, name)
-    raise AttributeError(f"module 'cpu_kernels' has no attribute {name!r}")
+        value = getattr(reference, name)
+    else:
+        raise AttributeError(f"module 'cpu_kernels' has no attribute {name!r}")
+    globals()[name] = value
+    return value
 
 
 def __dir__():

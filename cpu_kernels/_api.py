@@ -239,40 +239,46 @@ def adam_call(
             _check_no_overlap(written, ins)
         if param_copy is not None:
             _check_no_overlap([("param_copy", param_copy)], ins)
-    n = param.numel()
-    rem = remainder is not None
-    outs = (
-        [param, exp_avg, exp_avg_sq, max_exp_avg_sq] if out is None else list(out) + [None] * (4 - len(out))
-    )
-    a = AdamArgs()
-    a.n = n
-    a.param, a.grad, a.exp_avg, a.exp_avg_sq = (
-        param.data_ptr(),
+    p = param.data_ptr()
+    if out is None:
+        m, v = exp_avg.data_ptr(), exp_avg_sq.data_ptr()
+        outs = (p, m, v, None if max_exp_avg_sq is None else max_exp_avg_sq.data_ptr())
+    else:
+        outs = (
+            out[0].data_ptr(),
+            out[1].data_ptr(),
+            out[2].data_ptr(),
+            out[3].data_ptr() if len(out) > 3 else None,
+        )
+    rem = rem_out = None
+    if remainder is not None:
+        rem = remainder.data_ptr()
+        rem_out = rem if out is None else remainder_out.data_ptr()
+    # positional, in AdamArgs' field order: a third of the time of setting each field by name
+    a = AdamArgs(
+        param.numel(),
+        p,
         grad.data_ptr(),
         exp_avg.data_ptr(),
         exp_avg_sq.data_ptr(),
-    )
-    a.max_exp_avg_sq = max_exp_avg_sq.data_ptr() if max_exp_avg_sq is not None else None
-    a.param_out, a.exp_avg_out, a.exp_avg_sq_out = (t.data_ptr() for t in outs[:3])
-    a.max_exp_avg_sq_out = outs[3].data_ptr() if outs[3] is not None else None
-    a.param_copy = param_copy.data_ptr() if param_copy is not None else None
-    a.grad_dtype = _DTYPE_CODES[grad.dtype]
-    a.moment_dtype = _DTYPE_CODES[exp_avg.dtype]
-    a.exp_avg_sq_dtype = _DTYPE_CODES[exp_avg_sq.dtype]
-    a.copy_dtype = _DTYPE_CODES[param_copy.dtype] if param_copy is not None else 0
-    a.decoupled = 1 if decoupled else 0
-    a.step = step
-    a.lr, a.beta1, a.beta2, a.eps, a.weight_decay, a.grad_scale = (
+        None if max_exp_avg_sq is None else max_exp_avg_sq.data_ptr(),
+        *outs,
+        None if param_copy is None else param_copy.data_ptr(),
+        _DTYPE_CODES[grad.dtype],
+        _DTYPE_CODES[exp_avg.dtype],
+        0 if param_copy is None else _DTYPE_CODES[param_copy.dtype],
+        1 if decoupled else 0,
+        step,
         float(lr),
         float(beta1),
         float(beta2),
         float(eps),
         float(weight_decay),
         float(grad_scale),
+        rem,
+        rem_out,
+        _DTYPE_CODES[exp_avg_sq.dtype],
     )
-    if rem:
-        a.remainder = remainder.data_ptr()
-        a.remainder_out = (remainder if out is None else remainder_out).data_ptr()
     return a
 
 

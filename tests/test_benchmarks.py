@@ -558,6 +558,29 @@ def test_bench_cpu_adam_impls_times_only_the_named_rows_beside_the_probes(tmp_pa
     assert bad.returncode != 0 and "no row named no_such_row" in bad.stderr
 
 
+def test_bench_cpu_many_times_each_row_on_each_list_beside_its_roof(tmp_path):
+    out_json = tmp_path / "m.json"
+    cmd = [sys.executable, os.path.join(REPO, "benchmarks", "bench_cpu_many.py"), "--lists", "demo", "3x4Ki"]
+    cmd += ["--threads", "1", "2", "--reps", "2", "--trials", "1", "--json", str(out_json)]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")]))
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=REPO, env=env)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    rows = json.loads(out_json.read_text())
+    impls = {"ours_many", "ours_each", "torch_fused", "torch_default"}
+    assert {(r["list"], r["threads"], r["impl"]) for r in rows} == {
+        (name, th, impl) for name in ("demo", "3x4Ki") for th in (1, 2) for impl in impls
+    }
+    from hybrid_opt.demo import TinyGPT
+
+    demo = sum(p.numel() for p in TinyGPT().parameters())
+    for r in rows:
+        assert r["elements"] == (demo if r["list"] == "demo" else 3 * 4096)
+        assert r["median_ms"] > 0 and r["pct_roof"] > 0 and r["simd"] == cpu_kernels.simd_level()
+        if r["impl"] == "torch_fused":
+            assert r["vs_torch_fused"] == 1.0
+    assert "| ours_many |" in res.stdout
+
+
 def test_bench_cpu_adam_times_each_row_and_its_roof_on_the_same_tensors(tmp_path):
     """Where a tensor's pages lie moved a row by up to a third on a Zen 3, so every row's roof is a
     probe of the row's own streams (torch's fused AdamW steps the ours row's tensors), and a level
