@@ -35,7 +35,7 @@ class InlineSteps:
 
     def step(self, t: proto.Task, segments=None) -> proto.Result:
         """Step task `t`. segments: [(byte offset in the piece, address, bytes)] of its grads
-        where they lie (every one nonzero), each stepped by one kernel call; None: the grads
+        where they lie (every one nonzero), all stepped in one kernel call; None: the grads
         are in its staging slot (ArenaSteps.step: a step the trainer waits for measures no grad
         stats; only a speculation's are read, HostStepping.piece_stats)."""
         t0 = time.perf_counter_ns()

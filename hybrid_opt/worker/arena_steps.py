@@ -110,7 +110,7 @@ class ArenaSteps:
 
     def step(self, t: proto.Task, runs=None) -> proto.Result:
         """Step task `t`. runs: [(byte offset in the piece, address, bytes)] where its grads lie,
-        each stepped by one kernel call (elementwise: bit for bit as the whole piece); None: its
+        all stepped in one kernel call (elementwise: bit for bit as the whole piece); None: its
         staging slot, whole. Where t.skip_nonfinite says so (a speculation) the grads' stats are
         measured first, and a piece whose grads are not all finite is not stepped at all;
         elsewhere (a step the trainer waits for) nothing reads them, and they are not measured:
