@@ -80,21 +80,29 @@ class ArenaSteps:
             return self.base + t.in_copy + elem_offset * 2
         return self.bank(t.in_bank, "copy", elem_offset, 2)
 
-    def _point_master(self, a, t: proto.Task, out_bank: int, off: int) -> None:
-        """A step's master in its argument struct (the Adam or the q8 kernel's, alike in these
-        fields): the bf16 high half and the remainder with remainders (decoded by the kernel),
-        else the fp32 master and the model-dtype copy it writes."""
+    def _master(self, t: proto.Task, out_bank: int, off: int) -> tuple:
+        """A step's master as (param, param_out, param_copy, copy_dtype, remainder, remainder_out),
+        the Adam and the q8 kernel's fields alike: the bf16 high half and the remainder with
+        remainders (decoded by the kernel), else the fp32 master and the model-dtype copy it
+        writes."""
         if t.remainder:
-            a.param, a.param_out = self._high(t, off), self._copy(t, out_bank, off)
-            a.remainder, a.remainder_out = (
+            return (
+                self._high(t, off),
+                self._copy(t, out_bank, off),
+                None,
+                0,
                 self.bank(t.in_bank, "rem", off, 2),
                 self.bank(out_bank, "rem", off, 2),
             )
-        else:
-            a.param, a.param_out = self.bank(t.in_bank, "p", off, 4), self.bank(out_bank, "p", off, 4)
-            if t.copy_dtype != proto.NO_COPY:
-                a.param_copy = self._copy(t, out_bank, off)
-                a.copy_dtype = t.copy_dtype
+        copy = t.copy_dtype != proto.NO_COPY
+        return (
+            self.bank(t.in_bank, "p", off, 4),
+            self.bank(out_bank, "p", off, 4),
+            self._copy(t, out_bank, off) if copy else None,
+            t.copy_dtype if copy else 0,
+            None,
+            None,
+        )
 
     # ------------------------------------------------------------------ kernels
     def grad_sums(self, grads: list, grad_dtype: int) -> list:
@@ -163,21 +171,18 @@ class ArenaSteps:
         """One Adam call's arguments: `numel` elements from subgroup element `off`, their grads
         at `grad`."""
         ms, vs = proto.DTYPE_SIZES[m_dtype], proto.DTYPE_SIZES[v_dtype]
-        a = self.AdamArgs()
-        a.n = numel
-        self._point_master(a, t, out_bank, off)
-        a.grad = grad
-        a.exp_avg = self.bank(t.in_bank, "m", off, ms)
-        a.exp_avg_sq = self.bank(t.in_bank, "v", off, vs)
-        a.max_exp_avg_sq = self.bank(t.in_bank, "vmax", off, vs) if t.amsgrad else None
-        a.exp_avg_out = self.bank(out_bank, "m", off, ms)
-        a.exp_avg_sq_out = self.bank(out_bank, "v", off, vs)
-        a.max_exp_avg_sq_out = self.bank(out_bank, "vmax", off, vs) if t.amsgrad else None
-        a.grad_dtype, a.moment_dtype = t.grad_dtype, m_dtype
+        p, p_out, copy, copy_dtype, rem, rem_out = self._master(t, out_bank, off)
+        vmax = self.bank(t.in_bank, "vmax", off, vs) if t.amsgrad else None
+        vmax_out = self.bank(out_bank, "vmax", off, vs) if t.amsgrad else None
+        fields = (
+            [numel, p, grad, self.bank(t.in_bank, "m", off, ms), self.bank(t.in_bank, "v", off, vs), vmax]
+            + [p_out, self.bank(out_bank, "m", off, ms), self.bank(out_bank, "v", off, vs), vmax_out, copy]
+            + [t.grad_dtype, m_dtype, copy_dtype, t.decoupled, t.step]
+            + [t.lr, t.beta1, t.beta2, t.eps, t.weight_decay, t.grad_scale, rem, rem_out]
+        )
         if self.sq_dtype_field:
-            a.exp_avg_sq_dtype = v_dtype
-        _set_hyperparameters(a, t)
-        return a
+            fields.append(v_dtype)
+        return self.AdamArgs(*fields)  # positional, in the struct's field order: a third of the time
 
     def _q8_args(
         self, t: proto.Task, grad: int, out_bank: int, m_dtype: int, v_dtype: int, off: int, numel: int
@@ -194,7 +199,9 @@ class ArenaSteps:
         assert lib is not None  # loaded where any subgroup is quantized, as this one is
         a = lib.Q8AdamArgs()
         a.n = numel
-        self._point_master(a, t, out_bank, off)
+        a.param, a.param_out, a.param_copy, a.copy_dtype, a.remainder, a.remainder_out = self._master(
+            t, out_bank, off
+        )
         a.grad = grad
         moments = [("exp_avg", "m", m_dtype), ("exp_avg_sq", "v", v_dtype)]
         if t.amsgrad:
