@@ -107,6 +107,9 @@ class HostStepping:
         # inside finish(): work to do while a slot is awaited
         self._on_progress: Callable[[], None] | None = None
         self._counts = {"committed": 0, "redone": 0, "dropped": 0, "stepped": 0}
+        # the subgroups the last finish() was given grads for: the ones read_ahead reads (a
+        # subgroup without grads, a frozen layer's, is not read for a step it may never take)
+        self._had_grads: set[int] = set()
 
     @property
     def counts(self) -> dict:
@@ -139,9 +142,12 @@ class HostStepping:
         it reads into; its step takes the bank it writes when it starts, and banks stay free for
         that and for a resident step, so neither waits for a read. The committed slots change
         only at a step's commit, which the next step() itself does after these reads; whatever
-        else writes them (load_state_dict, a move) drops the reads first (NvmeHeld.release_reads)."""
+        else writes them (load_state_dict, a move) drops the reads first (NvmeHeld.release_reads).
+        Only the subgroups the last step had grads for are read: the next step gives the others
+        their banks back unread (a frozen layer's were read, and dropped, at every step)."""
         resident = not all(self.nvme.values())
-        self._held.read_ahead(self._take_one_bank, skip=set(self._spec), keep_free=1 + resident)
+        skip = set(self._spec) | {sg for sg in self.nvme if sg not in self._had_grads}
+        self._held.read_ahead(self._take_one_bank, skip=skip, keep_free=1 + resident)
 
     def _take_one_bank(self, slots: tuple = ()) -> int | None:
         """A free bank, once populated, with the nvme `slots` a step will write announced to
@@ -529,6 +535,8 @@ class HostStepping:
         Returns {sg: "committed" | "redone" | "stepped" | "dropped"}.
         """
         runs = {sg: self._check(sg, grad, final) for sg, (grad, final) in steps.items()}
+        if not overflow:  # a skipped step (an overflow) says nothing of what the next one steps
+            self._had_grads = set(steps)
         grow = self._spares_wanted()
         saved = self._one_thread()
         try:
