@@ -312,7 +312,7 @@ int hybrid_adam_step_many(const adam_args_t *args, int64_t count)
     }
     starts[count] = total;
     const level_t *fns = level_fns();
-    if (fns->adam_range == adam_range_avx512) (void)hybrid_get_avx512_bf16();  /* as hybrid_adam_step */
+    if (fns->adam_range == adam_range_avx512) (void)hybrid_get_avx512_bf16();  /* its lazy CPU check, before the threads read it */
 #pragma omp parallel if (total >= PARALLEL_MIN)
     {
 #ifdef _OPENMP
@@ -413,7 +413,7 @@ int hybrid_grad_stats_many(const void *const *ptrs, const int32_t *dts, const in
     }
     for (int64_t i = 0; i < count; i++) {
         double s = 0.0;
-        for (int64_t k = bases[i]; k < bases[i + 1]; k++) s += partials[k];  /* hybrid_grad_stats' order */
+        for (int64_t k = bases[i]; k < bases[i + 1]; k++) s += partials[k];  /* fixed: chunk order */
         out[i] = s;
     }
     if (partials != stack_partials) free(partials);
