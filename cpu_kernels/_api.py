@@ -7,6 +7,7 @@ import math
 
 import torch
 
+from . import _lib
 from ._lib import DT_BF16, DT_F16, DT_F32, AdamArgs, InverseArgs, lib
 
 _DTYPE_CODES = {torch.float32: DT_F32, torch.bfloat16: DT_BF16, torch.float16: DT_F16}
@@ -250,10 +251,10 @@ def adam_call(
             out[2].data_ptr(),
             out[3].data_ptr() if len(out) > 3 else None,
         )
-    rem = rem_out = None
+    rem_ptr = rem_out_ptr = None
     if remainder is not None:
-        rem = remainder.data_ptr()
-        rem_out = rem if out is None else remainder_out.data_ptr()
+        rem_ptr = remainder.data_ptr()
+        rem_out_ptr = rem_ptr if out is None else remainder_out.data_ptr()
     # positional, in AdamArgs' field order: a third of the time of setting each field by name
     a = AdamArgs(
         param.numel(),
@@ -275,8 +276,8 @@ def adam_call(
         float(eps),
         float(weight_decay),
         float(grad_scale),
-        rem,
-        rem_out,
+        rem_ptr,
+        rem_out_ptr,
         _DTYPE_CODES[exp_avg_sq.dtype],
     )
     return a
@@ -287,9 +288,7 @@ def adam_steps_(calls) -> None:
     elements taken end to end, so a list of small tensors shares the cores and pays one fork and
     join (each call bit for bit as adam_step_ would step it). No call may write what another
     reads or writes."""
-    calls = list(calls)
-    if calls and lib.hybrid_adam_step_many((AdamArgs * len(calls))(*calls), len(calls)) != 0:
-        raise MemoryError("adam_steps_: could not allocate the calls' constants")
+    _lib.adam_steps(list(calls))
 
 
 def encode_remainder(master):
@@ -342,16 +341,8 @@ def grad_stats_many(grads) -> list:
     grads = list(grads)
     for k, g in enumerate(grads):
         _check_tensor(g, f"grads[{k}]", _GRAD_DTYPES)
-    count = len(grads)
-    if not count:
-        return []
-    ptrs = (ctypes.c_void_p * count)(*(g.data_ptr() for g in grads))
-    dts = (ctypes.c_int32 * count)(*(_DTYPE_CODES[g.dtype] for g in grads))
-    ns = (ctypes.c_int64 * count)(*(g.numel() for g in grads))
-    out = (ctypes.c_double * count)()
-    if lib.hybrid_grad_stats_many(ptrs, dts, ns, count, out) != 0:
-        raise MemoryError("grad_stats_many: could not allocate the per-chunk partial sums")
-    return [(s, math.isfinite(s)) for s in out]
+    sums = _lib.grad_sums([(g.data_ptr(), _DTYPE_CODES[g.dtype], g.numel()) for g in grads])
+    return [(s, math.isfinite(s)) for s in sums]
 
 
 def adam_inverse_(

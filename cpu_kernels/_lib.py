@@ -206,6 +206,29 @@ def _set_block_prefetch(on: bool) -> None:
         raise ValueError("the blocks' prefetch is an option of the x86 levels only")
 
 
+def adam_steps(calls: list) -> None:
+    """Runs a list of AdamArgs in one call of hybrid_adam_step_many (raw addresses, unchecked): the
+    torch-free half of cpu_kernels.adam_steps_, which the worker's steps call too."""
+    if calls and lib.hybrid_adam_step_many((AdamArgs * len(calls))(*calls), len(calls)) != 0:
+        raise MemoryError("hybrid_adam_step_many could not allocate its per-call constants")
+
+
+def grad_sums(grads: list) -> list:
+    """The sum of squares of each of `grads`, (address, dtype code, elements), in one call of
+    hybrid_grad_stats_many (raw addresses, unchecked): the torch-free half of
+    cpu_kernels.grad_stats_many, which the worker's steps call too."""
+    count = len(grads)
+    if not count:
+        return []
+    ptrs = (ctypes.c_void_p * count)(*(addr for addr, _, _ in grads))
+    dts = (ctypes.c_int32 * count)(*(dt for _, dt, _ in grads))
+    ns = (ctypes.c_int64 * count)(*(n for _, _, n in grads))
+    out = (ctypes.c_double * count)()
+    if lib.hybrid_grad_stats_many(ptrs, dts, ns, count, out) != 0:
+        raise MemoryError("hybrid_grad_stats_many could not allocate the per-chunk partial sums")
+    return list(out)
+
+
 def set_num_threads(n: int) -> None:
     """OpenMP threads used by every kernel call from now on (results do not depend on it)."""
     if not isinstance(n, int) or isinstance(n, bool) or n < 1:

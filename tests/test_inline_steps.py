@@ -119,9 +119,9 @@ def test_nvme_subgroups_are_stepped_by_the_trainer_too_between_the_workers_read_
     seen = []
     real = arena_steps.ArenaSteps.adam
 
-    def spy(self, t, grad, *run):
+    def spy(self, t, runs):
         seen.append((t.subgroup, cpu_kernels.get_num_threads()))
-        return real(self, t, grad, *run)
+        return real(self, t, runs)
 
     monkeypatch.setattr(arena_steps.ArenaSteps, "adam", spy)
     try:
@@ -360,7 +360,7 @@ def test_a_kernel_error_in_the_trainer_names_the_subgroup_and_keeps_the_committe
         params, state = [p.detach().clone() for p in net.parameters()], opt.state_dict()
         real = arena_steps.ArenaSteps.adam
 
-        def broken(self, t, grad, *run):
+        def broken(self, t, runs):
             raise MemoryError("injected")
 
         monkeypatch.setattr(arena_steps.ArenaSteps, "adam", broken)
@@ -388,9 +388,9 @@ def test_the_trainer_steps_on_its_own_thread_count_and_keeps_it(monkeypatch):
     seen = []
     real = arena_steps.ArenaSteps.adam
 
-    def spy(self, t, grad, *run):
+    def spy(self, t, runs):
         seen.append((torch.get_num_threads(), cpu_kernels.get_num_threads()))
-        return real(self, t, grad, *run)
+        return real(self, t, runs)
 
     monkeypatch.setattr(arena_steps.ArenaSteps, "adam", spy)
     with HybridAdamW(net.parameters(), offload_fraction=1.0, subgroup_numel=8192) as opt:

@@ -31,7 +31,7 @@ class ArenaSteps:
     def __init__(self, cfg: dict, base: int, run_kernel=None):
         from cpu_kernels import _lib  # noqa: PLC0415  (the worker sets its affinity first)
 
-        self.lib = _lib.lib
+        self._lib = _lib  # the C library's torch-free bindings
         self.AdamArgs, self.InverseArgs = _lib.AdamArgs, _lib.InverseArgs
         self.base = base
         self.bank_offset, self.bank_stride = cfg["bank_offset"], cfg["bank_stride"]
@@ -105,17 +105,6 @@ class ArenaSteps:
         )
 
     # ------------------------------------------------------------------ kernels
-    def grad_sums(self, grads: list, grad_dtype: int) -> list:
-        """The sum of squares of each of `grads`, (address, elements) of `grad_dtype`, in one call."""
-        count = len(grads)
-        out = (ctypes.c_double * count)()
-        ptrs = (ctypes.c_void_p * count)(*(addr for addr, _ in grads))
-        dts = (ctypes.c_int32 * count)(*([grad_dtype] * count))
-        ns = (ctypes.c_int64 * count)(*(numel for _, numel in grads))
-        if count and self.lib.hybrid_grad_stats_many(ptrs, dts, ns, count, out) != 0:
-            raise MemoryError("grad_stats could not allocate its partial sums")
-        return list(out)
-
     def step(self, t: proto.Task, runs=None) -> proto.Result:
         """Step task `t`. runs: [(byte offset in the piece, address, bytes)] where its grads lie,
         all stepped in one kernel call (elementwise: bit for bit as the whole piece); None: its
@@ -129,7 +118,7 @@ class ArenaSteps:
         total, finite = float("nan"), True
         if t.skip_nonfinite:
             total = 0.0
-            for s in self.grad_sums([(addr, nbytes // es) for _, addr, nbytes in runs], t.grad_dtype):
+            for s in self._lib.grad_sums([(addr, t.grad_dtype, nbytes // es) for _, addr, nbytes in runs]):
                 total, finite = total + s, finite and math.isfinite(s)
             if not finite:
                 return proto.Result(t.op, t.task_id, proto.STATUS_NONFINITE, t.subgroup, total, 0)
@@ -154,11 +143,7 @@ class ArenaSteps:
             argv = [
                 self._adam_args(t, grad, out_bank, m_dtype, v_dtype, off, numel) for grad, off, numel in runs
             ]
-            self._run_kernel(self._adam_calls, argv)
-
-    def _adam_calls(self, argv: list) -> None:
-        if argv and self.lib.hybrid_adam_step_many((self.AdamArgs * len(argv))(*argv), len(argv)) != 0:
-            raise MemoryError("hybrid_adam_step_many could not allocate its per-call constants")
+            self._run_kernel(self._lib.adam_steps, argv)
 
     def _q8_calls(self, argv: list) -> None:
         assert self.q8_lib is not None  # loaded where any subgroup is quantized
@@ -229,7 +214,7 @@ class ArenaSteps:
         a.grad = self.slot(t.slot)
         a.grad_dtype = t.grad_dtype
         _set_hyperparameters(a, t)
-        self.lib.hybrid_adam_inverse(ctypes.byref(a))
+        self._lib.lib.hybrid_adam_inverse(ctypes.byref(a))
         return proto.Result(t.op, t.task_id, proto.STATUS_OK, t.subgroup)
 
 
