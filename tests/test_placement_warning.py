@@ -72,3 +72,12 @@ def test_the_threshold_is_five_percent_of_the_elements():
     # 4 subgroups of 25 %: 0.4 lands on 0.5 (10 % off: said)
     numels, ranks = [100] * 4, list(range(4))
     assert "the plan has 50% off" in fraction_miss(fraction_plan(numels, ranks, 0.4, 0.0), 0.4, 0.0, 100)
+
+
+def test_the_suggested_subgroup_numel_is_smaller_than_the_one_passed():
+    # 9 subgroups at 4,096 (33,088 elements): half the smallest share is 4,136, whose power of
+    # two is today's 4,096; the fix must be a smaller one
+    numels, ranks = [4096] * 8 + [320], list(range(9))
+    why = fraction_miss(fraction_plan(numels, ranks, 0.55, 0.0), 0.55, 0.0, 4096)
+    assert why is not None and "the plan has 50% off" in why
+    assert "(e.g. subgroup_numel=2,048)" in why, why

@@ -132,10 +132,11 @@ def fraction_miss(plan: Plan, offload_fraction: float, nvme_fraction: float, sub
         return None
     n = len(plan.numels)
     # a power of two no larger than half the smallest share asked for (so whole subgroups can
-    # come within half a subgroup of it) and than total / 8 (about 8 subgroups or more)
+    # come within half a subgroup of it) and than total / 8 (about 8 subgroups or more), and
+    # smaller than today's: subgroups of uneven size (cut at param ends) can miss at that size too
     smallest = min(share for share in asked.values() if share > 0)
     finer = max(1, int(min(total / 8, smallest * total / 2)))
-    finer = 1 << (finer.bit_length() - 1)
+    finer = min(1 << (finer.bit_length() - 1), 1 << max(0, (subgroup_numel - 1).bit_length() - 1))
     return (
         f"offload_fraction={offload_fraction:g}, nvme_fraction={nvme_fraction:g} asked for "
         f"{offload_fraction:.0%} of the elements off the device ({nvme_fraction:.0%} on nvme), but "
