@@ -70,6 +70,8 @@ class Speculator:
         self._grad_locals = grad_locals  # how the host grads are named: install's
         self._deferred: list = []
         self._inv_scale_cache = None
+        # param group index -> (its hyperparameters' key, the values it names, AdamInputs)
+        self._hp_cache: dict = {}
 
     # ------------------------------------------------------------------ hooks
     def install(self, host: list, timing=None) -> None:
@@ -198,6 +200,31 @@ class Speculator:
         self._inv_scale_cache = (key, inv)
         return inv
 
+    def _group_inputs(self, gi: int) -> AdamInputs:
+        """A param group's hyperparameters for a hook's speculation, read once while they stay the
+        same: a tensor lr or beta on a GPU is read by a host sync (`.item()`), so the first hook
+        of a backward reads it and later hooks reuse it until the tensor changes in place (its
+        version moves) or the group names other values. step() reads them afresh
+        (step_failures), and a speculation that stepped with other inputs is redone."""
+        group = self.layout.param_groups[gi]
+        values = (
+            group["lr"],
+            *group["betas"],
+            group["eps"],
+            group["weight_decay"],
+            group["maximize"],
+            group["amsgrad"],
+            group.get("decoupled_weight_decay"),
+        )
+        key = tuple((id(v), v._version) if isinstance(v, torch.Tensor) else v for v in values)
+        cached = self._hp_cache.get(gi)
+        if cached is not None and cached[0] == key:
+            return cached[2]
+        hp = group_inputs(group, self.config.decoupled)
+        # the values stay referenced with their key: no other tensor can take their ids meanwhile
+        self._hp_cache[gi] = (key, values, hp)
+        return hp
+
     def step_of(
         self, sg, live: list, hp: AdamInputs, scale: float, at_step: bool = False, stale: bool = False
     ) -> tuple:
@@ -284,7 +311,7 @@ class Speculator:
         live = [sl for sl in sg.slices if sl.param.grad is not None]
         if not live or any(sl.param.grad.layout != torch.strided for sl in live):
             return True  # a sparse grad: step() refuses it, in its own words (step_failures.py)
-        hp = group_inputs(self.layout.param_groups[sg.group], self.config.decoupled)
+        hp = self._group_inputs(sg.group)
         # clipping is assumed not to bite (coefficient 1): validation redoes it when it does
         gatherer, inputs = self.step_of(sg, live, hp, self.predicted_inv_scale())
         host = self.placement.host

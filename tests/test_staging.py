@@ -413,6 +413,48 @@ def test_an_attached_grad_scaler_is_read_once_per_backward():
     assert len(set(scales)) == len(scales), scales  # growth_interval=1: it changed every step
 
 
+def test_a_tensor_lr_is_read_once_per_change_not_once_per_hook(monkeypatch):
+    """A tensor lr (on a GPU, `.item()` is a host sync) is read by the first hook after it
+    changes; the later hooks reuse it, and the run is the float lr's, bitwise."""
+    runs = []
+    for tensor_lr in (True, False):
+        net = make_mlp()
+        lr = torch.tensor(1e-2, dtype=torch.float64) if tensor_lr else 1e-2
+        reads = []
+        item = torch.Tensor.item
+        monkeypatch.setattr(torch.Tensor, "item", lambda t: reads.append(t is lr) or item(t))
+        with HybridAdamW(
+            net.parameters(),
+            lr=lr,
+            offload_fraction=1.0,
+            subgroup_numel=SUBGROUP,
+            spare_banks=16,
+            speculative=True,
+        ) as opt:
+            n_host = sum(1 for t in opt.plan.tiers if t != "device")
+            assert n_host >= 3
+            per_backward = []
+            for k, (x, y) in enumerate(batches(4)):
+                opt.zero_grad()
+                reads.clear()
+                ((net(x) - y) ** 2).mean().backward()
+                per_backward.append(sum(reads))
+                opt.step()
+                if k == 1:  # as a scheduler sets a tensor lr: in place
+                    if tensor_lr:
+                        opt.param_groups[0]["lr"].fill_(5e-3)
+                    else:
+                        opt.param_groups[0]["lr"] = 5e-3
+                assert opt.stats["speculation"]["committed"] == n_host, opt.stats["speculation"]
+            runs.append([p.detach().clone() for p in net.parameters()])
+        if tensor_lr:
+            # read by the first backward and by the first after the change, once each
+            assert per_backward == [1, 0, 1, 0], per_backward
+        monkeypatch.undo()
+    for a, b in zip(*runs):
+        assert torch.equal(a, b)
+
+
 # ============================================================================= pinning
 class FakeRuntime:
     """Stands in for libcudart: register returns `code`; records what was called."""
