@@ -259,7 +259,9 @@ def decide(parts, inputs: StepInputs, failure, norm_sq, found, init: bool) -> tu
     if (inputs.max_grad_norm is not None) and norm_sq is None:
         norm_sq = D.grad_norm_sq(parts.layout.params()) if failure is None else 0.0
     try:
-        norm_sq, found, all_init = RF.agree(norm_sq, found, failure, init_vote=init)
+        sgs = parts.layout.subgroups
+        device = sgs[0].device if sgs else None
+        norm_sq, found, all_init = RF.agree(norm_sq, found, failure, init_vote=init, device=device)
     except Exception as e:
         RF.quietly(parts.speculator.drop, e)
         parts.speculator.forget_ready()

@@ -21,20 +21,31 @@ class PeerStepFailed(RuntimeError):
         self.ranks = list(ranks)
 
 
-def _device(dist):
-    # gloo reduces CPU tensors; nccl needs them on the rank's device
+def _device(dist, device: torch.device | None = None):
+    """Where the decision's buffer lies: gloo reduces CPU tensors; nccl needs them on the rank's
+    GPU, the params' (`device`) where it is one: a script that moves its model to
+    f"cuda:{local_rank}" without torch.cuda.set_device leaves every rank's current device at 0."""
     if dist.get_backend() == "nccl" and torch.cuda.is_available():
+        if device is not None and device.type == "cuda":
+            return device
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 
 
-def agree(norm_sq, found, failure: BaseException | None, init_vote: bool | None = None):
+def agree(
+    norm_sq,
+    found,
+    failure: BaseException | None,
+    init_vote: bool | None = None,
+    device: torch.device | None = None,
+):
     """The decision all_reduce (decision.py's norm² and found_inf) with each
     rank's failure flag beside them: returns (global norm², global found_inf) when no rank
     failed; otherwise raises on every rank — `failure` itself on a failing rank, PeerStepFailed
     on the others. norm_sq / found may be None (not needed this step). With `init_vote` (this
     rank's local verdict that the step is torch.distributed.checkpoint's state-init step) a
-    third value is returned: whether every rank voted so — one answer for all ranks."""
+    third value is returned: whether every rank voted so — one answer for all ranks. `device`:
+    the params' (an nccl group reduces there)."""
     dist = torch_dist()
     if dist is None or dist.get_world_size() == 1:
         if failure is not None:
@@ -51,7 +62,7 @@ def agree(norm_sq, found, failure: BaseException | None, init_vote: bool | None 
             0.0 if init_vote else 1.0,
         ],
         dtype=torch.float64,
-        device=_device(dist),
+        device=_device(dist, device),
     )
     try:
         dist.all_reduce(buf, op=dist.ReduceOp.SUM)
