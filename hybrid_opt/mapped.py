@@ -16,20 +16,15 @@ import weakref
 from collections.abc import Hashable
 from typing import TYPE_CHECKING, NamedTuple
 
-from hybrid_opt.shm import PAGE, address
+from hybrid_opt.shm import MAP_FIXED, MAP_NORESERVE, PAGE, address, libc_mmap
 
 if TYPE_CHECKING:
     import torch
 
-_MAP_FIXED = 0x10
-_MAP_NORESERVE = getattr(mmap, "MAP_NORESERVE", 0x4000)
 _MREMAP_MAYMOVE, _MREMAP_FIXED = 1, 2
 _MAP_FAILED = ctypes.c_void_p(-1).value
 
 _libc = ctypes.CDLL(None, use_errno=True)
-_mmap = _libc.mmap
-_mmap.restype = ctypes.c_void_p
-_mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
 _mremap = _libc.mremap
 _mremap.restype = ctypes.c_void_p
 _mremap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
@@ -75,7 +70,7 @@ class Span(mmap.mmap):
             cls,
             -1,
             nbytes,
-            flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_NORESERVE,
+            flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | MAP_NORESERVE,
             prot=mmap.PROT_READ | mmap.PROT_WRITE,
         )
 
@@ -91,7 +86,9 @@ class Span(mmap.mmap):
         if self.snapped or self.closed:
             return
         n = len(self)
-        fresh = _mmap(None, n, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS, -1, 0)
+        fresh = libc_mmap(
+            None, n, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS, -1, 0
+        )
         if fresh in (None, _MAP_FAILED):
             raise _os_error("cannot allocate the private copy of a held state_dict() tensor", n)
         ctypes.memmove(fresh, self.base, n)
@@ -121,13 +118,13 @@ def map_pieces(pieces: list) -> tuple | None:
         span = Span(total, private)
     except OSError:
         return None
-    flags = (mmap.MAP_PRIVATE if private else mmap.MAP_SHARED) | _MAP_FIXED
+    flags = (mmap.MAP_PRIVATE if private else mmap.MAP_SHARED) | MAP_FIXED
     at = span.base
     for k, p in enumerate(pieces):
         start = p.offset - (lead if k == 0 else 0)
         length = (lead if k == 0 else 0) + p.nbytes
         length = _align_up(length) if k == len(pieces) - 1 else length
-        got = _mmap(at, length, mmap.PROT_READ | mmap.PROT_WRITE, flags, p.fd, start)
+        got = libc_mmap(at, length, mmap.PROT_READ | mmap.PROT_WRITE, flags, p.fd, start)
         if got in (None, _MAP_FAILED):
             span.close()
             return None

@@ -4,7 +4,9 @@ The trainer creates every arena and keeps its descriptor, so a worker that dies 
 state: a new worker maps the same memory. `memfd_create` avoids Docker's 64 MB /dev/shm
 and leaves no names behind; where it is missing, an unlinked file in /dev/shm (or the temp
 directory) stands in. An arena is pinned (cudaHostRegister) when its owner asks — the host
-tier does for CUDA params, for asynchronous copies — and unpinned at close.
+tier does for CUDA params, for asynchronous copies — and unpinned at close. A process forked
+from the trainer (a DataLoader worker, multiprocessing's fork) lets go of every arena at once, so
+an arena's memory goes back to the system when its owner closes it, whoever else lives on.
 """
 
 from __future__ import annotations
@@ -16,12 +18,27 @@ import mmap
 import os
 import tempfile
 import warnings
+import weakref
 
 from hybrid_opt.populate import BackgroundPopulate, memory_error, populate_now, punch_hole, reserve
 
 PAGE = mmap.PAGESIZE
 CACHE_LINE = 64
 MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)  # Linux 5.14+
+MAP_FIXED = 0x10
+MAP_NORESERVE = getattr(mmap, "MAP_NORESERVE", 0x4000)
+
+_libc = ctypes.CDLL(None, use_errno=True)
+libc_mmap = _libc.mmap  # mmap(2) itself: Python's maps at no address it is given
+libc_mmap.restype = ctypes.c_void_p
+libc_mmap.argtypes = [
+    ctypes.c_void_p,
+    ctypes.c_size_t,
+    ctypes.c_int,
+    ctypes.c_int,
+    ctypes.c_int,
+    ctypes.c_long,
+]
 
 
 def address(mm: mmap.mmap) -> int:
@@ -204,6 +221,45 @@ def _open_anonymous_fd(name: str, nbytes: int) -> int:
     return fd
 
 
+_MAPPINGS: weakref.WeakSet = weakref.WeakSet()  # every arena's mapping, while it lasts (views)
+_ARENAS: weakref.WeakSet = weakref.WeakSet()  # the arenas of this process (their descriptors)
+
+
+def _map_shared(fd: int, nbytes: int) -> mmap.mmap:
+    """The file `fd` mapped shared, as a mmap object that holds no descriptor of its own:
+    Python's mmap(fd) keeps a dup of it, which no one could close in a forked child. An
+    anonymous reservation is made, then the file mapped over it (closing the object unmaps the
+    range, whatever is mapped there)."""
+    rw = mmap.PROT_READ | mmap.PROT_WRITE
+    mm = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | MAP_NORESERVE, prot=rw)
+    if libc_mmap(address(mm), nbytes, rw, mmap.MAP_SHARED | MAP_FIXED, fd, 0) != address(mm):
+        err = ctypes.get_errno()
+        mm.close()
+        raise OSError(err, f"cannot map {nbytes} bytes of shared memory: {os.strerror(err)}")
+    _MAPPINGS.add(mm)
+    return mm
+
+
+def _let_go_in_child() -> None:
+    """After os.fork() (a DataLoader worker, multiprocessing's fork): the child holds none of
+    the parent's shared memory, so that memory goes back to the system when the parent lets go
+    of it, whoever else lives on. Each mapping, closed arena's too where a view keeps it, is
+    mapped over by an inaccessible reservation (its mmap object unmaps that with itself, so no
+    later mapping of the child's takes the address meanwhile), and each descriptor is closed.
+    The child can no longer read the optimizer's state; the model's params are their own."""
+    flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | MAP_FIXED | MAP_NORESERVE
+    for mm in list(_MAPPINGS):
+        if not mm.closed:
+            with contextlib.suppress(ValueError, OSError):
+                libc_mmap(address(mm), len(mm), 0, flags, -1, 0)  # PROT_NONE
+    for arena in list(_ARENAS):
+        arena.let_go()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_let_go_in_child)
+
+
 class SharedArena:
     """One shared mapping; `tensor()` gives torch views of its regions (trainer side).
 
@@ -228,7 +284,7 @@ class SharedArena:
         self.nbytes = align_up(max(nbytes, 1), PAGE)
         self.fd = _open_anonymous_fd(name, self.nbytes)
         try:
-            self.mm = mmap.mmap(self.fd, self.nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            self.mm = _map_shared(self.fd, self.nbytes)
         except OSError:
             os.close(self.fd)
             raise
@@ -244,6 +300,7 @@ class SharedArena:
         self._pin_device = None
         self.closed = False
         self._fill_args: tuple | None = (name, prefault, later)
+        _ARENAS.add(self)
         if not defer:
             try:
                 self.fill()
@@ -385,6 +442,17 @@ class SharedArena:
                 punch_hole(self.fd, off, n)
             raise
         self.dormant = [r for r in self.dormant if r not in ranges]
+
+    def let_go(self) -> None:
+        """In a process forked from the owner (_let_go_in_child, which has unmapped it): the
+        descriptor closed, nothing else touched. The pins are the owner's."""
+        if self.closed:
+            return
+        self.closed = True
+        self._background = None  # its thread did not survive the fork
+        self._pinned, self._runtime = [], None
+        with contextlib.suppress(OSError):
+            os.close(self.fd)
 
     def close(self) -> None:
         if self.closed:

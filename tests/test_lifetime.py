@@ -29,18 +29,22 @@ def _train(model, opt, steps=2):
         opt.step()
 
 
-def _arena_maps() -> int:
-    with open("/proc/self/maps") as f:
-        return sum("memfd:hybrid_opt" in line for line in f)
+ARENAS = ("memfd:hybrid_opt-host", "memfd:hybrid_opt-device")  # the state's shared memory
 
 
-def _arena_fds() -> int:
+def _arena_maps(pid="self", names=("memfd:hybrid_opt",)) -> int:
+    with open(f"/proc/{pid}/maps") as f:
+        return sum(any(name in line for name in names) for line in f)
+
+
+def _arena_fds(pid="self", names=("memfd:hybrid_opt",)) -> int:
     n = 0
-    for fd in os.listdir("/proc/self/fd"):
+    for fd in os.listdir(f"/proc/{pid}/fd"):
         try:
-            n += "memfd:hybrid_opt" in os.readlink(f"/proc/self/fd/{fd}")
+            link = os.readlink(f"/proc/{pid}/fd/{fd}")
         except OSError:
-            pass  # the listing's own descriptor, closed by now
+            continue  # the listing's own descriptor, closed by now
+        n += any(name in link for name in names)
     return n
 
 
@@ -109,6 +113,63 @@ def test_a_process_group_optimizer_dropped_without_close_is_freed(tmp_path):
         model(torch.randn(4, 32)).sum().backward()
     finally:
         dist.destroy_process_group()
+
+
+@pytest.mark.parametrize(
+    "placement", [dict(offload_fraction=0.5), dict(offload_fraction=0.5, nvme_fraction=0.25)]
+)
+def test_a_process_forked_from_the_trainer_holds_none_of_the_state(tmp_path, placement):
+    """A DataLoader worker (forked, it outlives nothing it does not use) used to keep every page
+    of the optimizer's shared memory mapped: after close() that memory stayed allocated until
+    the child exited. Forked, it holds no arena (no mapping, no descriptor), runs the model, and
+    the trainer trains on, bitwise a run with no fork."""
+    import select
+    import signal
+
+    if placement.get("nvme_fraction"):
+        placement = dict(placement, nvme_path=str(tmp_path))
+    finals = []
+    for fork in (True, False):
+        model = _model()
+        with HybridAdamW(model.parameters(), lr=1e-2, subgroup_numel=256, **placement) as opt:
+            _train(model, opt)
+            assert _arena_maps(names=ARENAS) >= 2  # the host tier's and the CPU device tier's
+            if fork:
+                report_r, report_w = os.pipe()
+                pid = os.fork()
+                if pid == 0:  # the child: uses the model, never the optimizer
+                    code = 1
+                    try:
+                        os.close(report_r)
+                        torch.set_num_threads(1)  # as a DataLoader worker: OpenMP's pool is not forked
+                        ok = bool(torch.isfinite(model(torch.randn(4, 32))).all())
+                        os.write(
+                            report_w,
+                            f"{_arena_maps(names=ARENAS)} {_arena_fds(names=ARENAS)} {ok:d}".encode(),
+                        )
+                        signal.pause()  # alive until the parent is done
+                    finally:
+                        os._exit(code)
+                os.close(report_w)
+                try:
+                    ready, _, _ = select.select([report_r], [], [], 60)
+                    assert ready, "the forked child did not report within 60 s"
+                    assert os.read(report_r, 64).decode().split() == ["0", "0", "1"]
+                    _train(model, opt)
+                    opt.close()
+                    # the child lives on and holds none of it: the memory goes with the trainer's
+                    # last view of it
+                    assert _arena_maps(pid, ARENAS) == _arena_fds(pid, ARENAS) == 0
+                    assert _arena_fds(names=ARENAS) == 0
+                finally:
+                    os.close(report_r)
+                    os.kill(pid, signal.SIGKILL)
+                    os.waitpid(pid, 0)
+            else:
+                _train(model, opt)
+        finals.append([p.detach().clone() for p in model.parameters()])
+    for a, b in zip(*finals):
+        assert torch.equal(a, b)
 
 
 def test_a_closed_optimizer_dropped_says_nothing():
