@@ -164,8 +164,10 @@ def _warn_unpinned(why: str) -> None:
         warnings.warn(
             f"hybrid_opt: the host tier's shared memory could not be pinned ({why}); it "
             f"runs unpinned: results are unchanged, but grad and param copies between "
-            f"the GPU and the host are slower. Raise the locked-memory limit "
-            f"(ulimit -l) or free host memory to pin it.",
+            f"the GPU and the host are slower, and synchronous: a grad hook that stages a "
+            f"speculative step waits for the GPU (pass speculative=False where that holds "
+            f"backward back). Raise the locked-memory limit (ulimit -l) or free host memory "
+            f"to pin it.",
             RuntimeWarning,
             stacklevel=3,
         )

@@ -518,6 +518,7 @@ def test_a_failed_pin_clears_the_error_warns_once_and_runs_unpinned(monkeypatch)
             assert [a.pin() for a in arenas] == [False, False]
         msgs = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
         assert len(msgs) == 1 and "could not be pinned" in msgs[0] and "invalid argument" in msgs[0], msgs
+        assert "speculative=False" in msgs[0], msgs  # what the unpinned copies cost, and the way out
         assert [c[0] for c in runtime.calls] == ["register", "clear"] * 2
         assert not any(a.pinned for a in arenas)
         arenas[0].tensor(0, 16, torch.float32).fill_(1.0)  # still ordinary shared memory
