@@ -13,7 +13,7 @@
 #   PEERS=1 bash benchmarks/gpu_check.sh         # also the one-round peer study, each row in a fresh
 #                                                #   process, and the worker's waited step rate
 #                                                #   against the in-process kernel's (+4 min 10 s)
-#   SWEEP=1 bash benchmarks/gpu_check.sh         # also the kernels' launch-configuration sweep (+2 min)
+#   SWEEP=1 bash benchmarks/gpu_check.sh         # also the kernels' launch-configuration sweep (+2.5 min)
 #   SUITE=1 bash benchmarks/gpu_check.sh         # also the demo, HF Trainer, benchmark and planner tests
 #                                                #   on the GPU (up to 5 min more; not timed on an H200 yet)
 #
@@ -66,7 +66,7 @@ step benchmark 60 python benchmarks/bench_gpu_kernels.py --quick --json "$OUT_DI
 step end-to-end 50 python benchmarks/bench_step.py --iters 10 --json "$OUT_DIR/bench_step.json"
 step memory 30 python benchmarks/gpu_table.py memory --json "$OUT_DIR/gpu_memory.json"
 if [[ "${SWEEP:-0}" == 1 ]]; then
-    step sweep 120 python benchmarks/bench_gpu_kernels.py --quick --sweep --json "$OUT_DIR/bench_gpu_kernels_sweep.json"
+    step sweep 150 python benchmarks/bench_gpu_kernels.py --quick --sweep --json "$OUT_DIR/bench_gpu_kernels_sweep.json"
 fi
 if [[ "${SUITE:-0}" == 1 ]]; then
     # the other plain tests with CUDA paths: the demo (it trains on the GPU), the frameworks'
