@@ -4,11 +4,14 @@ built the tiers closes them.
 Every hook and callback that outlives a call holds the optimizer weakly (`weak_method`), so one
 dropped without close() is collected and closed with an `UnclosedOptimizerWarning`. A wrapper that
 forwards reads (Lightning's `LightningOptimizer`) must not act as the optimizer: public methods act
-on `owner(self)`. Design notes: docs/internals.md."""
+on `owner(self)`. A child of os.fork() (which holds none of the optimizer's shared memory: shm.py)
+acts on nothing: its public methods refuse, naming the cause, and close() only lets its copy go.
+Design notes: docs/internals.md."""
 
 from __future__ import annotations
 
 import functools
+import os
 import sys
 import warnings
 import weakref
@@ -23,6 +26,12 @@ def mark_owner(opt) -> None:
     """Called first in the optimizer's constructor: `opt` is an optimizer of its own (a
     forwarding wrapper, which never runs the constructor, reads this through its forwarding)."""
     opt.__dict__["_this"] = weakref.ref(opt)
+    opt.__dict__["_built_in"] = os.getpid()
+
+
+def forked_copy(opt) -> bool:
+    """Whether `opt` is a forked child's copy of an optimizer another process built."""
+    return opt.__dict__.get("_built_in", os.getpid()) != os.getpid()
 
 
 def owner(obj):
@@ -55,6 +64,13 @@ def acts_on_owner(method):
         real = owner(self)
         if real is not self:
             return getattr(real, name)(*args, **kwargs)
+        if name != "close" and forked_copy(self):
+            raise RuntimeError(
+                f"{type(self).__name__}.{name}() in process {os.getpid()}: this optimizer was "
+                f"built in process {self.__dict__['_built_in']}, and a forked child holds none "
+                f"of its worker, shared memory or files (they stay that process's). Use it "
+                f"there, or build a {type(self).__name__} in this process"
+            )
         return method(self, *args, **kwargs)
 
     return run
@@ -92,7 +108,7 @@ def collected(opt) -> None:
     """The optimizer's `__del__`: one still open is closed, then warned about. Only the optimizer
     that built the tiers closes them: a forwarding wrapper's __del__ (Lightning's, collected
     when it rebuilds them) must not."""
-    if not is_owner(opt) or opt.closed:
+    if not is_owner(opt) or opt.closed or forked_copy(opt):
         return
     try:
         opt.close()  # first: a warning made an error (-W error) must not keep it open

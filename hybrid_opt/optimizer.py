@@ -383,6 +383,8 @@ class _HybridBase(torch.optim.Optimizer):
         if self._closed:
             return
         self._closed = True
+        if lifetime.forked_copy(self):
+            return  # a forked child's copy: the worker, memory and files are the parent's
         self._parts.speculator.close()
         self._parts.stats.remove_hooks()
         self._parts.sharding.close()  # pending all-gathers landed: the params are current after close()

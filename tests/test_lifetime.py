@@ -119,9 +119,10 @@ def test_a_process_group_optimizer_dropped_without_close_is_freed(tmp_path):
     "placement", [dict(offload_fraction=0.5), dict(offload_fraction=0.5, nvme_fraction=0.25)]
 )
 def test_a_process_forked_from_the_trainer_holds_none_of_the_state(tmp_path, placement):
-    """A DataLoader worker (forked, it outlives nothing it does not use) used to keep every page
-    of the optimizer's shared memory mapped: after close() that memory stayed allocated until
-    the child exited. Forked, it holds no arena (no mapping, no descriptor), runs the model, and
+    """A DataLoader worker (forked from the trainer) used to keep every page of the optimizer's
+    shared memory mapped: after close() that memory stayed allocated until the child exited.
+    Forked, it holds no arena (no mapping, no descriptor) and runs the model; the optimizer's
+    methods refuse there, naming the cause, and its close() lets go of nothing but its copy;
     the trainer trains on, bitwise a run with no fork."""
     import select
     import signal
@@ -137,16 +138,20 @@ def test_a_process_forked_from_the_trainer_holds_none_of_the_state(tmp_path, pla
             if fork:
                 report_r, report_w = os.pipe()
                 pid = os.fork()
-                if pid == 0:  # the child: uses the model, never the optimizer
+                if pid == 0:  # the child: runs the model; the optimizer is the parent's
                     code = 1
                     try:
                         os.close(report_r)
                         torch.set_num_threads(1)  # as a DataLoader worker: OpenMP's pool is not forked
                         ok = bool(torch.isfinite(model(torch.randn(4, 32))).all())
-                        os.write(
-                            report_w,
-                            f"{_arena_maps(names=ARENAS)} {_arena_fds(names=ARENAS)} {ok:d}".encode(),
-                        )
+                        try:  # refused, naming the cause
+                            _train(model, opt, 1)
+                            refused = False
+                        except RuntimeError as e:
+                            refused = "a forked child holds none of its worker" in str(e)
+                        opt.close()  # lets this copy go, touching nothing of the parent's
+                        maps, fds = _arena_maps(names=ARENAS), _arena_fds(names=ARENAS)
+                        os.write(report_w, f"{maps} {fds} {ok:d} {refused:d}".encode())
                         signal.pause()  # alive until the parent is done
                     finally:
                         os._exit(code)
@@ -154,7 +159,7 @@ def test_a_process_forked_from_the_trainer_holds_none_of_the_state(tmp_path, pla
                 try:
                     ready, _, _ = select.select([report_r], [], [], 60)
                     assert ready, "the forked child did not report within 60 s"
-                    assert os.read(report_r, 64).decode().split() == ["0", "0", "1"]
+                    assert os.read(report_r, 64).decode().split() == ["0", "0", "1", "1"]
                     _train(model, opt)
                     opt.close()
                     # the child lives on and holds none of it: the memory goes with the trainer's
