@@ -34,6 +34,15 @@ def forked_copy(opt) -> bool:
     return opt.__dict__.get("_built_in", os.getpid()) != os.getpid()
 
 
+def _forked_refusal(opt, name: str) -> RuntimeError:
+    return RuntimeError(
+        f"{type(opt).__name__}.{name}() in process {os.getpid()}: this optimizer was built in "
+        f"process {opt.__dict__['_built_in']}, and a forked child holds none of its worker, "
+        f"shared memory or files (they stay that process's). Use it there, or build a "
+        f"{type(opt).__name__} in this process"
+    )
+
+
 def owner(obj):
     """The optimizer `obj` is: `obj` itself, or the one a forwarding wrapper of it wraps."""
     if is_owner(obj):
@@ -65,12 +74,7 @@ def acts_on_owner(method):
         if real is not self:
             return getattr(real, name)(*args, **kwargs)
         if name != "close" and forked_copy(self):
-            raise RuntimeError(
-                f"{type(self).__name__}.{name}() in process {os.getpid()}: this optimizer was "
-                f"built in process {self.__dict__['_built_in']}, and a forked child holds none "
-                f"of its worker, shared memory or files (they stay that process's). Use it "
-                f"there, or build a {type(self).__name__} in this process"
-            )
+            raise _forked_refusal(self, name)
         return method(self, *args, **kwargs)
 
     return run

@@ -5,8 +5,9 @@ state: a new worker maps the same memory. `memfd_create` avoids Docker's 64 MB /
 and leaves no names behind; where it is missing, an unlinked file in /dev/shm (or the temp
 directory) stands in. An arena is pinned (cudaHostRegister) when its owner asks — the host
 tier does for CUDA params, for asynchronous copies — and unpinned at close. A process forked
-from the trainer (a DataLoader worker, multiprocessing's fork) lets go of every arena at once, so
-an arena's memory goes back to the system when its owner closes it, whoever else lives on.
+from the trainer (a DataLoader worker, multiprocessing's fork) lets go of every arena at once
+(forking.py), so an arena's memory goes back to the system when its owner closes it, whoever else
+lives on.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import tempfile
 import warnings
 import weakref
 
+from hybrid_opt import forking
 from hybrid_opt.populate import BackgroundPopulate, memory_error, populate_now, punch_hole, reserve
 
 PAGE = mmap.PAGESIZE
@@ -223,10 +225,6 @@ def _open_anonymous_fd(name: str, nbytes: int) -> int:
     return fd
 
 
-_MAPPINGS: weakref.WeakSet = weakref.WeakSet()  # every arena's mapping, while it lasts (views)
-_ARENAS: weakref.WeakSet = weakref.WeakSet()  # the arenas of this process (their descriptors)
-
-
 def _map_shared(fd: int, nbytes: int) -> mmap.mmap:
     """The file `fd` mapped shared, as a mmap object that holds no descriptor of its own:
     Python's mmap(fd) keeps a dup of it, which no one could close in a forked child. An
@@ -238,28 +236,29 @@ def _map_shared(fd: int, nbytes: int) -> mmap.mmap:
         err = ctypes.get_errno()
         mm.close()
         raise OSError(err, f"cannot map {nbytes} bytes of shared memory: {os.strerror(err)}")
-    _MAPPINGS.add(mm)
+    _MAPPINGS.live.add(mm)
     return mm
 
 
-def _let_go_in_child() -> None:
-    """After os.fork() (a DataLoader worker, multiprocessing's fork): the child holds none of
-    the parent's shared memory, so that memory goes back to the system when the parent lets go
-    of it, whoever else lives on. Each mapping, closed arena's too where a view keeps it, is
-    mapped over by an inaccessible reservation (its mmap object unmaps that with itself, so no
-    later mapping of the child's takes the address meanwhile), and each descriptor is closed.
-    The child can no longer read the optimizer's state; the model's params are their own."""
-    flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | MAP_FIXED | MAP_NORESERVE
-    for mm in list(_MAPPINGS):
-        if not mm.closed:
-            with contextlib.suppress(ValueError, OSError):
-                libc_mmap(address(mm), len(mm), 0, flags, -1, 0)  # PROT_NONE
-    for arena in list(_ARENAS):
-        arena.let_go()
+class _Mappings:
+    """Every arena's mapping while it lasts (a view may keep a closed arena's), let go of in a
+    forked child (forking.py): each is mapped over by an inaccessible reservation (its mmap
+    object unmaps that with itself, so no later mapping of the child's takes the address
+    meanwhile), so the memory goes back when the trainer lets go of it, whoever lives on."""
+
+    def __init__(self):
+        self.live: weakref.WeakSet = weakref.WeakSet()
+        forking.let_go_in_child(self)
+
+    def let_go(self) -> None:
+        flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | MAP_FIXED | MAP_NORESERVE
+        for mm in list(self.live):
+            if not mm.closed:
+                with contextlib.suppress(ValueError, OSError):
+                    libc_mmap(address(mm), len(mm), 0, flags, -1, 0)  # PROT_NONE
 
 
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_let_go_in_child)
+_MAPPINGS = _Mappings()
 
 
 class SharedArena:
@@ -302,7 +301,7 @@ class SharedArena:
         self._pin_device = None
         self.closed = False
         self._fill_args: tuple | None = (name, prefault, later)
-        _ARENAS.add(self)
+        forking.let_go_in_child(self)
         if not defer:
             try:
                 self.fill()
@@ -446,7 +445,7 @@ class SharedArena:
         self.dormant = [r for r in self.dormant if r not in ranges]
 
     def let_go(self) -> None:
-        """In a process forked from the owner (_let_go_in_child, which has unmapped it): the
+        """In a process forked from the owner (forking.py; _Mappings has unmapped it): the
         descriptor closed, nothing else touched. The pins are the owner's."""
         if self.closed:
             return

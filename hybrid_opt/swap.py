@@ -17,6 +17,7 @@ import shutil
 import tempfile
 import weakref
 
+from hybrid_opt import forking
 from hybrid_opt.distributed import node
 
 PREFIX = "hybrid_opt-"
@@ -120,6 +121,14 @@ class SwapDir:
         fcntl.flock(self._lock_fd, fcntl.LOCK_EX)
         self._finalizer = weakref.finalize(self, _remove, self.path, self._lock_fd, os.getpid())
         atexit.register(self._finalizer)
+        forking.let_go_in_child(self)
+
+    def let_go(self) -> None:
+        """In a forked child (forking.py): its copy of the lock's descriptor closed (the lock is
+        the trainer's: a child holding it would keep a dead trainer's directory from being
+        swept), and its finalizer dropped: the directory is the trainer's to remove."""
+        if self._finalizer.detach() is not None:
+            os.close(self._lock_fd)
 
     def file(self, sg: int) -> str:
         return os.path.join(self.path, f"sg{sg}.state")

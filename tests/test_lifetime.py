@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from hybrid_opt import HybridAdamW, UnclosedOptimizerWarning
+from hybrid_opt.testing import debug_view
 
 
 def _model():
@@ -120,10 +121,11 @@ def test_a_process_group_optimizer_dropped_without_close_is_freed(tmp_path):
 )
 def test_a_process_forked_from_the_trainer_holds_none_of_the_state(tmp_path, placement):
     """A DataLoader worker (forked from the trainer) used to keep every page of the optimizer's
-    shared memory mapped: after close() that memory stayed allocated until the child exited.
-    Forked, it holds no arena (no mapping, no descriptor) and runs the model; the optimizer's
-    methods refuse there, naming the cause, and its close() lets go of nothing but its copy;
-    the trainer trains on, bitwise a run with no fork."""
+    shared memory mapped and its nvme files open: after close() that memory and disk stayed
+    allocated until the child exited, and its copy of the worker's request pipe kept the worker
+    from seeing the trainer's exit. Forked, it holds none of them (no mapping, no descriptor)
+    and runs the model; the optimizer's methods refuse there, naming the cause, and its close()
+    lets go of nothing but its copy; the trainer trains on, bitwise a run with no fork."""
     import select
     import signal
 
@@ -136,6 +138,12 @@ def test_a_process_forked_from_the_trainer_holds_none_of_the_state(tmp_path, pla
             _train(model, opt)
             assert _arena_maps(names=ARENAS) >= 2  # the host tier's and the CPU device tier's
             if fork:
+                # what else backs the optimizer: its nvme files and their lock (under tmp_path),
+                # the worker's stderr file and its request pipe (EOF there tells it the trainer died)
+                client = debug_view(opt).host.client
+                backing = ARENAS + (str(tmp_path), "memfd:hybrid_opt-worker-stderr")
+                backing += (os.readlink(f"/proc/self/fd/{client._req}"),)
+                assert _arena_fds(names=backing) >= 3 + bool(placement.get("nvme_path"))
                 report_r, report_w = os.pipe()
                 pid = os.fork()
                 if pid == 0:  # the child: runs the model; the optimizer is the parent's
@@ -150,7 +158,7 @@ def test_a_process_forked_from_the_trainer_holds_none_of_the_state(tmp_path, pla
                         except RuntimeError as e:
                             refused = "a forked child holds none of its worker" in str(e)
                         opt.close()  # lets this copy go, touching nothing of the parent's
-                        maps, fds = _arena_maps(names=ARENAS), _arena_fds(names=ARENAS)
+                        maps, fds = _arena_maps(names=ARENAS), _arena_fds(names=backing)
                         os.write(report_w, f"{maps} {fds} {ok:d} {refused:d}".encode())
                         signal.pause()  # alive until the parent is done
                     finally:
@@ -163,8 +171,8 @@ def test_a_process_forked_from_the_trainer_holds_none_of_the_state(tmp_path, pla
                     _train(model, opt)
                     opt.close()
                     # the child lives on and holds none of it: the memory goes with the trainer's
-                    # last view of it
-                    assert _arena_maps(pid, ARENAS) == _arena_fds(pid, ARENAS) == 0
+                    # last view of it, the files with close()
+                    assert _arena_maps(pid, ARENAS) == _arena_fds(pid, backing) == 0
                     assert _arena_fds(names=ARENAS) == 0
                 finally:
                     os.close(report_r)

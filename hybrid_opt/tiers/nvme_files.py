@@ -12,6 +12,7 @@ import fcntl
 import os
 import warnings
 
+from hybrid_opt import forking
 from hybrid_opt.worker.protocol import FD_SETSIZE  # select()'s bound on descriptor numbers
 
 MANY = 256  # files from which they are numbered past it
@@ -25,6 +26,7 @@ class NvmeFiles:
         self._fds: dict = {}
         self._gone: set = set()  # files found removed or replaced (warned once)
         self._high = False  # the files are numbered from FD_SETSIZE up (reserve)
+        forking.let_go_in_child(self)
 
     def reserve(self, n: int) -> None:
         """Room for `n` more open files: the soft RLIMIT_NOFILE raised towards the hard one
@@ -106,6 +108,11 @@ class NvmeFiles:
         for fd in self._fds.values():
             os.close(fd)
         self._fds.clear()
+
+    def let_go(self) -> None:
+        """In a forked child (forking.py): its copies of the descriptors closed, so the files'
+        disk space is freed when the trainer closes them, whoever lives on."""
+        self.close()
 
 
 class FileSlots:

@@ -15,6 +15,7 @@ import subprocess
 import sys
 import time
 
+from hybrid_opt import forking
 from hybrid_opt.distributed.node import NodeInfo, core_slice
 from hybrid_opt.distributed.node import info as node_info
 from hybrid_opt.worker import protocol as proto
@@ -381,6 +382,7 @@ class WorkerClient:
         self._resp: int | None = None
         self._reader: proto.FrameReader | None = None
         self._stderr_fd: int | None = None
+        forking.let_go_in_child(self)
 
     # ------------------------------------------------------------------ lifecycle
     @property
@@ -542,6 +544,20 @@ class WorkerClient:
         self.restarts += 1
         self.start()
         return pending
+
+    def let_go(self) -> None:
+        """In a forked child (forking.py): its copies of the pipes and the stderr file closed,
+        so the worker sees the trainer's exit (EOF) whoever lives on, and the worker forgotten:
+        it is the trainer's (a child cannot wait for it, and must not stop it)."""
+        for fd in (self._req, self._resp, self._stderr_fd):
+            if fd is not None:
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
+        self._req = self._resp = self._stderr_fd = None
+        self._reader = None
+        self.proc = None
 
     def close(self, timeout_s: float = 5.0) -> None:
         if self.proc is None:
