@@ -528,6 +528,9 @@ class WorkerClient:
                 self.proc.wait(timeout=5.0)
             except subprocess.TimeoutExpired:
                 pass  # in uninterruptible sleep: it dies of the SIGKILL when it wakes
+        self._close_fds()
+
+    def _close_fds(self) -> None:
         for fd in (self._req, self._resp, self._stderr_fd):
             if fd is not None:
                 try:
@@ -549,13 +552,7 @@ class WorkerClient:
         """In a forked child (forking.py): its copies of the pipes and the stderr file closed,
         so the worker sees the trainer's exit (EOF) whoever lives on, and the worker forgotten:
         it is the trainer's (a child cannot wait for it, and must not stop it)."""
-        for fd in (self._req, self._resp, self._stderr_fd):
-            if fd is not None:
-                try:
-                    os.close(fd)
-                except OSError:
-                    pass
-        self._req = self._resp = self._stderr_fd = None
+        self._close_fds()
         self._reader = None
         self.proc = None
 
