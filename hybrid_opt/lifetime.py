@@ -4,8 +4,9 @@ built the tiers closes them.
 Every hook and callback that outlives a call holds the optimizer weakly (`weak_method`), so one
 dropped without close() is collected and closed with an `UnclosedOptimizerWarning`. A wrapper that
 forwards reads (Lightning's `LightningOptimizer`) must not act as the optimizer: public methods act
-on `owner(self)`. A child of os.fork() (which holds none of the optimizer's shared memory: shm.py)
-acts on nothing: its public methods refuse, naming the cause, and close() only lets its copy go.
+on `owner(self)`. A child of os.fork() (which holds none of the optimizer's memory, files or
+worker pipes: forking.py) acts on nothing: its public methods refuse, naming the cause, and
+close() only lets its copy go.
 Design notes: docs/internals.md."""
 
 from __future__ import annotations

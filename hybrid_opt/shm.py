@@ -445,7 +445,7 @@ class SharedArena:
         self.dormant = [r for r in self.dormant if r not in ranges]
 
     def let_go(self) -> None:
-        """In a process forked from the owner (forking.py; _Mappings has unmapped it): the
+        """In a process forked from the owner (forking.py; _Mappings unmaps its mapping): the
         descriptor closed, nothing else touched. The pins are the owner's."""
         if self.closed:
             return
