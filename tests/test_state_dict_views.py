@@ -237,3 +237,41 @@ def test_a_checkpoint_costs_no_ram(placement, fmt, checkpoint_peaks):
     assert got["save"] <= budget, got
     assert got["load"] <= got["state"] + budget, got
     assert got["load_mmap"] <= budget, got
+
+
+def test_a_sharded_params_state_stays_on_the_cpu_under_a_cuda_mesh(tmp_path):
+    """FSDP2 and process_group on a GPU: the state of a host or nvme subgroup is CPU memory,
+    the param's mesh is CUDA's. DTensor.from_local moved such a local tensor onto the mesh's
+    device, so state_dict() copied the offloaded state back onto the GPU (and without CUDA,
+    raised). Each state DTensor is built over the local tensor as it lies, the absmaxes of a
+    q8 moment too (dtensor_state.dtensor_over). A CUDA-typed mesh needs no GPU to build."""
+    import math
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+
+    from hybrid_opt.distributed.dtensor_state import dtensor_like
+    from hybrid_opt.distributed.q8_shards import absmax_dtensor, absmax_local_shape
+
+    if not (dist.is_available() and dist.is_gloo_available()):
+        pytest.skip("torch.distributed with gloo is not available")
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/rdzv", rank=0, world_size=1)
+    try:
+        mesh = DeviceMesh.from_group(dist.group.WORLD, "cuda")
+        # a param as FSDP2's CPU offload lays it out: a CPU shard under a CUDA mesh
+        meta = TensorMeta(torch.Size((1024, 8)), (8, 1), torch.float32)
+        p = DTensor(
+            torch.randn(1024, 8), DTensorSpec(mesh, (Shard(0),), tensor_meta=meta), requires_grad=False
+        )
+        state = torch.zeros(1024, 8)
+        entry = dtensor_like(state, p)
+        assert entry.device_mesh.device_type == "cuda" and entry.placements == p.placements
+        assert entry.to_local().data_ptr() == state.data_ptr()  # the state itself: no copy
+        assert entry.shape == p.shape and entry.stride() == p.stride()
+        absmax = torch.ones(math.prod(absmax_local_shape(p)))
+        blocks = absmax_dtensor(absmax, p)
+        assert blocks.to_local().data_ptr() == absmax.data_ptr()
+    finally:
+        dist.destroy_process_group()

@@ -10,22 +10,34 @@ import torch
 from hybrid_opt.distributed.local_shards import is_dtensor, local_of, zero_chunk, zero_spec
 
 
+def dtensor_over(local: torch.Tensor, mesh, placements, shape, stride):
+    """`local` as this rank's part of a DTensor of global `shape` and `stride`, where it lies.
+    DTensor.from_local moves a local tensor of another device type than the mesh's onto the
+    mesh's device: a host or nvme tier's state (CPU) under a CUDA mesh would be copied back
+    onto the GPU it was offloaded from. FSDP2's CPU offload builds its DTensors this way too
+    (its params' CPU shards under a CUDA mesh), and DCP saves and loads them as they lie."""
+    from torch.distributed.tensor import DTensor
+
+    try:
+        from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+    except ImportError:  # torch 2.4
+        from torch.distributed._tensor.placement_types import DTensorSpec, TensorMeta
+
+    meta = TensorMeta(torch.Size(shape), tuple(stride), local.dtype)
+    return DTensor(local, DTensorSpec(mesh, tuple(placements), tensor_meta=meta), requires_grad=False)
+
+
 def dtensor_like(local: torch.Tensor, p):
     """`local` (this rank's state of DTensor param `p`, shaped like p's local shard) as a
     DTensor with p's mesh, placements, global shape and stride — how torch.optim.AdamW's
-    state looks under FSDP2 (zeros_like(p)), so DCP saves and reshards it."""
-    from torch.distributed.tensor import DTensor
-
+    state looks under FSDP2 (zeros_like(p)), so DCP saves and reshards it. It stays where it
+    lies (dtensor_over): a CPU tier's state is not copied to the GPU."""
     spec = zero_spec(p)
     if spec is not None:  # process_group: laid out as FSDP2 would shard p (Shard(0) chunks)
         from torch.distributed.tensor import Shard
 
-        return DTensor.from_local(
-            local, spec.mesh, [Shard(0)], run_check=False, shape=p.shape, stride=p.stride()
-        )
-    return DTensor.from_local(
-        local, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride()
-    )
+        return dtensor_over(local, spec.mesh, [Shard(0)], p.shape, p.stride())
+    return dtensor_over(local, p.device_mesh, p.placements, p.shape, p.stride())
 
 
 def local_shard_of(value, p):

@@ -16,6 +16,7 @@ import math
 
 import torch
 
+from hybrid_opt.distributed.dtensor_state import dtensor_over
 from hybrid_opt.distributed.local_shards import chunk_rows, is_dtensor, local_of, zero_spec
 from hybrid_opt.state.state_format import Q8_BLOCK, q8_absmax_shape, q8_blocks, q8_quantized
 
@@ -123,19 +124,10 @@ def _placed_as(p) -> tuple:
 def absmax_dtensor(local: torch.Tensor, p):
     """This rank's absmax `local` of sharded q8 param `p` as a DTensor of the absmax's global
     shape, placed as p's part is (Shard(0) where p is cut), so DCP saves and reshards it."""
-    from torch.distributed.tensor import DTensor
-
     shape = q8_absmax_shape(p.shape)
     stride = torch.empty(shape, device="meta").stride()
     mesh, placements = _placed_as(p)
-    return DTensor.from_local(
-        local.view(absmax_local_shape(p)),
-        mesh,
-        placements,
-        run_check=False,
-        shape=torch.Size(shape),
-        stride=stride,
-    )
+    return dtensor_over(local.view(absmax_local_shape(p)), mesh, placements, shape, stride)
 
 
 def local_absmax_of(value, p) -> torch.Tensor:
