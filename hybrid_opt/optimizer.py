@@ -126,8 +126,9 @@ class _HybridBase(torch.optim.Optimizer):
         self.worker_share, self.spare_banks, self.io_banks = worker_share, spare_banks, io_banks
         self.refit_every = refit_every
         self.overlap_param_gather = bool(overlap_param_gather)
-        node.derive_from_dist()  # the ranks on this node, where the launcher did not say (Lightning's DDP)
         params = [p for g in self.param_groups for p in g["params"]]
+        # the ranks on this node, where the launcher did not say (Lightning's DDP)
+        node.derive_from_dist(params[0].device if params else None)
         lifetime.claim(self, params)
         warn_replicated(params, process_group)
         sharding = sharding_for(params, process_group, release_grads)

@@ -237,8 +237,9 @@ def test_agree_in_one_process_is_the_local_decision_or_the_local_failure():
 
 def test_an_nccl_decision_reduces_on_the_params_gpu_not_the_current_one(monkeypatch):
     """A script that moves its model to cuda:{local_rank} without torch.cuda.set_device leaves
-    every rank's current device at 0: the decision's buffer follows the params' device."""
-    from hybrid_opt.distributed import rank_faults as RF
+    every rank's current device at 0: the decision's buffer, and node detection's gather
+    (node.derive_from_dist), follow the params' device."""
+    from hybrid_opt.distributed.ranks import collective_device
 
     class Nccl:
         def get_backend(self):
@@ -246,6 +247,6 @@ def test_an_nccl_decision_reduces_on_the_params_gpu_not_the_current_one(monkeypa
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    assert RF._device(Nccl(), torch.device("cuda", 1)) == torch.device("cuda", 1)
-    assert RF._device(Nccl(), None) == torch.device("cuda", 0)
-    assert RF._device(Nccl(), torch.device("cpu")) == torch.device("cuda", 0)
+    assert collective_device(Nccl(), torch.device("cuda", 1)) == torch.device("cuda", 1)
+    assert collective_device(Nccl(), None) == torch.device("cuda", 0)
+    assert collective_device(Nccl(), torch.device("cpu")) == torch.device("cuda", 0)

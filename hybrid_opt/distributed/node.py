@@ -90,11 +90,12 @@ def node_key() -> str:
     return f"{socket.gethostname()}/{boot}"
 
 
-def derive_from_dist() -> None:
+def derive_from_dist(device=None) -> None:
     """Where neither a node group nor LOCAL_WORLD_SIZE says who shares this node and
     torch.distributed runs more than one rank: finds out (module docstring), once per default
     group. Collective: every rank of the default group must call it (the optimizer's
-    constructor does)."""
+    constructor does). `device`: the params' (a pure nccl group gathers there, not on the
+    current device: ranks.collective_device)."""
     global _derived
     dist = _dist()
     if dist is None or _node_group is not None or _env_int("LOCAL_WORLD_SIZE") is not None:
@@ -102,8 +103,20 @@ def derive_from_dist() -> None:
     world = dist.get_world_size()
     if world == 1 or (_derived is not None and _derived[0] is dist.group.WORLD):
         return
-    keys = [None] * world
-    dist.all_gather_object(keys, node_key())
+    import hashlib
+
+    import torch
+
+    from hybrid_opt.distributed.ranks import collective_device
+
+    # each rank's node key as 8 bytes of its hash, gathered in one tensor (all_gather_object
+    # would stage through the current CUDA device on a pure nccl group)
+    digest = hashlib.blake2b(node_key().encode(), digest_size=8).digest()
+    at = collective_device(dist, device)
+    mine_t = torch.tensor([int.from_bytes(digest, "little", signed=True)], dtype=torch.int64, device=at)
+    gathered = [torch.empty_like(mine_t) for _ in range(world)]
+    dist.all_gather(gathered, mine_t)
+    keys = [int(t.item()) for t in gathered]
     rank = dist.get_rank()
     mine = [r for r, k in enumerate(keys) if k == keys[rank]]
     _derived = (dist.group.WORLD, NodeInfo(mine.index(rank), len(mine)))

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from hybrid_opt.distributed.ranks import torch_dist, world_size
+from hybrid_opt.distributed.ranks import collective_device, torch_dist, world_size
 
 
 class PeerStepFailed(RuntimeError):
@@ -19,17 +19,6 @@ class PeerStepFailed(RuntimeError):
     def __init__(self, ranks: list, message: str):
         super().__init__(message)
         self.ranks = list(ranks)
-
-
-def _device(dist, device: torch.device | None = None):
-    """Where the decision's buffer lies: gloo reduces CPU tensors; nccl needs them on the rank's
-    GPU, the params' (`device`) where it is one: a script that moves its model to
-    f"cuda:{local_rank}" without torch.cuda.set_device leaves every rank's current device at 0."""
-    if dist.get_backend() == "nccl" and torch.cuda.is_available():
-        if device is not None and device.type == "cuda":
-            return device
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
 
 
 def agree(
@@ -62,7 +51,7 @@ def agree(
             0.0 if init_vote else 1.0,
         ],
         dtype=torch.float64,
-        device=_device(dist, device),
+        device=collective_device(dist, device),
     )
     try:
         dist.all_reduce(buf, op=dist.ReduceOp.SUM)

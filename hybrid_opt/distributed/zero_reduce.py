@@ -1,8 +1,10 @@
 """process_group mode's gradient reductions (zero.py): one bucket's collective, where its input and
 output live, and its sum divided by the world size into the bucket's chunk storage.
 
-Invariant: every collective path (all_to_all on gloo, reduce_scatter, all_reduce) sums the ranks'
-segments in rank order, so all give the same bits. Design notes: docs/internals.md."""
+Invariant: on gloo every collective path (all_to_all, reduce_scatter, all_reduce) sums the ranks'
+segments in rank order, so all give the same bits. NCCL's ring and tree orders are its own: from 3
+ranks its sums may differ from gloo's in the last bit, and nothing depends on their agreeing (each
+chunk has one owner, which steps it from the one sum it received). Design notes: docs/internals.md."""
 
 from __future__ import annotations
 
