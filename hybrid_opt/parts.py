@@ -40,9 +40,11 @@ class Parts(NamedTuple):
         self.speculator.install(host, timing)
 
     def zero_grad(self, set_to_none: bool) -> None:
-        """The optimizer's zero_grad, after torch's: speculation's ready grads dropped, and the
-        sharding told (release_grads keeps the released grads as zeros: zero_release.py)."""
+        """The optimizer's zero_grad, after torch's: speculation's ready grads dropped, an
+        attached GradScaler's scale copied ahead for the hooks, and the sharding told
+        (release_grads keeps the released grads as zeros: zero_release.py)."""
         self.speculator.forget_ready()
+        self.speculator.prefetch_scale()
         self.sharding.zero_grad(set_to_none)
 
 

@@ -70,6 +70,9 @@ class Speculator:
         self._grad_locals = grad_locals  # how the host grads are named: install's
         self._deferred: list = []
         self._inv_scale_cache = None
+        # (the scale's key, the host copy, its event): the loss scale copied ahead (prefetch_scale)
+        self._scale_prefetch: tuple | None = None
+        self._scale_host: torch.Tensor | None = None
         # param group index -> (its hyperparameters' key, the values it names, AdamInputs)
         self._hp_cache: dict = {}
 
@@ -183,20 +186,55 @@ class Speculator:
         return err
 
     # ------------------------------------------------------------------ a speculative step
+    def _scale_key(self):
+        """(the attached scaler's scale tensor, its key: whose it is and its version), or
+        (None, None) where there is no enabled scaler or it has no scale tensor yet."""
+        scaler = self.grad_scaler
+        scale_t = getattr(scaler, "_scale", None) if scaler is not None and scaler.is_enabled() else None
+        if not isinstance(scale_t, torch.Tensor):
+            return None, None
+        return scale_t, (id(scaler), id(scale_t), scale_t._version)
+
+    def prefetch_scale(self) -> None:
+        """zero_grad()'s: the attached GradScaler's scale, as its last update() left it, copied
+        to the host without waiting (queued before the forward, it has landed when backward's
+        first hook asks for it), so no grad hook syncs for it. A scale changed after this (a
+        zero_grad() called before update()) is read as before, once."""
+        scale_t, key = self._scale_key()
+        cached = self._inv_scale_cache
+        if scale_t is None or (cached is not None and cached[0] == key):
+            return
+        if self._scale_host is None:
+            self._scale_host = torch.empty(1, dtype=torch.float32, pin_memory=scale_t.is_cuda)
+        self._scale_host.copy_(scale_t.reshape(-1)[:1], non_blocking=scale_t.is_cuda)
+        landed = None  # a CPU scale's copy is done
+        if scale_t.is_cuda:
+            landed = torch.cuda.Event()
+            landed.record(torch.cuda.current_stream(scale_t.device))
+        self._scale_prefetch = (key, landed)
+
     def predicted_inv_scale(self) -> float:
         """The loss scale speculation assumes. An attached GradScaler's is read once per step:
-        get_scale() copies a CUDA scale to the host (a sync), so the first hook of a backward
-        reads it and later hooks reuse it until the scaler updates its scale (the scale
-        tensor's version moves; where the scaler has no scale tensor yet it is a plain float)."""
+        get_scale() copies a CUDA scale to the host (a sync), so where zero_grad() has not
+        copied it ahead (prefetch_scale), the first hook of a backward reads it, and later
+        hooks reuse it until the scaler updates its scale (the scale tensor's version moves;
+        where the scaler has no scale tensor yet it is a plain float)."""
         scaler = self.grad_scaler
         if scaler is None or not scaler.is_enabled():
             return self.ledger.last_inv_scale
-        scale_t = getattr(scaler, "_scale", None)
-        key = (id(scaler), id(scale_t), scale_t._version) if isinstance(scale_t, torch.Tensor) else None
+        _, key = self._scale_key()
         cached = self._inv_scale_cache
         if key is not None and cached is not None and cached[0] == key:
             return cached[1]
-        inv = 1.0 / float(scaler.get_scale())
+        ahead = self._scale_prefetch
+        if key is not None and ahead is not None and ahead[0] == key:
+            if ahead[1] is not None and not ahead[1].query():  # queued before the forward: landed
+                ahead[1].synchronize()  # (a wait only for that copy, not for the backward)
+            assert self._scale_host is not None  # with the prefetch
+            inv = 1.0 / float(self._scale_host[0])
+        else:
+            inv = 1.0 / float(scaler.get_scale())
+        self._scale_prefetch = None
         self._inv_scale_cache = (key, inv)
         return inv
 

@@ -46,7 +46,7 @@ def train(speculative, steps=5, *, no_sync=False, scaler=None, watch_streams=Non
             opt.attach_grad_scaler(scaler)
             reads, get_scale = [], scaler.get_scale
             scaler.get_scale = lambda: reads.append(1) or get_scale()
-        for _ in range(steps):
+        for k in range(steps):
             x = torch.randn(64, WIDTH, device="cuda", generator=g)
             y = torch.randn(64, WIDTH, device="cuda", generator=g)
             opt.zero_grad()
@@ -54,7 +54,8 @@ def train(speculative, steps=5, *, no_sync=False, scaler=None, watch_streams=Non
             if scaler is not None:
                 reads.clear()
                 loss = scaler.scale(loss)
-            if no_sync:
+            # a scaler's first backward reads its scale once (it has no scale tensor before)
+            if no_sync and (scaler is None or k > 0):
                 torch.cuda.set_sync_debug_mode("error")
             try:
                 loss.backward()
@@ -121,12 +122,23 @@ def test_backward_with_speculation_never_synchronizes():
     assert_bitwise(spec, train(False))
 
 
-def test_an_attached_grad_scaler_is_read_once_per_backward():
+def test_an_attached_grad_scaler_is_read_by_zero_grad_not_by_the_hooks():
+    """zero_grad() after update() copies the scale ahead (non-blocking, before the forward): no
+    hook syncs for it but the first backward's, before the scaler has a scale tensor."""
     spec = train(True, scaler=torch.amp.GradScaler("cuda", init_scale=2.0**10, growth_interval=1))
     plain = train(False, scaler=torch.amp.GradScaler("cuda", init_scale=2.0**10, growth_interval=1))
-    assert spec["scale_reads"] == [1] * len(spec["spec"]), spec["scale_reads"]
+    assert spec["scale_reads"] == [1] + [0] * (len(spec["spec"]) - 1), spec["scale_reads"]
     assert_all_committed(spec)
     assert_bitwise(spec, plain)
+
+
+def test_backward_with_speculation_and_a_grad_scaler_never_synchronizes():
+    scaler = torch.amp.GradScaler("cuda", init_scale=2.0**10, growth_interval=1)
+    spec = train(True, no_sync=True, scaler=scaler)
+    assert_all_committed(spec)
+    assert_bitwise(
+        spec, train(False, scaler=torch.amp.GradScaler("cuda", init_scale=2.0**10, growth_interval=1))
+    )
 
 
 def test_a_cpu_model_never_pins_even_with_cuda_present():

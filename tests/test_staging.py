@@ -383,7 +383,12 @@ def test_later_hooks_hand_over_the_pieces_whose_copies_landed():
         assert entry["sent_in_backward"] > 0 and entry["committed"] == spec[3], entry
 
 
-def test_an_attached_grad_scaler_is_read_once_per_backward():
+@pytest.mark.parametrize("zero_grad_first", [True, False])
+def test_an_attached_grad_scaler_is_read_by_zero_grad_not_by_the_hooks(zero_grad_first):
+    """get_scale() copies a CUDA scale to the host (a sync). zero_grad() after update() copies it
+    ahead (Speculator.prefetch_scale): no hook reads it but the first backward's, before the
+    scaler has a scale tensor. A zero_grad() before update() leaves it to the first hook of the
+    next backward, once. Either way each speculation commits: the scale followed every update."""
     net = make_mlp()
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8, growth_interval=1)
     reads = []
@@ -399,17 +404,21 @@ def test_an_attached_grad_scaler_is_read_once_per_backward():
     ) as opt:
         opt.attach_grad_scaler(scaler)
         n_host = sum(1 for t in opt.plan.tiers if t != "device")
-        scales = []
+        scales, per_backward = [], []
         for x, y in batches(4):
-            opt.zero_grad()
+            if zero_grad_first:
+                opt.zero_grad()
             reads.clear()
             scaler.scale(((net(x) - y) ** 2).mean()).backward()
-            assert len(reads) == 1, f"{len(reads)} scale reads in one backward"
+            per_backward.append(len(reads))
             scales.append(get_scale())
             scaler.step(opt)
+            if not zero_grad_first:
+                opt.zero_grad()  # before update(): what it copied is stale by the next backward
             scaler.update()
-            # the cached scale followed every update: each speculation committed
+            # the scale followed every update: each speculation committed
             assert opt.stats["speculation"]["committed"] == n_host, opt.stats["speculation"]
+    assert per_backward == ([1, 0, 0, 0] if zero_grad_first else [1, 1, 1, 1]), per_backward
     assert len(set(scales)) == len(scales), scales  # growth_interval=1: it changed every step
 
 
