@@ -334,7 +334,12 @@ def test_bench_step_peer_rows_in_fresh_processes_give_every_row(tmp_path):
     )
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     rows = {r["impl"]: r for r in json.loads(out.read_text())}
-    assert set(rows) == {
+    # the peers that run where they are installed (torchao's on CUDA only, DeepSpeed's where it builds)
+    optional = {
+        "torchao CPUOffloadOptimizer(AdamW fused)",
+        "DeepSpeedCPUAdam (ZeRO-Offload's CPU Adam), in process",
+    }
+    assert set(rows) - optional == {
         "device only: torch AdamW(fused=True)",
         'HybridAdamW "auto"',
         "HybridAdamW offload 1",

@@ -288,13 +288,10 @@ def test_planner_json_on_each_preset(preset, params, capsys):
 
 
 def test_planner_options_override_the_preset(capsys):
-    # 7B does not fit 24 GB without a disk; with 200 GB and a faster host Adam it does
-    assert (
-        plan_report.main(
-            ["--params", "7B", "--preset", "this-machine", "--host-mem", "24", "--nvme-drives", "0", "--json"]
-        )
-        == 1
-    )
+    # 7B does not fit 24 GB without a disk; with 200 GB and a faster host Adam it does. The GPU's
+    # memory is given too: an H200's own 141 GB would hold the 7B's 112 GB of state at offload 0
+    argv = ["--params", "7B", "--preset", "this-machine", "--host-mem", "24", "--gpu-mem", "24"]
+    assert plan_report.main(argv + ["--nvme-drives", "0", "--json"]) == 1
     capsys.readouterr()
     assert (
         plan_report.main(
