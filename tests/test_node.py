@@ -388,3 +388,27 @@ def test_the_ranks_on_a_node_are_derived_from_torch_distributed_when_the_launche
     assert all(r["local_world_size"] == 2 and r["steps"] == 1 for r in res), res
     assert not set(res[0]["worker_cores"]) & set(res[1]["worker_cores"]), res
     assert not set(res[0]["trainer_cores"]) & set(res[1]["trainer_cores"]), res  # no rank takes the node
+
+
+def test_default_budgets_count_a_dtensor_params_local_shard(monkeypatch, tmp_path):
+    """FSDP2: a rank holds its DTensor params' local shards; their global size would count every
+    rank's memory as this rank's (a default budget too generous by the world size)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+
+    if not (dist.is_available() and dist.is_gloo_available()):
+        pytest.skip("torch.distributed with gloo is not available")
+    monkeypatch.setattr(scheduler, "_free_host_bytes", lambda: 100e9)
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/rdzv", rank=0, world_size=1)
+    try:
+        mesh = DeviceMesh.from_group(dist.group.WORLD, "cpu")
+        local = torch.zeros(1000)  # this rank's 4 kB of a param of 4 such shards (as on 4 ranks)
+        meta = TensorMeta(torch.Size((4000,)), (1,), torch.float32)
+        p = DTensor(local, DTensorSpec(mesh, (Shard(0),), tensor_meta=meta), requires_grad=False)
+        assert p.numel() == 4000
+        _, host = scheduler.default_budgets([p], torch.device("cpu"), None, None)
+        assert host == pytest.approx((100e9 + 4000) * (1 - scheduler.HEADROOM), abs=1.0)  # not 16 kB
+    finally:
+        dist.destroy_process_group()

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from hybrid_opt.distributed import node
+from hybrid_opt.distributed.local_shards import is_dtensor
 from hybrid_opt.placement import cost_model as cm
 from hybrid_opt.placement.plan import DEFAULT_SPARE_BANKS
 from hybrid_opt.state.layout import bank_padding
@@ -413,14 +414,21 @@ def default_spare_banks(n_host: int, subgroup_state_bytes: int, leftover=None) -
     return max(1, min(n_host, max(DEFAULT_SPARE_BANKS, fit)))
 
 
+def _held(t: torch.Tensor) -> torch.Tensor:
+    """The memory `t` holds on this rank: a DTensor's local shard, else `t` (a process_group
+    param is whole on every rank)."""
+    return t.to_local() if is_dtensor(t) else t  # type: ignore[attr-defined]
+
+
 def default_budgets(params: list, device: torch.device, device_budget, host_budget) -> tuple:
     """(device, host) budgets in bytes for the cost model, which counts the model copy and
     grads itself: what is free now (on CUDA: available_device_bytes, torch's cached blocks
     included; host memory: this rank's share of the node's, _free_host_share) plus what the
     model's parameters already hold, less HEADROOM (the user's explicit budgets are taken as
-    they are)."""
-    param_bytes = sum(p.numel() * p.element_size() for p in params)
-    grad_bytes = sum(p.grad.numel() * p.grad.element_size() for p in params if p.grad is not None)
+    they are). A DTensor param (FSDP2) holds its local shard only: its global size would count
+    every rank's."""
+    param_bytes = sum(_held(p).numel() * p.element_size() for p in params)
+    grad_bytes = sum(_held(p.grad).numel() * p.grad.element_size() for p in params if p.grad is not None)
     if host_budget is None:
         host_budget = (_free_host_share() + (param_bytes + grad_bytes if device.type != "cuda" else 0)) * (
             1 - HEADROOM
