@@ -16,7 +16,7 @@ import weakref
 from collections.abc import Hashable
 from typing import TYPE_CHECKING, NamedTuple
 
-from hybrid_opt.shm import MAP_FIXED, MAP_NORESERVE, PAGE, address, libc_mmap
+from hybrid_opt.shm import MAP_FIXED, MAP_NORESERVE, PAGE, address, libc, libc_mmap
 
 if TYPE_CHECKING:
     import torch
@@ -24,11 +24,10 @@ if TYPE_CHECKING:
 _MREMAP_MAYMOVE, _MREMAP_FIXED = 1, 2
 _MAP_FAILED = ctypes.c_void_p(-1).value
 
-_libc = ctypes.CDLL(None, use_errno=True)
-_mremap = _libc.mremap
+_mremap = libc.mremap
 _mremap.restype = ctypes.c_void_p
 _mremap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
-_munmap = _libc.munmap
+_munmap = libc.munmap
 _munmap.restype = ctypes.c_int
 _munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
 

@@ -30,8 +30,8 @@ MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)  # Linux 5.14+
 MAP_FIXED = 0x10
 MAP_NORESERVE = getattr(mmap, "MAP_NORESERVE", 0x4000)
 
-_libc = ctypes.CDLL(None, use_errno=True)
-libc_mmap = _libc.mmap  # mmap(2) itself: Python's maps at no address it is given
+libc = ctypes.CDLL(None, use_errno=True)  # this process's C library (mapped.py's mremap and munmap too)
+libc_mmap = libc.mmap  # mmap(2) itself: Python's maps at no address it is given
 libc_mmap.restype = ctypes.c_void_p
 libc_mmap.argtypes = [
     ctypes.c_void_p,
