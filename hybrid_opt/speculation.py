@@ -199,7 +199,10 @@ class Speculator:
         """zero_grad()'s: the attached GradScaler's scale, as its last update() left it, copied
         to the host without waiting (queued before the forward, it has landed when backward's
         first hook asks for it), so no grad hook syncs for it. A scale changed after this (a
-        zero_grad() called before update()) is read as before, once."""
+        zero_grad() called before update()) is read as before, once. Nothing is copied where no
+        hook is installed (no host subgroup to speculate): only a hook reads it."""
+        if not self._hooks:
+            return
         scale_t, key = self._scale_key()
         cached = self._inv_scale_cache
         if scale_t is None or (cached is not None and cached[0] == key):
