@@ -206,10 +206,14 @@ def _set_block_prefetch(on: bool) -> None:
         raise ValueError("the blocks' prefetch is an option of the x86 levels only")
 
 
-def adam_steps(calls: list) -> None:
-    """Runs a list of AdamArgs in one call of hybrid_adam_step_many (raw addresses, unchecked): the
-    torch-free half of cpu_kernels.adam_steps_, which the worker's steps call too."""
-    if calls and lib.hybrid_adam_step_many((AdamArgs * len(calls))(*calls), len(calls)) != 0:
+def adam_steps(calls) -> None:
+    """Runs a list (or a ctypes array) of AdamArgs in one call of hybrid_adam_step_many (raw
+    addresses, unchecked): the torch-free half of cpu_kernels.adam_steps_, which the worker's steps
+    call too."""
+    if not len(calls):
+        return
+    argv = calls if isinstance(calls, ctypes.Array) else (AdamArgs * len(calls))(*calls)
+    if lib.hybrid_adam_step_many(argv, len(calls)) != 0:
         raise MemoryError("hybrid_adam_step_many could not allocate its per-call constants")
 
 

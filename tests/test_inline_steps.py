@@ -215,6 +215,29 @@ def test_hybrid_adamw_on_a_cpu_only_host_steps_in_the_trainer_with_the_workers_b
 
 
 @TWO_CORES
+@pytest.mark.parametrize("fmt", ["fp32", "amsgrad_clip", "bf16_remainders"])
+def test_a_pieces_adam_calls_are_packed_as_ctypes_builds_each_run(fmt, monkeypatch):
+    """The trainer's Adam calls of a piece that spans several params go as one AdamArgs array packed
+    straight into its memory (ArenaSteps._adam_argv): byte for byte the structs ctypes builds from
+    each run's fields (its addresses worked out at its own offset), for every format's fields."""
+    seen = []
+    real = arena_steps.ArenaSteps._adam_argv
+
+    def check(self, t, runs, out_bank, m_dtype, v_dtype):
+        argv = real(self, t, runs, out_bank, m_dtype, v_dtype)
+        want = [
+            self.AdamArgs(*self._adam_args(t, g, out_bank, m_dtype, v_dtype, off, n)) for g, off, n in runs
+        ]
+        assert [bytes(a) for a in argv] == [bytes(w) for w in want]
+        seen.append(len(runs))
+        return argv
+
+    monkeypatch.setattr(arena_steps.ArenaSteps, "_adam_argv", check)
+    _train(fmt, steps=2)
+    assert seen and max(seen) > 1  # pieces of several runs were packed
+
+
+@TWO_CORES
 @pytest.mark.parametrize("clip", [None, 1e-3], ids=["committed", "clip_bites_redone"])
 def test_speculated_at_the_worker_then_committed_or_redone_in_the_trainer_bitwise(clip):
     """speculative=True on shared cores: the worker steps during backward; step() commits those

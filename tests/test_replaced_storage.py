@@ -198,6 +198,30 @@ def test_storage_check_costs_no_allocation():
         assert peak < 4096, f"the per-step storage check allocated {peak} bytes"
 
 
+@pytest.mark.parametrize("change", ["none", "written", "replaced"])
+def test_the_plain_params_shortcut_answers_as_the_general_check(change, monkeypatch):
+    """Where no tensor can be a DTensor and none is a process_group chunk, the per-step check reads
+    each param's data_ptr and version directly (local_shards._all_plain): the same answers as the
+    general path through local_of and write_count, for params untouched, written and replaced."""
+    from hybrid_opt.distributed import local_shards
+
+    params = [nn.Parameter(torch.randn(5)) for _ in range(4)]
+    ptrs, counts = [p.data_ptr() for p in params], local_shards.write_counts(params)
+    with torch.no_grad():
+        if change == "written":
+            params[2].add_(1.0)
+        elif change == "replaced":
+            params[1].data = torch.randn(5)
+    # as in a process that never loaded torch.distributed.tensor (an earlier test may have)
+    monkeypatch.setattr(local_shards, "_dtensor_class", lambda: None)
+    assert local_shards._all_plain()
+    fast = local_shards.moved_or_written(params, ptrs, counts), local_shards.write_counts(params)
+    monkeypatch.setattr(local_shards, "_all_plain", lambda: False)
+    general = local_shards.moved_or_written(params, ptrs, counts), local_shards.write_counts(params)
+    assert fast == general
+    assert fast[0] == {"none": (False, False), "written": (False, True), "replaced": (True, False)}[change]
+
+
 @pytest.mark.gpu
 def test_model_cuda_after_construction_raises():
     model = _net()

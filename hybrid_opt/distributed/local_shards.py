@@ -16,15 +16,20 @@ from hybrid_opt.distributed.ranks import world_size
 _DTENSOR: list = []  # [the DTensor class], once torch.distributed.tensor is loaded
 
 
-def is_dtensor(t) -> bool:
+def _dtensor_class():
     # No tensor is a DTensor before torch.distributed.tensor is loaded (FSDP2 and DTensor's users
     # load it), so a process without one does not pay its import: 1.2-1.7 s, sympy through torch.fx.
     if not _DTENSOR:
         dtensor = getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)
         if dtensor is None:  # not loaded (or still loading, or a torch without it)
-            return False
+            return None
         _DTENSOR.append(dtensor)
-    return isinstance(t, _DTENSOR[0])
+    return _DTENSOR[0]
+
+
+def is_dtensor(t) -> bool:
+    dtensor = _dtensor_class()
+    return dtensor is not None and isinstance(t, dtensor)
 
 
 # process_group mode (zero.py): plain params whose state this rank keeps for a dim-0 chunk
@@ -136,11 +141,23 @@ def write_count(p, local=None) -> int:
     return local._version + (p._version if is_dtensor(p) else 0)
 
 
+def _all_plain() -> bool:
+    """No tensor can be a DTensor (torch.distributed.tensor is not loaded) and no param is
+    sharded by process_group: every tensor is its own local memory, its write count its version."""
+    return not _ZERO_PARAMS and _dtensor_class() is None
+
+
 def moved_or_written(params, ptrs: list, counts: list) -> tuple:
     """(some param's local memory is not at `ptrs` any more, some param's write_count is not
     `counts`'s) — int comparisons only, nothing allocated (storage.ParamGuard.check runs it
     every step)."""
     written = False
+    if _all_plain():  # the same answer without local_of's and write_count's calls per param
+        for k, p in enumerate(params):
+            if p.data_ptr() != ptrs[k]:
+                return True, written
+            written = written or p._version != counts[k]
+        return False, written
     for k, p in enumerate(params):
         local = local_of(p)
         if local.data_ptr() != ptrs[k]:
@@ -166,4 +183,4 @@ def grad_locals(grads) -> tuple:
 
 
 def write_counts(params) -> list:
-    return [write_count(p) for p in params]
+    return [p._version for p in params] if _all_plain() else [write_count(p) for p in params]
