@@ -287,8 +287,8 @@ def adam_steps_(calls) -> None:
     """Runs `adam_call`'s calls as one: a single parallel region whose threads split the calls'
     elements taken end to end, so a list of small tensors shares the cores and pays one fork and
     join (each call bit for bit as adam_step_ would step it). No call may write what another
-    reads or writes."""
-    _lib.adam_steps(list(calls))
+    reads or writes. `calls` may also be an AdamArgs array (packed by `_lib.packer`), run as it is."""
+    _lib.adam_steps(calls if isinstance(calls, ctypes.Array) else list(calls))
 
 
 def encode_remainder(master):

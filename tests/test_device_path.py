@@ -454,3 +454,107 @@ def test_auto_on_cuda_measures_gpu_time_not_launch_time():
         floor = elements * 28 / 5e12
         assert measured["device_s"] >= floor, (measured, floor, opt.stats["device_s"])
         assert measured["backward_s"] is None or measured["backward_s"] >= 0
+
+
+# ============================================================================= a CPU host's device tier
+CPU_FORMATS = {
+    "fp32": (torch.float32, {}),
+    "amsgrad": (torch.float32, dict(amsgrad=True)),
+    "bf16_master": (torch.bfloat16, {}),
+    "bf16_remainders": (
+        torch.bfloat16,
+        dict(store_param_remainders=True, exp_avg_dtype=torch.bfloat16, exp_avg_sq_dtype=torch.bfloat16),
+    ),
+}
+
+
+def _cpu_run(fmt: str, steps: int, monkeypatch=None, grads=None):
+    """HybridAdamW at offload 0 on the CPU (the device tier's CPU path) over a small net in `fmt`;
+    `grads(net, k)` may replace the grads before step k. With `monkeypatch`, each step's packed
+    structs are checked against adam_call's (DeviceTier._cpu_fields). Returns the params."""
+    import cpu_kernels
+    from cpu_kernels import _api
+    from hybrid_opt.tiers import device as device_module
+
+    dtype, extra = CPU_FORMATS[fmt]
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(24, 40), nn.ReLU(), nn.Linear(40, 8)).to(dtype)
+    opt = HybridAdamW(net.parameters(), lr=1e-2, weight_decay=0.1, offload_fraction=0.0, **extra)
+    seen = []
+    if monkeypatch is not None:
+        real_step, real_steps = DeviceTier._step_cpu, cpu_kernels.adam_steps_
+
+        def step_cpu(self, work, grad_scale):
+            seen.append((self, work, grad_scale))
+            return real_step(self, work, grad_scale)
+
+        def adam_steps(calls):
+            tier, work, scale = seen[-1]
+            want = []
+            for index, sl, hp, step in work:
+                p, m, v, vmax, copy, rem = tier._views(index, sl)
+                args = device_module._kernel_args(hp, step, scale, vmax, copy, rem)
+                want.append(bytes(_api.adam_call(p, sl.grad_view(), m, v, check=False, **args)))
+            assert [bytes(c) for c in calls] == want
+            return real_steps(calls)
+
+        monkeypatch.setattr(DeviceTier, "_step_cpu", step_cpu)
+        monkeypatch.setattr(cpu_kernels, "adam_steps_", adam_steps)
+    with opt:
+        for k in range(1, steps + 1):
+            opt.zero_grad()  # grads freed: each step's are new memory
+            g = torch.Generator().manual_seed(k)
+            x, y = torch.randn(6, 24, generator=g).to(dtype), torch.randn(6, 8, generator=g)
+            ((net(x).float() - y) ** 2).mean().backward()
+            if grads is not None:
+                grads(net, k)
+            if k == 3:
+                opt.param_groups[0]["lr"] = 3e-3  # a changed hyperparameter reaches the cached structs
+            opt.step()
+    assert monkeypatch is None or len(seen) == steps
+    return [p.detach().clone() for p in net.parameters()]
+
+
+@pytest.mark.parametrize("fmt", list(CPU_FORMATS))
+def test_a_cpu_device_tiers_packed_structs_are_adam_calls_own(fmt, monkeypatch):
+    """On a CPU host the device tier packs each slice's struct from fields it keeps per slice
+    (DeviceTier._cpu_fields), setting the grad's address and the step's values: byte for byte
+    the struct adam_call makes from the slice's tensors and that step's grad, for every format,
+    with new grads each step and the lr changed."""
+    _cpu_run(fmt, 4, monkeypatch)
+
+
+def test_a_non_contiguous_grad_takes_adam_calls_own_path_with_the_same_bits():
+    """A grad that is not contiguous (a transposed tensor set as .grad) is stepped through a
+    contiguous copy, as before: the same bits as the same values in a contiguous grad."""
+
+    def transposed(net, k):
+        w = net[0].weight
+        w.grad = w.grad.t().contiguous().t()  # the same values, column-major
+        assert not w.grad.is_contiguous()
+
+    assert all(torch.equal(a, b) for a, b in zip(_cpu_run("fp32", 3), _cpu_run("fp32", 3, grads=transposed)))
+
+
+def test_a_cpu_device_tiers_steady_step_makes_no_tensor_per_slice(monkeypatch):
+    """The second step finds every slice's fields (no grad view, no tier view); a dropped subgroup
+    empties them, as it empties the prepared launches."""
+    tier, sgs, params = _device_tier((300, 77))
+    if params[0].device.type != "cpu":
+        pytest.skip("the CPU path of the device tier")
+    hp = AdamInputs(0, 1e-2, 0.9, 0.999, 1e-8, 0.1, True, 1.0)
+    work = [(sg.index, sl, hp, 1) for sg in sgs for sl in sg.slices]
+    tier._step_cpu(work, 0.25)
+    before = [p.clone() for p in params]
+
+    def refuse(*a, **k):
+        raise AssertionError("a per-slice tensor in the steady state")
+
+    with monkeypatch.context() as m:
+        m.setattr(L.ParamSlice, "grad_view", refuse)
+        m.setattr(DeviceTier, "_views", refuse)
+        tier._step_cpu([(i, sl, hp, 2) for i, sl, _, _ in work], 0.25)
+    assert all(not torch.equal(a, b) for a, b in zip(params, before))
+    assert tier._cpu_calls
+    tier.drop(sgs[0].index)
+    assert not tier._cpu_calls

@@ -212,8 +212,10 @@ def test_the_plain_params_shortcut_answers_as_the_general_check(change, monkeypa
             params[2].add_(1.0)
         elif change == "replaced":
             params[1].data = torch.randn(5)
-    # as in a process that never loaded torch.distributed.tensor (an earlier test may have)
+    # as in a process that never loaded torch.distributed.tensor nor sharded a param by
+    # process_group (an earlier test may have done both)
     monkeypatch.setattr(local_shards, "_dtensor_class", lambda: None)
+    monkeypatch.setattr(local_shards, "_ZERO_PARAMS", [])
     assert local_shards._all_plain()
     fast = local_shards.moved_or_written(params, ptrs, counts), local_shards.write_counts(params)
     monkeypatch.setattr(local_shards, "_all_plain", lambda: False)

@@ -144,7 +144,7 @@ def write_count(p, local=None) -> int:
 def _all_plain() -> bool:
     """No tensor can be a DTensor (torch.distributed.tensor is not loaded) and no param is
     sharded by process_group: every tensor is its own local memory, its write count its version."""
-    return not _ZERO_PARAMS and _dtensor_class() is None
+    return not (_ZERO_PARAMS and len(_ZERO_PARAMS[0])) and _dtensor_class() is None
 
 
 def moved_or_written(params, ptrs: list, counts: list) -> tuple:

@@ -101,6 +101,41 @@ def _carve_from_one_block(kinds: list) -> None:
         del block
 
 
+_CPU_CALLS = 1 << 16  # DeviceTier._cpu_fields' entries at most
+
+
+def _kernel_args(hp, step: int, grad_scale: float, vmax, copy, rem) -> dict:
+    """The CPU kernels' keyword arguments for a slice of a param group (`hp`) at `step`."""
+    return dict(
+        step=step,
+        lr=hp.lr,
+        beta1=hp.beta1,
+        beta2=hp.beta2,
+        eps=hp.eps,
+        weight_decay=hp.weight_decay,
+        decoupled=hp.decoupled,
+        grad_scale=grad_scale * hp.grad_scale,
+        max_exp_avg_sq=vmax if hp.amsgrad else None,
+        param_copy=copy,
+        remainder=rem,
+    )
+
+
+def _fields_of(call) -> tuple:
+    """An AdamArgs' fields in order (a NULL pointer as 0): what cpu_kernels' packer packs."""
+    return tuple(getattr(call, name) or 0 for name, _ in call._fields_)
+
+
+# the fields _step_cpu sets in a cached struct each step (AdamArgs' order: lr .. weight_decay run on)
+_ADAM_FIELDS = (
+    "n param grad exp_avg exp_avg_sq max_exp_avg_sq param_out exp_avg_out exp_avg_sq_out max_exp_avg_sq_out "
+    "param_copy grad_dtype moment_dtype copy_dtype decoupled step lr beta1 beta2 eps weight_decay grad_scale"
+).split()
+_GRAD, _DECOUPLED, _STEP, _LR, _SCALE = (
+    _ADAM_FIELDS.index(f) for f in ("grad", "decoupled", "step", "lr", "grad_scale")
+)
+
+
 class DeviceTier:
     """`master[i]`: the fp32 master of a bf16/fp16 subgroup i (an fp32 subgroup's is its params
     themselves: none here); `remainder[i]`: the int16 low halves of a bf16 subgroup with
@@ -111,6 +146,7 @@ class DeviceTier:
         self.format, self.amsgrad = state_format, amsgrad
         self.progress: tuple = ([], [])  # (done, unsure) of the last step (step())
         self._launches: collections.OrderedDict = collections.OrderedDict()  # _launch_for's, LRU
+        self._cpu_calls: dict = {}  # _cpu_fields', per CPU slice
         self.subgroups, self.master, self.remainder, self.state = {}, {}, {}, {}
         self._cpu: dict = {}  # subgroup index -> the CpuStateArena of its tensors (a CPU-only host)
         self.formats: dict = {}  # subgroup index -> its StateFormat (q8 moments fp32 for small params)
@@ -151,7 +187,12 @@ class DeviceTier:
             (self.formats, other.formats),
         ):
             d.update(o)
-        self._launches.clear()  # they read tensors of the subgroups as they were
+        self._forget_prepared()  # they read tensors of the subgroups as they were
+
+    def _forget_prepared(self) -> None:
+        """The prepared launches and CPU structs read the tier's tensors as they were."""
+        self._launches.clear()
+        self._cpu_calls.clear()
 
     def drop(self, index: int, keep_subgroup: bool = False) -> None:
         """Lets subgroup `index`'s state go (it left the tier, or is about to be put back)."""
@@ -164,7 +205,7 @@ class DeviceTier:
         arena = self._cpu.pop(index, None)
         if arena is not None:
             arena.release(index)  # its pages go back now, as a tensor of its own would
-        self._launches.clear()  # a prepared launch may read the state just let go
+        self._forget_prepared()  # a prepared launch may read the state just let go
 
     def close(self) -> None:
         """The CPU arenas' descriptors close; the memory goes with the tier's last tensor (held
@@ -373,37 +414,69 @@ class DeviceTier:
 
     def _step_cpu(self, work: list, grad_scale: float) -> None:
         import cpu_kernels
+        from cpu_kernels import _lib
 
         done, _ = self.progress = ([], [])
-        calls, positions, keep = [], [], []  # the Adam slices go as one call (adam_steps_)
+        # the Adam slices go as one call (adam_steps_), their structs packed into one array
+        pack, size = _lib.packer(_lib.AdamArgs)
+        at_field = {name: i for i, (name, _) in enumerate(_lib.AdamArgs._fields_)}
+        dynamic = [at_field[f] for f in ("grad", "step", "lr", "beta1", "beta2", "eps", "weight_decay")]
+        dynamic += [at_field["grad_scale"], at_field["decoupled"]]
+        buf = bytearray(size * len(work))
+        count, positions, keep = 0, [], []
         for k, (index, sl, hp, step) in enumerate(work):
+            at = None if self.quantized(index) else sl.grad_address()
+            if at is not None:  # a contiguous grad: the slice's struct from its cached fields
+                fields = list(self._cpu_fields(index, sl, hp, at[1]))
+                values = [at[0], step, float(hp.lr), float(hp.beta1), float(hp.beta2), float(hp.eps)]
+                values += [
+                    float(hp.weight_decay),
+                    float(grad_scale * hp.grad_scale),
+                    1 if hp.decoupled else 0,
+                ]
+                for i, value in zip(dynamic, values):
+                    fields[i] = value
+                pack(buf, count * size, *fields)
+                count += 1
+                positions.append(k)
+                continue
             p, m, v, vmax, copy, rem = self._views(index, sl)
             grad = sl.grad_view()
             if not grad.is_contiguous():
                 grad = grad.contiguous()
                 keep.append(grad)  # the call holds its address
-            args = dict(
-                step=step,
-                lr=hp.lr,
-                beta1=hp.beta1,
-                beta2=hp.beta2,
-                eps=hp.eps,
-                weight_decay=hp.weight_decay,
-                decoupled=hp.decoupled,
-                grad_scale=grad_scale * hp.grad_scale,
-                max_exp_avg_sq=vmax if hp.amsgrad else None,
-                param_copy=copy,
-                remainder=rem,
-            )
+            args = _kernel_args(hp, step, grad_scale, vmax, copy, rem)
             if self.quantized(index):
                 cpu_kernels.q8_adam_step_(p, grad, m, v, **args)
                 done.append(k)
-            else:
-                # the tier's own tensors; the grads checked by the optimizer (step_failures)
-                calls.append(cpu_kernels.adam_call(p, grad, m, v, check=False, **args))
-                positions.append(k)
-        cpu_kernels.adam_steps_(calls)
+                continue
+            # the tier's own tensors; the grads checked by the optimizer (step_failures)
+            call = cpu_kernels.adam_call(p, grad, m, v, check=False, **args)
+            pack(buf, count * size, *_fields_of(call))
+            count += 1
+            positions.append(k)
+        if count:
+            cpu_kernels.adam_steps_((_lib.AdamArgs * count).from_buffer(buf))
         done.extend(positions)
+
+    def _cpu_fields(self, index: int, sl, hp, grad_dtype) -> tuple:
+        """A slice's Adam struct fields as adam_call makes them (its tensors from _views), made
+        once per slice, param memory, amsgrad and grad dtype: the tier's tensors are fixed while
+        its subgroups are (forgotten with the prepared launches). The caller sets the grad's
+        address and the step's hyperparameters."""
+        key = (index, sl.sub_offset, sl.numel, sl.view.data_ptr(), hp.amsgrad, grad_dtype)
+        fields = self._cpu_calls.get(key)
+        if fields is None:
+            import cpu_kernels
+
+            if len(self._cpu_calls) >= _CPU_CALLS:  # params replaced step after step: start again
+                self._cpu_calls.clear()
+
+            p, m, v, vmax, copy, rem = self._views(index, sl)
+            args = _kernel_args(hp, 1, 1.0, vmax, copy, rem)
+            fields = _fields_of(cpu_kernels.adam_call(p, sl.grad_view(), m, v, check=False, **args))
+            self._cpu_calls[key] = fields
+        return fields
 
     def _launch_key(self, items: list, amsgrad: bool, rem: bool):
         """What a prepared launch over `items`' slices reads, read every step without making a

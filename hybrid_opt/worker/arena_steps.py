@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import ctypes
 import math
-import struct
 
 from hybrid_opt.worker import protocol as proto
 
@@ -23,25 +22,6 @@ def _run_all(call, argv: list) -> None:
 
 
 _N, _GRAD = 0, 2  # AdamArgs' fields n and grad (_adam_args' order)
-_STRUCT_CODES = {ctypes.c_int64: "q", ctypes.c_void_p: "Q", ctypes.c_int32: "i", ctypes.c_double: "d"}
-_structs: dict = {}
-
-
-def _adam_struct(cls) -> tuple:
-    """(pack_into, size) of the ctypes structure `cls` as a `struct` format (native byte order, its
-    padding spelled out from the fields' offsets), made once per class."""
-    if cls not in _structs:
-        fmt, pos = "=", 0
-        for name, ty in cls._fields_:
-            offset = getattr(cls, name).offset
-            fmt += f"{offset - pos}x" if offset > pos else ""
-            fmt += _STRUCT_CODES[ty]
-            pos = offset + ctypes.sizeof(ty)
-        fmt += f"{ctypes.sizeof(cls) - pos}x" if ctypes.sizeof(cls) > pos else ""
-        packer = struct.Struct(fmt)
-        assert packer.size == ctypes.sizeof(cls), (fmt, ctypes.sizeof(cls))
-        _structs[cls] = packer.pack_into, packer.size
-    return _structs[cls]
 
 
 class ArenaSteps:
@@ -199,7 +179,7 @@ class ArenaSteps:
         # the count and the grads' address come from each run; the rest move with its offset
         moving = [(k, a, b - a) for k, (a, b) in enumerate(zip(at0, at1)) if k not in (_N, _GRAD) and a != b]
         fields = [0 if v is None else v for v in at0]  # a NULL pointer packs as 0
-        pack, size = _adam_struct(self.AdamArgs)
+        pack, size = self._lib.packer(self.AdamArgs)
         buf = bytearray(size * len(runs))
         for i, (grad, off, numel) in enumerate(runs):
             fields[_N], fields[_GRAD] = numel, grad
