@@ -126,16 +126,6 @@ def _fields_of(call) -> tuple:
     return tuple(getattr(call, name) or 0 for name, _ in call._fields_)
 
 
-# the fields _step_cpu sets in a cached struct each step (AdamArgs' order: lr .. weight_decay run on)
-_ADAM_FIELDS = (
-    "n param grad exp_avg exp_avg_sq max_exp_avg_sq param_out exp_avg_out exp_avg_sq_out max_exp_avg_sq_out "
-    "param_copy grad_dtype moment_dtype copy_dtype decoupled step lr beta1 beta2 eps weight_decay grad_scale"
-).split()
-_GRAD, _DECOUPLED, _STEP, _LR, _SCALE = (
-    _ADAM_FIELDS.index(f) for f in ("grad", "decoupled", "step", "lr", "grad_scale")
-)
-
-
 class DeviceTier:
     """`master[i]`: the fp32 master of a bf16/fp16 subgroup i (an fp32 subgroup's is its params
     themselves: none here); `remainder[i]`: the int16 low halves of a bf16 subgroup with
@@ -471,7 +461,6 @@ class DeviceTier:
 
             if len(self._cpu_calls) >= _CPU_CALLS:  # params replaced step after step: start again
                 self._cpu_calls.clear()
-
             p, m, v, vmax, copy, rem = self._views(index, sl)
             args = _kernel_args(hp, 1, 1.0, vmax, copy, rem)
             fields = _fields_of(cpu_kernels.adam_call(p, sl.grad_view(), m, v, check=False, **args))
