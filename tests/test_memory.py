@@ -78,6 +78,28 @@ def test_subgroups_pack_each_bucket_with_one_short_subgroup_at_most():
         assert all(a + n == b for (a, n), (b, _) in zip(runs, runs[1:]))
 
 
+@pytest.mark.parametrize("a, b", [(0, None), (3, 64), (0, 40), (9, 50)])
+@pytest.mark.parametrize("skip", [(), (1,), (0, 2)])
+def test_subgroup_write_puts_each_element_where_it_lives(a, b, skip):
+    """Subgroup.write over a whole subgroup or a range cutting its slices, for all its slices or
+    some (params without a grad left out, gaps in the source): each written element is the
+    source's at its offset, every other element keeps its value (the source's views are made
+    by one split over the pieces and the gaps between them)."""
+    numels = [5, 30, 7, 7, 20]
+    params = [torch.full((n,), -1.0) for n in numels]
+    sg = L.layout_group(params, 0, 0, subgroup_numel=64, first_subgroup=0)[0]
+    assert len(sg.slices) == 5
+    end = sg.numel if b is None else b
+    slices = [sl for k, sl in enumerate(sg.slices) if k not in skip] if skip else None
+    src = torch.arange(end - a, dtype=torch.float32) + 1000.0
+    sg.write(src, a, b, slices=slices)
+    flat = torch.cat(params)
+    for e in range(sg.numel):
+        sl = next(sl for sl in sg.slices if sl.sub_offset <= e < sl.sub_offset + sl.numel)
+        written = a <= e < end and sg.slices.index(sl) not in skip
+        assert flat[e].item() == (1000.0 + e - a if written else -1.0), e
+
+
 def test_subgroups_of_a_bucket_are_one_size():
     """As few subgroups as subgroup_numel allows, of one (aligned) size: 1000 elements at 300
     make 4 of 256 (the last 232), not 300, 300, 300, 100 — banks and files sized for the

@@ -122,9 +122,33 @@ class Subgroup:
         """The model's elements [a, b) (of `slices` only, when given) take src's (b - a elements,
         any device and float dtype: converted), in one batched copy."""
         src = src.reshape(-1)
-        parts = list(self.pieces(a, b, slices))
+        b = self.numel if b is None else b
+        dsts, bounds = [], []  # each piece's destination, and its [lo, hi) in src
+        for sl in self.slices if slices is None else slices:
+            lo, hi = max(a, sl.sub_offset), min(b, sl.sub_offset + sl.numel)
+            if lo < hi:  # a slice written whole is its own view: no tensor made for it
+                whole = lo == sl.sub_offset and hi == sl.sub_offset + sl.numel
+                dsts.append(sl.view if whole else sl.view[lo - sl.sub_offset : hi - sl.sub_offset])
+                bounds.append((lo - a, hi - a))
         with torch.no_grad():
-            _copy([v for v, _, _ in parts], [src[lo:hi] for _, lo, hi in parts], non_blocking)
+            _copy(dsts, _split(src, bounds), non_blocking)
+
+
+def _split(src: torch.Tensor, bounds: list) -> list:
+    """src[lo:hi] for each (lo, hi) of `bounds` (ascending, not overlapping): one split_with_sizes
+    over the pieces and the gaps between them, which makes the views in one call rather than one
+    slicing each."""
+    sizes, keep, at = [], [], 0
+    for lo, hi in bounds:
+        if lo > at:
+            sizes.append(lo - at)  # a gap: cut, not kept
+        keep.append(len(sizes))
+        sizes.append(hi - lo)
+        at = hi
+    if at < src.numel():
+        sizes.append(src.numel() - at)
+    parts = src.split_with_sizes(sizes)
+    return [parts[k] for k in keep]
 
 
 def _copy(dsts: list, srcs: list, non_blocking: bool) -> None:
