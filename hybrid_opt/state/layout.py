@@ -88,14 +88,20 @@ class Subgroup:
     ready_rank: int = 0  # 0 = grads complete first in backward (about reverse param order)
     quantized: bool = False  # its q8 moments are q8 (its params have at least Q8_MIN_NUMEL elements)
 
+    def _spans(self, a: int, b: int, slices=None):
+        """(slice, lo, hi) of each slice overlapping subgroup elements [a, b), [lo, hi) in
+        subgroup elements; `slices`: only those (a subset of this subgroup's)."""
+        for sl in self.slices if slices is None else slices:
+            lo, hi = max(a, sl.sub_offset), min(b, sl.sub_offset + sl.numel)
+            if lo < hi:
+                yield sl, lo, hi
+
     def pieces(self, a: int = 0, b: int | None = None, slices=None):
         """(slice view part, start, end) of each slice overlapping subgroup elements [a, b),
         [start, end) relative to a; `slices`: only those (a subset of this subgroup's)."""
         b = self.numel if b is None else b
-        for sl in self.slices if slices is None else slices:
-            lo, hi = max(a, sl.sub_offset), min(b, sl.sub_offset + sl.numel)
-            if lo < hi:
-                yield sl.view[lo - sl.sub_offset : hi - sl.sub_offset], lo - a, hi - a
+        for sl, lo, hi in self._spans(a, b, slices):
+            yield sl.view[lo - sl.sub_offset : hi - sl.sub_offset], lo - a, hi - a
 
     def read(self, a: int = 0, b: int | None = None) -> torch.Tensor:
         """Elements [a, b) of the model's params: a view where one slice holds them all (written
@@ -124,12 +130,10 @@ class Subgroup:
         src = src.reshape(-1)
         b = self.numel if b is None else b
         dsts, bounds = [], []  # each piece's destination, and its [lo, hi) in src
-        for sl in self.slices if slices is None else slices:
-            lo, hi = max(a, sl.sub_offset), min(b, sl.sub_offset + sl.numel)
-            if lo < hi:  # a slice written whole is its own view: no tensor made for it
-                whole = lo == sl.sub_offset and hi == sl.sub_offset + sl.numel
-                dsts.append(sl.view if whole else sl.view[lo - sl.sub_offset : hi - sl.sub_offset])
-                bounds.append((lo - a, hi - a))
+        for sl, lo, hi in self._spans(a, b, slices):
+            whole = lo == sl.sub_offset and hi == sl.sub_offset + sl.numel  # its own view: no tensor made
+            dsts.append(sl.view if whole else sl.view[lo - sl.sub_offset : hi - sl.sub_offset])
+            bounds.append((lo - a, hi - a))
         with torch.no_grad():
             _copy(dsts, _split(src, bounds), non_blocking)
 
