@@ -415,7 +415,8 @@ class DeviceTier:
         buf = bytearray(size * len(work))
         count, positions, keep = 0, [], []
         for k, (index, sl, hp, step) in enumerate(work):
-            at = None if self.quantized(index) else sl.grad_address()
+            quantized = self.quantized(index)
+            at = None if quantized else sl.grad_address()
             if at is not None:  # a contiguous grad: the slice's struct from its cached fields
                 fields = list(self._cpu_fields(index, sl, hp, at[1]))
                 values = [at[0], step, float(hp.lr), float(hp.beta1), float(hp.beta2), float(hp.eps)]
@@ -436,7 +437,7 @@ class DeviceTier:
                 grad = grad.contiguous()
                 keep.append(grad)  # the call holds its address
             args = _kernel_args(hp, step, grad_scale, vmax, copy, rem)
-            if self.quantized(index):
+            if quantized:
                 cpu_kernels.q8_adam_step_(p, grad, m, v, **args)
                 done.append(k)
                 continue
