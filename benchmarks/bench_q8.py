@@ -12,7 +12,9 @@ bitsandbytes' own C library picks AVX-512 by its own CPU check wherever the CPU 
 
 Rows (fp32 grads, fp32 master, in place): q8_q8 (both moments q8), fp32 (cpu_kernels.adam_step_),
 torch_fused (torch.optim.AdamW fused=True, on torch's own threads, stepping the fp32 row's param and
-moments). bytes_per_elem is what a row
+moments); at avx512, q8_q8_pipeline or q8_q8_apart: the q8 step with the fused pass's other
+arrangement of its codes than the CPU's vendor chose (cpu_kernels/csrc/kernels.h,
+hybrid_get_q8_pipeline). bytes_per_elem is what a row
 must move (reads + writes, no read-for-ownership): q8_q8 16 (p 4+4, g 4, m 1+1, v 1+1; the fp32
 absmax per 256 rounds to 0.03), fp32 and torch 28. GB/s is those bytes over the median time; the
 ratio column is fp32's median over the row's (issue 38's target for q8: >= 1.3). With --trials N the
@@ -44,7 +46,8 @@ from cpu_kernels import q8_reference as q8  # noqa: E402
 # the torch kernels (ATEN_CPU_CAPABILITY) of a host whose best level is ours
 TORCH_LEVEL = {"avx512": "avx512", "avx2": "avx2", "portable": "default"}
 HP = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=1e-2)
-BYTES = {"q8_q8": 16.0 + 8.0 / 256, "fp32": 28.0, "torch_fused": 28.0}
+BYTES = {"q8_q8": 16.0 + 8.0 / 256, "q8_q8_pipeline": 16.0 + 8.0 / 256, "q8_q8_apart": 16.0 + 8.0 / 256}
+BYTES.update(fp32=28.0, torch_fused=28.0)
 
 
 def _steppers(n: int) -> dict:
@@ -75,6 +78,19 @@ def _steppers(n: int) -> dict:
     )
     opt.state[t_param] = {"step": torch.tensor(0.0), "exp_avg": fm, "exp_avg_sq": fv}
     steppers = {"q8_q8": ours_q8, "fp32": ours_fp32, "torch_fused": opt.step}
+    if cpu_kernels.simd_level() == "avx512":
+        # the fused pass's other arrangement of its codes than the CPU's vendor chose (kernels.h,
+        # hybrid_get_q8_pipeline): q8_q8_pipeline where it writes them after each block, else _apart
+        other = not cpu_kernels._lib._q8_pipeline()
+
+        def ours_q8_other():
+            cpu_kernels._lib._set_q8_pipeline(other)
+            try:
+                ours_q8()
+            finally:
+                cpu_kernels._lib._set_q8_pipeline(not other)
+
+        steppers["q8_q8_pipeline" if other else "q8_q8_apart"] = ours_q8_other
     for name, factory in _eight_bit_baselines():
         steppers[name] = factory(n, grad)
     return steppers

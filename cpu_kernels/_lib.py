@@ -108,6 +108,7 @@ def _load_library():
         "hybrid_get_arm_streaming_stores",
         "hybrid_get_avx2_bank_nt",
         "hybrid_get_block_prefetch",
+        "hybrid_get_q8_pipeline",
     ):
         getattr(lib, name).restype = ctypes.c_int
         getattr(lib, name).argtypes = []
@@ -129,6 +130,8 @@ def _load_library():
     lib.hybrid_set_avx2_bank_nt.restype = ctypes.c_int
     lib.hybrid_set_block_prefetch.argtypes = [ctypes.c_int]
     lib.hybrid_set_block_prefetch.restype = ctypes.c_int
+    lib.hybrid_set_q8_pipeline.argtypes = [ctypes.c_int]
+    lib.hybrid_set_q8_pipeline.restype = ctypes.c_int
     return lib
 
 
@@ -205,6 +208,18 @@ def _set_block_prefetch(on: bool) -> None:
     """Benchmarks: the other choice than the CPU's vendor made."""
     if lib.hybrid_set_block_prefetch(1 if on else 0) != 0:
         raise ValueError("the blocks' prefetch is an option of the x86 levels only")
+
+
+def _q8_pipeline() -> bool:
+    """Whether the AVX-512 q8 pass writes each block's codes inside the next block's loop: on where
+    the CPU is an Intel one, off on AMD and others (kernels.h says what each measured). Same bits."""
+    return bool(lib.hybrid_get_q8_pipeline())
+
+
+def _set_q8_pipeline(on: bool) -> None:
+    """Tests and benchmarks: the other choice than the CPU's vendor made."""
+    if lib.hybrid_set_q8_pipeline(1 if on else 0) != 0:
+        raise ValueError("the q8 pipeline is an option of the x86 levels only")
 
 
 _STRUCT_CODES = {ctypes.c_int64: "q", ctypes.c_void_p: "Q", ctypes.c_int32: "i", ctypes.c_double: "d"}

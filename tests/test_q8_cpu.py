@@ -8,6 +8,7 @@ with a message naming them.
 import functools
 import json
 import math
+import os
 
 import background_jobs
 import pytest
@@ -67,21 +68,54 @@ def use_vbmi(on: int) -> int:
     return fn(on)
 
 
-# each kernel path this CPU runs: every level, and at avx512 both map lookups where it has VBMI
-PATHS = [(lv, True) for lv in LEVELS] + ([("avx512", False)] if "avx512" in LEVELS and use_vbmi(-1) else [])
+# each kernel path this CPU runs: every level; at avx512 both map lookups where it has VBMI, and the
+# fused pass's other arrangement of its codes than the CPU's vendor chose (pipelined into the next
+# block's loop on Intel, after each block's own loop elsewhere: cpu_kernels._lib._q8_pipeline)
+_PIPELINE = cpu_kernels._lib._q8_pipeline() if "avx512" in LEVELS else False
+PATHS = (
+    [(lv, True, _PIPELINE) for lv in LEVELS]
+    + ([("avx512", False, _PIPELINE)] if "avx512" in LEVELS and use_vbmi(-1) else [])
+    + ([("avx512", True, not _PIPELINE)] if "avx512" in LEVELS else [])
+)
 
 
-@pytest.fixture(params=PATHS, ids=lambda p: p[0] if p[1] else f"{p[0]}-novbmi")
+def _path_id(path):
+    name, vbmi, pipeline = path
+    return (
+        name
+        + ("" if vbmi else "-novbmi")
+        + ("" if pipeline == _PIPELINE else "-pipeline" if pipeline else "-apart")
+    )
+
+
+@pytest.fixture(params=PATHS, ids=_path_id)
 def level(request):
-    name, vbmi = request.param
+    name, vbmi, pipeline = request.param
     before = cpu_kernels.simd_level()
     cpu_kernels.set_simd_level(name)
     if not vbmi:
         assert use_vbmi(0) == 0
+    cpu_kernels._lib._set_q8_pipeline(pipeline)
     yield name
+    cpu_kernels._lib._set_q8_pipeline(_PIPELINE)
     if not vbmi:
         assert use_vbmi(1) == 1
     cpu_kernels.set_simd_level(before)
+
+
+@pytest.mark.skipif(
+    not os.path.exists("/proc/cpuinfo") or "avx512" not in LEVELS, reason="x86-64 Linux, AVX-512"
+)
+def test_the_fused_pass_pipelines_its_codes_on_intel_cpus_only():
+    """kernels.h, hybrid_get_q8_pipeline: the vendor's choice, and a set the next step obeys."""
+    with open("/proc/cpuinfo") as f:
+        vendor = next((line.split(":", 1)[1].strip() for line in f if line.startswith("vendor_id")), "")
+    assert _PIPELINE == (vendor == "GenuineIntel"), vendor
+    cpu_kernels._lib._set_q8_pipeline(not _PIPELINE)
+    try:
+        assert cpu_kernels._lib._q8_pipeline() == (not _PIPELINE)
+    finally:
+        cpu_kernels._lib._set_q8_pipeline(_PIPELINE)
 
 
 @pytest.fixture(params=[1, 2], ids=["1thread", "2threads"])

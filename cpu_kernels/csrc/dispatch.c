@@ -119,9 +119,9 @@ int hybrid_set_arm_streaming_stores(int on)
 
 int hybrid_get_arm_streaming_stores(void) { return hybrid_arm_streaming_stores_on; }
 
-/* kernels.h: the two choices an x86 CPU's vendor makes, -1 until first asked; plain x86-64 code (no
+/* kernels.h: the choices an x86 CPU's vendor makes, -1 until first asked; plain x86-64 code (no
  * target pragma), as it may run on any CPU */
-static int g_avx2_bank_nt = -1, g_block_prefetch = -1;
+static int g_avx2_bank_nt = -1, g_block_prefetch = -1, g_q8_pipeline = -1;
 
 static int cpu_is_intel(void)
 {
@@ -145,6 +145,12 @@ int hybrid_get_block_prefetch(void)
     return g_block_prefetch;
 }
 
+int hybrid_get_q8_pipeline(void)
+{
+    if (g_q8_pipeline < 0) g_q8_pipeline = cpu_is_intel();
+    return g_q8_pipeline;
+}
+
 /* 0, or -1 when asked to turn a choice on off x86-64 */
 static int set_x86_choice(int *choice, int on)
 {
@@ -160,6 +166,8 @@ static int set_x86_choice(int *choice, int on)
 int hybrid_set_block_prefetch(int on) { return set_x86_choice(&g_block_prefetch, on); }
 
 int hybrid_set_avx2_bank_nt(int on) { return set_x86_choice(&g_avx2_bank_nt, on); }
+
+int hybrid_set_q8_pipeline(int on) { return set_x86_choice(&g_q8_pipeline, on); }
 
 static const level_t *level_fns(void) { return &LEVEL_TABLE[hybrid_get_level()]; }
 

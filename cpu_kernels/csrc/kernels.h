@@ -199,6 +199,14 @@ int hybrid_set_avx2_bank_nt(int on);
  * slower). set returns -1 when asked to turn it on off x86-64. */
 int hybrid_get_block_prefetch(void);
 int hybrid_set_block_prefetch(int on);
+/* q8 fused pass (q8_fused.h, levels with Q8_PAIR_CHUNK: AVX-512): whether a block's codes are
+ * written inside the next block's arithmetic loop (a pipeline) or after its own loop. The CPU's
+ * vendor decides: on for Intel, whose divider leaves the other ports idle for 22 cycles per 16
+ * lanes (an Intel Xeon: the pipeline 1.2x faster), off for AMD and others (a Zen 5, whose divider
+ * is 3x faster: the two loops apart 0.93x the pipeline's time). The same bits either way. set
+ * returns -1 when asked to turn it on off x86-64. */
+int hybrid_get_q8_pipeline(void);
+int hybrid_set_q8_pipeline(int on);
 /* AVX-512 level: whether its compressed-state loop rounds with vcvtne2ps2bf16 (AVX-512 BF16;
  * the same bits either way). set returns -1 when asked to turn it on without CPU support. */
 int hybrid_set_avx512_bf16(int on);

@@ -18,12 +18,13 @@
  *   their codes inside the arithmetic loop (without it, each moment is dequantized into L1 first);
  *   Q8_LANES_AHEAD, a distance in lanes: the loop prefetches each stream's line that far on;
  *   Q8_PAIR_CHUNK(m codes, m, 1/m's absmax (vector), m's absmax, v codes, v, 1/v's absmax, v's absmax),
- *   Q8_W lanes of both moments' codes where both absmaxes are q8_recip_ok. With it the range is a
- *   pipeline: block k's codes are written by block k + 1's arithmetic loop, beside its divisions and
- *   square roots, which on their own leave the other vector ports idle (an Intel core's divider takes
- *   22 cycles per 16 lanes of both), and the last block's after the loop.
- * Q8_FN(q8_range) steps a range. Without Q8_PAIR_CHUNK, Q8_FN(q8_block)(a, c, off) steps one whole block
- * of a fusable step, codes and all (a level's own range loop may call it).
+ *   Q8_W lanes of both moments' codes where both absmaxes are q8_recip_ok. With it, and where the CPU's
+ *   vendor chose it (hybrid_get_q8_pipeline: Intel), the range is a pipeline: block k's codes are
+ *   written by block k + 1's arithmetic loop, beside its divisions and square roots, which on their
+ *   own leave the other vector ports idle (an Intel core's divider takes 22 cycles per 16 lanes of
+ *   both), and the last block's after the loop. Elsewhere each block's codes follow its own loop.
+ * Q8_FN(q8_range) steps a range; Q8_FN(q8_block)(a, c, off) steps one whole block of a fusable step,
+ * codes and all (a level's own range loop may call it).
  */
 
 static inline int q8_fusable(const q8_args_t *a, const q8_consts_t *c)
@@ -44,7 +45,8 @@ typedef struct {
 static inline __attribute__((always_inline)) void q8_fused_block(const q8_args_t *a, const q8_consts_t *c,
                                                                  int64_t off, const int l2, const int bf16_grad,
                                                                  const int remainders, Q8_FN(q8_pending_t) *now,
-                                                                 const Q8_FN(q8_pending_t) *prev, const int quant)
+                                                                 const Q8_FN(q8_pending_t) *prev, const int quant,
+                                                                 const int pipe)
 {
     float *restrict mb = now->m, *restrict vb = now->v;
     float pb[Q8_BLOCK] __attribute__((aligned(64)));
@@ -71,6 +73,10 @@ static inline __attribute__((always_inline)) void q8_fused_block(const q8_args_t
     const q8_vf gscale = q8f_set1(c->grad_scale);
 #ifdef Q8_PAIR_CHUNK
     const q8_vf psm = q8f_set1(quant ? 1.0f / prev->ma : 0.0f), psv = q8f_set1(quant ? 1.0f / prev->va : 0.0f);
+    /* the block before, in locals: a code's byte store may alias any field the loop would reload */
+    uint8_t *const pmc = prev->mc, *const pvc = prev->vc;
+    const float *const pm = prev->m, *const pv = prev->v;
+    const float pma = prev->ma, pva = prev->va;
 #else
     (void)prev;
     (void)quant;
@@ -78,6 +84,8 @@ static inline __attribute__((always_inline)) void q8_fused_block(const q8_args_t
     /* g·1 is g, bit for bit (a signalling NaN is quieted by the next operation as by this one): the
      * multiply leaves the chain to the divide, 3 % of the pass at AVX-512 (in L1, 16 Ki elements) */
     const int scaled = c->grad_scale != 1.0f;
+    const uint16_t *const g16 = (const uint16_t *)a->grad + off;
+    const float *const g32 = (const float *)a->grad + off;
     q8_vi mx_m = q8i_zero(), mx_v = q8i_zero();
 #ifdef Q8_LANES_AHEAD
     /* each stream's line Q8_LANES_AHEAD lanes on, prefetched as the loop reaches it (the codes' each
@@ -99,7 +107,7 @@ static inline __attribute__((always_inline)) void q8_fused_block(const q8_args_t
         }
 #endif
         const q8_vf p = q8f_loadu(pin + i);
-        q8_vf g = bf16_grad ? q8f_bf16((const uint16_t *)a->grad + off + i) : q8f_loadu((const float *)a->grad + off + i);
+        q8_vf g = bf16_grad ? q8f_bf16(g16 + i) : q8f_loadu(g32 + i);
         if (scaled) g = q8f_mul(g, gscale);
         if (l2) g = q8f_add(q8f_mul(p, wd), g);
 #ifdef Q8_MOMENT_IN
@@ -116,7 +124,7 @@ static inline __attribute__((always_inline)) void q8_fused_block(const q8_args_t
         mx_m = q8i_max_u32(mx_m, q8i_abs_bits(m));
         mx_v = q8i_max_u32(mx_v, q8i_abs_bits(v));
 #ifdef Q8_PAIR_CHUNK
-        if (quant) Q8_PAIR_CHUNK(prev->mc + i, prev->m + i, psm, prev->ma, prev->vc + i, prev->v + i, psv, prev->va);
+        if (quant) Q8_PAIR_CHUNK(pmc + i, pm + i, psm, pma, pvc + i, pv + i, psv, pva);
 #endif
     }
     if (remainders) q8_remainders_out(a, pb, off, Q8_BLOCK);
@@ -124,11 +132,11 @@ static inline __attribute__((always_inline)) void q8_fused_block(const q8_args_t
     float *ma_out = a->exp_avg_absmax_out + blk, *va_out = a->exp_avg_sq_absmax_out + blk;
     const uint32_t mx_m_bits = q8i_hmax_u32(mx_m), mx_v_bits = q8i_hmax_u32(mx_v);
 #ifdef Q8_PAIR_CHUNK
-    /* the codes wait for the next block's loop where both absmaxes take the reciprocal (the chunk's
-     * bounded quantizer); else they are written now, the one-moment way */
+    /* in a pipeline, the codes wait for the next block's loop where both absmaxes take the reciprocal
+     * (the chunk's bounded quantizer); else they are written now, the one-moment way */
     now->ma = bits_f32(mx_m_bits);
     now->va = bits_f32(mx_v_bits);
-    now->live = q8_recip_ok(now->ma) && q8_recip_ok(now->va);
+    now->live = pipe && q8_recip_ok(now->ma) && q8_recip_ok(now->va);
     if (now->live) {
         *ma_out = now->ma;
         *va_out = now->va;
@@ -136,6 +144,8 @@ static inline __attribute__((always_inline)) void q8_fused_block(const q8_args_t
         now->vc = vc;
         return;
     }
+#else
+    (void)pipe;
 #endif
 #ifdef Q8_CODES_OUT_PAIR
     Q8_CODES_OUT_PAIR(mc, ma_out, mb, mx_m_bits, vc, va_out, vb, mx_v_bits, Q8_BLOCK);
@@ -146,21 +156,23 @@ static inline __attribute__((always_inline)) void q8_fused_block(const q8_args_t
 }
 
 /* One whole block of a fusable step: its flags as constants, one loop per combination. quant: prev
- * (live) is the block before, whose codes this block's loop writes. */
+ * (live) is the block before, whose codes this block's loop writes; pipe: this block's codes may wait
+ * for the next block's loop in turn. */
 static inline __attribute__((always_inline)) void q8_block_flags(const q8_args_t *a, const q8_consts_t *c,
                                                                  int64_t off, Q8_FN(q8_pending_t) *now,
-                                                                 const Q8_FN(q8_pending_t) *prev, const int quant)
+                                                                 const Q8_FN(q8_pending_t) *prev, const int quant,
+                                                                 const int pipe)
 {
     const int l2 = c->l2_mode, bf16 = a->grad_dtype == DT_BF16, rem = a->remainder != NULL;
     if (rem) {
-        if (bf16) q8_fused_block(a, c, off, l2, 1, 1, now, prev, quant);
-        else q8_fused_block(a, c, off, l2, 0, 1, now, prev, quant);
+        if (bf16) q8_fused_block(a, c, off, l2, 1, 1, now, prev, quant, pipe);
+        else q8_fused_block(a, c, off, l2, 0, 1, now, prev, quant, pipe);
     } else if (l2) {
-        if (bf16) q8_fused_block(a, c, off, 1, 1, 0, now, prev, quant);
-        else q8_fused_block(a, c, off, 1, 0, 0, now, prev, quant);
+        if (bf16) q8_fused_block(a, c, off, 1, 1, 0, now, prev, quant, pipe);
+        else q8_fused_block(a, c, off, 1, 0, 0, now, prev, quant, pipe);
     } else {
-        if (bf16) q8_fused_block(a, c, off, 0, 1, 0, now, prev, quant);
-        else q8_fused_block(a, c, off, 0, 0, 0, now, prev, quant);
+        if (bf16) q8_fused_block(a, c, off, 0, 1, 0, now, prev, quant, pipe);
+        else q8_fused_block(a, c, off, 0, 0, 0, now, prev, quant, pipe);
     }
 }
 
@@ -170,19 +182,35 @@ static inline __attribute__((always_inline)) void Q8_FN(q8_block_into)(const q8_
 {
 #ifdef Q8_PAIR_CHUNK
     if (prev->live) {
-        q8_block_flags(a, c, off, now, prev, 1);
+        q8_block_flags(a, c, off, now, prev, 1, 1);
         return;
     }
 #endif
-    q8_block_flags(a, c, off, now, prev, 0);
+    q8_block_flags(a, c, off, now, prev, 0, 1);
 }
 
-#ifndef Q8_PAIR_CHUNK
 /* One whole block, its codes written before it returns (a level's own range loop may call it). */
 static inline void Q8_FN(q8_block)(const q8_args_t *a, const q8_consts_t *c, int64_t off)
 {
     Q8_FN(q8_pending_t) now, none = {.live = 0};
-    Q8_FN(q8_block_into)(a, c, off, &now, &none);
+    q8_block_flags(a, c, off, &now, &none, 0, 0);
+}
+
+#ifdef Q8_PAIR_CHUNK
+/* Whole blocks [begin, whole) as a pipeline (hybrid_get_q8_pipeline): block k's loop writes block
+ * k - 1's codes, the two alternating between two L1 buffers; the last block's codes after the loop. */
+static void Q8_FN(q8_pipeline)(const q8_args_t *a, const q8_consts_t *c, int64_t begin, int64_t whole)
+{
+    Q8_FN(q8_pending_t) buf[2];
+    buf[0].live = buf[1].live = 0;
+    int k = 0;
+    for (int64_t off = begin; off < whole; off += Q8_BLOCK, k ^= 1) Q8_FN(q8_block_into)(a, c, off, &buf[k], &buf[k ^ 1]);
+    const Q8_FN(q8_pending_t) *last = &buf[k ^ 1];
+    if (last->live) {
+        const q8_vf sm = q8f_set1(1.0f / last->ma), sv = q8f_set1(1.0f / last->va);
+        for (int i = 0; i < Q8_BLOCK; i += Q8_W)
+            Q8_PAIR_CHUNK(last->mc + i, last->m + i, sm, last->ma, last->vc + i, last->v + i, sv, last->va);
+    }
 }
 #endif
 
@@ -194,19 +222,9 @@ void Q8_FN(q8_range)(const q8_args_t *a, const q8_consts_t *c, int64_t begin, in
     }
     const int64_t whole = begin + (end - begin) / Q8_BLOCK * Q8_BLOCK;
 #ifdef Q8_PAIR_CHUNK
-    /* block k's loop writes block k - 1's codes: the two alternate between two L1 buffers */
-    Q8_FN(q8_pending_t) buf[2];
-    buf[0].live = buf[1].live = 0;
-    int k = 0;
-    for (int64_t off = begin; off < whole; off += Q8_BLOCK, k ^= 1) Q8_FN(q8_block_into)(a, c, off, &buf[k], &buf[k ^ 1]);
-    const Q8_FN(q8_pending_t) *last = &buf[k ^ 1];
-    if (last->live) {
-        const q8_vf sm = q8f_set1(1.0f / last->ma), sv = q8f_set1(1.0f / last->va);
-        for (int i = 0; i < Q8_BLOCK; i += Q8_W)
-            Q8_PAIR_CHUNK(last->mc + i, last->m + i, sm, last->ma, last->vc + i, last->v + i, sv, last->va);
-    }
-#else
-    for (int64_t off = begin; off < whole; off += Q8_BLOCK) Q8_FN(q8_block)(a, c, off);
+    if (hybrid_get_q8_pipeline()) Q8_FN(q8_pipeline)(a, c, begin, whole);
+    else
 #endif
+        for (int64_t off = begin; off < whole; off += Q8_BLOCK) Q8_FN(q8_block)(a, c, off);
     if (whole < end) Q8_GENERIC(a, c, whole, end);
 }
