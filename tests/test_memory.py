@@ -91,13 +91,26 @@ def test_subgroup_write_puts_each_element_where_it_lives(a, b, skip):
     assert len(sg.slices) == 5
     end = sg.numel if b is None else b
     slices = [sl for k, sl in enumerate(sg.slices) if k not in skip] if skip else None
-    src = torch.arange(end - a, dtype=torch.float32) + 1000.0
-    sg.write(src, a, b, slices=slices)
-    flat = torch.cat(params)
-    for e in range(sg.numel):
-        sl = next(sl for sl in sg.slices if sl.sub_offset <= e < sl.sub_offset + sl.numel)
-        written = a <= e < end and sg.slices.index(sl) not in skip
-        assert flat[e].item() == (1000.0 + e - a if written else -1.0), e
+    for base in (1000.0, 2000.0):  # again: a whole write takes the cuts it made the first time
+        src = torch.arange(end - a, dtype=torch.float32) + base
+        sg.write(src, a, b, slices=slices)
+        flat = torch.cat(params)
+        for e in range(sg.numel):
+            sl = next(sl for sl in sg.slices if sl.sub_offset <= e < sl.sub_offset + sl.numel)
+            written = a <= e < end and sg.slices.index(sl) not in skip
+            assert flat[e].item() == (base + e - a if written else -1.0), (base, e)
+
+
+def test_a_whole_write_follows_a_slice_to_new_memory():
+    """A subgroup written whole keeps its cuts, and cuts anew once a slice views new memory
+    (storage.py repoints it when the user gives the param new memory)."""
+    params = [torch.zeros(5), torch.zeros(3)]
+    (sg,) = L.layout_group(params, 0, 0, subgroup_numel=64, first_subgroup=0)
+    sg.write(torch.ones(8))
+    params[1].data = torch.zeros(3)  # new memory
+    sg.repoint(sg.slices[1])
+    sg.write(torch.full((8,), 2.0))
+    assert torch.equal(params[0], torch.full((5,), 2.0)) and torch.equal(params[1], torch.full((3,), 2.0))
 
 
 def test_subgroups_of_a_bucket_are_one_size():

@@ -87,6 +87,9 @@ class Subgroup:
     slices: list = field(default_factory=list)
     ready_rank: int = 0  # 0 = grads complete first in backward (about reverse param order)
     quantized: bool = False  # its q8 moments are q8 (its params have at least Q8_MIN_NUMEL elements)
+    # write()'s cuts of a whole subgroup (its slices' views, split sizes, which parts are kept), made
+    # on first use and forgotten when a slice views new memory (repoint)
+    _whole_write: tuple | None = field(default=None, init=False, repr=False, compare=False)
 
     def _spans(self, a: int, b: int, slices=None):
         """(slice, lo, hi) of each slice overlapping subgroup elements [a, b), [lo, hi) in
@@ -129,19 +132,36 @@ class Subgroup:
         any device and float dtype: converted), in one batched copy."""
         src = src.reshape(-1)
         b = self.numel if b is None else b
-        dsts, bounds = [], []  # each piece's destination, and its [lo, hi) in src
-        for sl, lo, hi in self._spans(a, b, slices):
-            whole = lo == sl.sub_offset and hi == sl.sub_offset + sl.numel  # its own view: no tensor made
-            dsts.append(sl.view if whole else sl.view[lo - sl.sub_offset : hi - sl.sub_offset])
-            bounds.append((lo - a, hi - a))
+        # all of it (every slice live: `slices` is a subset, so as long as all of them): the cuts
+        # of the last such write, which are the same every step
+        whole = a == 0 and b == self.numel and (slices is None or len(slices) == len(self.slices))
+        n = src.numel()
+        if whole and self._whole_write is not None and self._whole_write[0] == n:
+            _, dsts, sizes, keep = self._whole_write
+        else:
+            dsts, bounds = [], []  # each piece's destination, and its [lo, hi) in src
+            for sl, lo, hi in self._spans(a, b, slices):
+                own = lo == sl.sub_offset and hi == sl.sub_offset + sl.numel  # its own view: no tensor made
+                dsts.append(sl.view if own else sl.view[lo - sl.sub_offset : hi - sl.sub_offset])
+                bounds.append((lo - a, hi - a))
+            sizes, keep = _cuts(bounds, n)
+            if whole:
+                self._whole_write = n, dsts, sizes, keep
+        parts = src.split_with_sizes(sizes)
         with torch.no_grad():
-            _copy(dsts, _split(src, bounds), non_blocking)
+            _copy(dsts, [parts[k] for k in keep], non_blocking)
+
+    def repoint(self, sl: ParamSlice) -> None:
+        """Slice `sl` of this subgroup views its param's memory now (it was given new memory:
+        storage.py); write() cuts anew."""
+        sl.repoint()
+        self._whole_write = None
 
 
-def _split(src: torch.Tensor, bounds: list) -> list:
-    """src[lo:hi] for each (lo, hi) of `bounds` (ascending, not overlapping): one split_with_sizes
-    over the pieces and the gaps between them, which makes the views in one call rather than one
-    slicing each."""
+def _cuts(bounds: list, numel: int) -> tuple:
+    """(sizes, keep): src[lo:hi] for each (lo, hi) of `bounds` (ascending, not overlapping) of a src
+    of `numel` elements are src.split_with_sizes(sizes)[k] for k in keep. One split over the pieces
+    and the gaps between them makes the views in one call rather than one slicing each."""
     sizes, keep, at = [], [], 0
     for lo, hi in bounds:
         if lo > at:
@@ -149,10 +169,9 @@ def _split(src: torch.Tensor, bounds: list) -> list:
         keep.append(len(sizes))
         sizes.append(hi - lo)
         at = hi
-    if at < src.numel():
-        sizes.append(src.numel() - at)
-    parts = src.split_with_sizes(sizes)
-    return [parts[k] for k in keep]
+    if at < numel:
+        sizes.append(numel - at)
+    return sizes, keep
 
 
 def _copy(dsts: list, srcs: list, non_blocking: bool) -> None:
@@ -366,10 +385,13 @@ class Layout:
         self.amsgrad = on
 
     def advance_steps(self) -> None:
-        """Per-parameter step counts: only params with a grad advance (torch's rule)."""
-        for p in self.params():
+        """Per-parameter step counts: only params with a grad advance (torch's rule). Walks the
+        params in their order (step() checked that param_groups still hold them so), not through
+        the index: a tensor's hash is a Python call."""
+        steps = self.steps
+        for i, p in enumerate(self.laid_out):
             if p.grad is not None:
-                self.steps[self.index[p]] += 1
+                steps[i] += 1
 
     def group_of(self, idx: int) -> dict:
         for g in self.param_groups:

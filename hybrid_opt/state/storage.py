@@ -200,7 +200,7 @@ class ParamGuard:
         for sg in self.layout.subgroups:
             for sl in sg.slices:
                 if sl.param_index == i:
-                    sl.repoint()
+                    sg.repoint(sl)
         self.views[i] = local_of(p).detach()
         self.ptrs[i] = self.views[i].data_ptr()
 

@@ -75,14 +75,24 @@ class GradGatherer:
         and the grad tensors to keep alive, for the worker to read itself; None when a grad
         is on a GPU, non-contiguous or of another dtype (then __call__ stages it here)."""
         entries, keep = [], []
-        for sl, a, b, g in self._overlapping(offset, numel):
+        end, size = offset + numel, dtype.itemsize
+        whole = offset == 0 and numel == self.sg.numel  # every slice lies in the piece
+        # _overlapping's walk, written out: this runs once per piece per step for every param
+        for sl, g in zip(self.sg.slices, self.grads):
+            first = sl.sub_offset
+            if whole:
+                a, b = first, first + sl.numel
+            else:
+                a, b = max(offset, first), min(end, first + sl.numel)
+                if a >= b:
+                    continue
             if g is None:
                 entries.append((a - offset, 0, b - a))
                 continue
-            if g.is_cuda or g.dtype != dtype or not g.is_contiguous():
+            if g.dtype is not dtype or g.is_cuda or not g.is_contiguous():
                 return None
-            start = sl.param_offset - sl.sub_offset  # subgroup element -> grad element
-            entries.append((a - offset, g.data_ptr() + (start + a) * g.element_size(), b - a))
+            # subgroup element a -> its grad element a - first + the slice's first in the param
+            entries.append((a - offset, g.data_ptr() + (sl.param_offset - first + a) * size, b - a))
             keep.append(g)
         return entries, keep
 
