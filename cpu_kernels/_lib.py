@@ -5,8 +5,10 @@ Struct layouts mirror cpu_kernels/csrc/kernels.h.
 
 from __future__ import annotations
 
+import array
 import ctypes
 import importlib.util
+import itertools
 import os
 import struct
 import warnings
@@ -69,6 +71,14 @@ def _load_library():
     lib.hybrid_adam_step.restype = None
     lib.hybrid_adam_step_many.argtypes = [ctypes.POINTER(AdamArgs), ctypes.c_int64]
     lib.hybrid_adam_step_many.restype = ctypes.c_int
+    lib.hybrid_adam_expand_runs.argtypes = [
+        ctypes.POINTER(AdamArgs),
+        ctypes.c_void_p,
+        ctypes.c_void_p,
+        ctypes.c_int64,
+        ctypes.POINTER(AdamArgs),
+    ]
+    lib.hybrid_adam_expand_runs.restype = None
     lib.hybrid_adam_inverse.argtypes = [ctypes.POINTER(InverseArgs)]
     lib.hybrid_adam_inverse.restype = None
     lib.hybrid_grad_stats.argtypes = [
@@ -244,6 +254,35 @@ def packer(cls) -> tuple:
         assert packed.size == ctypes.sizeof(cls), (fmt, ctypes.sizeof(cls))
         _packers[cls] = packed.pack_into, packed.size
     return _packers[cls]
+
+
+# AdamArgs' pointer fields that hybrid_adam_expand_runs moves by a run's first element, in its order
+EXPAND_FIELDS = (
+    "param",
+    "exp_avg",
+    "exp_avg_sq",
+    "max_exp_avg_sq",
+    "param_out",
+    "exp_avg_out",
+    "exp_avg_sq_out",
+    "max_exp_avg_sq_out",
+    "param_copy",
+    "remainder",
+    "remainder_out",
+)
+
+
+def expand_runs(base, strides: dict, runs: list):
+    """An AdamArgs array of one call per run: `base` with each run's n and grad, its pointer fields
+    moved by the run's first element times their stride (`strides`: {field: bytes an element}, the
+    fields of EXPAND_FIELDS that move). `runs`: (grads' address, first element, elements) each.
+    Built in C (hybrid_adam_expand_runs): bit for bit what packing each run's fields gives."""
+    flat = array.array("q", itertools.chain.from_iterable(runs))
+    steps = array.array("q", (strides.get(name, 0) for name in EXPAND_FIELDS))
+    out = (AdamArgs * len(runs))()
+    if runs:
+        lib.hybrid_adam_expand_runs(base, steps.buffer_info()[0], flat.buffer_info()[0], len(runs), out)
+    return out
 
 
 def adam_steps(calls) -> None:

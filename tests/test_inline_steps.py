@@ -168,10 +168,20 @@ FORMATS = {
     ),
     "q8": (torch.float32, dict(exp_avg_dtype="q8", exp_avg_sq_dtype="q8")),
 }
+# formats whose fields move by different strides (a mix-up of two fields shows): remainders with an
+# fp32 exp_avg beside bf16 exp_avg_sq and max (param 2 B, exp_avg 4, exp_avg_sq 2), and a bf16
+# model with an fp32 master (param 4 B, its bf16 copy 2)
+MIXED = {
+    "remainders_fp32_m_amsgrad": (
+        torch.bfloat16,
+        dict(store_param_remainders=True, exp_avg_sq_dtype=torch.bfloat16, amsgrad=True),
+    ),
+    "bf16_master_copy": (torch.bfloat16, {}),
+}
 
 
 def _train(fmt: str, steps=4, **kw):
-    dtype, extra = FORMATS[fmt]
+    dtype, extra = {**FORMATS, **MIXED}[fmt]
     torch.manual_seed(0)
     net = Two(dtype)
     opt = HybridAdamW(
@@ -215,11 +225,12 @@ def test_hybrid_adamw_on_a_cpu_only_host_steps_in_the_trainer_with_the_workers_b
 
 
 @TWO_CORES
-@pytest.mark.parametrize("fmt", ["fp32", "amsgrad_clip", "bf16_remainders"])
+@pytest.mark.parametrize("fmt", ["fp32", "amsgrad_clip", "bf16_remainders", *MIXED])
 def test_a_pieces_adam_calls_are_packed_as_ctypes_builds_each_run(fmt, monkeypatch):
-    """The trainer's Adam calls of a piece that spans several params go as one AdamArgs array packed
-    straight into its memory (ArenaSteps._adam_argv): byte for byte the structs ctypes builds from
-    each run's fields (its addresses worked out at its own offset), for every format's fields."""
+    """The trainer's Adam calls of a piece that spans several params go as one AdamArgs array made
+    by the C library from the call's fields and each run's offset (ArenaSteps._adam_argv,
+    _lib.expand_runs): byte for byte the structs ctypes builds from each run's fields (its
+    addresses worked out at its own offset), for every format's fields."""
     seen = []
     real = arena_steps.ArenaSteps._adam_argv
 

@@ -356,6 +356,37 @@ int hybrid_adam_step_many(const adam_args_t *args, int64_t count)
     return 0;
 }
 
+/* The Adam calls of `count` runs of one piece, into out: each is *base with its n and grad from
+ * its run (runs[3i] the grads' address, runs[3i + 1] the run's first element, runs[3i + 2] its
+ * elements) and every pointer field moved by that first element times the field's stride (bytes an
+ * element, in strides[] in the order below; 0: the field stays). The host step builds a model of a
+ * thousand small tensors' calls here (ArenaSteps._adam_argv), where Python paid a microsecond each. */
+void hybrid_adam_expand_runs(const adam_args_t *base, const int64_t *strides, const int64_t *runs, int64_t count,
+                             adam_args_t *out)
+{
+    for (int64_t i = 0; i < count; i++) {
+        adam_args_t a = *base;
+        const int64_t first = runs[3 * i + 1];
+        a.n = runs[3 * i + 2];
+        a.grad = (const void *)(uintptr_t)runs[3 * i];
+#define MOVE(field, k) \
+    if (strides[k]) a.field = (void *)((char *)(uintptr_t)a.field + first * strides[k])
+        MOVE(param, 0);
+        MOVE(exp_avg, 1);
+        MOVE(exp_avg_sq, 2);
+        MOVE(max_exp_avg_sq, 3);
+        MOVE(param_out, 4);
+        MOVE(exp_avg_out, 5);
+        MOVE(exp_avg_sq_out, 6);
+        MOVE(max_exp_avg_sq_out, 7);
+        MOVE(param_copy, 8);
+        MOVE(remainder, 9);
+        MOVE(remainder_out, 10);
+#undef MOVE
+        out[i] = a;
+    }
+}
+
 /* One Adam call: each thread a contiguous run of whole ADAM_CHUNKs (hybrid_adam_step_many). */
 void hybrid_adam_step(const adam_args_t *a)
 {

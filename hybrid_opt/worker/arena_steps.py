@@ -21,9 +21,6 @@ def _run_all(call, argv: list) -> None:
     call(argv)
 
 
-_N, _GRAD = 0, 2  # AdamArgs' fields n and grad (_adam_args' order)
-
-
 class ArenaSteps:
     """The kernels of step and inverse tasks at the mapping that starts at `base`, laid out as
     `cfg` says (HostTier's layout: bank and slot offsets, regions, moment dtypes, quantized
@@ -169,24 +166,19 @@ class ArenaSteps:
 
     def _adam_argv(self, t: proto.Task, runs: list, out_bank: int, m_dtype: int, v_dtype: int):
         """The Adam calls of `runs` ((grads' address, subgroup element, elements) each) as one
-        AdamArgs array, packed straight into its memory. Every address of a run is its subgroup's
-        at element 0 plus the run's first element times that field's element size, so the fields
-        are worked out once a call, at elements 0 and 1, and each run costs one pack: a model of
-        a thousand small tensors builds its thousand structs in a fraction of the time ctypes'
-        constructor takes (one kernel call, bit for bit the same arguments)."""
+        AdamArgs array. Every address of a run is its subgroup's at element 0 plus the run's first
+        element times that field's element size, so the fields are worked out once a call, at
+        elements 0 and 1, and the C library makes each run's struct from them
+        (_lib.expand_runs): a model of a thousand small tensors builds its thousand structs
+        without a Python step each (one kernel call, bit for bit the same arguments)."""
         at0 = self._adam_args(t, 0, out_bank, m_dtype, v_dtype, 0, 0)
         at1 = self._adam_args(t, 0, out_bank, m_dtype, v_dtype, 1, 0)
-        # the count and the grads' address come from each run; the rest move with its offset
-        moving = [(k, a, b - a) for k, (a, b) in enumerate(zip(at0, at1)) if k not in (_N, _GRAD) and a != b]
-        fields = [0 if v is None else v for v in at0]  # a NULL pointer packs as 0
-        pack, size = self._lib.packer(self.AdamArgs)
-        buf = bytearray(size * len(runs))
-        for i, (grad, off, numel) in enumerate(runs):
-            fields[_N], fields[_GRAD] = numel, grad
-            for k, base, stride in moving:
-                fields[k] = base + off * stride
-            pack(buf, i * size, *fields)
-        return (self.AdamArgs * len(runs)).from_buffer(buf)
+        names = [f[0] for f in self.AdamArgs._fields_]
+        # the count and the grads' address come from each run; the pointers move with its offset
+        strides = {names[k]: b - a for k, (a, b) in enumerate(zip(at0, at1)) if a != b}
+        assert strides.keys() <= set(self._lib.EXPAND_FIELDS), strides  # only addresses move
+        base = self.AdamArgs(*(0 if v is None else v for v in at0))  # a NULL pointer as 0
+        return self._lib.expand_runs(base, strides, runs)
 
     def _q8_args(
         self, t: proto.Task, grad: int, out_bank: int, m_dtype: int, v_dtype: int, off: int, numel: int
