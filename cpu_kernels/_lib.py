@@ -257,19 +257,8 @@ def packer(cls) -> tuple:
 
 
 # AdamArgs' pointer fields that hybrid_adam_expand_runs moves by a run's first element, in its order
-EXPAND_FIELDS = (
-    "param",
-    "exp_avg",
-    "exp_avg_sq",
-    "max_exp_avg_sq",
-    "param_out",
-    "exp_avg_out",
-    "exp_avg_sq_out",
-    "max_exp_avg_sq_out",
-    "param_copy",
-    "remainder",
-    "remainder_out",
-)
+# (the struct's own; the grads' address comes from each run)
+EXPAND_FIELDS = tuple(name for name, ty in AdamArgs._fields_ if ty is ctypes.c_void_p and name != "grad")
 
 
 def expand_runs(base, strides: dict, runs: list):

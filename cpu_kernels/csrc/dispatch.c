@@ -359,7 +359,7 @@ int hybrid_adam_step_many(const adam_args_t *args, int64_t count)
 /* The Adam calls of `count` runs of one piece, into out: each is *base with its n and grad from
  * its run (runs[3i] the grads' address, runs[3i + 1] the run's first element, runs[3i + 2] its
  * elements) and every pointer field moved by that first element times the field's stride (bytes an
- * element, in strides[] in the order below; 0: the field stays). The host step builds a model of a
+ * element, in strides[] in the struct's order, grad left out: _lib.EXPAND_FIELDS; 0: it stays). The host step builds a model of a
  * thousand small tensors' calls here (ArenaSteps._adam_argv), where Python paid a microsecond each. */
 void hybrid_adam_expand_runs(const adam_args_t *base, const int64_t *strides, const int64_t *runs, int64_t count,
                              adam_args_t *out)
