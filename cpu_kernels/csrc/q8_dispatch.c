@@ -96,6 +96,7 @@ int hybrid_q8_adam_step(const q8_args_t *a)
     const char *name;
     const q8_range_fn range = q8_level(&name);
     const int64_t n = a->n;
+    (void)hybrid_get_q8_pipeline();  /* its lazy CPU check, before the threads read it */
 #pragma omp parallel if (n >= Q8_PARALLEL_MIN)
     {
         /* each thread one contiguous run of whole chunks, not every other chunk: on a 2-core Zen 5
