@@ -80,6 +80,7 @@ def _declare():
         "hybrid_crc32c_portable": (c_u32, [c_u32, c_vp, c_i64]),
         "hybrid_crc32c_combine": (c_u32, [c_u32, c_u32, c_i64]),
         "hybrid_crc32c_hw": (c_int, []),
+        "hybrid_crc32c_set_hw": (c_int, [c_int]),
     }
     for name, (res, args) in sig.items():
         fn = getattr(lib, name)
@@ -296,9 +297,19 @@ def checksum_combine(crc_a: int, crc_b: int, len_b: int) -> int:
     return lib.hybrid_crc32c_combine(crc_a, crc_b, len_b)
 
 
+_CHECKSUM_IMPLS = ("portable", "sse4.2", "vpclmulqdq")
+
+
 def checksum_impl() -> str:
-    """ "sse4.2" or "portable": the path `checksum` uses on this CPU."""
-    return "sse4.2" if lib.hybrid_crc32c_hw() else "portable"
+    """The path `checksum` uses on this CPU: "vpclmulqdq" (a carry-less fold, 512 bits at a time,
+    where the CPU has AVX-512 VPCLMULQDQ: Ice Lake, Zen 4 and later), "sse4.2" (the crc32
+    instruction, three streams) or "portable" (tables)."""
+    return _CHECKSUM_IMPLS[lib.hybrid_crc32c_hw()]
+
+
+def _set_checksum_impl(name: str) -> str:
+    """Tests and benchmarks: the path `name` or the best below it this CPU has; returns the path now."""
+    return _CHECKSUM_IMPLS[lib.hybrid_crc32c_set_hw(_CHECKSUM_IMPLS.index(name))]
 
 
 # ----------------------------------------------------------------------------------------
