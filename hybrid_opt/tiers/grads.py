@@ -43,13 +43,16 @@ class GradGatherer:
         for sl, a, b, _ in self._overlapping(offset, numel):
             yield sl, a, b
 
-    def _overlapping(self, offset: int, numel: int):
-        """(slice, a, b, its grad's local memory or None), as overlaps()."""
+    def _overlapping(self, offset: int, numel: int) -> list:
+        """[(slice, a, b, its grad's local memory or None)], as overlaps(). It runs once per piece
+        per step for every param: a list, not a generator, and a piece that is the whole subgroup
+        takes every slice whole."""
+        pairs = zip(self.sg.slices, self.grads)
+        if offset == 0 and numel == self.sg.numel:
+            return [(sl, sl.sub_offset, sl.sub_offset + sl.numel, g) for sl, g in pairs]
         end = offset + numel
-        for sl, g in zip(self.sg.slices, self.grads):
-            a, b = max(offset, sl.sub_offset), min(end, sl.sub_offset + sl.numel)
-            if a < b:
-                yield sl, a, b, g
+        spans = [(sl, max(offset, sl.sub_offset), min(end, sl.sub_offset + sl.numel), g) for sl, g in pairs]
+        return [span for span in spans if span[1] < span[2]]
 
     def cuda_device(self):
         """The CUDA device of this subgroup's grads, or None (CPU grads: staged synchronously)."""
@@ -75,24 +78,15 @@ class GradGatherer:
         and the grad tensors to keep alive, for the worker to read itself; None when a grad
         is on a GPU, non-contiguous or of another dtype (then __call__ stages it here)."""
         entries, keep = [], []
-        end, size = offset + numel, dtype.itemsize
-        whole = offset == 0 and numel == self.sg.numel  # every slice lies in the piece
-        # _overlapping's walk, written out: this runs once per piece per step for every param
-        for sl, g in zip(self.sg.slices, self.grads):
-            first = sl.sub_offset
-            if whole:
-                a, b = first, first + sl.numel
-            else:
-                a, b = max(offset, first), min(end, first + sl.numel)
-                if a >= b:
-                    continue
+        size = dtype.itemsize
+        for sl, a, b, g in self._overlapping(offset, numel):
             if g is None:
                 entries.append((a - offset, 0, b - a))
                 continue
             if g.dtype is not dtype or g.is_cuda or not g.is_contiguous():
                 return None
-            # subgroup element a -> its grad element a - first + the slice's first in the param
-            entries.append((a - offset, g.data_ptr() + (sl.param_offset - first + a) * size, b - a))
+            start = sl.param_offset - sl.sub_offset  # subgroup element -> grad element
+            entries.append((a - offset, g.data_ptr() + (start + a) * size, b - a))
             keep.append(g)
         return entries, keep
 
