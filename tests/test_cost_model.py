@@ -409,7 +409,14 @@ def test_python_m_hybrid_opt_plan_prints_a_summary(tmp_path):
 # (issue #15, "Planner"): --sharding zero|fsdp|none, NVLink / IB rates, per-node host figures
 
 GOLDEN = os.path.join(REPO, "tests", "data", "planner_before_sharding.json")
-NEW_MACHINE_KEYS = {"gpus_per_node", "nvlink_gbps", "ib_gbps", "shared_cores", "speculated_host_share"}
+NEW_MACHINE_KEYS = {
+    "gpus_per_node",
+    "nvlink_gbps",
+    "ib_gbps",
+    "shared_cores",
+    "speculated_host_share",
+    "state_format_factor",
+}
 NEW_WORKLOAD_KEYS = {"sharding", "bank_padding"}
 
 
@@ -835,3 +842,52 @@ def test_the_planner_says_which_arrangement_of_cores_it_planned_for():
     assert "\ncores: shared: the params live on the CPU" in out
     rc, out, _ = _run_planner(["--params", "8e9", "--gpus", "1", "--json"])
     assert rc == 0 and json.loads(out)["cores"].startswith("split: the worker steps on cores of its own")
+
+
+def test_a_format_slower_than_its_bytes_takes_longer_on_the_cpu_only():
+    """state_format_factor (calibrate.format_factor: q8 moments are compute-bound on many CPUs)
+    scales the host tiers' compute and, without a GPU, the device tier's step (the CPU's cores); a
+    GPU's device step keeps its bytes' time."""
+    for gpus in (1, 0):
+        plain = predict(_machine(gpus=gpus), WORKLOAD, 0.5)
+        slow = predict(_machine(gpus=gpus, state_format_factor=2.5), WORKLOAD, 0.5)
+        assert slow.breakdown["host_compute"] == pytest.approx(2.5 * plain.breakdown["host_compute"])
+        want = plain.breakdown["device_step"] * (2.5 if gpus == 0 else 1.0)
+        assert slow.breakdown["device_step"] == pytest.approx(want)
+        assert plain.breakdown["device_step"] > 0
+
+
+def test_the_planner_on_this_machine_counts_how_fast_its_cpu_steps_the_format(monkeypatch):
+    """`--preset this-machine` asks calibrate how much longer than its bytes the chosen format steps
+    here (for the params' dtype), says so, and the predicted step grows by it."""
+    import torch
+
+    from hybrid_opt.placement import calibrate
+
+    asked = []
+    factor = {"q8": 2.5}
+
+    def fake(fmt, dt, gdt, threads, amsgrad):
+        asked.append((fmt.exp_avg_dtype, dt, gdt, amsgrad))
+        return factor["q8"]
+
+    monkeypatch.setattr(calibrate, "format_factor_cached", fake)
+    argv = [
+        "--params",
+        "1e9",
+        "--preset",
+        "this-machine",
+        "--exp-avg-dtype",
+        "q8",
+        "--exp-avg-sq-dtype",
+        "q8",
+    ]
+    rc, out, _ = _run_planner(argv + ["--backward-seconds", "1"])
+    assert rc == 0 and asked == [("q8", torch.bfloat16, torch.bfloat16, False)]
+    assert "this CPU steps it 2.50x as long as its bytes say" in out
+    slow = json.loads(_run_planner(argv + ["--backward-seconds", "1", "--json"])[1])
+    factor["q8"] = 1.0
+    rc, out, _ = _run_planner(argv + ["--backward-seconds", "1"])
+    assert "as long as its bytes say" not in out
+    fast = json.loads(_run_planner(argv + ["--backward-seconds", "1", "--json"])[1])
+    assert slow["predicted_step_seconds"] > 1.5 * fast["predicted_step_seconds"]

@@ -85,6 +85,71 @@ def test_calibration_measures_once_and_caches(tmp_path, monkeypatch):
     )
 
 
+FORMATS = [
+    (m, v, rem, dt, ams)
+    for m in (torch.float32, torch.bfloat16, "q8")
+    for v in (torch.float32, torch.bfloat16, "q8")
+    for rem in (False, True)
+    for dt in (torch.float32, torch.bfloat16)
+    for ams in (False, True)
+    if not (rem and dt == torch.float32)
+]
+
+
+@pytest.mark.parametrize("m, v, rem, dt, ams", FORMATS)
+def test_the_format_factors_step_is_one_the_kernels_take(m, v, rem, dt, ams):
+    """format_factor times a host step of each state format as the host tier steps it: every
+    combination's tensors are ones its kernel accepts, and moves the bytes the cost model counts."""
+    from hybrid_opt.state.state_format import StateFormat
+
+    fmt = StateFormat(m, v, rem)
+    kernel, args, kw = calibrate._format_tensors(fmt, dt, dt, ams, 4096)
+    kernel(*args, **kw)
+    held = [t for t in (*args, *kw.values()) if isinstance(t, torch.Tensor)]
+    held += [t for x in (*args, *kw.values()) if isinstance(x, tuple) for t in x]
+    moved = sum(
+        t.numel() * t.element_size() * (1 if t is args[1] or t is kw.get("param_copy") else 2) for t in held
+    )
+    assert moved / 4096 == pytest.approx(fmt.adam_bytes(dt, dt.itemsize, ams), abs=0.01)
+
+
+def test_the_format_factor_is_measured_once_per_format_and_cached(tmp_path, monkeypatch):
+    """fp32 state needs no measurement (the rates are its own); a q8 format's factor is a real
+    measurement, at least 1.0, cached per format and thread count."""
+    from hybrid_opt.state.state_format import Q8, StateFormat
+
+    monkeypatch.setenv("HYBRID_OPT_CACHE_DIR", str(tmp_path))
+    f32 = torch.float32
+    assert calibrate.format_factor(StateFormat(), f32, f32, 2) == 1.0
+    q8 = StateFormat(Q8, Q8, False)
+    first = calibrate.format_factor_cached(q8, f32, f32, 1)
+    assert first >= 1.0
+
+    def fail(*a, **k):
+        raise AssertionError("measured again despite the cache")
+
+    monkeypatch.setattr(calibrate, "format_factor", fail)
+    assert calibrate.format_factor_cached(q8, f32, f32, 1) == first
+    with pytest.raises(AssertionError, match="measured again"):
+        calibrate.format_factor_cached(q8, f32, f32, 2)  # another thread count: its own entry
+    with pytest.raises(AssertionError, match="measured again"):
+        calibrate.format_factor_cached(StateFormat(Q8, torch.bfloat16, False), f32, f32, 1)
+
+
+def test_auto_measures_its_formats_factor_at_the_workers_cores(monkeypatch):
+    """An "auto" planner that calibrates asks for its own state format, params' dtype, amsgrad and
+    the host tier's worker cores, and hands the factor to the cost model."""
+    from hybrid_opt.state.state_format import Q8, StateFormat
+
+    asked = []
+    monkeypatch.setattr(calibrate, "rates", lambda *a, **k: dict(SLOW_DEVICE, worker_cores=3))
+    monkeypatch.setattr(calibrate, "format_factor_cached", lambda *a: asked.append(a) or 2.5)
+    fmt = StateFormat(Q8, Q8, True)
+    ap = _planner(calibration=None, model_bytes=2, state_bytes=16, state_format=fmt)
+    assert asked == [(fmt, torch.bfloat16, torch.bfloat16, 3, True)]
+    assert ap.machine().state_format_factor == 2.5
+
+
 def test_unreadable_cache_is_measured_again(tmp_path, monkeypatch):
     monkeypatch.setenv("HYBRID_OPT_CACHE_DIR", str(tmp_path))
     (tmp_path / "calibration.json").write_text("{not json")
@@ -588,6 +653,28 @@ def test_refit_keeps_the_host_rate_at_the_reference_bytes():
         / (m.host_adam_gelems_per_s * 1e9)
     )
     assert per_elem * 1000 == pytest.approx(2.0)
+
+
+def test_refit_keeps_the_rates_at_fp32_states_speed_where_the_format_is_slower():
+    """With a state_format_factor (the format's speed against its bytes, measured by calibrate), a
+    refit stores the host and the CPU's device rates as fp32 state's: the cost model multiplies the
+    factor back in, so it predicts the time the samples took, not that time twice over."""
+    cal = dict(
+        SLOW_DEVICE, device_adam_gbps=1e-5, device_adam_gbps_with_worker=1e-5, host_adam_gelems_per_s=1e-6
+    )
+    ap = _planner(model_bytes=2, state_format=_compressed(), calibration=dict(cal, state_format_factor=2.5))
+    ap.observe(_sample(0.1))
+    for _ in range(3):
+        ap.observe(_sample(0.1, host_worker_s=2.0, host_elements=1000, device_s=0.5, device_elements=400))
+    ap.refit(0.5, 0.0)
+    m, wl = ap.machine(), ap.workload()
+    assert m.state_format_factor == 2.5
+    host_per_elem = (
+        wl.tier_bytes()["host_adam"] / cm.HOST_ADAM_REFERENCE_BYTES / (m.host_adam_gelems_per_s * 1e9)
+    )
+    assert host_per_elem * m.state_format_factor * 1000 == pytest.approx(2.0)
+    device_per_elem = cm.device_bytes_per_element(wl) / (m.device_adam_gbps_with_worker * 1e9)
+    assert device_per_elem * m.state_format_factor * 400 == pytest.approx(0.5)
 
 
 def test_refit_on_cuda_takes_the_device_rate_from_gpu_time_and_overhead_from_host_time():

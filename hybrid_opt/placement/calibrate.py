@@ -166,6 +166,88 @@ def _cpu_adam_gbps(threads: int, bank: bool) -> float:
     return n * 28 / t / 1e9
 
 
+def _format_tensors(fmt, param_dtype: torch.dtype, grad_dtype: torch.dtype, amsgrad: bool, n: int):
+    """(kernel, args, kwargs) of one host Adam step of `fmt` over n elements, as a host tier steps
+    it: the q8 kernel where a moment is q8, else adam_step_; the bf16 param and its remainders, or
+    an fp32 master (with a copy for a 16-bit param)."""
+    import cpu_kernels
+    from cpu_kernels.q8_reference import Q8Blocks
+    from hybrid_opt.state.state_format import Q8
+
+    def moment(dt):
+        if dt == Q8:
+            return Q8Blocks(torch.zeros(n, dtype=torch.uint8), torch.zeros((n + 255) // 256))
+        return torch.zeros(n, dtype=dt)
+
+    kw = _adam_kwargs()
+    if fmt.remainders_for(param_dtype):
+        param = torch.rand(n).to(torch.bfloat16)
+        kw["remainder"] = torch.zeros(n, dtype=torch.int16)
+    else:
+        param = torch.rand(n)
+        if param_dtype != torch.float32:
+            kw["param_copy"] = torch.empty(n, dtype=param_dtype)
+    if amsgrad:
+        kw["max_exp_avg_sq"] = moment(fmt.exp_avg_sq_dtype)
+    args = (param, torch.rand(n).to(grad_dtype), moment(fmt.exp_avg_dtype), moment(fmt.exp_avg_sq_dtype))
+    kernel = cpu_kernels.q8_adam_step_ if fmt.quantized_moments else cpu_kernels.adam_step_
+    return kernel, args, kw
+
+
+def format_factor(
+    fmt, param_dtype: torch.dtype, grad_dtype: torch.dtype, threads: int, amsgrad: bool = False
+) -> float:
+    """How much longer than its bytes say a host Adam step of state format `fmt` takes on this CPU at
+    `threads`: (its time / fp32 state's) / (its bytes / fp32 state's 28), both stepped in process over
+    MEASURE_NUMEL elements, the best of REPS each, at least 1.0. The cost model scales fp32 state's
+    rates by bytes (cost_model.Machine.state_format_factor), which a memory-bound step follows; q8
+    moments are compute-bound on many CPUs (docs/kernels.md), and so is AVX2's compressed loop at one
+    thread."""
+    import cpu_kernels
+    from hybrid_opt.state.state_format import StateFormat
+
+    if fmt == StateFormat() and param_dtype == torch.float32 and grad_dtype == torch.float32 and not amsgrad:
+        return 1.0
+    n = MEASURE_NUMEL
+    p, g, m, v = (torch.rand(n) for _ in range(4))
+    kernel, args, kw = _format_tensors(fmt, param_dtype, grad_dtype, amsgrad, n)
+    with _Threads(threads):
+        t32 = _best_time(lambda: cpu_kernels.adam_step_(p, g, m, v, **_adam_kwargs()))
+        t = _best_time(lambda: kernel(*args, **kw))
+    fp32 = StateFormat().adam_bytes(torch.float32, 4)
+    own = fmt.adam_bytes(param_dtype, grad_dtype.itemsize, amsgrad)
+    return max(1.0, (t / t32) / (own / fp32))
+
+
+def format_factor_cached(
+    fmt,
+    param_dtype: torch.dtype,
+    grad_dtype: torch.dtype,
+    threads: int,
+    amsgrad: bool = False,
+    *,
+    refresh=False,
+) -> float:
+    """format_factor, from the calibration cache when it has it (keyed by the machine, the format
+    and the threads)."""
+    names = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+    dt = lambda d: d if isinstance(d, str) else names.get(d, str(d))  # noqa: E731
+    key = (
+        f"{machine_key(torch.device('cpu'))}-format-{dt(fmt.exp_avg_dtype)}-{dt(fmt.exp_avg_sq_dtype)}"
+        f"-r{int(fmt.store_param_remainders)}-p{dt(param_dtype)}-g{dt(grad_dtype)}-a{int(amsgrad)}-t{threads}"
+    )
+    path = cache_path()
+    cache = {} if refresh else _load_cache(path)
+    entry = cache.get(key)
+    if isinstance(entry, dict) and isinstance(entry.get("state_format_factor"), (int, float)):
+        return float(entry["state_format_factor"])
+    factor = format_factor(fmt, param_dtype, grad_dtype, threads, amsgrad)
+    _store_cache(
+        path, key, {"state_format_factor": factor, "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S")}
+    )
+    return factor
+
+
 def _host_tier_gelems(worker_share: float | None) -> float:
     """G elements/s of a real host tier's worker: two subgroups stepped a few times, as steps
     the trainer waits for (HostStepping.finish)."""

@@ -60,6 +60,12 @@ class Machine:
     # that step() waits for on every core (host_adam_gelems_per_s); the first's rate over that
     speculated_host_share: float = 1.0
     device_adam_gbps_with_worker: float | None = None
+    # how much longer than its bytes say the workload's state format steps on this CPU: the Adam
+    # rates above are fp32 state's (28 B an element), scaled by bytes for other formats, which a
+    # memory-bound step follows; q8 moments (and AVX2's compressed loop on some CPUs) are
+    # compute-bound and take longer (calibrate.format_factor measures it; 1.0 for a preset). It
+    # applies to the host tiers and, on a host without a GPU, to the device tier (the CPU's cores).
+    state_format_factor: float = 1.0
     # several nodes: host-side figures above are per node, shared by its GPUs; None = all on one
     gpus_per_node: int | None = None
     nvlink_gbps: float = 450.0  # per GPU, each way, within a node (H100 NVLink 4)
@@ -350,6 +356,8 @@ def predict(
     # device tier
     e_dev = (1 - off) * e
     device_step = e_dev * device_bytes_per_element(wl) / (device_gbps * GB)
+    if machine.gpus == 0:
+        device_step *= machine.state_format_factor
 
     # collectives beside forward and backward: what exceeds them lengthens them, and the
     # grads' readiness (the window host work hides in) spreads over the longer of the two
@@ -363,7 +371,7 @@ def predict(
     e_off = off * e
     tb = wl.tier_bytes()
     host_rate = machine.host_adam_gelems_per_s * 1e9 / ranks
-    compute_per_elem = tb["host_adam"] / HOST_ADAM_REFERENCE_BYTES / host_rate
+    compute_per_elem = tb["host_adam"] / HOST_ADAM_REFERENCE_BYTES / host_rate * machine.state_format_factor
     if nv > 0:
         nvme_io = nv * e * tb["nvme"] / (machine.nvme_read_gbps * GB / ranks) + nv * e * tb["nvme"] / (
             machine.nvme_write_gbps * GB / ranks

@@ -318,8 +318,9 @@ def _parser() -> argparse.ArgumentParser:
     return ap
 
 
-def _this_machine(nvme_path: str | None) -> tuple[dict, dict]:
-    """(Machine kwargs, nvme figures) of the running machine, from calibration (cached)."""
+def _this_machine(nvme_path: str | None, fmt, dtype, amsgrad: bool) -> tuple[dict, dict]:
+    """(Machine kwargs, nvme figures) of the running machine, from calibration (cached); the state
+    format `fmt` of `dtype` params and grads as fast as this CPU steps it (calibrate.format_factor)."""
     import tempfile
 
     import psutil
@@ -342,14 +343,21 @@ def _this_machine(nvme_path: str | None) -> tuple[dict, dict]:
         )
     )
     kw.pop("name")
+    kw["state_format_factor"] = calibrate.format_factor_cached(
+        fmt, dtype, dtype, int(r.get("worker_cores") or 1), amsgrad
+    )
     kw["gpu_tflops"] = 300.0 if cuda else 0.033  # override with --gpu-tflops or --backward-seconds
     return kw, dict(drives=1, read=r["nvme_read_gbps"], write=r["nvme_write_gbps"], drive_bytes=None)
 
 
 def build(args) -> tuple[Machine, Workload]:
     preset = PRESETS[args.preset]
+    fp32 = args.dtype == "fp32"
+    fmt = state_format.from_arguments(args)
     if preset["machine"] is None:
-        base, nvme = _this_machine(args.nvme_path)
+        base, nvme = _this_machine(
+            args.nvme_path, fmt, torch.float32 if fp32 else torch.bfloat16, args.amsgrad
+        )
     else:
         base, nvme = preset["machine"], preset["nvme"]
     kw = dict(base, name=args.preset)
@@ -380,8 +388,6 @@ def build(args) -> tuple[Machine, Workload]:
     # the optimizer's default arrangement: a CPU-only trainer shares its cores with the worker
     kw["shared_cores"] = kw.get("gpus", 1) == 0
     machine = Machine(**kw)
-    fp32 = args.dtype == "fp32"
-    fmt = state_format.from_arguments(args)
     workload = Workload(
         params=args.params,
         model_bytes=4 if fp32 else 2,
@@ -436,8 +442,9 @@ def workload_json(workload: Workload) -> dict:
     return out
 
 
-def _state_lines(workload: Workload) -> list:
-    """What the optimizer state is made of, and its bytes per param on each tier."""
+def _state_lines(workload: Workload, machine: Machine) -> list:
+    """What the optimizer state is made of, its bytes per param on each tier, and how fast the CPU
+    steps it against its bytes where that was measured."""
     fmt, b = workload.state_format, workload.tier_bytes()
     master = (
         "fp32 params: their own master"
@@ -447,12 +454,23 @@ def _state_lines(workload: Workload) -> list:
         else "fp32 master"
     )
     extra = "; nvme reads the 2 B high half from the model param (D2H) each step" if b["high_half"] else ""
-    return [
-        f"state: exp_avg {_NAMES[fmt.exp_avg_dtype]}, exp_avg_sq {_NAMES[fmt.exp_avg_sq_dtype]}"
-        f"{' (+ max, amsgrad)' if workload.amsgrad else ''}, {master}",
-        f"  bytes per param: device {b['device']}, host bank {b['host']} (spares alike), nvme "
-        f"file {b['nvme']} (x2 slots); Adam moves {b['host_adam']} B/param a step",
-    ] + ([f"  {extra[2:]}"] if extra else [])
+    return (
+        [
+            f"state: exp_avg {_NAMES[fmt.exp_avg_dtype]}, exp_avg_sq {_NAMES[fmt.exp_avg_sq_dtype]}"
+            f"{' (+ max, amsgrad)' if workload.amsgrad else ''}, {master}",
+            f"  bytes per param: device {b['device']}, host bank {b['host']} (spares alike), nvme "
+            f"file {b['nvme']} (x2 slots); Adam moves {b['host_adam']} B/param a step",
+        ]
+        + ([f"  {extra[2:]}"] if extra else [])
+        + (
+            [
+                f"  this CPU steps it {machine.state_format_factor:.2f}x as long as its bytes say (measured: "
+                "compute-bound, not memory-bound); the host step's time counts that"
+            ]
+            if machine.state_format_factor > 1.0
+            else []
+        )
+    )
 
 
 def _summary(machine: Machine, workload: Workload, p, headroom: float) -> str:
@@ -470,7 +488,7 @@ def _summary(machine: Machine, workload: Workload, p, headroom: float) -> str:
             f"spare banks: {p.spare_banks} (each holds one speculated subgroup step until step() "
             f"validates it)",
             *([f"cores: {arrangement(machine)}"] if off > 0 else []),
-            *_state_lines(workload),
+            *_state_lines(workload, machine),
             f"memory {per}:",
             (
                 f"  device {_gb(d['memory_bytes']['device'])} of {_gb(machine.gpu_mem_bytes)}"

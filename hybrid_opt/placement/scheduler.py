@@ -160,12 +160,18 @@ class AutoPlanner:
             share = self.worker_share
             if share is None and torch.device(self.device).type == "cuda":
                 share = DEFAULT_WORKER_SHARE
-            self.calibration = calibrate.rates(
+            rates = calibrate.rates(
                 self.device,
                 self.nvme_path if self._nvme_allowed() else None,
                 share,
                 device_bytes=device_bytes,
             )
+            # the state format's own speed on this CPU, at the worker's cores (cost_model.Machine)
+            dt = self.model_dtype or (torch.float32 if self.model_bytes == 4 else torch.bfloat16)
+            factor = calibrate.format_factor_cached(
+                self.state_format, dt, dt, int(rates.get("worker_cores") or 1), self.state_bytes == 16
+            )
+            self.calibration = dict(rates, state_format_factor=factor)
         self.rates = dict(self.calibration)
         self.total = sum(self.numels)
 
@@ -330,6 +336,8 @@ class AutoPlanner:
             if not cpu_only:  # the worker shares no memory system with the GPU's kernels
                 r["device_adam_gbps"] = r["device_adam_gbps_with_worker"] = gbps
             else:
+                # at fp32 state's speed: the cost model scales the CPU's by state_format_factor
+                gbps *= r.get("state_format_factor", 1.0)
                 alone = r["device_adam_gbps"]
                 shared = r.get("device_adam_gbps_with_worker") or r["device_adam_gbps"]
                 if current_off > 0:
@@ -347,8 +355,10 @@ class AutoPlanner:
         )
         host = [s for s in samples if s.host_elements and s.host_worker_s > 0]
         if host:
-            # measured at this format's bytes; kept at the reference bytes the cost model divides by
+            # measured at this format's bytes and speed; kept at the reference bytes the cost model
+            # divides by, and fp32 state's speed its state_format_factor scales
             scale = self.workload().tier_bytes()["host_adam"] / cm.HOST_ADAM_REFERENCE_BYTES
+            scale *= r.get("state_format_factor", 1.0)
             r["host_adam_gelems_per_s"] = med([s.host_elements / s.host_worker_s / 1e9 for s in host]) * scale
         best = self.choose()
         now = self.predict(current_off, current_nv, current_spares)
@@ -394,6 +404,7 @@ def machine_from_rates(
         device_adam_gbps_with_worker=r.get("device_adam_gbps_with_worker"),
         shared_cores=bool(r.get("shared_cores", False)),
         speculated_host_share=float(r.get("speculated_host_share", 1.0)),
+        state_format_factor=float(r.get("state_format_factor", 1.0)),
     )
     if nvme and r.get("nvme_read_gbps") and r.get("nvme_write_gbps"):
         kw.update(
