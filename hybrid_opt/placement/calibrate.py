@@ -2,7 +2,9 @@
 
 `rates()` measures host and device Adam, the D2H / H2D copies, the CPU-only slowdowns and nvme
 I/O, each the best of a few repetitions, and caches them under `$HYBRID_OPT_CACHE_DIR`, keyed by
-what makes them stale (host, CPU, SIMD level, torch, GPU; nvme by device). Invariant: a cache that
+what makes them stale (host, CPU, SIMD level, torch, GPU; nvme by device). `format_factor_cached()`
+adds how much slower than its bytes say a state format steps on this CPU (q8 moments are
+compute-bound), cached per format. Invariant: a cache that
 cannot be read or written is re-measured with a warning, never an error. Design notes:
 docs/internals.md."""
 
@@ -230,8 +232,10 @@ def format_factor_cached(
 ) -> float:
     """format_factor, from the calibration cache when it has it (keyed by the machine, the format
     and the threads)."""
-    names = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
-    dt = lambda d: d if isinstance(d, str) else names.get(d, str(d))  # noqa: E731
+    from hybrid_opt.state.state_format import DTYPE_NAMES
+
+    names = {v: k for k, v in DTYPE_NAMES.items()}  # torch.float32: "fp32", ..., "q8": "q8"
+    dt = lambda d: names.get(d, str(d))  # noqa: E731
     key = (
         f"{machine_key(torch.device('cpu'))}-format-{dt(fmt.exp_avg_dtype)}-{dt(fmt.exp_avg_sq_dtype)}"
         f"-r{int(fmt.store_param_remainders)}-p{dt(param_dtype)}-g{dt(grad_dtype)}-a{int(amsgrad)}-t{threads}"
