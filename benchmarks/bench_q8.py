@@ -22,11 +22,23 @@ interleaved timing runs N times: a row's median is the median of the trial media
 the lowest and highest trial median. bitsandbytes' and torchao's 8-bit AdamW run when importable
 (issue 38 measured them 30-41x slower than torch fused); then "bnb / this" and "torchao / this"
 say how many times faster than each a row steps (issue 38's target for q8: >= 25).
+
+"% roof" is a row's GB/s over the roofline row's: `cpu_kernels.bandwidth_probe_`, Adam's 28 B an
+element in place (four fp32 streams, one read, three updated) on tensors of its own, timed in the
+same rounds (the probe moves no 1-byte stream, so a q8 row's roof is the fp32 pattern's bandwidth).
+"state B/param (PSS)" is what the operating system counts the row's optimizer state to take: the
+process's proportional set size (psutil) before and after the state is made, over the elements —
+the moments (q8: codes and absmaxes) of ours; torch's state is the fp32 row's moments; bitsandbytes'
+and torchao's, their first step on a second optimizer of the same size, after a first optimizer's
+step has paid for torch.compile (torchao) and the libraries' own set-up, so that only the state counts.
+The param (the fp32 master here, the model's own) is no row's state.
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
+import ctypes.util
 import json
 import os
 import statistics
@@ -34,6 +46,7 @@ import subprocess
 import sys
 import tempfile
 
+import psutil
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -47,16 +60,45 @@ from cpu_kernels import q8_reference as q8  # noqa: E402
 TORCH_LEVEL = {"avx512": "avx512", "avx2": "avx2", "portable": "default"}
 HP = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=1e-2)
 BYTES = {"q8_q8": 16.0 + 8.0 / 256, "q8_q8_pipeline": 16.0 + 8.0 / 256, "q8_q8_apart": 16.0 + 8.0 / 256}
-BYTES.update(fp32=28.0, torch_fused=28.0)
+BYTES.update(fp32=28.0, torch_fused=28.0, roofline=28.0)
 
 
-def _steppers(n: int) -> dict:
+def _pss() -> int:
+    return psutil.Process().memory_full_info().pss
+
+
+def _fixed_mmap_threshold() -> None:
+    """glibc serves large allocations by mmap, and returns them to the OS when freed, only up to a
+    threshold it raises after each such free: later ones then come from freed heap memory, which PSS
+    already counts (a state made after a temporary was freed read 0 B/param). A fixed threshold keeps
+    every large allocation mmap'd, so PSS grows by what a state holds. Not glibc: PSS as it comes."""
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc.mallopt(-3, 16 << 10)  # M_MMAP_THRESHOLD: an absmax of 4 Mi elements is 64 KiB
+        libc.mallopt(-1, 0)  # M_TRIM_THRESHOLD: the heap's free top goes back to the OS at once
+        libc.mallopt(-2, 0)  # M_TOP_PAD
+    except (OSError, AttributeError):
+        pass
+
+
+def _made(make):
+    """(make(), the bytes the process's PSS grew by while it ran)."""
+    before = _pss()
+    out = make()
+    return out, _pss() - before
+
+
+def _steppers(n: int) -> tuple[dict, dict]:
+    """({row: step}, {row: bytes of optimizer state the OS counts}) over n elements."""
     g = torch.Generator().manual_seed(0)
     grad = torch.randn(n, generator=g)
     m0, v0 = torch.randn(n, generator=g) * 1e-3, torch.rand(n, generator=g) * 1e-6
     q_param, f_param = (torch.randn(n, generator=torch.Generator().manual_seed(1)) for _ in range(2))
-    mq, vq = q8.quantize_blocks(m0, True), q8.quantize_blocks(v0, False)
-    fm, fv = m0.clone(), v0.clone()
+    quantize = lambda k: (q8.quantize_blocks(m0[:k], True), q8.quantize_blocks(v0[:k], False))  # noqa: E731
+    quantize(4096)  # its code's first pages (PSS counts a library's pages too), then the state alone
+    (mq, vq), q8_state = _made(lambda: quantize(n))
+    (fm, fv), fp32_state = _made(lambda: (m0.clone(), v0.clone()))
+    probe = [torch.randn(n, generator=g) for _ in range(4)]
 
     def ours_q8():
         cpu_kernels.q8_adam_step_(q_param, grad, mq, vq, step=3, **HP)
@@ -78,6 +120,7 @@ def _steppers(n: int) -> dict:
     )
     opt.state[t_param] = {"step": torch.tensor(0.0), "exp_avg": fm, "exp_avg_sq": fv}
     steppers = {"q8_q8": ours_q8, "fp32": ours_fp32, "torch_fused": opt.step}
+    state = {"q8_q8": q8_state, "fp32": fp32_state, "torch_fused": fp32_state}
     if cpu_kernels.simd_level() == "avx512":
         # the fused pass's other arrangement of its codes than the CPU's vendor chose (kernels.h,
         # hybrid_get_q8_pipeline): q8_q8_pipeline where it writes them after each block, else _apart
@@ -91,9 +134,25 @@ def _steppers(n: int) -> dict:
                 cpu_kernels._lib._set_q8_pipeline(not other)
 
         steppers["q8_q8_pipeline" if other else "q8_q8_apart"] = ours_q8_other
+        state["q8_q8_pipeline" if other else "q8_q8_apart"] = q8_state
     for name, factory in _eight_bit_baselines():
-        steppers[name] = factory(n, grad)
-    return steppers
+        steppers[name], state[name] = factory(n, grad)
+    steppers["roofline"] = lambda: cpu_kernels.bandwidth_probe_(*probe)
+    return steppers, state
+
+
+def _first_steps(make_opt, n, grad):
+    """A peer's step and its state's bytes: a first optimizer steps once (torch.compile, the library's
+    set-up), then a second one of the same size makes its state in its first step, measured."""
+    params = []
+    for _ in range(2):
+        p = torch.nn.Parameter(torch.randn(n))
+        p.grad = grad.clone()
+        params.append(p)
+    make_opt(params[0]).step()
+    opt = make_opt(params[1])
+    _, made = _made(opt.step)
+    return opt.step, made
 
 
 def _eight_bit_baselines():
@@ -103,9 +162,9 @@ def _eight_bit_baselines():
         import bitsandbytes as bnb  # noqa: F401
 
         def bnb_factory(n, grad):
-            p = torch.nn.Parameter(torch.randn(n))
-            p.grad = grad.clone()
-            return bnb.optim.AdamW8bit([p], lr=HP["lr"], weight_decay=HP["weight_decay"]).step
+            return _first_steps(
+                lambda p: bnb.optim.AdamW8bit([p], lr=HP["lr"], weight_decay=HP["weight_decay"]), n, grad
+            )
 
         out.append(("bnb_adamw8bit", bnb_factory))
         BYTES["bnb_adamw8bit"] = 16.0
@@ -115,9 +174,9 @@ def _eight_bit_baselines():
         from torchao.optim import AdamW8bit
 
         def ao_factory(n, grad):
-            p = torch.nn.Parameter(torch.randn(n))
-            p.grad = grad.clone()
-            return AdamW8bit([p], lr=HP["lr"], weight_decay=HP["weight_decay"]).step
+            return _first_steps(
+                lambda p: AdamW8bit([p], lr=HP["lr"], weight_decay=HP["weight_decay"]), n, grad
+            )
 
         out.append(("torchao_adamw8bit", ao_factory))
         BYTES["torchao_adamw8bit"] = 16.0
@@ -164,9 +223,12 @@ def _time_levels(levels: list, sizes: list, reps: int, trials: int, threads: int
         n = parse_size(size)
         for level in levels:
             cpu_kernels.set_simd_level(level)
-            steppers = _steppers(n)
+            steppers, state = _steppers(n)
             runs = [time_ms_interleaved(steppers, reps=reps) for _ in range(trials)]
             base = statistics.median(t["fp32"]["median_ms"] for t in runs)
+            roof_gbps = (
+                BYTES["roofline"] * n / statistics.median(t["roofline"]["median_ms"] for t in runs) / 1e6
+            )
             anchors = {
                 key: statistics.median(t[name]["median_ms"] for t in runs)
                 for key, name in (("vs_bnb", "bnb_adamw8bit"), ("vs_torchao", "torchao_adamw8bit"))
@@ -189,6 +251,8 @@ def _time_levels(levels: list, sizes: list, reps: int, trials: int, threads: int
                         hi_ms=max(medians),
                         bytes_per_elem=BYTES[name],
                         gbps=BYTES[name] * n / ms / 1e6,
+                        pct_roof=100 * BYTES[name] * n / ms / 1e6 / roof_gbps,
+                        state_bytes_per_param=state[name] / n if name in state else None,
                         vs_fp32=base / ms,
                         **{key: anchor / ms for key, anchor in anchors.items()},
                     )
@@ -215,6 +279,7 @@ def main() -> None:
             if lv in cpu_kernels.available_simd_levels()
         ][:2]
     )
+    _fixed_mmap_threshold()
     cpu_kernels.set_num_threads(args.threads)
     torch.set_num_threads(args.threads)
     print(f"host: {host_description()}; threads {args.threads}; torch {torch.__version__}")
@@ -236,6 +301,8 @@ def main() -> None:
                 ("hi_ms", "hi", ".2f"),
                 ("bytes_per_elem", "B/elem", ".2f"),
                 ("gbps", "GB/s", ".1f"),
+                ("pct_roof", "% roof", ".0f"),
+                ("state_bytes_per_param", "state B/param (PSS)", ".2f"),
                 ("vs_fp32", "fp32 / this", ".2f"),
                 ("vs_bnb", "bnb / this", ".1f"),
                 ("vs_torchao", "torchao / this", ".1f"),

@@ -663,7 +663,7 @@ def test_bench_q8_times_each_level_in_a_process_whose_torch_runs_at_that_level(t
     levels = [lv for lv in ("avx2", "portable") if lv in cpu_kernels.available_simd_levels()]
     out_json = tmp_path / "q.json"
     script = os.path.join(REPO, "benchmarks", "bench_q8.py")
-    cmd = [sys.executable, script, "--sizes", "8Ki", "--reps", "1", "--trials", "1", "--levels", *levels]
+    cmd = [sys.executable, script, "--sizes", "1Mi", "--reps", "1", "--trials", "1", "--levels", *levels]
     # the peers' packages (when a developer has them on PYTHONPATH) would only slow this down
     env = dict(os.environ, PYTHONPATH=REPO)
     res = subprocess.run(
@@ -672,13 +672,19 @@ def test_bench_q8_times_each_level_in_a_process_whose_torch_runs_at_that_level(t
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     records = json.loads(out_json.read_text())
     assert {(r["level"], r["impl"]) for r in records} == {
-        (lv, impl) for lv in levels for impl in ("q8_q8", "fp32", "torch_fused")
+        (lv, impl) for lv in levels for impl in ("q8_q8", "fp32", "torch_fused", "roofline")
     }
     torch_level = {"avx2": "AVX2", "portable": "DEFAULT"}
     for r in records:
         assert r["q8_level"] == r["level"]
         assert r["torch_level"] == torch_level[r["level"]], r
-    assert "| torch level |" in res.stdout
+        assert r["pct_roof"] > 0 and (r["impl"] != "roofline" or r["pct_roof"] == pytest.approx(100))
+    # the state as the OS counts it (PSS, to a page): fp32 moments 8 B/param, q8's about a quarter
+    by = {(r["level"], r["impl"]): r["state_bytes_per_param"] for r in records}
+    for lv in levels:
+        assert 7.5 < by[(lv, "fp32")] < 8.6 and by[(lv, "torch_fused")] == by[(lv, "fp32")]
+        assert 1.5 < by[(lv, "q8_q8")] < 2.6 and by[(lv, "roofline")] is None
+    assert "| torch level |" in res.stdout and "| % roof | state B/param (PSS) |" in res.stdout
 
 
 def test_bench_worker_rate_tiny_run_times_every_arrangement_against_the_in_process_kernel(tmp_path):
