@@ -148,6 +148,9 @@ def test_auto_measures_its_formats_factor_at_the_workers_cores(monkeypatch):
     ap = _planner(calibration=None, model_bytes=2, state_bytes=16, state_format=fmt)
     assert asked == [(fmt, torch.bfloat16, torch.bfloat16, 3, True)]
     assert ap.machine().state_format_factor == 2.5
+    assert "steps the state format 2.50x as long as its bytes say" in ap.choose().reason
+    plain = _planner(calibration=dict(SLOW_DEVICE))
+    assert "as long as its bytes say" not in plain.choose().reason
 
 
 def test_unreadable_cache_is_measured_again(tmp_path, monkeypatch):

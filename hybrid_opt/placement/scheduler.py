@@ -283,6 +283,11 @@ class AutoPlanner:
             )
         if p.offload_fraction > 0:
             why += "; cores " + cm.arrangement(machine)
+        if machine.state_format_factor > 1.0:
+            why += (
+                f"; this CPU steps the state format {machine.state_format_factor:.2f}x as long as its bytes "
+                "say (calibrate.format_factor)"
+            )
         return Decision(p.offload_fraction, p.nvme_fraction, p, why)
 
     def predict(self, offload_fraction: float, nvme_fraction: float, spare_banks=None) -> cm.Prediction:
