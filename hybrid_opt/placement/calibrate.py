@@ -200,25 +200,22 @@ def format_factor(
     fmt, param_dtype: torch.dtype, grad_dtype: torch.dtype, threads: int, amsgrad: bool = False
 ) -> float:
     """How much longer than its bytes say a host Adam step of state format `fmt` takes on this CPU at
-    `threads`: (its time / fp32 state's) / (its bytes / fp32 state's 28), both stepped in process over
-    MEASURE_NUMEL elements, the best of REPS each, at least 1.0. The cost model scales fp32 state's
-    rates by bytes (cost_model.Machine.state_format_factor), which a memory-bound step follows; q8
-    moments are compute-bound on many CPUs (docs/kernels.md), and so is AVX2's compressed loop at one
-    thread."""
-    import cpu_kernels
+    `threads`: its time over the time its bytes take at fp32 state's rate (_cpu_adam_gbps, in place),
+    both stepped in process over MEASURE_NUMEL elements, the best of REPS each, at least 1.0. The cost
+    model scales fp32 state's rates by bytes (cost_model.Machine.state_format_factor), which a
+    memory-bound step follows; q8 moments are compute-bound on many CPUs (docs/kernels.md), and so is
+    AVX2's compressed loop at one thread."""
     from hybrid_opt.state.state_format import StateFormat
 
     if fmt == StateFormat() and param_dtype == torch.float32 and grad_dtype == torch.float32 and not amsgrad:
         return 1.0
     n = MEASURE_NUMEL
-    p, g, m, v = (torch.rand(n) for _ in range(4))
     kernel, args, kw = _format_tensors(fmt, param_dtype, grad_dtype, amsgrad, n)
+    fp32_gbps = _cpu_adam_gbps(threads, bank=False)
     with _Threads(threads):
-        t32 = _best_time(lambda: cpu_kernels.adam_step_(p, g, m, v, **_adam_kwargs()))
         t = _best_time(lambda: kernel(*args, **kw))
-    fp32 = StateFormat().adam_bytes(torch.float32, 4)
     own = fmt.adam_bytes(param_dtype, grad_dtype.itemsize, amsgrad)
-    return max(1.0, (t / t32) / (own / fp32))
+    return max(1.0, t / (n * own / (fp32_gbps * 1e9)))
 
 
 def format_factor_cached(
