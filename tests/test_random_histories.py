@@ -61,9 +61,9 @@ class Step:
     weight_decay: tuple | None = None
     betas: tuple | None = None
     write: tuple | None = None  # (param, factor): p.mul_(factor) under no_grad before the step
-    reload_into: dict | None = (
-        None  # after the step, state_dict() into a new optimizer with these placement args
-    )
+    # after the step: state_dict() into a new optimizer with these placement args ({}: the same)
+    reload_into: dict | None = None
+    replan: tuple | None = None  # after the step: opt.replan(offload_fraction, nvme_fraction)
 
 
 @dataclass
@@ -149,6 +149,8 @@ def draw_history(seed: int) -> History:
             step.write = (rng.randrange(len(params)), rng.choice([0.5, -1.0]))
         if rng.random() < 0.2:
             step.reload_into = rng.choice((None, *OTHER_PLACEMENTS)) or {}
+        elif rng.random() < 0.1:
+            step.replan = rng.choice(((0.0, 0.0), (1.0, 0.0), (1.0, 1.0), (0.5, 0.25)))
         history.steps.append(step)
     history.add_at = rng.randrange(len(history.steps))
     return history
@@ -173,9 +175,7 @@ def _build(cls, groups, history, placement, nvme_dir):
     kw = dict(history.hyper)
     if cls in (torch.optim.AdamW, torch.optim.Adam):
         return cls(groups, foreach=False, **kw)
-    args = dict(placement)
-    if args.get("nvme_fraction"):
-        args["nvme_path"] = nvme_dir
+    args = dict(placement, nvme_path=nvme_dir)  # every placement may be replanned onto nvme
     return cls(groups, max_grad_norm=history.clip, **FORMATS[history.format], **kw, **args)
 
 
@@ -242,6 +242,8 @@ def run_history(history: History, cls, placement: dict, nvme_dir: str):
                 scaler.update()
             else:
                 opt.step()
+            if step.replan is not None and hybrid:
+                opt.replan(*step.replan)
             if step.reload_into is not None and hybrid:
                 groups = [{"params": list(g["params"])} for g in opt.param_groups]
                 saved = copy.deepcopy(opt.state_dict())
