@@ -10,8 +10,11 @@ draws from its seed:
   are assigned or made by a backward pass (whose hooks start speculated steps);
 - a history of two to eight steps, each with some of: grads missing or zero for some params, a
   grad holding an infinity, lr / weight_decay / betas changed in a group, a param written in
-  place, a group added (`add_param_group`), and the optimizer's `state_dict()` loaded into a new
-  one, at its own placement or another.
+  place, a group added (`add_param_group`), the optimizer's `state_dict()` loaded into a new one
+  (at its own placement or another), `replan()` to another placement, the worker killed (SIGKILL)
+  before `step()`; and, for the whole history, a fault injected into the first worker's K-th step
+  task (HYBRID_OPT_WORKER_FAULT). The kills and faults go with exact rollback only: with inverse
+  rollback a worker killed mid-step may tear subgroups, which the error names.
 
 The history runs twice: at `offload_fraction=0` (the in-process kernel) and at a placement drawn
 from the same seed (host, nvme or mixed; speculative or not; small subgroups; inverse rollback
