@@ -49,11 +49,35 @@ def memory_error(nbytes: int, what: str, err: int) -> MemoryError:
     )
 
 
+SHMEM_ENABLED = "/sys/kernel/mm/transparent_hugepage/shmem_enabled"
+
+
+def shmem_takes_huge_pages() -> bool:
+    """Whether this kernel gives shared memory 2 MiB pages unasked: `shmem_enabled` set to
+    `always` or `within_size` (`never` is the kernel's default; `advise` gives them only to a
+    mapping that asks, and arenas do not). HYBRID_OPT_SHMEM_ENABLED stands in for the file
+    (tests: the path such a host takes, on any host)."""
+    text = os.environ.get("HYBRID_OPT_SHMEM_ENABLED")
+    if text is None:
+        try:
+            with open(SHMEM_ENABLED) as f:
+                text = f.read()
+        except OSError:
+            return False
+    chosen = text[text.find("[") + 1 : text.find("]")] if "[" in text else text.strip()
+    return chosen in ("always", "within_size")
+
+
 def reserve(fd: int, ranges, what: str = "shared memory") -> bool:
     """Allocates a shared file's pages in (offset, nbytes) `ranges` now, neither zeroed nor
     mapped (fallocate): memory that is not there is a MemoryError here. False where the
-    filesystem cannot (pages are then allocated when populated). No glibc posix_fallocate:
-    where fallocate is missing it would write every block."""
+    filesystem cannot (pages are then allocated when populated), and where shared memory takes
+    2 MiB pages unasked: fallocate follows the file's policy, not a mapping's MADV_NOHUGEPAGE, so
+    its pages would span regions no budget counted (shm.no_huge_pages); populating through the
+    mapping allocates 4 KiB ones. No glibc posix_fallocate: where fallocate is missing it would
+    write every block."""
+    if shmem_takes_huge_pages():
+        return False
     for off, n in ranges:
         if _lib().fallocate(fd, 0, off, n) != 0:
             err = ctypes.get_errno()

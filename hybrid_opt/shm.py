@@ -236,8 +236,21 @@ def _map_shared(fd: int, nbytes: int) -> mmap.mmap:
         err = ctypes.get_errno()
         mm.close()
         raise OSError(err, f"cannot map {nbytes} bytes of shared memory: {os.strerror(err)}")
+    no_huge_pages(mm)
     _MAPPINGS.live.add(mm)
     return mm
+
+
+def no_huge_pages(mm: mmap.mmap) -> None:
+    """4 KiB pages for an arena mapping on every host. Where the kernel gives shared memory 2 MiB
+    pages unasked (populate.shmem_takes_huge_pages), one such page would span several regions (a
+    bank, a dormant spare, staging slots) and the bytes the OS counts (`allocated_bytes`) would
+    exceed what the budgets planned (docs/benchmarks.md, huge pages). A fault through a mapping
+    so advised takes a 4 KiB page; the trainer's mapping and the worker's both ask, and the arena's
+    memory is not reserved by fallocate there (populate.reserve). Where the kernel has no such
+    advice there is nothing to refuse."""
+    with contextlib.suppress(OSError, AttributeError, ValueError):
+        mm.madvise(mmap.MADV_NOHUGEPAGE)
 
 
 class _Mappings:

@@ -212,14 +212,16 @@ def with_fp32_masters(state: dict, params) -> dict:
     return out
 
 
-def arena_rss(pid="self") -> int:
-    """Rss bytes of process `pid`'s mappings of host arenas (smaps: the pages it has in memory)."""
+def arena_rss(pid="self", inode=None) -> int:
+    """Rss bytes of process `pid`'s mappings of host arenas (smaps: the pages it has in memory);
+    of one arena's only, given its memfd's `inode` (an earlier test's arena, kept mapped by a view
+    in a reference cycle until the garbage collector runs, is not this test's)."""
     total, inside = 0, False
     with open(f"/proc/{pid}/smaps") as f:
         for line in f:
             head = line.split()
             if "-" in head[0] and len(head) >= 5:  # a mapping's header line
-                inside = "memfd:hybrid_opt-host" in line
+                inside = "memfd:hybrid_opt-host" in line and (inode is None or int(head[4]) == inode)
             elif inside and head[0] == "Rss:":
                 total += int(head[1]) * 1024
     return total

@@ -337,6 +337,16 @@ def _gate_background(monkeypatch):
     return gate
 
 
+@pytest.fixture
+def shmem_without_huge_pages(monkeypatch):
+    """The path of a kernel whose shared memory takes no 2 MiB pages unasked (its default): spare
+    banks reserved by fallocate, then populated in the background. Where it takes them, the arena
+    is populated whole at construction instead (populate.shmem_takes_huge_pages), and these tests'
+    background has nothing to show."""
+    monkeypatch.setenv("HYBRID_OPT_SHMEM_ENABLED", "always within_size advise [never] deny force")
+
+
+@pytest.mark.usefixtures("shmem_without_huge_pages")
 def test_a_step_that_needs_a_bank_not_yet_populated_waits_for_it(monkeypatch):
     """A bank handed out before the background population reached it is waited for: the
     step blocks until it is populated, and past the tier's timeout it raises, naming the
@@ -427,6 +437,7 @@ def test_waiting_for_a_populated_region_does_not_scan_every_chunk():
         arena.close()
 
 
+@pytest.mark.usefixtures("shmem_without_huge_pages")
 def test_close_during_background_population_stops_it(monkeypatch):
     """close() while the population runs ends its thread (no thread is left running over
     unmapped memory, none keeps a trainer-only affinity). The population is slowed so that it
@@ -453,6 +464,7 @@ def test_close_during_background_population_stops_it(monkeypatch):
     assert not [t for t in threading.enumerate() if t.name.startswith("hybrid_opt-populate")]
 
 
+@pytest.mark.usefixtures("shmem_without_huge_pages")
 def test_missing_memory_is_a_memory_error_at_construction(monkeypatch):
     """Memory the arena cannot reserve is a MemoryError from the constructor (the background
     part included: it is reserved up front), naming the size and what to do."""

@@ -1426,6 +1426,9 @@ def test_memory_the_arena_cannot_get_is_an_error_at_construction(monkeypatch):
 
             return fail
 
+    # the path of a kernel whose shared memory takes no huge pages unasked (its default): the
+    # background part is reserved by fallocate (populate.reserve), whose failure is tested below
+    monkeypatch.setenv("HYBRID_OPT_SHMEM_ENABLED", "always within_size advise [never] deny force")
     fds = psutil.Process().num_fds()
     # populating: ENOMEM (or EFAULT from a full tmpfs)
     monkeypatch.setattr(pop, "_libc", Libc("madvise"))
@@ -1433,6 +1436,7 @@ def test_memory_the_arena_cannot_get_is_an_error_at_construction(monkeypatch):
         shm.SharedArena(8 << 20, "hybrid_opt-test")
     assert psutil.Process().num_fds() == fds
     # reserving the part populated in the background: ENOSPC
+    monkeypatch.setattr(pop, "_libc", None)
     monkeypatch.setattr(pop, "_libc", Libc("fallocate"))
     with pytest.raises(MemoryError, match=r"cannot allocate 0\.00 GB of shared memory .*No space left"):
         shm.SharedArena(8 << 20, "hybrid_opt-test", later=[(4 << 20, 4 << 20)])

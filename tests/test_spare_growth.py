@@ -46,15 +46,15 @@ def test_dormant_spares_are_neither_allocated_nor_mapped_until_woken():
         full = tier.arena.nbytes
         assert tier.spares_awake == 2 and len(tier.pool.dormant) == 4
         assert _allocated(tier) == full - 4 * stride
-        pid = tier.client.pid
+        pid, ino = tier.client.pid, os.fstat(tier.arena.fd).st_ino
         deadline = time.monotonic() + 60
-        while arena_rss(pid) < full - 4 * stride and time.monotonic() < deadline:
+        while arena_rss(pid, ino) < full - 4 * stride and time.monotonic() < deadline:
             time.sleep(0.05)  # the worker maps its part in the background
-        assert arena_rss(pid) == full - 4 * stride, "the worker touched dormant banks"
-        assert arena_rss("self") == full - 4 * stride, "the trainer touched dormant banks"
+        assert arena_rss(pid, ino) == full - 4 * stride, "the worker touched dormant banks"
+        assert arena_rss("self", ino) == full - 4 * stride, "the trainer touched dormant banks"
         assert tier.wake_spares(3) == 3 and tier.spares_awake == 5
         assert _allocated(tier) == full - stride
-        assert arena_rss("self") == full - stride
+        assert arena_rss("self", ino) == full - stride
         assert tier.wake_spares(5) == 1 and tier.wake_spares(1) == 0  # one left, then none
         assert _allocated(tier) == full
     finally:

@@ -21,7 +21,7 @@ import time
 from typing import TYPE_CHECKING
 
 from hybrid_opt.populate import BackgroundPopulate
-from hybrid_opt.shm import address, populate
+from hybrid_opt.shm import address, no_huge_pages, populate
 from hybrid_opt.worker import protocol as proto
 from hybrid_opt.worker.arena_steps import ArenaSteps
 
@@ -98,6 +98,7 @@ class Worker:
         self.mm = mmap.mmap(
             cfg["arena_fd"], cfg["arena_nbytes"], mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE
         )
+        no_huge_pages(self.mm)  # as the trainer's mapping: 4 KiB pages, as every budget counted
         # the trainer allocated the pages; map them all now rather than a fault per 4 KB in
         # the first steps on each bank; the ranges it populates in the background (spare
         # banks) are mapped here in the background too, in the same order, so the two threads
