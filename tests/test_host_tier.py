@@ -1436,7 +1436,7 @@ def test_memory_the_arena_cannot_get_is_an_error_at_construction(monkeypatch):
         shm.SharedArena(8 << 20, "hybrid_opt-test")
     assert psutil.Process().num_fds() == fds
     # reserving the part populated in the background: ENOSPC
-    monkeypatch.setattr(pop, "_libc", None)
+    monkeypatch.setattr(pop, "_libc", None)  # so that the next stand-in wraps libc, not the one above
     monkeypatch.setattr(pop, "_libc", Libc("fallocate"))
     with pytest.raises(MemoryError, match=r"cannot allocate 0\.00 GB of shared memory .*No space left"):
         shm.SharedArena(8 << 20, "hybrid_opt-test", later=[(4 << 20, 4 << 20)])
