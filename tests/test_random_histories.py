@@ -7,13 +7,18 @@ draws from its seed:
   elements) in one or two groups, fp32, or bf16 where the master is kept as remainders;
 - a state format (fp32, bf16 moments, q8 moments, remainders, remainders with q8), Adam or
   AdamW, amsgrad, maximize, betas, clipping (`max_grad_norm`), a GradScaler, and whether the grads
-  are assigned or made by a backward pass (whose hooks start speculated steps);
+  are assigned or made by a backward pass (whose hooks start speculated steps), run inside
+  `step(closure)` or before it; every group's lr a float or a 0-dim tensor;
 - a history of two to eight steps, each with some of: grads missing or zero for some params, a
-  grad holding an infinity, lr / weight_decay / betas changed in a group, a param written in
-  place, a group added (`add_param_group`), the optimizer's `state_dict()` loaded into a new one
-  (at its own placement or another), `replan()` to another placement, the worker killed (SIGKILL)
-  before `step()`; and, for the whole history, a fault injected into the first worker's K-th step
-  task (HYBRID_OPT_WORKER_FAULT). The kills and faults go with exact rollback only: with inverse
+  grad holding an infinity, micro-batches accumulated before the last backward (annotated by
+  `set_gradient_accumulation_boundary` or not), `zero_grad(set_to_none=False)`, a grad edited in
+  place after backward, lr / weight_decay / betas changed in a group (a tensor lr in place), a
+  param written in place, a group added (`add_param_group`), the optimizer's state loaded into a
+  new one (at its own placement or another) from `state_dict()`, from `save_state_dict`'s file or
+  from its fp32 file (the one torch.optim.AdamW loads; q8 moments are quantized again), each file
+  read by `torch.load(weights_only=True)`, `replan()` to another placement, the worker killed
+  (SIGKILL) before `step()`; and, for the whole history, a fault injected into the first worker's
+  K-th step task (HYBRID_OPT_WORKER_FAULT). The kills and faults go with exact rollback only: with inverse
   rollback a worker killed mid-step may tear subgroups, which the error names.
 
 The history runs twice: at `offload_fraction=0` (the in-process kernel) and at a placement drawn
@@ -25,12 +30,15 @@ torch.optim.AdamW / Adam (foreach=False, torch's `clip_grad_norm_` after `unscal
 all-device run must follow within fp32 rounding, step counts and moments included. The state compared is
 `state_dict()`'s, torch's format: moments, masters or remainders, q8 codes and absmaxes.
 
-HYBRID_OPT_RANDOM_HISTORIES=N runs seeds 0..N-1 instead of the first 32 (500 passed with every
-event above, in about 3 minutes on 2 cores; a worker's eps changed after step 3 fails 9 of the 32).
+HYBRID_OPT_RANDOM_HISTORIES=N runs seeds 0..N-1 instead of the first 32 (1,000 passed with every
+event above, in about 5 minutes on 2 cores). Sabotage: a worker's eps changed after step 3 fails
+58 of the first 200 seeds (3 of the first 32); speculation blind to a grad's `_version` (a grad
+edited in place after backward then commits a stale speculated step) fails 4 of the first 300.
 """
 
 import contextlib
 import copy
+import io
 import os
 import random
 import signal
@@ -73,6 +81,17 @@ class Step:
     reload_into: dict | None = None
     replan: tuple | None = None  # after the step: opt.replan(offload_fraction, nvme_fraction)
     kill_worker: bool = False  # SIGKILL to the worker once the grads are in, speculated steps maybe in flight
+    # backward mode: micro-batches before this step's grads, each a list as `grads`; their grads
+    # accumulate in p.grad (autograd's order, the same in every run)
+    micro: list = field(default_factory=list)
+    annotate: bool = False  # set_gradient_accumulation_boundary(False) on the micro-batches, True on the last
+    set_to_none: bool = True  # backward mode: zero_grad(set_to_none=False) keeps the grad tensors, zeroed
+    edit_grad: tuple | None = (
+        None  # (param, factor): p.grad.mul_(factor) after the grads are in, before step()
+    )
+    reload_via: str = (
+        "memory"  # "memory" (a deep copy), "file" (save_state_dict, torch.load weights_only), "fp32"
+    )
 
 
 @dataclass
@@ -87,6 +106,8 @@ class History:
     scaler: bool
     backward: bool  # grads made by a backward pass (their hooks fire), not assigned
     worker_fault: str | None  # HYBRID_OPT_WORKER_FAULT for the placed run's first worker ("STAGE:K")
+    lr_tensor: bool  # every group's lr a 0-dim tensor, changed in place (fill_)
+    closure: bool  # backward mode, ours: the backward passes run in step(closure)
     steps: list = field(default_factory=list)
 
 
@@ -105,6 +126,21 @@ def _draw_params(rng: random.Random, dtype) -> list:
             shapes.append((rng.randint(1000, 9000),))
     values = [(torch.randn(s, generator=gen) * 0.5).to(dtype) for s in shapes]
     return [v.t() if v.dim() == 2 and rng.random() < 0.3 else v for v in values]  # some non-contiguous
+
+
+def _draw_grads(rng: random.Random, params: list) -> list:
+    """A grad per param: a tensor, "zero" or None (no grad)."""
+    grads = []
+    for p in params:
+        pick = rng.random()
+        seed_g = rng.randrange(10**6)
+        if pick < 0.15:
+            grads.append(None)
+        elif pick < 0.2:
+            grads.append("zero")
+        else:
+            grads.append(torch.randn(p.shape, generator=torch.Generator().manual_seed(seed_g)))
+    return grads
 
 
 def draw_history(seed: int) -> History:
@@ -137,18 +173,13 @@ def draw_history(seed: int) -> History:
             if rng.random() < 0.15
             else None
         ),
+        lr_tensor=rng.random() < 0.2,
+        closure=False,
     )
+    # GradScaler.step takes no closure (torch's rule)
+    history.closure = history.backward and not history.scaler and rng.random() < 0.25
     for _ in range(rng.randint(2, 8)):
-        grads = []
-        for p in params:
-            pick = rng.random()
-            seed_g = rng.randrange(10**6)
-            if pick < 0.15:
-                grads.append(None)
-            elif pick < 0.2:
-                grads.append("zero")
-            else:
-                grads.append(torch.randn(p.shape, generator=torch.Generator().manual_seed(seed_g)))
+        grads = _draw_grads(rng, params)
         if all(g is None for g in grads[: len(params) - added]):
             grads[0] = torch.randn(
                 params[0].shape
@@ -170,6 +201,15 @@ def draw_history(seed: int) -> History:
             step.kill_worker = True
         elif rng.random() < 0.1:
             step.replan = rng.choice(((0.0, 0.0), (1.0, 0.0), (1.0, 1.0), (0.5, 0.25)))
+        if step.reload_into is not None:
+            step.reload_via = rng.choice(("memory", "file", "fp32"))
+        if history.backward:
+            if rng.random() < 0.25:
+                step.micro = [_draw_grads(rng, params) for _ in range(rng.randint(1, 2))]
+                step.annotate = rng.random() < 0.5
+            step.set_to_none = rng.random() < 0.7
+        if rng.random() < 0.25:
+            step.edit_grad = (rng.randrange(len(params)), rng.choice([0.5, -2.0, 3.0]))
         history.steps.append(step)
     history.add_at = rng.randrange(len(history.steps))
     return history
@@ -190,8 +230,30 @@ def draw_placement(seed: int, history: History) -> dict:
     return args
 
 
+def _lr(history: History, value: float):
+    """A group's lr: a float, or a 0-dim tensor of its own (changed in place by the history)."""
+    return torch.tensor(value) if history.lr_tensor else value
+
+
+def _backward(live: list, grads: list) -> None:
+    """A backward pass whose grads are `grads` (None: the param takes no part), bit for bit:
+    d/dp of sum(p * g) is g; autograd accumulates it into p.grad as a training loop's does."""
+    terms = [(p * g).sum().float() for p, g in zip(live, grads) if g is not None]
+    if terms:
+        torch.stack(terms).sum().backward()
+
+
+def _edit_grad(step: Step, live: list) -> None:
+    """The step's grad edit, once the grads are in: in place, so a speculated step from the grad
+    before it is stale."""
+    if step.edit_grad is not None:
+        edited = live[step.edit_grad[0] % len(live)].grad
+        if edited is not None:
+            edited.mul_(step.edit_grad[1])
+
+
 def _build(cls, groups, history, placement, nvme_dir):
-    kw = dict(history.hyper)
+    kw = dict(history.hyper, lr=_lr(history, history.hyper["lr"]))
     if cls in (torch.optim.AdamW, torch.optim.Adam):
         return cls(groups, foreach=False, **kw)
     args = dict(placement, nvme_path=nvme_dir)  # every placement may be replanned onto nvme
@@ -214,14 +276,14 @@ def _inverse(placement: dict) -> bool:
     return placement.get("rollback") == "inverse"
 
 
-def _grads_of(step: Step, live: list, scaler) -> list:
-    """This step's grad of each live param, in its dtype (None: no grad), times the scaler's scale."""
+def _grads_of(grads: list, infinite_grad: int | None, live: list, scaler) -> list:
+    """The grad of each live param, in its dtype (None: no grad), times the scaler's scale."""
     out = []
     for i, p in enumerate(live):
-        g = step.grads[i]
+        g = grads[i]
         if g is not None:
             g = torch.zeros(p.shape) if isinstance(g, str) else g * (scaler.get_scale() if scaler else 1.0)
-            if step.infinite_grad == i and g.numel():
+            if infinite_grad == i and g.numel():
                 g.view(-1)[0] = float("inf")
             g = g.to(p.dtype)
         out.append(g)
@@ -238,7 +300,7 @@ def run_history(history: History, cls, placement: dict, nvme_dir: str):
     half = max(1, len(base) // 2)
     groups = [{"params": base[:half]}]
     if len(base) > half:
-        groups.append({"params": base[half:], "lr": 5e-3, "weight_decay": 0.05})
+        groups.append({"params": base[half:], "lr": _lr(history, 5e-3), "weight_decay": 0.05})
     opt = _build(cls, groups, history, placement, nvme_dir)
     hybrid = not isinstance(opt, (torch.optim.AdamW, torch.optim.Adam))
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=2) if history.scaler else None
@@ -248,25 +310,42 @@ def run_history(history: History, cls, placement: dict, nvme_dir: str):
     try:
         for n, step in enumerate(history.steps):
             if history.added and n == history.add_at:
-                opt.add_param_group({"params": params[len(base) :], "lr": 3e-3, "weight_decay": 0.02})
+                opt.add_param_group(
+                    {"params": params[len(base) :], "lr": _lr(history, 3e-3), "weight_decay": 0.02}
+                )
                 live = params
             if step.write is not None:
                 with torch.no_grad():
                     live[step.write[0] % len(live)].mul_(step.write[1])
-            grads = _grads_of(step, live, scaler)
-            if history.backward:  # the grads' hooks fire: speculation starts from them
-                opt.zero_grad(set_to_none=True)
-                terms = [(p * g).sum().float() for p, g in zip(live, grads) if g is not None]
-                torch.stack(terms).sum().backward()  # d/dp of sum(p * g) is g, bit for bit
-            else:
-                for p, g in zip(live, grads):
+            passes = [_grads_of(m, None, live, scaler) for m in step.micro]
+            passes.append(_grads_of(step.grads, step.infinite_grad, live, scaler))
+
+            def backward(passes=passes, step=step, opt=opt):
+                # the grads' hooks fire: speculation starts from them
+                opt.zero_grad(set_to_none=step.set_to_none)
+                for k, grads in enumerate(passes):
+                    if step.annotate and hybrid:
+                        opt.set_gradient_accumulation_boundary(k == len(passes) - 1)
+                    _backward(live, grads)
+                _edit_grad(step, live)
+
+            closure = history.backward and history.closure and hybrid
+            if history.backward and not closure:
+                backward()
+            elif not history.backward:
+                for p, g in zip(live, passes[-1]):
                     p.grad = g
+                _edit_grad(step, live)
             if step.kill_worker and hybrid and opt.worker_pid is not None and not _inverse(placement):
                 os.kill(opt.worker_pid, signal.SIGKILL)  # replaced, its work redone bitwise (exact rollback)
             for what in ("lr", "weight_decay", "betas"):
                 change = getattr(step, what)
                 if change is not None:
-                    opt.param_groups[change[0] % len(opt.param_groups)][what] = change[1]
+                    group = opt.param_groups[change[0] % len(opt.param_groups)]
+                    if torch.is_tensor(group[what]):
+                        group[what].fill_(change[1])  # in place: the optimizer holds this tensor
+                    else:
+                        group[what] = change[1]
             if history.clip is not None and not hybrid:
                 if scaler is not None:
                     scaler.unscale_(opt)
@@ -276,13 +355,15 @@ def run_history(history: History, cls, placement: dict, nvme_dir: str):
             if scaler is not None:
                 scaler.step(opt)
                 scaler.update()
+            elif closure:
+                opt.step(backward)
             else:
                 opt.step()
             if step.replan is not None and hybrid:
                 opt.replan(*step.replan)
             if step.reload_into is not None and hybrid:
                 groups = [{"params": list(g["params"])} for g in opt.param_groups]
-                saved = copy.deepcopy(opt.state_dict())
+                saved = _saved(opt, step.reload_via)
                 opt.close()
                 opt = _build(cls, groups, history, _moved(placement, step.reload_into), nvme_dir)
                 opt.load_state_dict(saved)
@@ -296,6 +377,18 @@ def run_history(history: History, cls, placement: dict, nvme_dir: str):
     finally:
         if hybrid:
             opt.close()
+
+
+def _saved(opt, via: str) -> dict:
+    """The optimizer's state dict as a new one would load it: a deep copy of `state_dict()`, or
+    `save_state_dict` (torch's format, or fp32=True: what torch.optim.AdamW loads) written to a
+    file and read back as a checkpoint is (weights_only)."""
+    if via == "memory":
+        return copy.deepcopy(opt.state_dict())
+    buffer = io.BytesIO()
+    opt.save_state_dict(buffer, fp32=via == "fp32")
+    buffer.seek(0)
+    return torch.load(buffer, weights_only=True)
 
 
 def bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -332,15 +425,21 @@ def _agree(ref: torch.Tensor, got: torch.Tensor, rounding: bool) -> bool:
     )
 
 
+def _pattern(grads: list) -> str:
+    return "".join("-" if g is None else "0" if isinstance(g, str) else "g" for g in grads)
+
+
 def _describe(history: History, placement: dict) -> str:
     events = []
+    plain = Step(grads=[])
     for step in history.steps:
-        held = {k: v for k, v in vars(step).items() if k != "grads" and v is not None and v is not False}
-        held["grads"] = "".join("-" if g is None else "0" if isinstance(g, str) else "g" for g in step.grads)
+        held = {k: v for k, v in vars(step).items() if k not in ("grads", "micro") and v != getattr(plain, k)}
+        held["grads"] = "+".join(_pattern(g) for g in [*step.micro, step.grads])
         events.append(held)
     return (
         f"format {history.format}, {'AdamW' if history.adamw else 'Adam'} {history.hyper}, clip {history.clip}, "
-        f"scaler {history.scaler}, backward {history.backward}, worker fault {history.worker_fault}, shapes {[tuple(v.shape) for v in history.params]} (last {history.added} "
+        f"scaler {history.scaler}, backward {history.backward} (closure {history.closure}), "
+        f"lr tensor {history.lr_tensor}, worker fault {history.worker_fault}, shapes {[tuple(v.shape) for v in history.params]} (last {history.added} "
         f"added at step {history.add_at}), placement {placement}, steps {events}"
     )
 
