@@ -1,6 +1,6 @@
-"""Random training histories under `process_group=` (ZeRO-2 style sharded state, 2 gloo ranks),
-drawn from a seed, and the one trainer that runs them: on a rank of the launch
-(tests/dist_scripts/zero_histories_train.py) and in one process, the reference
+"""Random training histories at 2 gloo ranks, under `process_group=` (ZeRO-2 style sharded state)
+or FSDP2 (`fully_shard`), drawn from a seed, and the one trainer that runs them: on a rank of the
+launch (tests/dist_scripts/zero_histories_train.py) and in one process, the reference
 (tests/test_random_histories_zero.py).
 
 Each rank has grads of its own every step: a backward pass per micro-batch (one to three,
@@ -11,6 +11,9 @@ dim-0 chunks. The single-process reference is HybridAdamW at offload 0 given, by
 pass, the grad every rank's reduction makes: each rank's micro-batch grads summed in order, the
 ranks' sums added and halved (both exact for two ranks: a + b is b + a, and halving is exact in
 binary) — so the two runs agree bit for bit where no clipping norm is summed across shards.
+Under FSDP2 the params are a module's that `fully_shard` shards (its forward is sum(p * g)), each
+backward pass is reduced by FSDP2 on its own (each rank's grad halved, then added) and the
+reduced passes accumulate; a param unused on one rank is unused on every rank, as FSDP2 needs.
 
 Events besides: a GradScaler with an infinity in one rank's grad (every rank skips), lr changed
 (a float, or a tensor in place), the state dict loaded into a new optimizer, the worker of one
@@ -60,6 +63,7 @@ class History:
     lr_tensor: bool
     placement: dict
     small_buckets: bool
+    mode: str = "process_group"  # or "fsdp2": the params fully_shard's, the grads reduced by FSDP2
     steps: list = field(default_factory=list)
 
 
@@ -77,7 +81,7 @@ def _draw_grads(rng: random.Random, params: list) -> list:
     return grads
 
 
-def draw(seed: int) -> History:
+def draw(seed: int, mode: str = "process_group") -> History:
     rng = random.Random(seed)
     fmt = rng.choice(sorted(FORMATS))
     dtype = torch.bfloat16 if "remainders" in fmt else torch.float32
@@ -101,6 +105,8 @@ def draw(seed: int) -> History:
     }
     if rng.random() < 0.3:
         placement.update(offload_fraction=1.0, nvme_fraction=rng.choice([0.5, 1.0]))
+    if mode == "fsdp2":
+        del placement["overlap_param_gather"]  # process_group='s own
     history = History(
         params=[(torch.randn(s, generator=gen) * 0.5).to(dtype) for s in shapes],
         format=fmt,
@@ -116,10 +122,16 @@ def draw(seed: int) -> History:
         lr_tensor=rng.random() < 0.2,
         placement=placement,
         small_buckets=rng.random() < 0.5,
+        mode=mode,
     )
     for _ in range(rng.randint(2, 6)):
         passes = [[_draw_grads(rng, history.params) for _ in range(WORLD)] for _ in range(rng.randint(1, 3))]
         for ranks in passes:
+            if mode == "fsdp2":  # a param unused on one rank is unused on all (FSDP2 reduces what has grads)
+                for grads in ranks[1:]:
+                    grads[:] = [
+                        None if g0 is None else "zero" if g is None else g for g0, g in zip(ranks[0], grads)
+                    ]
             for grads in ranks:
                 if all(g is None for g in grads):
                     # every rank runs every backward pass (the contract: a rank that skips one
@@ -172,9 +184,25 @@ def _backward(params: list, grads: list) -> None:
         torch.stack(terms).sum().backward()
 
 
-def reduced_grads(step: Step, params: list, scale: float) -> list:
-    """The grad every rank's reduction makes of this step: each rank's passes accumulated in
-    order (as autograd does), the ranks' sums added and halved (None where no rank has one)."""
+def reduced_grads(step: Step, params: list, scale: float, mode: str) -> list:
+    """The grad every rank's reduction makes of this step. process_group=: each rank's passes
+    accumulated in order (as autograd does), the ranks' sums added and halved (None where no
+    rank has one). FSDP2: each pass reduced on its own (every rank's grad halved, then added:
+    its pre-divide factor at 2 ranks) and the results accumulated in order."""
+    if mode == "fsdp2":
+        out = []
+        for i, p in enumerate(params):
+            acc = None
+            for k, ranks in enumerate(step.passes):
+                last = k == len(step.passes) - 1
+                halves = [
+                    _grad(ranks[r][i], p, scale, last and step.infinite == (r, i)) for r in range(WORLD)
+                ]
+                if halves[0] is not None:
+                    reduced = halves[0] / WORLD + halves[1] / WORLD
+                    acc = reduced if acc is None else acc + reduced
+            out.append(acc)
+        return out
     out = []
     for i, p in enumerate(params):
         total = None
@@ -195,6 +223,19 @@ def _lr(history: History, value: float):
     return torch.tensor(value) if history.lr_tensor else value
 
 
+class _Terms(torch.nn.Module):
+    """The params as a module FSDP2 can shard: its forward is sum(p * g) over the params given
+    a grad, so that backward makes each grad `g` bit for bit."""
+
+    def __init__(self, params: list):
+        super().__init__()
+        self.held = torch.nn.ParameterList(params)
+
+    def forward(self, grads: list) -> torch.Tensor:
+        terms = [(p * g).sum().float() for p, g in zip(self.held, grads) if g is not None]
+        return torch.stack(terms).sum()
+
+
 def _build(cls, history: History, params: list, dist_args: dict):
     groups = [{"params": params[: max(1, len(params) // 2)]}]
     if len(params) > 1:
@@ -208,19 +249,35 @@ def _build(cls, history: History, params: list, dist_args: dict):
     )
 
 
+def _full(p: torch.Tensor) -> torch.Tensor:
+    """The whole param (a DTensor's gathered: a collective every rank makes in the same order)."""
+    return (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+
+
 def train(history: History, cls, *, rank: int | None, nvme_path: str | None = None) -> dict:
     """Trains `history`: on this rank of the launch (`rank`; process_group=WORLD at the drawn
     placement), or in one process at offload 0 (`rank=None`). Returns the params after each
     step and whether each step was skipped."""
     params = [torch.nn.Parameter(v.clone()) for v in history.params]
+    backward = _backward
     if rank is None:
         dist_args = {"offload_fraction": 0.0}
+    elif history.mode == "fsdp2":
+        from torch.distributed.fsdp import fully_shard
+
+        model = fully_shard(_Terms(params))
+        params = list(model.parameters())  # the DTensor shards
+
+        def backward(_params: list, grads: list) -> None:
+            model(grads).backward()
+
+        dist_args = dict(history.placement)
     else:
         import torch.distributed as dist
 
         dist_args = dict(history.placement, process_group=dist.group.WORLD)
-        if "nvme_fraction" in dist_args:
-            dist_args["nvme_path"] = nvme_path
+    if "nvme_fraction" in dist_args:
+        dist_args["nvme_path"] = nvme_path
     opt = _build(cls, history, params, dist_args)
     scaler = None
     if history.scaler:
@@ -235,17 +292,17 @@ def train(history: History, cls, *, rank: int | None, nvme_path: str | None = No
                 os.kill(opt.worker_pid, signal.SIGKILL)
             opt.zero_grad(set_to_none=True)
             if rank is None:
-                _backward(params, reduced_grads(step, params, scale))
+                _backward(params, reduced_grads(step, params, scale, history.mode))
             else:
                 for k, ranks in enumerate(step.passes):
                     last = k == len(step.passes) - 1
                     if step.annotate:
                         opt.set_gradient_accumulation_boundary(last)
                     grads = [
-                        _grad(g, p, scale, last and step.infinite == (rank, i))
-                        for i, (p, g) in enumerate(zip(params, ranks[rank]))
+                        _grad(g, v, scale, last and step.infinite == (rank, i))
+                        for i, (v, g) in enumerate(zip(history.params, ranks[rank]))
                     ]
-                    _backward(params, grads)
+                    backward(params, grads)
             if step.lr is not None:
                 group = opt.param_groups[step.lr[0] % len(opt.param_groups)]
                 if torch.is_tensor(group["lr"]):
@@ -266,7 +323,7 @@ def train(history: History, cls, *, rank: int | None, nvme_path: str | None = No
                     opt.attach_grad_scaler(scaler)
                 opt.load_state_dict(saved)
             opt.wait_params()
-            out["params"].append([p.detach().clone() for p in params])
+            out["params"].append([_full(p) for p in params])
     finally:
         opt.close()
     return out

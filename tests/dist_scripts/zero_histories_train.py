@@ -16,7 +16,8 @@ from hybrid_opt.distributed.zero import BUCKET_NUMEL
 
 
 def run(name: str, rank: int, world: int, tmp: str) -> dict:
-    history = ZH.draw(int(name))
+    mode, seed = name.split(":")  # "process_group:7", "fsdp2:7"
+    history = ZH.draw(int(seed), mode)
     zero.BUCKET_NUMEL = 64 if history.small_buckets else BUCKET_NUMEL
     nvme = os.path.join(tmp, f"{name}-rank{rank}")
     os.makedirs(nvme)
