@@ -109,6 +109,27 @@ def simd(request):
 
 
 @pytest.fixture
+def close_optimizers(monkeypatch):
+    """Closes at teardown each HybridAdamW / HybridAdam the test made and left open, for modules
+    that build many without a `with` (the collector would warn for each one it frees, and their
+    workers would outlive the test until it ran). Not for tests of that warning itself."""
+    from hybrid_opt import optimizer
+
+    made = []
+    original = optimizer._HybridBase.__init__
+
+    def init(self, *args, **kwargs):
+        made.append(self)  # before __init__: one that fails half-way is closed too
+        original(self, *args, **kwargs)
+
+    monkeypatch.setattr(optimizer._HybridBase, "__init__", init)
+    yield
+    for opt in made:
+        if not opt.closed:  # (one whose construction failed reads closed: it cleaned up itself)
+            opt.close()
+
+
+@pytest.fixture
 def restore_kernel_threads():
     """cpu_kernels' thread count as it was before the test."""
     import cpu_kernels as ck

@@ -24,6 +24,9 @@ from hybrid_opt import HybridAdam, HybridAdamW, fp32_master
 from hybrid_opt.state.state_format import StateFormat
 from hybrid_opt.testing import debug_view
 
+# each test's optimizers closed at its end (conftest): they are built without `with` here
+pytestmark = pytest.mark.usefixtures("close_optimizers")
+
 BF16, FP32 = torch.bfloat16, torch.float32
 HYPER = dict(lr=1e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.05)
 MOMENTS = {

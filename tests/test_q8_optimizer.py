@@ -20,6 +20,9 @@ from hybrid_opt import HybridAdam, HybridAdamW
 from hybrid_opt.state.state_format import Q8, Q8_MIN_NUMEL, StateFormat
 from hybrid_opt.testing import debug_view
 
+# each test's optimizers closed at its end (conftest): they are built without `with` here
+pytestmark = pytest.mark.usefixtures("close_optimizers")
+
 BF16, FP32 = torch.bfloat16, torch.float32
 HYPER = dict(lr=1e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.05)
 # quantized: 6144 (24 blocks), 5000 (a partial last block), 5120; small: 185, 19, 36
