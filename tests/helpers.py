@@ -294,3 +294,20 @@ def cases_in_one_process(script: str, cases: list, root: str) -> dict:
     )
     assert res.returncode == 0, res.stderr[-3000:]
     return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+def draw_grads(rng, params: list, none: float, zero: float) -> list:
+    """A random history's grads for one pass (random_histories, zero_histories): per param, drawn
+    from `rng` (a random.Random), None with probability `none`, "zero" with `zero`, else a
+    tensor of the param's shape from its own seed."""
+    grads = []
+    for p in params:
+        pick = rng.random()
+        seed = rng.randrange(10**6)
+        if pick < none:
+            grads.append(None)
+        elif pick < none + zero:
+            grads.append("zero")
+        else:
+            grads.append(torch.randn(p.shape, generator=torch.Generator().manual_seed(seed)))
+    return grads

@@ -30,6 +30,7 @@ import signal
 from dataclasses import dataclass, field
 
 import torch
+from helpers import draw_grads
 
 WORLD = 2
 FORMATS = {
@@ -68,17 +69,7 @@ class History:
 
 
 def _draw_grads(rng: random.Random, params: list) -> list:
-    grads = []
-    for p in params:
-        pick = rng.random()
-        seed = rng.randrange(10**6)
-        if pick < 0.2:
-            grads.append(None)
-        elif pick < 0.25:
-            grads.append("zero")
-        else:
-            grads.append(torch.randn(p.shape, generator=torch.Generator().manual_seed(seed)))
-    return grads
+    return draw_grads(rng, params, none=0.2, zero=0.05)
 
 
 def draw(seed: int, mode: str = "process_group") -> History:
