@@ -467,9 +467,11 @@ def _describe(history: History, placement: dict) -> str:
         held["grads"] = "+".join(_pattern(g) for g in [*step.micro, step.grads])
         events.append(held)
     return (
-        f"format {history.format}, {'AdamW' if history.adamw else 'Adam'} {history.hyper}, clip {history.clip}, "
-        f"scaler {history.scaler}, backward {history.backward} (closure {history.closure}), "
-        f"lr tensor {history.lr_tensor}, worker fault {history.worker_fault}, shapes {[tuple(v.shape) for v in history.params]} (last {history.added} "
+        f"format {history.format}, {'AdamW' if history.adamw else 'Adam'} {history.hyper}, "
+        f"clip {history.clip}, scaler {history.scaler}, "
+        f"backward {history.backward} (closure {history.closure}), "
+        f"lr tensor {history.lr_tensor}, worker fault {history.worker_fault}, "
+        f"shapes {[tuple(v.shape) for v in history.params]} (last {history.added} "
         f"added at step {history.add_at}), placement {placement}, steps {events}"
     )
 

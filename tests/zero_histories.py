@@ -5,12 +5,13 @@ launch (tests/dist_scripts/zero_histories_train.py) and in one process, the refe
 
 Each rank has grads of its own every step: a backward pass per micro-batch (one to three,
 annotated by `set_gradient_accumulation_boundary` or not), each param's grad a tensor, zeros, or
-none (the param unused on that rank in that micro-batch; every pass uses one param at least). The ranks' grads accumulate in p.grad,
-are reduced and averaged (÷ world) as buckets complete in backward, and every rank steps its own
-dim-0 chunks. The single-process reference is HybridAdamW at offload 0 given, by one backward
-pass, the grad every rank's reduction makes: each rank's micro-batch grads summed in order, the
-ranks' sums added and halved (both exact for two ranks: a + b is b + a, and halving is exact in
-binary) — so the two runs agree bit for bit where no clipping norm is summed across shards.
+none (the param unused on that rank in that micro-batch; every pass uses one param at least).
+Under `process_group=` the ranks' grads accumulate in p.grad, are reduced and averaged (÷ world)
+as buckets complete in backward, and every rank steps its own dim-0 chunks. The single-process
+reference is HybridAdamW at offload 0 given, by one backward pass, the grad every rank's
+reduction makes: each rank's micro-batch grads summed in order, the ranks' sums added and halved
+(both exact for two ranks: a + b is b + a, and halving is exact in binary) — so the two runs
+agree bit for bit where no clipping norm is summed across shards.
 Under FSDP2 the params are a module's that `fully_shard` shards (its forward is sum(p * g)), each
 backward pass is reduced by FSDP2 on its own (each rank's grad halved, then added) and the
 reduced passes accumulate; a param unused on one rank is unused on every rank, as FSDP2 needs.
@@ -153,9 +154,10 @@ def describe(history: History) -> str:
         held = {k: v for k, v in vars(s).items() if k != "passes" and v not in (None, False)}
         steps.append(f"{grads} {held}" if held else grads)
     return (
-        f"format {history.format}, {'AdamW' if history.adamw else 'Adam'} {history.hyper}, clip {history.clip}, "
-        f"scaler {history.scaler}, lr tensor {history.lr_tensor}, placement {history.placement}, small "
-        f"buckets {history.small_buckets}, shapes {[tuple(p.shape) for p in history.params]}, steps {steps}"
+        f"format {history.format}, {'AdamW' if history.adamw else 'Adam'} {history.hyper}, "
+        f"clip {history.clip}, scaler {history.scaler}, lr tensor {history.lr_tensor}, "
+        f"placement {history.placement}, small buckets {history.small_buckets}, "
+        f"shapes {[tuple(p.shape) for p in history.params]}, steps {steps}"
     )
 
 
@@ -246,9 +248,9 @@ def _full(p: torch.Tensor) -> torch.Tensor:
 
 
 def train(history: History, cls, *, rank: int | None, nvme_path: str | None = None) -> dict:
-    """Trains `history`: on this rank of the launch (`rank`; process_group=WORLD at the drawn
-    placement), or in one process at offload 0 (`rank=None`). Returns the params after each
-    step and whether each step was skipped."""
+    """Trains `history`: on this rank of the launch (`rank`; at the drawn placement, under
+    process_group=WORLD or FSDP2 as `history.mode` says), or in one process at offload 0
+    (`rank=None`). Returns the whole params after each step and whether each step was skipped."""
     params = [torch.nn.Parameter(v.clone()) for v in history.params]
     backward = _backward
     if rank is None:
