@@ -8,7 +8,7 @@ One torchrun launch runs every seed in both modes (well under a second a history
 HYBRID_OPT_ZERO_HISTORIES=N runs seeds 0..N-1 instead of the first 24 (200 of each mode passed,
 in about 2 minutes on 2 cores). Sabotage: the worker's eps times 1.5 from step 3 fails 5 of the
 first 32 seeds in each mode, the reduction scaled by 0.5000001 (buckets of 64 elements and more)
-8 of 32 under process_group=.
+9 of 32 under process_group=.
 """
 
 import os

@@ -17,14 +17,16 @@ backward pass is reduced by FSDP2 on its own (each rank's grad halved, then adde
 reduced passes accumulate; a param unused on one rank is unused on every rank, as FSDP2 needs.
 
 Events besides: a GradScaler with an infinity in one rank's grad (every rank skips), lr changed
-(a float, or a tensor in place), the state dict loaded into a new optimizer, the worker of one
-rank killed (SIGKILL) before backward, and the placement: offload fraction, nvme, speculation,
+(a float, or a tensor in place), the state dict loaded into a new optimizer (from `state_dict()`,
+or `save_state_dict`'s file read with weights_only), `replan()` to another placement, the worker
+of one rank killed (SIGKILL) before backward, and the placement: offload fraction, nvme, speculation,
 subgroup size, small buckets, the overlapped all-gather.
 """
 
 from __future__ import annotations
 
 import copy
+import io
 import os
 import random
 import signal
@@ -50,7 +52,8 @@ class Step:
     annotate: bool = False
     infinite: tuple | None = None  # (rank, param): an infinity in that rank's last pass
     lr: tuple | None = None  # (group, value)
-    reload: bool = False  # after the step: state_dict() into a new optimizer
+    reload: str | None = None  # after the step, into a new optimizer: "memory" (state_dict()) or "file"
+    replan: tuple | None = None  # after the step, on the ranks: opt.replan(offload_fraction, nvme_fraction)
     kill_worker: int | None = None  # this rank's worker SIGKILLed before the step's backward
 
 
@@ -135,7 +138,9 @@ def draw(seed: int, mode: str = "process_group") -> History:
         if rng.random() < 0.2:
             step.lr = (rng.randint(0, 1), rng.choice([1e-4, 2e-3]))
         if rng.random() < 0.15:
-            step.reload = True
+            step.reload = rng.choice(["memory", "file"])
+        if rng.random() < 0.1:
+            step.replan = rng.choice([(0.0, 0.0), (1.0, 0.0), (1.0, 1.0), (0.5, 0.25)])
         if placement["offload_fraction"] > 0 and rng.random() < 0.1:
             step.kill_worker = rng.randrange(WORLD)
         history.steps.append(step)
@@ -242,6 +247,17 @@ def _build(cls, history: History, params: list, dist_args: dict):
     )
 
 
+def _saved(opt, via: str) -> dict:
+    """This rank's state dict as a new optimizer loads it: a deep copy of `state_dict()`, or
+    `save_state_dict` written to a file and read back (weights_only)."""
+    if via == "memory":
+        return copy.deepcopy(opt.state_dict())
+    buffer = io.BytesIO()
+    opt.save_state_dict(buffer)
+    buffer.seek(0)
+    return torch.load(buffer, weights_only=True)
+
+
 def _full(p: torch.Tensor) -> torch.Tensor:
     """The whole param (a DTensor's gathered: a collective every rank makes in the same order)."""
     return (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
@@ -269,8 +285,8 @@ def train(history: History, cls, *, rank: int | None, nvme_path: str | None = No
         import torch.distributed as dist
 
         dist_args = dict(history.placement, process_group=dist.group.WORLD)
-    if "nvme_fraction" in dist_args:
-        dist_args["nvme_path"] = nvme_path
+    if rank is not None:
+        dist_args["nvme_path"] = nvme_path  # every placement may be replanned onto nvme
     opt = _build(cls, history, params, dist_args)
     scaler = None
     if history.scaler:
@@ -308,8 +324,10 @@ def train(history: History, cls, *, rank: int | None, nvme_path: str | None = No
             else:
                 opt.step()
             out["skipped"].append(opt.step_was_skipped)
-            if step.reload:
-                saved = copy.deepcopy(opt.state_dict())
+            if step.replan is not None and rank is not None:
+                opt.replan(*step.replan)
+            if step.reload is not None:
+                saved = _saved(opt, step.reload)
                 opt.close()
                 opt = _build(cls, history, params, dist_args)
                 if scaler is not None:
