@@ -130,6 +130,15 @@ def close_optimizers(monkeypatch):
 
 
 @pytest.fixture
+def shmem_without_huge_pages(monkeypatch):
+    """The path of a kernel whose shared memory takes no 2 MiB pages unasked (its default,
+    whatever this host's setting): an arena's background part reserved by fallocate
+    (populate.reserve), then populated in the background. Where it takes them, the arena is
+    populated whole at construction instead (populate.shmem_takes_huge_pages)."""
+    monkeypatch.setenv("HYBRID_OPT_SHMEM_ENABLED", "always within_size advise [never] deny force")
+
+
+@pytest.fixture
 def restore_kernel_threads():
     """cpu_kernels' thread count as it was before the test."""
     import cpu_kernels as ck

@@ -1,6 +1,8 @@
 """Helpers shared by several test modules (the tests directory is on sys.path)."""
 
 import contextlib
+import copy
+import io
 import os
 import signal
 import threading
@@ -311,3 +313,34 @@ def draw_grads(rng, params: list, none: float, zero: float) -> list:
         else:
             grads.append(torch.randn(p.shape, generator=torch.Generator().manual_seed(seed)))
     return grads
+
+
+def grads_loss(params: list, grads: list):
+    """sum(p * g) over the params given a grad (None: the param takes no part), whose backward
+    makes each grad `g` bit for bit; None where no param takes part (random histories)."""
+    terms = [(p * g).sum().float() for p, g in zip(params, grads) if g is not None]
+    return torch.stack(terms).sum() if terms else None
+
+
+def backward_with(params: list, grads: list) -> None:
+    """A backward pass whose grads are `grads`, accumulated into p.grad as a training loop's are."""
+    loss = grads_loss(params, grads)
+    if loss is not None:
+        loss.backward()
+
+
+def grads_pattern(grads: list) -> str:
+    """A random history's pass in a failure message: "g" a grad, "0" zeros, "-" none."""
+    return "".join("-" if g is None else "0" if isinstance(g, str) else "g" for g in grads)
+
+
+def reloaded_state(opt, via: str) -> dict:
+    """The optimizer's state dict as a new one loads it: "memory" a deep copy of `state_dict()`;
+    "file" `save_state_dict` written to a file and read back as a checkpoint is (weights_only);
+    "fp32" the same with fp32=True (what torch.optim.AdamW loads)."""
+    if via == "memory":
+        return copy.deepcopy(opt.state_dict())
+    buffer = io.BytesIO()
+    opt.save_state_dict(buffer, fp32=via == "fp32")
+    buffer.seek(0)
+    return torch.load(buffer, weights_only=True)

@@ -337,15 +337,6 @@ def _gate_background(monkeypatch):
     return gate
 
 
-@pytest.fixture
-def shmem_without_huge_pages(monkeypatch):
-    """The path of a kernel whose shared memory takes no 2 MiB pages unasked (its default): spare
-    banks reserved by fallocate, then populated in the background. Where it takes them, the arena
-    is populated whole at construction instead (populate.shmem_takes_huge_pages), and these tests'
-    background has nothing to show."""
-    monkeypatch.setenv("HYBRID_OPT_SHMEM_ENABLED", "always within_size advise [never] deny force")
-
-
 @pytest.mark.usefixtures("shmem_without_huge_pages")
 def test_a_step_that_needs_a_bank_not_yet_populated_waits_for_it(monkeypatch):
     """A bank handed out before the background population reached it is waited for: the

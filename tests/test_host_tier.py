@@ -1400,6 +1400,8 @@ def test_the_arena_is_mapped_in_both_processes_before_the_first_step():
         tier.close()
 
 
+# the background part is reserved by fallocate there (populate.reserve), whose failure is tested below
+@pytest.mark.usefixtures("shmem_without_huge_pages")
 def test_memory_the_arena_cannot_get_is_an_error_at_construction(monkeypatch):
     """MADV_POPULATE_WRITE failing for want of memory (ENOMEM, or EFAULT from a full tmpfs)
     raises a MemoryError naming the size and what to do, and leaks no descriptor."""
@@ -1426,9 +1428,6 @@ def test_memory_the_arena_cannot_get_is_an_error_at_construction(monkeypatch):
 
             return fail
 
-    # the path of a kernel whose shared memory takes no huge pages unasked (its default): the
-    # background part is reserved by fallocate (populate.reserve), whose failure is tested below
-    monkeypatch.setenv("HYBRID_OPT_SHMEM_ENABLED", "always within_size advise [never] deny force")
     fds = psutil.Process().num_fds()
     # populating: ENOMEM (or EFAULT from a full tmpfs)
     monkeypatch.setattr(pop, "_libc", Libc("madvise"))

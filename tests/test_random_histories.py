@@ -40,8 +40,6 @@ edited in place after backward then commits a stale speculated step) fails 10 of
 """
 
 import contextlib
-import copy
-import io
 import os
 import random
 import signal
@@ -50,7 +48,7 @@ from dataclasses import dataclass, field
 
 import pytest
 import torch
-from helpers import draw_grads
+from helpers import backward_with, draw_grads, grads_pattern, reloaded_state
 from tolerances import ATOL, RTOL
 
 from hybrid_opt import HybridAdam, HybridAdamW
@@ -234,14 +232,6 @@ def _lr(history: History, value: float):
     return torch.tensor(value) if history.lr_tensor else value
 
 
-def _backward(live: list, grads: list) -> None:
-    """A backward pass whose grads are `grads` (None: the param takes no part), bit for bit:
-    d/dp of sum(p * g) is g; autograd accumulates it into p.grad as a training loop's does."""
-    terms = [(p * g).sum().float() for p, g in zip(live, grads) if g is not None]
-    if terms:
-        torch.stack(terms).sum().backward()
-
-
 def _edit_grad(step: Step, live: list) -> None:
     """The step's grad edit, once the grads are in: in place, so a speculated step from the grad
     before it is stale."""
@@ -272,7 +262,8 @@ def _refused_step(opt, refused: tuple, live: list) -> None:
     good = group[kind]
     bad = -1.0 if kind == "lr" else (good[0], 1.5)
     if torch.is_tensor(good):
-        good, bad = good.clone(), group[kind].fill_(bad)
+        good = good.clone()
+        group[kind].fill_(bad)
     else:
         group[kind] = bad
     with pytest.raises(ValueError, match="Nothing was stepped"):
@@ -357,7 +348,7 @@ def run_history(history: History, cls, placement: dict, nvme_dir: str):
                 for k, grads in enumerate(passes):
                     if step.annotate and hybrid:
                         opt.set_gradient_accumulation_boundary(k == len(passes) - 1)
-                    _backward(live, grads)
+                    backward_with(live, grads)
                 _edit_grad(step, live)
 
             closure = history.backward and history.closure and hybrid
@@ -396,7 +387,7 @@ def run_history(history: History, cls, placement: dict, nvme_dir: str):
                 opt.replan(*step.replan)
             if step.reload_into is not None and hybrid:
                 groups = [{"params": list(g["params"])} for g in opt.param_groups]
-                saved = _saved(opt, step.reload_via)
+                saved = reloaded_state(opt, step.reload_via)
                 opt.close()
                 opt = _build(cls, groups, history, _moved(placement, step.reload_into), nvme_dir)
                 opt.load_state_dict(saved)
@@ -410,18 +401,6 @@ def run_history(history: History, cls, placement: dict, nvme_dir: str):
     finally:
         if hybrid:
             opt.close()
-
-
-def _saved(opt, via: str) -> dict:
-    """The optimizer's state dict as a new one would load it: a deep copy of `state_dict()`, or
-    `save_state_dict` (torch's format, or fp32=True: what torch.optim.AdamW loads) written to a
-    file and read back as a checkpoint is (weights_only)."""
-    if via == "memory":
-        return copy.deepcopy(opt.state_dict())
-    buffer = io.BytesIO()
-    opt.save_state_dict(buffer, fp32=via == "fp32")
-    buffer.seek(0)
-    return torch.load(buffer, weights_only=True)
 
 
 def bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -458,16 +437,12 @@ def _agree(ref: torch.Tensor, got: torch.Tensor, rounding: bool) -> bool:
     )
 
 
-def _pattern(grads: list) -> str:
-    return "".join("-" if g is None else "0" if isinstance(g, str) else "g" for g in grads)
-
-
 def _describe(history: History, placement: dict) -> str:
     events = []
     plain = Step(grads=[])
     for step in history.steps:
         held = {k: v for k, v in vars(step).items() if k not in ("grads", "micro") and v != getattr(plain, k)}
-        held["grads"] = "+".join(_pattern(g) for g in [*step.micro, step.grads])
+        held["grads"] = "+".join(grads_pattern(g) for g in [*step.micro, step.grads])
         events.append(held)
     return (
         f"format {history.format}, {'AdamW' if history.adamw else 'Adam'} {history.hyper}, "

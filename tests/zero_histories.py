@@ -25,15 +25,13 @@ subgroup size, small buckets, the overlapped all-gather.
 
 from __future__ import annotations
 
-import copy
-import io
 import os
 import random
 import signal
 from dataclasses import dataclass, field
 
 import torch
-from helpers import draw_grads
+from helpers import backward_with, draw_grads, grads_loss, grads_pattern, reloaded_state
 
 WORLD = 2
 FORMATS = {
@@ -150,12 +148,7 @@ def draw(seed: int, mode: str = "process_group") -> History:
 def describe(history: History) -> str:
     steps = []
     for s in history.steps:
-        grads = " ".join(
-            "/".join(
-                "".join("-" if g is None else "0" if isinstance(g, str) else "g" for g in r) for r in ranks
-            )
-            for ranks in s.passes
-        )
+        grads = " ".join("/".join(grads_pattern(r) for r in ranks) for ranks in s.passes)
         held = {k: v for k, v in vars(s).items() if k != "passes" and v not in (None, False)}
         steps.append(f"{grads} {held}" if held else grads)
     return (
@@ -173,13 +166,6 @@ def _grad(g, p: torch.Tensor, scale: float, inf: bool) -> torch.Tensor | None:
     if inf and g.numel():
         g.view(-1)[0] = float("inf")
     return g.to(p.dtype)
-
-
-def _backward(params: list, grads: list) -> None:
-    """A backward pass whose grads are `grads`, bit for bit: d/dp of sum(p * g) is g."""
-    terms = [(p * g).sum().float() for p, g in zip(params, grads) if g is not None]
-    if terms:
-        torch.stack(terms).sum().backward()
 
 
 def reduced_grads(step: Step, params: list, scale: float, mode: str) -> list:
@@ -230,8 +216,7 @@ class _Terms(torch.nn.Module):
         self.held = torch.nn.ParameterList(params)
 
     def forward(self, grads: list) -> torch.Tensor:
-        terms = [(p * g).sum().float() for p, g in zip(self.held, grads) if g is not None]
-        return torch.stack(terms).sum()
+        return grads_loss(self.held, grads)
 
 
 def _build(cls, history: History, params: list, dist_args: dict):
@@ -247,17 +232,6 @@ def _build(cls, history: History, params: list, dist_args: dict):
     )
 
 
-def _saved(opt, via: str) -> dict:
-    """This rank's state dict as a new optimizer loads it: a deep copy of `state_dict()`, or
-    `save_state_dict` written to a file and read back (weights_only)."""
-    if via == "memory":
-        return copy.deepcopy(opt.state_dict())
-    buffer = io.BytesIO()
-    opt.save_state_dict(buffer)
-    buffer.seek(0)
-    return torch.load(buffer, weights_only=True)
-
-
 def _full(p: torch.Tensor) -> torch.Tensor:
     """The whole param (a DTensor's gathered: a collective every rank makes in the same order)."""
     return (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
@@ -268,7 +242,7 @@ def train(history: History, cls, *, rank: int | None, nvme_path: str | None = No
     process_group=WORLD or FSDP2 as `history.mode` says), or in one process at offload 0
     (`rank=None`). Returns the whole params after each step and whether each step was skipped."""
     params = [torch.nn.Parameter(v.clone()) for v in history.params]
-    backward = _backward
+    backward = backward_with
     if rank is None:
         dist_args = {"offload_fraction": 0.0}
     elif history.mode == "fsdp2":
@@ -301,7 +275,7 @@ def train(history: History, cls, *, rank: int | None, nvme_path: str | None = No
                 os.kill(opt.worker_pid, signal.SIGKILL)
             opt.zero_grad(set_to_none=True)
             if rank is None:
-                _backward(params, reduced_grads(step, params, scale, history.mode))
+                backward_with(params, reduced_grads(step, params, scale, history.mode))
             else:
                 for k, ranks in enumerate(step.passes):
                     last = k == len(step.passes) - 1
@@ -327,7 +301,7 @@ def train(history: History, cls, *, rank: int | None, nvme_path: str | None = No
             if step.replan is not None and rank is not None:
                 opt.replan(*step.replan)
             if step.reload is not None:
-                saved = _saved(opt, step.reload)
+                saved = reloaded_state(opt, step.reload)
                 opt.close()
                 opt = _build(cls, history, params, dist_args)
                 if scaler is not None:
