@@ -166,6 +166,14 @@ def test_streaming_stores_give_the_same_bits(rig, cpu, tag):
     assert_same_bits(rig, got, FMA_LEVELS[0], f"{tag} with streaming stores")
 
 
+@pytest.mark.parametrize("cpu,tag", [("cortex-a72", "neon"), ("max,sve-default-vector-length=32", "sve256")])
+def test_flush_to_zero_set_by_another_library_gives_the_same_bits(rig, cpu, tag):
+    # FPCR.FZ on in the driver's thread before its first call, as a -ffast-math library's loading
+    # leaves it (tests/test_fp_environment.py: x86): the cases' subnormals must still count
+    _, got = run_driver(rig, cpu, f"{tag}-fz", "--flush-to-zero", "--threads", "2")
+    assert_same_bits(rig, got, FMA_LEVELS[0], f"{tag} with FPCR.FZ set")
+
+
 class _FakeArmLibrary:
     """cpu_kernels' C entry points as an AArch64 build with SVE answers them (no Python runs
     under the emulation, so HYBRID_OPT_SIMD's handling is checked against this stand-in)."""

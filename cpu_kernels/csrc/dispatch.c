@@ -296,6 +296,7 @@ static void many_cut(const int64_t *starts, const adam_args_t *args, int64_t cou
 int hybrid_adam_step_many(const adam_args_t *args, int64_t count)
 {
     if (count <= 0) return 0;
+    const uint64_t fp_env = ieee_enter();
     adam_consts_t stack_consts[64];
     int64_t stack_starts[65];
     adam_consts_t *consts = stack_consts;
@@ -306,6 +307,7 @@ int hybrid_adam_step_many(const adam_args_t *args, int64_t count)
         if (!consts || !starts) {
             free(consts);
             free(starts);
+            ieee_leave(fp_env);
             return -1;
         }
     }
@@ -323,6 +325,7 @@ int hybrid_adam_step_many(const adam_args_t *args, int64_t count)
     if (fns->adam_range == adam_range_avx512) (void)hybrid_get_avx512_bf16();  /* its lazy CPU check, before the threads read it */
 #pragma omp parallel if (total >= PARALLEL_MIN)
     {
+        const uint64_t thread_fp_env = ieee_enter();
 #ifdef _OPENMP
         const int64_t nt = omp_get_num_threads(), t = omp_get_thread_num();
 #else
@@ -348,11 +351,13 @@ int hybrid_adam_step_many(const adam_args_t *args, int64_t count)
             for (int64_t k = b; k < e; k += ADAM_CHUNK)
                 fns->adam_range(&args[i], &consts[i], k, e - k > ADAM_CHUNK ? k + ADAM_CHUNK : e);
         }
+        ieee_leave(thread_fp_env);
     }
     if (consts != stack_consts) {
         free(consts);
         free(starts);
     }
+    ieee_leave(fp_env);
     return 0;
 }
 
@@ -399,9 +404,11 @@ void hybrid_remainder_encode(const float *m, uint16_t *p, int16_t *r, int64_t n)
     const level_t *fns = level_fns();
 #pragma omp parallel if (n >= PARALLEL_MIN)
     {
+        const uint64_t fp_env = ieee_enter();
         int64_t b, e;
         thread_range(n, &b, &e);
         if (b < e) fns->remainder_encode(m, p, r, b, e);
+        ieee_leave(fp_env);
     }
 }
 
@@ -410,9 +417,11 @@ void hybrid_remainder_decode(const uint16_t *p, const int16_t *r, float *m, int6
     const level_t *fns = level_fns();
 #pragma omp parallel if (n >= PARALLEL_MIN)
     {
+        const uint64_t fp_env = ieee_enter();
         int64_t b, e;
         thread_range(n, &b, &e);
         if (b < e) fns->remainder_decode(p, r, m, b, e);
+        ieee_leave(fp_env);
     }
 }
 
@@ -441,20 +450,24 @@ int hybrid_grad_stats_many(const void *const *ptrs, const int32_t *dts, const in
         return -1;
     }
     const level_t *fns = level_fns();
+    const uint64_t fp_env = ieee_enter();
 #pragma omp parallel if (total >= 2 * GRAD_STATS_CHUNK)
     {
+        const uint64_t thread_fp_env = ieee_enter();
         int64_t c0, c1;
         chunk_range(chunks, &c0, &c1);
         for (int64_t i = 0; i < count && bases[i] < c1; i++) {
             const int64_t lo = c0 > bases[i] ? c0 : bases[i], hi = c1 < bases[i + 1] ? c1 : bases[i + 1];
             if (lo < hi) fns->grad_chunk_sums(ptrs[i], dts[i], ns[i], lo - bases[i], hi - bases[i], partials + bases[i]);
         }
+        ieee_leave(thread_fp_env);
     }
     for (int64_t i = 0; i < count; i++) {
         double s = 0.0;
         for (int64_t k = bases[i]; k < bases[i + 1]; k++) s += partials[k];  /* fixed: chunk order */
         out[i] = s;
     }
+    ieee_leave(fp_env);
     if (partials != stack_partials) free(partials);
     if (bases != stack_bases) free(bases);
     return 0;
@@ -538,6 +551,7 @@ int64_t hybrid_bw_pattern(void *const *ptrs, const int *bytes, const int *kinds,
  * as it is (never NaN, never zeroed), and v is clamped at 0. */
 void hybrid_adam_inverse(const adam_inverse_args_t *a)
 {
+    const uint64_t fp_env = ieee_enter();
     const double b1 = a->beta1, b2 = a->beta2;
     const double bc1 = 1.0 - pow(b1, (double)a->step), bc2 = 1.0 - pow(b2, (double)a->step);
     const double ss = a->lr / bc1, ib = (double)(float)(1.0 / sqrt(bc2));
@@ -547,7 +561,10 @@ void hybrid_adam_inverse(const adam_inverse_args_t *a)
     const double w1 = (double)(float)(1.0 - b1), w2 = (double)(float)(1.0 - b2);
     const double fb1 = 1.0 - w1, fb2 = (double)(float)b2;
     const int64_t n = a->n;
-#pragma omp parallel for schedule(static) if (n >= PARALLEL_MIN)
+#pragma omp parallel if (n >= PARALLEL_MIN)
+    {
+        const uint64_t thread_fp_env = ieee_enter();
+#pragma omp for schedule(static)
     for (int64_t i = 0; i < n; i++) {
         const double g0 = (double)(float)((double)load_scalar(a->grad, a->grad_dtype, i) * scale);
         const double p1 = a->param[i], m1 = a->exp_avg[i], v1 = a->exp_avg_sq[i];
@@ -565,4 +582,7 @@ void hybrid_adam_inverse(const adam_inverse_args_t *a)
         a->exp_avg[i] = m0f;
         a->exp_avg_sq[i] = v0f;
     }
+        ieee_leave(thread_fp_env);
+    }
+    ieee_leave(fp_env);
 }

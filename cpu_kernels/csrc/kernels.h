@@ -13,6 +13,43 @@
 #include <omp.h>
 #endif
 
+/* IEEE arithmetic whatever the thread's floating-point environment. A shared library built with
+ * -ffast-math (gcc links crtfastmath.o into it) sets flush-to-zero and denormals-are-zero (x86 MXCSR)
+ * or flush-to-zero (AArch64 FPCR) in the thread that loads it, for good: torch 2.4's inductor does so
+ * with the CPU kernels it compiles. Our bits would then depend on what else the trainer process had
+ * loaded, while the worker process, which loads nothing, keeps IEEE. Each exported kernel, and each
+ * thread of its parallel region, clears those bits for its work (ieee_enter) and puts them back after
+ * (ieee_leave): two register accesses a call and thread where they are clear. */
+#if defined(__aarch64__)
+#define HYBRID_FPCR_FLUSH ((uint64_t)1 << 24 | (uint64_t)1 << 19) /* FZ, FZ16 */
+#endif
+static inline uint64_t ieee_enter(void)
+{
+#if defined(__x86_64__) || defined(__i386__)
+    const unsigned csr = __builtin_ia32_stmxcsr();
+    if (csr & 0x8040u) __builtin_ia32_ldmxcsr(csr & ~0x8040u); /* FTZ (bit 15), DAZ (bit 6) */
+    return csr;
+#elif defined(__aarch64__)
+    uint64_t fpcr;
+    __asm__ __volatile__("mrs %0, fpcr" : "=r"(fpcr));
+    if (fpcr & HYBRID_FPCR_FLUSH) __asm__ __volatile__("msr fpcr, %0" : : "r"(fpcr & ~HYBRID_FPCR_FLUSH));
+    return fpcr;
+#else
+    return 0;
+#endif
+}
+
+static inline void ieee_leave(uint64_t saved)
+{
+#if defined(__x86_64__) || defined(__i386__)
+    if (saved & 0x8040u) __builtin_ia32_ldmxcsr((unsigned)saved);
+#elif defined(__aarch64__)
+    if (saved & HYBRID_FPCR_FLUSH) __asm__ __volatile__("msr fpcr, %0" : : "r"(saved));
+#else
+    (void)saved;
+#endif
+}
+
 /* This thread's share [k0, k1) of `units` in one contiguous run (all of them outside a parallel
  * region): the dispatchers' one split (a contiguous run keeps the hardware prefetchers on their
  * streams; an interleaved one restarted them at every jump). */

@@ -89,6 +89,7 @@ int hybrid_q8_adam_step(const q8_args_t *a)
     if ((a->remainder == NULL) != (a->remainder_out == NULL)) return -1;
     if (a->param_copy && a->copy_dtype != DT_BF16 && a->copy_dtype != DT_F16) return -1;
 
+    const uint64_t fp_env = ieee_enter(); /* kernels.h */
     q8_consts_t c;
     adam_consts_init(&c, a->step, a->lr, a->beta1, a->beta2, a->eps, a->weight_decay, a->grad_scale, a->decoupled,
                      a->max_exp_avg_sq != NULL);
@@ -102,10 +103,13 @@ int hybrid_q8_adam_step(const q8_args_t *a)
         /* each thread one contiguous run of whole chunks, not every other chunk: on a 2-core Zen 5
          * VM, 16 Mi elements, AVX-512, the busier thread's CPU time per step 6.4 -> 4.9 ms at 2
          * threads (the hardware prefetchers restart at every jump; one thread unchanged) */
+        const uint64_t thread_fp_env = ieee_enter();
         int64_t k0, k1;
         chunk_range((n + Q8_CHUNK - 1) / Q8_CHUNK, &k0, &k1);
         const int64_t b = k0 * Q8_CHUNK, e = k1 * Q8_CHUNK < n ? k1 * Q8_CHUNK : n;
         if (b < e) range(a, &c, b, e);
+        ieee_leave(thread_fp_env);
     }
+    ieee_leave(fp_env);
     return 0;
 }

@@ -5,7 +5,10 @@
  * and flags (cpu_kernels/_build.py) and runs it under qemu-aarch64.
  *
  *   test_driver --info                 prints the levels, the detected one, the q8 step's and SVE's length
- *   test_driver CASES OUT [--level NAME] [--threads N] [--streaming-stores]
+ *   test_driver CASES OUT [--level NAME] [--threads N] [--streaming-stores] [--flush-to-zero]
+ *
+ * --flush-to-zero turns on what a -ffast-math library sets when it is loaded (x86 FTZ and DAZ,
+ * AArch64 FZ) before the first call: the kernels must give the same bits (kernels.h, ieee_enter).
  *
  * Case file (little-endian): "HOKCASE1", u32 ncases, u32 0; per case u32 kind, u32 nbuf,
  * nbuf x {u64 nbytes, u32 misalign, u32 0} then the buffers' bytes one after another, then
@@ -203,10 +206,23 @@ static int run_case(uint32_t kind, unsigned char **bufs, const case_params_t *c,
     return 30;
 }
 
+static void set_flush_to_zero(void)
+{
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_ldmxcsr(__builtin_ia32_stmxcsr() | 0x8040u);
+#elif defined(__aarch64__)
+    uint64_t fpcr;
+    __asm__ __volatile__("mrs %0, fpcr" : "=r"(fpcr));
+    __asm__ __volatile__("msr fpcr, %0" : : "r"(fpcr | HYBRID_FPCR_FLUSH));
+#endif
+}
+
 int main(int argc, char **argv)
 {
     if (argc == 2 && !strcmp(argv[1], "--info")) { print_info(); return 0; }
-    if (argc < 3) die("usage: test_driver --info | test_driver CASES OUT [--level NAME] [--threads N] [--streaming-stores]");
+    if (argc < 3)
+        die("usage: test_driver --info | test_driver CASES OUT [--level NAME] [--threads N] [--streaming-stores] "
+            "[--flush-to-zero]");
     for (int k = 3; k < argc; k++) {
         if (!strcmp(argv[k], "--level") && k + 1 < argc) {
             const int rank = level_rank(argv[++k]);
@@ -218,6 +234,8 @@ int main(int argc, char **argv)
             hybrid_set_num_threads(atoi(argv[++k]));
         } else if (!strcmp(argv[k], "--streaming-stores")) {
             if (hybrid_set_arm_streaming_stores(1) != 0) die("--streaming-stores: not an Arm build");
+        } else if (!strcmp(argv[k], "--flush-to-zero")) {
+            set_flush_to_zero();
         } else {
             die("unknown option");
         }
