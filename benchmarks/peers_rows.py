@@ -155,7 +155,7 @@ def _shard(model, world: int, device: str) -> None:
 
 def _full_params(net, row: dict) -> dict:
     """{name: full fp32 CPU tensor} on every rank (collectives where the params are sharded)."""
-    from torch.distributed.tensor import DTensor
+    from hybrid_opt.distributed.local_shards import is_dtensor
 
     if row["mode"] == "ds" and row["stage"] == 3:
         import deepspeed
@@ -165,7 +165,7 @@ def _full_params(net, row: dict) -> dict:
             return {n: p.detach().float().cpu().clone() for n, p in net.named_parameters()}
     out = {}
     for n, p in net.named_parameters():
-        t = p.full_tensor() if isinstance(p, DTensor) else p
+        t = p.full_tensor() if is_dtensor(p) else p
         out[n] = t.detach().float().cpu().clone()
     return out
 

@@ -9,6 +9,7 @@ import warnings
 
 import torch
 
+from hybrid_opt.distributed.local_shards import is_pre_public_dtensor
 from hybrid_opt.placement.plan import check_fractions
 from hybrid_opt.state.state_format import StateFormat
 from hybrid_opt.swap import check_nvme_path
@@ -200,6 +201,13 @@ def check_group_params(name: str, param_group: dict) -> dict:
     param_group = dict(param_group, params=unique)
     for item in unique:
         t = item[1] if isinstance(item, tuple) else item
+        if is_pre_public_dtensor(t):  # first: on torch 2.4 the lazy-module check below takes it too
+            raise ValueError(
+                f"{name} takes DTensor parameters (FSDP2) from torch 2.6, where "
+                f"torch.distributed.tensor and torch.distributed.fsdp.fully_shard are public; "
+                f"this torch ({torch.__version__}) has them only under torch.distributed._tensor "
+                f"and ._composable. Upgrade torch"
+            )
         if isinstance(t, torch.nn.parameter.UninitializedParameter):  # a lazy module's, before its forward
             raise ValueError(
                 f"{name} lays its state out for each parameter's size when it is built, and "

@@ -36,11 +36,11 @@ def _gloo() -> bool:
 def _dist_marks() -> list:
     import pytest
     import torch
+    from helpers import TORCH_VERSION
 
-    version = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
     return [
         pytest.mark.skipif(
-            version < (2, 6),
+            TORCH_VERSION < (2, 6),
             reason=f"FSDP2 (fully_shard with post-accumulate-grad "
             f"hooks on the sharded params) needs torch >= 2.6, this is {torch.__version__}",
         ),

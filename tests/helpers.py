@@ -2,6 +2,7 @@
 
 import contextlib
 import copy
+import inspect
 import io
 import os
 import signal
@@ -18,6 +19,68 @@ from hybrid_opt.tiers.host import AdamInputs
 # Triton's interpreter (conftest sets TRITON_INTERPRET=1 only without CUDA). Tests of the device
 # tier's CUDA logic make their tensors here, so they run on either host.
 KERNEL_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+# ======================================================== what the installed torch and triton offer
+# The suite runs on every torch the GPU CI matrix installs (2.4 on; .github/workflows/gpu-ci.yml). A
+# test of a feature that torch added later, or that compares with torch's own later behaviour, is
+# skipped on an older torch, saying which.
+def _torch_takes_named_params() -> bool:
+    try:
+        torch.optim.SGD([("w", torch.zeros(1, requires_grad=True))], lr=0.1)
+    except TypeError:  # torch < 2.6: "optimizer can only optimize Tensors"
+        return False
+    return True
+
+
+def skip_unless(ok: bool, reason: str):
+    import pytest
+
+    return pytest.mark.skipif(not ok, reason=reason)
+
+
+TORCH = torch.__version__
+TORCH_VERSION = tuple(int(x) for x in TORCH.split("+")[0].split(".")[:2])
+needs_named_params = skip_unless(
+    _torch_takes_named_params(), f"torch {TORCH}'s optimizers take no named parameters (torch >= 2.6)"
+)
+needs_torch_adam_decoupled = skip_unless(
+    "decoupled_weight_decay" in inspect.signature(torch.optim.Adam.__init__).parameters,
+    f"torch {TORCH}'s Adam has no decoupled_weight_decay to compare with",
+)
+# read by the version: importing torch.distributed.tensor to look costs a second and more
+needs_public_dtensor = skip_unless(
+    TORCH_VERSION >= (2, 5), f"torch {TORCH} has no public torch.distributed.tensor.DTensor (torch >= 2.5)"
+)
+
+
+def transformers_or_skip():
+    """transformers, or the test (or module) skipped where it is not installed or does not run with
+    this torch (transformers 5 takes no torch below 2.6: its models are then missing)."""
+    import pytest
+
+    transformers = pytest.importorskip("transformers")
+    from transformers.utils import is_torch_available
+
+    if not is_torch_available():
+        pytest.skip(
+            f"transformers {transformers.__version__} does not run with torch {TORCH}",
+            allow_module_level=True,
+        )
+    return transformers
+
+
+def __getattr__(name):
+    # needs_kernels: the gpu_kernels run on KERNEL_DEVICE (CUDA, or Triton's interpreter, triton >=
+    # 3.2, without one). Made on first use: asking imports triton, which the scripts that import this
+    # module in a fresh interpreter do not need
+    if name == "needs_kernels":
+        import gpu_kernels
+
+        why = gpu_kernels.unavailable_reason(KERNEL_DEVICE)
+        globals()[name] = skip_unless(why is None, str(why))
+        return globals()[name]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def thread_masks() -> dict:

@@ -252,7 +252,7 @@ def main(argv=None):
     adam_programs = {k.hash for k in kernels[:n_adam]}
     q8_programs = {k.hash for k in kernels[n_adam + n_stats :]}
     print(
-        f"sm_{arch}: fused_adam_ {len(cases)} cases -> {len(adam_programs)} distinct programs; "
+        f"sm_{arch} (triton {_triton_version()}): fused_adam_ {len(cases)} cases -> {len(adam_programs)} distinct programs; "
         f"grad_stats {n_stats} launches; q8_adam_ {n_q8} cases -> {len(q8_programs)} distinct programs; "
         f"{checked} functions keep their constexprs; {time.perf_counter() - t0:.1f} s"
     )
@@ -275,6 +275,12 @@ def compile_q8(arch, compiled):
     return len(q8_cases())
 
 
+def _triton_version():
+    import triton
+
+    return triton.__version__
+
+
 def check_ptx(kernels, arch):
     for kernel in kernels:
         ptx = kernel.asm["ptx"]
@@ -293,7 +299,7 @@ def main_q8(arch):
     check_ptx(kernels, arch)
     programs = {k.hash for k in kernels}
     print(
-        f"sm_{arch}: q8_adam_ {n} cases -> {len(programs)} distinct programs; {checked} functions keep "
+        f"sm_{arch} (triton {_triton_version()}): q8_adam_ {n} cases -> {len(programs)} distinct programs; {checked} functions keep "
         f"their constexprs; {time.perf_counter() - t0:.1f} s"
     )
     assert len(programs) == n, "two q8 cases compiled to the same program: a choice is lost"

@@ -9,6 +9,8 @@ import sys
 
 import pytest
 import torch
+from dist_launch import DIST_MARKS
+from helpers import transformers_or_skip
 
 import cpu_kernels
 from hybrid_opt.state.state_format import StateFormat
@@ -130,6 +132,7 @@ PEERS_KEYS = {
 }
 
 
+@DIST_MARKS[0]  # its rows launch FSDP2 and process_group= (torch >= 2.6)
 def test_bench_peers_tiny_run_writes_every_row_in_the_fixed_schema(tmp_path):
     """bench_peers.py end to end on a tiny model, 2 gloo ranks, one round: the DDP reference and
     an FSDP2 row with half the state on nvme (two launches); the process_group row with
@@ -471,6 +474,7 @@ def test_bench_checkpoint_framework_saves_cost_no_ram(tmp_path):
     """Inside a real HF Trainer save_steps checkpoint and a Lightning save_checkpoint through
     hybrid_opt.lightning_io.DirectCheckpointIO, HybridAdamW offload 1 (8 x Linear(1024): 64 MiB
     of state) costs at most 5 % of its state's bytes in RAM, as the OS counts it."""
+    transformers_or_skip()
     out_json = tmp_path / "fw.json"
     cmd = [
         sys.executable,
@@ -674,10 +678,10 @@ def test_bench_q8_times_each_level_in_a_process_whose_torch_runs_at_that_level(t
     assert {(r["level"], r["impl"]) for r in records} == {
         (lv, impl) for lv in levels for impl in ("q8_q8", "fp32", "torch_fused", "roofline")
     }
-    torch_level = {"avx2": "AVX2", "portable": "DEFAULT"}
+    torch_level = {"avx2": {"AVX2"}, "portable": {"DEFAULT", "NO AVX"}}  # torch 2.4 names it "NO AVX"
     for r in records:
         assert r["q8_level"] == r["level"]
-        assert r["torch_level"] == torch_level[r["level"]], r
+        assert r["torch_level"] in torch_level[r["level"]], r
         assert r["pct_roof"] > 0 and (r["impl"] != "roofline" or r["pct_roof"] == pytest.approx(100))
     # the state as the OS counts it (PSS, to a page): fp32 moments 8 B/param, q8's about a quarter
     by = {(r["level"], r["impl"]): r["state_bytes_per_param"] for r in records}

@@ -11,7 +11,7 @@ import warnings
 
 import pytest
 import torch
-from helpers import with_fp32_masters
+from helpers import needs_kernels, transformers_or_skip, with_fp32_masters
 from torch import nn
 
 import cpu_kernels
@@ -494,7 +494,7 @@ def test_bf16_moments_converge_within_half_a_percent_of_fp32_on_the_demo_model()
 
 
 def test_bf16_moments_and_remainders_converge_on_a_tiny_gpt2():
-    transformers = pytest.importorskip("transformers")
+    transformers = transformers_or_skip()
     cfg = transformers.GPT2Config(
         vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=2, bos_token_id=0, eos_token_id=0
     )
@@ -591,6 +591,7 @@ def _triton_on_cpu(opt, monkeypatch):
     )
 
 
+@needs_kernels
 def test_cuda_launch_path_with_remainders_steps_the_fp32_master_s_bits_in_the_interpreter(monkeypatch):
     """Without a GPU: the launch path's remainders= list gives the same decoded master as its
     param_copies= launch (bitwise), and both follow the CPU kernel within fp32 rounding."""

@@ -13,7 +13,7 @@ import warnings
 
 import pytest
 import torch
-from helpers import KERNEL_DEVICE
+from helpers import KERNEL_DEVICE, needs_kernels
 from tolerances import assert_close
 from torch import nn
 
@@ -114,6 +114,7 @@ def _device_tier(numels=(300, 77)):
     return DeviceTier(sgs, amsgrad=False), sgs, params
 
 
+@needs_kernels
 def test_device_tier_passes_the_grad_scale_as_a_float(monkeypatch):
     """No per-step tensor for the combined grad scale: the launcher gets a Python float (a
     Triton fp32 argument), the sign of maximize folded in; once the launch table is cached a
@@ -159,6 +160,7 @@ def _two_tiers_stepped(steps, edit):
     return out
 
 
+@needs_kernels
 def test_prepared_device_launches_step_the_bits_of_fresh_ones():
     """Grads rewritten in place (the prepared launch is found again) and grads made anew at
     other addresses (a new one is prepared): the bits of checking and launching afresh."""
@@ -177,6 +179,7 @@ def test_prepared_device_launches_step_the_bits_of_fresh_ones():
         assert torch.equal(a, b)
 
 
+@needs_kernels
 def test_a_prepared_device_launch_makes_no_tensor_per_slice_and_holds_no_grad(monkeypatch):
     """The steady state: the second step finds its launch (no grad view, no tier view, one
     launch); the launch keeps no reference to a grad (zero_grad frees its memory); a dropped
@@ -209,6 +212,7 @@ def test_a_prepared_device_launch_makes_no_tensor_per_slice_and_holds_no_grad(mo
     assert not tier._launches
 
 
+@needs_kernels
 def test_float_grad_scale_gives_the_bits_of_a_tensor_scale():
     """The float argument is rounded to fp32 in the kernel exactly as the 1-element fp32
     tensor it replaces was: the same bits."""

@@ -17,7 +17,7 @@ import time
 
 import pytest
 import torch
-from helpers import wait_gone
+from helpers import needs_kernels, wait_gone
 from test_optimizer import (
     SUBGROUP,
     assert_params_close,
@@ -529,6 +529,7 @@ def _two_launch_tier(device):
     return tier, work, params
 
 
+@needs_kernels
 def test_cuda_path_reports_what_each_launch_wrote(monkeypatch):
     """DeviceTier._step_cuda (on CUDA where a GPU is present, else on CPU tensors through
     TRITON_INTERPRET): its progress has a launch that succeeded as done, the one that raised as

@@ -18,13 +18,14 @@ import time
 import pytest
 import torch
 from dist_launch import DIST_MARKS, SCRIPTS, launch
+from helpers import transformers_or_skip
 from tolerances import DIST_RTOL, assert_close
 
 sys.path.insert(0, SCRIPTS)
 import common as C  # noqa: E402
 import hf_common as H  # noqa: E402
 
-transformers = pytest.importorskip("transformers")
+transformers = transformers_or_skip()
 accelerate = pytest.importorskip("accelerate")
 transformers.logging.set_verbosity_error()
 

@@ -17,7 +17,7 @@ import sys
 
 import pytest
 import torch
-from helpers import run_compile_check
+from helpers import needs_kernels, run_compile_check
 from tolerances import assert_close
 
 import gpu_kernels
@@ -29,9 +29,6 @@ runtime = importlib.import_module("gpu_kernels._runtime")
 
 CUDA = torch.cuda.is_available()
 DEVICES = ["cuda"] if CUDA else ["cpu"]
-# why the kernels cannot run here (no triton, an interpreter too old, ...), or None
-UNAVAILABLE = gpu_kernels.unavailable_reason(DEVICES[0])
-needs_triton = pytest.mark.skipif(UNAVAILABLE is not None, reason=str(UNAVAILABLE))
 needs_two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
 # the interpreter computes in numpy, which warns where fp32 -> fp16 casts or squares overflow;
 # those overflows are the point of the tests that make them
@@ -89,7 +86,7 @@ def assert_state_close(actual, expected):
 # --------------------------------------------------------------------------------------------
 
 
-@needs_triton
+@needs_kernels
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("grad_dtype", GRAD_DTYPES)
 @pytest.mark.parametrize("decoupled", [True, False], ids=["adamw", "adam_l2"])
@@ -109,7 +106,7 @@ def test_fused_adam_matches_reference_on_odd_sizes(device, grad_dtype, decoupled
         assert torch.equal(c, p.to(c.dtype))
 
 
-@needs_triton
+@needs_kernels
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("grad_dtype", GRAD_DTYPES)
 @pytest.mark.parametrize("optimizer", ["AdamW", "Adam"])
@@ -158,7 +155,7 @@ def test_fused_adam_matches_torch_optim_over_steps(device, grad_dtype, optimizer
                 )
 
 
-@needs_triton
+@needs_kernels
 @pytest.mark.parametrize("device", DEVICES)
 def test_fused_adam_lr_tensor_and_float_scale_match_reference(device):
     state = make_state([17, 4099], device, torch.bfloat16)
@@ -169,7 +166,7 @@ def test_fused_adam_lr_tensor_and_float_scale_match_reference(device):
     assert_state_close(state, expected)
 
 
-@needs_triton
+@needs_kernels
 @pytest.mark.parametrize("device", DEVICES)
 def test_fused_adam_without_weight_decay_or_scale(device):
     state = make_state([17, 4099], device)
@@ -180,7 +177,7 @@ def test_fused_adam_without_weight_decay_or_scale(device):
     assert_state_close(state, expected)
 
 
-@needs_triton
+@needs_kernels
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("copy_dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_param_copies_bitwise_equal_torch_cast(device, copy_dtype):
@@ -194,7 +191,7 @@ def test_param_copies_bitwise_equal_torch_cast(device, copy_dtype):
         assert torch.equal(c, p.to(copy_dtype)), f"param_copies[{i}]"
 
 
-@needs_triton
+@needs_kernels
 @pytest.mark.parametrize("device", DEVICES)
 def test_mixed_dtypes_none_copies_and_unaligned_views(device):
     """Rows are grouped by (grad dtype, copy dtype, alignment); results do not depend on it."""
@@ -229,7 +226,7 @@ def test_mixed_dtypes_none_copies_and_unaligned_views(device):
     assert 1 < launches <= len(sizes)
 
 
-@needs_triton
+@needs_kernels
 @pytest.mark.parametrize("device", DEVICES)
 def test_unaligned_views_leave_neighbours_untouched(device):
     flat = torch.randn(64, device=device)
@@ -243,7 +240,7 @@ def test_unaligned_views_leave_neighbours_untouched(device):
     assert not torch.equal(flat[3:20], before[3:20])
 
 
-@needs_triton
+@needs_kernels
 @pytest.mark.parametrize("device", DEVICES)
 def test_200_tensors_of_random_sizes_in_one_launch(device):
     rng = random.Random(0)
@@ -258,7 +255,7 @@ def test_200_tensors_of_random_sizes_in_one_launch(device):
     assert_state_close(state, expected)
 
 
-@needs_triton
+@needs_kernels
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("flag", [1.0, float("inf"), float("nan")])
 def test_found_inf_leaves_every_tensor_bitwise_unchanged(device, flag):
@@ -281,7 +278,7 @@ def test_found_inf_leaves_every_tensor_bitwise_unchanged(device, flag):
     assert not torch.equal(state["params"][3], before["params"][3])
 
 
-@needs_triton
+@needs_kernels
 @pytest.mark.parametrize("device", DEVICES)
 def test_empty_lists_and_empty_tensors(device):
     fused_adam_([], [], [], [], step=1, **HYPER)
@@ -428,6 +425,7 @@ def _bad_adam_inputs(device):
     ]
 
 
+@needs_kernels  # some cases reach the launch before the check
 @pytest.mark.parametrize(
     "case",
     range(len(_bad_adam_inputs("cpu"))),
@@ -443,7 +441,7 @@ def test_fused_adam_rejects_bad_inputs(case):
         run(fused_adam_, state, **kwargs)
 
 
-@needs_triton
+@needs_kernels
 def test_cpu_tensors_without_interpreter_raise_runtime_error(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     state = make_state([4], "cpu")
@@ -488,7 +486,7 @@ def _grads(sizes, dtypes, device, seed=0, scale=1.0):
     return [(torch.randn(n, generator=gen) * scale).to(dt).to(device) for n, dt in zip(sizes, dtypes)]
 
 
-@needs_triton
+@needs_kernels
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize(
     "dtypes",
@@ -511,7 +509,7 @@ def test_grad_stats_matches_reference(device, dtypes):
     torch.testing.assert_close(sum64.cpu(), exact, rtol=1e-6, atol=0)
 
 
-@needs_triton
+@needs_kernels
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", GRAD_DTYPES)
 @pytest.mark.parametrize("bad", [float("inf"), float("-inf"), float("nan")])
@@ -524,7 +522,7 @@ def test_grad_stats_found_inf_matches_torch_nonfinite_check(device, dtype, bad, 
     assert torch_found and found_inf.item() == 1.0
 
 
-@needs_triton
+@needs_kernels
 @pytest.mark.parametrize("device", DEVICES)
 def test_grad_stats_large_finite_values_are_not_flagged(device):
     grads = [
@@ -536,7 +534,7 @@ def test_grad_stats_large_finite_values_are_not_flagged(device):
     assert sum_sq.isinf()  # the squares overflow fp32, as torch's norm does; the values are finite
 
 
-@needs_triton
+@needs_kernels
 @pytest.mark.parametrize("device", DEVICES)
 def test_grad_stats_is_bitwise_reproducible(device):
     rng = random.Random(0)
@@ -550,7 +548,7 @@ def test_grad_stats_is_bitwise_reproducible(device):
     assert_close(first[0], grad_stats_reference(grads)[0])
 
 
-@needs_triton
+@needs_kernels
 @pytest.mark.parametrize("device", DEVICES)
 def test_grad_stats_empty(device):
     sum_sq, found_inf = grad_stats([])
@@ -559,7 +557,7 @@ def test_grad_stats_empty(device):
     assert sum_sq.item() == 0.0 and found_inf.item() == 0.0
 
 
-@needs_triton
+@needs_kernels
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("max_norm", [0.5, 1e6])
@@ -622,7 +620,7 @@ def test_device_guard_selects_a_cuda_device_and_is_a_noop_on_cpu():
             pass
 
 
-@needs_triton
+@needs_kernels
 @pytest.mark.parametrize("device", DEVICES)
 def test_every_table_build_and_launch_runs_under_the_tensors_device(device, monkeypatch):
     """Records the guard open at each table build and each kernel launch (through the real
@@ -693,7 +691,7 @@ def test_every_table_build_and_launch_runs_under_the_tensors_device(device, monk
         assert guards and guards[-1] == expected, f"{name} ran under {guards}, not {expected}"
 
 
-@needs_triton
+@needs_kernels
 @pytest.mark.parametrize("device", DEVICES)
 def test_tables_and_outputs_land_on_the_inputs_device(device):
     adam_module._tables.clear()
@@ -918,7 +916,7 @@ def test_grad_stats_reads_grads_on_cuda1_while_cuda0_is_current():
 # --------------------------------------------------------------------------------------------
 
 
-@needs_triton
+@needs_kernels
 @pytest.mark.parametrize("device", DEVICES)
 def test_prepared_launch_steps_the_bits_of_fused_adam_over_steps(device):
     """FusedAdam.step over three steps, grads rewritten in place between them, gives the bits
@@ -947,7 +945,7 @@ def test_prepared_launch_steps_the_bits_of_fused_adam_over_steps(device):
             assert torch.equal(a, b), key
 
 
-@needs_triton
+@needs_kernels
 @pytest.mark.parametrize("device", DEVICES)
 def test_prepared_launch_step_does_no_per_tensor_work(device, monkeypatch):
     """After construction a step checks, groups and tables nothing: one launch per group,
@@ -966,7 +964,7 @@ def test_prepared_launch_step_does_no_per_tensor_work(device, monkeypatch):
     assert adam_module._fused_adam_kernel.launches == before + 1
 
 
-@needs_triton
+@needs_kernels
 def test_prepared_launch_checks_its_tensors_once_with_fused_adam_s_messages():
     state = make_state([100, 200], DEVICES[0])
     with pytest.raises(ValueError, match=r"grads\[1\] has 100 elements but params\[1\] has 200"):

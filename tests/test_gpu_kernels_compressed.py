@@ -13,7 +13,7 @@ import importlib
 
 import pytest
 import torch
-from helpers import run_compile_check
+from helpers import needs_kernels, run_compile_check
 from tolerances import assert_bf16_within_ulps, assert_close
 
 import gpu_kernels
@@ -23,10 +23,6 @@ adam_module = importlib.import_module("gpu_kernels.adam")
 
 CUDA = torch.cuda.is_available()
 DEVICES = ["cuda"] if CUDA else ["cpu"]
-needs_triton = pytest.mark.skipif(
-    gpu_kernels.unavailable_reason(DEVICES[0]) is not None,
-    reason=str(gpu_kernels.unavailable_reason(DEVICES[0])),
-)
 # bitwise equality with the fp32 reference holds for the interpreter's numpy arithmetic only
 needs_interpreter = pytest.mark.skipif(
     gpu_kernels.unavailable_reason("cpu") is not None,
@@ -190,7 +186,7 @@ def test_remainder_reference_rejects_wrong_dtypes():
         decode_remainder(torch.zeros(3, dtype=BF16), torch.zeros(4, dtype=torch.int16))
 
 
-@needs_triton
+@needs_kernels
 @pytest.mark.parametrize("device", DEVICES)
 def test_kernel_remainder_round_trip_is_bitwise_for_every_non_nan_pattern(device):
     """With lr = 0 and no decay the update is p - 0: the kernel decodes and re-encodes every
@@ -290,7 +286,7 @@ def test_compiled_kernel_equals_fp32_reference_bitwise(grad_dtype, moments, rema
     assert_state_bitwise({k: [t.cpu() for t in v] for k, v in state.items()}, exact)
 
 
-@needs_triton
+@needs_kernels
 @pytest.mark.parametrize("device", DEVICES)
 def test_non_finite_grads_store_bf16_moments_as_the_quiet_nan(device):
     """Without found_inf the kernel steps whatever it is given: a NaN grad makes NaN moments,
@@ -358,7 +354,7 @@ def _twenty_steps(device, *, moments, amsgrad, decoupled, grad_dtype, steps=20):
                 assert torch.equal(bits(a), bits(b)), f"step {step}: {key}[{i}] differs"
 
 
-@needs_triton
+@needs_kernels
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("moments", [(F32, F32), (BF16, BF16)], ids=["fp32_moments", "bf16_moments"])
 @pytest.mark.parametrize(
@@ -368,7 +364,7 @@ def test_remainders_equal_the_fp32_master_run_over_20_steps(device, moments, ams
     _twenty_steps(device, moments=moments, amsgrad=amsgrad, decoupled=decoupled, grad_dtype=BF16)
 
 
-@needs_triton
+@needs_kernels
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize(
     "moments, amsgrad, decoupled",
@@ -382,7 +378,7 @@ def test_remainders_equal_the_fp32_master_run_with_mixed_moment_dtypes(device, m
     _twenty_steps(device, moments=moments, amsgrad=amsgrad, decoupled=decoupled, grad_dtype=F32, steps=8)
 
 
-@needs_triton
+@needs_kernels
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("flag", [1.0, float("inf"), float("nan")])
 def test_found_inf_writes_no_compressed_state(device, flag):

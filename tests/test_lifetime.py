@@ -13,6 +13,7 @@ import weakref
 import psutil
 import pytest
 import torch
+from helpers import needs_public_dtensor
 
 from hybrid_opt import HybridAdamW, UnclosedOptimizerWarning
 from hybrid_opt.testing import debug_view
@@ -86,6 +87,7 @@ def test_an_optimizer_dropped_without_close_is_freed(tmp_path, placement):
     model(torch.randn(4, 32)).sum().backward()  # the model trains on: no hook of the dead optimizer left
 
 
+@needs_public_dtensor  # process_group= (torch >= 2.5)
 def test_a_process_group_optimizer_dropped_without_close_is_freed(tmp_path):
     """process_group's reduce hooks and the global forward pre-hook of its param gathers hold
     the optimizer weakly too (a gloo world of one rank)."""

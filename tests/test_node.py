@@ -15,6 +15,7 @@ import warnings
 import psutil
 import pytest
 import torch
+from helpers import needs_public_dtensor
 
 from hybrid_opt import swap
 from hybrid_opt.distributed import node
@@ -390,6 +391,7 @@ def test_the_ranks_on_a_node_are_derived_from_torch_distributed_when_the_launche
     assert not set(res[0]["trainer_cores"]) & set(res[1]["trainer_cores"]), res  # no rank takes the node
 
 
+@needs_public_dtensor
 def test_default_budgets_count_a_dtensor_params_local_shard(monkeypatch, tmp_path):
     """FSDP2: a rank holds its DTensor params' local shards; their global size would count every
     rank's memory as this rank's (a default budget too generous by the world size)."""

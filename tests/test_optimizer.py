@@ -19,6 +19,7 @@ still span several subgroups (a parameter larger than a subgroup, many tiny ones
 """
 
 import copy
+import inspect
 import io
 import tempfile
 from contextlib import ExitStack
@@ -27,6 +28,7 @@ from dataclasses import dataclass, field
 import psutil
 import pytest
 import torch
+from helpers import needs_named_params, needs_torch_adam_decoupled
 from tolerances import ATOL, RTOL, assert_close
 from torch import nn
 
@@ -427,6 +429,7 @@ def test_torch_state_dict_loads_into_ours(placement, info):
     assert_params_close(model, ref_model)
 
 
+@needs_torch_adam_decoupled
 @pytest.mark.parametrize("src,dst", [(ADAMW, ADAM), (ADAM, ADAMW)], ids=["AdamW_to_Adam", "Adam_to_AdamW"])
 def test_checkpoint_loads_across_classes(src, dst):
     """As torch.optim: the checkpoint's hyperparameters (lr, betas, weight_decay, ...) are taken;
@@ -591,6 +594,7 @@ def test_add_param_group_after_construction(placement):
     assert_params_close(ours_model, ref_model)
 
 
+@needs_torch_adam_decoupled
 @pytest.mark.parametrize("placement", [PLACEMENTS[0], PLACEMENTS[2]], ids=lambda p: p.name)
 def test_adams_decoupled_weight_decay_per_group_and_through_a_checkpoint_as_torch(placement):
     """torch.optim.Adam's decoupled_weight_decay (torch >= 2.6): the argument, a group's own
@@ -677,6 +681,7 @@ def test_params_without_grad_are_untouched_and_keep_their_step(placement, info):
 
 
 # ============================================================================= 6. torch's calling conventions
+@needs_named_params
 def test_named_parameters_accepted_like_torch():
     ours_model, ref_model = make_net(), make_net()
     ref = torch.optim.AdamW(ref_model.named_parameters(), lr=1e-2, foreach=False)
@@ -781,6 +786,9 @@ class ErrorInput:
     params: object = None  # callable -> params; default: one small Linear's
     at_step: object = None  # callable(params) run before step(); the error comes from step()
     torch_raises: bool = False
+    # an older torch refuses it too, with another error: the type and message are held to torch's
+    # only where its Adam.__init__ has this check
+    torch_check: str = ""
 
 
 def _linear_params():
@@ -826,6 +834,7 @@ ERROR_INPUTS = [
         ValueError,
         "Tensor lr must be 1-element",
         torch_raises=True,
+        torch_check="Tensor lr must be 1-element",
     ),
     ErrorInput(
         "empty_params", error=ValueError, match="empty parameter list", params=list, torch_raises=True
@@ -918,7 +927,10 @@ def test_error_inputs(case, info):
     if case.torch_raises:
         torch_kw = {k: v for k, v in case.kwargs.items() if k not in ("offload_fraction", "subgroup_numel")}
         params = make_params()
-        with pytest.raises(case.error, match=case.match):
+        error, match = case.error, case.match
+        if case.torch_check and case.torch_check not in inspect.getsource(torch.optim.Adam.__init__):
+            error, match = Exception, ""
+        with pytest.raises(error, match=match):
             ref = info.reference(params, foreach=False, **torch_kw)
             if case.at_step is not None:
                 case.at_step(params)
@@ -1014,7 +1026,7 @@ def test_attributes(placement):
         assert "Plan(" in repr(opt)
         assert opt.step_was_skipped is False and opt.last_grad_norm is None
         loss_fn(model, make_batches(1)[0]).backward()
-        ref_norm = torch.nn.utils.get_total_norm([p.grad for p in model.parameters()])
+        ref_norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in model.parameters()]))
         opt.step()
         assert isinstance(opt.stats, dict) and opt.stats
         assert opt.last_grad_norm == pytest.approx(float(ref_norm), rel=RTOL[FP32])

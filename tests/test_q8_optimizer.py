@@ -10,6 +10,7 @@ compared with torch.equal.
 
 import pytest
 import torch
+from helpers import needs_kernels
 from tolerances import Q8_TRAJECTORY_SHARE, assert_close
 from torch import nn
 
@@ -275,6 +276,7 @@ def _triton_on_cpu(opt, monkeypatch):
     )
 
 
+@needs_kernels
 @pytest.mark.parametrize("model", ["fp32", "bf16 remainders"])
 def test_cuda_launch_path_steps_the_q8_reference_bitwise_in_the_interpreter(model, monkeypatch):
     """Without a GPU: the q8 subgroups' launch (gpu_kernels.q8_adam_) gives the reference's

@@ -12,6 +12,7 @@ from contextlib import contextmanager
 
 import pytest
 import torch
+from helpers import needs_named_params
 from tolerances import assert_close
 from torch import nn
 
@@ -140,6 +141,7 @@ def test_load_state_dict_assign_without_swap_gives_new_params_no_optimizer_holds
             assert torch.equal(a, b)
 
 
+@needs_named_params
 @pytest.mark.parametrize("cast", ["half", "double"])
 @pytest.mark.parametrize("placement", ["device", "host"])
 def test_cast_after_construction_raises_and_says_what_to_do(placement, cast, tmp_path):

@@ -167,9 +167,10 @@ def test_it_imports_where_torch_writes_no_storage_alignment():
     """torch < 2.7 has no torch.serialization._get_storage_alignment (pyproject: torch >= 2.4)."""
     code = (
         "import io, zipfile, torch, torch.serialization as s\n"
-        "kept = s._get_storage_alignment; del s._get_storage_alignment\n"
+        "kept = getattr(s, '_get_storage_alignment', None)  # None: an older torch itself\n"
+        "if kept: del s._get_storage_alignment\n"
         "from hybrid_opt import HybridAdamW\n"
-        "s._get_storage_alignment = kept  # torch's own zip writer reads it here (2.13)\n"
+        "if kept: s._get_storage_alignment = kept  # torch's own zip writer reads it here (2.13)\n"
         "from hybrid_opt.state import saving; assert saving._get_storage_alignment is None\n"
         "p = torch.nn.Parameter(torch.randn(8)); opt = HybridAdamW([p], offload_fraction=0.0)\n"
         "p.grad = torch.randn(8); opt.step(); b = io.BytesIO(); opt.save_state_dict(b); b.seek(0)\n"

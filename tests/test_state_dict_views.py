@@ -17,7 +17,7 @@ Sizes here cut subgroups on page boundaries (subgroup_numel >= layout.PAGE_CUT_F
 
 import pytest
 import torch
-from helpers import backing, cases_in_one_process
+from helpers import backing, cases_in_one_process, needs_public_dtensor
 from torch import nn
 
 from hybrid_opt import HybridAdamW
@@ -239,6 +239,7 @@ def test_a_checkpoint_costs_no_ram(placement, fmt, checkpoint_peaks):
     assert got["load_mmap"] <= budget, got
 
 
+@needs_public_dtensor
 def test_a_sharded_params_state_stays_on_the_cpu_under_a_cuda_mesh(tmp_path):
     """FSDP2 and process_group on a GPU: the state of a host or nvme subgroup is CPU memory,
     the param's mesh is CUDA's. DTensor.from_local moved such a local tensor onto the mesh's

@@ -20,6 +20,7 @@ import re
 
 import pytest
 import torch
+from helpers import needs_named_params
 from test_optimizer import (
     SUBGROUP,
     Net,
@@ -79,6 +80,7 @@ def _names(groups: list) -> list:
 @pytest.mark.parametrize(
     "saved, loaded", [("named", "plain"), ("plain", "named"), ("named", "named"), ("plain", "plain")]
 )
+@needs_named_params
 def test_param_names_go_through_a_checkpoint_as_torchs_do(placement, saved, loaded, nvme_dir):
     """torch keeps a named optimizer's `param_names` in its state dict's groups, and its
     load_state_dict gives each group the checkpoint's names where it has them, else keeps the
@@ -185,6 +187,7 @@ def _materialise(model):
     return model
 
 
+@needs_named_params
 @pytest.mark.parametrize("placement", sorted(PLACEMENTS))
 def test_meta_params_are_taken_on_the_device_tier_refused_offloaded_and_train_once_materialised(
     placement, nvme_dir

@@ -75,3 +75,32 @@ def test_the_plain_text_reader_finds_a_checkout_without_the_setting():
     assert [line for line, _ in steps] == [4, 8]
     assert "persist-credentials" not in steps[0][1]
     assert "persist-credentials: false" in steps[1][1]
+
+
+def _gpu_ci_text() -> str:
+    with open(GPU_CI) as f:
+        return f.read()
+
+
+def test_the_compile_job_covers_every_triton_the_gpu_matrix_pins():
+    # the compile job checks, without a GPU, what each gpu job's Triton will compile: a release
+    # the gpu matrix gains must be compiled for too (and .ci/compile_matrix.sh reads the same pins)
+    text = _gpu_ci_text()
+    pinned = set(re.findall(r"\{torch:\s*\"[0-9.]+\",\s*triton:\s*\"([0-9.]+)\"\}", text))
+    lists = re.findall(r"^\s+triton:\s*\[([^\]]*)\]\s*$", text, re.M)
+    assert len(lists) == 1, "expected one `triton: [...]` list, the compile job's matrix"
+    compiled = set(re.findall(r"\"([0-9.]+)\"", lists[0]))
+    assert len(pinned) >= 5 and compiled == pinned, (sorted(pinned), sorted(compiled))
+    assert re.search(r"run: bash \.ci/compile_matrix\.sh \"\$\{\{ matrix\.triton \}\}\"", text)
+
+
+def test_the_compile_matrix_script_reads_the_gpu_matrix_pins():
+    # with no release named, .ci/compile_matrix.sh compiles every pin of gpu-ci.yml (the compiles
+    # themselves take minutes a release; --list stops after reading the pins)
+    import subprocess
+
+    script = os.path.join(REPO, ".ci", "compile_matrix.sh")
+    run = subprocess.run(["bash", script, "--list"], capture_output=True, text=True, timeout=30)
+    assert run.returncode == 0, run.stderr
+    pinned = sorted(set(re.findall(r"triton:\s*\"([0-9.]+)\"", _gpu_ci_text())))
+    assert sorted(run.stdout.split()) == pinned and "3.0.0" in pinned, run.stdout

@@ -6,6 +6,7 @@ argument errors (hybrid_opt/arguments.py)."""
 
 import pytest
 import torch
+from helpers import needs_public_dtensor
 
 from hybrid_opt import HybridAdamW
 from hybrid_opt.distributed import zero, zero_pool
@@ -30,6 +31,7 @@ def world_of_one(tmp_path):
     dist.destroy_process_group()
 
 
+@needs_public_dtensor  # process_group= (torch >= 2.5)
 @pytest.mark.parametrize("overlap", [False, True])
 def test_comm_bytes_are_the_storages_held_and_a_window_not_the_model(world_of_one, monkeypatch, overlap):
     monkeypatch.setattr(zero, "BUCKET_NUMEL", WIDTH * WIDTH + WIDTH)  # a bucket per layer

@@ -32,6 +32,22 @@ def is_dtensor(t) -> bool:
     return dtensor is not None and isinstance(t, dtensor)
 
 
+def has_public_dtensor() -> bool:
+    """torch.distributed.tensor's DTensor, Shard, Replicate (torch >= 2.5), without importing it
+    (a second and more)."""
+    return torch.torch_version.TorchVersion(torch.__version__) >= "2.5"
+
+
+def is_pre_public_dtensor(t) -> bool:
+    """A DTensor of a torch that keeps the class only under torch.distributed._tensor (2.4),
+    which is_dtensor does not see: the optimizer refuses it rather than step its local shard
+    as a whole param."""
+    if _dtensor_class() is not None:
+        return False
+    legacy = getattr(sys.modules.get("torch.distributed._tensor"), "DTensor", None)
+    return legacy is not None and isinstance(t, legacy)
+
+
 # process_group mode (zero.py): plain params whose state this rank keeps for a dim-0 chunk
 # only, and the grads whose averaged chunk a reduce-scatter delivered (grad -> that chunk)
 _ZERO_PARAMS: list = []  # [WeakIdKeyDictionary param -> ZeroSpec], made on first use

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from hybrid_opt.distributed.local_shards import chunk_rows, is_dtensor, zero_maps
+from hybrid_opt.distributed.local_shards import chunk_rows, has_public_dtensor, is_dtensor, zero_maps
 from hybrid_opt.distributed.zero_counts import GradCounts
 from hybrid_opt.distributed.zero_edits import GradEdits, GradReads
 from hybrid_opt.distributed.zero_gather import ParamGather, check_shard_owner
@@ -134,6 +134,12 @@ class ZeroSharding:
             raise RuntimeError(
                 "process_group= needs torch.distributed initialised "
                 "(torch.distributed.init_process_group) before the optimizer is built"
+            )
+        if not has_public_dtensor():
+            raise RuntimeError(
+                f"process_group= needs torch >= 2.5 (tested from 2.6): its state_dict() holds "
+                f"DTensors of torch.distributed.tensor, which this torch ({torch.__version__}) "
+                f"does not have. Upgrade torch"
             )
         rank, world = dist.get_rank(group), dist.get_world_size(group)
         if world != dist.get_world_size():
