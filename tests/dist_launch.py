@@ -35,15 +35,10 @@ def _gloo() -> bool:
 
 def _dist_marks() -> list:
     import pytest
-    import torch
-    from helpers import TORCH_VERSION
+    from helpers import FSDP2_ON_GLOO, FSDP2_ON_GLOO_REASON, TORCH_VERSION
 
     return [
-        pytest.mark.skipif(
-            TORCH_VERSION < (2, 6),
-            reason=f"FSDP2 (fully_shard with post-accumulate-grad "
-            f"hooks on the sharded params) needs torch >= 2.6, this is {torch.__version__}",
-        ),
+        pytest.mark.skipif(TORCH_VERSION < FSDP2_ON_GLOO, reason=FSDP2_ON_GLOO_REASON),
         pytest.mark.skipif(not _gloo(), reason="torch.distributed with the gloo backend is not available"),
     ]
 

@@ -39,6 +39,15 @@ def _reuse_the_built_kernels(src: pathlib.Path) -> None:
 
 @pytest.mark.skipif(importlib.util.find_spec("setuptools") is None, reason="needs setuptools to build")
 def test_a_non_editable_install_has_every_subpackage(tmp_path):
+    # --no-build-isolation builds with this environment's setuptools: a wheel needs bdist_wheel,
+    # setuptools' own from 70.1, else the wheel package's (a Python 3.11 venv has neither)
+    if (
+        importlib.util.find_spec("wheel") is None
+        and importlib.util.find_spec("setuptools.command.bdist_wheel") is None
+    ):
+        pytest.skip(
+            "no bdist_wheel here (setuptools < 70.1 without the wheel package): pip install -U setuptools"
+        )
     # built from a copy: setuptools reuses a checkout's build/ directory, which would hide a
     # package list that leaves subpackages out
     src, target = tmp_path / "src", tmp_path / "site"

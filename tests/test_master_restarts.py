@@ -12,6 +12,7 @@ master.
 
 import pytest
 import torch
+from helpers import FSDP2_ON_GLOO, FSDP2_ON_GLOO_REASON, TORCH_VERSION
 from torch import nn
 
 from hybrid_opt import HybridAdam, HybridAdamW, fp32_master
@@ -285,8 +286,8 @@ def test_fsdp2_shard_given_new_memory_keeps_remainders_consistent(placement, one
     remainders too, whose high half is the model's param (on nvme it is read from it each
     step): the param stays its master's high half and the masters those of a run that never
     reloaded, bit for bit."""
-    if torch.__version__ < "2.6":
-        pytest.skip("FSDP2 needs torch >= 2.6")
+    if TORCH_VERSION < FSDP2_ON_GLOO:
+        pytest.skip(FSDP2_ON_GLOO_REASON)
     from cpu_kernels.reference import encode_remainder_reference
 
     kw = dict(PLACED[placement])
