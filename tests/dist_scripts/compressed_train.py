@@ -95,9 +95,9 @@ def run(name: str, rank: int, world: int, tmp: str, ckpt: str) -> dict:
     restarts = []  # (step, param indices) of every master restarted from its param
     orig_restart = debug_view(opt).guard.restart_masters
 
-    def counted(sg, slices, only_changed):
+    def counted(sg, slices, only_changed, **kw):  # kw: previous=, where a param was given new memory
         restarts.append((len(out["steps"]), sorted(sl.param_index for sl in slices)))
-        return orig_restart(sg, slices, only_changed)
+        return orig_restart(sg, slices, only_changed, **kw)
 
     debug_view(opt).guard.restart_masters = counted
     steps.attach(opt)
