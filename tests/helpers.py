@@ -13,6 +13,7 @@ import psutil
 import torch
 
 import cpu_kernels as ck
+from hybrid_opt.distributed.local_shards import has_public_dtensor
 from hybrid_opt.tiers.host import AdamInputs
 
 # where gpu_kernels run in this process: CUDA where a GPU is present, else CPU tensors through
@@ -55,9 +56,9 @@ needs_torch_adam_decoupled = skip_unless(
     "decoupled_weight_decay" in inspect.signature(torch.optim.Adam.__init__).parameters,
     f"torch {TORCH}'s Adam has no decoupled_weight_decay to compare with",
 )
-# read by the version: importing torch.distributed.tensor to look costs a second and more
+# the library's own rule (read by the version: importing torch.distributed.tensor costs a second)
 needs_public_dtensor = skip_unless(
-    TORCH_VERSION >= (2, 5), f"torch {TORCH} has no public torch.distributed.tensor.DTensor (torch >= 2.5)"
+    has_public_dtensor(), f"torch {TORCH} has no public torch.distributed.tensor.DTensor (torch >= 2.5)"
 )
 
 

@@ -11,7 +11,7 @@ torch.optim's classes do; the tests that compare with them are skipped on an old
 
 import pytest
 import torch
-from helpers import TORCH_VERSION, skip_unless
+from helpers import skip_unless
 
 from hybrid_opt import HybridAdamW
 from hybrid_opt.distributed.local_shards import has_public_dtensor, is_pre_public_dtensor
@@ -25,7 +25,7 @@ def test_the_version_rule_matches_what_torch_has():
 
 
 @skip_unless(
-    TORCH_VERSION < (2, 5), f"torch {torch.__version__} has a public DTensor (the FSDP2 tests use it)"
+    not has_public_dtensor(), f"torch {torch.__version__} has a public DTensor (the FSDP2 tests use it)"
 )
 def test_an_older_torch_s_dtensor_and_process_group_are_refused_naming_the_release(tmp_path):
     import torch.distributed as dist
