@@ -184,7 +184,11 @@ class BackgroundPopulate:
 
     @property
     def done(self) -> bool:
-        return not self._thread.is_alive()
+        """Whether the population has ended: every chunk populated (from the moment wait() can
+        return, the thread perhaps still on its way out), failed, or stopped. Not the thread's
+        is_alive() alone: a waiter woken by the last chunk would still see it running, for longer
+        on Python 3.13, whose threads are alive until their OS thread has exited."""
+        return self._next >= len(self._chunks) or not self._thread.is_alive()
 
     def _last_chunk(self, offset: int, nbytes: int) -> int:
         """Index of the last chunk overlapping [offset, offset + nbytes), or -1."""

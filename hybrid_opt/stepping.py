@@ -15,6 +15,7 @@ import torch
 
 from hybrid_opt import distributed as D
 from hybrid_opt.distributed import rank_faults as RF
+from hybrid_opt.notes import add_note
 from hybrid_opt.placement.plan import DEVICE
 from hybrid_opt.state.checkpoint import looks_like_state_init_step
 from hybrid_opt.state.layout import subgroups_label
@@ -370,8 +371,7 @@ def fail(parts, inputs: StepInputs, plan: StepPlan, outcome: StepOutcome, e: Bas
     parts.ledger.sync_torch_state(inputs.torch_state)
     parts.guard.record()  # what was stepped was written by the step, not the user
     if not isinstance(e, Exception):  # KeyboardInterrupt and the like: counts fixed, as it is,
-        if hasattr(e, "add_note"):  # and what it left said (a checkpoint saved on Ctrl-C)
-            e.add_note(str(f.error))
+        add_note(e, str(f.error))  # and what it left said (a checkpoint saved on Ctrl-C)
         raise e
     if f.others_stepped:  # our next step() stops them all
         parts.ledger.out_of_step(f.error)

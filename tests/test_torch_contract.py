@@ -190,7 +190,6 @@ def test_a_bad_lr_set_after_construction_is_refused_on_every_tier(placement, lr)
 
 
 # ============================================================================= Ctrl-C in step()
-@pytest.mark.skipif(not hasattr(BaseException, "add_note"), reason="exception notes: Python >= 3.11")
 def test_ctrl_c_inside_step_says_what_it_left(monkeypatch):
     """A KeyboardInterrupt part-way through the host tier's commits propagates as it is (so
     Ctrl-C still stops the program), with a note naming the params stepped and not: a

@@ -12,7 +12,7 @@ import sys
 import textwrap
 
 import pytest
-from walk import OUTSIDE, Tracer, trace_walk
+from walk import OUTSIDE, Tracer, qualname_in, trace_walk
 
 MAX_HOPS = 40  # plain grads named in speculation; the slot count inside the staging; HostTier relays none
 MAX_VISITS = 2  # issue #22: each module at most twice
@@ -43,6 +43,40 @@ def test_the_walk_is_no_longer_than_today(walk):
         f"max visits in one phase > {MAX_PHASE_VISITS}: {walk.phase_visits}"
     )
     assert set(walk.phase_visits) == {"backward", "step"}, walk.phase_visits
+
+
+@pytest.mark.skipif(
+    sys.version_info < (3, 11), reason="Python 3.10's code objects carry no co_qualname to check"
+)
+def test_qualnames_found_in_modules_are_the_code_objects_own():
+    # Python 3.10 has no co_qualname: the tracer finds a function's qualified name in its module
+    # instead (qualname_in), so the walk ends at "Subgroup.write" there too. Held here, where
+    # co_qualname exists, for every function of hybrid_opt that its module defines under its own name
+    import gc
+    import importlib
+    import pkgutil
+    import types
+
+    import hybrid_opt
+
+    for info in pkgutil.walk_packages(hybrid_opt.__path__, "hybrid_opt."):
+        if not info.name.endswith("__main__"):  # the CLI: importing it runs it
+            importlib.import_module(info.name)
+    functions = [
+        f
+        for f in gc.get_objects()
+        if isinstance(f, types.FunctionType)
+        and (f.__module__ or "").startswith("hybrid_opt")
+        and "<locals>" not in f.__qualname__
+        and f.__qualname__ == f.__code__.co_qualname  # not made by a dataclass or a wrapper's wraps
+    ]
+    wrong = [
+        (f.__module__, f.__code__.co_qualname, found)
+        for f in functions
+        if (found := qualname_in(sys.modules[f.__module__], f.__code__)) != f.__code__.co_qualname
+    ]
+    assert len(functions) > 500 and not wrong, (len(functions), wrong[:10])
+    assert qualname_in(None, functions[0].__code__) == functions[0].__code__.co_name
 
 
 # ============================================================================= the tracer itself

@@ -104,3 +104,15 @@ def test_the_compile_matrix_script_reads_the_gpu_matrix_pins():
     assert run.returncode == 0, run.stderr
     pinned = sorted(set(re.findall(r"triton:\s*\"([0-9.]+)\"", _gpu_ci_text())))
     assert sorted(run.stdout.split()) == pinned and "3.0.0" in pinned, run.stdout
+
+
+def test_every_torch_of_the_gpu_matrix_has_one_triton_pin_per_yaml():
+    # each torch column installs the Triton it pins: a torch without its pin (or a pin for a torch
+    # the matrix lacks) would run with whatever Triton pip picks, unchecked by the compile job
+    yaml = pytest.importorskip("yaml", reason="PyYAML absent: the compile-job test reads the pins as text")
+    matrix = yaml.safe_load(_gpu_ci_text())["jobs"]["gpu"]["strategy"]["matrix"]
+    pins = [(row["torch"], row["triton"]) for row in matrix["include"]]
+    assert sorted(t for t, _ in pins) == sorted(matrix["torch"]), pins
+    # an excluded pair names a python and a torch of the matrix (a typo would exclude nothing)
+    for row in matrix.get("exclude", []):
+        assert row["python"] in matrix["python"] and row["torch"] in matrix["torch"], row

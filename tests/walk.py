@@ -182,6 +182,24 @@ def short(module: str) -> str:
 
 
 # ============================================================================= the tracer
+def qualname_in(module, code) -> str:
+    """The qualified name of the function in `module` whose code is `code`, found among the
+    module's functions and its classes' methods (properties, static and class methods, and
+    functools.wraps wrappers unwrapped); a function it cannot find (a nested one) keeps its bare
+    name. What `code.co_qualname` says from Python 3.11 on, for the functions a walk meets."""
+    owners = list(vars(module).values()) if module is not None else []
+    for owner in owners:
+        for obj in vars(owner).values() if isinstance(owner, type) else [owner]:
+            if isinstance(obj, property):
+                obj = obj.fget
+            func = getattr(obj, "__func__", obj)  # staticmethod, classmethod
+            while hasattr(func, "__wrapped__"):  # functools.wraps, torch.no_grad, step hooks
+                func = func.__wrapped__
+            if getattr(func, "__code__", None) is code:
+                return func.__qualname__
+    return code.co_name
+
+
 class Tracer:
     """sys.setprofile over the calls into one package's Python functions (this thread only).
 
@@ -214,6 +232,7 @@ class Tracer:
         self.speculations = 0
         self._modules: dict = {}  # co_filename -> module, or None when outside the package
         self._first_resume: dict = {}
+        self._qualnames: dict = {}  # code -> qualname, found in its module before 3.11
         self._open_end = None  # the frame of the Subgroup.write now running, during step()
         self._index: dict = {}  # id(frame) -> its latest entry in calls
 
@@ -232,6 +251,16 @@ class Tracer:
             mod = ".".join(rel)
         self._modules[fn] = mod
         return mod
+
+    def qualname_of(self, code, mod: str) -> str:
+        """The function's qualified name ("Subgroup.write"): Python 3.11 keeps it on the code
+        object; 3.10 does not, so there it is looked up in the function's module."""
+        qual = getattr(code, "co_qualname", None)
+        if qual is None:
+            qual = self._qualnames.get(code)
+            if qual is None:
+                qual = self._qualnames[code] = qualname_in(sys.modules.get(mod), code)
+        return qual
 
     def _first_entry(self, frame) -> bool:
         code = frame.f_code
@@ -259,7 +288,7 @@ class Tracer:
                     below.append(m)
                 f = f.f_back
             outside = back is None or self.module_of(back.f_code) is None
-            qual = getattr(frame.f_code, "co_qualname", frame.f_code.co_name)
+            qual = self.qualname_of(frame.f_code, mod)
             self._index[id(frame)] = len(self.calls)
             self.calls.append((mod, qual, below[0] if below else None, outside, frozenset(below), self.phase))
             if (
@@ -284,10 +313,7 @@ class Tracer:
                 self.phase == "step"
                 and mod == self.end_module
                 and self._open_end is None
-                and (
-                    qual == self.end_qualname  # before 3.11 no co_qualname: the name alone
-                    or (qual == frame.f_code.co_name == self.end_qualname.rsplit(".", 1)[-1])
-                )
+                and qual == self.end_qualname
             ):
                 self._open_end = frame
         elif event == "return" and frame is self._open_end:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from hybrid_opt.distributed.ranks import collective_device, torch_dist, world_size
+from hybrid_opt.notes import add_note
 
 
 class PeerStepFailed(RuntimeError):
@@ -148,5 +149,4 @@ def quietly(cleanup, failure: BaseException) -> None:
     try:
         cleanup()
     except Exception as e:
-        if hasattr(failure, "add_note"):
-            failure.add_note(f"(dropping the speculated steps failed too: {e})")
+        add_note(failure, f"(dropping the speculated steps failed too: {e})")

@@ -26,6 +26,7 @@ from hybrid_opt.distributed.q8_shards import (
 )
 from hybrid_opt.distributed.zero_gather import SHARD_KEY
 from hybrid_opt.mapped import Piece, map_tensor
+from hybrid_opt.notes import add_note
 from hybrid_opt.placement.plan import DEVICE, NVME
 from hybrid_opt.state.layout import subgroups_label
 from hybrid_opt.state.state_format import ABSMAX, Q8_BLOCK, Q8_ZERO_CODE, q8_blocks, q8_quantized
@@ -655,8 +656,7 @@ def _load_failed(e: BaseException, message: str) -> None:
     """Raises `e` restated as `message` (its type kept); KeyboardInterrupt and the like as they
     are, `message` noted on them."""
     if not isinstance(e, Exception):
-        if hasattr(e, "add_note"):
-            e.add_note(message)
+        add_note(e, message)
         raise e
     from hybrid_opt.placement.placement import restated
 
