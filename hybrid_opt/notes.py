@@ -2,9 +2,8 @@
 failure under the first one), so that what it left reaches the user on every Python.
 
 Python 3.11 has `BaseException.add_note`, and its traceback prints the notes under the error.
-Python 3.10 has neither: there the text goes on `__notes__` as 3.11 keeps it (pytest and the
-`exceptiongroup` backport print it) and out as a RuntimeWarning now, since 3.10's traceback would
-print nothing of it."""
+Python 3.10 has neither: there the note goes out as a RuntimeWarning when it is made, just
+before the error's own traceback."""
 
 from __future__ import annotations
 
@@ -16,11 +15,9 @@ def add_note(e: BaseException, message: str) -> None:
     if hasattr(e, "add_note"):
         e.add_note(message)
     else:
-        note_without_add_note(e, message)
+        warn_note(e, message)
 
 
-def note_without_add_note(e: BaseException, message: str) -> None:
+def warn_note(e: BaseException, message: str) -> None:
     """Python 3.10's way (module docstring); any Python runs it, so the tests hold it everywhere."""
-    notes = getattr(e, "__notes__", None)
-    e.__notes__ = [*(notes if isinstance(notes, list) else []), message]  # type: ignore[attr-defined]
     warnings.warn(f"{type(e).__name__}: {message}", RuntimeWarning, stacklevel=3)  # where add_note was called
