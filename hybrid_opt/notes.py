@@ -7,6 +7,7 @@ before the error's own traceback."""
 
 from __future__ import annotations
 
+import sys
 import warnings
 
 
@@ -19,5 +20,11 @@ def add_note(e: BaseException, message: str) -> None:
 
 
 def warn_note(e: BaseException, message: str) -> None:
-    """Python 3.10's way (module docstring); any Python runs it, so the tests hold it everywhere."""
-    warnings.warn(f"{type(e).__name__}: {message}", RuntimeWarning, stacklevel=3)  # where add_note was called
+    """Python 3.10's way (module docstring); any Python runs it, so the tests hold it everywhere.
+    Never raises: where warnings are errors (`-W error`) the note goes to stderr, and the error in
+    hand (a Ctrl-C) propagates as it is rather than a RuntimeWarning in its place."""
+    text = f"{type(e).__name__}: {message}"
+    try:
+        warnings.warn(text, RuntimeWarning, stacklevel=3)  # where add_note was called
+    except Warning:
+        print(f"hybrid_opt: {text}", file=sys.stderr)

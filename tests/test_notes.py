@@ -27,3 +27,11 @@ def test_the_python_3_10_way_says_the_note_naming_the_error():
     with pytest.warns(RuntimeWarning, match=r"^KeyboardInterrupt: the step was partly applied$"):
         warn_note(e, "the step was partly applied")
     assert not hasattr(e, "__notes__")
+
+
+def test_where_warnings_are_errors_the_note_goes_to_stderr_and_nothing_is_raised(capsys):
+    # python -W error: a RuntimeWarning raised in place of the Ctrl-C would hide it
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        warn_note(KeyboardInterrupt(), "parameters [0] only in part (torn)")
+    assert capsys.readouterr().err == "hybrid_opt: KeyboardInterrupt: parameters [0] only in part (torn)\n"
