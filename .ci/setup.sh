@@ -19,7 +19,21 @@ else
     "$PY" -m pip install --quiet torch==2.13.0
 fi
 
-"$PY" -m pip install --quiet -e ".[test]"
+# The test extra must not replace that torch: its frameworks' newest releases can ask for a later one
+# (accelerate 1.16 asks for torch >= 2.6), and pip would then upgrade a torch 2.4 or 2.5 without a
+# word, so that a GPU CI column tests another torch than its name (measured 2026-12-08: torch 2.5.1
+# became 2.14.1 here). A constraint holds the installed torch; pip picks framework releases that
+# take it, or fails saying which requirement conflicts.
+TORCH_PIN=$(mktemp)
+trap 'rm -f "$TORCH_PIN"' EXIT
+"$PY" - > "$TORCH_PIN" <<'PIN'
+import importlib.metadata as m, sys
+try:
+    print("torch==" + m.version("torch"))
+except m.PackageNotFoundError:  # a torch without pip's metadata (built in place): nothing to pin
+    print("setup: WARNING: the installed torch has no package metadata; pip may replace it", file=sys.stderr)
+PIN
+"$PY" -m pip install --quiet -c "$TORCH_PIN" -e ".[test]"
 
 # tests/test_aarch64_emulation.py: cpu_kernels cross-compiled for aarch64 and run under qemu
 # (NEON and SVE bitwise against this machine's x86 levels). Debian/Ubuntu packages, installed
@@ -43,4 +57,4 @@ else
     fi
 fi
 
-"$PY" -c "import cpu_kernels, gpu_kernels, hybrid_opt; print('setup: ok; cpu_kernels SIMD level', cpu_kernels.simd_level())"
+"$PY" -c "import cpu_kernels, gpu_kernels, hybrid_opt, torch; print('setup: ok; torch', torch.__version__ + '; cpu_kernels SIMD level', cpu_kernels.simd_level())"

@@ -1,6 +1,7 @@
 """A non-editable install carries every subpackage: `pip install .` once listed only the
 top-level packages and left hybrid_opt.tiers, .worker (and now .placement, .state,
-.distributed) out, so the installed optimizer could not import its tiers."""
+.distributed) out, so the installed optimizer could not import its tiers. And .ci/setup.sh keeps the torch it finds: the
+test extra's frameworks once upgraded a GPU CI column's torch 2.5.1 to the newest."""
 
 import importlib.util
 import os
@@ -96,3 +97,51 @@ def test_a_non_editable_install_has_every_subpackage(tmp_path):
         "hybrid_opt/distributed",
     } <= _packages(target)
     assert sorted(p.name for p in (target / "cpu_kernels").glob("_native*.so")), "no built kernels installed"
+
+
+def _setup_script_pin_program() -> str:
+    """The Python program .ci/setup.sh runs to write its torch constraint (its `<<'PIN'` block)."""
+    text = (ROOT / ".ci" / "setup.sh").read_text()
+    start = text.index("<<'PIN'\n") + len("<<'PIN'\n")
+    return text[start : text.index("\nPIN\n", start)]
+
+
+def test_setup_installs_the_test_extra_under_a_constraint_that_holds_the_installed_torch(tmp_path):
+    import importlib.metadata
+
+    text = (ROOT / ".ci" / "setup.sh").read_text()
+    extra = [line for line in text.splitlines() if '".[test]"' in line and "pip install" in line]
+    assert extra and all('-c "$TORCH_PIN"' in line for line in extra), extra
+    pin = tmp_path / "pin.txt"
+    pin.write_text(
+        subprocess.run(
+            [sys.executable, "-c", _setup_script_pin_program()], check=True, capture_output=True, text=True
+        ).stdout
+    )
+    installed = importlib.metadata.version("torch")
+    assert pin.read_text().split() == [f"torch=={installed}"]
+
+    # pip reads it so: a later torch cannot be had under it, the installed one stays (no index asked)
+    def dry_run(requirement):
+        return subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "install",
+                "--dry-run",
+                "--no-index",
+                "--no-deps",
+                "-c",
+                str(pin),
+                requirement,
+            ],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+
+    later = dry_run(f"torch>{installed.split('+')[0]}")
+    assert later.returncode != 0 and "ResolutionImpossible" in later.stdout + later.stderr, later
+    kept = dry_run("torch>=2.4")
+    assert kept.returncode == 0 and "already satisfied" in kept.stdout, kept
