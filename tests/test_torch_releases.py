@@ -75,6 +75,8 @@ def _torch_names(tree) -> set:
     alias anywhere in the module counts everywhere, which can only add names)."""
     import ast
 
+    from ownership import _expr as spelled  # the ownership ratchet's dotted-name reader
+
     aliases, names = {}, set()
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
@@ -91,12 +93,10 @@ def _torch_names(tree) -> set:
                 names.add(f"{node.module}.{a.name}")
                 aliases[a.asname or a.name] = f"{node.module}.{a.name}"
     for node in ast.walk(tree):
-        parts = []
-        while isinstance(node, ast.Attribute):
-            parts.append(node.attr)
-            node = node.value
-        if parts and isinstance(node, ast.Name) and node.id in aliases:
-            names.add(".".join([aliases[node.id], *reversed(parts)]))
+        if isinstance(node, ast.Attribute):
+            head, _, rest = spelled(node).partition(".")  # "<expr>" where no name starts it
+            if head in aliases:
+                names.add(f"{aliases[head]}.{rest}")
     return names
 
 
